@@ -1,0 +1,27 @@
+# areal-mega developer commands. Both targets create .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# CI runs every test that does not need a GPU; slow tests included.
+PYTEST_ARGS ?= -m "not gpu" -q
+
+.PHONY: install test demo build clean-venv
+
+$(STAMP): requirements.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m areal_mega.demo
+
+clean-venv:
+	rm -rf $(VENV)

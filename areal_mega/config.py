@@ -1,0 +1,381 @@
+"""Typed experiment configuration: one dataclass per section, loaded from a recipe YAML and
+overridden by dotlist arguments (``actor.lr=1e-6 allocation=sglang:d2+megatron:t2p2``).
+
+Every problem is reported as one :class:`ConfigError` naming the dotted key, the value and what
+is allowed. Ranges and choices are declared next to each field (``_f(default, lo=, hi=,
+choices=)``), so the schema reads as documentation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration key, type or value. The message names the dotted key."""
+
+
+def _f(default=dataclasses.MISSING, *, lo=None, hi=None, choices=None, lo_open=False,
+       factory=None, doc=""):
+    """Declare a field with its allowed range (``lo``/``hi`` inclusive unless ``lo_open``)."""
+    meta = {"lo": lo, "hi": hi, "choices": choices, "lo_open": lo_open, "doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ClusterConfig:
+    n_nodes: int = _f(1, lo=1)
+    n_gpus_per_node: int = _f(8, lo=1)
+    device: str = _f("auto", choices=["auto", "cpu", "cuda"],
+                     doc="auto: cuda when available, else cpu")
+    master_addr: str = "127.0.0.1"
+    master_port: int = _f(0, lo=0, hi=65535, doc="0 picks a free port")
+    dist_timeout_s: float = _f(600.0, lo=1.0)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", doc="HF-format model directory (config.json, tokenizer, safetensors)")
+    dtype: str = _f("bf16", choices=["fp32", "bf16", "fp16"])
+    make_vocab_size_divisible_by: int = _f(128, lo=1)
+    recompute_granularity: Optional[str] = _f(None, choices=[None, "full", "selective"])
+    attention_backend: str = _f("auto", choices=["auto", "flash", "fused", "unfused", "local"])
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = _f(1e-6, lo=0.0)
+    min_lr: float = _f(0.0, lo=0.0)
+    weight_decay: float = _f(0.0, lo=0.0)
+    beta1: float = _f(0.9, lo=0.0, hi=1.0)
+    beta2: float = _f(0.999, lo=0.0, hi=1.0)
+    eps: float = _f(1e-8, lo=0.0, lo_open=True)
+    clip_grad: float = _f(1.0, lo=0.0)
+    warmup_steps: int = _f(0, lo=0)
+    lr_schedule: str = _f("constant", choices=["constant", "cosine", "linear"])
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class ActorConfig:
+    temperature: float = _f(1.0, lo=0.0, lo_open=True,
+                            doc="sampling temperature; logprobs are recomputed at it")
+    ppo_n_minibatches: int = _f(1, lo=1)
+    sequence_parallel: bool = False
+    virtual_pipeline_size: Optional[int] = _f(None, lo=1)
+    max_tokens_per_mb: int = _f(8192, lo=1)
+    logprob_chunk_size: Optional[int] = _f(None, lo=1)
+
+
+@dataclass
+class RefConfig:
+    enabled: bool = _f(False, doc="build a reference model (needed when algorithm.kl_coef > 0)")
+    path: str = _f("", doc="defaults to model.path")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = _f("local", choices=["local", "sglang"])
+    server_addrs: list = _f(factory=list, doc="external servers host:port; empty = launch ours")
+    n_servers: int = _f(1, lo=1)
+    api_key: Optional[str] = None
+    batch_size: int = _f(16, lo=1, doc="prompt groups per training step")
+    n_samples: int = _f(8, lo=1, doc="completions per prompt (GRPO group size)")
+    max_new_tokens: int = _f(512, lo=1)
+    temperature: float = _f(1.0, lo=0.0)
+    top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
+    top_k: int = _f(-1, lo=-1)
+    max_head_offpolicyness: int = _f(0, lo=0, doc="eta: staleness bound in weight versions")
+    max_concurrent: int = _f(64, lo=1)
+    request_timeout_s: float = _f(3600.0, lo=0.0, lo_open=True)
+    request_retries: int = _f(3, lo=0)
+    weight_update: str = _f("auto", choices=["auto", "disk", "distributed"])
+    weight_bucket_mb: int = _f(512, lo=1)
+    reward_fn: str = _f("areal_mega.rollout.rewards:math_reward",
+                        doc="dotted path module:function(prompt, completion, answer, **kw)")
+    workflow: str = _f("rlvr", choices=["rlvr", "multi_turn"])
+    mem_fraction_static: float = _f(0.8, lo=0.0, hi=1.0, lo_open=True)
+    sglang_tp: int = _f(1, lo=1)
+
+
+@dataclass
+class DataplaneConfig:
+    endpoint: str = _f("", doc="zmq endpoint; empty = ipc in the run directory")
+    secret: Optional[str] = None
+    max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
+    max_message_bytes: int = _f(1 << 30, lo=1024)
+
+
+@dataclass
+class SchedulerConfig:
+    max_tokens_per_mb: int = _f(8192, lo=1)
+    balance_by: str = _f("tokens", choices=["tokens", "flops"])
+    min_micro_batches: int = _f(1, lo=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = _f("grpo", choices=["grpo", "ppo", "sft"])
+    adv_estimator: str = _f("grpo", choices=["grpo", "gae", "reinforce"])
+    eps_clip_low: float = _f(0.2, lo=0.0)
+    eps_clip_high: Optional[float] = _f(None, lo=0.0, doc="clip-higher; None = eps_clip_low")
+    dual_clip_c: Optional[float] = _f(None, lo=1.0, lo_open=True)
+    decoupled: bool = _f(True, doc="ratio against pi_prox, importance weight pi_prox/pi_behav")
+    behav_imp_weight_cap: Optional[float] = _f(5.0, lo=1.0)
+    imp_weight_level: str = _f("token", choices=["token", "sequence"])
+    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"])
+    ratio_level: str = _f("token", choices=["token", "sequence"], doc="sequence = GSPO")
+    loss_agg: str = _f("token_mean", choices=["token_mean", "seq_mean", "seq_sum_norm"])
+    kl_coef: float = _f(0.0, lo=0.0)
+    kl_estimator: str = _f("k3", choices=["k1", "k2", "k3"])
+    kl_in_reward: bool = False
+    group_norm: bool = True
+    group_std: bool = _f(True, doc="divide by the group std (False: Dr.GRPO mean-only)")
+    leave_one_out: bool = False
+    batch_norm: bool = False
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: Optional[float] = _f(None, lo=0.0, lo_open=True)
+    overlong_buffer: int = _f(0, lo=0, doc="DAPO soft overlong penalty length (0 = off)")
+    overlong_penalty: float = _f(1.0, lo=0.0)
+    zero_reward_without_eos: bool = False
+    dynamic_filter: bool = False
+    gamma: float = _f(1.0, lo=0.0, hi=1.0)
+    lam: float = _f(1.0, lo=0.0, hi=1.0)
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    apply_chat_template: bool = True
+    max_prompt_len: int = _f(1024, lo=1)
+    shuffle: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _f("", doc="empty = <run_dir>/checkpoints")
+    save_every: int = _f(0, lo=0, doc="steps between checkpoints (0 = only at the end)")
+    keep_last: int = _f(2, lo=1)
+    load: str = _f("", doc="checkpoint directory to start from (model only, or full resume)")
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+    progress_bar: bool = True
+    plot: bool = True
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "areal-mega"
+    seed: int = _f(1, lo=0)
+    total_steps: int = _f(100, lo=1)
+    mode: str = _f("rl", choices=["rl", "sft"])
+    recover: str = _f("off", choices=["off", "auto"])
+    allocation: str = _f("local:d1+megatron:d1",
+                         doc="<rollout>:<dims>+<trainer>:<dims>, e.g. sglang:d4t2+megatron:t2p2")
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    dataplane: DataplaneConfig = field(default_factory=DataplaneConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check ``value`` against annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, str):
+            return [v for v in value.split(",") if v]
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key)
+    else:
+        return value
+    raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
+
+
+def _check_range(key: str, value: Any, meta: dict) -> None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key}={value!r}: must be one of {choices}")
+    if value is None or isinstance(value, (str, bool, list)):
+        return
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None:
+        if meta.get("lo_open") and not value > lo:
+            raise ConfigError(f"{key}={value!r}: must be > {lo}")
+        if not meta.get("lo_open") and not value >= lo:
+            raise ConfigError(f"{key}={value!r}: must be >= {lo}")
+    if hi is not None and not value <= hi:
+        raise ConfigError(f"{key}={value!r}: must be <= {hi}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or '<root>'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{key}: unknown key; allowed keys under "
+                          f"{prefix or '<root>'}: {sorted(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        value = _coerce(key, value, hints[name])
+        _check_range(key, value, fields[name].metadata)
+        kwargs[name] = value
+    obj = cls(**kwargs)
+    for name, f in fields.items():  # defaults are validated too, so a schema typo fails loudly
+        if name not in kwargs and not dataclasses.is_dataclass(hints[name]):
+            _check_range(f"{prefix}.{name}" if prefix else name, getattr(obj, name), f.metadata)
+    return obj
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, cannot set {dotted}")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override {item!r}: empty key")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def config_from_dict(data: dict) -> ExperimentConfig:
+    """Build and validate an :class:`ExperimentConfig` from a nested dict."""
+    cfg = _build(ExperimentConfig, data or {})
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None
+                ) -> ExperimentConfig:
+    """Load a recipe YAML (optional) and apply dotlist overrides; raises :class:`ConfigError`."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r}: not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r}: invalid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r}: top level must be a mapping")
+    data = _merge(data, parse_overrides(overrides or []))
+    return config_from_dict(data)
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cross-field rules that no single field can express."""
+    from areal_mega.parallel.allocation import AllocationError, parse_allocation
+
+    try:
+        parse_allocation(cfg.allocation)
+    except AllocationError as e:
+        raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
+                          f"({cfg.optimizer.lr})")
+    if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
+        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
+            and cfg.algorithm.group_norm:
+        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
+                          "needs at least 2 samples per prompt")

@@ -1,0 +1,122 @@
+"""Allocation strings: ``<rollout>:<dims>+<trainer>:<dims>`` (pure; no torch.distributed).
+
+Examples: ``sglang:d4t2+megatron:d2p2t2c1e2``, ``local:d1+megatron:t2``, ``megatron:t2p2``
+(trainer only, joining external rollout servers).
+
+Letters: ``d`` data, ``t`` tensor, ``p`` pipeline, ``c`` context, ``e`` expert parallel size
+(default 1). Trainer world = d·t·p·c; ``e`` adds no ranks (experts are carved out of d·c) and
+must divide d·c. Rollout world = d·t·p.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+ROLLOUT_BACKENDS = ("sglang", "local")
+TRAINER_BACKENDS = ("megatron",)
+_DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
+_ROLLOUT_LETTERS = "dtp"
+_TRAINER_LETTERS = "dtpce"
+
+
+class AllocationError(ValueError):
+    """An allocation string that breaks a rule; the message names the letter and the rule."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def short(self) -> str:
+        return f"d{self.dp}t{self.tp}p{self.pp}c{self.cp}e{self.ep}"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    rollout_backend: Optional[str]
+    rollout: Optional[ParallelDims]
+    trainer_backend: str
+    trainer: ParallelDims
+
+    @property
+    def rollout_world_size(self) -> int:
+        return self.rollout.dp * self.rollout.tp * self.rollout.pp if self.rollout else 0
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.trainer.world_size
+
+
+_PART = re.compile(r"^([a-z_]+):(.*)$")
+_DIM = re.compile(r"([a-z])(\d+)")
+
+
+def _parse_dims(part: str, dims: str, allowed: str) -> ParallelDims:
+    if not dims:
+        raise AllocationError(f"{part!r}: no dimensions after ':' (e.g. d2t2)")
+    pos, values = 0, {}
+    for m in _DIM.finditer(dims):
+        if m.start() != pos:
+            break
+        letter, num = m.group(1), m.group(2)
+        if letter not in _DIM_NAMES:
+            raise AllocationError(f"{part!r}: unknown letter '{letter}'; letters are "
+                                  + ", ".join(f"{k} ({v})" for k, v in _DIM_NAMES.items()))
+        if letter not in allowed:
+            raise AllocationError(f"{part!r}: letter '{letter}' ({_DIM_NAMES[letter]} parallel) "
+                                  f"is not allowed here; allowed: {', '.join(allowed)}")
+        if letter in values:
+            raise AllocationError(f"{part!r}: letter '{letter}' given twice")
+        size = int(num)
+        if size < 1:
+            raise AllocationError(f"{part!r}: '{letter}' ({_DIM_NAMES[letter]} parallel size) "
+                                  f"must be >= 1, got {size}")
+        values[letter] = size
+        pos = m.end()
+    if pos != len(dims):
+        raise AllocationError(f"{part!r}: cannot parse {dims[pos:]!r}; expected letter+number "
+                              "pairs such as d2t2p1")
+    return ParallelDims(dp=values.get("d", 1), tp=values.get("t", 1), pp=values.get("p", 1),
+                        cp=values.get("c", 1), ep=values.get("e", 1))
+
+
+def parse_allocation(text: str) -> Allocation:
+    """Parse and validate an allocation string; raises :class:`AllocationError`."""
+    if not isinstance(text, str) or not text.strip():
+        raise AllocationError("empty allocation string; expected e.g. 'local:d1+megatron:t2'")
+    parts = [p.strip() for p in text.strip().split("+")]
+    if len(parts) > 2:
+        raise AllocationError(f"{text!r}: at most two parts '<rollout>:<dims>+<trainer>:<dims>'")
+    parsed = []
+    for part in parts:
+        m = _PART.match(part)
+        if not m:
+            raise AllocationError(f"{part!r}: expected '<backend>:<dims>'")
+        parsed.append((m.group(1), m.group(2), part))
+
+    rollout_backend = rollout = None
+    if len(parsed) == 2:
+        rollout_backend, dims, part = parsed[0]
+        if rollout_backend not in ROLLOUT_BACKENDS:
+            raise AllocationError(f"{part!r}: unknown rollout backend {rollout_backend!r}; "
+                                  f"expected one of {ROLLOUT_BACKENDS}")
+        rollout = _parse_dims(part, dims, _ROLLOUT_LETTERS)
+    trainer_backend, dims, part = parsed[-1]
+    if trainer_backend not in TRAINER_BACKENDS:
+        where = "second" if len(parsed) == 2 else "only"
+        raise AllocationError(f"{part!r}: the {where} part must be the trainer "
+                              f"({'/'.join(TRAINER_BACKENDS)}), got {trainer_backend!r}")
+    trainer = _parse_dims(part, dims, _TRAINER_LETTERS)
+    if (trainer.dp * trainer.cp) % trainer.ep != 0:
+        raise AllocationError(f"{part!r}: 'e' (expert parallel size {trainer.ep}) must divide "
+                              f"d·c = {trainer.dp}·{trainer.cp} = {trainer.dp * trainer.cp}")
+    return Allocation(rollout_backend, rollout, trainer_backend, trainer)
