@@ -129,3 +129,21 @@ def test_select_sequences_regathers_fields():
     assert out["group_index"].tolist() == [0, 0]
     with pytest.raises(ValueError, match="leading dim"):
         select_sequences(dict(batch, odd=torch.zeros(2)), [0])
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "seq_sum_norm"])
+def test_empty_padding_only_micro_batch(agg):
+    """The scheduler may hand a rank a padding-only micro-batch (B = 0): zero numerator and
+    denominator, but still a graph to backpropagate through."""
+    cfg = dataclasses.replace(AlgorithmConfig(), loss_agg=agg, loss_norm_len=8,
+                              ratio_level="sequence", imp_weight_level="sequence")
+    loss_fn, den_fn = make_policy_loss(cfg)
+    mb = {"cu_seqlens": torch.zeros(1, dtype=torch.int32), "loss_mask": torch.zeros(4),
+          "behav_logprobs": torch.zeros(4), "prox_logprobs": torch.zeros(4),
+          "advantages": torch.zeros(4)}
+    logp = torch.zeros(4, requires_grad=True)
+    num, stats = loss_fn(logp, None, mb)
+    assert den_fn(mb) == 0.0 and float(num.detach()) == 0.0
+    num.backward()
+    assert logp.grad is not None and not logp.grad.any()
+    assert finalize_stats(stats)["token_count"] == 0.0

@@ -34,7 +34,7 @@ def token_seq_ids(cu_seqlens: Tensor, n_tokens: int) -> Tensor:
 def segment_sum(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     """``out[b] = sum_{t in seq b} x[t]`` (padding ignored); differentiable. Returns [B]."""
     n_seqs = cu_seqlens.numel() - 1
-    ids = token_seq_ids(cu_seqlens, x.shape[0])
+    ids = token_seq_ids(cu_seqlens, x.shape[0]).to(x.device)
     out = x.new_zeros(n_seqs + 1).index_add(0, ids, x)
     return out[:n_seqs]
 
@@ -43,7 +43,7 @@ def broadcast_to_tokens(per_seq: Tensor, cu_seqlens: Tensor, n_tokens: int,
                         pad_value: float = 0.0) -> Tensor:
     """``out[t] = per_seq[b]`` for every token t of sequence b; padding gets ``pad_value``.
     Differentiable w.r.t. ``per_seq``. Returns [T]."""
-    ids = token_seq_ids(cu_seqlens, n_tokens)
+    ids = token_seq_ids(cu_seqlens, n_tokens).to(per_seq.device)
     padded = torch.cat([per_seq, per_seq.new_full((1,), pad_value)])
     return padded[ids]
 
@@ -53,7 +53,7 @@ def last_token_index(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
     n = loss_mask.shape[0]
     pos = torch.arange(n, device=loss_mask.device)
     masked_pos = torch.where(loss_mask.bool(), pos, torch.full_like(pos, -1))
-    ids = token_seq_ids(cu_seqlens, n)
+    ids = token_seq_ids(cu_seqlens, n).to(loss_mask.device)
     out = torch.full((cu_seqlens.numel(),), -1, dtype=torch.long, device=loss_mask.device)
     out = out.scatter_reduce(0, ids, masked_pos, reduce="amax", include_self=True)
     return out[:-1]
