@@ -130,10 +130,16 @@ class AlgorithmConfig:
     dual_clip_c: Optional[float] = _f(None, lo=1.0, lo_open=True)
     decoupled: bool = _f(True, doc="ratio against pi_prox, importance weight pi_prox/pi_behav")
     behav_imp_weight_cap: Optional[float] = _f(5.0, lo=1.0)
-    imp_weight_level: str = _f("token", choices=["token", "sequence"])
-    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"])
+    imp_weight_level: str = _f("token", choices=["token", "sequence", "geometric"],
+                               doc="sequence: product over the sequence's tokens; geometric: "
+                                   "per-token geometric mean of that product")
+    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"],
+                              doc="mask: drop tokens/sequences above the cap; clamp: min(w, cap)")
     ratio_level: str = _f("token", choices=["token", "sequence"], doc="sequence = GSPO")
     loss_agg: str = _f("token_mean", choices=["token_mean", "seq_mean", "seq_sum_norm"])
+    loss_norm_len: Optional[int] = _f(None, lo=1, doc="seq_sum_norm (Dr.GRPO) constant; "
+                                                      "None = rollout.max_new_tokens")
+    entropy_coef: float = _f(0.0, lo=0.0, doc="entropy bonus weight in the policy loss")
     kl_coef: float = _f(0.0, lo=0.0)
     kl_estimator: str = _f("k3", choices=["k1", "k2", "k3"])
     kl_in_reward: bool = False

@@ -1,0 +1,128 @@
+"""Tiny HF-format causal LMs with random weights and a locally built character tokenizer.
+
+Used by the tests, the CPU demo and anyone who wants a smoke run without downloading weights.
+Nothing here touches the network: the tokenizer is built with `tokenizers`, the model with
+`transformers` from a config, and both are written with ``save_pretrained`` (safetensors).
+"""
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+CHARSETS = {
+    # the demo's vocabulary: digits, arithmetic and separators
+    "digits": "0123456789+-*=:?, \n",
+    # printable ASCII for general smoke runs (math prompts, chat templates)
+    "ascii": string.printable,
+}
+# One user turn, rendered verbatim; the generation prompt adds nothing so that the model sees
+# exactly the prompt text (the tiny vocabulary has no role tokens).
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+
+
+@dataclass
+class TinyModelSpec:
+    """Sizes of a tiny model; defaults give ~0.1-0.4M parameters."""
+    arch: str = "llama"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    charset: str = "ascii"
+    seed: int = 0
+    initializer_range: float = 0.02
+
+
+def build_char_tokenizer(charset: str = "ascii"):
+    """A character-level `PreTrainedTokenizerFast`: ids 0..2 are <pad>, <eos>, <unk>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if charset not in CHARSETS:
+        raise ValueError(f"charset={charset!r}: must be one of {sorted(CHARSETS)}")
+    chars = list(dict.fromkeys(CHARSETS[charset]))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=pad_id,
+        eos_token_id=eos_id, bos_token_id=None, initializer_range=spec.initializer_range,
+        rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"},
+        hidden_act="silu", attention_dropout=0.0,
+    )
+    if spec.arch == "llama":
+        return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    if spec.arch == "qwen3":
+        return Qwen3Config(**common, head_dim=spec.hidden_size // spec.num_heads,
+                           attention_bias=False, use_sliding_window=False)
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=spec.hidden_size // spec.num_heads,
+                              attention_bias=False, use_sliding_window=False,
+                              num_experts=spec.num_experts,
+                              num_experts_per_tok=spec.num_experts_per_tok,
+                              moe_intermediate_size=spec.moe_intermediate_size,
+                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                              output_router_logits=False)
+    raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
+
+
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **overrides) -> Path:
+    """Write a tiny HF model directory (config.json, safetensors, tokenizer files) to ``out_dir``.
+
+    ``overrides`` set fields of :class:`TinyModelSpec`. Deterministic for a given spec.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = spec or TinyModelSpec()
+    for k, v in overrides.items():
+        if not hasattr(spec, k):
+            raise ValueError(f"{k}: unknown tiny-model field; allowed: "
+                             f"{sorted(TinyModelSpec.__dataclass_fields__)}")
+        setattr(spec, k, v)
+    if spec.arch not in ARCHS:
+        raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
+    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer(spec.charset)
+    cfg = _hf_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
+    return out
