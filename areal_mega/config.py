@@ -61,6 +61,8 @@ class OptimizerConfig:
     clip_grad: float = _f(1.0, lo=0.0)
     warmup_steps: int = _f(0, lo=0)
     lr_schedule: str = _f("constant", choices=["constant", "cosine", "linear"])
+    lr_decay_steps: int = _f(0, lo=0, doc="steps of the warmup+decay schedule; 0 = the "
+                             "trainer's total steps (or warmup_steps + 1 when unknown)")
     use_distributed_optimizer: bool = True
 
 

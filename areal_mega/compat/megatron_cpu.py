@@ -260,6 +260,12 @@ def _rewrite(mod, qualname: str, replace: tuple) -> None:
     if wrapper is not None:
         new_fn = wrapper(new_fn)
     setattr(owner, parts[-1], new_fn)
+    if cls is None:  # module-level function: rebind copies imported by name elsewhere
+        import sys
+        for name, other in list(sys.modules.items()):
+            if name.startswith("megatron.") and other is not None and other is not mod:
+                if other.__dict__.get(parts[-1]) is orig:
+                    setattr(other, parts[-1], new_fn)
 
 
 # ---- custom patches ------------------------------------------------------------------------
