@@ -117,6 +117,7 @@ class RolloutConfig:
 @dataclass
 class DataplaneConfig:
     endpoint: str = _f("", doc="zmq endpoint; empty = ipc in the run directory")
+    control_endpoint: str = _f("", doc="rollout-worker control socket; empty = ipc in run dir")
     secret: Optional[str] = None
     max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
     max_message_bytes: int = _f(1 << 30, lo=1024)
@@ -178,6 +179,7 @@ class DataConfig:
     format: str = _f("auto", choices=["auto", "jsonl", "parquet"],
                      doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)")
     drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
+    sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
 
 
 @dataclass
