@@ -396,6 +396,12 @@ def _build_patches() -> list[Patch]:
               function="LanguageModule.setup_embeddings_and_output_layer",
               replace=(("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
               why="moves the tied output-layer copy to CUDA before the PP all-reduce"),
+        Patch("moe_splits_numpy", "megatron.core.transformer.moe.moe_utils", "rewrite",
+              function="maybe_move_tensor_to_cpu",
+              replace=(("if torch.is_tensor(tensor) and tensor.is_cuda:",
+                        "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"),),
+              why="alltoall split sizes become numpy only for CUDA tensors; gloo's "
+                  "all_to_all_single then receives tensors instead of int lists"),
         Patch("clip_grads_type", "megatron.core.optimizer.clip_grads", "rewrite",
               function="clip_grad_by_total_norm_fp32",
               replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",
