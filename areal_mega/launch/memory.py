@@ -246,7 +246,8 @@ def rollout_memory(hp: ModelHParams, tp: int, pp: int = 1, gpu_memory_gb: float 
 def hparams_from_hf_config(path: str | Path) -> ModelHParams:
     """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields)."""
     d = json.loads(Path(path).read_text())
-    moe = int(d.get("num_experts") or 0)
+    moe = int(d.get("num_experts") or d.get("num_local_experts")  # transformers 5 name
+              or d.get("n_routed_experts") or 0)
     return ModelHParams(
         hidden_size=d["hidden_size"], num_layers=d["num_hidden_layers"],
         num_attention_heads=d["num_attention_heads"],
