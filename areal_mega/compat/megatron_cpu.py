@@ -344,6 +344,24 @@ _TORCH_VIEW_MODULES = {
         "GlobalMemoryBuffer (attention scores buffer) allocates on the CUDA device"),
     "megatron.core.transformer.moe.router": (
         ("device=torch.cuda.current_device()",), "router moves its weight to the CUDA device"),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": (
+        ("torch.cuda.synchronize()",), "checkpoint writer synchronizes CUDA before copying"),
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": (
+        ("device='cuda'", "device=torch.cuda.current_device()"),
+        "checkpoint save all-reduces flags in CUDA tensors"),
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": (
+        ("torch.cuda.synchronize()",), "fully-parallel save/load synchronizes CUDA"),
+    "megatron.core.dist_checkpointing.strategies.async_utils": (
+        ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
+        "async save queue uses CUDA tensors and synchronize"),
+    "megatron.core.dist_checkpointing.exchange_utils": (
+        ('device="cuda"',), "shard exchange buffers on cuda"),
+    "megatron.core.tensor_parallel.mappings": (
+        ("device=torch.cuda.current_device()",),
+        "sequence-parallel gather/scatter buffers on the CUDA device"),
+    "megatron.core.tensor_parallel.layers": (
+        ("device=torch.cuda.current_device()",),
+        "sequence-parallel all-gather buffer in linear backward on the CUDA device"),
     "megatron.core.transformer.utils": (
         ('torch.ones(sq, sq, device="cuda")',), "get_default_causal_mask builds on cuda"),
 }
@@ -373,6 +391,17 @@ def _build_patches() -> list[Patch]:
                        ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
                         "['torch.HalfTensor', 'torch.BFloat16Tensor']")),
               why="compares param.type() with CUDA tensor type names"),
+        Patch("tied_embedding_sync", "megatron.core.models.common.language_module."
+              "language_module", "rewrite",
+              function="LanguageModule.setup_embeddings_and_output_layer",
+              replace=(("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+              why="moves the tied output-layer copy to CUDA before the PP all-reduce"),
+        Patch("moe_splits_numpy", "megatron.core.transformer.moe.moe_utils", "rewrite",
+              function="maybe_move_tensor_to_cpu",
+              replace=(("if torch.is_tensor(tensor) and tensor.is_cuda:",
+                        "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"),),
+              why="alltoall split sizes become numpy only for CUDA tensors; gloo's "
+                  "all_to_all_single then receives tensors instead of int lists"),
         Patch("clip_grads_type", "megatron.core.optimizer.clip_grads", "rewrite",
               function="clip_grad_by_total_norm_fp32",
               replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",

@@ -46,7 +46,7 @@ def load_model(engine, directory: str) -> None:
     """Load model weights saved by :func:`save_model` from any parallel layout."""
     from megatron.core import dist_checkpointing
     sd = dist_checkpointing.load(engine.sharded_state_dict(), directory)
-    for i, chunk in enumerate(engine.model):
+    for i, chunk in enumerate(engine.model_chunks()):
         key = "model" if len(engine.model) == 1 else f"model{i}"
         chunk.load_state_dict(sd[key], strict=True)
 

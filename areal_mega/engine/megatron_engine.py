@@ -422,10 +422,15 @@ class MegatronEngine:
         """Model sharded state dict (``model`` or ``model0``, ``model1``… with VPP), the
         layout megatron's dist_checkpointing saves and reshards."""
         sd = {}
-        for i, c in enumerate(self.model):
+        for i, c in enumerate(self.model_chunks()):
             key = "model" if len(self.model) == 1 else f"model{i}"
             sd[key] = c.sharded_state_dict()
         return sd
+
+    def model_chunks(self) -> list:
+        """The bare ``GPTModel`` chunks (DDP wrappers removed): keys and parameter names are
+        the same for actor and reference."""
+        return [getattr(c, "module", c) for c in self.model]
 
     def save(self, directory: str, extra: Optional[dict] = None) -> None:
         """Save model (+ optimizer, scheduler, RNG when the checkpoint module is present)."""

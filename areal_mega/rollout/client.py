@@ -243,6 +243,14 @@ class RolloutClient:
                                           timeout=self.control_timeout_s)
                                for s in self.servers))
 
+    async def set_weight_version(self, version: int) -> bool:
+        """``POST /update_weight_version`` on every live server; False if unsupported."""
+        try:
+            await self._broadcast("/update_weight_version", {"new_version": str(version)})
+            return True
+        except RolloutRequestError:
+            return False
+
     async def flush_cache(self) -> None:
         """``POST /flush_cache`` on every live server."""
         await self._broadcast("/flush_cache", {})

@@ -161,8 +161,10 @@ class LocalRolloutServer:
             pg = dist.ProcessGroupNCCL(prefixed, rank, world)
         self.groups[name] = (pg, store)
 
-    def receive_distributed(self, name: str, names, dtypes, shapes, version) -> None:
-        """Receive one bucket (one broadcast per tensor, root 0) and load it."""
+    def receive_distributed(self, name: str, names, dtypes, shapes, version,
+                            load: bool = True) -> None:
+        """Receive one bucket (one broadcast per tensor, root 0) and load it (unless
+        ``load`` is False: the tensors are received and dropped)."""
         import torch.distributed as dist
 
         pg, _ = self.groups[name]
@@ -173,7 +175,8 @@ class LocalRolloutServer:
             opts.rootRank = 0
             pg.broadcast([t], opts).wait()
             tensors[n] = t
-        self._assign(tensors, version)
+        if load:
+            self._assign(tensors, version)
 
 
 # ------------------------------------------------------------------------- HTTP handlers
@@ -373,11 +376,23 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
                              "(call /init_weights_update_group first)")
         for dt in dtypes:
             _parse_dtype(dt)
-        srv._check_names(dict(zip(names, shapes)), full=False)
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
+                   for s in shapes):
+            raise BadRequest(f"{w}.shapes: expected lists of non-negative ints")
+        # names/shapes are checked after receiving, so that a bad request still takes part in
+        # the trainer's broadcasts and the group stays usable
+        try:
+            srv._check_names(dict(zip(names, shapes)), full=False)
+            problem = None
+        except BadRequest as e:
+            problem = e
         await asyncio.get_running_loop().run_in_executor(
             None, srv.engine.run_exclusive,
             lambda: srv.receive_distributed(name, names, dtypes, shapes,
-                                            None if version is None else str(version)))
+                                            None if version is None else str(version),
+                                            load=problem is None))
+        if problem is not None:
+            raise problem
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
 
     async def destroy_weights_update_group(request: web.Request):
@@ -387,6 +402,17 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
         if srv.groups.pop(name, None) is None:
             raise BadRequest(f"group_name={name!r}: not initialised")
         return web.json_response({"success": True})
+
+    async def update_weight_version(request: web.Request):
+        body = await body_of(request)
+        _check_fields(body, {"new_version", "abort_all_requests"}, "update_weight_version")
+        v = body.get("new_version")
+        if v is None or isinstance(v, (dict, list, bool)):
+            raise BadRequest("update_weight_version.new_version: required (string or int)")
+        await asyncio.get_running_loop().run_in_executor(
+            None, srv.engine.run_exclusive,
+            lambda: setattr(srv.engine, "weight_version", str(v)))
+        return web.json_response({"success": True, "weight_version": str(v)})
 
     async def flush_cache(request: web.Request):
         # no prefix cache is kept between requests; accept for API compatibility
@@ -417,7 +443,7 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
             "/init_weights_update_group": init_weights_update_group,
             "/update_weights_from_distributed": update_weights_from_distributed,
             "/destroy_weights_update_group": destroy_weights_update_group,
-            "/flush_cache": flush_cache}
+            "/update_weight_version": update_weight_version, "/flush_cache": flush_cache}
     for path, h in post.items():
         app.router.add_post(path, h)
     for path, h in {"/health": health, "/health_generate": health,
