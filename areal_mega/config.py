@@ -121,12 +121,16 @@ class DataplaneConfig:
     secret: Optional[str] = None
     max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
     max_message_bytes: int = _f(1 << 30, lo=1024)
+    sender_window: int = _f(64, lo=1, doc="unacknowledged trajectories per sender before send "
+                            "blocks (backpressure)")
+    allow_remote: bool = _f(False, doc="let the receiver bind a non-loopback interface")
 
 
 @dataclass
 class SchedulerConfig:
     max_tokens_per_mb: int = _f(8192, lo=1)
     balance_by: str = _f("tokens", choices=["tokens", "flops"])
+    flops_linear_coef: float = _f(49152.0, lo=0.0, doc="a in cost a*L + L^2 (~12 x hidden)")
     min_micro_batches: int = _f(1, lo=1)
 
 

@@ -103,11 +103,12 @@ class TrajectorySender:
     ``recv``); ``send`` blocks while the window is full (backpressure), or raises
     ``TimeoutError`` after ``timeout`` seconds without sending. :meth:`close` waits up to
     ``linger_s`` for every in-flight message to be acknowledged, so a sender that exits after
-    ``close()`` returned 0 lost nothing.
+    ``close()`` returned 0 lost nothing. ``validate=True`` also checks each trajectory before
+    sending (the receiver always checks; off by default to keep the rollout side cheap).
     """
 
     def __init__(self, endpoint: str, secret: Secret = None, *, window: int = 64,
-                 linger_s: float = 30.0, validate: bool = True,
+                 linger_s: float = 30.0, validate: bool = False,
                  context: Optional[zmq.Context] = None, hwm: Optional[int] = None):
         self.endpoint = check_endpoint(endpoint)
         self._secret = secret_bytes(secret)
