@@ -39,6 +39,12 @@ class ClusterConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = _f(0, lo=0, hi=65535, doc="0 picks a free port")
     dist_timeout_s: float = _f(600.0, lo=1.0)
+    gpu_memory_gb: float = _f(80.0, lo=0.0, lo_open=True,
+                              doc="usable memory per GPU; --dry-run compares its estimate to it")
+    kill_grace_s: float = _f(10.0, lo=0.0, doc="SIGTERM -> SIGKILL grace when stopping processes")
+    max_restarts: int = _f(3, lo=0, doc="trainer relaunches after a crash when recover=auto")
+    server_ready_timeout_s: float = _f(600.0, lo=1.0,
+                                       doc="how long launch.local waits for a rollout server")
 
 
 @dataclass
@@ -111,6 +117,7 @@ class RolloutConfig:
 @dataclass
 class DataplaneConfig:
     endpoint: str = _f("", doc="zmq endpoint; empty = ipc in the run directory")
+    control_endpoint: str = _f("", doc="rollout-worker control socket; empty = ipc in run dir")
     secret: Optional[str] = None
     max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
     max_message_bytes: int = _f(1 << 30, lo=1024)
@@ -168,6 +175,11 @@ class DataConfig:
     apply_chat_template: bool = True
     max_prompt_len: int = _f(1024, lo=1)
     shuffle: bool = True
+    test_path: str = _f("", doc="held-out prompts (same format as train_path)")
+    format: str = _f("auto", choices=["auto", "jsonl", "parquet"],
+                     doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)")
+    drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
+    sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
 
 
 @dataclass
@@ -184,6 +196,28 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True
+    log_every: int = _f(1, lo=1, doc="steps between metrics.jsonl / tensorboard records")
+
+
+@dataclass
+class ModelHParams:
+    """Architecture numbers of the trained model (the published ``config.json`` values), used
+    only by the memory estimate of ``launch.local --dry-run``. Optional: without it the estimate
+    reads ``<model.path>/config.json`` or the built-in table of known models."""
+    hidden_size: int = _f(0, lo=1)
+    num_layers: int = _f(0, lo=1)
+    num_attention_heads: int = _f(0, lo=1)
+    num_kv_heads: int = _f(0, lo=0, doc="0 = num_attention_heads (no GQA)")
+    head_dim: int = _f(0, lo=0, doc="0 = hidden_size / num_attention_heads")
+    ffn_hidden_size: int = _f(0, lo=0, doc="dense MLP width (SwiGLU)")
+    vocab_size: int = _f(0, lo=1)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = _f(0, lo=0, doc="0 = dense")
+    moe_ffn_hidden_size: int = _f(0, lo=0)
+    moe_topk: int = _f(0, lo=0)
+    shared_expert_ffn_hidden_size: int = _f(0, lo=0)
 
 
 @dataclass
@@ -207,6 +241,8 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model_hparams: Optional[ModelHParams] = _f(
+        None, doc="published architecture numbers for the --dry-run memory estimate")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -231,6 +267,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # Optional[X]: X's own message names the nested key
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
     if tp is Any:
         return value

@@ -13,7 +13,8 @@ from areal_mega.algo.advantages import (compute_advantages, group_normalize, mas
 from areal_mega.algo.filters import dynamic_filter, uniform_groups
 from areal_mega.algo.kl import kl_estimate
 from areal_mega.algo.packing import (broadcast_to_tokens, last_token_index, segment_sum,
-                                     select_sequences, split_micro_batches, token_seq_ids)
+                                     select_sequences, split_micro_batches, token_seq_ids,
+                                     with_algo_fields)
 from areal_mega.algo.policy_loss import (aggregate_loss, behav_importance_weight,
                                          clipped_surrogate, finalize_stats, loss_denominator,
                                          make_policy_loss, policy_loss, ppo_ratio)
@@ -24,5 +25,5 @@ __all__ = [
     "last_token_index", "loss_denominator", "make_policy_loss", "masked_whiten",
     "outcome_token_rewards", "overlong_penalty", "policy_loss", "ppo_ratio", "segment_sum",
     "select_sequences", "shape_rewards", "split_micro_batches", "token_seq_ids",
-    "uniform_groups",
+    "uniform_groups", "with_algo_fields",
 ]

@@ -19,8 +19,11 @@ def uniform_groups(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
     r = rewards.to(torch.float32)
     _, gid = torch.unique(group_index, return_inverse=True)
     n_groups = int(gid.max()) + 1 if gid.numel() else 0
-    hi = torch.full((n_groups,), -float("inf")).scatter_reduce(0, gid, r, "amax")
-    lo = torch.full((n_groups,), float("inf")).scatter_reduce(0, gid, r, "amin")
+    gid = gid.to(r.device)
+    hi = torch.full((n_groups,), -float("inf"), device=r.device).scatter_reduce(0, gid, r,
+                                                                                "amax")
+    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, gid, r,
+                                                                               "amin")
     uniform = (hi - lo) <= tol
     return ~uniform[gid], uniform
 
@@ -39,8 +42,8 @@ def dynamic_filter(batch: dict, enabled: bool = True, *, rewards: Tensor | None 
     keep, uniform = uniform_groups(r, batch["group_index"], tol=tol)
     _, gid = torch.unique(batch["group_index"], return_inverse=True)
     n_groups = uniform.numel()
-    group_value = torch.full((n_groups,), 0.0).scatter_reduce(0, gid, r, "amax",
-                                                              include_self=False)
+    group_value = torch.full((n_groups,), 0.0, device=r.device).scatter_reduce(
+        0, gid.to(r.device), r, "amax", include_self=False)
     stats = {
         "groups": float(n_groups),
         "uniform_groups": float(uniform.sum()),

@@ -12,7 +12,8 @@ Each dispatches to the CUDA kernels, the C++ CPU kernels or the pure-torch refer
 see :mod:`areal_mega.ops._backend` for the ``AREAL_MEGA_OPS_BACKEND`` switch.
 """
 from ._backend import cpu_available, cuda_available
+from .fused import packed_logprobs_from_hidden
 from .gae import packed_gae
 from .logprob import packed_logprobs
 
-__all__ = ["packed_logprobs", "packed_gae", "cpu_available", "cuda_available"]
+__all__ = ["packed_logprobs", "packed_gae", "packed_logprobs_from_hidden", "cpu_available", "cuda_available"]

@@ -130,7 +130,8 @@ def logprobs_naive(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     lp = torch.where(lab >= 0, lp, torch.zeros_like(lp))
     if not return_entropy:
         return lp
-    ent = -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
     return lp, ent
 
 
