@@ -39,6 +39,12 @@ class ClusterConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = _f(0, lo=0, hi=65535, doc="0 picks a free port")
     dist_timeout_s: float = _f(600.0, lo=1.0)
+    gpu_memory_gb: float = _f(80.0, lo=0.0, lo_open=True,
+                              doc="usable memory per GPU; --dry-run compares its estimate to it")
+    kill_grace_s: float = _f(10.0, lo=0.0, doc="SIGTERM -> SIGKILL grace when stopping processes")
+    max_restarts: int = _f(3, lo=0, doc="trainer relaunches after a crash when recover=auto")
+    server_ready_timeout_s: float = _f(600.0, lo=1.0,
+                                       doc="how long launch.local waits for a rollout server")
 
 
 @dataclass
@@ -61,6 +67,8 @@ class OptimizerConfig:
     clip_grad: float = _f(1.0, lo=0.0)
     warmup_steps: int = _f(0, lo=0)
     lr_schedule: str = _f("constant", choices=["constant", "cosine", "linear"])
+    lr_decay_steps: int = _f(0, lo=0, doc="steps of the warmup+decay schedule; 0 = the "
+                             "trainer's total steps (or warmup_steps + 1 when unknown)")
     use_distributed_optimizer: bool = True
 
 
@@ -109,6 +117,7 @@ class RolloutConfig:
 @dataclass
 class DataplaneConfig:
     endpoint: str = _f("", doc="zmq endpoint; empty = ipc in the run directory")
+    control_endpoint: str = _f("", doc="rollout-worker control socket; empty = ipc in run dir")
     secret: Optional[str] = None
     max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
     max_message_bytes: int = _f(1 << 30, lo=1024)
@@ -130,10 +139,16 @@ class AlgorithmConfig:
     dual_clip_c: Optional[float] = _f(None, lo=1.0, lo_open=True)
     decoupled: bool = _f(True, doc="ratio against pi_prox, importance weight pi_prox/pi_behav")
     behav_imp_weight_cap: Optional[float] = _f(5.0, lo=1.0)
-    imp_weight_level: str = _f("token", choices=["token", "sequence"])
-    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"])
+    imp_weight_level: str = _f("token", choices=["token", "sequence", "geometric"],
+                               doc="sequence: product over the sequence's tokens; geometric: "
+                                   "per-token geometric mean of that product")
+    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"],
+                              doc="mask: drop tokens/sequences above the cap; clamp: min(w, cap)")
     ratio_level: str = _f("token", choices=["token", "sequence"], doc="sequence = GSPO")
     loss_agg: str = _f("token_mean", choices=["token_mean", "seq_mean", "seq_sum_norm"])
+    loss_norm_len: Optional[int] = _f(None, lo=1, doc="seq_sum_norm (Dr.GRPO) constant; "
+                                                      "None = rollout.max_new_tokens")
+    entropy_coef: float = _f(0.0, lo=0.0, doc="entropy bonus weight in the policy loss")
     kl_coef: float = _f(0.0, lo=0.0)
     kl_estimator: str = _f("k3", choices=["k1", "k2", "k3"])
     kl_in_reward: bool = False
@@ -160,6 +175,11 @@ class DataConfig:
     apply_chat_template: bool = True
     max_prompt_len: int = _f(1024, lo=1)
     shuffle: bool = True
+    test_path: str = _f("", doc="held-out prompts (same format as train_path)")
+    format: str = _f("auto", choices=["auto", "jsonl", "parquet"],
+                     doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)")
+    drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
+    sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
 
 
 @dataclass
@@ -176,6 +196,28 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True
+    log_every: int = _f(1, lo=1, doc="steps between metrics.jsonl / tensorboard records")
+
+
+@dataclass
+class ModelHParams:
+    """Architecture numbers of the trained model (the published ``config.json`` values), used
+    only by the memory estimate of ``launch.local --dry-run``. Optional: without it the estimate
+    reads ``<model.path>/config.json`` or the built-in table of known models."""
+    hidden_size: int = _f(0, lo=1)
+    num_layers: int = _f(0, lo=1)
+    num_attention_heads: int = _f(0, lo=1)
+    num_kv_heads: int = _f(0, lo=0, doc="0 = num_attention_heads (no GQA)")
+    head_dim: int = _f(0, lo=0, doc="0 = hidden_size / num_attention_heads")
+    ffn_hidden_size: int = _f(0, lo=0, doc="dense MLP width (SwiGLU)")
+    vocab_size: int = _f(0, lo=1)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = _f(0, lo=0, doc="0 = dense")
+    moe_ffn_hidden_size: int = _f(0, lo=0)
+    moe_topk: int = _f(0, lo=0)
+    shared_expert_ffn_hidden_size: int = _f(0, lo=0)
 
 
 @dataclass
@@ -199,6 +241,8 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model_hparams: Optional[ModelHParams] = _f(
+        None, doc="published architecture numbers for the --dry-run memory estimate")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -223,6 +267,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # Optional[X]: X's own message names the nested key
+            raise ConfigError(errors[0])
         raise ConfigError(f"{key}={value!r}: expected {_type_name(tp)}")
     if tp is Any:
         return value

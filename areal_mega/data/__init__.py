@@ -1,0 +1,9 @@
+"""Prompt datasets (JSONL / parquet, chat templates, resumable shuffling) and synthetic tasks."""
+from areal_mega.data.dataset import (DataError, PromptDataset, PromptItem, PromptLoader,
+                                     PromptSampler, epoch_permutation, load_tokenizer,
+                                     read_records)
+from areal_mega.data.synthetic import exact_match_reward, write_task_files
+
+__all__ = ["DataError", "PromptDataset", "PromptItem", "PromptLoader", "PromptSampler",
+           "epoch_permutation", "load_tokenizer", "read_records", "exact_match_reward",
+           "write_task_files"]

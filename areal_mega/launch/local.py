@@ -1,0 +1,254 @@
+"""Single-machine launcher: rollout servers + trainer under torchrun, supervised.
+
+    python -m areal_mega.launch.local --config recipes/tiny-cpu.yaml [key=value ...] [--dry-run]
+
+``--dry-run`` loads and validates the config, then prints the resolved layout (allocation,
+rollout / trainer world sizes, ranks per node) and the per-GPU memory estimate; nothing starts.
+
+Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the rollout servers
+(``local`` backend: :data:`ROLLOUT_SERVER_MODULE`; ``sglang``: the command from
+:data:`SGLANG_COMMAND_BUILDER`) on free ports, waits until they answer, then starts
+``python -m torch.distributed.run ... -m TRAINER_MODULE --config <run_dir>/config.yaml`` with
+``rollout.server_addrs`` filled in. It watches all of them; Ctrl-C / SIGTERM or the death of any
+one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
+``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
+``cluster.max_restarts`` times) from the latest complete checkpoint. With
+``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
+Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+
+from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
+from areal_mega.launch.memory import DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams, rollout_memory
+from areal_mega.launch.plan import Layout, find_free_ports, plan_layout
+from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
+from areal_mega.parallel.allocation import parse_allocation
+
+# The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
+TRAINER_MODULE = "areal_mega.trainer"
+# The CPU rollout server (``--model-path DIR --port P [--api-key K]``).
+ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
+# ``module:function(cfg, slot: ServerSlot, host: str) -> argv`` that builds an SGLang server
+# command; provided by the rollout package.
+SGLANG_COMMAND_BUILDER = "areal_mega.rollout.sglang_server:build_server_command"
+# ``module:function(checkpoint_dir) -> Path | None`` of the checkpoint package, if it has one;
+# otherwise :func:`latest_complete_checkpoint` below decides.
+CHECKPOINT_FINDER = "areal_mega.checkpoint:latest_complete_checkpoint"
+# The override that points a relaunched trainer at the checkpoint to resume from.
+RESUME_OVERRIDE_KEY = "checkpoint.load"
+# A checkpoint directory is ``<checkpoint.dir>/step_<N>`` (or global_step_<N> / iter_<N>) and
+# complete once it holds this marker file (written last by the saver).
+CHECKPOINT_DIR_RE = re.compile(r"^(?:step|global_step|iter)_?(\d+)$")
+COMPLETE_MARKER = "COMPLETE"
+HEALTH_PATH = "/health_generate"
+
+
+def _import(dotted: str):
+    module, _, attr = dotted.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def latest_complete_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
+    """The highest-step ``step_<N>`` directory under ``ckpt_dir`` with a ``COMPLETE`` marker."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    best = None
+    for d in root.iterdir():
+        m = CHECKPOINT_DIR_RE.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE_MARKER).exists():
+            if best is None or int(m.group(1)) > best[0]:
+                best = (int(m.group(1)), d)
+    return best[1] if best else None
+
+
+def find_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
+    """The checkpoint package's finder when it exists, else :func:`latest_complete_checkpoint`."""
+    try:
+        finder = _import(CHECKPOINT_FINDER)
+    except (ImportError, AttributeError):
+        finder = latest_complete_checkpoint
+    found = finder(ckpt_dir)
+    return Path(found) if found else None
+
+
+def checkpoint_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
+
+
+# ----------------------------------------------------------------------------- planning / dry run
+
+
+def resolve_device(cfg: ExperimentConfig) -> str:
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover
+        return "cpu"
+
+
+def make_layout(cfg: ExperimentConfig, device: Optional[str] = None,
+                ports: Optional[list] = None) -> Layout:
+    alloc = parse_allocation(cfg.allocation)
+    if alloc.rollout is not None and not cfg.rollout.server_addrs and \
+            alloc.rollout_backend != cfg.rollout.backend:
+        raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} but allocation="
+                          f"{cfg.allocation!r} starts {alloc.rollout_backend!r} servers; make "
+                          "them agree")
+    return plan_layout(alloc, device=device or resolve_device(cfg), n_nodes=cfg.cluster.n_nodes,
+                       gpus_per_node=cfg.cluster.n_gpus_per_node,
+                       external_servers=cfg.rollout.server_addrs, ports=ports)
+
+
+def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
+    """The ``--dry-run`` report: layout and per-GPU memory estimate."""
+    layout = make_layout(cfg, device)
+    out = [f"config OK: {cfg.name} (mode {cfg.mode}, {cfg.total_steps} steps, "
+           f"recover {cfg.recover}, run_dir {cfg.logging.run_dir})", "layout:", layout.describe()]
+    hp, source = resolve_hparams(cfg)
+    dims = layout.allocation.trainer
+    recompute = cfg.model.recompute_granularity
+    est = estimate_memory(hp, dims, dtype=cfg.model.dtype,
+                          use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                          tokens_per_mb=cfg.actor.max_tokens_per_mb, recompute=recompute,
+                          sequence_parallel=cfg.actor.sequence_parallel,
+                          overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES)
+    cap = None if layout.device == "cpu" else cfg.cluster.gpu_memory_gb
+    where = "process" if layout.device == "cpu" else "GPU"
+    out.append(f"trainer memory per {where} (model numbers from {source}; "
+               f"{cfg.model.dtype}, distributed optimizer "
+               f"{'on' if cfg.optimizer.use_distributed_optimizer else 'off'}, "
+               f"{cfg.actor.max_tokens_per_mb} tokens/micro-batch, recompute {recompute}):")
+    out.append(est.format(cap, unit=where))
+    a = layout.allocation
+    if a.rollout is not None and not layout.external_servers and layout.device != "cpu":
+        r = rollout_memory(hp, a.rollout.tp, a.rollout.pp, cfg.cluster.gpu_memory_gb,
+                           cfg.rollout.mem_fraction_static, cfg.model.dtype)
+        out.append(f"rollout memory per GPU: weights {r['weights_gib']} GiB, KV cache "
+                   f"{r['kv_cache_gib']} GiB (~{r['kv_tokens']:,} tokens) at "
+                   f"mem_fraction_static={cfg.rollout.mem_fraction_static}")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- process specs
+
+
+def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list:
+    """The argv of one rollout server."""
+    if cfg.rollout.backend == "local":
+        argv = [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
+                "--port", str(slot.port)]
+        if cfg.rollout.api_key:
+            argv += ["--api-key", cfg.rollout.api_key]
+        return argv
+    try:
+        builder: Callable = _import(SGLANG_COMMAND_BUILDER)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.backend='sglang': cannot import the SGLang command builder "
+                          f"{SGLANG_COMMAND_BUILDER} ({e})") from None
+    return list(builder(cfg, slot, host))
+
+
+def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None) -> list:
+    """``torch.distributed.run`` on this machine (``--standalone`` picks a free port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", TRAINER_MODULE,
+            "--config", str(config_path), *(extra or [])]
+
+
+def resume_overrides(cfg: ExperimentConfig) -> list:
+    """``[checkpoint.load=<latest>]`` when ``recover=auto`` and a complete checkpoint exists."""
+    if cfg.recover != "auto":
+        return []
+    latest = find_checkpoint(checkpoint_dir(cfg))
+    return [f"{RESUME_OVERRIDE_KEY}={latest}"] if latest else []
+
+
+def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = None,
+                host: str = "127.0.0.1") -> tuple:
+    """Plan, pick ports, write ``<run_dir>/config.yaml``; returns ``(specs, layout)``."""
+    device = device or resolve_device(cfg)
+    external = bool(cfg.rollout.server_addrs)
+    alloc = parse_allocation(cfg.allocation)
+    n = 0 if external or alloc.rollout is None else alloc.rollout.dp
+    layout = make_layout(cfg, device, ports=find_free_ports(n, host))
+    if layout.n_nodes > 1 and device != "cpu" and (len(set(s.node for s in layout.servers)
+                                                       | set(layout.trainer_nodes)) > 1):
+        raise ConfigError(f"cluster.n_nodes={cfg.cluster.n_nodes}: launch.local runs one "
+                          "machine; use launch/slurm/ or launch/torchrun.sh for several nodes")
+    specs = []
+    addrs = list(cfg.rollout.server_addrs)
+    for slot in layout.servers:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+        specs.append(ProcessSpec(
+            f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
+            ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
+                             api_key=cfg.rollout.api_key),
+            ready_timeout_s=cfg.cluster.server_ready_timeout_s))
+        addrs.append(f"{host}:{slot.port}")
+    resolved = config_to_dict(cfg)
+    resolved["rollout"]["server_addrs"] = addrs
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_gpus))} \
+        if layout.trainer_gpus else {}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+
+    def on_restart(spec: ProcessSpec, attempt: int) -> list:
+        extra = resume_overrides(cfg)
+        print(f"[launch] trainer relaunch {attempt}: "
+              f"{extra[0] if extra else 'no complete checkpoint yet, starting over'}",
+              file=sys.stderr, flush=True)
+        return trainer_command(config_path, layout.trainer_nproc_per_node, extra)
+
+    specs.append(ProcessSpec("trainer", trainer_command(
+        config_path, layout.trainer_nproc_per_node, resume_overrides(cfg)), env=env,
+        kind="main", restart=cfg.recover == "auto", on_restart=on_restart))
+    return specs, layout
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m areal_mega.launch.local",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the layout and memory estimate, start nothing")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="plan for this device instead of cluster.device (dry runs on a laptop)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(describe(cfg, args.device))
+            return 0
+        run_dir = Path(cfg.logging.run_dir)
+        specs, layout = build_specs(cfg, run_dir, args.device)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(layout.describe(), file=sys.stderr, flush=True)
+    sup = Supervisor(specs, run_dir / "logs", grace_s=cfg.cluster.kill_grace_s,
+                     max_restarts=cfg.cluster.max_restarts)
+    return sup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Per-GPU memory estimate for a Megatron trainer layout (pure arithmetic, no torch).
+
+    hp = KNOWN_MODELS["qwen2.5-7b"]
+    est = estimate_memory(hp, ParallelDims(dp=4, tp=2), dtype="bf16",
+                          use_distributed_optimizer=True, tokens_per_mb=8192, recompute=None)
+    print(est.format())
+
+The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
+
+- parameters on the worst GPU: ``ceil(L / pp)`` layers + the vocabulary matrix (input
+  embedding on the first stage, output layer on the last; both when ``pp == 1`` and untied).
+  Matmul weights are split by ``tp``; norms and the MoE router are replicated; expert weights
+  are split by ``ep · tp`` (expert tensor parallel = tp, the megatron-core default).
+- bytes per parameter, bf16/fp16: weights 2 + fp32 gradients 4 + optimizer 12 (fp32 master, Adam
+  m and v), the optimizer part divided by the data-parallel shard group with the distributed
+  optimizer (dense: d·c; experts: d·c/e), i.e. ``6 + 12/(d·c)``. fp32: ``4 + 4 + 8/(d·c)``.
+- activations, per token of a micro-batch (``tokens_per_mb / cp`` tokens per GPU), per layer,
+  2 bytes each (4 for fp32): 4·h hidden-sized tensors (split by tp only with sequence parallelism), Q, K, V
+  and the attention output (flash attention: no s² scores), 4·ffn for SwiGLU (split by tp);
+  MoE layers hold ``topk`` dispatched copies (h + 4·moe_ffn, split by tp) and fp32 router logits.
+  Full recompute keeps only each layer's input (+ one layer's working set). 1F1B keeps ``pp``
+  micro-batches in flight on the first stage, so a stage holds ``ceil(L/pp) · pp`` layer-sets.
+- logits: ``tokens · V / tp`` elements × 4 bytes (bf16 logits + their gradient; fp32: 8), last
+  stage.
+- a fixed ``overhead_bytes`` (CUDA context, NCCL buffers, allocator slack).
+
+It is an upper-bound planning number, not a measurement: compare with ``cluster.gpu_memory_gb``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from areal_mega.config import ConfigError, ModelHParams
+from areal_mega.parallel.allocation import ParallelDims
+
+GiB = 1024 ** 3
+DEFAULT_OVERHEAD_BYTES = 3 * GiB   # CUDA context + NCCL + allocator fragmentation, on GPUs
+
+# Published config.json values (Hugging Face model cards); no downloads needed.
+KNOWN_MODELS: dict[str, ModelHParams] = {
+    "qwen2.5-1.5b": ModelHParams(hidden_size=1536, num_layers=28, num_attention_heads=12,
+                                 num_kv_heads=2, ffn_hidden_size=8960, vocab_size=151936,
+                                 tie_word_embeddings=True, qkv_bias=True),
+    "qwen2.5-7b": ModelHParams(hidden_size=3584, num_layers=28, num_attention_heads=28,
+                               num_kv_heads=4, ffn_hidden_size=18944, vocab_size=152064,
+                               qkv_bias=True),
+    "qwen2.5-32b": ModelHParams(hidden_size=5120, num_layers=64, num_attention_heads=40,
+                                num_kv_heads=8, ffn_hidden_size=27648, vocab_size=152064,
+                                qkv_bias=True),
+    "qwen3-30b-a3b": ModelHParams(hidden_size=2048, num_layers=48, num_attention_heads=32,
+                                  num_kv_heads=4, head_dim=128, ffn_hidden_size=6144,
+                                  vocab_size=151936, qk_norm=True, num_experts=128,
+                                  moe_ffn_hidden_size=768, moe_topk=8),
+}
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int          # V·h
+    output: int             # V·h, 0 when tied
+    attention: int          # per layer, matmuls (+ qkv bias)
+    dense_mlp: int          # per layer (0 for MoE layers)
+    experts: int            # per layer, all experts
+    shared_expert: int      # per layer
+    replicated: int         # per layer: norms, qk-norm, router
+    num_layers: int
+    moe_topk: int
+    num_experts: int
+    final_norm: int = 0
+
+    @property
+    def per_layer(self) -> int:
+        return (self.attention + self.dense_mlp + self.experts + self.shared_expert
+                + self.replicated)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.output + self.num_layers * self.per_layer + self.final_norm
+
+    @property
+    def active(self) -> int:
+        """Parameters used per token (MoE: ``topk`` of the experts)."""
+        per_expert = self.experts // self.num_experts if self.num_experts else 0
+        dense_layer = self.per_layer - self.experts + per_expert * self.moe_topk
+        return self.embedding + self.output + self.num_layers * dense_layer + self.final_norm
+
+
+def count_params(hp: ModelHParams) -> ParamCounts:
+    """Parameter counts of a Llama/Qwen-style decoder (SwiGLU, RMSNorm, GQA, optional MoE)."""
+    h = hp.hidden_size
+    heads = hp.num_attention_heads
+    kv = hp.num_kv_heads or heads
+    hd = hp.head_dim or h // heads
+    q, k = heads * hd, kv * hd
+    attention = h * q + 2 * h * k + q * h + ((q + 2 * k) if hp.qkv_bias else 0)
+    replicated = 2 * h + (2 * hd if hp.qk_norm else 0)
+    if hp.num_experts:
+        dense_mlp = 0
+        experts = hp.num_experts * 3 * h * hp.moe_ffn_hidden_size
+        shared = 3 * h * hp.shared_expert_ffn_hidden_size
+        replicated += h * hp.num_experts  # router
+    else:
+        dense_mlp, experts, shared = 3 * h * hp.ffn_hidden_size, 0, 0
+    emb = hp.vocab_size * h
+    return ParamCounts(embedding=emb, output=0 if hp.tie_word_embeddings else emb,
+                       attention=attention, dense_mlp=dense_mlp, experts=experts,
+                       shared_expert=shared, replicated=replicated, num_layers=hp.num_layers,
+                       moe_topk=hp.moe_topk, num_experts=hp.num_experts, final_norm=h)
+
+
+def fmt_bytes(n: float) -> str:
+    """``12.34 GiB`` / ``5.6 MiB`` / ``12 KiB``."""
+    for unit, size in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= size or unit == "KiB":
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n} B"  # pragma: no cover
+
+
+def fmt_count(n: float) -> str:
+    """``7.62B`` / ``392.6K``."""
+    for suffix, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{suffix}" if suffix == "B" else f"{n / size:.1f}{suffix}"
+    return str(int(n))
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU on the most loaded trainer GPU, by category."""
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    overhead: float
+    params_per_gpu: int
+    layers_per_stage: int
+    total_params: int
+    active_params: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.overhead)
+
+    def as_gib(self) -> dict:
+        keys = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "total")
+        return {k: round(getattr(self, k) / GiB, 2) for k in keys}
+
+    def format(self, capacity_gb: Optional[float] = None, unit: str = "GPU") -> str:
+        parts = " | ".join(f"{k} {fmt_bytes(getattr(self, k))}" for k in
+                           ("weights", "grads", "optimizer", "activations", "logits", "overhead"))
+        lines = [f"  model: {fmt_count(self.total_params)} params ({fmt_count(self.active_params)}"
+                 f" active); this {unit} holds {fmt_count(self.params_per_gpu)} params, "
+                 f"{self.layers_per_stage} layers", f"  {parts}",
+                 f"  total {fmt_bytes(self.total)} per {unit}"]
+        if capacity_gb:
+            pct = 100.0 * self.total / (capacity_gb * GiB)
+            verdict = "fits" if pct <= 100 else "DOES NOT FIT"
+            lines[-1] += f" of {capacity_gb:g} GiB ({pct:.0f}%, {verdict})"
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
+                    use_distributed_optimizer: bool = True, tokens_per_mb: int = 8192,
+                    recompute: Optional[str] = None, sequence_parallel: Optional[bool] = None,
+                    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES) -> MemoryEstimate:
+    """Per-GPU memory of the most loaded trainer GPU (see the module docstring)."""
+    if dtype not in _BYTES:
+        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(_BYTES)}")
+    if recompute not in (None, "full", "selective"):
+        raise ValueError(f"recompute={recompute!r}: must be None, 'full' or 'selective'")
+    c = count_params(hp)
+    tp, pp, cp, ep = dims.tp, dims.pp, dims.cp, dims.ep
+    sp = (tp > 1) if sequence_parallel is None else sequence_parallel
+    lps = math.ceil(hp.num_layers / pp)
+    vocab_on_stage = c.embedding + c.output if pp == 1 else c.embedding  # first or last stage
+    dense = lps * (c.attention + c.dense_mlp + c.shared_expert) + vocab_on_stage
+    dense_gpu = dense / tp + lps * c.replicated
+    expert_gpu = lps * c.experts / (ep * tp)
+    params_gpu = dense_gpu + expert_gpu
+
+    w = _BYTES[dtype]
+    if dtype == "fp32":
+        grad_b, opt_b = 4, 8          # Adam m, v (weights are the master copy)
+    else:
+        grad_b, opt_b = 4, 12         # fp32 main grads; fp32 master + m + v
+    dense_shard = dims.dp * cp if use_distributed_optimizer else 1
+    expert_shard = max(1, dims.dp * cp // ep) if use_distributed_optimizer else 1
+    optimizer = opt_b * (dense_gpu / dense_shard + expert_gpu / expert_shard)
+
+    h = hp.hidden_size
+    heads = hp.num_attention_heads
+    hd = hp.head_dim or h // heads
+    q, k = heads * hd, (hp.num_kv_heads or heads) * hd
+    tokens = tokens_per_mb / cp
+    hidden_terms = 4 * h / (tp if sp else 1)
+    attn_terms = (2 * q + 2 * k) / tp
+    if hp.num_experts:
+        mlp_terms = hp.moe_topk * (h + 4 * hp.moe_ffn_hidden_size) / tp \
+            + 4 * hp.shared_expert_ffn_hidden_size / tp
+        router_bytes = 4 * hp.num_experts  # fp32 router logits / probabilities
+    else:
+        mlp_terms, router_bytes = 4 * hp.ffn_hidden_size / tp, 0
+    act_b = w  # activations are kept in the compute dtype
+    layer_bytes = tokens * (act_b * (hidden_terms + attn_terms + mlp_terms) + router_bytes)
+    notes = []
+    if recompute == "full":
+        kept = tokens * act_b * h / (tp if sp else 1)
+        activations = lps * pp * kept + layer_bytes
+        notes.append("full recompute: each layer keeps its input; one layer's working set")
+    else:
+        activations = lps * pp * layer_bytes
+        if recompute == "selective":
+            notes.append("selective recompute saves little beyond flash attention here")
+    logits = tokens * hp.vocab_size / tp * 2 * act_b
+    if hp.num_layers % pp:
+        notes.append(f"num_layers={hp.num_layers} is not divisible by pp={pp}")
+    return MemoryEstimate(weights=w * params_gpu, grads=grad_b * params_gpu, optimizer=optimizer,
+                          activations=activations, logits=logits, overhead=overhead_bytes,
+                          params_per_gpu=int(params_gpu), layers_per_stage=lps,
+                          total_params=c.total, active_params=c.active, notes=notes)
+
+
+def rollout_memory(hp: ModelHParams, tp: int, pp: int = 1, gpu_memory_gb: float = 80.0,
+                   mem_fraction_static: float = 0.8, dtype: str = "bf16") -> dict:
+    """Inference server per GPU: weights and how many KV-cache tokens the rest holds."""
+    c = count_params(hp)
+    weights = _BYTES.get(dtype, 2) * c.total / (tp * pp)
+    hd = hp.head_dim or hp.hidden_size // hp.num_attention_heads
+    kv_heads_gpu = max(1, (hp.num_kv_heads or hp.num_attention_heads) // tp)
+    kv_per_token = 2 * math.ceil(hp.num_layers / pp) * kv_heads_gpu * hd * 2
+    pool = max(0.0, mem_fraction_static * gpu_memory_gb * GiB - weights)
+    return {"weights_gib": round(weights / GiB, 2), "kv_cache_gib": round(pool / GiB, 2),
+            "kv_tokens": int(pool // kv_per_token)}
+
+
+def hparams_from_hf_config(path: str | Path) -> ModelHParams:
+    """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields)."""
+    d = json.loads(Path(path).read_text())
+    moe = int(d.get("num_experts") or d.get("num_local_experts")  # transformers 5 name
+              or d.get("n_routed_experts") or 0)
+    return ModelHParams(
+        hidden_size=d["hidden_size"], num_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_kv_heads=d.get("num_key_value_heads") or 0, head_dim=d.get("head_dim") or 0,
+        ffn_hidden_size=d.get("intermediate_size") or 0, vocab_size=d["vocab_size"],
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
+        qk_norm=d.get("model_type", "").startswith("qwen3"), num_experts=moe,
+        moe_ffn_hidden_size=d.get("moe_intermediate_size") or 0 if moe else 0,
+        moe_topk=d.get("num_experts_per_tok") or 0 if moe else 0,
+        shared_expert_ffn_hidden_size=d.get("shared_expert_intermediate_size") or 0)
+
+
+def known_model_key(model_path: str) -> Optional[str]:
+    """``Qwen/Qwen2.5-7B-Instruct`` -> ``qwen2.5-7b`` when it names a model of the table."""
+    name = Path(model_path.rstrip("/")).name.lower()
+    for key in sorted(KNOWN_MODELS, key=len, reverse=True):
+        if name.startswith(key) or name.startswith(key.replace("-a3b", "a3b")):
+            return key
+    return None
+
+
+def resolve_hparams(cfg) -> tuple[ModelHParams, str]:
+    """The model numbers for a config: ``model_hparams`` in the recipe, else
+    ``<model.path>/config.json``, else the built-in table by the model path's name."""
+    if cfg.model_hparams is not None:
+        return cfg.model_hparams, "recipe model_hparams"
+    path = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    if path is not None and path.is_file():
+        try:
+            return hparams_from_hf_config(path), str(path)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"model.path={cfg.model.path!r}: cannot read {path}: {e}") from None
+    key = known_model_key(cfg.model.path) if cfg.model.path else None
+    if key:
+        return KNOWN_MODELS[key], f"built-in table ({key})"
+    raise ConfigError(f"model.path={cfg.model.path!r}: no config.json there and not a known "
+                      f"model ({sorted(KNOWN_MODELS)}); add a model_hparams section to the "
+                      "recipe for the memory estimate")

@@ -1,0 +1,319 @@
+"""A generic process supervisor: start a list of process specs, watch them, stop them all.
+
+    sup = Supervisor([ProcessSpec("server0", [...], ready=tcp_ready("127.0.0.1", 8000)),
+                      ProcessSpec("trainer", [...], kind="main", restart=True)],
+                     log_dir=run_dir / "logs", grace_s=10, max_restarts=3)
+    rc = sup.run()
+
+Behaviour:
+
+- specs start in order; a spec with ``ready`` is polled until ready (or its timeout, or its
+  death) before the next one starts.
+- each child runs in its own session / process group with ``PR_SET_PDEATHSIG`` (Linux), its
+  stdout+stderr appended to ``<log_dir>/<name>.log``.
+- a ``service`` that exits (any code) ends the run with a failure; a ``main`` spec that exits 0
+  is done, and when every ``main`` is done the run ends with 0. A ``main`` spec with
+  ``restart=True`` that fails is relaunched up to ``max_restarts`` times in total
+  (``spec.on_restart(spec, attempt)`` may return a new argv, e.g. to resume from a checkpoint).
+- SIGINT / SIGTERM to the supervisor stop everything (a second signal skips the grace period);
+  ``run`` then returns ``128 + signum``.
+- stopping: SIGTERM to each child's process group and to every descendant found with psutil,
+  wait ``grace_s``, then SIGKILL what is left; every child is reaped.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # pragma: no cover
+    _LIBC = None
+
+
+def _child_setup() -> None:
+    """Runs in the child between fork and exec: die with the supervisor (Linux)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ProcessSpec:
+    """What to run. ``kind``: ``service`` (must stay up) or ``main`` (its exit 0 ends the run)."""
+    name: str
+    argv: list
+    env: Optional[dict] = None            # added to the supervisor's environment
+    cwd: Optional[str] = None
+    kind: str = "service"
+    restart: bool = False                 # main only: relaunch after a failure
+    ready: Optional[Callable[[], bool]] = None
+    ready_timeout_s: float = 600.0
+    on_restart: Optional[Callable[["ProcessSpec", int], Optional[list]]] = None
+
+    def __post_init__(self):
+        if self.kind not in ("service", "main"):
+            raise ValueError(f"ProcessSpec {self.name!r}: kind={self.kind!r} must be 'service' "
+                             "or 'main'")
+        if not self.argv:
+            raise ValueError(f"ProcessSpec {self.name!r}: empty argv")
+
+
+@dataclass
+class _Running:
+    spec: ProcessSpec
+    proc: subprocess.Popen
+    log: object
+    attempt: int = 0
+    done: bool = False
+    descendants: set = field(default_factory=set)
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, specs: list, log_dir: str | Path, grace_s: float = 10.0,
+                 max_restarts: int = 0, poll_s: float = 0.2,
+                 echo: Optional[Callable[[str], None]] = None):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate process names: {names}")
+        self.specs = list(specs)
+        self.log_dir = Path(log_dir)
+        self.grace_s, self.max_restarts, self.poll_s = grace_s, max_restarts, poll_s
+        self.restarts = 0
+        self.running: dict = {}
+        self._signal: Optional[int] = None
+        self._signal_count = 0
+        self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._sup_log = (self.log_dir / "supervisor.log").open("a", encoding="utf-8")
+
+    # ------------------------------------------------------------------ messages and signals
+
+    def say(self, msg: str) -> None:
+        line = f"[supervisor {time.strftime('%H:%M:%S')}] {msg}"
+        self._sup_log.write(line + "\n")
+        self._sup_log.flush()
+        self._echo(line)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
+        self._signal_count += 1
+
+    # ------------------------------------------------------------------ processes
+
+    def _launch(self, spec: ProcessSpec, attempt: int = 0) -> _Running:
+        log = (self.log_dir / f"{spec.name}.log").open("ab")
+        log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} start {spec.name} attempt "
+                  f"{attempt}: {' '.join(map(str, spec.argv))}\n".encode())
+        log.flush()
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in (spec.env or {}).items()})
+        proc = subprocess.Popen([str(a) for a in spec.argv], cwd=spec.cwd, env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_child_setup)
+        self.say(f"started {spec.name} pid {proc.pid} (log {log.name})")
+        run = _Running(spec, proc, log, attempt)
+        self.running[spec.name] = run
+        return run
+
+    def _refresh_descendants(self) -> None:
+        for run in self.running.values():
+            if run.proc.poll() is None:
+                try:
+                    run.descendants |= {p.pid for p in
+                                        psutil.Process(run.proc.pid).children(recursive=True)}
+                except psutil.Error:
+                    pass
+
+    def _wait_ready(self, run: _Running) -> None:
+        spec = run.spec
+        deadline = time.monotonic() + spec.ready_timeout_s
+        while True:
+            if self._signal is not None:
+                return
+            if run.proc.poll() is not None:
+                raise SupervisorError(f"{spec.name} exited with code {run.proc.returncode} "
+                                      f"before it was ready; see {run.log.name}")
+            try:
+                if spec.ready():
+                    self.say(f"{spec.name} is ready")
+                    return
+            except Exception:  # a readiness probe may raise while the server boots
+                pass
+            if time.monotonic() > deadline:
+                raise SupervisorError(f"{spec.name} not ready after {spec.ready_timeout_s:.0f}s;"
+                                      f" see {run.log.name}")
+            time.sleep(self.poll_s)
+
+    def stop_all(self, grace_s: Optional[float] = None) -> None:
+        """SIGTERM every process group and descendant, then SIGKILL after the grace period."""
+        grace = self.grace_s if grace_s is None else grace_s
+        self._refresh_descendants()
+        targets: list = []
+        for run in self.running.values():
+            pids = set(run.descendants)
+            if run.proc.poll() is None:
+                pids.add(run.proc.pid)
+                try:
+                    os.killpg(run.proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            targets.extend(pids)
+        procs = []
+        for pid in set(targets):
+            try:
+                p = psutil.Process(pid)
+                p.send_signal(signal.SIGTERM)
+                procs.append(p)
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self._signal_count > 1:  # a second Ctrl-C: no more waiting
+                break
+            for run in self.running.values():
+                run.proc.poll()
+            if all(not _alive(p) for p in procs) and \
+                    all(r.proc.returncode is not None for r in self.running.values()):
+                break
+            time.sleep(0.05)
+        for run in self.running.values():
+            if run.proc.poll() is None:
+                self.say(f"{run.spec.name} ignored SIGTERM for {grace:.0f}s: SIGKILL")
+                try:
+                    os.killpg(run.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in procs:
+            if _alive(p):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        for run in self.running.values():
+            try:
+                run.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover (unkillable: D state)
+                self.say(f"{run.spec.name} pid {run.proc.pid} did not die")
+            run.log.close()
+        psutil.wait_procs(procs, timeout=5)
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> int:
+        """Start, watch and stop; returns 0 on success, the failing exit code, or 128+signal."""
+        in_main = threading.current_thread() is threading.main_thread()
+        old = {}
+        if in_main:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        except SupervisorError as e:
+            self.say(f"error: {e}")
+            return 1
+        finally:
+            self.stop_all()
+            self.say("all processes stopped")
+            self._sup_log.close()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def _run(self) -> int:
+        for spec in self.specs:
+            if self._signal is not None:
+                break
+            run = self._launch(spec)
+            if spec.ready is not None:
+                self._wait_ready(run)
+        last_scan = 0.0
+        while self._signal is None:
+            if time.monotonic() - last_scan > 2.0:
+                self._refresh_descendants()
+                last_scan = time.monotonic()
+            for name, run in list(self.running.items()):
+                if run.done or run.proc.poll() is None:
+                    continue
+                rc = run.proc.returncode
+                if run.spec.kind == "main" and rc == 0:
+                    run.done = True
+                    self.say(f"{name} finished")
+                    continue
+                why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+                if run.spec.kind == "main" and run.spec.restart and \
+                        self.restarts < self.max_restarts:
+                    self.restarts += 1
+                    self.say(f"{name} failed ({why}); relaunch {self.restarts}/"
+                             f"{self.max_restarts}")
+                    run.log.close()
+                    if run.spec.on_restart is not None:
+                        argv = run.spec.on_restart(run.spec, self.restarts)
+                        if argv:
+                            run.spec.argv = list(argv)
+                    self._launch(run.spec, self.restarts)
+                    continue
+                self.say(f"{name} died ({why}); stopping everything. Log: {run.log.name}")
+                return rc if rc > 0 else 128 - rc
+            mains = [r for r in self.running.values() if r.spec.kind == "main"]
+            if mains and all(r.done for r in mains):
+                self.say("run complete")
+                return 0
+            time.sleep(self.poll_s)
+        self.say(f"received signal {self._signal}; stopping everything")
+        return 128 + self._signal
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+# ----------------------------------------------------------------------------- readiness probes
+
+
+def tcp_ready(host: str, port: int, timeout: float = 1.0) -> Callable[[], bool]:
+    """A probe that is true once something accepts TCP connections on ``host:port``."""
+    def probe() -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                return True
+        except OSError:
+            return False
+    return probe
+
+
+def http_ready(url: str, timeout: float = 2.0, api_key: Optional[str] = None
+               ) -> Callable[[], bool]:
+    """A probe that is true once ``url`` answers with a status below 500 (up, if not healthy
+    yet a 503 keeps waiting)."""
+    def probe() -> bool:
+        req = urllib.request.Request(url)
+        if api_key:
+            req.add_header("Authorization", f"Bearer {api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status < 500
+        except urllib.error.HTTPError as e:
+            return e.code < 500
+        except (OSError, ValueError):
+            return False
+    return probe
