@@ -13,8 +13,12 @@ import yaml
 
 def main():
     args = sys.argv[1:]
-    cfg = yaml.safe_load(open(args[args.index("--config") + 1]))
     overrides = dict(a.split("=", 1) for a in args if "=" in a)
+    if os.environ.get("FAKE_TRAINER_MODE") == "echo":  # print what torchrun handed over
+        print(f"ECHO rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} "
+              f"args={args}", flush=True)
+        return
+    cfg = yaml.safe_load(open(args[args.index("--config") + 1]))
     addrs = cfg["rollout"]["server_addrs"]
     assert addrs, "no rollout servers in the resolved config"
     for addr in addrs:
