@@ -31,7 +31,8 @@ from typing import Callable, Optional
 import yaml
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
-from areal_mega.launch.memory import DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams, rollout_memory
+from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
+                                      rollout_memory)
 from areal_mega.launch.plan import Layout, find_free_ports, plan_layout
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
 from areal_mega.parallel.allocation import parse_allocation
