@@ -69,6 +69,8 @@ class OptimizerConfig:
     clip_grad: float = _f(1.0, lo=0.0)
     warmup_steps: int = _f(0, lo=0)
     lr_schedule: str = _f("constant", choices=["constant", "cosine", "linear"])
+    lr_decay_steps: int = _f(0, lo=0, doc="steps of the warmup+decay schedule; 0 = the "
+                             "trainer's total steps (or warmup_steps + 1 when unknown)")
     use_distributed_optimizer: bool = True
 
 
@@ -117,6 +119,7 @@ class RolloutConfig:
 @dataclass
 class DataplaneConfig:
     endpoint: str = _f("", doc="zmq endpoint; empty = ipc in the run directory")
+    control_endpoint: str = _f("", doc="rollout-worker control socket; empty = ipc in run dir")
     secret: Optional[str] = None
     max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
     max_message_bytes: int = _f(1 << 30, lo=1024)
@@ -138,10 +141,16 @@ class AlgorithmConfig:
     dual_clip_c: Optional[float] = _f(None, lo=1.0, lo_open=True)
     decoupled: bool = _f(True, doc="ratio against pi_prox, importance weight pi_prox/pi_behav")
     behav_imp_weight_cap: Optional[float] = _f(5.0, lo=1.0)
-    imp_weight_level: str = _f("token", choices=["token", "sequence"])
-    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"])
+    imp_weight_level: str = _f("token", choices=["token", "sequence", "geometric"],
+                               doc="sequence: product over the sequence's tokens; geometric: "
+                                   "per-token geometric mean of that product")
+    imp_weight_mode: str = _f("mask", choices=["mask", "clamp"],
+                              doc="mask: drop tokens/sequences above the cap; clamp: min(w, cap)")
     ratio_level: str = _f("token", choices=["token", "sequence"], doc="sequence = GSPO")
     loss_agg: str = _f("token_mean", choices=["token_mean", "seq_mean", "seq_sum_norm"])
+    loss_norm_len: Optional[int] = _f(None, lo=1, doc="seq_sum_norm (Dr.GRPO) constant; "
+                                                      "None = rollout.max_new_tokens")
+    entropy_coef: float = _f(0.0, lo=0.0, doc="entropy bonus weight in the policy loss")
     kl_coef: float = _f(0.0, lo=0.0)
     kl_estimator: str = _f("k3", choices=["k1", "k2", "k3"])
     kl_in_reward: bool = False
@@ -172,6 +181,7 @@ class DataConfig:
     format: str = _f("auto", choices=["auto", "jsonl", "parquet"],
                      doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)")
     drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
+    sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
 
 
 @dataclass

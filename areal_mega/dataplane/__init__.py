@@ -1,0 +1,15 @@
+"""ZMQ data plane: trajectories from rollout workers to the trainer.
+
+* :class:`Trajectory` — the unit (numpy arrays + metadata), ``validate()`` names bad fields.
+* :func:`encode_trajectory` / :func:`decode_trajectory` — the wire format (msgpack header +
+  one raw frame per tensor, schema version, optional HMAC), :class:`WireError` with a reason.
+* :class:`TrajectorySender` (rollout, DEALER) / :class:`TrajectoryReceiver` (trainer, ROUTER).
+* :class:`TrajectoryBuffer` — dedup, oldest-first prompt groups, atomic save / load.
+"""
+from areal_mega.dataplane.buffer import BufferFileError, TrajectoryBuffer  # noqa: F401
+from areal_mega.dataplane.trajectory import (FINISH_REASONS, Trajectory,  # noqa: F401
+                                             TrajectoryError)
+from areal_mega.dataplane.transport import (DataplaneError, TrajectoryReceiver,  # noqa: F401
+                                            TrajectorySender, check_endpoint, default_endpoint)
+from areal_mega.dataplane.wire import (REJECT_REASONS, SCHEMA_VERSION, WireError,  # noqa: F401
+                                       decode_trajectory, encode_trajectory)

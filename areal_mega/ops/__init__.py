@@ -1,0 +1,19 @@
+"""Packed-sequence kernels: label log-probabilities (vocab-parallel) and GAE.
+
+Public API (see ``shared/design.md``, "Kernel API"):
+
+* :func:`packed_logprobs` -- ``log_softmax(logits / T)[label]`` (+ entropy) without a float32
+  ``[T, V]`` copy; under tensor parallelism only per-token statistics are all-reduced.
+* :func:`packed_gae` -- GAE over packed sequences with bootstrap values and loss masks.
+* :func:`packed_logprobs_from_hidden` -- forward-only fused LM-head + logprobs, chunked over
+  tokens and vocabulary (reference / proximal-policy passes).
+
+Each dispatches to the CUDA kernels, the C++ CPU kernels or the pure-torch reference backend;
+see :mod:`areal_mega.ops._backend` for the ``AREAL_MEGA_OPS_BACKEND`` switch.
+"""
+from ._backend import cpu_available, cuda_available
+from .fused import packed_logprobs_from_hidden
+from .gae import packed_gae
+from .logprob import packed_logprobs
+
+__all__ = ["packed_logprobs", "packed_gae", "packed_logprobs_from_hidden", "cpu_available", "cuda_available"]

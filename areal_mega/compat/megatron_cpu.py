@@ -1,0 +1,462 @@
+"""Make megatron-core 0.16.1 run on CPU-only torch (gloo), for tests and the CPU demo.
+
+megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG tracker keeps CUDA
+generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
+``Stream()`` or build tensors with ``device="cuda"``, and the optimizers compare
+``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places,
+and nothing else, when CUDA is absent.
+
+Every patch names the module (and function) it patches and the source text it expects to find
+there. :func:`apply` checks all of them *before* changing anything and raises
+:class:`CompatError` listing each mismatch, so a megatron-core upgrade that moves or fixes the
+code fails loudly instead of silently running unpatched. ``tests/test_engine_compat.py`` also
+re-checks, in a fresh process without the patches, that upstream still fails without them.
+
+Two kinds of patch are used:
+
+* **module torch view** — inside one megatron module, the name ``torch`` is rebound to a thin
+  view of the real ``torch`` whose ``torch.cuda`` is a CPU stand-in (``current_device()`` is
+  ``"cpu"``, ``synchronize`` / streams / events are no-ops, the RNG calls use the CPU
+  generator) and whose tensor factories map ``device="cuda"`` to the CPU. Code in other
+  modules, and ``torch`` itself, is untouched.
+* **source rewrite** — one function is recompiled from its own source with listed textual
+  replacements (e.g. ``'torch.cuda.FloatTensor'`` → ``'torch.FloatTensor'``).
+
+Usage: ``from areal_mega.compat import megatron_cpu; megatron_cpu.apply()`` before building
+models (idempotent; a no-op when CUDA is available unless ``force=True``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import textwrap
+import types
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["apply", "is_applied", "needed", "CompatError", "PATCHES", "check_targets",
+           "MEGATRON_CORE_VERSION"]
+
+#: The megatron-core release these patches were written and measured against.
+MEGATRON_CORE_VERSION = "0.16.1"
+
+
+class CompatError(RuntimeError):
+    """The megatron-core source no longer matches what a CPU patch expects."""
+
+
+# --------------------------------------------------------------------------------------------
+# CPU stand-ins for torch.cuda
+# --------------------------------------------------------------------------------------------
+
+class _NullStream:
+    """A CUDA stream/event stand-in: every operation is a no-op and waits complete at once."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+def _cpu_device(*args, **kwargs):
+    return torch.device("cpu")
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _map_device(dev):
+    if dev is None:
+        return None
+    if isinstance(dev, int):
+        return torch.device("cpu")
+    d = torch.device(dev) if isinstance(dev, str) else dev
+    return torch.device("cpu") if d.type == "cuda" else dev
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """What megatron sees as ``torch.cuda`` inside a patched module."""
+
+
+def _make_cuda_shim() -> _CudaOnCpu:
+    real = torch.cuda
+    shim = _CudaOnCpu()
+    # Fall back to the real torch.cuda for anything not overridden (constants, types...).
+    for name in dir(real):
+        if not name.startswith("__"):
+            try:
+                setattr(shim, name, getattr(real, name))
+            except Exception:  # pragma: no cover - attribute that fails to resolve
+                pass
+    shim.is_available = lambda: False
+    shim.current_device = _cpu_device
+    shim.device_count = lambda: 0
+    shim.synchronize = _noop
+    shim.set_device = _noop
+    shim.empty_cache = _noop
+    shim.Stream = _NullStream
+    shim.Event = _NullStream
+    shim.current_stream = lambda *a, **k: _NullStream()
+    shim.default_stream = lambda *a, **k: _NullStream()
+    shim.stream = lambda *a, **k: contextlib.nullcontext()
+    shim.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    shim.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    shim.manual_seed = lambda seed: torch.manual_seed(seed)
+    shim.memory_allocated = lambda *a, **k: 0
+    shim.max_memory_allocated = lambda *a, **k: 0
+    shim.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop,
+                                      range=lambda *a, **k: contextlib.nullcontext())
+    return shim
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
+              "randint", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
+
+
+class _TorchOnCpu(types.ModuleType):
+    """A view of ``torch`` for one megatron module: ``cuda`` is the CPU shim and tensor
+    factories place ``device="cuda"`` tensors on the CPU. Everything else is the real torch."""
+
+    def __init__(self, shim):
+        super().__init__("torch")
+        self.__dict__["cuda"] = shim
+        for name in _FACTORIES:
+            self.__dict__[name] = self._wrap_factory(getattr(torch, name))
+
+    @staticmethod
+    def _wrap_factory(fn):
+        def factory(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _map_device(kwargs["device"])
+            return fn(*args, **kwargs)
+        factory.__name__ = fn.__name__
+        factory.__doc__ = fn.__doc__
+        return factory
+
+    def device(self, *args, **kwargs):  # noqa: D102 - torch.device("cuda") -> cpu
+        return _map_device(torch.device(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_SHIM: Optional[_CudaOnCpu] = None
+_TORCH_VIEW: Optional[_TorchOnCpu] = None
+
+
+def _torch_view() -> _TorchOnCpu:
+    global _SHIM, _TORCH_VIEW
+    if _TORCH_VIEW is None:
+        _SHIM = _make_cuda_shim()
+        _TORCH_VIEW = _TorchOnCpu(_SHIM)
+    return _TORCH_VIEW
+
+
+# --------------------------------------------------------------------------------------------
+# Patch descriptions
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Patch:
+    """One patch: ``module`` (dotted), what source it expects (``expect``: snippets that must
+    appear in the module, or in ``function`` when given), and how it is applied (``kind``:
+    ``"torch_view"``, ``"rewrite"`` with ``replace`` pairs, or ``"custom"`` with ``fn``)."""
+
+    name: str
+    module: str
+    kind: str
+    expect: tuple = ()
+    function: Optional[str] = None  # qualname inside module, e.g. "Class.method"
+    replace: tuple = ()  # (old, new) pairs for "rewrite"
+    fn: Optional[Callable[[types.ModuleType], None]] = None
+    why: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def target_source(self) -> str:
+        mod = importlib.import_module(self.module)
+        if self.function is None:
+            return inspect.getsource(mod)
+        return inspect.getsource(_resolve(mod, self.function))
+
+    def check(self) -> list[str]:
+        """Return the problems found (empty when the expected source is all there)."""
+        try:
+            src = self.target_source()
+        except Exception as exc:  # module or function gone
+            return [f"{self.name}: cannot read {self.module}:{self.function}: {exc!r}"]
+        probs = [f"{self.name}: {self.module}{':' + self.function if self.function else ''} "
+                 f"no longer contains {s!r}" for s in self.expect if s not in src]
+        for old, _ in self.replace:
+            if old not in src:
+                probs.append(f"{self.name}: {self.module}:{self.function} no longer contains "
+                             f"{old!r}")
+        return probs
+
+    def apply(self) -> None:
+        mod = importlib.import_module(self.module)
+        if self.kind == "torch_view":
+            mod.torch = _torch_view()
+        elif self.kind == "rewrite":
+            _rewrite(mod, self.function, self.replace)
+        elif self.kind == "custom":
+            self.fn(mod)
+        else:  # pragma: no cover
+            raise ValueError(self.kind)
+
+
+def _resolve(mod, qualname: str):
+    obj = mod
+    for part in qualname.split("."):
+        obj = obj.__dict__[part] if isinstance(obj, type) else getattr(obj, part)
+    return obj
+
+
+def _rewrite(mod, qualname: str, replace: tuple) -> None:
+    """Recompile ``mod.qualname`` from its source with ``replace`` applied, in the module's
+    globals. Methods get a ``__class__`` cell so zero-argument ``super()`` keeps working."""
+    parts = qualname.split(".")
+    owner = mod if len(parts) == 1 else _resolve(mod, ".".join(parts[:-1]))
+    orig = owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(owner, parts[-1])
+    wrapper = None
+    if isinstance(orig, (staticmethod, classmethod)):
+        wrapper, orig = type(orig), orig.__func__
+    src = textwrap.dedent(inspect.getsource(orig))
+    for old, new in replace:
+        src = src.replace(old, new)
+    factory_src = "def __areal_factory(__class__):\n" + textwrap.indent(src, "    ") + \
+        f"\n    return {parts[-1]}\n"
+    code = compile(factory_src, inspect.getsourcefile(orig) or "<rewrite>", "exec")
+    ns: dict = {}
+    exec(code, mod.__dict__, ns)
+    cls = owner if isinstance(owner, type) else None
+    new_fn = ns["__areal_factory"](cls)
+    new_fn.__wrapped_original__ = orig
+    if wrapper is not None:
+        new_fn = wrapper(new_fn)
+    setattr(owner, parts[-1], new_fn)
+    if cls is None:  # module-level function: rebind copies imported by name elsewhere
+        import sys
+        for name, other in list(sys.modules.items()):
+            if name.startswith("megatron.") and other is not None and other is not mod:
+                if other.__dict__.get(parts[-1]) is orig:
+                    setattr(other, parts[-1], new_fn)
+
+
+# ---- custom patches ------------------------------------------------------------------------
+
+def _patch_rng(mod) -> None:
+    """Keep the tensor-parallel RNG tracker's states as CPU generator states."""
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mod._get_cuda_rng_state = get_state
+    mod._set_cuda_rng_state = set_state
+    mod.torch = _torch_view()  # add(): torch.cuda.get_rng_state / manual_seed
+
+
+def _patch_torch_norm(mod) -> None:
+    """``WrappedTorchNorm`` refuses sequence parallelism; on CPU build it with SP off and tag
+    its parameters ``sequence_parallel=True`` so their grads are all-reduced over TP like
+    megatron's own norms (``finalize_model_grads`` does that)."""
+    cls = mod.WrappedTorchNorm
+    orig_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                zero_centered_gamma=False, normalization="LayerNorm"):
+        sp = config.sequence_parallel
+        if sp:
+            import copy
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        module = orig_new(klass, config, hidden_size, eps, persist_layer_norm,
+                          zero_centered_gamma, normalization)
+        if sp:
+            for p in module.parameters():
+                setattr(p, "sequence_parallel", True)
+        return module
+
+    cls.__new__ = staticmethod(__new__)
+
+
+def _patch_moe_utils(mod) -> None:
+    """Without TransformerEngine the router GEMM refers to an undefined ``te_general_gemm``
+    (NameError); define it as None so the torch matmul path runs. The aux-loss tracker
+    builds on ``"cuda"``."""
+    if not getattr(mod, "HAVE_TE", False) and "te_general_gemm" not in mod.__dict__:
+        mod.te_general_gemm = None
+    mod.torch = _torch_view()
+
+
+_TORCH_VIEW_MODULES = {
+    # module: (snippets that must exist, why)
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": (
+        ("torch.cuda.current_device()",), "RoPE inv_freq placed on torch.cuda.current_device()"),
+    "megatron.core.pipeline_parallel.schedules": (
+        ('device="cuda"',), "schedules count tokens in a CUDA tensor"),
+    "megatron.core.pipeline_parallel.p2p_communication": (
+        ("torch.cuda.current_device()", "torch.cuda.synchronize()"),
+        "p2p buffers on the CUDA device and synchronize()"),
+    "megatron.core.optimizer.optimizer": (
+        ("torch.cuda",), "optimizer found-inf / grad-norm tensors on CUDA"),
+    "megatron.core.optimizer.clip_grads": (
+        ("device='cuda'",), "grad-norm accumulators on CUDA"),
+    "megatron.core.optimizer.distrib_optimizer": (
+        ("torch.cuda",), "distributed optimizer buffers on CUDA"),
+    "megatron.core.distributed.param_and_grad_buffer": (
+        ("torch.cuda.current_device()",), "param/grad buffers on CUDA"),
+    "megatron.core.distributed.distributed_data_parallel": (
+        ("torch.cuda",), "DDP streams on CUDA"),
+    "megatron.core.transformer.moe.token_dispatcher": (
+        ("torch.cuda.Stream()", "torch.cuda.current_stream()"),
+        "alltoall dispatcher's D2H stream and events"),
+    "megatron.core.utils": (
+        ("device=torch.cuda.current_device()",),
+        "GlobalMemoryBuffer (attention scores buffer) allocates on the CUDA device"),
+    "megatron.core.transformer.moe.router": (
+        ("device=torch.cuda.current_device()",), "router moves its weight to the CUDA device"),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": (
+        ("torch.cuda.synchronize()",), "checkpoint writer synchronizes CUDA before copying"),
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": (
+        ("device='cuda'", "device=torch.cuda.current_device()"),
+        "checkpoint save all-reduces flags in CUDA tensors"),
+    "megatron.core.dist_checkpointing.strategies.fully_parallel": (
+        ("torch.cuda.synchronize()",), "fully-parallel save/load synchronizes CUDA"),
+    "megatron.core.dist_checkpointing.strategies.async_utils": (
+        ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
+        "async save queue uses CUDA tensors and synchronize"),
+    "megatron.core.dist_checkpointing.exchange_utils": (
+        ('device="cuda"',), "shard exchange buffers on cuda"),
+    "megatron.core.tensor_parallel.mappings": (
+        ("device=torch.cuda.current_device()",),
+        "sequence-parallel gather/scatter buffers on the CUDA device"),
+    "megatron.core.tensor_parallel.layers": (
+        ("device=torch.cuda.current_device()",),
+        "sequence-parallel all-gather buffer in linear backward on the CUDA device"),
+    "megatron.core.transformer.utils": (
+        ('torch.ones(sq, sq, device="cuda")',), "get_default_causal_mask builds on cuda"),
+}
+
+
+def _build_patches() -> list[Patch]:
+    patches = [
+        Patch("rng_tracker", "megatron.core.tensor_parallel.random", "custom",
+              expect=("def _get_cuda_rng_state(", "def _set_cuda_rng_state(",
+                      "torch.cuda.get_rng_state()", "torch.cuda.manual_seed(seed)"),
+              fn=_patch_rng, why="TP RNG tracker keeps CUDA generator states"),
+        Patch("torch_norm_sp", "megatron.core.transformer.torch_norm", "custom",
+              expect=("class WrappedTorchNorm", "sequence_parallel"),
+              fn=_patch_torch_norm, why="WrappedTorchNorm refuses sequence parallelism"),
+        Patch("moe_utils", "megatron.core.transformer.moe.moe_utils", "custom",
+              expect=('device="cuda"', "te_general_gemm is not None"), fn=_patch_moe_utils,
+              why="MoE aux-loss tracker on cuda"),
+        Patch("optimizer_param_type", "megatron.core.optimizer.optimizer", "rewrite",
+              function="Float16OptimizerWithFloat16Params.__init__",
+              replace=(("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+                       ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                        "['torch.HalfTensor', 'torch.BFloat16Tensor']")),
+              why="compares param.type() with CUDA tensor type names"),
+        Patch("distopt_param_type", "megatron.core.optimizer.distrib_optimizer", "rewrite",
+              function="DistributedOptimizer._build_model_and_main_param_groups",
+              replace=(("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+                       ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                        "['torch.HalfTensor', 'torch.BFloat16Tensor']")),
+              why="compares param.type() with CUDA tensor type names"),
+        Patch("tied_embedding_sync", "megatron.core.models.common.language_module."
+              "language_module", "rewrite",
+              function="LanguageModule.setup_embeddings_and_output_layer",
+              replace=(("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+              why="moves the tied output-layer copy to CUDA before the PP all-reduce"),
+        Patch("moe_splits_numpy", "megatron.core.transformer.moe.moe_utils", "rewrite",
+              function="maybe_move_tensor_to_cpu",
+              replace=(("if torch.is_tensor(tensor) and tensor.is_cuda:",
+                        "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"),),
+              why="alltoall split sizes become numpy only for CUDA tensors; gloo's "
+                  "all_to_all_single then receives tensors instead of int lists"),
+        Patch("clip_grads_type", "megatron.core.optimizer.clip_grads", "rewrite",
+              function="clip_grad_by_total_norm_fp32",
+              replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",
+                        "param.grad.dtype == torch.float32"),),
+              why="asserts grads are torch.cuda.FloatTensor"),
+    ]
+    for module, (snips, why) in _TORCH_VIEW_MODULES.items():
+        patches.append(Patch("torch_view:" + module.rsplit(".", 1)[-1], module, "torch_view",
+                             expect=snips, why=why))
+    return patches
+
+
+PATCHES: list[Patch] = _build_patches()
+_APPLIED = False
+
+
+def needed() -> bool:
+    """True when the patches are needed: CUDA is not available."""
+    return not torch.cuda.is_available()
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+def check_targets(patches: Optional[list[Patch]] = None) -> list[str]:
+    """Check every patch's expected source without changing anything; return the problems."""
+    probs: list[str] = []
+    for p in patches or PATCHES:
+        probs.extend(p.check())
+    return probs
+
+
+def apply(force: bool = False) -> bool:
+    """Apply all CPU patches (once). Returns True when patches are in effect.
+
+    Raises :class:`CompatError` when the installed megatron-core is not the pinned release or
+    any patched code has changed, listing every mismatch."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if not (force or needed()):
+        return False
+    import megatron.core
+    version = getattr(megatron.core, "__version__", None)
+    if version is None:
+        from megatron.core import package_info
+        version = package_info.__version__
+    probs = [] if version == MEGATRON_CORE_VERSION else [
+        f"megatron-core {version} installed; these CPU patches target {MEGATRON_CORE_VERSION}"]
+    probs += check_targets()
+    if probs:
+        raise CompatError("megatron-core CPU compatibility patches no longer match:\n  "
+                          + "\n  ".join(probs))
+    for p in PATCHES:
+        p.apply()
+    _APPLIED = True
+    return True

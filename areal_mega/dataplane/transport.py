@@ -1,0 +1,335 @@
+"""ZMQ transport for trajectories: many rollout senders (DEALER), one trainer receiver (ROUTER).
+
+* The receiver **binds** (``tcp://127.0.0.1:*`` picks a free port; ``ipc://`` paths work too);
+  every sender **connects**. Binding a non-loopback TCP interface needs
+  ``allow_remote=True`` (then configure a shared secret).
+* **Credit window, acknowledged delivery**: a sender keeps at most ``window`` messages in
+  flight; the receiver acknowledges messages as :meth:`TrajectoryReceiver.recv` takes them.
+  When the trainer stops calling ``recv`` no acks flow, every sender's window fills and
+  :meth:`TrajectorySender.send` blocks (or raises ``TimeoutError``): a slow trainer slows the
+  rollouts. Receiver memory is bounded by ``n_senders * window`` messages (and
+  ``RCVHWM = max_queue`` per peer for peers that ignore the protocol).
+  Why not plain PUSH/PULL: libzmq drops the messages a PULL socket's engine still holds when
+  the sending peer disconnects while the receive queue is full (measured: 8 of 120 lost with
+  3 senders and RCVHWM 8); waiting for acks before closing makes exits loss-free.
+  Limitation: messages in flight when the *trainer* dies are lost (restore from the buffer
+  checkpoint; a restarted receiver does not re-ack, so restart senders with it).
+* **Robustness**: every message goes through :func:`decode_trajectory`; a bad one is dropped,
+  counted per reason in :attr:`TrajectoryReceiver.rejected` and logged (rate-limited). A
+  single frame larger than ``max_message_bytes`` is refused by libzmq itself
+  (``ZMQ_MAXMSGSIZE``), which drops that connection (the peer reconnects); a message whose
+  frames together exceed the limit is counted as ``oversize``.
+"""
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import os
+import time
+from typing import Optional
+
+import zmq
+
+from areal_mega.dataplane.trajectory import Trajectory
+from areal_mega.dataplane.wire import (Secret, WireError, decode_trajectory, encode_trajectory,
+                                       secret_bytes)
+
+log = logging.getLogger("areal_mega.dataplane")
+
+COPY_THRESHOLD = 64 * 1024
+"""Frames smaller than this are copied into the message (cheaper than zero-copy tracking)."""
+
+_LOG_FIRST = 10
+_LOG_EVERY = 1000
+
+
+class DataplaneError(RuntimeError):
+    """Bad endpoint or configuration of the data plane."""
+
+
+def default_endpoint(run_dir: str) -> str:
+    """The ipc endpoint used when ``dataplane.endpoint`` is empty: ``<run_dir>/dataplane.sock``."""
+    return check_endpoint("ipc://" + os.path.join(os.path.abspath(run_dir), "dataplane.sock"))
+
+
+def check_endpoint(endpoint: str, *, bind: bool = False, allow_remote: bool = False) -> str:
+    """Validate a ``tcp://host:port`` / ``ipc://path`` / ``inproc://name`` endpoint.
+
+    For a bind, ``:0`` becomes ``:*`` (a free port), ``localhost`` becomes ``127.0.0.1``, and a
+    host that is not a loopback address is refused unless ``allow_remote``. Returns the
+    normalised endpoint; raises :class:`DataplaneError` naming the problem.
+    """
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise DataplaneError(f"endpoint {endpoint!r}: expected tcp://host:port, ipc://path or "
+                             "inproc://name")
+    scheme, rest = endpoint.split("://", 1)
+    if scheme == "ipc":
+        if not rest:
+            raise DataplaneError(f"endpoint {endpoint!r}: empty ipc path")
+        if len(rest) > 100:  # sockaddr_un path limit is 107 bytes on Linux
+            raise DataplaneError(f"endpoint {endpoint!r}: ipc path longer than 100 characters; "
+                                 "use a shorter run directory or tcp://127.0.0.1:*")
+        return endpoint
+    if scheme == "inproc":
+        return endpoint
+    if scheme != "tcp":
+        raise DataplaneError(f"endpoint {endpoint!r}: scheme {scheme!r} not supported")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host:
+        raise DataplaneError(f"endpoint {endpoint!r}: expected tcp://host:port")
+    if port == "0" and bind:
+        port = "*"
+    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+        raise DataplaneError(f"endpoint {endpoint!r}: bad port {port!r}")
+    if host == "localhost":
+        host = "127.0.0.1"
+    if bind and not allow_remote:
+        try:
+            loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise DataplaneError(f"endpoint {endpoint!r}: binding host {host!r} is not loopback;"
+                                 " pass allow_remote=True (dataplane.allow_remote) and set a "
+                                 "secret to accept remote senders")
+    return f"tcp://{host}:{port}"
+
+
+class TrajectorySender:
+    """DEALER side, one per rollout worker: ``send(traj)`` ships one trajectory.
+
+    At most ``window`` messages are in flight (sent but not yet taken by the receiver's
+    ``recv``); ``send`` blocks while the window is full (backpressure), or raises
+    ``TimeoutError`` after ``timeout`` seconds without sending. :meth:`close` waits up to
+    ``linger_s`` for every in-flight message to be acknowledged, so a sender that exits after
+    ``close()`` returned 0 lost nothing.
+    """
+
+    def __init__(self, endpoint: str, secret: Secret = None, *, window: int = 64,
+                 linger_s: float = 30.0, validate: bool = True,
+                 context: Optional[zmq.Context] = None, hwm: Optional[int] = None):
+        self.endpoint = check_endpoint(endpoint)
+        self._secret = secret_bytes(secret)
+        self._validate = validate
+        self.window = int(hwm if hwm is not None else window)
+        if self.window < 1:
+            raise DataplaneError(f"window={self.window} must be >= 1")
+        self.linger_s = linger_s
+        self._own_ctx = context is None
+        self._ctx = context or zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the ack window, not the HWM
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self.in_flight = 0
+        self.sent = 0
+        self.bytes_sent = 0
+
+    def _drain_acks(self, wait_ms: int) -> None:
+        """Read acknowledgements; wait up to ``wait_ms`` for the first (-1: forever)."""
+        sock = self._sock
+        if wait_ms and not sock.poll(wait_ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                msg = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(msg) == 8:
+                self.in_flight = max(0, self.in_flight - int.from_bytes(msg, "little"))
+
+    def _wait_window(self, limit: int, timeout: Optional[float]) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._drain_acks(0)
+        while self.in_flight > limit:
+            if deadline is None:
+                wait = -1
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wait = max(1, int(left * 1000))
+            self._drain_acks(wait)
+        return True
+
+    def send(self, traj: Trajectory, timeout: Optional[float] = None) -> None:
+        """Validate (unless disabled), encode and send; see the class docstring for blocking."""
+        if self._validate:
+            traj.validate()
+        frames = encode_trajectory(traj, self._secret)
+        if not self._wait_window(self.window - 1, timeout):
+            raise TimeoutError(f"send of sample_id={traj.sample_id!r} to {self.endpoint}: "
+                               f"{self.in_flight} messages unacknowledged for {timeout} s "
+                               "(receiver saturated)")
+        last = len(frames) - 1
+        nbytes = 0
+        for i, f in enumerate(frames):
+            n = f.nbytes if hasattr(f, "nbytes") else len(f)
+            nbytes += n
+            self._sock.send(f, zmq.SNDMORE if i < last else 0, copy=n < COPY_THRESHOLD)
+        self.in_flight += 1
+        self.sent += 1
+        self.bytes_sent += nbytes
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every sent message was taken by the receiver; False on timeout."""
+        return self._wait_window(0, timeout)
+
+    def close(self, linger_s: Optional[float] = None) -> int:
+        """Flush (up to ``linger_s``, default the constructor's), then close.
+
+        Returns the number of messages still unacknowledged (0: all delivered); those may be
+        lost and are logged.
+        """
+        if self._sock.closed:
+            return self.in_flight
+        self.flush(self.linger_s if linger_s is None else linger_s)
+        if self.in_flight:
+            log.warning("dataplane: sender to %s closing with %d unacknowledged messages",
+                        self.endpoint, self.in_flight)
+        self._sock.close(0)
+        if self._own_ctx:
+            self._ctx.term()
+        return self.in_flight
+
+    def __enter__(self) -> "TrajectorySender":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TrajectoryReceiver:
+    """ROUTER side on the trainer: binds ``endpoint``; ``recv(timeout)`` -> Trajectory or None.
+
+    Every message taken by :meth:`recv` (accepted or rejected) is acknowledged to its sender,
+    which opens the sender's window. ``ack_every > 1`` batches acks (also flushed whenever the
+    queue runs empty); it must stay below every sender's ``window``, or a trainer that calls
+    ``recv`` exactly as often as it needs could leave a sender blocked. Counters: :attr:`accepted`, :attr:`bytes_accepted`, :attr:`rejected` (a
+    ``collections.Counter`` by reason, see :data:`~areal_mega.dataplane.wire.REJECT_REASONS`).
+    """
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", secret: Secret = None, *,
+                 max_queue: int = 1024, max_message_bytes: int = 1 << 30,
+                 allow_remote: bool = False, validate: bool = True, ack_every: int = 1,
+                 context: Optional[zmq.Context] = None):
+        ep = check_endpoint(endpoint, bind=True, allow_remote=allow_remote)
+        self._secret = secret_bytes(secret)
+        self._max_bytes = int(max_message_bytes)
+        self._validate = validate
+        self._ack_every = max(1, int(ack_every))
+        self._unacked: dict[bytes, int] = {}
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.RCVHWM, max_queue)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # acks are tiny; never drop one for HWM
+        self._sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if ep.startswith("ipc://") and os.path.exists(ep[6:]):
+            os.unlink(ep[6:])  # stale socket file from a previous run
+        try:
+            self._sock.bind(ep)
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise DataplaneError(f"endpoint {ep!r}: bind failed: {e}") from None
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.accepted = 0
+        self.bytes_accepted = 0
+        self.rejected: collections.Counter = collections.Counter()
+
+    def _ack(self, peer: bytes) -> None:
+        n = self._unacked.pop(peer, 0)
+        if n:
+            try:
+                self._sock.send_multipart([peer, n.to_bytes(8, "little")], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # peer gone: nothing to open
+
+    def _flush_acks(self) -> None:
+        for peer in list(self._unacked):
+            self._ack(peer)
+
+    def _reject(self, err: WireError) -> None:
+        self.rejected[err.reason] += 1
+        n = self.rejected[err.reason]
+        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+            log.warning("dataplane: dropped message (%s, #%d of this reason): %s",
+                        err.reason, n, err.detail)
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[Trajectory]:
+        """Return the next valid trajectory, or None if none arrives within ``timeout`` s.
+
+        ``timeout=None`` waits forever, ``0`` only takes what is already queued. Bad messages
+        met on the way are dropped and counted; they never raise.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sock = self._sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._flush_acks()
+                if deadline is None:
+                    wait = -1
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    wait = max(1, int(left * 1000))
+                if not sock.poll(wait, zmq.POLLIN):
+                    return None
+                continue
+            peer = frames[0].bytes
+            n = self._unacked.get(peer, 0) + 1
+            self._unacked[peer] = n
+            if n >= self._ack_every:
+                self._ack(peer)
+            frames = frames[1:]
+            try:
+                traj = decode_trajectory(frames, self._secret, max_message_bytes=self._max_bytes,
+                                         validate=self._validate)
+            except WireError as e:
+                self._reject(e)
+                continue
+            self.accepted += 1
+            self.bytes_accepted += sum(f.buffer.nbytes for f in frames)
+            return traj
+
+    def recv_many(self, max_n: int, timeout: Optional[float] = None) -> list[Trajectory]:
+        """Up to ``max_n`` trajectories: waits ``timeout`` for the first, then takes only what
+        is already queued."""
+        out: list[Trajectory] = []
+        first = self.recv(timeout)
+        if first is None:
+            return out
+        out.append(first)
+        while len(out) < max_n:
+            t = self.recv(0)
+            if t is None:
+                break
+            out.append(t)
+        return out
+
+    def stats(self) -> dict:
+        """Counters as a plain dict (for logging / tensorboard)."""
+        return {"accepted": self.accepted, "bytes_accepted": self.bytes_accepted,
+                "rejected": dict(self.rejected),
+                "rejected_total": sum(self.rejected.values())}
+
+    def close(self) -> None:
+        """Close the socket (pending messages are discarded)."""
+        if not self._sock.closed:
+            self._sock.close(0)
+        if self.endpoint.startswith("ipc://") and os.path.exists(self.endpoint[6:]):
+            try:
+                os.unlink(self.endpoint[6:])
+            except OSError:
+                pass
+
+    def __enter__(self) -> "TrajectoryReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

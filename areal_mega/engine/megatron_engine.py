@@ -1,0 +1,443 @@
+"""MegatronEngine: packed forward (log-probs) and train step for actor and reference models.
+
+The engine runs megatron-core's pipeline schedule (``get_forward_backward_func``, variable
+sequence lengths) over packed micro-batches from
+:func:`areal_mega.scheduler.packing.pack_sequences`. Attention stays inside each sequence: on
+GPU with TransformerEngine through THD ``PackedSeqParams``, on CPU through a block-diagonal
+causal mask. Log-probabilities come from :func:`areal_mega.ops.packed_logprobs` on the
+vocabulary-parallel logits, with the padded vocabulary ids masked out.
+
+Loss contract (``train_batch``): on the last stage, per micro-batch, the engine calls
+``loss_fn(logprobs [T] fp32, entropy [T] | None, mb) -> (numerator, stats)``; the optimised
+loss is ``Σ numerators / D`` where ``D = Σ_{micro-batches, DP ranks} denominator_fn(mb)``
+(default: loss-mask token count). Megatron's own loss scaling is disabled
+(``calculate_per_token_loss``: the schedule neither divides by the micro-batch count nor DDP
+averages over DP), so gradients do not depend on the micro-batch split nor on the DP size.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.engine.packed import (block_causal_mask, next_token_labels, segment_ids_from_cu,
+                                      slot_offsets, zigzag_index, zigzag_merge)
+from areal_mega.models.builder import (build_model_chunks, have_te, load_hf_config,
+                                       parse_hf_config)
+
+__all__ = ["MegatronEngine", "default_denominator"]
+
+LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], dict], tuple]
+
+
+def default_denominator(mb: dict) -> torch.Tensor:
+    """Number of loss-mask tokens of a micro-batch."""
+    return torch.as_tensor(mb["loss_mask"]).sum()
+
+
+class MegatronEngine:
+    """A megatron-core GPT model (actor: trainable; ref: forward only) on a ParallelMesh.
+
+    Args:
+        model_cfg: :class:`areal_mega.config.ModelConfig` (dtype, vocab padding, recompute).
+        hf_config: path to an HF model directory / ``config.json``, or the config dict;
+            defaults to ``model_cfg.path``.
+        role: ``"actor"`` (DDP + optimizer + LR schedule) or ``"ref"`` (forward only, no
+            optimizer state, no gradient buffers).
+        mesh: the :class:`~areal_mega.parallel.mesh.ParallelMesh` (owns the process groups).
+        optimizer_cfg: :class:`areal_mega.config.OptimizerConfig` (actor only).
+        actor_cfg: :class:`areal_mega.config.ActorConfig` (temperature, logprob chunk size).
+        seed: weight-initialisation seed.
+        total_train_steps: LR schedule horizon when ``optimizer_cfg.lr_decay_steps`` is 0.
+        use_distributed_optimizer: override ``optimizer_cfg.use_distributed_optimizer``;
+            by default it is used on GPU only (its checkpoint formats fail without TE, see the
+            design notes), the regular optimizer on CPU.
+    """
+
+    def __init__(self, model_cfg, *, hf_config=None, role: str = "actor", mesh,
+                 optimizer_cfg=None, actor_cfg=None, seed: int = 1234,
+                 total_train_steps: Optional[int] = None,
+                 use_distributed_optimizer: Optional[bool] = None):
+        if role not in ("actor", "ref"):
+            raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
+        if role == "actor" and optimizer_cfg is None:
+            raise ValueError("role='actor' needs optimizer_cfg")
+        self.role = role
+        self.mesh = mesh
+        self.model_cfg = model_cfg
+        self.actor_cfg = actor_cfg
+        self.optimizer_cfg = optimizer_cfg
+        self.hf_config = load_hf_config(hf_config if hf_config is not None else model_cfg.path)
+        self.arch = parse_hf_config(self.hf_config)
+        self.use_te = have_te()
+        chunks, self.config = build_model_chunks(
+            self.arch, mesh, dtype=model_cfg.dtype,
+            make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+            recompute_granularity=model_cfg.recompute_granularity if role == "actor" else None,
+            use_te=self.use_te, seed=seed)
+        self.vocab_size = self.arch.vocab_size
+        self.padded_vocab_size = chunks[0].vocab_size
+        self.config.calculate_per_token_loss = True
+        self.optimizer = None
+        self.lr_scheduler = None
+        self.step_count = 0
+        if role == "ref":
+            for c in chunks:
+                c.requires_grad_(False)
+                c.eval()
+            self.model = chunks
+        else:
+            if use_distributed_optimizer is None:
+                use_distributed_optimizer = (optimizer_cfg.use_distributed_optimizer
+                                             and not mesh.is_cpu)
+            self.use_distributed_optimizer = bool(use_distributed_optimizer)
+            self.model = self._wrap_ddp(chunks)
+            self.optimizer = self._build_optimizer()
+            self.lr_scheduler = self._build_lr_scheduler(total_train_steps)
+            from megatron.core.distributed import finalize_model_grads
+            # Loss is already divided by the global denominator: never rescale by num_tokens.
+            self.config.finalize_model_grads_func = (
+                lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+            if self.config.fp16:
+                self.config.grad_scale_func = self.optimizer.scale_loss
+
+    # ------------------------------------------------------------------ construction
+    def _wrap_ddp(self, chunks):
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            check_for_nan_in_grad=False, average_in_collective=False)
+        return [DistributedDataParallel(self.config, ddp_cfg, c,
+                                        disable_bucketing=(i > 0),
+                                        pg_collection=self.mesh.pg_collection)
+                for i, c in enumerate(chunks)]
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig as MOptCfg
+        from megatron.core.optimizer import get_megatron_optimizer
+        oc = self.optimizer_cfg
+        cfg = MOptCfg(
+            optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
+            adam_beta1=oc.beta1, adam_beta2=oc.beta2, adam_eps=oc.eps, clip_grad=oc.clip_grad,
+            bf16=self.config.bf16, fp16=self.config.fp16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            # Without TE/apex megatron falls back to torch AdamW (decoupled weight decay).
+        )
+        return get_megatron_optimizer(cfg, self.model, use_gloo_process_groups=False,
+                                      pg_collection=self.mesh.pg_collection)
+
+    def _build_lr_scheduler(self, total_train_steps):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        oc = self.optimizer_cfg
+        warm = oc.warmup_steps
+        decay = oc.lr_decay_steps or total_train_steps or (warm + 1)
+        decay = max(decay, warm + 1)
+        style = oc.lr_schedule
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warm else oc.lr, max_lr=oc.lr,
+            min_lr=min(oc.min_lr, oc.lr), lr_warmup_steps=warm, lr_decay_steps=decay,
+            lr_decay_style=style, start_wd=oc.weight_decay, end_wd=oc.weight_decay,
+            wd_incr_steps=decay, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+
+    # ------------------------------------------------------------------ data preparation
+    def _prepare(self, mb: dict) -> dict:
+        """Model inputs for one packed micro-batch (labels computed before any CP split)."""
+        ids = torch.as_tensor(mb["input_ids"]).long().reshape(-1)
+        total = ids.shape[0]
+        tp = self.mesh.dims.tp
+        if self.mesh.sequence_parallel and total % tp:
+            raise ValueError(f"packed length {total} must be a multiple of TP={tp} with "
+                             "sequence parallelism (pack with pad_to_multiple=TP)")
+        pos = torch.as_tensor(mb["position_ids"]).long().reshape(-1) if "position_ids" in mb \
+            else None
+        starts, lens = slot_offsets(mb)
+        labels, valid = next_token_labels(ids, starts, lens)
+        bounds = torch.as_tensor(mb.get("cu_seqlens_padded", mb["cu_seqlens"])).long()
+        if pos is None:
+            seg0 = segment_ids_from_cu(total, starts, lens, bounds[1:])
+            pos = torch.arange(total) - torch.cat([bounds, torch.tensor([total])])[seg0]
+        batch: dict[str, Any] = {"n_total": total, "labels": labels.masked_fill(~valid, -1),
+                                 "valid": valid, "index": None}
+        cp = self.mesh.dims.cp
+        dev = self.mesh.device
+        if self.use_te:
+            from megatron.core.packed_seq_params import PackedSeqParams
+            cu = torch.as_tensor(mb["cu_seqlens"]).int()
+            cu_pad = bounds.int()
+            if cu_pad[-1] < total:  # trailing padding as one more (ignored) sequence
+                cu = torch.cat([cu, cu[-1:] + (total - cu_pad[-1])])
+                cu_pad = torch.cat([cu_pad, torch.tensor([total], dtype=torch.int32)])
+            seqlens_pad = cu_pad[1:] - cu_pad[:-1]
+            batch["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu.to(dev), cu_seqlens_kv=cu.to(dev),
+                cu_seqlens_q_padded=cu_pad.to(dev), cu_seqlens_kv_padded=cu_pad.to(dev),
+                max_seqlen_q=int(seqlens_pad.max()), max_seqlen_kv=int(seqlens_pad.max()))
+            batch["attention_mask"] = None
+        else:
+            if cp > 1:
+                raise RuntimeError("context parallelism needs TransformerEngine (GPU)")
+            seg = mb.get("segment_ids")
+            seg = torch.as_tensor(seg).long() if seg is not None else \
+                segment_ids_from_cu(total, starts, lens, bounds[1:])
+            batch["attention_mask"] = block_causal_mask(seg).to(dev)
+            batch["packed_seq_params"] = None
+        if cp > 1:
+            idx = zigzag_index(bounds.tolist(), total, cp, self.mesh.cp_rank)
+            batch["index"] = idx
+            ids, pos = ids[idx], pos[idx]
+            batch["labels"], batch["valid"] = batch["labels"][idx], valid[idx]
+        batch["input_ids"] = ids[None].to(dev)
+        batch["position_ids"] = pos[None].to(dev)
+        batch["labels"] = batch["labels"].to(dev)
+        batch["valid"] = batch["valid"].to(dev)
+        return batch
+
+    def _local_mb(self, mb: dict, batch: dict) -> dict:
+        """``mb`` with per-token tensors restricted to this CP rank's tokens (CP only)."""
+        idx = batch["index"]
+        if idx is None:
+            return mb
+        out = dict(mb)
+        for k, v in mb.items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["n_total"]:
+                out[k] = v[idx.to(v.device)]
+        out["cp_token_index"] = idx
+        return out
+
+    # ------------------------------------------------------------------ model pieces
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Exclude padded vocabulary ids (>= HF vocab size) from the softmax."""
+        v_local = logits.shape[-1]
+        start = self.mesh.tp_rank * v_local
+        n_valid = self.vocab_size - start
+        if n_valid >= v_local:
+            return logits
+        neg = -1e4 if logits.dtype == torch.float16 else -1e9
+        keep = torch.arange(v_local, device=logits.device) < max(n_valid, 0)
+        return logits.masked_fill(~keep, neg)
+
+    def _token_logprobs(self, output: torch.Tensor, batch: dict, temperature: float,
+                        return_entropy: bool):
+        logits = output.reshape(-1, output.shape[-1])  # [1, T, V_local] -> [T, V_local]
+        logits = self._mask_padded_vocab(logits)
+        chunk = getattr(self.actor_cfg, "logprob_chunk_size", None)
+        from areal_mega.ops import packed_logprobs
+        res = packed_logprobs(logits, batch["labels"], temperature=temperature,
+                              tp_group=self.mesh.tp_group if self.mesh.dims.tp > 1 else None,
+                              chunk_size=chunk, return_entropy=return_entropy)
+        lp, ent = (res if return_entropy else (res, None))
+        valid = batch["valid"]
+        lp = torch.where(valid, lp, torch.zeros_like(lp))
+        if ent is not None:
+            ent = torch.where(valid, ent, torch.zeros_like(ent))
+        return lp, ent
+
+    def _forward_step(self, data_iterator, model, *, collect, temperature, return_entropy,
+                      loss_fn=None, denominator=None):
+        mb, batch = next(data_iterator)
+        output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                       packed_seq_params=batch["packed_seq_params"])
+        return output, partial(self._on_output, mb, batch, collect, temperature,
+                               return_entropy, loss_fn, denominator)
+
+    def _on_output(self, mb, batch, collect, temperature, return_entropy, loss_fn,
+                   denominator, output, non_loss_data=False):
+        lp, ent = self._token_logprobs(output, batch, temperature, return_entropy)
+        if collect:
+            return {"logprobs": lp.detach().float(),
+                    "entropy": None if ent is None else ent.detach().float()}
+        numerator, stats = loss_fn(lp, ent, self._local_mb(mb, batch))
+        loss = numerator / denominator
+        n_tok = batch["valid"].sum().to(torch.int)
+        reduced = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in
+                   (stats or {}).items()}
+        reduced["loss"] = loss.detach().float().reshape(())
+        return loss, n_tok, reduced
+
+    def _run_schedule(self, micro_batches, step_fn, forward_only: bool, collect: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        batches = [self._prepare(mb) for mb in micro_batches]
+        data = list(zip(micro_batches, batches))
+        n_chunks = len(self.model)
+        iters = [iter(data) for _ in range(n_chunks)] if n_chunks > 1 else iter(data)
+        seq_len = max(b["input_ids"].shape[1] for b in batches)
+        fwd_bwd = get_forward_backward_func(pp_size=self.mesh.dims.pp,
+                                            vp_size=self.mesh.vpp)
+        return fwd_bwd(forward_step_func=step_fn, data_iterator=iters,
+                       model=self.model if n_chunks > 1 else self.model[0],
+                       num_microbatches=len(micro_batches), seq_length=seq_len,
+                       micro_batch_size=1, forward_only=forward_only,
+                       collect_non_loss_data=collect)
+
+    def _set_mode(self, train: bool):
+        for c in self.model:
+            c.train(train)
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
+                         return_entropy: bool = False):
+        """Per-token log-probability of each token's next token, per micro-batch.
+
+        Returns a list (one per micro-batch) of fp32 ``[T]`` tensors on CPU, or of
+        ``(logprobs, entropy)`` pairs with ``return_entropy``. The last token of each sequence
+        and padding get 0. Results are broadcast from the last pipeline stage (and gathered
+        over CP), so every rank of the model-parallel group returns them."""
+        if not micro_batches:
+            return []
+        self._set_mode(False)
+        step = partial(self._forward_step, collect=True, temperature=temperature,
+                       return_entropy=return_entropy)
+        out = self._run_schedule(micro_batches, step, forward_only=True, collect=True)
+        totals = [int(torch.as_tensor(mb["input_ids"]).numel()) for mb in micro_batches]
+        n_fields = 2 if return_entropy else 1
+        flat_len = sum(totals) * n_fields
+        if self.mesh.is_last_stage:
+            parts = []
+            for rec, mb, total in zip(out, micro_batches, totals):
+                for key in ("logprobs", "entropy")[:n_fields]:
+                    parts.append(self._gather_cp(rec[key], mb, total))
+            flat = torch.cat(parts).to(self.mesh.device)
+        else:
+            flat = torch.empty(flat_len, dtype=torch.float32, device=self.mesh.device)
+        if self.mesh.dims.pp > 1:
+            dist.broadcast(flat, src=self.mesh.last_stage_global_rank(),
+                           group=self.mesh.pp_group)
+        flat = flat.cpu()
+        res, off = [], 0
+        for total in totals:
+            fields = []
+            for _ in range(n_fields):
+                fields.append(flat[off:off + total])
+                off += total
+            res.append(tuple(fields) if return_entropy else fields[0])
+        return res
+
+    def _gather_cp(self, x: torch.Tensor, mb: dict, total: int) -> torch.Tensor:
+        cp = self.mesh.dims.cp
+        if cp == 1:
+            return x
+        shards = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(shards, x.contiguous(), group=self.mesh.cp_group)
+        bounds = torch.as_tensor(mb.get("cu_seqlens_padded", mb["cu_seqlens"])).tolist()
+        return zigzag_merge(shards, bounds, total)
+
+    def global_denominator(self, micro_batches: Sequence[dict],
+                           denominator_fn: Optional[Callable] = None) -> torch.Tensor:
+        """Σ over micro-batches and DP ranks of ``denominator_fn(mb)`` (fp32 scalar)."""
+        fn = denominator_fn or default_denominator
+        local = sum((torch.as_tensor(fn(mb), dtype=torch.float64) for mb in micro_batches),
+                    torch.zeros((), dtype=torch.float64))
+        t = local.reshape(1).to(self.mesh.device)
+        if self.mesh.dims.dp > 1:
+            dist.all_reduce(t, group=self.mesh.dp_group)
+        return t.reshape(()).float()
+
+    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn,
+                         denominator_fn: Optional[Callable] = None, *,
+                         temperature: Optional[float] = None,
+                         return_entropy: bool = False) -> dict:
+        """Zero the gradient buffers, run forward+backward over all micro-batches and reduce the
+        gradients (DP, SP norms, tied embeddings); no optimizer step. Returns summed stats
+        (reduced over DP, identical on every rank)."""
+        if self.role != "actor":
+            raise RuntimeError("forward_backward needs role='actor'")
+        if temperature is None:
+            temperature = getattr(self.actor_cfg, "temperature", 1.0)
+        denom = self.global_denominator(micro_batches, denominator_fn)
+        safe = torch.clamp(denom, min=1.0).to(self.mesh.device)
+        self._set_mode(True)
+        for c in self.model:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        step = partial(self._forward_step, collect=False, temperature=temperature,
+                       return_entropy=return_entropy, loss_fn=loss_fn, denominator=safe)
+        out = self._run_schedule(micro_batches, step, forward_only=False, collect=False)
+        stats = self._reduce_stats(out)
+        stats["n_tokens"] = float(denom)
+        return stats
+
+    def _reduce_stats(self, records: list) -> dict:
+        keys = None
+        vec = None
+        if self.mesh.is_last_stage:
+            keys = sorted({k for r in records for k in r})
+            vec = torch.zeros(len(keys), dtype=torch.float64)
+            for r in records:
+                for i, k in enumerate(keys):
+                    if k in r:
+                        vec[i] += float(r[k])
+            vec = vec.to(self.mesh.device)
+            if self.mesh.dims.dp > 1:
+                dist.all_reduce(vec, group=self.mesh.dp_group)
+        if self.mesh.dims.pp > 1:
+            holder = [keys, None if vec is None else vec.cpu().tolist()]
+            dist.broadcast_object_list(holder, src=self.mesh.last_stage_global_rank(),
+                                       group=self.mesh.pp_group)
+            keys, values = holder
+        else:
+            values = vec.cpu().tolist()
+        return dict(zip(keys, values))
+
+    def optimizer_step(self) -> dict:
+        """Clip, step the optimizer and the LR schedule. Returns grad_norm and lr."""
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.current_lr()
+        if ok:
+            self.lr_scheduler.step(increment=1)
+            self.step_count += 1
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                "lr": lr, "update_successful": float(bool(ok))}
+
+    def train_batch(self, micro_batches: Sequence[dict], loss_fn: LossFn,
+                    denominator_fn: Optional[Callable] = None, *,
+                    temperature: Optional[float] = None, return_entropy: bool = False
+                    ) -> dict:
+        """One optimizer step on ``micro_batches`` (this DP rank's share of the batch).
+
+        Returns stats: ``loss`` (Σ numerators / global denominator), ``grad_norm`` (before
+        clipping), ``lr`` (used by this step), ``n_tokens`` (global denominator), plus every
+        ``loss_fn`` stat summed over micro-batches and DP ranks."""
+        stats = self.forward_backward(micro_batches, loss_fn, denominator_fn,
+                                      temperature=temperature, return_entropy=return_entropy)
+        stats.update(self.optimizer_step())
+        return stats
+
+    def step_lr(self, n: int = 1) -> None:
+        """Advance the LR schedule by ``n`` steps without an optimizer step."""
+        self.lr_scheduler.step(increment=n)
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    # ------------------------------------------------------------------ checkpoint access
+    def sharded_state_dict(self) -> dict:
+        """Model sharded state dict (``model`` or ``model0``, ``model1``… with VPP), the
+        layout megatron's dist_checkpointing saves and reshards."""
+        sd = {}
+        for i, c in enumerate(self.model_chunks()):
+            key = "model" if len(self.model) == 1 else f"model{i}"
+            sd[key] = c.sharded_state_dict()
+        return sd
+
+    def model_chunks(self) -> list:
+        """The bare ``GPTModel`` chunks (DDP wrappers removed): keys and parameter names are
+        the same for actor and reference."""
+        return [getattr(c, "module", c) for c in self.model]
+
+    def save(self, directory: str, extra: Optional[dict] = None) -> None:
+        """Save model (+ optimizer, scheduler, RNG when the checkpoint module is present)."""
+        from areal_mega.engine import checkpoint_io
+        checkpoint_io.save(self, directory, extra)
+
+    def load(self, directory: str) -> Optional[dict]:
+        """Load what :meth:`save` wrote (any TP/PP layout); returns ``extra``."""
+        from areal_mega.engine import checkpoint_io
+        return checkpoint_io.load(self, directory)

@@ -1,0 +1,109 @@
+"""Pure helpers for packed micro-batches (no torch.distributed): next-token labels, the
+block-diagonal causal mask used on CPU, and the zigzag context-parallel split and its inverse.
+
+Packed layout (from :func:`areal_mega.scheduler.packing.pack_sequences`): sequence ``b`` lives at
+``[cu_seqlens_padded[b], cu_seqlens_padded[b] + L_b)`` with ``L_b = cu_seqlens[b+1] -
+cu_seqlens[b]``; without context parallelism ``cu_seqlens_padded == cu_seqlens``. Tokens beyond
+``cu_seqlens_padded[-1]`` are trailing padding.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["slot_offsets", "next_token_labels", "segment_ids_from_cu", "block_causal_mask",
+           "zigzag_index", "zigzag_split", "zigzag_merge"]
+
+
+def slot_offsets(mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts [B], lengths [B]) of the real tokens of each sequence in a packed batch."""
+    cu = torch.as_tensor(mb["cu_seqlens"]).long()
+    lens = cu[1:] - cu[:-1]
+    starts = torch.as_tensor(mb.get("cu_seqlens_padded", cu)).long()[:-1]
+    return starts, lens
+
+
+def next_token_labels(input_ids: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Label of each token = the next token of the same sequence.
+
+    Returns ``(labels [T] long, valid [T] bool)``; the last token of each sequence, per-slot
+    padding and trailing padding get label 0 and ``valid = False``."""
+    t = input_ids.shape[0]
+    valid = torch.zeros(t, dtype=torch.bool)
+    for s, n in zip(starts.tolist(), lens.tolist()):
+        if n > 1:
+            valid[s:s + n - 1] = True
+    labels = torch.zeros(t, dtype=torch.long)
+    nxt = torch.roll(input_ids.long(), -1)
+    labels[valid] = nxt[valid]
+    return labels, valid
+
+
+def segment_ids_from_cu(total: int, starts: torch.Tensor, lens: torch.Tensor,
+                        slot_ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Segment id per token: ``b`` inside slot ``b``, ``B`` for trailing padding."""
+    b = starts.shape[0]
+    seg = torch.full((total,), b, dtype=torch.long)
+    ends = slot_ends if slot_ends is not None else starts + lens
+    for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        seg[s:e] = i
+    return seg
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask [1, 1, T, T], True = masked (megatron convention): token i may
+    attend to token j iff j <= i and both are in the same segment. Trailing padding forms its
+    own segment so no row is fully masked."""
+    t = segment_ids.shape[0]
+    same = segment_ids[:, None] == segment_ids[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool).tril_()
+    return (~(same & causal))[None, None]
+
+
+def zigzag_index(bounds: Sequence[int], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Token indices kept by context-parallel rank ``cp_rank`` (zigzag / load-balanced split).
+
+    ``bounds`` are the slot offsets (``cu_seqlens_padded``, B+1 entries); the trailing padding
+    ``[bounds[-1], total)`` is one more segment. Each segment, of a length divisible by
+    ``2·cp_size``, is cut into ``2·cp_size`` equal chunks and rank r keeps chunks r and
+    ``2·cp_size−1−r`` (in that order), matching TransformerEngine's THD context parallelism."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
+    segs = list(bounds)
+    if not segs or segs[0] != 0:
+        segs = [0] + segs
+    if segs[-1] < total:
+        segs.append(total)
+    n = 2 * cp_size
+    parts = []
+    for lo, hi in zip(segs[:-1], segs[1:]):
+        if (hi - lo) % n:
+            raise ValueError(f"segment [{lo}, {hi}) length is not a multiple of 2*cp={n}")
+        c = (hi - lo) // n
+        for k in (cp_rank, n - 1 - cp_rank):
+            parts.append(torch.arange(lo + k * c, lo + (k + 1) * c))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def zigzag_split(x: torch.Tensor, bounds: Sequence[int], cp_size: int, cp_rank: int,
+                 dim: int = 0) -> torch.Tensor:
+    """This CP rank's share of a packed per-token tensor (see :func:`zigzag_index`)."""
+    idx = zigzag_index(bounds, x.shape[dim], cp_size, cp_rank).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def zigzag_merge(shards: Sequence[torch.Tensor], bounds: Sequence[int], total: int,
+                 dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`zigzag_split`: reassemble the full tensor from every rank's share
+    (``shards[r]`` from rank r, e.g. after an all-gather over the CP group)."""
+    cp = len(shards)
+    ref = shards[0]
+    shape = list(ref.shape)
+    shape[dim] = total
+    out = ref.new_empty(shape)
+    for r, part in enumerate(shards):
+        idx = zigzag_index(bounds, total, cp, r).to(part.device)
+        out.index_copy_(dim, idx, part)
+    return out

@@ -1,0 +1,296 @@
+"""Build a megatron-core ``GPTModel`` from a Hugging Face ``config.json``.
+
+Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
+``qwen3_moe`` (top-k softmax router, no shared expert). Actor and reference use this same
+builder; the model code is single-device megatron-core and all parallelism comes from the
+:class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
+
+Layer spec: TransformerEngine (``get_gpt_layer_with_transformer_engine_spec``) when TE and CUDA
+are present, megatron-core's local spec otherwise.
+
+Parameter names and layouts of the local spec (per model chunk, TP-local shards; ``L`` is the
+layer index *local to the chunk*; the global index is ``L + layer offset`` of the stage):
+
+==============================================  ==============================================
+``embedding.word_embeddings.weight``            [V_pad/TP, H] (first stage)
+``decoder.layers.L.input_layernorm.weight``     [H]
+``decoder.layers.L.self_attention.linear_qkv.weight``  [(nq+2·nkv)·d/TP, H], rows grouped per
+                                                KV group g: [q_g0..q_g(r-1), k_g, v_g] (r = nq/nkv)
+``decoder.layers.L.self_attention.linear_qkv.bias``    same grouping (Qwen2 only)
+``decoder.layers.L.self_attention.q_layernorm.weight`` [d] (Qwen3, Qwen3-MoE)
+``decoder.layers.L.self_attention.k_layernorm.weight`` [d]
+``decoder.layers.L.self_attention.linear_proj.weight`` [H, nq·d/TP]
+``decoder.layers.L.pre_mlp_layernorm.weight``   [H]
+``decoder.layers.L.mlp.linear_fc1.weight``      [2·F/TP, H] = [gate; up] (TP-local halves)
+``decoder.layers.L.mlp.linear_fc2.weight``      [H, F/TP]
+``decoder.layers.L.mlp.router.weight``          [E, H] (MoE)
+``decoder.layers.L.mlp.experts.local_experts.e.linear_fc1.weight``  [2·Fe/ETP, H] (MoE; ``e`` is
+                                                the EP-local expert index, global = e + ep_rank·E/EP)
+``decoder.layers.L.mlp.experts.local_experts.e.linear_fc2.weight``  [H, Fe/ETP]
+``decoder.final_layernorm.weight``              [H] (last stage)
+``output_layer.weight``                         [V_pad/TP, H] (last stage, untied only)
+==============================================  ==============================================
+
+With the TE spec the norms fuse into the following linear: ``input_layernorm.weight`` becomes
+``self_attention.linear_qkv.layer_norm_weight`` and ``pre_mlp_layernorm.weight`` becomes
+``mlp.linear_fc1.layer_norm_weight`` (dense layers); MoE experts with grouped GEMM are
+``mlp.experts.linear_fc1.weight<e>``. ``sharded_state_dict()`` keys are the same in both specs
+(megatron maps them), so distributed checkpoints are portable between CPU and GPU.
+
+The vocabulary is padded to :func:`padded_vocab_size`; logits of padded ids must be masked
+before any softmax (the engine does it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
+           "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
+           "build_model_chunks", "have_te"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The architecture facts read from an HF config (pure data, validated)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    initializer_range: float = 0.02
+    # MoE
+    num_experts: Optional[int] = None
+    moe_topk: int = 0
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_norm_topk_prob: bool = True
+    moe_layer_pattern: Optional[tuple] = None  # 1 = MoE layer, 0 = dense, per layer
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+
+def load_hf_config(source: Union[str, os.PathLike, dict]) -> dict:
+    """Read ``config.json`` from a model directory or file, or pass a dict through."""
+    if isinstance(source, dict):
+        return dict(source)
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def parse_hf_config(hf: dict) -> HFArch:
+    """Validate an HF config dict and extract an :class:`HFArch`. Raises ``ValueError`` for
+    unsupported architectures or features (e.g. rope scaling other than none)."""
+    mt = hf.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
+    rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+    if rs_type not in ("default", None):
+        raise ValueError(f"rope_scaling type {rs_type!r} is not supported yet")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention is not supported")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    n_layers = int(hf["num_hidden_layers"])
+    kw: dict[str, Any] = dict(
+        model_type=mt, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
+        num_layers=n_layers, num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rope_theta=float(theta), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=(mt == "qwen2") or bool(hf.get("attention_bias", False)),
+        qk_norm=mt in ("qwen3", "qwen3_moe"),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+    if mt == "llama" and hf.get("mlp_bias"):
+        raise ValueError("llama mlp_bias=True is not supported")
+    if mt == "qwen3" and hf.get("attention_bias"):
+        kw["qkv_bias"] = True
+    if mt == "qwen3_moe":
+        step = int(hf.get("decoder_sparse_step", 1))
+        dense = set(hf.get("mlp_only_layers") or [])
+        pattern = tuple(0 if (i in dense or (i + 1) % step) else 1 for i in range(n_layers))
+        kw.update(num_experts=int(hf["num_experts"]), moe_topk=int(hf["num_experts_per_tok"]),
+                  moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                  moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                  moe_layer_pattern=pattern,
+                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+    return HFArch(**kw)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary size after padding: the smallest multiple of ``lcm(divisible_by, tp)``.
+
+    Unlike Megatron-LM (multiple of ``divisible_by·tp``) the padded size does not depend on TP
+    whenever TP divides ``divisible_by`` (e.g. 128 with TP ∈ {1, 2, 4, 8}), so checkpoints
+    reshard across TP without resizing the embedding."""
+    m = math.lcm(max(1, divisible_by), tp)
+    return ((vocab_size + m - 1) // m) * m
+
+
+def have_te() -> bool:
+    """True when TransformerEngine is importable and CUDA is available."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                               ep: int = 1, vpp: Optional[int] = None,
+                               sequence_parallel: bool = False, dtype: str = "fp32",
+                               recompute_granularity: Optional[str] = None,
+                               variable_seq_lengths: bool = True, use_te: bool = False,
+                               moe_aux_loss_coeff: Optional[float] = None,
+                               deterministic: bool = False):
+    """Translate :class:`HFArch` + parallel sizes into a megatron ``TransformerConfig``.
+
+    ``pipeline_model_parallel_size`` is set in the config (megatron needs it there to give
+    each stage its own layers); ``variable_seq_lengths`` requires the alltoall MoE dispatcher
+    even for dense models in megatron-core 0.16.1, so that dispatcher is always selected."""
+    from megatron.core.transformer import TransformerConfig
+
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
+    if arch.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"num_hidden_layers={arch.num_layers} not divisible by "
+                         f"PP·VPP={pp * (vpp or 1)}")
+    params_dtype = _DTYPES[dtype]
+    on_gpu = torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16", fp16=dtype == "fp16",
+        variable_seq_lengths=variable_seq_lengths,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=on_gpu and use_te,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        deterministic_mode=deterministic,
+    )
+    if recompute_granularity:
+        kw["recompute_granularity"] = recompute_granularity
+        if recompute_granularity == "full":
+            kw.update(recompute_method="uniform", recompute_num_layers=1)
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ValueError(f"num_experts={arch.num_experts} not divisible by EP={ep}")
+        aux = arch.router_aux_loss_coef if moe_aux_loss_coeff is None else moe_aux_loss_coeff
+        kw.update(
+            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            # HF Qwen3-MoE: softmax over all experts, top-k, renormalise when norm_topk_prob.
+            # Megatron: top-k on logits then softmax over the k == renormalised top-k.
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+            moe_aux_loss_coeff=aux, moe_grouped_gemm=use_te,
+            moe_layer_freq=list(arch.moe_layer_pattern),
+            moe_router_dtype="fp32", moe_permute_fusion=False,
+        )
+    return TransformerConfig(**kw)
+
+
+def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int] = None):
+    """The transformer layer spec (or block spec for MoE) for ``arch``."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if arch.is_moe:
+        return specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm",
+            vp_stage=vp_stage)
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
+    return specs.get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
+                                          qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
+                       make_vocab_size_divisible_by: int = 128,
+                       recompute_granularity: Optional[str] = None,
+                       use_te: Optional[bool] = None, seed: int = 1234,
+                       moe_aux_loss_coeff: Optional[float] = None):
+    """Build this rank's model chunks (one per virtual pipeline stage; one without VPP).
+
+    Returns ``(chunks, config)``. Weights are initialised from ``seed`` through megatron's
+    model-parallel RNG so that any layout initialises the same global weights only up to the
+    RNG streams; load a checkpoint (or broadcast) to get identical weights across layouts."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if use_te is None:
+        use_te = have_te()
+    d = mesh.dims
+    config = transformer_config_from_hf(
+        arch, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, vpp=mesh.vpp,
+        sequence_parallel=mesh.sequence_parallel, dtype=dtype,
+        recompute_granularity=recompute_granularity, use_te=use_te,
+        moe_aux_loss_coeff=moe_aux_loss_coeff)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    vocab = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, d.tp)
+    n_chunks = mesh.vpp or 1
+    chunks = []
+    for vp in range(n_chunks):
+        vp_stage = vp if mesh.vpp else None
+        pre = mesh.is_first_stage and vp == 0
+        post = mesh.is_last_stage and vp == n_chunks - 1
+        spec = layer_spec_for(arch, config, use_te=use_te, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings, pre_process=pre,
+            post_process=post, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+            pg_collection=mesh.pg_collection, vp_stage=vp_stage)
+        if mesh.device.type == "cuda":
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks, config

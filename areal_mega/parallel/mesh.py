@@ -1,0 +1,186 @@
+"""The process-group mesh: the ONE place that creates torch.distributed process groups.
+
+:class:`ParallelMesh` initialises ``torch.distributed`` (NCCL on GPU, gloo on CPU) and
+megatron-core's parallel state for a trainer layout ``ParallelDims(dp, tp, pp, cp, ep)`` (from
+:func:`areal_mega.parallel.allocation.parse_allocation`), and hands the groups to everything
+else explicitly: ``mesh.tp_group``, ``mesh.pp_group``, ..., and ``mesh.pg_collection`` (the
+megatron-core ``ProcessGroupCollection`` that models, DDP, optimizers and schedules accept).
+
+Rank order is megatron's ``tp-cp-ep-dp-pp`` (TP fastest). Expert parallelism carves the
+expert-parallel group out of DP·CP with expert-tensor-parallel size = TP (megatron's default),
+which is why ``ep`` must divide ``dp·cp``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.parallel.allocation import ParallelDims
+
+__all__ = ["ParallelMesh", "init_distributed"]
+
+
+def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
+                     rank: Optional[int] = None, world_size: Optional[int] = None,
+                     init_method: Optional[str] = None) -> None:
+    """Initialise the default process group once (env:// unless ``init_method`` is given).
+
+    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. A short ``timeout_s``
+    makes a crashed peer fail collectives instead of hanging them."""
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        init_method = "env://"
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass
+class ParallelMesh:
+    """Process groups and coordinates of this rank in the 5-D trainer mesh.
+
+    Build with :meth:`ParallelMesh.create`; tear down with :meth:`destroy`.
+    """
+
+    dims: ParallelDims
+    vpp: Optional[int]
+    device: torch.device
+    sequence_parallel: bool
+    pg_collection: object = field(repr=False)
+    rank: int = 0
+    world_size: int = 1
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def create(cls, dims: ParallelDims, *, vpp: Optional[int] = None,
+               sequence_parallel: bool = False, backend: Optional[str] = None,
+               timeout_s: float = 600.0, rank: Optional[int] = None,
+               world_size: Optional[int] = None, init_method: Optional[str] = None
+               ) -> "ParallelMesh":
+        """Initialise torch.distributed (if needed) and megatron's parallel state for ``dims``.
+
+        On CPU the megatron-core compatibility patches are applied first. ``vpp`` is the
+        number of virtual pipeline chunks per stage (None or 1: no interleaving)."""
+        if not torch.cuda.is_available():
+            from areal_mega.compat import megatron_cpu
+            megatron_cpu.apply()
+        init_distributed(backend=backend, timeout_s=timeout_s, rank=rank,
+                         world_size=world_size, init_method=init_method)
+        ws = dist.get_world_size()
+        if ws != dims.world_size:
+            raise ValueError(f"trainer layout {dims.short()} needs {dims.world_size} ranks, "
+                             f"torch.distributed has {ws}")
+        if (dims.dp * dims.cp) % dims.ep:
+            raise ValueError(f"expert parallel size e={dims.ep} must divide d*c="
+                             f"{dims.dp * dims.cp}")
+        if sequence_parallel and dims.tp == 1:
+            sequence_parallel = False
+        if vpp is not None and vpp <= 1:
+            vpp = None
+        if vpp is not None and dims.pp == 1:
+            raise ValueError("virtual pipeline parallelism needs p > 1")
+        from megatron.core import parallel_state as ps
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=dims.cp,
+            expert_model_parallel_size=dims.ep,
+            expert_tensor_parallel_size=dims.tp,
+            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+            create_gloo_process_groups=torch.cuda.is_available(),
+        )
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() else torch.device("cpu"))
+        return cls(dims=dims, vpp=vpp, device=device, sequence_parallel=sequence_parallel,
+                   pg_collection=pgc, rank=dist.get_rank(), world_size=ws)
+
+    def destroy(self, *, process_group: bool = False) -> None:
+        """Destroy megatron's parallel state (and the default group when asked)."""
+        from megatron.core import parallel_state as ps
+        ps.destroy_model_parallel()
+        if process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- groups ---------------------------------------------------------------------------
+    @property
+    def tp_group(self):
+        return self.pg_collection.tp
+
+    @property
+    def pp_group(self):
+        return self.pg_collection.pp
+
+    @property
+    def cp_group(self):
+        return self.pg_collection.cp
+
+    @property
+    def dp_group(self):
+        """Data-parallel group without context parallelism."""
+        return self.pg_collection.dp
+
+    @property
+    def dp_cp_group(self):
+        """Data × context parallel group: where dense gradients are reduced."""
+        return self.pg_collection.dp_cp
+
+    @property
+    def ep_group(self):
+        return self.pg_collection.ep
+
+    @property
+    def mp_group(self):
+        """Model-parallel group (TP × PP): the ranks that share one model replica."""
+        return self.pg_collection.mp
+
+    # -- coordinates ----------------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return dist.get_rank(self.tp_group)
+
+    @property
+    def pp_rank(self) -> int:
+        return dist.get_rank(self.pp_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp_group)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
+
+    def last_stage_global_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline."""
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        return ranks[-1]
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"

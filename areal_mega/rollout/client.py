@@ -1,0 +1,297 @@
+"""aiohttp client for SGLang's native HTTP API (and the CPU local server, which speaks it too).
+
+One :class:`RolloutClient` talks to several servers:
+- ``generate`` goes to the least-loaded healthy server; a ``sticky_key`` (e.g. the episode's rid)
+  keeps resubmissions of one request on the same server while it is healthy;
+- a connection error, timeout or 5xx marks the server down and the request is retried on another
+  server after an exponential backoff (``retries`` times); nothing is dropped. HTTP 4xx is the
+  caller's fault and raises :class:`RolloutRequestError` at once;
+- control calls (pause, continue, weight updates, flush) go to every live server.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class RolloutRequestError(RuntimeError):
+    """The server rejected a request (HTTP 4xx); retrying elsewhere would not help."""
+
+
+class RolloutServerError(RuntimeError):
+    """No server could complete a request after all retries."""
+
+
+@dataclass
+class GenerateResult:
+    """One ``/generate`` answer, parsed."""
+    output_ids: list
+    logprobs: list
+    finish_reason: dict
+    weight_version: Optional[str]
+    server: str
+    raw: dict = field(repr=False, default_factory=dict)
+
+    @property
+    def finish_type(self) -> str:
+        return (self.finish_reason or {}).get("type", "abort")
+
+
+@dataclass
+class _Server:
+    addr: str
+    inflight: int = 0
+    healthy: bool = True
+    down_since: float = 0.0
+    failures: int = 0
+
+
+class RolloutClient:
+    """Async client for one or more SGLang-compatible servers (``host:port`` or URLs)."""
+
+    def __init__(self, addrs: list, api_key: Optional[str] = None, timeout_s: float = 3600.0,
+                 retries: int = 3, backoff_s: float = 0.2, control_timeout_s: float = 600.0):
+        if not addrs:
+            raise ValueError("RolloutClient: need at least one server address")
+        self.servers = [_Server(a if a.startswith("http") else f"http://{a}") for a in addrs]
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._sticky: dict[str, _Server] = {}
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    # ------------------------------------------------------------------ plumbing
+    async def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(self, srv: _Server, method: str, path: str, body: Optional[dict] = None,
+                    timeout: Optional[float] = None) -> dict:
+        sess = await self._sess()
+        to = aiohttp.ClientTimeout(total=timeout or self.timeout_s)
+        async with sess.request(method, srv.addr + path, json=body, timeout=to) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                msg = text
+                try:
+                    msg = (await resp.json(content_type=None))["error"]["message"]
+                except Exception:  # noqa: BLE001 - keep the raw text
+                    pass
+                if 400 <= resp.status < 500:
+                    raise RolloutRequestError(f"{srv.addr}{path}: HTTP {resp.status}: {msg}")
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=f"{msg}"[:500])
+            if not text:
+                return {}
+            try:
+                import json
+                return json.loads(text)
+            except ValueError:
+                return {"text": text}
+
+    def _mark_down(self, srv: _Server, err: BaseException) -> None:
+        if srv.healthy:
+            log.warning("rollout server %s marked down: %s", srv.addr, err)
+        srv.healthy, srv.down_since = False, time.monotonic()
+        srv.failures += 1
+
+    def live_servers(self) -> list:
+        """Addresses of servers currently considered healthy."""
+        return [s.addr for s in self.servers if s.healthy]
+
+    def _pick(self, sticky_key: Optional[str], exclude: set) -> Optional[_Server]:
+        s = self._sticky.get(sticky_key) if sticky_key else None
+        if s is not None and s.healthy and s.addr not in exclude:
+            return s
+        cands = [s for s in self.servers if s.healthy and s.addr not in exclude] or \
+                [s for s in self.servers if s.healthy]
+        if not cands:
+            return None
+        s = min(cands, key=lambda x: x.inflight)
+        if sticky_key:
+            self._sticky[sticky_key] = s
+        return s
+
+    def release(self, sticky_key: str) -> None:
+        """Forget the server binding of ``sticky_key`` (call when an episode ends)."""
+        self._sticky.pop(sticky_key, None)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: list, sampling_params: dict, rid: Optional[str] = None,
+                       sticky_key: Optional[str] = None) -> GenerateResult:
+        """``POST /generate`` with logprobs on the least-loaded server, retrying elsewhere on
+        failure. Returns the parsed result (``finish_type`` is stop/length/abort)."""
+        body = {"input_ids": list(input_ids), "sampling_params": sampling_params,
+                "return_logprob": True, "stream": False}
+        if rid is not None:
+            body["rid"] = rid
+        tried: set = set()
+        last: Optional[BaseException] = None
+        for attempt in range(self.retries + 1):
+            srv = self._pick(sticky_key or rid, tried)
+            if srv is None:
+                await self.check_health()
+                srv = self._pick(sticky_key or rid, tried)
+            if srv is None:
+                last = last or RolloutServerError("no healthy rollout server")
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                continue
+            srv.inflight += 1
+            try:
+                out = await self._call(srv, "POST", "/generate", body)
+            except RolloutRequestError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                last = e
+                self._mark_down(srv, e)
+                tried.add(srv.addr)
+                if sticky_key or rid:
+                    self._sticky.pop(sticky_key or rid, None)
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                continue
+            finally:
+                srv.inflight -= 1
+            meta = out.get("meta_info", {})
+            lps = meta.get("output_token_logprobs") or []
+            return GenerateResult(
+                output_ids=list(out.get("output_ids", [])),
+                logprobs=[float(x[0]) for x in lps],
+                finish_reason=meta.get("finish_reason") or {"type": "abort"},
+                weight_version=meta.get("weight_version"), server=srv.addr, raw=out)
+        raise RolloutServerError(f"generate failed after {self.retries + 1} attempts: {last}")
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        """``POST /abort_request`` for ``rid`` (on its server), or abort all when None."""
+        body = {"rid": rid} if rid else {"abort_all": True}
+        srv = self._sticky.get(rid) if rid else None
+        await self._broadcast("/abort_request", body, only=[srv] if srv else None)
+
+    # ------------------------------------------------------------------ control plane
+    async def _broadcast(self, path: str, body: Optional[dict] = None, only=None,
+                         method: str = "POST", timeout: Optional[float] = None) -> list:
+        targets = only or [s for s in self.servers if s.healthy]
+        if not targets:
+            raise RolloutServerError(f"{path}: no healthy rollout server")
+
+        async def one(s: _Server):
+            try:
+                return await self._call(s, method, path, body,
+                                        timeout=timeout or self.control_timeout_s)
+            except RolloutRequestError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._mark_down(s, e)
+                return None
+        return await asyncio.gather(*(one(s) for s in targets))
+
+    async def pause(self) -> None:
+        """``POST /pause_generation``: in-flight requests return ``abort`` with partial output."""
+        await self._broadcast("/pause_generation", {})
+
+    async def resume(self) -> None:
+        """``POST /continue_generation`` on every live server."""
+        await self._broadcast("/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str,
+                                       weight_version: Optional[int] = None) -> None:
+        """``POST /update_weights_from_disk`` on every live server."""
+        body: dict = {"model_path": model_path, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        await self._broadcast("/update_weights_from_disk", body)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        ranks_per_server: int = 1) -> None:
+        """``POST /init_weights_update_group``: server i joins as ranks from
+        ``1 + i * ranks_per_server`` (rank 0 is the trainer's sender)."""
+        async def one(i: int, s: _Server):
+            return await self._call(s, "POST", "/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port,
+                "rank_offset": 1 + i * ranks_per_server, "world_size": world_size,
+                "group_name": group_name, "backend": backend}, timeout=self.control_timeout_s)
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(self.servers)))
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
+                                              group_name: str,
+                                              weight_version: Optional[int] = None) -> None:
+        """``POST /update_weights_from_distributed`` to every server (the trainer broadcasts
+        the tensors over the group while these requests are in flight)."""
+        body: dict = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                      "group_name": group_name}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        await asyncio.gather(*(self._call(s, "POST", "/update_weights_from_distributed", body,
+                                          timeout=self.control_timeout_s)
+                               for s in self.servers))
+
+    async def set_weight_version(self, version: int) -> bool:
+        """``POST /update_weight_version`` on every live server; False if unsupported."""
+        try:
+            await self._broadcast("/update_weight_version", {"new_version": str(version)})
+            return True
+        except RolloutRequestError:
+            return False
+
+    async def flush_cache(self) -> None:
+        """``POST /flush_cache`` on every live server."""
+        await self._broadcast("/flush_cache", {})
+
+    async def model_info(self, i: int = 0) -> dict:
+        """``GET /get_model_info`` of server ``i``."""
+        return await self._call(self.servers[i], "GET", "/get_model_info",
+                                timeout=self.control_timeout_s)
+
+    async def check_health(self, timeout: float = 5.0) -> list:
+        """``GET /health_generate`` on every server; updates health flags, returns them."""
+        async def one(s: _Server):
+            try:
+                await self._call(s, "GET", "/health_generate", timeout=timeout)
+                if not s.healthy:
+                    log.warning("rollout server %s is back", s.addr)
+                s.healthy = True
+            except Exception as e:  # noqa: BLE001
+                self._mark_down(s, e)
+            return s.healthy
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until every server answers its health check."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if all(await self.check_health(timeout=2.0)):
+                return
+            if time.monotonic() > deadline:
+                down = [s.addr for s in self.servers if not s.healthy]
+                raise RolloutServerError(f"rollout servers not ready after {timeout}s: {down}")
+            await asyncio.sleep(0.2)
+
+
+def sampling_dict(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                  top_k: int = -1, stop_token_ids: Optional[list] = None,
+                  ignore_eos: bool = False, **extra: Any) -> dict:
+    """SGLang ``sampling_params`` dict."""
+    d = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+         "top_p": float(top_p), "top_k": int(top_k), "ignore_eos": bool(ignore_eos)}
+    if stop_token_ids:
+        d["stop_token_ids"] = list(stop_token_ids)
+    d.update(extra)
+    return d

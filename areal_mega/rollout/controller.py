@@ -1,0 +1,410 @@
+"""RolloutController: concurrent episodes under the staleness bound, interruptible generation,
+weight updates, and delivery of finished groups to a sink.
+
+Trainer loop (all calls from the trainer's thread; the controller runs its own asyncio thread)::
+
+    ctl = RolloutController(client, workflow, prompts, batch_size=B, eta=η, n_samples=n)
+    ctl.start()
+    for step in range(steps):
+        groups = ctl.wait_batch()          # B groups (lists of n Trajectory), in start order
+        train(groups)
+        ctl.update_weights(step + 1, path=hf_dir)            # disk, or:
+        ctl.update_weights(step + 1, named_tensors=iter(...))  # bucketed broadcast
+    ctl.stop()
+
+With a ``sink`` (production: the data plane), finished groups go to ``sink(group)`` instead of
+the internal buffer and the trainer reads them from its TrajectoryBuffer; call
+:meth:`RolloutController.report_rejected` for groups the trainer drops (frees their slots).
+
+Staleness (units: prompt groups, see :mod:`areal_mega.rollout.staleness`): a group starts only
+while ``accepted + running < (η + version + 1) · batch_size``.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from areal_mega.rollout.client import RolloutClient, RolloutServerError
+from areal_mega.rollout.staleness import StalenessCounter, sample_version
+
+log = logging.getLogger(__name__)
+
+
+class RolloutExhausted(Exception):
+    """The prompt source is exhausted and fewer groups than asked for remain."""
+
+
+@dataclass
+class GenerationOutput:
+    """A completed (possibly interrupted and resumed) generation."""
+    output_ids: list
+    logprobs: list
+    versions: list
+    finish_reason: str  # stop | length | abort (abort only when the controller is stopping)
+    n_interruptions: int
+    server: str
+
+
+class EpisodeContext:
+    """What a workflow sees for one prompt group."""
+
+    def __init__(self, ctl: "RolloutController", group_index: int):
+        self.ctl = ctl
+        self.group_index = group_index
+        self.group_id = f"{ctl.run_id}-g{group_index}"
+        self.tokenizer = ctl.tokenizer
+
+    def sample_id(self, j: int) -> str:
+        """Unique id of sample ``j`` of this group."""
+        return f"{self.group_id}-s{j}"
+
+    async def generate(self, input_ids: list, max_new_tokens: int, sample_index: int = 0,
+                       turn: int = 0, **sampling) -> GenerationOutput:
+        """Interruptible generation (see :meth:`RolloutController.generate`)."""
+        key = f"{self.sample_id(sample_index)}-t{turn}"
+        return await self.ctl.generate(input_ids, max_new_tokens, key=key, **sampling)
+
+    async def reward(self, fn, *args, **kw) -> float:
+        """Run a (blocking) reward function off the event loop; errors give 0 and a log line."""
+        try:
+            return float(await self.run_blocking(fn, *args, **kw))
+        except Exception as e:  # noqa: BLE001
+            log.warning("reward function failed: %s", e)
+            self.ctl.reward_errors += 1
+            return 0.0
+
+    async def run_blocking(self, fn, *args, **kw):
+        """Run ``fn(*args, **kw)`` in the controller's thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.ctl._pool, lambda: fn(*args, **kw))
+
+
+class RolloutController:
+    """Runs episodes in a background asyncio thread; see the module docstring."""
+
+    def __init__(self, client: RolloutClient, workflow, prompts: Iterable[dict], *,
+                 batch_size: int, n_samples: int, eta: int, max_concurrent: int = 64,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+                 tokenizer=None, sink: Optional[Callable[[list], None]] = None,
+                 initial_version: int = 0, max_episode_retries: int = 3,
+                 reward_threads: int = 4, **extra_sampling):
+        self.client = client
+        self.workflow = workflow
+        self._prompts = iter(prompts)
+        self._requeued: deque = deque()
+        self.n_samples = n_samples
+        self.max_concurrent = max_concurrent
+        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                         **extra_sampling}
+        self.tokenizer = tokenizer
+        self.sink = sink
+        self.max_episode_retries = max_episode_retries
+        self.run_id = uuid.uuid4().hex[:8]
+        self.counter = StalenessCounter(batch_size=batch_size, eta=eta, version=initial_version)
+        self._pool = concurrent.futures.ThreadPoolExecutor(reward_threads,
+                                                           thread_name_prefix="rollout-reward")
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._cv = threading.Condition()           # guards the finished-group buffer
+        self._order: deque = deque()                # started, not consumed group indices
+        self._finished: dict = {}                   # group index -> list[Trajectory]
+        self._group_ids = itertools.count()
+        self._exhausted = False
+        self._error: Optional[BaseException] = None
+        self._trust_server_version = True
+        # statistics
+        self.n_started = self.n_finished = self.n_failed = 0
+        self.n_interruptions = self.reward_errors = 0
+        self.n_inflight_requests = 0
+        self.max_running_seen = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "RolloutController":
+        """Start the background loop; returns self."""
+        if self._thread is not None:
+            raise RuntimeError("RolloutController already started")
+        ready = threading.Event()
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            self._gate = asyncio.Event()
+            self._gate.set()
+            self._wake = asyncio.Event()
+            self._stopping = False
+            ready.set()
+            try:
+                self._loop.run_until_complete(self._main())
+            except BaseException as e:  # noqa: BLE001 - surfaced in wait_batch
+                log.exception("rollout controller loop died")
+                self._set_error(e)
+            finally:
+                self._loop.run_until_complete(self.client.close())
+                self._loop.close()
+
+        self._thread = threading.Thread(target=run, name="rollout-controller", daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop starting groups, abort in-flight requests and join the loop thread."""
+        if self._thread is None or self._loop is None:
+            return
+        def _stop():
+            self._stopping = True
+            self._gate.set()
+            self._wake.set()
+        self._loop.call_soon_threadsafe(_stop)
+        self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._cv:
+            self._cv.notify_all()
+
+    def run_async(self, coro) -> concurrent.futures.Future:
+        """Run a coroutine on the controller's loop (e.g. client calls from the trainer)."""
+        if self._loop is None:
+            raise RuntimeError("RolloutController not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _set_error(self, e: BaseException) -> None:
+        with self._cv:
+            self._error = self._error or e
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ the loop
+    async def _main(self) -> None:
+        try:
+            self._trust_server_version = await self.client.set_weight_version(
+                self.counter.version)
+        except RolloutServerError as e:
+            raise RuntimeError(f"rollout servers unreachable at start: {e}") from None
+        tasks: set = set()
+        while not self._stopping:
+            c = self.counter
+            can = (self._gate.is_set() and c.capacity() > 0 and c.running < self.max_concurrent
+                   and not self._exhausted)
+            if can:
+                item = self._next_prompt()
+                if item is None:
+                    self._exhausted = True
+                    with self._cv:
+                        self._cv.notify_all()
+                    continue
+                gidx = next(self._group_ids)
+                c.on_start()
+                self.n_started += 1
+                self.max_running_seen = max(self.max_running_seen, c.running)
+                with self._cv:
+                    self._order.append(gidx)
+                t = asyncio.create_task(self._run_group(gidx, item))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                continue
+            self._wake.clear()
+            await self._wake.wait()
+        # stopping: interrupt every request and let the tasks unwind
+        for t in list(tasks):
+            t.cancel()
+        try:
+            await asyncio.wait_for(self.client.abort(None), 10)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+
+    def _next_prompt(self) -> Optional[dict]:
+        if self._requeued:
+            return self._requeued.popleft()
+        return next(self._prompts, None)
+
+    async def _run_group(self, gidx: int, item: dict, attempt: int = 0) -> None:
+        ctx = EpisodeContext(self, gidx)
+        start_version = self.counter.version
+        try:
+            group = await self.workflow.arun_episode(ctx, item, self.n_samples)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the prompt is retried, the slot released
+            log.warning("episode of group %d failed (attempt %d): %s", gidx, attempt + 1, e)
+            self.n_failed += 1
+            self.counter.on_finish(accepted=False)
+            with self._cv:
+                self._order.remove(gidx)
+                self._cv.notify_all()
+            if attempt + 1 < self.max_episode_retries:
+                self._requeued.append(item)
+            else:
+                self._set_error(RuntimeError(f"episode failed {attempt + 1} times: {e}"))
+            self._wake.set()
+            return
+        for tr in group:
+            tr.meta.update({"group_index": gidx, "start_version": start_version,
+                            "sample_version": sample_version(tr.versions)})
+        self.counter.on_finish(accepted=True)
+        self.n_finished += 1
+        self._wake.set()
+        if self.sink is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self.sink, group)
+            except Exception as e:  # noqa: BLE001
+                log.exception("sink failed")
+                self._set_error(e)
+            with self._cv:
+                self._order.remove(gidx)
+        else:
+            with self._cv:
+                self._finished[gidx] = group
+                self._cv.notify_all()
+
+    async def generate(self, input_ids: list, max_new_tokens: int, key: str,
+                       **sampling) -> GenerationOutput:
+        """Generate ``max_new_tokens`` at most; when a weight update interrupts the request
+        (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
+        output with the remaining budget. Tokens carry the version that produced them."""
+        out, lps, vers = [], [], []
+        seg, server = 0, ""
+        sp = dict(self.sampling, **{k: v for k, v in sampling.items() if v is not None})
+        while True:
+            await self._gate.wait()
+            if self._stopping:
+                return GenerationOutput(out, lps, vers, "abort", seg, server)
+            remaining = max_new_tokens - len(out)
+            submit_version = self.counter.version
+            params = dict(sp, max_new_tokens=remaining)
+            self.n_inflight_requests += 1
+            try:
+                res = await self.client.generate(list(input_ids) + out, params,
+                                                 rid=f"{key}-r{seg}", sticky_key=key)
+            finally:
+                self.n_inflight_requests -= 1
+            v = submit_version
+            if self._trust_server_version and res.weight_version is not None:
+                try:
+                    v = int(res.weight_version)
+                except ValueError:
+                    pass
+            out += res.output_ids
+            lps += res.logprobs
+            vers += [v] * len(res.output_ids)
+            server = res.server
+            if res.finish_type != "abort":
+                self.client.release(key)
+                return GenerationOutput(out, lps, vers, res.finish_type, seg, server)
+            if len(out) >= max_new_tokens:
+                self.client.release(key)
+                return GenerationOutput(out, lps, vers, "length", seg, server)
+            seg += 1
+            self.n_interruptions += 1
+
+    # ------------------------------------------------------------------ trainer API
+    @property
+    def version(self) -> int:
+        """The weight version currently on the servers."""
+        return self.counter.version
+
+    def wait_batch(self, n_groups: Optional[int] = None, timeout: Optional[float] = None
+                   ) -> list:
+        """Block until the next ``n_groups`` (default ``batch_size``) groups in start order
+        have finished and return them (each a list of ``n_samples`` trajectories). Consuming
+        in start order is what makes the staleness bound exact. Only without a sink."""
+        if self.sink is not None:
+            raise RuntimeError("wait_batch: this controller delivers to a sink")
+        n = n_groups or self.counter.batch_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout failed: {self._error}") from self._error
+                head = list(itertools.islice(self._order, n))
+                if len(head) == n and all(g in self._finished for g in head):
+                    for _ in range(n):
+                        self._order.popleft()
+                    return [self._finished.pop(g) for g in head]
+                if self._exhausted and len(self._order) < n and \
+                        all(g in self._finished for g in self._order):
+                    raise RolloutExhausted("prompts exhausted")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"wait_batch: {n} groups not ready after {timeout}s")
+                self._cv.wait(timeout=left if left is not None else 1.0)
+
+    def report_rejected(self, n_groups: int = 1) -> None:
+        """The trainer dropped ``n_groups`` accepted groups; their slots become free."""
+        def f():
+            self.counter.on_rejected(n_groups)
+            self._wake.set()
+        self._loop.call_soon_threadsafe(f)
+
+    def update_weights(self, version: int, path: Optional[str] = None,
+                       named_tensors: Optional[Iterable] = None, sender=None,
+                       timeout: float = 600.0) -> None:
+        """Stop dispatching → pause servers (in-flight requests abort with partial output) →
+        load ``path`` (HF safetensors dir) or broadcast ``named_tensors`` through ``sender``
+        (a connected :class:`~areal_mega.rollout.weight_sync.DistributedWeightSender`) →
+        continue → set ``version``; interrupted requests then resume automatically."""
+        if (path is None) == (named_tensors is None):
+            raise ValueError("update_weights: give exactly one of path= or named_tensors=")
+        if named_tensors is not None and sender is None:
+            raise ValueError("update_weights(named_tensors=...) needs sender=")
+        if version <= self.counter.version:
+            raise ValueError(f"update_weights: version {version} must exceed "
+                             f"{self.counter.version}")
+        self.run_async(self._begin_update()).result(timeout)
+        ok = False
+        try:
+            if path is not None:
+                self.run_async(self.client.update_weights_from_disk(path, version)).result(
+                    timeout)
+            else:
+                sender.send(named_tensors, weight_version=version)
+            ok = True
+        finally:
+            self.run_async(self._end_update(version if ok else None)).result(timeout)
+
+    async def _begin_update(self) -> None:
+        self._gate.clear()
+        await self.client.pause()
+
+    async def _end_update(self, version: Optional[int]) -> None:
+        try:
+            if version is not None:
+                if self._trust_server_version:
+                    await self.client.set_weight_version(version)
+                self.counter.set_version(version)
+            await self.client.resume()
+        finally:
+            self._gate.set()
+            self._wake.set()
+
+    def weight_sender(self, **kw):
+        """A :class:`~areal_mega.rollout.weight_sync.DistributedWeightSender` bound to this
+        controller's client and loop (call ``.connect()`` once)."""
+        from areal_mega.rollout.weight_sync import DistributedWeightSender
+
+        return DistributedWeightSender(self.client, run_async=self.run_async, **kw)
+
+    def stats(self) -> dict:
+        """Counters for logging."""
+        c = self.counter
+        return {"version": c.version, "accepted": c.accepted, "running": c.running,
+                "rejected": c.rejected, "capacity": c.capacity(), "started": self.n_started,
+                "finished": self.n_finished, "failed": self.n_failed,
+                "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
+                "buffered": len(self._finished), "max_running_seen": self.max_running_seen}
+
+
+def dataplane_sink(sender) -> Callable[[list], None]:
+    """Adapt a data-plane ``TrajectorySender`` (``.send(traj)``) to a group sink."""
+    def sink(group: list) -> None:
+        for tr in group:
+            sender.send(tr)
+    return sink

@@ -1,0 +1,348 @@
+"""Iteration-level batched generation on a HF causal LM (CPU), the core of the local server.
+
+One engine thread owns the model. Each iteration it
+1. applies queued commands (weight loads, pause) between decode steps,
+2. admits waiting requests (prefill each alone, then merges its KV cache into the batch by
+   left-padding every layer's keys/values to the common length),
+3. runs ONE forward over all active requests (input ``[B, 1]``, per-row ``position_ids`` and a
+   padding ``attention_mask``), samples one token per request and retires finished ones.
+
+So 8 concurrent requests cost ~one batched forward per token instead of 8.
+
+Logprobs: each returned logprob is ``log_softmax(logits / temperature)`` at the sampled token,
+i.e. the temperature-scaled distribution the token was drawn from (before the top-k / top-p
+truncation, which the trainer cannot recompute). The trainer must recompute at the same
+temperature. Greedy requests (temperature 0) report logprobs at temperature 1.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+GREEDY_EPS = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    """Validated sampling parameters of one request (SGLang field names)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None
+
+
+@dataclass
+class GenRequest:
+    """One generation request inside the engine; ``on_done(self)`` fires exactly once."""
+    rid: str
+    input_ids: list
+    params: SamplingParams
+    on_done: Callable[["GenRequest"], None]
+    output_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    weight_version: str = "0"
+    aborted: bool = False
+    abort_message: str = ""
+    generator: Optional[torch.Generator] = None
+    created_at: float = field(default_factory=time.time)
+
+    def _finish(self, reason: dict) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            try:
+                self.on_done(self)
+            except Exception:  # a broken callback must never kill the engine thread
+                log.exception("on_done callback failed for rid=%s", self.rid)
+
+
+class BatchedEngine:
+    """Owns the model and a thread that decodes all active requests together.
+
+    Thread-safe entry points: :meth:`submit`, :meth:`abort`, :meth:`pause`, :meth:`resume`,
+    :meth:`run_exclusive` (run a callable on the engine thread between decode steps).
+    """
+
+    def __init__(self, model, eos_token_id: Optional[int], max_running: int = 64,
+                 weight_version: str = "0"):
+        self.model = model
+        self.config = model.config
+        self.eos_token_id = eos_token_id
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self._cv = threading.Condition()
+        self._waiting: deque[GenRequest] = deque()
+        self._commands: deque = deque()
+        self._paused = False
+        self._stop = False
+        # batch state (engine thread only)
+        self._active: list[GenRequest] = []
+        self._kv: list = []          # per layer (keys [B,H,L,D], values [B,H,L,D])
+        self._mask: Optional[torch.Tensor] = None  # [B, L] long, 1 = real token
+        self._next_pos: list[int] = []
+        self._last_tok: list[int] = []
+        self.steps = 0
+        self.tokens_generated = 0
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public, any thread
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; while paused it waits until :meth:`resume`."""
+        with self._cv:
+            if self._stop:
+                req._finish({"type": "abort", "message": "server shutting down"})
+                return
+            self._waiting.append(req)
+            self._cv.notify_all()
+
+    def abort(self, rid: Optional[str] = None, message: str = "aborted by request") -> int:
+        """Mark request ``rid`` (or every request when None) aborted; returns how many."""
+        n = 0
+        with self._cv:
+            for r in list(self._waiting) + list(self._active):
+                if rid is None or r.rid == rid:
+                    r.aborted, r.abort_message = True, message
+                    n += 1
+            self._cv.notify_all()
+        return n
+
+    def pause(self) -> None:
+        """Abort every running and waiting request (they return their partial output with
+        ``finish_reason.type == "abort"``) and hold new ones until :meth:`resume`."""
+        with self._cv:
+            self._paused = True
+            for r in list(self._waiting) + list(self._active):
+                r.aborted, r.abort_message = True, "generation paused"
+            self._cv.notify_all()
+
+    def resume(self) -> None:
+        """Let queued and new requests run again."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def run_exclusive(self, fn: Callable[[], object], timeout: Optional[float] = None):
+        """Run ``fn()`` on the engine thread between decode steps and return its result
+        (exceptions are re-raised here)."""
+        done = threading.Event()
+        box: dict = {}
+
+        def cmd():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        with self._cv:
+            self._commands.append(cmd)
+            self._cv.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError("engine command timed out")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def shutdown(self) -> None:
+        """Abort everything and stop the engine thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while (not self._stop and not self._commands and not self._active
+                       and not (self._waiting and not self._paused)
+                       and not any(r.aborted for r in self._waiting)):
+                    self._cv.wait()
+                stop = self._stop
+                commands = list(self._commands)
+                self._commands.clear()
+                # aborted waiting requests finish at once with no output
+                aborted_waiting = [r for r in self._waiting if r.aborted]
+                self._waiting = deque(r for r in self._waiting if not r.aborted)
+                admit = []
+                if not self._paused and not stop:
+                    room = self.max_running - len(self._active)
+                    while self._waiting and room > 0:
+                        admit.append(self._waiting.popleft())
+                        room -= 1
+            for r in aborted_waiting:
+                r._finish({"type": "abort", "message": r.abort_message})
+            if stop:
+                for r in self._active + list(self._waiting):
+                    r._finish({"type": "abort", "message": "server shutting down"})
+                self._active = []
+                for cmd in commands:
+                    cmd()
+                return
+            self._retire_aborted()
+            for cmd in commands:
+                cmd()
+            try:
+                for r in admit:
+                    self._prefill(r)
+                self._retire_aborted()
+                if self._active:
+                    self._decode_step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed")
+                for r in self._active + admit:
+                    r._finish({"type": "abort", "message": f"engine error: {e}"})
+                self._reset_batch()
+
+    def _reset_batch(self) -> None:
+        self._active, self._kv, self._mask = [], [], None
+        self._next_pos, self._last_tok = [], []
+
+    def _retire_aborted(self) -> None:
+        if any(r.aborted for r in self._active):
+            keep = [i for i, r in enumerate(self._active) if not r.aborted]
+            for r in self._active:
+                if r.aborted:
+                    r._finish({"type": "abort", "message": r.abort_message})
+            self._select(keep)
+
+    def _forward(self, input_ids, past, attention_mask=None, position_ids=None):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=past, config=self.config) if past else \
+            DynamicCache(config=self.config)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         attention_mask=attention_mask, position_ids=position_ids)
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return out.logits[:, -1, :].float(), kv
+
+    def _prefill(self, r: GenRequest) -> None:
+        if r.params.max_new_tokens == 0:
+            r._finish({"type": "length", "length": 0})
+            return
+        r.weight_version = self.weight_version
+        ids = torch.tensor([r.input_ids], dtype=torch.long)
+        logits, kv = self._forward(ids, None)
+        tok = self._sample_and_record([r], logits)[0]
+        if self._check_finished(r, tok):
+            return
+        L = len(r.input_ids)
+        if not self._active:
+            self._kv, self._mask = kv, torch.ones(1, L, dtype=torch.long)
+        else:
+            Lb = self._mask.shape[1]
+            Lm = max(Lb, L)
+            self._kv = [(torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]),
+                         torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
+                        for (kb, vb), (k, v) in zip(self._kv, kv)]
+            mb = F.pad(self._mask, (Lm - Lb, 0))
+            mn = F.pad(torch.ones(1, L, dtype=torch.long), (Lm - L, 0))
+            self._mask = torch.cat([mb, mn])
+        self._active.append(r)
+        self._next_pos.append(L)
+        self._last_tok.append(tok)
+
+    def _decode_step(self) -> None:
+        B = len(self._active)
+        ids = torch.tensor(self._last_tok, dtype=torch.long).view(B, 1)
+        pos = torch.tensor(self._next_pos, dtype=torch.long).view(B, 1)
+        mask = torch.cat([self._mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        logits, kv = self._forward(ids, self._kv, attention_mask=mask, position_ids=pos)
+        self._kv, self._mask = kv, mask
+        self.steps += 1
+        toks = self._sample_and_record(self._active, logits)
+        keep = []
+        for i, (r, tok) in enumerate(zip(self._active, toks)):
+            self._next_pos[i] += 1
+            self._last_tok[i] = tok
+            if not self._check_finished(r, tok):
+                keep.append(i)
+        if len(keep) != B:
+            self._select(keep)
+
+    def _select(self, keep: list) -> None:
+        """Keep batch rows ``keep`` and drop leading columns that are padding everywhere."""
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        mask = self._mask.index_select(0, idx)
+        first = int((mask.sum(0) > 0).nonzero()[0]) if mask.numel() else 0
+        self._mask = mask[:, first:]
+        self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+                    for k, v in self._kv]
+        self._active = [self._active[i] for i in keep]
+        self._next_pos = [self._next_pos[i] for i in keep]
+        self._last_tok = [self._last_tok[i] for i in keep]
+
+    def _sample_and_record(self, reqs: list, logits: torch.Tensor) -> list:
+        toks = []
+        for r, row in zip(reqs, logits):
+            p = r.params
+            if p.temperature < GREEDY_EPS:
+                tok = int(torch.argmax(row))
+                lp = float(torch.log_softmax(row, -1)[tok])
+            else:
+                logp = torch.log_softmax(row / p.temperature, -1)
+                masked = logp
+                if p.top_k > 0 and p.top_k < masked.numel():
+                    kth = torch.topk(masked, p.top_k).values[-1]
+                    masked = masked.masked_fill(masked < kth, float("-inf"))
+                if p.top_p < 1.0:
+                    sp, si = torch.sort(masked, descending=True)
+                    cum = torch.cumsum(sp.exp(), 0)
+                    drop = (cum - sp.exp()) >= p.top_p  # keep the smallest prefix reaching top_p
+                    masked = masked.clone()
+                    masked[si[drop]] = float("-inf")
+                tok = int(torch.multinomial(masked.exp(), 1, generator=r.generator))
+                lp = float(logp[tok])
+            r.output_ids.append(tok)
+            r.logprobs.append(lp)
+            toks.append(tok)
+        self.tokens_generated += len(toks)
+        return toks
+
+    def _check_finished(self, r: GenRequest, tok: int) -> bool:
+        p = r.params
+        if (not p.ignore_eos and tok == self.eos_token_id) or tok in p.stop_token_ids:
+            r._finish({"type": "stop", "matched": tok})
+            return True
+        if len(r.output_ids) >= p.max_new_tokens:
+            r._finish({"type": "length", "length": len(r.output_ids)})
+            return True
+        return False
+
+
+def _lpad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad a ``[B, H, L, D]`` cache tensor with zeros along L to ``length``."""
+    return F.pad(t, (0, 0, length - t.shape[2], 0)) if t.shape[2] < length else t

@@ -1,0 +1,184 @@
+"""Trainer side of the distributed weight update: bucket planning (pure) and the sender.
+
+The sender owns rank 0 of a process group shared with every rollout server (server i joins as
+rank 1 + i·tp through ``/init_weights_update_group``). For each bucket it POSTs
+``/update_weights_from_distributed {names, dtypes, shapes}`` to every server and, while those
+requests are in flight, broadcasts the bucket's tensors one by one (root 0) in the listed order,
+which is exactly what SGLang's receiver expects. Gloo on CPU, NCCL on GPU.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import logging
+from typing import Callable, Iterable, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+                "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` or ``"torch.bfloat16"`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
+
+
+def tensor_nbytes(shape, dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype`` (name or torch dtype)."""
+    name = dtype_name(dtype)
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: unknown size; known: {sorted(_DTYPE_BYTES)}")
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * _DTYPE_BYTES[name]
+
+
+def iter_buckets(items: Iterable, size_of: Callable, bucket_bytes: int) -> Iterator[list]:
+    """Group ``items`` in order into consecutive buckets of at most ``bucket_bytes``; an item
+    larger than the budget gets a bucket of its own. Never yields an empty bucket."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1")
+    bucket, used = [], 0
+    for it in items:
+        sz = size_of(it)
+        if bucket and used + sz > bucket_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(it)
+        used += sz
+    if bucket:
+        yield bucket
+
+
+def plan_weight_buckets(named_shapes_dtypes: Iterable, bucket_bytes: int) -> list:
+    """Pure plan: ``[(name, shape, dtype), ...]`` -> list of buckets (lists of those triples),
+    order preserved, each bucket ≤ ``bucket_bytes`` unless a single tensor is larger.
+    Duplicate names are an error."""
+    items = [(n, tuple(int(d) for d in s), dtype_name(dt)) for n, s, dt in named_shapes_dtypes]
+    seen = set()
+    for n, _, _ in items:
+        if n in seen:
+            raise ValueError(f"plan_weight_buckets: duplicate tensor name {n!r}")
+        seen.add(n)
+    return list(iter_buckets(items, lambda it: tensor_nbytes(it[1], it[2]), bucket_bytes))
+
+
+def create_sender_group(master_address: str, master_port: int, world_size: int,
+                        group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
+    """Rank 0 of the weight-update group (hosts the TCP store). Does not touch the default
+    process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
+    until every server has joined."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, True, timeout=timeout,
+                          wait_for_workers=False)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
+    elif backend == "nccl":
+        pg = dist.ProcessGroupNCCL(prefixed, 0, world_size)
+    else:
+        raise ValueError(f"backend={backend!r}: must be gloo or nccl")
+    return pg, store
+
+
+class DistributedWeightSender:
+    """Pushes HF-named tensors to every server over a broadcast group, bucket by bucket.
+
+    ``run_async(coro)`` must run a coroutine on the loop that owns ``client`` and return a
+    ``concurrent.futures.Future`` (the :class:`RolloutController` provides it); pass None to
+    run the client on a private event loop thread.
+    """
+
+    def __init__(self, client, *, master_address: str = "127.0.0.1",
+                 master_port: Optional[int] = None, backend: str = "gloo",
+                 group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
+                 ranks_per_server: int = 1, run_async=None, timeout_s: float = 300.0):
+        from areal_mega.rollout.launch import find_free_port
+
+        self.client = client
+        self.master_address = master_address
+        self.master_port = master_port or find_free_port(master_address)
+        self.backend = backend
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        self.ranks_per_server = ranks_per_server
+        self.timeout_s = timeout_s
+        self._own_loop = run_async is None
+        self._run_async = run_async or _private_loop()
+        self.pg = None
+        self._store = None
+        self.buckets_sent = 0
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.client.servers) * self.ranks_per_server
+
+    def connect(self) -> None:
+        """Create the group: POST ``/init_weights_update_group`` to every server and join as
+        rank 0 concurrently."""
+        fut = self._run_async(self.client.init_weights_update_group(
+            self.master_address, self.master_port, self.world_size, self.group_name,
+            self.backend, self.ranks_per_server))
+        try:
+            self.pg, self._store = create_sender_group(
+                self.master_address, self.master_port, self.world_size, self.group_name,
+                self.backend, self.timeout_s)
+        except BaseException:
+            fut.cancel()
+            raise
+        fut.result(timeout=self.timeout_s)
+
+    def send(self, named_tensors: Iterable, weight_version: Optional[int] = None) -> int:
+        """Stream ``(hf_name, tensor)`` pairs to the servers in buckets; returns the number of
+        buckets. Tensors are sent contiguous, on the group's device, in their own dtype.
+        ``weight_version`` (if given) is attached to every bucket; the server reports it once
+        the last bucket has landed (attach it to the last bucket only if that matters)."""
+        import torch.distributed as dist
+
+        if self.pg is None:
+            raise RuntimeError("DistributedWeightSender.send before connect()")
+        n = 0
+        for bucket in iter_buckets(named_tensors, lambda it: it[1].numel() *
+                                   it[1].element_size(), self.bucket_bytes):
+            names = [nm for nm, _ in bucket]
+            fut = self._run_async(self.client.update_weights_from_distributed(
+                names, [dtype_name(t.dtype) for _, t in bucket],
+                [list(t.shape) for _, t in bucket], self.group_name, weight_version))
+            try:
+                for _, t in bucket:
+                    t = t.detach().contiguous()
+                    opts = dist.BroadcastOptions()
+                    opts.rootRank = 0
+                    self.pg.broadcast([t], opts).wait()
+            except BaseException:
+                fut.cancel()
+                raise
+            fut.result(timeout=self.timeout_s)
+            n += 1
+        self.buckets_sent += n
+        return n
+
+
+    def close(self) -> None:
+        """Drop the group on this side (and close the client if this sender owns its loop)."""
+        self.pg, self._store = None, None
+        if self._own_loop:
+            self._run_async(self.client.close()).result(timeout=30)
+
+
+def _private_loop():
+    """A background event loop thread; returns ``run_async(coro) -> Future``."""
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="weight-sync-loop", daemon=True).start()
+
+    def run_async(coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+    return run_async

@@ -1,0 +1,272 @@
+"""Pack variable-length trajectories into one flat ("thd") batch for the engine.
+
+Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
+
+    | seq 0 (L_0) [cp pad] | seq 1 (L_1) [cp pad] | ... | seq B-1 [cp pad] | trailing pad |
+    ^ cu_seqlens_padded[0]  ^ cu_seqlens_padded[1]                          ^ cu_seqlens_padded[B]
+                                                                             (start of padding)
+
+* Slot ``b`` holds sequence ``b`` at ``[cu_seqlens_padded[b], cu_seqlens_padded[b] + L_b)``.
+  With ``cp_size == 1`` slots have no padding of their own, so ``cu_seqlens_padded ==
+  cu_seqlens``. With ``cp_size > 1`` every slot is padded to a multiple of ``2 * cp_size`` (so
+  each sequence splits into ``2 * cp_size`` equal zigzag chunks, see :func:`zigzag_cp_shard`).
+* ``cu_seqlens`` int32 [B+1] is the running sum of the *real* lengths (TransformerEngine's
+  ``cu_seqlens_q``); ``cu_seqlens_padded`` int32 [B+1] the slot offsets
+  (``cu_seqlens_q_padded``). Both exclude the trailing padding.
+* **Trailing padding** ``[cu_seqlens_padded[B], T)`` brings T to a multiple of
+  ``pad_to_multiple`` (use TP, or ``2 * TP * CP`` with context parallelism). It forms its own
+  segment: ``segment_ids`` is ``B`` there, ``position_ids`` restart at 0, ``input_ids`` are
+  ``pad_token_id``, ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1, extras 0. An engine
+  building a block-diagonal causal mask from ``segment_ids`` therefore needs no special case,
+  and since no real token attends to a later token, padding never changes real outputs.
+* Per-slot CP padding continues its sequence's positions (``L_b, L_b + 1, ...``) and has
+  ``segment_ids == b``; its loss_mask is 0.
+* An empty list packs to a padding-only batch of ``max(pad_to_multiple, 2 * cp_size)``
+  tokens (B = 0), so a rank with an empty micro-batch still runs a forward/backward pass with
+  zero loss weight (the scheduler may hand out empty micro-batches to keep counts equal).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Union
+
+import numpy as np
+import torch
+
+from areal_mega.dataplane.trajectory import FINISH_REASONS, Trajectory, TrajectoryError
+
+PER_TOKEN_FILL = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "token_rewards": 0.0}
+"""Value of padding tokens per field (extras not listed here are padded with 0)."""
+
+_DEFAULT_DTYPES = {"loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32}
+_SCALAR_KEYS = {"sample_id", "group_id", "finish_reason", "server_id", "meta", "created_at",
+                "prompt_len", "reward"}
+_OUTPUT_KEYS = {"input_ids", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
+                "max_seqlen_padded", "seqlens", "prompt_lens", "rewards", "token_rewards",
+                "segment_ids", "finish_codes", "min_versions", "sample_ids", "group_ids",
+                "token_keys"}
+
+
+class PackingError(ValueError):
+    """A sequence cannot be packed; the message names the sequence index and field."""
+
+
+def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
+    """Return {tokens: {name: 1-D array}, reward, prompt_len, scalars, ids} for one sequence."""
+    if isinstance(item, Trajectory):
+        tokens = {"input_ids": item.input_ids, "loss_mask": item.loss_mask,
+                  "logprobs": item.logprobs, "versions": item.versions, **item.token_extras}
+        return {"tokens": tokens, "reward": item.reward, "prompt_len": int(item.prompt_len),
+                "scalars": {}, "sample_id": item.sample_id, "group_id": item.group_id,
+                "finish_reason": item.finish_reason}
+    if not isinstance(item, Mapping):
+        raise PackingError(f"sequence {i}: expected a Trajectory or a dict, got "
+                           f"{type(item).__name__}")
+    if "input_ids" not in item:
+        raise PackingError(f"sequence {i}: missing 'input_ids'")
+
+    def arr(name, value, dtype=None):
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().numpy()
+        a = np.asarray(value) if dtype is None else np.asarray(value, dtype=dtype)
+        if a.dtype == object:
+            raise PackingError(f"sequence {i}: field {name!r} is not numeric")
+        return a
+
+    ids = arr("input_ids", item["input_ids"])
+    if ids.ndim != 1 or ids.shape[0] < 1 or ids.dtype.kind not in "iu":
+        raise PackingError(f"sequence {i}: field 'input_ids' must be a non-empty 1-D integer "
+                           f"array, got dtype {ids.dtype} shape {tuple(ids.shape)}")
+    n = ids.shape[0]
+    prompt_len = int(item.get("prompt_len", 0))
+    if not 0 <= prompt_len <= n:
+        raise PackingError(f"sequence {i}: field 'prompt_len'={prompt_len} not in [0, {n}]")
+    tokens = {"input_ids": ids}
+    for name, dtype in _DEFAULT_DTYPES.items():
+        if name in item:
+            tokens[name] = arr(name, item[name], dtype)
+    if "loss_mask" not in tokens:
+        lm = np.ones(n, np.uint8)
+        lm[:prompt_len] = 0
+        tokens["loss_mask"] = lm
+    tokens.setdefault("logprobs", np.zeros(n, np.float32))
+    tokens.setdefault("versions", np.full(n, -1, np.int32))
+    scalars = {}
+    for name, value in item.items():
+        if name in tokens or name in _SCALAR_KEYS or name == "token_extras":
+            continue
+        if isinstance(value, (str, bytes, dict)) or value is None:
+            continue
+        a = arr(name, value)
+        if a.ndim == 0:
+            if name in _OUTPUT_KEYS:
+                raise PackingError(f"sequence {i}: per-sequence field {name!r} clashes with an "
+                                   "output key")
+            scalars[name] = a
+        else:
+            tokens[name] = a
+    for name, value in (item.get("token_extras") or {}).items():
+        tokens[name] = arr(f"token_extras.{name}", value)
+    return {"tokens": tokens, "reward": arr("reward", item.get("reward", 0.0), np.float32),
+            "prompt_len": prompt_len, "scalars": scalars,
+            "sample_id": str(item.get("sample_id", "")), "group_id": str(item.get("group_id", "")),
+            "finish_reason": str(item.get("finish_reason", "stop"))}
+
+
+def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]], *,
+                   pad_to_multiple: int = 1, cp_size: int = 1,
+                   pad_token_id: int = 0) -> dict[str, Any]:
+    """Pack trajectories (or dicts with the same keys) into flat tensors; see module docstring.
+
+    Returns a dict with, for T packed tokens and B sequences:
+
+    * per token [T]: ``input_ids`` int64, ``position_ids`` int64 (restart at 0 per sequence),
+      ``segment_ids`` int32, ``loss_mask`` uint8, ``logprobs`` float32, ``versions`` int32,
+      every per-token extra in its own dtype, and ``token_rewards`` float32 when any sequence
+      has per-token rewards (a scalar reward is then placed on that sequence's last token);
+    * per sequence [B]: ``seqlens`` / ``prompt_lens`` / ``min_versions`` int32, ``rewards``
+      float32 (sum of per-token rewards where given), ``finish_codes`` int8 (index into
+      :data:`FINISH_REASONS`, -1 if unknown), and each numeric scalar extra of dict inputs;
+    * ``cu_seqlens`` / ``cu_seqlens_padded`` int32 [B+1], ``max_seqlen`` /
+      ``max_seqlen_padded`` int, ``sample_ids`` / ``group_ids`` list[str], and
+      ``token_keys`` (list[str], the names of the per-token tensors).
+
+    Dict inputs need only ``input_ids``; missing ``loss_mask`` is 1 after ``prompt_len``,
+    ``logprobs`` 0, ``versions`` -1, ``reward`` 0. Raises :class:`PackingError` naming the
+    sequence and field on any inconsistency (lengths, dtypes, extras present in only some).
+    """
+    if pad_to_multiple < 1 or cp_size < 1:
+        raise PackingError(f"pad_to_multiple={pad_to_multiple} and cp_size={cp_size} must be "
+                           ">= 1")
+    slot_mult = 2 * cp_size if cp_size > 1 else 1
+    if pad_to_multiple % slot_mult:
+        raise PackingError(f"pad_to_multiple={pad_to_multiple} must be a multiple of "
+                           f"2*cp_size={slot_mult} (pass 2*TP*CP)")
+    seqs = [_normalize(i, t) for i, t in enumerate(trajectories)]
+    b = len(seqs)
+    lens = np.array([s["tokens"]["input_ids"].shape[0] for s in seqs], dtype=np.int64)
+    slots = -(-lens // slot_mult) * slot_mult
+    offsets = np.zeros(b + 1, np.int64)
+    np.cumsum(slots, out=offsets[1:])
+    used = int(offsets[-1])
+    total = max(-(-used // pad_to_multiple) * pad_to_multiple, pad_to_multiple, slot_mult)
+
+    # every sequence must carry the same per-token fields with a consistent dtype
+    names = list(seqs[0]["tokens"]) if seqs else list(_DEFAULT_DTYPES)
+    dtypes = {k: seqs[0]["tokens"][k].dtype for k in names} if seqs else \
+        {k: np.dtype(v) for k, v in _DEFAULT_DTYPES.items()}
+    scalar_names = sorted(seqs[0]["scalars"]) if seqs else []
+    for i, s in enumerate(seqs):
+        n = int(lens[i])
+        if set(s["tokens"]) != set(names):
+            diff = sorted(set(s["tokens"]) ^ set(names))
+            raise PackingError(f"sequence {i}: per-token field {diff[0]!r} present in some "
+                               "sequences only")
+        if sorted(s["scalars"]) != scalar_names:
+            diff = sorted(set(s["scalars"]) ^ set(scalar_names))
+            raise PackingError(f"sequence {i}: per-sequence field {diff[0]!r} present in "
+                               "some sequences only")
+        for k, a in s["tokens"].items():
+            if a.shape != (n,):
+                raise PackingError(f"sequence {i}: field {k!r} has shape {tuple(a.shape)}, "
+                                   f"expected ({n},) like input_ids")
+            if k != "input_ids" and a.dtype != dtypes[k]:
+                raise PackingError(f"sequence {i}: field {k!r} has dtype {a.dtype}, sequence 0 "
+                                   f"has {dtypes[k]}")
+        if s["reward"].shape not in ((), (n,)):
+            raise PackingError(f"sequence {i}: field 'reward' has shape "
+                               f"{tuple(s['reward'].shape)}, expected () or ({n},)")
+
+    out: dict[str, Any] = {}
+    starts = offsets[:-1]
+    seg = np.full(total, b, np.int32)
+    pos = np.arange(total, dtype=np.int64)
+    for i in range(b):
+        seg[offsets[i]:offsets[i + 1]] = i
+        pos[offsets[i]:offsets[i + 1]] -= offsets[i]
+    pos[used:] -= used
+    ids = np.full(total, pad_token_id, np.int64)
+    for i, s in enumerate(seqs):
+        ids[starts[i]:starts[i] + lens[i]] = s["tokens"]["input_ids"]
+    out["input_ids"] = torch.from_numpy(ids)
+    out["position_ids"] = torch.from_numpy(pos)
+    out["segment_ids"] = torch.from_numpy(seg)
+    cu = np.zeros(b + 1, np.int32)
+    np.cumsum(lens, out=cu[1:])
+    out["cu_seqlens"] = torch.from_numpy(cu)
+    out["cu_seqlens_padded"] = torch.from_numpy(offsets.astype(np.int32))
+    out["max_seqlen"] = int(lens.max()) if b else 0
+    out["max_seqlen_padded"] = int(slots.max()) if b else 0
+    for k in names:
+        if k == "input_ids":
+            continue
+        buf = np.full(total, PER_TOKEN_FILL.get(k, 0), dtypes[k])
+        for i, s in enumerate(seqs):
+            buf[starts[i]:starts[i] + lens[i]] = s["tokens"][k]
+        out[k] = torch.from_numpy(buf)
+    rewards = np.zeros(b, np.float32)
+    per_token = any(s["reward"].ndim == 1 for s in seqs)
+    tok_r = np.zeros(total, np.float32) if per_token else None
+    for i, s in enumerate(seqs):
+        r = s["reward"]
+        rewards[i] = r.sum(dtype=np.float64) if r.ndim else r
+        if tok_r is not None:
+            if r.ndim:
+                tok_r[starts[i]:starts[i] + lens[i]] = r
+            else:
+                tok_r[starts[i] + lens[i] - 1] = r
+    out["rewards"] = torch.from_numpy(rewards)
+    if tok_r is not None:
+        out["token_rewards"] = torch.from_numpy(tok_r)
+    out["seqlens"] = torch.from_numpy(lens.astype(np.int32))
+    out["prompt_lens"] = torch.tensor([s["prompt_len"] for s in seqs], dtype=torch.int32)
+    mv = []
+    for s in seqs:
+        v = s["tokens"]["versions"]
+        v = v[v >= 0]
+        mv.append(int(v.min()) if v.size else -1)
+    out["min_versions"] = torch.tensor(mv, dtype=torch.int32)
+    codes = {r: c for c, r in enumerate(FINISH_REASONS)}
+    out["finish_codes"] = torch.tensor([codes.get(s["finish_reason"], -1) for s in seqs],
+                                       dtype=torch.int8)
+    for k in scalar_names:
+        out[k] = torch.from_numpy(np.stack([s["scalars"][k] for s in seqs]))
+    out["token_keys"] = ["input_ids", "position_ids", "segment_ids"] + \
+        [k for k in names if k != "input_ids"] + (["token_rewards"] if per_token else [])
+    out["sample_ids"] = [s["sample_id"] for s in seqs]
+    out["group_ids"] = [s["group_id"] for s in seqs]
+    return out
+
+
+def zigzag_cp_shard(packed: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:
+    """Return this context-parallel rank's share of every per-token tensor of ``packed``.
+
+    Each segment (every slot of ``cu_seqlens_padded`` and the trailing padding) is cut into
+    ``2 * cp_size`` equal chunks; rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``
+    (load-balanced causal attention). ``packed`` must come from :func:`pack_sequences` with the
+    same ``cp_size``. Per-sequence entries and ``cu_seqlens*`` are returned unchanged (they
+    describe the whole sequences, as TransformerEngine expects).
+    """
+    if not 0 <= cp_rank < cp_size:
+        raise PackingError(f"cp_rank={cp_rank} not in [0, cp_size={cp_size})")
+    total = int(packed["input_ids"].shape[0])
+    bounds = packed["cu_seqlens_padded"].tolist()
+    if bounds[-1] < total:
+        bounds.append(total)
+    n_chunks = 2 * cp_size
+    index = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if (hi - lo) % n_chunks:
+            raise PackingError(f"segment [{lo}, {hi}) is not a multiple of 2*cp_size="
+                               f"{n_chunks}; pack with cp_size={cp_size}")
+        c = (hi - lo) // n_chunks
+        for k in (cp_rank, n_chunks - 1 - cp_rank):
+            index.append(torch.arange(lo + k * c, lo + (k + 1) * c))
+    idx = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+    out = {}
+    token_keys = set(packed["token_keys"])
+    for k, v in packed.items():
+        if k in token_keys:
+            out[k] = v.index_select(0, idx)
+        else:
+            out[k] = v
+    return out

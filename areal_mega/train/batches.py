@@ -1,0 +1,170 @@
+"""From finished trajectories to this rank's packed micro-batches (trainer side).
+
+Rank 0 owns the trajectory buffer. For one training step it
+1. computes advantages over whole prompt groups (GRPO needs every sample of a group),
+2. drops uniform-reward groups when dynamic filtering is on,
+3. moves every per-token field into the *next-token layout* the engine uses (position t holds
+   the data of token t+1: its loss-mask bit, behaviour logprob, advantage, version), because
+   ``MegatronEngine.forward_logprobs`` returns at position t the logprob of token t+1,
+4. plans micro-batches (Karmarkar-Karp over DP ranks, token budget, equal counts, PP multiple),
+5. packs each micro-batch padded to TP (2·TP·CP with context parallelism),
+and the plan is broadcast so every rank takes its DP rank's share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from areal_mega.algo import compute_advantages, dynamic_filter
+from areal_mega.algo.packing import with_algo_fields
+from areal_mega.dataplane.trajectory import Trajectory
+from areal_mega.scheduler.packing import pack_sequences
+
+# per-token fields that describe token t itself and therefore shift into next-token layout
+SHIFTED_FIELDS = ("loss_mask", "logprobs", "versions", "advantages")
+
+
+@dataclass
+class StepBatch:
+    """One rank's share of a training step."""
+    micro_batches: list          # packed dicts, next-token layout, algo field names
+    sample_ids: list             # every sample trained this step (all DP ranks)
+    stats: dict                  # advantage / filter / staleness statistics (rank 0's view)
+
+
+def shift_to_next_token(arr: np.ndarray, fill) -> np.ndarray:
+    """``out[t] = arr[t+1]``; the last position gets ``fill``."""
+    out = np.empty_like(arr)
+    out[:-1] = arr[1:]
+    if len(arr):
+        out[-1] = fill
+    return out
+
+
+def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
+    """A packable dict for ``traj`` with its per-token fields in next-token layout."""
+    return {
+        "input_ids": traj.input_ids,
+        "loss_mask": shift_to_next_token(traj.loss_mask, 0),
+        "logprobs": shift_to_next_token(traj.logprobs, 0.0),
+        "versions": shift_to_next_token(traj.versions, -1),
+        "advantages": shift_to_next_token(advantages.astype(np.float32), 0.0),
+        "prompt_len": traj.prompt_len,
+        "reward": float(np.asarray(traj.total_reward)),
+        "sample_id": traj.sample_id,
+        "group_id": traj.group_id,
+        "finish_reason": traj.finish_reason,
+    }
+
+
+def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len: int
+                     ) -> tuple[list, list, dict]:
+    """Filter and compute per-token advantages over a list of whole groups.
+
+    Returns (kept trajectories, their per-token advantage arrays, stats)."""
+    full = with_algo_fields(pack_sequences(trajs))
+    kept, fstats = dynamic_filter(full, algo_cfg.dynamic_filter)
+    keep_ids = set(kept["sample_ids"])
+    kept_trajs = [t for t in trajs if t.sample_id in keep_ids]
+    stats = {f"filter/{k}": float(v) for k, v in fstats.items()}
+    if not kept_trajs:
+        return [], [], stats
+    out, astats = compute_advantages(kept, algo_cfg, max_response_len=max_response_len)
+    stats.update({f"adv/{k}": float(v) for k, v in astats.items()})
+    adv = out["advantages"].numpy()
+    cu = kept["cu_seqlens"].tolist()
+    by_id = dict(zip(kept["sample_ids"], range(len(cu) - 1)))
+    advs = [adv[cu[by_id[t.sample_id]]:cu[by_id[t.sample_id] + 1]] for t in kept_trajs]
+    return kept_trajs, advs, stats
+
+
+def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
+              cp_size: int) -> tuple[list, list, dict]:
+    """Rank-0 planning of one step: returns (micro-batches per DP rank, sample ids, stats)."""
+    from areal_mega.scheduler import plan_micro_batches
+
+    kept, advs, stats = group_advantages(trajs, cfg.algorithm,
+                                         max_response_len=cfg.rollout.max_new_tokens)
+    rewards = np.array([float(np.asarray(t.total_reward)) for t in trajs], dtype=np.float64)
+    stats["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
+    stats["reward/std"] = float(rewards.std()) if len(rewards) else 0.0
+    resp = [t.length - t.prompt_len for t in trajs]
+    stats["response_len/mean"] = float(np.mean(resp)) if resp else 0.0
+    samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
+    seqlens = [len(s["input_ids"]) for s in samples]
+    plan = plan_micro_batches(seqlens, dp_size=dp_size,
+                              max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
+                              pp_size=pp_size, min_micro_batches=cfg.scheduler.min_micro_batches)
+    pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
+    per_rank = []
+    for rank_plan in plan:
+        mbs = []
+        for idx in rank_plan:
+            packed = pack_sequences([samples[i] for i in idx], pad_to_multiple=pad_to,
+                                    cp_size=cp_size)
+            mbs.append(with_algo_fields(packed))
+        per_rank.append(mbs)
+    versions = [int(v) for t in kept for v in t.versions if v >= 0]
+    if versions:
+        stats["versions/min"] = float(min(versions))
+        stats["versions/max"] = float(max(versions))
+    stats["n_samples"] = float(len(kept))
+    stats["n_tokens_total"] = float(sum(seqlens))
+    stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
+    return per_rank, [t.sample_id for t in kept], stats
+
+
+def distribute(per_rank: Optional[list], sample_ids: Optional[list], stats: Optional[dict],
+               mesh) -> StepBatch:
+    """Broadcast rank 0's plan to every trainer rank; each keeps its DP rank's micro-batches.
+
+    Torch's object broadcast is fine here: it never leaves the trainer's own process group."""
+    import torch.distributed as dist
+
+    holder = [per_rank, sample_ids, stats]
+    if mesh.world_size > 1:
+        dist.broadcast_object_list(holder, src=0)
+    per_rank, sample_ids, stats = holder
+    return StepBatch(micro_batches=per_rank[mesh.dp_rank], sample_ids=sample_ids, stats=stats)
+
+
+def attach(micro_batches: list, key: str, values: list) -> None:
+    """Store per-micro-batch tensors (e.g. recomputed logprobs) into the micro-batches."""
+    for mb, v in zip(micro_batches, values):
+        mb[key] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+
+
+def minibatches(micro_batches: list, n: int) -> list:
+    """Split a rank's micro-batches into ``n`` PPO minibatches (one optimizer step each).
+
+    Every rank holds the same number of micro-batches, so every rank takes the same number
+    of optimizer steps; with fewer micro-batches than ``n`` the count is reduced."""
+    n = max(1, min(n, len(micro_batches)))
+    bounds = [round(i * len(micro_batches) / n) for i in range(n + 1)]
+    return [micro_batches[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
+def merge_train_stats(per_minibatch: list, finalize) -> dict:
+    """Engine stats of each minibatch -> one dict: loss-function sums are added and finalised
+    into means/fractions; ``loss``/``grad_norm`` are averaged; ``lr`` is the last one.
+    ``ppo_kl/first_minibatch`` keeps the first minibatch's ``ppo_kl`` (0 on-policy)."""
+    if not per_minibatch:
+        return {}
+    engine_keys = {"loss", "grad_norm", "lr", "n_tokens", "update_successful"}
+    summed: dict = {}
+    for st in per_minibatch:
+        for k, v in st.items():
+            if k not in engine_keys:
+                summed[k] = summed.get(k, 0.0) + float(v)
+    out = {k: float(v) for k, v in finalize(summed).items()}
+    n = len(per_minibatch)
+    out["loss"] = sum(float(s["loss"]) for s in per_minibatch) / n
+    out["grad_norm"] = sum(float(s["grad_norm"]) for s in per_minibatch) / n
+    out["lr"] = float(per_minibatch[-1]["lr"])
+    first = finalize({k: float(v) for k, v in per_minibatch[0].items() if k not in engine_keys})
+    if "ppo_kl" in first:
+        out["ppo_kl/first_minibatch"] = float(first["ppo_kl"])
+    return out

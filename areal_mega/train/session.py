@@ -1,0 +1,208 @@
+"""Everything a trainer process holds across steps: mesh, engines, intake, logger, resume.
+
+The training loop itself lives in :mod:`areal_mega.trainer`; this module keeps it short.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.config import ExperimentConfig, config_to_dict
+from areal_mega.parallel.allocation import parse_allocation
+
+log = logging.getLogger(__name__)
+
+
+def control_endpoint(cfg: ExperimentConfig) -> str:
+    """Where the rollout worker listens for weight-update commands."""
+    return cfg.dataplane.control_endpoint or f"ipc://{Path(cfg.logging.run_dir).resolve()}/control.sock"
+
+
+def data_endpoint(cfg: ExperimentConfig) -> str:
+    """Where rank 0 of the trainer receives trajectories."""
+    return cfg.dataplane.endpoint or f"ipc://{Path(cfg.logging.run_dir).resolve()}/trajectories.sock"
+
+
+class TrainerSession:
+    """Builds the mesh and engines, restores or initialises state, owns logging and I/O."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        from areal_mega.engine.megatron_engine import MegatronEngine
+        from areal_mega.parallel.mesh import ParallelMesh
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        alloc = parse_allocation(cfg.allocation)
+        self.mesh = ParallelMesh.create(alloc.trainer, vpp=cfg.actor.virtual_pipeline_size,
+                                        sequence_parallel=cfg.actor.sequence_parallel,
+                                        timeout_s=cfg.cluster.dist_timeout_s)
+        self.is_rank0 = self.mesh.rank == 0
+        d = alloc.trainer
+        self.layout = dict(dp_size=d.dp, tp_size=d.tp, pp_size=d.pp, cp_size=d.cp)
+        torch.manual_seed(cfg.seed)
+        self.actor = MegatronEngine(cfg.model, role="actor", mesh=self.mesh,
+                                    optimizer_cfg=cfg.optimizer, actor_cfg=cfg.actor,
+                                    seed=cfg.seed, total_train_steps=cfg.total_steps)
+        self.ref = None
+        if cfg.ref.enabled:
+            self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
+                                      role="ref", mesh=self.mesh, seed=cfg.seed)
+        self.ckpt_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self.start_step = 0
+        resumed = self._restore_or_init()
+        self.intake = self.link = self.logger = self.progress = None
+        if self.is_rank0:
+            self._write_resolved_config()
+            self._open_rank0_io(resumed)
+        if resumed is not None and cfg.mode == "rl":
+            self.publish_weights(version=self.start_step)   # servers get the resumed weights
+
+    # ------------------------------------------------------------------ initial state
+    def _restore_or_init(self) -> Optional[dict]:
+        """Resume from the latest checkpoint (recover=auto) or load the initial weights."""
+        from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint
+
+        cfg = self.cfg
+        latest = find_latest(self.ckpt_root) if cfg.recover == "auto" else None
+        if latest is not None:
+            loaded = load_checkpoint(latest, self.actor.model, self.actor.optimizer,
+                                     self.actor.lr_scheduler)
+            self.start_step = int(loaded.extra.get("step", loaded.iteration))
+            self.actor.step_count = self.start_step
+            if self.ref is not None:
+                self._load_initial(self.ref)
+            log.info("resumed from %s at step %d", latest, self.start_step)
+            return dict(loaded.extra, path=str(latest))
+        self._load_initial(self.actor)
+        if self.ref is not None:
+            self._load_initial(self.ref)
+        return None
+
+    def _load_initial(self, engine) -> None:
+        """Initial weights: ``checkpoint.load`` (a Megatron checkpoint) or the HF model dir,
+        converted once into ``<run_dir>/init_mcore`` (any layout loads it by resharding)."""
+        from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint
+
+        src = self.cfg.checkpoint.load
+        if not src:
+            src = self.run_dir / "init_mcore"
+            if find_latest(src) is None:
+                if self.is_rank0:
+                    from areal_mega.checkpoint.convert import convert_hf_to_mcore
+                    convert_hf_to_mcore(self.cfg.model.path, src, dtype="fp32", progress=False)
+                if dist.is_initialized():
+                    dist.barrier()
+        load_checkpoint(src, engine.model, load_optimizer=False, load_rng=False)
+
+    def _write_resolved_config(self) -> None:
+        path = self.run_dir / "config.resolved.json"
+        path.write_text(json.dumps(config_to_dict(self.cfg), indent=2))
+
+    def _open_rank0_io(self, resumed: Optional[dict]) -> None:
+        from areal_mega.metrics import MetricsLogger, ProgressBar
+        from areal_mega.train.intake import TrajectoryIntake
+        from areal_mega.rollout.control import RolloutLink
+
+        cfg = self.cfg
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
+                                    resume_step=self.start_step if resumed else None)
+        if cfg.logging.progress_bar:
+            self.progress = ProgressBar(cfg.total_steps, initial_step=self.start_step,
+                                        desc=cfg.mode)
+        if cfg.mode != "rl":
+            return
+        self.intake = TrajectoryIntake(data_endpoint(cfg), self.run_dir,
+                                       group_size=cfg.rollout.n_samples,
+                                       secret=cfg.dataplane.secret,
+                                       max_pending=cfg.dataplane.max_queue)
+        if resumed is not None:
+            buf = resumed.get("buffer_file")
+            n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step)
+            log.info("journal replay: %d samples pending again", n)
+        self.intake.start()
+        self.link = RolloutLink(control_endpoint(cfg), timeout_s=cfg.rollout.request_timeout_s)
+
+    # ------------------------------------------------------------------ per step
+    def publish_weights(self, version: int) -> None:
+        """Send the actor's weights to the rollout servers and make ``version`` current.
+
+        CPU/disk path: every rank takes part in the HF export, rank 0 writes the safetensors
+        directory and asks the rollout worker to pause, reload, continue and bump the version.
+        """
+        from areal_mega.train.weights import export_hf_dir
+
+        out = self.run_dir / "weights" / f"v{version:07d}"
+        export_hf_dir(self.actor, self.cfg.model.path, out, is_writer=self.is_rank0)
+        if self.is_rank0:
+            self.link.update_weights(version=version, path=str(out))
+            self._prune_weight_dirs(keep=out)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _prune_weight_dirs(self, keep: Path) -> None:
+        for d in sorted((self.run_dir / "weights").glob("v*")):
+            if d != keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def log(self, step: int, stats: dict) -> None:
+        if not self.is_rank0:
+            return
+        if self.intake is not None:
+            stats.update(self.intake.stats())
+        if "versions/min" in stats:
+            stats["staleness/max"] = float(step - 1 - stats["versions/min"])
+        row = self.logger.log(step, stats)
+        if self.progress is not None:
+            self.progress.update(step, row)
+
+    def maybe_checkpoint(self, step: int, force: bool = False) -> None:
+        every = self.cfg.checkpoint.save_every
+        if not (force or step == self.cfg.total_steps or (every and step % every == 0)):
+            return
+        from areal_mega.checkpoint.dist_ckpt import save_checkpoint
+
+        buf_name = f"buffer_iter_{step:07d}.bin"
+        if self.is_rank0 and self.intake is not None:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+            self.intake.buffer.save(str(self.ckpt_root / buf_name))
+        extra = {"step": step, "version": step, "time": time.time(),
+                 "buffer_file": buf_name if self.intake is not None or not self.is_rank0
+                 else None}
+        save_checkpoint(self.ckpt_root, step, self.actor.model, self.actor.optimizer,
+                        self.actor.lr_scheduler, extra=extra,
+                        keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
+        if self.is_rank0:
+            live = {p.name for p in self.ckpt_root.glob("iter_*")}
+            for f in self.ckpt_root.glob("buffer_iter_*.bin"):
+                if f.name.replace("buffer_", "").replace(".bin", "") not in live:
+                    f.unlink(missing_ok=True)
+
+    def finish(self) -> None:
+        if not self.is_rank0:
+            return
+        if self.cfg.logging.plot:
+            from areal_mega.metrics import plot_metrics
+            png = self.run_dir / "reward_curve.png"
+            plot_metrics(self.run_dir / "metrics.jsonl", png)
+            print(f"[areal-mega] reward curve: {png}")
+        print(f"[areal-mega] run dir: {self.run_dir}\n[areal-mega] metrics: "
+              f"{self.run_dir / 'metrics.jsonl'}")
+
+    def close(self) -> None:
+        for obj in (self.progress, self.intake, self.link, self.logger):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception as e:  # noqa: BLE001 - best effort on the way out
+                    log.warning("closing %s: %s", type(obj).__name__, e)
+        if dist.is_initialized():
+            dist.destroy_process_group()

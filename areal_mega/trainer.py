@@ -1,0 +1,79 @@
+"""The asynchronous RL trainer (and SFT on the same engine).
+
+Launch (normally via ``python -m areal_mega.launch.local --config recipes/tiny-cpu.yaml``, which
+also starts the rollout servers and the rollout worker)::
+
+    torchrun --nproc-per-node N -m areal_mega.trainer --config recipes/X.yaml [key=value ...]
+
+One RL step: take the oldest finished prompt groups from the buffer -> advantages -> proximal
+(and reference) logprobs recomputed -> PPO/GRPO update -> weights to the rollout servers ->
+version + 1 -> log -> checkpoint every ``checkpoint.save_every`` steps.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from areal_mega.algo import finalize_stats, make_policy_loss
+from areal_mega.config import load_config
+from areal_mega.train import batches
+from areal_mega.train.session import TrainerSession
+
+
+def rl_step(s: TrainerSession, step: int) -> dict:
+    cfg, t0 = s.cfg, time.time()
+    trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # oldest first
+    plan = (batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else (None, None, None))
+    batch = batches.distribute(*plan, s.mesh)
+    t_data = time.time()
+    mbs = batch.micro_batches
+    batches.attach(mbs, "prox_logprobs",
+                   s.actor.forward_logprobs(mbs, temperature=cfg.actor.temperature))
+    if s.ref is not None:
+        batches.attach(mbs, "ref_logprobs",
+                       s.ref.forward_logprobs(mbs, temperature=cfg.actor.temperature))
+    t_fwd = time.time()
+    loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
+                                               max_response_len=cfg.rollout.max_new_tokens)
+    train_stats = []
+    for minibatch in batches.minibatches(mbs, cfg.actor.ppo_n_minibatches):
+        train_stats.append(s.actor.train_batch(minibatch, loss_fn, denominator_fn,
+                                               temperature=cfg.actor.temperature,
+                                               return_entropy=True))
+    t_train = time.time()
+    s.publish_weights(version=step)                     # pause -> update -> continue on servers
+    t_sync = time.time()
+    if s.is_rank0:
+        s.intake.record_trained(step, batch.sample_ids)
+    stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats)}
+    stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
+                  "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
+                  "time/weight_sync": t_sync - t_train,
+                  "tokens/s": batch.stats.get("n_tokens_total", 0.0) / max(t_sync - t0, 1e-9)})
+    return stats
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=False, help="recipe YAML")
+    p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. optimizer.lr=1e-6")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    s = TrainerSession(cfg)                    # mesh, engines, resume, intake, logger
+    try:
+        if cfg.mode == "sft":
+            from areal_mega.train.sft import run_sft
+            run_sft(s)
+            return
+        for step in range(s.start_step + 1, cfg.total_steps + 1):
+            stats = rl_step(s, step)
+            s.log(step, stats)
+            s.maybe_checkpoint(step)
+        s.finish()
+    finally:
+        s.close()
+
+
+if __name__ == "__main__":
+    main()

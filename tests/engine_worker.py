@@ -1,0 +1,276 @@
+"""Multi-rank engine equality checks, run by tests/test_engine_multirank.py in 2 gloo processes.
+
+    python tests/engine_worker.py <scenario> <rank> <world> <port> <out_dir>
+
+Each scenario builds a single-rank reference (TP1/PP1/EP1 model, plain autograd, no pipeline
+schedule) in every process from one seed, then re-initialises the mesh in the layouts under
+test, copies the reference weights into each layout's shards and records the max abs
+difference of per-token logprobs and gradients. Rank r writes ``<out_dir>/<scenario>.<r>.json``
+({check: max_diff}). Everything here is real megatron-core over gloo.
+"""
+import json
+import os
+import re
+import sys
+import tempfile
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+VOCAB = 200  # padded to 256: the padded ids must be excluded from the softmax
+DENSE = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+             max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+             tie_word_embeddings=False)
+TIED = dict(DENSE, model_type="llama", tie_word_embeddings=True, head_dim=None,
+            rope_theta=50000.0, rms_norm_eps=1e-5)
+BIAS = dict(DENSE, model_type="qwen2", head_dim=None)
+MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, norm_topk_prob=True)
+TEMP = 0.7
+
+
+# ----------------------------------------------------------------------------- data
+def make_mbs(seed, lens_per_mb, pad=2):
+    from areal_mega.scheduler.packing import pack_sequences
+    g = torch.Generator().manual_seed(seed)
+    mbs = []
+    for lens in lens_per_mb:
+        seqs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g),
+                 "prompt_len": max(1, n // 3),
+                 "adv": torch.randn(n, generator=g)} for n in lens]
+        mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
+    return mbs
+
+
+def loss_fn(lp, ent, mb):
+    m = mb["loss_mask"].to(lp.device).float()
+    num = -(lp * m * mb["adv"].to(lp.device)).sum()
+    if ent is not None:
+        num = num - 0.01 * (ent * m).sum()
+    return num, {"lp_sum": (lp * m).sum().detach(), "n_seqs": float(len(mb["cu_seqlens"]) - 1)}
+
+
+# ----------------------------------------------------------------------------- reference
+def reference(hf, mbs, seed):
+    """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd."""
+    from areal_mega.engine import MegatronEngine
+    from areal_mega.config import ModelConfig
+    from areal_mega.engine.packed import block_causal_mask, next_token_labels, slot_offsets
+    from areal_mega.ops import packed_logprobs
+    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="ref", mesh=MESH[0],
+                         seed=seed)
+    model = eng.model[0]
+    model.requires_grad_(True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if not k.endswith("_extra_state")}
+    denom = float(sum(mb["loss_mask"].sum() for mb in mbs))
+    lps, total = [], 0.0
+    for mb in mbs:
+        ids = mb["input_ids"].long()
+        starts, lens = slot_offsets(mb)
+        labels, valid = next_token_labels(ids, starts, lens)
+        logits = model(ids[None], mb["position_ids"][None],
+                       block_causal_mask(mb["segment_ids"].long()))[0]
+        logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
+        lp, ent = packed_logprobs(logits, labels.masked_fill(~valid, -1), temperature=TEMP,
+                                  return_entropy=True)
+        lp = torch.where(valid, lp, torch.zeros_like(lp))
+        ent = torch.where(valid, ent, torch.zeros_like(ent))
+        num, _ = loss_fn(lp, ent, mb)
+        (num / denom).backward()
+        total += float(num) / denom
+        lps.append(lp.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"state": state, "lps": lps, "grads": grads, "loss": total}
+
+
+# ----------------------------------------------------------------------------- shard mapping
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+def global_name(name, chunk, mesh, hf):
+    """Reference (TP1/PP1/EP1) name of a local parameter name."""
+    name = name.replace("module.", "", 1) if name.startswith("module.") else name
+    m = _LAYER.search(name)
+    if m:
+        g = chunk.decoder.layers[int(m.group(1))].layer_number - 1
+        name = name[:m.start()] + f"decoder.layers.{g}." + name[m.end():]
+    m = _EXPERT.search(name)
+    if m:
+        per = hf["num_experts"] // mesh.dims.ep
+        from megatron.core import parallel_state as ps
+        g = int(m.group(1)) + ps.get_expert_model_parallel_rank() * per
+        name = name[:m.start()] + f"local_experts.{g}." + name[m.end():]
+    if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
+        name = "embedding.word_embeddings.weight"
+    return name
+
+
+def shard_of(full, param, name, mesh):
+    """This rank's TP shard of a reference tensor."""
+    if not getattr(param, "tensor_model_parallel", False) or mesh.dims.tp == 1:
+        return full
+    tp, r, dim = mesh.dims.tp, mesh.tp_rank, param.partition_dim
+    if name.endswith("linear_fc1.weight"):  # gated MLP: [gate; up] split separately
+        two = full.view(2, full.shape[0] // 2, -1)
+        return two.chunk(tp, dim=1)[r].reshape(-1, full.shape[1])
+    return full.chunk(tp, dim=dim)[r]
+
+
+def load_reference(eng, ref, hf):
+    for chunk in eng.model:
+        inner = chunk.module if hasattr(chunk, "module") else chunk
+        for n, p in inner.named_parameters():
+            full = ref["state"][global_name(n, inner, eng.mesh, hf)]
+            p.data.copy_(shard_of(full, p, n, eng.mesh))
+
+
+def compare_grads(eng, ref, hf):
+    worst = 0.0
+    for chunk in eng.model:
+        inner = chunk.module
+        for n, p in inner.named_parameters():
+            g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+            want = shard_of(ref["grads"][global_name(n, inner, eng.mesh, hf)], p, n, eng.mesh)
+            worst = max(worst, (g.float() - want).abs().max().item())
+    return worst
+
+
+def compare_lps(got, want):
+    return max((a - b).abs().max().item() for a, b in zip(got, want))
+
+
+# ----------------------------------------------------------------------------- scenarios
+MESH = [None]
+
+
+def set_mesh(spec, sp=False):
+    from areal_mega.parallel.allocation import ParallelDims
+    from areal_mega.parallel.mesh import ParallelMesh
+    if MESH[0] is not None:
+        MESH[0].destroy()
+    MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, timeout_s=90)
+    return MESH[0]
+
+
+def actor(hf, ref, seed=7, lr=1e-3):
+    from areal_mega.config import ModelConfig, OptimizerConfig
+    from areal_mega.engine import MegatronEngine
+    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="actor", mesh=MESH[0],
+                         optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0), seed=seed)
+    load_reference(eng, ref, hf)
+    return eng
+
+
+def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None):
+    """Logprobs (forward_logprobs) and grads (forward_backward) of a layout vs reference."""
+    eng = actor(hf, ref)
+    my_mbs = mbs if my_mbs is None else my_mbs
+    want = ref["lps"] if my_ref_lps is None else my_ref_lps
+    res[f"{tag}.logprobs"] = compare_lps(eng.forward_logprobs(my_mbs, temperature=TEMP), want)
+    stats = eng.forward_backward(my_mbs, loss_fn, temperature=TEMP, return_entropy=True)
+    res[f"{tag}.grads"] = compare_grads(eng, ref, hf)
+    res[f"{tag}.loss"] = abs(stats["loss"] - ref["loss"])
+    res[f"{tag}.n_tokens"] = abs(stats["n_tokens"] - sum(float(m["loss_mask"].sum())
+                                                          for m in mbs))
+    return eng
+
+
+def scenario_dense(res, out_dir):
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    mbs = make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
+    # ---- reference + DP2 (each rank half of the micro-batches) on the d2 mesh
+    set_mesh(dict(dp=world))
+    ref = reference(DENSE, mbs, seed=11)
+    half = mbs[rank::world]
+    check_layout(res, "dp2", DENSE, ref, mbs, my_mbs=half, my_ref_lps=ref["lps"][rank::world])
+    # packed = alone: every sequence of mb 0 run on its own
+    from areal_mega.scheduler.packing import pack_sequences
+    eng = actor(DENSE, ref)
+    worst = 0.0
+    mb0 = mbs[0]
+    lp0 = eng.forward_logprobs([mb0], temperature=TEMP)[0]
+    for b in range(len(mb0["seqlens"])):
+        s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
+        alone = pack_sequences([{"input_ids": mb0["input_ids"][s:s + n]}])
+        worst = max(worst, (eng.forward_logprobs([alone], temperature=TEMP)[0][:n]
+                            - lp0[s:s + n]).abs().max().item())
+    res["packed_vs_alone"] = worst
+    # checkpoint written from the TP1 (d2) layout, reloaded under TP2 below
+    ckpt = os.path.join(out_dir, "ckpt_tp1")
+    eng.save(ckpt, extra={"note": "tp1"})
+    del eng
+    # ---- TP2, then TP2 + sequence parallelism
+    set_mesh(dict(tp=world))
+    eng = check_layout(res, "tp2", DENSE, ref, mbs)
+    from areal_mega.config import ModelConfig
+    from areal_mega.engine import MegatronEngine
+    fresh = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=DENSE, role="ref", mesh=MESH[0],
+                           seed=999)
+    res["tp2.before_reload_differs"] = float(compare_lps(
+        fresh.forward_logprobs(mbs, temperature=TEMP), ref["lps"]) > 1e-3)
+    extra = fresh.load(ckpt)
+    res["ckpt_tp1_to_tp2.logprobs"] = compare_lps(fresh.forward_logprobs(mbs, temperature=TEMP),
+                                                  ref["lps"])
+    res["ckpt_tp1_to_tp2.extra_ok"] = float(extra == {"note": "tp1"})
+    # ten train steps on a fixed batch lower the loss (TP2)
+    losses = [eng.train_batch(mbs, loss_fn, temperature=TEMP)["loss"] for _ in range(10)]
+    res["train10.first_loss"], res["train10.last_loss"] = losses[0], losses[-1]
+    del eng, fresh
+    set_mesh(dict(tp=world), sp=True)
+    check_layout(res, "tp2sp", DENSE, ref, mbs)
+    # ---- Qwen2 (QKV bias) under TP2 + SP
+    set_mesh(dict(dp=world))
+    ref_b = reference(BIAS, mbs, seed=5)
+    set_mesh(dict(tp=world), sp=True)
+    check_layout(res, "qwen2_tp2sp", BIAS, ref_b, mbs)
+    # ---- PP2 on tied llama: variable lengths, 6 micro-batches
+    pp_mbs = make_mbs(2, [[9, 14, 5], [31], [4, 4], [12, 7, 9], [2, 25], [8]])
+    set_mesh(dict(dp=world))
+    ref_t = reference(TIED, pp_mbs, seed=3)
+    set_mesh(dict(pp=world))
+    check_layout(res, "pp2_tied", TIED, ref_t, pp_mbs)
+
+
+def scenario_moe(res, out_dir):
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    mbs = make_mbs(4, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
+    set_mesh(dict(dp=world))
+    ref = reference(MOE, mbs, seed=21)
+    # EP2 (alltoall dispatcher) inside DP2: each rank half of the micro-batches
+    set_mesh(dict(dp=world, ep=world))
+    check_layout(res, "ep2", MOE, ref, mbs, my_mbs=mbs[rank::world],
+                 my_ref_lps=ref["lps"][rank::world])
+    # EP1 + TP2 (expert tensor parallel = TP)
+    set_mesh(dict(tp=world), sp=True)
+    check_layout(res, "moe_tp2sp", MOE, ref, mbs)
+
+
+def main():
+    scenario, rank, world, port, out_dir = sys.argv[1:6]
+    os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                      LOCAL_RANK=rank)
+    torch.set_num_threads(1)
+    res = {}
+    try:
+        {"dense": scenario_dense, "moe": scenario_moe}[scenario](res, out_dir)
+    except Exception:
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"{scenario}.{rank}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    if MESH[0] is not None:
+        try:
+            MESH[0].destroy(process_group=True)
+        except Exception:
+            pass
+    return 0 if "error" not in res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

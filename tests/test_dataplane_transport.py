@@ -1,0 +1,182 @@
+"""Real ZMQ sockets (ipc and loopback tcp), real sender processes, hostile input."""
+import multiprocessing as mp
+import os
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from areal_mega.dataplane import (DataplaneError, TrajectoryReceiver, TrajectorySender,
+                                  check_endpoint, encode_trajectory)
+from dataplane_helpers import make_traj
+
+N_SENDERS, PER_SENDER = 3, 40
+
+
+def _sender_main(endpoint, secret, sender, n):
+    with TrajectorySender(endpoint, secret=secret) as s:
+        for i in range(n):
+            s.send(make_traj(sender, i), timeout=60)
+
+
+@pytest.mark.parametrize("transport, secret", [("ipc", None), ("tcp", "s3cret")])
+def test_many_sender_processes_exactly_once_bit_identical(tmp_path, transport, secret):
+    ep = f"ipc://{tmp_path}/dp.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
+    with TrajectoryReceiver(ep, secret=secret, max_queue=8) as rx:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_sender_main, args=(rx.endpoint, secret, w, PER_SENDER))
+                 for w in range(N_SENDERS)]
+        for p in procs:
+            p.start()
+        got = {}
+        try:
+            while len(got) < N_SENDERS * PER_SENDER:
+                t = rx.recv(timeout=60)
+                assert t is not None, f"only {len(got)} trajectories arrived"
+                assert t.sample_id not in got, f"{t.sample_id} arrived twice"
+                got[t.sample_id] = t
+            assert rx.recv(timeout=0.3) is None  # nothing extra (no duplicates)
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+        assert [p.exitcode for p in procs] == [0] * N_SENDERS
+        for w in range(N_SENDERS):
+            for i in range(PER_SENDER):
+                assert got[f"w{w}-{i}"].equals(make_traj(w, i)), f"w{w}-{i} differs"
+        assert rx.accepted == N_SENDERS * PER_SENDER and not rx.rejected
+
+
+def _frames(t, secret=None):
+    return [bytes(memoryview(f)) for f in encode_trajectory(t, secret)]
+
+
+def _garbage(secret):
+    """(expected reason or set of reasons, frames) pairs covering every check."""
+    rng = np.random.default_rng(0)
+    good = make_traj(9, 1)
+    out = []
+    for k in range(20):
+        out.append(({"bad_header", "schema"}, [rng.bytes(int(rng.integers(1, 200)))]))
+    for k in range(5):  # random multi-frame junk
+        out.append(({"bad_header", "schema"}, [rng.bytes(50) for _ in range(4)]))
+    out.append(("bad_header", [msgpack.packb([1, 2, 3])]))
+    fr = _frames(good, secret)
+    out.append(("frame_count", fr[:3]))                 # truncated multipart
+    out.append(("frame_count", fr + [b"extra"]))
+    h = msgpack.unpackb(fr[0])
+    h.pop("hmac", None)
+
+    def with_header(mutate, frames=None):
+        hh = msgpack.unpackb(msgpack.packb(h))
+        mutate(hh)
+        body = (frames or fr)[1:]
+        if secret is not None:  # sign properly so the check under test is reached
+            from areal_mega.dataplane.wire import _mac, secret_bytes
+            hh["hmac"] = _mac(secret_bytes(secret), msgpack.packb(hh, use_bin_type=True), body)
+        return [msgpack.packb(hh, use_bin_type=True)] + body
+
+    out.append(("schema", with_header(lambda hh: hh.update(schema=99))))
+    out.append(("bad_dtype", with_header(lambda hh: hh["fields"][0].update(dtype="|O"))))
+    out.append(("bad_dtype", with_header(lambda hh: hh["fields"][0].update(dtype="<f4"))))
+    out.append(("bad_shape", with_header(lambda hh: hh["fields"][1].update(shape=[-3]))))
+    out.append(("bad_shape", with_header(lambda hh: hh["fields"][1].update(shape="x"))))
+    out.append(("frame_size", with_header(lambda hh: hh["fields"][2].update(
+        shape=[hh["fields"][2]["shape"][0] + 1]))))
+    out.append(("invalid_field", with_header(lambda hh: hh["meta"].update(finish_reason="eos"))))
+    out.append(("invalid_field", with_header(lambda hh: hh["fields"].pop(),
+                                             frames=fr[:-1])))
+    if secret is not None:
+        out.append(("missing_hmac", [msgpack.packb(h, use_bin_type=True)] + fr[1:]))
+        out.append(("bad_hmac", _frames(good, "wrong-secret")))
+        tampered = list(fr)
+        tampered[1] = bytes([tampered[1][0] ^ 1]) + tampered[1][1:]
+        out.append(("bad_hmac", tampered))
+    out.append(("oversize", [fr[0]] + [b"x" * 60_000] * 5))
+    return out
+
+
+@pytest.mark.parametrize("secret", [None, "k3y"])
+def test_garbage_flood_keeps_accepting_good_messages(secret):
+    with TrajectoryReceiver("tcp://127.0.0.1:*", secret=secret,
+                            max_message_bytes=200_000) as rx:
+        ctx = zmq.Context.instance()
+        raw = ctx.socket(zmq.DEALER)  # a peer that ignores the protocol and sends junk
+        raw.connect(rx.endpoint)
+        garbage = _garbage(secret)
+        with TrajectorySender(rx.endpoint, secret=secret) as tx:
+            for k, (_, frames) in enumerate(garbage):
+                raw.send_multipart(frames)
+                tx.send(make_traj(5, k))
+            got = []
+            while len(got) < len(garbage):
+                t = rx.recv(timeout=30)
+                assert t is not None, f"receiver stopped after {len(got)} good messages"
+                got.append(t)
+            assert rx.recv(timeout=0.5) is None
+        raw.close(0)
+        assert sorted(t.sample_id for t in got) == sorted(f"w5-{k}" for k in range(len(garbage)))
+        assert all(t.equals(make_traj(5, int(t.sample_id.split("-")[1]))) for t in got)
+        expected = {}
+        for reason, _ in garbage:
+            if isinstance(reason, str):
+                expected[reason] = expected.get(reason, 0) + 1
+        for reason, n in expected.items():
+            assert rx.rejected[reason] >= n, (reason, dict(rx.rejected))
+        assert sum(rx.rejected.values()) == len(garbage)
+        assert rx.accepted == len(garbage)
+
+
+def test_backpressure_blocks_senders_then_recovers():
+    with TrajectoryReceiver("tcp://127.0.0.1:*", max_queue=4) as rx:
+        with TrajectorySender(rx.endpoint, window=4) as tx:
+            sent = 0
+            with pytest.raises(TimeoutError, match="unacknowledged"):
+                for i in range(50):
+                    tx.send(make_traj(1, i), timeout=0.3)
+                    sent += 1
+            assert sent == 4 and tx.in_flight == 4  # a slow trainer stops the sender
+            for i in range(4):
+                assert rx.recv(timeout=5).sample_id == f"w1-{i}"
+            tx.send(make_traj(1, 99), timeout=5)  # acks reopened the window
+            assert rx.recv(timeout=5).sample_id == "w1-99"
+            assert rx.recv(timeout=0) is None  # queue empty -> remaining acks flushed
+            assert tx.flush(timeout=5) and tx.in_flight == 0
+
+
+def test_sender_close_waits_until_everything_was_taken(tmp_path):
+    """The scenario where plain PUSH/PULL lost messages: exit while the receiver lags."""
+    with TrajectoryReceiver(f"ipc://{tmp_path}/c.sock", max_queue=2) as rx:
+        tx = TrajectorySender(rx.endpoint, window=8)
+        for i in range(8):
+            tx.send(make_traj(2, i))
+        import threading
+        left = []
+        th = threading.Thread(target=lambda: left.append(tx.close(linger_s=30)))
+        th.start()
+        got = [rx.recv(timeout=10) for _ in range(8)]
+        th.join(30)
+        assert left == [0]
+        assert [t.sample_id for t in got] == [f"w2-{i}" for i in range(8)]
+
+
+def test_endpoint_checks(tmp_path):
+    with pytest.raises(DataplaneError, match="not loopback"):
+        check_endpoint("tcp://0.0.0.0:5555", bind=True)
+    with pytest.raises(DataplaneError, match="not loopback"):
+        check_endpoint("tcp://*:5555", bind=True)
+    assert check_endpoint("tcp://0.0.0.0:5555", bind=True, allow_remote=True)
+    assert check_endpoint("tcp://localhost:0", bind=True) == "tcp://127.0.0.1:*"
+    with pytest.raises(DataplaneError, match="longer than"):
+        check_endpoint("ipc://" + "x" * 200)
+    with pytest.raises(DataplaneError, match="scheme"):
+        check_endpoint("udp://127.0.0.1:5")
+    with pytest.raises(DataplaneError, match="port"):
+        check_endpoint("tcp://127.0.0.1:99999")
+    path = f"{tmp_path}/stale.sock"
+    open(path, "w").close()  # a stale socket file from a crashed run is replaced
+    with TrajectoryReceiver(f"ipc://{path}") as rx:
+        assert rx.endpoint == f"ipc://{path}"
+    assert not os.path.exists(path)

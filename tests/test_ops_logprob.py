@@ -1,0 +1,151 @@
+import pytest
+import torch
+
+from areal_mega.ops import packed_logprobs, packed_logprobs_from_hidden
+from areal_mega.ops.reference import logprobs_naive
+from tests.ops_helpers import ensure_cpu_extension
+
+BACKENDS = ["native", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "native":
+        ensure_cpu_extension()
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", request.param)
+    return request.param
+
+
+def _batch(T, V, dtype, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(T, V, generator=g, dtype=torch.float64) * scale).to(dtype)
+    labels = torch.randint(0, V, (T,), generator=g)
+    return logits, labels
+
+
+@pytest.mark.parametrize("dtype, tol, gtol", [(torch.float32, 2e-5, 1e-6),
+                                              (torch.bfloat16, 2e-5, 1e-2),
+                                              (torch.float16, 2e-5, 2e-3)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_backward_match_reference(backend, dtype, tol, gtol, temperature):
+    # V = 5003 is not a multiple of any block/vector width; label -1 is padding
+    logits, labels = _batch(48, 5003, dtype)
+    labels[5] = -1
+    labels[6] = 5002
+    x = logits.clone().requires_grad_()
+    lp, ent = packed_logprobs(x, labels, temperature=temperature, return_entropy=True)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32 and lp.shape == (48,)
+    ref = logits.double().requires_grad_()
+    lp_ref, ent_ref = logprobs_naive(ref, labels, temperature=temperature, return_entropy=True)
+    torch.testing.assert_close(lp.double(), lp_ref.detach(), atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(ent.double(), ent_ref.detach(), atol=tol * 10, rtol=tol)
+    assert lp[5] == 0
+    g_lp = torch.randn(48, dtype=torch.float64)
+    g_ent = torch.randn(48, dtype=torch.float64)
+    (gx,) = torch.autograd.grad((lp * g_lp.float()).sum() + (ent * g_ent.float()).sum(), x)
+    (gref,) = torch.autograd.grad((lp_ref * g_lp).sum() + (ent_ref * g_ent).sum(), ref)
+    assert gx.dtype == dtype and gx.shape == logits.shape
+    scale = gref.abs().max().item()
+    torch.testing.assert_close(gx.double(), gref, atol=gtol * scale + 1e-7, rtol=gtol)
+    # logprob-only gradient path (no entropy statistics kept)
+    x2 = logits.clone().requires_grad_()
+    (gx2,) = torch.autograd.grad((packed_logprobs(x2, labels, temperature=temperature)
+                                  * g_lp.float()).sum(), x2)
+    (gref2,) = torch.autograd.grad((logprobs_naive(ref, labels, temperature=temperature)
+                                    * g_lp).sum(), ref)
+    torch.testing.assert_close(gx2.double(), gref2, atol=gtol * scale + 1e-7, rtol=gtol)
+
+
+def test_gradcheck_fp64(backend):
+    logits, labels = _batch(6, 37, torch.float64, seed=1, scale=1.0)
+    labels[2] = -1
+    x = logits.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda z: packed_logprobs(z, labels, temperature=1.3, return_entropy=True), (x,))
+    assert torch.autograd.gradcheck(lambda z: packed_logprobs(z, labels, temperature=0.5), (x,))
+
+
+def test_masked_vocabulary_and_extremes(backend):
+    logits, labels = _batch(8, 3000, torch.float32, seed=2)
+    logits[0, 100:2900] = float("-inf")   # e.g. a vocabulary mask
+    labels[0] = 5
+    logits[1] *= 1e3                      # very peaked row
+    logits[2] = 0.0                       # uniform row: entropy = log V
+    x = logits.clone().requires_grad_()
+    lp, ent = packed_logprobs(x, labels, return_entropy=True)
+    lp_ref, ent_ref = logprobs_naive(logits.double(), labels, return_entropy=True)
+    torch.testing.assert_close(lp.double(), lp_ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ent_ref, atol=1e-4, rtol=1e-5)
+    assert abs(ent[2].item() - torch.log(torch.tensor(3000.0)).item()) < 1e-5
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+    assert (x.grad[0, 100:2900] == 0).all()
+
+
+def test_empty_batch_and_validation(backend):
+    lp = packed_logprobs(torch.zeros(0, 11), torch.zeros(0, dtype=torch.long))
+    assert lp.shape == (0,)
+    with pytest.raises(ValueError, match=r"\[T, V_local\]"):
+        packed_logprobs(torch.zeros(4), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must be"):
+        packed_logprobs(torch.zeros(4, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        packed_logprobs(torch.zeros(4, 5), torch.zeros(4, dtype=torch.long), temperature=0.0)
+    with pytest.raises(TypeError, match="integer"):
+        packed_logprobs(torch.zeros(4, 5), torch.zeros(4))
+
+
+def test_non_contiguous_rows_and_chunking(backend):
+    big, labels = _batch(20, 900, torch.float32, seed=3)
+    view = big[:, :700]                      # row stride 900, unit column stride
+    labels = labels % 700
+    lp = packed_logprobs(view, labels, chunk_size=3, temperature=1.7)
+    ref = logprobs_naive(view.double(), labels, temperature=1.7)
+    torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_fused_from_hidden_matches_full_logits(backend):
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(70, 32, generator=g)
+    weight = torch.randn(1001, 32, generator=g) / 4
+    labels = torch.randint(0, 1001, (70,), generator=g)
+    labels[3] = -1
+    lp, ent = packed_logprobs_from_hidden(hidden, weight, labels, temperature=0.8,
+                                          token_chunk=16, vocab_chunk=300, return_entropy=True)
+    lp_ref, ent_ref = logprobs_naive((hidden.double() @ weight.double().T), labels,
+                                     temperature=0.8, return_entropy=True)
+    torch.testing.assert_close(lp.double(), lp_ref, atol=5e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ent_ref, atol=5e-5, rtol=1e-5)
+    assert not lp.requires_grad
+
+
+def test_native_backend_error_names_build_command(monkeypatch):
+    from areal_mega.ops import _backend
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "native")
+    monkeypatch.setitem(_backend._modules, "_ops_cpu", None)
+    monkeypatch.setitem(_backend._errors, "_ops_cpu", ImportError("simulated"))
+    with pytest.raises(RuntimeError, match="setup.py build_ext --inplace"):
+        packed_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="auto, native or torch"):
+        packed_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cuda_matches_reference(dtype, monkeypatch):
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "native")
+    logits, labels = _batch(64, 151936 // 8, dtype)
+    labels[1] = -1
+    x = logits.cuda().requires_grad_()
+    lp, ent = packed_logprobs(x, labels.cuda(), temperature=0.9, return_entropy=True)
+    ref = logits.double().requires_grad_()
+    lp_ref, ent_ref = logprobs_naive(ref, labels, temperature=0.9, return_entropy=True)
+    torch.testing.assert_close(lp.cpu().double(), lp_ref.detach(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent.cpu().double(), ent_ref.detach(), atol=1e-4, rtol=1e-5)
+    (gx,) = torch.autograd.grad(lp.sum() + ent.sum(), x)
+    (gref,) = torch.autograd.grad(lp_ref.sum() + ent_ref.sum(), ref)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(gx.cpu().double(), gref, atol=tol * gref.abs().max().item(),
+                               rtol=tol)

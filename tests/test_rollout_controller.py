@@ -1,0 +1,189 @@
+"""RolloutController against real CPU server processes: interruptible weight updates, the
+staleness bound, a server dying mid-run, multi-turn episodes and the sink path."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.launch import launch_local_servers
+from areal_mega.rollout.rewards import exact_match_reward
+from areal_mega.rollout.staleness import sample_version
+from areal_mega.rollout.workflows import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
+from tests.rollout_helpers import API_KEY, load_model, make_models, run, teacher_forced_logprobs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    a, b = make_models(tmp_path_factory)
+    return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
+
+
+@pytest.fixture(scope="module")
+def servers(models):
+    procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def prompts(n, length=4):
+    return [{"input_ids": [5 + (i % 50)] + [6 + (i * 7 + j) % 60 for j in range(length - 1)],
+             "answer": "never"} for i in range(n)]
+
+
+def make_controller(addrs, *, batch_size, n_samples, eta, max_new_tokens, n_prompts=64,
+                    workflow=None, sink=None, tokenizer=None, **kw):
+    client = RolloutClient(addrs, api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
+    wf = workflow or RLVRWorkflow(exact_match_reward, max_new_tokens)
+    return RolloutController(client, wf, prompts(n_prompts), batch_size=batch_size,
+                             n_samples=n_samples, eta=eta, sink=sink, tokenizer=tokenizer,
+                             ignore_eos=True, **kw)
+
+
+def wait_for(cond, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def restore(addrs, path):
+    async def go():
+        c = RolloutClient(addrs, api_key=API_KEY)
+        try:
+            await c.update_weights_from_disk(str(path), weight_version=0)
+        finally:
+            await c.close()
+    run(go())
+
+
+def test_interrupted_generation_is_stitched(servers, models):
+    """Pause mid-generation, load new weights, continue: every sample completes, its versions
+    switch 0 -> 1 exactly where it was interrupted, and each token's logprob is the teacher-
+    forced logprob of the model version that produced it."""
+    addrs = [p.addr for p in servers]
+    ctl = make_controller(addrs, batch_size=4, n_samples=2, eta=1, max_new_tokens=120).start()
+    try:
+        wait_for(lambda: ctl.n_inflight_requests >= 8)
+        time.sleep(0.2)
+        ctl.update_weights(1, path=str(models["b"]))
+        groups = ctl.wait_batch(8, timeout=120)
+    finally:
+        ctl.stop()
+        restore(addrs, models["a"])
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 16
+    n_interrupted = 0
+    for t in trajs:
+        P = t.prompt_len
+        assert t.finish_reason == "length" and len(t.input_ids) == P + 120
+        assert (t.versions[:P] == -1).all() and (t.loss_mask[:P] == 0).all()
+        assert (t.loss_mask[P:] == 1).all() and (t.logprobs[:P] == 0).all()
+        gen_v = t.versions[P:]
+        assert set(gen_v.tolist()) <= {0, 1} and (np.diff(gen_v) >= 0).all()
+        k = int((gen_v == 0).sum())  # the interruption point
+        ids = t.input_ids.tolist()
+        if 0 < k < 120:
+            n_interrupted += 1
+            assert t.meta["n_interruptions"] == 1
+        lp_a = teacher_forced_logprobs(models["ma"], ids, P)[:k]
+        lp_b = teacher_forced_logprobs(models["mb"], ids, P)[k:]
+        assert np.abs(np.array(lp_a + lp_b) - t.logprobs[P:]).max() <= 1e-4
+    assert n_interrupted >= 4
+    assert ctl.stats()["interruptions"] >= n_interrupted
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+def test_staleness_bound(servers, models, eta):
+    """No consumed sample is older than trainer version - eta; with eta > 0 the bound is
+    reached (groups started at version 0 are consumed up to eta versions later)."""
+    B, steps = 2, 4
+    ctl = make_controller([p.addr for p in servers], batch_size=B, n_samples=2, eta=eta,
+                          max_new_tokens=6).start()
+    worst = 0
+    try:
+        for step in range(steps):
+            groups = ctl.wait_batch(timeout=60)
+            assert len(groups) == B
+            st = ctl.stats()
+            assert st["started"] - st["failed"] <= (eta + ctl.version + 1) * B
+            for g in groups:
+                for t in g:
+                    v = sample_version(t.versions)
+                    assert v >= ctl.version - eta, (v, ctl.version, eta)
+                    worst = max(worst, ctl.version - v)
+            ctl.update_weights(step + 1, path=str(models["a"]))
+    finally:
+        ctl.stop()
+    assert worst == min(eta, steps - 1)
+
+
+def test_killing_one_server_loses_nothing(models):
+    procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
+    try:
+        ctl = make_controller([p.addr for p in procs], batch_size=4, n_samples=2, eta=0,
+                              max_new_tokens=100).start()
+        try:
+            wait_for(lambda: ctl.n_inflight_requests >= 8)
+            time.sleep(0.3)
+            procs[0].kill()
+            groups = ctl.wait_batch(4, timeout=120)
+            st = ctl.stats()
+        finally:
+            ctl.stop()
+        trajs = [t for g in groups for t in g]
+        assert len(trajs) == 8 and st["failed"] == 0
+        assert all(len(t.input_ids) == t.prompt_len + 100 for t in trajs)
+        assert {t.server_id for t in trajs} == {"http://" + procs[1].addr}
+        assert ctl.client.live_servers() == ["http://" + procs[1].addr]
+        for t in trajs[:3]:  # what the surviving server produced is still exact
+            ids = t.input_ids.tolist()
+            ref = teacher_forced_logprobs(models["ma"], ids, t.prompt_len)
+            assert np.abs(np.array(ref) - t.logprobs[t.prompt_len:]).max() <= 1e-4
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_multi_turn_environment_tokens_masked_and_sink(servers, models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    feedback = "\nWrong, try again:\n"
+    wf = MultiTurnWorkflow(lambda: RetryEnvironment(exact_match_reward, feedback=feedback),
+                           max_new_tokens=6, max_turns=3, max_total_tokens=200)
+    got, lock = [], threading.Lock()
+
+    def sink(group):
+        with lock:
+            got.append(group)
+    ctl = make_controller([p.addr for p in servers], batch_size=2, n_samples=2, eta=0,
+                          max_new_tokens=6, workflow=wf, sink=sink, tokenizer=tok,
+                          n_prompts=2).start()
+    try:
+        wait_for(lambda: len(got) == 2)
+        assert ctl.stats()["accepted"] == 2
+        with pytest.raises(RuntimeError, match="sink"):
+            ctl.wait_batch()
+    finally:
+        ctl.stop()
+    fb = tok(feedback, add_special_tokens=False)["input_ids"]
+    for t in [t for g in got for t in g]:
+        P = t.prompt_len
+        assert t.meta["turns"] == 3 and t.reward == 0.0
+        mask = t.loss_mask[P:].tolist()
+        assert mask == [1] * 6 + [0] * len(fb) + [1] * 6 + [0] * len(fb) + [1] * 6
+        env = t.loss_mask == 0
+        assert (t.versions[env] == -1).all() and (t.logprobs[env] == 0).all()
+        assert t.input_ids[P + 6:P + 6 + len(fb)].tolist() == fb
+        ids = t.input_ids.tolist()
+        ref = np.array(teacher_forced_logprobs(models["ma"], ids, P))
+        gen = t.loss_mask[P:] == 1
+        assert np.abs(ref[gen] - t.logprobs[P:][gen]).max() <= 1e-4
