@@ -45,6 +45,8 @@ class ClusterConfig:
     max_restarts: int = _f(3, lo=0, doc="trainer relaunches after a crash when recover=auto")
     server_ready_timeout_s: float = _f(600.0, lo=1.0,
                                        doc="how long launch.local waits for a rollout server")
+    server_base_port: int = _f(30000, lo=1024, hi=65535,
+                               doc="multi-node: rollout server k of a node listens on base + k")
 
 
 @dataclass

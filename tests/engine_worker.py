@@ -252,6 +252,52 @@ def scenario_moe(res, out_dir):
     check_layout(res, "moe_tp2sp", MOE, ref, mbs)
 
 
+def _engine_reference(hf, mbs, seed):
+    """GPU reference: the engine itself at CP1 on a d=world mesh, every rank the full batch
+    (DP-summed grads of identical halves == single-rank grads)."""
+    from areal_mega.config import ModelConfig, OptimizerConfig
+    from areal_mega.engine import MegatronEngine
+    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="actor", mesh=MESH[0],
+                         optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0), seed=seed)
+    world = MESH[0].dims.dp
+    state = {k: v.detach().clone() for k, v in eng.model_chunks()[0].state_dict().items()
+             if not k.endswith("_extra_state")}
+    lps = eng.forward_logprobs(mbs, temperature=TEMP)
+    st = eng.forward_backward(mbs, loss_fn, temperature=TEMP, return_entropy=True)
+    grads = {n: p.main_grad.detach().clone() * world
+             for n, p in eng.model_chunks()[0].named_parameters()}
+    return {"state": state, "lps": lps, "grads": grads, "loss": st["loss"] * world}
+
+
+def scenario_gpu_thd(res, out_dir):
+    """One GPU: TransformerEngine THD packed forward equals each sequence run alone."""
+    from areal_mega.scheduler.packing import pack_sequences
+    set_mesh(dict(dp=1))
+    mbs = make_mbs(1, [[9, 14, 5, 30]])
+    eng = _engine_reference(DENSE, mbs, seed=11)
+    worst = 0.0
+    mb0 = mbs[0]
+    lp0 = eng["lps"][0]
+    e2 = actor(DENSE, eng)
+    for b in range(len(mb0["seqlens"])):
+        s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
+        alone = pack_sequences([{"input_ids": mb0["input_ids"][s:s + n]}])
+        worst = max(worst, (e2.forward_logprobs([alone], temperature=TEMP)[0][:n]
+                            - lp0[s:s + n]).abs().max().item())
+    res["thd.packed_vs_alone"] = worst
+
+
+def scenario_gpu_cp2(res, out_dir):
+    """Two GPUs: context parallelism 2 (zigzag THD) equals CP1."""
+    world = int(os.environ["WORLD_SIZE"])
+    mbs = make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4]], pad=2 * world)
+    from areal_mega.scheduler.packing import pack_sequences  # noqa: F401
+    set_mesh(dict(dp=world))
+    ref = _engine_reference(DENSE, mbs, seed=11)
+    set_mesh(dict(cp=world))
+    check_layout(res, "cp2", DENSE, ref, mbs)
+
+
 def main():
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -259,7 +305,8 @@ def main():
     torch.set_num_threads(1)
     res = {}
     try:
-        {"dense": scenario_dense, "moe": scenario_moe}[scenario](res, out_dir)
+        {"dense": scenario_dense, "moe": scenario_moe, "gpu_thd": scenario_gpu_thd,
+         "gpu_cp2": scenario_gpu_cp2}[scenario](res, out_dir)
     except Exception:
         res["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"{scenario}.{rank}.json"), "w") as f:

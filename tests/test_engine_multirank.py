@@ -88,3 +88,23 @@ def test_ten_steps_lower_loss(dense):
 def test_moe_layouts_match_single_rank(moe, layout):
     for what in ("logprobs", "grads", "loss", "n_tokens"):
         assert _worst(moe, f"{layout}.{what}") < TOL, (layout, what, moe[0])
+
+
+def _cuda_count():
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 1, reason="needs a GPU with TransformerEngine")
+def test_gpu_te_thd_packed_equals_alone(tmp_path):
+    res = _launch("gpu_thd", tmp_path, world=1)
+    assert res[0]["thd.packed_vs_alone"] < 2e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_count() < 2, reason="context parallelism 2 needs 2 GPUs (NCCL)")
+def test_gpu_cp2_matches_cp1(tmp_path):
+    res = _launch("gpu_cp2", tmp_path, world=2)
+    for what in ("logprobs", "grads", "loss", "n_tokens"):
+        assert _worst(res, f"cp2.{what}") < 2e-5, (what, res[0])

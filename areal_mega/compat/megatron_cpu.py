@@ -202,7 +202,10 @@ class Patch:
         mod = importlib.import_module(self.module)
         if self.function is None:
             return inspect.getsource(mod)
-        return inspect.getsource(_resolve(mod, self.function))
+        fn = _resolve(mod, self.function)
+        fn = getattr(fn, "__func__", fn)
+        # after a rewrite, read the source of the original function that was replaced
+        return inspect.getsource(getattr(fn, "__wrapped_original__", fn))
 
     def check(self) -> list[str]:
         """Return the problems found (empty when the expected source is all there)."""

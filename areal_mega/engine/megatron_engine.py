@@ -375,8 +375,8 @@ class MegatronEngine:
                     if k in r:
                         vec[i] += float(r[k])
             vec = vec.to(self.mesh.device)
-            if self.mesh.dims.dp > 1:
-                dist.all_reduce(vec, group=self.mesh.dp_group)
+            if self.mesh.dims.dp * self.mesh.dims.cp > 1:  # CP ranks hold partial sums
+                dist.all_reduce(vec, group=self.mesh.dp_cp_group)
         if self.mesh.dims.pp > 1:
             holder = [keys, None if vec is None else vec.cpu().tolist()]
             dist.broadcast_object_list(holder, src=self.mesh.last_stage_global_rank(),

@@ -71,6 +71,8 @@ def zigzag_index(bounds: Sequence[int], total: int, cp_size: int, cp_rank: int) 
     ``2·cp_size−1−r`` (in that order), matching TransformerEngine's THD context parallelism."""
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
+    if cp_size == 1:
+        return torch.arange(total)
     segs = list(bounds)
     if not segs or segs[0] != 0:
         segs = [0] + segs

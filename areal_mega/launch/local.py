@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
+import shlex
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,13 +31,15 @@ from typing import Callable, Optional
 import yaml
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
-from areal_mega.launch.memory import DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams, rollout_memory
+from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
+                                      rollout_memory)
 from areal_mega.launch.plan import Layout, find_free_ports, plan_layout
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
 from areal_mega.parallel.allocation import parse_allocation
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
-TRAINER_MODULE = "areal_mega.trainer"
+# ``AREAL_MEGA_TRAINER_MODULE`` in the environment replaces it (custom trainers, tests).
+TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
 # The CPU rollout server (``--model-path DIR --port P [--api-key K]``).
 ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
 # ``module:function(cfg, slot: ServerSlot, host: str) -> argv`` that builds an SGLang server
@@ -221,6 +226,62 @@ def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = No
     return specs, layout
 
 
+# ----------------------------------------------------------------------------- multi-node helpers
+
+
+def planned_layout(cfg: ExperimentConfig) -> Layout:
+    """The cluster layout with deterministic ports (``cluster.server_base_port`` + index of the
+    server on its node), as the sbatch scripts use it."""
+    lay = make_layout(cfg)
+    per_node: dict = {}
+    slots = []
+    for s in lay.servers:
+        k = per_node.get(s.node, 0)
+        per_node[s.node] = k + 1
+        slots.append(type(s)(s.index, s.node, s.gpus, cfg.cluster.server_base_port + k))
+    lay.servers = slots
+    return lay
+
+
+def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> dict:
+    """Shell variables for ``launch/slurm/*.sbatch`` (``eval "$(... --print-layout-env)"``)."""
+    lay = planned_layout(cfg)
+    rollout_nodes = sorted({s.node for s in lay.servers})
+    env = {"ROLLOUT_NNODES": len(rollout_nodes), "N_SERVERS": len(lay.servers),
+           "TRAINER_NNODES": len(lay.trainer_nodes),
+           "TRAINER_NPROC_PER_NODE": lay.trainer_nproc_per_node,
+           "TRAINER_WORLD_SIZE": lay.trainer_world_size,
+           "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus)),
+           "TRAINER_MODULE": TRAINER_MODULE,
+           "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes)}
+    env["MAX_RESTARTS"] = cfg.cluster.max_restarts if cfg.recover == "auto" else 0
+    if lay.external_servers:
+        env["SERVER_ADDRS"] = ",".join(lay.external_servers)
+    elif rollout_hosts is not None:
+        if len(rollout_hosts) < len(rollout_nodes):
+            raise ConfigError(f"--rollout-hosts: {len(rollout_hosts)} host(s) given, the layout "
+                              f"needs {len(rollout_nodes)}")
+        env["SERVER_ADDRS"] = ",".join(f"{rollout_hosts[s.node]}:{s.port}" for s in lay.servers)
+    return env
+
+
+def serve_node(cfg: ExperimentConfig, node: int, run_dir: Path) -> int:
+    """Run (and supervise) the rollout servers that the layout puts on ``node``; for srun."""
+    lay = planned_layout(cfg)
+    mine = [s for s in lay.servers if s.node == node]
+    if not mine:
+        print(f"node {node}: no rollout servers in this layout", file=sys.stderr)
+        return 0
+    specs = []
+    for slot in mine:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+        specs.append(ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, "0.0.0.0"),
+                                 env=env, kind="main"))
+    host = socket.gethostname()
+    return Supervisor(specs, run_dir / "logs" / f"node{node}-{host}",
+                      grace_s=cfg.cluster.kill_grace_s).run()
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -232,6 +293,14 @@ def main(argv: Optional[list] = None) -> int:
                    help="validate, print the layout and memory estimate, start nothing")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="plan for this device instead of cluster.device (dry runs on a laptop)")
+    p.add_argument("--print-layout-env", action="store_true",
+                   help="print the layout as shell variables (for launch/slurm)")
+    p.add_argument("--rollout-hosts", default=None,
+                   help="comma-separated rollout node hosts, to print SERVER_ADDRS")
+    p.add_argument("--serve-node", type=int, default=None, metavar="K",
+                   help="run the rollout servers the layout puts on node K (srun per node)")
+    p.add_argument("--print-resume", action="store_true",
+                   help="print the checkpoint.load=<latest complete> override (recover=auto)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     try:
@@ -239,6 +308,16 @@ def main(argv: Optional[list] = None) -> int:
         if args.dry_run:
             print(describe(cfg, args.device))
             return 0
+        if args.print_layout_env:
+            hosts = args.rollout_hosts.split(",") if args.rollout_hosts else None
+            for k, v in layout_env(cfg, hosts).items():
+                print(f"{k}={shlex.quote(str(v))}")
+            return 0
+        if args.print_resume:
+            print(" ".join(resume_overrides(cfg)))
+            return 0
+        if args.serve_node is not None:
+            return serve_node(cfg, args.serve_node, Path(cfg.logging.run_dir))
         run_dir = Path(cfg.logging.run_dir)
         specs, layout = build_specs(cfg, run_dir, args.device)
     except ConfigError as e:

@@ -306,31 +306,41 @@ class BatchedEngine:
         self._last_tok = [self._last_tok[i] for i in keep]
 
     def _sample_and_record(self, reqs: list, logits: torch.Tensor) -> list:
-        toks = []
-        for r, row in zip(reqs, logits):
-            p = r.params
-            if p.temperature < GREEDY_EPS:
-                tok = int(torch.argmax(row))
-                lp = float(torch.log_softmax(row, -1)[tok])
-            else:
-                logp = torch.log_softmax(row / p.temperature, -1)
-                masked = logp
-                if p.top_k > 0 and p.top_k < masked.numel():
-                    kth = torch.topk(masked, p.top_k).values[-1]
-                    masked = masked.masked_fill(masked < kth, float("-inf"))
+        """Sample one token per row (vectorised; per-row work only for top-k/top-p or seeded
+        requests) and record token and logprob on each request."""
+        temps = torch.tensor([max(r.params.temperature, GREEDY_EPS) for r in reqs])
+        greedy = [r.params.temperature < GREEDY_EPS for r in reqs]
+        scaled = torch.where(torch.tensor(greedy).view(-1, 1), logits, logits / temps.view(-1, 1))
+        logp = torch.log_softmax(scaled, -1)
+        probs = logp.exp()
+        plain = [not g and r.generator is None and r.params.top_k <= 0 and r.params.top_p >= 1.0
+                 for r, g in zip(reqs, greedy)]
+        toks = torch.argmax(logp, -1)
+        if all(plain):
+            toks = torch.multinomial(probs, 1).view(-1)
+        else:
+            for i, (r, g) in enumerate(zip(reqs, greedy)):
+                if g:
+                    continue
+                p = r.params
+                row = logp[i]
+                if p.top_k > 0 and p.top_k < row.numel():
+                    kth = torch.topk(row, p.top_k).values[-1]
+                    row = row.masked_fill(row < kth, float("-inf"))
                 if p.top_p < 1.0:
-                    sp, si = torch.sort(masked, descending=True)
+                    sp, si = torch.sort(row, descending=True)
                     cum = torch.cumsum(sp.exp(), 0)
                     drop = (cum - sp.exp()) >= p.top_p  # keep the smallest prefix reaching top_p
-                    masked = masked.clone()
-                    masked[si[drop]] = float("-inf")
-                tok = int(torch.multinomial(masked.exp(), 1, generator=r.generator))
-                lp = float(logp[tok])
+                    row = row.clone()
+                    row[si[drop]] = float("-inf")
+                toks[i] = int(torch.multinomial(row.exp(), 1, generator=r.generator))
+        tok_list = toks.tolist()
+        lps = logp.gather(1, toks.view(-1, 1)).view(-1).tolist()
+        for r, tok, lp in zip(reqs, tok_list, lps):
             r.output_ids.append(tok)
             r.logprobs.append(lp)
-            toks.append(tok)
-        self.tokens_generated += len(toks)
-        return toks
+        self.tokens_generated += len(tok_list)
+        return tok_list
 
     def _check_finished(self, r: GenRequest, tok: int) -> bool:
         p = r.params

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# launch/torchrun.sh — start the areal-mega trainer on this node under torchrun, joining
+# rollout servers that already run elsewhere (SGLang or the CPU local server).
+#
+# Usage (run once per trainer node, e.g. from srun or by hand on each node):
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node-a MASTER_PORT=29500 \
+#     launch/torchrun.sh recipes/qwen2.5-7b-math.yaml \
+#       rollout.server_addrs=10.0.0.5:30000,10.0.0.6:30000 [key=value ...]
+#
+# Environment (all optional):
+#   PYTHON          python with areal_mega installed           (default: python)
+#   NNODES          trainer nodes                               (default: 1)
+#   NODE_RANK       this node's index among them                (default: $SLURM_NODEID or 0)
+#   MASTER_ADDR     host of trainer node 0                      (default: 127.0.0.1)
+#   MASTER_PORT     free TCP port on MASTER_ADDR                (default: 29500)
+#   NPROC_PER_NODE  trainer ranks on this node                  (default: from the layout)
+#   TRAINER_GPUS    CUDA_VISIBLE_DEVICES for the trainer        (default: from the layout)
+# The trainer module, ranks per node and GPUs come from the same planner as
+# `python -m areal_mega.launch.local --dry-run`, so this script and launch.local agree.
+set -euo pipefail
+
+if [[ $# -lt 1 ]]; then
+    sed -n '2,20p' "$0" >&2
+    exit 2
+fi
+RECIPE=$1
+shift
+PYTHON=${PYTHON:-python}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+layout=$("$PYTHON" -m areal_mega.launch.local --config "$RECIPE" --print-layout-env "$@")
+eval "$layout"   # TRAINER_NPROC_PER_NODE, TRAINER_GPUS, TRAINER_MODULE, ...
+NPROC_PER_NODE=${NPROC_PER_NODE:-$TRAINER_NPROC_PER_NODE}
+if [[ -n ${TRAINER_GPUS:-} && -z ${CUDA_VISIBLE_DEVICES:-} ]]; then
+    export CUDA_VISIBLE_DEVICES=$TRAINER_GPUS
+fi
+
+echo "[torchrun.sh] $(hostname): node ${NODE_RANK}/${NNODES}, ${NPROC_PER_NODE} ranks," \
+     "master ${MASTER_ADDR}:${MASTER_PORT}, module ${TRAINER_MODULE}" >&2
+exec "$PYTHON" -m torch.distributed.run \
+    --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    -m "$TRAINER_MODULE" --config "$RECIPE" "$@"

@@ -1,0 +1,42 @@
+"""Child processes for supervisor tests: ``python children.py MODE [ARG]``.
+
+sleep        sleep forever
+exit N       sleep 0.3 s, exit with code N
+stubborn     ignore SIGTERM, sleep forever
+listen PORT  listen on PORT and sleep forever
+spawn DIR    start a grandchild in a NEW session (escapes the process group), write both pids
+flaky FILE   exit 1 the first time (creating FILE), exit 0 afterwards
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+mode = sys.argv[1]
+arg = sys.argv[2] if len(sys.argv) > 2 else None
+if mode == "sleep":
+    time.sleep(3600)
+elif mode == "exit":
+    time.sleep(0.3)
+    sys.exit(int(arg))
+elif mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ignoring SIGTERM", flush=True)
+    time.sleep(3600)
+elif mode == "listen":
+    s = socket.socket()
+    s.bind(("127.0.0.1", int(arg)))
+    s.listen()
+    time.sleep(3600)
+elif mode == "spawn":
+    g = subprocess.Popen([sys.executable, __file__, "sleep"], start_new_session=True)
+    with open(os.path.join(arg, "pids"), "w") as f:
+        f.write(f"{os.getpid()} {g.pid}")
+    time.sleep(3600)
+elif mode == "flaky":
+    if not os.path.exists(arg):
+        open(arg, "w").close()
+        sys.exit(1)
+    sys.exit(0)

@@ -1,0 +1,84 @@
+"""launch/torchrun.sh under a real torchrun, and launch/slurm/run.sbatch's flow with stub
+``scontrol`` / ``srun`` / ``curl`` commands (no Slurm here): node split, server addresses,
+master address, bounded trainer relaunch, cleanup of the rollout step."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from areal_mega.launch.plan import find_free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "tests" / "fixtures_launch"
+
+
+def test_scripts_parse():
+    for script in ("launch/torchrun.sh", "launch/slurm/run.sbatch"):
+        subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
+        assert os.access(ROOT / script, os.X_OK)
+
+
+def test_torchrun_sh_joins_external_servers(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "AREAL_MEGA_TRAINER_MODULE": "fake_trainer",
+           "FAKE_TRAINER_MODE": "echo", "PYTHONPATH": os.pathsep.join([str(FIX), str(ROOT)]),
+           "MASTER_PORT": str(find_free_ports(1)[0]), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "recipes/tiny-cpu.yaml",
+                        "allocation=megatron:d2", "rollout.server_addrs=10.1.2.3:30000",
+                        f"logging.run_dir={tmp_path}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.startswith("ECHO")]
+    assert len(lines) == 2 and all("world=2" in x for x in lines)
+    assert "rollout.server_addrs=10.1.2.3:30000" in lines[0] and "'--config'" in lines[0]
+
+
+SRUN_STUB = """#!/usr/bin/env bash
+echo "SRUN MASTER_ADDR=${MASTER_ADDR:-} NNODES=${NNODES:-} $*" >> "$STUB_LOG"
+case "$*" in
+  *--serve-node*) echo $$ > "$STUB_DIR/serve.pid"; exec sleep 60 ;;
+  *torchrun.sh*)
+    n=$(cat "$STUB_DIR/count" 2>/dev/null || echo 0); echo $((n + 1)) > "$STUB_DIR/count"
+    if [[ $n -lt 1 ]]; then exit 7; fi; exit 0 ;;
+esac
+"""
+
+
+def test_sbatch_flow_with_stubs(tmp_path):
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'nodeA\\nnodeB\\n'\n")
+    (stubs / "srun").write_text(SRUN_STUB)
+    (stubs / "curl").write_text("#!/usr/bin/env bash\necho \"CURL $*\" >> \"$STUB_LOG\"\n")
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "stub.log"
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHON": sys.executable,
+           "PYTHONPATH": str(ROOT), "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_JOB_ID": "42",
+           "SLURM_SUBMIT_DIR": str(ROOT), "STUB_LOG": str(log), "STUB_DIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(ROOT / "launch/slurm/run.sbatch"),
+                        str(ROOT / "recipes/qwen2.5-7b-math.yaml"),
+                        f"logging.run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    out = log.read_text()
+    assert r.returncode == 0, r.stdout + r.stderr + out
+    sruns = [x for x in out.splitlines() if x.startswith("SRUN")]
+    serve = [x for x in sruns if "--serve-node" in x]
+    train = [x for x in sruns if "torchrun.sh" in x]
+    assert len(serve) == 1 and "--nodelist=nodeA" in serve[0]
+    assert len(train) == 2  # failed once (exit 7), relaunched, then finished
+    addrs = ",".join(f"nodeA:{30000 + k}" for k in range(8))
+    for t in train:
+        assert "--nodelist=nodeB" in t and "MASTER_ADDR=nodeB NNODES=1" in t
+        assert f"rollout.server_addrs={addrs}" in t
+    assert out.count("CURL") == 8 and "relaunch 1/3" in r.stderr
+    assert "training finished" in r.stdout
+    # the rollout step (a sleeping stub) was stopped by the EXIT trap
+    pid = int((tmp_path / "serve.pid").read_text())
+    try:
+        os.kill(pid, 0)
+        alive = Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except ProcessLookupError:
+        alive = False
+    if alive:
+        os.kill(pid, 9)
+    assert not alive

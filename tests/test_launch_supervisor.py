@@ -1,0 +1,199 @@
+"""The supervisor and launch.local with real child processes: clean exits, a killed child
+stops everything, SIGINT leaves no process and no bound port, SIGTERM-ignorers get SIGKILL,
+bounded relaunch, and a full launch.local run (fake server + fake trainer under torchrun) that
+relaunches the trainer from the latest complete checkpoint."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from areal_mega.launch import local
+from areal_mega.launch.plan import find_free_ports
+from areal_mega.launch.supervisor import ProcessSpec, Supervisor, tcp_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "tests" / "fixtures_launch"
+CHILD = [sys.executable, str(FIX / "children.py")]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_for(pred, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _port_free(port: int) -> bool:
+    """Nothing listens on ``port``: a new server (SO_REUSEADDR, as HTTP servers set) can bind
+    it; closed connections lingering in TIME_WAIT do not count as a leak."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def cleanup():
+    """Kill anything a failed test left behind (pids registered by the test)."""
+    pids: list = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _run_in_thread(sup):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("rc", sup.run()), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_main_done_stops_services(tmp_path):
+    sup = Supervisor([ProcessSpec("svc", CHILD + ["sleep"]),
+                      ProcessSpec("main", CHILD + ["exit", "0"], kind="main")],
+                     tmp_path / "logs", grace_s=5, echo=lambda m: None)
+    assert sup.run() == 0
+    assert all(r.proc.returncode is not None for r in sup.running.values())
+    assert (tmp_path / "logs" / "svc.log").exists()
+    assert "run complete" in (tmp_path / "logs" / "supervisor.log").read_text()
+
+
+def test_kill9_of_a_child_stops_all(tmp_path, cleanup):
+    port = find_free_ports(1)[0]
+    sup = Supervisor([ProcessSpec("server", CHILD + ["listen", str(port)],
+                                  ready=tcp_ready("127.0.0.1", port), ready_timeout_s=30),
+                      ProcessSpec("victim", CHILD + ["sleep"]),
+                      ProcessSpec("main", CHILD + ["sleep"], kind="main", restart=True)],
+                     tmp_path / "logs", grace_s=5, max_restarts=3, echo=lambda m: None)
+    t, box = _run_in_thread(sup)
+    assert _wait_for(lambda: len(sup.running) == 3)
+    pids = [r.proc.pid for r in sup.running.values()]
+    cleanup.extend(pids)
+    os.kill(sup.running["victim"].proc.pid, signal.SIGKILL)  # a service dies: no relaunch
+    t.join(30)
+    assert not t.is_alive() and box["rc"] == 128 + signal.SIGKILL
+    assert all(_gone(p) for p in pids) and _port_free(port)
+    assert "victim died (killed by signal 9)" in (tmp_path / "logs/supervisor.log").read_text()
+
+
+def test_stubborn_child_gets_sigkill(tmp_path, cleanup):
+    sup = Supervisor([ProcessSpec("stubborn", CHILD + ["stubborn"]),
+                      ProcessSpec("main", CHILD + ["exit", "0"], kind="main")],
+                     tmp_path / "logs", grace_s=1, echo=lambda m: None)
+    t0 = time.monotonic()
+    assert sup.run() == 0
+    assert time.monotonic() - t0 < 15
+    assert sup.running["stubborn"].proc.returncode == -signal.SIGKILL
+
+
+def test_failed_main_relaunch_is_bounded(tmp_path):
+    marker = tmp_path / "flaky"
+    sup = Supervisor([ProcessSpec("main", CHILD + ["flaky", str(marker)], kind="main",
+                                  restart=True)], tmp_path / "logs", max_restarts=2,
+                     echo=lambda m: None)
+    assert sup.run() == 0 and sup.restarts == 1
+    assert (tmp_path / "logs/main.log").read_text().count("===== ") == 2
+    calls = []
+    sup = Supervisor([ProcessSpec("main", CHILD + ["exit", "4"], kind="main", restart=True,
+                                  on_restart=lambda spec, k: calls.append(k) or None)],
+                     tmp_path / "logs2", max_restarts=2, echo=lambda m: None)
+    assert sup.run() == 4 and sup.restarts == 2 and calls == [1, 2]
+
+
+def test_server_dying_before_ready_is_an_error(tmp_path):
+    sup = Supervisor([ProcessSpec("server", CHILD + ["exit", "2"], ready=lambda: False),
+                      ProcessSpec("main", CHILD + ["sleep"], kind="main")],
+                     tmp_path / "logs", echo=lambda m: None)
+    assert sup.run() == 1 and "main" not in sup.running
+    assert "before it was ready" in (tmp_path / "logs/supervisor.log").read_text()
+
+
+DRIVER = textwrap.dedent("""
+    import sys
+    from areal_mega.launch.supervisor import ProcessSpec, Supervisor, tcp_ready
+    child, logs, port, d = sys.argv[1:5]
+    cmd = [sys.executable, child]
+    sup = Supervisor([ProcessSpec("server", cmd + ["listen", port],
+                                  ready=tcp_ready("127.0.0.1", int(port))),
+                      ProcessSpec("spawner", cmd + ["spawn", d]),
+                      ProcessSpec("stubborn", cmd + ["stubborn"]),
+                      ProcessSpec("main", cmd + ["sleep"], kind="main")], logs, grace_s=2)
+    sys.exit(sup.run())
+""")
+
+
+def test_sigint_to_supervisor_leaves_nothing(tmp_path, cleanup):
+    port = find_free_ports(1)[0]
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(FIX / "children.py"),
+                             str(tmp_path / "logs"), str(port), str(tmp_path)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True)
+    cleanup.append(proc.pid)
+    try:
+        assert _wait_for(lambda: (tmp_path / "pids").exists() and
+                         len(psutil.Process(proc.pid).children()) == 4, 60)
+        kids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        spawner, grandchild = map(int, (tmp_path / "pids").read_text().split())
+        cleanup.extend(kids + [grandchild])
+        assert grandchild in kids and not _port_free(port)
+        time.sleep(2.5)  # let a periodic descendant scan happen too
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert all(_gone(p) for p in kids + [grandchild]), err
+    assert _port_free(port)
+    assert "all processes stopped" in err
+
+
+def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
+    """launch.local: fake rollout server + fake trainer under torchrun (2 ranks); the trainer
+    crashes after a checkpoint and is relaunched with checkpoint.load=<latest complete>."""
+    monkeypatch.setattr(local, "TRAINER_MODULE", "fake_trainer")
+    monkeypatch.setattr(local, "ROLLOUT_SERVER_MODULE", "fake_rollout_server")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FIX), str(ROOT)]))
+    monkeypatch.setenv("FAKE_PID_DIR", str(tmp_path))
+    run_dir = tmp_path / "run"
+    rc = local.main(["--config", str(ROOT / "recipes/tiny-cpu.yaml"),
+                     f"logging.run_dir={run_dir}", "allocation=local:d2+megatron:d2",
+                     "model.path=/unused", "cluster.kill_grace_s=3"])
+    logs = run_dir / "logs"
+    sup_log = (logs / "supervisor.log").read_text()
+    assert rc == 0, sup_log + (logs / "trainer.log").read_text()
+    trainer_log = (logs / "trainer.log").read_text()
+    assert "resumed OK" in trainer_log and "relaunch 1/2" in sup_log
+    assert "checkpoint.load=" in trainer_log and "step_3" in trainer_log
+    assert (logs / "rollout0.log").exists() and (logs / "rollout1.log").exists()
+    pids = [int(p.read_text()) for p in tmp_path.glob("server-*.pid")]
+    ports = [int(p.stem.split("-")[1]) for p in tmp_path.glob("server-*.pid")]
+    cleanup.extend(pids)
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+    assert all(_port_free(p) for p in ports)
+    cfg_text = (run_dir / "config.yaml").read_text()
+    assert all(f"127.0.0.1:{p}" in cfg_text for p in ports)
+    assert local.latest_complete_checkpoint(run_dir / "checkpoints").name == "step_3"
