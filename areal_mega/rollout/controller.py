@@ -403,8 +403,14 @@ class RolloutController:
 
 
 def dataplane_sink(sender) -> Callable[[list], None]:
-    """Adapt a data-plane ``TrajectorySender`` (``.send(traj)``) to a group sink."""
+    """Adapt a data-plane ``TrajectorySender`` (``.send(traj)``) to a group sink.
+
+    Sinks run on the controller's thread pool and a ZMQ socket must only be used by one thread
+    at a time, so sends are serialised (a group's samples also stay together)."""
+    lock = threading.Lock()
+
     def sink(group: list) -> None:
-        for tr in group:
-            sender.send(tr)
+        with lock:
+            for tr in group:
+                sender.send(tr)
     return sink

@@ -1,103 +1,231 @@
-"""The rollout worker process: a :class:`RolloutController` fed from the prompt dataset, finished
-groups sent over the data plane, weight updates commanded by the trainer on the control channel.
+"""The rollout worker process: prompts -> rollout servers -> rewards -> data plane -> trainer.
 
-    python -m areal_mega.rollout.worker --config RUN_DIR/config.yaml [key=value ...]
+    python -m areal_mega.rollout.worker --config recipes/X.yaml [key=value ...]
 
-``rollout.server_addrs`` must list the running servers (the launcher fills it in).
-Control commands (see :mod:`areal_mega.rollout.control`): ``update_weights {version, path}``,
-``stats``, ``ping``.
+(normally started by ``areal_mega.launch.local``). It runs a
+:class:`~areal_mega.rollout.controller.RolloutController` over the training prompts, pushes
+every finished group through a :class:`~areal_mega.dataplane.TrajectorySender` to trainer
+rank 0, and serves the control channel (:mod:`areal_mega.rollout.control`) on which the
+trainer orders weight updates.
+
+Crash safety: the prompt position is written to ``<run_dir>/rollout_state.json`` (atomically)
+as groups are delivered; it is the position of the oldest prompt whose group has not been
+delivered, so prompts in flight at a crash are generated again. When the trainer resumes from
+a checkpoint, the worker waits for the trainer's first weight update before it generates (the
+servers start from the base model), and counts the groups already in the trainer's journal as
+accepted, so the staleness bound holds across the restart.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import os
 import signal
 import threading
-from typing import Iterator
+import time
+from pathlib import Path
 
 log = logging.getLogger("areal_mega.rollout.worker")
 
+STATE_FILE = "rollout_state.json"
 
-def prompt_stream(dataset, seed: int, shuffle: bool = True, start_epoch: int = 0) -> Iterator:
-    """Endless prompt items (dicts for the workflows), epoch after epoch."""
-    from areal_mega.data.dataset import epoch_permutation
 
-    epoch = start_epoch
-    while True:
-        for i in epoch_permutation(len(dataset.items), seed, epoch, shuffle):
-            it = dataset.items[int(i)]
+class PromptCursor:
+    """Endless prompt items in a deterministic, resumable order (one prompt at a time)."""
+
+    def __init__(self, dataset, seed: int, shuffle: bool, start: int = 0):
+        from areal_mega.data.dataset import PromptSampler
+
+        self.dataset = dataset
+        self.sampler = PromptSampler(len(dataset), 1, seed=seed, shuffle=shuffle,
+                                     drop_last=False)
+        n = len(dataset)
+        if start:
+            self.sampler.load_state_dict({"epoch": start // n, "offset": start % n})
+        self.drawn = start
+        self._lock = threading.Lock()
+        self.outstanding: set = set()
+        self.delivered_upto = start
+
+    def __iter__(self):
+        while True:
+            with self._lock:
+                k = self.drawn
+                idx = self.sampler.next_indices()[0]
+                self.drawn += 1
+                self.outstanding.add(k)
+            it = self.dataset[idx]
             yield {"input_ids": it.input_ids, "prompt": it.prompt, "answer": it.answer,
-                   "index": it.index, **it.meta}
-        epoch += 1
+                   "prompt_index": k, **{kk: v for kk, v in it.meta.items()
+                                         if isinstance(v, (str, int, float, bool))}}
+
+    def delivered(self, k: int) -> int:
+        """Mark prompt ``k`` delivered; returns the resume position (oldest outstanding)."""
+        with self._lock:
+            self.outstanding.discard(k)
+            return min(self.outstanding) if self.outstanding else self.drawn
 
 
-def build_controller(cfg, sink, tokenizer=None, prompts=None, initial_version: int = 0):
-    """A controller wired from an ``ExperimentConfig`` (servers, workflow, reward, sampling)."""
-    from areal_mega.rollout.client import RolloutClient
-    from areal_mega.rollout.controller import RolloutController
-    from areal_mega.rollout.workflows import workflow_from_config
+class StampedWorkflow:
+    """Wraps a workflow so each trajectory carries the prompt position it came from."""
 
-    r = cfg.rollout
-    if not r.server_addrs:
-        raise ValueError("rollout.server_addrs is empty: start the servers first")
-    client = RolloutClient(r.server_addrs, api_key=r.api_key, timeout_s=r.request_timeout_s,
-                           retries=r.request_retries)
-    return RolloutController(client, workflow_from_config(r), prompts, batch_size=r.batch_size,
-                             n_samples=r.n_samples, eta=r.max_head_offpolicyness,
-                             max_concurrent=r.max_concurrent, temperature=r.temperature,
-                             top_p=r.top_p, top_k=r.top_k, tokenizer=tokenizer, sink=sink,
-                             initial_version=initial_version)
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
+        trajs = await self.inner.arun_episode(ctx, item, n_samples)
+        for t in trajs:
+            t.meta["prompt_index"] = int(item["prompt_index"])
+            t.meta["group_size"] = n_samples
+        return trajs
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def journal_groups(run_dir: Path, n_samples: int) -> int:
+    """Groups the trainer has accepted so far (its write-ahead journal)."""
+    from areal_mega.train.intake import TrajectoryJournal
+
+    groups = {t.group_id for t in TrajectoryJournal.replay(run_dir / "accepted.journal")}
+    return len(groups)
+
+
+class RolloutWorker:
+    def __init__(self, cfg):
+        from areal_mega.data.dataset import PromptDataset, load_tokenizer
+        from areal_mega.dataplane.transport import TrajectorySender
+        from areal_mega.rollout.client import RolloutClient
+        from areal_mega.rollout.control import ControlServer
+        from areal_mega.rollout.workflows import workflow_from_config
+        from areal_mega.train.session import control_endpoint, data_endpoint
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.logging.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.run_dir / STATE_FILE
+        start = 0
+        if self.state_path.exists() and cfg.recover == "auto":
+            start = int(json.loads(self.state_path.read_text()).get("next_prompt", 0))
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
+        self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
+        if not cfg.rollout.server_addrs:
+            raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
+                             "host:port list (launch.local fills it in)")
+        self.client = RolloutClient(cfg.rollout.server_addrs, api_key=cfg.rollout.api_key,
+                                    timeout_s=cfg.rollout.request_timeout_s,
+                                    retries=cfg.rollout.request_retries)
+        self.workflow = StampedWorkflow(workflow_from_config(cfg.rollout))
+        self.sender = TrajectorySender(data_endpoint(cfg), secret=cfg.dataplane.secret,
+                                       window=cfg.dataplane.sender_window)
+        self.controller = None
+        self._ctl_lock = threading.Lock()
+        self._sink_lock = threading.Lock()
+        self.resume_step = self._resume_step()
+        self.stop_event = threading.Event()
+        self.control = ControlServer(control_endpoint(cfg), self.handle).start()
+
+    def _resume_step(self) -> int:
+        if self.cfg.recover != "auto":
+            return 0
+        from areal_mega.checkpoint.dist_ckpt import find_latest
+
+        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        latest = find_latest(root)
+        return int(latest.name.split("_")[-1]) if latest is not None else 0
+
+    def _sink(self, group: list) -> None:
+        # the controller calls sinks from a thread pool; a ZMQ socket is single-threaded
+        with self._sink_lock:
+            for t in group:
+                self.sender.send(t)
+            nxt = self.cursor.delivered(int(group[0].meta["prompt_index"]))
+            _atomic_json(self.state_path, {"next_prompt": nxt, "time": time.time()})
+
+    def start_controller(self, version: int) -> None:
+        from areal_mega.rollout.controller import RolloutController
+
+        r = self.cfg.rollout
+        ctl = RolloutController(self.client, self.workflow, self.cursor,
+                                batch_size=r.batch_size, n_samples=r.n_samples,
+                                eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,
+                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                tokenizer=self.tokenizer, sink=self._sink,
+                                initial_version=version)
+        ctl.counter.accepted = journal_groups(self.run_dir, r.n_samples)
+        self.controller = ctl.start()
+        log.info("controller started at version %d (%d groups already accepted)", version,
+                 ctl.counter.accepted)
+
+    def handle(self, msg: dict) -> dict:
+        cmd = msg["cmd"]
+        if cmd == "ping":
+            return {}
+        if cmd == "stats":
+            return self.controller.stats() if self.controller else {"started": 0}
+        if cmd == "update_weights":
+            version, path = int(msg["version"]), str(msg["path"])
+            if not Path(path).is_dir():
+                raise FileNotFoundError(f"weights directory {path!r} does not exist")
+            t0 = time.time()
+            with self._ctl_lock:
+                if self.controller is None:       # resuming: load, then start generating
+                    asyncio.run(self._load_directly(path, version))
+                    self.start_controller(version)
+                else:
+                    self.controller.update_weights(version, path=path)
+            return {"version": version, "seconds": time.time() - t0}
+        raise ValueError(f"unknown command {cmd!r}; expected ping, stats or update_weights")
+
+    async def _load_directly(self, path: str, version: int) -> None:
+        from areal_mega.rollout.client import RolloutClient
+
+        c = RolloutClient(self.cfg.rollout.server_addrs, api_key=self.cfg.rollout.api_key)
+        try:
+            await c.update_weights_from_disk(path, version)
+        finally:
+            await c.close()
+
+    def run(self) -> None:
+        if self.resume_step == 0:
+            self.start_controller(0)
+        else:
+            log.info("resuming: waiting for the trainer's weights (step %d)", self.resume_step)
+        while not self.stop_event.wait(5.0):
+            if self.controller is not None and self.controller._error is not None:
+                raise RuntimeError(f"rollout failed: {self.controller._error}")
+
+    def close(self) -> None:
+        if self.controller is not None:
+            self.controller.stop(timeout=10)
+        self.control.close()
+        self.sender.close(linger_s=5)
 
 
 def main(argv=None) -> None:
-    """CLI entry point; runs until SIGTERM/SIGINT."""
-    from transformers import AutoTokenizer
-
     from areal_mega.config import load_config
-    from areal_mega.data.dataset import PromptDataset
-    from areal_mega.dataplane import TrajectorySender
-    from areal_mega.rollout.control import ControlServer
-    from areal_mega.rollout.controller import dataplane_sink
-    from areal_mega.train.session import control_endpoint, data_endpoint
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--initial-version", type=int, default=0)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout-worker %(message)s")
     cfg = load_config(args.config, args.overrides)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    ds = PromptDataset.from_config(cfg.data, tok)
-    sender = TrajectorySender(data_endpoint(cfg), secret=cfg.dataplane.secret)
-    ctl = build_controller(cfg, dataplane_sink(sender), tok,
-                           prompt_stream(ds, cfg.seed, cfg.data.shuffle),
-                           initial_version=args.initial_version)
-
-    def handle(msg: dict) -> dict:
-        cmd = msg["cmd"]
-        if cmd == "update_weights":
-            ctl.update_weights(int(msg["version"]), path=str(msg["path"]))
-            return {"version": ctl.version}
-        if cmd == "stats":
-            return ctl.stats()
-        if cmd == "ping":
-            return {}
-        raise ValueError(f"unknown cmd {cmd!r}; known: update_weights, stats, ping")
-
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    control = ControlServer(control_endpoint(cfg), handle).start()
-    ctl.start()
-    log.info("rollout worker up: %d servers, control %s", len(cfg.rollout.server_addrs),
-             control.endpoint)
+    worker = RolloutWorker(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
     try:
-        done.wait()
+        worker.run()
+    except KeyboardInterrupt:
+        pass
     finally:
-        control.close()
-        ctl.stop()
-        sender.close()
+        worker.close()
 
 
 if __name__ == "__main__":
