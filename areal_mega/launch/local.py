@@ -44,9 +44,11 @@ from areal_mega.parallel.allocation import parse_allocation
 TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
 # The CPU rollout server (``--model-path DIR --port P [--api-key K]``).
 ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
-# ``module:function(cfg, slot: ServerSlot, host: str) -> argv`` that builds an SGLang server
-# command; provided by the rollout package.
-SGLANG_COMMAND_BUILDER = "areal_mega.rollout.sglang_server:build_server_command"
+# The rollout package's SGLang command builder:
+# ``build_sglang_command(model_path, port, *, host, tp, mem_fraction_static, dtype, api_key,
+# base_gpu_id, random_seed, extra) -> argv``. Each server sees only its GPUs
+# (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0.
+SGLANG_COMMAND_BUILDER = "areal_mega.rollout.launch:build_sglang_command"
 # ``module:function(checkpoint_root) -> Path | None``: the newest complete checkpoint. The
 # trainer resumes from it by itself under ``recover=auto`` (``checkpoint.load`` means initial
 # weights only), so the launcher relaunches the same command and only reports this path.
@@ -169,7 +171,13 @@ def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"rollout.backend='sglang': cannot import the SGLang command builder "
                           f"{SGLANG_COMMAND_BUILDER} ({e})") from None
-    return list(builder(cfg, slot, host))
+    alloc = parse_allocation(cfg.allocation)
+    extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
+    return list(builder(cfg.model.path, slot.port, host=host,
+                        tp=alloc.rollout.tp if alloc.rollout else 1,
+                        mem_fraction_static=cfg.rollout.mem_fraction_static,
+                        dtype=cfg.model.dtype, api_key=cfg.rollout.api_key, base_gpu_id=0,
+                        random_seed=cfg.seed + slot.index, extra=extra))
 
 
 def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None) -> list:
