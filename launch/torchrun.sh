@@ -15,12 +15,13 @@
 #   MASTER_PORT     free TCP port on MASTER_ADDR                (default: 29500)
 #   NPROC_PER_NODE  trainer ranks on this node                  (default: from the layout)
 #   TRAINER_GPUS    CUDA_VISIBLE_DEVICES for the trainer        (default: from the layout)
+#   START_ROLLOUT_WORKER  0: do not start the rollout worker on node 0 (default: 1)
 # The trainer module, ranks per node and GPUs come from the same planner as
 # `python -m areal_mega.launch.local --dry-run`, so this script and launch.local agree.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,20p' "$0" >&2
+    sed -n '2,21p' "$0" >&2
     exit 2
 fi
 RECIPE=$1
@@ -40,7 +41,28 @@ fi
 
 echo "[torchrun.sh] $(hostname): node ${NODE_RANK}/${NNODES}, ${NPROC_PER_NODE} ranks," \
      "master ${MASTER_ADDR}:${MASTER_PORT}, module ${TRAINER_MODULE}" >&2
-exec "$PYTHON" -m torch.distributed.run \
+
+# The rollout worker (RL mode) runs beside trainer rank 0: its data and control sockets are
+# ipc:// files in the run directory unless dataplane.endpoint / control_endpoint say tcp://.
+# START_ROLLOUT_WORKER=0 skips it (e.g. when it runs elsewhere).
+WORKER_PID=""
+stop_worker() {
+    if [[ -n $WORKER_PID ]] && kill -0 "$WORKER_PID" 2>/dev/null; then
+        kill -TERM "$WORKER_PID" 2>/dev/null || true
+        wait "$WORKER_PID" 2>/dev/null || true
+    fi
+}
+trap stop_worker EXIT
+trap 'exit 143' TERM INT
+if [[ $NODE_RANK == 0 && -n ${ROLLOUT_WORKER_MODULE:-} && ${START_ROLLOUT_WORKER:-1} != 0 ]]; then
+    CUDA_VISIBLE_DEVICES="" "$PYTHON" -m "$ROLLOUT_WORKER_MODULE" --config "$RECIPE" "$@" &
+    WORKER_PID=$!
+    echo "[torchrun.sh] rollout worker ${ROLLOUT_WORKER_MODULE} pid ${WORKER_PID}" >&2
+fi
+
+rc=0
+"$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m "$TRAINER_MODULE" --config "$RECIPE" "$@"
+    -m "$TRAINER_MODULE" --config "$RECIPE" "$@" || rc=$?
+exit "$rc"

@@ -174,3 +174,19 @@ def test_ports():
     assert assign_ports(3, 8000, taken={8001}) == [8000, 8002, 8003]
     ports = find_free_ports(3)
     assert len(set(ports)) == 3 and all(1024 <= p <= 65535 for p in ports)
+
+
+def test_server_commands():
+    cfg = load_config(ROOT / "recipes/qwen2.5-32b-math.yaml", ["rollout.api_key=k"])
+    lay = local.planned_layout(cfg)
+    argv = local.server_command(cfg, lay.servers[3], "0.0.0.0")
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    joined = " ".join(argv)
+    assert "--tp-size 4" in joined and "--port 30001" in joined and "--api-key k" in joined
+    assert "--model-path /models/Qwen2.5-32B-Instruct" in joined and "--base-gpu-id 0" in joined
+    assert lay.servers[3].gpus == (4, 5, 6, 7) and lay.servers[3].node == 1
+    cpu = load_config(ROOT / "recipes/tiny-cpu.yaml")
+    slot = local.make_layout(cpu, ports=[1234]).servers[0]
+    assert local.server_command(cpu, slot)[1:] == ["-m", local.ROLLOUT_SERVER_MODULE,
+                                                  "--model-path", "runs/tiny-cpu/model",
+                                                  "--port", "1234"]

@@ -21,7 +21,9 @@ def test_scripts_parse():
 def test_torchrun_sh_joins_external_servers(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "AREAL_MEGA_TRAINER_MODULE": "fake_trainer",
            "FAKE_TRAINER_MODE": "echo", "PYTHONPATH": os.pathsep.join([str(FIX), str(ROOT)]),
-           "MASTER_PORT": str(find_free_ports(1)[0]), "CUDA_VISIBLE_DEVICES": ""}
+           "MASTER_PORT": str(find_free_ports(1)[0]), "CUDA_VISIBLE_DEVICES": "",
+           "AREAL_MEGA_ROLLOUT_WORKER_MODULE": "fake_rollout_worker",
+           "FAKE_PID_DIR": str(tmp_path)}
     r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "recipes/tiny-cpu.yaml",
                         "allocation=megatron:d2", "rollout.server_addrs=10.1.2.3:30000",
                         f"logging.run_dir={tmp_path}"], cwd=ROOT, env=env,
@@ -30,6 +32,19 @@ def test_torchrun_sh_joins_external_servers(tmp_path):
     lines = [x for x in r.stdout.splitlines() if x.startswith("ECHO")]
     assert len(lines) == 2 and all("world=2" in x for x in lines)
     assert "rollout.server_addrs=10.1.2.3:30000" in lines[0] and "'--config'" in lines[0]
+    assert "worker serving ['10.1.2.3:30000']" in r.stdout   # started beside rank 0 ...
+    assert not _alive(int((tmp_path / "worker.pid").read_text()))  # ... and stopped after
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+        return False
+    os.kill(pid, 9)  # do not leave it behind if the assertion fails
+    return True
 
 
 SRUN_STUB = """#!/usr/bin/env bash
@@ -73,12 +88,4 @@ def test_sbatch_flow_with_stubs(tmp_path):
     assert out.count("CURL") == 8 and "relaunch 1/3" in r.stderr
     assert "training finished" in r.stdout
     # the rollout step (a sleeping stub) was stopped by the EXIT trap
-    pid = int((tmp_path / "serve.pid").read_text())
-    try:
-        os.kill(pid, 0)
-        alive = Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except ProcessLookupError:
-        alive = False
-    if alive:
-        os.kill(pid, 9)
-    assert not alive
+    assert not _alive(int((tmp_path / "serve.pid").read_text()))

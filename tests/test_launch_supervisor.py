@@ -176,6 +176,8 @@ def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
     crashes after a checkpoint and is relaunched with checkpoint.load=<latest complete>."""
     monkeypatch.setattr(local, "TRAINER_MODULE", "fake_trainer")
     monkeypatch.setattr(local, "ROLLOUT_SERVER_MODULE", "fake_rollout_server")
+    monkeypatch.setattr(local, "ROLLOUT_WORKER_MODULE", "fake_rollout_worker")
+    monkeypatch.syspath_prepend(str(FIX))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FIX), str(ROOT)]))
     monkeypatch.setenv("FAKE_PID_DIR", str(tmp_path))
     run_dir = tmp_path / "run"
@@ -186,14 +188,17 @@ def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
     sup_log = (logs / "supervisor.log").read_text()
     assert rc == 0, sup_log + (logs / "trainer.log").read_text()
     trainer_log = (logs / "trainer.log").read_text()
-    assert "resumed OK" in trainer_log and "relaunch 1/2" in sup_log
-    assert "checkpoint.load=" in trainer_log and "step_3" in trainer_log
+    assert "resumed OK from iter_0000003" in trainer_log and "relaunch 1/2" in sup_log
     assert (logs / "rollout0.log").exists() and (logs / "rollout1.log").exists()
+    assert "worker serving" in (logs / "rollout_worker.log").read_text()
     pids = [int(p.read_text()) for p in tmp_path.glob("server-*.pid")]
     ports = [int(p.stem.split("-")[1]) for p in tmp_path.glob("server-*.pid")]
+    pids.append(int((tmp_path / "worker.pid").read_text()))
     cleanup.extend(pids)
-    assert len(pids) == 2 and all(_gone(p) for p in pids)
+    assert len(pids) == 3 and all(_gone(p) for p in pids)
     assert all(_port_free(p) for p in ports)
     cfg_text = (run_dir / "config.yaml").read_text()
     assert all(f"127.0.0.1:{p}" in cfg_text for p in ports)
-    assert local.latest_complete_checkpoint(run_dir / "checkpoints").name == "step_3"
+    assert local.latest_complete_checkpoint(run_dir / "checkpoints").name == "iter_0000003"
+    assert local.resume_point(local.load_config(run_dir / "config.yaml")).name == \
+        "iter_0000003"

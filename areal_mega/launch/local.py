@@ -9,10 +9,11 @@ Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the 
 (``local`` backend: :data:`ROLLOUT_SERVER_MODULE`; ``sglang``: the command from
 :data:`SGLANG_COMMAND_BUILDER`) on free ports, waits until they answer, then starts
 ``python -m torch.distributed.run ... -m TRAINER_MODULE --config <run_dir>/config.yaml`` with
-``rollout.server_addrs`` filled in. It watches all of them; Ctrl-C / SIGTERM or the death of any
+``rollout.server_addrs`` filled in, and (RL mode) the rollout worker
+(:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It watches all; Ctrl-C / SIGTERM or the death of any
 one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
 ``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
-``cluster.max_restarts`` times) from the latest complete checkpoint. With
+``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. With
 ``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
 Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -42,18 +44,24 @@ from areal_mega.parallel.allocation import parse_allocation
 TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
 # The CPU rollout server (``--model-path DIR --port P [--api-key K]``).
 ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
-# ``module:function(cfg, slot: ServerSlot, host: str) -> argv`` that builds an SGLang server
-# command; provided by the rollout package.
-SGLANG_COMMAND_BUILDER = "areal_mega.rollout.sglang_server:build_server_command"
-# ``module:function(checkpoint_dir) -> Path | None`` of the checkpoint package, if it has one;
-# otherwise :func:`latest_complete_checkpoint` below decides.
-CHECKPOINT_FINDER = "areal_mega.checkpoint:latest_complete_checkpoint"
-# The override that points a relaunched trainer at the checkpoint to resume from.
-RESUME_OVERRIDE_KEY = "checkpoint.load"
-# A checkpoint directory is ``<checkpoint.dir>/step_<N>`` (or global_step_<N> / iter_<N>) and
-# complete once it holds this marker file (written last by the saver).
-CHECKPOINT_DIR_RE = re.compile(r"^(?:step|global_step|iter)_?(\d+)$")
-COMPLETE_MARKER = "COMPLETE"
+# The rollout package's SGLang command builder:
+# ``build_sglang_command(model_path, port, *, host, tp, mem_fraction_static, dtype, api_key,
+# base_gpu_id, random_seed, extra) -> argv``. Each server sees only its GPUs
+# (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0.
+SGLANG_COMMAND_BUILDER = "areal_mega.rollout.launch:build_sglang_command"
+# ``module:function(checkpoint_root) -> Path | None``: the newest complete checkpoint. The
+# trainer resumes from it by itself under ``recover=auto`` (``checkpoint.load`` means initial
+# weights only), so the launcher relaunches the same command and only reports this path.
+CHECKPOINT_FINDER = "areal_mega.checkpoint.dist_ckpt:find_latest"
+# Fallback when the checkpoint package is not importable, same convention:
+# ``<root>/iter_<N>/`` is complete once ``areal_meta.json`` (written last) exists.
+CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d+)$")
+COMPLETE_MARKER = "areal_meta.json"
+# The rollout worker (prompts -> servers -> rewards -> trajectories to the trainer; weight
+# updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
+# Started in RL mode when the module exists. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it.
+ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
+                                       "areal_mega.rollout.worker")
 HEALTH_PATH = "/health_generate"
 
 
@@ -63,7 +71,7 @@ def _import(dotted: str):
 
 
 def latest_complete_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
-    """The highest-step ``step_<N>`` directory under ``ckpt_dir`` with a ``COMPLETE`` marker."""
+    """The highest ``iter_<N>`` directory under ``ckpt_dir`` holding ``areal_meta.json``."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return None
@@ -163,7 +171,13 @@ def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"rollout.backend='sglang': cannot import the SGLang command builder "
                           f"{SGLANG_COMMAND_BUILDER} ({e})") from None
-    return list(builder(cfg, slot, host))
+    alloc = parse_allocation(cfg.allocation)
+    extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
+    return list(builder(cfg.model.path, slot.port, host=host,
+                        tp=alloc.rollout.tp if alloc.rollout else 1,
+                        mem_fraction_static=cfg.rollout.mem_fraction_static,
+                        dtype=cfg.model.dtype, api_key=cfg.rollout.api_key, base_gpu_id=0,
+                        random_seed=cfg.seed + slot.index, extra=extra))
 
 
 def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None) -> list:
@@ -173,12 +187,18 @@ def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None)
             "--config", str(config_path), *(extra or [])]
 
 
-def resume_overrides(cfg: ExperimentConfig) -> list:
-    """``[checkpoint.load=<latest>]`` when ``recover=auto`` and a complete checkpoint exists."""
+def resume_point(cfg: ExperimentConfig) -> Optional[Path]:
+    """The checkpoint a (re)launched trainer will resume from (``recover=auto``), if any."""
     if cfg.recover != "auto":
-        return []
-    latest = find_checkpoint(checkpoint_dir(cfg))
-    return [f"{RESUME_OVERRIDE_KEY}={latest}"] if latest else []
+        return None
+    return find_checkpoint(checkpoint_dir(cfg))
+
+
+def module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = None,
@@ -213,16 +233,25 @@ def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = No
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
 
-    def on_restart(spec: ProcessSpec, attempt: int) -> list:
-        extra = resume_overrides(cfg)
-        print(f"[launch] trainer relaunch {attempt}: "
-              f"{extra[0] if extra else 'no complete checkpoint yet, starting over'}",
-              file=sys.stderr, flush=True)
-        return trainer_command(config_path, layout.trainer_nproc_per_node, extra)
+    if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE):
+        specs.append(ProcessSpec("rollout_worker", [sys.executable, "-m", ROLLOUT_WORKER_MODULE,
+                                                    "--config", str(config_path)],
+                                 env={"CUDA_VISIBLE_DEVICES": ""}))
+    elif cfg.mode == "rl":
+        print(f"[launch] note: no rollout worker module {ROLLOUT_WORKER_MODULE!r}; starting "
+              "servers and trainer only", file=sys.stderr)
 
-    specs.append(ProcessSpec("trainer", trainer_command(
-        config_path, layout.trainer_nproc_per_node, resume_overrides(cfg)), env=env,
-        kind="main", restart=cfg.recover == "auto", on_restart=on_restart))
+    def on_restart(spec: ProcessSpec, attempt: int) -> None:
+        latest = resume_point(cfg)
+        print(f"[launch] trainer relaunch {attempt}: "
+              f"{f'resuming from {latest}' if latest else 'no complete checkpoint yet'}",
+              file=sys.stderr, flush=True)
+        return None  # same command: under recover=auto the trainer resumes by itself
+
+    specs.append(ProcessSpec("trainer", trainer_command(config_path,
+                                                        layout.trainer_nproc_per_node),
+                             env=env, kind="main", restart=cfg.recover == "auto",
+                             on_restart=on_restart))
     return specs, layout
 
 
@@ -253,6 +282,8 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
            "TRAINER_WORLD_SIZE": lay.trainer_world_size,
            "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus)),
            "TRAINER_MODULE": TRAINER_MODULE,
+           "ROLLOUT_WORKER_MODULE": ROLLOUT_WORKER_MODULE
+           if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE) else "",
            "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes)}
     env["MAX_RESTARTS"] = cfg.cluster.max_restarts if cfg.recover == "auto" else 0
     if lay.external_servers:
@@ -300,7 +331,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--serve-node", type=int, default=None, metavar="K",
                    help="run the rollout servers the layout puts on node K (srun per node)")
     p.add_argument("--print-resume", action="store_true",
-                   help="print the checkpoint.load=<latest complete> override (recover=auto)")
+                   help="print the checkpoint a recover=auto trainer resumes from (or nothing)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     try:
@@ -314,7 +345,8 @@ def main(argv: Optional[list] = None) -> int:
                 print(f"{k}={shlex.quote(str(v))}")
             return 0
         if args.print_resume:
-            print(" ".join(resume_overrides(cfg)))
+            latest = resume_point(cfg)
+            print(latest or "")
             return 0
         if args.serve_node is not None:
             return serve_node(cfg, args.serve_node, Path(cfg.logging.run_dir))

@@ -1,11 +1,12 @@
 """Stand-in for ``areal_mega.trainer`` in launcher tests (run under torchrun).
 
 Checks that the resolved config names the launched servers and that they answer, then:
-first launch (no ``checkpoint.load`` override): writes a complete checkpoint ``step_3`` and
-crashes; relaunch: checks it was pointed at ``step_3`` and exits 0.
+first launch: writes a complete checkpoint ``iter_0000003`` (``areal_meta.json``) and crashes;
+relaunch (recover=auto): finds it, as the real trainer does, and exits 0.
 """
 import os
 import sys
+import time
 import urllib.request
 
 import yaml
@@ -15,6 +16,11 @@ def main():
     args = sys.argv[1:]
     overrides = dict(a.split("=", 1) for a in args if "=" in a)
     if os.environ.get("FAKE_TRAINER_MODE") == "echo":  # print what torchrun handed over
+        pid_dir = os.environ.get("FAKE_PID_DIR")
+        for _ in range(400):  # live until a rollout worker (if one is expected) is up
+            if not pid_dir or os.path.exists(os.path.join(pid_dir, "worker.pid")):
+                break
+            time.sleep(0.05)
         print(f"ECHO rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} "
               f"args={args}", flush=True)
         return
@@ -28,14 +34,15 @@ def main():
     rank = os.environ.get("RANK", "?")
     print(f"rank {rank} world {os.environ.get('WORLD_SIZE')} servers {addrs} "
           f"overrides {overrides}", flush=True)
-    if "checkpoint.load" not in overrides:
+    done = os.path.join(ckpt, "iter_0000003", "areal_meta.json")
+    if not os.path.exists(done):          # first launch: save a checkpoint, then crash
         if rank == "0":
-            os.makedirs(os.path.join(ckpt, "step_3"), exist_ok=True)
-            open(os.path.join(ckpt, "step_3", "COMPLETE"), "w").close()
-            os.makedirs(os.path.join(ckpt, "step_5"), exist_ok=True)  # incomplete
+            os.makedirs(os.path.dirname(done), exist_ok=True)
+            os.makedirs(os.path.join(ckpt, "iter_0000005.tmp"), exist_ok=True)  # incomplete
+            open(done, "w").write('{"complete": true}')
         sys.exit(3)
-    assert overrides["checkpoint.load"].endswith("step_3"), overrides
-    print("resumed OK", flush=True)
+    assert cfg["recover"] == "auto"       # relaunch: the trainer resumes by itself
+    print("resumed OK from iter_0000003", flush=True)
 
 
 if __name__ == "__main__":
