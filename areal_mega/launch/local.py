@@ -236,7 +236,9 @@ def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = No
     if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE):
         specs.append(ProcessSpec("rollout_worker", [sys.executable, "-m", ROLLOUT_WORKER_MODULE,
                                                     "--config", str(config_path)],
-                                 env={"CUDA_VISIBLE_DEVICES": ""}))
+                                 env={"CUDA_VISIBLE_DEVICES": ""},
+                                 # its data-plane window and control socket face the trainer
+                                 restart_with_main=True))
     elif cfg.mode == "rl":
         print(f"[launch] note: no rollout worker module {ROLLOUT_WORKER_MODULE!r}; starting "
               "servers and trainer only", file=sys.stderr)

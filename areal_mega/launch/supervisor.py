@@ -63,6 +63,7 @@ class ProcessSpec:
     ready: Optional[Callable[[], bool]] = None
     ready_timeout_s: float = 600.0
     on_restart: Optional[Callable[["ProcessSpec", int], Optional[list]]] = None
+    restart_with_main: bool = False       # service: stopped and relaunched with a relaunched main
 
     def __post_init__(self):
         if self.kind not in ("service", "main"):
@@ -162,12 +163,14 @@ class Supervisor:
                                       f" see {run.log.name}")
             time.sleep(self.poll_s)
 
-    def stop_all(self, grace_s: Optional[float] = None) -> None:
-        """SIGTERM every process group and descendant, then SIGKILL after the grace period."""
+    def stop_all(self, grace_s: Optional[float] = None, runs: Optional[list] = None) -> None:
+        """SIGTERM every process group and descendant (of ``runs``, default all), then SIGKILL
+        after the grace period."""
         grace = self.grace_s if grace_s is None else grace_s
+        runs = list(self.running.values()) if runs is None else runs
         self._refresh_descendants()
         targets: list = []
-        for run in self.running.values():
+        for run in runs:
             pids = set(run.descendants)
             if run.proc.poll() is None:
                 pids.add(run.proc.pid)
@@ -188,13 +191,13 @@ class Supervisor:
         while time.monotonic() < deadline:
             if self._signal_count > 1:  # a second Ctrl-C: no more waiting
                 break
-            for run in self.running.values():
+            for run in runs:
                 run.proc.poll()
             if all(not _alive(p) for p in procs) and \
-                    all(r.proc.returncode is not None for r in self.running.values()):
+                    all(r.proc.returncode is not None for r in runs):
                 break
             time.sleep(0.05)
-        for run in self.running.values():
+        for run in runs:
             if run.proc.poll() is None:
                 self.say(f"{run.spec.name} ignored SIGTERM for {grace:.0f}s: SIGKILL")
                 try:
@@ -207,7 +210,7 @@ class Supervisor:
                     p.kill()
                 except psutil.Error:
                     pass
-        for run in self.running.values():
+        for run in runs:
             try:
                 run.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover (unkillable: D state)
@@ -267,7 +270,15 @@ class Supervisor:
                         argv = run.spec.on_restart(run.spec, self.restarts)
                         if argv:
                             run.spec.argv = list(argv)
+                    companions = [r for r in self.running.values()
+                                  if r.spec.restart_with_main and r is not run]
+                    if companions:  # e.g. the rollout worker, whose sockets face the main
+                        self.say("restarting with it: " + ", ".join(r.spec.name
+                                                                    for r in companions))
+                        self.stop_all(runs=companions)
                     self._launch(run.spec, self.restarts)
+                    for comp in companions:
+                        self._launch(comp.spec, self.restarts)
                     continue
                 self.say(f"{name} died ({why}); stopping everything. Log: {run.log.name}")
                 return rc if rc > 0 else 128 - rc
