@@ -21,7 +21,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -102,20 +102,37 @@ def _tqdm(it, progress: bool, **kw):
 # ----------------------------------------------------------------------------------------------
 
 class _Stager:
-    """Moves tensors out of process memory into files, returning lazily mapped tensors."""
+    """Moves tensors out of process memory into files and maps them back lazily
+    (``MAP_PRIVATE``, nothing read until megatron's writer process streams them)."""
 
     def __init__(self, directory: Path):
         self.dir = directory
         self.n = 0
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().contiguous()
+    def write(self, segments, dtype: Optional[torch.dtype]) -> Tuple[Path, torch.Tensor]:
+        """Write row blocks one after the other; returns the file and a mapped tensor of
+        the concatenated shape."""
         path = self.dir / f"{self.n}.bin"
         self.n += 1
+        rows, tail, dt = 0, None, None
         with open(path, "wb") as f:
-            f.write(t.view(-1).view(torch.uint8).numpy())
-        return torch.from_file(str(path), shared=False, size=t.numel(),
-                               dtype=t.dtype).view(t.shape)
+            for seg in segments:
+                seg = seg.detach()
+                if dtype is not None:
+                    seg = seg.to(dtype)
+                seg = seg.contiguous()
+                f.write(seg.reshape(-1).view(torch.uint8).numpy())
+                rows += seg.shape[0]
+                tail, dt = tuple(seg.shape[1:]), seg.dtype
+                del seg
+        return path, self.map(path, dt, (rows,) + tail)
+
+    @staticmethod
+    def map(path: Path, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
+        import numpy as np
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        arr = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,))
+        return torch.from_numpy(arr).view(dtype).view(tuple(shape))
 
 
 def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
@@ -167,18 +184,20 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 continue
             layer, expert, suffix = hm.parse_mcore_name(name)
             hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
-            parts = [weights.get(n) for n in hf_names]
-            src_dtype = src_dtype or parts[0].dtype
-            t = hm.to_mcore(arch, kind, parts, padded_vocab_size=padded)
-            del parts
-            if out_dtype is not None:
-                t = t.to(out_dtype)
+            src_dtype = src_dtype or weights.info(hf_names[0])[0]
+            segs = hm.to_mcore_segments(arch, kind, hf_names, weights.get,
+                                        padded_vocab_size=padded)
+            fpath, t = stage.write(segs, out_dtype)
             if isinstance(entry, ShardedTensorFactory):
                 entry.data = t
                 built = entry.build()
                 items = built.items() if isinstance(built, dict) else enumerate(built)
-                for _, piece in items:
-                    piece.data = stage(piece.data)
+                esize = t.element_size()
+                for _, piece in items:  # each piece its own mapping: no clone of views
+                    d = piece.data
+                    if not d.is_contiguous():
+                        raise RuntimeError(f"{name}: non-contiguous factory piece")
+                    piece.data = stage.map(fpath, d.dtype, d.shape, d.storage_offset() * esize)
                 sd[name] = built
             elif isinstance(entry, ShardedTensor):
                 if tuple(entry.local_shape) != tuple(t.shape):
@@ -187,7 +206,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                                            f"shape {tuple(entry.local_shape)}")
                     entry.local_shape = tuple(t.shape)
                     entry.global_shape = tuple(t.shape)
-                entry.data = stage(t)
+                entry.data = t
             del t
         report_dtype = out_dtype or src_dtype
         meta = {"source": "hf", "model_type": arch.model_type,
@@ -272,13 +291,33 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
     writer = ShardedSafetensorsWriter(tmp_out, plan, max_shard_bytes=max_shard_bytes)
     for key, offs, sizes, kind, hf_names, full_shape in _tqdm(
             jobs, progress, desc="megatron -> HF", unit="tensor"):
-        try:
-            t = reader.read(key, offs, sizes).view(full_shape)
-        except (KeyError, OSError, RuntimeError) as e:
-            raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e
-        for h, ht in zip(hf_names, hm.to_hf(arch, kind, t)):
-            writer.write(h, ht.to(out_dtype) if out_dtype is not None else ht)
-        del t
+        row_axis = len(offs) - len(full_shape)
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            o, z = list(offs), list(sizes)
+            o[row_axis] += r0
+            z[row_axis] = r1 - r0
+            try:
+                return reader.read(key, o, z).view((r1 - r0,) + tuple(full_shape[1:]))
+            except (KeyError, OSError, RuntimeError) as e:
+                raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e
+
+        if kind == "glu":  # gate and up are separate row ranges: read one at a time
+            half = full_shape[0] // 2
+            for h, (r0, r1) in zip(hf_names, [(0, half), (half, full_shape[0])]):
+                seg = rows(r0, r1)
+                writer.write(h, [seg.to(out_dtype) if out_dtype else seg])
+                del seg
+            continue
+        if kind == "vocab":
+            full = rows(0, arch.vocab_size)
+            per_hf = ([full],)
+        else:
+            full = rows(0, full_shape[0])
+            per_hf = hm.to_hf_segments(arch, kind, full)
+        for h, segs in zip(hf_names, per_hf):
+            writer.write(h, [x.to(out_dtype) for x in segs] if out_dtype else segs)
+        del full, per_hf
     writer.close()
     cfg = json.loads((cfg_dir / "config.json").read_text())
     out_dt = out_dtype or plan[0][1]

@@ -42,14 +42,15 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["UnsupportedModelError", "TensorMap", "Family", "FAMILIES", "read_arch",
            "normalize_hf_config", "parse_mcore_name", "canonical_layer_suffix", "maps_for",
            "to_mcore", "to_hf", "hf_names_for", "qkv_to_mcore", "qkv_to_hf", "glu_to_mcore",
-           "glu_to_hf", "pad_vocab", "unpad_vocab", "hf_tensor_names"]
+           "glu_to_hf", "pad_vocab", "unpad_vocab", "hf_tensor_names",
+           "qkv_row_blocks", "to_hf_segments", "to_mcore_segments"]
 
 
 class UnsupportedModelError(ValueError):
@@ -328,6 +329,63 @@ def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     if kind == "vocab":
         return (unpad_vocab(t, arch.vocab_size),)
     raise ValueError(kind)
+
+
+def qkv_row_blocks(num_heads: int, num_kv_heads: int, head_dim: int
+                   ) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """Row ranges of q, k and v inside the megatron fused QKV (one range per KV group)."""
+    r = num_heads // num_kv_heads
+    g = (r + 2) * head_dim
+    q = [(i * g, i * g + r * head_dim) for i in range(num_kv_heads)]
+    k = [(i * g + r * head_dim, i * g + (r + 1) * head_dim) for i in range(num_kv_heads)]
+    v = [(i * g + (r + 1) * head_dim, (i + 1) * g) for i in range(num_kv_heads)]
+    return q, k, v
+
+
+def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor], ...]:
+    """Like :func:`to_hf` but without copies: each HF tensor as a list of row-block views of
+    ``t`` whose concatenation (dim 0) is that tensor."""
+    if kind == "copy":
+        return ([t],)
+    if kind == "vocab":
+        return ([t[:arch.vocab_size]],)
+    if kind == "glu":
+        return tuple([x] for x in torch.chunk(t, 2, dim=0))
+    if kind == "qkv":
+        return tuple([t[a:b] for a, b in blocks]
+                     for blocks in qkv_row_blocks(arch.num_heads, arch.num_kv_heads,
+                                                  arch.head_dim))
+    raise ValueError(kind)
+
+
+def to_mcore_segments(arch, kind: str, hf_names: Sequence[str], get: Callable[[str], torch.Tensor],
+                      *, padded_vocab_size: Optional[int] = None):
+    """Like :func:`to_mcore` but streamed: yields row blocks whose concatenation (dim 0) is the
+    megatron tensor, reading HF tensors through ``get`` only when needed (GLU: gate, then up;
+    vocabulary padding: zero rows generated, not concatenated)."""
+    if kind == "copy":
+        yield get(hf_names[0])
+    elif kind == "glu":
+        for n in hf_names:
+            yield get(n)
+    elif kind == "vocab":
+        t = get(hf_names[0])
+        pad = (padded_vocab_size or t.shape[0]) - t.shape[0]
+        if pad < 0:
+            raise ValueError(f"vocabulary of {t.shape[0]} rows exceeds padded size "
+                             f"{padded_vocab_size}")
+        yield t
+        if pad:
+            yield t.new_zeros((pad,) + tuple(t.shape[1:]))
+    elif kind == "qkv":
+        q, k, v = (get(n) for n in hf_names)
+        r, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
+        for g in range(arch.num_kv_heads):
+            yield q[g * r * hd:(g + 1) * r * hd]
+            yield k[g * hd:(g + 1) * hd]
+            yield v[g * hd:(g + 1) * hd]
+    else:
+        raise ValueError(kind)
 
 
 def hf_tensor_names(arch) -> List[str]:

@@ -176,13 +176,19 @@ class ShardedSafetensorsWriter:
         self._fh = None
         self._fh_idx = -1
 
-    def write(self, name: str, t: torch.Tensor) -> None:
-        """Append the next planned tensor (must match the plan's name, dtype and shape)."""
+    def write(self, name: str, t) -> None:
+        """Append the next planned tensor (must match the plan's name, dtype and shape).
+
+        ``t`` is a tensor or a list of row blocks whose concatenation (dim 0) is the tensor
+        (written one after the other, never concatenated in memory)."""
         if self._next >= len(self._order):
             raise RuntimeError(f"{name}: more tensors than planned")
         pname, idx, shape, dtype = self._order[self._next]
-        if name != pname or tuple(t.shape) != shape or t.dtype != dtype:
-            raise RuntimeError(f"out-of-plan tensor {name} {tuple(t.shape)} {t.dtype}; "
+        segs = list(t) if isinstance(t, (list, tuple)) else [t]
+        rows = sum(s.shape[0] if s.dim() else 1 for s in segs)
+        got = (rows,) + tuple(segs[0].shape[1:]) if segs[0].dim() else tuple(segs[0].shape)
+        if name != pname or got != shape or any(s.dtype != dtype for s in segs):
+            raise RuntimeError(f"out-of-plan tensor {name} {got} {segs[0].dtype}; "
                                f"expected {pname} {shape} {dtype}")
         if idx != self._fh_idx:
             self._finish_file()
@@ -190,10 +196,10 @@ class ShardedSafetensorsWriter:
             self._fh_idx = idx
             self._fh.write(struct.pack("<Q", len(self._headers[idx])))
             self._fh.write(self._headers[idx])
-        t = t.detach().contiguous().cpu()
-        if t.numel():
-            self._fh.write(t.view(-1).view(torch.uint8).numpy().tobytes()
-                           if t.dtype == torch.bool else t.view(-1).view(torch.uint8).numpy())
+        for s in segs:
+            s = s.detach().cpu().contiguous()
+            if s.numel():
+                self._fh.write(s.reshape(-1).view(torch.uint8).numpy())
         self._next += 1
 
     def _finish_file(self):
