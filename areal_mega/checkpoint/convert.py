@@ -32,7 +32,7 @@ from areal_mega.checkpoint.dist_ckpt import (HF_AUX_FILES, HF_SUBDIR, Checkpoint
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
 
 __all__ = ["convert_hf_to_mcore", "convert_mcore_to_hf", "check_layout", "rss_bytes",
-           "peak_rss_bytes"]
+           "peak_rss_bytes", "reset_peak_rss"]
 
 _DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DT_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -45,8 +45,25 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far."""
+    """Peak resident set size of this process (since the last :func:`reset_peak_rss`)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux ``clear_refs`` 5); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def check_layout(arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
@@ -170,6 +187,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     out_dtype = _DT[dtype] if dtype else None
     padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, tp)
     sd = _meta_sharded_state_dict(arch)
+    reset_peak_rss()
     baseline = rss_bytes()
     largest = max(torch.Size(weights.info(n)[1]).numel() * torch.empty(
         (), dtype=weights.info(n)[0]).element_size() for n in expected)
@@ -217,11 +235,13 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},
                 "num_chunks": 1, "has_optimizer": False, "has_lr_scheduler": False,
                 "has_rng": False, "extra": {}}
+        peak_before_save = peak_rss_bytes()
         path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)
     return {"path": str(path), "tensors": len(expected), "baseline_rss": baseline,
             "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
+            "peak_rss_before_save": peak_before_save,
             "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
 
 
@@ -253,6 +273,7 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
         raise FileExistsError(f"{out}: exists and is not empty; refusing to overwrite")
     reader = DcpReader(path)
     sd = _meta_sharded_state_dict(arch)
+    reset_peak_rss()
     baseline = rss_bytes()
     out_dtype = _DT[dtype] if dtype else None
 
