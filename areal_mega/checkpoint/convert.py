@@ -1,0 +1,356 @@
+"""Offline conversion between HF directories and megatron ``dist_checkpointing`` checkpoints.
+
+Both directions run in one process (a world-size-1 gloo group) and build the megatron model on
+the ``meta`` device only, to learn the exact sharded keys, offsets and factories that
+``build_model_chunks`` produces (so the checkpoint is what the engine's models load, under any
+TP/PP/VPP/EP layout, by resharding). Tensors are moved one at a time:
+
+* HF → megatron: each HF tensor is read with ``readinto`` (no mmap), mapped with
+  :mod:`~areal_mega.checkpoint.hf_mapping`, written to a staging file and handed to
+  ``dist_checkpointing.save`` as a lazily mapped (``MAP_PRIVATE``) tensor, so this process holds
+  one tensor at a time; megatron's writer process streams the mapped pages to the checkpoint.
+* megatron → HF: each megatron tensor is loaded alone with ``dist_checkpointing.load``, mapped
+  to its HF tensors and streamed into pre-planned safetensors shards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.checkpoint.dist_ckpt import (HF_AUX_FILES, HF_SUBDIR, CheckpointError,
+                                             atomic_save_sharded, resolve_checkpoint,
+                                             verify_checkpoint)
+from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
+
+__all__ = ["convert_hf_to_mcore", "convert_mcore_to_hf", "check_layout", "rss_bytes",
+           "peak_rss_bytes", "reset_peak_rss"]
+
+_DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DT_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (since the last :func:`reset_peak_rss`)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (Linux ``clear_refs`` 5); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def check_layout(arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
+                 where: str = "") -> None:
+    """Refuse a layout the model cannot be split into, with a message naming the rule."""
+    rules = [(arch.num_heads % tp == 0, f"num_attention_heads={arch.num_heads} % TP={tp}"),
+             (arch.num_kv_heads % tp == 0, f"num_key_value_heads={arch.num_kv_heads} % TP={tp}"),
+             (arch.num_layers % (pp * (vpp or 1)) == 0,
+              f"num_hidden_layers={arch.num_layers} % (PP·VPP={pp * (vpp or 1)})"),
+             (not arch.is_moe or arch.num_experts % ep == 0,
+              f"num_experts={arch.num_experts} % EP={ep}"),
+             (arch.is_moe or ep == 1, f"EP={ep} needs an MoE model")]
+    for ok, rule in rules:
+        if not ok:
+            raise hm.UnsupportedModelError(f"{where}: layout does not fit: {rule} != 0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_mesh():
+    import torch.distributed as dist
+    from areal_mega.parallel.allocation import ParallelDims
+    from areal_mega.parallel.mesh import ParallelMesh
+
+    if dist.is_initialized() and dist.get_world_size() != 1:
+        raise RuntimeError("the offline converters run in a single process (world size 1)")
+    return ParallelMesh.create(ParallelDims(), timeout_s=120, rank=0, world_size=1,
+                               init_method=f"tcp://127.0.0.1:{_free_port()}")
+
+
+def _meta_sharded_state_dict(arch):
+    """The world-size-1 model's ``sharded_state_dict()`` with meta tensors (no memory)."""
+    from areal_mega.models.builder import build_model_chunks
+    mesh = _single_process_mesh()
+    with torch.device("meta"):
+        chunks, _ = build_model_chunks(arch, mesh, dtype="fp32")
+    return chunks[0].sharded_state_dict()
+
+
+def _tqdm(it, progress: bool, **kw):
+    if not progress:
+        return it
+    from tqdm import tqdm
+    return tqdm(it, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# HF -> megatron
+# ----------------------------------------------------------------------------------------------
+
+class _Stager:
+    """Moves tensors out of process memory into files and maps them back lazily
+    (``MAP_PRIVATE``, nothing read until megatron's writer process streams them)."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        self.n = 0
+
+    def write(self, segments, dtype: Optional[torch.dtype]) -> Tuple[Path, torch.Tensor]:
+        """Write row blocks one after the other; returns the file and a mapped tensor of
+        the concatenated shape."""
+        path = self.dir / f"{self.n}.bin"
+        self.n += 1
+        rows, tail, dt = 0, None, None
+        with open(path, "wb") as f:
+            for seg in segments:
+                seg = seg.detach()
+                if dtype is not None:
+                    seg = seg.to(dtype)
+                seg = seg.contiguous()
+                f.write(seg.reshape(-1).view(torch.uint8).numpy())
+                rows += seg.shape[0]
+                tail, dt = tuple(seg.shape[1:]), seg.dtype
+                del seg
+        return path, self.map(path, dt, (rows,) + tail)
+
+    @staticmethod
+    def map(path: Path, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
+        import numpy as np
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        arr = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,))
+        return torch.from_numpy(arr).view(dtype).view(tuple(shape))
+
+
+def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                        vpp: Optional[int] = None, dtype: Optional[str] = None,
+                        make_vocab_size_divisible_by: int = 128,
+                        progress: bool = True) -> Dict[str, object]:
+    """Convert an HF model directory to a megatron ``dist_checkpointing`` checkpoint under
+    ``out`` (``out/iter_0000000`` + ``out/latest``; loadable by
+    :func:`~areal_mega.checkpoint.dist_ckpt.load_checkpoint` under any layout).
+
+    ``tp``/``pp``/``ep``/``vpp``: the layout to validate against and pad the vocabulary for
+    (the files themselves reshard to any layout). ``dtype``: ``fp32``/``bf16``/``fp16`` or
+    None to keep the HF dtype. Returns a report dict (path, tensor count, memory numbers)."""
+    from areal_mega.models.builder import padded_vocab_size
+    from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                          ShardedTensorFactory)
+
+    hf_dir = Path(hf_dir)
+    out = Path(out)
+    arch = hm.read_arch(hf_dir)
+    check_layout(arch, tp=tp, pp=pp, ep=ep, vpp=vpp, where=str(hf_dir / "config.json"))
+    weights = SafetensorsDir(hf_dir)
+    expected = hm.hf_tensor_names(arch)
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise hm.UnsupportedModelError(
+            f"{hf_dir}: tensor {missing[0]!r} (and {len(missing) - 1} more) not in the "
+            f"safetensors files; fused or renamed weights are not supported")
+    ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    unexpected = [n for n in weights.keys() if n not in set(expected) | ignorable
+                  and not n.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise hm.UnsupportedModelError(f"{hf_dir}: unexpected tensor {unexpected[0]!r} "
+                                       f"(+{len(unexpected) - 1}); unsupported model variant")
+    out_dtype = _DT[dtype] if dtype else None
+    padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, tp)
+    sd = _meta_sharded_state_dict(arch)
+    reset_peak_rss()
+    baseline = rss_bytes()
+    largest = max(torch.Size(weights.info(n)[1]).numel() * torch.empty(
+        (), dtype=weights.info(n)[0]).element_size() for n in expected)
+    out.mkdir(parents=True, exist_ok=True)
+    stage_dir = Path(tempfile.mkdtemp(prefix=".stage-", dir=out))
+    stage = _Stager(stage_dir)
+    src_dtype = None
+    try:
+        for name in _tqdm(list(sd), progress, desc="HF -> megatron", unit="tensor"):
+            entry = sd[name]
+            if isinstance(entry, ShardedObject):
+                continue
+            layer, expert, suffix = hm.parse_mcore_name(name)
+            hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
+            src_dtype = src_dtype or weights.info(hf_names[0])[0]
+            segs = hm.to_mcore_segments(arch, kind, hf_names, weights.get,
+                                        padded_vocab_size=padded)
+            fpath, t = stage.write(segs, out_dtype)
+            if isinstance(entry, ShardedTensorFactory):
+                entry.data = t
+                built = entry.build()
+                items = built.items() if isinstance(built, dict) else enumerate(built)
+                esize = t.element_size()
+                for _, piece in items:  # each piece its own mapping: no clone of views
+                    d = piece.data
+                    if not d.is_contiguous():
+                        raise RuntimeError(f"{name}: non-contiguous factory piece")
+                    piece.data = stage.map(fpath, d.dtype, d.shape, d.storage_offset() * esize)
+                sd[name] = built
+            elif isinstance(entry, ShardedTensor):
+                if tuple(entry.local_shape) != tuple(t.shape):
+                    if kind != "vocab":
+                        raise RuntimeError(f"{name}: mapped shape {tuple(t.shape)} != model "
+                                           f"shape {tuple(entry.local_shape)}")
+                    entry.local_shape = tuple(t.shape)
+                    entry.global_shape = tuple(t.shape)
+                entry.data = t
+            del t
+        report_dtype = out_dtype or src_dtype
+        meta = {"source": "hf", "model_type": arch.model_type,
+                "dtype": _DT_NAME.get(report_dtype, str(report_dtype)),
+                "vocab_size": arch.vocab_size, "padded_vocab_size": padded,
+                "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+                "target_layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1},
+                "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},
+                "num_chunks": 1, "has_optimizer": False, "has_lr_scheduler": False,
+                "has_rng": False, "extra": {}}
+        peak_before_save = peak_rss_bytes()
+        path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
+    finally:
+        shutil.rmtree(stage_dir, ignore_errors=True)
+    return {"path": str(path), "tensors": len(expected), "baseline_rss": baseline,
+            "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
+            "peak_rss_before_save": peak_before_save,
+            "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+
+
+# ----------------------------------------------------------------------------------------------
+# megatron -> HF
+# ----------------------------------------------------------------------------------------------
+
+def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
+                        max_shard_bytes: int = 2 * 1024 ** 3, hf_config_dir=None,
+                        progress: bool = True) -> Dict[str, object]:
+    """Convert a checkpoint (a root → its latest, or one ``iter_*`` directory) written by
+    :func:`convert_hf_to_mcore` or by training (``save_checkpoint(..., hf_dir=...)``) to an HF
+    directory: ``config.json``, tokenizer files, ``model-*.safetensors`` + index.
+
+    ``hf_config_dir``: where config/tokenizer come from when the checkpoint has no ``hf/``.
+    ``dtype``: output dtype (default: the checkpoint's). Returns a report dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+    from areal_mega.checkpoint.dcp_reader import DcpReader
+
+    path = resolve_checkpoint(mcore_dir)
+    cfg_dir = Path(hf_config_dir) if hf_config_dir else path / HF_SUBDIR
+    if not (cfg_dir / "config.json").is_file():
+        raise CheckpointError(f"{cfg_dir / 'config.json'}: missing; the checkpoint has no HF "
+                              f"config (pass hf_config_dir / --hf-config)")
+    arch = hm.read_arch(cfg_dir)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: exists and is not empty; refusing to overwrite")
+    reader = DcpReader(path)
+    sd = _meta_sharded_state_dict(arch)
+    reset_peak_rss()
+    baseline = rss_bytes()
+    out_dtype = _DT[dtype] if dtype else None
+
+    # plan: every HF tensor's name, dtype and shape, in the order they will be produced
+    jobs, plan = [], []
+    for name, entry in sd.items():
+        if isinstance(entry, ShardedObject):
+            continue
+        pieces = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
+        pieces = list(pieces.values()) if isinstance(pieces, dict) else list(pieces)
+        key = pieces[0].key
+        if key not in reader.meta:
+            raise CheckpointError(f"{path}: tensor {key!r} (for {name}) is not in the "
+                                  f"checkpoint")
+        layer, expert, suffix = hm.parse_mcore_name(name)
+        hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
+        # the region of the global tensor this (world-size-1) parameter covers
+        offs = [min(p.global_offset[d] for p in pieces) for d in range(len(pieces[0].global_offset))]
+        ends = [max(p.global_offset[d] + ((1,) * p.prepend_axis_num + tuple(p.local_shape))[d]
+                    for p in pieces) for d in range(len(offs))]
+        sizes = [e - o for o, e in zip(offs, ends)]
+        full_shape = tuple(entry.data.shape)
+        if kind == "vocab":  # the checkpoint's padding, whatever the builder would pick
+            offs, sizes = [0] * len(offs), list(reader.size(key))
+            full_shape = tuple(sizes)
+        shapes = [tuple(x.shape) for x in hm.to_hf(arch, kind, torch.empty(full_shape,
+                                                                          device="meta"))]
+        ck_dtype = reader.dtype(key)
+        jobs.append((key, offs, sizes, kind, hf_names, full_shape))
+        plan += [(h, out_dtype or ck_dtype, s) for h, s in zip(hf_names, shapes)]
+    largest = max(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
+                  for _, d, s in plan)
+    tmp_out = out.with_name(out.name + ".tmp")
+    if tmp_out.exists():
+        shutil.rmtree(tmp_out)
+    writer = ShardedSafetensorsWriter(tmp_out, plan, max_shard_bytes=max_shard_bytes)
+    for key, offs, sizes, kind, hf_names, full_shape in _tqdm(
+            jobs, progress, desc="megatron -> HF", unit="tensor"):
+        row_axis = len(offs) - len(full_shape)
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            o, z = list(offs), list(sizes)
+            o[row_axis] += r0
+            z[row_axis] = r1 - r0
+            try:
+                return reader.read(key, o, z).view((r1 - r0,) + tuple(full_shape[1:]))
+            except (KeyError, OSError, RuntimeError) as e:
+                raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e
+
+        if kind == "glu":  # gate and up are separate row ranges: read one at a time
+            half = full_shape[0] // 2
+            for h, (r0, r1) in zip(hf_names, [(0, half), (half, full_shape[0])]):
+                seg = rows(r0, r1)
+                writer.write(h, [seg.to(out_dtype) if out_dtype else seg])
+                del seg
+            continue
+        if kind == "vocab":
+            full = rows(0, arch.vocab_size)
+            per_hf = ([full],)
+        else:
+            full = rows(0, full_shape[0])
+            per_hf = hm.to_hf_segments(arch, kind, full)
+        for h, segs in zip(hf_names, per_hf):
+            writer.write(h, [x.to(out_dtype) for x in segs] if out_dtype else segs)
+        del full, per_hf
+    writer.close()
+    cfg = json.loads((cfg_dir / "config.json").read_text())
+    out_dt = out_dtype or plan[0][1]
+    cfg["dtype"] = _DT_NAME.get(out_dt, str(out_dt))
+    cfg.pop("torch_dtype", None)
+    for fn in HF_AUX_FILES:
+        if fn != "config.json" and (cfg_dir / fn).is_file():
+            shutil.copy2(cfg_dir / fn, tmp_out / fn)
+    (tmp_out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()
+    os.rename(tmp_out, out)
+    return {"path": str(out), "tensors": len(plan), "baseline_rss": baseline,
+            "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
+            "checkpoint": str(path), "meta": verify_checkpoint(path)}

@@ -1,0 +1,400 @@
+"""Training checkpoints with megatron-core ``dist_checkpointing``: atomic, reshardable.
+
+Layout under a checkpoint root::
+
+    <root>/iter_0000010/            one checkpoint (megatron torch_dist files + ours)
+        metadata.json, .metadata, common.pt, __*_*.distcp     (megatron / torch DCP)
+        areal_meta.json                                       (ours, written last)
+        hf/config.json, tokenizer files                       (to convert back to HF)
+    <root>/latest                   "iter_0000010\\n", replaced atomically
+
+A checkpoint is written into ``iter_XXXXXXX.tmp``, every file fsynced, ``areal_meta.json``
+(with ``"complete": true``) written last, then renamed; only then does ``latest`` move (write
+to a temp file, fsync, rename). A crash at any point leaves ``latest`` on the previous complete
+checkpoint, and ``*.tmp`` directories are never picked up.
+
+What is saved: the model chunks' ``sharded_state_dict()`` (so any TP/PP/VPP/EP layout can load
+it), the optimizer's ``sharded_state_dict()`` (megatron's regular optimizers; the distributed
+optimizer's own formats fail on CPU without TransformerEngine in megatron-core 0.16.1, see
+:func:`save_checkpoint`), the LR scheduler's ``state_dict()``, every rank's RNG states (restored
+only when the layout is unchanged), and an ``extra`` JSON-able dict from the trainer.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "LoadedCheckpoint", "save_checkpoint", "load_checkpoint",
+           "find_latest", "resolve_checkpoint", "verify_checkpoint", "prune_checkpoints",
+           "iter_dir_name", "atomic_save_sharded", "META_NAME", "HF_SUBDIR"]
+
+META_NAME = "areal_meta.json"
+HF_SUBDIR = "hf"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class CheckpointError(RuntimeError):
+    """A missing, incomplete or unreadable checkpoint (the message names the path)."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` found: where, which iteration, the trainer's ``extra``."""
+    path: Path
+    iteration: int
+    extra: Dict[str, Any] = field(default_factory=dict)
+    meta: Dict[str, Any] = field(default_factory=dict)
+    loaded_optimizer: bool = False
+    loaded_rng: bool = False
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for fn in files:
+            _fsync_path(Path(dirpath) / fn)
+        _fsync_path(Path(dirpath), directory=True)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent, directory=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# finding and checking checkpoints
+# ----------------------------------------------------------------------------------------------
+
+def verify_checkpoint(path) -> Dict[str, Any]:
+    """Check one checkpoint directory is complete: our ``areal_meta.json`` says so, megatron's
+    files exist, and every ``.distcp`` file holds every byte the torch DCP metadata points at.
+    Returns the parsed ``areal_meta.json``; raises :class:`CheckpointError` naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    meta_path = path / META_NAME
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path}: missing; {path} is not a complete checkpoint "
+                              f"(interrupted save?)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
+    if not meta.get("complete"):
+        raise CheckpointError(f"{meta_path}: checkpoint not marked complete")
+    for fn in ("metadata.json", ".metadata", "common.pt"):
+        if not (path / fn).is_file():
+            raise CheckpointError(f"{path / fn}: missing megatron checkpoint file")
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling problem means a broken file
+        raise CheckpointError(f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})") \
+            from None
+    need: Dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, n in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing checkpoint shard")
+        size = f.stat().st_size
+        if size < n:
+            raise CheckpointError(f"{f}: truncated checkpoint shard ({size} bytes, needs {n})")
+    return meta
+
+
+def _complete_iters(root: Path) -> List[Path]:
+    out = []
+    for p in root.iterdir() if root.is_dir() else []:
+        if p.is_dir() and _ITER_RE.match(p.name) and (p / META_NAME).is_file():
+            out.append(p)
+    return sorted(out, key=lambda p: int(_ITER_RE.match(p.name).group(1)))
+
+
+def find_latest(root) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (the ``latest`` pointer if it names a
+    complete one, else the highest complete ``iter_*``), or None when there is none."""
+    root = Path(root)
+    ptr = root / "latest"
+    if ptr.is_file():
+        cand = root / ptr.read_text().strip()
+        if _ITER_RE.match(cand.name) and (cand / META_NAME).is_file():
+            return cand
+        logger.warning("%s names %s, which is not a complete checkpoint; scanning", ptr, cand)
+    done = _complete_iters(root)
+    return done[-1] if done else None
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint root (→ its latest) or one ``iter_*`` directory, verified complete."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: does not exist")
+    if not (path / META_NAME).exists() and not (path / "metadata.json").exists():
+        latest = find_latest(path)
+        if latest is None:
+            raise CheckpointError(f"{path}: no complete checkpoint found (no 'latest' pointer "
+                                  f"and no complete iter_* directory)")
+        path = latest
+    verify_checkpoint(path)
+    return path
+
+
+def prune_checkpoints(root, keep_last: int) -> List[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints (never the one ``latest``
+    names) and stale ``*.tmp`` directories. Returns what was deleted."""
+    root = Path(root)
+    done = _complete_iters(root)
+    latest = find_latest(root)
+    doomed = [p for p in done[:max(0, len(done) - max(1, keep_last))] if p != latest]
+    doomed += [p for p in root.glob("iter_*.tmp") if p.is_dir()]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+# ----------------------------------------------------------------------------------------------
+# saving
+# ----------------------------------------------------------------------------------------------
+
+def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
+                        meta: Optional[dict] = None, hf_dir=None,
+                        keep_last: Optional[int] = None) -> Path:
+    """Save a megatron sharded state dict as ``<root>/iter_XXXXXXX`` atomically (collective:
+    every rank calls it). ``meta`` goes into ``areal_meta.json``; ``hf_dir``'s config and
+    tokenizer files are copied to ``hf/``. Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    from areal_mega.checkpoint import _cpu_compat
+    _cpu_compat.apply()
+    root = Path(root)
+    final = root / iter_dir_name(iteration)
+    tmp = root / (final.name + ".tmp")
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            raise CheckpointError(f"{final}: already exists; refusing to overwrite")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier()
+    dist_checkpointing.save(sharded_state_dict, str(tmp))
+    _barrier()
+    if _rank() == 0:
+        if hf_dir is not None:
+            (tmp / HF_SUBDIR).mkdir()
+            for fn in HF_AUX_FILES:
+                src = Path(hf_dir) / fn
+                if src.is_file():
+                    shutil.copy2(src, tmp / HF_SUBDIR / fn)
+        _fsync_tree(tmp)
+        m = dict(meta or {})
+        m.update(iteration=iteration, complete=True, format="areal-mega/dist_checkpointing/1")
+        with open(tmp / META_NAME, "w") as f:
+            json.dump(m, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp, directory=True)
+        os.rename(tmp, final)
+        _fsync_path(root, directory=True)
+        _atomic_write_text(root / "latest", final.name + "\n")
+        if keep_last:
+            prune_checkpoints(root, keep_last)
+    _barrier()
+    return final
+
+
+def _chunk_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def _model_sharded_sd(chunks: Sequence[torch.nn.Module]) -> dict:
+    n = len(chunks)
+    return {_chunk_key(i, n): _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _unwrap(m):
+    while hasattr(m, "module") and not hasattr(m, "sharded_state_dict"):
+        m = m.module
+    if not hasattr(m, "sharded_state_dict"):
+        m = getattr(m, "module", m)
+    return m
+
+
+def _layout() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        return {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1}
+    return {"world": dist.get_world_size() if dist.is_initialized() else 1,
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded(state: Optional[dict]):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    ws = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedObject("rng_state", state, (ws,), (_rank(),), replica_id=0)
+
+
+def _is_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return any(isinstance(o, DistributedOptimizer) for o in opts)
+
+
+def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], optimizer=None,
+                    lr_scheduler=None, *, extra: Optional[dict] = None,
+                    keep_last: Optional[int] = None, hf_dir=None, save_rng: bool = True,
+                    ) -> Path:
+    """Save model chunks (+ optimizer, LR scheduler, RNG, ``extra``) as ``<root>/iter_N``.
+
+    Collective over all ranks. ``model``: this rank's chunks (``MegatronEngine.model``);
+    ``optimizer``: a megatron-core optimizer (regular: bit-exact resume; distributed: raises
+    :class:`NotImplementedError` on CPU without TransformerEngine, where megatron-core 0.16.1's
+    own formats fail); ``extra``: JSON-able trainer state (version, data position, ...);
+    ``hf_dir``: an HF directory whose config/tokenizer files are kept for HF export;
+    ``keep_last``: prune older complete checkpoints afterwards."""
+    if extra is not None:
+        json.dumps(extra)  # fail early, on every rank, if it is not JSON-able
+    state = _model_sharded_sd(model)
+    if optimizer is not None:
+        if _is_distributed_optimizer(optimizer) and not torch.cuda.is_available():
+            raise NotImplementedError(
+                "distributed-optimizer checkpoints need TransformerEngine/CUDA in "
+                "megatron-core 0.16.1 (dp_reshardable: in-place op on a leaf view; "
+                "fully_reshardable: KeyError 'step'); use the regular optimizer on CPU")
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False)
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    if save_rng:
+        state["rng_state"] = _rng_sharded(_rng_state())
+    meta = {"layout": _layout(), "extra": extra or {}, "has_optimizer": optimizer is not None,
+            "has_lr_scheduler": lr_scheduler is not None, "has_rng": save_rng,
+            "num_chunks": len(model)}
+    return atomic_save_sharded(root, iteration, state, meta=meta, hf_dir=hf_dir,
+                               keep_last=keep_last)
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+
+def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_scheduler=None,
+                    *, load_optimizer: bool = True, load_rng: bool = True,
+                    strict: bool = True) -> LoadedCheckpoint:
+    """Load a checkpoint (a root → its latest, or one ``iter_*`` directory) into this rank's
+    model chunks, resharding to the current TP/PP/VPP/EP layout.
+
+    Optimizer and LR-scheduler states are loaded when present and asked for (a converted
+    HF checkpoint has the model only). RNG states are restored only when the saved layout
+    equals the current one. Collective over all ranks. Raises :class:`CheckpointError` for a
+    missing or incomplete checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint(path)
+    meta = verify_checkpoint(path)
+    n = len(model)
+    # the sharded keys are global (layer offsets, expert offsets); the chunk nesting is not
+    state: Dict[str, Any] = {_chunk_key(i, n): _unwrap(c).sharded_state_dict()
+                             for i, c in enumerate(model)}
+    want_opt = optimizer is not None and load_optimizer and meta.get("has_optimizer")
+    if want_opt:
+        if _is_distributed_optimizer(optimizer) and not torch.cuda.is_available():
+            raise NotImplementedError("distributed-optimizer checkpoints need TE/CUDA "
+                                      "(see save_checkpoint)")
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
+    same_layout = meta.get("layout", {}) == _layout()
+    want_rng = load_rng and meta.get("has_rng") and same_layout
+    if want_rng:
+        state["rng_state"] = _rng_sharded(None)
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from e
+    for i, c in enumerate(model):
+        key = _chunk_key(i, n)
+        _unwrap(c).load_state_dict(loaded[key], strict=strict)
+    if want_opt:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if lr_scheduler is not None and load_optimizer and meta.get("has_lr_scheduler"):
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        lr_scheduler.load_state_dict(common["lr_scheduler"])
+    if want_rng:
+        _set_rng_state(loaded["rng_state"])
+    elif load_rng and meta.get("has_rng"):
+        logger.info("%s: saved layout %s differs from %s; RNG states not restored", path,
+                    meta.get("layout"), _layout())
+    return LoadedCheckpoint(path=path, iteration=int(meta.get("iteration", 0)),
+                            extra=meta.get("extra", {}), meta=meta, loaded_optimizer=bool(want_opt),
+                            loaded_rng=bool(want_rng))

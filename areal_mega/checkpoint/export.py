@@ -1,0 +1,128 @@
+"""Live export: this rank's megatron model chunks → HF-named full tensors, streamed in buckets.
+
+For the weight sender (rollout weight updates) and for writing HF directories from a running
+trainer. Per parameter, in model order:
+
+* TP shards are all-gathered over the tensor-parallel group (the expert-tensor-parallel group
+  for expert weights) and un-split along ``partition_dim``; GLU ``linear_fc1`` shards are
+  ``[gate_r; up_r]`` so gates and ups are gathered separately;
+* expert weights are all-gathered over the expert-parallel group (local expert ``e`` of EP rank
+  ``r`` is global expert ``r·E/EP + e``);
+* pipeline stages export only their own layers, under *global* layer indices (the layer's
+  ``layer_number``), so the union over stages is the whole model; with tied embeddings the last
+  stage's copy of the embedding is skipped.
+
+Then :mod:`~areal_mega.checkpoint.hf_mapping` turns each full megatron tensor into HF tensors.
+Only one parameter's gathered tensors (plus the current bucket) are alive at a time. Every rank
+of a TP/EP group must iterate together (the gathers are collectives); every such rank gets the
+full tensors, and the caller decides which ranks send (typically TP rank 0 / DP rank 0 of each
+pipeline stage; see :func:`is_export_source`).
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from areal_mega.checkpoint import hf_mapping as hm
+
+__all__ = ["iter_hf_tensors", "iter_hf_buckets", "is_export_source"]
+
+
+def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    n = dist.get_world_size(group) if group is not None else 1
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_glu(t: torch.Tensor, group) -> torch.Tensor:
+    n = dist.get_world_size(group) if group is not None else 1
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    halves = [torch.chunk(p, 2, dim=0) for p in parts]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def _layer_offsets(chunk) -> List[int]:
+    """Global index of each of this chunk's layers (from megatron's 1-based layer_number)."""
+    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
+    return [int(layer.layer_number) - 1 for layer in layers] if layers is not None else []
+
+
+def _unwrap(m):
+    while not hasattr(m, "decoder") and hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def is_export_source() -> bool:
+    """True on the ranks that should send the exported tensors: TP rank 0 and DP rank 0 (with
+    context parallelism, CP rank 0) of each pipeline stage."""
+    from megatron.core import parallel_state as ps
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0)
+
+
+def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep_group=None,
+                    etp_group=None, dtype: Optional[torch.dtype] = None
+                    ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for this pipeline stage's share of the model.
+
+    ``model``: this rank's chunks; ``arch``: :func:`hf_mapping.read_arch` of the model's HF
+    config. Groups default to megatron's parallel state. ``dtype``: cast before yielding."""
+    from megatron.core import parallel_state as ps
+    tp_group = tp_group or ps.get_tensor_model_parallel_group()
+    ep_group = ep_group or (ps.get_expert_model_parallel_group() if arch.is_moe else None)
+    etp_group = etp_group or (ps.get_expert_tensor_parallel_group() if arch.is_moe else None)
+    ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+    for chunk in model:
+        chunk = _unwrap(chunk)
+        offsets = _layer_offsets(chunk)
+        tied_copy = (arch.tie_word_embeddings and not getattr(chunk, "pre_process", True))
+        for name, p in chunk.named_parameters():
+            layer, expert, suffix = hm.parse_mcore_name(name)
+            if layer is None and suffix == "output_layer.weight" and (
+                    arch.tie_word_embeddings or tied_copy):
+                continue  # HF ties lm_head to the embedding
+            is_expert = expert is not None
+            tgroup = etp_group if is_expert else tp_group
+            t = p.detach()
+            if getattr(p, "tensor_model_parallel", False):
+                glu = suffix.endswith("linear_fc1.weight")
+                t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, p.partition_dim)
+            glayer = offsets[layer] if layer is not None else None
+            if is_expert and ep_size > 1:
+                parts = [torch.empty_like(t) for _ in range(ep_size)]
+                dist.all_gather(parts, t.contiguous(), group=ep_group)
+                n_local = arch.num_experts // ep_size
+                items = [(r * n_local + expert, x) for r, x in enumerate(parts)]
+            else:
+                items = [(expert, t)]
+            for e, full in items:
+                hf_names, kind = hm.hf_names_for(arch, glayer, e, suffix)
+                for hn, ht in zip(hf_names, hm.to_hf(arch, kind, full)):
+                    yield hn, (ht.to(dtype) if dtype is not None else ht)
+            del t, items
+
+
+def iter_hf_buckets(model: Sequence[torch.nn.Module], arch, *, bucket_bytes: int = 512 << 20,
+                    **kw) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+    """Group :func:`iter_hf_tensors` into lists of at most ``bucket_bytes`` (a tensor larger
+    than that is a bucket of its own)."""
+    bucket: List[Tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in iter_hf_tensors(model, arch, **kw):
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket

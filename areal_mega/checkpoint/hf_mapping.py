@@ -1,0 +1,403 @@
+"""The one place where Hugging Face names/layouts meet megatron-core ``GPTModel`` names/layouts.
+
+Used by the offline converters (``tools/convert_*.py``), the live weight export to rollout
+servers (:mod:`areal_mega.checkpoint.export`) and the checkpoint tests. Everything here is pure
+tensor/str manipulation: no process groups, no files.
+
+Megatron names are the module parameter names of one model chunk built by
+:func:`areal_mega.models.builder.build_model_chunks` (local spec), with the layer index and the
+expert index *global* (the caller adds the PP/VPP layer offset and the EP expert offset):
+
+======================================================  ========================================
+megatron (local spec; TE alias)                          HF (Llama / Qwen2 / Qwen3 / Qwen3-MoE)
+======================================================  ========================================
+``embedding.word_embeddings.weight`` [V_pad, H]          ``model.embed_tokens.weight`` [V, H]
+``decoder.layers.L.input_layernorm.weight``              ``model.layers.L.input_layernorm.weight``
+  (TE: ``self_attention.linear_qkv.layer_norm_weight``)
+``decoder.layers.L.self_attention.linear_qkv.weight``    ``self_attn.{q,k,v}_proj.weight``
+  rows grouped per KV group g: [q heads of g; k_g; v_g]
+``...linear_qkv.bias`` (Qwen2)                           ``self_attn.{q,k,v}_proj.bias``
+``...self_attention.q_layernorm.weight`` (Qwen3)         ``self_attn.q_norm.weight``
+``...self_attention.k_layernorm.weight`` (Qwen3)         ``self_attn.k_norm.weight``
+``...self_attention.linear_proj.weight``                 ``self_attn.o_proj.weight``
+``decoder.layers.L.pre_mlp_layernorm.weight``            ``post_attention_layernorm.weight``
+  (TE: ``mlp.linear_fc1.layer_norm_weight``)
+``...mlp.linear_fc1.weight`` = [gate; up]                ``mlp.{gate,up}_proj.weight``
+``...mlp.linear_fc2.weight``                             ``mlp.down_proj.weight``
+``...mlp.router.weight`` (MoE)                           ``mlp.gate.weight``
+``...mlp.experts.local_experts.E.linear_fc1.weight``     ``mlp.experts.E.{gate,up}_proj.weight``
+  (TE grouped GEMM: ``mlp.experts.linear_fc1.weightE``)
+``...mlp.experts.local_experts.E.linear_fc2.weight``     ``mlp.experts.E.down_proj.weight``
+``decoder.final_layernorm.weight``                       ``model.norm.weight``
+``output_layer.weight`` [V_pad, H] (untied only)         ``lm_head.weight`` [V, H]
+======================================================  ========================================
+
+The vocabulary rows are padded with zeros to ``padded_vocab_size`` going to megatron and cut
+back to ``vocab_size`` going to HF. Legacy ``GroupedMLP`` (``weight1``/``weight2``) is not
+produced by the builder and is refused by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["UnsupportedModelError", "TensorMap", "Family", "FAMILIES", "read_arch",
+           "normalize_hf_config", "parse_mcore_name", "canonical_layer_suffix", "maps_for",
+           "to_mcore", "to_hf", "hf_names_for", "qkv_to_mcore", "qkv_to_hf", "glu_to_mcore",
+           "glu_to_hf", "pad_vocab", "unpad_vocab", "hf_tensor_names",
+           "qkv_row_blocks", "to_hf_segments", "to_mcore_segments"]
+
+
+class UnsupportedModelError(ValueError):
+    """An HF config (or tensor set) this mapping does not support; the message names the file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor layout transforms (full, unsharded tensors)
+# ----------------------------------------------------------------------------------------------
+
+def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """HF q/k/v projections (weights [n·d, H] or biases [n·d]) → megatron fused QKV, rows grouped
+    per KV group: [q heads of group g (n_q/n_kv of them); k_g; v_g] for g = 0..n_kv-1."""
+    r = num_heads // num_kv_heads
+    rest = tuple(q.shape[1:])
+    parts = [q.reshape(num_kv_heads, r * head_dim, *rest),
+             k.reshape(num_kv_heads, head_dim, *rest),
+             v.reshape(num_kv_heads, head_dim, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
+
+
+def qkv_to_hf(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+              head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`qkv_to_mcore`."""
+    r = num_heads // num_kv_heads
+    rest = tuple(qkv.shape[1:])
+    g = qkv.reshape(num_kv_heads, (r + 2) * head_dim, *rest)
+    q, k, v = torch.split(g, [r * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous())
+
+
+def glu_to_mcore(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF gate/up projections → megatron ``linear_fc1`` = [gate; up] (full, unsharded)."""
+    return torch.cat([gate, up], dim=0)
+
+
+def glu_to_hf(fc1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`glu_to_mcore`."""
+    gate, up = torch.chunk(fc1, 2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def pad_vocab(t: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    """Append zero rows up to ``padded_vocab_size`` (embedding / output layer)."""
+    if t.shape[0] > padded_vocab_size:
+        raise ValueError(f"vocabulary of {t.shape[0]} rows exceeds padded size {padded_vocab_size}")
+    if t.shape[0] == padded_vocab_size:
+        return t
+    pad = t.new_zeros((padded_vocab_size - t.shape[0],) + tuple(t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+def unpad_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Cut the padded rows off (embedding / output layer)."""
+    return t[:vocab_size].contiguous() if t.shape[0] != vocab_size else t
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-family tables
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One megatron tensor ↔ one or more HF tensors.
+
+    ``mcore``: megatron name suffix (within a layer for layer tensors, else the full name);
+    ``hf``: HF name templates (``{L}`` layer, ``{E}`` expert); ``kind``: ``copy``, ``qkv``,
+    ``glu`` or ``vocab``."""
+    mcore: str
+    hf: Tuple[str, ...]
+    kind: str = "copy"
+
+
+_A = "model.layers.{L}.self_attn."
+_ATTN = (
+    TensorMap("input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
+    TensorMap("self_attention.linear_qkv.weight",
+              (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), "qkv"),
+    TensorMap("self_attention.linear_proj.weight", (_A + "o_proj.weight",)),
+    TensorMap("pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",)),
+)
+_QKV_BIAS = (TensorMap("self_attention.linear_qkv.bias",
+                       (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), "qkv"),)
+_QK_NORM = (TensorMap("self_attention.q_layernorm.weight", (_A + "q_norm.weight",)),
+            TensorMap("self_attention.k_layernorm.weight", (_A + "k_norm.weight",)))
+_M = "model.layers.{L}.mlp."
+_DENSE_MLP = (
+    TensorMap("mlp.linear_fc1.weight", (_M + "gate_proj.weight", _M + "up_proj.weight"), "glu"),
+    TensorMap("mlp.linear_fc2.weight", (_M + "down_proj.weight",)),
+)
+_X = _M + "experts.{E}."
+_MOE_MLP = (
+    TensorMap("mlp.router.weight", (_M + "gate.weight",)),
+    TensorMap("mlp.experts.local_experts.{E}.linear_fc1.weight",
+              (_X + "gate_proj.weight", _X + "up_proj.weight"), "glu"),
+    TensorMap("mlp.experts.local_experts.{E}.linear_fc2.weight", (_X + "down_proj.weight",)),
+)
+_GLOBAL = (
+    TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    TensorMap("output_layer.weight", ("lm_head.weight",), "vocab"),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF architecture family: its layer tables (dense and, for MoE, sparse layers)."""
+    model_type: str
+    architectures: Tuple[str, ...]
+    dense_layer: Tuple[TensorMap, ...]
+    moe_layer: Tuple[TensorMap, ...] = ()
+
+
+FAMILIES: Dict[str, Family] = {
+    "llama": Family("llama", ("LlamaForCausalLM",), _ATTN + _DENSE_MLP),
+    "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), _ATTN + _QKV_BIAS + _DENSE_MLP),
+    "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP),
+    "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP,
+                        _ATTN + _QK_NORM + _MOE_MLP),
+}
+
+
+def normalize_hf_config(cfg: dict) -> dict:
+    """Accept both spellings that exist in the wild: transformers 5 writes ``num_local_experts``
+    and ``rope_parameters: {rope_theta}``; hub checkpoints have ``num_experts`` and
+    ``rope_theta``. Returns a copy with both spellings filled in."""
+    cfg = dict(cfg)
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+        cfg["num_experts"] = cfg["num_local_experts"]
+    rp = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rp:
+        cfg["rope_theta"] = rp["rope_theta"]
+    return cfg
+
+
+def read_arch(source, *, where: Optional[str] = None):
+    """Read and validate an HF config (a model directory, a ``config.json`` path or a dict).
+
+    Returns the engine builder's :class:`~areal_mega.models.builder.HFArch`. Raises
+    :class:`UnsupportedModelError` naming the config file for an architecture or option this
+    mapping does not handle."""
+    from areal_mega.models.builder import parse_hf_config
+
+    if isinstance(source, dict):
+        cfg, where = dict(source), where or "<config dict>"
+    else:
+        path = os.fspath(source)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        where = where or path
+        if not os.path.isfile(path):
+            raise UnsupportedModelError(f"{path}: no config.json (not an HF model directory)")
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UnsupportedModelError(f"{path}: not valid JSON ({e})") from None
+    cfg = normalize_hf_config(cfg)
+    mt = cfg.get("model_type")
+    if mt not in FAMILIES:
+        raise UnsupportedModelError(
+            f"{where}: model_type={mt!r} (architectures={cfg.get('architectures')}) is not "
+            f"supported; supported: {', '.join(FAMILIES)}")
+    archs = cfg.get("architectures") or []
+    bad = [a for a in archs if a not in FAMILIES[mt].architectures]
+    if bad:
+        raise UnsupportedModelError(f"{where}: architectures={bad} is not a causal LM of "
+                                    f"model_type {mt!r} (expected {FAMILIES[mt].architectures})")
+    if mt == "qwen3_moe" and cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError(f"{where}: MoE shared experts are not supported")
+    if cfg.get("attention_bias") and mt == "llama":
+        raise UnsupportedModelError(f"{where}: llama attention_bias=True is not supported")
+    try:
+        arch = parse_hf_config(cfg)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UnsupportedModelError(f"{where}: {e}") from None
+    if arch.num_heads % arch.num_kv_heads:
+        raise UnsupportedModelError(f"{where}: num_attention_heads={arch.num_heads} is not a "
+                                    f"multiple of num_key_value_heads={arch.num_kv_heads}")
+    return arch
+
+
+def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
+    """The tensor maps of one layer (``layer`` given) or of the non-layer tensors."""
+    fam = FAMILIES[arch.model_type]
+    if layer is None:
+        return tuple(m for m in _GLOBAL
+                     if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings))
+    pattern = arch.moe_layer_pattern
+    if arch.is_moe and (pattern is None or pattern[layer]):
+        return fam.moe_layer
+    return fam.dense_layer
+
+
+# ----------------------------------------------------------------------------------------------
+# megatron parameter names
+# ----------------------------------------------------------------------------------------------
+
+_LAYER_RE = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_TE_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def canonical_layer_suffix(suffix: str) -> Tuple[str, Optional[int]]:
+    """Map a within-layer megatron name (local or TE spec) to the local-spec table form.
+
+    Returns ``(suffix with the expert index replaced by "{E}", expert index or None)``."""
+    suffix = _TE_ALIASES.get(suffix, suffix)
+    m = _LOCAL_EXPERT_RE.match(suffix)
+    if m:
+        return f"mlp.experts.local_experts.{{E}}.{m.group(2)}", int(m.group(1))
+    m = _TE_EXPERT_RE.match(suffix)
+    if m:
+        return f"mlp.experts.local_experts.{{E}}.{m.group(1)}.weight", int(m.group(2))
+    if suffix.startswith("mlp.experts.weight"):
+        raise UnsupportedModelError(f"{suffix}: legacy GroupedMLP weights are not supported; "
+                                    "build with moe_grouped_gemm=False or TE grouped GEMM")
+    return suffix, None
+
+
+def parse_mcore_name(name: str) -> Tuple[Optional[int], Optional[int], str]:
+    """``decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight`` →
+    ``(3, 1, "mlp.experts.local_experts.{E}.linear_fc2.weight")``; non-layer names give
+    ``(None, None, name)``. Indices are as they appear (chunk-local / EP-local)."""
+    m = _LAYER_RE.match(name)
+    if not m:
+        return None, None, re.sub(r"^(?:module\.)+", "", name)
+    suffix, expert = canonical_layer_suffix(m.group(2))
+    return int(m.group(1)), expert, suffix
+
+
+def _find_map(arch, layer: Optional[int], suffix: str) -> TensorMap:
+    for tm in maps_for(arch, layer):
+        if tm.mcore == suffix:
+            return tm
+    where = "non-layer" if layer is None else f"layer {layer}"
+    raise UnsupportedModelError(f"megatron tensor {suffix!r} ({where}) has no HF mapping for "
+                                f"model_type {arch.model_type!r}")
+
+
+def hf_names_for(arch, layer: Optional[int], expert: Optional[int], suffix: str
+                 ) -> Tuple[Tuple[str, ...], str]:
+    """HF names (global layer/expert indices) and the transform kind of one megatron tensor."""
+    tm = _find_map(arch, layer, suffix)
+    return tuple(h.format(L=layer, E=expert) for h in tm.hf), tm.kind
+
+
+def to_mcore(arch, kind: str, hf_tensors: Sequence[torch.Tensor], *,
+             padded_vocab_size: Optional[int] = None) -> torch.Tensor:
+    """HF tensors (in :func:`hf_names_for` order) → the full megatron tensor."""
+    if kind == "copy":
+        return hf_tensors[0]
+    if kind == "qkv":
+        return qkv_to_mcore(*hf_tensors, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if kind == "glu":
+        return glu_to_mcore(*hf_tensors)
+    if kind == "vocab":
+        return pad_vocab(hf_tensors[0], padded_vocab_size or hf_tensors[0].shape[0])
+    raise ValueError(kind)
+
+
+def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """The full megatron tensor → HF tensors (in :func:`hf_names_for` order)."""
+    if kind == "copy":
+        return (t,)
+    if kind == "qkv":
+        return qkv_to_hf(t, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+    if kind == "glu":
+        return glu_to_hf(t)
+    if kind == "vocab":
+        return (unpad_vocab(t, arch.vocab_size),)
+    raise ValueError(kind)
+
+
+def qkv_row_blocks(num_heads: int, num_kv_heads: int, head_dim: int
+                   ) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """Row ranges of q, k and v inside the megatron fused QKV (one range per KV group)."""
+    r = num_heads // num_kv_heads
+    g = (r + 2) * head_dim
+    q = [(i * g, i * g + r * head_dim) for i in range(num_kv_heads)]
+    k = [(i * g + r * head_dim, i * g + (r + 1) * head_dim) for i in range(num_kv_heads)]
+    v = [(i * g + (r + 1) * head_dim, (i + 1) * g) for i in range(num_kv_heads)]
+    return q, k, v
+
+
+def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor], ...]:
+    """Like :func:`to_hf` but without copies: each HF tensor as a list of row-block views of
+    ``t`` whose concatenation (dim 0) is that tensor."""
+    if kind == "copy":
+        return ([t],)
+    if kind == "vocab":
+        return ([t[:arch.vocab_size]],)
+    if kind == "glu":
+        return tuple([x] for x in torch.chunk(t, 2, dim=0))
+    if kind == "qkv":
+        return tuple([t[a:b] for a, b in blocks]
+                     for blocks in qkv_row_blocks(arch.num_heads, arch.num_kv_heads,
+                                                  arch.head_dim))
+    raise ValueError(kind)
+
+
+def to_mcore_segments(arch, kind: str, hf_names: Sequence[str], get: Callable[[str], torch.Tensor],
+                      *, padded_vocab_size: Optional[int] = None):
+    """Like :func:`to_mcore` but streamed: yields row blocks whose concatenation (dim 0) is the
+    megatron tensor, reading HF tensors through ``get`` only when needed (GLU: gate, then up;
+    vocabulary padding: zero rows generated, not concatenated)."""
+    if kind == "copy":
+        yield get(hf_names[0])
+    elif kind == "glu":
+        for n in hf_names:
+            yield get(n)
+    elif kind == "vocab":
+        t = get(hf_names[0])
+        pad = (padded_vocab_size or t.shape[0]) - t.shape[0]
+        if pad < 0:
+            raise ValueError(f"vocabulary of {t.shape[0]} rows exceeds padded size "
+                             f"{padded_vocab_size}")
+        yield t
+        if pad:
+            yield t.new_zeros((pad,) + tuple(t.shape[1:]))
+    elif kind == "qkv":
+        q, k, v = (get(n) for n in hf_names)
+        r, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
+        for g in range(arch.num_kv_heads):
+            yield q[g * r * hd:(g + 1) * r * hd]
+            yield k[g * hd:(g + 1) * hd]
+            yield v[g * hd:(g + 1) * hd]
+    else:
+        raise ValueError(kind)
+
+
+def hf_tensor_names(arch) -> List[str]:
+    """Every HF tensor name the model has (in HF save order: embeddings, layers, norm, head)."""
+    names = ["model.embed_tokens.weight"]
+    for layer in range(arch.num_layers):
+        for tm in maps_for(arch, layer):
+            experts = range(arch.num_experts) if "{E}" in tm.mcore else [None]
+            for e in experts:
+                names += [h.format(L=layer, E=e) for h in tm.hf]
+    names.append("model.norm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
