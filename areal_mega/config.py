@@ -337,6 +337,9 @@ def _build(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
+        choices = fields[name].metadata.get("choices") or ()
+        if isinstance(value, bool) and ("off" in choices or "on" in choices):
+            value = "on" if value else "off"  # YAML 1.1 reads a bare off/on as a boolean
         value = _coerce(key, value, hints[name])
         _check_range(key, value, fields[name].metadata)
         kwargs[name] = value

@@ -74,7 +74,7 @@ class TrainerSession:
         cfg = self.cfg
         latest = find_latest(self.ckpt_root) if cfg.recover == "auto" else None
         if latest is not None:
-            loaded = load_checkpoint(latest, self.actor.model, self.actor.optimizer,
+            loaded = load_checkpoint(latest, self.actor.model_chunks(), self.actor.optimizer,
                                      self.actor.lr_scheduler)
             self.start_step = int(loaded.extra.get("step", loaded.iteration))
             self.actor.step_count = self.start_step
@@ -101,7 +101,7 @@ class TrainerSession:
                     convert_hf_to_mcore(self.cfg.model.path, src, dtype="fp32", progress=False)
                 if dist.is_initialized():
                     dist.barrier()
-        load_checkpoint(src, engine.model, load_optimizer=False, load_rng=False)
+        load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
 
     def _write_resolved_config(self) -> None:
         path = self.run_dir / "config.resolved.json"
@@ -177,7 +177,7 @@ class TrainerSession:
         extra = {"step": step, "version": step, "time": time.time(),
                  "buffer_file": buf_name if self.intake is not None or not self.is_rank0
                  else None}
-        save_checkpoint(self.ckpt_root, step, self.actor.model, self.actor.optimizer,
+        save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(), self.actor.optimizer,
                         self.actor.lr_scheduler, extra=extra,
                         keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
         if self.is_rank0:

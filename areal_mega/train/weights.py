@@ -1,0 +1,95 @@
+"""Write a running actor's weights as an HF model directory (the disk weight-update path).
+
+Every trainer rank takes part (the export all-gathers TP/EP shards); the export source of each
+pipeline stage (TP rank 0, DP rank 0, CP rank 0) writes that stage's tensors as one
+safetensors shard, and global rank 0 writes the index and copies the config/tokenizer files
+of the source HF directory. The directory appears atomically (written as ``<out>.tmp``, then
+renamed), so a rollout server never loads a half-written model.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+# files of an HF model directory that are not weights
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None) -> Path:
+    """Export ``engine``'s model as an HF directory at ``out`` (collective over all ranks).
+
+    ``hf_src_dir``: the HF directory the model was built from (config, tokenizer).
+    ``is_writer``: True on global rank 0 (writes index and side files, renames).
+    ``dtype``: cast the weights (default: keep the parameters' dtype)."""
+    from safetensors.torch import save_file
+
+    from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.checkpoint.export import is_export_source, iter_hf_tensors
+
+    hf_src_dir, out = Path(hf_src_dir), Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    arch = hm.read_arch(hf_src_dir)
+    mesh = engine.mesh
+    pp, stage = mesh.dims.pp, mesh.pp_rank
+    source = is_export_source()
+    tensors = {}
+    for name, t in iter_hf_tensors(engine.model, arch, dtype=dtype):
+        if source:
+            tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+    if source:
+        shard = f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+        manifest = {"shard": shard, "names": sorted(tensors),
+                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        (tmp / f".manifest-{stage}.json").write_text(json.dumps(manifest))
+    del tensors
+    _barrier()
+    if is_writer:
+        weight_map, total = {}, 0
+        for m in sorted(tmp.glob(".manifest-*.json")):
+            info = json.loads(m.read_text())
+            weight_map.update({n: info["shard"] for n in info["names"]})
+            total += info["bytes"]
+            m.unlink()
+        expected = set(hm.hf_tensor_names(arch))
+        missing = sorted(expected - set(weight_map))
+        if missing:
+            raise RuntimeError(f"HF export to {out}: {len(missing)} tensors missing, e.g. "
+                               f"{missing[:3]}")
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2))
+        for f in HF_SIDE_FILES:
+            if (hf_src_dir / f).exists():
+                shutil.copy2(hf_src_dir / f, tmp / f)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    _barrier()
+    return out
+
+
+def load_hf_state_dict(path) -> dict:
+    """All tensors of an HF safetensors directory (for tests and small models)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+__all__ = ["export_hf_dir", "load_hf_state_dict", "HF_SIDE_FILES"]
