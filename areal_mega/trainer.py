@@ -27,6 +27,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     batch = batches.distribute(*plan, s.mesh)
     t_data = time.time()
     mbs = batch.micro_batches
+    for mb in mbs:   # the weights that compute prox_logprobs below (for the mismatch metric)
+        mb["policy_version"] = step - 1
     batches.attach(mbs, "prox_logprobs",
                    s.actor.forward_logprobs(mbs, temperature=cfg.actor.temperature))
     if s.ref is not None:

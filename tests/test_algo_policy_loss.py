@@ -307,3 +307,22 @@ def test_gradcheck_full_loss():
                {"loss_agg": "seq_sum_norm", "loss_norm_len": 5, "imp_weight_level": "sequence"}]:
         loss_fn, _ = make_policy_loss(cfg_(**kw))
         assert torch.autograd.gradcheck(lambda x: loss_fn(x, None, mb)[0], (logp,))
+
+
+def test_mismatch_counts_only_tokens_of_the_evaluated_weights():
+    """|prox - behav| over loss tokens whose version is the trainer's policy version; the same
+    difference over all loss tokens (mismatch + policy lag) is ``behav_diff``."""
+    mb = hand_mb()
+    mb["versions"] = torch.tensor([3, 2, -1, 3, -1], dtype=torch.int32)
+    mb["policy_version"] = 3
+    lp = torch.tensor(LOGP, requires_grad=True)
+    _, st = policy_loss(lp, None, mb, cfg_())
+    out = finalize_stats(st)
+    # version-3 loss tokens: 0 (|-1.1+1.2| = 0.1) and 3 (|-1.0+1.0| = 0)
+    assert out["mismatch_tokens"] == 2
+    assert out["mismatch"] == pytest.approx(0.1 / 2)
+    # all loss tokens 0, 1, 3: (0.1 + 1.0 + 0) / 3
+    assert out["behav_diff"] == pytest.approx(1.1 / 3)
+    # without versions every loss token counts
+    _, st = policy_loss(lp, None, hand_mb(), cfg_())
+    assert finalize_stats(st)["mismatch"] == pytest.approx(1.1 / 3)
