@@ -81,7 +81,6 @@ class ActorConfig:
     ppo_n_minibatches: int = _f(1, lo=1)
     sequence_parallel: bool = False
     virtual_pipeline_size: Optional[int] = _f(None, lo=1)
-    max_tokens_per_mb: int = _f(8192, lo=1)
     logprob_chunk_size: Optional[int] = _f(None, lo=1)
 
 

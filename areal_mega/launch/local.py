@@ -135,7 +135,7 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
     recompute = cfg.model.recompute_granularity
     est = estimate_memory(hp, dims, dtype=cfg.model.dtype,
                           use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                          tokens_per_mb=cfg.actor.max_tokens_per_mb, recompute=recompute,
+                          tokens_per_mb=cfg.scheduler.max_tokens_per_mb, recompute=recompute,
                           sequence_parallel=cfg.actor.sequence_parallel,
                           overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES)
     cap = None if layout.device == "cpu" else cfg.cluster.gpu_memory_gb
@@ -143,7 +143,7 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
     out.append(f"trainer memory per {where} (model numbers from {source}; "
                f"{cfg.model.dtype}, distributed optimizer "
                f"{'on' if cfg.optimizer.use_distributed_optimizer else 'off'}, "
-               f"{cfg.actor.max_tokens_per_mb} tokens/micro-batch, recompute {recompute}):")
+               f"{cfg.scheduler.max_tokens_per_mb} tokens/micro-batch, recompute {recompute}):")
     out.append(est.format(cap, unit=where))
     a = layout.allocation
     if a.rollout is not None and not layout.external_servers and layout.device != "cpu":
