@@ -87,18 +87,21 @@ class TrajectoryBuffer:
         self.dropped_stale = 0
 
     # ------------------------------------------------------------------ intake
-    def put(self, traj: Trajectory, timeout: Optional[float] = None) -> bool:
+    def put(self, traj: Trajectory, timeout: Optional[float] = None, *,
+            ignore_capacity: bool = False) -> bool:
         """Add one trajectory; returns False (and counts it) if its ``sample_id`` was seen.
 
         Blocks while the buffer is full and ``traj`` would open a new group; raises
-        ``TimeoutError`` after ``timeout`` seconds of waiting.
+        ``TimeoutError`` after ``timeout`` seconds of waiting. ``ignore_capacity`` admits it
+        regardless (samples restored from a checkpoint or a journal were accepted already).
         """
         gid = traj.group_id or traj.sample_id
         with self._cond:
             if traj.sample_id in self._pending_ids or traj.sample_id in self._consumed_ids:
                 self.duplicates += 1
                 return False
-            if self.max_pending is not None and gid not in self._groups:
+            if self.max_pending is not None and gid not in self._groups and \
+                    not ignore_capacity:
                 ok = self._cond.wait_for(lambda: self._n_pending < self.max_pending, timeout)
                 if not ok:
                     raise TimeoutError(f"buffer full ({self._n_pending} pending samples) for "
@@ -301,7 +304,7 @@ class TrajectoryBuffer:
                 traj = decode_trajectory(rec)
             except WireError as e:
                 raise BufferFileError(f"{path}: record {i}: {e}") from None
-            buf._admit_restored(traj)
+            buf.put_restored(traj)
             n += 1
         if n != state["n_samples"]:
             raise BufferFileError(f"{path}: {n} records, header says {state['n_samples']}")
@@ -309,12 +312,9 @@ class TrajectoryBuffer:
             setattr(buf, k, v)
         return buf
 
-    def _admit_restored(self, traj: Trajectory) -> None:
-        saved, self.max_pending = self.max_pending, None  # restored samples always fit
-        try:
-            self.put(traj)
-        finally:
-            self.max_pending = saved
+    def put_restored(self, traj: Trajectory) -> bool:
+        """Add a sample recovered from a checkpoint or journal: never waits for capacity."""
+        return self.put(traj, ignore_capacity=True)
 
     def wait_for(self, n_samples: int, timeout: Optional[float] = None) -> bool:
         """Block until at least ``n_samples`` are pending; False on timeout."""

@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger("areal_mega.rollout.worker")
 
@@ -88,12 +89,17 @@ def _atomic_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def journal_groups(run_dir: Path, n_samples: int) -> int:
-    """Groups the trainer has accepted so far (its write-ahead journal)."""
+def accepted_groups(run_dir: Path, ckpt: Optional[Path], n_samples: int) -> int:
+    """Groups the trainer has accepted so far in this run's lineage: the samples counted by
+    its latest checkpoint plus those in the journal segments written since."""
     from areal_mega.train.intake import TrajectoryJournal
 
-    groups = {t.group_id for t in TrajectoryJournal.replay(run_dir / "accepted.journal")}
-    return len(groups)
+    before = 0
+    if ckpt is not None:
+        from areal_mega.checkpoint.dist_ckpt import verify_checkpoint
+        before = int(verify_checkpoint(ckpt).get("extra", {}).get("accepted_samples", 0))
+    since = sum(1 for _ in TrajectoryJournal.replay(run_dir / "journal"))
+    return (before + since) // n_samples
 
 
 class RolloutWorker:
@@ -132,13 +138,14 @@ class RolloutWorker:
         self.control = ControlServer(control_endpoint(cfg), self.handle).start()
 
     def _resume_step(self) -> int:
+        self.latest_ckpt = None
         if self.cfg.recover != "auto":
             return 0
         from areal_mega.checkpoint.dist_ckpt import find_latest
 
         root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
-        latest = find_latest(root)
-        return int(latest.name.split("_")[-1]) if latest is not None else 0
+        self.latest_ckpt = find_latest(root)
+        return int(self.latest_ckpt.name.split("_")[-1]) if self.latest_ckpt else 0
 
     def _sink(self, group: list) -> None:
         # the controller calls sinks from a thread pool; a ZMQ socket is single-threaded
@@ -158,7 +165,7 @@ class RolloutWorker:
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
                                 initial_version=version)
-        ctl.counter.accepted = journal_groups(self.run_dir, r.n_samples)
+        ctl.counter.accepted = accepted_groups(self.run_dir, self.latest_ckpt, r.n_samples)
         self.controller = ctl.start()
         log.info("controller started at version %d (%d groups already accepted)", version,
                  ctl.counter.accepted)

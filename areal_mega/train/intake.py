@@ -1,9 +1,10 @@
 """Trainer-side intake of trajectories: ZMQ receiver -> write-ahead journal -> buffer (rank 0).
 
 Nothing accepted is lost on a crash:
-* every trajectory is appended to ``<run_dir>/accepted.journal`` (the wire encoding, fsync'd)
-  before it enters the :class:`~areal_mega.dataplane.buffer.TrajectoryBuffer`;
-* each checkpoint stores the buffer (pending samples + the ids already trained on);
+* every trajectory is appended to the journal ``<run_dir>/journal/`` (the wire encoding,
+  fsync'd) before it enters the :class:`~areal_mega.dataplane.buffer.TrajectoryBuffer`;
+* each checkpoint stores the buffer (pending samples + the ids already trained on) and starts
+  a new journal segment; the older segments are deleted once the checkpoint is complete;
 * on recovery the buffer of the checkpoint is loaded and the journal replayed into it: the
   buffer's dedup drops what is pending or was trained before the checkpoint, so samples that
   arrived later, or were trained in steps the crash rolled back, are pending again.
@@ -29,14 +30,26 @@ log = logging.getLogger(__name__)
 
 
 class TrajectoryJournal:
-    """Append-only, fsync'd log of accepted trajectories (msgpack records of wire frames)."""
+    """Append-only, fsync'd log of accepted trajectories (msgpack records of wire frames),
+    as numbered segment files ``<dir>/NNNNNNNN.journal`` so that checkpoints can retire the
+    segments they cover (:meth:`rotate`)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._packer = msgpack.Packer(use_bin_type=True)
         self._lock = threading.Lock()
+        self._f = None
+        self._open_next()
+
+    def segments(self) -> list:
+        return sorted(self.dir.glob("*.journal"))
+
+    def _open_next(self) -> None:
+        segs = self.segments()
+        nxt = int(segs[-1].stem) + 1 if segs else 1
+        self.path = self.dir / f"{nxt:08d}.journal"
+        self._f = open(self.path, "ab")
 
     def append(self, trajs) -> None:
         with self._lock:
@@ -46,33 +59,47 @@ class TrajectoryJournal:
             self._f.flush()
             os.fsync(self._f.fileno())
 
-    def close(self) -> None:
+    def rotate(self) -> list:
+        """Continue in a new segment; returns the earlier segments (to retire once the
+        checkpoint that covers them is complete)."""
         with self._lock:
             self._f.close()
+            old = self.segments()
+            self._open_next()
+            return old
+
+    def close(self) -> None:
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
 
     @staticmethod
-    def replay(path: str | os.PathLike):
-        """Yield the journal's trajectories; a record cut short by a crash ends the replay."""
-        path = Path(path)
-        if not path.exists():
+    def replay(directory: str | os.PathLike):
+        """Yield the trajectories of every segment in order; a record cut short by a crash
+        ends that segment's replay."""
+        for path in sorted(Path(directory).glob("*.journal")):
+            yield from _replay_segment(path)
+
+
+def _replay_segment(path: Path):
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 31)
+    with open(path, "rb") as f:
+        unpacker.feed(f.read())
+    i = 0
+    while True:
+        try:
+            rec = unpacker.unpack()
+        except msgpack.OutOfData:
             return
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 31)
-        with open(path, "rb") as f:
-            unpacker.feed(f.read())
-        i = 0
-        while True:
-            try:
-                rec = unpacker.unpack()
-            except msgpack.OutOfData:
-                return
-            except Exception as e:  # noqa: BLE001 - a torn tail after a crash
-                log.warning("%s: record %d unreadable (%s); replay stops there", path, i, e)
-                return
-            try:
-                yield decode_trajectory(rec)
-            except WireError as e:
-                log.warning("%s: record %d rejected: %s", path, i, e)
-            i += 1
+        except Exception as e:  # noqa: BLE001 - a torn tail after a crash
+            log.warning("%s: record %d unreadable (%s); replay stops there", path, i, e)
+            return
+        try:
+            yield decode_trajectory(rec)
+        except WireError as e:
+            log.warning("%s: record %d rejected: %s", path, i, e)
+        i += 1
 
 
 class TrajectoryIntake:
@@ -83,10 +110,12 @@ class TrajectoryIntake:
                  buffer: Optional[TrajectoryBuffer] = None):
         self.run_dir = Path(run_dir)
         self.buffer = buffer or TrajectoryBuffer(group_size, max_pending=max_pending)
-        self.journal_path = self.run_dir / "accepted.journal"
+        self.journal_dir = self.run_dir / "journal"
         self.trained_path = self.run_dir / "trained.jsonl"
         self.receiver = TrajectoryReceiver(endpoint, secret=secret)
-        self.journal = TrajectoryJournal(self.journal_path)
+        self.journal = TrajectoryJournal(self.journal_dir)
+        self.n_accepted = 0                 # samples journaled in this run's lineage
+        self._pump_lock = threading.Lock()  # held while a checkpoint snapshots the intake
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="trajectory-intake", daemon=True)
 
@@ -99,26 +128,41 @@ class TrajectoryIntake:
             batch = self.receiver.recv_many(256, timeout=0.1)
             if not batch:
                 continue
-            self.journal.append(batch)  # durable before it counts as accepted
-            for t in batch:
-                while not self._stop.is_set():
-                    try:
-                        self.buffer.put(t, timeout=0.5)
-                        break
-                    except TimeoutError:
-                        continue  # buffer full: backpressure reaches the senders
+            with self._pump_lock:
+                self.journal.append(batch)  # durable before it counts as accepted
+                self.n_accepted += len(batch)
+                for t in batch:
+                    # restored semantics: journaled samples are accepted; capacity is bounded
+                    # by the senders' windows and the staleness bound, never by dropping
+                    self.buffer.put_restored(t)
 
-    def restore(self, buffer_file: Optional[str], step: int) -> int:
-        """Recovery: load the checkpoint's buffer, replay the journal, truncate the trained log.
-        Returns the number of samples made pending again from the journal."""
+    def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0) -> int:
+        """Recovery: load the checkpoint's buffer, replay the journal segments written since
+        that checkpoint, truncate the trained log. Returns the samples made pending again."""
         if buffer_file is not None and Path(buffer_file).exists():
             restored = TrajectoryBuffer.load(buffer_file, max_pending=self.buffer.max_pending)
             self.buffer = restored
-        n_new = 0
-        for t in TrajectoryJournal.replay(self.journal_path):
-            n_new += bool(self.buffer.put(t))
+        n_new = n_seen = 0
+        for t in TrajectoryJournal.replay(self.journal_dir):
+            n_seen += 1
+            n_new += bool(self.buffer.put_restored(t))
+        self.n_accepted = accepted_before + n_seen
         truncate_jsonl(self.trained_path, step)
         return n_new
+
+    def snapshot(self, buffer_file: str) -> tuple:
+        """For a checkpoint: start a new journal segment and save the buffer, atomically with
+        respect to the intake. Returns (segments to retire after the checkpoint commits,
+        samples accepted so far)."""
+        with self._pump_lock:
+            old = self.journal.rotate()
+            self.buffer.save(buffer_file)
+            return old, self.n_accepted
+
+    @staticmethod
+    def retire(segments: list) -> None:
+        for seg in segments:
+            Path(seg).unlink(missing_ok=True)
 
     def next_groups(self, n_groups: int, timeout: Optional[float] = None):
         """The ``n_groups`` oldest complete groups, flattened to a list of trajectories."""

@@ -80,7 +80,9 @@ class TrainerSession:
             self.actor.step_count = self.start_step
             if self.ref is not None:
                 self._load_initial(self.ref)
-            log.info("resumed from %s at step %d", latest, self.start_step)
+            if self.is_rank0:
+                print(f"[areal-mega] resumed from {latest} at step {self.start_step}",
+                      flush=True)
             return dict(loaded.extra, path=str(latest))
         self._load_initial(self.actor)
         if self.ref is not None:
@@ -126,8 +128,10 @@ class TrainerSession:
                                        max_pending=cfg.dataplane.max_queue)
         if resumed is not None:
             buf = resumed.get("buffer_file")
-            n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step)
-            log.info("journal replay: %d samples pending again", n)
+            n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,
+                                    accepted_before=int(resumed.get("accepted_samples", 0)))
+            print(f"[areal-mega] journal replay: {n} accepted samples pending again",
+                  flush=True)
         self.intake.start()
         self.link = RolloutLink(control_endpoint(cfg), timeout_s=cfg.rollout.request_timeout_s)
 
@@ -170,21 +174,31 @@ class TrainerSession:
             return
         from areal_mega.checkpoint.dist_ckpt import save_checkpoint
 
-        buf_name = f"buffer_iter_{step:07d}.bin"
+        buf_name = f"buffer_iter_{step:07d}.bin" if self.cfg.mode == "rl" else None
+        retire, accepted = [], 0
         if self.is_rank0 and self.intake is not None:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            self.intake.buffer.save(str(self.ckpt_root / buf_name))
-        extra = {"step": step, "version": step, "time": time.time(),
-                 "buffer_file": buf_name if self.intake is not None or not self.is_rank0
-                 else None}
+            retire, accepted = self.intake.snapshot(str(self.ckpt_root / buf_name))
+        accepted = self._from_rank0(accepted)
+        extra = {"step": step, "version": step, "time": time.time(), "buffer_file": buf_name,
+                 "accepted_samples": accepted}
         save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(), self.actor.optimizer,
                         self.actor.lr_scheduler, extra=extra,
                         keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
-        if self.is_rank0:
+        if self.is_rank0 and self.intake is not None:
+            self.intake.retire(retire)
             live = {p.name for p in self.ckpt_root.glob("iter_*")}
             for f in self.ckpt_root.glob("buffer_iter_*.bin"):
                 if f.name.replace("buffer_", "").replace(".bin", "") not in live:
                     f.unlink(missing_ok=True)
+
+    def _from_rank0(self, value: int) -> int:
+        """Rank 0's integer on every rank (checkpoint metadata must agree across ranks)."""
+        if not dist.is_initialized() or self.mesh.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        return int(t.item())
 
     def finish(self) -> None:
         if not self.is_rank0:
