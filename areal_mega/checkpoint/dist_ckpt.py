@@ -255,10 +255,9 @@ def _model_sharded_sd(chunks: Sequence[torch.nn.Module]) -> dict:
 
 
 def _unwrap(m):
-    while hasattr(m, "module") and not hasattr(m, "sharded_state_dict"):
+    """The GPTModel inside DDP / Float16Module wrappers (their keys carry a module. prefix)."""
+    while hasattr(m, "module"):
         m = m.module
-    if not hasattr(m, "sharded_state_dict"):
-        m = getattr(m, "module", m)
     return m
 
 
