@@ -1,11 +1,11 @@
 """One rank of the 2-rank checkpoint/conversion tests (launched by tests/test_checkpoint_mp.py).
 
-    python tests/_mp_checkpoint_worker.py RANK WORLD PORT WORKDIR SCENARIO
+    python tests/_mp_checkpoint_worker.py RANK WORLD PORT WORKDIR SCENARIO CONVDIR
 
 Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
 TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
 and ``moe`` (converted Qwen3-MoE: logits and export at EP2 and TP2, export at PP2).
-Writes WORKDIR/SCENARIO_rank{RANK}.json.
+CONVDIR holds tests/_convert_jobs.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """
 import json
 import os
@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main(rank, world, port, work, scenario):
+def main(rank, world, port, work, scenario, convdir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     import torch
@@ -80,7 +80,7 @@ def main(rank, world, port, work, scenario):
         return torch.randint(3, vocab, (2, 24), generator=g)
 
     def conv(name):
-        return work / "conv" / name
+        return Path(convdir) / name
 
     def run_model_checks(name, layouts, logits_layouts):
         hf_dir = conv(name) / "hf"
@@ -233,4 +233,5 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+         sys.argv[6])
