@@ -43,8 +43,8 @@ def main(rank, world, port, work, scenario, convdir):
     res = {"checks": {}}
     t0 = time.time()
 
-    def mesh_for(**dims):
-        return ParallelMesh.create(ParallelDims(**dims), timeout_s=90)
+    def mesh_for(vpp=None, **dims):
+        return ParallelMesh.create(ParallelDims(**dims), vpp=vpp, timeout_s=90)
 
     def hf_logits(hf_dir, ids):
         from transformers import AutoModelForCausalLM
@@ -106,6 +106,7 @@ def main(rank, world, port, work, scenario, convdir):
                          [dict(dp=2), dict(tp=2)])
         # tied embeddings + PP2 fails in GPTModel on CPU (language_module .cuda()), engine compat
         run_model_checks("llama_tied_gqa", [dict(tp=2)], [dict(tp=2)])
+        run_model_checks("llama_4layers_vpp", [dict(pp=2, vpp=2), dict(tp=2)], [dict(tp=2)])
         res["resume"] = resume_and_reshard(work, rank, mesh_for, conv("qwen3_tied_qknorm"),
                                            mc_logits, ids_for, export)
     elif scenario == "moe":

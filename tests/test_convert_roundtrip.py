@@ -56,7 +56,8 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
         assert rs["reshard"]["logits_max_abs_diff"] <= 1e-5
         assert not rs["reshard"]["rng_restored"]  # layout changed: RNG left alone
     assert {"qwen2_untied_bias:dp2", "qwen2_untied_bias:tp2", "qwen2_untied_bias:pp2",
-            "llama_tied_gqa:tp2"} <= set(ranks[0]["checks"])
+            "llama_tied_gqa:tp2", "llama_4layers_vpp:pp2,vpp2"} <= set(ranks[0]["checks"])
+    assert ranks[0]["checks"]["llama_4layers_vpp:pp2,vpp2"]["export"]["n"] == 19  # emb + layers 0, 2
 
 
 def test_moe_layouts_logits_export(jobs, tmp_path):
