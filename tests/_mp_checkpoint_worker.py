@@ -109,6 +109,9 @@ def main(rank, world, port, work, scenario, convdir):
         run_model_checks("llama_4layers_vpp", [dict(pp=2, vpp=2), dict(tp=2)], [dict(tp=2)])
         res["resume"] = resume_and_reshard(work, rank, mesh_for, conv("qwen3_tied_qknorm"),
                                            mc_logits, ids_for, export)
+        res["resume_distopt"] = resume_and_reshard(work, rank, mesh_for,
+                                                   conv("qwen3_tied_qknorm"), mc_logits,
+                                                   ids_for, export, distopt=True)
     elif scenario == "moe":
         # MoE forward at EP2 on CPU still fails in the engine's compat (alltoall split sizes
         # are tensors); EP2 is checked through load + export, the logits at TP2 and TP1.
@@ -120,7 +123,8 @@ def main(rank, world, port, work, scenario, convdir):
     dist.destroy_process_group()
 
 
-def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, export):
+def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, export,
+                       distopt=False):
     """Train one step at TP1 (DP2), save, train another; a fresh model resumed from the save
     must give bit-identical weights after the same step. Then load the save at TP2 and compare
     logits and exported weights with the TP1 model at save time."""
@@ -131,21 +135,21 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
                                                  prune_checkpoints, save_checkpoint)
     from areal_mega.models.builder import build_model_chunks
     from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     arch = hm.read_arch(conv_dir / "hf")
-    root = work / "train_ckpt"
+    root = work / ("train_ckpt_distopt" if distopt else "train_ckpt")
     out = {}
 
     def make(seed, mesh):
         chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
-        ddp = [DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=False), c)
+        ddp = [DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
                for c in chunks]
         opt = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
-                            use_distributed_optimizer=False), ddp,
+                            use_distributed_optimizer=distopt), ddp,
             use_gloo_process_groups=False)
         sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
                                         lr_warmup_steps=2, lr_decay_steps=10,
@@ -153,8 +157,8 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
                                         wd_incr_steps=10, wd_incr_style="constant")
         return ddp, opt, sched
 
-    def batch(step):
-        g = torch.Generator().manual_seed(100 + 10 * step + rank)
+    def batch(step, r=None):
+        g = torch.Generator().manual_seed(100 + 10 * step + (rank if r is None else r))
         return torch.randint(3, arch.vocab_size, (2, 16), generator=g)
 
     def train_step(ddp, opt, sched, ids):
@@ -166,8 +170,7 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
         loss = ddp[0](input_ids=ids, position_ids=pos, attention_mask=None,
                       labels=labels).float().mean()
         loss.backward()
-        for m in ddp:
-            m.finish_grad_sync()
+        finalize_model_grads(ddp)  # DP reduce + TP all-reduce of q/k-norm grads
         ok, gnorm, _ = opt.step()
         sched.step(1)
         return float(loss), ok
@@ -188,6 +191,7 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     out["save_seconds"] = time.time() - t
     train_step(ddp, opt, sched, batch(1))
     want = params(ddp)
+    export_w2 = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
     lr_want = opt.param_groups[0]["lr"]
     del ddp, opt, sched
 
@@ -201,6 +205,19 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     out["resume_bitexact"] = all(torch.equal(a, b) for a, b in zip(want, got))
     out["resume_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(want, got))
     out["lr_equal"] = opt.param_groups[0]["lr"] == lr_want
+    if distopt:  # optimizer state resharded DP2 x TP1 -> TP2: the same global step follows
+        mesh.destroy()
+        del ddp, opt, sched
+        mesh = mesh_for(tp=2)
+        ddp, opt, sched = make(31, mesh)
+        info = load_checkpoint(root, ddp, opt, sched)
+        train_step(ddp, opt, sched, torch.cat([batch(1, 0), batch(1, 1)]))
+        got2 = dict(export.iter_hf_tensors(ddp, arch))
+        out["opt_reshard_tp2_max_abs_diff"] = max(float((got2[k] - export_w2[k]).abs().max())
+                                                  for k in export_w2)
+        out["opt_reshard_loaded_optimizer"] = info.loaded_optimizer
+        mesh.destroy()
+        return out
     # more saves: keep_last=2 prunes; a stale .tmp and an incomplete dir are never "latest"
     proot = work / "prune_ckpt"
     for it in (1, 2, 3):

@@ -36,7 +36,8 @@ def test_roundtrip_bit_exact(jobs, variant):
 def test_dense_layouts_logits_export_resume(jobs, tmp_path):
     """Qwen2 (QKV bias, untied) and Llama (tied, GQA) checkpoints converted at 'TP2 PP2' load
     at TP1/TP2/PP2: logits = transformers to 1e-5, live export = the HF files bit-exactly.
-    A training checkpoint resumes bit-exactly and reshards TP1 -> TP2."""
+    A training checkpoint resumes bit-exactly (regular and distributed optimizer) and reshards
+    TP1 -> TP2 (weights; and distributed-optimizer state: the next step matches)."""
     ranks = launch_2ranks("dense", tmp_path, jobs)
     for res in ranks:
         for tag, c in res["checks"].items():
@@ -55,6 +56,12 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
         assert rs["reshard"]["export_bitexact"], rs["reshard"]
         assert rs["reshard"]["logits_max_abs_diff"] <= 1e-5
         assert not rs["reshard"]["rng_restored"]  # layout changed: RNG left alone
+        do = res["resume_distopt"]  # distributed optimizer: our model-space state format
+        assert do["loaded"]["optimizer"] and do["resume_bitexact"], do
+        assert do["lr_equal"]
+        # optimizer state resharded DP2xTP1 -> TP2: the same global step gives the same weights
+        assert do["opt_reshard_loaded_optimizer"]
+        assert do["opt_reshard_tp2_max_abs_diff"] <= 1e-6, do
     assert {"qwen2_untied_bias:dp2", "qwen2_untied_bias:tp2", "qwen2_untied_bias:pp2",
             "llama_tied_gqa:tp2", "llama_4layers_vpp:pp2,vpp2"} <= set(ranks[0]["checks"])
     assert ranks[0]["checks"]["llama_4layers_vpp:pp2,vpp2"]["export"]["n"] == 19  # emb + layers 0, 2
