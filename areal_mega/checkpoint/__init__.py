@@ -1,0 +1,11 @@
+"""Checkpoints and HF conversion.
+
+* :mod:`.dist_ckpt` — ``save_checkpoint`` / ``load_checkpoint`` / ``find_latest`` /
+  ``prune_checkpoints`` / ``verify_checkpoint`` (megatron ``dist_checkpointing``, atomic,
+  reshardable over TP/PP/VPP/EP).
+* :mod:`.hf_mapping` — the HF <-> megatron name/layout tables, one per family.
+* :mod:`.export` — live export of model chunks as HF-named tensors in buckets.
+* :mod:`.convert` — offline HF <-> megatron converters (``tools/convert_*.py``).
+
+Import the submodules; nothing heavy is imported here.
+"""

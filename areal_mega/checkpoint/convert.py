@@ -66,6 +66,17 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def _large_allocations_via_mmap(threshold: int = 1 << 20) -> None:
+    """Pin glibc's mmap threshold so every large tensor buffer is its own mapping, returned to
+    the OS when freed. (By default glibc raises the threshold after the first large free, and
+    later tensors of that size come from the heap, whose freed space stays resident.)"""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass
+
+
 def check_layout(arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
                  where: str = "") -> None:
     """Refuse a layout the model cannot be split into, with a message naming the rule."""
@@ -187,6 +198,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     out_dtype = _DT[dtype] if dtype else None
     padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, tp)
     sd = _meta_sharded_state_dict(arch)
+    _large_allocations_via_mmap()
     reset_peak_rss()
     baseline = rss_bytes()
     largest = max(torch.Size(weights.info(n)[1]).numel() * torch.empty(
@@ -273,6 +285,7 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
         raise FileExistsError(f"{out}: exists and is not empty; refusing to overwrite")
     reader = DcpReader(path)
     sd = _meta_sharded_state_dict(arch)
+    _large_allocations_via_mmap()
     reset_peak_rss()
     baseline = rss_bytes()
     out_dtype = _DT[dtype] if dtype else None

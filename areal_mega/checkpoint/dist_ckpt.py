@@ -14,9 +14,9 @@ to a temp file, fsync, rename). A crash at any point leaves ``latest`` on the pr
 checkpoint, and ``*.tmp`` directories are never picked up.
 
 What is saved: the model chunks' ``sharded_state_dict()`` (so any TP/PP/VPP/EP layout can load
-it), the optimizer's ``sharded_state_dict()`` (megatron's regular optimizers; the distributed
-optimizer's own formats fail on CPU without TransformerEngine in megatron-core 0.16.1, see
-:func:`save_checkpoint`), the LR scheduler's ``state_dict()``, every rank's RNG states (restored
+it), the optimizer state (megatron's regular optimizers: their own ``sharded_state_dict()``; the
+distributed optimizer: a model-space format of ours, reshardable like the weights, see
+:mod:`~areal_mega.checkpoint.distopt_state`), the LR scheduler's ``state_dict()``, every rank's RNG states (restored
 only when the layout is unchanged), and an ``extra`` JSON-able dict from the trainer.
 """
 from __future__ import annotations
@@ -33,6 +33,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from areal_mega.checkpoint.distopt_state import FORMAT as DISTOPT_FORMAT
+from areal_mega.checkpoint.distopt_state import (distopt_load_state, distopt_sharded_state,
+                                                 distributed_optimizers)
 
 logger = logging.getLogger(__name__)
 
@@ -255,10 +259,9 @@ def _model_sharded_sd(chunks: Sequence[torch.nn.Module]) -> dict:
 
 
 def _unwrap(m):
-    while hasattr(m, "module") and not hasattr(m, "sharded_state_dict"):
+    """The GPTModel inside DDP / Float16Module wrappers (their keys carry a module. prefix)."""
+    while hasattr(m, "module"):
         m = m.module
-    if not hasattr(m, "sharded_state_dict"):
-        m = getattr(m, "module", m)
     return m
 
 
@@ -306,13 +309,6 @@ def _rng_sharded(state: Optional[dict]):
     return ShardedObject("rng_state", state, (ws,), (_rank(),), replica_id=0)
 
 
-def _is_distributed_optimizer(optimizer) -> bool:
-    from megatron.core.optimizer import ChainedOptimizer
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    return any(isinstance(o, DistributedOptimizer) for o in opts)
-
-
 def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], optimizer=None,
                     lr_scheduler=None, *, extra: Optional[dict] = None,
                     keep_last: Optional[int] = None, hf_dir=None, save_rng: bool = True,
@@ -320,26 +316,29 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
     """Save model chunks (+ optimizer, LR scheduler, RNG, ``extra``) as ``<root>/iter_N``.
 
     Collective over all ranks. ``model``: this rank's chunks (``MegatronEngine.model``);
-    ``optimizer``: a megatron-core optimizer (regular: bit-exact resume; distributed: raises
-    :class:`NotImplementedError` on CPU without TransformerEngine, where megatron-core 0.16.1's
-    own formats fail); ``extra``: JSON-able trainer state (version, data position, ...);
+    ``optimizer``: a megatron-core optimizer (regular: megatron's own sharded format;
+    distributed: our model-space format, :mod:`~areal_mega.checkpoint.distopt_state`, because
+    megatron-core 0.16.1's own formats fail on CPU); ``extra``: JSON-able trainer state (version, data position, ...);
     ``hf_dir``: an HF directory whose config/tokenizer files are kept for HF export;
     ``keep_last``: prune older complete checkpoints afterwards."""
     if extra is not None:
         json.dumps(extra)  # fail early, on every rank, if it is not JSON-able
     state = _model_sharded_sd(model)
+    opt_format = None
     if optimizer is not None:
-        if _is_distributed_optimizer(optimizer) and not torch.cuda.is_available():
-            raise NotImplementedError(
-                "distributed-optimizer checkpoints need TransformerEngine/CUDA in "
-                "megatron-core 0.16.1 (dp_reshardable: in-place op on a leaf view; "
-                "fully_reshardable: KeyError 'step'); use the regular optimizer on CPU")
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False)
+        if distributed_optimizers(optimizer):
+            opt_format = DISTOPT_FORMAT
+            state["optimizer"] = {"distopt": distopt_sharded_state(
+                optimizer, model, list(state.values()), is_loading=False)}
+        else:
+            opt_format = "megatron"
+            state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False)
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if save_rng:
         state["rng_state"] = _rng_sharded(_rng_state())
     meta = {"layout": _layout(), "extra": extra or {}, "has_optimizer": optimizer is not None,
+            "optimizer_format": opt_format,
             "has_lr_scheduler": lr_scheduler is not None, "has_rng": save_rng,
             "num_chunks": len(model)}
     return atomic_save_sharded(root, iteration, state, meta=meta, hf_dir=hf_dir,
@@ -369,10 +368,14 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     state: Dict[str, Any] = {_chunk_key(i, n): _unwrap(c).sharded_state_dict()
                              for i, c in enumerate(model)}
     want_opt = optimizer is not None and load_optimizer and meta.get("has_optimizer")
-    if want_opt:
-        if _is_distributed_optimizer(optimizer) and not torch.cuda.is_available():
-            raise NotImplementedError("distributed-optimizer checkpoints need TE/CUDA "
-                                      "(see save_checkpoint)")
+    distopt = want_opt and meta.get("optimizer_format") == DISTOPT_FORMAT
+    if want_opt and bool(distributed_optimizers(optimizer)) != distopt:
+        raise CheckpointError(f"{path}: optimizer state format {meta.get('optimizer_format')!r} "
+                              f"does not match this optimizer ({type(optimizer).__name__})")
+    if distopt:
+        state["optimizer"] = {"distopt": distopt_sharded_state(
+            optimizer, model, [state[k] for k in list(state)], is_loading=True)}
+    elif want_opt:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
     same_layout = meta.get("layout", {}) == _layout()
     want_rng = load_rng and meta.get("has_rng") and same_layout
@@ -385,7 +388,10 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     for i, c in enumerate(model):
         key = _chunk_key(i, n)
         _unwrap(c).load_state_dict(loaded[key], strict=strict)
-    if want_opt:
+    if distopt:
+        ld = loaded["optimizer"]["distopt"]
+        distopt_load_state(optimizer, model, ld, {i: v["step"] for i, v in ld.items()})
+    elif want_opt:
         optimizer.load_state_dict(loaded["optimizer"])
     if lr_scheduler is not None and load_optimizer and meta.get("has_lr_scheduler"):
         common = dist_checkpointing.load_common_state_dict(str(path))

@@ -75,7 +75,9 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
     """Yield ``(hf_name, full tensor)`` for this pipeline stage's share of the model.
 
     ``model``: this rank's chunks; ``arch``: :func:`hf_mapping.read_arch` of the model's HF
-    config. Groups default to megatron's parallel state. ``dtype``: cast before yielding."""
+    config. Groups default to megatron's parallel state. ``dtype``: cast before yielding.
+    Without a cast, an ungathered tensor (TP 1, replicated norms) may be a view of the live
+    parameter: send or clone it before the next optimizer step."""
     from megatron.core import parallel_state as ps
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
     ep_group = ep_group or (ps.get_expert_model_parallel_group() if arch.is_moe else None)
