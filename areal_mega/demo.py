@@ -33,10 +33,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list, log: Path, env: dict) -> None:
+def _run(cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 0,
+         desc: str = "") -> None:
+    """Run ``cmd`` with its output in ``log``; follow ``metrics`` (the child's metrics.jsonl)
+    with a progress bar showing the step, the reward and the time per step."""
+    from tqdm import tqdm
+
     print(f"[demo] $ {' '.join(map(str, cmd))}\n[demo]   log: {log}", flush=True)
     with open(log, "w") as f:
-        rc = subprocess.call([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
+                                env=env)
+        bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True) if metrics else None
+        seen = 0
+        while proc.poll() is None:
+            time.sleep(1.0)
+            if bar is None or not metrics.exists():
+                continue
+            rows = [json.loads(x) for x in metrics.read_text().splitlines()[seen:]
+                    if x.strip().endswith("}")]
+            if rows:
+                seen += len(rows)
+                last = rows[-1]
+                shown = {k: f"{last[k]:.3f}" for k in ("reward/mean", "loss", "nll")
+                         if isinstance(last.get(k), float)}
+                shown["s/step"] = f"{last.get('time/step', 0):.2f}"
+                bar.set_postfix(shown, refresh=False)
+                bar.update(last["step"] - bar.n)
+        if bar is not None:
+            bar.close()
+        rc = proc.returncode
     if rc != 0:
         tail = log.read_text().splitlines()[-30:]
         raise SystemExit(f"[demo] step failed (exit {rc}); last lines of {log}:\n" + "\n".join(tail))
@@ -102,7 +127,8 @@ def prepare(run: Path, seed: int, sft_steps: int, env: dict) -> tuple:
           f"model.path={base}", f"logging.run_dir={run / 'sft'}", f"total_steps={sft_steps}",
           "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "recover=off",
           "logging.progress_bar=false", "checkpoint.save_every=0", f"seed={seed}", *data],
-         run / "sft.log", env_sft)
+         run / "sft.log", env_sft, metrics=run / "sft" / "metrics.jsonl", total=sft_steps,
+         desc="SFT")
     return run / "sft" / "hf_model", data, time.time() - t0
 
 
@@ -113,7 +139,8 @@ def run_rl(run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: i
     _run([sys.executable, "-m", "areal_mega.launch.local", "--config", RECIPE,
           f"model.path={model}", f"logging.run_dir={run_dir}", f"total_steps={steps}",
           f"rollout.max_head_offpolicyness={eta}", f"seed={seed}", "logging.progress_bar=false",
-          *data, *extra], run_dir.with_suffix(".log"), env)
+          *data, *extra], run_dir.with_suffix(".log"), env, metrics=run_dir / "metrics.jsonl",
+         total=steps, desc=f"GRPO eta={eta}")
     return time.time() - t0
 
 
