@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from areal_mega.scheduler.packing import zigzag_index  # noqa: F401 (re-exported)
+
 __all__ = ["slot_offsets", "next_token_labels", "segment_ids_from_cu", "block_causal_mask",
            "zigzag_index", "zigzag_split", "zigzag_merge"]
 
@@ -60,33 +62,6 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     same = segment_ids[:, None] == segment_ids[None, :]
     causal = torch.ones(t, t, dtype=torch.bool).tril_()
     return (~(same & causal))[None, None]
-
-
-def zigzag_index(bounds: Sequence[int], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Token indices kept by context-parallel rank ``cp_rank`` (zigzag / load-balanced split).
-
-    ``bounds`` are the slot offsets (``cu_seqlens_padded``, B+1 entries); the trailing padding
-    ``[bounds[-1], total)`` is one more segment. Each segment, of a length divisible by
-    ``2·cp_size``, is cut into ``2·cp_size`` equal chunks and rank r keeps chunks r and
-    ``2·cp_size−1−r`` (in that order), matching TransformerEngine's THD context parallelism."""
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
-    if cp_size == 1:
-        return torch.arange(total)
-    segs = list(bounds)
-    if not segs or segs[0] != 0:
-        segs = [0] + segs
-    if segs[-1] < total:
-        segs.append(total)
-    n = 2 * cp_size
-    parts = []
-    for lo, hi in zip(segs[:-1], segs[1:]):
-        if (hi - lo) % n:
-            raise ValueError(f"segment [{lo}, {hi}) length is not a multiple of 2*cp={n}")
-        c = (hi - lo) // n
-        for k in (cp_rank, n - 1 - cp_rank):
-            parts.append(torch.arange(lo + k * c, lo + (k + 1) * c))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def zigzag_split(x: torch.Tensor, bounds: Sequence[int], cp_size: int, cp_rank: int,

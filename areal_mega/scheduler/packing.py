@@ -27,7 +27,7 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -237,6 +237,35 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
     return out
 
 
+def zigzag_index(bounds: Sequence[int], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Token indices kept by context-parallel rank ``cp_rank`` (zigzag / load-balanced split).
+
+    ``bounds`` are the slot offsets (``cu_seqlens_padded``, B+1 entries); the trailing padding
+    ``[bounds[-1], total)`` is one more segment. Each segment, of a length divisible by
+    ``2·cp_size``, is cut into ``2·cp_size`` equal chunks and rank r keeps chunks r and
+    ``2·cp_size−1−r`` (in that order), matching TransformerEngine's THD context parallelism.
+    The engine's split/merge (:mod:`areal_mega.engine.packed`) use this same index."""
+    if not 0 <= cp_rank < cp_size:
+        raise PackingError(f"cp_rank={cp_rank} not in [0, cp_size={cp_size})")
+    if cp_size == 1:
+        return torch.arange(total)
+    segs = list(bounds)
+    if not segs or segs[0] != 0:
+        segs = [0] + segs
+    if segs[-1] < total:
+        segs.append(total)
+    n = 2 * cp_size
+    parts = []
+    for lo, hi in zip(segs[:-1], segs[1:]):
+        if (hi - lo) % n:
+            raise PackingError(f"segment [{lo}, {hi}) is not a multiple of 2*cp_size={n}; "
+                               f"pack with cp_size={cp_size}")
+        c = (hi - lo) // n
+        for k in (cp_rank, n - 1 - cp_rank):
+            parts.append(torch.arange(lo + k * c, lo + (k + 1) * c))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def zigzag_cp_shard(packed: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:
     """Return this context-parallel rank's share of every per-token tensor of ``packed``.
 
@@ -246,22 +275,8 @@ def zigzag_cp_shard(packed: Mapping[str, Any], cp_rank: int, cp_size: int) -> di
     same ``cp_size``. Per-sequence entries and ``cu_seqlens*`` are returned unchanged (they
     describe the whole sequences, as TransformerEngine expects).
     """
-    if not 0 <= cp_rank < cp_size:
-        raise PackingError(f"cp_rank={cp_rank} not in [0, cp_size={cp_size})")
     total = int(packed["input_ids"].shape[0])
-    bounds = packed["cu_seqlens_padded"].tolist()
-    if bounds[-1] < total:
-        bounds.append(total)
-    n_chunks = 2 * cp_size
-    index = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if (hi - lo) % n_chunks:
-            raise PackingError(f"segment [{lo}, {hi}) is not a multiple of 2*cp_size="
-                               f"{n_chunks}; pack with cp_size={cp_size}")
-        c = (hi - lo) // n_chunks
-        for k in (cp_rank, n_chunks - 1 - cp_rank):
-            index.append(torch.arange(lo + k * c, lo + (k + 1) * c))
-    idx = torch.cat(index) if index else torch.zeros(0, dtype=torch.long)
+    idx = zigzag_index(packed["cu_seqlens_padded"].tolist(), total, cp_size, cp_rank)
     out = {}
     token_keys = set(packed["token_keys"])
     for k, v in packed.items():
