@@ -180,3 +180,47 @@ def test_endpoint_checks(tmp_path):
     with TrajectoryReceiver(f"ipc://{path}") as rx:
         assert rx.endpoint == f"ipc://{path}"
     assert not os.path.exists(path)
+
+
+def _acks(sock, timeout_ms=2000):
+    """Ack counts a DEALER has received, until none arrives for ``timeout_ms``."""
+    out = []
+    while sock.poll(timeout_ms if not out else 200):
+        out.append(int.from_bytes(sock.recv(), "little"))
+    return out
+
+
+@pytest.mark.parametrize("advertise", [True, False])
+def test_acks_are_batched_per_advertised_window_and_flushed_when_idle(advertise):
+    """A TrajectorySender advertises its window in its routing id: the receiver acks it per
+    window // 4 messages (and the rest as soon as nothing else is queued); any other peer is
+    acked per message. inproc delivers synchronously, so all 20 are queued before recv."""
+    from areal_mega.dataplane.transport import _sender_routing_id
+    ctx = zmq.Context()
+    with TrajectoryReceiver("inproc://acks", context=ctx) as rx:
+        peer = ctx.socket(zmq.DEALER)
+        if advertise:
+            peer.setsockopt(zmq.ROUTING_ID, _sender_routing_id(64))
+        peer.connect(rx.endpoint)
+        for i in range(20):
+            peer.send_multipart(encode_trajectory(make_traj(3, i)), copy=False)
+        got = [rx.recv(timeout=5) for _ in range(20)]
+        assert [t.sample_id for t in got] == [f"w3-{i}" for i in range(20)]
+        assert _acks(peer) == ([16, 4] if advertise else [1] * 20)
+        peer.close(0)
+    ctx.term()
+
+
+def test_last_message_is_acked_by_the_recv_that_takes_it():
+    """Batched acks keep close loss-free and prompt: a trainer that takes the last message and
+    then stops calling recv does not leave the sender waiting."""
+    with TrajectoryReceiver("tcp://127.0.0.1:*") as rx:
+        with TrajectorySender(rx.endpoint, window=64) as tx:
+            for i in range(7):  # fewer than one ack batch (16)
+                tx.send(make_traj(4, i))
+            got = []
+            while len(got) < 7:
+                got.append(rx.recv(timeout=10))
+            assert tx.flush(timeout=10) and tx.in_flight == 0
+            assert tx.close(linger_s=5) == 0
+        assert [t.sample_id for t in got] == [f"w4-{i}" for i in range(7)]

@@ -50,6 +50,9 @@ ALLOWED_EXTRA_DTYPES = frozenset(np.dtype(d) for d in (
 
 RESERVED_NAMES = frozenset(CORE_FIELDS) | {"reward", "position_ids", "cu_seqlens"}
 
+_MIN = np.minimum.reduce
+_MAX = np.maximum.reduce
+
 
 class TrajectoryError(ValueError):
     """A trajectory field has a bad dtype, shape or value; the message names the field."""
@@ -124,6 +127,34 @@ class Trajectory:
             self.meta = dict(self.meta)  # never share the caller's dict
 
     # ------------------------------------------------------------------ constructors
+    @classmethod
+    def _from_arrays(cls, arrays: dict, extras: dict, sample_id: Any, meta: Mapping) -> \
+            "Trajectory":
+        """Build without ``__post_init__`` conversions, for :func:`decode_trajectory`.
+
+        The caller guarantees every array in ``arrays`` (core fields and ``reward``) already has
+        its contract dtype and every extra is an ndarray; the result is equal to the regular
+        constructor's (which would not convert nor copy such arrays) and still needs
+        :meth:`validate`. ``meta`` must be a fresh dict the trajectory may keep.
+        """
+        self = object.__new__(cls)
+        m = meta.get("meta", {})
+        d = self.__dict__
+        d["input_ids"] = arrays["input_ids"]
+        d["loss_mask"] = arrays["loss_mask"]
+        d["logprobs"] = arrays["logprobs"]
+        d["versions"] = arrays["versions"]
+        d["reward"] = arrays["reward"]
+        d["sample_id"] = sample_id
+        d["group_id"] = meta.get("group_id", "")
+        d["prompt_len"] = meta.get("prompt_len", 0)
+        d["finish_reason"] = meta.get("finish_reason", "")
+        d["created_at"] = meta.get("created_at", 0.0)
+        d["server_id"] = meta.get("server_id", "")
+        d["meta"] = {} if m is None else m
+        d["token_extras"] = extras
+        return self
+
     @classmethod
     def from_tokens(cls, prompt_ids, completion_ids, completion_logprobs, completion_versions,
                     *, reward: Any = 0.0, sample_id: Optional[str] = None, group_id: str = "",
@@ -232,30 +263,38 @@ class Trajectory:
         n = ids.shape[0]
         for name, dtype in CORE_FIELDS.items():
             arr = getattr(self, name)
-            if arr.dtype != dtype:
+            if arr.dtype is not dtype and arr.dtype != dtype:
                 raise TrajectoryError(name, f"dtype {arr.dtype}, expected {dtype}", sid)
             if arr.shape != (n,):
                 raise TrajectoryError(name, f"shape {tuple(arr.shape)}, expected ({n},)", sid)
-        if ids.min() < 0:
+        # One reduction per array (numpy's SIMD min/max); no temporaries on the common path.
+        if _MIN(ids) < 0:
             raise TrajectoryError("input_ids", f"negative token id {int(ids.min())}", sid)
-        if self.loss_mask.max() > 1:
+        mask = self.loss_mask
+        if _MAX(mask) > 1:
             raise TrajectoryError("loss_mask", "values must be 0 or 1", sid)
-        if self.versions.min() < -1:
+        if _MIN(self.versions) < -1:
             raise TrajectoryError("versions", f"value {int(self.versions.min())} < -1", sid)
         pl = self.prompt_len
         if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 0 <= pl <= n:
             raise TrajectoryError("prompt_len", f"{pl!r} must be an int in [0, {n}]", sid)
-        if pl and self.loss_mask[:pl].any():
+        if pl and _MAX(mask[:pl]):
             raise TrajectoryError("loss_mask", "is 1 on a prompt token", sid)
-        trained = self.logprobs[self.loss_mask.astype(bool)]
-        if trained.size and not (np.isfinite(trained).all() and trained.max() <= 0.0):
-            raise TrajectoryError("logprobs", "must be finite and <= 0 where loss_mask is 1",
-                                  sid)
+        lp = self.logprobs
+        # Fast path: every logprob finite and <= 0 (NaN fails both comparisons) implies the rule
+        # on the trained tokens. Otherwise check exactly the tokens with loss_mask 1 (mask is
+        # 0/1 here, so viewing it as bool is exact and copy-free).
+        if not (_MAX(lp) <= 0.0 and _MIN(lp) > -np.inf):
+            trained = lp[mask.view(np.bool_)]
+            if trained.size and not (np.isfinite(trained).all() and trained.max() <= 0.0):
+                raise TrajectoryError("logprobs", "must be finite and <= 0 where loss_mask is 1",
+                                      sid)
         r = self.reward
         if r.dtype != REWARD_DTYPE or r.shape not in ((), (n,)):
             raise TrajectoryError("reward", f"dtype {r.dtype} shape {tuple(r.shape)}, expected "
                                   f"float32 of shape () or ({n},)", sid)
-        if not np.isfinite(r).all():
+        if not (math.isfinite(r) if r.ndim == 0 else math.isfinite(_MAX(r)) and
+                math.isfinite(_MIN(r))):
             raise TrajectoryError("reward", "must be finite", sid)
         if self.finish_reason not in FINISH_REASONS:
             raise TrajectoryError("finish_reason", f"{self.finish_reason!r} not in "

@@ -4,7 +4,11 @@
   every sender **connects**. Binding a non-loopback TCP interface needs
   ``allow_remote=True`` (then configure a shared secret).
 * **Credit window, acknowledged delivery**: a sender keeps at most ``window`` messages in
-  flight; the receiver acknowledges messages as :meth:`TrajectoryReceiver.recv` takes them.
+  flight; the receiver acknowledges messages as :meth:`TrajectoryReceiver.recv` takes them,
+  in batches of up to ``window // 4`` per sender (the window travels in the sender's routing
+  id) while more messages are queued, and at once when the recv that takes a message finds
+  nothing else queued (so a sender never waits on a held-back batch for long, and the last
+  message is acked by the recv that takes it).
   When the trainer stops calling ``recv`` no acks flow, every sender's window fills and
   :meth:`TrajectorySender.send` blocks (or raises ``TimeoutError``): a slow trainer slows the
   rollouts. Receiver memory is bounded by ``n_senders * window`` messages (and
@@ -39,6 +43,25 @@ log = logging.getLogger("areal_mega.dataplane")
 
 COPY_THRESHOLD = 64 * 1024
 """Frames smaller than this are copied into the message (cheaper than zero-copy tracking)."""
+
+_EVENTS, _POLLIN, _SNDMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.SNDMORE)
+
+_ID_MAGIC = b"AMDP1"
+"""Prefix of a sender's ZMQ routing id, followed by its window (uint32 LE) and 8 random bytes:
+it tells the receiver how many acks it may batch for that sender without stalling it."""
+_ID_LEN = len(_ID_MAGIC) + 4 + 8
+
+
+def _sender_routing_id(window: int) -> bytes:
+    return _ID_MAGIC + min(window, 0xFFFFFFFF).to_bytes(4, "little") + os.urandom(8)
+
+
+def _ack_batch(peer: bytes, cap: int) -> int:
+    """Messages the receiver may take from ``peer`` before it must ack them: a quarter of the
+    window the peer advertises in its routing id, at most ``cap``; 1 for any other peer."""
+    if len(peer) == _ID_LEN and peer.startswith(_ID_MAGIC):
+        return max(1, min(cap, int.from_bytes(peer[5:9], "little") // 4))
+    return 1
 
 _LOG_FIRST = 10
 _LOG_EVERY = 1000
@@ -120,9 +143,11 @@ class TrajectorySender:
         self._own_ctx = context is None
         self._ctx = context or zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, _sender_routing_id(self.window))
         self._sock.setsockopt(zmq.SNDHWM, 0)  # flow control is the ack window, not the HWM
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.copy_threshold = COPY_THRESHOLD
         self._sock.connect(self.endpoint)
         self.in_flight = 0
         self.sent = 0
@@ -142,6 +167,10 @@ class TrajectorySender:
                 self.in_flight = max(0, self.in_flight - int.from_bytes(msg, "little"))
 
     def _wait_window(self, limit: int, timeout: Optional[float]) -> bool:
+        # Acks are only read when the window is full: ``in_flight`` is an upper bound that is
+        # exact after :meth:`flush`. Reading them lazily costs one recv per ack batch.
+        if self.in_flight <= limit:
+            return True
         deadline = None if timeout is None else time.monotonic() + timeout
         self._drain_acks(0)
         while self.in_flight > limit:
@@ -164,15 +193,15 @@ class TrajectorySender:
             raise TimeoutError(f"send of sample_id={traj.sample_id!r} to {self.endpoint}: "
                                f"{self.in_flight} messages unacknowledged for {timeout} s "
                                "(receiver saturated)")
-        last = len(frames) - 1
-        nbytes = 0
-        for i, f in enumerate(frames):
-            n = f.nbytes if hasattr(f, "nbytes") else len(f)
-            nbytes += n
-            self._sock.send(f, zmq.SNDMORE if i < last else 0, copy=n < COPY_THRESHOLD)
+        # frames below the socket's copy_threshold (COPY_THRESHOLD) are copied, larger ones
+        # sent zero-copy; a plain loop is cheaper than send_multipart's per-frame checks
+        send = self._sock.send
+        for f in frames[:-1]:
+            send(f, _SNDMORE, copy=False)
+        send(frames[-1], 0, copy=False)
         self.in_flight += 1
         self.sent += 1
-        self.bytes_sent += nbytes
+        self.bytes_sent += len(frames[0]) + sum(a.nbytes for a in frames[1:])
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until every sent message was taken by the receiver; False on timeout."""
@@ -206,21 +235,27 @@ class TrajectoryReceiver:
     """ROUTER side on the trainer: binds ``endpoint``; ``recv(timeout)`` -> Trajectory or None.
 
     Every message taken by :meth:`recv` (accepted or rejected) is acknowledged to its sender,
-    which opens the sender's window. ``ack_every > 1`` batches acks (also flushed whenever the
-    queue runs empty); it must stay below every sender's ``window``, or a trainer that calls
-    ``recv`` exactly as often as it needs could leave a sender blocked. Counters: :attr:`accepted`, :attr:`bytes_accepted`, :attr:`rejected` (a
-    ``collections.Counter`` by reason, see :data:`~areal_mega.dataplane.wire.REJECT_REASONS`).
+    which opens the sender's window. Acks are batched per sender: one ack covers up to
+    ``window // 4`` messages of a :class:`TrajectorySender` (it advertises its window in its
+    routing id; ``ack_every`` caps the batch further; any other peer is acked per message).
+    A batch is sent when full, or by the ``recv`` that takes a message and finds nothing else
+    queued (so when the trainer keeps up every message is acked before ``recv`` returns it, as
+    without batching, and ``recv_many`` returns with all acks sent unless it stopped at
+    ``max_n``), or when ``recv`` goes idle, or by :meth:`flush_acks`. A batch is at most a
+    quarter of the window, so holding one back never blocks a sender. Counters: :attr:`accepted`,
+    :attr:`bytes_accepted`, :attr:`rejected` (a ``collections.Counter`` by reason, see
+    :data:`~areal_mega.dataplane.wire.REJECT_REASONS`).
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:*", secret: Secret = None, *,
                  max_queue: int = 1024, max_message_bytes: int = 1 << 30,
-                 allow_remote: bool = False, validate: bool = True, ack_every: int = 1,
+                 allow_remote: bool = False, validate: bool = True, ack_every: Optional[int] = None,
                  context: Optional[zmq.Context] = None):
         ep = check_endpoint(endpoint, bind=True, allow_remote=allow_remote)
         self._secret = secret_bytes(secret)
         self._max_bytes = int(max_message_bytes)
         self._validate = validate
-        self._ack_every = max(1, int(ack_every))
+        self._ack_cap = 1 << 30 if ack_every is None else max(1, int(ack_every))
         self._unacked: dict[bytes, int] = {}
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -248,7 +283,8 @@ class TrajectoryReceiver:
             except zmq.ZMQError:
                 pass  # peer gone: nothing to open
 
-    def _flush_acks(self) -> None:
+    def flush_acks(self) -> None:
+        """Acknowledge every message taken so far (``recv`` does this when it goes idle)."""
         for peer in list(self._unacked):
             self._ack(peer)
 
@@ -267,11 +303,13 @@ class TrajectoryReceiver:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         sock = self._sock
+        unacked = self._unacked
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                part = sock.recv(zmq.NOBLOCK, copy=False)  # the sender's routing id
             except zmq.Again:
-                self._flush_acks()
+                if unacked:
+                    self.flush_acks()  # idle: acknowledge everything taken
                 if deadline is None:
                     wait = -1
                 else:
@@ -282,12 +320,17 @@ class TrajectoryReceiver:
                 if not sock.poll(wait, zmq.POLLIN):
                     return None
                 continue
-            peer = frames[0].bytes
-            n = self._unacked.get(peer, 0) + 1
-            self._unacked[peer] = n
-            if n >= self._ack_every:
+            peer = part.bytes
+            # The rest of a multipart message is already here (ZMQ delivers it atomically);
+            # Frame.more is set on receive, cheaper than recv_multipart's getsockopt(RCVMORE).
+            frames = []
+            while part.more:
+                part = sock.recv(0, copy=False)
+                frames.append(part)
+            n = unacked.get(peer, 0) + 1
+            unacked[peer] = n
+            if n >= _ack_batch(peer, self._ack_cap):
                 self._ack(peer)
-            frames = frames[1:]
             try:
                 traj = decode_trajectory(frames, self._secret, max_message_bytes=self._max_bytes,
                                          validate=self._validate)
@@ -295,7 +338,9 @@ class TrajectoryReceiver:
                 self._reject(e)
                 continue
             self.accepted += 1
-            self.bytes_accepted += sum(f.buffer.nbytes for f in frames)
+            self.bytes_accepted += sum(map(len, frames))
+            if unacked and not sock.getsockopt(_EVENTS) & _POLLIN:
+                self.flush_acks()  # nothing else queued: acknowledge what was taken now
             return traj
 
     def recv_many(self, max_n: int, timeout: Optional[float] = None) -> list[Trajectory]:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hmac as _hmac
 import hashlib
+import sys
 from typing import Any, Optional, Sequence, Union
 
 import msgpack
 import numpy as np
+from zmq import Frame as _Frame
 
 from areal_mega.dataplane.trajectory import (ALLOWED_EXTRA_DTYPES, CORE_FIELDS, Trajectory,
                                              TrajectoryError)
@@ -38,7 +40,16 @@ REJECT_REASONS = ("bad_header", "schema", "missing_hmac", "bad_hmac", "frame_cou
 MAX_NDIM = 4
 _DTYPES = {np.dtype(d).newbyteorder("<").str: np.dtype(d).newbyteorder("<")
            for d in ALLOWED_EXTRA_DTYPES}
-_META_KEYS = ("group_id", "prompt_len", "finish_reason", "created_at", "server_id", "meta")
+_LITTLE = sys.byteorder == "little"
+_WIRE_STR = {dt: dt.str for dt in _DTYPES.values()}
+"""Wire dtype string of each little-endian dtype (on a little-endian host these compare equal
+to the native ones, so ``a.dtype`` of a native array finds its entry)."""
+_META_KEYS = frozenset(("group_id", "prompt_len", "finish_reason", "created_at", "server_id",
+                        "meta"))
+_REQUIRED_DTYPE = {name: _DTYPES[dt.newbyteorder("<").str]
+                   for name, dt in (*CORE_FIELDS.items(), ("reward", np.dtype(np.float32)))}
+"""Fields every message carries, with the exact dtype each must have (the ``_DTYPES`` objects,
+so they compare by identity)."""
 
 Secret = Union[str, bytes, None]
 
@@ -74,12 +85,15 @@ def encode_trajectory(traj: Trajectory, secret: Secret = None) -> list:
     Raises ``TypeError`` if ``meta`` holds something msgpack cannot encode.
     """
     fields, frames = [], []
+    wire_str = _WIRE_STR
     for name, arr in traj.arrays().items():
         a = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)  # keeps 0-d shape
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        fields.append({"name": name, "dtype": a.dtype.newbyteorder("<").str,
-                       "shape": list(a.shape)})
+        dt = wire_str.get(a.dtype)  # little-endian or native (little-endian host) dtypes
+        if dt is None:
+            if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
+                a = a.astype(a.dtype.newbyteorder("<"))
+            dt = a.dtype.newbyteorder("<").str
+        fields.append({"name": name, "dtype": dt, "shape": list(a.shape)})
         frames.append(a)
     md = traj.metadata()
     header = {"schema": SCHEMA_VERSION, "sample_id": md.pop("sample_id"), "fields": fields,
@@ -92,10 +106,14 @@ def encode_trajectory(traj: Trajectory, secret: Secret = None) -> list:
     return [head] + frames
 
 
-def _buf(frame: Any) -> memoryview:
-    """A memoryview on a zmq.Frame, bytes or buffer-protocol object (no copy)."""
-    b = getattr(frame, "buffer", None)
-    return memoryview(b if b is not None else frame)
+def _buf(frame: Any) -> Any:
+    """A zero-copy byte buffer whose ``len()`` is its size in bytes: a ``zmq.Frame`` or
+    ``bytes`` as is, anything else with the buffer protocol as a flat byte memoryview."""
+    if type(frame) is _Frame or type(frame) is bytes:
+        return frame
+    b = getattr(frame, "buffer", None)  # a zmq.Frame subclass
+    mv = memoryview(b if b is not None else frame)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
@@ -109,8 +127,11 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     """
     if not frames:
         raise WireError("frame_count", "empty message")
-    views = [_buf(f) for f in frames]
-    total = sum(v.nbytes for v in views)
+    try:
+        views = [_buf(f) for f in frames]
+    except (TypeError, ValueError) as e:  # not a buffer, or a non-contiguous one
+        raise WireError("frame_size", f"frame is not a contiguous buffer: {e}") from None
+    total = sum(map(len, views))
     if total > max_message_bytes:
         raise WireError("oversize", f"{total} bytes > max_message_bytes={max_message_bytes}")
     try:
@@ -118,7 +139,7 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise WireError("bad_header", f"frame 0 is not msgpack: {type(e).__name__}: {e}"
                         ) from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise WireError("bad_header", f"frame 0 is a {type(header).__name__}, expected a map")
     if header.get("schema") != SCHEMA_VERSION:
         raise WireError("schema", f"schema {header.get('schema')!r}, expected "
@@ -126,8 +147,7 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     sample_id = header.get("sample_id")
     fields = header.get("fields")
     meta = header.get("meta")
-    if not isinstance(sample_id, str) or not isinstance(fields, list) or \
-            not isinstance(meta, dict):
+    if type(sample_id) is not str or type(fields) is not list or type(meta) is not dict:
         raise WireError("bad_header", "header needs str 'sample_id', list 'fields', map 'meta'")
     if len(views) != len(fields) + 1:
         raise WireError("frame_count", f"{len(views)} frames, header declares "
@@ -142,52 +162,53 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
             raise WireError("bad_hmac", f"HMAC mismatch for sample_id="
                             f"{str(header.get('sample_id'))[:64]!r}")
     arrays = {}
-    for k, (spec, view) in enumerate(zip(fields, views[1:]), start=1):
-        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+    dtypes = _DTYPES
+    required = _REQUIRED_DTYPE
+    for k, spec in enumerate(fields, start=1):
+        if type(spec) is not dict or type(spec.get("name")) is not str:
             raise WireError("bad_header", f"fields[{k - 1}] is not {{name, dtype, shape}}")
         name = spec["name"]
-        dtype = _DTYPES.get(spec.get("dtype")) if isinstance(spec.get("dtype"), str) else None
+        dt = spec.get("dtype")
+        dtype = dtypes.get(dt) if type(dt) is str else None
         if dtype is None:
-            raise WireError("bad_dtype", f"frame {k} field {name!r}: dtype "
-                            f"{spec.get('dtype')!r} not allowed")
+            raise WireError("bad_dtype", f"frame {k} field {name!r}: dtype {dt!r} not allowed")
+        want = required.get(name)
+        if want is not None and dtype is not want:
+            raise WireError("bad_dtype", f"field {name!r}: dtype {dtype}, "
+                            f"expected {want} (sample_id={sample_id[:64]!r})")
         shape = spec.get("shape")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40
-                for d in shape):
+        # exact ints only (msgpack yields int, never a subclass; excludes bool); each dimension
+        # < 2**40 and at most MAX_NDIM of them keep the product exact and the check cheap
+        if type(shape) is not list or len(shape) > MAX_NDIM:
             raise WireError("bad_shape", f"frame {k} field {name!r}: shape {shape!r}")
         count = 1
         for d in shape:
+            if type(d) is not int or not 0 <= d < 1 << 40:
+                raise WireError("bad_shape", f"frame {k} field {name!r}: shape {shape!r}")
             count *= d
-        if count * dtype.itemsize != view.nbytes:
-            raise WireError("frame_size", f"frame {k} field {name!r}: {view.nbytes} bytes, "
+        view = views[k]
+        if count * dtype.itemsize != len(view):
+            raise WireError("frame_size", f"frame {k} field {name!r}: {len(view)} bytes, "
                             f"shape {shape} of {dtype} needs {count * dtype.itemsize}")
         if name in arrays:
             raise WireError("bad_header", f"frame {k}: duplicate field {name!r}")
-        arrays[name] = np.frombuffer(view, dtype=dtype).reshape(tuple(shape))
-    missing = [n for n in (*CORE_FIELDS, "reward") if n not in arrays]
-    if missing:
+        arr = np.frombuffer(view, dtype=dtype)  # zero-copy view on the frame, read-only
+        arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
+    if len(arrays) < len(required) or not all(n in arrays for n in required):
+        missing = [n for n in required if n not in arrays]
         raise WireError("invalid_field", f"field {missing[0]!r} missing "
                         f"(sample_id={sample_id[:64]!r})")
-    for name, want in (*CORE_FIELDS.items(), ("reward", np.dtype(np.float32))):
-        if arrays[name].dtype != want:
-            raise WireError("bad_dtype", f"field {name!r}: dtype {arrays[name].dtype}, "
-                            f"expected {want} (sample_id={sample_id[:64]!r})")
-    unknown = [k for k in meta if k not in _META_KEYS]
-    if unknown:
-        raise WireError("bad_header", f"meta key {unknown[0]!r} not allowed")
-    extras = {n: a for n, a in arrays.items() if n not in CORE_FIELDS and n != "reward"}
-    try:
-        traj = Trajectory(input_ids=arrays["input_ids"], loss_mask=arrays["loss_mask"],
-                          logprobs=arrays["logprobs"], versions=arrays["versions"],
-                          reward=arrays["reward"], sample_id=sample_id,
-                          group_id=meta.get("group_id", ""),
-                          prompt_len=meta.get("prompt_len", 0),
-                          finish_reason=meta.get("finish_reason", ""),
-                          created_at=meta.get("created_at", 0.0),
-                          server_id=meta.get("server_id", ""), meta=meta.get("meta", {}),
-                          token_extras=extras)
-        if validate:
+    for key in meta:
+        if key not in _META_KEYS:
+            raise WireError("bad_header", f"meta key {key!r} not allowed")
+    extras = {n: a for n, a in arrays.items() if n not in required} \
+        if len(arrays) > len(required) else {}
+    # Every core array has its contract dtype (checked above), so the checked constructor
+    # would neither convert nor copy: build directly, then run the full validation.
+    traj = Trajectory._from_arrays(arrays, extras, sample_id, meta)
+    if validate:
+        try:
             traj.validate()
-    except TrajectoryError as e:
-        raise WireError("invalid_field", str(e)) from None
+        except TrajectoryError as e:
+            raise WireError("invalid_field", str(e)) from None
     return traj
