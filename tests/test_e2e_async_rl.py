@@ -65,10 +65,13 @@ def _trained(run_dir):
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _trainer_pid():
+def _trainer_pid(run_dir):
+    """The trainer rank of THIS run (its command line names the run's config), never another
+    run's on the same machine."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "areal_mega.trainer" in cmd and "torch.distributed.run" not in cmd:
+        if "areal_mega.trainer" in cmd and "torch.distributed.run" not in cmd and \
+                f"{run_dir}/config.yaml" in cmd:
             return p.pid
     return None
 
@@ -124,7 +127,7 @@ def test_sigkill_trainer_then_recover(assets, tmp_path):
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         time.sleep(0.5)
     assert len(_metrics(run)) >= 3, "the run did not reach step 3"
-    pid = _trainer_pid()
+    pid = _trainer_pid(run)
     assert pid is not None
     snap = tmp_path / "before_kill"          # what was accepted before the crash
     shutil.copytree(run, snap, ignore=shutil.ignore_patterns("*.sock", "iter_*", "weights",

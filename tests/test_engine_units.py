@@ -87,3 +87,19 @@ def test_zigzag_split_merge_roundtrip_and_matches_scheduler(cp):
 def test_zigzag_rejects_unpadded():
     with pytest.raises(ValueError, match="multiple of 2"):
         zigzag_index([0, 5], 5, 2, 0)
+
+
+def test_parse_hf_config_reads_transformers5_moe_config(tmp_path):
+    """transformers 5 writes num_local_experts / rope_parameters; hub files num_experts /
+    rope_theta: the builder reads both (one normaliser, shared with the converter)."""
+    from areal_mega.models.builder import load_hf_config, parse_hf_config
+    from areal_mega.models.tiny import make_tiny_model
+
+    out = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_experts=4, rope_theta=5e5)
+    hf = load_hf_config(out)
+    assert "num_local_experts" in hf and "num_experts" not in hf
+    arch = parse_hf_config(hf)
+    assert arch.num_experts == 4 and arch.rope_theta == 5e5
+    hub = {k: v for k, v in hf.items() if k not in ("num_local_experts", "rope_parameters")}
+    hub.update(num_experts=4, rope_theta=5e5)
+    assert parse_hf_config(hub) == arch

@@ -46,6 +46,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
+
 __all__ = ["UnsupportedModelError", "TensorMap", "Family", "FAMILIES", "read_arch",
            "normalize_hf_config", "parse_mcore_name", "canonical_layer_suffix", "maps_for",
            "to_mcore", "to_hf", "hf_names_for", "qkv_to_mcore", "qkv_to_hf", "glu_to_mcore",
@@ -173,19 +175,6 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP,
                         _ATTN + _QK_NORM + _MOE_MLP),
 }
-
-
-def normalize_hf_config(cfg: dict) -> dict:
-    """Accept both spellings that exist in the wild: transformers 5 writes ``num_local_experts``
-    and ``rope_parameters: {rope_theta}``; hub checkpoints have ``num_experts`` and
-    ``rope_theta``. Returns a copy with both spellings filled in."""
-    cfg = dict(cfg)
-    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
-        cfg["num_experts"] = cfg["num_local_experts"]
-    rp = cfg.get("rope_parameters") or {}
-    if "rope_theta" not in cfg and "rope_theta" in rp:
-        cfg["rope_theta"] = rp["rope_theta"]
-    return cfg
 
 
 def read_arch(source, *, where: Optional[str] = None):

@@ -102,9 +102,23 @@ def load_hf_config(source: Union[str, os.PathLike, dict]) -> dict:
         return json.load(f)
 
 
+def normalize_hf_config(cfg: dict) -> dict:
+    """Accept both spellings that exist in the wild: transformers 5 writes ``num_local_experts``
+    and ``rope_parameters: {rope_theta}``; hub checkpoints have ``num_experts`` and
+    ``rope_theta``. Returns a copy with both spellings filled in."""
+    cfg = dict(cfg)
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is not None:
+        cfg["num_experts"] = cfg["num_local_experts"]
+    rp = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rp:
+        cfg["rope_theta"] = rp["rope_theta"]
+    return cfg
+
+
 def parse_hf_config(hf: dict) -> HFArch:
     """Validate an HF config dict and extract an :class:`HFArch`. Raises ``ValueError`` for
     unsupported architectures or features (e.g. rope scaling other than none)."""
+    hf = normalize_hf_config(hf)
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
