@@ -113,8 +113,10 @@ def _meta_sharded_state_dict(arch):
     """The world-size-1 model's ``sharded_state_dict()`` with meta tensors (no memory)."""
     from areal_mega.models.builder import build_model_chunks
     mesh = _single_process_mesh()
+    # local spec always: the sharded keys are the same as TE's for dense models (megatron maps
+    # them) and the meta device needs no kernels
     with torch.device("meta"):
-        chunks, _ = build_model_chunks(arch, mesh, dtype="fp32")
+        chunks, _ = build_model_chunks(arch, mesh, dtype="fp32", use_te=False)
     return chunks[0].sharded_state_dict()
 
 
