@@ -235,6 +235,13 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
                         and not torch.equal(export_t2[k], export_w1[k])},
         "export_names_only_one_side": sorted(set(export_t2) ^ set(export_w1)),
         "rng_restored": info.loaded_rng}
+    # a checkpoint written by TP2 training ranks (chunks are TP shards) for the HF exporter
+    save_checkpoint(work / "tp2_ckpt", 5, chunks, hf_dir=conv_dir / "hf")
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in export_t2.items()},
+                  str(work / "tp2_ref.safetensors"))
+    dist.barrier()
     mesh.destroy()
     return out
 

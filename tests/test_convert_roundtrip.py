@@ -62,6 +62,13 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
         # optimizer state resharded DP2xTP1 -> TP2: the same global step gives the same weights
         assert do["opt_reshard_loaded_optimizer"]
         assert do["opt_reshard_tp2_max_abs_diff"] <= 1e-6, do
+    # a checkpoint saved by TP2 ranks converts to HF equal to the TP2 live export, bit-exactly
+    p = subprocess.run([sys.executable, "tools/convert_mcore_to_hf.py", "--mcore-dir",
+                        str(tmp_path / "tp2_ckpt"), "--out", str(tmp_path / "tp2_hf"),
+                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    from safetensors.torch import load_file
+    assert compare(load_file(tmp_path / "tp2_ref.safetensors"), load_all(tmp_path / "tp2_hf")) == []
     assert {"qwen2_untied_bias:dp2", "qwen2_untied_bias:tp2", "qwen2_untied_bias:pp2",
             "llama_tied_gqa:tp2", "llama_tied_gqa:pp2",
             "llama_4layers_vpp:pp2,vpp2"} <= set(ranks[0]["checks"])
