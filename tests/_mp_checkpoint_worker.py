@@ -22,8 +22,7 @@ def main(rank, world, port, work, scenario, convdir):
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import export, hf_mapping as hm
-    from areal_mega.checkpoint.dist_ckpt import (find_latest, load_checkpoint,
-                                                 save_checkpoint)
+    from areal_mega.checkpoint.dist_ckpt import load_checkpoint
     from areal_mega.checkpoint.safetensors_io import SafetensorsDir
     from areal_mega.models.builder import build_model_chunks
     from areal_mega.parallel.allocation import ParallelDims
@@ -120,8 +119,7 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import hf_mapping as hm
-    from areal_mega.checkpoint.dist_ckpt import (find_latest, load_checkpoint,
-                                                 prune_checkpoints, save_checkpoint)
+    from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint, save_checkpoint
     from areal_mega.models.builder import build_model_chunks
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads

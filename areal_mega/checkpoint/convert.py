@@ -306,7 +306,8 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
         layer, expert, suffix = hm.parse_mcore_name(name)
         hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
         # the region of the global tensor this (world-size-1) parameter covers
-        offs = [min(p.global_offset[d] for p in pieces) for d in range(len(pieces[0].global_offset))]
+        ndim = len(pieces[0].global_offset)
+        offs = [min(p.global_offset[d] for p in pieces) for d in range(ndim)]
         ends = [max(p.global_offset[d] + ((1,) * p.prepend_axis_num + tuple(p.local_shape))[d]
                     for p in pieces) for d in range(len(offs))]
         sizes = [e - o for o, e in zip(offs, ends)]
