@@ -31,7 +31,7 @@ build: $(KERNEL_STAMP)
 test: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-demo: $(STAMP)
+demo: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m areal_mega.demo
 
 clean-venv:

@@ -33,10 +33,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list, log: Path, env: dict) -> None:
+def _run(cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 0,
+         desc: str = "") -> None:
+    """Run ``cmd`` with its output in ``log``; follow ``metrics`` (the child's metrics.jsonl)
+    with a progress bar showing the step, the reward and the time per step."""
+    from tqdm import tqdm
+
     print(f"[demo] $ {' '.join(map(str, cmd))}\n[demo]   log: {log}", flush=True)
     with open(log, "w") as f:
-        rc = subprocess.call([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
+                                env=env)
+        bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True) if metrics else None
+        seen = 0
+        while proc.poll() is None:
+            time.sleep(1.0)
+            if bar is None or not metrics.exists():
+                continue
+            rows = [json.loads(x) for x in metrics.read_text().splitlines()[seen:]
+                    if x.strip().endswith("}")]
+            if rows:
+                seen += len(rows)
+                last = rows[-1]
+                shown = {k: f"{last[k]:.3f}" for k in ("reward/mean", "loss", "nll")
+                         if isinstance(last.get(k), float)}
+                shown["s/step"] = f"{last.get('time/step', 0):.2f}"
+                bar.set_postfix(shown, refresh=False)
+                bar.update(last["step"] - bar.n)
+        if bar is not None:
+            bar.close()
+        rc = proc.returncode
     if rc != 0:
         tail = log.read_text().splitlines()[-30:]
         raise SystemExit(f"[demo] step failed (exit {rc}); last lines of {log}:\n" + "\n".join(tail))
@@ -87,12 +112,49 @@ def summarize(metrics_file: Path) -> dict:
     }
 
 
+def prepare(run: Path, seed: int, sft_steps: int, env: dict) -> tuple:
+    """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s)."""
+    from areal_mega.data.synthetic import write_task_files
+    from areal_mega.models.tiny import make_tiny_model
+
+    base = make_tiny_model(run / "base_model", seed=seed, **MODEL)
+    write_task_files(run / "data", task="reverse", seed=seed)
+    data = [f"data.train_path={run / 'data' / 'train.jsonl'}",
+            f"data.test_path={run / 'data' / 'test.jsonl'}"]
+    t0 = time.time()
+    env_sft = dict(env, MASTER_PORT=str(_free_port()))
+    _run([sys.executable, "-m", "areal_mega.trainer", "--config", RECIPE, "mode=sft",
+          f"model.path={base}", f"logging.run_dir={run / 'sft'}", f"total_steps={sft_steps}",
+          "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "recover=off",
+          "logging.progress_bar=false", "checkpoint.save_every=0", f"seed={seed}", *data],
+         run / "sft.log", env_sft, metrics=run / "sft" / "metrics.jsonl", total=sft_steps,
+         desc="SFT")
+    return run / "sft" / "hf_model", data, time.time() - t0
+
+
+def run_rl(run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, env: dict,
+           extra=()) -> float:
+    """Asynchronous GRPO through launch.local; returns the wall time in seconds."""
+    t0 = time.time()
+    _run([sys.executable, "-m", "areal_mega.launch.local", "--config", RECIPE,
+          f"model.path={model}", f"logging.run_dir={run_dir}", f"total_steps={steps}",
+          f"rollout.max_head_offpolicyness={eta}", f"seed={seed}", "logging.progress_bar=false",
+          *data, *extra], run_dir.with_suffix(".log"), env, metrics=run_dir / "metrics.jsonl",
+         total=steps, desc=f"GRPO eta={eta}")
+    return time.time() - t0
+
+
+def cpu_env() -> dict:
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
+                PYTHONUNBUFFERED="1")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
-    p.add_argument("--sft-steps", type=int, default=30)
-    p.add_argument("--rl-steps", type=int, default=250)
+    p.add_argument("--sft-steps", type=int, default=120)
+    p.add_argument("--rl-steps", type=int, default=200)
     p.add_argument("--eta", type=int, default=1, help="max_head_offpolicyness")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="extra RL overrides, e.g. optimizer.lr=3e-4")
@@ -100,38 +162,14 @@ def main(argv=None) -> None:
     t_start = time.time()
     run = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
-               PYTHONUNBUFFERED="1")
-    py = sys.executable
-
-    from areal_mega.data.synthetic import write_task_files
-    from areal_mega.models.tiny import make_tiny_model
-
+    env = cpu_env()
     print(f"[demo] run directory: {run}", flush=True)
-    base = make_tiny_model(run / "base_model", seed=args.seed, **MODEL)
-    write_task_files(run / "data", task="reverse", seed=args.seed)
-    data = [f"data.train_path={run / 'data' / 'train.jsonl'}",
-            f"data.test_path={run / 'data' / 'test.jsonl'}"]
-
-    t0 = time.time()
-    env_sft = dict(env, MASTER_PORT=str(_free_port()))
-    _run([py, "-m", "areal_mega.trainer", "--config", RECIPE, "mode=sft",
-          f"model.path={base}", f"logging.run_dir={run / 'sft'}",
-          f"total_steps={args.sft_steps}", "optimizer.lr=1e-3", "optimizer.warmup_steps=0",
-          "recover=off", "logging.progress_bar=false", "checkpoint.save_every=0",
-          f"seed={args.seed}", *data], run / "sft.log", env_sft)
-    t_sft = time.time() - t0
-    sft_model = run / "sft" / "hf_model"
+    sft_model, data, t_sft = prepare(run, args.seed, args.sft_steps, env)
     acc_before = greedy_accuracy(sft_model, run / "data" / "test.jsonl")
     print(f"[demo] SFT done in {t_sft:.0f}s; held-out greedy accuracy {acc_before:.3f}",
           flush=True)
-
-    t0 = time.time()
-    _run([py, "-m", "areal_mega.launch.local", "--config", RECIPE, f"model.path={sft_model}",
-          f"logging.run_dir={run / 'rl'}", f"total_steps={args.rl_steps}",
-          f"rollout.max_head_offpolicyness={args.eta}", f"seed={args.seed}",
-          "logging.progress_bar=false", *data, *args.overrides], run / "rl.log", env)
-    t_rl = time.time() - t0
+    t_rl = run_rl(run / "rl", sft_model, data, args.rl_steps, args.eta, args.seed, env,
+                  args.overrides)
     final = sorted((run / "rl" / "weights").glob("v*"))[-1]
     acc_after = greedy_accuracy(final, run / "data" / "test.jsonl")
     s = summarize(run / "rl" / "metrics.jsonl")

@@ -149,3 +149,11 @@ def test_synthetic_tasks_and_reward():
     for task in ("reverse", "add", "arith"):
         for e in make_examples(task, 20, seed=2):
             assert tok.unk_token_id not in tok(e["prompt"] + e["answer"])["input_ids"]
+
+
+def test_char_match_reward_partial_credit():
+    from areal_mega.data.synthetic import char_match_reward
+    assert char_match_reward("", "21384<eos>", "21384") == 1.0
+    assert char_match_reward("", "21300", "21384") == 0.6
+    assert char_match_reward("", "2138444", "21384") == 5 / 7    # longer text is penalised
+    assert char_match_reward("", "", "21384") == 0.0

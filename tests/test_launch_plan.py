@@ -190,3 +190,10 @@ def test_server_commands():
     assert local.server_command(cpu, slot)[1:] == ["-m", local.ROLLOUT_SERVER_MODULE,
                                                   "--model-path", "runs/tiny-cpu/model",
                                                   "--port", "1234"]
+
+
+def test_cpu_threads_per_trainer_rank():
+    from areal_mega.launch.local import cpu_threads_per_trainer_rank
+    assert cpu_threads_per_trainer_rank(2, n_servers=1, nproc=1) == 1
+    assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2) == 7
+    assert cpu_threads_per_trainer_rank(2, n_servers=4, nproc=2) == 1   # never zero

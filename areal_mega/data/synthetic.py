@@ -107,6 +107,22 @@ def exact_match_reward(prompt: str, completion: str, answer: Any, *,
     return 1.0 if text == str(answer) else 0.0
 
 
+def char_match_reward(prompt: str, completion: str, answer: Any, *,
+                      finish_reason: Optional[str] = None, eos_token: str = DEFAULT_EOS_TOKEN,
+                      **kw) -> float:
+    """Partial credit: the fraction of positions where the completion (EOS removed) matches
+    the answer, over the longer of the two. Dense where :func:`exact_match_reward` is sparse,
+    so even an untrained model gets a learning signal."""
+    text = completion or ""
+    if eos_token and text.endswith(eos_token):
+        text = text[: -len(eos_token)]
+    want = str(answer)
+    if not want and not text:
+        return 1.0
+    hits = sum(a == b for a, b in zip(text, want))
+    return hits / max(len(text), len(want))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

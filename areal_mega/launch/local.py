@@ -201,6 +201,11 @@ def module_exists(name: str) -> bool:
         return False
 
 
+def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) -> int:
+    """Threads for each trainer rank on a CPU-only machine (pure)."""
+    return max(1, (n_cores - n_servers) // max(1, nproc))
+
+
 def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = None,
                 host: str = "127.0.0.1") -> tuple:
     """Plan, pick ports, write ``<run_dir>/config.yaml``; returns ``(specs, layout)``."""
@@ -232,6 +237,11 @@ def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = No
         if layout.trainer_gpus else {}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+        # the servers hold one core each; the trainer ranks share the rest (oversubscribing
+        # the cores slows both sides more than it gains)
+        env["OMP_NUM_THREADS"] = str(cpu_threads_per_trainer_rank(
+            os.cpu_count() or 1, n_servers=len(layout.servers),
+            nproc=layout.trainer_nproc_per_node))
 
     if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE):
         specs.append(ProcessSpec("rollout_worker", [sys.executable, "-m", ROLLOUT_WORKER_MODULE,

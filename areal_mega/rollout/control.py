@@ -6,6 +6,9 @@ Commands (trainer -> worker), each answered with ``{"ok": true, ...}`` or
 * ``{"cmd": "update_weights", "version": V, "path": DIR}`` — pause generation, load the HF
   weights in DIR on every server, continue, make V the current version (interrupted requests
   are resubmitted with their partial output). Answered when the servers serve version V.
+* ``{"cmd": "begin_update"}`` / ``{"cmd": "end_update", "version": V}`` — the two halves of
+  an update whose tensors the trainer broadcasts itself over its weight-update group (pause
+  before, continue with version V after).
 * ``{"cmd": "stats"}`` — the worker's counters (running, accepted, staleness holds, ...).
 * ``{"cmd": "ping"}``.
 
@@ -61,6 +64,12 @@ class RolloutLink:
 
     def update_weights(self, *, version: int, path: str) -> dict:
         return self.request({"cmd": "update_weights", "version": int(version), "path": path})
+
+    def begin_update(self) -> dict:
+        return self.request({"cmd": "begin_update"})
+
+    def end_update(self, *, version: int) -> dict:
+        return self.request({"cmd": "end_update", "version": int(version)})
 
     def stats(self) -> dict:
         return self.request({"cmd": "stats"}, timeout_s=30)

@@ -355,10 +355,8 @@ class RolloutController:
             raise ValueError("update_weights: give exactly one of path= or named_tensors=")
         if named_tensors is not None and sender is None:
             raise ValueError("update_weights(named_tensors=...) needs sender=")
-        if version <= self.counter.version:
-            raise ValueError(f"update_weights: version {version} must exceed "
-                             f"{self.counter.version}")
-        self.run_async(self._begin_update()).result(timeout)
+        self._check_version(version)
+        self.begin_weight_update(timeout)
         ok = False
         try:
             if path is not None:
@@ -368,7 +366,24 @@ class RolloutController:
                 sender.send(named_tensors, weight_version=version)
             ok = True
         finally:
-            self.run_async(self._end_update(version if ok else None)).result(timeout)
+            self.end_weight_update(version if ok else None, timeout)
+
+    def _check_version(self, version: int) -> None:
+        if version <= self.counter.version:
+            raise ValueError(f"update_weights: version {version} must exceed "
+                             f"{self.counter.version}")
+
+    def begin_weight_update(self, timeout: float = 600.0) -> None:
+        """First half of an update driven from elsewhere (e.g. the trainer broadcasting over
+        its own weight-update group): stop dispatching and pause the servers."""
+        self.run_async(self._begin_update()).result(timeout)
+
+    def end_weight_update(self, version: Optional[int], timeout: float = 600.0) -> None:
+        """Second half: make ``version`` current (None: the update failed, keep the old one),
+        continue the servers and resume dispatching (interrupted requests resubmit)."""
+        if version is not None:
+            self._check_version(version)
+        self.run_async(self._end_update(version)).result(timeout)
 
     async def _begin_update(self) -> None:
         self._gate.clear()

@@ -188,7 +188,31 @@ class RolloutWorker:
                 else:
                     self.controller.update_weights(version, path=path)
             return {"version": version, "seconds": time.time() - t0}
-        raise ValueError(f"unknown command {cmd!r}; expected ping, stats or update_weights")
+        if cmd == "begin_update":   # the trainer broadcasts the weights itself (bucketed)
+            with self._ctl_lock:
+                if self.controller is not None:
+                    self.controller.begin_weight_update()
+            return {}
+        if cmd == "end_update":
+            version = int(msg["version"])
+            with self._ctl_lock:
+                if self.controller is None:       # resuming: the servers hold the weights now
+                    asyncio.run(self._set_version(version))
+                    self.start_controller(version)
+                else:
+                    self.controller.end_weight_update(version)
+            return {"version": version}
+        raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
+                         "begin_update or end_update")
+
+    async def _set_version(self, version: int) -> None:
+        from areal_mega.rollout.client import RolloutClient
+
+        c = RolloutClient(self.cfg.rollout.server_addrs, api_key=self.cfg.rollout.api_key)
+        try:
+            await c.set_weight_version(version)
+        finally:
+            await c.close()
 
     async def _load_directly(self, path: str, version: int) -> None:
         from areal_mega.rollout.client import RolloutClient

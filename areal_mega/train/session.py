@@ -59,7 +59,14 @@ class TrainerSession:
         self.ckpt_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
         self.start_step = 0
         resumed = self._restore_or_init()
-        self.intake = self.link = self.logger = self.progress = None
+        self.intake = self.link = self.logger = self.progress = self.weight_sender = None
+        from areal_mega.train.weights import resolve_weight_update
+        try:
+            self.weight_update = resolve_weight_update(
+                cfg.rollout.weight_update, cuda=torch.cuda.is_available(), pp=d.pp)
+        except ValueError as e:
+            from areal_mega.config import ConfigError
+            raise ConfigError(str(e)) from None
         if self.is_rank0:
             self._write_resolved_config()
             self._open_rank0_io(resumed)
@@ -134,21 +141,68 @@ class TrainerSession:
                   flush=True)
         self.intake.start()
         self.link = RolloutLink(control_endpoint(cfg), timeout_s=cfg.rollout.request_timeout_s)
+        if self.weight_update == "distributed":
+            self._connect_weight_sender()
+
+    def _connect_weight_sender(self) -> None:
+        """Rank 0 joins a broadcast group with every rollout server (SGLang's
+        ``/init_weights_update_group``): NCCL on GPU, gloo on CPU."""
+        import os
+
+        from areal_mega.rollout.client import RolloutClient
+        from areal_mega.rollout.weight_sync import DistributedWeightSender
+
+        r = self.cfg.rollout
+        if not r.server_addrs:
+            raise ValueError("rollout.weight_update=distributed needs rollout.server_addrs")
+        client = RolloutClient(r.server_addrs, api_key=r.api_key,
+                               timeout_s=r.request_timeout_s, retries=r.request_retries)
+        self.weight_sender = DistributedWeightSender(
+            client, master_address=os.environ.get("MASTER_ADDR", self.cfg.cluster.master_addr),
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            bucket_bytes=r.weight_bucket_mb << 20,
+            ranks_per_server=r.sglang_tp if r.backend == "sglang" else 1)
+        self.weight_sender.connect()
 
     # ------------------------------------------------------------------ per step
     def publish_weights(self, version: int) -> None:
         """Send the actor's weights to the rollout servers and make ``version`` current.
 
-        CPU/disk path: every rank takes part in the HF export, rank 0 writes the safetensors
+        ``disk``: every rank takes part in the HF export, rank 0 writes the safetensors
         directory and asks the rollout worker to pause, reload, continue and bump the version.
+        ``distributed``: rank 0 asks the worker to pause, broadcasts the HF-named tensors in
+        buckets to every server (the other ranks take part in the TP/EP gathers), then asks
+        it to continue at ``version``.
         """
         from areal_mega.train.weights import export_hf_dir
+
+        if self.weight_update == "distributed":
+            self._publish_distributed(version)
+            return
 
         out = self.run_dir / "weights" / f"v{version:07d}"
         export_hf_dir(self.actor, self.cfg.model.path, out, is_writer=self.is_rank0)
         if self.is_rank0:
             self.link.update_weights(version=version, path=str(out))
             self._prune_weight_dirs(keep=out)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _publish_distributed(self, version: int) -> None:
+        from areal_mega.checkpoint import hf_mapping as hm
+        from areal_mega.checkpoint.export import iter_hf_tensors
+
+        if self.is_rank0:
+            self.link.begin_update()
+        # a failed broadcast raises: the trainer exits and launch.local restarts it together
+        # with the rollout worker (which un-pauses the servers)
+        stream = iter_hf_tensors(self.actor.model, hm.read_arch(self.cfg.model.path))
+        if self.is_rank0:
+            self.weight_sender.send(stream, weight_version=version)
+            self.link.end_update(version=version)
+        else:
+            for _ in stream:      # TP/EP peers take part in the gathers
+                pass
         if dist.is_initialized():
             dist.barrier()
 
@@ -212,7 +266,7 @@ class TrainerSession:
               f"{self.run_dir / 'metrics.jsonl'}")
 
     def close(self) -> None:
-        for obj in (self.progress, self.intake, self.link, self.logger):
+        for obj in (self.progress, self.intake, self.weight_sender, self.link, self.logger):
             if obj is not None:
                 try:
                     obj.close()

@@ -92,4 +92,20 @@ def load_hf_state_dict(path) -> dict:
     return state
 
 
-__all__ = ["export_hf_dir", "load_hf_state_dict", "HF_SIDE_FILES"]
+def resolve_weight_update(mode: str, *, cuda: bool, pp: int) -> str:
+    """``rollout.weight_update`` -> ``disk`` or ``distributed`` (pure).
+
+    ``auto``: bucketed broadcast on GPU (NCCL) with one pipeline stage, the disk otherwise.
+    The broadcast path sends from trainer rank 0, so it needs the whole model on one stage."""
+    if mode not in ("auto", "disk", "distributed"):
+        raise ValueError(f"rollout.weight_update={mode!r}: must be auto, disk or distributed")
+    if mode == "auto":
+        return "distributed" if cuda and pp == 1 else "disk"
+    if mode == "distributed" and pp > 1:
+        raise ValueError(f"rollout.weight_update='distributed' with pipeline parallel size {pp}:"
+                         " the bucketed broadcast sends from rank 0 and needs p=1; use "
+                         "rollout.weight_update=disk (or auto)")
+    return mode
+
+
+__all__ = ["export_hf_dir", "load_hf_state_dict", "resolve_weight_update", "HF_SIDE_FILES"]
