@@ -22,23 +22,13 @@ def main(rank, world, port, work, scenario, convdir):
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import export, hf_mapping as hm
-    from areal_mega.checkpoint.dist_ckpt import (find_latest, load_checkpoint,
-                                                 save_checkpoint)
+    from areal_mega.checkpoint.dist_ckpt import load_checkpoint
     from areal_mega.checkpoint.safetensors_io import SafetensorsDir
     from areal_mega.models.builder import build_model_chunks
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
     from megatron.core import parallel_state as ps
 
-    # Not yet in areal_mega.compat.megatron_cpu (reported to its owner): the TP/SP gathers in
-    # tensor_parallel.mappings allocate on torch.cuda.current_device(); MoE EP>1 and
-    # runtime_gather_output need them on CPU.
-    from areal_mega.compat import megatron_cpu
-    megatron_cpu.apply()
-    extra = megatron_cpu.Patch("torch_view:mappings", "megatron.core.tensor_parallel.mappings",
-                               "torch_view", expect=("torch.cuda.current_device()",))
-    assert not extra.check(), extra.check()
-    extra.apply()
     work = Path(work)
     res = {"checks": {}}
     t0 = time.time()
@@ -104,8 +94,7 @@ def main(rank, world, port, work, scenario, convdir):
     if scenario == "dense":
         run_model_checks("qwen2_untied_bias", [dict(dp=2), dict(tp=2), dict(pp=2)],
                          [dict(dp=2), dict(tp=2)])
-        # tied embeddings + PP2 fails in GPTModel on CPU (language_module .cuda()), engine compat
-        run_model_checks("llama_tied_gqa", [dict(tp=2)], [dict(tp=2)])
+        run_model_checks("llama_tied_gqa", [dict(tp=2), dict(pp=2)], [dict(tp=2)])
         run_model_checks("llama_4layers_vpp", [dict(pp=2, vpp=2), dict(tp=2)], [dict(tp=2)])
         res["resume"] = resume_and_reshard(work, rank, mesh_for, conv("qwen3_tied_qknorm"),
                                            mc_logits, ids_for, export)
@@ -113,10 +102,9 @@ def main(rank, world, port, work, scenario, convdir):
                                                    conv("qwen3_tied_qknorm"), mc_logits,
                                                    ids_for, export, distopt=True)
     elif scenario == "moe":
-        # MoE forward at EP2 on CPU still fails in the engine's compat (alltoall split sizes
-        # are tensors); EP2 is checked through load + export, the logits at TP2 and TP1.
         run_model_checks("qwen3_moe_untied", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2),
-                                              dict(dp=2)], [dict(tp=2), dict(dp=2)])
+                                              dict(dp=2)],
+                         [dict(dp=2, ep=2), dict(tp=2), dict(dp=2)])
     res["seconds"] = time.time() - t0
     (work / f"{scenario}_rank{rank}.json").write_text(json.dumps(res, indent=2, default=str))
     dist.barrier()
@@ -131,8 +119,7 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import hf_mapping as hm
-    from areal_mega.checkpoint.dist_ckpt import (find_latest, load_checkpoint,
-                                                 prune_checkpoints, save_checkpoint)
+    from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint, save_checkpoint
     from areal_mega.models.builder import build_model_chunks
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -246,6 +233,13 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
                         and not torch.equal(export_t2[k], export_w1[k])},
         "export_names_only_one_side": sorted(set(export_t2) ^ set(export_w1)),
         "rng_restored": info.loaded_rng}
+    # a checkpoint written by TP2 training ranks (chunks are TP shards) for the HF exporter
+    save_checkpoint(work / "tp2_ckpt", 5, chunks, hf_dir=conv_dir / "hf")
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in export_t2.items()},
+                  str(work / "tp2_ref.safetensors"))
+    dist.barrier()
     mesh.destroy()
     return out
 

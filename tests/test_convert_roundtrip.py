@@ -62,14 +62,25 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
         # optimizer state resharded DP2xTP1 -> TP2: the same global step gives the same weights
         assert do["opt_reshard_loaded_optimizer"]
         assert do["opt_reshard_tp2_max_abs_diff"] <= 1e-6, do
+    # a checkpoint saved by TP2 ranks converts to HF equal to the TP2 live export, bit-exactly
+    p = subprocess.run([sys.executable, "tools/convert_mcore_to_hf.py", "--mcore-dir",
+                        str(tmp_path / "tp2_ckpt"), "--out", str(tmp_path / "tp2_hf"),
+                        "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    from safetensors.torch import load_file
+    assert compare(load_file(tmp_path / "tp2_ref.safetensors"), load_all(tmp_path / "tp2_hf")) == []
     assert {"qwen2_untied_bias:dp2", "qwen2_untied_bias:tp2", "qwen2_untied_bias:pp2",
-            "llama_tied_gqa:tp2", "llama_4layers_vpp:pp2,vpp2"} <= set(ranks[0]["checks"])
-    assert ranks[0]["checks"]["llama_4layers_vpp:pp2,vpp2"]["export"]["n"] == 19  # emb + layers 0, 2
+            "llama_tied_gqa:tp2", "llama_tied_gqa:pp2",
+            "llama_4layers_vpp:pp2,vpp2"} <= set(ranks[0]["checks"])
+    # tied + PP2: the first stage exports the embedding, the last skips its tied copy
+    assert [r["checks"]["llama_tied_gqa:pp2"]["export"]["n"] for r in ranks] == [10, 10]
+    # stage 0 holds the embedding and layers 0 and 2 (two virtual chunks)
+    assert ranks[0]["checks"]["llama_4layers_vpp:pp2,vpp2"]["export"]["n"] == 19
 
 
 def test_moe_layouts_logits_export(jobs, tmp_path):
     """Qwen3-MoE converted at 'TP2 PP2 EP2' loads at EP2 (experts gathered back bit-exactly),
-    TP2 and PP2; logits = transformers at TP1 and TP2."""
+    TP2 and PP2; logits = transformers at TP1, TP2 and EP2."""
     ranks = launch_2ranks("moe", tmp_path, jobs)
     for res in ranks:
         checks = res["checks"]
@@ -79,6 +90,8 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
             assert c["export"]["bad"] == [] and c["export"]["missing"] == [], (tag, c)
             if "logits_max_abs_diff" in c:
                 assert c["logits_max_abs_diff"] <= 1e-5, (tag, c)
+        assert all("logits_max_abs_diff" in checks[t] for t in
+                   ("qwen3_moe_untied:dp2,ep2", "qwen3_moe_untied:tp2", "qwen3_moe_untied:dp2"))
 
 
 def test_conversion_memory_is_bounded(tmp_path):

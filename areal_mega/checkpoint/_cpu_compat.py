@@ -30,7 +30,9 @@ def apply() -> None:
                            "torch_view", expect=("device=torch.cuda.current_device()",),
                            why="save finalize all-reduces a flag on the CUDA device"),
     ]
-    probs = megatron_cpu.check_targets(patches)
+    have = {p.module for p in megatron_cpu.PATCHES}
+    patches = [p for p in patches if p.module not in have]  # already in the engine's list
+    probs = megatron_cpu.check_targets(patches) if patches else []
     if probs:
         raise megatron_cpu.CompatError("\n".join(probs))
     for p in patches:

@@ -113,8 +113,10 @@ def _meta_sharded_state_dict(arch):
     """The world-size-1 model's ``sharded_state_dict()`` with meta tensors (no memory)."""
     from areal_mega.models.builder import build_model_chunks
     mesh = _single_process_mesh()
+    # local spec always: the sharded keys are the same as TE's for dense models (megatron maps
+    # them) and the meta device needs no kernels
     with torch.device("meta"):
-        chunks, _ = build_model_chunks(arch, mesh, dtype="fp32")
+        chunks, _ = build_model_chunks(arch, mesh, dtype="fp32", use_te=False)
     return chunks[0].sharded_state_dict()
 
 
@@ -304,7 +306,8 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
         layer, expert, suffix = hm.parse_mcore_name(name)
         hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
         # the region of the global tensor this (world-size-1) parameter covers
-        offs = [min(p.global_offset[d] for p in pieces) for d in range(len(pieces[0].global_offset))]
+        ndim = len(pieces[0].global_offset)
+        offs = [min(p.global_offset[d] for p in pieces) for d in range(ndim)]
         ends = [max(p.global_offset[d] + ((1,) * p.prepend_axis_num + tuple(p.local_shape))[d]
                     for p in pieces) for d in range(len(offs))]
         sizes = [e - o for o, e in zip(offs, ends)]

@@ -16,8 +16,9 @@ checkpoint, and ``*.tmp`` directories are never picked up.
 What is saved: the model chunks' ``sharded_state_dict()`` (so any TP/PP/VPP/EP layout can load
 it), the optimizer state (megatron's regular optimizers: their own ``sharded_state_dict()``; the
 distributed optimizer: a model-space format of ours, reshardable like the weights, see
-:mod:`~areal_mega.checkpoint.distopt_state`), the LR scheduler's ``state_dict()``, every rank's RNG states (restored
-only when the layout is unchanged), and an ``extra`` JSON-able dict from the trainer.
+:mod:`~areal_mega.checkpoint.distopt_state`), the LR scheduler's ``state_dict()``, every
+rank's RNG states (restored only when the layout is unchanged), and an ``extra`` JSON-able
+dict from the trainer.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class LoadedCheckpoint:
 
 
 def iter_dir_name(iteration: int) -> str:
+    """``iter_0000010`` for iteration 10."""
     return f"iter_{iteration:07d}"
 
 
@@ -318,7 +320,8 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
     Collective over all ranks. ``model``: this rank's chunks (``MegatronEngine.model``);
     ``optimizer``: a megatron-core optimizer (regular: megatron's own sharded format;
     distributed: our model-space format, :mod:`~areal_mega.checkpoint.distopt_state`, because
-    megatron-core 0.16.1's own formats fail on CPU); ``extra``: JSON-able trainer state (version, data position, ...);
+    megatron-core 0.16.1's own formats fail on CPU); ``extra``: JSON-able trainer state
+    (version, data position, ...);
     ``hf_dir``: an HF directory whose config/tokenizer files are kept for HF export;
     ``keep_last``: prune older complete checkpoints afterwards."""
     if extra is not None:

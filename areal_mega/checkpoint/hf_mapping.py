@@ -65,8 +65,8 @@ class UnsupportedModelError(ValueError):
 
 def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
                  num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """HF q/k/v projections (weights [n·d, H] or biases [n·d]) → megatron fused QKV, rows grouped
-    per KV group: [q heads of group g (n_q/n_kv of them); k_g; v_g] for g = 0..n_kv-1."""
+    """HF q/k/v projections (weights [n·d, H] or biases [n·d]) → megatron fused QKV, rows
+    grouped per KV group: [q heads of group g (n_q/n_kv of them); k_g; v_g] for g = 0..n_kv-1."""
     r = num_heads // num_kv_heads
     rest = tuple(q.shape[1:])
     parts = [q.reshape(num_kv_heads, r * head_dim, *rest),
