@@ -16,16 +16,18 @@ def grouped(group, k, created, version=0):
     return t
 
 
-def test_dedup_groups_and_oldest_first():
+def test_dedup_groups_and_arrival_order():
     buf = TrajectoryBuffer(group_size=2)
-    # g1 completes at t=5, g0 at t=9, g2 incomplete
+    # g0 arrives first but completes last (t=9); g1 completes at t=5; g2 stays incomplete.
+    # Groups go out in arrival order (the rollout side delivers in start order), not by
+    # completion time.
     for t in [grouped(0, 0, 1), grouped(1, 0, 2), grouped(1, 1, 5), grouped(0, 1, 9),
               grouped(2, 0, 0)]:
         assert buf.put(t)
     assert not buf.put(grouped(1, 1, 5))  # duplicate sample_id
     assert buf.duplicates == 1 and len(buf) == 5 and buf.n_complete_groups == 2
     groups = buf.get_groups(2, timeout=0)
-    assert [[t.sample_id for t in g] for g in groups] == [["g1-0", "g1-1"], ["g0-0", "g0-1"]]
+    assert [[t.sample_id for t in g] for g in groups] == [["g0-0", "g0-1"], ["g1-0", "g1-1"]]
     assert buf.get_groups(1, timeout=0.05) == []  # g2 is incomplete: nothing taken
     assert not buf.put(grouped(0, 0, 1))  # consumed ids are remembered too
     assert buf.stats()["pending_samples"] == 1 and buf.stats()["incomplete_groups"] == 1

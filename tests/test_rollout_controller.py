@@ -128,11 +128,13 @@ def test_staleness_bound(servers, models, eta):
 def test_killing_one_server_loses_nothing(models):
     procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
     try:
+        # long requests and an early kill: none can finish on server 0 before it dies, so
+        # every trajectory must have been completed (or resumed) on server 1
         ctl = make_controller([p.addr for p in procs], batch_size=4, n_samples=2, eta=0,
-                              max_new_tokens=100).start()
+                              max_new_tokens=300).start()
         try:
             wait_for(lambda: ctl.n_inflight_requests >= 8)
-            time.sleep(0.3)
+            time.sleep(0.05)
             procs[0].kill()
             groups = ctl.wait_batch(4, timeout=120)
             st = ctl.stats()
@@ -140,7 +142,7 @@ def test_killing_one_server_loses_nothing(models):
             ctl.stop()
         trajs = [t for g in groups for t in g]
         assert len(trajs) == 8 and st["failed"] == 0
-        assert all(len(t.input_ids) == t.prompt_len + 100 for t in trajs)
+        assert all(len(t.input_ids) == t.prompt_len + 300 for t in trajs)
         assert {t.server_id for t in trajs} == {"http://" + procs[1].addr}
         assert ctl.client.live_servers() == ["http://" + procs[1].addr]
         for t in trajs[:3]:  # what the surviving server produced is still exact
@@ -187,3 +189,41 @@ def test_multi_turn_environment_tokens_masked_and_sink(servers, models):
         ref = np.array(teacher_forced_logprobs(models["ma"], ids, P))
         gen = t.loss_mask[P:] == 1
         assert np.abs(ref[gen] - t.logprobs[P:][gen]).max() <= 1e-4
+
+
+class _OutOfOrderWorkflow:
+    """Every third group finishes late, and group 2 fails once (retried under a new index)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.failed = False
+
+    async def arun_episode(self, ctx, item, n_samples):
+        import asyncio
+        if ctx.group_index == 2 and not self.failed:
+            self.failed = True
+            raise RuntimeError("injected episode failure")
+        out = await self.inner.arun_episode(ctx, item, n_samples)
+        if ctx.group_index % 3 == 0:
+            await asyncio.sleep(0.4)
+        return out
+
+
+def test_sink_receives_groups_in_start_order(servers):
+    """With a sink, a finished group waits for every earlier-started group (a failed one is
+    skipped, not waited for): the trainer then consumes in start order, which is what makes the
+    staleness bound exact on the data-plane path."""
+    got, lock = [], threading.Lock()
+
+    def sink(group):
+        with lock:
+            got.append(group[0].meta["group_index"])
+    wf = _OutOfOrderWorkflow(RLVRWorkflow(exact_match_reward, 4))
+    ctl = make_controller([p.addr for p in servers], batch_size=3, n_samples=2, eta=1,
+                          max_new_tokens=4, workflow=wf, sink=sink, n_prompts=12).start()
+    try:
+        wait_for(lambda: len(got) >= 5, timeout=120)
+    finally:
+        ctl.stop()
+    assert got == sorted(got) and 2 not in got, got   # start order; the failed index skipped
+    assert ctl.stats()["failed"] == 1

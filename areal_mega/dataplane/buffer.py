@@ -4,9 +4,11 @@
   (a retried send or a replay after a rollout restart is dropped and counted).
 * **Groups**: a group (same ``group_id``) is complete when it holds ``group_size`` samples
   (``traj.meta["group_size"]`` overrides the buffer default per group, e.g. after dynamic
-  filtering). :meth:`get_groups` hands out complete groups only, oldest first: a group's age
-  is the ``created_at`` of its last-finished sample (when it became complete), ties broken by
-  ``group_id``; samples inside a group are ordered by ``(created_at, sample_id)``.
+  filtering). :meth:`get_groups` hands out complete groups only, in arrival order (of each
+  group's first sample). The rollout side delivers groups in the order they were started
+  (:class:`~areal_mega.rollout.controller.RolloutController`), so the trainer consumes in
+  start order, which is what makes the staleness bound exact; a save/load keeps the order.
+  Samples inside a group are ordered by ``(created_at, sample_id)``.
 * **Staleness**: every group reports its min / max weight version; :meth:`get_groups` can skip
   groups older than ``min_version`` (they stay), :meth:`drop_stale` removes them, and
   :meth:`stats` reports counts and the version range.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import os
 import threading
 from typing import Iterable, Optional
@@ -42,13 +45,14 @@ class BufferFileError(ValueError):
 
 
 class _Group:
-    __slots__ = ("group_id", "size", "samples", "finished_at")
+    __slots__ = ("group_id", "size", "samples", "finished_at", "seq")
 
-    def __init__(self, group_id: str, size: int):
+    def __init__(self, group_id: str, size: int, seq: int = 0):
         self.group_id = group_id
         self.size = size
         self.samples: list[Trajectory] = []
         self.finished_at = float("-inf")
+        self.seq = seq                     # arrival order of the group's first sample
 
     @property
     def complete(self) -> bool:
@@ -62,7 +66,7 @@ class _Group:
         return max((t.max_version for t in self.samples), default=-1)
 
     def sort_key(self):
-        return (self.finished_at, self.group_id)
+        return self.seq
 
 
 class TrajectoryBuffer:
@@ -79,6 +83,7 @@ class TrajectoryBuffer:
         self._pending_ids: set[str] = set()
         self._consumed: collections.deque = collections.deque()
         self._consumed_ids: set[str] = set()
+        self._arrivals = itertools.count()
         self._n_pending = 0
         self._cond = threading.Condition()
         self.duplicates = 0
@@ -114,7 +119,7 @@ class TrajectoryBuffer:
                 size = traj.meta.get("group_size", self.group_size)
                 if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                     size = self.group_size
-                g = self._groups[gid] = _Group(gid, size)
+                g = self._groups[gid] = _Group(gid, size, next(self._arrivals))
             g.samples.append(traj)
             g.finished_at = max(g.finished_at, float(traj.created_at))
             self._pending_ids.add(traj.sample_id)

@@ -12,8 +12,9 @@ Trainer loop (all calls from the trainer's thread; the controller runs its own a
         ctl.update_weights(step + 1, named_tensors=iter(...))  # bucketed broadcast
     ctl.stop()
 
-With a ``sink`` (production: the data plane), finished groups go to ``sink(group)`` instead of
-the internal buffer and the trainer reads them from its TrajectoryBuffer; call
+With a ``sink`` (production: the data plane), finished groups go to ``sink(group)`` in start
+order (a finished group waits for the earlier-started ones) instead of the internal buffer,
+and the trainer reads them from its TrajectoryBuffer in arrival order; call
 :meth:`RolloutController.report_rejected` for groups the trainer drops (frees their slots).
 
 Staleness (units: prompt groups, see :mod:`areal_mega.rollout.staleness`): a group starts only
@@ -116,6 +117,7 @@ class RolloutController:
         self._cv = threading.Condition()           # guards the finished-group buffer
         self._order: deque = deque()                # started, not consumed group indices
         self._finished: dict = {}                   # group index -> list[Trajectory]
+        self._sink_lock = asyncio.Lock()            # sink deliveries keep start order
         self._group_ids = itertools.count()
         self._exhausted = False
         self._error: Optional[BaseException] = None
@@ -245,6 +247,8 @@ class RolloutController:
             else:
                 self._set_error(RuntimeError(f"episode failed {attempt + 1} times: {e}"))
             self._wake.set()
+            if self.sink is not None:   # a later-started group may have waited for this one
+                await self._deliver_in_order()
             return
         for tr in group:
             tr.meta.update({"group_index": gidx, "start_version": start_version,
@@ -252,18 +256,31 @@ class RolloutController:
         self.counter.on_finish(accepted=True)
         self.n_finished += 1
         self._wake.set()
+        with self._cv:
+            self._finished[gidx] = group
+            self._cv.notify_all()
         if self.sink is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self.sink, group)
-            except Exception as e:  # noqa: BLE001
-                log.exception("sink failed")
-                self._set_error(e)
-            with self._cv:
-                self._order.remove(gidx)
-        else:
-            with self._cv:
-                self._finished[gidx] = group
-                self._cv.notify_all()
+            await self._deliver_in_order()
+
+    async def _deliver_in_order(self) -> None:
+        """Sink mode: hand finished groups to the sink in start order — a finished group waits
+        for every earlier-started one to finish or fail — so that a trainer consuming in
+        arrival order consumes in start order, which makes the staleness bound exact (a group
+        started at version v is consumed by trainer version v + η). One delivery at a time."""
+        async with self._sink_lock:
+            while True:
+                with self._cv:
+                    if not self._order or self._order[0] not in self._finished:
+                        return
+                    gidx = self._order.popleft()
+                    group = self._finished.pop(gidx)
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self._pool, self.sink,
+                                                                     group)
+                except Exception as e:  # noqa: BLE001
+                    log.exception("sink failed")
+                    self._set_error(e)
+                    return
 
     async def generate(self, input_ids: list, max_new_tokens: int, key: str,
                        **sampling) -> GenerationOutput:
