@@ -35,6 +35,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--sft-steps", type=int, default=120)
     p.add_argument("--etas", type=int, nargs="+", default=[0, 2])
+    p.add_argument("--weight-update", default="auto", choices=["auto", "disk", "distributed"],
+                   help="rollout.weight_update for both runs (auto = disk on CPU)")
     p.add_argument("--out", default=f"runs/bench-async-{time.strftime('%Y%m%d-%H%M%S')}")
     args = p.parse_args()
     out = Path(args.out).resolve()
@@ -44,7 +46,8 @@ def main():
     res = {}
     for eta in args.etas:
         wall = run_rl(out / f"eta{eta}", model, data, args.steps, eta, 1, env,
-                      ["checkpoint.save_every=0", "logging.tensorboard=false"])
+                      ["checkpoint.save_every=0", "logging.tensorboard=false",
+                       f"rollout.weight_update={args.weight_update}"])
         span, reward, n, stale = step_span(out / f"eta{eta}" / "metrics.jsonl")
         res[eta] = dict(span=span, wall=wall, reward=reward, steps=n, staleness=stale)
         print(f"eta={eta}: {n} steps, RL span {span:.1f}s ({span / n:.2f}s/step), total wall "

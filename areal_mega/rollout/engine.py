@@ -2,8 +2,9 @@
 
 One engine thread owns the model. Each iteration it
 1. applies queued commands (weight loads, pause) between decode steps,
-2. admits waiting requests (prefill each alone, then merges its KV cache into the batch by
-   left-padding every layer's keys/values to the common length),
+2. admits waiting requests (one prefill forward per prompt length — a GRPO group's samples
+   share their prompt — then merges the KV caches into the batch by left-padding every
+   layer's keys/values to the common length),
 3. runs ONE forward over all active requests (input ``[B, 1]``, per-row ``position_ids`` and a
    padding ``attention_mask``), samples one token per request and retires finished ones.
 
@@ -213,8 +214,7 @@ class BatchedEngine:
             for cmd in commands:
                 cmd()
             try:
-                for r in admit:
-                    self._prefill(r)
+                self._prefill_admitted(admit)
                 self._retire_aborted()
                 if self._active:
                     self._decode_step()
@@ -246,19 +246,35 @@ class BatchedEngine:
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return out.logits[:, -1, :].float(), kv
 
-    def _prefill(self, r: GenRequest) -> None:
-        if r.params.max_new_tokens == 0:
-            r._finish({"type": "length", "length": 0})
-            return
-        r.weight_version = self.weight_version
-        ids = torch.tensor([r.input_ids], dtype=torch.long)
+    def _prefill_admitted(self, admit: list) -> None:
+        """Prefill newly admitted requests, one forward per prompt length: a GRPO group's
+        samples share their prompt, and equal-length prompts need no padding, so the
+        batched forward gives each row exactly what a forward of that prompt alone gives."""
+        by_len: dict = {}
+        for r in admit:
+            if r.params.max_new_tokens == 0:
+                r._finish({"type": "length", "length": 0})
+            else:
+                by_len.setdefault(len(r.input_ids), []).append(r)
+        for L, reqs in by_len.items():
+            self._prefill_batch(reqs, L)
+
+    def _prefill_batch(self, reqs: list, L: int) -> None:
+        for r in reqs:
+            r.weight_version = self.weight_version
+        ids = torch.tensor([r.input_ids for r in reqs], dtype=torch.long)
         logits, kv = self._forward(ids, None)
-        tok = self._sample_and_record([r], logits)[0]
-        if self._check_finished(r, tok):
+        toks = self._sample_and_record(reqs, logits)
+        keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
+                if not self._check_finished(r, tok)]
+        if not keep:
             return
-        L = len(r.input_ids)
+        if len(keep) != len(reqs):
+            idx = torch.tensor(keep, dtype=torch.long)
+            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+        n = len(keep)
         if not self._active:
-            self._kv, self._mask = kv, torch.ones(1, L, dtype=torch.long)
+            self._kv, self._mask = kv, torch.ones(n, L, dtype=torch.long)
         else:
             Lb = self._mask.shape[1]
             Lm = max(Lb, L)
@@ -266,11 +282,12 @@ class BatchedEngine:
                          torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
                         for (kb, vb), (k, v) in zip(self._kv, kv)]
             mb = F.pad(self._mask, (Lm - Lb, 0))
-            mn = F.pad(torch.ones(1, L, dtype=torch.long), (Lm - L, 0))
+            mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
             self._mask = torch.cat([mb, mn])
-        self._active.append(r)
-        self._next_pos.append(L)
-        self._last_tok.append(tok)
+        for i in keep:
+            self._active.append(reqs[i])
+            self._next_pos.append(L)
+            self._last_tok.append(toks[i])
 
     def _decode_step(self) -> None:
         B = len(self._active)
