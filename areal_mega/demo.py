@@ -154,7 +154,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
     p.add_argument("--sft-steps", type=int, default=120)
-    p.add_argument("--rl-steps", type=int, default=200)
+    p.add_argument("--rl-steps", type=int, default=300)
     p.add_argument("--eta", type=int, default=1, help="max_head_offpolicyness")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="extra RL overrides, e.g. optimizer.lr=3e-4")
