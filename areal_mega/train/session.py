@@ -23,12 +23,14 @@ log = logging.getLogger(__name__)
 
 def control_endpoint(cfg: ExperimentConfig) -> str:
     """Where the rollout worker listens for weight-update commands."""
-    return cfg.dataplane.control_endpoint or f"ipc://{Path(cfg.logging.run_dir).resolve()}/control.sock"
+    run = Path(cfg.logging.run_dir).resolve()
+    return cfg.dataplane.control_endpoint or f"ipc://{run}/control.sock"
 
 
 def data_endpoint(cfg: ExperimentConfig) -> str:
     """Where rank 0 of the trainer receives trajectories."""
-    return cfg.dataplane.endpoint or f"ipc://{Path(cfg.logging.run_dir).resolve()}/trajectories.sock"
+    run = Path(cfg.logging.run_dir).resolve()
+    return cfg.dataplane.endpoint or f"ipc://{run}/trajectories.sock"
 
 
 class TrainerSession:
@@ -86,28 +88,37 @@ class TrainerSession:
             self.start_step = int(loaded.extra.get("step", loaded.iteration))
             self.actor.step_count = self.start_step
             if self.ref is not None:
-                self._load_initial(self.ref)
+                self._load_initial(self.ref, self._ref_path())
             if self.is_rank0:
                 print(f"[areal-mega] resumed from {latest} at step {self.start_step}",
                       flush=True)
             return dict(loaded.extra, path=str(latest))
-        self._load_initial(self.actor)
+        self._load_initial(self.actor, self.cfg.model.path)
         if self.ref is not None:
-            self._load_initial(self.ref)
+            self._load_initial(self.ref, self._ref_path())
         return None
 
-    def _load_initial(self, engine) -> None:
-        """Initial weights: ``checkpoint.load`` (a Megatron checkpoint) or the HF model dir,
-        converted once into ``<run_dir>/init_mcore`` (any layout loads it by resharding)."""
+    def _ref_path(self) -> str:
+        return self.cfg.ref.path or self.cfg.model.path
+
+    def _load_initial(self, engine, hf_dir: str) -> None:
+        """Initial weights: ``checkpoint.load`` (a Megatron checkpoint, actor and reference
+        alike) or the HF directory ``hf_dir``, converted once into ``<run_dir>/init_mcore``
+        (``init_mcore_ref`` for a reference model of its own); any layout loads it."""
         from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint
 
         src = self.cfg.checkpoint.load
         if not src:
-            src = self.run_dir / "init_mcore"
+            own_ref = engine is self.ref and hf_dir != self.cfg.model.path
+            src = self.run_dir / ("init_mcore_ref" if own_ref else "init_mcore")
             if find_latest(src) is None:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
-                    convert_hf_to_mcore(self.cfg.model.path, src, dtype="fp32", progress=False)
+                    m = self.cfg.model
+                    convert_hf_to_mcore(hf_dir, src, tp=self.layout["tp_size"],
+                                        pp=self.layout["pp_size"], dtype=m.dtype,
+                                        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+                                        progress=False)
                 if dist.is_initialized():
                     dist.barrier()
         load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
