@@ -427,6 +427,13 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
                           f"({cfg.optimizer.lr})")
+    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
+        raise ConfigError("algorithm.kl_in_reward=true: the trainer computes advantages before "
+                          "the reference forward, so the KL penalty is supported as a loss "
+                          "term only; set algorithm.kl_in_reward=false")
+    if cfg.mode == "rl" and cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("algorithm.adv_estimator='gae': needs a critic, which the trainer "
+                          "does not build yet; use grpo or reinforce")
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \

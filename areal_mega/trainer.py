@@ -22,7 +22,7 @@ from areal_mega.train.session import TrainerSession
 
 def rl_step(s: TrainerSession, step: int) -> dict:
     cfg, t0 = s.cfg, time.time()
-    trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # oldest first
+    trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
     plan = (batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else (None, None, None))
     batch = batches.distribute(*plan, s.mesh)
     t_data = time.time()

@@ -27,6 +27,9 @@ def test_defaults_and_overrides(tmp_path):
     (["algorithm.kl_coef=0.1"], ["algorithm.kl_coef", "ref.enabled"]),
     (["optimizer.lr=1e-6", "optimizer.min_lr=1e-3"], ["optimizer.min_lr"]),
     (["seed"], ["key=value"]),
+    (["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", "ref.enabled=true"],
+     ["algorithm.kl_in_reward", "loss term"]),
+    (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator", "critic"]),
 ])
 def test_bad_config_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:
