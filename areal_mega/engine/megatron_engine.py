@@ -433,11 +433,18 @@ class MegatronEngine:
         return [getattr(c, "module", c) for c in self.model]
 
     def save(self, directory: str, extra: Optional[dict] = None) -> None:
-        """Save model (+ optimizer, scheduler, RNG when the checkpoint module is present)."""
-        from areal_mega.engine import checkpoint_io
-        checkpoint_io.save(self, directory, extra)
+        """Save model, optimizer, LR scheduler and RNG (+ ``extra``) as a checkpoint under
+        ``directory`` (``<directory>/iter_<step>``, atomic; see
+        :mod:`areal_mega.checkpoint.dist_ckpt`). Collective over all ranks."""
+        from areal_mega.checkpoint.dist_ckpt import save_checkpoint
+        save_checkpoint(directory, self.step_count, self.model_chunks(), self.optimizer,
+                        self.lr_scheduler, extra=extra)
 
     def load(self, directory: str) -> Optional[dict]:
-        """Load what :meth:`save` wrote (any TP/PP layout); returns ``extra``."""
-        from areal_mega.engine import checkpoint_io
-        return checkpoint_io.load(self, directory)
+        """Load the latest checkpoint under ``directory`` (or one ``iter_*`` directory) into
+        any TP/PP/EP layout (resharding); returns the saved ``extra``."""
+        from areal_mega.checkpoint.dist_ckpt import load_checkpoint
+        loaded = load_checkpoint(directory, self.model_chunks(), self.optimizer,
+                                 self.lr_scheduler)
+        self.step_count = loaded.iteration
+        return loaded.extra
