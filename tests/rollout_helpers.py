@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from areal_mega.models.tiny import make_tiny_model
@@ -16,6 +17,14 @@ def make_models(tmp_path_factory):
     a = make_tiny_model(base / "a", arch="llama", hidden_size=64, num_layers=2, seed=0)
     b = make_tiny_model(base / "b", arch="llama", hidden_size=64, num_layers=2, seed=1)
     return a, b
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The two tiny models as paths (``a``, ``b``) and loaded transformers models (``ma``,
+    ``mb``); test modules import this fixture."""
+    a, b = make_models(tmp_path_factory)
+    return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
 
 
 def load_model(path):

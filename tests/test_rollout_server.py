@@ -10,15 +10,10 @@ import torch
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, sampling_dict
 from areal_mega.rollout.launch import launch_local_servers
 from areal_mega.rollout.weight_sync import DistributedWeightSender, plan_weight_buckets
-from tests.rollout_helpers import API_KEY, load_model, make_models, run, teacher_forced_logprobs
+from tests.rollout_helpers import (API_KEY, models, run,  # noqa: F401 (fixture)
+                                   teacher_forced_logprobs)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    a, b = make_models(tmp_path_factory)
-    return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
 
 
 @pytest.fixture(scope="module")

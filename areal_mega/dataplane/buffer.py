@@ -34,7 +34,7 @@ from typing import Iterable, Optional
 import msgpack
 
 from areal_mega.dataplane.trajectory import Trajectory
-from areal_mega.dataplane.wire import WireError, decode_trajectory, encode_trajectory
+from areal_mega.dataplane.wire import WireError, decode_trajectory, encode_record
 
 _MAGIC = b"AREAL-MEGA-TRAJBUF\n"
 _FORMAT_VERSION = 1
@@ -259,14 +259,14 @@ class TrajectoryBuffer:
                      "counters": {"accepted": self.accepted, "consumed": self.consumed,
                                   "duplicates": self.duplicates,
                                   "dropped_stale": self.dropped_stale}}
-            records = [[bytes(memoryview(f)) for f in encode_trajectory(t)] for t in samples]
+            packer = msgpack.Packer(use_bin_type=True)
+            records = [encode_record(t, packer) for t in samples]
         d = os.path.dirname(os.path.abspath(path))
         tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}")
         h = hashlib.sha256()
-        packer = msgpack.Packer(use_bin_type=True)
         try:
             with open(tmp, "wb") as f:
-                for chunk in [_MAGIC, packer.pack(state)] + [packer.pack(r) for r in records]:
+                for chunk in [_MAGIC, packer.pack(state)] + records:
                     h.update(chunk)
                     f.write(chunk)
                 f.write(h.digest())

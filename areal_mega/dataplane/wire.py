@@ -106,6 +106,14 @@ def encode_trajectory(traj: Trajectory, secret: Secret = None) -> list:
     return [head] + frames
 
 
+def encode_record(traj: Trajectory, packer: Optional[msgpack.Packer] = None) -> bytes:
+    """One trajectory as a self-delimiting msgpack record of its wire frames: the on-disk
+    format of buffer files and the trainer's journal (read back with
+    :func:`decode_trajectory` on each unpacked record)."""
+    frames = [bytes(memoryview(f)) for f in encode_trajectory(traj)]
+    return (packer or msgpack.Packer(use_bin_type=True)).pack(frames)
+
+
 def _buf(frame: Any) -> Any:
     """A zero-copy byte buffer whose ``len()`` is its size in bytes: a ``zmq.Frame`` or
     ``bytes`` as is, anything else with the buffer protocol as a flat byte memoryview."""

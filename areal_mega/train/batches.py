@@ -23,10 +23,6 @@ from areal_mega.algo.packing import with_algo_fields
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.scheduler.packing import pack_sequences
 
-# per-token fields that describe token t itself and therefore shift into next-token layout
-SHIFTED_FIELDS = ("loss_mask", "logprobs", "versions", "advantages")
-
-
 @dataclass
 class StepBatch:
     """One rank's share of a training step."""
@@ -53,7 +49,7 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
         "versions": shift_to_next_token(traj.versions, -1),
         "advantages": shift_to_next_token(advantages.astype(np.float32), 0.0),
         "prompt_len": traj.prompt_len,
-        "reward": float(np.asarray(traj.total_reward)),
+        "reward": traj.total_reward,
         "sample_id": traj.sample_id,
         "group_id": traj.group_id,
         "finish_reason": traj.finish_reason,
@@ -88,7 +84,7 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
                                          max_response_len=cfg.rollout.max_new_tokens)
-    rewards = np.array([float(np.asarray(t.total_reward)) for t in trajs], dtype=np.float64)
+    rewards = np.array([t.total_reward for t in trajs], dtype=np.float64)
     stats["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
     stats["reward/std"] = float(rewards.std()) if len(rewards) else 0.0
     resp = [t.length - t.prompt_len for t in trajs]
@@ -107,10 +103,10 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
                                     cp_size=cp_size)
             mbs.append(with_algo_fields(packed))
         per_rank.append(mbs)
-    versions = [int(v) for t in kept for v in t.versions if v >= 0]
-    if versions:
-        stats["versions/min"] = float(min(versions))
-        stats["versions/max"] = float(max(versions))
+    generated = [t for t in kept if t.min_version >= 0]
+    if generated:
+        stats["versions/min"] = float(min(t.min_version for t in generated))
+        stats["versions/max"] = float(max(t.max_version for t in generated))
     stats["n_samples"] = float(len(kept))
     stats["n_tokens_total"] = float(sum(seqlens))
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)

@@ -24,7 +24,7 @@ import msgpack
 
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
-from areal_mega.dataplane.wire import WireError, decode_trajectory, encode_trajectory
+from areal_mega.dataplane.wire import WireError, decode_trajectory, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ class TrajectoryJournal:
     def append(self, trajs) -> None:
         with self._lock:
             for t in trajs:
-                frames = [bytes(memoryview(f)) for f in encode_trajectory(t)]
-                self._f.write(self._packer.pack(frames))
+                self._f.write(encode_record(t, self._packer))
             self._f.flush()
             os.fsync(self._f.fileno())
 
@@ -106,13 +105,17 @@ class TrajectoryIntake:
     """Receives, journals and buffers trajectories in a background thread (trainer rank 0)."""
 
     def __init__(self, endpoint: str, run_dir: str | os.PathLike, *, group_size: int,
-                 secret: Optional[str] = None, max_pending: Optional[int] = None,
-                 buffer: Optional[TrajectoryBuffer] = None):
+                 secret: Optional[str] = None, max_queue: int = 1024,
+                 max_message_bytes: int = 1 << 30, allow_remote: bool = False):
         self.run_dir = Path(run_dir)
-        self.buffer = buffer or TrajectoryBuffer(group_size, max_pending=max_pending)
+        # no sample cap here: journaled samples are accepted (see _pump); memory is bounded by
+        # the receiver's queue, the senders' ack windows and the staleness bound
+        self.buffer = TrajectoryBuffer(group_size)
         self.journal_dir = self.run_dir / "journal"
         self.trained_path = self.run_dir / "trained.jsonl"
-        self.receiver = TrajectoryReceiver(endpoint, secret=secret)
+        self.receiver = TrajectoryReceiver(endpoint, secret=secret, max_queue=max_queue,
+                                           max_message_bytes=max_message_bytes,
+                                           allow_remote=allow_remote)
         self.journal = TrajectoryJournal(self.journal_dir)
         self.n_accepted = 0                 # samples journaled in this run's lineage
         self._pump_lock = threading.Lock()  # held while a checkpoint snapshots the intake
@@ -140,8 +143,7 @@ class TrajectoryIntake:
         """Recovery: load the checkpoint's buffer, replay the journal segments written since
         that checkpoint, truncate the trained log. Returns the samples made pending again."""
         if buffer_file is not None and Path(buffer_file).exists():
-            restored = TrajectoryBuffer.load(buffer_file, max_pending=self.buffer.max_pending)
-            self.buffer = restored
+            self.buffer = TrajectoryBuffer.load(buffer_file)
         n_new = n_seen = 0
         for t in TrajectoryJournal.replay(self.journal_dir):
             n_seen += 1

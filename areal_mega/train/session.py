@@ -143,7 +143,9 @@ class TrainerSession:
         self.intake = TrajectoryIntake(data_endpoint(cfg), self.run_dir,
                                        group_size=cfg.rollout.n_samples,
                                        secret=cfg.dataplane.secret,
-                                       max_pending=cfg.dataplane.max_queue)
+                                       max_queue=cfg.dataplane.max_queue,
+                                       max_message_bytes=cfg.dataplane.max_message_bytes,
+                                       allow_remote=cfg.dataplane.allow_remote)
         if resumed is not None:
             buf = resumed.get("buffer_file")
             n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,

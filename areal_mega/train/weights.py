@@ -14,11 +14,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-# files of an HF model directory that are not weights
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                 "vocab.json", "merges.txt", "tokenizer.model")
-
 
 def _barrier() -> None:
     if dist.is_initialized():
@@ -34,6 +29,7 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None) -> Pa
     from safetensors.torch import save_file
 
     from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
     from areal_mega.checkpoint.export import is_export_source, iter_hf_tensors
 
     hf_src_dir, out = Path(hf_src_dir), Path(out)
@@ -73,23 +69,13 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None) -> Pa
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
             indent=2))
-        for f in HF_SIDE_FILES:
+        for f in HF_AUX_FILES:
             if (hf_src_dir / f).exists():
                 shutil.copy2(hf_src_dir / f, tmp / f)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     _barrier()
     return out
-
-
-def load_hf_state_dict(path) -> dict:
-    """All tensors of an HF safetensors directory (for tests and small models)."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    return state
 
 
 def resolve_weight_update(mode: str, *, cuda: bool, pp: int) -> str:
@@ -108,4 +94,4 @@ def resolve_weight_update(mode: str, *, cuda: bool, pp: int) -> str:
     return mode
 
 
-__all__ = ["export_hf_dir", "load_hf_state_dict", "resolve_weight_update", "HF_SIDE_FILES"]
+__all__ = ["export_hf_dir", "resolve_weight_update"]
