@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from areal_mega.dataplane import Trajectory, TrajectoryError
+from areal_mega.dataplane import trajectory as trajectory_mod
 
 
 def make(n_prompt=3, n_gen=4, **kw):
@@ -73,3 +74,76 @@ def test_per_token_reward():
     t.reward = np.arange(7, dtype=np.float32)
     t.validate()
     assert t.per_token_reward and t.total_reward == 21.0
+
+
+def _core(n=40, n_prompt=10, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, n).astype(np.int32)
+    mask = (np.arange(n) >= n_prompt).astype(np.uint8)
+    lp = np.where(mask == 1, -rng.random(n), 0.0).astype(np.float32)
+    ver = np.where(mask == 1, rng.integers(0, 5, n), -1).astype(np.int32)
+    return ids, mask, lp, ver
+
+
+def _rule_breaks():
+    """(name, expected bits, (ids, mask, logprobs, versions, prompt_len)) for every rule alone,
+    combinations, and the edge values right at each bound."""
+    tr = trajectory_mod
+    cases = [("valid", 0, (*_core(), 10)), ("valid_no_prompt", 0, (*_core(n_prompt=0), 0)),
+             ("valid_all_prompt", 0, (*_core(n_prompt=40), 40)), ("valid_one", 0, (*_core(1, 0), 0))]
+
+    def broken(name, bits, edit, prompt_len=10, n=40):
+        arrays = [a.copy() for a in _core(n)]
+        edit(*arrays)
+        cases.append((name, bits, (*arrays, prompt_len)))
+
+    broken("id_min_int", tr.NEGATIVE_ID, lambda i, m, l, v: i.__setitem__(39, -2**31))
+    broken("id_zero_ok", 0, lambda i, m, l, v: i.__setitem__(0, 0))
+    broken("mask_2", tr.MASK_NOT_BINARY, lambda i, m, l, v: m.__setitem__(20, 2))
+    broken("mask_255_on_prompt", tr.MASK_NOT_BINARY | tr.MASK_ON_PROMPT,
+           lambda i, m, l, v: m.__setitem__(3, 255))
+    broken("version_-2", tr.VERSION_BELOW, lambda i, m, l, v: v.__setitem__(0, -2))
+    broken("version_-1_ok", 0, lambda i, m, l, v: v.__setitem__(30, -1))
+    broken("mask_on_last_prompt", tr.MASK_ON_PROMPT, lambda i, m, l, v: m.__setitem__(9, 1))
+    broken("mask_after_prompt_ok", 0, lambda i, m, l, v: m.__setitem__(10, 1))
+    for bad in (np.nan, np.inf, -np.inf, 1e-30, 0.5):
+        broken(f"logprob_{bad}", tr.BAD_LOGPROB, lambda i, m, l, v, b=bad: l.__setitem__(25, b))
+        broken(f"logprob_{bad}_masked_out_ok", 0,
+               lambda i, m, l, v, b=bad: l.__setitem__(5, b))  # prompt token: not checked
+    broken("logprob_zero_ok", 0, lambda i, m, l, v: l.__setitem__(25, 0.0))
+    broken("logprob_-0_ok", 0, lambda i, m, l, v: l.__setitem__(25, -0.0))
+    broken("everything", tr.NEGATIVE_ID | tr.VERSION_BELOW | tr.MASK_ON_PROMPT | tr.BAD_LOGPROB,
+           lambda i, m, l, v: (i.__setitem__(1, -1), v.__setitem__(2, -7), m.__setitem__(0, 1),
+                               l.__setitem__(0, np.nan)))
+    # long arrays take the native path that releases the GIL; the bad value at the very end
+    broken("long_bad_tail", tr.BAD_LOGPROB, lambda i, m, l, v: l.__setitem__(-1, 2.0),
+           n=1 << 17)
+    return cases
+
+
+@pytest.mark.parametrize("name, bits, args", _rule_breaks(), ids=lambda x: x
+                         if isinstance(x, str) else "")
+def test_native_and_numpy_value_checks_agree(name, bits, args):
+    tr = trajectory_mod
+    assert tr.failed_value_rules_numpy(*args) == bits
+    if tr._native_check_core is None:
+        pytest.skip("areal_mega._dataplane_native not built")
+    assert tr._native_check_core(*args) == bits
+    # frames arrive at any byte offset: the native check must not assume alignment
+    unaligned = []
+    for a in args[:4]:
+        raw = np.zeros(a.nbytes + 1, np.uint8)
+        raw[1:] = a.view(np.uint8)
+        unaligned.append(np.frombuffer(raw.data, a.dtype, a.size, 1))
+    assert tr._native_check_core(*unaligned, args[4]) == bits
+
+
+def test_native_value_check_is_built():
+    """make build compiles csrc/dataplane; a missing module would silently cost speed."""
+    assert trajectory_mod._native_check_core is not None
+
+
+def test_value_checks_fall_back_for_strided_views():
+    ids, mask, lp, ver = (np.repeat(a, 2)[::2] for a in _core())
+    lp[25] = np.nan
+    assert trajectory_mod.failed_value_rules(ids, mask, lp, ver, 10) == trajectory_mod.BAD_LOGPROB

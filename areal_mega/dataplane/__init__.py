@@ -1,8 +1,9 @@
 """ZMQ data plane: trajectories from rollout workers to the trainer.
 
 * :class:`Trajectory` — the unit (numpy arrays + metadata), ``validate()`` names bad fields.
-* :func:`encode_trajectory` / :func:`decode_trajectory` — the wire format (msgpack header +
-  one raw frame per tensor, schema version, optional HMAC), :class:`WireError` with a reason.
+* :func:`encode_trajectory` / :func:`decode_trajectory` — the wire format (msgpack header,
+  small tensors packed in one frame, one zero-copy frame per large tensor, schema version,
+  optional HMAC), :class:`WireError` with a reason.
 * :class:`TrajectorySender` (rollout, DEALER) / :class:`TrajectoryReceiver` (trainer, ROUTER).
 * :class:`TrajectoryBuffer` — dedup, oldest-first prompt groups, atomic save / load.
 """

@@ -23,6 +23,7 @@ offending field; the data plane runs it on every received message.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import numpy as np
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Allowed values of ``finish_reason``; packed batches encode them as their index here."""
+_FINISH_REASON_SET = frozenset(FINISH_REASONS)
 
 CORE_FIELDS = {
     "input_ids": np.dtype(np.int32),
@@ -42,6 +44,7 @@ CORE_FIELDS = {
 """Per-token fields every trajectory carries, with their exact dtypes."""
 
 REWARD_DTYPE = np.dtype(np.float32)
+_I32, _U8, _F32 = np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.float32)
 
 ALLOWED_EXTRA_DTYPES = frozenset(np.dtype(d) for d in (
     np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64,
@@ -52,6 +55,57 @@ RESERVED_NAMES = frozenset(CORE_FIELDS) | {"reward", "position_ids", "cu_seqlens
 
 _MIN = np.minimum.reduce
 _MAX = np.maximum.reduce
+
+# Bits of a value-rule failure (see failed_value_rules); validate raises the first in its order.
+NEGATIVE_ID, MASK_NOT_BINARY, VERSION_BELOW, MASK_ON_PROMPT, BAD_LOGPROB = 1, 2, 4, 8, 16
+
+try:  # csrc/dataplane/trajectory_check.cpp: the same rules in one native pass
+    from areal_mega._dataplane_native import check_core as _native_check_core
+except ImportError:  # not built: numpy does the same work in a few more passes
+    _native_check_core = None
+if sys.byteorder != "little":  # the native check reads native-endian; wire arrays are "<"
+    _native_check_core = None
+
+
+def failed_value_rules_numpy(input_ids: np.ndarray, loss_mask: np.ndarray,
+                             logprobs: np.ndarray, versions: np.ndarray, prompt_len: int) -> int:
+    """Bit mask of the failed value rules of the core arrays (numpy; see
+    :func:`failed_value_rules`). One SIMD reduction per array on the common path."""
+    bits = 0
+    if _MIN(input_ids) < 0:
+        bits |= NEGATIVE_ID
+    if _MAX(loss_mask) > 1:
+        bits |= MASK_NOT_BINARY
+    if _MIN(versions) < -1:
+        bits |= VERSION_BELOW
+    if prompt_len and _MAX(loss_mask[:prompt_len]):
+        bits |= MASK_ON_PROMPT
+    # Every logprob finite and <= 0 (NaN fails both comparisons) implies the rule on the trained
+    # tokens; otherwise check exactly the tokens with a nonzero loss_mask.
+    if not (_MAX(logprobs) <= 0.0 and _MIN(logprobs) > -np.inf):
+        trained = logprobs[loss_mask != 0]
+        if trained.size and not (np.isfinite(trained).all() and trained.max() <= 0.0):
+            bits |= BAD_LOGPROB
+    return bits
+
+
+def failed_value_rules(input_ids: np.ndarray, loss_mask: np.ndarray, logprobs: np.ndarray,
+                       versions: np.ndarray, prompt_len: int) -> int:
+    """Bit mask of the value rules the core arrays break (0: all hold).
+
+    Rules: :data:`NEGATIVE_ID` ``input_ids >= 0``; :data:`MASK_NOT_BINARY` ``loss_mask`` in
+    {0, 1}; :data:`VERSION_BELOW` ``versions >= -1``; :data:`MASK_ON_PROMPT` ``loss_mask`` 0 on
+    the first ``prompt_len`` tokens; :data:`BAD_LOGPROB` ``logprobs`` finite and <= 0 where
+    ``loss_mask`` is not 0. The arrays must already have their contract dtypes and one length
+    L >= 1, and ``0 <= prompt_len <= L``. Uses the native one-pass check when it is built and
+    the arrays are C-contiguous, numpy otherwise (same result).
+    """
+    if _native_check_core is not None:
+        try:
+            return _native_check_core(input_ids, loss_mask, logprobs, versions, prompt_len)
+        except (TypeError, ValueError):  # e.g. a strided view: numpy handles any layout
+            pass
+    return failed_value_rules_numpy(input_ids, loss_mask, logprobs, versions, prompt_len)
 
 
 class TrajectoryError(ValueError):
@@ -250,60 +304,65 @@ class Trajectory:
         names not reserved. Returns ``self`` so it can be chained.
         """
         sid = self.sample_id or None
-        if not isinstance(self.sample_id, str) or not self.sample_id:
+        if type(sid) is not str and not isinstance(sid, str):
             raise TrajectoryError("sample_id", f"must be a non-empty str, got {self.sample_id!r}")
-        for name in ("group_id", "server_id"):
-            if not isinstance(getattr(self, name), str):
-                raise TrajectoryError(name, f"must be a str, got {type(getattr(self, name))}",
-                                      sid)
-        ids = self.input_ids
+        if type(self.group_id) is not str or type(self.server_id) is not str:
+            for name in ("group_id", "server_id"):
+                if not isinstance(getattr(self, name), str):
+                    raise TrajectoryError(name, f"must be a str, got "
+                                          f"{type(getattr(self, name))}", sid)
+        ids, mask, lp, versions = self.input_ids, self.loss_mask, self.logprobs, self.versions
         if ids.ndim != 1 or ids.shape[0] < 1:
             raise TrajectoryError("input_ids", f"must be 1-D with L >= 1, got shape "
                                   f"{tuple(ids.shape)}", sid)
         n = ids.shape[0]
-        for name, dtype in CORE_FIELDS.items():
-            arr = getattr(self, name)
-            if arr.dtype is not dtype and arr.dtype != dtype:
-                raise TrajectoryError(name, f"dtype {arr.dtype}, expected {dtype}", sid)
-            if arr.shape != (n,):
-                raise TrajectoryError(name, f"shape {tuple(arr.shape)}, expected ({n},)", sid)
-        # One reduction per array (numpy's SIMD min/max); no temporaries on the common path.
-        if _MIN(ids) < 0:
-            raise TrajectoryError("input_ids", f"negative token id {int(ids.min())}", sid)
-        mask = self.loss_mask
-        if _MAX(mask) > 1:
-            raise TrajectoryError("loss_mask", "values must be 0 or 1", sid)
-        if _MIN(self.versions) < -1:
-            raise TrajectoryError("versions", f"value {int(self.versions.min())} < -1", sid)
+        shape = (n,)
+        # one combined test on the common path (identity: decoded and constructed arrays carry
+        # numpy's canonical dtype objects); the loop below names the culprit otherwise
+        if not (ids.dtype is _I32 and mask.dtype is _U8 and lp.dtype is _F32 and
+                versions.dtype is _I32 and mask.shape == shape and lp.shape == shape and
+                versions.shape == shape):
+            for name, dtype in CORE_FIELDS.items():
+                arr = getattr(self, name)
+                if arr.dtype != dtype:
+                    raise TrajectoryError(name, f"dtype {arr.dtype}, expected {dtype}", sid)
+                if arr.shape != shape:
+                    raise TrajectoryError(name, f"shape {tuple(arr.shape)}, expected ({n},)",
+                                          sid)
         pl = self.prompt_len
-        if isinstance(pl, bool) or not isinstance(pl, (int, np.integer)) or not 0 <= pl <= n:
+        pl_ok = not isinstance(pl, bool) and isinstance(pl, (int, np.integer)) and 0 <= pl <= n
+        bits = failed_value_rules(ids, mask, lp, versions, int(pl) if pl_ok else 0)
+        if bits & NEGATIVE_ID:
+            raise TrajectoryError("input_ids", f"negative token id {int(ids.min())}", sid)
+        if bits & MASK_NOT_BINARY:
+            raise TrajectoryError("loss_mask", "values must be 0 or 1", sid)
+        if bits & VERSION_BELOW:
+            raise TrajectoryError("versions", f"value {int(versions.min())} < -1", sid)
+        if not pl_ok:
             raise TrajectoryError("prompt_len", f"{pl!r} must be an int in [0, {n}]", sid)
-        if pl and _MAX(mask[:pl]):
+        if bits & MASK_ON_PROMPT:
             raise TrajectoryError("loss_mask", "is 1 on a prompt token", sid)
-        lp = self.logprobs
-        # Fast path: every logprob finite and <= 0 (NaN fails both comparisons) implies the rule
-        # on the trained tokens. Otherwise check exactly the tokens with loss_mask 1 (mask is
-        # 0/1 here, so viewing it as bool is exact and copy-free).
-        if not (_MAX(lp) <= 0.0 and _MIN(lp) > -np.inf):
-            trained = lp[mask.view(np.bool_)]
-            if trained.size and not (np.isfinite(trained).all() and trained.max() <= 0.0):
-                raise TrajectoryError("logprobs", "must be finite and <= 0 where loss_mask is 1",
-                                      sid)
+        if bits & BAD_LOGPROB:
+            raise TrajectoryError("logprobs", "must be finite and <= 0 where loss_mask is 1",
+                                  sid)
         r = self.reward
-        if r.dtype != REWARD_DTYPE or r.shape not in ((), (n,)):
+        if r.dtype is not _F32 and r.dtype != REWARD_DTYPE or r.shape not in ((), shape):
             raise TrajectoryError("reward", f"dtype {r.dtype} shape {tuple(r.shape)}, expected "
                                   f"float32 of shape () or ({n},)", sid)
         if not (math.isfinite(r) if r.ndim == 0 else math.isfinite(_MAX(r)) and
                 math.isfinite(_MIN(r))):
             raise TrajectoryError("reward", "must be finite", sid)
-        if self.finish_reason not in FINISH_REASONS:
+        if not (type(self.finish_reason) is str and self.finish_reason in _FINISH_REASON_SET):
             raise TrajectoryError("finish_reason", f"{self.finish_reason!r} not in "
                                   f"{FINISH_REASONS}", sid)
         ca = self.created_at
-        if isinstance(ca, bool) or not isinstance(ca, (int, float)) or not math.isfinite(ca):
+        if type(ca) is not float and (isinstance(ca, bool) or not isinstance(ca, (int, float))) \
+                or not math.isfinite(ca):
             raise TrajectoryError("created_at", f"{ca!r} must be a finite number", sid)
-        if not isinstance(self.meta, dict):
+        if type(self.meta) is not dict and not isinstance(self.meta, dict):
             raise TrajectoryError("meta", f"must be a dict, got {type(self.meta).__name__}", sid)
+        if not self.token_extras:
+            return self
         for name, arr in self.token_extras.items():
             key = f"token_extras.{name}"
             if not isinstance(name, str) or not name or name in RESERVED_NAMES:

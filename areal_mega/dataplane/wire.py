@@ -2,15 +2,21 @@
 
 Frame 0 is a msgpack map (the header)::
 
-    {"schema": 1, "sample_id": str,
-     "fields": [{"name": str, "dtype": "<i4", "shape": [L]}, ...],
-     "meta": {"group_id", "prompt_len", "finish_reason", "created_at", "server_id", "meta"},
-     "hmac": bytes(32)}          # only when a shared secret is configured
+    {"schema": 2, "sample_id": str,
+     "fields": [[name: str, dtype: "<i4", shape: [L], packed: bool], ...],
+     "meta": {"group_id", "prompt_len", "finish_reason", "created_at", "server_id", "meta"}}
 
-Frame ``k >= 1`` is the raw little-endian bytes of ``fields[k-1]`` (C order), sent zero-copy.
-``hmac`` is HMAC-SHA256 over the msgpack encoding of the header without the ``hmac`` key
-followed by every tensor frame in order (frame lengths are fixed by the authenticated
-shapes, so the concatenation is unambiguous).
+Frame 1 is the *pack*: the raw bytes of every field with ``packed`` true, in field order, each
+starting at the next multiple of 8 bytes (zero padding between, none after the last); it is
+empty when no field is packed. Frames ``2, 3, ...`` are the raw bytes of the other fields, one
+frame per field in field order, sent zero-copy. All arrays are little-endian, C order.
+The sender packs the fields smaller than :data:`PACK_THRESHOLD` (ZMQ would copy such small
+frames anyway), so a short trajectory is three frames and a long one ships its big arrays
+without a copy; the receiver takes whatever the header declares.
+
+With a shared secret, frame 0 ends with the 32-byte HMAC-SHA256 of the msgpack header
+followed by every later frame in order (their lengths are fixed by the authenticated shapes,
+so the concatenation is unambiguous); the receiver verifies it before parsing anything.
 
 :func:`decode_trajectory` checks everything before trusting it and raises :class:`WireError`
 with a short machine-readable ``reason`` (one of :data:`REJECT_REASONS`) and a detail naming
@@ -30,16 +36,26 @@ from zmq import Frame as _Frame
 from areal_mega.dataplane.trajectory import (ALLOWED_EXTRA_DTYPES, CORE_FIELDS, Trajectory,
                                              TrajectoryError)
 
-SCHEMA_VERSION = 1
-"""Bumped on any incompatible change of the header or frame layout."""
+SCHEMA_VERSION = 2
+"""Bumped on any incompatible change of the header or frame layout (2: small fields packed)."""
+
+MAC_BYTES = 32
+"""HMAC-SHA256 digest appended to frame 0 when a shared secret is configured."""
+
+PACK_THRESHOLD = 64 * 1024
+"""Fields smaller than this many bytes travel in the pack frame (ZMQ copies frames this small
+anyway, and one frame costs less to send and receive than several)."""
 
 REJECT_REASONS = ("bad_header", "schema", "missing_hmac", "bad_hmac", "frame_count",
                   "bad_dtype", "bad_shape", "frame_size", "oversize", "invalid_field")
 """Why :func:`decode_trajectory` drops a message (counted per reason by the receiver)."""
 
 MAX_NDIM = 4
-_DTYPES = {np.dtype(d).newbyteorder("<").str: np.dtype(d).newbyteorder("<")
+_DTYPES = {np.dtype(d).newbyteorder("<").str: np.dtype(np.dtype(d).newbyteorder("<").str)
            for d in ALLOWED_EXTRA_DTYPES}
+"""Wire dtype string -> dtype; ``np.dtype("<i4")`` is numpy's canonical object on a
+little-endian host, so decoded arrays pass the identity checks of ``Trajectory.validate``."""
+_DTYPE_ITEMSIZE = {s: (dt, dt.itemsize) for s, dt in _DTYPES.items()}
 _LITTLE = sys.byteorder == "little"
 _WIRE_STR = {dt: dt.str for dt in _DTYPES.values()}
 """Wire dtype string of each little-endian dtype (on a little-endian host these compare equal
@@ -50,6 +66,8 @@ _REQUIRED_DTYPE = {name: _DTYPES[dt.newbyteorder("<").str]
                    for name, dt in (*CORE_FIELDS.items(), ("reward", np.dtype(np.float32)))}
 """Fields every message carries, with the exact dtype each must have (the ``_DTYPES`` objects,
 so they compare by identity)."""
+
+_PADDING = [bytes(k) for k in range(8)]
 
 Secret = Union[str, bytes, None]
 
@@ -70,40 +88,81 @@ def secret_bytes(secret: Secret) -> Optional[bytes]:
     return secret.encode() if isinstance(secret, str) else bytes(secret)
 
 
-def _mac(key: bytes, header_wo_mac: bytes, frames: Sequence[Any]) -> bytes:
-    h = _hmac.new(key, header_wo_mac, hashlib.sha256)
+def _mac(key: bytes, header: Any, frames: Sequence[Any]) -> bytes:
+    h = _hmac.new(key, header, hashlib.sha256)
     for f in frames:
         h.update(f)
     return h.digest()
 
 
-def encode_trajectory(traj: Trajectory, secret: Secret = None) -> list:
-    """Encode into ``[header_bytes, array, array, ...]`` ready for ``send_multipart``.
+def _hmac_failure(head: Any) -> WireError:
+    """The error for a frame 0 whose HMAC does not verify: ``missing_hmac`` when the whole
+    frame is a header (the sender has no secret), else ``bad_hmac``; names the claimed (not
+    trusted) sample_id when there is one."""
+    for body, reason in ((head, "missing_hmac"), (memoryview(head)[:-MAC_BYTES], "bad_hmac")):
+        try:
+            header = msgpack.unpackb(body, raw=False)
+        except Exception:  # noqa: BLE001 - garbage: nothing to name
+            continue
+        if type(header) is dict and "schema" in header:
+            sid = str(header.get("sample_id"))[:64]
+            if reason == "missing_hmac":
+                return WireError(reason, f"sample_id={sid!r} is not signed but a secret is "
+                                 "configured")
+            return WireError(reason, f"HMAC mismatch for (claimed) sample_id={sid!r}")
+    return WireError("bad_hmac", "HMAC mismatch")
 
-    Arrays are returned as C-contiguous little-endian numpy arrays (no copy when they already
-    are), so a zero-copy send ships the caller's memory: do not modify them until sent.
-    Raises ``TypeError`` if ``meta`` holds something msgpack cannot encode.
-    """
-    fields, frames = [], []
-    wire_str = _WIRE_STR
-    for name, arr in traj.arrays().items():
+
+def _pack_fields_py(arrays: dict, wire_str: dict, pack_threshold: int) -> tuple:
+    """``(fields, pack, own)``: the header's field specs, the pack (every array smaller than
+    ``pack_threshold`` bytes, in order, 8-byte aligned, zero padding) and the other arrays
+    (C-contiguous, little-endian) for frames of their own."""
+    fields, parts, frames = [], [], []
+    end = 0  # bytes of the pack so far
+    for name, arr in arrays.items():
         a = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)  # keeps 0-d shape
         dt = wire_str.get(a.dtype)  # little-endian or native (little-endian host) dtypes
         if dt is None:
             if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and not _LITTLE):
                 a = a.astype(a.dtype.newbyteorder("<"))
             dt = a.dtype.newbyteorder("<").str
-        fields.append({"name": name, "dtype": dt, "shape": list(a.shape)})
-        frames.append(a)
+        nbytes = a.nbytes
+        packed = nbytes < pack_threshold
+        fields.append([name, dt, list(a.shape), packed])
+        if packed:
+            if end & 7:
+                parts.append(_PADDING[8 - (end & 7)])
+                end = (end + 7) & -8
+            parts.append(a)
+            end += nbytes
+        else:
+            frames.append(a)
+    return fields, b"".join(parts), frames
+
+
+def encode_trajectory(traj: Trajectory, secret: Secret = None, *,
+                      pack_threshold: int = PACK_THRESHOLD) -> list:
+    """Encode into ``[header, pack, array, array, ...]`` ready for ``send``.
+
+    Fields smaller than ``pack_threshold`` bytes are copied into the pack (``bytes``);
+    larger ones are returned as C-contiguous little-endian numpy arrays (no copy when they
+    already are), so a zero-copy send ships the caller's memory: do not modify them until
+    sent. Raises ``TypeError`` if ``meta`` holds something msgpack cannot encode.
+    """
+    arrays = traj.arrays()
+    packed = _pack_fields(arrays, _WIRE_STR, pack_threshold)
+    fields, pack, frames = packed if packed is not None else \
+        _pack_fields_py(arrays, _WIRE_STR, pack_threshold)
+    frames.insert(0, pack)
     md = traj.metadata()
     header = {"schema": SCHEMA_VERSION, "sample_id": md.pop("sample_id"), "fields": fields,
               "meta": md}
     head = msgpack.packb(header, use_bin_type=True)
     key = secret_bytes(secret)
     if key is not None:
-        header["hmac"] = _mac(key, head, frames)
-        head = msgpack.packb(header, use_bin_type=True)
-    return [head] + frames
+        head += _mac(key, head, frames)
+    frames.insert(0, head)
+    return frames
 
 
 def encode_record(traj: Trajectory, packer: Optional[msgpack.Packer] = None) -> bytes:
@@ -124,13 +183,91 @@ def _buf(frame: Any) -> Any:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+def _field_frames_py(fields: list) -> Union[int, tuple]:
+    """Frames of their own that ``fields`` declares (the unpacked fields), after checking each
+    entry is ``[str, dtype, shape, bool]``; ``(reason, detail)`` when one is not."""
+    n_own = 0
+    for i, spec in enumerate(fields):
+        if type(spec) is not list or len(spec) != 4 or type(spec[0]) is not str \
+                or type(spec[3]) is not bool:
+            return "bad_header", f"fields[{i}] is not [name, dtype, shape, packed]"
+        n_own += not spec[3]
+    return n_own
+
+
+def _decode_fields_py(fields: list, views: list, dtypes: dict, required: dict, frombuffer,
+                      sid: str) -> tuple:
+    """``(arrays, n_required)``: a zero-copy array per field (``views[1]`` is the pack, then
+    one view per unpacked field) and how many of them are ``required`` names; or
+    ``(reason, detail)`` for the first failed check (dtype allowed and as required, shape,
+    bytes in the pack or the field's frame, no duplicate, pack fully used).
+    ``fields`` passed :func:`_field_frames_py` and ``views`` has its frame count."""
+    arrays = {}
+    pack = views[1]
+    pack_len = len(pack)
+    end = 0  # bytes of the pack used so far
+    k = 2  # next field frame
+    n_required = 0
+    for name, dt, shape, packed in fields:
+        entry = dtypes.get(dt) if type(dt) is str else None
+        if entry is None:
+            return "bad_dtype", f"field {name!r}: dtype {dt!r} not allowed"
+        dtype, itemsize = entry
+        want = required.get(name)
+        if want is not None and dtype is not want:
+            return "bad_dtype", (f"field {name!r}: dtype {dtype}, expected {want} "
+                                 f"(sample_id={sid!r})")
+        # exact ints only (msgpack yields int, never a subclass; excludes bool); each dimension
+        # < 2**40 and at most MAX_NDIM of them keep the checks cheap
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            return "bad_shape", f"field {name!r}: shape {shape!r}"
+        count = 1
+        for d in shape:
+            if type(d) is not int or not 0 <= d < 1 << 40:
+                return "bad_shape", f"field {name!r}: shape {shape!r}"
+            count *= d
+        nbytes = count * itemsize
+        if packed:
+            start = (end + 7) & -8
+            end = start + nbytes
+            if end > pack_len:
+                return "frame_size", (f"frame 1 (pack) field {name!r}: needs bytes "
+                                      f"[{start}, {end}), the pack has {pack_len}")
+            arr = frombuffer(pack, dtype, count, start)  # zero-copy view, read-only
+        else:
+            view = views[k]
+            if nbytes != len(view):
+                return "frame_size", (f"frame {k} field {name!r}: {len(view)} bytes, shape "
+                                      f"{shape} of {dtype} needs {nbytes}")
+            arr = frombuffer(view, dtype, count, 0)
+            k += 1
+        if name in arrays:
+            return "bad_header", f"duplicate field {name!r}"
+        arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
+        n_required += want is not None
+    if end != pack_len:
+        return "frame_size", f"frame 1 (pack): {pack_len} bytes, the packed fields end at {end}"
+    return arrays, n_required
+
+
+try:  # csrc/dataplane/wire_fields.cpp: the same functions, without the interpreter loop
+    from areal_mega._dataplane_native import decode_fields as _decode_fields
+    from areal_mega._dataplane_native import field_frames as _field_frames
+    from areal_mega._dataplane_native import pack_fields as _pack_fields
+except ImportError:
+    _decode_fields, _field_frames = _decode_fields_py, _field_frames_py
+
+    def _pack_fields(arrays, wire_str, pack_threshold):
+        return None
+
+
 def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
                       max_message_bytes: int = 1 << 30, validate: bool = True) -> Trajectory:
     """Decode and check one multipart message; arrays are zero-copy views on the frames.
 
-    Checks, in order: total size, header msgpack and structure, schema version, frame count,
-    HMAC (when a secret is given; then a missing or wrong HMAC is rejected), each field's
-    dtype (whitelist, little-endian) / shape / frame length, then
+    Checks, in order: total size, HMAC (when a secret is given; then a missing or wrong HMAC
+    is rejected), header msgpack and structure, schema version, frame count, each field's
+    dtype (whitelist, little-endian) / shape / bytes in its frame or the pack, then
     :meth:`Trajectory.validate`. Raises :class:`WireError` naming the frame or field.
     """
     if not frames:
@@ -142,8 +279,18 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     total = sum(map(len, views))
     if total > max_message_bytes:
         raise WireError("oversize", f"{total} bytes > max_message_bytes={max_message_bytes}")
+    head = views[0]
+    key = secret_bytes(secret)
+    if key is not None:  # authenticate before parsing anything
+        head = memoryview(head)
+        if len(head) <= MAC_BYTES:
+            raise WireError("missing_hmac", f"frame 0 has {len(head)} bytes: no room for the "
+                            "HMAC a configured secret requires")
+        head, mac = head[:-MAC_BYTES], head[-MAC_BYTES:]
+        if not _hmac.compare_digest(mac, _mac(key, head, views[1:])):
+            raise _hmac_failure(views[0])
     try:
-        header = msgpack.unpackb(views[0], raw=False)
+        header = msgpack.unpackb(head, raw=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise WireError("bad_header", f"frame 0 is not msgpack: {type(e).__name__}: {e}"
                         ) from None
@@ -157,58 +304,25 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     meta = header.get("meta")
     if type(sample_id) is not str or type(fields) is not list or type(meta) is not dict:
         raise WireError("bad_header", "header needs str 'sample_id', list 'fields', map 'meta'")
-    if len(views) != len(fields) + 1:
-        raise WireError("frame_count", f"{len(views)} frames, header declares "
-                        f"{len(fields)} fields + 1 header (sample_id={sample_id[:64]!r})")
-    key = secret_bytes(secret)
-    if key is not None:
-        mac = header.pop("hmac", None)
-        if not isinstance(mac, bytes):
-            raise WireError("missing_hmac", "header has no 'hmac' but a secret is configured")
-        expected = _mac(key, msgpack.packb(header, use_bin_type=True), views[1:])
-        if not _hmac.compare_digest(mac, expected):
-            raise WireError("bad_hmac", f"HMAC mismatch for sample_id="
-                            f"{str(header.get('sample_id'))[:64]!r}")
-    arrays = {}
-    dtypes = _DTYPES
+    n_own = _field_frames(fields)
+    if type(n_own) is tuple:
+        raise WireError(*n_own)
+    if len(views) != n_own + 2:
+        raise WireError("frame_count", f"{len(views)} frames, header declares header + pack + "
+                        f"{n_own} field frames (sample_id={sample_id[:64]!r})")
     required = _REQUIRED_DTYPE
-    for k, spec in enumerate(fields, start=1):
-        if type(spec) is not dict or type(spec.get("name")) is not str:
-            raise WireError("bad_header", f"fields[{k - 1}] is not {{name, dtype, shape}}")
-        name = spec["name"]
-        dt = spec.get("dtype")
-        dtype = dtypes.get(dt) if type(dt) is str else None
-        if dtype is None:
-            raise WireError("bad_dtype", f"frame {k} field {name!r}: dtype {dt!r} not allowed")
-        want = required.get(name)
-        if want is not None and dtype is not want:
-            raise WireError("bad_dtype", f"field {name!r}: dtype {dtype}, "
-                            f"expected {want} (sample_id={sample_id[:64]!r})")
-        shape = spec.get("shape")
-        # exact ints only (msgpack yields int, never a subclass; excludes bool); each dimension
-        # < 2**40 and at most MAX_NDIM of them keep the product exact and the check cheap
-        if type(shape) is not list or len(shape) > MAX_NDIM:
-            raise WireError("bad_shape", f"frame {k} field {name!r}: shape {shape!r}")
-        count = 1
-        for d in shape:
-            if type(d) is not int or not 0 <= d < 1 << 40:
-                raise WireError("bad_shape", f"frame {k} field {name!r}: shape {shape!r}")
-            count *= d
-        view = views[k]
-        if count * dtype.itemsize != len(view):
-            raise WireError("frame_size", f"frame {k} field {name!r}: {len(view)} bytes, "
-                            f"shape {shape} of {dtype} needs {count * dtype.itemsize}")
-        if name in arrays:
-            raise WireError("bad_header", f"frame {k}: duplicate field {name!r}")
-        arr = np.frombuffer(view, dtype=dtype)  # zero-copy view on the frame, read-only
-        arrays[name] = arr if len(shape) == 1 else arr.reshape(shape)
-    if len(arrays) < len(required) or not all(n in arrays for n in required):
+    decoded = _decode_fields(fields, views, _DTYPE_ITEMSIZE, required, np.frombuffer,
+                             sample_id[:64])
+    if type(decoded[0]) is str:
+        raise WireError(*decoded)
+    arrays, n_required = decoded
+    if n_required != len(required):
         missing = [n for n in required if n not in arrays]
         raise WireError("invalid_field", f"field {missing[0]!r} missing "
                         f"(sample_id={sample_id[:64]!r})")
-    for key in meta:
-        if key not in _META_KEYS:
-            raise WireError("bad_header", f"meta key {key!r} not allowed")
+    if not _META_KEYS.issuperset(meta):
+        key = next(k for k in meta if k not in _META_KEYS)
+        raise WireError("bad_header", f"meta key {key!r} not allowed")
     extras = {n: a for n, a in arrays.items() if n not in required} \
         if len(arrays) > len(required) else {}
     # Every core array has its contract dtype (checked above), so the checked constructor
