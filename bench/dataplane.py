@@ -27,7 +27,11 @@ less sensitive to noise than rates, and on a small shared machine throughput fol
 both processes spend. Every configuration is measured ``--reps`` times, the kinds interleaved
 (their order rotating), and the best of each is reported (ratios are of the best rates).
 
-Usage: python bench/dataplane.py [--secret] [--reps 3] [--mb 150] [--sizes 1024,8192,32768]
+The last column, ``cpu ratio`` = raw (recv + send) CPU / ours (recv + send) CPU per message, is
+the throughput ratio to expect when both sides are CPU-bound; it moves far less with the
+machine's noise than the rates do.
+
+Usage: python bench/dataplane.py [--secret] [--reps 5] [--mb 150] [--sizes 1024,8192,32768]
 """
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ import zmq
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areal_mega.dataplane import (Trajectory, TrajectoryReceiver,  # noqa: E402
                                   TrajectorySender, encode_trajectory)
+
+
+GOAL = 0.80
 
 
 def make(n_tokens: int, k: int) -> Trajectory:
@@ -153,17 +160,18 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024,8192,32768")
     ap.add_argument("--transports", default="ipc,tcp")
     ap.add_argument("--mb", type=float, default=150.0, help="MB moved per measurement")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (best kept)")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (best kept)")
     args = ap.parse_args()
     secret = "bench-secret" if args.secret else None
     tmp = tempfile.mkdtemp(prefix="dpbench")
     kinds = ("raw", "ours", "raw_ours_frames")
+    verdict = []
     print(f"{'transport':9} {'tokens':>6} | {'ours traj/s':>11} {'GB/s':>6} | "
           f"{'raw traj/s':>10} {'GB/s':>6} | ratio | raw, our frames: traj/s ratio | "
-          f"ours CPU us/msg | raw CPU us/msg  (secret={'on' if secret else 'off'}, "
-          f"best of {args.reps})")
+          f"ours CPU us/msg | raw CPU us/msg | cpu ratio  (secret={'on' if secret else 'off'}"
+          f", best of {args.reps})")
     print(f"{'':9} {'':>6} | {'':>11} {'':>6} | {'':>10} {'':>6} | {'':5} | {'':>22} {'':5} | "
-          f"{'recv':>6} {'send':>6} | {'recv':>6} {'send':>6}")
+          f"{'recv':>6} {'send':>6} | {'recv':>6} {'send':>6} |")
     for transport in args.transports.split(","):
         for n in [int(x) for x in args.sizes.split(",")]:
             per = n * 13 + 300
@@ -184,8 +192,14 @@ def main() -> None:
             r_cpu = [min(r[i] for r in runs["raw"]) for i in (2, 3)]
             print(f"{transport:9} {n:>6} | {o_tps:>11.0f} {o_gbs:>6.2f} | {r_tps:>10.0f} "
                   f"{r_gbs:>6.2f} | {o_tps / r_tps:5.2f} | {t_tps:>22.0f} {o_tps / t_tps:5.2f} | "
-                  f"{o_cpu[0]:6.1f} {o_cpu[1]:6.1f} | {r_cpu[0]:6.1f} {r_cpu[1]:6.1f}",
+                  f"{o_cpu[0]:6.1f} {o_cpu[1]:6.1f} | {r_cpu[0]:6.1f} {r_cpu[1]:6.1f} | "
+                  f"{sum(r_cpu) / sum(o_cpu):9.2f}",
                   flush=True)
+            verdict.append((f"{transport}/{n}", o_tps / r_tps))
+    met = [f"{k} {r:.2f}" for k, r in verdict if r >= GOAL]
+    missed = [f"{k} {r:.2f}" for k, r in verdict if r < GOAL]
+    print(f"goal ours >= {GOAL:.2f} x raw traj/s: met at {', '.join(met) or 'none'}; "
+          f"missed at {', '.join(missed) or 'none'}")
 
 
 if __name__ == "__main__":

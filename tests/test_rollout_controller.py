@@ -1,7 +1,9 @@
 """RolloutController against real CPU server processes: interruptible weight updates, the
 staleness bound, a server dying mid-run, multi-turn episodes and the sink path."""
+import json
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -49,6 +51,17 @@ def wait_for(cond, timeout=60):
         time.sleep(0.02)
 
 
+def tokens_generated(addrs) -> int:
+    """Decode tokens produced so far, summed over the servers' /get_server_info."""
+    total = 0
+    for a in addrs:
+        req = urllib.request.Request(f"http://{a}/get_server_info",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            total += json.load(r)["tokens_generated"]
+    return total
+
+
 def restore(addrs, path):
     async def go():
         c = RolloutClient(addrs, api_key=API_KEY)
@@ -64,10 +77,13 @@ def test_interrupted_generation_is_stitched(servers, models):
     switch 0 -> 1 exactly where it was interrupted, and each token's logprob is the teacher-
     forced logprob of the model version that produced it."""
     addrs = [p.addr for p in servers]
+    base = tokens_generated(addrs)
     ctl = make_controller(addrs, batch_size=4, n_samples=2, eta=1, max_new_tokens=120).start()
     try:
+        # interrupt once every in-flight request is a few tokens in (a fixed sleep let fast
+        # machines finish all 120 tokens first): 8 requests x 4 tokens
         wait_for(lambda: ctl.n_inflight_requests >= 8)
-        time.sleep(0.2)
+        wait_for(lambda: tokens_generated(addrs) - base >= 32, timeout=120)
         ctl.update_weights(1, path=str(models["b"]))
         groups = ctl.wait_batch(8, timeout=120)
     finally:
