@@ -123,6 +123,18 @@ def test_failed_main_relaunch_is_bounded(tmp_path):
     assert sup.run() == 4 and sup.restarts == 2 and calls == [1, 2]
 
 
+def test_killed_main_leaves_no_orphan_behind(tmp_path, cleanup):
+    """A main killed by SIGKILL leaves a child in its process group (as a trainer leaves
+    megatron's multiprocessing manager): the supervisor stops it before the relaunch."""
+    sup = Supervisor([ProcessSpec("main", CHILD + ["orphan", str(tmp_path)], kind="main",
+                                  restart=True)], tmp_path / "logs", grace_s=5,
+                     max_restarts=1, echo=lambda m: None)
+    assert sup.run() == 0 and sup.restarts == 1
+    orphan = int((tmp_path / "orphan").read_text())
+    cleanup.append(orphan)
+    assert _wait_for(lambda: _gone(orphan), timeout=10), "the killed main's child survived"
+
+
 def test_server_dying_before_ready_is_an_error(tmp_path):
     sup = Supervisor([ProcessSpec("server", CHILD + ["exit", "2"], ready=lambda: False),
                       ProcessSpec("main", CHILD + ["sleep"], kind="main")],

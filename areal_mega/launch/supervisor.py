@@ -81,6 +81,7 @@ class _Running:
     attempt: int = 0
     done: bool = False
     descendants: set = field(default_factory=set)
+    group_cleared: bool = False           # what its process group left behind was stopped
 
 
 class SupervisorError(RuntimeError):
@@ -172,12 +173,18 @@ class Supervisor:
         targets: list = []
         for run in runs:
             pids = set(run.descendants)
-            if run.proc.poll() is None:
+            # A leader killed with SIGKILL leaves its group behind (e.g. a multiprocessing
+            # manager the trainer spawned); its pgid stays valid while any member lives. Only
+            # signal a dead leader's group once, right after its death was seen, so that a
+            # recycled pid can never be hit.
+            if run.proc.poll() is None or not run.group_cleared:
                 pids.add(run.proc.pid)
+                pids |= _group_members(run.proc.pid)
                 try:
                     os.killpg(run.proc.pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
+            run.group_cleared = True
             targets.extend(pids)
         procs = []
         for pid in set(targets):
@@ -258,6 +265,7 @@ class Supervisor:
                 if run.spec.kind == "main" and rc == 0:
                     run.done = True
                     self.say(f"{name} finished")
+                    self.stop_all(runs=[run])  # whatever it left running
                     continue
                 why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
                 if run.spec.kind == "main" and run.spec.restart and \
@@ -275,7 +283,8 @@ class Supervisor:
                     if companions:  # e.g. the rollout worker, whose sockets face the main
                         self.say("restarting with it: " + ", ".join(r.spec.name
                                                                     for r in companions))
-                        self.stop_all(runs=companions)
+                    # the failed main's leftovers go too: they may hold its ports and files
+                    self.stop_all(runs=[run] + companions)
                     self._launch(run.spec, self.restarts)
                     for comp in companions:
                         self._launch(comp.spec, self.restarts)
@@ -289,6 +298,18 @@ class Supervisor:
             time.sleep(self.poll_s)
         self.say(f"received signal {self._signal}; stopping everything")
         return 128 + self._signal
+
+
+def _group_members(pgid: int) -> set:
+    """Pids of the live processes in process group ``pgid``."""
+    out = set()
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.add(p.pid)
+        except OSError:
+            pass
+    return out
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -6,6 +6,8 @@ stubborn     ignore SIGTERM, sleep forever
 listen PORT  listen on PORT and sleep forever
 spawn DIR    start a grandchild in a NEW session (escapes the process group), write both pids
 flaky FILE   exit 1 the first time (creating FILE), exit 0 afterwards
+orphan DIR   first time: start a grandchild in the same process group, write its pid to
+             DIR/orphan, then SIGKILL itself (the grandchild survives it); afterwards exit 0
 """
 import os
 import signal
@@ -40,3 +42,12 @@ elif mode == "flaky":
         open(arg, "w").close()
         sys.exit(1)
     sys.exit(0)
+elif mode == "orphan":
+    marker = os.path.join(arg, "orphan")
+    if os.path.exists(marker):
+        sys.exit(0)
+    g = subprocess.Popen([sys.executable, __file__, "sleep"])
+    with open(marker + ".tmp", "w") as f:
+        f.write(str(g.pid))
+    os.replace(marker + ".tmp", marker)
+    os.kill(os.getpid(), signal.SIGKILL)
