@@ -74,6 +74,15 @@ class DataplaneError(RuntimeError):
     """Bad endpoint or configuration of the data plane."""
 
 
+def _poll_ms(deadline: Optional[float]) -> Optional[int]:
+    """Milliseconds to poll until the ``time.monotonic()`` ``deadline``: -1 (forever) for
+    none, None once it has passed, at least 1 otherwise."""
+    if deadline is None:
+        return -1
+    left = deadline - time.monotonic()
+    return None if left <= 0 else max(1, int(left * 1000))
+
+
 def default_endpoint(run_dir: str) -> str:
     """The ipc endpoint used when ``dataplane.endpoint`` is empty: ``<run_dir>/dataplane.sock``."""
     return check_endpoint("ipc://" + os.path.join(os.path.abspath(run_dir), "dataplane.sock"))
@@ -177,13 +186,9 @@ class TrajectorySender:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._drain_acks(0)
         while self.in_flight > limit:
-            if deadline is None:
-                wait = -1
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                wait = max(1, int(left * 1000))
+            wait = _poll_ms(deadline)
+            if wait is None:
+                return False
             self._drain_acks(wait)
         return True
 
@@ -323,14 +328,8 @@ class TrajectoryReceiver:
                 except zmq.Again:
                     if unacked:
                         self.flush_acks()  # idle: acknowledge everything taken
-                    if deadline is None:
-                        wait = -1
-                    else:
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            return None
-                        wait = max(1, int(left * 1000))
-                    if not sock.poll(wait, zmq.POLLIN):
+                    wait = _poll_ms(deadline)
+                    if wait is None or not sock.poll(wait, zmq.POLLIN):
                         return None
                     continue
             peer = part.bytes
