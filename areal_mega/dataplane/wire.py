@@ -195,7 +195,7 @@ def _field_frames_py(fields: list) -> Union[int, tuple]:
     return n_own
 
 
-def _decode_fields_py(fields: list, views: list, dtypes: dict, required: dict, frombuffer,
+def _decode_fields_py(fields: list, views: list, dtypes: dict, required: dict,
                       sid: str) -> tuple:
     """``(arrays, n_required)``: a zero-copy array per field (``views[1]`` is the pack, then
     one view per unpacked field) and how many of them are ``required`` names; or
@@ -233,13 +233,13 @@ def _decode_fields_py(fields: list, views: list, dtypes: dict, required: dict, f
             if end > pack_len:
                 return "frame_size", (f"frame 1 (pack) field {name!r}: needs bytes "
                                       f"[{start}, {end}), the pack has {pack_len}")
-            arr = frombuffer(pack, dtype, count, start)  # zero-copy view, read-only
+            arr = np.frombuffer(pack, dtype, count, start)  # zero-copy view, read-only
         else:
             view = views[k]
             if nbytes != len(view):
                 return "frame_size", (f"frame {k} field {name!r}: {len(view)} bytes, shape "
                                       f"{shape} of {dtype} needs {nbytes}")
-            arr = frombuffer(view, dtype, count, 0)
+            arr = np.frombuffer(view, dtype, count, 0)
             k += 1
         if name in arrays:
             return "bad_header", f"duplicate field {name!r}"
@@ -311,8 +311,7 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
         raise WireError("frame_count", f"{len(views)} frames, header declares header + pack + "
                         f"{n_own} field frames (sample_id={sample_id[:64]!r})")
     required = _REQUIRED_DTYPE
-    decoded = _decode_fields(fields, views, _DTYPE_ITEMSIZE, required, np.frombuffer,
-                             sample_id[:64])
+    decoded = _decode_fields(fields, views, _DTYPE_ITEMSIZE, required, sample_id[:64])
     if type(decoded[0]) is str:
         raise WireError(*decoded)
     arrays, n_required = decoded

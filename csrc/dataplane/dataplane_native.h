@@ -1,5 +1,5 @@
 // areal_mega._dataplane_native: the per-message hot path of the trajectory data plane.
-// A plain CPython extension (no torch, no numpy headers); each function has a pure-Python twin
+// A plain CPython extension (no torch; numpy's C API in wire_fields.cpp only); each function has a pure-Python twin
 // with the same semantics in areal_mega/dataplane/ that tests compare it against.
 #pragma once
 #define PY_SSIZE_T_CLEAN
@@ -11,7 +11,7 @@ PyObject* check_core(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 // wire_fields.cpp: field_frames(fields) -> int | (reason, detail)
 PyObject* field_frames(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 
-// wire_fields.cpp: decode_fields(fields, views, dtypes, required, frombuffer, sample_id)
+// wire_fields.cpp: decode_fields(fields, views, dtypes, required, sample_id)
 //   -> (arrays: dict, n_required: int) | (reason, detail)
 PyObject* decode_fields(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 

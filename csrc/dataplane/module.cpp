@@ -19,7 +19,7 @@ PyMethodDef kMethods[] = {
      "Frames of their own the header's field list declares, after checking every entry is "
      "[str, dtype, shape, bool]. Twin: wire._field_frames_py."},
     {"decode_fields", fastcall(decode_fields), METH_FASTCALL,
-     "decode_fields(fields, views, dtypes, required, frombuffer, sample_id)\n"
+     "decode_fields(fields, views, dtypes, required, sample_id)\n"
      "    -> (arrays, n_required) | (reason, detail)\n\n"
      "Zero-copy arrays of every field after the dtype / shape / size / layout checks. "
      "Twin: wire._decode_fields_py."},

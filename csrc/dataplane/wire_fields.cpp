@@ -95,15 +95,15 @@ PyObject* field_frames(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* decode_fields(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6 || !PyList_CheckExact(args[0]) || !PyList_Check(args[1]) ||
+  if (nargs != 5 || !PyList_CheckExact(args[0]) || !PyList_Check(args[1]) ||
       !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])) {
     PyErr_SetString(PyExc_TypeError,
                     "decode_fields(fields: list, views: list, dtypes: dict, required: dict, "
-                    "frombuffer, sample_id)");
+                    "sample_id)");
     return nullptr;
   }
   PyObject *fields = args[0], *views = args[1], *dtypes = args[2], *required = args[3];
-  PyObject* sid = args[5];  // args[4] (np.frombuffer) is the Python twin's; arrays come from C
+  PyObject* sid = args[4];
   const Py_ssize_t n_views = PyList_GET_SIZE(views);
   if (n_views < 2) {
     PyErr_SetString(PyExc_ValueError, "decode_fields: views must hold header and pack");
