@@ -212,8 +212,8 @@ def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
     tokenizer files are copied to ``hf/``. Returns the final directory."""
     from megatron.core import dist_checkpointing
 
-    from areal_mega.checkpoint import _cpu_compat
-    _cpu_compat.apply()
+    from areal_mega.compat import megatron_cpu
+    megatron_cpu.apply()   # no-op with CUDA; on CPU it also covers the checkpoint writer
     root = Path(root)
     final = root / iter_dir_name(iteration)
     tmp = root / (final.name + ".tmp")

@@ -17,24 +17,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-try:  # the data plane's type, once it is on main
-    from areal_mega.dataplane import Trajectory  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - until the data plane lands
-    @dataclass
-    class Trajectory:  # same fields as areal_mega.dataplane.Trajectory
-        """One finished sample (see shared/design.md, "Trajectory")."""
-        input_ids: np.ndarray
-        loss_mask: np.ndarray
-        logprobs: np.ndarray
-        versions: np.ndarray
-        reward: float
-        sample_id: str
-        group_id: str
-        prompt_len: int
-        finish_reason: str
-        created_at: float = field(default_factory=time.time)
-        server_id: str = ""
-        meta: dict = field(default_factory=dict)
+from areal_mega.dataplane import Trajectory
 
 
 @dataclass
