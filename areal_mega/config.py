@@ -94,7 +94,6 @@ class RefConfig:
 class RolloutConfig:
     backend: str = _f("local", choices=["local", "sglang"])
     server_addrs: list = _f(factory=list, doc="external servers host:port; empty = launch ours")
-    n_servers: int = _f(1, lo=1)
     api_key: Optional[str] = None
     batch_size: int = _f(16, lo=1, doc="prompt groups per training step")
     n_samples: int = _f(8, lo=1, doc="completions per prompt (GRPO group size)")
@@ -201,7 +200,6 @@ class LoggingConfig:
     tensorboard: bool = True
     progress_bar: bool = True
     plot: bool = True
-    log_every: int = _f(1, lo=1, doc="steps between metrics.jsonl / tensorboard records")
 
 
 @dataclass

@@ -93,7 +93,9 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     seqlens = [len(s["input_ids"]) for s in samples]
     plan = plan_micro_batches(seqlens, dp_size=dp_size,
                               max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
-                              pp_size=pp_size, min_micro_batches=cfg.scheduler.min_micro_batches)
+                              pp_size=pp_size, min_micro_batches=cfg.scheduler.min_micro_batches,
+                              balance_by=cfg.scheduler.balance_by,
+                              flops_linear_coef=cfg.scheduler.flops_linear_coef)
     pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
     per_rank = []
     for rank_plan in plan:
