@@ -16,7 +16,7 @@ import pytest
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.models.tiny import make_tiny_model
-from areal_mega.train.intake import TrajectoryJournal
+from areal_mega.dataplane.journal import TrajectoryJournal
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch.distributed as dist
 from areal_mega.checkpoint.distopt_state import FORMAT as DISTOPT_FORMAT
 from areal_mega.checkpoint.distopt_state import (distopt_load_state, distopt_sharded_state,
                                                  distributed_optimizers)
+from areal_mega.run_dir import META_NAME, complete_checkpoints, find_latest, iter_dir_name
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,7 @@ __all__ = ["CheckpointError", "LoadedCheckpoint", "save_checkpoint", "load_check
            "find_latest", "resolve_checkpoint", "verify_checkpoint", "prune_checkpoints",
            "iter_dir_name", "atomic_save_sharded", "META_NAME", "HF_SUBDIR"]
 
-META_NAME = "areal_meta.json"
 HF_SUBDIR = "hf"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -66,11 +64,6 @@ class LoadedCheckpoint:
     meta: Dict[str, Any] = field(default_factory=dict)
     loaded_optimizer: bool = False
     loaded_rng: bool = False
-
-
-def iter_dir_name(iteration: int) -> str:
-    """``iter_0000010`` for iteration 10."""
-    return f"iter_{iteration:07d}"
 
 
 def _rank() -> int:
@@ -150,28 +143,6 @@ def verify_checkpoint(path) -> Dict[str, Any]:
     return meta
 
 
-def _complete_iters(root: Path) -> List[Path]:
-    out = []
-    for p in root.iterdir() if root.is_dir() else []:
-        if p.is_dir() and _ITER_RE.match(p.name) and (p / META_NAME).is_file():
-            out.append(p)
-    return sorted(out, key=lambda p: int(_ITER_RE.match(p.name).group(1)))
-
-
-def find_latest(root) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (the ``latest`` pointer if it names a
-    complete one, else the highest complete ``iter_*``), or None when there is none."""
-    root = Path(root)
-    ptr = root / "latest"
-    if ptr.is_file():
-        cand = root / ptr.read_text().strip()
-        if _ITER_RE.match(cand.name) and (cand / META_NAME).is_file():
-            return cand
-        logger.warning("%s names %s, which is not a complete checkpoint; scanning", ptr, cand)
-    done = _complete_iters(root)
-    return done[-1] if done else None
-
-
 def resolve_checkpoint(path) -> Path:
     """A checkpoint root (→ its latest) or one ``iter_*`` directory, verified complete."""
     path = Path(path)
@@ -191,7 +162,7 @@ def prune_checkpoints(root, keep_last: int) -> List[Path]:
     """Delete all but the ``keep_last`` newest complete checkpoints (never the one ``latest``
     names) and stale ``*.tmp`` directories. Returns what was deleted."""
     root = Path(root)
-    done = _complete_iters(root)
+    done = complete_checkpoints(root)
     latest = find_latest(root)
     doomed = [p for p in done[:max(0, len(done) - max(1, keep_last))] if p != latest]
     doomed += [p for p in root.glob("iter_*.tmp") if p.is_dir()]

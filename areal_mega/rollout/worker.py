@@ -92,7 +92,7 @@ def _atomic_json(path: Path, obj: dict) -> None:
 def accepted_groups(run_dir: Path, ckpt: Optional[Path], n_samples: int) -> int:
     """Groups the trainer has accepted so far in this run's lineage: the samples counted by
     its latest checkpoint plus those in the journal segments written since."""
-    from areal_mega.train.intake import TrajectoryJournal
+    from areal_mega.dataplane.journal import TrajectoryJournal
 
     before = 0
     if ckpt is not None:

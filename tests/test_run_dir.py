@@ -1,0 +1,78 @@
+"""The run directory's layout and questions (areal_mega.run_dir): one answer for every process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from areal_mega.config import load_config
+from areal_mega.dataplane import Trajectory
+from areal_mega.dataplane.journal import TrajectoryJournal
+from areal_mega.run_dir import META_NAME, RunDir, complete_checkpoints, find_latest, iter_dir_name
+
+
+def _traj(i: int) -> Trajectory:
+    n = 5   # one prompt token, four generated
+    return Trajectory(input_ids=np.arange(n, dtype=np.int32),
+                      loss_mask=np.array([0, 1, 1, 1, 1], np.uint8),
+                      logprobs=np.array([0, -1, -1, -1, -1], np.float32),
+                      versions=np.array([-1, 0, 0, 0, 0], np.int32),
+                      reward=1.0, sample_id=f"s{i}", group_id=f"g{i // 2}", prompt_len=1,
+                      finish_reason="stop")
+
+
+def _complete(root, it, accepted=0):
+    d = root / iter_dir_name(it)
+    d.mkdir(parents=True)
+    (d / META_NAME).write_text(json.dumps({"complete": True,
+                                           "extra": {"accepted_samples": accepted}}))
+    return d
+
+
+def test_layout_defaults_and_overrides(tmp_path):
+    cfg = load_config(None, [f"logging.run_dir={tmp_path}/run"])
+    rd = RunDir.from_config(cfg)
+    assert rd.root == (tmp_path / "run").resolve()
+    assert rd.checkpoint_root == rd.root / "checkpoints"
+    assert rd.data_endpoint == f"ipc://{rd.root}/trajectories.sock"
+    assert rd.control_endpoint == f"ipc://{rd.root}/control.sock"
+    assert rd.journal == rd.root / "journal" and rd.config_file == rd.root / "config.yaml"
+    cfg = load_config(None, [f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ck",
+                             "dataplane.endpoint=tcp://127.0.0.1:5555"])
+    rd = RunDir.from_config(cfg)
+    assert rd.checkpoint_root == (tmp_path / "ck").resolve()
+    assert rd.data_endpoint == "tcp://127.0.0.1:5555"
+
+
+def test_latest_complete_checkpoint_skips_incomplete_and_bad_pointer(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert find_latest(root) is None
+    a = _complete(root, 2)
+    b = _complete(root, 10)
+    (root / iter_dir_name(12)).mkdir()                 # a save cut short: no meta
+    assert complete_checkpoints(root) == [a, b]
+    assert find_latest(root) == b
+    (root / "latest").write_text(iter_dir_name(12))    # pointer at an incomplete one
+    assert find_latest(root) == b
+    (root / "latest").write_text(a.name)               # pointer wins when it is complete
+    assert find_latest(root) == a
+
+
+def test_accepted_samples_counts_checkpoint_and_journal(tmp_path):
+    cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
+    rd = RunDir.from_config(cfg)
+    assert rd.accepted_samples() == 0
+    _complete(rd.checkpoint_root, 3, accepted=8)
+    j = TrajectoryJournal(rd.journal)
+    j.append([_traj(i) for i in range(4)])
+    j.close()
+    assert rd.accepted_samples() == 12
+
+
+def test_run_dir_imports_neither_torch_nor_megatron():
+    code = ("import sys, areal_mega.run_dir, areal_mega.dataplane.journal; "
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
