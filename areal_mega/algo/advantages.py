@@ -174,7 +174,8 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
             raise KeyError("kl_in_reward needs 'ref_logprobs'")
         pol = batch.get("prox_logprobs")
         pol = batch["behav_logprobs"] if pol is None else pol
-        kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask)
+        kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask,
+                         clamp=cfg.kl_clamp)
         kl_pen = -cfg.kl_coef * kl
         stats["kl_reward_mean"] = float(kl[mask].mean()) if mask.any() else 0.0
 
