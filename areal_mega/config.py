@@ -8,6 +8,7 @@ choices=)``), so the schema reads as documentation.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -155,6 +156,8 @@ class AlgorithmConfig:
     entropy_coef: float = _f(0.0, lo=0.0, doc="entropy bonus weight in the policy loss")
     kl_coef: float = _f(0.0, lo=0.0)
     kl_estimator: str = _f("k3", choices=["k1", "k2", "k3"])
+    kl_clamp: Optional[float] = _f(10.0, lo=0.0, lo_open=True, doc="k3 KL value clamped to "
+                                   "+-kl_clamp as in verl (k1/k2 never); None = unclamped")
     kl_in_reward: bool = False
     group_norm: bool = True
     group_std: bool = _f(True, doc="divide by the group std (False: Dr.GRPO mean-only)")
@@ -432,6 +435,9 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.mode == "rl" and cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator='gae': needs a critic, which the trainer "
                           "does not build yet; use grpo or reinforce")
+    if cfg.algorithm.kl_clamp is not None and not math.isfinite(cfg.algorithm.kl_clamp):
+        raise ConfigError(f"algorithm.kl_clamp={cfg.algorithm.kl_clamp!r}: must be a finite "
+                          "number > 0 (null = unclamped)")
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \

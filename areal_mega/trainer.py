@@ -21,6 +21,28 @@ from areal_mega.train.session import TrainerSession
 
 
 def rl_step(s: TrainerSession, step: int) -> dict:
+    """Run RL step ``step`` (1-based) on this trainer rank; every rank calls it, in lockstep.
+
+    1. Rank 0 takes the ``rollout.batch_size`` oldest complete prompt groups from the intake
+       (blocking until they arrive), filters them, computes advantages and plans packed
+       micro-batches for every DP rank (``batches.plan_step``); the plan is broadcast and each
+       rank keeps its DP share (``batches.distribute``).
+    2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``)
+       and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches,
+       as is ``policy_version = step − 1``.
+    3. The loss is built from ``cfg.algorithm`` by ``make_policy_loss`` (so every algorithm key,
+       e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
+       optimizer steps (``train_batch``, collective over the trainer ranks).
+    4. ``s.publish_weights(version=step)`` sends the new weights to the rollout servers; then
+       rank 0 appends the trained sample ids to the intake's trained log.
+
+    Side effects: the actor's weights, optimizer and LR schedule advance; the servers serve
+    ``step``; the micro-batches are mutated. No logging or checkpointing (the caller's loop
+    does both). Returns the step's statistics (identical on every rank): rank 0's batch
+    statistics (filter, advantages, rewards, versions, sizes), the finalised loss statistics
+    merged over minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split
+    and ``tokens/s``.
+    """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
     plan = (batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else (None, None, None))

@@ -1,4 +1,5 @@
-"""Reward shaping, group/batch normalisation, advantage estimators, KL estimators, filters."""
+"""Reward shaping, group/batch normalisation, advantage estimators, filters (the KL
+estimators are in test_algo_kl.py)."""
 import dataclasses
 import math
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 
 import areal_mega.ops as ops
-from areal_mega.algo import (compute_advantages, dynamic_filter, group_normalize, kl_estimate,
-                             masked_whiten, outcome_token_rewards, overlong_penalty,
-                             shape_rewards, uniform_groups)
+from areal_mega.algo import (compute_advantages, dynamic_filter, group_normalize, masked_whiten,
+                             outcome_token_rewards, overlong_penalty, shape_rewards,
+                             uniform_groups)
 from areal_mega.config import AlgorithmConfig
 
 HAS_GAE = hasattr(ops, "packed_gae")
@@ -166,37 +167,6 @@ def test_gae_without_values_is_a_clear_error():
         compute_advantages(grpo_batch(), cfg_(adv_estimator="gae"))
 
 
-# ----------------------------------------------------------------------------- KL
-
-
-def test_kl_estimators_hand_values_and_grad():
-    ref = torch.zeros(4)
-    logp = torch.tensor([0.5, -0.5, 0.0, 3.0], requires_grad=True)
-    mask = torch.tensor([1, 1, 1, 0])
-    torch.testing.assert_close(kl_estimate(logp, ref, "k1", mask),
-                               torch.tensor([0.5, -0.5, 0.0, 0.0]))
-    torch.testing.assert_close(kl_estimate(logp, ref, "k2", mask),
-                               torch.tensor([0.125, 0.125, 0.0, 0.0]))
-    k3 = kl_estimate(logp, ref, "k3", mask)
-    torch.testing.assert_close(k3, torch.tensor([math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5,
-                                                 0.0, 0.0]))
-    k3.sum().backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([1 - math.exp(-0.5), 1 - math.exp(0.5),
-                                                        0.0, 0.0]))
-    with pytest.raises(ValueError):
-        kl_estimate(logp, ref, "k4")
-
-
-def test_k1_k3_unbiased_under_the_policy():
-    """E_{y~π}[k] = KL(π‖π_ref) exactly for k1 and k3 (enumerate a categorical)."""
-    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    q = torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
-    kl = float((p * (p / q).log()).sum())
-    for est in ("k1", "k3"):
-        assert float((p * kl_estimate(p.log(), q.log(), est)).sum()) == pytest.approx(kl)
-    assert float((p * kl_estimate(p.log(), q.log(), "k2")).sum()) > 0
-
-
 # ----------------------------------------------------------------------------- dynamic filter
 
 
@@ -226,3 +196,23 @@ def test_dynamic_filter_drops_uniform_groups_with_stats():
     b = filter_batch()
     same, st_off = dynamic_filter(b, enabled=False)
     assert same is b and st_off["uniform_groups"] == 3.0 and st_off["seqs_dropped"] == 0.0
+
+
+# ----------------------------------------------------------------------------- conventions
+
+
+def test_conventions_that_differ_from_verl_and_areal():
+    """The choices docs/algorithms.md lists as deliberate differences, pinned on hand values."""
+    # a singleton group: advantage 0 under every normalisation (verl: R/(1+eps); AReaL with
+    # leave-one-out: R) ...
+    one = torch.tensor([5.0]), torch.tensor([0])
+    for kw in ({}, {"use_std": False}, {"leave_one_out": True}):
+        assert float(group_normalize(*one, **kw)[0]) == 0.0
+    # ... and the dynamic filter drops it (verl's DAPO filter keeps singletons)
+    keep, _ = uniform_groups(torch.tensor([5.0, 1.0, 0.0]), torch.tensor([0, 1, 1]))
+    assert keep.tolist() == [False, True, True]
+    # reward: scale * r + bias (AReaL: (r + bias) * scale)
+    r = shape_rewards(torch.tensor([1.0]), cfg_(reward_scale=2.0, reward_bias=1.0))
+    assert float(r[0]) == 3.0
+    # overlong penalty capped at -penalty beyond max_len (verl/AReaL: -(|y|-L_exp)/buffer·p)
+    assert float(overlong_penalty(torch.tensor([20]), max_len=10, buffer=4, penalty=0.5)) == -0.5

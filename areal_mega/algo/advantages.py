@@ -5,7 +5,8 @@ Pipeline (:func:`compute_advantages`), per sequence i with reward R_i:
 1. :func:`shape_rewards` — zero R_i if the sequence ended without EOS (optional), add the DAPO
    overlong penalty, then scale, bias and clip.
 2. KL in the reward (``kl_in_reward``, β = ``kl_coef``): per-token penalty −β·KL_t(π ‖ π_ref)
-   with π = π_prox when present, else π_behav (no gradient: it is part of the reward).
+   with π = π_prox when present, else π_behav (no gradient: it is part of the reward); k3 is
+   clamped to ±``kl_clamp`` as in the loss term (:mod:`~areal_mega.algo.kl`).
 3. The estimator (``adv_estimator``):
 
    - ``grpo``: sequence reward R_i − β Σ_t KL_t, normalised within its prompt group
@@ -16,6 +17,10 @@ Pipeline (:func:`compute_advantages`), per sequence i with reward R_i:
    - ``gae``: the same token rewards with the critic's ``values`` through
      ``areal_mega.ops.packed_gae`` (γ, λ, ``bootstrap_values`` for truncated sequences).
 4. Optional batch normalisation of the per-token advantages (:func:`masked_whiten`).
+
+Where these conventions differ from verl and AReaL on purpose (singleton groups, reward
+``scale·R + bias``, the capped overlong penalty) is stated at each function and, with the
+formulas and config keys, in docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -39,6 +44,10 @@ def overlong_penalty(response_lens: Tensor, *, max_len: int, buffer: int,
 
     With L_exp = max_len − buffer:  0 for |y| ≤ L_exp;  −penalty·(|y| − L_exp)/buffer for
     L_exp < |y| ≤ max_len;  −penalty beyond.  ``buffer == 0`` disables it (all zeros).
+
+    Convention: the penalty is capped at −penalty. verl's DAPO reward manager and AReaL compute
+    min(−(|y| − L_exp)/buffer·penalty, 0) with no lower bound; the two agree whenever
+    |y| ≤ max_len, which generation with ``max_new_tokens = max_len`` guarantees.
     """
     lens = response_lens.to(torch.float32)
     if buffer <= 0:
@@ -57,6 +66,11 @@ def shape_rewards(rewards: Tensor, cfg, *, response_lens: Optional[Tensor] = Non
     R ← R + overlong_penalty(|y|) (if ``overlong_buffer`` > 0);
     R ← ``reward_scale``·R + ``reward_bias``;
     R ← clip(R, −``reward_clip``, ``reward_clip``) (if set).
+
+    ``rewards`` [B] are the raw sequence rewards; ``cfg`` is an ``AlgorithmConfig``. Convention:
+    the bias is added after scaling (``scale·R + bias``); AReaL computes ``(R + bias)·scale``
+    (its ``reward_bias`` / ``reward_scaling``), verl has no such option. With bias b and scale s,
+    AReaL's (s, b) equals our (s, s·b).
     """
     r = rewards.to(torch.float32)
     if cfg.zero_reward_without_eos:
@@ -84,7 +98,12 @@ def group_normalize(rewards: Tensor, group_index: Tensor, *, use_std: bool = Tru
     baseline b_i = mean_g(R)   or, with ``leave_one_out`` (RLOO), mean of the *other* n−1
     rewards, so R_i − b_i = n/(n−1)·(R_i − mean_g(R));
     A_i = (R_i − b_i) / (std_g(R) + eps) with the unbiased (n−1) group std, or
-    A_i = R_i − b_i when ``use_std`` is off (Dr.GRPO). Singleton groups get A = 0.
+    A_i = R_i − b_i when ``use_std`` is off (Dr.GRPO). Returns [B].
+
+    Convention: a singleton group (n = 1) gets A = 0 under every option, so it contributes no
+    policy gradient (and :func:`~areal_mega.algo.filters.dynamic_filter` drops it). verl's GRPO
+    uses mean 0 and std 1 for a singleton, i.e. A = R/(1 + eps), and its RLOO leaves R as is;
+    AReaL's group normalisation gives 0 by plain mean but R with leave-one-out.
     """
     r = rewards.to(torch.float32)
     _, gid = torch.unique(group_index, return_inverse=True)
@@ -174,7 +193,8 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
             raise KeyError("kl_in_reward needs 'ref_logprobs'")
         pol = batch.get("prox_logprobs")
         pol = batch["behav_logprobs"] if pol is None else pol
-        kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask)
+        kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask,
+                         clamp=cfg.kl_clamp)
         kl_pen = -cfg.kl_coef * kl
         stats["kl_reward_mean"] = float(kl[mask].mean()) if mask.any() else 0.0
 

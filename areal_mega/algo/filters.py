@@ -2,6 +2,11 @@
 
 A group where every sample got the same reward has zero group-normalised advantage for every
 token, so it only dilutes the batch; dropping it keeps the gradient signal per token up.
+
+Convention: a singleton group (one sample) counts as uniform and is dropped, consistent with
+its zero advantage in :func:`~areal_mega.algo.advantages.group_normalize`. verl's DAPO filter
+keeps singleton groups (its rule is "std > 0 or a single sample"); AReaL has no built-in group
+filter (a workflow's ``should_accept_fn`` decides). See docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ def uniform_groups(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
                    ) -> tuple[Tensor, Tensor]:
     """``(keep [B] bool, uniform_group [G] bool)``: a group is uniform when
     max − min of its rewards ≤ ``tol``; ``keep`` is False on every sequence of such a group.
-    Groups are numbered by ``torch.unique(group_index)`` (sorted ids)."""
+    A singleton group is uniform. Groups are numbered by ``torch.unique(group_index)``
+    (sorted ids)."""
     r = rewards.to(torch.float32)
     _, gid = torch.unique(group_index, return_inverse=True)
     n_groups = int(gid.max()) + 1 if gid.numel() else 0

@@ -24,6 +24,9 @@ token / sequence / geometric levels and the mask / clamp cap), so the per-token 
 
     L_t = w_t · keep_t · ℓ_t  +  β_kl · KL_t(π_θ ‖ π_ref)  −  β_ent · H_t
 
+with KL_t the ``kl_estimator`` (k1/k2/k3) of :func:`~areal_mega.algo.kl.kl_estimate`, k3
+clamped to ±``kl_clamp`` (verl's convention; see docs/algorithms.md).
+
 Aggregation (``loss_agg``) as numerator / denominator, see :func:`aggregate_loss`. The engine
 sums numerators over micro-batches and divides by the sum of denominators over all micro-batches
 and DP ranks (computed before the forward passes), so the loss and its gradients do not depend on
@@ -231,7 +234,8 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     token_loss = pg
     kl_ref = None
     if mb.get("ref_logprobs") is not None:
-        kl_ref = kl_estimate(logprobs, mb["ref_logprobs"].to(dtype), cfg.kl_estimator, mask)
+        kl_ref = kl_estimate(logprobs, mb["ref_logprobs"].to(dtype), cfg.kl_estimator, mask,
+                             clamp=cfg.kl_clamp)
         if cfg.kl_coef > 0 and not cfg.kl_in_reward:
             token_loss = token_loss + cfg.kl_coef * kl_ref
     elif cfg.kl_coef > 0 and not cfg.kl_in_reward:

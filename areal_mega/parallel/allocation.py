@@ -6,6 +6,10 @@ Examples: ``sglang:d4t2+megatron:d2p2t2c1e2``, ``local:d1+megatron:t2``, ``megat
 Letters: ``d`` data, ``t`` tensor, ``p`` pipeline, ``c`` context, ``e`` expert parallel size
 (default 1). Trainer world = d·t·p·c; ``e`` adds no ranks (experts are carved out of d·c) and
 must divide d·c. Rollout world = d·t·p.
+
+Pure parsing with no side effects; any process may call it: config validation
+(:func:`areal_mega.config.validate`), the launcher's plan (``areal_mega.launch.plan``) and every
+trainer rank building its mesh (``TrainerSession``).
 """
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ class AllocationError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """Parallel sizes of one side (all >= 1): ``dp`` data, ``tp`` tensor, ``pp`` pipeline,
+    ``cp`` context, ``ep`` expert (trainer only; carved out of dp·cp, so it adds no ranks).
+    The rollout side uses dp/tp/pp only and keeps cp = ep = 1."""
+
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -34,14 +42,20 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
+        """Ranks this layout needs: dp·tp·pp·cp (``ep`` adds none)."""
         return self.dp * self.tp * self.pp * self.cp
 
     def short(self) -> str:
+        """Every size in allocation-string form, e.g. ``d2t2p1c1e1`` (for messages, logs)."""
         return f"d{self.dp}t{self.tp}p{self.pp}c{self.cp}e{self.ep}"
 
 
 @dataclass(frozen=True)
 class Allocation:
+    """A parsed allocation string. ``rollout_backend`` (``sglang``/``local``) and ``rollout``
+    are None for a trainer-only string (the trainer joins external rollout servers);
+    ``trainer_backend`` is ``megatron``; ``trainer`` holds the trainer's sizes."""
+
     rollout_backend: Optional[str]
     rollout: Optional[ParallelDims]
     trainer_backend: str
@@ -49,10 +63,12 @@ class Allocation:
 
     @property
     def rollout_world_size(self) -> int:
+        """Devices of the rollout side: d·t·p (0 for a trainer-only allocation)."""
         return self.rollout.dp * self.rollout.tp * self.rollout.pp if self.rollout else 0
 
     @property
     def trainer_world_size(self) -> int:
+        """Trainer ranks: d·t·p·c."""
         return self.trainer.world_size
 
 
@@ -90,7 +106,14 @@ def _parse_dims(part: str, dims: str, allowed: str) -> ParallelDims:
 
 
 def parse_allocation(text: str) -> Allocation:
-    """Parse and validate an allocation string; raises :class:`AllocationError`."""
+    """Parse and validate an allocation string into an :class:`Allocation`.
+
+    ``text`` is ``<rollout>:<dims>+<trainer>:<dims>`` or ``<trainer>:<dims>``; omitted letters
+    are 1. Raises :class:`AllocationError` naming the part and the rule for: an empty string,
+    more than two parts, a part without ``backend:dims``, an unknown backend, an unknown,
+    repeated, zero or side-inappropriate letter (rollout allows d/t/p, trainer d/t/p/c/e),
+    unparsable text, or ``e`` not dividing d·c. Pure; no side effects.
+    """
     if not isinstance(text, str) or not text.strip():
         raise AllocationError("empty allocation string; expected e.g. 'local:d1+megatron:t2'")
     parts = [p.strip() for p in text.strip().split("+")]

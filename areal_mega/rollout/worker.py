@@ -103,7 +103,25 @@ def accepted_groups(run_dir: Path, ckpt: Optional[Path], n_samples: int) -> int:
 
 
 class RolloutWorker:
+    """The rollout side of an RL run, one per run, in its own process (``main``, started by
+    ``areal_mega.launch.local``; never inside a trainer rank).
+
+    Threads: the main thread runs :meth:`run`; the controller generates in its own thread with
+    an asyncio loop and calls :meth:`_sink` from a thread pool; the control server calls
+    :meth:`handle` from its own thread (one command at a time).
+    """
+
     def __init__(self, cfg):
+        """Set everything up from an :class:`~areal_mega.config.ExperimentConfig`; generates
+        nothing yet.
+
+        Reads ``<run_dir>/rollout_state.json`` (with ``recover=auto``) for the prompt position
+        and the latest trainer checkpoint under ``checkpoint.dir`` for the step to resume at;
+        loads the tokenizer and the prompt dataset; connects the rollout-server client
+        (``rollout.server_addrs``, must be non-empty: ``ValueError``) and the trajectory sender
+        to the trainer's data endpoint; binds the control endpoint and starts answering
+        commands. Creates ``logging.run_dir`` if needed.
+        """
         from areal_mega.data.dataset import PromptDataset, load_tokenizer
         from areal_mega.dataplane.transport import TrajectorySender
         from areal_mega.rollout.client import RolloutClient
@@ -156,6 +174,13 @@ class RolloutWorker:
             _atomic_json(self.state_path, {"next_prompt": nxt, "time": time.time()})
 
     def start_controller(self, version: int) -> None:
+        """Create and start the :class:`~areal_mega.rollout.controller.RolloutController` with
+        ``version`` as the servers' current weight version (0 on a fresh run, the trainer's
+        step when resuming). Its accepted-group count starts at the groups the trainer already
+        holds (checkpoint + journal), so the staleness bound ``rollout.max_head_offpolicyness``
+        holds across a restart. Called by :meth:`run` or, when resuming, by :meth:`handle` on
+        the trainer's first weight update; sets ``self.controller``.
+        """
         from areal_mega.rollout.controller import RolloutController
 
         r = self.cfg.rollout
@@ -171,6 +196,23 @@ class RolloutWorker:
                  ctl.counter.accepted)
 
     def handle(self, msg: dict) -> dict:
+        """Answer one control command from trainer rank 0; runs on the control server's thread.
+
+        ``msg["cmd"]``:
+
+        - ``ping`` -> ``{}``; ``stats`` -> the controller's statistics (``{"started": 0}``
+          before it exists);
+        - ``update_weights`` (``version``, ``path``: an HF safetensors directory) -> pause the
+          servers, load ``path``, continue at ``version`` (``{"version", "seconds"}``); when no
+          controller runs yet (resuming) the servers load directly and the controller starts;
+        - ``begin_update`` / ``end_update`` (``version``) -> the two halves of an update the
+          trainer broadcasts itself: stop dispatching and pause, then make ``version`` current
+          and continue (or, when resuming, set the servers' version and start the controller).
+
+        Returns the reply fields; raises ``FileNotFoundError`` for a missing weights directory
+        and ``ValueError`` for an unknown command (the control server turns both into an error
+        reply).
+        """
         cmd = msg["cmd"]
         if cmd == "ping":
             return {}
@@ -224,6 +266,11 @@ class RolloutWorker:
             await c.close()
 
     def run(self) -> None:
+        """Main loop of the worker process: start generating at version 0 (fresh run) or wait
+        for the trainer's first weight update (resuming), then block until ``stop_event`` is
+        set (SIGTERM in ``main``). Raises ``RuntimeError`` when the controller reports an error,
+        so the process exits non-zero (under ``launch.local`` that ends the run; a relaunched
+        trainer restarts the worker with it)."""
         if self.resume_step == 0:
             self.start_controller(0)
         else:
@@ -233,6 +280,8 @@ class RolloutWorker:
                 raise RuntimeError(f"rollout failed: {self.controller._error}")
 
     def close(self) -> None:
+        """Stop the controller (up to 10 s), the control server and the sender (letting queued
+        trajectories go out for up to 5 s). Called once by ``main`` on the way out."""
         if self.controller is not None:
             self.controller.stop(timeout=10)
         self.control.close()

@@ -34,9 +34,30 @@ def data_endpoint(cfg: ExperimentConfig) -> str:
 
 
 class TrainerSession:
-    """Builds the mesh and engines, restores or initialises state, owns logging and I/O."""
+    """Builds the mesh and engines, restores or initialises state, owns logging and I/O.
+
+    One per trainer process: every torchrun rank of ``areal_mega.trainer`` builds one, and the
+    methods below are called on every rank in the same order (most are collective). Rank 0
+    (``is_rank0``) alone holds the I/O: ``intake`` (trajectories from the rollout worker, RL
+    only), ``link`` (the worker's control channel), ``logger``, ``progress`` and, with
+    ``rollout.weight_update=distributed``, ``weight_sender``; these are None on other ranks.
+    Other attributes: ``cfg``, ``run_dir``, ``mesh``, ``layout`` (dp/tp/pp/cp sizes for
+    planning), ``actor``, ``ref`` (None without ``ref.enabled``), ``ckpt_root``,
+    ``start_step`` (last completed step; 0 on a fresh run), ``weight_update``.
+    """
 
     def __init__(self, cfg: ExperimentConfig):
+        """Collective set-up on every trainer rank, in order: the parallel mesh (initialises
+        torch.distributed) from ``cfg.allocation``; the actor engine (and the reference engine
+        with ``ref.enabled``); resume from the latest checkpoint under ``ckpt_root`` when
+        ``recover=auto`` finds one, else the initial weights (``checkpoint.load`` or
+        ``model.path``, converted once to ``<run_dir>/init_mcore``); the weight-update
+        method. Rank 0 then writes ``config.resolved.json``, opens the metrics logger and, in
+        RL mode, starts the trajectory intake (replaying its journal when resuming) and the
+        control link. A resumed RL run publishes its weights at ``start_step`` before
+        returning, so the rollout servers generate with the trained weights. Raises
+        :class:`~areal_mega.config.ConfigError` for an unusable ``rollout.weight_update``.
+        """
         from areal_mega.engine.megatron_engine import MegatronEngine
         from areal_mega.parallel.mesh import ParallelMesh
 
@@ -181,6 +202,10 @@ class TrainerSession:
     def publish_weights(self, version: int) -> None:
         """Send the actor's weights to the rollout servers and make ``version`` current.
 
+        Collective: every trainer rank calls it (``trainer.rl_step`` after the update, with
+        ``version`` = the step just trained; ``__init__`` on a resume); it returns once the
+        servers serve ``version`` (after a barrier when torch.distributed is initialised).
+
         ``disk``: every rank takes part in the HF export, rank 0 writes the safetensors
         directory and asks the rollout worker to pause, reload, continue and bump the version.
         ``distributed``: rank 0 asks the worker to pause, broadcasts the HF-named tensors in
@@ -225,6 +250,13 @@ class TrainerSession:
                 shutil.rmtree(d, ignore_errors=True)
 
     def log(self, step: int, stats: dict) -> None:
+        """Write ``stats`` as the metrics row of ``step`` (rank 0 only; a no-op elsewhere).
+
+        Adds the intake's ``dataplane/*`` and ``buffer/*`` statistics and ``staleness/max``
+        (``step − 1 −`` the oldest weight version in the batch) to ``stats`` in place, appends
+        the row to ``<run_dir>/metrics.jsonl`` (fsync'd; TensorBoard too when enabled) and
+        advances the progress bar. Called by the trainer's main loop after each step.
+        """
         if not self.is_rank0:
             return
         if self.intake is not None:
@@ -236,6 +268,16 @@ class TrainerSession:
             self.progress.update(step, row)
 
     def maybe_checkpoint(self, step: int, force: bool = False) -> None:
+        """Save a full checkpoint of ``step`` if it is due: ``force``, the last step
+        (``total_steps``), or a multiple of ``checkpoint.save_every`` (0 = only the last).
+
+        Collective (every trainer rank, after :meth:`log`). Writes ``<ckpt_root>/iter_<step>``
+        (model, optimizer, LR scheduler, RNG; ``extra`` = step, version, time, buffer file,
+        accepted samples) and keeps the last ``checkpoint.keep_last``. In RL mode rank 0 first
+        snapshots the trajectory buffer to ``buffer_iter_<step>.bin`` (starting a new journal
+        segment), and after the save deletes the journal segments the checkpoint now covers
+        and buffer files whose checkpoint was pruned.
+        """
         every = self.cfg.checkpoint.save_every
         if not (force or step == self.cfg.total_steps or (every and step % every == 0)):
             return
@@ -268,6 +310,9 @@ class TrainerSession:
         return int(t.item())
 
     def finish(self) -> None:
+        """End of a completed run (rank 0 only; a no-op elsewhere): plot the reward curve to
+        ``<run_dir>/reward_curve.png`` when ``logging.plot`` and print where the run directory
+        and metrics are. Called once after the last step; :meth:`close` still follows."""
         if not self.is_rank0:
             return
         if self.cfg.logging.plot:
@@ -279,6 +324,9 @@ class TrainerSession:
               f"{self.run_dir / 'metrics.jsonl'}")
 
     def close(self) -> None:
+        """Release everything, on every rank, whether the run finished or failed: close rank
+        0's progress bar, intake, weight sender, control link and logger (errors are logged,
+        not raised), then destroy the process group. Called from the trainer's ``finally``."""
         for obj in (self.progress, self.intake, self.weight_sender, self.link, self.logger):
             if obj is not None:
                 try:
