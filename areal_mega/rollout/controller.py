@@ -100,7 +100,7 @@ class RolloutController:
         self.client = client
         self.workflow = workflow
         self._prompts = iter(prompts)
-        self._requeued: deque = deque()
+        self._requeued: deque = deque()             # (prompt item, failed attempts so far)
         self.n_samples = n_samples
         self.max_concurrent = max_concurrent
         self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -195,7 +195,7 @@ class RolloutController:
             can = (self._gate.is_set() and c.capacity() > 0 and c.running < self.max_concurrent
                    and not self._exhausted)
             if can:
-                item = self._next_prompt()
+                item, attempt = self._next_prompt()
                 if item is None:
                     self._exhausted = True
                     with self._cv:
@@ -207,7 +207,7 @@ class RolloutController:
                 self.max_running_seen = max(self.max_running_seen, c.running)
                 with self._cv:
                     self._order.append(gidx)
-                t = asyncio.create_task(self._run_group(gidx, item))
+                t = asyncio.create_task(self._run_group(gidx, item, attempt))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
                 continue
@@ -223,10 +223,10 @@ class RolloutController:
         if tasks:
             await asyncio.wait(tasks, timeout=30)
 
-    def _next_prompt(self) -> Optional[dict]:
+    def _next_prompt(self) -> tuple:
         if self._requeued:
             return self._requeued.popleft()
-        return next(self._prompts, None)
+        return next(self._prompts, None), 0
 
     async def _run_group(self, gidx: int, item: dict, attempt: int = 0) -> None:
         ctx = EpisodeContext(self, gidx)
@@ -243,7 +243,7 @@ class RolloutController:
                 self._order.remove(gidx)
                 self._cv.notify_all()
             if attempt + 1 < self.max_episode_retries:
-                self._requeued.append(item)
+                self._requeued.append((item, attempt + 1))
             else:
                 self._set_error(RuntimeError(f"episode failed {attempt + 1} times: {e}"))
             self._wake.set()
