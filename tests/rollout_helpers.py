@@ -1,7 +1,10 @@
-"""Helpers shared by the rollout tests: tiny models, server processes, teacher-forced logprobs."""
+"""Helpers shared by the rollout tests: tiny models, server processes, teacher-forced logprobs,
+a collecting group sink."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -45,3 +48,38 @@ def teacher_forced_logprobs(model, ids, start, temperature=1.0):
 def run(coro, timeout=120):
     """Run ``coro`` on a fresh event loop with a timeout."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class GroupSink:
+    """A controller sink that appends each delivered group to ``groups`` (sinks run on the
+    controller's thread pool, hence the lock); :meth:`take` reads them like a trainer reads its
+    buffer: in arrival order, ``n`` at a time."""
+
+    def __init__(self):
+        self.groups: list = []
+        self._lock = threading.Lock()
+        self._taken = 0
+
+    def __call__(self, group: list) -> None:
+        with self._lock:
+            self.groups.append(group)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.groups)
+
+    def take(self, ctl, n: int, timeout: float = 120.0) -> list:
+        """The next ``n`` delivered groups not taken yet; polls until they arrive and raises
+        the controller's failure (``ctl.raise_if_failed``) instead of waiting it out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ctl.raise_if_failed()
+            with self._lock:
+                if len(self.groups) >= self._taken + n:
+                    out = self.groups[self._taken:self._taken + n]
+                    self._taken += n
+                    return out
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} groups not delivered within {timeout}s "
+                                   f"({len(self)} delivered, {self._taken} taken)")
+            time.sleep(0.02)

@@ -1,7 +1,8 @@
-"""RolloutController against real CPU server processes: interruptible weight updates, the
-staleness bound, a server dying mid-run, multi-turn episodes and the sink path."""
+"""RolloutController against real CPU server processes, driven through the API the rollout
+worker uses (groups into a sink, weight updates with pause/resume): interruptible weight
+updates, the staleness bound, a server dying mid-run, multi-turn episodes, delivery order and
+failures surfacing."""
 import json
-import threading
 import time
 import urllib.request
 
@@ -14,7 +15,7 @@ from areal_mega.rollout.launch import launch_local_servers
 from areal_mega.rollout.rewards import exact_match_reward
 from areal_mega.rollout.staleness import sample_version
 from areal_mega.rollout.workflows import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
-from tests.rollout_helpers import (API_KEY, models, run,  # noqa: F401 (fixture)
+from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
                                    teacher_forced_logprobs)
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,8 +36,8 @@ def prompts(n, length=4):
              "answer": "never"} for i in range(n)]
 
 
-def make_controller(addrs, *, batch_size, n_samples, eta, max_new_tokens, n_prompts=64,
-                    workflow=None, sink=None, tokenizer=None, **kw):
+def make_controller(addrs, *, batch_size, n_samples, eta, max_new_tokens, sink, n_prompts=64,
+                    workflow=None, tokenizer=None, **kw):
     client = RolloutClient(addrs, api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
     wf = workflow or RLVRWorkflow(exact_match_reward, max_new_tokens)
     return RolloutController(client, wf, prompts(n_prompts), batch_size=batch_size,
@@ -62,11 +63,13 @@ def tokens_generated(addrs) -> int:
     return total
 
 
-def restore(addrs, path):
+def load_weights(addrs, path, version=0):
+    """Load ``path`` on every server from a client of its own, as the trainer's side of a
+    begin_update/end_update pair does (and as the end of a test restores model a)."""
     async def go():
         c = RolloutClient(addrs, api_key=API_KEY)
         try:
-            await c.update_weights_from_disk(str(path), weight_version=0)
+            await c.update_weights_from_disk(str(path), weight_version=version)
         finally:
             await c.close()
     run(go())
@@ -78,17 +81,19 @@ def test_interrupted_generation_is_stitched(servers, models):
     forced logprob of the model version that produced it."""
     addrs = [p.addr for p in servers]
     base = tokens_generated(addrs)
-    ctl = make_controller(addrs, batch_size=4, n_samples=2, eta=1, max_new_tokens=120).start()
+    sink = GroupSink()
+    ctl = make_controller(addrs, batch_size=4, n_samples=2, eta=1, max_new_tokens=120,
+                          sink=sink).start()
     try:
         # interrupt once every in-flight request is a few tokens in (a fixed sleep let fast
         # machines finish all 120 tokens first): 8 requests x 4 tokens
         wait_for(lambda: ctl.n_inflight_requests >= 8)
         wait_for(lambda: tokens_generated(addrs) - base >= 32, timeout=120)
         ctl.update_weights(1, path=str(models["b"]))
-        groups = ctl.wait_batch(8, timeout=120)
+        groups = sink.take(ctl, 8, timeout=120)
     finally:
         ctl.stop()
-        restore(addrs, models["a"])
+        load_weights(addrs, models["a"])
     trajs = [t for g in groups for t in g]
     assert len(trajs) == 16
     n_interrupted = 0
@@ -114,14 +119,18 @@ def test_interrupted_generation_is_stitched(servers, models):
 @pytest.mark.parametrize("eta", [0, 1, 4])
 def test_staleness_bound(servers, models, eta):
     """No consumed sample is older than trainer version - eta; with eta > 0 the bound is
-    reached (groups started at version 0 are consumed up to eta versions later)."""
+    reached (groups started at version 0 are consumed up to eta versions later). The trainer
+    consumes B groups per step in arrival order and pushes its weights between
+    begin_weight_update and end_weight_update, as over the worker's control channel."""
     B, steps = 2, 4
-    ctl = make_controller([p.addr for p in servers], batch_size=B, n_samples=2, eta=eta,
-                          max_new_tokens=6).start()
+    addrs = [p.addr for p in servers]
+    sink = GroupSink()
+    ctl = make_controller(addrs, batch_size=B, n_samples=2, eta=eta, max_new_tokens=6,
+                          sink=sink).start()
     worst = 0
     try:
         for step in range(steps):
-            groups = ctl.wait_batch(timeout=60)
+            groups = sink.take(ctl, B, timeout=60)
             assert len(groups) == B
             st = ctl.stats()
             assert st["started"] - st["failed"] <= (eta + ctl.version + 1) * B
@@ -130,7 +139,10 @@ def test_staleness_bound(servers, models, eta):
                     v = sample_version(t.versions)
                     assert v >= ctl.version - eta, (v, ctl.version, eta)
                     worst = max(worst, ctl.version - v)
-            ctl.update_weights(step + 1, path=str(models["a"]))
+            ctl.begin_weight_update()
+            load_weights(addrs, models["a"], step + 1)
+            ctl.end_weight_update(step + 1)
+            assert ctl.version == step + 1
     finally:
         ctl.stop()
     assert worst == min(eta, steps - 1)
@@ -141,13 +153,14 @@ def test_killing_one_server_loses_nothing(models):
     try:
         # long requests and an early kill: none can finish on server 0 before it dies, so
         # every trajectory must have been completed (or resumed) on server 1
+        sink = GroupSink()
         ctl = make_controller([p.addr for p in procs], batch_size=4, n_samples=2, eta=0,
-                              max_new_tokens=300).start()
+                              max_new_tokens=300, sink=sink).start()
         try:
             wait_for(lambda: ctl.n_inflight_requests >= 8)
             time.sleep(0.05)
             procs[0].kill()
-            groups = ctl.wait_batch(4, timeout=120)
+            groups = sink.take(ctl, 4, timeout=120)
             st = ctl.stats()
         finally:
             ctl.stop()
@@ -172,21 +185,16 @@ def test_multi_turn_environment_tokens_masked_and_sink(servers, models):
     feedback = "\nWrong, try again:\n"
     wf = MultiTurnWorkflow(lambda: RetryEnvironment(exact_match_reward, feedback=feedback),
                            max_new_tokens=6, max_turns=3, max_total_tokens=200)
-    got, lock = [], threading.Lock()
-
-    def sink(group):
-        with lock:
-            got.append(group)
+    sink = GroupSink()
     ctl = make_controller([p.addr for p in servers], batch_size=2, n_samples=2, eta=0,
                           max_new_tokens=6, workflow=wf, sink=sink, tokenizer=tok,
                           n_prompts=2).start()
     try:
-        wait_for(lambda: len(got) == 2)
+        got = sink.take(ctl, 2)
         assert ctl.stats()["accepted"] == 2
-        with pytest.raises(RuntimeError, match="sink"):
-            ctl.wait_batch()
     finally:
         ctl.stop()
+    assert len(sink) == 2   # two prompts: nothing else was delivered
     fb = tok(feedback, add_special_tokens=False)["input_ids"]
     for t in [t for g in got for t in g]:
         P = t.prompt_len
@@ -224,17 +232,52 @@ def test_sink_receives_groups_in_start_order(servers):
     """With a sink, a finished group waits for every earlier-started group (a failed one is
     skipped, not waited for): the trainer then consumes in start order, which is what makes the
     staleness bound exact on the data-plane path."""
-    got, lock = [], threading.Lock()
-
-    def sink(group):
-        with lock:
-            got.append(group[0].meta["group_index"])
+    sink = GroupSink()
     wf = _OutOfOrderWorkflow(RLVRWorkflow(exact_match_reward, 4))
     ctl = make_controller([p.addr for p in servers], batch_size=3, n_samples=2, eta=1,
                           max_new_tokens=4, workflow=wf, sink=sink, n_prompts=12).start()
     try:
-        wait_for(lambda: len(got) >= 5, timeout=120)
+        wait_for(lambda: len(sink) >= 5, timeout=120)
     finally:
         ctl.stop()
+    got = [g[0].meta["group_index"] for g in sink.groups]
     assert got == sorted(got) and 2 not in got, got   # start order; the failed index skipped
     assert ctl.stats()["failed"] == 1
+
+
+class _FailingWorkflow:
+    async def arun_episode(self, ctx, item, n_samples):
+        raise RuntimeError("injected episode failure")
+
+
+def _failing_sink(group):
+    raise ValueError("injected sink failure")
+
+
+@pytest.mark.parametrize("case", ["episode", "sink", "unreachable"])
+def test_failure_surfaces_through_raise_if_failed(servers, case):
+    """What the worker polls: an episode failing on every retry (each retry counted), a sink
+    raising, or no server reachable makes ``raise_if_failed`` raise with the cause chained."""
+    addrs, wf, sink = [p.addr for p in servers], None, GroupSink()
+    if case == "episode":
+        wf, match = _FailingWorkflow(), "episode failed 2 times: injected episode failure"
+    elif case == "sink":
+        sink, match = _failing_sink, "injected sink failure"
+    else:
+        addrs, match = ["127.0.0.1:9"], "no healthy rollout server"
+    ctl = make_controller(addrs, batch_size=1, n_samples=1, eta=0, max_new_tokens=2,
+                          workflow=wf, sink=sink, n_prompts=1, max_episode_retries=2).start()
+    try:
+        def failed():
+            try:
+                ctl.raise_if_failed()
+            except RuntimeError as e:
+                return e
+        wait_for(failed, timeout=120)
+        e = failed()
+    finally:
+        ctl.stop()
+    assert str(e).startswith("rollout failed: ") and match in str(e)
+    assert e.__cause__ is not None and match in str(e.__cause__)
+    if case == "episode":
+        assert ctl.stats()["failed"] == 2 and ctl.stats()["started"] == 2 and len(sink) == 0

@@ -1,21 +1,23 @@
 """RolloutController: concurrent episodes under the staleness bound, interruptible generation,
 weight updates, and delivery of finished groups to a sink.
 
-Trainer loop (all calls from the trainer's thread; the controller runs its own asyncio thread)::
+The rollout worker (:mod:`areal_mega.rollout.worker`) drives it; all calls come from threads
+other than the controller's own asyncio thread::
 
-    ctl = RolloutController(client, workflow, prompts, batch_size=B, eta=η, n_samples=n)
+    ctl = RolloutController(client, workflow, prompts, batch_size=B, eta=η, n_samples=n,
+                            sink=deliver)   # deliver(group): production, the data plane
     ctl.start()
-    for step in range(steps):
-        groups = ctl.wait_batch()          # B groups (lists of n Trajectory), in start order
-        train(groups)
-        ctl.update_weights(step + 1, path=hf_dir)            # disk, or:
-        ctl.update_weights(step + 1, named_tensors=iter(...))  # bucketed broadcast
+    ...
+    ctl.update_weights(v, path=hf_dir)      # trainer saved HF weights: pause, load, resume
+    ctl.begin_weight_update()               # or the trainer broadcasts them itself:
+    ...                                     #   pause here, trainer sends, then
+    ctl.end_weight_update(v)                #   make v current and resume
+    ctl.raise_if_failed()                   # polled: a failure in the loop surfaces here
     ctl.stop()
 
-With a ``sink`` (production: the data plane), finished groups go to ``sink(group)`` in start
-order (a finished group waits for the earlier-started ones) instead of the internal buffer,
-and the trainer reads them from its TrajectoryBuffer in arrival order; call
-:meth:`RolloutController.report_rejected` for groups the trainer drops (frees their slots).
+Finished groups (lists of ``n_samples`` Trajectory) go to ``sink(group)`` in start order (a
+finished group waits for the earlier-started ones), so a trainer consuming in arrival order
+consumes in start order.
 
 Staleness (units: prompt groups, see :mod:`areal_mega.rollout.staleness`): a group starts only
 while ``accepted + running < (η + version + 1) · batch_size``.
@@ -27,7 +29,6 @@ import concurrent.futures
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -37,10 +38,6 @@ from areal_mega.rollout.client import RolloutClient, RolloutServerError
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
 
 log = logging.getLogger(__name__)
-
-
-class RolloutExhausted(Exception):
-    """The prompt source is exhausted and fewer groups than asked for remain."""
 
 
 @dataclass
@@ -94,13 +91,13 @@ class RolloutController:
     def __init__(self, client: RolloutClient, workflow, prompts: Iterable[dict], *,
                  batch_size: int, n_samples: int, eta: int, max_concurrent: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                 tokenizer=None, sink: Optional[Callable[[list], None]] = None,
+                 tokenizer=None, sink: Callable[[list], None],
                  initial_version: int = 0, max_episode_retries: int = 3,
                  reward_threads: int = 4, **extra_sampling):
         self.client = client
         self.workflow = workflow
         self._prompts = iter(prompts)
-        self._requeued: deque = deque()
+        self._requeued: deque = deque()             # (prompt item, failed attempts so far)
         self.n_samples = n_samples
         self.max_concurrent = max_concurrent
         self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
@@ -114,8 +111,8 @@ class RolloutController:
                                                            thread_name_prefix="rollout-reward")
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
-        self._cv = threading.Condition()           # guards the finished-group buffer
-        self._order: deque = deque()                # started, not consumed group indices
+        self._error_lock = threading.Lock()
+        self._order: deque = deque()                # started, not delivered group indices
         self._finished: dict = {}                   # group index -> list[Trajectory]
         self._sink_lock = asyncio.Lock()            # sink deliveries keep start order
         self._group_ids = itertools.count()
@@ -145,7 +142,7 @@ class RolloutController:
             ready.set()
             try:
                 self._loop.run_until_complete(self._main())
-            except BaseException as e:  # noqa: BLE001 - surfaced in wait_batch
+            except BaseException as e:  # noqa: BLE001 - surfaced by raise_if_failed
                 log.exception("rollout controller loop died")
                 self._set_error(e)
             finally:
@@ -168,19 +165,25 @@ class RolloutController:
         self._loop.call_soon_threadsafe(_stop)
         self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._cv:
-            self._cv.notify_all()
 
     def run_async(self, coro) -> concurrent.futures.Future:
-        """Run a coroutine on the controller's loop (e.g. client calls from the trainer)."""
+        """Run a coroutine on the controller's loop (e.g. client calls from another thread)."""
         if self._loop is None:
             raise RuntimeError("RolloutController not started")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
+    def raise_if_failed(self) -> None:
+        """Raise ``RuntimeError`` (chained to the cause) if the controller has failed: its loop
+        died, the servers were unreachable at start, an episode failed on every retry, or the
+        sink raised. The first failure is kept; callers poll this (the worker exits on it)."""
+        with self._error_lock:
+            e = self._error
+        if e is not None:
+            raise RuntimeError(f"rollout failed: {e}") from e
+
     def _set_error(self, e: BaseException) -> None:
-        with self._cv:
+        with self._error_lock:
             self._error = self._error or e
-            self._cv.notify_all()
 
     # ------------------------------------------------------------------ the loop
     async def _main(self) -> None:
@@ -195,19 +198,16 @@ class RolloutController:
             can = (self._gate.is_set() and c.capacity() > 0 and c.running < self.max_concurrent
                    and not self._exhausted)
             if can:
-                item = self._next_prompt()
+                item, attempt = self._next_prompt()
                 if item is None:
                     self._exhausted = True
-                    with self._cv:
-                        self._cv.notify_all()
                     continue
                 gidx = next(self._group_ids)
                 c.on_start()
                 self.n_started += 1
                 self.max_running_seen = max(self.max_running_seen, c.running)
-                with self._cv:
-                    self._order.append(gidx)
-                t = asyncio.create_task(self._run_group(gidx, item))
+                self._order.append(gidx)
+                t = asyncio.create_task(self._run_group(gidx, item, attempt))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
                 continue
@@ -223,10 +223,10 @@ class RolloutController:
         if tasks:
             await asyncio.wait(tasks, timeout=30)
 
-    def _next_prompt(self) -> Optional[dict]:
+    def _next_prompt(self) -> tuple:
         if self._requeued:
             return self._requeued.popleft()
-        return next(self._prompts, None)
+        return next(self._prompts, None), 0
 
     async def _run_group(self, gidx: int, item: dict, attempt: int = 0) -> None:
         ctx = EpisodeContext(self, gidx)
@@ -239,16 +239,13 @@ class RolloutController:
             log.warning("episode of group %d failed (attempt %d): %s", gidx, attempt + 1, e)
             self.n_failed += 1
             self.counter.on_finish(accepted=False)
-            with self._cv:
-                self._order.remove(gidx)
-                self._cv.notify_all()
+            self._order.remove(gidx)
             if attempt + 1 < self.max_episode_retries:
-                self._requeued.append(item)
+                self._requeued.append((item, attempt + 1))
             else:
                 self._set_error(RuntimeError(f"episode failed {attempt + 1} times: {e}"))
             self._wake.set()
-            if self.sink is not None:   # a later-started group may have waited for this one
-                await self._deliver_in_order()
+            await self._deliver_in_order()  # a later-started group may have waited for this one
             return
         for tr in group:
             tr.meta.update({"group_index": gidx, "start_version": start_version,
@@ -256,24 +253,17 @@ class RolloutController:
         self.counter.on_finish(accepted=True)
         self.n_finished += 1
         self._wake.set()
-        with self._cv:
-            self._finished[gidx] = group
-            self._cv.notify_all()
-        if self.sink is not None:
-            await self._deliver_in_order()
+        self._finished[gidx] = group
+        await self._deliver_in_order()
 
     async def _deliver_in_order(self) -> None:
-        """Sink mode: hand finished groups to the sink in start order — a finished group waits
-        for every earlier-started one to finish or fail — so that a trainer consuming in
-        arrival order consumes in start order, which makes the staleness bound exact (a group
-        started at version v is consumed by trainer version v + η). One delivery at a time."""
+        """Hand finished groups to the sink in start order — a finished group waits for every
+        earlier-started one to finish or fail — so that a trainer consuming in arrival order
+        consumes in start order, which makes the staleness bound exact (a group started at
+        version v is consumed by trainer version v + η). One delivery at a time."""
         async with self._sink_lock:
-            while True:
-                with self._cv:
-                    if not self._order or self._order[0] not in self._finished:
-                        return
-                    gidx = self._order.popleft()
-                    group = self._finished.pop(gidx)
+            while self._order and self._order[0] in self._finished:
+                group = self._finished.pop(self._order.popleft())
                 try:
                     await asyncio.get_running_loop().run_in_executor(self._pool, self.sink,
                                                                      group)
@@ -322,65 +312,21 @@ class RolloutController:
             seg += 1
             self.n_interruptions += 1
 
-    # ------------------------------------------------------------------ trainer API
+    # ------------------------------------------------------------------ worker API
     @property
     def version(self) -> int:
         """The weight version currently on the servers."""
         return self.counter.version
 
-    def wait_batch(self, n_groups: Optional[int] = None, timeout: Optional[float] = None
-                   ) -> list:
-        """Block until the next ``n_groups`` (default ``batch_size``) groups in start order
-        have finished and return them (each a list of ``n_samples`` trajectories). Consuming
-        in start order is what makes the staleness bound exact. Only without a sink."""
-        if self.sink is not None:
-            raise RuntimeError("wait_batch: this controller delivers to a sink")
-        n = n_groups or self.counter.batch_size
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while True:
-                if self._error is not None:
-                    raise RuntimeError(f"rollout failed: {self._error}") from self._error
-                head = list(itertools.islice(self._order, n))
-                if len(head) == n and all(g in self._finished for g in head):
-                    for _ in range(n):
-                        self._order.popleft()
-                    return [self._finished.pop(g) for g in head]
-                if self._exhausted and len(self._order) < n and \
-                        all(g in self._finished for g in self._order):
-                    raise RolloutExhausted("prompts exhausted")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"wait_batch: {n} groups not ready after {timeout}s")
-                self._cv.wait(timeout=left if left is not None else 1.0)
-
-    def report_rejected(self, n_groups: int = 1) -> None:
-        """The trainer dropped ``n_groups`` accepted groups; their slots become free."""
-        def f():
-            self.counter.on_rejected(n_groups)
-            self._wake.set()
-        self._loop.call_soon_threadsafe(f)
-
-    def update_weights(self, version: int, path: Optional[str] = None,
-                       named_tensors: Optional[Iterable] = None, sender=None,
-                       timeout: float = 600.0) -> None:
+    def update_weights(self, version: int, path: str, timeout: float = 600.0) -> None:
         """Stop dispatching → pause servers (in-flight requests abort with partial output) →
-        load ``path`` (HF safetensors dir) or broadcast ``named_tensors`` through ``sender``
-        (a connected :class:`~areal_mega.rollout.weight_sync.DistributedWeightSender`) →
-        continue → set ``version``; interrupted requests then resume automatically."""
-        if (path is None) == (named_tensors is None):
-            raise ValueError("update_weights: give exactly one of path= or named_tensors=")
-        if named_tensors is not None and sender is None:
-            raise ValueError("update_weights(named_tensors=...) needs sender=")
+        load ``path`` (HF safetensors dir) on every server → continue → set ``version``;
+        interrupted requests then resume automatically."""
         self._check_version(version)
         self.begin_weight_update(timeout)
         ok = False
         try:
-            if path is not None:
-                self.run_async(self.client.update_weights_from_disk(path, version)).result(
-                    timeout)
-            else:
-                sender.send(named_tensors, weight_version=version)
+            self.run_async(self.client.update_weights_from_disk(path, version)).result(timeout)
             ok = True
         finally:
             self.end_weight_update(version if ok else None, timeout)
@@ -417,13 +363,6 @@ class RolloutController:
             self._gate.set()
             self._wake.set()
 
-    def weight_sender(self, **kw):
-        """A :class:`~areal_mega.rollout.weight_sync.DistributedWeightSender` bound to this
-        controller's client and loop (call ``.connect()`` once)."""
-        from areal_mega.rollout.weight_sync import DistributedWeightSender
-
-        return DistributedWeightSender(self.client, run_async=self.run_async, **kw)
-
     def stats(self) -> dict:
         """Counters for logging."""
         c = self.counter
@@ -432,17 +371,3 @@ class RolloutController:
                 "finished": self.n_finished, "failed": self.n_failed,
                 "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen}
-
-
-def dataplane_sink(sender) -> Callable[[list], None]:
-    """Adapt a data-plane ``TrajectorySender`` (``.send(traj)``) to a group sink.
-
-    Sinks run on the controller's thread pool and a ZMQ socket must only be used by one thread
-    at a time, so sends are serialised (a group's samples also stay together)."""
-    lock = threading.Lock()
-
-    def sink(group: list) -> None:
-        with lock:
-            for tr in group:
-                sender.send(tr)
-    return sink

@@ -276,8 +276,8 @@ class RolloutWorker:
         else:
             log.info("resuming: waiting for the trainer's weights (step %d)", self.resume_step)
         while not self.stop_event.wait(5.0):
-            if self.controller is not None and self.controller._error is not None:
-                raise RuntimeError(f"rollout failed: {self.controller._error}")
+            if self.controller is not None:
+                self.controller.raise_if_failed()
 
     def close(self) -> None:
         """Stop the controller (up to 10 s), the control server and the sender (letting queued
