@@ -104,3 +104,40 @@ def test_explicit_torch_backend_is_silent(monkeypatch, capsys):
     monkeypatch.setattr(_backend, "_warned", set())
     assert _backend.select(torch.device("cpu")) is None
     assert capsys.readouterr().err == ""
+
+
+def test_gpu_check_without_cuda_exits_with_a_clear_message():
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 2
+    assert "sees no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
+
+
+def test_gpu_check_dry_run_lists_every_step():
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    listed = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()]
+    assert listed == ["build", "gpu-tests", "kernel-bench", "prepare", "train-bf16", "e2e-rl"]
+
+
+def test_gpu_check_table_and_step_failure():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+
+    def boom(step, work):
+        raise gpu_check.StepFailed("exit 1: boom")
+
+    def fine(step, work):
+        step.figure = "3 passed"
+    steps = [gpu_check.Step("a", "", fine), gpu_check.Step("b", "", boom)]
+    for s in steps:
+        s.execute(Path("."))
+    assert [s.status for s in steps] == ["pass", "fail"]
+    table = gpu_check.format_table(steps).splitlines()
+    assert table[0].split()[:3] == ["step", "result", "seconds"]
+    assert "PASS" in table[2] and "3 passed" in table[2]
+    assert "FAIL" in table[3] and "boom" in table[3]
