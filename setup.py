@@ -115,7 +115,7 @@ def kernel_extensions():
         cpp_extension.CUDA_HOME, "bin"))
     if torch.version.cuda and nvcc and os.environ.get("AREAL_MEGA_NO_CUDA") != "1":
         arch = cuda_arch_list(os.environ, _visible_capabilities(torch))
-        if arch and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        if arch and arch != os.environ.get("TORCH_CUDA_ARCH_LIST"):
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch
             print(f"areal-mega: no GPU visible; building the CUDA kernels for "
                   f"TORCH_CUDA_ARCH_LIST={arch} (set it to choose others)", file=sys.stderr)
