@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CI runs every test that does not need a GPU; slow tests included.
 PYTEST_ARGS ?= -m "not gpu" -q
 
-.PHONY: install test demo build clean-venv
+.PHONY: install test demo build clean-venv gpu-check gpu-wheels
 
 $(STAMP): requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,3 +36,16 @@ demo: $(STAMP) $(KERNEL_STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# One CUDA GPU, no internet: uses the machine's python3 (with CUDA torch), creates no .venv.
+# Builds the CUDA kernels, runs the gpu tests, the kernel bench, a bf16 train step and a short
+# end-to-end RL run, then prints one table (tools/gpu_check.py --dry-run lists the steps).
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+# On a connected machine: our dependency wheels (torch excluded) for CPython 3.12 manylinux
+# into .whl/, to carry to the GPU box:
+#   python3 -m pip install --no-index --find-links .whl -r .whl/requirements.txt
+GPU_WHEELS_PY ?= 3.12
+gpu-wheels:
+	$(PYTHON) tools/gpu_wheels.py --dest .whl --python-version $(GPU_WHEELS_PY)

@@ -7,7 +7,14 @@
 * ``areal_mega._dataplane_native`` -- the data plane's per-message checks (always; plain
   CPython C++, no torch; the data plane falls back to its Python twins without it);
 * ``areal_mega._ops_cuda`` -- CUDA kernels (only when torch has CUDA and nvcc is found;
-  ``AREAL_MEGA_NO_CUDA=1`` skips it, ``TORCH_CUDA_ARCH_LIST`` picks the architectures).
+  ``AREAL_MEGA_NO_CUDA=1`` skips it, ``TORCH_CUDA_ARCH_LIST`` picks the architectures and
+  defaults to ``8.0;9.0+PTX`` when no GPU is visible, e.g. on a build node).
+
+The kernels are compiled against the torch that will run them, so the build needs torch (and
+numpy) importable: a plain ``pip install -e .`` builds in an isolated environment that has
+neither, and this script then stops with instructions instead of installing a package whose
+kernels silently fall back to the much slower pure-torch code. ``AREAL_MEGA_SKIP_KERNELS=1``
+installs without kernels on purpose (with a loud notice).
 """
 import os
 import shutil
@@ -18,6 +25,23 @@ from setuptools import Extension, find_packages, setup
 
 ROOT = Path(__file__).parent
 CSRC = "csrc"
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"   # A100 and H100/H200 (+PTX: newer GPUs JIT it)
+SKIP_ENV = "AREAL_MEGA_SKIP_KERNELS"
+TE_PIN = "transformer-engine[pytorch,{core}]==2.11.0"
+NO_BUILD_DEPS_MSG = """
+areal-mega: cannot build the csrc kernels: {missing} not importable in this build environment
+({python}).
+
+A plain `pip install -e .` builds in an isolated environment without torch/numpy. The kernels
+must be compiled against the torch that runs them, so install torch first and build without
+isolation:
+
+    pip install -r requirements.txt          # or your CUDA torch, then the rest
+    pip install --no-build-isolation -e .    # (`make install` does both)
+
+To install WITHOUT the kernels on purpose (everything falls back to the much slower pure-torch
+code), set {skip}=1.
+"""
 
 
 def read_requirements():
@@ -29,14 +53,57 @@ def read_requirements():
     return reqs
 
 
-def kernel_extensions():
-    """The csrc extension modules (empty, with a message, when torch is not importable)."""
+def _importable(name):
     try:
-        import torch
-        from torch.utils import cpp_extension
+        __import__(name)
+        return True
     except ImportError:
-        print("areal-mega: torch not importable, skipping the csrc kernels", file=sys.stderr)
+        return False
+
+
+def check_build_deps(have_torch, have_numpy, env):
+    """Stop the build (``SystemExit`` with install instructions) when torch or numpy is missing,
+    unless ``AREAL_MEGA_SKIP_KERNELS=1`` is in ``env``; then return the notice to print."""
+    missing = [n for n, ok in (("torch", have_torch), ("numpy", have_numpy)) if not ok]
+    if not missing:
+        return None
+    if env.get(SKIP_ENV) != "1":
+        raise SystemExit(NO_BUILD_DEPS_MSG.format(missing=" and ".join(missing),
+                                                  python=sys.executable, skip=SKIP_ENV))
+    return (f"\n{'!' * 78}\nareal-mega: {SKIP_ENV}=1 and {' and '.join(missing)} not "
+            "importable: installing WITHOUT the csrc kernels; areal_mega.ops will use the "
+            f"pure-torch fallback (much slower).\n{'!' * 78}\n")
+
+
+def cuda_arch_list(env, visible_capabilities):
+    """The ``TORCH_CUDA_ARCH_LIST`` to build with, or ``None`` to leave torch's choice alone.
+
+    ``env``: the environment; ``visible_capabilities``: ``(major, minor)`` of each visible GPU.
+    An explicit ``TORCH_CUDA_ARCH_LIST`` wins; with GPUs visible torch builds for them; with
+    none visible (a build node) torch's ``cpp_extension`` fails with an IndexError, so the
+    default ``8.0;9.0+PTX`` is used."""
+    explicit = env.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if explicit:
+        return explicit
+    if visible_capabilities:
+        return None
+    return DEFAULT_CUDA_ARCH_LIST
+
+
+def _visible_capabilities(torch):
+    try:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.cuda.get_device_capability(i) for i in range(n)]
+    except RuntimeError:  # driver present but unusable: treat as no visible GPU
+        return []
+
+
+def kernel_extensions():
+    """The csrc extension modules (empty when torch is missing and skipping was asked for)."""
+    if not _importable("torch"):
         return [], {}
+    import torch
+    from torch.utils import cpp_extension
     include = [str(ROOT / CSRC / "include"), str(ROOT / CSRC / "bindings")]
     cxx = ["-O3", "-std=c++20", "-Wno-psabi"]
     exts = [cpp_extension.CppExtension(
@@ -47,6 +114,11 @@ def kernel_extensions():
     nvcc = cpp_extension.CUDA_HOME and shutil.which("nvcc", path=os.path.join(
         cpp_extension.CUDA_HOME, "bin"))
     if torch.version.cuda and nvcc and os.environ.get("AREAL_MEGA_NO_CUDA") != "1":
+        arch = cuda_arch_list(os.environ, _visible_capabilities(torch))
+        if arch and arch != os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+            print(f"areal-mega: no GPU visible; building the CUDA kernels for "
+                  f"TORCH_CUDA_ARCH_LIST={arch} (set it to choose others)", file=sys.stderr)
         exts.append(cpp_extension.CUDAExtension(
             "areal_mega._ops_cuda",
             sources=[f"{CSRC}/bindings/ops_cuda.cpp", f"{CSRC}/logprob/logprob_cuda.cu",
@@ -61,12 +133,9 @@ def kernel_extensions():
 
 def dataplane_extension():
     """The data plane's native checks; they need the numpy headers (numpy is a dependency)."""
-    try:
-        import numpy
-    except ImportError:
-        print("areal-mega: numpy not importable, skipping csrc/dataplane (the data plane "
-              "uses its Python twins)", file=sys.stderr)
+    if not _importable("numpy"):
         return []
+    import numpy
     return [Extension(
         "areal_mega._dataplane_native", include_dirs=[numpy.get_include()],
         sources=[f"{CSRC}/dataplane/{f}.cpp"
@@ -74,23 +143,35 @@ def dataplane_extension():
         extra_compile_args=["-O3", "-std=c++17"], language="c++")]
 
 
-ext_modules, cmdclass = kernel_extensions()
-ext_modules += dataplane_extension()
+def main():
+    """Check the build dependencies, then run setuptools."""
+    notice = check_build_deps(_importable("torch"), _importable("numpy"), os.environ)
+    if notice:
+        print(notice, file=sys.stderr)
+    ext_modules, cmdclass = kernel_extensions()
+    ext_modules += dataplane_extension()
+    setup(
+        name="areal-mega",
+        version="0.1.0",
+        description="Megatron-Core based asynchronous reinforcement learning for large language models",
+        long_description=(ROOT / "README.md").read_text(),
+        long_description_content_type="text/markdown",
+        packages=find_packages(include=["areal_mega", "areal_mega.*"]),
+        python_requires=">=3.10",
+        install_requires=read_requirements(),
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+        extras_require={
+            # megatron-core 0.16.1 declares transformer-engine>=2.9.0a0,<2.12.0 (its `dev`
+            # extra, with core_cu13); transformer-engine-torch is a source distribution built
+            # against the installed torch: install with --no-build-isolation (README, GPU).
+            "gpu": [TE_PIN.format(core="core_cu13")],
+            "gpu-cu12": [TE_PIN.format(core="core_cu12")],
+            "sglang": ["sglang[all]"],
+            "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+        },
+    )
 
-setup(
-    name="areal-mega",
-    version="0.1.0",
-    description="Megatron-Core based asynchronous reinforcement learning for large language models",
-    long_description=(ROOT / "README.md").read_text(),
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["areal_mega", "areal_mega.*"]),
-    python_requires=">=3.10",
-    install_requires=read_requirements(),
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    extras_require={
-        "gpu": ["transformer-engine[pytorch]"],
-        "sglang": ["sglang[all]"],
-        "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
-    },
-)
+
+if __name__ == "__main__":   # also true under pip (setuptools runs this file as __main__)
+    main()

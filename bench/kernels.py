@@ -20,6 +20,12 @@ GAE (packed sequences of random lengths, loss mask with masked-out spans, bootst
   * vectorised torch (``packed_gae_torch``: one vectorised step per time index over a
     [max_len, B] grid, the way verl/OpenRLHF-style trainers write it);
   * ours: ``areal_mega.ops.packed_gae`` with the C++ kernel.
+
+On CUDA (``--device cuda``, used by ``make gpu-check``): the device-to-device copy bandwidth
+is measured first (``copy_`` of a 512 MiB buffer, bytes read + written per second, best of
+20), then the CUDA logprob and GAE kernels' achieved bandwidth (the bytes they must move:
+logits + labels + outputs; rewards, values, mask, advantages, returns) as a fraction of it.
+``--json-out`` writes the figures for the caller.
 """
 import argparse
 import json
@@ -149,6 +155,60 @@ def bench_gae(args):
     return t_loop / t_ours, t_vec / t_ours
 
 
+def _cuda_best(fn, reps=20):
+    """Best wall time of ``fn`` on the current CUDA stream, in seconds (CUDA events)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1e3)
+    return best
+
+
+def bench_cuda(args):
+    """Copy bandwidth, then the CUDA kernels' achieved bandwidth as a fraction of it."""
+    import torch
+    os.environ["AREAL_MEGA_OPS_BACKEND"] = "native"
+    from areal_mega.ops import packed_gae, packed_logprobs
+    dev = torch.device("cuda")
+    print(f"== CUDA: {torch.cuda.get_device_name(dev)} ==")
+    src = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() / _cuda_best(lambda: dst.copy_(src))
+    del src, dst
+    print(f"  device-to-device copy: {copy_bw / 1e9:8.1f} GB/s (read + write)")
+    g = torch.Generator(device=dev).manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    logits = torch.randn(args.tokens, args.vocab, device=dev, generator=g).to(dtype)
+    labels = torch.randint(0, args.vocab, (args.tokens,), device=dev, generator=g)
+    t_lp = _cuda_best(lambda: packed_logprobs(logits, labels))
+    lp_bytes = logits.numel() * logits.element_size() + labels.numel() * 8 + args.tokens * 4
+    n = args.gae_tokens
+    lens = torch.randint(1, 8192, (n // 4096 + 1,), generator=torch.Generator().manual_seed(0))
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    cu = cu[cu < n]
+    cu = torch.cat([cu, torch.tensor([n])]).to(torch.int32).to(dev)
+    r, v = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    mask = (torch.rand(n, device=dev) > 0.1).to(torch.uint8)   # the kernel's dtype: no copy
+    t_gae = _cuda_best(lambda: packed_gae(r, v, cu, gamma=0.99, lam=0.95, loss_mask=mask))
+    gae_bytes = n * (4 + 4 + 1 + 4 + 4) + cu.numel() * 4
+    res = {"device": torch.cuda.get_device_name(dev), "copy_gbps": copy_bw / 1e9,
+           "logprob_gbps": lp_bytes / t_lp / 1e9, "logprob_fraction": lp_bytes / t_lp / copy_bw,
+           "gae_gbps": gae_bytes / t_gae / 1e9, "gae_fraction": gae_bytes / t_gae / copy_bw,
+           "logprob_s": t_lp, "gae_s": t_gae}
+    print(f"  logprobs T={args.tokens} V={args.vocab} {args.dtype}: {t_lp * 1e3:8.3f} ms, "
+          f"{res['logprob_gbps']:8.1f} GB/s = {res['logprob_fraction']:.2f} of copy bandwidth")
+    print(f"  GAE {n} tokens, {cu.numel() - 1} sequences: {t_gae * 1e3:8.3f} ms, "
+          f"{res['gae_gbps']:8.1f} GB/s = {res['gae_fraction']:.2f} of copy bandwidth")
+    return res
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -158,11 +218,20 @@ def main():
     p.add_argument("--gae-tokens", type=int, default=1_000_000)
     p.add_argument("--loop-tokens", type=int, default=100_000)
     p.add_argument("--skip-logprobs", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--json-out", default=None, help="write the CUDA figures here as JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return _logprob_child(args.child, args.tokens, args.vocab, args.dtype, args.repeats)
     import torch
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("bench/kernels.py --device cuda: torch sees no CUDA device")
+        res = bench_cuda(args)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(res))
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, one run")
     bench_gae(args)
     if not args.skip_logprobs:

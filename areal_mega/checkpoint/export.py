@@ -4,8 +4,12 @@ For the weight sender (rollout weight updates) and for writing HF directories fr
 trainer. Per parameter, in model order:
 
 * TP shards are all-gathered over the tensor-parallel group (the expert-tensor-parallel group
-  for expert weights) and un-split along ``partition_dim``; GLU ``linear_fc1`` shards are
-  ``[gate_r; up_r]`` so gates and ups are gathered separately;
+  for expert weights) and un-split along the axis :func:`gather_axis` derives from the shard's
+  shape and the full megatron shape the HF config implies (:func:`expected_full_shape`), not
+  from the ``partition_dim`` attribute: TE's ``GroupedLinear`` built with megatron's explicit
+  expert communication marks the row-parallel ``linear_fc2`` with ``partition_dim=0`` although
+  it is split on dim 1. GLU ``linear_fc1`` shards are ``[gate_r; up_r]`` so gates and ups are
+  gathered separately;
 * expert weights are all-gathered over the expert-parallel group (local expert ``e`` of EP rank
   ``r`` is global expert ``r·E/EP + e``);
 * pipeline stages export only their own layers, under *global* layer indices (the layer's
@@ -27,7 +31,70 @@ import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
 
-__all__ = ["iter_hf_tensors", "iter_hf_buckets", "is_export_source"]
+__all__ = ["iter_hf_tensors", "iter_hf_buckets", "is_export_source", "gather_axis",
+           "expected_full_shape"]
+
+Shape = Tuple[Optional[int], ...]
+
+
+def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
+    """The full (un-split) megatron shape of a tensor-parallel parameter, from the HF config.
+
+    ``suffix``: the canonical name from :func:`hf_mapping.parse_mcore_name`. ``None`` entries
+    are sizes the config does not fix (the padded vocabulary rows); an unknown name gives
+    ``None`` (no expectation: only a 1-D shard then has a unique gather axis)."""
+    h, hd = arch.hidden_size, arch.head_dim
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
+    moe_ffn = arch.moe_ffn_hidden_size
+    shapes = {
+        "embedding.word_embeddings.weight": (None, h),
+        "output_layer.weight": (None, h),
+        "self_attention.linear_qkv.weight": (qkv_rows, h),
+        "self_attention.linear_qkv.bias": (qkv_rows,),
+        "self_attention.linear_proj.weight": (h, arch.num_heads * hd),
+        "mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
+        "mlp.linear_fc2.weight": (h, arch.ffn_hidden_size),
+    }
+    if moe_ffn:
+        shapes["mlp.experts.local_experts.{E}.linear_fc1.weight"] = (2 * moe_ffn, h)
+        shapes["mlp.experts.local_experts.{E}.linear_fc2.weight"] = (h, moe_ffn)
+    return shapes.get(suffix)
+
+
+def gather_axis(name: str, local_shape: Sequence[int], full_shape: Optional[Sequence],
+                tp_size: int) -> Optional[int]:
+    """The axis along which ``tp_size`` shards of ``local_shape`` concatenate to ``full_shape``.
+
+    A pure function of shapes: axis ``d`` fits when ``local[d] * tp_size`` equals ``full[d]``
+    and every other dimension is equal (``None`` in ``full_shape`` matches any size;
+    ``full_shape=None`` means nothing is known). Returns ``None`` for ``tp_size == 1`` (nothing
+    to gather, after checking the shapes agree). Raises ``ValueError`` naming the parameter
+    when no axis fits or more than one does."""
+    local = tuple(int(x) for x in local_shape)
+    full = tuple(full_shape) if full_shape is not None else (None,) * len(local)
+    if tp_size < 1:
+        raise ValueError(f"{name}: tensor-parallel size must be >= 1, got {tp_size}")
+    if len(local) != len(full):
+        raise ValueError(f"{name}: local shard shape {local} has {len(local)} dims but the "
+                         f"full shape the HF config implies is {full}")
+
+    def fits(size, want):
+        return want is None or size == want
+
+    if tp_size == 1:
+        if not all(fits(a, b) for a, b in zip(local, full)):
+            raise ValueError(f"{name}: shape {local} does not match the HF config's {full} "
+                             "(tensor-parallel size 1)")
+        return None
+    axes = [d for d in range(len(local))
+            if fits(local[d] * tp_size, full[d])
+            and all(fits(local[k], full[k]) for k in range(len(local)) if k != d)]
+    if len(axes) == 1:
+        return axes[0]
+    what = "no axis fits" if not axes else f"ambiguous: axes {axes} all fit"
+    raise ValueError(f"{name}: cannot tell which axis its {tp_size} tensor-parallel shards "
+                     f"split ({what}): local shard shape {local}, full shape {full} (None = "
+                     "not fixed by the HF config)")
 
 
 def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -96,8 +163,14 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
             tgroup = etp_group if is_expert else tp_group
             t = p.detach()
             if getattr(p, "tensor_model_parallel", False):
+                tp_size = dist.get_world_size(tgroup) if tgroup is not None else 1
+                axis = gather_axis(name, t.shape, expected_full_shape(arch, suffix), tp_size)
                 glu = suffix.endswith("linear_fc1.weight")
-                t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, p.partition_dim)
+                if glu and axis not in (None, 0):
+                    raise ValueError(f"{name}: GLU linear_fc1 shards must split dim 0 "
+                                     f"([gate_r; up_r]), the shapes say dim {axis}")
+                if axis is not None:
+                    t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, axis)
             glayer = offsets[layer] if layer is not None else None
             if is_expert and ep_size > 1:
                 parts = [torch.empty_like(t) for _ in range(ep_size)]

@@ -9,11 +9,14 @@ Public API (see ``shared/design.md``, "Kernel API"):
   tokens and vocabulary (reference / proximal-policy passes).
 
 Each dispatches to the CUDA kernels, the C++ CPU kernels or the pure-torch reference backend;
-see :mod:`areal_mega.ops._backend` for the ``AREAL_MEGA_OPS_BACKEND`` switch.
+see :mod:`areal_mega.ops._backend` for the ``AREAL_MEGA_OPS_BACKEND`` switch. When a native
+module is missing, the first call on that device prints a banner on stderr and issues a
+:class:`KernelFallbackWarning` naming the build command (once per process).
 """
-from ._backend import cpu_available, cuda_available
+from ._backend import KernelFallbackWarning, cpu_available, cuda_available
 from .fused import packed_logprobs_from_hidden
 from .gae import packed_gae
 from .logprob import packed_logprobs
 
-__all__ = ["packed_logprobs", "packed_gae", "packed_logprobs_from_hidden", "cpu_available", "cuda_available"]
+__all__ = ["packed_logprobs", "packed_gae", "packed_logprobs_from_hidden", "cpu_available",
+           "cuda_available", "KernelFallbackWarning"]

@@ -5,14 +5,22 @@ and ``areal_mega._ops_cuda`` (CUDA kernels, built when torch has CUDA and nvcc e
 The environment variable ``AREAL_MEGA_OPS_BACKEND`` selects:
 
 * ``auto`` (default): the native kernel for the tensor's device when it is built, else the
-  pure-torch backend (with one warning naming the build command);
+  pure-torch backend, announced once per process and device type by a banner on stderr and a
+  :class:`KernelFallbackWarning`, both naming the build command;
 * ``native``: the native kernel, or a ``RuntimeError`` saying how to build it;
-* ``torch``: always the pure-torch backend.
+* ``torch``: always the pure-torch backend (a deliberate choice: no notice).
+
+Why ``auto`` falls back instead of failing: the pure-torch backend computes the same values
+(the tests compare them), so a checkout without a compiler, or the CPU demo, still works; what
+it costs is speed (several times slower; ``bench/kernels.py`` measures it), which is why the
+notice is a banner that warning filters cannot hide. Runs that must have the kernels (GPU
+jobs, benchmarks, ``tools/gpu_check.py``) set ``AREAL_MEGA_OPS_BACKEND=native``.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 from types import ModuleType
 from typing import Optional
@@ -22,6 +30,12 @@ import torch
 BUILD_HINT = ("build them from the repository root with `python setup.py build_ext --inplace` "
               "(or `pip install --no-build-isolation -e .`, which `make test` runs); the CUDA "
               "kernels are built only when torch has CUDA and nvcc is on PATH")
+
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """The native kernels are not built and the slower pure-torch backend is used."""
+
 
 _modules: dict = {}
 _errors: dict = {}
@@ -76,7 +90,11 @@ def select(device: torch.device) -> Optional[ModuleType]:
                            f"(areal_mega.{name}) are not built ({reason}); {BUILD_HINT}")
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"areal_mega.ops: native {device.type} kernels not built ({reason}); "
-                      f"using the slower pure-torch backend. To get them, {BUILD_HINT}",
-                      RuntimeWarning, stacklevel=3)
+        msg = (f"areal_mega.ops: the native {device.type} kernels (areal_mega.{name}) are not "
+               f"built ({reason}); using the pure-torch fallback, which is several times "
+               f"slower. To get them, {BUILD_HINT}. Set AREAL_MEGA_OPS_BACKEND=torch to choose "
+               "the fallback deliberately (no notice) or =native to make this an error.")
+        bar = "!" * 78
+        print(f"{bar}\n{msg}\n{bar}", file=sys.stderr, flush=True)
+        warnings.warn(msg, KernelFallbackWarning, stacklevel=3)
     return None
