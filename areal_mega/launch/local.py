@@ -63,7 +63,9 @@ COMPLETE_MARKER = "areal_meta.json"
 # Started in RL mode when the module exists. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it.
 ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
                                        "areal_mega.rollout.worker")
-HEALTH_PATH = "/health_generate"
+# Liveness probe of a rollout server. SGLang's ``/health_generate`` generates a token and
+# answers 503 while generation is paused (a weight update), so the launcher asks ``/health``.
+HEALTH_PATH = "/health"
 
 
 def _import(dotted: str):
