@@ -85,10 +85,11 @@ def test_sbatch_flow_with_stubs(tmp_path):
     for t in train:
         assert "--nodelist=nodeB" in t and "MASTER_ADDR=nodeB NNODES=1" in t
         assert f"rollout.server_addrs={addrs}" in t
+    # servers are probed for liveness on /health (SGLang's /health_generate 503s while paused)
     curls = [x for x in out.splitlines() if x.startswith("CURL")]
     assert len(curls) == 8 and all(x.endswith(":%d/health" % (30000 + k))
-                                   for k, x in enumerate(curls)), curls   # liveness, not
-    assert "relaunch 1/3" in r.stderr                                     # /health_generate
+                                   for k, x in enumerate(curls)), curls
+    assert "relaunch 1/3" in r.stderr
     assert "training finished" in r.stdout
     # the rollout step (a sleeping stub) was stopped by the EXIT trap
     assert not _alive(int((tmp_path / "serve.pid").read_text()))
