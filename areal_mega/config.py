@@ -112,7 +112,6 @@ class RolloutConfig:
                         doc="dotted path module:function(prompt, completion, answer, **kw)")
     workflow: str = _f("rlvr", choices=["rlvr", "multi_turn"])
     mem_fraction_static: float = _f(0.8, lo=0.0, hi=1.0, lo_open=True)
-    sglang_tp: int = _f(1, lo=1)
 
 
 @dataclass

@@ -4,11 +4,13 @@
 #
 # Usage (run once per trainer node, e.g. from srun or by hand on each node):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node-a MASTER_PORT=29500 \
-#     launch/torchrun.sh recipes/qwen2.5-7b-math.yaml \
+#     launch/torchrun.sh recipes/qwen2.5-7b-math.yaml allocation=sglang:d2+megatron:d4t2 \
 #       rollout.server_addrs=10.0.0.5:30000,10.0.0.6:30000 [key=value ...]
+# (the allocation's rollout part describes the servers: one per address, its t = --tp-size)
 #
 # Environment (all optional):
-#   PYTHON          python with areal_mega installed           (default: python)
+#   PYTHON          python with areal_mega's dependencies       (default: the repository's
+#                   .venv/bin/python when present, else python3)
 #   NNODES          trainer nodes                               (default: 1)
 #   NODE_RANK       this node's index among them                (default: $SLURM_NODEID or 0)
 #   MASTER_ADDR     host of trainer node 0                      (default: 127.0.0.1)
@@ -21,12 +23,15 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,21p' "$0" >&2
+    sed -n '2,23p' "$0" >&2
     exit 2
 fi
 RECIPE=$1
 shift
-PYTHON=${PYTHON:-python}
+if [[ -z ${PYTHON:-} ]]; then
+    venv=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python
+    if [[ -x $venv ]]; then PYTHON=$venv; else PYTHON=python3; fi
+fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

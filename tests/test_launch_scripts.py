@@ -85,7 +85,72 @@ def test_sbatch_flow_with_stubs(tmp_path):
     for t in train:
         assert "--nodelist=nodeB" in t and "MASTER_ADDR=nodeB NNODES=1" in t
         assert f"rollout.server_addrs={addrs}" in t
-    assert out.count("CURL") == 8 and "relaunch 1/3" in r.stderr
+    # servers are probed for liveness on /health (SGLang's /health_generate 503s while paused)
+    curls = [x for x in out.splitlines() if x.startswith("CURL")]
+    assert len(curls) == 8 and all(x.endswith(":%d/health" % (30000 + k))
+                                   for k, x in enumerate(curls)), curls
+    assert "relaunch 1/3" in r.stderr
     assert "training finished" in r.stdout
     # the rollout step (a sleeping stub) was stopped by the EXIT trap
     assert not _alive(int((tmp_path / "serve.pid").read_text()))
+
+
+def test_sbatch_requests_no_gpus_and_uses_the_repo_venv(tmp_path):
+    """No hard-coded generic resource (a CPU cluster rejects it); PYTHON defaults to the
+    repository's .venv (here a stand-in repository whose .venv/bin/python runs this one)."""
+    sbatch_lines = [x for x in (ROOT / "launch/slurm/run.sbatch").read_text().splitlines()
+                    if x.startswith("#SBATCH")]
+    assert sbatch_lines and not any("gpu" in x or "gres" in x for x in sbatch_lines)
+    repo, stubs = tmp_path / "repo", tmp_path / "bin"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    stubs.mkdir()
+    venv_python = repo / ".venv" / "bin" / "python"
+    venv_python.write_text(f"#!/usr/bin/env bash\nexec {sys.executable} \"$@\"\n")
+    (stubs / "scontrol").write_text("#!/usr/bin/env bash\necho node1\n")
+    (stubs / "srun").write_text('#!/usr/bin/env bash\necho "SRUN $*" >> "$STUB_LOG"\n')
+    for f in (venv_python, stubs / "scontrol", stubs / "srun"):
+        f.chmod(0o755)
+    log = tmp_path / "stub.log"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{stubs}:{os.environ['PATH']}", PYTHONPATH=str(ROOT),
+               SLURM_JOB_NODELIST="node1", SLURM_SUBMIT_DIR=str(repo), STUB_LOG=str(log))
+    r = subprocess.run(["bash", str(ROOT / "launch/slurm/run.sbatch"),
+                        str(ROOT / "recipes/tiny-cpu.yaml"), f"logging.run_dir={tmp_path}/r"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"[run.sbatch] python: {venv_python}" in r.stdout
+    # single-node layout: one srun step running launch.local with that interpreter
+    assert log.read_text().startswith(f"SRUN --nodes=1 --ntasks=1 {venv_python} -m "
+                                      "areal_mega.launch.local --config")
+
+
+def test_submit_wrapper_takes_resources_from_the_recipe():
+    from areal_mega.config import load_config
+    from areal_mega.launch.slurm_submit import sbatch_command
+
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        cfg = load_config(recipe)
+        argv = sbatch_command(cfg, str(recipe), ["seed=2"], ["--partition=p"])
+        assert argv[0] == "sbatch"
+        assert argv[-3:] == [str(ROOT / "launch/slurm/run.sbatch"), str(recipe), "seed=2"]
+        nodes = 1 if cfg.cluster.device == "cpu" else cfg.cluster.n_nodes
+        assert f"--nodes={nodes}" in argv and "--partition=p" in argv
+        gpus = [a for a in argv if a.startswith("--gpus-per-node")]
+        if cfg.cluster.device == "cpu":
+            assert gpus == [], argv
+        else:
+            assert gpus == [f"--gpus-per-node={cfg.cluster.n_gpus_per_node}"], argv
+    # the shell entry point, as documented
+    r = subprocess.run(["bash", str(ROOT / "launch/slurm/submit.sh"), "--dry-run",
+                        "--time=1:00:00", "recipes/qwen2.5-7b-math.yaml", "seed=3"],
+                       cwd=ROOT, env={**os.environ, "PYTHON": sys.executable,
+                                      "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("sbatch --nodes=2 --gpus-per-node=8 --time=1:00:00 ")
+    assert r.stderr.rstrip().endswith("run.sbatch recipes/qwen2.5-7b-math.yaml seed=3")
+    bad = subprocess.run([sys.executable, "-m", "areal_mega.launch.slurm_submit", "--dry-run",
+                          "recipes/tiny-cpu.yaml", "cluster.n_nodes=0"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "cluster.n_nodes" in bad.stderr

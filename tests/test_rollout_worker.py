@@ -10,22 +10,9 @@ import yaml
 from areal_mega.dataplane import TrajectoryReceiver
 from areal_mega.rollout.control import RolloutLink
 from areal_mega.rollout.launch import launch_local_servers
-from areal_mega.rollout.sglang_server import build_server_command
 from tests.rollout_helpers import API_KEY, make_models
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def test_sglang_server_command_from_config():
-    from types import SimpleNamespace
-
-    from areal_mega.config import config_from_dict
-    cfg = config_from_dict({"model": {"path": "/m", "dtype": "bf16"},
-                            "rollout": {"sglang_tp": 2, "api_key": "k"}})
-    argv = build_server_command(cfg, SimpleNamespace(port=31000, gpus=[2, 3]), "10.0.0.1")
-    s = " ".join(argv)
-    assert "--tp-size 2" in s and "--port 31000" in s and "--host 10.0.0.1" in s
-    assert "--dtype bfloat16" in s and "--api-key k" in s and "--base-gpu-id 0" in s
 
 
 def test_worker_streams_groups_and_updates_weights(tmp_path_factory, tmp_path):

@@ -35,7 +35,8 @@ import yaml
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
                                       rollout_memory)
-from areal_mega.launch.plan import Layout, find_free_ports, plan_layout
+from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_layout,
+                                    weight_update_group)
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
 from areal_mega.parallel.allocation import parse_allocation
 
@@ -62,7 +63,9 @@ COMPLETE_MARKER = "areal_meta.json"
 # Started in RL mode when the module exists. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it.
 ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
                                        "areal_mega.rollout.worker")
-HEALTH_PATH = "/health_generate"
+# Liveness probe of a rollout server. SGLang's ``/health_generate`` generates a token and
+# answers 503 while generation is paused (a weight update), so the launcher asks ``/health``.
+HEALTH_PATH = "/health"
 
 
 def _import(dotted: str):
@@ -125,11 +128,36 @@ def make_layout(cfg: ExperimentConfig, device: Optional[str] = None,
                        external_servers=cfg.rollout.server_addrs, ports=ports)
 
 
+def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]:
+    """The broadcast group the trainer forms with this layout's servers when
+    ``rollout.weight_update`` resolves to ``distributed`` (GPU, one trainer pipeline stage);
+    None for the disk path. Same function as the trainer's sender; raises ConfigError."""
+    from areal_mega.train.weights import resolve_weight_update
+
+    a = layout.allocation
+    try:
+        mode = resolve_weight_update(cfg.rollout.weight_update, cuda=layout.device == "cuda",
+                                     pp=a.trainer.pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mode != "distributed":
+        return None
+    n = len(layout.external_servers) if layout.external_servers else None
+    return weight_update_group(a, cfg.rollout.backend, n)
+
+
 def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
     """The ``--dry-run`` report: layout and per-GPU memory estimate."""
     layout = make_layout(cfg, device)
     out = [f"config OK: {cfg.name} (mode {cfg.mode}, {cfg.total_steps} steps, "
            f"recover {cfg.recover}, run_dir {cfg.logging.run_dir})", "layout:", layout.describe()]
+    group = weight_group(cfg, layout)
+    if group is None:
+        out.append("weight update: disk (HF safetensors directory under the run directory)")
+    else:
+        out.append(f"weight update: distributed, group world {group.world_size} = trainer rank "
+                   f"0 + {len(group.rank_offsets)} server(s) x {group.ranks_per_server} "
+                   f"rank(s); rank offsets {', '.join(map(str, group.rank_offsets))}")
     hp, source = resolve_hparams(cfg)
     dims = layout.allocation.trainer
     recompute = cfg.model.recompute_granularity
@@ -298,6 +326,8 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
            if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE) else "",
            "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes)}
     env["MAX_RESTARTS"] = cfg.cluster.max_restarts if cfg.recover == "auto" else 0
+    group = weight_group(cfg, lay)
+    env["WEIGHT_GROUP_WORLD_SIZE"] = group.world_size if group else 0
     if lay.external_servers:
         env["SERVER_ADDRS"] = ",".join(lay.external_servers)
     elif rollout_hosts is not None:

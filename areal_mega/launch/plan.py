@@ -162,6 +162,58 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
     return lay
 
 
+@dataclass(frozen=True)
+class WeightGroup:
+    """The broadcast group of ``rollout.weight_update=distributed``: the trainer's sender is
+    rank 0, server ``i`` joins as ranks ``rank_offsets[i] .. rank_offsets[i] + ranks_per_server
+    - 1`` (SGLang: ``rank_offset + tp_rank``)."""
+    world_size: int
+    rank_offsets: tuple
+    ranks_per_server: int
+
+
+def weight_update_group(alloc: Optional[Allocation], backend: str,
+                        n_servers: Optional[int] = None) -> WeightGroup:
+    """World size and per-server rank offsets of the weight-update group (pure).
+
+    The allocation string is the only authority: an SGLang server of ``sglang:dDtT`` runs
+    ``T`` ranks (its ``--tp-size``), a ``local`` server one. ``n_servers`` (the servers the
+    sender talks to, e.g. ``len(rollout.server_addrs)``) defaults to ``d`` and must equal it
+    when the allocation has a rollout part. ``alloc`` may be None (or trainer-only) only for
+    the ``local`` backend, whose servers are one rank each. Raises :class:`ConfigError`."""
+    rollout = alloc.rollout if alloc is not None else None
+    if backend not in ("local", "sglang"):
+        raise ConfigError(f"rollout.backend={backend!r}: must be 'local' or 'sglang'")
+    if rollout is not None and alloc.rollout_backend != backend:
+        raise ConfigError(f"rollout.backend={backend!r} but allocation={_alloc_text(alloc)!r} "
+                          f"names {alloc.rollout_backend!r} servers; make them agree")
+    if rollout is None:
+        if backend == "sglang":
+            where = f"allocation={_alloc_text(alloc)!r}" if alloc else "allocation"
+            raise ConfigError(f"{where} has no rollout part, so the SGLang servers' tensor "
+                              "parallel size is unknown; write it there, e.g. "
+                              "'sglang:d2t4+megatron:...' (with rollout.server_addrs set, no "
+                              "servers are launched)")
+        if n_servers is None:
+            raise ConfigError("weight_update_group: n_servers is needed without a rollout "
+                              "part in the allocation")
+        per = 1
+    else:
+        if n_servers is not None and n_servers != rollout.dp:
+            raise ConfigError(f"rollout.server_addrs: {n_servers} server(s) but allocation="
+                              f"{_alloc_text(alloc)!r} has d{rollout.dp}; make them agree")
+        if backend == "sglang" and rollout.pp > 1:
+            raise ConfigError(f"allocation={_alloc_text(alloc)!r}: SGLang joins the weight "
+                              "group as rank_offset + tp_rank, so servers with p>1 would "
+                              "collide; use rollout.weight_update=disk")
+        per = rollout.tp if backend == "sglang" else 1
+        n_servers = rollout.dp
+    if n_servers < 1:
+        raise ConfigError(f"rollout.server_addrs: {n_servers} servers; the weight group "
+                          "needs at least one")
+    return WeightGroup(1 + n_servers * per, tuple(1 + i * per for i in range(n_servers)), per)
+
+
 def _alloc_text(alloc: Allocation) -> str:
     r = f"{alloc.rollout_backend}:{alloc.rollout.short()}+" if alloc.rollout else ""
     return f"{r}{alloc.trainer_backend}:{alloc.trainer.short()}"

@@ -220,13 +220,17 @@ class RolloutClient:
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str, backend: str,
-                                        ranks_per_server: int = 1) -> None:
+                                        rank_offsets: list) -> None:
         """``POST /init_weights_update_group``: server i joins as ranks from
-        ``1 + i * ranks_per_server`` (rank 0 is the trainer's sender)."""
+        ``rank_offsets[i]`` (rank 0 is the trainer's sender)."""
+        if len(rank_offsets) != len(self.servers):
+            raise ValueError(f"rank_offsets: {len(rank_offsets)} for {len(self.servers)} "
+                             "servers")
+
         async def one(i: int, s: _Server):
             return await self._call(s, "POST", "/init_weights_update_group", {
                 "master_address": master_address, "master_port": master_port,
-                "rank_offset": 1 + i * ranks_per_server, "world_size": world_size,
+                "rank_offset": rank_offsets[i], "world_size": world_size,
                 "group_name": group_name, "backend": backend}, timeout=self.control_timeout_s)
         await asyncio.gather(*(one(i, s) for i, s in enumerate(self.servers)))
 

@@ -1,7 +1,8 @@
 """Start rollout servers: the CPU local server (subprocess) or SGLang on GPU nodes.
 
-:func:`build_sglang_command` turns a :class:`~areal_mega.config.RolloutConfig` into the
-``python -m sglang.launch_server`` command line; :func:`launch_local_servers` starts CPU servers
+:func:`build_sglang_command` is the ``python -m sglang.launch_server`` command line (the launcher,
+:mod:`areal_mega.launch.local`, passes the TP size from the allocation string);
+:func:`launch_local_servers` starts CPU servers
 and returns handles that kill their process (and only it) on :meth:`LocalServerProcess.stop`.
 """
 from __future__ import annotations
@@ -47,19 +48,6 @@ def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", t
     if random_seed is not None:
         cmd += ["--random-seed", str(random_seed)]
     return cmd + list(extra or [])
-
-
-def sglang_commands_from_config(rollout_cfg, model_path: str, n_servers: int, *,
-                                base_port: int = 30000, dtype: str = "bf16",
-                                gpus_per_node: int = 8) -> list:
-    """One command per server: server ``i`` uses GPUs ``i*tp .. i*tp+tp-1`` of its node."""
-    tp = rollout_cfg.sglang_tp
-    cmds = []
-    for i in range(n_servers):
-        cmds.append(build_sglang_command(
-            model_path, base_port + i, tp=tp, mem_fraction_static=rollout_cfg.mem_fraction_static,
-            dtype=dtype, api_key=rollout_cfg.api_key, base_gpu_id=(i * tp) % gpus_per_node))
-    return cmds
 
 
 class LocalServerProcess:

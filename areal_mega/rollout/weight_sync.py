@@ -91,13 +91,16 @@ class DistributedWeightSender:
 
     ``run_async(coro)`` must run a coroutine on the loop that owns ``client`` and return a
     ``concurrent.futures.Future`` (the :class:`RolloutController` provides it); pass None to
-    run the client on a private event loop thread.
+    run the client on a private event loop thread. ``group`` (a
+    :class:`~areal_mega.launch.plan.WeightGroup`) gives the world size and each server's rank
+    offset; the trainer builds it from the allocation string.
     """
 
     def __init__(self, client, *, master_address: str = "127.0.0.1",
                  master_port: Optional[int] = None, backend: str = "gloo",
                  group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
-                 ranks_per_server: int = 1, run_async=None, timeout_s: float = 300.0):
+                 group=None, run_async=None, timeout_s: float = 300.0):
+        from areal_mega.launch.plan import weight_update_group
         from areal_mega.rollout.launch import find_free_port
 
         self.client = client
@@ -106,7 +109,9 @@ class DistributedWeightSender:
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
-        self.ranks_per_server = ranks_per_server
+        # world size and rank offsets: :func:`areal_mega.launch.plan.weight_update_group` (the
+        # launcher's arithmetic); without one, every server is a single rank (local backend)
+        self.group = group or weight_update_group(None, "local", len(client.servers))
         self.timeout_s = timeout_s
         self._own_loop = run_async is None
         self._run_async = run_async or _private_loop()
@@ -116,14 +121,14 @@ class DistributedWeightSender:
 
     @property
     def world_size(self) -> int:
-        return 1 + len(self.client.servers) * self.ranks_per_server
+        return self.group.world_size
 
     def connect(self) -> None:
         """Create the group: POST ``/init_weights_update_group`` to every server and join as
         rank 0 concurrently."""
         fut = self._run_async(self.client.init_weights_update_group(
             self.master_address, self.master_port, self.world_size, self.group_name,
-            self.backend, self.ranks_per_server))
+            self.backend, self.group.rank_offsets))
         try:
             self.pg, self._store = create_sender_group(
                 self.master_address, self.master_port, self.world_size, self.group_name,

@@ -33,6 +33,16 @@ def data_endpoint(cfg: ExperimentConfig) -> str:
     return cfg.dataplane.endpoint or f"ipc://{run}/trajectories.sock"
 
 
+def weight_group_for(cfg: ExperimentConfig):
+    """The weight-update group of ``cfg`` (rollout TP from the allocation string, one server
+    per ``rollout.server_addrs`` entry): the launcher's own arithmetic,
+    :func:`areal_mega.launch.plan.weight_update_group`. Raises ``ConfigError``."""
+    from areal_mega.launch.plan import weight_update_group
+
+    return weight_update_group(parse_allocation(cfg.allocation), cfg.rollout.backend,
+                               len(cfg.rollout.server_addrs))
+
+
 class TrainerSession:
     """Builds the mesh and engines, restores or initialises state, owns logging and I/O.
 
@@ -189,13 +199,13 @@ class TrainerSession:
         r = self.cfg.rollout
         if not r.server_addrs:
             raise ValueError("rollout.weight_update=distributed needs rollout.server_addrs")
+        group = weight_group_for(self.cfg)
         client = RolloutClient(r.server_addrs, api_key=r.api_key,
                                timeout_s=r.request_timeout_s, retries=r.request_retries)
         self.weight_sender = DistributedWeightSender(
             client, master_address=os.environ.get("MASTER_ADDR", self.cfg.cluster.master_addr),
             backend="nccl" if torch.cuda.is_available() else "gloo",
-            bucket_bytes=r.weight_bucket_mb << 20,
-            ranks_per_server=r.sglang_tp if r.backend == "sglang" else 1)
+            bucket_bytes=r.weight_bucket_mb << 20, group=group)
         self.weight_sender.connect()
 
     # ------------------------------------------------------------------ per step

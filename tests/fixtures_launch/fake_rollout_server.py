@@ -1,5 +1,5 @@
 """Stand-in for ``areal_mega.rollout.local_server`` in launcher tests: same CLI, answers
-``GET /health_generate`` with 200 and writes its pid to ``$FAKE_PID_DIR/server-<port>.pid``."""
+``GET /health`` with 200 and writes its pid to ``$FAKE_PID_DIR/server-<port>.pid``."""
 import argparse
 import os
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health_generate" else 404)
+        self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
         self.wfile.write(b"ok")
 

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 
-import yaml
+from areal_mega.config import load_config
 
 
 def main():
@@ -24,13 +24,16 @@ def main():
         print(f"ECHO rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} "
               f"args={args}", flush=True)
         return
-    cfg = yaml.safe_load(open(args[args.index("--config") + 1]))
-    addrs = cfg["rollout"]["server_addrs"]
+    # the real config code: launch.local hands over a resolved file, torchrun.sh the recipe
+    # plus key=value overrides
+    cfg = load_config(args[args.index("--config") + 1],
+                      [a for a in args if "=" in a and not a.startswith("-")])
+    addrs = cfg.rollout.server_addrs
     assert addrs, "no rollout servers in the resolved config"
     for addr in addrs:
-        with urllib.request.urlopen(f"http://{addr}/health_generate", timeout=5) as r:
+        with urllib.request.urlopen(f"http://{addr}/health", timeout=5) as r:
             assert r.status == 200
-    ckpt = os.path.join(cfg["logging"]["run_dir"], "checkpoints")
+    ckpt = os.path.join(cfg.logging.run_dir, "checkpoints")
     rank = os.environ.get("RANK", "?")
     print(f"rank {rank} world {os.environ.get('WORLD_SIZE')} servers {addrs} "
           f"overrides {overrides}", flush=True)
@@ -41,7 +44,7 @@ def main():
             os.makedirs(os.path.join(ckpt, "iter_0000005.tmp"), exist_ok=True)  # incomplete
             open(done, "w").write('{"complete": true}')
         sys.exit(3)
-    assert cfg["recover"] == "auto"       # relaunch: the trainer resumes by itself
+    assert cfg.recover == "auto"          # relaunch: the trainer resumes by itself
     print("resumed OK from iter_0000003", flush=True)
 
 
