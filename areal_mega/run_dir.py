@@ -36,6 +36,14 @@ def iter_dir_name(iteration: int) -> str:
     return f"iter_{int(iteration):07d}"
 
 
+def checkpoint_iteration(ckpt) -> int:
+    """The step a checkpoint directory ``iter_NNNNNNN`` was saved after."""
+    m = ITER_RE.match(Path(ckpt).name)
+    if m is None:
+        raise ValueError(f"{ckpt}: not a checkpoint directory name (iter_NNNNNNN)")
+    return int(m.group(1))
+
+
 def complete_checkpoints(root) -> List[Path]:
     """Every complete ``iter_*`` checkpoint under ``root``, oldest first."""
     root = Path(root)
@@ -116,12 +124,12 @@ class RunDir:
         """The checkpoint a ``recover=auto`` trainer resumes from, or None."""
         return find_latest(self.checkpoint_root)
 
-    def accepted_samples(self, ckpt: Optional[Path] = None) -> int:
+    def accepted_samples(self, ckpt: Optional[Path]) -> int:
         """Samples the trainer has accepted in this run's lineage: those counted by checkpoint
-        ``ckpt`` (the latest complete one when omitted) plus those in the journal since."""
+        ``ckpt`` (the one it resumes from; None for a fresh start) plus those in the journal
+        segments written since."""
         from areal_mega.dataplane.journal import TrajectoryJournal
 
-        ckpt = self.latest_checkpoint() if ckpt is None else ckpt
         before = 0
         if ckpt is not None:
             before = int(checkpoint_meta(ckpt).get("extra", {}).get("accepted_samples", 0))

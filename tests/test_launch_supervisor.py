@@ -18,6 +18,7 @@ import pytest
 from areal_mega.launch import local
 from areal_mega.launch.plan import find_free_ports
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor, tcp_ready
+from areal_mega.run_dir import find_latest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_launch"
@@ -211,6 +212,6 @@ def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
     assert all(_port_free(p) for p in ports)
     cfg_text = (run_dir / "config.yaml").read_text()
     assert all(f"127.0.0.1:{p}" in cfg_text for p in ports)
-    assert local.latest_complete_checkpoint(run_dir / "checkpoints").name == "iter_0000003"
+    assert find_latest(run_dir / "checkpoints").name == "iter_0000003"
     assert local.resume_point(local.load_config(run_dir / "config.yaml")).name == \
         "iter_0000003"

@@ -10,7 +10,8 @@ import numpy as np
 from areal_mega.config import load_config
 from areal_mega.dataplane import Trajectory
 from areal_mega.dataplane.journal import TrajectoryJournal
-from areal_mega.run_dir import META_NAME, RunDir, complete_checkpoints, find_latest, iter_dir_name
+from areal_mega.run_dir import (META_NAME, RunDir, checkpoint_iteration, complete_checkpoints,
+                                find_latest, iter_dir_name)
 
 
 def _traj(i: int) -> Trajectory:
@@ -63,12 +64,14 @@ def test_latest_complete_checkpoint_skips_incomplete_and_bad_pointer(tmp_path):
 def test_accepted_samples_counts_checkpoint_and_journal(tmp_path):
     cfg = load_config(None, [f"logging.run_dir={tmp_path}"])
     rd = RunDir.from_config(cfg)
-    assert rd.accepted_samples() == 0
-    _complete(rd.checkpoint_root, 3, accepted=8)
+    assert rd.accepted_samples(None) == 0
+    ckpt = _complete(rd.checkpoint_root, 3, accepted=8)
+    assert checkpoint_iteration(ckpt) == 3
     j = TrajectoryJournal(rd.journal)
     j.append([_traj(i) for i in range(4)])
     j.close()
-    assert rd.accepted_samples() == 12
+    assert rd.accepted_samples(ckpt) == 12
+    assert rd.accepted_samples(None) == 4   # recover=off: no checkpoint lineage
 
 
 def test_run_dir_imports_neither_torch_nor_megatron():

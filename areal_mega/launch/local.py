@@ -6,12 +6,12 @@
 rollout / trainer world sizes, ranks per node) and the per-GPU memory estimate; nothing starts.
 
 Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the rollout servers
-(``local`` backend: :data:`ROLLOUT_SERVER_MODULE`; ``sglang``: the command from
-:data:`SGLANG_COMMAND_BUILDER`) on free ports, waits until they answer, then starts
+(``local`` backend: :data:`ROLLOUT_SERVER_MODULE`; ``sglang``:
+:func:`areal_mega.rollout.launch.build_sglang_command`) on free ports, waits until they answer, then starts
 ``python -m torch.distributed.run ... -m TRAINER_MODULE --config <run_dir>/config.yaml`` with
 ``rollout.server_addrs`` filled in, and (RL mode) the rollout worker
-(:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It watches all; Ctrl-C / SIGTERM or the death of any
-one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
+(:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It watches all;
+Ctrl-C / SIGTERM or the death of any one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
 ``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
 ``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. With
 ``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
@@ -20,15 +20,12 @@ Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
-import re
 import shlex
 import socket
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import yaml
 
@@ -39,66 +36,22 @@ from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_l
                                     weight_update_group)
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
 from areal_mega.parallel.allocation import parse_allocation
+from areal_mega.rollout.launch import build_sglang_command
+from areal_mega.run_dir import RunDir
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
 # ``AREAL_MEGA_TRAINER_MODULE`` in the environment replaces it (custom trainers, tests).
 TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
 # The CPU rollout server (``--model-path DIR --port P [--api-key K]``).
 ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
-# The rollout package's SGLang command builder:
-# ``build_sglang_command(model_path, port, *, host, tp, mem_fraction_static, dtype, api_key,
-# base_gpu_id, random_seed, extra) -> argv``. Each server sees only its GPUs
-# (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0.
-SGLANG_COMMAND_BUILDER = "areal_mega.rollout.launch:build_sglang_command"
-# ``module:function(checkpoint_root) -> Path | None``: the newest complete checkpoint. The
-# trainer resumes from it by itself under ``recover=auto`` (``checkpoint.load`` means initial
-# weights only), so the launcher relaunches the same command and only reports this path.
-CHECKPOINT_FINDER = "areal_mega.checkpoint.dist_ckpt:find_latest"
-# Fallback when the checkpoint package is not importable, same convention:
-# ``<root>/iter_<N>/`` is complete once ``areal_meta.json`` (written last) exists.
-CHECKPOINT_DIR_RE = re.compile(r"^iter_(\d+)$")
-COMPLETE_MARKER = "areal_meta.json"
 # The rollout worker (prompts -> servers -> rewards -> trajectories to the trainer; weight
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
-# Started in RL mode when the module exists. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it.
+# Started in RL mode. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it (tests).
 ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
                                        "areal_mega.rollout.worker")
 # Liveness probe of a rollout server. SGLang's ``/health_generate`` generates a token and
 # answers 503 while generation is paused (a weight update), so the launcher asks ``/health``.
 HEALTH_PATH = "/health"
-
-
-def _import(dotted: str):
-    module, _, attr = dotted.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def latest_complete_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
-    """The highest ``iter_<N>`` directory under ``ckpt_dir`` holding ``areal_meta.json``."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return None
-    best = None
-    for d in root.iterdir():
-        m = CHECKPOINT_DIR_RE.match(d.name)
-        if m and d.is_dir() and (d / COMPLETE_MARKER).exists():
-            if best is None or int(m.group(1)) > best[0]:
-                best = (int(m.group(1)), d)
-    return best[1] if best else None
-
-
-def find_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
-    """The checkpoint package's finder when it exists, else :func:`latest_complete_checkpoint`."""
-    try:
-        finder = _import(CHECKPOINT_FINDER)
-    except (ImportError, AttributeError):
-        finder = latest_complete_checkpoint
-    found = finder(ckpt_dir)
-    return Path(found) if found else None
-
-
-def checkpoint_dir(cfg: ExperimentConfig) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
 
 
 # ----------------------------------------------------------------------------- planning / dry run
@@ -194,14 +147,10 @@ def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list
         if cfg.rollout.api_key:
             argv += ["--api-key", cfg.rollout.api_key]
         return argv
-    try:
-        builder: Callable = _import(SGLANG_COMMAND_BUILDER)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"rollout.backend='sglang': cannot import the SGLang command builder "
-                          f"{SGLANG_COMMAND_BUILDER} ({e})") from None
+    # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     alloc = parse_allocation(cfg.allocation)
     extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
-    return list(builder(cfg.model.path, slot.port, host=host,
+    return list(build_sglang_command(cfg.model.path, slot.port, host=host,
                         tp=alloc.rollout.tp if alloc.rollout else 1,
                         mem_fraction_static=cfg.rollout.mem_fraction_static,
                         dtype=cfg.model.dtype, api_key=cfg.rollout.api_key, base_gpu_id=0,
@@ -219,14 +168,7 @@ def resume_point(cfg: ExperimentConfig) -> Optional[Path]:
     """The checkpoint a (re)launched trainer will resume from (``recover=auto``), if any."""
     if cfg.recover != "auto":
         return None
-    return find_checkpoint(checkpoint_dir(cfg))
-
-
-def module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+    return RunDir.from_config(cfg).latest_checkpoint()
 
 
 def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) -> int:
@@ -234,7 +176,7 @@ def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) ->
     return max(1, (n_cores - n_servers) // max(1, nproc))
 
 
-def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = None,
+def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
                 host: str = "127.0.0.1") -> tuple:
     """Plan, pick ports, write ``<run_dir>/config.yaml``; returns ``(specs, layout)``."""
     device = device or resolve_device(cfg)
@@ -258,8 +200,8 @@ def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = No
         addrs.append(f"{host}:{slot.port}")
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
+    config_path = RunDir.from_config(cfg).config_file
+    config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_gpus))} \
         if layout.trainer_gpus else {}
@@ -271,15 +213,12 @@ def build_specs(cfg: ExperimentConfig, run_dir: Path, device: Optional[str] = No
             os.cpu_count() or 1, n_servers=len(layout.servers),
             nproc=layout.trainer_nproc_per_node))
 
-    if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE):
+    if cfg.mode == "rl":
         specs.append(ProcessSpec("rollout_worker", [sys.executable, "-m", ROLLOUT_WORKER_MODULE,
                                                     "--config", str(config_path)],
                                  env={"CUDA_VISIBLE_DEVICES": ""},
                                  # its data-plane window and control socket face the trainer
                                  restart_with_main=True))
-    elif cfg.mode == "rl":
-        print(f"[launch] note: no rollout worker module {ROLLOUT_WORKER_MODULE!r}; starting "
-              "servers and trainer only", file=sys.stderr)
 
     def on_restart(spec: ProcessSpec, attempt: int) -> None:
         latest = resume_point(cfg)
@@ -323,7 +262,7 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
            "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus)),
            "TRAINER_MODULE": TRAINER_MODULE,
            "ROLLOUT_WORKER_MODULE": ROLLOUT_WORKER_MODULE
-           if cfg.mode == "rl" and module_exists(ROLLOUT_WORKER_MODULE) else "",
+           if cfg.mode == "rl" else "",
            "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes)}
     env["MAX_RESTARTS"] = cfg.cluster.max_restarts if cfg.recover == "auto" else 0
     group = weight_group(cfg, lay)
@@ -338,7 +277,7 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
     return env
 
 
-def serve_node(cfg: ExperimentConfig, node: int, run_dir: Path) -> int:
+def serve_node(cfg: ExperimentConfig, node: int) -> int:
     """Run (and supervise) the rollout servers that the layout puts on ``node``; for srun."""
     lay = planned_layout(cfg)
     mine = [s for s in lay.servers if s.node == node]
@@ -351,7 +290,7 @@ def serve_node(cfg: ExperimentConfig, node: int, run_dir: Path) -> int:
         specs.append(ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, "0.0.0.0"),
                                  env=env, kind="main"))
     host = socket.gethostname()
-    return Supervisor(specs, run_dir / "logs" / f"node{node}-{host}",
+    return Supervisor(specs, RunDir.from_config(cfg).logs / f"node{node}-{host}",
                       grace_s=cfg.cluster.kill_grace_s).run()
 
 
@@ -391,14 +330,13 @@ def main(argv: Optional[list] = None) -> int:
             print(latest or "")
             return 0
         if args.serve_node is not None:
-            return serve_node(cfg, args.serve_node, Path(cfg.logging.run_dir))
-        run_dir = Path(cfg.logging.run_dir)
-        specs, layout = build_specs(cfg, run_dir, args.device)
+            return serve_node(cfg, args.serve_node)
+        specs, layout = build_specs(cfg, args.device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(layout.describe(), file=sys.stderr, flush=True)
-    sup = Supervisor(specs, run_dir / "logs", grace_s=cfg.cluster.kill_grace_s,
+    sup = Supervisor(specs, RunDir.from_config(cfg).logs, grace_s=cfg.cluster.kill_grace_s,
                      max_restarts=cfg.cluster.max_restarts)
     return sup.run()
 

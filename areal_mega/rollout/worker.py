@@ -26,11 +26,10 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from areal_mega.run_dir import RunDir, checkpoint_iteration
 
 log = logging.getLogger("areal_mega.rollout.worker")
 
-STATE_FILE = "rollout_state.json"
 
 
 class PromptCursor:
@@ -89,19 +88,6 @@ def _atomic_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def accepted_groups(run_dir: Path, ckpt: Optional[Path], n_samples: int) -> int:
-    """Groups the trainer has accepted so far in this run's lineage: the samples counted by
-    its latest checkpoint plus those in the journal segments written since."""
-    from areal_mega.dataplane.journal import TrajectoryJournal
-
-    before = 0
-    if ckpt is not None:
-        from areal_mega.checkpoint.dist_ckpt import verify_checkpoint
-        before = int(verify_checkpoint(ckpt).get("extra", {}).get("accepted_samples", 0))
-    since = sum(1 for _ in TrajectoryJournal.replay(run_dir / "journal"))
-    return (before + since) // n_samples
-
-
 class RolloutWorker:
     """The rollout side of an RL run, one per run, in its own process (``main``, started by
     ``areal_mega.launch.local``; never inside a trainer rank).
@@ -127,12 +113,12 @@ class RolloutWorker:
         from areal_mega.rollout.client import RolloutClient
         from areal_mega.rollout.control import ControlServer
         from areal_mega.rollout.workflows import workflow_from_config
-        from areal_mega.train.session import control_endpoint, data_endpoint
 
         self.cfg = cfg
-        self.run_dir = Path(cfg.logging.run_dir).resolve()
+        self.paths = RunDir.from_config(cfg)
+        self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.state_path = self.run_dir / STATE_FILE
+        self.state_path = self.paths.rollout_state
         start = 0
         if self.state_path.exists() and cfg.recover == "auto":
             start = int(json.loads(self.state_path.read_text()).get("next_prompt", 0))
@@ -146,24 +132,21 @@ class RolloutWorker:
                                     timeout_s=cfg.rollout.request_timeout_s,
                                     retries=cfg.rollout.request_retries)
         self.workflow = StampedWorkflow(workflow_from_config(cfg.rollout))
-        self.sender = TrajectorySender(data_endpoint(cfg), secret=cfg.dataplane.secret,
+        self.sender = TrajectorySender(self.paths.data_endpoint, secret=cfg.dataplane.secret,
                                        window=cfg.dataplane.sender_window)
         self.controller = None
         self._ctl_lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
         self.stop_event = threading.Event()
-        self.control = ControlServer(control_endpoint(cfg), self.handle).start()
+        self.control = ControlServer(self.paths.control_endpoint, self.handle).start()
 
     def _resume_step(self) -> int:
         self.latest_ckpt = None
         if self.cfg.recover != "auto":
             return 0
-        from areal_mega.checkpoint.dist_ckpt import find_latest
-
-        root = Path(self.cfg.checkpoint.dir or self.run_dir / "checkpoints")
-        self.latest_ckpt = find_latest(root)
-        return int(self.latest_ckpt.name.split("_")[-1]) if self.latest_ckpt else 0
+        self.latest_ckpt = self.paths.latest_checkpoint()
+        return checkpoint_iteration(self.latest_ckpt) if self.latest_ckpt else 0
 
     def _sink(self, group: list) -> None:
         # the controller calls sinks from a thread pool; a ZMQ socket is single-threaded
@@ -190,7 +173,7 @@ class RolloutWorker:
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
                                 initial_version=version)
-        ctl.counter.accepted = accepted_groups(self.run_dir, self.latest_ckpt, r.n_samples)
+        ctl.counter.accepted = self.paths.accepted_samples(self.latest_ckpt) // r.n_samples
         self.controller = ctl.start()
         log.info("controller started at version %d (%d groups already accepted)", version,
                  ctl.counter.accepted)

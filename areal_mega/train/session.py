@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -17,20 +16,9 @@ import torch.distributed as dist
 
 from areal_mega.config import ExperimentConfig, config_to_dict
 from areal_mega.parallel.allocation import parse_allocation
+from areal_mega.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-
-
-def control_endpoint(cfg: ExperimentConfig) -> str:
-    """Where the rollout worker listens for weight-update commands."""
-    run = Path(cfg.logging.run_dir).resolve()
-    return cfg.dataplane.control_endpoint or f"ipc://{run}/control.sock"
-
-
-def data_endpoint(cfg: ExperimentConfig) -> str:
-    """Where rank 0 of the trainer receives trajectories."""
-    run = Path(cfg.logging.run_dir).resolve()
-    return cfg.dataplane.endpoint or f"ipc://{run}/trajectories.sock"
 
 
 def weight_group_for(cfg: ExperimentConfig):
@@ -72,7 +60,8 @@ class TrainerSession:
         from areal_mega.parallel.mesh import ParallelMesh
 
         self.cfg = cfg
-        self.run_dir = Path(cfg.logging.run_dir).resolve()
+        self.paths = RunDir.from_config(cfg)
+        self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         alloc = parse_allocation(cfg.allocation)
         self.mesh = ParallelMesh.create(alloc.trainer, vpp=cfg.actor.virtual_pipeline_size,
@@ -89,7 +78,7 @@ class TrainerSession:
         if cfg.ref.enabled:
             self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
                                       role="ref", mesh=self.mesh, seed=cfg.seed)
-        self.ckpt_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints")
+        self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
         resumed = self._restore_or_init()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
@@ -141,7 +130,7 @@ class TrainerSession:
         src = self.cfg.checkpoint.load
         if not src:
             own_ref = engine is self.ref and hf_dir != self.cfg.model.path
-            src = self.run_dir / ("init_mcore_ref" if own_ref else "init_mcore")
+            src = self.paths.init_checkpoint(reference=own_ref)
             if find_latest(src) is None:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
@@ -155,7 +144,7 @@ class TrainerSession:
         load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
 
     def _write_resolved_config(self) -> None:
-        path = self.run_dir / "config.resolved.json"
+        path = self.paths.resolved_config_file
         path.write_text(json.dumps(config_to_dict(self.cfg), indent=2))
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
@@ -171,7 +160,7 @@ class TrainerSession:
                                         desc=cfg.mode)
         if cfg.mode != "rl":
             return
-        self.intake = TrajectoryIntake(data_endpoint(cfg), self.run_dir,
+        self.intake = TrajectoryIntake(self.paths.data_endpoint, self.run_dir,
                                        group_size=cfg.rollout.n_samples,
                                        secret=cfg.dataplane.secret,
                                        max_queue=cfg.dataplane.max_queue,
@@ -184,7 +173,8 @@ class TrainerSession:
             print(f"[areal-mega] journal replay: {n} accepted samples pending again",
                   flush=True)
         self.intake.start()
-        self.link = RolloutLink(control_endpoint(cfg), timeout_s=cfg.rollout.request_timeout_s)
+        self.link = RolloutLink(self.paths.control_endpoint,
+                                timeout_s=cfg.rollout.request_timeout_s)
         if self.weight_update == "distributed":
             self._connect_weight_sender()
 
