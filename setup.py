@@ -4,8 +4,6 @@
 `python setup.py build_ext --inplace` builds the csrc kernels next to the package:
 
 * ``areal_mega._ops_cpu``  -- C++ CPU kernels (always; needs torch and a C++17 compiler);
-* ``areal_mega._dataplane_native`` -- the data plane's per-message checks (always; plain
-  CPython C++, no torch; the data plane falls back to its Python twins without it);
 * ``areal_mega._ops_cuda`` -- CUDA kernels (only when torch has CUDA and nvcc is found;
   ``AREAL_MEGA_NO_CUDA=1`` skips it, ``TORCH_CUDA_ARCH_LIST`` picks the architectures).
 """
@@ -14,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 CSRC = "csrc"
@@ -59,23 +57,7 @@ def kernel_extensions():
     return exts, {"build_ext": cpp_extension.BuildExtension}
 
 
-def dataplane_extension():
-    """The data plane's native checks; they need the numpy headers (numpy is a dependency)."""
-    try:
-        import numpy
-    except ImportError:
-        print("areal-mega: numpy not importable, skipping csrc/dataplane (the data plane "
-              "uses its Python twins)", file=sys.stderr)
-        return []
-    return [Extension(
-        "areal_mega._dataplane_native", include_dirs=[numpy.get_include()],
-        sources=[f"{CSRC}/dataplane/{f}.cpp"
-                 for f in ("module", "trajectory_check", "wire_fields")],
-        extra_compile_args=["-O3", "-std=c++17"], language="c++")]
-
-
 ext_modules, cmdclass = kernel_extensions()
-ext_modules += dataplane_extension()
 
 setup(
     name="areal-mega",
