@@ -193,7 +193,7 @@ def _field_frames(fields: list) -> Union[int, tuple]:
 
 
 def _decode_fields(fields: list, views: list, dtypes: dict, required: dict,
-                      sid: str) -> tuple:
+                   sid: str) -> tuple:
     """``(arrays, n_required)``: a zero-copy array per field (``views[1]`` is the pack, then
     one view per unpacked field) and how many of them are ``required`` names; or
     ``(reason, detail)`` for the first failed check (dtype allowed and as required, shape,
