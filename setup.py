@@ -4,8 +4,6 @@
 `python setup.py build_ext --inplace` builds the csrc kernels next to the package:
 
 * ``areal_mega._ops_cpu``  -- C++ CPU kernels (always; needs torch and a C++17 compiler);
-* ``areal_mega._dataplane_native`` -- the data plane's per-message checks (always; plain
-  CPython C++, no torch; the data plane falls back to its Python twins without it);
 * ``areal_mega._ops_cuda`` -- CUDA kernels (only when torch has CUDA and nvcc is found;
   ``AREAL_MEGA_NO_CUDA=1`` skips it, ``TORCH_CUDA_ARCH_LIST`` picks the architectures and
   defaults to ``8.0;9.0+PTX`` when no GPU is visible, e.g. on a build node).
@@ -21,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import Extension, find_packages, setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 CSRC = "csrc"
@@ -131,25 +129,12 @@ def kernel_extensions():
     return exts, {"build_ext": cpp_extension.BuildExtension}
 
 
-def dataplane_extension():
-    """The data plane's native checks; they need the numpy headers (numpy is a dependency)."""
-    if not _importable("numpy"):
-        return []
-    import numpy
-    return [Extension(
-        "areal_mega._dataplane_native", include_dirs=[numpy.get_include()],
-        sources=[f"{CSRC}/dataplane/{f}.cpp"
-                 for f in ("module", "trajectory_check", "wire_fields")],
-        extra_compile_args=["-O3", "-std=c++17"], language="c++")]
-
-
 def main():
     """Check the build dependencies, then run setuptools."""
     notice = check_build_deps(_importable("torch"), _importable("numpy"), os.environ)
     if notice:
         print(notice, file=sys.stderr)
     ext_modules, cmdclass = kernel_extensions()
-    ext_modules += dataplane_extension()
     setup(
         name="areal-mega",
         version="0.1.0",

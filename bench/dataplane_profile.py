@@ -8,12 +8,20 @@ frames, ack bookkeeping, header msgpack alone, ``np.frombuffer`` of every frame 
 Also printed: the same ``decode``/``validate`` on a hot in-cache message (what a micro-benchmark
 sees) and the process CPU (all threads: the libzmq I/O thread too) per message.
 
+With ``--metrics RUN/metrics.jsonl`` (a training run's, e.g. the CPU demo's), also the data
+plane's share of a training step: trajectories per step x the receive path's CPU per message
+(recv, ack, decode, validate, release) / the median step time. It is what decided that the
+data plane needs no native code.
+
 Usage: python bench/dataplane_profile.py [--tokens 32768] [--count 3000] [--tcp]
+                                         [--metrics runs/x/rl/metrics.jsonl]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import statistics
 import os
 import sys
 import tempfile
@@ -53,6 +61,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--count", type=int, default=3000)
     ap.add_argument("--tcp", action="store_true")
+    ap.add_argument("--metrics", default=None, help="a run's metrics.jsonl: print the share")
     args = ap.parse_args()
     n, count, skip = args.tokens, args.count, 10
     ep = "tcp://127.0.0.1:*" if args.tcp else f"ipc://{tempfile.mkdtemp(prefix='dpprof')}/p.sock"
@@ -103,6 +112,22 @@ def main() -> None:
           f"{cpu / (count - skip) * 1e6:.1f})")
     d, v = hot(n)
     print(f"hot in-cache: decode(no validate) {d:.1f} us, validate {v:.1f} us")
+    if args.metrics:
+        path_us = sum(m[STEPS.index(k)] for k in ("recv frames", "ack", "decode(no validate)",
+                                                  "validate", "release frames"))
+        step_share(args.metrics, path_us)
+
+
+def step_share(metrics_path: str, path_us: float) -> None:
+    """Print the receive path's share of a training step of the run in ``metrics_path``."""
+    rows = [json.loads(x) for x in open(metrics_path) if x.strip()][1:]  # step 1: warm-up
+    step_s = statistics.median(r["time/step"] for r in rows)
+    per_step = statistics.median(r["n_samples"] for r in rows)
+    share = per_step * path_us * 1e-6 / step_s
+    print(f"{metrics_path}: median step {step_s:.3f} s, {per_step:.0f} trajectories/step "
+          f"({per_step / step_s:.0f}/s consumed); receive path {path_us:.1f} us/msg -> "
+          f"{per_step * path_us / 1e3:.2f} ms/step = {100 * share:.2f} % of a step; "
+          f"one receiver thread could take {1e6 / path_us:.0f} msgs/s")
 
 
 if __name__ == "__main__":

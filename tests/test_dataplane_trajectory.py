@@ -115,7 +115,7 @@ def _rule_breaks():
     broken("everything", tr.NEGATIVE_ID | tr.VERSION_BELOW | tr.MASK_ON_PROMPT | tr.BAD_LOGPROB,
            lambda i, m, l, v: (i.__setitem__(1, -1), v.__setitem__(2, -7), m.__setitem__(0, 1),
                                l.__setitem__(0, np.nan)))
-    # long arrays take the native path that releases the GIL; the bad value at the very end
+    # a long array with the bad value at the very end
     broken("long_bad_tail", tr.BAD_LOGPROB, lambda i, m, l, v: l.__setitem__(-1, 2.0),
            n=1 << 17)
     return cases
@@ -123,27 +123,19 @@ def _rule_breaks():
 
 @pytest.mark.parametrize("name, bits, args", _rule_breaks(), ids=lambda x: x
                          if isinstance(x, str) else "")
-def test_native_and_numpy_value_checks_agree(name, bits, args):
+def test_value_checks_name_every_broken_rule(name, bits, args):
     tr = trajectory_mod
-    assert tr.failed_value_rules_numpy(*args) == bits
-    if tr._native_check_core is None:
-        pytest.skip("areal_mega._dataplane_native not built")
-    assert tr._native_check_core(*args) == bits
-    # frames arrive at any byte offset: the native check must not assume alignment
+    assert tr.failed_value_rules(*args) == bits
+    # frames arrive at any byte offset: the check must not assume alignment
     unaligned = []
     for a in args[:4]:
         raw = np.zeros(a.nbytes + 1, np.uint8)
         raw[1:] = a.view(np.uint8)
         unaligned.append(np.frombuffer(raw.data, a.dtype, a.size, 1))
-    assert tr._native_check_core(*unaligned, args[4]) == bits
+    assert tr.failed_value_rules(*unaligned, args[4]) == bits
 
 
-def test_native_value_check_is_built():
-    """make build compiles csrc/dataplane; a missing module would silently cost speed."""
-    assert trajectory_mod._native_check_core is not None
-
-
-def test_value_checks_fall_back_for_strided_views():
+def test_value_checks_take_strided_views():
     ids, mask, lp, ver = (np.repeat(a, 2)[::2] for a in _core())
     lp[25] = np.nan
     assert trajectory_mod.failed_value_rules(ids, mask, lp, ver, 10) == trajectory_mod.BAD_LOGPROB

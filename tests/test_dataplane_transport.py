@@ -247,44 +247,31 @@ def test_last_message_is_acked_by_the_recv_that_takes_it():
 
 
 @pytest.mark.parametrize("secret", [None, "k3y"])
-def test_native_and_python_decoders_agree(monkeypatch, secret):
-    """csrc/dataplane/wire_fields.cpp and its Python twin: same reason and detail for every
-    malformed message, bit-identical arrays for good ones (extras, 2-D and 0-d shapes)."""
-    from areal_mega.dataplane import wire
-    if wire._decode_fields is wire._decode_fields_py:
-        pytest.skip("areal_mega._dataplane_native not built")
+def test_decoder_names_the_reason_of_every_malformed_message(secret):
+    """decode_trajectory on each message of _garbage: its expected reason and a detail; good
+    messages (extras, 2-D and 0-d shapes, fields in frames of their own) decode bit-exactly."""
     rng = np.random.default_rng(3)
     good = [make_traj(2, i) for i in range(6)]
     good.append(Trajectory.from_tokens(np.arange(17_000), [1], [0.0], [0], sample_id="big",
                                        token_extras={"grid": rng.random((17_001, 2), np.float32)}))
-    messages = [(None, _frames(t, secret)) for t in good] + _garbage(secret)
-
-    def outcome():
-        out = []
-        for _, frames in messages:
-            try:
-                t = decode_trajectory(frames, secret, max_message_bytes=400_000, validate=False)
-                out.append({k: (a.dtype.str, a.shape, a.tobytes()) for k, a in t.arrays().items()})
-            except WireError as e:
-                out.append((e.reason, e.detail))
-        return out
-
-    native = outcome()
-    monkeypatch.setattr(wire, "_decode_fields", wire._decode_fields_py)
-    monkeypatch.setattr(wire, "_field_frames", wire._field_frames_py)
-    assert outcome() == native
-    assert all(type(o) is dict for o in native[:len(good)])
-    for (reason, _), got in zip(messages[len(good):], native[len(good):]):
-        if reason != "invalid_field":  # value rules are validate()'s, off here
-            assert type(got) is tuple and got[0] in ({reason} if type(reason) is str else reason)
+    for t in good:  # validate=False: a 2-D extra is the wire's to carry, not a trajectory's
+        got = decode_trajectory(_frames(t, secret), secret, max_message_bytes=400_000,
+                                validate=False).arrays()
+        want = t.arrays()
+        assert got.keys() == want.keys()
+        for k, a in want.items():
+            assert got[k].dtype.str == a.dtype.newbyteorder("<").str and \
+                got[k].shape == a.shape and got[k].tobytes() == a.tobytes(), k
+    for reason, frames in _garbage(secret):
+        with pytest.raises(WireError) as e:
+            decode_trajectory(frames, secret, max_message_bytes=400_000)
+        assert e.value.reason in ({reason} if type(reason) is str else reason), e.value
+        assert e.value.detail
 
 
-def test_native_and_python_encoders_agree(monkeypatch):
-    """csrc pack_fields and its Python twin give identical frames; arrays the native one does
-    not take (strided, byte-swapped) fall back to the twin."""
-    from areal_mega.dataplane import wire
-    if wire._pack_fields(make_traj(0, 0).arrays(), wire._WIRE_STR, 64) is None:
-        pytest.skip("areal_mega._dataplane_native not built")
+def test_encoder_frames_for_big_strided_and_byte_swapped_fields():
+    """Fields of 64 KiB or more get frames of their own, the rest share the pack; strided and
+    big-endian arrays travel as C-contiguous little-endian bytes and decode equal."""
     n = 17_000
     big = Trajectory.from_tokens(np.arange(n), [1], [0.0], [0], sample_id="big",
                                  token_extras={"v": np.arange(n + 1, dtype=np.int64)})
@@ -292,19 +279,11 @@ def test_native_and_python_encoders_agree(monkeypatch):
     strided.token_extras["s"] = np.repeat(strided.logprobs, 2)[::2]
     swapped = make_traj(4, 1)
     swapped.token_extras["b"] = swapped.versions.astype(">i4")
-    trajs = [make_traj(1, i) for i in range(8)] + [big, strided, swapped]
-
-    def frames():
-        return [[bytes(memoryview(f).cast("B")) for f in encode_trajectory(t, s)]
-                for t in trajs for s in (None, "k")]
-
-    native = frames()
-    assert wire._pack_fields(strided.arrays(), wire._WIRE_STR, 64) is None
-    assert wire._pack_fields(swapped.arrays(), wire._WIRE_STR, 64) is None
-    monkeypatch.setattr(wire, "_pack_fields", lambda *a: None)
-    assert frames() == native
-    assert len(native[len(trajs) * 2 - 6]) == 2 + 4  # big: ids, logprobs, versions, v own frames
-    for fr, t in zip(native[::2], trajs[:-1]):
-        assert decode_trajectory(fr).equals(t)
-    got = decode_trajectory(native[-2]).token_extras["b"]  # travels little-endian
+    for t in (big, strided):
+        for secret in (None, "k"):
+            frames = [bytes(memoryview(f).cast("B")) for f in encode_trajectory(t, secret)]
+            assert decode_trajectory(frames, secret).equals(t)
+    assert len(encode_trajectory(big)) == 2 + 4  # header, pack; ids, logprobs, versions, v
+    assert len(encode_trajectory(strided)) == 2
+    got = decode_trajectory(encode_trajectory(swapped)).token_extras["b"]
     assert got.dtype.str == "<i4" and np.array_equal(got, swapped.versions)

@@ -23,7 +23,6 @@ offending field; the data plane runs it on every received message.
 from __future__ import annotations
 
 import math
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -59,18 +58,18 @@ _MAX = np.maximum.reduce
 # Bits of a value-rule failure (see failed_value_rules); validate raises the first in its order.
 NEGATIVE_ID, MASK_NOT_BINARY, VERSION_BELOW, MASK_ON_PROMPT, BAD_LOGPROB = 1, 2, 4, 8, 16
 
-try:  # csrc/dataplane/trajectory_check.cpp: the same rules in one native pass
-    from areal_mega._dataplane_native import check_core as _native_check_core
-except ImportError:  # not built: numpy does the same work in a few more passes
-    _native_check_core = None
-if sys.byteorder != "little":  # the native check reads native-endian; wire arrays are "<"
-    _native_check_core = None
 
+def failed_value_rules(input_ids: np.ndarray, loss_mask: np.ndarray, logprobs: np.ndarray,
+                       versions: np.ndarray, prompt_len: int) -> int:
+    """Bit mask of the value rules the core arrays break (0: all hold).
 
-def failed_value_rules_numpy(input_ids: np.ndarray, loss_mask: np.ndarray,
-                             logprobs: np.ndarray, versions: np.ndarray, prompt_len: int) -> int:
-    """Bit mask of the failed value rules of the core arrays (numpy; see
-    :func:`failed_value_rules`). One SIMD reduction per array on the common path."""
+    Rules: :data:`NEGATIVE_ID` ``input_ids >= 0``; :data:`MASK_NOT_BINARY` ``loss_mask`` in
+    {0, 1}; :data:`VERSION_BELOW` ``versions >= -1``; :data:`MASK_ON_PROMPT` ``loss_mask`` 0 on
+    the first ``prompt_len`` tokens; :data:`BAD_LOGPROB` ``logprobs`` finite and <= 0 where
+    ``loss_mask`` is not 0. The arrays must already have their contract dtypes and one length
+    L >= 1, and ``0 <= prompt_len <= L``; any layout or byte offset. One SIMD reduction per
+    array on the common path.
+    """
     bits = 0
     if _MIN(input_ids) < 0:
         bits |= NEGATIVE_ID
@@ -87,25 +86,6 @@ def failed_value_rules_numpy(input_ids: np.ndarray, loss_mask: np.ndarray,
         if trained.size and not (np.isfinite(trained).all() and trained.max() <= 0.0):
             bits |= BAD_LOGPROB
     return bits
-
-
-def failed_value_rules(input_ids: np.ndarray, loss_mask: np.ndarray, logprobs: np.ndarray,
-                       versions: np.ndarray, prompt_len: int) -> int:
-    """Bit mask of the value rules the core arrays break (0: all hold).
-
-    Rules: :data:`NEGATIVE_ID` ``input_ids >= 0``; :data:`MASK_NOT_BINARY` ``loss_mask`` in
-    {0, 1}; :data:`VERSION_BELOW` ``versions >= -1``; :data:`MASK_ON_PROMPT` ``loss_mask`` 0 on
-    the first ``prompt_len`` tokens; :data:`BAD_LOGPROB` ``logprobs`` finite and <= 0 where
-    ``loss_mask`` is not 0. The arrays must already have their contract dtypes and one length
-    L >= 1, and ``0 <= prompt_len <= L``. Uses the native one-pass check when it is built and
-    the arrays are C-contiguous, numpy otherwise (same result).
-    """
-    if _native_check_core is not None:
-        try:
-            return _native_check_core(input_ids, loss_mask, logprobs, versions, prompt_len)
-        except (TypeError, ValueError):  # e.g. a strided view: numpy handles any layout
-            pass
-    return failed_value_rules_numpy(input_ids, loss_mask, logprobs, versions, prompt_len)
 
 
 class TrajectoryError(ValueError):

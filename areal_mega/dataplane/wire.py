@@ -113,7 +113,7 @@ def _hmac_failure(head: Any) -> WireError:
     return WireError("bad_hmac", "HMAC mismatch")
 
 
-def _pack_fields_py(arrays: dict, wire_str: dict, pack_threshold: int) -> tuple:
+def _pack_fields(arrays: dict, wire_str: dict, pack_threshold: int) -> tuple:
     """``(fields, pack, own)``: the header's field specs, the pack (every array smaller than
     ``pack_threshold`` bytes, in order, 8-byte aligned, zero padding) and the other arrays
     (C-contiguous, little-endian) for frames of their own."""
@@ -149,10 +149,7 @@ def encode_trajectory(traj: Trajectory, secret: Secret = None, *,
     already are), so a zero-copy send ships the caller's memory: do not modify them until
     sent. Raises ``TypeError`` if ``meta`` holds something msgpack cannot encode.
     """
-    arrays = traj.arrays()
-    packed = _pack_fields(arrays, _WIRE_STR, pack_threshold)
-    fields, pack, frames = packed if packed is not None else \
-        _pack_fields_py(arrays, _WIRE_STR, pack_threshold)
+    fields, pack, frames = _pack_fields(traj.arrays(), _WIRE_STR, pack_threshold)
     frames.insert(0, pack)
     md = traj.metadata()
     header = {"schema": SCHEMA_VERSION, "sample_id": md.pop("sample_id"), "fields": fields,
@@ -183,7 +180,7 @@ def _buf(frame: Any) -> Any:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def _field_frames_py(fields: list) -> Union[int, tuple]:
+def _field_frames(fields: list) -> Union[int, tuple]:
     """Frames of their own that ``fields`` declares (the unpacked fields), after checking each
     entry is ``[str, dtype, shape, bool]``; ``(reason, detail)`` when one is not."""
     n_own = 0
@@ -195,13 +192,13 @@ def _field_frames_py(fields: list) -> Union[int, tuple]:
     return n_own
 
 
-def _decode_fields_py(fields: list, views: list, dtypes: dict, required: dict,
-                      sid: str) -> tuple:
+def _decode_fields(fields: list, views: list, dtypes: dict, required: dict,
+                   sid: str) -> tuple:
     """``(arrays, n_required)``: a zero-copy array per field (``views[1]`` is the pack, then
     one view per unpacked field) and how many of them are ``required`` names; or
     ``(reason, detail)`` for the first failed check (dtype allowed and as required, shape,
     bytes in the pack or the field's frame, no duplicate, pack fully used).
-    ``fields`` passed :func:`_field_frames_py` and ``views`` has its frame count."""
+    ``fields`` passed :func:`_field_frames` and ``views`` has its frame count."""
     arrays = {}
     pack = views[1]
     pack_len = len(pack)
@@ -248,17 +245,6 @@ def _decode_fields_py(fields: list, views: list, dtypes: dict, required: dict,
     if end != pack_len:
         return "frame_size", f"frame 1 (pack): {pack_len} bytes, the packed fields end at {end}"
     return arrays, n_required
-
-
-try:  # csrc/dataplane/wire_fields.cpp: the same functions, without the interpreter loop
-    from areal_mega._dataplane_native import decode_fields as _decode_fields
-    from areal_mega._dataplane_native import field_frames as _field_frames
-    from areal_mega._dataplane_native import pack_fields as _pack_fields
-except ImportError:
-    _decode_fields, _field_frames = _decode_fields_py, _field_frames_py
-
-    def _pack_fields(arrays, wire_str, pack_threshold):
-        return None
 
 
 def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,

@@ -7,11 +7,14 @@
    the token count (``balance_by="tokens"``) or estimated FLOPs ``a*L + L**2``
    (``balance_by="flops"``, ``a = flops_linear_coef`` ~ 12 x hidden size: dense matmuls
    against causal attention).
-2. **Micro-batches**: every rank gets the same number ``m`` of micro-batches: the largest
-   first-fit-decreasing count over ranks under ``max_tokens_per_mb``, at least
-   ``min_micro_batches``, rounded up to a multiple of ``pp_size``. Each rank's sequences are
-   then split into exactly ``m`` token-balanced micro-batches (KK; falling back to
-   first-fit-decreasing into ``m`` bins if a balanced split breaks the budget).
+2. **Micro-batches**: every rank gets the same number ``m`` of micro-batches, the fewest
+   that every rank's sequences fit into under ``max_tokens_per_mb``: counts are tried upward
+   from ``ceil(rank tokens / budget)`` (and the count of sequences over half the budget), at
+   least ``min_micro_batches``, in steps of ``pp_size``; a count is feasible when a bounded
+   exact bin-packing search (longest first, lightest bin first) or FFD fits every rank. The
+   FFD count is the upper end (always feasible), so ``m`` never exceeds it. Each rank is then
+   split into ``m`` token-balanced micro-batches by KK, or, if that breaks the budget, the
+   search's packing balanced by a move/swap pass.
 3. **Empty micro-batches**: when a rank has fewer sequences than ``m`` (few sequences, many
    ranks), it gets empty micro-batches ``[]``. They sit at the end of the rank's list; the
    engine packs them to a padding-only batch (``pack_sequences([])``) so every rank runs the
@@ -24,6 +27,7 @@ Deterministic: the same input gives the same plan (ties broken by index).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Sequence
 
@@ -124,9 +128,68 @@ def first_fit_decreasing(indices: Sequence[int], seqlens: Sequence[int], budget:
     return bins
 
 
-def _split_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int
-                ) -> list[list[int]]:
-    """Exactly ``m`` micro-batches (some possibly empty) under ``budget`` tokens each."""
+def _pack_search(indices: list[int], seqlens: Sequence[int], m: int, budget: int,
+                 node_limit: int = 5000) -> list[list[int]] | None:
+    """``indices`` into exactly ``m`` bins of at most ``budget`` tokens, or ``None``.
+
+    Depth-first over the sequences in decreasing length, each tried in the bins from the
+    lightest up (the first leaf is longest-processing-time, i.e. worst-fit decreasing), bins
+    of equal load tried once (they are interchangeable); bins are kept in a sorted list, so
+    a placement costs O(log m) comparisons. Exact when it finishes within
+    ``node_limit`` placements; ``None`` also when it gives up. Deterministic.
+    """
+    order = sorted(indices, key=lambda i: (-seqlens[i], i))
+    if not order:
+        return [[] for _ in range(m)]
+    if seqlens[order[0]] > budget or sum(seqlens[i] for i in order) > m * budget:
+        return None
+    bins = [(0, b) for b in range(m)]  # (load, bin), kept sorted
+    where: list[tuple[int, int]] = []  # (load before, bin) of order[k], k < depth
+    tried = [-1]  # per depth: the largest bin load tried so far
+    nodes = 0
+    while tried:
+        depth = len(where)
+        n = seqlens[order[depth]]
+        pos = bisect.bisect_right(bins, (tried[-1], m))  # lightest bin heavier than tried
+        if pos == m or bins[pos][0] + n > budget:  # depth exhausted: undo the one above
+            tried.pop()
+            if where:
+                load, b = where.pop()
+                del bins[bisect.bisect_left(bins, (load + seqlens[order[depth - 1]], b))]
+                bisect.insort(bins, (load, b))
+            continue
+        nodes += 1
+        if nodes > node_limit:
+            return None
+        load, b = bins.pop(pos)
+        tried[-1] = load
+        bisect.insort(bins, (load + n, b))
+        where.append((load, b))
+        if len(where) == len(order):
+            out: list[list[int]] = [[] for _ in range(m)]
+            for k, (_, b) in enumerate(where):
+                out[b].append(order[k])
+            return [sorted(x) for x in out]
+        tried.append(-1)
+    return None
+
+
+def _fit_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int
+              ) -> list[list[int]] | None:
+    """Some ``m`` micro-batches under ``budget`` tokens each for ``indices``, or ``None``:
+    the bounded exact search, else first-fit-decreasing when it needs at most ``m`` bins."""
+    found = _pack_search(indices, seqlens, m, budget)
+    if found is not None:
+        return found
+    bins = first_fit_decreasing(indices, seqlens, budget)
+    return bins + [[] for _ in range(m - len(bins))] if len(bins) <= m else None
+
+
+def _split_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int,
+                fit: list[list[int]]) -> list[list[int]]:
+    """Exactly ``m`` micro-batches (some possibly empty) under ``budget`` tokens each: KK into
+    ``m`` token-balanced parts, or, if one breaks the budget, ``fit`` (a feasible split from
+    ``_fit_rank``) balanced by ``_refine`` (which only ever lowers the heaviest bin)."""
     if not indices:
         return [[] for _ in range(m)]
     toks = [float(seqlens[i]) for i in indices]
@@ -134,8 +197,27 @@ def _split_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int
     parts = [[indices[j] for j in p] for p in parts]
     if all(sum(seqlens[i] for i in p) <= budget for p in parts):
         return parts
-    bins = first_fit_decreasing(indices, seqlens, budget)  # len(bins) <= m by choice of m
-    return bins + [[] for _ in range(m - len(bins))]
+    return _refine([list(b) for b in fit], [float(n) for n in seqlens])
+
+
+def micro_batch_count_bounds(ranks: Sequence[Sequence[int]], seqlens: Sequence[int],
+                             budget: int, pp_size: int = 1, min_micro_batches: int = 1
+                             ) -> tuple[int, int]:
+    """``(lower, ffd)``: where the search for the per-rank micro-batch count starts and where
+    it is sure to end, both multiples of ``pp_size`` and ``>= min_micro_batches``.
+
+    ``lower`` is the largest, over ranks, of ``ceil(rank tokens / budget)`` and of the number of
+    sequences longer than half the budget (no two share a micro-batch); ``ffd`` is the largest
+    first-fit-decreasing bin count over ranks (always feasible).
+    """
+    def up(m: int) -> int:
+        m = max(m, min_micro_batches, 1)
+        return -(-m // pp_size) * pp_size
+
+    lower = max([max(-(-sum(seqlens[i] for i in r) // budget),
+                     sum(1 for i in r if 2 * seqlens[i] > budget)) for r in ranks] or [0])
+    ffd = max([len(first_fit_decreasing(r, seqlens, budget)) for r in ranks] or [0])
+    return up(lower), up(ffd)
 
 
 def _pyramid(mbs: list[list[int]], costs: Sequence[float]) -> list[list[int]]:
@@ -176,13 +258,18 @@ def plan_micro_batches(seqlens: Sequence[int], *, dp_size: int, max_tokens_per_m
     costs = sequence_costs(lens, balance_by, flops_linear_coef)
     ranks = _refine(karmarkar_karp(costs, dp_size), costs) if dp_size > 1 else \
         [list(range(len(lens)))]
-    need = max(len(first_fit_decreasing(r, lens, max_tokens_per_mb)) for r in ranks)
-    m = max(need, min_micro_batches, 1)
-    m = -(-m // pp_size) * pp_size
-    plan = []
-    for r in ranks:
-        mbs = _split_rank(r, lens, m, max_tokens_per_mb)
-        plan.append(_pyramid(mbs, costs))
+    lower, ffd = micro_batch_count_bounds(ranks, lens, max_tokens_per_mb, pp_size,
+                                          min_micro_batches)
+    for m in range(lower, ffd + 1, pp_size):  # fewest micro-batches every rank can fit into
+        fits = []
+        for r in ranks:  # stop at the first rank that does not fit
+            fits.append(_fit_rank(r, lens, m, max_tokens_per_mb))
+            if fits[-1] is None:
+                break
+        else:
+            break
+    plan = [_pyramid(_split_rank(r, lens, m, max_tokens_per_mb, f), costs)
+            for r, f in zip(ranks, fits)]
     return plan
 
 
