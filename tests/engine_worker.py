@@ -6,13 +6,16 @@ Each scenario builds a single-rank reference (TP1/PP1/EP1 model, plain autograd,
 schedule) in every process from one seed, then re-initialises the mesh in the layouts under
 test, copies the reference weights into each layout's shards and records the max abs
 difference of per-token logprobs and gradients. Rank r writes ``<out_dir>/<scenario>.<r>.json``
-({check: max_diff}). Everything here is real megatron-core over gloo.
+({check: max_diff}). Everything here is real megatron-core over gloo (NCCL for ``gpu_*``).
+
+The losses are the production ones: the decoupled PPO loss of :func:`make_policy_loss` (its
+``prox_logprobs`` are the reference model's own logprobs, ``behav_logprobs`` / ``ref_logprobs``
+those plus a little noise, so ratios sit inside the clip range) and the SFT loss.
 """
 import json
 import os
 import re
 import sys
-import tempfile
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,32 +33,52 @@ BIAS = dict(DENSE, model_type="qwen2", head_dim=None)
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
            moe_intermediate_size=32, norm_topk_prob=True)
 TEMP = 0.7
+#: the policy loss of the dense layouts, and a sequence-level one (GSPO ratio, mean of sequence
+#: means, geometric importance weight) for the pipeline layout and context parallelism
+POLICY = dict(kl_coef=0.05, entropy_coef=0.01)
+GSPO = dict(POLICY, ratio_level="sequence", loss_agg="seq_mean", imp_weight_level="geometric")
+
+
+def losses(kind):
+    """``(loss_fn, denominator_fn)`` of the production losses: ``"sft"`` or a dict of
+    :class:`~areal_mega.config.AlgorithmConfig` fields for :func:`make_policy_loss`."""
+    if kind == "sft":
+        from areal_mega.engine import default_denominator
+        from areal_mega.train.sft import sft_loss
+        return sft_loss, default_denominator
+    import dataclasses
+    from areal_mega.algo import make_policy_loss
+    from areal_mega.config import AlgorithmConfig
+    return make_policy_loss(dataclasses.replace(AlgorithmConfig(), **kind))
+
+
+def attach_policy_inputs(mb, lp, seed):
+    """The policy loss's inputs for one micro-batch whose current logprobs are ``lp``."""
+    g = torch.Generator().manual_seed(seed)
+    lp = lp.detach().float().cpu()
+    mb["prox_logprobs"] = lp.clone()
+    mb["behav_logprobs"] = lp + (torch.rand(lp.shape, generator=g) - 0.5) * 0.3
+    mb["ref_logprobs"] = lp + (torch.rand(lp.shape, generator=g) - 0.5) * 0.3
 
 
 # ----------------------------------------------------------------------------- data
-def make_mbs(seed, lens_per_mb, pad=2):
+def make_mbs(seed, lens_per_mb, pad=2, cp=1):
     from areal_mega.scheduler.packing import pack_sequences
     g = torch.Generator().manual_seed(seed)
     mbs = []
     for lens in lens_per_mb:
         seqs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g),
                  "prompt_len": max(1, n // 3),
-                 "adv": torch.randn(n, generator=g)} for n in lens]
-        mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
+                 "advantages": torch.randn(1, generator=g).expand(n).clone()} for n in lens]
+        mbs.append(pack_sequences(seqs, pad_to_multiple=pad, cp_size=cp))
     return mbs
 
 
-def loss_fn(lp, ent, mb):
-    m = mb["loss_mask"].to(lp.device).float()
-    num = -(lp * m * mb["adv"].to(lp.device)).sum()
-    if ent is not None:
-        num = num - 0.01 * (ent * m).sum()
-    return num, {"lp_sum": (lp * m).sum().detach(), "n_seqs": float(len(mb["cu_seqlens"]) - 1)}
-
-
 # ----------------------------------------------------------------------------- reference
-def reference(hf, mbs, seed):
-    """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd."""
+def reference(hf, mbs, seed, loss="sft"):
+    """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd,
+    the production ``loss`` (see :func:`losses`) called on each whole micro-batch. A policy
+    loss's inputs are attached to ``mbs`` from the logprobs computed here."""
     from areal_mega.engine import MegatronEngine
     from areal_mega.config import ModelConfig
     from areal_mega.engine.packed import block_causal_mask, next_token_labels, slot_offsets
@@ -66,9 +89,10 @@ def reference(hf, mbs, seed):
     model.requires_grad_(True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()
              if not k.endswith("_extra_state")}
-    denom = float(sum(mb["loss_mask"].sum() for mb in mbs))
+    loss_fn, den_fn = losses(loss)
+    denom = float(sum(den_fn(mb) for mb in mbs))
     lps, total = [], 0.0
-    for mb in mbs:
+    for i, mb in enumerate(mbs):
         ids = mb["input_ids"].long()
         starts, lens = slot_offsets(mb)
         labels, valid = next_token_labels(ids, starts, lens)
@@ -79,12 +103,15 @@ def reference(hf, mbs, seed):
                                   return_entropy=True)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
         ent = torch.where(valid, ent, torch.zeros_like(ent))
+        if loss != "sft":
+            attach_policy_inputs(mb, lp, seed * 100 + i)
         num, _ = loss_fn(lp, ent, mb)
         (num / denom).backward()
         total += float(num) / denom
         lps.append(lp.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"state": state, "lps": lps, "grads": grads, "loss": total}
+    return {"state": state, "lps": lps, "grads": grads, "loss": total, "kind": loss,
+            "n_tokens": denom}
 
 
 # ----------------------------------------------------------------------------- shard mapping
@@ -130,18 +157,23 @@ def load_reference(eng, ref, hf):
 
 
 def compare_grads(eng, ref, hf):
-    worst = 0.0
+    """(max abs difference, ‖Δ‖₂ / ‖reference‖₂ over all of this rank's parameters)."""
+    worst, d2, r2 = 0.0, 0.0, 0.0
     for chunk in eng.model:
         inner = chunk.module
         for n, p in inner.named_parameters():
             g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
             want = shard_of(ref["grads"][global_name(n, inner, eng.mesh, hf)], p, n, eng.mesh)
-            worst = max(worst, (g.float() - want).abs().max().item())
-    return worst
+            diff = g.float() - want.float().to(g.device)
+            worst = max(worst, diff.abs().max().item())
+            d2 += float((diff * diff).sum())
+            r2 += float((want.float() * want.float()).sum())
+    return worst, (d2 / max(r2, 1e-30)) ** 0.5
 
 
 def compare_lps(got, want):
-    return max((a - b).abs().max().item() for a, b in zip(got, want))
+    return max((a.float().cpu() - b.float().cpu()).abs().max().item()
+               for a, b in zip(got, want))
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -157,26 +189,31 @@ def set_mesh(spec, sp=False):
     return MESH[0]
 
 
-def actor(hf, ref, seed=7, lr=1e-3):
+def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32"):
+    """An actor engine holding the reference weights. The regular optimizer even on GPU: the
+    grads are read from ``main_grad``, which the distributed optimizer only reduce-scatters
+    (each DP×CP rank would hold the reduced gradient of its own buffer shard only)."""
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
-    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="actor", mesh=MESH[0],
-                         optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0), seed=seed)
+    eng = MegatronEngine(ModelConfig(dtype=dtype), hf_config=hf, role="actor", mesh=MESH[0],
+                         optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0), seed=seed,
+                         use_distributed_optimizer=False)
     load_reference(eng, ref, hf)
     return eng
 
 
-def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None):
-    """Logprobs (forward_logprobs) and grads (forward_backward) of a layout vs reference."""
-    eng = actor(hf, ref)
+def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype="fp32"):
+    """Logprobs (forward_logprobs) and grads (forward_backward) of a layout vs reference, with
+    the reference's production loss."""
+    eng = actor(hf, ref, dtype=dtype)
     my_mbs = mbs if my_mbs is None else my_mbs
     want = ref["lps"] if my_ref_lps is None else my_ref_lps
     res[f"{tag}.logprobs"] = compare_lps(eng.forward_logprobs(my_mbs, temperature=TEMP), want)
-    stats = eng.forward_backward(my_mbs, loss_fn, temperature=TEMP, return_entropy=True)
-    res[f"{tag}.grads"] = compare_grads(eng, ref, hf)
+    stats = eng.forward_backward(my_mbs, *losses(ref["kind"]), temperature=TEMP,
+                                 return_entropy=True)
+    res[f"{tag}.grads"], res[f"{tag}.grads_rel"] = compare_grads(eng, ref, hf)
     res[f"{tag}.loss"] = abs(stats["loss"] - ref["loss"])
-    res[f"{tag}.n_tokens"] = abs(stats["n_tokens"] - sum(float(m["loss_mask"].sum())
-                                                          for m in mbs))
+    res[f"{tag}.n_tokens"] = abs(stats["n_tokens"] - ref["n_tokens"])
     return eng
 
 
@@ -186,7 +223,7 @@ def scenario_dense(res, out_dir):
     mbs = make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
     # ---- reference + DP2 (each rank half of the micro-batches) on the d2 mesh
     set_mesh(dict(dp=world))
-    ref = reference(DENSE, mbs, seed=11)
+    ref = reference(DENSE, mbs, seed=11, loss=POLICY)
     half = mbs[rank::world]
     check_layout(res, "dp2", DENSE, ref, mbs, my_mbs=half, my_ref_lps=ref["lps"][rank::world])
     # packed = alone: every sequence of mb 0 run on its own
@@ -219,20 +256,21 @@ def scenario_dense(res, out_dir):
                                                   ref["lps"])
     res["ckpt_tp1_to_tp2.extra_ok"] = float(extra == {"note": "tp1"})
     # ten train steps on a fixed batch lower the loss (TP2)
-    losses = [eng.train_batch(mbs, loss_fn, temperature=TEMP)["loss"] for _ in range(10)]
-    res["train10.first_loss"], res["train10.last_loss"] = losses[0], losses[-1]
+    fns = losses(POLICY)
+    trace = [eng.train_batch(mbs, *fns, temperature=TEMP)["loss"] for _ in range(10)]
+    res["train10.first_loss"], res["train10.last_loss"] = trace[0], trace[-1]
     del eng, fresh
     set_mesh(dict(tp=world), sp=True)
     check_layout(res, "tp2sp", DENSE, ref, mbs)
     # ---- Qwen2 (QKV bias) under TP2 + SP
     set_mesh(dict(dp=world))
-    ref_b = reference(BIAS, mbs, seed=5)
+    ref_b = reference(BIAS, mbs, seed=5, loss=POLICY)
     set_mesh(dict(tp=world), sp=True)
     check_layout(res, "qwen2_tp2sp", BIAS, ref_b, mbs)
     # ---- PP2 on tied llama: variable lengths, 6 micro-batches
     pp_mbs = make_mbs(2, [[9, 14, 5], [31], [4, 4], [12, 7, 9], [2, 25], [8]])
     set_mesh(dict(dp=world))
-    ref_t = reference(TIED, pp_mbs, seed=3)
+    ref_t = reference(TIED, pp_mbs, seed=3, loss=GSPO)
     set_mesh(dict(pp=world))
     check_layout(res, "pp2_tied", TIED, ref_t, pp_mbs)
 
@@ -242,7 +280,7 @@ def scenario_moe(res, out_dir):
     rank = int(os.environ["RANK"])
     mbs = make_mbs(4, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
     set_mesh(dict(dp=world))
-    ref = reference(MOE, mbs, seed=21)
+    ref = reference(MOE, mbs, seed=21, loss="sft")
     # EP2 (alltoall dispatcher) inside DP2: each rank half of the micro-batches
     set_mesh(dict(dp=world, ep=world))
     check_layout(res, "ep2", MOE, ref, mbs, my_mbs=mbs[rank::world],
@@ -252,50 +290,69 @@ def scenario_moe(res, out_dir):
     check_layout(res, "moe_tp2sp", MOE, ref, mbs)
 
 
-def _engine_reference(hf, mbs, seed):
-    """GPU reference: the engine itself at CP1 on a d=world mesh, every rank the full batch
-    (DP-summed grads of identical halves == single-rank grads)."""
+#: TransformerEngine has no fp32 backend for packed (THD) attention (its unfused attention
+#: refuses THD, flash / cuDNN fused attention need fp16 / bf16), so the GPU scenarios run bf16.
+GPU_DTYPE = "bf16"
+
+
+def _engine_reference(hf, mbs, seed, loss):
+    """GPU reference: the engine itself at CP1 (TE THD attention, bf16) on a d=world mesh, every
+    rank the full batch. The global denominator sums the DP ranks (world × one batch's) and DDP
+    sums their gradients, so ``main_grad`` and the summed ``loss`` already equal one rank's
+    single-batch values: nothing is rescaled by the world size."""
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
-    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="actor", mesh=MESH[0],
-                         optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0), seed=seed)
-    world = MESH[0].dims.dp
+    eng = MegatronEngine(ModelConfig(dtype=GPU_DTYPE), hf_config=hf, role="actor",
+                         mesh=MESH[0], optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
+                         seed=seed, use_distributed_optimizer=False)
     state = {k: v.detach().clone() for k, v in eng.model_chunks()[0].state_dict().items()
              if not k.endswith("_extra_state")}
     lps = eng.forward_logprobs(mbs, temperature=TEMP)
-    st = eng.forward_backward(mbs, loss_fn, temperature=TEMP, return_entropy=True)
-    grads = {n: p.main_grad.detach().clone() * world
+    if loss != "sft":
+        for i, (mb, lp) in enumerate(zip(mbs, lps)):
+            attach_policy_inputs(mb, lp, seed * 100 + i)
+    loss_fn, den_fn = losses(loss)
+    st = eng.forward_backward(mbs, loss_fn, den_fn, temperature=TEMP, return_entropy=True)
+    grads = {n: p.main_grad.detach().clone()
              for n, p in eng.model_chunks()[0].named_parameters()}
-    return {"state": state, "lps": lps, "grads": grads, "loss": st["loss"] * world}
+    return {"state": state, "lps": lps, "grads": grads, "loss": st["loss"], "kind": loss,
+            "n_tokens": float(sum(den_fn(mb) for mb in mbs))}
 
 
 def scenario_gpu_thd(res, out_dir):
-    """One GPU: TransformerEngine THD packed forward equals each sequence run alone."""
+    """One GPU: TransformerEngine THD packed forward equals each sequence run alone; the
+    effect of letting a sequence see its predecessor is recorded for scale."""
     from areal_mega.scheduler.packing import pack_sequences
     set_mesh(dict(dp=1))
     mbs = make_mbs(1, [[9, 14, 5, 30]])
-    eng = _engine_reference(DENSE, mbs, seed=11)
-    worst = 0.0
+    ref = _engine_reference(DENSE, mbs, seed=11, loss=POLICY)
+    worst, leak = 0.0, 0.0
     mb0 = mbs[0]
-    lp0 = eng["lps"][0]
-    e2 = actor(DENSE, eng)
+    lp0 = ref["lps"][0]
+    e2 = actor(DENSE, ref, dtype=GPU_DTYPE)
     for b in range(len(mb0["seqlens"])):
         s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
         alone = pack_sequences([{"input_ids": mb0["input_ids"][s:s + n]}])
-        worst = max(worst, (e2.forward_logprobs([alone], temperature=TEMP)[0][:n]
-                            - lp0[s:s + n]).abs().max().item())
+        lp_alone = e2.forward_logprobs([alone], temperature=TEMP)[0][:n]
+        worst = max(worst, (lp_alone - lp0[s:s + n]).abs().max().item())
+        if b:   # the same tokens as the tail of one sequence that starts at sequence b-1
+            p = int(mb0["cu_seqlens"][b - 1])
+            joined = pack_sequences([{"input_ids": mb0["input_ids"][p:s + n]}])
+            lp_j = e2.forward_logprobs([joined], temperature=TEMP)[0][s - p:s - p + n - 1]
+            leak = max(leak, (lp_j - lp_alone[:n - 1]).abs().max().item())
     res["thd.packed_vs_alone"] = worst
+    res["thd.joined_vs_alone"] = leak
 
 
 def scenario_gpu_cp2(res, out_dir):
-    """Two GPUs: context parallelism 2 (zigzag THD) equals CP1."""
+    """Two GPUs: context parallelism 2 (zigzag THD, bf16) equals CP1, with a sequence-level
+    policy loss (GSPO ratio, mean of sequence means) so the loss's cross-rank sums are used."""
     world = int(os.environ["WORLD_SIZE"])
-    mbs = make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4]], pad=2 * world)
-    from areal_mega.scheduler.packing import pack_sequences  # noqa: F401
+    mbs = make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4]], pad=2 * world, cp=world)
     set_mesh(dict(dp=world))
-    ref = _engine_reference(DENSE, mbs, seed=11)
+    ref = _engine_reference(DENSE, mbs, seed=11, loss=GSPO)
     set_mesh(dict(cp=world))
-    check_layout(res, "cp2", DENSE, ref, mbs)
+    check_layout(res, "cp2", DENSE, ref, mbs, dtype=GPU_DTYPE)
 
 
 def main():

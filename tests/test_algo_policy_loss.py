@@ -326,3 +326,29 @@ def test_mismatch_counts_only_tokens_of_the_evaluated_weights():
     # without versions every loss token counts
     _, st = policy_loss(lp, None, hand_mb(), cfg_())
     assert finalize_stats(st)["mismatch"] == pytest.approx(1.1 / 3)
+
+
+@pytest.mark.parametrize("kw", [{"loss_agg": "seq_mean"},
+                                {"ratio_level": "sequence", "imp_weight_level": "geometric"},
+                                {"imp_weight_level": "sequence", "loss_agg": "seq_sum_norm",
+                                 "loss_norm_len": 8}])
+def test_loss_on_a_cp_padded_batch_uses_the_slot_layout(kw):
+    """Packed for context parallelism (slots padded to 2·CP), sequences live at
+    ``cu_seqlens_padded``: loss, denominator and statistics equal those of the unpadded pack."""
+    from areal_mega.scheduler.packing import pack_sequences
+    g = torch.Generator().manual_seed(3)
+    seqs = []
+    for n in (9, 14, 5):
+        prox = -torch.rand(n, generator=g)
+        seqs.append({"input_ids": torch.zeros(n, dtype=torch.long), "prompt_len": 2,
+                     "advantages": torch.randn(n, generator=g), "prox_logprobs": prox,
+                     "behav_logprobs": prox + 0.3 * torch.randn(n, generator=g),
+                     "lp": prox + 0.1 * torch.randn(n, generator=g)})
+    loss_fn, den_fn = make_policy_loss(cfg_(**kw))
+    out = []
+    for cp in (1, 2):
+        mb = pack_sequences(seqs, pad_to_multiple=4, cp_size=cp)
+        num, st = loss_fn(mb["lp"], None, mb)
+        out.append((float(num), den_fn(mb), {k: float(v) for k, v in st.items()}))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-6) and out[0][1] == out[1][1]
+    assert out[0][2] == pytest.approx(out[1][2], rel=1e-6)

@@ -1,7 +1,9 @@
 """Multi-process CPU (gloo, 2 ranks) equality of engine layouts against a single-rank reference.
 
 Two launches (dense, MoE) each run many checks in sequence; see tests/engine_worker.py. Every
-layout's per-token logprobs and gradients must match the TP1/PP1 reference within 1e-5 (fp32).
+layout's per-token logprobs and gradients must match the TP1/PP1 reference within 1e-5 (fp32),
+with the production losses (decoupled PPO with KL and entropy terms, a GSPO / sequence-mean
+variant on the pipeline layout, SFT on the MoE layouts).
 """
 import json
 import os
@@ -95,16 +97,28 @@ def _cuda_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# bf16 tolerances (the GPU scenarios run bf16: TransformerEngine has no fp32 THD attention).
+# bf16 keeps 8 mantissa bits (relative rounding 2^-9 ≈ 2e-3 per operation); the tiny model's
+# logits are O(0.1-1), and layouts differ only in GEMM tiling / reduction order / attention
+# kernel splits, so per-token logprobs move by a few 1e-3: 2e-2 is a 5x margin. Gradients are
+# accumulated in fp32 (main_grad) from bf16 backward passes; their relative L2 error is bounded
+# at 3e-2. The loss is a mean of O(1) terms: 1e-2.
+BF16_LOGPROBS, BF16_GRADS_REL, BF16_LOSS = 2e-2, 3e-2, 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_cuda_count() < 1, reason="needs a GPU with TransformerEngine")
 def test_gpu_te_thd_packed_equals_alone(tmp_path):
     res = _launch("gpu_thd", tmp_path, world=1)
-    assert res[0]["thd.packed_vs_alone"] < 2e-5
+    assert res[0]["thd.packed_vs_alone"] < BF16_LOGPROBS, res[0]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_cuda_count() < 2, reason="context parallelism 2 needs 2 GPUs (NCCL)")
 def test_gpu_cp2_matches_cp1(tmp_path):
     res = _launch("gpu_cp2", tmp_path, world=2)
-    for what in ("logprobs", "grads", "loss", "n_tokens"):
-        assert _worst(res, f"cp2.{what}") < 2e-5, (what, res[0])
+    for r in res:
+        assert r["cp2.logprobs"] < BF16_LOGPROBS, r
+        assert r["cp2.grads_rel"] < BF16_GRADS_REL, r
+        assert r["cp2.loss"] < BF16_LOSS, r
+        assert r["cp2.n_tokens"] == 0.0, r

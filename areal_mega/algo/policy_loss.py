@@ -31,6 +31,14 @@ Aggregation (``loss_agg``) as numerator / denominator, see :func:`aggregate_loss
 sums numerators over micro-batches and divides by the sum of denominators over all micro-batches
 and DP ranks (computed before the forward passes), so the loss and its gradients do not depend on
 how the batch is split.
+
+Packed layout and context parallelism: sequence i is the slot ``[cu[i], cu[i+1])`` of
+``cu = cu_seqlens_padded`` (``cu_seqlens`` when absent; the slot's padding has loss_mask 0). The
+engine hands the loss a CP rank's share of the tokens with that share's own layout and a
+``cp_shard`` (see :mod:`areal_mega.engine.loss_context`): per-token sums are additive over the
+CP ranks, every per-sequence sum goes through ``seq_reduce`` = ``cp_shard.sum`` (identity without
+CP), and per-sequence statistics are reported by the owner rank only. Every tensor input must be
+on the device of ``logprobs`` (checked: mixing devices raises a ValueError naming the field).
 """
 from __future__ import annotations
 
@@ -50,6 +58,31 @@ MAX_LOG_RATIO = 20.0
 LOSS_AGGS = ("token_mean", "seq_mean", "seq_sum_norm")
 
 LossFn = Callable[[Tensor, Optional[Tensor], dict], "tuple[Tensor, dict[str, Tensor]]"]
+SeqReduce = Optional[Callable[[Tensor], Tensor]]
+
+
+def _total(per_seq: Tensor, seq_reduce: SeqReduce) -> Tensor:
+    return per_seq if seq_reduce is None else seq_reduce(per_seq)
+
+
+def segment_bounds(mb: dict) -> Tensor:
+    """The slot layout of a packed micro-batch: ``cu_seqlens_padded`` when present, else
+    ``cu_seqlens`` (equal without context-parallel slot padding)."""
+    cu = mb.get("cu_seqlens_padded")
+    return mb["cu_seqlens"] if cu is None else cu
+
+
+def check_devices(logprobs: Tensor, mb: dict, keys, entropy: Optional[Tensor] = None) -> None:
+    """Raise a ValueError naming the first field of ``mb`` (among ``keys``; absent ones are
+    skipped) or ``entropy`` that is a tensor on another device than ``logprobs``. The engine
+    hands a loss its micro-batch on the compute device; a loss run on a micro-batch left on the
+    host would otherwise fail deep inside an operator, or not at all on CPU."""
+    fields = [(k, mb.get(k)) for k in keys] + [("entropy", entropy)]
+    for key, value in fields:
+        if isinstance(value, Tensor) and value.device != logprobs.device:
+            raise ValueError(f"loss input {key!r} is on {value.device} but logprobs are on "
+                             f"{logprobs.device}: the micro-batch must be on the compute device "
+                             "(see areal_mega.engine.loss_context.loss_view)")
 
 
 def _exp(log_x: Tensor) -> Tensor:
@@ -65,12 +98,14 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def ppo_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
-              cu_seqlens: Optional[Tensor] = None, level: str = "token") -> Tensor:
+              cu_seqlens: Optional[Tensor] = None, level: str = "token",
+              seq_reduce: SeqReduce = None) -> Tensor:
     r"""Policy ratio per token, differentiable w.r.t. ``logprobs``; 1 where ``loss_mask`` is 0.
 
     ``token``: r_t = exp(logπ_θ − logπ_old).
     ``sequence`` (GSPO): every token of sequence i gets s_i = exp(mean over i's loss tokens of
     (logπ_θ − logπ_old)); the gradient flows through the mean to all of i's tokens.
+    ``seq_reduce`` adds the per-sequence partial sums of the other CP shards (differentiable).
     """
     mask = loss_mask.bool()
     d = _masked(logprobs - old_logprobs, mask)
@@ -80,16 +115,16 @@ def ppo_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
         raise ValueError(f"ratio level {level!r}: must be 'token' or 'sequence'")
     if cu_seqlens is None:
         raise ValueError("a sequence-level ratio needs cu_seqlens")
-    n_tok = segment_sum(mask.to(d.dtype), cu_seqlens).clamp_min(1.0)
-    mean_d = segment_sum(d, cu_seqlens) / n_tok
+    n_tok = _total(segment_sum(mask.to(d.dtype), cu_seqlens), seq_reduce).clamp_min(1.0)
+    mean_d = _total(segment_sum(d, cu_seqlens), seq_reduce) / n_tok
     return _exp(_masked(broadcast_to_tokens(mean_d, cu_seqlens, d.shape[0]), mask))
 
 
 @torch.no_grad()
 def behav_importance_weight(prox_logprobs: Tensor, behav_logprobs: Tensor, loss_mask: Tensor,
                             cu_seqlens: Optional[Tensor] = None, *, cap: Optional[float] = None,
-                            level: str = "token", mode: str = "mask"
-                            ) -> tuple[Tensor, Tensor, Tensor]:
+                            level: str = "token", mode: str = "mask",
+                            seq_reduce: SeqReduce = None) -> tuple[Tensor, Tensor, Tensor]:
     r"""Importance weight of the proximal against the behaviour policy (no gradient).
 
     Levels, with δ_u = logπ_prox(y_u) − logπ_behav(y_u) over the loss tokens u of sequence i::
@@ -101,6 +136,7 @@ def behav_importance_weight(prox_logprobs: Tensor, behav_logprobs: Tensor, loss_
     Cap (``cap`` None = no cap): ``mask`` drops every token (every sequence, for the sequence
     levels) whose weight exceeds ``cap`` — it keeps its place in the denominator but contributes
     0 to the numerator; ``clamp`` uses min(w, cap) (truncated importance sampling).
+    ``seq_reduce`` adds the per-sequence sums of the other CP shards.
 
     Returns ``(weight, keep, capped)``: the (clamped) weight [T] (1 where loss_mask is 0), the
     bool mask of tokens that stay in the loss, and the bool mask of loss tokens above the cap.
@@ -110,9 +146,10 @@ def behav_importance_weight(prox_logprobs: Tensor, behav_logprobs: Tensor, loss_
     if level in ("sequence", "geometric"):
         if cu_seqlens is None:
             raise ValueError(f"imp_weight_level={level!r} needs cu_seqlens")
-        log_w = segment_sum(d, cu_seqlens)
+        log_w = _total(segment_sum(d, cu_seqlens), seq_reduce)
         if level == "geometric":
-            log_w = log_w / segment_sum(mask.to(d.dtype), cu_seqlens).clamp_min(1.0)
+            log_w = log_w / _total(segment_sum(mask.to(d.dtype), cu_seqlens),
+                                   seq_reduce).clamp_min(1.0)
         d = _masked(broadcast_to_tokens(log_w, cu_seqlens, d.shape[0]), mask)
     elif level != "token":
         raise ValueError(f"imp_weight_level {level!r}: must be token, sequence or geometric")
@@ -165,19 +202,22 @@ def loss_denominator(loss_mask: Tensor, cu_seqlens: Tensor, loss_agg: str) -> Te
 
 
 def aggregate_loss(token_loss: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, loss_agg: str,
-                   norm_len: Optional[float] = None) -> Tensor:
+                   norm_len: Optional[float] = None, seq_reduce: SeqReduce = None) -> Tensor:
     r"""This micro-batch's numerator; the loss is Σ_mb numerator / Σ_{mb,dp} denominator.
 
     ``token_mean``:   Σ_t m_t L_t                   / Σ_t m_t          (mean over all tokens)
     ``seq_mean``:     Σ_i (Σ_{t∈i} m_t L_t / |y_i|) / #sequences        (mean of sequence means)
     ``seq_sum_norm``: Σ_t m_t L_t / norm_len        / #sequences        (Dr.GRPO: constant norm)
+
+    With ``seq_reduce`` (CP shards) |y_i| is the whole sequence's count, so the numerators of
+    the shards add up to the full one.
     """
     mask = loss_mask.bool()
     tl = _masked(token_loss, mask)
     if loss_agg == "token_mean":
         return tl.sum()
     if loss_agg == "seq_mean":
-        n_tok = segment_sum(mask.to(tl.dtype), cu_seqlens).clamp_min(1.0)
+        n_tok = _total(segment_sum(mask.to(tl.dtype), cu_seqlens), seq_reduce).clamp_min(1.0)
         return (segment_sum(tl, cu_seqlens) / n_tok).sum()
     if loss_agg == "seq_sum_norm":
         if not norm_len or norm_len <= 0:
@@ -208,9 +248,17 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     ``behav_diff_sum`` (the same difference over all loss tokens: mismatch plus policy lag),
     ``imp_weight_sum``, ``imp_weight_sq_sum``, ``imp_weight_capped_count``, ``pg_loss_sum``,
     ``advantage_sum``, and ``kl_ref_sum`` / ``entropy_sum`` when available.
+
+    Sequences are the slots of :func:`segment_bounds`; with ``mb["cp_shard"]`` (a CP rank's
+    share, see the module docstring) per-sequence sums are added over the CP group.
     """
+    check_devices(logprobs, mb, ("loss_mask", "advantages", "behav_logprobs", "prox_logprobs",
+                                 "ref_logprobs", "versions"), entropy)
     dtype = logprobs.dtype
-    cu = mb["cu_seqlens"]
+    cu = segment_bounds(mb)
+    shard = mb.get("cp_shard")
+    seq_reduce = None if shard is None else shard.sum
+    owner = shard is None or shard.owner
     mask = mb["loss_mask"].bool()
     adv = mb["advantages"].to(dtype)
     behav = mb["behav_logprobs"].to(dtype)
@@ -221,12 +269,12 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
         old = prox
         weight, keep, capped = behav_importance_weight(
             prox, behav, mask, cu, cap=cfg.behav_imp_weight_cap, level=cfg.imp_weight_level,
-            mode=cfg.imp_weight_mode)
+            mode=cfg.imp_weight_mode, seq_reduce=seq_reduce)
     else:
         old = behav
         weight, keep, capped = torch.ones_like(behav), mask, torch.zeros_like(mask)
 
-    ratio = ppo_ratio(logprobs, old.detach(), mask, cu, cfg.ratio_level)
+    ratio = ppo_ratio(logprobs, old.detach(), mask, cu, cfg.ratio_level, seq_reduce)
     pg, clipped, dual = clipped_surrogate(ratio, adv, eps_low=cfg.eps_clip_low,
                                           eps_high=cfg.eps_clip_high,
                                           dual_clip_c=cfg.dual_clip_c)
@@ -242,7 +290,7 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
         raise KeyError("kl_coef > 0 with the KL as a loss term needs 'ref_logprobs'")
     if entropy is not None and cfg.entropy_coef > 0:
         token_loss = token_loss - cfg.entropy_coef * entropy
-    numerator = aggregate_loss(token_loss, mask, cu, cfg.loss_agg, norm_len)
+    numerator = aggregate_loss(token_loss, mask, cu, cfg.loss_agg, norm_len, seq_reduce)
 
     with torch.no_grad():
         m = mask.to(dtype)
@@ -253,9 +301,10 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
         same_weights = mask
         if mb.get("versions") is not None and mb.get("policy_version") is not None:
             same_weights = mask & (mb["versions"] == int(mb["policy_version"]))
+        n_seq = (_total(segment_sum(m, cu), seq_reduce) > 0).to(dtype).sum()
         stats = {
             "token_count": m.sum(),
-            "seq_count": (segment_sum(m, cu) > 0).to(dtype).sum(),
+            "seq_count": n_seq if owner else torch.zeros_like(n_seq),
             "clip_count": (clipped & mask).to(dtype).sum(),
             "dual_clip_count": (dual & mask).to(dtype).sum(),
             "ratio_sum": _masked(ratio.detach(), mask).sum(),
@@ -296,7 +345,7 @@ def make_policy_loss(cfg, *, max_response_len: Optional[int] = None
         return policy_loss(logprobs, entropy, mb, cfg, norm_len)
 
     def denominator_fn(mb: dict) -> float:
-        return float(loss_denominator(mb["loss_mask"], mb["cu_seqlens"], cfg.loss_agg))
+        return float(loss_denominator(mb["loss_mask"], segment_bounds(mb), cfg.loss_agg))
 
     return loss_fn, denominator_fn
 

@@ -8,11 +8,13 @@ causal mask. Log-probabilities come from :func:`areal_mega.ops.packed_logprobs` 
 vocabulary-parallel logits, with the padded vocabulary ids masked out.
 
 Loss contract (``train_batch``): on the last stage, per micro-batch, the engine calls
-``loss_fn(logprobs [T] fp32, entropy [T] | None, mb) -> (numerator, stats)``; the optimised
-loss is ``Σ numerators / D`` where ``D = Σ_{micro-batches, DP ranks} denominator_fn(mb)``
-(default: loss-mask token count). Megatron's own loss scaling is disabled
+``loss_fn(logprobs [T] fp32, entropy [T] | None, mb) -> (numerator, stats)`` with ``mb`` on the
+compute device and, under context parallelism, cut to this rank's tokens with that share's own
+segment layout (see :mod:`areal_mega.engine.loss_context`); the optimised loss is
+``Σ numerators / D`` where ``D = Σ_{micro-batches, DP ranks} denominator_fn(mb)`` over the full
+micro-batches (default: loss-mask token count). Megatron's own loss scaling is disabled
 (``calculate_per_token_loss``: the schedule neither divides by the micro-batch count nor DDP
-averages over DP), so gradients do not depend on the micro-batch split nor on the DP size.
+averages over DP × CP), so gradients do not depend on the micro-batch split nor on the DP size.
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from areal_mega.engine.packed import (block_causal_mask, next_token_labels, segment_ids_from_cu,
-                                      slot_offsets, zigzag_index, zigzag_merge)
+from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
+                                            reduce_stats)
+from areal_mega.engine.packed import (block_causal_mask, cp_token_index, next_token_labels,
+                                      segment_ids_from_cu, slot_offsets, zigzag_merge)
 from areal_mega.models.builder import (build_model_chunks, have_te, load_hf_config,
                                        parse_hf_config)
 
@@ -189,7 +193,7 @@ class MegatronEngine:
             batch["attention_mask"] = block_causal_mask(seg).to(dev)
             batch["packed_seq_params"] = None
         if cp > 1:
-            idx = zigzag_index(bounds.tolist(), total, cp, self.mesh.cp_rank)
+            idx = cp_token_index(mb, cp, self.mesh.cp_rank)
             batch["index"] = idx
             ids, pos = ids[idx], pos[idx]
             batch["labels"], batch["valid"] = batch["labels"][idx], valid[idx]
@@ -198,18 +202,6 @@ class MegatronEngine:
         batch["labels"] = batch["labels"].to(dev)
         batch["valid"] = batch["valid"].to(dev)
         return batch
-
-    def _local_mb(self, mb: dict, batch: dict) -> dict:
-        """``mb`` with per-token tensors restricted to this CP rank's tokens (CP only)."""
-        idx = batch["index"]
-        if idx is None:
-            return mb
-        out = dict(mb)
-        for k, v in mb.items():
-            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch["n_total"]:
-                out[k] = v[idx.to(v.device)]
-        out["cp_token_index"] = idx
-        return out
 
     # ------------------------------------------------------------------ model pieces
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -253,13 +245,11 @@ class MegatronEngine:
         if collect:
             return {"logprobs": lp.detach().float(),
                     "entropy": None if ent is None else ent.detach().float()}
-        numerator, stats = loss_fn(lp, ent, self._local_mb(mb, batch))
-        loss = numerator / denominator
-        n_tok = batch["valid"].sum().to(torch.int)
-        reduced = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in
-                   (stats or {}).items()}
-        reduced["loss"] = loss.detach().float().reshape(())
-        return loss, n_tok, reduced
+        idx = batch["index"]
+        shard = None if idx is None else CPShard(self.mesh.cp_group, self.mesh.dims.cp,
+                                                 self.mesh.cp_rank)
+        return compute_loss(loss_fn, lp, ent, mb, denominator=denominator,
+                            valid=batch["valid"], index=idx, shard=shard)
 
     def _run_schedule(self, micro_batches, step_fn, forward_only: bool, collect: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -332,13 +322,8 @@ class MegatronEngine:
     def global_denominator(self, micro_batches: Sequence[dict],
                            denominator_fn: Optional[Callable] = None) -> torch.Tensor:
         """Σ over micro-batches and DP ranks of ``denominator_fn(mb)`` (fp32 scalar)."""
-        fn = denominator_fn or default_denominator
-        local = sum((torch.as_tensor(fn(mb), dtype=torch.float64) for mb in micro_batches),
-                    torch.zeros((), dtype=torch.float64))
-        t = local.reshape(1).to(self.mesh.device)
-        if self.mesh.dims.dp > 1:
-            dist.all_reduce(t, group=self.mesh.dp_group)
-        return t.reshape(()).float()
+        return global_denominator(micro_batches, denominator_fn or default_denominator,
+                                  self.mesh)
 
     def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn,
                          denominator_fn: Optional[Callable] = None, *,
@@ -360,31 +345,9 @@ class MegatronEngine:
         step = partial(self._forward_step, collect=False, temperature=temperature,
                        return_entropy=return_entropy, loss_fn=loss_fn, denominator=safe)
         out = self._run_schedule(micro_batches, step, forward_only=False, collect=False)
-        stats = self._reduce_stats(out)
+        stats = reduce_stats(out, self.mesh)
         stats["n_tokens"] = float(denom)
         return stats
-
-    def _reduce_stats(self, records: list) -> dict:
-        keys = None
-        vec = None
-        if self.mesh.is_last_stage:
-            keys = sorted({k for r in records for k in r})
-            vec = torch.zeros(len(keys), dtype=torch.float64)
-            for r in records:
-                for i, k in enumerate(keys):
-                    if k in r:
-                        vec[i] += float(r[k])
-            vec = vec.to(self.mesh.device)
-            if self.mesh.dims.dp * self.mesh.dims.cp > 1:  # CP ranks hold partial sums
-                dist.all_reduce(vec, group=self.mesh.dp_cp_group)
-        if self.mesh.dims.pp > 1:
-            holder = [keys, None if vec is None else vec.cpu().tolist()]
-            dist.broadcast_object_list(holder, src=self.mesh.last_stage_global_rank(),
-                                       group=self.mesh.pp_group)
-            keys, values = holder
-        else:
-            values = vec.cpu().tolist()
-        return dict(zip(keys, values))
 
     def optimizer_step(self) -> dict:
         """Clip, step the optimizer and the LR schedule. Returns grad_norm and lr."""

@@ -12,11 +12,16 @@ import time
 import numpy as np
 import torch
 
+from areal_mega.algo.policy_loss import check_devices
 from areal_mega.train import batches
 
 
 def sft_loss(logprobs: torch.Tensor, entropy, mb: dict):
-    """Engine loss contract: numerator = Σ NLL over loss tokens (denominator: their count)."""
+    """Engine loss contract: numerator = Σ NLL over loss tokens (denominator: their count).
+
+    Per-token sums only, so a context-parallel rank's share needs no cross-rank term; its
+    inputs must be on the device of ``logprobs`` (a ValueError names the field otherwise)."""
+    check_devices(logprobs, mb, ("loss_mask",), entropy)
     mask = mb["loss_mask"].to(logprobs.dtype)
     nll = -(logprobs * mask).sum()
     return nll, {"nll_sum": nll.detach(), "token_count": mask.sum(),
