@@ -17,18 +17,11 @@ from __future__ import annotations
 import datetime
 
 
-def tcp_init_method(address: str, port: int) -> str:
-    """``tcp://host:port`` (IPv6 literals bracketed)."""
-    host = address
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"tcp://{host}:{int(port)}"
-
-
 def init_update_group(master_address: str, master_port: int, world_size: int, rank: int,
                       group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
     """Join (rank 0: host) the weight-update group ``group_name``; blocks until all
     ``world_size`` ranks have joined or ``timeout_s`` passes. Returns the process group."""
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     if backend not in ("gloo", "nccl"):
@@ -38,8 +31,11 @@ def init_update_group(master_address: str, master_port: int, world_size: int, ra
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(
-        tcp_init_method(master_address, master_port), rank, world_size, timeout=timeout))
+    # the store ``rendezvous("tcp://...")`` makes outside torchrun (rank 0 hosts it). Under
+    # torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make rank 0 a mere client of a
+    # store nobody hosts, so it is built directly; the keys are the same.
+    store = dist.TCPStore(master_address.strip("[]"), int(master_port), world_size,
+                          rank == 0, timeout=timeout, multi_tenant=True)
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(
