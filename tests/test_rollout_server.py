@@ -72,20 +72,23 @@ def test_logprobs_match_teacher_forcing_batched(server, models):
 
 
 def test_greedy_stop_tokens_and_seed(server, models):
+    """Greedy is the model's argmax; a stop token id ends generation (and, as on SGLang, is
+    ignored together with EOS under ignore_eos); a sampling_seed makes sampling repeatable."""
     async def go():
         c = client_for(server)
         try:
             g1 = await c.generate([7, 8, 9], sampling_dict(12, 0.0, ignore_eos=True))
             g2 = await c.generate([7, 8, 9], sampling_dict(12, 0.0, ignore_eos=True))
             stop = g1.output_ids[3]
-            s = await c.generate([7, 8, 9], sampling_dict(12, 0.0, stop_token_ids=[stop],
-                                                           ignore_eos=True))
+            s = await c.generate([7, 8, 9], sampling_dict(12, 0.0, stop_token_ids=[stop]))
+            s_ign = await c.generate([7, 8, 9], sampling_dict(12, 0.0, stop_token_ids=[stop],
+                                                               ignore_eos=True))
             r1 = await c.generate([7, 8], sampling_dict(10, 1.0, sampling_seed=3))
             r2 = await c.generate([7, 8], sampling_dict(10, 1.0, sampling_seed=3))
-            return g1, g2, s, stop, r1, r2
+            return g1, g2, s, s_ign, stop, r1, r2
         finally:
             await c.close()
-    g1, g2, s, stop, r1, r2 = run(go())
+    g1, g2, s, s_ign, stop, r1, r2 = run(go())
     assert g1.output_ids == g2.output_ids
     ids = [7, 8, 9]
     for tok in g1.output_ids:  # greedy = argmax of the model
@@ -93,9 +96,11 @@ def test_greedy_stop_tokens_and_seed(server, models):
             nxt = int(models["ma"](input_ids=torch.tensor([ids])).logits[0, -1].argmax())
         assert nxt == tok
         ids.append(tok)
-    first = g1.output_ids.index(stop)
+    eos = models["ma"].config.eos_token_id
+    first = next(i for i, t in enumerate(g1.output_ids) if t in (stop, eos))
     assert s.output_ids == g1.output_ids[:first + 1]
-    assert s.finish_reason == {"type": "stop", "matched": stop}
+    assert s.finish_reason == {"type": "stop", "matched": g1.output_ids[first]}
+    assert s_ign.output_ids == g1.output_ids and s_ign.finish_type == "length"
     assert r1.output_ids == r2.output_ids
 
 
@@ -103,7 +108,7 @@ def test_bad_input_answered_400_and_server_keeps_serving(server):
     cases = [
         (b"{not json", "malformed JSON"),
         (b"[1, 2]", "JSON object"),
-        (json.dumps({"input_ids": [1, 2], "bogus": 1}).encode(), "unknown field"),
+        (json.dumps({"input_ids": [1, 2], "image_data": "x.png"}).encode(), "image_data"),
         (json.dumps({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}).encode(),
          "unknown field"),
         (json.dumps({"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}}
@@ -113,6 +118,8 @@ def test_bad_input_answered_400_and_server_keeps_serving(server):
         (json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}).encode(),
          "max_new_tokens"),
         (json.dumps({"input_ids": [1], "sampling_params": {"top_p": 0}}).encode(), "top_p"),
+        (json.dumps({"input_ids": [1], "sampling_params": {"regex": "a+"}}).encode(), "regex"),
+        (json.dumps({"input_ids": [1], "sampling_params": {"min_p": 2}}).encode(), "min_p"),
         (json.dumps({"input_ids": [1], "stream": True}).encode(), "stream"),
     ]
     for data, msg in cases:

@@ -265,10 +265,14 @@ class RolloutClient:
                                 timeout=self.control_timeout_s)
 
     async def check_health(self, timeout: float = 5.0) -> list:
-        """``GET /health_generate`` on every server; updates health flags, returns them."""
+        """``GET /health`` on every server; updates health flags, returns them.
+
+        ``/health`` is the liveness probe (as in AReaL): on SGLang ``/health_generate`` runs a
+        generation and answers 503 after a while when generation is paused (e.g. during a
+        weight update), which would mark a live server down."""
         async def one(s: _Server):
             try:
-                await self._call(s, "GET", "/health_generate", timeout=timeout)
+                await self._call(s, "GET", "/health", timeout=timeout)
                 if not s.healthy:
                     log.warning("rollout server %s is back", s.addr)
                 s.healthy = True

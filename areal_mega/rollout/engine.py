@@ -10,10 +10,10 @@ One engine thread owns the model. Each iteration it
 
 So 8 concurrent requests cost ~one batched forward per token instead of 8.
 
-Logprobs: each returned logprob is ``log_softmax(logits / temperature)`` at the sampled token,
-i.e. the temperature-scaled distribution the token was drawn from (before the top-k / top-p
-truncation, which the trainer cannot recompute). The trainer must recompute at the same
-temperature. Greedy requests (temperature 0) report logprobs at temperature 1.
+Sampling (penalties, min_new_tokens, logit bias, temperature, top-k / top-p / min-p) and the
+meaning of the returned logprobs are those of SGLang; see :mod:`areal_mega.rollout.sampling`.
+Finishing follows SGLang's ``Req.check_finished``: ``length`` first, then (unless
+``ignore_eos``) a stop token id or an EOS id, then a stop string found in the decoded tail.
 """
 from __future__ import annotations
 
@@ -27,22 +27,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from areal_mega.rollout.sampling import SamplingParams, choose_tokens
+
+__all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
+
 log = logging.getLogger(__name__)
-
-GREEDY_EPS = 1e-6
-
-
-@dataclass
-class SamplingParams:
-    """Validated sampling parameters of one request (SGLang field names)."""
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple = ()
-    ignore_eos: bool = False
-    sampling_seed: Optional[int] = None
-
 
 @dataclass
 class GenRequest:
@@ -53,6 +42,7 @@ class GenRequest:
     on_done: Callable[["GenRequest"], None]
     output_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
     finish_reason: Optional[dict] = None
     weight_version: str = "0"
     aborted: bool = False
@@ -76,11 +66,17 @@ class BatchedEngine:
     :meth:`run_exclusive` (run a callable on the engine thread between decode steps).
     """
 
-    def __init__(self, model, eos_token_id: Optional[int], max_running: int = 64,
-                 weight_version: str = "0"):
+    def __init__(self, model, eos_token_id, max_running: int = 64,
+                 weight_version: str = "0", decode: Optional[Callable[[list], str]] = None):
+        """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
+        only for stop strings."""
         self.model = model
         self.config = model.config
-        self.eos_token_id = eos_token_id
+        if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+            self.eos_ids = frozenset(int(t) for t in eos_token_id)
+        else:
+            self.eos_ids = frozenset() if eos_token_id is None else frozenset([int(eos_token_id)])
+        self.decode = decode
         self.max_running = max_running
         self.weight_version = weight_version
         self._cv = threading.Condition()
@@ -323,50 +319,31 @@ class BatchedEngine:
         self._last_tok = [self._last_tok[i] for i in keep]
 
     def _sample_and_record(self, reqs: list, logits: torch.Tensor) -> list:
-        """Sample one token per row (vectorised; per-row work only for top-k/top-p or seeded
-        requests) and record token and logprob on each request."""
-        temps = torch.tensor([max(r.params.temperature, GREEDY_EPS) for r in reqs])
-        greedy = [r.params.temperature < GREEDY_EPS for r in reqs]
-        scaled = torch.where(torch.tensor(greedy).view(-1, 1), logits, logits / temps.view(-1, 1))
-        logp = torch.log_softmax(scaled, -1)
-        probs = logp.exp()
-        plain = [not g and r.generator is None and r.params.top_k <= 0 and r.params.top_p >= 1.0
-                 for r, g in zip(reqs, greedy)]
-        toks = torch.argmax(logp, -1)
-        if all(plain):
-            toks = torch.multinomial(probs, 1).view(-1)
-        else:
-            for i, (r, g) in enumerate(zip(reqs, greedy)):
-                if g:
-                    continue
-                p = r.params
-                row = logp[i]
-                if p.top_k > 0 and p.top_k < row.numel():
-                    kth = torch.topk(row, p.top_k).values[-1]
-                    row = row.masked_fill(row < kth, float("-inf"))
-                if p.top_p < 1.0:
-                    sp, si = torch.sort(row, descending=True)
-                    cum = torch.cumsum(sp.exp(), 0)
-                    drop = (cum - sp.exp()) >= p.top_p  # keep the smallest prefix reaching top_p
-                    row = row.clone()
-                    row[si[drop]] = float("-inf")
-                toks[i] = int(torch.multinomial(row.exp(), 1, generator=r.generator))
-        tok_list = toks.tolist()
-        lps = logp.gather(1, toks.view(-1, 1)).view(-1).tolist()
-        for r, tok, lp in zip(reqs, tok_list, lps):
+        """Choose one token per row (:func:`~areal_mega.rollout.sampling.choose_tokens`) and
+        record token, logprob and top logprobs on each request."""
+        tok_list, lps, tops = choose_tokens(reqs, logits, self.eos_ids)
+        for r, tok, lp, top in zip(reqs, tok_list, lps, tops):
             r.output_ids.append(tok)
             r.logprobs.append(lp)
+            if r.params.top_logprobs_num:
+                r.top_logprobs.append(top)
         self.tokens_generated += len(tok_list)
         return tok_list
 
     def _check_finished(self, r: GenRequest, tok: int) -> bool:
         p = r.params
-        if (not p.ignore_eos and tok == self.eos_token_id) or tok in p.stop_token_ids:
+        if len(r.output_ids) >= p.max_new_tokens:
+            r._finish({"type": "length", "length": p.max_new_tokens})
+            return True
+        if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos_ids):
             r._finish({"type": "stop", "matched": tok})
             return True
-        if len(r.output_ids) >= p.max_new_tokens:
-            r._finish({"type": "length", "length": len(r.output_ids)})
-            return True
+        if p.stop_strs and self.decode is not None:
+            tail = self.decode(r.output_ids[-(p.stop_str_max_len + 1):])
+            for s in p.stop_strs:
+                if s in tail:
+                    r._finish({"type": "stop", "matched": s})
+                    return True
         return False
 
 

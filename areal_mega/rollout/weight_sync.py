@@ -4,12 +4,13 @@ The sender owns rank 0 of a process group shared with every rollout server (serv
 rank 1 + i·tp through ``/init_weights_update_group``). For each bucket it POSTs
 ``/update_weights_from_distributed {names, dtypes, shapes}`` to every server and, while those
 requests are in flight, broadcasts the bucket's tensors one by one (root 0) in the listed order,
-which is exactly what SGLang's receiver expects. Gloo on CPU, NCCL on GPU.
+which is exactly what SGLang's receiver expects. Gloo on CPU, NCCL on GPU. The group itself is
+created the SGLang way (see :mod:`areal_mega.rollout.update_group`), so real SGLang servers and
+the CPU server both meet it.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import logging
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -68,22 +69,14 @@ def plan_weight_buckets(named_shapes_dtypes: Iterable, bucket_bytes: int) -> lis
 
 def create_sender_group(master_address: str, master_port: int, world_size: int,
                         group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
-    """Rank 0 of the weight-update group (hosts the TCP store). Does not touch the default
+    """Rank 0 of the weight-update group (hosts the TCP store), built exactly as SGLang builds
+    it (:func:`~areal_mega.rollout.update_group.init_update_group`). Does not touch the default
     process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
     until every server has joined."""
-    import torch.distributed as dist
+    from areal_mega.rollout.update_group import init_update_group
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, True, timeout=timeout,
-                          wait_for_workers=False)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, 0, world_size, timeout)
-    elif backend == "nccl":
-        pg = dist.ProcessGroupNCCL(prefixed, 0, world_size)
-    else:
-        raise ValueError(f"backend={backend!r}: must be gloo or nccl")
-    return pg, store
+    return init_update_group(master_address, master_port, world_size, 0, group_name, backend,
+                             timeout_s)
 
 
 class DistributedWeightSender:
@@ -116,7 +109,6 @@ class DistributedWeightSender:
         self._own_loop = run_async is None
         self._run_async = run_async or _private_loop()
         self.pg = None
-        self._store = None
         self.buckets_sent = 0
 
     @property
@@ -130,7 +122,7 @@ class DistributedWeightSender:
             self.master_address, self.master_port, self.world_size, self.group_name,
             self.backend, self.group.rank_offsets))
         try:
-            self.pg, self._store = create_sender_group(
+            self.pg = create_sender_group(
                 self.master_address, self.master_port, self.world_size, self.group_name,
                 self.backend, self.timeout_s)
         except BaseException:
@@ -143,7 +135,7 @@ class DistributedWeightSender:
         buckets. Tensors are sent contiguous, on the group's device, in their own dtype.
         ``weight_version`` (if given) is attached to every bucket; the server reports it once
         the last bucket has landed (attach it to the last bucket only if that matters)."""
-        import torch.distributed as dist
+        from areal_mega.rollout.update_group import broadcast_from_rank0
 
         if self.pg is None:
             raise RuntimeError("DistributedWeightSender.send before connect()")
@@ -156,10 +148,7 @@ class DistributedWeightSender:
                 [list(t.shape) for _, t in bucket], self.group_name, weight_version))
             try:
                 for _, t in bucket:
-                    t = t.detach().contiguous()
-                    opts = dist.BroadcastOptions()
-                    opts.rootRank = 0
-                    self.pg.broadcast([t], opts).wait()
+                    broadcast_from_rank0(self.pg, t.detach().contiguous())
             except BaseException:
                 fut.cancel()
                 raise
@@ -168,10 +157,13 @@ class DistributedWeightSender:
         self.buckets_sent += n
         return n
 
-
     def close(self) -> None:
-        """Drop the group on this side (and close the client if this sender owns its loop)."""
-        self.pg, self._store = None, None
+        """Destroy the group on this side (the servers keep theirs until
+        ``/destroy_weights_update_group``) and close the client if this sender owns its loop."""
+        from areal_mega.rollout.update_group import destroy_update_group
+
+        pg, self.pg = self.pg, None
+        destroy_update_group(pg)
         if self._own_loop:
             self._run_async(self.client.close()).result(timeout=30)
 

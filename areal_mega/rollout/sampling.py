@@ -1,0 +1,162 @@
+"""SGLang's sampling parameters and the per-step token choice of the batched CPU engine.
+
+One decode step turns the batch's last-position logits ``[B, V]`` into one token per row, in
+SGLang's order (its ``SamplingBatchInfo.apply_logits_bias`` then ``Sampler.forward``):
+
+1. penalties on the counts of the tokens *generated so far* by that row (the prompt does not
+   count): ``logits -= frequency_penalty * count``, ``logits -= presence_penalty * (count > 0)``,
+   then the CTRL-style repetition penalty on every token seen (``logit / p`` where the logit is
+   positive, ``logit * p`` where negative);
+2. ``min_new_tokens``: while a row has generated fewer tokens, its stop token ids and the EOS
+   ids get ``-inf``;
+3. ``logit_bias`` is added;
+4. temperature: ``logits / T``; a temperature below 1e-6 means greedy (top_k = 1, T = 1);
+5. sampling from ``softmax`` restricted by top_k, then top_p (keep the smallest prefix of the
+   sorted probabilities whose mass before the token is <= top_p), then min_p (drop tokens whose
+   probability is below ``min_p`` times the largest).
+
+The returned logprob of a token is, as SGLang reports it by default (without
+``SGLANG_RETURN_ORIGINAL_LOGPROB``), ``log_softmax`` of the step-4 logits: after penalties,
+bias and temperature, before the top-k / top-p / min-p truncation. Greedy rows report it at
+temperature 1. ``-inf`` is clamped to the most negative float, as SGLang does.
+
+Every step is vectorised over the batch; only rows with a ``sampling_seed`` draw their token
+with their own generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+GREEDY_EPS = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    """Validated sampling parameters of one request (SGLang field names and defaults)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop_token_ids: tuple = ()
+    stop_strs: tuple = ()
+    stop_str_max_len: int = 0      # longest stop string in tokens (how much tail to decode)
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None
+    logit_bias: dict = field(default_factory=dict)  # token id -> additive bias
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    top_logprobs_num: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature below 1e-6: argmax, logprobs at temperature 1 (SGLang's rule)."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any generated-token penalty is active."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _output_counts(reqs: list, vocab: int) -> torch.Tensor:
+    """``[B, V]`` float counts of each row's generated tokens (one scatter for the batch)."""
+    longest = max(len(r.output_ids) for r in reqs)
+    idx = torch.full((len(reqs), max(longest, 1)), vocab, dtype=torch.long)
+    for i, r in enumerate(reqs):
+        if r.output_ids:
+            idx[i, :len(r.output_ids)] = torch.tensor(r.output_ids, dtype=torch.long)
+    counts = torch.zeros(len(reqs), vocab + 1)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def _column(reqs: list, attr: str) -> torch.Tensor:
+    return torch.tensor([float(getattr(r.params, attr)) for r in reqs]).view(-1, 1)
+
+
+def adjust_logits(reqs: list, logits: torch.Tensor, eos_ids: frozenset) -> torch.Tensor:
+    """Steps 1-4 of the module docstring: the logits each row's distribution is made of."""
+    logits = logits.float().clone()
+    B, V = logits.shape
+    params = [r.params for r in reqs]
+    if any(p.penalised for p in params):
+        counts = _output_counts(reqs, V)
+        logits -= _column(reqs, "frequency_penalty") * counts
+        seen = counts > 0
+        logits -= _column(reqs, "presence_penalty") * seen
+        rep = _column(reqs, "repetition_penalty").expand(B, V)
+        scaled = torch.where(logits < 0, logits * rep, logits / rep)
+        logits = torch.where(seen, scaled, logits)
+    blocked = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+    for i in blocked:
+        ids = [t for t in set(params[i].stop_token_ids) | eos_ids if 0 <= t < V]
+        if ids:
+            logits[i, ids] = float("-inf")
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values())))
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params]).view(-1, 1)
+    return logits / temps
+
+
+def _truncated_probs(reqs: list, probs: torch.Tensor):
+    """Top-k, top-p, min-p on the sorted probabilities (SGLang's torch sampler); returns the
+    kept sorted probabilities and their token ids."""
+    B, V = probs.shape
+    ps, idx = probs.sort(dim=-1, descending=True)
+    ks = torch.tensor([V if r.params.top_k <= 0 or r.params.top_k > V else r.params.top_k
+                       for r in reqs]).view(-1, 1)
+    ps[torch.arange(V).view(1, -1) >= ks] = 0.0
+    top_p = _column(reqs, "top_p")
+    ps[(ps.cumsum(-1) - ps) > top_p] = 0.0
+    min_p = _column(reqs, "min_p")
+    if bool((min_p > 0).any()):
+        ps[ps < ps[:, :1] * min_p] = 0.0
+    return ps, idx
+
+
+def choose_tokens(reqs: list, logits: torch.Tensor, eos_ids: frozenset):
+    """One token per row of ``logits`` ``[B, V]`` for requests ``reqs`` (objects with
+    ``params`` and ``output_ids``, and ``generator`` for seeded rows).
+
+    Returns ``(tokens, logprobs, top)``: token ids, the reported logprob of each (see the
+    module docstring) and, per row, ``[(logprob, token_id), ...]`` of its ``top_logprobs_num``
+    most likely tokens (empty when not asked for)."""
+    z = adjust_logits(reqs, logits, eos_ids)
+    logp = torch.log_softmax(z, -1)
+    toks = torch.argmax(z, -1)
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.top_k != 1]
+    if sampled:
+        rows = torch.tensor(sampled, dtype=torch.long)
+        ps, idx = _truncated_probs([reqs[i] for i in sampled], logp[rows].exp())
+        free = [j for j, i in enumerate(sampled) if reqs[i].generator is None]
+        pick = torch.zeros(len(sampled), dtype=torch.long)
+        if free:
+            f = torch.tensor(free, dtype=torch.long)
+            pick[f] = torch.multinomial(ps[f], 1).view(-1)
+        for j, i in enumerate(sampled):
+            if reqs[i].generator is not None:
+                pick[j] = int(torch.multinomial(ps[j], 1, generator=reqs[i].generator))
+        toks[rows] = idx.gather(1, pick.view(-1, 1)).view(-1)
+    floor = torch.finfo(logp.dtype).min
+    lps = logp.gather(1, toks.view(-1, 1)).view(-1).clamp(min=floor).tolist()
+    top: list = [[] for _ in reqs]
+    kmax = max(r.params.top_logprobs_num for r in reqs)
+    if kmax > 0:
+        vals, ids = logp.clamp(min=floor).topk(min(kmax, logp.shape[1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        for i, r in enumerate(reqs):
+            k = r.params.top_logprobs_num
+            top[i] = list(zip(vals[i][:k], ids[i][:k]))
+    return toks.tolist(), lps, top

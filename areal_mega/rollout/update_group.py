@@ -1,0 +1,60 @@
+"""The weight-update process group, created the way SGLang creates it.
+
+SGLang's ``init_weights_update_group`` (and AReaL's trainer, which copies it) builds the group
+with torch's ``_new_process_group_helper`` on a ``tcp://`` rendezvous store wrapped in
+``PrefixStore(group_name)``. The helper adds its own ``"{group_name}/"`` and per-device
+(``"cpu/"``, ``"cuda/"``) prefixes and, for gloo, connects one context per device, so a group
+built any other way (e.g. ``ProcessGroupGloo(PrefixStore(group_name, store), ...)``) never meets
+an SGLang peer: both sides wait for keys the other never writes. The trainer's sender (rank 0)
+and the CPU server (ranks >= 1) both call :func:`init_update_group`.
+
+The group does not touch the default process group, so it coexists with the trainer's own
+``torch.distributed`` world; it is registered with ranks 0..world_size-1 so that
+``torch.distributed.broadcast(t, src=0, group=pg)`` works as on SGLang.
+"""
+from __future__ import annotations
+
+import datetime
+
+
+def init_update_group(master_address: str, master_port: int, world_size: int, rank: int,
+                      group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
+    """Join (rank 0: host) the weight-update group ``group_name``; blocks until all
+    ``world_size`` ranks have joined or ``timeout_s`` passes. Returns the process group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: must be gloo or nccl")
+    if not group_name:
+        raise ValueError("group_name: must not be empty")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # the store ``rendezvous("tcp://...")`` makes outside torchrun (rank 0 hosts it). Under
+    # torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make rank 0 a mere client of a
+    # store nobody hosts, so it is built directly; the keys are the same.
+    store = dist.TCPStore(master_address.strip("[]"), int(master_port), world_size,
+                          rank == 0, timeout=timeout, multi_tenant=True)
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
+        backend_options=None, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_update_group(pg) -> None:
+    """Tear down a group made by :func:`init_update_group` (frees its name for reuse)."""
+    import torch.distributed as dist
+
+    if pg is not None:
+        dist.destroy_process_group(pg)
+
+
+def broadcast_from_rank0(pg, tensor) -> None:
+    """Broadcast ``tensor`` in place from rank 0 of ``pg`` (blocking)."""
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src=0, group=pg)
