@@ -76,6 +76,27 @@ def checkpoint_meta(ckpt) -> dict:
         raise ValueError(f"{path}: unreadable checkpoint metadata ({e})") from None
 
 
+def hf_source_identity(hf_dir, **conversion) -> dict:
+    """What an ``init_mcore`` conversion was made from: the HF directory (resolved), a hash
+    of its ``config.json``, the name/size/mtime of every weight file, and the conversion
+    settings. A cached conversion whose identity differs is stale."""
+    import hashlib
+
+    root = Path(hf_dir).resolve()
+    cfg = root / "config.json"
+    weights = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
+                     or p.name.endswith(".index.json")) if root.is_dir() else []
+    return {"hf_dir": str(root),
+            "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()
+            if cfg.is_file() else None,
+            "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+            "conversion": conversion}
+
+
+SOURCE_FILE = "source.json"
+"""Inside an ``init_mcore`` directory: the :func:`hf_source_identity` it was converted from."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Paths and endpoints of one run, derived from the config in one place."""
@@ -120,9 +141,47 @@ class RunDir:
         """Where the initial HF weights are converted to (the reference model's own, if any)."""
         return self.root / ("init_mcore_ref" if reference else "init_mcore")
 
+    def init_checkpoint_is_current(self, init_dir: Path, identity: dict) -> bool:
+        """Whether the converted initial checkpoint ``init_dir`` is complete and was made from
+        exactly ``identity`` (see :func:`hf_source_identity`)."""
+        marker = Path(init_dir) / SOURCE_FILE
+        if find_latest(init_dir) is None or not marker.is_file():
+            return False
+        try:
+            return json.loads(marker.read_text()) == identity
+        except (OSError, json.JSONDecodeError):
+            return False
+
     def latest_checkpoint(self) -> Optional[Path]:
         """The checkpoint a ``recover=auto`` trainer resumes from, or None."""
         return find_latest(self.checkpoint_root)
+
+    def earlier_run_state(self) -> List[str]:
+        """What an earlier run left here that a fresh start (``recover=off``) would collide
+        with: complete checkpoints, metrics records, journal segments. Empty for a new run
+        directory (the launcher's ``config.yaml`` and the ``init_mcore`` cache do not count)."""
+        found = []
+        ckpts = complete_checkpoints(self.checkpoint_root)
+        if ckpts:
+            found.append(f"{len(ckpts)} checkpoint(s) up to {ckpts[-1]}")
+        metrics = self.root / "metrics.jsonl"
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            found.append(f"step records in {metrics}")
+        segments = [p for p in sorted(self.journal.glob("*.journal")) if p.stat().st_size > 0]
+        if segments:
+            found.append(f"{len(segments)} journal segment(s) in {self.journal}")
+        return found
+
+    def check_fresh_start(self, recover: str) -> None:
+        """Refuse ``recover=off`` in a run directory an earlier run has used: it would train
+        from scratch, interleave its metrics with the old ones and collide with the old
+        checkpoints at the first save. Raises ``ValueError`` saying what was found."""
+        found = self.earlier_run_state() if recover == "off" else []
+        if found:
+            raise ValueError(
+                f"logging.run_dir={self.root} was used by an earlier run ({'; '.join(found)}) "
+                f"and recover=off would start over on top of it: resume it with recover=auto, "
+                f"or choose a new logging.run_dir (or delete this one)")
 
     def accepted_samples(self, ckpt: Optional[Path]) -> int:
         """Samples the trainer has accepted in this run's lineage: those counted by checkpoint

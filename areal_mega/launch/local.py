@@ -331,6 +331,10 @@ def main(argv: Optional[list] = None) -> int:
             return 0
         if args.serve_node is not None:
             return serve_node(cfg, args.serve_node)
+        try:
+            RunDir.from_config(cfg).check_fresh_start(cfg.recover)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         specs, layout = build_specs(cfg, args.device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from areal_mega.config import ExperimentConfig, config_to_dict
 from areal_mega.parallel.allocation import parse_allocation
-from areal_mega.run_dir import RunDir
+from areal_mega.run_dir import SOURCE_FILE, RunDir, hf_source_identity
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,11 @@ class TrainerSession:
 
         self.cfg = cfg
         self.paths = RunDir.from_config(cfg)
+        try:
+            self.paths.check_fresh_start(cfg.recover)
+        except ValueError as e:
+            from areal_mega.config import ConfigError
+            raise ConfigError(str(e)) from None
         self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         alloc = parse_allocation(cfg.allocation)
@@ -125,20 +130,29 @@ class TrainerSession:
         """Initial weights: ``checkpoint.load`` (a Megatron checkpoint, actor and reference
         alike) or the HF directory ``hf_dir``, converted once into ``<run_dir>/init_mcore``
         (``init_mcore_ref`` for a reference model of its own); any layout loads it."""
-        from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint
+        from areal_mega.checkpoint.dist_ckpt import load_checkpoint
 
         src = self.cfg.checkpoint.load
         if not src:
             own_ref = engine is self.ref and hf_dir != self.cfg.model.path
             src = self.paths.init_checkpoint(reference=own_ref)
-            if find_latest(src) is None:
+            m = self.cfg.model
+            conversion = dict(tp=self.layout["tp_size"], pp=self.layout["pp_size"],
+                              dtype=m.dtype,
+                              make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+            identity = hf_source_identity(hf_dir, **conversion)
+            current = self.paths.init_checkpoint_is_current(src, identity)  # every rank reads
+            if dist.is_initialized():
+                dist.barrier()                      # ... before rank 0 may replace it
+            if not current:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
-                    m = self.cfg.model
-                    convert_hf_to_mcore(hf_dir, src, tp=self.layout["tp_size"],
-                                        pp=self.layout["pp_size"], dtype=m.dtype,
-                                        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-                                        progress=False)
+                    if src.exists():
+                        print(f"[areal-mega] {src} was converted from another model or "
+                              f"with other settings; converting {hf_dir} again", flush=True)
+                        shutil.rmtree(src)
+                    convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
+                    (src / SOURCE_FILE).write_text(json.dumps(identity))
                 if dist.is_initialized():
                     dist.barrier()
         load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
