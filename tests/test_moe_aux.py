@@ -22,7 +22,6 @@ def test_builder_reads_router_aux_loss_coef(tmp_path):
     cfg = transformer_config_from_hf(parse_hf_config(hf))
     assert cfg.moe_aux_loss_coeff == pytest.approx(0.001)
     assert cfg.moe_router_load_balancing_type == "aux_loss"
-    assert cfg.calculate_per_token_loss  # routers copy it at construction
     off = transformer_config_from_hf(parse_hf_config(dict(hf, router_aux_loss_coef=0.0)))
     assert off.moe_router_load_balancing_type == "none"
 

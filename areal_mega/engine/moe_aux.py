@@ -12,7 +12,8 @@ term is the token-weighted mean of the per-micro-batch losses, independent of ho
 split into micro-batches or DP ranks.
 
 megatron-core 0.16.1 with ``calculate_per_token_loss`` multiplies each rank's aux loss by its
-local routed token count (``TopKRouter.attach_and_log_load_balancing_loss``) and expects
+local routed token count (``TopKRouter.attach_and_log_load_balancing_loss``; the router
+copies the flag when built, so the engine's routers are set after the config is) and expects
 ``finalize_model_grads(num_tokens=...)`` to divide *every* gradient by the global token count
 afterwards. The engine cannot let finalize do that: its policy-loss gradients are already
 divided by ``D`` (which need not be a token count). Leaving megatron's multiplication alone
@@ -124,13 +125,14 @@ def install_moe_aux_loss_scaling(engine) -> Optional[MoEAuxLoss]:
     arch, config = engine.arch, engine.config
     if not arch.is_moe or not getattr(config, "moe_aux_loss_coeff", 0.0):
         return None
+    if not config.calculate_per_token_loss:
+        raise RuntimeError("MoE aux-loss scaling assumes config.calculate_per_token_loss")
     for chunk in engine.model:
-        for name, mod in chunk.named_modules():
-            # routers copy the flag at construction; the scaling above assumes it is set
-            if hasattr(mod, "attach_and_log_load_balancing_loss") and \
-                    not getattr(mod, "calculate_per_token_loss", False):
-                raise RuntimeError(f"{name}: router built without calculate_per_token_loss; "
-                                   "build the TransformerConfig with it set")
+        for mod in chunk.modules():
+            # TopKRouter copies the flag when built, before the engine sets it on the config;
+            # the scaling above assumes the routers multiply by their local token count
+            if hasattr(mod, "attach_and_log_load_balancing_loss"):
+                mod.calculate_per_token_loss = True
     aux = MoEAuxLoss(config, engine.mesh, sum(arch.moe_layer_pattern or ()))
     run = engine._run_schedule
 

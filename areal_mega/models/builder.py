@@ -229,8 +229,6 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=dtype == "bf16", fp16=dtype == "fp16",
         variable_seq_lengths=variable_seq_lengths,
-        # the engine normalises losses itself; MoE routers copy this flag when built
-        calculate_per_token_loss=True,
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
