@@ -56,7 +56,11 @@ class ModelConfig:
     dtype: str = _f("bf16", choices=["fp32", "bf16", "fp16"])
     make_vocab_size_divisible_by: int = _f(128, lo=1)
     recompute_granularity: Optional[str] = _f(None, choices=[None, "full", "selective"])
-    attention_backend: str = _f("auto", choices=["auto", "flash", "fused", "unfused", "local"])
+    attention_backend: str = _f(
+        "auto", choices=["auto", "flash", "fused", "unfused", "local"],
+        doc="auto: TransformerEngine picks its kernel on GPU, local attention on CPU; flash / "
+            "fused / unfused: pin TE's kernel (GPU + TE); local: megatron's local attention "
+            "with a dense [T, T] mask (the only choice on GPU without TE; no CP)")
 
 
 @dataclass

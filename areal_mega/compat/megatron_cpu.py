@@ -22,12 +22,13 @@ Two kinds of patch are used:
 * **source rewrite** — one function is recompiled from its own source with listed textual
   replacements (e.g. ``'torch.cuda.FloatTensor'`` → ``'torch.FloatTensor'``).
 
-Usage: ``from areal_mega.compat import megatron_cpu; megatron_cpu.apply()`` before building
-models (idempotent; a no-op when CUDA is available unless ``force=True``).
+The CPU stand-ins themselves live in :mod:`areal_mega.compat.cuda_shim`; this module holds the
+patch list and the one entry point. Usage: ``from areal_mega.compat import megatron_cpu;
+megatron_cpu.apply()`` before building models (idempotent; a no-op when CUDA is available
+unless ``force=True``).
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import textwrap
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+
+from areal_mega.compat.cuda_shim import torch_view
 
 __all__ = ["apply", "is_applied", "needed", "CompatError", "PATCHES", "check_targets",
            "MEGATRON_CORE_VERSION"]
@@ -46,136 +49,6 @@ MEGATRON_CORE_VERSION = "0.16.1"
 
 class CompatError(RuntimeError):
     """The megatron-core source no longer matches what a CPU patch expects."""
-
-
-# --------------------------------------------------------------------------------------------
-# CPU stand-ins for torch.cuda
-# --------------------------------------------------------------------------------------------
-
-class _NullStream:
-    """A CUDA stream/event stand-in: every operation is a no-op and waits complete at once."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        return None
-
-    def wait_event(self, *args, **kwargs):
-        return None
-
-    def record_event(self, *args, **kwargs):
-        return _NullStream()
-
-    def record(self, *args, **kwargs):
-        return None
-
-    def synchronize(self):
-        return None
-
-    def query(self):
-        return True
-
-    def __eq__(self, other):
-        return isinstance(other, _NullStream)
-
-    def __hash__(self):
-        return 0
-
-
-def _cpu_device(*args, **kwargs):
-    return torch.device("cpu")
-
-
-def _noop(*args, **kwargs):
-    return None
-
-
-def _map_device(dev):
-    if dev is None:
-        return None
-    if isinstance(dev, int):
-        return torch.device("cpu")
-    d = torch.device(dev) if isinstance(dev, str) else dev
-    return torch.device("cpu") if d.type == "cuda" else dev
-
-
-class _CudaOnCpu(types.SimpleNamespace):
-    """What megatron sees as ``torch.cuda`` inside a patched module."""
-
-
-def _make_cuda_shim() -> _CudaOnCpu:
-    real = torch.cuda
-    shim = _CudaOnCpu()
-    # Fall back to the real torch.cuda for anything not overridden (constants, types...).
-    for name in dir(real):
-        if not name.startswith("__"):
-            try:
-                setattr(shim, name, getattr(real, name))
-            except Exception:  # pragma: no cover - attribute that fails to resolve
-                pass
-    shim.is_available = lambda: False
-    shim.current_device = _cpu_device
-    shim.device_count = lambda: 0
-    shim.synchronize = _noop
-    shim.set_device = _noop
-    shim.empty_cache = _noop
-    shim.Stream = _NullStream
-    shim.Event = _NullStream
-    shim.current_stream = lambda *a, **k: _NullStream()
-    shim.default_stream = lambda *a, **k: _NullStream()
-    shim.stream = lambda *a, **k: contextlib.nullcontext()
-    shim.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    shim.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    shim.manual_seed = lambda seed: torch.manual_seed(seed)
-    shim.memory_allocated = lambda *a, **k: 0
-    shim.max_memory_allocated = lambda *a, **k: 0
-    shim.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop,
-                                      range=lambda *a, **k: contextlib.nullcontext())
-    return shim
-
-
-_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
-              "randint", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
-
-
-class _TorchOnCpu(types.ModuleType):
-    """A view of ``torch`` for one megatron module: ``cuda`` is the CPU shim and tensor
-    factories place ``device="cuda"`` tensors on the CPU. Everything else is the real torch."""
-
-    def __init__(self, shim):
-        super().__init__("torch")
-        self.__dict__["cuda"] = shim
-        for name in _FACTORIES:
-            self.__dict__[name] = self._wrap_factory(getattr(torch, name))
-
-    @staticmethod
-    def _wrap_factory(fn):
-        def factory(*args, **kwargs):
-            if "device" in kwargs:
-                kwargs["device"] = _map_device(kwargs["device"])
-            return fn(*args, **kwargs)
-        factory.__name__ = fn.__name__
-        factory.__doc__ = fn.__doc__
-        return factory
-
-    def device(self, *args, **kwargs):  # noqa: D102 - torch.device("cuda") -> cpu
-        return _map_device(torch.device(*args, **kwargs))
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-
-_SHIM: Optional[_CudaOnCpu] = None
-_TORCH_VIEW: Optional[_TorchOnCpu] = None
-
-
-def _torch_view() -> _TorchOnCpu:
-    global _SHIM, _TORCH_VIEW
-    if _TORCH_VIEW is None:
-        _SHIM = _make_cuda_shim()
-        _TORCH_VIEW = _TorchOnCpu(_SHIM)
-    return _TORCH_VIEW
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,7 +97,7 @@ class Patch:
     def apply(self) -> None:
         mod = importlib.import_module(self.module)
         if self.kind == "torch_view":
-            mod.torch = _torch_view()
+            mod.torch = torch_view()
         elif self.kind == "rewrite":
             _rewrite(mod, self.function, self.replace)
         elif self.kind == "custom":
@@ -284,7 +157,7 @@ def _patch_rng(mod) -> None:
 
     mod._get_cuda_rng_state = get_state
     mod._set_cuda_rng_state = set_state
-    mod.torch = _torch_view()  # add(): torch.cuda.get_rng_state / manual_seed
+    mod.torch = torch_view()  # add(): torch.cuda.get_rng_state / manual_seed
 
 
 def _patch_torch_norm(mod) -> None:
@@ -317,7 +190,7 @@ def _patch_moe_utils(mod) -> None:
     builds on ``"cuda"``."""
     if not getattr(mod, "HAVE_TE", False) and "te_general_gemm" not in mod.__dict__:
         mod.te_general_gemm = None
-    mod.torch = _torch_view()
+    mod.torch = torch_view()
 
 
 _TORCH_VIEW_MODULES = {

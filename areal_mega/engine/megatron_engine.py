@@ -29,8 +29,9 @@ from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denomi
                                             reduce_stats)
 from areal_mega.engine.packed import (block_causal_mask, cp_token_index, next_token_labels,
                                       segment_ids_from_cu, slot_offsets, zigzag_merge)
-from areal_mega.models.builder import (build_model_chunks, have_te, load_hf_config,
-                                       parse_hf_config)
+from areal_mega.engine.packed_params import packed_seq_kwargs
+from areal_mega.models.backend import resolve_attention
+from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
 
 __all__ = ["MegatronEngine", "default_denominator"]
 
@@ -76,12 +77,13 @@ class MegatronEngine:
         self.optimizer_cfg = optimizer_cfg
         self.hf_config = load_hf_config(hf_config if hf_config is not None else model_cfg.path)
         self.arch = parse_hf_config(self.hf_config)
-        self.use_te = have_te()
+        attn = resolve_attention(getattr(model_cfg, "attention_backend", "auto"))
+        self.use_te = attn.use_te
         chunks, self.config = build_model_chunks(
             self.arch, mesh, dtype=model_cfg.dtype,
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             recompute_granularity=model_cfg.recompute_granularity if role == "actor" else None,
-            use_te=self.use_te, seed=seed)
+            use_te=self.use_te, attention_backend=attn.backend, seed=seed)
         self.vocab_size = self.arch.vocab_size
         self.padded_vocab_size = chunks[0].vocab_size
         self.config.calculate_per_token_loss = True
@@ -102,9 +104,13 @@ class MegatronEngine:
             self.optimizer = self._build_optimizer()
             self.lr_scheduler = self._build_lr_scheduler(total_train_steps)
             from megatron.core.distributed import finalize_model_grads
-            # Loss is already divided by the global denominator: never rescale by num_tokens.
+
+            from areal_mega.engine.moe_aux import moe_aux_loss_scaling
+            # Loss is already divided by the global denominator: never rescale by num_tokens;
+            # the MoE aux loss gets its per-token scale per step instead (engine/moe_aux.py).
             self.config.finalize_model_grads_func = (
                 lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+            self.moe_aux = moe_aux_loss_scaling(self)
             if self.config.fp16:
                 self.config.grad_scale_func = self.optimizer.scale_loss
 
@@ -173,16 +179,9 @@ class MegatronEngine:
         dev = self.mesh.device
         if self.use_te:
             from megatron.core.packed_seq_params import PackedSeqParams
-            cu = torch.as_tensor(mb["cu_seqlens"]).int()
-            cu_pad = bounds.int()
-            if cu_pad[-1] < total:  # trailing padding as one more (ignored) sequence
-                cu = torch.cat([cu, cu[-1:] + (total - cu_pad[-1])])
-                cu_pad = torch.cat([cu_pad, torch.tensor([total], dtype=torch.int32)])
-            seqlens_pad = cu_pad[1:] - cu_pad[:-1]
-            batch["packed_seq_params"] = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu.to(dev), cu_seqlens_kv=cu.to(dev),
-                cu_seqlens_q_padded=cu_pad.to(dev), cu_seqlens_kv_padded=cu_pad.to(dev),
-                max_seqlen_q=int(seqlens_pad.max()), max_seqlen_kv=int(seqlens_pad.max()))
+            # padded offsets only where sequences are padded (CP): see engine/packed_params.py
+            batch["packed_seq_params"] = PackedSeqParams(**packed_seq_kwargs(
+                mb["cu_seqlens"], bounds, total, cp=cp, device=dev))
             batch["attention_mask"] = None
         else:
             if cp > 1:
@@ -344,7 +343,10 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         step = partial(self._forward_step, collect=False, temperature=temperature,
                        return_entropy=return_entropy, loss_fn=loss_fn, denominator=safe)
-        out = self._run_schedule(micro_batches, step, forward_only=False, collect=False)
+        if self.moe_aux is not None:   # router aux loss scaled per token for this step
+            out = self.moe_aux.run(self._run_schedule, micro_batches, step, False, False)
+        else:
+            out = self._run_schedule(micro_batches, step, forward_only=False, collect=False)
         stats = reduce_stats(out, self.mesh)
         stats["n_tokens"] = float(denom)
         return stats

@@ -5,8 +5,9 @@ Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` 
 builder; the model code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
-Layer spec: TransformerEngine (``get_gpt_layer_with_transformer_engine_spec``) when TE and CUDA
-are present, megatron-core's local spec otherwise.
+Layer spec: TransformerEngine (``get_gpt_layer_with_transformer_engine_spec``) or megatron-core's
+local spec, as decided by :mod:`areal_mega.models.backend` from ``model.attention_backend``, CUDA
+and the installed TransformerEngine (which also decides the GPU fusions).
 
 Parameter names and layouts of the local spec (per model chunk, TP-local shards; ``L`` is the
 layer index *local to the chunk*; the global index is ``L + layer offset`` of the stage):
@@ -50,6 +51,10 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
+
+from areal_mega.models.backend import (apex_grad_accum_available, attn_backend_enum,
+                                       config_attention_backend, decide_fusions, have_te,
+                                       probe_te)
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
@@ -174,25 +179,22 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + m - 1) // m) * m
 
 
-def have_te() -> bool:
-    """True when TransformerEngine is importable and CUDA is available."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
                                ep: int = 1, vpp: Optional[int] = None,
                                sequence_parallel: bool = False, dtype: str = "fp32",
                                recompute_granularity: Optional[str] = None,
                                variable_seq_lengths: bool = True, use_te: bool = False,
                                moe_aux_loss_coeff: Optional[float] = None,
-                               deterministic: bool = False):
+                               deterministic: bool = False,
+                               attention_backend: Optional[str] = None,
+                               fusions: Optional[dict] = None):
     """Translate :class:`HFArch` + parallel sizes into a megatron ``TransformerConfig``.
+
+    ``attention_backend`` is megatron's ``AttnBackend`` name (see
+    :func:`~areal_mega.models.backend.config_attention_backend`; None: what this process
+    already committed to, else ``auto``).
+    ``fusions`` overrides :func:`~areal_mega.models.backend.decide_fusions` (default: decided
+    from CUDA, the installed TE and apex; all off on CPU).
 
     ``pipeline_model_parallel_size`` is set in the config (megatron needs it there to give
     each stage its own layers); ``variable_seq_lengths`` requires the alltoall MoE dispatcher
@@ -206,6 +208,12 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
                          f"PP·VPP={pp * (vpp or 1)}")
     params_dtype = _DTYPES[dtype]
     on_gpu = torch.cuda.is_available()
+    if fusions is None:
+        te = probe_te() if on_gpu and use_te else None
+        fusions = decide_fusions(cuda=on_gpu, use_te=use_te,
+                                 te_version=te.version if te is not None else None,
+                                 apex_grad_accum=on_gpu and apex_grad_accum_available(),
+                                 activation="silu", gated_linear_unit=True, cp=cp)
     kw: dict[str, Any] = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
@@ -224,10 +232,10 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        bias_activation_fusion=False, masked_softmax_fusion=on_gpu and use_te,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        deterministic_mode=deterministic,
+        masked_softmax_fusion=on_gpu and use_te, bias_dropout_fusion=False,
+        persist_layer_norm=False, deterministic_mode=deterministic,
+        attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
+        **fusions,
     )
     if recompute_granularity:
         kw["recompute_granularity"] = recompute_granularity
@@ -271,12 +279,15 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
                        make_vocab_size_divisible_by: int = 128,
                        recompute_granularity: Optional[str] = None,
                        use_te: Optional[bool] = None, seed: int = 1234,
-                       moe_aux_loss_coeff: Optional[float] = None):
+                       moe_aux_loss_coeff: Optional[float] = None,
+                       attention_backend: Optional[str] = None):
     """Build this rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     Returns ``(chunks, config)``. Weights are initialised from ``seed`` through megatron's
     model-parallel RNG so that any layout initialises the same global weights only up to the
-    RNG streams; load a checkpoint (or broadcast) to get identical weights across layouts."""
+    RNG streams; load a checkpoint (or broadcast) to get identical weights across layouts.
+    ``attention_backend``: megatron's ``AttnBackend`` name (see
+    :func:`~areal_mega.models.backend.select_attention`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -287,7 +298,7 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
         arch, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, vpp=mesh.vpp,
         sequence_parallel=mesh.sequence_parallel, dtype=dtype,
         recompute_granularity=recompute_granularity, use_te=use_te,
-        moe_aux_loss_coeff=moe_aux_loss_coeff)
+        moe_aux_loss_coeff=moe_aux_loss_coeff, attention_backend=attention_backend)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     vocab = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, d.tp)
