@@ -172,6 +172,6 @@ def test_checksum_truncation_is_named_as_such(made, tmp_path):
     root = _root_copy(made, tmp_path)
     shard = root / "iter_0000001" / "__0_1.distcp"
     os.truncate(shard, shard.stat().st_size - 1)
-    with pytest.raises(CheckpointError, match="truncated or overwritten") as e:
+    with pytest.raises(CheckpointError, match="truncated checkpoint shard") as e:
         verify_checkpoint(root / "iter_0000001")
     assert str(shard) in str(e.value)

@@ -32,12 +32,12 @@ from typing import Dict, Iterable, List, Optional
 from areal_mega.run_dir import META_NAME
 
 ALGORITHM = "crc32"
-CHUNK = 8 << 20
+CHUNK = 1 << 20   # as fast as 8 MiB (the GIL-free CRC dominates), and a small memory footprint
 _WRITER_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def file_crc32(path) -> str:
-    """CRC-32 of a file's bytes as 8 hex digits (read in 8 MiB chunks, no whole-file copy)."""
+    """CRC-32 of a file's bytes as 8 hex digits (read in 1 MiB chunks, no whole-file copy)."""
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     crc = 0
@@ -136,8 +136,9 @@ def check_files(ckpt, files: Dict[str, dict], rels: Iterable[str]) -> List[str]:
     errors = []
     for rel in rels:
         want, p = files[rel], ckpt / rel
+        kind = "shard" if rel.endswith(".distcp") else "file"
         if not p.is_file():
-            errors.append(f"{p}: missing (listed in {ckpt / META_NAME})")
+            errors.append(f"{p}: missing checkpoint {kind} (listed in {ckpt / META_NAME})")
             continue
         try:
             size = p.stat().st_size
@@ -146,8 +147,9 @@ def check_files(ckpt, files: Dict[str, dict], rels: Iterable[str]) -> List[str]:
             errors.append(f"{p}: unreadable ({e})")
             continue
         if size != want.get("size"):
-            errors.append(f"{p}: size {size} bytes, the checkpoint recorded {want.get('size')}"
-                          f" (truncated or overwritten)")
+            what = f"truncated checkpoint {kind}" if size < want.get("size", 0) else "wrong size"
+            errors.append(f"{p}: {what} ({size} bytes, the checkpoint recorded "
+                          f"{want.get('size')})")
             continue
         if got != want.get(ALGORITHM):
             errors.append(f"{p}: content checksum mismatch ({ALGORITHM} {got}, recorded "
