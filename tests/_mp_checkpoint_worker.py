@@ -119,7 +119,8 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import hf_mapping as hm
-    from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint, save_checkpoint
+    from areal_mega.checkpoint.dist_ckpt import (find_latest, latest_verified, load_checkpoint,
+                                                 save_checkpoint)
     from areal_mega.models.builder import build_model_chunks
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -176,6 +177,10 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     path = save_checkpoint(root, 1, ddp, opt, sched, extra={"version": 1, "data_pos": 7},
                            hf_dir=conv_dir / "hf", keep_last=2)
     out["save_seconds"] = time.time() - t
+    from areal_mega.checkpoint import checksums as cks
+    files = json.loads((path / "areal_meta.json").read_text())["checksums"]["files"]
+    out["checksums_cover_all_files"] = (sorted(files) == cks.list_files(path)
+                                        and any(f.startswith("__1_") for f in files))
     train_step(ddp, opt, sched, batch(1))
     want = params(ddp)
     export_w2 = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
@@ -216,6 +221,18 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     dist.barrier()
     out["after_prune"] = sorted(p.name for p in proot.iterdir())
     out["latest_after_junk"] = find_latest(proot).name
+    # bytes flipped in a shard rank 1 wrote: both ranks agree to fall back to iteration 2
+    if rank == 0:
+        shard = proot / "iter_0000003" / "__1_0.distcp"
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            b = f.read(8)
+            f.seek(shard.stat().st_size // 2)
+            f.write(bytes(x ^ 0xFF for x in b))
+    dist.barrier()
+    back = latest_verified(proot)
+    out["fallback"] = {"path": back.name, "iteration": load_checkpoint(back, ddp, opt).iteration,
+                       "dirs": sorted(p.name for p in proot.iterdir())}
     mesh.destroy()
     del ddp, opt, sched
 

@@ -53,6 +53,10 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
         assert rs["after_prune"] == ["iter_0000002", "iter_0000003", "iter_0000008",
                                      "iter_0000009.tmp", "latest"]
         assert rs["latest_after_junk"] == "iter_0000003"
+        assert rs["checksums_cover_all_files"]       # both ranks' shards, hashed by their writer
+        assert rs["fallback"] == {"path": "iter_0000002", "iteration": 2, "dirs": [
+            "iter_0000002", "iter_0000003.corrupt", "iter_0000008", "iter_0000009.tmp",
+            "latest"]}
         assert rs["reshard"]["export_bitexact"], rs["reshard"]
         assert rs["reshard"]["logits_max_abs_diff"] <= 1e-5
         assert not rs["reshard"]["rng_restored"]  # layout changed: RNG left alone

@@ -15,18 +15,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _argtypes import int_range  # noqa: E402  (tools/ is sys.path[0] when run as a script)
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--tp", type=int_range(1), default=1)
+    p.add_argument("--pp", type=int_range(1), default=1)
+    p.add_argument("--ep", type=int_range(1), default=1)
+    p.add_argument("--vpp", type=int_range(1), default=None)
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="default: keep the HF dtype")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--make-vocab-size-divisible-by", type=int_range(1), default=128)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", help="write a JSON report (paths, memory) here")
     a = p.parse_args(argv)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _argtypes import float_range  # noqa: E402  (tools/ is sys.path[0] when run as a script)
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -23,7 +25,8 @@ def main(argv=None):
                    help="default: the checkpoint's dtype")
     p.add_argument("--hf-config", default=None,
                    help="HF dir with config/tokenizer if the checkpoint has no hf/ copy")
-    p.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors shard")
+    p.add_argument("--max-shard-size", type=float_range(0.0, lo_open=True), default=2.0,
+                   help="GiB per safetensors shard")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", help="write a JSON report (paths, memory) here")
     a = p.parse_args(argv)

@@ -12,7 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _argtypes import float_range, int_range  # noqa: E402  (tools/ is sys.path[0])
 from areal_mega.models.tiny import ARCHS, CHARSETS, TinyModelSpec, make_tiny_model  # noqa: E402
+
+# lower bounds of the numeric fields: sizes and counts >= 1, seed >= 0, floats finite and > 0
+INT_LO = {"seed": 0}
 
 
 def main(argv=None):
@@ -30,6 +34,8 @@ def main(argv=None):
             p.add_argument(flag, choices=sorted(CHARSETS), default=None)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), type(f.default))
+            kind = (int_range(INT_LO.get(f.name, 1)) if kind is int
+                    else float_range(0.0, lo_open=True) if kind is float else kind)
             p.add_argument(flag, type=kind, default=None, help=f"default {f.default}")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None and k not in ("out",)}

@@ -1,8 +1,9 @@
 """Checkpoints and HF conversion.
 
 * :mod:`.dist_ckpt` — ``save_checkpoint`` / ``load_checkpoint`` / ``find_latest`` /
-  ``prune_checkpoints`` / ``verify_checkpoint`` (megatron ``dist_checkpointing``, atomic,
-  reshardable over TP/PP/VPP/EP).
+  ``latest_verified`` / ``prune_checkpoints`` / ``verify_checkpoint`` (megatron
+  ``dist_checkpointing``, atomic, reshardable over TP/PP/VPP/EP).
+* :mod:`.checksums`, :mod:`.verify` — per-file CRC-32 written at save, checked before loading.
 * :mod:`.hf_mapping` — the HF <-> megatron name/layout tables, one per family.
 * :mod:`.export` — live export of model chunks as HF-named tensors in buckets.
 * :mod:`.convert` — offline HF <-> megatron converters (``tools/convert_*.py``).

@@ -27,9 +27,9 @@ import torch
 
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.dist_ckpt import (HF_AUX_FILES, HF_SUBDIR, CheckpointError,
-                                             atomic_save_sharded, resolve_checkpoint,
-                                             verify_checkpoint)
+                                             atomic_save_sharded, resolve_checkpoint)
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
+from areal_mega.checkpoint.verify import read_meta
 
 __all__ = ["convert_hf_to_mcore", "convert_mcore_to_hf", "check_layout", "rss_bytes",
            "peak_rss_bytes", "reset_peak_rss"]
@@ -369,4 +369,4 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
     os.rename(tmp_out, out)
     return {"path": str(out), "tensors": len(plan), "baseline_rss": baseline,
             "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
-            "checkpoint": str(path), "meta": verify_checkpoint(path)}
+            "checkpoint": str(path), "meta": read_meta(path)}

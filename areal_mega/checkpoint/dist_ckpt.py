@@ -29,21 +29,25 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from areal_mega.checkpoint import checksums as cks
 from areal_mega.checkpoint.distopt_state import FORMAT as DISTOPT_FORMAT
 from areal_mega.checkpoint.distopt_state import (distopt_load_state, distopt_sharded_state,
                                                  distributed_optimizers)
-from areal_mega.run_dir import META_NAME, complete_checkpoints, find_latest, iter_dir_name
+from areal_mega.checkpoint.verify import (CheckpointError, gather_all, read_meta,
+                                          verify_checkpoint, verify_collective)
+from areal_mega.run_dir import (ITER_RE, META_NAME, complete_checkpoints, find_latest,
+                                iter_dir_name)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "LoadedCheckpoint", "save_checkpoint", "load_checkpoint",
-           "find_latest", "resolve_checkpoint", "verify_checkpoint", "prune_checkpoints",
-           "iter_dir_name", "atomic_save_sharded", "META_NAME", "HF_SUBDIR"]
+           "find_latest", "latest_verified", "resolve_checkpoint", "verify_checkpoint",
+           "prune_checkpoints", "iter_dir_name", "atomic_save_sharded", "META_NAME", "HF_SUBDIR"]
 
 HF_SUBDIR = "hf"
 HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json",
@@ -51,8 +55,8 @@ HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
-class CheckpointError(RuntimeError):
-    """A missing, incomplete or unreadable checkpoint (the message names the path)."""
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 @dataclass
@@ -64,10 +68,6 @@ class LoadedCheckpoint:
     meta: Dict[str, Any] = field(default_factory=dict)
     loaded_optimizer: bool = False
     loaded_rng: bool = False
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier():
@@ -104,47 +104,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
 # finding and checking checkpoints
 # ----------------------------------------------------------------------------------------------
 
-def verify_checkpoint(path) -> Dict[str, Any]:
-    """Check one checkpoint directory is complete: our ``areal_meta.json`` says so, megatron's
-    files exist, and every ``.distcp`` file holds every byte the torch DCP metadata points at.
-    Returns the parsed ``areal_meta.json``; raises :class:`CheckpointError` naming the file."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: checkpoint directory does not exist")
-    meta_path = path / META_NAME
-    if not meta_path.is_file():
-        raise CheckpointError(f"{meta_path}: missing; {path} is not a complete checkpoint "
-                              f"(interrupted save?)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_path}: unreadable ({e})") from None
-    if not meta.get("complete"):
-        raise CheckpointError(f"{meta_path}: checkpoint not marked complete")
-    for fn in ("metadata.json", ".metadata", "common.pt"):
-        if not (path / fn).is_file():
-            raise CheckpointError(f"{path / fn}: missing megatron checkpoint file")
-    from torch.distributed.checkpoint import FileSystemReader
-    try:
-        md = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling problem means a broken file
-        raise CheckpointError(f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})") \
-            from None
-    need: Dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for rel, n in sorted(need.items()):
-        f = path / rel
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing checkpoint shard")
-        size = f.stat().st_size
-        if size < n:
-            raise CheckpointError(f"{f}: truncated checkpoint shard ({size} bytes, needs {n})")
-    return meta
-
-
-def resolve_checkpoint(path) -> Path:
-    """A checkpoint root (→ its latest) or one ``iter_*`` directory, verified complete."""
+def _resolve(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: does not exist")
@@ -154,8 +114,62 @@ def resolve_checkpoint(path) -> Path:
             raise CheckpointError(f"{path}: no complete checkpoint found (no 'latest' pointer "
                                   f"and no complete iter_* directory)")
         path = latest
+    return path
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint root (→ its latest) or one ``iter_*`` directory, verified (no fallback:
+    a corrupt latest checkpoint is an error naming the file)."""
+    path = _resolve(path)
     verify_checkpoint(path)
     return path
+
+
+_JUST_VERIFIED: set = set()   # latest_verified's answer, so the next load does not hash again
+
+
+def latest_verified(root) -> Optional[Path]:
+    """The checkpoint a resuming trainer loads: the newest complete one under ``root`` whose
+    files all match their checksums. Collective (each rank hashes a share of the files).
+
+    A corrupt one is skipped with a warning naming the bad file and, once an intact older one
+    is found, moved aside to ``iter_N.corrupt`` (kept as evidence; ``latest`` is rewritten to
+    the intact one, so the run can save iteration N again). Returns None when ``root`` holds
+    no complete checkpoint; raises :class:`CheckpointError` (naming every bad file, moving
+    nothing) when every complete checkpoint is corrupt."""
+    root = Path(root)
+    first = find_latest(root)
+    if first is None:
+        return None
+    def num(p):
+        return int(ITER_RE.match(p.name).group(1))
+    older = [p for p in reversed(complete_checkpoints(root)) if num(p) < num(first)]
+    bad: List[Tuple[Path, str]] = []
+    for cand in [first] + older:
+        try:
+            verify_collective(cand)
+        except CheckpointError as e:
+            if _rank() == 0:
+                logger.warning("not resuming from %s: %s", cand, e)
+            bad.append((cand, str(e)))
+            continue
+        if bad and _rank() == 0:
+            for p, _ in bad:
+                dst, k = p.with_name(p.name + ".corrupt"), 1
+                while dst.exists():
+                    dst, k = p.with_name(f"{p.name}.corrupt.{k}"), k + 1
+                try:
+                    os.rename(p, dst)
+                    logger.warning("moved corrupt checkpoint %s aside to %s; resuming from %s",
+                                   p, dst.name, cand)
+                except OSError as e:
+                    logger.warning("could not move corrupt checkpoint %s aside: %s", p, e)
+            _atomic_write_text(root / "latest", cand.name + "\n")
+        _barrier()
+        _JUST_VERIFIED.add(str(cand))
+        return cand
+    raise CheckpointError(f"{root}: no intact checkpoint to resume from; every complete "
+                          f"checkpoint is corrupt: " + "; ".join(e for _, e in bad))
 
 
 def prune_checkpoints(root, keep_last: int) -> List[Path]:
@@ -198,18 +212,24 @@ def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
     _barrier()
     dist_checkpointing.save(sharded_state_dict, str(tmp))
     _barrier()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if _rank() == 0 and hf_dir is not None:
+        (tmp / HF_SUBDIR).mkdir()
+        for fn in HF_AUX_FILES:
+            src = Path(hf_dir) / fn
+            if src.is_file():
+                shutil.copy2(src, tmp / HF_SUBDIR / fn)
+    # each rank hashes the shards it wrote (in its page cache), rank 0 the rest
+    sums = gather_all(cks.hash_files(tmp, cks.save_share(cks.list_files(tmp), _rank(), world)))
     if _rank() == 0:
-        if hf_dir is not None:
-            (tmp / HF_SUBDIR).mkdir()
-            for fn in HF_AUX_FILES:
-                src = Path(hf_dir) / fn
-                if src.is_file():
-                    shutil.copy2(src, tmp / HF_SUBDIR / fn)
+        files = {k: v for part in sums for k, v in part.items()}
+        files.update(cks.hash_files(tmp, set(cks.list_files(tmp)) - set(files)))
         _fsync_tree(tmp)
         m = dict(meta or {})
         m.update(iteration=iteration, complete=True, format="areal-mega/dist_checkpointing/1")
+        m = cks.seal(m, files)
         with open(tmp / META_NAME, "w") as f:
-            json.dump(m, f, indent=2, default=str)
+            json.dump(m, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
         _fsync_path(tmp, directory=True)
@@ -331,12 +351,16 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
 
     Optimizer and LR-scheduler states are loaded when present and asked for (a converted
     HF checkpoint has the model only). RNG states are restored only when the saved layout
-    equals the current one. Collective over all ranks. Raises :class:`CheckpointError` for a
-    missing or incomplete checkpoint."""
+    equals the current one. Collective over all ranks. Every file is checked against its
+    recorded size and checksum first (each rank hashing a share; skipped for the path
+    :func:`latest_verified` just returned). Raises :class:`CheckpointError` for a missing,
+    incomplete or corrupt checkpoint, naming the file."""
     from megatron.core import dist_checkpointing
 
-    path = resolve_checkpoint(path)
-    meta = verify_checkpoint(path)
+    path = _resolve(path)
+    just = str(path) in _JUST_VERIFIED   # latest_verified hashed it a moment ago
+    _JUST_VERIFIED.discard(str(path))
+    meta = read_meta(path) if all(gather_all(just)) else verify_collective(path)
     n = len(model)
     # the sharded keys are global (layer offsets, expert offsets); the chunk nesting is not
     state: Dict[str, Any] = {_chunk_key(i, n): _unwrap(c).sharded_state_dict()
