@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from areal_mega.run_dir import RunDir, checkpoint_iteration
+from areal_mega.run_dir import RunDir, checkpoint_iteration, iter_dir_name
 
 log = logging.getLogger("areal_mega.rollout.worker")
 
@@ -142,11 +142,10 @@ class RolloutWorker:
         self.control = ControlServer(self.paths.control_endpoint, self.handle).start()
 
     def _resume_step(self) -> int:
-        self.latest_ckpt = None
         if self.cfg.recover != "auto":
             return 0
-        self.latest_ckpt = self.paths.latest_checkpoint()
-        return checkpoint_iteration(self.latest_ckpt) if self.latest_ckpt else 0
+        latest = self.paths.latest_checkpoint()
+        return checkpoint_iteration(latest) if latest else 0
 
     def _sink(self, group: list) -> None:
         # the controller calls sinks from a thread pool; a ZMQ socket is single-threaded
@@ -173,7 +172,10 @@ class RolloutWorker:
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
                                 initial_version=version)
-        ctl.counter.accepted = self.paths.accepted_samples(self.latest_ckpt) // r.n_samples
+        # resuming, the trainer's first weight version is the step of the checkpoint it
+        # verified and loaded (an older one if the newest was corrupt): count from that one
+        ckpt = self.paths.checkpoint_root / iter_dir_name(version) if self.resume_step else None
+        ctl.counter.accepted = self.paths.accepted_samples(ckpt) // r.n_samples
         self.controller = ctl.start()
         log.info("controller started at version %d (%d groups already accepted)", version,
                  ctl.counter.accepted)

@@ -103,10 +103,10 @@ class TrainerSession:
     # ------------------------------------------------------------------ initial state
     def _restore_or_init(self) -> Optional[dict]:
         """Resume from the latest checkpoint (recover=auto) or load the initial weights."""
-        from areal_mega.checkpoint.dist_ckpt import find_latest, load_checkpoint
+        from areal_mega.checkpoint.dist_ckpt import latest_verified, load_checkpoint
 
         cfg = self.cfg
-        latest = find_latest(self.ckpt_root) if cfg.recover == "auto" else None
+        latest = latest_verified(self.ckpt_root) if cfg.recover == "auto" else None
         if latest is not None:
             loaded = load_checkpoint(latest, self.actor.model_chunks(), self.actor.optimizer,
                                      self.actor.lr_scheduler)
