@@ -189,7 +189,8 @@ class RolloutWorker:
                                 eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
-                                initial_version=version)
+                                initial_version=version,
+                                on_episode_failure=r.on_episode_failure)
         ctl.counter.accepted = accepted_groups(self.run_dir, self.latest_ckpt, r.n_samples)
         self.controller = ctl.start()
         log.info("controller started at version %d (%d groups already accepted)", version,
