@@ -58,10 +58,10 @@ class ReplayStats:
     torn: int = 0
 
 
-def frame_record(payload: bytes) -> bytes:
-    """``payload`` with its checksummed record header (the on-disk form of one record)."""
+def record_header(payload: bytes) -> bytes:
+    """The checksummed header that precedes ``payload`` on disk."""
     head = MAGIC + struct.pack("<QI", len(payload), zlib.crc32(payload))
-    return head + struct.pack("<I", zlib.crc32(head)) + payload
+    return head + struct.pack("<I", zlib.crc32(head))
 
 
 class TrajectoryJournal:
@@ -90,8 +90,10 @@ class TrajectoryJournal:
     def append(self, trajs) -> None:
         """Append ``trajs`` to the current segment; durable (fsync'd) when this returns."""
         with self._lock:
-            self._f.write(b"".join(frame_record(encode_record(t, self._packer))
-                                   for t in trajs))
+            for t in trajs:
+                payload = encode_record(t, self._packer)
+                self._f.write(record_header(payload))
+                self._f.write(payload)
             self._f.flush()
             os.fsync(self._f.fileno())
 

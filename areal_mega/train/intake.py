@@ -2,13 +2,14 @@
 
 Nothing accepted is lost on a crash:
 * every trajectory is appended to the journal ``<run_dir>/journal/``
-  (:class:`~areal_mega.dataplane.journal.TrajectoryJournal`: the wire encoding, fsync'd)
+  (:class:`~areal_mega.dataplane.journal.TrajectoryJournal`: checksummed records, fsync'd)
   before it enters the :class:`~areal_mega.dataplane.buffer.TrajectoryBuffer`;
 * each checkpoint stores the buffer (pending samples + the ids already trained on) and starts
   a new journal segment; the older segments are deleted once the checkpoint is complete;
 * on recovery the buffer of the checkpoint is loaded and the journal replayed into it: the
   buffer's dedup drops what is pending or was trained before the checkpoint, so samples that
-  arrived later, or were trained in steps the crash rolled back, are pending again.
+  arrived later, or were trained in steps the crash rolled back, are pending again; a record
+  that fails its checksum is skipped and counted (``journal/corrupt_records``), never trained.
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
