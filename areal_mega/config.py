@@ -110,6 +110,9 @@ class RolloutConfig:
     max_concurrent: int = _f(64, lo=1)
     request_timeout_s: float = _f(3600.0, lo=0.0, lo_open=True)
     request_retries: int = _f(3, lo=0)
+    on_episode_failure: str = _f("fail", choices=["fail", "drop"],
+                                 doc="a prompt out of attempts: fail the run, or drop it "
+                                 "(counted as dropped_prompts) and go on")
     weight_update: str = _f("auto", choices=["auto", "disk", "distributed"])
     weight_bucket_mb: int = _f(512, lo=1)
     reward_fn: str = _f("areal_mega.rollout.rewards:math_reward",

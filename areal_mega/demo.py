@@ -112,12 +112,15 @@ def summarize(metrics_file: Path) -> dict:
     }
 
 
-def prepare(run: Path, seed: int, sft_steps: int, env: dict) -> tuple:
-    """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s)."""
+def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None) -> tuple:
+    """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s).
+    ``check(base model dir)`` runs before the SFT (the RL config against the model)."""
     from areal_mega.data.synthetic import write_task_files
     from areal_mega.models.tiny import make_tiny_model
 
     base = make_tiny_model(run / "base_model", seed=seed, **MODEL)
+    if check is not None:
+        check(base)
     write_task_files(run / "data", task="reverse", seed=seed)
     data = [f"data.train_path={run / 'data' / 'train.jsonl'}",
             f"data.test_path={run / 'data' / 'test.jsonl'}"]
@@ -132,14 +135,34 @@ def prepare(run: Path, seed: int, sft_steps: int, env: dict) -> tuple:
     return run / "sft" / "hf_model", data, time.time() - t0
 
 
+def rl_overrides(run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int,
+                 extra=()) -> list:
+    """The overrides of the RL run (the user's ``extra`` last, so they win)."""
+    return [f"model.path={model}", f"logging.run_dir={run_dir}", f"total_steps={steps}",
+            f"rollout.max_head_offpolicyness={eta}", f"seed={seed}",
+            "logging.progress_bar=false", *data, *extra]
+
+
+def check_rl_config(model: Path, args) -> None:
+    """Load the RL run's config exactly as :func:`run_rl` will pass it (every user override
+    included) and check it against ``model`` (a directory with the demo model's config.json,
+    or a path that does not exist yet: then only the config itself is checked); raises
+    :class:`~areal_mega.config.ConfigError` naming the bad key."""
+    from areal_mega.config import load_config
+    from areal_mega.config_checks import check_against_model
+
+    data = ["data.train_path=train.jsonl", "data.test_path=test.jsonl"]
+    check_against_model(load_config(RECIPE, rl_overrides(Path("rl"), model, data, args.rl_steps,
+                                                         args.eta, args.seed, args.overrides)))
+
+
 def run_rl(run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, env: dict,
            extra=()) -> float:
     """Asynchronous GRPO through launch.local; returns the wall time in seconds."""
     t0 = time.time()
     _run([sys.executable, "-m", "areal_mega.launch.local", "--config", RECIPE,
-          f"model.path={model}", f"logging.run_dir={run_dir}", f"total_steps={steps}",
-          f"rollout.max_head_offpolicyness={eta}", f"seed={seed}", "logging.progress_bar=false",
-          *data, *extra], run_dir.with_suffix(".log"), env, metrics=run_dir / "metrics.jsonl",
+          *rl_overrides(run_dir, model, data, steps, eta, seed, extra)],
+         run_dir.with_suffix(".log"), env, metrics=run_dir / "metrics.jsonl",
          total=steps, desc=f"GRPO eta={eta}")
     return time.time() - t0
 
@@ -159,12 +182,20 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="extra RL overrides, e.g. optimizer.lr=3e-4")
     args = p.parse_args(argv)
+    from areal_mega.config import ConfigError
+
+    def check(model: Path) -> None:
+        try:
+            check_rl_config(model, args)
+        except ConfigError as e:
+            raise SystemExit(f"[demo] config error: {e}") from None
+    check(Path("model-not-built-yet"))   # every override, before any work
     t_start = time.time()
     run = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.mkdir(parents=True, exist_ok=True)
     env = cpu_env()
     print(f"[demo] run directory: {run}", flush=True)
-    sft_model, data, t_sft = prepare(run, args.seed, args.sft_steps, env)
+    sft_model, data, t_sft = prepare(run, args.seed, args.sft_steps, env, check=check)
     acc_before = greedy_accuracy(sft_model, run / "data" / "test.jsonl")
     print(f"[demo] SFT done in {t_sft:.0f}s; held-out greedy accuracy {acc_before:.3f}",
           flush=True)

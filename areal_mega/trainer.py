@@ -16,6 +16,7 @@ import time
 
 from areal_mega.algo import finalize_stats, make_policy_loss
 from areal_mega.config import load_config
+from areal_mega.config_checks import check_against_model
 from areal_mega.train import batches
 from areal_mega.train.session import TrainerSession
 
@@ -84,6 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. optimizer.lr=1e-6")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    check_against_model(cfg)
     s = TrainerSession(cfg)                    # mesh, engines, resume, intake, logger
     try:
         if cfg.mode == "sft":

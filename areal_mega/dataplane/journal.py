@@ -2,27 +2,72 @@
 
 The trainer's intake appends every accepted trajectory here before it enters the buffer; a
 checkpoint rotates to a new segment and retires the ones it covers; recovery (and the rollout
-worker's count of accepted samples) replays what is left. Records use the same encoding as the
-buffer files (:func:`areal_mega.dataplane.wire.encode_record`).
+worker's count of accepted samples) replays what is left.
+
+Each record is framed and checksummed (format 2)::
+
+    magic b"\\xc1AJ2" | payload length: u64 LE | crc32(payload): u32 LE
+        | crc32(the 16 bytes before): u32 LE | payload
+
+where the payload is :func:`areal_mega.dataplane.wire.encode_record` (the buffer files'
+encoding; they carry a whole-file SHA-256 of their own). The header checksum makes the length
+trustworthy, so a record whose payload fails its checksum is skipped by its length and replay
+goes on with the next record; a record whose header fails is skipped up to the next valid
+header. Either way the record is counted (:class:`ReplayStats`) and logged with its segment
+and index, and never replayed. A record cut short by a crash (the file ends inside it, or only
+zero bytes follow) ends that segment's replay quietly. ``0xc1`` is the one byte msgpack never
+uses, so a segment of the unframed format 1 (a bare msgpack array) is told apart from its first
+byte and refused with :class:`JournalError` (see :func:`replay_segment`).
 """
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import msgpack
 
-from areal_mega.dataplane.wire import WireError, decode_trajectory, encode_record
+from areal_mega.dataplane.wire import decode_trajectory, encode_record
 
 log = logging.getLogger(__name__)
 
+MAGIC = b"\xc1AJ2"
+"""First bytes of every record (``0xc1`` is never valid msgpack)."""
+_HEADER = struct.Struct("<4sQII")
+HEADER_BYTES = _HEADER.size
+_LEGACY_FIRST_BYTES = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+"""A format-1 segment starts with a msgpack array (fixarray, array 16, array 32)."""
+
+
+class JournalError(ValueError):
+    """A journal segment that cannot be replayed at all (names the file)."""
+
+
+@dataclass
+class ReplayStats:
+    """What a replay found: ``records`` replayed, ``corrupt`` records skipped (checksum or
+    decode failure, never replayed), ``torn`` segments whose tail a crash cut short."""
+    segments: int = 0
+    records: int = 0
+    corrupt: int = 0
+    torn: int = 0
+
+
+def record_header(payload: bytes) -> bytes:
+    """The checksummed header that precedes ``payload`` on disk."""
+    head = MAGIC + struct.pack("<QI", len(payload), zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head))
+
 
 class TrajectoryJournal:
-    """Append-only, fsync'd log of accepted trajectories (msgpack records of wire frames),
-    as numbered segment files ``<dir>/NNNNNNNN.journal`` so that checkpoints can retire the
-    segments they cover (:meth:`rotate`)."""
+    """Append-only, fsync'd log of accepted trajectories (checksummed records, see the module
+    docstring), as numbered segment files ``<dir>/NNNNNNNN.journal`` so that checkpoints can
+    retire the segments they cover (:meth:`rotate`)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
@@ -33,6 +78,7 @@ class TrajectoryJournal:
         self._open_next()
 
     def segments(self) -> list:
+        """The segment files of this journal, oldest first."""
         return sorted(self.dir.glob("*.journal"))
 
     def _open_next(self) -> None:
@@ -42,9 +88,12 @@ class TrajectoryJournal:
         self._f = open(self.path, "ab")
 
     def append(self, trajs) -> None:
+        """Append ``trajs`` to the current segment; durable (fsync'd) when this returns."""
         with self._lock:
             for t in trajs:
-                self._f.write(encode_record(t, self._packer))
+                payload = encode_record(t, self._packer)
+                self._f.write(record_header(payload))
+                self._f.write(payload)
             self._f.flush()
             os.fsync(self._f.fileno())
 
@@ -58,34 +107,101 @@ class TrajectoryJournal:
             return old
 
     def close(self) -> None:
+        """Close the current segment."""
         with self._lock:
             if self._f is not None:
                 self._f.close()
                 self._f = None
 
     @staticmethod
-    def replay(directory: str | os.PathLike):
-        """Yield the trajectories of every segment in order; a record cut short by a crash
-        ends that segment's replay."""
+    def replay(directory: str | os.PathLike, stats: Optional[ReplayStats] = None):
+        """Yield the trajectories of every segment in order, skipping (and counting in
+        ``stats``) corrupt records; a record cut short by a crash ends that segment's replay.
+        Raises :class:`JournalError` for a segment of the unframed format 1."""
+        stats = ReplayStats() if stats is None else stats
         for path in sorted(Path(directory).glob("*.journal")):
-            yield from _replay_segment(path)
+            yield from replay_segment(path, stats)
 
 
-def _replay_segment(path: Path):
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 31)
-    with open(path, "rb") as f:
-        unpacker.feed(f.read())
-    i = 0
+def _valid_header(data, pos: int) -> Optional[tuple]:
+    """``(length, payload crc)`` of a record header at ``pos`` whose magic and header checksum
+    hold, else None."""
+    if len(data) - pos < HEADER_BYTES:
+        return None
+    magic, n, pcrc, hcrc = _HEADER.unpack_from(data, pos)
+    if magic != MAGIC or zlib.crc32(data[pos:pos + HEADER_BYTES - 4]) != hcrc:
+        return None
+    return n, pcrc
+
+
+def _resync(data: bytes, pos: int) -> int:
+    """Offset of the next valid record header after ``pos`` (``len(data)`` when none)."""
+    at = pos
     while True:
-        try:
-            rec = unpacker.unpack()
-        except msgpack.OutOfData:
+        at = data.find(MAGIC, at + 1)
+        if at < 0:
+            return len(data)
+        if _valid_header(data, at) is not None:
+            return at
+
+
+def replay_segment(path: Path, stats: Optional[ReplayStats] = None):
+    """Yield the trajectories of one segment file (see :meth:`TrajectoryJournal.replay`).
+
+    A segment of format 1 (unframed records, written before checksums existed) is refused with
+    a :class:`JournalError` naming the file rather than replayed: its records cannot be checked,
+    and a journal only outlives the checkpoint after it when a run stopped in between, so the
+    remedy is rare and explicit (delete the segment: the samples since the last checkpoint are
+    lost to training and the rollout generates new ones).
+    """
+    stats = ReplayStats() if stats is None else stats
+    raw = path.read_bytes()
+    data = memoryview(raw)  # payloads are sliced without a copy
+    stats.segments += 1
+    if len(data) and data[0] in _LEGACY_FIRST_BYTES:
+        raise JournalError(f"{path}: journal segment in the unchecksummed format of an earlier "
+                           "version; its records cannot be verified. Delete it to resume "
+                           "(its samples since the last checkpoint are not trained)")
+    pos = idx = 0
+    end = len(data)
+    while pos < end:
+        head = _valid_header(data, pos)
+        if head is None:
+            if end - pos < HEADER_BYTES or raw.count(0, pos) == end - pos:
+                _torn(path, idx, pos, stats)  # crash inside a header, or zero-filled blocks
+                return
+            nxt = _resync(raw, pos)
+            _corrupt(path, idx, pos, stats, f"record header corrupt; bytes [{pos}, {nxt}) "
+                     "skipped")
+            pos, idx = nxt, idx + 1
+            continue
+        n, pcrc = head
+        start = pos + HEADER_BYTES
+        if n > end - start:
+            _torn(path, idx, pos, stats)
             return
-        except Exception as e:  # noqa: BLE001 - a torn tail after a crash
-            log.warning("%s: record %d unreadable (%s); replay stops there", path, i, e)
-            return
+        payload = data[start:start + n]
+        pos, idx = start + n, idx + 1
+        if zlib.crc32(payload) != pcrc:
+            _corrupt(path, idx - 1, start - HEADER_BYTES, stats, "payload checksum mismatch")
+            continue
         try:
-            yield decode_trajectory(rec)
-        except WireError as e:
-            log.warning("%s: record %d rejected: %s", path, i, e)
-        i += 1
+            traj = decode_trajectory(msgpack.unpackb(payload, raw=False))
+        except Exception as e:  # noqa: BLE001 - msgpack raises several types; WireError too
+            _corrupt(path, idx - 1, start - HEADER_BYTES, stats, f"checksum holds but the "
+                     f"record does not decode: {e}")
+            continue
+        stats.records += 1
+        yield traj
+
+
+def _corrupt(path: Path, idx: int, pos: int, stats: ReplayStats, why: str) -> None:
+    stats.corrupt += 1
+    log.warning("journal %s: record %d (byte %d) skipped, not replayed: %s", path, idx, pos,
+                why)
+
+
+def _torn(path: Path, idx: int, pos: int, stats: ReplayStats) -> None:
+    stats.torn += 1
+    log.info("journal %s: record %d (byte %d) cut short by a crash; the segment ends there",
+             path, idx, pos)

@@ -30,6 +30,7 @@ from typing import Optional
 import yaml
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
+from areal_mega.config_checks import check_against_model
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
                                       rollout_memory)
 from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_layout,
@@ -317,6 +318,7 @@ def main(argv: Optional[list] = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        check_against_model(cfg)
         if args.dry_run:
             print(describe(cfg, args.device))
             return 0

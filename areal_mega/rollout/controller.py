@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from areal_mega.rollout.client import RolloutClient, RolloutServerError
+from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,10 @@ class RolloutController:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  tokenizer=None, sink: Callable[[list], None],
                  initial_version: int = 0, max_episode_retries: int = 3,
-                 reward_threads: int = 4, **extra_sampling):
+                 on_episode_failure: str = "fail", reward_threads: int = 4,
+                 **extra_sampling):
+        if on_episode_failure not in ("fail", "drop"):
+            raise ValueError(f"on_episode_failure={on_episode_failure!r}: must be fail or drop")
         self.client = client
         self.workflow = workflow
         self._prompts = iter(prompts)
@@ -105,6 +108,7 @@ class RolloutController:
         self.tokenizer = tokenizer
         self.sink = sink
         self.max_episode_retries = max_episode_retries
+        self.on_episode_failure = on_episode_failure
         self.run_id = uuid.uuid4().hex[:8]
         self.counter = StalenessCounter(batch_size=batch_size, eta=eta, version=initial_version)
         self._pool = concurrent.futures.ThreadPoolExecutor(reward_threads,
@@ -122,6 +126,7 @@ class RolloutController:
         # statistics
         self.n_started = self.n_finished = self.n_failed = 0
         self.n_interruptions = self.reward_errors = 0
+        self.n_dropped = 0                          # prompts given up (on_episode_failure=drop)
         self.n_inflight_requests = 0
         self.max_running_seen = 0
 
@@ -175,7 +180,10 @@ class RolloutController:
     def raise_if_failed(self) -> None:
         """Raise ``RuntimeError`` (chained to the cause) if the controller has failed: its loop
         died, the servers were unreachable at start, an episode failed on every retry, or the
-        sink raised. The first failure is kept; callers poll this (the worker exits on it)."""
+        sink raised. The first failure is kept; callers poll this (the worker exits on it).
+        A prompt fails on its ``max_episode_retries``-th failed attempt, or at once when a
+        server rejected its request (HTTP 4xx: it would fail again); with
+        ``on_episode_failure="drop"`` it is dropped and counted (``dropped_prompts``) instead."""
         with self._error_lock:
             e = self._error
         if e is not None:
@@ -196,7 +204,7 @@ class RolloutController:
         while not self._stopping:
             c = self.counter
             can = (self._gate.is_set() and c.capacity() > 0 and c.running < self.max_concurrent
-                   and not self._exhausted)
+                   and (not self._exhausted or bool(self._requeued)))  # retries go on
             if can:
                 item, attempt = self._next_prompt()
                 if item is None:
@@ -238,12 +246,15 @@ class RolloutController:
         except Exception as e:  # noqa: BLE001 - the prompt is retried, the slot released
             log.warning("episode of group %d failed (attempt %d): %s", gidx, attempt + 1, e)
             self.n_failed += 1
-            self.counter.on_finish(accepted=False)
+            self.counter.on_finish(accepted=False)  # frees the slot; nothing was accepted
             self._order.remove(gidx)
-            if attempt + 1 < self.max_episode_retries:
+            if not _retryable(e):
+                self._give_up(item, f"episode failed: the server rejected the request, which "
+                              f"would fail again, so it is not retried: {e}", e)
+            elif attempt + 1 < self.max_episode_retries:
                 self._requeued.append((item, attempt + 1))
             else:
-                self._set_error(RuntimeError(f"episode failed {attempt + 1} times: {e}"))
+                self._give_up(item, f"episode failed {attempt + 1} times: {e}", e)
             self._wake.set()
             await self._deliver_in_order()  # a later-started group may have waited for this one
             return
@@ -255,6 +266,19 @@ class RolloutController:
         self._wake.set()
         self._finished[gidx] = group
         await self._deliver_in_order()
+
+    def _give_up(self, item: dict, msg: str, cause: BaseException) -> None:
+        """A prompt out of attempts: fail the run (``on_episode_failure=fail``, surfaced by
+        :meth:`raise_if_failed`) or drop the prompt, count it and go on (``drop``). A dropped
+        prompt was never accepted, so the staleness bound stays exact."""
+        if self.on_episode_failure == "drop":
+            self.n_dropped += 1
+            log.warning("prompt dropped (%d so far): %s; prompt %.200r", self.n_dropped, msg,
+                        item)
+            return
+        err = RuntimeError(msg)
+        err.__cause__ = cause
+        self._set_error(err)
 
     async def _deliver_in_order(self) -> None:
         """Hand finished groups to the sink in start order — a finished group waits for every
@@ -370,4 +394,14 @@ class RolloutController:
                 "rejected": c.rejected, "capacity": c.capacity(), "started": self.n_started,
                 "finished": self.n_finished, "failed": self.n_failed,
                 "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
+                "dropped_prompts": self.n_dropped,
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen}
+
+
+def _retryable(e: BaseException) -> bool:
+    """Whether an episode that failed with ``e`` may succeed on a retry: not when a server
+    rejected its request (HTTP 4xx, :class:`RolloutRequestError`: a bad request fails again),
+    except 408 (timeout) and 429 (too many requests) when the error carries its status."""
+    if isinstance(e, RolloutRequestError):
+        return getattr(e, "status", None) in (408, 429)
+    return True

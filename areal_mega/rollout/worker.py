@@ -171,7 +171,8 @@ class RolloutWorker:
                                 eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
-                                initial_version=version)
+                                initial_version=version,
+                                on_episode_failure=r.on_episode_failure)
         # resuming, the trainer's first weight version is the step of the checkpoint it
         # verified and loaded (an older one if the newest was corrupt): count from that one
         ckpt = self.paths.checkpoint_root / iter_dir_name(version) if self.resume_step else None

@@ -2,13 +2,14 @@
 
 Nothing accepted is lost on a crash:
 * every trajectory is appended to the journal ``<run_dir>/journal/``
-  (:class:`~areal_mega.dataplane.journal.TrajectoryJournal`: the wire encoding, fsync'd)
+  (:class:`~areal_mega.dataplane.journal.TrajectoryJournal`: checksummed records, fsync'd)
   before it enters the :class:`~areal_mega.dataplane.buffer.TrajectoryBuffer`;
 * each checkpoint stores the buffer (pending samples + the ids already trained on) and starts
   a new journal segment; the older segments are deleted once the checkpoint is complete;
 * on recovery the buffer of the checkpoint is loaded and the journal replayed into it: the
   buffer's dedup drops what is pending or was trained before the checkpoint, so samples that
-  arrived later, or were trained in steps the crash rolled back, are pending again.
+  arrived later, or were trained in steps the crash rolled back, are pending again; a record
+  that fails its checksum is skipped and counted (``journal/corrupt_records``), never trained.
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
@@ -23,7 +24,7 @@ from typing import Optional
 
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
-from areal_mega.dataplane.journal import TrajectoryJournal
+from areal_mega.dataplane.journal import ReplayStats, TrajectoryJournal
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class TrajectoryIntake:
                                            allow_remote=allow_remote)
         self.journal = TrajectoryJournal(self.journal_dir)
         self.n_accepted = 0                 # samples journaled in this run's lineage
+        self.replay_stats = ReplayStats()   # what the last restore found in the journal
         self._pump_lock = threading.Lock()  # held while a checkpoint snapshots the intake
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="trajectory-intake", daemon=True)
@@ -68,11 +70,14 @@ class TrajectoryIntake:
 
     def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0) -> int:
         """Recovery: load the checkpoint's buffer, replay the journal segments written since
-        that checkpoint, truncate the trained log. Returns the samples made pending again."""
+        that checkpoint, truncate the trained log. Returns the samples made pending again.
+        Corrupt journal records are skipped, never trained, and counted in
+        ``replay_stats.corrupt`` (``journal/corrupt_records`` in :meth:`stats`)."""
         if buffer_file is not None and Path(buffer_file).exists():
             self.buffer = TrajectoryBuffer.load(buffer_file)
         n_new = n_seen = 0
-        for t in TrajectoryJournal.replay(self.journal_dir):
+        self.replay_stats = ReplayStats()
+        for t in TrajectoryJournal.replay(self.journal_dir, self.replay_stats):
             n_seen += 1
             n_new += bool(self.buffer.put_restored(t))
         self.n_accepted = accepted_before + n_seen
@@ -105,10 +110,13 @@ class TrajectoryIntake:
             os.fsync(f.fileno())
 
     def stats(self) -> dict:
+        """Metrics: ``dataplane/*`` (receiver), ``buffer/*`` and the journal records the last
+        restore skipped as corrupt (``journal/corrupt_records``)."""
         s = {f"dataplane/{k}": float(v) for k, v in self.receiver.stats().items()
              if isinstance(v, (int, float))}
         s.update({f"buffer/{k}": float(v) for k, v in self.buffer.stats().items()
                   if isinstance(v, (int, float))})
+        s["journal/corrupt_records"] = float(self.replay_stats.corrupt)
         return s
 
     def close(self) -> None:

@@ -1,0 +1,125 @@
+"""Episodes that cannot succeed end, against a real CPU rollout server: a prompt longer than the
+model's context is rejected by the server (HTTP 400) and fails at once instead of being retried
+forever; ``on_episode_failure=drop`` drops and counts such prompts (and ones out of retries)
+while the others are delivered, with the staleness counters exact."""
+import time
+
+import pytest
+
+from areal_mega.models.tiny import make_tiny_model
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.launch import launch_local_servers
+from areal_mega.rollout.rewards import exact_match_reward
+from areal_mega.rollout.workflows import RLVRWorkflow
+from tests.rollout_helpers import API_KEY, GroupSink
+
+pytestmark = pytest.mark.timeout(300)
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("ctx_model") / "m", arch="llama",
+                            hidden_size=32, num_layers=1, max_position_embeddings=CONTEXT)
+    (proc,) = launch_local_servers(str(model), 1, api_key=API_KEY)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def short(i):
+    return {"input_ids": [5 + i, 6, 7, 8], "answer": "never"}
+
+
+def too_long(i):
+    return {"input_ids": [9 + i] * (CONTEXT + 6), "answer": "never"}
+
+
+class _FailsOnFlagged:
+    """RLVR, except that prompts marked ``always_fails`` raise (a retryable failure)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def arun_episode(self, ctx, item, n_samples):
+        if item.get("always_fails"):
+            raise RuntimeError("injected failure")
+        return await self.inner.arun_episode(ctx, item, n_samples)
+
+
+def controller(server, items, sink, **kw):
+    client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=4,
+                           backoff_s=0.05)
+    wf = _FailsOnFlagged(RLVRWorkflow(exact_match_reward, 4))
+    return RolloutController(client, wf, items, batch_size=2, n_samples=2, eta=1, sink=sink,
+                             ignore_eos=True, max_episode_retries=3, **kw)
+
+
+def failure(ctl):
+    """The controller's failure as raised by ``raise_if_failed``, or None."""
+    try:
+        ctl.raise_if_failed()
+    except RuntimeError as e:
+        return e
+    return None
+
+
+def wait_until(cond):
+    """Poll ``cond`` (no deadline of its own: the module timeout bounds it)."""
+    while not cond():
+        time.sleep(0.02)
+
+
+def test_too_long_prompt_fails_at_once_with_one_clear_error(server):
+    """fail mode: the server's HTTP 400 ("request too long") ends the run after one attempt,
+    not after the retry budget (or never), with the server's reason in the error."""
+    sink = GroupSink()
+    ctl = controller(server, [too_long(0)], sink).start()
+    try:
+        wait_until(lambda: failure(ctl))
+        err = failure(ctl)
+    finally:
+        ctl.stop()
+    assert "rejected the request" in str(err) and "not retried" in str(err)
+    assert "request too long" in str(err) and "HTTP 400" in str(err)
+    s = ctl.stats()
+    assert (s["started"], s["failed"], s["dropped_prompts"], len(sink)) == (1, 1, 0, 0)
+
+
+def test_retry_budget_ends_after_the_prompts_ran_out(server):
+    """A prompt that always fails (retryable) is retried after the prompt source ran dry, and
+    fails the run on its max_episode_retries-th attempt (the retry was never started once the
+    source was exhausted: the run hung without an error)."""
+    ctl = controller(server, [{**short(0), "always_fails": True}], GroupSink()).start()
+    try:
+        wait_until(lambda: failure(ctl))
+        err = failure(ctl)
+    finally:
+        ctl.stop()
+    assert "episode failed 3 times: injected failure" in str(err)
+    assert (ctl.stats()["started"], ctl.stats()["failed"]) == (3, 3)
+
+
+def test_drop_mode_counts_dropped_prompts_and_delivers_the_others(server):
+    """drop mode: too-long prompts are dropped after one attempt, an always-failing one after
+    max_episode_retries attempts; every other prompt is delivered, nothing fails the run, and
+    the staleness counters count only delivered groups (capacity exact)."""
+    items = [short(0), too_long(1), short(2), {**short(3), "always_fails": True}, short(4),
+             too_long(5), short(6)]
+    sink = GroupSink()
+    ctl = controller(server, items, sink, on_episode_failure="drop").start()
+    try:
+        wait_until(lambda: (ctl.raise_if_failed() or ctl.stats()["dropped_prompts"] == 3
+                                 and len(sink) == 4 and ctl.stats()["running"] == 0))
+        ctl.raise_if_failed()
+        s = ctl.stats()
+    finally:
+        ctl.stop()
+    assert s["dropped_prompts"] == 3
+    assert s["failed"] == 2 + 3          # too long: once each; the flagged one: 3 attempts
+    assert s["accepted"] == 4 == s["finished"] and s["started"] == 4 + s["failed"]
+    assert s["capacity"] == (1 + 0 + 1) * 2 - 4   # (eta + version + 1) * batch - accepted
+    delivered = sorted(tuple(g[0].input_ids[:g[0].prompt_len].tolist()) for g in sink.groups)
+    assert delivered == sorted(tuple(short(i)["input_ids"]) for i in (0, 2, 4, 6))
