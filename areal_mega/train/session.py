@@ -17,6 +17,7 @@ import torch.distributed as dist
 from areal_mega.config import ExperimentConfig, config_to_dict
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.run_dir import RunDir
+from areal_mega.security import holds_secret, write_run_file
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,9 @@ class TrainerSession:
         load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
 
     def _write_resolved_config(self) -> None:
-        path = self.paths.resolved_config_file
-        path.write_text(json.dumps(config_to_dict(self.cfg), indent=2))
+        resolved = config_to_dict(self.cfg)  # 0600 when it holds a secret
+        write_run_file(self.paths.resolved_config_file, json.dumps(resolved, indent=2),
+                       private=holds_secret(resolved))
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
         from areal_mega.metrics import MetricsLogger, ProgressBar
