@@ -175,7 +175,7 @@ class TrainerSession:
             print(f"[areal-mega] journal replay: {n} accepted samples pending again",
                   flush=True)
         self.intake.start()
-        self.link = RolloutLink(self.paths.control_endpoint,
+        self.link = RolloutLink(self.paths.control_endpoint, secret=cfg.dataplane.secret,
                                 timeout_s=cfg.rollout.request_timeout_s)
         if self.weight_update == "distributed":
             self._connect_weight_sender()
