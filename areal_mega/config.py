@@ -430,11 +430,13 @@ def config_to_dict(cfg) -> dict:
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field rules that no single field can express."""
     from areal_mega.parallel.allocation import AllocationError, parse_allocation
+    from areal_mega.security import check_remote_secret
 
     try:
         parse_allocation(cfg.allocation)
     except AllocationError as e:
         raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
+    check_remote_secret(cfg)
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
                           f"({cfg.optimizer.lr})")

@@ -4,7 +4,8 @@ The trainer, the rollout worker and the launcher all find their files and socket
 the layout is written down once (no torch, no megatron: any process may import it)::
 
     <run_dir>/config.yaml            the launcher's resolved config (what every process reads)
-    <run_dir>/config.resolved.json   the trainer's view of it
+    <run_dir>/config.resolved.json   the trainer's view of it (both 0600 when they hold a secret)
+    <run_dir>/sglang-api-key.yaml    0600, rollout.api_key for SGLang's --config (not on argv)
     <run_dir>/checkpoints/iter_NNNNNNN/   complete once areal_meta.json (written last) exists
     <run_dir>/checkpoints/latest     name of the newest complete checkpoint
     <run_dir>/journal/NNNNNNNN.journal    accepted trajectories not yet covered by a checkpoint
@@ -124,6 +125,10 @@ class RunDir:
     @property
     def resolved_config_file(self) -> Path:
         return self.root / "config.resolved.json"
+
+    @property
+    def sglang_key_file(self) -> Path:
+        return self.root / "sglang-api-key.yaml"
 
     @property
     def journal(self) -> Path:

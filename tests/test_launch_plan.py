@@ -176,13 +176,15 @@ def test_ports():
     assert len(set(ports)) == 3 and all(1024 <= p <= 65535 for p in ports)
 
 
-def test_server_commands():
-    cfg = load_config(ROOT / "recipes/qwen2.5-32b-math.yaml", ["rollout.api_key=k"])
+def test_server_commands(tmp_path):
+    cfg = load_config(ROOT / "recipes/qwen2.5-32b-math.yaml",
+                      ["rollout.api_key=k", f"logging.run_dir={tmp_path}"])
     lay = local.planned_layout(cfg)
     argv = local.server_command(cfg, lay.servers[3], "0.0.0.0")
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     joined = " ".join(argv)
-    assert "--tp-size 4" in joined and "--port 30001" in joined and "--api-key k" in joined
+    assert "--tp-size 4" in joined and "--port 30001" in joined and "--api-key" not in joined
+    assert f"--config {tmp_path}/sglang-api-key.yaml" in joined  # the key stays off argv
     assert "--model-path /models/Qwen2.5-32B-Instruct" in joined and "--base-gpu-id 0" in joined
     assert lay.servers[3].gpus == (4, 5, 6, 7) and lay.servers[3].node == 1
     cpu = load_config(ROOT / "recipes/tiny-cpu.yaml")

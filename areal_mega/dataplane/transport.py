@@ -2,7 +2,8 @@
 
 * The receiver **binds** (``tcp://127.0.0.1:*`` picks a free port; ``ipc://`` paths work too);
   every sender **connects**. Binding a non-loopback TCP interface needs
-  ``allow_remote=True`` (then configure a shared secret).
+  ``allow_remote=True`` *and* a shared secret (:class:`DataplaneError` otherwise): without
+  one anyone who reaches the port could inject training samples.
 * **Credit window, acknowledged delivery**: a sender keeps at most ``window`` messages in
   flight; the receiver acknowledges messages as :meth:`TrajectoryReceiver.recv` takes them,
   in batches of up to ``window // 4`` per sender (the window travels in the sender's routing
@@ -86,6 +87,30 @@ def _poll_ms(deadline: Optional[float]) -> Optional[int]:
 def default_endpoint(run_dir: str) -> str:
     """The ipc endpoint used when ``dataplane.endpoint`` is empty: ``<run_dir>/dataplane.sock``."""
     return check_endpoint("ipc://" + os.path.join(os.path.abspath(run_dir), "dataplane.sock"))
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether only this machine can reach ``endpoint``: ``ipc://``, ``inproc://`` or TCP on a
+    loopback address (``localhost`` included); ``*``, host names and other addresses are not."""
+    scheme, _, rest = str(endpoint).partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_secret(endpoint: str, secret: Secret, what: str = "endpoint") -> None:
+    """Refuse (:class:`DataplaneError`) to bind a non-local ``endpoint`` without a shared
+    secret: an unauthenticated socket reachable from the network accepts anyone's messages."""
+    if secret_bytes(secret) is None and not is_local_endpoint(endpoint):
+        raise DataplaneError(f"{what} {endpoint!r}: binding a non-loopback interface without a "
+                             "shared secret is refused (anyone who reaches it could inject "
+                             "messages); set dataplane.secret, or bind 127.0.0.1 / ipc://")
 
 
 def check_endpoint(endpoint: str, *, bind: bool = False, allow_remote: bool = False) -> str:
@@ -246,6 +271,9 @@ class TrajectorySender:
 class TrajectoryReceiver:
     """ROUTER side on the trainer: binds ``endpoint``; ``recv(timeout)`` -> Trajectory or None.
 
+    A non-loopback ``endpoint`` needs ``allow_remote=True`` and a ``secret``
+    (:class:`DataplaneError` naming the endpoint otherwise).
+
     Every message taken by :meth:`recv` (accepted or rejected) is acknowledged to its sender,
     which opens the sender's window. Acks are batched per sender: one ack covers up to
     ``window // 4`` messages of a :class:`TrajectorySender` (it advertises its window in its
@@ -264,6 +292,7 @@ class TrajectoryReceiver:
                  allow_remote: bool = False, validate: bool = True, ack_every: Optional[int] = None,
                  context: Optional[zmq.Context] = None):
         ep = check_endpoint(endpoint, bind=True, allow_remote=allow_remote)
+        check_bind_secret(ep, secret, "trajectory receiver endpoint")
         self._secret = secret_bytes(secret)
         self._max_bytes = int(max_message_bytes)
         self._validate = validate

@@ -39,11 +39,13 @@ from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.rollout.launch import build_sglang_command
 from areal_mega.run_dir import RunDir
+from areal_mega.security import holds_secret, server_env, write_run_file, write_sglang_key_file
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
 # ``AREAL_MEGA_TRAINER_MODULE`` in the environment replaces it (custom trainers, tests).
 TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
-# The CPU rollout server (``--model-path DIR --port P [--api-key K]``).
+# The CPU rollout server (``--model-path DIR --port P``; the API key comes in the environment,
+# see :func:`server_secrets`).
 ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
 # The rollout worker (prompts -> servers -> rewards -> trajectories to the trainer; weight
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
@@ -140,21 +142,34 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
 # ----------------------------------------------------------------------------- process specs
 
 
-def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list:
-    """The argv of one rollout server."""
+def server_secrets(cfg: ExperimentConfig) -> dict:
+    """Hand ``rollout.api_key`` to the servers without putting it on a command line (``ps``
+    shows those to every user): the environment entries for our CPU server; for SGLang, which
+    reads the key only as a flag, writes the 0600 YAML file that :func:`server_command` passes
+    as ``--config``. Empty without a key."""
+    key = cfg.rollout.api_key
+    if not key:
+        return {}
     if cfg.rollout.backend == "local":
-        argv = [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
+        return server_env(key)
+    write_sglang_key_file(RunDir.from_config(cfg).sglang_key_file, key)
+    return {}
+
+
+def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list:
+    """The argv of one rollout server; never holds the API key (see :func:`server_secrets`)."""
+    if cfg.rollout.backend == "local":
+        return [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
                 "--port", str(slot.port)]
-        if cfg.rollout.api_key:
-            argv += ["--api-key", cfg.rollout.api_key]
-        return argv
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     alloc = parse_allocation(cfg.allocation)
     extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
     return list(build_sglang_command(cfg.model.path, slot.port, host=host,
                         tp=alloc.rollout.tp if alloc.rollout else 1,
                         mem_fraction_static=cfg.rollout.mem_fraction_static,
-                        dtype=cfg.model.dtype, api_key=cfg.rollout.api_key, base_gpu_id=0,
+                        dtype=cfg.model.dtype, base_gpu_id=0,
+                        api_key_file=RunDir.from_config(cfg).sglang_key_file
+                        if cfg.rollout.api_key else None,
                         random_seed=cfg.seed + slot.index, extra=extra))
 
 
@@ -179,7 +194,8 @@ def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) ->
 
 def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
                 host: str = "127.0.0.1") -> tuple:
-    """Plan, pick ports, write ``<run_dir>/config.yaml``; returns ``(specs, layout)``."""
+    """Plan, pick ports, write ``<run_dir>/config.yaml`` (mode 0600 when it holds a secret);
+    returns ``(specs, layout)``."""
     device = device or resolve_device(cfg)
     external = bool(cfg.rollout.server_addrs)
     alloc = parse_allocation(cfg.allocation)
@@ -191,8 +207,10 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
                           "machine; use launch/slurm/ or launch/torchrun.sh for several nodes")
     specs = []
     addrs = list(cfg.rollout.server_addrs)
+    secret_env = server_secrets(cfg) if layout.servers else {}
     for slot in layout.servers:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+        env.update(secret_env)
         specs.append(ProcessSpec(
             f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
             ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
@@ -202,8 +220,8 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
     config_path = RunDir.from_config(cfg).config_file
-    config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    write_run_file(config_path, yaml.safe_dump(resolved, sort_keys=False),
+                   private=holds_secret(resolved))
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_gpus))} \
         if layout.trainer_gpus else {}
     if device == "cpu":
@@ -286,8 +304,10 @@ def serve_node(cfg: ExperimentConfig, node: int) -> int:
         print(f"node {node}: no rollout servers in this layout", file=sys.stderr)
         return 0
     specs = []
+    secret_env = server_secrets(cfg)
     for slot in mine:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+        env.update(secret_env)
         specs.append(ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, "0.0.0.0"),
                                  env=env, kind="main"))
     host = socket.gethostname()

@@ -30,8 +30,14 @@ def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", t
                          dp: int = 1, mem_fraction_static: float = 0.8, dtype: str = "bf16",
                          api_key: Optional[str] = None, base_gpu_id: int = 0,
                          random_seed: Optional[int] = None, extra: Optional[list] = None,
-                         python: str = sys.executable) -> list:
-    """The argv of ``python -m sglang.launch_server`` for one server (tp·dp GPUs)."""
+                         python: str = sys.executable, api_key_file=None) -> list:
+    """The argv of ``python -m sglang.launch_server`` for one server (tp·dp GPUs).
+
+    SGLang takes its API key only as ``--api-key`` (no environment variable), which puts it in
+    ``ps``; ``api_key_file`` (a 0600 ``*.yaml`` file with ``api-key: KEY``, see
+    :func:`areal_mega.security.write_sglang_key_file`) passes it as ``--config FILE`` instead,
+    which SGLang merges into its arguments in-process. ``api_key`` is the argv form, for
+    SGLang releases without ``--config``."""
     if dtype not in SGLANG_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(SGLANG_DTYPES)}")
     if tp < 1 or dp < 1:
@@ -43,7 +49,9 @@ def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", t
            "--mem-fraction-static", str(mem_fraction_static),
            "--dtype", SGLANG_DTYPES[dtype], "--base-gpu-id", str(base_gpu_id),
            "--skip-server-warmup"]
-    if api_key:
+    if api_key_file:
+        cmd += ["--config", str(api_key_file)]
+    elif api_key:
         cmd += ["--api-key", api_key]
     if random_seed is not None:
         cmd += ["--random-seed", str(random_seed)]

@@ -139,7 +139,9 @@ class RolloutWorker:
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
         self.stop_event = threading.Event()
-        self.control = ControlServer(self.paths.control_endpoint, self.handle).start()
+        self.control = ControlServer(self.paths.control_endpoint, self.handle,
+                                     secret=cfg.dataplane.secret,
+                                     allow_remote=cfg.dataplane.allow_remote).start()
 
     def _resume_step(self) -> int:
         if self.cfg.recover != "auto":

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from areal_mega.config import ExperimentConfig, config_to_dict
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.run_dir import SOURCE_FILE, RunDir, hf_source_identity
+from areal_mega.security import holds_secret, write_run_file
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +159,9 @@ class TrainerSession:
         load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
 
     def _write_resolved_config(self) -> None:
-        path = self.paths.resolved_config_file
-        path.write_text(json.dumps(config_to_dict(self.cfg), indent=2))
+        resolved = config_to_dict(self.cfg)  # 0600 when it holds a secret
+        write_run_file(self.paths.resolved_config_file, json.dumps(resolved, indent=2),
+                       private=holds_secret(resolved))
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
         from areal_mega.metrics import MetricsLogger, ProgressBar
@@ -187,7 +189,7 @@ class TrainerSession:
             print(f"[areal-mega] journal replay: {n} accepted samples pending again",
                   flush=True)
         self.intake.start()
-        self.link = RolloutLink(self.paths.control_endpoint,
+        self.link = RolloutLink(self.paths.control_endpoint, secret=cfg.dataplane.secret,
                                 timeout_s=cfg.rollout.request_timeout_s)
         if self.weight_update == "distributed":
             self._connect_weight_sender()

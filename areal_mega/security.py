@@ -1,0 +1,92 @@
+"""Safe defaults for the run's secrets: who may read them, where they travel, what they guard.
+
+Two secrets exist: ``dataplane.secret`` (HMAC key of the trajectory data plane and of the
+rollout worker's control channel) and ``rollout.api_key`` (bearer key of the rollout servers).
+
+* Files of the run that hold either (``config.yaml``, ``config.resolved.json``, the SGLang
+  key file) are written with mode 0600 (:func:`write_run_file`), atomically.
+* The API key never goes on a command line (``ps`` and ``/proc/<pid>/cmdline`` show it to every
+  user): our CPU server reads it from :data:`API_KEY_ENV`; SGLang has no environment variable
+  for it, so it reads it from a 0600 YAML file passed as ``--config`` (SGLang merges that file
+  into its arguments in-process).
+* ``dataplane.allow_remote=true`` needs ``dataplane.secret`` (:func:`check_remote_secret`,
+  called by config validation); the sockets refuse a non-loopback bind without one, too.
+
+No torch, no zmq: every process may import it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+API_KEY_ENV = "AREAL_ROLLOUT_API_KEY"
+"""Environment variable that hands the rollout API key to ``areal_mega.rollout.local_server``
+(its ``--api-key`` defaults to it)."""
+
+PRIVATE_MODE = 0o600
+
+
+def holds_secret(resolved: dict) -> bool:
+    """Whether a config dict (``config_to_dict`` shape) carries ``dataplane.secret`` or
+    ``rollout.api_key``."""
+    return bool((resolved.get("dataplane") or {}).get("secret")
+                or (resolved.get("rollout") or {}).get("api_key"))
+
+
+def write_run_file(path, text: str, *, private: bool) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary file in the same directory, then
+    rename). ``private=True`` creates it with mode 0600, so no other user can read it at any
+    moment, and replaces a file that was readable before; otherwise the mode follows the umask.
+    Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        if private:
+            os.fchmod(fd, PRIVATE_MODE)
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def write_sglang_key_file(path, api_key: str) -> Path:
+    """The 0600 YAML file handed to SGLang as ``--config``: ``api-key: KEY`` only (SGLang reads
+    the file's keys as its command-line flags; the name must end in ``.yaml``)."""
+    import yaml
+
+    if not str(path).endswith((".yaml", ".yml")):
+        raise ValueError(f"{path}: SGLang reads --config files only when named *.yaml / *.yml")
+    return write_run_file(path, yaml.safe_dump({"api-key": str(api_key)}), private=True)
+
+
+def server_env(api_key: Optional[str]) -> dict:
+    """Environment entries that give our CPU rollout server its API key (empty without one)."""
+    return {API_KEY_ENV: api_key} if api_key else {}
+
+
+def check_remote_secret(cfg) -> None:
+    """``dataplane.allow_remote=true`` without ``dataplane.secret`` would let anyone who reaches
+    the port inject training samples or drive the rollout worker: one ConfigError naming both
+    keys."""
+    from areal_mega.config import ConfigError
+
+    if cfg.dataplane.allow_remote and not cfg.dataplane.secret:
+        raise ConfigError("dataplane.allow_remote=true needs dataplane.secret: without a "
+                          "shared secret anyone who reaches the data or control port could "
+                          "inject training samples or weight updates; set dataplane.secret "
+                          "(same value on every process) or dataplane.allow_remote=false")
