@@ -400,6 +400,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def config_from_dict(data: dict) -> ExperimentConfig:
     """Build and validate an :class:`ExperimentConfig` from a nested dict."""
+    from areal_mega.config_checks import validate   # cross-field rules
+
     cfg = _build(ExperimentConfig, data or {})
     validate(cfg)
     return cfg
@@ -425,31 +427,3 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
 
 def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def validate(cfg: ExperimentConfig) -> None:
-    """Cross-field rules that no single field can express."""
-    from areal_mega.parallel.allocation import AllocationError, parse_allocation
-    from areal_mega.security import check_remote_secret
-
-    try:
-        parse_allocation(cfg.allocation)
-    except AllocationError as e:
-        raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
-    check_remote_secret(cfg)
-    if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
-                          f"({cfg.optimizer.lr})")
-    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
-        raise ConfigError("algorithm.kl_in_reward=true: the trainer computes advantages before "
-                          "the reference forward, so the KL penalty is supported as a loss "
-                          "term only; set algorithm.kl_in_reward=false")
-    if cfg.mode == "rl" and cfg.algorithm.adv_estimator == "gae":
-        raise ConfigError("algorithm.adv_estimator='gae': needs a critic, which the trainer "
-                          "does not build yet; use grpo or reinforce")
-    if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
-        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
-            and cfg.algorithm.group_norm:
-        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
-                          "needs at least 2 samples per prompt")

@@ -1,10 +1,10 @@
-"""Checks of a loaded config against the model it names, run before any work starts.
+"""Checks of a config beyond single fields: combinations of keys, and the model it names.
 
-:func:`~areal_mega.config.load_config` checks the config on its own (keys, types, ranges,
-combinations); :func:`check_against_model` checks it against the model directory, where one
-exists: a rollout whose prompt and completion cannot fit the model's context would only fail
-later, request by request, on the rollout servers. No torch, no megatron: the launcher, the
-trainer and the demo call it first thing.
+:func:`validate` holds the cross-field rules (:func:`~areal_mega.config.load_config` runs it
+after keys, types and ranges); :func:`check_against_model` checks the config against the model
+directory, where one exists: a rollout whose prompt and completion cannot fit the model's
+context would only fail later, request by request, on the rollout servers. No torch, no
+megatron: the launcher, the trainer and the demo call it first thing.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.config import ConfigError
+from areal_mega.config import ConfigError, ExperimentConfig
 
 
 def model_context(model_path: str) -> Optional[tuple]:
@@ -56,3 +56,31 @@ def check_against_model(cfg) -> None:
             f"{context} (max_position_embeddings in {path}): every such request would be "
             "rejected by the rollout servers; lower data.max_prompt_len or "
             "rollout.max_new_tokens")
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cross-field rules that no single field can express."""
+    from areal_mega.parallel.allocation import AllocationError, parse_allocation
+    from areal_mega.security import check_remote_secret
+
+    try:
+        parse_allocation(cfg.allocation)
+    except AllocationError as e:
+        raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
+    check_remote_secret(cfg)
+    if cfg.optimizer.min_lr > cfg.optimizer.lr:
+        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
+                          f"({cfg.optimizer.lr})")
+    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
+        raise ConfigError("algorithm.kl_in_reward=true: the trainer computes advantages before "
+                          "the reference forward, so the KL penalty is supported as a loss "
+                          "term only; set algorithm.kl_in_reward=false")
+    if cfg.mode == "rl" and cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("algorithm.adv_estimator='gae': needs a critic, which the trainer "
+                          "does not build yet; use grpo or reinforce")
+    if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
+        raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
+    if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
+            and cfg.algorithm.group_norm:
+        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
+                          "needs at least 2 samples per prompt")

@@ -253,8 +253,10 @@ def test_launched_local_server_keeps_the_key_off_its_command_line(tmp_path):
         assert status == 200, (tmp_path / "server.log").read_text()
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert KEY not in cmdline and "local_server" in cmdline
-        assert _get(url) == 401                       # the key is still enforced
-        assert _get(url, "wrong-key") == 401
+        info = url.replace("/health", "/get_model_info")   # /health needs no key (SGLang)
+        assert _get(info, KEY) == 200
+        assert _get(info) == 401                      # the key is still enforced
+        assert _get(info, "wrong-key") == 401
     finally:
         proc.terminate()
         try:

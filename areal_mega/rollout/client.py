@@ -22,7 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class RolloutRequestError(RuntimeError):
-    """The server rejected a request (HTTP 4xx); retrying elsewhere would not help."""
+    """The server rejected a request (HTTP 4xx); retrying elsewhere would not help.
+    ``status`` is the HTTP status code."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
 
 
 class RolloutServerError(RuntimeError):
@@ -96,7 +101,8 @@ class RolloutClient:
                 except Exception:  # noqa: BLE001 - keep the raw text
                     pass
                 if 400 <= resp.status < 500:
-                    raise RolloutRequestError(f"{srv.addr}{path}: HTTP {resp.status}: {msg}")
+                    raise RolloutRequestError(f"{srv.addr}{path}: HTTP {resp.status}: {msg}",
+                                              status=resp.status)
                 raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
                                                   message=f"{msg}"[:500])
             if not text:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import glob
 import json
 import logging
@@ -152,7 +153,8 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
     async def guard(request: web.Request, handler):
         # like SGLang's API-key middleware, health probes need no key
         if srv.api_key and not request.path.startswith("/health"):
-            if request.headers.get("Authorization", "") != f"Bearer {srv.api_key}":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {srv.api_key}".encode()):
                 return error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
         try:
             return await handler(request)
