@@ -1,6 +1,6 @@
 """Packed-sequence kernels: label log-probabilities (vocab-parallel) and GAE.
 
-Public API (see ``shared/design.md``, "Kernel API"):
+Public API (see ``docs/design.md``, "Kernel API"):
 
 * :func:`packed_logprobs` -- ``log_softmax(logits / T)[label]`` (+ entropy) without a float32
   ``[T, V]`` copy; under tensor parallelism only per-token statistics are all-reduced.
