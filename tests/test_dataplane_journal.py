@@ -108,7 +108,7 @@ def test_reward_edited_to_1e30_is_skipped_counted_and_not_checkpointed(journal, 
     (run_dir / "journal" / "00000001.journal").write_bytes(
         data[:at] + np.float32(1e30).tobytes() + data[at + 4:])
     cfg = load_config(None, [f"logging.run_dir={run_dir}"])
-    assert RunDir.from_config(cfg).accepted_samples() == N - 1
+    assert RunDir.from_config(cfg).accepted_samples(None) == N - 1
     intake = TrajectoryIntake(f"ipc://{run_dir}/t.sock", run_dir, group_size=1)
     try:
         assert intake.restore(None, step=0) == N - 1
