@@ -119,3 +119,20 @@ def test_sglang_command():
         assert frag in s
     with pytest.raises(ValueError):
         build_sglang_command("/m", 1, dtype="int4")
+
+
+def test_eos_drawn_as_the_last_allowed_token_is_a_stop():
+    """SGLang reports ``length`` when EOS is the max_new_tokens-th token (it checks the limit
+    first); the trajectory records that the model ended the sample."""
+    from types import SimpleNamespace
+
+    from areal_mega.rollout.controller import model_finish
+
+    tok = SimpleNamespace(eos_token_id=2)
+    assert model_finish("length", [5, 6, 2], {}, tok) == "stop"
+    assert model_finish("length", [5, 6, 7], {}, tok) == "length"
+    assert model_finish("length", [5, 9], {"stop_token_ids": [9]}, tok) == "stop"
+    assert model_finish("length", [5, 2], {"ignore_eos": True}, tok) == "length"
+    assert model_finish("length", [], {}, tok) == "length"
+    assert model_finish("abort", [2], {}, tok) == "abort"
+    assert model_finish("length", [4], {}, SimpleNamespace(eos_token_id=[3, 4])) == "stop"

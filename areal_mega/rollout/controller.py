@@ -51,6 +51,19 @@ class GenerationOutput:
     server: str
 
 
+def model_finish(finish: str, output_ids: list, sampling: dict, tokenizer=None) -> str:
+    """The finish reason a trajectory records: ``stop`` when the model itself ended the
+    sample. SGLang checks the length limit before EOS, so an EOS (or one of the request's
+    ``stop_token_ids``) drawn as the last allowed token is reported as ``length``; rewards
+    and the overlong/no-EOS shaping must see that the model ended it."""
+    if finish != "length" or not output_ids or sampling.get("ignore_eos"):
+        return finish
+    ends = set(sampling.get("stop_token_ids") or ())
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ends |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return "stop" if output_ids[-1] in ends else finish
+
+
 class EpisodeContext:
     """What a workflow sees for one prompt group."""
 
@@ -327,12 +340,11 @@ class RolloutController:
             lps += res.logprobs
             vers += [v] * len(res.output_ids)
             server = res.server
-            if res.finish_type != "abort":
+            if res.finish_type != "abort" or len(out) >= max_new_tokens:
                 self.client.release(key)
-                return GenerationOutput(out, lps, vers, res.finish_type, seg, server)
-            if len(out) >= max_new_tokens:
-                self.client.release(key)
-                return GenerationOutput(out, lps, vers, "length", seg, server)
+                finish = res.finish_type if res.finish_type != "abort" else "length"
+                return GenerationOutput(out, lps, vers, model_finish(finish, out, sp, self.tokenizer),
+                                        seg, server)
             seg += 1
             self.n_interruptions += 1
 
