@@ -26,8 +26,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
 
     1. Rank 0 takes the ``rollout.batch_size`` oldest complete prompt groups from the intake
        (blocking until they arrive), filters them, computes advantages and plans packed
-       micro-batches for every DP rank (``batches.plan_step``); the plan is broadcast and each
-       rank keeps its DP share (``batches.distribute``).
+       micro-batches for every DP rank (``batches.plan_step``, a ``StepPlan``); each rank
+       receives only its DP rank's share (``batches.distribute``).
     2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``)
        and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches,
        as is ``policy_version = step − 1``.
@@ -46,8 +46,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
-    plan = (batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else (None, None, None))
-    batch = batches.distribute(*plan, s.mesh)
+    plan = batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else None
+    batch = batches.distribute(plan, s.mesh)
     t_data = time.time()
     mbs = batch.micro_batches
     for mb in mbs:   # the weights that compute prox_logprobs below (for the mismatch metric)
@@ -69,7 +69,7 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     s.publish_weights(version=step)                     # pause -> update -> continue on servers
     t_sync = time.time()
     if s.is_rank0:
-        s.intake.record_trained(step, batch.sample_ids)
+        s.intake.record_trained(step, plan.sample_ids)
     stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats)}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,

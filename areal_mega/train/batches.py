@@ -8,7 +8,8 @@ Rank 0 owns the trajectory buffer. For one training step it
    ``MegatronEngine.forward_logprobs`` returns at position t the logprob of token t+1,
 4. plans micro-batches (Karmarkar-Karp over DP ranks, token budget, equal counts, PP multiple),
 5. packs each micro-batch padded to TP (2·TP·CP with context parallelism),
-and the plan is broadcast so every rank takes its DP rank's share.
+and :func:`distribute` scatters the :class:`StepPlan` so every rank receives only its DP
+rank's share (every rank of one DP replica — its TP, CP and PP ranks — gets the same share).
 """
 from __future__ import annotations
 
@@ -24,11 +25,36 @@ from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.scheduler.packing import pack_sequences
 
 @dataclass
-class StepBatch:
-    """One rank's share of a training step."""
-    micro_batches: list          # packed dicts, next-token layout, algo field names
+class StepPlan:
+    """Rank 0's plan of one training step (built by :func:`plan_step`; plain data).
+
+    ``micro_batches[d]`` is DP rank d's list of packed micro-batches; every DP rank holds the
+    same number of them (each rank runs the same pipeline schedule and optimizer steps)."""
+    micro_batches: list          # [dp_size][n_micro_batches] packed micro-batches
     sample_ids: list             # every sample trained this step (all DP ranks)
-    stats: dict                  # advantage / filter / staleness statistics (rank 0's view)
+    stats: dict                  # advantage / filter / staleness statistics
+
+    def __post_init__(self):
+        counts = {len(mbs) for mbs in self.micro_batches}
+        if not self.micro_batches or len(counts) != 1:
+            raise ValueError(f"StepPlan: every DP rank needs the same number of micro-batches, "
+                             f"got {[len(m) for m in self.micro_batches]}")
+
+    @property
+    def dp_size(self) -> int:
+        """Number of DP ranks the plan is for."""
+        return len(self.micro_batches)
+
+    def share(self, dp_rank: int) -> "StepBatch":
+        """What DP rank ``dp_rank`` trains on: its micro-batches and the step's statistics."""
+        return StepBatch(micro_batches=self.micro_batches[dp_rank], stats=self.stats)
+
+
+@dataclass
+class StepBatch:
+    """One rank's share of a training step (see :meth:`StepPlan.share`)."""
+    micro_batches: list          # this DP rank's packed micro-batches
+    stats: dict                  # the step's batch statistics (rank 0's view, same everywhere)
 
 
 def shift_to_next_token(arr: np.ndarray, fill) -> np.ndarray:
@@ -78,8 +104,8 @@ def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len:
 
 
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
-              cp_size: int) -> tuple[list, list, dict]:
-    """Rank-0 planning of one step: returns (micro-batches per DP rank, sample ids, stats)."""
+              cp_size: int) -> StepPlan:
+    """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics."""
     from areal_mega.scheduler import plan_micro_batches
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
@@ -112,21 +138,29 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     stats["n_samples"] = float(len(kept))
     stats["n_tokens_total"] = float(sum(seqlens))
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
-    return per_rank, [t.sample_id for t in kept], stats
+    return StepPlan(micro_batches=per_rank, sample_ids=[t.sample_id for t in kept], stats=stats)
 
 
-def distribute(per_rank: Optional[list], sample_ids: Optional[list], stats: Optional[dict],
-               mesh) -> StepBatch:
-    """Broadcast rank 0's plan to every trainer rank; each keeps its DP rank's micro-batches.
+def distribute(plan: Optional[StepPlan], mesh) -> StepBatch:
+    """Hand every trainer rank its own share of rank 0's ``plan`` (None on other ranks).
 
-    Torch's object broadcast is fine here: it never leaves the trainer's own process group."""
+    Rank 0 scatters one :class:`StepBatch` per global rank — the micro-batches of that rank's
+    DP rank (:meth:`ParallelMesh.dp_ranks_by_global_rank`) — so a rank receives only its own
+    micro-batches, never the other DP ranks'. Collective over the trainer's default group
+    (torch's object scatter never leaves the trainer's own process group)."""
     import torch.distributed as dist
 
-    holder = [per_rank, sample_ids, stats]
-    if mesh.world_size > 1:
-        dist.broadcast_object_list(holder, src=0)
-    per_rank, sample_ids, stats = holder
-    return StepBatch(micro_batches=per_rank[mesh.dp_rank], sample_ids=sample_ids, stats=stats)
+    if mesh.world_size == 1:
+        return plan.share(0)
+    shares = None
+    if mesh.rank == 0:
+        if plan.dp_size != mesh.dims.dp:
+            raise ValueError(f"StepPlan has {plan.dp_size} DP shares, the mesh has "
+                             f"dp={mesh.dims.dp}")
+        shares = [plan.share(d) for d in mesh.dp_ranks_by_global_rank()]
+    out = [None]
+    dist.scatter_object_list(out, shares, src=0)
+    return out[0]
 
 
 def attach(micro_batches: list, key: str, values: list) -> None:

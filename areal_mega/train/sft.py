@@ -67,11 +67,11 @@ def run_sft(s) -> None:
             per_rank = [[pack_sequences([chosen[i] for i in mb], pad_to_multiple=pad_to,
                                         cp_size=s.layout["cp_size"]) for mb in rank]
                         for rank in mb_plan]
-            plan = (per_rank, [], {"n_tokens_total": float(sum(len(x["input_ids"])
-                                                               for x in chosen))})
+            plan = batches.StepPlan(micro_batches=per_rank, sample_ids=[], stats={
+                "n_tokens_total": float(sum(len(x["input_ids"]) for x in chosen))})
         else:
             sampler.next_indices()
-        batch = batches.distribute(*(plan or (None, None, None)), s.mesh)
+        batch = batches.distribute(plan, s.mesh)
         st = s.actor.train_batch(batch.micro_batches, sft_loss)
         n_tok = max(st.get("token_count", 1.0), 1.0)
         dt = time.time() - t0
