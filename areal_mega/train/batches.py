@@ -7,7 +7,8 @@ Rank 0 owns the trajectory buffer. For one training step it
    the data of token t+1: its loss-mask bit, behaviour logprob, advantage, version), because
    ``MegatronEngine.forward_logprobs`` returns at position t the logprob of token t+1,
 4. plans micro-batches (Karmarkar-Karp over DP ranks, token budget, equal counts, PP multiple),
-5. packs each micro-batch padded to TP (2·TP·CP with context parallelism),
+5. packs each micro-batch padded to TP (2·TP·CP with context parallelism) into a typed
+   :class:`~areal_mega.algo.batch.PackedBatch`,
 and :func:`distribute` scatters the :class:`StepPlan` so every rank receives only its DP
 rank's share (every rank of one DP replica — its TP, CP and PP ranks — gets the same share).
 """
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from areal_mega.algo import compute_advantages, dynamic_filter
+from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.packing import with_algo_fields
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.scheduler.packing import pack_sequences
@@ -30,7 +32,7 @@ class StepPlan:
 
     ``micro_batches[d]`` is DP rank d's list of packed micro-batches; every DP rank holds the
     same number of them (each rank runs the same pipeline schedule and optimizer steps)."""
-    micro_batches: list          # [dp_size][n_micro_batches] packed micro-batches
+    micro_batches: list          # [dp_size][n_micro_batches] PackedBatch (SFT: packed dicts)
     sample_ids: list             # every sample trained this step (all DP ranks)
     stats: dict                  # advantage / filter / staleness statistics
 
@@ -129,7 +131,7 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
         for idx in rank_plan:
             packed = pack_sequences([samples[i] for i in idx], pad_to_multiple=pad_to,
                                     cp_size=cp_size)
-            mbs.append(with_algo_fields(packed))
+            mbs.append(PackedBatch.from_packed(packed))
         per_rank.append(mbs)
     generated = [t for t in kept if t.min_version >= 0]
     if generated:
@@ -163,10 +165,17 @@ def distribute(plan: Optional[StepPlan], mesh) -> StepBatch:
     return out[0]
 
 
-def attach(micro_batches: list, key: str, values: list) -> None:
-    """Store per-micro-batch tensors (e.g. recomputed logprobs) into the micro-batches."""
-    for mb, v in zip(micro_batches, values):
-        mb[key] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+def attach(micro_batches: list, **per_micro_batch: list) -> list:
+    """New micro-batches with per-micro-batch values attached (e.g. ``prox_logprobs=[...]``,
+    one entry per micro-batch) through :meth:`PackedBatch.with_fields`; the inputs are left
+    unchanged."""
+    out = list(micro_batches)
+    for key, values in per_micro_batch.items():
+        if len(values) != len(out):
+            raise ValueError(f"attach: {len(values)} values of {key!r} for {len(out)} "
+                             "micro-batches")
+        out = [mb.with_fields(**{key: v}) for mb, v in zip(out, values)]
+    return out
 
 
 def minibatches(micro_batches: list, n: int) -> list:
