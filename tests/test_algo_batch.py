@@ -78,3 +78,26 @@ def test_loss_reads_a_packed_batch_like_the_dict():
     assert den_fn(typed) == den_fn(plain) > 0
     assert float(num_t) == float(num_p) and float(num_t) != 0.0
     assert {k: float(v) for k, v in st_t.items()} == {k: float(v) for k, v in st_p.items()}
+
+
+def test_plan_step_shifts_every_field_once_into_next_token_layout():
+    from areal_mega.config import load_config
+    from areal_mega.dataplane import Trajectory
+    from areal_mega.train.sft import sft_sample
+    trajs = [Trajectory.from_tokens([1, 2, 3], [4 + i, 5, 6], [-0.5, -0.25 * i, -0.125],
+                                    [2, 3, 3], reward=float(i), sample_id=f"s{i}", group_id="g")
+             for i in range(2)]
+    cfg = load_config(None, [])
+    plan = batches.plan_step(trajs, cfg, dp_size=1, tp_size=2, pp_size=1, cp_size=1)
+    [[mb]] = plan.micro_batches
+    assert isinstance(mb, PackedBatch) and plan.sample_ids == ["s0", "s1"]
+    for b, t in enumerate(trajs):
+        lo, hi = int(mb.cu_seqlens[b]), int(mb.cu_seqlens[b + 1])
+        assert mb.input_ids[lo:hi].tolist() == t.input_ids.tolist()           # not shifted
+        assert mb.loss_mask[lo:hi].tolist() == t.loss_mask[1:].tolist() + [0]
+        assert mb.behav_logprobs[lo:hi].tolist() == t.logprobs[1:].tolist() + [0.0]
+        assert mb.versions[lo:hi].tolist() == t.versions[1:].tolist() + [-1]
+        assert mb.advantages[hi - 1] == 0.0 and mb.advantages[lo + 2] != 0.0
+    s = sft_sample([7, 8], [9, 10], eos_id=11)                   # SFT: the same single shift
+    assert s["input_ids"].tolist() == [7, 8, 9, 10, 11]
+    assert s["loss_mask"].tolist() == [0, 1, 1, 1, 0]

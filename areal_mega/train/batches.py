@@ -24,7 +24,7 @@ from areal_mega.algo import compute_advantages, dynamic_filter
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.packing import with_algo_fields
 from areal_mega.dataplane.trajectory import Trajectory
-from areal_mega.scheduler.packing import pack_sequences
+from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
 
 @dataclass
 class StepPlan:
@@ -59,29 +59,32 @@ class StepBatch:
     stats: dict                  # the step's batch statistics (rank 0's view, same everywhere)
 
 
-def shift_to_next_token(arr: np.ndarray, fill) -> np.ndarray:
-    """``out[t] = arr[t+1]``; the last position gets ``fill``."""
-    out = np.empty_like(arr)
-    out[:-1] = arr[1:]
-    if len(arr):
-        out[-1] = fill
+def next_token_layout(input_ids: np.ndarray, **per_token: np.ndarray) -> dict:
+    """The one next-token shift of the data: a packable dict with ``input_ids`` as given and
+    every per-token field moved so that position t holds the value of token t+1
+    (``out[t] = field[t+1]``); the last position gets the field's padding value
+    (:data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`, else 0). The engine's labels are
+    the same shift applied to ``input_ids`` (``engine.packed.next_token_labels``), so position
+    t's logprob and position t's fields describe the same token. Used by RL and SFT."""
+    out = {"input_ids": input_ids}
+    for name, arr in per_token.items():
+        shifted = np.empty_like(arr)
+        shifted[:-1] = arr[1:]
+        if len(arr):
+            shifted[-1] = PER_TOKEN_FILL.get(name, 0)
+        out[name] = shifted
     return out
 
 
 def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
-    """A packable dict for ``traj`` with its per-token fields in next-token layout."""
-    return {
-        "input_ids": traj.input_ids,
-        "loss_mask": shift_to_next_token(traj.loss_mask, 0),
-        "logprobs": shift_to_next_token(traj.logprobs, 0.0),
-        "versions": shift_to_next_token(traj.versions, -1),
-        "advantages": shift_to_next_token(advantages.astype(np.float32), 0.0),
-        "prompt_len": traj.prompt_len,
-        "reward": traj.total_reward,
-        "sample_id": traj.sample_id,
-        "group_id": traj.group_id,
-        "finish_reason": traj.finish_reason,
-    }
+    """A packable dict for ``traj``: its per-token fields in next-token layout
+    (:func:`next_token_layout`) and its per-sequence data."""
+    return {**next_token_layout(traj.input_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
+                                versions=traj.versions,
+                                advantages=advantages.astype(np.float32)),
+            "prompt_len": traj.prompt_len, "reward": traj.total_reward,
+            "sample_id": traj.sample_id, "group_id": traj.group_id,
+            "finish_reason": traj.finish_reason}
 
 
 def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len: int

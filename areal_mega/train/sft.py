@@ -33,8 +33,7 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     ids = np.asarray(list(prompt_ids) + list(answer_ids) + [eos_id], dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.uint8)
     mask[len(prompt_ids):] = 1
-    return {"input_ids": ids, "loss_mask": batches.shift_to_next_token(mask, 0),
-            "prompt_len": len(prompt_ids)}
+    return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
 def run_sft(s) -> None:
