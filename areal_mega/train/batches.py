@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from areal_mega.algo import compute_advantages, dynamic_filter
 from areal_mega.algo.batch import PackedBatch
