@@ -26,11 +26,11 @@ def rl_step(s: TrainerSession, step: int) -> dict:
 
     1. Rank 0 takes the ``rollout.batch_size`` oldest complete prompt groups from the intake
        (blocking until they arrive), filters them, computes advantages and plans packed
-       micro-batches for every DP rank (``batches.plan_step``); the plan is broadcast and each
-       rank keeps its DP share (``batches.distribute``).
+       micro-batches for every DP rank (``batches.plan_step``, a ``StepPlan``); each rank
+       receives only its DP rank's share (``batches.distribute``).
     2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``)
-       and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches,
-       as is ``policy_version = step − 1``.
+       and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches
+       (``batches.attach``, new ``PackedBatch`` objects), as is ``policy_version = step − 1``.
     3. The loss is built from ``cfg.algorithm`` by ``make_policy_loss`` (so every algorithm key,
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
        optimizer steps (``train_batch``, collective over the trainer ranks).
@@ -38,7 +38,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        rank 0 appends the trained sample ids to the intake's trained log.
 
     Side effects: the actor's weights, optimizer and LR schedule advance; the servers serve
-    ``step``; the micro-batches are mutated. No logging or checkpointing (the caller's loop
+    ``step``; the planned micro-batches are not mutated (fields are attached to copies,
+    ``PackedBatch.with_fields``). No logging or checkpointing (the caller's loop
     does both). Returns the step's statistics (identical on every rank): rank 0's batch
     statistics (filter, advantages, rewards, versions, sizes), the finalised loss statistics
     merged over minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split
@@ -46,17 +47,17 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
-    plan = (batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else (None, None, None))
-    batch = batches.distribute(*plan, s.mesh)
+    plan = batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else None
+    batch = batches.distribute(plan, s.mesh)
     t_data = time.time()
-    mbs = batch.micro_batches
-    for mb in mbs:   # the weights that compute prox_logprobs below (for the mismatch metric)
-        mb["policy_version"] = step - 1
-    batches.attach(mbs, "prox_logprobs",
-                   s.actor.forward_logprobs(mbs, temperature=cfg.actor.temperature))
+    mbs = batch.micro_batches   # PackedBatch: attaching returns new batches (no mutation)
+    # the weights that compute prox_logprobs below (for the mismatch metric)
+    mbs = batches.attach(mbs, policy_version=[step - 1] * len(mbs))
+    mbs = batches.attach(mbs, prox_logprobs=s.actor.forward_logprobs(
+        mbs, temperature=cfg.actor.temperature))
     if s.ref is not None:
-        batches.attach(mbs, "ref_logprobs",
-                       s.ref.forward_logprobs(mbs, temperature=cfg.actor.temperature))
+        mbs = batches.attach(mbs, ref_logprobs=s.ref.forward_logprobs(
+            mbs, temperature=cfg.actor.temperature))
     t_fwd = time.time()
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                max_response_len=cfg.rollout.max_new_tokens)
@@ -69,7 +70,7 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     s.publish_weights(version=step)                     # pause -> update -> continue on servers
     t_sync = time.time()
     if s.is_rank0:
-        s.intake.record_trained(step, batch.sample_ids)
+        s.intake.record_trained(step, plan.sample_ids)
     stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats)}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,

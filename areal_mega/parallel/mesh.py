@@ -22,7 +22,10 @@ import torch.distributed as dist
 
 from areal_mega.parallel.allocation import ParallelDims
 
-__all__ = ["ParallelMesh", "init_distributed"]
+__all__ = ["ParallelMesh", "init_distributed", "RANK_ORDER"]
+
+#: megatron-core's rank order, fastest first (passed to ``initialize_model_parallel``).
+RANK_ORDER = "tp-cp-ep-dp-pp"
 
 
 def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
@@ -105,6 +108,7 @@ class ParallelMesh:
             expert_tensor_parallel_size=dims.tp,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
             create_gloo_process_groups=torch.cuda.is_available(),
+            order=RANK_ORDER,
         )
         pgc = ProcessGroupCollection.use_mpu_process_groups()
         device = (torch.device("cuda", torch.cuda.current_device())
@@ -175,6 +179,21 @@ class ParallelMesh:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.dims.pp - 1
+
+    def dp_ranks_by_global_rank(self) -> list[int]:
+        """The data-parallel rank of every global rank (index = global rank); no collective.
+
+        Computed with megatron-core's own ``RankGenerator`` in the order :meth:`create` passes
+        (:data:`RANK_ORDER`; dense groups have ep = 1), so it names the same
+        DP groups as ``mesh.dp_group`` on each rank."""
+        from megatron.core.parallel_state import RankGenerator
+        d = self.dims
+        gen = RankGenerator(tp=d.tp, ep=1, dp=d.dp, pp=d.pp, cp=d.cp, order=RANK_ORDER)
+        out = [0] * self.world_size
+        for group in gen.get_ranks("dp"):
+            for dp_rank, global_rank in enumerate(group):
+                out[global_rank] = dp_rank
+        return out
 
     def last_stage_global_rank(self) -> int:
         """Global rank of the last pipeline stage in this rank's pipeline."""

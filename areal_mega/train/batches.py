@@ -7,8 +7,10 @@ Rank 0 owns the trajectory buffer. For one training step it
    the data of token t+1: its loss-mask bit, behaviour logprob, advantage, version), because
    ``MegatronEngine.forward_logprobs`` returns at position t the logprob of token t+1,
 4. plans micro-batches (Karmarkar-Karp over DP ranks, token budget, equal counts, PP multiple),
-5. packs each micro-batch padded to TP (2·TP·CP with context parallelism),
-and the plan is broadcast so every rank takes its DP rank's share.
+5. packs each micro-batch padded to TP (2·TP·CP with context parallelism) into a typed
+   :class:`~areal_mega.algo.batch.PackedBatch`,
+and :func:`distribute` scatters the :class:`StepPlan` so every rank receives only its DP
+rank's share (every rank of one DP replica — its TP, CP and PP ranks — gets the same share).
 """
 from __future__ import annotations
 
@@ -16,44 +18,72 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from areal_mega.algo import compute_advantages, dynamic_filter
+from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.packing import with_algo_fields
 from areal_mega.dataplane.trajectory import Trajectory
-from areal_mega.scheduler.packing import pack_sequences
+from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
+
+@dataclass
+class StepPlan:
+    """Rank 0's plan of one training step (built by :func:`plan_step`; plain data).
+
+    ``micro_batches[d]`` is DP rank d's list of packed micro-batches; every DP rank holds the
+    same number of them (each rank runs the same pipeline schedule and optimizer steps)."""
+    micro_batches: list          # [dp_size][n_micro_batches] PackedBatch (SFT: packed dicts)
+    sample_ids: list             # every sample trained this step (all DP ranks)
+    stats: dict                  # advantage / filter / staleness statistics
+
+    def __post_init__(self):
+        counts = {len(mbs) for mbs in self.micro_batches}
+        if not self.micro_batches or len(counts) != 1:
+            raise ValueError(f"StepPlan: every DP rank needs the same number of micro-batches, "
+                             f"got {[len(m) for m in self.micro_batches]}")
+
+    @property
+    def dp_size(self) -> int:
+        """Number of DP ranks the plan is for."""
+        return len(self.micro_batches)
+
+    def share(self, dp_rank: int) -> "StepBatch":
+        """What DP rank ``dp_rank`` trains on: its micro-batches and the step's statistics."""
+        return StepBatch(micro_batches=self.micro_batches[dp_rank], stats=self.stats)
+
 
 @dataclass
 class StepBatch:
-    """One rank's share of a training step."""
-    micro_batches: list          # packed dicts, next-token layout, algo field names
-    sample_ids: list             # every sample trained this step (all DP ranks)
-    stats: dict                  # advantage / filter / staleness statistics (rank 0's view)
+    """One rank's share of a training step (see :meth:`StepPlan.share`)."""
+    micro_batches: list          # this DP rank's packed micro-batches
+    stats: dict                  # the step's batch statistics (rank 0's view, same everywhere)
 
 
-def shift_to_next_token(arr: np.ndarray, fill) -> np.ndarray:
-    """``out[t] = arr[t+1]``; the last position gets ``fill``."""
-    out = np.empty_like(arr)
-    out[:-1] = arr[1:]
-    if len(arr):
-        out[-1] = fill
+def next_token_layout(input_ids: np.ndarray, **per_token: np.ndarray) -> dict:
+    """The one next-token shift of the data: a packable dict with ``input_ids`` as given and
+    every per-token field moved so that position t holds the value of token t+1
+    (``out[t] = field[t+1]``); the last position gets the field's padding value
+    (:data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`, else 0). The engine's labels are
+    the same shift applied to ``input_ids`` (``engine.packed.next_token_labels``), so position
+    t's logprob and position t's fields describe the same token. Used by RL and SFT."""
+    out = {"input_ids": input_ids}
+    for name, arr in per_token.items():
+        shifted = np.empty_like(arr)
+        shifted[:-1] = arr[1:]
+        if len(arr):
+            shifted[-1] = PER_TOKEN_FILL.get(name, 0)
+        out[name] = shifted
     return out
 
 
 def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
-    """A packable dict for ``traj`` with its per-token fields in next-token layout."""
-    return {
-        "input_ids": traj.input_ids,
-        "loss_mask": shift_to_next_token(traj.loss_mask, 0),
-        "logprobs": shift_to_next_token(traj.logprobs, 0.0),
-        "versions": shift_to_next_token(traj.versions, -1),
-        "advantages": shift_to_next_token(advantages.astype(np.float32), 0.0),
-        "prompt_len": traj.prompt_len,
-        "reward": traj.total_reward,
-        "sample_id": traj.sample_id,
-        "group_id": traj.group_id,
-        "finish_reason": traj.finish_reason,
-    }
+    """A packable dict for ``traj``: its per-token fields in next-token layout
+    (:func:`next_token_layout`) and its per-sequence data."""
+    return {**next_token_layout(traj.input_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
+                                versions=traj.versions,
+                                advantages=advantages.astype(np.float32)),
+            "prompt_len": traj.prompt_len, "reward": traj.total_reward,
+            "sample_id": traj.sample_id, "group_id": traj.group_id,
+            "finish_reason": traj.finish_reason}
 
 
 def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len: int
@@ -78,8 +108,8 @@ def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len:
 
 
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
-              cp_size: int) -> tuple[list, list, dict]:
-    """Rank-0 planning of one step: returns (micro-batches per DP rank, sample ids, stats)."""
+              cp_size: int) -> StepPlan:
+    """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics."""
     from areal_mega.scheduler import plan_micro_batches
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
@@ -103,7 +133,7 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
         for idx in rank_plan:
             packed = pack_sequences([samples[i] for i in idx], pad_to_multiple=pad_to,
                                     cp_size=cp_size)
-            mbs.append(with_algo_fields(packed))
+            mbs.append(PackedBatch.from_packed(packed))
         per_rank.append(mbs)
     generated = [t for t in kept if t.min_version >= 0]
     if generated:
@@ -112,27 +142,42 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     stats["n_samples"] = float(len(kept))
     stats["n_tokens_total"] = float(sum(seqlens))
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
-    return per_rank, [t.sample_id for t in kept], stats
+    return StepPlan(micro_batches=per_rank, sample_ids=[t.sample_id for t in kept], stats=stats)
 
 
-def distribute(per_rank: Optional[list], sample_ids: Optional[list], stats: Optional[dict],
-               mesh) -> StepBatch:
-    """Broadcast rank 0's plan to every trainer rank; each keeps its DP rank's micro-batches.
+def distribute(plan: Optional[StepPlan], mesh) -> StepBatch:
+    """Hand every trainer rank its own share of rank 0's ``plan`` (None on other ranks).
 
-    Torch's object broadcast is fine here: it never leaves the trainer's own process group."""
+    Rank 0 scatters one :class:`StepBatch` per global rank — the micro-batches of that rank's
+    DP rank (:meth:`ParallelMesh.dp_ranks_by_global_rank`) — so a rank receives only its own
+    micro-batches, never the other DP ranks'. Collective over the trainer's default group
+    (torch's object scatter never leaves the trainer's own process group)."""
     import torch.distributed as dist
 
-    holder = [per_rank, sample_ids, stats]
-    if mesh.world_size > 1:
-        dist.broadcast_object_list(holder, src=0)
-    per_rank, sample_ids, stats = holder
-    return StepBatch(micro_batches=per_rank[mesh.dp_rank], sample_ids=sample_ids, stats=stats)
+    if mesh.world_size == 1:
+        return plan.share(0)
+    shares = None
+    if mesh.rank == 0:
+        if plan.dp_size != mesh.dims.dp:
+            raise ValueError(f"StepPlan has {plan.dp_size} DP shares, the mesh has "
+                             f"dp={mesh.dims.dp}")
+        shares = [plan.share(d) for d in mesh.dp_ranks_by_global_rank()]
+    out = [None]
+    dist.scatter_object_list(out, shares, src=0)
+    return out[0]
 
 
-def attach(micro_batches: list, key: str, values: list) -> None:
-    """Store per-micro-batch tensors (e.g. recomputed logprobs) into the micro-batches."""
-    for mb, v in zip(micro_batches, values):
-        mb[key] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+def attach(micro_batches: list, **per_micro_batch: list) -> list:
+    """New micro-batches with per-micro-batch values attached (e.g. ``prox_logprobs=[...]``,
+    one entry per micro-batch) through :meth:`PackedBatch.with_fields`; the inputs are left
+    unchanged."""
+    out = list(micro_batches)
+    for key, values in per_micro_batch.items():
+        if len(values) != len(out):
+            raise ValueError(f"attach: {len(values)} values of {key!r} for {len(out)} "
+                             "micro-batches")
+        out = [mb.with_fields(**{key: v}) for mb, v in zip(out, values)]
+    return out
 
 
 def minibatches(micro_batches: list, n: int) -> list:

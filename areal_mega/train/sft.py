@@ -33,8 +33,7 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     ids = np.asarray(list(prompt_ids) + list(answer_ids) + [eos_id], dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.uint8)
     mask[len(prompt_ids):] = 1
-    return {"input_ids": ids, "loss_mask": batches.shift_to_next_token(mask, 0),
-            "prompt_len": len(prompt_ids)}
+    return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
 def run_sft(s) -> None:
@@ -67,11 +66,11 @@ def run_sft(s) -> None:
             per_rank = [[pack_sequences([chosen[i] for i in mb], pad_to_multiple=pad_to,
                                         cp_size=s.layout["cp_size"]) for mb in rank]
                         for rank in mb_plan]
-            plan = (per_rank, [], {"n_tokens_total": float(sum(len(x["input_ids"])
-                                                               for x in chosen))})
+            plan = batches.StepPlan(micro_batches=per_rank, sample_ids=[], stats={
+                "n_tokens_total": float(sum(len(x["input_ids"]) for x in chosen))})
         else:
             sampler.next_indices()
-        batch = batches.distribute(*(plan or (None, None, None)), s.mesh)
+        batch = batches.distribute(plan, s.mesh)
         st = s.actor.train_batch(batch.micro_batches, sft_loss)
         n_tok = max(st.get("token_count", 1.0), 1.0)
         dt = time.time() - t0

@@ -1,0 +1,138 @@
+"""``PackedBatch``: the typed RL micro-batch the trainer plans, the engine runs and the loss reads.
+
+A :class:`PackedBatch` is an immutable dataclass with one declared field per tensor (no other
+keys), built once per micro-batch by :meth:`PackedBatch.from_packed` from
+:func:`areal_mega.scheduler.packing.pack_sequences` output. It is also a read-only
+``Mapping`` over its non-None fields, so the engine (``mb["input_ids"]``, ``mb.get(...)``) and
+the loss functions (``loss_fn(logprobs, entropy, mb)``, via the engine's ``loss_view``) read it
+exactly as they read the plain packed dicts of SFT and the tests.
+
+Fields (T packed tokens, B sequences; per-token fields in next-token layout — position t holds
+the data of token t+1, matching the engine's logprob of token t+1 at position t):
+
+* layout: ``input_ids`` / ``position_ids`` / ``segment_ids`` [T], ``cu_seqlens`` /
+  ``cu_seqlens_padded`` int32 [B+1], ``max_seqlen`` / ``max_seqlen_padded``;
+* per token [T]: ``loss_mask``, ``behav_logprobs`` (the rollout's logprobs), ``versions``,
+  ``advantages``; attached after planning: ``prox_logprobs``, ``ref_logprobs``;
+* per sequence [B]: ``rewards``, ``seqlens``, ``prompt_lens``, ``response_lens``,
+  ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (int ids of
+  ``group_ids``, in order of first appearance); ``sample_ids`` / ``group_ids`` (lists of str);
+* ``policy_version``: the weight version that computed ``prox_logprobs`` (attached).
+
+Fields computed after planning are attached with :meth:`PackedBatch.with_fields`, which returns
+a new batch (the planned one is never mutated) and checks every per-token tensor has length T.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
+
+#: Per-token [T] fields (next-token layout).
+TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "loss_mask", "behav_logprobs",
+                "versions", "advantages", "prox_logprobs", "ref_logprobs")
+#: Fields that may be attached to a planned batch with :meth:`PackedBatch.with_fields`.
+ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "policy_version")
+
+
+@dataclass(frozen=True, eq=False)
+class PackedBatch(Mapping):
+    """One packed RL micro-batch (see the module docstring for every field)."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    segment_ids: Tensor
+    cu_seqlens: Tensor
+    cu_seqlens_padded: Tensor
+    max_seqlen: int
+    max_seqlen_padded: int
+    loss_mask: Tensor
+    behav_logprobs: Tensor
+    versions: Tensor
+    advantages: Tensor
+    rewards: Tensor
+    seqlens: Tensor
+    prompt_lens: Tensor
+    response_lens: Tensor
+    min_versions: Tensor
+    finish_codes: Tensor
+    seq_no_eos: Tensor
+    group_index: Tensor
+    sample_ids: list
+    group_ids: list
+    prox_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    policy_version: Optional[int] = None
+
+    def __post_init__(self):
+        t = int(self.input_ids.shape[0])
+        b = int(self.cu_seqlens.shape[0]) - 1
+        for name in TOKEN_FIELDS:
+            v = getattr(self, name)
+            if v is not None and tuple(v.shape) != (t,):
+                raise ValueError(f"PackedBatch: per-token field {name!r} has shape "
+                                 f"{tuple(v.shape)}, expected ({t},) like input_ids")
+        for name in ("rewards", "seqlens", "prompt_lens", "response_lens", "min_versions",
+                     "finish_codes", "seq_no_eos", "group_index", "sample_ids", "group_ids"):
+            if len(getattr(self, name)) != b:
+                raise ValueError(f"PackedBatch: per-sequence field {name!r} has "
+                                 f"{len(getattr(self, name))} entries, expected B={b}")
+        if tuple(self.cu_seqlens_padded.shape) != (b + 1,):
+            raise ValueError("PackedBatch: cu_seqlens_padded must have B+1 entries like "
+                             "cu_seqlens")
+
+    @classmethod
+    def from_packed(cls, packed: dict) -> "PackedBatch":
+        """The typed batch of a ``pack_sequences`` result whose samples carry ``loss_mask``,
+        ``logprobs`` (behaviour), ``versions`` and ``advantages``; derives ``group_index``,
+        ``seq_no_eos`` and ``response_lens`` as :func:`~areal_mega.algo.packing.with_algo_fields`
+        does. Fields of ``packed`` not declared here raise a ValueError."""
+        from areal_mega.algo.packing import with_algo_fields
+        full = with_algo_fields(packed)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(full) - names - {"logprobs", "token_keys"}
+        if unknown:
+            raise ValueError(f"PackedBatch: undeclared packed fields {sorted(unknown)}")
+        return cls(**{k: v for k, v in full.items() if k in names})
+
+    def with_fields(self, **fields: Any) -> "PackedBatch":
+        """A new batch with the attachable fields (:data:`ATTACHABLE_FIELDS`) set; tensors are
+        converted with ``torch.as_tensor`` and shape-checked. ``self`` is left unchanged."""
+        bad = set(fields) - set(ATTACHABLE_FIELDS)
+        if bad:
+            raise ValueError(f"PackedBatch.with_fields: {sorted(bad)} cannot be attached "
+                             f"(attachable: {list(ATTACHABLE_FIELDS)})")
+        conv = {k: (v if k == "policy_version" or isinstance(v, Tensor) else torch.as_tensor(v))
+                for k, v in fields.items()}
+        return dataclasses.replace(self, **conv)
+
+    @property
+    def n_tokens(self) -> int:
+        """T: packed tokens, padding included."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def n_seqs(self) -> int:
+        """B: sequences in the batch."""
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    # read-only Mapping over the fields that are set (the engine and loss read by key)
+    def __getitem__(self, key: str):
+        if key not in self._set_names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._set_names())
+
+    def __len__(self) -> int:
+        return len(self._set_names())
+
+    def _set_names(self) -> tuple:
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not None)

@@ -1,0 +1,83 @@
+"""batches.distribute over a real 2-rank gloo mesh: each rank receives only its own DP share."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = os.path.join(os.path.dirname(__file__), "_distribute_worker.py")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distribute")
+    port = str(_free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, WORKER, str(r), "2", port, str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = []
+    for r in range(2):
+        path = out / f"distribute.{r}.json"
+        if not path.exists():
+            pytest.fail(f"rank {r} wrote no result; log tail:\n{logs[r][-4000:]}")
+        d = json.loads(path.read_text())
+        if "error" in d:
+            pytest.fail(f"rank {r} failed:\n{d['error']}")
+        res.append(d)
+    return res
+
+
+def test_dp2_each_rank_receives_only_its_own_micro_batches(results):
+    for rank, res in enumerate(results):
+        r = res["dp2tp1"]
+        assert r["dp_rank"] == rank
+        assert r["type"] == "StepBatch" and r["fields"] == ["micro_batches", "stats"]
+        assert r["sample_ids"] == [[f"d{rank}m0"], [f"d{rank}m1"]]
+        assert r["n_tokens"] == [3 + 50 * rank, 4 + 50 * rank]
+        assert r["stats"] == {"n_samples": 4}
+
+
+def test_tp2_ranks_of_one_replica_receive_the_same_share(results):
+    for res in results:
+        r = res["dp1tp2"]
+        assert r["dp_rank"] == 0
+        assert r["sample_ids"] == [["d0m0"], ["d0m1"]]
+
+
+def test_mesh_dp_rank_table_matches_the_process_groups(results):
+    for res in results:
+        for layout in ("dp2tp1", "dp1tp2"):
+            r = res[layout]
+            assert r["dp_ranks_by_global_rank"] == r["dp_ranks_gathered"]
+
+
+def test_step_plan_needs_equal_micro_batch_counts_and_shares_by_dp_rank():
+    from areal_mega.train.batches import StepBatch, StepPlan
+    with pytest.raises(ValueError, match="same number of micro-batches"):
+        StepPlan(micro_batches=[[{}], []], sample_ids=[], stats={})
+    with pytest.raises(ValueError, match="same number of micro-batches"):
+        StepPlan(micro_batches=[], sample_ids=[], stats={})
+    a, b = {"x": 1}, {"x": 2}
+    plan = StepPlan(micro_batches=[[a], [b]], sample_ids=["s0", "s1"], stats={"k": 1.0})
+    assert plan.dp_size == 2
+    share = plan.share(1)
+    assert isinstance(share, StepBatch)
+    assert share.micro_batches == [b] and share.stats == {"k": 1.0}
