@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 import zmq
@@ -41,21 +42,49 @@ class RolloutLink:
         self._connect()
 
     def _connect(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        self._close_sockets()
         self._sock = self._ctx.socket(zmq.REQ)
         self._sock.setsockopt(zmq.REQ_RELAXED, 1)
         self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # a worker that dies takes the request with it: seen as a disconnect, then resent
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.endpoint)
 
+    def _close_sockets(self) -> None:
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _peer_lost(self) -> bool:
+        lost = False
+        while self._monitor.poll(0, zmq.POLLIN):
+            self._monitor.recv_multipart()
+            lost = True
+        return lost
+
     def request(self, msg: dict, timeout_s: Optional[float] = None) -> dict:
+        """Send ``msg`` and return the worker's ``ok`` reply. A worker that dies meanwhile
+        (``launch.local`` relaunches it) gets the request again, on a fresh socket, once it
+        is back; the worker answers a repeated weight update it already applied as done.
+        Raises :class:`ControlError` on an error reply or after ``timeout_s`` in all."""
         timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
-        self._sock.send(json.dumps(msg).encode())
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
-            self._connect()
-            raise ControlError(f"rollout worker at {self.endpoint} did not answer "
-                               f"{msg.get('cmd')!r} within {timeout_ms / 1000:.0f} s")
+        deadline = time.monotonic() + timeout_ms / 1000
+        payload = json.dumps(msg).encode()
+        self._sock.send(payload)
+        while not self._sock.poll(min(500, max(0, int((deadline - time.monotonic()) * 1000))),
+                                  zmq.POLLIN):
+            if time.monotonic() >= deadline:
+                self._connect()
+                raise ControlError(f"rollout worker at {self.endpoint} did not answer "
+                                   f"{msg.get('cmd')!r} within {timeout_ms / 1000:.0f} s")
+            if self._peer_lost():
+                log.warning("rollout worker at %s went away during %r; sending it again to "
+                            "its successor", self.endpoint, msg.get("cmd"))
+                self._connect()
+                self._sock.send(payload)
         reply = json.loads(self._sock.recv())
         if not reply.get("ok"):
             raise ControlError(f"rollout worker refused {msg.get('cmd')!r}: "
@@ -75,9 +104,7 @@ class RolloutLink:
         return self.request({"cmd": "stats"}, timeout_s=30)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._close_sockets()
 
 
 class ControlServer:
