@@ -7,6 +7,7 @@
   SIGTERM are each relaunched by ``launch.local``; the run finishes every step and trains every
   sample exactly once; the worker answers SIGTERM itself (exit 143, not the grace SIGKILL).
 """
+import json
 import os
 import signal
 import subprocess
@@ -77,7 +78,6 @@ def test_supervisor_survives_a_full_log_disk(tiny_fs, tmp_path):
     assert "run complete" in r.stderr and "all processes stopped" in r.stderr
 
 
-@pytest.mark.slow
 def test_full_disk_while_checkpointing_ends_the_run_clearly(assets, tmp_path, tiny_fs):
     """checkpoint.dir on a tmpfs with room for one checkpoint (~1.1 MB each): iter 2 does not
     fit. One clear message, no relaunch (though recover=auto allows two), iter 1 intact and
@@ -136,8 +136,7 @@ def _wait(cond, proc, what, timeout=240):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recover", ["off"])
-def test_rollout_worker_and_server_are_relaunched(assets, tmp_path, recover):
+def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
     """One run, three faults, each after the run made progress: SIGTERM to the worker (it
     exits 143 by itself, well before the grace SIGKILL), SIGKILL to the worker, SIGKILL to the
     rollout server. All relaunched (recover=off: the trainer itself is never relaunched);
@@ -145,7 +144,7 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path, recover):
     model, data = assets
     run = tmp_path / "run"
     total = 12
-    proc = _launch(run, model, data, f"total_steps={total}", f"recover={recover}",
+    proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
                    "checkpoint.save_every=3", "cluster.max_restarts=3", "cluster.kill_grace_s=30",
                    "logging.plot=false")
     sup_log = run / "logs" / "supervisor.log"
@@ -240,3 +239,48 @@ def test_rollout_link_resends_to_a_relaunched_worker(tmp_path):
                 p.kill()
                 p.wait(timeout=30)
 
+
+
+def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
+    """No trainer takes trajectories: the sender's window (4 = one group) fills and the next
+    delivery blocks. SIGTERM then still ends the worker by itself (exit 143) within
+    cluster.kill_grace_s, where the supervisor would SIGKILL it; before the fix the blocked
+    delivery thread held the exit forever."""
+    from areal_mega.launch.plan import find_free_ports
+
+    model, data = assets
+    run = tmp_path / "run"
+    port = find_free_ports(1, "127.0.0.1")[0]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    server = subprocess.Popen([sys.executable, "-m", "areal_mega.rollout.local_server",
+                               "--model-path", str(model), "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    grace = 5
+    worker = None
+    try:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "areal_mega.rollout.worker", "--config",
+             str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
+             f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
+             f"logging.run_dir={run}", "recover=off", "rollout.batch_size=4",
+             "rollout.n_samples=4", "dataplane.sender_window=4",
+             f'rollout.server_addrs=["127.0.0.1:{port}"]', f"cluster.kill_grace_s={grace}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        # one group went out (rollout_state.json written): the window is full from here on
+        while time.time() < deadline and not (run / "rollout_state.json").exists():
+            assert worker.poll() is None, worker.stdout.read().decode()[-3000:]
+            time.sleep(0.2)
+        assert (run / "rollout_state.json").exists(), "the worker delivered nothing"
+        worker.send_signal(signal.SIGTERM)
+        try:
+            rc = worker.wait(timeout=grace)        # what the supervisor grants before SIGKILL
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the worker ignored SIGTERM for the {grace} s grace period")
+        assert rc == 128 + signal.SIGTERM, worker.stdout.read().decode()[-3000:]
+        assert json.loads((run / "rollout_state.json").read_text())["next_prompt"] >= 1
+    finally:
+        for p in (worker, server):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
