@@ -11,6 +11,8 @@ the layout is written down once (no torch, no megatron: any process may import i
     <run_dir>/journal/NNNNNNNN.journal    accepted trajectories not yet covered by a checkpoint
     <run_dir>/init_mcore[_ref]/      the HF model converted once at the start of the run
     <run_dir>/rollout_state.json     the rollout worker's prompt position
+    <run_dir>/weights/vNNNNNNN/      the newest published HF weights (disk weight updates)
+    <run_dir>/fatal.json             why the trainer stopped for good (no relaunch helps)
     <run_dir>/metrics.jsonl, trained.jsonl, tensorboard/, logs/
     ipc://<run_dir>/trajectories.sock, ipc://<run_dir>/control.sock   default endpoints
 
@@ -18,9 +20,11 @@ the layout is written down once (no torch, no megatron: any process may import i
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -30,6 +34,10 @@ log = logging.getLogger(__name__)
 META_NAME = "areal_meta.json"
 """Written last into a checkpoint directory: its presence marks the checkpoint complete."""
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
+WEIGHTS_RE = re.compile(r"^v(\d{7,})$")
+FATAL_EXIT_CODE = 78
+"""A trainer that stops for a reason no relaunch cures (a full disk) exits with this code and
+writes :attr:`RunDir.fatal_file`; ``launch.local`` then ends the run instead of relaunching."""
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -75,6 +83,42 @@ def checkpoint_meta(ckpt) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable checkpoint metadata ({e})") from None
+
+
+LOW_SPACE_BYTES = 16 << 20
+"""Below this many free bytes a filesystem counts as full (a write failure there is ENOSPC)."""
+
+
+def free_bytes(path) -> Optional[int]:
+    """Free bytes on the filesystem holding ``path`` (or its nearest existing parent)."""
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def is_disk_full_error(exc: BaseException, path) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a write that failed for want
+    of space under ``path``: errno ENOSPC/EDQUOT or their message anywhere in the chain, or a
+    failed write (PyTorch's ``inline_container`` "file write failed") on a filesystem that
+    :func:`free_bytes` confirms is (nearly) full."""
+    seen, e, write_failed = set(), exc, False
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        write_failed |= "inline_container" in text or "write failed" in text
+        e = e.__cause__ or e.__context__
+    if not write_failed:
+        return False
+    free = free_bytes(path)
+    return free is not None and free < LOW_SPACE_BYTES
 
 
 def hf_source_identity(hf_dir, **conversion) -> dict:
@@ -141,6 +185,40 @@ class RunDir:
     @property
     def rollout_state(self) -> Path:
         return self.root / "rollout_state.json"
+
+    @property
+    def weights_root(self) -> Path:
+        return self.root / "weights"
+
+    def weights_dir(self, version: int) -> Path:
+        """Where the trainer publishes the HF weights of ``version`` (disk weight updates)."""
+        return self.weights_root / f"v{int(version):07d}"
+
+    def latest_weights(self) -> Optional[tuple]:
+        """``(version, path)`` of the newest complete published weights directory, or None.
+        Directories are written as ``vN.tmp`` and renamed, so a listed one is complete."""
+        found = [(int(m.group(1)), p) for p in (self.weights_root.iterdir()
+                                                if self.weights_root.is_dir() else [])
+                 if (m := WEIGHTS_RE.match(p.name)) and p.is_dir()]
+        return max(found) if found else None
+
+    @property
+    def fatal_file(self) -> Path:
+        return self.root / "fatal.json"
+
+    def write_fatal(self, message: str) -> None:
+        """Record why the trainer stopped for good (best effort: the disk may be full)."""
+        try:
+            self.fatal_file.write_text(json.dumps({"message": message}) + "\n")
+        except OSError as e:
+            log.warning("cannot write %s: %s", self.fatal_file, e)
+
+    def read_fatal(self) -> Optional[str]:
+        """The message :meth:`write_fatal` recorded, or None."""
+        try:
+            return str(json.loads(self.fatal_file.read_text())["message"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def init_checkpoint(self, reference: bool = False) -> Path:
         """Where the initial HF weights are converted to (the reference model's own, if any)."""

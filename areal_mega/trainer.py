@@ -12,13 +12,15 @@ version + 1 -> log -> checkpoint every ``checkpoint.save_every`` steps.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from areal_mega.algo import finalize_stats, make_policy_loss
 from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.train import batches
-from areal_mega.train.session import TrainerSession
+from areal_mega.run_dir import FATAL_EXIT_CODE
+from areal_mega.train.session import CheckpointSaveError, TrainerSession
 
 
 def rl_step(s: TrainerSession, step: int) -> dict:
@@ -98,6 +100,10 @@ def main(argv=None) -> None:
             s.log(step, stats)
             s.maybe_checkpoint(step)
         s.finish()
+    except CheckpointSaveError as e:           # fatal: a relaunch would fill the disk again
+        print(f"[areal-mega] error: {e}", file=sys.stderr, flush=True)
+        s.paths.write_fatal(str(e))
+        sys.exit(FATAL_EXIT_CODE)                # ``finally`` still closes the session
     finally:
         s.close()
 

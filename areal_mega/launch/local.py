@@ -13,7 +13,10 @@ Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the 
 (:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It watches all;
 Ctrl-C / SIGTERM or the death of any one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
 ``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
-``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. With
+``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. A killed
+rollout server or rollout worker is relaunched alone, whatever ``recover`` says (same budget;
+disk weight updates only; see ``docs/reliability.md``). A trainer that cannot save a checkpoint
+for want of disk space ends the run (no relaunch). With
 ``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
 Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
 """
@@ -38,7 +41,7 @@ from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_l
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.rollout.launch import build_sglang_command
-from areal_mega.run_dir import RunDir
+from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
 from areal_mega.security import holds_secret, server_env, write_run_file, write_sglang_key_file
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
@@ -208,6 +211,9 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     specs = []
     addrs = list(cfg.rollout.server_addrs)
     secret_env = server_secrets(cfg) if layout.servers else {}
+    # a killed server / worker is relaunched alone (same port) when the worker can bring a
+    # fresh server to the current weights: the newest <run_dir>/weights/v* (disk updates)
+    restartable = cfg.mode == "rl" and weight_group(cfg, layout) is None
     for slot in layout.servers:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
         env.update(secret_env)
@@ -215,7 +221,7 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
             f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
             ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
                              api_key=cfg.rollout.api_key),
-            ready_timeout_s=cfg.cluster.server_ready_timeout_s))
+            ready_timeout_s=cfg.cluster.server_ready_timeout_s, restart=restartable))
         addrs.append(f"{host}:{slot.port}")
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
@@ -233,11 +239,12 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
             nproc=layout.trainer_nproc_per_node))
 
     if cfg.mode == "rl":
-        specs.append(ProcessSpec("rollout_worker", [sys.executable, "-m", ROLLOUT_WORKER_MODULE,
-                                                    "--config", str(config_path)],
-                                 env={"CUDA_VISIBLE_DEVICES": ""},
+        worker_argv = [sys.executable, "-m", ROLLOUT_WORKER_MODULE, "--config", str(config_path)]
+        specs.append(ProcessSpec("rollout_worker", worker_argv, env={"CUDA_VISIBLE_DEVICES": ""},
                                  # its data-plane window and control socket face the trainer
-                                 restart_with_main=True))
+                                 restart_with_main=True, restart=restartable,
+                                 # alone, it continues this run (prompt position, weights)
+                                 on_restart=lambda spec, n: worker_argv + ["--relaunched"]))
 
     def on_restart(spec: ProcessSpec, attempt: int) -> None:
         latest = resume_point(cfg)
@@ -246,10 +253,23 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
               file=sys.stderr, flush=True)
         return None  # same command: under recover=auto the trainer resumes by itself
 
+    paths = RunDir.from_config(cfg)
+    paths.fatal_file.unlink(missing_ok=True)      # a previous attempt's reason is not ours
+
+    def fatal(rc: int) -> Optional[str]:
+        if paths.read_fatal():
+            return paths.read_fatal()
+        if rc == FATAL_EXIT_CODE:
+            return "the trainer stopped with a fatal error (see its log)"
+        free = free_bytes(paths.checkpoint_root)   # its own report may not fit on a full disk
+        if free is not None and free < LOW_SPACE_BYTES:
+            return f"no space left on device under {paths.checkpoint_root} ({free} bytes free)"
+        return None
+
     specs.append(ProcessSpec("trainer", trainer_command(config_path,
                                                         layout.trainer_nproc_per_node),
                              env=env, kind="main", restart=cfg.recover == "auto",
-                             on_restart=on_restart))
+                             on_restart=on_restart, fatal=fatal))
     return specs, layout
 
 

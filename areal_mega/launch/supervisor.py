@@ -11,10 +11,16 @@ Behaviour:
   death) before the next one starts.
 - each child runs in its own session / process group with ``PR_SET_PDEATHSIG`` (Linux), its
   stdout+stderr appended to ``<log_dir>/<name>.log``.
-- a ``service`` that exits (any code) ends the run with a failure; a ``main`` spec that exits 0
+- a ``service`` that exits (any code) ends the run with a failure, unless it has
+  ``restart=True``: then it alone is relaunched (not waited for). A ``main`` spec that exits 0
   is done, and when every ``main`` is done the run ends with 0. A ``main`` spec with
-  ``restart=True`` that fails is relaunched up to ``max_restarts`` times in total
-  (``spec.on_restart(spec, attempt)`` may return a new argv, e.g. to resume from a checkpoint).
+  ``restart=True`` that fails is relaunched (with its ``restart_with_main`` companions). All
+  relaunches share one budget, ``max_restarts`` in total; ``spec.on_restart(spec, attempt)``
+  may return the argv of that relaunch (e.g. to resume), the spec's own argv is kept for later.
+- ``spec.fatal(rc)`` returning a message marks a failure that a relaunch cannot cure (e.g. a
+  full disk): the run ends at once with ``rc``.
+- the supervisor's own log is best effort: a write that fails (a full disk) is reported once
+  on stderr and the supervisor goes on (it still stops every process).
 - SIGINT / SIGTERM to the supervisor stop everything (a second signal skips the grace period);
   ``run`` then returns ``128 + signum``.
 - stopping: SIGTERM to each child's process group and to every descendant found with psutil,
@@ -59,11 +65,12 @@ class ProcessSpec:
     env: Optional[dict] = None            # added to the supervisor's environment
     cwd: Optional[str] = None
     kind: str = "service"
-    restart: bool = False                 # main only: relaunch after a failure
+    restart: bool = False                 # relaunch after a failure (see the module doc)
     ready: Optional[Callable[[], bool]] = None
     ready_timeout_s: float = 600.0
     on_restart: Optional[Callable[["ProcessSpec", int], Optional[list]]] = None
     restart_with_main: bool = False       # service: stopped and relaunched with a relaunched main
+    fatal: Optional[Callable[[int], Optional[str]]] = None   # rc -> why no relaunch helps
 
     def __post_init__(self):
         if self.kind not in ("service", "main"):
@@ -105,13 +112,26 @@ class Supervisor:
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._sup_log = (self.log_dir / "supervisor.log").open("a", encoding="utf-8")
+        self._log_error: Optional[OSError] = None
 
     # ------------------------------------------------------------------ messages and signals
 
+    def _log_failed(self, path, e: OSError) -> None:
+        """Report a failed log write once, on stderr (the disk may be full)."""
+        if self._log_error is None:
+            self._log_error = e
+            print(f"[supervisor] cannot write {path}: {e.strerror or e}; its messages go to "
+                  "stderr only", file=sys.stderr, flush=True)
+
     def say(self, msg: str) -> None:
+        """Log ``msg`` to ``supervisor.log`` (best effort) and echo it (stderr by default)."""
         line = f"[supervisor {time.strftime('%H:%M:%S')}] {msg}"
-        self._sup_log.write(line + "\n")
-        self._sup_log.flush()
+        if self._log_error is None:
+            try:
+                self._sup_log.write(line + "\n")
+                self._sup_log.flush()
+            except OSError as e:
+                self._log_failed(self._sup_log.name, e)
         self._echo(line)
 
     def _on_signal(self, signum, frame) -> None:
@@ -120,14 +140,19 @@ class Supervisor:
 
     # ------------------------------------------------------------------ processes
 
-    def _launch(self, spec: ProcessSpec, attempt: int = 0) -> _Running:
+    def _launch(self, spec: ProcessSpec, attempt: int = 0,
+                argv: Optional[list] = None) -> _Running:
+        argv = list(argv or spec.argv)
         log = (self.log_dir / f"{spec.name}.log").open("ab")
-        log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} start {spec.name} attempt "
-                  f"{attempt}: {' '.join(map(str, spec.argv))}\n".encode())
-        log.flush()
+        try:
+            log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} start {spec.name} attempt "
+                      f"{attempt}: {' '.join(map(str, argv))}\n".encode())
+            log.flush()
+        except OSError as e:
+            self._log_failed(log.name, e)
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (spec.env or {}).items()})
-        proc = subprocess.Popen([str(a) for a in spec.argv], cwd=spec.cwd, env=env,
+        proc = subprocess.Popen([str(a) for a in argv], cwd=spec.cwd, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=_child_setup)
         self.say(f"started {spec.name} pid {proc.pid} (log {log.name})")
@@ -222,7 +247,7 @@ class Supervisor:
                 run.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # pragma: no cover (unkillable: D state)
                 self.say(f"{run.spec.name} pid {run.proc.pid} did not die")
-            run.log.close()
+            _close_quietly(run.log)
         psutil.wait_procs(procs, timeout=5)
 
     # ------------------------------------------------------------------ main loop
@@ -242,7 +267,7 @@ class Supervisor:
         finally:
             self.stop_all()
             self.say("all processes stopped")
-            self._sup_log.close()
+            _close_quietly(self._sup_log)
             for sig, handler in old.items():
                 signal.signal(sig, handler)
 
@@ -268,12 +293,21 @@ class Supervisor:
                     self.stop_all(runs=[run])  # whatever it left running
                     continue
                 why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+                fatal = run.spec.fatal(rc) if run.spec.fatal is not None else None
+                if fatal:
+                    self.say(f"{name} failed ({why}): {fatal}; not relaunching, stopping "
+                             f"everything. Log: {run.log.name}")
+                    return rc if rc > 0 else 128 - rc
+                if run.spec.kind == "service" and run.spec.restart and \
+                        self.restarts < self.max_restarts:
+                    self._relaunch_service(run, why)
+                    continue
                 if run.spec.kind == "main" and run.spec.restart and \
                         self.restarts < self.max_restarts:
                     self.restarts += 1
                     self.say(f"{name} failed ({why}); relaunch {self.restarts}/"
                              f"{self.max_restarts}")
-                    run.log.close()
+                    _close_quietly(run.log)
                     if run.spec.on_restart is not None:
                         argv = run.spec.on_restart(run.spec, self.restarts)
                         if argv:
@@ -298,6 +332,25 @@ class Supervisor:
             time.sleep(self.poll_s)
         self.say(f"received signal {self._signal}; stopping everything")
         return 128 + self._signal
+
+    def _relaunch_service(self, run: _Running, why: str) -> None:
+        """Relaunch a failed ``restart=True`` service alone (its readiness is not awaited: its
+        clients wait for it), with the argv ``on_restart`` returns for this attempt."""
+        self.restarts += 1
+        name = run.spec.name
+        self.say(f"{name} failed ({why}); relaunch {self.restarts}/{self.max_restarts} "
+                 f"(service)")
+        self.stop_all(runs=[run])          # whatever it left behind may hold its port
+        argv = run.spec.on_restart(run.spec, self.restarts) if run.spec.on_restart else None
+        self._launch(run.spec, self.restarts, argv=argv)
+
+
+def _close_quietly(f) -> None:
+    """Close a log file whose last flush may fail (a full disk): the data is lost either way."""
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 def _group_members(pgid: int) -> set:

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Callable, Optional
 
 import zmq
@@ -72,7 +73,9 @@ class RolloutLink:
 
     With ``secret`` every request is signed and carries the worker's last nonce, and every
     reply must be signed and answer this request (see the module docstring); a worker that
-    refuses the signature or an unsigned reply raise :class:`ControlError`.
+    refuses the signature or an unsigned reply raise :class:`ControlError`. A worker that dies
+    while it holds a request (``launch.local`` relaunches it) is seen as a disconnect: the
+    request goes again, on a fresh socket, to its successor.
     """
 
     def __init__(self, endpoint: str, *, secret: Secret = None, timeout_s: float = 600.0):
@@ -85,28 +88,54 @@ class RolloutLink:
         self._connect()
 
     def _connect(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        self._close_sockets()
         self._sock = self._ctx.socket(zmq.REQ)
         self._sock.setsockopt(zmq.REQ_RELAXED, 1)
         self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # a worker that dies takes the request with it: seen as a disconnect, then resent
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.endpoint)
         self._nonce = None
 
-    def _exchange(self, msg: dict, timeout_ms: int) -> dict:
-        """One request/reply round; verifies the reply when a secret is set."""
-        cmd = msg.get("cmd")
-        rid = os.urandom(12).hex()
+    def _close_sockets(self) -> None:
+        if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _peer_lost(self) -> bool:
+        lost = False
+        while self._monitor.poll(0, zmq.POLLIN):
+            self._monitor.recv_multipart()
+            lost = True
+        return lost
+
+    def _send(self, msg: dict, rid: str) -> None:
         if self._key is None:
             self._sock.send(json.dumps(msg).encode())
         else:
             body = json.dumps({**msg, "_id": rid, "_nonce": self._nonce}).encode()
             self._sock.send_multipart([body, _mac(self._key, _REQ_TAG, body)])
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
-            self._connect()
-            raise ControlError(f"rollout worker at {self.endpoint} did not answer "
-                               f"{cmd!r} within {timeout_ms / 1000:.0f} s")
+
+    def _exchange(self, msg: dict, deadline: float, timeout_ms: int) -> dict:
+        """One request/reply round (resent to a relaunched worker); verifies the reply when a
+        secret is set."""
+        cmd = msg.get("cmd")
+        rid = os.urandom(12).hex()
+        self._send(msg, rid)
+        while not self._sock.poll(min(500, max(0, int((deadline - time.monotonic()) * 1000))),
+                                  zmq.POLLIN):
+            if time.monotonic() >= deadline:
+                self._connect()
+                raise ControlError(f"rollout worker at {self.endpoint} did not answer "
+                                   f"{cmd!r} within {timeout_ms / 1000:.0f} s")
+            if self._peer_lost():
+                log.warning("rollout worker at %s went away during %r; sending it again to "
+                            "its successor", self.endpoint, cmd)
+                self._connect()
+                self._send(msg, rid)
         frames = self._sock.recv_multipart()
         if self._key is None:
             return json.loads(frames[0])
@@ -125,11 +154,14 @@ class RolloutLink:
 
     def request(self, msg: dict, timeout_s: Optional[float] = None) -> dict:
         """Send ``msg`` (a dict with ``cmd``) and return the worker's ``ok: true`` reply;
-        :class:`ControlError` on ``ok: false``, a timeout or failed authentication."""
+        :class:`ControlError` on ``ok: false``, failed authentication, or no answer within
+        ``timeout_s`` in all (a relaunched worker answers a weight update it already applied
+        as done)."""
         timeout_ms = self.timeout_ms if timeout_s is None else int(timeout_s * 1000)
-        reply = self._exchange(msg, timeout_ms)
+        deadline = time.monotonic() + timeout_ms / 1000
+        reply = self._exchange(msg, deadline, timeout_ms)
         if reply.pop("_stale", False) and self._nonce is not None:
-            reply = self._exchange(msg, timeout_ms)  # first contact: now with a fresh nonce
+            reply = self._exchange(msg, deadline, timeout_ms)   # now with a fresh nonce
         if not reply.get("ok"):
             raise ControlError(f"rollout worker refused {msg.get('cmd')!r}: "
                                f"{reply.get('error', 'no reason given')}")
@@ -152,10 +184,8 @@ class RolloutLink:
         return self.request({"cmd": "stats"}, timeout_s=30)
 
     def close(self) -> None:
-        """Close the socket."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        """Close the sockets."""
+        self._close_sockets()
 
 
 class ControlServer:

@@ -14,6 +14,14 @@ delivered, so prompts in flight at a crash are generated again. When the trainer
 a checkpoint, the worker waits for the trainer's first weight update before it generates (the
 servers start from the base model), and counts the groups already in the trainer's journal as
 accepted, so the staleness bound holds across the restart.
+
+Relaunched alone (``--relaunched``: ``launch.local`` restarts a killed worker while the trainer
+runs on), the worker continues this run whatever ``recover`` says: it resumes from
+``rollout_state.json``, brings the servers to the newest published weights (their version
+becomes its current version) and generates at once (the trainer may be waiting for data). A
+rollout server that comes back after a relaunch is re-synced before it gets work
+(:mod:`areal_mega.rollout.server_sync`). SIGTERM stops it within ``cluster.kill_grace_s``
+(exit code 143).
 """
 from __future__ import annotations
 
@@ -23,10 +31,11 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
-from areal_mega.run_dir import RunDir, checkpoint_iteration, iter_dir_name
+from areal_mega.run_dir import RunDir, checkpoint_iteration
 
 log = logging.getLogger("areal_mega.rollout.worker")
 
@@ -97,9 +106,10 @@ class RolloutWorker:
     :meth:`handle` from its own thread (one command at a time).
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, relaunched: bool = False):
         """Set everything up from an :class:`~areal_mega.config.ExperimentConfig`; generates
-        nothing yet.
+        nothing yet. ``relaunched``: continue this run after a crash of the worker alone (see
+        the module doc).
 
         Reads ``<run_dir>/rollout_state.json`` (with ``recover=auto``) for the prompt position
         and the latest trainer checkpoint under ``checkpoint.dir`` for the step to resume at;
@@ -110,17 +120,18 @@ class RolloutWorker:
         """
         from areal_mega.data.dataset import PromptDataset, load_tokenizer
         from areal_mega.dataplane.transport import TrajectorySender
-        from areal_mega.rollout.client import RolloutClient
         from areal_mega.rollout.control import ControlServer
+        from areal_mega.rollout.server_sync import RelaunchTolerantClient
         from areal_mega.rollout.workflows import workflow_from_config
 
         self.cfg = cfg
+        self.relaunched = relaunched
         self.paths = RunDir.from_config(cfg)
         self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.paths.rollout_state
         start = 0
-        if self.state_path.exists() and cfg.recover == "auto":
+        if self.state_path.exists() and (cfg.recover == "auto" or relaunched):
             start = int(json.loads(self.state_path.read_text()).get("next_prompt", 0))
         self.tokenizer = load_tokenizer(cfg.model.path)
         dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
@@ -128,9 +139,10 @@ class RolloutWorker:
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
                              "host:port list (launch.local fills it in)")
-        self.client = RolloutClient(cfg.rollout.server_addrs, api_key=cfg.rollout.api_key,
-                                    timeout_s=cfg.rollout.request_timeout_s,
-                                    retries=cfg.rollout.request_retries)
+        self.client = RelaunchTolerantClient(
+            cfg.rollout.server_addrs, paths=self.paths, api_key=cfg.rollout.api_key,
+            timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
+            down_wait_s=cfg.cluster.server_ready_timeout_s)
         self.workflow = StampedWorkflow(workflow_from_config(cfg.rollout))
         self.sender = TrajectorySender(self.paths.data_endpoint, secret=cfg.dataplane.secret,
                                        window=cfg.dataplane.sender_window)
@@ -144,7 +156,7 @@ class RolloutWorker:
                                      allow_remote=cfg.dataplane.allow_remote).start()
 
     def _resume_step(self) -> int:
-        if self.cfg.recover != "auto":
+        if self.cfg.recover != "auto" and not self.relaunched:
             return 0
         latest = self.paths.latest_checkpoint()
         return checkpoint_iteration(latest) if latest else 0
@@ -175,9 +187,10 @@ class RolloutWorker:
                                 tokenizer=self.tokenizer, sink=self._sink,
                                 initial_version=version,
                                 on_episode_failure=r.on_episode_failure)
-        # resuming, the trainer's first weight version is the step of the checkpoint it
-        # verified and loaded (an older one if the newest was corrupt): count from that one
-        ckpt = self.paths.checkpoint_root / iter_dir_name(version) if self.resume_step else None
+        # resuming or relaunched: the latest complete checkpoint now (the trainer verified
+        # and loaded it, moving corrupt newer ones aside, before it sent this first version)
+        # plus the journal since
+        ckpt = self.paths.latest_checkpoint() if self.resume_step or self.relaunched else None
         ctl.counter.accepted = self.paths.accepted_samples(ckpt) // r.n_samples
         self.controller = ctl.start()
         log.info("controller started at version %d (%d groups already accepted)", version,
@@ -212,6 +225,8 @@ class RolloutWorker:
                 raise FileNotFoundError(f"weights directory {path!r} does not exist")
             t0 = time.time()
             with self._ctl_lock:
+                if self.controller is not None and version == self.controller.version:
+                    return {"version": version, "seconds": 0.0}   # a resent request: done
                 if self.controller is None:       # resuming: load, then start generating
                     asyncio.run(self._load_directly(path, version))
                     self.start_controller(version)
@@ -226,6 +241,8 @@ class RolloutWorker:
         if cmd == "end_update":
             version = int(msg["version"])
             with self._ctl_lock:
+                if self.controller is not None and version == self.controller.version:
+                    return {"version": version}   # a resent request: done
                 if self.controller is None:       # resuming: the servers hold the weights now
                     asyncio.run(self._set_version(version))
                     self.start_controller(version)
@@ -250,6 +267,7 @@ class RolloutWorker:
         c = RolloutClient(self.cfg.rollout.server_addrs, api_key=self.cfg.rollout.api_key)
         try:
             await c.update_weights_from_disk(path, version)
+            await c.resume()       # a killed predecessor may have left the servers paused
         finally:
             await c.close()
 
@@ -259,41 +277,103 @@ class RolloutWorker:
         set (SIGTERM in ``main``). Raises ``RuntimeError`` when the controller reports an error,
         so the process exits non-zero (under ``launch.local`` that ends the run; a relaunched
         trainer restarts the worker with it)."""
-        if self.resume_step == 0:
+        if self.relaunched:
+            self._continue_run()
+        elif self.resume_step == 0:
             self.start_controller(0)
         else:
             log.info("resuming: waiting for the trainer's weights (step %d)", self.resume_step)
-        while not self.stop_event.wait(5.0):
+        check = None
+        while not self.stop_event.wait(1.0):
             if self.controller is not None:
                 self.controller.raise_if_failed()
+                # a relaunched server is re-synced and used again (generate only looks when
+                # no server is left)
+                if len(self.client.live_servers()) < len(self.client.servers) and \
+                        (check is None or check.done()):
+                    check = self.controller.run_async(self.client.check_health(2.0))
 
-    def close(self) -> None:
-        """Stop the controller (up to 10 s), the control server and the sender (letting queued
-        trajectories go out for up to 5 s). Called once by ``main`` on the way out."""
+    def _continue_run(self) -> None:
+        """Relaunched alone: bring the servers to the newest published weights and generate
+        at their version at once (unless a resent weight update got here first)."""
+        with self._ctl_lock:
+            if self.controller is not None:
+                return
+            version = asyncio.run(self._sync_servers()) or 0
+            log.info("relaunched: continuing at version %d from prompt %d", version,
+                     self.cursor.drawn)
+            self.start_controller(version)
+
+    async def _sync_servers(self):
+        try:
+            return await self.client.sync_all()
+        finally:
+            await self.client.close()      # the controller's loop opens its own session
+
+    def close(self, budget_s: float = 15.0) -> None:
+        """Stop the controller, the control server and the sender (letting queued trajectories
+        go out) within about ``budget_s`` seconds. A sink blocked on a full data-plane window
+        keeps the sender: it is then not flushed (the prompt position was not advanced past
+        those groups, so nothing accepted is lost). Called once by ``main`` on the way out."""
         if self.controller is not None:
-            self.controller.stop(timeout=10)
+            self.controller.stop(timeout=max(0.5, 0.4 * budget_s))
         self.control.close()
-        self.sender.close(linger_s=5)
+        if self._sink_lock.acquire(timeout=max(0.2, 0.1 * budget_s)):
+            try:
+                self.sender.close(linger_s=max(0.5, 0.3 * budget_s))
+            finally:
+                self._sink_lock.release()
+        else:
+            log.warning("a delivery is blocked on the trainer; exiting without flushing")
 
 
 def main(argv=None) -> None:
+    """CLI entry point. SIGTERM (before or after set-up) stops the worker within
+    ``cluster.kill_grace_s`` and exits 143; the process ends with ``os._exit`` so that no
+    thread blocked on the trainer (a delivery waiting for credit) can hold it up."""
     from areal_mega.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config")
+    p.add_argument("--relaunched", action="store_true",
+                   help="continue this run after the worker alone crashed (launch.local)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout-worker %(message)s")
-    cfg = load_config(args.config, args.overrides)
-    worker = RolloutWorker(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop_event.set())
+    holder: list = []
+
+    def on_term(signum, frame):
+        if not holder:                 # still setting up: nothing to flush yet
+            raise SystemExit(128 + signum)
+        holder[0].stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    rc, grace = 0, 10.0
     try:
-        worker.run()
+        cfg = load_config(args.config, args.overrides)
+        grace = cfg.cluster.kill_grace_s
+        holder.append(RolloutWorker(cfg, relaunched=args.relaunched))
+        holder[0].run()
+        if holder[0].stop_event.is_set():
+            rc = 128 + signal.SIGTERM
+            log.info("SIGTERM: stopping")
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
-        pass
+        rc = 130
+    except BaseException:  # noqa: BLE001 - reported, then the hard exit below
+        log.exception("rollout worker failed")
+        rc = 1
     finally:
-        worker.close()
+        try:
+            if holder:
+                holder[0].close(budget_s=0.7 * grace)
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,20 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
 
 from areal_mega.config import ExperimentConfig, config_to_dict
 from areal_mega.parallel.allocation import parse_allocation
-from areal_mega.run_dir import SOURCE_FILE, RunDir, hf_source_identity
+from areal_mega.run_dir import (SOURCE_FILE, RunDir, hf_source_identity, is_disk_full_error,
+                                iter_dir_name)
 from areal_mega.security import holds_secret, write_run_file
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be saved for a reason no relaunch cures (a full disk); the
+    message says which iteration and where. The previous checkpoint is intact."""
 
 
 def weight_group_for(cfg: ExperimentConfig):
@@ -287,6 +294,9 @@ class TrainerSession:
         """Save a full checkpoint of ``step`` if it is due: ``force``, the last step
         (``total_steps``), or a multiple of ``checkpoint.save_every`` (0 = only the last).
 
+        Raises :class:`CheckpointSaveError` ("no space left on device while saving iter_N to
+        <root>") when the disk is full, after removing the partial save.
+
         Collective (every trainer rank, after :meth:`log`). Writes ``<ckpt_root>/iter_<step>``
         (model, optimizer, LR scheduler, RNG; ``extra`` = step, version, time, buffer file,
         accepted samples) and keeps the last ``checkpoint.keep_last``. In RL mode rank 0 first
@@ -301,21 +311,38 @@ class TrainerSession:
 
         buf_name = f"buffer_iter_{step:07d}.bin" if self.cfg.mode == "rl" else None
         retire, accepted = [], 0
-        if self.is_rank0 and self.intake is not None:
-            self.ckpt_root.mkdir(parents=True, exist_ok=True)
-            retire, accepted = self.intake.snapshot(str(self.ckpt_root / buf_name))
-        accepted = self._from_rank0(accepted)
-        extra = {"step": step, "version": step, "time": time.time(), "buffer_file": buf_name,
-                 "accepted_samples": accepted}
-        save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(), self.actor.optimizer,
-                        self.actor.lr_scheduler, extra=extra,
-                        keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
+        try:
+            if self.is_rank0 and self.intake is not None:
+                self.ckpt_root.mkdir(parents=True, exist_ok=True)
+                retire, accepted = self.intake.snapshot(str(self.ckpt_root / buf_name))
+            accepted = self._from_rank0(accepted)
+            extra = {"step": step, "version": step, "time": time.time(),
+                     "buffer_file": buf_name, "accepted_samples": accepted}
+            save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(),
+                            self.actor.optimizer, self.actor.lr_scheduler, extra=extra,
+                            keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
+        except (OSError, RuntimeError, CheckpointException) as e:
+            if not is_disk_full_error(e, self.ckpt_root):
+                raise
+            self._discard_partial_save(step, buf_name)
+            raise CheckpointSaveError(f"no space left on device while saving "
+                                      f"{iter_dir_name(step)} to {self.ckpt_root}") from None
         if self.is_rank0 and self.intake is not None:
             self.intake.retire(retire)
             live = {p.name for p in self.ckpt_root.glob("iter_*")}
             for f in self.ckpt_root.glob("buffer_iter_*.bin"):
                 if f.name.replace("buffer_", "").replace(".bin", "") not in live:
                     f.unlink(missing_ok=True)
+
+    def _discard_partial_save(self, step: int, buf_name: Optional[str]) -> None:
+        """Remove what a failed save of ``step`` left (``iter_N.tmp``, its buffer snapshot),
+        freeing the space; the previous checkpoint and ``latest`` are untouched."""
+        if not self.is_rank0:
+            return
+        shutil.rmtree(self.ckpt_root / (iter_dir_name(step) + ".tmp"), ignore_errors=True)
+        if buf_name and not (self.ckpt_root / iter_dir_name(step)).is_dir():
+            for f in self.ckpt_root.glob(buf_name + "*"):
+                f.unlink(missing_ok=True)
 
     def _from_rank0(self, value: int) -> int:
         """Rank 0's integer on every rank (checkpoint metadata must agree across ranks)."""
