@@ -14,6 +14,10 @@ Sampling (penalties, min_new_tokens, logit bias, temperature, top-k / top-p / mi
 meaning of the returned logprobs are those of SGLang; see :mod:`areal_mega.rollout.sampling`.
 Finishing follows SGLang's ``Req.check_finished``: ``length`` first, then (unless
 ``ignore_eos``) a stop token id or an EOS id, then a stop string found in the decoded tail.
+
+A row whose token cannot be sampled (non-finite probabilities, or sampling raises for it) is
+finished alone with ``{"type": "abort", "message": "sampling error: ...", "status_code": 400}``
+and leaves the batch; the other rows keep decoding.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from areal_mega.rollout.sampling import SamplingParams, choose_tokens
+from areal_mega.rollout.sampling import SamplingParams, choose_tokens_isolated
 
 __all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
 
@@ -92,6 +96,7 @@ class BatchedEngine:
         self._last_tok: list[int] = []
         self.steps = 0
         self.tokens_generated = 0
+        self.sampling_errors = 0     # rows finished because their token could not be sampled
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -262,7 +267,7 @@ class BatchedEngine:
         logits, kv = self._forward(ids, None)
         toks = self._sample_and_record(reqs, logits)
         keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
-                if not self._check_finished(r, tok)]
+                if tok is not None and not self._check_finished(r, tok)]
         if not keep:
             return
         if len(keep) != len(reqs):
@@ -296,6 +301,8 @@ class BatchedEngine:
         toks = self._sample_and_record(self._active, logits)
         keep = []
         for i, (r, tok) in enumerate(zip(self._active, toks)):
+            if tok is None:  # this row failed to sample and is finished already
+                continue
             self._next_pos[i] += 1
             self._last_tok[i] = tok
             if not self._check_finished(r, tok):
@@ -319,15 +326,21 @@ class BatchedEngine:
         self._last_tok = [self._last_tok[i] for i in keep]
 
     def _sample_and_record(self, reqs: list, logits: torch.Tensor) -> list:
-        """Choose one token per row (:func:`~areal_mega.rollout.sampling.choose_tokens`) and
-        record token, logprob and top logprobs on each request."""
-        tok_list, lps, tops = choose_tokens(reqs, logits, self.eos_ids)
-        for r, tok, lp, top in zip(reqs, tok_list, lps, tops):
+        """Choose one token per row (:func:`~areal_mega.rollout.sampling.choose_tokens_isolated`)
+        and record token, logprob and top logprobs on each request. A row that fails to
+        sample is finished with an abort naming the error and gets None as its token."""
+        tok_list, lps, tops, errors = choose_tokens_isolated(reqs, logits, self.eos_ids)
+        for r, tok, lp, top, err in zip(reqs, tok_list, lps, tops, errors):
+            if err is not None:
+                log.warning("rid=%s: %s", r.rid, err)
+                self.sampling_errors += 1
+                r._finish({"type": "abort", "message": err, "status_code": 400})
+                continue
             r.output_ids.append(tok)
             r.logprobs.append(lp)
             if r.params.top_logprobs_num:
                 r.top_logprobs.append(top)
-        self.tokens_generated += len(tok_list)
+            self.tokens_generated += 1
         return tok_list
 
     def _check_finished(self, r: GenRequest, tok: int) -> bool:

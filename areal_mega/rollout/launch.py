@@ -63,13 +63,16 @@ class LocalServerProcess:
 
     def __init__(self, model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
                  api_key: Optional[str] = None, num_threads: int = 1,
-                 max_running: int = 64, log_path: Optional[str] = None):
+                 max_running: int = 64, log_path: Optional[str] = None,
+                 extra_args: Optional[list] = None):
+        """``extra_args``: more command-line flags of the server (e.g. ``--idle-timeout``)."""
         self.host, self.port = host, port or find_free_port(host)
         self.addr = f"{host}:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "areal_mega.rollout.local_server", "--model-path",
                str(model_path), "--host", host, "--port", str(self.port),
                "--num-threads", str(num_threads), "--max-running-requests", str(max_running)]
+        cmd += [str(a) for a in extra_args or ()]
         env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), TOKENIZERS_PARALLELISM="false")
         if api_key:
             env["AREAL_ROLLOUT_API_KEY"] = api_key  # not on the command line (ps)

@@ -17,14 +17,27 @@ and ``{"error": {"message": ...}}`` naming the key; the server keeps serving. Wi
 otherwise), like SGLang's ``--api-key``. Generation is batched per decode step by
 :class:`~areal_mega.rollout.engine.BatchedEngine`; sampling and logprobs are described in
 :mod:`areal_mega.rollout.sampling`. The weight-update group is created the SGLang way
-(:mod:`areal_mega.rollout.update_group`).
+(:mod:`areal_mega.rollout.update_group`); the model side lives in
+:mod:`areal_mega.rollout.server_model`.
+
+One client must not hurt the others:
+- a client that disconnects cancels its handler (aiohttp ``handler_cancellation``), which
+  aborts its requests in the engine: their slots are free at the next decode step;
+- ``--idle-timeout S`` (default 30): a connection that has not sent complete request headers S
+  seconds after it opened or after its previous answer is closed (aiohttp's keep-alive timer,
+  which aiohttp 3.14 also arms when a connection opens), and a request body not received
+  within S seconds of the headers is answered 408 and the connection closed;
+- a body nested too deeply for the JSON parser is a 400, like any malformed body;
+- a row that cannot be sampled fails alone (see :mod:`areal_mega.rollout.engine`);
+- weight-group joins run on threads of their own with a bounded ``timeout_s``
+  (:mod:`areal_mega.rollout.server_model`), so pause / continue / weight loads / SIGTERM
+  answer while a join is pending.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hmac
-import glob
 import json
 import logging
 import os
@@ -34,120 +47,28 @@ from typing import Optional
 import torch
 from aiohttp import web
 
-from areal_mega.rollout.engine import BatchedEngine, GenRequest
+from areal_mega.rollout.engine import GenRequest
 from areal_mega.rollout.server_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
-                                           error_response, get_field, get_int_like,
-                                           ignore_unknown, parse_dtype, parse_generate,
-                                           response_of)
-from areal_mega.rollout.update_group import (broadcast_from_rank0, destroy_update_group,
-                                             init_update_group)
+                                           RequestTimeout, error_response, get_field,
+                                           get_int_like, ignore_unknown, parse_dtype,
+                                           parse_generate, response_of)
+from areal_mega.rollout.server_model import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
+
+__all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
+
+DEFAULT_IDLE_TIMEOUT_S = 30.0
 
 log = logging.getLogger("areal_mega.rollout.local_server")
-
-
-class LocalRolloutServer:
-    """The model, its engine, the tokenizer and the weight-update process groups."""
-
-    def __init__(self, model_path: str, max_running: int = 64, api_key: Optional[str] = None,
-                 max_context: Optional[int] = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self.model_path = model_path
-        self.api_key = api_key
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.eval()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        except Exception:  # noqa: BLE001 - a model dir without a tokenizer still serves ids
-            self.tokenizer = None
-        cfg = self.model.config
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(cfg, "eos_token_id", None)
-        self.vocab_size = int(cfg.vocab_size)
-        self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 4096))
-        self.decode = None
-        if self.tokenizer is not None:
-            self.decode = lambda ids, **kw: self.tokenizer.decode(ids, **kw)
-        self.engine = BatchedEngine(self.model, eos_token_id=eos, max_running=max_running,
-                                    decode=self.decode)
-        self.groups: dict = {}  # group name -> process group
-        self._params = dict(self.model.named_parameters())
-        self._all_keys = set(self.model.state_dict().keys())
-        self.started_at = time.time()
-
-    # ---------------------------------------------------------------- weights
-    def _assign(self, tensors: dict, version: Optional[str]) -> None:
-        """Copy ``tensors`` (HF names) into the model; runs on the engine thread."""
-        sd = self.model.state_dict()
-        with torch.no_grad():
-            for name, t in tensors.items():
-                sd[name].copy_(t.to(sd[name].dtype))
-        if version is not None:
-            self.engine.weight_version = str(version)
-
-    def _check_names(self, shapes: dict, full: bool) -> None:
-        sd = self.model.state_dict()
-        unknown = sorted(n for n in shapes if n not in self._all_keys)
-        if unknown:
-            raise BadRequest(f"unknown parameter name(s) {unknown[:5]}"
-                             f"{' ...' if len(unknown) > 5 else ''}")
-        bad = [f"{n}: got {list(s)}, expected {list(sd[n].shape)}"
-               for n, s in shapes.items() if tuple(s) != tuple(sd[n].shape)]
-        if bad:
-            raise BadRequest("shape mismatch: " + "; ".join(bad[:5]))
-        if full:
-            missing = sorted(n for n in self._params if n not in shapes)
-            if missing:
-                raise BadRequest(f"checkpoint is missing parameter(s) {missing[:5]}")
-
-    def load_from_disk(self, path: str, version: Optional[str]) -> None:
-        """Load every ``*.safetensors`` file under ``path`` (strict names and shapes)."""
-        from safetensors.torch import load_file
-
-        if not os.path.isdir(path):
-            raise BadRequest(f"model_path {path!r}: not a directory")
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise BadRequest(f"model_path {path!r}: no *.safetensors files")
-        tensors: dict = {}
-        for f in files:
-            tensors.update(load_file(f))
-        self._check_names({k: v.shape for k, v in tensors.items()}, full=True)
-        self.engine.run_exclusive(lambda: self._assign(tensors, version))
-        self.model_path = path
-
-    def init_group(self, addr: str, port: int, rank: int, world: int, name: str,
-                   backend: str, timeout_s: float) -> None:
-        """Join the trainer's weight-update group (blocking rendezvous; call off the loop)."""
-        self.groups[name] = init_update_group(addr, port, world, rank, name, backend, timeout_s)
-
-    def destroy_group(self, name: str) -> None:
-        """Leave and destroy weight-update group ``name``."""
-        pg = self.groups.pop(name, None)
-        if pg is None:
-            raise BadRequest(f"group_name={name!r}: not initialised")
-        destroy_update_group(pg)
-
-    def receive_distributed(self, name: str, names, dtypes, shapes, version,
-                            load: bool = True) -> None:
-        """Receive one bucket (one broadcast per tensor, root 0) and load it (unless
-        ``load`` is False: the tensors are received and dropped)."""
-        pg = self.groups[name]
-        tensors = {}
-        for n, dt, shp in zip(names, dtypes, shapes):
-            t = torch.empty(tuple(shp), dtype=parse_dtype(dt))
-            broadcast_from_rank0(pg, t)
-            tensors[n] = t
-        if load:
-            self._assign(tensors, version)
 
 
 # ------------------------------------------------------------------------- HTTP handlers
 
 
-def build_app(srv: LocalRolloutServer) -> web.Application:
-    """The aiohttp application serving ``srv``."""
+def build_app(srv: LocalRolloutServer,
+              body_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> web.Application:
+    """The aiohttp application serving ``srv``; a request body must arrive within
+    ``body_timeout_s`` of its headers (408 otherwise). Serve it with
+    ``handler_cancellation=True`` so that a client that goes away frees its slots."""
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -159,7 +80,10 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
         try:
             return await handler(request)
         except BadRequest as e:
-            return error_response(400, str(e))
+            resp = error_response(e.status, str(e))
+            if isinstance(e, RequestTimeout):
+                resp.force_close()  # the rest of the body may still come: drop the connection
+            return resp
         except web.HTTPException:
             raise
         except Exception as e:  # noqa: BLE001 - answer, log, keep serving
@@ -167,7 +91,11 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
             return error_response(500, f"{type(e).__name__}: {e}")
 
     async def body_of(request: web.Request, allow_empty=False) -> dict:
-        raw = await request.read()
+        try:
+            raw = await asyncio.wait_for(request.read(), body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"request body not received within {body_timeout_s:g} s "
+                                 "(--idle-timeout)") from None
         if not raw.strip():
             if allow_empty:
                 return {}
@@ -176,6 +104,8 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"malformed JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("malformed JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest(f"expected a JSON object, got {type(body).__name__}")
         return body
@@ -280,7 +210,7 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
         world = get_int_like(body, "world_size", w)
         name = get_field(body, "group_name", str, "weight_update_group", w)
         backend = get_field(body, "backend", str, "nccl", w)
-        timeout_s = get_field(body, "timeout_s", float, 300.0, w)
+        timeout_s = get_field(body, "timeout_s", float, 300.0, w)  # capped by start_join
         if not 0 < port < 65536:
             raise BadRequest(f"{w}.master_port={port}: must be a TCP port")
         if backend not in ("gloo", "nccl"):
@@ -291,9 +221,22 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
             raise BadRequest(f"{w}.rank_offset={rank}: must be in [1, world_size)")
         if not name:
             raise BadRequest(f"{w}.group_name: must not be empty")
-        if name in srv.groups:
-            raise BadRequest(f"{w}.group_name={name!r}: already initialised")
-        await run_blocking(srv.init_group, addr, port, rank, world, name, backend, timeout_s)
+        # the join runs on its own thread (see server_model); if this client goes away the
+        # join still completes or times out, and the group is kept if it was made
+        joined = asyncio.wrap_future(srv.start_join(addr, port, rank, world, name, backend,
+                                                    timeout_s))
+        stop_wait = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait([joined, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if not joined.done():  # shutting down: answer now, leave the join to its thread
+            return error_response(503, f"{w}: server shutting down while joining {name!r}")
+        try:
+            joined.result()
+        except Exception as e:  # noqa: BLE001 - SGLang answers a failed join with 400
+            raise BadRequest(f"{w}: joining {name!r} at {addr}:{port} failed: "
+                             f"{type(e).__name__}: {e}") from None
         return web.json_response({"success": True, "message": f"joined {name} as rank {rank}"})
 
     async def update_weights_from_distributed(request: web.Request):
@@ -309,9 +252,7 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
         abort_all = get_field(body, "abort_all_requests", bool, False, w)
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"{w}: names, dtypes and shapes must have equal lengths")
-        if name not in srv.groups:
-            raise BadRequest(f"{w}.group_name={name!r}: not initialised "
-                             "(call /init_weights_update_group first)")
+        srv.group(name, w)  # 409 while joining, 400 if unknown
         load_format_of(body, w, DIST_LOAD_FORMATS)
         for dt in dtypes:
             parse_dtype(dt)
@@ -376,6 +317,7 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
             "max_running_requests": e.max_running,
             "num_running": e.num_running, "num_waiting": e.num_waiting, "paused": e.paused,
             "decode_steps": e.steps, "tokens_generated": e.tokens_generated,
+            "sampling_errors": e.sampling_errors, "joining_groups": sorted(srv.joining),
             "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
 
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)
@@ -393,8 +335,12 @@ def build_app(srv: LocalRolloutServer) -> web.Application:
                     "/get_server_info": get_server_info, "/server_info": get_server_info,
                     "/flush_cache": flush_cache}.items():
         app.router.add_get(path, h)
-    app.on_shutdown.append(lambda _app: asyncio.get_running_loop().run_in_executor(
-        None, srv.engine.shutdown))
+    stopping = asyncio.Event()  # set on shutdown: pending join requests answer 503 at once
+
+    async def on_shutdown(_app):
+        stopping.set()
+        await asyncio.get_running_loop().run_in_executor(None, srv.engine.shutdown)
+    app.on_shutdown.append(on_shutdown)
     return app
 
 
@@ -408,8 +354,14 @@ def main(argv: Optional[list] = None) -> None:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                    help="seconds a connection may take to send complete request headers "
+                         "(after opening or after its previous answer) and, separately, its "
+                         "body; slower connections are closed")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
+    if not args.idle_timeout > 0:
+        ap.error(f"--idle-timeout={args.idle_timeout}: must be > 0")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
@@ -417,8 +369,9 @@ def main(argv: Optional[list] = None) -> None:
                              api_key=args.api_key, max_context=args.max_context)
     print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
           flush=True)
-    web.run_app(build_app(srv), host=args.host, port=args.port, print=None,
-                handle_signals=True, access_log=None)
+    web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,
+                port=args.port, print=None, handle_signals=True, access_log=None,
+                keepalive_timeout=args.idle_timeout, handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,12 @@ temperature 1. ``-inf`` is clamped to the most negative float, as SGLang does.
 
 Every step is vectorised over the batch; only rows with a ``sampling_seed`` draw their token
 with their own generator.
+
+One row must not fail the batch: :func:`choose_tokens_isolated` (what the engine calls) gives a
+row whose step-4 logits are not a distribution (a NaN or ``+inf`` anywhere, or every token at
+``-inf``, e.g. from an enormous ``logit_bias`` divided by a small temperature) an error message
+instead of a token, and if the vectorised choice still raises, retries row by row so that only
+the rows that raise on their own get an error.
 """
 from __future__ import annotations
 
@@ -133,7 +139,59 @@ def choose_tokens(reqs: list, logits: torch.Tensor, eos_ids: frozenset):
     Returns ``(tokens, logprobs, top)``: token ids, the reported logprob of each (see the
     module docstring) and, per row, ``[(logprob, token_id), ...]`` of its ``top_logprobs_num``
     most likely tokens (empty when not asked for)."""
-    z = adjust_logits(reqs, logits, eos_ids)
+    return _choose(reqs, adjust_logits(reqs, logits, eos_ids))
+
+
+def _bad_rows(z: torch.Tensor) -> list:
+    """Indices of rows of ``z`` that are no distribution: NaN or +inf anywhere, or all -inf."""
+    bad = torch.isnan(z).any(-1) | torch.isposinf(z).any(-1) | torch.isneginf(z).all(-1)
+    return bad.nonzero().view(-1).tolist()
+
+
+def choose_tokens_isolated(reqs: list, logits: torch.Tensor, eos_ids: frozenset):
+    """:func:`choose_tokens`, but a row that cannot be sampled fails alone.
+
+    Returns ``(tokens, logprobs, top, errors)``; for a failed row ``errors[i]`` is a message
+    and its token is None, otherwise ``errors[i]`` is None."""
+    B = len(reqs)
+    errors: list = [None] * B
+    try:
+        z = adjust_logits(reqs, logits, eos_ids)
+    except Exception:  # noqa: BLE001 - find the row(s) that raise
+        z = None
+    if z is not None:
+        for i in _bad_rows(z):
+            errors[i] = ("sampling error: the logits after penalties, logit_bias and "
+                         "temperature contain NaN or infinity (not a distribution)")
+    good = [i for i in range(B) if errors[i] is None]
+    toks: list = [None] * B
+    lps: list = [None] * B
+    top: list = [[] for _ in reqs]
+    if not good:
+        return toks, lps, top, errors
+    try:
+        if z is None:
+            raise RuntimeError("adjust_logits failed for the batch")
+        rows = torch.tensor(good, dtype=torch.long)
+        parts = [(good, _choose([reqs[i] for i in good], z.index_select(0, rows)))]
+    except Exception:  # noqa: BLE001 - retry one row at a time
+        parts = []
+        for i in good:
+            try:
+                zi = adjust_logits([reqs[i]], logits[i:i + 1], eos_ids)
+                if _bad_rows(zi):
+                    raise ValueError("logits are not a distribution")
+                parts.append(([i], _choose([reqs[i]], zi)))
+            except Exception as e:  # noqa: BLE001 - this row alone fails
+                errors[i] = f"sampling error: {type(e).__name__}: {e}"
+    for idx, (t, lp, tp) in parts:
+        for j, i in enumerate(idx):
+            toks[i], lps[i], top[i] = t[j], lp[j], tp[j]
+    return toks, lps, top, errors
+
+
+def _choose(reqs: list, z: torch.Tensor):
+    """Step 5 on adjusted logits ``z``: see :func:`choose_tokens`."""
     logp = torch.log_softmax(z, -1)
     toks = torch.argmax(z, -1)
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.top_k != 1]

@@ -14,6 +14,11 @@ What SGLang does, and so what this module does:
   ``spaces_between_special_tokens``; unless ``no_stop_trim`` the matched stop token is left out
   of the text and the text is cut before a matched stop string (``output_ids`` and logprobs
   keep every generated token, as on SGLang).
+
+Beyond SGLang's own checks (so that one bad request is answered 400 instead of failing the
+batch or the handler with 500): every float field must be finite (Python's ``json`` accepts
+``NaN`` and ``Infinity``), every int field must fit in int64 (``sampling_seed``:
+``[0, 2**63)``), and one ``/generate`` call may ask for at most :data:`MAX_OUTPUTS` outputs.
 """
 from __future__ import annotations
 
@@ -50,8 +55,26 @@ UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data"
                         "return_entropy", "stream")
 
 
+INT64_MAX = 2 ** 63 - 1
+# outputs (prompts x n) one /generate call may ask for; more is refused rather than queued
+MAX_OUTPUTS = 4096
+
+
 class BadRequest(ValueError):
-    """Raised on invalid input; answered with HTTP 400 and the message."""
+    """Raised on invalid input; answered with HTTP ``status`` (400) and the message."""
+    status = 400
+
+
+class Conflict(BadRequest):
+    """The request is valid but clashes with the server's state (e.g. a group still joining);
+    answered with HTTP 409."""
+    status = 409
+
+
+class RequestTimeout(BadRequest):
+    """The client did not send its request body in time; answered with HTTP 408 (and the
+    connection is closed)."""
+    status = 408
 
 
 def error_response(status: int, message: str):
@@ -89,6 +112,10 @@ def get_field(body: dict, key: str, tp, default=None, where: str = "request",
         v = float(v)
     if tp is int and isinstance(v, bool) or not isinstance(v, tp):
         raise BadRequest(f"{where}.{key}={v!r}: expected {getattr(tp, '__name__', tp)}")
+    if tp is float and not math.isfinite(v):
+        raise BadRequest(f"{where}.{key}={v!r}: must be a finite number")
+    if tp is int and not -INT64_MAX - 1 <= v <= INT64_MAX:
+        raise BadRequest(f"{where}.{key}={v}: out of range (must fit in int64)")
     return v
 
 
@@ -130,8 +157,10 @@ def parse_sampling(sp: dict, n_prompt: int, tokenizer, vocab_size: int, max_cont
     bias = get_field(sp, "logit_bias", dict, {}, w)
     try:
         bias = {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise BadRequest(f"{w}.logit_bias: expected {{token id: number}}") from None
+    if not all(math.isfinite(v) for v in bias.values()):
+        raise BadRequest(f"{w}.logit_bias: values must be finite numbers")
     if any(not 0 <= k < vocab_size for k in bias):
         raise BadRequest(f"{w}.logit_bias: keys must be token ids in [0, {vocab_size})")
     max_new = get_field(sp, "max_new_tokens", int, 128, w)
@@ -181,6 +210,7 @@ def _verify(p: SamplingParams, n: int, w: str) -> None:
         (0 <= p.min_new_tokens <= p.max_new_tokens, "min_new_tokens",
          "must be in [0, max_new_tokens]"),
         (n >= 1, "n", "must be >= 1"),
+        (p.sampling_seed is None or p.sampling_seed >= 0, "sampling_seed", "must be >= 0"),
     ]
     for ok, key, msg in checks:
         if not ok:
@@ -224,6 +254,9 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, max_context: int):
     params, n = parse_sampling(sp, max(len(x) for x in ids), tokenizer, vocab_size,
                                max_context, top_n if body.get("return_logprob") else 0)
     count = len(ids) * n
+    if count > MAX_OUTPUTS:
+        raise BadRequest(f"generate: {len(ids)} prompt(s) x n={n} = {count} outputs; at most "
+                         f"{MAX_OUTPUTS} per request")
     rid = body.get("rid")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(count)]
