@@ -123,3 +123,21 @@ def test_drop_mode_counts_dropped_prompts_and_delivers_the_others(server):
     assert s["capacity"] == (1 + 0 + 1) * 2 - 4   # (eta + version + 1) * batch - accepted
     delivered = sorted(tuple(g[0].input_ids[:g[0].prompt_len].tolist()) for g in sink.groups)
     assert delivered == sorted(tuple(short(i)["input_ids"]) for i in (0, 2, 4, 6))
+
+
+def test_a_request_the_server_cannot_sample_fails_instead_of_looping(server):
+    """A finite but huge logit bias at a tiny temperature makes every row unsamplable: the
+    server finishes the request with an abort carrying ``status_code`` 400 (an error, not a
+    weight-update interruption), and the controller fails the episode at once instead of
+    resubmitting the partial output forever."""
+    sink = GroupSink()
+    ctl = controller(server, [short(0)], sink, temperature=1e-5,
+                     logit_bias={"5": 1e38}).start()
+    try:
+        wait_until(lambda: failure(ctl))
+        err = failure(ctl)
+    finally:
+        ctl.stop()
+    assert "status 400" in str(err) and "sampling error" in str(err)
+    s = ctl.stats()
+    assert (s["started"], s["failed"], len(sink)) == (1, 1, 0)

@@ -336,6 +336,12 @@ class RolloutController:
                     v = int(res.weight_version)
                 except ValueError:
                     pass
+            status = (res.finish_reason or {}).get("status_code")
+            if res.finish_type == "abort" and status:   # an error, not an interruption
+                self.client.release(key)
+                raise RolloutRequestError(
+                    f"{res.server}/generate: aborted with status {status}: "
+                    f"{(res.finish_reason or {}).get('message', '')}", status=int(status))
             out += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)
