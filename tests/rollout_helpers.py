@@ -30,6 +30,20 @@ def models(tmp_path_factory):
     return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
 
 
+@pytest.fixture(scope="module")
+def server(models):
+    """One CPU rollout server process on model ``a`` (with :data:`API_KEY`), stopped after
+    the module; test modules import this fixture."""
+    from areal_mega.rollout.launch import launch_local_servers
+
+    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
+    try:
+        yield procs[0]
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def load_model(path):
     from transformers import AutoModelForCausalLM
 

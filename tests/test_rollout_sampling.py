@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_mega.rollout.launch import launch_local_servers
 from areal_mega.rollout.sampling import SamplingParams, adjust_logits, choose_tokens
-from tests.rollout_helpers import API_KEY, models  # noqa: F401 (fixture)
+from tests.rollout_helpers import API_KEY, models, server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,16 +46,6 @@ def test_logprob_is_of_temperature_scaled_distribution_before_truncation():
     r = req(temperature=1.0, min_p=0.5, top_logprobs_num=2)
     toks, _, top = choose_tokens([r], torch.tensor([[3.0, 3.0, -9.0, -9.0]]), frozenset())
     assert toks[0] in (0, 1) and [t for _, t in top[0]] in ([0, 1], [1, 0])
-
-
-@pytest.fixture(scope="module")
-def server(models):
-    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
-    try:
-        yield procs[0]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def http(server, path, body=None, key=API_KEY):

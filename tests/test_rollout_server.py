@@ -8,22 +8,11 @@ import pytest
 import torch
 
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, sampling_dict
-from areal_mega.rollout.launch import launch_local_servers
 from areal_mega.rollout.weight_sync import DistributedWeightSender, plan_weight_buckets
-from tests.rollout_helpers import (API_KEY, models, run,  # noqa: F401 (fixture)
+from tests.rollout_helpers import (API_KEY, models, run, server,  # noqa: F401 (fixtures)
                                    teacher_forced_logprobs)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def server(models):
-    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
-    try:
-        yield procs[0]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def client_for(server):

@@ -22,24 +22,14 @@ import pytest
 import torch
 
 from areal_mega.rollout.client import RolloutClient
-from areal_mega.rollout.launch import find_free_port, launch_local_servers
+from areal_mega.rollout.launch import find_free_port
 from areal_mega.rollout.weight_sync import DistributedWeightSender, plan_weight_buckets
-from tests.rollout_helpers import (API_KEY, models, run,  # noqa: F401 (fixture)
+from tests.rollout_helpers import (API_KEY, models, run, server,  # noqa: F401 (fixtures)
                                    teacher_forced_logprobs)
 from tests.sglang_style_peer import sglang_init_custom_process_group
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_TIMEOUT_S = 30.0  # a group that never forms fails the test within this
-
-
-@pytest.fixture(scope="module")
-def server(models):
-    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
-    try:
-        yield procs[0]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def http(addr, path, body=None, key=API_KEY, timeout=120):
