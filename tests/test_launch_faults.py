@@ -143,7 +143,10 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
     every step runs, no sample is trained twice, none accepted before a fault is lost."""
     model, data = assets
     run = tmp_path / "run"
-    total = 12
+    # each fault waits for 2 more steps, and the trainer goes on while a relaunch is awaited
+    # (the third fault came at step 15 in a loaded run); the run must keep going long enough
+    # that the relaunched server has to generate (else a fast run ends before it is back)
+    total = 30
     proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
                    "checkpoint.save_every=3", "cluster.max_restarts=3", "cluster.kill_grace_s=30",
                    "logging.plot=false")
@@ -155,6 +158,7 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
     for k, (sig, name) in enumerate(faults):   # each fault after 2 more steps
         _wait(lambda: len(_metrics(run)) >= progress + 2, proc, f"step {progress + 2}")
         progress = len(_metrics(run))
+        assert progress <= total - 8, f"fault {k + 1} came too late (step {progress})"
         if name == "rollout_worker":
             victim = _wait(lambda: _proc(run, "areal_mega.rollout.worker"), proc, "the worker")
         else:

@@ -311,13 +311,16 @@ class RolloutWorker:
             await self.client.close()      # the controller's loop opens its own session
 
     def close(self, budget_s: float = 15.0) -> None:
-        """Stop the controller, the control server and the sender (letting queued trajectories
+        """Stop the control server, the controller and the sender (letting queued trajectories
         go out) within about ``budget_s`` seconds. A sink blocked on a full data-plane window
         keeps the sender: it is then not flushed (the prompt position was not advanced past
         those groups, so nothing accepted is lost). Called once by ``main`` on the way out."""
+        # stop answering first: a command arriving (or in flight) while the controller stops
+        # would be answered with an error and end the trainer; unanswered, the trainer's link
+        # sees the disconnect and sends it again to the relaunched worker
+        self.control.close()
         if self.controller is not None:
             self.controller.stop(timeout=max(0.5, 0.4 * budget_s))
-        self.control.close()
         if self._sink_lock.acquire(timeout=max(0.2, 0.1 * budget_s)):
             try:
                 self.sender.close(linger_s=max(0.5, 0.3 * budget_s))
