@@ -115,14 +115,12 @@ def split_micro_batches(batch: dict, n: int) -> list[dict]:
 def with_algo_fields(packed: dict) -> dict:
     """Add the algorithm's field names to a batch from ``scheduler.pack_sequences``.
 
-    ``behav_logprobs`` = ``logprobs`` (the rollout's), ``group_index`` = int ids of the string
-    ``group_ids`` (in order of first appearance), ``seq_no_eos`` = finished by ``length``
-    (``finish_codes``), ``response_lens`` = ``seqlens − prompt_lens``. Existing keys win;
-    returns a new dict sharing the tensors.
+    Only derived fields are added (the packed fields keep the trajectory's names, ``logprobs``
+    included): ``group_index`` = int index of the string ``group_ids`` (in order of first
+    appearance), ``seq_no_eos`` = finished by ``length`` (``finish_codes``), ``response_lens``
+    = ``seqlens − prompt_lens``. Existing keys win; returns a new dict sharing the tensors.
     """
     out = dict(packed)
-    if "behav_logprobs" not in out and "logprobs" in out:
-        out["behav_logprobs"] = out["logprobs"]
     if "group_index" not in out and "group_ids" in out:
         ids: dict = {}
         out["group_index"] = torch.tensor([ids.setdefault(g, len(ids))
