@@ -112,6 +112,13 @@ def split_micro_batches(batch: dict, n: int) -> list[dict]:
     return [select_sequences(batch, range(bounds[i], bounds[i + 1])) for i in range(n)]
 
 
+def group_index_of(group_ids: Sequence[str]) -> Tensor:
+    """``group_index`` [B] long: the integer index of every sequence's ``group_id`` in order of
+    first appearance (a derived field for tensor group statistics, not the id itself)."""
+    ids: dict = {}
+    return torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
+
+
 def with_algo_fields(packed: dict) -> dict:
     """Add the algorithm's field names to a batch from ``scheduler.pack_sequences``.
 
@@ -122,9 +129,7 @@ def with_algo_fields(packed: dict) -> dict:
     """
     out = dict(packed)
     if "group_index" not in out and "group_ids" in out:
-        ids: dict = {}
-        out["group_index"] = torch.tensor([ids.setdefault(g, len(ids))
-                                           for g in out["group_ids"]], dtype=torch.long)
+        out["group_index"] = group_index_of(out["group_ids"])
     if "seq_no_eos" not in out and "finish_codes" in out:
         from areal_mega.dataplane.trajectory import FINISH_REASONS
         out["seq_no_eos"] = out["finish_codes"] == FINISH_REASONS.index("length")
