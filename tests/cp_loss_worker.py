@@ -66,7 +66,7 @@ def make_batches(cp):
                 "prompt_len": max(1, n // 3),
                 "advantages": torch.randn(1, generator=g).expand(n).clone(),
                 "prox_logprobs": prox,
-                "behav_logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
+                "logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
                 "ref_logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
                 "versions": torch.randint(POLICY_VERSION - 1, POLICY_VERSION + 1, (n,),
                                           generator=g).int(),

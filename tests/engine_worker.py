@@ -9,7 +9,7 @@ difference of per-token logprobs and gradients. Rank r writes ``<out_dir>/<scena
 ({check: max_diff}). Everything here is real megatron-core over gloo (NCCL for ``gpu_*``).
 
 The losses are the production ones: the decoupled PPO loss of :func:`make_policy_loss` (its
-``prox_logprobs`` are the reference model's own logprobs, ``behav_logprobs`` / ``ref_logprobs``
+``prox_logprobs`` are the reference model's own logprobs, ``logprobs`` (behaviour) / ``ref_logprobs``
 those plus a little noise, so ratios sit inside the clip range) and the SFT loss.
 """
 import json
@@ -57,7 +57,7 @@ def attach_policy_inputs(mb, lp, seed):
     g = torch.Generator().manual_seed(seed)
     lp = lp.detach().float().cpu()
     mb["prox_logprobs"] = lp.clone()
-    mb["behav_logprobs"] = lp + (torch.rand(lp.shape, generator=g) - 0.5) * 0.3
+    mb["logprobs"] = lp + (torch.rand(lp.shape, generator=g) - 0.5) * 0.3
     mb["ref_logprobs"] = lp + (torch.rand(lp.shape, generator=g) - 0.5) * 0.3
 
 

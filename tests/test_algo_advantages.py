@@ -104,7 +104,7 @@ def grpo_batch():
             "loss_mask": torch.tensor([0, 1, 0, 1, 0, 1, 0, 1, 0]),
             "rewards": torch.tensor([1.0, 0.0, 1.0, 1.0]),
             "group_index": torch.tensor([0, 0, 1, 1]),
-            "behav_logprobs": torch.tensor([0, -1.0, 0, -1.0, 0, -1.0, 0, -1.0, 0]),
+            "logprobs": torch.tensor([0, -1.0, 0, -1.0, 0, -1.0, 0, -1.0, 0]),
             "ref_logprobs": torch.tensor([0, -1.2, 0, -1.4, 0, -1.0, 0, -0.8, 0])}
 
 

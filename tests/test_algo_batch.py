@@ -34,8 +34,8 @@ def test_from_packed_keeps_one_name_per_field_and_checks_shapes():
     packed = pack_sequences(samples(), pad_to_multiple=4)
     b = PackedBatch.from_packed(packed)
     assert b.n_tokens == 16 and b.n_seqs == 3
-    assert "logprobs" not in b and "token_keys" not in b       # one name: behav_logprobs
-    assert b["behav_logprobs"] is packed["logprobs"]
+    assert "behav_logprobs" not in b and "token_keys" not in b  # one name: the trajectory's
+    assert b["logprobs"] is packed["logprobs"]
     assert b.group_index.tolist() == [0, 0, 1]
     assert b.seq_no_eos.tolist() == [False, True, False]
     assert b.response_lens.tolist() == [3, 2, 4]
@@ -95,7 +95,7 @@ def test_plan_step_shifts_every_field_once_into_next_token_layout():
         lo, hi = int(mb.cu_seqlens[b]), int(mb.cu_seqlens[b + 1])
         assert mb.input_ids[lo:hi].tolist() == t.input_ids.tolist()           # not shifted
         assert mb.loss_mask[lo:hi].tolist() == t.loss_mask[1:].tolist() + [0]
-        assert mb.behav_logprobs[lo:hi].tolist() == t.logprobs[1:].tolist() + [0.0]
+        assert mb.logprobs[lo:hi].tolist() == t.logprobs[1:].tolist() + [0.0]
         assert mb.versions[lo:hi].tolist() == t.versions[1:].tolist() + [-1]
         assert mb.advantages[hi - 1] == 0.0 and mb.advantages[lo + 2] != 0.0
     s = sft_sample([7, 8], [9, 10], eos_id=11)                   # SFT: the same single shift

@@ -110,7 +110,7 @@ def kl_mb(d: list[float]) -> dict:
     logp = torch.full((n,), -1.0)
     return {"cu_seqlens": torch.tensor([0, n], dtype=torch.int32),
             "loss_mask": torch.tensor([1] * len(d) + [0]),
-            "advantages": torch.zeros(n), "behav_logprobs": logp.clone(),
+            "advantages": torch.zeros(n), "logprobs": logp.clone(),
             "versions": torch.zeros(n, dtype=torch.long),
             "ref_logprobs": logp - torch.tensor(d + [0.0])}
 
@@ -125,8 +125,8 @@ def test_kl_clamp_reaches_the_loss_via_make_policy_loss():
         loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                    max_response_len=cfg.rollout.max_new_tokens)
         mb = kl_mb(d)
-        mb["prox_logprobs"] = mb["behav_logprobs"]
-        num, stats = loss_fn(mb["behav_logprobs"], None, mb)
+        mb["prox_logprobs"] = mb["logprobs"]
+        num, stats = loss_fn(mb["logprobs"], None, mb)
         assert float(stats["kl_ref_sum"]) == pytest.approx(sum(expect), rel=1e-6)
         assert float(num) / denominator_fn(mb) == pytest.approx(0.5 * sum(expect) / 3, rel=1e-6)
 

@@ -43,7 +43,7 @@ def make_batch(seed=0, n_seqs=8, pad=5):
     return {
         "cu_seqlens": cu, "loss_mask": mask, "input_ids": torch.arange(T),
         "prox_logprobs": prox,
-        "behav_logprobs": prox + 0.2 * torch.randn(T, generator=g, dtype=torch.float64),
+        "logprobs": prox + 0.2 * torch.randn(T, generator=g, dtype=torch.float64),
         "ref_logprobs": prox + 0.3 * torch.randn(T, generator=g, dtype=torch.float64),
         "advantages": adv,
         "logprobs0": prox + 0.3 * torch.randn(T, generator=g, dtype=torch.float64),
@@ -57,7 +57,7 @@ def run_rank(loss_fn, mbs, logp_full, global_den):
     loss = 0.0
     stats = {}
     for mb in mbs:
-        num, st = loss_fn(mb["logprobs"], mb["entropy"], mb)
+        num, st = loss_fn(mb["policy_logprobs"], mb["entropy"], mb)
         loss = loss + num
         for k, v in st.items():
             stats[k] = stats.get(k, 0.0) + float(v)
@@ -67,7 +67,9 @@ def run_rank(loss_fn, mbs, logp_full, global_den):
 def simulate(cfg, batch, n_dp, n_mb):
     loss_fn, den_fn = make_policy_loss(cfg)
     logp = batch["logprobs0"].clone().requires_grad_()
-    full = dict(batch, logprobs=logp)           # per-token field: micro-batches gather from it
+    # π_θ rides along as a per-token field so micro-batches gather it (``logprobs`` is the
+    # behaviour field of the batch vocabulary)
+    full = dict(batch, policy_logprobs=logp)
     ranks = split_micro_batches(full, n_dp)
     mbs_per_rank = [split_micro_batches(r, n_mb) for r in ranks]
     global_den = sum(den_fn(mb) for mbs in mbs_per_rank for mb in mbs)  # before any forward
@@ -113,7 +115,7 @@ def test_token_mean_equals_unsplit_formula():
     loss, _, _ = simulate(cfg, batch, 2, 2)
     m = batch["loss_mask"].bool()
     r = torch.exp(batch["logprobs0"] - batch["prox_logprobs"])
-    w = torch.exp(batch["prox_logprobs"] - batch["behav_logprobs"])
+    w = torch.exp(batch["prox_logprobs"] - batch["logprobs"])
     A = batch["advantages"]
     tok = w * torch.maximum(-A * r, -A * r.clamp(0.8, 1.2))
     assert loss == pytest.approx(float(tok[m].mean()), rel=1e-12)
@@ -139,7 +141,7 @@ def test_empty_padding_only_micro_batch(agg):
                               ratio_level="sequence", imp_weight_level="sequence")
     loss_fn, den_fn = make_policy_loss(cfg)
     mb = {"cu_seqlens": torch.zeros(1, dtype=torch.int32), "loss_mask": torch.zeros(4),
-          "behav_logprobs": torch.zeros(4), "prox_logprobs": torch.zeros(4),
+          "logprobs": torch.zeros(4), "prox_logprobs": torch.zeros(4),
           "advantages": torch.zeros(4)}
     logp = torch.zeros(4, requires_grad=True)
     num, stats = loss_fn(logp, None, mb)

@@ -32,7 +32,7 @@ def test_scheduler_batch_through_the_pipeline():
     assert batch["group_index"].tolist() == [0, 0, 1, 1, 2, 2]
     assert batch["seq_no_eos"].tolist() == [False, True, False, False, False, False]
     assert batch["response_lens"].tolist() == [3, 4, 2, 3, 2, 5]
-    assert batch["behav_logprobs"] is packed["logprobs"]
+    assert batch["logprobs"] is packed["logprobs"]
 
     cfg = dataclasses.replace(AlgorithmConfig(), zero_reward_without_eos=True,
                               dynamic_filter=True, group_std=False, loss_agg="seq_mean")
@@ -46,7 +46,7 @@ def test_scheduler_batch_through_the_pipeline():
     # group a: [1, 0] (no EOS zeroes nothing new) -> ±0.5; group c: [0, 1] -> ∓0.5
     per_seq = [float(batch["advantages"][int(batch["cu_seqlens"][b]) + 2]) for b in range(4)]
     assert per_seq == [0.5, -0.5, -0.5, 0.5]
-    batch["prox_logprobs"] = batch["behav_logprobs"].clone()
+    batch["prox_logprobs"] = batch["logprobs"].clone()
 
     loss_fn, den_fn = make_policy_loss(cfg)
     mbs = split_micro_batches(batch, 2)

@@ -145,7 +145,7 @@ def hand_mb():
         "cu_seqlens": torch.tensor([0, 2, 4], dtype=torch.int32),
         "loss_mask": torch.tensor([1, 1, 0, 1, 0], dtype=torch.uint8),
         "prox_logprobs": torch.tensor([-1.1, -2.0, 0.0, -1.0, 0.0]),
-        "behav_logprobs": torch.tensor([-1.2, -3.0, 0.0, -1.0, 0.0]),
+        "logprobs": torch.tensor([-1.2, -3.0, 0.0, -1.0, 0.0]),
         "advantages": torch.tensor([1.0, 1.0, -1.0, -1.0, 0.0]),
     }
 
@@ -226,7 +226,7 @@ def test_gspo_sequence_ratio_in_loss():
     cfg = cfg_(ratio_level="sequence", eps_clip_low=0.2, behav_imp_weight_cap=None,
                loss_agg="seq_mean")
     mb = hand_mb()
-    mb["behav_logprobs"] = mb["prox_logprobs"].clone()
+    mb["logprobs"] = mb["prox_logprobs"].clone()
     logp = torch.tensor(LOGP, requires_grad=True)
     num, _ = policy_loss(logp, None, mb, cfg)
     # seq 0: s = exp(mean(0.1, 0)) = e^.05, A=1 -> -e^.05 (per token, mean over tokens)
@@ -263,7 +263,7 @@ def test_on_policy_identity(kw):
     mask[16:] = 0
     lp = -torch.rand(18, generator=g) * 3
     mb = {"cu_seqlens": cu, "loss_mask": mask, "prox_logprobs": lp.clone(),
-          "behav_logprobs": lp.clone(), "advantages": torch.randn(18, generator=g) * 5}
+          "logprobs": lp.clone(), "advantages": torch.randn(18, generator=g) * 5}
     logp = lp.clone().requires_grad_()
     num, stats = policy_loss(logp, None, mb, cfg_(**kw))
     out = finalize_stats(stats)
@@ -297,7 +297,7 @@ def test_gradcheck_full_loss():
     mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0], dtype=torch.uint8)
     prox = -torch.rand(11, generator=g, dtype=torch.float64) - 0.5
     mb = {"cu_seqlens": cu, "loss_mask": mask, "prox_logprobs": prox,
-          "behav_logprobs": prox + 0.05 * torch.randn(11, generator=g, dtype=torch.float64),
+          "logprobs": prox + 0.05 * torch.randn(11, generator=g, dtype=torch.float64),
           "ref_logprobs": prox + 0.3 * torch.randn(11, generator=g, dtype=torch.float64),
           "advantages": torch.randn(11, generator=g, dtype=torch.float64)}
     logp = (prox + 0.05 * torch.randn(11, generator=g, dtype=torch.float64)).requires_grad_()
@@ -342,7 +342,7 @@ def test_loss_on_a_cp_padded_batch_uses_the_slot_layout(kw):
         prox = -torch.rand(n, generator=g)
         seqs.append({"input_ids": torch.zeros(n, dtype=torch.long), "prompt_len": 2,
                      "advantages": torch.randn(n, generator=g), "prox_logprobs": prox,
-                     "behav_logprobs": prox + 0.3 * torch.randn(n, generator=g),
+                     "logprobs": prox + 0.3 * torch.randn(n, generator=g),
                      "lp": prox + 0.1 * torch.randn(n, generator=g)})
     loss_fn, den_fn = make_policy_loss(cfg_(**kw))
     out = []

@@ -31,7 +31,7 @@ def _mb(lens=(9, 14, 5), cp=1, seed=0):
         seqs.append({"input_ids": torch.randint(0, 50, (n,), generator=g),
                      "prompt_len": max(1, n // 3),
                      "advantages": torch.randn(n, generator=g), "prox_logprobs": prox,
-                     "behav_logprobs": prox - 0.1, "ref_logprobs": prox + 0.1})
+                     "logprobs": prox - 0.1, "ref_logprobs": prox + 0.1})
     mb = pack_sequences(seqs, pad_to_multiple=2 * cp if cp > 1 else 4, cp_size=cp)
     mb["policy_version"] = 0
     return mb

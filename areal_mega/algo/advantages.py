@@ -165,7 +165,7 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
 
     ``batch`` needs ``loss_mask``, ``cu_seqlens``, ``rewards``; ``group_index`` for group
     normalisation; ``seq_no_eos``, ``response_lens`` for those shaping options; ``ref_logprobs``
-    (+ ``prox_logprobs`` or ``behav_logprobs``) for ``kl_in_reward``; ``values`` (per token,
+    (+ ``prox_logprobs`` or the behaviour ``logprobs``) for ``kl_in_reward``; ``values`` (per token,
     + optional per-sequence ``bootstrap_values``) for GAE. ``cfg`` is an ``AlgorithmConfig``;
     ``max_response_len`` is ``rollout.max_new_tokens`` (for the overlong penalty).
 
@@ -192,7 +192,7 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
         if batch.get("ref_logprobs") is None:
             raise KeyError("kl_in_reward needs 'ref_logprobs'")
         pol = batch.get("prox_logprobs")
-        pol = batch["behav_logprobs"] if pol is None else pol
+        pol = batch["logprobs"] if pol is None else pol
         kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask,
                          clamp=cfg.kl_clamp)
         kl_pen = -cfg.kl_coef * kl

@@ -7,16 +7,29 @@ keys), built once per micro-batch by :meth:`PackedBatch.from_packed` from
 the loss functions (``loss_fn(logprobs, entropy, mb)``, via the engine's ``loss_view``) read it
 exactly as they read the plain packed dicts of SFT and the tests.
 
+Field vocabulary — one from the trajectory to the loss, nothing is renamed on the way:
+
+* a per-token field has the :class:`~areal_mega.dataplane.trajectory.Trajectory`'s name
+  (``input_ids``, ``loss_mask``, ``logprobs``, ``versions``): ``logprobs`` are the behaviour
+  (rollout) policy's logprobs as on the wire, read by the loss as ``mb["logprobs"]`` (the
+  loss's positional ``logprobs`` argument is π_θ's, a different tensor that is never stored);
+* a per-sequence field is the trajectory attribute's column, named in the plural
+  (``reward`` → ``rewards``, ``sample_id`` → ``sample_ids``, ``group_id`` → ``group_ids``,
+  ``prompt_len`` → ``prompt_lens``), as ``pack_sequences`` packs it;
+* a derived field has its own name because it is a different thing: ``group_index`` (the
+  integer index of ``group_ids``, in order of first appearance, for tensor group statistics;
+  not the id), ``seq_no_eos``, ``response_lens``, ``advantages`` and the attached fields.
+
 Fields (T packed tokens, B sequences; per-token fields in next-token layout — position t holds
 the data of token t+1, matching the engine's logprob of token t+1 at position t):
 
 * layout: ``input_ids`` / ``position_ids`` / ``segment_ids`` [T], ``cu_seqlens`` /
   ``cu_seqlens_padded`` int32 [B+1], ``max_seqlen`` / ``max_seqlen_padded``;
-* per token [T]: ``loss_mask``, ``behav_logprobs`` (the rollout's logprobs), ``versions``,
-  ``advantages``; attached after planning: ``prox_logprobs``, ``ref_logprobs``;
+* per token [T]: ``loss_mask``, ``logprobs`` (behaviour), ``versions``, ``advantages``;
+  attached after planning: ``prox_logprobs``, ``ref_logprobs``;
 * per sequence [B]: ``rewards``, ``seqlens``, ``prompt_lens``, ``response_lens``,
-  ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (int ids of
-  ``group_ids``, in order of first appearance); ``sample_ids`` / ``group_ids`` (lists of str);
+  ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (derived from
+  ``group_ids``); ``sample_ids`` / ``group_ids`` (lists of str);
 * ``policy_version``: the weight version that computed ``prox_logprobs`` (attached).
 
 Fields computed after planning are attached with :meth:`PackedBatch.with_fields`, which returns
@@ -35,7 +48,7 @@ from torch import Tensor
 __all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
 
 #: Per-token [T] fields (next-token layout).
-TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "loss_mask", "behav_logprobs",
+TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "loss_mask", "logprobs",
                 "versions", "advantages", "prox_logprobs", "ref_logprobs")
 #: Fields that may be attached to a planned batch with :meth:`PackedBatch.with_fields`.
 ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "policy_version")
@@ -53,7 +66,7 @@ class PackedBatch(Mapping):
     max_seqlen: int
     max_seqlen_padded: int
     loss_mask: Tensor
-    behav_logprobs: Tensor
+    logprobs: Tensor
     versions: Tensor
     advantages: Tensor
     rewards: Tensor
@@ -96,7 +109,7 @@ class PackedBatch(Mapping):
         from areal_mega.algo.packing import with_algo_fields
         full = with_algo_fields(packed)
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(full) - names - {"logprobs", "token_keys"}
+        unknown = set(full) - names - {"token_keys"}
         if unknown:
             raise ValueError(f"PackedBatch: undeclared packed fields {sorted(unknown)}")
         return cls(**{k: v for k, v in full.items() if k in names})

@@ -34,19 +34,17 @@ def uniform_groups(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
     return ~uniform[gid], uniform
 
 
-def dynamic_filter(batch: dict, enabled: bool = True, *, rewards: Tensor | None = None,
-                   tol: float = 0.0) -> tuple[dict, dict[str, float]]:
-    """Drop the sequences of uniform-reward groups from a packed batch (when ``enabled``).
-
-    ``rewards`` defaults to ``batch["rewards"]`` (pass shaped rewards to filter on those).
-    Statistics are reported whether or not the filter is enabled: ``groups``,
-    ``uniform_groups``, ``uniform_group_frac``, ``uniform_all_max_groups`` (uniform at the batch's
-    highest reward, e.g. all correct), ``uniform_all_min_groups``, ``seqs_dropped``,
-    ``seqs_kept``. Returns ``(batch, stats)``; the batch is unchanged when nothing is dropped.
-    """
-    r = (batch["rewards"] if rewards is None else rewards).to(torch.float32)
-    keep, uniform = uniform_groups(r, batch["group_index"], tol=tol)
-    _, gid = torch.unique(batch["group_index"], return_inverse=True)
+def group_filter(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
+                 ) -> tuple[Tensor, dict[str, float]]:
+    """``(keep [B] bool, stats)`` of the uniform-group rule over per-sequence ``rewards`` and
+    their ``group_index``: what :func:`dynamic_filter` (packed batch) and
+    :func:`~areal_mega.algo.trajectories.filter_trajectories` (trajectory list) both apply.
+    Statistics: ``groups``, ``uniform_groups``, ``uniform_group_frac``,
+    ``uniform_all_max_groups`` (uniform at the batch's highest reward, e.g. all correct),
+    ``uniform_all_min_groups``."""
+    r = rewards.to(torch.float32)
+    keep, uniform = uniform_groups(r, group_index, tol=tol)
+    _, gid = torch.unique(group_index, return_inverse=True)
     n_groups = uniform.numel()
     group_value = torch.full((n_groups,), 0.0, device=r.device).scatter_reduce(
         0, gid.to(r.device), r, "amax", include_self=False)
@@ -59,6 +57,20 @@ def dynamic_filter(batch: dict, enabled: bool = True, *, rewards: Tensor | None 
         "uniform_all_min_groups": float((uniform & (group_value <= r.min() + tol)).sum())
         if n_groups else 0.0,
     }
+    return keep, stats
+
+
+def dynamic_filter(batch: dict, enabled: bool = True, *, rewards: Tensor | None = None,
+                   tol: float = 0.0) -> tuple[dict, dict[str, float]]:
+    """Drop the sequences of uniform-reward groups from a packed batch (when ``enabled``).
+
+    ``rewards`` defaults to ``batch["rewards"]`` (pass shaped rewards to filter on those).
+    Statistics are reported whether or not the filter is enabled: those of
+    :func:`group_filter`, ``seqs_dropped`` and ``seqs_kept``. Returns ``(batch, stats)``; the
+    batch is unchanged when nothing is dropped.
+    """
+    r = (batch["rewards"] if rewards is None else rewards).to(torch.float32)
+    keep, stats = group_filter(r, batch["group_index"], tol=tol)
     if not enabled or bool(keep.all()):
         stats.update(seqs_dropped=0.0, seqs_kept=float(r.numel()))
         return batch, stats

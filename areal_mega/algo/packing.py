@@ -112,21 +112,24 @@ def split_micro_batches(batch: dict, n: int) -> list[dict]:
     return [select_sequences(batch, range(bounds[i], bounds[i + 1])) for i in range(n)]
 
 
+def group_index_of(group_ids: Sequence[str]) -> Tensor:
+    """``group_index`` [B] long: the integer index of every sequence's ``group_id`` in order of
+    first appearance (a derived field for tensor group statistics, not the id itself)."""
+    ids: dict = {}
+    return torch.tensor([ids.setdefault(g, len(ids)) for g in group_ids], dtype=torch.long)
+
+
 def with_algo_fields(packed: dict) -> dict:
     """Add the algorithm's field names to a batch from ``scheduler.pack_sequences``.
 
-    ``behav_logprobs`` = ``logprobs`` (the rollout's), ``group_index`` = int ids of the string
-    ``group_ids`` (in order of first appearance), ``seq_no_eos`` = finished by ``length``
-    (``finish_codes``), ``response_lens`` = ``seqlens − prompt_lens``. Existing keys win;
-    returns a new dict sharing the tensors.
+    Only derived fields are added (the packed fields keep the trajectory's names, ``logprobs``
+    included): ``group_index`` = int index of the string ``group_ids`` (in order of first
+    appearance), ``seq_no_eos`` = finished by ``length`` (``finish_codes``), ``response_lens``
+    = ``seqlens − prompt_lens``. Existing keys win; returns a new dict sharing the tensors.
     """
     out = dict(packed)
-    if "behav_logprobs" not in out and "logprobs" in out:
-        out["behav_logprobs"] = out["logprobs"]
     if "group_index" not in out and "group_ids" in out:
-        ids: dict = {}
-        out["group_index"] = torch.tensor([ids.setdefault(g, len(ids))
-                                           for g in out["group_ids"]], dtype=torch.long)
+        out["group_index"] = group_index_of(out["group_ids"])
     if "seq_no_eos" not in out and "finish_codes" in out:
         from areal_mega.dataplane.trajectory import FINISH_REASONS
         out["seq_no_eos"] = out["finish_codes"] == FINISH_REASONS.index("length")

@@ -3,7 +3,8 @@ r"""The decoupled PPO / GRPO policy loss, its aggregation and its statistics.
 Notation, per generated token t of sequence i (loss_mask m_t = 1):
 ``logπ_θ`` = ``logprobs`` (current weights, differentiable), ``logπ_prox`` = ``prox_logprobs``
 (trainer's recomputation under the weights before this update), ``logπ_behav`` =
-``behav_logprobs`` (the rollout policy that sampled the token), A_t = ``advantages``.
+``mb["logprobs"]`` (the rollout policy that sampled the token: the trajectory's ``logprobs``
+under the same name), A_t = ``advantages``.
 
 Ratio (``ratio_level``)::
 
@@ -121,11 +122,12 @@ def ppo_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
 
 
 @torch.no_grad()
-def behav_importance_weight(prox_logprobs: Tensor, behav_logprobs: Tensor, loss_mask: Tensor,
+def behav_importance_weight(prox_logprobs: Tensor, logprobs: Tensor, loss_mask: Tensor,
                             cu_seqlens: Optional[Tensor] = None, *, cap: Optional[float] = None,
                             level: str = "token", mode: str = "mask",
                             seq_reduce: SeqReduce = None) -> tuple[Tensor, Tensor, Tensor]:
-    r"""Importance weight of the proximal against the behaviour policy (no gradient).
+    r"""Importance weight of the proximal against the behaviour policy (no gradient);
+    ``logprobs`` are the behaviour logprobs (the batch's ``logprobs``).
 
     Levels, with δ_u = logπ_prox(y_u) − logπ_behav(y_u) over the loss tokens u of sequence i::
 
@@ -142,7 +144,7 @@ def behav_importance_weight(prox_logprobs: Tensor, behav_logprobs: Tensor, loss_
     bool mask of tokens that stay in the loss, and the bool mask of loss tokens above the cap.
     """
     mask = loss_mask.bool()
-    d = _masked(prox_logprobs - behav_logprobs, mask)
+    d = _masked(prox_logprobs - logprobs, mask)
     if level in ("sequence", "geometric"):
         if cu_seqlens is None:
             raise ValueError(f"imp_weight_level={level!r} needs cu_seqlens")
@@ -235,7 +237,8 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     """One micro-batch's loss numerator and summed statistics (the engine loss contract).
 
     ``cfg`` is an :class:`~areal_mega.config.AlgorithmConfig`. ``mb`` needs ``loss_mask``,
-    ``cu_seqlens``, ``advantages``, ``behav_logprobs``; ``prox_logprobs`` when ``cfg.decoupled``;
+    ``cu_seqlens``, ``advantages``, ``logprobs`` (behaviour: the trajectory's, not the
+    ``logprobs`` argument, which are π_θ's); ``prox_logprobs`` when ``cfg.decoupled``;
     ``ref_logprobs`` when ``cfg.kl_coef > 0`` and not ``cfg.kl_in_reward``.
 
     Statistics are detached sums over this micro-batch's loss tokens (see
@@ -252,7 +255,7 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     Sequences are the slots of :func:`segment_bounds`; with ``mb["cp_shard"]`` (a CP rank's
     share, see the module docstring) per-sequence sums are added over the CP group.
     """
-    check_devices(logprobs, mb, ("loss_mask", "advantages", "behav_logprobs", "prox_logprobs",
+    check_devices(logprobs, mb, ("loss_mask", "advantages", "logprobs", "prox_logprobs",
                                  "ref_logprobs", "versions"), entropy)
     dtype = logprobs.dtype
     cu = segment_bounds(mb)
@@ -261,7 +264,7 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     owner = shard is None or shard.owner
     mask = mb["loss_mask"].bool()
     adv = mb["advantages"].to(dtype)
-    behav = mb["behav_logprobs"].to(dtype)
+    behav = mb["logprobs"].to(dtype)
     prox = mb["prox_logprobs"].to(dtype) if mb.get("prox_logprobs") is not None else None
     if cfg.decoupled:
         if prox is None:

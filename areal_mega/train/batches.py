@@ -1,8 +1,9 @@
 """From finished trajectories to this rank's packed micro-batches (trainer side).
 
 Rank 0 owns the trajectory buffer. For one training step it
-1. computes advantages over whole prompt groups (GRPO needs every sample of a group),
-2. drops uniform-reward groups when dynamic filtering is on,
+1. drops uniform-reward groups when dynamic filtering is on,
+2. computes advantages over whole prompt groups (GRPO needs every sample of a group) on the
+   trajectories themselves, in their own token layout, before anything is packed,
 3. moves every per-token field into the *next-token layout* the engine uses (position t holds
    the data of token t+1: its loss-mask bit, behaviour logprob, advantage, version), because
    ``MegatronEngine.forward_logprobs`` returns at position t the logprob of token t+1,
@@ -19,9 +20,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from areal_mega.algo import compute_advantages, dynamic_filter
 from areal_mega.algo.batch import PackedBatch
-from areal_mega.algo.packing import with_algo_fields
+from areal_mega.algo.trajectories import filter_trajectories, trajectory_advantages
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
 
@@ -88,23 +88,17 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
 
 def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len: int
                      ) -> tuple[list, list, dict]:
-    """Filter and compute per-token advantages over a list of whole groups.
+    """Filter and compute per-token advantages over a list of whole groups, on the
+    trajectories themselves (:mod:`areal_mega.algo.trajectories`), before any packing.
 
-    Returns (kept trajectories, their per-token advantage arrays, stats)."""
-    full = with_algo_fields(pack_sequences(trajs))
-    kept, fstats = dynamic_filter(full, algo_cfg.dynamic_filter)
-    keep_ids = set(kept["sample_ids"])
-    kept_trajs = [t for t in trajs if t.sample_id in keep_ids]
+    Returns (kept trajectories, their per-token advantage arrays in trajectory layout, stats)."""
+    kept, fstats = filter_trajectories(trajs, algo_cfg.dynamic_filter)
     stats = {f"filter/{k}": float(v) for k, v in fstats.items()}
-    if not kept_trajs:
+    if not kept:
         return [], [], stats
-    out, astats = compute_advantages(kept, algo_cfg, max_response_len=max_response_len)
+    advs, astats = trajectory_advantages(kept, algo_cfg, max_response_len=max_response_len)
     stats.update({f"adv/{k}": float(v) for k, v in astats.items()})
-    adv = out["advantages"].numpy()
-    cu = kept["cu_seqlens"].tolist()
-    by_id = dict(zip(kept["sample_ids"], range(len(cu) - 1)))
-    advs = [adv[cu[by_id[t.sample_id]]:cu[by_id[t.sample_id] + 1]] for t in kept_trajs]
-    return kept_trajs, advs, stats
+    return kept, advs, stats
 
 
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
