@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
-from areal_mega.dataplane.trajectory import FINISH_REASONS, Trajectory, TrajectoryError
+from areal_mega.dataplane.trajectory import FINISH_REASONS, Trajectory
 
 PER_TOKEN_FILL = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "token_rewards": 0.0}
 """Value of padding tokens per field (extras not listed here are padded with 0)."""
