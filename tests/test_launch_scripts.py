@@ -29,8 +29,9 @@ def test_torchrun_sh_joins_external_servers(tmp_path):
                         f"logging.run_dir={tmp_path}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    lines = [x for x in r.stdout.splitlines() if x.startswith("ECHO")]
-    assert len(lines) == 2 and all("world=2" in x for x in lines)
+    # each rank's line from its own file (the two ranks' stdout lines can interleave)
+    lines = [(tmp_path / f"echo-rank{k}.txt").read_text() for k in (0, 1)]
+    assert all(x.startswith(f"ECHO rank={k} world=2") for k, x in enumerate(lines)), lines
     assert "rollout.server_addrs=10.1.2.3:30000" in lines[0] and "'--config'" in lines[0]
     assert "worker serving ['10.1.2.3:30000']" in r.stdout   # started beside rank 0 ...
     assert not _alive(int((tmp_path / "worker.pid").read_text()))  # ... and stopped after

@@ -21,8 +21,12 @@ def main():
             if not pid_dir or os.path.exists(os.path.join(pid_dir, "worker.pid")):
                 break
             time.sleep(0.05)
-        print(f"ECHO rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} "
-              f"args={args}", flush=True)
+        line = (f"ECHO rank={os.environ.get('RANK')} world={os.environ.get('WORLD_SIZE')} "
+                f"args={args}")
+        print(line, flush=True)
+        if pid_dir:   # one file per rank: lines of ranks sharing a pipe can interleave
+            with open(os.path.join(pid_dir, f"echo-rank{os.environ.get('RANK')}.txt"), "w") as f:
+                f.write(line + "\n")
         return
     # the real config code: launch.local hands over a resolved file, torchrun.sh the recipe
     # plus key=value overrides
