@@ -1,13 +1,12 @@
 """Context parallelism in the loss: a CP=2 rank's share of a packed micro-batch, fed to the
 production losses through the engine's own loss path, gives the CP=1 loss, statistics and
 gradients w.r.t. the logprobs (2 gloo processes, see tests/cp_loss_worker.py)."""
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+
+from tests.multirank import free_port, rank_results, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "cp_loss_worker.py")
 #: fp32 sums of the same terms in another order (per shard, then across the 2 ranks)
@@ -16,39 +15,14 @@ NAMES = ["token_mean", "seq_mean", "seq_sum_norm", "gspo_seq_mean", "gspo_token_
          "seq_weight_mask", "seq_weight_clamp", "ppo_dual_clip", "sft"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_loss")
-    port, world = str(_free_port()), 2
+    port, world = str(free_port()), 2
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(world), port, str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    res = []
-    for r in range(world):
-        path = out / f"cp_loss.{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no result; log tail:\n{logs[r][-4000:]}")
-        data = json.loads(path.read_text())
-        if "error" in data:
-            pytest.fail(f"rank {r} failed:\n{data['error']}")
-        res.append(data)
-    return res
+    ranks = run_ranks([[sys.executable, WORKER, r, world, port, out] for r in range(world)],
+                      timeout=300, env=env)
+    return rank_results([out / f"cp_loss.{r}.json" for r in range(world)], ranks)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -5,50 +5,23 @@ layout's per-token logprobs and gradients must match the TP1/PP1 reference withi
 with the production losses (decoupled PPO with KL and entropy terms, a GSPO / sequence-mean
 variant on the pipeline layout, SFT on the MoE layouts).
 """
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+
+from tests.multirank import free_port, rank_results, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
 TOL = 1e-5
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario, tmp_path, world=2, timeout=240):
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port,
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            logs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = []
-    for r in range(world):
-        path = tmp_path / f"{scenario}.{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no result; log tail:\n{logs[r][-4000:]}")
-        res = json.loads(path.read_text())
-        if "error" in res:
-            pytest.fail(f"rank {r} failed:\n{res['error']}\nlog tail:\n{logs[r][-2000:]}")
-        results.append(res)
-    return results
+    ranks = run_ranks([[sys.executable, WORKER, scenario, r, world, port, tmp_path]
+                       for r in range(world)], timeout=timeout, env=env)
+    return rank_results([tmp_path / f"{scenario}.{r}.json" for r in range(world)], ranks)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ marks the row-parallel expert ``linear_fc2`` with ``partition_dim=0`` although i
 split on dim 1; the export must still produce HF ``down_proj`` of shape [hidden, moe_ffn].
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from areal_mega.checkpoint.export import expected_full_shape, gather_axis
 from areal_mega.models.builder import HFArch
+from tests.multirank import free_port, run_ranks
 
 H, MOE_FFN, TP = 6, 8, 2
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,18 +79,11 @@ def test_expected_full_shapes_from_the_hf_config():
 
 def test_te_grouped_fc2_with_lying_partition_dim_exports_down_proj(tmp_path):
     """Two gloo ranks export a TE-grouped-GEMM expert layer at expert TP 2."""
-    s = __import__("socket").socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    out = tmp_path / "export.pt"
+    port, out = free_port(), tmp_path / "export.pt"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(TP)]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+    for rc, log in run_ranks([[sys.executable, __file__, r, port, out] for r in range(TP)],
+                             timeout=240, env=env, cwd=ROOT):
+        assert rc == 0, log[-4000:]
     got = torch.load(out)
     x = "model.layers.0.mlp.experts.0."
     assert set(got) == {x + "gate_proj.weight", x + "up_proj.weight", x + "down_proj.weight"}

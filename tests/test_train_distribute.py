@@ -1,48 +1,22 @@
 """batches.distribute over a real 2-rank gloo mesh: each rank receives only its own DP share."""
-import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
 
+from tests.multirank import free_port, rank_results, run_ranks
+
 WORKER = os.path.join(os.path.dirname(__file__), "_distribute_worker.py")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distribute")
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), "2", port, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    res = []
-    for r in range(2):
-        path = out / f"distribute.{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no result; log tail:\n{logs[r][-4000:]}")
-        d = json.loads(path.read_text())
-        if "error" in d:
-            pytest.fail(f"rank {r} failed:\n{d['error']}")
-        res.append(d)
-    return res
+    ranks = run_ranks([[sys.executable, WORKER, r, 2, port, out] for r in range(2)],
+                      timeout=300, env=env)
+    return rank_results([out / f"distribute.{r}.json" for r in range(2)], ranks)
 
 
 def test_dp2_each_rank_receives_only_its_own_micro_batches(results):
