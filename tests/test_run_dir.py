@@ -5,23 +5,11 @@ import json
 import subprocess
 import sys
 
-import numpy as np
-
 from areal_mega.config import load_config
-from areal_mega.dataplane import Trajectory
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.run_dir import (META_NAME, RunDir, checkpoint_iteration, complete_checkpoints,
                                 find_latest, iter_dir_name)
-
-
-def _traj(i: int) -> Trajectory:
-    n = 5   # one prompt token, four generated
-    return Trajectory(input_ids=np.arange(n, dtype=np.int32),
-                      loss_mask=np.array([0, 1, 1, 1, 1], np.uint8),
-                      logprobs=np.array([0, -1, -1, -1, -1], np.float32),
-                      versions=np.array([-1, 0, 0, 0, 0], np.int32),
-                      reward=1.0, sample_id=f"s{i}", group_id=f"g{i // 2}", prompt_len=1,
-                      finish_reason="stop")
+from tests.dataplane_helpers import make_traj
 
 
 def _complete(root, it, accepted=0):
@@ -68,7 +56,7 @@ def test_accepted_samples_counts_checkpoint_and_journal(tmp_path):
     ckpt = _complete(rd.checkpoint_root, 3, accepted=8)
     assert checkpoint_iteration(ckpt) == 3
     j = TrajectoryJournal(rd.journal)
-    j.append([_traj(i) for i in range(4)])
+    j.append([make_traj(0, i) for i in range(4)])
     j.close()
     assert rd.accepted_samples(ckpt) == 12
     assert rd.accepted_samples(None) == 4   # recover=off: no checkpoint lineage
