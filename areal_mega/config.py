@@ -185,6 +185,23 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation during RL training: the rollout worker runs the held-out prompts on the
+    rollout servers at the weights just published (outside the staleness bound and the
+    training buffer); the trainer logs ``eval/*``. Runs at step 0 (fresh run), every
+    ``every_steps`` steps and after the last step."""
+    data: list = _f(factory=list, doc="prompt files (JSONL / parquet, read with the data.* "
+                    "keys); empty = no evaluation")
+    every_steps: int = _f(0, lo=0, doc="steps between evaluations; 0 = off")
+    n_samples: int = _f(1, lo=1, doc="samples per prompt (pass@k for k = 1, 2, 4, ..)")
+    temperature: float = _f(0.0, lo=0.0, doc="0 = greedy")
+    top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
+    max_new_tokens: int = _f(0, lo=0, doc="0 = rollout.max_new_tokens")
+    reward_fn: str = _f("", doc="module:function; empty = rollout.reward_fn")
+    pass_threshold: float = _f(1.0, doc="a sample is correct when its reward >= this")
+
+
+@dataclass
 class CheckpointConfig:
     dir: str = _f("", doc="empty = <run_dir>/checkpoints")
     save_every: int = _f(0, lo=0, doc="steps between checkpoints (0 = only at the end)")
@@ -240,6 +257,7 @@ class ExperimentConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     model_hparams: Optional[ModelHParams] = _f(

@@ -84,3 +84,10 @@ def validate(cfg: ExperimentConfig) -> None:
             and cfg.algorithm.group_norm:
         raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
                           "needs at least 2 samples per prompt")
+    if cfg.eval.every_steps and not cfg.eval.data:
+        raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: eval.data is empty; name "
+                          "the evaluation prompt files or set eval.every_steps=0")
+    if cfg.eval.every_steps and cfg.mode != "rl":
+        raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
+                          f"training runs on the rollout servers (mode=rl), not mode="
+                          f"{cfg.mode!r}; use python -m areal_mega.eval on the checkpoint")

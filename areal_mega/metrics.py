@@ -202,9 +202,18 @@ PANELS = (("loss", "loss"), ("ppo_kl", "ppo_kl"), ("staleness/max", "staleness (
           ("time/step", "time / step (s)"))
 
 
+def eval_curve_keys(records: Iterable[Mapping]) -> list:
+    """The evaluation curves drawn on the reward panel: ``eval/pass@1`` first, then each
+    source's ``eval/<source>/pass@1``."""
+    keys = {k for r in records for k in r if k.startswith("eval/") and k.endswith("/pass@1")
+            or k == "eval/pass@1"}
+    return sorted(keys, key=lambda k: (k != "eval/pass@1", k))
+
+
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 10,
                  title: Optional[str] = None) -> Path:
-    """Draw the reward curve (raw + moving average) and loss / ppo_kl / staleness /
+    """Draw the reward curve (raw + moving average, with the evaluation pass@1 curves of
+    :func:`eval_curve_keys` when the run evaluated) and loss / ppo_kl / staleness /
     time-per-step panels into ``out_png``. Missing keys leave their panel empty."""
     import matplotlib
 
@@ -230,6 +239,14 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
         ax.legend(loc="lower right")
     else:
         ax.text(0.5, 0.5, "no reward/mean", ha="center", va="center", transform=ax.transAxes)
+    evals = eval_curve_keys(recs)
+    colors = ("tab:red", "tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:olive")
+    for i, key in enumerate(evals):      # evaluation during training: pass@1 per eval step
+        xs, ys = series(key)
+        ax.plot(xs, ys, marker="o", lw=2 if i == 0 else 1, ls="-" if i == 0 else "--",
+                color=colors[i % len(colors)], label=key)
+    if evals:
+        ax.legend(loc="lower right")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
