@@ -83,3 +83,15 @@ def test_cpu_run_with_periodic_eval(tmp_path):
     assert eval_curve_keys(rows) == ["eval/pass@1", "eval/add/pass@1", "eval/test/pass@1"]
     assert (run / "reward_curve.png").stat().st_size > 0
     assert any((run / "tensorboard").iterdir())
+
+
+def test_demo_summary_skips_the_step0_evaluation_row(tmp_path):
+    from areal_mega.demo import summarize as demo_summary
+
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval/pass@1": 0.5}] + [
+        {"step": s, "reward/mean": 0.1 * s, "mismatch": 0.0, "time/step": 1.0}
+        for s in (1, 2, 3)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = demo_summary(f)
+    assert s["steps"] == 3 and s["reward_first10"] == pytest.approx(0.2)
