@@ -60,9 +60,17 @@ def _common(data, out, *extra):
             "--pass-threshold", "0.2", "--out", str(out), "--no-progress", *extra]
 
 
-def test_greedy_eval_equals_transformers_generate(assets, tmp_path):
+@pytest.fixture(scope="module")
+def greedy_run(assets, tmp_path_factory):
+    """``python -m areal_mega.eval --model`` at temperature 0, 2 samples, on both files."""
     model, test, add = assets
-    res = eval_main(["--model", str(model), *_common([test, add], tmp_path / "r.json")])
+    out = tmp_path_factory.mktemp("greedy") / "r.json"
+    return eval_main(["--model", str(model), *_common([test, add], out)]), out
+
+
+def test_greedy_eval_equals_transformers_generate(assets, greedy_run):
+    model, test, add = assets
+    res, out = greedy_run
     want = hf_greedy(model, [test, add])
     recs = res["records"]
     assert len(recs) == len(want) == 18
@@ -81,21 +89,22 @@ def test_greedy_eval_equals_transformers_generate(assets, tmp_path):
         sum(w["finish"] == "length" for w in want) / 18)
     assert set(s["per_source"]) == {"test", "add"}
     assert s["per_source"]["add"]["n_prompts"] == 6
-    written = json.loads((tmp_path / "r.json").read_text())
+    written = json.loads(out.read_text())
     assert written["summary"] == s and written["settings"]["n_samples"] == 2
     assert summarize(written["records"], 0.2) == s
 
 
-def test_eval_of_a_megatron_checkpoint_equals_its_hf_model(assets, tmp_path):
+def test_eval_of_a_megatron_checkpoint_equals_its_hf_model(assets, greedy_run, tmp_path):
     """--checkpoint converts one of our checkpoints (here a TP=2 layout) to HF first; the
     evaluation equals the one of the HF model it was converted from."""
     from areal_mega.checkpoint.convert import convert_hf_to_mcore
 
-    model, test, _ = assets
+    model, test, add = assets
     ckpt = tmp_path / "ckpt"
     convert_hf_to_mcore(model, ckpt, tp=2, dtype="fp32", make_vocab_size_divisible_by=1,
                         progress=False)
-    a = eval_main(["--checkpoint", str(ckpt), *_common([test], tmp_path / "a.json")])
-    b = eval_main(["--model", str(model), *_common([test], tmp_path / "b.json")])
+    a = eval_main(["--checkpoint", str(ckpt), *_common([test, add], tmp_path / "a.json")])
+    b = greedy_run[0]
     assert [r["output_ids"] for r in a["records"]] == [r["output_ids"] for r in b["records"]]
     assert a["summary"] == b["summary"]
+    assert a["settings"]["checkpoint"] == str(ckpt)
