@@ -108,3 +108,23 @@ def test_eval_of_a_megatron_checkpoint_equals_its_hf_model(assets, greedy_run, t
     assert [r["output_ids"] for r in a["records"]] == [r["output_ids"] for r in b["records"]]
     assert a["summary"] == b["summary"]
     assert a["settings"]["checkpoint"] == str(ckpt)
+
+
+def test_bad_input_is_one_line_naming_it(assets, tmp_path, capsys):
+    from areal_mega.eval.__main__ import cli
+
+    model, test, _ = assets
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1=", "answer": "1"}) + "\n")
+    cases = [(["--model", str(model), "--data", str(tmp_path / "none.jsonl")], "not found"),
+             (["--model", str(model), "--data", str(bad)], "missing field 'prompt'"),
+             (["--model", str(tmp_path), "--data", str(test)], "not an HF model directory"),
+             (["--checkpoint", str(tmp_path), "--data", str(test)], "no complete checkpoint"),
+             (["--model", str(model), "--data", str(test), "--reward-fn", "no_such:fn"],
+              "cannot import")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit) as e:
+            cli(argv + ["--out", str(tmp_path / "r.json")])
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

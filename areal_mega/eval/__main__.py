@@ -45,22 +45,24 @@ def resolve_model_dir(args, workdir: Path) -> Path:
     if args.model:
         model = Path(args.model)
         if not (model / "config.json").is_file():
-            sys.exit(f"--model {model}: not an HF model directory (no config.json)")
+            raise ValueError(f"--model {model}: not an HF model directory (no config.json)")
         return model
     ckpt = Path(args.checkpoint)
     if not ckpt.is_dir():
-        sys.exit(f"--checkpoint {ckpt}: not a directory")
+        raise ValueError(f"--checkpoint {ckpt}: not a directory")
     if is_hf_dir(ckpt):
         return ckpt
     if args.server_addrs:               # the servers hold the weights: tokenizer files only
         hf = Path(args.hf_config) if args.hf_config else resolve_checkpoint(ckpt) / HF_SUBDIR
         if not (hf / "config.json").is_file():
-            sys.exit(f"--checkpoint {ckpt}: no HF config/tokenizer in {hf}; pass --hf-config")
+            raise ValueError(f"--checkpoint {ckpt}: no HF config/tokenizer in {hf}; "
+                             "pass --hf-config")
         return hf
     from areal_mega.checkpoint.convert import convert_mcore_to_hf
 
     out = workdir / "hf"
-    print(f"[eval] converting checkpoint {ckpt} to HF format in {out}", file=sys.stderr)
+    ckpt = resolve_checkpoint(ckpt)     # the latest iter_* of a root; a clear error if none
+    print(f"[eval] converting checkpoint {ckpt} to HF format", file=sys.stderr)
     convert_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config, progress=False)
     return out
 
@@ -179,5 +181,17 @@ def main(argv=None) -> dict:
     return result
 
 
+def cli(argv=None) -> None:
+    """Entry point: :func:`main`, with bad input (a missing file, a record without the prompt
+    field, a bad reward path or checkpoint) reported as one line and exit code 2."""
+    from areal_mega.checkpoint.dist_ckpt import CheckpointError
+
+    try:
+        main(argv)
+    except (ValueError, CheckpointError, FileExistsError) as e:   # DataError is a ValueError
+        print(f"[eval] error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    main()
+    cli()
