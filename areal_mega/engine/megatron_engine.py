@@ -275,11 +275,12 @@ class MegatronEngine:
     @torch.no_grad()
     def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
                          return_entropy: bool = False):
-        """Per-token log-probability of each token's next token, per micro-batch.
+        """Per-token log-probability of each token's next token (the micro-batch's ``labels``,
+        from ``train.batches.next_token_layout``), per micro-batch.
 
         Returns a list (one per micro-batch) of fp32 ``[T]`` tensors on CPU, or of
-        ``(logprobs, entropy)`` pairs with ``return_entropy``. The last token of each sequence
-        and padding get 0. Results are broadcast from the last pipeline stage (and gathered
+        ``(logprobs, entropy)`` pairs with ``return_entropy``. Positions with label -1 (the last
+        token of each sequence, padding) get 0. Results are broadcast from the last pipeline stage (and gathered
         over CP), so every rank of the model-parallel group returns them."""
         if not micro_batches:
             return []
