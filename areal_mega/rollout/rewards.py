@@ -256,7 +256,7 @@ def code_reward(prompt: str, completion: str, answer, *, timeout_s: float = 4.0,
         res = default_sandbox().run(code, tests, timeout_s=timeout_s, memory_mb=memory_mb,
                                     max_procs=max_procs, max_file_mb=max_file_mb,
                                     stop_at_first_failure=all_or_nothing)
-    except (ValueError, OSError) as e:
+    except (ValueError, TypeError, OSError) as e:   # bad tests or no process: score 0
         log.warning("code_reward: %s", e)
         return 0.0
     if all_or_nothing:
