@@ -329,5 +329,6 @@ def load_tokenizer(model_path: str):
 
 
 __all__: Sequence[str] = ("DataError", "PromptDataset", "PromptItem", "PromptLoader",
-                          "PromptSampler", "epoch_permutation", "field_keys", "load_tokenizer", "read_records",
+                          "PromptSampler", "epoch_permutation", "field_keys", "load_tokenizer",
+                          "read_records",
                           "read_jsonl", "read_parquet", "detect_format", "render_prompt")

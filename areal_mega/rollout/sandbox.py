@@ -4,14 +4,15 @@
     result.passed, result.total, result.isolation
 
 Each evaluation gets a private temporary working directory and one
-``python -I -S sandbox_runner.py`` process (standard library only, no site-packages) (see :mod:`areal_mega.rollout.sandbox_runner` for what
-happens inside: namespaces, read-only mounts, resource limits, one forked child per test). Out
-here: at most ``max_parallel`` evaluations run at once (callers beyond that wait for a slot, in
-their own thread — reward functions run off the event loop); each slot has its own unprivileged
-uid when this process is root, so one slot's fork bomb cannot use up another slot's process
-budget; the whole process group is killed at the wall deadline (``timeout_s`` per test plus a
-start-up allowance), and the tests passed before it still count. Nothing here raises on bad
-code: a crash, a timeout or a missing result is a failed test.
+``python -I -S sandbox_runner.py`` process (standard library only, no site-packages; see
+:mod:`areal_mega.rollout.sandbox_runner` for what happens inside: namespaces, read-only
+mounts, resource limits, one forked child per test). Out here: at most ``max_parallel``
+evaluations run at once (callers beyond that wait for a slot, in their own thread — reward
+functions run off the event loop); each slot has its own unprivileged uid when this process is
+root, so one slot's fork bomb cannot use up another slot's process budget; the whole process
+group is killed at the wall deadline (``timeout_s`` per test plus a start-up allowance), and
+the tests passed before it still count. Nothing here raises on bad code: a crash, a timeout or
+a missing result is a failed test.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class SandboxResult:
     timed_out: bool = False
     error: Optional[str] = None
     isolation: dict = field(default_factory=dict)
+    test_seconds: list = field(default_factory=list)   # per finished test: fork to reaping
 
     @property
     def fraction(self) -> float:
@@ -136,8 +138,10 @@ class CodeSandbox:
                 self._note_isolation(result.isolation)
             elif "error" in rec:
                 result.error = str(rec["error"])
-            elif rec.get("ok") is True and isinstance(rec.get("i"), int):
-                passed.add(rec["i"])
+            elif isinstance(rec.get("i"), int):
+                result.test_seconds.append(float(rec.get("s", 0.0)))
+                if rec.get("ok") is True:
+                    passed.add(rec["i"])
         result.passed = len(passed & set(range(total)))
         return result
 

@@ -1,10 +1,10 @@
-"""The process inside the code sandbox (run as ``python -I sandbox_runner.py WORKDIR``).
+"""The process inside the code sandbox (run as ``python -I -S sandbox_runner.py WORKDIR``).
 
 Launched by :mod:`areal_mega.rollout.sandbox`; never imported by the trainer. It reads
 ``WORKDIR/job.json`` (limits, tests) and ``WORKDIR/solution.py``, isolates itself, then runs
-every test in a fresh forked child and writes one JSON line per test (``{"i", "ok"}``) to its
-stdout. Steps, in order (each namespace step is best-effort; what worked is reported first as a
-``{"isolation": {...}}`` line):
+every test in a fresh forked child and writes one JSON line per test to its stdout
+(``{"i", "ok", "s"}``, ``s`` = seconds from fork to reaping). Steps, in order (each namespace
+step is best-effort; what worked is reported first as an ``{"isolation": {...}}`` line):
 
 1. ``unshare`` new mount, network, IPC and PID namespaces (plus a user namespace when not
    root): the network namespace has only a down loopback, so no connection can be made;
@@ -50,7 +50,9 @@ def isolate(libc, workdir: str) -> dict:
     """Namespaces and read-only mounts (steps 1-2); returns what worked."""
     root = os.geteuid() == 0
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID | (0 if root else CLONE_NEWUSER)
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWPID
+    if not root:
+        flags |= CLONE_NEWUSER
     info = {"root": root, "netns": False, "pidns": False, "readonly": False, "why": []}
     if libc.unshare(flags) != 0:
         info["why"].append(_err("unshare"))
@@ -218,7 +220,8 @@ def run_tests(job: dict, src: str, out) -> None:
         pid = os.fork()
         if pid == 0:
             _run_child(job, src, i, out.fileno())
-        deadline = time.monotonic() + job["timeout_s"]
+        started = time.monotonic()
+        deadline = started + job["timeout_s"]
         status, delay = None, 0.001
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)
@@ -237,7 +240,8 @@ def run_tests(job: dict, src: str, out) -> None:
             except OSError:
                 pass
         ok = _check(job, i, status)
-        out.write(json.dumps({"i": i, "ok": ok}) + "\n")
+        out.write(json.dumps({"i": i, "ok": ok, "s": round(time.monotonic() - started, 4)})
+                  + "\n")
         out.flush()
         if not ok and job.get("stop_at_first_failure"):
             return
