@@ -106,11 +106,17 @@ def test_write_outside_the_working_directory_fails(box, tmp_path):
     code = (f"try:\n    open({str(target)!r}, 'w').write('x')\n    print('written')\n"
             "except OSError as e:\n    print('denied')\nopen('inside.txt', 'w').write('ok')")
     res = run(box, code, {"inputs": [""], "outputs": ["denied"]})
-    assert res.passed == 1
-    assert not target.exists()
+    if res.isolation.get("readonly") or res.isolation.get("root"):
+        # read-only mounts, or (without them) the slot's own uid in root's private tmp_path
+        assert res.passed == 1
+        assert not target.exists()
+    else:   # neither: this kernel gives no way to stop it, and the test says so
+        pytest.skip(f"no read-only mount namespace here: {res.isolation.get('why')}")
 
 
-def test_network_connection_fails_or_the_missing_namespace_is_logged(box, caplog):
+@pytest.mark.parametrize("namespaces", [True, False])
+def test_network_connection_fails_or_the_missing_namespace_is_logged(namespaces, caplog):
+    box = CodeSandbox(max_parallel=1, namespaces=namespaces)
     listener = socket.create_server(("127.0.0.1", 0))   # reachable from this namespace
     port = listener.getsockname()[1]
     code = ("import socket\ntry:\n"
@@ -123,8 +129,14 @@ def test_network_connection_fails_or_the_missing_namespace_is_logged(box, caplog
         listener.close()
     if res.isolation.get("netns"):
         assert res.passed == 1
-    else:
-        assert "network access is NOT blocked" in caplog.text
+    else:   # without a network namespace the connection works, and the log says so once
+        assert res.passed == 0 and "network access is NOT blocked" in caplog.text
+        print(f"without namespaces: {caplog.text.strip()}")
+    # the limits hold either way: a fork bomb is contained
+    fork = run(box, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                    "        pass", {"inputs": ["x"], "outputs": ["done"]}, timeout_s=0.5,
+               max_procs=8)
+    assert fork.passed == 0 and not fork.timed_out
 
 
 def test_64_concurrent_evaluations_with_bounded_processes():

@@ -55,11 +55,15 @@ class SandboxResult:
 class CodeSandbox:
     """Bounded-concurrency sandboxed test runner (thread-safe; one per process is enough)."""
 
-    def __init__(self, max_parallel: int = 4, tmp_root: Optional[str] = None):
+    def __init__(self, max_parallel: int = 4, tmp_root: Optional[str] = None,
+                 namespaces: bool = True):
+        """``namespaces=False`` skips the namespaces and read-only mounts (resource limits
+        and the slot uid only), e.g. where a kernel's namespaces misbehave; it is logged."""
         if max_parallel < 1:
             raise ValueError(f"max_parallel={max_parallel}: must be >= 1")
         self.max_parallel = max_parallel
         self.tmp_root = tmp_root
+        self.namespaces = namespaces
         self._slots: "queue.Queue[int]" = queue.Queue()
         for k in range(max_parallel):
             self._slots.put(k)
@@ -72,7 +76,7 @@ class CodeSandbox:
         missing = [k for k in ("netns", "pidns", "readonly") if not info.get(k)]
         if missing and not self._warned:
             self._warned = True
-            log.warning("code sandbox: no %s on this kernel (%s); the code still runs under "
+            log.warning("code sandbox: running without %s (%s); the code still runs under "
                         "resource limits%s", ", ".join(missing), "; ".join(info.get("why", [])),
                         ", but network access is NOT blocked" if "netns" in missing else "")
 
@@ -94,7 +98,8 @@ class CodeSandbox:
             job = {"inputs": inputs, "outputs": outputs, "fn_name": tests.get("fn_name"),
                    "timeout_s": float(timeout_s), "memory_mb": int(memory_mb),
                    "max_procs": int(max_procs), "max_file_mb": int(max_file_mb),
-                   "uid": SLOT_UID_BASE + slot, "stop_at_first_failure": stop_at_first_failure}
+                   "uid": SLOT_UID_BASE + slot, "stop_at_first_failure": stop_at_first_failure,
+                   "namespaces": self.namespaces}
             Path(workdir, "job.json").write_text(json.dumps(job))
             Path(workdir, "solution.py").write_text(code)
             if os.geteuid() == 0:
