@@ -234,9 +234,12 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
         ax.plot(xs, ys, color="tab:blue", alpha=0.35, lw=1, label="reward/mean")
         ax.plot(xs, moving_average(ys, window), color="tab:blue", lw=2,
                 label=f"moving average ({window})")
-        for key in source_reward_keys(recs):   # multi-task: one curve per source
+        colors = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                  "tab:olive", "tab:cyan", "tab:gray")
+        for i, key in enumerate(source_reward_keys(recs)):   # multi-task: a curve per source
             sx, sy = series(key)
-            ax.plot(sx, moving_average(sy, window), lw=1.5, ls="--", label=key)
+            ax.plot(sx, moving_average(sy, window), lw=1.5, ls="--",
+                    color=colors[i % len(colors)], label=f"{key} (moving average)")
         ax.legend(loc="lower right")
     else:
         ax.text(0.5, 0.5, "no reward/mean", ha="center", va="center", transform=ax.transAxes)
