@@ -198,13 +198,20 @@ def moving_average(values: Iterable[float], window: int) -> list[float]:
     return out
 
 
+def source_reward_keys(records: Iterable[Mapping]) -> list[str]:
+    """The per-source reward keys (``reward/<name>``, multi-task runs) found in ``records``."""
+    keys = {k for r in records for k in r if k.startswith("reward/")}
+    return sorted(keys - {"reward/mean", "reward/std"})
+
+
 PANELS = (("loss", "loss"), ("ppo_kl", "ppo_kl"), ("staleness/max", "staleness (max)"),
           ("time/step", "time / step (s)"))
 
 
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 10,
                  title: Optional[str] = None) -> Path:
-    """Draw the reward curve (raw + moving average) and loss / ppo_kl / staleness /
+    """Draw the reward curve (raw + moving average; per-source moving averages for
+    ``reward/<name>`` keys) and loss / ppo_kl / staleness /
     time-per-step panels into ``out_png``. Missing keys leave their panel empty."""
     import matplotlib
 
@@ -227,6 +234,12 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
         ax.plot(xs, ys, color="tab:blue", alpha=0.35, lw=1, label="reward/mean")
         ax.plot(xs, moving_average(ys, window), color="tab:blue", lw=2,
                 label=f"moving average ({window})")
+        colors = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                  "tab:olive", "tab:cyan", "tab:gray")
+        for i, key in enumerate(source_reward_keys(recs)):   # multi-task: a curve per source
+            sx, sy = series(key)
+            ax.plot(sx, moving_average(sy, window), lw=1.5, ls="--",
+                    color=colors[i % len(colors)], label=f"{key} (moving average)")
         ax.legend(loc="lower right")
     else:
         ax.text(0.5, 0.5, "no reward/mean", ha="center", va="center", transform=ax.transAxes)

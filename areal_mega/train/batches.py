@@ -107,6 +107,17 @@ def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len:
     return kept, advs, stats
 
 
+def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
+    """``{"reward/<source>": mean}`` over the trajectories that carry ``meta["source"]``
+    (multi-task runs); sources absent from this step are absent from the result."""
+    by_source: dict = {}
+    for t in trajs:
+        name = t.meta.get("source")
+        if isinstance(name, str) and name:
+            by_source.setdefault(name, []).append(t.total_reward)
+    return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(by_source.items())}
+
+
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
               cp_size: int) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics."""
@@ -117,6 +128,7 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     rewards = np.array([t.total_reward for t in trajs], dtype=np.float64)
     stats["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
     stats["reward/std"] = float(rewards.std()) if len(rewards) else 0.0
+    stats.update(per_source_rewards(trajs))
     resp = [t.length - t.prompt_len for t in trajs]
     stats["response_len/mean"] = float(np.mean(resp)) if resp else 0.0
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
