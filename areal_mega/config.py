@@ -170,8 +170,26 @@ class AlgorithmConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One task of a multi-task run (``data.sources``): prompts drawn with probability
+    proportional to ``weight``, scored by ``reward_fn``, logged as ``reward/<name>``."""
+    name: str = _f("", doc="metric name: reward/<name>; unique")
+    path: str = _f("", doc="JSONL / parquet file, a saved HF dataset directory, or "
+                           "hf:owner/name[:config][@split]")
+    weight: float = _f(1.0, lo=0.0, lo_open=True)
+    reward_fn: str = _f("", doc="'package.module:function'; empty = rollout.reward_fn")
+    reward_kwargs: dict = _f(factory=dict, doc="extra keyword arguments of reward_fn")
+    fields: dict = _f(factory=dict, doc="{prompt: <field>, answer: <field>}; empty = data.fields")
+
+
+@dataclass
 class DataConfig:
-    train_path: str = ""
+    train_path: str = _f("", doc="one source (shorthand for a single entry of data.sources): "
+                                 "a file, a saved HF dataset directory or hf:owner/name")
+    sources: list[DataSourceConfig] = _f(factory=list, doc="multi-task: [{name, path, weight, "
+                                         "reward_fn}], drawn by weight; exclusive with train_path")
+    fields: dict = _f(factory=dict, doc="{prompt: <field>, answer: <field>}: record field names "
+                                        "(default: prompt_key / answer_key)")
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     apply_chat_template: bool = True

@@ -61,6 +61,7 @@ def check_against_model(cfg) -> None:
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field rules that no single field can express."""
     from areal_mega.parallel.allocation import AllocationError, parse_allocation
+    from areal_mega.data.sources import check_sources
     from areal_mega.security import check_remote_secret
 
     try:
@@ -68,6 +69,10 @@ def validate(cfg: ExperimentConfig) -> None:
     except AllocationError as e:
         raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
     check_remote_secret(cfg)
+    try:
+        check_sources(cfg.data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
                           f"({cfg.optimizer.lr})")

@@ -95,3 +95,29 @@ def test_demo_summary_skips_the_step0_evaluation_row(tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = demo_summary(f)
     assert s["steps"] == 3 and s["reward_first10"] == pytest.approx(0.2)
+
+
+def test_worker_evaluator_scores_each_source_like_training(tmp_path):
+    """With data.sources and no eval.reward_fn, an eval item of a training source is scored by
+    that source's reward function (and kwargs), any other item by rollout.reward_fn."""
+    from areal_mega.models.tiny import build_char_tokenizer
+    from areal_mega.rollout.eval_hook import WorkerEvaluator
+
+    f = tmp_path / "rev.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, "answer": p[:-1][::-1], "source": s}) + "\n"
+                        for p, s in (("12=", "rev"), ("34=", "other"))))
+    sources = [{"name": "rev", "path": str(f), "reward_fn":
+                "areal_mega.data.synthetic:exact_match_reward",
+                "reward_kwargs": {"eos_token": "!"}}]
+    cfg = load_config(None, ["data.sources=" + json.dumps(sources), "data.train_path=",
+                             f"eval.data={f}", "eval.every_steps=1",
+                             "data.apply_chat_template=false",
+                             "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward"])
+    ev = WorkerEvaluator.from_config(cfg, build_char_tokenizer("digits"))
+    assert [it["source"] for it in ev.items] == ["rev", "other"]
+    assert set(ev.reward_fns) == {"rev"}
+    # the source's kwargs are bound: "21!" ends with its EOS text, so it is an exact match
+    assert ev.reward_fns["rev"]("12=", "21!", "21", finish_reason="length") == 1.0
+    assert ev.reward_fn("34=", "4", "43") == 0.5          # char_match_reward for the rest
+    off = load_config(None, [f"eval.data={f}"])
+    assert WorkerEvaluator.from_config(off, build_char_tokenizer("digits")) is None

@@ -90,7 +90,8 @@ async def evaluate(client, items: Sequence[dict], tokenizer, reward_fn: Callable
                    n_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
                    top_k: int = -1, max_new_tokens: int = 512, max_concurrent: int = 64,
                    seed: Optional[int] = None, progress: bool = False,
-                   run_blocking: Optional[Callable] = None, rid_prefix: str = "eval") -> list:
+                   run_blocking: Optional[Callable] = None, rid_prefix: str = "eval",
+                   reward_fns: Optional[dict] = None) -> list:
     """Generate ``n_samples`` completions of every item and score them; returns one record
     per item, in item order: its ``source``, ``index``, ``prompt``, ``answer`` and per sample
     ``completions`` (text), ``output_ids``, ``rewards``, ``response_lens`` and
@@ -99,7 +100,8 @@ async def evaluate(client, items: Sequence[dict], tokenizer, reward_fn: Callable
 
     ``temperature`` 0 is greedy (deterministic). ``seed``: sampling seed of sample ``j`` of
     item ``i`` is ``seed + i * n_samples + j`` (SGLang's ``sampling_seed``); None sends none.
-    ``reward_fn(prompt, completion, answer, finish_reason=...)`` runs off the event loop via
+    ``reward_fns`` (source name -> function) overrides ``reward_fn`` for the items of those
+    sources. ``reward_fn(prompt, completion, answer, finish_reason=...)`` runs off the loop via
     ``run_blocking(fn, *args, **kw)`` (default: the loop's executor); an exception in it is
     raised (an evaluation must not silently score 0). At most ``max_concurrent`` requests are
     in flight."""
@@ -122,7 +124,8 @@ async def evaluate(client, items: Sequence[dict], tokenizer, reward_fn: Callable
                                                    rid=f"{rid_prefix}-{i}-{j}")
         finish = model_finish(finish, ids, p, tokenizer)
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        reward = float(await run_blocking(reward_fn, item["prompt"], text, item["answer"],
+        fn = (reward_fns or {}).get(item["source"], reward_fn)
+        reward = float(await run_blocking(fn, item["prompt"], text, item["answer"],
                                           finish_reason=finish))
         bar.update()
         return ids, text, finish, reward

@@ -10,6 +10,7 @@ accounting: they do not count towards the staleness bound and nothing reaches th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -23,8 +24,9 @@ class WorkerEvaluator:
 
     def __init__(self, items: list, tokenizer, reward_fn: Callable, *, n_samples: int,
                  temperature: float, top_p: float, max_new_tokens: int, max_concurrent: int,
-                 pass_threshold: float, timeout_s: float):
+                 pass_threshold: float, timeout_s: float, reward_fns: Optional[dict] = None):
         self.items, self.tokenizer, self.reward_fn = items, tokenizer, reward_fn
+        self.reward_fns = dict(reward_fns or {})     # source name -> its own reward function
         self.settings = dict(n_samples=n_samples, temperature=temperature, top_p=top_p,
                              max_new_tokens=max_new_tokens, max_concurrent=max_concurrent)
         self.pass_threshold = pass_threshold
@@ -33,8 +35,12 @@ class WorkerEvaluator:
     @classmethod
     def from_config(cls, cfg, tokenizer) -> Optional["WorkerEvaluator"]:
         """From ``cfg.eval`` (files read with the ``data.*`` keys); None when evaluation is
-        off (``eval.every_steps`` 0 or no ``eval.data``). Raises ``DataError`` for a bad file
-        and ``ValueError`` for a bad reward path, so a misconfigured run fails at start."""
+        off (``eval.every_steps`` 0 or no ``eval.data``). The reward: ``eval.reward_fn`` for
+        every item; when empty, an item whose source (its ``source`` field or file stem) names
+        one of ``data.sources`` is scored like that source in training (its ``reward_fn`` and
+        ``reward_kwargs``), any other with ``rollout.reward_fn``. Raises ``DataError`` for a
+        bad file and ``ValueError`` for a bad reward path, so a misconfigured run fails at
+        start."""
         from areal_mega.eval.runner import load_eval_items
         from areal_mega.rollout.rewards import load_reward_fn
 
@@ -46,18 +52,26 @@ class WorkerEvaluator:
                                 apply_chat_template=d.apply_chat_template,
                                 max_prompt_len=d.max_prompt_len, fmt=d.format)
         log.info("evaluation set: %d prompts from %s", len(items), e.data)
+        per_source = {}
+        if not e.reward_fn and d.sources:
+            from areal_mega.data.sources import resolve_sources
+
+            for spec in resolve_sources(d, r.reward_fn):
+                fn = load_reward_fn(spec.reward_fn)
+                per_source[spec.name] = (functools.partial(fn, **spec.reward_kwargs)
+                                         if spec.reward_kwargs else fn)
         return cls(items, tokenizer, load_reward_fn(e.reward_fn or r.reward_fn),
                    n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
                    max_new_tokens=e.max_new_tokens or r.max_new_tokens,
                    max_concurrent=r.max_concurrent, pass_threshold=e.pass_threshold,
-                   timeout_s=r.request_timeout_s)
+                   timeout_s=r.request_timeout_s, reward_fns=per_source)
 
     async def _records(self, client, version: int) -> list:
         from areal_mega.eval.runner import evaluate
 
         return await evaluate(client, self.items, self.tokenizer, self.reward_fn,
                               rid_prefix=f"eval-v{version}-{uuid.uuid4().hex[:6]}",
-                              **self.settings)
+                              reward_fns=self.reward_fns, **self.settings)
 
     def run(self, version: int, controller, make_client: Callable) -> dict:
         """Evaluate at ``version`` and return ``{"version", "metrics"}`` (``eval/*`` scalars,

@@ -135,8 +135,13 @@ class RolloutWorker:
         if self.state_path.exists() and (cfg.recover == "auto" or relaunched):
             start = int(json.loads(self.state_path.read_text()).get("next_prompt", 0))
         self.tokenizer = load_tokenizer(cfg.model.path)
-        dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
-        self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
+        if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
+            from areal_mega.rollout.multitask import build_multitask
+            self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
+        else:
+            dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
+            self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
+            inner_workflow = workflow_from_config(cfg.rollout)
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
                              "host:port list (launch.local fills it in)")
@@ -144,7 +149,7 @@ class RolloutWorker:
             cfg.rollout.server_addrs, paths=self.paths, api_key=cfg.rollout.api_key,
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
-        self.workflow = StampedWorkflow(workflow_from_config(cfg.rollout))
+        self.workflow = StampedWorkflow(inner_workflow)
         self.evaluator = WorkerEvaluator.from_config(cfg, self.tokenizer)   # None: eval off
         self.sender = TrajectorySender(self.paths.data_endpoint, secret=cfg.dataplane.secret,
                                        window=cfg.dataplane.sender_window)
