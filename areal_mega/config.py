@@ -106,7 +106,13 @@ class RolloutConfig:
     weight_bucket_mb: int = _f(512, lo=1)
     reward_fn: str = _f("areal_mega.rollout.rewards:math_reward",
                         doc="dotted path module:function(prompt, completion, answer, **kw)")
-    workflow: str = _f("rlvr", choices=["rlvr", "multi_turn"])
+    workflow: str = _f("rlvr", doc="rlvr | multi_turn | package.module:Name | "
+                       "path/to/file.py:Name (docs/workflows.md)")
+    workflow_kwargs: dict = _f(factory=dict, doc="keyword arguments of the workflow")
+    openai_port: int = _f(0, lo=0, hi=65535, doc="port of the OpenAI-compatible HTTP endpoint "
+                          "(started on first use by a workflow); 0 = any free port")
+    turn_discount: float = _f(1.0, lo=0.0, hi=1.0, doc="reward discount per later completion "
+                              "when an episode's calls are separate samples")
     mem_fraction_static: float = _f(0.8, lo=0.0, hi=1.0, lo_open=True)
 
 

@@ -96,3 +96,13 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
                           f"training runs on the rollout servers (mode=rl), not mode="
                           f"{cfg.mode!r}; use python -m areal_mega.eval on the checkpoint")
+    wf = cfg.rollout.workflow
+    if wf not in ("rlvr", "multi_turn") and not _is_object_spec(wf):
+        raise ConfigError(f"rollout.workflow={wf!r}: must be rlvr, multi_turn, "
+                          "package.module:Name or path/to/file.py:Name")
+
+
+def _is_object_spec(spec: str) -> bool:
+    """``module:Name`` / ``file.py:Name`` in form (whether it imports is checked at start)."""
+    mod, sep, name = spec.rpartition(":")
+    return bool(sep and mod and name.isidentifier())

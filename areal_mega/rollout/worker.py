@@ -87,7 +87,7 @@ class StampedWorkflow:
         trajs = await self.inner.arun_episode(ctx, item, n_samples)
         for t in trajs:
             t.meta["prompt_index"] = int(item["prompt_index"])
-            t.meta["group_size"] = n_samples
+            t.meta["group_size"] = len(trajs)   # a sample may yield several (agent calls)
         return trajs
 
 
