@@ -143,3 +143,11 @@ async def shared_server(port: int = 0) -> OpenAIHTTPServer:
 def close_session(api_key: str) -> None:
     """Forget ``api_key``; later calls with it are answered 401."""
     _SESSIONS.pop(api_key, None)
+
+
+async def close_shared_server() -> None:
+    """Stop the endpoint of the running loop, if one was started (the controller calls this
+    as its loop ends)."""
+    task = _SERVERS.pop(asyncio.get_running_loop(), None)
+    if task is not None and task.done() and not task.exception():
+        await task.result().close()
