@@ -90,6 +90,10 @@ class StampedWorkflow:
             t.meta["group_size"] = len(trajs)   # a sample may yield several (agent calls)
         return trajs
 
+    def stats(self) -> dict:
+        """The inner workflow's counters (e.g. failed agent runs), for ``stats``."""
+        return self.inner.stats() if hasattr(self.inner, "stats") else {}
+
 
 def _atomic_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")

@@ -147,6 +147,10 @@ class EpisodeWorkflow:
         trajectories."""
         raise NotImplementedError
 
+    def stats(self) -> dict:
+        """Counters of this workflow, merged into the controller's ``stats()``."""
+        return {}
+
     async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
         """The controller's entry point: all ``n_samples`` samples of one prompt group."""
         samples = [SampleContext(ctx, item, j, self.settings) for j in range(n_samples)]
