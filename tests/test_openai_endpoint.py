@@ -232,3 +232,29 @@ def test_http_endpoint_with_official_openai_client(server, models):
     assert np.array_equal(gen, np.asarray([c.logprob for c in ch.logprobs.content],
                                           dtype=np.float32))
     assert len({t.sample_id for t in group}) == 6
+
+
+def test_docs_example_runs(server, models, tmp_path):
+    """The complete example of docs/workflows.md, loaded as `file.py:episode` with
+    workflow_kwargs, trains: each sample's calls become trajectories with the episode reward."""
+    from pathlib import Path
+
+    from areal_mega.rollout.workflow_api import resolve_object
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "workflows.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 30 <= len(code.splitlines()) <= 45
+    (tmp_path / "my_agent.py").write_text(code)
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    tok.chat_template = HERMES_TEMPLATE
+    wf = build_workflow(resolve_object(f"{tmp_path / 'my_agent.py'}:episode"),
+                        {"max_turns": 2}, WorkflowSettings())
+    sink = GroupSink()
+    ctl = controller(server.addr, wf, tok, sink, n_prompts=1, batch_size=1,
+                     n_samples=2).start()
+    try:
+        [group] = sink.take(ctl, 1, timeout=120)
+    finally:
+        ctl.stop()
+    assert len(group) >= 2 and all(t.reward == 0.0 for t in group)   # an untrained model
+    assert all(int(t.loss_mask.sum()) >= 1 for t in group)

@@ -1,7 +1,9 @@
 """External agents, unmodified: any program that speaks the OpenAI API is an episode.
 
     rollout.workflow: areal_mega.rollout.agents:ExternalAgent
-    rollout.workflow_kwargs: {command: "python my_agent.py", timeout_s: 120, max_concurrent: 8}
+    rollout.workflow_kwargs: {command: "{python} my_agent.py", timeout_s: 120, max_concurrent: 8}
+
+(``{python}`` in the command is replaced by the rollout worker's own interpreter.)
 
 For each sample, :class:`ExternalAgent` runs ``command`` in a shell, in its own process group,
 with ``OPENAI_BASE_URL`` (the rollout worker's endpoint, ``http://127.0.0.1:PORT/v1``) and
@@ -23,7 +25,9 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
+import sys
 from collections import Counter
 from typing import Optional
 
@@ -62,7 +66,9 @@ class ExternalAgent(EpisodeWorkflow):
         if not (isinstance(max_concurrent, int) and max_concurrent >= 1):
             raise ValueError(f"rollout.workflow_kwargs.max_concurrent={max_concurrent!r}: "
                              "must be an integer >= 1")
-        self.command, self.timeout_s = command, float(timeout_s)
+        # "{python}": the interpreter of the rollout worker (whose venv has `openai`)
+        self.command = command.replace("{python}", shlex.quote(sys.executable))
+        self.timeout_s = float(timeout_s)
         self.max_concurrent = max_concurrent
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
         self.cwd = cwd
