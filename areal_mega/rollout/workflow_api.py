@@ -154,7 +154,14 @@ class EpisodeWorkflow:
     async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
         """The controller's entry point: all ``n_samples`` samples of one prompt group."""
         samples = [SampleContext(ctx, item, j, self.settings) for j in range(n_samples)]
-        results = await asyncio.gather(*(self.episode(s, item) for s in samples))
+        tasks = [asyncio.ensure_future(self.episode(s, item)) for s in samples]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:      # one sample failed (or we are cancelled): stop the others
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         out: list = []
         for s, res in zip(samples, results):
             out += self._to_trajectories(s, res)
