@@ -220,6 +220,10 @@ def test_http_endpoint_with_official_openai_client(server, models):
             client.chat.completions.create(model="policy", stream=True,
                                            messages=[{"role": "user", "content": "x"}])
         assert e.value.body["param"] == "stream"
+        with pytest.raises(openai.BadRequestError) as e:   # refused by the rollout server
+            client.chat.completions.create(model="policy", max_tokens=100000,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert "too long" in e.value.body["message"]
         hold.done.set()
         [group] = sink.take(ctl, 1, timeout=60)
     finally:

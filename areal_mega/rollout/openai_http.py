@@ -21,6 +21,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.rollout.openai_compat import (MODEL_NAME, OpenAIRequestError, chat_request,
                                               completion_request)
 
@@ -102,6 +103,9 @@ class OpenAIHTTPServer:
         except OpenAIRequestError as e:
             self.n_errors += 1
             return _error(e.status, str(e), e.err_type, e.param)
+        except RolloutRequestError as e:   # the rollout server refused it (e.g. too long)
+            self.n_errors += 1
+            return _error(e.status if e.status and 400 <= e.status < 500 else 400, str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - answered, logged; the worker keeps serving
