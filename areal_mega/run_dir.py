@@ -11,10 +11,12 @@ the layout is written down once (no torch, no megatron: any process may import i
     <run_dir>/journal/NNNNNNNN.journal    accepted trajectories not yet covered by a checkpoint
     <run_dir>/init_mcore[_ref]/      the HF model converted once at the start of the run
     <run_dir>/rollout_state.json     the rollout worker's prompt position
+    <run_dir>/rollout_servers.json   the rollout servers now (elastic rollout, launch.scale)
     <run_dir>/weights/vNNNNNNN/      the newest published HF weights (disk weight updates)
     <run_dir>/fatal.json             why the trainer stopped for good (no relaunch helps)
     <run_dir>/metrics.jsonl, trained.jsonl, tensorboard/, logs/
     ipc://<run_dir>/trajectories.sock, ipc://<run_dir>/control.sock   default endpoints
+    ipc://<run_dir>/launcher.sock    launch.local's control socket (launch.scale)
 
 ``checkpoint.dir`` and the ``dataplane`` endpoints override the defaults.
 """
@@ -165,6 +167,27 @@ class RunDir:
     @property
     def config_file(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def rollout_servers_file(self) -> Path:
+        """The job's rollout server addresses now (``launch.local`` rewrites it as servers join
+        and leave; a relaunched rollout worker reads it)."""
+        return self.root / "rollout_servers.json"
+
+    def rollout_server_addrs(self, default: list) -> list:
+        """The addresses in :attr:`rollout_servers_file`, or ``default`` without one."""
+        f = self.rollout_servers_file
+        if not f.is_file():
+            return list(default)
+        addrs = json.loads(f.read_text()).get("addrs")
+        if not isinstance(addrs, list) or not addrs:
+            raise ValueError(f"{f}: field 'addrs' must be a non-empty list of host:port")
+        return [str(a) for a in addrs]
+
+    @property
+    def launcher_endpoint(self) -> str:
+        """``launch.local``'s own control socket (``launch.scale`` adds / removes servers)."""
+        return f"ipc://{self.root}/launcher.sock"
 
     @property
     def resolved_config_file(self) -> Path:

@@ -18,6 +18,8 @@ rollout server or rollout worker is relaunched alone, whatever ``recover`` says 
 disk weight updates only; see ``docs/reliability.md``). A trainer that cannot save a checkpoint
 for want of disk space ends the run (no relaunch). With
 ``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
+While the run goes on, ``python -m areal_mega.launch.scale`` adds and removes rollout servers
+through this launcher (:mod:`areal_mega.launch.elastic`); the servers it starts are its own.
 Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ import yaml
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
 from areal_mega.config_checks import check_against_model
+from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
                                       rollout_memory)
 from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_layout,
@@ -195,6 +198,17 @@ def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) ->
     return max(1, (n_cores - n_servers) // max(1, nproc))
 
 
+def server_spec(cfg: ExperimentConfig, slot, host: str, restartable: bool,
+                secret_env: dict) -> ProcessSpec:
+    """The supervised process ``rollout<index>`` of one local rollout server."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+    env.update(secret_env)
+    return ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
+                       ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
+                                        api_key=cfg.rollout.api_key),
+                       ready_timeout_s=cfg.cluster.server_ready_timeout_s, restart=restartable)
+
+
 def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
                 host: str = "127.0.0.1") -> tuple:
     """Plan, pick ports, write ``<run_dir>/config.yaml`` (mode 0600 when it holds a secret);
@@ -215,13 +229,7 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     # fresh server to the current weights: the newest <run_dir>/weights/v* (disk updates)
     restartable = cfg.mode == "rl" and weight_group(cfg, layout) is None
     for slot in layout.servers:
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
-        env.update(secret_env)
-        specs.append(ProcessSpec(
-            f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
-            ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
-                             api_key=cfg.rollout.api_key),
-            ready_timeout_s=cfg.cluster.server_ready_timeout_s, restart=restartable))
+        specs.append(server_spec(cfg, slot, host, restartable, secret_env))
         addrs.append(f"{host}:{slot.port}")
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
@@ -384,7 +392,18 @@ def main(argv: Optional[list] = None) -> int:
     print(layout.describe(), file=sys.stderr, flush=True)
     sup = Supervisor(specs, RunDir.from_config(cfg).logs, grace_s=cfg.cluster.kill_grace_s,
                      max_restarts=cfg.cluster.max_restarts)
-    return sup.run()
+    scale = None
+    if cfg.mode == "rl":   # launch.scale adds / removes servers while the job runs
+        distributed = weight_group(cfg, layout) is not None
+        scale = start_scale_service(
+            cfg, sup, RunDir.from_config(cfg), layout, distributed_updates=distributed,
+            make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", not distributed,
+                                               server_secrets(cfg)))
+    try:
+        return sup.run()
+    finally:
+        if scale is not None:
+            scale.close()
 
 
 if __name__ == "__main__":

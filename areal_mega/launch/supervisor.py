@@ -28,8 +28,10 @@ Behaviour:
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -113,6 +115,7 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._sup_log = (self.log_dir / "supervisor.log").open("a", encoding="utf-8")
         self._log_error: Optional[OSError] = None
+        self._calls: queue.Queue = queue.Queue()   # (fn, future) from other threads
 
     # ------------------------------------------------------------------ messages and signals
 
@@ -159,6 +162,38 @@ class Supervisor:
         run = _Running(spec, proc, log, attempt)
         self.running[spec.name] = run
         return run
+
+    def call(self, fn: Callable[["Supervisor"], object], timeout: float = 600.0):
+        """Run ``fn(self)`` on the supervisor's loop (from another thread: e.g. launch.scale
+        starting or retiring a server) and return its result; its exception is raised here."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        return fut.result(timeout)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn(self))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def add(self, spec: ProcessSpec) -> _Running:
+        """Start one more process, watched like the others. Call on the loop (:meth:`call`)."""
+        if spec.name in self.running:
+            raise ValueError(f"a process named {spec.name!r} is already running")
+        return self._launch(spec)
+
+    def retire(self, name: str) -> None:
+        """Stop the process ``name`` (SIGTERM, SIGKILL after the grace period) and forget it:
+        its exit is no failure. Call on the loop (:meth:`call`)."""
+        run = self.running.pop(name)
+        self.stop_all(runs=[run])
+        _close_quietly(run.log)
+        self.say(f"{name} retired")
 
     def _refresh_descendants(self) -> None:
         for run in self.running.values():
@@ -280,6 +315,7 @@ class Supervisor:
                 self._wait_ready(run)
         last_scan = 0.0
         while self._signal is None:
+            self._run_calls()
             if time.monotonic() - last_scan > 2.0:
                 self._refresh_descendants()
                 last_scan = time.monotonic()

@@ -13,6 +13,9 @@ Commands (trainer -> worker), each answered with ``{"ok": true, ...}`` or
   which serve version V, and answer ``{"version": V, "metrics": {"eval/...": x}}``
   (:mod:`areal_mega.rollout.eval_hook`).
 * ``{"cmd": "stats"}`` — the worker's counters (running, accepted, staleness holds, ...).
+* ``{"cmd": "servers"}``, ``{"cmd": "add_server", "addr": A}``, ``{"cmd": "remove_server",
+  "addr": A, "drain": bool}`` — elastic rollout membership (:mod:`areal_mega.rollout.server_pool`;
+  ``launch.scale`` sends them through ``launch.local``).
 * ``{"cmd": "ping"}``.
 
 JSON only (no pickle); a malformed message gets ``ok: false`` and the worker keeps serving.
@@ -81,8 +84,10 @@ class RolloutLink:
     request goes again, on a fresh socket, to its successor.
     """
 
-    def __init__(self, endpoint: str, *, secret: Secret = None, timeout_s: float = 600.0):
+    def __init__(self, endpoint: str, *, secret: Secret = None, timeout_s: float = 600.0,
+                 peer: str = "rollout worker"):
         self.endpoint = endpoint
+        self.peer = peer                    # who answers, for error messages
         self.timeout_ms = int(timeout_s * 1000)
         self._key = secret_bytes(secret)
         self._nonce: Optional[str] = None
@@ -132,11 +137,11 @@ class RolloutLink:
                                   zmq.POLLIN):
             if time.monotonic() >= deadline:
                 self._connect()
-                raise ControlError(f"rollout worker at {self.endpoint} did not answer "
+                raise ControlError(f"{self.peer} at {self.endpoint} did not answer "
                                    f"{cmd!r} within {timeout_ms / 1000:.0f} s")
             if self._peer_lost():
-                log.warning("rollout worker at %s went away during %r; sending it again to "
-                            "its successor", self.endpoint, cmd)
+                log.warning("%s at %s went away during %r; sending it again to "
+                            "its successor", self.peer, self.endpoint, cmd)
                 self._connect()
                 self._send(msg, rid)
         frames = self._sock.recv_multipart()
@@ -145,12 +150,12 @@ class RolloutLink:
         self._nonce = None
         if len(frames) != 2 or not hmac.compare_digest(frames[1],
                                                        _mac(self._key, _REP_TAG, frames[0])):
-            raise ControlError(f"rollout worker at {self.endpoint}: the reply to {cmd!r} is not "
+            raise ControlError(f"{self.peer} at {self.endpoint}: the reply to {cmd!r} is not "
                                "signed with dataplane.secret (do both sides use the same "
                                f"secret?); it says: {_said(frames[0])}")
         reply = json.loads(frames[0])
         if reply.pop("_re", None) != rid:
-            raise ControlError(f"rollout worker at {self.endpoint}: the reply to {cmd!r} "
+            raise ControlError(f"{self.peer} at {self.endpoint}: the reply to {cmd!r} "
                                "answers another request (replayed reply?)")
         self._nonce = reply.pop("_nonce", None)
         return reply
@@ -166,7 +171,7 @@ class RolloutLink:
         if reply.pop("_stale", False) and self._nonce is not None:
             reply = self._exchange(msg, deadline, timeout_ms)   # now with a fresh nonce
         if not reply.get("ok"):
-            raise ControlError(f"rollout worker refused {msg.get('cmd')!r}: "
+            raise ControlError(f"{self.peer} refused {msg.get('cmd')!r}: "
                                f"{reply.get('error', 'no reason given')}")
         return reply
 

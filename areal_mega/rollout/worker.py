@@ -126,7 +126,7 @@ class RolloutWorker:
         from areal_mega.dataplane.transport import TrajectorySender
         from areal_mega.rollout.control import ControlServer
         from areal_mega.rollout.eval_hook import WorkerEvaluator
-        from areal_mega.rollout.server_sync import RelaunchTolerantClient
+        from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands
         from areal_mega.rollout.workflows import workflow_from_config
 
         self.cfg = cfg
@@ -149,8 +149,9 @@ class RolloutWorker:
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
                              "host:port list (launch.local fills it in)")
-        self.client = RelaunchTolerantClient(
-            cfg.rollout.server_addrs, paths=self.paths, api_key=cfg.rollout.api_key,
+        self.client = ElasticClient(   # the servers now: some may have joined or left
+            self.paths.rollout_server_addrs(cfg.rollout.server_addrs), paths=self.paths,
+            api_key=cfg.rollout.api_key,
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
         self.workflow = StampedWorkflow(inner_workflow)
@@ -162,6 +163,8 @@ class RolloutWorker:
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
         self.stop_event = threading.Event()
+        self.pool = ServerPoolCommands(self.client, lambda: self.controller,
+                                       timeout_s=cfg.rollout.request_timeout_s)
         self.control = ControlServer(self.paths.control_endpoint, self.handle,
                                      secret=cfg.dataplane.secret,
                                      allow_remote=cfg.dataplane.allow_remote).start()
@@ -231,7 +234,11 @@ class RolloutWorker:
         if cmd == "ping":
             return {}
         if cmd == "stats":
-            return self.controller.stats() if self.controller else {"started": 0}
+            return {**(self.controller.stats() if self.controller else {"started": 0}),
+                    **self.client.pool_stats()}
+        if cmd in self.pool.COMMANDS:   # elastic rollout: servers join / leave
+            with self._ctl_lock:
+                return self.pool.handle(msg)
         if cmd == "update_weights":
             version, path = int(msg["version"]), str(msg["path"])
             if not Path(path).is_dir():
@@ -267,14 +274,17 @@ class RolloutWorker:
 
             r = self.cfg.rollout
             return self.evaluator.run(int(msg["version"]), self.controller,
-                                      lambda: RolloutClient(r.server_addrs, api_key=r.api_key))
+                                      lambda: RolloutClient(self.client.dispatchable(),
+                                                                api_key=r.api_key))
         raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
-                         "begin_update, end_update or evaluate (with eval.every_steps > 0)")
+                         "begin_update, end_update, servers, add_server, remove_server or "
+                         "evaluate (with eval.every_steps > 0)")
 
     async def _set_version(self, version: int) -> None:
         from areal_mega.rollout.client import RolloutClient
 
-        c = RolloutClient(self.cfg.rollout.server_addrs, api_key=self.cfg.rollout.api_key)
+        c = RolloutClient([s.addr for s in self.client.servers],
+                          api_key=self.cfg.rollout.api_key)
         try:
             await c.set_weight_version(version)
         finally:
@@ -283,7 +293,8 @@ class RolloutWorker:
     async def _load_directly(self, path: str, version: int) -> None:
         from areal_mega.rollout.client import RolloutClient
 
-        c = RolloutClient(self.cfg.rollout.server_addrs, api_key=self.cfg.rollout.api_key)
+        c = RolloutClient([s.addr for s in self.client.servers],
+                          api_key=self.cfg.rollout.api_key)
         try:
             await c.update_weights_from_disk(path, version)
             await c.resume()       # a killed predecessor may have left the servers paused

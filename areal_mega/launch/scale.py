@@ -1,0 +1,83 @@
+"""Add or remove rollout servers of a running job (elastic rollout).
+
+    python -m areal_mega.launch.scale --run-dir RUN --list
+    python -m areal_mega.launch.scale --run-dir RUN --add N            # N local servers
+    python -m areal_mega.launch.scale --run-dir RUN --add-addr HOST:PORT   # an external one
+    python -m areal_mega.launch.scale --run-dir RUN --remove SERVER_ID [--drain]
+
+Talks to the job's ``launch.local`` (its control socket in the run directory, see
+:mod:`areal_mega.launch.elastic`), which starts / stops the servers it owns and has the rollout
+worker bring a joining server to the current weights before it gets a request. ``--drain``
+lets a leaving server finish its requests; without it they are interrupted and resumed on
+another server from their partial output. Prints the launcher's JSON answer; exit code 0 on
+success, 1 when the request was refused (nothing changed), 2 for bad arguments. With
+``dataplane.secret`` set for the job, pass it in ``AREAL_MEGA_SECRET``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from areal_mega.rollout.control import ControlError, RolloutLink
+from areal_mega.run_dir import RunDir
+
+
+def request_of(args: argparse.Namespace) -> dict:
+    """The launcher command for parsed CLI arguments (pure)."""
+    if args.list:
+        return {"cmd": "list"}
+    if args.add is not None:
+        return {"cmd": "add", "n": args.add}
+    if args.add_addr is not None:
+        return {"cmd": "add_addr", "addr": args.add_addr}
+    return {"cmd": "remove", "id": args.remove, "drain": bool(args.drain)}
+
+
+def main(argv: Optional[list] = None) -> int:
+    """CLI entry point; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m areal_mega.launch.scale",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", required=True, help="logging.run_dir of the running job")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--list", action="store_true", help="the servers and their counters")
+    g.add_argument("--add", type=int, metavar="N", help="start N local servers")
+    g.add_argument("--add-addr", metavar="HOST:PORT", help="attach an external SGLang server")
+    g.add_argument("--remove", metavar="SERVER_ID", help="remove a server (ids: --list)")
+    p.add_argument("--drain", action="store_true",
+                   help="with --remove: let its in-flight requests finish")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the job")
+    args = p.parse_args(argv)
+    if args.drain and args.remove is None:
+        p.error("--drain goes with --remove")
+    if args.add is not None and args.add < 1:
+        p.error(f"--add {args.add}: must be >= 1")
+    run_dir = Path(args.run_dir).resolve()
+    if not (run_dir / "config.yaml").is_file():
+        print(f"error: {run_dir} is not the run directory of a launch.local job (no "
+              "config.yaml)", file=sys.stderr)
+        return 2
+    endpoint = RunDir(run_dir, run_dir, "", "").launcher_endpoint
+    if not (run_dir / "launcher.sock").exists():
+        print(f"error: no launcher is running for {run_dir} ({endpoint} does not exist)",
+              file=sys.stderr)
+        return 1
+    link = RolloutLink(endpoint, secret=os.environ.get("AREAL_MEGA_SECRET") or None,
+                       timeout_s=args.timeout, peer="launcher")
+    try:
+        reply = link.request(request_of(args))
+    except ControlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        link.close()
+    reply.pop("ok", None)
+    print(json.dumps(reply, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Elastic rollout: servers join and leave the rollout worker's client while a run goes on.
+
+:class:`ElasticClient` is the worker's client. On top of re-syncing relaunched servers
+(:class:`~areal_mega.rollout.server_sync.RelaunchTolerantClient`) it can
+
+- **add** a server (:meth:`ElasticClient.add_server`): the server must answer ``/health``; it
+  is brought to the controller's current weights and version (``<run_dir>/weights/v<version>``
+  with that version, or just the version when the current weights are the base model at
+  version 0) and only then joins the dispatch set, where the least-loaded pick gives it new
+  requests at once;
+- **remove** a server (:meth:`ElasticClient.remove_server`): it leaves the dispatch set first.
+  With ``drain`` its in-flight requests finish there; without, they are aborted on it
+  (``/abort_request``) and come back with ``finish_reason: abort`` and their partial output,
+  which the controller resubmits to another server as prompt + partial output, the tokens
+  already made keeping their versions (the same path as a weight-update interruption). The
+  last dispatchable server cannot be removed.
+
+A server that dies mid-request fails its HTTP call; the request is retried on another server
+from the output the controller already holds (counted in ``resumptions``).
+
+Counters: per-server requests and generated tokens, resumptions, joins and removals
+(:meth:`ElasticClient.pool_stats`). :class:`ServerPoolCommands` answers the worker's control
+commands ``servers``, ``add_server`` and ``remove_server``; membership changes are applied on
+the controller's event loop, between weight updates (the control channel runs one command
+at a time), so no server misses an update or serves a request at a version it does not hold.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Optional
+
+import aiohttp
+
+from areal_mega.rollout.client import RolloutRequestError, _Server
+from areal_mega.rollout.server_sync import RelaunchTolerantClient
+
+log = logging.getLogger(__name__)
+
+
+class ServerPoolError(ValueError):
+    """A membership request that cannot be applied (unknown server, unreachable address,
+    removing the last server, a duplicate); nothing was changed."""
+
+
+def normalize_addr(addr: str) -> str:
+    """``host:port`` or a URL -> the client's URL form ``http://host:port``; ``ServerPoolError``
+    for anything without a numeric port."""
+    a = str(addr).strip()
+    url = a if a.startswith("http") else f"http://{a}"
+    host, _, port = url.split("://", 1)[1].rstrip("/").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ServerPoolError(f"server address {addr!r}: expected host:port")
+    return url.rstrip("/")
+
+
+class ElasticClient(RelaunchTolerantClient):
+    """A :class:`RelaunchTolerantClient` whose server list changes at run time (see the module
+    docstring). All methods run on the controller's event loop."""
+
+    def __init__(self, addrs: list, **kw):
+        super().__init__(addrs, **kw)
+        self.leaving: set = set()               # addresses out of dispatch (being removed)
+        self.requests: collections.Counter = collections.Counter()
+        self.tokens: collections.Counter = collections.Counter()
+        self.resumptions = 0
+        self.joins = self.removals = 0
+
+    # ------------------------------------------------------------------ dispatch hooks
+    def _pick(self, sticky_key: Optional[str], exclude: set):
+        return super()._pick(sticky_key, exclude | self.leaving)
+
+    def dispatchable(self) -> list:
+        """Addresses that may get new requests (healthy and not being removed)."""
+        return [s.addr for s in self.servers if s.healthy and s.addr not in self.leaving]
+
+    async def _call(self, srv, method: str, path: str, body: Optional[dict] = None,
+                    timeout: Optional[float] = None) -> dict:
+        try:
+            out = await super()._call(srv, method, path, body, timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            if path == "/generate":
+                self.resumptions += 1          # retried elsewhere from the output held
+            raise
+        if path == "/generate":
+            self.requests[srv.addr] += 1
+            self.tokens[srv.addr] += len(out.get("output_ids") or ())
+        return out
+
+    def _find(self, addr: str):
+        for s in self.servers:
+            if s.addr == addr:
+                return s
+        return None
+
+    # ------------------------------------------------------------------ membership
+    async def add_server(self, addr: str, version: int) -> dict:
+        """Bring the server at ``addr`` to weights ``version`` and start dispatching to it.
+        ``ServerPoolError`` (nothing changed) when it is already a member or does not answer
+        ``/health``; returns ``{"addr", "version", "seconds"}``."""
+        url = normalize_addr(addr)
+        if self._find(url) is not None:
+            raise ServerPoolError(f"server {url} is already in the pool")
+        t0 = time.monotonic()
+        srv = _Server(url)
+        try:
+            await self._call(srv, "GET", "/health", timeout=5.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RolloutRequestError) as e:
+            raise ServerPoolError(f"server {url} is unreachable ({type(e).__name__}: {e}); "
+                                  "the pool is unchanged") from None
+        await self.sync_to_version(srv, version)
+        await self._call(srv, "POST", "/continue_generation", {}, timeout=self.control_timeout_s)
+        self.servers.append(srv)
+        self.joins += 1
+        log.info("rollout server %s joined at version %d (%d servers)", url, version,
+                 len(self.servers))
+        return {"addr": url, "version": version, "seconds": time.monotonic() - t0}
+
+    async def sync_to_version(self, srv, version: int) -> None:
+        """Load the weights of ``version`` into ``srv`` and set its version: the published
+        directory ``weights/v<version>`` when there is one, the base model (which a fresh
+        server already holds) at version 0; otherwise ``ServerPoolError``."""
+        path = self.paths.weights_dir(version)
+        if path.is_dir():
+            await self._call(srv, "POST", "/update_weights_from_disk",
+                             {"model_path": str(path), "abort_all_requests": False,
+                              "weight_version": str(version)}, timeout=self.control_timeout_s)
+        elif version == 0:
+            await self._call(srv, "POST", "/update_weight_version", {"new_version": "0"},
+                             timeout=self.control_timeout_s)
+        else:
+            raise ServerPoolError(f"no published weights for version {version} ({path}); "
+                                  "cannot bring a new server to the current version")
+
+    async def remove_server(self, addr: str, drain: bool, drain_timeout_s: float = 600.0) -> dict:
+        """Take ``addr`` out of dispatch, then drain it (wait for its in-flight requests) or
+        abort them (they resume elsewhere), and forget it. ``ServerPoolError`` (nothing
+        changed) for an unknown address or the last dispatchable server. Returns
+        ``{"addr", "aborted", "drained", "seconds"}``."""
+        url = normalize_addr(addr)
+        srv = self._find(url)
+        if srv is None:
+            raise ServerPoolError(f"server {url} is not in the pool (members: "
+                                  f"{', '.join(s.addr for s in self.servers)})")
+        others = [a for a in self.dispatchable() if a != url]
+        if not others:
+            raise ServerPoolError(f"server {url} is the last server that can take requests; "
+                                  "add another before removing it")
+        t0 = time.monotonic()
+        self.leaving.add(url)
+        aborted = 0
+        try:
+            if drain:
+                deadline = time.monotonic() + drain_timeout_s
+                while srv.inflight > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            if srv.inflight > 0:
+                try:
+                    out = await self._call(srv, "POST", "/abort_request", {"abort_all": True},
+                                           timeout=10.0)
+                    aborted = int(out.get("num_aborted", 0) or 0)
+                except Exception as e:  # noqa: BLE001 - a dead server's requests fail over
+                    log.warning("abort on leaving server %s failed: %s", url, e)
+                while srv.inflight > 0:        # the aborted requests come back
+                    await asyncio.sleep(0.05)
+        finally:
+            self.servers.remove(srv)
+            self.leaving.discard(url)
+            for k, s in list(self._sticky.items()):
+                if s is srv:
+                    del self._sticky[k]
+        self.resumptions += aborted
+        self.removals += 1
+        log.info("rollout server %s removed (%s, %d aborted; %d servers left)", url,
+                 "drained" if drain else "interrupted", aborted, len(self.servers))
+        return {"addr": url, "aborted": aborted, "drained": bool(drain),
+                "seconds": time.monotonic() - t0}
+
+    def pool_stats(self) -> dict:
+        """Live servers, per-server requests / tokens, resumptions, joins, removals."""
+        return {"servers": [{"addr": s.addr, "healthy": s.healthy, "inflight": s.inflight,
+                             "leaving": s.addr in self.leaving,
+                             "requests": self.requests[s.addr], "tokens": self.tokens[s.addr]}
+                            for s in self.servers],
+                "live_servers": len(self.dispatchable()), "resumptions": self.resumptions,
+                "joins": self.joins, "removals": self.removals}
+
+
+class ServerPoolCommands:
+    """The worker's membership commands (see :mod:`areal_mega.rollout.control`):
+
+    - ``{"cmd": "servers"}`` -> :meth:`ElasticClient.pool_stats`;
+    - ``{"cmd": "add_server", "addr": "host:port"}`` -> join at the current version;
+    - ``{"cmd": "remove_server", "addr": "host:port", "drain": bool}``.
+
+    ``controller`` is a callable returning the running
+    :class:`~areal_mega.rollout.controller.RolloutController` or None (not generating yet:
+    membership changes are refused with a clear error, retry later)."""
+
+    COMMANDS = ("servers", "add_server", "remove_server")
+
+    def __init__(self, client: ElasticClient, controller, timeout_s: float = 600.0):
+        self.client = client
+        self.controller = controller
+        self.timeout_s = timeout_s
+
+    def handle(self, msg: dict) -> dict:
+        """Answer one command; raises ``ServerPoolError`` / ``ValueError`` for bad requests."""
+        cmd = msg["cmd"]
+        ctl = self.controller()
+        if cmd == "servers":
+            return self.client.pool_stats()
+        if ctl is None:
+            raise ServerPoolError(f"{cmd}: the rollout worker is not generating yet (it waits "
+                                  "for the trainer's first weights); retry shortly")
+        addr = msg.get("addr")
+        if not isinstance(addr, str) or not addr:
+            raise ServerPoolError(f"{cmd}: field 'addr' (host:port) is required")
+        if cmd == "add_server":
+            coro = self.client.add_server(addr, ctl.version)
+        elif cmd == "remove_server":
+            coro = self.client.remove_server(addr, bool(msg.get("drain", False)),
+                                             drain_timeout_s=self.timeout_s)
+        else:
+            raise ValueError(f"unknown server-pool command {cmd!r}")
+        return ctl.run_async(coro).result(self.timeout_s + 30)

@@ -1,0 +1,145 @@
+"""Elastic rollout against real CPU rollout servers (areal_mega.rollout.server_pool): a joining
+server serves the current weights and version before its first request; a server removed
+mid-generation has its requests resumed elsewhere from their partial output (tokens keep
+their versions and are the teacher-forced tokens of the weights that made them); a drained
+server finishes its requests; bad requests change nothing."""
+import shutil
+import socket
+import time
+import urllib.request
+import json
+
+import numpy as np
+import pytest
+
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.launch import launch_local_servers
+from areal_mega.rollout.rewards import exact_match_reward
+from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands, ServerPoolError
+from areal_mega.rollout.workflows import RLVRWorkflow
+from areal_mega.run_dir import RunDir
+from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
+                                   teacher_forced_logprobs)
+
+pytestmark = pytest.mark.timeout(300)
+N_NEW = 160
+
+
+@pytest.fixture(scope="module")
+def servers(models):
+    procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def tokens_generated(addr) -> int:
+    req = urllib.request.Request(f"http://{addr}/get_server_info",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)["tokens_generated"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def members(client):
+    return [s["addr"] for s in client.pool_stats()["servers"]]
+
+
+def check_tokens(out, prompt, model, version):
+    """Every token of ``out`` was made by ``model`` at ``version``: its logprob is the
+    teacher-forced one."""
+    assert len(out.output_ids) == N_NEW and out.versions == [version] * N_NEW
+    ids = list(prompt) + out.output_ids
+    ref = teacher_forced_logprobs(model, ids, len(prompt))
+    assert np.abs(np.array(ref) - np.array(out.logprobs)).max() <= 1e-4
+
+
+def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):
+    s0, s1 = (f"http://{p.addr}" for p in servers)
+    paths = RunDir(tmp_path, tmp_path / "ckpt", "", "")
+    shutil.copytree(models["b"], paths.weights_dir(1))    # the trainer published v1 = b
+    client = ElasticClient([servers[0].addr], paths=paths, api_key=API_KEY, timeout_s=120,
+                           retries=4, backoff_s=0.05)
+    wf = RLVRWorkflow(exact_match_reward, 4)
+    ctl = RolloutController(client, wf, iter(()), batch_size=2, n_samples=2, eta=1,
+                            sink=GroupSink(), ignore_eos=True).start()
+    pool = ServerPoolCommands(client, lambda: ctl)
+    try:
+        ctl.update_weights(1, path=str(paths.weights_dir(1)))
+
+        # bad requests: clear errors, nothing changes
+        bad = [({"cmd": "remove_server", "addr": "127.0.0.1:1"}, "not in the pool"),
+               ({"cmd": "remove_server", "addr": servers[0].addr}, "last server"),
+               ({"cmd": "add_server", "addr": f"127.0.0.1:{free_port()}"}, "unreachable"),
+               ({"cmd": "add_server", "addr": "no-port"}, "expected host:port"),
+               ({"cmd": "add_server", "addr": servers[0].addr}, "already in the pool"),
+               ({"cmd": "add_server"}, "'addr'")]
+        for msg, words in bad:
+            with pytest.raises(ServerPoolError, match=words):
+                pool.handle(msg)
+            assert members(client) == [s0]
+
+        # s1 boots with model a at version 0; it joins at the current version 1 with b
+        joined = pool.handle({"cmd": "add_server", "addr": servers[1].addr})
+        assert joined["version"] == 1 and members(client) == [s0, s1]
+
+        async def probe():   # s1 alone, as the trainer would check it
+            c = RolloutClient([servers[1].addr], api_key=API_KEY)
+            try:
+                return await c.generate([5, 6, 7], {"max_new_tokens": 8, "ignore_eos": True})
+            finally:
+                await c.close()
+        res = run(probe())
+        assert res.weight_version == "1"
+        ref = teacher_forced_logprobs(models["mb"], [5, 6, 7] + res.output_ids, 3)
+        assert np.abs(np.array(ref) - np.array(res.logprobs)).max() <= 1e-4
+
+        # remove s1 without draining while both servers generate: its request is aborted
+        # and resumed on s0 from its partial output
+        prompts = [[5, 9, 11, 13], [6, 10, 12, 14]]
+        base = tokens_generated(servers[1].addr)
+        futs = [ctl.run_async(ctl.generate(p, N_NEW, key=f"k{i}")) for i, p in
+                enumerate(prompts)]
+        wait_for(lambda: tokens_generated(servers[1].addr) - base >= 20)
+        gone = pool.handle({"cmd": "remove_server", "addr": servers[1].addr})
+        assert gone["aborted"] == 1 and members(client) == [s0]
+        outs = [f.result(120) for f in futs]
+        assert sorted(o.n_interruptions for o in outs) == [0, 1]
+        for p, o in zip(prompts, outs):
+            check_tokens(o, p, models["mb"], 1)
+            assert o.server == s0
+        stats = client.pool_stats()
+        assert stats["resumptions"] == 1 and stats["joins"] == 1 and stats["removals"] == 1
+
+        # s1 joins again, then s0 leaves with --drain: its request finishes there
+        pool.handle({"cmd": "add_server", "addr": servers[1].addr})
+        futs = [ctl.run_async(ctl.generate(p, N_NEW, key=f"d{i}")) for i, p in
+                enumerate(prompts)]
+        wait_for(lambda: client.pool_stats()["servers"][0]["inflight"] == 1)
+        gone = pool.handle({"cmd": "remove_server", "addr": servers[0].addr, "drain": True})
+        assert gone["aborted"] == 0 and gone["drained"] and members(client) == [s1]
+        outs = [f.result(120) for f in futs]
+        assert [o.n_interruptions for o in outs] == [0, 0]
+        assert sorted(o.server for o in outs) == sorted([s0, s1])
+        for p, o in zip(prompts, outs):
+            check_tokens(o, p, models["mb"], 1)
+        stats = client.pool_stats()
+        assert stats["live_servers"] == 1 and stats["resumptions"] == 1
+        assert stats["servers"][0]["requests"] >= 2 and stats["servers"][0]["tokens"] >= N_NEW
+    finally:
+        ctl.stop()
