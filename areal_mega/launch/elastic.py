@@ -69,6 +69,7 @@ class ScaleService:
         self._next = {"rollout": len([m for m in members if m.startswith("rollout")]),
                       "ext": len([m for m in members if m.startswith("ext")])}
         self._lock = threading.Lock()
+        self._done: dict = {}                   # request_id -> answer (resent commands)
         self._save()
         self.link = RolloutLink(paths.control_endpoint, secret=cfg.dataplane.secret,
                                 timeout_s=cfg.rollout.request_timeout_s)
@@ -96,72 +97,103 @@ class ScaleService:
         return sid
 
     def handle(self, msg: dict) -> dict:
-        """Answer one command (see the module docstring); runs on the control thread."""
+        """Answer one command (see the module docstring); runs on the control thread. A
+        command resent with the same ``request_id`` (the client saw the socket drop and sent it
+        again) gets the first answer instead of running twice."""
         cmd = msg["cmd"]
         with self._lock:
             if cmd == "list":
                 return self.list()
-            if cmd in ("add", "add_addr") and self.distributed_updates:
-                raise ScaleError("adding servers needs disk weight updates "
-                                 "(rollout.weight_update=disk): a server joining the "
-                                 "distributed weight-update group is not supported here")
-            if cmd == "add":
-                n = msg.get("n")
-                if not isinstance(n, int) or n < 1:
-                    raise ScaleError(f"add: n={n!r}: must be an integer >= 1")
-                return {"added": [self._add_local() for _ in range(n)]}
-            if cmd == "add_addr":
-                return {"added": [self._attach(str(msg.get("addr") or ""))]}
-            if cmd == "remove":
-                return self._remove(str(msg.get("id") or ""), bool(msg.get("drain", False)))
+            rid = msg.get("request_id")
+            if rid is not None and rid in self._done:
+                return self._done[rid]
+            out = self._apply(cmd, msg)
+            if rid is not None:
+                self._done[rid] = out
+                while len(self._done) > 64:
+                    self._done.pop(next(iter(self._done)))
+            return out
+
+    def _apply(self, cmd: str, msg: dict) -> dict:
+        if cmd in ("add", "add_addr") and self.distributed_updates:
+            raise ScaleError("adding servers needs disk weight updates "
+                             "(rollout.weight_update=disk): a server joining the "
+                             "distributed weight-update group is not supported here")
+        if cmd == "add":
+            n = msg.get("n")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ScaleError(f"add: n={n!r}: must be an integer >= 1")
+            return {"added": self._add_local(n)}
+        if cmd == "add_addr":
+            return {"added": [self._attach(str(msg.get("addr") or ""))]}
+        if cmd == "remove":
+            return self._remove(str(msg.get("id") or ""), bool(msg.get("drain", False)))
         raise ScaleError(f"unknown command {cmd!r}; expected list, add, add_addr or remove")
 
     def list(self) -> dict:
         """The members and (when the worker answers) its per-server counters."""
         try:
-            pool = self.link.request({"cmd": "servers"}, timeout_s=10)
+            pool = self.link.request({"cmd": "servers"}, timeout_s=30)
+            pool.pop("ok", None)
         except Exception as e:  # noqa: BLE001 - listing still works without the worker
             pool = {"error": str(e)}
         return {"members": [{"id": k, **v} for k, v in self.members.items()], "pool": pool}
 
-    def _add_local(self) -> dict:
-        gpus: tuple = ()
+    def _add_local(self, n: int) -> list:
+        """Start ``n`` servers together, wait until each answers, then have the worker join
+        them one by one; a server that fails to come up or to join is stopped, the ones
+        before it stay (each is reported)."""
+        gpus: list = [()] * n
         if self.gpu_info is not None:
             n_gpus, per_server, trainer_gpus = self.gpu_info
             used = set(trainer_gpus) | {g for m in self.members.values() for g in m["gpus"]}
-            gpus = free_gpus(n_gpus, used, per_server, 1)[0]
-        sid = self._new_id("rollout")
-        port = find_free_ports(1, self.host)[0]
-        slot = ServerSlot(int(sid[len("rollout"):]), 0, gpus, port)
-        spec: ProcessSpec = self.make_spec(slot)
-        if spec.name != sid:
-            raise RuntimeError(f"make_spec named the server {spec.name!r}, expected {sid!r}")
-        run = self.sup.call(lambda s: s.add(spec))
+            gpus = free_gpus(n_gpus, used, per_server, n)
+        ports = find_free_ports(n, self.host)
+        started = []
+        for g, port in zip(gpus, ports):
+            sid = self._new_id("rollout")
+            spec: ProcessSpec = self.make_spec(ServerSlot(int(sid[len("rollout"):]), 0, g, port))
+            if spec.name != sid:
+                raise RuntimeError(f"make_spec named the server {spec.name!r}, expected {sid!r}")
+            started.append((sid, spec, g, port, self.sup.call(lambda s, sp=spec: s.add(sp))))
+        added, error = [], None
+        for sid, spec, g, port, run in started:
+            if error is None:
+                error = self._wait_ready(sid, spec, run)
+            if error is None:
+                addr = f"{self.host}:{port}"
+                try:
+                    joined = self.link.request({"cmd": "add_server", "addr": addr})
+                except Exception as e:  # noqa: BLE001 - reported after the cleanup
+                    error = e
+                else:
+                    self.members[sid] = {"addr": addr, "owned": True, "gpus": list(g)}
+                    self._save()
+                    self.sup.say(f"{sid} ({addr}) joined the rollout at version "
+                                 f"{joined.get('version')}")
+                    added.append({"id": sid, "addr": addr, "version": joined.get("version")})
+                    continue
+            self.sup.call(lambda s, name=sid: s.retire(name))
+        if error is not None:
+            done = f" (added: {', '.join(a['id'] for a in added)})" if added else ""
+            raise ScaleError(f"add: {error}{done}")
+        return added
+
+    def _wait_ready(self, sid: str, spec: ProcessSpec, run) -> Optional[str]:
+        """None once ``sid`` answers its readiness probe, else why it did not."""
         deadline = time.monotonic() + spec.ready_timeout_s
         while True:
             if run.proc.poll() is not None:
-                self.sup.call(lambda s: s.retire(sid))
-                raise ScaleError(f"{sid} exited (code {run.proc.returncode}) before it was "
-                                 f"ready; see {run.log.name}")
+                return (f"{sid} exited (code {run.proc.returncode}) before it was ready; see "
+                        f"{run.log.name}")
             try:
                 if spec.ready():
-                    break
+                    return None
             except Exception:  # noqa: BLE001 - still booting
                 pass
             if time.monotonic() > deadline:
-                self.sup.call(lambda s: s.retire(sid))
-                raise ScaleError(f"{sid} not ready after {spec.ready_timeout_s:.0f}s")
+                return f"{sid} not ready after {spec.ready_timeout_s:.0f}s; see {run.log.name}"
             time.sleep(0.2)
-        addr = f"{self.host}:{port}"
-        try:
-            joined = self.link.request({"cmd": "add_server", "addr": addr})
-        except Exception:
-            self.sup.call(lambda s: s.retire(sid))
-            raise
-        self.members[sid] = {"addr": addr, "owned": True, "gpus": list(gpus)}
-        self._save()
-        self.sup.say(f"{sid} ({addr}) joined the rollout at version {joined.get('version')}")
-        return {"id": sid, "addr": addr, "version": joined.get("version")}
 
     def _attach(self, addr: str) -> dict:
         if any(m["addr"] == addr for m in self.members.values()):

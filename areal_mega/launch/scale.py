@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -68,7 +69,8 @@ def main(argv: Optional[list] = None) -> int:
     link = RolloutLink(endpoint, secret=os.environ.get("AREAL_MEGA_SECRET") or None,
                        timeout_s=args.timeout, peer="launcher")
     try:
-        reply = link.request(request_of(args))
+        # an id of its own: a resend after a dropped socket is answered, not run twice
+        reply = link.request({**request_of(args), "request_id": uuid.uuid4().hex})
     except ControlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
