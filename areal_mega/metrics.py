@@ -205,7 +205,7 @@ def source_reward_keys(records: Iterable[Mapping]) -> list[str]:
 
 
 PANELS = (("loss", "loss"), ("ppo_kl", "ppo_kl"), ("staleness/max", "staleness (max)"),
-          ("time/step", "time / step (s)"))
+          ("time/step", "time / step (s)"), ("rollout/servers", "rollout servers"))
 
 
 def eval_curve_keys(records: Iterable[Mapping]) -> list:
@@ -221,7 +221,8 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
     """Draw the reward curve (raw + moving average; per-source moving averages for
     ``reward/<name>`` keys; the evaluation pass@1 curves of :func:`eval_curve_keys` when the
     run evaluated) and loss / ppo_kl / staleness /
-    time-per-step panels into ``out_png``. Missing keys leave their panel empty."""
+    time-per-step / rollout-server-count panels into ``out_png``. Missing keys leave their
+    panel empty."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -235,8 +236,8 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
         pts = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
         return [p[0] for p in pts], [float(p[1]) for p in pts]
 
-    fig = plt.figure(figsize=(12, 7))
-    grid = fig.add_gridspec(2, 4, height_ratios=[1.4, 1])
+    fig = plt.figure(figsize=(3 * len(PANELS), 7))
+    grid = fig.add_gridspec(2, len(PANELS), height_ratios=[1.4, 1])
     ax = fig.add_subplot(grid[0, :])
     xs, ys = series("reward/mean")
     if xs:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from areal_mega.metrics import plot_metrics
 from areal_mega.rollout.control import RolloutLink
 from areal_mega.run_dir import RunDir
 from test_e2e_async_rl import _accepted_ids, _finish, _launch, _metrics, _trained, assets  # noqa: F401
@@ -141,6 +142,11 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
     checked = [r for r in rows if r["mismatch_tokens"] > 0]
     assert len(checked) >= 10
     assert max(r["mismatch"] for r in checked) <= 1e-5, [r["mismatch"] for r in checked]
+    # the worker's server metrics reach the metrics rows and the plot: 1 -> 3 -> 1
+    servers = [r["rollout/servers"] for r in rows if "rollout/servers" in r]
+    assert servers[0] == 1 and max(servers) == 3 and servers[-1] == 1, servers
+    assert rows[-1]["rollout/resumptions"] >= 1
+    assert plot_metrics(run / "metrics.jsonl", run / "plot.png").stat().st_size > 0
     supervisor = sup_log.read_text()
     assert "rollout2 retired" in supervisor and "rollout0 retired" in supervisor
     for m in members.values():

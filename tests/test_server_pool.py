@@ -23,7 +23,7 @@ from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F40
                                    teacher_forced_logprobs)
 
 pytestmark = pytest.mark.timeout(300)
-N_NEW = 160
+N_NEW = 96
 
 
 @pytest.fixture(scope="module")
@@ -142,4 +142,65 @@ def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):
         assert stats["live_servers"] == 1 and stats["resumptions"] == 1
         assert stats["servers"][0]["requests"] >= 2 and stats["servers"][0]["tokens"] >= N_NEW
     finally:
+        ctl.stop()
+
+
+def test_join_through_the_distributed_weight_group(servers, models, tmp_path):
+    """Distributed weight updates (gloo on CPU): a joining server waits, without requests,
+    for the trainer's next update, which forms the group again with it (world size 2 -> 3)
+    and broadcasts; it then serves exactly the trainer's weights at the trainer's version. A
+    removal during the broadcast is refused; after one, the group shrinks again."""
+    from areal_mega.rollout.weight_sync import DistributedWeightSender
+
+    s0, s1 = (f"http://{p.addr}" for p in servers)
+    client = ElasticClient([servers[0].addr], paths=RunDir(tmp_path, tmp_path, "", ""),
+                           api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
+    ctl = RolloutController(client, RLVRWorkflow(exact_match_reward, 4), iter(()),
+                            batch_size=2, n_samples=2, eta=1, sink=GroupSink(),
+                            ignore_eos=True).start()
+    pool = ServerPoolCommands(client, lambda: ctl)
+    sender = DistributedWeightSender(RolloutClient([servers[0].addr], api_key=API_KEY),
+                                     backend="gloo", bucket_bytes=1 << 20, timeout_s=120)
+    sender.connect()
+
+    def publish(version, model, members):
+        """The trainer's side of one update (session.publish_weights, distributed)."""
+        ctl.begin_weight_update()
+        named = pool.begin_update()["servers"]
+        assert named == members
+        if version == 1:   # mid-broadcast the group's ranks cannot leave
+            with pytest.raises(ServerPoolError, match="broadcast is in progress"):
+                pool.handle({"cmd": "remove_server", "addr": servers[1].addr})
+        regrouped = sender.regroup(named)
+        sender.send(list(model.state_dict().items()), weight_version=version)
+        ctl.end_weight_update(version)
+        pool.end_update()
+        return regrouped
+
+    try:
+        joined = pool.handle({"cmd": "add_server", "addr": servers[1].addr, "via_group": True})
+        assert joined["pending"] and joined["version"] is None
+        assert client.dispatchable() == [s0]           # no request before its weights
+        assert publish(1, models["mb"], [s0, s1]) and sender.world_size == 3
+        assert client.dispatchable() == [s0, s1] and not sender.regroup([s0, s1])
+        prompt = [5, 6, 7, 8]
+        for p in servers:   # each server: the trainer's logprobs at the trainer's version
+            async def probe(addr=p.addr):
+                c = RolloutClient([addr], api_key=API_KEY)
+                try:
+                    return await c.generate(prompt, {"max_new_tokens": 12, "ignore_eos": True})
+                finally:
+                    await c.close()
+            res = run(probe())
+            assert res.weight_version == "1"
+            ref = teacher_forced_logprobs(models["mb"], prompt + res.output_ids, len(prompt))
+            assert np.abs(np.array(ref) - np.array(res.logprobs)).max() <= 1e-4
+        pool.handle({"cmd": "remove_server", "addr": servers[0].addr})
+        assert publish(2, models["ma"], [s1]) and sender.world_size == 2
+        out = ctl.run_async(ctl.generate(prompt, 12, key="after")).result(120)
+        assert out.server == s1 and out.versions == [2] * 12
+        ref = teacher_forced_logprobs(models["ma"], prompt + out.output_ids, len(prompt))
+        assert np.abs(np.array(ref) - np.array(out.logprobs)).max() <= 1e-4
+    finally:
+        sender.close()
         ctl.stop()

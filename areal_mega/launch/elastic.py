@@ -16,7 +16,10 @@ socket (:attr:`areal_mega.run_dir.RunDir.launcher_endpoint`, the JSON protocol o
 ``launch.local`` owns the servers it starts: they run under its supervisor (a dead one is
 relaunched and re-synced, within ``cluster.max_restarts``), ``remove`` stops them and the end
 of the run stops them all. A request that cannot be applied (unknown id, unreachable address,
-the last server, no free GPU, distributed weight updates) gets an error and changes nothing.
+the last server, no free GPU) gets an error and changes nothing. With distributed weight
+updates a joining server takes requests after the trainer's next broadcast, which forms the
+weight-update group again with it (:meth:`DistributedWeightSender.regroup
+<areal_mega.rollout.weight_sync.DistributedWeightSender.regroup>`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from typing import Optional
 
 from areal_mega.launch.plan import ServerSlot, find_free_ports
 from areal_mega.launch.supervisor import ProcessSpec
-from areal_mega.rollout.control import ControlServer, RolloutLink
+from areal_mega.rollout.control import ControlError, ControlServer, RolloutLink
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +118,6 @@ class ScaleService:
             return out
 
     def _apply(self, cmd: str, msg: dict) -> dict:
-        if cmd in ("add", "add_addr") and self.distributed_updates:
-            raise ScaleError("adding servers needs disk weight updates "
-                             "(rollout.weight_update=disk): a server joining the "
-                             "distributed weight-update group is not supported here")
         if cmd == "add":
             n = msg.get("n")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -163,7 +162,7 @@ class ScaleService:
             if error is None:
                 addr = f"{self.host}:{port}"
                 try:
-                    joined = self.link.request({"cmd": "add_server", "addr": addr})
+                    joined = self._join(addr)
                 except Exception as e:  # noqa: BLE001 - reported after the cleanup
                     error = e
                 else:
@@ -198,7 +197,7 @@ class ScaleService:
     def _attach(self, addr: str) -> dict:
         if any(m["addr"] == addr for m in self.members.values()):
             raise ScaleError(f"add_addr: {addr} is already a member")
-        joined = self.link.request({"cmd": "add_server", "addr": addr})
+        joined = self._join(addr)
         sid = self._new_id("ext")
         self.members[sid] = {"addr": addr, "owned": False, "gpus": []}
         self._save()
@@ -206,12 +205,27 @@ class ScaleService:
                      f"{joined.get('version')}")
         return {"id": sid, "addr": addr, "version": joined.get("version")}
 
+    def _join(self, addr: str) -> dict:
+        """Have the worker add ``addr``: at the current weights from disk, or (distributed
+        weight updates) pending the trainer's next broadcast to a group that includes it."""
+        return self.link.request({"cmd": "add_server", "addr": addr,
+                                  "via_group": self.distributed_updates})
+
     def _remove(self, sid: str, drain: bool) -> dict:
         if sid not in self.members:
             raise ScaleError(f"remove: unknown server id {sid!r}; members: "
                              f"{', '.join(self.members) or 'none'}")
         m = self.members[sid]
-        out = self.link.request({"cmd": "remove_server", "addr": m["addr"], "drain": drain})
+        deadline = time.monotonic() + self.cfg.rollout.request_timeout_s
+        while True:   # a broadcast in progress holds the server in its group: wait for it
+            try:
+                out = self.link.request({"cmd": "remove_server", "addr": m["addr"],
+                                         "drain": drain})
+                break
+            except ControlError as e:
+                if "broadcast is in progress" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         del self.members[sid]
         self._save()
         if m["owned"]:

@@ -253,6 +253,11 @@ class RolloutClient:
                                           timeout=self.control_timeout_s)
                                for s in self.servers))
 
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """``POST /destroy_weights_update_group`` on every live server (before the group is
+        formed again with other members)."""
+        await self._broadcast("/destroy_weights_update_group", {"group_name": group_name})
+
     async def set_weight_version(self, version: int) -> bool:
         """``POST /update_weight_version`` on every live server; False if unsupported."""
         try:

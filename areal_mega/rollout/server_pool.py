@@ -63,6 +63,7 @@ class ElasticClient(RelaunchTolerantClient):
     def __init__(self, addrs: list, **kw):
         super().__init__(addrs, **kw)
         self.leaving: set = set()               # addresses out of dispatch (being removed)
+        self.pending: set = set()               # joined, awaiting the group's next broadcast
         self.requests: collections.Counter = collections.Counter()
         self.tokens: collections.Counter = collections.Counter()
         self.resumptions = 0
@@ -70,11 +71,12 @@ class ElasticClient(RelaunchTolerantClient):
 
     # ------------------------------------------------------------------ dispatch hooks
     def _pick(self, sticky_key: Optional[str], exclude: set):
-        return super()._pick(sticky_key, exclude | self.leaving)
+        return super()._pick(sticky_key, exclude | self.leaving | self.pending)
 
     def dispatchable(self) -> list:
         """Addresses that may get new requests (healthy and not being removed)."""
-        return [s.addr for s in self.servers if s.healthy and s.addr not in self.leaving]
+        return [s.addr for s in self.servers if s.healthy and s.addr not in self.leaving
+                and s.addr not in self.pending]
 
     async def _call(self, srv, method: str, path: str, body: Optional[dict] = None,
                     timeout: Optional[float] = None) -> dict:
@@ -96,10 +98,13 @@ class ElasticClient(RelaunchTolerantClient):
         return None
 
     # ------------------------------------------------------------------ membership
-    async def add_server(self, addr: str, version: int) -> dict:
+    async def add_server(self, addr: str, version: int, via_group: bool = False) -> dict:
         """Bring the server at ``addr`` to weights ``version`` and start dispatching to it.
-        ``ServerPoolError`` (nothing changed) when it is already a member or does not answer
-        ``/health``; returns ``{"addr", "version", "seconds"}``."""
+        With ``via_group`` (distributed weight updates) it joins as *pending*: no requests
+        until the trainer, at its next update, forms the weight-update group again with it and
+        broadcasts (:meth:`promote`). ``ServerPoolError`` (nothing changed) when it is already a
+        member or does not answer ``/health``; returns ``{"addr", "version", "pending",
+        "seconds"}`` (``version`` None while pending)."""
         url = normalize_addr(addr)
         if self._find(url) is not None:
             raise ServerPoolError(f"server {url} is already in the pool")
@@ -110,13 +115,29 @@ class ElasticClient(RelaunchTolerantClient):
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RolloutRequestError) as e:
             raise ServerPoolError(f"server {url} is unreachable ({type(e).__name__}: {e}); "
                                   "the pool is unchanged") from None
-        await self.sync_to_version(srv, version)
-        await self._call(srv, "POST", "/continue_generation", {}, timeout=self.control_timeout_s)
+        if via_group:
+            self.pending.add(url)
+        else:
+            await self.sync_to_version(srv, version)
+            await self._call(srv, "POST", "/continue_generation", {},
+                             timeout=self.control_timeout_s)
         self.servers.append(srv)
         self.joins += 1
-        log.info("rollout server %s joined at version %d (%d servers)", url, version,
-                 len(self.servers))
-        return {"addr": url, "version": version, "seconds": time.monotonic() - t0}
+        log.info("rollout server %s joined %s (%d servers)", url, "pending the next weight "
+                 "broadcast" if via_group else f"at version {version}", len(self.servers))
+        return {"addr": url, "version": None if via_group else version, "pending": via_group,
+                "seconds": time.monotonic() - t0}
+
+    def group_members(self) -> list:
+        """The servers the weight-update group must hold now (all but leaving ones)."""
+        return [s.addr for s in self.servers if s.addr not in self.leaving]
+
+    def promote(self, addrs: list) -> None:
+        """``addrs`` received the broadcast of the current version: dispatch to them."""
+        for a in addrs:
+            if a in self.pending:
+                self.pending.discard(a)
+                log.info("rollout server %s serves the current weights; dispatching to it", a)
 
     async def sync_to_version(self, srv, version: int) -> None:
         """Load the weights of ``version`` into ``srv`` and set its version: the published
@@ -168,6 +189,7 @@ class ElasticClient(RelaunchTolerantClient):
         finally:
             self.servers.remove(srv)
             self.leaving.discard(url)
+            self.pending.discard(url)
             for k, s in list(self._sticky.items()):
                 if s is srv:
                     del self._sticky[k]
@@ -182,18 +204,37 @@ class ElasticClient(RelaunchTolerantClient):
         """Live servers, per-server requests / tokens, resumptions, joins, removals."""
         return {"servers": [{"addr": s.addr, "healthy": s.healthy, "inflight": s.inflight,
                              "leaving": s.addr in self.leaving,
+                             "pending": s.addr in self.pending,
                              "requests": self.requests[s.addr], "tokens": self.tokens[s.addr]}
                             for s in self.servers],
                 "live_servers": len(self.dispatchable()), "resumptions": self.resumptions,
                 "joins": self.joins, "removals": self.removals}
 
 
+def pool_metrics(stats: dict) -> dict:
+    """Flat ``rollout/*`` scalars of :meth:`ElasticClient.pool_stats` for the metrics row:
+    ``rollout/servers`` (live), ``rollout/resumptions``, and per server (its address with
+    ``.`` and ``:`` as ``_``) ``rollout/server/<addr>/requests`` and ``.../tokens`` (pure)."""
+    out = {"rollout/servers": stats["live_servers"], "rollout/resumptions": stats["resumptions"]}
+    for s in stats["servers"]:
+        key = s["addr"].split("://", 1)[-1].replace(".", "_").replace(":", "_")
+        out[f"rollout/server/{key}/requests"] = s["requests"]
+        out[f"rollout/server/{key}/tokens"] = s["tokens"]
+    return out
+
+
 class ServerPoolCommands:
     """The worker's membership commands (see :mod:`areal_mega.rollout.control`):
 
     - ``{"cmd": "servers"}`` -> :meth:`ElasticClient.pool_stats`;
-    - ``{"cmd": "add_server", "addr": "host:port"}`` -> join at the current version;
+    - ``{"cmd": "add_server", "addr": "host:port", "via_group": bool}`` -> join at the current
+      version (from disk), or pending the next broadcast (distributed weight updates);
     - ``{"cmd": "remove_server", "addr": "host:port", "drain": bool}``.
+
+    With distributed weight updates the worker calls :meth:`begin_update` /
+    :meth:`end_update` around the trainer's broadcast: the trainer forms its group with the
+    members :meth:`begin_update` names, and :meth:`end_update` lets those pending members take
+    requests. Between the two a removal is refused (retry): the server is a rank of the group.
 
     ``controller`` is a callable returning the running
     :class:`~areal_mega.rollout.controller.RolloutController` or None (not generating yet:
@@ -205,6 +246,18 @@ class ServerPoolCommands:
         self.client = client
         self.controller = controller
         self.timeout_s = timeout_s
+        self._in_group: Optional[list] = None    # members named to the open update
+
+    def begin_update(self) -> dict:
+        """A broadcast update starts: the members the trainer's group must hold."""
+        self._in_group = self.client.group_members()
+        return {"servers": list(self._in_group)}
+
+    def end_update(self) -> None:
+        """The broadcast reached the members named by :meth:`begin_update`."""
+        if self._in_group is not None:
+            self.client.promote(self._in_group)
+        self._in_group = None
 
     def handle(self, msg: dict) -> dict:
         """Answer one command; raises ``ServerPoolError`` / ``ValueError`` for bad requests."""
@@ -219,8 +272,11 @@ class ServerPoolCommands:
         if not isinstance(addr, str) or not addr:
             raise ServerPoolError(f"{cmd}: field 'addr' (host:port) is required")
         if cmd == "add_server":
-            coro = self.client.add_server(addr, ctl.version)
+            coro = self.client.add_server(addr, ctl.version, bool(msg.get("via_group", False)))
         elif cmd == "remove_server":
+            if self._in_group is not None:
+                raise ServerPoolError("remove_server: a weight broadcast is in progress and the "
+                                      "server is a rank of its group; retry after it")
             coro = self.client.remove_server(addr, bool(msg.get("drain", False)),
                                              drain_timeout_s=self.timeout_s)
         else:

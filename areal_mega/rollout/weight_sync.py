@@ -130,6 +130,39 @@ class DistributedWeightSender:
             raise
         fut.result(timeout=self.timeout_s)
 
+    def regroup(self, addrs: list) -> bool:
+        """Form the group again for a new server list (elastic rollout: servers joined or
+        left): ``/destroy_weights_update_group`` on the current servers (best effort: a removed
+        one may be gone), destroy rank 0's side, then :meth:`connect` with world size
+        1 + len(addrs) x ranks per server on a fresh port. Returns False, doing nothing, when
+        ``addrs`` are already the group's servers, in order."""
+        from areal_mega.launch.plan import WeightGroup
+        from areal_mega.rollout.client import _Server
+        from areal_mega.rollout.launch import find_free_port
+        from areal_mega.rollout.update_group import destroy_update_group
+
+        urls = [a if a.startswith("http") else f"http://{a}" for a in addrs]
+        if not urls:
+            raise ValueError("regroup: the weight-update group needs at least one server")
+        if urls == [s.addr for s in self.client.servers]:
+            return False
+        try:
+            self._run_async(self.client.destroy_weights_update_group(self.group_name)).result(
+                timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the survivors re-init below (and say so)
+            log.warning("destroying the old weight-update group: %s", e)
+        pg, self.pg = self.pg, None
+        destroy_update_group(pg)
+        self.client.servers = [_Server(u) for u in urls]
+        per = self.group.ranks_per_server
+        self.group = WeightGroup(1 + len(urls) * per, tuple(1 + i * per
+                                                            for i in range(len(urls))), per)
+        self.master_port = find_free_port(self.master_address)
+        self.connect()
+        log.info("weight-update group formed again: %d servers, world size %d", len(urls),
+                 self.world_size)
+        return True
+
     def send(self, named_tensors: Iterable, weight_version: Optional[int] = None) -> int:
         """Stream ``(hf_name, tensor)`` pairs to the servers in buckets; returns the number of
         buckets. Tensors are sent contiguous, on the group's device, in their own dtype.

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from areal_mega.rollout.server_pool import pool_metrics
 from areal_mega.run_dir import RunDir, checkpoint_iteration
 
 log = logging.getLogger("areal_mega.rollout.worker")
@@ -218,11 +219,15 @@ class RolloutWorker:
         - ``ping`` -> ``{}``; ``stats`` -> the controller's statistics (``{"started": 0}``
           before it exists);
         - ``update_weights`` (``version``, ``path``: an HF safetensors directory) -> pause the
-          servers, load ``path``, continue at ``version`` (``{"version", "seconds"}``); when no
+          servers, load ``path``, continue at ``version`` (``{"version", "seconds"}`` and the
+          ``rollout/*`` server metrics, also in ``end_update``'s answer); when no
           controller runs yet (resuming) the servers load directly and the controller starts;
         - ``begin_update`` / ``end_update`` (``version``) -> the two halves of an update the
-          trainer broadcasts itself: stop dispatching and pause, then make ``version`` current
-          and continue (or, when resuming, set the servers' version and start the controller);
+          trainer broadcasts itself: stop dispatching and pause (answering the servers its
+          group must hold, ``servers``), then make ``version`` current and continue (or, when
+          resuming, set the servers' version and start the controller);
+        - ``servers`` / ``add_server`` / ``remove_server``: elastic rollout
+          (:class:`~areal_mega.rollout.server_pool.ServerPoolCommands`);
         - ``evaluate`` (``version``) -> ``{"version", "metrics"}``: the evaluation set at the
           servers' current weights (:mod:`areal_mega.rollout.eval_hook`; needs ``eval.*``).
 
@@ -252,12 +257,13 @@ class RolloutWorker:
                     self.start_controller(version)
                 else:
                     self.controller.update_weights(version, path=path)
-            return {"version": version, "seconds": time.time() - t0}
+            return {"version": version, "seconds": time.time() - t0,
+                    **pool_metrics(self.client.pool_stats())}
         if cmd == "begin_update":   # the trainer broadcasts the weights itself (bucketed)
             with self._ctl_lock:
                 if self.controller is not None:
                     self.controller.begin_weight_update()
-            return {}
+                return self.pool.begin_update()   # the servers the trainer's group must hold
         if cmd == "end_update":
             version = int(msg["version"])
             with self._ctl_lock:
@@ -268,14 +274,15 @@ class RolloutWorker:
                     self.start_controller(version)
                 else:
                     self.controller.end_weight_update(version)
-            return {"version": version}
+                self.pool.end_update()            # servers that joined the group take work
+            return {"version": version, **pool_metrics(self.client.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
             from areal_mega.rollout.client import RolloutClient
 
             r = self.cfg.rollout
             return self.evaluator.run(int(msg["version"]), self.controller,
                                       lambda: RolloutClient(self.client.dispatchable(),
-                                                                api_key=r.api_key))
+                                                            api_key=r.api_key))
         raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
                          "begin_update, end_update, servers, add_server, remove_server or "
                          "evaluate (with eval.every_steps > 0)")

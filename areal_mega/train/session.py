@@ -95,6 +95,7 @@ class TrainerSession:
         self.start_step = 0
         resumed = self._restore_or_init()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
+        self.rollout_metrics: dict = {}    # the worker's rollout/* server metrics (elastic)
         from areal_mega.train.weights import resolve_weight_update
         try:
             self.weight_update = resolve_weight_update(
@@ -244,7 +245,7 @@ class TrainerSession:
         out = self.run_dir / "weights" / f"v{version:07d}"
         export_hf_dir(self.actor, self.cfg.model.path, out, is_writer=self.is_rank0)
         if self.is_rank0:
-            self.link.update_weights(version=version, path=str(out))
+            self._note_rollout(self.link.update_weights(version=version, path=str(out)))
             self._prune_weight_dirs(keep=out)
         if dist.is_initialized():
             dist.barrier()
@@ -254,18 +255,25 @@ class TrainerSession:
         from areal_mega.checkpoint.export import iter_hf_tensors
 
         if self.is_rank0:
-            self.link.begin_update()
+            members = self.link.begin_update().get("servers")
+            if members:   # elastic rollout: servers joined or left since the group formed
+                self.weight_sender.regroup(members)
         # a failed broadcast raises: the trainer exits and launch.local restarts it together
         # with the rollout worker (which un-pauses the servers)
         stream = iter_hf_tensors(self.actor.model, hm.read_arch(self.cfg.model.path))
         if self.is_rank0:
             self.weight_sender.send(stream, weight_version=version)
-            self.link.end_update(version=version)
+            self._note_rollout(self.link.end_update(version=version))
         else:
             for _ in stream:      # TP/EP peers take part in the gathers
                 pass
         if dist.is_initialized():
             dist.barrier()
+
+    def _note_rollout(self, reply: dict) -> None:
+        """Keep the worker's ``rollout/*`` server metrics (live servers, resumptions,
+        per-server requests / tokens) for the next metrics row."""
+        self.rollout_metrics = {k: v for k, v in reply.items() if k.startswith("rollout/")}
 
     def _prune_weight_dirs(self, keep: Path) -> None:
         for d in sorted((self.run_dir / "weights").glob("v*")):
@@ -284,6 +292,7 @@ class TrainerSession:
             return
         if self.intake is not None:
             stats.update(self.intake.stats())
+        stats.update(self.rollout_metrics)
         if "versions/min" in stats:
             stats["staleness/max"] = float(step - 1 - stats["versions/min"])
         row = self.logger.log(step, stats)
