@@ -6,11 +6,9 @@ tokens tagged with the trainer's version are exactly its weights' tokens, the st
 holds, bad scale requests change nothing, and the run finishes with its servers stopped."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -19,7 +17,8 @@ import pytest
 from areal_mega.metrics import plot_metrics
 from areal_mega.rollout.control import RolloutLink
 from areal_mega.run_dir import RunDir
-from test_e2e_async_rl import _accepted_ids, _finish, _launch, _metrics, _trained, assets  # noqa: F401
+from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
+                               _trainer_pid, assets)
 from test_launch_faults import _wait
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,21 +58,28 @@ def _free_port():
 def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
     model, data = assets
     run = tmp_path / "run"
-    # a server boots in about as long as 20 steps take: the run must outlast the changes
-    total = 150
+    # a server boots in about as long as 20 steps take on a loaded machine: the trainer is
+    # paused (SIGSTOP) while servers boot, so that the run outlasts the changes
+    total = 50
     proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
                    "checkpoint.save_every=4", "cluster.max_restarts=3", "logging.plot=false",
-                   "rollout.max_new_tokens=12")
+                   "rollout.max_new_tokens=12",
+                   # a dense reward: the weights move, so the version checks below mean something
+                   "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward")
     sup_log = run / "logs" / "supervisor.log"
     _wait(lambda: (run / "launcher.sock").exists(), proc, "the launcher socket")
     link = RolloutLink(RunDir(run, run, "", "").launcher_endpoint, timeout_s=300,
                        peer="launcher")
+    trainer = None
     try:
         _wait(lambda: len(_metrics(run)) >= 2, proc, "step 2")
         accepted_before = _accepted_ids(run)
+        trainer = psutil.Process(_trainer_pid(run))
 
         # 1 -> 3
+        trainer.suspend()
         rc, reply = _scale(run, "--add", "2")
+        trainer.resume()
         assert rc == 0, reply
         assert [a["id"] for a in reply["added"]] == ["rollout1", "rollout2"]
         members, pool = _listing(link)
@@ -90,15 +96,17 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
               "a request in flight on rollout1")
         accepted_before |= _accepted_ids(run)
         _server_alive(port1).kill()
+        trainer.suspend()
         _wait(lambda: "rollout1 failed (killed by signal 9); relaunch 1/3" in
               sup_log.read_text(), proc, "the relaunch of rollout1")
         worker_log = run / "logs" / "rollout_worker.log"
         _wait(lambda: "is back; it serves version" in worker_log.read_text(), proc,
               "rollout1 re-synced")
+        trainer.resume()
 
         # remove rollout2 (no drain) the moment the trainer publishes new weights
         progress = len(_metrics(run))
-        assert progress <= total - 20, f"too late for the removals (step {progress})"
+        assert progress <= total - 10, f"too late for the removals (step {progress})"
         seen = {p.name for p in (run / "weights").glob("v*")}
         _wait(lambda: {p.name for p in (run / "weights").glob("v*")} - seen, proc,
               "new weights", timeout=120)
@@ -113,7 +121,8 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
         assert rc == 0, reply
         assert reply["drained"] is True and reply["aborted"] == 0
 
-        # bad requests: a clear error, nothing changes
+        # bad requests: a clear error, nothing changes (the run waits meanwhile)
+        trainer.suspend()
         for args, words in [(("--remove", "nope"), "unknown server id 'nope'"),
                             (("--add-addr", f"127.0.0.1:{_free_port()}"), "unreachable"),
                             (("--remove", "rollout1"), "last server")]:
@@ -121,10 +130,13 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
             assert rc == 1 and words in err, (args, rc, err)
         members, pool = _listing(link)
         assert sorted(members) == ["rollout1"] and pool["live_servers"] == 1
+        trainer.resume()
         assert pool["resumptions"] >= 1 and pool["joins"] == 2 and pool["removals"] == 2
         assert len(_metrics(run)) < total, "the run ended before every change was made"
     finally:
         link.close()
+        if trainer is not None and trainer.is_running():
+            trainer.resume()
 
     rc, out = _finish(proc, timeout=600)
     assert rc == 0, out[-4000:]
@@ -139,6 +151,7 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
     assert max(r["staleness/max"] for r in rows[1:]) <= 1, [r["staleness/max"] for r in rows]
     # tokens tagged with the trainer's version came from exactly its weights, whichever
     # server (joined, relaunched, resumed) made them
+    assert sum(r["grad_norm"] > 0 for r in rows[:-1]) >= total // 2
     checked = [r for r in rows if r["mismatch_tokens"] > 0]
     assert len(checked) >= 10
     assert max(r["mismatch"] for r in checked) <= 1e-5, [r["mismatch"] for r in checked]
