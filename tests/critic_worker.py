@@ -10,6 +10,7 @@ batch; a critic restored from its checkpoint takes the same next step as an unin
 one; an LM checkpoint loads into the trunk (fresh head), an HF ``score`` head into the head.
 Rank r writes ``<out_dir>/<scenario>.<r>.json`` ({check: value}).
 """
+import dataclasses
 import json
 import os
 import sys
@@ -162,6 +163,15 @@ def scenario_single(res, out_dir):
         bool((mb["loss_mask"][1:].int() - mb["loss_mask"][:-1].int() == 1).sum() >
              len(mb["seqlens"])) for mb in out))
     res["gae.stats_keys"] = sorted(stats)
+    # KL in the reward: the penalty −β·KL_t enters the token rewards before GAE
+    kl_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(
+        cfg.algorithm, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1"))
+    shifted = batches.attach(mbs, ref_logprobs=[mb["logprobs"] - 0.2 * mb["loss_mask"]
+                                                for mb in mbs])
+    kl_out, kl_stats = gae_step(eng, shifted, kl_cfg, ew.MESH[0])
+    res["kl.reward_mean"] = kl_stats["adv/kl_reward_mean"]
+    res["kl.return_shift"] = max(float((a["returns"] - b["returns"]).abs().max())
+                                 for a, b in zip(kl_out, out))
     # resume: two steps, checkpoint, third step; a fresh engine restored from the checkpoint
     # takes exactly the same third step
     root = os.path.join(out_dir, "ckpt")

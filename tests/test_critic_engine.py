@@ -53,6 +53,12 @@ def test_gae_of_the_rl_step_equals_the_torch_reference(single):
             "critic/gae_return_mean"} <= set(single["gae.stats_keys"])
 
 
+def test_kl_in_reward_with_the_critic(single):
+    """k1 KL of 0.2 per loss token: the reward penalty lowers the returns."""
+    assert abs(single["kl.reward_mean"] - 0.2) < 1e-5
+    assert single["kl.return_shift"] > 0.05
+
+
 def test_resumed_critic_takes_the_same_next_step(single):
     assert single["resume.loss_diff"] == 0.0
     assert single["resume.values_diff"] == 0.0
