@@ -335,7 +335,8 @@ class TrainerSession:
                      "buffer_file": buf_name, "accepted_samples": accepted}
             if self.critic is not None:       # first: every actor checkpoint has its critic
                 from areal_mega.train.critic_step import save_critic
-                save_critic(self.critic, self.ckpt_root, step, self.cfg.checkpoint.keep_last)
+                # one more kept: a crash before the actor's save resumes the previous step
+                save_critic(self.critic, self.ckpt_root, step, self.cfg.checkpoint.keep_last + 1)
             save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(),
                             self.actor.optimizer, self.actor.lr_scheduler, extra=extra,
                             keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
