@@ -194,6 +194,34 @@ def scenario_single(res, out_dir):
     res["resume.step_count"] = fresh.step_count
     # an LM checkpoint loads into the trunk; the head stays the fresh one
     lm_checks(res, out_dir, mbs)
+    fit_checks(res, cfg)
+
+
+def fit_checks(res, cfg):
+    """The critic learns a value that depends on the generated prefix: R = 1 iff the second
+    completion token is even, so V is predictable from that token on; explained variance
+    rises over RL-like steps (values, GAE, value loss) on a fixed batch."""
+    import numpy as np
+    from areal_mega.dataplane.trajectory import Trajectory
+    from areal_mega.train import batches
+    from areal_mega.train.critic_step import gae_step, train_critic
+    rng = np.random.default_rng(0)
+    trajs = []
+    for i in range(32):
+        comp = rng.integers(0, 20, 6)
+        trajs.append(Trajectory.from_tokens(rng.integers(0, 20, 6), comp, -rng.random(6),
+                                            np.zeros(6, np.int32),
+                                            reward=float(comp[1] % 2 == 0), sample_id=f"f{i}",
+                                            group_id=f"h{i // 8}"))
+    mbs = batches.plan_step(trajs, cfg, dp_size=1, tp_size=1, pp_size=1,
+                            cp_size=1).micro_batches[0]
+    mbs = batches.attach(mbs, prox_logprobs=[mb["logprobs"] for mb in mbs])
+    eng = critic_engine(hf=ew.TIED)
+    evs = []
+    for _ in range(20):
+        new, _ = gae_step(eng, mbs, cfg, ew.MESH[0])
+        evs.append(train_critic(eng, new, cfg)["critic/explained_variance"])
+    res["fit.ev_first"], res["fit.ev_last"] = evs[0], evs[-1]
 
 
 def lm_checks(res, out_dir, mbs):

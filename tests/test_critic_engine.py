@@ -69,3 +69,7 @@ def test_lm_checkpoint_loads_the_trunk_and_a_score_head_the_head(single):
     assert single["lm.trunk_diff"] == 0.0 and single["lm.head_unchanged"] == 1.0
     assert single["score.loaded"] == 1.0 and single["score.head_diff"] == 0.0
     assert "score.weight has shape (2, 64)" in single["score.bad_shape_error"]
+
+
+def test_critic_learns_a_prefix_dependent_value(single):
+    assert single["fit.ev_first"] < 0.2 and single["fit.ev_last"] > 0.5, single
