@@ -2,7 +2,7 @@
 
 Two gloo launches of tests/critic_worker.py (CPU, fp32): ``layouts`` (2 ranks) checks that the
 critic's values and value-loss gradients at DP2, TP2, TP2+SP and PP2 (variable lengths) equal
-a single-rank reference within 1e-5, as tests/test_engine_multirank.py does for the actor;
+a single-rank reference within 1e-5 (and PP2 with VPP 2 on a 4-layer model: values), as tests/test_engine_multirank.py does for the actor;
 ``single`` (1 rank) checks the GAE of a real RL step against the torch reference, an exact
 resume from a critic checkpoint, and loading an LM checkpoint / an HF ``score`` head.
 """
@@ -41,6 +41,12 @@ def test_critic_layouts_match_single_rank(layouts, layout):
         assert r["ref.grad_norm"] > 1e-3 and r["ref.head_grad_norm"] > 1e-3, r
         for what in ("values", "grads", "loss"):
             assert r[f"{layout}.{what}"] < TOL, (layout, what, r)
+
+
+def test_critic_values_under_interleaved_pipeline(layouts):
+    """PP2 × VPP2 (4 layers): the value head on the last virtual chunk, values equal."""
+    for r in layouts:
+        assert r["pp2vpp2.values"] < TOL, r
 
 
 def test_gae_of_the_rl_step_equals_the_torch_reference(single):
