@@ -168,3 +168,23 @@ def test_sigkill_trainer_then_recover(assets, tmp_path):
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log
     assert steps_before >= 3
+
+
+def test_critic_run_resumes_with_its_critic(assets, tmp_path):
+    """A run with a critic, stopped after its checkpoint at step 2 and launched again with
+    total_steps=3, resumes the actor and the critic from iter_2 (the critic's exactness on
+    resume is checked in tests/test_critic_engine.py)."""
+    model, data = assets
+    run = tmp_path / "run"
+    critic = ("algorithm.adv_estimator=gae", "critic.enabled=true", "recover=auto",
+              "checkpoint.save_every=1")
+    rc, out = _finish(_launch(run, model, data, "total_steps=2", *critic), timeout=300)
+    assert rc == 0, out[-3000:]
+    assert (run / "checkpoints" / "critic" / "iter_0000002").is_dir()
+    rc, out = _finish(_launch(run, model, data, "total_steps=3", *critic), timeout=300)
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in (run / "logs" / "trainer.log").read_text()
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["critic/grad_norm"] > 0
+    assert (run / "checkpoints" / "critic" / "iter_0000003").is_dir()
