@@ -173,7 +173,9 @@ def scenario_single(res, out_dir):
                     float((ret - mb["returns"]).abs().max()))
     res["gae.max_diff"] = worst
     res["gae.n_micro_batches"] = len(out)
-    res["gae.has_truncated"] = float(any(int(c) == FINISH_REASONS.index("length") for mb in out for c in mb["finish_codes"]))
+    length = FINISH_REASONS.index("length")
+    res["gae.has_truncated"] = float(any(int(c) == length for mb in out
+                                         for c in mb["finish_codes"]))
     res["gae.has_multiturn"] = float(any(
         bool((mb["loss_mask"][1:].int() - mb["loss_mask"][:-1].int() == 1).sum() >
              len(mb["seqlens"])) for mb in out))

@@ -2,7 +2,8 @@
 
 Two gloo launches of tests/critic_worker.py (CPU, fp32): ``layouts`` (2 ranks) checks that the
 critic's values and value-loss gradients at DP2, TP2, TP2+SP and PP2 (variable lengths) equal
-a single-rank reference within 1e-5 (and PP2 with VPP 2 on a 4-layer model: values), as tests/test_engine_multirank.py does for the actor;
+a single-rank reference within 1e-5 (and PP2 with VPP 2 on a 4-layer model: values), as
+tests/test_engine_multirank.py does for the actor;
 ``single`` (1 rank) checks the GAE of a real RL step against the torch reference, an exact
 resume from a critic checkpoint, and loading an LM checkpoint / an HF ``score`` head.
 """

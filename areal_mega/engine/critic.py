@@ -166,8 +166,8 @@ class CriticEngine(MegatronEngine):
 def load_score_head(engine: CriticEngine, hf_dir: str) -> bool:
     """Set the value head from an HF reward/value model's ``score.weight`` ([1, H], as in
     ``*ForSequenceClassification`` with one label) when ``hf_dir``'s safetensors hold one.
-    Returns whether it did (False too when ``hf_dir`` holds no safetensors). Raises ValueError naming the file for a score head of another
-    shape."""
+    Returns whether it did (False too when ``hf_dir`` holds no safetensors). Raises
+    ValueError naming the directory for a score head of another shape."""
     from areal_mega.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
 
     try:
