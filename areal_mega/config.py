@@ -85,6 +85,27 @@ class RefConfig:
 
 
 @dataclass
+class CriticConfig:
+    enabled: bool = _f(False, doc="build a value model (needed by algorithm.adv_estimator=gae)")
+    path: str = _f("", doc="HF directory of the critic's initial weights (an LM: fresh value "
+                   "head); defaults to model.path")
+    lr: float = _f(1e-5, lo=0.0)
+    min_lr: float = _f(0.0, lo=0.0)
+    lr_warmup_steps: int = _f(0, lo=0, doc="LR warm-up of the critic's optimizer")
+    lr_schedule: str = _f("constant", choices=["constant", "cosine", "linear"])
+    lr_decay_steps: int = _f(0, lo=0, doc="0 = total_steps")
+    clip_grad: float = _f(1.0, lo=0.0)
+    value_loss_coef: float = _f(0.5, lo=0.0, lo_open=True,
+                                doc="scale of the value loss (critic has its own optimizer)")
+    value_clip: Optional[float] = _f(0.2, lo=0.0, lo_open=True,
+                                     doc="clip V - V_old to +-value_clip; None = unclipped")
+    warmup_steps: int = _f(0, lo=0, doc="first RL steps in which only the critic trains")
+    ppo_n_minibatches: int = _f(1, lo=1)
+    bootstrap_truncated: bool = _f(False, doc="bootstrap GAE with the value after the last "
+                                   "token of samples cut by max_new_tokens (finish=length)")
+
+
+@dataclass
 class RolloutConfig:
     backend: str = _f("local", choices=["local", "sglang"])
     server_addrs: list = _f(factory=list, doc="external servers host:port; empty = launch ours")
@@ -275,6 +296,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     dataplane: DataplaneConfig = field(default_factory=DataplaneConfig)

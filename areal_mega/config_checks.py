@@ -42,6 +42,7 @@ def check_against_model(cfg) -> None:
     data may hold plus the generation budget (``data.max_prompt_len +
     rollout.max_new_tokens``) exceeds the context of ``model.path`` (``max_position_embeddings``
     of its ``config.json``). Does nothing when the model's context is unknown."""
+    check_critic_model(cfg)
     if cfg.mode != "rl":
         return
     known = model_context(cfg.model.path)
@@ -76,13 +77,15 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
                           f"({cfg.optimizer.lr})")
-    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
-        raise ConfigError("algorithm.kl_in_reward=true: the trainer computes advantages before "
-                          "the reference forward, so the KL penalty is supported as a loss "
-                          "term only; set algorithm.kl_in_reward=false")
-    if cfg.mode == "rl" and cfg.algorithm.adv_estimator == "gae":
-        raise ConfigError("algorithm.adv_estimator='gae': needs a critic, which the trainer "
-                          "does not build yet; use grpo or reinforce")
+    gae = cfg.algorithm.adv_estimator == "gae"
+    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0 \
+            and not gae:
+        raise ConfigError("algorithm.kl_in_reward=true: with adv_estimator="
+                          f"{cfg.algorithm.adv_estimator!r} the trainer computes advantages "
+                          "before the reference forward, so the KL penalty is a loss term "
+                          "only; set algorithm.kl_in_reward=false, or use adv_estimator=gae "
+                          "with critic.enabled=true (GAE runs after the reference forward)")
+    _check_critic(cfg, gae)
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
@@ -106,3 +109,39 @@ def _is_object_spec(spec: str) -> bool:
     """``module:Name`` / ``file.py:Name`` in form (whether it imports is checked at start)."""
     mod, sep, name = spec.rpartition(":")
     return bool(sep and mod and name.isidentifier())
+
+
+def _check_critic(cfg: ExperimentConfig, gae: bool) -> None:
+    """The critic section against the estimator that uses it."""
+    c = cfg.critic
+    if cfg.mode != "rl":
+        return
+    if gae and not c.enabled:
+        raise ConfigError("algorithm.adv_estimator='gae': needs a value model; set "
+                          "critic.enabled=true (or use adv_estimator=grpo or reinforce)")
+    if c.enabled and not gae:
+        raise ConfigError(f"critic.enabled=true: only algorithm.adv_estimator='gae' uses the "
+                          f"critic, not {cfg.algorithm.adv_estimator!r}; set "
+                          "critic.enabled=false or algorithm.adv_estimator=gae")
+    if c.min_lr > c.lr:
+        raise ConfigError(f"critic.min_lr={c.min_lr!r}: must be <= critic.lr ({c.lr})")
+    if c.warmup_steps >= cfg.total_steps and c.enabled:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps}: must be < total_steps="
+                          f"{cfg.total_steps}, or the actor never trains")
+
+
+def check_critic_model(cfg) -> None:
+    """Raise one :class:`ConfigError` when ``critic.path`` (RL with a critic) is not an HF
+    model directory: no ``config.json`` object there."""
+    c = cfg.critic
+    if cfg.mode != "rl" or not c.enabled or not c.path:
+        return
+    path = Path(c.path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"critic.path={c.path!r}: not an HF model directory ({path}: "
+                          f"{type(e).__name__}: {e})") from None
+    if not isinstance(hf, dict) or "model_type" not in hf and "architectures" not in hf:
+        raise ConfigError(f"critic.path={c.path!r}: {path} is not a model config "
+                          "(no model_type / architectures)")

@@ -99,7 +99,11 @@ def summarize(metrics_file: Path) -> dict:
         vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))
                 and r[key] == r[key]]
         return sum(vals) / len(vals) if vals else float("nan")
+    ev = [r["critic/explained_variance"] for r in rows if "critic/explained_variance" in r]
+    critic = {"explained_variance_first10": sum(ev[:k]) / k,
+              "explained_variance_last10": sum(ev[-k:]) / k} if len(ev) >= k > 0 else {}
     return {
+        **critic,
         "steps": len(rows),
         "reward_first10": sum(rewards[:k]) / k, "reward_last10": sum(rewards[-k:]) / k,
         "ppo_kl_first_minibatch_step1": rows[0].get("ppo_kl/first_minibatch"),
@@ -209,12 +213,16 @@ def main(argv=None) -> None:
              total_seconds=time.time() - t_start)
     (run / "summary.json").write_text(json.dumps(s, indent=2))
     gain = s["reward_last10"] - s["reward_first10"]
+    critic_line = (f"[demo] critic explained variance: first 10 steps "
+                   f"{s['explained_variance_first10']:.3f} -> last 10 steps "
+                   f"{s['explained_variance_last10']:.3f}\n"
+                   if "explained_variance_first10" in s else "")
     print(f"""
 [demo] ===================== summary =====================
 [demo] RL steps: {s['steps']} in {t_rl:.0f}s (SFT {t_sft:.0f}s, total {s['total_seconds']:.0f}s)
 [demo] mean reward: first 10 steps {s['reward_first10']:.3f} -> last 10 steps \
 {s['reward_last10']:.3f} (gain {gain:+.3f})
-[demo] held-out greedy accuracy: {acc_before:.3f} (after SFT) -> {acc_after:.3f} (after RL)
+{critic_line}[demo] held-out greedy accuracy: {acc_before:.3f} (after SFT) -> {acc_after:.3f} (after RL)
 [demo] ppo_kl of the first PPO minibatch: {s['ppo_kl_first_minibatch_step1']}
 [demo] training/inference mismatch |logp_trainer - logp_rollout|: mean \
 {s['mismatch_mean']:.2e}, max {s['mismatch_max']:.2e}

@@ -33,6 +33,10 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``)
        and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches
        (``batches.attach``, new ``PackedBatch`` objects), as is ``policy_version = step − 1``.
+    With a critic (``critic.enabled``, GAE): the critic's values, then GAE advantages and
+       returns (``train.critic_step.gae_step``) are attached too; the critic trains on the
+       value loss after the actor (``train_critic``); during ``critic.warmup_steps`` the actor
+       does not train.
     3. The loss is built from ``cfg.algorithm`` by ``make_policy_loss`` (so every algorithm key,
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
        optimizer steps (``train_batch``, collective over the trainer ranks).
@@ -60,20 +64,29 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     if s.ref is not None:
         mbs = batches.attach(mbs, ref_logprobs=s.ref.forward_logprobs(
             mbs, temperature=cfg.actor.temperature))
+    critic_stats = {}
+    if s.critic is not None:       # values, GAE (after the reference forward), value loss
+        from areal_mega.train.critic_step import gae_step, train_critic
+        mbs, critic_stats = gae_step(s.critic, mbs, cfg, s.mesh)
     t_fwd = time.time()
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                max_response_len=cfg.rollout.max_new_tokens)
     train_stats = []
-    for minibatch in batches.minibatches(mbs, cfg.actor.ppo_n_minibatches):
+    actor_trains = s.critic is None or step > cfg.critic.warmup_steps
+    actor_batches = batches.minibatches(mbs, cfg.actor.ppo_n_minibatches) if actor_trains else []
+    for minibatch in actor_batches:
         train_stats.append(s.actor.train_batch(minibatch, loss_fn, denominator_fn,
                                                temperature=cfg.actor.temperature,
                                                return_entropy=True))
+    if s.critic is not None:
+        critic_stats.update(train_critic(s.critic, mbs, cfg))
     t_train = time.time()
     s.publish_weights(version=step)                     # pause -> update -> continue on servers
     t_sync = time.time()
     if s.is_rank0:
         s.intake.record_trained(step, plan.sample_ids)
-    stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats)}
+    stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats),
+             **critic_stats}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
                   "time/weight_sync": t_sync - t_train,

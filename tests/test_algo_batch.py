@@ -61,7 +61,7 @@ def test_attach_returns_new_batches_and_rejects_other_fields():
     with pytest.raises(ValueError, match="per-token field 'ref_logprobs'"):
         b.with_fields(ref_logprobs=torch.zeros(5))
     with pytest.raises(ValueError, match="cannot be attached"):
-        b.with_fields(advantages=torch.zeros(16))
+        b.with_fields(loss_mask=torch.zeros(16))   # planned, not attachable
     with pytest.raises(ValueError, match="2 values"):
         batches.attach([b], prox_logprobs=[torch.zeros(16)] * 2)
     again = pickle.loads(pickle.dumps(c))           # what distribute sends

@@ -90,6 +90,8 @@ def _accepted_ids(run_dir):
 @pytest.mark.parametrize("weight_update, extra", [
     ("disk", ()),
     ("distributed", ("ref.enabled=true", "algorithm.kl_coef=0.01")),   # + reference model, KL
+    ("disk", ("algorithm.adv_estimator=gae", "critic.enabled=true",    # PPO with a critic,
+              "critic.warmup_steps=1")),                               # step 1: critic only
 ])
 def test_fresh_run_on_policy_and_weights_reach_the_servers(assets, tmp_path, weight_update,
                                                            extra):
@@ -109,14 +111,20 @@ def test_fresh_run_on_policy_and_weights_reach_the_servers(assets, tmp_path, wei
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    first = rows[0]
+    first = next(r for r in rows if "ppo_kl/first_minibatch" in r)   # the actor's first step
     assert first["ppo_kl/first_minibatch"] == 0.0
     assert first["mismatch_tokens"] > 0 and first["mismatch"] <= 1e-5, first["mismatch"]
     # an update before the last step moved the weights, so later samples test the transfer
-    assert any(r["grad_norm"] > 0 for r in rows[:-1])
-    if extra:   # the reference starts equal to the actor: KL exactly 0, then it grows
+    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])
+    if "critic.enabled=true" in extra:   # values, GAE, value loss; the critic checkpointed
+        assert "grad_norm" not in rows[0] and first["step"] == 2     # critic warm-up
+        for r in rows:
+            assert r["critic/value_loss"] >= 0 and r["critic/grad_norm"] > 0, r
+            assert -1e6 < r["critic/explained_variance"] <= 1.0
+        assert (run / "checkpoints" / "critic" / "iter_0000004").is_dir()
+    if "ref.enabled=true" in extra:   # the reference starts equal to the actor: KL 0, then grows
         assert first["kl_ref"] == 0.0
-        assert rows[-1]["kl_ref"] > 0 or not any(r["grad_norm"] > 0 for r in rows[:-1])
+        assert rows[-1]["kl_ref"] > 0 or not any(r.get("grad_norm", 0) > 0 for r in rows[:-1])
     for r in rows[1:]:
         assert r["staleness/max"] == 0
         assert r["mismatch_tokens"] > 0 and r["mismatch"] <= 1e-5, (r["step"], r["mismatch"])
@@ -160,3 +168,23 @@ def test_sigkill_trainer_then_recover(assets, tmp_path):
     trainer_log = (run / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log
     assert steps_before >= 3
+
+
+def test_critic_run_resumes_with_its_critic(assets, tmp_path):
+    """A run with a critic, stopped after its checkpoint at step 2 and launched again with
+    total_steps=3, resumes the actor and the critic from iter_2 (the critic's exactness on
+    resume is checked in tests/test_critic_engine.py)."""
+    model, data = assets
+    run = tmp_path / "run"
+    critic = ("algorithm.adv_estimator=gae", "critic.enabled=true", "recover=auto",
+              "checkpoint.save_every=1")
+    rc, out = _finish(_launch(run, model, data, "total_steps=2", *critic), timeout=300)
+    assert rc == 0, out[-3000:]
+    assert (run / "checkpoints" / "critic" / "iter_0000002").is_dir()
+    rc, out = _finish(_launch(run, model, data, "total_steps=3", *critic), timeout=300)
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in (run / "logs" / "trainer.log").read_text()
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["critic/grad_norm"] > 0
+    assert (run / "checkpoints" / "critic" / "iter_0000003").is_dir()

@@ -29,7 +29,8 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
   targets —, -1 after each sequence's last token and on padding, see
   :data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`), ``loss_mask``, ``logprobs``
   (behaviour), ``versions``, ``advantages``; attached after planning: ``prox_logprobs``,
-  ``ref_logprobs``;
+  ``ref_logprobs``; with a critic ``values``, ``returns`` and the GAE ``advantages``
+  (replacing the planned zeros);
 * per sequence [B]: ``rewards``, ``seqlens``, ``prompt_lens``, ``response_lens``,
   ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (derived from
   ``group_ids``); ``sample_ids`` / ``group_ids`` (lists of str);
@@ -52,9 +53,10 @@ __all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
 
 #: Per-token [T] fields (next-token layout).
 TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "labels", "loss_mask", "logprobs",
-                "versions", "advantages", "prox_logprobs", "ref_logprobs")
+                "versions", "advantages", "prox_logprobs", "ref_logprobs", "values", "returns")
 #: Fields that may be attached to a planned batch with :meth:`PackedBatch.with_fields`.
-ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "policy_version")
+ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "policy_version", "values", "returns",
+                     "advantages")
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +88,8 @@ class PackedBatch(Mapping):
     prox_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     policy_version: Optional[int] = None
+    values: Optional[Tensor] = None      # the critic's, with a critic (GAE)
+    returns: Optional[Tensor] = None     # GAE returns, the value loss's targets
 
     def __post_init__(self):
         t = int(self.input_ids.shape[0])

@@ -102,6 +102,8 @@ def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len:
     stats = {f"filter/{k}": float(v) for k, v in fstats.items()}
     if not kept:
         return [], [], stats
+    if algo_cfg.adv_estimator == "gae":   # needs the critic's values: computed in the step
+        return kept, [np.zeros(len(t.input_ids), np.float32) for t in kept], stats
     advs, astats = trajectory_advantages(kept, algo_cfg, max_response_len=max_response_len)
     stats.update({f"adv/{k}": float(v) for k, v in astats.items()})
     return kept, advs, stats

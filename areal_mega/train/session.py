@@ -91,6 +91,10 @@ class TrainerSession:
         if cfg.ref.enabled:
             self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
                                       role="ref", mesh=self.mesh, seed=cfg.seed)
+        self.critic = None
+        if cfg.critic.enabled and cfg.mode == "rl":
+            from areal_mega.train.critic_step import build_critic
+            self.critic = build_critic(cfg, self.mesh)
         self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
         resumed = self._restore_or_init()
@@ -123,6 +127,9 @@ class TrainerSession:
             self.actor.step_count = self.start_step
             if self.ref is not None:
                 self._load_initial(self.ref, self._ref_path())
+            if self.critic is not None:
+                from areal_mega.train.critic_step import load_critic
+                load_critic(self.critic, self.ckpt_root, self.start_step)
             if self.is_rank0:
                 print(f"[areal-mega] resumed from {latest} at step {self.start_step}",
                       flush=True)
@@ -130,21 +137,28 @@ class TrainerSession:
         self._load_initial(self.actor, self.cfg.model.path)
         if self.ref is not None:
             self._load_initial(self.ref, self._ref_path())
+        if self.critic is not None:
+            from areal_mega.train.critic_step import init_critic
+            init_critic(self.critic, lambda views, hf: self._load_initial(views, hf, "critic"),
+                        self.cfg.critic.path or self.cfg.model.path)
         return None
 
     def _ref_path(self) -> str:
         return self.cfg.ref.path or self.cfg.model.path
 
-    def _load_initial(self, engine, hf_dir: str) -> None:
+    def _load_initial(self, engine, hf_dir: str, role: str = "") -> None:
         """Initial weights: ``checkpoint.load`` (a Megatron checkpoint, actor and reference
         alike) or the HF directory ``hf_dir``, converted once into ``<run_dir>/init_mcore``
-        (``init_mcore_ref`` for a reference model of its own); any layout loads it."""
+        (``init_mcore_ref`` for a reference model of its own, ``init_mcore_critic`` for a
+        critic of its own); any layout loads it. ``engine``: an engine or its chunks."""
         from areal_mega.checkpoint.dist_ckpt import load_checkpoint
 
         src = self.cfg.checkpoint.load
         if not src:
-            own_ref = engine is self.ref and hf_dir != self.cfg.model.path
-            src = self.paths.init_checkpoint(reference=own_ref)
+            own = hf_dir != self.cfg.model.path
+            src = self.paths.init_checkpoint(reference=own and engine is self.ref)
+            if own and role == "critic":
+                src = src.with_name("init_mcore_critic")
             m = self.cfg.model
             conversion = dict(tp=self.layout["tp_size"], pp=self.layout["pp_size"],
                               dtype=m.dtype,
@@ -164,7 +178,8 @@ class TrainerSession:
                     (src / SOURCE_FILE).write_text(json.dumps(identity))
                 if dist.is_initialized():
                     dist.barrier()
-        load_checkpoint(src, engine.model_chunks(), load_optimizer=False, load_rng=False)
+        chunks = engine if isinstance(engine, list) else engine.model_chunks()
+        load_checkpoint(src, chunks, load_optimizer=False, load_rng=False)
 
     def _write_resolved_config(self) -> None:
         resolved = config_to_dict(self.cfg)  # 0600 when it holds a secret
@@ -327,6 +342,10 @@ class TrainerSession:
             accepted = self._from_rank0(accepted)
             extra = {"step": step, "version": step, "time": time.time(),
                      "buffer_file": buf_name, "accepted_samples": accepted}
+            if self.critic is not None:       # first: every actor checkpoint has its critic
+                from areal_mega.train.critic_step import save_critic
+                # one more kept: a crash before the actor's save resumes the previous step
+                save_critic(self.critic, self.ckpt_root, step, self.cfg.checkpoint.keep_last + 1)
             save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(),
                             self.actor.optimizer, self.actor.lr_scheduler, extra=extra,
                             keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
