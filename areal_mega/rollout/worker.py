@@ -12,8 +12,9 @@ Crash safety: the prompt position is written to ``<run_dir>/rollout_state.json``
 as groups are delivered; it is the position of the oldest prompt whose group has not been
 delivered, so prompts in flight at a crash are generated again. When the trainer resumes from
 a checkpoint, the worker waits for the trainer's first weight update before it generates (the
-servers start from the base model), and counts the groups already in the trainer's journal as
-accepted, so the staleness bound holds across the restart.
+servers start from the base model); it then regenerates exactly the drawn prompts whose whole
+group the trainer does not hold (checkpoint ledger + journal, :mod:`areal_mega.rollout.resume`)
+and counts the groups it holds as accepted, so the staleness bound holds across the restart.
 
 Relaunched alone (``--relaunched``: ``launch.local`` restarts a killed worker while the trainer
 runs on), the worker continues this run whatever ``recover`` says: it resumes from

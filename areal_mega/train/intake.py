@@ -10,6 +10,9 @@ Nothing accepted is lost on a crash:
   buffer's dedup drops what is pending or was trained before the checkpoint, so samples that
   arrived later, or were trained in steps the crash rolled back, are pending again; a record
   that fails its checksum is skipped and counted (``journal/corrupt_records``), never trained.
+The intake also keeps the prompts whose whole group it journaled
+(:class:`~areal_mega.dataplane.prompt_ledger.PromptLedger`, saved with each checkpoint) for the
+rollout worker's exact resume.
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
