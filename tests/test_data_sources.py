@@ -99,6 +99,10 @@ def test_multi_source_cursor_resumes_exactly(tmp_path, tok):
     items = [cur.next_item() for _ in range(3)]
     assert cur.delivered(items[1]["prompt_index"]) == 0
     assert cur.delivered(items[0]["prompt_index"]) == 2
+    # the exact resume (rollout/resume.py) rebuilds single draws with ``at``
+    for k in (5, 1030):
+        assert [(x["source"], x["prompt"]) for x in [next(iter(cur.at(k)))]] == \
+            [(full[k]["source"], full[k]["prompt"])]
 
 
 def _traj(source, reward):

@@ -128,6 +128,7 @@ class MultiSourceCursor:
         if len(datasets) != len(specs) or not specs:
             raise DataError("MultiSourceCursor: one dataset per source, at least one")
         self.datasets, self.specs, self.seed = list(datasets), list(specs), int(seed)
+        self.shuffle = shuffle
         self.weights = [s.weight for s in specs]
         self.samplers = []
         counts = source_counts(self.weights, seed, start)
@@ -171,3 +172,7 @@ class MultiSourceCursor:
         with self._lock:
             self.outstanding.discard(k)
             return min(self.outstanding) if self.outstanding else self.drawn
+
+    def at(self, start: int) -> "MultiSourceCursor":
+        """The same draws from global position ``start``."""
+        return MultiSourceCursor(self.datasets, self.specs, self.seed, self.shuffle, start)

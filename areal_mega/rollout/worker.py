@@ -12,8 +12,9 @@ Crash safety: the prompt position is written to ``<run_dir>/rollout_state.json``
 as groups are delivered; it is the position of the oldest prompt whose group has not been
 delivered, so prompts in flight at a crash are generated again. When the trainer resumes from
 a checkpoint, the worker waits for the trainer's first weight update before it generates (the
-servers start from the base model), and counts the groups already in the trainer's journal as
-accepted, so the staleness bound holds across the restart.
+servers start from the base model); it then regenerates exactly the drawn prompts whose whole
+group the trainer does not hold (checkpoint ledger + journal, :mod:`areal_mega.rollout.resume`)
+and counts the groups it holds as accepted, so the staleness bound holds across the restart.
 
 Relaunched alone (``--relaunched``: ``launch.local`` restarts a killed worker while the trainer
 runs on), the worker continues this run whatever ``recover`` says: it resumes from
@@ -35,6 +36,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.server_pool import pool_metrics
 from areal_mega.run_dir import RunDir, checkpoint_iteration
 
@@ -48,7 +51,7 @@ class PromptCursor:
     def __init__(self, dataset, seed: int, shuffle: bool, start: int = 0):
         from areal_mega.data.dataset import PromptSampler
 
-        self.dataset = dataset
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.sampler = PromptSampler(len(dataset), 1, seed=seed, shuffle=shuffle,
                                      drop_last=False)
         n = len(dataset)
@@ -76,6 +79,10 @@ class PromptCursor:
         with self._lock:
             self.outstanding.discard(k)
             return min(self.outstanding) if self.outstanding else self.drawn
+
+    def at(self, start: int) -> "PromptCursor":
+        """The same prompt stream from position ``start``."""
+        return PromptCursor(self.dataset, self.seed, self.shuffle, start=start)
 
 
 class StampedWorkflow:
@@ -136,9 +143,11 @@ class RolloutWorker:
         self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.paths.rollout_state
-        start = 0
+        start = self.drawn_before = 0
         if self.state_path.exists() and (cfg.recover == "auto" or relaunched):
-            start = int(json.loads(self.state_path.read_text()).get("next_prompt", 0))
+            saved = json.loads(self.state_path.read_text())
+            start = int(saved.get("next_prompt", 0))
+            self.drawn_before = int(saved.get("drawn", start))
         self.tokenizer = load_tokenizer(cfg.model.path)
         if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
             from areal_mega.rollout.multitask import build_multitask
@@ -147,6 +156,7 @@ class RolloutWorker:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
             self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
             inner_workflow = workflow_from_config(cfg.rollout)
+        self.make_cursor = self.cursor.at   # the same prompt stream from another position
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
                              "host:port list (launch.local fills it in)")
@@ -182,7 +192,8 @@ class RolloutWorker:
             for t in group:
                 self.sender.send(t)
             nxt = self.cursor.delivered(int(group[0].meta["prompt_index"]))
-            _atomic_json(self.state_path, {"next_prompt": nxt, "time": time.time()})
+            _atomic_json(self.state_path, {"next_prompt": nxt, "drawn": self.cursor.drawn,
+                                           "time": time.time()})
 
     def start_controller(self, version: int) -> None:
         """Create and start the :class:`~areal_mega.rollout.controller.RolloutController` with
@@ -195,6 +206,15 @@ class RolloutWorker:
         from areal_mega.rollout.controller import RolloutController
 
         r = self.cfg.rollout
+        # resuming or relaunched: the latest complete checkpoint now (the trainer verified
+        # and loaded it, moving corrupt newer ones aside, before it sent this first version)
+        # plus the journal since
+        ckpt = self.paths.latest_checkpoint() if self.resume_step or self.relaunched else None
+        ledger = accepted_ledger(self.paths, ckpt) if ckpt is not None else None
+        if ledger is not None:   # exact: regenerate just the drawn prompts the trainer lacks
+            self.cursor, redo = resumed_cursor(self.make_cursor, ledger, self.drawn_before)
+            log.info("resume: %d prompts generated again %s, drawing on from %d", len(redo),
+                     redo[:20], self.cursor.drawn)
         ctl = RolloutController(self.client, self.workflow, self.cursor,
                                 batch_size=r.batch_size, n_samples=r.n_samples,
                                 eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,
@@ -202,11 +222,10 @@ class RolloutWorker:
                                 tokenizer=self.tokenizer, sink=self._sink,
                                 initial_version=version,
                                 on_episode_failure=r.on_episode_failure)
-        # resuming or relaunched: the latest complete checkpoint now (the trainer verified
-        # and loaded it, moving corrupt newer ones aside, before it sent this first version)
-        # plus the journal since
-        ckpt = self.paths.latest_checkpoint() if self.resume_step or self.relaunched else None
-        ctl.counter.accepted = self.paths.accepted_samples(ckpt) // r.n_samples
+        if ledger is None:   # fresh, or a checkpoint older than the prompt ledger
+            ctl.counter.accepted = self.paths.accepted_samples(ckpt) // r.n_samples
+        else:
+            ctl.counter.accepted = ledger.n_accepted_groups()
         self.controller = ctl.start()
         log.info("controller started at version %d (%d groups already accepted)", version,
                  ctl.counter.accepted)

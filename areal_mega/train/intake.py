@@ -10,6 +10,9 @@ Nothing accepted is lost on a crash:
   buffer's dedup drops what is pending or was trained before the checkpoint, so samples that
   arrived later, or were trained in steps the crash rolled back, are pending again; a record
   that fails its checksum is skipped and counted (``journal/corrupt_records``), never trained.
+The intake also keeps the prompts whose whole group it journaled
+(:class:`~areal_mega.dataplane.prompt_ledger.PromptLedger`, saved with each checkpoint) for the
+rollout worker's exact resume.
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
@@ -25,6 +28,7 @@ from typing import Optional
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
 from areal_mega.dataplane.journal import ReplayStats, TrajectoryJournal
+from areal_mega.dataplane.prompt_ledger import PromptLedger
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class TrajectoryIntake:
                                            allow_remote=allow_remote)
         self.journal = TrajectoryJournal(self.journal_dir)
         self.n_accepted = 0                 # samples journaled in this run's lineage
+        self.prompt_ledger = PromptLedger()  # prompts whose whole group was journaled
         self.replay_stats = ReplayStats()   # what the last restore found in the journal
         self._pump_lock = threading.Lock()  # held while a checkpoint snapshots the intake
         self._stop = threading.Event()
@@ -64,21 +69,26 @@ class TrajectoryIntake:
                 self.journal.append(batch)  # durable before it counts as accepted
                 self.n_accepted += len(batch)
                 for t in batch:
+                    self.prompt_ledger.add(t)
                     # restored semantics: journaled samples are accepted; capacity is bounded
                     # by the senders' windows and the staleness bound, never by dropping
                     self.buffer.put_restored(t)
 
-    def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0) -> int:
+    def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0,
+                prompt_ledger: Optional[dict] = None) -> int:
         """Recovery: load the checkpoint's buffer, replay the journal segments written since
         that checkpoint, truncate the trained log. Returns the samples made pending again.
+        ``prompt_ledger``: the checkpoint's :class:`PromptLedger` state (None: empty).
         Corrupt journal records are skipped, never trained, and counted in
         ``replay_stats.corrupt`` (``journal/corrupt_records`` in :meth:`stats`)."""
         if buffer_file is not None and Path(buffer_file).exists():
             self.buffer = TrajectoryBuffer.load(buffer_file)
         n_new = n_seen = 0
         self.replay_stats = ReplayStats()
+        self.prompt_ledger = PromptLedger(prompt_ledger)
         for t in TrajectoryJournal.replay(self.journal_dir, self.replay_stats):
             n_seen += 1
+            self.prompt_ledger.add(t)
             n_new += bool(self.buffer.put_restored(t))
         self.n_accepted = accepted_before + n_seen
         truncate_jsonl(self.trained_path, step)
@@ -87,11 +97,11 @@ class TrajectoryIntake:
     def snapshot(self, buffer_file: str) -> tuple:
         """For a checkpoint: start a new journal segment and save the buffer, atomically with
         respect to the intake. Returns (segments to retire after the checkpoint commits,
-        samples accepted so far)."""
+        samples accepted so far, the prompt ledger's state)."""
         with self._pump_lock:
             old = self.journal.rotate()
             self.buffer.save(buffer_file)
-            return old, self.n_accepted
+            return old, self.n_accepted, self.prompt_ledger.state()
 
     @staticmethod
     def retire(segments: list) -> None:

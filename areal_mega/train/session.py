@@ -208,7 +208,8 @@ class TrainerSession:
         if resumed is not None:
             buf = resumed.get("buffer_file")
             n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,
-                                    accepted_before=int(resumed.get("accepted_samples", 0)))
+                                    accepted_before=int(resumed.get("accepted_samples", 0)),
+                                    prompt_ledger=resumed.get("accepted_prompts"))
             print(f"[areal-mega] journal replay: {n} accepted samples pending again",
                   flush=True)
         self.intake.start()
@@ -334,18 +335,21 @@ class TrainerSession:
         from areal_mega.checkpoint.dist_ckpt import save_checkpoint
 
         buf_name = f"buffer_iter_{step:07d}.bin" if self.cfg.mode == "rl" else None
-        retire, accepted = [], 0
+        retire, accepted, ledger = [], 0, None
         try:
             if self.is_rank0 and self.intake is not None:
                 self.ckpt_root.mkdir(parents=True, exist_ok=True)
-                retire, accepted = self.intake.snapshot(str(self.ckpt_root / buf_name))
+                retire, accepted, ledger = self.intake.snapshot(str(self.ckpt_root / buf_name))
             accepted = self._from_rank0(accepted)
+            ledger = self._object_from_rank0(ledger)
             extra = {"step": step, "version": step, "time": time.time(),
                      "buffer_file": buf_name, "accepted_samples": accepted}
             if self.critic is not None:       # first: every actor checkpoint has its critic
                 from areal_mega.train.critic_step import save_critic
                 # one more kept: a crash before the actor's save resumes the previous step
                 save_critic(self.critic, self.ckpt_root, step, self.cfg.checkpoint.keep_last + 1)
+            if ledger is not None:   # RL: which prompts' groups it holds (exact resume)
+                extra["accepted_prompts"] = ledger
             save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(),
                             self.actor.optimizer, self.actor.lr_scheduler, extra=extra,
                             keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
@@ -379,6 +383,14 @@ class TrainerSession:
         t = torch.tensor([value], dtype=torch.int64)
         dist.broadcast(t, src=0)
         return int(t.item())
+
+    def _object_from_rank0(self, value):
+        """Rank 0's picklable ``value`` on every rank."""
+        if not dist.is_initialized() or self.mesh.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def finish(self) -> None:
         """End of a completed run (rank 0 only; a no-op elsewhere): plot the reward curve to
