@@ -132,7 +132,9 @@ def _check_critic(cfg: ExperimentConfig, gae: bool) -> None:
 
 def check_critic_model(cfg) -> None:
     """Raise one :class:`ConfigError` when ``critic.path`` (RL with a critic) is not an HF
-    model directory: no ``config.json`` object there."""
+    model directory (no ``config.json`` object there) or is a sequence-classification model
+    with other than one label (a value model scores each token with one number)."""
+    from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
     c = cfg.critic
     if cfg.mode != "rl" or not c.enabled or not c.path:
         return
@@ -145,3 +147,7 @@ def check_critic_model(cfg) -> None:
     if not isinstance(hf, dict) or "model_type" not in hf and "architectures" not in hf:
         raise ConfigError(f"critic.path={c.path!r}: {path} is not a model config "
                           "(no model_type / architectures)")
+    if is_sequence_classification(hf.get("architectures")) and hf_num_labels(hf) != 1:
+        raise ConfigError(f"critic.path={c.path!r}: {hf['architectures'][0]} with num_labels="
+                          f"{hf_num_labels(hf)} ({path}: id2label={hf.get('id2label')}); the "
+                          "critic needs a one-label score head (num_labels=1)")

@@ -127,6 +127,19 @@ def _tqdm(it, progress: bool, **kw):
     return tqdm(it, **kw)
 
 
+def _score_head_of(hf_dir: Path, weights: SafetensorsDir) -> set:
+    """``{"score.weight"}`` for a sequence-classification checkpoint (which must hold it),
+    else nothing."""
+    from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    if not is_sequence_classification(cfg.get("architectures")):
+        return set()
+    if SCORE_TENSOR not in weights:
+        raise hm.UnsupportedModelError(f"{hf_dir}: {cfg['architectures'][0]} without a "
+                                       f"{SCORE_TENSOR!r} tensor in its safetensors files")
+    return {SCORE_TENSOR}
+
+
 # ----------------------------------------------------------------------------------------------
 # HF -> megatron
 # ----------------------------------------------------------------------------------------------
@@ -167,7 +180,7 @@ class _Stager:
 
 def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                         vpp: Optional[int] = None, dtype: Optional[str] = None,
-                        make_vocab_size_divisible_by: int = 128,
+                        make_vocab_size_divisible_by: int = 128, value_model: bool = False,
                         progress: bool = True) -> Dict[str, object]:
     """Convert an HF model directory to a megatron ``dist_checkpointing`` checkpoint under
     ``out`` (``out/iter_0000000`` + ``out/latest``; loadable by
@@ -175,23 +188,29 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
 
     ``tp``/``pp``/``ep``/``vpp``: the layout to validate against and pad the vocabulary for
     (the files themselves reshard to any layout). ``dtype``: ``fp32``/``bf16``/``fp16`` or
-    None to keep the HF dtype. Returns a report dict (path, tensor count, memory numbers)."""
+    None to keep the HF dtype. ``value_model``: the critic's start, the trunk only (no
+    ``output_layer``), from a causal LM (``lm_head`` skipped) or a one-label
+    ``*ForSequenceClassification`` (``score.weight`` skipped: it becomes the value head, see
+    :mod:`~areal_mega.checkpoint.value_model`). Returns a report dict (path, tensor count,
+    memory numbers)."""
     from areal_mega.models.builder import padded_vocab_size
     from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
                                                           ShardedTensorFactory)
 
     hf_dir = Path(hf_dir)
     out = Path(out)
-    arch = hm.read_arch(hf_dir)
+    arch = hm.read_arch(hf_dir, value_model=value_model)
     check_layout(arch, tp=tp, pp=pp, ep=ep, vpp=vpp, where=str(hf_dir / "config.json"))
     weights = SafetensorsDir(hf_dir)
-    expected = hm.hf_tensor_names(arch)
+    expected = hm.hf_tensor_names(arch, with_head=not value_model)
     missing = [n for n in expected if n not in weights]
     if missing:
         raise hm.UnsupportedModelError(
             f"{hf_dir}: tensor {missing[0]!r} (and {len(missing) - 1} more) not in the "
             f"safetensors files; fused or renamed weights are not supported")
-    ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    ignorable = {"lm_head.weight"} if arch.tie_word_embeddings or value_model else set()
+    if value_model:
+        ignorable |= _score_head_of(hf_dir, weights)
     unexpected = [n for n in weights.keys() if n not in set(expected) | ignorable
                   and not n.endswith("rotary_emb.inv_freq")]
     if unexpected:
@@ -200,6 +219,8 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     out_dtype = _DT[dtype] if dtype else None
     padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, tp)
     sd = _meta_sharded_state_dict(arch)
+    if value_model:
+        sd = {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
     _large_allocations_via_mmap()
     reset_peak_rss()
     baseline = rss_bytes()
@@ -248,7 +269,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 "target_layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1},
                 "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},
                 "num_chunks": 1, "has_optimizer": False, "has_lr_scheduler": False,
-                "has_rng": False, "extra": {}}
+                "has_rng": False, "extra": {"value_model": True} if value_model else {}}
         peak_before_save = peak_rss_bytes()
         path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
     finally:

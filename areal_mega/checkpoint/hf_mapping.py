@@ -177,12 +177,13 @@ FAMILIES: Dict[str, Family] = {
 }
 
 
-def read_arch(source, *, where: Optional[str] = None):
+def read_arch(source, *, where: Optional[str] = None, value_model: bool = False):
     """Read and validate an HF config (a model directory, a ``config.json`` path or a dict).
 
     Returns the engine builder's :class:`~areal_mega.models.builder.HFArch`. Raises
     :class:`UnsupportedModelError` naming the config file for an architecture or option this
-    mapping does not handle."""
+    mapping does not handle. ``value_model``: also accept the family's one-label
+    ``*ForSequenceClassification`` (see :mod:`areal_mega.checkpoint.value_model`)."""
     from areal_mega.models.builder import parse_hf_config
 
     if isinstance(source, dict):
@@ -207,7 +208,12 @@ def read_arch(source, *, where: Optional[str] = None):
             f"supported; supported: {', '.join(FAMILIES)}")
     archs = cfg.get("architectures") or []
     bad = [a for a in archs if a not in FAMILIES[mt].architectures]
-    if bad:
+    if value_model:
+        from areal_mega.checkpoint.value_model import value_model_problem
+        problem = value_model_problem(cfg, FAMILIES[mt].architectures)
+        if problem:
+            raise UnsupportedModelError(f"{where}: {problem}")
+    elif bad:
         raise UnsupportedModelError(f"{where}: architectures={bad} is not a causal LM of "
                                     f"model_type {mt!r} (expected {FAMILIES[mt].architectures})")
     if mt == "qwen3_moe" and cfg.get("shared_expert_intermediate_size"):
@@ -377,8 +383,9 @@ def to_mcore_segments(arch, kind: str, hf_names: Sequence[str], get: Callable[[s
         raise ValueError(kind)
 
 
-def hf_tensor_names(arch) -> List[str]:
-    """Every HF tensor name the model has (in HF save order: embeddings, layers, norm, head)."""
+def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
+    """Every HF tensor name the model has (in HF save order: embeddings, layers, norm, head;
+    ``with_head=False``: the trunk only, no ``lm_head``)."""
     names = ["model.embed_tokens.weight"]
     for layer in range(arch.num_layers):
         for tm in maps_for(arch, layer):
@@ -386,7 +393,7 @@ def hf_tensor_names(arch) -> List[str]:
             for e in experts:
                 names += [h.format(L=layer, E=e) for h in tm.hf]
     names.append("model.norm.weight")
-    if not arch.tie_word_embeddings:
+    if with_head and not arch.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
 

@@ -163,6 +163,8 @@ class TrainerSession:
             conversion = dict(tp=self.layout["tp_size"], pp=self.layout["pp_size"],
                               dtype=m.dtype,
                               make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+            if own and role == "critic":     # trunk only; a reward model's score head too
+                conversion["value_model"] = True
             identity = hf_source_identity(hf_dir, **conversion)
             current = self.paths.init_checkpoint_is_current(src, identity)  # every rank reads
             if dist.is_initialized():
