@@ -88,7 +88,8 @@ class RefConfig:
 class CriticConfig:
     enabled: bool = _f(False, doc="build a value model (needed by algorithm.adv_estimator=gae)")
     path: str = _f("", doc="HF directory of the critic's initial weights (an LM: fresh value "
-                   "head); defaults to model.path")
+                   "head; a one-label *ForSequenceClassification: its score head); defaults "
+                   "to model.path")
     lr: float = _f(1e-5, lo=0.0)
     min_lr: float = _f(0.0, lo=0.0)
     lr_warmup_steps: int = _f(0, lo=0, doc="LR warm-up of the critic's optimizer")

@@ -113,3 +113,19 @@ def test_actor_conversion_stays_strict(tmp_path):
     with pytest.raises(UnsupportedModelError, match=r"unexpected tensor 'score\.weight'"):
         convert_hf_to_mcore(lm, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_value_model_config_rules():
+    """transformers' num_labels: id2label's size, else num_labels, else 2; a value model is
+    the family's causal LM or its one-label sequence classifier."""
+    from areal_mega.checkpoint.value_model import hf_num_labels, value_model_problem
+    assert hf_num_labels({}) == 2 and hf_num_labels({"num_labels": 1}) == 1
+    assert hf_num_labels({"id2label": {"0": "LABEL_0"}, "num_labels": 3}) == 1
+    lm = ("LlamaForCausalLM",)
+    one = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"],
+           "id2label": {"0": "LABEL_0"}}
+    assert value_model_problem(one, lm) is None
+    assert value_model_problem({"architectures": ["LlamaForCausalLM"]}, lm) is None
+    assert "num_labels=2" in value_model_problem(dict(one, id2label=None), lm)
+    assert "Qwen2ForSequenceClassification" in value_model_problem(
+        dict(one, architectures=["Qwen2ForSequenceClassification"]), lm)
