@@ -254,6 +254,11 @@ class MegatronEngine:
 
     def _run_schedule(self, micro_batches, step_fn, forward_only: bool, collect: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        pp = self.mesh.dims.pp
+        if self.mesh.vpp and len(micro_batches) % pp:
+            raise ValueError(f"the interleaved pipeline (virtual_pipeline_size={self.mesh.vpp}) "
+                             f"needs a multiple of PP={pp} micro-batches, got "
+                             f"{len(micro_batches)}")
         batches = [self._prepare(mb) for mb in micro_batches]
         data = list(zip(micro_batches, batches))
         n_chunks = len(self.model)
