@@ -73,7 +73,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
                                                max_response_len=cfg.rollout.max_new_tokens)
     train_stats = []
     actor_trains = s.critic is None or step > cfg.critic.warmup_steps
-    actor_batches = batches.minibatches(mbs, cfg.actor.ppo_n_minibatches) if actor_trains else []
+    actor_batches = batches.minibatches(mbs, cfg.actor.ppo_n_minibatches,
+                                         s.actor.micro_batch_multiple) if actor_trains else []
     for minibatch in actor_batches:
         train_stats.append(s.actor.train_batch(minibatch, loss_fn, denominator_fn,
                                                temperature=cfg.actor.temperature,

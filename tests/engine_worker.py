@@ -359,6 +359,42 @@ def scenario_gpu_cp2(res, out_dir):
     check_layout(res, "cp2", DENSE, ref, mbs, dtype=GPU_DTYPE)
 
 
+def scenario_vpp(res, out_dir):
+    """PP2 × VPP2 (interleaved schedule, tied llama, 4 layers): logprobs, gradients and one
+    train step (loss, updated parameters) against the single-rank reference, with micro-batches
+    of one packed length and of variable lengths."""
+    world = int(os.environ["WORLD_SIZE"])
+    tied4 = dict(TIED, num_hidden_layers=4)
+    cases = {"vpp_same": make_mbs(5, [[9, 14, 5], [20, 8], [6, 6, 6, 10], [28]]),
+             "vpp_var": make_mbs(6, [[9, 14, 5], [31], [4, 4], [12, 7, 9]])}
+    for tag, mbs in cases.items():
+        set_mesh(dict(dp=world))
+        ref = reference(tied4, mbs, seed=3, loss=GSPO)
+        before = actor(tied4, ref)       # single-rank train step: the reference step
+        stats = before.train_batch(mbs, *losses(GSPO), temperature=TEMP)
+        stepped = {n: p.detach().clone() for n, p in before.model_chunks()[0].named_parameters()}
+        res[f"{tag}.step_moved"] = max((stepped[n] - ref["state"][n]).abs().max().item()
+                                       for n in stepped)
+        del before
+        MESH[0].destroy()
+        from areal_mega.parallel.allocation import ParallelDims
+        from areal_mega.parallel.mesh import ParallelMesh
+        MESH[0] = ParallelMesh.create(ParallelDims(pp=world), vpp=2, timeout_s=90)
+        eng = check_layout(res, tag, tied4, ref, mbs)
+        try:
+            eng.forward_logprobs(mbs[:3])
+        except ValueError as e:
+            res["vpp.odd_count_error"] = str(e)
+        eng.optimizer.zero_grad()
+        got = eng.train_batch(mbs, *losses(GSPO), temperature=TEMP)
+        res[f"{tag}.step_loss"] = abs(got["loss"] - stats["loss"])
+        res[f"{tag}.step_params"] = max(
+            (p.detach() - shard_of(stepped[global_name(n, c, eng.mesh, tied4)], p, n,
+                                   eng.mesh)).abs().max().item()
+            for c in eng.model_chunks() for n, p in c.named_parameters())
+        del eng
+
+
 def main():
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -367,7 +403,7 @@ def main():
     res = {}
     try:
         {"dense": scenario_dense, "moe": scenario_moe, "gpu_thd": scenario_gpu_thd,
-         "gpu_cp2": scenario_gpu_cp2}[scenario](res, out_dir)
+         "gpu_cp2": scenario_gpu_cp2, "vpp": scenario_vpp}[scenario](res, out_dir)
     except Exception:
         res["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"{scenario}.{rank}.json"), "w") as f:

@@ -107,3 +107,14 @@ def test_plan_step_shifts_every_field_once_into_next_token_layout():
     assert s["loss_mask"].tolist() == [0, 1, 1, 1, 0]
     assert s["labels"].tolist() == [8, 9, 10, 11, -1]
     assert mb.n_tokens == 16 and mb.labels[12:].tolist() == [-1] * 4   # padding (TP=8)
+
+
+def test_minibatches_keep_a_multiple_of_pp_for_the_interleaved_schedule():
+    mbs = list(range(6))
+    assert batches.minibatches(mbs, 4) == [[0, 1], [2], [3], [4, 5]]
+    # PP=2 with VPP: whole groups of two only, fewer minibatches when there are fewer groups
+    assert batches.minibatches(mbs, 2, multiple_of=2) == [[0, 1, 2, 3], [4, 5]]
+    assert batches.minibatches(mbs, 4, multiple_of=2) == [[0, 1], [2, 3], [4, 5]]
+    assert batches.minibatches(mbs, 1, multiple_of=3) == [mbs]
+    with pytest.raises(ValueError, match="multiple_of=4"):
+        batches.minibatches(mbs, 2, multiple_of=4)

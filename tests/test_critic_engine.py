@@ -1,8 +1,8 @@
 """The critic (PPO value model): layouts, GAE in the RL step, resume, initial weights.
 
 Two gloo launches of tests/critic_worker.py (CPU, fp32): ``layouts`` (2 ranks) checks that the
-critic's values and value-loss gradients at DP2, TP2, TP2+SP and PP2 (variable lengths) equal
-a single-rank reference within 1e-5 (and PP2 with VPP 2 on a 4-layer model: values), as
+critic's values and value-loss gradients at DP2, TP2, TP2+SP, PP2 and PP2 with VPP 2 on a
+4-layer model (variable lengths) equal a single-rank reference within 1e-5, as
 tests/test_engine_multirank.py does for the actor;
 ``single`` (1 rank) checks the GAE of a real RL step against the torch reference, an exact
 resume from a critic checkpoint, and loading an LM checkpoint / an HF ``score`` head.
@@ -44,10 +44,12 @@ def test_critic_layouts_match_single_rank(layouts, layout):
             assert r[f"{layout}.{what}"] < TOL, (layout, what, r)
 
 
-def test_critic_values_under_interleaved_pipeline(layouts):
-    """PP2 × VPP2 (4 layers): the value head on the last virtual chunk, values equal."""
+def test_critic_trains_under_interleaved_pipeline(layouts):
+    """PP2 × VPP2 (4 layers, variable lengths): the value head on the last virtual chunk;
+    values, value-loss gradients and loss equal the reference."""
     for r in layouts:
-        assert r["pp2vpp2.values"] < TOL, r
+        for what in ("values", "grads", "loss"):
+            assert r[f"pp2vpp2.{what}"] < TOL, (what, r)
 
 
 def test_gae_of_the_rl_step_equals_the_torch_reference(single):

@@ -1,9 +1,10 @@
 """Multi-process CPU (gloo, 2 ranks) equality of engine layouts against a single-rank reference.
 
-Two launches (dense, MoE) each run many checks in sequence; see tests/engine_worker.py. Every
+Launches (dense, MoE, VPP) each run many checks in sequence; see tests/engine_worker.py. Every
 layout's per-token logprobs and gradients must match the TP1/PP1 reference within 1e-5 (fp32),
 with the production losses (decoupled PPO with KL and entropy terms, a GSPO / sequence-mean
-variant on the pipeline layout, SFT on the MoE layouts).
+variant on the pipeline layouts, SFT on the MoE layouts). A third launch trains the interleaved
+pipeline (PP2 × VPP2) with equal and variable micro-batch lengths.
 """
 import os
 import sys
@@ -57,6 +58,27 @@ def test_checkpoint_tp1_to_tp2_reload(dense):
 def test_ten_steps_lower_loss(dense):
     for r in dense:
         assert r["train10.last_loss"] < r["train10.first_loss"] - 0.05, r
+
+
+@pytest.fixture(scope="module")
+def vpp(tmp_path_factory):
+    return _launch("vpp", tmp_path_factory.mktemp("vpp"))
+
+
+@pytest.mark.parametrize("case", ["vpp_same", "vpp_var"])
+def test_interleaved_pipeline_trains_like_single_rank(vpp, case):
+    """PP2 × VPP2 (tied embeddings, 4 layers), micro-batches of one length (vpp_same) and of
+    variable lengths (vpp_var): logprobs, gradients, loss and one optimizer step (its loss and
+    the updated parameters) equal the single-rank reference."""
+    for r in vpp:
+        for what in ("logprobs", "grads", "loss", "n_tokens", "step_loss", "step_params"):
+            assert r[f"{case}.{what}"] < TOL, (case, what, r)
+        assert r[f"{case}.step_moved"] > 1e-4, r     # the step really moved the weights
+
+
+def test_interleaved_pipeline_refuses_a_micro_batch_count_not_a_multiple_of_pp(vpp):
+    for r in vpp:
+        assert "needs a multiple of PP=2 micro-batches, got 3" in r["vpp.odd_count_error"]
 
 
 @pytest.mark.parametrize("layout", ["ep2", "moe_tp2sp"])

@@ -48,6 +48,17 @@ def test_transformer_config_matches_hf():
         transformer_config_from_hf(arch, tp=4)
 
 
+def test_interleaved_pp2_splits_forward_and_backward_p2p():
+    """PP2 × VPP: separate forward/backward exchanges (the peer is both prev and next);
+    other layouts keep megatron's batched p2p."""
+    from areal_mega.models.builder import interleaved_p2p_settings
+    assert interleaved_p2p_settings(2, 2) == {"overlap_p2p_comm": True,
+                                              "batch_p2p_comm": False}
+    assert interleaved_p2p_settings(2, None) == {}
+    assert interleaved_p2p_settings(4, 2) == {}
+    assert interleaved_p2p_settings(2, 1) == {}
+
+
 def test_padded_vocab_is_tp_independent():
     assert padded_vocab_size(1000, 128, 1) == padded_vocab_size(1000, 128, 8) == 1024
     assert padded_vocab_size(151936, 128, 2) == 151936

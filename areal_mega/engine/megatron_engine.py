@@ -254,6 +254,10 @@ class MegatronEngine:
 
     def _run_schedule(self, micro_batches, step_fn, forward_only: bool, collect: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        if len(micro_batches) % self.micro_batch_multiple:
+            raise ValueError(f"the interleaved pipeline (virtual_pipeline_size={self.mesh.vpp}) "
+                             f"needs a multiple of PP={self.micro_batch_multiple} micro-batches, "
+                             f"got {len(micro_batches)}")
         batches = [self._prepare(mb) for mb in micro_batches]
         data = list(zip(micro_batches, batches))
         n_chunks = len(self.model)
@@ -266,6 +270,13 @@ class MegatronEngine:
                        num_microbatches=len(micro_batches), seq_length=seq_len,
                        micro_batch_size=1, forward_only=forward_only,
                        collect_non_loss_data=collect)
+
+    @property
+    def micro_batch_multiple(self) -> int:
+        """Micro-batch counts the schedule accepts are multiples of this: PP under the
+        interleaved schedule (megatron runs micro-batches in groups of PP per model chunk),
+        else 1."""
+        return self.mesh.dims.pp if self.mesh.vpp else 1
 
     def _set_mode(self, train: bool):
         for c in self.model:

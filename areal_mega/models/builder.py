@@ -179,6 +179,22 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + m - 1) // m) * m
 
 
+def interleaved_p2p_settings(pp: int, vpp: Optional[int]) -> dict:
+    """Pipeline p2p settings of the interleaved schedule (``{}`` when they stay megatron's).
+
+    With PP = 2 the previous and the next stage are the same rank, so the steady-state
+    ``send_forward_backward_recv_forward_backward`` of the default batched p2p
+    (``batch_p2p_comm``) posts an activation and a gradient to the same peer in one batch;
+    the peer matches them in posting order, which differs between the two directions, so the
+    activation lands in the gradient buffer and vice versa (silently wrong gradients at equal
+    lengths, a shape mismatch at variable lengths, as the exchanged shapes are swapped too).
+    ``overlap_p2p_comm`` splits the forward and backward exchanges into separate calls, which
+    is what megatron requires for the interleaved schedule at PP = 2."""
+    if vpp and vpp > 1 and pp == 2:
+        return {"overlap_p2p_comm": True, "batch_p2p_comm": False}
+    return {}
+
+
 def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
                                ep: int = 1, vpp: Optional[int] = None,
                                sequence_parallel: bool = False, dtype: str = "fp32",
@@ -237,6 +253,7 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
         **fusions,
     )
+    kw.update(interleaved_p2p_settings(pp, vpp))
     if recompute_granularity:
         kw["recompute_granularity"] = recompute_granularity
         if recompute_granularity == "full":

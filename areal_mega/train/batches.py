@@ -194,13 +194,20 @@ def attach(micro_batches: list, **per_micro_batch: list) -> list:
     return out
 
 
-def minibatches(micro_batches: list, n: int) -> list:
+def minibatches(micro_batches: list, n: int, multiple_of: int = 1) -> list:
     """Split a rank's micro-batches into ``n`` PPO minibatches (one optimizer step each).
 
     Every rank holds the same number of micro-batches, so every rank takes the same number
-    of optimizer steps; with fewer micro-batches than ``n`` the count is reduced."""
-    n = max(1, min(n, len(micro_batches)))
-    bounds = [round(i * len(micro_batches) / n) for i in range(n + 1)]
+    of optimizer steps; with fewer micro-batches than ``n`` the count is reduced.
+    ``multiple_of``: every minibatch holds a multiple of it (the engine's
+    ``micro_batch_multiple``: PP under the interleaved pipeline schedule); the number of
+    micro-batches must then be a multiple of it too."""
+    if multiple_of < 1 or len(micro_batches) % multiple_of:
+        raise ValueError(f"{len(micro_batches)} micro-batches cannot be split into minibatches "
+                         f"of a multiple of multiple_of={multiple_of}")
+    units = len(micro_batches) // multiple_of
+    n = max(1, min(n, units))
+    bounds = [round(i * units / n) * multiple_of for i in range(n + 1)]
     return [micro_batches[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 

@@ -153,6 +153,7 @@ def train_critic(critic, mbs: list, cfg) -> dict:
     clip fraction, value and return means, explained variance), ``loss``, ``grad_norm``, ``lr``."""
     loss_fn, den_fn = make_value_loss(cfg.critic)
     per = [critic.train_batch(mb_group, loss_fn, den_fn)
-           for mb_group in batches.minibatches(mbs, cfg.critic.ppo_n_minibatches)]
+           for mb_group in batches.minibatches(mbs, cfg.critic.ppo_n_minibatches,
+                                                   critic.micro_batch_multiple)]
     merged = batches.merge_train_stats(per, finalize_value_stats)
     return {f"critic/{k}": v for k, v in merged.items()}
