@@ -107,7 +107,13 @@ class RolloutConfig:
     weight_bucket_mb: int = _f(512, lo=1)
     reward_fn: str = _f("areal_mega.rollout.rewards:math_reward",
                         doc="dotted path module:function(prompt, completion, answer, **kw)")
-    workflow: str = _f("rlvr", choices=["rlvr", "multi_turn"])
+    workflow: str = _f("rlvr", doc="rlvr | multi_turn | package.module:Name | "
+                       "path/to/file.py:Name (docs/workflows.md)")
+    workflow_kwargs: dict = _f(factory=dict, doc="keyword arguments of the workflow")
+    openai_port: int = _f(0, lo=0, hi=65535, doc="port of the OpenAI-compatible HTTP endpoint "
+                          "(started on first use by a workflow); 0 = any free port")
+    turn_discount: float = _f(1.0, lo=0.0, hi=1.0, doc="reward discount per later completion "
+                              "when an episode's calls are separate samples")
     mem_fraction_static: float = _f(0.8, lo=0.0, hi=1.0, lo_open=True)
 
 
@@ -171,8 +177,26 @@ class AlgorithmConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    """One task of a multi-task run (``data.sources``): prompts drawn with probability
+    proportional to ``weight``, scored by ``reward_fn``, logged as ``reward/<name>``."""
+    name: str = _f("", doc="metric name: reward/<name>; unique")
+    path: str = _f("", doc="JSONL / parquet file, a saved HF dataset directory, or "
+                           "hf:owner/name[:config][@split]")
+    weight: float = _f(1.0, lo=0.0, lo_open=True)
+    reward_fn: str = _f("", doc="'package.module:function'; empty = rollout.reward_fn")
+    reward_kwargs: dict = _f(factory=dict, doc="extra keyword arguments of reward_fn")
+    fields: dict = _f(factory=dict, doc="{prompt: <field>, answer: <field>}; empty = data.fields")
+
+
+@dataclass
 class DataConfig:
-    train_path: str = ""
+    train_path: str = _f("", doc="one source (shorthand for a single entry of data.sources): "
+                                 "a file, a saved HF dataset directory or hf:owner/name")
+    sources: list[DataSourceConfig] = _f(factory=list, doc="multi-task: [{name, path, weight, "
+                                         "reward_fn}], drawn by weight; exclusive with train_path")
+    fields: dict = _f(factory=dict, doc="{prompt: <field>, answer: <field>}: record field names "
+                                        "(default: prompt_key / answer_key)")
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     apply_chat_template: bool = True
@@ -183,6 +207,23 @@ class DataConfig:
                      doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)")
     drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
     sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation during RL training: the rollout worker runs the held-out prompts on the
+    rollout servers at the weights just published (outside the staleness bound and the
+    training buffer); the trainer logs ``eval/*``. Runs at step 0 (fresh run), every
+    ``every_steps`` steps and after the last step."""
+    data: list = _f(factory=list, doc="prompt files (JSONL / parquet, read with the data.* "
+                    "keys); empty = no evaluation")
+    every_steps: int = _f(0, lo=0, doc="steps between evaluations; 0 = off")
+    n_samples: int = _f(1, lo=1, doc="samples per prompt (pass@k for k = 1, 2, 4, ..)")
+    temperature: float = _f(0.0, lo=0.0, doc="0 = greedy")
+    top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
+    max_new_tokens: int = _f(0, lo=0, doc="0 = rollout.max_new_tokens")
+    reward_fn: str = _f("", doc="module:function; empty = rollout.reward_fn")
+    pass_threshold: float = _f(1.0, doc="a sample is correct when its reward >= this")
 
 
 @dataclass
@@ -241,6 +282,7 @@ class ExperimentConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     model_hparams: Optional[ModelHParams] = _f(

@@ -61,6 +61,7 @@ def check_against_model(cfg) -> None:
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field rules that no single field can express."""
     from areal_mega.parallel.allocation import AllocationError, parse_allocation
+    from areal_mega.data.sources import check_sources
     from areal_mega.security import check_remote_secret
 
     try:
@@ -68,6 +69,10 @@ def validate(cfg: ExperimentConfig) -> None:
     except AllocationError as e:
         raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
     check_remote_secret(cfg)
+    try:
+        check_sources(cfg.data)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
                           f"({cfg.optimizer.lr})")
@@ -84,3 +89,20 @@ def validate(cfg: ExperimentConfig) -> None:
             and cfg.algorithm.group_norm:
         raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
                           "needs at least 2 samples per prompt")
+    if cfg.eval.every_steps and not cfg.eval.data:
+        raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: eval.data is empty; name "
+                          "the evaluation prompt files or set eval.every_steps=0")
+    if cfg.eval.every_steps and cfg.mode != "rl":
+        raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
+                          f"training runs on the rollout servers (mode=rl), not mode="
+                          f"{cfg.mode!r}; use python -m areal_mega.eval on the checkpoint")
+    wf = cfg.rollout.workflow
+    if wf not in ("rlvr", "multi_turn") and not _is_object_spec(wf):
+        raise ConfigError(f"rollout.workflow={wf!r}: must be rlvr, multi_turn, "
+                          "package.module:Name or path/to/file.py:Name")
+
+
+def _is_object_spec(spec: str) -> bool:
+    """``module:Name`` / ``file.py:Name`` in form (whether it imports is checked at start)."""
+    mod, sep, name = spec.rpartition(":")
+    return bool(sep and mod and name.isidentifier())

@@ -69,10 +69,16 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if isinstance(value, str):
             return value
     elif tp is list or origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, (list, tuple)) and dataclasses.is_dataclass(item_tp):
+            return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
         if isinstance(value, (list, tuple)):
             return list(value)
         if isinstance(value, str):
             return [v for v in value.split(",") if v]
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             return _build(tp, value, key)
@@ -85,7 +91,7 @@ def _check_range(key: str, value: Any, meta: dict) -> None:
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(f"{key}={value!r}: must be one of {choices}")
-    if value is None or isinstance(value, (str, bool, list)):
+    if value is None or isinstance(value, (str, bool, list, dict)):
         return
     lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
     rules = []

@@ -91,6 +91,7 @@ def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
 
 def summarize(metrics_file: Path) -> dict:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["step"] >= 1]   # step 0: the evaluation before training
     rewards = [r["reward/mean"] for r in rows]
     k = min(10, len(rows))
 

@@ -198,13 +198,29 @@ def moving_average(values: Iterable[float], window: int) -> list[float]:
     return out
 
 
+def source_reward_keys(records: Iterable[Mapping]) -> list[str]:
+    """The per-source reward keys (``reward/<name>``, multi-task runs) found in ``records``."""
+    keys = {k for r in records for k in r if k.startswith("reward/")}
+    return sorted(keys - {"reward/mean", "reward/std"})
+
+
 PANELS = (("loss", "loss"), ("ppo_kl", "ppo_kl"), ("staleness/max", "staleness (max)"),
           ("time/step", "time / step (s)"))
 
 
+def eval_curve_keys(records: Iterable[Mapping]) -> list:
+    """The evaluation curves drawn on the reward panel: ``eval/pass@1`` first, then each
+    source's ``eval/<source>/pass@1``."""
+    keys = {k for r in records for k in r if k.startswith("eval/") and k.endswith("/pass@1")
+            or k == "eval/pass@1"}
+    return sorted(keys, key=lambda k: (k != "eval/pass@1", k))
+
+
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 10,
                  title: Optional[str] = None) -> Path:
-    """Draw the reward curve (raw + moving average) and loss / ppo_kl / staleness /
+    """Draw the reward curve (raw + moving average; per-source moving averages for
+    ``reward/<name>`` keys; the evaluation pass@1 curves of :func:`eval_curve_keys` when the
+    run evaluated) and loss / ppo_kl / staleness /
     time-per-step panels into ``out_png``. Missing keys leave their panel empty."""
     import matplotlib
 
@@ -227,9 +243,30 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
         ax.plot(xs, ys, color="tab:blue", alpha=0.35, lw=1, label="reward/mean")
         ax.plot(xs, moving_average(ys, window), color="tab:blue", lw=2,
                 label=f"moving average ({window})")
+        colors = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                  "tab:olive", "tab:cyan", "tab:gray")
+        for i, key in enumerate(source_reward_keys(recs)):   # multi-task: a curve per source
+            sx, sy = series(key)
+            ax.plot(sx, moving_average(sy, window), lw=1.5, ls="--",
+                    color=colors[i % len(colors)], label=f"{key} (moving average)")
         ax.legend(loc="lower right")
     else:
         ax.text(0.5, 0.5, "no reward/mean", ha="center", va="center", transform=ax.transAxes)
+    evals = eval_curve_keys(recs)
+    colors = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+              "tab:olive", "tab:cyan", "tab:gray")
+    # a source's evaluation curve takes the colour of its training reward curve
+    source_color = {k.split("/", 1)[1]: colors[i % len(colors)]
+                    for i, k in enumerate(source_reward_keys(recs))}
+    for i, key in enumerate(evals):      # evaluation during training: pass@1 per eval step
+        xs, ys = series(key)
+        name = key[len("eval/"):-len("/pass@1")] if key != "eval/pass@1" else None
+        color = "black" if name is None else source_color.get(
+            name, colors[(len(source_color) + i) % len(colors)])
+        ax.plot(xs, ys, marker="o", lw=2 if name is None else 1,
+                ls="-" if name is None else ":", color=color, label=key)
+    if evals:
+        ax.legend(loc="lower right")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

@@ -18,7 +18,7 @@ import time
 from areal_mega.algo import finalize_stats, make_policy_loss
 from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
-from areal_mega.train import batches
+from areal_mega.train import batches, evaluation
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 
@@ -95,8 +95,10 @@ def main(argv=None) -> None:
             from areal_mega.train.sft import run_sft
             run_sft(s)
             return
+        evaluation.evaluate_before_training(s)
         for step in range(s.start_step + 1, cfg.total_steps + 1):
             stats = rl_step(s, step)
+            stats.update(evaluation.evaluate_if_due(s, step))   # eval/*, at version `step`
             s.log(step, stats)
             s.maybe_checkpoint(step)
         s.finish()

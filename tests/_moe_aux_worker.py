@@ -63,6 +63,7 @@ def main():
         from areal_mega.parallel.allocation import ParallelDims
         from areal_mega.parallel.mesh import ParallelMesh
         from areal_mega.scheduler.packing import pack_sequences
+        from areal_mega.train.batches import next_token_layout
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -86,6 +87,7 @@ def main():
             seqs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g),
                      "prompt_len": max(1, n // 3), "adv": torch.randn(n, generator=g)}
                     for n in lens]
+            seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
             mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
         inputs = []
         router = dict(a.model[0].module.named_modules())[ROUTER]

@@ -55,6 +55,7 @@ def configs():
 def make_batches(cp):
     """Micro-batches packed for ``cp`` plus full-length logprobs / entropies per micro-batch."""
     from areal_mega.scheduler.packing import pack_sequences
+    from areal_mega.train.batches import next_token_layout
     g = torch.Generator().manual_seed(5)
     mbs, lps, ents = [], [], []
     for lens in LENS:
@@ -72,6 +73,7 @@ def make_batches(cp):
                                           generator=g).int(),
                 "lp": prox + (torch.rand(n, generator=g) - 0.5) * 0.6,
                 "ent": torch.rand(n, generator=g) * 2})
+        seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
         mb = pack_sequences(seqs, pad_to_multiple=2 * cp, cp_size=cp)
         mb["policy_version"] = POLICY_VERSION
         mb["token_keys"] = [k for k in mb["token_keys"] if k not in ("lp", "ent")]
@@ -86,8 +88,7 @@ def run_config(cfg, mesh, mbs, lps, ents):
     from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                                 reduce_stats)
     from areal_mega.engine.megatron_engine import default_denominator
-    from areal_mega.engine.packed import (cp_token_index, next_token_labels, slot_offsets,
-                                          zigzag_merge)
+    from areal_mega.engine.packed import cp_token_index, micro_batch_labels, zigzag_merge
     from areal_mega.train.sft import sft_loss
     import torch.distributed as dist
     if cfg is None:
@@ -100,7 +101,7 @@ def run_config(cfg, mesh, mbs, lps, ents):
     stats1, recs2 = {}, []
     res = {"grad_lp": 0.0, "grad_ent": 0.0, "grad_lp_max": 0.0}
     for mb, lp_full, ent_full in zip(mbs, lps, ents):
-        valid = next_token_labels(mb["input_ids"], *slot_offsets(mb))[1]
+        valid = micro_batch_labels(mb, lp_full.numel()) >= 0     # as the engine's _prepare
         # ---- CP=1: the whole micro-batch
         lp1 = lp_full.clone().requires_grad_()
         ent1 = ent_full.clone().requires_grad_()

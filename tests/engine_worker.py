@@ -64,12 +64,14 @@ def attach_policy_inputs(mb, lp, seed):
 # ----------------------------------------------------------------------------- data
 def make_mbs(seed, lens_per_mb, pad=2, cp=1):
     from areal_mega.scheduler.packing import pack_sequences
+    from areal_mega.train.batches import next_token_layout
     g = torch.Generator().manual_seed(seed)
     mbs = []
     for lens in lens_per_mb:
         seqs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g),
                  "prompt_len": max(1, n // 3),
                  "advantages": torch.randn(1, generator=g).expand(n).clone()} for n in lens]
+        seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
         mbs.append(pack_sequences(seqs, pad_to_multiple=pad, cp_size=cp))
     return mbs
 
@@ -81,7 +83,7 @@ def reference(hf, mbs, seed, loss="sft"):
     loss's inputs are attached to ``mbs`` from the logprobs computed here."""
     from areal_mega.engine import MegatronEngine
     from areal_mega.config import ModelConfig
-    from areal_mega.engine.packed import block_causal_mask, next_token_labels, slot_offsets
+    from areal_mega.engine.packed import block_causal_mask, micro_batch_labels
     from areal_mega.ops import packed_logprobs
     eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="ref", mesh=MESH[0],
                          seed=seed)
@@ -94,12 +96,12 @@ def reference(hf, mbs, seed, loss="sft"):
     lps, total = [], 0.0
     for i, mb in enumerate(mbs):
         ids = mb["input_ids"].long()
-        starts, lens = slot_offsets(mb)
-        labels, valid = next_token_labels(ids, starts, lens)
+        labels = micro_batch_labels(mb, ids.numel())
+        valid = labels >= 0
         logits = model(ids[None], mb["position_ids"][None],
                        block_causal_mask(mb["segment_ids"].long()))[0]
         logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
-        lp, ent = packed_logprobs(logits, labels.masked_fill(~valid, -1), temperature=TEMP,
+        lp, ent = packed_logprobs(logits, labels, temperature=TEMP,
                                   return_entropy=True)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
         ent = torch.where(valid, ent, torch.zeros_like(ent))
@@ -228,13 +230,14 @@ def scenario_dense(res, out_dir):
     check_layout(res, "dp2", DENSE, ref, mbs, my_mbs=half, my_ref_lps=ref["lps"][rank::world])
     # packed = alone: every sequence of mb 0 run on its own
     from areal_mega.scheduler.packing import pack_sequences
+    from areal_mega.train.batches import next_token_layout
     eng = actor(DENSE, ref)
     worst = 0.0
     mb0 = mbs[0]
     lp0 = eng.forward_logprobs([mb0], temperature=TEMP)[0]
     for b in range(len(mb0["seqlens"])):
         s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
-        alone = pack_sequences([{"input_ids": mb0["input_ids"][s:s + n]}])
+        alone = pack_sequences([next_token_layout(mb0["input_ids"][s:s + n])])
         worst = max(worst, (eng.forward_logprobs([alone], temperature=TEMP)[0][:n]
                             - lp0[s:s + n]).abs().max().item())
     res["packed_vs_alone"] = worst
@@ -323,6 +326,7 @@ def scenario_gpu_thd(res, out_dir):
     """One GPU: TransformerEngine THD packed forward equals each sequence run alone; the
     effect of letting a sequence see its predecessor is recorded for scale."""
     from areal_mega.scheduler.packing import pack_sequences
+    from areal_mega.train.batches import next_token_layout
     set_mesh(dict(dp=1))
     mbs = make_mbs(1, [[9, 14, 5, 30]])
     ref = _engine_reference(DENSE, mbs, seed=11, loss=POLICY)
@@ -332,12 +336,12 @@ def scenario_gpu_thd(res, out_dir):
     e2 = actor(DENSE, ref, dtype=GPU_DTYPE)
     for b in range(len(mb0["seqlens"])):
         s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
-        alone = pack_sequences([{"input_ids": mb0["input_ids"][s:s + n]}])
+        alone = pack_sequences([next_token_layout(mb0["input_ids"][s:s + n])])
         lp_alone = e2.forward_logprobs([alone], temperature=TEMP)[0][:n]
         worst = max(worst, (lp_alone - lp0[s:s + n]).abs().max().item())
         if b:   # the same tokens as the tail of one sequence that starts at sequence b-1
             p = int(mb0["cu_seqlens"][b - 1])
-            joined = pack_sequences([{"input_ids": mb0["input_ids"][p:s + n]}])
+            joined = pack_sequences([next_token_layout(mb0["input_ids"][p:s + n])])
             lp_j = e2.forward_logprobs([joined], temperature=TEMP)[0][s - p:s - p + n - 1]
             leak = max(leak, (lp_j - lp_alone[:n - 1]).abs().max().item())
     res["thd.packed_vs_alone"] = worst

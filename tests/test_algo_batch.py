@@ -21,7 +21,7 @@ def samples():
         lm = np.ones(n, np.uint8)
         lm[:2] = 0
         lm[-1] = 0
-        out.append({"input_ids": np.arange(n) + i, "loss_mask": lm,
+        out.append({**batches.next_token_layout(np.arange(n) + i), "loss_mask": lm,
                     "logprobs": np.linspace(-1, -0.1, n).astype(np.float32),
                     "versions": np.full(n, i, np.int32),
                     "advantages": np.full(n, 0.5 - i, np.float32), "prompt_len": 2,
@@ -46,6 +46,9 @@ def test_from_packed_keeps_one_name_per_field_and_checks_shapes():
         dataclasses.replace(b, group_index=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="undeclared packed fields"):
         PackedBatch.from_packed({**packed, "surprise": torch.zeros(3)})
+    no_labels = {k: v for k, v in packed.items() if k != "labels"}
+    with pytest.raises(ValueError, match=r"lacks the fields \['labels'\]"):
+        PackedBatch.from_packed(no_labels)
     with pytest.raises(dataclasses.FrozenInstanceError):
         b.advantages = torch.zeros(16)
 
@@ -88,12 +91,13 @@ def test_plan_step_shifts_every_field_once_into_next_token_layout():
                                     [2, 3, 3], reward=float(i), sample_id=f"s{i}", group_id="g")
              for i in range(2)]
     cfg = load_config(None, [])
-    plan = batches.plan_step(trajs, cfg, dp_size=1, tp_size=2, pp_size=1, cp_size=1)
+    plan = batches.plan_step(trajs, cfg, dp_size=1, tp_size=8, pp_size=1, cp_size=1)
     [[mb]] = plan.micro_batches
     assert isinstance(mb, PackedBatch) and plan.sample_ids == ["s0", "s1"]
     for b, t in enumerate(trajs):
         lo, hi = int(mb.cu_seqlens[b]), int(mb.cu_seqlens[b + 1])
         assert mb.input_ids[lo:hi].tolist() == t.input_ids.tolist()           # not shifted
+        assert mb.labels[lo:hi].tolist() == t.input_ids[1:].tolist() + [-1]   # the shift
         assert mb.loss_mask[lo:hi].tolist() == t.loss_mask[1:].tolist() + [0]
         assert mb.logprobs[lo:hi].tolist() == t.logprobs[1:].tolist() + [0.0]
         assert mb.versions[lo:hi].tolist() == t.versions[1:].tolist() + [-1]
@@ -101,3 +105,5 @@ def test_plan_step_shifts_every_field_once_into_next_token_layout():
     s = sft_sample([7, 8], [9, 10], eos_id=11)                   # SFT: the same single shift
     assert s["input_ids"].tolist() == [7, 8, 9, 10, 11]
     assert s["loss_mask"].tolist() == [0, 1, 1, 1, 0]
+    assert s["labels"].tolist() == [8, 9, 10, 11, -1]
+    assert mb.n_tokens == 16 and mb.labels[12:].tolist() == [-1] * 4   # padding (TP=8)

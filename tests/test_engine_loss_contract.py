@@ -18,6 +18,7 @@ from areal_mega.engine.loss_context import LAYOUT_KEYS, CPShard, loss_view
 from areal_mega.engine.megatron_engine import MegatronEngine
 from areal_mega.engine.packed import cp_token_index, shard_bounds
 from areal_mega.scheduler.packing import pack_sequences
+from areal_mega.train.batches import next_token_layout
 from areal_mega.train.sft import sft_loss
 
 META = torch.device("meta")
@@ -32,6 +33,7 @@ def _mb(lens=(9, 14, 5), cp=1, seed=0):
                      "prompt_len": max(1, n // 3),
                      "advantages": torch.randn(n, generator=g), "prox_logprobs": prox,
                      "logprobs": prox - 0.1, "ref_logprobs": prox + 0.1})
+    seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels, as trained
     mb = pack_sequences(seqs, pad_to_multiple=2 * cp if cp > 1 else 4, cp_size=cp)
     mb["policy_version"] = 0
     return mb

@@ -7,10 +7,11 @@ import torch
 
 from areal_mega.engine.packed_params import packed_seq_kwargs
 from areal_mega.scheduler.packing import pack_sequences
+from areal_mega.train.batches import next_token_layout
 
 
 def _mb(lens, cp=1, pad=1):
-    seqs = [{"input_ids": torch.arange(100 * i, 100 * i + n)} for i, n in enumerate(lens)]
+    seqs = [next_token_layout(torch.arange(100 * i, 100 * i + n)) for i, n in enumerate(lens)]
     return pack_sequences(seqs, pad_to_multiple=pad, cp_size=cp)
 
 

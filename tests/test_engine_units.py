@@ -1,12 +1,13 @@
 """Pure parts of the engine: HF config -> TransformerConfig, vocab padding, packed helpers
-(labels, block-diagonal mask) and the zigzag CP split / merge."""
+(labels check, block-diagonal mask) and the zigzag CP split / merge."""
 import pytest
 import torch
 
-from areal_mega.engine.packed import (block_causal_mask, next_token_labels, slot_offsets,
-                                      zigzag_index, zigzag_merge, zigzag_split)
+from areal_mega.engine.packed import (block_causal_mask, micro_batch_labels, zigzag_index,
+                                      zigzag_merge, zigzag_split)
 from areal_mega.models.builder import padded_vocab_size, parse_hf_config
 from areal_mega.scheduler.packing import pack_sequences, zigzag_cp_shard
+from areal_mega.train.batches import next_token_layout
 
 BASE = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
             num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128,
@@ -54,15 +55,22 @@ def test_padded_vocab_is_tp_independent():
 
 
 def _mb(lens, cp=1, pad=1):
-    seqs = [{"input_ids": torch.arange(100 * i, 100 * i + n)} for i, n in enumerate(lens)]
+    seqs = [next_token_layout(torch.arange(100 * i, 100 * i + n)) for i, n in enumerate(lens)]
     return pack_sequences(seqs, pad_to_multiple=pad, cp_size=cp)
 
 
 def test_labels_and_mask():
     mb = _mb([3, 1, 2], pad=4)  # T = 8: [0 1 2 | 100 | 200 201 | pad pad]
-    labels, valid = next_token_labels(mb["input_ids"], *slot_offsets(mb))
-    assert valid.tolist() == [True, True, False, False, True, False, False, False]
-    assert labels[:2].tolist() == [1, 2] and labels[4] == 201
+    labels = micro_batch_labels(mb, 8)
+    assert labels.dtype == torch.long
+    assert labels.tolist() == [1, 2, -1, -1, 201, -1, -1, -1]   # -1: last token, padding
+    cp = _mb([3, 1], cp=2, pad=4)  # slots of 4: [0 1 2 pad | 100 pad pad pad]
+    assert cp["labels"].tolist() == [1, 2, -1, -1, -1, -1, -1, -1]
+    assert pack_sequences([], pad_to_multiple=4)["labels"].tolist() == [-1] * 4
+    with pytest.raises(ValueError, match="no 'labels' field"):
+        micro_batch_labels(pack_sequences([{"input_ids": [1, 2, 3]}]), 3)
+    with pytest.raises(ValueError, match="'labels' must be integer \\[8\\]"):
+        micro_batch_labels({**mb, "labels": mb["labels"][:5]}, 8)
     m = block_causal_mask(mb["segment_ids"].long())[0, 0]
     assert m.shape == (8, 8)
     assert not m[2, 0] and m[0, 2] and m[3, 2] and not m[5, 4] and m[4, 3] and not m[7, 6]

@@ -25,8 +25,11 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
 
 * layout: ``input_ids`` / ``position_ids`` / ``segment_ids`` [T], ``cu_seqlens`` /
   ``cu_seqlens_padded`` int32 [B+1], ``max_seqlen`` / ``max_seqlen_padded``;
-* per token [T]: ``loss_mask``, ``logprobs`` (behaviour), ``versions``, ``advantages``;
-  attached after planning: ``prox_logprobs``, ``ref_logprobs``;
+* per token [T]: ``labels`` (int64, the next token of the same sequence — the engine's
+  targets —, -1 after each sequence's last token and on padding, see
+  :data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`), ``loss_mask``, ``logprobs``
+  (behaviour), ``versions``, ``advantages``; attached after planning: ``prox_logprobs``,
+  ``ref_logprobs``;
 * per sequence [B]: ``rewards``, ``seqlens``, ``prompt_lens``, ``response_lens``,
   ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (derived from
   ``group_ids``); ``sample_ids`` / ``group_ids`` (lists of str);
@@ -48,7 +51,7 @@ from torch import Tensor
 __all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
 
 #: Per-token [T] fields (next-token layout).
-TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "loss_mask", "logprobs",
+TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "labels", "loss_mask", "logprobs",
                 "versions", "advantages", "prox_logprobs", "ref_logprobs")
 #: Fields that may be attached to a planned batch with :meth:`PackedBatch.with_fields`.
 ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "policy_version")
@@ -65,6 +68,7 @@ class PackedBatch(Mapping):
     cu_seqlens_padded: Tensor
     max_seqlen: int
     max_seqlen_padded: int
+    labels: Tensor
     loss_mask: Tensor
     logprobs: Tensor
     versions: Tensor
@@ -102,16 +106,22 @@ class PackedBatch(Mapping):
 
     @classmethod
     def from_packed(cls, packed: dict) -> "PackedBatch":
-        """The typed batch of a ``pack_sequences`` result whose samples carry ``loss_mask``,
-        ``logprobs`` (behaviour), ``versions`` and ``advantages``; derives ``group_index``,
-        ``seq_no_eos`` and ``response_lens`` as :func:`~areal_mega.algo.packing.with_algo_fields`
-        does. Fields of ``packed`` not declared here raise a ValueError."""
+        """The typed batch of a ``pack_sequences`` result whose samples carry ``labels``,
+        ``loss_mask``, ``logprobs`` (behaviour), ``versions`` and ``advantages``; derives
+        ``group_index``, ``seq_no_eos`` and ``response_lens`` as
+        :func:`~areal_mega.algo.packing.with_algo_fields` does. Fields of ``packed`` not
+        declared here, or required ones missing from it, raise a ValueError naming them."""
         from areal_mega.algo.packing import with_algo_fields
         full = with_algo_fields(packed)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(full) - names - {"token_keys"}
         if unknown:
             raise ValueError(f"PackedBatch: undeclared packed fields {sorted(unknown)}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in full
+                   and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"PackedBatch: packed batch lacks the fields {missing} (labels "
+                             "come from train.batches.next_token_layout)")
         return cls(**{k: v for k, v in full.items() if k in names})
 
     def with_fields(self, **fields: Any) -> "PackedBatch":

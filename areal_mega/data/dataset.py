@@ -38,9 +38,14 @@ class DataError(ValueError):
 
 
 def detect_format(path: str | Path, fmt: str = "auto") -> str:
-    """``jsonl`` or ``parquet``: ``fmt`` unless ``auto``, else by the file suffix."""
-    if fmt not in ("auto", "jsonl", "parquet"):
+    """``jsonl``, ``parquet`` or ``hf``: ``fmt`` unless ``auto``, else ``hf`` for an HF
+    dataset (:func:`areal_mega.data.hf.is_hf_source`) or by the file suffix."""
+    from areal_mega.data.hf import is_hf_source
+
+    if fmt not in ("auto", "jsonl", "parquet", "hf"):
         raise DataError(f"data.format={fmt!r}: must be one of ['auto', 'jsonl', 'parquet']")
+    if fmt == "hf" or is_hf_source(str(path)):
+        return "hf"
     if fmt != "auto":
         return fmt
     return "parquet" if Path(path).suffix.lower() in PARQUET_SUFFIXES else "jsonl"
@@ -88,7 +93,11 @@ def read_parquet(path: str | Path) -> list[dict]:
 
 def read_records(path: str | Path, fmt: str = "auto") -> list[dict]:
     """Read every record of a JSONL or parquet file (see :func:`detect_format`)."""
+    from areal_mega.data.hf import read_hf
+
     kind = detect_format(path, fmt)
+    if kind == "hf":
+        return read_hf(str(path))
     return read_parquet(path) if kind == "parquet" else read_jsonl(path)
 
 
@@ -186,8 +195,8 @@ class PromptDataset:
         path = getattr(data_cfg, key)
         if not path:
             raise DataError(f"data.{key} is empty; point it at a JSONL or parquet file")
-        return cls(path, tokenizer, prompt_key=data_cfg.prompt_key,
-                   answer_key=data_cfg.answer_key,
+        prompt_key, answer_key = field_keys(data_cfg, {})
+        return cls(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key,
                    apply_chat_template=data_cfg.apply_chat_template,
                    max_prompt_len=data_cfg.max_prompt_len, fmt=data_cfg.format)
 
@@ -196,6 +205,22 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> PromptItem:
         return self.items[i]
+
+
+def field_keys(data_cfg, fields: dict, where: str = "data.fields") -> tuple[str, str]:
+    """The (prompt, answer) record field names: ``fields`` (a source's own mapping), else
+    ``data.fields``, else ``data.prompt_key`` / ``data.answer_key``."""
+    mapping = fields or data_cfg.fields
+    if not fields:
+        where = "data.fields"
+    bad = sorted(set(mapping) - {"prompt", "answer"})
+    if bad:
+        raise DataError(f"{where}.{bad[0]}: unknown key; a field mapping names 'prompt' and "
+                        "'answer'")
+    for k, v in mapping.items():
+        if not isinstance(v, str) or not v:
+            raise DataError(f"{where}.{k}={v!r}: expected a record field name")
+    return mapping.get("prompt", data_cfg.prompt_key), mapping.get("answer", data_cfg.answer_key)
 
 
 # ----------------------------------------------------------------------------- order and resume
@@ -304,5 +329,6 @@ def load_tokenizer(model_path: str):
 
 
 __all__: Sequence[str] = ("DataError", "PromptDataset", "PromptItem", "PromptLoader",
-                          "PromptSampler", "epoch_permutation", "load_tokenizer", "read_records",
+                          "PromptSampler", "epoch_permutation", "field_keys", "load_tokenizer",
+                          "read_records",
                           "read_jsonl", "read_parquet", "detect_format", "render_prompt")

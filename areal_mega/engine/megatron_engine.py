@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                             reduce_stats)
-from areal_mega.engine.packed import (cp_token_index, next_token_labels, segment_ids_from_cu,
+from areal_mega.engine.packed import (cp_token_index, micro_batch_labels, segment_ids_from_cu,
                                       slot_offsets, zigzag_merge)
 from areal_mega.engine.packed_params import packed_seq_kwargs
 from areal_mega.models.backend import resolve_attention
@@ -158,7 +158,8 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ data preparation
     def _prepare(self, mb: dict) -> dict:
-        """Model inputs for one packed micro-batch (labels computed before any CP split)."""
+        """Model inputs for one packed micro-batch; its ``labels`` (next-token targets, -1 =
+        none) come with it and are CP-split like the tokens."""
         ids = torch.as_tensor(mb["input_ids"]).long().reshape(-1)
         total = ids.shape[0]
         tp = self.mesh.dims.tp
@@ -168,12 +169,13 @@ class MegatronEngine:
         pos = torch.as_tensor(mb["position_ids"]).long().reshape(-1) if "position_ids" in mb \
             else None
         starts, lens = slot_offsets(mb)
-        labels, valid = next_token_labels(ids, starts, lens)
+        labels = micro_batch_labels(mb, total)
+        valid = labels >= 0
         bounds = torch.as_tensor(mb.get("cu_seqlens_padded", mb["cu_seqlens"])).long()
         if pos is None:
             seg0 = segment_ids_from_cu(total, starts, lens, bounds[1:])
             pos = torch.arange(total) - torch.cat([bounds, torch.tensor([total])])[seg0]
-        batch: dict[str, Any] = {"n_total": total, "labels": labels.masked_fill(~valid, -1),
+        batch: dict[str, Any] = {"n_total": total, "labels": labels,
                                  "valid": valid, "index": None}
         cp = self.mesh.dims.cp
         dev = self.mesh.device
@@ -268,11 +270,12 @@ class MegatronEngine:
     @torch.no_grad()
     def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
                          return_entropy: bool = False):
-        """Per-token log-probability of each token's next token, per micro-batch.
+        """Per-token log-probability of each token's next token (the micro-batch's ``labels``,
+        from ``train.batches.next_token_layout``), per micro-batch.
 
         Returns a list (one per micro-batch) of fp32 ``[T]`` tensors on CPU, or of
-        ``(logprobs, entropy)`` pairs with ``return_entropy``. The last token of each sequence
-        and padding get 0. Results are broadcast from the last pipeline stage (and gathered
+        ``(logprobs, entropy)`` pairs with ``return_entropy``. Positions with label -1 (the last
+        token of each sequence, padding) get 0. Results are broadcast from the last pipeline stage (and gathered
         over CP), so every rank of the model-parallel group returns them."""
         if not micro_batches:
             return []

@@ -1,5 +1,6 @@
-"""Pure helpers for packed micro-batches (no torch.distributed): next-token labels, the
-block-diagonal causal mask (the dense reference of the packed attention), and the zigzag context-parallel split and its inverse.
+"""Pure helpers for packed micro-batches (no torch.distributed): the labels check, the
+block-diagonal causal mask (the dense reference of the packed attention), and the zigzag
+context-parallel split and its inverse.
 
 Packed layout (from :func:`areal_mega.scheduler.packing.pack_sequences`): sequence ``b`` lives at
 ``[cu_seqlens_padded[b], cu_seqlens_padded[b] + L_b)`` with ``L_b = cu_seqlens[b+1] -
@@ -14,7 +15,7 @@ import torch
 
 from areal_mega.scheduler.packing import zigzag_index  # noqa: F401 (re-exported)
 
-__all__ = ["slot_offsets", "next_token_labels", "segment_ids_from_cu", "block_causal_mask",
+__all__ = ["slot_offsets", "micro_batch_labels", "segment_ids_from_cu", "block_causal_mask",
            "zigzag_index", "zigzag_split", "zigzag_merge", "shard_bounds", "cp_token_index"]
 
 
@@ -26,21 +27,19 @@ def slot_offsets(mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return starts, lens
 
 
-def next_token_labels(input_ids: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Label of each token = the next token of the same sequence.
-
-    Returns ``(labels [T] long, valid [T] bool)``; the last token of each sequence, per-slot
-    padding and trailing padding get label 0 and ``valid = False``."""
-    t = input_ids.shape[0]
-    valid = torch.zeros(t, dtype=torch.bool)
-    for s, n in zip(starts.tolist(), lens.tolist()):
-        if n > 1:
-            valid[s:s + n - 1] = True
-    labels = torch.zeros(t, dtype=torch.long)
-    nxt = torch.roll(input_ids.long(), -1)
-    labels[valid] = nxt[valid]
-    return labels, valid
+def micro_batch_labels(mb: dict, total: int) -> torch.Tensor:
+    """The micro-batch's ``labels`` [T] as int64 (the next token of each position's sequence,
+    -1 where there is none), checked. Labels are made once, with the data
+    (``train.batches.next_token_layout``); the engine never shifts tokens itself."""
+    if "labels" not in mb:
+        raise ValueError("micro-batch has no 'labels' field (the next-token targets): build its "
+                         "samples with areal_mega.train.batches.next_token_layout")
+    labels = torch.as_tensor(mb["labels"])
+    if labels.is_floating_point() or labels.dtype == torch.bool or \
+            tuple(labels.shape) != (total,):
+        raise ValueError(f"micro-batch field 'labels' must be integer [{total}] like "
+                         f"input_ids, got {labels.dtype} {tuple(labels.shape)}")
+    return labels.long()
 
 
 def segment_ids_from_cu(total: int, starts: torch.Tensor, lens: torch.Tensor,

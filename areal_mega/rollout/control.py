@@ -9,6 +9,9 @@ Commands (trainer -> worker), each answered with ``{"ok": true, ...}`` or
 * ``{"cmd": "begin_update"}`` / ``{"cmd": "end_update", "version": V}`` — the two halves of
   an update whose tensors the trainer broadcasts itself over its weight-update group (pause
   before, continue with version V after).
+* ``{"cmd": "evaluate", "version": V}`` — run the evaluation set (``eval.*``) on the servers,
+  which serve version V, and answer ``{"version": V, "metrics": {"eval/...": x}}``
+  (:mod:`areal_mega.rollout.eval_hook`).
 * ``{"cmd": "stats"}`` — the worker's counters (running, accepted, staleness holds, ...).
 * ``{"cmd": "ping"}``.
 

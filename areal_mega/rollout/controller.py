@@ -164,6 +164,8 @@ class RolloutController:
                 log.exception("rollout controller loop died")
                 self._set_error(e)
             finally:
+                from areal_mega.rollout.openai_http import close_shared_server
+                self._loop.run_until_complete(close_shared_server())
                 self._loop.run_until_complete(self.client.close())
                 self._loop.close()
 
@@ -413,7 +415,8 @@ class RolloutController:
                 "finished": self.n_finished, "failed": self.n_failed,
                 "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
                 "dropped_prompts": self.n_dropped,
-                "buffered": len(self._finished), "max_running_seen": self.max_running_seen}
+                "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
+                **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
 
 
 def _retryable(e: BaseException) -> bool:

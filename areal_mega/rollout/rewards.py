@@ -11,9 +11,11 @@ never hang a rollout worker.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import multiprocessing as mp
 import queue
+import re
 import threading
 from typing import Callable, Optional
 
@@ -199,3 +201,93 @@ def exact_match_reward(prompt: str, completion: str, answer, **kw) -> float:
     if kw.get("finish_reason", "stop") != "stop":
         return 0.0
     return 1.0 if completion.rstrip() == str(answer).rstrip() else 0.0
+
+
+_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(completion: str) -> Optional[str]:
+    """The last fenced python block of ``completion`` (```python / ```py / ```python3, else
+    the last unlabelled ``` block), or None."""
+    blocks = _FENCE.findall(completion or "")
+    labelled = [code for lang, code in blocks if lang]
+    pool = labelled or [code for lang, code in blocks]
+    return pool[-1] if pool else None
+
+
+def parse_code_tests(answer) -> dict:
+    """APPS/TACO tests from a dict or its JSON string: ``inputs``, ``outputs`` (equal-length
+    lists), optional ``fn_name``; raises ``ValueError`` naming the problem."""
+    if isinstance(answer, str):
+        try:
+            answer = json.loads(answer)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"code tests: answer is not valid JSON ({e.msg})") from None
+    if not isinstance(answer, dict):
+        raise ValueError(f"code tests: expected a mapping, got {type(answer).__name__}")
+    for key in ("inputs", "outputs"):
+        if not isinstance(answer.get(key), list):
+            raise ValueError(f"code tests: {key!r} must be a list")
+    if len(answer["inputs"]) != len(answer["outputs"]) or not answer["inputs"]:
+        raise ValueError(f"code tests: {len(answer['inputs'])} inputs but "
+                         f"{len(answer['outputs'])} outputs (need equal, non-zero counts)")
+    fn_name = answer.get("fn_name")
+    if fn_name is not None and not isinstance(fn_name, str):
+        raise ValueError("code tests: 'fn_name' must be a string")
+    return {"inputs": answer["inputs"], "outputs": answer["outputs"], "fn_name": fn_name}
+
+
+def code_reward(prompt: str, completion: str, answer, *, timeout_s: float = 4.0,
+                all_or_nothing: bool = False, memory_mb: int = 1024, max_procs: int = 32,
+                max_file_mb: int = 32, **kw) -> float:
+    """Run the completion's last fenced python block on the tests in ``answer`` (APPS/TACO
+    convention, see :func:`parse_code_tests`) in the sandbox (:mod:`areal_mega.rollout.sandbox`).
+
+    Returns the fraction of tests passed, or 1.0/0.0 with ``all_or_nothing`` (the run stops
+    at the first failure). No code block, bad tests or a sandbox failure give 0.0, never an
+    exception. ``timeout_s`` is the wall and CPU limit per test."""
+    from areal_mega.rollout.sandbox import default_sandbox
+
+    code = extract_code(completion)
+    if code is None:
+        return 0.0
+    try:
+        tests = parse_code_tests(answer)
+        res = default_sandbox().run(code, tests, timeout_s=timeout_s, memory_mb=memory_mb,
+                                    max_procs=max_procs, max_file_mb=max_file_mb,
+                                    stop_at_first_failure=all_or_nothing)
+    except (ValueError, TypeError, OSError) as e:   # bad tests or no process: score 0
+        log.warning("code_reward: %s", e)
+        return 0.0
+    if all_or_nothing:
+        return 1.0 if res.passed == res.total else 0.0
+    return res.fraction
+
+
+_GSM8K_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_LAST_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def extract_gsm8k_answer(text: str) -> Optional[str]:
+    """The number after the last ``####`` (GSM8K's answer marker), commas removed; when there
+    is no marker, the last number in the text. None when there is no number."""
+    found = _GSM8K_ANSWER.findall(text or "")
+    if not found:
+        found = _LAST_NUMBER.findall(text or "")
+    if not found:
+        return None
+    value = found[-1].replace(",", "")
+    return value.rstrip(".") or None
+
+
+def gsm8k_reward(prompt: str, completion: str, answer, **kw) -> float:
+    """1.0 when the completion's final number (:func:`extract_gsm8k_answer`) equals the
+    reference's (a GSM8K solution ending in ``#### 42``, or a bare number), else 0.0."""
+    got = extract_gsm8k_answer(completion)
+    want = extract_gsm8k_answer(str(answer))
+    if got is None or want is None:
+        return 0.0
+    try:
+        return 1.0 if float(got) == float(want) else 0.0
+    except ValueError:
+        return 1.0 if got == want else 0.0

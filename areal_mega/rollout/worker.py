@@ -87,8 +87,12 @@ class StampedWorkflow:
         trajs = await self.inner.arun_episode(ctx, item, n_samples)
         for t in trajs:
             t.meta["prompt_index"] = int(item["prompt_index"])
-            t.meta["group_size"] = n_samples
+            t.meta["group_size"] = len(trajs)   # a sample may yield several (agent calls)
         return trajs
+
+    def stats(self) -> dict:
+        """The inner workflow's counters (e.g. failed agent runs), for ``stats``."""
+        return self.inner.stats() if hasattr(self.inner, "stats") else {}
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
@@ -121,6 +125,7 @@ class RolloutWorker:
         from areal_mega.data.dataset import PromptDataset, load_tokenizer
         from areal_mega.dataplane.transport import TrajectorySender
         from areal_mega.rollout.control import ControlServer
+        from areal_mega.rollout.eval_hook import WorkerEvaluator
         from areal_mega.rollout.server_sync import RelaunchTolerantClient
         from areal_mega.rollout.workflows import workflow_from_config
 
@@ -134,8 +139,13 @@ class RolloutWorker:
         if self.state_path.exists() and (cfg.recover == "auto" or relaunched):
             start = int(json.loads(self.state_path.read_text()).get("next_prompt", 0))
         self.tokenizer = load_tokenizer(cfg.model.path)
-        dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
-        self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
+        if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
+            from areal_mega.rollout.multitask import build_multitask
+            self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
+        else:
+            dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
+            self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
+            inner_workflow = workflow_from_config(cfg.rollout)
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
                              "host:port list (launch.local fills it in)")
@@ -143,7 +153,8 @@ class RolloutWorker:
             cfg.rollout.server_addrs, paths=self.paths, api_key=cfg.rollout.api_key,
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
-        self.workflow = StampedWorkflow(workflow_from_config(cfg.rollout))
+        self.workflow = StampedWorkflow(inner_workflow)
+        self.evaluator = WorkerEvaluator.from_config(cfg, self.tokenizer)   # None: eval off
         self.sender = TrajectorySender(self.paths.data_endpoint, secret=cfg.dataplane.secret,
                                        window=cfg.dataplane.sender_window)
         self.controller = None
@@ -208,7 +219,9 @@ class RolloutWorker:
           controller runs yet (resuming) the servers load directly and the controller starts;
         - ``begin_update`` / ``end_update`` (``version``) -> the two halves of an update the
           trainer broadcasts itself: stop dispatching and pause, then make ``version`` current
-          and continue (or, when resuming, set the servers' version and start the controller).
+          and continue (or, when resuming, set the servers' version and start the controller);
+        - ``evaluate`` (``version``) -> ``{"version", "metrics"}``: the evaluation set at the
+          servers' current weights (:mod:`areal_mega.rollout.eval_hook`; needs ``eval.*``).
 
         Returns the reply fields; raises ``FileNotFoundError`` for a missing weights directory
         and ``ValueError`` for an unknown command (the control server turns both into an error
@@ -249,8 +262,14 @@ class RolloutWorker:
                 else:
                     self.controller.end_weight_update(version)
             return {"version": version}
+        if cmd == "evaluate" and self.evaluator is not None:
+            from areal_mega.rollout.client import RolloutClient
+
+            r = self.cfg.rollout
+            return self.evaluator.run(int(msg["version"]), self.controller,
+                                      lambda: RolloutClient(r.server_addrs, api_key=r.api_key))
         raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
-                         "begin_update or end_update")
+                         "begin_update, end_update or evaluate (with eval.every_steps > 0)")
 
     async def _set_version(self, version: int) -> None:
         from areal_mega.rollout.client import RolloutClient

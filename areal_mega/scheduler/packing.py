@@ -16,13 +16,15 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
 * **Trailing padding** ``[cu_seqlens_padded[B], T)`` brings T to a multiple of
   ``pad_to_multiple`` (use TP, or ``2 * TP * CP`` with context parallelism). It forms its own
   segment: ``segment_ids`` is ``B`` there, ``position_ids`` restart at 0, ``input_ids`` are
-  ``pad_token_id``, ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1, extras 0. An engine
+  ``pad_token_id``, ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1, ``labels`` -1, extras 0. An engine
   building a block-diagonal causal mask from ``segment_ids`` therefore needs no special case,
   and since no real token attends to a later token, padding never changes real outputs.
 * Per-slot CP padding continues its sequence's positions (``L_b, L_b + 1, ...``) and has
-  ``segment_ids == b``; its loss_mask is 0.
+  ``segment_ids == b``; its loss_mask is 0 and its labels -1.
+* ``labels`` (the engine's next-token targets) are packed like any per-token field; they come
+  from the samples (``train.batches.next_token_layout``), nothing here shifts tokens.
 * An empty list packs to a padding-only batch of ``max(pad_to_multiple, 2 * cp_size)``
-  tokens (B = 0), so a rank with an empty micro-batch still runs a forward/backward pass with
+  tokens (B = 0, ``labels`` all -1), so a rank with an empty micro-batch still runs a forward/backward pass with
   zero loss weight (the scheduler may hand out empty micro-batches to keep counts equal).
 """
 from __future__ import annotations
@@ -34,10 +36,14 @@ import torch
 
 from areal_mega.dataplane.trajectory import FINISH_REASONS, Trajectory
 
-PER_TOKEN_FILL = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "token_rewards": 0.0}
-"""Value of padding tokens per field (extras not listed here are padded with 0)."""
+PER_TOKEN_FILL = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "token_rewards": 0.0,
+                  "labels": -1}
+"""Value of padding tokens per field (extras not listed here are padded with 0); ``labels``
+(the next-token targets the engine scores) is -1 = no target."""
 
-_DEFAULT_DTYPES = {"loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32}
+# dtypes of the standard per-token fields; an empty pack carries each of them (all padding)
+_DEFAULT_DTYPES = {"loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32,
+                   "labels": np.int64}
 _SCALAR_KEYS = {"sample_id", "group_id", "finish_reason", "server_id", "meta", "created_at",
                 "prompt_len", "reward"}
 _OUTPUT_KEYS = {"input_ids", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
@@ -121,6 +127,7 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
 
     * per token [T]: ``input_ids`` int64, ``position_ids`` int64 (restart at 0 per sequence),
       ``segment_ids`` int32, ``loss_mask`` uint8, ``logprobs`` float32, ``versions`` int32,
+      ``labels`` int64 where the samples carry them (always in an empty pack),
       every per-token extra in its own dtype, and ``token_rewards`` float32 when any sequence
       has per-token rewards (a scalar reward is then placed on that sequence's last token);
     * per sequence [B]: ``seqlens`` / ``prompt_lens`` / ``min_versions`` int32, ``rewards``

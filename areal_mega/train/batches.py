@@ -5,8 +5,9 @@ Rank 0 owns the trajectory buffer. For one training step it
 2. computes advantages over whole prompt groups (GRPO needs every sample of a group) on the
    trajectories themselves, in their own token layout, before anything is packed,
 3. moves every per-token field into the *next-token layout* the engine uses (position t holds
-   the data of token t+1: its loss-mask bit, behaviour logprob, advantage, version), because
-   ``MegatronEngine.forward_logprobs`` returns at position t the logprob of token t+1,
+   the data of token t+1: its id as ``labels``, its loss-mask bit, behaviour logprob,
+   advantage, version), because ``MegatronEngine.forward_logprobs`` returns at
+   position t the logprob of ``labels[t]`` (:func:`next_token_layout`, the only shift),
 4. plans micro-batches (Karmarkar-Karp over DP ranks, token budget, equal counts, PP multiple),
 5. packs each micro-batch padded to TP (2·TP·CP with context parallelism) into a typed
    :class:`~areal_mega.algo.batch.PackedBatch`,
@@ -59,14 +60,19 @@ class StepBatch:
 
 
 def next_token_layout(input_ids: np.ndarray, **per_token: np.ndarray) -> dict:
-    """The one next-token shift of the data: a packable dict with ``input_ids`` as given and
-    every per-token field moved so that position t holds the value of token t+1
+    """The one next-token shift, for RL and SFT: a packable dict with ``input_ids`` as given,
+    ``labels`` = the next token of the same sequence (``labels[t] = input_ids[t+1]``, -1 after
+    the last token: the engine's targets, :meth:`MegatronEngine.forward_logprobs` returns at
+    position t the logprob of ``labels[t]``) and every per-token field moved alike
     (``out[t] = field[t+1]``); the last position gets the field's padding value
-    (:data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`, else 0). The engine's labels are
-    the same shift applied to ``input_ids`` (``engine.packed.next_token_labels``), so position
-    t's logprob and position t's fields describe the same token. Used by RL and SFT."""
+    (:data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`, else 0). So position t's logprob
+    and position t's fields describe the same token."""
+    if "labels" in per_token:
+        raise ValueError("next_token_layout: 'labels' is derived from input_ids, do not pass it")
+    ids = np.asarray(input_ids)
     out = {"input_ids": input_ids}
-    for name, arr in per_token.items():
+    for name, arr in {"labels": ids.astype(np.int64), **per_token}.items():
+        arr = np.asarray(arr)
         shifted = np.empty_like(arr)
         shifted[:-1] = arr[1:]
         if len(arr):
@@ -101,6 +107,17 @@ def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len:
     return kept, advs, stats
 
 
+def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
+    """``{"reward/<source>": mean}`` over the trajectories that carry ``meta["source"]``
+    (multi-task runs); sources absent from this step are absent from the result."""
+    by_source: dict = {}
+    for t in trajs:
+        name = t.meta.get("source")
+        if isinstance(name, str) and name:
+            by_source.setdefault(name, []).append(t.total_reward)
+    return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(by_source.items())}
+
+
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
               cp_size: int) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics."""
@@ -111,6 +128,7 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     rewards = np.array([t.total_reward for t in trajs], dtype=np.float64)
     stats["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
     stats["reward/std"] = float(rewards.std()) if len(rewards) else 0.0
+    stats.update(per_source_rewards(trajs))
     resp = [t.length - t.prompt_len for t in trajs]
     stats["response_len/mean"] = float(np.mean(resp)) if resp else 0.0
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
