@@ -87,6 +87,7 @@ def _measure(fn, warmup, repeats):
 
 def _ours(hf_dir, groups):
     """Our engine: (forward, forward+backward) measurements and per-sequence logprobs."""
+    import numpy as np
     import torch
     from safetensors import safe_open
 
@@ -95,6 +96,7 @@ def _ours(hf_dir, groups):
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
     from areal_mega.scheduler.packing import pack_sequences
+    from areal_mega.train.batches import next_token_layout
     from areal_mega.train.sft import sft_loss
 
     mesh = _single_process_mesh()
@@ -110,7 +112,12 @@ def _ours(hf_dir, groups):
                 names = [n if n in f.keys() else "model.embed_tokens.weight" for n in names]
                 p.copy_(hm.to_mcore(arch, kind, [f.get_tensor(n) for n in names],
                                     padded_vocab_size=p.shape[0]))
-    mbs = [pack_sequences(g) for g in groups]
+    def sample(s):
+        ids = s["input_ids"].numpy()
+        mask = (np.arange(len(ids)) >= s["prompt_len"]).astype(np.uint8)
+        return next_token_layout(ids, loss_mask=mask)   # labels + loss mask, shifted
+
+    mbs = [pack_sequences([sample(s) for s in g]) for g in groups]
     fwd = _measure(lambda: eng.forward_logprobs(mbs), lambda: eng.forward_logprobs(mbs[:1]),
                    REPEATS[0])
     fb = _measure(lambda: eng.forward_backward(mbs, sft_loss),
