@@ -48,8 +48,9 @@ class ModelConfig:
     attention_backend: str = _f(
         "auto", choices=["auto", "flash", "fused", "unfused", "local"],
         doc="auto: TransformerEngine picks its kernel on GPU, local attention on CPU; flash / "
-            "fused / unfused: pin TE's kernel (GPU + TE); local: megatron's local attention "
-            "with a dense [T, T] mask (the only choice on GPU without TE; no CP)")
+            "fused / unfused: pin TE's kernel (GPU + TE); local: megatron's local spec "
+            "with per-sequence torch SDPA on the packed batch (the only choice on GPU without "
+            "TE; no CP)")
 
 
 @dataclass

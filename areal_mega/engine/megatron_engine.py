@@ -2,9 +2,9 @@
 
 The engine runs megatron-core's pipeline schedule (``get_forward_backward_func``, variable
 sequence lengths) over packed micro-batches from
-:func:`areal_mega.scheduler.packing.pack_sequences`. Attention stays inside each sequence: on
-GPU with TransformerEngine through THD ``PackedSeqParams``, on CPU through a block-diagonal
-causal mask. Log-probabilities come from :func:`areal_mega.ops.packed_logprobs` on the
+:func:`areal_mega.scheduler.packing.pack_sequences`. Attention stays inside each sequence
+through THD ``PackedSeqParams``: TransformerEngine's kernels on GPU, per-sequence SDPA
+(:mod:`areal_mega.models.varlen_attention`) on CPU or without TE. Log-probabilities come from :func:`areal_mega.ops.packed_logprobs` on the
 vocabulary-parallel logits, with the padded vocabulary ids masked out.
 
 Loss contract (``train_batch``): on the last stage, per micro-batch, the engine calls
@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                             reduce_stats)
-from areal_mega.engine.packed import (block_causal_mask, cp_token_index, micro_batch_labels,
-                                      segment_ids_from_cu, slot_offsets, zigzag_merge)
+from areal_mega.engine.packed import (cp_token_index, micro_batch_labels, segment_ids_from_cu,
+                                      slot_offsets, zigzag_merge)
 from areal_mega.engine.packed_params import packed_seq_kwargs
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
@@ -179,20 +179,15 @@ class MegatronEngine:
                                  "valid": valid, "index": None}
         cp = self.mesh.dims.cp
         dev = self.mesh.device
-        if self.use_te:
-            from megatron.core.packed_seq_params import PackedSeqParams
-            # padded offsets only where sequences are padded (CP): see engine/packed_params.py
-            batch["packed_seq_params"] = PackedSeqParams(**packed_seq_kwargs(
-                mb["cu_seqlens"], bounds, total, cp=cp, device=dev))
-            batch["attention_mask"] = None
-        else:
-            if cp > 1:
-                raise RuntimeError("context parallelism needs TransformerEngine (GPU)")
-            seg = mb.get("segment_ids")
-            seg = torch.as_tensor(seg).long() if seg is not None else \
-                segment_ids_from_cu(total, starts, lens, bounds[1:])
-            batch["attention_mask"] = block_causal_mask(seg).to(dev)
-            batch["packed_seq_params"] = None
+        if cp > 1 and not self.use_te:
+            raise RuntimeError("context parallelism needs TransformerEngine (GPU)")
+        # THD packed attention: TE's, or the local spec's per-sequence SDPA
+        # (models/varlen_attention.py); padded offsets only where sequences are padded (CP):
+        # see engine/packed_params.py
+        from megatron.core.packed_seq_params import PackedSeqParams
+        batch["packed_seq_params"] = PackedSeqParams(**packed_seq_kwargs(
+            mb["cu_seqlens"], bounds, total, cp=cp, device=dev))
+        batch["attention_mask"] = None
         if cp > 1:
             idx = cp_token_index(mb, cp, self.mesh.cp_rank)
             batch["index"] = idx

@@ -1,5 +1,6 @@
 """Pure helpers for packed micro-batches (no torch.distributed): the labels check, the
-block-diagonal causal mask used on CPU, and the zigzag context-parallel split and its inverse.
+block-diagonal causal mask (the dense reference of the packed attention), and the zigzag
+context-parallel split and its inverse.
 
 Packed layout (from :func:`areal_mega.scheduler.packing.pack_sequences`): sequence ``b`` lives at
 ``[cu_seqlens_padded[b], cu_seqlens_padded[b] + L_b)`` with ``L_b = cu_seqlens[b+1] -

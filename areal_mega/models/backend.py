@@ -7,8 +7,8 @@ branch is unit-testable on a CPU machine:
   installed but broken. Only a missing ``transformer_engine`` module means "no TE"; a package
   that is present but fails to import (a CUDA/cuDNN library mismatch, an ABI error, a missing
   dependency of TE) is reported, never silently treated as absent: without TE the engine falls
-  back to a dense ``[T, T]`` block mask, which runs out of memory at long packed lengths and
-  cannot do context parallelism.
+  back to megatron's local spec (per-sequence torch SDPA), far slower than TE's kernels on GPU
+  and without context parallelism.
 * :func:`select_attention` -- ``model.attention_backend`` (auto / flash / fused / unfused /
   local) + CUDA + TE status -> TE layer spec or megatron's local spec, and megatron's
   ``AttnBackend``. On CUDA without a usable TE it refuses unless the user asked for ``local``.
@@ -82,8 +82,8 @@ def probe_te() -> TEStatus:
 def _broken_message(status: TEStatus) -> str:
     return ("TransformerEngine is installed but fails to import "
             f"({status.error}); fix or uninstall it, or set model.attention_backend=local to "
-            "build megatron's local attention without TE (dense [T, T] mask: memory grows with "
-            "the square of the packed length, no context parallelism)")
+            "build megatron's local attention without TE (per-sequence torch SDPA: slower than "
+            "TE's kernels, no context parallelism)")
 
 
 def have_te(cuda: Optional[bool] = None) -> bool:
@@ -103,7 +103,8 @@ def have_te(cuda: Optional[bool] = None) -> bool:
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """``use_te``: TE layer spec + THD packed attention (else local spec + block mask);
+    """``use_te``: TE layer spec + THD packed attention (else local spec with the same
+    THD parameters, see :mod:`areal_mega.models.varlen_attention`);
     ``backend``: the megatron ``AttnBackend`` name set in the TransformerConfig."""
 
     use_te: bool
@@ -113,7 +114,7 @@ class AttentionChoice:
 def select_attention(backend: str, *, cuda: bool, te: Optional[TEStatus]) -> AttentionChoice:
     """Pure decision for ``model.attention_backend`` = ``backend``.
 
-    * ``local``: megatron's local spec (block-diagonal mask), on CPU or GPU; TE is not needed.
+    * ``local``: megatron's local spec (per-sequence SDPA), on CPU or GPU; TE is not needed.
     * CPU: ``auto`` means local; ``flash`` / ``fused`` / ``unfused`` are TE kernels and are
       refused.
     * CUDA: TE must be importable (``te.ok``); ``auto`` lets TE choose among its backends, the
@@ -138,8 +139,8 @@ def select_attention(backend: str, *, cuda: bool, te: Optional[TEStatus]) -> Att
         raise TEUnusableError(
             f"model.attention_backend={backend!r}: CUDA is available but TransformerEngine is "
             "not installed; install transformer-engine[pytorch], or set "
-            "model.attention_backend=local to run megatron's local attention (dense [T, T] "
-            "mask: memory grows with the square of the packed length, no context parallelism)")
+            "model.attention_backend=local to run megatron's local attention (per-sequence "
+            "torch SDPA: slower than TE's kernels, no context parallelism)")
     return AttentionChoice(True, backend)
 
 

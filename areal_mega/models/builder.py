@@ -282,14 +282,25 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if arch.is_moe:
-        return specs.get_gpt_decoder_block_spec(
+        spec = specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm",
             vp_stage=vp_stage)
+        return spec if use_te else _with_varlen_attention(spec)
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
-    return specs.get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
-                                          qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    return _with_varlen_attention(specs.get_gpt_layer_local_spec(
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
+        normalization="RMSNorm"))
+
+
+def _with_varlen_attention(spec):
+    """Local layer (or block) spec with :class:`VarlenDotProductAttention` as core attention:
+    packed micro-batches run as THD, each sequence attending only to itself."""
+    from areal_mega.models.varlen_attention import VarlenDotProductAttention
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        layer.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
+    return spec
 
 
 def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",

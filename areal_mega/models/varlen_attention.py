@@ -1,0 +1,103 @@
+"""Packed (varlen) attention for megatron's local layer spec: no work across sequences.
+
+megatron-core's own ``DotProductAttention`` (the local spec, used on CPU and on GPU without
+TransformerEngine) refuses ``PackedSeqParams`` and needs a dense ``[T, T]`` block-diagonal
+mask for a packed micro-batch: time and memory quadratic in the packed length, most of it
+spent on pairs of tokens from different sequences that the mask then throws away.
+
+:class:`VarlenDotProductAttention` is a drop-in ``core_attention`` for that spec. Given THD
+``PackedSeqParams`` (the same ones TransformerEngine gets) it runs
+``torch.nn.functional.scaled_dot_product_attention`` (causal, grouped-query) once per packed
+slot, so the cost is that of running each sequence alone. Slot bounds are the padded offsets
+when present (the padding of a slot attends inside its slot and is ignored by the loss).
+Without packed parameters it keeps megatron's behaviour: a given mask goes through the parent
+class (the dense reference path), no mask means plain causal attention over the whole
+sequence, done by SDPA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+__all__ = ["VarlenDotProductAttention", "packed_slot_bounds", "varlen_causal_attention"]
+
+
+def packed_slot_bounds(packed_seq_params) -> list[int]:
+    """Host list of slot offsets ``[0, ..., T]`` of THD ``PackedSeqParams`` (the padded
+    offsets when given, as TransformerEngine reads them)."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    return [int(x) for x in cu.tolist()]
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            bounds: list[int], *, scale: float, dropout_p: float = 0.0
+                            ) -> torch.Tensor:
+    """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
+
+    ``query`` [T, nq, d], ``key`` / ``value`` [T, nkv, d] with ``nq`` a multiple of ``nkv``
+    (grouped-query attention). Returns [T, nq, d]. Tokens past ``bounds[-1]`` (if any) form
+    one more slot."""
+    total = query.shape[0]
+    if bounds[-1] < total:
+        bounds = list(bounds) + [total]
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e <= s:
+            continue
+        # [L, h, d] -> [1, h, L, d]: transposed views, SDPA reads the strides
+        q = query[s:e].transpose(0, 1)[None]
+        k = key[s:e].transpose(0, 1)[None]
+        v = value[s:e].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                           scale=scale, enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+class VarlenDotProductAttention(DotProductAttention):
+    """megatron ``DotProductAttention`` that accepts THD ``PackedSeqParams`` (see module
+    docstring). Plain softmax only (no learnable / off-by-one offsets, no sliding window)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if self.softmax_offset is not None:
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the "
+                             "packed local attention (vanilla softmax only)")
+        if self.scale_mask_softmax.window_size is not None:
+            raise ValueError("sliding-window attention is not supported by the packed local "
+                             "attention")
+        # apply_query_key_layer_scaling divides the scale by the layer number and the
+        # softmax multiplies it back: the product is the plain 1/sqrt(d) scale.
+        coeff = self.scale_mask_softmax.scale or 1.0
+        self.sdpa_scale = self.softmax_scale * coeff
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        """THD ``query`` [T, nq, d] (``key`` / ``value`` [T, nkv, d]) with packed params ->
+        [T, nq·d]; sbhd without packed params -> [s, b, nq·d] like the parent class."""
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by DotProductAttention")
+        p = self.attention_dropout.p if self.training else 0.0
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"packed attention needs qkv_format='thd', got "
+                                 f"{packed_seq_params.qkv_format!r}")
+            out = varlen_causal_attention(query, key, value,
+                                          packed_slot_bounds(packed_seq_params),
+                                          scale=self.sdpa_scale, dropout_p=p)
+            return out.reshape(out.shape[0], self.hidden_size_per_partition)
+        if attention_mask is not None:
+            return super().forward(query, key, value, attention_mask,
+                                   attn_mask_type=attn_mask_type)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                           scale=self.sdpa_scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        s, b = query.shape[0], query.shape[1]
+        return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)

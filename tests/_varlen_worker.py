@@ -1,0 +1,61 @@
+"""Single-rank check of the packed (varlen) CPU attention against the dense-mask path, run by
+tests/test_varlen_attention.py in its own process (megatron's parallel state is global).
+
+    python tests/_varlen_worker.py <port> <out.json>
+
+The reference is the engine's model called with megatron's dense block-diagonal ``[T, T]``
+mask (tests/engine_worker.py ``reference``); the engine under test runs the same weights with
+THD ``PackedSeqParams`` through :class:`~areal_mega.models.varlen_attention.
+VarlenDotProductAttention`. Both layouts the engine packs on CPU are covered: contiguous
+sequences with trailing padding, and slots padded per sequence (``cu_seqlens_padded``, the
+context-parallel packing). Writes {check: max abs difference}."""
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from tests import engine_worker as ew  # noqa: E402
+
+# grouped-query attention (4 query heads, 2 KV heads), tied embeddings
+LLAMA_GQA = dict(ew.TIED)
+
+
+def main():
+    port, out_path = sys.argv[1:3]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                      LOCAL_RANK="0")
+    torch.set_num_threads(1)
+    res = {}
+    try:
+        ew.set_mesh(dict())
+        layouts = {
+            "trailing_pad": ew.make_mbs(3, [[9, 31, 5, 1], [40], [2, 17, 11]], pad=8),
+            "padded_slots": ew.make_mbs(4, [[9, 30, 5], [3, 21]], pad=4, cp=2),
+        }
+        for tag, mbs in layouts.items():
+            assert all("segment_ids" in mb for mb in mbs)
+            ref = ew.reference(LLAMA_GQA, mbs, seed=5, loss=ew.POLICY)
+            eng = ew.check_layout(res, tag, LLAMA_GQA, ref, mbs)
+            attn = eng.model_chunks()[0].decoder.layers[0].self_attention.core_attention
+            res[f"{tag}.varlen_module"] = type(attn).__name__
+            batch = eng._prepare(mbs[0])
+            res[f"{tag}.thd_no_mask"] = (batch["attention_mask"] is None
+                                         and batch["packed_seq_params"].qkv_format == "thd")
+    except Exception:
+        res["error"] = traceback.format_exc()
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    if ew.MESH[0] is not None:
+        try:
+            ew.MESH[0].destroy(process_group=True)
+        except Exception:
+            pass
+    return 0 if "error" not in res else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
