@@ -2,6 +2,9 @@
 
 Usage: python bench/kernels.py [--tokens 4096 --vocab 151936 --gae-tokens 1000000]
 
+Ours vs ``torch.logsumexp`` on the same rows and dtype (the least any logprob needs): fp32 and
+bf16 at T=``--lse-tokens`` (2048), and bf16 with entropy at T=``--tokens``; printed as ratios.
+
 Logprobs (T x V logits, bfloat16 by default, forward pass):
   * naive: ``torch.log_softmax(logits.float(), -1).gather(1, labels)`` (what most trainers do);
   * ours:  ``areal_mega.ops.packed_logprobs`` with the C++ kernel (and the chunked torch backend).
@@ -60,6 +63,15 @@ def _logprob_child(variant, T, V, dtype_name, repeats):
     if variant == "naive":
         def run():
             return torch.log_softmax(logits.float(), dim=-1).gather(1, labels[:, None]).squeeze(1)
+    elif variant == "logsumexp":  # the least any logprob needs, on the same rows and dtype
+        def run():
+            return torch.logsumexp(logits, dim=-1)
+    elif variant == "ours-entropy":
+        os.environ["AREAL_MEGA_OPS_BACKEND"] = "native"
+        from areal_mega.ops import packed_logprobs
+
+        def run():
+            return packed_logprobs(logits, labels, return_entropy=True)[1]
     else:
         os.environ["AREAL_MEGA_OPS_BACKEND"] = "native" if variant == "ours" else "torch"
         from areal_mega.ops import packed_logprobs
@@ -107,6 +119,24 @@ def bench_logprobs(args):
     print(f"  memory ratio naive/ours: {mem_ratio:.0f}x (goal >= 20x; ours floored at its 4 x T float32 statistics)")
     print(f"  time ratio   naive/ours: {time_ratio:.2f}x (goal >= 1x)")
     return mem_ratio, time_ratio
+
+
+def bench_logsumexp(args):
+    """Ours vs ``torch.logsumexp`` on the same rows: fp32 and bf16 at ``--lse-tokens``, and
+    bf16 with entropy at ``--tokens`` (goal: >= 3x everywhere)."""
+    cases = [("float32", args.lse_tokens, "ours"), ("bfloat16", args.lse_tokens, "ours"),
+             ("bfloat16", args.tokens, "ours-entropy")]
+    print(f"== ours vs torch.logsumexp on the same rows, V={args.vocab} ==")
+    ratios = {}
+    for dtype, T, ours in cases:
+        sub = argparse.Namespace(**{**vars(args), "tokens": T, "dtype": dtype})
+        t_lse = logprob_variant("logsumexp", sub)["time"]
+        t_ours = logprob_variant(ours, sub)["time"]
+        name = f"T={T} {dtype}{' +entropy' if ours == 'ours-entropy' else ''}"
+        ratios[name] = t_lse / t_ours
+        print(f"  {name:24s} logsumexp {t_lse * 1e3:8.1f} ms   ours {t_ours * 1e3:8.1f} ms   "
+              f"ratio {t_lse / t_ours:5.2f}x (goal >= 3x)", flush=True)
+    return ratios
 
 
 def bench_gae(args):
@@ -215,6 +245,8 @@ def main():
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lse-tokens", type=int, default=2048,
+                   help="rows of the fp32 / bf16 comparison with torch.logsumexp")
     p.add_argument("--gae-tokens", type=int, default=1_000_000)
     p.add_argument("--loop-tokens", type=int, default=100_000)
     p.add_argument("--skip-logprobs", action="store_true")
@@ -236,6 +268,7 @@ def main():
     bench_gae(args)
     if not args.skip_logprobs:
         bench_logprobs(args)
+        bench_logsumexp(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,22 @@
-"""Generated tokens/s of the CPU rollout server with 1 and 8 concurrent requests.
+"""Generated tokens/s of the CPU rollout server against transformers' ``generate``, same batch.
 
-    python bench/rollout.py [--model-path DIR] [--new-tokens 64] [--hidden 128 --layers 2]
+    python bench/rollout.py [--concurrency 1 8 32] [--new-tokens 128] [--prompt-len 58]
+                            [--threads 2] [--model-path DIR | --hidden 576 --layers 30 ...]
 
-Without --model-path a tiny llama is built in a temp dir. The server runs as a real process
-(1 torch thread); the numbers are wall-clock from the client side.
+Without --model-path a Llama of the given shape (default: a 135M-parameter model, hidden 576,
+30 layers, 9 heads, 3 KV heads, FFN 1536, vocabulary 49,152, tied embeddings) with random
+weights is written to a temp dir. For each concurrency C:
+
+* ours: the server runs as a real process (``--threads`` torch threads); C requests of
+  ``--prompt-len`` tokens are sent at once over HTTP (logprobs returned), each asking for
+  ``--new-tokens`` tokens with ``ignore_eos`` at temperature 1 (no top-k / top-p);
+* transformers: ``model.generate`` in this process (same threads, server idle) on the same C
+  prompts as one batch, sampling at temperature 1 with no top-k / top-p and
+  ``min_new_tokens = max_new_tokens`` (no EOS stop).
+
+Tokens/s = generated tokens / wall-clock seconds, prefill included, best of ``--repeats``
+(the 2 cores may be shared: the minimum time is the least disturbed run); the two sides
+alternate so that a busy spell hits both. Prints each side and the ratio ours / transformers.
 """
 from __future__ import annotations
 
@@ -20,48 +33,111 @@ from areal_mega.rollout.client import RolloutClient, sampling_dict  # noqa: E402
 from areal_mega.rollout.launch import launch_local_servers  # noqa: E402
 
 
-async def measure(addr: str, concurrency: int, new_tokens: int, rounds: int) -> float:
-    c = RolloutClient([addr], timeout_s=600)
+def write_model(path: str, args) -> str:
+    """A Llama with random weights of the shape in ``args`` (no tokenizer: ids only)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      tie_word_embeddings=True, max_position_embeddings=2048,
+                      eos_token_id=0, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def prompts_for(concurrency: int, args) -> list:
+    """``concurrency`` distinct prompts of ``--prompt-len`` token ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(concurrency)
+    return torch.randint(3, args.vocab if not args.model_path else 1000,
+                         (concurrency, args.prompt_len), generator=g).tolist()
+
+
+async def ours_once(addr: str, prompts: list, new_tokens: int) -> float:
+    """Seconds for the server to answer all ``prompts`` sent at once."""
+    c = RolloutClient([addr], timeout_s=3600)
     try:
-        await c.generate([5, 6, 7], sampling_dict(4, 1.0, ignore_eos=True))  # warm-up
+        params = sampling_dict(new_tokens, 1.0, ignore_eos=True)
         t0 = time.perf_counter()
-        total = 0
-        for r in range(rounds):
-            res = await asyncio.gather(*[
-                c.generate([5 + i, 6, 7, 8 + r], sampling_dict(new_tokens, 1.0,
-                                                              ignore_eos=True))
-                for i in range(concurrency)])
-            total += sum(len(x.output_ids) for x in res)
-        return total / (time.perf_counter() - t0)
+        res = await asyncio.gather(*[c.generate(p, params) for p in prompts])
+        dt = time.perf_counter() - t0
+        assert all(len(r.output_ids) == new_tokens for r in res), "short answer"
+        return dt
     finally:
         await c.close()
+
+
+def hf_once(model, prompts: list, new_tokens: int) -> float:
+    """Seconds for ``model.generate`` on ``prompts`` as one batch."""
+    import torch
+
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return dt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--ffn", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=58)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model_path
-        if path is None:
-            from areal_mega.models.tiny import make_tiny_model
-            path = str(make_tiny_model(os.path.join(tmp, "m"), hidden_size=args.hidden,
-                                       num_layers=args.layers))
-        srv = launch_local_servers(path, 1)[0]
+        path = args.model_path or write_model(os.path.join(tmp, "m"), args)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        srv = launch_local_servers(path, 1, num_threads=args.threads,
+                                   max_running=max(args.concurrency))[0]
+        rows = []
         try:
-            one = asyncio.run(measure(srv.addr, 1, args.new_tokens, args.rounds * 2))
-            eight = asyncio.run(measure(srv.addr, 8, args.new_tokens, args.rounds))
+            warm = prompts_for(1, args)
+            asyncio.run(ours_once(srv.addr, warm, 4))
+            hf_once(model, warm, 4)
+            for c in args.concurrency:
+                prompts = prompts_for(c, args)
+                t_ours, t_hf = float("inf"), float("inf")
+                for _ in range(args.repeats):
+                    t_hf = min(t_hf, hf_once(model, prompts, args.new_tokens))
+                    t_ours = min(t_ours, asyncio.run(ours_once(srv.addr, prompts,
+                                                               args.new_tokens)))
+                n = c * args.new_tokens
+                rows.append((c, n / t_ours, n / t_hf))
+                print(f"  {c:3d} concurrent: ours {n / t_ours:8.1f} tok/s   transformers "
+                      f"{n / t_hf:8.1f} tok/s   ratio {t_hf / t_ours:5.2f}x", flush=True)
         finally:
             srv.stop()
-    print(f"model: {path if args.model_path else f'tiny llama hidden {args.hidden}, '}"
-          f"{'' if args.model_path else f'{args.layers} layers'}; {args.new_tokens} new tokens")
-    print(f"1 concurrent request : {one:8.1f} generated tokens/s")
-    print(f"8 concurrent requests: {eight:8.1f} generated tokens/s "
-          f"({eight / one:.1f}x of sequential)")
+    shape = (f"{args.model_path}" if args.model_path else
+             f"llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, "
+             f"{args.kv_heads} KV heads, FFN {args.ffn}, vocab {args.vocab}")
+    print(f"model: {shape}; prompts {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+          f"{args.threads} threads, torch {torch.__version__}")
+    for c, ours, hf in rows:
+        goal = "  (goal >= 2x)" if c >= 8 else ""
+        print(f"{c:3d} concurrent requests: ours / transformers generate = "
+              f"{ours / hf:5.2f}x{goal}")
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
 One engine thread owns the model. Each iteration it
 1. applies queued commands (weight loads, pause) between decode steps,
 2. admits waiting requests (one prefill forward per prompt length — a GRPO group's samples
-   share their prompt — then merges the KV caches into the batch by left-padding every
-   layer's keys/values to the common length),
-3. runs ONE forward over all active requests (input ``[B, 1]``, per-row ``position_ids`` and a
-   padding ``attention_mask``), samples one token per request and retires finished ones.
+   share their prompt — whose rows then join the running batch),
+3. runs ONE forward over all active requests (one token each, each at its own position),
+   samples one token per request and retires finished ones (continuous batching).
 
-So 8 concurrent requests cost ~one batched forward per token instead of 8.
+So 8 concurrent requests cost ~one batched forward per token instead of 8. The KV cache of the
+running rows and the forward passes over it live in :mod:`areal_mega.rollout.kv_batch`.
 
 Sampling (penalties, min_new_tokens, logit bias, temperature, top-k / top-p / min-p) and the
 meaning of the returned logprobs are those of SGLang; see :mod:`areal_mega.rollout.sampling`.
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
+from areal_mega.rollout.kv_batch import make_kv_batch
 from areal_mega.rollout.sampling import SamplingParams, choose_tokens_isolated
 
 __all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
@@ -90,9 +90,7 @@ class BatchedEngine:
         self._stop = False
         # batch state (engine thread only)
         self._active: list[GenRequest] = []
-        self._kv: list = []          # per layer (keys [B,H,L,D], values [B,H,L,D])
-        self._mask: Optional[torch.Tensor] = None  # [B, L] long, 1 = real token
-        self._next_pos: list[int] = []
+        self._batch = make_kv_batch(model)  # row i = self._active[i]
         self._last_tok: list[int] = []
         self.steps = 0
         self.tokens_generated = 0
@@ -226,8 +224,8 @@ class BatchedEngine:
                 self._reset_batch()
 
     def _reset_batch(self) -> None:
-        self._active, self._kv, self._mask = [], [], None
-        self._next_pos, self._last_tok = [], []
+        self._active, self._last_tok = [], []
+        self._batch.reset()
 
     def _retire_aborted(self) -> None:
         if any(r.aborted for r in self._active):
@@ -236,16 +234,6 @@ class BatchedEngine:
                 if r.aborted:
                     r._finish({"type": "abort", "message": r.abort_message})
             self._select(keep)
-
-    def _forward(self, input_ids, past, attention_mask=None, position_ids=None):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(ddp_cache_data=past, config=self.config) if past else \
-            DynamicCache(config=self.config)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                         attention_mask=attention_mask, position_ids=position_ids)
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return out.logits[:, -1, :].float(), kv
 
     def _prefill_admitted(self, admit: list) -> None:
         """Prefill newly admitted requests, one forward per prompt length: a GRPO group's
@@ -264,46 +252,26 @@ class BatchedEngine:
         for r in reqs:
             r.weight_version = self.weight_version
         ids = torch.tensor([r.input_ids for r in reqs], dtype=torch.long)
-        logits, kv = self._forward(ids, None)
+        logits, kv = self._batch.prefill(ids)
         toks = self._sample_and_record(reqs, logits)
         keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
                 if tok is not None and not self._check_finished(r, tok)]
         if not keep:
             return
-        if len(keep) != len(reqs):
-            idx = torch.tensor(keep, dtype=torch.long)
-            kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-        n = len(keep)
-        if not self._active:
-            self._kv, self._mask = kv, torch.ones(n, L, dtype=torch.long)
-        else:
-            Lb = self._mask.shape[1]
-            Lm = max(Lb, L)
-            self._kv = [(torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]),
-                         torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
-                        for (kb, vb), (k, v) in zip(self._kv, kv)]
-            mb = F.pad(self._mask, (Lm - Lb, 0))
-            mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
-            self._mask = torch.cat([mb, mn])
+        self._batch.append(kv, keep)
         for i in keep:
             self._active.append(reqs[i])
-            self._next_pos.append(L)
             self._last_tok.append(toks[i])
 
     def _decode_step(self) -> None:
         B = len(self._active)
-        ids = torch.tensor(self._last_tok, dtype=torch.long).view(B, 1)
-        pos = torch.tensor(self._next_pos, dtype=torch.long).view(B, 1)
-        mask = torch.cat([self._mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        logits, kv = self._forward(ids, self._kv, attention_mask=mask, position_ids=pos)
-        self._kv, self._mask = kv, mask
+        logits = self._batch.decode(self._last_tok)
         self.steps += 1
         toks = self._sample_and_record(self._active, logits)
         keep = []
         for i, (r, tok) in enumerate(zip(self._active, toks)):
             if tok is None:  # this row failed to sample and is finished already
                 continue
-            self._next_pos[i] += 1
             self._last_tok[i] = tok
             if not self._check_finished(r, tok):
                 keep.append(i)
@@ -311,18 +279,12 @@ class BatchedEngine:
             self._select(keep)
 
     def _select(self, keep: list) -> None:
-        """Keep batch rows ``keep`` and drop leading columns that are padding everywhere."""
+        """Keep batch rows ``keep``."""
         if not keep:
             self._reset_batch()
             return
-        idx = torch.tensor(keep, dtype=torch.long)
-        mask = self._mask.index_select(0, idx)
-        first = int((mask.sum(0) > 0).nonzero()[0]) if mask.numel() else 0
-        self._mask = mask[:, first:]
-        self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-                    for k, v in self._kv]
+        self._batch.select(keep)
         self._active = [self._active[i] for i in keep]
-        self._next_pos = [self._next_pos[i] for i in keep]
         self._last_tok = [self._last_tok[i] for i in keep]
 
     def _sample_and_record(self, reqs: list, logits: torch.Tensor) -> list:
@@ -359,7 +321,3 @@ class BatchedEngine:
                     return True
         return False
 
-
-def _lpad(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad a ``[B, H, L, D]`` cache tensor with zeros along L to ``length``."""
-    return F.pad(t, (0, 0, length - t.shape[2], 0)) if t.shape[2] < length else t

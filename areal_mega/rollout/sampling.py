@@ -132,6 +132,11 @@ def _truncated_probs(reqs: list, probs: torch.Tensor):
     return ps, idx
 
 
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p removes any token for parameters ``p``."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def choose_tokens(reqs: list, logits: torch.Tensor, eos_ids: frozenset):
     """One token per row of ``logits`` ``[B, V]`` for requests ``reqs`` (objects with
     ``params`` and ``output_ids``, and ``generator`` for seeded rows).
@@ -197,7 +202,12 @@ def _choose(reqs: list, z: torch.Tensor):
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.top_k != 1]
     if sampled:
         rows = torch.tensor(sampled, dtype=torch.long)
-        ps, idx = _truncated_probs([reqs[i] for i in sampled], logp[rows].exp())
+        sub = [reqs[i] for i in sampled]
+        if any(_truncates(r.params, z.shape[1]) for r in sub):
+            ps, idx = _truncated_probs(sub, logp[rows].exp())
+        else:  # nothing to cut: draw from the full distribution, no [B, V] sort
+            ps = logp[rows].exp()
+            idx = torch.arange(z.shape[1]).expand(len(sampled), -1)
         free = [j for j, i in enumerate(sampled) if reqs[i].generator is None]
         pick = torch.zeros(len(sampled), dtype=torch.long)
         if free:
