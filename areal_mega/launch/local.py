@@ -225,11 +225,12 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     specs = []
     addrs = list(cfg.rollout.server_addrs)
     secret_env = server_secrets(cfg) if layout.servers else {}
-    # a killed server / worker is relaunched alone (same port) when the worker can bring a
-    # fresh server to the current weights: the newest <run_dir>/weights/v* (disk updates)
+    # a killed server is relaunched alone (same port): the worker brings it to the current
+    # weights from <run_dir>/weights/v* (disk updates) or holds it pending until the trainer's
+    # next broadcast re-forms the group with it (distributed); a killed worker only with disk
     restartable = cfg.mode == "rl" and weight_group(cfg, layout) is None
     for slot in layout.servers:
-        specs.append(server_spec(cfg, slot, host, restartable, secret_env))
+        specs.append(server_spec(cfg, slot, host, cfg.mode == "rl", secret_env))
         addrs.append(f"{host}:{slot.port}")
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
@@ -397,7 +398,7 @@ def main(argv: Optional[list] = None) -> int:
         distributed = weight_group(cfg, layout) is not None
         scale = start_scale_service(
             cfg, sup, RunDir.from_config(cfg), layout, distributed_updates=distributed,
-            make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", not distributed,
+            make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", True,
                                                server_secrets(cfg)))
     try:
         return sup.run()
