@@ -14,8 +14,9 @@ Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the 
 Ctrl-C / SIGTERM or the death of any one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
 ``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
 ``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. A killed
-rollout server or rollout worker is relaunched alone, whatever ``recover`` says (same budget;
-disk weight updates only; see ``docs/reliability.md``). A trainer that cannot save a checkpoint
+rollout server is relaunched alone, whatever ``recover`` says (same budget; with distributed
+weight updates it rejoins the trainer's group at the next update); a killed rollout worker
+too with disk weight updates (see ``docs/reliability.md``). A trainer that cannot save a checkpoint
 for want of disk space ends the run (no relaunch). With
 ``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
 While the run goes on, ``python -m areal_mega.launch.scale`` adds and removes rollout servers
