@@ -137,6 +137,12 @@ class ElasticClient(RelaunchTolerantClient):
         down (a dead rank would stall the broadcast; it rejoins once relaunched)."""
         return [s.addr for s in self.servers if s.addr not in self.leaving and s.healthy]
 
+    def probe_due(self) -> bool:
+        """Whether the worker's once-a-second health check should run: a server is down, or
+        (distributed weight updates) always, so that a killed group member is noticed, and
+        left out of the next broadcast, even when no request of it failed."""
+        return self.group_updates or len(self.live_servers()) < len(self.servers)
+
     async def _check_one(self, srv, timeout: float) -> bool:
         """With distributed weight updates a server that answers again after being down
         (relaunched: it holds the base model and no group) becomes *pending*: no requests
