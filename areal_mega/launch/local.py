@@ -14,8 +14,9 @@ Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the 
 Ctrl-C / SIGTERM or the death of any one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
 ``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
 ``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. A killed
-rollout server or rollout worker is relaunched alone, whatever ``recover`` says (same budget;
-disk weight updates only; see ``docs/reliability.md``). A trainer that cannot save a checkpoint
+rollout server is relaunched alone, whatever ``recover`` says (same budget; with distributed
+weight updates it rejoins the trainer's group at the next update); a killed rollout worker
+too with disk weight updates (see ``docs/reliability.md``). A trainer that cannot save a checkpoint
 for want of disk space ends the run (no relaunch). With
 ``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
 While the run goes on, ``python -m areal_mega.launch.scale`` adds and removes rollout servers
@@ -225,11 +226,12 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     specs = []
     addrs = list(cfg.rollout.server_addrs)
     secret_env = server_secrets(cfg) if layout.servers else {}
-    # a killed server / worker is relaunched alone (same port) when the worker can bring a
-    # fresh server to the current weights: the newest <run_dir>/weights/v* (disk updates)
+    # a killed server is relaunched alone (same port): the worker brings it to the current
+    # weights from <run_dir>/weights/v* (disk updates) or holds it pending until the trainer's
+    # next broadcast re-forms the group with it (distributed); a killed worker only with disk
     restartable = cfg.mode == "rl" and weight_group(cfg, layout) is None
     for slot in layout.servers:
-        specs.append(server_spec(cfg, slot, host, restartable, secret_env))
+        specs.append(server_spec(cfg, slot, host, cfg.mode == "rl", secret_env))
         addrs.append(f"{host}:{slot.port}")
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
@@ -397,7 +399,7 @@ def main(argv: Optional[list] = None) -> int:
         distributed = weight_group(cfg, layout) is not None
         scale = start_scale_service(
             cfg, sup, RunDir.from_config(cfg), layout, distributed_updates=distributed,
-            make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", not distributed,
+            make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", True,
                                                server_secrets(cfg)))
     try:
         return sup.run()

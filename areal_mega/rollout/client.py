@@ -255,8 +255,16 @@ class RolloutClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """``POST /destroy_weights_update_group`` on every live server (before the group is
-        formed again with other members)."""
-        await self._broadcast("/destroy_weights_update_group", {"group_name": group_name})
+        formed again with other members). Every server's answer is awaited before the first
+        error (e.g. a relaunched server that holds no group) is raised, so none is still
+        destroying while the group is formed again."""
+        targets = [s for s in self.servers if s.healthy]
+        outs = await asyncio.gather(*(self._broadcast(
+            "/destroy_weights_update_group", {"group_name": group_name}, only=[s])
+            for s in targets), return_exceptions=True)
+        errors = [e for e in outs if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
 
     async def set_weight_version(self, version: int) -> bool:
         """``POST /update_weight_version`` on every live server; False if unsupported."""

@@ -8,7 +8,9 @@ Commands (trainer -> worker), each answered with ``{"ok": true, ...}`` or
   are resubmitted with their partial output). Answered when the servers serve version V.
 * ``{"cmd": "begin_update"}`` / ``{"cmd": "end_update", "version": V}`` — the two halves of
   an update whose tensors the trainer broadcasts itself over its weight-update group (pause
-  before, continue with version V after).
+  before, continue with version V after). ``begin_update`` answers ``{"servers": [...],
+  "reform": bool}``: the live servers the group must hold, and whether one of them was
+  relaunched (the group must be formed again even if the list is unchanged).
 * ``{"cmd": "evaluate", "version": V}`` — run the evaluation set (``eval.*``) on the servers,
   which serve version V, and answer ``{"version": V, "metrics": {"eval/...": x}}``
   (:mod:`areal_mega.rollout.eval_hook`).

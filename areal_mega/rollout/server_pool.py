@@ -64,6 +64,10 @@ class ElasticClient(RelaunchTolerantClient):
         super().__init__(addrs, **kw)
         self.leaving: set = set()               # addresses out of dispatch (being removed)
         self.pending: set = set()               # joined, awaiting the group's next broadcast
+        # distributed weight updates (set by the first begin_update): a relaunched server
+        # cannot load weights from disk, so it comes back pending and the group is re-formed
+        self.group_updates = False
+        self.reform = False                     # a relaunched member must rejoin the group
         self.requests: collections.Counter = collections.Counter()
         self.tokens: collections.Counter = collections.Counter()
         self.resumptions = 0
@@ -129,8 +133,35 @@ class ElasticClient(RelaunchTolerantClient):
                 "seconds": time.monotonic() - t0}
 
     def group_members(self) -> list:
-        """The servers the weight-update group must hold now (all but leaving ones)."""
-        return [s.addr for s in self.servers if s.addr not in self.leaving]
+        """The servers the weight-update group must hold now: all but leaving ones and those
+        down (a dead rank would stall the broadcast; it rejoins once relaunched)."""
+        return [s.addr for s in self.servers if s.addr not in self.leaving and s.healthy]
+
+    def probe_due(self) -> bool:
+        """Whether the worker's once-a-second health check should run: a server is down, or
+        (distributed weight updates) always, so that a killed group member is noticed, and
+        left out of the next broadcast, even when no request of it failed."""
+        return self.group_updates or len(self.live_servers()) < len(self.servers)
+
+    async def _check_one(self, srv, timeout: float) -> bool:
+        """With distributed weight updates a server that answers again after being down
+        (relaunched: it holds the base model and no group) becomes *pending*: no requests
+        until the trainer's next update re-forms the group with it (``reform``) and
+        broadcasts. Otherwise: re-synced from disk (:class:`RelaunchTolerantClient`)."""
+        if not self.group_updates or srv.healthy:
+            return await super()._check_one(srv, timeout)
+        try:
+            await self._call(srv, "GET", "/health_generate", timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - still down (or booting)
+            self._mark_down(srv, e)
+            return False
+        self.pending.add(srv.addr)
+        self.reform = True
+        self.resyncs += 1
+        srv.healthy = True
+        log.warning("rollout server %s is back; pending until the next weight broadcast "
+                    "re-forms the group with it", srv.addr)
+        return True
 
     def promote(self, addrs: list) -> None:
         """``addrs`` received the broadcast of the current version: dispatch to them."""
@@ -249,9 +280,16 @@ class ServerPoolCommands:
         self._in_group: Optional[list] = None    # members named to the open update
 
     def begin_update(self) -> dict:
-        """A broadcast update starts: the members the trainer's group must hold."""
+        """A broadcast update starts: the members the trainer's group must hold (probed
+        first, so a dead server is left out), and ``reform``: a member was relaunched, so the
+        group must be formed again even if the list is unchanged."""
+        self.client.group_updates = True
+        ctl = self.controller()
+        if ctl is not None:
+            ctl.run_async(self.client.check_health(5.0)).result(60)
         self._in_group = self.client.group_members()
-        return {"servers": list(self._in_group)}
+        reform, self.client.reform = self.client.reform, False
+        return {"servers": list(self._in_group), "reform": reform}
 
     def end_update(self) -> None:
         """The broadcast reached the members named by :meth:`begin_update`."""

@@ -130,12 +130,13 @@ class DistributedWeightSender:
             raise
         fut.result(timeout=self.timeout_s)
 
-    def regroup(self, addrs: list) -> bool:
+    def regroup(self, addrs: list, force: bool = False) -> bool:
         """Form the group again for a new server list (elastic rollout: servers joined or
         left): ``/destroy_weights_update_group`` on the current servers (best effort: a removed
         one may be gone), destroy rank 0's side, then :meth:`connect` with world size
         1 + len(addrs) x ranks per server on a fresh port. Returns False, doing nothing, when
-        ``addrs`` are already the group's servers, in order."""
+        ``addrs`` are already the group's servers, in order, unless ``force`` (a member was
+        relaunched and holds no group)."""
         from areal_mega.launch.plan import WeightGroup
         from areal_mega.rollout.client import _Server
         from areal_mega.rollout.launch import find_free_port
@@ -144,7 +145,7 @@ class DistributedWeightSender:
         urls = [a if a.startswith("http") else f"http://{a}" for a in addrs]
         if not urls:
             raise ValueError("regroup: the weight-update group needs at least one server")
-        if urls == [s.addr for s in self.client.servers]:
+        if urls == [s.addr for s in self.client.servers] and not force:
             return False
         try:
             self._run_async(self.client.destroy_weights_update_group(self.group_name)).result(

@@ -345,8 +345,7 @@ class RolloutWorker:
                 self.controller.raise_if_failed()
                 # a relaunched server is re-synced and used again (generate only looks when
                 # no server is left)
-                if len(self.client.live_servers()) < len(self.client.servers) and \
-                        (check is None or check.done()):
+                if self.client.probe_due() and (check is None or check.done()):
                     check = self.controller.run_async(self.client.check_health(2.0))
 
     def _continue_run(self) -> None:

@@ -273,9 +273,10 @@ class TrainerSession:
         from areal_mega.checkpoint.export import iter_hf_tensors
 
         if self.is_rank0:
-            members = self.link.begin_update().get("servers")
-            if members:   # elastic rollout: servers joined or left since the group formed
-                self.weight_sender.regroup(members)
+            begun = self.link.begin_update()
+            members = begun.get("servers")
+            if members:   # elastic rollout: servers joined, left, died or were relaunched
+                self.weight_sender.regroup(members, force=bool(begun.get("reform")))
         # a failed broadcast raises: the trainer exits and launch.local restarts it together
         # with the rollout worker (which un-pauses the servers)
         stream = iter_hf_tensors(self.actor.model, hm.read_arch(self.cfg.model.path))
