@@ -148,7 +148,17 @@ class ElasticClient(RelaunchTolerantClient):
         (relaunched: it holds the base model and no group) becomes *pending*: no requests
         until the trainer's next update re-forms the group with it (``reform``) and
         broadcasts. Otherwise: re-synced from disk (:class:`RelaunchTolerantClient`)."""
-        if not self.group_updates or srv.healthy:
+        if self.group_updates and srv.healthy:
+            # liveness only, probed every second: /get_model_info never generates (SGLang's
+            # /health_generate and, by default, /health do) and answers while generation is
+            # paused for a broadcast, so a paused member is never taken for a dead one
+            try:
+                await self._call(srv, "GET", "/get_model_info", timeout=timeout)
+                return True
+            except Exception as e:  # noqa: BLE001 - killed or unreachable
+                self._mark_down(srv, e)
+                return False
+        if not self.group_updates:
             return await super()._check_one(srv, timeout)
         try:
             await self._call(srv, "GET", "/health_generate", timeout=timeout)
