@@ -168,6 +168,10 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
         accepted_before |= _accepted_ids(run)
         os.kill(victim.pid, getattr(signal, sig))
         _wait(lambda: f"relaunch {k + 1}/3" in sup_log.read_text(), proc, f"relaunch {k + 1}")
+        if name == "rollout_worker":   # the next fault hits a worker that has resumed
+            n = sum(1 for _, who in faults[:k + 1] if who == "rollout_worker")
+            _wait(lambda: (run / "logs" / "rollout_worker.log").read_text().count(
+                "relaunched: continuing at version") >= n, proc, f"worker relaunch {n} resumed")
     rc, out = _finish(proc, timeout=420)
     assert rc == 0, out[-4000:]
     supervisor = sup_log.read_text()

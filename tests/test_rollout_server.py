@@ -141,13 +141,27 @@ def test_bad_input_answered_400_and_server_keeps_serving(server):
     run(go())
 
 
+def server_info(server) -> dict:
+    req = urllib.request.Request(f"http://{server.addr}/get_server_info",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
 def test_pause_aborts_with_partial_output_then_continue(server, models):
     async def go():
         c = client_for(server)
         try:
+            steps0 = server_info(server)["decode_steps"]
             tasks = [asyncio.create_task(c.generate([9, 10 + i], sampling_dict(
                 400, 1.0, ignore_eos=True))) for i in range(3)]
-            await asyncio.sleep(0.3)
+            # pause mid-generation: once all three run and have decoded a few tokens (a fixed
+            # sleep is not enough: on a quiet machine 400 tokens take well under a second)
+            for _ in range(2000):
+                info = await asyncio.to_thread(server_info, server)
+                if info["num_running"] == 3 and info["decode_steps"] - steps0 >= 3:
+                    break
+                await asyncio.sleep(0.005)
             await c.pause()
             parts = await asyncio.gather(*tasks)
             # while paused, a new request waits; it runs after continue

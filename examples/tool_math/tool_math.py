@@ -48,6 +48,8 @@ def run_python(code: str, timeout_s: float = 3.0, memory_mb: int = 256,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             return False, "TimeoutError: the program ran too long"
+    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):   # the CPU-time limit hit first
+        return False, "TimeoutError: the program used too much CPU time"
     if proc.returncode != 0:
         lines = err.decode(errors="replace").strip().splitlines()
         return False, (lines[-1] if lines else f"exit code {proc.returncode}")[:max_output]
