@@ -116,13 +116,14 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
         members, pool = _listing(link)
         assert sorted(members) == ["rollout0", "rollout1"]
 
-        # 2 -> 1 with --drain: the relaunched rollout1 stays
+        # 2 -> 1 with --drain: the relaunched rollout1 stays; the trainer waits meanwhile (the
+        # drain only needs the worker), and through the bad requests below: nothing changes
+        trainer.suspend()
         rc, reply = _scale(run, "--remove", "rollout0", "--drain")
         assert rc == 0, reply
         assert reply["drained"] is True and reply["aborted"] == 0
 
-        # bad requests: a clear error, nothing changes (the run waits meanwhile)
-        trainer.suspend()
+        # bad requests: a clear error, nothing changes
         for args, words in [(("--remove", "nope"), "unknown server id 'nope'"),
                             (("--add-addr", f"127.0.0.1:{_free_port()}"), "unreachable"),
                             (("--remove", "rollout1"), "last server")]:
