@@ -138,26 +138,30 @@ class ElasticClient(RelaunchTolerantClient):
         return [s.addr for s in self.servers if s.addr not in self.leaving and s.healthy]
 
     def probe_due(self) -> bool:
-        """Whether the worker's once-a-second health check should run: a server is down, or
-        (distributed weight updates) always, so that a killed group member is noticed, and
-        left out of the next broadcast, even when no request of it failed."""
-        return self.group_updates or len(self.live_servers()) < len(self.servers)
+        """Whether the worker's once-a-second health check should run: always, so that a
+        killed server is noticed even when no request of it failed (the staleness bound may
+        hold every request back). Otherwise a relaunched server would be taken for the old
+        one and serve the base model under the current version."""
+        return bool(self.servers)
 
     async def _check_one(self, srv, timeout: float) -> bool:
-        """With distributed weight updates a server that answers again after being down
-        (relaunched: it holds the base model and no group) becomes *pending*: no requests
-        until the trainer's next update re-forms the group with it (``reform``) and
-        broadcasts. Otherwise: re-synced from disk (:class:`RelaunchTolerantClient`)."""
-        if self.group_updates and srv.healthy:
+        """A live server is only checked for liveness. A server that answers again after
+        being down (relaunched: it holds the base model) is re-synced from disk
+        (:class:`RelaunchTolerantClient`), or, with distributed weight updates, becomes
+        *pending*: no requests until the trainer's next update re-forms the group with it
+        (``reform``) and broadcasts."""
+        if srv.healthy:
             # liveness only, probed every second: /get_model_info never generates (SGLang's
             # /health_generate and, by default, /health do) and answers while generation is
-            # paused for a broadcast, so a paused member is never taken for a dead one
+            # paused for an update; a slow answer is a busy server, not a dead one
             try:
                 await self._call(srv, "GET", "/get_model_info", timeout=timeout)
+            except asyncio.TimeoutError:
                 return True
             except Exception as e:  # noqa: BLE001 - killed or unreachable
                 self._mark_down(srv, e)
                 return False
+            return True
         if not self.group_updates:
             return await super()._check_one(srv, timeout)
         try:
