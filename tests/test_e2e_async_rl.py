@@ -146,8 +146,9 @@ def test_sigkill_trainer_then_recover(assets, tmp_path):
     pid = _trainer_pid(run)
     assert pid is not None
     snap = tmp_path / "before_kill"          # what was accepted before the crash
+    # the run is live: an atomic write's *.tmp file may vanish while the tree is copied
     shutil.copytree(run, snap, ignore=shutil.ignore_patterns("*.sock", "iter_*", "weights",
-                                                             "init_mcore", "tensorboard"))
+                                                             "init_mcore", "tensorboard", "*.tmp"))
     os.kill(pid, signal.SIGKILL)
     steps_before = len(_metrics(snap))
     rc, out = _finish(proc, timeout=420)
