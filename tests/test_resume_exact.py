@@ -57,8 +57,9 @@ def test_sigkill_trainer_with_variable_group_sizes_trains_each_prompt_once(asset
     pid = _trainer_pid(run)
     assert pid is not None
     snap = tmp_path / "before_kill"          # what was accepted before the crash
+    # the run is live: an atomic write's *.tmp file may vanish while the tree is copied
     shutil.copytree(run, snap, ignore=shutil.ignore_patterns("*.sock", "iter_*", "weights",
-                                                             "init_mcore", "tensorboard"))
+                                                             "init_mcore", "tensorboard", "*.tmp"))
     os.kill(pid, signal.SIGKILL)             # step 3 is past the checkpoint of step 2
     rc, out = _finish(proc, timeout=300)
     assert rc == 0, out[-4000:]
