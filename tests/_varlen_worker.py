@@ -9,7 +9,6 @@ THD ``PackedSeqParams`` through :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`. Both layouts the engine packs on CPU are covered: contiguous
 sequences with trailing padding, and slots padded per sequence (``cu_seqlens_padded``, the
 context-parallel packing). Writes {check: max abs difference}."""
-import json
 import os
 import sys
 import traceback
@@ -47,14 +46,7 @@ def main():
                                          and batch["packed_seq_params"].qkv_format == "thd")
     except Exception:
         res["error"] = traceback.format_exc()
-    with open(out_path, "w") as f:
-        json.dump(res, f, indent=1)
-    if ew.MESH[0] is not None:
-        try:
-            ew.MESH[0].destroy(process_group=True)
-        except Exception:
-            pass
-    return 0 if "error" not in res else 1
+    return ew.finish_rank(res, out_path)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ one; an LM checkpoint loads into the trunk (fresh head), an HF ``score`` head in
 Rank r writes ``<out_dir>/<scenario>.<r>.json`` ({check: value}).
 """
 import dataclasses
-import json
 import os
 import sys
 import traceback
@@ -289,14 +288,7 @@ def main():
         {"layouts": scenario_layouts, "single": scenario_single}[scenario](res, out_dir)
     except Exception:
         res["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"{scenario}.{rank}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    if ew.MESH[0] is not None:
-        try:
-            ew.MESH[0].destroy(process_group=True)
-        except Exception:
-            pass
-    return 0 if "error" not in res else 1
+    return ew.finish_rank(res, os.path.join(out_dir, f"{scenario}.{rank}.json"))
 
 
 if __name__ == "__main__":

@@ -395,6 +395,19 @@ def scenario_vpp(res, out_dir):
         del eng
 
 
+def finish_rank(res: dict, path: str) -> int:
+    """A worker rank's end: its results as JSON at ``path``, its process groups destroyed;
+    the exit code says whether ``res`` holds an error."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    if MESH[0] is not None:
+        try:
+            MESH[0].destroy(process_group=True)
+        except Exception:
+            pass
+    return 0 if "error" not in res else 1
+
+
 def main():
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -406,14 +419,7 @@ def main():
          "gpu_cp2": scenario_gpu_cp2, "vpp": scenario_vpp}[scenario](res, out_dir)
     except Exception:
         res["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"{scenario}.{rank}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    if MESH[0] is not None:
-        try:
-            MESH[0].destroy(process_group=True)
-        except Exception:
-            pass
-    return 0 if "error" not in res else 1
+    return finish_rank(res, os.path.join(out_dir, f"{scenario}.{rank}.json"))
 
 
 if __name__ == "__main__":

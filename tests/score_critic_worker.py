@@ -68,14 +68,7 @@ def main():
         res = run(int(world), hf_dir, out_dir)
     except Exception:
         res = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"tp{world}.{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if ew.MESH[0] is not None:
-        try:
-            ew.MESH[0].destroy(process_group=True)
-        except Exception:
-            pass
-    return 0 if "error" not in res else 1
+    return ew.finish_rank(res, os.path.join(out_dir, f"tp{world}.{rank}.json"))
 
 
 if __name__ == "__main__":

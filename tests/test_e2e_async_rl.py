@@ -76,6 +76,15 @@ def _trainer_pid(run_dir):
     return None
 
 
+def _snapshot_live_run(run_dir, dest):
+    """Copy a running run's directory (its journal and pending buffers: what was accepted so
+    far) to ``dest``, without checkpoints, weights or sockets; an atomic write's *.tmp file
+    may vanish while the tree is copied, so those are skipped."""
+    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(
+        "*.sock", "iter_*", "weights", "init_mcore", "tensorboard", "*.tmp"))
+    return dest
+
+
 def _accepted_ids(run_dir):
     """Sample ids the trainer has accepted: trained, pending in checkpointed buffers, or in
     the journal segments."""
@@ -145,10 +154,7 @@ def test_sigkill_trainer_then_recover(assets, tmp_path):
     assert len(_metrics(run)) >= 3, "the run did not reach step 3"
     pid = _trainer_pid(run)
     assert pid is not None
-    snap = tmp_path / "before_kill"          # what was accepted before the crash
-    # the run is live: an atomic write's *.tmp file may vanish while the tree is copied
-    shutil.copytree(run, snap, ignore=shutil.ignore_patterns("*.sock", "iter_*", "weights",
-                                                             "init_mcore", "tensorboard", "*.tmp"))
+    snap = _snapshot_live_run(run, tmp_path / "before_kill")   # accepted before the crash
     os.kill(pid, signal.SIGKILL)
     steps_before = len(_metrics(snap))
     rc, out = _finish(proc, timeout=420)

@@ -3,7 +3,6 @@ keeps 1 to 4 samples per prompt): the resumed run trains every prompt in exactly
 none, and keeps the staleness bound (the worker counts accepted groups, not samples / n)."""
 import json
 import os
-import shutil
 import signal
 import textwrap
 import time
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
-                               _trainer_pid, assets)
+from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics,  # noqa: F401
+                               _snapshot_live_run, _trained, _trainer_pid, assets)
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +55,7 @@ def test_sigkill_trainer_with_variable_group_sizes_trains_each_prompt_once(asset
     assert len(_metrics(run)) >= 3, "the run did not reach step 3"
     pid = _trainer_pid(run)
     assert pid is not None
-    snap = tmp_path / "before_kill"          # what was accepted before the crash
-    # the run is live: an atomic write's *.tmp file may vanish while the tree is copied
-    shutil.copytree(run, snap, ignore=shutil.ignore_patterns("*.sock", "iter_*", "weights",
-                                                             "init_mcore", "tensorboard", "*.tmp"))
+    snap = _snapshot_live_run(run, tmp_path / "before_kill")   # accepted before the crash
     os.kill(pid, signal.SIGKILL)             # step 3 is past the checkpoint of step 2
     rc, out = _finish(proc, timeout=300)
     assert rc == 0, out[-4000:]
