@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from areal_mega.rollout.cpu_linear import pack_linear_layers
 from areal_mega.rollout.kv_batch import make_kv_batch
 from areal_mega.rollout.sampling import SamplingParams, choose_tokens_isolated
 
@@ -71,10 +72,13 @@ class BatchedEngine:
     """
 
     def __init__(self, model, eos_token_id, max_running: int = 64,
-                 weight_version: str = "0", decode: Optional[Callable[[list], str]] = None):
+                 weight_version: str = "0", decode: Optional[Callable[[list], str]] = None,
+                 prepack_linears: bool = True):
         """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
-        only for stop strings."""
+        only for stop strings. ``prepack_linears``: run the model's linear layers through
+        oneDNN with prepacked weights (:mod:`areal_mega.rollout.cpu_linear`)."""
         self.model = model
+        self.prepacked_linears = pack_linear_layers(model) if prepack_linears else 0
         self.config = model.config
         if isinstance(eos_token_id, (list, tuple, set, frozenset)):
             self.eos_ids = frozenset(int(t) for t in eos_token_id)

@@ -22,12 +22,29 @@ Both answer :meth:`prefill` (equal-length prompts, no cache, logits of the last 
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 
+from areal_mega.rollout.cpu_linear import fused_linear
+
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# dense MLPs computed as down(act(gate(x)) * up(x)); other MLPs (MoE blocks) run as modules
+PLAIN_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP")
+
+
+def _norm(mod, x: torch.Tensor) -> torch.Tensor:
+    """``mod(x)`` for the models' RMSNorm (``weight * x / rms(x)``, computed in fp32) as one
+    fused ``F.rms_norm`` call on fp32 inputs; other norms run as modules."""
+    if (x.dtype == torch.float32 and type(mod).__name__.endswith("RMSNorm")
+            and hasattr(mod, "variance_epsilon")):
+        return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+    return mod(x)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[n, q, heads, D]`` (the models' ``rotate_half`` form)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def make_kv_batch(model):
@@ -61,7 +78,7 @@ class StaticKVBatch:
         self.groups = attn.num_key_value_groups
         self.scaling = attn.scaling
         self.kv_heads = model.config.num_key_value_heads
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.q_heads = self.kv_heads * self.groups
         self.reset()
 
     def reset(self) -> None:
@@ -92,25 +109,35 @@ class StaticKVBatch:
 
     def _qkv(self, layer, h, rot):
         """Queries ``[n, H, q, D]`` and keys/values ``[n, Hkv, q, D]`` of hidden ``h``
-        ``[n, q, hidden]``, rotary ``rot = (cos, sin)`` applied."""
+        ``[n, q, hidden]``, rotary ``rot = (cos, sin)`` applied: one matmul for q, k and v
+        (:func:`~areal_mega.rollout.cpu_linear.fused_linear`)."""
         attn = layer.self_attn
         n, q, _ = h.shape
-        shape = (n, q, -1, self.head_dim)
-        qs = attn.q_proj(h).view(shape)
-        ks = attn.k_proj(h).view(shape)
+        H, Hkv = self.q_heads, self.kv_heads
+        qkv = fused_linear(_norm(layer.input_layernorm, h),
+                           (attn.q_proj, attn.k_proj, attn.v_proj)).view(n, q, H + 2 * Hkv, -1)
+        cos, sin = (t.unsqueeze(2) for t in rot)              # [n, q, 1, D]
         if hasattr(attn, "q_norm"):
-            qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-        vs = attn.v_proj(h).view(shape).transpose(1, 2)
-        qs, ks = self.rope(qs.transpose(1, 2), ks.transpose(1, 2), *rot)
-        return qs, ks, vs
+            qs, ks, vs = qkv.split([H, Hkv, Hkv], dim=2)
+            qs = _rotary(_norm(attn.q_norm, qs), cos, sin)
+            ks = _rotary(_norm(attn.k_norm, ks), cos, sin)
+        else:                                                 # rotate q and k together
+            qk, vs = qkv.split([H + Hkv, Hkv], dim=2)
+            qs, ks = _rotary(qk, cos, sin).split([H, Hkv], dim=2)
+        return qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
 
     def _finish_layer(self, layer, residual, attn_out):
-        """Output projection, residual, MLP, residual."""
+        """Output projection, residual, MLP (gate and up in one matmul), residual."""
         h = residual + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        x = _norm(layer.post_attention_layernorm, h)
+        mlp = layer.mlp
+        if type(mlp).__name__ in PLAIN_MLPS:
+            gate, up = fused_linear(x, (mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)
+            return h + mlp.down_proj(mlp.act_fn(gate) * up)
+        return h + mlp(x)
 
     def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.body.norm(h_last)).float()
+        return self.model.lm_head(_norm(self.body.norm, h_last)).float()
 
     def prefill(self, ids: torch.Tensor):
         """Forward prompts ``ids`` ``[n, L]`` (equal lengths) without cache; returns the
@@ -121,7 +148,7 @@ class StaticKVBatch:
         rot = self.body.rotary_emb(h, position_ids=pos)
         kv = []
         for layer in self.layers:
-            qs, ks, vs = self._qkv(layer, layer.input_layernorm(h), rot)
+            qs, ks, vs = self._qkv(layer, h, rot)
             kv.append((ks, vs))
             out = F.scaled_dot_product_attention(
                 qs, ks.repeat_interleave(self.groups, 1), vs.repeat_interleave(self.groups, 1),
@@ -153,7 +180,7 @@ class StaticKVBatch:
         rot = self.body.rotary_emb(h, position_ids=pos)
         G, D = self.groups, self.head_dim
         for i, layer in enumerate(self.layers):
-            qs, ks, vs = self._qkv(layer, layer.input_layernorm(h), rot)
+            qs, ks, vs = self._qkv(layer, h, rot)
             kc, vc = self.k[i], self.v[i]
             kc[rows, :, self.lens] = ks[:, :, 0]
             vc[rows, :, self.lens] = vs[:, :, 0]

@@ -20,8 +20,9 @@ The returned logprob of a token is, as SGLang reports it by default (without
 bias and temperature, before the top-k / top-p / min-p truncation. Greedy rows report it at
 temperature 1. ``-inf`` is clamped to the most negative float, as SGLang does.
 
-Every step is vectorised over the batch; only rows with a ``sampling_seed`` draw their token
-with their own generator.
+Every step is vectorised over the batch. A token is drawn by inverting the cumulative
+distribution at one uniform number per row (:func:`inverse_cdf_pick`); a row with a
+``sampling_seed`` draws its uniform from its own generator.
 
 One row must not fail the batch: :func:`choose_tokens_isolated` (what the engine calls) gives a
 row whose step-4 logits are not a distribution (a NaN or ``+inf`` anywhere, or every token at
@@ -195,6 +196,19 @@ def choose_tokens_isolated(reqs: list, logits: torch.Tensor, eos_ids: frozenset)
     return toks, lps, top, errors
 
 
+def inverse_cdf_pick(ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``ps`` ``[B, V]`` (non-negative, unnormalised weights), the index ``i``
+    with ``cdf[i-1] <= u * total < cdf[i]``: a draw from the row's distribution given one
+    uniform ``u`` in [0, 1) per row. One random number per row instead of the ``V``
+    exponentials ``torch.multinomial`` draws per row (a quarter of a 49k-vocabulary decode
+    step at 32 rows); the cumulative sums are float64, and a token of probability 0 is never
+    chosen (``cdf[i] > cdf[i-1]`` for the chosen ``i``)."""
+    cdf = ps.double().cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u.view(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).view(-1).clamp_(max=ps.shape[1] - 1)
+
+
 def _choose(reqs: list, z: torch.Tensor):
     """Step 5 on adjusted logits ``z``: see :func:`choose_tokens`."""
     logp = torch.log_softmax(z, -1)
@@ -208,14 +222,11 @@ def _choose(reqs: list, z: torch.Tensor):
         else:  # nothing to cut: draw from the full distribution, no [B, V] sort
             ps = logp[rows].exp()
             idx = torch.arange(z.shape[1]).expand(len(sampled), -1)
-        free = [j for j, i in enumerate(sampled) if reqs[i].generator is None]
-        pick = torch.zeros(len(sampled), dtype=torch.long)
-        if free:
-            f = torch.tensor(free, dtype=torch.long)
-            pick[f] = torch.multinomial(ps[f], 1).view(-1)
+        u = torch.rand(len(sampled), dtype=torch.float64)
         for j, i in enumerate(sampled):
             if reqs[i].generator is not None:
-                pick[j] = int(torch.multinomial(ps[j], 1, generator=reqs[i].generator))
+                u[j] = torch.rand((), dtype=torch.float64, generator=reqs[i].generator)
+        pick = inverse_cdf_pick(ps, u)
         toks[rows] = idx.gather(1, pick.view(-1, 1)).view(-1)
     floor = torch.finfo(logp.dtype).min
     lps = logp.gather(1, toks.view(-1, 1)).view(-1).clamp(min=floor).tolist()
