@@ -3,8 +3,10 @@
 megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG tracker keeps CUDA
 generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
 ``Stream()`` or build tensors with ``device="cuda"``, and the optimizers compare
-``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places,
-and nothing else, when CUDA is absent.
+``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places
+when CUDA is absent, plus one patch for speed: the tensor-parallel linear layers' GEMMs go
+through oneDNN (:mod:`areal_mega.compat.cpu_gemm`; on AMD CPUs MKL's fp32 GEMM runs at less
+than half the rate).
 
 Every patch names the module (and function) it patches and the source text it expects to find
 there. :func:`apply` checks all of them *before* changing anything and raises
@@ -243,6 +245,45 @@ _TORCH_VIEW_MODULES = {
 }
 
 
+# the three GEMMs of the tensor-parallel linear layers -> oneDNN (see compat/cpu_gemm.py)
+_TP_GEMM_REWRITES = {
+    "LinearWithGradAccumulationAndAsyncCommunication.forward": (
+        ("output = torch.matmul(total_input, weight.t())",
+         "output = _areal_cpu_gemm.linear(total_input, weight)"),),
+    "LinearWithGradAccumulationAndAsyncCommunication.backward": (
+        ("grad_input = grad_output.matmul(weight)",
+         "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)"),
+        ("grad_weight = grad_output.t().matmul(total_input)",
+         "grad_weight = _areal_cpu_gemm.grad_weight(grad_output, total_input)")),
+    "LinearWithFrozenWeight.forward": (
+        ("output = torch.matmul(input, weight.t())",
+         "output = _areal_cpu_gemm.linear(input, weight)"),),
+    "LinearWithFrozenWeight.backward": (
+        ("grad_input = grad_output.matmul(weight)",
+         "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)"),),
+}
+
+
+def _patch_tp_gemms(mod) -> None:
+    """Recompile the autograd functions' ``forward`` / ``backward`` (decorators included:
+    ``@staticmethod`` and megatron's ``custom_fwd`` / ``custom_bwd`` are re-applied from the
+    source) with their matmuls calling :mod:`areal_mega.compat.cpu_gemm`."""
+    from areal_mega.compat import cpu_gemm
+
+    mod._areal_cpu_gemm = cpu_gemm
+    for qualname, pairs in _TP_GEMM_REWRITES.items():
+        cls_name, meth = qualname.split(".")
+        cls = getattr(mod, cls_name)
+        orig = cls.__dict__[meth].__func__
+        src = textwrap.dedent(inspect.getsource(orig))
+        for old, new in pairs:
+            src = src.replace(old, new)
+        ns: dict = {}
+        exec(compile(src, inspect.getsourcefile(orig) or "<rewrite>", "exec"), mod.__dict__, ns)
+        ns[meth].__func__.__wrapped_original__ = orig
+        setattr(cls, meth, ns[meth])
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch("rng_tracker", "megatron.core.tensor_parallel.random", "custom",
@@ -283,6 +324,11 @@ def _build_patches() -> list[Patch]:
               replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",
                         "param.grad.dtype == torch.float32"),),
               why="asserts grads are torch.cuda.FloatTensor"),
+        Patch("tp_linear_gemms", "megatron.core.tensor_parallel.layers", "custom",
+              expect=tuple(old for pairs in _TP_GEMM_REWRITES.values() for old, _ in pairs),
+              fn=_patch_tp_gemms,
+              why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
+                  "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)"),
     ]
     for module, (snips, why) in _TORCH_VIEW_MODULES.items():
         patches.append(Patch("torch_view:" + module.rsplit(".", 1)[-1], module, "torch_view",

@@ -1,0 +1,70 @@
+"""The CPU speed patch of megatron's tensor-parallel linear layers: each GEMM goes through
+oneDNN and equals the torch expression it replaces (forward, input and weight gradients)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from areal_mega.compat import cpu_gemm, megatron_cpu
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only patch")
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_each_function_equals_the_expression_it_replaces():
+    assert cpu_gemm._AVAILABLE, "this torch has no oneDNN linear: the speed patch is a no-op"
+    g = torch.Generator().manual_seed(0)
+    x3 = torch.randn(37, 2, 24, generator=g)             # [s, b, K] as megatron passes it
+    w = torch.randn(40, 24, generator=g)
+    _close(cpu_gemm.linear(x3, w), torch.matmul(x3, w.t()))
+    _close(cpu_gemm.linear(x3.transpose(0, 1), w), torch.matmul(x3.transpose(0, 1), w.t()))
+    gy = torch.randn(37, 2, 40, generator=g)
+    _close(cpu_gemm.grad_input(gy, w), gy.matmul(w))
+    g2, x2 = gy.view(-1, 40), x3.reshape(-1, 24)
+    _close(cpu_gemm.grad_weight(g2, x2), g2.t().matmul(x2))
+    _close(cpu_gemm.grad_weight(g2.t().contiguous().t(), x2), g2.t().matmul(x2))
+    empty = torch.zeros(0, 24)
+    assert cpu_gemm.linear(empty, w).shape == (0, 40)
+    xb, wb = x3.bfloat16(), w.bfloat16()                 # other dtypes: torch's own matmul
+    assert torch.equal(cpu_gemm.linear(xb, wb), torch.matmul(xb, wb.t()))
+
+
+def _ops(fn):
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_patched_megatron_linear_runs_onednn_and_matches_f_linear(frozen):
+    megatron_cpu.apply()
+    from megatron.core.tensor_parallel import layers
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(33, 3, 16, generator=g, requires_grad=True)
+    w = torch.randn(20, 16, generator=g, requires_grad=not frozen)
+    b = torch.randn(20, generator=g, requires_grad=not frozen)   # frozen: no bias grad either
+    leaves = [x] + ([] if frozen else [w, b])
+
+    def grads(forward):
+        for t in leaves:
+            t.grad = None
+        y = forward()
+        y.square().sum().backward()
+        return [y.detach()] + [t.grad.clone() for t in leaves]
+
+    def megatron_linear():
+        if frozen:
+            return layers.LinearWithFrozenWeight.apply(x, w, b, False, None)
+        return layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
+            x, w, b, False, False, False, None, 0, None)
+
+    with torch.profiler.profile() as prof:
+        got = grads(megatron_linear)
+    ops = [e.name for e in prof.events()]
+    assert ops.count("mkldnn::_linear_pointwise") == (2 if frozen else 3), sorted(set(ops))
+    want = grads(lambda: F.linear(x, w, b))
+    for a, b_ in zip(got, want):
+        _close(a, b_)
