@@ -19,6 +19,9 @@ def test_each_function_equals_the_expression_it_replaces():
     x3 = torch.randn(37, 2, 24, generator=g)             # [s, b, K] as megatron passes it
     w = torch.randn(40, 24, generator=g)
     _close(cpu_gemm.linear(x3, w), torch.matmul(x3, w.t()))
+    # not a view: megatron's cross entropy modifies the logits in place
+    assert not cpu_gemm.linear(x3, w)._is_view()
+    assert not cpu_gemm.grad_input(torch.randn(37, 2, 40), w)._is_view()
     _close(cpu_gemm.linear(x3.transpose(0, 1), w), torch.matmul(x3.transpose(0, 1), w.t()))
     gy = torch.randn(37, 2, 40, generator=g)
     _close(cpu_gemm.grad_input(gy, w), gy.matmul(w))

@@ -35,9 +35,16 @@ _AVAILABLE = _available()
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``x`` ``[..., K]`` and ``w`` ``[N, K]``; a 2-D ``x`` or ``w`` may be a
     transposed view (oneDNN reads either layout; copying the transpose costs more)."""
-    if x.dim() != 2 or (x.stride(-1) != 1 and x.stride(0) != 1):
-        x = x.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    if x.dim() == 2:
+        if x.stride(-1) != 1 and x.stride(0) != 1:
+            x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    # oneDNN returns a view for N-D inputs; megatron's cross entropy writes into the logits in
+    # place, which autograd forbids on a custom Function's view output, so compute in 2-D and
+    # reshape without creating a view (as torch.matmul does)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), w, None,
+                                           "none", [], "")
+    return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w.shape[0]))
 
 
 def linear(total_input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ constexpr int BLK = 2048;  // values per block (8 KiB of float32)
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#if defined(AREAL_NO_CLONES)  // one ISA, chosen by -march (bench/kernels.py --isa builds this)
+#define AREAL_CLONES
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define AREAL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define AREAL_CLONES
