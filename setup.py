@@ -107,7 +107,8 @@ def kernel_extensions():
     exts = [cpp_extension.CppExtension(
         "areal_mega._ops_cpu",
         sources=[f"{CSRC}/bindings/ops_cpu.cpp", f"{CSRC}/logprob/logprob_cpu.cpp",
-                 f"{CSRC}/gae/gae_cpu.cpp"],
+                 f"{CSRC}/logprob/logprob_cpu_avx512.cpp", f"{CSRC}/logprob/logprob_cpu_avx2.cpp",
+                 f"{CSRC}/logprob/logprob_cpu_generic.cpp", f"{CSRC}/gae/gae_cpu.cpp"],
         include_dirs=include, extra_compile_args={"cxx": cxx})]
     nvcc = cpp_extension.CUDA_HOME and shutil.which("nvcc", path=os.path.join(
         cpp_extension.CUDA_HOME, "bin"))

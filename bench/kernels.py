@@ -1,12 +1,12 @@
 """Benchmark of the packed-sequence kernels against the usual torch code, measured in one run.
 
 Usage: python bench/kernels.py [--tokens 4096 --vocab 151936 --gae-tokens 1000000]
-                               [--isa native | x86-64-v3 | x86-64-v2]
+                               [--isa native | avx2 | generic]
 
-``--isa x86-64-v3`` (AVX2 + FMA, no AVX-512) or ``x86-64-v2`` (SSE4.2) measures our kernel as
-it runs on such a CPU: the C++ kernels are rebuilt once (into ``build/bench-isa-<isa>``) with
-``-march=<isa>`` and without the runtime ISA dispatch, and every child process uses that build.
-torch's own ops are told the same ceiling (``ATEN_CPU_CAPABILITY=avx2`` / ``default``).
+``--isa avx2`` (AVX2 + FMA, no AVX-512) or ``generic`` (SSE2) measures our kernels as they run
+on such a CPU: the extension holds one build per ISA and picks the best the CPU has;
+``AREAL_MEGA_KERNEL_ISA`` asks for a lower one, and torch's own ops are told the same ceiling
+(``ATEN_CPU_CAPABILITY=avx2`` / ``default``) in the child processes.
 
 Ours vs ``torch.logsumexp`` on the same rows and dtype (the least any logprob needs): fp32 and
 bf16 at T=``--lse-tokens`` (2048), and bf16 with entropy at T=``--tokens``; printed as ratios.
@@ -58,30 +58,10 @@ def _current_rss_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-ISA_ATEN = {"x86-64-v3": "avx2", "x86-64-v2": "default"}
+ISA_ATEN = {"avx2": "avx2", "generic": "default"}
 
 
-def build_isa_ops(isa):
-    """Build (or reuse) the C++ CPU kernels for one ISA; returns the module."""
-    from torch.utils import cpp_extension
-    build = ROOT / "build" / f"bench-isa-{isa}"
-    build.mkdir(parents=True, exist_ok=True)
-    csrc = ROOT / "csrc"
-    return cpp_extension.load(
-        name="_ops_cpu", build_directory=str(build), verbose=False,
-        sources=[str(csrc / "bindings" / "ops_cpu.cpp"), str(csrc / "logprob" / "logprob_cpu.cpp"),
-                 str(csrc / "gae" / "gae_cpu.cpp")],
-        extra_include_paths=[str(csrc / "include"), str(csrc / "bindings")],
-        extra_cflags=["-O3", "-std=c++20", "-Wno-psabi", "-DAREAL_NO_CLONES", f"-march={isa}"])
-
-
-def _use_isa(isa):
-    if isa and isa != "native":
-        sys.modules["areal_mega._ops_cpu"] = build_isa_ops(isa)
-
-
-def _logprob_child(variant, T, V, dtype_name, repeats, isa=None):
-    _use_isa(isa)
+def _logprob_child(variant, T, V, dtype_name, repeats):
     import torch
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
@@ -124,11 +104,12 @@ def _logprob_child(variant, T, V, dtype_name, repeats, isa=None):
 def logprob_variant(variant, args):
     cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
            "--vocab", str(args.vocab), "--dtype", args.dtype, "--repeats", str(args.repeats),
-           "--isa", args.isa]
+           ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072",
                MALLOC_TRIM_THRESHOLD_="131072")
     if args.isa in ISA_ATEN:
         env["ATEN_CPU_CAPABILITY"] = ISA_ATEN[args.isa]
+        env["AREAL_MEGA_KERNEL_ISA"] = args.isa
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
@@ -283,13 +264,12 @@ def main():
     p.add_argument("--skip-logprobs", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json-out", default=None, help="write the CUDA figures here as JSON")
-    p.add_argument("--isa", default="native", choices=["native", "x86-64-v3", "x86-64-v2"],
-                   help="measure our kernels built for this ISA only (see the module docstring)")
+    p.add_argument("--isa", default="native", choices=["native", "avx2", "generic"],
+                   help="run our kernels' build for this ISA (see the module docstring)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        return _logprob_child(args.child, args.tokens, args.vocab, args.dtype, args.repeats,
-                              args.isa)
+        return _logprob_child(args.child, args.tokens, args.vocab, args.dtype, args.repeats)
     import torch
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -298,11 +278,11 @@ def main():
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(res))
         return
+    from areal_mega.ops._backend import _load
+    ops = _load("_ops_cpu")
+    isa = ops.set_cpu_isa(args.isa if args.isa != "native" else "default") if ops else "none"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, one run, "
-          f"kernels built for {args.isa}")
-    if args.isa != "native":
-        build_isa_ops(args.isa)      # build once here, before anything is timed
-        _use_isa(args.isa)
+          f"our kernels run their {isa} build")
     bench_gae(args)
     if not args.skip_logprobs:
         bench_logprobs(args)

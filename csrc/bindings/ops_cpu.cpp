@@ -94,6 +94,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("logprob_backward", &logprob_backward, "gradient w.r.t. the logits shard",
           py::arg("logits"), py::arg("labels"), py::arg("vocab_start"), py::arg("inv_temp"),
           py::arg("lse"), py::arg("grad_lp"), py::arg("ex"), py::arg("grad_ent"));
+  mod.def("cpu_isa", [] {
+    static const char* names[] = {"generic", "avx2", "avx512"};
+    return std::string(names[areal_cpu_isa()]);
+  }, "the vector ISA the logprob kernels run: generic (SSE2), avx2 or avx512");
+  mod.def("set_cpu_isa", [](const std::string& name) {
+    static const char* names[] = {"generic", "avx2", "avx512"};
+    int code = -2;
+    for (int i = 0; i < 3; ++i)
+      if (name == names[i]) code = i;
+    if (name == "default") code = -1;
+    TORCH_CHECK(code != -2, "set_cpu_isa(", name, "): expected generic, avx2, avx512 or default");
+    return std::string(names[areal_cpu_set_isa(code)]);
+  }, "use the kernels of this ISA (capped at what the CPU supports); returns the one in use",
+          py::arg("name"));
   mod.def("gae", &gae, "GAE over packed sequences", py::arg("rewards"), py::arg("values"),
           py::arg("cu_seqlens"), py::arg("bootstrap"), py::arg("loss_mask"), py::arg("gamma"),
           py::arg("lam"));

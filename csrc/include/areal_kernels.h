@@ -51,6 +51,10 @@ int areal_logprob_backward_cpu(const void* logits, int dtype, int64_t row_begin,
                                int64_t vocab_start, double inv_temp, const void* lse,
                                const void* g_lp, const void* ex, const void* g_ent, void* grad,
                                int64_t grad_row_stride);
+// the vector ISA the CPU logprob kernels run (0 generic/SSE2, 1 AVX2, 2 AVX-512); set_isa caps
+// it at what the CPU supports (a negative value: back to the default) and returns the result
+int areal_cpu_isa(void);
+int areal_cpu_set_isa(int isa);
 // sequences [seq_begin, seq_end); loss_mask / bootstrap may be NULL
 int areal_gae_cpu(const float* rewards, const float* values, const int32_t* cu_seqlens,
                   int64_t seq_begin, int64_t seq_end, const float* bootstrap,
