@@ -85,13 +85,29 @@ def _measure(fn, warmup, repeats):
     return best, max(peak - before, 0), peak, out, cpu
 
 
-def _ours(hf_dir, groups):
-    """Our engine: (forward, forward+backward) measurements and per-sequence logprobs."""
-    import numpy as np
+def load_hf_weights(eng, hf_dir):
+    """Copy the single-file HF checkpoint in ``hf_dir`` into ``eng``'s (world-size-1) model
+    through the HF -> megatron tensor mapping (tied embeddings: the output layer reads
+    ``model.embed_tokens.weight``)."""
     import torch
     from safetensors import safe_open
 
     from areal_mega.checkpoint import hf_mapping as hm
+    arch = eng.arch
+    with safe_open(str(Path(hf_dir) / "model.safetensors"), "pt") as f, torch.no_grad():
+        for chunk in eng.model_chunks():
+            for name, p in chunk.named_parameters():
+                layer, expert, suffix = hm.parse_mcore_name(name)
+                names, kind = hm.hf_names_for(arch, layer, expert, suffix)
+                names = [n if n in f.keys() else "model.embed_tokens.weight" for n in names]
+                p.copy_(hm.to_mcore(arch, kind, [f.get_tensor(n) for n in names],
+                                    padded_vocab_size=p.shape[0]))
+
+
+def _ours(hf_dir, groups):
+    """Our engine: (forward, forward+backward) measurements and per-sequence logprobs."""
+    import numpy as np
+
     from areal_mega.checkpoint.convert import _single_process_mesh
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
@@ -103,15 +119,8 @@ def _ours(hf_dir, groups):
     eng = MegatronEngine(ModelConfig(dtype="fp32", path=str(hf_dir)), role="actor", mesh=mesh,
                          optimizer_cfg=OptimizerConfig(lr=1e-5, clip_grad=0.0),
                          use_distributed_optimizer=False)
-    arch = eng.arch
-    with safe_open(str(Path(hf_dir) / "model.safetensors"), "pt") as f, torch.no_grad():
-        for chunk in eng.model_chunks():
-            for name, p in chunk.named_parameters():
-                layer, expert, suffix = hm.parse_mcore_name(name)
-                names, kind = hm.hf_names_for(arch, layer, expert, suffix)
-                names = [n if n in f.keys() else "model.embed_tokens.weight" for n in names]
-                p.copy_(hm.to_mcore(arch, kind, [f.get_tensor(n) for n in names],
-                                    padded_vocab_size=p.shape[0]))
+    load_hf_weights(eng, hf_dir)
+
     def sample(s):
         ids = s["input_ids"].numpy()
         mask = (np.arange(len(ids)) >= s["prompt_len"]).astype(np.uint8)

@@ -71,3 +71,22 @@ def test_patched_megatron_linear_runs_onednn_and_matches_f_linear(frozen):
     want = grads(lambda: F.linear(x, w, b))
     for a, b_ in zip(got, want):
         _close(a, b_)
+
+
+def test_env_switch_selects_torch_matmul_or_rejects_unknown_values():
+    import os
+    import subprocess
+    import sys
+    code = "from areal_mega.compat import cpu_gemm; print(cpu_gemm._AVAILABLE)"
+
+    def run(value):
+        env = dict(os.environ, AREAL_MEGA_CPU_GEMM=value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    torch_run = run("torch")
+    assert torch_run.returncode == 0, torch_run.stderr
+    assert torch_run.stdout.strip() == "False"
+    bad = run("mkl")
+    assert bad.returncode != 0
+    assert "AREAL_MEGA_CPU_GEMM" in bad.stderr and "onednn, torch" in bad.stderr, bad.stderr

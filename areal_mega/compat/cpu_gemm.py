@@ -10,10 +10,19 @@ for the weight gradient. The linear layers are over 80% of a CPU training step, 
 these functions. Each computes exactly the expression it replaces (fp32 accumulation, a
 different summation order) and falls back to that expression for other dtypes, empty inputs
 or a torch without oneDNN.
+
+Environment switch ``AREAL_MEGA_CPU_GEMM`` (read once, at import): ``onednn`` (the default)
+routes the products as above; ``torch`` keeps torch's own ``matmul`` (MKL) everywhere, e.g.
+to A/B the two (``bench/grpo_step.py --gemm``). Any other value raises ``ValueError``.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+GEMM_ENV = "AREAL_MEGA_CPU_GEMM"
+GEMM_CHOICES = ("onednn", "torch")
 
 
 def _onednn_ok(*ts: torch.Tensor) -> bool:
@@ -29,7 +38,15 @@ def _available() -> bool:
         return False
 
 
-_AVAILABLE = _available()
+def _requested_backend() -> str:
+    value = os.environ.get(GEMM_ENV, "onednn").strip().lower() or "onednn"
+    if value not in GEMM_CHOICES:
+        raise ValueError(f"{GEMM_ENV}={os.environ[GEMM_ENV]!r}: expected one of "
+                         f"{', '.join(GEMM_CHOICES)}")
+    return value
+
+
+_AVAILABLE = _requested_backend() == "onednn" and _available()
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
