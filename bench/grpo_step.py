@@ -16,7 +16,7 @@ checkpoint) and loads the weights through :mod:`areal_mega.checkpoint.hf_mapping
 Batch: what the intake hands a step: ``--prompts`` groups of ``--group`` trajectories
 (:class:`~areal_mega.dataplane.trajectory.Trajectory`, ``from_tokens``), a random prompt of
 ``--prompt-len`` tokens per group and a random completion of 1..``--max-new`` tokens per
-sample, random 0/1 rewards, random negative behaviour logprobs, behaviour version = the
+sample, random 0/1 rewards, behaviour logprobs near -ln V (a random model's), version = the
 step's weight version. A fresh batch per step (its own seed).
 
 Step: exactly the compute of :func:`areal_mega.trainer.rl_step` on one rank:
@@ -66,7 +66,9 @@ def make_trajectories(args, vocab, seed, version):
         for k in range(args.group):
             n = int(rng.integers(1, args.max_new + 1))
             trajs.append(Trajectory.from_tokens(
-                prompt, rng.integers(3, vocab, n), -rng.uniform(0.01, 3.0, n),
+                # behaviour logprobs near a random model's (-ln V), so the importance weights
+                # and the loss are those of a near on-policy step
+                prompt, rng.integers(3, vocab, n), -np.log(vocab) + rng.normal(0.0, 0.05, n),
                 np.full(n, version), reward=float(rng.integers(0, 2)),
                 sample_id=f"s{seed}-{p}-{k}", group_id=f"g{seed}-{p}",
                 created_at=0.0).validate())

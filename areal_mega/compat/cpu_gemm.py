@@ -4,7 +4,8 @@ torch's fp32 ``matmul`` on CPU calls MKL's sgemm. On AMD CPUs MKL does not take 
 paths: on the 2-core EPYC these tests run on it reaches ~210 GFLOP/s on the 135M model's
 shapes (M = 2,048 tokens), where oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``,
 dense weights, no prepacking) reaches ~470 for the forward and the input gradient and ~350
-for the weight gradient. The linear layers are over 80% of a CPU training step, so
+for the weight gradient. With MKL the linear layers were over 80% of a forward+backward pass
+(bench/engine.py; with the Adam update of a GRPO step, bench/grpo_step.py, about 40% after this), so
 :mod:`areal_mega.compat.megatron_cpu` rewrites the three products in
 ``LinearWithGradAccumulationAndAsyncCommunication`` (and ``LinearWithFrozenWeight``) to call
 these functions. Each computes exactly the expression it replaces (fp32 accumulation, a
