@@ -96,6 +96,12 @@ def _visible_capabilities(torch):
         return []
 
 
+# at::parallel_for is an OpenMP pragma in ATen's headers: without -fopenmp the CPU kernels'
+# row loops run on one thread whatever torch.set_num_threads says. Linking libgomp.so.1 binds
+# to the copy torch already loaded (same soname).
+OPENMP = ["-fopenmp"]
+
+
 def kernel_extensions():
     """The csrc extension modules (empty when torch is missing and skipping was asked for)."""
     if not _importable("torch"):
@@ -109,7 +115,8 @@ def kernel_extensions():
         sources=[f"{CSRC}/bindings/ops_cpu.cpp", f"{CSRC}/logprob/logprob_cpu.cpp",
                  f"{CSRC}/logprob/logprob_cpu_avx512.cpp", f"{CSRC}/logprob/logprob_cpu_avx2.cpp",
                  f"{CSRC}/logprob/logprob_cpu_generic.cpp", f"{CSRC}/gae/gae_cpu.cpp"],
-        include_dirs=include, extra_compile_args={"cxx": cxx})]
+        include_dirs=include, extra_compile_args={"cxx": cxx + OPENMP},
+        extra_link_args=OPENMP)]
     nvcc = cpp_extension.CUDA_HOME and shutil.which("nvcc", path=os.path.join(
         cpp_extension.CUDA_HOME, "bin"))
     if torch.version.cuda and nvcc and os.environ.get("AREAL_MEGA_NO_CUDA") != "1":
