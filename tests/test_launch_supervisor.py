@@ -136,6 +136,20 @@ def test_killed_main_leaves_no_orphan_behind(tmp_path, cleanup):
     assert _wait_for(lambda: _gone(orphan), timeout=10), "the killed main's child survived"
 
 
+def test_worker_fork_in_its_own_session_is_stopped(tmp_path, cleanup):
+    """torchrun starts its worker in a new session; a process the worker forks just before it
+    is SIGKILLed (e.g. a checkpoint writer) is reparented to init, no longer a descendant of
+    anything the supervisor started, but still in the worker's process group: the supervisor
+    stops that group when the main fails."""
+    sup = Supervisor([ProcessSpec("main", CHILD + ["worker", str(tmp_path)], kind="main",
+                                  restart=True)], tmp_path / "logs", grace_s=5,
+                     max_restarts=1, echo=lambda m: None)
+    assert sup.run() == 0 and sup.restarts == 1
+    forked = int((tmp_path / "forked").read_text())
+    cleanup.append(forked)
+    assert _wait_for(lambda: _gone(forked), timeout=10), "the worker's fork survived"
+
+
 def test_server_dying_before_ready_is_an_error(tmp_path):
     sup = Supervisor([ProcessSpec("server", CHILD + ["exit", "2"], ready=lambda: False),
                       ProcessSpec("main", CHILD + ["sleep"], kind="main")],

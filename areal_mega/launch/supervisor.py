@@ -91,6 +91,9 @@ class _Running:
     done: bool = False
     descendants: set = field(default_factory=set)
     group_cleared: bool = False           # what its process group left behind was stopped
+    # process groups of descendants that lead their own (torchrun starts each worker in a new
+    # session): a process such a worker forks after the last refresh is in one of them
+    groups: set = field(default_factory=set)
 
 
 class SupervisorError(RuntimeError):
@@ -199,10 +202,17 @@ class Supervisor:
         for run in self.running.values():
             if run.proc.poll() is None:
                 try:
-                    run.descendants |= {p.pid for p in
-                                        psutil.Process(run.proc.pid).children(recursive=True)}
+                    children = psutil.Process(run.proc.pid).children(recursive=True)
                 except psutil.Error:
-                    pass
+                    continue
+                run.descendants |= {p.pid for p in children}
+                for p in children:
+                    try:
+                        pgid = os.getpgid(p.pid)
+                    except OSError:
+                        continue
+                    if pgid not in (run.proc.pid, os.getpgrp()):
+                        run.groups.add(pgid)
 
     def _wait_ready(self, run: _Running) -> None:
         spec = run.spec
@@ -245,6 +255,17 @@ class Supervisor:
                 except (ProcessLookupError, PermissionError):
                     pass
             run.group_cleared = True
+            # the descendants' own groups, each signalled once (a dead group's id is not reused
+            # while any member lives; once empty it is dropped)
+            for pgid in list(run.groups):
+                members = _group_members(pgid)
+                run.groups.discard(pgid)
+                if members:
+                    pids |= members
+                    try:
+                        os.killpg(pgid, signal.SIGTERM)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             targets.extend(pids)
         procs = []
         for pid in set(targets):

@@ -8,6 +8,10 @@ spawn DIR    start a grandchild in a NEW session (escapes the process group), wr
 flaky FILE   exit 1 the first time (creating FILE), exit 0 afterwards
 orphan DIR   first time: start a grandchild in the same process group, write its pid to
              DIR/orphan, then SIGKILL itself (the grandchild survives it); afterwards exit 0
+worker DIR   as torchrun: first time start a worker in a NEW session and exit 1 when it dies;
+             the worker lives 3 s, forks a grandchild into its session, writes its pid to
+             DIR/forked and SIGKILLs itself at once (the grandchild survives it, reparented to
+             init: no longer anyone's descendant); afterwards exit 0
 """
 import os
 import signal
@@ -47,6 +51,21 @@ elif mode == "orphan":
     if os.path.exists(marker):
         sys.exit(0)
     g = subprocess.Popen([sys.executable, __file__, "sleep"])
+    with open(marker + ".tmp", "w") as f:
+        f.write(str(g.pid))
+    os.replace(marker + ".tmp", marker)
+    os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "worker":
+    marker = os.path.join(arg, "forked")
+    if os.path.exists(marker):
+        sys.exit(0)
+    w = subprocess.Popen([sys.executable, __file__, "worker-body", arg], start_new_session=True)
+    w.wait()
+    sys.exit(1)
+elif mode == "worker-body":
+    time.sleep(3.0)       # longer than the supervisor's 2 s scan of descendants
+    g = subprocess.Popen([sys.executable, __file__, "sleep"])
+    marker = os.path.join(arg, "forked")
     with open(marker + ".tmp", "w") as f:
         f.write(str(g.pid))
     os.replace(marker + ".tmp", marker)
