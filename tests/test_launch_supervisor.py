@@ -17,7 +17,8 @@ import pytest
 
 from areal_mega.launch import local
 from areal_mega.launch.plan import find_free_ports
-from areal_mega.launch.supervisor import ProcessSpec, Supervisor, tcp_ready
+from areal_mega.launch.probes import tcp_ready
+from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.run_dir import find_latest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,8 @@ def test_server_dying_before_ready_is_an_error(tmp_path):
 
 DRIVER = textwrap.dedent("""
     import sys
-    from areal_mega.launch.supervisor import ProcessSpec, Supervisor, tcp_ready
+    from areal_mega.launch.probes import tcp_ready
+    from areal_mega.launch.supervisor import ProcessSpec, Supervisor
     child, logs, port, d = sys.argv[1:5]
     cmd = [sys.executable, child]
     sup = Supervisor([ProcessSpec("server", cmd + ["listen", port],

@@ -42,7 +42,8 @@ from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, r
                                       rollout_memory)
 from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_layout,
                                     weight_update_group)
-from areal_mega.launch.supervisor import ProcessSpec, Supervisor, http_ready
+from areal_mega.launch.probes import http_ready
+from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.rollout.launch import build_sglang_command
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes

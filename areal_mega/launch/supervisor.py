@@ -33,18 +33,16 @@ import ctypes
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
+
 
 _PR_SET_PDEATHSIG = 1
 try:
@@ -427,35 +425,3 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-# ----------------------------------------------------------------------------- readiness probes
-
-
-def tcp_ready(host: str, port: int, timeout: float = 1.0) -> Callable[[], bool]:
-    """A probe that is true once something accepts TCP connections on ``host:port``."""
-    def probe() -> bool:
-        try:
-            with socket.create_connection((host, port), timeout=timeout):
-                return True
-        except OSError:
-            return False
-    return probe
-
-
-def http_ready(url: str, timeout: float = 2.0, api_key: Optional[str] = None
-               ) -> Callable[[], bool]:
-    """A probe that is true once ``url`` answers with a status below 500 (up, if not healthy
-    yet a 503 keeps waiting)."""
-    def probe() -> bool:
-        req = urllib.request.Request(url)
-        if api_key:
-            req.add_header("Authorization", f"Bearer {api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status < 500
-        except urllib.error.HTTPError as e:
-            return e.code < 500
-        except (OSError, ValueError):
-            return False
-    return probe
