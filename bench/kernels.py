@@ -103,8 +103,7 @@ def _logprob_child(variant, T, V, dtype_name, repeats):
 
 def logprob_variant(variant, args):
     cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
-           "--vocab", str(args.vocab), "--dtype", args.dtype, "--repeats", str(args.repeats),
-           ]
+           "--vocab", str(args.vocab), "--dtype", args.dtype, "--repeats", str(args.repeats)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072",
                MALLOC_TRIM_THRESHOLD_="131072")
     if args.isa in ISA_ATEN:

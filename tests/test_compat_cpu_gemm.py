@@ -34,12 +34,6 @@ def test_each_function_equals_the_expression_it_replaces():
     assert torch.equal(cpu_gemm.linear(xb, wb), torch.matmul(xb, wb.t()))
 
 
-def _ops(fn):
-    with torch.profiler.profile() as prof:
-        fn()
-    return {e.name for e in prof.events()}
-
-
 @pytest.mark.parametrize("frozen", [False, True])
 def test_patched_megatron_linear_runs_onednn_and_matches_f_linear(frozen):
     megatron_cpu.apply()

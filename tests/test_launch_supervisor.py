@@ -125,30 +125,24 @@ def test_failed_main_relaunch_is_bounded(tmp_path):
     assert sup.run() == 4 and sup.restarts == 2 and calls == [1, 2]
 
 
-def test_killed_main_leaves_no_orphan_behind(tmp_path, cleanup):
-    """A main killed by SIGKILL leaves a child in its process group (as a trainer leaves
-    megatron's multiprocessing manager): the supervisor stops it before the relaunch."""
-    sup = Supervisor([ProcessSpec("main", CHILD + ["orphan", str(tmp_path)], kind="main",
+@pytest.mark.parametrize("mode, marker", [
+    # a main killed by SIGKILL leaves a child in its process group (as a trainer leaves
+    # megatron's multiprocessing manager): the supervisor stops it before the relaunch
+    ("orphan", "orphan"),
+    # torchrun starts its worker in a new session; a process the worker forks just before it
+    # is SIGKILLed (e.g. a checkpoint writer) is reparented to init, no longer a descendant
+    # of anything the supervisor started, but still in the worker's process group: the
+    # supervisor stops that group when the main fails
+    ("worker", "forked"),
+])
+def test_killed_process_leaves_no_orphan_behind(tmp_path, cleanup, mode, marker):
+    sup = Supervisor([ProcessSpec("main", CHILD + [mode, str(tmp_path)], kind="main",
                                   restart=True)], tmp_path / "logs", grace_s=5,
                      max_restarts=1, echo=lambda m: None)
     assert sup.run() == 0 and sup.restarts == 1
-    orphan = int((tmp_path / "orphan").read_text())
-    cleanup.append(orphan)
-    assert _wait_for(lambda: _gone(orphan), timeout=10), "the killed main's child survived"
-
-
-def test_worker_fork_in_its_own_session_is_stopped(tmp_path, cleanup):
-    """torchrun starts its worker in a new session; a process the worker forks just before it
-    is SIGKILLed (e.g. a checkpoint writer) is reparented to init, no longer a descendant of
-    anything the supervisor started, but still in the worker's process group: the supervisor
-    stops that group when the main fails."""
-    sup = Supervisor([ProcessSpec("main", CHILD + ["worker", str(tmp_path)], kind="main",
-                                  restart=True)], tmp_path / "logs", grace_s=5,
-                     max_restarts=1, echo=lambda m: None)
-    assert sup.run() == 0 and sup.restarts == 1
-    forked = int((tmp_path / "forked").read_text())
-    cleanup.append(forked)
-    assert _wait_for(lambda: _gone(forked), timeout=10), "the worker's fork survived"
+    left = int((tmp_path / marker).read_text())
+    cleanup.append(left)
+    assert _wait_for(lambda: _gone(left), timeout=10), f"the {mode} case's child survived"
 
 
 def test_server_dying_before_ready_is_an_error(tmp_path):

@@ -34,10 +34,20 @@ def onednn_linear_available() -> bool:
         return False
 
 
+def _version_key(t) -> tuple:
+    """What identifies a tensor's current values: its storage, version counter and shape."""
+    return () if t is None else (t.data_ptr(), t._version, tuple(t.shape))
+
+
+def _onednn_mm(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
+    """``x @ w.T + b`` with ``w`` prepacked by ``_reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+
+
 def _packed_weight(mod: torch.nn.Linear) -> torch.Tensor:
     """``mod``'s weight in oneDNN's layout, rebuilt when the dense weight changed."""
     w = mod.weight
-    key = (w.data_ptr(), w._version, tuple(w.shape))
+    key = _version_key(w)
     cached = mod.__dict__.get("_onednn_packed")
     if cached is None or cached[0] != key:
         cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
@@ -57,12 +67,7 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _plain_path(x, w):
         return F.linear(x, w, self.bias)
     bias = None if self.bias is None else self.bias.detach()
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _packed_weight(self), bias,
-                                              "none", [], "")
-
-
-def _version_key(t) -> tuple:
-    return () if t is None else (t.data_ptr(), t._version, tuple(t.shape))
+    return _onednn_mm(x, _packed_weight(self), bias)
 
 
 def fused_linear(x: torch.Tensor, layers: tuple) -> torch.Tensor:
@@ -84,9 +89,7 @@ def fused_linear(x: torch.Tensor, layers: tuple) -> torch.Tensor:
         cached = (key, w, b)
         layers[0].__dict__["_fused_weights"] = cached
     _, w, b = cached
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
-    return F.linear(x, w, b)
+    return _onednn_mm(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:

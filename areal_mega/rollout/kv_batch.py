@@ -109,14 +109,15 @@ class StaticKVBatch:
 
     def _qkv(self, layer, h, rot):
         """Queries ``[n, H, q, D]`` and keys/values ``[n, Hkv, q, D]`` of hidden ``h``
-        ``[n, q, hidden]``, rotary ``rot = (cos, sin)`` applied: one matmul for q, k and v
+        ``[n, q, hidden]``, rotary ``rot = (cos, sin)`` (``[n, q, 1, D]``, see :meth:`_rotary_of`)
+        applied: one matmul for q, k and v
         (:func:`~areal_mega.rollout.cpu_linear.fused_linear`)."""
         attn = layer.self_attn
         n, q, _ = h.shape
         H, Hkv = self.q_heads, self.kv_heads
         qkv = fused_linear(_norm(layer.input_layernorm, h),
                            (attn.q_proj, attn.k_proj, attn.v_proj)).view(n, q, H + 2 * Hkv, -1)
-        cos, sin = (t.unsqueeze(2) for t in rot)              # [n, q, 1, D]
+        cos, sin = rot
         if hasattr(attn, "q_norm"):
             qs, ks, vs = qkv.split([H, Hkv, Hkv], dim=2)
             qs = _rotary(_norm(attn.q_norm, qs), cos, sin)
@@ -125,6 +126,11 @@ class StaticKVBatch:
             qk, vs = qkv.split([H + Hkv, Hkv], dim=2)
             qs, ks = _rotary(qk, cos, sin).split([H, Hkv], dim=2)
         return qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+
+    def _rotary_of(self, h: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """The model's rotary ``(cos, sin)`` at positions ``pos``, shaped ``[n, q, 1, D]`` to
+        broadcast over the heads of every layer's ``[n, q, heads, D]`` projections."""
+        return tuple(t.unsqueeze(2) for t in self.body.rotary_emb(h, position_ids=pos))
 
     def _finish_layer(self, layer, residual, attn_out):
         """Output projection, residual, MLP (gate and up in one matmul), residual."""
@@ -145,7 +151,7 @@ class StaticKVBatch:
         n, L = ids.shape
         pos = torch.arange(L).view(1, L).expand(n, L)
         h = self.body.embed_tokens(ids)
-        rot = self.body.rotary_emb(h, position_ids=pos)
+        rot = self._rotary_of(h, pos)
         kv = []
         for layer in self.layers:
             qs, ks, vs = self._qkv(layer, h, rot)
@@ -177,7 +183,7 @@ class StaticKVBatch:
         # a row attends to its columns 0..lens[b] (the new token included)
         masked = torch.arange(Lm).view(1, 1, 1, Lm) > self.lens.view(B, 1, 1, 1)
         h = self.body.embed_tokens(torch.tensor(last_tokens, dtype=torch.long).view(B, 1))
-        rot = self.body.rotary_emb(h, position_ids=pos)
+        rot = self._rotary_of(h, pos)
         G, D = self.groups, self.head_dim
         for i, layer in enumerate(self.layers):
             qs, ks, vs = self._qkv(layer, h, rot)

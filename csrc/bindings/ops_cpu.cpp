@@ -84,6 +84,9 @@ std::vector<at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
   return {adv, ret};
 }
 
+// by areal_cpu_isa() code (0 generic / SSE2, 1 AVX2, 2 AVX-512)
+const char* const kIsaNames[] = {"generic", "avx2", "avx512"};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -94,18 +97,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("logprob_backward", &logprob_backward, "gradient w.r.t. the logits shard",
           py::arg("logits"), py::arg("labels"), py::arg("vocab_start"), py::arg("inv_temp"),
           py::arg("lse"), py::arg("grad_lp"), py::arg("ex"), py::arg("grad_ent"));
-  mod.def("cpu_isa", [] {
-    static const char* names[] = {"generic", "avx2", "avx512"};
-    return std::string(names[areal_cpu_isa()]);
-  }, "the vector ISA the logprob kernels run: generic (SSE2), avx2 or avx512");
+  mod.def("cpu_isa", [] { return std::string(kIsaNames[areal_cpu_isa()]); },
+          "the vector ISA the logprob kernels run: generic (SSE2), avx2 or avx512");
   mod.def("set_cpu_isa", [](const std::string& name) {
-    static const char* names[] = {"generic", "avx2", "avx512"};
-    int code = -2;
+    int code = name == "default" ? -1 : -2;
     for (int i = 0; i < 3; ++i)
-      if (name == names[i]) code = i;
-    if (name == "default") code = -1;
+      if (name == kIsaNames[i]) code = i;
     TORCH_CHECK(code != -2, "set_cpu_isa(", name, "): expected generic, avx2, avx512 or default");
-    return std::string(names[areal_cpu_set_isa(code)]);
+    return std::string(kIsaNames[areal_cpu_set_isa(code)]);
   }, "use the kernels of this ISA (capped at what the CPU supports); returns the one in use",
           py::arg("name"));
   mod.def("gae", &gae, "GAE over packed sequences", py::arg("rewards"), py::arg("values"),
