@@ -159,3 +159,27 @@ def test_cuda_matches_reference(dtype, monkeypatch):
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(gx.cpu().double(), gref, atol=tol * gref.abs().max().item(),
                                rtol=tol)
+
+
+@pytest.mark.parametrize("value, ok", [("avx2", True), ("sse9", False)])
+def test_kernel_isa_env_caps_the_build_or_is_refused(value, ok):
+    """AREAL_MEGA_KERNEL_ISA reaches the C++ dispatch; a value it does not know is an error
+    naming the variable, not a silent fall back to the best ISA."""
+    import os
+    import subprocess
+    import sys
+    ensure_cpu_extension()
+    code = ("import torch; from areal_mega.ops import packed_logprobs; "
+            "from areal_mega import _ops_cpu; "
+            "packed_logprobs(torch.randn(2, 7), torch.tensor([1, 2])); print(_ops_cpu.cpu_isa())")
+    env = dict(os.environ, AREAL_MEGA_KERNEL_ISA=value, AREAL_MEGA_OPS_BACKEND="native")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    if ok:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() in ("avx2", "generic")   # capped at what the CPU has
+    else:
+        assert out.returncode != 0
+        assert "AREAL_MEGA_KERNEL_ISA='sse9'" in out.stderr and "avx512, avx2, generic" in \
+            out.stderr, out.stderr[-2000:]
+

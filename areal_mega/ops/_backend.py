@@ -15,6 +15,10 @@ Why ``auto`` falls back instead of failing: the pure-torch backend computes the 
 it costs is speed (several times slower; ``bench/kernels.py`` measures it), which is why the
 notice is a banner that warning filters cannot hide. Runs that must have the kernels (GPU
 jobs, benchmarks, ``tools/gpu_check.py``) set ``AREAL_MEGA_OPS_BACKEND=native``.
+
+``AREAL_MEGA_KERNEL_ISA`` (``avx512``, ``avx2`` or ``generic``) caps the vector ISA the C++
+CPU kernels run (they pick the best the CPU has); any other value is refused when the CPU
+module is loaded, naming the variable.
 """
 from __future__ import annotations
 
@@ -42,7 +46,22 @@ _errors: dict = {}
 _warned: set = set()
 
 
+KERNEL_ISA_ENV = "AREAL_MEGA_KERNEL_ISA"
+KERNEL_ISAS = ("avx512", "avx2", "generic")
+
+
+def _check_kernel_isa_env() -> None:
+    """Refuse a value of ``AREAL_MEGA_KERNEL_ISA`` the C++ dispatch would not understand
+    (it would otherwise run the best ISA without a word)."""
+    value = os.environ.get(KERNEL_ISA_ENV, "")
+    if value and value not in KERNEL_ISAS:
+        raise ValueError(f"{KERNEL_ISA_ENV}={value!r}: expected one of "
+                         f"{', '.join(KERNEL_ISAS)} (or unset: the best the CPU has)")
+
+
 def _load(name: str) -> Optional[ModuleType]:
+    if name == "_ops_cpu":
+        _check_kernel_isa_env()
     if name not in _modules:
         try:
             _modules[name] = importlib.import_module(f"areal_mega.{name}")
