@@ -127,7 +127,7 @@ class RolloutConfig:
                                  "(counted as dropped_prompts) and go on")
     weight_update: str = _f("auto", choices=["auto", "disk", "distributed"])
     weight_bucket_mb: int = _f(512, lo=1)
-    reward_fn: str = _f("areal_mega.rollout.rewards:math_reward",
+    reward_fn: str = _f("areal_mega.rewards:math_reward",
                         doc="dotted path module:function(prompt, completion, answer, **kw)")
     workflow: str = _f("rlvr", doc="rlvr | multi_turn | package.module:Name | "
                        "path/to/file.py:Name (docs/workflows.md)")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 API_KEY_ENV = "AREAL_ROLLOUT_API_KEY"
-"""Environment variable that hands the rollout API key to ``areal_mega.rollout.local_server``
+"""Environment variable that hands the rollout API key to ``areal_mega.inference.server``
 (its ``--api-key`` defaults to it)."""
 
 PRIVATE_MODE = 0o600

@@ -34,7 +34,7 @@ def models(tmp_path_factory):
 def server(models):
     """One CPU rollout server process on model ``a`` (with :data:`API_KEY`), stopped after
     the module; test modules import this fixture."""
-    from areal_mega.rollout.launch import launch_local_servers
+    from areal_mega.inference.process import launch_local_servers
 
     procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
     try:

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from areal_mega.rollout import sandbox as sandbox_mod
-from areal_mega.rollout.rewards import (code_reward, extract_code, extract_gsm8k_answer,
+from areal_mega.rewards import sandbox as sandbox_mod
+from areal_mega.rewards import (code_reward, extract_code, extract_gsm8k_answer,
                                         gsm8k_reward, parse_code_tests)
-from areal_mega.rollout.sandbox import CodeSandbox
+from areal_mega.rewards.sandbox import CodeSandbox
 
 ADD = {"inputs": ["1 2\n", "10 20\n", "5 -5\n"], "outputs": ["3\n", "30\n", "0\n"]}
 

@@ -5,8 +5,9 @@ import pytest
 
 from areal_mega.config import load_config
 from areal_mega.data import (DataError, PromptDataset, PromptLoader, PromptSampler,
-                             exact_match_reward, write_task_files)
+                             write_task_files)
 from areal_mega.data.synthetic import make_examples
+from areal_mega.rewards import exact_match_reward
 from areal_mega.models.tiny import build_char_tokenizer
 
 
@@ -152,7 +153,7 @@ def test_synthetic_tasks_and_reward():
 
 
 def test_char_match_reward_partial_credit():
-    from areal_mega.data.synthetic import char_match_reward
+    from areal_mega.rewards import char_match_reward
     assert char_match_reward("", "21384<eos>", "21384") == 1.0
     assert char_match_reward("", "21300", "21384") == 0.6
     assert char_match_reward("", "2138444", "21384") == 5 / 7    # longer text is penalised

@@ -34,7 +34,7 @@ def _sources(*items):
 def test_sources_config_parses_and_errors_name_the_entry():
     cfg = load_config(None, [_sources({"name": "add", "path": "a.jsonl", "weight": 3},
                                       {"name": "code", "path": "hf:o/n:cfg@test",
-                                       "reward_fn": "areal_mega.rollout.rewards:code_reward",
+                                       "reward_fn": "areal_mega.rewards:code_reward",
                                        "reward_kwargs": {"all_or_nothing": True},
                                        "fields": {"prompt": "question"}})])
     specs = resolve_sources(cfg.data, cfg.rollout.reward_fn)
@@ -141,7 +141,7 @@ def test_hf_saved_dataset_with_field_mapping(tmp_path, tok):
     assert is_hf_source(str(one)) and is_hf_source(f"{both}@test")
     assert not is_hf_source(str(tmp_path))
     cfg = load_config(None, [_sources({"name": "gsm", "path": str(one),
-                                       "reward_fn": "areal_mega.rollout.rewards:gsm8k_reward",
+                                       "reward_fn": "areal_mega.rewards:gsm8k_reward",
                                        "fields": {"prompt": "question", "answer": "solution"}})])
     spec = resolve_sources(cfg.data, cfg.rollout.reward_fn)[0]
     ds = PromptDataset(spec.path, tok, prompt_key=spec.prompt_key, answer_key=spec.answer_key,

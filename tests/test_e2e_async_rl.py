@@ -114,7 +114,7 @@ def test_fresh_run_on_policy_and_weights_reach_the_servers(assets, tmp_path, wei
                               "rollout.max_head_offpolicyness=0",
                               f"rollout.weight_update={weight_update}",
                               "rollout.weight_bucket_mb=1",
-                              "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward",
+                              "rollout.reward_fn=areal_mega.rewards:char_match_reward",
                               *extra),
                       timeout=300)
     assert rc == 0, out[-3000:]

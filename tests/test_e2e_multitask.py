@@ -24,9 +24,9 @@ def test_two_sources_give_per_source_reward_curves(tmp_path):
     rev, _ = write_task_files(tmp_path / "reverse", task="reverse", n_train=64, n_test=4)
     add, _ = write_task_files(tmp_path / "add", task="add", n_train=64, n_test=4)
     sources = [{"name": "reverse", "path": str(rev), "weight": 3,
-                "reward_fn": "areal_mega.data.synthetic:char_match_reward"},
+                "reward_fn": "areal_mega.rewards:char_match_reward"},
                {"name": "add", "path": str(add), "weight": 1,
-                "reward_fn": "areal_mega.data.synthetic:exact_match_reward"}]
+                "reward_fn": "areal_mega.rewards:exact_match_reward"}]
     run = tmp_path / "run"
     args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
             str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",

@@ -27,7 +27,7 @@ def test_killed_server_is_relaunched_into_the_distributed_group(assets, tmp_path
                    "allocation=local:d2+megatron:d1", "rollout.weight_update=distributed",
                    "rollout.weight_bucket_mb=1", "cluster.max_restarts=2", "logging.plot=false",
                    "rollout.max_new_tokens=12",
-                   "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward")
+                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
     sup_log = run / "logs" / "supervisor.log"
     worker_log = run / "logs" / "rollout_worker.log"
     _wait(lambda: len(_metrics(run)) >= 2, proc, "step 2")

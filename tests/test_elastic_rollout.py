@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from areal_mega.metrics import plot_metrics
-from areal_mega.rollout.control import RolloutLink
+from areal_mega.dataplane.control import RolloutLink
 from areal_mega.run_dir import RunDir
 from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
                                _trainer_pid, assets)
@@ -44,7 +44,7 @@ def _listing(link):
 def _server_alive(port):
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "areal_mega.rollout.local_server" in " ".join(cmd) and str(port) in cmd:
+        if "areal_mega.inference.server" in " ".join(cmd) and str(port) in cmd:
             return p
     return None
 
@@ -65,7 +65,7 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
                    "checkpoint.save_every=4", "cluster.max_restarts=3", "logging.plot=false",
                    "rollout.max_new_tokens=48",   # requests long enough to be caught in flight
                    # a dense reward: the weights move, so the version checks below mean something
-                   "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward")
+                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
     sup_log = run / "logs" / "supervisor.log"
     _wait(lambda: (run / "launcher.sock").exists(), proc, "the launcher socket")
     link = RolloutLink(RunDir(run, run, "", "").launcher_endpoint, timeout_s=300,

@@ -10,9 +10,9 @@ from areal_mega.data.synthetic import write_task_files
 from areal_mega.eval.__main__ import main as eval_main
 from areal_mega.eval.scores import summarize
 from areal_mega.models.tiny import make_tiny_model
-from areal_mega.rollout.rewards import load_reward_fn
+from areal_mega.rewards import load_reward_fn
 
-REWARD = "areal_mega.data.synthetic:char_match_reward"
+REWARD = "areal_mega.rewards:char_match_reward"
 MAX_NEW = 6
 
 

@@ -59,7 +59,7 @@ def test_cpu_run_with_periodic_eval(tmp_path):
             "logging.progress_bar=false", "logging.tensorboard=true", "logging.plot=true",
             f"rollout.batch_size={batch}", f"rollout.n_samples={n}", "total_steps=3",
             "recover=off", "cluster.kill_grace_s=5",
-            "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward",
+            "rollout.reward_fn=areal_mega.rewards:char_match_reward",
             f"eval.data={data / 'test.jsonl'},{data / 'add.jsonl'}", "eval.every_steps=2",
             "eval.n_samples=2", "eval.temperature=1.0", "eval.pass_threshold=0.2"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
@@ -101,18 +101,18 @@ def test_worker_evaluator_scores_each_source_like_training(tmp_path):
     """With data.sources and no eval.reward_fn, an eval item of a training source is scored by
     that source's reward function (and kwargs), any other item by rollout.reward_fn."""
     from areal_mega.models.tiny import build_char_tokenizer
-    from areal_mega.rollout.eval_hook import WorkerEvaluator
+    from areal_mega.eval.worker_hook import WorkerEvaluator
 
     f = tmp_path / "rev.jsonl"
     f.write_text("".join(json.dumps({"prompt": p, "answer": p[:-1][::-1], "source": s}) + "\n"
                         for p, s in (("12=", "rev"), ("34=", "other"))))
     sources = [{"name": "rev", "path": str(f), "reward_fn":
-                "areal_mega.data.synthetic:exact_match_reward",
+                "areal_mega.rewards:exact_match_reward",
                 "reward_kwargs": {"eos_token": "!"}}]
     cfg = load_config(None, ["data.sources=" + json.dumps(sources), "data.train_path=",
                              f"eval.data={f}", "eval.every_steps=1",
                              "data.apply_chat_template=false",
-                             "rollout.reward_fn=areal_mega.data.synthetic:char_match_reward"])
+                             "rollout.reward_fn=areal_mega.rewards:char_match_reward"])
     ev = WorkerEvaluator.from_config(cfg, build_char_tokenizer("digits"))
     assert [it["source"] for it in ev.items] == ["rev", "other"]
     assert set(ev.reward_fns) == {"rev"}

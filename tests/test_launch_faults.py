@@ -118,7 +118,7 @@ def _proc(run_dir, module):
 def _server_proc(port):
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "areal_mega.rollout.local_server" in " ".join(cmd) and str(port) in cmd:
+        if "areal_mega.inference.server" in " ".join(cmd) and str(port) in cmd:
             return p
     return None
 
@@ -198,7 +198,7 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
 
 _CONTROL_PEER = """
 import sys, time
-from areal_mega.rollout.control import ControlServer
+from areal_mega.dataplane.control import ControlServer
 def handle(msg):
     if sys.argv[2] == "hang":
         print("got", msg["cmd"], flush=True)
@@ -215,7 +215,7 @@ def test_rollout_link_resends_to_a_relaunched_worker(tmp_path):
     on a fresh socket, to the relaunched worker, and its answer comes back."""
     import threading
 
-    from areal_mega.rollout.control import RolloutLink
+    from areal_mega.dataplane.control import RolloutLink
 
     endpoint = f"ipc://{tmp_path}/control.sock"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -260,7 +260,7 @@ def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
     run = tmp_path / "run"
     port = find_free_ports(1, "127.0.0.1")[0]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    server = subprocess.Popen([sys.executable, "-m", "areal_mega.rollout.local_server",
+    server = subprocess.Popen([sys.executable, "-m", "areal_mega.inference.server",
                                "--model-path", str(model), "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     grace = 5

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
-from areal_mega.rollout.tool_calls import messages_for_template
-from areal_mega.rollout.workflow_api import WorkflowSettings, build_workflow
+from areal_mega.workflow.tool_calls import messages_for_template
+from areal_mega.workflow.api import WorkflowSettings, build_workflow
 from tests.rollout_helpers import API_KEY, GroupSink, models, run, server  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
@@ -243,7 +243,7 @@ def test_docs_example_runs(server, models, tmp_path):
     workflow_kwargs, trains: each sample's calls become trajectories with the episode reward."""
     from pathlib import Path
 
-    from areal_mega.rollout.workflow_api import resolve_object
+    from areal_mega.common.loading import load_object
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "workflows.md").read_text()
     code = doc.split("```python\n", 1)[1].split("```", 1)[0]
@@ -251,7 +251,7 @@ def test_docs_example_runs(server, models, tmp_path):
     (tmp_path / "my_agent.py").write_text(code)
     tok = AutoTokenizer.from_pretrained(models["a"])
     tok.chat_template = HERMES_TEMPLATE
-    wf = build_workflow(resolve_object(f"{tmp_path / 'my_agent.py'}:episode"),
+    wf = build_workflow(load_object(f"{tmp_path / 'my_agent.py'}:episode", "rollout.workflow"),
                         {"max_turns": 2}, WorkflowSettings())
     sink = GroupSink()
     ctl = controller(server.addr, wf, tok, sink, n_prompts=1, batch_size=1,

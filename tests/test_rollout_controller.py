@@ -11,10 +11,10 @@ import pytest
 
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
-from areal_mega.rollout.launch import launch_local_servers
-from areal_mega.rollout.rewards import exact_match_reward
+from areal_mega.inference.process import launch_local_servers
+from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.staleness import sample_version
-from areal_mega.rollout.workflows import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
+from areal_mega.workflow.builtin import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
 from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
                                    teacher_forced_logprobs)
 

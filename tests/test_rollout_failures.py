@@ -9,9 +9,9 @@ import pytest
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
-from areal_mega.rollout.launch import launch_local_servers
-from areal_mega.rollout.rewards import exact_match_reward
-from areal_mega.rollout.workflows import RLVRWorkflow
+from areal_mega.inference.process import launch_local_servers
+from areal_mega.rewards import exact_match_reward
+from areal_mega.workflow.builtin import RLVRWorkflow
 from tests.rollout_helpers import API_KEY, GroupSink
 
 pytestmark = pytest.mark.timeout(300)

@@ -2,12 +2,12 @@
 helpers and the SGLang command line. No servers."""
 import pytest
 
-from areal_mega.rollout.launch import build_sglang_command
-from areal_mega.rollout.rewards import (TimeoutWorkerPool, exact_match_reward, extract_boxed,
+from areal_mega.inference.process import build_sglang_command
+from areal_mega.rewards import (TimeoutWorkerPool, exact_match_reward, extract_boxed,
                                         load_reward_fn, math_reward, shutdown_reward_workers)
 from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,
                                           sample_version, staleness)
-from areal_mega.rollout.weight_sync import plan_weight_buckets, tensor_nbytes
+from areal_mega.train.weight_sender import plan_weight_buckets, tensor_nbytes
 
 
 def test_capacity_formula():
@@ -85,9 +85,9 @@ def test_extract_boxed_and_exact_match():
 
 
 def test_load_reward_fn_errors():
-    assert load_reward_fn("areal_mega.rollout.rewards:math_reward") is math_reward
-    assert load_reward_fn("areal_mega.rollout.rewards.exact_match_reward") is exact_match_reward
-    for bad in ["", "nodots", "no_such_module_xyz:f", "areal_mega.rollout.rewards:nope"]:
+    assert load_reward_fn("areal_mega.rewards:math_reward") is math_reward
+    assert load_reward_fn("areal_mega.rewards.exact_match_reward") is exact_match_reward
+    for bad in ["", "nodots", "no_such_module_xyz:f", "areal_mega.rewards:nope"]:
         with pytest.raises(ValueError, match="reward_fn"):
             load_reward_fn(bad)
 

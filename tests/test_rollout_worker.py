@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from areal_mega.dataplane import TrajectoryReceiver
-from areal_mega.rollout.control import RolloutLink
-from areal_mega.rollout.launch import launch_local_servers
+from areal_mega.dataplane.control import RolloutLink
+from areal_mega.inference.process import launch_local_servers
 from tests.rollout_helpers import API_KEY, make_models
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,7 +31,7 @@ def test_worker_streams_groups_and_updates_weights(tmp_path_factory, tmp_path):
                "rollout": {"server_addrs": [procs[0].addr], "api_key": API_KEY,
                            "batch_size": 2, "n_samples": 2, "max_new_tokens": 8,
                            "max_head_offpolicyness": 0, "workflow": "rlvr",
-                           "reward_fn": "areal_mega.rollout.rewards:exact_match_reward"}}
+                           "reward_fn": "areal_mega.rewards:exact_match_reward"}}
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump(cfg))
         worker = subprocess.Popen([sys.executable, "-m", "areal_mega.rollout.worker",

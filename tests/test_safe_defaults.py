@@ -24,7 +24,7 @@ import zmq
 from areal_mega.config import ConfigError, load_config
 from areal_mega.dataplane.transport import DataplaneError, TrajectoryReceiver
 from areal_mega.launch import local
-from areal_mega.rollout.control import ControlError, ControlServer, RolloutLink
+from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 from areal_mega.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def _raw_request(sock, frames):
 
 
 def test_control_refuses_a_replayed_request():
-    from areal_mega.rollout.control import _REQ_TAG, _mac
+    from areal_mega.dataplane.control import _REQ_TAG, _mac
 
     h = _Handler()
     srv = ControlServer("tcp://127.0.0.1:0", h, secret=SECRET).start()
@@ -252,7 +252,7 @@ def test_launched_local_server_keeps_the_key_off_its_command_line(tmp_path):
                 time.sleep(0.2)  # poll interval, not a threshold
         assert status == 200, (tmp_path / "server.log").read_text()
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
-        assert KEY not in cmdline and "local_server" in cmdline
+        assert KEY not in cmdline and "areal_mega.inference.server" in cmdline
         info = url.replace("/health", "/get_model_info")   # /health needs no key (SGLang)
         assert _get(info, KEY) == 200
         assert _get(info) == 401                      # the key is still enforced

@@ -14,10 +14,10 @@ import pytest
 
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
-from areal_mega.rollout.launch import launch_local_servers
-from areal_mega.rollout.rewards import exact_match_reward
+from areal_mega.inference.process import launch_local_servers
+from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands, ServerPoolError
-from areal_mega.rollout.workflows import RLVRWorkflow
+from areal_mega.workflow.builtin import RLVRWorkflow
 from areal_mega.run_dir import RunDir
 from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
                                    teacher_forced_logprobs)
@@ -150,7 +150,7 @@ def test_join_through_the_distributed_weight_group(servers, models, tmp_path):
     for the trainer's next update, which forms the group again with it (world size 2 -> 3)
     and broadcasts; it then serves exactly the trainer's weights at the trainer's version. A
     removal during the broadcast is refused; after one, the group shrinks again."""
-    from areal_mega.rollout.weight_sync import DistributedWeightSender
+    from areal_mega.train.weight_sender import DistributedWeightSender
 
     s0, s1 = (f"http://{p.addr}" for p in servers)
     client = ElasticClient([servers[0].addr], paths=RunDir(tmp_path, tmp_path, "", ""),

@@ -11,11 +11,11 @@ import pytest
 
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
-from areal_mega.rollout.launch import LocalServerProcess, launch_local_servers
-from areal_mega.rollout.rewards import exact_match_reward
+from areal_mega.inference.process import LocalServerProcess, launch_local_servers
+from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands
-from areal_mega.rollout.weight_sync import DistributedWeightSender
-from areal_mega.rollout.workflows import RLVRWorkflow
+from areal_mega.train.weight_sender import DistributedWeightSender
+from areal_mega.workflow.builtin import RLVRWorkflow
 from areal_mega.run_dir import RunDir
 from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
                                    teacher_forced_logprobs)

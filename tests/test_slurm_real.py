@@ -121,7 +121,7 @@ def test_cpu_recipe_runs_is_cancelled_cleanly_and_resumes(cluster, assets, tmp_p
         pytest.fail(f"job {job_b} wrote no checkpoint:\n{_tail(out)}\n"
                     f"{_tail(run_b / 'logs' / 'trainer.log')}")
     running = " ".join(cmd for _, cmd in job_processes(job_b))
-    for part in ("areal_mega.launch.local", "areal_mega.rollout.local_server",
+    for part in ("areal_mega.launch.local", "areal_mega.inference.server",
                  "areal_mega.trainer"):
         assert part in running, running
     cluster.run(["scancel", str(job_b)])

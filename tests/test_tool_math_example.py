@@ -3,15 +3,16 @@ the episode's loading as a configured workflow."""
 from pathlib import Path
 
 from areal_mega.config import load_config
-from areal_mega.rollout.workflow_api import FunctionWorkflow, resolve_object
-from areal_mega.rollout.workflows import workflow_from_config
+from areal_mega.common.loading import load_object
+from areal_mega.workflow.api import FunctionWorkflow
+from areal_mega.workflow.builtin import workflow_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tool_math" / "tool_math.py"
 
 
 def test_python_tool_sandbox_limits():
-    run_python = resolve_object(f"{EXAMPLE}:run_python")
+    run_python = load_object(f"{EXAMPLE}:run_python", "rollout.workflow")
     assert run_python("print(12*34)") == (True, "408")
     # nothing inherited from the worker's environment (Python itself may set LC_CTYPE)
     assert run_python("import os; print(sorted(set(os.environ) - {'LC_CTYPE'}))") == (True, "[]")
@@ -23,7 +24,7 @@ def test_python_tool_sandbox_limits():
     assert not ok and "SyntaxError" in out
     ok, out = run_python("print('x' * 5000)", max_output=10)
     assert ok and out == "x" * 10
-    char_match = resolve_object(f"{EXAMPLE}:char_match")
+    char_match = load_object(f"{EXAMPLE}:char_match", "rollout.workflow")
     assert char_match("102", "102") == 1.0 and char_match("12", "102") == 1 / 3
 
 

@@ -7,16 +7,17 @@ import asyncio
 import pytest
 
 from areal_mega.config import ConfigError, load_config
-from areal_mega.rollout.episode_export import chains, plan_samples
-from areal_mega.rollout.openai_compat import (CompletionRecord, OpenAIRequestError,
+from areal_mega.workflow.episode_export import chains, plan_samples
+from areal_mega.workflow.openai_client import (CompletionRecord, OpenAIRequestError,
                                               chat_request, sampling_of)
-from areal_mega.rollout.tool_calls import messages_for_template, parse_tool_calls
-from areal_mega.rollout.workflow_api import (EpisodeWorkflow, FunctionWorkflow,
-                                             WorkflowSettings, build_workflow, resolve_object)
-from areal_mega.rollout.workflows import RLVRWorkflow, workflow_from_config
+from areal_mega.workflow.tool_calls import messages_for_template, parse_tool_calls
+from areal_mega.common.loading import load_object
+from areal_mega.workflow.api import (EpisodeWorkflow, FunctionWorkflow,
+                                             WorkflowSettings, build_workflow)
+from areal_mega.workflow.builtin import RLVRWorkflow, workflow_from_config
 
 USER_FILE = '''
-from areal_mega.rollout.workflow_api import EpisodeWorkflow
+from areal_mega.workflow.api import EpisodeWorkflow
 
 async def my_episode(ctx, item, bonus=0.0):
     return 1.0 + bonus
@@ -30,11 +31,11 @@ class MyWorkflow(EpisodeWorkflow):
 def test_workflow_from_file_module_and_config(tmp_path):
     f = tmp_path / "wf.py"
     f.write_text(USER_FILE)
-    fn = resolve_object(f"{f}:my_episode")
+    fn = load_object(f"{f}:my_episode", "rollout.workflow")
     wf = build_workflow(fn, {"bonus": 2.0}, WorkflowSettings(max_new_tokens=7))
     assert isinstance(wf, FunctionWorkflow) and wf.kwargs == {"bonus": 2.0}
     assert wf.settings.max_new_tokens == 7
-    cls_wf = build_workflow(resolve_object(f"{f}:MyWorkflow"), {"turns": 3}, WorkflowSettings())
+    cls_wf = build_workflow(load_object(f"{f}:MyWorkflow", "rollout.workflow"), {"turns": 3}, WorkflowSettings())
     assert isinstance(cls_wf, EpisodeWorkflow) and cls_wf.turns == 3
     # from config: YAML mapping and dotlist leaves both reach the workflow
     y = tmp_path / "c.yaml"
@@ -45,7 +46,7 @@ def test_workflow_from_file_module_and_config(tmp_path):
     assert wf.turns == 5 and wf.settings.max_new_tokens == 9
     built_in = workflow_from_config(load_config(None, []).rollout)
     assert isinstance(built_in, RLVRWorkflow)
-    mod = resolve_object("areal_mega.rollout.workflows:RLVRWorkflow")
+    mod = load_object("areal_mega.workflow.builtin:RLVRWorkflow", "rollout.workflow")
     assert mod is RLVRWorkflow
 
 
@@ -55,15 +56,15 @@ def test_workflow_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="rollout.workflow_kwargs"):
         load_config(None, ["rollout.workflow_kwargs=3"])
     with pytest.raises(ValueError, match="does not exist"):
-        resolve_object(f"{tmp_path}/missing.py:x")
+        load_object(f"{tmp_path}/missing.py:x", "rollout.workflow")
     with pytest.raises(ValueError, match="cannot import"):
-        resolve_object("no_such_pkg.mod:x")
+        load_object("no_such_pkg.mod:x", "rollout.workflow")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
-        resolve_object("areal_mega.rollout.workflows:nope")
+        load_object("areal_mega.workflow.builtin:nope", "rollout.workflow")
     f = tmp_path / "wf2.py"
     f.write_text(USER_FILE)
     with pytest.raises(ValueError, match="do not fit MyWorkflow"):
-        build_workflow(resolve_object(f"{f}:MyWorkflow"), {"wrong": 1}, WorkflowSettings())
+        build_workflow(load_object(f"{f}:MyWorkflow", "rollout.workflow"), {"wrong": 1}, WorkflowSettings())
 
     def not_async(ctx, item):
         return 0.0

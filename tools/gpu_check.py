@@ -13,7 +13,7 @@ SGLang (tests that need them skip themselves). Steps, each a subprocess:
    a few bf16 steps on the GPU;
 6. ``e2e-rl``      -- a short asynchronous GRPO run (production PPO loss) through
    ``launch.local`` on the GPU, bf16, against the CPU-protocol local rollout server
-   (``areal_mega.rollout.local_server``) started beside it as an external server.
+   (``areal_mega.inference.server``) started beside it as an external server.
 
 Then one table: step, pass/fail/skip, seconds, key figure. Exit status 0 only when no step
 failed. Without CUDA it stops at once with a message (exit 2); ``--dry-run`` lists the steps.
@@ -162,7 +162,7 @@ def step_e2e(step: Step, work: Path) -> None:
     port = _free_port()
     server_log = open(work / "e2e_server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "areal_mega.rollout.local_server", "--model-path", str(model),
+        [sys.executable, "-m", "areal_mega.inference.server", "--model-path", str(model),
          "--port", str(port)], cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:

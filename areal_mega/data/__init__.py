@@ -2,8 +2,7 @@
 from areal_mega.data.dataset import (DataError, PromptDataset, PromptItem, PromptLoader,
                                      PromptSampler, epoch_permutation, load_tokenizer,
                                      read_records)
-from areal_mega.data.synthetic import exact_match_reward, write_task_files
+from areal_mega.data.synthetic import write_task_files
 
 __all__ = ["DataError", "PromptDataset", "PromptItem", "PromptLoader", "PromptSampler",
-           "epoch_permutation", "load_tokenizer", "read_records", "exact_match_reward",
-           "write_task_files"]
+           "epoch_permutation", "load_tokenizer", "read_records", "write_task_files"]

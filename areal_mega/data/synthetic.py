@@ -7,8 +7,8 @@ Tasks (every prompt and answer fits the tiny model's ``digits`` character vocabu
 - ``add``: small addition, ``12+34=`` -> ``46``.
 - ``arith``: ``+``, ``-`` or ``*`` of two small numbers (non-negative results).
 
-The matching reward is :func:`exact_match_reward` (``rollout.reward_fn =
-areal_mega.data.synthetic:exact_match_reward``): 1.0 when the completion is exactly the answer
+The matching reward is :func:`areal_mega.rewards.exact_match_reward` (``rollout.reward_fn =
+areal_mega.rewards:exact_match_reward``): 1.0 when the completion is exactly the answer
 followed by EOS (or the end of the text), else 0.0.
 
     python -m areal_mega.data.synthetic --out data/reverse --task reverse --n-train 4096
@@ -19,10 +19,9 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 TASKS = ("reverse", "add", "arith")
-DEFAULT_EOS_TOKEN = "<eos>"
 
 
 def make_example(task: str, rng: random.Random, *, digits: int = 5, max_operand: int = 99
@@ -83,44 +82,6 @@ def write_task_files(out_dir: str | Path, task: str = "reverse", n_train: int = 
     test = make_examples(task, n_test, seed=seed + 1_000_003, **kw)
     train = make_examples(task, n_train, seed=seed, exclude={r["prompt"] for r in test}, **kw)
     return write_jsonl(out / "train.jsonl", train), write_jsonl(out / "test.jsonl", test)
-
-
-def exact_match_reward(prompt: str, completion: str, answer: Any, *,
-                       finish_reason: Optional[str] = None, eos_token: str = DEFAULT_EOS_TOKEN,
-                       **kw) -> float:
-    """1.0 for exactly ``answer`` followed by EOS or the end of the completion, else 0.0.
-
-    The completion may carry the EOS token as text (``"21384<eos>"``, decoded without skipping
-    special tokens) or not (``"21384"``, the server stopped on EOS). A completion cut by the
-    length limit (``finish_reason == "length"``) or aborted scores 0 even if its text matches,
-    since the model never ended it. Surrounding whitespace is not forgiven.
-    """
-    if completion is None:
-        return 0.0
-    text = completion
-    ended_with_eos = False
-    if eos_token and text.endswith(eos_token):
-        text = text[: -len(eos_token)]
-        ended_with_eos = True
-    if not ended_with_eos and finish_reason in ("length", "abort"):
-        return 0.0
-    return 1.0 if text == str(answer) else 0.0
-
-
-def char_match_reward(prompt: str, completion: str, answer: Any, *,
-                      finish_reason: Optional[str] = None, eos_token: str = DEFAULT_EOS_TOKEN,
-                      **kw) -> float:
-    """Partial credit: the fraction of positions where the completion (EOS removed) matches
-    the answer, over the longer of the two. Dense where :func:`exact_match_reward` is sparse,
-    so even an untrained model gets a learning signal."""
-    text = completion or ""
-    if eos_token and text.endswith(eos_token):
-        text = text[: -len(eos_token)]
-    want = str(answer)
-    if not want and not text:
-        return 1.0
-    hits = sum(a == b for a, b in zip(text, want))
-    return hits / max(len(text), len(want))
 
 
 def main(argv=None) -> None:

@@ -2,7 +2,7 @@
 
     python -m areal_mega.eval --model HF_DIR --data test.jsonl [more.jsonl ...] \\
         --n-samples 8 --temperature 0.6 --max-new-tokens 1024 \\
-        --reward-fn areal_mega.rollout.rewards:math_reward --out results.json
+        --reward-fn areal_mega.rewards:math_reward --out results.json
 
 ``--checkpoint DIR`` instead of ``--model``: a checkpoint of ours (a checkpoint root, one
 ``iter_*`` directory, written at any TP/PP/EP layout) is converted to an HF directory first; an
@@ -10,7 +10,7 @@ HF directory (e.g. ``<run_dir>/weights/vN`` or an exported ``hf_model``) is used
 
 Servers: ``--server-addrs host:port ...`` uses running SGLang-compatible servers (they serve
 the weights they hold; the model directory then only gives the tokenizer); without it,
-``--num-servers`` CPU rollout servers (:mod:`areal_mega.rollout.local_server`) are started for
+``--num-servers`` CPU rollout servers (:mod:`areal_mega.inference.server`) are started for
 the run and stopped at the end.
 
 Temperature 0 is greedy decoding (deterministic). pass@1 is the fraction of correct samples
@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=None, help="per-sample sampling seeds")
-    p.add_argument("--reward-fn", default="areal_mega.rollout.rewards:math_reward",
+    p.add_argument("--reward-fn", default="areal_mega.rewards:math_reward",
                    help="module:function(prompt, completion, answer, **kw) -> float")
     p.add_argument("--pass-threshold", type=float, default=1.0,
                    help="a sample is correct when its reward >= this")
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     from areal_mega.data.dataset import load_tokenizer
     from areal_mega.eval.runner import load_eval_items
     from areal_mega.eval.scores import format_table, summarize
-    from areal_mega.rollout.rewards import load_reward_fn, shutdown_reward_workers
+    from areal_mega.rewards import load_reward_fn, shutdown_reward_workers
 
     args = parse_args(argv)
     reward_fn = load_reward_fn(args.reward_fn)
@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
                                 max_prompt_len=args.max_prompt_len)
         addrs = args.server_addrs
         if not addrs:
-            from areal_mega.rollout.launch import launch_local_servers
+            from areal_mega.inference.process import launch_local_servers
 
             procs = launch_local_servers(str(model_dir), args.num_servers,
                                          api_key=args.api_key,

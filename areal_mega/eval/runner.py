@@ -5,7 +5,7 @@
 :class:`~areal_mega.rollout.client.RolloutClient`, scores each completion with the reward
 function and returns one record per prompt (see :mod:`areal_mega.eval.scores`). Used by the
 command line (``python -m areal_mega.eval``) and by the rollout worker for evaluation during
-training (:mod:`areal_mega.rollout.eval_hook`).
+training (:mod:`areal_mega.eval.worker_hook`).
 """
 from __future__ import annotations
 

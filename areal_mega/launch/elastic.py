@@ -2,7 +2,7 @@
 
 :class:`ScaleService` answers ``python -m areal_mega.launch.scale`` on the launcher's control
 socket (:attr:`areal_mega.run_dir.RunDir.launcher_endpoint`, the JSON protocol of
-:mod:`areal_mega.rollout.control`). Commands:
+:mod:`areal_mega.dataplane.control`). Commands:
 
 - ``{"cmd": "list"}`` -> every member ``{id, addr, owned, gpus}`` and the rollout worker's
   per-server counters;
@@ -19,7 +19,7 @@ of the run stops them all. A request that cannot be applied (unknown id, unreach
 the last server, no free GPU) gets an error and changes nothing. With distributed weight
 updates a joining server takes requests after the trainer's next broadcast, which forms the
 weight-update group again with it (:meth:`DistributedWeightSender.regroup
-<areal_mega.rollout.weight_sync.DistributedWeightSender.regroup>`).
+<areal_mega.train.weight_sender.DistributedWeightSender.regroup>`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import Optional
 
 from areal_mega.launch.plan import ServerSlot, find_free_ports
 from areal_mega.launch.supervisor import ProcessSpec
-from areal_mega.rollout.control import ControlError, ControlServer, RolloutLink
+from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ rollout / trainer world sizes, ranks per node) and the per-GPU memory estimate; 
 
 Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the rollout servers
 (``local`` backend: :data:`ROLLOUT_SERVER_MODULE`; ``sglang``:
-:func:`areal_mega.rollout.launch.build_sglang_command`) on free ports, waits until they answer, then starts
+:func:`areal_mega.inference.process.build_sglang_command`) on free ports, waits until they answer, then starts
 ``python -m torch.distributed.run ... -m TRAINER_MODULE --config <run_dir>/config.yaml`` with
 ``rollout.server_addrs`` filled in, and (RL mode) the rollout worker
 (:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It watches all;
@@ -45,7 +45,7 @@ from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_l
 from areal_mega.launch.probes import http_ready
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
-from areal_mega.rollout.launch import build_sglang_command
+from areal_mega.inference.process import build_sglang_command
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
 from areal_mega.security import holds_secret, server_env, write_run_file, write_sglang_key_file
 
@@ -54,7 +54,7 @@ from areal_mega.security import holds_secret, server_env, write_run_file, write_
 TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
 # The CPU rollout server (``--model-path DIR --port P``; the API key comes in the environment,
 # see :func:`server_secrets`).
-ROLLOUT_SERVER_MODULE = "areal_mega.rollout.local_server"
+ROLLOUT_SERVER_MODULE = "areal_mega.inference.server"
 # The rollout worker (prompts -> servers -> rewards -> trajectories to the trainer; weight
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
 # Started in RL mode. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it (tests).

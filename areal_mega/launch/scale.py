@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.rollout.control import ControlError, RolloutLink
+from areal_mega.dataplane.control import ControlError, RolloutLink
 from areal_mega.run_dir import RunDir
 
 

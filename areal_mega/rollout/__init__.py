@@ -1,13 +1,15 @@
-"""Rollout: SGLang-compatible client, CPU rollout server, interruptible generation, the rollout
-controller with bounded staleness, workflows and rewards, and the trainer-side weight sync."""
+"""Rollout: the client of the inference servers (SGLang's native HTTP API), their elastic
+membership and relaunch tolerance, the rollout controller with bounded staleness and
+interruptible generation, resume accounting, and the rollout worker process.
+
+The servers themselves are :mod:`areal_mega.inference` (CPU) or SGLang (GPU); what an episode
+does is :mod:`areal_mega.workflow`; rewards are :mod:`areal_mega.rewards`."""
 from areal_mega.rollout.client import (GenerateResult, RolloutClient, RolloutRequestError,
                                        RolloutServerError, sampling_dict)
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,
                                           sample_version, staleness)
-from areal_mega.rollout.weight_sync import (DistributedWeightSender, plan_weight_buckets)
 
 __all__ = ["GenerateResult", "RolloutClient", "RolloutRequestError", "RolloutServerError",
            "sampling_dict", "RolloutController", "StalenessCounter", "may_start",
-           "rollout_capacity", "sample_version", "staleness", "DistributedWeightSender",
-           "plan_weight_buckets"]
+           "rollout_capacity", "sample_version", "staleness"]

@@ -164,7 +164,7 @@ class RolloutController:
                 log.exception("rollout controller loop died")
                 self._set_error(e)
             finally:
-                from areal_mega.rollout.openai_http import close_shared_server
+                from areal_mega.workflow.openai_server import close_shared_server
                 self._loop.run_until_complete(close_shared_server())
                 self._loop.run_until_complete(self.client.close())
                 self._loop.close()

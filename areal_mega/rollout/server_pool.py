@@ -1,7 +1,7 @@
 """Elastic rollout: servers join and leave the rollout worker's client while a run goes on.
 
 :class:`ElasticClient` is the worker's client. On top of re-syncing relaunched servers
-(:class:`~areal_mega.rollout.server_sync.RelaunchTolerantClient`) it can
+(:class:`~areal_mega.rollout.relaunch.RelaunchTolerantClient`) it can
 
 - **add** a server (:meth:`ElasticClient.add_server`): the server must answer ``/health``; it
   is brought to the controller's current weights and version (``<run_dir>/weights/v<version>``
@@ -35,7 +35,7 @@ from typing import Optional
 import aiohttp
 
 from areal_mega.rollout.client import RolloutRequestError, _Server
-from areal_mega.rollout.server_sync import RelaunchTolerantClient
+from areal_mega.rollout.relaunch import RelaunchTolerantClient
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def pool_metrics(stats: dict) -> dict:
 
 
 class ServerPoolCommands:
-    """The worker's membership commands (see :mod:`areal_mega.rollout.control`):
+    """The worker's membership commands (see :mod:`areal_mega.dataplane.control`):
 
     - ``{"cmd": "servers"}`` -> :meth:`ElasticClient.pool_stats`;
     - ``{"cmd": "add_server", "addr": "host:port", "via_group": bool}`` -> join at the current

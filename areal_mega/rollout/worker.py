@@ -5,7 +5,7 @@
 (normally started by ``areal_mega.launch.local``). It runs a
 :class:`~areal_mega.rollout.controller.RolloutController` over the training prompts, pushes
 every finished group through a :class:`~areal_mega.dataplane.TrajectorySender` to trainer
-rank 0, and serves the control channel (:mod:`areal_mega.rollout.control`) on which the
+rank 0, and serves the control channel (:mod:`areal_mega.dataplane.control`) on which the
 trainer orders weight updates.
 
 Crash safety: the prompt position is written to ``<run_dir>/rollout_state.json`` (atomically)
@@ -21,7 +21,7 @@ runs on), the worker continues this run whatever ``recover`` says: it resumes fr
 ``rollout_state.json``, brings the servers to the newest published weights (their version
 becomes its current version) and generates at once (the trainer may be waiting for data). A
 rollout server that comes back after a relaunch is re-synced before it gets work
-(:mod:`areal_mega.rollout.server_sync`). SIGTERM stops it within ``cluster.kill_grace_s``
+(:mod:`areal_mega.rollout.relaunch`). SIGTERM stops it within ``cluster.kill_grace_s``
 (exit code 143).
 """
 from __future__ import annotations
@@ -132,10 +132,10 @@ class RolloutWorker:
         """
         from areal_mega.data.dataset import PromptDataset, load_tokenizer
         from areal_mega.dataplane.transport import TrajectorySender
-        from areal_mega.rollout.control import ControlServer
-        from areal_mega.rollout.eval_hook import WorkerEvaluator
+        from areal_mega.dataplane.control import ControlServer
+        from areal_mega.eval.worker_hook import WorkerEvaluator
         from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands
-        from areal_mega.rollout.workflows import workflow_from_config
+        from areal_mega.workflow.builtin import workflow_from_config
 
         self.cfg = cfg
         self.relaunched = relaunched
@@ -150,7 +150,7 @@ class RolloutWorker:
             self.drawn_before = int(saved.get("drawn", start))
         self.tokenizer = load_tokenizer(cfg.model.path)
         if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
-            from areal_mega.rollout.multitask import build_multitask
+            from areal_mega.workflow.multitask import build_multitask
             self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
@@ -248,7 +248,7 @@ class RolloutWorker:
         - ``servers`` / ``add_server`` / ``remove_server``: elastic rollout
           (:class:`~areal_mega.rollout.server_pool.ServerPoolCommands`);
         - ``evaluate`` (``version``) -> ``{"version", "metrics"}``: the evaluation set at the
-          servers' current weights (:mod:`areal_mega.rollout.eval_hook`; needs ``eval.*``).
+          servers' current weights (:mod:`areal_mega.eval.worker_hook`; needs ``eval.*``).
 
         Returns the reply fields; raises ``FileNotFoundError`` for a missing weights directory
         and ``ValueError`` for an unknown command (the control server turns both into an error

@@ -3,7 +3,7 @@
 When an evaluation is due (:func:`eval_due`: step 0 of a fresh run, every
 ``eval.every_steps`` steps, and the last step), trainer rank 0 sends ``evaluate`` with the
 version it just published to the rollout worker and waits for the ``eval/*`` scalars
-(:mod:`areal_mega.rollout.eval_hook` runs it); the caller logs them in the step's metrics row
+(:mod:`areal_mega.eval.worker_hook` runs it); the caller logs them in the step's metrics row
 (``metrics.jsonl``, TensorBoard, the plot). Waiting keeps the weights fixed during the
 evaluation; the worker keeps generating training samples meanwhile.
 """
@@ -24,7 +24,7 @@ def evaluate_if_due(session, step: int) -> dict:
     """The ``eval/*`` metrics of the weights of version ``step`` when an evaluation is due
     (``{}`` otherwise, and on ranks other than 0). Blocks rank 0 until the worker answers
     (within ``rollout.request_timeout_s``); a refused or failed evaluation raises
-    :class:`~areal_mega.rollout.control.ControlError`."""
+    :class:`~areal_mega.dataplane.control.ControlError`."""
     cfg = session.cfg
     if not session.is_rank0 or not eval_due(cfg.eval, step, cfg.total_steps):
         return {}

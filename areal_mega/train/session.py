@@ -191,7 +191,7 @@ class TrainerSession:
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
         from areal_mega.metrics import MetricsLogger, ProgressBar
         from areal_mega.train.intake import TrajectoryIntake
-        from areal_mega.rollout.control import RolloutLink
+        from areal_mega.dataplane.control import RolloutLink
 
         cfg = self.cfg
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
@@ -226,7 +226,7 @@ class TrainerSession:
         import os
 
         from areal_mega.rollout.client import RolloutClient
-        from areal_mega.rollout.weight_sync import DistributedWeightSender
+        from areal_mega.train.weight_sender import DistributedWeightSender
 
         r = self.cfg.rollout
         if not r.server_addrs:

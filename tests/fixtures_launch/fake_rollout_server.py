@@ -1,4 +1,4 @@
-"""Stand-in for ``areal_mega.rollout.local_server`` in launcher tests: same CLI, answers
+"""Stand-in for ``areal_mega.inference.server`` in launcher tests: same CLI, answers
 ``GET /health`` with 200 and writes its pid to ``$FAKE_PID_DIR/server-<port>.pid``."""
 import argparse
 import os

@@ -1,0 +1,3 @@
+"""Small helpers every process uses, each written once: atomic file writes
+(:mod:`.files`), free ports and readiness probes (:mod:`.net`), and loading an object named in
+a config (:mod:`.loading`). Nothing here imports another part of ``areal_mega``."""

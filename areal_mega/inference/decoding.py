@@ -1,0 +1,327 @@
+"""Iteration-level batched generation on a HF causal LM (CPU), the core of the local server.
+
+One engine thread owns the model. Each iteration it
+1. applies queued commands (weight loads, pause) between decode steps,
+2. admits waiting requests (one prefill forward per prompt length — a GRPO group's samples
+   share their prompt — whose rows then join the running batch),
+3. runs ONE forward over all active requests (one token each, each at its own position),
+   samples one token per request and retires finished ones (continuous batching).
+
+So 8 concurrent requests cost ~one batched forward per token instead of 8. The KV cache of the
+running rows and the forward passes over it live in :mod:`areal_mega.inference.kv_cache`.
+
+Sampling (penalties, min_new_tokens, logit bias, temperature, top-k / top-p / min-p) and the
+meaning of the returned logprobs are those of SGLang; see :mod:`areal_mega.inference.sampling`.
+Finishing follows SGLang's ``Req.check_finished``: ``length`` first, then (unless
+``ignore_eos``) a stop token id or an EOS id, then a stop string found in the decoded tail.
+
+A row whose token cannot be sampled (non-finite probabilities, or sampling raises for it) is
+finished alone with ``{"type": "abort", "message": "sampling error: ...", "status_code": 400}``
+and leaves the batch; the other rows keep decoding.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from areal_mega.inference.cpu_linear import pack_linear_layers
+from areal_mega.inference.kv_cache import make_kv_batch
+from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
+
+__all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class GenRequest:
+    """One generation request inside the engine; ``on_done(self)`` fires exactly once."""
+    rid: str
+    input_ids: list
+    params: SamplingParams
+    on_done: Callable[["GenRequest"], None]
+    output_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    finish_reason: Optional[dict] = None
+    weight_version: str = "0"
+    aborted: bool = False
+    abort_message: str = ""
+    generator: Optional[torch.Generator] = None
+    created_at: float = field(default_factory=time.time)
+
+    def _finish(self, reason: dict) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            try:
+                self.on_done(self)
+            except Exception:  # a broken callback must never kill the engine thread
+                log.exception("on_done callback failed for rid=%s", self.rid)
+
+
+class BatchedEngine:
+    """Owns the model and a thread that decodes all active requests together.
+
+    Thread-safe entry points: :meth:`submit`, :meth:`abort`, :meth:`pause`, :meth:`resume`,
+    :meth:`run_exclusive` (run a callable on the engine thread between decode steps).
+    """
+
+    def __init__(self, model, eos_token_id, max_running: int = 64,
+                 weight_version: str = "0", decode: Optional[Callable[[list], str]] = None,
+                 prepack_linears: bool = True):
+        """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
+        only for stop strings. ``prepack_linears``: run the model's linear layers through
+        oneDNN with prepacked weights (:mod:`areal_mega.inference.cpu_linear`)."""
+        self.model = model
+        self.prepacked_linears = pack_linear_layers(model) if prepack_linears else 0
+        self.config = model.config
+        if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+            self.eos_ids = frozenset(int(t) for t in eos_token_id)
+        else:
+            self.eos_ids = frozenset() if eos_token_id is None else frozenset([int(eos_token_id)])
+        self.decode = decode
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self._cv = threading.Condition()
+        self._waiting: deque[GenRequest] = deque()
+        self._commands: deque = deque()
+        self._paused = False
+        self._stop = False
+        # batch state (engine thread only)
+        self._active: list[GenRequest] = []
+        self._batch = make_kv_batch(model)  # row i = self._active[i]
+        self._last_tok: list[int] = []
+        self.steps = 0
+        self.tokens_generated = 0
+        self.sampling_errors = 0     # rows finished because their token could not be sampled
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public, any thread
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; while paused it waits until :meth:`resume`."""
+        with self._cv:
+            if self._stop:
+                req._finish({"type": "abort", "message": "server shutting down"})
+                return
+            self._waiting.append(req)
+            self._cv.notify_all()
+
+    def abort(self, rid: Optional[str] = None, message: str = "aborted by request") -> int:
+        """Mark request ``rid`` (or every request when None) aborted; returns how many."""
+        n = 0
+        with self._cv:
+            for r in list(self._waiting) + list(self._active):
+                if rid is None or r.rid == rid:
+                    r.aborted, r.abort_message = True, message
+                    n += 1
+            self._cv.notify_all()
+        return n
+
+    def pause(self) -> None:
+        """Abort every running and waiting request (they return their partial output with
+        ``finish_reason.type == "abort"``) and hold new ones until :meth:`resume`."""
+        with self._cv:
+            self._paused = True
+            for r in list(self._waiting) + list(self._active):
+                r.aborted, r.abort_message = True, "generation paused"
+            self._cv.notify_all()
+
+    def resume(self) -> None:
+        """Let queued and new requests run again."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def run_exclusive(self, fn: Callable[[], object], timeout: Optional[float] = None):
+        """Run ``fn()`` on the engine thread between decode steps and return its result
+        (exceptions are re-raised here)."""
+        done = threading.Event()
+        box: dict = {}
+
+        def cmd():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        with self._cv:
+            self._commands.append(cmd)
+            self._cv.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError("engine command timed out")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def shutdown(self) -> None:
+        """Abort everything and stop the engine thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while (not self._stop and not self._commands and not self._active
+                       and not (self._waiting and not self._paused)
+                       and not any(r.aborted for r in self._waiting)):
+                    self._cv.wait()
+                stop = self._stop
+                commands = list(self._commands)
+                self._commands.clear()
+                # aborted waiting requests finish at once with no output
+                aborted_waiting = [r for r in self._waiting if r.aborted]
+                self._waiting = deque(r for r in self._waiting if not r.aborted)
+                admit = []
+                if not self._paused and not stop:
+                    room = self.max_running - len(self._active)
+                    while self._waiting and room > 0:
+                        admit.append(self._waiting.popleft())
+                        room -= 1
+            for r in aborted_waiting:
+                r._finish({"type": "abort", "message": r.abort_message})
+            if stop:
+                for r in self._active + list(self._waiting):
+                    r._finish({"type": "abort", "message": "server shutting down"})
+                self._active = []
+                for cmd in commands:
+                    cmd()
+                return
+            self._retire_aborted()
+            for cmd in commands:
+                cmd()
+            try:
+                self._prefill_admitted(admit)
+                self._retire_aborted()
+                if self._active:
+                    self._decode_step()
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("engine step failed")
+                for r in self._active + admit:
+                    r._finish({"type": "abort", "message": f"engine error: {e}"})
+                self._reset_batch()
+
+    def _reset_batch(self) -> None:
+        self._active, self._last_tok = [], []
+        self._batch.reset()
+
+    def _retire_aborted(self) -> None:
+        if any(r.aborted for r in self._active):
+            keep = [i for i, r in enumerate(self._active) if not r.aborted]
+            for r in self._active:
+                if r.aborted:
+                    r._finish({"type": "abort", "message": r.abort_message})
+            self._select(keep)
+
+    def _prefill_admitted(self, admit: list) -> None:
+        """Prefill newly admitted requests, one forward per prompt length: a GRPO group's
+        samples share their prompt, and equal-length prompts need no padding, so the
+        batched forward gives each row exactly what a forward of that prompt alone gives."""
+        by_len: dict = {}
+        for r in admit:
+            if r.params.max_new_tokens == 0:
+                r._finish({"type": "length", "length": 0})
+            else:
+                by_len.setdefault(len(r.input_ids), []).append(r)
+        for L, reqs in by_len.items():
+            self._prefill_batch(reqs, L)
+
+    def _prefill_batch(self, reqs: list, L: int) -> None:
+        for r in reqs:
+            r.weight_version = self.weight_version
+        ids = torch.tensor([r.input_ids for r in reqs], dtype=torch.long)
+        logits, kv = self._batch.prefill(ids)
+        toks = self._sample_and_record(reqs, logits)
+        keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
+                if tok is not None and not self._check_finished(r, tok)]
+        if not keep:
+            return
+        self._batch.append(kv, keep)
+        for i in keep:
+            self._active.append(reqs[i])
+            self._last_tok.append(toks[i])
+
+    def _decode_step(self) -> None:
+        B = len(self._active)
+        logits = self._batch.decode(self._last_tok)
+        self.steps += 1
+        toks = self._sample_and_record(self._active, logits)
+        keep = []
+        for i, (r, tok) in enumerate(zip(self._active, toks)):
+            if tok is None:  # this row failed to sample and is finished already
+                continue
+            self._last_tok[i] = tok
+            if not self._check_finished(r, tok):
+                keep.append(i)
+        if len(keep) != B:
+            self._select(keep)
+
+    def _select(self, keep: list) -> None:
+        """Keep batch rows ``keep``."""
+        if not keep:
+            self._reset_batch()
+            return
+        self._batch.select(keep)
+        self._active = [self._active[i] for i in keep]
+        self._last_tok = [self._last_tok[i] for i in keep]
+
+    def _sample_and_record(self, reqs: list, logits: torch.Tensor) -> list:
+        """Choose one token per row (:func:`~areal_mega.inference.sampling.choose_tokens_isolated`)
+        and record token, logprob and top logprobs on each request. A row that fails to
+        sample is finished with an abort naming the error and gets None as its token."""
+        tok_list, lps, tops, errors = choose_tokens_isolated(reqs, logits, self.eos_ids)
+        for r, tok, lp, top, err in zip(reqs, tok_list, lps, tops, errors):
+            if err is not None:
+                log.warning("rid=%s: %s", r.rid, err)
+                self.sampling_errors += 1
+                r._finish({"type": "abort", "message": err, "status_code": 400})
+                continue
+            r.output_ids.append(tok)
+            r.logprobs.append(lp)
+            if r.params.top_logprobs_num:
+                r.top_logprobs.append(top)
+            self.tokens_generated += 1
+        return tok_list
+
+    def _check_finished(self, r: GenRequest, tok: int) -> bool:
+        p = r.params
+        if len(r.output_ids) >= p.max_new_tokens:
+            r._finish({"type": "length", "length": p.max_new_tokens})
+            return True
+        if not p.ignore_eos and (tok in p.stop_token_ids or tok in self.eos_ids):
+            r._finish({"type": "stop", "matched": tok})
+            return True
+        if p.stop_strs and self.decode is not None:
+            tail = self.decode(r.output_ids[-(p.stop_str_max_len + 1):])
+            for s in p.stop_strs:
+                if s in tail:
+                    r._finish({"type": "stop", "matched": s})
+                    return True
+        return False
+

@@ -1,0 +1,295 @@
+"""The KV-cache state of the rollout engine's running batch, and the forward passes over it.
+
+:class:`BatchedEngine <areal_mega.inference.decoding.BatchedEngine>` keeps its running requests
+as rows ``0..B-1`` of one of these:
+
+* :class:`StaticKVBatch` (Llama / Qwen2 / Qwen3 / Qwen3-MoE without sliding windows): a
+  preallocated cache per layer, ``[rows, kv_heads, capacity, head_dim]``, grown by doubling.
+  Row ``b`` holds its ``lens[b]`` tokens at columns ``0..lens[b]-1`` (no left padding); a
+  decode step writes each row's new key/value at its own column and attends over
+  ``0..max(lens)`` with the columns past each row's length masked. Grouped-query attention
+  reads the cache through views (no repeat of the KV heads), so a step costs the model's own
+  math plus attention over the tokens really there: no per-step copy of the whole cache (which
+  ``DynamicCache`` does with ``torch.cat``, and transformers' GQA with ``repeat_kv``).
+  The layers' norms, projections and MLPs are the model's own modules, so weight updates
+  copied into the model are used at the next step.
+* :class:`HFCacheBatch` (any other causal LM): transformers' ``DynamicCache``, rows merged by
+  left-padding every layer's keys/values to the common length.
+
+Both answer :meth:`prefill` (equal-length prompts, no cache, logits of the last position),
+:meth:`append` (rows of a prefill join the batch), :meth:`decode` (one token per row),
+:meth:`select` (keep some rows) and :meth:`reset`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from areal_mega.inference.cpu_linear import fused_linear
+
+STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# dense MLPs computed as down(act(gate(x)) * up(x)); other MLPs (MoE blocks) run as modules
+PLAIN_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP")
+
+
+def _norm(mod, x: torch.Tensor) -> torch.Tensor:
+    """``mod(x)`` for the models' RMSNorm (``weight * x / rms(x)``, computed in fp32) as one
+    fused ``F.rms_norm`` call on fp32 inputs; other norms run as modules."""
+    if (x.dtype == torch.float32 and type(mod).__name__.endswith("RMSNorm")
+            and hasattr(mod, "variance_epsilon")):
+        return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+    return mod(x)
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[n, q, heads, D]`` (the models' ``rotate_half`` form)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def make_kv_batch(model):
+    """:class:`StaticKVBatch` where the model's architecture allows it, else
+    :class:`HFCacheBatch`."""
+    cfg = model.config
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+    if getattr(cfg, "model_type", None) in STATIC_KV_MODEL_TYPES and not sliding \
+            and not getattr(cfg, "use_sliding_window", False):
+        return StaticKVBatch(model)
+    return HFCacheBatch(model)
+
+
+def _grown(n: int, minimum: int) -> int:
+    """The power of two >= ``n`` (at least ``minimum``)."""
+    cap = minimum
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+class StaticKVBatch:
+    """Running rows with a preallocated per-layer KV cache (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.body = model.model
+        self.layers = list(self.body.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.groups = attn.num_key_value_groups
+        self.scaling = attn.scaling
+        self.kv_heads = model.config.num_key_value_heads
+        self.q_heads = self.kv_heads * self.groups
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every row and free the cache."""
+        self.k: list = []
+        self.v: list = []
+        self.lens = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def rows(self) -> int:
+        return int(self.lens.numel())
+
+    def _reserve(self, rows: int, length: int) -> None:
+        """Make the cache hold ``rows`` rows of ``length`` tokens, keeping what it holds."""
+        have_rows = self.k[0].shape[0] if self.k else 0
+        have_len = self.k[0].shape[2] if self.k else 0
+        if rows <= have_rows and length <= have_len:
+            return
+        new_rows, new_len = _grown(rows, max(have_rows, 4)), _grown(length, max(have_len, 64))
+        p = next(self.model.parameters())
+        shape = (new_rows, self.kv_heads, new_len, self.head_dim)
+        old_k, old_v, B = self.k, self.v, self.rows
+        self.k = [torch.zeros(shape, dtype=p.dtype) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=p.dtype) for _ in self.layers]
+        for i in range(len(old_k)):
+            self.k[i][:B, :, :have_len] = old_k[i][:B]
+            self.v[i][:B, :, :have_len] = old_v[i][:B]
+
+    def _qkv(self, layer, h, rot):
+        """Queries ``[n, H, q, D]`` and keys/values ``[n, Hkv, q, D]`` of hidden ``h``
+        ``[n, q, hidden]``, rotary ``rot = (cos, sin)`` (``[n, q, 1, D]``, see :meth:`_rotary_of`)
+        applied: one matmul for q, k and v
+        (:func:`~areal_mega.inference.cpu_linear.fused_linear`)."""
+        attn = layer.self_attn
+        n, q, _ = h.shape
+        H, Hkv = self.q_heads, self.kv_heads
+        qkv = fused_linear(_norm(layer.input_layernorm, h),
+                           (attn.q_proj, attn.k_proj, attn.v_proj)).view(n, q, H + 2 * Hkv, -1)
+        cos, sin = rot
+        if hasattr(attn, "q_norm"):
+            qs, ks, vs = qkv.split([H, Hkv, Hkv], dim=2)
+            qs = _rotary(_norm(attn.q_norm, qs), cos, sin)
+            ks = _rotary(_norm(attn.k_norm, ks), cos, sin)
+        else:                                                 # rotate q and k together
+            qk, vs = qkv.split([H + Hkv, Hkv], dim=2)
+            qs, ks = _rotary(qk, cos, sin).split([H, Hkv], dim=2)
+        return qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+
+    def _rotary_of(self, h: torch.Tensor, pos: torch.Tensor) -> tuple:
+        """The model's rotary ``(cos, sin)`` at positions ``pos``, shaped ``[n, q, 1, D]`` to
+        broadcast over the heads of every layer's ``[n, q, heads, D]`` projections."""
+        return tuple(t.unsqueeze(2) for t in self.body.rotary_emb(h, position_ids=pos))
+
+    def _finish_layer(self, layer, residual, attn_out):
+        """Output projection, residual, MLP (gate and up in one matmul), residual."""
+        h = residual + layer.self_attn.o_proj(attn_out)
+        x = _norm(layer.post_attention_layernorm, h)
+        mlp = layer.mlp
+        if type(mlp).__name__ in PLAIN_MLPS:
+            gate, up = fused_linear(x, (mlp.gate_proj, mlp.up_proj)).chunk(2, dim=-1)
+            return h + mlp.down_proj(mlp.act_fn(gate) * up)
+        return h + mlp(x)
+
+    def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(_norm(self.body.norm, h_last)).float()
+
+    def prefill(self, ids: torch.Tensor):
+        """Forward prompts ``ids`` ``[n, L]`` (equal lengths) without cache; returns the
+        last position's logits ``[n, V]`` and the new rows' keys/values (for :meth:`append`)."""
+        n, L = ids.shape
+        pos = torch.arange(L).view(1, L).expand(n, L)
+        h = self.body.embed_tokens(ids)
+        rot = self._rotary_of(h, pos)
+        kv = []
+        for layer in self.layers:
+            qs, ks, vs = self._qkv(layer, h, rot)
+            kv.append((ks, vs))
+            out = F.scaled_dot_product_attention(
+                qs, ks.repeat_interleave(self.groups, 1), vs.repeat_interleave(self.groups, 1),
+                is_causal=True, scale=self.scaling)
+            h = self._finish_layer(layer, h, out.transpose(1, 2).reshape(n, L, -1))
+        return self._logits(h[:, -1]), kv
+
+    def append(self, kv: list, keep: list) -> None:
+        """Add rows ``keep`` of a :meth:`prefill`'s keys/values at the end of the batch."""
+        idx = torch.tensor(keep, dtype=torch.long)
+        L = kv[0][0].shape[2]
+        B, n = self.rows, len(keep)
+        self._reserve(B + n, L + 1)
+        for i, (ks, vs) in enumerate(kv):
+            self.k[i][B:B + n, :, :L] = ks.index_select(0, idx)
+            self.v[i][B:B + n, :, :L] = vs.index_select(0, idx)
+        self.lens = torch.cat([self.lens, torch.full((n,), L, dtype=torch.long)])
+
+    def decode(self, last_tokens: list) -> torch.Tensor:
+        """One step: feed each row its last token; returns logits ``[B, V]``."""
+        B = self.rows
+        self._reserve(B, int(self.lens.max()) + 1)
+        pos = self.lens.view(B, 1)
+        Lm = int(self.lens.max()) + 1
+        rows = torch.arange(B)
+        # a row attends to its columns 0..lens[b] (the new token included)
+        masked = torch.arange(Lm).view(1, 1, 1, Lm) > self.lens.view(B, 1, 1, 1)
+        h = self.body.embed_tokens(torch.tensor(last_tokens, dtype=torch.long).view(B, 1))
+        rot = self._rotary_of(h, pos)
+        G, D = self.groups, self.head_dim
+        for i, layer in enumerate(self.layers):
+            qs, ks, vs = self._qkv(layer, h, rot)
+            kc, vc = self.k[i], self.v[i]
+            kc[rows, :, self.lens] = ks[:, :, 0]
+            vc[rows, :, self.lens] = vs[:, :, 0]
+            q = qs.reshape(B, self.kv_heads, G, D)               # query head h uses kv head h // G
+            scores = torch.matmul(q, kc[:B, :, :Lm].transpose(-1, -2)) * self.scaling
+            probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
+            out = torch.matmul(probs, vc[:B, :, :Lm])          # [B, Hkv, G, D]
+            h = self._finish_layer(layer, h, out.reshape(B, 1, -1))
+        self.lens = self.lens + 1
+        return self._logits(h[:, -1])
+
+    def select(self, keep: list) -> None:
+        """Keep rows ``keep`` (in that order) as rows ``0..len(keep)-1``."""
+        if not keep:
+            self.reset()
+            return
+        if keep == list(range(len(keep))):
+            self.lens = self.lens[:len(keep)].clone()
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        Lm = int(self.lens.max())
+        for kc, vc in zip(self.k, self.v):
+            kc[:len(keep), :, :Lm] = kc[idx, :, :Lm]
+            vc[:len(keep), :, :Lm] = vc[idx, :, :Lm]
+        self.lens = self.lens.index_select(0, idx)
+
+
+class HFCacheBatch:
+    """Running rows in transformers' ``DynamicCache``, merged by left padding."""
+
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every row."""
+        self._kv: list = []          # per layer (keys [B,H,L,D], values [B,H,L,D])
+        self._mask = None            # [B, L] long, 1 = real token
+        self._next_pos: list = []
+
+    @property
+    def rows(self) -> int:
+        return len(self._next_pos)
+
+    def _forward(self, input_ids, past, attention_mask=None, position_ids=None):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=past, config=self.config) if past else \
+            DynamicCache(config=self.config)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         attention_mask=attention_mask, position_ids=position_ids,
+                         logits_to_keep=1)
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return out.logits[:, -1, :].float(), kv
+
+    def prefill(self, ids: torch.Tensor):
+        """See :meth:`StaticKVBatch.prefill`."""
+        return self._forward(ids, None)
+
+    def append(self, kv: list, keep: list) -> None:
+        """See :meth:`StaticKVBatch.append`."""
+        idx = torch.tensor(keep, dtype=torch.long)
+        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
+        n, L = len(keep), kv[0][0].shape[2]
+        if not self.rows:
+            self._kv, self._mask = kv, torch.ones(n, L, dtype=torch.long)
+        else:
+            Lb = self._mask.shape[1]
+            Lm = max(Lb, L)
+            self._kv = [(torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]),
+                         torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
+                        for (kb, vb), (k, v) in zip(self._kv, kv)]
+            mb = F.pad(self._mask, (Lm - Lb, 0))
+            mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
+            self._mask = torch.cat([mb, mn])
+        self._next_pos += [L] * n
+
+    def decode(self, last_tokens: list) -> torch.Tensor:
+        """See :meth:`StaticKVBatch.decode`."""
+        B = self.rows
+        ids = torch.tensor(last_tokens, dtype=torch.long).view(B, 1)
+        pos = torch.tensor(self._next_pos, dtype=torch.long).view(B, 1)
+        mask = torch.cat([self._mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
+        logits, self._kv = self._forward(ids, self._kv, attention_mask=mask, position_ids=pos)
+        self._mask = mask
+        self._next_pos = [p + 1 for p in self._next_pos]
+        return logits
+
+    def select(self, keep: list) -> None:
+        """Keep rows ``keep``; drop leading columns that are padding everywhere."""
+        if not keep:
+            self.reset()
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        mask = self._mask.index_select(0, idx)
+        first = int((mask.sum(0) > 0).nonzero()[0]) if mask.numel() else 0
+        self._mask = mask[:, first:]
+        self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+                    for k, v in self._kv]
+        self._next_pos = [self._next_pos[i] for i in keep]
+
+
+def _lpad(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad a ``[B, H, L, D]`` cache tensor with zeros along L to ``length``."""
+    return F.pad(t, (0, 0, length - t.shape[2], 0)) if t.shape[2] < length else t

@@ -1,0 +1,136 @@
+"""Start rollout servers: the CPU local server (subprocess) or SGLang on GPU nodes.
+
+:func:`build_sglang_command` is the ``python -m sglang.launch_server`` command line (the launcher,
+:mod:`areal_mega.launch.local`, passes the TP size from the allocation string);
+:func:`launch_local_servers` starts CPU servers
+and returns handles that kill their process (and only it) on :meth:`LocalServerProcess.stop`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Optional
+
+SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", tp: int = 1,
+                         dp: int = 1, mem_fraction_static: float = 0.8, dtype: str = "bf16",
+                         api_key: Optional[str] = None, base_gpu_id: int = 0,
+                         random_seed: Optional[int] = None, extra: Optional[list] = None,
+                         python: str = sys.executable, api_key_file=None) -> list:
+    """The argv of ``python -m sglang.launch_server`` for one server (tp·dp GPUs).
+
+    SGLang takes its API key only as ``--api-key`` (no environment variable), which puts it in
+    ``ps``; ``api_key_file`` (a 0600 ``*.yaml`` file with ``api-key: KEY``, see
+    :func:`areal_mega.security.write_sglang_key_file`) passes it as ``--config FILE`` instead,
+    which SGLang merges into its arguments in-process. ``api_key`` is the argv form, for
+    SGLang releases without ``--config``."""
+    if dtype not in SGLANG_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: must be one of {sorted(SGLANG_DTYPES)}")
+    if tp < 1 or dp < 1:
+        raise ValueError(f"tp={tp}, dp={dp}: must be >= 1")
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"mem_fraction_static={mem_fraction_static}: must be in (0, 1]")
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
+           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dp-size", str(dp),
+           "--mem-fraction-static", str(mem_fraction_static),
+           "--dtype", SGLANG_DTYPES[dtype], "--base-gpu-id", str(base_gpu_id),
+           "--skip-server-warmup"]
+    if api_key_file:
+        cmd += ["--config", str(api_key_file)]
+    elif api_key:
+        cmd += ["--api-key", api_key]
+    if random_seed is not None:
+        cmd += ["--random-seed", str(random_seed)]
+    return cmd + list(extra or [])
+
+
+class LocalServerProcess:
+    """A running ``areal_mega.inference.server`` subprocess."""
+
+    def __init__(self, model_path: str, port: Optional[int] = None, host: str = "127.0.0.1",
+                 api_key: Optional[str] = None, num_threads: int = 1,
+                 max_running: int = 64, log_path: Optional[str] = None,
+                 extra_args: Optional[list] = None):
+        """``extra_args``: more command-line flags of the server (e.g. ``--idle-timeout``)."""
+        self.host, self.port = host, port or find_free_port(host)
+        self.addr = f"{host}:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "areal_mega.inference.server", "--model-path",
+               str(model_path), "--host", host, "--port", str(self.port),
+               "--num-threads", str(num_threads), "--max-running-requests", str(max_running)]
+        cmd += [str(a) for a in extra_args or ()]
+        env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), TOKENIZERS_PARALLELISM="false")
+        if api_key:
+            env["AREAL_ROLLOUT_API_KEY"] = api_key  # not on the command line (ps)
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log)
+
+    def wait_ready(self, timeout: float = 120.0) -> "LocalServerProcess":
+        """Block until ``GET /health`` answers 200; raise if the process died or timed out."""
+        deadline = time.monotonic() + timeout
+        req = urllib.request.Request(f"http://{self.addr}/health")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"local rollout server on {self.addr} exited with code "
+                                   f"{self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"local rollout server on {self.addr} not ready after {timeout}s")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server (simulates a crash)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+            self._log = subprocess.DEVNULL
+
+
+def launch_local_servers(model_path: str, n: int = 1, api_key: Optional[str] = None,
+                         timeout: float = 120.0, **kw) -> list:
+    """Start ``n`` CPU rollout servers on free loopback ports and wait until all are ready."""
+    procs = [LocalServerProcess(model_path, api_key=api_key, **kw) for _ in range(n)]
+    try:
+        for p in procs:
+            p.wait_ready(timeout)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs

@@ -1,0 +1,378 @@
+"""CPU rollout server speaking SGLang's native HTTP API on a real HF causal LM.
+
+    python -m areal_mega.inference.server --model-path DIR --port P [--api-key KEY]
+
+Endpoints (same paths and JSON fields as SGLang):
+``POST /generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
+``/update_weights_from_disk``, ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+``/update_weight_version``, ``/flush_cache``; ``GET /health``, ``/health_generate``,
+``/get_model_info`` (alias ``/model_info``), ``/get_server_info`` (alias ``/server_info``).
+
+As on SGLang, request bodies are parsed leniently: keys an endpoint does not know are ignored
+(except inside ``sampling_params``, see :mod:`areal_mega.inference.http_api`). Bad input
+(malformed JSON, wrong types, out-of-range values, over-long requests) is answered with HTTP 400
+and ``{"error": {"message": ...}}`` naming the key; the server keeps serving. With
+``--api-key`` every request except ``/health*`` needs ``Authorization: Bearer KEY`` (401
+otherwise), like SGLang's ``--api-key``. Generation is batched per decode step by
+:class:`~areal_mega.inference.decoding.BatchedEngine`; sampling and logprobs are described in
+:mod:`areal_mega.inference.sampling`. The weight-update group is created the SGLang way
+(:mod:`areal_mega.parallel.update_group`); the model side lives in
+:mod:`areal_mega.inference.server_state`.
+
+One client must not hurt the others:
+- a client that disconnects cancels its handler (aiohttp ``handler_cancellation``), which
+  aborts its requests in the engine: their slots are free at the next decode step;
+- ``--idle-timeout S`` (default 30): a connection that has not sent complete request headers S
+  seconds after it opened or after its previous answer is closed (aiohttp's keep-alive timer,
+  which aiohttp 3.14 also arms when a connection opens), and a request body not received
+  within S seconds of the headers is answered 408 and the connection closed;
+- a body nested too deeply for the JSON parser is a 400, like any malformed body;
+- a row that cannot be sampled fails alone (see :mod:`areal_mega.inference.decoding`);
+- weight-group joins run on threads of their own with a bounded ``timeout_s``
+  (:mod:`areal_mega.inference.server_state`), so pause / continue / weight loads / SIGTERM
+  answer while a join is pending.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+from aiohttp import web
+
+from areal_mega.inference.decoding import GenRequest
+from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
+                                           RequestTimeout, error_response, get_field,
+                                           get_int_like, ignore_unknown, parse_dtype,
+                                           parse_generate, response_of)
+from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
+
+__all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
+
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+
+log = logging.getLogger("areal_mega.inference.server")
+
+
+# ------------------------------------------------------------------------- HTTP handlers
+
+
+def build_app(srv: LocalRolloutServer,
+              body_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> web.Application:
+    """The aiohttp application serving ``srv``; a request body must arrive within
+    ``body_timeout_s`` of its headers (408 otherwise). Serve it with
+    ``handler_cancellation=True`` so that a client that goes away frees its slots."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        # like SGLang's API-key middleware, health probes need no key
+        if srv.api_key and not request.path.startswith("/health"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {srv.api_key}".encode()):
+                return error_response(401, "missing or wrong API key (Authorization: Bearer ...)")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            resp = error_response(e.status, str(e))
+            if isinstance(e, RequestTimeout):
+                resp.force_close()  # the rest of the body may still come: drop the connection
+            return resp
+        except web.HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001 - answer, log, keep serving
+            log.exception("handler failed")
+            return error_response(500, f"{type(e).__name__}: {e}")
+
+    async def body_of(request: web.Request, allow_empty=False) -> dict:
+        try:
+            raw = await asyncio.wait_for(request.read(), body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"request body not received within {body_timeout_s:g} s "
+                                 "(--idle-timeout)") from None
+        if not raw.strip():
+            if allow_empty:
+                return {}
+            raise BadRequest("empty body: expected a JSON object")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("malformed JSON: nested too deeply") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"expected a JSON object, got {type(body).__name__}")
+        return body
+
+    def run_blocking(fn, *args):
+        return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def generate(request: web.Request):
+        body = await body_of(request)
+        prompts, params, n, rids, as_list = parse_generate(
+            body, srv.tokenizer, srv.vocab_size, srv.max_context)
+        loop = asyncio.get_running_loop()
+        reqs, futs = [], []
+        for i, rid in enumerate(rids):
+            fut = loop.create_future()
+
+            def on_done(r: GenRequest, fut=fut):
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+            gen = None
+            if params.sampling_seed is not None:
+                gen = torch.Generator().manual_seed(params.sampling_seed)
+            reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
+                                   on_done=on_done, generator=gen))
+            futs.append(fut)
+        for r in reqs:
+            srv.engine.submit(r)
+        try:
+            done = await asyncio.gather(*futs)
+        except asyncio.CancelledError:  # client went away: free the slots
+            for r in reqs:
+                srv.engine.abort(r.rid, "client disconnected")
+            raise
+        now = time.time()
+        out = [response_of(r, len(r.input_ids), params, bool(body.get("return_logprob")),
+                           bool(body.get("return_text_in_logprobs")), srv.decode, now)
+               for r in done]
+        return web.json_response(out if as_list else out[0])
+
+    async def abort_request(request: web.Request):
+        body = await body_of(request)
+        ignore_unknown(body, {"rid", "abort_all", "finished_reason", "abort_message"},
+                        "abort_request")
+        if body.get("abort_all") or not body.get("rid"):
+            # SGLang: an empty rid with abort_all aborts everything
+            if not body.get("abort_all"):
+                raise BadRequest("abort_request: give rid or abort_all=true")
+            n = srv.engine.abort(None)
+        else:
+            n = srv.engine.abort(get_field(body, "rid", str, where="abort_request"))
+        return web.json_response({"success": True, "num_aborted": n})
+
+    async def pause_generation(request: web.Request):
+        body = await body_of(request, allow_empty=True)
+        ignore_unknown(body, {"mode"}, "pause_generation")
+        if body.get("mode", "abort") != "abort":
+            raise BadRequest("pause_generation.mode: only 'abort' is supported")
+        srv.engine.pause()
+        # wait until the aborted requests have left the batch, so the caller may update weights
+        await run_blocking(srv.engine.run_exclusive, lambda: None)
+        return web.json_response({"success": True})
+
+    async def continue_generation(request: web.Request):
+        await body_of(request, allow_empty=True)
+        srv.engine.resume()
+        return web.json_response({"success": True})
+
+    def version_of(body: dict, where: str) -> Optional[str]:
+        v = body.get("weight_version")
+        if isinstance(v, (dict, list, bool)):
+            raise BadRequest(f"{where}.weight_version={v!r}: expected a string")
+        return None if v is None else str(v)
+
+    def load_format_of(body: dict, where: str, allowed: tuple) -> None:
+        fmt = body.get("load_format")
+        if fmt not in allowed:
+            raise BadRequest(f"{where}.load_format={fmt!r}: not supported by this server "
+                             f"(supported: {[f for f in allowed if f]})")
+
+    async def update_weights_from_disk(request: web.Request):
+        body = await body_of(request)
+        w = "update_weights_from_disk"
+        ignore_unknown(body, {"model_path", "load_format", "abort_all_requests",
+                               "weight_version", "flush_cache"}, w)
+        path = get_field(body, "model_path", str, where=w, required=True)
+        version = version_of(body, w)
+        load_format_of(body, w, DISK_LOAD_FORMATS)
+        if get_field(body, "abort_all_requests", bool, False, w):
+            srv.engine.abort(None, "aborted for weight update")
+        await run_blocking(srv.load_from_disk, path, version)
+        return web.json_response({"success": True, "message": f"loaded {path}",
+                                  "num_paused_requests": 0,
+                                  "weight_version": srv.engine.weight_version})
+
+    async def init_weights_update_group(request: web.Request):
+        body = await body_of(request)
+        w = "init_weights_update_group"
+        ignore_unknown(body, {"master_address", "master_port", "rank_offset", "world_size",
+                               "group_name", "backend", "timeout_s"}, w)
+        addr = get_field(body, "master_address", str, where=w, required=True)
+        port = get_int_like(body, "master_port", w)
+        rank = get_int_like(body, "rank_offset", w)
+        world = get_int_like(body, "world_size", w)
+        name = get_field(body, "group_name", str, "weight_update_group", w)
+        backend = get_field(body, "backend", str, "nccl", w)
+        timeout_s = get_field(body, "timeout_s", float, 300.0, w)  # capped by start_join
+        if not 0 < port < 65536:
+            raise BadRequest(f"{w}.master_port={port}: must be a TCP port")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequest(f"{w}.backend={backend!r}: must be gloo or nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise BadRequest(f"{w}.backend='nccl': no CUDA on this server; use gloo")
+        if not 1 <= rank < world:
+            raise BadRequest(f"{w}.rank_offset={rank}: must be in [1, world_size)")
+        if not name:
+            raise BadRequest(f"{w}.group_name: must not be empty")
+        # the join runs on its own thread (see server_model); if this client goes away the
+        # join still completes or times out, and the group is kept if it was made
+        joined = asyncio.wrap_future(srv.start_join(addr, port, rank, world, name, backend,
+                                                    timeout_s))
+        stop_wait = asyncio.ensure_future(stopping.wait())
+        try:
+            await asyncio.wait([joined, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if not joined.done():  # shutting down: answer now, leave the join to its thread
+            return error_response(503, f"{w}: server shutting down while joining {name!r}")
+        try:
+            joined.result()
+        except Exception as e:  # noqa: BLE001 - SGLang answers a failed join with 400
+            raise BadRequest(f"{w}: joining {name!r} at {addr}:{port} failed: "
+                             f"{type(e).__name__}: {e}") from None
+        return web.json_response({"success": True, "message": f"joined {name} as rank {rank}"})
+
+    async def update_weights_from_distributed(request: web.Request):
+        body = await body_of(request)
+        w = "update_weights_from_distributed"
+        ignore_unknown(body, {"names", "dtypes", "shapes", "group_name", "flush_cache",
+                               "abort_all_requests", "weight_version", "load_format"}, w)
+        names = get_field(body, "names", list, where=w, required=True)
+        dtypes = get_field(body, "dtypes", list, where=w, required=True)
+        shapes = get_field(body, "shapes", list, where=w, required=True)
+        name = get_field(body, "group_name", str, "weight_update_group", w)
+        version = version_of(body, w)
+        abort_all = get_field(body, "abort_all_requests", bool, False, w)
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest(f"{w}: names, dtypes and shapes must have equal lengths")
+        srv.group(name, w)  # 409 while joining, 400 if unknown
+        load_format_of(body, w, DIST_LOAD_FORMATS)
+        for dt in dtypes:
+            parse_dtype(dt)
+        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
+                   for s in shapes):
+            raise BadRequest(f"{w}.shapes: expected lists of non-negative ints")
+        if abort_all:
+            srv.engine.abort(None, "aborted for weight update")
+        # names/shapes are checked after receiving, so that a bad request still takes part in
+        # the trainer's broadcasts and the group stays usable
+        try:
+            srv._check_names(dict(zip(names, shapes)), full=False)
+            problem = None
+        except BadRequest as e:
+            problem = e
+        await run_blocking(srv.engine.run_exclusive,
+                           lambda: srv.receive_distributed(name, names, dtypes, shapes, version,
+                                                           load=problem is None))
+        if problem is not None:
+            raise problem
+        return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
+
+    async def destroy_weights_update_group(request: web.Request):
+        body = await body_of(request, allow_empty=True)
+        ignore_unknown(body, {"group_name"}, "destroy_weights_update_group")
+        name = get_field(body, "group_name", str, "weight_update_group",
+                         "destroy_weights_update_group")
+        await run_blocking(srv.destroy_group, name)
+        return web.json_response({"success": True})
+
+    async def update_weight_version(request: web.Request):
+        body = await body_of(request)
+        ignore_unknown(body, {"new_version", "abort_all_requests"}, "update_weight_version")
+        v = body.get("new_version")
+        if v is None or isinstance(v, (dict, list, bool)):
+            raise BadRequest("update_weight_version.new_version: required (string or int)")
+        if body.get("abort_all_requests"):
+            srv.engine.abort(None, "aborted for weight version update")
+        await run_blocking(srv.engine.run_exclusive,
+                           lambda: setattr(srv.engine, "weight_version", str(v)))
+        return web.json_response({"success": True, "weight_version": str(v)})
+
+    async def flush_cache(request: web.Request):
+        # no prefix cache is kept between requests; accept for API compatibility
+        return web.json_response({"success": True})
+
+    async def health(request: web.Request):
+        if not srv.engine.alive():
+            return error_response(503, "engine thread is dead")
+        return web.json_response({"status": "ok"})
+
+    async def get_model_info(request: web.Request):
+        return web.json_response({
+            "model_path": srv.model_path, "tokenizer_path": srv.model_path,
+            "is_generation": True, "weight_version": srv.engine.weight_version,
+            "vocab_size": srv.vocab_size, "max_context": srv.max_context})
+
+    async def get_server_info(request: web.Request):
+        e = srv.engine
+        return web.json_response({
+            "model_path": srv.model_path, "context_length": srv.max_context,
+            "max_running_requests": e.max_running,
+            "num_running": e.num_running, "num_waiting": e.num_waiting, "paused": e.paused,
+            "decode_steps": e.steps, "tokens_generated": e.tokens_generated,
+            "sampling_errors": e.sampling_errors, "joining_groups": sorted(srv.joining),
+            "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
+
+    app = web.Application(middlewares=[guard], client_max_size=64 << 20)
+    post = {"/generate": generate, "/abort_request": abort_request,
+            "/pause_generation": pause_generation, "/continue_generation": continue_generation,
+            "/update_weights_from_disk": update_weights_from_disk,
+            "/init_weights_update_group": init_weights_update_group,
+            "/update_weights_from_distributed": update_weights_from_distributed,
+            "/destroy_weights_update_group": destroy_weights_update_group,
+            "/update_weight_version": update_weight_version, "/flush_cache": flush_cache}
+    for path, h in post.items():
+        app.router.add_post(path, h)
+    for path, h in {"/health": health, "/health_generate": health,
+                    "/get_model_info": get_model_info, "/model_info": get_model_info,
+                    "/get_server_info": get_server_info, "/server_info": get_server_info,
+                    "/flush_cache": flush_cache}.items():
+        app.router.add_get(path, h)
+    stopping = asyncio.Event()  # set on shutdown: pending join requests answer 503 at once
+
+    async def on_shutdown(_app):
+        stopping.set()
+        await asyncio.get_running_loop().run_in_executor(None, srv.engine.shutdown)
+    app.on_shutdown.append(on_shutdown)
+    return app
+
+
+def main(argv: Optional[list] = None) -> None:
+    """CLI entry point: load the model and serve until killed."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--api-key", default=os.environ.get("AREAL_ROLLOUT_API_KEY"))
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=None)
+    ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                    help="seconds a connection may take to send complete request headers "
+                         "(after opening or after its previous answer) and, separately, its "
+                         "body; slower connections are closed")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    if not args.idle_timeout > 0:
+        ap.error(f"--idle-timeout={args.idle_timeout}: must be > 0")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.num_threads)
+    srv = LocalRolloutServer(args.model_path, max_running=args.max_running_requests,
+                             api_key=args.api_key, max_context=args.max_context)
+    print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
+          flush=True)
+    web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,
+                port=args.port, print=None, handle_signals=True, access_log=None,
+                keepalive_timeout=args.idle_timeout, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The state behind the CPU rollout server: the model, its engine, the tokenizer and the
+weight-update process groups (the HTTP side is :mod:`areal_mega.inference.server`).
+
+Joining a weight-update group is a blocking rendezvous that may wait up to its ``timeout_s``
+(at most :data:`MAX_JOIN_TIMEOUT_S`). Each join runs on its own daemon thread, never on the
+event loop's shared executor, so a join that hangs (a trainer that never comes, a closed port)
+does not hold up pause / continue / weight loads, and SIGTERM shutdown does not wait for it.
+While group ``name`` is joining it is in :attr:`LocalRolloutServer.joining`; requests that need
+it are answered 409.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import os
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from areal_mega.inference.decoding import BatchedEngine
+from areal_mega.inference.http_api import BadRequest, Conflict, parse_dtype
+from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
+                                             init_update_group)
+
+# the longest rendezvous /init_weights_update_group may ask for; a longer timeout_s is refused
+MAX_JOIN_TIMEOUT_S = 600.0
+
+
+class LocalRolloutServer:
+    """The model, its engine, the tokenizer and the weight-update process groups."""
+
+    def __init__(self, model_path: str, max_running: int = 64, api_key: Optional[str] = None,
+                 max_context: Optional[int] = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.api_key = api_key
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model.eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except Exception:  # noqa: BLE001 - a model dir without a tokenizer still serves ids
+            self.tokenizer = None
+        cfg = self.model.config
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(cfg, "eos_token_id", None)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 4096))
+        self.decode = None
+        if self.tokenizer is not None:
+            self.decode = lambda ids, **kw: self.tokenizer.decode(ids, **kw)
+        self.engine = BatchedEngine(self.model, eos_token_id=eos, max_running=max_running,
+                                    decode=self.decode)
+        self.groups: dict = {}  # group name -> process group
+        self.joining: set = set()  # group names whose rendezvous is in progress
+        self._groups_lock = threading.Lock()
+        self._params = dict(self.model.named_parameters())
+        self._all_keys = set(self.model.state_dict().keys())
+        self.started_at = time.time()
+
+    # ---------------------------------------------------------------- weights
+    def _assign(self, tensors: dict, version: Optional[str]) -> None:
+        """Copy ``tensors`` (HF names) into the model; runs on the engine thread."""
+        sd = self.model.state_dict()
+        with torch.no_grad():
+            for name, t in tensors.items():
+                sd[name].copy_(t.to(sd[name].dtype))
+        if version is not None:
+            self.engine.weight_version = str(version)
+
+    def _check_names(self, shapes: dict, full: bool) -> None:
+        sd = self.model.state_dict()
+        unknown = sorted(n for n in shapes if n not in self._all_keys)
+        if unknown:
+            raise BadRequest(f"unknown parameter name(s) {unknown[:5]}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+        bad = [f"{n}: got {list(s)}, expected {list(sd[n].shape)}"
+               for n, s in shapes.items() if tuple(s) != tuple(sd[n].shape)]
+        if bad:
+            raise BadRequest("shape mismatch: " + "; ".join(bad[:5]))
+        if full:
+            missing = sorted(n for n in self._params if n not in shapes)
+            if missing:
+                raise BadRequest(f"checkpoint is missing parameter(s) {missing[:5]}")
+
+    def load_from_disk(self, path: str, version: Optional[str]) -> None:
+        """Load every ``*.safetensors`` file under ``path`` (strict names and shapes)."""
+        from safetensors.torch import load_file
+
+        if not os.path.isdir(path):
+            raise BadRequest(f"model_path {path!r}: not a directory")
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise BadRequest(f"model_path {path!r}: no *.safetensors files")
+        tensors: dict = {}
+        for f in files:
+            tensors.update(load_file(f))
+        self._check_names({k: v.shape for k, v in tensors.items()}, full=True)
+        self.engine.run_exclusive(lambda: self._assign(tensors, version))
+        self.model_path = path
+
+    def start_join(self, addr: str, port: int, rank: int, world: int, name: str,
+                   backend: str, timeout_s: float) -> concurrent.futures.Future:
+        """Start joining the trainer's weight-update group ``name`` on a thread of its own;
+        the returned future completes when the rendezvous succeeds or fails (at the latest
+        after ``timeout_s``). Raises :class:`Conflict` if ``name`` exists or is joining."""
+        if not 0 < timeout_s <= MAX_JOIN_TIMEOUT_S:
+            raise BadRequest(f"init_weights_update_group.timeout_s={timeout_s}: must be in "
+                             f"(0, {MAX_JOIN_TIMEOUT_S:g}]")
+        with self._groups_lock:
+            if name in self.groups:
+                raise BadRequest(f"init_weights_update_group.group_name={name!r}: "
+                                 "already initialised")
+            if name in self.joining:
+                raise Conflict(f"init_weights_update_group.group_name={name!r}: "
+                               "still joining")
+            self.joining.add(name)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+
+        def join():
+            try:
+                pg = init_update_group(addr, port, world, rank, name, backend, timeout_s)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting request
+                with self._groups_lock:
+                    self.joining.discard(name)
+                fut.set_exception(e)
+                return
+            with self._groups_lock:
+                self.groups[name] = pg
+                self.joining.discard(name)
+            fut.set_result(pg)
+
+        threading.Thread(target=join, name=f"join-{name}", daemon=True).start()
+        return fut
+
+    def group(self, name: str, where: str):
+        """The joined group ``name``: 409 while it is joining, 400 if it does not exist."""
+        with self._groups_lock:
+            if name in self.joining:
+                raise Conflict(f"{where}.group_name={name!r}: still joining (wait for "
+                               "/init_weights_update_group to answer)")
+            if name not in self.groups:
+                raise BadRequest(f"{where}.group_name={name!r}: not initialised "
+                                 "(call /init_weights_update_group first)")
+            return self.groups[name]
+
+    def destroy_group(self, name: str) -> None:
+        """Leave and destroy weight-update group ``name``."""
+        self.group(name, "destroy_weights_update_group")
+        with self._groups_lock:
+            pg = self.groups.pop(name)
+        destroy_update_group(pg)
+
+    def receive_distributed(self, name: str, names, dtypes, shapes, version,
+                            load: bool = True) -> None:
+        """Receive one bucket (one broadcast per tensor, root 0) and load it (unless
+        ``load`` is False: the tensors are received and dropped)."""
+        pg = self.group(name, "update_weights_from_distributed")
+        tensors = {}
+        for n, dt, shp in zip(names, dtypes, shapes):
+            t = torch.empty(tuple(shp), dtype=parse_dtype(dt))
+            broadcast_from_rank0(pg, t)
+            tensors[n] = t
+        if load:
+            self._assign(tensors, version)

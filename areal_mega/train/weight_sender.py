@@ -1,0 +1,215 @@
+"""Trainer side of the distributed weight update: bucket planning (pure) and the sender.
+
+The sender owns rank 0 of a process group shared with every rollout server (server i joins as
+rank 1 + i·tp through ``/init_weights_update_group``). For each bucket it POSTs
+``/update_weights_from_distributed {names, dtypes, shapes}`` to every server and, while those
+requests are in flight, broadcasts the bucket's tensors one by one (root 0) in the listed order,
+which is exactly what SGLang's receiver expects. Gloo on CPU, NCCL on GPU. The group itself is
+created the SGLang way (see :mod:`areal_mega.parallel.update_group`), so real SGLang servers and
+the CPU server both meet it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Callable, Iterable, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
+                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+                "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` or ``"torch.bfloat16"`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
+
+
+def tensor_nbytes(shape, dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype`` (name or torch dtype)."""
+    name = dtype_name(dtype)
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: unknown size; known: {sorted(_DTYPE_BYTES)}")
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * _DTYPE_BYTES[name]
+
+
+def iter_buckets(items: Iterable, size_of: Callable, bucket_bytes: int) -> Iterator[list]:
+    """Group ``items`` in order into consecutive buckets of at most ``bucket_bytes``; an item
+    larger than the budget gets a bucket of its own. Never yields an empty bucket."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: must be >= 1")
+    bucket, used = [], 0
+    for it in items:
+        sz = size_of(it)
+        if bucket and used + sz > bucket_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(it)
+        used += sz
+    if bucket:
+        yield bucket
+
+
+def plan_weight_buckets(named_shapes_dtypes: Iterable, bucket_bytes: int) -> list:
+    """Pure plan: ``[(name, shape, dtype), ...]`` -> list of buckets (lists of those triples),
+    order preserved, each bucket ≤ ``bucket_bytes`` unless a single tensor is larger.
+    Duplicate names are an error."""
+    items = [(n, tuple(int(d) for d in s), dtype_name(dt)) for n, s, dt in named_shapes_dtypes]
+    seen = set()
+    for n, _, _ in items:
+        if n in seen:
+            raise ValueError(f"plan_weight_buckets: duplicate tensor name {n!r}")
+        seen.add(n)
+    return list(iter_buckets(items, lambda it: tensor_nbytes(it[1], it[2]), bucket_bytes))
+
+
+def create_sender_group(master_address: str, master_port: int, world_size: int,
+                        group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
+    """Rank 0 of the weight-update group (hosts the TCP store), built exactly as SGLang builds
+    it (:func:`~areal_mega.parallel.update_group.init_update_group`). Does not touch the default
+    process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
+    until every server has joined."""
+    from areal_mega.parallel.update_group import init_update_group
+
+    return init_update_group(master_address, master_port, world_size, 0, group_name, backend,
+                             timeout_s)
+
+
+class DistributedWeightSender:
+    """Pushes HF-named tensors to every server over a broadcast group, bucket by bucket.
+
+    ``run_async(coro)`` must run a coroutine on the loop that owns ``client`` and return a
+    ``concurrent.futures.Future`` (the :class:`RolloutController` provides it); pass None to
+    run the client on a private event loop thread. ``group`` (a
+    :class:`~areal_mega.launch.plan.WeightGroup`) gives the world size and each server's rank
+    offset; the trainer builds it from the allocation string.
+    """
+
+    def __init__(self, client, *, master_address: str = "127.0.0.1",
+                 master_port: Optional[int] = None, backend: str = "gloo",
+                 group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
+                 group=None, run_async=None, timeout_s: float = 300.0):
+        from areal_mega.launch.plan import weight_update_group
+        from areal_mega.inference.process import find_free_port
+
+        self.client = client
+        self.master_address = master_address
+        self.master_port = master_port or find_free_port(master_address)
+        self.backend = backend
+        self.group_name = group_name
+        self.bucket_bytes = bucket_bytes
+        # world size and rank offsets: :func:`areal_mega.launch.plan.weight_update_group` (the
+        # launcher's arithmetic); without one, every server is a single rank (local backend)
+        self.group = group or weight_update_group(None, "local", len(client.servers))
+        self.timeout_s = timeout_s
+        self._own_loop = run_async is None
+        self._run_async = run_async or _private_loop()
+        self.pg = None
+        self.buckets_sent = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def connect(self) -> None:
+        """Create the group: POST ``/init_weights_update_group`` to every server and join as
+        rank 0 concurrently."""
+        fut = self._run_async(self.client.init_weights_update_group(
+            self.master_address, self.master_port, self.world_size, self.group_name,
+            self.backend, self.group.rank_offsets))
+        try:
+            self.pg = create_sender_group(
+                self.master_address, self.master_port, self.world_size, self.group_name,
+                self.backend, self.timeout_s)
+        except BaseException:
+            fut.cancel()
+            raise
+        fut.result(timeout=self.timeout_s)
+
+    def regroup(self, addrs: list, force: bool = False) -> bool:
+        """Form the group again for a new server list (elastic rollout: servers joined or
+        left): ``/destroy_weights_update_group`` on the current servers (best effort: a removed
+        one may be gone), destroy rank 0's side, then :meth:`connect` with world size
+        1 + len(addrs) x ranks per server on a fresh port. Returns False, doing nothing, when
+        ``addrs`` are already the group's servers, in order, unless ``force`` (a member was
+        relaunched and holds no group)."""
+        from areal_mega.launch.plan import WeightGroup
+        from areal_mega.rollout.client import _Server
+        from areal_mega.inference.process import find_free_port
+        from areal_mega.parallel.update_group import destroy_update_group
+
+        urls = [a if a.startswith("http") else f"http://{a}" for a in addrs]
+        if not urls:
+            raise ValueError("regroup: the weight-update group needs at least one server")
+        if urls == [s.addr for s in self.client.servers] and not force:
+            return False
+        try:
+            self._run_async(self.client.destroy_weights_update_group(self.group_name)).result(
+                timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - the survivors re-init below (and say so)
+            log.warning("destroying the old weight-update group: %s", e)
+        pg, self.pg = self.pg, None
+        destroy_update_group(pg)
+        self.client.servers = [_Server(u) for u in urls]
+        per = self.group.ranks_per_server
+        self.group = WeightGroup(1 + len(urls) * per, tuple(1 + i * per
+                                                            for i in range(len(urls))), per)
+        self.master_port = find_free_port(self.master_address)
+        self.connect()
+        log.info("weight-update group formed again: %d servers, world size %d", len(urls),
+                 self.world_size)
+        return True
+
+    def send(self, named_tensors: Iterable, weight_version: Optional[int] = None) -> int:
+        """Stream ``(hf_name, tensor)`` pairs to the servers in buckets; returns the number of
+        buckets. Tensors are sent contiguous, on the group's device, in their own dtype.
+        ``weight_version`` (if given) is attached to every bucket; the server reports it once
+        the last bucket has landed (attach it to the last bucket only if that matters)."""
+        from areal_mega.parallel.update_group import broadcast_from_rank0
+
+        if self.pg is None:
+            raise RuntimeError("DistributedWeightSender.send before connect()")
+        n = 0
+        for bucket in iter_buckets(named_tensors, lambda it: it[1].numel() *
+                                   it[1].element_size(), self.bucket_bytes):
+            names = [nm for nm, _ in bucket]
+            fut = self._run_async(self.client.update_weights_from_distributed(
+                names, [dtype_name(t.dtype) for _, t in bucket],
+                [list(t.shape) for _, t in bucket], self.group_name, weight_version))
+            try:
+                for _, t in bucket:
+                    broadcast_from_rank0(self.pg, t.detach().contiguous())
+            except BaseException:
+                fut.cancel()
+                raise
+            fut.result(timeout=self.timeout_s)
+            n += 1
+        self.buckets_sent += n
+        return n
+
+    def close(self) -> None:
+        """Destroy the group on this side (the servers keep theirs until
+        ``/destroy_weights_update_group``) and close the client if this sender owns its loop."""
+        from areal_mega.parallel.update_group import destroy_update_group
+
+        pg, self.pg = self.pg, None
+        destroy_update_group(pg)
+        if self._own_loop:
+            self._run_async(self.client.close()).result(timeout=30)
+
+
+def _private_loop():
+    """A background event loop thread; returns ``run_async(coro) -> Future``."""
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="weight-sync-loop", daemon=True).start()
+
+    def run_async(coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+    return run_async

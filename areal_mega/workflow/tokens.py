@@ -1,0 +1,68 @@
+"""Token sequences of one sample and prompt tokenisation, shared by the Workflow API
+(:mod:`areal_mega.workflow.api`) and the built-in workflows.
+
+Per-token fields follow the data-plane contract: ``loss_mask`` 1 only on generated tokens;
+``logprobs`` 0 and ``versions`` -1 on prompt and environment tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from areal_mega.dataplane import Trajectory
+
+
+@dataclass
+class TokenSeq:
+    """Growing per-token arrays of one sample."""
+    input_ids: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+
+    def add_context(self, ids) -> None:
+        """Prompt / environment tokens: not trained on."""
+        ids = list(ids)
+        self.input_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_generated(self, ids, logprobs, versions) -> None:
+        """Policy tokens with their behaviour logprobs and weight versions."""
+        assert len(ids) == len(logprobs) == len(versions)
+        self.input_ids += list(ids)
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += list(logprobs)
+        self.versions += list(versions)
+
+    def to_trajectory(self, *, reward: float, sample_id: str, group_id: str, prompt_len: int,
+                      finish_reason: str, server_id: str = "", meta: Optional[dict] = None):
+        """Freeze into a :class:`Trajectory` with the data-plane dtypes."""
+        return Trajectory(
+            input_ids=np.asarray(self.input_ids, dtype=np.int32),
+            loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32),
+            reward=float(reward), sample_id=sample_id, group_id=group_id,
+            prompt_len=int(prompt_len), finish_reason=finish_reason, created_at=time.time(),
+            server_id=server_id, meta=dict(meta or {}))
+
+
+def prompt_ids(tokenizer, item: dict, apply_chat_template: bool = True) -> list:
+    """Token ids of a prompt item (``input_ids`` as given, else the chat-templated ``prompt``)."""
+    if item.get("input_ids") is not None:
+        return [int(i) for i in item["input_ids"]]
+    if tokenizer is None:
+        raise ValueError("prompt item has no input_ids and no tokenizer was given")
+    text = item.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError(f"prompt item needs 'prompt' (str) or 'input_ids': {item!r:.200}")
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,69 @@
+"""The rollout engine's KV-cache batches: rows that join, decode and leave must get the logits
+of a plain full-sequence forward of each row alone."""
+import pytest
+import torch
+
+from areal_mega.models.tiny import make_tiny_model
+from areal_mega.inference.kv_cache import HFCacheBatch, StaticKVBatch, make_kv_batch
+
+
+def _model(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, seed=3)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _reference(model, seq):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("arch,kind", [("llama", StaticKVBatch), ("qwen2", StaticKVBatch),
+                                       ("qwen3_moe", StaticKVBatch), ("llama", HFCacheBatch)])
+def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
+    model = _model(tmp_path, arch)
+    if kind is StaticKVBatch:
+        assert isinstance(make_kv_batch(model), StaticKVBatch)
+    batch = kind(model)
+    g = torch.Generator().manual_seed(0)
+    seqs: list = []
+
+    def check(logits):
+        assert logits.shape[0] == len(seqs) == batch.rows
+        for row, seq in zip(logits, seqs):
+            torch.testing.assert_close(row, _reference(model, seq), atol=2e-5, rtol=1e-4)
+
+    def join(n, length, keep):
+        ids = torch.randint(3, 90, (n, length), generator=g)
+        with torch.no_grad():
+            logits, kv = batch.prefill(ids)
+        for row, seq in zip(logits, ids.tolist()):
+            torch.testing.assert_close(row, _reference(model, seq), atol=2e-5, rtol=1e-4)
+        batch.append(kv, keep)
+        seqs.extend(ids[i].tolist() for i in keep)
+
+    def step(times):
+        for _ in range(times):
+            toks = torch.randint(3, 90, (len(seqs),), generator=g).tolist()
+            for s, t in zip(seqs, toks):
+                s.append(t)
+            with torch.no_grad():
+                check(batch.decode(toks))
+
+    join(2, 5, [0, 1])
+    step(3)
+    join(3, 9, [0, 2])                  # a longer prompt joins rows already decoding
+    step(2)
+    keep = [3, 0, 2]                    # rows leave (and change order)
+    batch.select(keep)
+    seqs[:] = [seqs[i] for i in keep]
+    step(2)
+    join(1, 70, [0])                    # past the first cache capacity (64 columns)
+    step(2)
+    batch.select([])
+    assert batch.rows == 0
+    seqs.clear()
+    join(2, 4, [1])                     # an emptied batch takes new rows again
+    step(1)
