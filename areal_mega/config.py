@@ -14,6 +14,7 @@ from typing import Optional
 
 import yaml
 
+from areal_mega.config_checks import validate
 from areal_mega.config_schema import ConfigError, _build, _f, _merge, parse_overrides
 
 __all__ = ["ConfigError", "ExperimentConfig", "config_from_dict", "config_to_dict",
@@ -317,8 +318,6 @@ class ExperimentConfig:
 
 def config_from_dict(data: dict) -> ExperimentConfig:
     """Build and validate an :class:`ExperimentConfig` from a nested dict."""
-    from areal_mega.config_checks import validate   # cross-field rules
-
     cfg = _build(ExperimentConfig, data or {})
     validate(cfg)
     return cfg

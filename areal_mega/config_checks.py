@@ -12,7 +12,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.config import ConfigError, ExperimentConfig
+from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
+from areal_mega.config_schema import ConfigError
+from areal_mega.data.sources import check_sources
+from areal_mega.parallel.allocation import AllocationError, parse_allocation
+from areal_mega.security import check_remote_secret
 
 
 def model_context(model_path: str) -> Optional[tuple]:
@@ -59,12 +63,9 @@ def check_against_model(cfg) -> None:
             "rollout.max_new_tokens")
 
 
-def validate(cfg: ExperimentConfig) -> None:
-    """Cross-field rules that no single field can express."""
-    from areal_mega.parallel.allocation import AllocationError, parse_allocation
-    from areal_mega.data.sources import check_sources
-    from areal_mega.security import check_remote_secret
-
+def validate(cfg) -> None:
+    """Cross-field rules of an :class:`~areal_mega.config.ExperimentConfig` that no single
+    field can express."""
     try:
         parse_allocation(cfg.allocation)
     except AllocationError as e:
@@ -111,7 +112,7 @@ def _is_object_spec(spec: str) -> bool:
     return bool(sep and mod and name.isidentifier())
 
 
-def _check_critic(cfg: ExperimentConfig, gae: bool) -> None:
+def _check_critic(cfg, gae: bool) -> None:
     """The critic section against the estimator that uses it."""
     c = cfg.critic
     if cfg.mode != "rl":
@@ -134,7 +135,6 @@ def check_critic_model(cfg) -> None:
     """Raise one :class:`ConfigError` when ``critic.path`` (RL with a critic) is not an HF
     model directory (no ``config.json`` object there) or is a sequence-classification model
     with other than one label (a value model scores each token with one number)."""
-    from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
     c = cfg.critic
     if cfg.mode != "rl" or not c.enabled or not c.path:
         return

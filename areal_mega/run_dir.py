@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
+from areal_mega.dataplane.journal import TrajectoryJournal
+
 log = logging.getLogger(__name__)
 
 META_NAME = "areal_meta.json"
@@ -293,7 +295,6 @@ class RunDir:
         """Samples the trainer has accepted in this run's lineage: those counted by checkpoint
         ``ckpt`` (the one it resumes from; None for a fresh start) plus those in the journal
         segments written since."""
-        from areal_mega.dataplane.journal import TrajectoryJournal
 
         before = 0
         if ckpt is not None:

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.config_schema import ConfigError
+
 API_KEY_ENV = "AREAL_ROLLOUT_API_KEY"
 """Environment variable that hands the rollout API key to ``areal_mega.inference.server``
 (its ``--api-key`` defaults to it)."""
@@ -83,8 +85,6 @@ def check_remote_secret(cfg) -> None:
     """``dataplane.allow_remote=true`` without ``dataplane.secret`` would let anyone who reaches
     the port inject training samples or drive the rollout worker: one ConfigError naming both
     keys."""
-    from areal_mega.config import ConfigError
-
     if cfg.dataplane.allow_remote and not cfg.dataplane.secret:
         raise ConfigError("dataplane.allow_remote=true needs dataplane.secret: without a "
                           "shared secret anyone who reaches the data or control port could "

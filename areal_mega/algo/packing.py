@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from areal_mega.dataplane.trajectory import FINISH_REASONS
+
 #: Per-sequence [B] fields of a packed batch (everything else with a leading T is per-token).
 PER_SEQUENCE_KEYS = frozenset({
     "rewards", "group_index", "seq_no_eos", "prompt_lens", "response_lens", "sample_ids",
@@ -131,7 +133,6 @@ def with_algo_fields(packed: dict) -> dict:
     if "group_index" not in out and "group_ids" in out:
         out["group_index"] = group_index_of(out["group_ids"])
     if "seq_no_eos" not in out and "finish_codes" in out:
-        from areal_mega.dataplane.trajectory import FINISH_REASONS
         out["seq_no_eos"] = out["finish_codes"] == FINISH_REASONS.index("length")
     if "response_lens" not in out and "seqlens" in out and "prompt_lens" in out:
         out["response_lens"] = out["seqlens"] - out["prompt_lens"]

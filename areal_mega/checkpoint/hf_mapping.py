@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
 __all__ = ["UnsupportedModelError", "TensorMap", "Family", "FAMILIES", "read_arch",
@@ -209,7 +210,6 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
     archs = cfg.get("architectures") or []
     bad = [a for a in archs if a not in FAMILIES[mt].architectures]
     if value_model:
-        from areal_mega.checkpoint.value_model import value_model_problem
         problem = value_model_problem(cfg, FAMILIES[mt].architectures)
         if problem:
             raise UnsupportedModelError(f"{where}: {problem}")

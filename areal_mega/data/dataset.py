@@ -25,13 +25,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from areal_mega.data.errors import DataError
+from areal_mega.data.hf import is_hf_source, read_hf
+
 log = logging.getLogger(__name__)
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-class DataError(ValueError):
-    """A dataset problem; the message names the file, the line/row and the field."""
 
 
 # ----------------------------------------------------------------------------- reading files
@@ -40,7 +39,6 @@ class DataError(ValueError):
 def detect_format(path: str | Path, fmt: str = "auto") -> str:
     """``jsonl``, ``parquet`` or ``hf``: ``fmt`` unless ``auto``, else ``hf`` for an HF
     dataset (:func:`areal_mega.data.hf.is_hf_source`) or by the file suffix."""
-    from areal_mega.data.hf import is_hf_source
 
     if fmt not in ("auto", "jsonl", "parquet", "hf"):
         raise DataError(f"data.format={fmt!r}: must be one of ['auto', 'jsonl', 'parquet']")
@@ -93,7 +91,6 @@ def read_parquet(path: str | Path) -> list[dict]:
 
 def read_records(path: str | Path, fmt: str = "auto") -> list[dict]:
     """Read every record of a JSONL or parquet file (see :func:`detect_format`)."""
-    from areal_mega.data.hf import read_hf
 
     kind = detect_format(path, fmt)
     if kind == "hf":

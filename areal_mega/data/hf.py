@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.data.errors import DataError
+
 HF_PREFIX = "hf:"
 
 
@@ -36,7 +38,6 @@ def is_hf_source(path: str) -> bool:
 
 def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str]:
     """``hf:owner/name[:config][@split]`` -> (name, config or None, split)."""
-    from areal_mega.data.dataset import DataError
 
     if not spec.startswith(HF_PREFIX):
         raise DataError(f"{spec!r}: an HF dataset is written hf:owner/name[:config][@split]")
@@ -49,7 +50,6 @@ def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str]:
 
 def read_hf(path: str) -> list[dict]:
     """Every row of an HF dataset (hub spec or saved directory) as a dict."""
-    from areal_mega.data.dataset import DataError
 
     try:
         import datasets

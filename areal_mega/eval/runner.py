@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from areal_mega.data.dataset import DataError, PromptDataset
 from areal_mega.rollout.client import RolloutRequestError, sampling_dict
 from areal_mega.rollout.controller import model_finish
 
@@ -25,7 +26,6 @@ def load_eval_items(paths: Sequence[str], tokenizer, *, prompt_key: str = "promp
     ``source`` is the record's ``source`` field when it has one, else the file's stem. Errors
     (a missing file or field) are :class:`~areal_mega.data.dataset.DataError` naming the file
     and line."""
-    from areal_mega.data.dataset import DataError, PromptDataset
 
     if not paths:
         raise DataError("no evaluation data files given")

@@ -16,6 +16,11 @@ import time
 import uuid
 from typing import Callable, Optional
 
+from areal_mega.data.sources import resolve_sources
+from areal_mega.eval.runner import evaluate, load_eval_items
+from areal_mega.eval.scores import flat_metrics, summarize
+from areal_mega.rewards import load_reward_fn
+
 log = logging.getLogger(__name__)
 
 
@@ -41,8 +46,6 @@ class WorkerEvaluator:
         ``reward_kwargs``), any other with ``rollout.reward_fn``. Raises ``DataError`` for a
         bad file and ``ValueError`` for a bad reward path, so a misconfigured run fails at
         start."""
-        from areal_mega.eval.runner import load_eval_items
-        from areal_mega.rewards import load_reward_fn
 
         e, d, r = cfg.eval, cfg.data, cfg.rollout
         if not e.every_steps or not e.data:
@@ -54,8 +57,6 @@ class WorkerEvaluator:
         log.info("evaluation set: %d prompts from %s", len(items), e.data)
         per_source = {}
         if not e.reward_fn and d.sources:
-            from areal_mega.data.sources import resolve_sources
-
             for spec in resolve_sources(d, r.reward_fn):
                 fn = load_reward_fn(spec.reward_fn)
                 per_source[spec.name] = (functools.partial(fn, **spec.reward_kwargs)
@@ -67,8 +68,6 @@ class WorkerEvaluator:
                    timeout_s=r.request_timeout_s, reward_fns=per_source)
 
     async def _records(self, client, version: int) -> list:
-        from areal_mega.eval.runner import evaluate
-
         return await evaluate(client, self.items, self.tokenizer, self.reward_fn,
                               rid_prefix=f"eval-v{version}-{uuid.uuid4().hex[:6]}",
                               reward_fns=self.reward_fns, **self.settings)
@@ -79,7 +78,6 @@ class WorkerEvaluator:
         ``controller`` its client and loop are used and its version must be ``version``
         (``ValueError`` otherwise: the servers would serve other weights); without one (the
         worker has not started generating yet) a client from ``make_client()`` is used."""
-        from areal_mega.eval.scores import flat_metrics, summarize
 
         t0 = time.time()
         if controller is not None:

@@ -92,6 +92,13 @@ class EpisodeContext:
             self.ctl.reward_errors += 1
             return 0.0
 
+    def at_close(self, close) -> None:
+        """Run the coroutine function ``close()`` on the controller's loop as it ends (once,
+        however often it is registered): how a workflow stops what it started on the loop,
+        e.g. the OpenAI-compatible endpoint."""
+        if close not in self.ctl._closers:
+            self.ctl._closers.append(close)
+
     async def run_blocking(self, fn, *args, **kw):
         """Run ``fn(*args, **kw)`` in the controller's thread pool."""
         loop = asyncio.get_running_loop()
@@ -128,6 +135,7 @@ class RolloutController:
                                                            thread_name_prefix="rollout-reward")
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
+        self._closers: list = []                    # run on the loop as it ends (at_close)
         self._error_lock = threading.Lock()
         self._order: deque = deque()                # started, not delivered group indices
         self._finished: dict = {}                   # group index -> list[Trajectory]
@@ -164,8 +172,8 @@ class RolloutController:
                 log.exception("rollout controller loop died")
                 self._set_error(e)
             finally:
-                from areal_mega.workflow.openai_server import close_shared_server
-                self._loop.run_until_complete(close_shared_server())
+                for close in self._closers:
+                    self._loop.run_until_complete(close())
                 self._loop.run_until_complete(self.client.close())
                 self._loop.close()
 

@@ -24,6 +24,7 @@ import numpy as np
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.trajectories import filter_trajectories, trajectory_advantages
 from areal_mega.dataplane.trajectory import Trajectory
+from areal_mega.scheduler import plan_micro_batches
 from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
 
 @dataclass
@@ -123,7 +124,6 @@ def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
               cp_size: int) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics."""
-    from areal_mega.scheduler import plan_micro_batches
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
                                          max_response_len=cfg.rollout.max_new_tokens)

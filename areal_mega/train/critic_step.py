@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.algo.advantages import EPS, compute_advantages
-from areal_mega.dataplane.trajectory import FINISH_REASONS
 from areal_mega.algo.value_loss import finalize_value_stats, make_value_loss
+from areal_mega.dataplane.trajectory import FINISH_REASONS
+from areal_mega.run_dir import iter_dir_name
 from areal_mega.train import batches
 
 __all__ = ["build_critic", "init_critic", "load_critic", "save_critic", "critic_root",
@@ -66,7 +67,6 @@ def load_critic(critic, ckpt_root, step: int) -> None:
     """Restore the critic saved with the actor checkpoint of ``step``; a FileNotFoundError
     names the missing directory (a run checkpointed without a critic)."""
     from areal_mega.checkpoint.dist_ckpt import load_checkpoint
-    from areal_mega.run_dir import iter_dir_name
 
     path = critic_root(ckpt_root) / iter_dir_name(step)
     if not path.is_dir():

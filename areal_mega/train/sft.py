@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from areal_mega.algo.policy_loss import check_devices
+from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
+from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 
 
@@ -38,8 +40,6 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
 
 def run_sft(s) -> None:
     """Train ``cfg.total_steps`` SFT steps on ``data.train_path``; export the HF model."""
-    from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
-    from areal_mega.scheduler import plan_micro_batches
     from areal_mega.scheduler.packing import pack_sequences
     from areal_mega.train.weights import export_hf_dir
 

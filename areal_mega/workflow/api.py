@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from areal_mega.dataplane import Trajectory
+from areal_mega.workflow.episode_export import export_completions
+from areal_mega.workflow.openai_client import OpenAICompatClient
+from areal_mega.workflow.openai_server import close_session, close_shared_server, shared_server
 from areal_mega.workflow.tokens import TokenSeq, prompt_ids
 
 log = logging.getLogger(__name__)
@@ -83,8 +86,6 @@ class SampleContext:
         (:class:`~areal_mega.workflow.openai_client.OpenAICompatClient`); every completion it
         returns is recorded with its exact tokens for the trajectory."""
         if self._client is None:
-            from areal_mega.workflow.openai_client import OpenAICompatClient
-
             self._client = OpenAICompatClient(self.generate, self.tokenizer,
                                               default_max_tokens=self.max_new_tokens)
         return self._client
@@ -92,14 +93,13 @@ class SampleContext:
     async def openai_endpoint(self) -> tuple:
         """``(base_url, api_key)`` of the OpenAI-compatible HTTP endpoint for this sample (the
         server starts on first use); calls made with this key are recorded on ``client``."""
-        from areal_mega.workflow.openai_server import shared_server
 
         srv = await shared_server(self.settings.openai_port)
+        self.group.at_close(close_shared_server)
         return srv.base_url, srv.open_session(self.client)
 
     def close_endpoint(self, api_key: str) -> None:
         """Forget the key given by :meth:`openai_endpoint` (later calls get 401)."""
-        from areal_mega.workflow.openai_server import close_session
 
         close_session(api_key)
 
@@ -177,8 +177,6 @@ class EpisodeWorkflow:
                                 "all Trajectory")
             return list(res)
         if isinstance(res, (int, float)) and not isinstance(res, bool):
-            from areal_mega.workflow.episode_export import export_completions
-
             return export_completions(s, float(res), s.client.records,
                                       discount=self.settings.turn_discount)
         raise TypeError(f"{type(self).__name__}.episode returned {type(res).__name__}; "

@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol
 
 from areal_mega.common.loading import load_object
+from areal_mega.rewards import load_reward_fn
 from areal_mega.workflow.api import (EpisodeWorkflow, SampleContext, WorkflowSettings,
-                                             build_workflow)
+                                     build_workflow)
 from areal_mega.workflow.tokens import TokenSeq, prompt_ids
 
 __all__ = ["RLVRWorkflow", "MultiTurnWorkflow", "RetryEnvironment", "TokenSeq", "prompt_ids",
@@ -120,7 +121,6 @@ def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None) -> Any:
     """Build the workflow named by ``rollout.workflow``: ``rlvr`` | ``multi_turn`` (with
     ``rollout.reward_fn``), or a user's ``package.module:Name`` | ``path/to/file.py:Name``
     built with ``rollout.workflow_kwargs`` (see :func:`workflow_api.build_workflow`)."""
-    from areal_mega.rewards import load_reward_fn
 
     settings = WorkflowSettings(max_new_tokens=rollout_cfg.max_new_tokens,
                                 openai_port=rollout_cfg.openai_port,

@@ -12,6 +12,8 @@ import functools
 
 from areal_mega.data.dataset import PromptDataset
 from areal_mega.data.sources import MultiSourceCursor, resolve_sources
+from areal_mega.rewards import load_reward_fn
+from areal_mega.workflow.builtin import workflow_from_config
 
 
 class SourceRoutedWorkflow:
@@ -32,8 +34,6 @@ class SourceRoutedWorkflow:
 
 def build_multitask(cfg, tokenizer, start: int = 0, env_factory=None):
     """(cursor, workflow) for ``cfg.data.sources``, the cursor resumed at global draw ``start``."""
-    from areal_mega.rewards import load_reward_fn
-    from areal_mega.workflow.builtin import workflow_from_config
 
     d = cfg.data
     specs = resolve_sources(d, cfg.rollout.reward_fn)

@@ -150,8 +150,8 @@ def close_session(api_key: str) -> None:
 
 
 async def close_shared_server() -> None:
-    """Stop the endpoint of the running loop, if one was started (the controller calls this
-    as its loop ends)."""
+    """Stop the endpoint of the running loop, if one was started (registered with the
+    controller's ``at_close`` when a sample first asks for it)."""
     task = _SERVERS.pop(asyncio.get_running_loop(), None)
     if task is not None and task.done() and not task.exception():
         await task.result().close()
