@@ -256,3 +256,13 @@ def test_one_place_replaces_files_and_one_picks_free_ports():
                           if isinstance(n, ast.FunctionDef) and "free_port" in n.name)
     assert [h.split(":")[0] for h in port_helpers] == ["common/net.py"] * len(port_helpers), \
         port_helpers
+
+
+def test_the_one_step_walk_in_the_design_doc_names_at_most_20_real_files():
+    doc = (PKG.parent / "docs" / "design.md").read_text()
+    walk = doc.split("## One RL step, file by file", 1)[1].split("\n## ", 1)[0]
+    steps = [line for line in walk.splitlines() if line[:1].isdigit() and ". `" in line]
+    files = [line.split("`")[1] for line in steps]
+    assert 10 <= len(files) <= 20, files
+    missing = [f for f in files if not (PKG / f).is_file()]
+    assert not missing, missing
