@@ -89,6 +89,9 @@ class BatchedEngine:
         self.weight_version = weight_version
         self._cv = threading.Condition()
         self._waiting: deque[GenRequest] = deque()
+        # taken off the queue, not prefilled yet: pause and abort must see these too, or a
+        # request admitted as a pause arrives runs on into the next weights under the old version
+        self._admitting: list[GenRequest] = []
         self._commands: deque = deque()
         self._paused = False
         self._stop = False
@@ -116,19 +119,24 @@ class BatchedEngine:
         """Mark request ``rid`` (or every request when None) aborted; returns how many."""
         n = 0
         with self._cv:
-            for r in list(self._waiting) + list(self._active):
+            for r in self._queued_and_running():
                 if rid is None or r.rid == rid:
                     r.aborted, r.abort_message = True, message
                     n += 1
             self._cv.notify_all()
         return n
 
+    def _queued_and_running(self) -> list:
+        """Every unfinished request once (call with ``self._cv`` held)."""
+        reqs = {id(r): r for r in [*self._waiting, *self._admitting, *self._active]}
+        return [r for r in reqs.values() if r.finish_reason is None]
+
     def pause(self) -> None:
         """Abort every running and waiting request (they return their partial output with
         ``finish_reason.type == "abort"``) and hold new ones until :meth:`resume`."""
         with self._cv:
             self._paused = True
-            for r in list(self._waiting) + list(self._active):
+            for r in self._queued_and_running():
                 r.aborted, r.abort_message = True, "generation paused"
             self._cv.notify_all()
 
@@ -204,6 +212,7 @@ class BatchedEngine:
                     while self._waiting and room > 0:
                         admit.append(self._waiting.popleft())
                         room -= 1
+                self._admitting = admit
             for r in aborted_waiting:
                 r._finish({"type": "abort", "message": r.abort_message})
             if stop:
@@ -218,6 +227,8 @@ class BatchedEngine:
                 cmd()
             try:
                 self._prefill_admitted(admit)
+                with self._cv:
+                    self._admitting = []
                 self._retire_aborted()
                 if self._active:
                     self._decode_step()
@@ -225,6 +236,8 @@ class BatchedEngine:
                 log.exception("engine step failed")
                 for r in self._active + admit:
                     r._finish({"type": "abort", "message": f"engine error: {e}"})
+                with self._cv:
+                    self._admitting = []
                 self._reset_batch()
 
     def _reset_batch(self) -> None:
@@ -245,7 +258,9 @@ class BatchedEngine:
         batched forward gives each row exactly what a forward of that prompt alone gives."""
         by_len: dict = {}
         for r in admit:
-            if r.params.max_new_tokens == 0:
+            if r.aborted:
+                r._finish({"type": "abort", "message": r.abort_message})
+            elif r.params.max_new_tokens == 0:
                 r._finish({"type": "length", "length": 0})
             else:
                 by_len.setdefault(len(r.input_ids), []).append(r)
