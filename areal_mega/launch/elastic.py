@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from typing import Optional
 
+from areal_mega.common.files import atomic_write
 from areal_mega.launch.plan import ServerSlot, find_free_ports
 from areal_mega.launch.supervisor import ProcessSpec
 from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
@@ -80,12 +80,11 @@ class ScaleService:
                                     secret=cfg.dataplane.secret).start()
 
     def _save(self) -> None:
-        """Write the member addresses for a relaunched rollout worker (atomically)."""
-        f = self.paths.rollout_servers_file
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"addrs": [m["addr"] for m in self.members.values()],
-                                   "ids": list(self.members)}))
-        os.replace(tmp, f)
+        """Write the member addresses for a relaunched rollout worker (atomically; durable
+        too, as it changes only when servers join or leave)."""
+        atomic_write(self.paths.rollout_servers_file,
+                     json.dumps({"addrs": [m["addr"] for m in self.members.values()],
+                                 "ids": list(self.members)}), durable=True)
 
     def close(self) -> None:
         """Stop answering and close the sockets."""

@@ -1,0 +1,105 @@
+"""areal_mega.common: atomic file writes, free ports, readiness probes (real files and
+sockets, nothing mocked)."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from areal_mega.common.files import atomic_open, atomic_write, fsync_path
+
+
+def _names(d) -> set:
+    return set(os.listdir(d))
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_atomic_write_replaces_content_and_leaves_no_temp(tmp_path, durable):
+    p = tmp_path / "state.json"
+    p.write_text("old")
+    assert atomic_write(p, "new ü", durable=durable) == p
+    assert p.read_text(encoding="utf-8") == "new ü"
+    atomic_write(p, b"\x00\x01bytes", durable=durable)
+    assert p.read_bytes() == b"\x00\x01bytes"
+    assert _names(tmp_path) == {"state.json"}
+
+
+def test_atomic_write_creates_a_missing_file(tmp_path):
+    atomic_write(tmp_path / "fresh", "x", durable=True)
+    assert (tmp_path / "fresh").read_text() == "x"
+    assert _names(tmp_path) == {"fresh"}
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_failure_midway_keeps_old_content_and_removes_temp(tmp_path, durable):
+    p = tmp_path / "buffer.bin"
+    p.write_bytes(b"old content")
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with atomic_open(p, "wb", durable=durable) as f:
+            f.write(b"half of the new")
+            f.flush()
+            # the half-written temp file sits next to the target, the target is untouched
+            assert len(_names(tmp_path)) == 2 and p.read_bytes() == b"old content"
+            raise Boom()
+    assert p.read_bytes() == b"old content"
+    assert _names(tmp_path) == {"buffer.bin"}
+
+
+def test_failing_write_of_a_str_keeps_old_content(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("old")
+    with pytest.raises(TypeError):
+        atomic_write(p, ["not", "bytes"], durable=False)   # f.write raises inside the helper
+    assert p.read_text() == "old"
+    assert _names(tmp_path) == {"t.txt"}
+
+
+def test_private_mode_is_0600_whatever_the_umask_and_replaces_a_readable_file(tmp_path):
+    p = tmp_path / "secret.yaml"
+    p.write_text("public")
+    os.chmod(p, 0o644)
+    old = os.umask(0)   # the most permissive umask: the mode must still be exactly 0600
+    try:
+        atomic_write(p, "api-key: k", durable=True, mode=0o600)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert p.read_text() == "api-key: k"
+
+
+def test_private_mode_is_set_before_anything_is_written(tmp_path):
+    p = tmp_path / "secret"
+    with atomic_open(p, "w", durable=True, file_mode=0o600) as f:
+        tmp = [n for n in _names(tmp_path) if n.endswith(".tmp")]
+        assert len(tmp) == 1
+        assert stat.S_IMODE((tmp_path / tmp[0]).stat().st_mode) == 0o600
+        f.write("k")
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_default_mode_follows_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "f", "x", durable=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o640
+
+
+def test_atomic_open_refuses_append_and_read_modes(tmp_path):
+    for mode in ("a", "r", "r+b"):
+        with pytest.raises(ValueError, match="whole file"):
+            with atomic_open(tmp_path / "f", mode, durable=False):
+                pass
+    assert _names(tmp_path) == set()
+
+
+def test_fsync_path_takes_files_and_directories(tmp_path):
+    (tmp_path / "f").write_text("x")
+    fsync_path(tmp_path / "f")
+    fsync_path(tmp_path)
