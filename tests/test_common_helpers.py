@@ -2,12 +2,18 @@
 sockets, nothing mocked)."""
 from __future__ import annotations
 
+import ast
+import http.server
 import os
+import socket
 import stat
+import threading
+from pathlib import Path
 
 import pytest
 
 from areal_mega.common.files import atomic_open, atomic_write, fsync_path
+from areal_mega.common.net import free_port, free_ports, http_ready, tcp_ready
 
 
 def _names(d) -> set:
@@ -103,3 +109,92 @@ def test_fsync_path_takes_files_and_directories(tmp_path):
     (tmp_path / "f").write_text("x")
     fsync_path(tmp_path / "f")
     fsync_path(tmp_path)
+
+
+# ----------------------------------------------------------------------------------- ports
+def test_free_ports_are_distinct_and_bindable():
+    ports = free_ports(8)
+    assert len(ports) == 8 and len(set(ports)) == 8
+    socks = []
+    try:
+        for p in ports:   # every one at the same time
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", p))
+            s.listen()
+    finally:
+        for s in socks:
+            s.close()
+    assert free_ports(0) == []
+
+
+def test_free_port_is_bindable_on_the_given_host():
+    p = free_port("127.0.0.1")
+    assert 0 < p < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))
+
+
+# ---------------------------------------------------------------------------------- probes
+def test_tcp_ready_true_with_a_listener_false_without():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        assert tcp_ready("127.0.0.1", port)() is True
+    assert tcp_ready("127.0.0.1", port, timeout=0.5)() is False
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """``/ok`` answers 200, ``/loading`` 503, ``/missing`` 404; ``/secret`` 200 only with the
+    bearer key, else 401."""
+
+    def do_GET(self):
+        code = {"/ok": 200, "/loading": 503, "/missing": 404}.get(self.path)
+        if self.path == "/secret":
+            code = 200 if self.headers.get("Authorization") == "Bearer k3y" else 401
+        self.send_response(code or 500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_base():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(timeout=5)
+
+
+def test_http_ready_against_a_real_server(http_base):
+    assert http_ready(f"{http_base}/ok")()
+    assert http_ready(f"{http_base}/missing")()          # up: any status below 500
+    assert not http_ready(f"{http_base}/loading")()      # 503 while loading: not yet
+    assert http_ready(f"{http_base}/ok", healthy=True)()
+    assert not http_ready(f"{http_base}/missing", healthy=True)()
+    assert http_ready(f"{http_base}/secret", api_key="k3y", healthy=True)()
+    assert not http_ready(f"{http_base}/secret", api_key="wrong", healthy=True)()
+    assert not http_ready(f"{http_base}/secret", healthy=True)()
+
+
+def test_http_ready_false_when_nothing_listens_or_the_url_is_bad():
+    port = free_port()
+    assert not http_ready(f"http://127.0.0.1:{port}/health", timeout=0.5)()
+    with pytest.raises(ValueError):
+        http_ready("not a url")
+
+
+def test_common_imports_nothing_else_from_areal_mega():
+    pkg = Path(__file__).resolve().parents[1] / "areal_mega" / "common"
+    for f in sorted(pkg.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.level == 0}
+        assert not {m for m in mods if m.split(".")[0] == "areal_mega"}, (f.name, mods)

@@ -30,7 +30,8 @@ import time
 from typing import Optional
 
 from areal_mega.common.files import atomic_write
-from areal_mega.launch.plan import ServerSlot, find_free_ports
+from areal_mega.common.net import free_ports
+from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.supervisor import ProcessSpec
 from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 
@@ -146,7 +147,7 @@ class ScaleService:
             n_gpus, per_server, trainer_gpus = self.gpu_info
             used = set(trainer_gpus) | {g for m in self.members.values() for g in m["gpus"]}
             gpus = free_gpus(n_gpus, used, per_server, n)
-        ports = find_free_ports(n, self.host)
+        ports = free_ports(n, self.host)
         started = []
         for g, port in zip(gpus, ports):
             sid = self._new_id("rollout")
