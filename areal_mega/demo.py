@@ -16,21 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from areal_mega.common.net import free_port
+
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
 MODEL = dict(arch="llama", charset="digits", hidden_size=128, num_layers=2, num_heads=4,
              num_kv_heads=4, intermediate_size=256, tie_word_embeddings=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 0,
@@ -130,7 +125,7 @@ def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None) -> tupl
     data = [f"data.train_path={run / 'data' / 'train.jsonl'}",
             f"data.test_path={run / 'data' / 'test.jsonl'}"]
     t0 = time.time()
-    env_sft = dict(env, MASTER_PORT=str(_free_port()))
+    env_sft = dict(env, MASTER_PORT=str(free_port()))
     _run([sys.executable, "-m", "areal_mega.trainer", "--config", RECIPE, "mode=sft",
           f"model.path={base}", f"logging.run_dir={run / 'sft'}", f"total_steps={sft_steps}",
           "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "recover=off",

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from areal_mega.common.files import atomic_write
+
 METRICS_FILE = "metrics.jsonl"
 # Keys the trainer is expected to log every step (issue 8); others are welcome.
 STANDARD_KEYS = ("step", "version", "reward/mean", "loss", "ppo_kl", "mismatch",
@@ -56,20 +58,14 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def truncate_metrics(path: str | Path, max_step: int) -> int:
-    """Rewrite ``path`` atomically keeping records with ``step <= max_step``; returns how many
-    records were removed (torn lines included)."""
+    """Rewrite ``path`` atomically and durably (like the fsync'd appends) keeping records with
+    ``step <= max_step``; returns how many records were removed (torn lines included)."""
     p = Path(path)
     if not p.exists():
         return 0
     total = sum(1 for _ in p.open("r", encoding="utf-8"))
     keep = [r for r in read_metrics(p) if r["step"] <= max_step]
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in keep:
-            f.write(json.dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(p)
+    atomic_write(p, "".join(json.dumps(r) + "\n" for r in keep), durable=True)
     return total - len(keep)
 
 

@@ -16,11 +16,10 @@ No torch, no zmq: every process may import it.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.common.files import atomic_write
 from areal_mega.config_schema import ConfigError
 
 API_KEY_ENV = "AREAL_ROLLOUT_API_KEY"
@@ -38,32 +37,13 @@ def holds_secret(resolved: dict) -> bool:
 
 
 def write_run_file(path, text: str, *, private: bool) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary file in the same directory, then
-    rename). ``private=True`` creates it with mode 0600, so no other user can read it at any
-    moment, and replaces a file that was readable before; otherwise the mode follows the umask.
-    Returns the path."""
+    """Write ``text`` to ``path`` atomically and durably (fsync'd: a resumed run reads it back;
+    :func:`areal_mega.common.files.atomic_write`). ``private=True`` creates it with mode 0600
+    (set before any byte is written), so no other user can read it at any moment, and replaces
+    a file that was readable before; otherwise the mode follows the umask. Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        if private:
-            os.fchmod(fd, PRIVATE_MODE)
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return atomic_write(path, text, durable=True, mode=PRIVATE_MODE if private else None)
 
 
 def write_sglang_key_file(path, api_key: str) -> Path:

@@ -10,17 +10,11 @@ Each writes a JSON result to stdout's last line.
 import json
 import logging
 import math
-import socket
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from areal_mega.common.net import free_port  # noqa: E402  (needs the sys.path entry above)
 
 
 def _setup(work):
@@ -35,7 +29,7 @@ def _setup(work):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     mesh = ParallelMesh.create(ParallelDims(), timeout_s=120, rank=0, world_size=1,
-                               init_method=f"tcp://127.0.0.1:{_free_port()}")
+                               init_method=f"tcp://127.0.0.1:{free_port()}")
     arch = hm.read_arch(Path(work) / "hf")
     chunks, cfg = build_model_chunks(arch, mesh, seed=3)
     ddp = [DDP(cfg, DistributedDataParallelConfig(), c) for c in chunks]

@@ -4,7 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.multirank import free_port, run_ranks
+from areal_mega.common.net import free_port
+from tests.multirank import run_ranks
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -10,7 +10,6 @@ COEF · Σ_mb aux_mb · T_mb / Σ_mb T_mb from the router inputs recorded during
 """
 import json
 import os
-import socket
 import sys
 import traceback
 
@@ -58,6 +57,7 @@ def main():
     out_path = sys.argv[1]
     res = {}
     try:
+        from areal_mega.common.net import free_port
         from areal_mega.config import ModelConfig, OptimizerConfig
         from areal_mega.engine import MegatronEngine
         from areal_mega.parallel.allocation import ParallelDims
@@ -65,11 +65,8 @@ def main():
         from areal_mega.scheduler.packing import pack_sequences
         from areal_mega.train.batches import next_token_layout
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         mesh = ParallelMesh.create(ParallelDims(), rank=0, world_size=1, timeout_s=120,
-                                   init_method=f"tcp://127.0.0.1:{port}")
+                                   init_method=f"tcp://127.0.0.1:{free_port()}")
         engines = {}
         for coef in (COEF, 0.0):
             engines[coef] = MegatronEngine(

@@ -7,13 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.launch.plan import find_free_ports
-
-
-def free_port() -> int:
-    """A loopback TCP port that is free right now (for ``init_process_group``'s store)."""
-    return find_free_ports(1)[0]
-
 
 def run_ranks(argvs: list, *, timeout: float, env=None, cwd=None) -> list:
     """Start one process per argv, wait for each (``timeout`` seconds per rank) and return

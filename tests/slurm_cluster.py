@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from areal_mega.launch.plan import find_free_ports
+from areal_mega.common.net import free_ports
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "sinfo")
 
@@ -88,7 +88,7 @@ class SlurmCluster:
                                f"--pid-file={munge / 'pid'}", f"--log-file={munge / 'log'}",
                                f"--seed-file={munge / 'seed'}"])
         poll(sock.exists, 30, "munged socket")
-        ports = find_free_ports(1 + len(self.nodes))
+        ports = free_ports(1 + len(self.nodes))
         self.conf.write_text(self._config(sock, ports[0], ports[1:]))
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for n in self.nodes:

@@ -13,9 +13,10 @@ import torch
 
 from areal_mega.checkpoint.convert import convert_hf_to_mcore
 from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
+from areal_mega.common.net import free_port
 from areal_mega.config import ConfigError, load_config
 from areal_mega.config_checks import check_against_model
-from tests.multirank import free_port, rank_results, run_ranks
+from tests.multirank import rank_results, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "score_critic_worker.py")
 SEQ_LENS = (7, 12, 4)

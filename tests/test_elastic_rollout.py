@@ -6,7 +6,6 @@ tokens tagged with the trainer's version are exactly its weights' tokens, the st
 holds, bad scale requests change nothing, and the run finishes with its servers stopped."""
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from areal_mega.common.net import free_port
 from areal_mega.metrics import plot_metrics
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.run_dir import RunDir
@@ -47,12 +47,6 @@ def _server_alive(port):
         if "areal_mega.inference.server" in " ".join(cmd) and str(port) in cmd:
             return p
     return None
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
@@ -126,7 +120,7 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
 
         # bad requests: a clear error, nothing changes
         for args, words in [(("--remove", "nope"), "unknown server id 'nope'"),
-                            (("--add-addr", f"127.0.0.1:{_free_port()}"), "unreachable"),
+                            (("--add-addr", f"127.0.0.1:{free_port()}"), "unreachable"),
                             (("--remove", "rollout1"), "last server")]:
             rc, err = _scale(run, *args)
             assert rc == 1 and words in err, (args, rc, err)

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from tests.multirank import free_port, rank_results, run_ranks
+from areal_mega.common.net import free_port
+from tests.multirank import rank_results, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "cp_loss_worker.py")
 #: fp32 sums of the same terms in another order (per shard, then across the 2 ranks)

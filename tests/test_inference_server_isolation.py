@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from areal_mega.common.net import free_port
 from areal_mega.models.tiny import make_tiny_model
-from areal_mega.inference.process import LocalServerProcess, find_free_port, launch_local_servers
+from areal_mega.inference.process import LocalServerProcess, launch_local_servers
 from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
 from tests.rollout_helpers import API_KEY
 
@@ -265,7 +266,7 @@ def test_pending_group_join_blocks_nothing_and_sigterm_exits(model):
     weight load and generation answer; using or re-joining a joining group is 409; an
     unbounded timeout_s is 400; SIGTERM stops the server without waiting for the joins."""
     srv = LocalServerProcess(str(model), api_key=API_KEY).wait_ready(120)
-    closed_port = find_free_port()
+    closed_port = free_port()
     pending = ThreadPoolExecutor(4)
     try:
         join = {"master_address": "127.0.0.1", "master_port": closed_port, "rank_offset": 1,

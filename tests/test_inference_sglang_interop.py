@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_mega.common.net import free_port
 from areal_mega.rollout.client import RolloutClient
-from areal_mega.inference.process import find_free_port
 from areal_mega.train.weight_sender import DistributedWeightSender, plan_weight_buckets
 from tests.rollout_helpers import (API_KEY, models, run, server,  # noqa: F401 (fixtures)
                                    teacher_forced_logprobs)
@@ -64,7 +64,7 @@ def wait_http_ok(addr, path, proc, deadline_s=120):
 def test_our_sender_to_sglang_style_receiver(models, tmp_path):
     """DistributedWeightSender (connect + bucketed send) against SGLang's group creation and
     receive loop: every tensor of model B arrives bit-exact, bucket by bucket."""
-    port = find_free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sglang_style_peer.py")),
                              "--port", str(port), "--out-dir", str(tmp_path),
                              "--group-timeout-s", str(GROUP_TIMEOUT_S)])
@@ -100,7 +100,7 @@ def test_sglang_style_sender_to_our_server(server, models):
     """A trainer doing what AReaL's does (its /init_weights_update_group payload with a string
     master_port, SGLang's group creation as rank 0, its /update_weights_from_distributed payload
     with abort_all_requests, one broadcast(src=0) per tensor) updates our server to model B."""
-    port = find_free_port()
+    port = free_port()
     group = "interop_from_sglang"
     pool = concurrent.futures.ThreadPoolExecutor(2)
     # areal/engine/sglang_remote.py SGLangBackend.build_init_weights_group_request (PP = 1)

@@ -254,11 +254,11 @@ def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
     delivery blocks. SIGTERM then still ends the worker by itself (exit 143) within
     cluster.kill_grace_s, where the supervisor would SIGKILL it; before the fix the blocked
     delivery thread held the exit forever."""
-    from areal_mega.launch.plan import find_free_ports
+    from areal_mega.common.net import free_port
 
     model, data = assets
     run = tmp_path / "run"
-    port = find_free_ports(1, "127.0.0.1")[0]
+    port = free_port("127.0.0.1")
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
     server = subprocess.Popen([sys.executable, "-m", "areal_mega.inference.server",
                                "--model-path", str(model), "--port", str(port)], env=env,

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from areal_mega.common.net import free_ports
 from areal_mega.config import ConfigError, ModelHParams, load_config
 from areal_mega.launch import local
 from areal_mega.launch.memory import (KNOWN_MODELS, count_params, estimate_memory,
                                       hparams_from_hf_config, known_model_key)
-from areal_mega.launch.plan import assign_ports, find_free_ports, plan_layout
+from areal_mega.launch.plan import assign_ports, plan_layout
 from areal_mega.parallel.allocation import ParallelDims, parse_allocation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +173,7 @@ def test_layout_multi_node_and_errors():
 
 def test_ports():
     assert assign_ports(3, 8000, taken={8001}) == [8000, 8002, 8003]
-    ports = find_free_ports(3)
+    ports = free_ports(3)
     assert len(set(ports)) == 3 and all(1024 <= p <= 65535 for p in ports)
 
 

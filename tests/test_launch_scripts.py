@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_mega.launch.plan import find_free_ports
+from areal_mega.common.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_launch"
@@ -21,7 +21,7 @@ def test_scripts_parse():
 def test_torchrun_sh_joins_external_servers(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "AREAL_MEGA_TRAINER_MODULE": "fake_trainer",
            "FAKE_TRAINER_MODE": "echo", "PYTHONPATH": os.pathsep.join([str(FIX), str(ROOT)]),
-           "MASTER_PORT": str(find_free_ports(1)[0]), "CUDA_VISIBLE_DEVICES": "",
+           "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
            "AREAL_MEGA_ROLLOUT_WORKER_MODULE": "fake_rollout_worker",
            "FAKE_PID_DIR": str(tmp_path)}
     r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "recipes/tiny-cpu.yaml",

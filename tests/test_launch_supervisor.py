@@ -15,9 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from areal_mega.common.net import free_port, tcp_ready
 from areal_mega.launch import local
-from areal_mega.launch.plan import find_free_ports
-from areal_mega.launch.probes import tcp_ready
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.run_dir import find_latest
 
@@ -84,7 +83,7 @@ def test_main_done_stops_services(tmp_path):
 
 
 def test_kill9_of_a_child_stops_all(tmp_path, cleanup):
-    port = find_free_ports(1)[0]
+    port = free_port()
     sup = Supervisor([ProcessSpec("server", CHILD + ["listen", str(port)],
                                   ready=tcp_ready("127.0.0.1", port), ready_timeout_s=30),
                       ProcessSpec("victim", CHILD + ["sleep"]),
@@ -155,7 +154,7 @@ def test_server_dying_before_ready_is_an_error(tmp_path):
 
 DRIVER = textwrap.dedent("""
     import sys
-    from areal_mega.launch.probes import tcp_ready
+    from areal_mega.common.net import tcp_ready
     from areal_mega.launch.supervisor import ProcessSpec, Supervisor
     child, logs, port, d = sys.argv[1:5]
     cmd = [sys.executable, child]
@@ -169,7 +168,7 @@ DRIVER = textwrap.dedent("""
 
 
 def test_sigint_to_supervisor_leaves_nothing(tmp_path, cleanup):
-    port = find_free_ports(1)[0]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(FIX / "children.py"),
                              str(tmp_path / "logs"), str(port), str(tmp_path)], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -3,12 +3,12 @@
 One 2-process launch runs every check; each rank saves its results and the parent compares.
 """
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from areal_mega.common.net import free_port
 from tests.ops_helpers import ensure_cpu_extension
 
 T, V, TP = 40, 3002, 2
@@ -60,15 +60,9 @@ def _worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_equals_tp1(tmp_path):
     ensure_cpu_extension()
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=TP,
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=TP,
                        start_method="spawn", join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(TP)]
     for i, (backend, dtype, temp) in enumerate(CASES):

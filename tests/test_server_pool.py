@@ -4,7 +4,6 @@ mid-generation has its requests resumed elsewhere from their partial output (tok
 their versions and are the teacher-forced tokens of the weights that made them); a drained
 server finishes its requests; bad requests change nothing."""
 import shutil
-import socket
 import time
 import urllib.request
 import json
@@ -12,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from areal_mega.common.net import free_port
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.inference.process import launch_local_servers
@@ -41,12 +41,6 @@ def tokens_generated(addr) -> int:
                                  headers={"Authorization": f"Bearer {API_KEY}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)["tokens_generated"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond, timeout=120):

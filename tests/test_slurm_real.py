@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.launch.plan import find_free_ports
+from areal_mega.common.net import free_ports
 from tests.slurm_cluster import SlurmCluster, job_processes, missing_binaries, poll
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_cpu_recipe_runs_is_cancelled_cleanly_and_resumes(cluster, assets, tmp_p
 
 def test_multi_node_branch_on_two_nodes(cluster, assets, tmp_path):
     model, data = assets
-    port, master = find_free_ports(2)
+    port, master = free_ports(2)
     run, out = tmp_path / "run", tmp_path / "job.out"
     env = _job_env(FIX)
     env.update(AREAL_MEGA_TRAINER_MODULE="fake_trainer", MASTER_PORT=str(master),

@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from tests.multirank import free_port, rank_results, run_ranks
+from areal_mega.common.net import free_port
+from tests.multirank import rank_results, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "_distribute_worker.py")
 

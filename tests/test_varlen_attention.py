@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 
+from areal_mega.common.net import free_port
 from areal_mega.engine.packed import block_causal_mask
 from areal_mega.models.varlen_attention import varlen_causal_attention
-from tests.multirank import free_port, run_ranks
+from tests.multirank import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "_varlen_worker.py")
 TOL = 1e-5

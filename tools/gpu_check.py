@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,9 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from areal_mega.common.net import free_port, tcp_ready  # noqa: E402  (tools/ is sys.path[0])
+
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 NO_CUDA_MSG = ("gpu_check: torch ({torch}) sees no CUDA device. This check needs one CUDA GPU "
                "and torch built with CUDA (python: {python}). Use --dry-run to list the steps.")
@@ -80,12 +82,6 @@ def run_logged(cmd: List[str], log: Path, *, env: Optional[dict] = None, timeout
         tail = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or [""]
         raise StepFailed(f"exit {rc}: {tail[0][:80]} (log: {log})")
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------ steps
@@ -145,7 +141,7 @@ def step_train(step: Step, work: Path) -> None:
                 f"model.path={work / 'base_model'}", f"logging.run_dir={run_dir}",
                 "total_steps=5", "optimizer.lr=1e-3", "optimizer.warmup_steps=0",
                 "checkpoint.save_every=0", *_common(work)], work / "train_bf16.log",
-               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                     "AREAL_MEGA_OPS_BACKEND": "native"})
     rows = _last_metrics(run_dir / "metrics.jsonl")
     if not rows:
@@ -159,20 +155,18 @@ def step_e2e(step: Step, work: Path) -> None:
     model = work / "sft" / "hf_model"
     if not (model / "config.json").exists():
         model = work / "base_model"
-    port = _free_port()
+    port = free_port()
     server_log = open(work / "e2e_server.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "areal_mega.inference.server", "--model-path", str(model),
          "--port", str(port)], cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
-        deadline = time.time() + 180
+        deadline, ready = time.time() + 180, tcp_ready("127.0.0.1", port)
         while time.time() < deadline and server.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            if ready():
                 break
-            except OSError:
-                time.sleep(0.5)
+            time.sleep(0.5)
         else:
             raise StepFailed(f"local rollout server did not start (log: {server_log.name})")
         run_dir = work / "rl"

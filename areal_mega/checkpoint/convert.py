@@ -18,7 +18,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -30,6 +29,7 @@ from areal_mega.checkpoint.dist_ckpt import (HF_AUX_FILES, HF_SUBDIR, Checkpoint
                                              atomic_save_sharded, resolve_checkpoint)
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
 from areal_mega.checkpoint.verify import read_meta
+from areal_mega.common.net import free_port
 
 __all__ = ["convert_hf_to_mcore", "convert_mcore_to_hf", "check_layout", "rss_bytes",
            "peak_rss_bytes", "reset_peak_rss"]
@@ -92,12 +92,6 @@ def check_layout(arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[i
             raise hm.UnsupportedModelError(f"{where}: layout does not fit: {rule} != 0")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process_mesh():
     import torch.distributed as dist
     from areal_mega.parallel.allocation import ParallelDims
@@ -106,7 +100,7 @@ def _single_process_mesh():
     if dist.is_initialized() and dist.get_world_size() != 1:
         raise RuntimeError("the offline converters run in a single process (world size 1)")
     return ParallelMesh.create(ParallelDims(), timeout_s=120, rank=0, world_size=1,
-                               init_method=f"tcp://127.0.0.1:{_free_port()}")
+                               init_method=f"tcp://127.0.0.1:{free_port()}")
 
 
 def _meta_sharded_state_dict(arch):

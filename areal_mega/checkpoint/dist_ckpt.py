@@ -40,6 +40,7 @@ from areal_mega.checkpoint.distopt_state import (distopt_load_state, distopt_sha
                                                  distributed_optimizers)
 from areal_mega.checkpoint.verify import (CheckpointError, gather_all, read_meta,
                                           verify_checkpoint, verify_collective)
+from areal_mega.common.files import atomic_write, fsync_path
 from areal_mega.run_dir import (ITER_RE, META_NAME, complete_checkpoints, find_latest,
                                 iter_dir_name)
 
@@ -75,29 +76,11 @@ def _barrier():
         dist.barrier()
 
 
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for fn in files:
-            _fsync_path(Path(dirpath) / fn)
-        _fsync_path(Path(dirpath), directory=True)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent, directory=True)
+            fsync_path(Path(dirpath) / fn)
+        fsync_path(dirpath)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +147,7 @@ def latest_verified(root) -> Optional[Path]:
                                    p, dst.name, cand)
                 except OSError as e:
                     logger.warning("could not move corrupt checkpoint %s aside: %s", p, e)
-            _atomic_write_text(root / "latest", cand.name + "\n")
+            atomic_write(root / "latest", cand.name + "\n", durable=True)
         _barrier()
         _JUST_VERIFIED.add(str(cand))
         return cand
@@ -232,10 +215,10 @@ def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
             json.dump(m, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(tmp, directory=True)
+        fsync_path(tmp)
         os.rename(tmp, final)
-        _fsync_path(root, directory=True)
-        _atomic_write_text(root / "latest", final.name + "\n")
+        fsync_path(root)
+        atomic_write(root / "latest", final.name + "\n", durable=True)
         if keep_last:
             prune_checkpoints(root, keep_last)
     _barrier()

@@ -21,6 +21,8 @@ import random
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.common.files import atomic_write
+
 TASKS = ("reverse", "add", "arith")
 
 
@@ -65,14 +67,11 @@ def make_examples(task: str, n: int, seed: int = 0, *, exclude: Optional[set] = 
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> Path:
+    """Write ``records`` to ``path`` as JSON lines, atomically (not durably: generated data is
+    written again by rerunning the generator). Returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    tmp.replace(p)
-    return p
+    return atomic_write(p, "".join(json.dumps(r) + "\n" for r in records), durable=False)
 
 
 def write_task_files(out_dir: str | Path, task: str = "reverse", n_train: int = 4096,

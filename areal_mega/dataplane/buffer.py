@@ -27,12 +27,12 @@ from __future__ import annotations
 import collections
 import hashlib
 import itertools
-import os
 import threading
 from typing import Iterable, Optional
 
 import msgpack
 
+from areal_mega.common.files import atomic_open
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.dataplane.wire import WireError, decode_trajectory, encode_record
 
@@ -250,7 +250,8 @@ class TrajectoryBuffer:
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str) -> None:
-        """Atomically write pending samples and the dedup window to ``path`` (no pickle)."""
+        """Atomically and durably (fsync'd) write pending samples and the dedup window to
+        ``path`` (no pickle)."""
         with self._cond:
             samples = [t for g in self._groups.values() for t in g.samples]
             state = {"format": "areal-mega-trajectory-buffer", "version": _FORMAT_VERSION,
@@ -261,27 +262,12 @@ class TrajectoryBuffer:
                                   "dropped_stale": self.dropped_stale}}
             packer = msgpack.Packer(use_bin_type=True)
             records = [encode_record(t, packer) for t in samples]
-        d = os.path.dirname(os.path.abspath(path))
-        tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}")
         h = hashlib.sha256()
-        try:
-            with open(tmp, "wb") as f:
-                for chunk in [_MAGIC, packer.pack(state)] + records:
-                    h.update(chunk)
-                    f.write(chunk)
-                f.write(h.digest())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        with atomic_open(path, "wb", durable=True) as f:
+            for chunk in [_MAGIC, packer.pack(state)] + records:
+                h.update(chunk)
+                f.write(chunk)
+            f.write(h.digest())
 
     @classmethod
     def load(cls, path: str, *, max_pending: Optional[int] = None,

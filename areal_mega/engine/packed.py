@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from areal_mega.scheduler.packing import zigzag_index  # noqa: F401 (re-exported)
+from areal_mega.scheduler.packing import zigzag_shard_bounds as shard_bounds  # noqa: F401
 
 __all__ = ["slot_offsets", "micro_batch_labels", "segment_ids_from_cu", "block_causal_mask",
            "zigzag_index", "zigzag_split", "zigzag_merge", "shard_bounds", "cp_token_index"]
@@ -82,21 +83,6 @@ def zigzag_merge(shards: Sequence[torch.Tensor], bounds: Sequence[int], total: i
     for r, part in enumerate(shards):
         idx = zigzag_index(bounds, total, cp, r).to(part.device)
         out.index_copy_(dim, idx, part)
-    return out
-
-
-def shard_bounds(bounds: Sequence[int], cp_size: int) -> list[int]:
-    """Slot offsets inside one CP rank's share (see :func:`zigzag_index`).
-
-    Every segment is cut into ``2·cp_size`` equal chunks and a rank keeps two of them, one
-    after the other, so slot ``b`` of the full batch (``[bounds[b], bounds[b+1])``) becomes
-    ``[bounds[b] / cp_size, bounds[b+1] / cp_size)`` of every rank's share."""
-    out = []
-    for b in bounds:
-        if b % (2 * cp_size if cp_size > 1 else 1):
-            raise ValueError(f"slot offset {b} is not a multiple of 2*cp_size={2 * cp_size}; "
-                             f"pack with cp_size={cp_size}")
-        out.append(int(b) // cp_size)
     return out
 
 

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from areal_mega.common.files import atomic_write
+
 
 def is_hf_dir(path: Path) -> bool:
     """Whether ``path`` is an HF model directory (config.json and safetensors weights)."""
@@ -172,9 +174,8 @@ def main(argv=None) -> dict:
               "records": records}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, out)
+    # not durable: nothing reads it back on recovery; a lost file is one rerun
+    atomic_write(out, json.dumps(result, indent=1) + "\n", durable=False)
     print(format_table(summary))
     print(f"[eval] {len(records)} prompts x {args.n_samples} samples in {seconds:.1f} s; "
           f"results: {out}")

@@ -8,22 +8,16 @@ and returns handles that kill their process (and only it) on :meth:`LocalServerP
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Optional
+
+from areal_mega.common.net import free_port, http_ready
 
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+find_free_port = free_port   # the old name, still imported by train/weight_sender.py
 
 
 def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", tp: int = 1,
@@ -66,7 +60,7 @@ class LocalServerProcess:
                  max_running: int = 64, log_path: Optional[str] = None,
                  extra_args: Optional[list] = None):
         """``extra_args``: more command-line flags of the server (e.g. ``--idle-timeout``)."""
-        self.host, self.port = host, port or find_free_port(host)
+        self.host, self.port = host, port or free_port(host)
         self.addr = f"{host}:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "areal_mega.inference.server", "--model-path",
@@ -82,19 +76,14 @@ class LocalServerProcess:
     def wait_ready(self, timeout: float = 120.0) -> "LocalServerProcess":
         """Block until ``GET /health`` answers 200; raise if the process died or timed out."""
         deadline = time.monotonic() + timeout
-        req = urllib.request.Request(f"http://{self.addr}/health")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
+        healthy = http_ready(f"http://{self.addr}/health", timeout=2, api_key=self.api_key,
+                             healthy=True)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"local rollout server on {self.addr} exited with code "
                                    f"{self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
+            if healthy():
+                return self
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"local rollout server on {self.addr} not ready after {timeout}s")

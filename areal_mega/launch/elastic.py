@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from typing import Optional
 
-from areal_mega.launch.plan import ServerSlot, find_free_ports
+from areal_mega.common.files import atomic_write
+from areal_mega.common.net import free_ports
+from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.supervisor import ProcessSpec
 from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 
@@ -80,12 +81,11 @@ class ScaleService:
                                     secret=cfg.dataplane.secret).start()
 
     def _save(self) -> None:
-        """Write the member addresses for a relaunched rollout worker (atomically)."""
-        f = self.paths.rollout_servers_file
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"addrs": [m["addr"] for m in self.members.values()],
-                                   "ids": list(self.members)}))
-        os.replace(tmp, f)
+        """Write the member addresses for a relaunched rollout worker (atomically; durable
+        too, as it changes only when servers join or leave)."""
+        atomic_write(self.paths.rollout_servers_file,
+                     json.dumps({"addrs": [m["addr"] for m in self.members.values()],
+                                 "ids": list(self.members)}), durable=True)
 
     def close(self) -> None:
         """Stop answering and close the sockets."""
@@ -147,7 +147,7 @@ class ScaleService:
             n_gpus, per_server, trainer_gpus = self.gpu_info
             used = set(trainer_gpus) | {g for m in self.members.values() for g in m["gpus"]}
             gpus = free_gpus(n_gpus, used, per_server, n)
-        ports = find_free_ports(n, self.host)
+        ports = free_ports(n, self.host)
         started = []
         for g, port in zip(gpus, ports):
             sid = self._new_id("rollout")

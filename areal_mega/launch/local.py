@@ -35,14 +35,14 @@ from typing import Optional
 
 import yaml
 
+from areal_mega.common.net import free_ports, http_ready
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
                                       rollout_memory)
-from areal_mega.launch.plan import (Layout, WeightGroup, find_free_ports, plan_layout,
+from areal_mega.launch.plan import (Layout, WeightGroup, plan_layout,
                                     weight_update_group)
-from areal_mega.launch.probes import http_ready
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.inference.process import build_sglang_command
@@ -219,7 +219,7 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     external = bool(cfg.rollout.server_addrs)
     alloc = parse_allocation(cfg.allocation)
     n = 0 if external or alloc.rollout is None else alloc.rollout.dp
-    layout = make_layout(cfg, device, ports=find_free_ports(n, host))
+    layout = make_layout(cfg, device, ports=free_ports(n, host))
     if layout.n_nodes > 1 and device != "cpu" and (len(set(s.node for s in layout.servers)
                                                        | set(layout.trainer_nodes)) > 1):
         raise ConfigError(f"cluster.n_nodes={cfg.cluster.n_nodes}: launch.local runs one "

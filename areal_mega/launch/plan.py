@@ -15,7 +15,6 @@ On CPU (``cluster.device=cpu``) everything runs on node 0 as processes; GPU ids 
 from __future__ import annotations
 
 import math
-import socket
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -230,21 +229,6 @@ def assign_ports(n: int, base: int, taken: Optional[set] = None) -> list:
             out.append(p)
         p += 1
     return out
-
-
-def find_free_ports(n: int, host: str = "127.0.0.1") -> list:
-    """``n`` distinct ports that are free right now (the OS picks; a tiny race remains)."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def gpus_needed(alloc: Allocation, external: bool = False) -> int:

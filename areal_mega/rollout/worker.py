@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from areal_mega.common.files import atomic_write
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.server_pool import pool_metrics
 from areal_mega.run_dir import RunDir, checkpoint_iteration
@@ -101,12 +102,6 @@ class StampedWorkflow:
     def stats(self) -> dict:
         """The inner workflow's counters (e.g. failed agent runs), for ``stats``."""
         return self.inner.stats() if hasattr(self.inner, "stats") else {}
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 class RolloutWorker:
@@ -192,8 +187,10 @@ class RolloutWorker:
             for t in group:
                 self.sender.send(t)
             nxt = self.cursor.delivered(int(group[0].meta["prompt_index"]))
-            _atomic_json(self.state_path, {"next_prompt": nxt, "drawn": self.cursor.drawn,
-                                           "time": time.time()})
+            # durable: a torn file after a machine crash would stop the resume (an fsync per
+            # delivered group is small next to generating the group)
+            state = {"next_prompt": nxt, "drawn": self.cursor.drawn, "time": time.time()}
+            atomic_write(self.state_path, json.dumps(state), durable=True)
 
     def start_controller(self, version: int) -> None:
         """Create and start the :class:`~areal_mega.rollout.controller.RolloutController` with

@@ -264,13 +264,34 @@ def zigzag_index(bounds: Sequence[int], total: int, cp_size: int, cp_rank: int) 
     n = 2 * cp_size
     parts = []
     for lo, hi in zip(segs[:-1], segs[1:]):
-        if (hi - lo) % n:
-            raise PackingError(f"segment [{lo}, {hi}) is not a multiple of 2*cp_size={n}; "
-                               f"pack with cp_size={cp_size}")
-        c = (hi - lo) // n
+        c = _zigzag_chunk(lo, hi, cp_size)
         for k in (cp_rank, n - 1 - cp_rank):
             parts.append(torch.arange(lo + k * c, lo + (k + 1) * c))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _zigzag_chunk(lo: int, hi: int, cp_size: int) -> int:
+    """Length of each of the ``2·cp_size`` chunks of segment ``[lo, hi)``, checked."""
+    n = 2 * cp_size
+    if (hi - lo) % n:
+        raise PackingError(f"segment [{lo}, {hi}) is not a multiple of 2*cp_size={n}; "
+                           f"pack with cp_size={cp_size}")
+    return (hi - lo) // n
+
+
+def zigzag_shard_bounds(bounds: Sequence[int], cp_size: int) -> list[int]:
+    """Slot offsets inside one CP rank's share (:func:`zigzag_index`).
+
+    A rank keeps two of the ``2·cp_size`` equal chunks of every segment, one after the other,
+    so slot ``b`` of the full batch (``[bounds[b], bounds[b+1])``) becomes
+    ``[bounds[b] / cp_size, bounds[b+1] / cp_size)`` of every rank's share."""
+    if cp_size == 1:
+        return [int(b) for b in bounds]
+    lo = 0
+    for b in bounds:
+        _zigzag_chunk(lo, int(b), cp_size)
+        lo = int(b)
+    return [int(b) // cp_size for b in bounds]
 
 
 def zigzag_cp_shard(packed: Mapping[str, Any], cp_rank: int, cp_size: int) -> dict[str, Any]:

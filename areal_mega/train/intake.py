@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.common.files import atomic_write
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
 from areal_mega.dataplane.journal import ReplayStats, TrajectoryJournal
@@ -138,7 +139,8 @@ class TrajectoryIntake:
 
 
 def truncate_jsonl(path: str | os.PathLike, step: int) -> None:
-    """Drop lines whose ``step`` is greater than ``step`` (rolled back by a resume)."""
+    """Drop lines whose ``step`` is greater than ``step`` (rolled back by a resume); the
+    rewrite is atomic and durable, like the fsync'd appends of ``record_trained``."""
     path = Path(path)
     if not path.exists():
         return
@@ -149,6 +151,4 @@ def truncate_jsonl(path: str | os.PathLike, step: int) -> None:
                 keep.append(line)
         except json.JSONDecodeError:
             break  # a torn last line
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
+    atomic_write(path, "".join(k + "\n" for k in keep), durable=True)

@@ -1,0 +1,200 @@
+"""areal_mega.common: atomic file writes, free ports, readiness probes (real files and
+sockets, nothing mocked)."""
+from __future__ import annotations
+
+import ast
+import http.server
+import os
+import socket
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from areal_mega.common.files import atomic_open, atomic_write, fsync_path
+from areal_mega.common.net import free_port, free_ports, http_ready, tcp_ready
+
+
+def _names(d) -> set:
+    return set(os.listdir(d))
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_atomic_write_replaces_content_and_leaves_no_temp(tmp_path, durable):
+    p = tmp_path / "state.json"
+    p.write_text("old")
+    assert atomic_write(p, "new ü", durable=durable) == p
+    assert p.read_text(encoding="utf-8") == "new ü"
+    atomic_write(p, b"\x00\x01bytes", durable=durable)
+    assert p.read_bytes() == b"\x00\x01bytes"
+    assert _names(tmp_path) == {"state.json"}
+
+
+def test_atomic_write_creates_a_missing_file(tmp_path):
+    atomic_write(tmp_path / "fresh", "x", durable=True)
+    assert (tmp_path / "fresh").read_text() == "x"
+    assert _names(tmp_path) == {"fresh"}
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_failure_midway_keeps_old_content_and_removes_temp(tmp_path, durable):
+    p = tmp_path / "buffer.bin"
+    p.write_bytes(b"old content")
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with atomic_open(p, "wb", durable=durable) as f:
+            f.write(b"half of the new")
+            f.flush()
+            # the half-written temp file sits next to the target, the target is untouched
+            assert len(_names(tmp_path)) == 2 and p.read_bytes() == b"old content"
+            raise Boom()
+    assert p.read_bytes() == b"old content"
+    assert _names(tmp_path) == {"buffer.bin"}
+
+
+def test_failing_write_of_a_str_keeps_old_content(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("old")
+    with pytest.raises(TypeError):
+        atomic_write(p, ["not", "bytes"], durable=False)   # f.write raises inside the helper
+    assert p.read_text() == "old"
+    assert _names(tmp_path) == {"t.txt"}
+
+
+def test_private_mode_is_0600_whatever_the_umask_and_replaces_a_readable_file(tmp_path):
+    p = tmp_path / "secret.yaml"
+    p.write_text("public")
+    os.chmod(p, 0o644)
+    old = os.umask(0)   # the most permissive umask: the mode must still be exactly 0600
+    try:
+        atomic_write(p, "api-key: k", durable=True, mode=0o600)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert p.read_text() == "api-key: k"
+
+
+def test_private_mode_is_set_before_anything_is_written(tmp_path):
+    p = tmp_path / "secret"
+    with atomic_open(p, "w", durable=True, file_mode=0o600) as f:
+        tmp = [n for n in _names(tmp_path) if n.endswith(".tmp")]
+        assert len(tmp) == 1
+        assert stat.S_IMODE((tmp_path / tmp[0]).stat().st_mode) == 0o600
+        f.write("k")
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_default_mode_follows_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "f", "x", durable=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o640
+
+
+def test_atomic_open_refuses_append_and_read_modes(tmp_path):
+    for mode in ("a", "r", "r+b"):
+        with pytest.raises(ValueError, match="whole file"):
+            with atomic_open(tmp_path / "f", mode, durable=False):
+                pass
+    assert _names(tmp_path) == set()
+
+
+def test_fsync_path_takes_files_and_directories(tmp_path):
+    (tmp_path / "f").write_text("x")
+    fsync_path(tmp_path / "f")
+    fsync_path(tmp_path)
+
+
+# ----------------------------------------------------------------------------------- ports
+def test_free_ports_are_distinct_and_bindable():
+    ports = free_ports(8)
+    assert len(ports) == 8 and len(set(ports)) == 8
+    socks = []
+    try:
+        for p in ports:   # every one at the same time
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", p))
+            s.listen()
+    finally:
+        for s in socks:
+            s.close()
+    assert free_ports(0) == []
+
+
+def test_free_port_is_bindable_on_the_given_host():
+    p = free_port("127.0.0.1")
+    assert 0 < p < 65536
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))
+
+
+# ---------------------------------------------------------------------------------- probes
+def test_tcp_ready_true_with_a_listener_false_without():
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+        assert tcp_ready("127.0.0.1", port)() is True
+    assert tcp_ready("127.0.0.1", port, timeout=0.5)() is False
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """``/ok`` answers 200, ``/loading`` 503, ``/missing`` 404; ``/secret`` 200 only with the
+    bearer key, else 401."""
+
+    def do_GET(self):
+        code = {"/ok": 200, "/loading": 503, "/missing": 404}.get(self.path)
+        if self.path == "/secret":
+            code = 200 if self.headers.get("Authorization") == "Bearer k3y" else 401
+        self.send_response(code or 500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_base():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(timeout=5)
+
+
+def test_http_ready_against_a_real_server(http_base):
+    assert http_ready(f"{http_base}/ok")()
+    assert http_ready(f"{http_base}/missing")()          # up: any status below 500
+    assert not http_ready(f"{http_base}/loading")()      # 503 while loading: not yet
+    assert http_ready(f"{http_base}/ok", healthy=True)()
+    assert not http_ready(f"{http_base}/missing", healthy=True)()
+    assert http_ready(f"{http_base}/secret", api_key="k3y", healthy=True)()
+    assert not http_ready(f"{http_base}/secret", api_key="wrong", healthy=True)()
+    assert not http_ready(f"{http_base}/secret", healthy=True)()
+
+
+def test_http_ready_false_when_nothing_listens_or_the_url_is_bad():
+    port = free_port()
+    assert not http_ready(f"http://127.0.0.1:{port}/health", timeout=0.5)()
+    with pytest.raises(ValueError):
+        http_ready("not a url")
+
+
+def test_common_imports_nothing_else_from_areal_mega():
+    pkg = Path(__file__).resolve().parents[1] / "areal_mega" / "common"
+    for f in sorted(pkg.glob("*.py")):
+        tree = ast.parse(f.read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.level == 0}
+        assert not {m for m in mods if m.split(".")[0] == "areal_mega"}, (f.name, mods)
