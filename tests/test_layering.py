@@ -2,7 +2,8 @@
 
 ``rollout/`` and ``dataplane/`` run in the rollout worker and must not pull in the trainer
 (``train/``, ``trainer``); ``run_dir`` and the pure planners are imported by every process and
-must not import torch.distributed.
+must not import torch.distributed. The trainer (``train/``) takes the weight-update group from
+``parallel/``, not from the launcher.
 """
 from __future__ import annotations
 
@@ -33,9 +34,17 @@ def test_rollout_and_dataplane_import_nothing_from_the_trainer(layer):
     assert not bad, sorted(bad)
 
 
+def test_the_trainer_imports_nothing_from_the_launcher():
+    files = sorted((PKG / "train").rglob("*.py"))
+    assert files
+    bad = {f"{f.relative_to(PKG)}: {m}" for f in files for m in _imports(f)
+           if m.startswith("areal_mega.launch")}
+    assert not bad, sorted(bad)
+
+
 @pytest.mark.parametrize("module", ["run_dir.py", "parallel/allocation.py",
-                                    "scheduler/planner.py", "launch/plan.py",
-                                    "rollout/staleness.py"])
+                                    "parallel/weight_group.py", "scheduler/planner.py",
+                                    "launch/plan.py", "rollout/staleness.py"])
 def test_pure_modules_do_not_import_torch_distributed(module):
     mods = _imports(PKG / module)
     assert not {m for m in mods if m.startswith("torch")}, mods

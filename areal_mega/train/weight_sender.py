@@ -85,7 +85,7 @@ class DistributedWeightSender:
     ``run_async(coro)`` must run a coroutine on the loop that owns ``client`` and return a
     ``concurrent.futures.Future`` (the :class:`RolloutController` provides it); pass None to
     run the client on a private event loop thread. ``group`` (a
-    :class:`~areal_mega.launch.plan.WeightGroup`) gives the world size and each server's rank
+    :class:`~areal_mega.parallel.weight_group.WeightGroup`) gives the world size and each server's rank
     offset; the trainer builds it from the allocation string.
     """
 
@@ -93,7 +93,7 @@ class DistributedWeightSender:
                  master_port: Optional[int] = None, backend: str = "gloo",
                  group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
                  group=None, run_async=None, timeout_s: float = 300.0):
-        from areal_mega.launch.plan import weight_update_group
+        from areal_mega.parallel.weight_group import weight_update_group
         from areal_mega.inference.process import find_free_port
 
         self.client = client
@@ -102,8 +102,8 @@ class DistributedWeightSender:
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
-        # world size and rank offsets: :func:`areal_mega.launch.plan.weight_update_group` (the
-        # launcher's arithmetic); without one, every server is a single rank (local backend)
+        # world size and rank offsets: the launcher's arithmetic (parallel.weight_group);
+        # without a group, every server is a single rank (local backend)
         self.group = group or weight_update_group(None, "local", len(client.servers))
         self.timeout_s = timeout_s
         self._own_loop = run_async is None
@@ -137,7 +137,6 @@ class DistributedWeightSender:
         1 + len(addrs) x ranks per server on a fresh port. Returns False, doing nothing, when
         ``addrs`` are already the group's servers, in order, unless ``force`` (a member was
         relaunched and holds no group)."""
-        from areal_mega.launch.plan import WeightGroup
         from areal_mega.rollout.client import _Server
         from areal_mega.inference.process import find_free_port
         from areal_mega.parallel.update_group import destroy_update_group
@@ -155,9 +154,7 @@ class DistributedWeightSender:
         pg, self.pg = self.pg, None
         destroy_update_group(pg)
         self.client.servers = [_Server(u) for u in urls]
-        per = self.group.ranks_per_server
-        self.group = WeightGroup(1 + len(urls) * per, tuple(1 + i * per
-                                                            for i in range(len(urls))), per)
+        self.group = self.group.resized(len(urls))
         self.master_port = find_free_port(self.master_address)
         self.connect()
         log.info("weight-update group formed again: %d servers, world size %d", len(urls),
