@@ -8,6 +8,7 @@ must not import torch.distributed. The trainer (``train/``) takes the weight-upd
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,14 @@ def test_the_trainer_imports_nothing_from_the_launcher():
 def test_pure_modules_do_not_import_torch_distributed(module):
     mods = _imports(PKG / module)
     assert not {m for m in mods if m.startswith("torch")}, mods
+
+
+def test_only_the_client_touches_its_private_members():
+    """Relaunch tolerance, elastic membership and the weight sender use the client's public
+    methods and hooks (:mod:`areal_mega.rollout.hooks`), never its internals."""
+    private = re.compile(r"\._(pick|call|check_one|broadcast|sticky|servers|find|mark_down)\b"
+                         r"|\b_Server\b")
+    bad = [f"{f.relative_to(PKG)}:{i}: {line.strip()}"
+           for f in sorted(PKG.rglob("*.py")) if f != PKG / "rollout" / "client.py"
+           for i, line in enumerate(f.read_text().splitlines(), 1) if private.search(line)]
+    assert not bad, bad
