@@ -6,10 +6,13 @@
 - An import inside a function is kept only where the imported module pulls in a heavy
   dependency (:data:`HEAVY`) at import time; everything else is imported at the top.
 - ``run_dir`` and the pure planners are imported by every process and must not import torch.
+- Only ``rollout/client.py`` touches the client's private members; ``train/`` takes the
+  weight-update group from ``parallel/``, not from the launcher.
 """
 from __future__ import annotations
 
 import ast
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -266,3 +269,20 @@ def test_the_one_step_walk_in_the_design_doc_names_at_most_20_real_files():
     assert 10 <= len(files) <= 20, files
     missing = [f for f in files if not (PKG / f).is_file()]
     assert not missing, missing
+
+
+def test_the_trainer_imports_nothing_from_the_launcher():
+    bad = sorted(f"{m}: {t}" for m in _modules() if _package(m) == "train"
+                 for t, *_ in _imports(m) if t and _package(t) == "launch")
+    assert not bad, bad
+
+
+def test_only_the_client_touches_its_private_members():
+    """Relaunch tolerance, elastic membership and the weight sender use the client's public
+    methods and hooks (:mod:`areal_mega.rollout.hooks`), never its internals."""
+    private = re.compile(r"\._(pick|call|check_one|broadcast|sticky|servers|find|mark_down)\b"
+                         r"|\b_Server\b")
+    bad = [f"{f.relative_to(PKG)}:{i}: {line.strip()}"
+           for f in sorted(PKG.rglob("*.py")) if f != PKG / "rollout" / "client.py"
+           for i, line in enumerate(f.read_text().splitlines(), 1) if private.search(line)]
+    assert not bad, bad

@@ -16,7 +16,7 @@ from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import exact_match_reward
-from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands, ServerPoolError
+from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, ServerPoolError
 from areal_mega.workflow.builtin import RLVRWorkflow
 from areal_mega.run_dir import RunDir
 from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
@@ -50,8 +50,8 @@ def wait_for(cond, timeout=120):
         time.sleep(0.02)
 
 
-def members(client):
-    return [s["addr"] for s in client.pool_stats()["servers"]]
+def members(elastic):
+    return [s["addr"] for s in elastic.pool_stats()["servers"]]
 
 
 def check_tokens(out, prompt, model, version):
@@ -67,12 +67,13 @@ def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):
     s0, s1 = (f"http://{p.addr}" for p in servers)
     paths = RunDir(tmp_path, tmp_path / "ckpt", "", "")
     shutil.copytree(models["b"], paths.weights_dir(1))    # the trainer published v1 = b
-    client = ElasticClient([servers[0].addr], paths=paths, api_key=API_KEY, timeout_s=120,
-                           retries=4, backoff_s=0.05)
+    elastic = ElasticPool([servers[0].addr], paths=paths, api_key=API_KEY, timeout_s=120,
+                          retries=4, backoff_s=0.05)
+    client = elastic.client
     wf = RLVRWorkflow(exact_match_reward, 4)
     ctl = RolloutController(client, wf, iter(()), batch_size=2, n_samples=2, eta=1,
                             sink=GroupSink(), ignore_eos=True).start()
-    pool = ServerPoolCommands(client, lambda: ctl)
+    pool = ServerPoolCommands(elastic, lambda: ctl)
     try:
         ctl.update_weights(1, path=str(paths.weights_dir(1)))
 
@@ -86,11 +87,11 @@ def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):
         for msg, words in bad:
             with pytest.raises(ServerPoolError, match=words):
                 pool.handle(msg)
-            assert members(client) == [s0]
+            assert members(elastic) == [s0]
 
         # s1 boots with model a at version 0; it joins at the current version 1 with b
         joined = pool.handle({"cmd": "add_server", "addr": servers[1].addr})
-        assert joined["version"] == 1 and members(client) == [s0, s1]
+        assert joined["version"] == 1 and members(elastic) == [s0, s1]
 
         async def probe():   # s1 alone, as the trainer would check it
             c = RolloutClient([servers[1].addr], api_key=API_KEY)
@@ -111,28 +112,28 @@ def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):
                 enumerate(prompts)]
         wait_for(lambda: tokens_generated(servers[1].addr) - base >= 20)
         gone = pool.handle({"cmd": "remove_server", "addr": servers[1].addr})
-        assert gone["aborted"] == 1 and members(client) == [s0]
+        assert gone["aborted"] == 1 and members(elastic) == [s0]
         outs = [f.result(120) for f in futs]
         assert sorted(o.n_interruptions for o in outs) == [0, 1]
         for p, o in zip(prompts, outs):
             check_tokens(o, p, models["mb"], 1)
             assert o.server == s0
-        stats = client.pool_stats()
+        stats = elastic.pool_stats()
         assert stats["resumptions"] == 1 and stats["joins"] == 1 and stats["removals"] == 1
 
         # s1 joins again, then s0 leaves with --drain: its request finishes there
         pool.handle({"cmd": "add_server", "addr": servers[1].addr})
         futs = [ctl.run_async(ctl.generate(p, N_NEW, key=f"d{i}")) for i, p in
                 enumerate(prompts)]
-        wait_for(lambda: client.pool_stats()["servers"][0]["inflight"] == 1)
+        wait_for(lambda: elastic.pool_stats()["servers"][0]["inflight"] == 1)
         gone = pool.handle({"cmd": "remove_server", "addr": servers[0].addr, "drain": True})
-        assert gone["aborted"] == 0 and gone["drained"] and members(client) == [s1]
+        assert gone["aborted"] == 0 and gone["drained"] and members(elastic) == [s1]
         outs = [f.result(120) for f in futs]
         assert [o.n_interruptions for o in outs] == [0, 0]
         assert sorted(o.server for o in outs) == sorted([s0, s1])
         for p, o in zip(prompts, outs):
             check_tokens(o, p, models["mb"], 1)
-        stats = client.pool_stats()
+        stats = elastic.pool_stats()
         assert stats["live_servers"] == 1 and stats["resumptions"] == 1
         assert stats["servers"][0]["requests"] >= 2 and stats["servers"][0]["tokens"] >= N_NEW
     finally:
@@ -147,12 +148,13 @@ def test_join_through_the_distributed_weight_group(servers, models, tmp_path):
     from areal_mega.train.weight_sender import DistributedWeightSender
 
     s0, s1 = (f"http://{p.addr}" for p in servers)
-    client = ElasticClient([servers[0].addr], paths=RunDir(tmp_path, tmp_path, "", ""),
-                           api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
+    elastic = ElasticPool([servers[0].addr], paths=RunDir(tmp_path, tmp_path, "", ""),
+                          api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
+    client = elastic.client
     ctl = RolloutController(client, RLVRWorkflow(exact_match_reward, 4), iter(()),
                             batch_size=2, n_samples=2, eta=1, sink=GroupSink(),
                             ignore_eos=True).start()
-    pool = ServerPoolCommands(client, lambda: ctl)
+    pool = ServerPoolCommands(elastic, lambda: ctl)
     sender = DistributedWeightSender(RolloutClient([servers[0].addr], api_key=API_KEY),
                                      backend="gloo", bucket_bytes=1 << 20, timeout_s=120)
     sender.connect()

@@ -13,7 +13,7 @@ from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.inference.process import LocalServerProcess, launch_local_servers
 from areal_mega.rewards import exact_match_reward
-from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands
+from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands
 from areal_mega.train.weight_sender import DistributedWeightSender
 from areal_mega.workflow.builtin import RLVRWorkflow
 from areal_mega.run_dir import RunDir
@@ -27,12 +27,13 @@ pytestmark = pytest.mark.timeout(300)
 def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
     procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
     s0, s1 = (f"http://{p.addr}" for p in procs)
-    client = ElasticClient([p.addr for p in procs], paths=RunDir(tmp_path, tmp_path, "", ""),
-                           api_key=API_KEY, timeout_s=120, retries=2, backoff_s=0.05)
+    elastic = ElasticPool([p.addr for p in procs], paths=RunDir(tmp_path, tmp_path, "", ""),
+                          api_key=API_KEY, timeout_s=120, retries=2, backoff_s=0.05)
+    client = elastic.client
     ctl = RolloutController(client, RLVRWorkflow(exact_match_reward, 4), iter(()),
                             batch_size=2, n_samples=2, eta=1, sink=GroupSink(),
                             ignore_eos=True).start()
-    pool = ServerPoolCommands(client, lambda: ctl)
+    pool = ServerPoolCommands(elastic, lambda: ctl)
     # the trainer's sender; a dead peer must not hold it for this long
     sender = DistributedWeightSender(RolloutClient([p.addr for p in procs], api_key=API_KEY),
                                      backend="gloo", bucket_bytes=1 << 20, timeout_s=60)
@@ -74,7 +75,7 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
         for p, o in zip(prompts, outs):
             check_tokens(o, p, models["mb"], 1)
             assert o.server == s0
-        assert client.pool_stats()["resumptions"] >= 1
+        assert elastic.pool_stats()["resumptions"] >= 1
 
         # the next update leaves the dead rank out (world 3 -> 2) instead of waiting on it
         named, regrouped, secs = publish(2, models["ma"])
@@ -86,7 +87,7 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
         relaunched = LocalServerProcess(str(models["a"]), port=procs[1].port,
                                         api_key=API_KEY).wait_ready(120)
         ctl.run_async(client.check_health(5.0)).result(60)
-        assert client.dispatchable() == [s0] and client.pending == {s1}
+        assert client.dispatchable() == [s0] and elastic.pending == {s1}
         out = ctl.run_async(ctl.generate(prompts[0], 8, key="while-pending")).result(120)
         assert out.server == s0 and out.versions == [2] * 8
 
@@ -95,7 +96,7 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
         print(f"update re-forming with the relaunched s1: {secs:.2f}s, world "
               f"{sender.world_size}")
         assert named == [s0, s1] and regrouped and sender.world_size == 3
-        assert client.dispatchable() == [s0, s1] and not client.pending
+        assert client.dispatchable() == [s0, s1] and not elastic.pending
         prompt = [5, 6, 7, 8]
         for addr in (procs[0].addr, relaunched.addr):
             res = probe(addr, prompt)

@@ -41,10 +41,10 @@ from areal_mega.config_checks import check_against_model
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
                                       rollout_memory)
-from areal_mega.launch.plan import (Layout, WeightGroup, plan_layout,
-                                    weight_update_group)
+from areal_mega.launch.plan import Layout, plan_layout
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
+from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 from areal_mega.inference.process import build_sglang_command
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
 from areal_mega.security import holds_secret, server_env, write_run_file, write_sglang_key_file

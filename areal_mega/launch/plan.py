@@ -104,7 +104,7 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
     lay = Layout(alloc, device, n_nodes, gpus_per_node, external_servers=external)
     n_servers = 0 if external or alloc.rollout is None else alloc.rollout.dp
     if alloc.rollout is None and not external:
-        raise ConfigError(f"allocation={_alloc_text(alloc)!r}: no rollout part; give one "
+        raise ConfigError(f"allocation={alloc.canonical()!r}: no rollout part; give one "
                           "(e.g. sglang:d2+...) or external servers with rollout.server_addrs")
     ports = list(ports or [])
     if device == "cpu":
@@ -118,11 +118,11 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
 
     per_server = alloc.rollout.tp * alloc.rollout.pp if n_servers else 0
     if per_server > gpus_per_node:
-        raise ConfigError(f"allocation={_alloc_text(alloc)!r}: one rollout server needs "
+        raise ConfigError(f"allocation={alloc.canonical()!r}: one rollout server needs "
                           f"t·p = {per_server} GPUs but cluster.n_gpus_per_node="
                           f"{gpus_per_node}; a server cannot span nodes")
     if alloc.trainer.tp > gpus_per_node:
-        raise ConfigError(f"allocation={_alloc_text(alloc)!r}: trainer tensor parallel "
+        raise ConfigError(f"allocation={alloc.canonical()!r}: trainer tensor parallel "
                           f"t={alloc.trainer.tp} exceeds cluster.n_gpus_per_node={gpus_per_node}")
     node, used = 0, 0
     for i in range(n_servers):
@@ -142,7 +142,7 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
         first = node + 1 if n_servers else 0
         nproc = min(world, gpus_per_node)
         if world % nproc:
-            raise ConfigError(f"allocation={_alloc_text(alloc)!r}: the trainer world {world} "
+            raise ConfigError(f"allocation={alloc.canonical()!r}: the trainer world {world} "
                               f"spans nodes, so it must be a multiple of "
                               f"cluster.n_gpus_per_node={gpus_per_node}")
         lay.trainer_nodes = list(range(first, first + world // nproc))
@@ -153,69 +153,12 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
                              "takes whole nodes)")
     needed = max([s.node for s in lay.servers] + lay.trainer_nodes) + 1
     if needed > n_nodes:
-        raise ConfigError(f"cluster.n_nodes={n_nodes}: the allocation {_alloc_text(alloc)!r} "
+        raise ConfigError(f"cluster.n_nodes={n_nodes}: the allocation {alloc.canonical()!r} "
                           f"needs {needed} node(s) of {gpus_per_node} GPUs ({rollout_gpus} "
                           f"rollout + {world} trainer GPUs)")
     if needed < n_nodes:
         lay.notes.append(f"{n_nodes - needed} node(s) unused by this allocation")
     return lay
-
-
-@dataclass(frozen=True)
-class WeightGroup:
-    """The broadcast group of ``rollout.weight_update=distributed``: the trainer's sender is
-    rank 0, server ``i`` joins as ranks ``rank_offsets[i] .. rank_offsets[i] + ranks_per_server
-    - 1`` (SGLang: ``rank_offset + tp_rank``)."""
-    world_size: int
-    rank_offsets: tuple
-    ranks_per_server: int
-
-
-def weight_update_group(alloc: Optional[Allocation], backend: str,
-                        n_servers: Optional[int] = None) -> WeightGroup:
-    """World size and per-server rank offsets of the weight-update group (pure).
-
-    The allocation string is the only authority: an SGLang server of ``sglang:dDtT`` runs
-    ``T`` ranks (its ``--tp-size``), a ``local`` server one. ``n_servers`` (the servers the
-    sender talks to, e.g. ``len(rollout.server_addrs)``) defaults to ``d`` and must equal it
-    when the allocation has a rollout part. ``alloc`` may be None (or trainer-only) only for
-    the ``local`` backend, whose servers are one rank each. Raises :class:`ConfigError`."""
-    rollout = alloc.rollout if alloc is not None else None
-    if backend not in ("local", "sglang"):
-        raise ConfigError(f"rollout.backend={backend!r}: must be 'local' or 'sglang'")
-    if rollout is not None and alloc.rollout_backend != backend:
-        raise ConfigError(f"rollout.backend={backend!r} but allocation={_alloc_text(alloc)!r} "
-                          f"names {alloc.rollout_backend!r} servers; make them agree")
-    if rollout is None:
-        if backend == "sglang":
-            where = f"allocation={_alloc_text(alloc)!r}" if alloc else "allocation"
-            raise ConfigError(f"{where} has no rollout part, so the SGLang servers' tensor "
-                              "parallel size is unknown; write it there, e.g. "
-                              "'sglang:d2t4+megatron:...' (with rollout.server_addrs set, no "
-                              "servers are launched)")
-        if n_servers is None:
-            raise ConfigError("weight_update_group: n_servers is needed without a rollout "
-                              "part in the allocation")
-        per = 1
-    else:
-        if n_servers is not None and n_servers != rollout.dp:
-            raise ConfigError(f"rollout.server_addrs: {n_servers} server(s) but allocation="
-                              f"{_alloc_text(alloc)!r} has d{rollout.dp}; make them agree")
-        if backend == "sglang" and rollout.pp > 1:
-            raise ConfigError(f"allocation={_alloc_text(alloc)!r}: SGLang joins the weight "
-                              "group as rank_offset + tp_rank, so servers with p>1 would "
-                              "collide; use rollout.weight_update=disk")
-        per = rollout.tp if backend == "sglang" else 1
-        n_servers = rollout.dp
-    if n_servers < 1:
-        raise ConfigError(f"rollout.server_addrs: {n_servers} servers; the weight group "
-                          "needs at least one")
-    return WeightGroup(1 + n_servers * per, tuple(1 + i * per for i in range(n_servers)), per)
-
-
-def _alloc_text(alloc: Allocation) -> str:
-    r = f"{alloc.rollout_backend}:{alloc.rollout.short()}+" if alloc.rollout else ""
-    return f"{r}{alloc.trainer_backend}:{alloc.trainer.short()}"
 
 
 def assign_ports(n: int, base: int, taken: Optional[set] = None) -> list:

@@ -8,8 +8,9 @@ Letters: ``d`` data, ``t`` tensor, ``p`` pipeline, ``c`` context, ``e`` expert p
 must divide d·c. Rollout world = d·t·p.
 
 Pure parsing with no side effects; any process may call it: config validation
-(:func:`areal_mega.config_checks.validate`), the launcher's plan (``areal_mega.launch.plan``) and every
-trainer rank building its mesh (``TrainerSession``).
+(:func:`areal_mega.config_checks.validate`), the launcher's plan (``areal_mega.launch.plan``),
+the weight-update group (``areal_mega.parallel.weight_group``) and every trainer rank building
+its mesh (``TrainerSession``).
 """
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ class Allocation:
     def trainer_world_size(self) -> int:
         """Trainer ranks: d·t·p·c."""
         return self.trainer.world_size
+
+    def canonical(self) -> str:
+        """The allocation string with every letter written out, e.g.
+        ``sglang:d2t4p1c1e1+megatron:d1t1p1c1e1`` (for messages)."""
+        r = f"{self.rollout_backend}:{self.rollout.short()}+" if self.rollout else ""
+        return f"{r}{self.trainer_backend}:{self.trainer.short()}"
 
 
 _PART = re.compile(r"^([a-z_]+):(.*)$")

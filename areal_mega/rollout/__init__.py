@@ -6,10 +6,11 @@ The servers themselves are :mod:`areal_mega.inference` (CPU) or SGLang (GPU); wh
 does is :mod:`areal_mega.workflow`; rewards are :mod:`areal_mega.rewards`."""
 from areal_mega.rollout.client import (GenerateResult, RolloutClient, RolloutRequestError,
                                        RolloutServerError, sampling_dict)
+from areal_mega.rollout.hooks import ClientHooks
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,
                                           sample_version, staleness)
 
-__all__ = ["GenerateResult", "RolloutClient", "RolloutRequestError", "RolloutServerError",
-           "sampling_dict", "RolloutController", "StalenessCounter", "may_start",
-           "rollout_capacity", "sample_version", "staleness"]
+__all__ = ["ClientHooks", "GenerateResult", "RolloutClient", "RolloutRequestError",
+           "RolloutServerError", "sampling_dict", "RolloutController", "StalenessCounter",
+           "may_start", "rollout_capacity", "sample_version", "staleness"]

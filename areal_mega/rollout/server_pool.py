@@ -1,14 +1,15 @@
 """Elastic rollout: servers join and leave the rollout worker's client while a run goes on.
 
-:class:`ElasticClient` is the worker's client. On top of re-syncing relaunched servers
-(:class:`~areal_mega.rollout.relaunch.RelaunchTolerantClient`) it can
+:class:`ElasticPool` holds the worker's client (a plain
+:class:`~areal_mega.rollout.client.RolloutClient` composed with the pool as its hooks). On top
+of re-syncing relaunched servers (:class:`~areal_mega.rollout.relaunch.RelaunchPolicy`) it can
 
-- **add** a server (:meth:`ElasticClient.add_server`): the server must answer ``/health``; it
+- **add** a server (:meth:`ElasticPool.add_server`): the server must answer ``/health``; it
   is brought to the controller's current weights and version (``<run_dir>/weights/v<version>``
   with that version, or just the version when the current weights are the base model at
   version 0) and only then joins the dispatch set, where the least-loaded pick gives it new
   requests at once;
-- **remove** a server (:meth:`ElasticClient.remove_server`): it leaves the dispatch set first.
+- **remove** a server (:meth:`ElasticPool.remove_server`): it leaves the dispatch set first.
   With ``drain`` its in-flight requests finish there; without, they are aborted on it
   (``/abort_request``) and come back with ``finish_reason: abort`` and their partial output,
   which the controller resubmits to another server as prompt + partial output, the tokens
@@ -19,7 +20,7 @@ A server that dies mid-request fails its HTTP call; the request is retried on an
 from the output the controller already holds (counted in ``resumptions``).
 
 Counters: per-server requests and generated tokens, resumptions, joins and removals
-(:meth:`ElasticClient.pool_stats`). :class:`ServerPoolCommands` answers the worker's control
+(:meth:`ElasticPool.pool_stats`). :class:`ServerPoolCommands` answers the worker's control
 commands ``servers``, ``add_server`` and ``remove_server``; membership changes are applied on
 the controller's event loop, between weight updates (the control channel runs one command
 at a time), so no server misses an update or serves a request at a version it does not hold.
@@ -34,8 +35,10 @@ from typing import Optional
 
 import aiohttp
 
-from areal_mega.rollout.client import RolloutRequestError, _Server
-from areal_mega.rollout.relaunch import RelaunchTolerantClient
+from areal_mega.rollout.client import RolloutClient, RolloutRequestError
+from areal_mega.rollout.hooks import ClientHooks
+from areal_mega.rollout.relaunch import RelaunchPolicy
+from areal_mega.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +59,18 @@ def normalize_addr(addr: str) -> str:
     return url.rstrip("/")
 
 
-class ElasticClient(RelaunchTolerantClient):
-    """A :class:`RelaunchTolerantClient` whose server list changes at run time (see the module
-    docstring). All methods run on the controller's event loop."""
+class ElasticPool(ClientHooks):
+    """The rollout worker's server set (see the module docstring): ``client`` is a
+    :class:`~areal_mega.rollout.client.RolloutClient` composed with this pool as its hooks;
+    the pool keeps joining (``pending``) and leaving servers out of dispatch, counts requests
+    and tokens per server, and re-syncs relaunched servers through its
+    :class:`~areal_mega.rollout.relaunch.RelaunchPolicy` (``relaunch``). ``client_kw`` go to
+    the client. All methods run on the controller's event loop."""
 
-    def __init__(self, addrs: list, **kw):
-        super().__init__(addrs, **kw)
+    serial_checks = True
+
+    def __init__(self, addrs: list, *, paths: RunDir, down_wait_s: float = 120.0, **client_kw):
+        self.relaunch = RelaunchPolicy(paths, down_wait_s)
         self.leaving: set = set()               # addresses out of dispatch (being removed)
         self.pending: set = set()               # joined, awaiting the group's next broadcast
         # distributed weight updates (set by the first begin_update): a relaunched server
@@ -72,36 +81,63 @@ class ElasticClient(RelaunchTolerantClient):
         self.tokens: collections.Counter = collections.Counter()
         self.resumptions = 0
         self.joins = self.removals = 0
+        self.client = RolloutClient(addrs, hooks=self, **client_kw)
 
-    # ------------------------------------------------------------------ dispatch hooks
-    def _pick(self, sticky_key: Optional[str], exclude: set):
-        return super()._pick(sticky_key, exclude | self.leaving | self.pending)
+    # ------------------------------------------------------------------ client hooks
+    @property
+    def down_wait_s(self) -> float:
+        """The relaunch policy's wait for a server while none is healthy."""
+        return self.relaunch.down_wait_s
 
-    def dispatchable(self) -> list:
-        """Addresses that may get new requests (healthy and not being removed)."""
-        return [s.addr for s in self.servers if s.healthy and s.addr not in self.leaving
-                and s.addr not in self.pending]
+    @property
+    def paths(self) -> RunDir:
+        """The run directory (published weights)."""
+        return self.relaunch.paths
 
-    async def _call(self, srv, method: str, path: str, body: Optional[dict] = None,
-                    timeout: Optional[float] = None) -> dict:
-        try:
-            out = await super()._call(srv, method, path, body, timeout)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            if path == "/generate":
-                self.resumptions += 1          # retried elsewhere from the output held
-            raise
-        if path == "/generate":
-            self.requests[srv.addr] += 1
-            self.tokens[srv.addr] += len(out.get("output_ids") or ())
-        return out
+    def blocked(self) -> set:
+        """Leaving and pending servers take no new requests."""
+        return self.leaving | self.pending
 
-    def _find(self, addr: str):
-        for s in self.servers:
-            if s.addr == addr:
-                return s
-        return None
+    def generated(self, addr: str, out: dict) -> None:
+        """Count a request and its tokens for ``addr``."""
+        self.requests[addr] += 1
+        self.tokens[addr] += len(out.get("output_ids") or ())
+
+    def generate_failed(self, addr: str, error: BaseException) -> None:
+        """A request failed on ``addr``; it is retried elsewhere from the output held."""
+        self.resumptions += 1
+
+    async def probe(self, client, addr: str, healthy: bool, timeout: float) -> None:
+        """A live server is only checked for liveness. A server that answers again after
+        being down (relaunched: it holds the base model) is re-synced from disk
+        (:class:`RelaunchPolicy`), or, with distributed weight updates, becomes *pending*: no
+        requests until the trainer's next update re-forms the group with it (``reform``) and
+        broadcasts."""
+        if healthy:
+            # liveness only, probed every second: /get_model_info never generates (SGLang's
+            # /health_generate and, by default, /health do) and answers while generation is
+            # paused for an update; a slow answer is a busy server, not a dead one
+            try:
+                await client.request(addr, "GET", "/get_model_info", timeout=timeout)
+            except asyncio.TimeoutError:
+                pass
+            return
+        if not self.group_updates:
+            return await self.relaunch.probe(client, addr, healthy, timeout)
+        await client.request(addr, "GET", "/health_generate", timeout=timeout)
+        self.pending.add(addr)
+        self.reform = True
+        self.relaunch.resyncs += 1
+        client.mark_up(addr)
+        log.warning("rollout server %s is back; pending until the next weight broadcast "
+                    "re-forms the group with it", addr)
 
     # ------------------------------------------------------------------ membership
+    async def sync_all(self):
+        """Bring every server to the newest published weights and let it generate
+        (:meth:`RelaunchPolicy.sync_all`); returns their version (None: the base model)."""
+        return await self.relaunch.sync_all(self.client)
+
     async def add_server(self, addr: str, version: int, via_group: bool = False) -> dict:
         """Bring the server at ``addr`` to weights ``version`` and start dispatching to it.
         With ``via_group`` (distributed weight updates) it joins as *pending*: no requests
@@ -110,72 +146,38 @@ class ElasticClient(RelaunchTolerantClient):
         member or does not answer ``/health``; returns ``{"addr", "version", "pending",
         "seconds"}`` (``version`` None while pending)."""
         url = normalize_addr(addr)
-        if self._find(url) is not None:
+        if url in self.client.addrs:
             raise ServerPoolError(f"server {url} is already in the pool")
         t0 = time.monotonic()
-        srv = _Server(url)
         try:
-            await self._call(srv, "GET", "/health", timeout=5.0)
+            await self.client.request(url, "GET", "/health", timeout=5.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RolloutRequestError) as e:
             raise ServerPoolError(f"server {url} is unreachable ({type(e).__name__}: {e}); "
                                   "the pool is unchanged") from None
         if via_group:
             self.pending.add(url)
         else:
-            await self.sync_to_version(srv, version)
-            await self._call(srv, "POST", "/continue_generation", {},
-                             timeout=self.control_timeout_s)
-        self.servers.append(srv)
+            await self.sync_to_version(url, version)
+            await self.client.request(url, "POST", "/continue_generation", {},
+                                      timeout=self.client.control_timeout_s)
+        self.client.add_server(url)
         self.joins += 1
         log.info("rollout server %s joined %s (%d servers)", url, "pending the next weight "
-                 "broadcast" if via_group else f"at version {version}", len(self.servers))
+                 "broadcast" if via_group else f"at version {version}", len(self.client.addrs))
         return {"addr": url, "version": None if via_group else version, "pending": via_group,
                 "seconds": time.monotonic() - t0}
 
     def group_members(self) -> list:
         """The servers the weight-update group must hold now: all but leaving ones and those
         down (a dead rank would stall the broadcast; it rejoins once relaunched)."""
-        return [s.addr for s in self.servers if s.addr not in self.leaving and s.healthy]
+        return [a for a in self.client.live_servers() if a not in self.leaving]
 
     def probe_due(self) -> bool:
         """Whether the worker's once-a-second health check should run: always, so that a
         killed server is noticed even when no request of it failed (the staleness bound may
         hold every request back). Otherwise a relaunched server would be taken for the old
         one and serve the base model under the current version."""
-        return bool(self.servers)
-
-    async def _check_one(self, srv, timeout: float) -> bool:
-        """A live server is only checked for liveness. A server that answers again after
-        being down (relaunched: it holds the base model) is re-synced from disk
-        (:class:`RelaunchTolerantClient`), or, with distributed weight updates, becomes
-        *pending*: no requests until the trainer's next update re-forms the group with it
-        (``reform``) and broadcasts."""
-        if srv.healthy:
-            # liveness only, probed every second: /get_model_info never generates (SGLang's
-            # /health_generate and, by default, /health do) and answers while generation is
-            # paused for an update; a slow answer is a busy server, not a dead one
-            try:
-                await self._call(srv, "GET", "/get_model_info", timeout=timeout)
-            except asyncio.TimeoutError:
-                return True
-            except Exception as e:  # noqa: BLE001 - killed or unreachable
-                self._mark_down(srv, e)
-                return False
-            return True
-        if not self.group_updates:
-            return await super()._check_one(srv, timeout)
-        try:
-            await self._call(srv, "GET", "/health_generate", timeout=timeout)
-        except Exception as e:  # noqa: BLE001 - still down (or booting)
-            self._mark_down(srv, e)
-            return False
-        self.pending.add(srv.addr)
-        self.reform = True
-        self.resyncs += 1
-        srv.healthy = True
-        log.warning("rollout server %s is back; pending until the next weight broadcast "
-                    "re-forms the group with it", srv.addr)
-        return True
+        return bool(self.client.addrs)
 
     def promote(self, addrs: list) -> None:
         """``addrs`` received the broadcast of the current version: dispatch to them."""
@@ -184,18 +186,19 @@ class ElasticClient(RelaunchTolerantClient):
                 self.pending.discard(a)
                 log.info("rollout server %s serves the current weights; dispatching to it", a)
 
-    async def sync_to_version(self, srv, version: int) -> None:
-        """Load the weights of ``version`` into ``srv`` and set its version: the published
+    async def sync_to_version(self, addr: str, version: int) -> None:
+        """Load the weights of ``version`` into ``addr`` and set its version: the published
         directory ``weights/v<version>`` when there is one, the base model (which a fresh
         server already holds) at version 0; otherwise ``ServerPoolError``."""
         path = self.paths.weights_dir(version)
+        timeout = self.client.control_timeout_s
         if path.is_dir():
-            await self._call(srv, "POST", "/update_weights_from_disk",
-                             {"model_path": str(path), "abort_all_requests": False,
-                              "weight_version": str(version)}, timeout=self.control_timeout_s)
+            await self.client.request(addr, "POST", "/update_weights_from_disk",
+                                      {"model_path": str(path), "abort_all_requests": False,
+                                       "weight_version": str(version)}, timeout=timeout)
         elif version == 0:
-            await self._call(srv, "POST", "/update_weight_version", {"new_version": "0"},
-                             timeout=self.control_timeout_s)
+            await self.client.request(addr, "POST", "/update_weight_version",
+                                      {"new_version": "0"}, timeout=timeout)
         else:
             raise ServerPoolError(f"no published weights for version {version} ({path}); "
                                   "cannot bring a new server to the current version")
@@ -206,11 +209,11 @@ class ElasticClient(RelaunchTolerantClient):
         changed) for an unknown address or the last dispatchable server. Returns
         ``{"addr", "aborted", "drained", "seconds"}``."""
         url = normalize_addr(addr)
-        srv = self._find(url)
-        if srv is None:
+        client = self.client
+        if url not in client.addrs:
             raise ServerPoolError(f"server {url} is not in the pool (members: "
-                                  f"{', '.join(s.addr for s in self.servers)})")
-        others = [a for a in self.dispatchable() if a != url]
+                                  f"{', '.join(client.addrs)})")
+        others = [a for a in client.dispatchable() if a != url]
         if not others:
             raise ServerPoolError(f"server {url} is the last server that can take requests; "
                                   "add another before removing it")
@@ -220,44 +223,41 @@ class ElasticClient(RelaunchTolerantClient):
         try:
             if drain:
                 deadline = time.monotonic() + drain_timeout_s
-                while srv.inflight > 0 and time.monotonic() < deadline:
+                while client.inflight(url) > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
-            if srv.inflight > 0:
+            if client.inflight(url) > 0:
                 try:
-                    out = await self._call(srv, "POST", "/abort_request", {"abort_all": True},
-                                           timeout=10.0)
+                    out = await client.request(url, "POST", "/abort_request",
+                                               {"abort_all": True}, timeout=10.0)
                     aborted = int(out.get("num_aborted", 0) or 0)
                 except Exception as e:  # noqa: BLE001 - a dead server's requests fail over
                     log.warning("abort on leaving server %s failed: %s", url, e)
-                while srv.inflight > 0:        # the aborted requests come back
+                while client.inflight(url) > 0:        # the aborted requests come back
                     await asyncio.sleep(0.05)
         finally:
-            self.servers.remove(srv)
+            client.remove_server(url)
             self.leaving.discard(url)
             self.pending.discard(url)
-            for k, s in list(self._sticky.items()):
-                if s is srv:
-                    del self._sticky[k]
         self.resumptions += aborted
         self.removals += 1
         log.info("rollout server %s removed (%s, %d aborted; %d servers left)", url,
-                 "drained" if drain else "interrupted", aborted, len(self.servers))
+                 "drained" if drain else "interrupted", aborted, len(client.addrs))
         return {"addr": url, "aborted": aborted, "drained": bool(drain),
                 "seconds": time.monotonic() - t0}
 
     def pool_stats(self) -> dict:
         """Live servers, per-server requests / tokens, resumptions, joins, removals."""
-        return {"servers": [{"addr": s.addr, "healthy": s.healthy, "inflight": s.inflight,
-                             "leaving": s.addr in self.leaving,
-                             "pending": s.addr in self.pending,
-                             "requests": self.requests[s.addr], "tokens": self.tokens[s.addr]}
-                            for s in self.servers],
-                "live_servers": len(self.dispatchable()), "resumptions": self.resumptions,
+        c = self.client
+        return {"servers": [{"addr": a, "healthy": c.is_healthy(a), "inflight": c.inflight(a),
+                             "leaving": a in self.leaving, "pending": a in self.pending,
+                             "requests": self.requests[a], "tokens": self.tokens[a]}
+                            for a in c.addrs],
+                "live_servers": len(c.dispatchable()), "resumptions": self.resumptions,
                 "joins": self.joins, "removals": self.removals}
 
 
 def pool_metrics(stats: dict) -> dict:
-    """Flat ``rollout/*`` scalars of :meth:`ElasticClient.pool_stats` for the metrics row:
+    """Flat ``rollout/*`` scalars of :meth:`ElasticPool.pool_stats` for the metrics row:
     ``rollout/servers`` (live), ``rollout/resumptions``, and per server (its address with
     ``.`` and ``:`` as ``_``) ``rollout/server/<addr>/requests`` and ``.../tokens`` (pure)."""
     out = {"rollout/servers": stats["live_servers"], "rollout/resumptions": stats["resumptions"]}
@@ -271,7 +271,7 @@ def pool_metrics(stats: dict) -> dict:
 class ServerPoolCommands:
     """The worker's membership commands (see :mod:`areal_mega.dataplane.control`):
 
-    - ``{"cmd": "servers"}`` -> :meth:`ElasticClient.pool_stats`;
+    - ``{"cmd": "servers"}`` -> :meth:`ElasticPool.pool_stats`;
     - ``{"cmd": "add_server", "addr": "host:port", "via_group": bool}`` -> join at the current
       version (from disk), or pending the next broadcast (distributed weight updates);
     - ``{"cmd": "remove_server", "addr": "host:port", "drain": bool}``.
@@ -287,8 +287,8 @@ class ServerPoolCommands:
 
     COMMANDS = ("servers", "add_server", "remove_server")
 
-    def __init__(self, client: ElasticClient, controller, timeout_s: float = 600.0):
-        self.client = client
+    def __init__(self, pool: ElasticPool, controller, timeout_s: float = 600.0):
+        self.pool = pool
         self.controller = controller
         self.timeout_s = timeout_s
         self._in_group: Optional[list] = None    # members named to the open update
@@ -297,18 +297,18 @@ class ServerPoolCommands:
         """A broadcast update starts: the members the trainer's group must hold (probed
         first, so a dead server is left out), and ``reform``: a member was relaunched, so the
         group must be formed again even if the list is unchanged."""
-        self.client.group_updates = True
+        self.pool.group_updates = True
         ctl = self.controller()
         if ctl is not None:
-            ctl.run_async(self.client.check_health(5.0)).result(60)
-        self._in_group = self.client.group_members()
-        reform, self.client.reform = self.client.reform, False
+            ctl.run_async(self.pool.client.check_health(5.0)).result(60)
+        self._in_group = self.pool.group_members()
+        reform, self.pool.reform = self.pool.reform, False
         return {"servers": list(self._in_group), "reform": reform}
 
     def end_update(self) -> None:
         """The broadcast reached the members named by :meth:`begin_update`."""
         if self._in_group is not None:
-            self.client.promote(self._in_group)
+            self.pool.promote(self._in_group)
         self._in_group = None
 
     def handle(self, msg: dict) -> dict:
@@ -316,7 +316,7 @@ class ServerPoolCommands:
         cmd = msg["cmd"]
         ctl = self.controller()
         if cmd == "servers":
-            return self.client.pool_stats()
+            return self.pool.pool_stats()
         if ctl is None:
             raise ServerPoolError(f"{cmd}: the rollout worker is not generating yet (it waits "
                                   "for the trainer's first weights); retry shortly")
@@ -324,13 +324,13 @@ class ServerPoolCommands:
         if not isinstance(addr, str) or not addr:
             raise ServerPoolError(f"{cmd}: field 'addr' (host:port) is required")
         if cmd == "add_server":
-            coro = self.client.add_server(addr, ctl.version, bool(msg.get("via_group", False)))
+            coro = self.pool.add_server(addr, ctl.version, bool(msg.get("via_group", False)))
         elif cmd == "remove_server":
             if self._in_group is not None:
                 raise ServerPoolError("remove_server: a weight broadcast is in progress and the "
                                       "server is a rank of its group; retry after it")
-            coro = self.client.remove_server(addr, bool(msg.get("drain", False)),
-                                             drain_timeout_s=self.timeout_s)
+            coro = self.pool.remove_server(addr, bool(msg.get("drain", False)),
+                                           drain_timeout_s=self.timeout_s)
         else:
             raise ValueError(f"unknown server-pool command {cmd!r}")
         return ctl.run_async(coro).result(self.timeout_s + 30)

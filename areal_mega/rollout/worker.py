@@ -129,7 +129,7 @@ class RolloutWorker:
         from areal_mega.dataplane.transport import TrajectorySender
         from areal_mega.dataplane.control import ControlServer
         from areal_mega.eval.worker_hook import WorkerEvaluator
-        from areal_mega.rollout.server_pool import ElasticClient, ServerPoolCommands
+        from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands
         from areal_mega.workflow.builtin import workflow_from_config
 
         self.cfg = cfg
@@ -155,11 +155,12 @@ class RolloutWorker:
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
                              "host:port list (launch.local fills it in)")
-        self.client = ElasticClient(   # the servers now: some may have joined or left
+        self.elastic = ElasticPool(   # the servers now: some may have joined or left
             self.paths.rollout_server_addrs(cfg.rollout.server_addrs), paths=self.paths,
             api_key=cfg.rollout.api_key,
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
+        self.client = self.elastic.client
         self.workflow = StampedWorkflow(inner_workflow)
         self.evaluator = WorkerEvaluator.from_config(cfg, self.tokenizer)   # None: eval off
         self.sender = TrajectorySender(self.paths.data_endpoint, secret=cfg.dataplane.secret,
@@ -169,7 +170,7 @@ class RolloutWorker:
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
         self.stop_event = threading.Event()
-        self.pool = ServerPoolCommands(self.client, lambda: self.controller,
+        self.pool = ServerPoolCommands(self.elastic, lambda: self.controller,
                                        timeout_s=cfg.rollout.request_timeout_s)
         self.control = ControlServer(self.paths.control_endpoint, self.handle,
                                      secret=cfg.dataplane.secret,
@@ -256,7 +257,7 @@ class RolloutWorker:
             return {}
         if cmd == "stats":
             return {**(self.controller.stats() if self.controller else {"started": 0}),
-                    **self.client.pool_stats()}
+                    **self.elastic.pool_stats()}
         if cmd in self.pool.COMMANDS:   # elastic rollout: servers join / leave
             with self._ctl_lock:
                 return self.pool.handle(msg)
@@ -274,7 +275,7 @@ class RolloutWorker:
                 else:
                     self.controller.update_weights(version, path=path)
             return {"version": version, "seconds": time.time() - t0,
-                    **pool_metrics(self.client.pool_stats())}
+                    **pool_metrics(self.elastic.pool_stats())}
         if cmd == "begin_update":   # the trainer broadcasts the weights itself (bucketed)
             with self._ctl_lock:
                 if self.controller is not None:
@@ -291,7 +292,7 @@ class RolloutWorker:
                 else:
                     self.controller.end_weight_update(version)
                 self.pool.end_update()            # servers that joined the group take work
-            return {"version": version, **pool_metrics(self.client.pool_stats())}
+            return {"version": version, **pool_metrics(self.elastic.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
             from areal_mega.rollout.client import RolloutClient
 
@@ -306,8 +307,7 @@ class RolloutWorker:
     async def _set_version(self, version: int) -> None:
         from areal_mega.rollout.client import RolloutClient
 
-        c = RolloutClient([s.addr for s in self.client.servers],
-                          api_key=self.cfg.rollout.api_key)
+        c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
         try:
             await c.set_weight_version(version)
         finally:
@@ -316,8 +316,7 @@ class RolloutWorker:
     async def _load_directly(self, path: str, version: int) -> None:
         from areal_mega.rollout.client import RolloutClient
 
-        c = RolloutClient([s.addr for s in self.client.servers],
-                          api_key=self.cfg.rollout.api_key)
+        c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
         try:
             await c.update_weights_from_disk(path, version)
             await c.resume()       # a killed predecessor may have left the servers paused
@@ -342,7 +341,7 @@ class RolloutWorker:
                 self.controller.raise_if_failed()
                 # a relaunched server is re-synced and used again (generate only looks when
                 # no server is left)
-                if self.client.probe_due() and (check is None or check.done()):
+                if self.elastic.probe_due() and (check is None or check.done()):
                     check = self.controller.run_async(self.client.check_health(2.0))
 
     def _continue_run(self) -> None:
@@ -358,7 +357,7 @@ class RolloutWorker:
 
     async def _sync_servers(self):
         try:
-            return await self.client.sync_all()
+            return await self.elastic.sync_all()
         finally:
             await self.client.close()      # the controller's loop opens its own session
 

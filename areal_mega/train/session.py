@@ -32,8 +32,8 @@ class CheckpointSaveError(RuntimeError):
 def weight_group_for(cfg: ExperimentConfig):
     """The weight-update group of ``cfg`` (rollout TP from the allocation string, one server
     per ``rollout.server_addrs`` entry): the launcher's own arithmetic,
-    :func:`areal_mega.launch.plan.weight_update_group`. Raises ``ConfigError``."""
-    from areal_mega.launch.plan import weight_update_group
+    :func:`areal_mega.parallel.weight_group.weight_update_group`. Raises ``ConfigError``."""
+    from areal_mega.parallel.weight_group import weight_update_group
 
     return weight_update_group(parse_allocation(cfg.allocation), cfg.rollout.backend,
                                len(cfg.rollout.server_addrs))

@@ -85,15 +85,16 @@ class DistributedWeightSender:
     ``run_async(coro)`` must run a coroutine on the loop that owns ``client`` and return a
     ``concurrent.futures.Future`` (the :class:`RolloutController` provides it); pass None to
     run the client on a private event loop thread. ``group`` (a
-    :class:`~areal_mega.launch.plan.WeightGroup`) gives the world size and each server's rank
-    offset; the trainer builds it from the allocation string.
+    :class:`~areal_mega.parallel.weight_group.WeightGroup`) gives the world size and each
+    server's rank offset; the trainer builds it from the allocation string. :meth:`regroup`
+    changes the client's servers through its public ``set_servers``.
     """
 
     def __init__(self, client, *, master_address: str = "127.0.0.1",
                  master_port: Optional[int] = None, backend: str = "gloo",
                  group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
                  group=None, run_async=None, timeout_s: float = 300.0):
-        from areal_mega.launch.plan import weight_update_group
+        from areal_mega.parallel.weight_group import weight_update_group
         from areal_mega.inference.process import find_free_port
 
         self.client = client
@@ -102,9 +103,9 @@ class DistributedWeightSender:
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
-        # world size and rank offsets: :func:`areal_mega.launch.plan.weight_update_group` (the
-        # launcher's arithmetic); without one, every server is a single rank (local backend)
-        self.group = group or weight_update_group(None, "local", len(client.servers))
+        # world size and rank offsets: the launcher's arithmetic (parallel.weight_group);
+        # without a group, every server is a single rank (local backend)
+        self.group = group or weight_update_group(None, "local", len(client.addrs))
         self.timeout_s = timeout_s
         self._own_loop = run_async is None
         self._run_async = run_async or _private_loop()
@@ -137,15 +138,14 @@ class DistributedWeightSender:
         1 + len(addrs) x ranks per server on a fresh port. Returns False, doing nothing, when
         ``addrs`` are already the group's servers, in order, unless ``force`` (a member was
         relaunched and holds no group)."""
-        from areal_mega.launch.plan import WeightGroup
-        from areal_mega.rollout.client import _Server
+        from areal_mega.rollout.client import server_url
         from areal_mega.inference.process import find_free_port
         from areal_mega.parallel.update_group import destroy_update_group
 
-        urls = [a if a.startswith("http") else f"http://{a}" for a in addrs]
+        urls = [server_url(a) for a in addrs]
         if not urls:
             raise ValueError("regroup: the weight-update group needs at least one server")
-        if urls == [s.addr for s in self.client.servers] and not force:
+        if urls == self.client.addrs and not force:
             return False
         try:
             self._run_async(self.client.destroy_weights_update_group(self.group_name)).result(
@@ -154,10 +154,8 @@ class DistributedWeightSender:
             log.warning("destroying the old weight-update group: %s", e)
         pg, self.pg = self.pg, None
         destroy_update_group(pg)
-        self.client.servers = [_Server(u) for u in urls]
-        per = self.group.ranks_per_server
-        self.group = WeightGroup(1 + len(urls) * per, tuple(1 + i * per
-                                                            for i in range(len(urls))), per)
+        self.client.set_servers(urls)
+        self.group = self.group.resized(len(urls))
         self.master_port = find_free_port(self.master_address)
         self.connect()
         log.info("weight-update group formed again: %d servers, world size %d", len(urls),
