@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 
 from areal_mega.common.net import free_port
+from areal_mega.config import ConfigError, load_config
+from areal_mega.config_checks import check_against_model
+from areal_mega.data.synthetic import write_task_files
+from areal_mega.models.tiny import make_tiny_model
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
 MODEL = dict(arch="llama", charset="digits", hidden_size=128, num_layers=2, num_heads=4,
@@ -115,8 +119,6 @@ def summarize(metrics_file: Path) -> dict:
 def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None) -> tuple:
     """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s).
     ``check(base model dir)`` runs before the SFT (the RL config against the model)."""
-    from areal_mega.data.synthetic import write_task_files
-    from areal_mega.models.tiny import make_tiny_model
 
     base = make_tiny_model(run / "base_model", seed=seed, **MODEL)
     if check is not None:
@@ -148,8 +150,6 @@ def check_rl_config(model: Path, args) -> None:
     included) and check it against ``model`` (a directory with the demo model's config.json,
     or a path that does not exist yet: then only the config itself is checked); raises
     :class:`~areal_mega.config.ConfigError` naming the bad key."""
-    from areal_mega.config import load_config
-    from areal_mega.config_checks import check_against_model
 
     data = ["data.train_path=train.jsonl", "data.test_path=test.jsonl"]
     check_against_model(load_config(RECIPE, rl_overrides(Path("rl"), model, data, args.rl_steps,
@@ -182,7 +182,6 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="extra RL overrides, e.g. optimizer.lr=3e-4")
     args = p.parse_args(argv)
-    from areal_mega.config import ConfigError
 
     def check(model: Path) -> None:
         try:

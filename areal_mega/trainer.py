@@ -18,8 +18,8 @@ import time
 from areal_mega.algo import finalize_stats, make_policy_loss
 from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
-from areal_mega.train import batches, evaluation
 from areal_mega.run_dir import FATAL_EXIT_CODE
+from areal_mega.train import batches, evaluation
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 
 

@@ -25,11 +25,13 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from areal_mega.checkpoint import hf_mapping as hm
-from areal_mega.checkpoint.dist_ckpt import (HF_AUX_FILES, HF_SUBDIR, CheckpointError,
+from areal_mega.checkpoint.dist_ckpt import (CheckpointError, HF_AUX_FILES, HF_SUBDIR,
                                              atomic_save_sharded, resolve_checkpoint)
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
+from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
 from areal_mega.checkpoint.verify import read_meta
 from areal_mega.common.net import free_port
+from areal_mega.parallel.allocation import ParallelDims
 
 __all__ = ["convert_hf_to_mcore", "convert_mcore_to_hf", "check_layout", "rss_bytes",
            "peak_rss_bytes", "reset_peak_rss"]
@@ -94,7 +96,6 @@ def check_layout(arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[i
 
 def _single_process_mesh():
     import torch.distributed as dist
-    from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
 
     if dist.is_initialized() and dist.get_world_size() != 1:
@@ -124,7 +125,6 @@ def _tqdm(it, progress: bool, **kw):
 def _score_head_of(hf_dir: Path, weights: SafetensorsDir) -> set:
     """``{"score.weight"}`` for a sequence-classification checkpoint (which must hold it),
     else nothing."""
-    from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
     cfg = json.loads((hf_dir / "config.json").read_text())
     if not is_sequence_classification(cfg.get("architectures")):
         return set()

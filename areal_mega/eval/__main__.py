@@ -31,6 +31,12 @@ import time
 from pathlib import Path
 
 from areal_mega.common.files import atomic_write
+from areal_mega.data.dataset import load_tokenizer
+from areal_mega.eval.runner import evaluate, load_eval_items
+from areal_mega.eval.scores import format_table, summarize
+from areal_mega.inference.process import launch_local_servers
+from areal_mega.rewards import load_reward_fn, shutdown_reward_workers
+from areal_mega.rollout.client import RolloutClient
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -114,9 +120,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def _run(args, addrs: list, items: list, tokenizer, reward_fn) -> list:
-    from areal_mega.eval.runner import evaluate
-    from areal_mega.rollout.client import RolloutClient
-
     client = RolloutClient(addrs, api_key=args.api_key)
     try:
         await client.wait_ready(timeout=120.0)
@@ -132,10 +135,6 @@ async def _run(args, addrs: list, items: list, tokenizer, reward_fn) -> list:
 def main(argv=None) -> dict:
     """Run the evaluation described by ``argv``; prints the table, writes ``--out`` and
     returns the written results (``summary``, ``settings``, ``records``)."""
-    from areal_mega.data.dataset import load_tokenizer
-    from areal_mega.eval.runner import load_eval_items
-    from areal_mega.eval.scores import format_table, summarize
-    from areal_mega.rewards import load_reward_fn, shutdown_reward_workers
 
     args = parse_args(argv)
     reward_fn = load_reward_fn(args.reward_fn)
@@ -151,8 +150,6 @@ def main(argv=None) -> dict:
                                 max_prompt_len=args.max_prompt_len)
         addrs = args.server_addrs
         if not addrs:
-            from areal_mega.inference.process import launch_local_servers
-
             procs = launch_local_servers(str(model_dir), args.num_servers,
                                          api_key=args.api_key,
                                          num_threads=args.server_threads)

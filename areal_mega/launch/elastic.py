@@ -31,9 +31,9 @@ from typing import Optional
 
 from areal_mega.common.files import atomic_write
 from areal_mega.common.net import free_ports
+from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.supervisor import ProcessSpec
-from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 
 log = logging.getLogger(__name__)
 

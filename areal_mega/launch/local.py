@@ -38,6 +38,7 @@ import yaml
 from areal_mega.common.net import free_ports, http_ready
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
 from areal_mega.config_checks import check_against_model
+from areal_mega.inference.process import build_sglang_command
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
                                       rollout_memory)
@@ -45,7 +46,6 @@ from areal_mega.launch.plan import Layout, plan_layout
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
-from areal_mega.inference.process import build_sglang_command
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
 from areal_mega.security import holds_secret, server_env, write_run_file, write_sglang_key_file
 
@@ -59,7 +59,7 @@ ROLLOUT_SERVER_MODULE = "areal_mega.inference.server"
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
 # Started in RL mode. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it (tests).
 ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
-                                       "areal_mega.rollout.worker")
+                                       "areal_mega.rollout_worker")
 # Liveness probe of a rollout server. SGLang's ``/health_generate`` generates a token and
 # answers 503 while generation is paused (a weight update), so the launcher asks ``/health``.
 HEALTH_PATH = "/health"

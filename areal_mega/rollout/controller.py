@@ -1,7 +1,7 @@
 """RolloutController: concurrent episodes under the staleness bound, interruptible generation,
 weight updates, and delivery of finished groups to a sink.
 
-The rollout worker (:mod:`areal_mega.rollout.worker`) drives it; all calls come from threads
+The rollout worker (:mod:`areal_mega.rollout_worker`) drives it; all calls come from threads
 other than the controller's own asyncio thread::
 
     ctl = RolloutController(client, workflow, prompts, batch_size=B, eta=η, n_samples=n,

@@ -15,11 +15,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
 
-from areal_mega.config import ExperimentConfig, config_to_dict
+from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict
+from areal_mega.dataplane.control import RolloutLink
+from areal_mega.metrics import MetricsLogger, ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
-from areal_mega.run_dir import (SOURCE_FILE, RunDir, hf_source_identity, is_disk_full_error,
+from areal_mega.parallel.weight_group import weight_update_group
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk_full_error,
                                 iter_dir_name)
 from areal_mega.security import holds_secret, write_run_file
+from areal_mega.train.intake import TrajectoryIntake
+from areal_mega.train.weight_sender import DistributedWeightSender
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +39,6 @@ def weight_group_for(cfg: ExperimentConfig):
     """The weight-update group of ``cfg`` (rollout TP from the allocation string, one server
     per ``rollout.server_addrs`` entry): the launcher's own arithmetic,
     :func:`areal_mega.parallel.weight_group.weight_update_group`. Raises ``ConfigError``."""
-    from areal_mega.parallel.weight_group import weight_update_group
 
     return weight_update_group(parse_allocation(cfg.allocation), cfg.rollout.backend,
                                len(cfg.rollout.server_addrs))
@@ -72,7 +77,6 @@ class TrainerSession:
         try:
             self.paths.check_fresh_start(cfg.recover)
         except ValueError as e:
-            from areal_mega.config import ConfigError
             raise ConfigError(str(e)) from None
         self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +109,6 @@ class TrainerSession:
             self.weight_update = resolve_weight_update(
                 cfg.rollout.weight_update, cuda=torch.cuda.is_available(), pp=d.pp)
         except ValueError as e:
-            from areal_mega.config import ConfigError
             raise ConfigError(str(e)) from None
         if self.is_rank0:
             self._write_resolved_config()
@@ -189,10 +192,6 @@ class TrainerSession:
                        private=holds_secret(resolved))
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
-        from areal_mega.metrics import MetricsLogger, ProgressBar
-        from areal_mega.train.intake import TrajectoryIntake
-        from areal_mega.dataplane.control import RolloutLink
-
         cfg = self.cfg
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
                                     resume_step=self.start_step if resumed else None)
@@ -224,9 +223,6 @@ class TrainerSession:
         """Rank 0 joins a broadcast group with every rollout server (SGLang's
         ``/init_weights_update_group``): NCCL on GPU, gloo on CPU."""
         import os
-
-        from areal_mega.rollout.client import RolloutClient
-        from areal_mega.train.weight_sender import DistributedWeightSender
 
         r = self.cfg.rollout
         if not r.server_addrs:
@@ -402,7 +398,6 @@ class TrainerSession:
         if not self.is_rank0:
             return
         if self.cfg.logging.plot:
-            from areal_mega.metrics import plot_metrics
             png = self.run_dir / "reward_curve.png"
             plot_metrics(self.run_dir / "metrics.jsonl", png)
             print(f"[areal-mega] reward curve: {png}")

@@ -14,6 +14,12 @@ import concurrent.futures
 import logging
 from typing import Callable, Iterable, Iterator, Optional
 
+from areal_mega.inference.process import find_free_port
+from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
+                                              init_update_group)
+from areal_mega.parallel.weight_group import weight_update_group
+from areal_mega.rollout.client import server_url
+
 log = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
@@ -73,7 +79,6 @@ def create_sender_group(master_address: str, master_port: int, world_size: int,
     it (:func:`~areal_mega.parallel.update_group.init_update_group`). Does not touch the default
     process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
     until every server has joined."""
-    from areal_mega.parallel.update_group import init_update_group
 
     return init_update_group(master_address, master_port, world_size, 0, group_name, backend,
                              timeout_s)
@@ -94,9 +99,6 @@ class DistributedWeightSender:
                  master_port: Optional[int] = None, backend: str = "gloo",
                  group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
                  group=None, run_async=None, timeout_s: float = 300.0):
-        from areal_mega.parallel.weight_group import weight_update_group
-        from areal_mega.inference.process import find_free_port
-
         self.client = client
         self.master_address = master_address
         self.master_port = master_port or find_free_port(master_address)
@@ -138,9 +140,6 @@ class DistributedWeightSender:
         1 + len(addrs) x ranks per server on a fresh port. Returns False, doing nothing, when
         ``addrs`` are already the group's servers, in order, unless ``force`` (a member was
         relaunched and holds no group)."""
-        from areal_mega.rollout.client import server_url
-        from areal_mega.inference.process import find_free_port
-        from areal_mega.parallel.update_group import destroy_update_group
 
         urls = [server_url(a) for a in addrs]
         if not urls:
@@ -167,7 +166,6 @@ class DistributedWeightSender:
         buckets. Tensors are sent contiguous, on the group's device, in their own dtype.
         ``weight_version`` (if given) is attached to every bucket; the server reports it once
         the last bucket has landed (attach it to the last bucket only if that matters)."""
-        from areal_mega.parallel.update_group import broadcast_from_rank0
 
         if self.pg is None:
             raise RuntimeError("DistributedWeightSender.send before connect()")
@@ -192,7 +190,6 @@ class DistributedWeightSender:
     def close(self) -> None:
         """Destroy the group on this side (the servers keep theirs until
         ``/destroy_weights_update_group``) and close the client if this sender owns its loop."""
-        from areal_mega.parallel.update_group import destroy_update_group
 
         pg, self.pg = self.pg, None
         destroy_update_group(pg)

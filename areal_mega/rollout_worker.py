@@ -1,6 +1,6 @@
 """The rollout worker process: prompts -> rollout servers -> rewards -> data plane -> trainer.
 
-    python -m areal_mega.rollout.worker --config recipes/X.yaml [key=value ...]
+    python -m areal_mega.rollout_worker --config recipes/X.yaml [key=value ...]
 
 (normally started by ``areal_mega.launch.local``). It runs a
 :class:`~areal_mega.rollout.controller.RolloutController` over the training prompts, pushes
@@ -38,20 +38,26 @@ import time
 from pathlib import Path
 
 from areal_mega.common.files import atomic_write
+from areal_mega.config import load_config
+from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
+from areal_mega.dataplane.control import ControlServer
+from areal_mega.dataplane.transport import TrajectorySender
+from areal_mega.eval.worker_hook import WorkerEvaluator
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
-from areal_mega.rollout.server_pool import pool_metrics
+from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics
 from areal_mega.run_dir import RunDir, checkpoint_iteration
+from areal_mega.workflow.builtin import workflow_from_config
+from areal_mega.workflow.multitask import build_multitask
 
-log = logging.getLogger("areal_mega.rollout.worker")
-
+log = logging.getLogger("areal_mega.rollout_worker")
 
 
 class PromptCursor:
     """Endless prompt items in a deterministic, resumable order (one prompt at a time)."""
 
     def __init__(self, dataset, seed: int, shuffle: bool, start: int = 0):
-        from areal_mega.data.dataset import PromptSampler
-
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.sampler = PromptSampler(len(dataset), 1, seed=seed, shuffle=shuffle,
                                      drop_last=False)
@@ -125,12 +131,6 @@ class RolloutWorker:
         to the trainer's data endpoint; binds the control endpoint and starts answering
         commands. Creates ``logging.run_dir`` if needed.
         """
-        from areal_mega.data.dataset import PromptDataset, load_tokenizer
-        from areal_mega.dataplane.transport import TrajectorySender
-        from areal_mega.dataplane.control import ControlServer
-        from areal_mega.eval.worker_hook import WorkerEvaluator
-        from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands
-        from areal_mega.workflow.builtin import workflow_from_config
 
         self.cfg = cfg
         self.relaunched = relaunched
@@ -145,7 +145,6 @@ class RolloutWorker:
             self.drawn_before = int(saved.get("drawn", start))
         self.tokenizer = load_tokenizer(cfg.model.path)
         if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
-            from areal_mega.workflow.multitask import build_multitask
             self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
@@ -201,7 +200,6 @@ class RolloutWorker:
         holds across a restart. Called by :meth:`run` or, when resuming, by :meth:`handle` on
         the trainer's first weight update; sets ``self.controller``.
         """
-        from areal_mega.rollout.controller import RolloutController
 
         r = self.cfg.rollout
         # resuming or relaunched: the latest complete checkpoint now (the trainer verified
@@ -294,8 +292,6 @@ class RolloutWorker:
                 self.pool.end_update()            # servers that joined the group take work
             return {"version": version, **pool_metrics(self.elastic.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
-            from areal_mega.rollout.client import RolloutClient
-
             r = self.cfg.rollout
             return self.evaluator.run(int(msg["version"]), self.controller,
                                       lambda: RolloutClient(self.client.dispatchable(),
@@ -305,8 +301,6 @@ class RolloutWorker:
                          "evaluate (with eval.every_steps > 0)")
 
     async def _set_version(self, version: int) -> None:
-        from areal_mega.rollout.client import RolloutClient
-
         c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
         try:
             await c.set_weight_version(version)
@@ -314,8 +308,6 @@ class RolloutWorker:
             await c.close()
 
     async def _load_directly(self, path: str, version: int) -> None:
-        from areal_mega.rollout.client import RolloutClient
-
         c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
         try:
             await c.update_weights_from_disk(path, version)
@@ -385,7 +377,6 @@ def main(argv=None) -> None:
     """CLI entry point. SIGTERM (before or after set-up) stops the worker within
     ``cluster.kill_grace_s`` and exits 143; the process ends with ``os._exit`` so that no
     thread blocked on the trainer (a delivery waiting for credit) can hold it up."""
-    from areal_mega.config import load_config
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
