@@ -17,7 +17,6 @@ from areal_mega.common.net import free_port, http_ready
 
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
-find_free_port = free_port   # the old name, still imported by train/weight_sender.py
 
 
 def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", tp: int = 1,

@@ -14,7 +14,7 @@ import concurrent.futures
 import logging
 from typing import Callable, Iterable, Iterator, Optional
 
-from areal_mega.inference.process import find_free_port
+from areal_mega.common.net import free_port
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
                                               init_update_group)
 from areal_mega.parallel.weight_group import weight_update_group
@@ -101,7 +101,7 @@ class DistributedWeightSender:
                  group=None, run_async=None, timeout_s: float = 300.0):
         self.client = client
         self.master_address = master_address
-        self.master_port = master_port or find_free_port(master_address)
+        self.master_port = master_port or free_port(master_address)
         self.backend = backend
         self.group_name = group_name
         self.bucket_bytes = bucket_bytes
@@ -155,7 +155,7 @@ class DistributedWeightSender:
         destroy_update_group(pg)
         self.client.set_servers(urls)
         self.group = self.group.resized(len(urls))
-        self.master_port = find_free_port(self.master_address)
+        self.master_port = free_port(self.master_address)
         self.connect()
         log.info("weight-update group formed again: %d servers, world size %d", len(urls),
                  self.world_size)
