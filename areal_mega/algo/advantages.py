@@ -16,6 +16,10 @@ Pipeline (:func:`compute_advantages`), per sequence i with reward R_i:
      returns-to-go G_t = Σ_{u≥t} γ^{u−t} r_u by ``packed_gae`` with V = 0, λ = 1.
    - ``gae``: the same token rewards with the critic's ``values`` through
      ``areal_mega.ops.packed_gae`` (γ, λ, ``bootstrap_values`` for truncated sequences).
+   - ``rloo``, ``opo``, ``grpo_passk``, ``reinforce_plus_plus``,
+     ``reinforce_plus_plus_baseline``: verl's estimators of those names
+     (:mod:`~areal_mega.algo.estimators`), on R_i − β Σ_t KL_t (per token for REINFORCE++);
+     ``group_norm`` / ``leave_one_out`` do not apply, ``group_std`` is pass@k's std division.
 4. Optional batch normalisation of the per-token advantages (:func:`masked_whiten`).
 
 Where these conventions differ from verl and AReaL on purpose (singleton groups, reward
@@ -29,6 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from areal_mega.algo.estimators import ESTIMATORS, estimator_advantages
 from areal_mega.algo.kl import kl_estimate
 from areal_mega.algo.packing import broadcast_to_tokens, last_token_index, segment_sum
 
@@ -220,8 +225,14 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
                                      lam=cfg.lam, bootstrap_values=batch.get("bootstrap_values"),
                                      loss_mask=mask)
         out["returns"] = returns
+    elif cfg.adv_estimator in ESTIMATORS:
+        adv = estimator_advantages(
+            cfg.adv_estimator, rewards + segment_sum(kl_pen, cu),
+            outcome_token_rewards(rewards, mask, cu) + kl_pen, mask, cu,
+            batch.get("group_index"), gamma=cfg.gamma, use_std=cfg.group_std)
     else:
-        raise ValueError(f"adv_estimator {cfg.adv_estimator!r}: must be grpo, reinforce or gae")
+        raise ValueError(f"adv_estimator {cfg.adv_estimator!r}: must be grpo, reinforce, gae "
+                         f"or one of {ESTIMATORS}")
     if cfg.batch_norm:
         adv = masked_whiten(adv, mask)
     adv = torch.where(mask, adv, torch.zeros_like(adv))
