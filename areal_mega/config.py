@@ -163,7 +163,7 @@ class SchedulerConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = _f("grpo", choices=["grpo", "ppo", "sft"])
-    adv_estimator: str = _f("grpo", choices=["grpo", "gae", "reinforce"])
+    adv_estimator: str = _f("grpo", choices=["grpo", "gae", "reinforce", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk", "opo"])
     eps_clip_low: float = _f(0.2, lo=0.0)
     eps_clip_high: Optional[float] = _f(None, lo=0.0, doc="clip-higher; None = eps_clip_low")
     dual_clip_c: Optional[float] = _f(None, lo=1.0, lo_open=True)

@@ -18,6 +18,9 @@ from areal_mega.data.sources import check_sources
 from areal_mega.parallel.allocation import AllocationError, parse_allocation
 from areal_mega.security import check_remote_secret
 
+# advantage estimators that compare the samples of one prompt (areal_mega.algo.estimators)
+GROUP_ESTIMATORS = ("rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline")
+
 
 def model_context(model_path: str) -> Optional[tuple]:
     """``(max_position_embeddings, config.json path)`` of an HF model directory, or None when
@@ -93,6 +96,11 @@ def validate(cfg) -> None:
             and cfg.algorithm.group_norm:
         raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
                           "needs at least 2 samples per prompt")
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.mode == "rl" \
+            and cfg.rollout.n_samples < 2:
+        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: adv_estimator="
+                          f"{cfg.algorithm.adv_estimator} compares the samples of a prompt and "
+                          "needs at least 2 per prompt (a group of one gets advantage 0)")
     if cfg.eval.every_steps and not cfg.eval.data:
         raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: eval.data is empty; name "
                           "the evaluation prompt files or set eval.every_steps=0")
