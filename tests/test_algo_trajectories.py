@@ -58,6 +58,13 @@ CONFIGS = {
     "grpo_kl_in_reward": dict(kl_in_reward=True, kl_coef=0.3, kl_estimator="k3"),
     "reinforce": dict(adv_estimator="reinforce", gamma=0.9, batch_norm=True),
     "gae": dict(adv_estimator="gae", gamma=0.95, lam=0.9, dynamic_filter=True),
+    # verl's estimators (areal_mega.algo.estimators)
+    "rloo": dict(adv_estimator="rloo"),
+    "opo": dict(adv_estimator="opo", dynamic_filter=True),
+    "grpo_passk": dict(adv_estimator="grpo_passk", group_std=False),
+    "reinforce_plus_plus": dict(adv_estimator="reinforce_plus_plus", gamma=0.9),
+    "reinforce_plus_plus_baseline": dict(adv_estimator="reinforce_plus_plus_baseline",
+                                         zero_reward_without_eos=True),
 }
 
 
@@ -89,6 +96,9 @@ def test_trajectory_path_equals_packed_path(name, per_token_reward):
         return
     assert all(np.array_equal(x, y) for x, y in zip(a2, advs))
     assert st["adv/advantage_mean"] == ref_astats["advantage_mean"]
+    if name in ("rloo", "opo", "grpo_passk", "reinforce_plus_plus",
+                "reinforce_plus_plus_baseline"):
+        assert any(x.any() for x in advs)                  # the estimator produced signal
 
 
 def test_sequence_fields_and_grpo_values():

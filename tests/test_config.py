@@ -87,3 +87,17 @@ def test_allocation_errors(text, words):
         parse_allocation(text)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                  "grpo_passk", "opo"])
+def test_verl_estimators_are_choices(name):
+    cfg = load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n_samples=4"])
+    assert cfg.algorithm.adv_estimator == name
+    if name == "reinforce_plus_plus":               # no groups: one sample per prompt is fine
+        assert load_config(None, [f"algorithm.adv_estimator={name}",
+                                  "rollout.n_samples=1"]).rollout.n_samples == 1
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n_samples=1"])
+    assert "rollout.n_samples" in str(e.value) and name in str(e.value)
