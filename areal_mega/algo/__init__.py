@@ -4,6 +4,9 @@
   (:func:`make_policy_loss`) and :func:`finalize_stats`;
 - :mod:`~areal_mega.algo.advantages` — reward shaping, GRPO group normalisation, REINFORCE and
   GAE advantages (:func:`compute_advantages`);
+- :mod:`~areal_mega.algo.estimators` — verl's rloo, opo, grpo_passk and
+  reinforce_plus_plus(_baseline) estimators as pure functions (dispatched by
+  :func:`compute_advantages`);
 - :mod:`~areal_mega.algo.kl` — k1/k2/k3 KL estimators;
 - :mod:`~areal_mega.algo.filters` — dynamic sampling (drop uniform-reward groups);
 - :mod:`~areal_mega.algo.trajectories` — filtering and advantages on the step's trajectories,

@@ -11,9 +11,10 @@ Pipeline (:func:`compute_advantages`), per sequence i with reward R_i:
 
    - ``grpo``: sequence reward R_i − β Σ_t KL_t, normalised within its prompt group
      (:func:`group_normalize`; or raw when ``group_norm`` is off), broadcast to its tokens.
-   - ``reinforce``: outcome reward (group-normalised when ``group_norm``: REINFORCE++-baseline)
-     at the last loss token, plus the per-token KL penalty, turned into discounted
-     returns-to-go G_t = Σ_{u≥t} γ^{u−t} r_u by ``packed_gae`` with V = 0, λ = 1.
+   - ``reinforce``: outcome reward (group-normalised when ``group_norm``; verl's
+     REINFORCE++-baseline is ``reinforce_plus_plus_baseline``) at the last loss token, plus
+     the per-token KL penalty, turned into discounted returns-to-go
+     G_t = Σ_{u≥t} γ^{u−t} r_u by ``packed_gae`` with V = 0, λ = 1.
    - ``gae``: the same token rewards with the critic's ``values`` through
      ``areal_mega.ops.packed_gae`` (γ, λ, ``bootstrap_values`` for truncated sequences).
    - ``rloo``, ``opo``, ``grpo_passk``, ``reinforce_plus_plus``,
