@@ -24,6 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "areal_mega"
 LAYERS = [
     ["common"],
     ["compat", "config_schema", "security"],
+    ["config_presets"],
     ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards"],
     ["checkpoint", "config_checks", "config", "scheduler", "ops"],
     ["algo", "engine"],
