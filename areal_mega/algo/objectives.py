@@ -20,7 +20,8 @@ hard clip, with a temperature per advantage sign::
     f_τ(r) = (4/τ) · σ(τ (r − 1)),   τ_t = τ_pos if A_t > 0 else τ_neg
     ℓ_t = − f_τ_t(r_t) · A_t
 
-f has slope 1 at r = 1 (the PPO gradient on-policy) and decays smoothly as r leaves 1.
+f has slope 1 at r = 1 (the PPO gradient on-policy) and its slope decays smoothly as r
+leaves 1.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def cispo_surrogate(logprobs: Tensor, ratio: Tensor, advantages: Tensor, *, eps_
 
 
 def sapo_gate(ratio: Tensor, tau: Tensor) -> Tensor:
-    """SAPO's soft gate (4/τ)·σ(τ(r − 1)): value 1 and slope 1 at r = 1."""
+    """SAPO's soft gate (4/τ)·σ(τ(r − 1)): value 2/τ and slope 1 at r = 1."""
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
