@@ -22,6 +22,11 @@ hard clip, with a temperature per advantage sign::
 
 f has slope 1 at r = 1 (the PPO gradient on-policy) and its slope decays smoothly as r
 leaves 1.
+
+Deliberate differences from verl's ``compute_policy_loss_cispo`` / ``_sapo`` (otherwise equal
+term for term, see tests/test_algo_objectives.py): the decoupled weight π_prox/π_behav is applied
+whenever ``decoupled`` (verl: only when given ``rollout_is_weights``), and the loss is aggregated
+with ``loss_agg`` for both (verl's SAPO always uses seq-mean-token-mean = our ``seq_mean``).
 """
 from __future__ import annotations
 
