@@ -15,6 +15,7 @@ from typing import Optional
 import yaml
 
 from areal_mega.config_checks import validate
+from areal_mega.config_presets import PRESETS, resolve_algorithm
 from areal_mega.config_schema import ConfigError, _build, _f, _merge, parse_overrides
 
 __all__ = ["ConfigError", "ExperimentConfig", "config_from_dict", "config_to_dict",
@@ -163,7 +164,10 @@ class SchedulerConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = _f("grpo", choices=["grpo", "ppo", "sft"])
-    adv_estimator: str = _f("grpo", choices=["grpo", "gae", "reinforce", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk", "opo"])
+    adv_estimator: str = _f("grpo", choices=["grpo", "gae", "reinforce", "rloo",
+                                             "reinforce_plus_plus",
+                                             "reinforce_plus_plus_baseline", "grpo_passk",
+                                             "opo"])
     eps_clip_low: float = _f(0.2, lo=0.0)
     eps_clip_high: Optional[float] = _f(None, lo=0.0, doc="clip-higher; None = eps_clip_low")
     dual_clip_c: Optional[float] = _f(None, lo=1.0, lo_open=True)
@@ -174,7 +178,15 @@ class AlgorithmConfig:
                                    "per-token geometric mean of that product")
     imp_weight_mode: str = _f("mask", choices=["mask", "clamp"],
                               doc="mask: drop tokens/sequences above the cap; clamp: min(w, cap)")
-    ratio_level: str = _f("token", choices=["token", "sequence"], doc="sequence = GSPO")
+    preset: Optional[str] = _f(None, choices=[None, *PRESETS], doc="sets the keys that define "
+                               "an algorithm (docs/algorithms.md); explicit keys win")
+    policy_loss: str = _f("ppo", choices=["ppo", "gspo", "cispo", "sapo"],
+                          doc="ppo: token-ratio clip; gspo: sequence-ratio clip; cispo: clipped "
+                              "detached IS weight (REINFORCE form); sapo: soft gate")
+    ratio_level: str = _f("token", choices=["token", "sequence"],
+                          doc="sequence = GSPO; must agree with policy_loss (gspo <=> sequence)")
+    sapo_tau_pos: float = _f(1.0, lo=0.0, lo_open=True, doc="SAPO gate temperature, A > 0")
+    sapo_tau_neg: float = _f(1.05, lo=0.0, lo_open=True, doc="SAPO gate temperature, A <= 0")
     loss_agg: str = _f("token_mean", choices=["token_mean", "seq_mean", "seq_sum_norm"])
     loss_norm_len: Optional[int] = _f(None, lo=1, doc="seq_sum_norm (Dr.GRPO) constant; "
                                                       "None = rollout.max_new_tokens")
@@ -317,8 +329,10 @@ class ExperimentConfig:
 
 
 def config_from_dict(data: dict) -> ExperimentConfig:
-    """Build and validate an :class:`ExperimentConfig` from a nested dict."""
-    cfg = _build(ExperimentConfig, data or {})
+    """Build and validate an :class:`ExperimentConfig` from a nested dict, after applying
+    ``algorithm.preset`` (explicit keys win) and pairing ``policy_loss`` / ``ratio_level``
+    (:func:`~areal_mega.config_presets.resolve_algorithm`)."""
+    cfg = _build(ExperimentConfig, resolve_algorithm(data or {}))
     validate(cfg)
     return cfg
 

@@ -90,6 +90,7 @@ def validate(cfg) -> None:
                           "only; set algorithm.kl_in_reward=false, or use adv_estimator=gae "
                           "with critic.enabled=true (GAE runs after the reference forward)")
     _check_critic(cfg, gae)
+    _check_policy_loss(cfg.algorithm)
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
     if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
@@ -118,6 +119,20 @@ def _is_object_spec(spec: str) -> bool:
     """``module:Name`` / ``file.py:Name`` in form (whether it imports is checked at start)."""
     mod, sep, name = spec.rpartition(":")
     return bool(sep and mod and name.isidentifier())
+
+
+def _check_policy_loss(alg) -> None:
+    """``policy_loss`` against ``ratio_level`` (gspo <=> sequence) and ``dual_clip_c``."""
+    want = "sequence" if alg.policy_loss == "gspo" else "token"
+    if alg.ratio_level != want:
+        raise ConfigError(f"algorithm.policy_loss={alg.policy_loss!r} contradicts "
+                          f"algorithm.ratio_level={alg.ratio_level!r}: policy_loss="
+                          f"{alg.policy_loss} uses the {want} ratio; set them consistently "
+                          "(gspo <=> sequence) or leave ratio_level out")
+    if alg.dual_clip_c is not None and alg.policy_loss in ("cispo", "sapo"):
+        raise ConfigError(f"algorithm.dual_clip_c={alg.dual_clip_c!r}: has no meaning with "
+                          f"algorithm.policy_loss={alg.policy_loss!r} (no clipped surrogate); "
+                          "set algorithm.dual_clip_c=null")
 
 
 def _check_critic(cfg, gae: bool) -> None:

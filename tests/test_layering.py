@@ -23,7 +23,7 @@ PKG = Path(__file__).resolve().parents[1] / "areal_mega"
 # Lowest first. A top-level module (config.py, trainer.py, ...) is a package of its own.
 LAYERS = [
     ["common"],
-    ["compat", "config_schema", "security"],
+    ["compat", "config_schema", "config_presets", "security"],
     ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards"],
     ["checkpoint", "config_checks", "config", "scheduler", "ops"],
     ["algo", "engine"],

@@ -19,6 +19,10 @@ Clipped surrogate with clip-higher (ε_low, ε_high) and optional dual clip c > 
     ℓ_t = max( −A_t r_t, −A_t clip(r_t, 1 − ε_low, 1 + ε_high) )
     ℓ_t = min( ℓ_t, −c A_t )            only where A_t < 0 (dual clip)
 
+``policy_loss`` = ``cispo`` / ``sapo`` replace ℓ_t by the objectives of
+:mod:`areal_mega.algo.objectives` (token ratio); ``gspo`` is the clipped surrogate of the
+sequence ratio.
+
 Decoupled objective: each token's surrogate is weighted by the behaviour importance weight
 (a constant, no gradient) ``w = π_prox / π_behav`` (see :func:`behav_importance_weight` for the
 token / sequence / geometric levels and the mask / clamp cap), so the per-token loss is::
@@ -50,6 +54,7 @@ import torch
 from torch import Tensor
 
 from areal_mega.algo.kl import kl_estimate
+from areal_mega.algo.objectives import POLICY_LOSSES, cispo_surrogate, sapo_surrogate
 from areal_mega.algo.packing import broadcast_to_tokens, segment_sum
 
 #: Log-ratios are clamped to ±MAX_LOG_RATIO before ``exp`` so a single wild token cannot turn
@@ -229,6 +234,25 @@ def aggregate_loss(token_loss: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, lo
     raise ValueError(f"loss_agg {loss_agg!r}: must be one of {LOSS_AGGS}")
 
 
+def policy_objective(objective: str, logprobs: Tensor, ratio: Tensor, advantages: Tensor, cfg
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-token loss of ``algorithm.policy_loss`` (``ppo``/``gspo``: clipped surrogate of
+    ``ratio``; ``cispo``, ``sapo``: :mod:`areal_mega.algo.objectives`) and the bool masks
+    ``(clipped, dual_clipped)`` (all False for SAPO; CISPO has no dual clip)."""
+    if objective in ("ppo", "gspo"):
+        return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_clip_low,
+                                 eps_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c)
+    none = torch.zeros_like(advantages, dtype=torch.bool)
+    if objective == "cispo":
+        loss, clipped = cispo_surrogate(logprobs, ratio, advantages, eps_low=cfg.eps_clip_low,
+                                        eps_high=cfg.eps_clip_high)
+        return loss, clipped, none
+    if objective == "sapo":
+        return (sapo_surrogate(ratio, advantages, tau_pos=cfg.sapo_tau_pos,
+                               tau_neg=cfg.sapo_tau_neg), none, none)
+    raise ValueError(f"policy_loss {objective!r}: must be one of {POLICY_LOSSES}")
+
+
 # ----------------------------------------------------------------------------- the loss
 
 
@@ -277,10 +301,10 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
         old = behav
         weight, keep, capped = torch.ones_like(behav), mask, torch.zeros_like(mask)
 
-    ratio = ppo_ratio(logprobs, old.detach(), mask, cu, cfg.ratio_level, seq_reduce)
-    pg, clipped, dual = clipped_surrogate(ratio, adv, eps_low=cfg.eps_clip_low,
-                                          eps_high=cfg.eps_clip_high,
-                                          dual_clip_c=cfg.dual_clip_c)
+    objective = getattr(cfg, "policy_loss", "ppo")
+    level = "sequence" if objective == "gspo" else cfg.ratio_level
+    ratio = ppo_ratio(logprobs, old.detach(), mask, cu, level, seq_reduce)
+    pg, clipped, dual = policy_objective(objective, logprobs, ratio, adv, cfg)
     pg = _masked(weight * pg, keep)
     token_loss = pg
     kl_ref = None
@@ -339,6 +363,8 @@ def make_policy_loss(cfg, *, max_response_len: Optional[int] = None
     """
     if cfg.loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {cfg.loss_agg!r}: must be one of {LOSS_AGGS}")
+    if getattr(cfg, "policy_loss", "ppo") not in POLICY_LOSSES:
+        raise ValueError(f"policy_loss {cfg.policy_loss!r}: must be one of {POLICY_LOSSES}")
     norm_len = cfg.loss_norm_len or max_response_len
     if cfg.loss_agg == "seq_sum_norm" and not norm_len:
         raise ValueError("loss_agg='seq_sum_norm' needs algorithm.loss_norm_len or "

@@ -38,6 +38,7 @@ import yaml
 from areal_mega.common.net import free_ports, http_ready
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
 from areal_mega.config_checks import check_against_model
+from areal_mega.config_presets import PRESETS
 from areal_mega.inference.process import build_sglang_command
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
@@ -110,6 +111,16 @@ def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]
     return weight_update_group(a, cfg.rollout.backend, n)
 
 
+def algorithm_line(cfg: ExperimentConfig) -> str:
+    """The resolved keys that define the algorithm (every key a preset can set), one line."""
+    alg = cfg.algorithm
+    keys = sorted({k.split(".", 1)[1] for keys in PRESETS.values() for k in keys
+                   if k.startswith("algorithm.")} | {"ratio_level"})
+    vals = " ".join(f"{k}={getattr(alg, k)}" for k in keys)
+    return (f"algorithm (preset {alg.preset or 'none'}): {vals} "
+            f"critic.enabled={cfg.critic.enabled}")
+
+
 def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
     """The ``--dry-run`` report: layout and per-GPU memory estimate."""
     layout = make_layout(cfg, device)
@@ -122,6 +133,7 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
         out.append(f"weight update: distributed, group world {group.world_size} = trainer rank "
                    f"0 + {len(group.rank_offsets)} server(s) x {group.ranks_per_server} "
                    f"rank(s); rank offsets {', '.join(map(str, group.rank_offsets))}")
+    out.append(algorithm_line(cfg))
     hp, source = resolve_hparams(cfg)
     dims = layout.allocation.trainer
     recompute = cfg.model.recompute_granularity
