@@ -13,7 +13,10 @@ What SGLang does, and so what this module does:
 - the answer's ``text`` is decoded with ``skip_special_tokens`` /
   ``spaces_between_special_tokens``; unless ``no_stop_trim`` the matched stop token is left out
   of the text and the text is cut before a matched stop string (``output_ids`` and logprobs
-  keep every generated token, as on SGLang).
+  keep every generated token, as on SGLang);
+- with ``return_logprob`` the answer carries ``input_token_logprobs`` from ``logprob_start_len``
+  on (default: the last prompt token only, value None), at temperature 1; ``max_new_tokens: 0``
+  scores a sequence without generating (see :mod:`areal_mega.inference.input_logprobs`).
 
 Beyond SGLang's own checks (so that one bad request is answered 400 instead of failing the
 batch or the handler with 500): every float field must be finite (Python's ``json`` accepts
@@ -29,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from areal_mega.inference.input_logprobs import needs_forward, resolve_start
 from areal_mega.inference.sampling import SamplingParams
 
 log = logging.getLogger("areal_mega.inference.server")
@@ -269,6 +273,41 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, max_context: int):
     return ids, params, n, rids, batched or n > 1
 
 
+def parse_logprob_starts(body: dict, prompts: list) -> Optional[list]:
+    """``logprob_start_len`` (an int, or one per prompt) resolved per prompt as SGLang reads it
+    (see :mod:`areal_mega.inference.input_logprobs`); None without ``return_logprob`` (SGLang
+    then ignores the field). 400 naming the field for a value other than -1 outside
+    ``[0, len(prompt))``, and for input positions asked together with ``top_logprobs_num``
+    (input top logprobs are not implemented here)."""
+    w = "generate.logprob_start_len"
+    raw = body.get("logprob_start_len")
+    if raw is None:
+        raw = -1
+    if isinstance(raw, list):
+        if len(raw) != len(prompts):
+            raise BadRequest(f"{w}: a list must have one entry per prompt ({len(prompts)})")
+        vals = raw
+    else:
+        vals = [raw] * len(prompts)
+    for v in vals:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise BadRequest(f"{w}={raw!r}: expected an int or a list of ints")
+    if not body.get("return_logprob"):
+        return None
+    top_n = get_field(body, "top_logprobs_num", int, 0, "generate")
+    starts = []
+    for ids, v in zip(prompts, vals):
+        k = resolve_start(v, len(ids))
+        if not 0 <= k < len(ids):
+            raise BadRequest(f"{w}={v}: must be -1 or in [0, {len(ids)}) for a prompt of "
+                             f"{len(ids)} tokens")
+        if top_n and needs_forward(k, len(ids)):
+            raise BadRequest(f"{w}={v} with top_logprobs_num={top_n}: input top logprobs are "
+                             "not supported by this server")
+        starts.append(k)
+    return starts
+
+
 def output_text(decode, r, params: SamplingParams) -> str:
     """The ``text`` SGLang returns for finished request ``r`` (see the module docstring)."""
     if decode is None:
@@ -286,8 +325,10 @@ def output_text(decode, r, params: SamplingParams) -> str:
 
 
 def response_of(r, prompt_len: int, params: SamplingParams, return_logprob: bool,
-                text_in_logprobs: bool, decode, now: float) -> dict:
-    """One ``/generate`` answer object for finished request ``r``."""
+                text_in_logprobs: bool, decode, now: float,
+                input_lp: Optional[tuple] = None) -> dict:
+    """One ``/generate`` answer object for finished request ``r``; ``input_lp`` is ``(values,
+    token_ids)`` of its prompt's input positions from ``logprob_start_len`` on."""
     meta: dict = {
         "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": prompt_len,
         "completion_tokens": len(r.output_ids), "cached_tokens": 0,
@@ -297,7 +338,10 @@ def response_of(r, prompt_len: int, params: SamplingParams, return_logprob: bool
             return decode([t], skip_special_tokens=False) if text_in_logprobs and decode else None
         meta["output_token_logprobs"] = [[lp, t, tok_text(t)]
                                          for lp, t in zip(r.logprobs, r.output_ids)]
+        if input_lp is not None:
+            meta["input_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(*input_lp)]
         if params.top_logprobs_num:
+            meta["input_top_logprobs"] = [None]
             meta["output_top_logprobs"] = [[[lp, t, tok_text(t)] for lp, t in step]
                                            for step in r.top_logprobs]
     return {"text": output_text(decode, r, params), "output_ids": list(r.output_ids),

@@ -51,7 +51,9 @@ from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
                                            RequestTimeout, error_response, get_field,
                                            get_int_like, ignore_unknown, parse_dtype,
-                                           parse_generate, response_of)
+                                           parse_generate, parse_logprob_starts,
+                                           response_of)
+from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
@@ -117,6 +119,15 @@ def build_app(srv: LocalRolloutServer,
         body = await body_of(request)
         prompts, params, n, rids, as_list = parse_generate(
             body, srv.tokenizer, srv.vocab_size, srv.max_context)
+        starts = parse_logprob_starts(body, prompts)
+        version, values = None, [[None]] * len(prompts)
+        if starts is not None and any(needs_forward(k, len(p)) for k, p in zip(starts, prompts)):
+            # SGLang's input_token_logprobs: one forward per prompt length, between decode steps
+
+            def score():
+                return (input_token_logprobs(srv.engine.model, prompts, starts),
+                        srv.engine.weight_version)
+            values, version = await run_blocking(srv.engine.run_exclusive, score)
         loop = asyncio.get_running_loop()
         reqs, futs = [], []
         for i, rid in enumerate(rids):
@@ -129,6 +140,8 @@ def build_app(srv: LocalRolloutServer,
                 gen = torch.Generator().manual_seed(params.sampling_seed)
             reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
                                    on_done=on_done, generator=gen))
+            if version is not None:  # what a prefill-only request reports
+                reqs[-1].weight_version = version
             futs.append(fut)
         for r in reqs:
             srv.engine.submit(r)
@@ -140,8 +153,10 @@ def build_app(srv: LocalRolloutServer,
             raise
         now = time.time()
         out = [response_of(r, len(r.input_ids), params, bool(body.get("return_logprob")),
-                           bool(body.get("return_text_in_logprobs")), srv.decode, now)
-               for r in done]
+                           bool(body.get("return_text_in_logprobs")), srv.decode, now,
+                           None if starts is None else
+                           (values[i // n], r.input_ids[starts[i // n]:]))
+               for i, r in enumerate(done)]
         return web.json_response(out if as_list else out[0])
 
     async def abort_request(request: web.Request):
