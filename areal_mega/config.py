@@ -88,6 +88,21 @@ class RefConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (``algorithm.opd``): in the trainer (``path``) or
+    served (``server_addrs``); exactly one of the two when OPD is on (docs/algorithms.md)."""
+    path: str = _f("", doc="HF directory of a teacher run in the trainer as a forward-only "
+                   "Megatron engine (like the reference model, on the trainer's layout)")
+    dtype: Optional[str] = _f(None, choices=[None, "fp32", "bf16", "fp16"],
+                              doc="the in-trainer teacher's dtype; None = model.dtype")
+    server_addrs: list = _f(factory=list, doc="host:port of SGLang-compatible servers serving "
+                            "the teacher (scored by prompt logprobs) instead of teacher.path")
+    api_key: Optional[str] = _f(None, doc="Bearer key of the teacher servers")
+    request_timeout_s: float = _f(600.0, lo=0.0, lo_open=True,
+                                  doc="per scoring request to a teacher server")
+
+
+@dataclass
 class CriticConfig:
     enabled: bool = _f(False, doc="build a value model (needed by algorithm.adv_estimator=gae)")
     path: str = _f("", doc="HF directory of the critic's initial weights (an LM: fresh value "
@@ -209,6 +224,10 @@ class AlgorithmConfig:
     dynamic_filter: bool = False
     gamma: float = _f(1.0, lo=0.0, hi=1.0)
     lam: float = _f(1.0, lo=0.0, hi=1.0)
+    opd: str = _f("off", choices=["off", "pure", "add"], doc="on-policy distillation: pure = "
+                  "advantage -opd_coef*(log pi - log pi_teacher) per token instead of the "
+                  "outcome advantage; add = the outcome advantage plus it (needs teacher.*)")
+    opd_coef: float = _f(1.0, lo=0.0, lo_open=True, doc="scale of the OPD advantage term")
 
 
 @dataclass
@@ -311,6 +330,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

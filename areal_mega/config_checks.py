@@ -8,6 +8,7 @@ megatron: the launcher, the trainer and the demo call it first thing.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Optional
@@ -50,6 +51,7 @@ def check_against_model(cfg) -> None:
     rollout.max_new_tokens``) exceeds the context of ``model.path`` (``max_position_embeddings``
     of its ``config.json``). Does nothing when the model's context is unknown."""
     check_critic_model(cfg)
+    check_teacher_model(cfg)
     if cfg.mode != "rl":
         return
     known = model_context(cfg.model.path)
@@ -90,15 +92,17 @@ def validate(cfg) -> None:
                           "only; set algorithm.kl_in_reward=false, or use adv_estimator=gae "
                           "with critic.enabled=true (GAE runs after the reference forward)")
     _check_critic(cfg, gae)
+    _check_opd(cfg)
     _check_policy_loss(cfg.algorithm)
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
+    outcome = cfg.algorithm.opd != "pure"     # pure OPD discards the outcome advantage
     if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
-            and cfg.algorithm.group_norm:
+            and cfg.algorithm.group_norm and outcome:
         raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
                           "needs at least 2 samples per prompt")
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.mode == "rl" \
-            and cfg.rollout.n_samples < 2:
+            and cfg.rollout.n_samples < 2 and outcome:
         raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: adv_estimator="
                           f"{cfg.algorithm.adv_estimator} compares the samples of a prompt and "
                           "needs at least 2 per prompt (a group of one gets advantage 0)")
@@ -174,3 +178,117 @@ def check_critic_model(cfg) -> None:
         raise ConfigError(f"critic.path={c.path!r}: {hf['architectures'][0]} with num_labels="
                           f"{hf_num_labels(hf)} ({path}: id2label={hf.get('id2label')}); the "
                           "critic needs a one-label score head (num_labels=1)")
+
+
+def _check_opd(cfg) -> None:
+    """``algorithm.opd`` against the ``teacher`` section: OPD on needs exactly one teacher
+    (``teacher.path`` or ``teacher.server_addrs``) and RL; a teacher with OPD off is an error
+    (it would cost a forward per step that nothing reads)."""
+    alg, t = cfg.algorithm, cfg.teacher
+    keys = [k for k, v in (("teacher.path", t.path), ("teacher.server_addrs", t.server_addrs))
+            if v]
+    if alg.opd == "off":
+        if keys:
+            raise ConfigError(f"{keys[0]}={getattr(t, keys[0].split('.')[1])!r}: a teacher is "
+                              "set but algorithm.opd='off', so nothing would use it; set "
+                              "algorithm.opd=pure or add (or algorithm.preset=opd), or remove "
+                              f"{' and '.join(keys)}")
+        return
+    if cfg.mode != "rl":
+        raise ConfigError(f"algorithm.opd={alg.opd!r}: on-policy distillation trains on the "
+                          f"student's rollouts (mode=rl), not mode={cfg.mode!r}")
+    if len(keys) != 1:
+        given = "both are set" if keys else "neither is set"
+        raise ConfigError(f"algorithm.opd={alg.opd!r}: needs exactly one teacher, "
+                          f"teacher.path (in the trainer) or teacher.server_addrs (served); "
+                          f"{given}")
+    if alg.opd == "pure" and alg.adv_estimator == "gae":
+        raise ConfigError("algorithm.opd='pure' replaces the outcome advantages, so "
+                          "algorithm.adv_estimator='gae' would train a critic nothing reads; "
+                          "use algorithm.opd=add (GAE plus the OPD term) or another estimator")
+    if alg.opd == "pure" and alg.dynamic_filter:
+        raise ConfigError("algorithm.dynamic_filter=true: drops groups by their outcome reward, "
+                          "which algorithm.opd='pure' does not use (every sample carries the "
+                          "teacher's signal); set algorithm.dynamic_filter=false or "
+                          "algorithm.opd=add")
+
+
+#: tokenizer files whose vocabulary is compared (the first found wins)
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt")
+
+
+def tokenizer_signature(hf_dir: str) -> Optional[dict]:
+    """What must agree between a teacher's and a student's tokenizer: ``vocab`` (token ->
+    id, or the hash of a sentencepiece / vocab.txt file), ``merges`` (BPE) and ``added``
+    (id -> (content, special) of the added / special tokens, from ``tokenizer.json`` and
+    ``tokenizer_config.json``'s ``added_tokens_decoder``). None when ``hf_dir`` holds no
+    tokenizer file. Raises :class:`ConfigError` naming an unreadable file."""
+    root = Path(hf_dir)
+    found = [root / n for n in _VOCAB_FILES if (root / n).is_file()]
+    if not found:
+        return None
+    main = found[0]
+    added: dict = {}
+    try:
+        if main.name == "tokenizer.json":
+            tj = json.loads(main.read_text())
+            model = tj.get("model") or {}
+            vocab, merges = model.get("vocab"), model.get("merges")
+            for tok in tj.get("added_tokens") or []:
+                added[int(tok["id"])] = (tok.get("content"), bool(tok.get("special")))
+        elif main.name == "vocab.json":
+            vocab = json.loads(main.read_text())
+            m = root / "merges.txt"
+            merges = m.read_text().splitlines() if m.is_file() else None
+        else:
+            vocab, merges = hashlib.sha256(main.read_bytes()).hexdigest(), None
+        cfg_file = root / "tokenizer_config.json"
+        if cfg_file.is_file():
+            decoder = json.loads(cfg_file.read_text()).get("added_tokens_decoder") or {}
+            for i, tok in decoder.items():
+                added.setdefault(int(i), (tok.get("content"), bool(tok.get("special"))))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{main}: unreadable tokenizer file: {type(e).__name__}: {e}") \
+            from None
+    return {"vocab": vocab, "merges": merges, "added": added}
+
+
+def check_same_tokenizer(teacher_path: str, model_path: str) -> None:
+    """Raise one :class:`ConfigError` naming both paths when the teacher's tokenizer differs
+    from the student's in vocabulary, merges or added / special tokens (OPD compares their
+    logprobs of the same token ids), or when only one of them has tokenizer files. Two
+    directories without tokenizer files cannot be compared and pass. The special-token roles
+    (which token is ``eos_token``) are not compared: a chat teacher and a base student of one
+    family score the same ids."""
+    a, b = tokenizer_signature(teacher_path), tokenizer_signature(model_path)
+    if a is None and b is None:
+        return
+    where = f"teacher.path={teacher_path!r} and model.path={model_path!r}"
+    if a is None or b is None:
+        lacking = teacher_path if a is None else model_path
+        raise ConfigError(f"{where}: {lacking} has no tokenizer file ({', '.join(_VOCAB_FILES)})"
+                          ", so the tokenizers cannot be compared; OPD needs the same one")
+    differ = [k for k in ("vocab", "merges", "added") if a[k] != b[k]]
+    if differ:
+        raise ConfigError(f"{where} have different tokenizers ({', '.join(differ)} differ): "
+                          "on-policy distillation compares the teacher's and the student's "
+                          "logprobs of the same token ids, so both need the same vocabulary "
+                          "and special tokens")
+
+
+def check_teacher_model(cfg) -> None:
+    """The OPD teacher against the student: an in-trainer teacher (``teacher.path``) must be
+    an HF model directory with the student's tokenizer (:func:`check_same_tokenizer`).
+    ``teacher.server_addrs`` raises :class:`ConfigError`: server-scored teachers are not in
+    this build yet (their tokenizer is the user's responsibility: the servers are not asked)."""
+    t = cfg.teacher
+    if cfg.mode != "rl" or cfg.algorithm.opd == "off":
+        return
+    if t.server_addrs:
+        raise ConfigError(f"teacher.server_addrs={t.server_addrs!r}: a teacher scored by "
+                          "servers is not available in this build yet; run the teacher in the "
+                          "trainer with teacher.path=<HF directory>")
+    if not (Path(t.path) / "config.json").is_file():
+        raise ConfigError(f"teacher.path={t.path!r}: not an HF model directory (no "
+                          "config.json)")
+    check_same_tokenizer(t.path, cfg.model.path)

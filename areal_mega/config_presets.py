@@ -7,7 +7,8 @@ a key the user gave (recipe YAML or dotlist override) wins. The table with the p
 docs/algorithms.md.
 
 ``rloo`` and ``reinforce_pp`` name the advantage estimators ``rloo`` / ``reinforce_plus_plus``
-(added alongside these presets in areal_mega/algo/estimators.py).
+(added alongside these presets in areal_mega/algo/estimators.py). ``opd`` is on-policy
+distillation (areal_mega/algo/distill.py): it needs a ``teacher`` section.
 """
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {"algorithm.adv_estimator": "gae", "algorithm.policy_loss": "ppo",
             "algorithm.gamma": 1.0, "algorithm.lam": 0.95, "algorithm.loss_agg": "token_mean",
             "critic.enabled": True},
+    # on-policy distillation (needs teacher.path or teacher.server_addrs): the teacher's
+    # per-token reverse KL replaces the outcome advantage; no reward filtering, no KL to a
+    # reference (the teacher is the anchor)
+    "opd": {"algorithm.opd": "pure", "algorithm.opd_coef": 1.0, "algorithm.policy_loss": "ppo",
+            "algorithm.loss_agg": "token_mean", "algorithm.dynamic_filter": False,
+            "algorithm.kl_coef": 0.0},
 }
 
 

@@ -31,9 +31,10 @@ PRIVATE_MODE = 0o600
 
 def holds_secret(resolved: dict) -> bool:
     """Whether a config dict (``config_to_dict`` shape) carries ``dataplane.secret`` or
-    ``rollout.api_key``."""
+    ``rollout.api_key`` or ``teacher.api_key``."""
     return bool((resolved.get("dataplane") or {}).get("secret")
-                or (resolved.get("rollout") or {}).get("api_key"))
+                or (resolved.get("rollout") or {}).get("api_key")
+                or (resolved.get("teacher") or {}).get("api_key"))
 
 
 def write_run_file(path, text: str, *, private: bool) -> Path:

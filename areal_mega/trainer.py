@@ -21,6 +21,7 @@ from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
+from areal_mega.train.teacher import opd_step
 
 
 def rl_step(s: TrainerSession, step: int) -> dict:
@@ -37,6 +38,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        returns (``train.critic_step.gae_step``) are attached too; the critic trains on the
        value loss after the actor (``train_critic``); during ``critic.warmup_steps`` the actor
        does not train.
+    With ``algorithm.opd`` (on-policy distillation, ``train.teacher.opd_step``): the teacher's
+       logprobs are attached and the OPD term replaces or joins the advantages (after GAE).
     3. The loss is built from ``cfg.algorithm`` by ``make_policy_loss`` (so every algorithm key,
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
        optimizer steps (``train_batch``, collective over the trainer ranks).
@@ -47,9 +50,10 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     ``step``; the planned micro-batches are not mutated (fields are attached to copies,
     ``PackedBatch.with_fields``). No logging or checkpointing (the caller's loop
     does both). Returns the step's statistics (identical on every rank): rank 0's batch
-    statistics (filter, advantages, rewards, versions, sizes), the finalised loss statistics
-    merged over minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split
-    and ``tokens/s``.
+    statistics (filter, advantages, rewards, versions, sizes), ``opd/*`` and ``time/teacher``
+    (part of ``time/logprobs``) with OPD, the finalised loss statistics merged over
+    minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split and
+    ``tokens/s``.
     """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
@@ -68,6 +72,7 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     if s.critic is not None:       # values, GAE (after the reference forward), value loss
         from areal_mega.train.critic_step import gae_step, train_critic
         mbs, critic_stats = gae_step(s.critic, mbs, cfg, s.mesh)
+    mbs, opd_stats = opd_step(s, mbs)   # OPD: teacher logprobs, the reverse-KL advantage
     t_fwd = time.time()
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                max_response_len=cfg.rollout.max_new_tokens)
@@ -87,7 +92,7 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     if s.is_rank0:
         s.intake.record_trained(step, plan.sample_ids)
     stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats),
-             **critic_stats}
+             **critic_stats, **opd_stats}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
                   "time/weight_sync": t_sync - t_train,

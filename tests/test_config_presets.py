@@ -12,12 +12,14 @@ from areal_mega.launch.local import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-cpu.yaml"
-ALL = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "cispo", "ppo"]
+ALL = ["grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "cispo", "ppo", "opd"]
+# presets whose algorithm needs more than keys: opd needs a teacher
+NEEDS = {"opd": ["teacher.path=teacher-dir"]}
 
 
 def test_the_presets_are_exactly_the_documented_ones():
     assert sorted(PRESETS) == sorted(ALL)
-    assert "opd" not in PRESETS                       # on-policy distillation: not built yet
+    assert PRESETS["opd"]["algorithm.opd"] == "pure"  # on-policy distillation
     doc = (ROOT / "docs" / "algorithms.md").read_text()
     for name in ALL:
         assert f"| `{name}` |" in doc
@@ -73,7 +75,7 @@ def _recipe_without(tmp_path, *sections):
 def test_load_config_accepts_the_preset_and_keeps_its_values(name, tmp_path):
     # tiny-cpu pins algorithm.adv_estimator etc. (explicit keys win): drop those sections
     cfg = load_config(_recipe_without(tmp_path, "algorithm", "critic"),
-                      [f"algorithm.preset={name}"])
+                      [f"algorithm.preset={name}", *NEEDS.get(name, [])])
     written = config_to_dict(cfg)
     assert written["algorithm"]["preset"] == name
     for key, value in PRESETS[name].items():

@@ -29,7 +29,8 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
   targets —, -1 after each sequence's last token and on padding, see
   :data:`~areal_mega.scheduler.packing.PER_TOKEN_FILL`), ``loss_mask``, ``logprobs``
   (behaviour), ``versions``, ``advantages``; attached after planning: ``prox_logprobs``,
-  ``ref_logprobs``; with a critic ``values``, ``returns`` and the GAE ``advantages``
+  ``ref_logprobs``, ``teacher_logprobs`` (OPD, with the OPD ``advantages`` replacing the
+  planned ones); with a critic ``values``, ``returns`` and the GAE ``advantages``
   (replacing the planned zeros);
 * per sequence [B]: ``rewards``, ``seqlens``, ``prompt_lens``, ``response_lens``,
   ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (derived from
@@ -53,10 +54,11 @@ __all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
 
 #: Per-token [T] fields (next-token layout).
 TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "labels", "loss_mask", "logprobs",
-                "versions", "advantages", "prox_logprobs", "ref_logprobs", "values", "returns")
+                "versions", "advantages", "prox_logprobs", "ref_logprobs", "teacher_logprobs",
+                "values", "returns")
 #: Fields that may be attached to a planned batch with :meth:`PackedBatch.with_fields`.
-ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "policy_version", "values", "returns",
-                     "advantages")
+ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "teacher_logprobs", "policy_version",
+                     "values", "returns", "advantages")
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +89,7 @@ class PackedBatch(Mapping):
     group_ids: list
     prox_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
+    teacher_logprobs: Optional[Tensor] = None   # on-policy distillation's teacher (OPD)
     policy_version: Optional[int] = None
     values: Optional[Tensor] = None      # the critic's, with a critic (GAE)
     returns: Optional[Tensor] = None     # GAE returns, the value loss's targets

@@ -117,8 +117,11 @@ def algorithm_line(cfg: ExperimentConfig) -> str:
     keys = sorted({k.split(".", 1)[1] for keys in PRESETS.values() for k in keys
                    if k.startswith("algorithm.")} | {"ratio_level"})
     vals = " ".join(f"{k}={getattr(alg, k)}" for k in keys)
+    teacher = ""
+    if alg.opd != "off":
+        teacher = f" teacher={cfg.teacher.path or cfg.teacher.server_addrs}"
     return (f"algorithm (preset {alg.preset or 'none'}): {vals} "
-            f"critic.enabled={cfg.critic.enabled}")
+            f"critic.enabled={cfg.critic.enabled}{teacher}")
 
 
 def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:

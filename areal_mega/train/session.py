@@ -25,6 +25,7 @@ from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk
                                 iter_dir_name)
 from areal_mega.security import holds_secret, write_run_file
 from areal_mega.train.intake import TrajectoryIntake
+from areal_mega.train.teacher import build_teacher
 from areal_mega.train.weight_sender import DistributedWeightSender
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class TrainerSession:
     only), ``link`` (the worker's control channel), ``logger``, ``progress`` and, with
     ``rollout.weight_update=distributed``, ``weight_sender``; these are None on other ranks.
     Other attributes: ``cfg``, ``run_dir``, ``mesh``, ``layout`` (dp/tp/pp/cp sizes for
-    planning), ``actor``, ``ref`` (None without ``ref.enabled``), ``ckpt_root``,
+    planning), ``actor``, ``ref`` (None without ``ref.enabled``), ``teacher`` (OPD's
+    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``ckpt_root``,
     ``start_step`` (last completed step; 0 on a fresh run), ``weight_update``.
     """
 
@@ -95,6 +97,7 @@ class TrainerSession:
         if cfg.ref.enabled:
             self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
                                       role="ref", mesh=self.mesh, seed=cfg.seed)
+        self.teacher = build_teacher(cfg, self.mesh)   # OPD's in-trainer teacher, or None
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
             from areal_mega.train.critic_step import build_critic
@@ -130,6 +133,7 @@ class TrainerSession:
             self.actor.step_count = self.start_step
             if self.ref is not None:
                 self._load_initial(self.ref, self._ref_path())
+            self._load_teacher()
             if self.critic is not None:
                 from areal_mega.train.critic_step import load_critic
                 load_critic(self.critic, self.ckpt_root, self.start_step)
@@ -140,6 +144,7 @@ class TrainerSession:
         self._load_initial(self.actor, self.cfg.model.path)
         if self.ref is not None:
             self._load_initial(self.ref, self._ref_path())
+        self._load_teacher()
         if self.critic is not None:
             from areal_mega.train.critic_step import init_critic
             init_critic(self.critic, lambda views, hf: self._load_initial(views, hf, "critic"),
@@ -149,22 +154,30 @@ class TrainerSession:
     def _ref_path(self) -> str:
         return self.cfg.ref.path or self.cfg.model.path
 
+    def _load_teacher(self) -> None:
+        """The in-trainer teacher's weights (fresh run and resume alike; never trained)."""
+        if self.teacher is not None:
+            self._load_initial(self.teacher, self.cfg.teacher.path, "teacher")
+
     def _load_initial(self, engine, hf_dir: str, role: str = "") -> None:
         """Initial weights: ``checkpoint.load`` (a Megatron checkpoint, actor and reference
         alike) or the HF directory ``hf_dir``, converted once into ``<run_dir>/init_mcore``
         (``init_mcore_ref`` for a reference model of its own, ``init_mcore_critic`` for a
-        critic of its own); any layout loads it. ``engine``: an engine or its chunks."""
+        critic of its own); any layout loads it. ``engine``: an engine or its chunks. The
+        OPD teacher (``role="teacher"``) always comes from ``hf_dir``, converted at
+        ``teacher.dtype`` into ``init_mcore_teacher``."""
         from areal_mega.checkpoint.dist_ckpt import load_checkpoint
 
-        src = self.cfg.checkpoint.load
+        teacher = role == "teacher"
+        src = "" if teacher else self.cfg.checkpoint.load
         if not src:
             own = hf_dir != self.cfg.model.path
             src = self.paths.init_checkpoint(reference=own and engine is self.ref)
-            if own and role == "critic":
-                src = src.with_name("init_mcore_critic")
+            if (own and role == "critic") or teacher:
+                src = src.with_name(f"init_mcore_{role}")
             m = self.cfg.model
             conversion = dict(tp=self.layout["tp_size"], pp=self.layout["pp_size"],
-                              dtype=m.dtype,
+                              dtype=(self.cfg.teacher.dtype or m.dtype) if teacher else m.dtype,
                               make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
             if own and role == "critic":     # trunk only; a reward model's score head too
                 conversion["value_model"] = True
