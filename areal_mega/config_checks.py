@@ -279,15 +279,19 @@ def check_same_tokenizer(teacher_path: str, model_path: str) -> None:
 def check_teacher_model(cfg) -> None:
     """The OPD teacher against the student: an in-trainer teacher (``teacher.path``) must be
     an HF model directory with the student's tokenizer (:func:`check_same_tokenizer`).
-    ``teacher.server_addrs`` raises :class:`ConfigError`: server-scored teachers are not in
-    this build yet (their tokenizer is the user's responsibility: the servers are not asked)."""
+    A served teacher (``teacher.server_addrs``) scores at temperature 1 (SGLang's prompt
+    logprobs), so ``actor.temperature`` must be 1; its tokenizer is checked when the trainer
+    first asks the servers (``train.teacher.build_teacher_scorer``)."""
     t = cfg.teacher
     if cfg.mode != "rl" or cfg.algorithm.opd == "off":
         return
     if t.server_addrs:
-        raise ConfigError(f"teacher.server_addrs={t.server_addrs!r}: a teacher scored by "
-                          "servers is not available in this build yet; run the teacher in the "
-                          "trainer with teacher.path=<HF directory>")
+        if cfg.actor.temperature != 1.0:
+            raise ConfigError(f"actor.temperature={cfg.actor.temperature}: a teacher served by "
+                              f"teacher.server_addrs={t.server_addrs!r} scores at temperature "
+                              "1 (SGLang's prompt logprobs), so the student's logprobs must "
+                              "be at 1 too; set actor.temperature=1 or use teacher.path")
+        return
     if not (Path(t.path) / "config.json").is_file():
         raise ConfigError(f"teacher.path={t.path!r}: not an HF model directory (no "
                           "config.json)")

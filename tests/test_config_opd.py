@@ -115,5 +115,7 @@ def test_check_against_model_checks_the_teacher(models, tmp_path):
         check_against_model(load_config(TINY, base + [f"teacher.path={models['ascii']}"]))
     with pytest.raises(ConfigError, match=r"teacher.path=.*not an HF model directory"):
         check_against_model(load_config(TINY, base + [f"teacher.path={tmp_path}"]))
-    with pytest.raises(ConfigError, match=r"teacher.server_addrs=.*not available"):
-        check_against_model(load_config(TINY, base + ["teacher.server_addrs=[h:1]"]))
+    served = base + ["teacher.server_addrs=[h:1]"]
+    check_against_model(load_config(TINY, served))     # its tokenizer: asked of the servers
+    with pytest.raises(ConfigError, match=r"actor.temperature=0.7.*teacher.server_addrs"):
+        check_against_model(load_config(TINY, served + ["actor.temperature=0.7"]))

@@ -1,13 +1,20 @@
 """On-policy distillation end to end on CPU (launch.local, tiny models): an in-trainer teacher
 equal to the student gives ``opd/reverse_kl`` = 0 on step 1 and the run resumes with its
 teacher; a different teacher (same tokenizer, other weights) gives a finite, nonzero signal
-added to GRPO's advantages."""
+added to GRPO's advantages; a served teacher (a CPU server process) scores the same tokens
+and its tokenizer is checked against the student's."""
 import math
+from pathlib import Path
 
 import pytest
 
+from areal_mega.config import ConfigError, load_config
+from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
+from areal_mega.train.teacher import build_teacher_scorer
 from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +61,47 @@ def test_other_teacher_added_to_grpo_advantages(assets, tmp_path):
     assert rows[0]["opd/abs_log_ratio"] > 1e-3          # other weights: a real signal
     # the loss saw outcome + OPD term: nonzero even where GRPO's group advantage is 0
     assert rows[0]["advantage"] != 0.0 and math.isfinite(rows[0]["advantage"])
+
+
+def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, tmp_path):
+    """The teacher served by a CPU server process (SGLang's prompt-logprob request, scored
+    from each sequence's first loss token): equal to the student, its scores land on the same
+    tokens as the trainer's proximal logprobs, so step 1's reverse KL is ~0."""
+    model, data = assets
+    (srv,) = launch_local_servers(str(model), 1, api_key="teacher-key")
+    try:
+        run = tmp_path / "run"
+        rc, out = _finish(_launch(run, model, data, "total_steps=2", "recover=off",
+                                  "algorithm.preset=opd", f"teacher.server_addrs=[{srv.addr}]",
+                                  "teacher.api_key=teacher-key",
+                                  "rollout.max_head_offpolicyness=0"), timeout=300)
+    finally:
+        srv.stop()
+    assert rc == 0, out[-3000:]
+    rows = _metrics(run)
+    _check_rows(rows, [1, 2])
+    assert abs(rows[0]["opd/reverse_kl"]) <= 1e-5, rows[0]["opd/reverse_kl"]
+    assert rows[0]["opd/abs_log_ratio"] <= 1e-5
+    assert "teacher-key" not in (run / "logs" / "trainer.log").read_text()
+
+
+def test_served_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
+    model, _ = assets
+    other = make_tiny_model(tmp_path / "ascii", arch="llama", charset="ascii", hidden_size=64,
+                            num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml",
+                      [f"model.path={model}", "algorithm.preset=opd", "teacher.server_addrs=[x:1]"])
+    (srv,) = launch_local_servers(str(other), 1)
+    try:
+        cfg.teacher.server_addrs = [srv.addr]
+        with pytest.raises(ConfigError, match=r"different tokenizers"):
+            build_teacher_scorer(cfg)
+        cfg.model.path = str(other)                    # the same tokenizer: accepted
+        scorer = build_teacher_scorer(cfg)
+        try:
+            (lp,) = scorer.score([[5, 6, 7, 8]], [1])
+            assert lp.shape == (3,) and (lp < 0).all()
+        finally:
+            scorer.close()
+    finally:
+        srv.stop()

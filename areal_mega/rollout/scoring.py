@@ -147,6 +147,15 @@ class TeacherServerScorer:
             score_sequences(self.client, seqs, starts, self.batch, self.timeout_s), self._loop)
         return [np.asarray(v, dtype=np.float32) for v in fut.result()]
 
+    def model_info(self) -> dict:
+        """``GET /get_model_info`` of every server, by address (SGLang's answer holds
+        ``model_path`` and ``tokenizer_path``)."""
+        async def ask() -> dict:
+            return {a: await self.client.request(a, "GET", "/get_model_info",
+                                                 timeout=self.timeout_s)
+                    for a in self.client.addrs}
+        return asyncio.run_coroutine_threadsafe(ask(), self._loop).result()
+
     def close(self) -> None:
         """Close the client's session, stop the loop and join its thread (idempotent)."""
         if self._closed:

@@ -25,7 +25,7 @@ from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk
                                 iter_dir_name)
 from areal_mega.security import holds_secret, write_run_file
 from areal_mega.train.intake import TrajectoryIntake
-from areal_mega.train.teacher import build_teacher
+from areal_mega.train.teacher import build_teacher, build_teacher_scorer
 from areal_mega.train.weight_sender import DistributedWeightSender
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,7 @@ class TrainerSession:
             self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
                                       role="ref", mesh=self.mesh, seed=cfg.seed)
         self.teacher = build_teacher(cfg, self.mesh)   # OPD's in-trainer teacher, or None
+        self.teacher_scorer = build_teacher_scorer(cfg)   # OPD's served teacher, or None
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
             from areal_mega.train.critic_step import build_critic
@@ -421,7 +422,8 @@ class TrainerSession:
         """Release everything, on every rank, whether the run finished or failed: close rank
         0's progress bar, intake, weight sender, control link and logger (errors are logged,
         not raised), then destroy the process group. Called from the trainer's ``finally``."""
-        for obj in (self.progress, self.intake, self.weight_sender, self.link, self.logger):
+        for obj in (self.progress, self.intake, self.weight_sender, self.link, self.logger,
+                    self.teacher_scorer):
             if obj is not None:
                 try:
                     obj.close()

@@ -6,9 +6,13 @@
   ``model.dtype``). The session loads its weights from ``<run_dir>/init_mcore_teacher``
   (converted once from ``teacher.path``; never from ``checkpoint.load``, which holds the
   student), on a fresh run and on a resume alike.
+* :func:`build_teacher_scorer` — a teacher served by SGLang-compatible servers
+  (``teacher.server_addrs``): a :class:`~areal_mega.rollout.scoring.TeacherServerScorer`, which
+  scores given tokens with SGLang's prompt-logprob request (at temperature 1, so
+  ``actor.temperature`` must be 1 with a served teacher; the config check says so).
 * :func:`teacher_logprobs` — the ONE place teacher logprobs come from: the in-trainer engine's
-  forward at ``actor.temperature`` (as the proximal and reference logprobs). A teacher served
-  by SGLang-compatible servers (``teacher.server_addrs``) plugs in here.
+  forward at ``actor.temperature`` (as the proximal and reference logprobs), or the servers'
+  scores of each packed sequence from its first loss token on.
 * :func:`opd_step` — attaches ``teacher_logprobs`` to the micro-batches, replaces (``pure``) or
   shifts (``add``) their advantages with :func:`~areal_mega.algo.distill.opd_advantages`
   student = ``prox_logprobs``) and returns the ``opd/*`` and ``time/teacher`` statistics.
@@ -16,16 +20,22 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from areal_mega.algo.distill import opd_advantages, reverse_kl_sums
-from areal_mega.config_schema import ConfigError
+from areal_mega.config_checks import check_same_tokenizer
+from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
 
-__all__ = ["build_teacher", "teacher_model_config", "teacher_logprobs", "opd_step"]
+__all__ = ["build_teacher", "build_teacher_scorer", "teacher_model_config", "teacher_logprobs",
+           "opd_step"]
+
+log = logging.getLogger(__name__)
 
 
 def teacher_model_config(cfg):
@@ -47,18 +57,66 @@ def build_teacher(cfg, mesh):
                           mesh=mesh, seed=cfg.seed)
 
 
+def build_teacher_scorer(cfg):
+    """The scorer of a served teacher (RL, ``algorithm.opd`` on, ``teacher.server_addrs``
+    set), or None. The session closes it."""
+    t = cfg.teacher
+    if cfg.mode != "rl" or cfg.algorithm.opd == "off" or not t.server_addrs:
+        return None
+    scorer = TeacherServerScorer(t.server_addrs, api_key=t.api_key,
+                                 timeout_s=t.request_timeout_s)
+    try:
+        for addr, info in scorer.model_info().items():
+            check_served_tokenizer(addr, info, cfg.model.path)
+    except BaseException:
+        scorer.close()
+        raise
+    return scorer
+
+
+def check_served_tokenizer(addr: str, info: dict, model_path: str) -> None:
+    """The tokenizer a teacher server reports (``/get_model_info``: ``tokenizer_path``, else
+    ``model_path``) against the student's, when that path is a directory on this machine
+    (:func:`~areal_mega.config_checks.check_same_tokenizer`, a ConfigError naming both); a
+    path this machine cannot read is logged and left to the user."""
+    path = info.get("tokenizer_path") or info.get("model_path") or ""
+    if path and Path(path).is_dir():
+        check_same_tokenizer(path, model_path)
+    else:
+        log.warning("teacher server %s: tokenizer %r is not readable here; make sure it is "
+                    "the student's (%s)", addr, path, model_path)
+
+
+def served_logprobs(scorer, mb: dict) -> torch.Tensor:
+    """The served teacher's logprobs for packed micro-batch ``mb`` in its next-token layout
+    (position t of a sequence: log p(ids[t+1] | ids[:t+1])): each sequence is scored from its
+    first loss token on; positions before it, and padding, are 0."""
+    ids, mask = mb["input_ids"], mb["loss_mask"]
+    out = torch.zeros(ids.shape[0], dtype=torch.float32)
+    seqs, starts, spans = [], [], []
+    for start, n in zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist()):
+        first = torch.nonzero(mask[start:start + n - 1]).flatten()
+        if first.numel() == 0:
+            continue
+        t0 = int(first[0])                  # layout position t0 describes token t0 + 1
+        seqs.append(ids[start:start + n].tolist())
+        starts.append(t0 + 1)
+        spans.append((start + t0, start + n - 1))
+    for (lo, hi), lp in zip(spans, scorer.score(seqs, starts) if seqs else []):
+        out[lo:hi] = torch.from_numpy(lp)
+    return out
+
+
 def teacher_logprobs(session, micro_batches: list) -> list:
     """The teacher's log p(token t+1 | tokens ≤ t) for every micro-batch, as fp32 ``[T]`` CPU
-    tensors in the micro-batches' next-token layout (0 where ``labels`` is -1), computed at
-    ``actor.temperature``. Collective over the trainer ranks (the in-trainer teacher runs the
-    trainer's pipeline schedule). ``teacher.server_addrs`` raises :class:`ConfigError` (not
-    in this build)."""
-    cfg = session.cfg
+    tensors in the micro-batches' next-token layout. In the trainer: computed at
+    ``actor.temperature``, 0 where ``labels`` is -1, collective over the trainer ranks (the
+    teacher runs the trainer's pipeline schedule). Served: every rank scores its own
+    micro-batches over HTTP (:func:`served_logprobs`)."""
     if session.teacher is not None:
         return session.teacher.forward_logprobs(micro_batches,
-                                                temperature=cfg.actor.temperature)
-    raise ConfigError(f"teacher.server_addrs={cfg.teacher.server_addrs!r}: a teacher scored "
-                      "by servers is not available in this build yet; use teacher.path")
+                                                temperature=session.cfg.actor.temperature)
+    return [served_logprobs(session.teacher_scorer, mb) for mb in micro_batches]
 
 
 def _dp_sum(t: torch.Tensor, mesh) -> torch.Tensor:
