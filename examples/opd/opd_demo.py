@@ -4,8 +4,8 @@ teacher alone (no reward in its objective), the teacher run inside the trainer o
     python examples/opd/opd_demo.py [--teacher trainer|server] [--steps 200]
 
 1. the CPU demo's tiny model and reversal task (``areal_mega.demo``); the teacher is the demo's
-   SFT model (``--teacher-sft-steps``), the student the same base model after a much shorter
-   SFT (``--student-sft-steps``);
+   base model after SFT (``--teacher-sft-steps``, 200: ~0.9 held-out greedy accuracy), the
+   student the same base model after a much shorter SFT (``--student-sft-steps``, 30: ~0.01);
 2. ``launch.local`` with ``algorithm.preset=opd``: per-token advantage −(log π_student −
    log π_teacher) on the student's own samples; the teacher is ``teacher.path`` (a forward-only
    engine in the trainer) or ``teacher.server_addrs`` (a CPU inference server process scoring
@@ -24,6 +24,10 @@ from pathlib import Path
 from areal_mega.demo import cpu_env, greedy_accuracy, prepare, run_rl
 from areal_mega.inference.process import launch_local_servers
 
+# The per-token teacher signal is dense: a larger step than the RL demo's 2e-4 (the recipe's)
+# distils in a few hundred steps; an override given on the command line still wins.
+LR = 1e-3
+
 
 def first_last(metrics: Path, key: str, k: int = 10) -> tuple:
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
@@ -37,9 +41,9 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", choices=["trainer", "server"], default="trainer")
     p.add_argument("--run-dir", default=None, help="default: runs/opd-<teacher>-<time>")
-    p.add_argument("--teacher-sft-steps", type=int, default=120)
-    p.add_argument("--student-sft-steps", type=int, default=10)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--teacher-sft-steps", type=int, default=200)
+    p.add_argument("--student-sft-steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="extra overrides of the OPD run")
     args = p.parse_args(argv)
@@ -54,7 +58,7 @@ def main(argv=None) -> None:
     acc_teacher, acc_student = greedy_accuracy(teacher, test), greedy_accuracy(student, test)
     print(f"[opd] greedy accuracy: teacher {acc_teacher:.3f}, student {acc_student:.3f}",
           flush=True)
-    opd = ["algorithm.preset=opd"]
+    opd = ["algorithm.preset=opd", f"optimizer.lr={LR}"]
     servers = []
     if args.teacher == "server":
         servers = launch_local_servers(str(teacher), 1)

@@ -1,0 +1,59 @@
+"""Every ``algorithm.preset`` starts and trains 2 RL steps through ``launch.local`` (CPU, tiny
+model): its keys reach the trainer (the run's resolved config) and the steps log finite
+losses. The recipe here is tiny-cpu without its ``algorithm`` / ``critic`` sections, so the
+preset's keys are not overridden by the recipe's (explicit keys win, tested in
+tests/test_config_presets.py); the reward is the dense character match, so DAPO's dynamic
+filter finds non-uniform groups."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from areal_mega.config_presets import PRESETS
+from test_e2e_async_rl import ROOT, _finish, _metrics, assets  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def _recipe(tmp_path):
+    data = yaml.safe_load((ROOT / "recipes" / "tiny-cpu.yaml").read_text())
+    for section in ("algorithm", "critic"):
+        data.pop(section, None)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_trains_two_steps(preset, assets, tmp_path):
+    model, data = assets
+    run = tmp_path / "run"
+    extra = [f"teacher.path={model}"] if preset == "opd" else []
+    args = [sys.executable, "-m", "areal_mega.launch.local", "--config", str(_recipe(tmp_path)),
+            f"model.path={model}", f"data.train_path={data / 'train.jsonl'}",
+            f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={run}",
+            "logging.progress_bar=false", "logging.tensorboard=false", "rollout.batch_size=4",
+            "rollout.n_samples=4", "cluster.kill_grace_s=5", "total_steps=2", "recover=off",
+            "checkpoint.save_every=0",
+            "rollout.reward_fn=areal_mega.rewards:char_match_reward",
+            f"algorithm.preset={preset}", *extra]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    rc, out = _finish(proc, timeout=360)
+    assert rc == 0, out[-3000:]
+    resolved = json.loads((run / "config.resolved.json").read_text())
+    assert resolved["algorithm"]["preset"] == preset
+    for key, value in PRESETS[preset].items():
+        section, leaf = key.split(".", 1)
+        assert resolved[section][leaf] == value, key
+    rows = _metrics(run)
+    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2]
+    for r in rows:
+        if r["step"] >= 1:
+            assert math.isfinite(r["loss"]), r
