@@ -217,7 +217,7 @@ def test_load_object_by_module_or_file_and_errors_name_the_key(tmp_path):
     broken.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(RuntimeError, match="boom"):
         load_object(f"{broken}:x", "rollout.workflow")
-    assert not any("broken" in m for m in sys.modules)   # a failed file leaves no module behind
+    assert not any(m.startswith("_areal_user_broken_") for m in sys.modules)  # none left behind
 
 
 @pytest.mark.parametrize("old,new", [

@@ -14,7 +14,7 @@ import pytest
 
 from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
                                _trainer_pid, assets)
-from test_launch_faults import _server_proc, _wait
+from test_launch_faults import _server_ports, _server_proc, _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,9 +31,7 @@ def test_killed_server_is_relaunched_into_the_distributed_group(assets, tmp_path
     sup_log = run / "logs" / "supervisor.log"
     worker_log = run / "logs" / "rollout_worker.log"
     _wait(lambda: len(_metrics(run)) >= 2, proc, "step 2")
-    cfg = (run / "config.yaml").read_text()
-    port0, port = (cfg.split("server_addrs:")[1].split("\n")[i].rsplit(":", 1)[1].strip(" '\"")
-                   for i in (1, 2))
+    port0, port = _server_ports(run)
     accepted_before = _accepted_ids(run)
     killed_at = len(_metrics(run))
     # a server boots in about as long as 20 steps take: the trainer is paused (SIGSTOP) while

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from test_e2e_async_rl import _accepted_ids, _finish, _launch, _metrics, _trained, assets  # noqa: F401
 
@@ -115,6 +116,13 @@ def _proc(run_dir, module):
     return None
 
 
+def _server_ports(run_dir) -> list:
+    """The ports of ``rollout.server_addrs`` in the config the launcher wrote (parsed, not
+    searched for: other sections have a ``server_addrs`` too, e.g. ``teacher``)."""
+    cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    return [str(a).rsplit(":", 1)[1] for a in cfg["rollout"]["server_addrs"]]
+
+
 def _server_proc(port):
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
@@ -162,8 +170,7 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
         if name == "rollout_worker":
             victim = _wait(lambda: _proc(run, "areal_mega.rollout_worker"), proc, "the worker")
         else:
-            cfg = (run / "config.yaml").read_text()
-            port = cfg.split("server_addrs:")[1].split(":")[1].split("\n")[0].strip(" '\"")
+            (port,) = _server_ports(run)
             victim = _wait(lambda: _server_proc(port), proc, "the server")
         accepted_before |= _accepted_ids(run)
         os.kill(victim.pid, getattr(signal, sig))

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("--run-dir", default=None, help="default: runs/opd-<teacher>-<time>")
     p.add_argument("--teacher-sft-steps", type=int, default=200)
     p.add_argument("--student-sft-steps", type=int, default=30)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("overrides", nargs="*", help="extra overrides of the OPD run")
     args = p.parse_args(argv)
