@@ -3,8 +3,11 @@ a collecting group sink."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -57,6 +60,22 @@ def teacher_forced_logprobs(model, ids, start, temperature=1.0):
     logits = model(input_ids=torch.tensor([ids])).logits[0].float()
     lp = torch.log_softmax(logits / temperature, -1)
     return [float(lp[t - 1, ids[t]]) for t in range(start, len(ids))]
+
+
+def http(server, path, body=None, key=API_KEY, timeout=120):
+    """``(status, JSON answer)`` of one request to a server process: GET without ``body``,
+    else POST of ``body`` as JSON; ``key`` as the Bearer token."""
+    data = None if body is None else json.dumps(body).encode()
+    r = urllib.request.Request(f"http://{server.addr}{path}", data=data,
+                               method="GET" if body is None else "POST",
+                               headers={"Content-Type": "application/json"})
+    if key:
+        r.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(r, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def run(coro, timeout=120):

@@ -1,16 +1,13 @@
 """SGLang's sampling parameters: the per-step math (choose_tokens on hand-made logits) and the
 server's /generate behaviour (stop strings, n, min_new_tokens, penalties, special tokens)."""
-import json
 import math
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from areal_mega.inference.sampling import SamplingParams, adjust_logits, choose_tokens
-from tests.rollout_helpers import API_KEY, models, server  # noqa: F401 (fixtures)
+from tests.rollout_helpers import http, models, server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,20 +43,6 @@ def test_logprob_is_of_temperature_scaled_distribution_before_truncation():
     r = req(temperature=1.0, min_p=0.5, top_logprobs_num=2)
     toks, _, top = choose_tokens([r], torch.tensor([[3.0, 3.0, -9.0, -9.0]]), frozenset())
     assert toks[0] in (0, 1) and [t for _, t in top[0]] in ([0, 1], [1, 0])
-
-
-def http(server, path, body=None, key=API_KEY):
-    data = None if body is None else json.dumps(body).encode()
-    r = urllib.request.Request(f"http://{server.addr}{path}", data=data,
-                               method="GET" if body is None else "POST",
-                               headers={"Content-Type": "application/json"})
-    if key:
-        r.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(r, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def gen(server, prompt, **sp):

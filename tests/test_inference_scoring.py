@@ -1,8 +1,5 @@
 """Teacher scoring: SGLang's ``/generate`` with ``max_new_tokens: 0``, ``return_logprob`` and
 ``logprob_start_len`` on the real CPU server process, and the client-side scorer."""
-import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -10,7 +7,7 @@ import pytest
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.scoring import ScoringError, TeacherServerScorer, score_sequences
-from tests.rollout_helpers import (API_KEY, models, run, server,  # noqa: F401 (fixtures)
+from tests.rollout_helpers import (API_KEY, http, models, run, server,  # noqa: F401 (fixtures)
                                    teacher_forced_logprobs)
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,15 +17,7 @@ SEQS = [[5, 9, 13, 2, 7, 7, 30, 4], [11, 3, 3, 8, 21, 6], [40, 1, 2, 3, 4, 5, 6,
 
 
 def post(server, body: dict):
-    req = urllib.request.Request(f"http://{server.addr}/generate",
-                                 data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {API_KEY}"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return http(server, "/generate", body)
 
 
 def score_body(ids, start, **extra):
