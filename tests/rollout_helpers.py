@@ -63,10 +63,11 @@ def teacher_forced_logprobs(model, ids, start, temperature=1.0):
 
 
 def http(server, path, body=None, key=API_KEY, timeout=120):
-    """``(status, JSON answer)`` of one request to a server process: GET without ``body``,
-    else POST of ``body`` as JSON; ``key`` as the Bearer token."""
+    """``(status, JSON answer)`` of one request to ``server`` (a server handle or
+    ``host:port``): GET without ``body``, else POST of ``body`` as JSON; ``key`` as the Bearer
+    token."""
     data = None if body is None else json.dumps(body).encode()
-    r = urllib.request.Request(f"http://{server.addr}{path}", data=data,
+    r = urllib.request.Request(f"http://{getattr(server, 'addr', server)}{path}", data=data,
                                method="GET" if body is None else "POST",
                                headers={"Content-Type": "application/json"})
     if key:

@@ -10,12 +10,9 @@ Gloo throughout; group timeouts are short so that an incompatible group fails fa
 """
 import concurrent.futures
 import datetime
-import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,27 +21,12 @@ import torch
 from areal_mega.common.net import free_port
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.train.weight_sender import DistributedWeightSender, plan_weight_buckets
-from tests.rollout_helpers import (API_KEY, models, run, server,  # noqa: F401 (fixtures)
+from tests.rollout_helpers import (http, models, run, server,  # noqa: F401 (fixtures)
                                    teacher_forced_logprobs)
 from tests.sglang_style_peer import sglang_init_custom_process_group
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_TIMEOUT_S = 30.0  # a group that never forms fails the test within this
-
-
-def http(addr, path, body=None, key=API_KEY, timeout=120):
-    """(status, parsed JSON) of one request; POST when ``body`` is given."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{addr}{path}", data=data,
-                                 method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def wait_http_ok(addr, path, proc, deadline_s=120):
