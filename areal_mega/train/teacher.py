@@ -87,24 +87,26 @@ def check_served_tokenizer(addr: str, info: dict, model_path: str) -> None:
                     "the student's (%s)", addr, path, model_path)
 
 
-def served_logprobs(scorer, mb: dict) -> torch.Tensor:
-    """The served teacher's logprobs for packed micro-batch ``mb`` in its next-token layout
-    (position t of a sequence: log p(ids[t+1] | ids[:t+1])): each sequence is scored from its
-    first loss token on; positions before it, and padding, are 0."""
-    ids, mask = mb["input_ids"], mb["loss_mask"]
-    out = torch.zeros(ids.shape[0], dtype=torch.float32)
+def served_logprobs(scorer, micro_batches: list) -> list:
+    """The served teacher's logprobs for packed ``micro_batches`` in their next-token layout
+    (position t of a sequence: log p(ids[t+1] | ids[:t+1])), one fp32 ``[T]`` tensor each:
+    every sequence is scored from its first loss token on, all of them in one scorer call (so
+    the requests spread over the servers together); earlier positions and padding are 0."""
+    outs = [torch.zeros(mb["input_ids"].shape[0], dtype=torch.float32) for mb in micro_batches]
     seqs, starts, spans = [], [], []
-    for start, n in zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist()):
-        first = torch.nonzero(mask[start:start + n - 1]).flatten()
-        if first.numel() == 0:
-            continue
-        t0 = int(first[0])                  # layout position t0 describes token t0 + 1
-        seqs.append(ids[start:start + n].tolist())
-        starts.append(t0 + 1)
-        spans.append((start + t0, start + n - 1))
-    for (lo, hi), lp in zip(spans, scorer.score(seqs, starts) if seqs else []):
+    for out, mb in zip(outs, micro_batches):
+        ids, mask = mb["input_ids"], mb["loss_mask"]
+        for start, n in zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist()):
+            first = torch.nonzero(mask[start:start + n - 1]).flatten()
+            if first.numel() == 0:
+                continue
+            t0 = int(first[0])              # layout position t0 describes token t0 + 1
+            seqs.append(ids[start:start + n].tolist())
+            starts.append(t0 + 1)
+            spans.append((out, start + t0, start + n - 1))
+    for (out, lo, hi), lp in zip(spans, scorer.score(seqs, starts) if seqs else []):
         out[lo:hi] = torch.from_numpy(lp)
-    return out
+    return outs
 
 
 def teacher_logprobs(session, micro_batches: list) -> list:
@@ -112,11 +114,11 @@ def teacher_logprobs(session, micro_batches: list) -> list:
     tensors in the micro-batches' next-token layout. In the trainer: computed at
     ``actor.temperature``, 0 where ``labels`` is -1, collective over the trainer ranks (the
     teacher runs the trainer's pipeline schedule). Served: every rank scores its own
-    micro-batches over HTTP (:func:`served_logprobs`)."""
+    micro-batches over HTTP in one call (:func:`served_logprobs`)."""
     if session.teacher is not None:
         return session.teacher.forward_logprobs(micro_batches,
                                                 temperature=session.cfg.actor.temperature)
-    return [served_logprobs(session.teacher_scorer, mb) for mb in micro_batches]
+    return served_logprobs(session.teacher_scorer, micro_batches)
 
 
 def _dp_sum(t: torch.Tensor, mesh) -> torch.Tensor:
