@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from areal_mega.common.files import atomic_write
+from areal_mega.common.signals import TermWatchdog
 from areal_mega.config import load_config
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.dataplane.control import ControlServer
@@ -388,16 +389,18 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout-worker %(message)s")
     holder: list = []
 
-    def on_term(signum, frame):
+    def on_term():
         if not holder:                 # still setting up: nothing to flush yet
-            raise SystemExit(128 + signum)
+            os._exit(128 + signal.SIGTERM)
         holder[0].stop_event.set()
 
-    signal.signal(signal.SIGTERM, on_term)
+    # heard on a thread of its own, so a stuck main thread cannot hold SIGTERM up
+    watchdog = TermWatchdog(on_term).install()
     rc, grace = 0, 10.0
     try:
         cfg = load_config(args.config, args.overrides)
         grace = cfg.cluster.kill_grace_s
+        watchdog.exit_after_s = 0.9 * grace
         holder.append(RolloutWorker(cfg, relaunched=args.relaunched))
         holder[0].run()
         if holder[0].stop_event.is_set():
