@@ -81,7 +81,7 @@ def test_changed_megatron_source_fails_the_patch_row(tmp_path):
 
     src = Path(importlib.util.find_spec("megatron.core").origin).parent   # not imported here
     dst = tmp_path / "megatron" / "core"
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(src, dst)   # bytecode too (mtimes kept, still valid): no recompiling
     utils = dst / "transformer" / "utils.py"
     text = utils.read_text()
     old = 'torch.ones(sq, sq, device="cuda")'
@@ -129,3 +129,25 @@ def test_select_checks_adds_what_a_check_needs():
     assert names == ["megatron-patches", "rollout-server", "rl-step", "weight-update"]
     with pytest.raises(ValueError, match="unknown check"):
         doctor.select_checks(["nope"])
+
+
+def test_a_crashing_check_is_a_failed_row_and_the_others_still_run(tmp_path):
+    def crash(ctx):
+        raise OSError("disk on fire")
+
+    checks = [doctor.Check("crash", "raises", "put the fire out", crash),
+              doctor.Check("after", "needs crash", "", lambda ctx: "ran", needs=("crash",)),
+              doctor.CHECKS[0]]                       # the python row
+    rows = doctor.run_checks(checks, doctor.new_context(str(tmp_path)))
+    assert [(r.name, r.status) for r in rows] == [("crash", "fail"), ("after", "skip"),
+                                                  ("python", "pass")]
+    assert rows[0].detail.startswith("OSError: disk on fire") and rows[0].fix == "put the fire out"
+    table = doctor.format_table(rows)
+    assert "to fix crash: put the fire out" in table and "FAIL" in table
+
+
+def test_list_names_every_check():
+    p = subprocess.run([sys.executable, "-m", "areal_mega.doctor", "--list"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    assert [ln.split()[0] for ln in p.stdout.splitlines()] == [c.name for c in doctor.CHECKS]

@@ -33,11 +33,18 @@ def main(argv=None) -> int:
         checks = select_checks(args.only.split(",") if args.only else None)
     except ValueError as e:
         p.error(str(e))
-    # megatron-core announces its fallbacks while the patches are applied (not a finding)
-    warnings.filterwarnings("ignore", message=".*(Apex|apex).*not installed")
-    import torch
+    # megatron-core's notices (no TE/apex fallbacks, deprecations) and transformers' progress
+    # bars are not findings; they would only break up the rows
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    cuda = False
+    try:   # a missing or broken torch / transformers is the packages row's finding
+        import torch
+        from transformers.utils import logging as hf_logging
 
-    cuda = torch.cuda.is_available()
+        hf_logging.disable_progress_bar()
+        cuda = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        pass
     out = sys.stderr if args.json else sys.stdout
     ctx = new_context(args.work)
     t0 = time.monotonic()

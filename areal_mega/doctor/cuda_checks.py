@@ -18,6 +18,8 @@ SGLANG_RANGE = ">=0.5,<0.6"
 
 
 def check_cuda_kernels(ctx: Context) -> str:
+    """The CUDA logprob (fp32, bf16; forward and backward) and GAE kernels against the C++
+    CPU kernels on the same inputs."""
     import torch
 
     from areal_mega.ops import _backend
@@ -33,7 +35,8 @@ def check_cuda_kernels(ctx: Context) -> str:
         err = max(max_rel_errors(gpu, cpu))
         if err > tol:
             raise CheckFailed(f"{dtype}: CUDA logprob/entropy/grad differ from the CPU kernels by "
-                              f"{err:.1e} (> {tol:.0e})", "run pytest -m gpu tests/test_ops_logprob.py")
+                              f"{err:.1e} (> {tol:.0e})",
+                              "run pytest -m gpu tests/test_ops_logprob.py")
         worst[str(dtype).split(".")[-1]] = err
     with ops_backend("native"):
         gae_err = max(max_rel_errors(gae_case("cuda"), gae_case("cpu")))
@@ -63,6 +66,8 @@ def te_attention_backend() -> str:
 
 
 def check_transformer_engine(ctx: Context) -> str:
+    """TransformerEngine imports at the pinned version; the attention our engine builds and
+    the backend TE itself selects."""
     from areal_mega.models.backend import probe_te, resolve_attention
 
     st = probe_te()
@@ -96,6 +101,8 @@ NCCL_WORKER = textwrap.dedent("""
 
 
 def check_nccl(ctx: Context) -> str:
+    """Two processes, one GPU each, form an NCCL group and all-reduce correctly (skipped
+    with one GPU)."""
     import torch
 
     n = torch.cuda.device_count()
@@ -123,6 +130,7 @@ def check_nccl(ctx: Context) -> str:
 
 
 def check_sglang(ctx: Context) -> str:
+    """SGLang's installed version against :data:`SGLANG_RANGE` (skipped when not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.specifiers import SpecifierSet

@@ -45,6 +45,7 @@ def version_problems(pins: List[str]) -> Tuple[List[str], int]:
 
 
 def check_python(ctx: Context) -> str:
+    """This interpreter's version against the package's minimum."""
     v = sys.version_info
     if v[:2] < PYTHON_MIN:
         raise CheckFailed(f"Python {v.major}.{v.minor} < {PYTHON_MIN[0]}.{PYTHON_MIN[1]}")
@@ -52,6 +53,7 @@ def check_python(ctx: Context) -> str:
 
 
 def check_packages(ctx: Context) -> str:
+    """Every pin of ``requirements.txt`` installed at its pinned version."""
     probs, n = version_problems(read_pins(ctx.root))
     if probs:
         raise CheckFailed(f"{len(probs)} of {n} pins differ: " + "; ".join(probs))
@@ -73,6 +75,8 @@ def cpu_best_isa(flags: Optional[set] = None) -> str:
 
 
 def check_kernels(ctx: Context) -> str:
+    """``areal_mega._ops_cpu`` (and with CUDA ``_ops_cuda``) imports from this package; the
+    vector ISA it runs is the best this CPU has (unless capped)."""
     import torch
 
     from areal_mega.ops import _backend
@@ -106,6 +110,8 @@ def check_kernels(ctx: Context) -> str:
 
 
 def check_megatron_patches(ctx: Context) -> str:
+    """Without CUDA: apply megatron-core's CPU patches (pinned release, every patched source
+    found); with CUDA: not needed."""
     from areal_mega.compat import megatron_cpu
 
     if not megatron_cpu.needed():
@@ -125,6 +131,8 @@ def check_megatron_patches(ctx: Context) -> str:
 
 
 def check_onednn(ctx: Context) -> str:
+    """oneDNN's linear ops the trainer and the CPU server use exist and equal the float64
+    product (plain and prepacked weights)."""
     import torch
 
     from areal_mega.inference.cpu_linear import onednn_linear_available
@@ -138,7 +146,7 @@ def check_onednn(ctx: Context) -> str:
     plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     packed = torch.ops.mkldnn._linear_pointwise(
         x, torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], "")
-    err = max((plain.double() - want).abs().max().item(), (packed.double() - want).abs().max().item())
+    err = max((y.double() - want).abs().max().item() for y in (plain, packed))
     if err > 1e-3:
         raise CheckFailed(f"oneDNN linear differs from the float64 product by {err:.2e}")
     return f"oneDNN linear (plain and prepacked) = x @ w.T to {err:.1e}"
@@ -208,6 +216,8 @@ def gae_case(device: str = "cpu"):
 
 
 def check_logprob_kernel(ctx: Context) -> str:
+    """The C++ logprob kernels (fp32, bf16; logprob, entropy, gradient) and GAE against the
+    pure-torch reference."""
     import torch
 
     from areal_mega.ops import _backend

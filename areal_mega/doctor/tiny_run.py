@@ -58,6 +58,7 @@ def byte_mismatches(a: dict, b: dict) -> List[str]:
 
 
 def check_convert(ctx: Context) -> str:
+    """The tiny model HF -> Megatron dist-checkpoint -> HF, every tensor byte-equal."""
     from areal_mega.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
 
     hf = doctor_model(ctx)
@@ -88,6 +89,8 @@ def _prompt_ids(model: Path) -> List[int]:
 
 
 def check_rollout_server(ctx: Context) -> str:
+    """Start a CPU rollout server on the tiny model (or use ``ctx.server_addr``) and sample
+    4 tokens with logprobs from it."""
     model = doctor_model(ctx)
     t0, started = time.monotonic(), ctx.server_addr is None
     if started:
@@ -126,6 +129,8 @@ def rl_command(ctx: Context, run_dir: Path, data: Path) -> list:
 
 
 def check_rl_step(ctx: Context) -> str:
+    """Run :data:`RL_STEPS` GRPO steps through ``launch.local`` against the server; keep
+    their metrics for ``weight-update``."""
     if not (ctx.root / RECIPE).is_file():
         raise CheckFailed(f"{ctx.root / RECIPE} not found: run the doctor from a checkout")
     data = ctx.work / "data"
@@ -154,6 +159,9 @@ def check_rl_step(ctx: Context) -> str:
 
 
 def check_weight_update(ctx: Context) -> str:
+    """The RL run's weights reached the server: step 1 moved them, step 2 trained only
+    tokens of version 1, the server reports the last version, and the trainer's logprobs of
+    the server's tokens equal the server's (``mismatch``)."""
     rows, run_dir = ctx.state["rl_rows"], ctx.state["rl_dir"]
     first, last = rows[0], rows[-1]
     if not (first.get("lr", 0) > 0 and first.get("grad_norm", 0) > 0):
