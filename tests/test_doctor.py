@@ -151,3 +151,13 @@ def test_list_names_every_check():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0
     assert [ln.split()[0] for ln in p.stdout.splitlines()] == [c.name for c in doctor.CHECKS]
+
+
+def test_cuda_rows_skip_without_cuda(tmp_path, monkeypatch):
+    """Asked for on a machine without CUDA, every CUDA row skips (saying so), none fails."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rows = doctor.run_checks(doctor.CUDA_CHECKS, doctor.new_context(str(tmp_path)), cuda=True)
+    assert [r.name for r in rows] == ["cuda-kernels", "transformer-engine", "nccl", "sglang"]
+    assert all(r.status == "skip" and r.detail == "no CUDA device" for r in rows), rows

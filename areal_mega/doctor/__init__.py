@@ -18,8 +18,9 @@ from areal_mega.doctor.tiny_run import CHECKS as RUN_CHECKS
 #: every check, in the order the doctor runs them
 CHECKS = [*ENV_CHECKS, *RUN_CHECKS, *CUDA_CHECKS]
 
-__all__ = ["CHECKS", "Check", "CheckFailed", "CheckSkipped", "Context", "Row", "format_table",
-           "new_context", "run_checks", "select_checks"]
+__all__ = ["CHECKS", "ENV_CHECKS", "RUN_CHECKS", "CUDA_CHECKS", "Check", "CheckFailed",
+           "CheckSkipped", "Context", "Row", "format_table", "new_context", "run_checks",
+           "select_checks"]
 
 
 def select_checks(names=None) -> list:

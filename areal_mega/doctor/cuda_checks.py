@@ -59,6 +59,8 @@ def te_attention_backend() -> str:
         res = du.get_attention_backend(params)
     except Exception as e:  # noqa: BLE001 - the query's API changes between TE releases
         return f"unknown ({type(e).__name__}: {str(e)[:80]})"
+    if len(res) == 5:   # before TE 2.x: no FlashAttention sub-backend in the answer
+        res = (res[0], None, *res[1:])
     flash, flash_be, fused, fused_be = res[:4]
     if flash:
         return f"flash ({flash_be})"
