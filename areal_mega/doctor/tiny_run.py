@@ -162,6 +162,9 @@ def check_weight_update(ctx: Context) -> str:
     """The RL run's weights reached the server: step 1 moved them, step 2 trained only
     tokens of version 1, the server reports the last version, and the trainer's logprobs of
     the server's tokens equal the server's (``mismatch``)."""
+    if "rl_rows" not in ctx.state:
+        raise CheckFailed("no RL run to read: the rl-step check did not run before this one",
+                          "run the rl-step check first (select_checks adds it)")
     rows, run_dir = ctx.state["rl_rows"], ctx.state["rl_dir"]
     first, last = rows[0], rows[-1]
     if not (first.get("lr", 0) > 0 and first.get("grad_norm", 0) > 0):
