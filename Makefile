@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CI runs every test that does not need a GPU; slow tests included.
 PYTEST_ARGS ?= -m "not gpu" -q
 
-.PHONY: install test demo build clean-venv gpu-check gpu-wheels
+.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels
 
 $(STAMP): requirements.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test: $(STAMP) $(KERNEL_STAMP)
 
 demo: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m areal_mega.demo
+
+# Checks this machine row by row (versions, kernels, megatron patches, then numbers on a tiny
+# model: conversion, a rollout server, two RL steps, the weight update); exit 1 on a failure.
+# It diagnoses what is installed, so it installs nothing: the .venv when there is one, else
+# $(PYTHON). DOCTOR_ARGS=--json for machines.
+DOCTOR_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+doctor:
+	$(DOCTOR_PY) -m areal_mega.doctor $(DOCTOR_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

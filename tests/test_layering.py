@@ -32,7 +32,7 @@ LAYERS = [
     ["workflow"],
     ["eval"],
     ["rollout_worker", "train"],
-    ["trainer", "launch", "demo"],
+    ["trainer", "launch", "demo", "doctor"],
 ]
 # Importing one of these costs seconds or needs an optional extra: a module that pulls one in
 # at import time may be imported inside a function.

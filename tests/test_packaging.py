@@ -118,7 +118,7 @@ def test_gpu_check_dry_run_lists_every_step():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     listed = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()]
-    assert listed == ["build", "gpu-tests", "kernel-bench", "prepare", "train-bf16", "e2e-rl"]
+    assert listed == ["build", "doctor", "gpu-tests", "kernel-bench", "prepare", "train-bf16", "e2e-rl"]
 
 
 def test_gpu_check_table_and_step_failure():

@@ -5,13 +5,16 @@ on a connected machine brings them as wheels in ``.whl/``); needs neither Transf
 SGLang (tests that need them skip themselves). Steps, each a subprocess:
 
 1. ``build``       -- ``setup.py build_ext --inplace``; the CUDA kernels must import;
-2. ``gpu-tests``   -- ``pytest -m gpu`` (native kernels required), passed/skipped counts;
-3. ``kernel-bench``-- ``bench/kernels.py --device cuda``: copy bandwidth and the logprob/GAE
+2. ``doctor``      -- ``python -m areal_mega.doctor`` (``make doctor``): every row, the CUDA
+   ones included (CUDA kernels = CPU kernels, TransformerEngine, NCCL, SGLang); fails
+   naming the failed rows;
+3. ``gpu-tests``   -- ``pytest -m gpu`` (native kernels required), passed/skipped counts;
+4. ``kernel-bench``-- ``bench/kernels.py --device cuda``: copy bandwidth and the logprob/GAE
    kernels' achieved bandwidth as a fraction of it;
-4. ``prepare``     -- the CPU demo's tiny model and task files (``areal_mega.demo`` pieces);
-5. ``train-bf16``  -- ``areal_mega.trainer`` (the production trainer entry point, SFT mode) for
+5. ``prepare``     -- the CPU demo's tiny model and task files (``areal_mega.demo`` pieces);
+6. ``train-bf16``  -- ``areal_mega.trainer`` (the production trainer entry point, SFT mode) for
    a few bf16 steps on the GPU;
-6. ``e2e-rl``      -- a short asynchronous GRPO run (production PPO loss) through
+7. ``e2e-rl``      -- a short asynchronous GRPO run (production PPO loss) through
    ``launch.local`` on the GPU, bf16, against the CPU-protocol local rollout server
    (``areal_mega.inference.server``) started beside it as an external server.
 
@@ -91,6 +94,25 @@ def step_build(step: Step, work: Path) -> None:
     out = run_logged([sys.executable, "-c", "import torch, areal_mega._ops_cuda; "
                       "print(torch.cuda.get_device_capability())"], work / "build_import.log")
     step.figure = f"_ops_cuda imports (capability {out.strip().splitlines()[-1]})"
+
+
+def step_doctor(step: Step, work: Path) -> None:
+    report_path = work / "doctor.json"
+    error = None
+    try:
+        run_logged([sys.executable, "-m", "areal_mega.doctor", "--json-out", report_path,
+                    "--work", work / "doctor"], work / "doctor.log")
+    except StepFailed as e:
+        error = e
+    rows = json.loads(report_path.read_text())["rows"] if report_path.exists() else []
+    failed = [r["name"] for r in rows if r["status"] == "fail"]
+    if failed:
+        raise StepFailed(f"failed rows: {', '.join(failed)} (log: {work / 'doctor.log'})")
+    if error is not None:
+        raise error
+    skipped = [r["name"] for r in rows if r["status"] == "skip"]
+    step.figure = f"{len(rows)} rows pass" + (f", skipped: {', '.join(skipped)}" if skipped
+                                              else "")
 
 
 def step_gpu_tests(step: Step, work: Path) -> None:
@@ -194,6 +216,7 @@ def step_e2e(step: Step, work: Path) -> None:
 
 STEPS = [
     ("build", "setup.py build_ext --inplace; import areal_mega._ops_cuda", step_build),
+    ("doctor", "python -m areal_mega.doctor (every row, CUDA rows included)", step_doctor),
     ("gpu-tests", "pytest -m gpu (AREAL_MEGA_OPS_BACKEND=native)", step_gpu_tests),
     ("kernel-bench", "bench/kernels.py --device cuda (fraction of copy bandwidth)", step_bench),
     ("prepare", "tiny model + task files (areal_mega.demo pieces, CPU)", step_prepare),
