@@ -15,7 +15,8 @@ As on SGLang, request bodies are parsed leniently: keys an endpoint does not kno
 and ``{"error": {"message": ...}}`` naming the key; the server keeps serving. With
 ``--api-key`` every request except ``/health*`` needs ``Authorization: Bearer KEY`` (401
 otherwise), like SGLang's ``--api-key``. ``--host`` other than loopback needs a key (or the
-logged opt-out ``--allow-unauthenticated``): the server refuses to start. Generation is batched per decode step by
+logged opt-out ``--allow-unauthenticated``): the server refuses to start. Generation is
+batched per decode step by
 :class:`~areal_mega.inference.decoding.BatchedEngine`; sampling and logprobs are described in
 :mod:`areal_mega.inference.sampling`. The weight-update group is created the SGLang way
 (:mod:`areal_mega.parallel.update_group`); the model side lives in

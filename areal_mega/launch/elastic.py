@@ -174,7 +174,7 @@ class ScaleService:
         :data:`POOL_QUERY_S`; a worker busy with a weight update or a drain leaves the last
         counters it gave, with their age in ``pool_age_s``."""
         members = dict(self.members)
-        relaunching = dict(getattr(self.sup, "relaunching", {}) or {})
+        relaunching = dict(self.sup.relaunching)
         now = time.monotonic()
         out = []
         for sid, m in members.items():
