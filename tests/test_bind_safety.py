@@ -108,7 +108,11 @@ def _sbatch(tmp_path, *overrides, key_file=None):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_sbatch_passes_the_key_file_to_every_step_and_refuses_it_in_argv(tmp_path):
+def test_sbatch_passes_the_key_file_to_every_step_and_refuses_it_in_argv(tmp_path, capsys):
+    from areal_mega.launch.slurm_submit import main as submit
+
+    assert submit(["--dry-run", str(TINY), f"rollout.api_key={KEY}"]) == 2
+    assert API_KEY_FILE_ENV in capsys.readouterr().err
     r = _sbatch(tmp_path, f"rollout.api_key={KEY}")
     assert r.returncode == 2 and API_KEY_FILE_ENV in r.stderr
     assert not (tmp_path / "stub.log").exists()          # no step started
