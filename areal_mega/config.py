@@ -17,6 +17,7 @@ import yaml
 from areal_mega.config_checks import validate
 from areal_mega.config_presets import PRESETS, resolve_algorithm
 from areal_mega.config_schema import ConfigError, _build, _f, _merge, parse_overrides
+from areal_mega.security import api_key_from_env
 
 __all__ = ["ConfigError", "ExperimentConfig", "config_from_dict", "config_to_dict",
            "load_config", "parse_overrides"]
@@ -128,7 +129,10 @@ class CriticConfig:
 class RolloutConfig:
     backend: str = _f("local", choices=["local", "sglang"])
     server_addrs: list = _f(factory=list, doc="external servers host:port; empty = launch ours")
-    api_key: Optional[str] = None
+    api_key: Optional[str] = _f(None, doc="bearer key of the rollout servers; unset: "
+                                "AREAL_ROLLOUT_API_KEY_FILE / AREAL_ROLLOUT_API_KEY")
+    allow_unauthenticated: bool = _f(False, doc="let launch.local --serve-node bind servers "
+                                     "on the network without api_key (logged)")
     batch_size: int = _f(16, lo=1, doc="prompt groups per training step")
     n_samples: int = _f(8, lo=1, doc="completions per prompt (GRPO group size)")
     max_new_tokens: int = _f(512, lo=1)
@@ -359,7 +363,9 @@ def config_from_dict(data: dict) -> ExperimentConfig:
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None
                 ) -> ExperimentConfig:
-    """Load a recipe YAML (optional) and apply dotlist overrides; raises :class:`ConfigError`."""
+    """Load a recipe YAML (optional) and apply dotlist overrides; ``rollout.api_key`` left
+    unset comes from the environment (:func:`areal_mega.security.api_key_from_env`). Raises
+    :class:`ConfigError`."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -372,6 +378,11 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(p)!r}: top level must be a mapping")
     data = _merge(data, parse_overrides(overrides or []))
+    rollout = data.get("rollout")
+    if not (isinstance(rollout, dict) and rollout.get("api_key")):
+        key = api_key_from_env()     # e.g. the Slurm steps: the key never in argv
+        if key:
+            data = _merge(data, {"rollout": {"api_key": key}})
     return config_from_dict(data)
 
 

@@ -11,20 +11,38 @@ rollout worker's control channel) and ``rollout.api_key`` (bearer key of the rol
   into its arguments in-process).
 * ``dataplane.allow_remote=true`` needs ``dataplane.secret`` (:func:`check_remote_secret`,
   called by config validation); the sockets refuse a non-loopback bind without one, too.
+* No HTTP server binds a non-loopback address without its API key (:func:`check_bind`): the
+  rollout servers refuse ``--host 0.0.0.0`` without one unless told otherwise explicitly (a
+  logged opt-out); ``launch.local --serve-node`` needs ``rollout.api_key`` or
+  ``rollout.allow_unauthenticated=true``.
+* Where the key cannot be in a file the job already reads, it comes from the environment
+  (:func:`api_key_from_env`): ``AREAL_ROLLOUT_API_KEY_FILE`` names a file only its owner may
+  read, or ``AREAL_ROLLOUT_API_KEY`` holds it; the Slurm script passes it that way, never in
+  argv.
 
 No torch, no zmq: every process may import it.
 """
 from __future__ import annotations
 
+import logging
+import os
+import stat
 from pathlib import Path
 from typing import Optional
 
 from areal_mega.common.files import atomic_write
+from areal_mega.common.net import is_loopback_host
 from areal_mega.config_schema import ConfigError
+
+log = logging.getLogger(__name__)
 
 API_KEY_ENV = "AREAL_ROLLOUT_API_KEY"
 """Environment variable that hands the rollout API key to ``areal_mega.inference.server``
 (its ``--api-key`` defaults to it)."""
+
+API_KEY_FILE_ENV = "AREAL_ROLLOUT_API_KEY_FILE"
+"""Environment variable naming a file (mode 0600 or stricter) that holds the rollout API key:
+how the Slurm script hands it to every step without a command line."""
 
 PRIVATE_MODE = 0o600
 
@@ -71,3 +89,42 @@ def check_remote_secret(cfg) -> None:
                           "shared secret anyone who reaches the data or control port could "
                           "inject training samples or weight updates; set dataplane.secret "
                           "(same value on every process) or dataplane.allow_remote=false")
+
+
+def api_key_from_env(environ=None) -> Optional[str]:
+    """The rollout API key from the environment: the contents of the file named by
+    :data:`API_KEY_FILE_ENV` (refused, with a ConfigError naming the variable, when it is
+    missing, empty or readable by group or others), else :data:`API_KEY_ENV`; None without
+    either."""
+    env = os.environ if environ is None else environ
+    path = env.get(API_KEY_FILE_ENV)
+    if path:
+        try:
+            st = os.stat(path)
+            key = Path(path).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: cannot read it ({e.strerror})") \
+                from None
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: mode "
+                              f"{stat.S_IMODE(st.st_mode):04o} lets other users read the key; "
+                              "chmod 600 it")
+        if not key:
+            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: the file is empty")
+        return key
+    return env.get(API_KEY_ENV) or None
+
+
+def check_bind(host: str, *, authenticated: bool, what: str, fix: str,
+               allow_unauthenticated: bool = False) -> None:
+    """Refuse (ConfigError) to let ``what`` bind ``host`` when that reaches beyond loopback and
+    nothing authenticates its clients; ``fix`` says which flag or key to set. With
+    ``allow_unauthenticated`` (an explicit opt-out) it is allowed and logged as a warning."""
+    if authenticated or is_loopback_host(host):
+        return
+    if allow_unauthenticated:
+        log.warning("%s binds %s WITHOUT authentication (explicit opt-out): anyone who reaches "
+                    "it can drive it", what, host)
+        return
+    raise ConfigError(f"{what}: binding {host!r} (not loopback) without an API key is refused: "
+                      f"anyone who reaches it could drive it; {fix}")

@@ -16,6 +16,7 @@ import pytest
 from areal_mega.common.net import free_port
 from areal_mega.metrics import plot_metrics
 from areal_mega.dataplane.control import RolloutLink
+from areal_mega.launch.scale import run_command
 from areal_mega.run_dir import RunDir
 from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
                                _trainer_pid, assets)
@@ -106,7 +107,7 @@ def test_one_to_three_to_one_servers_with_a_kill_and_removals(assets, tmp_path):
         _wait(lambda: {p.name for p in (run / "weights").glob("v*")} - seen, proc,
               "new weights", timeout=120)
         accepted_before |= _accepted_ids(run)
-        out = link.request({"cmd": "remove", "id": "rollout2", "drain": False})
+        out = run_command(link, {"cmd": "remove", "id": "rollout2", "drain": False}, 300)
         assert out["id"] == "rollout2"
         members, pool = _listing(link)
         assert sorted(members) == ["rollout0", "rollout1"]

@@ -192,7 +192,7 @@ def test_server_commands(tmp_path):
     slot = local.make_layout(cpu, ports=[1234]).servers[0]
     assert local.server_command(cpu, slot)[1:] == ["-m", local.ROLLOUT_SERVER_MODULE,
                                                   "--model-path", "runs/tiny-cpu/model",
-                                                  "--port", "1234"]
+                                                  "--host", "127.0.0.1", "--port", "1234"]
 
 
 def test_cpu_threads_per_trainer_rank():

@@ -17,7 +17,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 def _launched_ranks(cfg, slot) -> int:
     """Ranks of one server as the launcher starts it: SGLang's --tp-size, else one process."""
-    argv = local.server_command(cfg, slot, "0.0.0.0")
+    argv = local.server_command(cfg, slot, "127.0.0.1")   # 0.0.0.0 would need rollout.api_key
     return int(argv[argv.index("--tp-size") + 1]) if "--tp-size" in argv else 1
 
 

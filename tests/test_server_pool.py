@@ -2,7 +2,8 @@
 server serves the current weights and version before its first request; a server removed
 mid-generation has its requests resumed elsewhere from their partial output (tokens keep
 their versions and are the teacher-forced tokens of the weights that made them); a drained
-server finishes its requests; bad requests change nothing."""
+server finishes its requests, unless its drain deadline passes first (the rest is interrupted
+and resumes elsewhere); bad requests change nothing."""
 import shutil
 import time
 import urllib.request
@@ -136,6 +137,20 @@ def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):
         stats = elastic.pool_stats()
         assert stats["live_servers"] == 1 and stats["resumptions"] == 1
         assert stats["servers"][0]["requests"] >= 2 and stats["servers"][0]["tokens"] >= N_NEW
+
+        # a drain cut short by its deadline (the launcher's operation timeout): the rest is
+        # interrupted and resumes on s0; s1 is removed all the same, and the answer says so
+        pool.handle({"cmd": "add_server", "addr": servers[0].addr})
+        futs = [ctl.run_async(ctl.generate(p, N_NEW, key=f"t{i}")) for i, p in
+                enumerate(prompts)]
+        wait_for(lambda: all(s["inflight"] == 1 for s in elastic.pool_stats()["servers"]))
+        gone = pool.handle({"cmd": "remove_server", "addr": servers[1].addr, "drain": True,
+                            "drain_timeout_s": 0})
+        assert gone["drain_timed_out"] and not gone["drained"] and gone["aborted"] == 1
+        assert members(elastic) == [s0]
+        outs = [f.result(120) for f in futs]
+        assert sorted(o.n_interruptions for o in outs) == [0, 1]
+        assert all(o.server == s0 for o in outs)
     finally:
         ctl.stop()
 

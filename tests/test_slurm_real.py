@@ -150,6 +150,11 @@ def test_multi_node_branch_on_two_nodes(cluster, assets, tmp_path):
     env.update(AREAL_MEGA_TRAINER_MODULE="fake_trainer", MASTER_PORT=str(master),
                AREAL_MEGA_ROLLOUT_WORKER_MODULE="fake_rollout_worker",
                FAKE_PID_DIR=str(tmp_path), SERVER_WAIT_S="300")
+    # the server serves the network (--serve-node): its key from a private file, not argv
+    key_file = tmp_path / "api.key"
+    key_file.write_text("slurm-test-key")
+    key_file.chmod(0o600)
+    env["AREAL_ROLLOUT_API_KEY_FILE"] = str(key_file)
     # a layout with whole nodes per role: rollout server on node 0, trainer on node 1
     job_id = cluster.sbatch(
         ["sbatch", "--parsable", "--nodes=2", f"--output={out}", "launch/slurm/run.sbatch",

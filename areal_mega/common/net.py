@@ -6,10 +6,24 @@ server handle's ``wait_ready``).
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import socket
 import urllib.error
 import urllib.request
 from typing import Callable, Optional
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding ``host`` listens on loopback only: ``localhost`` or a loopback address
+    (``127.x``, ``::1``). Every other name, ``0.0.0.0`` / ``::`` / ``*`` and hostnames
+    included, counts as reachable from the network (pure)."""
+    host = str(host).strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list:

@@ -14,23 +14,30 @@ import time
 from typing import Optional
 
 from areal_mega.common.net import free_port, http_ready
+from areal_mega.security import API_KEY_ENV, API_KEY_FILE_ENV, check_bind
 
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 
-def build_sglang_command(model_path: str, port: int, *, host: str = "0.0.0.0", tp: int = 1,
+def build_sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", tp: int = 1,
                          dp: int = 1, mem_fraction_static: float = 0.8, dtype: str = "bf16",
                          api_key: Optional[str] = None, base_gpu_id: int = 0,
                          random_seed: Optional[int] = None, extra: Optional[list] = None,
-                         python: str = sys.executable, api_key_file=None) -> list:
+                         python: str = sys.executable, api_key_file=None,
+                         allow_unauthenticated: bool = False) -> list:
     """The argv of ``python -m sglang.launch_server`` for one server (tp·dp GPUs).
 
     SGLang takes its API key only as ``--api-key`` (no environment variable), which puts it in
     ``ps``; ``api_key_file`` (a 0600 ``*.yaml`` file with ``api-key: KEY``, see
     :func:`areal_mega.security.write_sglang_key_file`) passes it as ``--config FILE`` instead,
     which SGLang merges into its arguments in-process. ``api_key`` is the argv form, for
-    SGLang releases without ``--config``."""
+    SGLang releases without ``--config``. A ``host`` other than loopback needs one of the two
+    (ConfigError naming ``rollout.api_key``) unless ``allow_unauthenticated`` (logged)."""
+    check_bind(host, authenticated=bool(api_key or api_key_file),
+               what=f"SGLang server --host {host}", fix="set rollout.api_key (or "
+               f"{API_KEY_FILE_ENV}), or rollout.allow_unauthenticated=true on a trusted network",
+               allow_unauthenticated=allow_unauthenticated)
     if dtype not in SGLANG_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(SGLANG_DTYPES)}")
     if tp < 1 or dp < 1:
@@ -58,7 +65,10 @@ class LocalServerProcess:
                  api_key: Optional[str] = None, num_threads: int = 1,
                  max_running: int = 64, log_path: Optional[str] = None,
                  extra_args: Optional[list] = None):
-        """``extra_args``: more command-line flags of the server (e.g. ``--idle-timeout``)."""
+        """``extra_args``: more command-line flags of the server (e.g. ``--idle-timeout``).
+        A ``host`` other than loopback needs ``api_key`` (ConfigError)."""
+        check_bind(host, authenticated=bool(api_key), what=f"local rollout server host {host}",
+                   fix="pass api_key")
         self.host, self.port = host, port or free_port(host)
         self.addr = f"{host}:{self.port}"
         self.api_key = api_key
@@ -68,7 +78,7 @@ class LocalServerProcess:
         cmd += [str(a) for a in extra_args or ()]
         env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), TOKENIZERS_PARALLELISM="false")
         if api_key:
-            env["AREAL_ROLLOUT_API_KEY"] = api_key  # not on the command line (ps)
+            env[API_KEY_ENV] = api_key  # not on the command line (ps)
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log)
 

@@ -14,7 +14,9 @@ As on SGLang, request bodies are parsed leniently: keys an endpoint does not kno
 (malformed JSON, wrong types, out-of-range values, over-long requests) is answered with HTTP 400
 and ``{"error": {"message": ...}}`` naming the key; the server keeps serving. With
 ``--api-key`` every request except ``/health*`` needs ``Authorization: Bearer KEY`` (401
-otherwise), like SGLang's ``--api-key``. Generation is batched per decode step by
+otherwise), like SGLang's ``--api-key``. ``--host`` other than loopback needs a key (or the
+logged opt-out ``--allow-unauthenticated``): the server refuses to start. Generation is
+batched per decode step by
 :class:`~areal_mega.inference.decoding.BatchedEngine`; sampling and logprobs are described in
 :mod:`areal_mega.inference.sampling`. The weight-update group is created the SGLang way
 (:mod:`areal_mega.parallel.update_group`); the model side lives in
@@ -55,6 +57,7 @@ from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS,
                                            response_of)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
+from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
 
@@ -365,7 +368,11 @@ def main(argv: Optional[list] = None) -> None:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--api-key", default=os.environ.get("AREAL_ROLLOUT_API_KEY"))
+    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                    help=f"bearer key of every request but /health* (better: {API_KEY_ENV} "
+                         "in the environment; argv is visible in ps)")
+    ap.add_argument("--allow-unauthenticated", action="store_true",
+                    help="serve a non-loopback --host without an API key (logged)")
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
@@ -377,6 +384,13 @@ def main(argv: Optional[list] = None) -> None:
     args = ap.parse_args(argv)
     if not args.idle_timeout > 0:
         ap.error(f"--idle-timeout={args.idle_timeout}: must be > 0")
+    try:
+        check_bind(args.host, authenticated=bool(args.api_key), what=f"--host {args.host}",
+                   fix=f"set {API_KEY_ENV} (rollout.api_key) in the environment or --api-key, "
+                       "or pass --allow-unauthenticated on a trusted network",
+                   allow_unauthenticated=args.allow_unauthenticated)
+    except ConfigError as e:
+        ap.error(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)

@@ -2,10 +2,17 @@
 
 :class:`ScaleService` answers ``python -m areal_mega.launch.scale`` on the launcher's control
 socket (:attr:`areal_mega.run_dir.RunDir.launcher_endpoint`, the JSON protocol of
-:mod:`areal_mega.dataplane.control`). Commands:
+:mod:`areal_mega.dataplane.control`). Every command is answered at once:
 
-- ``{"cmd": "list"}`` -> every member ``{id, addr, owned, gpus}`` and the rollout worker's
-  per-server counters;
+- ``{"cmd": "list"}`` (read-only) -> every member ``{id, addr, owned, gpus, state}`` (state:
+  ``serving``, ``draining``, ``leaving``, ``relaunching``), the ``operations`` in progress
+  (queued or running scale commands and the supervisor's server relaunches, each with its
+  state and seconds so far) and the rollout worker's per-server counters;
+- ``{"cmd": "op", "op": ID}`` (read-only) -> that operation's state, and once it ended its
+  ``result`` or ``error``;
+- the mutating commands below are queued as operations (:mod:`areal_mega.launch.operations`),
+  run one at a time, each within its own ``timeout_s`` (default :data:`DEFAULT_OP_TIMEOUT_S`),
+  and answered with the operation's id for ``op`` polls:
 - ``{"cmd": "add", "n": N}`` -> start N local servers (CPU, or GPU with the recipe's rollout
   TP on free GPUs of this machine), wait until they answer, then have the rollout worker bring
   each to the current weights and dispatch to it; ids ``rollout<k>``;
@@ -16,26 +23,36 @@ socket (:attr:`areal_mega.run_dir.RunDir.launcher_endpoint`, the JSON protocol o
 ``launch.local`` owns the servers it starts: they run under its supervisor (a dead one is
 relaunched and re-synced, within ``cluster.max_restarts``), ``remove`` stops them and the end
 of the run stops them all. A request that cannot be applied (unknown id, unreachable address,
-the last server, no free GPU) gets an error and changes nothing. With distributed weight
-updates a joining server takes requests after the trainer's next broadcast, which forms the
-weight-update group again with it (:meth:`DistributedWeightSender.regroup
+the last server, no free GPU) gets an error and changes nothing. An operation that runs out of
+time ends with an error that says what was left: a server that never became ready is stopped
+and not added; a drain that never ends is cut short (the rest of its requests resume on other
+servers) and the server is removed. With distributed weight updates a joining server takes
+requests after the trainer's next broadcast, which forms the weight-update group again with it
+(:meth:`DistributedWeightSender.regroup
 <areal_mega.train.weight_sender.DistributedWeightSender.regroup>`).
 """
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Optional
 
 from areal_mega.common.files import atomic_write
 from areal_mega.common.net import free_ports
 from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
+from areal_mega.launch.operations import Operation, OperationQueue
 from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.supervisor import ProcessSpec
 
 log = logging.getLogger(__name__)
+
+DEFAULT_OP_TIMEOUT_S = 900.0
+"""An operation's deadline when the command names none (``launch.scale --timeout``)."""
+POOL_QUERY_S = 0.5
+"""How long ``list`` waits for the rollout worker's counters (it answers within a second)."""
+DRAIN_MARGIN_S = 5.0
+"""Of a ``remove --drain``'s time, what is kept to interrupt the rest and stop the server."""
 
 
 class ScaleError(ValueError):
@@ -72,11 +89,17 @@ class ScaleService:
         self.distributed_updates = distributed_updates
         self._next = {"rollout": len([m for m in members if m.startswith("rollout")]),
                       "ext": len([m for m in members if m.startswith("ext")])}
-        self._lock = threading.Lock()
-        self._done: dict = {}                   # request_id -> answer (resent commands)
+        self._leaving: dict = {}                # id -> "draining" / "leaving" (a remove runs)
+        self._requests: dict = {}               # request_id -> op id (resent commands)
+        self._pool: Optional[dict] = None       # the worker's last counters, and when
+        self._pool_at = 0.0
         self._save()
+        self.ops = OperationQueue()
         self.link = RolloutLink(paths.control_endpoint, secret=cfg.dataplane.secret,
                                 timeout_s=cfg.rollout.request_timeout_s)
+        # list's own link (the operation thread holds the other one while it waits)
+        self.pool_link = RolloutLink(paths.control_endpoint, secret=cfg.dataplane.secret,
+                                     timeout_s=POOL_QUERY_S)
         self.server = ControlServer(paths.launcher_endpoint, self.handle,
                                     secret=cfg.dataplane.secret).start()
 
@@ -90,7 +113,9 @@ class ScaleService:
     def close(self) -> None:
         """Stop answering and close the sockets."""
         self.server.close()
+        self.ops.close()
         self.link.close()
+        self.pool_link.close()
 
     def _new_id(self, kind: str) -> str:
         while f"{kind}{self._next[kind]}" in self.members:
@@ -100,48 +125,83 @@ class ScaleService:
         return sid
 
     def handle(self, msg: dict) -> dict:
-        """Answer one command (see the module docstring); runs on the control thread. A
-        command resent with the same ``request_id`` (the client saw the socket drop and sent it
-        again) gets the first answer instead of running twice."""
+        """Answer one command (see the module docstring) at once; runs on the control thread.
+        Reads (``list``, ``op``) never wait for an operation; a mutating command is queued
+        and answered with its operation (``{"op", "state", ...}``). A command resent with the
+        same ``request_id`` (the client saw the socket drop and sent it again) gets its first
+        operation instead of running twice."""
         cmd = msg["cmd"]
-        with self._lock:
-            if cmd == "list":
-                return self.list()
-            rid = msg.get("request_id")
-            if rid is not None and rid in self._done:
-                return self._done[rid]
-            out = self._apply(cmd, msg)
-            if rid is not None:
-                self._done[rid] = out
-                while len(self._done) > 64:
-                    self._done.pop(next(iter(self._done)))
-            return out
+        if cmd == "list":
+            return self.list()
+        if cmd == "op":
+            op = self.ops.get(str(msg.get("op")))
+            if op is None:
+                raise ScaleError(f"op: unknown operation {msg.get('op')!r}")
+            return op.view()
+        rid = msg.get("request_id")
+        if rid is not None and rid in self._requests:
+            return self.ops.get(self._requests[rid]).view()
+        fn, target = self._operation(cmd, msg)
+        timeout = msg.get("timeout_s", DEFAULT_OP_TIMEOUT_S)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ScaleError(f"{cmd}: timeout_s={timeout!r}: must be a number > 0")
+        op = self.ops.submit(cmd, target, fn, timeout)
+        if rid is not None:
+            self._requests[rid] = op.op
+            while len(self._requests) > 64:
+                self._requests.pop(next(iter(self._requests)))
+        return op.view()
 
-    def _apply(self, cmd: str, msg: dict) -> dict:
+    def _operation(self, cmd: str, msg: dict) -> tuple:
+        """``(fn(op) -> result, target)`` of a mutating command; ``ScaleError`` for bad
+        arguments (checked before anything is queued)."""
         if cmd == "add":
             n = msg.get("n")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ScaleError(f"add: n={n!r}: must be an integer >= 1")
-            return {"added": self._add_local(n)}
+            return (lambda op: {"added": self._add_local(n, op)}), f"{n} server(s)"
         if cmd == "add_addr":
-            return {"added": [self._attach(str(msg.get("addr") or ""))]}
+            addr = str(msg.get("addr") or "")
+            return (lambda op: {"added": [self._attach(addr, op)]}), addr
         if cmd == "remove":
-            return self._remove(str(msg.get("id") or ""), bool(msg.get("drain", False)))
-        raise ScaleError(f"unknown command {cmd!r}; expected list, add, add_addr or remove")
+            sid, drain = str(msg.get("id") or ""), bool(msg.get("drain", False))
+            return (lambda op: self._remove(sid, drain, op)), sid
+        raise ScaleError(f"unknown command {cmd!r}; expected list, op, add, add_addr or remove")
 
     def list(self) -> dict:
-        """The members and (when the worker answers) its per-server counters."""
+        """Members (with ``state``: serving, draining, leaving, relaunching), the operations
+        in progress, and the rollout worker's per-server counters: asked for at most
+        :data:`POOL_QUERY_S`; a worker busy with a weight update or a drain leaves the last
+        counters it gave, with their age in ``pool_age_s``."""
+        members = dict(self.members)
+        relaunching = dict(self.sup.relaunching)
+        now = time.monotonic()
+        out = []
+        for sid, m in members.items():
+            state = self._leaving.get(sid, "serving")
+            if sid in relaunching and state == "serving":
+                state = "relaunching"
+            out.append({"id": sid, **m, "state": state})
+        ops = self.ops.active()
+        ops += [{"op": f"relaunch-{name}", "cmd": "relaunch", "target": name,
+                 "state": "relaunching", "seconds": round(now - since, 2)}
+                for name, since in relaunching.items() if name in members]
         try:
-            pool = self.link.request({"cmd": "servers"}, timeout_s=30)
+            pool = self.pool_link.request({"cmd": "servers"}, timeout_s=POOL_QUERY_S)
             pool.pop("ok", None)
+            self._pool, self._pool_at = pool, time.monotonic()
+            age = 0.0
         except Exception as e:  # noqa: BLE001 - listing still works without the worker
-            pool = {"error": str(e)}
-        return {"members": [{"id": k, **v} for k, v in self.members.items()], "pool": pool}
+            if self._pool is None:
+                pool, age = {"error": str(e)}, None
+            else:
+                pool, age = dict(self._pool), round(time.monotonic() - self._pool_at, 1)
+        return {"members": out, "operations": ops, "pool": pool, "pool_age_s": age}
 
-    def _add_local(self, n: int) -> list:
+    def _add_local(self, n: int, op: Operation) -> list:
         """Start ``n`` servers together, wait until each answers, then have the worker join
-        them one by one; a server that fails to come up or to join is stopped, the ones
-        before it stay (each is reported)."""
+        them one by one; a server that fails to come up or to join (within the operation's
+        timeout) is stopped, the ones before it stay (each is reported)."""
         gpus: list = [()] * n
         if self.gpu_info is not None:
             n_gpus, per_server, trainer_gpus = self.gpu_info
@@ -155,16 +215,19 @@ class ScaleService:
             if spec.name != sid:
                 raise RuntimeError(f"make_spec named the server {spec.name!r}, expected {sid!r}")
             started.append((sid, spec, g, port, self.sup.call(lambda s, sp=spec: s.add(sp))))
+        op.state = "starting " + ", ".join(s[0] for s in started)
         added, error = [], None
         for sid, spec, g, port, run in started:
             if error is None:
-                error = self._wait_ready(sid, spec, run)
+                error = self._wait_ready(sid, spec, run, op)
             if error is None:
                 addr = f"{self.host}:{port}"
+                op.state = f"joining {sid}"
                 try:
-                    joined = self._join(addr)
+                    joined = self._join(addr, op)
                 except Exception as e:  # noqa: BLE001 - reported after the cleanup
                     error = e
+                    self._forget(addr)
                 else:
                     self.members[sid] = {"addr": addr, "owned": True, "gpus": list(g)}
                     self._save()
@@ -178,9 +241,11 @@ class ScaleService:
             raise ScaleError(f"add: {error}{done}")
         return added
 
-    def _wait_ready(self, sid: str, spec: ProcessSpec, run) -> Optional[str]:
-        """None once ``sid`` answers its readiness probe, else why it did not."""
-        deadline = time.monotonic() + spec.ready_timeout_s
+    def _wait_ready(self, sid: str, spec: ProcessSpec, run, op: Operation) -> Optional[str]:
+        """None once ``sid`` answers its readiness probe, else why it did not (it exited, or
+        did not answer within its ``ready_timeout_s`` or the operation's timeout)."""
+        limit = min(spec.ready_timeout_s, op.remaining())
+        deadline = time.monotonic() + limit
         while True:
             if run.proc.poll() is not None:
                 return (f"{sid} exited (code {run.proc.returncode}) before it was ready; see "
@@ -191,13 +256,21 @@ class ScaleService:
             except Exception:  # noqa: BLE001 - still booting
                 pass
             if time.monotonic() > deadline:
-                return f"{sid} not ready after {spec.ready_timeout_s:.0f}s; see {run.log.name}"
+                return (f"{sid} not ready after {limit:.0f}s (cluster.server_ready_timeout_s="
+                        f"{spec.ready_timeout_s:.0f}, launch.scale --timeout="
+                        f"{op.timeout_s:.0f}); it was stopped; see {run.log.name}")
             time.sleep(0.2)
 
-    def _attach(self, addr: str) -> dict:
+    def _attach(self, addr: str, op: Operation) -> dict:
         if any(m["addr"] == addr for m in self.members.values()):
             raise ScaleError(f"add_addr: {addr} is already a member")
-        joined = self._join(addr)
+        op.state = f"joining {addr}"
+        try:
+            joined = self._join(addr, op)
+        except ControlError as e:
+            if "did not answer" in str(e):
+                self._forget(addr)
+            raise
         sid = self._new_id("ext")
         self.members[sid] = {"addr": addr, "owned": False, "gpus": []}
         self._save()
@@ -205,35 +278,62 @@ class ScaleService:
                      f"{joined.get('version')}")
         return {"id": sid, "addr": addr, "version": joined.get("version")}
 
-    def _join(self, addr: str) -> dict:
+    def _join(self, addr: str, op: Operation) -> dict:
         """Have the worker add ``addr``: at the current weights from disk, or (distributed
         weight updates) pending the trainer's next broadcast to a group that includes it."""
         return self.link.request({"cmd": "add_server", "addr": addr,
-                                  "via_group": self.distributed_updates})
+                                  "via_group": self.distributed_updates},
+                                 timeout_s=op.check(f"joining {addr}"))
 
-    def _remove(self, sid: str, drain: bool) -> dict:
+    def _forget(self, addr: str) -> None:
+        """A join whose answer never came may still complete in the worker (it runs its
+        commands in order): have it drop ``addr`` again, so that its pool and the member
+        list agree. Best effort: the error the caller reports stands either way."""
+        try:
+            self.link.request({"cmd": "remove_server", "addr": addr, "drain": False},
+                              timeout_s=POOL_QUERY_S * 20)
+        except Exception as e:  # noqa: BLE001 - "not in the pool" is the expected answer
+            log.info("dropping %s from the worker after a failed join: %s", addr, e)
+
+    def _remove(self, sid: str, drain: bool, op: Operation) -> dict:
         if sid not in self.members:
             raise ScaleError(f"remove: unknown server id {sid!r}; members: "
                              f"{', '.join(self.members) or 'none'}")
         m = self.members[sid]
-        deadline = time.monotonic() + self.cfg.rollout.request_timeout_s
-        while True:   # a broadcast in progress holds the server in its group: wait for it
-            try:
-                out = self.link.request({"cmd": "remove_server", "addr": m["addr"],
-                                         "drain": drain})
-                break
-            except ControlError as e:
-                if "broadcast is in progress" not in str(e) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        self._leaving[sid] = op.state = ("draining " if drain else "leaving ") + sid
+        try:
+            out = self._remove_from_worker(sid, m["addr"], drain, op)
+        finally:
+            self._leaving.pop(sid, None)
         del self.members[sid]
         self._save()
         if m["owned"]:
+            op.state = f"stopping {sid}"
             self.sup.call(lambda s: s.retire(sid))
-        how = "drained" if drain else "its requests resume elsewhere"
+        how = "drained" if out.get("drained") else "its requests resume elsewhere"
         self.sup.say(f"{sid} ({m['addr']}) left the rollout ({how}; "
                      f"{out.get('aborted', 0)} interrupted)")
+        if drain and out.get("drain_timed_out"):
+            raise ScaleError(f"remove {sid} --drain: its requests did not finish within the "
+                             f"operation's {op.timeout_s:.0f} s (launch.scale --timeout); the "
+                             f"{out.get('aborted', 0)} left were interrupted and resume on "
+                             f"other servers; {sid} was removed")
         return {"id": sid, **out}
+
+    def _remove_from_worker(self, sid: str, addr: str, drain: bool, op: Operation) -> dict:
+        """The worker's ``remove_server``; a drain gets the operation's time less a margin,
+        after which the worker interrupts what is left. A broadcast in progress holds the
+        server in its group: retried until the operation's deadline."""
+        while True:
+            left = op.check(f"remove {sid}")
+            try:
+                return self.link.request({"cmd": "remove_server", "addr": addr, "drain": drain,
+                                          "drain_timeout_s": max(0.0, left - DRAIN_MARGIN_S)},
+                                         timeout_s=left)
+            except ControlError as e:
+                if "broadcast is in progress" not in str(e):
+                    raise
+                time.sleep(0.2)
 
 
 def start_scale_service(cfg, supervisor, paths, layout, make_spec, *, host: str = "127.0.0.1",

@@ -48,7 +48,8 @@ from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
-from areal_mega.security import holds_secret, server_env, write_run_file, write_sglang_key_file
+from areal_mega.security import (API_KEY_FILE_ENV, check_bind, holds_secret, server_env,
+                                 write_run_file, write_sglang_key_file)
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
 # ``AREAL_MEGA_TRAINER_MODULE`` in the environment replaces it (custom trainers, tests).
@@ -183,7 +184,8 @@ def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list
     """The argv of one rollout server; never holds the API key (see :func:`server_secrets`)."""
     if cfg.rollout.backend == "local":
         return [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
-                "--port", str(slot.port)]
+                "--host", host, "--port", str(slot.port)] + \
+            (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     alloc = parse_allocation(cfg.allocation)
     extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
@@ -193,7 +195,8 @@ def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list
                         dtype=cfg.model.dtype, base_gpu_id=0,
                         api_key_file=RunDir.from_config(cfg).sglang_key_file
                         if cfg.rollout.api_key else None,
-                        random_seed=cfg.seed + slot.index, extra=extra))
+                        random_seed=cfg.seed + slot.index, extra=extra,
+                        allow_unauthenticated=cfg.rollout.allow_unauthenticated))
 
 
 def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None) -> list:
@@ -343,7 +346,16 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
 
 
 def serve_node(cfg: ExperimentConfig, node: int) -> int:
-    """Run (and supervise) the rollout servers that the layout puts on ``node``; for srun."""
+    """Run (and supervise) the rollout servers that the layout puts on ``node``; for srun.
+    They serve the network (0.0.0.0): ``rollout.api_key`` is required (ConfigError) unless
+    ``rollout.allow_unauthenticated=true``, which is logged."""
+    check_bind("0.0.0.0", authenticated=bool(cfg.rollout.api_key),
+               what=f"launch.local --serve-node {node}", fix=f"set rollout.api_key (without "
+               f"argv: {API_KEY_FILE_ENV}=<a 0600 file>), or rollout.allow_unauthenticated=true "
+               "on a trusted network", allow_unauthenticated=cfg.rollout.allow_unauthenticated)
+    if cfg.rollout.allow_unauthenticated and not cfg.rollout.api_key:
+        print(f"[launch] WARNING: node {node}'s rollout servers bind 0.0.0.0 WITHOUT an API key "
+              "(rollout.allow_unauthenticated=true)", file=sys.stderr, flush=True)
     lay = planned_layout(cfg)
     mine = [s for s in lay.servers if s.node == node]
     if not mine:

@@ -9,9 +9,12 @@ Talks to the job's ``launch.local`` (its control socket in the run directory, se
 :mod:`areal_mega.launch.elastic`), which starts / stops the servers it owns and has the rollout
 worker bring a joining server to the current weights before it gets a request. ``--drain``
 lets a leaving server finish its requests; without it they are interrupted and resumed on
-another server from their partial output. Prints the launcher's JSON answer; exit code 0 on
-success, 1 when the request was refused (nothing changed), 2 for bad arguments. With
-``dataplane.secret`` set for the job, pass it in ``AREAL_MEGA_SECRET``.
+another server from their partial output. ``--list`` answers at once, whatever else is in
+progress, with the operations in progress. A mutating command is queued behind the ones
+before it and must finish within ``--timeout`` seconds (its own deadline, enforced by the
+launcher; the error says what was left). Prints the launcher's JSON answer; exit code 0 on
+success, 1 when the request was refused or failed (the message says what changed), 2 for bad
+arguments. With ``dataplane.secret`` set for the job, pass it in ``AREAL_MEGA_SECRET``.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -38,6 +42,31 @@ def request_of(args: argparse.Namespace) -> dict:
     return {"cmd": "remove", "id": args.remove, "drain": bool(args.drain)}
 
 
+LIST_TIMEOUT_S = 30.0
+"""How long ``--list`` waits for the launcher (which answers within a second)."""
+
+
+def run_command(link: RolloutLink, msg: dict, timeout_s: float, poll_s: float = 0.2) -> dict:
+    """Send one command; a read answers at once, a mutating command is queued as an operation
+    (with ``timeout_s`` as its deadline) that this polls until it ends. Returns the reply or
+    the operation's result; :class:`ControlError` when refused, failed or out of time."""
+    if msg["cmd"] == "list":
+        return link.request(msg, timeout_s=LIST_TIMEOUT_S)
+    # an id of its own: a resend after a dropped socket is answered, not run twice
+    op = link.request({**msg, "timeout_s": timeout_s, "request_id": uuid.uuid4().hex},
+                      timeout_s=LIST_TIMEOUT_S)
+    deadline = time.monotonic() + timeout_s + LIST_TIMEOUT_S
+    while op["state"] not in ("done", "failed"):
+        if time.monotonic() > deadline:
+            raise ControlError(f"{msg['cmd']}: operation {op['op']} still {op['state']!r} "
+                               f"after {timeout_s:.0f} s (--timeout)")
+        time.sleep(poll_s)
+        op = link.request({"cmd": "op", "op": op["op"]}, timeout_s=LIST_TIMEOUT_S)
+    if op["state"] == "failed":
+        raise ControlError(op.get("error") or "failed")
+    return op.get("result") or {}
+
+
 def main(argv: Optional[list] = None) -> int:
     """CLI entry point; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m areal_mega.launch.scale",
@@ -50,12 +79,15 @@ def main(argv: Optional[list] = None) -> int:
     g.add_argument("--remove", metavar="SERVER_ID", help="remove a server (ids: --list)")
     p.add_argument("--drain", action="store_true",
                    help="with --remove: let its in-flight requests finish")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the job")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds a mutating command may take (the launcher stops it then)")
     args = p.parse_args(argv)
     if args.drain and args.remove is None:
         p.error("--drain goes with --remove")
     if args.add is not None and args.add < 1:
         p.error(f"--add {args.add}: must be >= 1")
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout}: must be > 0")
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "config.yaml").is_file():
         print(f"error: {run_dir} is not the run directory of a launch.local job (no "
@@ -67,10 +99,9 @@ def main(argv: Optional[list] = None) -> int:
               file=sys.stderr)
         return 1
     link = RolloutLink(endpoint, secret=os.environ.get("AREAL_MEGA_SECRET") or None,
-                       timeout_s=args.timeout, peer="launcher")
+                       timeout_s=LIST_TIMEOUT_S, peer="launcher")
     try:
-        # an id of its own: a resend after a dropped socket is answered, not run twice
-        reply = link.request({**request_of(args), "request_id": uuid.uuid4().hex})
+        reply = run_command(link, request_of(args), args.timeout)
     except ControlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

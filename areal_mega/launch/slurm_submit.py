@@ -10,7 +10,8 @@ where ``N`` is the number of nodes the layout uses and ``G`` is ``cluster.n_gpus
 RECIPE (``--partition=gpu``, ``--time=4:00:00``, ``--parsable``; always ``--opt=value``) go to
 sbatch unchanged. ``PYTHON`` is exported as this interpreter unless already set, so the job runs
 with the same dependencies, and ``AREAL_MEGA_ROOT`` as this repository. ``--dry-run`` prints
-the command instead of running it.
+the command instead of running it. The rollout API key goes in ``AREAL_ROLLOUT_API_KEY_FILE``
+(exported to the job), never as ``rollout.api_key=...`` (refused).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Optional
 
 from areal_mega.config import ConfigError, ExperimentConfig, load_config
 from areal_mega.launch.local import make_layout
+from areal_mega.security import API_KEY_FILE_ENV
 
 SBATCH_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "slurm" / "run.sbatch"
 
@@ -73,6 +75,10 @@ def main(argv: Optional[list] = None) -> int:
     try:
         dry_run, options, recipe, overrides = split_args(list(sys.argv[1:] if argv is None
                                                              else argv))
+        if any(o.startswith("rollout.api_key=") for o in overrides):
+            raise ConfigError(f"rollout.api_key on the command line is refused (sbatch's argv "
+                              f"shows in ps and the job records): set {API_KEY_FILE_ENV}=<a "
+                              "chmod-600 file holding the key> instead")
         cfg = load_config(recipe, overrides)
         cmd = sbatch_command(cfg, recipe, overrides, options)
     except ConfigError as e:

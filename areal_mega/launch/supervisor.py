@@ -117,6 +117,8 @@ class Supervisor:
         self._sup_log = (self.log_dir / "supervisor.log").open("a", encoding="utf-8")
         self._log_error: Optional[OSError] = None
         self._calls: queue.Queue = queue.Queue()   # (fn, future) from other threads
+        # relaunched services not ready yet: name -> monotonic time of the relaunch
+        self.relaunching: dict = {}
 
     # ------------------------------------------------------------------ messages and signals
 
@@ -192,6 +194,7 @@ class Supervisor:
         """Stop the process ``name`` (SIGTERM, SIGKILL after the grace period) and forget it:
         its exit is no failure. Call on the loop (:meth:`call`)."""
         run = self.running.pop(name)
+        self.relaunching.pop(name, None)
         self.stop_all(runs=[run])
         _close_quietly(run.log)
         self.say(f"{name} retired")
@@ -397,7 +400,27 @@ class Supervisor:
                  f"(service)")
         self.stop_all(runs=[run])          # whatever it left behind may hold its port
         argv = run.spec.on_restart(run.spec, self.restarts) if run.spec.on_restart else None
-        self._launch(run.spec, self.restarts, argv=argv)
+        new = self._launch(run.spec, self.restarts, argv=argv)
+        if run.spec.ready is not None:
+            since = self.relaunching[name] = time.monotonic()
+            threading.Thread(target=self._watch_ready, args=(new, since), daemon=True,
+                             name=f"ready-{name}").start()
+
+    def _watch_ready(self, run: _Running, since: float) -> None:
+        """Poll a relaunched service's readiness off the loop until it is ready or gone."""
+        name = run.spec.name
+        while self.running.get(name) is run and run.proc.poll() is None and \
+                self._signal is None:
+            try:
+                ready = run.spec.ready()
+            except Exception:  # noqa: BLE001 - a probe may raise while it boots
+                ready = False
+            if ready:
+                self.say(f"{name} is ready again after {time.monotonic() - since:.1f}s")
+                break
+            time.sleep(0.5)
+        if self.relaunching.get(name) == since:
+            self.relaunching.pop(name, None)
 
 
 def _close_quietly(f) -> None:

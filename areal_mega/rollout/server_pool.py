@@ -206,8 +206,9 @@ class ElasticPool(ClientHooks):
     async def remove_server(self, addr: str, drain: bool, drain_timeout_s: float = 600.0) -> dict:
         """Take ``addr`` out of dispatch, then drain it (wait for its in-flight requests) or
         abort them (they resume elsewhere), and forget it. ``ServerPoolError`` (nothing
-        changed) for an unknown address or the last dispatchable server. Returns
-        ``{"addr", "aborted", "drained", "seconds"}``."""
+        changed) for an unknown address or the last dispatchable server. A drain still
+        unfinished after ``drain_timeout_s`` is cut short: the rest is aborted. Returns
+        ``{"addr", "aborted", "drained", "drain_timed_out", "seconds"}``."""
         url = normalize_addr(addr)
         client = self.client
         if url not in client.addrs:
@@ -220,12 +221,14 @@ class ElasticPool(ClientHooks):
         t0 = time.monotonic()
         self.leaving.add(url)
         aborted = 0
+        timed_out = False
         try:
             if drain:
                 deadline = time.monotonic() + drain_timeout_s
                 while client.inflight(url) > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
             if client.inflight(url) > 0:
+                timed_out = bool(drain)
                 try:
                     out = await client.request(url, "POST", "/abort_request",
                                                {"abort_all": True}, timeout=10.0)
@@ -242,8 +245,8 @@ class ElasticPool(ClientHooks):
         self.removals += 1
         log.info("rollout server %s removed (%s, %d aborted; %d servers left)", url,
                  "drained" if drain else "interrupted", aborted, len(client.addrs))
-        return {"addr": url, "aborted": aborted, "drained": bool(drain),
-                "seconds": time.monotonic() - t0}
+        return {"addr": url, "aborted": aborted, "drained": bool(drain) and not timed_out,
+                "drain_timed_out": timed_out, "seconds": time.monotonic() - t0}
 
     def pool_stats(self) -> dict:
         """Live servers, per-server requests / tokens, resumptions, joins, removals."""
@@ -274,7 +277,8 @@ class ServerPoolCommands:
     - ``{"cmd": "servers"}`` -> :meth:`ElasticPool.pool_stats`;
     - ``{"cmd": "add_server", "addr": "host:port", "via_group": bool}`` -> join at the current
       version (from disk), or pending the next broadcast (distributed weight updates);
-    - ``{"cmd": "remove_server", "addr": "host:port", "drain": bool}``.
+    - ``{"cmd": "remove_server", "addr": "host:port", "drain": bool, "drain_timeout_s": T}``
+      (T optional: at most ``timeout_s``).
 
     With distributed weight updates the worker calls :meth:`begin_update` /
     :meth:`end_update` around the trainer's broadcast: the trainer forms its group with the
@@ -329,8 +333,11 @@ class ServerPoolCommands:
             if self._in_group is not None:
                 raise ServerPoolError("remove_server: a weight broadcast is in progress and the "
                                       "server is a rank of its group; retry after it")
+            limit = msg.get("drain_timeout_s")   # the launcher's operation deadline
+            limit = self.timeout_s if not isinstance(limit, (int, float)) else \
+                min(self.timeout_s, max(0.0, float(limit)))
             coro = self.pool.remove_server(addr, bool(msg.get("drain", False)),
-                                           drain_timeout_s=self.timeout_s)
+                                           drain_timeout_s=limit)
         else:
             raise ValueError(f"unknown server-pool command {cmd!r}")
         return ctl.run_async(coro).result(self.timeout_s + 30)

@@ -18,14 +18,16 @@ class Handler(BaseHTTPRequestHandler):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--api-key")
+    p.add_argument("--allow-unauthenticated", action="store_true")
     a = p.parse_args()
     pid_dir = os.environ.get("FAKE_PID_DIR")
     if pid_dir:
         with open(os.path.join(pid_dir, f"server-{a.port}.pid"), "w") as f:
             f.write(str(os.getpid()))
-    HTTPServer(("127.0.0.1", a.port), Handler).serve_forever()
+    HTTPServer((a.host, a.port), Handler).serve_forever()
 
 
 if __name__ == "__main__":
