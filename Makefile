@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CI runs every test that does not need a GPU; slow tests included.
-PYTEST_ARGS ?= -m "not gpu" -q
+PYTEST_ARGS ?= -m "not gpu" -q --durations=30
 
 .PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "areal_mega"
+ROOT = PKG.parent
 
 # Lowest first. A top-level module (config.py, trainer.py, ...) is a package of its own.
 LAYERS = [
@@ -286,3 +287,12 @@ def test_only_the_client_touches_its_private_members():
            for f in sorted(PKG.rglob("*.py")) if f != PKG / "rollout" / "client.py"
            for i, line in enumerate(f.read_text().splitlines(), 1) if private.search(line)]
     assert not bad, bad
+
+
+def test_no_source_file_is_over_450_lines():
+    roots = ["areal_mega", "tests", "tools", "launch", "bench", "examples"]
+    files = [p for r in roots for p in (ROOT / r).rglob("*.py")]
+    assert len(files) > 100
+    long = {str(p.relative_to(ROOT)): n for p in files
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
