@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[1] / "areal_mega"
 LAYERS = [
     ["common"],
     ["compat", "config_schema", "config_presets", "security"],
-    ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards"],
+    ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
     ["checkpoint", "config_checks", "config", "scheduler", "ops"],
     ["algo", "engine"],
     ["inference"],
