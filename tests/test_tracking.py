@@ -75,7 +75,8 @@ def test_trackers_resume_without_duplicated_steps(tmp_path, model, monkeypatch):
     log = RunLog(cfg, run)
     for step in range(1, 5):
         log.log_samples(step, trajs, {trajs[0].sample_id: 0.5})
-        log.log(step, {"reward/mean": step / 10, "loss": float("nan")})
+        log.log(step, {"reward/mean": step / 10, "loss": float("nan"), "ppo_kl": 0.0,
+                       "ppo_kl/first_minibatch": 0.0})
     log.close()
     wandb_id = json.loads((run / "wandb_run.json").read_text())["id"]
     log = RunLog(cfg, run, resume_step=2)
@@ -90,7 +91,7 @@ def test_trackers_resume_without_duplicated_steps(tmp_path, model, monkeypatch):
     assert not any("loss" in r for r in history)          # NaN is left out, not logged
     assert any(r.get("samples/_type") == "table-file" for r in history)
     client, run_id = mlflow_client(run)
-    got = client.get_metric_history(run_id, "reward/mean")
+    got = client.get_metric_history(run_id, "reward.mean")     # a file store: "/" -> "."
     assert sorted(m.step for m in got) == [1, 2, 3, 4, 5, 6]
     assert {m.step: m.value for m in got} == pytest.approx(expected)
     params = client.get_run(run_id).data.params

@@ -11,7 +11,9 @@ when chosen. Each keeps its run's id and the last step it logged in the run dire
 (``wandb_run.json`` / ``mlflow_run.json``), so ``recover=auto`` continues the same tracker run
 and a step the resumed trainer redoes (after the checkpoint, before the crash) is not logged
 twice: a tracker takes only steps above its last one. ``metrics.jsonl`` is rewritten on resume
-and always holds the redone values. Parameters are the resolved config with every secret
+and always holds the redone values. A tracker that lost steps up to the checkpoint (W&B offline
+writes its file in blocks: a killed trainer loses the tail) gets them again from
+``metrics.jsonl`` and ``samples.jsonl``, so no step is missing either. Parameters are the resolved config with every secret
 redacted (:func:`areal_mega.security.redact_secrets`).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.metrics import MetricsLogger
+from areal_mega.metrics import MetricsLogger, read_metrics
 from areal_mega.security import redact_secrets
 from areal_mega.tracking.base import TRACKERS, check_trackers
 from areal_mega.tracking.samples import SampleLog
@@ -58,6 +60,26 @@ class RunLog:
         except BaseException:
             self.close()
             raise
+        if resumed:
+            self._replay(resume_step)
+
+    def _replay(self, resume_step: int) -> None:
+        """A tracker that lost steps up to the checkpoint (a killed W&B process's unflushed
+        records) gets them again from ``metrics.jsonl`` and ``samples.jsonl``."""
+        for t in self.trackers:
+            held = t.state.last_step
+            if held >= resume_step:
+                continue
+            rows = [r for r in read_metrics(self.metrics.path) if held < r["step"] <= resume_step]
+            samples = [r for r in read_metrics(self.samples.path)
+                       if held < r["step"] <= resume_step]
+            for row in rows:
+                mine = [r for r in samples if r["step"] == row["step"]]
+                for kind, name in (("train", "samples"), ("eval", "eval_samples")):
+                    if any(r["kind"] == kind for r in mine):
+                        t.log_samples(row["step"], [r for r in mine if r["kind"] == kind],
+                                      name=name)
+                t.log(row["step"], row)
 
     def log(self, step: int, scalars: dict) -> dict:
         """Append the row of ``step`` to ``metrics.jsonl`` (durable), then hand it to every

@@ -5,6 +5,10 @@
 config, flattened (``rollout.batch_size``), once per run; metrics: every finite scalar of each
 row at its step; samples: a JSONL artifact per logged step (``samples/step_<N>.jsonl``). The
 run id is kept in ``<run_dir>/mlflow_run.json``, so a resumed run continues the same MLflow run.
+
+In a file store a metric is a file named like the metric, so ``ppo_kl`` and
+``ppo_kl/first_minibatch`` cannot both exist: there every ``/`` of a metric name becomes ``.``
+(``reward.mean``); other stores keep the names of ``metrics.jsonl``.
 """
 from __future__ import annotations
 
@@ -51,12 +55,13 @@ class MlflowTracker:
             for i in range(0, len(flat), BATCH):
                 self.client.log_batch(run_id, params=flat[i:i + BATCH])
         self.run_id = run_id
+        self.key = _file_store_key if uri.startswith("file:") else _key
         self.state.save(run_id=run_id, tracking_uri=uri, last_step=self.state.last_step)
 
     def log(self, step: int, row: dict) -> None:
         """Every finite scalar of ``row`` at ``step``; then remember ``step``."""
         ts = int(row.get("time", time.time()) * 1000)
-        metrics = [Metric(_key(k), float(v), ts, int(step))
+        metrics = [Metric(self.key(k), float(v), ts, int(step))
                    for k, v in finite_scalars(row).items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
@@ -78,3 +83,7 @@ def _key(key: str) -> str:
     """A metric name MLflow accepts (letters, digits, ``_ - . / space``)."""
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
 
+
+def _file_store_key(key: str) -> str:
+    """A metric name for a file store: ``/`` (a directory there) becomes ``.``."""
+    return _key(key).replace("/", ".")

@@ -77,6 +77,10 @@ class WandbTracker:
             print(f"[areal-mega] W&B: {why}: logging offline to {run_dir / 'wandb'} "
                   "(upload later with `wandb sync`)", flush=True)
         run_id = self.state.data.get("id") or runid.generate_id()
+        if resumed and mode == "offline" and not self.state.data.get("closed", True):
+            # the killed process's unflushed records are lost: keep only what the files hold
+            self.state.data["last_step"] = offline_last_step(run_dir / "wandb", run_id,
+                                                             self.state.last_step)
         try:
             self.run = wandb.init(
                 project=w.project, entity=w.entity or None, name=w.name or cfg.name,
@@ -90,7 +94,7 @@ class WandbTracker:
             raise ConfigError(f"logging.wandb: wandb.init failed ({e}); check "
                               "logging.wandb.project / entity, or set logging.wandb.mode="
                               "offline") from e
-        self.state.save(id=run_id, mode=mode, last_step=self.state.last_step)
+        self.state.save(id=run_id, mode=mode, last_step=self.state.last_step, closed=False)
 
     def log(self, step: int, row: dict) -> None:
         """Every finite scalar of ``row`` at ``step``; then remember ``step``."""
@@ -108,3 +112,29 @@ class WandbTracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+            self.state.save(closed=True)
+
+
+def offline_last_step(wandb_dir: Path, run_id: str, default: int) -> int:
+    """The highest history step the offline files of ``run_id`` hold, read with W&B's own
+    reader (``default`` when this wandb has none). W&B writes its offline file in blocks, so
+    a killed trainer loses the steps after the last full block; those are logged again."""
+    try:
+        from wandb.proto import wandb_internal_pb2 as pb
+        from wandb.sdk.internal import datastore
+    except ImportError:
+        return default
+    last = -1
+    for f in sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+        ds = datastore.DataStore()
+        try:
+            ds.open_for_scan(str(f))
+            while (data := ds.scan_data()) is not None:
+                rec = pb.Record()
+                rec.ParseFromString(data)
+                if rec.WhichOneof("record_type") == "history":
+                    last = max([last] + [int(i.value_json) for i in rec.history.item
+                                         if i.key == "_step"])
+        except Exception as e:  # noqa: BLE001 - a torn tail: what was read before counts
+            log.info("%s: read up to a torn record (%s)", f, e)
+    return last
