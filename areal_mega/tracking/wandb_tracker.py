@@ -88,12 +88,17 @@ class WandbTracker:
                 # offline, W&B ignores `resume`; `wandb sync` joins the segments of one id
                 resume="allow" if mode == "online" else None,
                 mode=mode, config=params,
+                # no metadata: it records the command line, which may carry a secret override
                 settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                        x_disable_machine_info=True, save_code=False))
+                                        x_disable_machine_info=True, x_disable_meta=True,
+                                        save_code=False))
         except Exception as e:  # noqa: BLE001 - re-raised with the keys that fix it
             raise ConfigError(f"logging.wandb: wandb.init failed ({e}); check "
                               "logging.wandb.project / entity, or set logging.wandb.mode="
                               "offline") from e
+        if resumed and mode == "online" and not self.state.data.get("closed", True):
+            # the server's history ends where the killed process's stream stopped
+            self.state.data["last_step"] = min(self.state.last_step, self.run.starting_step - 1)
         self.state.save(id=run_id, mode=mode, last_step=self.state.last_step, closed=False)
 
     def log(self, step: int, row: dict) -> None:
