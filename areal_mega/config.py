@@ -315,7 +315,8 @@ class LoggingConfig:
     progress_bar: bool = True
     plot: bool = True
     trackers: list = _f(factory=list, doc="experiment trackers fed from trainer rank 0: "
-                        "tensorboard, wandb, mlflow (each an optional extra)")
+                        "tensorboard (= tensorboard: true), wandb, mlflow (pip install -e "
+                        ".[wandb] / .[mlflow])")
     log_samples_every: int = _f(10, lo=0, doc="steps between sample groups written to "
                                 "<run_dir>/samples.jsonl and the trackers; 0 = off")
     log_samples_groups: int = _f(2, lo=1, doc="prompt groups per sample log")

@@ -19,7 +19,6 @@ import sys
 import time
 
 import pytest
-import yaml
 from transformers import AutoTokenizer
 
 from test_e2e_async_rl import ROOT, _finish, _launch, _metrics, _trainer_pid, assets  # noqa: F401

@@ -30,7 +30,6 @@ from areal_mega.tracking.samples import SampleLog
 __all__ = ["RunLog", "TRACKERS", "check_trackers"]
 
 
-
 class RunLog:
     """Rank 0's logs of one run: :class:`~areal_mega.metrics.MetricsLogger`, the chosen
     trackers and the :class:`~areal_mega.tracking.samples.SampleLog`.
