@@ -208,8 +208,10 @@ class TrainerSession:
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
         cfg = self.cfg
+        # recover=auto without a checkpoint starts over: the lost lineage's rows go (-1)
         self.logger = RunLog(cfg, self.run_dir,   # metrics.jsonl, trackers, samples.jsonl
-                             resume_step=self.start_step if resumed else None)
+                             resume_step=self.start_step if resumed else
+                             (-1 if cfg.recover == "auto" else None))
         if cfg.logging.progress_bar:
             self.progress = ProgressBar(cfg.total_steps, initial_step=self.start_step,
                                         desc=cfg.mode)
