@@ -4,6 +4,7 @@ their own readers, a resumed run continuing the same tracker runs with no step t
 ``samples.jsonl`` decoded by the model's tokenizer, and the rollout counters carried once per
 delivered group (a relaunched worker included)."""
 import json
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -39,6 +40,13 @@ def test_bad_tracker_names_the_key():
         config_from_dict({"logging": {"trackers": ["neptune"]}})
     cfg = config_from_dict({"logging": {"trackers": ["tensorboard", "wandb", "mlflow"]}})
     assert cfg.logging.trackers == ["tensorboard", "wandb", "mlflow"]
+
+
+def test_a_chosen_tracker_that_is_not_installed_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)     # Python's "cannot be imported"
+    with pytest.raises(ConfigError, match=r"logging.trackers: 'mlflow' is chosen but the "
+                       r"'mlflow' package is not installed: pip install -e \.\[mlflow\]"):
+        config_from_dict({"logging": {"trackers": ["mlflow"]}})
 
 
 def test_redact_secrets_keeps_the_rest():
