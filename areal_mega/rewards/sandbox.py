@@ -149,6 +149,10 @@ class CodeSandbox:
                 result.error = str(rec["error"])
             elif isinstance(rec.get("i"), int):
                 result.test_seconds.append(float(rec.get("s", 0.0)))
+                if rec.get("t"):
+                    counters.bump("sandbox/test_timeouts")   # reach the metrics rows
+                if rec.get("k"):
+                    counters.bump("sandbox/test_kills")
                 if rec.get("ok") is True:
                     passed.add(rec["i"])
         result.passed = len(passed & set(range(total)))
