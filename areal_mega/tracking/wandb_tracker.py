@@ -77,6 +77,9 @@ class WandbTracker:
             print(f"[areal-mega] W&B: {why}: logging offline to {run_dir / 'wandb'} "
                   "(upload later with `wandb sync`)", flush=True)
         run_id = self.state.data.get("id") or runid.generate_id()
+        # a service inherited from the launching process (one that used wandb itself) would
+        # outlive a killed trainer with this run open: the relaunch then finds the id "in use"
+        os.environ.pop("WANDB_SERVICE", None)
         if resumed and mode == "offline" and not self.state.data.get("closed", True):
             # the killed process's unflushed records are lost: keep only what the files hold
             self.state.data["last_step"] = offline_last_step(run_dir / "wandb", run_id,
@@ -109,7 +112,7 @@ class WandbTracker:
     def log_samples(self, step: int, rows: list, name: str = "samples") -> None:
         """``rows`` as a W&B Table under ``name`` at ``step``."""
         table = wandb.Table(columns=["step", *COLUMNS],
-                                 data=[[r.get(c) for c in ("step", *COLUMNS)] for r in rows])
+                            data=[[r.get(c) for c in ("step", *COLUMNS)] for r in rows])
         self.run.log({name: table}, step=int(step), commit=False)
 
     def close(self) -> None:
