@@ -42,13 +42,24 @@ code), set {skip}=1.
 """
 
 
+OPTIONAL_TRACKERS = ("wandb", "mlflow")   # extras (logging.trackers); pinned for the tests
+
+
 def read_requirements():
     reqs = []
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line and not line.startswith(("pytest", "ninja", "pybind11")):
+        if line and not line.startswith(("pytest", "ninja", "pybind11", *OPTIONAL_TRACKERS)):
             reqs.append(line)
     return reqs
+
+
+def _pin(name):
+    """``name==version`` as pinned in requirements.txt."""
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        if line.split("#", 1)[0].strip().startswith(name + "=="):
+            return line.split("#", 1)[0].strip()
+    raise SystemExit(f"setup.py: {name} is not pinned in requirements.txt")
 
 
 def _importable(name):
@@ -161,6 +172,9 @@ def main():
             "gpu": [TE_PIN.format(core="core_cu13")],
             "gpu-cu12": [TE_PIN.format(core="core_cu12")],
             "sglang": ["sglang[all]"],
+            # logging.trackers; the same pins as requirements.txt (what the tests install)
+            "wandb": [_pin("wandb")],
+            "mlflow": [_pin("mlflow-skinny")],
             "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
         },
     )

@@ -18,6 +18,7 @@ from areal_mega.config_schema import ConfigError
 from areal_mega.data.sources import check_sources
 from areal_mega.parallel.allocation import AllocationError, parse_allocation
 from areal_mega.security import check_remote_secret
+from areal_mega.tracking.base import check_trackers
 
 # advantage estimators that compare the samples of one prompt (areal_mega.algo.estimators)
 GROUP_ESTIMATORS = ("rloo", "opo", "grpo_passk", "reinforce_plus_plus_baseline")
@@ -76,6 +77,7 @@ def validate(cfg) -> None:
     except AllocationError as e:
         raise ConfigError(f"allocation={cfg.allocation!r}: {e}") from None
     check_remote_secret(cfg)
+    check_trackers(cfg.logging.trackers)
     try:
         check_sources(cfg.data)
     except ValueError as e:

@@ -46,6 +46,7 @@ from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.counts import CountCarrier, counts_of
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics
 from areal_mega.run_dir import RunDir, checkpoint_iteration
@@ -140,10 +141,14 @@ class RolloutWorker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_path = self.paths.rollout_state
         start = self.drawn_before = 0
+        saved: dict = {}
         if self.state_path.exists() and (cfg.recover == "auto" or relaunched):
             saved = json.loads(self.state_path.read_text())
             start = int(saved.get("next_prompt", 0))
             self.drawn_before = int(saved.get("drawn", start))
+        # counters ride on delivered groups to the trainer's metrics (rollout/counts.py)
+        self.counts = CountCarrier(lambda: counts_of(self.controller.stats() if self.controller
+                                                     else {}), start=saved.get("counts"))
         self.tokenizer = load_tokenizer(cfg.model.path)
         if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
             self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
@@ -185,12 +190,15 @@ class RolloutWorker:
     def _sink(self, group: list) -> None:
         # the controller calls sinks from a thread pool; a ZMQ socket is single-threaded
         with self._sink_lock:
+            self.counts.attach(group)
             for t in group:
                 self.sender.send(t)
             nxt = self.cursor.delivered(int(group[0].meta["prompt_index"]))
             # durable: a torn file after a machine crash would stop the resume (an fsync per
-            # delivered group is small next to generating the group)
-            state = {"next_prompt": nxt, "drawn": self.cursor.drawn, "time": time.time()}
+            # delivered group is small next to generating the group); "counts": the
+            # counters delivered so far (the worker's own, continued by a relaunch)
+            state = {"next_prompt": nxt, "drawn": self.cursor.drawn, "time": time.time(),
+                     "counts": self.counts.delivered}
             atomic_write(self.state_path, json.dumps(state), durable=True)
 
     def start_controller(self, version: int) -> None:

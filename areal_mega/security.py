@@ -55,6 +55,29 @@ def holds_secret(resolved: dict) -> bool:
                 or (resolved.get("teacher") or {}).get("api_key"))
 
 
+SECRET_NAME_PARTS = ("secret", "api_key", "apikey", "password", "passwd", "credential", "hmac",
+                     "private_key", "access_key", "auth_token", "access_token")
+REDACTED = "<redacted>"
+
+
+def redact_secrets(tree):
+    """A copy of a config tree (dicts / lists / scalars) with the value of every key that
+    names a secret (``dataplane.secret``, ``rollout.api_key``, ``teacher.api_key``, and any
+    key containing one of :data:`SECRET_NAME_PARTS`, e.g. an agent's ``env.OPENAI_API_KEY``)
+    replaced by :data:`REDACTED`; what trackers may log as parameters."""
+    if isinstance(tree, dict):
+        return {k: (REDACTED if v not in (None, "", {}, []) and _names_secret(k)
+                    else redact_secrets(v)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [redact_secrets(v) for v in tree]
+    return tree
+
+
+def _names_secret(key) -> bool:
+    k = str(key).lower().replace("-", "_")
+    return any(part in k for part in SECRET_NAME_PARTS) or k.endswith("_token") or k == "token"
+
+
 def write_run_file(path, text: str, *, private: bool) -> Path:
     """Write ``text`` to ``path`` atomically and durably (fsync'd: a resumed run reads it back;
     :func:`areal_mega.common.files.atomic_write`). ``private=True`` creates it with mode 0600

@@ -48,8 +48,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
 
     Side effects: the actor's weights, optimizer and LR schedule advance; the servers serve
     ``step``; the planned micro-batches are not mutated (fields are attached to copies,
-    ``PackedBatch.with_fields``). No logging or checkpointing (the caller's loop
-    does both). Returns the step's statistics (identical on every rank): rank 0's batch
+    ``PackedBatch.with_fields``). No metrics row or checkpoint (the caller's loop does
+    both); rank 0 writes the step's sample groups when ``logging.log_samples_every`` is due. Returns the step's statistics (identical on every rank): rank 0's batch
     statistics (filter, advantages, rewards, versions, sizes), ``opd/*`` and ``time/teacher``
     (part of ``time/logprobs``) with OPD, the finalised loss statistics merged over
     minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split and
@@ -58,6 +58,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
     plan = batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else None
+    if s.is_rank0:     # samples.jsonl + tracker tables when logging.log_samples_every is due
+        s.logger.log_samples(step, trajs, plan.advantages)
     batch = batches.distribute(plan, s.mesh)
     t_data = time.time()
     mbs = batch.micro_batches   # PackedBatch: attaching returns new batches (no mutation)

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from areal_mega.common import counters
 from areal_mega.rewards import sandbox as sandbox_mod
 from areal_mega.rewards import (code_reward, extract_code, extract_gsm8k_answer,
                                         gsm8k_reward, parse_code_tests)
@@ -74,7 +75,9 @@ def test_call_based_function_and_solution_class():
 
 def test_infinite_loop_is_killed_within_the_limit(box):
     t0 = time.monotonic()
+    before = counters.snapshot().get("sandbox/test_kills", 0)
     res = run(box, "while True:\n    pass", {"inputs": ["1"], "outputs": ["1"]}, timeout_s=1.0)
+    assert counters.snapshot()["sandbox/test_kills"] == before + 1   # counted for the metrics
     elapsed = time.monotonic() - t0
     assert res.passed == 0 and not res.timed_out     # the per-test deadline killed it
     # the loop itself was killed within the time limit plus a second (interpreter start-up

@@ -25,7 +25,7 @@ ROOT = PKG.parent
 LAYERS = [
     ["common"],
     ["compat", "config_schema", "config_presets", "security"],
-    ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards"],
+    ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
     ["checkpoint", "config_checks", "config", "scheduler", "ops"],
     ["algo", "engine"],
     ["inference"],

@@ -29,13 +29,15 @@ class WorkerEvaluator:
 
     def __init__(self, items: list, tokenizer, reward_fn: Callable, *, n_samples: int,
                  temperature: float, top_p: float, max_new_tokens: int, max_concurrent: int,
-                 pass_threshold: float, timeout_s: float, reward_fns: Optional[dict] = None):
+                 pass_threshold: float, timeout_s: float, reward_fns: Optional[dict] = None,
+                 n_sample_groups: int = 0):
         self.items, self.tokenizer, self.reward_fn = items, tokenizer, reward_fn
         self.reward_fns = dict(reward_fns or {})     # source name -> its own reward function
         self.settings = dict(n_samples=n_samples, temperature=temperature, top_p=top_p,
                              max_new_tokens=max_new_tokens, max_concurrent=max_concurrent)
         self.pass_threshold = pass_threshold
         self.timeout_s = timeout_s
+        self.n_sample_groups = n_sample_groups     # items whose completions go to the trainer
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> Optional["WorkerEvaluator"]:
@@ -65,7 +67,9 @@ class WorkerEvaluator:
                    n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
                    max_new_tokens=e.max_new_tokens or r.max_new_tokens,
                    max_concurrent=r.max_concurrent, pass_threshold=e.pass_threshold,
-                   timeout_s=r.request_timeout_s, reward_fns=per_source)
+                   timeout_s=r.request_timeout_s, reward_fns=per_source,
+                   n_sample_groups=cfg.logging.log_samples_groups
+                   if cfg.logging.log_samples_every else 0)
 
     async def _records(self, client, version: int) -> list:
         return await evaluate(client, self.items, self.tokenizer, self.reward_fn,
@@ -73,8 +77,9 @@ class WorkerEvaluator:
                               reward_fns=self.reward_fns, **self.settings)
 
     def run(self, version: int, controller, make_client: Callable) -> dict:
-        """Evaluate at ``version`` and return ``{"version", "metrics"}`` (``eval/*`` scalars,
-        :func:`areal_mega.eval.scores.flat_metrics`, plus ``eval/seconds``). With a running
+        """Evaluate at ``version`` and return ``{"version", "metrics", "samples"}`` (``eval/*``
+        scalars, :func:`areal_mega.eval.scores.flat_metrics`, plus ``eval/seconds``; the
+        completions of the first ``n_sample_groups`` items, :func:`eval_sample_rows`). With a running
         ``controller`` its client and loop are used and its version must be ``version``
         (``ValueError`` otherwise: the servers would serve other weights); without one (the
         worker has not started generating yet) a client from ``make_client()`` is used."""
@@ -96,6 +101,18 @@ class WorkerEvaluator:
             records = asyncio.run(standalone())
         metrics = flat_metrics(summarize(records, self.pass_threshold))
         metrics["eval/seconds"] = time.time() - t0
+        samples = eval_sample_rows(records[:self.n_sample_groups], version)
         log.info("evaluation at version %d: pass@1 %.4f (%d prompts, %.1f s)", version,
                  metrics["eval/pass@1"], len(records), metrics["eval/seconds"])
-        return {"version": version, "metrics": metrics}
+        return {"version": version, "metrics": metrics, "samples": samples}
+
+
+def eval_sample_rows(records: list, version: int) -> list:
+    """The samples-log rows (:mod:`areal_mega.tracking.samples`) of evaluation records: one
+    per completion, the item as its group."""
+    return [{"group_id": f"eval-{r['source']}-{r['index']}", "sample_id":
+             f"eval-{r['source']}-{r['index']}-{j}", "prompt": r["prompt"], "completion": text,
+             "reward": float(r["rewards"][j]), "advantage": None,
+             "response_len": int(r["response_lens"][j]),
+             "finish_reason": r["finish_reasons"][j], "version_min": version,
+             "version_max": version} for r in records for j, text in enumerate(r["completions"])]

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.common import counters
+
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
@@ -124,8 +126,10 @@ class CodeSandbox:
             out, _ = proc.communicate(timeout=job["timeout_s"] * total + STARTUP_ALLOWANCE_S)
         except subprocess.TimeoutExpired:
             timed_out = True
+            counters.bump("sandbox/timeouts")
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
+                counters.bump("sandbox/kills")
             except ProcessLookupError:
                 pass
             out, _ = proc.communicate()
@@ -145,6 +149,10 @@ class CodeSandbox:
                 result.error = str(rec["error"])
             elif isinstance(rec.get("i"), int):
                 result.test_seconds.append(float(rec.get("s", 0.0)))
+                if rec.get("t"):
+                    counters.bump("sandbox/test_timeouts")   # reach the metrics rows
+                if rec.get("k"):
+                    counters.bump("sandbox/test_kills")
                 if rec.get("ok") is True:
                     passed.add(rec["i"])
         result.passed = len(passed & set(range(total)))

@@ -226,7 +226,7 @@ def run_tests(job: dict, src: str, out) -> None:
             _run_child(job, src, i, out.fileno())
         started = time.monotonic()
         deadline = started + job["timeout_s"]
-        status, delay = None, 0.001
+        status, delay, timed_out = None, 0.001, False
         while status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)
             if done:
@@ -234,7 +234,7 @@ def run_tests(job: dict, src: str, out) -> None:
             elif time.monotonic() > deadline:
                 os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                status = -9
+                status, timed_out = -9, True
             else:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.02)
@@ -244,8 +244,9 @@ def run_tests(job: dict, src: str, out) -> None:
             except OSError:
                 pass
         ok = _check(job, i, status)
-        out.write(json.dumps({"i": i, "ok": ok, "s": round(time.monotonic() - started, 4)})
-                  + "\n")
+        # "t": killed at the wall deadline; "k": ended by a signal (deadline, CPU or memory limit)
+        out.write(json.dumps({"i": i, "ok": ok, "s": round(time.monotonic() - started, 4),
+                              "t": timed_out, "k": status < 0}) + "\n")
         out.flush()
         if not ok and job.get("stop_at_first_failure"):
             return

@@ -148,6 +148,8 @@ class RolloutController:
         self.n_started = self.n_finished = self.n_failed = 0
         self.n_interruptions = self.reward_errors = 0
         self.n_dropped = 0                          # prompts given up (on_episode_failure=drop)
+        self.dropped_by_reason: dict = {}           # rejected | out_of_retries -> prompts
+        self.n_retries = 0                          # failed episodes started again
         self.n_inflight_requests = 0
         self.max_running_seen = 0
 
@@ -273,11 +275,13 @@ class RolloutController:
             self._order.remove(gidx)
             if not _retryable(e):
                 self._give_up(item, f"episode failed: the server rejected the request, which "
-                              f"would fail again, so it is not retried: {e}", e)
+                              f"would fail again, so it is not retried: {e}", e, "rejected")
             elif attempt + 1 < self.max_episode_retries:
+                self.n_retries += 1
                 self._requeued.append((item, attempt + 1))
             else:
-                self._give_up(item, f"episode failed {attempt + 1} times: {e}", e)
+                self._give_up(item, f"episode failed {attempt + 1} times: {e}", e,
+                              "out_of_retries")
             self._wake.set()
             await self._deliver_in_order()  # a later-started group may have waited for this one
             return
@@ -290,12 +294,13 @@ class RolloutController:
         self._finished[gidx] = group
         await self._deliver_in_order()
 
-    def _give_up(self, item: dict, msg: str, cause: BaseException) -> None:
+    def _give_up(self, item: dict, msg: str, cause: BaseException, reason: str) -> None:
         """A prompt out of attempts: fail the run (``on_episode_failure=fail``, surfaced by
         :meth:`raise_if_failed`) or drop the prompt, count it and go on (``drop``). A dropped
         prompt was never accepted, so the staleness bound stays exact."""
         if self.on_episode_failure == "drop":
             self.n_dropped += 1
+            self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
             log.warning("prompt dropped (%d so far): %s; prompt %.200r", self.n_dropped, msg,
                         item)
             return
@@ -416,13 +421,15 @@ class RolloutController:
             self._wake.set()
 
     def stats(self) -> dict:
-        """Counters for logging."""
+        """Counters for logging (the cumulative ones reach the metrics rows through
+        :mod:`areal_mega.rollout.counts`)."""
         c = self.counter
         return {"version": c.version, "accepted": c.accepted, "running": c.running,
                 "rejected": c.rejected, "capacity": c.capacity(), "started": self.n_started,
                 "finished": self.n_finished, "failed": self.n_failed,
                 "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
-                "dropped_prompts": self.n_dropped,
+                "dropped_prompts": self.n_dropped, "retries": self.n_retries,
+                **{f"dropped/{k}": v for k, v in sorted(self.dropped_by_reason.items())},
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
                 **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
 

@@ -16,7 +16,7 @@ rank's share (every rank of one DP replica — its TP, CP and PP ranks — gets 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.trajectories import filter_trajectories, trajectory_advantages
 from areal_mega.dataplane.trajectory import Trajectory
+from areal_mega.rollout.counts import carried_counts
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
 
@@ -36,6 +37,7 @@ class StepPlan:
     micro_batches: list          # [dp_size][n_micro_batches] PackedBatch (SFT: packed dicts)
     sample_ids: list             # every sample trained this step (all DP ranks)
     stats: dict                  # advantage / filter / staleness statistics
+    advantages: dict = field(default_factory=dict)   # sample id -> mean advantage (samples log)
 
     def __post_init__(self):
         counts = {len(mbs) for mbs in self.micro_batches}
@@ -131,6 +133,7 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     stats["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
     stats["reward/std"] = float(rewards.std()) if len(rewards) else 0.0
     stats.update(per_source_rewards(trajs))
+    stats.update(carried_counts(trajs))   # the rollout side's counters, once per group
     resp = [t.length - t.prompt_len for t in trajs]
     stats["response_len/mean"] = float(np.mean(resp)) if resp else 0.0
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
@@ -156,7 +159,17 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     stats["n_samples"] = float(len(kept))
     stats["n_tokens_total"] = float(sum(seqlens))
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
-    return StepPlan(micro_batches=per_rank, sample_ids=[t.sample_id for t in kept], stats=stats)
+    return StepPlan(micro_batches=per_rank, sample_ids=[t.sample_id for t in kept], stats=stats,
+                    advantages=sample_advantages(kept, advs))
+
+
+def sample_advantages(kept: Sequence[Trajectory], advs: Sequence[np.ndarray]) -> dict:
+    """Sample id -> the mean advantage over its trained tokens (0 without any)."""
+    out = {}
+    for t, a in zip(kept, advs):
+        mask = np.asarray(t.loss_mask, dtype=bool)
+        out[t.sample_id] = float(np.asarray(a)[mask].mean()) if mask.any() else 0.0
+    return out
 
 
 def distribute(plan: Optional[StepPlan], mesh) -> StepBatch:

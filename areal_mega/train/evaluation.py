@@ -23,7 +23,8 @@ def eval_due(eval_cfg, step: int, total_steps: int) -> bool:
 def evaluate_if_due(session, step: int) -> dict:
     """The ``eval/*`` metrics of the weights of version ``step`` when an evaluation is due
     (``{}`` otherwise, and on ranks other than 0). Blocks rank 0 until the worker answers
-    (within ``rollout.request_timeout_s``); a refused or failed evaluation raises
+    (within ``rollout.request_timeout_s``) and writes the completions it sends back to the
+    samples log (``kind: eval``); a refused or failed evaluation raises
     :class:`~areal_mega.dataplane.control.ControlError`."""
     cfg = session.cfg
     if not session.is_rank0 or not eval_due(cfg.eval, step, cfg.total_steps):
@@ -33,6 +34,7 @@ def evaluate_if_due(session, step: int) -> dict:
     if int(reply.get("version", -1)) != step:
         raise RuntimeError(f"evaluation answered for version {reply.get('version')!r}, "
                            f"asked for {step}")
+    session.logger.log_eval_samples(step, reply.get("samples") or [])   # completions
     return {**reply["metrics"], "eval/version": step}
 
 

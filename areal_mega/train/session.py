@@ -17,13 +17,14 @@ from torch.distributed.checkpoint.api import CheckpointException   # a BaseExcep
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict
 from areal_mega.dataplane.control import RolloutLink
-from areal_mega.metrics import MetricsLogger, ProgressBar, plot_metrics
+from areal_mega.metrics import ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import weight_update_group
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk_full_error,
                                 iter_dir_name)
 from areal_mega.security import holds_secret, write_run_file
+from areal_mega.tracking import RunLog
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer
 from areal_mega.train.weight_sender import DistributedWeightSender
@@ -207,8 +208,10 @@ class TrainerSession:
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
         cfg = self.cfg
-        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
-                                    resume_step=self.start_step if resumed else None)
+        # recover=auto without a checkpoint starts over: the lost lineage's rows go (-1)
+        self.logger = RunLog(cfg, self.run_dir,   # metrics.jsonl, trackers, samples.jsonl
+                             resume_step=self.start_step if resumed else
+                             (-1 if cfg.recover == "auto" else None))
         if cfg.logging.progress_bar:
             self.progress = ProgressBar(cfg.total_steps, initial_step=self.start_step,
                                         desc=cfg.mode)

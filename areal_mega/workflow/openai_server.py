@@ -21,6 +21,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from areal_mega.common import counters
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
                                               completion_request)
@@ -75,6 +76,7 @@ class OpenAIHTTPServer:
         """A new API key whose calls go to ``client`` (and are recorded there)."""
         key = f"sk-areal-{secrets.token_hex(16)}"
         _SESSIONS[key] = client
+        counters.bump("gateway/sessions")
         return key
 
     def _session(self, request: web.Request):
