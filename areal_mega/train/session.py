@@ -224,7 +224,8 @@ class TrainerSession:
             buf = resumed.get("buffer_file")
             n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,
                                     accepted_before=int(resumed.get("accepted_samples", 0)),
-                                    prompt_ledger=resumed.get("accepted_prompts"))
+                                    prompt_ledger=resumed.get("accepted_prompts"),
+                                    journal_from=resumed.get("journal_from"))
             print(f"[areal-mega] journal replay: {n} accepted samples pending again",
                   flush=True)
         self.intake.start()
@@ -339,8 +340,8 @@ class TrainerSession:
         (model, optimizer, LR scheduler, RNG; ``extra`` = step, version, time, buffer file,
         accepted samples) and keeps the last ``checkpoint.keep_last``. In RL mode rank 0 first
         snapshots the trajectory buffer to ``buffer_iter_<step>.bin`` (starting a new journal
-        segment), and after the save deletes the journal segments the checkpoint now covers
-        and buffer files whose checkpoint was pruned.
+        segment, ``extra.journal_from``), and after the save deletes the journal segments no
+        kept checkpoint needs and buffer files whose checkpoint was pruned.
         """
         every = self.cfg.checkpoint.save_every
         if not (force or step == self.cfg.total_steps or (every and step % every == 0)):
@@ -348,15 +349,19 @@ class TrainerSession:
         from areal_mega.checkpoint.dist_ckpt import save_checkpoint
 
         buf_name = f"buffer_iter_{step:07d}.bin" if self.cfg.mode == "rl" else None
-        retire, accepted, ledger = [], 0, None
+        journal_from, accepted, ledger = 0, 0, None
         try:
             if self.is_rank0 and self.intake is not None:
                 self.ckpt_root.mkdir(parents=True, exist_ok=True)
-                retire, accepted, ledger = self.intake.snapshot(str(self.ckpt_root / buf_name))
+                journal_from, accepted, ledger = self.intake.snapshot(
+                    str(self.ckpt_root / buf_name))
             accepted = self._from_rank0(accepted)
+            journal_from = self._from_rank0(journal_from)
             ledger = self._object_from_rank0(ledger)
             extra = {"step": step, "version": step, "time": time.time(),
                      "buffer_file": buf_name, "accepted_samples": accepted}
+            if journal_from:   # RL: a resume from this checkpoint replays from this segment
+                extra["journal_from"] = journal_from
             if self.critic is not None:       # first: every actor checkpoint has its critic
                 from areal_mega.train.critic_step import save_critic
                 # one more kept: a crash before the actor's save resumes the previous step
@@ -373,11 +378,7 @@ class TrainerSession:
             raise CheckpointSaveError(f"no space left on device while saving "
                                       f"{iter_dir_name(step)} to {self.ckpt_root}") from None
         if self.is_rank0 and self.intake is not None:
-            self.intake.retire(retire)
-            live = {p.name for p in self.ckpt_root.glob("iter_*")}
-            for f in self.ckpt_root.glob("buffer_iter_*.bin"):
-                if f.name.replace("buffer_", "").replace(".bin", "") not in live:
-                    f.unlink(missing_ok=True)
+            self.intake.after_checkpoint(self.ckpt_root)
 
     def _discard_partial_save(self, step: int, buf_name: Optional[str]) -> None:
         """Remove what a failed save of ``step`` left (``iter_N.tmp``, its buffer snapshot),
