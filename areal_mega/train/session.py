@@ -26,7 +26,7 @@ from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk
 from areal_mega.security import holds_secret, write_run_file
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer
-from areal_mega.train.weight_sender import DistributedWeightSender
+from areal_mega.train.weight_sender import DistributedWeightSender, broadcast_version
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,8 @@ class TrainerSession:
         directory and asks the rollout worker to pause, reload, continue and bump the version.
         ``distributed``: rank 0 asks the worker to pause, broadcasts the HF-named tensors in
         buckets to every server (the other ranks take part in the TP/EP gathers), then asks
-        it to continue at ``version``.
+        it to continue at ``version``; a server that dies meanwhile is left out and the
+        version sent again to the others (:func:`~areal_mega.train.weight_sender.broadcast_version`).
         """
         from areal_mega.train.weights import export_hf_dir
 
@@ -283,20 +284,14 @@ class TrainerSession:
         from areal_mega.checkpoint import hf_mapping as hm
         from areal_mega.checkpoint.export import iter_hf_tensors
 
+        arch = hm.read_arch(self.cfg.model.path)
+        # a server dying before or during the broadcast is left out and the version sent
+        # again to the survivors; only a broadcast that keeps failing ends the trainer
+        reply = broadcast_version(self.weight_sender, self.link,
+                                  lambda: iter_hf_tensors(self.actor.model, arch), version,
+                                  agree=lambda failed: bool(self._from_rank0(int(failed))))
         if self.is_rank0:
-            begun = self.link.begin_update()
-            members = begun.get("servers")
-            if members:   # elastic rollout: servers joined, left, died or were relaunched
-                self.weight_sender.regroup(members, force=bool(begun.get("reform")))
-        # a failed broadcast raises: the trainer exits and launch.local restarts it together
-        # with the rollout worker (which un-pauses the servers)
-        stream = iter_hf_tensors(self.actor.model, hm.read_arch(self.cfg.model.path))
-        if self.is_rank0:
-            self.weight_sender.send(stream, weight_version=version)
-            self._note_rollout(self.link.end_update(version=version))
-        else:
-            for _ in stream:      # TP/EP peers take part in the gathers
-                pass
+            self._note_rollout(reply)
         if dist.is_initialized():
             dist.barrier()
 
