@@ -74,3 +74,20 @@ def test_fallback_to_the_older_checkpoint_replays_everything_since_it(tmp_path):
         resumed.close()
     assert [t.sample_id for t in TrajectoryJournal.replay(run / "journal")] == \
         [t.sample_id for t in batches[2] + batches[3]]
+
+
+def test_unreadable_checkpoint_metadata_keeps_every_segment(tmp_path):
+    """A kept checkpoint whose metadata cannot be read may still be resumed from (after a
+    repair): its segments are unknown, so none is retired."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    intake = TrajectoryIntake(f"ipc://{tmp_path}/t.sock", tmp_path / "run", group_size=1)
+    try:
+        intake.journal.append([make_traj(0, 0, max_len=24)])
+        first, _, _ = intake.snapshot(str(tmp_path / "b.bin"))
+        _checkpoint(ckpts, 2, first, 1)
+        (ckpts / iter_dir_name(1)).mkdir()
+        (ckpts / iter_dir_name(1) / META_NAME).write_text("{not json")
+        assert intake.after_checkpoint(ckpts) == []
+        assert len(intake.journal.segments()) == 2
+    finally:
+        intake.close()

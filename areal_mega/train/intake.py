@@ -118,7 +118,7 @@ class TrajectoryIntake:
         numbers deleted."""
         root = Path(ckpt_root)
         kept = complete_checkpoints(root)
-        kept_from = [checkpoint_meta(p).get("extra", {}).get("journal_from") for p in kept]
+        kept_from = [_journal_from(p) for p in kept]
         doomed = segments_to_retire([segment_number(p) for p in self.journal.segments()],
                                     kept_from)
         self.journal.retire(doomed)
@@ -155,6 +155,15 @@ class TrajectoryIntake:
             self._thread.join(timeout=5)
         self.receiver.close()
         self.journal.close()
+
+
+def _journal_from(ckpt) -> Optional[int]:
+    """Checkpoint ``ckpt``'s first journal segment; None when unknown (written before the
+    record, or its metadata unreadable: then every segment is kept)."""
+    try:
+        return checkpoint_meta(ckpt).get("extra", {}).get("journal_from")
+    except ValueError:
+        return None
 
 
 def truncate_jsonl(path: str | os.PathLike, step: int) -> None:

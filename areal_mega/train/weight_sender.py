@@ -10,8 +10,8 @@ the CPU server both meet it.
 
 A server that dies before or during a broadcast does not end the trainer: before each bucket
 (and every second while its collective runs) every member is checked for liveness
-(``GET /get_model_info``: a refused or reset connection is death, a slow answer is a busy
-server), so NCCL, which does not notice a dead peer before the group timeout, is never left
+(``GET /get_model_info``: a refused or reset connection is death; any answer, or a slow one,
+is a live server), so NCCL, which does not notice a dead peer before the group timeout, is never left
 waiting for it; gloo also fails on its own when a peer's connection resets. Either way the
 sender tears its side of the group down at once (the survivors' receives then fail too,
 instead of at the group timeout) and raises :class:`WeightBroadcastError`;
@@ -26,6 +26,8 @@ import concurrent.futures
 import gc
 import logging
 from typing import Callable, Iterable, Iterator, Optional
+
+import aiohttp
 
 from areal_mega.common.net import free_port
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
@@ -245,19 +247,19 @@ class DistributedWeightSender:
             return f"{type(e).__name__}: {e}"
 
     def dead_members(self, addrs: Optional[list] = None) -> list:
-        """The servers among ``addrs`` (default: the group's) whose connection is refused or
-        reset, or that answer ``GET /get_model_info`` with an error; a slow answer is a busy
-        server, not a dead one."""
+        """The servers among ``addrs`` (default: the group's) whose connection to
+        ``GET /get_model_info`` is refused or reset: dead processes. Any HTTP answer, even an
+        error, comes from a live process, and a slow answer is a busy server."""
         addrs = list(self.client.addrs if addrs is None else addrs)
 
         async def dead(addr: str) -> bool:
             try:
                 await self.client.request(addr, "GET", "/get_model_info",
                                           timeout=self.liveness_timeout_s)
-            except asyncio.TimeoutError:
-                return False
-            except Exception:  # noqa: BLE001 - refused, reset, 5xx: not serving
+            except (aiohttp.ClientConnectionError, ConnectionError):
                 return True
+            except Exception:  # noqa: BLE001 - timeouts and HTTP errors: alive
+                return False
             return False
 
         async def all_dead() -> list:
