@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from test_checkpoint_integrity import flip
-from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _snapshot_live_run,  # noqa: F401
-                               _trained, _trainer_pid, assets)
+from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics,  # noqa: F401
+                               _snapshot_live_run, _trained, _trainer_pid, assets)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

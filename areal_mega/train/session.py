@@ -264,7 +264,8 @@ class TrainerSession:
         ``distributed``: rank 0 asks the worker to pause, broadcasts the HF-named tensors in
         buckets to every server (the other ranks take part in the TP/EP gathers), then asks
         it to continue at ``version``; a server that dies meanwhile is left out and the
-        version sent again to the others (:func:`~areal_mega.train.weight_sender.broadcast_version`).
+        version sent again to the others
+        (:func:`~areal_mega.train.weight_sender.broadcast_version`).
         """
         from areal_mega.train.weights import export_hf_dir
 
