@@ -23,6 +23,19 @@ def _info(port) -> dict:
         return json.loads(r.read())
 
 
+def _paused(port, proc, timeout=120) -> dict:
+    """``/get_server_info`` of the server at ``port`` as soon as an update pauses it (polled
+    every 10 ms: an update of the tiny model takes a fraction of a second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before an update was caught"
+        info = _info(port)
+        if info["paused"]:
+            return info
+        time.sleep(0.01)
+    pytest.fail("no weight update paused the server")
+
+
 def test_server_killed_mid_broadcast_is_left_out_without_a_trainer_restart(assets, tmp_path):
     model, data = assets
     run, total = tmp_path / "run", 10
@@ -36,8 +49,7 @@ def test_server_killed_mid_broadcast_is_left_out_without_a_trainer_restart(asset
     accepted_before = _accepted_ids(run)
     # stop rollout1 as soon as an update has paused it, so that it cannot finish receiving;
     # once the survivor receives a bucket the collective is under way: kill rollout1 then
-    info = _wait(lambda: (lambda i: i if i["paused"] else None)(_info(port)), proc,
-                 "a weight update", timeout=120)
+    info = _paused(port, proc)
     victim.suspend()
     version = int(info["weight_version"] or 0)
     try:
