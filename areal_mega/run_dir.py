@@ -8,7 +8,7 @@ the layout is written down once (no torch, no megatron: any process may import i
     <run_dir>/sglang-api-key.yaml    0600, rollout.api_key for SGLang's --config (not on argv)
     <run_dir>/checkpoints/iter_NNNNNNN/   complete once areal_meta.json (written last) exists
     <run_dir>/checkpoints/latest     name of the newest complete checkpoint
-    <run_dir>/journal/NNNNNNNN.journal    accepted trajectories not yet covered by a checkpoint
+    <run_dir>/journal/NNNNNNNN.journal    accepted trajectories a kept checkpoint may need
     <run_dir>/init_mcore[_ref]/      the HF model converted once at the start of the run
     <run_dir>/rollout_state.json     the rollout worker's prompt position
     <run_dir>/rollout_servers.json   the rollout servers now (elastic rollout, launch.scale)
@@ -299,4 +299,13 @@ class RunDir:
         before = 0
         if ckpt is not None:
             before = int(checkpoint_meta(ckpt).get("extra", {}).get("accepted_samples", 0))
-        return before + sum(1 for _ in TrajectoryJournal.replay(self.journal))
+        return before + sum(1 for _ in self.journal_since(ckpt))
+
+    def journal_since(self, ckpt: Optional[Path], stats=None):
+        """The journaled trajectories accepted after checkpoint ``ckpt`` (its
+        ``journal_from`` segment on; every segment for None or a checkpoint that predates the
+        record), corrupt records skipped and counted in ``stats``."""
+        since = None
+        if ckpt is not None:
+            since = checkpoint_meta(ckpt).get("extra", {}).get("journal_from")
+        return TrajectoryJournal.replay(self.journal, stats, since=since)

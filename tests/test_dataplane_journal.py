@@ -157,7 +157,7 @@ def test_segments_replay_in_order_across_rotation(tmp_path):
     j = TrajectoryJournal(tmp_path)
     a, b = [make_traj(2, i, max_len=24) for i in range(3)], [make_traj(3, 0, max_len=24)]
     j.append(a)
-    assert len(j.rotate()) == 1
+    assert j.rotate() == 2 == j.current
     j.append(b)
     j.close()
     got, stats = _replay(tmp_path)

@@ -36,8 +36,8 @@ def test_killed_server_is_relaunched_into_the_distributed_group(assets, tmp_path
     killed_at = len(_metrics(run))
     # a server boots in about as long as 20 steps take: the trainer is paused (SIGSTOP) while
     # rollout1 is relaunched, so that the run outlasts its return
-    # rollout1 dies between two broadcasts (one that dies during a broadcast fails it: the
-    # trainer exits, and only recover=auto would resume it; docs/reliability.md)
+    # rollout1 dies between two broadcasts (one that dies during a broadcast is left out and
+    # the version sent again: tests/test_broadcast_member_death.py)
     trainer = psutil.Process(_trainer_pid(run))
     victim = _wait(lambda: _server_proc(port), proc, "rollout1")
     _suspend_between_updates(trainer, [port0, port])

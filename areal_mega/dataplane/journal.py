@@ -1,8 +1,11 @@
 """Write-ahead journal of accepted trajectories: numbered, fsync'd segment files.
 
 The trainer's intake appends every accepted trajectory here before it enters the buffer; a
-checkpoint rotates to a new segment and retires the ones it covers; recovery (and the rollout
-worker's count of accepted samples) replays what is left.
+checkpoint rotates to a new segment and records its number (``journal_from``); recovery from a
+checkpoint (and the rollout worker's count of accepted samples) replays the segments from that
+number on. A segment is retired only once no kept checkpoint can need it
+(:func:`segments_to_retire`): a resume that falls back from a corrupt newest checkpoint to an
+older one still finds every sample accepted since the older one.
 
 Each record is framed and checksummed (format 2)::
 
@@ -66,8 +69,9 @@ def record_header(payload: bytes) -> bytes:
 
 class TrajectoryJournal:
     """Append-only, fsync'd log of accepted trajectories (checksummed records, see the module
-    docstring), as numbered segment files ``<dir>/NNNNNNNN.journal`` so that checkpoints can
-    retire the segments they cover (:meth:`rotate`)."""
+    docstring), as numbered segment files ``<dir>/NNNNNNNN.journal``: a checkpoint starts a new one
+    (:meth:`rotate`) and the segments no kept checkpoint needs are retired (:meth:`retire`,
+    :func:`segments_to_retire`)."""
 
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
@@ -80,6 +84,11 @@ class TrajectoryJournal:
     def segments(self) -> list:
         """The segment files of this journal, oldest first."""
         return sorted(self.dir.glob("*.journal"))
+
+    @property
+    def current(self) -> int:
+        """The number of the segment appends go to now."""
+        return segment_number(self.path)
 
     def _open_next(self) -> None:
         segs = self.segments()
@@ -97,14 +106,20 @@ class TrajectoryJournal:
             self._f.flush()
             os.fsync(self._f.fileno())
 
-    def rotate(self) -> list:
-        """Continue in a new segment; returns the earlier segments (to retire once the
-        checkpoint that covers them is complete)."""
+    def rotate(self) -> int:
+        """Continue in a new segment; returns its number (a checkpoint taken now records it
+        as its ``journal_from``: the segments a resume from it replays)."""
         with self._lock:
             self._f.close()
-            old = self.segments()
             self._open_next()
-            return old
+            return self.current
+
+    def retire(self, numbers) -> None:
+        """Delete the segments numbered ``numbers`` (never the current one)."""
+        with self._lock:
+            for n in numbers:
+                if int(n) != self.current:
+                    (self.dir / f"{int(n):08d}.journal").unlink(missing_ok=True)
 
     def close(self) -> None:
         """Close the current segment."""
@@ -114,13 +129,36 @@ class TrajectoryJournal:
                 self._f = None
 
     @staticmethod
-    def replay(directory: str | os.PathLike, stats: Optional[ReplayStats] = None):
-        """Yield the trajectories of every segment in order, skipping (and counting in
-        ``stats``) corrupt records; a record cut short by a crash ends that segment's replay.
-        Raises :class:`JournalError` for a segment of the unframed format 1."""
+    def replay(directory: str | os.PathLike, stats: Optional[ReplayStats] = None,
+               since: Optional[int] = None):
+        """Yield the trajectories of every segment numbered ``since`` or later (all of them
+        when None) in order, skipping (and counting in ``stats``) corrupt records; a record
+        cut short by a crash ends that segment's replay. Raises :class:`JournalError` for a
+        segment of the unframed format 1."""
         stats = ReplayStats() if stats is None else stats
         for path in sorted(Path(directory).glob("*.journal")):
-            yield from replay_segment(path, stats)
+            if since is None or segment_number(path) >= since:
+                yield from replay_segment(path, stats)
+
+
+def segment_number(path: str | os.PathLike) -> int:
+    """The number of segment file ``NNNNNNNN.journal``."""
+    return int(Path(path).stem)
+
+
+def segments_to_retire(segments: list, kept_from: list) -> list:
+    """Which journal segments no kept checkpoint needs (pure).
+
+    ``segments``: the segment numbers on disk; ``kept_from``: for each checkpoint still kept,
+    the first segment written after it (its ``journal_from``), or None for a checkpoint that
+    predates the record (its segments are unknown, so every segment is kept while it is).
+    A resume from any kept checkpoint replays the segments from its ``journal_from`` on, so
+    those below the smallest are retired; nothing is retired while no checkpoint is kept.
+    Returns the numbers to delete, in order."""
+    if not kept_from or any(k is None for k in kept_from):
+        return []
+    floor = min(int(k) for k in kept_from)
+    return sorted(int(n) for n in segments if int(n) < floor)
 
 
 def _valid_header(data, pos: int) -> Optional[tuple]:

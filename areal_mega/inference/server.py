@@ -336,6 +336,7 @@ def build_app(srv: LocalRolloutServer,
             "num_running": e.num_running, "num_waiting": e.num_waiting, "paused": e.paused,
             "decode_steps": e.steps, "tokens_generated": e.tokens_generated,
             "sampling_errors": e.sampling_errors, "joining_groups": sorted(srv.joining),
+            "receiving_buckets": srv.receiving,
             "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
 
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)

@@ -56,6 +56,7 @@ class LocalRolloutServer:
                                     decode=self.decode)
         self.groups: dict = {}  # group name -> process group
         self.joining: set = set()  # group names whose rendezvous is in progress
+        self.receiving = 0         # buckets of a distributed weight update being received
         self._groups_lock = threading.Lock()
         self._params = dict(self.model.named_parameters())
         self._all_keys = set(self.model.state_dict().keys())
@@ -161,9 +162,13 @@ class LocalRolloutServer:
         ``load`` is False: the tensors are received and dropped)."""
         pg = self.group(name, "update_weights_from_distributed")
         tensors = {}
-        for n, dt, shp in zip(names, dtypes, shapes):
-            t = torch.empty(tuple(shp), dtype=parse_dtype(dt))
-            broadcast_from_rank0(pg, t)
-            tensors[n] = t
+        self.receiving += 1
+        try:
+            for n, dt, shp in zip(names, dtypes, shapes):
+                t = torch.empty(tuple(shp), dtype=parse_dtype(dt))
+                broadcast_from_rank0(pg, t)
+                tensors[n] = t
+        finally:
+            self.receiving -= 1
         if load:
             self._assign(tensors, version)

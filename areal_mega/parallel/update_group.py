@@ -53,8 +53,26 @@ def destroy_update_group(pg) -> None:
         dist.destroy_process_group(pg)
 
 
-def broadcast_from_rank0(pg, tensor) -> None:
-    """Broadcast ``tensor`` in place from rank 0 of ``pg`` (blocking)."""
+def broadcast_from_rank0(pg, tensor, watch=None, watch_every_s: float = 1.0) -> None:
+    """Broadcast ``tensor`` in place from rank 0 of ``pg`` (blocking).
+
+    ``watch`` (rank 0): called every ``watch_every_s`` while the collective is under way; it
+    raises when a member has died. NCCL does not notice a dead peer before the group timeout,
+    so without it the caller would wait that long; gloo fails on its own when a peer's
+    connection resets, and the same loop serves both."""
+    import time
+
     import torch.distributed as dist
 
-    dist.broadcast(tensor, src=0, group=pg)
+    if watch is None:
+        dist.broadcast(tensor, src=0, group=pg)
+        return
+    work = dist.broadcast(tensor, src=0, group=pg, async_op=True)
+    nap, next_watch = 0.0, time.monotonic() + watch_every_s
+    while not work.is_completed():
+        time.sleep(nap)
+        nap = min(0.005, nap + 0.0005)
+        if time.monotonic() >= next_watch:
+            watch()
+            next_watch = time.monotonic() + watch_every_s
+    work.wait()     # raises the collective's own error (gloo: a member's connection reset)

@@ -12,7 +12,6 @@ import threading
 from collections import deque
 from typing import Callable, Optional
 
-from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.prompt_ledger import PromptLedger, resume_plan
 from areal_mega.run_dir import RunDir, checkpoint_meta
 
@@ -56,11 +55,12 @@ class ResumingCursor:
 
 def accepted_ledger(paths: RunDir, ckpt) -> Optional[PromptLedger]:
     """The prompts the trainer holds whole: checkpoint ``ckpt``'s ledger plus the journal
-    since; None when ``ckpt`` predates the ledger."""
+    segments written since it (:meth:`RunDir.journal_since`); None when ``ckpt`` predates the
+    ledger."""
     state = checkpoint_meta(ckpt).get("extra", {}).get("accepted_prompts")
     if state is None:
         return None
-    return PromptLedger.replayed(state, TrajectoryJournal.replay(paths.journal))
+    return PromptLedger.replayed(state, paths.journal_since(ckpt))
 
 
 def resumed_cursor(make_cursor: Callable, ledger: PromptLedger, drawn: int) -> tuple:

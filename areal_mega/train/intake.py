@@ -5,8 +5,11 @@ Nothing accepted is lost on a crash:
   (:class:`~areal_mega.dataplane.journal.TrajectoryJournal`: checksummed records, fsync'd)
   before it enters the :class:`~areal_mega.dataplane.buffer.TrajectoryBuffer`;
 * each checkpoint stores the buffer (pending samples + the ids already trained on) and starts
-  a new journal segment; the older segments are deleted once the checkpoint is complete;
-* on recovery the buffer of the checkpoint is loaded and the journal replayed into it: the
+  a new journal segment, whose number it records (``journal_from``); a segment is deleted only
+  once no kept checkpoint needs it (:func:`~areal_mega.dataplane.journal.segments_to_retire`),
+  so a resume that falls back from a corrupt newest checkpoint to an older one replays every
+  sample accepted since the older one;
+* on recovery the buffer of the checkpoint is loaded and the journal since it replayed: the
   buffer's dedup drops what is pending or was trained before the checkpoint, so samples that
   arrived later, or were trained in steps the crash rolled back, are pending again; a record
   that fails its checksum is skipped and counted (``journal/corrupt_records``), never trained.
@@ -28,8 +31,10 @@ from typing import Optional
 from areal_mega.common.files import atomic_write
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
-from areal_mega.dataplane.journal import ReplayStats, TrajectoryJournal
+from areal_mega.dataplane.journal import (ReplayStats, TrajectoryJournal, segment_number,
+                                          segments_to_retire)
 from areal_mega.dataplane.prompt_ledger import PromptLedger
+from areal_mega.run_dir import checkpoint_meta, complete_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +81,10 @@ class TrajectoryIntake:
                     self.buffer.put_restored(t)
 
     def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0,
-                prompt_ledger: Optional[dict] = None) -> int:
+                prompt_ledger: Optional[dict] = None, journal_from: Optional[int] = None) -> int:
         """Recovery: load the checkpoint's buffer, replay the journal segments written since
-        that checkpoint, truncate the trained log. Returns the samples made pending again.
+        that checkpoint (numbered ``journal_from`` on; all when None), truncate the trained
+        log. Returns the samples made pending again.
         ``prompt_ledger``: the checkpoint's :class:`PromptLedger` state (None: empty).
         Corrupt journal records are skipped, never trained, and counted in
         ``replay_stats.corrupt`` (``journal/corrupt_records`` in :meth:`stats`)."""
@@ -87,7 +93,8 @@ class TrajectoryIntake:
         n_new = n_seen = 0
         self.replay_stats = ReplayStats()
         self.prompt_ledger = PromptLedger(prompt_ledger)
-        for t in TrajectoryJournal.replay(self.journal_dir, self.replay_stats):
+        for t in TrajectoryJournal.replay(self.journal_dir, self.replay_stats,
+                                          since=journal_from):
             n_seen += 1
             self.prompt_ledger.add(t)
             n_new += bool(self.buffer.put_restored(t))
@@ -97,17 +104,29 @@ class TrajectoryIntake:
 
     def snapshot(self, buffer_file: str) -> tuple:
         """For a checkpoint: start a new journal segment and save the buffer, atomically with
-        respect to the intake. Returns (segments to retire after the checkpoint commits,
-        samples accepted so far, the prompt ledger's state)."""
+        respect to the intake. Returns (the new segment's number: the checkpoint's
+        ``journal_from``, samples accepted so far, the prompt ledger's state)."""
         with self._pump_lock:
-            old = self.journal.rotate()
+            first = self.journal.rotate()
             self.buffer.save(buffer_file)
-            return old, self.n_accepted, self.prompt_ledger.state()
+            return first, self.n_accepted, self.prompt_ledger.state()
 
-    @staticmethod
-    def retire(segments: list) -> None:
-        for seg in segments:
-            Path(seg).unlink(missing_ok=True)
+    def after_checkpoint(self, ckpt_root: str | os.PathLike) -> list:
+        """Once a checkpoint is complete (and older ones pruned): delete the journal segments
+        no checkpoint kept under ``ckpt_root`` needs (a fallback to any of them replays from
+        its ``journal_from``) and the buffer files of pruned checkpoints. Returns the segment
+        numbers deleted."""
+        root = Path(ckpt_root)
+        kept = complete_checkpoints(root)
+        kept_from = [_journal_from(p) for p in kept]
+        doomed = segments_to_retire([segment_number(p) for p in self.journal.segments()],
+                                    kept_from)
+        self.journal.retire(doomed)
+        live = {p.name for p in kept}
+        for f in root.glob("buffer_iter_*.bin"):
+            if f.name.replace("buffer_", "").replace(".bin", "") not in live:
+                f.unlink(missing_ok=True)
+        return doomed
 
     def next_groups(self, n_groups: int, timeout: Optional[float] = None):
         """The ``n_groups`` oldest complete groups, flattened to a list of trajectories."""
@@ -136,6 +155,15 @@ class TrajectoryIntake:
             self._thread.join(timeout=5)
         self.receiver.close()
         self.journal.close()
+
+
+def _journal_from(ckpt) -> Optional[int]:
+    """Checkpoint ``ckpt``'s first journal segment; None when unknown (written before the
+    record, or its metadata unreadable: then every segment is kept)."""
+    try:
+        return checkpoint_meta(ckpt).get("extra", {}).get("journal_from")
+    except ValueError:
+        return None
 
 
 def truncate_jsonl(path: str | os.PathLike, step: int) -> None:

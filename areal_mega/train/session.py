@@ -27,7 +27,7 @@ from areal_mega.security import holds_secret, write_run_file
 from areal_mega.tracking import RunLog
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer
-from areal_mega.train.weight_sender import DistributedWeightSender
+from areal_mega.train.weight_sender import DistributedWeightSender, broadcast_version
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,8 @@ class TrainerSession:
             buf = resumed.get("buffer_file")
             n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,
                                     accepted_before=int(resumed.get("accepted_samples", 0)),
-                                    prompt_ledger=resumed.get("accepted_prompts"))
+                                    prompt_ledger=resumed.get("accepted_prompts"),
+                                    journal_from=resumed.get("journal_from"))
             print(f"[areal-mega] journal replay: {n} accepted samples pending again",
                   flush=True)
         self.intake.start()
@@ -265,7 +266,9 @@ class TrainerSession:
         directory and asks the rollout worker to pause, reload, continue and bump the version.
         ``distributed``: rank 0 asks the worker to pause, broadcasts the HF-named tensors in
         buckets to every server (the other ranks take part in the TP/EP gathers), then asks
-        it to continue at ``version``.
+        it to continue at ``version``; a server that dies meanwhile is left out and the
+        version sent again to the others
+        (:func:`~areal_mega.train.weight_sender.broadcast_version`).
         """
         from areal_mega.train.weights import export_hf_dir
 
@@ -285,20 +288,14 @@ class TrainerSession:
         from areal_mega.checkpoint import hf_mapping as hm
         from areal_mega.checkpoint.export import iter_hf_tensors
 
+        arch = hm.read_arch(self.cfg.model.path)
+        # a server dying before or during the broadcast is left out and the version sent
+        # again to the survivors; only a broadcast that keeps failing ends the trainer
+        reply = broadcast_version(self.weight_sender, self.link,
+                                  lambda: iter_hf_tensors(self.actor.model, arch), version,
+                                  agree=lambda failed: bool(self._from_rank0(int(failed))))
         if self.is_rank0:
-            begun = self.link.begin_update()
-            members = begun.get("servers")
-            if members:   # elastic rollout: servers joined, left, died or were relaunched
-                self.weight_sender.regroup(members, force=bool(begun.get("reform")))
-        # a failed broadcast raises: the trainer exits and launch.local restarts it together
-        # with the rollout worker (which un-pauses the servers)
-        stream = iter_hf_tensors(self.actor.model, hm.read_arch(self.cfg.model.path))
-        if self.is_rank0:
-            self.weight_sender.send(stream, weight_version=version)
-            self._note_rollout(self.link.end_update(version=version))
-        else:
-            for _ in stream:      # TP/EP peers take part in the gathers
-                pass
+            self._note_rollout(reply)
         if dist.is_initialized():
             dist.barrier()
 
@@ -342,8 +339,8 @@ class TrainerSession:
         (model, optimizer, LR scheduler, RNG; ``extra`` = step, version, time, buffer file,
         accepted samples) and keeps the last ``checkpoint.keep_last``. In RL mode rank 0 first
         snapshots the trajectory buffer to ``buffer_iter_<step>.bin`` (starting a new journal
-        segment), and after the save deletes the journal segments the checkpoint now covers
-        and buffer files whose checkpoint was pruned.
+        segment, ``extra.journal_from``), and after the save deletes the journal segments no
+        kept checkpoint needs and buffer files whose checkpoint was pruned.
         """
         every = self.cfg.checkpoint.save_every
         if not (force or step == self.cfg.total_steps or (every and step % every == 0)):
@@ -351,15 +348,19 @@ class TrainerSession:
         from areal_mega.checkpoint.dist_ckpt import save_checkpoint
 
         buf_name = f"buffer_iter_{step:07d}.bin" if self.cfg.mode == "rl" else None
-        retire, accepted, ledger = [], 0, None
+        journal_from, accepted, ledger = 0, 0, None
         try:
             if self.is_rank0 and self.intake is not None:
                 self.ckpt_root.mkdir(parents=True, exist_ok=True)
-                retire, accepted, ledger = self.intake.snapshot(str(self.ckpt_root / buf_name))
+                journal_from, accepted, ledger = self.intake.snapshot(
+                    str(self.ckpt_root / buf_name))
             accepted = self._from_rank0(accepted)
+            journal_from = self._from_rank0(journal_from)
             ledger = self._object_from_rank0(ledger)
             extra = {"step": step, "version": step, "time": time.time(),
                      "buffer_file": buf_name, "accepted_samples": accepted}
+            if journal_from:   # RL: a resume from this checkpoint replays from this segment
+                extra["journal_from"] = journal_from
             if self.critic is not None:       # first: every actor checkpoint has its critic
                 from areal_mega.train.critic_step import save_critic
                 # one more kept: a crash before the actor's save resumes the previous step
@@ -376,11 +377,7 @@ class TrainerSession:
             raise CheckpointSaveError(f"no space left on device while saving "
                                       f"{iter_dir_name(step)} to {self.ckpt_root}") from None
         if self.is_rank0 and self.intake is not None:
-            self.intake.retire(retire)
-            live = {p.name for p in self.ckpt_root.glob("iter_*")}
-            for f in self.ckpt_root.glob("buffer_iter_*.bin"):
-                if f.name.replace("buffer_", "").replace(".bin", "") not in live:
-                    f.unlink(missing_ok=True)
+            self.intake.after_checkpoint(self.ckpt_root)
 
     def _discard_partial_save(self, step: int, buf_name: Optional[str]) -> None:
         """Remove what a failed save of ``step`` left (``iter_N.tmp``, its buffer snapshot),
