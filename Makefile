@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# CI runs every test that does not need a GPU; slow tests included.
-PYTEST_ARGS ?= -m "not gpu" -q --durations=30
+# CI runs every test that does not need a GPU; slow tests included. Two pytest workers, one test
+# file each at a time (most tests wait on servers and processes half the time, so two keep both
+# cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other.
+PYTEST_ARGS ?= -m "not gpu" -q -n 2 --dist loadfile --durations=30
 
 .PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels
 
