@@ -44,7 +44,7 @@ def test_external_agents_ok_and_failures(server, models):
     tok = AutoTokenizer.from_pretrained(models["a"])
     agent = build_workflow(ExternalAgent, {
         "command": f"{sys.executable} {ROOT / 'tests' / '_agent_modes.py'}",
-        "timeout_s": 5, "max_concurrent": 4}, WorkflowSettings(max_new_tokens=8))
+        "timeout_s": 12, "max_concurrent": 4}, WorkflowSettings(max_new_tokens=8))
     modes = ["ok", "crash", "hang", "noreward", "ok", "badreward"]
     items = [{"prompt": f"abc{i}", "answer": "", "mode": m} for i, m in enumerate(modes)]
     sink = GroupSink()
