@@ -113,7 +113,10 @@ def test_fail_policy_returns_the_episode_error_and_drops_nothing():
     retry, err = f.after_failure(0, cause)
     assert not retry and str(err) == "episode failed 1 times: every sample failed"
     assert err.__cause__ is cause and not isinstance(err, FailureRateExceeded)
-    assert f.stats()["dropped_prompts"] == 0
+    err = f.record_outcome(False, "agent_exit", "exited with 1")    # a task run elsewhere
+    assert str(err) == "task failed (agent_exit): exited with 1"
+    assert not isinstance(err, FailureRateExceeded) and f.record_outcome(True) is None
+    assert f.stats()["dropped_prompts"] == 0 and f.rate.rate() == 0.0
 
 
 def test_drop_policy_stops_at_the_ceiling_with_delivered_prompts_counted():

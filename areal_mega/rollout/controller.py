@@ -294,10 +294,11 @@ class RolloutController:
 
     def record_outcome(self, ok: bool, reason: str = "", detail: str = "") -> None:
         """Count one task's final outcome that did not come from this controller's prompts
-        (e.g. an online gateway session): ``ok``, or dropped for ``reason`` (counted as
-        ``dropped_prompts`` and ``dropped/<reason>``; ``detail``: its error message). It
-        enters the failure-rate window like a prompt; passing the ceiling fails the run
-        (:meth:`raise_if_failed`). Thread-safe."""
+        (e.g. an online gateway session): ``ok``, or given up for ``reason`` (``detail``: its
+        error message). Like a prompt out of attempts, a failure fails the run under
+        ``on_episode_failure="fail"``; under ``drop`` it is counted (``dropped_prompts``,
+        ``dropped/<reason>``) and enters the failure-rate window, whose ceiling fails the run.
+        Failures surface in :meth:`raise_if_failed`. Thread-safe."""
         err = self.failures.record_outcome(ok, reason, detail)
         if err is not None:
             self._set_error(err)

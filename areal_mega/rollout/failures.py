@@ -128,10 +128,14 @@ class EpisodeFailures:
         return err
 
     def record_outcome(self, ok: bool, reason: str = "",
-                       detail: str = "") -> Optional[FailureRateExceeded]:
-        """One prompt's final outcome: delivered (``ok``) or dropped for ``reason`` (counted as
-        ``dropped/<reason>``); returns the :class:`FailureRateExceeded` to stop the run with,
-        or None."""
+                       detail: str = "") -> Optional[RuntimeError]:
+        """One prompt's final outcome: delivered (``ok``) or given up for ``reason``
+        (``detail``: its error). Under ``drop`` a failure is counted as ``dropped/<reason>``
+        and the :class:`FailureRateExceeded` to stop the run with is returned once the window
+        passes the ceiling; under ``fail`` any failure is the error that ends the run. None:
+        go on."""
+        if not ok and self.policy == "fail":
+            return RuntimeError(f"task failed ({reason or 'failed'}): {detail}")
         if not ok:
             with self._lock:
                 self.n_dropped += 1
