@@ -143,9 +143,17 @@ class RolloutConfig:
     max_concurrent: int = _f(64, lo=1)
     request_timeout_s: float = _f(3600.0, lo=0.0, lo_open=True)
     request_retries: int = _f(3, lo=0)
-    on_episode_failure: str = _f("fail", choices=["fail", "drop"],
+    on_episode_failure: str = _f("auto", choices=["auto", "fail", "drop"],
                                  doc="a prompt out of attempts: fail the run, or drop it "
-                                 "(counted as dropped_prompts) and go on")
+                                 "(counted as dropped_prompts) and go on; auto: fail for "
+                                 "rlvr and multi_turn, drop for every other workflow")
+    failure_rate_ceiling: float = _f(0.5, lo=0.0, hi=1.0, doc="dropped prompts: the run "
+                                     "stops when more than this share of the last "
+                                     "failure_window prompts was dropped (1: never)")
+    failure_window: int = _f(64, lo=1, doc="prompts (final outcomes, not attempts) over "
+                             "which failure_rate_ceiling is measured")
+    failure_min_prompts: int = _f(16, lo=1, doc="outcomes in the window before "
+                                  "failure_rate_ceiling applies (<= failure_window)")
     weight_update: str = _f("auto", choices=["auto", "disk", "distributed"])
     weight_bucket_mb: int = _f(512, lo=1)
     reward_fn: str = _f("areal_mega.rewards:math_reward",

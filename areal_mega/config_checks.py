@@ -115,6 +115,10 @@ def validate(cfg) -> None:
         raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
                           f"training runs on the rollout servers (mode=rl), not mode="
                           f"{cfg.mode!r}; use python -m areal_mega.eval on the checkpoint")
+    r = cfg.rollout
+    if r.failure_min_prompts > r.failure_window:
+        raise ConfigError(f"rollout.failure_min_prompts={r.failure_min_prompts}: must be <= "
+                          f"rollout.failure_window ({r.failure_window})")
     wf = cfg.rollout.workflow
     if wf not in ("rlvr", "multi_turn") and not _is_object_spec(wf):
         raise ConfigError(f"rollout.workflow={wf!r}: must be rlvr, multi_turn, "

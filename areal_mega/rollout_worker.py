@@ -47,9 +47,10 @@ from areal_mega.eval.worker_hook import WorkerEvaluator
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.counts import CountCarrier, counts_of
+from areal_mega.rollout.failures import FailureRate, FailureRateExceeded, episode_failure_policy
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics
-from areal_mega.run_dir import RunDir, checkpoint_iteration
+from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration
 from areal_mega.workflow.builtin import workflow_from_config
 from areal_mega.workflow.multitask import build_multitask
 
@@ -226,7 +227,10 @@ class RolloutWorker:
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
                                 initial_version=version,
-                                on_episode_failure=r.on_episode_failure)
+                                on_episode_failure=episode_failure_policy(r.on_episode_failure,
+                                                                          r.workflow),
+                                failure_rate=FailureRate(r.failure_rate_ceiling,
+                                                         r.failure_window, r.failure_min_prompts))
         if ledger is None:   # fresh, or a checkpoint older than the prompt ledger
             ctl.counter.accepted = self.paths.accepted_samples(ckpt) // r.n_samples
         else:
@@ -418,9 +422,14 @@ def main(argv=None) -> None:
         rc = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         rc = 130
-    except BaseException:  # noqa: BLE001 - reported, then the hard exit below
-        log.exception("rollout worker failed")
+    except BaseException as e:  # noqa: BLE001 - reported, then the hard exit below
         rc = 1
+        if holder and isinstance(e.__cause__, FailureRateExceeded):   # no relaunch cures it
+            log.error("error: %s", e)          # one line; a traceback would add nothing
+            holder[0].paths.write_fatal(f"rollout worker: {e.__cause__}")
+            rc = FATAL_EXIT_CODE
+        else:
+            log.exception("rollout worker failed")
     finally:
         try:
             if holder:

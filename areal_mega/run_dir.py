@@ -13,7 +13,7 @@ the layout is written down once (no torch, no megatron: any process may import i
     <run_dir>/rollout_state.json     the rollout worker's prompt position
     <run_dir>/rollout_servers.json   the rollout servers now (elastic rollout, launch.scale)
     <run_dir>/weights/vNNNNNNN/      the newest published HF weights (disk weight updates)
-    <run_dir>/fatal.json             why the trainer stopped for good (no relaunch helps)
+    <run_dir>/fatal.json             why the run stopped for good (no relaunch helps)
     <run_dir>/metrics.jsonl, trained.jsonl, tensorboard/, logs/
     ipc://<run_dir>/trajectories.sock, ipc://<run_dir>/control.sock   default endpoints
     ipc://<run_dir>/launcher.sock    launch.local's control socket (launch.scale)
@@ -40,8 +40,9 @@ META_NAME = "areal_meta.json"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
 WEIGHTS_RE = re.compile(r"^v(\d{7,})$")
 FATAL_EXIT_CODE = 78
-"""A trainer that stops for a reason no relaunch cures (a full disk) exits with this code and
-writes :attr:`RunDir.fatal_file`; ``launch.local`` then ends the run instead of relaunching."""
+"""A trainer or rollout worker that stops for a reason no relaunch cures (a full disk, the
+failure-rate ceiling) exits with this code and writes :attr:`RunDir.fatal_file`;
+``launch.local`` then ends the run instead of relaunching."""
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -232,7 +233,7 @@ class RunDir:
         return self.root / "fatal.json"
 
     def write_fatal(self, message: str) -> None:
-        """Record why the trainer stopped for good (best effort: the disk may be full)."""
+        """Record why the run stopped for good (best effort: the disk may be full)."""
         try:
             self.fatal_file.write_text(json.dumps({"message": message}) + "\n")
         except OSError as e:

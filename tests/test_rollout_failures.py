@@ -1,7 +1,10 @@
 """Episodes that cannot succeed end, against a real CPU rollout server: a prompt longer than the
 model's context is rejected by the server (HTTP 400) and fails at once instead of being retried
 forever; ``on_episode_failure=drop`` drops and counts such prompts (and ones out of retries)
-while the others are delivered, with the staleness counters exact."""
+while the others are delivered, with the staleness counters exact, until the dropped share
+passes the failure-rate ceiling (the controller's own prompts, or outcomes another component
+records through ``record_outcome``)."""
+import re
 import time
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.failures import FailureRate, FailureRateExceeded
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import exact_match_reward
 from areal_mega.workflow.builtin import RLVRWorkflow
@@ -141,3 +145,48 @@ def test_a_request_the_server_cannot_sample_fails_instead_of_looping(server):
     assert "status 400" in str(err) and "sampling error" in str(err)
     s = ctl.stats()
     assert (s["started"], s["failed"], len(sink)) == (1, 1, 0)
+
+
+def test_drop_mode_stops_once_the_dropped_share_passes_the_ceiling(server):
+    """Three always-failing prompts and one good one, ceiling 0.5 checked from 3 outcomes: the
+    third outcome (2 or 3 of 3 dropped, whatever the order) fails the run with one error
+    naming the rate, the window and the keys; the prompts before it were dropped, not fatal."""
+    items = [short(0)] + [{**short(i), "always_fails": True} for i in (1, 2, 3)]
+    sink = GroupSink()
+    ctl = controller(server, items, sink, on_episode_failure="drop",
+                     failure_rate=FailureRate(ceiling=0.5, window=8, min_prompts=3)).start()
+    try:
+        wait_until(lambda: failure(ctl))
+        err = failure(ctl)
+    finally:
+        ctl.stop()
+    assert isinstance(err.__cause__, FailureRateExceeded)
+    said = re.search(r"(\d) of the last 3 prompts failed \(rate (\S+) > rollout\."
+                     r"failure_rate_ceiling=0\.5, window rollout\.failure_window=8 prompts, "
+                     r"checked from rollout\.failure_min_prompts=3; by reason: "
+                     r"out_of_retries=(\d)\)", str(err))
+    assert said, str(err)
+    failed = int(said[1])
+    assert failed in (2, 3) and said[2] == f"{failed / 3:.2f}" and int(said[3]) == failed
+    assert "episode failed 3 times: injected failure" in str(err)
+    assert ctl.stats()["dropped_prompts"] >= failed     # the last one may end after the error
+
+
+def test_outcomes_recorded_from_outside_count_and_hit_the_same_ceiling(server):
+    """``record_outcome``: how a component that runs tasks outside the controller's prompts
+    (the online gateway) drops and counts them; the ceiling is the same."""
+    ctl = controller(server, iter(()), GroupSink(), on_episode_failure="drop",
+                     failure_rate=FailureRate(ceiling=0.5, window=4, min_prompts=4)).start()
+    try:
+        for ok in (True, False, True, False):          # 2 of 4: at the ceiling, not above
+            ctl.record_outcome(ok, "agent_exit", "session ended with exit code 1")
+        assert failure(ctl) is None
+        ctl.record_outcome(False, "agent_exit", "session ended with exit code 1")   # 3 of 4
+        err = failure(ctl)
+    finally:
+        ctl.stop()
+    assert isinstance(err.__cause__, FailureRateExceeded)
+    assert "3 of the last 4 prompts failed (rate 0.75" in str(err)
+    assert "by reason: agent_exit=3" in str(err) and "session ended with exit code 1" in str(err)
+    s = ctl.stats()
+    assert (s["dropped_prompts"], s["dropped/agent_exit"], s["failure_rate"]) == (3, 3, 0.75)

@@ -267,13 +267,19 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
             os.cpu_count() or 1, n_servers=len(layout.servers),
             nproc=layout.trainer_nproc_per_node))
 
+    paths = RunDir.from_config(cfg)
+    paths.fatal_file.unlink(missing_ok=True)      # a previous attempt's reason is not ours
     if cfg.mode == "rl":
         worker_argv = [sys.executable, "-m", ROLLOUT_WORKER_MODULE, "--config", str(config_path)]
         specs.append(ProcessSpec("rollout_worker", worker_argv, env={"CUDA_VISIBLE_DEVICES": ""},
                                  # its data-plane window and control socket face the trainer
                                  restart_with_main=True, restart=restartable,
                                  # alone, it continues this run (prompt position, weights)
-                                 on_restart=lambda spec, n: worker_argv + ["--relaunched"]))
+                                 on_restart=lambda spec, n: worker_argv + ["--relaunched"],
+                                 # e.g. the failure-rate ceiling: a relaunch fails again
+                                 fatal=lambda rc: None if rc != FATAL_EXIT_CODE else
+                                 paths.read_fatal() or "the rollout worker stopped with a "
+                                 "fatal error (see its log)"))
 
     def on_restart(spec: ProcessSpec, attempt: int) -> None:
         latest = resume_point(cfg)
@@ -281,9 +287,6 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
               f"{f'resuming from {latest}' if latest else 'no complete checkpoint yet'}",
               file=sys.stderr, flush=True)
         return None  # same command: under recover=auto the trainer resumes by itself
-
-    paths = RunDir.from_config(cfg)
-    paths.fatal_file.unlink(missing_ok=True)      # a previous attempt's reason is not ours
 
     def fatal(rc: int) -> Optional[str]:
         if paths.read_fatal():

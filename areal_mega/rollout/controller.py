@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
+from areal_mega.rollout.failures import EpisodeFailures, FailureRate
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,10 @@ class RolloutController:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  tokenizer=None, sink: Callable[[list], None],
                  initial_version: int = 0, max_episode_retries: int = 3,
-                 on_episode_failure: str = "fail", reward_threads: int = 4,
-                 **extra_sampling):
-        if on_episode_failure not in ("fail", "drop"):
-            raise ValueError(f"on_episode_failure={on_episode_failure!r}: must be fail or drop")
+                 on_episode_failure: str = "fail", failure_rate: Optional[FailureRate] = None,
+                 reward_threads: int = 4, **extra_sampling):
+        # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
+        self.failures = EpisodeFailures(on_episode_failure, max_episode_retries, failure_rate)
         self.client = client
         self.workflow = workflow
         self._prompts = iter(prompts)
@@ -127,8 +128,6 @@ class RolloutController:
                          **extra_sampling}
         self.tokenizer = tokenizer
         self.sink = sink
-        self.max_episode_retries = max_episode_retries
-        self.on_episode_failure = on_episode_failure
         self.run_id = uuid.uuid4().hex[:8]
         self.counter = StalenessCounter(batch_size=batch_size, eta=eta, version=initial_version)
         self._pool = concurrent.futures.ThreadPoolExecutor(reward_threads,
@@ -147,9 +146,6 @@ class RolloutController:
         # statistics
         self.n_started = self.n_finished = self.n_failed = 0
         self.n_interruptions = self.reward_errors = 0
-        self.n_dropped = 0                          # prompts given up (on_episode_failure=drop)
-        self.dropped_by_reason: dict = {}           # rejected | out_of_retries -> prompts
-        self.n_retries = 0                          # failed episodes started again
         self.n_inflight_requests = 0
         self.max_running_seen = 0
 
@@ -208,7 +204,9 @@ class RolloutController:
         sink raised. The first failure is kept; callers poll this (the worker exits on it).
         A prompt fails on its ``max_episode_retries``-th failed attempt, or at once when a
         server rejected its request (HTTP 4xx: it would fail again); with
-        ``on_episode_failure="drop"`` it is dropped and counted (``dropped_prompts``) instead."""
+        ``on_episode_failure="drop"`` it is dropped and counted (``dropped_prompts``) instead,
+        until the dropped share passes the failure-rate ceiling (``FailureRateExceeded``, see
+        :mod:`areal_mega.rollout.failures`)."""
         with self._error_lock:
             e = self._error
         if e is not None:
@@ -273,15 +271,14 @@ class RolloutController:
             self.n_failed += 1
             self.counter.on_finish(accepted=False)  # frees the slot; nothing was accepted
             self._order.remove(gidx)
-            if not _retryable(e):
-                self._give_up(item, f"episode failed: the server rejected the request, which "
-                              f"would fail again, so it is not retried: {e}", e, "rejected")
-            elif attempt + 1 < self.max_episode_retries:
-                self.n_retries += 1
+            retry, err = self.failures.after_failure(attempt, e)
+            if retry:
                 self._requeued.append((item, attempt + 1))
-            else:
-                self._give_up(item, f"episode failed {attempt + 1} times: {e}", e,
-                              "out_of_retries")
+            elif err is None:   # dropped (a failed run's error is enough said)
+                log.warning("prompt dropped after %d attempts (%d so far): %s; prompt %.200r",
+                            attempt + 1, self.failures.n_dropped, e, item)
+            if err is not None:
+                self._set_error(err)
             self._wake.set()
             await self._deliver_in_order()  # a later-started group may have waited for this one
             return
@@ -290,23 +287,21 @@ class RolloutController:
                             "sample_version": sample_version(tr.versions)})
         self.counter.on_finish(accepted=True)
         self.n_finished += 1
+        self.failures.record_outcome(True)
         self._wake.set()
         self._finished[gidx] = group
         await self._deliver_in_order()
 
-    def _give_up(self, item: dict, msg: str, cause: BaseException, reason: str) -> None:
-        """A prompt out of attempts: fail the run (``on_episode_failure=fail``, surfaced by
-        :meth:`raise_if_failed`) or drop the prompt, count it and go on (``drop``). A dropped
-        prompt was never accepted, so the staleness bound stays exact."""
-        if self.on_episode_failure == "drop":
-            self.n_dropped += 1
-            self.dropped_by_reason[reason] = self.dropped_by_reason.get(reason, 0) + 1
-            log.warning("prompt dropped (%d so far): %s; prompt %.200r", self.n_dropped, msg,
-                        item)
-            return
-        err = RuntimeError(msg)
-        err.__cause__ = cause
-        self._set_error(err)
+    def record_outcome(self, ok: bool, reason: str = "", detail: str = "") -> None:
+        """Count one task's final outcome that did not come from this controller's prompts
+        (e.g. an online gateway session): ``ok``, or given up for ``reason`` (``detail``: its
+        error message). Like a prompt out of attempts, a failure fails the run under
+        ``on_episode_failure="fail"``; under ``drop`` it is counted (``dropped_prompts``,
+        ``dropped/<reason>``) and enters the failure-rate window, whose ceiling fails the run.
+        Failures surface in :meth:`raise_if_failed`. Thread-safe."""
+        err = self.failures.record_outcome(ok, reason, detail)
+        if err is not None:
+            self._set_error(err)
 
     async def _deliver_in_order(self) -> None:
         """Hand finished groups to the sink in start order — a finished group waits for every
@@ -428,16 +423,7 @@ class RolloutController:
                 "rejected": c.rejected, "capacity": c.capacity(), "started": self.n_started,
                 "finished": self.n_finished, "failed": self.n_failed,
                 "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
-                "dropped_prompts": self.n_dropped, "retries": self.n_retries,
-                **{f"dropped/{k}": v for k, v in sorted(self.dropped_by_reason.items())},
+                **self.failures.stats(),
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
                 **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
 
-
-def _retryable(e: BaseException) -> bool:
-    """Whether an episode that failed with ``e`` may succeed on a retry: not when a server
-    rejected its request (HTTP 4xx, :class:`RolloutRequestError`: a bad request fails again),
-    except 408 (timeout) and 429 (too many requests) when the error carries its status."""
-    if isinstance(e, RolloutRequestError):
-        return getattr(e, "status", None) in (408, 429)
-    return True

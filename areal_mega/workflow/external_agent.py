@@ -16,7 +16,8 @@ A program that exits non-zero, runs past ``timeout_s`` (its whole process group 
 prints no reward or a malformed one, or makes no call is a failed sample: counted by reason
 (:meth:`ExternalAgent.stats`), logged with the tail of its stderr, and left out of the group;
 never a crash. A group whose every sample failed is a failed episode for the controller
-(retried, then handled by ``rollout.on_episode_failure``).
+(retried, then by default dropped and counted, up to a failure-rate ceiling:
+``rollout.on_episode_failure``, :mod:`areal_mega.rollout.failures`).
 """
 from __future__ import annotations
 
