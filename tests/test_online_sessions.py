@@ -146,3 +146,31 @@ def test_check_reward():
         with pytest.raises(SessionError) as e:
             check_reward(bad, 10)
         assert e.value.status == status and e.value.param == "reward"
+
+
+def test_journal_restores_done_sessions_and_counts_open_ones_once(tmp_path):
+    from areal_mega.dataplane import Trajectory
+    from areal_mega.workflow.online_journal import OnlineJournal
+
+    def traj(sid, session, k, reward):
+        return Trajectory.from_tokens([1, 2], [3], [-0.5], [0], reward=reward, sample_id=sid,
+                                      meta={"session_id": session, "prompt_index": k})
+    j = OnlineJournal(tmp_path / "online", fresh=True)
+    for sess, k in (("s1", 4), ("s2", 4), ("s3", 5), ("s4", 5)):
+        j.started(sess, k)
+    j.done([traj("x-s0", "s1", 4, 0.0)])
+    j.done([traj("x-s0", "s1", 4, 1.0)])       # a changed reward: the last record wins
+    j.dropped("s4", "idle")
+    j.close()
+    with open(tmp_path / "online" / "events.jsonl", "a") as f:
+        f.write('{"start": "s5", "pro')         # a line cut short by the kill
+    j = OnlineJournal(tmp_path / "online", fresh=False)
+    assert sorted(j.left_open) == ["s2", "s3"]
+    [t] = j.restore(4)
+    assert (t.sample_id, t.reward, t.meta["session_id"]) == ("x-s0", 1.0, "s1")
+    assert j.restore(4) == [] and j.restore(5) == []
+    j.close()
+    j = OnlineJournal(tmp_path / "online", fresh=False)
+    assert j.left_open == []                    # counted by the first restart only
+    j.close()
+    assert OnlineJournal(tmp_path / "online", fresh=True).restore(4) == []

@@ -119,10 +119,11 @@ class MultiTurnWorkflow(EpisodeWorkflow):
 
 
 def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None,
-                         run_dir: Optional[str] = None) -> Any:
+                         run_dir: Optional[str] = None, resume: bool = False) -> Any:
     """Build the workflow named by ``rollout.workflow``: ``rlvr`` | ``multi_turn`` (with
     ``rollout.reward_fn``), ``online`` (the agent gateway of ``rollout.online``, which writes
-    ``online_gateway.json`` into ``run_dir``), or a user's ``package.module:Name`` | ``path/to/file.py:Name``
+    ``online_gateway.json`` and its session journal into ``run_dir``, continuing the journal
+    when ``resume``), or a user's ``package.module:Name`` | ``path/to/file.py:Name``
     built with ``rollout.workflow_kwargs`` (see :func:`workflow_api.build_workflow`)."""
 
     settings = WorkflowSettings(max_new_tokens=rollout_cfg.max_new_tokens,
@@ -133,7 +134,8 @@ def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None,
         if kwargs:
             raise ValueError("rollout.workflow_kwargs: the online workflow takes none "
                              "(its keys are rollout.online.*)")
-        wf = OnlineWorkflow(rollout_cfg.online, rollout_cfg.n_samples, run_dir=run_dir)
+        wf = OnlineWorkflow(rollout_cfg.online, rollout_cfg.n_samples, run_dir=run_dir,
+                            resume=resume)
         wf.settings = settings
         return wf
     if name in ("rlvr", "multi_turn"):

@@ -6,7 +6,8 @@ Routes (JSON bodies; errors in the OpenAI error shape ``{"error": {"message", "t
 "param", "code"}}``):
 
 - ``POST /rl/start_session {"task_id"}`` (admin key) -> ``{"session_id", "api_key",
-  "base_url"}``; 429 with ``Retry-After`` while the staleness bound allows no new group, 503
+  "base_url", "sample_id"}`` (the session's trajectories have this id, ``-c<k>`` appended
+  when its completions are separate samples); 429 with ``Retry-After`` while the staleness bound allows no new group, 503
   past ``max_open_sessions``;
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``GET /v1/models`` (the session's key):
   the OpenAI-compatible surface of :mod:`areal_mega.workflow.openai_client`, every choice
@@ -44,7 +45,8 @@ from areal_mega.workflow.api import EpisodeWorkflow, SampleContext
 from areal_mega.workflow.episode_export import export_completions
 from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
                                               completion_request)
-from areal_mega.workflow.online_sessions import (DONE, OPEN, REMEMBER_FINISHED, Busy,
+from areal_mega.workflow.online_journal import OnlineJournal
+from areal_mega.workflow.online_sessions import (DONE, DROPPED, OPEN, REMEMBER_FINISHED, Busy,
                                                 SessionBook, SessionError)
 from areal_mega.workflow.tokens import TokenSeq
 
@@ -78,18 +80,29 @@ async def _body(request: web.Request) -> dict:
 class OnlineWorkflow(EpisodeWorkflow):
     """The gateway as a workflow (see the module doc). ``online``: the
     :class:`~areal_mega.config.OnlineConfig`; ``n_samples``: sessions per task group;
-    ``run_dir``: where ``online_gateway.json`` (base URL and admin key, mode 0600) is
-    written."""
+    ``run_dir``: where ``online_gateway.json`` (base URL and admin key, mode 0600) and the
+    session journal (:mod:`~areal_mega.workflow.online_journal`) are written; ``resume``:
+    continue that journal (else it starts empty)."""
 
-    def __init__(self, online, n_samples: int, run_dir: Optional[str] = None):
+    def __init__(self, online, n_samples: int, run_dir: Optional[str] = None,
+                 resume: bool = False):
         self.cfg = online
         self.admin_key = online.admin_api_key or f"sk-areal-admin-{secrets.token_hex(16)}"
         self.book = SessionBook(n_samples, online.session_timeout_s, online.reward_timeout_s,
                                 online.group_timeout_s, online.max_open_sessions,
                                 online.max_abs_reward, completion_ids=_completion_ids)
         self.run_dir = run_dir
+        self.journal = None
+        if run_dir:
+            self.journal = OnlineJournal(Path(run_dir) / "online", fresh=not resume)
+            if self.journal.left_open:
+                log.warning("%d online sessions were open when the previous rollout worker "
+                            "stopped: counted as dropped (worker_restart)",
+                            len(self.journal.left_open))
+                counters.bump("online/sessions_dropped/worker_restart",
+                              len(self.journal.left_open))
         self.keys: dict = {}          # session key -> session id
-        self.slots: dict = {}         # slot -> (EpisodeContext, future of its ready group)
+        self.slots: dict = {}         # slot -> (EpisodeContext, ready-group future, prompt)
         self.port = 0
         self.n_requests = 0
         self._start: Optional[asyncio.Task] = None
@@ -141,6 +154,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.journal is not None:
+            self.journal.close()
 
     def stats(self) -> dict:
         """Gauges of the gateway (the event counts go through ``common.counters``)."""
@@ -153,14 +168,21 @@ class OnlineWorkflow(EpisodeWorkflow):
         trajectories."""
         ctx.at_close(self.close)
         await self.start()
+        k = item.get("prompt_index")
+        restored = self.journal.restore(k) if self.journal is not None else []
+        if restored:     # done sessions of this slot from before a restart: train them now
+            log.info("online: %d journaled samples of prompt %s delivered again", len(restored),
+                     k)
+            counters.bump("online/sessions_restored",
+                          len({t.meta.get("session_id") for t in restored}))
+            return restored
         fut = asyncio.get_running_loop().create_future()
-        self.slots[ctx.group_index] = (ctx, fut)
+        self.slots[ctx.group_index] = (ctx, fut, k)
         self.book.add_slot(ctx.group_index)
         try:
             group = await fut
         except asyncio.CancelledError:
-            for s in self.book.remove_slot(ctx.group_index):
-                counters.bump(f"online/sessions_dropped/{s.reason}")
+            self._dropped(self.book.remove_slot(ctx.group_index))
             raise
         finally:
             self.slots.pop(ctx.group_index, None)
@@ -176,7 +198,8 @@ class OnlineWorkflow(EpisodeWorkflow):
     def _trajectories(self, s) -> list:
         sctx: SampleContext = s.data
         records = sctx.client.records
-        meta = {"task_id": s.task_id, "session_id": s.session_id}
+        meta = {"task_id": s.task_id, "session_id": s.session_id,
+                "prompt_index": sctx.item.get("prompt_index")}
         if not s.completion_rewards:
             out = export_completions(sctx, s.reward, records, self.settings.turn_discount)
         else:     # per-completion rewards: each completion is its own sample
@@ -201,14 +224,25 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     def _tick(self) -> None:
         dropped, ready = self.book.tick(time.monotonic())
-        for s in dropped:
-            counters.bump(f"online/sessions_dropped/{s.reason}")
-            log.info("online session %s (task %r) dropped: %s", s.session_id, s.task_id,
-                     s.reason)
+        self._dropped(dropped)
         for g in ready:
             ctx_fut = self.slots.get(g.slot)
             if ctx_fut is not None and not ctx_fut[1].done():
                 ctx_fut[1].set_result(g)
+
+    def _dropped(self, sessions: list) -> None:
+        for s in sessions:
+            counters.bump(f"online/sessions_dropped/{s.reason}")
+            if self.journal is not None:
+                self.journal.dropped(s.session_id, s.reason)
+            log.info("online session %s (task %r) dropped: %s", s.session_id, s.task_id,
+                     s.reason)
+
+    def _settled(self, s) -> None:
+        """After an end or a reward: journal a done session (durable before the answer)."""
+        if s.state == DONE and self.journal is not None:
+            self.journal.done(self._trajectories(s))
+        self._tick()
 
     # ------------------------------------------------------------------ HTTP
     def _is_admin(self, key: str) -> bool:
@@ -263,16 +297,20 @@ class OnlineWorkflow(EpisodeWorkflow):
             body = await _body(request)
             sid = f"sess-{uuid.uuid4().hex}"
             s = self.book.start(sid, body.get("task_id"), time.monotonic())
-            ctx, _ = self.slots[s.slot]
-            sctx = SampleContext(ctx, {"task_id": s.task_id}, s.index, self.settings)
+            ctx, _, k = self.slots[s.slot]
+            sctx = SampleContext(ctx, {"task_id": s.task_id, "prompt_index": k}, s.index,
+                                 self.settings)
             sctx.api_key = f"sk-areal-sess-{secrets.token_hex(16)}"
             s.data = sctx
             self.keys[sctx.api_key] = sid
             while len(self.keys) > 2 * REMEMBER_FINISHED:   # old keys answer 401 then
                 self.keys.pop(next(iter(self.keys)))
             counters.bump("online/sessions_started")
+            if self.journal is not None:
+                self.journal.started(sid, k)
             return web.json_response({"session_id": sid, "api_key": sctx.api_key,
-                                      "task_id": s.task_id, "base_url": self.base_url + "/v1"})
+                                      "task_id": s.task_id, "sample_id": sctx.sample_id,
+                                      "base_url": self.base_url + "/v1"})
         return await self._guard(go, request)
 
     async def _set_reward(self, request: web.Request) -> web.Response:
@@ -283,7 +321,7 @@ class OnlineWorkflow(EpisodeWorkflow):
                 raise SessionError("reward: required", 400, "reward")
             self.book.set_reward(s, body["reward"], body.get("completion_id"),
                                  time.monotonic())
-            self._tick()
+            self._settled(s)
             return web.json_response({"session_id": s.session_id, "state": s.state})
         return await self._guard(go, request)
 
@@ -292,21 +330,21 @@ class OnlineWorkflow(EpisodeWorkflow):
             body = await _body(request)
             s = self._own_session(request, body)
             self.book.end(s, time.monotonic())
-            if s.state == "dropped":
-                counters.bump(f"online/sessions_dropped/{s.reason}")
-            self._tick()
+            if s.state == DROPPED:
+                self._dropped([s])
+            self._settled(s)
             return web.json_response({"session_id": s.session_id, "state": s.state,
                                       **({"reason": s.reason} if s.reason else {})})
         return await self._guard(go, request)
 
-    def _session_of_key(self, request: web.Request):
+    def _session_of_key(self, request: web.Request, open_only: bool = True):
         sid = self.keys.get(_bearer(request))
         if sid is None:
             raise OpenAIRequestError("invalid API key: not an open session's key (from "
                                      "/rl/start_session)", status=401,
                                      err_type="authentication_error")
         s = self.book.get(sid)
-        if s.state != OPEN:
+        if open_only and s.state != OPEN:
             raise SessionError(f"session {sid!r} has ended; start a new one", 409)
         return s
 
@@ -334,7 +372,7 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     async def _models(self, request: web.Request) -> web.Response:
         async def go(request):
-            self._session_of_key(request)
+            self._session_of_key(request, open_only=False)
             return web.json_response({"object": "list", "data": [
                 {"id": MODEL_NAME, "object": "model", "created": int(time.time()),
                  "owned_by": "areal-mega"}]})
