@@ -126,3 +126,20 @@ def test_sbatch_passes_the_key_file_to_every_step_and_refuses_it_in_argv(tmp_pat
     assert any("--serve-node" in s for s in steps) and any("torchrun.sh" in s for s in steps)
     assert all(s.startswith(f"SRUN key_file={key_file} ") for s in steps), steps
     assert KEY not in log + r.stdout + r.stderr
+
+
+def test_online_gateway_beyond_loopback_needs_an_admin_key_and_tls_or_the_opt_out():
+    on = ["rollout.workflow=online"]
+    assert load_config(str(TINY), on).rollout.online.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="rollout.online.admin_api_key"):
+        load_config(str(TINY), on + ["rollout.online.host=0.0.0.0"])
+    with pytest.raises(ConfigError, match="tls_cert and rollout.online.tls_key.*"
+                                          "allow_insecure_http"):
+        load_config(str(TINY), on + ["rollout.online.host=0.0.0.0",
+                                     "rollout.online.admin_api_key=k"])
+    for extra in (["rollout.online.allow_insecure_http=true"],
+                  ["rollout.online.tls_cert=c.pem", "rollout.online.tls_key=k.pem"]):
+        load_config(str(TINY), on + ["rollout.online.host=0.0.0.0",
+                                     "rollout.online.admin_api_key=k", *extra])
+    with pytest.raises(ConfigError, match="go together"):
+        load_config(str(TINY), on + ["rollout.online.tls_cert=c.pem"])

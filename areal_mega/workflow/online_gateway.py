@@ -39,6 +39,7 @@ from typing import Optional
 from aiohttp import web
 
 from areal_mega.common import counters
+from areal_mega.common.net import is_loopback_host
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.security import write_run_file
 from areal_mega.workflow.api import EpisodeWorkflow, SampleContext
@@ -132,6 +133,10 @@ class OnlineWorkflow(EpisodeWorkflow):
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         ctx = None
+        if not self.cfg.tls_cert and not is_loopback_host(self.cfg.host):
+            log.warning("online gateway binds %s over plain HTTP (rollout.online."
+                        "allow_insecure_http=true): session keys travel in clear",
+                        self.cfg.host)
         if self.cfg.tls_cert:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
