@@ -159,12 +159,12 @@ class OnlineWorkflow(EpisodeWorkflow):
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self.journal is not None:
-            self.journal.close()
+        self._start = None      # a later controller (same process) serves it again
 
     def stats(self) -> dict:
         """Gauges of the gateway (the event counts go through ``common.counters``)."""
-        return {"online_open_sessions": self.book.n_open(),
+        # read from the control thread: len() only, no iteration over what the loop changes
+        return {"online_live_sessions": len(self.book.sessions),
                 "online_free_slots": len(self.book.free_slots)}
 
     # ------------------------------------------------------------------ the controller side
@@ -225,7 +225,10 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _tick_forever(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            self._tick()
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - logged; the next tick tries again
+                log.exception("online gateway: tick failed")
 
     def _tick(self) -> None:
         dropped, ready = self.book.tick(time.monotonic())
