@@ -205,3 +205,40 @@ def test_hostile_input_and_exact_recording_across_a_weight_update(server, models
         assert np.array_equal(lps, np.asarray(sent, dtype=np.float32))
         switched += len(set(vers)) == 2
     assert switched >= 1 and ctl.stats()["interruptions"] >= 1
+
+
+def test_gateway_serves_https_with_the_configured_certificate(tmp_path):
+    """``tls_cert`` / ``tls_key``: the gateway speaks HTTPS only (a client that trusts the
+    certificate opens a session; plain HTTP gets no answer)."""
+    import ssl
+    import subprocess
+
+    from areal_mega.rollout.controller import EpisodeContext, RolloutController
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    wf = OnlineWorkflow(OnlineConfig(tls_cert=str(cert), tls_key=str(key)), n_samples=2,
+                        run_dir=str(tmp_path))
+    ctl = RolloutController(None, wf, [], batch_size=1, n_samples=2, eta=0, sink=print)
+
+    async def go():
+        slot = asyncio.ensure_future(wf.arun_episode(EpisodeContext(ctl, 0), {}, 2))
+        while not wf.book.free_slots:
+            await asyncio.sleep(0.01)
+        info = json.loads((tmp_path / INFO_FILE).read_text())
+        assert info["base_url"].startswith("https://127.0.0.1:")
+        trust = ssl.create_default_context(cafile=str(cert))
+        async with aiohttp.ClientSession() as s:
+            async with s.post(info["base_url"] + "/rl/start_session", json={"task_id": "t"},
+                              headers={"Authorization": f"Bearer {info['admin_api_key']}"},
+                              ssl=trust) as r:
+                assert r.status == 200 and (await r.json())["base_url"].startswith("https://")
+            with pytest.raises(aiohttp.ClientError):
+                async with s.post(info["base_url"].replace("https", "http") +
+                                  "/rl/start_session", json={"task_id": "t"}) as r:
+                    await r.read()
+        slot.cancel()
+        await wf.close()
+    asyncio.run(asyncio.wait_for(go(), 60))
