@@ -283,21 +283,23 @@ class OnlineWorkflow(EpisodeWorkflow):
                                      "rollout.online.admin_api_key as the Bearer token",
                                      status=401, err_type="authentication_error")
 
-    def _own_session(self, request: web.Request, body: dict):
-        """The session named by ``body["session_id"]``, if the caller's key may act on it."""
+    async def _own_session(self, request: web.Request) -> tuple:
+        """``(session, body)``: the session named by ``body["session_id"]``, if the caller's
+        key may act on it (the key is checked before the body is read)."""
         key = _bearer(request)
         own = self.keys.get(key)
         if not self._is_admin(key) and own is None:
             raise OpenAIRequestError("invalid API key: neither the admin key nor an open "
                                      "session's key", status=401,
                                      err_type="authentication_error")
+        body = await _body(request)
         sid = body.get("session_id")
         if sid is None:
             raise SessionError("session_id: required", 400, "session_id")
         if own is not None and own != sid:
             raise SessionError("this session key belongs to another session", 403,
                                "session_id")
-        return self.book.get(sid)
+        return self.book.get(sid), body
 
     async def _start_session(self, request: web.Request) -> web.Response:
         async def go(request):
@@ -323,8 +325,7 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     async def _set_reward(self, request: web.Request) -> web.Response:
         async def go(request):
-            body = await _body(request)
-            s = self._own_session(request, body)
+            s, body = await self._own_session(request)
             if "reward" not in body:
                 raise SessionError("reward: required", 400, "reward")
             self.book.set_reward(s, body["reward"], body.get("completion_id"),
@@ -335,8 +336,7 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     async def _end_session(self, request: web.Request) -> web.Response:
         async def go(request):
-            body = await _body(request)
-            s = self._own_session(request, body)
+            s, _ = await self._own_session(request)
             self.book.end(s, time.monotonic())
             if s.state == DROPPED:
                 self._dropped([s])
