@@ -58,7 +58,7 @@ def char_match(text: str, want: str) -> float:
 
 def session(args, task: dict, k: int, log, lock) -> bool:
     """One agent's session on task ``k``: start, ask, end, log. False once the gateway has
-    been unreachable for a minute (the run is over)."""
+    been unreachable for ``--give-up-s`` seconds (the run is over)."""
     from openai import OpenAI
 
     down_since = None
@@ -71,7 +71,7 @@ def session(args, task: dict, k: int, log, lock) -> bool:
         except OSError:                  # the worker is restarting, or the run has ended
             st, wait = 0, "0.5"
             down_since = down_since or time.time()
-            if time.time() - down_since > 60:
+            if time.time() - down_since > args.give_up_s:
                 return False
         if st == 200:
             break
@@ -143,7 +143,7 @@ def reward(args) -> None:
             except OSError as e:         # the worker is restarting: the session is journaled
                 st, ans = 0, {"error": repr(e)[:200]}
             out.write(json.dumps({"session_id": rec["session_id"], "reward": r, "status": st,
-                                  "state": ans.get("state")}) + "\n")
+                                  "state": ans.get("state"), "time": time.time()}) + "\n")
             out.flush()
         time.sleep(0.2)
 
@@ -161,6 +161,8 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=10 ** 9, help="rounds per process")
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--delay", type=float, default=2.0, help="seconds before a reward")
+    p.add_argument("--give-up-s", type=float, default=120.0,
+                   help="stop when the gateway is unreachable this long")
     args = p.parse_args()
     args.log_dir = args.log_dir or str(Path(args.run_dir) / "agents")
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -169,7 +171,8 @@ def main() -> None:
     if args.role == "reward":
         return reward(args)
     base = [sys.executable, __file__, "--run-dir", args.run_dir, "--log-dir", args.log_dir,
-            "--agents", str(args.agents), "--group", str(args.group)]
+            "--agents", str(args.agents), "--group", str(args.group), "--give-up-s",
+            str(args.give_up_s)]
     procs = [subprocess.Popen(base[:2] + ["reward"] + base[2:] + ["--delay", str(args.delay)])]
     procs += [subprocess.Popen(base[:2] + ["talk"] + base[2:] + [
         "--data", args.data, "--agent", str(a), "--sessions", str(args.sessions),
