@@ -234,6 +234,7 @@ class SessionBook:
         self._forget(s)
 
     def _forget(self, s: Session) -> None:
+        s.data = None           # its records: only the state is kept, for clear errors
         self.sessions.pop(s.session_id, None)
         self.finished[s.session_id] = s
         while len(self.finished) > REMEMBER_FINISHED:
