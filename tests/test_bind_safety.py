@@ -139,7 +139,13 @@ def test_online_gateway_beyond_loopback_needs_an_admin_key_and_tls_or_the_opt_ou
                                      "rollout.online.admin_api_key=k"])
     for extra in (["rollout.online.allow_insecure_http=true"],
                   ["rollout.online.tls_cert=c.pem", "rollout.online.tls_key=k.pem"]):
-        load_config(str(TINY), on + ["rollout.online.host=0.0.0.0",
-                                     "rollout.online.admin_api_key=k", *extra])
+        cfg = load_config(str(TINY), on + ["rollout.online.host=0.0.0.0",
+                                           "rollout.online.admin_api_key=k", *extra])
+    # the admin key is a secret: the resolved config file is private, trackers see none
+    from areal_mega.config import config_to_dict
+    from areal_mega.security import holds_secret, redact_secrets
+    tree = config_to_dict(cfg)
+    assert holds_secret(tree) and not holds_secret(config_to_dict(load_config(str(TINY), on)))
+    assert redact_secrets(tree)["rollout"]["online"]["admin_api_key"] == "<redacted>"
     with pytest.raises(ConfigError, match="go together"):
         load_config(str(TINY), on + ["rollout.online.tls_cert=c.pem"])
