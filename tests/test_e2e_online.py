@@ -1,8 +1,9 @@
-"""One ``launch.local`` run (CPU, tiny model) with ``rollout.workflow: online`` and agents it
-did not start: ``examples/online_agent/agent.py all`` (two talking processes of two
-concurrent agents each, with the official ``openai`` package, and a separate process posting
-each reward 1.5 s after its session ended). The rollout worker is SIGKILLed after step 1 (the supervisor relaunches it
-alone) and the trainer after step 3 (checkpoint at step 2; it resumes, the worker with it):
+"""One ``launch.local`` run (CPU, tiny model) with ``rollout.workflow: online`` and agents it did
+not start: ``examples/online_agent/agent.py all`` (two talking processes of two concurrent
+agents each, with the official ``openai`` package, and a separate process posting each reward
+1.5 s after its session ended). The rollout worker is SIGKILLed after step 1 (the supervisor
+relaunches it alone) and the trainer after step 3 (checkpoint at step 2; it resumes, the worker
+with it):
 
 - the run trains every step on the agents' sessions, and no sample twice;
 - every session the agents ended and rewarded before the trainer's kill (so also every one

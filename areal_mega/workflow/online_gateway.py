@@ -7,8 +7,8 @@ Routes (JSON bodies; errors in the OpenAI error shape ``{"error": {"message", "t
 
 - ``POST /rl/start_session {"task_id"}`` (admin key) -> ``{"session_id", "api_key",
   "base_url", "sample_id"}`` (the session's trajectories have this id, ``-c<k>`` appended
-  when its completions are separate samples); 429 with ``Retry-After`` while the staleness bound allows no new group, 503
-  past ``max_open_sessions``;
+  when its completions are separate samples); 429 with ``Retry-After`` while the staleness
+  bound allows no new group, 503 past ``max_open_sessions``;
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``GET /v1/models`` (the session's key):
   the OpenAI-compatible surface of :mod:`areal_mega.workflow.openai_client`, every choice
   recorded token for token with its logprobs and weight versions;

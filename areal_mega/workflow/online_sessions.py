@@ -1,19 +1,19 @@
 """The session book of the online gateway: sessions, task groups and their lifetimes. Pure
-logic on plain data (the clock is an argument), driven by :mod:`areal_mega.workflow.online_gateway`
-on the controller's event loop.
+logic on plain data (the clock is an argument), driven by
+:mod:`areal_mega.workflow.online_gateway` on the controller's event loop.
 
 A *slot* is one prompt group the controller has started under its staleness bound (an
 ``arun_episode`` call waiting for sessions; slots are the controller's group indices, so the
-oldest is filled first and delivery in start order is not held up). ``start(task_id)`` joins the task's open group
-while it has fewer than ``n_samples`` sessions, else binds a new group of that task to the
-oldest free slot; with no free slot it raises :class:`Busy` (HTTP 429: the staleness bound
-would be exceeded). A session is *done* when it has ended and has a reward (for the whole
-session, or one for every completion), *dropped* when it idles past ``session_timeout_s``
-while open, ends without a completion, or ends and gets no reward within
-``reward_timeout_s``. A group is *closed* when it
-has ``n_samples`` sessions or ``group_timeout_s`` (when > 0) passed since it was bound; a
-closed group whose sessions are all done or dropped is *ready*: it trains with its done
-sessions, or, when every one was dropped, gives its slot back for another task.
+oldest is filled first and delivery in start order is not held up). ``start(task_id)`` joins
+the task's open group while it has fewer than ``n_samples`` sessions, else binds a new group of
+that task to the oldest free slot; with no free slot it raises :class:`Busy` (HTTP 429: the
+staleness bound would be exceeded). A session is *done* when it has ended and has a reward (for
+the whole session, or one for every completion), *dropped* when it idles past
+``session_timeout_s`` while open, ends without a completion, or ends and gets no reward within
+``reward_timeout_s``. A group is *closed* when it has ``n_samples`` sessions or
+``group_timeout_s`` (when > 0) passed since it was bound; a closed group whose sessions are all
+done or dropped is *ready*: it trains with its done sessions, or, when every one was dropped,
+gives its slot back for another task.
 """
 from __future__ import annotations
 

@@ -3,19 +3,19 @@
 later by a separate process.
 
     python examples/online_agent/agent.py all --run-dir runs/online-agent \
-        --data runs/online-agent/data/train.jsonl --agents 4
+        --data runs/online-agent/data/train.jsonl --agents 2 --group 4
 
 starts ``--agents`` talking processes and one rewarding process (``talk`` / ``reward`` run one
 of each). A talking process works on one task at a time with ``--group`` concurrent agents
-(threads, one session each: the task's group). An agent reads the gateway's address and admin key from
-``<run_dir>/online_gateway.json`` (written by the rollout worker, mode 0600), opens a session
-for a task (``POST /rl/start_session``; on 429/503 it waits ``Retry-After``), asks the model
-with ``openai.OpenAI(base_url=..., api_key=<session key>)``, ends the session and writes what
-it got to ``<log_dir>/talk-<i>.jsonl``. The rewarder reads those lines, waits ``--delay``
+(threads, one session each: the task's group). An agent reads the gateway's address and admin
+key from ``<run_dir>/online_gateway.json`` (written by the rollout worker, mode 0600), opens a
+session for a task (``POST /rl/start_session``; on 429/503 it waits ``Retry-After``), asks the
+model with ``openai.OpenAI(base_url=..., api_key=<session key>)``, ends the session and writes
+what it got to ``<log_dir>/talk-<i>.jsonl``. The rewarder reads those lines, waits ``--delay``
 seconds (a test suite, a human rating...), scores the reply (the fraction of characters that
 match the reversed digits of the tiny CPU task) and posts ``/rl/set_reward``;
-``<log_dir>/rewards.jsonl`` records each answer. Talking process ``a`` of ``A`` works on
-task ``j*A + a`` in its ``j``-th round.
+``<log_dir>/rewards.jsonl`` records each answer. Talking process ``a`` of ``A`` works on task
+``j*A + a`` in its ``j``-th round.
 """
 import argparse
 import json
