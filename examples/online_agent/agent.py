@@ -13,7 +13,8 @@ session for a task (``POST /rl/start_session``; on 429/503 it waits ``Retry-Afte
 model with ``openai.OpenAI(base_url=..., api_key=<session key>)``, ends the session and writes
 what it got to ``<log_dir>/talk-<i>.jsonl``. The rewarder reads those lines, waits ``--delay``
 seconds (a test suite, a human rating...), scores the reply (the fraction of characters that
-match the reversed digits of the tiny CPU task) and posts ``/rl/set_reward``;
+match the reversed digits of the tiny CPU task, or with ``--reward exact`` 1 for exactly the
+answer) and posts ``/rl/set_reward``;
 ``<log_dir>/rewards.jsonl`` records each answer. Talking process ``a`` of ``A`` works on task
 ``j*A + a`` in its ``j``-th round.
 """
@@ -134,7 +135,8 @@ def reward(args) -> None:
         now = time.time()
         for due, rec in [p for p in pending if p[0] <= now]:
             pending.remove((due, rec))
-            r = char_match(rec["reply"], rec["answer"])
+            r = (float(rec["reply"] == rec["answer"]) if args.reward == "exact"
+                 else char_match(rec["reply"], rec["answer"]))
             info = gateway(Path(args.run_dir))
             try:
                 st, ans, _ = post(info["base_url"] + "/rl/set_reward",
@@ -161,6 +163,8 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=10 ** 9, help="rounds per process")
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--delay", type=float, default=2.0, help="seconds before a reward")
+    p.add_argument("--reward", choices=["chars", "exact"], default="chars",
+                   help="chars: the fraction of matching characters; exact: 1 for the answer")
     p.add_argument("--give-up-s", type=float, default=120.0,
                    help="stop when the gateway is unreachable this long")
     args = p.parse_args()
@@ -173,7 +177,8 @@ def main() -> None:
     base = [sys.executable, __file__, "--run-dir", args.run_dir, "--log-dir", args.log_dir,
             "--agents", str(args.agents), "--group", str(args.group), "--give-up-s",
             str(args.give_up_s)]
-    procs = [subprocess.Popen(base[:2] + ["reward"] + base[2:] + ["--delay", str(args.delay)])]
+    procs = [subprocess.Popen(base[:2] + ["reward"] + base[2:] + [
+        "--delay", str(args.delay), "--reward", args.reward])]
     procs += [subprocess.Popen(base[:2] + ["talk"] + base[2:] + [
         "--data", args.data, "--agent", str(a), "--sessions", str(args.sessions),
         "--max-tokens", str(args.max_tokens)]) for a in range(args.agents)]
