@@ -126,6 +126,32 @@ class CriticConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """The agent gateway of ``rollout.workflow: online`` (docs/workflows.md, "Online RL")."""
+    host: str = _f("127.0.0.1", doc="bind address of the gateway; beyond loopback it needs "
+                   "admin_api_key and tls_cert/tls_key (or allow_insecure_http)")
+    port: int = _f(0, lo=0, hi=65535, doc="gateway port; 0 = any free (written to "
+                   "<run_dir>/online_gateway.json)")
+    admin_api_key: Optional[str] = _f(None, doc="bearer key of /rl/start_session; unset: a "
+                                      "random one in <run_dir>/online_gateway.json (mode 0600)")
+    tls_cert: str = _f("", doc="PEM certificate: serve HTTPS")
+    tls_key: str = _f("", doc="PEM private key of tls_cert")
+    allow_insecure_http: bool = _f(False, doc="let a non-loopback gateway serve plain HTTP "
+                                   "(logged; session keys then travel in clear)")
+    session_timeout_s: float = _f(600.0, lo=0.0, lo_open=True,
+                                  doc="an open session idle this long is dropped (idle)")
+    reward_timeout_s: float = _f(60.0, lo=0.0, lo_open=True,
+                                 doc="an ended session with no reward this long is dropped "
+                                 "(no_reward)")
+    group_timeout_s: float = _f(0.0, lo=0.0, doc="a task's group takes no new session after "
+                                "this long and trains with what it has; 0 = wait for "
+                                "rollout.n_samples sessions")
+    max_abs_reward: float = _f(1e6, lo=0.0, lo_open=True, doc="rewards outside +-this are "
+                               "refused (422)")
+    max_open_sessions: int = _f(1024, lo=1, doc="open sessions at most; more get 503")
+
+
+@dataclass
 class RolloutConfig:
     backend: str = _f("local", choices=["local", "sglang"])
     server_addrs: list = _f(factory=list, doc="external servers host:port; empty = launch ours")
@@ -158,7 +184,7 @@ class RolloutConfig:
     weight_bucket_mb: int = _f(512, lo=1)
     reward_fn: str = _f("areal_mega.rewards:math_reward",
                         doc="dotted path module:function(prompt, completion, answer, **kw)")
-    workflow: str = _f("rlvr", doc="rlvr | multi_turn | package.module:Name | "
+    workflow: str = _f("rlvr", doc="rlvr | multi_turn | online | package.module:Name | "
                        "path/to/file.py:Name (docs/workflows.md)")
     workflow_kwargs: dict = _f(factory=dict, doc="keyword arguments of the workflow")
     openai_port: int = _f(0, lo=0, hi=65535, doc="port of the OpenAI-compatible HTTP endpoint "
@@ -166,6 +192,7 @@ class RolloutConfig:
     turn_discount: float = _f(1.0, lo=0.0, hi=1.0, doc="reward discount per later completion "
                               "when an episode's calls are separate samples")
     mem_fraction_static: float = _f(0.8, lo=0.0, hi=1.0, lo_open=True)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
 
 @dataclass

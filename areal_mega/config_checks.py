@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
+from areal_mega.common.net import is_loopback_host
 from areal_mega.config_schema import ConfigError
 from areal_mega.data.sources import check_sources
 from areal_mega.parallel.allocation import AllocationError, parse_allocation
@@ -120,9 +121,28 @@ def validate(cfg) -> None:
         raise ConfigError(f"rollout.failure_min_prompts={r.failure_min_prompts}: must be <= "
                           f"rollout.failure_window ({r.failure_window})")
     wf = cfg.rollout.workflow
-    if wf not in ("rlvr", "multi_turn") and not _is_object_spec(wf):
-        raise ConfigError(f"rollout.workflow={wf!r}: must be rlvr, multi_turn, "
+    if wf not in ("rlvr", "multi_turn", "online") and not _is_object_spec(wf):
+        raise ConfigError(f"rollout.workflow={wf!r}: must be rlvr, multi_turn, online, "
                           "package.module:Name or path/to/file.py:Name")
+    if wf == "online":
+        _check_online(cfg.rollout.online)
+
+
+def _check_online(on) -> None:
+    """A gateway beyond loopback needs an admin key, and TLS or the explicit opt-out."""
+    if is_loopback_host(on.host):
+        if bool(on.tls_cert) != bool(on.tls_key):
+            raise ConfigError("rollout.online.tls_cert and rollout.online.tls_key go together")
+        return
+    if not on.admin_api_key:
+        raise ConfigError(f"rollout.online.host={on.host!r} (not loopback) needs "
+                          "rollout.online.admin_api_key: anyone who reaches the gateway "
+                          "could open sessions")
+    if not (on.tls_cert and on.tls_key) and not on.allow_insecure_http:
+        raise ConfigError(f"rollout.online.host={on.host!r} (not loopback) needs "
+                          "rollout.online.tls_cert and rollout.online.tls_key (session keys "
+                          "would travel in clear), or rollout.online.allow_insecure_http=true "
+                          "on a trusted network")
 
 
 def _is_object_spec(spec: str) -> bool:

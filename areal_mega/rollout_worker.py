@@ -156,7 +156,8 @@ class RolloutWorker:
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
             self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
-            inner_workflow = workflow_from_config(cfg.rollout)
+            inner_workflow = workflow_from_config(cfg.rollout, run_dir=str(self.run_dir),
+                                                  resume=cfg.recover == "auto" or relaunched)
         self.make_cursor = self.cursor.at   # the same prompt stream from another position
         if not cfg.rollout.server_addrs:
             raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "

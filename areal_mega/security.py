@@ -48,10 +48,11 @@ PRIVATE_MODE = 0o600
 
 
 def holds_secret(resolved: dict) -> bool:
-    """Whether a config dict (``config_to_dict`` shape) carries ``dataplane.secret`` or
-    ``rollout.api_key`` or ``teacher.api_key``."""
+    """Whether a config dict (``config_to_dict`` shape) carries ``dataplane.secret``,
+    ``rollout.api_key``, ``rollout.online.admin_api_key`` or ``teacher.api_key``."""
+    rollout = resolved.get("rollout") or {}
     return bool((resolved.get("dataplane") or {}).get("secret")
-                or (resolved.get("rollout") or {}).get("api_key")
+                or rollout.get("api_key") or (rollout.get("online") or {}).get("admin_api_key")
                 or (resolved.get("teacher") or {}).get("api_key"))
 
 

@@ -126,3 +126,26 @@ def test_sbatch_passes_the_key_file_to_every_step_and_refuses_it_in_argv(tmp_pat
     assert any("--serve-node" in s for s in steps) and any("torchrun.sh" in s for s in steps)
     assert all(s.startswith(f"SRUN key_file={key_file} ") for s in steps), steps
     assert KEY not in log + r.stdout + r.stderr
+
+
+def test_online_gateway_beyond_loopback_needs_an_admin_key_and_tls_or_the_opt_out():
+    on = ["rollout.workflow=online"]
+    assert load_config(str(TINY), on).rollout.online.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="rollout.online.admin_api_key"):
+        load_config(str(TINY), on + ["rollout.online.host=0.0.0.0"])
+    with pytest.raises(ConfigError, match="tls_cert and rollout.online.tls_key.*"
+                                          "allow_insecure_http"):
+        load_config(str(TINY), on + ["rollout.online.host=0.0.0.0",
+                                     "rollout.online.admin_api_key=k"])
+    for extra in (["rollout.online.allow_insecure_http=true"],
+                  ["rollout.online.tls_cert=c.pem", "rollout.online.tls_key=k.pem"]):
+        cfg = load_config(str(TINY), on + ["rollout.online.host=0.0.0.0",
+                                           "rollout.online.admin_api_key=k", *extra])
+    # the admin key is a secret: the resolved config file is private, trackers see none
+    from areal_mega.config import config_to_dict
+    from areal_mega.security import holds_secret, redact_secrets
+    tree = config_to_dict(cfg)
+    assert holds_secret(tree) and not holds_secret(config_to_dict(load_config(str(TINY), on)))
+    assert redact_secrets(tree)["rollout"]["online"]["admin_api_key"] == "<redacted>"
+    with pytest.raises(ConfigError, match="go together"):
+        load_config(str(TINY), on + ["rollout.online.tls_cert=c.pem"])

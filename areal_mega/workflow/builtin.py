@@ -13,6 +13,7 @@ from areal_mega.common.loading import load_object
 from areal_mega.rewards import load_reward_fn
 from areal_mega.workflow.api import (EpisodeWorkflow, SampleContext, WorkflowSettings,
                                      build_workflow)
+from areal_mega.workflow.online_gateway import OnlineWorkflow
 from areal_mega.workflow.tokens import TokenSeq, prompt_ids
 
 __all__ = ["RLVRWorkflow", "MultiTurnWorkflow", "RetryEnvironment", "TokenSeq", "prompt_ids",
@@ -117,15 +118,26 @@ class MultiTurnWorkflow(EpisodeWorkflow):
                                meta={"turns": len(servers), "n_interruptions": interrupts})]
 
 
-def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None) -> Any:
+def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None,
+                         run_dir: Optional[str] = None, resume: bool = False) -> Any:
     """Build the workflow named by ``rollout.workflow``: ``rlvr`` | ``multi_turn`` (with
-    ``rollout.reward_fn``), or a user's ``package.module:Name`` | ``path/to/file.py:Name``
+    ``rollout.reward_fn``), ``online`` (the agent gateway of ``rollout.online``, which writes
+    ``online_gateway.json`` and its session journal into ``run_dir``, continuing the journal
+    when ``resume``), or a user's ``package.module:Name`` | ``path/to/file.py:Name``
     built with ``rollout.workflow_kwargs`` (see :func:`workflow_api.build_workflow`)."""
 
     settings = WorkflowSettings(max_new_tokens=rollout_cfg.max_new_tokens,
                                 openai_port=rollout_cfg.openai_port,
                                 turn_discount=rollout_cfg.turn_discount)
     name, kwargs = rollout_cfg.workflow, dict(rollout_cfg.workflow_kwargs or {})
+    if name == "online":
+        if kwargs:
+            raise ValueError("rollout.workflow_kwargs: the online workflow takes none "
+                             "(its keys are rollout.online.*)")
+        wf = OnlineWorkflow(rollout_cfg.online, rollout_cfg.n_samples, run_dir=run_dir,
+                            resume=resume)
+        wf.settings = settings
+        return wf
     if name in ("rlvr", "multi_turn"):
         fn = reward_fn or load_reward_fn(rollout_cfg.reward_fn)
         if name == "rlvr":

@@ -1,0 +1,90 @@
+"""The online gateway's own journal, so that a SIGKILLed rollout worker loses no ended session
+and reports the sessions it left open.
+
+``<run_dir>/online/`` holds the trajectories of every *done* session (ended with its reward),
+fsync'd as soon as it is done (a :class:`~areal_mega.dataplane.journal.TrajectoryJournal`,
+appended again when a reward changes before delivery: the last record of a sample id wins),
+and ``events.jsonl``, one line per session started or dropped. A resumed worker regenerates
+exactly the prompt positions (slots) whose group the trainer lacks
+(:mod:`areal_mega.rollout.resume`); for such a position the gateway delivers the journaled
+sessions at once, with their original sample ids (a group the trainer had received already
+is then dropped as a duplicate by its buffer), instead of waiting for new ones. A session
+started and neither done nor dropped before the kill is counted dropped (``worker_restart``)
+once, by the first worker that starts after it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from areal_mega.dataplane.journal import TrajectoryJournal
+
+log = logging.getLogger(__name__)
+
+
+class OnlineJournal:
+    """See the module doc. ``fresh``: a new run, so an earlier run's files are removed."""
+
+    def __init__(self, directory, fresh: bool):
+        self.dir = Path(directory)
+        if fresh and self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.by_prompt: dict = {}        # prompt position -> {sample id: Trajectory}
+        done: set = set()
+        for t in TrajectoryJournal.replay(self.dir / "trajs"):
+            k = t.meta.get("prompt_index")
+            if isinstance(k, int):
+                self.by_prompt.setdefault(k, {})[t.sample_id] = t
+            done.add(t.meta.get("session_id"))
+        started, dropped = [], set()
+        events = self.dir / "events.jsonl"
+        text = events.read_text() if events.exists() else ""
+        if text:
+            for line in text.splitlines():
+                try:
+                    ev = json.loads(line)
+                except ValueError:       # a line cut short by the kill
+                    continue
+                if ev.get("start"):
+                    started.append(ev["start"])
+                elif ev.get("dropped"):
+                    dropped.add(ev["dropped"])
+        self.left_open = [s for s in started if s not in done and s not in dropped]
+        self._events = open(events, "a")
+        if text and not text.endswith("\n"):
+            self._events.write("\n")        # end the line the kill cut short
+        self._trajs = TrajectoryJournal(self.dir / "trajs")
+        for sid in self.left_open:
+            self.dropped(sid, "worker_restart")
+
+    def _event(self, ev: dict) -> None:
+        # flushed, not fsync'd: it survives a killed process (what it is for), and after a
+        # machine crash a lost start line only means one drop is not counted
+        self._events.write(json.dumps(ev) + "\n")
+        self._events.flush()
+
+    def started(self, session_id: str, prompt_index) -> None:
+        """A session started on the slot of ``prompt_index``."""
+        self._event({"start": session_id, "prompt_index": prompt_index})
+
+    def dropped(self, session_id: str, reason: str) -> None:
+        """A session was dropped (it will not be counted again on restart)."""
+        self._event({"dropped": session_id, "reason": reason})
+
+    def done(self, trajs: list) -> None:
+        """A done session's trajectories (``meta``: ``prompt_index``, ``session_id``);
+        durable when this returns."""
+        self._trajs.append(trajs)
+
+    def restore(self, prompt_index) -> list:
+        """The journaled trajectories of ``prompt_index`` (a slot being generated again), in
+        journal order; each position is restored once."""
+        return list(self.by_prompt.pop(prompt_index, {}).values())
+
+    def close(self) -> None:
+        """Close the files."""
+        self._trajs.close()
+        self._events.close()
