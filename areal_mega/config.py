@@ -15,6 +15,7 @@ from typing import Optional
 import yaml
 
 from areal_mega.config_checks import validate
+from areal_mega.config_logging import LoggingConfig, MlflowConfig, WandbConfig  # noqa: F401
 from areal_mega.config_presets import PRESETS, resolve_algorithm
 from areal_mega.config_schema import ConfigError, _build, _f, _merge, parse_overrides
 from areal_mega.security import api_key_from_env
@@ -325,42 +326,6 @@ class CheckpointConfig:
     save_every: int = _f(0, lo=0, doc="steps between checkpoints (0 = only at the end)")
     keep_last: int = _f(2, lo=1)
     load: str = _f("", doc="checkpoint directory to start from (model only, or full resume)")
-
-
-@dataclass
-class WandbConfig:
-    """Weights & Biases (``logging.trackers: [wandb]``, ``pip install -e .[wandb]``)."""
-    project: str = _f("areal-mega", doc="W&B project")
-    entity: str = _f("", doc="W&B team or user; empty = the key's default entity")
-    name: str = _f("", doc="run name; empty = the experiment's name")
-    tags: list = _f(factory=list, doc="run tags")
-    mode: str = _f("auto", choices=["auto", "online", "offline"],
-                   doc="auto: online with an API key and a reachable server, else offline "
-                       "(said once); offline runs upload later with `wandb sync`")
-
-
-@dataclass
-class MlflowConfig:
-    """MLflow (``logging.trackers: [mlflow]``, ``pip install -e .[mlflow]``)."""
-    tracking_uri: str = _f("", doc="empty = a local file store, file:<run_dir>/mlruns")
-    experiment: str = _f("", doc="experiment name; empty = the experiment's name")
-    run_name: str = _f("", doc="empty = the experiment's name")
-
-
-@dataclass
-class LoggingConfig:
-    run_dir: str = "runs/default"
-    tensorboard: bool = True
-    progress_bar: bool = True
-    plot: bool = True
-    trackers: list = _f(factory=list, doc="experiment trackers fed from trainer rank 0: "
-                        "tensorboard (= tensorboard: true), wandb, mlflow (pip install -e "
-                        ".[wandb] / .[mlflow])")
-    log_samples_every: int = _f(10, lo=0, doc="steps between sample groups written to "
-                                "<run_dir>/samples.jsonl and the trackers; 0 = off")
-    log_samples_groups: int = _f(2, lo=1, doc="prompt groups per sample log")
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

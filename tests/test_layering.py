@@ -24,7 +24,7 @@ ROOT = PKG.parent
 # Lowest first. A top-level module (config.py, trainer.py, ...) is a package of its own.
 LAYERS = [
     ["common"],
-    ["compat", "config_schema", "config_presets", "security"],
+    ["compat", "config_schema", "config_presets", "config_logging", "security"],
     ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
     ["checkpoint", "config_checks", "config", "scheduler", "ops"],
     ["algo", "engine"],
