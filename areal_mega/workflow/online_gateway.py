@@ -47,6 +47,7 @@ from areal_mega.workflow.episode_export import export_completions
 from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
                                               completion_request)
 from areal_mega.workflow.online_journal import OnlineJournal
+from areal_mega.workflow.openai_server import bearer_token, json_object_body
 from areal_mega.workflow.online_sessions import (DONE, DROPPED, OPEN, REMEMBER_FINISHED, Busy,
                                                 SessionBook, SessionError)
 from areal_mega.workflow.tokens import TokenSeq
@@ -61,21 +62,6 @@ def error_response(status: int, message: str, err_type: str = "invalid_request_e
     """An OpenAI-shaped error answer."""
     return web.json_response({"error": {"message": message, "type": err_type, "param": param,
                                         "code": None}}, status=status, headers=headers)
-
-
-def _bearer(request: web.Request) -> str:
-    auth = request.headers.get("Authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-
-
-async def _body(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OpenAIRequestError("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise OpenAIRequestError("request body must be a JSON object")
-    return body
 
 
 class OnlineWorkflow(EpisodeWorkflow):
@@ -278,7 +264,7 @@ class OnlineWorkflow(EpisodeWorkflow):
             return error_response(500, f"internal error: {e}", "server_error")
 
     def _auth_admin(self, request: web.Request) -> None:
-        if not self._is_admin(_bearer(request)):
+        if not self._is_admin(bearer_token(request)):
             raise OpenAIRequestError("invalid admin key: /rl/start_session needs "
                                      "rollout.online.admin_api_key as the Bearer token",
                                      status=401, err_type="authentication_error")
@@ -286,13 +272,13 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _own_session(self, request: web.Request) -> tuple:
         """``(session, body)``: the session named by ``body["session_id"]``, if the caller's
         key may act on it (the key is checked before the body is read)."""
-        key = _bearer(request)
+        key = bearer_token(request)
         own = self.keys.get(key)
         if not self._is_admin(key) and own is None:
             raise OpenAIRequestError("invalid API key: neither the admin key nor an open "
                                      "session's key", status=401,
                                      err_type="authentication_error")
-        body = await _body(request)
+        body = await json_object_body(request)
         sid = body.get("session_id")
         if sid is None:
             raise SessionError("session_id: required", 400, "session_id")
@@ -304,7 +290,7 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _start_session(self, request: web.Request) -> web.Response:
         async def go(request):
             self._auth_admin(request)
-            body = await _body(request)
+            body = await json_object_body(request)
             sid = f"sess-{uuid.uuid4().hex}"
             s = self.book.start(sid, body.get("task_id"), time.monotonic())
             ctx, _, k = self.slots[s.slot]
@@ -346,7 +332,7 @@ class OnlineWorkflow(EpisodeWorkflow):
         return await self._guard(go, request)
 
     def _session_of_key(self, request: web.Request, open_only: bool = True):
-        sid = self.keys.get(_bearer(request))
+        sid = self.keys.get(bearer_token(request))
         if sid is None:
             raise OpenAIRequestError("invalid API key: not an open session's key (from "
                                      "/rl/start_session)", status=401,
@@ -359,7 +345,7 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _complete(self, request: web.Request, handler) -> web.Response:
         async def go(request):
             s = self._session_of_key(request)
-            body = await _body(request)
+            body = await json_object_body(request)
             c = s.data.client
             s.inflight += 1
             self.book.touch(s, time.monotonic())

@@ -38,6 +38,24 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error",
                                         "code": None}}, status=status)
 
 
+
+def bearer_token(request: web.Request) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header ("" without one)."""
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+async def json_object_body(request: web.Request) -> dict:
+    """The request's JSON body, which must be an object; else :class:`OpenAIRequestError`
+    (HTTP 400)."""
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIRequestError("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise OpenAIRequestError("request body must be a JSON object")
+    return body
+
 class OpenAIHTTPServer:
     """An aiohttp site serving the OpenAI routes for the open sessions."""
 
@@ -80,9 +98,7 @@ class OpenAIHTTPServer:
         return key
 
     def _session(self, request: web.Request):
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        client = _SESSIONS.get(key)
+        client = _SESSIONS.get(bearer_token(request))
         if client is None:
             raise OpenAIRequestError("invalid API key: not an open episode session "
                                      "(use the OPENAI_API_KEY given to this episode)",
@@ -93,12 +109,7 @@ class OpenAIHTTPServer:
         self.n_requests += 1
         try:
             client = self._session(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise OpenAIRequestError("request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise OpenAIRequestError("request body must be a JSON object")
+            body = await json_object_body(request)
             out = await handler(body, client.generate, client.tokenizer, client.records,
                                 client.default_max_tokens)
             return web.json_response(out)
