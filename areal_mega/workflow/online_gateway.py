@@ -21,7 +21,8 @@ Each group the controller starts (under its staleness bound) is one slot of the
 it, and when it is ready its done sessions become the group's trajectories
 (:mod:`areal_mega.workflow.episode_export`), delivered like any other group (journal, prompt
 ledger, exactly once). Dropped sessions are counted as ``online/sessions_dropped/<reason>``
-(``rollout/online/...`` in the metrics rows).
+(``rollout/online/...`` in the metrics rows). Sessions ended before their reward survive a
+restart of the rollout worker (:mod:`~areal_mega.workflow.online_restore`).
 """
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ from areal_mega.common.net import is_loopback_host
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.security import write_run_file
 from areal_mega.workflow.api import EpisodeWorkflow, SampleContext
-from areal_mega.workflow.episode_export import export_completions
 from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
                                               completion_request)
 from areal_mega.workflow.online_journal import OnlineJournal
+from areal_mega.workflow.online_restore import (RestoredSession, ended_record, key_digest,
+                                                restored_sessions, session_trajectories)
 from areal_mega.workflow.openai_server import bearer_token, json_object_body
-from areal_mega.workflow.online_sessions import (DONE, DROPPED, OPEN, REMEMBER_FINISHED, Busy,
-                                                SessionBook, SessionError)
-from areal_mega.workflow.tokens import TokenSeq
+from areal_mega.workflow.online_sessions import (DONE, DROPPED, ENDED, OPEN, REMEMBER_FINISHED,
+                                                Busy, Session, SessionBook, SessionError)
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2
@@ -80,6 +81,7 @@ class OnlineWorkflow(EpisodeWorkflow):
                                 online.max_abs_reward, completion_ids=_completion_ids)
         self.run_dir = run_dir
         self.journal = None
+        self.restored: dict = {}      # session id -> RestoredSession (ended, awaiting reward)
         if run_dir:
             self.journal = OnlineJournal(Path(run_dir) / "online", fresh=not resume)
             if self.journal.left_open:
@@ -88,6 +90,14 @@ class OnlineWorkflow(EpisodeWorkflow):
                             len(self.journal.left_open))
                 counters.bump("online/sessions_dropped/worker_restart",
                               len(self.journal.left_open))
+            for sid, why in list(self.journal.dropped_before.items())[-REMEMBER_FINISHED:]:
+                self.book.finished[sid] = Session(sid, "", None, 0, 0.0, state=DROPPED,
+                                                  reason=why)    # a clear 410 if it comes
+            self.restored = restored_sessions(self.journal.awaiting, online.reward_timeout_s)
+            if self.restored:
+                log.info("%d online sessions ended before the restart still wait for their "
+                         "reward (rollout.online.reward_timeout_s from now)", len(self.restored))
+        self.restored_keys = {r.key_sha256: sid for sid, r in self.restored.items()}
         self.keys: dict = {}          # session key -> session id
         self.slots: dict = {}         # slot -> (EpisodeContext, ready-group future, prompt)
         self.port = 0
@@ -160,6 +170,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         ctx.at_close(self.close)
         await self.start()
         k = item.get("prompt_index")
+        while any(r.prompt_index == k for r in self.restored.values()):
+            await asyncio.sleep(TICK_S)    # its ended sessions: rewarded or dropped first
         restored = self.journal.restore(k) if self.journal is not None else []
         if restored:     # done sessions of this slot from before a restart: train them now
             log.info("online: %d journaled samples of prompt %s delivered again", len(restored),
@@ -188,25 +200,10 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     def _trajectories(self, s) -> list:
         sctx: SampleContext = s.data
-        records = sctx.client.records
-        meta = {"task_id": s.task_id, "session_id": s.session_id,
-                "prompt_index": sctx.item.get("prompt_index")}
-        if not s.completion_rewards:
-            out = export_completions(sctx, s.reward, records, self.settings.turn_discount)
-        else:     # per-completion rewards: each completion is its own sample
-            out = []
-            for k, rec in enumerate(records):
-                seq = TokenSeq()
-                seq.add_context(rec.prompt_ids)
-                seq.add_generated(rec.output_ids, rec.logprobs, rec.versions)
-                r = s.completion_rewards.get(rec.completion_id, s.reward)
-                out.append(sctx.trajectory(seq, float(r), len(rec.prompt_ids),
-                                           rec.finish_reason, suffix=f"-c{k}",
-                                           server_id=rec.server,
-                                           meta={"n_calls": 1, "chained": False}))
-        for t in out:
-            t.meta.update(meta)
-        return out
+        return session_trajectories(sctx, sctx.client.records, s.reward, s.completion_rewards,
+                                    self.settings.turn_discount,
+                                    {"task_id": s.task_id, "session_id": s.session_id,
+                                     "prompt_index": sctx.item.get("prompt_index")})
 
     async def _tick_forever(self) -> None:
         while True:
@@ -217,7 +214,14 @@ class OnlineWorkflow(EpisodeWorkflow):
                 log.exception("online gateway: tick failed")
 
     def _tick(self) -> None:
-        dropped, ready = self.book.tick(time.monotonic())
+        now = time.monotonic()
+        dropped, ready = self.book.tick(now)
+        for sid in [sid for sid, r in self.restored.items() if now > r.deadline]:
+            r = self.restored.pop(sid)
+            r.state, r.reason = DROPPED, "no_reward"
+            self.book.finished[sid] = Session(sid, r.task_id, None, 0, now, state=DROPPED,
+                                              reason="no_reward")
+            dropped.append(r)
         self._dropped(dropped)
         for g in ready:
             ctx_fut = self.slots.get(g.slot)
@@ -227,16 +231,33 @@ class OnlineWorkflow(EpisodeWorkflow):
     def _dropped(self, sessions: list) -> None:
         for s in sessions:
             counters.bump(f"online/sessions_dropped/{s.reason}")
-            if self.journal is not None:
+            # an ended session stopped by a shutdown is journaled: the next worker restores it
+            keep = s.reason == "shutdown" and getattr(s, "ended_at", None) is not None
+            if self.journal is not None and not keep:
                 self.journal.dropped(s.session_id, s.reason)
             log.info("online session %s (task %r) dropped: %s", s.session_id, s.task_id,
                      s.reason)
 
     def _settled(self, s) -> None:
-        """After an end or a reward: journal a done session (durable before the answer)."""
-        if s.state == DONE and self.journal is not None:
-            self.journal.done(self._trajectories(s))
+        """After an end or a reward: journal a done session, or an ended one still waiting
+        for its reward (durable before the answer)."""
+        if self.journal is not None:
+            if s.state == DONE:
+                self.journal.done(self._trajectories(s))
+            elif s.state == ENDED:
+                self.journal.ended(ended_record(s, s.data, s.data.api_key))
         self._tick()
+
+    def _reward_restored(self, r: RestoredSession, body: dict) -> str:
+        """A reward for a session restored after a restart: once it has one, journal its
+        trajectories for its prompt's next generation."""
+        r.set_reward(body["reward"], body.get("completion_id"), self.cfg.max_abs_reward)
+        if r.has_reward():
+            if self.journal is not None:
+                self.journal.done(r.trajectories(self.settings.turn_discount), restorable=True)
+            self.restored.pop(r.session_id, None)
+            r.state = DONE
+        return r.state
 
     # ------------------------------------------------------------------ HTTP
     def _is_admin(self, key: str) -> bool:
@@ -274,6 +295,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         key may act on it (the key is checked before the body is read)."""
         key = bearer_token(request)
         own = self.keys.get(key)
+        if own is None and key and self.restored_keys:
+            own = self.restored_keys.get(key_digest(key))
         if not self._is_admin(key) and own is None:
             raise OpenAIRequestError("invalid API key: neither the admin key nor an open "
                                      "session's key", status=401,
@@ -285,6 +308,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         if own is not None and own != sid:
             raise SessionError("this session key belongs to another session", 403,
                                "session_id")
+        if isinstance(sid, str) and sid in self.restored:
+            return self.restored[sid], body
         return self.book.get(sid), body
 
     async def _start_session(self, request: web.Request) -> web.Response:
@@ -314,6 +339,9 @@ class OnlineWorkflow(EpisodeWorkflow):
             s, body = await self._own_session(request)
             if "reward" not in body:
                 raise SessionError("reward: required", 400, "reward")
+            if isinstance(s, RestoredSession):
+                return web.json_response({"session_id": s.session_id,
+                                          "state": self._reward_restored(s, body)})
             self.book.set_reward(s, body["reward"], body.get("completion_id"),
                                  time.monotonic())
             self._settled(s)
@@ -323,6 +351,8 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _end_session(self, request: web.Request) -> web.Response:
         async def go(request):
             s, _ = await self._own_session(request)
+            if isinstance(s, RestoredSession):       # ended before the restart
+                return web.json_response({"session_id": s.session_id, "state": s.state})
             self.book.end(s, time.monotonic())
             if s.state == DROPPED:
                 self._dropped([s])

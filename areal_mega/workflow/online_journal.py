@@ -4,18 +4,22 @@ and reports the sessions it left open.
 ``<run_dir>/online/`` holds the trajectories of every *done* session (ended with its reward),
 fsync'd as soon as it is done (a :class:`~areal_mega.dataplane.journal.TrajectoryJournal`,
 appended again when a reward changes before delivery: the last record of a sample id wins),
-and ``events.jsonl``, one line per session started or dropped. A resumed worker regenerates
+``ended.jsonl``, one fsync'd line per session ended before its reward came (everything needed
+to train it, :func:`~areal_mega.workflow.online_restore.ended_record`), and ``events.jsonl``,
+one line per session started or dropped. A resumed worker regenerates
 exactly the prompt positions (slots) whose group the trainer lacks
 (:mod:`areal_mega.rollout.resume`); for such a position the gateway delivers the journaled
 sessions at once, with their original sample ids (a group the trainer had received already
 is then dropped as a duplicate by its buffer), instead of waiting for new ones. A session
 started and neither done nor dropped before the kill is counted dropped (``worker_restart``)
-once, by the first worker that starts after it.
+once, by the first worker that starts after it; a session ended but not yet rewarded is
+``awaiting`` (its reward may still come: :mod:`areal_mega.workflow.online_restore`).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -39,7 +43,7 @@ class OnlineJournal:
             if isinstance(k, int):
                 self.by_prompt.setdefault(k, {})[t.sample_id] = t
             done.add(t.meta.get("session_id"))
-        started, dropped = [], set()
+        started, dropped = [], {}
         events = self.dir / "events.jsonl"
         text = events.read_text() if events.exists() else ""
         if text:
@@ -51,14 +55,29 @@ class OnlineJournal:
                 if ev.get("start"):
                     started.append(ev["start"])
                 elif ev.get("dropped"):
-                    dropped.add(ev["dropped"])
-        self.left_open = [s for s in started if s not in done and s not in dropped]
+                    dropped[ev["dropped"]] = ev.get("reason", "")
+        ended = {}
+        path = self.dir / "ended.jsonl"
+        for line in (path.read_text().splitlines() if path.exists() else ()):
+            try:
+                rec = json.loads(line)
+            except ValueError:       # a line cut short by the kill (its end was not answered)
+                continue
+            ended[rec["session_id"]] = rec
+        self.awaiting = [r for s, r in ended.items() if s not in done and s not in dropped]
+        self.left_open = [s for s in started if s not in done and s not in dropped
+                          and s not in ended]
         self._events = open(events, "a")
         if text and not text.endswith("\n"):
             self._events.write("\n")        # end the line the kill cut short
         self._trajs = TrajectoryJournal(self.dir / "trajs")
+        self._ended = open(path, "a")
+        if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
+            self._ended.write("\n")
         for sid in self.left_open:
             self.dropped(sid, "worker_restart")
+            dropped[sid] = "worker_restart"
+        self.dropped_before = dropped    # session id -> why it was dropped (clear errors)
 
     def _event(self, ev: dict) -> None:
         # flushed, not fsync'd: it survives a killed process (what it is for), and after a
@@ -74,10 +93,21 @@ class OnlineJournal:
         """A session was dropped (it will not be counted again on restart)."""
         self._event({"dropped": session_id, "reason": reason})
 
-    def done(self, trajs: list) -> None:
+    def ended(self, record: dict) -> None:
+        """A session ended before its reward (:func:`~areal_mega.workflow.online_restore.
+        ended_record`); durable when this returns."""
+        self._ended.write(json.dumps(record) + "\n")
+        self._ended.flush()
+        os.fsync(self._ended.fileno())
+
+    def done(self, trajs: list, restorable: bool = False) -> None:
         """A done session's trajectories (``meta``: ``prompt_index``, ``session_id``);
-        durable when this returns."""
+        durable when this returns. ``restorable``: also kept for :meth:`restore` (a session
+        restored after a restart, rewarded now)."""
         self._trajs.append(trajs)
+        if restorable:
+            for t in trajs:
+                self.by_prompt.setdefault(t.meta.get("prompt_index"), {})[t.sample_id] = t
 
     def restore(self, prompt_index) -> list:
         """The journaled trajectories of ``prompt_index`` (a slot being generated again), in
@@ -88,3 +118,4 @@ class OnlineJournal:
         """Close the files."""
         self._trajs.close()
         self._events.close()
+        self._ended.close()

@@ -142,8 +142,12 @@ def reward(args) -> None:
                 st, ans, _ = post(info["base_url"] + "/rl/set_reward",
                                   {"session_id": rec["session_id"], "reward": r},
                                   info["admin_api_key"])
-            except OSError as e:         # the worker is restarting: the session is journaled
-                st, ans = 0, {"error": repr(e)[:200]}
+            except OSError as e:         # the worker is restarting: the session is journaled,
+                st, ans = 0, {"error": repr(e)[:200]}     # so post again in a second
+                rec["tries"] = rec.get("tries", 0) + 1
+                if rec["tries"] < args.give_up_s:
+                    pending.append((time.time() + 1.0, rec))
+                    continue
             out.write(json.dumps({"session_id": rec["session_id"], "reward": r, "status": st,
                                   "state": ans.get("state"), "time": time.time()}) + "\n")
             out.flush()

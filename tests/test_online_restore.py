@@ -1,0 +1,95 @@
+"""Sessions ended before their reward survive a restart of the rollout worker's gateway: a
+real CPU rollout server, a real RolloutController and the official ``openai`` package. The
+first gateway stops with one session done (ended, rewarded), one ended and waiting for its
+reward, and one still open; the gateway started after it on the same run directory accepts
+the waiting session's reward (with the session's own key), answers the open one's with a
+clear 410, and delivers the prompt's group with both sessions under their original ids,
+tokens and logprobs exactly as the agent was answered before the restart. (The SIGKILL of a
+real rollout worker is ``tests/test_e2e_online.py``.)"""
+import json
+
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from areal_mega.config import OnlineConfig
+from areal_mega.workflow.api import WorkflowSettings
+from areal_mega.workflow.online_gateway import INFO_FILE, OnlineWorkflow
+from tests.rollout_helpers import GroupSink, models, server  # noqa: F401
+from tests.test_online_gateway import post
+from areal_mega.rollout.controller import RolloutController
+from tests.test_openai_endpoint import API_KEY, NO_SPECIAL, RecordingClient, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _gateway(tmp_path, server, tok, resume):
+    wf = OnlineWorkflow(OnlineConfig(reward_timeout_s=120.0), n_samples=2,
+                        run_dir=str(tmp_path), resume=resume)
+    wf.settings = WorkflowSettings(max_new_tokens=8)
+    sink = GroupSink()
+    items = [{"prompt": f"p{k}", "answer": "", "prompt_index": k} for k in range(100)]
+    ctl = RolloutController(RecordingClient([server.addr], api_key=API_KEY, timeout_s=120,
+                                            retries=2), wf, items, batch_size=2, n_samples=2,
+                            eta=0, sink=sink, tokenizer=tok, ignore_eos=True).start()
+    def up():
+        ctl.raise_if_failed()
+        f = tmp_path / INFO_FILE
+        return wf.port and f.exists() and f":{wf.port}" in f.read_text()
+    wait_for(up)
+    info = json.loads((tmp_path / INFO_FILE).read_text())
+    return wf, ctl, sink, info["base_url"][len("http://"):], info["admin_api_key"]
+
+
+def test_an_ended_session_gets_its_reward_after_a_restart(server, models, tmp_path):
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    wf, ctl, _, addr, admin = _gateway(tmp_path, server, tok, resume=False)
+    sess, sent = {}, {}
+    try:
+        wait_for(lambda: len(wf.book.free_slots) == 2)
+        for name, task in (("done", "A"), ("waiting", "A"), ("open", "B")):
+            st, sess[name] = post(addr, "/rl/start_session", {"task_id": task}, admin)
+            assert st == 200, sess[name]
+        for name in ("done", "waiting"):
+            c = openai.OpenAI(base_url=sess[name]["base_url"], api_key=sess[name]["api_key"],
+                              max_retries=0, timeout=120)
+            ans = c.chat.completions.create(model="policy", max_tokens=8, logprobs=True,
+                                            messages=[{"role": "user", "content": name}],
+                                            logit_bias=NO_SPECIAL)
+            sent[name] = [x.logprob for x in ans.choices[0].logprobs.content]
+            sid, key = sess[name]["session_id"], sess[name]["api_key"]
+            assert post(addr, "/rl/end_session", {"session_id": sid}, key)[0] == 200
+        st, ans = post(addr, "/rl/set_reward", {"session_id": sess["done"]["session_id"],
+                                                "reward": 1.0}, admin)
+        assert (st, ans["state"]) == (200, "done")
+    finally:
+        ctl.stop()           # the group of task A never became ready: nothing delivered
+    # the next gateway on the same run directory
+    wf2, ctl2, sink2, addr2, admin2 = _gateway(tmp_path, server, tok, resume=True)
+    try:
+        assert set(wf2.restored) == {sess["waiting"]["session_id"]}
+        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["open"]["session_id"],
+                                                 "reward": 1.0}, admin2)
+        assert st == 410 and "dropped" in ans["error"]["message"]
+        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["waiting"]["session_id"],
+                                                 "reward": float("inf")},
+                       sess["waiting"]["api_key"])
+        assert st == 422
+        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["done"]["session_id"],
+                                                 "reward": 0.0}, sess["waiting"]["api_key"])
+        assert st == 403                          # its key is still its own only
+        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["waiting"]["session_id"],
+                                                 "reward": 0.5}, sess["waiting"]["api_key"])
+        assert (st, ans["state"]) == (200, "done")
+        group = sink2.take(ctl2, 1, timeout=60)[0]
+    finally:
+        ctl2.stop()
+    by_session = {t.meta["session_id"]: t for t in group}
+    assert set(by_session) == {sess["done"]["session_id"], sess["waiting"]["session_id"]}
+    for name, reward in (("done", 1.0), ("waiting", 0.5)):
+        t = by_session[sess[name]["session_id"]]
+        assert t.sample_id == sess[name]["sample_id"] and t.reward == reward
+        lps = t.logprobs[t.loss_mask.astype(bool)]
+        assert np.array_equal(lps, np.asarray(sent[name], dtype=np.float32))
+    assert len({t.group_id for t in group}) == 1
