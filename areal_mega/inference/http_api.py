@@ -16,7 +16,10 @@ What SGLang does, and so what this module does:
   keep every generated token, as on SGLang);
 - with ``return_logprob`` the answer carries ``input_token_logprobs`` from ``logprob_start_len``
   on (default: the last prompt token only, value None), at temperature 1; ``max_new_tokens: 0``
-  scores a sequence without generating (see :mod:`areal_mega.inference.input_logprobs`).
+  scores a sequence without generating (see :mod:`areal_mega.inference.input_logprobs`);
+- ``return_routed_experts`` on a server started with ``--enable-return-routed-experts`` adds
+  ``meta_info["routed_experts"]`` (format: :mod:`areal_mega.common.moe_routes`); without the
+  flag the request is served and the key left out, as SGLang does.
 
 Beyond SGLang's own checks (so that one bad request is answered 400 instead of failing the
 batch or the handler with 500): every float field must be finite (Python's ``json`` accepts
@@ -30,8 +33,10 @@ import math
 import uuid
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
+from areal_mega.common.moe_routes import encode_sglang_routes
 from areal_mega.inference.input_logprobs import needs_forward, resolve_start
 from areal_mega.inference.sampling import SamplingParams
 
@@ -344,5 +349,8 @@ def response_of(r, prompt_len: int, params: SamplingParams, return_logprob: bool
             meta["input_top_logprobs"] = [None]
             meta["output_top_logprobs"] = [[[lp, t, tok_text(t)] for lp, t in step]
                                            for step in r.top_logprobs]
+    if r.return_routed_experts and r.routes:  # SGLang: the first seqlen - 1 tokens' routes
+        seqlen = prompt_len + len(r.output_ids)
+        meta["routed_experts"] = encode_sglang_routes(np.concatenate(r.routes)[:seqlen - 1])
     return {"text": output_text(decode, r, params), "output_ids": list(r.output_ids),
             "meta_info": meta}

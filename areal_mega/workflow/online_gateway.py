@@ -198,7 +198,8 @@ class OnlineWorkflow(EpisodeWorkflow):
             for k, rec in enumerate(records):
                 seq = TokenSeq()
                 seq.add_context(rec.prompt_ids)
-                seq.add_generated(rec.output_ids, rec.logprobs, rec.versions)
+                seq.add_generated(rec.output_ids, rec.logprobs, rec.versions,
+                                  rec.routed_experts)
                 r = s.completion_rewards.get(rec.completion_id, s.reward)
                 out.append(sctx.trajectory(seq, float(r), len(rec.prompt_ids),
                                            rec.finish_reason, suffix=f"-c{k}",
