@@ -60,8 +60,8 @@ UNSUPPORTED_SAMPLING = ("stop_regex", "json_schema", "regex", "ebnf", "structura
 # top-level /generate keys that must keep their "off" value here
 UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
                         "lora_id", "custom_logit_processor", "session_params",
-                        "token_ids_logprob", "return_hidden_states", "return_routed_experts",
-                        "return_entropy", "stream")
+                        "token_ids_logprob", "return_hidden_states", "return_entropy",
+                        "stream")
 
 
 INT64_MAX = 2 ** 63 - 1
