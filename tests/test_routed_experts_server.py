@@ -152,3 +152,74 @@ def test_interrupted_generation_has_routes_for_every_token_but_the_last(servers,
     clear = margin[:len(ids) - 1] > TIE
     assert np.array_equal(routes[clear], fresh_rows[clear])
     assert np.array_equal(routes[clear], ref[:len(ids) - 1][clear])
+
+
+def test_launchers_start_servers_with_the_flag_when_replay_is_on(tmp_path):
+    """``algorithm.routing_replay: r3`` (the 30B-A3B recipe) adds SGLang's flag to every
+    server's argv, for SGLang and the CPU server alike; off adds nothing."""
+    from pathlib import Path
+
+    from areal_mega.config import load_config
+    from areal_mega.launch import local
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "recipes/qwen3-30b-a3b-math.yaml", [f"logging.run_dir={tmp_path}"])
+    assert cfg.algorithm.routing_replay == "r3"
+    argv = local.server_command(cfg, local.planned_layout(cfg).servers[0])
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert "--enable-return-routed-experts" in argv
+    cpu = load_config(root / "recipes/tiny-cpu.yaml", ["algorithm.routing_replay=r3"])
+    slot = local.make_layout(cpu, ports=[1234]).servers[0]
+    assert "--enable-return-routed-experts" in local.server_command(cpu, slot)
+    off = load_config(root / "recipes/tiny-cpu.yaml")
+    assert "--enable-return-routed-experts" not in local.server_command(off, slot)
+
+
+def test_replay_on_a_dense_model_is_a_config_error(moe):
+    from areal_mega.config import config_from_dict
+    from areal_mega.config_schema import ConfigError
+    from areal_mega.rollout.routes import replay_layout
+
+    cfg = config_from_dict({"model": {"path": str(moe["dense"])},
+                            "algorithm": {"routing_replay": "r3"}})
+    with pytest.raises(ConfigError, match="algorithm.routing_replay='r3'.*no mixture-of-experts"):
+        replay_layout(cfg)
+    cfg.model.path = str(moe["path"])
+    assert replay_layout(cfg) == RouteLayout(LAYERS, tuple(range(LAYERS)), TOPK, EXPERTS)
+    cfg.algorithm.routing_replay = "off"
+    assert replay_layout(cfg) is None
+
+
+def _never_right(prompt, completion, answer, finish_reason="stop"):
+    return 0.0
+
+
+def test_multi_turn_trajectory_routes(servers, moe):
+    """The built-in multi-turn workflow through the controller and the real server: turn 2's
+    prefill routes the environment tokens; the trajectory's routes are the model's own for
+    every token but the last (-1), and int16 of shape (L, layers, topk)."""
+    from areal_mega.data.dataset import load_tokenizer
+    from areal_mega.workflow.builtin import MultiTurnWorkflow, RetryEnvironment
+    from tests.rollout_helpers import GroupSink
+
+    on, _ = servers
+    wf = MultiTurnWorkflow(lambda: RetryEnvironment(_never_right, feedback="no, again:"),
+                           max_new_tokens=6, max_turns=3, apply_chat_template=False)
+    sink = GroupSink()
+    client = RolloutClient([on.addr], api_key=API_KEY, timeout_s=120, retries=1)
+    ctl = RolloutController(client, wf, [{"input_ids": [5, 6, 7, 8], "answer": "x"}],
+                            batch_size=1, n_samples=1, eta=0, temperature=0.0,
+                            tokenizer=load_tokenizer(str(moe["path"])), sink=sink,
+                            route_layout=RouteLayout.from_model_path(str(moe["path"])),
+                            ignore_eos=True).start()
+    try:
+        [[traj]] = sink.take(ctl, 1)
+    finally:
+        ctl.stop()
+    traj.validate()
+    assert traj.meta["turns"] == 3
+    ids = traj.input_ids.tolist()
+    routes = traj.token_extras["routed_experts"]
+    assert routes.shape == (len(ids), LAYERS, TOPK) and routes.dtype == np.int16
+    assert (routes[-1] == NO_ROUTE).all() and (routes[:-1] != NO_ROUTE).all()
+    assert_routes_match(moe["model"], ids, routes[:-1])
