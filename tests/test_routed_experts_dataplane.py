@@ -60,10 +60,13 @@ def test_sglang_codec_selects_moe_layers_and_checks_size():
     # what SGLang's own client does with the string
     assert np.array_equal(np.frombuffer(__import__("base64").b64decode(enc), np.int32),
                           rows.reshape(-1))
-    got = decode_sglang_routes(enc, 4, lay)
+    got = decode_sglang_routes(enc, lay, 4)
     assert got.dtype == np.int16 and np.array_equal(got, rows[:, 1:])
+    assert np.array_equal(decode_sglang_routes(enc, lay), got)
     with pytest.raises(ValueError, match="expected 5 tokens x 3 layers x top-2"):
-        decode_sglang_routes(enc, 5, lay)
+        decode_sglang_routes(enc, lay, 5)
+    with pytest.raises(ValueError, match="whole tokens"):
+        decode_sglang_routes(encode_sglang_routes(rows.reshape(-1)[:-1]), lay)
 
 
 def test_route_table_keeps_the_first_forward():
@@ -75,10 +78,13 @@ def test_route_table_keeps_the_first_forward():
     t.add(None)                              # a call that forwarded nothing
     t.add(b)
     t.add(np.full((4, 3, 2), 3, np.int16))   # shorter than what is known: nothing new
-    assert t.n_routed == 6
-    assert t.rows()[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 2]
-    full = t.full(8)
-    assert full[:6, 0, 0].tolist() == [1, 1, 1, 2, 2, 2] and (full[6:] == NO_ROUTE).all()
+    t.add(np.full((2, 3, 2), 4, np.int16), start=5)   # positions 5, 6: only 6 is new
+    assert t.n_routed == 7
+    with pytest.raises(ValueError, match="from position 9, only 7 known"):
+        t.add(np.full((1, 3, 2), 5, np.int16), start=9)
+    assert t.rows()[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 2, 4]
+    full = t.full(9)
+    assert full[:7, 0, 0].tolist() == [1, 1, 1, 2, 2, 2, 4] and (full[7:] == NO_ROUTE).all()
 
 
 def test_token_seq_multi_turn_routes():

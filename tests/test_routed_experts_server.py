@@ -223,3 +223,27 @@ def test_multi_turn_trajectory_routes(servers, moe):
     assert routes.shape == (len(ids), LAYERS, TOPK) and routes.dtype == np.int16
     assert (routes[-1] == NO_ROUTE).all() and (routes[:-1] != NO_ROUTE).all()
     assert_routes_match(moe["model"], ids, routes[:-1])
+
+
+def test_routed_experts_start_len(servers, moe):
+    """SGLang's ``routed_experts_start_len``: the answer starts at that token; out of
+    ``[0, prompt length]`` is a 400. The client's decoding accepts an answer from a server that
+    ignores the key (older SGLang: the whole sequence) as well."""
+    from areal_mega.rollout.generate_result import parse_generate_answer
+    from areal_mega.rollout.routes import call_routes
+
+    on, _ = servers
+    body = {"input_ids": [5, 6, 7, 8, 9], "return_routed_experts": True,
+            "sampling_params": sampling_dict(4, 0.0, ignore_eos=True)}
+    _, whole = http(on, "/generate", body)
+    status, part = http(on, "/generate", dict(body, routed_experts_start_len=3))
+    assert status == 200 and whole["output_ids"] == part["output_ids"]
+    assert np.array_equal(sglang_decode(part), sglang_decode(whole)[3:])
+    assert sglang_decode(part).shape == (5 + 4 - 1 - 3, LAYERS, TOPK)
+    status, err = http(on, "/generate", dict(body, routed_experts_start_len=6))
+    assert status == 400 and "routed_experts_start_len=6" in err["error"]["message"]
+    layout = RouteLayout.from_model_path(str(moe["path"]))
+    rows, first = call_routes(parse_generate_answer(part, on.addr), 5, layout, start=3)
+    assert first == 3 and np.array_equal(rows, sglang_decode(part).astype(np.int16))
+    rows, first = call_routes(parse_generate_answer(whole, on.addr), 5, layout, start=3)
+    assert first == 0 and len(rows) == 8

@@ -84,15 +84,19 @@ def encode_sglang_routes(rows: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
 
 
-def decode_sglang_routes(encoded: str, n_rows: int, layout: RouteLayout) -> np.ndarray:
-    """SGLang's ``meta_info["routed_experts"]`` -> ``[n_rows, n_moe_layers, topk]`` of
-    ``layout.dtype`` (the MoE layers' rows). ``ValueError`` when the size does not match."""
+def decode_sglang_routes(encoded: str, layout: RouteLayout,
+                         n_rows: Optional[int] = None) -> np.ndarray:
+    """SGLang's ``meta_info["routed_experts"]`` -> ``[rows, n_moe_layers, topk]`` of
+    ``layout.dtype`` (the MoE layers' rows). ``ValueError`` when the size is not a whole number
+    of rows, or not ``n_rows`` rows when given."""
     flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
     per_row = layout.num_hidden_layers * layout.topk
-    if flat.size != n_rows * per_row:
-        raise ValueError(f"meta_info.routed_experts: {flat.size} ids, expected {n_rows} tokens "
-                         f"x {layout.num_hidden_layers} layers x top-{layout.topk}")
-    full = flat.reshape(n_rows, layout.num_hidden_layers, layout.topk)
+    rows = flat.size // per_row
+    if flat.size % per_row or (n_rows is not None and rows != n_rows):
+        raise ValueError(f"meta_info.routed_experts: {flat.size} ids, expected "
+                         f"{'whole' if n_rows is None else n_rows} tokens x "
+                         f"{layout.num_hidden_layers} layers x top-{layout.topk}")
+    full = flat.reshape(rows, layout.num_hidden_layers, layout.topk)
     if len(layout.moe_layers) != layout.num_hidden_layers:
         full = full[:, list(layout.moe_layers)]
     return full.astype(layout.dtype)
@@ -112,11 +116,17 @@ class RouteTable:
         self._parts: list = []
         self.n_routed = 0
 
-    def add(self, rows: Optional[np.ndarray]) -> None:
-        """Rows for positions ``0 .. len(rows) - 1`` from one call."""
-        if rows is not None and len(rows) > self.n_routed:
-            self._parts.append(rows[self.n_routed:])
-            self.n_routed = len(rows)
+    def add(self, rows: Optional[np.ndarray], start: int = 0) -> None:
+        """Rows for positions ``start .. start + len(rows) - 1`` from one call (``start`` at
+        most the positions routed so far: the positions routed always form a prefix)."""
+        if rows is None:
+            return
+        if start > self.n_routed:
+            raise ValueError(f"routes from position {start}, only {self.n_routed} known")
+        end = start + len(rows)
+        if end > self.n_routed:
+            self._parts.append(rows[self.n_routed - start:])
+            self.n_routed = end
 
     def rows(self) -> np.ndarray:
         """``[n_routed, n_moe_layers, topk]``."""

@@ -58,6 +58,7 @@ class GenRequest:
     # SGLang's return_routed_experts: per forward that fed this request, the
     # [tokens, num_hidden_layers, topk] expert ids (see route_capture)
     return_routed_experts: bool = False
+    routes_start: int = 0   # routed_experts_start_len: the first position answered
     routes: list = field(default_factory=list)
 
     def _finish(self, reason: dict) -> None:

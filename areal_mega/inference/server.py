@@ -56,7 +56,7 @@ from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS,
                                            RequestTimeout, error_response, get_field,
                                            get_int_like, ignore_unknown, parse_dtype,
                                            parse_generate, parse_logprob_starts,
-                                           response_of)
+                                           parse_routes_start, response_of)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
@@ -128,6 +128,7 @@ def build_app(srv: LocalRolloutServer,
         # SGLang ignores the flag on a server started without --enable-return-routed-experts
         routes = get_field(body, "return_routed_experts", bool, False, "generate") \
             and srv.engine.routes is not None
+        routes_start = parse_routes_start(body, prompts) if routes else 0
         version, values = None, [[None]] * len(prompts)
         if starts is not None and any(needs_forward(k, len(p)) for k, p in zip(starts, prompts)):
             # SGLang's input_token_logprobs: one forward per prompt length, between decode steps
@@ -148,7 +149,7 @@ def build_app(srv: LocalRolloutServer,
                 gen = torch.Generator().manual_seed(params.sampling_seed)
             reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
                                    on_done=on_done, generator=gen,
-                                   return_routed_experts=routes))
+                                   return_routed_experts=routes, routes_start=routes_start))
             if version is not None:  # what a prefill-only request reports
                 reqs[-1].weight_version = version
             futs.append(fut)

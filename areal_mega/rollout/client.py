@@ -218,14 +218,16 @@ class RolloutClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list, sampling_params: dict, rid: Optional[str] = None,
                        sticky_key: Optional[str] = None,
-                       return_routed_experts: bool = False) -> GenerateResult:
+                       return_routed_experts: bool = False,
+                       routes_from: int = 0) -> GenerateResult:
         """``POST /generate`` with logprobs on the least-loaded server, retrying elsewhere on
         failure. Returns the parsed result (``finish_type`` is stop/length/abort). When every
         try failed for want of a server and ``hooks.down_wait_s`` is set, waits up to that
         long for one to come back (:meth:`wait_for_server`) and tries again.
         ``return_routed_experts``: ask for SGLang's routes (``GenerateResult.routed_experts``,
-        still encoded)."""
-        body = generate_body(input_ids, sampling_params, rid, return_routed_experts)
+        still encoded), from position ``routes_from`` on (``routed_experts_start_len``)."""
+        body = generate_body(input_ids, sampling_params, rid, return_routed_experts,
+                             routes_from)
         wait_s = self.hooks.down_wait_s
         deadline = time.monotonic() + (wait_s or 0.0)
         while True:

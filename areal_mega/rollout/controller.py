@@ -350,7 +350,8 @@ class RolloutController:
             try:
                 res = await self.client.generate(list(input_ids) + out, params,
                                                  rid=f"{key}-r{seg}", sticky_key=key,
-                                                 return_routed_experts=routes is not None)
+                                                 return_routed_experts=routes is not None,
+                                                 routes_from=routes.n_routed if routes else 0)
             finally:
                 self.n_inflight_requests -= 1
             v = submit_version
@@ -366,7 +367,9 @@ class RolloutController:
                     f"{res.server}/generate: aborted with status {status}: "
                     f"{(res.finish_reason or {}).get('message', '')}", status=int(status))
             if routes is not None:
-                routes.add(call_routes(res, len(input_ids) + len(out), self.route_layout))
+                got = call_routes(res, len(input_ids) + len(out), self.route_layout,
+                                  routes.n_routed)
+                routes.add(*(got or (None,)))
             out += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)

@@ -11,14 +11,16 @@ from areal_mega.config_schema import ConfigError
 from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
 
 
-def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout) -> Optional[np.ndarray]:
-    """``[n_input + len(res.output_ids) - 1, n_moe_layers, topk]``: the routes of the tokens
-    this call forwarded, by position from the start of its input; None for a call that
-    forwarded nothing (aborted before its prefill: no output, and SGLang then returns no
-    routes). :class:`RolloutRequestError` when the server left them out of an answer that has
-    output (a server started without ``--enable-return-routed-experts``) or sent a wrong
-    size."""
-    n_rows = n_input + len(res.output_ids) - 1
+def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
+                start: int = 0) -> Optional[tuple]:
+    """``(rows, first position)``: the routes of the tokens this call forwarded, positions
+    ``first .. n_input + len(res.output_ids) - 2`` from the start of its input, where ``first``
+    is the call's ``routed_experts_start_len`` (``start``) or 0 from a server that returns the
+    whole sequence regardless; None for a call that forwarded nothing (aborted before its
+    prefill: no output, and SGLang then returns no routes). :class:`RolloutRequestError` when
+    the server left them out of an answer that has output (a server started without
+    ``--enable-return-routed-experts``) or sent a wrong size."""
+    end = n_input + len(res.output_ids) - 1
     if res.routed_experts is None:
         if not res.output_ids:
             return None
@@ -27,9 +29,15 @@ def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout) -> Optio
             "request asked for them (algorithm.routing_replay is on); start the rollout "
             "servers with --enable-return-routed-experts")
     try:
-        return decode_sglang_routes(res.routed_experts, n_rows, layout)
+        rows = decode_sglang_routes(res.routed_experts, layout)
     except ValueError as e:
         raise RolloutRequestError(f"{res.server}/generate: {e}") from None
+    for first in (start, 0):
+        if len(rows) == end - first:
+            return rows, first
+    raise RolloutRequestError(f"{res.server}/generate: meta_info.routed_experts has "
+                              f"{len(rows)} tokens, expected {end - start} (from position "
+                              f"{start}) or {end}")
 
 
 def replay_layout(cfg) -> Optional[RouteLayout]:
