@@ -247,3 +247,17 @@ def test_routed_experts_start_len(servers, moe):
     assert first == 3 and np.array_equal(rows, sglang_decode(part).astype(np.int16))
     rows, first = call_routes(parse_generate_answer(whole, on.addr), 5, layout, start=3)
     assert first == 0 and len(rows) == 8
+
+
+def test_config_check_refuses_replay_on_a_dense_model(moe):
+    from areal_mega.config import config_from_dict
+    from areal_mega.config_checks import check_against_model
+    from areal_mega.config_schema import ConfigError
+
+    cfg = config_from_dict({"model": {"path": str(moe["dense"])},
+                            "algorithm": {"routing_replay": "r3"},
+                            "data": {"max_prompt_len": 64}, "rollout": {"max_new_tokens": 64}})
+    with pytest.raises(ConfigError, match="routing_replay='r3'.*set algorithm.routing_replay=off"):
+        check_against_model(cfg)
+    cfg.model.path = str(moe["path"])
+    check_against_model(cfg)
