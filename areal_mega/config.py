@@ -268,6 +268,10 @@ class AlgorithmConfig:
                   "advantage -opd_coef*(log pi - log pi_teacher) per token instead of the "
                   "outcome advantage; add = the outcome advantage plus it (needs teacher.*)")
     opd_coef: float = _f(1.0, lo=0.0, lo_open=True, doc="scale of the OPD advantage term")
+    routing_replay: str = _f("off", choices=["off", "r3"], doc="MoE routing replay: r3 = the "
+                             "rollout servers return each token's routed experts and the "
+                             "trainer's routers replay them (servers get "
+                             "--enable-return-routed-experts)")
 
 
 @dataclass

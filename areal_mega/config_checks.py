@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
+from areal_mega.common.moe_routes import RouteLayout
 from areal_mega.common.net import is_loopback_host
 from areal_mega.config_schema import ConfigError
 from areal_mega.data.sources import check_sources
@@ -47,6 +48,17 @@ def model_context(model_path: str) -> Optional[tuple]:
     return None
 
 
+def _check_routing_replay(cfg) -> None:
+    """``algorithm.routing_replay`` on needs a mixture-of-experts ``model.path`` (checked when
+    its config.json is here)."""
+    path = Path(cfg.model.path or ".") / "config.json"
+    if cfg.algorithm.routing_replay != "off" and path.is_file() \
+            and RouteLayout.from_model_path(cfg.model.path) is None:
+        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
+                          f"model.path={cfg.model.path!r} has no mixture-of-experts layers "
+                          f"({path}); set algorithm.routing_replay=off")
+
+
 def check_against_model(cfg) -> None:
     """Raise one :class:`ConfigError` naming the keys when, in RL mode, the longest prompt the
     data may hold plus the generation budget (``data.max_prompt_len +
@@ -56,6 +68,7 @@ def check_against_model(cfg) -> None:
     check_teacher_model(cfg)
     if cfg.mode != "rl":
         return
+    _check_routing_replay(cfg)
     known = model_context(cfg.model.path)
     if known is None:
         return

@@ -49,6 +49,7 @@ from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.counts import CountCarrier, counts_of
 from areal_mega.rollout.failures import FailureRate, FailureRateExceeded, episode_failure_policy
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
+from areal_mega.rollout.routes import replay_layout
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics
 from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration
 from areal_mega.workflow.builtin import workflow_from_config
@@ -227,7 +228,7 @@ class RolloutWorker:
                                 eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 tokenizer=self.tokenizer, sink=self._sink,
-                                initial_version=version,
+                                initial_version=version, route_layout=replay_layout(self.cfg),
                                 on_episode_failure=episode_failure_policy(r.on_episode_failure,
                                                                           r.workflow),
                                 failure_rate=FailureRate(r.failure_rate_ceiling,

@@ -7,6 +7,9 @@
 #     launch/torchrun.sh recipes/qwen2.5-7b-math.yaml allocation=sglang:d2+megatron:d4t2 \
 #       rollout.server_addrs=10.0.0.5:30000,10.0.0.6:30000 [key=value ...]
 # (the allocation's rollout part describes the servers: one per address, its t = --tp-size)
+# With algorithm.routing_replay: r3 those servers must run with --enable-return-routed-experts
+# (launch.local and launch/slurm/run.sbatch add it themselves); otherwise the first /generate
+# fails with an error naming the flag.
 #
 # Environment (all optional):
 #   PYTHON          python with areal_mega's dependencies       (default: the repository's

@@ -93,3 +93,35 @@ def test_an_ended_session_gets_its_reward_after_a_restart(server, models, tmp_pa
         lps = t.logprobs[t.loss_mask.astype(bool)]
         assert np.array_equal(lps, np.asarray(sent[name], dtype=np.float32))
     assert len({t.group_id for t in group}) == 1
+
+
+def test_an_ended_sessions_journal_record_round_trips_exactly():
+    """The journal record of an ended session (JSON) gives back its completions exactly:
+    logprobs as the same floats, routing-replay routes with their dtype and shape."""
+    from types import SimpleNamespace
+
+    from areal_mega.workflow.online_restore import ended_record, key_digest, restored_sessions
+    from areal_mega.workflow.openai_client import CompletionRecord
+
+    routes = np.arange(24, dtype=np.int16).reshape(4, 3, 2) - 1
+    recs = [CompletionRecord([1, 2], [3, 4], [-0.1234567890123, -2.5e-7], [0, 1], "stop",
+                             server="s0", completion_id="chatcmpl-x-0", routed_experts=routes),
+            CompletionRecord([1, 2, 3, 4, 9], [5], [-1.0], [1], "length",
+                             completion_id="chatcmpl-y-0")]
+    sample = SimpleNamespace(item={"prompt_index": 7}, sample_id="run-g3-s1",
+                             group_id="run-g3", client=SimpleNamespace(records=recs))
+    session = SimpleNamespace(session_id="sess-1", task_id="T", reward=None,
+                              completion_rewards={"chatcmpl-x-0": 0.5})
+    rec = json.loads(json.dumps(ended_record(session, sample, "sk-key")))
+    assert rec["key_sha256"] == key_digest("sk-key") and "sk-key" not in json.dumps(rec)
+    r = restored_sessions([rec], reward_timeout_s=5.0, now=100.0)["sess-1"]
+    assert r.deadline == 105.0 and not r.has_reward()
+    assert r.records[0].logprobs == recs[0].logprobs and r.records[1] == recs[1]
+    got = r.records[0].routed_experts
+    assert got.dtype == np.int16 and np.array_equal(got, routes)
+    r.set_reward(1.0, "chatcmpl-y", max_abs=10.0)       # a response id covers its choices
+    assert r.has_reward()
+    trajs = r.trajectories(turn_discount=1.0)
+    assert [t.sample_id for t in trajs] == ["run-g3-s1-c0", "run-g3-s1-c1"]
+    assert [t.reward for t in trajs] == [0.5, 1.0] and trajs[0].group_id == "run-g3"
+    assert trajs[1].meta["prompt_index"] == 7 and trajs[1].meta["restored"]

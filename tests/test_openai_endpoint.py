@@ -42,9 +42,9 @@ class RecordingClient(RolloutClient):
         super().__init__(*a, **kw)
         self.answers: list = []
 
-    async def generate(self, input_ids, sampling_params, rid=None, sticky_key=None):
+    async def generate(self, input_ids, sampling_params, rid=None, sticky_key=None, **kw):
         res = await super().generate(input_ids, sampling_params, rid=rid,
-                                     sticky_key=sticky_key)
+                                     sticky_key=sticky_key, **kw)
         self.answers.append((rid, res))
         return res
 

@@ -15,7 +15,8 @@ reward         float32  scalar per sample (shape ``()``) or per token (shape ``[
 Metadata: ``sample_id`` (unique), ``group_id`` (same prompt), ``prompt_len``, ``finish_reason``
 (``stop`` | ``length`` | ``abort``), ``created_at`` (unix seconds), ``server_id`` (rollout
 server), ``meta`` (free-form JSON-able extras) and ``token_extras`` (extra per-token arrays of
-length L, e.g. ``ref_logprobs`` or ``values``).
+length L, e.g. ``ref_logprobs`` or ``values``; ``routed_experts`` alone is ``(L, layers, topk)``
+of an integer dtype, see :mod:`areal_mega.common.moe_routes`).
 
 :meth:`Trajectory.validate` checks every field and raises :class:`TrajectoryError` naming the
 offending field; the data plane runs it on every received message.
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import numpy as np
+
+from areal_mega.common.moe_routes import ROUTED_EXPERTS
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Allowed values of ``finish_reason``; packed batches encode them as their index here."""
@@ -86,6 +89,18 @@ def failed_value_rules(input_ids: np.ndarray, loss_mask: np.ndarray, logprobs: n
         if trained.size and not (np.isfinite(trained).all() and trained.max() <= 0.0):
             bits |= BAD_LOGPROB
     return bits
+
+
+def _check_routes(key: str, arr: np.ndarray, n: int, sid: Optional[str]) -> None:
+    """The one extra that is not ``(L,)``: MoE routes ``(L, layers, topk)`` of an integer
+    dtype, expert ids >= -1 (-1: not forwarded; see :mod:`areal_mega.common.moe_routes`)."""
+    if arr.dtype.kind not in "iu":
+        raise TrajectoryError(key, f"dtype {arr.dtype}, expected an integer dtype", sid)
+    if arr.ndim != 3 or arr.shape[0] != n or not arr.shape[1] or not arr.shape[2]:
+        raise TrajectoryError(key, f"shape {tuple(arr.shape)}, expected ({n}, layers, topk)",
+                              sid)
+    if arr.dtype.kind == "i" and _MIN(arr.reshape(-1)) < -1:
+        raise TrajectoryError(key, f"expert id {int(arr.min())} < -1", sid)
 
 
 class TrajectoryError(ValueError):
@@ -281,7 +296,8 @@ class Trajectory:
         <= 0 where ``loss_mask`` is 1; ``reward`` finite, shape ``()`` or ``[L]``;
         ``0 <= prompt_len <= L``; ``finish_reason`` in :data:`FINISH_REASONS`; ``sample_id``
         non-empty; ``created_at`` finite; ``meta`` a dict; extras of allowed dtypes, length L,
-        names not reserved. Returns ``self`` so it can be chained.
+        names not reserved (``routed_experts``: shape ``(L, layers, topk)``, integer, >= -1).
+        Returns ``self`` so it can be chained.
         """
         sid = self.sample_id or None
         if type(sid) is not str and not isinstance(sid, str):
@@ -351,7 +367,9 @@ class Trajectory:
             if not isinstance(arr, np.ndarray) or arr.dtype not in ALLOWED_EXTRA_DTYPES:
                 raise TrajectoryError(key, f"dtype {getattr(arr, 'dtype', type(arr))} not "
                                       "allowed", sid)
-            if arr.shape != (n,):
+            if name == ROUTED_EXPERTS:
+                _check_routes(key, arr, n, sid)
+            elif arr.shape != (n,):
                 raise TrajectoryError(key, f"shape {tuple(arr.shape)}, expected ({n},)", sid)
         return self
 

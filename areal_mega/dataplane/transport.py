@@ -331,7 +331,9 @@ class TrajectoryReceiver:
         for peer in list(self._unacked):
             self._ack(peer)
 
-    def _reject(self, err: WireError) -> None:
+    def reject(self, err: WireError) -> None:
+        """Count and log (rate-limited) a dropped message; also for a trajectory refused by a
+        check after decoding (e.g. the trainer intake's routes check)."""
         self.rejected[err.reason] += 1
         n = self.rejected[err.reason]
         if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
@@ -381,7 +383,7 @@ class TrajectoryReceiver:
                 traj = decode_trajectory(frames, self._secret, max_message_bytes=self._max_bytes,
                                          validate=self._validate)
             except WireError as e:
-                self._reject(e)
+                self.reject(e)
                 continue
             self.accepted += 1
             self.bytes_accepted += sum(map(len, frames))

@@ -32,6 +32,7 @@ import torch
 
 from areal_mega.inference.cpu_linear import pack_linear_layers
 from areal_mega.inference.kv_cache import make_kv_batch
+from areal_mega.inference.route_capture import RouteCapture
 from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
 
 __all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
@@ -54,6 +55,11 @@ class GenRequest:
     abort_message: str = ""
     generator: Optional[torch.Generator] = None
     created_at: float = field(default_factory=time.time)
+    # SGLang's return_routed_experts: per forward that fed this request, the
+    # [tokens, num_hidden_layers, topk] expert ids (see route_capture)
+    return_routed_experts: bool = False
+    routes_start: int = 0   # routed_experts_start_len: the first position answered
+    routes: list = field(default_factory=list)
 
     def _finish(self, reason: dict) -> None:
         if self.finish_reason is None:
@@ -73,11 +79,14 @@ class BatchedEngine:
 
     def __init__(self, model, eos_token_id, max_running: int = 64,
                  weight_version: str = "0", decode: Optional[Callable[[list], str]] = None,
-                 prepack_linears: bool = True):
+                 prepack_linears: bool = True, capture_routes: bool = False):
         """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
         only for stop strings. ``prepack_linears``: run the model's linear layers through
-        oneDNN with prepacked weights (:mod:`areal_mega.inference.cpu_linear`)."""
+        oneDNN with prepacked weights (:mod:`areal_mega.inference.cpu_linear`).
+        ``capture_routes``: record the routed experts of requests that ask for them
+        (:mod:`areal_mega.inference.route_capture`; ValueError for a dense model)."""
         self.model = model
+        self.routes = RouteCapture(model) if capture_routes else None
         self.prepacked_linears = pack_linear_layers(model) if prepack_linears else 0
         self.config = model.config
         if isinstance(eos_token_id, (list, tuple, set, frozenset)):
@@ -271,7 +280,13 @@ class BatchedEngine:
         for r in reqs:
             r.weight_version = self.weight_version
         ids = torch.tensor([r.input_ids for r in reqs], dtype=torch.long)
+        capture = self._begin_routes(reqs)
         logits, kv = self._batch.prefill(ids)
+        if capture:  # row b of the prefill: its prompt's L tokens
+            rows = self.routes.end(len(reqs) * L).reshape(len(reqs), L, *capture)
+            for r, rr in zip(reqs, rows):
+                if r.return_routed_experts:
+                    r.routes.append(rr)
         toks = self._sample_and_record(reqs, logits)
         keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
                 if tok is not None and not self._check_finished(r, tok)]
@@ -284,7 +299,13 @@ class BatchedEngine:
 
     def _decode_step(self) -> None:
         B = len(self._active)
+        capture = self._begin_routes(self._active)
         logits = self._batch.decode(self._last_tok)
+        if capture:  # row i: the token fed for request i
+            rows = self.routes.end(B)
+            for i, r in enumerate(self._active):
+                if r.return_routed_experts:
+                    r.routes.append(rows[i:i + 1])
         self.steps += 1
         toks = self._sample_and_record(self._active, logits)
         keep = []
@@ -296,6 +317,15 @@ class BatchedEngine:
                 keep.append(i)
         if len(keep) != B:
             self._select(keep)
+
+    def _begin_routes(self, reqs: list) -> Optional[tuple]:
+        """Start recording routes when a request of this forward asks for them; returns the
+        ``(layers, topk)`` of a row then, else None (nothing recorded, nothing to pay)."""
+        if self.routes is None or not any(r.return_routed_experts for r in reqs):
+            return None
+        self.routes.begin()
+        lay = self.routes.layout
+        return lay.num_hidden_layers, lay.topk
 
     def _select(self, keep: list) -> None:
         """Keep batch rows ``keep``."""

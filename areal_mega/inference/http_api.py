@@ -16,7 +16,11 @@ What SGLang does, and so what this module does:
   keep every generated token, as on SGLang);
 - with ``return_logprob`` the answer carries ``input_token_logprobs`` from ``logprob_start_len``
   on (default: the last prompt token only, value None), at temperature 1; ``max_new_tokens: 0``
-  scores a sequence without generating (see :mod:`areal_mega.inference.input_logprobs`).
+  scores a sequence without generating (see :mod:`areal_mega.inference.input_logprobs`);
+- ``return_routed_experts`` on a server started with ``--enable-return-routed-experts`` adds
+  ``meta_info["routed_experts"]`` (format: :mod:`areal_mega.common.moe_routes`); without the
+  flag the request is served and the key left out, as SGLang does; ``routed_experts_start_len``
+  (in ``[0, prompt length]``) starts them at that token.
 
 Beyond SGLang's own checks (so that one bad request is answered 400 instead of failing the
 batch or the handler with 500): every float field must be finite (Python's ``json`` accepts
@@ -30,8 +34,10 @@ import math
 import uuid
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
+from areal_mega.common.moe_routes import encode_sglang_routes
 from areal_mega.inference.input_logprobs import needs_forward, resolve_start
 from areal_mega.inference.sampling import SamplingParams
 
@@ -55,8 +61,8 @@ UNSUPPORTED_SAMPLING = ("stop_regex", "json_schema", "regex", "ebnf", "structura
 # top-level /generate keys that must keep their "off" value here
 UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
                         "lora_id", "custom_logit_processor", "session_params",
-                        "token_ids_logprob", "return_hidden_states", "return_routed_experts",
-                        "return_entropy", "stream")
+                        "token_ids_logprob", "return_hidden_states", "return_entropy",
+                        "stream")
 
 
 INT64_MAX = 2 ** 63 - 1
@@ -308,6 +314,17 @@ def parse_logprob_starts(body: dict, prompts: list) -> Optional[list]:
     return starts
 
 
+def parse_routes_start(body: dict, prompts: list) -> int:
+    """SGLang's ``routed_experts_start_len``: the answer's routes cover tokens
+    ``[start, seqlen - 1)``; must be in ``[0, prompt length]`` (400 naming the key)."""
+    start = get_field(body, "routed_experts_start_len", int, 0, "generate")
+    shortest = min(len(p) for p in prompts)
+    if not 0 <= start <= shortest:
+        raise BadRequest(f"generate.routed_experts_start_len={start}: must be in "
+                         f"[0, {shortest}] (the prompt's length)")
+    return start
+
+
 def output_text(decode, r, params: SamplingParams) -> str:
     """The ``text`` SGLang returns for finished request ``r`` (see the module docstring)."""
     if decode is None:
@@ -344,5 +361,9 @@ def response_of(r, prompt_len: int, params: SamplingParams, return_logprob: bool
             meta["input_top_logprobs"] = [None]
             meta["output_top_logprobs"] = [[[lp, t, tok_text(t)] for lp, t in step]
                                            for step in r.top_logprobs]
+    if r.return_routed_experts and r.routes:  # SGLang: tokens [start, seqlen - 1)
+        seqlen = prompt_len + len(r.output_ids)
+        meta["routed_experts"] = encode_sglang_routes(
+            np.concatenate(r.routes)[r.routes_start:seqlen - 1])
     return {"text": output_text(decode, r, params), "output_ids": list(r.output_ids),
             "meta_info": meta}

@@ -8,6 +8,8 @@ Endpoints (same paths and JSON fields as SGLang):
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
 ``/update_weight_version``, ``/flush_cache``; ``GET /health``, ``/health_generate``,
 ``/get_model_info`` (alias ``/model_info``), ``/get_server_info`` (alias ``/server_info``).
+``--enable-return-routed-experts`` (MoE models): ``/generate`` with ``return_routed_experts``
+answers the tokens' routed experts as SGLang does (:mod:`areal_mega.inference.route_capture`).
 
 As on SGLang, request bodies are parsed leniently: keys an endpoint does not know are ignored
 (except inside ``sampling_params``, see :mod:`areal_mega.inference.http_api`). Bad input
@@ -54,7 +56,7 @@ from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS,
                                            RequestTimeout, error_response, get_field,
                                            get_int_like, ignore_unknown, parse_dtype,
                                            parse_generate, parse_logprob_starts,
-                                           response_of)
+                                           parse_routes_start, response_of)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
@@ -123,6 +125,10 @@ def build_app(srv: LocalRolloutServer,
         prompts, params, n, rids, as_list = parse_generate(
             body, srv.tokenizer, srv.vocab_size, srv.max_context)
         starts = parse_logprob_starts(body, prompts)
+        # SGLang ignores the flag on a server started without --enable-return-routed-experts
+        routes = get_field(body, "return_routed_experts", bool, False, "generate") \
+            and srv.engine.routes is not None
+        routes_start = parse_routes_start(body, prompts) if routes else 0
         version, values = None, [[None]] * len(prompts)
         if starts is not None and any(needs_forward(k, len(p)) for k, p in zip(starts, prompts)):
             # SGLang's input_token_logprobs: one forward per prompt length, between decode steps
@@ -142,7 +148,8 @@ def build_app(srv: LocalRolloutServer,
             if params.sampling_seed is not None:
                 gen = torch.Generator().manual_seed(params.sampling_seed)
             reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
-                                   on_done=on_done, generator=gen))
+                                   on_done=on_done, generator=gen,
+                                   return_routed_experts=routes, routes_start=routes_start))
             if version is not None:  # what a prefill-only request reports
                 reqs[-1].weight_version = version
             futs.append(fut)
@@ -336,6 +343,7 @@ def build_app(srv: LocalRolloutServer,
             "num_running": e.num_running, "num_waiting": e.num_waiting, "paused": e.paused,
             "decode_steps": e.steps, "tokens_generated": e.tokens_generated,
             "sampling_errors": e.sampling_errors, "joining_groups": sorted(srv.joining),
+            "enable_return_routed_experts": e.routes is not None,
             "receiving_buckets": srv.receiving,
             "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
 
@@ -381,6 +389,9 @@ def main(argv: Optional[list] = None) -> None:
                     help="seconds a connection may take to send complete request headers "
                          "(after opening or after its previous answer) and, separately, its "
                          "body; slower connections are closed")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="answer return_routed_experts with meta_info.routed_experts "
+                         "(MoE models only), as SGLang's flag")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     if not args.idle_timeout > 0:
@@ -396,7 +407,8 @@ def main(argv: Optional[list] = None) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.num_threads)
     srv = LocalRolloutServer(args.model_path, max_running=args.max_running_requests,
-                             api_key=args.api_key, max_context=args.max_context)
+                             api_key=args.api_key, max_context=args.max_context,
+                             enable_return_routed_experts=args.enable_return_routed_experts)
     print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
           flush=True)
     web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,

@@ -32,7 +32,9 @@ class LocalRolloutServer:
     """The model, its engine, the tokenizer and the weight-update process groups."""
 
     def __init__(self, model_path: str, max_running: int = 64, api_key: Optional[str] = None,
-                 max_context: Optional[int] = None):
+                 max_context: Optional[int] = None, enable_return_routed_experts: bool = False):
+        """``enable_return_routed_experts``: capture MoE routes for requests asking for them
+        (ValueError for a dense model)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -53,7 +55,8 @@ class LocalRolloutServer:
         if self.tokenizer is not None:
             self.decode = lambda ids, **kw: self.tokenizer.decode(ids, **kw)
         self.engine = BatchedEngine(self.model, eos_token_id=eos, max_running=max_running,
-                                    decode=self.decode)
+                                    decode=self.decode,
+                                    capture_routes=enable_return_routed_experts)
         self.groups: dict = {}  # group name -> process group
         self.joining: set = set()  # group names whose rendezvous is in progress
         self.receiving = 0         # buckets of a distributed weight update being received

@@ -22,42 +22,20 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import aiohttp
 
+from areal_mega.rollout.generate_result import (GenerateResult, RolloutRequestError,
+                                                RolloutServerError, generate_body,
+                                                parse_generate_answer, sampling_dict)
 from areal_mega.rollout.hooks import ClientHooks
 
+__all__ = ["GenerateResult", "RolloutClient", "RolloutRequestError", "RolloutServerError",
+           "sampling_dict", "server_url"]
+
 log = logging.getLogger(__name__)
-
-
-class RolloutRequestError(RuntimeError):
-    """The server rejected a request (HTTP 4xx); retrying elsewhere would not help.
-    ``status`` is the HTTP status code."""
-
-    def __init__(self, message: str, status: Optional[int] = None):
-        super().__init__(message)
-        self.status = status
-
-
-class RolloutServerError(RuntimeError):
-    """No server could complete a request after all retries."""
-
-
-@dataclass
-class GenerateResult:
-    """One ``/generate`` answer, parsed."""
-    output_ids: list
-    logprobs: list
-    finish_reason: dict
-    weight_version: Optional[str]
-    server: str
-    raw: dict = field(repr=False, default_factory=dict)
-
-    @property
-    def finish_type(self) -> str:
-        return (self.finish_reason or {}).get("type", "abort")
 
 
 def server_url(addr: str) -> str:
@@ -239,15 +217,17 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list, sampling_params: dict, rid: Optional[str] = None,
-                       sticky_key: Optional[str] = None) -> GenerateResult:
+                       sticky_key: Optional[str] = None,
+                       return_routed_experts: bool = False,
+                       routes_from: int = 0) -> GenerateResult:
         """``POST /generate`` with logprobs on the least-loaded server, retrying elsewhere on
         failure. Returns the parsed result (``finish_type`` is stop/length/abort). When every
         try failed for want of a server and ``hooks.down_wait_s`` is set, waits up to that
-        long for one to come back (:meth:`wait_for_server`) and tries again."""
-        body = {"input_ids": list(input_ids), "sampling_params": sampling_params,
-                "return_logprob": True, "stream": False}
-        if rid is not None:
-            body["rid"] = rid
+        long for one to come back (:meth:`wait_for_server`) and tries again.
+        ``return_routed_experts``: ask for SGLang's routes (``GenerateResult.routed_experts``,
+        still encoded), from position ``routes_from`` on (``routed_experts_start_len``)."""
+        body = generate_body(input_ids, sampling_params, rid, return_routed_experts,
+                             routes_from)
         wait_s = self.hooks.down_wait_s
         deadline = time.monotonic() + (wait_s or 0.0)
         while True:
@@ -286,13 +266,7 @@ class RolloutClient:
             finally:
                 srv.inflight -= 1
             self.hooks.generated(srv.addr, out)
-            meta = out.get("meta_info", {})
-            lps = meta.get("output_token_logprobs") or []
-            return GenerateResult(
-                output_ids=list(out.get("output_ids", [])),
-                logprobs=[float(x[0]) for x in lps],
-                finish_reason=meta.get("finish_reason") or {"type": "abort"},
-                weight_version=meta.get("weight_version"), server=srv.addr, raw=out)
+            return parse_generate_answer(out, srv.addr)
         raise RolloutServerError(f"generate failed after {self.retries + 1} attempts: {last}")
 
     async def abort(self, rid: Optional[str] = None) -> None:
@@ -436,14 +410,3 @@ class RolloutClient:
                 raise RolloutServerError(f"rollout servers not ready after {timeout}s: {down}")
             await asyncio.sleep(0.2)
 
-
-def sampling_dict(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                  top_k: int = -1, stop_token_ids: Optional[list] = None,
-                  ignore_eos: bool = False, **extra: Any) -> dict:
-    """SGLang ``sampling_params`` dict."""
-    d = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
-         "top_p": float(top_p), "top_k": int(top_k), "ignore_eos": bool(ignore_eos)}
-    if stop_token_ids:
-        d["stop_token_ids"] = list(stop_token_ids)
-    d.update(extra)
-    return d

@@ -34,8 +34,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+import numpy as np
+
+from areal_mega.common.moe_routes import RouteLayout, RouteTable
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
 from areal_mega.rollout.failures import EpisodeFailures, FailureRate
+from areal_mega.rollout.routes import call_routes
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,8 @@ class GenerationOutput:
     finish_reason: str  # stop | length | abort (abort only when the controller is stopping)
     n_interruptions: int
     server: str
+    # routing replay: [n, MoE layers, topk] routes of positions 0..n-1 of input + output
+    routed_experts: Optional[np.ndarray] = None
 
 
 def model_finish(finish: str, output_ids: list, sampling: dict, tokenizer=None) -> str:
@@ -115,7 +121,8 @@ class RolloutController:
                  tokenizer=None, sink: Callable[[list], None],
                  initial_version: int = 0, max_episode_retries: int = 3,
                  on_episode_failure: str = "fail", failure_rate: Optional[FailureRate] = None,
-                 reward_threads: int = 4, **extra_sampling):
+                 reward_threads: int = 4, route_layout: Optional[RouteLayout] = None,
+                 **extra_sampling):
         # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
         self.failures = EpisodeFailures(on_episode_failure, max_episode_retries, failure_rate)
         self.client = client
@@ -127,6 +134,7 @@ class RolloutController:
         self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
                          **extra_sampling}
         self.tokenizer = tokenizer
+        self.route_layout = route_layout     # set: ask the servers for MoE routes (R3)
         self.sink = sink
         self.run_id = uuid.uuid4().hex[:8]
         self.counter = StalenessCounter(batch_size=batch_size, eta=eta, version=initial_version)
@@ -323,21 +331,28 @@ class RolloutController:
                        **sampling) -> GenerationOutput:
         """Generate ``max_new_tokens`` at most; when a weight update interrupts the request
         (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
-        output with the remaining budget. Tokens carry the version that produced them."""
+        output with the remaining budget. Tokens carry the version that produced them; with a
+        ``route_layout`` each token's route is the one of the call that first forwarded it
+        (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
         out, lps, vers = [], [], []
         seg, server = 0, ""
+        routes = RouteTable(self.route_layout) if self.route_layout else None
         sp = dict(self.sampling, **{k: v for k, v in sampling.items() if v is not None})
         while True:
             await self._gate.wait()
             if self._stopping:
-                return GenerationOutput(out, lps, vers, "abort", seg, server)
+                return GenerationOutput(out, lps, vers, "abort", seg, server,
+                                        routes.rows() if routes else None)
             remaining = max_new_tokens - len(out)
             submit_version = self.counter.version
             params = dict(sp, max_new_tokens=remaining)
             self.n_inflight_requests += 1
             try:
+                route_kw = {} if routes is None else dict(      # only with routing replay
+                    return_routed_experts=True, routes_from=routes.n_routed)
                 res = await self.client.generate(list(input_ids) + out, params,
-                                                 rid=f"{key}-r{seg}", sticky_key=key)
+                                                 rid=f"{key}-r{seg}", sticky_key=key,
+                                                 **route_kw)
             finally:
                 self.n_inflight_requests -= 1
             v = submit_version
@@ -352,6 +367,10 @@ class RolloutController:
                 raise RolloutRequestError(
                     f"{res.server}/generate: aborted with status {status}: "
                     f"{(res.finish_reason or {}).get('message', '')}", status=int(status))
+            if routes is not None:
+                got = call_routes(res, len(input_ids) + len(out), self.route_layout,
+                                  routes.n_routed)
+                routes.add(*(got or (None,)))
             out += res.output_ids
             lps += res.logprobs
             vers += [v] * len(res.output_ids)
@@ -360,7 +379,7 @@ class RolloutController:
                 self.client.release(key)
                 finish = res.finish_type if res.finish_type != "abort" else "length"
                 return GenerationOutput(out, lps, vers, model_finish(finish, out, sp, self.tokenizer),
-                                        seg, server)
+                                        seg, server, routes.rows() if routes else None)
             seg += 1
             self.n_interruptions += 1
 

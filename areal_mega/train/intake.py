@@ -16,6 +16,10 @@ Nothing accepted is lost on a crash:
 The intake also keeps the prompts whose whole group it journaled
 (:class:`~areal_mega.dataplane.prompt_ledger.PromptLedger`, saved with each checkpoint) for the
 rollout worker's exact resume.
+With routing replay (``route_layout``) a trajectory whose ``token_extras.routed_experts`` does
+not fit the model (shape ``(L, MoE layers, topk)``, ids in ``[-1, num_experts)``) is refused on
+arrival like a message that fails its wire checks: counted under ``invalid_field``
+(``dataplane/rejected``), logged with the sample id and expected vs got, never journaled.
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
@@ -29,11 +33,13 @@ from pathlib import Path
 from typing import Optional
 
 from areal_mega.common.files import atomic_write
+from areal_mega.common.moe_routes import RouteLayout, check_routes
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
 from areal_mega.dataplane.journal import (ReplayStats, TrajectoryJournal, segment_number,
                                           segments_to_retire)
 from areal_mega.dataplane.prompt_ledger import PromptLedger
+from areal_mega.dataplane.wire import WireError
 from areal_mega.run_dir import checkpoint_meta, complete_checkpoints
 
 log = logging.getLogger(__name__)
@@ -44,8 +50,12 @@ class TrajectoryIntake:
 
     def __init__(self, endpoint: str, run_dir: str | os.PathLike, *, group_size: int,
                  secret: Optional[str] = None, max_queue: int = 1024,
-                 max_message_bytes: int = 1 << 30, allow_remote: bool = False):
+                 max_message_bytes: int = 1 << 30, allow_remote: bool = False,
+                 route_layout: Optional[RouteLayout] = None):
+        """``route_layout``: the model's MoE route layout when routing replay is on (arriving
+        routes are checked against it), else None."""
         self.run_dir = Path(run_dir)
+        self.route_layout = route_layout
         # no sample cap here: journaled samples are accepted (see _pump); memory is bounded by
         # the receiver's queue, the senders' ack windows and the staleness bound
         self.buffer = TrajectoryBuffer(group_size)
@@ -69,6 +79,8 @@ class TrajectoryIntake:
     def _pump(self) -> None:
         while not self._stop.is_set():
             batch = self.receiver.recv_many(256, timeout=0.1)
+            if self.route_layout is not None:
+                batch = [t for t in batch if self._routes_fit(t)]
             if not batch:
                 continue
             with self._pump_lock:
@@ -79,6 +91,13 @@ class TrajectoryIntake:
                     # restored semantics: journaled samples are accepted; capacity is bounded
                     # by the senders' windows and the staleness bound, never by dropping
                     self.buffer.put_restored(t)
+
+    def _routes_fit(self, traj) -> bool:
+        """Whether ``traj``'s routes fit the model; a misfit is refused (see the module doc)."""
+        problem = check_routes(traj, self.route_layout)
+        if problem is not None:
+            self.receiver.reject(WireError("invalid_field", problem))
+        return problem is None
 
     def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0,
                 prompt_ledger: Optional[dict] = None, journal_from: Optional[int] = None) -> int:

@@ -21,6 +21,7 @@ from areal_mega.metrics import ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import weight_update_group
 from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.routes import replay_layout
 from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk_full_error,
                                 iter_dir_name)
 from areal_mega.security import holds_secret, write_run_file
@@ -222,7 +223,8 @@ class TrainerSession:
                                        secret=cfg.dataplane.secret,
                                        max_queue=cfg.dataplane.max_queue,
                                        max_message_bytes=cfg.dataplane.max_message_bytes,
-                                       allow_remote=cfg.dataplane.allow_remote)
+                                       allow_remote=cfg.dataplane.allow_remote,
+                                       route_layout=replay_layout(cfg))
         if resumed is not None:
             buf = resumed.get("buffer_file")
             n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,

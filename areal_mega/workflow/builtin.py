@@ -39,7 +39,7 @@ class RLVRWorkflow(EpisodeWorkflow):
         ids = ctx.prompt_ids(item, self.apply_chat_template)
         gen = await ctx.generate(ids, self.max_new_tokens, stop_token_ids=self.stop_token_ids)
         seq = ctx.new_sequence(ids)
-        seq.add_generated(gen.output_ids, gen.logprobs, gen.versions)
+        seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
         text = _decode(ctx.tokenizer, gen.output_ids)
         r = await ctx.reward(self.reward_fn, item.get("prompt", ""), text, item.get("answer"),
                              finish_reason=gen.finish_reason)
@@ -105,7 +105,7 @@ class MultiTurnWorkflow(EpisodeWorkflow):
             if budget <= 0:
                 break
             gen = await ctx.generate(seq.input_ids, budget)
-            seq.add_generated(gen.output_ids, gen.logprobs, gen.versions)
+            seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
             finish, interrupts = gen.finish_reason, interrupts + gen.n_interruptions
             servers.append(gen.server)
             text = _decode(ctx.tokenizer, gen.output_ids)

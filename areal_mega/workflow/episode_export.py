@@ -34,13 +34,13 @@ def plan_samples(records: list, reward: float, discount: float = 1.0) -> list:
         for k, rec in enumerate(records):
             if k:
                 seq.add_context(rec.prompt_ids[len(seq.input_ids):])
-            seq.add_generated(rec.output_ids, rec.logprobs, rec.versions)
+            seq.add_generated(rec.output_ids, rec.logprobs, rec.versions, rec.routed_experts)
         return [(seq, float(reward), len(records[0].prompt_ids), list(range(len(records))))]
     out, K = [], len(records)
     for k, rec in enumerate(records):
         seq = TokenSeq()
         seq.add_context(rec.prompt_ids)
-        seq.add_generated(rec.output_ids, rec.logprobs, rec.versions)
+        seq.add_generated(rec.output_ids, rec.logprobs, rec.versions, rec.routed_experts)
         out.append((seq, float(reward) * discount ** (K - 1 - k), len(rec.prompt_ids), [k]))
     return out
 

@@ -14,6 +14,8 @@ import hashlib
 import time
 from dataclasses import asdict
 
+import numpy as np
+
 from areal_mega.workflow.episode_export import export_completions
 from areal_mega.workflow.online_sessions import SessionError, check_reward
 from areal_mega.workflow.openai_client import CompletionRecord
@@ -40,7 +42,7 @@ def session_trajectories(sample, records: list, reward, completion_rewards: dict
         for k, rec in enumerate(records):
             seq = TokenSeq()
             seq.add_context(rec.prompt_ids)
-            seq.add_generated(rec.output_ids, rec.logprobs, rec.versions)
+            seq.add_generated(rec.output_ids, rec.logprobs, rec.versions, rec.routed_experts)
             r = completion_rewards.get(rec.completion_id, reward)
             out.append(sample.trajectory(seq, float(r), len(rec.prompt_ids), rec.finish_reason,
                                          suffix=f"-c{k}", server_id=rec.server,
@@ -57,7 +59,26 @@ def ended_record(session, sample, key: str) -> dict:
             "prompt_index": sample.item.get("prompt_index"), "sample_id": sample.sample_id,
             "group_id": sample.group_id, "key_sha256": key_digest(key),
             "reward": session.reward, "completion_rewards": dict(session.completion_rewards),
-            "records": [asdict(r) for r in sample.client.records]}
+            "records": [_record_json(r) for r in sample.client.records]}
+
+
+def _record_json(rec: CompletionRecord) -> dict:
+    d = asdict(rec)
+    routes = d.pop("routed_experts")
+    if routes is not None:      # routing replay: an integer array, kept with its dtype
+        routes = np.asarray(routes)
+        d["routed_experts"] = {"dtype": routes.dtype.str, "shape": list(routes.shape),
+                               "ids": routes.ravel().tolist()}
+    return d
+
+
+def _record_of(d: dict) -> CompletionRecord:
+    d = dict(d)
+    routes = d.pop("routed_experts", None)
+    if routes is not None:
+        d["routed_experts"] = np.asarray(routes["ids"], dtype=np.dtype(routes["dtype"])) \
+            .reshape(routes["shape"])
+    return CompletionRecord(**d)
 
 
 class RestoredSession:
@@ -73,7 +94,7 @@ class RestoredSession:
         self.key_sha256 = record["key_sha256"]
         self.reward = record.get("reward")
         self.completion_rewards = dict(record.get("completion_rewards") or {})
-        self.records = [CompletionRecord(**r) for r in record["records"]]
+        self.records = [_record_of(r) for r in record["records"]]
         self.deadline = deadline
         self.state = "ended"
 

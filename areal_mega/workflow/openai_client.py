@@ -23,7 +23,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from areal_mega.workflow.tool_calls import messages_for_template, parse_tool_calls
 
@@ -65,6 +65,7 @@ class CompletionRecord:
     server: str = ""
     completion_id: str = ""
     created_at: float = field(default_factory=time.time)
+    routed_experts: Any = None   # routing replay: routes by position from the prompt's start
 
 
 def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = False):
@@ -140,7 +141,7 @@ async def _generate_choices(generate: Callable, prompt_ids: list, n: int, max_ne
                                      status=503, err_type="server_error")
         return CompletionRecord(list(prompt_ids), list(gen.output_ids), list(gen.logprobs),
                                 list(gen.versions), gen.finish_reason, gen.n_interruptions,
-                                gen.server)
+                                gen.server, routed_experts=gen.routed_experts)
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 

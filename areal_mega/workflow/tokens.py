@@ -2,7 +2,9 @@
 (:mod:`areal_mega.workflow.api`) and the built-in workflows.
 
 Per-token fields follow the data-plane contract: ``loss_mask`` 1 only on generated tokens;
-``logprobs`` 0 and ``versions`` -1 on prompt and environment tokens.
+``logprobs`` 0 and ``versions`` -1 on prompt and environment tokens. With routing replay the
+sequence also keeps the MoE routes its generations returned (``token_extras.routed_experts``,
+see :mod:`areal_mega.common.moe_routes`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from areal_mega.common.moe_routes import NO_ROUTE, ROUTED_EXPERTS
 from areal_mega.dataplane import Trajectory
 
 
@@ -22,6 +25,7 @@ class TokenSeq:
     loss_mask: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     versions: list = field(default_factory=list)
+    routed_experts: Optional[np.ndarray] = None  # rows of positions 0..n-1 (first forward wins)
 
     def add_context(self, ids) -> None:
         """Prompt / environment tokens: not trained on."""
@@ -31,17 +35,39 @@ class TokenSeq:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
-    def add_generated(self, ids, logprobs, versions) -> None:
-        """Policy tokens with their behaviour logprobs and weight versions."""
+    def add_generated(self, ids, logprobs, versions, routed_experts=None) -> None:
+        """Policy tokens with their behaviour logprobs and weight versions. ``routed_experts``:
+        the generation's routes (``GenerationOutput.routed_experts``) when its input was this
+        sequence so far, see :meth:`add_routes`."""
         assert len(ids) == len(logprobs) == len(versions)
         self.input_ids += list(ids)
         self.loss_mask += [1] * len(ids)
         self.logprobs += list(logprobs)
         self.versions += list(versions)
+        self.add_routes(routed_experts)
+
+    def add_routes(self, rows) -> None:
+        """Routes of positions ``0 .. len(rows) - 1`` of this sequence from one generation
+        (whose input started at this sequence's first token). A position already routed keeps
+        its route: each token's route comes from the call that first forwarded it (a later
+        turn's prefill re-forwards the whole context)."""
+        if rows is None:
+            return
+        have = 0 if self.routed_experts is None else len(self.routed_experts)
+        if len(rows) > have:
+            self.routed_experts = rows if not have else np.concatenate(
+                [self.routed_experts, rows[have:]])
 
     def to_trajectory(self, *, reward: float, sample_id: str, group_id: str, prompt_len: int,
                       finish_reason: str, server_id: str = "", meta: Optional[dict] = None):
-        """Freeze into a :class:`Trajectory` with the data-plane dtypes."""
+        """Freeze into a :class:`Trajectory` with the data-plane dtypes (routes, when kept, as
+        ``token_extras.routed_experts`` with -1 rows for tokens no server forwarded)."""
+        extras = {}
+        if self.routed_experts is not None:
+            r, n = self.routed_experts, len(self.input_ids)
+            full = np.full((n, *r.shape[1:]), NO_ROUTE, r.dtype)
+            full[:min(n, len(r))] = r[:n]
+            extras[ROUTED_EXPERTS] = full
         return Trajectory(
             input_ids=np.asarray(self.input_ids, dtype=np.int32),
             loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
@@ -49,7 +75,7 @@ class TokenSeq:
             versions=np.asarray(self.versions, dtype=np.int32),
             reward=float(reward), sample_id=sample_id, group_id=group_id,
             prompt_len=int(prompt_len), finish_reason=finish_reason, created_at=time.time(),
-            server_id=server_id, meta=dict(meta or {}))
+            server_id=server_id, meta=dict(meta or {}), token_extras=extras)
 
 
 def prompt_ids(tokenizer, item: dict, apply_chat_template: bool = True) -> list:

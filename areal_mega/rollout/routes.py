@@ -1,0 +1,61 @@
+"""Routed experts of one ``/generate`` call, decoded for the trajectory (routing replay,
+``algorithm.routing_replay: r3``; formats in :mod:`areal_mega.common.moe_routes`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from areal_mega.common.moe_routes import RouteLayout, decode_sglang_routes
+from areal_mega.config_schema import ConfigError
+from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
+
+
+def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
+                start: int = 0) -> Optional[tuple]:
+    """``(rows, first position)``: the routes of the tokens this call forwarded, positions
+    ``first .. n_input + len(res.output_ids) - 2`` from the start of its input, where ``first``
+    is the call's ``routed_experts_start_len`` (``start``) or 0 from a server that returns the
+    whole sequence regardless; None for a call that forwarded nothing (aborted before its
+    prefill: no output, and SGLang then returns no routes). :class:`RolloutRequestError` when
+    the server left them out of an answer that has output (a server started without
+    ``--enable-return-routed-experts``) or sent a wrong size."""
+    end = n_input + len(res.output_ids) - 1
+    if res.routed_experts is None:
+        if not res.output_ids:
+            return None
+        raise RolloutRequestError(
+            f"{res.server}/generate: no meta_info.routed_experts in the answer although the "
+            "request asked for them (algorithm.routing_replay is on); start the rollout "
+            "servers with --enable-return-routed-experts")
+    try:
+        rows = decode_sglang_routes(res.routed_experts, layout)
+    except ValueError as e:
+        raise RolloutRequestError(f"{res.server}/generate: {e}") from None
+    for first in (start, 0):
+        if len(rows) == end - first:
+            return rows, first
+    raise RolloutRequestError(f"{res.server}/generate: meta_info.routed_experts has "
+                              f"{len(rows)} tokens, expected {end - start} (from position "
+                              f"{start}) or {end}")
+
+
+def replay_layout(cfg) -> Optional[RouteLayout]:
+    """The route layout of ``model.path`` when ``algorithm.routing_replay`` is on (the rollout
+    then asks every ``/generate`` for routes), else None. :class:`ConfigError` naming the key
+    when the model has no MoE layers."""
+    if cfg.algorithm.routing_replay == "off":
+        return None
+    layout = RouteLayout.from_model_path(cfg.model.path)
+    if layout is None:
+        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
+                          f"model.path={cfg.model.path!r} has no mixture-of-experts layers "
+                          "(config.json without num_experts / num_experts_per_tok); set "
+                          "algorithm.routing_replay=off")
+    return layout
+
+
+def replay_server_flags(cfg) -> list:
+    """The rollout servers' extra flags for ``algorithm.routing_replay`` (SGLang's and the CPU
+    server's spelling is the same)."""
+    return [] if cfg.algorithm.routing_replay == "off" else ["--enable-return-routed-experts"]
