@@ -268,6 +268,11 @@ class AlgorithmConfig:
                   "advantage -opd_coef*(log pi - log pi_teacher) per token instead of the "
                   "outcome advantage; add = the outcome advantage plus it (needs teacher.*)")
     opd_coef: float = _f(1.0, lo=0.0, lo_open=True, doc="scale of the OPD advantage term")
+    routing_replay: str = _f("off", choices=["off", "r3"], doc="r3: the actor's MoE routers "
+                             "replay the rollout's routed experts (MoE models only)")
+    routing_replay_free_every: int = _f(10, lo=0, doc="with r3: every N steps one more proximal "
+                                        "forward with free routing for moe/mismatch_free and "
+                                        "moe/route_agreement (0 = never)")
 
 
 @dataclass
