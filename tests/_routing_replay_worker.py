@@ -16,9 +16,10 @@ reference model built beside the replaying actor. It saves the perturbed weights
 micro-batches and the replayed single-rank logprobs / gradients for ``layouts``.
 
 ``layouts`` (2 gloo processes): EP2 (inside DP2, each rank half of the micro-batches), TP2 with
-sequence parallelism, and PP2 with full recompute (1F1B: a micro-batch's forward runs before an
-earlier one's backward, so the recompute must pop its own targets) replay the same routes;
-logprobs and gradients are compared with the single rank's. Rank r writes
+sequence parallelism, PP2 and PP2 x VPP2 with full recompute (1F1B: a micro-batch's forward
+runs before an earlier one's backward, so the recompute must pop its own targets) replay the
+same routes; logprobs and gradients are compared with the single rank's, and the free-routing
+agreement counts (each rank counts its own tokens and layers) with the single rank's. Rank r writes
 ``<work>/<scenario>.<r>.json``.
 """
 import json
@@ -210,6 +211,7 @@ def scenario_single(res, work):
     mbs_p = batches.attach(mbs, prox_logprobs=pert_replay)
     algo = AlgorithmConfig(routing_replay="r3", routing_replay_free_every=1)
     res["gap.metrics"] = routing_metrics(eng, mbs_p, step=1, algo_cfg=algo, temperature=1.0)
+    res["gap.agreement"] = list(eng.replay.agreement())
     pert_free = eng.forward_logprobs(mbs, free_routing=True)
     res["gap.replay_vs_hf_all"] = sum(float((a - b)[m].abs().sum()) for a, b, m in
                                       zip(pert_replay, hf_lps, valid)) / \
@@ -254,18 +256,32 @@ def scenario_layouts(res, work):
     mbs, world = ref["mbs"], int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     loss_fn, den_fn = policy_loss()
-    layouts = [("ep2", dict(dp=world, ep=world), False, None, rank),
-               ("tp2sp", dict(tp=world), True, None, None),
-               ("pp2_recompute", dict(pp=world), False, "full", None)]
-    for tag, dims, sp, recompute, share in layouts:
-        ew.set_mesh(dims, sp=sp)
+    layouts = [("ep2", dict(dp=world, ep=world), False, None, None, rank),
+               ("tp2sp", dict(tp=world), True, None, None, None),
+               ("pp2_recompute", dict(pp=world), False, None, "full", None),
+               ("pp2vpp2_recompute", dict(pp=world), False, 2, "full", None)]
+    for tag, dims, sp, vpp, recompute, share in layouts:
+        set_mesh(dims, sp=sp, vpp=vpp)
         eng = actor(ref["hf_dir"], recompute=recompute, state=ref["state"])
         mine = mbs if share is None else mbs[share::world]
         want = ref["lps"] if share is None else ref["lps"][share::world]
         res[f"{tag}.logprobs"] = ew.compare_lps(eng.forward_logprobs(mine), want)
+        eng.replay.reset_agreement()
+        eng.forward_logprobs(mine, free_routing=True)
+        res[f"{tag}.agreement"] = list(eng.replay.agreement())   # summed over the ranks
         stats = eng.forward_backward(mine, loss_fn, den_fn)
         res[f"{tag}.grads"], res[f"{tag}.grads_rel"] = ew.compare_grads(eng, ref, hf)
         res[f"{tag}.loss"] = abs(stats["loss"] - ref["loss"])
+
+
+def set_mesh(spec, sp=False, vpp=None):
+    """engine_worker's mesh holder, with virtual pipeline stages."""
+    from areal_mega.parallel.allocation import ParallelDims
+    from areal_mega.parallel.mesh import ParallelMesh
+    if ew.MESH[0] is not None:
+        ew.MESH[0].destroy()
+    ew.MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, vpp=vpp,
+                                     timeout_s=90)
 
 
 def main():

@@ -222,9 +222,11 @@ def test_reference_model_beside_the_actor_never_replays(single):
     assert "actor only" in res["ref.replay_refused"]
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2sp", "pp2_recompute"])
-def test_layouts_replay_like_one_rank(layouts, layout):
+@pytest.mark.parametrize("layout", ["ep2", "tp2sp", "pp2_recompute", "pp2vpp2_recompute"])
+def test_layouts_replay_like_one_rank(single, layouts, layout):
     for res in layouts:
         assert res[f"{layout}.logprobs"] <= 1e-5, res
         assert res[f"{layout}.grads_rel"] <= 1e-5, res
         assert res[f"{layout}.loss"] <= 1e-5, res
+        # free routing's agreement, counted per rank and summed, equals the single rank's
+        assert res[f"{layout}.agreement"] == single[0]["gap.agreement"], res
