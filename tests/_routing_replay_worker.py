@@ -243,6 +243,32 @@ def scenario_single(res, work):
     free_eng.forward_backward(mbs_p, loss_fn, den_fn)
     res["free.grads_differ"] = max(float((g - grads[n]).abs().max())
                                    for n, g in grads_by_name(free_eng).items())
+    rl_step_with_replay(res, hf_dir, trajs, state)
+
+
+def rl_step_with_replay(res, hf_dir, trajs, state):
+    """The production RL step (``trainer.rl_step``: planning and packing from the trajectories,
+    proximal forward, free-routing metrics, PPO update) on the perturbed actor. The session
+    holds only what the step reads; its data source hands over the server's trajectories and
+    weight publishing has no servers to reach."""
+    from types import SimpleNamespace
+    from areal_mega.config import load_config
+    from areal_mega.trainer import rl_step
+    cfg = load_config(None, [f"model.path={hf_dir}", "algorithm.routing_replay=r3",
+                             "algorithm.routing_replay_free_every=1", "rollout.n_samples=2"])
+    trained = []
+    session = SimpleNamespace(
+        cfg=cfg, actor=actor(hf_dir, state=state), ref=None, critic=None, mesh=ew.MESH[0],
+        is_rank0=True, layout=dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1),
+        intake=SimpleNamespace(next_groups=lambda n: list(trajs),
+                               record_trained=lambda step, ids: trained.append(list(ids))),
+        logger=SimpleNamespace(log_samples=lambda *a, **k: None),
+        publish_weights=lambda version: None)
+    stats = rl_step(session, 1)
+    res["step.stats"] = {k: v for k, v in stats.items()
+                         if k.startswith("moe/") or k in ("mismatch", "mismatch_tokens",
+                                                           "grad_norm", "n_samples")}
+    res["step.trained"] = trained
 
 
 def dataclass_replace(mb, **kw):

@@ -207,6 +207,17 @@ def test_router_noise_mismatch_with_r3_is_10x_smaller(single):
     assert all(g > 1e-4 for g in res["grad.router_norms"])
 
 
+def test_rl_step_reports_the_moe_metrics_and_trains_with_replay(single):
+    res, _ = single
+    st = res["step.stats"]
+    # the loss's mismatch (proximal = replayed) is moe/mismatch_replay, on the same tokens
+    assert st["mismatch"] == pytest.approx(st["moe/mismatch_replay"], rel=1e-5)
+    assert st["moe/mismatch_free"] >= 10 * st["moe/mismatch_replay"]
+    assert st["moe/route_agreement"] == pytest.approx(res["gap.metrics"]["moe/route_agreement"])
+    assert st["grad_norm"] > 0 and len(res["step.trained"]) == 1
+    assert len(res["step.trained"][0]) == res["n_seqs"]
+
+
 def test_replay_with_activation_recompute_and_stand_ins_for_minus_one_rows(single):
     res, _ = single
     assert res["recompute.grads"] <= 1e-6
