@@ -104,6 +104,12 @@ def max_diff(a_list, b_list, masks):
     return max(float((a - b)[m].abs().max()) for a, b, m in zip(a_list, b_list, masks))
 
 
+def mean_abs_diff(a_list, b_list, masks):
+    """Mean |a - b| over every masked position (every position with a label)."""
+    total = sum(float((a - b)[m].abs().sum()) for a, b, m in zip(a_list, b_list, masks))
+    return total / sum(int(m.sum()) for m in masks)
+
+
 def actor(hf_dir, *, replay=True, recompute=None, state=None, mcore=None):
     from areal_mega.checkpoint.dist_ckpt import load_checkpoint
     from areal_mega.config import ModelConfig, OptimizerConfig
@@ -144,8 +150,8 @@ def scenario_single(res, work):
     from areal_mega.train import batches
     from areal_mega.train.routing import routing_metrics
     from megatron.core.transformer.moe.router_replay import RouterReplay
-    hf_dir = make_tiny_model(work / "hf", arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, num_layers=4,
-                             tie_word_embeddings=False, seed=1)
+    hf_dir = make_tiny_model(work / "hf", arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                             num_layers=4, tie_word_embeddings=False, seed=1)
     HF[0] = normalize_hf_config(load_hf_config(hf_dir))
     lens = [n for mb in LENS_PER_MB for n in mb]
     trajs, full_lps = hf_rollout(hf_dir, lens)
@@ -213,11 +219,8 @@ def scenario_single(res, work):
     res["gap.metrics"] = routing_metrics(eng, mbs_p, step=1, algo_cfg=algo, temperature=1.0)
     res["gap.agreement"] = list(eng.replay.agreement())
     pert_free = eng.forward_logprobs(mbs, free_routing=True)
-    res["gap.replay_vs_hf_all"] = sum(float((a - b)[m].abs().sum()) for a, b, m in
-                                      zip(pert_replay, hf_lps, valid)) / \
-        sum(int(m.sum()) for m in valid)
-    res["gap.free_vs_hf_all"] = sum(float((a - b)[m].abs().sum()) for a, b, m in
-                                    zip(pert_free, hf_lps, valid)) / sum(int(m.sum()) for m in valid)
+    res["gap.replay_vs_hf_all"] = mean_abs_diff(pert_replay, hf_lps, valid)
+    res["gap.free_vs_hf_all"] = mean_abs_diff(pert_free, hf_lps, valid)
     res["ref.after_actor_vs_hf"] = max_diff(ref.forward_logprobs(mbs), hf_lps, valid)
 
     # single-rank replayed reference for the layouts, and router gradients under replay

@@ -66,6 +66,17 @@ def test_free_routing_due_and_mismatch_sums():
     assert (total, n) == (pytest.approx(1.5), 2.0)   # only version-3 loss tokens count
 
 
+def test_packed_routes_are_checked_against_the_model():
+    from areal_mega.engine.routing_replay import check_routes
+    ok = torch.tensor([[[0, 7], [-1, -1]]] * 3)
+    check_routes(ok, 3, n_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match=r"'routed_experts'.*shape \(3, 2, 2\), expected "
+                                         r"\(3, 4, 2\)"):
+        check_routes(ok, 3, n_layers=4, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match=r"expert ids in \[-1, 7\], expected \[-1, 4\)"):
+        check_routes(ok, 3, n_layers=2, topk=2, num_experts=4)
+
+
 def test_replay_target_checks_name_the_key():
     from areal_mega.engine.routing_replay import check_replay_target
     from areal_mega.models.builder import parse_hf_config

@@ -49,8 +49,8 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ROUTES_KEY", "RouteReplayer", "check_replay_target", "cleared_after",
-           "fill_missing_routes", "free_routing_if", "moe_layer_columns",
+__all__ = ["ROUTES_KEY", "RouteReplayer", "check_replay_target", "check_routes",
+           "cleared_after", "fill_missing_routes", "free_routing_if", "moe_layer_columns",
            "route_agreement_counts", "sequence_parallel_slice"]
 
 #: The packed micro-batch field (and trajectory ``token_extras`` name) holding the routes.
@@ -87,6 +87,20 @@ def sequence_parallel_slice(n_tokens: int, tp: int, tp_rank: int) -> slice:
         raise ValueError(f"{n_tokens} tokens are not divisible by TP={tp} (sequence parallel)")
     per = n_tokens // tp
     return slice(tp_rank * per, (tp_rank + 1) * per)
+
+
+def check_routes(routes: torch.Tensor, total: int, n_layers: int, topk: int,
+                 num_experts: int) -> None:
+    """Raise a ValueError naming the field when packed ``routes`` are not
+    ``[total, n_layers, topk]`` expert ids in ``[-1, num_experts)``."""
+    want = (total, n_layers, topk)
+    where = f"micro-batch field {ROUTES_KEY!r} (token_extras.{ROUTES_KEY})"
+    if tuple(routes.shape) != want:
+        raise ValueError(f"{where} has shape {tuple(routes.shape)}, expected {want} (packed "
+                         "tokens, MoE layers, top-k)")
+    if routes.numel() and (int(routes.min()) < -1 or int(routes.max()) >= num_experts):
+        raise ValueError(f"{where} holds expert ids in [{int(routes.min())}, "
+                         f"{int(routes.max())}], expected [-1, {num_experts})")
 
 
 def route_agreement_counts(free: torch.Tensor, rollout: torch.Tensor) -> tuple[int, int]:
@@ -163,14 +177,6 @@ class RouteReplayer:
         """This engine's RouterReplay instances, chunk by chunk, in layer order."""
         return [rr for chunk in self.chunks for rr, _ in chunk]
 
-    def check(self, routes: torch.Tensor, total: int) -> None:
-        """Raise a ValueError naming the field when ``routes`` is not [total, layers, topk]."""
-        want = (total, self.n_moe_layers, self.topk)
-        if tuple(routes.shape) != want:
-            raise ValueError(f"micro-batch field {ROUTES_KEY!r} (token_extras.{ROUTES_KEY}) has "
-                             f"shape {tuple(routes.shape)}, expected {want} (packed tokens, "
-                             "MoE layers, top-k)")
-
     def local_routes(self, mb, index: Optional[torch.Tensor]) -> dict:
         """This rank's routes of a packed micro-batch: ``{"targets": filled int64, "given":
         as sent (-1 kept)}``, both [T_router, layers, topk] for the tokens its routers see
@@ -180,7 +186,7 @@ class RouteReplayer:
                              f"(token_extras.{ROUTES_KEY} of its trajectories)")
         total = int(torch.as_tensor(mb["input_ids"]).numel())
         given = torch.as_tensor(mb[ROUTES_KEY]).long()
-        self.check(given, total)
+        check_routes(given, total, self.n_moe_layers, self.topk, self.num_experts)
         # filled on the whole micro-batch, so that every layout replays the same stand-ins
         routes = {"given": given, "targets": fill_missing_routes(given, self.num_experts)}
         for key, value in routes.items():
