@@ -269,9 +269,12 @@ class AlgorithmConfig:
                   "outcome advantage; add = the outcome advantage plus it (needs teacher.*)")
     opd_coef: float = _f(1.0, lo=0.0, lo_open=True, doc="scale of the OPD advantage term")
     routing_replay: str = _f("off", choices=["off", "r3"], doc="MoE routing replay: r3 = the "
-                             "rollout servers return each token's routed experts and the "
-                             "trainer's routers replay them (servers get "
-                             "--enable-return-routed-experts)")
+                             "rollout servers return each token's routed experts (started with "
+                             "--enable-return-routed-experts) and the actor's routers replay "
+                             "them (MoE models only)")
+    routing_replay_free_every: int = _f(10, lo=0, doc="with r3: every N steps one more proximal "
+                                        "forward with free routing for moe/mismatch_free and "
+                                        "moe/route_agreement (0 = never)")
 
 
 @dataclass

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Optional
 
 from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
-from areal_mega.common.moe_routes import RouteLayout
 from areal_mega.common.net import is_loopback_host
 from areal_mega.config_schema import ConfigError
 from areal_mega.data.sources import check_sources
@@ -48,17 +47,6 @@ def model_context(model_path: str) -> Optional[tuple]:
     return None
 
 
-def _check_routing_replay(cfg) -> None:
-    """``algorithm.routing_replay`` on needs a mixture-of-experts ``model.path`` (checked when
-    its config.json is here)."""
-    path = Path(cfg.model.path or ".") / "config.json"
-    if cfg.algorithm.routing_replay != "off" and path.is_file() \
-            and RouteLayout.from_model_path(cfg.model.path) is None:
-        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
-                          f"model.path={cfg.model.path!r} has no mixture-of-experts layers "
-                          f"({path}); set algorithm.routing_replay=off")
-
-
 def check_against_model(cfg) -> None:
     """Raise one :class:`ConfigError` naming the keys when, in RL mode, the longest prompt the
     data may hold plus the generation budget (``data.max_prompt_len +
@@ -68,7 +56,7 @@ def check_against_model(cfg) -> None:
     check_teacher_model(cfg)
     if cfg.mode != "rl":
         return
-    _check_routing_replay(cfg)
+    check_routing_replay_model(cfg)
     known = model_context(cfg.model.path)
     if known is None:
         return
@@ -81,6 +69,25 @@ def check_against_model(cfg) -> None:
             f"{context} (max_position_embeddings in {path}): every such request would be "
             "rejected by the rollout servers; lower data.max_prompt_len or "
             "rollout.max_new_tokens")
+
+
+def check_routing_replay_model(cfg) -> None:
+    """Raise one :class:`ConfigError` naming ``algorithm.routing_replay`` when it is on and
+    ``model.path``'s config.json declares a dense model (no ``num_experts``): there are no
+    routes to replay. Does nothing when the config cannot be read (the engine checks again)."""
+    if cfg.algorithm.routing_replay == "off" or not cfg.model.path:
+        return
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(hf, dict) and not (hf.get("num_experts") or hf.get("num_local_experts")):
+        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
+                          f"model.path={cfg.model.path!r} is a dense model ({path}: model_type="
+                          f"{hf.get('model_type')!r}, no num_experts: no mixture-of-experts layers); "
+                          "routing replay needs a "
+                          "mixture-of-experts model (set algorithm.routing_replay=off)")
 
 
 def validate(cfg) -> None:
@@ -125,6 +132,9 @@ def validate(cfg) -> None:
     if cfg.eval.every_steps and not cfg.eval.data:
         raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: eval.data is empty; name "
                           "the evaluation prompt files or set eval.every_steps=0")
+    if cfg.algorithm.routing_replay != "off" and cfg.mode != "rl":
+        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: replays "
+                          f"rollout routes, so it needs mode=rl, not mode={cfg.mode!r}")
     if cfg.eval.every_steps and cfg.mode != "rl":
         raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
                           f"training runs on the rollout servers (mode=rl), not mode="

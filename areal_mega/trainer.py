@@ -20,6 +20,7 @@ from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
+from areal_mega.train.routing import routing_metrics
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 from areal_mega.train.teacher import opd_step
 
@@ -34,6 +35,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``)
        and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches
        (``batches.attach``, new ``PackedBatch`` objects), as is ``policy_version = step − 1``.
+       With ``algorithm.routing_replay: r3`` the actor replays the rollout's MoE routes, and
+       when due one more actor forward routes freely for the ``moe/*`` metrics
+       (``train.routing.routing_metrics``).
     With a critic (``critic.enabled``, GAE): the critic's values, then GAE advantages and
        returns (``train.critic_step.gae_step``) are attached too; the critic trains on the
        value loss after the actor (``train_critic``); during ``critic.warmup_steps`` the actor
@@ -67,6 +71,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     mbs = batches.attach(mbs, policy_version=[step - 1] * len(mbs))
     mbs = batches.attach(mbs, prox_logprobs=s.actor.forward_logprobs(
         mbs, temperature=cfg.actor.temperature))
+    moe_stats = routing_metrics(s.actor, mbs, step=step, algo_cfg=cfg.algorithm,
+                                temperature=cfg.actor.temperature)   # R3: free routing
     if s.ref is not None:
         mbs = batches.attach(mbs, ref_logprobs=s.ref.forward_logprobs(
             mbs, temperature=cfg.actor.temperature))
@@ -94,7 +100,7 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     if s.is_rank0:
         s.intake.record_trained(step, plan.sample_ids)
     stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats),
-             **critic_stats, **opd_stats}
+             **critic_stats, **opd_stats, **moe_stats}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
                   "time/weight_sync": t_sync - t_train,

@@ -35,7 +35,10 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
 * per sequence [B]: ``rewards``, ``seqlens``, ``prompt_lens``, ``response_lens``,
   ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (derived from
   ``group_ids``); ``sample_ids`` / ``group_ids`` (lists of str);
-* ``policy_version``: the weight version that computed ``prox_logprobs`` (attached).
+* ``policy_version``: the weight version that computed ``prox_logprobs`` (attached);
+* ``routed_experts`` [T, MoE layers, topk] (with routing replay): the expert ids the rollout
+  routed each token to when it was a model *input* — so in the input layout of ``input_ids``,
+  not shifted — and -1 where none (each sequence's last token, padding).
 
 Fields computed after planning are attached with :meth:`PackedBatch.with_fields`, which returns
 a new batch (the planned one is never mutated) and checks every per-token tensor has length T.
@@ -93,6 +96,7 @@ class PackedBatch(Mapping):
     policy_version: Optional[int] = None
     values: Optional[Tensor] = None      # the critic's, with a critic (GAE)
     returns: Optional[Tensor] = None     # GAE returns, the value loss's targets
+    routed_experts: Optional[Tensor] = None   # rollout MoE routes [T, layers, topk] (R3)
 
     def __post_init__(self):
         t = int(self.input_ids.shape[0])
@@ -102,6 +106,10 @@ class PackedBatch(Mapping):
             if v is not None and tuple(v.shape) != (t,):
                 raise ValueError(f"PackedBatch: per-token field {name!r} has shape "
                                  f"{tuple(v.shape)}, expected ({t},) like input_ids")
+        r = self.routed_experts
+        if r is not None and (r.dim() != 3 or int(r.shape[0]) != t):
+            raise ValueError(f"PackedBatch: 'routed_experts' has shape {tuple(r.shape)}, "
+                             f"expected ({t}, layers, topk) like input_ids")
         for name in ("rewards", "seqlens", "prompt_lens", "response_lens", "min_versions",
                      "finish_codes", "seq_no_eos", "group_index", "sample_ids", "group_ids"):
             if len(getattr(self, name)) != b:

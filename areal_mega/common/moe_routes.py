@@ -149,13 +149,16 @@ class RouteTable:
 
 def check_routes(traj, layout: RouteLayout) -> Optional[str]:
     """Why ``traj``'s ``token_extras.routed_experts`` does not fit ``layout`` (shape
-    ``(L, n_moe_layers, topk)``, integer ids in ``[-1, num_experts)``); None when it does or
-    the trajectory carries none."""
+    ``(L, n_moe_layers, topk)``, integer ids in ``[-1, num_experts)``); None when it does. With
+    routing replay on every sample needs its routes: a trajectory without any is refused too
+    (the trainer could not replay its tokens)."""
     arr = traj.token_extras.get(ROUTED_EXPERTS)
-    if arr is None:
-        return None
     want = (traj.length, layout.n_moe_layers, layout.topk)
     head = f"token_extras.{ROUTED_EXPERTS} of sample {traj.sample_id!r}"
+    if arr is None:
+        return (f"{head}: missing, expected {want} (algorithm.routing_replay is on: the "
+                "rollout servers must return routes, started with "
+                "--enable-return-routed-experts)")
     if tuple(arr.shape) != want:
         return f"{head}: shape {tuple(arr.shape)}, expected {want} (tokens, MoE layers, top-k)"
     if arr.size and (int(arr.min()) < NO_ROUTE or int(arr.max()) >= layout.num_experts):

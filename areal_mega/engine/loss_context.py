@@ -91,7 +91,7 @@ def loss_view(mb: dict, device: torch.device, index: Optional[torch.Tensor] = No
         index = index.cpu()
     out = {}
     for k, v in mb.items():
-        if k in LAYOUT_KEYS:
+        if k in LAYOUT_KEYS or k == "routed_experts":   # routes are model input, not loss input
             continue
         if isinstance(v, torch.Tensor):
             if (index is not None and v.dim() >= 1 and v.shape[0] == total

@@ -30,6 +30,8 @@ from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denomi
 from areal_mega.engine.packed import (cp_token_index, micro_batch_labels, segment_ids_from_cu,
                                       slot_offsets, zigzag_merge)
 from areal_mega.engine.packed_params import packed_seq_kwargs
+from areal_mega.engine.routing_replay import (RouteReplayer, check_replay_target, cleared_after,
+                                              free_routing_if)
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
 
@@ -60,12 +62,15 @@ class MegatronEngine:
         use_distributed_optimizer: override ``optimizer_cfg.use_distributed_optimizer``;
             by default it is used on GPU only (its checkpoint formats fail without TE, see the
             design notes), the regular optimizer on CPU.
+        routing_replay: replay the rollout's MoE routes (``algorithm.routing_replay: r3``;
+            actor of a MoE model only): see :mod:`areal_mega.engine.routing_replay`.
     """
 
     def __init__(self, model_cfg, *, hf_config=None, role: str = "actor", mesh,
                  optimizer_cfg=None, actor_cfg=None, seed: int = 1234,
                  total_train_steps: Optional[int] = None,
-                 use_distributed_optimizer: Optional[bool] = None):
+                 use_distributed_optimizer: Optional[bool] = None,
+                 routing_replay: bool = False):
         if role not in ("actor", "ref"):
             raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
         if role == "actor" and optimizer_cfg is None:
@@ -77,19 +82,22 @@ class MegatronEngine:
         self.optimizer_cfg = optimizer_cfg
         self.hf_config = load_hf_config(hf_config if hf_config is not None else model_cfg.path)
         self.arch = parse_hf_config(self.hf_config)
+        check_replay_target(routing_replay, role, self.arch)
         attn = resolve_attention(getattr(model_cfg, "attention_backend", "auto"))
         self.use_te = attn.use_te
         chunks, self.config = build_model_chunks(
             self.arch, mesh, dtype=model_cfg.dtype,
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             recompute_granularity=model_cfg.recompute_granularity if role == "actor" else None,
-            use_te=self.use_te, attention_backend=attn.backend, seed=seed)
+            use_te=self.use_te, attention_backend=attn.backend, seed=seed,
+            moe_enable_routing_replay=routing_replay)
         self.vocab_size = self.arch.vocab_size
         self.padded_vocab_size = chunks[0].vocab_size
         self.config.calculate_per_token_loss = True
         self.optimizer = None
         self.lr_scheduler = None
         self.step_count = 0
+        self.replay = RouteReplayer(chunks, mesh, self.arch) if routing_replay else None
         if role == "ref":
             for c in chunks:
                 c.requires_grad_(False)
@@ -193,6 +201,8 @@ class MegatronEngine:
             batch["index"] = idx
             ids, pos = ids[idx], pos[idx]
             batch["labels"], batch["valid"] = batch["labels"][idx], valid[idx]
+        if self.replay is not None:
+            batch["routes"] = self.replay.local_routes(mb, batch["index"])
         batch["input_ids"] = ids[None].to(dev)
         batch["position_ids"] = pos[None].to(dev)
         batch["labels"] = batch["labels"].to(dev)
@@ -230,8 +240,11 @@ class MegatronEngine:
     def _forward_step(self, data_iterator, model, *, collect, temperature, return_entropy,
                       loss_fn=None, denominator=None):
         mb, batch = next(data_iterator)
+        armed = self.replay and self.replay.arm(self.model.index(model), batch["routes"])
         output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                        packed_seq_params=batch["packed_seq_params"])
+        if armed:
+            armed(output)
         return output, partial(self._on_output, mb, batch, collect, temperature,
                                return_entropy, loss_fn, denominator)
 
@@ -260,11 +273,12 @@ class MegatronEngine:
         seq_len = max(b["input_ids"].shape[1] for b in batches)
         fwd_bwd = get_forward_backward_func(pp_size=self.mesh.dims.pp,
                                             vp_size=self.mesh.vpp)
-        return fwd_bwd(forward_step_func=step_fn, data_iterator=iters,
-                       model=self.model if n_chunks > 1 else self.model[0],
-                       num_microbatches=len(micro_batches), seq_length=seq_len,
-                       micro_batch_size=1, forward_only=forward_only,
-                       collect_non_loss_data=collect)
+        with cleared_after(self.replay):
+            return fwd_bwd(forward_step_func=step_fn, data_iterator=iters,
+                           model=self.model if n_chunks > 1 else self.model[0],
+                           num_microbatches=len(micro_batches), seq_length=seq_len,
+                           micro_batch_size=1, forward_only=forward_only,
+                           collect_non_loss_data=collect)
 
     @property
     def micro_batch_multiple(self) -> int:
@@ -280,20 +294,23 @@ class MegatronEngine:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
-                         return_entropy: bool = False):
+                         return_entropy: bool = False, free_routing: bool = False):
         """Per-token log-probability of each token's next token (the micro-batch's ``labels``,
         from ``train.batches.next_token_layout``), per micro-batch.
 
         Returns a list (one per micro-batch) of fp32 ``[T]`` tensors on CPU, or of
         ``(logprobs, entropy)`` pairs with ``return_entropy``. Positions with label -1 (the last
         token of each sequence, padding) get 0. Results are broadcast from the last pipeline stage (and gathered
-        over CP), so every rank of the model-parallel group returns them."""
+        over CP), so every rank of the model-parallel group returns them. With routing replay
+        the routers replay the routes, or with ``free_routing`` route freely and count the
+        agreement with them (``self.replay.agreement()``)."""
         if not micro_batches:
             return []
         self._set_mode(False)
         step = partial(self._forward_step, collect=True, temperature=temperature,
                        return_entropy=return_entropy)
-        out = self._run_schedule(micro_batches, step, forward_only=True, collect=True)
+        with free_routing_if(self.replay, free_routing):
+            out = self._run_schedule(micro_batches, step, forward_only=True, collect=True)
         totals = [int(torch.as_tensor(mb["input_ids"]).numel()) for mb in micro_batches]
         n_fields = 2 if return_entropy else 1
         flat_len = sum(totals) * n_fields

@@ -203,7 +203,8 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
                                moe_aux_loss_coeff: Optional[float] = None,
                                deterministic: bool = False,
                                attention_backend: Optional[str] = None,
-                               fusions: Optional[dict] = None):
+                               fusions: Optional[dict] = None,
+                               moe_enable_routing_replay: bool = False):
     """Translate :class:`HFArch` + parallel sizes into a megatron ``TransformerConfig``.
 
     ``attention_backend`` is megatron's ``AttnBackend`` name (see
@@ -211,6 +212,8 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
     already committed to, else ``auto``).
     ``fusions`` overrides :func:`~areal_mega.models.backend.decide_fusions` (default: decided
     from CUDA, the installed TE and apex; all off on CPU).
+    ``moe_enable_routing_replay``: every router gets megatron's ``RouterReplay`` (R3, see
+    :mod:`areal_mega.engine.routing_replay`); MoE models only.
 
     ``pipeline_model_parallel_size`` is set in the config (megatron needs it there to give
     each stage its own layers); ``variable_seq_lengths`` requires the alltoall MoE dispatcher
@@ -273,6 +276,7 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
             moe_aux_loss_coeff=aux, moe_grouped_gemm=use_te,
             moe_layer_freq=list(arch.moe_layer_pattern),
             moe_router_dtype="fp32", moe_permute_fusion=False,
+            moe_enable_routing_replay=moe_enable_routing_replay,
         )
     return TransformerConfig(**kw)
 
@@ -308,7 +312,8 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
                        recompute_granularity: Optional[str] = None,
                        use_te: Optional[bool] = None, seed: int = 1234,
                        moe_aux_loss_coeff: Optional[float] = None,
-                       attention_backend: Optional[str] = None):
+                       attention_backend: Optional[str] = None,
+                       moe_enable_routing_replay: bool = False):
     """Build this rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     Returns ``(chunks, config)``. Weights are initialised from ``seed`` through megatron's
@@ -326,7 +331,8 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
         arch, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, vpp=mesh.vpp,
         sequence_parallel=mesh.sequence_parallel, dtype=dtype,
         recompute_granularity=recompute_granularity, use_te=use_te,
-        moe_aux_loss_coeff=moe_aux_loss_coeff, attention_backend=attention_backend)
+        moe_aux_loss_coeff=moe_aux_loss_coeff, attention_backend=attention_backend,
+        moe_enable_routing_replay=moe_enable_routing_replay)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     vocab = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, d.tp)

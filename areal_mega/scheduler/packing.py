@@ -37,9 +37,10 @@ import torch
 from areal_mega.dataplane.trajectory import FINISH_REASONS, Trajectory
 
 PER_TOKEN_FILL = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "token_rewards": 0.0,
-                  "labels": -1}
+                  "labels": -1, "routed_experts": -1}
 """Value of padding tokens per field (extras not listed here are padded with 0); ``labels``
-(the next-token targets the engine scores) is -1 = no target."""
+(the next-token targets the engine scores) is -1 = no target; ``routed_experts`` (MoE routes
+per token ``[layers, topk]``) -1 = no route."""
 
 # dtypes of the standard per-token fields; an empty pack carries each of them (all padding)
 _DEFAULT_DTYPES = {"loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32,
@@ -125,7 +126,8 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
 
     Returns a dict with, for T packed tokens and B sequences:
 
-    * per token [T]: ``input_ids`` int64, ``position_ids`` int64 (restart at 0 per sequence),
+    * per token [T] (an extra may be [T, ...]: ``routed_experts`` [T, layers, topk]):
+      ``input_ids`` int64, ``position_ids`` int64 (restart at 0 per sequence),
       ``segment_ids`` int32, ``loss_mask`` uint8, ``logprobs`` float32, ``versions`` int32,
       ``labels`` int64 where the samples carry them (always in an empty pack),
       every per-token extra in its own dtype, and ``token_rewards`` float32 when any sequence
@@ -161,6 +163,9 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
     names = list(seqs[0]["tokens"]) if seqs else list(_DEFAULT_DTYPES)
     dtypes = {k: seqs[0]["tokens"][k].dtype for k in names} if seqs else \
         {k: np.dtype(v) for k, v in _DEFAULT_DTYPES.items()}
+    # a per-token field is [n] or [n, *trailing] with the same trailing shape in every sequence
+    trailing = {k: tuple(seqs[0]["tokens"][k].shape[1:]) for k in names} if seqs else \
+        {k: () for k in names}
     scalar_names = sorted(seqs[0]["scalars"]) if seqs else []
     for i, s in enumerate(seqs):
         n = int(lens[i])
@@ -173,9 +178,10 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
             raise PackingError(f"sequence {i}: per-sequence field {diff[0]!r} present in "
                                "some sequences only")
         for k, a in s["tokens"].items():
-            if a.shape != (n,):
+            if a.shape != (n, *trailing[k]) or (k == "input_ids" and a.ndim != 1):
+                want = ", ".join(str(d) for d in (n, *trailing[k]))
                 raise PackingError(f"sequence {i}: field {k!r} has shape {tuple(a.shape)}, "
-                                   f"expected ({n},) like input_ids")
+                                   f"expected ({want},) like input_ids")
             if k != "input_ids" and a.dtype != dtypes[k]:
                 raise PackingError(f"sequence {i}: field {k!r} has dtype {a.dtype}, sequence 0 "
                                    f"has {dtypes[k]}")
@@ -206,7 +212,7 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
     for k in names:
         if k == "input_ids":
             continue
-        buf = np.full(total, PER_TOKEN_FILL.get(k, 0), dtypes[k])
+        buf = np.full((total, *trailing[k]), PER_TOKEN_FILL.get(k, 0), dtypes[k])
         for i, s in enumerate(seqs):
             buf[starts[i]:starts[i] + lens[i]] = s["tokens"][k]
         out[k] = torch.from_numpy(buf)

@@ -86,10 +86,14 @@ def next_token_layout(input_ids: np.ndarray, **per_token: np.ndarray) -> dict:
 
 def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
     """A packable dict for ``traj``: its per-token fields in next-token layout
-    (:func:`next_token_layout`) and its per-sequence data."""
+    (:func:`next_token_layout`) and its per-sequence data. The MoE routes
+    (``token_extras["routed_experts"]`` [L, layers, topk], routing replay) describe each token
+    as a model input, so they stay in the layout of ``input_ids``, unshifted."""
+    routes = traj.token_extras.get("routed_experts")
     return {**next_token_layout(traj.input_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
                                 versions=traj.versions,
                                 advantages=advantages.astype(np.float32)),
+            **({} if routes is None else {"routed_experts": np.asarray(routes)}),
             "prompt_len": traj.prompt_len, "reward": traj.total_reward,
             "sample_id": traj.sample_id, "group_id": traj.group_id,
             "finish_reason": traj.finish_reason}

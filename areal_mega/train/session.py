@@ -94,7 +94,8 @@ class TrainerSession:
         torch.manual_seed(cfg.seed)
         self.actor = MegatronEngine(cfg.model, role="actor", mesh=self.mesh,
                                     optimizer_cfg=cfg.optimizer, actor_cfg=cfg.actor,
-                                    seed=cfg.seed, total_train_steps=cfg.total_steps)
+                                    seed=cfg.seed, total_train_steps=cfg.total_steps,
+                                    routing_replay=cfg.algorithm.routing_replay == "r3")
         self.ref = None
         if cfg.ref.enabled:
             self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
