@@ -116,11 +116,13 @@ def summarize(metrics_file: Path) -> dict:
     }
 
 
-def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None) -> tuple:
+def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None,
+            model: dict = MODEL) -> tuple:
     """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s).
-    ``check(base model dir)`` runs before the SFT (the RL config against the model)."""
+    ``check(base model dir)`` runs before the SFT (the RL config against the model);
+    ``model``: the tiny model's spec (:func:`~areal_mega.models.tiny.make_tiny_model`)."""
 
-    base = make_tiny_model(run / "base_model", seed=seed, **MODEL)
+    base = make_tiny_model(run / "base_model", seed=seed, **model)
     if check is not None:
         check(base)
     write_task_files(run / "data", task="reverse", seed=seed)

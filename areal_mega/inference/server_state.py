@@ -21,6 +21,7 @@ import torch
 
 from areal_mega.inference.decoding import BatchedEngine
 from areal_mega.inference.http_api import BadRequest, Conflict, parse_dtype
+from areal_mega.inference.param_targets import ParamTargets
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
                                              init_update_group)
 
@@ -62,31 +63,32 @@ class LocalRolloutServer:
         self.receiving = 0         # buckets of a distributed weight update being received
         self._groups_lock = threading.Lock()
         self._params = dict(self.model.named_parameters())
-        self._all_keys = set(self.model.state_dict().keys())
+        self._targets = ParamTargets(self.model.state_dict())
         self.started_at = time.time()
 
     # ---------------------------------------------------------------- weights
     def _assign(self, tensors: dict, version: Optional[str]) -> None:
-        """Copy ``tensors`` (HF names) into the model; runs on the engine thread."""
-        sd = self.model.state_dict()
+        """Copy ``tensors`` (HF checkpoint names) into the model; runs on the engine thread."""
+        targets = ParamTargets(self.model.state_dict())    # the model's current tensors
         with torch.no_grad():
             for name, t in tensors.items():
-                sd[name].copy_(t.to(sd[name].dtype))
+                dst = targets.view(name)
+                dst.copy_(t.to(dst.dtype))
         if version is not None:
             self.engine.weight_version = str(version)
 
     def _check_names(self, shapes: dict, full: bool) -> None:
-        sd = self.model.state_dict()
-        unknown = sorted(n for n in shapes if n not in self._all_keys)
+        unknown = sorted(n for n in shapes if self._targets.target(n) is None)
         if unknown:
             raise BadRequest(f"unknown parameter name(s) {unknown[:5]}"
                              f"{' ...' if len(unknown) > 5 else ''}")
-        bad = [f"{n}: got {list(s)}, expected {list(sd[n].shape)}"
-               for n, s in shapes.items() if tuple(s) != tuple(sd[n].shape)]
+        want = {n: tuple(self._targets.view(n).shape) for n in shapes}
+        bad = [f"{n}: got {list(s)}, expected {list(want[n])}"
+               for n, s in shapes.items() if tuple(s) != want[n]]
         if bad:
             raise BadRequest("shape mismatch: " + "; ".join(bad[:5]))
         if full:
-            missing = sorted(n for n in self._params if n not in shapes)
+            missing = self._targets.missing(shapes, self._params)
             if missing:
                 raise BadRequest(f"checkpoint is missing parameter(s) {missing[:5]}")
 

@@ -1,0 +1,74 @@
+"""Weight updates of the CPU rollout server with HF checkpoint names on a transformers model
+that stores its MoE experts fused (qwen3_moe): per-expert tensors land in the right slices,
+a whole checkpoint loads to the same logits as ``from_pretrained``, and bad names, shapes and
+missing experts are refused with the name."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from areal_mega.inference.http_api import BadRequest
+from areal_mega.inference.param_targets import ParamTargets
+from areal_mega.inference.server_state import LocalRolloutServer
+from areal_mega.models.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+    a = make_tiny_model(d / "a", arch="qwen3_moe", hidden_size=32, num_layers=2, num_heads=4,
+                        num_kv_heads=2, intermediate_size=48, num_experts=4, seed=1)
+    b = make_tiny_model(d / "b", arch="qwen3_moe", hidden_size=32, num_layers=2, num_heads=4,
+                        num_kv_heads=2, intermediate_size=48, num_experts=4, seed=2)
+    return a, b
+
+
+def test_per_expert_names_resolve_to_slices_of_the_fused_parameters(moe):
+    model = AutoModelForCausalLM.from_pretrained(moe[0])
+    sd = model.state_dict()
+    t = ParamTargets(sd)
+    fused = sd["model.layers.1.mlp.experts.gate_up_proj"]
+    half = fused.shape[1] // 2
+    assert t.target("model.layers.1.mlp.experts.3.up_proj.weight") == (
+        "model.layers.1.mlp.experts.gate_up_proj", (3, slice(half, 2 * half)))
+    assert t.target("model.layers.1.mlp.experts.2.down_proj.weight") == (
+        "model.layers.1.mlp.experts.down_proj", (2,))
+    assert t.target("model.norm.weight") == ("model.norm.weight", ())
+    assert t.target("model.layers.1.mlp.experts.4.up_proj.weight") is None   # 4 experts
+    assert t.target("model.layers.1.mlp.experts.0.w1.weight") is None
+    ckpt = load_file(str(next(moe[0].glob("*.safetensors"))))
+    assert t.missing(ckpt, dict(model.named_parameters())) == []
+    some = {k: v for k, v in ckpt.items() if ".experts.1." not in k}
+    assert t.missing(some, dict(model.named_parameters())) == [
+        "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"]
+
+
+def test_the_server_loads_an_moe_checkpoint_by_its_hf_names(moe, tmp_path):
+    a, b = moe
+    srv = LocalRolloutServer(str(a))
+    try:
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        ref = AutoModelForCausalLM.from_pretrained(b).eval()
+        with torch.no_grad():
+            want = ref(ids).logits
+            assert not torch.allclose(srv.model(ids).logits, want)
+        srv.load_from_disk(str(b), "1")
+        with torch.no_grad():
+            got = srv.model(ids).logits
+        assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
+        assert srv.engine.weight_version == "1"
+        ckpt = load_file(str(next(b.glob("*.safetensors"))))
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        wrong = dict(ckpt)
+        wrong["model.layers.0.mlp.experts.1.gate_proj.weight"] = torch.zeros(3, 3)
+        save_file(wrong, str(bad / "model.safetensors"))
+        with pytest.raises(BadRequest, match=r"experts\.1\.gate_proj\.weight: got \[3, 3\]"):
+            srv.load_from_disk(str(bad), "2")
+        save_file({k: v for k, v in ckpt.items() if ".experts.2.down" not in k},
+                  str(bad / "model.safetensors"))
+        with pytest.raises(BadRequest, match="missing parameter.*experts.down_proj"):
+            srv.load_from_disk(str(bad), "2")
+    finally:
+        srv.engine.shutdown()
