@@ -69,7 +69,10 @@ def test_sglang_codec_selects_moe_layers_and_checks_size():
         decode_sglang_routes(encode_sglang_routes(rows.reshape(-1)[:-1]), lay)
 
 
-def test_route_table_keeps_the_first_forward():
+def test_route_table_keeps_the_last_forward():
+    """A resumed call re-forwards the earlier tokens under the weights that generate the rest:
+    its routes replace the first call's (replaying them reproduces the server's latest
+    forward)."""
     t = RouteTable(LAYOUT)
     assert t.full(2).tolist() == np.full((2, 3, 2), -1).tolist()
     a = np.full((3, 3, 2), 1, np.int16)
@@ -77,19 +80,20 @@ def test_route_table_keeps_the_first_forward():
     t.add(a)
     t.add(None)                              # a call that forwarded nothing
     t.add(b)
-    t.add(np.full((4, 3, 2), 3, np.int16))   # shorter than what is known: nothing new
-    t.add(np.full((2, 3, 2), 4, np.int16), start=5)   # positions 5, 6: only 6 is new
+    t.add(np.full((2, 3, 2), 4, np.int16), start=5)   # positions 5, 6 (a partial answer)
     assert t.n_routed == 7
     with pytest.raises(ValueError, match="from position 9, only 7 known"):
         t.add(np.full((1, 3, 2), 5, np.int16), start=9)
-    assert t.rows()[:, 0, 0].tolist() == [1, 1, 1, 2, 2, 2, 4]
+    assert t.rows()[:, 0, 0].tolist() == [2, 2, 2, 2, 2, 4, 4]
+    t.add(np.full((3, 3, 2), 3, np.int16), start=1)    # inside what is known
+    assert t.rows()[:, 0, 0].tolist() == [2, 3, 3, 3, 2, 4, 4]
     full = t.full(9)
-    assert full[:7, 0, 0].tolist() == [1, 1, 1, 2, 2, 2, 4] and (full[7:] == NO_ROUTE).all()
+    assert full[:7, 0, 0].tolist() == [2, 3, 3, 3, 2, 4, 4] and (full[7:] == NO_ROUTE).all()
 
 
 def test_token_seq_multi_turn_routes():
-    """Turn 2's prefill re-forwards the context: its rows for known positions are dropped;
-    the environment tokens get turn 2's routes, the last token -1."""
+    """Turn 2's prefill re-forwards the context: its rows replace turn 1's (the tokens turn 2
+    generates saw that forward); the last token -1."""
     seq = TokenSeq()
     seq.add_context([1, 2, 3])
     seq.add_generated([4, 5], [-0.1, -0.2], [0, 0], np.full((4, 3, 2), 1, np.int16))
@@ -99,7 +103,7 @@ def test_token_seq_multi_turn_routes():
                            finish_reason="stop").validate()
     r = tr.token_extras[ROUTED_EXPERTS]
     assert r.shape == (9, 3, 2) and r.dtype == np.int16
-    assert r[:, 0, 0].tolist() == [1, 1, 1, 1, 2, 2, 2, 2, -1]
+    assert r[:, 0, 0].tolist() == [2, 2, 2, 2, 2, 2, 2, 2, -1]
     plain = TokenSeq()
     plain.add_context([1])
     plain.add_generated([2], [-0.1], [0])

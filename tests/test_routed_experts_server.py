@@ -117,7 +117,8 @@ def test_dense_model_with_the_flag_is_refused(moe):
 def test_interrupted_generation_has_routes_for_every_token_but_the_last(servers, moe):
     """The controller's interruptible generate through the real client: a weight-update pause
     aborts the request mid-generation, it resumes with prompt + partial output; the routes
-    cover every token but the last and equal a fresh prefill's (same weights)."""
+    cover every token but the last and equal a fresh prefill's (same weights): the resumed
+    call's routes, which replaced the first call's."""
     on, _ = servers
     layout = RouteLayout.from_model_path(str(moe["path"]))
     client = RolloutClient([on.addr], api_key=API_KEY, timeout_s=120, retries=1)

@@ -107,9 +107,11 @@ class RouteTable:
 
     A server call whose input starts at this sequence's position 0 forwards positions
     ``0 .. len(input) + len(output) - 2``; the positions routed so far therefore always form a
-    prefix, and :meth:`add` keeps, for each token, the route of the call that FIRST forwarded
-    it (a resumed or later call re-forwards earlier tokens, possibly under newer weights; only
-    the positions past the prefix are taken from it)."""
+    prefix, and :meth:`add` keeps, for each token, the route of the call that LAST forwarded
+    it. A resumed call re-forwards the earlier tokens under the weights that then generate the
+    rest, so its routes are the ones the server's latest logprobs were computed with: replaying
+    them reproduces that forward exactly (replaying the first call's routes for the context
+    would not: the tokens generated after the resume saw the re-forwarded context)."""
 
     def __init__(self, layout: RouteLayout):
         self.layout = layout
@@ -117,16 +119,17 @@ class RouteTable:
         self.n_routed = 0
 
     def add(self, rows: Optional[np.ndarray], start: int = 0) -> None:
-        """Rows for positions ``start .. start + len(rows) - 1`` from one call (``start`` at
-        most the positions routed so far: the positions routed always form a prefix)."""
+        """Rows for positions ``start .. start + len(rows) - 1`` from one call, replacing what
+        an earlier call gave for them (``start`` at most the positions routed so far: the
+        positions routed always form a prefix)."""
         if rows is None:
             return
         if start > self.n_routed:
             raise ValueError(f"routes from position {start}, only {self.n_routed} known")
         end = start + len(rows)
-        if end > self.n_routed:
-            self._parts.append(rows[self.n_routed - start:])
-            self.n_routed = end
+        known = self.rows()
+        self._parts = [part for part in (known[:start], rows, known[end:]) if len(part)]
+        self.n_routed = max(end, self.n_routed)
 
     def rows(self) -> np.ndarray:
         """``[n_routed, n_moe_layers, topk]``."""

@@ -332,7 +332,8 @@ class RolloutController:
         """Generate ``max_new_tokens`` at most; when a weight update interrupts the request
         (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
         output with the remaining budget. Tokens carry the version that produced them; with a
-        ``route_layout`` each token's route is the one of the call that first forwarded it
+        ``route_layout`` each call returns the routes of its whole input and output, and each
+        token's route is the one of the call that last forwarded it
         (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
         out, lps, vers = [], [], []
         seg, server = 0, ""
@@ -349,7 +350,7 @@ class RolloutController:
             self.n_inflight_requests += 1
             try:
                 route_kw = {} if routes is None else dict(      # only with routing replay
-                    return_routed_experts=True, routes_from=routes.n_routed)
+                    return_routed_experts=True)
                 res = await self.client.generate(list(input_ids) + out, params,
                                                  rid=f"{key}-r{seg}", sticky_key=key,
                                                  **route_kw)
@@ -368,8 +369,7 @@ class RolloutController:
                     f"{res.server}/generate: aborted with status {status}: "
                     f"{(res.finish_reason or {}).get('message', '')}", status=int(status))
             if routes is not None:
-                got = call_routes(res, len(input_ids) + len(out), self.route_layout,
-                                  routes.n_routed)
+                got = call_routes(res, len(input_ids) + len(out), self.route_layout)
                 routes.add(*(got or (None,)))
             out += res.output_ids
             lps += res.logprobs

@@ -25,7 +25,7 @@ class TokenSeq:
     loss_mask: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     versions: list = field(default_factory=list)
-    routed_experts: Optional[np.ndarray] = None  # rows of positions 0..n-1 (first forward wins)
+    routed_experts: Optional[np.ndarray] = None  # rows of positions 0..n-1 (last forward wins)
 
     def add_context(self, ids) -> None:
         """Prompt / environment tokens: not trained on."""
@@ -48,15 +48,14 @@ class TokenSeq:
 
     def add_routes(self, rows) -> None:
         """Routes of positions ``0 .. len(rows) - 1`` of this sequence from one generation
-        (whose input started at this sequence's first token). A position already routed keeps
-        its route: each token's route comes from the call that first forwarded it (a later
-        turn's prefill re-forwards the whole context)."""
+        (whose input started at this sequence's first token). A later call's routes replace
+        the earlier ones: a later turn's prefill re-forwards the whole context, and the tokens
+        it generates saw that forward (see :class:`~areal_mega.common.moe_routes.RouteTable`)."""
         if rows is None:
             return
         have = 0 if self.routed_experts is None else len(self.routed_experts)
-        if len(rows) > have:
-            self.routed_experts = rows if not have else np.concatenate(
-                [self.routed_experts, rows[have:]])
+        self.routed_experts = rows if len(rows) >= have else np.concatenate(
+            [rows, self.routed_experts[len(rows):]])
 
     def to_trajectory(self, *, reward: float, sample_id: str, group_id: str, prompt_len: int,
                       finish_reason: str, server_id: str = "", meta: Optional[dict] = None):
