@@ -12,10 +12,11 @@ SGLang's semantics, kept here:
   nothing computed before the first prefill);
 * a prompt is cached once prefilled, a finished (or aborted) request's whole sequence, prompt
   and output but the last token (whose key/value was never computed), when it leaves the batch;
-* requests admitted together that share a prompt prefix of at least
-  :data:`IN_BATCH_THRESHOLD` tokens not cached yet are not prefilled side by side: the first
-  goes now, the others right after it, from the cache (SGLang's in-batch prefix caching, whose
-  check and deprioritising thresholds are both 32);
+* of requests admitted together, one with at most :data:`IN_BATCH_THRESHOLD` tokens cached
+  that shares at least that many prompt tokens with one chosen before it waits for the next
+  round, when it finds them in the cache: a group's first sample goes now, the others right
+  after it (SGLang's in-batch prefix caching in ``SchedulePolicy._compute_prefix_matches``,
+  both thresholds 32);
 * ``/flush_cache`` empties the cache (refused while requests run or wait, as on SGLang); a
   weight update empties it too, and a sequence whose keys/values were computed before an
   update is never added after it (every row remembers the cache epoch of its prefill);
@@ -81,7 +82,7 @@ class PrefixReuse:
             cached = self.tree.match(r.input_ids, cap)[0] if cap else 0
             if cached <= IN_BATCH_THRESHOLD and cap:
                 shared = in_batch.match(r.input_ids, cap)[0]
-                if shared - cached >= IN_BATCH_THRESHOLD:
+                if shared >= IN_BATCH_THRESHOLD:
                     later.append(r)
                     continue
             in_batch.insert(r.input_ids)
