@@ -85,3 +85,35 @@ def test_multi_turn_group_flush_and_weight_update(servers, models):
     _same(fresh, _generate(off, turn2))
     http(on, "/update_weights_from_disk", {"model_path": str(models["a"])})
     http(off, "/update_weights_from_disk", {"model_path": str(models["a"])})
+
+
+def test_every_weight_load_path_empties_the_cache(models):
+    """Disk and distributed loads both copy weights through ``_assign`` on the engine thread:
+    in process, a load empties the cache and moves its epoch (no row of the old weights is
+    added afterwards)."""
+    from areal_mega.inference.decoding import GenRequest
+    from areal_mega.inference.sampling import SamplingParams
+    from areal_mega.inference.server_state import LocalRolloutServer
+
+    srv = LocalRolloutServer(str(models["a"]))
+    try:
+        def generate():
+            done = []
+            r = GenRequest(rid="x", input_ids=list(range(5, 45)), on_done=done.append,
+                           params=SamplingParams(max_new_tokens=3, temperature=0.0))
+            srv.engine.submit(r)
+            srv.engine.run_exclusive(lambda: None, timeout=60)
+            while not done:
+                srv.engine.run_exclusive(lambda: None, timeout=60)
+            return r
+        generate()
+        assert srv.engine.prefix.stats()["tokens"] > 0
+        epoch = srv.engine.prefix.epoch
+        tensors = {k: v.clone() for k, v in models["mb"].state_dict().items()}
+        srv.engine.run_exclusive(lambda: srv._assign(tensors, "7"), timeout=60)   # distributed
+        assert srv.engine.prefix.stats()["tokens"] == 0 and srv.engine.prefix.epoch > epoch
+        assert generate().cached_tokens == 0
+        srv.load_from_disk(str(models["a"]), "8")                                  # disk
+        assert srv.engine.prefix.stats()["tokens"] == 0 and generate().cached_tokens == 0
+    finally:
+        srv.engine.shutdown()
