@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["PrefixTree", "common_prefix_len"]
+__all__ = ["PrefixTree", "common_prefix_len", "concat_pieces"]
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
