@@ -67,15 +67,18 @@ def prompts_for(concurrency: int, args, seed: int = 0, group: int = 1) -> list:
     return [p for p in distinct for _ in range(group)]
 
 
-def prefill_tokens(addr: str) -> int:
-    """The server's own count of prompt tokens forwarded so far."""
+def server_counters(addr: str) -> tuple:
+    """The server's own counters so far: prompt tokens forwarded, seconds in prefill
+    forwards, seconds in decode forwards."""
     async def get():
         c = RolloutClient([addr], timeout_s=60)
         try:
-            return (await c.request(addr, "GET", "/server_info"))["prefill_tokens"]
+            return await c.request(addr, "GET", "/server_info")
         finally:
             await c.close()
-    return asyncio.run(get())
+    info = asyncio.run(get())
+    return (info["prefill_tokens"], info["forward_seconds"]["prefill"],
+            info["forward_seconds"]["decode"])
 
 
 def prefix_main(args, path: str) -> None:
@@ -93,16 +96,19 @@ def prefix_main(args, path: str) -> None:
         for c in args.concurrency:
             if c % G:
                 raise SystemExit(f"--concurrency {c}: not a multiple of --prefix-groups {G}")
-            best = {"on": (float("inf"), 0), "off": (float("inf"), 0)}
+            best = {"on": (float("inf"),), "off": (float("inf"),)}
             for rep_i in range(args.repeats):
                 prompts = prompts_for(c, args, seed=rep_i + 1, group=G)
                 for name, srv in (("off", off), ("on", on)):
-                    before = prefill_tokens(srv.addr)
+                    before = server_counters(srv.addr)
                     dt = asyncio.run(ours_once(srv.addr, prompts, args.new_tokens))
-                    per_group = (prefill_tokens(srv.addr) - before) / (c // G)
-                    best[name] = min(best[name], (dt, per_group))
+                    tok, pre_s, dec_s = (b - a for a, b in zip(before,
+                                                               server_counters(srv.addr)))
+                    best[name] = min(best[name], (dt, tok / (c // G), pre_s, dec_s))
+                    print(f"    repeat {rep_i} {name:3s}: {dt:6.1f} s (prefill forwards "
+                          f"{pre_s:.1f} s, decode forwards {dec_s:.1f} s)", flush=True)
             n = c * args.new_tokens
-            (t_on, p_on), (t_off, p_off) = best["on"], best["off"]
+            (t_on, p_on, *_), (t_off, p_off, *_) = best["on"], best["off"]
             rows.append((c, n / t_on, n / t_off, p_on, p_off))
             print(f"  {c:3d} concurrent ({c // G} groups of {G}): cache {n / t_on:8.1f} tok/s, "
                   f"{p_on:7.0f} prefill tokens/group   no cache {n / t_off:8.1f} tok/s, "

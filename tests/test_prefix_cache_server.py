@@ -69,6 +69,8 @@ def test_multi_turn_group_flush_and_weight_update(servers, models):
     after = http(on, "/server_info")[1]
     assert sorted(g["meta_info"]["cached_tokens"] for g in group) == [0] + [63] * 7
     assert after["prefill_tokens"] - before["prefill_tokens"] == 64 + 7
+    assert after["cached_tokens"] - before["cached_tokens"] == 7 * 63
+    assert after["forward_seconds"]["prefill"] > before["forward_seconds"]["prefill"]
     assert after["prefix_cache"]["tokens"] > 0 and http(off, "/server_info")[1][
         "prefix_cache"] is None
     # SGLang's /flush_cache: 200 and its text when idle; the cache is empty after it

@@ -123,6 +123,7 @@ class BatchedEngine:
             self.prefix = PrefixReuse(self._batch, prefix_cache_mb, self.routes is not None)
         self.prefill_tokens = 0      # prompt tokens forwarded by prefills
         self.cached_tokens = 0       # prompt tokens served by the prefix cache instead
+        self.forward_s = {"prefill": 0.0, "decode": 0.0}   # seconds in the model's forwards
         self._last_tok: list[int] = []
         self.steps = 0
         self.tokens_generated = 0
@@ -328,7 +329,9 @@ class BatchedEngine:
         ids = torch.tensor([r.input_ids[cached:] for r in reqs], dtype=torch.long)
         n, S = ids.shape
         capture = self._begin_routes(reqs)
+        t0 = time.perf_counter()
         logits, kv = self._batch.prefill(ids, prefix)
+        self.forward_s["prefill"] += time.perf_counter() - t0
         self.prefill_tokens += n * S
         self.cached_tokens += n * cached
         if capture:  # row b of the prefill: its S uncached tokens
@@ -357,7 +360,9 @@ class BatchedEngine:
     def _decode_step(self) -> None:
         B = len(self._active)
         capture = self._begin_routes(self._active)
+        t0 = time.perf_counter()
         logits = self._batch.decode(self._last_tok)
+        self.forward_s["decode"] += time.perf_counter() - t0
         if capture:  # row i: the token fed for request i
             rows = self.routes.end(B)
             for i, r in enumerate(self._active):
