@@ -69,7 +69,8 @@ def prompts_for(concurrency: int, args, seed: int = 0, group: int = 1) -> list:
 
 def server_counters(addr: str) -> tuple:
     """The server's own counters so far: prompt tokens forwarded, seconds in prefill
-    forwards, seconds in decode forwards."""
+    forwards, seconds in decode forwards, CPU seconds of the server process (all threads:
+    what it computed, whatever else shares the cores)."""
     async def get():
         c = RolloutClient([addr], timeout_s=60)
         try:
@@ -78,7 +79,7 @@ def server_counters(addr: str) -> tuple:
             await c.close()
     info = asyncio.run(get())
     return (info["prefill_tokens"], info["forward_seconds"]["prefill"],
-            info["forward_seconds"]["decode"])
+            info["forward_seconds"]["decode"], info["process_cpu_seconds"])
 
 
 def prefix_main(args, path: str) -> None:
@@ -102,14 +103,17 @@ def prefix_main(args, path: str) -> None:
                 for name, srv in (("off", off), ("on", on)):
                     before = server_counters(srv.addr)
                     dt = asyncio.run(ours_once(srv.addr, prompts, args.new_tokens))
-                    tok, pre_s, dec_s = (b - a for a, b in zip(before,
-                                                               server_counters(srv.addr)))
-                    best[name] = min(best[name], (dt, tok / (c // G), pre_s, dec_s))
+                    tok, pre_s, dec_s, cpu_s = (b - a for a, b in zip(
+                        before, server_counters(srv.addr)))
+                    best[name] = min(best[name], (dt, tok / (c // G), pre_s, dec_s, cpu_s))
                     print(f"    repeat {rep_i} {name:3s}: {dt:6.1f} s (prefill forwards "
-                          f"{pre_s:.1f} s, decode forwards {dec_s:.1f} s)", flush=True)
+                          f"{pre_s:.1f} s, decode forwards {dec_s:.1f} s; server CPU "
+                          f"{cpu_s:.1f} s)", flush=True)
             n = c * args.new_tokens
-            (t_on, p_on, *_), (t_off, p_off, *_) = best["on"], best["off"]
+            (t_on, p_on, *_, cpu_on), (t_off, p_off, *_, cpu_off) = best["on"], best["off"]
             rows.append((c, n / t_on, n / t_off, p_on, p_off))
+            print(f"  {c:3d} concurrent: server CPU seconds per token with / without the cache "
+                  f"= {cpu_on / cpu_off:5.2f}x (best repeats)", flush=True)
             print(f"  {c:3d} concurrent ({c // G} groups of {G}): cache {n / t_on:8.1f} tok/s, "
                   f"{p_on:7.0f} prefill tokens/group   no cache {n / t_off:8.1f} tok/s, "
                   f"{p_off:7.0f} prefill tokens/group", flush=True)
