@@ -91,12 +91,16 @@ def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
 def summarize(metrics_file: Path) -> dict:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["step"] >= 1]   # step 0: the evaluation before training
-    rewards = [r["reward/mean"] for r in rows]
-    k = min(10, len(rows))
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    k = min(10, len(rewards))
+
+    def values(key, rs=rows):
+        """The step values of ``key``; a step where it was undefined has no value (the
+        trainer leaves an undefined mean out of the row)."""
+        return [r[key] for r in rs if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
 
     def mean(key, rs=rows):
-        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))
-                and r[key] == r[key]]
+        vals = values(key, rs)
         return sum(vals) / len(vals) if vals else float("nan")
     ev = [r["critic/explained_variance"] for r in rows if "critic/explained_variance" in r]
     critic = {"explained_variance_first10": sum(ev[:k]) / k,
@@ -104,16 +108,26 @@ def summarize(metrics_file: Path) -> dict:
     return {
         **critic,
         "steps": len(rows),
-        "reward_first10": sum(rewards[:k]) / k, "reward_last10": sum(rewards[-k:]) / k,
+        "reward_first10": sum(rewards[:k]) / max(k, 1),
+        "reward_last10": sum(rewards[-k:]) / max(k, 1),
         "ppo_kl_first_minibatch_step1": rows[0].get("ppo_kl/first_minibatch"),
-        "mismatch_mean": mean("mismatch"), "mismatch_max": max(
-            (r["mismatch"] for r in rows if r.get("mismatch") == r.get("mismatch")),
-            default=float("nan")),
+        **({"mismatch_mean": mean("mismatch"), "mismatch_max": max(values("mismatch"))}
+           if values("mismatch") else {}),
+        "mismatch_steps": len(values("mismatch")),
         "staleness_max": max(r.get("staleness/max", 0) for r in rows),
         "time_step": mean("time/step"), "time_wait_rollout": mean("time/wait_data"),
         "time_logprobs": mean("time/logprobs"), "time_train": mean("time/train"),
         "time_weight_sync": mean("time/weight_sync"),
     }
+
+
+def mismatch_text(s: dict) -> str:
+    """The summary's mismatch figures: steps without a token of the trainer's version have
+    no mismatch (left out of their metrics rows), so none may have one."""
+    if not s.get("mismatch_steps"):
+        return "none measured (no step trained tokens of the trainer's own version)"
+    return (f"mean {s['mismatch_mean']:.2e}, max {s['mismatch_max']:.2e} (over the "
+            f"{s['mismatch_steps']} steps with tokens of the trainer's version)")
 
 
 def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None,
@@ -209,6 +223,7 @@ def main(argv=None) -> None:
              total_seconds=time.time() - t_start)
     (run / "summary.json").write_text(json.dumps(s, indent=2))
     gain = s["reward_last10"] - s["reward_first10"]
+    mismatch = mismatch_text(s)
     critic_line = (f"[demo] critic explained variance: first 10 steps "
                    f"{s['explained_variance_first10']:.3f} -> last 10 steps "
                    f"{s['explained_variance_last10']:.3f}\n"
@@ -220,8 +235,7 @@ def main(argv=None) -> None:
 {s['reward_last10']:.3f} (gain {gain:+.3f})
 {critic_line}[demo] held-out greedy accuracy: {acc_before:.3f} (after SFT) -> {acc_after:.3f} (after RL)
 [demo] ppo_kl of the first PPO minibatch: {s['ppo_kl_first_minibatch_step1']}
-[demo] training/inference mismatch |logp_trainer - logp_rollout|: mean \
-{s['mismatch_mean']:.2e}, max {s['mismatch_max']:.2e}
+[demo] training/inference mismatch |logp_trainer - logp_rollout|: {mismatch}
 [demo] staleness max: {s['staleness_max']:.0f} (eta = {args.eta})
 [demo] time per step {s['time_step']:.2f}s: waiting for rollouts {s['time_wait_rollout']:.2f}s,
 [demo]   logprob recompute {s['time_logprobs']:.2f}s, training {s['time_train']:.2f}s, \

@@ -24,8 +24,8 @@ from areal_mega.demo import cpu_env, prepare, run_rl  # noqa: E402
 def step_span(metrics: Path) -> tuple:
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     span = rows[-1]["time"] - rows[0]["time"] + rows[0]["time/step"]
-    last = rows[-10:]
-    return span, sum(r["reward/mean"] for r in last) / len(last), len(rows), \
+    last = [r["reward/mean"] for r in rows[-10:] if "reward/mean" in r]
+    return span, sum(last) / max(len(last), 1), len(rows), \
         max(r.get("staleness/max", 0) for r in rows)
 
 

@@ -17,6 +17,13 @@ weights is written to a temp dir. For each concurrency C:
 Tokens/s = generated tokens / wall-clock seconds, prefill included, best of ``--repeats``
 (the 2 cores may be shared: the minimum time is the least disturbed run); the two sides
 alternate so that a busy spell hits both. Prints each side and the ratio ours / transformers.
+
+``--prefix-groups G`` measures the prefix cache instead: the C requests are C / G GRPO groups
+(G samples of one prompt each, every request sent on its own, as a rollout client does), and
+the two sides are the server with its default prefix cache and one started with
+``--prefix-cache-mb 0``. Prompt tokens forwarded per group come from each server's own
+``/server_info`` counters (``prefill_tokens``); fresh prompts every repeat, so no repeat finds
+the previous one's groups cached.
 """
 from __future__ import annotations
 
@@ -49,13 +56,74 @@ def write_model(path: str, args) -> str:
     return path
 
 
-def prompts_for(concurrency: int, args) -> list:
-    """``concurrency`` distinct prompts of ``--prompt-len`` token ids."""
+def prompts_for(concurrency: int, args, seed: int = 0, group: int = 1) -> list:
+    """``concurrency`` prompts of ``--prompt-len`` token ids: ``concurrency / group``
+    distinct ones, each ``group`` times in a row."""
     import torch
 
-    g = torch.Generator().manual_seed(concurrency)
-    return torch.randint(3, args.vocab if not args.model_path else 1000,
-                         (concurrency, args.prompt_len), generator=g).tolist()
+    g = torch.Generator().manual_seed(concurrency + 1000 * seed)
+    distinct = torch.randint(3, args.vocab if not args.model_path else 1000,
+                             (concurrency // group, args.prompt_len), generator=g).tolist()
+    return [p for p in distinct for _ in range(group)]
+
+
+def server_counters(addr: str) -> tuple:
+    """The server's own counters so far: prompt tokens forwarded, seconds in prefill
+    forwards, seconds in decode forwards, CPU seconds of the server process (all threads:
+    what it computed, whatever else shares the cores)."""
+    async def get():
+        c = RolloutClient([addr], timeout_s=60)
+        try:
+            return await c.request(addr, "GET", "/server_info")
+        finally:
+            await c.close()
+    info = asyncio.run(get())
+    return (info["prefill_tokens"], info["forward_seconds"]["prefill"],
+            info["forward_seconds"]["decode"], info["process_cpu_seconds"])
+
+
+def prefix_main(args, path: str) -> None:
+    """``--prefix-groups``: the server with its prefix cache against ``--prefix-cache-mb 0``."""
+    G = args.prefix_groups
+    on, off = launch_local_servers(path, 1, num_threads=args.threads,
+                                   max_running=max(args.concurrency))[0], \
+        launch_local_servers(path, 1, num_threads=args.threads,
+                             max_running=max(args.concurrency),
+                             extra_args=["--prefix-cache-mb", "0"])[0]
+    rows = []
+    try:
+        for srv in (on, off):
+            asyncio.run(ours_once(srv.addr, prompts_for(1, args, seed=99), 4))
+        for c in args.concurrency:
+            if c % G:
+                raise SystemExit(f"--concurrency {c}: not a multiple of --prefix-groups {G}")
+            best = {"on": (float("inf"),), "off": (float("inf"),)}
+            for rep_i in range(args.repeats):
+                prompts = prompts_for(c, args, seed=rep_i + 1, group=G)
+                for name, srv in (("off", off), ("on", on)):
+                    before = server_counters(srv.addr)
+                    dt = asyncio.run(ours_once(srv.addr, prompts, args.new_tokens))
+                    tok, pre_s, dec_s, cpu_s = (b - a for a, b in zip(
+                        before, server_counters(srv.addr)))
+                    best[name] = min(best[name], (dt, tok / (c // G), pre_s, dec_s, cpu_s))
+                    print(f"    repeat {rep_i} {name:3s}: {dt:6.1f} s (prefill forwards "
+                          f"{pre_s:.1f} s, decode forwards {dec_s:.1f} s; server CPU "
+                          f"{cpu_s:.1f} s)", flush=True)
+            n = c * args.new_tokens
+            (t_on, p_on, *_, cpu_on), (t_off, p_off, *_, cpu_off) = best["on"], best["off"]
+            rows.append((c, n / t_on, n / t_off, p_on, p_off))
+            print(f"  {c:3d} concurrent: server CPU seconds per token with / without the cache "
+                  f"= {cpu_on / cpu_off:5.2f}x (best repeats)", flush=True)
+            print(f"  {c:3d} concurrent ({c // G} groups of {G}): cache {n / t_on:8.1f} tok/s, "
+                  f"{p_on:7.0f} prefill tokens/group   no cache {n / t_off:8.1f} tok/s, "
+                  f"{p_off:7.0f} prefill tokens/group", flush=True)
+    finally:
+        on.stop()
+        off.stop()
+    for c, ton, toff, pon, poff in rows:
+        print(f"{c:3d} concurrent requests: prefill tokens per group {poff:.0f} -> {pon:.0f} "
+              f"({poff / max(pon, 1):.2f}x fewer, goal >= 6x); tokens/s with / without the "
+              f"cache = {ton / toff:5.2f}x")
 
 
 async def ours_once(addr: str, prompts: list, new_tokens: int) -> float:
@@ -101,6 +169,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prefix-groups", type=int, default=0,
+                    help="measure the prefix cache on GRPO groups of this many samples "
+                         "(the server with and without its cache, no transformers side)")
     args = ap.parse_args()
     import torch
     from transformers import AutoModelForCausalLM
@@ -108,6 +179,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model_path or write_model(os.path.join(tmp, "m"), args)
+        if args.prefix_groups:
+            prefix_main(args, path)
+            print(f"prompts {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+                  f"{args.threads} threads, torch {torch.__version__}")
+            return
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         srv = launch_local_servers(path, 1, num_threads=args.threads,
                                    max_running=max(args.concurrency))[0]

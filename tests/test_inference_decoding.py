@@ -32,11 +32,11 @@ def _hold_prefill(engine):
     entered, release = threading.Event(), threading.Event()
     real = engine._batch.prefill
 
-    def held(ids):
+    def held(ids, prefix=None):
         entered.set()
         assert release.wait(30)
         engine._batch.prefill = real
-        return real(ids)
+        return real(ids, prefix)
 
     engine._batch.prefill = held
     return entered, release

@@ -202,7 +202,8 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
         kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask,
                          clamp=cfg.kl_clamp)
         kl_pen = -cfg.kl_coef * kl
-        stats["kl_reward_mean"] = float(kl[mask].mean()) if mask.any() else 0.0
+        if mask.any():      # a mean over no token is left out
+            stats["kl_reward_mean"] = float(kl[mask].mean())
 
     def group_adv(r: Tensor) -> Tensor:
         if not cfg.group_norm:
@@ -239,6 +240,8 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
     adv = torch.where(mask, adv, torch.zeros_like(adv))
     out["advantages"] = adv
     vals = adv[mask]
-    stats["advantage_mean"] = float(vals.mean()) if vals.numel() else 0.0
-    stats["advantage_std"] = float(vals.std()) if vals.numel() > 1 else 0.0
+    if vals.numel():        # undefined over no token (std: over fewer than two): left out
+        stats["advantage_mean"] = float(vals.mean())
+    if vals.numel() > 1:
+        stats["advantage_std"] = float(vals.std())
     return out, stats

@@ -51,12 +51,13 @@ def group_filter(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
     stats = {
         "groups": float(n_groups),
         "uniform_groups": float(uniform.sum()),
-        "uniform_group_frac": float(uniform.float().mean()) if n_groups else 0.0,
         "uniform_all_max_groups": float((uniform & (group_value >= r.max() - tol)).sum())
         if n_groups else 0.0,
         "uniform_all_min_groups": float((uniform & (group_value <= r.min() + tol)).sum())
         if n_groups else 0.0,
     }
+    if n_groups:            # a fraction of no group is left out
+        stats["uniform_group_frac"] = float(uniform.float().mean())
     return keep, stats
 
 

@@ -387,16 +387,24 @@ def finalize_stats(summed: dict) -> dict[str, float]:
     that an ``X_sum`` with its own ``X_tokens`` count is divided by that count.
     ``token_count``, ``seq_count`` and ``X_tokens`` are passed through. Works on tensors or
     floats.
+
+    A mean over zero tokens is undefined and left out of the result (never NaN, never 0):
+    ``X`` when ``X_tokens`` is 0 (e.g. ``mismatch`` on a step with no token of the trainer's
+    weights version), and every per-token mean, fraction and std when ``token_count`` is 0
+    or absent.
     """
     vals = {k: float(v) for k, v in summed.items()}
-    n = max(vals.get("token_count", 0.0), 1.0)
+    n = vals.get("token_count", 0.0)
     out: dict[str, float] = {}
     for key, v in vals.items():
         if key in ("token_count", "seq_count") or key.endswith("_tokens"):
             out[key] = v
         elif key.endswith("_sum") and key[: -len("_sum")] + "_tokens" in vals:
             own = vals[key[: -len("_sum")] + "_tokens"]
-            out[key[: -len("_sum")]] = v / own if own > 0 else float("nan")
+            if own > 0:
+                out[key[: -len("_sum")]] = v / own
+        elif key.endswith(("_sum", "_count")) and n <= 0:
+            continue                                  # a per-token mean over no token
         elif key.endswith("_sq_sum"):
             base = key[: -len("_sq_sum")]
             mean = vals.get(base + "_sum", 0.0) / n

@@ -83,14 +83,19 @@ def explained_variance(n: float, ret_sum: float, ret_sq: float, res_sum: float,
 
 def finalize_value_stats(summed: dict) -> dict:
     """Means of the sums of :func:`value_loss` (over micro-batches, DP ranks, minibatches):
-    ``value_loss``, ``clip_frac``, ``value_mean``, ``return_mean``, ``explained_variance``."""
+    ``value_loss``, ``clip_frac``, ``value_mean``, ``return_mean``, ``explained_variance``.
+    Undefined values are left out: everything over zero tokens, ``explained_variance`` over
+    fewer than two tokens or constant returns."""
     n = float(summed.get("value_token_count", 0.0))
     if n <= 0:
         return {}
-    return {"value_loss": summed["value_loss_sum"] / n,
-            "clip_frac": summed["value_clip_count"] / n,
-            "value_mean": summed["value_sum"] / n,
-            "return_mean": summed["return_sum"] / n,
-            "explained_variance": explained_variance(
-                n, summed["return_sum"], summed["return_sq_sum"], summed["residual_sum"],
-                summed["residual_sq_sum"])}
+    out = {"value_loss": summed["value_loss_sum"] / n,
+           "clip_frac": summed["value_clip_count"] / n,
+           "value_mean": summed["value_sum"] / n,
+           "return_mean": summed["return_sum"] / n}
+    var_ret = summed["return_sq_sum"] / n - (summed["return_sum"] / n) ** 2
+    if n >= 2 and var_ret > 1e-12:
+        out["explained_variance"] = explained_variance(
+            n, summed["return_sum"], summed["return_sq_sum"], summed["residual_sum"],
+            summed["residual_sq_sum"])
+    return out

@@ -182,10 +182,12 @@ def check_weight_update(ctx: Context) -> str:
         raise CheckFailed(f"the server reports weight version {info.get('weight_version')!r}, "
                           f"expected {RL_STEPS} after {RL_STEPS} published updates")
     mism, n = last["mismatch"], int(last["mismatch_tokens"])
+    # undefined (left out of the row) when step 1 had no token of the trainer's version
+    step1 = f"{first['mismatch']:.2e}" if "mismatch" in first else "not measured"
     if not mism <= MISMATCH_TOL:
         raise CheckFailed(
             f"server logprobs differ from the trainer's by {mism:.2e} (mean |diff| over {n} "
-            f"tokens generated after update {v}; step 1: {first.get('mismatch', 0):.2e}; "
+            f"tokens generated after update {v}; step 1: {step1}; "
             f"tolerance {MISMATCH_TOL:.0e}; server {ctx.server_addr})",
             "the server does not compute the trainer's model: check that it was started from "
             "the trainer's model (config.json: architecture, norm eps, rope) and that weight "

@@ -2,8 +2,9 @@
 
 One engine thread owns the model. Each iteration it
 1. applies queued commands (weight loads, pause) between decode steps,
-2. admits waiting requests (one prefill forward per prompt length — a GRPO group's samples
-   share their prompt — whose rows then join the running batch),
+2. admits waiting requests (one prefill forward per prompt length and cached prefix; a
+   prompt's cached prefix is not recomputed, see :mod:`areal_mega.inference.prefix_reuse`),
+   whose rows then join the running batch,
 3. runs ONE forward over all active requests (one token each, each at its own position),
    samples one token per request and retires finished ones (continuous batching).
 
@@ -28,10 +29,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from areal_mega.inference.cpu_linear import pack_linear_layers
-from areal_mega.inference.kv_cache import make_kv_batch
+from areal_mega.inference.kv_cache import StaticKVBatch, make_kv_batch
+from areal_mega.inference.prefix_reuse import PrefixReuse
 from areal_mega.inference.route_capture import RouteCapture
 from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
 
@@ -60,6 +63,11 @@ class GenRequest:
     return_routed_experts: bool = False
     routes_start: int = 0   # routed_experts_start_len: the first position answered
     routes: list = field(default_factory=list)
+    # prefix cache: the most prompt tokens it may serve (None: all but the last), how many
+    # it served (SGLang's cached_tokens), and the cache epoch of the prefill
+    prefix_limit: Optional[int] = None
+    cached_tokens: int = 0
+    kv_epoch: int = -1
 
     def _finish(self, reason: dict) -> None:
         if self.finish_reason is None:
@@ -79,12 +87,15 @@ class BatchedEngine:
 
     def __init__(self, model, eos_token_id, max_running: int = 64,
                  weight_version: str = "0", decode: Optional[Callable[[list], str]] = None,
-                 prepack_linears: bool = True, capture_routes: bool = False):
+                 prepack_linears: bool = True, capture_routes: bool = False,
+                 prefix_cache_mb: float = 0.0):
         """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
         only for stop strings. ``prepack_linears``: run the model's linear layers through
         oneDNN with prepacked weights (:mod:`areal_mega.inference.cpu_linear`).
         ``capture_routes``: record the routed experts of requests that ask for them
-        (:mod:`areal_mega.inference.route_capture`; ValueError for a dense model)."""
+        (:mod:`areal_mega.inference.route_capture`; ValueError for a dense model).
+        ``prefix_cache_mb``: memory budget of the prefix cache (0: no cache; only for the
+        models :class:`~areal_mega.inference.kv_cache.StaticKVBatch` serves)."""
         self.model = model
         self.routes = RouteCapture(model) if capture_routes else None
         self.prepacked_linears = pack_linear_layers(model) if prepack_linears else 0
@@ -107,6 +118,12 @@ class BatchedEngine:
         # batch state (engine thread only)
         self._active: list[GenRequest] = []
         self._batch = make_kv_batch(model)  # row i = self._active[i]
+        self.prefix = None
+        if prefix_cache_mb > 0 and isinstance(self._batch, StaticKVBatch):
+            self.prefix = PrefixReuse(self._batch, prefix_cache_mb, self.routes is not None)
+        self.prefill_tokens = 0      # prompt tokens forwarded by prefills
+        self.cached_tokens = 0       # prompt tokens served by the prefix cache instead
+        self.forward_s = {"prefill": 0.0, "decode": 0.0}   # seconds in the model's forwards
         self._last_tok: list[int] = []
         self.steps = 0
         self.tokens_generated = 0
@@ -169,6 +186,21 @@ class BatchedEngine:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def invalidate_prefix_cache(self) -> None:
+        """Empty the prefix cache for good: rows prefilled before are never added back (call
+        on the engine thread, e.g. from :meth:`run_exclusive`, with new weights)."""
+        if self.prefix is not None:
+            self.prefix.invalidate()
+
+    def flush_prefix_cache(self) -> bool:
+        """SGLang's ``flush_cache``: empty the prefix cache if no request runs or waits;
+        returns whether it did (call on the engine thread)."""
+        with self._cv:
+            if self._waiting or self._admitting or self._active:
+                return False
+        self.invalidate_prefix_cache()
+        return True
 
     def run_exclusive(self, fn: Callable[[], object], timeout: Optional[float] = None):
         """Run ``fn()`` on the engine thread between decode steps and return its result
@@ -256,37 +288,65 @@ class BatchedEngine:
     def _retire_aborted(self) -> None:
         if any(r.aborted for r in self._active):
             keep = [i for i, r in enumerate(self._active) if not r.aborted]
+            self._cache_leaving(keep)
             for r in self._active:
                 if r.aborted:
                     r._finish({"type": "abort", "message": r.abort_message})
             self._select(keep)
 
     def _prefill_admitted(self, admit: list) -> None:
-        """Prefill newly admitted requests, one forward per prompt length: a GRPO group's
-        samples share their prompt, and equal-length prompts need no padding, so the
-        batched forward gives each row exactly what a forward of that prompt alone gives."""
-        by_len: dict = {}
+        """Prefill newly admitted requests, one forward per (cached prefix, uncached length):
+        equal-length inputs need no padding, so the batched forward gives each row exactly
+        what a forward of that prompt alone gives. With the prefix cache, requests that share
+        a prompt prefix go in rounds (:meth:`PrefixReuse.plan`), later ones from the cache."""
+        pending = []
         for r in admit:
             if r.aborted:
                 r._finish({"type": "abort", "message": r.abort_message})
             elif r.params.max_new_tokens == 0:
                 r._finish({"type": "length", "length": 0})
             else:
-                by_len.setdefault(len(r.input_ids), []).append(r)
-        for L, reqs in by_len.items():
-            self._prefill_batch(reqs, L)
+                pending.append(r)
+        while pending:
+            if self.prefix is None:
+                now, pending = [(r, 0) for r in pending], []
+            else:
+                now, pending = self.prefix.plan(pending)
+            groups: dict = {}
+            for r, cached in now:
+                key = (tuple(r.input_ids[:cached]), len(r.input_ids) - cached)
+                groups.setdefault(key, []).append(r)
+            for (prefix, _), reqs in groups.items():
+                self._prefill_batch(reqs, len(prefix))
 
-    def _prefill_batch(self, reqs: list, L: int) -> None:
+    def _prefill_batch(self, reqs: list, cached: int) -> None:
+        """Prefill ``reqs``, whose first ``cached`` prompt tokens are the same and cached."""
+        epoch = -1 if self.prefix is None else self.prefix.epoch
         for r in reqs:
-            r.weight_version = self.weight_version
-        ids = torch.tensor([r.input_ids for r in reqs], dtype=torch.long)
+            r.weight_version, r.cached_tokens, r.kv_epoch = self.weight_version, cached, epoch
+        prefix, prefix_routes = (self.prefix.fetch(reqs[0].input_ids, cached) if cached
+                                 else (None, None))
+        ids = torch.tensor([r.input_ids[cached:] for r in reqs], dtype=torch.long)
+        n, S = ids.shape
         capture = self._begin_routes(reqs)
-        logits, kv = self._batch.prefill(ids)
-        if capture:  # row b of the prefill: its prompt's L tokens
-            rows = self.routes.end(len(reqs) * L).reshape(len(reqs), L, *capture)
+        t0 = time.perf_counter()
+        logits, kv = self._batch.prefill(ids, prefix)
+        self.forward_s["prefill"] += time.perf_counter() - t0
+        self.prefill_tokens += n * S
+        self.cached_tokens += n * cached
+        if capture:  # row b of the prefill: its S uncached tokens
+            rows = self.routes.end(n * S).reshape(n, S, *capture)
             for r, rr in zip(reqs, rows):
-                if r.return_routed_experts:
-                    r.routes.append(rr)
+                if prefix_routes is not None:
+                    r.routes.append(prefix_routes)
+                r.routes.append(rr)
+        if self.prefix is not None:
+            seen = set()
+            for b, r in enumerate(reqs):
+                if tuple(r.input_ids) not in seen:
+                    seen.add(tuple(r.input_ids))
+                    self.prefix.add_prefilled(r, kv, b, np.concatenate(r.routes)
+                                              if capture else None)
         toks = self._sample_and_record(reqs, logits)
         keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
                 if tok is not None and not self._check_finished(r, tok)]
@@ -300,12 +360,13 @@ class BatchedEngine:
     def _decode_step(self) -> None:
         B = len(self._active)
         capture = self._begin_routes(self._active)
+        t0 = time.perf_counter()
         logits = self._batch.decode(self._last_tok)
+        self.forward_s["decode"] += time.perf_counter() - t0
         if capture:  # row i: the token fed for request i
             rows = self.routes.end(B)
             for i, r in enumerate(self._active):
-                if r.return_routed_experts:
-                    r.routes.append(rows[i:i + 1])
+                r.routes.append(rows[i:i + 1])
         self.steps += 1
         toks = self._sample_and_record(self._active, logits)
         keep = []
@@ -316,12 +377,24 @@ class BatchedEngine:
             if not self._check_finished(r, tok):
                 keep.append(i)
         if len(keep) != B:
+            self._cache_leaving(keep)
             self._select(keep)
 
+    def _cache_leaving(self, keep: list) -> None:
+        """Add the rows not in ``keep`` (leaving the batch) to the prefix cache."""
+        if self.prefix is None:
+            return
+        kept = set(keep)
+        for i, r in enumerate(self._active):
+            if i not in kept:
+                self.prefix.add_running(r, i)
+
     def _begin_routes(self, reqs: list) -> Optional[tuple]:
-        """Start recording routes when a request of this forward asks for them; returns the
-        ``(layers, topk)`` of a row then, else None (nothing recorded, nothing to pay)."""
-        if self.routes is None or not any(r.return_routed_experts for r in reqs):
+        """Start recording routes when a request of this forward asks for them, or always
+        with the prefix cache (a cached token keeps its routes); returns the ``(layers,
+        topk)`` of a row then, else None (nothing recorded, nothing to pay)."""
+        if self.routes is None or (self.prefix is None
+                                   and not any(r.return_routed_experts for r in reqs)):
             return None
         self.routes.begin()
         lay = self.routes.layout

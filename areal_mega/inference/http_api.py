@@ -348,7 +348,7 @@ def response_of(r, prompt_len: int, params: SamplingParams, return_logprob: bool
     token_ids)`` of its prompt's input positions from ``logprob_start_len`` on."""
     meta: dict = {
         "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": prompt_len,
-        "completion_tokens": len(r.output_ids), "cached_tokens": 0,
+        "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens,
         "weight_version": r.weight_version, "e2e_latency": now - r.created_at}
     if return_logprob:
         def tok_text(t: int) -> Optional[str]:

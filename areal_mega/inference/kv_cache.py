@@ -16,7 +16,8 @@ as rows ``0..B-1`` of one of these:
 * :class:`HFCacheBatch` (any other causal LM): transformers' ``DynamicCache``, rows merged by
   left-padding every layer's keys/values to the common length.
 
-Both answer :meth:`prefill` (equal-length prompts, no cache, logits of the last position),
+Both answer :meth:`prefill` (equal-length prompts, logits of the last position; the static
+batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reuse`),
 :meth:`append` (rows of a prefill join the batch), :meth:`decode` (one token per row),
 :meth:`select` (keep some rows) and :meth:`reset`.
 """
@@ -145,22 +146,57 @@ class StaticKVBatch:
     def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(_norm(self.body.norm, h_last)).float()
 
-    def prefill(self, ids: torch.Tensor):
-        """Forward prompts ``ids`` ``[n, L]`` (equal lengths) without cache; returns the
-        last position's logits ``[n, V]`` and the new rows' keys/values (for :meth:`append`)."""
-        n, L = ids.shape
-        pos = torch.arange(L).view(1, L).expand(n, L)
+    def prefill(self, ids: torch.Tensor, prefix=None):
+        """Forward prompts ``ids`` ``[n, S]`` (equal lengths); returns the last position's
+        logits ``[n, V]`` and the rows' keys/values (for :meth:`append`). ``prefix``: the
+        cached keys/values of ``P`` tokens before ``ids`` (common to the rows), as
+        :meth:`split_payload` gives them; ``ids`` then sit at positions ``P..P+S-1`` and the
+        returned keys/values cover all ``P + S`` tokens."""
+        n, S = ids.shape
+        P = 0 if prefix is None else prefix[0][0].shape[2]
+        pos = torch.arange(P, P + S).view(1, S).expand(n, S)
+        # query i (position P + i) sees keys 0..P + i; no mask needed for one query
+        mask = torch.ones(S, P + S, dtype=torch.bool).tril(P) if P and S > 1 else None
         h = self.body.embed_tokens(ids)
         rot = self._rotary_of(h, pos)
         kv = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             qs, ks, vs = self._qkv(layer, h, rot)
+            if P:
+                pk, pv = prefix[i]
+                ks = torch.cat([pk.expand(n, -1, -1, -1), ks], dim=2)
+                vs = torch.cat([pv.expand(n, -1, -1, -1), vs], dim=2)
             kv.append((ks, vs))
             out = F.scaled_dot_product_attention(
                 qs, ks.repeat_interleave(self.groups, 1), vs.repeat_interleave(self.groups, 1),
-                is_causal=True, scale=self.scaling)
-            h = self._finish_layer(layer, h, out.transpose(1, 2).reshape(n, L, -1))
+                attn_mask=mask, is_causal=not P, scale=self.scaling)
+            h = self._finish_layer(layer, h, out.transpose(1, 2).reshape(n, S, -1))
         return self._logits(h[:, -1]), kv
+
+    # the prefix cache's payload: [layers, 2 (keys, values), kv_heads, tokens, head_dim]
+    KV_TOKEN_DIM = 3
+
+    @staticmethod
+    def payload_of_prefill(kv: list, row: int, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` of row ``row`` of a :meth:`prefill`'s keys/values, in the
+        prefix cache's layout."""
+        return torch.stack([torch.stack([k[row, :, start:end], v[row, :, start:end]])
+                            for k, v in kv])
+
+    def payload_of_row(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` of running row ``row``, in the prefix cache's layout."""
+        return torch.stack([torch.stack([k[row, :, start:end], v[row, :, start:end]])
+                            for k, v in zip(self.k, self.v)])
+
+    @staticmethod
+    def split_payload(payload: torch.Tensor) -> list:
+        """A cached prefix's payload as :meth:`prefill`'s ``prefix`` (per layer ``(keys,
+        values)``, ``[1, kv_heads, P, head_dim]``)."""
+        return [(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in payload]
+
+    def row_len(self, row: int) -> int:
+        """Tokens held by running row ``row``."""
+        return int(self.lens[row])
 
     def append(self, kv: list, keep: list) -> None:
         """Add rows ``keep`` of a :meth:`prefill`'s keys/values at the end of the batch."""
@@ -243,8 +279,11 @@ class HFCacheBatch:
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return out.logits[:, -1, :].float(), kv
 
-    def prefill(self, ids: torch.Tensor):
-        """See :meth:`StaticKVBatch.prefill`."""
+    def prefill(self, ids: torch.Tensor, prefix=None):
+        """See :meth:`StaticKVBatch.prefill` (no ``prefix``: this batch keeps no prefix
+        cache)."""
+        if prefix is not None:
+            raise ValueError("HFCacheBatch has no prefix cache")
         return self._forward(ids, None)
 
     def append(self, kv: list, keep: list) -> None:

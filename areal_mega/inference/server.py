@@ -10,6 +10,9 @@ Endpoints (same paths and JSON fields as SGLang):
 ``/get_model_info`` (alias ``/model_info``), ``/get_server_info`` (alias ``/server_info``).
 ``--enable-return-routed-experts`` (MoE models): ``/generate`` with ``return_routed_experts``
 answers the tokens' routed experts as SGLang does (:mod:`areal_mega.inference.route_capture`).
+``--prefix-cache-mb`` (default 512, 0: off): prompt prefixes already forwarded are served from
+a radix cache, ``meta_info.cached_tokens`` counting them as SGLang does; ``/flush_cache``
+empties it when idle, a weight update always (:mod:`areal_mega.inference.prefix_reuse`).
 
 As on SGLang, request bodies are parsed leniently: keys an endpoint does not know are ignored
 (except inside ``sampling_params``, see :mod:`areal_mega.inference.http_api`). Bad input
@@ -58,12 +61,15 @@ from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS,
                                            parse_generate, parse_logprob_starts,
                                            parse_routes_start, response_of)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
+from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
 
 DEFAULT_IDLE_TIMEOUT_S = 30.0
+FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there "
+                    "are running or waiting requests, the operation will not be performed.)\n")
 
 log = logging.getLogger("areal_mega.inference.server")
 
@@ -149,7 +155,9 @@ def build_app(srv: LocalRolloutServer,
                 gen = torch.Generator().manual_seed(params.sampling_seed)
             reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
                                    on_done=on_done, generator=gen,
-                                   return_routed_experts=routes, routes_start=routes_start))
+                                   return_routed_experts=routes, routes_start=routes_start,
+                                   # SGLang: with return_logprob no prefix past its start
+                                   prefix_limit=None if starts is None else starts[i // n]))
             if version is not None:  # what a prefill-only request reports
                 reqs[-1].weight_version = version
             futs.append(fut)
@@ -321,8 +329,9 @@ def build_app(srv: LocalRolloutServer,
         return web.json_response({"success": True, "weight_version": str(v)})
 
     async def flush_cache(request: web.Request):
-        # no prefix cache is kept between requests; accept for API compatibility
-        return web.json_response({"success": True})
+        # SGLang: flushes only when no request runs or waits; 200 or 400, this text either way
+        flushed = await run_blocking(srv.engine.run_exclusive, srv.engine.flush_prefix_cache)
+        return web.Response(text=FLUSH_CACHE_TEXT, status=200 if flushed else 400)
 
     async def health(request: web.Request):
         if not srv.engine.alive():
@@ -343,6 +352,9 @@ def build_app(srv: LocalRolloutServer,
             "num_running": e.num_running, "num_waiting": e.num_waiting, "paused": e.paused,
             "decode_steps": e.steps, "tokens_generated": e.tokens_generated,
             "sampling_errors": e.sampling_errors, "joining_groups": sorted(srv.joining),
+            "prefill_tokens": e.prefill_tokens, "cached_tokens": e.cached_tokens,
+            "forward_seconds": dict(e.forward_s), "process_cpu_seconds": time.process_time(),
+            "prefix_cache": None if e.prefix is None else e.prefix.stats(),
             "enable_return_routed_experts": e.routes is not None,
             "receiving_buckets": srv.receiving,
             "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
@@ -392,10 +404,15 @@ def main(argv: Optional[list] = None) -> None:
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="answer return_routed_experts with meta_info.routed_experts "
                          "(MoE models only), as SGLang's flag")
+    ap.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                    help="memory budget of the prefix cache (keys/values of prompts and "
+                         "finished sequences reused by later requests); 0 disables it")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     if not args.idle_timeout > 0:
         ap.error(f"--idle-timeout={args.idle_timeout}: must be > 0")
+    if not args.prefix_cache_mb >= 0:
+        ap.error(f"--prefix-cache-mb={args.prefix_cache_mb}: must be >= 0")
     try:
         check_bind(args.host, authenticated=bool(args.api_key), what=f"--host {args.host}",
                    fix=f"set {API_KEY_ENV} (rollout.api_key) in the environment or --api-key, "
@@ -408,7 +425,8 @@ def main(argv: Optional[list] = None) -> None:
     torch.set_num_threads(args.num_threads)
     srv = LocalRolloutServer(args.model_path, max_running=args.max_running_requests,
                              api_key=args.api_key, max_context=args.max_context,
-                             enable_return_routed_experts=args.enable_return_routed_experts)
+                             enable_return_routed_experts=args.enable_return_routed_experts,
+                             prefix_cache_mb=args.prefix_cache_mb)
     print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
           flush=True)
     web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,

@@ -22,6 +22,7 @@ import torch
 from areal_mega.inference.decoding import BatchedEngine
 from areal_mega.inference.http_api import BadRequest, Conflict, parse_dtype
 from areal_mega.inference.param_targets import ParamTargets
+from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
                                              init_update_group)
 
@@ -33,9 +34,11 @@ class LocalRolloutServer:
     """The model, its engine, the tokenizer and the weight-update process groups."""
 
     def __init__(self, model_path: str, max_running: int = 64, api_key: Optional[str] = None,
-                 max_context: Optional[int] = None, enable_return_routed_experts: bool = False):
+                 max_context: Optional[int] = None, enable_return_routed_experts: bool = False,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         """``enable_return_routed_experts``: capture MoE routes for requests asking for them
-        (ValueError for a dense model)."""
+        (ValueError for a dense model). ``prefix_cache_mb``: memory budget of the prefix
+        cache (0: none; :mod:`areal_mega.inference.prefix_reuse`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -57,7 +60,8 @@ class LocalRolloutServer:
             self.decode = lambda ids, **kw: self.tokenizer.decode(ids, **kw)
         self.engine = BatchedEngine(self.model, eos_token_id=eos, max_running=max_running,
                                     decode=self.decode,
-                                    capture_routes=enable_return_routed_experts)
+                                    capture_routes=enable_return_routed_experts,
+                                    prefix_cache_mb=prefix_cache_mb)
         self.groups: dict = {}  # group name -> process group
         self.joining: set = set()  # group names whose rendezvous is in progress
         self.receiving = 0         # buckets of a distributed weight update being received
@@ -68,7 +72,9 @@ class LocalRolloutServer:
 
     # ---------------------------------------------------------------- weights
     def _assign(self, tensors: dict, version: Optional[str]) -> None:
-        """Copy ``tensors`` (HF checkpoint names) into the model; runs on the engine thread."""
+        """Copy ``tensors`` (HF checkpoint names) into the model and empty the prefix cache
+        (keys/values of the old weights are never reused); runs on the engine thread."""
+        self.engine.invalidate_prefix_cache()
         targets = ParamTargets(self.model.state_dict())    # the model's current tensors
         with torch.no_grad():
             for name, t in tensors.items():

@@ -134,12 +134,14 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
                                          max_response_len=cfg.rollout.max_new_tokens)
     rewards = np.array([t.total_reward for t in trajs], dtype=np.float64)
-    stats["reward/mean"] = float(rewards.mean()) if len(rewards) else 0.0
-    stats["reward/std"] = float(rewards.std()) if len(rewards) else 0.0
+    if len(rewards):        # means over no sample are left out of the row
+        stats["reward/mean"] = float(rewards.mean())
+        stats["reward/std"] = float(rewards.std())
     stats.update(per_source_rewards(trajs))
     stats.update(carried_counts(trajs))   # the rollout side's counters, once per group
     resp = [t.length - t.prompt_len for t in trajs]
-    stats["response_len/mean"] = float(np.mean(resp)) if resp else 0.0
+    if resp:
+        stats["response_len/mean"] = float(np.mean(resp))
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
     seqlens = [len(s["input_ids"]) for s in samples]
     plan = plan_micro_batches(seqlens, dp_size=dp_size,

@@ -138,10 +138,14 @@ def gae_step(critic, mbs: list, cfg, mesh) -> tuple[list, dict]:
     if cfg.algorithm.batch_norm:
         advs = [torch.where(torch.as_tensor(mb["loss_mask"]).bool(), (a - mean) / (std + EPS),
                             torch.zeros_like(a)) for mb, a in zip(mbs, advs)]
-    stats = {"adv/advantage_mean": mean, "adv/advantage_std": std,
-             "critic/old_value_mean": sv / n_safe, "critic/gae_return_mean": sr / n_safe}
-    if cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
-        stats["adv/kl_reward_mean"] = skl / n_safe
+    stats = {}
+    if n > 0:               # means over no loss token are left out (std: fewer than two)
+        stats = {"adv/advantage_mean": mean, "critic/old_value_mean": sv / n,
+                 "critic/gae_return_mean": sr / n}
+        if n > 1:
+            stats["adv/advantage_std"] = std
+        if cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
+            stats["adv/kl_reward_mean"] = skl / n
     mbs = batches.attach(mbs, values=values, returns=rets, advantages=advs)
     return mbs, stats
 
