@@ -122,7 +122,9 @@ def rl_command(ctx: Context, run_dir: Path, data: Path) -> list:
             f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={run_dir}",
             "allocation=megatron:d1", f"rollout.server_addrs={ctx.server_addr}",
             "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-            "rollout.batch_size=4", "rollout.n_samples=4", f"total_steps={RL_STEPS}",
+            # 8 samples a group: step 1 moves the weights unless every group's rewards are
+            # equal (with 4, an untrained model's all-zero groups made that happen now and then)
+            "rollout.batch_size=4", "rollout.n_samples=8", f"total_steps={RL_STEPS}",
             "recover=off", "rollout.max_head_offpolicyness=0", "rollout.weight_update=disk",
             "checkpoint.save_every=0", "optimizer.warmup_steps=0", "optimizer.lr=1e-3",
             "rollout.reward_fn=areal_mega.rewards:char_match_reward", "seed=1"]
