@@ -28,6 +28,22 @@ from areal_mega.dataplane.journal import TrajectoryJournal
 log = logging.getLogger(__name__)
 
 
+def _reopen_jsonl(path: Path) -> tuple:
+    """``(records, append handle)`` of a JSON-lines file: its complete lines parsed (a line a
+    kill cut short is skipped, and ended so that the next record starts on its own line)."""
+    text = path.read_text() if path.exists() else ""
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:       # a line cut short by the kill
+            continue
+    handle = open(path, "a")
+    if text and not text.endswith("\n"):
+        handle.write("\n")
+    return records, handle
+
+
 class OnlineJournal:
     """See the module doc. ``fresh``: a new run, so an earlier run's files are removed."""
 
@@ -44,36 +60,18 @@ class OnlineJournal:
                 self.by_prompt.setdefault(k, {})[t.sample_id] = t
             done.add(t.meta.get("session_id"))
         started, dropped = [], {}
-        events = self.dir / "events.jsonl"
-        text = events.read_text() if events.exists() else ""
-        if text:
-            for line in text.splitlines():
-                try:
-                    ev = json.loads(line)
-                except ValueError:       # a line cut short by the kill
-                    continue
-                if ev.get("start"):
-                    started.append(ev["start"])
-                elif ev.get("dropped"):
-                    dropped[ev["dropped"]] = ev.get("reason", "")
-        ended = {}
-        path = self.dir / "ended.jsonl"
-        for line in (path.read_text().splitlines() if path.exists() else ()):
-            try:
-                rec = json.loads(line)
-            except ValueError:       # a line cut short by the kill (its end was not answered)
-                continue
-            ended[rec["session_id"]] = rec
+        events, self._events = _reopen_jsonl(self.dir / "events.jsonl")
+        for ev in events:
+            if ev.get("start"):
+                started.append(ev["start"])
+            elif ev.get("dropped"):
+                dropped[ev["dropped"]] = ev.get("reason", "")
+        records, self._ended = _reopen_jsonl(self.dir / "ended.jsonl")
+        ended = {rec["session_id"]: rec for rec in records}
         self.awaiting = [r for s, r in ended.items() if s not in done and s not in dropped]
         self.left_open = [s for s in started if s not in done and s not in dropped
                           and s not in ended]
-        self._events = open(events, "a")
-        if text and not text.endswith("\n"):
-            self._events.write("\n")        # end the line the kill cut short
         self._trajs = TrajectoryJournal(self.dir / "trajs")
-        self._ended = open(path, "a")
-        if path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n"):
-            self._ended.write("\n")
         for sid in self.left_open:
             self.dropped(sid, "worker_restart")
             dropped[sid] = "worker_restart"

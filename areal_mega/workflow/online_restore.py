@@ -17,7 +17,8 @@ from dataclasses import asdict
 import numpy as np
 
 from areal_mega.workflow.episode_export import export_completions
-from areal_mega.workflow.online_sessions import SessionError, check_reward
+from areal_mega.workflow.online_sessions import (check_reward, fully_rewarded,
+                                                matching_completions)
 from areal_mega.workflow.openai_client import CompletionRecord
 from areal_mega.workflow.tokens import TokenSeq
 
@@ -113,20 +114,14 @@ class RestoredSession:
         if completion_id is None:
             self.reward = v
             return
-        if not isinstance(completion_id, str):
-            raise SessionError("completion_id: expected a string", 400, "completion_id")
-        ids = [r.completion_id for r in self.records if r.completion_id == completion_id
-               or r.completion_id.rsplit("-", 1)[0] == completion_id]
-        if not ids:
-            raise SessionError(f"completion_id: session {self.session_id!r} has no "
-                               f"completion {completion_id!r}", 404, "completion_id")
-        for c in ids:
+        for c in matching_completions([r.completion_id for r in self.records], completion_id,
+                                      self.session_id):
             self.completion_rewards[c] = v
 
     def has_reward(self) -> bool:
         """A session reward, or one for each of its completions."""
-        return self.reward is not None or bool(self.records) and all(
-            r.completion_id in self.completion_rewards for r in self.records)
+        return fully_rewarded(self.reward, self.completion_rewards,
+                              [r.completion_id for r in self.records])
 
     def trajectories(self, turn_discount: float) -> list:
         """Its trajectories, once it has its reward."""

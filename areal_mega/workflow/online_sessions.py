@@ -86,6 +86,24 @@ def check_reward(value, max_abs: float, param: str = "reward") -> float:
     return v
 
 
+def matching_completions(ids, completion_id, session_id: str) -> list:
+    """The ids among a session's completion ``ids`` that ``completion_id`` names (a choice id,
+    or the id of the response that holds its choices); :class:`SessionError` when none."""
+    if not isinstance(completion_id, str):
+        raise SessionError("completion_id: expected a string", 400, "completion_id")
+    out = [c for c in ids if c == completion_id or c.rsplit("-", 1)[0] == completion_id]
+    if not out:
+        raise SessionError(f"completion_id: session {session_id!r} has no "
+                           f"completion {completion_id!r}", 404, "completion_id")
+    return out
+
+
+def fully_rewarded(reward, completion_rewards: dict, ids) -> bool:
+    """A session reward, or a reward for each of the session's completions (at least one)."""
+    ids = list(ids)
+    return reward is not None or bool(ids) and all(c in completion_rewards for c in ids)
+
+
 class SessionBook:
     """Sessions and groups (see the module doc). ``completion_ids(session)`` returns the ids
     of a session's completions (the gateway's records), to check per-completion rewards."""
@@ -186,14 +204,7 @@ class SessionBook:
         if completion_id is None:
             s.reward = v
         else:
-            if not isinstance(completion_id, str):
-                raise SessionError("completion_id: expected a string", 400, "completion_id")
-            ids = [c for c in self.completion_ids(s)
-                   if c == completion_id or c.rsplit("-", 1)[0] == completion_id]
-            if not ids:
-                raise SessionError(f"completion_id: session {s.session_id!r} has no "
-                                   f"completion {completion_id!r}", 404, "completion_id")
-            for c in ids:
+            for c in matching_completions(self.completion_ids(s), completion_id, s.session_id):
                 s.completion_rewards[c] = v
         s.last_active = now
         self._settle(s)
@@ -214,10 +225,7 @@ class SessionBook:
 
     def has_reward(self, s: Session) -> bool:
         """A session reward, or a reward for each of its completions (at least one)."""
-        if s.reward is not None:
-            return True
-        ids = list(self.completion_ids(s))
-        return bool(ids) and all(c in s.completion_rewards for c in ids)
+        return fully_rewarded(s.reward, s.completion_rewards, self.completion_ids(s))
 
     def _settle(self, s: Session) -> None:
         if s.state == ENDED and self.has_reward(s):
