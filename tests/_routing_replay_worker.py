@@ -22,10 +22,8 @@ same routes; logprobs and gradients are compared with the single rank's, and the
 agreement counts (each rank counts its own tokens and layers) with the single rank's. Rank r writes
 ``<work>/<scenario>.<r>.json``.
 """
-import json
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -314,17 +312,9 @@ def set_mesh(spec, sp=False, vpp=None):
 
 
 def main():
-    scenario, rank, world, port, work = sys.argv[1:6]
-    os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                      LOCAL_RANK=rank)
-    torch.set_num_threads(1)
     from pathlib import Path
-    res = {}
-    try:
-        {"single": scenario_single, "layouts": scenario_layouts}[scenario](res, Path(work))
-    except Exception:
-        res["error"] = traceback.format_exc()
-    return ew.finish_rank(res, os.path.join(work, f"{scenario}.{rank}.json"))
+    return ew.run_scenario({"single": lambda res, d: scenario_single(res, Path(d)),
+                            "layouts": lambda res, d: scenario_layouts(res, Path(d))})
 
 
 if __name__ == "__main__":

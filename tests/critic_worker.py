@@ -14,7 +14,6 @@ Rank r writes ``<out_dir>/<scenario>.<r>.json`` ({check: value}).
 import dataclasses
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -279,16 +278,7 @@ def lm_checks(res, out_dir, mbs):
 
 
 def main():
-    scenario, rank, world, port, out_dir = sys.argv[1:6]
-    os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                      LOCAL_RANK=rank)
-    torch.set_num_threads(1)
-    res = RESULTS
-    try:
-        {"layouts": scenario_layouts, "single": scenario_single}[scenario](res, out_dir)
-    except Exception:
-        res["error"] = traceback.format_exc()
-    return ew.finish_rank(res, os.path.join(out_dir, f"{scenario}.{rank}.json"))
+    return ew.run_scenario({"layouts": scenario_layouts, "single": scenario_single}, RESULTS)
 
 
 if __name__ == "__main__":

@@ -408,18 +408,26 @@ def finish_rank(res: dict, path: str) -> int:
     return 0 if "error" not in res else 1
 
 
-def main():
+def run_scenario(scenarios: dict, res: dict = None) -> int:
+    """One worker rank, argv ``scenario rank world port out_dir``: run
+    ``scenarios[scenario](res, out_dir)`` on a gloo rank of this world, an exception recorded
+    as ``res["error"]``, then :func:`finish_rank` to ``<out_dir>/<scenario>.<rank>.json``."""
     scenario, rank, world, port, out_dir = sys.argv[1:6]
     os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                       LOCAL_RANK=rank)
     torch.set_num_threads(1)
-    res = {}
+    res = {} if res is None else res
     try:
-        {"dense": scenario_dense, "moe": scenario_moe, "gpu_thd": scenario_gpu_thd,
-         "gpu_cp2": scenario_gpu_cp2, "vpp": scenario_vpp}[scenario](res, out_dir)
+        scenarios[scenario](res, out_dir)
     except Exception:
         res["error"] = traceback.format_exc()
     return finish_rank(res, os.path.join(out_dir, f"{scenario}.{rank}.json"))
+
+
+def main():
+    return run_scenario({"dense": scenario_dense, "moe": scenario_moe,
+                         "gpu_thd": scenario_gpu_thd, "gpu_cp2": scenario_gpu_cp2,
+                         "vpp": scenario_vpp})
 
 
 if __name__ == "__main__":
