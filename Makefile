@@ -1,5 +1,7 @@
 # areal-mega developer commands. Both targets create .venv on first use.
-PYTHON ?= python3
+# Python 3.12 (megatron-core >= 0.17 and megatron-bridge need it); .ci/run finds one when
+# python3.12 is not on PATH and passes PYTHON=...
+PYTHON ?= python3.12
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -10,10 +12,13 @@ PYTEST_ARGS ?= -m "not gpu" -q -n 2 --dist loadfile --durations=30
 
 .PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels
 
-$(STAMP): requirements.txt setup.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(STAMP): requirements.txt requirements-nodeps.txt setup.py
+	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place
+	$(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || \
+		{ rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	mkdir -p build && touch build/.kernels-built
 	touch $(STAMP)

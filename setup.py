@@ -107,6 +107,30 @@ def _visible_capabilities(torch):
         return []
 
 
+def cuda_home(env, nvcc, has_headers):
+    """The CUDA toolkit root to build with, or ``None``.
+
+    ``env``: the environment; ``nvcc``: the ``nvcc`` found on ``PATH`` (or None);
+    ``has_headers(root)``: whether ``root/include/cuda_runtime_api.h`` exists. An explicit
+    ``CUDA_HOME`` / ``CUDA_PATH`` wins. torch guesses the parent of ``nvcc``'s directory, which is
+    wrong where ``nvcc`` is a link or wrapper script outside the toolkit (``/usr/local/bin/nvcc``
+    guesses ``/usr/local``, with no CUDA headers): the first of that guess, the resolved
+    ``nvcc``'s toolkit and ``/usr/local/cuda`` that has the headers is used."""
+    explicit = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if explicit:
+        return explicit
+    candidates = []
+    if nvcc:
+        candidates += [os.path.dirname(os.path.dirname(nvcc)),
+                       os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    candidates.append("/usr/local/cuda")
+    return next((c for c in candidates if has_headers(c)), None)
+
+
+def _has_cuda_headers(root):
+    return os.path.isfile(os.path.join(root, "include", "cuda_runtime_api.h"))
+
+
 # at::parallel_for is an OpenMP pragma in ATen's headers: without -fopenmp the CPU kernels'
 # row loops run on one thread whatever torch.set_num_threads says. Linking libgomp.so.1 binds
 # to the copy torch already loaded (same soname).
@@ -118,7 +142,12 @@ def kernel_extensions():
     if not _importable("torch"):
         return [], {}
     import torch
+    home = cuda_home(os.environ, shutil.which("nvcc"), _has_cuda_headers)
+    if home:   # read by cpp_extension when imported; set on it too in case it already was
+        os.environ["CUDA_HOME"] = home
     from torch.utils import cpp_extension
+    if home:
+        cpp_extension.CUDA_HOME = home
     include = [str(ROOT / CSRC / "include"), str(ROOT / CSRC / "bindings")]
     cxx = ["-O3", "-std=c++20", "-Wno-psabi"]
     exts = [cpp_extension.CppExtension(
@@ -161,14 +190,15 @@ def main():
         long_description=(ROOT / "README.md").read_text(),
         long_description_content_type="text/markdown",
         packages=find_packages(include=["areal_mega", "areal_mega.*"]),
-        python_requires=">=3.10",
+        python_requires=">=3.12",
         install_requires=read_requirements(),
         ext_modules=ext_modules,
         cmdclass=cmdclass,
         extras_require={
-            # megatron-core 0.16.1 declares transformer-engine>=2.9.0a0,<2.12.0 (its `dev`
-            # extra, with core_cu13); transformer-engine-torch is a source distribution built
-            # against the installed torch: install with --no-build-isolation (README, GPU).
+            # megatron-core 0.19.2 declares transformer-engine[core_cu13,pytorch] without a
+            # version (its `te` extra); the pin stays the release measured on GPU.
+            # transformer-engine-torch is a source distribution built against the installed
+            # torch: install with --no-build-isolation (README, GPU).
             "gpu": [TE_PIN.format(core="core_cu13")],
             "gpu-cu12": [TE_PIN.format(core="core_cu12")],
             "sglang": ["sglang[all]"],

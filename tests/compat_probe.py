@@ -45,7 +45,21 @@ def probes():
         clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=10.0)
         return abs(float(p.grad[0]) - 0.1) < 1e-5
 
+    def bridge_imports():
+        """``import megatron.bridge`` in a fresh process (it needs TransformerEngine), with
+        the patches there when they are applied here."""
+        import subprocess
+        from areal_mega.compat import megatron_cpu
+        pre = ("from areal_mega.compat import megatron_cpu; megatron_cpu.apply(force=True); "
+               if megatron_cpu.is_applied() else "")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run([sys.executable, "-c", pre + "import megatron.bridge"], cwd=root,
+                              capture_output=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=root))
+        return proc.returncode == 0
+
     return {
+        "import_megatron_bridge": bridge_imports,
         "rng_tracker": rng,
         "rope_inv_freq_device": lambda: rope.RotaryEmbedding(16, 1.0,
                                                              use_cpu_initialization=False)

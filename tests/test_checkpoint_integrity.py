@@ -62,14 +62,15 @@ def test_save_records_every_file(made):
         meta = verify_checkpoint(ckpt)
         files = meta["checksums"]["files"]
         assert sorted(files) == cks.list_files(ckpt)
-        assert {"__0_0.distcp", ".metadata", "common.pt", "hf/config.json"} <= set(files)
+        assert {"__0_0.distcp", ".metadata", "hf/config.json"} <= set(files)
+        assert "common.pt" not in files        # megatron-core 0.19: common state inside DCP
         for rel, rec in files.items():
             assert rec == {"size": (ckpt / rel).stat().st_size,
                            "crc32": cks.file_crc32(ckpt / rel)}, rel
 
 
-@pytest.mark.parametrize("rel", ["__0_0.distcp", "__0_1.distcp", ".metadata", "common.pt",
-                                 "metadata.json", "hf/config.json"])
+@pytest.mark.parametrize("rel", ["__0_0.distcp", "__0_1.distcp", ".metadata", "metadata.json",
+                                 "hf/config.json"])
 def test_verify_names_the_flipped_file(made, tmp_path, rel):
     root = _root_copy(made, tmp_path)
     bad = flip(root / "iter_0000002" / rel)
@@ -112,7 +113,7 @@ def test_resume_falls_back_to_previous_checkpoint(made, tmp_path):
 def test_no_intact_checkpoint_left_is_one_clear_error(made, tmp_path, caplog):
     root = _root_copy(made, tmp_path)
     bad2 = flip(root / "iter_0000002" / "__0_1.distcp")
-    bad1 = flip(root / "iter_0000001" / "common.pt")
+    bad1 = flip(root / "iter_0000001" / ".metadata")
     with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError) as e:
         latest_verified(root)
     msg = str(e.value)

@@ -55,8 +55,10 @@ def test_patched_megatron_linear_runs_onednn_and_matches_f_linear(frozen):
     def megatron_linear():
         if frozen:
             return layers.LinearWithFrozenWeight.apply(x, w, b, False, None)
+        # (input, weight, bias, grad_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+        #  grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)
         return layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
-            x, w, b, False, False, False, None, 0, None)
+            x, w, b, False, False, False, None, 0, None, 1)
 
     with torch.profiler.profile() as prof:
         got = grads(megatron_linear)

@@ -15,8 +15,8 @@ finds every burst of up to 32 flipped bits and misses a random corruption with p
 docs/reliability.md). Sizes are recorded too, so truncation is reported as such.
 
 At save each rank hashes the torch DCP files it wrote itself (``__<rank>_<i>.distcp``, still in
-its page cache), in parallel; rank 0 hashes the rest (``.metadata``, ``common.pt``,
-``metadata.json``, ``hf/*``) and merges. At load every rank hashes a balanced share of the
+its page cache), in parallel; rank 0 hashes the rest (``.metadata``, ``metadata.json``,
+``hf/*``; ``common.pt`` in checkpoints of megatron-core < 0.19) and merges. At load every rank hashes a balanced share of the
 files and the ranks agree on the outcome.
 """
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Layout under a checkpoint root::
 
     <root>/iter_0000010/            one checkpoint (megatron torch_dist files + ours)
-        metadata.json, .metadata, common.pt, __*_*.distcp     (megatron / torch DCP)
+        metadata.json, .metadata, __*_*.distcp     (megatron / torch DCP; the common state
+                                                   is a DCP object since megatron-core 0.19,
+                                                   common.pt before)
         areal_meta.json                                       (ours, written last)
         hf/config.json, tokenizer files                       (to convert back to HF)
     <root>/latest                   "iter_0000010\\n", replaced atomically

@@ -69,7 +69,11 @@ def verify_share(path, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError("; ".join(bad[:3]) + more)
-    for fn in ("metadata.json", ".metadata", "common.pt"):
+    # megatron-core >= 0.19 keeps the common (non-tensor) state inside the DCP files; a
+    # ``common.pt`` exists only in checkpoints written by older releases (still loadable)
+    megatron_files = ["metadata.json", ".metadata"] + (
+        ["common.pt"] if (path / "common.pt").is_file() else [])
+    for fn in megatron_files:
         if not (path / fn).is_file():
             raise CheckpointError(f"{path / fn}: missing megatron checkpoint file")
     from torch.distributed.checkpoint import FileSystemReader
@@ -81,7 +85,7 @@ def verify_share(path, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     need: Dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for rel in ["metadata.json", ".metadata", "common.pt"] + sorted(need):
+    for rel in megatron_files + sorted(need):
         if sums is not None and rel not in files:
             raise CheckpointError(f"{path / rel}: not covered by the checksums in "
                                   f"{path / META_NAME}")

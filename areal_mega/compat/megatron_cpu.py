@@ -1,4 +1,4 @@
-"""Make megatron-core 0.16.1 run on CPU-only torch (gloo), for tests and the CPU demo.
+"""Make megatron-core 0.19.2 run on CPU-only torch (gloo), for tests and the CPU demo.
 
 megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG tracker keeps CUDA
 generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
@@ -6,7 +6,8 @@ generator states, several modules call ``torch.cuda.current_device()`` / ``synch
 ``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places
 when CUDA is absent, plus one patch for speed: the tensor-parallel linear layers' GEMMs go
 through oneDNN (:mod:`areal_mega.compat.cpu_gemm`; on AMD CPUs MKL's fp32 GEMM runs at less
-than half the rate).
+than half the rate). Where TransformerEngine is absent, :func:`apply` also installs the scoped
+TE placeholder of :mod:`areal_mega.compat.te_placeholder` (``import megatron.bridge`` needs it).
 
 Every patch names the module (and function) it patches and the source text it expects to find
 there. :func:`apply` checks all of them *before* changing anything and raises
@@ -23,6 +24,8 @@ Two kinds of patch are used:
   modules, and ``torch`` itself, is untouched.
 * **source rewrite** — one function is recompiled from its own source with listed textual
   replacements (e.g. ``'torch.cuda.FloatTensor'`` → ``'torch.FloatTensor'``).
+* **TE placeholder** — the module's import of ``transformer_engine`` is served a placeholder
+  while (only while) that module's body runs; its source is read from disk, not imported.
 
 The CPU stand-ins themselves live in :mod:`areal_mega.compat.cuda_shim`; this module holds the
 patch list and the one entry point. Usage: ``from areal_mega.compat import megatron_cpu;
@@ -40,13 +43,14 @@ from typing import Callable, Optional
 
 import torch
 
+from areal_mega.compat import te_placeholder
 from areal_mega.compat.cuda_shim import torch_view
 
 __all__ = ["apply", "is_applied", "needed", "CompatError", "PATCHES", "check_targets",
-           "MEGATRON_CORE_VERSION"]
+           "install_te_placeholder", "MEGATRON_CORE_VERSION"]
 
 #: The megatron-core release these patches were written and measured against.
-MEGATRON_CORE_VERSION = "0.16.1"
+MEGATRON_CORE_VERSION = "0.19.2"
 
 
 class CompatError(RuntimeError):
@@ -74,6 +78,11 @@ class Patch:
     extra: dict = field(default_factory=dict)
 
     def target_source(self) -> str:
+        if self.kind == "te_placeholder":   # importing it is what fails: read it from disk
+            src = te_placeholder.importer_source(self.module)
+            if src is None:
+                raise ModuleNotFoundError(self.module)
+            return src
         mod = importlib.import_module(self.module)
         if self.function is None:
             return inspect.getsource(mod)
@@ -83,7 +92,10 @@ class Patch:
         return inspect.getsource(getattr(fn, "__wrapped_original__", fn))
 
     def check(self) -> list[str]:
-        """Return the problems found (empty when the expected source is all there)."""
+        """Return the problems found (empty when the expected source is all there; a TE
+        placeholder whose importer is not installed has nothing to check)."""
+        if self.kind == "te_placeholder" and te_placeholder.importer_source(self.module) is None:
+            return []
         try:
             src = self.target_source()
         except Exception as exc:  # module or function gone
@@ -97,13 +109,15 @@ class Patch:
         return probs
 
     def apply(self) -> None:
-        mod = importlib.import_module(self.module)
+        mod = None if self.kind == "te_placeholder" else importlib.import_module(self.module)
         if self.kind == "torch_view":
             mod.torch = torch_view()
         elif self.kind == "rewrite":
             _rewrite(mod, self.function, self.replace)
         elif self.kind == "custom":
             self.fn(mod)
+        elif self.kind == "te_placeholder":
+            te_placeholder.install()
         else:  # pragma: no cover
             raise ValueError(self.kind)
 
@@ -186,15 +200,6 @@ def _patch_torch_norm(mod) -> None:
     cls.__new__ = staticmethod(__new__)
 
 
-def _patch_moe_utils(mod) -> None:
-    """Without TransformerEngine the router GEMM refers to an undefined ``te_general_gemm``
-    (NameError); define it as None so the torch matmul path runs. The aux-loss tracker
-    builds on ``"cuda"``."""
-    if not getattr(mod, "HAVE_TE", False) and "te_general_gemm" not in mod.__dict__:
-        mod.te_general_gemm = None
-    mod.torch = torch_view()
-
-
 _TORCH_VIEW_MODULES = {
     # module: (snippets that must exist, why)
     "megatron.core.models.common.embeddings.rotary_pos_embedding": (
@@ -260,7 +265,10 @@ _TP_GEMM_REWRITES = {
          "output = _areal_cpu_gemm.linear(input, weight)"),),
     "LinearWithFrozenWeight.backward": (
         ("grad_input = grad_output.matmul(weight)",
-         "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)"),),
+         "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)"),
+        # the >2-D branch (0.19) folds the leading dims first
+        ("grad_input = grad_output_2d.matmul(weight)",
+         "grad_input = _areal_cpu_gemm.grad_input(grad_output_2d, weight)")),
 }
 
 
@@ -293,9 +301,6 @@ def _build_patches() -> list[Patch]:
         Patch("torch_norm_sp", "megatron.core.transformer.torch_norm", "custom",
               expect=("class WrappedTorchNorm", "sequence_parallel"),
               fn=_patch_torch_norm, why="WrappedTorchNorm refuses sequence parallelism"),
-        Patch("moe_utils", "megatron.core.transformer.moe.moe_utils", "custom",
-              expect=('device="cuda"', "te_general_gemm is not None"), fn=_patch_moe_utils,
-              why="MoE aux-loss tracker on cuda"),
         Patch("optimizer_param_type", "megatron.core.optimizer.optimizer", "rewrite",
               function="Float16OptimizerWithFloat16Params.__init__",
               replace=(("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
@@ -333,6 +338,10 @@ def _build_patches() -> list[Patch]:
     for module, (snips, why) in _TORCH_VIEW_MODULES.items():
         patches.append(Patch("torch_view:" + module.rsplit(".", 1)[-1], module, "torch_view",
                              expect=snips, why=why))
+    for module, line in te_placeholder.IMPORTERS.items():
+        patches.append(Patch("te_placeholder:" + module.rsplit(".", 1)[-1], module,
+                             "te_placeholder", expect=(line,),
+                             why="imports transformer_engine unconditionally (megatron-bridge)"))
     return patches
 
 
@@ -355,6 +364,18 @@ def check_targets(patches: Optional[list[Patch]] = None) -> list[str]:
     for p in patches or PATCHES:
         probs.extend(p.check())
     return probs
+
+
+def install_te_placeholder() -> bool:
+    """Check and install the scoped TransformerEngine placeholder alone (on any machine, GPU
+    included; :func:`apply` installs it with the CPU patches). Returns whether it is installed
+    (False when TE is importable); raises :class:`CompatError` when an importer changed."""
+    patches = [p for p in PATCHES if p.kind == "te_placeholder"]
+    probs = check_targets(patches)
+    if probs:
+        raise CompatError("TransformerEngine placeholder no longer matches:\n  "
+                          + "\n  ".join(probs))
+    return te_placeholder.install()
 
 
 def apply(force: bool = False) -> bool:

@@ -12,15 +12,18 @@ from typing import List, Optional, Tuple
 
 from areal_mega.doctor.rows import Check, CheckFailed, Context
 
-PYTHON_MIN = (3, 10)   # setup.py python_requires
+PYTHON_MIN = (3, 12)   # setup.py python_requires
+
+
+PIN_FILES = ("requirements.txt", "requirements-nodeps.txt")   # the second: pip --no-deps
 
 
 def read_pins(root: Path) -> List[str]:
-    """The requirement lines of ``requirements.txt`` under ``root`` (or, installed without a
-    checkout, the package's own metadata)."""
-    req = root / "requirements.txt"
-    if req.is_file():
-        lines = [ln.split("#", 1)[0].strip() for ln in req.read_text().splitlines()]
+    """The requirement lines of ``requirements.txt`` and ``requirements-nodeps.txt`` under
+    ``root`` (or, installed without a checkout, the package's own metadata)."""
+    if (root / PIN_FILES[0]).is_file():
+        lines = [ln.split("#", 1)[0].strip() for name in PIN_FILES if (root / name).is_file()
+                 for ln in (root / name).read_text().splitlines()]
         return [ln for ln in lines if ln]
     from importlib.metadata import requires
     return [r for r in requires("areal-mega") or () if "extra ==" not in r]
@@ -254,10 +257,11 @@ def check_logprob_kernel(ctx: Context) -> str:
 
 
 CHECKS = [
-    Check("python", "the Python version", "use Python >= 3.10 (3.11 is what the tests run)",
+    Check("python", "the Python version", "use Python >= 3.12 (3.12 is what the tests run)",
           check_python),
     Check("packages", "installed versions against requirements.txt",
-          "pip install -r requirements.txt", check_packages),
+          "pip install -r requirements.txt; pip install --no-deps -r requirements-nodeps.txt",
+          check_packages),
     Check("kernels", "csrc kernels built, the ISA / CUDA arch they run",
           "python setup.py build_ext --inplace", check_kernels),
     Check("megatron-patches", "megatron-core CPU patches applied (or not needed)",

@@ -5,6 +5,17 @@ Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` 
 builder; the model code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
+Why ``GPTModel`` and not ``HybridModel``: megatron-core 0.19 logs "GPTModel IS DEPRECATED"
+(critical fixes only) when a ``GPTModel`` is built, and points to ``HybridModel``. We keep
+``GPTModel`` on purpose. ``HybridModel`` builds attention and MLP as *separate* layers of a
+pattern string (``"*-*-"``: layer 2i is attention, 2i+1 the MLP or MoE), so every parameter
+name below, the HF mapping, the layer offsets of pipeline stages and every saved checkpoint
+would change; its spec module (``hybrid_layer_specs``) has TransformerEngine specs only, no
+local spec, so it cannot run without TE (the CPU path); and Megatron-Bridge 0.6.2, the converter
+this project moves to, builds ``GPTModel`` for every dense and MoE family it maps (Llama, Qwen,
+Gemma, Mistral, DeepSeek, GLM: its ``GPTModelProvider``), ``HybridModel`` only for Mamba-hybrid
+families (Nemotron-H). Revisit when the bridge's GPT providers move.
+
 Layer spec: TransformerEngine (``get_gpt_layer_with_transformer_engine_spec``) or megatron-core's
 local spec, as decided by :mod:`areal_mega.models.backend` from ``model.attention_backend``, CUDA
 and the installed TransformerEngine (which also decides the GPU fusions).
@@ -217,7 +228,7 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
 
     ``pipeline_model_parallel_size`` is set in the config (megatron needs it there to give
     each stage its own layers); ``variable_seq_lengths`` requires the alltoall MoE dispatcher
-    even for dense models in megatron-core 0.16.1, so that dispatcher is always selected."""
+    even for dense models (megatron-core 0.16 to 0.19), so that dispatcher is always selected."""
     from megatron.core.transformer import TransformerConfig
 
     if arch.num_kv_heads % tp:
