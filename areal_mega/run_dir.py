@@ -108,8 +108,10 @@ def free_bytes(path) -> Optional[int]:
 def is_disk_full_error(exc: BaseException, path) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is a write that failed for want
     of space under ``path``: errno ENOSPC/EDQUOT or their message anywhere in the chain, or a
-    failed write (PyTorch's ``inline_container`` "file write failed") on a filesystem that
-    :func:`free_bytes` confirms is (nearly) full."""
+    failed write on a filesystem that :func:`free_bytes` confirms is (nearly) full. A failed
+    write is PyTorch's ``inline_container`` "file write failed", or megatron-core's DCP writer
+    reporting a "Worker failure" (since 0.19 its single-thread writer logs the worker's error and
+    raises one that names only the error's type, so the errno is lost)."""
     seen, e, write_failed = set(), exc, False
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -118,7 +120,8 @@ def is_disk_full_error(exc: BaseException, path) -> bool:
         text = str(e)
         if "No space left on device" in text or "Disk quota exceeded" in text:
             return True
-        write_failed |= "inline_container" in text or "write failed" in text
+        write_failed |= any(s in text for s in ("inline_container", "write failed",
+                                                  "Worker failure"))
         e = e.__cause__ or e.__context__
     if not write_failed:
         return False

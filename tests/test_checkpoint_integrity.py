@@ -69,8 +69,8 @@ def test_save_records_every_file(made):
                            "crc32": cks.file_crc32(ckpt / rel)}, rel
 
 
-@pytest.mark.parametrize("rel", ["__0_0.distcp", "__0_1.distcp", ".metadata", "metadata.json",
-                                 "hf/config.json"])
+# megatron-core 0.19 writes one DCP file per rank (its save thread_count default went 2 -> 1)
+@pytest.mark.parametrize("rel", ["__0_0.distcp", ".metadata", "metadata.json", "hf/config.json"])
 def test_verify_names_the_flipped_file(made, tmp_path, rel):
     root = _root_copy(made, tmp_path)
     bad = flip(root / "iter_0000002" / rel)
@@ -112,7 +112,7 @@ def test_resume_falls_back_to_previous_checkpoint(made, tmp_path):
 
 def test_no_intact_checkpoint_left_is_one_clear_error(made, tmp_path, caplog):
     root = _root_copy(made, tmp_path)
-    bad2 = flip(root / "iter_0000002" / "__0_1.distcp")
+    bad2 = flip(root / "iter_0000002" / "__0_0.distcp")
     bad1 = flip(root / "iter_0000001" / ".metadata")
     with caplog.at_level(logging.WARNING), pytest.raises(CheckpointError) as e:
         latest_verified(root)
@@ -171,7 +171,7 @@ def test_checkpoint_without_checksums_loads_with_a_warning(made, tmp_path, caplo
 
 def test_checksum_truncation_is_named_as_such(made, tmp_path):
     root = _root_copy(made, tmp_path)
-    shard = root / "iter_0000001" / "__0_1.distcp"
+    shard = root / "iter_0000001" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size - 1)
     with pytest.raises(CheckpointError, match="truncated checkpoint shard") as e:
         verify_checkpoint(root / "iter_0000001")

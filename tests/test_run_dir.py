@@ -67,3 +67,22 @@ def test_run_dir_imports_neither_torch_nor_megatron():
             "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_disk_full_needs_errno_or_a_failed_write_on_a_full_filesystem(tmp_path):
+    """megatron-core 0.19's DCP writer drops the errno ("Worker failure: ... error: <class
+    'RuntimeError'>"): such a write failure counts as disk-full only where the filesystem is
+    (nearly) full; tmp_path is not."""
+    import errno as errno_mod
+
+    from areal_mega.run_dir import is_disk_full_error
+    assert is_disk_full_error(OSError(errno_mod.ENOSPC, "No space left on device"), tmp_path)
+    try:
+        try:
+            raise RuntimeError("An error is caught while starting worker 0, error: "
+                               "<class 'RuntimeError'>")
+        except RuntimeError as inner:
+            raise RuntimeError(f"Worker failure: {inner}") from inner
+    except RuntimeError as outer:
+        assert not is_disk_full_error(outer, tmp_path)
+    assert not is_disk_full_error(ValueError("bad value"), tmp_path)
