@@ -99,8 +99,9 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
 
 
 def test_conversion_memory_is_bounded(tmp_path):
-    """A 117 MB model (largest tensor 16 MiB): each direction's peak RSS stays below the
-    process baseline plus 1.5x the largest tensor, and the round trip is bit-exact."""
+    """A 117 MB model (largest tensor 16 MiB): each direction's peak memory (RSS; anonymous
+    memory while megatron writes the checkpoint) stays below the process baseline plus 1.5x
+    the largest tensor, and the round trip is bit-exact."""
     from areal_mega.models.tiny import make_tiny_model
     hf = make_tiny_model(tmp_path / "hf", arch="llama", hidden_size=1024,
                          intermediate_size=4096, num_layers=2, num_heads=16, num_kv_heads=4,
@@ -119,6 +120,13 @@ def test_conversion_memory_is_bounded(tmp_path):
     model_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
     for r in reports:
         over = r["peak_rss"] - r["baseline_rss"]
+        if "save_anon_peak" in r:
+            # HF -> megatron: megatron-core 0.19 writes the checkpoint from threads of this
+            # process, which makes the memory-mapped staged tensors' page-cache pages resident
+            # here (RSS + the model size, nothing allocated): up to the save RSS counts, during
+            # it the anonymous memory (checkpoint/anon_peak.py)
+            over = max(r["peak_rss_before_save"] - r["baseline_rss"],
+                       r["save_anon_peak"] - r["save_anon_baseline"])
         print(f"peak over baseline {over / 2**20:.1f} MiB, largest tensor "
               f"{r['largest_tensor_bytes'] / 2**20:.1f} MiB, model {model_bytes / 2**20:.0f} MiB")
         assert r["largest_tensor_bytes"] == 16 * 2**20

@@ -24,6 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from areal_mega.checkpoint.anon_peak import AnonPeak
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, HF_AUX_FILES, HF_SUBDIR,
                                              atomic_save_sharded, resolve_checkpoint)
@@ -265,12 +266,14 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 "num_chunks": 1, "has_optimizer": False, "has_lr_scheduler": False,
                 "has_rng": False, "extra": {"value_model": True} if value_model else {}}
         peak_before_save = peak_rss_bytes()
-        path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
+        with AnonPeak() as save_anon:   # the save maps the staged files: see anon_peak.py
+            path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)
     return {"path": str(path), "tensors": len(expected), "baseline_rss": baseline,
             "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
             "peak_rss_before_save": peak_before_save,
+            "save_anon_baseline": save_anon.baseline, "save_anon_peak": save_anon.peak,
             "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
 
 
