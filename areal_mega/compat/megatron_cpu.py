@@ -388,11 +388,10 @@ def apply(force: bool = False) -> bool:
         return True
     if not (force or needed()):
         return False
-    import megatron.core
-    version = getattr(megatron.core, "__version__", None)
-    if version is None:
-        from megatron.core import package_info
-        version = package_info.__version__
+    # the distribution's version: megatron-core 0.19's ``__version__`` appends the short hash
+    # of whatever git repository holds site-packages (a .venv inside a checkout: ours)
+    from importlib.metadata import version as dist_version
+    version = dist_version("megatron-core")
     probs = [] if version == MEGATRON_CORE_VERSION else [
         f"megatron-core {version} installed; these CPU patches target {MEGATRON_CORE_VERSION}"]
     probs += check_targets()
