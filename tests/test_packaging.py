@@ -67,6 +67,18 @@ def test_cuda_arch_list_default(setup_py):
     assert arch({"TORCH_CUDA_ARCH_LIST": "8.6"}, [(9, 0)]) == "8.6"
 
 
+def test_cuda_home_skips_a_wrapper_nvcc_outside_the_toolkit(setup_py):
+    home = setup_py["cuda_home"]
+    toolkits = {"/usr/local/cuda", "/opt/cuda-13.0"}
+    has = toolkits.__contains__
+    assert home({"CUDA_HOME": "/x"}, "/usr/local/bin/nvcc", has) == "/x"      # explicit wins
+    assert home({"CUDA_PATH": "/y"}, None, has) == "/y"
+    # /usr/local/bin/nvcc (a wrapper script): torch would guess /usr/local, which has no headers
+    assert home({}, "/usr/local/bin/nvcc", has) == "/usr/local/cuda"
+    assert home({}, "/opt/cuda-13.0/bin/nvcc", has) == "/opt/cuda-13.0"
+    assert home({}, None, lambda root: False) is None
+
+
 def test_gpu_extra_pins_transformer_engine_inside_megatron_core_range(setup_py):
     declared = [Requirement(r) for r in importlib.metadata.requires("megatron-core") or []]
     te = [r for r in declared if r.name == "transformer-engine"]
