@@ -30,6 +30,9 @@ def test_aux_coeff_for_step():
     from areal_mega.engine.moe_aux import aux_coeff_for_step
     assert aux_coeff_for_step(0.01, 100, 1) == pytest.approx(1e-4)
     assert aux_coeff_for_step(0.01, 100, 4) == pytest.approx(4e-4)  # CP·TP ranks share tokens
+    # megatron-core 0.19 multiplies by the TP×CP size itself: TP2 with SP, and TP2 without
+    assert aux_coeff_for_step(0.01, 100, 2, tp_cp_size=2) == pytest.approx(1e-4)
+    assert aux_coeff_for_step(0.01, 100, 1, tp_cp_size=2) == pytest.approx(5e-5)
     assert aux_coeff_for_step(0.01, 0, 1) == 0.0
 
 

@@ -11,17 +11,22 @@ packed token count (every token is routed, padding included) and ``N = Σ_mb T_m
 term is the token-weighted mean of the per-micro-batch losses, independent of how the batch is
 split into micro-batches or DP ranks.
 
-megatron-core 0.16.1 with ``calculate_per_token_loss`` multiplies each rank's aux loss by its
-local routed token count (``TopKRouter.attach_and_log_load_balancing_loss``; the router
-copies the flag when built, so the engine's routers are set after the config is) and expects
+megatron-core 0.19 with ``calculate_per_token_loss`` multiplies each rank's aux loss by its
+local routed token count times the size of its TP×CP group
+(``TopKRouter.attach_and_log_load_balancing_loss``; the router copies the flag when built, so
+the engine's routers are set after the config is) and expects
 ``finalize_model_grads(num_tokens=...)`` to divide *every* gradient by the global token count
 afterwards. The engine cannot let finalize do that: its policy-loss gradients are already
 divided by ``D`` (which need not be a token count). Leaving megatron's multiplication alone
 made the aux gradient ≈ c · T per micro-batch, thousands of times too strong. Instead, for
 each training step this module sets the coefficient megatron reads
-(``config.moe_aux_loss_coeff``) to ``c · G / N`` where ``G`` is the number of ranks that share
-one micro-batch's tokens (CP, and TP under sequence parallelism): each rank's contribution
-``c·G/N · aux_partial · T_mb/G`` then sums to the objective above. megatron's aux-loss tracker
+(``config.moe_aux_loss_coeff``) to ``c · G / (N · TP · CP)`` where ``G`` is the number of
+ranks that share one micro-batch's tokens (CP, and TP under sequence parallelism): each rank's
+contribution ``c·G/(N·TP·CP) · aux_partial · (T_mb/G) · TP·CP`` then sums over the ``G``
+ranks to the objective above (without sequence parallelism the TP ranks hold copies of the
+router's gradient, not parts of it, hence ``G`` counts only CP there). megatron-core 0.16
+multiplied by the local token count alone; 0.19 added the TP×CP factor.
+megatron's aux-loss tracker
 logs ``aux / coefficient``, i.e. the unscaled loss, and :meth:`MoEAuxLoss.run` adds it to the
 step's statistics as ``moe_aux_loss_sum`` / ``moe_aux_loss_tokens`` (the trainer's
 ``finalize_stats`` turns the pair into ``moe_aux_loss``: mean over MoE layers and
@@ -42,13 +47,15 @@ __all__ = ["MoEAuxLoss", "aux_coeff_for_step", "moe_aux_loss_scaling",
 TRACKER_NAME = "load_balancing_loss"
 
 
-def aux_coeff_for_step(coeff: float, n_tokens_global: float, ranks_per_micro_batch: int
-                       ) -> float:
+def aux_coeff_for_step(coeff: float, n_tokens_global: float, ranks_per_micro_batch: int,
+                       tp_cp_size: int = 1) -> float:
     """The coefficient to hand megatron for one step so that the aux gradient is that of
-    ``coeff · Σ_mb aux_mb · T_mb / n_tokens_global`` (see the module docstring)."""
+    ``coeff · Σ_mb aux_mb · T_mb / n_tokens_global`` (see the module docstring):
+    ``ranks_per_micro_batch`` ranks share a micro-batch's tokens, and megatron multiplies each
+    rank's aux loss by ``tp_cp_size`` besides its local token count."""
     if n_tokens_global <= 0:
         return 0.0
-    return float(coeff) * ranks_per_micro_batch / float(n_tokens_global)
+    return float(coeff) * ranks_per_micro_batch / (float(n_tokens_global) * tp_cp_size)
 
 
 class MoEAuxLoss:
@@ -62,6 +69,7 @@ class MoEAuxLoss:
         self.n_moe_layers = max(1, int(n_moe_layers))
         self.ranks_per_micro_batch = mesh.dims.cp * (mesh.dims.tp if config.sequence_parallel
                                                      else 1)
+        self.tp_cp_size = mesh.dims.tp * mesh.dims.cp
 
     def global_tokens(self, micro_batches: Sequence[dict]) -> float:
         """Σ over micro-batches and DP ranks of the packed token count."""
@@ -75,8 +83,8 @@ class MoEAuxLoss:
     def step_coefficient(self, micro_batches: Sequence[dict]):
         """Within the block ``config.moe_aux_loss_coeff`` is the per-step coefficient."""
         n = self.global_tokens(micro_batches)
-        self.config.moe_aux_loss_coeff = aux_coeff_for_step(self.coeff, n,
-                                                            self.ranks_per_micro_batch)
+        self.config.moe_aux_loss_coeff = aux_coeff_for_step(
+            self.coeff, n, self.ranks_per_micro_batch, self.tp_cp_size)
         try:
             yield n
         finally:
