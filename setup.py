@@ -190,6 +190,8 @@ def main():
         long_description=(ROOT / "README.md").read_text(),
         long_description_content_type="text/markdown",
         packages=find_packages(include=["areal_mega", "areal_mega.*"]),
+        # Megatron-Bridge's name tables, read by checkpoint/hf_mapping.py
+        package_data={"areal_mega.checkpoint": ["bridge_tables.json"]},
         python_requires=">=3.12",
         install_requires=read_requirements(),
         ext_modules=ext_modules,

@@ -2,7 +2,12 @@
 
 Used by the offline converters (``tools/convert_*.py``), the live weight export to rollout
 servers (:mod:`areal_mega.checkpoint.export`) and the checkpoint tests. Everything here is pure
-tensor/str manipulation: no process groups, no files.
+tensor/str manipulation: no process groups, no model files.
+
+The name tables are Megatron-Bridge's: each family's rows are read from the bridge's mapping
+registry for its HF architecture (:mod:`areal_mega.checkpoint.bridge_tables`, stored in
+``bridge_tables.json`` and checked against the installed bridge by a test); this module only
+streams and reshards by them. They amount to:
 
 Megatron names are the module parameter names of one model chunk built by
 :func:`areal_mega.models.builder.build_model_chunks` (local spec), with the layer index and the
@@ -46,6 +51,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from areal_mega.checkpoint.bridge_tables import load_tables
 from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
@@ -129,53 +135,45 @@ class TensorMap:
     kind: str = "copy"
 
 
-_A = "model.layers.{L}.self_attn."
-_ATTN = (
-    TensorMap("input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
-    TensorMap("self_attention.linear_qkv.weight",
-              (_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), "qkv"),
-    TensorMap("self_attention.linear_proj.weight", (_A + "o_proj.weight",)),
-    TensorMap("pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",)),
-)
-_QKV_BIAS = (TensorMap("self_attention.linear_qkv.bias",
-                       (_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), "qkv"),)
-_QK_NORM = (TensorMap("self_attention.q_layernorm.weight", (_A + "q_norm.weight",)),
-            TensorMap("self_attention.k_layernorm.weight", (_A + "k_norm.weight",)))
-_M = "model.layers.{L}.mlp."
-_DENSE_MLP = (
-    TensorMap("mlp.linear_fc1.weight", (_M + "gate_proj.weight", _M + "up_proj.weight"), "glu"),
-    TensorMap("mlp.linear_fc2.weight", (_M + "down_proj.weight",)),
-)
-_X = _M + "experts.{E}."
-_MOE_MLP = (
-    TensorMap("mlp.router.weight", (_M + "gate.weight",)),
-    TensorMap("mlp.experts.local_experts.{E}.linear_fc1.weight",
-              (_X + "gate_proj.weight", _X + "up_proj.weight"), "glu"),
-    TensorMap("mlp.experts.local_experts.{E}.linear_fc2.weight", (_X + "down_proj.weight",)),
-)
-_GLOBAL = (
-    TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    TensorMap("output_layer.weight", ("lm_head.weight",), "vocab"),
-)
-
-
 @dataclass(frozen=True)
 class Family:
-    """One HF architecture family: its layer tables (dense and, for MoE, sparse layers)."""
+    """One HF architecture family: its layer tables (dense and, for MoE, sparse layers) and
+    its non-layer tensors."""
     model_type: str
     architectures: Tuple[str, ...]
     dense_layer: Tuple[TensorMap, ...]
     moe_layer: Tuple[TensorMap, ...] = ()
+    global_maps: Tuple[TensorMap, ...] = ()
 
 
-FAMILIES: Dict[str, Family] = {
-    "llama": Family("llama", ("LlamaForCausalLM",), _ATTN + _DENSE_MLP),
-    "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), _ATTN + _QKV_BIAS + _DENSE_MLP),
-    "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP),
-    "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP,
-                        _ATTN + _QK_NORM + _MOE_MLP),
-}
+#: MoE families whose bridge registry maps no dense MLP (a Qwen3-MoE config may still make
+#: layers dense with ``mlp_only_layers`` / ``decoder_sparse_step``): the dense MLP rows come
+#: from the registry of the same vendor's dense family, whose HF names they share.
+_DENSE_MLP_FROM = {"qwen3_moe": "qwen3"}
+
+
+def _maps(rows) -> Tuple[TensorMap, ...]:
+    return tuple(TensorMap(r["mcore"], tuple(r["hf"]), r["kind"]) for r in rows)
+
+
+def _families(tables: dict) -> Dict[str, Family]:
+    """Our :class:`Family` tables from Megatron-Bridge's registries
+    (:mod:`areal_mega.checkpoint.bridge_tables`)."""
+    fams = tables["families"]
+    out = {}
+    for mt, t in fams.items():
+        layer = _maps(t["layer"])
+        if not any(m.mcore.startswith("mlp.router.") for m in layer):
+            out[mt] = Family(mt, (t["architecture"],), layer, (), _maps(t["global"]))
+            continue
+        dense_mlp = tuple(m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"])
+                          if m.mcore in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"))
+        attn = tuple(m for m in layer if not m.mcore.startswith("mlp."))
+        out[mt] = Family(mt, (t["architecture"],), attn + dense_mlp, layer, _maps(t["global"]))
+    return out
+
+
+FAMILIES: Dict[str, Family] = _families(load_tables())
 
 
 def read_arch(source, *, where: Optional[str] = None, value_model: bool = False):
@@ -234,7 +232,7 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     """The tensor maps of one layer (``layer`` given) or of the non-layer tensors."""
     fam = FAMILIES[arch.model_type]
     if layer is None:
-        return tuple(m for m in _GLOBAL
+        return tuple(m for m in fam.global_maps
                      if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings))
     pattern = arch.moe_layer_pattern
     if arch.is_moe and (pattern is None or pattern[layer]):

@@ -1,0 +1,145 @@
+"""HF ↔ megatron tensor tables taken from Megatron-Bridge's own mapping registries.
+
+Megatron-Bridge describes each HF architecture it converts as a ``MegatronMappingRegistry``:
+megatron parameter name patterns (``decoder.layers.*.self_attention.linear_qkv.weight``) mapped
+to HF name patterns, with a mapping class that says how the tensors combine (``AutoMapping``:
+one tensor as it is; ``QKVMapping``: q, k, v interleaved per KV group; ``GatedMLPMapping``:
+gate and up stacked). Its converters apply them to a materialised, process-group-sharded
+model. Ours stream one tensor at a time between safetensors and a distributed checkpoint of
+any layout (:mod:`areal_mega.checkpoint.convert`) and feed the live weight export, so this
+module takes the bridge's *tables*, not its converter:
+
+* :func:`bridge_rows` reads the registry of the installed bridge for one architecture as plain
+  rows ``{"megatron", "hf", "kind"}``;
+* :func:`table_from_rows` (pure) turns them into our table form: local-spec names (the
+  registry also lists TransformerEngine's fused names, e.g. ``linear_qkv.layer_norm_weight``
+  and grouped-GEMM ``experts.linear_fc1.weight*``, which :mod:`~areal_mega.checkpoint.hf_mapping`
+  canonicalises to the local ones), ``{L}``/``{E}`` for the layer/expert wildcards, and the
+  kinds ``copy``, ``qkv``, ``glu`` and ``vocab`` (embedding and output layer, padded rows);
+* the tables of the families we convert are kept in ``bridge_tables.json`` beside this module,
+  written by ``python tools/sync_bridge_tables.py`` from the pinned bridge, because importing
+  Megatron-Bridge takes about 10 s (it imports every model provider) and every trainer,
+  converter and rollout worker reads the tables; ``tests/test_bridge_tables.py`` fails when
+  the file and the installed bridge disagree.
+
+The tensor transforms themselves (:func:`~areal_mega.checkpoint.hf_mapping.qkv_to_mcore` and
+friends) stream and reshard; the same test checks the QKV one bit for bit against the bridge's
+``merge_qkv_weights`` / ``split_qkv_weights`` (its gated MLP, like ours, stacks ``[gate; up]``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from areal_mega.compat import te_placeholder
+
+__all__ = ["BRIDGED_ARCHITECTURES", "SNAPSHOT", "UnsupportedMappingError", "bridge_rows",
+           "table_from_rows", "derive_tables", "load_tables", "import_bridge"]
+
+#: model_type -> the HF architecture whose bridge registry gives its table
+BRIDGED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
+
+_KINDS = {"AutoMapping": "copy", "QKVMapping": "qkv", "GatedMLPMapping": "glu"}
+_HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_LAYER = "decoder.layers.*."
+#: TransformerEngine's fused names; the registry lists the local-spec name beside each
+_TE_ONLY = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+#: modules the engine's builder never creates (multi-token-prediction layers)
+_NOT_BUILT = ("mtp.",)
+
+
+class UnsupportedMappingError(ValueError):
+    """A bridge mapping this table form cannot express (the message names it)."""
+
+
+def import_bridge():
+    """Import Megatron-Bridge (through the TransformerEngine placeholder where TE is absent)
+    and return its ``get_model_bridge`` and ``AutoBridge``."""
+    te_placeholder.install()
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+    from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+    return get_model_bridge, AutoBridge
+
+
+def bridge_rows(architecture: str) -> List[dict]:
+    """The installed bridge's registry for ``architecture`` (an HF class name, e.g.
+    ``"LlamaForCausalLM"``) as rows ``{"megatron": pattern, "hf": [patterns], "kind": k}``."""
+    import transformers
+    get_model_bridge, _ = import_bridge()
+    bridge = get_model_bridge(getattr(transformers, architecture))
+    rows = []
+    for m in bridge.mapping_registry().mappings:
+        kind = _KINDS.get(type(m).__name__)
+        if kind is None:
+            raise UnsupportedMappingError(f"{architecture}: {type(m).__name__} for "
+                                          f"{m.megatron_param!r} has no table form")
+        hf = [m.hf_param] if kind == "copy" else [m.hf_param[p] for p in _HF_PARTS[kind]]
+        rows.append({"megatron": m.megatron_param, "hf": hf, "kind": kind})
+    return rows
+
+
+def _templates(hf: List[str]) -> List[str]:
+    """HF patterns with the first ``*`` as ``{L}`` (layer) and the second as ``{E}``."""
+    out = []
+    for h in hf:
+        h = h.replace("*", "{L}", 1).replace("*", "{E}", 1)
+        if "*" in h:
+            raise UnsupportedMappingError(f"HF pattern {h!r} has more than two wildcards")
+        out.append(h)
+    return out
+
+
+def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
+    """Pure: bridge rows -> ``{"global": [...], "layer": [...]}`` of ``{"mcore", "hf", "kind"}``
+    in our form (local-spec names within a layer, ``{L}``/``{E}`` templates; TE-only and
+    grouped-GEMM names and modules the builder never creates dropped; duplicates dropped, first kept)."""
+    table: Dict[str, List[dict]] = {"global": [], "layer": []}
+    seen = set()
+    for row in rows:
+        name, kind = row["megatron"], row["kind"]
+        if name.startswith(_NOT_BUILT):
+            continue
+        if name.startswith(_LAYER):
+            suffix = name[len(_LAYER):]
+            if suffix in _TE_ONLY or suffix.startswith("mlp.experts.linear_fc"):
+                continue
+            if "*" in suffix:
+                if not suffix.startswith("mlp.experts.local_experts.*."):
+                    raise UnsupportedMappingError(f"megatron pattern {name!r}: a wildcard "
+                                                  "other than the layer and local expert")
+                suffix = suffix.replace("*", "{E}", 1)
+            scope, entry = "layer", {"mcore": suffix}
+        elif "*" in name:
+            raise UnsupportedMappingError(f"megatron pattern {name!r} outside decoder.layers")
+        else:
+            scope, entry = "global", {"mcore": name}
+            if name in _VOCAB:
+                kind = "vocab"
+        if (scope, entry["mcore"]) in seen:
+            continue
+        seen.add((scope, entry["mcore"]))
+        entry.update(hf=_templates(row["hf"]), kind=kind)
+        table[scope].append(entry)
+    return table
+
+
+def derive_tables() -> dict:
+    """Every bridged family's table from the installed bridge, with its version."""
+    from importlib.metadata import version
+    return {"megatron_bridge": version("megatron-bridge"),
+            "families": {mt: dict(architecture=arch, **table_from_rows(bridge_rows(arch)))
+                         for mt, arch in BRIDGED_ARCHITECTURES.items()}}
+
+
+def load_tables() -> dict:
+    """The stored tables (``bridge_tables.json``): ``{"megatron_bridge": version,
+    "families": {model_type: {"architecture", "global", "layer"}}}``."""
+    return json.loads(SNAPSHOT.read_text())
