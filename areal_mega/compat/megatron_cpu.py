@@ -4,9 +4,10 @@ megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG track
 generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
 ``Stream()`` or build tensors with ``device="cuda"``, and the optimizers compare
 ``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places
-when CUDA is absent, plus one patch for speed: the tensor-parallel linear layers' GEMMs go
+when CUDA is absent, plus two patches for speed: the tensor-parallel linear layers' GEMMs go
 through oneDNN (:mod:`areal_mega.compat.cpu_gemm`; on AMD CPUs MKL's fp32 GEMM runs at less
-than half the rate). Where TransformerEngine is absent, :func:`apply` also installs the scoped
+than half the rate), and RoPE over packed sequences runs as one call, not one per sequence
+(:mod:`areal_mega.compat.packed_rope`). Where TransformerEngine is absent, :func:`apply` also installs the scoped
 TE placeholder of :mod:`areal_mega.compat.te_placeholder` (``import megatron.bridge`` needs it).
 
 Every patch names the module (and function) it patches and the source text it expects to find
@@ -43,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from areal_mega.compat import te_placeholder
+from areal_mega.compat import packed_rope, te_placeholder
 from areal_mega.compat.cuda_shim import torch_view
 
 __all__ = ["apply", "is_applied", "needed", "CompatError", "PATCHES", "check_targets",
@@ -292,6 +293,10 @@ def _patch_tp_gemms(mod) -> None:
         setattr(cls, meth, ns[meth])
 
 
+def _patch_packed_rope(mod) -> None:
+    packed_rope.install(mod)
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch("rng_tracker", "megatron.core.tensor_parallel.random", "custom",
@@ -334,6 +339,15 @@ def _build_patches() -> list[Patch]:
               fn=_patch_tp_gemms,
               why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
                   "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)"),
+        Patch("packed_thd_rope", "megatron.core.models.common.embeddings.rope_utils", "custom",
+              function="_apply_rotary_pos_emb_thd",
+              expect=("Apply RoPE one sequence at a time",
+                      "for x in sequence_splits:",
+                      "_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs)",
+                      "_apply_rotary_pos_emb_bshd("),
+              fn=_patch_packed_rope,
+              why="speed, not correctness: 0.19's unfused THD RoPE loops over the packed "
+                  "sequences; one call over the packed tensor (compat/packed_rope.py)"),
     ]
     for module, (snips, why) in _TORCH_VIEW_MODULES.items():
         patches.append(Patch("torch_view:" + module.rsplit(".", 1)[-1], module, "torch_view",
