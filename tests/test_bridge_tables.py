@@ -49,7 +49,10 @@ def test_table_from_rows_forms_and_refusals():
         {"megatron": "decoder.layers.*.mlp.experts.linear_fc2.weight*",
          "hf": ["model.layers.*.mlp.experts.*.down_proj.weight"], "kind": "copy"},  # grouped
         {"megatron": "decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight",
-         "hf": ["model.layers.*.mlp.experts.*.down_proj.weight"], "kind": "copy"},
+         "hf": ["model.layers.*.mlp.experts.*.down_proj.weight"], "kind": "copy"},  # same
+        {"megatron": "decoder.layers.*.mlp.experts.linear_fc1.weight*",
+         "hf": ["model.layers.*.mlp.experts.*.gate_proj.weight",
+                "model.layers.*.mlp.experts.*.up_proj.weight"], "kind": "glu"},     # only grouped
         {"megatron": "mtp.layers.*.enorm.weight", "hf": ["model.layers.*.enorm.weight"],
          "kind": "copy"},                                                        # not built
         {"megatron": "decoder.layers.*.input_layernorm.weight",
@@ -62,7 +65,10 @@ def test_table_from_rows_forms_and_refusals():
         {"mcore": "input_layernorm.weight", "hf": ["model.layers.{L}.input_layernorm.weight"],
          "kind": "copy"},
         {"mcore": "mlp.experts.local_experts.{E}.linear_fc2.weight",
-         "hf": ["model.layers.{L}.mlp.experts.{E}.down_proj.weight"], "kind": "copy"}]
+         "hf": ["model.layers.{L}.mlp.experts.{E}.down_proj.weight"], "kind": "copy"},
+        {"mcore": "mlp.experts.local_experts.{E}.linear_fc1.weight",
+         "hf": ["model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+                "model.layers.{L}.mlp.experts.{E}.up_proj.weight"], "kind": "glu"}]
     with pytest.raises(UnsupportedMappingError, match="outside decoder.layers"):
         table_from_rows([{"megatron": "vision.*.w", "hf": ["v.*.w"], "kind": "copy"}])
     with pytest.raises(UnsupportedMappingError, match="wildcard other than"):

@@ -12,9 +12,10 @@ module takes the bridge's *tables*, not its converter:
 * :func:`bridge_rows` reads the registry of the installed bridge for one architecture as plain
   rows ``{"megatron", "hf", "kind"}``;
 * :func:`table_from_rows` (pure) turns them into our table form: local-spec names (the
-  registry also lists TransformerEngine's fused names, e.g. ``linear_qkv.layer_norm_weight``
-  and grouped-GEMM ``experts.linear_fc1.weight*``, which :mod:`~areal_mega.checkpoint.hf_mapping`
-  canonicalises to the local ones), ``{L}``/``{E}`` for the layer/expert wildcards, and the
+  registry also lists TransformerEngine's fused names, e.g. ``linear_qkv.layer_norm_weight``,
+  which :mod:`~areal_mega.checkpoint.hf_mapping` canonicalises to the local ones, and
+  grouped-GEMM ``experts.linear_fc1.weight*``, which become ``local_experts.{E}`` names;
+  some registries list only those), ``{L}``/``{E}`` for the layer/expert wildcards, and the
   kinds ``copy``, ``qkv``, ``glu`` and ``vocab`` (embedding and output layer, padded rows);
 * the tables of the families we convert are kept in ``bridge_tables.json`` beside this module,
   written by ``python tools/sync_bridge_tables.py`` from the pinned bridge, because importing
@@ -29,6 +30,7 @@ friends) stream and reshard; the same test checks the QKV one bit for bit agains
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Dict, List
 
@@ -52,6 +54,9 @@ _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = "decoder.layers.*."
 #: TransformerEngine's fused names; the registry lists the local-spec name beside each
 _TE_ONLY = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+#: TE grouped-GEMM expert weights (``mlp.experts.linear_fc1.weight*``): the local spec's
+#: ``local_experts.<E>.linear_fc1.weight`` (some registries list only these)
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight\*$")
 #: modules the engine's builder never creates (multi-token-prediction layers)
 _NOT_BUILT = ("mtp.",)
 
@@ -75,6 +80,11 @@ def bridge_rows(architecture: str) -> List[dict]:
     import transformers
     get_model_bridge, _ = import_bridge()
     bridge = get_model_bridge(getattr(transformers, architecture))
+    # registries that look at a checkpoint's tensor names (fused or per-expert MoE weights)
+    # read bridge.hf_pretrained; without one they describe the per-expert layout that
+    # transformers' save_pretrained writes and our converters read
+    if not hasattr(bridge, "hf_pretrained"):
+        bridge.hf_pretrained = None
     rows = []
     for m in bridge.mapping_registry().mappings:
         kind = _KINDS.get(type(m).__name__)
@@ -99,8 +109,9 @@ def _templates(hf: List[str]) -> List[str]:
 
 def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
     """Pure: bridge rows -> ``{"global": [...], "layer": [...]}`` of ``{"mcore", "hf", "kind"}``
-    in our form (local-spec names within a layer, ``{L}``/``{E}`` templates; TE-only and
-    grouped-GEMM names and modules the builder never creates dropped; duplicates dropped, first kept)."""
+    in our form (local-spec names within a layer, ``{L}``/``{E}`` templates; TE-only names and
+    modules the builder never creates dropped, grouped-GEMM expert names made local;
+    duplicates dropped, first kept)."""
     table: Dict[str, List[dict]] = {"global": [], "layer": []}
     seen = set()
     for row in rows:
@@ -109,8 +120,11 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
             continue
         if name.startswith(_LAYER):
             suffix = name[len(_LAYER):]
-            if suffix in _TE_ONLY or suffix.startswith("mlp.experts.linear_fc"):
+            if suffix in _TE_ONLY:
                 continue
+            grouped = _GROUPED_EXPERT.match(suffix)
+            if grouped:           # TE grouped GEMM: one weight<E> per expert of the layer
+                suffix = f"mlp.experts.local_experts.*.{grouped.group(1)}.weight"
             if "*" in suffix:
                 if not suffix.startswith("mlp.experts.local_experts.*."):
                     raise UnsupportedMappingError(f"megatron pattern {name!r}: a wildcard "
