@@ -52,8 +52,10 @@ _KINDS = {"AutoMapping": "copy", "QKVMapping": "qkv", "GatedMLPMapping": "glu"}
 _HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = "decoder.layers.*."
-#: TransformerEngine's fused names; the registry lists the local-spec name beside each
-_TE_ONLY = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+#: TransformerEngine's norms fused into the next linear (``LayerNormLinear``), e.g.
+#: ``self_attention.linear_qkv.layer_norm_weight``: the local spec has a separate norm module,
+#: which the registry lists beside each
+_TE_FUSED_NORM = ".layer_norm_weight"
 #: TE grouped-GEMM expert weights (``mlp.experts.linear_fc1.weight*``): the local spec's
 #: ``local_experts.<E>.linear_fc1.weight`` (some registries list only these)
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight\*$")
@@ -120,7 +122,7 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
             continue
         if name.startswith(_LAYER):
             suffix = name[len(_LAYER):]
-            if suffix in _TE_ONLY:
+            if suffix.endswith(_TE_FUSED_NORM):
                 continue
             grouped = _GROUPED_EXPERT.match(suffix)
             if grouped:           # TE grouped GEMM: one weight<E> per expert of the layer
