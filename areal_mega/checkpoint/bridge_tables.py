@@ -81,12 +81,12 @@ def bridge_rows(architecture: str) -> List[dict]:
     ``"LlamaForCausalLM"``) as rows ``{"megatron": pattern, "hf": [patterns], "kind": k}``."""
     import transformers
     get_model_bridge, _ = import_bridge()
-    bridge = get_model_bridge(getattr(transformers, architecture))
-    # registries that look at a checkpoint's tensor names (fused or per-expert MoE weights)
-    # read bridge.hf_pretrained; without one they describe the per-expert layout that
-    # transformers' save_pretrained writes and our converters read
-    if not hasattr(bridge, "hf_pretrained"):
-        bridge.hf_pretrained = None
+    model_class = getattr(transformers, architecture)
+    # Some registries read the HF config (layer counts for multi-token-prediction rows): the
+    # family's default config. Registries that look at a checkpoint's tensor names (fused or
+    # per-expert MoE weights) find none in a config, so they describe the per-expert layout
+    # that transformers' save_pretrained writes and our converters read.
+    bridge = get_model_bridge(model_class, hf_config=model_class.config_class())
     rows = []
     for m in bridge.mapping_registry().mappings:
         kind = _KINDS.get(type(m).__name__)

@@ -150,6 +150,7 @@ class Family:
 #: layers dense with ``mlp_only_layers`` / ``decoder_sparse_step``): the dense MLP rows come
 #: from the registry of the same vendor's dense family, whose HF names they share.
 _DENSE_MLP_FROM = {"qwen3_moe": "qwen3"}
+_DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 
 
 def _maps(rows) -> Tuple[TensorMap, ...]:
@@ -158,18 +159,22 @@ def _maps(rows) -> Tuple[TensorMap, ...]:
 
 def _families(tables: dict) -> Dict[str, Family]:
     """Our :class:`Family` tables from Megatron-Bridge's registries
-    (:mod:`areal_mega.checkpoint.bridge_tables`)."""
+    (:mod:`areal_mega.checkpoint.bridge_tables`): an MoE family's dense layers take the
+    attention rows and the dense MLP rows, its MoE layers the attention rows and every other
+    ``mlp.`` row (router, experts, shared experts)."""
     fams = tables["families"]
     out = {}
     for mt, t in fams.items():
-        layer = _maps(t["layer"])
+        layer, glob = _maps(t["layer"]), _maps(t["global"])
         if not any(m.mcore.startswith("mlp.router.") for m in layer):
-            out[mt] = Family(mt, (t["architecture"],), layer, (), _maps(t["global"]))
+            out[mt] = Family(mt, (t["architecture"],), layer, (), glob)
             continue
-        dense_mlp = tuple(m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"])
-                          if m.mcore in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"))
         attn = tuple(m for m in layer if not m.mcore.startswith("mlp."))
-        out[mt] = Family(mt, (t["architecture"],), attn + dense_mlp, layer, _maps(t["global"]))
+        dense_mlp = tuple(m for m in layer if m.mcore in _DENSE_MLP) or tuple(
+            m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"]) if m.mcore in _DENSE_MLP)
+        sparse_mlp = tuple(m for m in layer
+                           if m.mcore.startswith("mlp.") and m.mcore not in _DENSE_MLP)
+        out[mt] = Family(mt, (t["architecture"],), attn + dense_mlp, attn + sparse_mlp, glob)
     return out
 
 
