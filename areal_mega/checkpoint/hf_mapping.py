@@ -9,7 +9,7 @@ Megatron names are the module parameter names of one model chunk built by
 expert index *global* (the caller adds the PP/VPP layer offset and the EP expert offset):
 
 ======================================================  ========================================
-megatron (local spec; TE alias)                          HF (Llama / Qwen2 / Qwen3 / Qwen3-MoE)
+megatron (local spec; TE alias)                          HF (Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE)
 ======================================================  ========================================
 ``embedding.word_embeddings.weight`` [V_pad, H]          ``model.embed_tokens.weight`` [V, H]
 ``decoder.layers.L.input_layernorm.weight``              ``model.layers.L.input_layernorm.weight``
@@ -171,6 +171,7 @@ class Family:
 
 FAMILIES: Dict[str, Family] = {
     "llama": Family("llama", ("LlamaForCausalLM",), _ATTN + _DENSE_MLP),
+    "mistral": Family("mistral", ("MistralForCausalLM",), _ATTN + _DENSE_MLP),
     "qwen2": Family("qwen2", ("Qwen2ForCausalLM",), _ATTN + _QKV_BIAS + _DENSE_MLP),
     "qwen3": Family("qwen3", ("Qwen3ForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP),
     "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP,
