@@ -93,8 +93,12 @@ def run_family(name):
         g = torch.Generator().manual_seed(0)
         seqs = [torch.randint(3, cfg["vocab_size"], (n,), generator=g) for n in (21, 21, 5, 13)]
         want_logits, want_lps = hf_reference(hf_dir, seqs)
-        # the layouts' reference: this family's config with the shared test vocabulary
-        hf = dict(cfg, vocab_size=ew.VOCAB)
+        # the layouts' reference: this family's config with the shared test vocabulary (both
+        # spellings of MoE keys filled in: tests/engine_worker.py reads ``num_experts``) and
+        # no MoE aux loss (the reference is the plain autograd of the policy loss; the aux
+        # loss's per-step scaling is checked by tests/test_moe_aux.py)
+        from areal_mega.models.builder import normalize_hf_config
+        hf = normalize_hf_config(dict(cfg, vocab_size=ew.VOCAB, router_aux_loss_coef=0.0))
         mbs = ew.make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
         ew.set_mesh(MESHES["dp2"])
         converted_vs_hf(res, "dp2", cfg, mcore_dir, seqs, want_logits, want_lps)
