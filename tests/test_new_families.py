@@ -29,6 +29,7 @@ from tests._convert_jobs import compare, load_all
 from tests.multirank import rank_results, run_ranks
 from tests.new_families import CASES, RL_CASES, tiny_spec
 
+pytestmark = pytest.mark.slow   # a family's set: ~80 s on 2 cores (Mistral)
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_family_worker.py")
 TOL = 1e-5
