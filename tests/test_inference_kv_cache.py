@@ -7,11 +7,15 @@ from areal_mega.models.tiny import make_tiny_model
 from areal_mega.inference.kv_cache import HFCacheBatch, StaticKVBatch, make_kv_batch
 
 
+#: mistral: an explicit head_dim and a sliding window shorter than most rows
+EXTRA = {"mistral": dict(head_dim=24, sliding_window=6)}
+
+
 def _model(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=2,
-                           num_heads=4, num_kv_heads=2, seed=3)
+                           num_heads=4, num_kv_heads=2, seed=3, **EXTRA.get(arch, {}))
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -21,7 +25,8 @@ def _reference(model, seq):
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", StaticKVBatch), ("qwen2", StaticKVBatch),
-                                       ("qwen3_moe", StaticKVBatch), ("llama", HFCacheBatch)])
+                                       ("qwen3_moe", StaticKVBatch), ("mistral", StaticKVBatch),
+                                       ("llama", HFCacheBatch)])
 def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     model = _model(tmp_path, arch)
     if kind is StaticKVBatch:
@@ -67,3 +72,20 @@ def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     seqs.clear()
     join(2, 4, [1])                     # an emptied batch takes new rows again
     step(1)
+
+
+@pytest.mark.parametrize("prefix_len,suffix_len", [(3, 1), (3, 5), (10, 4)])
+def test_mistral_window_prefill_after_a_cached_prefix(tmp_path, prefix_len, suffix_len):
+    """A prompt continuing a cached prefix (the prefix cache's path) gets the logits of a full
+    forward, with the sliding window (6) inside the prefix, across its end, or not reached."""
+    model = _model(tmp_path, "mistral")
+    batch = StaticKVBatch(model)
+    assert batch.window == 6
+    g = torch.Generator().manual_seed(prefix_len)
+    ids = torch.randint(3, 90, (1, prefix_len + suffix_len), generator=g)
+    with torch.no_grad():
+        _, kv = batch.prefill(ids[:, :prefix_len])
+        payload = StaticKVBatch.payload_of_prefill(kv, 0, 0, prefix_len)
+        logits, _ = batch.prefill(ids[:, prefix_len:], prefix=StaticKVBatch.split_payload(payload))
+    torch.testing.assert_close(logits[0], _reference(model, ids[0].tolist()), atol=2e-5,
+                               rtol=1e-4)

@@ -59,6 +59,31 @@ def test_varlen_equals_dense_mask_forward_and_backward(bounds, total, heads):
         assert (a - b).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("window", [1, 4, 8, 64])
+def test_varlen_sliding_window_equals_dense_window_mask(window):
+    """A window narrows each slot's causal mask to the last ``window`` keys (transformers'
+    ``kv_idx > q_idx - window``); slots shorter than the window are plain causal."""
+    bounds, total = [0, 7, 8, 30, 33], 33
+    g = torch.Generator().manual_seed(window)
+    q, k, v = (torch.randn(total, n, 16, generator=g).requires_grad_() for n in (4, 2, 2))
+    out = varlen_causal_attention(q, k, v, bounds, scale=0.25, window=window)
+    seg = _segments(bounds, total)
+    pos = torch.arange(total)
+    outside = (pos.view(-1, 1) - pos.view(1, -1)) >= window
+    rep = 2
+    scores = torch.einsum("thd,shd->hts", q, k.repeat_interleave(rep, 1)) * 0.25
+    scores = scores.masked_fill(block_causal_mask(seg)[0] | outside, float("-inf"))
+    want = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(rep, 1))
+    assert (out - want).abs().max().item() < TOL
+    w = torch.randn(out.shape, generator=g)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
+                    torch.autograd.grad((want * w).sum(), (q, k, v))):
+        assert (a - b).abs().max().item() < TOL
+    if window < 22:   # the 22-token slot really is cut
+        full = varlen_causal_attention(q, k, v, bounds, scale=0.25)
+        assert (full - out).abs().max().item() > 1e-3
+
+
 def test_varlen_is_each_sequence_alone():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(20, 2, 8, generator=g) for _ in range(3))

@@ -42,6 +42,7 @@ __all__ = ["BRIDGED_ARCHITECTURES", "SNAPSHOT", "UnsupportedMappingError", "brid
 #: model_type -> the HF architecture whose bridge registry gives its table
 BRIDGED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

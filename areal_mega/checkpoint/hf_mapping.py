@@ -14,7 +14,7 @@ Megatron names are the module parameter names of one model chunk built by
 expert index *global* (the caller adds the PP/VPP layer offset and the EP expert offset):
 
 ======================================================  ========================================
-megatron (local spec; TE alias)                          HF (Llama / Qwen2 / Qwen3 / Qwen3-MoE)
+megatron (local spec; TE alias)                          HF (Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE)
 ======================================================  ========================================
 ``embedding.word_embeddings.weight`` [V_pad, H]          ``model.embed_tokens.weight`` [V, H]
 ``decoder.layers.L.input_layernorm.weight``              ``model.layers.L.input_layernorm.weight``

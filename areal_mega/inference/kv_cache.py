@@ -3,7 +3,8 @@
 :class:`BatchedEngine <areal_mega.inference.decoding.BatchedEngine>` keeps its running requests
 as rows ``0..B-1`` of one of these:
 
-* :class:`StaticKVBatch` (Llama / Qwen2 / Qwen3 / Qwen3-MoE without sliding windows): a
+* :class:`StaticKVBatch` (Llama / Qwen2 / Qwen3 / Qwen3-MoE without sliding windows, Mistral
+  with its window: a query sees its ``sliding_window`` most recent keys, the cache keeps all): a
   preallocated cache per layer, ``[rows, kv_heads, capacity, head_dim]``, grown by doubling.
   Row ``b`` holds its ``lens[b]`` tokens at columns ``0..lens[b]-1`` (no left padding); a
   decode step writes each row's new key/value at its own column and attends over
@@ -27,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.inference.cpu_linear import fused_linear
+from areal_mega.models.sliding_window import (SLIDING_WINDOW_MODEL_TYPES, hf_sliding_window,
+                                              window_visible)
 
-STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 # dense MLPs computed as down(act(gate(x)) * up(x)); other MLPs (MoE blocks) run as modules
-PLAIN_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP")
+PLAIN_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "MistralMLP")
 
 
 def _norm(mod, x: torch.Tensor) -> torch.Tensor:
@@ -51,12 +54,21 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def make_kv_batch(model):
     """:class:`StaticKVBatch` where the model's architecture allows it, else
     :class:`HFCacheBatch`."""
-    cfg = model.config
+    return StaticKVBatch(model) if kv_path_of(model.config) == "static" else HFCacheBatch(model)
+
+
+def kv_path_of(cfg) -> str:
+    """``"static"`` (:class:`StaticKVBatch`) or ``"hf_cache"`` (:class:`HFCacheBatch`): which
+    running batch serves a model of transformers config ``cfg``. Sliding windows are honoured
+    by the static batch for :data:`SLIDING_WINDOW_MODEL_TYPES` only (one window on every
+    layer); other sliding-window or per-layer attention patterns use transformers' cache."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in STATIC_KV_MODEL_TYPES:
+        return "hf_cache"
+    if model_type in SLIDING_WINDOW_MODEL_TYPES:
+        return "static"
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
-    if getattr(cfg, "model_type", None) in STATIC_KV_MODEL_TYPES and not sliding \
-            and not getattr(cfg, "use_sliding_window", False):
-        return StaticKVBatch(model)
-    return HFCacheBatch(model)
+    return "hf_cache" if sliding or getattr(cfg, "use_sliding_window", False) else "static"
 
 
 def _grown(n: int, minimum: int) -> int:
@@ -80,6 +92,9 @@ class StaticKVBatch:
         self.scaling = attn.scaling
         self.kv_heads = model.config.num_key_value_heads
         self.q_heads = self.kv_heads * self.groups
+        cfg = model.config
+        self.window = hf_sliding_window({"model_type": cfg.model_type,
+                                         "sliding_window": getattr(cfg, "sliding_window", None)})
         self.reset()
 
     def reset(self) -> None:
@@ -155,8 +170,12 @@ class StaticKVBatch:
         n, S = ids.shape
         P = 0 if prefix is None else prefix[0][0].shape[2]
         pos = torch.arange(P, P + S).view(1, S).expand(n, S)
-        # query i (position P + i) sees keys 0..P + i; no mask needed for one query
-        mask = torch.ones(S, P + S, dtype=torch.bool).tril(P) if P and S > 1 else None
+        # query i (position P + i) sees keys 0..P + i (and only the last `window` of them)
+        mask = None
+        if self.window is not None and P + S > self.window:
+            mask = window_visible(torch.arange(P, P + S), torch.arange(P + S), self.window)
+        elif P and S > 1:
+            mask = torch.ones(S, P + S, dtype=torch.bool).tril(P)
         h = self.body.embed_tokens(ids)
         rot = self._rotary_of(h, pos)
         kv = []
@@ -169,7 +188,7 @@ class StaticKVBatch:
             kv.append((ks, vs))
             out = F.scaled_dot_product_attention(
                 qs, ks.repeat_interleave(self.groups, 1), vs.repeat_interleave(self.groups, 1),
-                attn_mask=mask, is_causal=not P, scale=self.scaling)
+                attn_mask=mask, is_causal=mask is None and not P, scale=self.scaling)
             h = self._finish_layer(layer, h, out.transpose(1, 2).reshape(n, S, -1))
         return self._logits(h[:, -1]), kv
 
@@ -216,8 +235,12 @@ class StaticKVBatch:
         pos = self.lens.view(B, 1)
         Lm = int(self.lens.max()) + 1
         rows = torch.arange(B)
-        # a row attends to its columns 0..lens[b] (the new token included)
-        masked = torch.arange(Lm).view(1, 1, 1, Lm) > self.lens.view(B, 1, 1, 1)
+        # a row attends to its columns 0..lens[b] (the new token included), with a window
+        # the last `window` of them
+        cols, lens = torch.arange(Lm).view(1, 1, 1, Lm), self.lens.view(B, 1, 1, 1)
+        masked = cols > lens
+        if self.window is not None and Lm > self.window:
+            masked |= cols <= lens - self.window
         h = self.body.embed_tokens(torch.tensor(last_tokens, dtype=torch.long).view(B, 1))
         rot = self._rotary_of(h, pos)
         G, D = self.groups, self.head_dim

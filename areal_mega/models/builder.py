@@ -1,9 +1,10 @@
 """Build a megatron-core ``GPTModel`` from a Hugging Face ``config.json``.
 
 Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
-``qwen3_moe`` (top-k softmax router, no shared expert). Actor and reference use this same
-builder; the model code is single-device megatron-core and all parallelism comes from the
-:class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
+``qwen3_moe`` (top-k softmax router, no shared expert), ``mistral`` (Llama math, explicit
+``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`). Actor and
+reference use this same builder; the model code is single-device megatron-core and all
+parallelism comes from the :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
 Why ``GPTModel`` and not ``HybridModel``: megatron-core 0.19 logs "GPTModel IS DEPRECATED"
 (critical fixes only) when a ``GPTModel`` is built, and points to ``HybridModel``. We keep
@@ -66,12 +67,13 @@ import torch.nn.functional as F
 from areal_mega.models.backend import (apex_grad_accum_available, attn_backend_enum,
                                        config_attention_backend, decide_fusions, have_te,
                                        probe_te)
+from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
            "build_model_chunks", "have_te"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -94,6 +96,7 @@ class HFArch:
     qkv_bias: bool
     qk_norm: bool
     initializer_range: float = 0.02
+    sliding_window: Optional[int] = None  # attention window W (None: full causal)
     # MoE
     num_experts: Optional[int] = None
     moe_topk: int = 0
@@ -163,9 +166,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         qkv_bias=(mt == "qwen2") or bool(hf.get("attention_bias", False)),
         qk_norm=mt in ("qwen3", "qwen3_moe"),
         initializer_range=float(hf.get("initializer_range", 0.02)),
+        sliding_window=hf_sliding_window(hf),
     )
-    if mt == "llama" and hf.get("mlp_bias"):
-        raise ValueError("llama mlp_bias=True is not supported")
+    if mt in ("llama", "mistral") and hf.get("mlp_bias"):
+        raise ValueError(f"{mt} mlp_bias=True is not supported")
     if mt == "qwen3" and hf.get("attention_bias"):
         kw["qkv_bias"] = True
     if mt == "qwen3_moe":
@@ -265,8 +269,11 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         masked_softmax_fusion=on_gpu and use_te, bias_dropout_fusion=False,
         persist_layer_norm=False, deterministic_mode=deterministic,
         attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
+        window_size=mcore_window_size(arch.sliding_window),
         **fusions,
     )
+    if arch.sliding_window is not None and cp > 1:
+        kw["cp_comm_type"] = "a2a"   # megatron's context parallelism with a window needs a2a
     kw.update(interleaved_p2p_settings(pp, vpp))
     if recompute_granularity:
         kw["recompute_granularity"] = recompute_granularity

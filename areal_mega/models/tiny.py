@@ -10,8 +10,9 @@ import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -43,6 +44,8 @@ class TinyModelSpec:
     charset: str = "ascii"
     seed: int = 0
     initializer_range: float = 0.02
+    head_dim: Optional[int] = None        # None: hidden_size // num_heads
+    sliding_window: Optional[int] = None  # mistral: attention window (None: full attention)
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -66,7 +69,8 @@ def build_char_tokenizer(charset: str = "ascii"):
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=spec.hidden_size,
@@ -78,15 +82,22 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"},
         hidden_act="silu", attention_dropout=0.0,
     )
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe"):
+        raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
+    if spec.sliding_window is not None and spec.arch != "mistral":
+        raise ValueError("sliding_window: only the mistral tiny model has one")
     if spec.arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if spec.arch == "mistral":
+        return MistralConfig(**common, head_dim=head_dim, sliding_window=spec.sliding_window)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if spec.arch == "qwen3":
-        return Qwen3Config(**common, head_dim=spec.hidden_size // spec.num_heads,
+        return Qwen3Config(**common, head_dim=head_dim,
                            attention_bias=False, use_sliding_window=False)
     if spec.arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, head_dim=spec.hidden_size // spec.num_heads,
+        return Qwen3MoeConfig(**common, head_dim=head_dim,
                               attention_bias=False, use_sliding_window=False,
                               num_experts=spec.num_experts,
                               num_experts_per_tok=spec.num_experts_per_tok,
@@ -112,8 +123,10 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
         setattr(spec, k, v)
     if spec.arch not in ARCHS:
         raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
-    if spec.hidden_size % spec.num_heads or spec.num_heads % spec.num_kv_heads:
-        raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
+    if (spec.head_dim is None and spec.hidden_size % spec.num_heads) \
+            or spec.num_heads % spec.num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads (unless head_dim is given) and "
+                         "num_heads by num_kv_heads")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(spec.charset)

@@ -13,13 +13,23 @@ when present (the padding of a slot attends inside its slot and is ignored by th
 Without packed parameters it keeps megatron's behaviour: a given mask goes through the parent
 class (the dense reference path), no mask means plain causal attention over the whole
 sequence, done by SDPA.
+
+Sliding-window attention (``config.window_size = (W - 1, 0)``, Mistral) is applied on every
+path: a slot (or sequence) longer than ``W`` gets an explicit causal-window mask (see
+:mod:`areal_mega.models.sliding_window`), a given mask is narrowed by the window. megatron's
+own torch softmax would instead *replace* a given mask by a window mask over the whole
+packed row (letting sequences see each other), so the window is taken out of it here.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from areal_mega.models.sliding_window import window_visible
 
 __all__ = ["VarlenDotProductAttention", "packed_slot_bounds", "varlen_causal_attention"]
 
@@ -34,13 +44,14 @@ def packed_slot_bounds(packed_seq_params) -> list[int]:
 
 
 def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            bounds: list[int], *, scale: float, dropout_p: float = 0.0
-                            ) -> torch.Tensor:
+                            bounds: list[int], *, scale: float, dropout_p: float = 0.0,
+                            window: Optional[int] = None) -> torch.Tensor:
     """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
 
     ``query`` [T, nq, d], ``key`` / ``value`` [T, nkv, d] with ``nq`` a multiple of ``nkv``
     (grouped-query attention). Returns [T, nq, d]. Tokens past ``bounds[-1]`` (if any) form
-    one more slot."""
+    one more slot. ``window``: each query sees only the ``window`` most recent keys of its
+    slot (itself included); None: all earlier keys."""
     total = query.shape[0]
     if bounds[-1] < total:
         bounds = list(bounds) + [total]
@@ -53,24 +64,41 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         q = query[s:e].transpose(0, 1)[None]
         k = key[s:e].transpose(0, 1)[None]
         v = value[s:e].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                           scale=scale, enable_gqa=gqa)
+        o = _causal_sdpa(q, k, v, window, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
+def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
+    """SDPA of ``[b, h, L, d]`` tensors, causal, within ``window`` (None: unlimited); the
+    explicit mask is built only when the sequence is longer than the window."""
+    L = q.shape[2]
+    if window is None or L <= window:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+    pos = torch.arange(L, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_visible(pos, pos, window),
+                                          **kw)
+
+
 class VarlenDotProductAttention(DotProductAttention):
     """megatron ``DotProductAttention`` that accepts THD ``PackedSeqParams`` (see module
-    docstring). Plain softmax only (no learnable / off-by-one offsets, no sliding window)."""
+    docstring). Plain softmax only (no learnable / off-by-one offsets); causal sliding windows
+    (``window_size = (W - 1, 0)``) are honoured."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         if self.softmax_offset is not None:
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the "
                              "packed local attention (vanilla softmax only)")
-        if self.scale_mask_softmax.window_size is not None:
-            raise ValueError("sliding-window attention is not supported by the packed local "
-                             "attention")
+        self.window: Optional[int] = None
+        window_size = self.scale_mask_softmax.window_size
+        if window_size is not None:
+            left, right = (int(x) for x in window_size)
+            if right != 0 or left < 0:
+                raise ValueError(f"window_size={tuple(window_size)}: the packed local attention "
+                                 "supports causal windows (W - 1, 0) only")
+            self.window = left + 1
+            self.scale_mask_softmax.window_size = None   # applied here (see module docstring)
         # apply_query_key_layer_scaling divides the scale by the layer number and the
         # softmax multiplies it back: the product is the plain 1/sqrt(d) scale.
         coeff = self.scale_mask_softmax.scale or 1.0
@@ -89,15 +117,20 @@ class VarlenDotProductAttention(DotProductAttention):
                                  f"{packed_seq_params.qkv_format!r}")
             out = varlen_causal_attention(query, key, value,
                                           packed_slot_bounds(packed_seq_params),
-                                          scale=self.sdpa_scale, dropout_p=p)
+                                          scale=self.sdpa_scale, dropout_p=p,
+                                          window=self.window)
             return out.reshape(out.shape[0], self.hidden_size_per_partition)
         if attention_mask is not None:
+            if self.window is not None:     # megatron's mask: True = masked
+                sq, sk = query.shape[0], key.shape[0]
+                outside = ~window_visible(torch.arange(sk - sq, sk, device=query.device),
+                                          torch.arange(sk, device=query.device), self.window)
+                attention_mask = attention_mask | outside
             return super().forward(query, key, value, attention_mask,
                                    attn_mask_type=attn_mask_type)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                           scale=self.sdpa_scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        o = _causal_sdpa(q, k, v, self.window, dropout_p=p, scale=self.sdpa_scale,
+                         enable_gqa=q.shape[1] != k.shape[1])
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
