@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from areal_mega.checkpoint.hf_mapping_moe import moe_families, optional_map_present
 from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
@@ -176,6 +177,8 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", ("Qwen3MoeForCausalLM",), _ATTN + _QK_NORM + _DENSE_MLP,
                         _ATTN + _QK_NORM + _MOE_MLP),
 }
+FAMILIES.update(moe_families(TensorMap, Family, _ATTN, _QKV_BIAS, _QK_NORM, _DENSE_MLP,
+                             _MOE_MLP))
 
 
 def read_arch(source, *, where: Optional[str] = None, value_model: bool = False):
@@ -237,9 +240,9 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
         return tuple(m for m in _GLOBAL
                      if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings))
     pattern = arch.moe_layer_pattern
-    if arch.is_moe and (pattern is None or pattern[layer]):
-        return fam.moe_layer
-    return fam.dense_layer
+    table = fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else \
+        fam.dense_layer
+    return tuple(m for m in table if optional_map_present(arch, m.mcore))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Build a megatron-core ``GPTModel`` from a Hugging Face ``config.json``.
 
 Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
-``qwen3_moe`` (top-k softmax router, no shared expert). Actor and reference use this same
+``qwen3_moe`` (top-k softmax router, no shared expert), ``glm4_moe`` (sigmoid router with expert
+bias, shared experts, dense first layers, partial rotary: :mod:`areal_mega.models.moe_families`). Actor and reference use this same
 builder; the model code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
@@ -71,7 +72,7 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
            "build_model_chunks", "have_te"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -101,6 +102,14 @@ class HFArch:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: Optional[tuple] = None  # 1 = MoE layer, 0 = dense, per layer
     router_aux_loss_coef: float = 0.0
+    rotary_percent: float = 1.0       # share of each head's channels that get rotary
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False     # sigmoid routers: bias added for the expert choice only
+    moe_num_groups: Optional[int] = None      # group-limited top-k (None: not limited)
+    moe_group_topk: Optional[int] = None
+    moe_routed_scaling_factor: Optional[float] = None
+    moe_shared_ffn_hidden_size: Optional[int] = None  # all shared experts together
+    mtp_layers: int = 0               # multi-token-prediction layers of the checkpoint (unused)
 
     @property
     def is_moe(self) -> bool:
@@ -177,6 +186,9 @@ def parse_hf_config(hf: dict) -> HFArch:
                   moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                   moe_layer_pattern=pattern,
                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+    if mt == "glm4_moe":
+        from areal_mega.models.moe_families import glm4_moe_fields
+        kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
     return HFArch(**kw)
 
 
@@ -273,16 +285,14 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         if recompute_granularity == "full":
             kw.update(recompute_method="uniform", recompute_num_layers=1)
     if arch.is_moe:
+        from areal_mega.models.moe_families import router_config_kwargs
         if arch.num_experts % ep:
             raise ValueError(f"num_experts={arch.num_experts} not divisible by EP={ep}")
         aux = arch.router_aux_loss_coef if moe_aux_loss_coeff is None else moe_aux_loss_coeff
         kw.update(
             num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_score_function="softmax",
-            # HF Qwen3-MoE: softmax over all experts, top-k, renormalise when norm_topk_prob.
-            # Megatron: top-k on logits then softmax over the k == renormalised top-k.
-            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            **router_config_kwargs(arch),
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_aux_loss_coeff=aux, moe_grouped_gemm=use_te,
             moe_layer_freq=list(arch.moe_layer_pattern),
@@ -358,7 +368,8 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
             config=config, transformer_layer_spec=spec, vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings, pre_process=pre,
             post_process=post, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+            position_embedding_type="rope", rotary_percent=arch.rotary_percent,
+            rotary_base=arch.rope_theta,
             pg_collection=mesh.pg_collection, vp_stage=vp_stage)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
