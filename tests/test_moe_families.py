@@ -173,8 +173,9 @@ def test_glm4_moe_routing_replay_is_refused(glm):
 @pytest.mark.timeout(400)
 def test_glm4_moe_five_rl_steps(tmp_path):
     """5 GRPO steps through launch.local (CPU server + trainer): every step trains (finite
-    loss, non-zero gradient), the first step's samples come from the trainer's own weights
-    (mismatch of logprobs ~ 0) and the server receives the trained weights."""
+    loss, non-zero gradient, dense reward), the first step's samples come from the trainer's own weights
+    (mismatch of logprobs ~ 0), and the server samples with each step's trained weights with
+    logprobs still equal to the trainer's."""
     from areal_mega.data.synthetic import write_task_files
     from test_e2e_async_rl import _finish, _launch, _metrics
     model = make_tiny_model(tmp_path / "model", arch="glm4_moe", charset="digits",
@@ -183,12 +184,18 @@ def test_glm4_moe_five_rl_steps(tmp_path):
     write_task_files(tmp_path / "data", task="reverse", n_train=128, n_test=8)
     run = tmp_path / "run"
     proc = _launch(run, model, tmp_path / "data", "total_steps=5", "logging.plot=false",
-                   "cluster.max_restarts=0", "checkpoint.save_every=0", "recover=off")
+                   "cluster.max_restarts=0", "checkpoint.save_every=0", "recover=off",
+                   # a dense reward (character match), so that groups are not uniform
+                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
     rc, out = _finish(proc, timeout=360)
     assert rc == 0, out[-4000:]
     rows = [r for r in _metrics(run) if r["step"]]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     for r in rows:
         assert r["grad_norm"] > 0 and r["loss"] == r["loss"], r
-    assert rows[0]["mismatch"] < TOL, rows[0]
-    print({k: rows[-1][k] for k in sorted(rows[-1])})
+        # tokens sampled with the weights the trainer evaluates: the server's logprobs are
+        # the trainer's, also after weight updates
+        if r["mismatch_tokens"]:
+            assert r["mismatch"] < TOL, r
+    assert rows[0]["mismatch_tokens"] > 0
+    assert rows[-1]["versions/max"] >= 3       # samples from weights pushed after 3+ steps
