@@ -67,6 +67,7 @@ import torch.nn.functional as F
 from areal_mega.models.backend import (apex_grad_accum_available, attn_backend_enum,
                                        config_attention_backend, decide_fusions, have_te,
                                        probe_te)
+from areal_mega.models.moe_families import glm4_moe_fields, router_config_kwargs
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
@@ -187,7 +188,6 @@ def parse_hf_config(hf: dict) -> HFArch:
                   moe_layer_pattern=pattern,
                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
     if mt == "glm4_moe":
-        from areal_mega.models.moe_families import glm4_moe_fields
         kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
     return HFArch(**kw)
 
@@ -285,7 +285,6 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         if recompute_granularity == "full":
             kw.update(recompute_method="uniform", recompute_num_layers=1)
     if arch.is_moe:
-        from areal_mega.models.moe_families import router_config_kwargs
         if arch.num_experts % ep:
             raise ValueError(f"num_experts={arch.num_experts} not divisible by EP={ep}")
         aux = arch.router_aux_loss_coef if moe_aux_loss_coeff is None else moe_aux_loss_coeff

@@ -2,12 +2,15 @@
 ``algorithm.routing_replay: r3``; formats in :mod:`areal_mega.common.moe_routes`)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from areal_mega.common.moe_routes import RouteLayout, decode_sglang_routes
 from areal_mega.config_schema import ConfigError
+from areal_mega.models.moe_families import SIGMOID_ROUTER_MODEL_TYPES
 from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
 
 
@@ -42,8 +45,6 @@ def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
 
 def _model_type(model_path) -> Optional[str]:
     """``model_type`` of ``<model_path>/config.json`` (None without one)."""
-    import json
-    from pathlib import Path
     path = Path(model_path) / "config.json"
     return json.loads(path.read_text()).get("model_type") if path.is_file() else None
 
@@ -54,7 +55,6 @@ def replay_layout(cfg) -> Optional[RouteLayout]:
     when the model has no MoE layers."""
     if cfg.algorithm.routing_replay == "off":
         return None
-    from areal_mega.models.moe_families import SIGMOID_ROUTER_MODEL_TYPES
     model_type = _model_type(cfg.model.path)
     if model_type in SIGMOID_ROUTER_MODEL_TYPES:
         raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
