@@ -1,4 +1,4 @@
-"""HF <-> megatron tensor tables of the DeepSeek-style MoE families (GLM-4 MoE).
+"""HF <-> megatron tensor tables of the DeepSeek-style MoE families (GLM-4 MoE, DeepSeek-V3).
 
 Beyond the Qwen3-MoE tables of :mod:`areal_mega.checkpoint.hf_mapping`, a GLM-4 MoE layer has
 (checked against megatron-bridge 0.6.2's GLM-4.5 mapping):
@@ -10,6 +10,12 @@ megatron (local spec)                                    HF (``Glm4MoeForCausalL
 ``...mlp.shared_experts.linear_fc1.weight`` [gate; up]   ``mlp.shared_experts.{gate,up}_proj``
 ``...mlp.shared_experts.linear_fc2.weight``              ``mlp.shared_experts.down_proj.weight``
 ======================================================  ========================================
+
+DeepSeek-V3's multi-latent attention (every tensor a plain copy, as in megatron-bridge's
+DeepSeek mapping): ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` <->
+``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``linear_q_proj`` <-> ``q_proj`` without
+``q_lora_rank``), ``linear_kv_down_proj`` / ``kv_layernorm`` / ``linear_kv_up_proj`` <->
+``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``.
 
 The QKV bias and the QK norms are optional in GLM-4 MoE (``attention_bias``, ``use_qk_norm``):
 the family's tables list them and :func:`optional_map_present` drops the ones a config lacks.
@@ -34,13 +40,37 @@ def moe_families(TensorMap, Family, attn, qkv_bias, qk_norm, dense_mlp, moe_mlp)
                         (_S + "gate_proj.weight", _S + "up_proj.weight"), "glu"),
               TensorMap("mlp.shared_experts.linear_fc2.weight", (_S + "down_proj.weight",)))
     attention = attn + qkv_bias + qk_norm
+    moe = moe_mlp + (router_bias,) + shared
+    a = "model.layers.{L}.self_attn."
+    mla = (
+        TensorMap("input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
+        TensorMap("self_attention.linear_q_proj.weight", (a + "q_proj.weight",)),
+        TensorMap("self_attention.linear_q_down_proj.weight", (a + "q_a_proj.weight",)),
+        TensorMap("self_attention.q_layernorm.weight", (a + "q_a_layernorm.weight",)),
+        TensorMap("self_attention.linear_q_up_proj.weight", (a + "q_b_proj.weight",)),
+        TensorMap("self_attention.linear_kv_down_proj.weight", (a + "kv_a_proj_with_mqa.weight",)),
+        TensorMap("self_attention.kv_layernorm.weight", (a + "kv_a_layernorm.weight",)),
+        TensorMap("self_attention.linear_kv_up_proj.weight", (a + "kv_b_proj.weight",)),
+        TensorMap("self_attention.linear_proj.weight", (a + "o_proj.weight",)),
+        TensorMap("pre_mlp_layernorm.weight",
+                  ("model.layers.{L}.post_attention_layernorm.weight",)),
+    )
     return {"glm4_moe": Family("glm4_moe", ("Glm4MoeForCausalLM",), attention + dense_mlp,
-                               attention + moe_mlp + (router_bias,) + shared)}
+                               attention + moe),
+            "deepseek_v3": Family("deepseek_v3", ("DeepseekV3ForCausalLM",), mla + dense_mlp,
+                                  mla + moe)}
 
 
 def optional_map_present(arch, mcore_suffix: str) -> bool:
     """False for a table entry the architecture does not have (QKV bias, QK norms, shared
-    experts, expert bias)."""
+    experts, expert bias; MLA: the query's low-rank pair or its single projection)."""
+    if mcore_suffix == "self_attention.linear_q_proj.weight":
+        return arch.mla_q_lora_rank is None
+    if mcore_suffix in ("self_attention.linear_q_down_proj.weight",
+                        "self_attention.linear_q_up_proj.weight"):
+        return arch.mla_q_lora_rank is not None
+    if arch.is_mla and mcore_suffix == "self_attention.q_layernorm.weight":
+        return arch.mla_q_lora_rank is not None
     if mcore_suffix == "self_attention.linear_qkv.bias":
         return arch.qkv_bias
     if mcore_suffix in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):

@@ -67,13 +67,14 @@ import torch.nn.functional as F
 from areal_mega.models.backend import (apex_grad_accum_available, attn_backend_enum,
                                        config_attention_backend, decide_fusions, have_te,
                                        probe_te)
+from areal_mega.models.mla import deepseek_v3_fields, mla_config_kwargs
 from areal_mega.models.moe_families import glm4_moe_fields, router_config_kwargs
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
            "build_model_chunks", "have_te"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -111,10 +112,20 @@ class HFArch:
     moe_routed_scaling_factor: Optional[float] = None
     moe_shared_ffn_hidden_size: Optional[int] = None  # all shared experts together
     mtp_layers: int = 0               # multi-token-prediction layers of the checkpoint (unused)
+    # multi-latent attention (DeepSeek-V3; areal_mega.models.mla); None: not MLA
+    mla_kv_lora_rank: Optional[int] = None
+    mla_q_lora_rank: Optional[int] = None
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_kv_lora_rank is not None
 
 
 def load_hf_config(source: Union[str, os.PathLike, dict]) -> dict:
@@ -189,6 +200,8 @@ def parse_hf_config(hf: dict) -> HFArch:
                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
     if mt == "glm4_moe":
         kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
+    if mt == "deepseek_v3":
+        kw.update(deepseek_v3_fields(hf, n_layers))
     return HFArch(**kw)
 
 
@@ -241,7 +254,7 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
     ``pipeline_model_parallel_size`` is set in the config (megatron needs it there to give
     each stage its own layers); ``variable_seq_lengths`` requires the alltoall MoE dispatcher
     even for dense models (megatron-core 0.16 to 0.19), so that dispatcher is always selected."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     if arch.num_kv_heads % tp:
         raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
@@ -298,6 +311,9 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
             moe_router_dtype="fp32", moe_permute_fusion=False,
             moe_enable_routing_replay=moe_enable_routing_replay,
         )
+    if arch.is_mla:
+        kw.update(mla_config_kwargs(arch))
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
 

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SIGMOID_ROUTER_MODEL_TYPES", "glm4_moe_fields", "router_config_kwargs"]
+__all__ = ["SIGMOID_ROUTER_MODEL_TYPES", "glm4_moe_fields", "routed_moe_fields",
+           "router_config_kwargs"]
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
-SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe",)
+SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3")
 
 
 def _partial_rotary_factor(hf: dict) -> float:
@@ -45,9 +46,10 @@ def _partial_rotary_factor(hf: dict) -> float:
     return float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)))
 
 
-def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
-    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm4_moe`` config (beyond
-    the common attention fields). Raises ``ValueError`` for options megatron cannot reproduce."""
+def routed_moe_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` MoE fields of a DeepSeek-style config
+    (GLM-4 MoE, DeepSeek-V3): sigmoid router with expert bias, groups, scaling, shared experts,
+    dense first layers. Raises ``ValueError`` for options megatron cannot reproduce."""
     n_exp = int(hf.get("n_routed_experts") or hf.get("num_local_experts"))
     topk = int(hf["num_experts_per_tok"])
     n_group = int(hf.get("n_group") or 1)
@@ -64,11 +66,6 @@ def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
                          f"{topk_group}: transformers scores a group by its top-2 experts, "
                          "megatron by its top (num_experts_per_tok / topk_group); they agree "
                          "only when that is 2")
-    factor = _partial_rotary_factor(hf)
-    rot = head_dim * factor
-    if not (0 < factor <= 1) or rot != int(rot) or int(rot) % 2:
-        raise ValueError(f"partial_rotary_factor={factor} with head_dim={head_dim}: the rotary "
-                         "part must be a positive even number of channels")
     k_dense = int(hf.get("first_k_dense_replace") or 0)
     n_shared = int(hf.get("n_shared_experts") or 0)
     moe_ffn = int(hf["moe_intermediate_size"])
@@ -77,15 +74,25 @@ def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
         moe_norm_topk_prob=norm,
         moe_layer_pattern=tuple(0 if i < k_dense else 1 for i in range(n_layers)),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
-        qk_norm=bool(hf.get("use_qk_norm", False)),
-        qkv_bias=bool(hf.get("attention_bias", False)),
-        rotary_percent=factor, moe_score_function="sigmoid", moe_expert_bias=True,
+        moe_score_function="sigmoid", moe_expert_bias=True,
         moe_num_groups=n_group if grouped else None,
         moe_group_topk=topk_group if grouped else None,
         moe_routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
         moe_shared_ffn_hidden_size=moe_ffn * n_shared if n_shared else None,
         mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
+
+
+def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm4_moe`` config (beyond
+    the common attention fields). Raises ``ValueError`` for options megatron cannot reproduce."""
+    factor = _partial_rotary_factor(hf)
+    rot = head_dim * factor
+    if not (0 < factor <= 1) or rot != int(rot) or int(rot) % 2:
+        raise ValueError(f"partial_rotary_factor={factor} with head_dim={head_dim}: the rotary "
+                         "part must be a positive even number of channels")
+    return dict(routed_moe_fields(hf, n_layers), qk_norm=bool(hf.get("use_qk_norm", False)),
+                qkv_bias=bool(hf.get("attention_bias", False)), rotary_percent=factor)
 
 
 def router_config_kwargs(arch) -> dict:

@@ -11,7 +11,7 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -53,6 +53,12 @@ class TinyModelSpec:
     attention_bias: bool = True
     use_qk_norm: bool = True
     expert_bias_std: float = 0.02   # e_score_correction_bias ~ N(0, std) (HF initialises 0)
+    # deepseek_v3 only (multi-latent attention; also uses the glm4_moe routing fields)
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -76,8 +82,8 @@ def build_char_tokenizer(charset: str = "ascii"):
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
-    from transformers import (Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=spec.hidden_size,
@@ -116,6 +122,21 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
                              routed_scaling_factor=spec.routed_scaling_factor,
                              first_k_dense_replace=spec.first_k_dense_replace,
                              norm_topk_prob=True)
+    if spec.arch == "deepseek_v3":
+        common["num_key_value_heads"] = spec.num_heads
+        return DeepseekV3Config(**common, q_lora_rank=spec.q_lora_rank,
+                                kv_lora_rank=spec.kv_lora_rank,
+                                qk_nope_head_dim=spec.qk_nope_head_dim,
+                                qk_rope_head_dim=spec.qk_rope_head_dim,
+                                v_head_dim=spec.v_head_dim, rope_interleave=True,
+                                attention_bias=False, n_routed_experts=spec.num_experts,
+                                num_experts_per_tok=spec.num_experts_per_tok,
+                                moe_intermediate_size=spec.moe_intermediate_size,
+                                n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
+                                topk_group=spec.topk_group,
+                                routed_scaling_factor=spec.routed_scaling_factor,
+                                first_k_dense_replace=spec.first_k_dense_replace,
+                                norm_topk_prob=True)
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 

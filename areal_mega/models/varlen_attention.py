@@ -63,7 +63,13 @@ class VarlenDotProductAttention(DotProductAttention):
     """megatron ``DotProductAttention`` that accepts THD ``PackedSeqParams`` (see module
     docstring). Plain softmax only (no learnable / off-by-one offsets, no sliding window)."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        # MLA passes its query/key and value head dims (TE's attention takes them); megatron's
+        # local DotProductAttention does not: its output width comes from config.kv_channels,
+        # which the MLA builder sets to the value head dim (areal_mega.models.mla)
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"value head dim {v_channels} != config.kv_channels "
+                             f"{config.kv_channels}")
         super().__init__(config, *args, **kwargs)
         if self.softmax_offset is not None:
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the "
@@ -90,7 +96,8 @@ class VarlenDotProductAttention(DotProductAttention):
             out = varlen_causal_attention(query, key, value,
                                           packed_slot_bounds(packed_seq_params),
                                           scale=self.sdpa_scale, dropout_p=p)
-            return out.reshape(out.shape[0], self.hidden_size_per_partition)
+            # heads x value dim; MLA pads its values to the query dim here and trims after
+            return out.reshape(out.shape[0], -1)
         if attention_mask is not None:
             return super().forward(query, key, value, attention_mask,
                                    attn_mask_type=attn_mask_type)
