@@ -6,7 +6,8 @@ layout holding the reference weights).
 
 ``glm4_moe``: 4 layers (layer 0 dense), 8 experts in 2 groups (top-1 group, top-2 experts),
 a shared expert, non-zero expert biases, partial rotary, QKV bias and QK norms; the policy
-loss; layouts EP2 (inside DP2), TP2 + sequence parallelism, PP2.
+loss; layouts EP2 (inside DP2), TP2 + sequence parallelism, PP2. ``deepseek_v3``: the same
+router and layouts with multi-latent attention (q and kv LoRA ranks 32, rope dims 8 of 24).
 """
 import os
 import sys
@@ -24,6 +25,11 @@ GLM4_MOE = dict(ew.DENSE, model_type="glm4_moe", num_hidden_layers=4, attention_
                 rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                  "partial_rotary_factor": 0.5})
 
+DEEPSEEK_V3 = dict(GLM4_MOE, model_type="deepseek_v3", num_key_value_heads=4, q_lora_rank=32,
+                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                   rope_interleave=True, attention_bias=False, head_dim=8,
+                   rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+
 
 def random_expert_bias(model):
     """Non-zero expert biases (a fixed function of the layer), as a real checkpoint has."""
@@ -34,10 +40,9 @@ def random_expert_bias(model):
             buf.copy_(torch.randn(buf.shape, generator=g) * 0.02)
 
 
-def scenario_glm4_moe(res, out_dir):
+def scenario_glm4_moe(res, out_dir, hf=GLM4_MOE):
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    hf = GLM4_MOE
     mbs = ew.make_mbs(8, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
     ew.set_mesh(dict(dp=world))
     ref = ew.reference(hf, mbs, seed=31, loss=ew.POLICY, prepare=random_expert_bias)
@@ -53,4 +58,6 @@ def scenario_glm4_moe(res, out_dir):
 
 
 if __name__ == "__main__":
-    sys.exit(ew.run_scenario({"glm4_moe": scenario_glm4_moe}))
+    sys.exit(ew.run_scenario({
+        "glm4_moe": scenario_glm4_moe,
+        "deepseek_v3": lambda res, out: scenario_glm4_moe(res, out, hf=DEEPSEEK_V3)}))
