@@ -22,6 +22,8 @@ VARIANTS = {
     "qwen3_moe_tied": (dict(arch="qwen3_moe", tie_word_embeddings=True), dict(tp=2, ep=2)),
     "glm4_moe": (dict(arch="glm4_moe", tie_word_embeddings=False, num_layers=4, num_experts=8,
                       moe_intermediate_size=32), dict(tp=2, pp=2, ep=2)),
+    "deepseek_v3": (dict(arch="deepseek_v3", tie_word_embeddings=False, num_layers=4,
+                         num_experts=8, moe_intermediate_size=32), dict(tp=2, pp=2, ep=2)),
     "llama_4layers_vpp": (dict(arch="llama", tie_word_embeddings=False, num_layers=4),
                           dict(tp=2, pp=2, vpp=2)),
     "llama_bf16": (dict(arch="llama", tie_word_embeddings=False), dict(tp=2, pp=2, dtype="bf16")),

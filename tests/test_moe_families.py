@@ -1,11 +1,12 @@
-"""GLM-4 MoE (``glm4_moe``) end to end on the CPU, from a tiny HF model made here: its config
-mapped onto megatron-core's router options (and the options megatron cannot reproduce refused),
-``tools/convert_hf_to_mcore.py`` and back bit-exactly, EP2 / TP2+SP / PP2 equal to a single rank
-(logprobs and grads), the CPU rollout server's sampled logprobs equal to the trainer's forward,
-routing replay refused, and 5 RL steps through ``launch.local``.
+"""GLM-4 MoE (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``, multi-latent attention) end to end
+on the CPU, from tiny HF models made here: their configs mapped onto megatron-core's options
+(and the options megatron cannot reproduce refused), ``tools/convert_hf_to_mcore.py`` and back
+bit-exactly, EP2 / TP2+SP / PP2 equal to a single rank (logprobs and grads), the CPU
+rollout server's sampled logprobs equal to the trainer's forward, routing replay refused, and
+5 RL steps through ``launch.local``.
 
-The conversion at TP2/PP2/EP2 with transformers-equal logits and a bit-exact live export runs
-in tests/test_convert_roundtrip.py (the ``glm4_moe`` variant)."""
+The conversion at TP2/PP2/EP2 (both families) with transformers-equal logits and a bit-exact
+live export runs in tests/test_convert_roundtrip.py (variants ``glm4_moe``, ``deepseek_v3``)."""
 import json
 import os
 import subprocess
@@ -18,18 +19,22 @@ import torch
 
 from areal_mega.models.tiny import make_tiny_model
 from tests._convert_jobs import compare, load_all
-from tests._moe_family_worker import GLM4_MOE
+from tests._moe_family_worker import DEEPSEEK_V3, GLM4_MOE
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 TOL = 1e-5
+FAMILIES = ("glm4_moe", "deepseek_v3")
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("glm") / "hf", arch="glm4_moe",
-                           num_layers=4, num_experts=8, moe_intermediate_size=32,
-                           tie_word_embeddings=False)
+def _tiny(path, family, **kw):
+    return make_tiny_model(path, arch=family, num_experts=8, moe_intermediate_size=32,
+                           tie_word_embeddings=False, **{"num_layers": 4, **kw})
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request, tmp_path_factory):
+    return request.param, _tiny(tmp_path_factory.mktemp(request.param) / "hf", request.param)
 
 
 def _run(args, timeout=300):
@@ -75,6 +80,33 @@ def test_glm4_moe_options_megatron_cannot_reproduce_are_refused(change, words):
         parse_hf_config(dict(GLM4_MOE, **change))
 
 
+def test_deepseek_v3_config_maps_onto_megatron_mla_options():
+    from areal_mega.compat import megatron_cpu
+    megatron_cpu.apply()
+    from megatron.core.transformer import MLATransformerConfig
+
+    from areal_mega.models.builder import parse_hf_config, transformer_config_from_hf
+    arch = parse_hf_config(DEEPSEEK_V3)
+    assert arch.is_mla and arch.head_dim == 24 and arch.num_kv_heads == arch.num_heads
+    cfg = transformer_config_from_hf(arch, tp=2)
+    assert isinstance(cfg, MLATransformerConfig) and cfg.multi_latent_attention
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim,
+            cfg.v_head_dim, cfg.kv_channels) == (32, 32, 16, 8, 16, 16)
+    assert cfg.qk_layernorm and cfg.rope_type == "rope"         # the latent norms; no YaRN
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(rope_interleave=False), "interleaved"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(rope_parameters={"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}), "yarn"),
+])
+def test_deepseek_v3_options_megatron_cannot_reproduce_are_refused(change, words):
+    from areal_mega.models.builder import parse_hf_config
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(DEEPSEEK_V3, **change))
+
+
 def test_glm4_moe_mtp_tensors_are_recognised_and_skipped():
     from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
     from areal_mega.models.builder import parse_hf_config
@@ -85,26 +117,28 @@ def test_glm4_moe_mtp_tensors_are_recognised_and_skipped():
 
 
 # ---------------------------------------------------------------------------- conversion
-def test_glm4_moe_cli_roundtrip_is_bit_exact(glm, tmp_path):
-    _run([ROOT / "tools" / "convert_hf_to_mcore.py", "--hf-dir", glm, "--out",
+def test_cli_roundtrip_is_bit_exact(family_model, tmp_path):
+    _, model = family_model
+    _run([ROOT / "tools" / "convert_hf_to_mcore.py", "--hf-dir", model, "--out",
           tmp_path / "mcore", "--tp", 2, "--pp", 2, "--ep", 2, "--no-progress"])
     _run([ROOT / "tools" / "convert_mcore_to_hf.py", "--mcore-dir", tmp_path / "mcore",
           "--out", tmp_path / "hf2", "--no-progress"])
-    src, dst = load_all(glm), load_all(tmp_path / "hf2")
+    src, dst = load_all(model), load_all(tmp_path / "hf2")
     assert any(k.endswith("e_score_correction_bias") for k in src)
     assert any(".shared_experts." in k for k in src)
     assert compare(src, dst) == []
 
 
 # ---------------------------------------------------------------------------- layouts
-def test_glm4_moe_layouts_match_single_rank(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layouts_match_single_rank(family, tmp_path):
     from areal_mega.common.net import free_port
     from tests.multirank import rank_results, run_ranks
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, TESTS / "_moe_family_worker.py", "glm4_moe", r, 2, port,
+    ranks = run_ranks([[sys.executable, TESTS / "_moe_family_worker.py", family, r, 2, port,
                         tmp_path] for r in range(2)], timeout=300, env=env)
-    res = rank_results([tmp_path / f"glm4_moe.{r}.json" for r in range(2)], ranks)
+    res = rank_results([tmp_path / f"{family}.{r}.json" for r in range(2)], ranks)
     for r in res:
         assert r["expert_bias_max"] > 0.01                  # the biases are really non-zero
         for layout in ("ep2", "tp2sp", "pp2"):
@@ -127,11 +161,12 @@ def _sample(srv, prompts, n_new):
     return reqs
 
 
-def test_glm4_moe_served_logprobs_equal_the_trainers(glm, tmp_path):
+def test_served_logprobs_equal_the_trainers(family_model, tmp_path):
     """Sampled together (batched decode, rows of different lengths), each output token's
     logprob from the server equals the trainer's forward of the converted checkpoint."""
     from areal_mega.inference.server_state import LocalRolloutServer
-    srv = LocalRolloutServer(str(glm), max_running=4)
+    _, model = family_model
+    srv = LocalRolloutServer(str(model), max_running=4)
     try:
         prompts = [[5, 9, 12, 40, 7], list(range(10, 19)), [33] * 3 + list(range(50, 60))]
         reqs = _sample(srv, prompts, 8)
@@ -150,37 +185,38 @@ def test_glm4_moe_served_logprobs_equal_the_trainers(glm, tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"seqs": [p + r.output_ids for p, r in zip(prompts, reqs)],
                                "starts": [len(p) for p in prompts]}))
-    _run([TESTS / "_teacher_forward_worker.py", glm, tmp_path, job, tmp_path / "out.json"])
+    _run([TESTS / "_teacher_forward_worker.py", model, tmp_path, job, tmp_path / "out.json"])
     trainer = json.loads((tmp_path / "out.json").read_text())["logprobs"]
     for r, want in zip(reqs, trainer):
         assert len(r.logprobs) == len(want) == 8
         assert max(abs(a - b) for a, b in zip(r.logprobs, want)) < TOL, (r.logprobs, want)
 
 
-def test_glm4_moe_routing_replay_is_refused(glm):
+def test_routing_replay_is_refused(family_model):
     from transformers import AutoModelForCausalLM
 
     from areal_mega.engine.routing_replay import check_replay_target
     from areal_mega.inference.route_capture import RouteCapture
     from areal_mega.models.builder import parse_hf_config
+    family, model = family_model
+    hf = {"glm4_moe": GLM4_MOE, "deepseek_v3": DEEPSEEK_V3}[family]
     with pytest.raises(ValueError, match="sigmoid"):
-        check_replay_target(True, "actor", parse_hf_config(GLM4_MOE))
+        check_replay_target(True, "actor", parse_hf_config(hf))
     with pytest.raises(ValueError, match="expert bias"):
-        RouteCapture(AutoModelForCausalLM.from_pretrained(glm))
+        RouteCapture(AutoModelForCausalLM.from_pretrained(model))
 
 
 # ---------------------------------------------------------------------------- RL
 @pytest.mark.timeout(400)
-def test_glm4_moe_five_rl_steps(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_five_rl_steps(family, tmp_path):
     """5 GRPO steps through launch.local (CPU server + trainer): every step trains (finite
     loss, non-zero gradient, dense reward), the first step's samples come from the trainer's own weights
     (mismatch of logprobs ~ 0), and the server samples with each step's trained weights with
     logprobs still equal to the trainer's."""
     from areal_mega.data.synthetic import write_task_files
     from test_e2e_async_rl import _finish, _launch, _metrics
-    model = make_tiny_model(tmp_path / "model", arch="glm4_moe", charset="digits",
-                            hidden_size=64, num_layers=2, num_experts=8,
-                            moe_intermediate_size=32, tie_word_embeddings=False)
+    model = _tiny(tmp_path / "model", family, charset="digits", num_layers=2)
     write_task_files(tmp_path / "data", task="reverse", n_train=128, n_test=8)
     run = tmp_path / "run"
     proc = _launch(run, model, tmp_path / "data", "total_steps=5", "logging.plot=false",

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.models.mla import mla_full_shapes
 
 __all__ = ["iter_hf_tensors", "iter_hf_buckets", "is_export_source", "gather_axis",
            "expected_full_shape"]
@@ -58,6 +59,8 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
     if moe_ffn:
         shapes["mlp.experts.local_experts.{E}.linear_fc1.weight"] = (2 * moe_ffn, h)
         shapes["mlp.experts.local_experts.{E}.linear_fc2.weight"] = (h, moe_ffn)
+    if arch.is_mla:
+        shapes.update(mla_full_shapes(arch))
     shared = arch.moe_shared_ffn_hidden_size
     if shared:
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)

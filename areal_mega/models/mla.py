@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from areal_mega.models.moe_families import routed_moe_fields
 
-__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "mla_config_kwargs"]
+__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "mla_config_kwargs", "mla_full_shapes"]
 
 MLA_MODEL_TYPES = ("deepseek_v3",)
 
@@ -45,3 +45,21 @@ def mla_config_kwargs(arch) -> dict:
                 qk_pos_emb_head_dim=arch.mla_qk_rope_head_dim, v_head_dim=arch.mla_v_head_dim,
                 kv_channels=arch.mla_v_head_dim, rope_type="rope", rotary_base=arch.rope_theta,
                 rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
+def mla_full_shapes(arch) -> dict:
+    """Full (un-split) megatron shapes of the MLA projections, by canonical name (for the live
+    export's tensor-parallel gather; every one is split along one axis under TP)."""
+    h, n = arch.hidden_size, arch.num_heads
+    q_head = arch.mla_qk_nope_head_dim + arch.mla_qk_rope_head_dim
+    q_in = arch.mla_q_lora_rank or h
+    a = "self_attention."
+    return {a + "linear_q_proj.weight": (n * q_head, h),
+            a + "linear_q_down_proj.weight": (arch.mla_q_lora_rank, h),
+            a + "linear_q_up_proj.weight": (n * q_head, q_in),
+            a + "linear_kv_down_proj.weight": (arch.mla_kv_lora_rank
+                                               + arch.mla_qk_rope_head_dim, h),
+            a + "linear_kv_up_proj.weight": (n * (arch.mla_qk_nope_head_dim
+                                                  + arch.mla_v_head_dim),
+                                             arch.mla_kv_lora_rank),
+            a + "linear_proj.weight": (h, n * arch.mla_v_head_dim)}
