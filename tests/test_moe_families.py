@@ -210,8 +210,8 @@ def test_routing_replay_is_refused(family_model):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_five_rl_steps(family, tmp_path):
-    """5 GRPO steps through launch.local (CPU server + trainer): every step trains (finite
-    loss, non-zero gradient, dense reward), the first step's samples come from the trainer's own weights
+    """5 GRPO steps through launch.local (CPU server + trainer, dense reward): every step has a
+    finite loss and most a non-zero gradient, the first step's samples come from the trainer's own weights
     (mismatch of logprobs ~ 0), and the server samples with each step's trained weights with
     logprobs still equal to the trainer's."""
     from areal_mega.data.synthetic import write_task_files
@@ -227,8 +227,11 @@ def test_five_rl_steps(family, tmp_path):
     assert rc == 0, out[-4000:]
     rows = [r for r in _metrics(run) if r["step"]]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # a group whose samples all get the same reward has no advantage (a tiny random model
+    # sometimes draws such a batch): most steps, not each, must move the weights
+    assert sum(r["grad_norm"] > 0 for r in rows) >= 3, rows
     for r in rows:
-        assert r["grad_norm"] > 0 and r["loss"] == r["loss"], r
+        assert r["loss"] == r["loss"], r
         # tokens sampled with the weights the trainer evaluates: the server's logprobs are
         # the trainer's, also after weight updates
         if r["mismatch_tokens"]:
