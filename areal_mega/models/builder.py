@@ -2,7 +2,8 @@
 
 Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
 ``qwen3_moe`` (top-k softmax router, no shared expert), ``glm4_moe`` (sigmoid router with expert
-bias, shared experts, dense first layers, partial rotary: :mod:`areal_mega.models.moe_families`). Actor and reference use this same
+bias, shared experts, dense first layers, partial rotary: :mod:`areal_mega.models.moe_families`),
+``deepseek_v3`` (the same router, multi-latent attention: :mod:`areal_mega.models.mla`). Actor and reference use this same
 builder; the model code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
