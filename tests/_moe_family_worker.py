@@ -53,6 +53,14 @@ def scenario_glm4_moe(res, out_dir, hf=GLM4_MOE):
                     my_ref_lps=ref["lps"][rank::world])
     ew.set_mesh(dict(tp=world), sp=True)
     ew.check_layout(res, "tp2sp", hf, ref, mbs)
+    if hf["model_type"] == "deepseek_v3":   # upstream MLA without our CPU patch: grads differ
+        from megatron.core.transformer.multi_latent_attention import MLASelfAttention as mla
+        patched = mla.get_query_key_value_tensors
+        mla.get_query_key_value_tensors = patched.__wrapped_original__
+        try:
+            ew.check_layout(res, "tp2sp_unpatched", hf, ref, mbs)
+        finally:
+            mla.get_query_key_value_tensors = patched
     ew.set_mesh(dict(pp=world))
     ew.check_layout(res, "pp2", hf, ref, mbs)
 

@@ -144,6 +144,8 @@ def test_layouts_match_single_rank(family, tmp_path):
         for layout in ("ep2", "tp2sp", "pp2"):
             for what in ("logprobs", "grads", "loss", "n_tokens"):
                 assert r[f"{layout}.{what}"] < TOL, (layout, what, r)
+        if family == "deepseek_v3":   # megatron's local MLA still needs the CPU patch
+            assert r["tp2sp_unpatched.grads"] > 10 * TOL, r
 
 
 # ---------------------------------------------------------------------------- rollout server
