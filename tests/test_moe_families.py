@@ -194,6 +194,26 @@ def test_served_logprobs_equal_the_trainers(family_model, tmp_path):
         assert max(abs(a - b) for a, b in zip(r.logprobs, want)) < TOL, (r.logprobs, want)
 
 
+def test_server_loads_a_checkpoint_by_its_hf_names(family_model, tmp_path):
+    """A weight load (the per-expert, shared-expert and expert-bias names of an HF checkpoint)
+    makes the served model compute what transformers computes for that checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_mega.inference.server_state import LocalRolloutServer
+    family, model = family_model
+    other = _tiny(tmp_path / "b", family, seed=5)
+    srv = LocalRolloutServer(str(model), max_running=2)
+    try:
+        ids = torch.tensor([[3, 5, 7, 9, 11, 40, 41]])
+        want = AutoModelForCausalLM.from_pretrained(other).eval()(ids).logits.detach()
+        with torch.no_grad():
+            assert (srv.model(ids).logits - want).abs().max() > 1e-3
+            srv.load_from_disk(str(other), "1")
+            assert (srv.model(ids).logits - want).abs().max() < 1e-6
+    finally:
+        srv.engine.shutdown()
+
+
 def test_routing_replay_is_refused(family_model):
     from transformers import AutoModelForCausalLM
 
