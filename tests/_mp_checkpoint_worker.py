@@ -4,7 +4,8 @@
 
 Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
 TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
-and ``moe`` (converted Qwen3-MoE: logits and export at EP2 and TP2, export at PP2).
+and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2, export at
+PP2).
 CONVDIR holds tests/_convert_jobs.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """
 import json
@@ -105,6 +106,10 @@ def main(rank, world, port, work, scenario, convdir):
         run_model_checks("qwen3_moe_untied", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2),
                                               dict(dp=2)],
                          [dict(dp=2, ep=2), dict(tp=2), dict(dp=2)])
+        run_model_checks("glm4_moe", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
+                         [dict(dp=2, ep=2), dict(tp=2)])
+        run_model_checks("deepseek_v3", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
+                         [dict(dp=2, ep=2), dict(tp=2)])
     res["seconds"] = time.time() - t0
     (work / f"{scenario}_rank{rank}.json").write_text(json.dumps(res, indent=2, default=str))
     dist.barrier()

@@ -77,10 +77,11 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
 
 
 # ----------------------------------------------------------------------------- reference
-def reference(hf, mbs, seed, loss="sft"):
+def reference(hf, mbs, seed, loss="sft", prepare=None):
     """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd,
     the production ``loss`` (see :func:`losses`) called on each whole micro-batch. A policy
-    loss's inputs are attached to ``mbs`` from the logprobs computed here."""
+    loss's inputs are attached to ``mbs`` from the logprobs computed here. ``prepare(model)``
+    may set non-trained state first (e.g. routers' expert biases)."""
     from areal_mega.engine import MegatronEngine
     from areal_mega.config import ModelConfig
     from areal_mega.engine.packed import block_causal_mask, micro_batch_labels
@@ -89,6 +90,8 @@ def reference(hf, mbs, seed, loss="sft"):
                          seed=seed)
     model = eng.model[0]
     model.requires_grad_(True)
+    if prepare is not None:
+        prepare(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()
              if not k.endswith("_extra_state")}
     loss_fn, den_fn = losses(loss)
@@ -156,6 +159,9 @@ def load_reference(eng, ref, hf):
         for n, p in inner.named_parameters():
             full = ref["state"][global_name(n, inner, eng.mesh, hf)]
             p.data.copy_(shard_of(full, p, n, eng.mesh))
+        for n, b in inner.named_buffers():   # routers' expert biases (replicated)
+            if n.endswith("router.expert_bias"):
+                b.copy_(ref["state"][global_name(n, inner, eng.mesh, hf)])
 
 
 def compare_grads(eng, ref, hf):

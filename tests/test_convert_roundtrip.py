@@ -83,8 +83,9 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
 
 
 def test_moe_layouts_logits_export(jobs, tmp_path):
-    """Qwen3-MoE converted at 'TP2 PP2 EP2' loads at EP2 (experts gathered back bit-exactly),
-    TP2 and PP2; logits = transformers at TP1, TP2 and EP2."""
+    """Qwen3-MoE, GLM-4 MoE and DeepSeek-V3 (MLA) converted at 'TP2 PP2 EP2' load at EP2 (experts, shared experts
+    and expert biases exported back bit-exactly), TP2 and PP2; logits = transformers at TP1
+    (Qwen3-MoE), TP2 and EP2."""
     ranks = launch_2ranks("moe", tmp_path, jobs)
     for res in ranks:
         checks = res["checks"]
@@ -96,6 +97,9 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
                 assert c["logits_max_abs_diff"] <= 1e-5, (tag, c)
         assert all("logits_max_abs_diff" in checks[t] for t in
                    ("qwen3_moe_untied:dp2,ep2", "qwen3_moe_untied:tp2", "qwen3_moe_untied:dp2"))
+        for fam in ("glm4_moe", "deepseek_v3"):
+            assert all("logits_max_abs_diff" in checks[f"{fam}:{t}"] for t in ("dp2,ep2", "tp2"))
+            assert f"{fam}:pp2" in checks
 
 
 def test_conversion_memory_is_bounded(tmp_path):

@@ -26,6 +26,7 @@ import torch
 
 from areal_mega.checkpoint.anon_peak import AnonPeak
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, HF_AUX_FILES, HF_SUBDIR,
                                              atomic_save_sharded, resolve_checkpoint)
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
@@ -207,7 +208,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     if value_model:
         ignorable |= _score_head_of(hf_dir, weights)
     unexpected = [n for n in weights.keys() if n not in set(expected) | ignorable
-                  and not n.endswith("rotary_emb.inv_freq")]
+                  and not n.endswith("rotary_emb.inv_freq") and not is_mtp_tensor(arch, n)]
     if unexpected:
         raise hm.UnsupportedModelError(f"{hf_dir}: unexpected tensor {unexpected[0]!r} "
                                        f"(+{len(unexpected) - 1}); unsupported model variant")

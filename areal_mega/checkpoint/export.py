@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.models.mla import mla_full_shapes
 
 __all__ = ["iter_hf_tensors", "iter_hf_buckets", "is_export_source", "gather_axis",
            "expected_full_shape"]
@@ -58,6 +59,12 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
     if moe_ffn:
         shapes["mlp.experts.local_experts.{E}.linear_fc1.weight"] = (2 * moe_ffn, h)
         shapes["mlp.experts.local_experts.{E}.linear_fc2.weight"] = (h, moe_ffn)
+    if arch.is_mla:
+        shapes.update(mla_full_shapes(arch))
+    shared = arch.moe_shared_ffn_hidden_size
+    if shared:
+        shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
+        shapes["mlp.shared_experts.linear_fc2.weight"] = (h, shared)
     return shapes.get(suffix)
 
 
@@ -128,6 +135,15 @@ def _unwrap(m):
     return m
 
 
+def _exported_tensors(chunk):
+    """The chunk's parameters, then its routers' expert biases (buffers that HF checkpoints
+    hold: ``e_score_correction_bias``; replicated, never tensor-parallel)."""
+    yield from chunk.named_parameters()
+    for name, buf in chunk.named_buffers():
+        if name.endswith("router.expert_bias"):
+            yield name, buf
+
+
 def is_export_source() -> bool:
     """True on the ranks that should send the exported tensors: TP rank 0 and DP rank 0 (with
     context parallelism, CP rank 0) of each pipeline stage."""
@@ -154,7 +170,7 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
         chunk = _unwrap(chunk)
         offsets = _layer_offsets(chunk)
         tied_copy = (arch.tie_word_embeddings and not getattr(chunk, "pre_process", True))
-        for name, p in chunk.named_parameters():
+        for name, p in _exported_tensors(chunk):
             layer, expert, suffix = hm.parse_mcore_name(name)
             if layer is None and suffix == "output_layer.weight" and (
                     arch.tie_word_embeddings or tied_copy):

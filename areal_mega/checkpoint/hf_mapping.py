@@ -52,6 +52,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from areal_mega.checkpoint.bridge_tables import load_tables
+from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
@@ -240,9 +241,9 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
         return tuple(m for m in fam.global_maps
                      if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings))
     pattern = arch.moe_layer_pattern
-    if arch.is_moe and (pattern is None or pattern[layer]):
-        return fam.moe_layer
-    return fam.dense_layer
+    table = fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else \
+        fam.dense_layer
+    return tuple(m for m in table if optional_map_present(arch, m.mcore))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -297,6 +297,17 @@ def _patch_packed_rope(mod) -> None:
     packed_rope.install(mod)
 
 
+# MLA's column-parallel kv-down branch (local spec): after the TP gather, the rotary key columns
+# (full sequence, read by this rank's heads only) get an all-reduce in backward (forward:
+# identity), so that the rank owning those columns receives every head's gradient. One line,
+# so that it fits whatever the indentation of the recompiled method is.
+_MLA_KV_GATHER = "kv_combined = gather_from_tensor_model_parallel_region(kv_combined)"
+_MLA_KV_GATHER_SUMMED_ROPE = (
+    _MLA_KV_GATHER + "; kv_combined = torch.cat([kv_combined[..., :self.config.kv_lora_rank], "
+    "tensor_parallel.copy_to_tensor_model_parallel_region("
+    "kv_combined[..., self.config.kv_lora_rank:])], dim=-1)")
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch("rng_tracker", "megatron.core.tensor_parallel.random", "custom",
@@ -329,6 +340,14 @@ def _build_patches() -> list[Patch]:
                         "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"),),
               why="alltoall split sizes become numpy only for CUDA tensors; gloo's "
                   "all_to_all_single then receives tensors instead of int lists"),
+        Patch("mla_k_pos_emb_grad", "megatron.core.transformer.multi_latent_attention",
+              "rewrite", function="MLASelfAttention.get_query_key_value_tensors",
+              expect=(_MLA_KV_GATHER,),
+              replace=((_MLA_KV_GATHER, _MLA_KV_GATHER_SUMMED_ROPE),),
+              why="local-spec MLA (column-parallel kv down projection, no TE): the shared "
+                  "rotary key is used by every TP rank's heads but its gradient is not summed "
+                  "over TP (TE's duplicated projection sums it in the sequence-parallel "
+                  "gather's backward)"),
         Patch("clip_grads_type", "megatron.core.optimizer.clip_grads", "rewrite",
               function="clip_grad_by_total_norm_fp32",
               replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",

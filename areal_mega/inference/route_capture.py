@@ -41,6 +41,11 @@ class RouteCapture:
             raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} "
                              f"(model_type={getattr(model.config, 'model_type', None)!r}) has "
                              "no mixture-of-experts layers to report")
+        biased = [i for i, g in gates.items() if hasattr(g, "e_score_correction_bias")]
+        if biased:
+            raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} routes "
+                             "with a sigmoid score and an expert bias (layers "
+                             f"{biased}); only the softmax top-k router is captured")
         if tuple(sorted(gates)) != self.layout.moe_layers:
             raise ValueError(f"--enable-return-routed-experts: the model's MoE blocks are in "
                              f"layers {sorted(gates)}, its config says "

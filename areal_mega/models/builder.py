@@ -2,9 +2,12 @@
 
 Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
 ``qwen3_moe`` (top-k softmax router, no shared expert), ``mistral`` (Llama math, explicit
-``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`). Actor and
-reference use this same builder; the model code is single-device megatron-core and all
-parallelism comes from the :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
+``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`), ``glm4_moe``
+(sigmoid router with expert bias, shared experts, dense first layers, partial rotary:
+:mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
+attention: :mod:`areal_mega.models.mla`). Actor and reference use this same builder; the model
+code is single-device megatron-core and all parallelism comes from the
+:class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
 Why ``GPTModel`` and not ``HybridModel``: megatron-core 0.19 logs "GPTModel IS DEPRECATED"
 (critical fixes only) when a ``GPTModel`` is built, and points to ``HybridModel``. We keep
@@ -67,13 +70,16 @@ import torch.nn.functional as F
 from areal_mega.models.backend import (apex_grad_accum_available, attn_backend_enum,
                                        config_attention_backend, decide_fusions, have_te,
                                        probe_te)
+from areal_mega.models.mla import deepseek_v3_fields, mla_config_kwargs
+from areal_mega.models.moe_families import glm4_moe_fields, router_config_kwargs
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
            "build_model_chunks", "have_te"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm4_moe",
+                         "deepseek_v3")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -104,10 +110,28 @@ class HFArch:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: Optional[tuple] = None  # 1 = MoE layer, 0 = dense, per layer
     router_aux_loss_coef: float = 0.0
+    rotary_percent: float = 1.0       # share of each head's channels that get rotary
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False     # sigmoid routers: bias added for the expert choice only
+    moe_num_groups: Optional[int] = None      # group-limited top-k (None: not limited)
+    moe_group_topk: Optional[int] = None
+    moe_routed_scaling_factor: Optional[float] = None
+    moe_shared_ffn_hidden_size: Optional[int] = None  # all shared experts together
+    mtp_layers: int = 0               # multi-token-prediction layers of the checkpoint (unused)
+    # multi-latent attention (DeepSeek-V3; areal_mega.models.mla); None: not MLA
+    mla_kv_lora_rank: Optional[int] = None
+    mla_q_lora_rank: Optional[int] = None
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_kv_lora_rank is not None
 
 
 def load_hf_config(source: Union[str, os.PathLike, dict]) -> dict:
@@ -181,6 +205,10 @@ def parse_hf_config(hf: dict) -> HFArch:
                   moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                   moe_layer_pattern=pattern,
                   router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+    if mt == "glm4_moe":
+        kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
+    if mt == "deepseek_v3":
+        kw.update(deepseek_v3_fields(hf, n_layers))
     return HFArch(**kw)
 
 
@@ -233,7 +261,7 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
     ``pipeline_model_parallel_size`` is set in the config (megatron needs it there to give
     each stage its own layers); ``variable_seq_lengths`` requires the alltoall MoE dispatcher
     even for dense models (megatron-core 0.16 to 0.19), so that dispatcher is always selected."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     if arch.num_kv_heads % tp:
         raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
@@ -286,16 +314,16 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         kw.update(
             num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            moe_router_score_function="softmax",
-            # HF Qwen3-MoE: softmax over all experts, top-k, renormalise when norm_topk_prob.
-            # Megatron: top-k on logits then softmax over the k == renormalised top-k.
-            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            **router_config_kwargs(arch),
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_aux_loss_coeff=aux, moe_grouped_gemm=use_te,
             moe_layer_freq=list(arch.moe_layer_pattern),
             moe_router_dtype="fp32", moe_permute_fusion=False,
             moe_enable_routing_replay=moe_enable_routing_replay,
         )
+    if arch.is_mla:
+        kw.update(mla_config_kwargs(arch))
+        return MLATransformerConfig(**kw)
     return TransformerConfig(**kw)
 
 
@@ -365,7 +393,8 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
             config=config, transformer_layer_spec=spec, vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings, pre_process=pre,
             post_process=post, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
+            position_embedding_type="rope", rotary_percent=arch.rotary_percent,
+            rotary_base=arch.rope_theta,
             pg_collection=mesh.pg_collection, vp_stage=vp_stage)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm4_moe", "deepseek_v3")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -46,6 +46,22 @@ class TinyModelSpec:
     initializer_range: float = 0.02
     head_dim: Optional[int] = None        # None: hidden_size // num_heads
     sliding_window: Optional[int] = None  # mistral: attention window (None: full attention)
+    # glm4_moe only (DeepSeek-style routing; see areal_mega.models.moe_families)
+    first_k_dense_replace: int = 1
+    n_shared_experts: int = 1
+    n_group: int = 2
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    partial_rotary_factor: float = 0.5
+    attention_bias: bool = True
+    use_qk_norm: bool = True
+    expert_bias_std: float = 0.02   # e_score_correction_bias ~ N(0, std) (HF initialises 0)
+    # deepseek_v3 only (multi-latent attention; also uses the glm4_moe routing fields)
+    q_lora_rank: int = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -69,8 +85,8 @@ def build_char_tokenizer(charset: str = "ascii"):
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
-    from transformers import (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=spec.hidden_size,
@@ -104,6 +120,33 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
                               moe_intermediate_size=spec.moe_intermediate_size,
                               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                               output_router_logits=False)
+    if spec.arch == "glm4_moe":
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return Glm4MoeConfig(**common, head_dim=spec.hidden_size // spec.num_heads,
+                             attention_bias=spec.attention_bias, use_qk_norm=spec.use_qk_norm,
+                             n_routed_experts=spec.num_experts,
+                             num_experts_per_tok=spec.num_experts_per_tok,
+                             moe_intermediate_size=spec.moe_intermediate_size,
+                             n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
+                             topk_group=spec.topk_group,
+                             routed_scaling_factor=spec.routed_scaling_factor,
+                             first_k_dense_replace=spec.first_k_dense_replace,
+                             norm_topk_prob=True)
+    if spec.arch == "deepseek_v3":
+        common["num_key_value_heads"] = spec.num_heads
+        return DeepseekV3Config(**common, q_lora_rank=spec.q_lora_rank,
+                                kv_lora_rank=spec.kv_lora_rank,
+                                qk_nope_head_dim=spec.qk_nope_head_dim,
+                                qk_rope_head_dim=spec.qk_rope_head_dim,
+                                v_head_dim=spec.v_head_dim, rope_interleave=True,
+                                attention_bias=False, n_routed_experts=spec.num_experts,
+                                num_experts_per_tok=spec.num_experts_per_tok,
+                                moe_intermediate_size=spec.moe_intermediate_size,
+                                n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
+                                topk_group=spec.topk_group,
+                                routed_scaling_factor=spec.routed_scaling_factor,
+                                first_k_dense_replace=spec.first_k_dense_replace,
+                                norm_topk_prob=True)
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
@@ -133,6 +176,10 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
     cfg = _hf_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():   # a non-zero expert bias, so that tests see it applied
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, spec.expert_bias_std)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)

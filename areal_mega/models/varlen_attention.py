@@ -85,7 +85,13 @@ class VarlenDotProductAttention(DotProductAttention):
     docstring). Plain softmax only (no learnable / off-by-one offsets); causal sliding windows
     (``window_size = (W - 1, 0)``) are honoured."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        # MLA passes its query/key and value head dims (TE's attention takes them); megatron's
+        # local DotProductAttention does not: its output width comes from config.kv_channels,
+        # which the MLA builder sets to the value head dim (areal_mega.models.mla)
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"value head dim {v_channels} != config.kv_channels "
+                             f"{config.kv_channels}")
         super().__init__(config, *args, **kwargs)
         if self.softmax_offset is not None:
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the "
@@ -119,7 +125,8 @@ class VarlenDotProductAttention(DotProductAttention):
                                           packed_slot_bounds(packed_seq_params),
                                           scale=self.sdpa_scale, dropout_p=p,
                                           window=self.window)
-            return out.reshape(out.shape[0], self.hidden_size_per_partition)
+            # heads x value dim; MLA pads its values to the query dim here and trims after
+            return out.reshape(out.shape[0], -1)
         if attention_mask is not None:
             if self.window is not None:     # megatron's mask: True = masked
                 sq, sk = query.shape[0], key.shape[0]

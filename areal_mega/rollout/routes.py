@@ -2,12 +2,15 @@
 ``algorithm.routing_replay: r3``; formats in :mod:`areal_mega.common.moe_routes`)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from areal_mega.common.moe_routes import RouteLayout, decode_sglang_routes
 from areal_mega.config_schema import ConfigError
+from areal_mega.models.moe_families import SIGMOID_ROUTER_MODEL_TYPES
 from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
 
 
@@ -40,12 +43,24 @@ def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
                               f"{start}) or {end}")
 
 
+def _model_type(model_path) -> Optional[str]:
+    """``model_type`` of ``<model_path>/config.json`` (None without one)."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+
+
 def replay_layout(cfg) -> Optional[RouteLayout]:
     """The route layout of ``model.path`` when ``algorithm.routing_replay`` is on (the rollout
     then asks every ``/generate`` for routes), else None. :class:`ConfigError` naming the key
     when the model has no MoE layers."""
     if cfg.algorithm.routing_replay == "off":
         return None
+    model_type = _model_type(cfg.model.path)
+    if model_type in SIGMOID_ROUTER_MODEL_TYPES:
+        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
+                          f"model_type {model_type!r} routes with a sigmoid score and an expert "
+                          "bias, which the rollout servers' route capture does not cover; set "
+                          "algorithm.routing_replay=off")
     layout = RouteLayout.from_model_path(cfg.model.path)
     if layout is None:
         raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
