@@ -33,6 +33,15 @@ CASES = {
     "mistral": FamilyCase("mistral", dict(arch="mistral", head_dim=24, sliding_window=8,
                                           tie_word_embeddings=False),
                           config_variants={"nowindow": {"sliding_window": None}}),
+    # Gemma 3: layers sliding (window 8, RoPE base 1e4) then full (RoPE base 1e6), softmax scale
+    # 32^-0.5 (not head_dim^-0.5), random (1 + w) norms, tied embeddings; also with linear RoPE
+    # scaling of the full layers
+    "gemma3_text": FamilyCase(
+        "gemma3_text", dict(arch="gemma3_text", head_dim=24, sliding_window=8, rope_theta=1e6,
+                            query_pre_attn_scalar=32),
+        config_variants={"linear_rope": {"rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}}),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
