@@ -49,7 +49,7 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral",)
+RL_CASES = ("mistral", "gemma3_text")
 
 
 def tiny_spec(case: FamilyCase) -> dict:
