@@ -2,7 +2,8 @@
 
 Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
 ``qwen3_moe`` (top-k softmax router, no shared expert), ``mistral`` (Llama math, explicit
-``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`). Actor and
+``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`),
+``gemma3_text`` (Gemma 3 text: :mod:`areal_mega.models.gemma3`). Actor and
 reference use this same builder; the model code is single-device megatron-core and all
 parallelism comes from the :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
