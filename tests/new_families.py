@@ -33,6 +33,15 @@ CASES = {
     "mistral": FamilyCase("mistral", dict(arch="mistral", head_dim=24, sliding_window=8,
                                           tie_word_embeddings=False),
                           config_variants={"nowindow": {"sliding_window": None}}),
+    # Gemma 3: layers sliding (window 8, RoPE base 1e4) then full (RoPE base 1e6), softmax scale
+    # 32^-0.5 (not head_dim^-0.5), random (1 + w) norms, tied embeddings; also with linear RoPE
+    # scaling of the full layers
+    "gemma3_text": FamilyCase(
+        "gemma3_text", dict(arch="gemma3_text", head_dim=24, sliding_window=8, rope_theta=1e6,
+                            query_pre_attn_scalar=32),
+        config_variants={"linear_rope": {"rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}}),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -40,7 +49,7 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral",)
+RL_CASES = ("mistral", "gemma3_text")
 
 
 def tiny_spec(case: FamilyCase) -> dict:

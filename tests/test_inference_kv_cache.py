@@ -7,8 +7,11 @@ from areal_mega.models.tiny import make_tiny_model
 from areal_mega.inference.kv_cache import HFCacheBatch, StaticKVBatch, make_kv_batch
 
 
-#: mistral: an explicit head_dim and a sliding window shorter than most rows
-EXTRA = {"mistral": dict(head_dim=24, sliding_window=6)}
+#: mistral: an explicit head_dim and a sliding window shorter than most rows; gemma3_text:
+#: the same window on its sliding layers only (transformers' cache, HFCacheBatch)
+EXTRA = {"mistral": dict(head_dim=24, sliding_window=6),
+         "gemma3_text": dict(head_dim=24, sliding_window=6, rope_theta=1e6,
+                             query_pre_attn_scalar=32)}
 
 
 def _model(tmp_path, arch):
@@ -26,11 +29,11 @@ def _reference(model, seq):
 
 @pytest.mark.parametrize("arch,kind", [("llama", StaticKVBatch), ("qwen2", StaticKVBatch),
                                        ("qwen3_moe", StaticKVBatch), ("mistral", StaticKVBatch),
-                                       ("llama", HFCacheBatch)])
+                                       ("llama", HFCacheBatch), ("gemma3_text", HFCacheBatch)])
 def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     model = _model(tmp_path, arch)
-    if kind is StaticKVBatch:
-        assert isinstance(make_kv_batch(model), StaticKVBatch)
+    if kind is StaticKVBatch or arch == "gemma3_text":
+        assert isinstance(make_kv_batch(model), kind)
     batch = kind(model)
     g = torch.Generator().manual_seed(0)
     seqs: list = []

@@ -11,13 +11,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_support_rows_edge_cases():
-    engine = {"LlamaForCausalLM": "llama"}
+    engine = {"LlamaForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3_text"}
     causal_lm = {"LlamaForCausalLM": ["llama"], "GemmaForCausalLM": ["gemma"],
-                 "Gemma3ForConditionalGeneration": ["gemma3"]}
-    kv = {"llama": "static", "gemma": "hf_cache", "gemma3": "hf_cache"}
+                 "Gemma3ForConditionalGeneration": ["gemma3"],
+                 "Gemma3ForCausalLM": ["gemma3_text"]}
+    kv = {"llama": "static", "gemma": "hf_cache", "gemma3": "hf_cache",
+          "gemma3_text": "hf_cache"}
     rows = ms.support_rows(
         ["LlamaForCausalLM", "GemmaForCausalLM", "LlamaForCausalLM", "KimiK2ForCausalLM",
-         "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration"],
+         "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration",
+         "Gemma3ForCausalLM"],
         engine=engine, causal_lm=causal_lm, kv_paths=kv,
         transformers_classes={"LlamaForCausalLM", "GemmaForCausalLM",
                               "Qwen2_5_VLForConditionalGeneration",
@@ -25,7 +28,8 @@ def test_support_rows_edge_cases():
     by = {r["architecture"]: r for r in rows}
     assert [r["architecture"] for r in rows] == [   # order kept, duplicate dropped
         "LlamaForCausalLM", "GemmaForCausalLM", "KimiK2ForCausalLM",
-        "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration"]
+        "Qwen2_5_VLForConditionalGeneration", "Gemma3ForConditionalGeneration",
+        "Gemma3ForCausalLM"]
     assert by["LlamaForCausalLM"]["engine"] and by["LlamaForCausalLM"]["server"] == \
         ms.SERVER_PATHS["static"]
     assert not by["GemmaForCausalLM"]["engine"]
@@ -34,6 +38,9 @@ def test_support_rows_edge_cases():
         by["KimiK2ForCausalLM"]["note"] and by["KimiK2ForCausalLM"]["model_type"] is None
     assert "not a causal LM" in by["Qwen2_5_VLForConditionalGeneration"]["note"]
     assert by["Gemma3ForConditionalGeneration"]["server"] == ms.SERVER_PATHS["hf_cache"]
+    # an engine family on transformers' cache is served end to end by its family test
+    assert by["Gemma3ForCausalLM"]["engine"] and \
+        by["Gemma3ForCausalLM"]["server"] == ms.ENGINE_HF_CACHE
     table = ms.markdown_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| `LlamaForCausalLM` | llama | yes |" in table
 
@@ -55,4 +62,6 @@ def test_list_bridge_models_command():
                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
     assert not rows["GemmaForCausalLM"]["engine"]
+    assert rows["Gemma3ForCausalLM"]["engine"] and \
+        rows["Gemma3ForCausalLM"]["server"] == ms.ENGINE_HF_CACHE
     assert rows["GemmaForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]

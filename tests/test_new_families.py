@@ -5,7 +5,8 @@ of :data:`tests.new_families.CASES`:
   ``tools/convert_mcore_to_hf.py`` bit-exactly;
 * the converted checkpoint in the engine gives transformers' logits (unpacked) and per-token
   logprobs (packed micro-batch) within 1e-5 (fp32) on one rank's layout (DP2) and on TP2 / PP2
-  (EP2 for MoE), and on DP2 under config variants (Mistral: ``sliding_window: null``);
+  (EP2 for MoE), and on DP2 under config variants (Mistral: ``sliding_window: null``;
+  Gemma 3: linear RoPE scaling of the full-attention layers);
 * those layouts' logprobs and gradients under the production PPO loss equal the single-rank
   reference (tests/_family_worker.py reuses tests/engine_worker.py);
 * (:data:`tests.new_families.RL_CASES`) 5 RL steps through ``launch.local`` (CPU rollout
@@ -29,7 +30,7 @@ from tests._convert_jobs import compare, load_all
 from tests.multirank import rank_results, run_ranks
 from tests.new_families import CASES, RL_CASES, tiny_spec
 
-pytestmark = pytest.mark.slow   # a family's set: ~80 s on 2 cores (Mistral)
+pytestmark = pytest.mark.slow   # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_family_worker.py")
 TOL = 1e-5

@@ -45,11 +45,14 @@ def main(argv=None):
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    served = [sum(r["server"] == ms.SERVER_PATHS[k] for r in rows) for k in ("static", "hf_cache")]
+    served = [sum(r["server"] == label for r in rows)
+              for label in (ms.SERVER_PATHS["static"], ms.ENGINE_HF_CACHE,
+                            ms.SERVER_PATHS["hf_cache"])]
     print(f"Megatron-Bridge {version('megatron-bridge')}: {len(rows)} architectures; "
           f"transformers {transformers.__version__}; our engine builds "
-          f"{sum(r['engine'] for r in rows)}; our CPU server runs {served[0]} with StaticKV, "
-          f"loads {served[1]} more through transformers' cache\n")
+          f"{sum(r['engine'] for r in rows)}; our CPU server runs {served[0]} with StaticKV "
+          f"and {served[1]} through transformers' cache, loads {served[2]} more through "
+          "transformers' cache\n")
     print(ms.markdown_table(rows))
     ours = sorted(set(engine) - {r["architecture"] for r in rows})
     if ours:

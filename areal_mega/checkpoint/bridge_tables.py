@@ -43,6 +43,7 @@ __all__ = ["BRIDGED_ARCHITECTURES", "SNAPSHOT", "UnsupportedMappingError", "brid
 BRIDGED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -59,6 +60,10 @@ _LAYER = "decoder.layers.*."
 #: ``self_attention.linear_qkv.layer_norm_weight``: the local spec has a separate norm module,
 #: which the registry lists beside each
 _TE_FUSED_NORM = ".layer_norm_weight"
+#: the local-spec norm of a fused TE name, for registries that list only the fused name
+#: (Gemma 3's input and pre-feedforward norms)
+_TE_FUSED_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 #: TE grouped-GEMM expert weights (``mlp.experts.linear_fc1.weight*``): the local spec's
 #: ``local_experts.<E>.linear_fc1.weight`` (some registries list only these)
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight\*$")
@@ -115,10 +120,12 @@ def _templates(hf: List[str]) -> List[str]:
 def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
     """Pure: bridge rows -> ``{"global": [...], "layer": [...]}`` of ``{"mcore", "hf", "kind"}``
     in our form (local-spec names within a layer, ``{L}``/``{E}`` templates; TE-only names and
-    modules the builder never creates dropped, grouped-GEMM expert names made local;
+    modules the builder never creates dropped, grouped-GEMM expert names made local; a fused
+    TE norm name becomes the local norm's name where the registry lists no local row for it;
     duplicates dropped, first kept)."""
     table: Dict[str, List[dict]] = {"global": [], "layer": []}
     seen = set()
+    listed = {r["megatron"] for r in rows}
     for row in rows:
         name, kind = row["megatron"], row["kind"]
         if name.startswith(_NOT_BUILT):
@@ -126,7 +133,10 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
         if name.startswith(_LAYER):
             suffix = name[len(_LAYER):]
             if suffix.endswith(_TE_FUSED_NORM):
-                continue
+                local = _TE_FUSED_LOCAL.get(suffix)
+                if local is None or _LAYER + local in listed:
+                    continue
+                suffix = local
             grouped = _GROUPED_EXPERT.match(suffix)
             if grouped:           # TE grouped GEMM: one weight<E> per expert of the layer
                 suffix = f"mlp.experts.local_experts.*.{grouped.group(1)}.weight"

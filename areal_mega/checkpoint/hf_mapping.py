@@ -37,6 +37,12 @@ megatron (local spec; TE alias)                          HF (Llama/Mistral/Qwen2
 ``output_layer.weight`` [V_pad, H] (untied only)         ``lm_head.weight`` [V, H]
 ======================================================  ========================================
 
+Gemma 3 (tied embeddings) differs in three rows: ``pre_mlp_layernorm.weight`` is HF's
+``pre_feedforward_layernorm.weight``, and its post-norms are
+``self_attention.linear_proj.post_layernorm.weight`` (``post_attention_layernorm.weight``) and
+``mlp.linear_fc2.post_layernorm.weight`` (``post_feedforward_layernorm.weight``), the
+bridge's names and ours (:mod:`areal_mega.models.gemma3`).
+
 The vocabulary rows are padded with zeros to ``padded_vocab_size`` going to megatron and cut
 back to ``vocab_size`` going to HF. Legacy ``GroupedMLP`` (``weight1``/``weight2``) is not
 produced by the builder and is refused by name.

@@ -14,8 +14,9 @@ as rows ``0..B-1`` of one of these:
   ``DynamicCache`` does with ``torch.cat``, and transformers' GQA with ``repeat_kv``).
   The layers' norms, projections and MLPs are the model's own modules, so weight updates
   copied into the model are used at the next step.
-* :class:`HFCacheBatch` (any other causal LM): transformers' ``DynamicCache``, rows merged by
-  left-padding every layer's keys/values to the common length.
+* :class:`HFCacheBatch` (any other causal LM, e.g. Gemma 3 with its per-layer windows):
+  transformers' ``DynamicCache``, rows merged by left-padding every layer's keys/values to the
+  common length (sliding-window layers keep every key; the mask applies the window).
 
 Both answer :meth:`prefill` (equal-length prompts, logits of the last position; the static
 batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reuse`),
@@ -292,10 +293,7 @@ class HFCacheBatch:
         return len(self._next_pos)
 
     def _forward(self, input_ids, past, attention_mask=None, position_ids=None):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(ddp_cache_data=past, config=self.config) if past else \
-            DynamicCache(config=self.config)
+        cache = _cache_keeping_every_key(self.config, past)
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
                          attention_mask=attention_mask, position_ids=position_ids,
                          logits_to_keep=1)
@@ -350,6 +348,24 @@ class HFCacheBatch:
         self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
                     for k, v in self._kv]
         self._next_pos = [self._next_pos[i] for i in keep]
+
+
+def _cache_keeping_every_key(config, past):
+    """transformers' ``DynamicCache`` for a model of ``config`` holding ``past`` (per layer
+    ``(keys, values)``; None: empty), except that sliding-window layers keep every key like
+    full-attention ones. The rows are merged by left padding every layer to one common length
+    (the attention mask's), which a sliding layer's cache (its last ``window - 1`` keys only,
+    e.g. Gemma 3's) breaks; the window itself is applied by transformers' sliding mask, which
+    counts cache columns, and left padding leaves a row's real tokens contiguous."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+    for layer, (k, v) in zip(cache.layers, past or ()):
+        layer.update(k, v)
+    return cache
 
 
 def _lpad(t: torch.Tensor, length: int) -> torch.Tensor:

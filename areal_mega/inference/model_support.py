@@ -25,12 +25,15 @@ from areal_mega.inference.kv_cache import kv_path_of
 from areal_mega.models.builder import SUPPORTED_MODEL_TYPES
 
 __all__ = ["engine_architectures", "causal_lm_model_types", "server_kv_paths",
-           "support_rows", "markdown_table", "SERVER_PATHS"]
+           "support_rows", "markdown_table", "SERVER_PATHS", "ENGINE_HF_CACHE"]
 
 #: how the CPU server runs a model: :func:`kv_path_of`'s answer -> what the table says. Our
 #: tests serve StaticKV families end to end; an HF-cache family is loaded and batched by the
 #: generic path, which no test of ours runs on it (hence "not tested here")
 SERVER_PATHS = {"static": "yes (StaticKV)", "hf_cache": "loads (HF cache, not tested here)"}
+#: an engine family on the HF-cache path (Gemma 3): every engine family is served end to end
+#: by its family test (tests/test_new_families.py), whichever running batch it gets
+ENGINE_HF_CACHE = "yes (HF cache)"
 
 
 def engine_architectures() -> dict:
@@ -60,8 +63,8 @@ def support_rows(architectures: Iterable[str], *, engine: dict, causal_lm: dict,
                  kv_paths: dict, transformers_classes: Optional[set] = None) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
-    class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value or
-    ``"no"``) and ``note`` (why the server does not run it). ``engine`` / ``causal_lm`` /
+    class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value,
+    :data:`ENGINE_HF_CACHE` or ``"no"``) and ``note`` (why the server does not run it). ``engine`` / ``causal_lm`` /
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
     exports (tells "not a causal LM" from "not in transformers")."""
@@ -73,7 +76,10 @@ def support_rows(architectures: Iterable[str], *, engine: dict, causal_lm: dict,
         types = causal_lm.get(arch) or []
         model_type = engine.get(arch) or (types[0] if types else None)
         if model_type is not None and model_type in types:
-            server, note = SERVER_PATHS[kv_paths[model_type]], ""
+            path = kv_paths[model_type]
+            server = ENGINE_HF_CACHE if arch in engine and path == "hf_cache" \
+                else SERVER_PATHS[path]
+            note = ""
         elif transformers_classes is not None and arch not in transformers_classes:
             server, note = "no", "not in transformers (remote code)"
         else:

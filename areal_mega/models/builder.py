@@ -2,8 +2,9 @@
 
 Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
 ``qwen3_moe`` (top-k softmax router, no shared expert), ``mistral`` (Llama math, explicit
-``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`), ``glm4_moe``
-(sigmoid router with expert bias, shared experts, dense first layers, partial rotary:
+``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`),
+``gemma3_text`` (Gemma 3 text: :mod:`areal_mega.models.gemma3`), ``glm4_moe`` (sigmoid router
+with expert bias, shared experts, dense first layers, partial rotary:
 :mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
 attention: :mod:`areal_mega.models.mla`). Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
@@ -78,8 +79,8 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config
            "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
            "build_model_chunks", "have_te"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm4_moe",
-                         "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text",
+                         "glm4_moe", "deepseek_v3")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -124,6 +125,12 @@ class HFArch:
     mla_qk_nope_head_dim: int = 0
     mla_qk_rope_head_dim: int = 0
     mla_v_head_dim: int = 0
+    # Gemma 3 (:mod:`areal_mega.models.gemma3`); the defaults are the Llama math
+    activation: str = "silu"
+    layer_types: Optional[tuple] = None   # per layer: sliding_attention / full_attention
+    rope_local_theta: Optional[float] = None
+    rope_scaling_factor: float = 1.0
+    softmax_scale: Optional[float] = None  # None: 1/sqrt(head_dim)
 
     @property
     def is_moe(self) -> bool:
@@ -166,6 +173,9 @@ def parse_hf_config(hf: dict) -> HFArch:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mt == "gemma3_text":
+        from areal_mega.models.gemma3 import gemma3_arch_fields
+        return HFArch(**gemma3_arch_fields(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rs_type not in ("default", None):
@@ -275,7 +285,8 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         fusions = decide_fusions(cuda=on_gpu, use_te=use_te,
                                  te_version=te.version if te is not None else None,
                                  apex_grad_accum=on_gpu and apex_grad_accum_available(),
-                                 activation="silu", gated_linear_unit=True, cp=cp)
+                                 activation=arch.activation, gated_linear_unit=True,
+                                 cp=cp)
     kw: dict[str, Any] = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
@@ -324,6 +335,9 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
     if arch.is_mla:
         kw.update(mla_config_kwargs(arch))
         return MLATransformerConfig(**kw)
+    if arch.model_type == "gemma3_text":
+        from areal_mega.models.gemma3 import gemma3_transformer_config
+        return gemma3_transformer_config(arch, kw)
     return TransformerConfig(**kw)
 
 
@@ -331,6 +345,9 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
     """The transformer layer spec (or block spec for MoE) for ``arch``."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if arch.model_type == "gemma3_text":
+        from areal_mega.models.gemma3 import gemma3_block_spec
+        return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.is_moe:
         spec = specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm",
@@ -396,6 +413,9 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
             position_embedding_type="rope", rotary_percent=arch.rotary_percent,
             rotary_base=arch.rope_theta,
             pg_collection=mesh.pg_collection, vp_stage=vp_stage)
+        if arch.model_type == "gemma3_text":
+            from areal_mega.models.gemma3 import finish_gemma3_model
+            finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

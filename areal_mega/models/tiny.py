@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm4_moe", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text", "glm4_moe",
+         "deepseek_v3")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -45,7 +46,11 @@ class TinyModelSpec:
     seed: int = 0
     initializer_range: float = 0.02
     head_dim: Optional[int] = None        # None: hidden_size // num_heads
-    sliding_window: Optional[int] = None  # mistral: attention window (None: full attention)
+    sliding_window: Optional[int] = None  # mistral, gemma3_text: attention window
+    # gemma3_text: layers alternate sliding / full attention (sliding first); the sliding
+    # layers' RoPE base and the attention scale's denominator (None: head_dim)
+    rope_local_theta: float = 10000.0
+    query_pre_attn_scalar: Optional[int] = None
     # glm4_moe only (DeepSeek-style routing; see areal_mega.models.moe_families)
     first_k_dense_replace: int = 1
     n_shared_experts: int = 1
@@ -99,14 +104,26 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         hidden_act="silu", attention_dropout=0.0,
     )
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe"):
+    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text"):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    if spec.sliding_window is not None and spec.arch != "mistral":
-        raise ValueError("sliding_window: only the mistral tiny model has one")
+    if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text"):
+        raise ValueError("sliding_window: only the mistral and gemma3_text tiny models have one")
     if spec.arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if spec.arch == "mistral":
         return MistralConfig(**common, head_dim=head_dim, sliding_window=spec.sliding_window)
+    if spec.arch == "gemma3_text":
+        from transformers import Gemma3TextConfig
+        common.pop("hidden_act")
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                       for i in range(spec.num_layers)]
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta},
+                "full_attention": common.pop("rope_parameters")}
+        return Gemma3TextConfig(**common, head_dim=head_dim, rope_parameters=rope,
+                                hidden_activation="gelu_pytorch_tanh",
+                                sliding_window=spec.sliding_window or 4096,
+                                layer_types=layer_types,
+                                query_pre_attn_scalar=spec.query_pre_attn_scalar or head_dim)
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if spec.arch == "qwen3":
@@ -180,6 +197,12 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)
+    if spec.arch == "gemma3_text":
+        # Gemma's norms start at zero ((1 + w) scaling): random ones make every norm count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.2)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
