@@ -137,33 +137,24 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
                               moe_intermediate_size=spec.moe_intermediate_size,
                               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                               output_router_logits=False)
+    # DeepSeek-style routing (sigmoid + expert bias, groups, shared experts, dense first layers)
+    routing = dict(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size,
+                   n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
+                   topk_group=spec.topk_group, routed_scaling_factor=spec.routed_scaling_factor,
+                   first_k_dense_replace=spec.first_k_dense_replace, norm_topk_prob=True)
     if spec.arch == "glm4_moe":
         common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
-        return Glm4MoeConfig(**common, head_dim=spec.hidden_size // spec.num_heads,
-                             attention_bias=spec.attention_bias, use_qk_norm=spec.use_qk_norm,
-                             n_routed_experts=spec.num_experts,
-                             num_experts_per_tok=spec.num_experts_per_tok,
-                             moe_intermediate_size=spec.moe_intermediate_size,
-                             n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
-                             topk_group=spec.topk_group,
-                             routed_scaling_factor=spec.routed_scaling_factor,
-                             first_k_dense_replace=spec.first_k_dense_replace,
-                             norm_topk_prob=True)
+        return Glm4MoeConfig(**common, **routing, head_dim=spec.hidden_size // spec.num_heads,
+                             attention_bias=spec.attention_bias, use_qk_norm=spec.use_qk_norm)
     if spec.arch == "deepseek_v3":
         common["num_key_value_heads"] = spec.num_heads
-        return DeepseekV3Config(**common, q_lora_rank=spec.q_lora_rank,
+        return DeepseekV3Config(**common, **routing, q_lora_rank=spec.q_lora_rank,
                                 kv_lora_rank=spec.kv_lora_rank,
                                 qk_nope_head_dim=spec.qk_nope_head_dim,
                                 qk_rope_head_dim=spec.qk_rope_head_dim,
                                 v_head_dim=spec.v_head_dim, rope_interleave=True,
-                                attention_bias=False, n_routed_experts=spec.num_experts,
-                                num_experts_per_tok=spec.num_experts_per_tok,
-                                moe_intermediate_size=spec.moe_intermediate_size,
-                                n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
-                                topk_group=spec.topk_group,
-                                routed_scaling_factor=spec.routed_scaling_factor,
-                                first_k_dense_replace=spec.first_k_dense_replace,
-                                norm_topk_prob=True)
+                                attention_bias=False)
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
