@@ -12,19 +12,25 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-__all__ = ["anon_rss_bytes", "AnonPeak"]
+__all__ = ["proc_status_bytes", "anon_rss_bytes", "AnonPeak"]
 
 
-def anon_rss_bytes() -> Optional[int]:
-    """Current ``RssAnon`` of this process in bytes (None where /proc has no such field)."""
+def proc_status_bytes(field: str) -> Optional[int]:
+    """A kB field of ``/proc/self/status`` (e.g. ``"RssAnon"``, ``"VmHWM"``) in bytes; None
+    where /proc has no such field."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:  # pragma: no cover - not Linux
         pass
     return None
+
+
+def anon_rss_bytes() -> Optional[int]:
+    """Current ``RssAnon`` of this process in bytes (None where /proc has no such field)."""
+    return proc_status_bytes("RssAnon")
 
 
 class AnonPeak:

@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from areal_mega.checkpoint.anon_peak import AnonPeak
+from areal_mega.checkpoint.anon_peak import AnonPeak, proc_status_bytes
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, HF_AUX_FILES, HF_SUBDIR,
@@ -50,13 +50,9 @@ def rss_bytes() -> int:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (since the last :func:`reset_peak_rss`)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
+    peak = proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
