@@ -20,10 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def bridge_architectures() -> list:
     """Megatron-Bridge's ``AutoBridge.list_supported_models()`` (importing the bridge needs
     our scoped TransformerEngine placeholder when TE is not installed)."""
-    from areal_mega.compat.megatron_cpu import install_te_placeholder
-    install_te_placeholder()
-    from megatron.bridge import AutoBridge
-    return list(AutoBridge.list_supported_models())
+    from areal_mega.checkpoint.bridge_tables import import_bridge
+    _, auto_bridge = import_bridge()
+    return list(auto_bridge.list_supported_models())
 
 
 def main(argv=None):

@@ -34,8 +34,6 @@ import re
 from pathlib import Path
 from typing import Dict, List
 
-from areal_mega.compat import te_placeholder
-
 __all__ = ["BRIDGED_ARCHITECTURES", "SNAPSHOT", "UnsupportedMappingError", "bridge_rows",
            "table_from_rows", "derive_tables", "load_tables", "import_bridge"]
 
@@ -76,9 +74,10 @@ class UnsupportedMappingError(ValueError):
 
 
 def import_bridge():
-    """Import Megatron-Bridge (through the TransformerEngine placeholder where TE is absent)
-    and return its ``get_model_bridge`` and ``AutoBridge``."""
-    te_placeholder.install()
+    """Import Megatron-Bridge (through the checked TransformerEngine placeholder where TE is
+    absent) and return its ``get_model_bridge`` and ``AutoBridge``."""
+    from areal_mega.compat.megatron_cpu import install_te_placeholder
+    install_te_placeholder()
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
     from megatron.bridge.models.conversion.model_bridge import get_model_bridge
     return get_model_bridge, AutoBridge
