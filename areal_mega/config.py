@@ -16,6 +16,7 @@ import yaml
 
 from areal_mega.config_checks import validate
 from areal_mega.config_logging import LoggingConfig, MlflowConfig, WandbConfig  # noqa: F401
+from areal_mega.config_lora import LoraConfig
 from areal_mega.config_presets import PRESETS, resolve_algorithm
 from areal_mega.config_schema import ConfigError, _build, _f, _merge, parse_overrides
 from areal_mega.security import api_key_from_env
@@ -369,6 +370,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

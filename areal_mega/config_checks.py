@@ -15,6 +15,7 @@ from typing import Optional
 
 from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classification
 from areal_mega.common.net import is_loopback_host
+from areal_mega.config_lora import check_lora, check_lora_model
 from areal_mega.config_schema import ConfigError
 from areal_mega.data.sources import check_sources
 from areal_mega.parallel.allocation import AllocationError, parse_allocation
@@ -54,6 +55,7 @@ def check_against_model(cfg) -> None:
     of its ``config.json``). Does nothing when the model's context is unknown."""
     check_critic_model(cfg)
     check_teacher_model(cfg)
+    check_lora_model(cfg)
     if cfg.mode != "rl":
         return
     check_routing_replay_model(cfg)
@@ -115,6 +117,7 @@ def validate(cfg) -> None:
                           "only; set algorithm.kl_in_reward=false, or use adv_estimator=gae "
                           "with critic.enabled=true (GAE runs after the reference forward)")
     _check_critic(cfg, gae)
+    check_lora(cfg)
     _check_opd(cfg)
     _check_policy_loss(cfg.algorithm)
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:

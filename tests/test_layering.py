@@ -26,7 +26,7 @@ LAYERS = [
     ["common"],
     ["compat", "config_schema", "config_presets", "config_logging", "security"],
     ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
-    ["checkpoint", "config_checks", "config", "scheduler", "ops"],
+    ["checkpoint", "config_checks", "config", "config_lora", "lora", "scheduler", "ops"],
     ["algo", "engine"],
     ["inference"],
     ["rollout"],

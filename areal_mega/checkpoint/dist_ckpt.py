@@ -231,9 +231,27 @@ def _chunk_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def _model_sharded_sd(chunks: Sequence[torch.nn.Module]) -> dict:
+def _model_sharded_sd(chunks: Sequence[torch.nn.Module], keep=None) -> dict:
+    """Each chunk's sharded state dict, with only the keys ``keep(key)`` accepts (all: None)."""
     n = len(chunks)
-    return {_chunk_key(i, n): _unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {_chunk_key(i, n): {k: v for k, v in _unwrap(c).sharded_state_dict().items()
+                               if keep is None or keep(k)}
+            for i, c in enumerate(chunks)}
+
+
+def _load_subset(chunk, loaded: dict, path) -> None:
+    """Copy the tensors of ``loaded`` (a filtered sharded state dict) into ``chunk``'s tensors
+    of the same state-dict keys (LoRA-wrapped linears keep their base keys in ``state_dict``
+    but not in ``load_state_dict``, so the copy goes by the former)."""
+    live = chunk.state_dict(keep_vars=True)
+    absent = sorted(k for k, v in loaded.items() if torch.is_tensor(v) and k not in live)
+    if absent:
+        raise CheckpointError(f"{path}: {len(absent)} saved keys match no parameter, e.g. "
+                              f"{absent[:3]}")
+    with torch.no_grad():
+        for k, v in loaded.items():
+            if torch.is_tensor(v):
+                live[k].copy_(v)
 
 
 def _unwrap(m):
@@ -290,7 +308,7 @@ def _rng_sharded(state: Optional[dict]):
 def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], optimizer=None,
                     lr_scheduler=None, *, extra: Optional[dict] = None,
                     keep_last: Optional[int] = None, hf_dir=None, save_rng: bool = True,
-                    ) -> Path:
+                    model_keys=None) -> Path:
     """Save model chunks (+ optimizer, LR scheduler, RNG, ``extra``) as ``<root>/iter_N``.
 
     Collective over all ranks. ``model``: this rank's chunks (``MegatronEngine.model``);
@@ -299,10 +317,11 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
     megatron-core 0.16.1's own formats fail on CPU); ``extra``: JSON-able trainer state
     (version, data position, ...);
     ``hf_dir``: an HF directory whose config/tokenizer files are kept for HF export;
-    ``keep_last``: prune older complete checkpoints afterwards."""
+    ``keep_last``: prune older complete checkpoints afterwards; ``model_keys``: save only the
+    model keys it accepts (a LoRA run: the adapters)."""
     if extra is not None:
         json.dumps(extra)  # fail early, on every rank, if it is not JSON-able
-    state = _model_sharded_sd(model)
+    state = _model_sharded_sd(model, model_keys)
     opt_format = None
     if optimizer is not None:
         if distributed_optimizers(optimizer):
@@ -330,7 +349,7 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
 
 def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_scheduler=None,
                     *, load_optimizer: bool = True, load_rng: bool = True,
-                    strict: bool = True) -> LoadedCheckpoint:
+                    strict: bool = True, model_keys=None) -> LoadedCheckpoint:
     """Load a checkpoint (a root → its latest, or one ``iter_*`` directory) into this rank's
     model chunks, resharding to the current TP/PP/VPP/EP layout.
 
@@ -339,7 +358,9 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     equals the current one. Collective over all ranks. Every file is checked against its
     recorded size and checksum first (each rank hashing a share; skipped for the path
     :func:`latest_verified` just returned). Raises :class:`CheckpointError` for a missing,
-    incomplete or corrupt checkpoint, naming the file."""
+    incomplete or corrupt checkpoint, naming the file. ``model_keys``: load only the model keys
+    it accepts (a LoRA model: the base weights from a converted checkpoint, or the adapters from
+    a LoRA checkpoint); the other parameters keep their values."""
     from megatron.core import dist_checkpointing
 
     path = _resolve(path)
@@ -348,8 +369,7 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     meta = read_meta(path) if all(gather_all(just)) else verify_collective(path)
     n = len(model)
     # the sharded keys are global (layer offsets, expert offsets); the chunk nesting is not
-    state: Dict[str, Any] = {_chunk_key(i, n): _unwrap(c).sharded_state_dict()
-                             for i, c in enumerate(model)}
+    state: Dict[str, Any] = _model_sharded_sd(model, model_keys)
     want_opt = optimizer is not None and load_optimizer and meta.get("has_optimizer")
     distopt = want_opt and meta.get("optimizer_format") == DISTOPT_FORMAT
     if want_opt and bool(distributed_optimizers(optimizer)) != distopt:
@@ -370,7 +390,10 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
         raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from e
     for i, c in enumerate(model):
         key = _chunk_key(i, n)
-        _unwrap(c).load_state_dict(loaded[key], strict=strict)
+        if model_keys is None:
+            _unwrap(c).load_state_dict(loaded[key], strict=strict)
+        else:
+            _load_subset(_unwrap(c), loaded[key], path)
     if distopt:
         ld = loaded["optimizer"]["distopt"]
         distopt_load_state(optimizer, model, ld, {i: v["step"] for i, v in ld.items()})

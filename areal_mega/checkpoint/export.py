@@ -137,8 +137,12 @@ def _unwrap(m):
 
 def _exported_tensors(chunk):
     """The chunk's parameters, then its routers' expert biases (buffers that HF checkpoints
-    hold: ``e_score_correction_bias``; replicated, never tensor-parallel)."""
-    yield from chunk.named_parameters()
+    hold: ``e_score_correction_bias``; replicated, never tensor-parallel). LoRA adapters are
+    left out (PEFT files, :mod:`areal_mega.lora.peft_io`) and a wrapped base linear keeps its
+    own name (``linear_qkv.to_wrap.weight`` is ``linear_qkv.weight``)."""
+    for name, p in chunk.named_parameters():
+        if ".adapter." not in name:
+            yield name.replace(".to_wrap.", "."), p
     for name, buf in chunk.named_buffers():
         if name.endswith("router.expert_bias"):
             yield name, buf

@@ -64,13 +64,15 @@ class MegatronEngine:
             design notes), the regular optimizer on CPU.
         routing_replay: replay the rollout's MoE routes (``algorithm.routing_replay: r3``;
             actor of a MoE model only): see :mod:`areal_mega.engine.routing_replay`.
+        lora: :class:`areal_mega.config_lora.LoraConfig`; when enabled (actor only), LoRA
+            adapters train on the frozen base (``self.lora``, :mod:`areal_mega.lora.actor`).
     """
 
     def __init__(self, model_cfg, *, hf_config=None, role: str = "actor", mesh,
                  optimizer_cfg=None, actor_cfg=None, seed: int = 1234,
                  total_train_steps: Optional[int] = None,
                  use_distributed_optimizer: Optional[bool] = None,
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, lora=None):
         if role not in ("actor", "ref"):
             raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
         if role == "actor" and optimizer_cfg is None:
@@ -91,6 +93,8 @@ class MegatronEngine:
             recompute_granularity=model_cfg.recompute_granularity if role == "actor" else None,
             use_te=self.use_te, attention_backend=attn.backend, seed=seed,
             moe_enable_routing_replay=routing_replay)
+        from areal_mega.lora.actor import attach_lora
+        self.lora = attach_lora(self, chunks, lora if role == "actor" else None)
         self.vocab_size = self.arch.vocab_size
         self.padded_vocab_size = chunks[0].vocab_size
         self.config.calculate_per_token_loss = True
@@ -136,33 +140,13 @@ class MegatronEngine:
                 for i, c in enumerate(chunks)]
 
     def _build_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig as MOptCfg
-        from megatron.core.optimizer import get_megatron_optimizer
-        oc = self.optimizer_cfg
-        cfg = MOptCfg(
-            optimizer="adam", lr=oc.lr, min_lr=oc.min_lr, weight_decay=oc.weight_decay,
-            adam_beta1=oc.beta1, adam_beta2=oc.beta2, adam_eps=oc.eps, clip_grad=oc.clip_grad,
-            bf16=self.config.bf16, fp16=self.config.fp16,
-            params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            # Without TE/apex megatron falls back to torch AdamW (decoupled weight decay).
-        )
-        return get_megatron_optimizer(cfg, self.model, use_gloo_process_groups=False,
-                                      pg_collection=self.mesh.pg_collection)
+        from areal_mega.engine.optim import build_optimizer
+        return build_optimizer(self.optimizer_cfg, self.config, self.model,
+                               self.use_distributed_optimizer, self.mesh.pg_collection)
 
     def _build_lr_scheduler(self, total_train_steps):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        oc = self.optimizer_cfg
-        warm = oc.warmup_steps
-        decay = oc.lr_decay_steps or total_train_steps or (warm + 1)
-        decay = max(decay, warm + 1)
-        style = oc.lr_schedule
-        return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warm else oc.lr, max_lr=oc.lr,
-            min_lr=min(oc.min_lr, oc.lr), lr_warmup_steps=warm, lr_decay_steps=decay,
-            lr_decay_style=style, start_wd=oc.weight_decay, end_wd=oc.weight_decay,
-            wd_incr_steps=decay, wd_incr_style="constant",
-            use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+        from areal_mega.engine.optim import build_lr_scheduler
+        return build_lr_scheduler(self.optimizer, self.optimizer_cfg, total_train_steps)
 
     # ------------------------------------------------------------------ data preparation
     def _prepare(self, mb: dict) -> dict:
@@ -423,19 +407,26 @@ class MegatronEngine:
         the same for actor and reference."""
         return [getattr(c, "module", c) for c in self.model]
 
+    @property
+    def checkpoint_keys(self):
+        """The model keys a checkpoint of this engine holds: None (all), or with LoRA the
+        adapters' (:func:`areal_mega.lora.actor.adapter_keys`)."""
+        from areal_mega.lora.actor import adapter_keys
+        return adapter_keys if self.lora is not None else None
+
     def save(self, directory: str, extra: Optional[dict] = None) -> None:
         """Save model, optimizer, LR scheduler and RNG (+ ``extra``) as a checkpoint under
         ``directory`` (``<directory>/iter_<step>``, atomic; see
         :mod:`areal_mega.checkpoint.dist_ckpt`). Collective over all ranks."""
         from areal_mega.checkpoint.dist_ckpt import save_checkpoint
         save_checkpoint(directory, self.step_count, self.model_chunks(), self.optimizer,
-                        self.lr_scheduler, extra=extra)
+                        self.lr_scheduler, extra=extra, model_keys=self.checkpoint_keys)
 
     def load(self, directory: str) -> Optional[dict]:
         """Load the latest checkpoint under ``directory`` (or one ``iter_*`` directory) into
         any TP/PP/EP layout (resharding); returns the saved ``extra``."""
         from areal_mega.checkpoint.dist_ckpt import load_checkpoint
         loaded = load_checkpoint(directory, self.model_chunks(), self.optimizer,
-                                 self.lr_scheduler)
+                                 self.lr_scheduler, model_keys=self.checkpoint_keys)
         self.step_count = loaded.iteration
         return loaded.extra

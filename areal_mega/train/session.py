@@ -17,10 +17,11 @@ from torch.distributed.checkpoint.api import CheckpointException   # a BaseExcep
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict
 from areal_mega.dataplane.control import RolloutLink
+from areal_mega.lora.actor import (AdaptersOffReference, base_keys, check_resumed_base,
+                                   checkpoint_extra, merged_deltas, publish_adapter)
 from areal_mega.metrics import ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import weight_update_group
-from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.routes import replay_layout
 from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk_full_error,
                                 iter_dir_name)
@@ -28,7 +29,7 @@ from areal_mega.security import holds_secret, write_run_file
 from areal_mega.tracking import RunLog
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer
-from areal_mega.train.weight_sender import DistributedWeightSender, broadcast_version
+from areal_mega.train.weight_sender import broadcast_version, connect_weight_sender
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,12 @@ class TrainerSession:
         self.actor = MegatronEngine(cfg.model, role="actor", mesh=self.mesh,
                                     optimizer_cfg=cfg.optimizer, actor_cfg=cfg.actor,
                                     seed=cfg.seed, total_train_steps=cfg.total_steps,
-                                    routing_replay=cfg.algorithm.routing_replay == "r3")
+                                    routing_replay=cfg.algorithm.routing_replay == "r3",
+                                    lora=cfg.lora)
         self.ref = None
-        if cfg.ref.enabled:
+        if cfg.ref.enabled and self.actor.lora is not None:   # the base: adapters off
+            self.ref = AdaptersOffReference(self.actor)
+        elif cfg.ref.enabled:
             self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
                                       role="ref", mesh=self.mesh, seed=cfg.seed)
         self.teacher = build_teacher(cfg, self.mesh)   # OPD's in-trainer teacher, or None
@@ -114,7 +118,8 @@ class TrainerSession:
         from areal_mega.train.weights import resolve_weight_update
         try:
             self.weight_update = resolve_weight_update(
-                cfg.rollout.weight_update, cuda=torch.cuda.is_available(), pp=d.pp)
+                cfg.rollout.weight_update, cuda=torch.cuda.is_available(), pp=d.pp,
+                lora=cfg.lora.enabled)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.is_rank0:
@@ -131,11 +136,16 @@ class TrainerSession:
         cfg = self.cfg
         latest = latest_verified(self.ckpt_root) if cfg.recover == "auto" else None
         if latest is not None:
+            if self.actor.lora is not None:     # the frozen base first, then the adapters
+                self._load_initial(self.actor, self.cfg.model.path)
             loaded = load_checkpoint(latest, self.actor.model_chunks(), self.actor.optimizer,
-                                     self.actor.lr_scheduler)
+                                     self.actor.lr_scheduler,
+                                     model_keys=self.actor.checkpoint_keys)
+            if self.actor.lora is not None:
+                check_resumed_base(loaded.extra.get("lora"), self._base_identity(), latest)
             self.start_step = int(loaded.extra.get("step", loaded.iteration))
             self.actor.step_count = self.start_step
-            if self.ref is not None:
+            if self.ref is not None and self.actor.lora is None:
                 self._load_initial(self.ref, self._ref_path())
             self._load_teacher()
             if self.critic is not None:
@@ -146,7 +156,7 @@ class TrainerSession:
                       flush=True)
             return dict(loaded.extra, path=str(latest))
         self._load_initial(self.actor, self.cfg.model.path)
-        if self.ref is not None:
+        if self.ref is not None and self.actor.lora is None:
             self._load_initial(self.ref, self._ref_path())
         self._load_teacher()
         if self.critic is not None:
@@ -201,7 +211,13 @@ class TrainerSession:
                 if dist.is_initialized():
                     dist.barrier()
         chunks = engine if isinstance(engine, list) else engine.model_chunks()
-        load_checkpoint(src, chunks, load_optimizer=False, load_rng=False)
+        lora = getattr(engine, "lora", None)       # a LoRA actor: the base, not the adapters
+        load_checkpoint(src, chunks, load_optimizer=False, load_rng=False,
+                        model_keys=base_keys if lora is not None else None)
+
+    def _base_identity(self) -> dict:
+        """What a LoRA checkpoint records of the base model (``model.path``'s files)."""
+        return hf_source_identity(self.cfg.model.path)
 
     def _write_resolved_config(self) -> None:
         resolved = config_to_dict(self.cfg)  # 0600 when it holds a secret
@@ -237,25 +253,8 @@ class TrainerSession:
         self.intake.start()
         self.link = RolloutLink(self.paths.control_endpoint, secret=cfg.dataplane.secret,
                                 timeout_s=cfg.rollout.request_timeout_s)
-        if self.weight_update == "distributed":
-            self._connect_weight_sender()
-
-    def _connect_weight_sender(self) -> None:
-        """Rank 0 joins a broadcast group with every rollout server (SGLang's
-        ``/init_weights_update_group``): NCCL on GPU, gloo on CPU."""
-        import os
-
-        r = self.cfg.rollout
-        if not r.server_addrs:
-            raise ValueError("rollout.weight_update=distributed needs rollout.server_addrs")
-        group = weight_group_for(self.cfg)
-        client = RolloutClient(r.server_addrs, api_key=r.api_key,
-                               timeout_s=r.request_timeout_s, retries=r.request_retries)
-        self.weight_sender = DistributedWeightSender(
-            client, master_address=os.environ.get("MASTER_ADDR", self.cfg.cluster.master_addr),
-            backend="nccl" if torch.cuda.is_available() else "gloo",
-            bucket_bytes=r.weight_bucket_mb << 20, group=group)
-        self.weight_sender.connect()
+        if self.weight_update == "distributed":   # rank 0 joins the servers' broadcast group
+            self.weight_sender = connect_weight_sender(self.cfg, weight_group_for(self.cfg))
 
     # ------------------------------------------------------------------ per step
     def publish_weights(self, version: int) -> None:
@@ -280,7 +279,13 @@ class TrainerSession:
             return
 
         out = self.run_dir / "weights" / f"v{version:07d}"
-        export_hf_dir(self.actor, self.cfg.model.path, out, is_writer=self.is_rank0)
+        lora = self.actor.lora
+        if lora is not None and lora.sync == "adapter":    # a PEFT adapter of a few MiB
+            publish_adapter(self.actor, out, base_model=self.cfg.model.path,
+                            is_writer=self.is_rank0)
+        else:                          # full weights (LoRA: merged into the base)
+            export_hf_dir(self.actor, self.cfg.model.path, out, is_writer=self.is_rank0,
+                          deltas=merged_deltas(self.actor) if lora is not None else None)
         if self.is_rank0:
             self._note_rollout(self.link.update_weights(version=version, path=str(out)))
             self._prune_weight_dirs(keep=out)
@@ -370,9 +375,12 @@ class TrainerSession:
                 save_critic(self.critic, self.ckpt_root, step, self.cfg.checkpoint.keep_last + 1)
             if ledger is not None:   # RL: which prompts' groups it holds (exact resume)
                 extra["accepted_prompts"] = ledger
+            if self.actor.lora is not None:   # adapters + optimizer; the base is model.path
+                extra["lora"] = checkpoint_extra(self.actor.lora, self._base_identity())
             save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(),
                             self.actor.optimizer, self.actor.lr_scheduler, extra=extra,
-                            keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path)
+                            keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path,
+                            model_keys=self.actor.checkpoint_keys)
         except (OSError, RuntimeError, CheckpointException) as e:
             if not is_disk_full_error(e, self.ckpt_root):
                 raise

@@ -33,6 +33,7 @@ from areal_mega.common.net import free_port
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
                                               init_update_group)
 from areal_mega.parallel.weight_group import weight_update_group
+from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.client import RolloutRequestError, server_url
 
 log = logging.getLogger(__name__)
@@ -343,3 +344,23 @@ def broadcast_version(sender, link, make_stream: Callable, version: int, *,
                         "survivors", version, attempt, attempts, failure)
     raise WeightBroadcastError(f"weight version {version} not sent after {attempts} attempts: "
                                f"{failure or 'rank 0 failed'}")
+
+
+def connect_weight_sender(cfg, group) -> DistributedWeightSender:
+    """Trainer rank 0 joins a broadcast group with every rollout server (SGLang's
+    ``/init_weights_update_group``): NCCL on GPU, gloo on CPU. ``group``: the weight-update
+    group plan of ``cfg`` (:func:`areal_mega.train.session.weight_group_for`)."""
+    import os
+
+    import torch
+    r = cfg.rollout
+    if not r.server_addrs:
+        raise ValueError("rollout.weight_update=distributed needs rollout.server_addrs")
+    client = RolloutClient(r.server_addrs, api_key=r.api_key, timeout_s=r.request_timeout_s,
+                           retries=r.request_retries)
+    sender = DistributedWeightSender(
+        client, master_address=os.environ.get("MASTER_ADDR", cfg.cluster.master_addr),
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        bucket_bytes=r.weight_bucket_mb << 20, group=group)
+    sender.connect()
+    return sender

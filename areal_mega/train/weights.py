@@ -20,12 +20,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None) -> Path:
+def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None,
+                  deltas=None) -> Path:
     """Export ``engine``'s model as an HF directory at ``out`` (collective over all ranks).
 
     ``hf_src_dir``: the HF directory the model was built from (config, tokenizer).
     ``is_writer``: True on global rank 0 (writes index and side files, renames).
-    ``dtype``: cast the weights (default: keep the parameters' dtype)."""
+    ``dtype``: cast the weights (default: keep the parameters' dtype).
+    ``deltas``: ``{HF name: tensor}`` added to those weights (a LoRA actor's merged adapters,
+    :func:`areal_mega.lora.actor.merged_deltas`)."""
     from safetensors.torch import save_file
 
     from areal_mega.checkpoint import hf_mapping as hm
@@ -45,7 +48,10 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None) -> Pa
     tensors = {}
     for name, t in iter_hf_tensors(engine.model, arch, dtype=dtype):
         if source:
-            tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+            t = t.detach().to("cpu", copy=True)
+            if deltas and name in deltas:
+                t = (t.float() + deltas[name]).to(t.dtype)
+            tensors[name] = t.contiguous()
     if source:
         shard = f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
         save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
@@ -78,13 +84,21 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None) -> Pa
     return out
 
 
-def resolve_weight_update(mode: str, *, cuda: bool, pp: int) -> str:
+def resolve_weight_update(mode: str, *, cuda: bool, pp: int, lora: bool = False) -> str:
     """``rollout.weight_update`` -> ``disk`` or ``distributed`` (pure).
 
     ``auto``: bucketed broadcast on GPU (NCCL) with one pipeline stage, the disk otherwise.
-    The broadcast path sends from trainer rank 0, so it needs the whole model on one stage."""
+    The broadcast path sends from trainer rank 0, so it needs the whole model on one stage.
+    A LoRA run (``lora``) always publishes files: a PEFT adapter of a few MiB (or merged
+    weights), loaded by the servers from disk."""
     if mode not in ("auto", "disk", "distributed"):
         raise ValueError(f"rollout.weight_update={mode!r}: must be auto, disk or distributed")
+    if lora:
+        if mode == "distributed":
+            raise ValueError("rollout.weight_update='distributed' with lora.enabled: LoRA runs "
+                             "publish adapter files the servers load (SGLang's "
+                             "/load_lora_adapter); use rollout.weight_update=disk (or auto)")
+        return "disk"
     if mode == "auto":
         return "distributed" if cuda and pp == 1 else "disk"
     if mode == "distributed" and pp > 1:

@@ -1,0 +1,73 @@
+"""The ``lora`` section of the experiment config (LoRA RL training, :mod:`areal_mega.lora`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_mega.config_schema import ConfigError, _f
+from areal_mega.lora.targets import LoraSupportError, check_lora_support, hf_targets
+from areal_mega.parallel.allocation import parse_allocation
+
+__all__ = ["LoraConfig"]
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(False, doc="train LoRA adapters on the frozen base model instead of all "
+                       "weights; the reference model is then the actor with its adapters off")
+    rank: int = _f(8, lo=1, doc="adapter rank r (a multiple of the trainer's TP size)")
+    alpha: float = _f(16.0, lo=0.0, lo_open=True, doc="scaling numerator: updates are "
+                      "(alpha / rank) · B A, as PEFT's lora_alpha")
+    dropout: float = _f(0.0, lo=0.0, hi=1.0, lo_open=False, doc="dropout on the adapters' input")
+    target_modules: list = _f(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                               "gate_proj", "up_proj", "down_proj"],
+                              doc="PEFT module names (q_proj … down_proj, all-linear) or "
+                              "Megatron-Bridge canonical ones (linear_q … linear_fc2)")
+    sync: str = _f("adapter", choices=["adapter", "merged"],
+                   doc="adapter: servers load each version's PEFT adapter through SGLang's LoRA "
+                   "API; merged: they load full weights with the adapters merged in")
+
+
+def check_lora(cfg) -> None:
+    """Cross-field rules of ``lora`` (pure; raises ``ConfigError`` naming the key): known target
+    modules, a supported layout, no LoRA critic, no reference model of another path (the
+    reference of a LoRA run is the actor without adapters)."""
+    lo = cfg.lora
+    if not lo.enabled:
+        return
+    try:
+        targets = hf_targets(lo.target_modules)
+        dims = parse_allocation(cfg.allocation).trainer
+        check_lora_support(model_type="this model", is_moe=False, is_mla=False, targets=targets,
+                           rank=lo.rank, tp=dims.tp, cp=dims.cp,
+                           critic=cfg.critic.enabled and cfg.mode == "rl")
+    except LoraSupportError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.ref.enabled and cfg.ref.path and cfg.ref.path != cfg.model.path:
+        raise ConfigError(f"ref.path={cfg.ref.path!r} with lora.enabled: the reference model "
+                          "of a LoRA run is the base model (model.path) with the adapters off; "
+                          "leave ref.path empty")
+
+
+def check_lora_model(cfg) -> None:
+    """With ``lora.enabled``, refuse a ``model.path`` family the adapters do not serve (MoE
+    expert targets, multi-latent attention), reading its config.json; does nothing when it
+    cannot be read (the engine checks again)."""
+    lo = cfg.lora
+    if not lo.enabled or not cfg.model.path:
+        return
+    try:
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    dims = parse_allocation(cfg.allocation).trainer
+    try:
+        check_lora_support(model_type=str(hf.get("model_type")),
+                           is_moe=bool(hf.get("num_experts") or hf.get("num_local_experts")
+                                       or hf.get("n_routed_experts")),
+                           is_mla=hf.get("kv_lora_rank") is not None,
+                           targets=hf_targets(lo.target_modules), rank=lo.rank, tp=dims.tp,
+                           cp=dims.cp)
+    except LoraSupportError as e:
+        raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None

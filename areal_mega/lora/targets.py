@@ -1,0 +1,86 @@
+"""Which linears get LoRA adapters, in HF PEFT names and Megatron-Bridge's canonical names (pure).
+
+Users name targets as PEFT does (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``,
+``up_proj``, ``down_proj``, or ``all-linear``); Megatron-Bridge's canonical LoRA names the same
+projections inside Megatron's fused linears (``linear_q`` … ``linear_fc2``). Either spelling is
+accepted. :func:`check_lora_support` refuses what this implementation does not serve, before any
+model is built, with the reason.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+__all__ = ["HF_TO_CANONICAL", "CANONICAL_TO_HF", "ATTENTION_TARGETS", "MLP_TARGETS",
+           "canonical_targets", "hf_targets", "check_lora_support", "LoraSupportError"]
+
+#: PEFT module name -> Megatron-Bridge canonical LoRA target, in the order PEFT lists them
+HF_TO_CANONICAL = {"q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v",
+                   "o_proj": "linear_proj", "gate_proj": "linear_fc1_gate",
+                   "up_proj": "linear_fc1_up", "down_proj": "linear_fc2"}
+CANONICAL_TO_HF = {v: k for k, v in HF_TO_CANONICAL.items()}
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LoraSupportError(ValueError):
+    """A LoRA setting, model family or layout this implementation does not serve."""
+
+
+def hf_targets(target_modules: Sequence[str]) -> List[str]:
+    """``target_modules`` (PEFT or canonical names, or ``all-linear``) as PEFT names, in PEFT's
+    order, without duplicates. Raises :class:`LoraSupportError` naming an unknown module."""
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    if not target_modules:
+        raise LoraSupportError("lora.target_modules: empty; name at least one of "
+                               f"{', '.join(HF_TO_CANONICAL)} (or all-linear)")
+    wanted = set()
+    for t in target_modules:
+        if t == "all-linear":
+            wanted.update(HF_TO_CANONICAL)
+        elif t in HF_TO_CANONICAL:
+            wanted.add(t)
+        elif t in CANONICAL_TO_HF:
+            wanted.add(CANONICAL_TO_HF[t])
+        else:
+            raise LoraSupportError(
+                f"lora.target_modules: {t!r} is not a linear this model has; known: "
+                f"{', '.join(HF_TO_CANONICAL)}, all-linear (or the canonical names "
+                f"{', '.join(CANONICAL_TO_HF)})")
+    return [t for t in HF_TO_CANONICAL if t in wanted]
+
+
+def canonical_targets(target_modules: Sequence[str]) -> List[str]:
+    """The canonical LoRA targets of ``target_modules`` (see :func:`hf_targets`)."""
+    return [HF_TO_CANONICAL[t] for t in hf_targets(target_modules)]
+
+
+def check_lora_support(*, model_type: str, is_moe: bool, is_mla: bool, targets: Sequence[str],
+                       rank: int, tp: int, cp: int, critic: bool = False) -> None:
+    """Refuse LoRA settings this implementation does not serve (pure; raises
+    :class:`LoraSupportError` with the reason and what to do instead).
+
+    ``targets``: PEFT names (:func:`hf_targets`). Refused: rank < 1; a rank not divisible by the
+    tensor-parallel size (the adapters' rank dimension is split over TP); multi-latent attention
+    (DeepSeek-V3: its projections have no q/k/v/o LoRA mapping); MLP targets on MoE models (the
+    routed experts' adapters have no PEFT naming SGLang loads); context parallelism (its
+    equality with one rank is not tested for adapters); a LoRA critic."""
+    if rank < 1:
+        raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
+    if rank % tp:
+        raise LoraSupportError(f"lora.rank={rank} with tensor parallel size {tp}: the rank must "
+                               "be a multiple of TP (the adapters' A matrices are split on it)")
+    if is_mla:
+        raise LoraSupportError(f"LoRA on {model_type}: multi-latent attention has no q/k/v/o "
+                               "projections to adapt; not supported")
+    mlp = [t for t in targets if t in MLP_TARGETS]
+    if is_moe and mlp:
+        raise LoraSupportError(
+            f"LoRA on {model_type} (MoE): lora.target_modules {mlp} would adapt the routed "
+            "experts, which is not supported; target the attention only "
+            f"({', '.join(ATTENTION_TARGETS)})")
+    if cp > 1:
+        raise LoraSupportError(f"LoRA with context parallel size {cp}: not supported; use c=1")
+    if critic:
+        raise LoraSupportError("LoRA with critic.enabled: the critic trains all its weights; "
+                               "not supported with lora.enabled")

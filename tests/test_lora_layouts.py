@@ -1,0 +1,56 @@
+"""LoRA on every trainer layout equals one rank (fp32, gloo, tests/_lora_worker.py).
+
+A TP1 reference actor with random adapters writes them as a PEFT directory; each layout loads
+its base from the converted checkpoint and its adapters from that directory, then its
+logprobs, the adapters' gradients (gathered under their PEFT names), the loss and the adapters
+after one Adam step must equal the reference's: DP2 (regular and distributed optimizer), TP2,
+TP2 + sequence parallelism, PP2, TP2 with a subset of the projections, and EP2 on a MoE model
+(attention adapters). Only the adapters train: they are the trainable parameters and all the
+optimizer holds.
+"""
+import os
+import sys
+
+import pytest
+
+from areal_mega.common.net import free_port
+from tests.multirank import rank_results, run_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
+TOL = 1e-5
+
+
+def launch(scenario, out, world=2, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    port = str(free_port())
+    ranks = run_ranks([[sys.executable, WORKER, scenario, r, world, port, out]
+                       for r in range(world)], timeout=timeout, env=env)
+    return rank_results([out / f"{scenario}.{r}.json" for r in range(world)], ranks)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_models")
+    launch("prepare", out, world=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense(models):
+    return launch("layouts", models)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2_distopt", "tp2", "tp2sp", "pp2", "tp2_subset"])
+def test_dense_layouts_equal_one_rank(dense, layout):
+    whats = ["logprobs", "loss", "step"] + ([] if layout == "dp2_distopt" else ["grads"])
+    for r in dense:
+        for what in whats:
+            assert r[f"{layout}.{what}"] < TOL, (layout, what, r)
+        assert r[f"{layout}.only_adapters_train"] == 1.0, (layout, r)
+
+
+def test_expert_parallel_moe_with_attention_adapters_equals_one_rank(models):
+    for r in launch("moe", models):
+        for what in ("logprobs", "grads", "loss", "step"):
+            assert r[f"ep2.{what}"] < TOL, (what, r)
+        assert r["ep2.only_adapters_train"] == 1.0, r
