@@ -16,6 +16,7 @@ import sys
 import time
 
 from areal_mega.algo import finalize_stats, make_policy_loss
+from areal_mega.checkpoint.anon_peak import proc_status_bytes
 from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
@@ -56,8 +57,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     both); rank 0 writes the step's sample groups when ``logging.log_samples_every`` is due. Returns the step's statistics (identical on every rank): rank 0's batch
     statistics (filter, advantages, rewards, versions, sizes), ``opd/*`` and ``time/teacher``
     (part of ``time/logprobs``) with OPD, the finalised loss statistics merged over
-    minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split and
-    ``tokens/s``.
+    minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split,
+    ``tokens/s`` and ``mem/trainer_peak_rss_gib``.
     """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
@@ -104,8 +105,19 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
                   "time/weight_sync": t_sync - t_train,
-                  "tokens/s": batch.stats.get("n_tokens_total", 0.0) / max(t_sync - t0, 1e-9)})
+                  "tokens/s": batch.stats.get("n_tokens_total", 0.0) / max(t_sync - t0, 1e-9),
+                  "mem/trainer_peak_rss_gib": peak_rss_gib()})
     return stats
+
+
+def peak_rss_gib() -> float:
+    """The largest resident set any trainer rank has had so far (``VmHWM``), in GiB."""
+    import torch
+    import torch.distributed as dist
+    peak = torch.tensor([float(proc_status_bytes("VmHWM") or 0) / 2 ** 30])
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
 
 
 def main(argv=None) -> None:

@@ -40,6 +40,7 @@ from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, loa
 from areal_mega.config_checks import check_against_model
 from areal_mega.config_presets import PRESETS
 from areal_mega.inference.process import build_sglang_command
+from areal_mega.lora.targets import lora_server_flags
 from areal_mega.rollout.routes import replay_server_flags
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
@@ -186,11 +187,12 @@ def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list
     if cfg.rollout.backend == "local":
         return [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
                 "--host", host, "--port", str(slot.port)] + replay_server_flags(cfg) + \
+            lora_server_flags(cfg) + \
             (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     alloc = parse_allocation(cfg.allocation)
     extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
-    extra += replay_server_flags(cfg)   # algorithm.routing_replay
+    extra += replay_server_flags(cfg) + lora_server_flags(cfg)   # routing replay, LoRA
     return list(build_sglang_command(cfg.model.path, slot.port, host=host,
                         tp=alloc.rollout.tp if alloc.rollout else 1,
                         mem_fraction_static=cfg.rollout.mem_fraction_static,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import List, Sequence
 
 __all__ = ["HF_TO_CANONICAL", "CANONICAL_TO_HF", "ATTENTION_TARGETS", "MLP_TARGETS",
-           "canonical_targets", "hf_targets", "check_lora_support", "LoraSupportError"]
+           "canonical_targets", "hf_targets", "check_lora_support", "LoraSupportError",
+           "lora_server_flags"]
 
 #: PEFT module name -> Megatron-Bridge canonical LoRA target, in the order PEFT lists them
 HF_TO_CANONICAL = {"q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v",
@@ -84,3 +85,14 @@ def check_lora_support(*, model_type: str, is_moe: bool, is_mla: bool, targets: 
     if critic:
         raise LoraSupportError("LoRA with critic.enabled: the critic trains all its weights; "
                                "not supported with lora.enabled")
+
+
+def lora_server_flags(cfg) -> list:
+    """The rollout servers' flags for a LoRA run that syncs adapters (SGLang's spelling, which
+    the CPU server shares): LoRA on, the adapters' rank and target modules. Empty otherwise
+    (full weights or merged adapters need nothing)."""
+    lo = cfg.lora
+    if not lo.enabled or lo.sync != "adapter":
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(lo.rank),
+            "--lora-target-modules", *hf_targets(lo.target_modules)]

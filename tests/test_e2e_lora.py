@@ -1,0 +1,60 @@
+"""LoRA RL through ``launch.local`` (CPU, tiny model, CPU rollout servers).
+
+Each published version reaches the servers either as a PEFT adapter through SGLang's LoRA API
+(``lora.sync=adapter``) or as full weights with the adapters merged (``merged``). With eta = 0
+every token after an update comes from the version just published, so a behaviour/proximal
+mismatch <= 1e-5 on every step proves the servers generate with exactly the trainer's LoRA
+model. The reference is the actor with its adapters off: KL 0 at first, then it grows. The
+adapter run then resumes from its adapter-only checkpoint for one more step.
+"""
+import json
+
+import pytest
+
+from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+LORA = ["lora.enabled=true", "lora.rank=8", "lora.alpha=16", "ref.enabled=true",
+        "algorithm.kl_coef=0.01", "rollout.max_head_offpolicyness=0",
+        "rollout.reward_fn=areal_mega.rewards:char_match_reward", "optimizer.lr=5e-3"]
+
+
+def _check_on_policy(rows):
+    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])   # the adapters moved
+    for r in rows:
+        assert r["mismatch_tokens"] > 0 and r["mismatch"] <= 1e-5, (r["step"], r["mismatch"])
+    first = next(r for r in rows if "kl_ref" in r)
+    assert first["kl_ref"] == 0.0 and rows[-1]["kl_ref"] > 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_lora_run_serves_the_trainers_model_and_resumes(sync, assets, tmp_path):
+    model, data = assets
+    run = tmp_path / "run"
+    rc, out = _finish(_launch(run, model, data, "total_steps=3", "recover=auto",
+                              "checkpoint.save_every=3", f"lora.sync={sync}", *LORA),
+                      timeout=400)
+    assert rc == 0, out[-3000:]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_on_policy(rows)
+    published = sorted((run / "weights").iterdir())[-1]
+    if sync == "adapter":       # a PEFT adapter, not a model
+        assert sorted(p.name for p in published.iterdir()) == ["adapter_config.json",
+                                                               "adapter_model.safetensors"]
+        assert json.loads((published / "adapter_config.json").read_text())["r"] == 8
+    else:
+        assert (published / "model.safetensors.index.json").is_file()
+    if sync == "merged":
+        return
+    # resume: the frozen base from model.path, the adapters and Adam from the checkpoint
+    rc, out = _finish(_launch(run, model, data, "total_steps=4", "recover=auto",
+                              "checkpoint.save_every=4", f"lora.sync={sync}", *LORA),
+                      timeout=400)
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in (run / "logs" / "trainer.log").read_text()
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["mismatch"] <= 1e-5 and rows[-1]["kl_ref"] > 0
