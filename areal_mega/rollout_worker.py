@@ -46,6 +46,7 @@ from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.counts import CountCarrier, counts_of
 from areal_mega.rollout.failures import FailureRate, FailureRateExceeded, episode_failure_policy
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
@@ -325,7 +326,8 @@ class RolloutWorker:
     async def _load_directly(self, path: str, version: int) -> None:
         c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
         try:
-            await c.update_weights_from_disk(path, version)
+            await load_published(c, path, version)   # full weights or a LoRA adapter
+            self.client.lora_name = c.lora_name
             await c.resume()       # a killed predecessor may have left the servers paused
         finally:
             await c.close()

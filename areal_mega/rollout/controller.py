@@ -39,6 +39,7 @@ import numpy as np
 from areal_mega.common.moe_routes import RouteLayout, RouteTable
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
 from areal_mega.rollout.failures import EpisodeFailures, FailureRate
+from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.routes import call_routes
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
 
@@ -397,7 +398,7 @@ class RolloutController:
         self.begin_weight_update(timeout)
         ok = False
         try:
-            self.run_async(self.client.update_weights_from_disk(path, version)).result(timeout)
+            self.run_async(load_published(self.client, path, version)).result(timeout)
             ok = True
         finally:
             self.end_weight_update(version if ok else None, timeout)

@@ -24,6 +24,7 @@ import logging
 from typing import Optional
 
 from areal_mega.rollout.hooks import ClientHooks
+from areal_mega.rollout.lora_sync import load_published_into
 from areal_mega.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,8 @@ class RelaunchPolicy(ClientHooks):
             latest = self.paths.latest_weights()
             if latest is None or latest == seen:   # none published: the base model, v0
                 return latest[0] if latest else None
-            version, path = latest
-            await client.request(addr, "POST", "/update_weights_from_disk",
-                                 {"model_path": str(path), "abort_all_requests": False,
-                                  "weight_version": str(version)},
-                                 timeout=client.control_timeout_s)
+            version, path = latest     # full weights, or a LoRA run's adapter
+            await load_published_into(client, addr, path, version)
             self.synced_version = max(version, self.synced_version or 0)
             seen = latest
 

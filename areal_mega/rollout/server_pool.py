@@ -37,6 +37,7 @@ import aiohttp
 
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError
 from areal_mega.rollout.hooks import ClientHooks
+from areal_mega.rollout.lora_sync import load_published_into
 from areal_mega.rollout.relaunch import RelaunchPolicy
 from areal_mega.run_dir import RunDir
 
@@ -192,10 +193,8 @@ class ElasticPool(ClientHooks):
         server already holds) at version 0; otherwise ``ServerPoolError``."""
         path = self.paths.weights_dir(version)
         timeout = self.client.control_timeout_s
-        if path.is_dir():
-            await self.client.request(addr, "POST", "/update_weights_from_disk",
-                                      {"model_path": str(path), "abort_all_requests": False,
-                                       "weight_version": str(version)}, timeout=timeout)
+        if path.is_dir():       # full weights, or a LoRA run's adapter
+            await load_published_into(self.client, addr, path, version)
         elif version == 0:
             await self.client.request(addr, "POST", "/update_weight_version",
                                       {"new_version": "0"}, timeout=timeout)
