@@ -20,6 +20,9 @@ SGLang's semantics, kept here:
 * ``/flush_cache`` empties the cache (refused while requests run or wait, as on SGLang); a
   weight update empties it too, and a sequence whose keys/values were computed before an
   update is never added after it (every row remembers the cache epoch of its prefill);
+* requests with a LoRA adapter neither read nor fill the cache: their keys/values depend on
+  the adapter (SGLang keys its radix cache by ``lora_id`` instead; here the cache serves the
+  base model only, so it can never hand one adapter's keys/values to another or to the base);
 * with route capture on, each cached token keeps the routed experts computed when it was
   forwarded (SGLang keeps routes per KV slot), so ``meta_info.routed_experts`` is the same with
   or without the cache.
@@ -48,7 +51,9 @@ _NO_LIMIT = 1 << 62
 
 def prefix_limit(r) -> int:
     """The most tokens request ``r`` may take from the cache (SGLang's
-    ``adjust_max_prefix_ids``)."""
+    ``adjust_max_prefix_ids``); none for a request with a LoRA adapter."""
+    if getattr(r, "lora", None) is not None:
+        return 0
     cap = len(r.input_ids) - 1
     if r.prefix_limit is not None:
         cap = min(cap, r.prefix_limit)
@@ -101,7 +106,9 @@ class PrefixReuse:
 
     def add_prefilled(self, r, kv: list, row: int, routes: Optional[np.ndarray]) -> None:
         """Cache the prompt of ``r``, row ``row`` of a prefill's keys/values ``kv`` (covering
-        the whole prompt); ``routes``: the prompt's routes."""
+        the whole prompt); ``routes``: the prompt's routes. Not for a LoRA request."""
+        if getattr(r, "lora", None) is not None:
+            return
         def payload(start: int, end: int) -> tuple:
             return (StaticKVBatch.payload_of_prefill(kv, row, start, end),
                     None if routes is None else torch.from_numpy(routes[start:end].copy()))
@@ -110,7 +117,10 @@ class PrefixReuse:
     def add_running(self, r, row: int) -> None:
         """Cache what running row ``row`` (request ``r``, leaving the batch) has computed:
         its prompt and every output token but the last. Skipped for a row prefilled before
-        the last :meth:`invalidate`, or whose length does not match its tokens."""
+        the last :meth:`invalidate`, or whose length does not match its tokens, or run
+        with a LoRA adapter."""
+        if getattr(r, "lora", None) is not None:
+            return
         n = self.batch.row_len(row)
         if r.kv_epoch != self.epoch or n != len(r.input_ids) + len(r.output_ids) - 1:
             return
