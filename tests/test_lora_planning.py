@@ -118,3 +118,31 @@ def test_admission_keeps_distinct_adapters_per_batch_within_the_limit():
     waiting = deque([req(c, 1), req(a, 2)])
     assert [r.tag for r in take_admissible(waiting, 5, [], None)] == [1, 2]
     assert take_admissible(deque(), 5, running, 1) == []
+
+
+def test_lora_layers_hook_only_batches_with_adapter_rows():
+    """Per-row deltas: the adapter's rows get ``W x + s B A x``, the others ``W x``; a batch
+    without adapter rows runs with no hook installed."""
+    import torch
+    from areal_mega.inference.cpu_linear import fused_linear
+    from areal_mega.inference.lora_layers import LoraLayers
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.q_proj, model.k_proj = torch.nn.Linear(6, 4), torch.nn.Linear(6, 3)
+    layers = LoraLayers(model, ("q_proj",))
+    assert list(layers.modules) == ["q_proj"]
+    a, b = torch.randn(2, 6), torch.randn(4, 2)
+    ad = LoraAdapter("x", "/x", 2, 0.5, frozenset({"q_proj"}), {"q_proj": (a, b)})
+    x = torch.randn(3, 5, 6)
+    with torch.no_grad():
+        plain_q, plain_k = model.q_proj(x), model.k_proj(x)
+        layers.set_rows([None, ad, None])
+        fused = fused_linear(x, (model.q_proj, model.k_proj))
+        layers.set_rows([None, None, None])
+        assert not model.q_proj._forward_hooks
+        assert torch.equal(model.q_proj(x), plain_q)
+    want = plain_q.clone()
+    want[1] += 0.5 * (x[1] @ a.T) @ b.T
+    torch.testing.assert_close(fused[..., :4], want)
+    torch.testing.assert_close(fused[..., 4:], plain_k)

@@ -218,6 +218,42 @@ def test_max_loaded_loras_evicts_least_recently_used_and_reloads_on_use(lora_env
     check(peft_model(base, before[lru]), [5, 6, 7], res[0])
 
 
+def test_unload_waits_for_the_requests_using_the_adapter(lora_env):
+    """As SGLang: the name is unregistered at once (new requests are refused), the answer comes
+    once the running request using it has finished (here: aborted)."""
+    srv, ad = lora_env["srv"], lora_env["ad"]
+    assert http(srv, "/load_lora_adapter", {"lora_name": "w", "lora_path": ad["a3"]})[0] == 200
+    order, box = [], {}
+
+    def long_request():
+        box["gen"] = gen(srv, [9, 8, 7], "w", n_new=8000, rid="long-w")
+        order.append("generate")
+
+    def unload():
+        box["unload"] = http(srv, "/unload_lora_adapter", {"lora_name": "w"})
+        order.append("unload")
+    t1 = threading.Thread(target=long_request)
+    t1.start()
+    deadline = time.monotonic() + 60
+    while http(srv, "/get_server_info")[1]["num_running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    t2 = threading.Thread(target=unload)
+    t2.start()
+    while "w" in http(srv, "/get_server_info")[1]["loaded_adapters"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    st, out = gen(srv, [1, 2], "w")
+    assert st == 400 and "not loaded: w" in out["error"]["message"]
+    assert order == []                                  # the unload is still waiting
+    assert http(srv, "/abort_request", {"rid": "long-w"})[0] == 200
+    t1.join(60)
+    t2.join(60)
+    assert order == ["generate", "unload"]
+    assert box["gen"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert box["unload"][0] == 200 and "w" not in box["unload"][1]["loaded_adapters"]
+
+
 def test_enable_lora_without_paths_needs_rank_and_targets(lora_env, capsys):
     """The flag check runs before the model is loaded: the server exits with the usage error."""
     from areal_mega.inference.server import main

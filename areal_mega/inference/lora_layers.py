@@ -1,15 +1,15 @@
 """Per-row LoRA in the rollout engine's forwards: ``y = W x + scaling * B A x`` for the rows
 whose request names an adapter, the plain ``W x`` for the others, in one batched forward.
 
-:class:`LoraLayers` puts a forward hook on every served linear whose name ends in an enabled
-target (``--lora-target-modules``); the engine tells it, before each forward, which adapter
-each batch row uses (:meth:`LoraLayers.set_rows`). A forward whose rows all run the base
-model sets nothing and every hook returns at once, so base rows keep the model's own (prepacked,
-fused) linears; the hooks go on only with ``--enable-lora``. For the rows of one adapter the
-hook adds ``scaling * (x A^T) B^T`` to the layer's output, PEFT's
-``lora_B(lora_A(x)) * scaling``. The fused q/k/v and gate/up matmuls of
-:mod:`~areal_mega.inference.kv_cache` honour these hooks (:func:`~areal_mega.inference.
-cpu_linear.fused_linear`). Hooks and rows are used on the engine thread only.
+:class:`LoraLayers` knows every served linear whose name ends in an enabled target
+(``--lora-target-modules``); the engine tells it, before each forward, which adapter each batch
+row uses (:meth:`LoraLayers.set_rows`). While some row uses an adapter, each of those linears
+has a forward hook adding ``scaling * (x A^T) B^T`` to the output rows of that adapter (PEFT's
+``lora_B(lora_A(x)) * scaling``); the fused q/k/v and gate/up matmuls of
+:mod:`~areal_mega.inference.kv_cache` honour these hooks
+(:func:`~areal_mega.inference.cpu_linear.fused_linear`). A forward whose rows all run the base
+model has no hooks installed: it is exactly the model's own (prepacked, fused) forward. Hooks
+and rows are used on the engine thread only.
 """
 from __future__ import annotations
 
@@ -32,19 +32,28 @@ class LoraLayers:
         self.max_per_batch = max_per_batch
         self.modules: dict = {}
         self._groups: Optional[list] = None   # [(adapter, row index tensor)] or None
+        self._handles: list = []              # the hooks, installed while rows use adapters
         for name, mod in model.named_modules():
             if (isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in targets
                     and ".experts." not in f".{name}."):
                 self.modules[name] = mod
-                mod.register_forward_hook(self._hook_of(name))
 
     def set_rows(self, adapters: list) -> None:
-        """The adapter (or None) of each row of the next forward, in batch order."""
+        """The adapter (or None) of each row of the next forward, in batch order. The hooks
+        are installed while some row has an adapter and removed otherwise, so a base-only
+        forward is exactly the model's own."""
         groups: dict = {}
         for i, a in enumerate(adapters):
             if a is not None:
                 groups.setdefault(id(a), (a, []))[1].append(i)
         self._groups = [(a, torch.tensor(rows)) for a, rows in groups.values()] or None
+        if self._groups is not None and not self._handles:
+            self._handles = [mod.register_forward_hook(self._hook_of(name))
+                             for name, mod in self.modules.items()]
+        elif self._groups is None and self._handles:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
 
     def _hook_of(self, name: str):
         def hook(_mod, args, out):
