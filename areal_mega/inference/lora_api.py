@@ -98,7 +98,11 @@ async def resolve_adapters(srv, body: dict, n_prompts: int) -> list:
     reg = srv.lora_registry
     try:
         for name, path, pinned in reg.to_reload(names):
-            await _load(srv, name, path, pinned)
+            try:
+                await _load(srv, name, path, pinned)
+            except ValueError:
+                if name not in reg.loaded:   # not reloaded by a concurrent request either
+                    raise
         adapters = reg.lookup(names)
     except ValueError as e:
         raise BadRequest(str(e)) from None

@@ -168,8 +168,9 @@ class RolloutClient:
             text = await resp.text()
             if resp.status >= 400:
                 msg = text
-                try:
-                    msg = (await resp.json(content_type=None))["error"]["message"]
+                try:   # SGLang's error object, or a LoRA call's error_message
+                    j = await resp.json(content_type=None)
+                    msg = j["error"]["message"] if "error" in j else j["error_message"]
                 except Exception:  # noqa: BLE001 - keep the raw text
                     pass
                 if 400 <= resp.status < 500:
