@@ -33,6 +33,7 @@ class LoraLayers:
         self.modules: dict = {}
         self._groups: Optional[list] = None   # [(adapter, row index tensor)] or None
         self._handles: list = []              # the hooks, installed while rows use adapters
+        self._rows = 0
         for name, mod in model.named_modules():
             if (isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in targets
                     and ".experts." not in f".{name}."):
@@ -47,6 +48,7 @@ class LoraLayers:
             if a is not None:
                 groups.setdefault(id(a), (a, []))[1].append(i)
         self._groups = [(a, torch.tensor(rows)) for a, rows in groups.values()] or None
+        self._rows = len(adapters)
         if self._groups is not None and not self._handles:
             self._handles = [mod.register_forward_hook(self._hook_of(name))
                              for name, mod in self.modules.items()]
@@ -61,6 +63,9 @@ class LoraLayers:
             if groups is None:
                 return None
             x = args[0]
+            if x.shape[0] != self._rows:   # e.g. a layer fed tokens flattened across rows
+                raise RuntimeError(f"LoRA on {name}: its input has {x.shape[0]} rows, the "
+                                   f"batch {self._rows} requests")
             out = out.clone()
             for adapter, rows in groups:
                 ab = adapter.weights.get(name)
