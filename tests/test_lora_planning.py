@@ -146,3 +146,36 @@ def test_lora_layers_hook_only_batches_with_adapter_rows():
     want[1] += 0.5 * (x[1] @ a.T) @ b.T
     torch.testing.assert_close(fused[..., :4], want)
     torch.testing.assert_close(fused[..., 4:], plain_k)
+
+
+def test_prefix_cache_namespaces_share_the_budget(tmp_path):
+    """One namespace per adapter load: a request matches only its own; writing one namespace
+    past the shared budget drops the least recently used other, unless it is planned in the
+    current round."""
+    import torch
+    from areal_mega.inference.kv_cache import StaticKVBatch
+    from areal_mega.inference.prefix_reuse import PrefixReuse
+    from areal_mega.models.tiny import make_tiny_model
+    from tests.rollout_helpers import load_model
+
+    batch = StaticKVBatch(load_model(make_tiny_model(tmp_path / "m", arch="llama",
+                                                     hidden_size=64, num_layers=2, seed=0)))
+    tokens = list(range(3, 23))
+    with torch.no_grad():
+        kv = batch.prefill(torch.tensor([tokens]))[1]
+    req = lambda lora: SimpleNamespace(input_ids=tokens, lora=lora, prefix_limit=None)  # noqa
+    base, x = req(None), req(SimpleNamespace(uid="x"))
+    probe = PrefixReuse(batch, 64, False)
+    probe.add_prefilled(base, kv, 0, None)
+    one = probe.stats()["used_mb"]
+    cache = PrefixReuse(batch, one * 1.5, False)        # room for one namespace's prompt
+    cache.add_prefilled(base, kv, 0, None)
+    assert cache.plan([x]) == ([(x, 0)], [])            # the base's keys are not x's
+    cache.add_prefilled(x, kv, 0, None)                 # drops the base namespace
+    s = cache.stats()
+    assert s["namespaces"] == 1 and s["evicted_tokens"] == 20 and s["used_mb"] == one
+    assert cache.plan([base]) == ([(base, 0)], [])
+    assert cache.plan([x]) == ([(x, 19)], [])           # x planned in this round ...
+    cache.add_prefilled(base, kv, 0, None)              # ... so it is kept over budget
+    assert cache.stats()["namespaces"] == 2
+    assert [t.num_tokens for t in cache.trees.values()] == [20, 20]

@@ -142,20 +142,30 @@ def test_errors_answer_like_sglang_and_the_server_keeps_serving(lora_env):
     assert st == 200 and len(out[0]["output_ids"]) == 3
 
 
-def test_prefix_cache_never_serves_one_adapters_keys_to_another(lora_env):
+def test_prefix_cache_is_kept_per_adapter(lora_env):
+    """Keys/values cached under the base model or one adapter never serve another; an
+    adapter's own prefix is reused (SGLang keys its radix cache by the adapter's lora_id)."""
     srv, ad, base = lora_env["srv"], lora_env["ad"], lora_env["base"]
+    a1 = peft_model(base, ad["a1"])
     prompt = list(range(30, 70))
     for _ in range(2):
         st, base_out = gen(srv, prompt, None, n_new=4)
     assert st == 200 and base_out["meta_info"]["cached_tokens"] > 0   # the cache works
     st, out = gen(srv, prompt, "a1", n_new=6)
-    assert st == 200 and out["meta_info"]["cached_tokens"] == 0
-    check(peft_model(base, ad["a1"]), prompt, out)
-    st, again = gen(srv, prompt, "a1", n_new=6, logprob_start_len=0)
-    assert again["meta_info"]["cached_tokens"] == 0
+    assert st == 200 and out["meta_info"]["cached_tokens"] == 0       # not the base's
+    check(a1, prompt, out)
+    st, again = gen(srv, prompt, "a1", n_new=6)
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1    # a1's own
+    check(a1, prompt, again)
+    assert http(srv, "/load_lora_adapter", {"lora_name": "a1b", "lora_path": ad["a1"]})[0] == 200
+    st, other = gen(srv, prompt, "a1b", n_new=6)                      # another load
+    assert st == 200 and other["meta_info"]["cached_tokens"] == 0
+    check(a1, prompt, other)
+    assert http(srv, "/unload_lora_adapter", {"lora_name": "a1b"})[0] == 200
+    st, scored = gen(srv, prompt, "a1", n_new=6, logprob_start_len=0)
     # input-token logprobs (a forward of their own) are the adapter's too
-    got = [x[0] for x in again["meta_info"]["input_token_logprobs"][1:]]
-    ref = teacher_forced_logprobs(peft_model(base, ad["a1"]), prompt, 1)
+    got = [x[0] for x in scored["meta_info"]["input_token_logprobs"][1:]]
+    ref = teacher_forced_logprobs(a1, prompt, 1)
     assert len(got) == len(ref) and max(abs(a - b) for a, b in zip(ref, got)) <= TOL
 
 

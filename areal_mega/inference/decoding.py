@@ -29,7 +29,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from areal_mega.inference.cpu_linear import pack_linear_layers
@@ -315,9 +314,10 @@ class BatchedEngine:
                 now, pending = self.prefix.plan(pending)
             groups: dict = {}
             for r, cached in now:
-                key = (tuple(r.input_ids[:cached]), len(r.input_ids) - cached)
+                key = (tuple(r.input_ids[:cached]), len(r.input_ids) - cached,
+                       self.prefix.namespace(r) if cached else None)   # one prefix each
                 groups.setdefault(key, []).append(r)
-            for (prefix, _), reqs in groups.items():
+            for (prefix, *_), reqs in groups.items():
                 self._prefill_batch(reqs, len(prefix))
 
     def _prefill_batch(self, reqs: list, cached: int) -> None:
@@ -325,7 +325,7 @@ class BatchedEngine:
         epoch = -1 if self.prefix is None else self.prefix.epoch
         for r in reqs:
             r.weight_version, r.cached_tokens, r.kv_epoch = self.weight_version, cached, epoch
-        prefix, prefix_routes = (self.prefix.fetch(reqs[0].input_ids, cached) if cached
+        prefix, prefix_routes = (self.prefix.fetch(reqs[0], cached) if cached
                                  else (None, None))
         ids = torch.tensor([r.input_ids[cached:] for r in reqs], dtype=torch.long)
         n, S = ids.shape
@@ -344,12 +344,7 @@ class BatchedEngine:
                     r.routes.append(prefix_routes)
                 r.routes.append(rr)
         if self.prefix is not None:
-            seen = set()
-            for b, r in enumerate(reqs):
-                if tuple(r.input_ids) not in seen:
-                    seen.add(tuple(r.input_ids))
-                    self.prefix.add_prefilled(r, kv, b, np.concatenate(r.routes)
-                                              if capture else None)
+            self.prefix.add_prefill(reqs, kv, bool(capture))
         toks = self._sample_and_record(reqs, logits)
         keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
                 if tok is not None and not self._check_finished(r, tok)]
