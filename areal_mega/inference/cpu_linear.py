@@ -14,7 +14,7 @@ weight changes (a different storage, or an in-place write such as the servers' w
 updates, which bumps the tensor's version counter). The path is used only without autograd
 and for fp32 CPU tensors; anything else goes to ``F.linear``. :func:`fused_linear` does the
 same for several projections of one input at once (q/k/v, gate/up): one matmul, one packed
-weight.
+weight, the layers' forward hooks applied to their slices of the output.
 """
 from __future__ import annotations
 
@@ -89,7 +89,25 @@ def fused_linear(x: torch.Tensor, layers: tuple) -> torch.Tensor:
         cached = (key, w, b)
         layers[0].__dict__["_fused_weights"] = cached
     _, w, b = cached
-    return _onednn_mm(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
+    y = _onednn_mm(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
+    if any(m._forward_hooks for m in layers):
+        y = _run_hooks(x, layers, y)
+    return y
+
+
+def _run_hooks(x: torch.Tensor, layers: tuple, y: torch.Tensor) -> torch.Tensor:
+    """Apply each layer's forward hooks to its slice of the fused output ``y``, as calling
+    the layers one by one would (e.g. LoRA, :mod:`areal_mega.inference.lora_layers`)."""
+    outs, changed, start = [], False, 0
+    for m in layers:
+        out = y[..., start:start + m.out_features]
+        start += m.out_features
+        for hook in m._forward_hooks.values():
+            r = hook(m, (x,), out)
+            if r is not None:
+                out, changed = r, True
+        outs.append(out)
+    return torch.cat(outs, -1) if changed else y
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:

@@ -29,11 +29,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from areal_mega.inference.cpu_linear import pack_linear_layers
 from areal_mega.inference.kv_cache import StaticKVBatch, make_kv_batch
+from areal_mega.inference.lora_layers import take_admissible
 from areal_mega.inference.prefix_reuse import PrefixReuse
 from areal_mega.inference.route_capture import RouteCapture
 from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
@@ -68,6 +68,7 @@ class GenRequest:
     prefix_limit: Optional[int] = None
     cached_tokens: int = 0
     kv_epoch: int = -1
+    lora: Optional[object] = None   # the LoraAdapter it runs with (None: the base model)
 
     def _finish(self, reason: dict) -> None:
         if self.finish_reason is None:
@@ -88,16 +89,18 @@ class BatchedEngine:
     def __init__(self, model, eos_token_id, max_running: int = 64,
                  weight_version: str = "0", decode: Optional[Callable[[list], str]] = None,
                  prepack_linears: bool = True, capture_routes: bool = False,
-                 prefix_cache_mb: float = 0.0):
+                 prefix_cache_mb: float = 0.0, lora=None):
         """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
         only for stop strings. ``prepack_linears``: run the model's linear layers through
         oneDNN with prepacked weights (:mod:`areal_mega.inference.cpu_linear`).
         ``capture_routes``: record the routed experts of requests that ask for them
         (:mod:`areal_mega.inference.route_capture`; ValueError for a dense model).
         ``prefix_cache_mb``: memory budget of the prefix cache (0: no cache; only for the
-        models :class:`~areal_mega.inference.kv_cache.StaticKVBatch` serves)."""
+        models :class:`~areal_mega.inference.kv_cache.StaticKVBatch` serves). ``lora``: the
+        model's :class:`~areal_mega.inference.lora_layers.LoraLayers` (None: no LoRA)."""
         self.model = model
         self.routes = RouteCapture(model) if capture_routes else None
+        self.lora = lora
         self.prepacked_linears = pack_linear_layers(model) if prepack_linears else 0
         self.config = model.config
         if isinstance(eos_token_id, (list, tuple, set, frozenset)):
@@ -247,12 +250,9 @@ class BatchedEngine:
                 # aborted waiting requests finish at once with no output
                 aborted_waiting = [r for r in self._waiting if r.aborted]
                 self._waiting = deque(r for r in self._waiting if not r.aborted)
-                admit = []
-                if not self._paused and not stop:
-                    room = self.max_running - len(self._active)
-                    while self._waiting and room > 0:
-                        admit.append(self._waiting.popleft())
-                        room -= 1
+                admit = [] if self._paused or stop else take_admissible(
+                    self._waiting, self.max_running - len(self._active), self._active,
+                    None if self.lora is None else self.lora.max_per_batch)
                 self._admitting = admit
             for r in aborted_waiting:
                 r._finish({"type": "abort", "message": r.abort_message})
@@ -314,9 +314,10 @@ class BatchedEngine:
                 now, pending = self.prefix.plan(pending)
             groups: dict = {}
             for r, cached in now:
-                key = (tuple(r.input_ids[:cached]), len(r.input_ids) - cached)
+                key = (tuple(r.input_ids[:cached]), len(r.input_ids) - cached,
+                       self.prefix.namespace(r) if cached else None)   # one prefix each
                 groups.setdefault(key, []).append(r)
-            for (prefix, _), reqs in groups.items():
+            for (prefix, *_), reqs in groups.items():
                 self._prefill_batch(reqs, len(prefix))
 
     def _prefill_batch(self, reqs: list, cached: int) -> None:
@@ -324,11 +325,13 @@ class BatchedEngine:
         epoch = -1 if self.prefix is None else self.prefix.epoch
         for r in reqs:
             r.weight_version, r.cached_tokens, r.kv_epoch = self.weight_version, cached, epoch
-        prefix, prefix_routes = (self.prefix.fetch(reqs[0].input_ids, cached) if cached
+        prefix, prefix_routes = (self.prefix.fetch(reqs[0], cached) if cached
                                  else (None, None))
         ids = torch.tensor([r.input_ids[cached:] for r in reqs], dtype=torch.long)
         n, S = ids.shape
         capture = self._begin_routes(reqs)
+        if self.lora is not None:
+            self.lora.set_rows([r.lora for r in reqs])
         t0 = time.perf_counter()
         logits, kv = self._batch.prefill(ids, prefix)
         self.forward_s["prefill"] += time.perf_counter() - t0
@@ -341,12 +344,7 @@ class BatchedEngine:
                     r.routes.append(prefix_routes)
                 r.routes.append(rr)
         if self.prefix is not None:
-            seen = set()
-            for b, r in enumerate(reqs):
-                if tuple(r.input_ids) not in seen:
-                    seen.add(tuple(r.input_ids))
-                    self.prefix.add_prefilled(r, kv, b, np.concatenate(r.routes)
-                                              if capture else None)
+            self.prefix.add_prefill(reqs, kv, bool(capture))
         toks = self._sample_and_record(reqs, logits)
         keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
                 if tok is not None and not self._check_finished(r, tok)]
@@ -360,6 +358,8 @@ class BatchedEngine:
     def _decode_step(self) -> None:
         B = len(self._active)
         capture = self._begin_routes(self._active)
+        if self.lora is not None:
+            self.lora.set_rows([r.lora for r in self._active])
         t0 = time.perf_counter()
         logits = self._batch.decode(self._last_tok)
         self.forward_s["decode"] += time.perf_counter() - t0

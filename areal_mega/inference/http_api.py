@@ -59,8 +59,8 @@ SAMPLING_FIELDS = {
 # sampling keys SGLang honours that change the output in a way this server does not implement
 UNSUPPORTED_SAMPLING = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag")
 # top-level /generate keys that must keep their "off" value here
-UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
-                        "lora_id", "custom_logit_processor", "session_params",
+UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data",
+                        "custom_logit_processor", "session_params",
                         "token_ids_logprob", "return_hidden_states", "return_entropy",
                         "stream")
 
@@ -99,6 +99,22 @@ def ignore_unknown(body: dict, allowed: set, where: str) -> None:
     extra = sorted(set(body) - allowed)
     if extra:
         log.debug("%s: ignoring unknown field(s) %s", where, extra)
+
+
+def version_of(body: dict, where: str) -> Optional[str]:
+    """``body["weight_version"]`` as a string (None if absent; 400 for a container)."""
+    v = body.get("weight_version")
+    if isinstance(v, (dict, list, bool)):
+        raise BadRequest(f"{where}.weight_version={v!r}: expected a string")
+    return None if v is None else str(v)
+
+
+def load_format_of(body: dict, where: str, allowed: tuple) -> None:
+    """400 unless ``body["load_format"]`` is one of ``allowed``."""
+    fmt = body.get("load_format")
+    if fmt not in allowed:
+        raise BadRequest(f"{where}.load_format={fmt!r}: not supported by this server "
+                         f"(supported: {[f for f in allowed if f]})")
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -39,10 +39,12 @@ def needs_forward(start: int, length: int) -> bool:
 
 
 @torch.no_grad()
-def input_token_logprobs(model, prompts: list, starts: list) -> list:
+def input_token_logprobs(model, prompts: list, starts: list, adapters=None, lora=None) -> list:
     """For each prompt and its resolved start ``k``: ``[None] + [log p(ids[t] | ids[:t]) for t
     in k+1 .. L-1]`` (floats). Prompts of equal length that need values share one forward;
-    no padding is ever used, so each row is what a forward of that prompt alone gives."""
+    no padding is ever used, so each row is what a forward of that prompt alone gives.
+    ``lora``: the model's :class:`~areal_mega.inference.lora_layers.LoraLayers`, each prompt
+    forwarded with its adapter of ``adapters`` (None: the base model)."""
     out: list = [None] * len(prompts)
     by_len: dict = {}
     for i, (ids, k) in enumerate(zip(prompts, starts)):
@@ -52,6 +54,8 @@ def input_token_logprobs(model, prompts: list, starts: list) -> list:
             out[i] = [None]
     for rows in by_len.values():
         ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
+        if lora is not None:
+            lora.set_rows([None if adapters is None else adapters[i] for i in rows])
         logits = model(input_ids=ids).logits.float()
         lp = torch.log_softmax(logits[:, :-1], dim=-1)
         picked = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]: p(ids[t+1])

@@ -6,8 +6,13 @@ Endpoints (same paths and JSON fields as SGLang):
 ``POST /generate``, ``/abort_request``, ``/pause_generation``, ``/continue_generation``,
 ``/update_weights_from_disk``, ``/init_weights_update_group``,
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
-``/update_weight_version``, ``/flush_cache``; ``GET /health``, ``/health_generate``,
-``/get_model_info`` (alias ``/model_info``), ``/get_server_info`` (alias ``/server_info``).
+``/update_weight_version``, ``/flush_cache``, ``/load_lora_adapter``,
+``/unload_lora_adapter``; ``GET /health``, ``/health_generate``, ``/get_model_info`` (alias
+``/model_info``), ``/get_server_info`` (alias ``/server_info``).
+LoRA (SGLang's ``--enable-lora``, ``--lora-paths``, ``--max-lora-rank``,
+``--lora-target-modules``, ``--max-loras-per-batch``, ``--max-loaded-loras``): adapters are
+loaded and unloaded by name, and ``/generate``'s ``lora_path`` picks one per prompt; a decode
+batch mixes rows of several adapters and of the base model (:mod:`areal_mega.inference.lora_api`).
 ``--enable-return-routed-experts`` (MoE models): ``/generate`` with ``return_routed_experts``
 answers the tokens' routed experts as SGLang does (:mod:`areal_mega.inference.route_capture`).
 ``--prefix-cache-mb`` (default 512, 0: off): prompt prefixes already forwarded are served from
@@ -57,10 +62,13 @@ from aiohttp import web
 from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
                                            RequestTimeout, error_response, get_field,
-                                           get_int_like, ignore_unknown, parse_dtype,
-                                           parse_generate, parse_logprob_starts,
-                                           parse_routes_start, response_of)
+                                           get_int_like, ignore_unknown, load_format_of,
+                                           parse_dtype, parse_generate, parse_logprob_starts,
+                                           parse_routes_start, response_of, version_of)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
+from areal_mega.inference.lora_api import (add_lora_flags, add_lora_routes, lora_server_info,
+                                           lora_settings_of, release_adapters,
+                                           resolve_adapters)
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
@@ -135,13 +143,22 @@ def build_app(srv: LocalRolloutServer,
         routes = get_field(body, "return_routed_experts", bool, False, "generate") \
             and srv.engine.routes is not None
         routes_start = parse_routes_start(body, prompts) if routes else 0
+        adapters = await resolve_adapters(srv, body, len(prompts))
+        try:
+            return await generate_with(body, prompts, params, n, rids, as_list, starts, routes,
+                                       routes_start, adapters)
+        finally:
+            await release_adapters(srv, adapters)
+
+    async def generate_with(body, prompts, params, n, rids, as_list, starts, routes,
+                            routes_start, adapters):
         version, values = None, [[None]] * len(prompts)
         if starts is not None and any(needs_forward(k, len(p)) for k, p in zip(starts, prompts)):
             # SGLang's input_token_logprobs: one forward per prompt length, between decode steps
 
             def score():
-                return (input_token_logprobs(srv.engine.model, prompts, starts),
-                        srv.engine.weight_version)
+                return (input_token_logprobs(srv.engine.model, prompts, starts, adapters,
+                                             srv.engine.lora), srv.engine.weight_version)
             values, version = await run_blocking(srv.engine.run_exclusive, score)
         loop = asyncio.get_running_loop()
         reqs, futs = [], []
@@ -156,6 +173,7 @@ def build_app(srv: LocalRolloutServer,
             reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
                                    on_done=on_done, generator=gen,
                                    return_routed_experts=routes, routes_start=routes_start,
+                                   lora=adapters[i // n],
                                    # SGLang: with return_logprob no prefix past its start
                                    prefix_limit=None if starts is None else starts[i // n]))
             if version is not None:  # what a prefill-only request reports
@@ -204,18 +222,6 @@ def build_app(srv: LocalRolloutServer,
         await body_of(request, allow_empty=True)
         srv.engine.resume()
         return web.json_response({"success": True})
-
-    def version_of(body: dict, where: str) -> Optional[str]:
-        v = body.get("weight_version")
-        if isinstance(v, (dict, list, bool)):
-            raise BadRequest(f"{where}.weight_version={v!r}: expected a string")
-        return None if v is None else str(v)
-
-    def load_format_of(body: dict, where: str, allowed: tuple) -> None:
-        fmt = body.get("load_format")
-        if fmt not in allowed:
-            raise BadRequest(f"{where}.load_format={fmt!r}: not supported by this server "
-                             f"(supported: {[f for f in allowed if f]})")
 
     async def update_weights_from_disk(request: web.Request):
         body = await body_of(request)
@@ -356,7 +362,7 @@ def build_app(srv: LocalRolloutServer,
             "forward_seconds": dict(e.forward_s), "process_cpu_seconds": time.process_time(),
             "prefix_cache": None if e.prefix is None else e.prefix.stats(),
             "enable_return_routed_experts": e.routes is not None,
-            "receiving_buckets": srv.receiving,
+            "receiving_buckets": srv.receiving, **lora_server_info(srv),
             "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
 
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)
@@ -369,6 +375,7 @@ def build_app(srv: LocalRolloutServer,
             "/update_weight_version": update_weight_version, "/flush_cache": flush_cache}
     for path, h in post.items():
         app.router.add_post(path, h)
+    add_lora_routes(app, srv, body_of)
     for path, h in {"/health": health, "/health_generate": health,
                     "/get_model_info": get_model_info, "/model_info": get_model_info,
                     "/get_server_info": get_server_info, "/server_info": get_server_info,
@@ -408,7 +415,9 @@ def main(argv: Optional[list] = None) -> None:
                     help="memory budget of the prefix cache (keys/values of prompts and "
                          "finished sequences reused by later requests); 0 disables it")
     ap.add_argument("--log-level", default="WARNING")
+    add_lora_flags(ap)
     args = ap.parse_args(argv)
+    lora = lora_settings_of(args, ap)
     if not args.idle_timeout > 0:
         ap.error(f"--idle-timeout={args.idle_timeout}: must be > 0")
     if not args.prefix_cache_mb >= 0:
@@ -426,7 +435,7 @@ def main(argv: Optional[list] = None) -> None:
     srv = LocalRolloutServer(args.model_path, max_running=args.max_running_requests,
                              api_key=args.api_key, max_context=args.max_context,
                              enable_return_routed_experts=args.enable_return_routed_experts,
-                             prefix_cache_mb=args.prefix_cache_mb)
+                             prefix_cache_mb=args.prefix_cache_mb, lora=lora)
     print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
           flush=True)
     web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,

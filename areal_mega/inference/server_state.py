@@ -21,6 +21,8 @@ import torch
 
 from areal_mega.inference.decoding import BatchedEngine
 from areal_mega.inference.http_api import BadRequest, Conflict, parse_dtype
+from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_adapter
+from areal_mega.inference.lora_layers import LoraLayers
 from areal_mega.inference.param_targets import ParamTargets
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
@@ -35,10 +37,13 @@ class LocalRolloutServer:
 
     def __init__(self, model_path: str, max_running: int = 64, api_key: Optional[str] = None,
                  max_context: Optional[int] = None, enable_return_routed_experts: bool = False,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 lora: Optional[LoraSettings] = None):
         """``enable_return_routed_experts``: capture MoE routes for requests asking for them
         (ValueError for a dense model). ``prefix_cache_mb``: memory budget of the prefix
-        cache (0: none; :mod:`areal_mega.inference.prefix_reuse`)."""
+        cache (0: none; :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
+        (:mod:`areal_mega.inference.lora_api`); its ``--lora-paths`` are loaded here
+        (ValueError naming a bad one)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -58,10 +63,20 @@ class LocalRolloutServer:
         self.decode = None
         if self.tokenizer is not None:
             self.decode = lambda ids, **kw: self.tokenizer.decode(ids, **kw)
+        self.lora_settings = lora or LoraSettings()
+        layers = None
+        if self.lora_settings.enabled:
+            layers = LoraLayers(self.model, self.lora_settings.targets,
+                                self.lora_settings.max_per_batch)
+        self.lora_registry = LoraRegistry(self.lora_settings,
+                                          {} if layers is None else layers.modules)
+        for p in self.lora_settings.preload:
+            self.lora_registry.add(self.read_lora_adapter(p["lora_name"], p["lora_path"],
+                                                          p["pinned"]))
         self.engine = BatchedEngine(self.model, eos_token_id=eos, max_running=max_running,
                                     decode=self.decode,
                                     capture_routes=enable_return_routed_experts,
-                                    prefix_cache_mb=prefix_cache_mb)
+                                    prefix_cache_mb=prefix_cache_mb, lora=layers)
         self.groups: dict = {}  # group name -> process group
         self.joining: set = set()  # group names whose rendezvous is in progress
         self.receiving = 0         # buckets of a distributed weight update being received
@@ -69,6 +84,10 @@ class LocalRolloutServer:
         self._params = dict(self.model.named_parameters())
         self._targets = ParamTargets(self.model.state_dict())
         self.started_at = time.time()
+
+    def read_lora_adapter(self, name: str, path: str, pinned: bool = False):
+        """Read and check one PEFT adapter directory for this model (ValueError)."""
+        return read_adapter(name, path, self.lora_settings, self.lora_registry.modules, pinned)
 
     # ---------------------------------------------------------------- weights
     def _assign(self, tensors: dict, version: Optional[str]) -> None:

@@ -6,7 +6,9 @@ One :class:`RolloutClient` talks to several servers:
 - a connection error, timeout or 5xx marks the server down and the request is retried on another
   server after an exponential backoff (``retries`` times); nothing is dropped. HTTP 4xx is the
   caller's fault and raises :class:`RolloutRequestError` at once;
-- control calls (pause, continue, weight updates, flush) go to every live server.
+- control calls (pause, continue, weight updates, LoRA adapter loads, flush) go to every live
+  server. A LoRA trainer swaps each published version with ``pause``, ``load_lora_adapter``,
+  ``unload_lora_adapter`` (the old one), ``resume``, then resubmits with the new name.
 
 The server set is public (:attr:`RolloutClient.addrs`, ``set_servers``, ``add_server``,
 ``remove_server``). What varies between uses is composed in, not subclassed: the
@@ -166,8 +168,9 @@ class RolloutClient:
             text = await resp.text()
             if resp.status >= 400:
                 msg = text
-                try:
-                    msg = (await resp.json(content_type=None))["error"]["message"]
+                try:   # SGLang's error object, or a LoRA call's error_message
+                    j = await resp.json(content_type=None)
+                    msg = j["error"]["message"] if "error" in j else j["error_message"]
                 except Exception:  # noqa: BLE001 - keep the raw text
                     pass
                 if 400 <= resp.status < 500:
@@ -218,16 +221,17 @@ class RolloutClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list, sampling_params: dict, rid: Optional[str] = None,
                        sticky_key: Optional[str] = None,
-                       return_routed_experts: bool = False,
-                       routes_from: int = 0) -> GenerateResult:
+                       return_routed_experts: bool = False, routes_from: int = 0,
+                       lora_path: Optional[str] = None) -> GenerateResult:
         """``POST /generate`` with logprobs on the least-loaded server, retrying elsewhere on
         failure. Returns the parsed result (``finish_type`` is stop/length/abort). When every
         try failed for want of a server and ``hooks.down_wait_s`` is set, waits up to that
         long for one to come back (:meth:`wait_for_server`) and tries again.
         ``return_routed_experts``: ask for SGLang's routes (``GenerateResult.routed_experts``,
-        still encoded), from position ``routes_from`` on (``routed_experts_start_len``)."""
+        still encoded), from position ``routes_from`` on (``routed_experts_start_len``).
+        ``lora_path``: the name of a loaded LoRA adapter to generate with (None: base model)."""
         body = generate_body(input_ids, sampling_params, rid, return_routed_experts,
-                             routes_from)
+                             routes_from, lora_path)
         wait_s = self.hooks.down_wait_s
         deadline = time.monotonic() + (wait_s or 0.0)
         while True:
@@ -311,6 +315,19 @@ class RolloutClient:
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         await self._broadcast("/update_weights_from_disk", body)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                pinned: bool = False) -> list:
+        """SGLang's ``POST /load_lora_adapter`` on every live server; returns the answers
+        (``success``, ``error_message``, ``loaded_adapters``); a refusal (HTTP 400) raises
+        :class:`RolloutRequestError` carrying the server's answer."""
+        return await self._broadcast("/load_lora_adapter", {
+            "lora_name": lora_name, "lora_path": lora_path, "pinned": bool(pinned)})
+
+    async def unload_lora_adapter(self, lora_name: str) -> list:
+        """``POST /unload_lora_adapter`` on every live server (each answers once no request
+        uses the adapter); raises on a refusal like :meth:`load_lora_adapter`."""
+        return await self._broadcast("/unload_lora_adapter", {"lora_name": lora_name})
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int, group_name: str, backend: str,

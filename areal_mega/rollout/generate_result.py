@@ -38,14 +38,18 @@ class GenerateResult:
 
 
 def generate_body(input_ids: list, sampling_params: dict, rid: Optional[str] = None,
-                  return_routed_experts: bool = False, routes_from: int = 0) -> dict:
+                  return_routed_experts: bool = False, routes_from: int = 0,
+                  lora_path: Optional[str] = None) -> dict:
     """The JSON body of one ``/generate`` call (token ids in, logprobs out, no streaming);
     routes only from position ``routes_from`` (SGLang's ``routed_experts_start_len``: a
-    resumed call needs none of the positions routed before)."""
+    resumed call needs none of the positions routed before); ``lora_path``: the LoRA adapter
+    name (SGLang's field; None: the base model)."""
     body = {"input_ids": list(input_ids), "sampling_params": sampling_params,
             "return_logprob": True, "stream": False}
     if rid is not None:
         body["rid"] = rid
+    if lora_path is not None:
+        body["lora_path"] = lora_path
     if return_routed_experts:
         body["return_routed_experts"] = True
         if routes_from:
