@@ -75,6 +75,9 @@ class RolloutClient:
         self._sticky: dict[str, _Server] = {}
         self._session: Optional[aiohttp.ClientSession] = None
         self._health_lock: Optional[asyncio.Lock] = None
+        # the LoRA adapter every generate uses unless told otherwise: a LoRA run's current
+        # policy (set by areal_mega.rollout.lora_sync); None: the base model
+        self.lora_name: Optional[str] = None
 
     # ------------------------------------------------------------------ the server set
     @property
@@ -229,9 +232,10 @@ class RolloutClient:
         long for one to come back (:meth:`wait_for_server`) and tries again.
         ``return_routed_experts``: ask for SGLang's routes (``GenerateResult.routed_experts``,
         still encoded), from position ``routes_from`` on (``routed_experts_start_len``).
-        ``lora_path``: the name of a loaded LoRA adapter to generate with (None: base model)."""
+        ``lora_path``: the name of a loaded LoRA adapter to generate with (default
+        :attr:`lora_name`; None there too: the base model)."""
         body = generate_body(input_ids, sampling_params, rid, return_routed_experts,
-                             routes_from, lora_path)
+                             routes_from, lora_path if lora_path is not None else self.lora_name)
         wait_s = self.hooks.down_wait_s
         deadline = time.monotonic() + (wait_s or 0.0)
         while True:
