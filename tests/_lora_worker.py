@@ -25,12 +25,13 @@ RANK8 = dict(rank=8, alpha=16.0)
 MESH = [None]
 
 
-def set_mesh(sp=False, **dims):
+def set_mesh(sp=False, vpp=None, **dims):
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
     if MESH[0] is not None:
         MESH[0].destroy()
-    MESH[0] = ParallelMesh.create(ParallelDims(**dims), sequence_parallel=sp, timeout_s=120)
+    MESH[0] = ParallelMesh.create(ParallelDims(**dims), sequence_parallel=sp, vpp=vpp,
+                                  timeout_s=120)
     return MESH[0]
 
 
@@ -100,7 +101,8 @@ def make_data(seed, pad=2, vocab=100):
     return mbs
 
 
-MODELS = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16)}
+MODELS = {"qwen3": dict(head_dim=16), "qwen3_moe": dict(head_dim=16),
+          "llama": dict(num_layers=4)}     # 4 layers: PP2 x VPP2
 
 
 def model_paths(tmp, arch):
@@ -185,6 +187,12 @@ def scenario_layouts(res, tmp):
     ref_sub = reference(hf, ckpt, sub, mbs, tmp, "ref_subset")   # on the d2 mesh
     set_mesh(tp=world)
     check(res, "tp2_subset", ref_sub, hf, ckpt, sub, mbs, ref_sub["lps"])
+    # the interleaved pipeline: PP2 x VPP2 over a 4-layer model
+    set_mesh(dp=world)
+    hf4, ckpt4 = model_paths(tmp, "llama")
+    ref_vpp = reference(hf4, ckpt4, lora, mbs, tmp, "ref_vpp")
+    set_mesh(pp=world, vpp=2)
+    check(res, "pp2vpp2", ref_vpp, hf4, ckpt4, lora, mbs, ref_vpp["lps"])
 
 
 def scenario_moe(res, tmp):

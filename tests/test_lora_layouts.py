@@ -4,8 +4,8 @@ A TP1 reference actor with random adapters writes them as a PEFT directory; each
 its base from the converted checkpoint and its adapters from that directory, then its
 logprobs, the adapters' gradients (gathered under their PEFT names), the loss and the adapters
 after one Adam step must equal the reference's: DP2 (regular and distributed optimizer), TP2,
-TP2 + sequence parallelism, PP2, TP2 with a subset of the projections, and EP2 on a MoE model
-(attention adapters). Only the adapters train: they are the trainable parameters and all the
+TP2 + sequence parallelism, PP2, PP2 x VPP2 (4 layers), TP2 with a subset of the projections,
+and EP2 on a MoE model (attention adapters). Only the adapters train: they are the trainable parameters and all the
 optimizer holds.
 """
 import os
@@ -40,7 +40,8 @@ def dense(models):
     return launch("layouts", models)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2_distopt", "tp2", "tp2sp", "pp2", "tp2_subset"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2_distopt", "tp2", "tp2sp", "pp2", "tp2_subset",
+                                    "pp2vpp2"])
 def test_dense_layouts_equal_one_rank(dense, layout):
     whats = ["logprobs", "loss", "step"] + ([] if layout == "dp2_distopt" else ["grads"])
     for r in dense:
