@@ -67,12 +67,19 @@ def _run(cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 
 
 
 def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
-    """Exact-match accuracy of greedy decoding on held-out prompts (transformers, CPU)."""
+    """Exact-match accuracy of greedy decoding on held-out prompts (transformers, CPU). A
+    LoRA run's published adapter (a PEFT directory) runs on its base model with ``peft``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    adapter = (model_dir / "adapter_config.json").is_file()
+    base = json.loads((model_dir / "adapter_config.json").read_text())[
+        "base_model_name_or_path"] if adapter else model_dir
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, model_dir).eval()
     rows = [json.loads(line) for line in test_file.read_text().splitlines()[:n]]
     prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     width = max(len(p) for p in prompts)
