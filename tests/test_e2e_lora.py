@@ -58,3 +58,38 @@ def test_lora_run_serves_the_trainers_model_and_resumes(sync, assets, tmp_path):
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["mismatch"] <= 1e-5 and rows[-1]["kl_ref"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_lora_sft_exports_the_merged_model_and_its_adapter(assets, tmp_path):
+    """LoRA SFT trains the adapters; its ``hf_model`` has them merged in and equals the base
+    model with its ``adapter`` in ``peft``."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from test_e2e_async_rl import ROOT
+    model, data = assets
+    run = tmp_path / "sft"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_mega.trainer", "--config",
+         str(ROOT / "recipes" / "tiny-cpu.yaml"), "mode=sft", f"model.path={model}",
+         f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
+         f"logging.run_dir={run}", "logging.progress_bar=false", "logging.tensorboard=false",
+         "total_steps=4", "optimizer.lr=1e-2", "optimizer.warmup_steps=0", "recover=off",
+         "checkpoint.save_every=0", "lora.enabled=true", "lora.rank=4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4, 6, 8]])
+    with torch.no_grad():
+        merged = load(run / "hf_model")(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(load(model), run / "adapter")(input_ids=ids).logits
+        base = load(model)(input_ids=ids).logits
+    assert (merged - peft).abs().max() < 1e-4
+    assert (merged - base).abs().max() > 1e-4          # the adapters trained

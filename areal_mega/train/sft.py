@@ -3,7 +3,8 @@
 Used to warm-start the CPU demo before RL, and by users (``mode=sft``). Each step takes
 ``data.sft_batch_size`` examples (shuffled per epoch, resumable), packs them into token-budget
 micro-batches over the DP ranks, and minimises the mean negative log-likelihood of the answer
-tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_model``.
+tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_model`` (with
+``lora.enabled``: the adapters merged in, and the adapter alone in ``<run_dir>/adapter``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
 
 def run_sft(s) -> None:
     """Train ``cfg.total_steps`` SFT steps on ``data.train_path``; export the HF model."""
+    from areal_mega.lora.actor import merged_deltas, publish_adapter
     from areal_mega.scheduler.packing import pack_sequences
     from areal_mega.train.weights import export_hf_dir
 
@@ -79,7 +81,13 @@ def run_sft(s) -> None:
                      "lr": st["lr"], "time/step": dt,
                      "tokens/s": batch.stats["n_tokens_total"] / max(dt, 1e-9)})
         s.maybe_checkpoint(step)
-    export_hf_dir(s.actor, cfg.model.path, s.run_dir / "hf_model", is_writer=s.is_rank0)
+    lora = s.actor.lora         # LoRA SFT: the adapters merged in (and, apart, as PEFT)
+    export_hf_dir(s.actor, cfg.model.path, s.run_dir / "hf_model", is_writer=s.is_rank0,
+                  deltas=merged_deltas(s.actor) if lora is not None else None)
+    if lora is not None:
+        publish_adapter(s.actor, s.run_dir / "adapter", base_model=cfg.model.path,
+                        is_writer=s.is_rank0)
     if s.is_rank0:
-        print(f"[areal-mega] SFT model (HF format): {s.run_dir / 'hf_model'}")
+        print(f"[areal-mega] SFT model (HF format): {s.run_dir / 'hf_model'}" +
+              (f"; its LoRA adapter (PEFT): {s.run_dir / 'adapter'}" if lora else ""))
     s.finish()
