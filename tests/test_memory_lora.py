@@ -1,7 +1,7 @@
 """The ``--dry-run`` memory estimate of a LoRA run (pure arithmetic, hand-computed): the frozen
 base has no gradients or optimizer state, the adapters (r·(in+out) per targeted projection,
 split by TP as the adapters are) carry weights + fp32 gradients + Adam, the reference model is
-free; a separate reference of a full run costs its weights. Plus a LoRA recipe's dry run."""
+free; a separate reference of a full run costs its weights. Plus the LoRA recipes' dry runs."""
 import subprocess
 import sys
 from pathlib import Path
@@ -93,11 +93,24 @@ def test_moe_attention_adapters_and_fp32():
     assert n == 48 * 557056
 
 
+def _dry_run(recipe, *overrides):
+    return subprocess.run([sys.executable, "-m", "areal_mega.launch.local", "--config",
+                           str(ROOT / "recipes" / recipe), "--dry-run", *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 def test_dry_run_of_a_lora_recipe_counts_the_adapters():
-    r = subprocess.run([sys.executable, "-m", "areal_mega.launch.local", "--config",
-                        str(ROOT / "recipes" / "tiny-cpu.yaml"), "--dry-run", "lora.enabled=true",
-                        "lora.rank=8", "ref.enabled=true"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = _dry_run("qwen2.5-7b-math-lora.yaml", "ref.enabled=true")
     assert r.returncode == 0, r.stderr
-    assert "LoRA r=8:" in r.stdout and "trainable params" in r.stdout, r.stdout
-    assert "reference" not in r.stdout.split("LoRA r=8:")[1].split("\n")[1], r.stdout
+    # all seven projections of Qwen2.5-7B at r=32: 80.7M (PEFT's count for this model)
+    assert "LoRA r=32: 80.7M trainable params (80.7M on this GPU)" in r.stdout, r.stdout
+    assert "weight update: disk" in r.stdout and "| reference" not in r.stdout, r.stdout
+    full = _dry_run("qwen2.5-7b-math.yaml", "ref.enabled=true")
+    assert full.returncode == 0 and "| reference 7.09 GiB" in full.stdout, full.stdout
+
+
+def test_moe_lora_recipe_targets_attention_only():
+    r = _dry_run("qwen3-30b-a3b-math-lora.yaml")
+    assert r.returncode == 0 and "LoRA r=32: 26.7M trainable params" in r.stdout, r.stderr
+    bad = _dry_run("qwen3-30b-a3b-math-lora.yaml", "lora.target_modules=[q_proj,gate_proj]")
+    assert bad.returncode == 2 and "'gate_proj' on an MoE model" in bad.stderr, bad.stderr

@@ -104,7 +104,7 @@ def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]
     a = layout.allocation
     try:
         mode = resolve_weight_update(cfg.rollout.weight_update, cuda=layout.device == "cuda",
-                                     pp=a.trainer.pp)
+                                     pp=a.trainer.pp, lora=cfg.lora.enabled)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if mode != "distributed":
