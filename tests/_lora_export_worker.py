@@ -7,8 +7,8 @@ Everything is production code (tests/_lora_worker.py's helpers): a tiny qwen3 mo
 to a base checkpoint, a LoRA actor (rank 8, all seven projections) with random adapters, one
 training step, then ``engine.save`` into ``<out_dir>/run/checkpoints`` with the ``lora`` record
 a training run writes (:func:`areal_mega.lora.actor.checkpoint_extra`). The actor's logprobs
-after the step and the micro-batches they belong to go to ``<out_dir>/expected.pt``; a full
-(non-LoRA) checkpoint of the same model goes to ``<out_dir>/full_ckpt``.
+after the step and the micro-batches they belong to go to ``<out_dir>/expected.pt``; the
+converted base (``<out_dir>/mcore_qwen3``) is a full, non-LoRA checkpoint.
 """
 import json
 import os

@@ -5,10 +5,14 @@ one training step, ``engine.save`` with the ``lora`` record), checked with the r
   training engine's logprobs at that checkpoint (fp32);
 * the ``--merge-into`` directory, loaded by transformers, equals
   ``PeftModel(...).merge_and_unload()`` and the engine;
+* the rows of gate/up ``lora_B`` that Megatron-Bridge saves with SwiGLU sharding at TP > 1
+  come back in PEFT order (a TP2 save exports bit-equal to the TP1 one; checked by hand, the
+  ordering itself here);
 * refusals name the file: a full (non-LoRA) checkpoint, a base whose files differ from the
   recorded identity, a missing base, a non-empty output, a missing checkpoint.
 """
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +22,7 @@ import torch
 
 from areal_mega.checkpoint.dist_ckpt import CheckpointError
 from areal_mega.lora.ckpt_export import (checkpoint_peft_tensors, export_peft_adapter,
-                                         open_lora_checkpoint)
+                                         open_lora_checkpoint, unsplit_swiglu_rows)
 from tests._convert_fixture import ROOT
 from tests._lora_worker import hf_logprobs, max_diff
 
@@ -34,7 +38,6 @@ def _tool(*args):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_export")
-    import os
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     p = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=400)
@@ -122,3 +125,13 @@ def test_missing_checkpoint_and_non_empty_output_are_refused(run, tmp_path):
 def test_nothing_to_do_is_an_argument_error(run):
     p = _tool("--ckpt", str(run / "run" / "checkpoints"))
     assert p.returncode == 2 and "nothing to do" in p.stderr, p.stderr[-2000:]
+
+
+def test_swiglu_saved_rows_come_back_in_rank_order():
+    # TP 2, 8 rows: rank 0 holds local rows 0-3 = [w0 (0, 1); v0 (2, 3)], rank 1 rows 4-7;
+    # megatron's SwiGLU factory stores [w0; w1; v0; v1]
+    saved = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]).float()[:, None]
+    assert unsplit_swiglu_rows(saved, 2)[:, 0].tolist() == list(range(8))
+    assert torch.equal(unsplit_swiglu_rows(saved, 1), saved)     # TP 1: stored as is
+    with pytest.raises(ValueError, match="6 rows do not split into 2 x 2"):
+        unsplit_swiglu_rows(torch.zeros(6, 1), 2)
