@@ -43,8 +43,8 @@ from areal_mega.inference.process import build_sglang_command
 from areal_mega.lora.targets import lora_server_flags
 from areal_mega.rollout.routes import replay_server_flags
 from areal_mega.launch.elastic import start_scale_service
-from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory, resolve_hparams,
-                                      rollout_memory)
+from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory,
+                                      lora_estimate_args, resolve_hparams, rollout_memory)
 from areal_mega.launch.plan import Layout, plan_layout
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
@@ -105,7 +105,7 @@ def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]
     a = layout.allocation
     try:
         mode = resolve_weight_update(cfg.rollout.weight_update, cuda=layout.device == "cuda",
-                                     pp=a.trainer.pp)
+                                     pp=a.trainer.pp, lora=cfg.lora.enabled)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if mode != "distributed":
@@ -147,7 +147,8 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
                           use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
                           tokens_per_mb=cfg.scheduler.max_tokens_per_mb, recompute=recompute,
                           sequence_parallel=cfg.actor.sequence_parallel,
-                          overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES)
+                          overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES,
+                          reference=cfg.ref.enabled, **lora_estimate_args(cfg.lora))
     cap = None if layout.device == "cpu" else cfg.cluster.gpu_memory_gb
     where = "process" if layout.device == "cpu" else "GPU"
     out.append(f"trainer memory per {where} (model numbers from {source}; "

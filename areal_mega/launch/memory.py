@@ -23,6 +23,12 @@ The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
 - logits: ``tokens · V / tp`` elements × 4 bytes (bf16 logits + their gradient; fp32: 8), last
   stage.
 - a fixed ``overhead_bytes`` (CUDA context, NCCL buffers, allocator slack).
+- ``reference``: a separate reference model (``ref.enabled`` without LoRA) on the trainer GPUs,
+  its weights only (same layout, no gradients or optimizer).
+- LoRA (``lora_rank`` > 0, :func:`lora_param_counts`): the base is frozen, so gradients and the
+  optimizer hold the adapters alone (same bytes per parameter as above); the adapters add their
+  weights; the reference is the actor with its adapters off (free). Activations are unchanged
+  (the backward still runs through every layer; the adapters' ``[tokens, r]`` are negligible).
 
 It is an upper-bound planning number, not a measurement: compare with ``cluster.gpu_memory_gb``.
 """
@@ -35,6 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_mega.config import ConfigError, ModelHParams
+from areal_mega.lora.targets import LoraSupportError, hf_targets
 from areal_mega.parallel.allocation import ParallelDims
 
 GiB = 1024 ** 3
@@ -58,6 +65,11 @@ KNOWN_MODELS: dict[str, ModelHParams] = {
 }
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: PEFT projection -> (input size, output size, row-parallel base) from (h, q, kv, ffn) widths
+_LORA_PROJ = {"q_proj": (0, 1, False), "k_proj": (0, 2, False), "v_proj": (0, 2, False),
+              "o_proj": (1, 0, True), "gate_proj": (0, 3, False), "up_proj": (0, 3, False),
+              "down_proj": (3, 0, True)}
+_MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,46 @@ def count_params(hp: ModelHParams) -> ParamCounts:
                        moe_topk=hp.moe_topk, num_experts=hp.num_experts, final_norm=h)
 
 
+def lora_param_counts(hp: ModelHParams, rank: int, targets, tp: int = 1,
+                      layers: Optional[int] = None) -> tuple[int, float]:
+    """``(adapter parameters of the whole model, of one TP rank over ``layers`` layers)`` for
+    LoRA of ``rank`` on the PEFT ``targets``: each targeted projection of each layer has
+    ``A [r, in]`` and ``B [out, r]``. Column-parallel bases (q/k/v, gate/up) split both by
+    ``tp``; row-parallel ones (o, down) split ``A`` on its input and keep ``B`` whole.
+    ``layers``: default all. Raises ``ConfigError`` for an unknown target or MLP targets on an
+    MoE model (expert MLPs take no adapters)."""
+    if rank < 1:
+        raise ConfigError(f"lora.rank={rank}: must be >= 1")
+    h = hp.hidden_size
+    hd = hp.head_dim or h // hp.num_attention_heads
+    widths = (h, hp.num_attention_heads * hd, (hp.num_kv_heads or hp.num_attention_heads) * hd,
+              hp.ffn_hidden_size)
+    full = per_rank = 0.0
+    for t in targets:
+        if t not in _LORA_PROJ:
+            raise ConfigError(f"lora.target_modules: {t!r} is not one of {sorted(_LORA_PROJ)}")
+        if t in _MLP_PROJ and hp.num_experts:
+            raise ConfigError(f"lora.target_modules: {t!r} on an MoE model (expert MLPs take "
+                              "no LoRA adapters; target attention only)")
+        i, o, row = _LORA_PROJ[t]
+        n_in, n_out = widths[i], widths[o]
+        full += rank * (n_in + n_out)
+        per_rank += rank * n_in / tp + rank * n_out / (1 if row else tp)
+    n_layers = hp.num_layers if layers is None else layers
+    return int(full * hp.num_layers), per_rank * n_layers
+
+
+def lora_estimate_args(lora_cfg) -> dict:
+    """The :func:`estimate_memory` keywords of a ``lora`` config section (none when off)."""
+    if lora_cfg is None or not lora_cfg.enabled:
+        return {}
+    try:
+        targets = hf_targets(lora_cfg.target_modules)
+    except LoraSupportError as e:
+        raise ConfigError(str(e)) from None
+    return {"lora_rank": int(lora_cfg.rank), "lora_targets": targets}
+
+
 def fmt_bytes(n: float) -> str:
     """``12.34 GiB`` / ``5.6 MiB`` / ``12 KiB``."""
     for unit, size in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
@@ -144,23 +196,34 @@ class MemoryEstimate:
     total_params: int
     active_params: int
     notes: list = field(default_factory=list)
+    reference: float = 0.0          # a separate reference model's weights
+    lora_rank: int = 0              # 0: full training
+    trainable_params: int = 0       # LoRA: adapter parameters of the whole model
+    trainable_per_gpu: int = 0
+
+    _KEYS = ("weights", "grads", "optimizer", "activations", "logits", "overhead")
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations + self.logits
-                + self.overhead)
+                + self.overhead + self.reference)
 
     def as_gib(self) -> dict:
-        keys = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "total")
+        keys = self._KEYS + ("reference", "total")
         return {k: round(getattr(self, k) / GiB, 2) for k in keys}
 
     def format(self, capacity_gb: Optional[float] = None, unit: str = "GPU") -> str:
-        parts = " | ".join(f"{k} {fmt_bytes(getattr(self, k))}" for k in
-                           ("weights", "grads", "optimizer", "activations", "logits", "overhead"))
+        keys = self._KEYS + (("reference",) if self.reference else ())
+        parts = " | ".join(f"{k} {fmt_bytes(getattr(self, k))}" for k in keys)
         lines = [f"  model: {fmt_count(self.total_params)} params ({fmt_count(self.active_params)}"
                  f" active); this {unit} holds {fmt_count(self.params_per_gpu)} params, "
-                 f"{self.layers_per_stage} layers", f"  {parts}",
-                 f"  total {fmt_bytes(self.total)} per {unit}"]
+                 f"{self.layers_per_stage} layers"]
+        if self.lora_rank:
+            lines.append(f"  LoRA r={self.lora_rank}: {fmt_count(self.trainable_params)} "
+                         f"trainable params ({fmt_count(self.trainable_per_gpu)} on this {unit}); "
+                         "the frozen base has no gradients or optimizer state; the reference "
+                         "is the actor with its adapters off")
+        lines += [f"  {parts}", f"  total {fmt_bytes(self.total)} per {unit}"]
         if capacity_gb:
             pct = 100.0 * self.total / (capacity_gb * GiB)
             verdict = "fits" if pct <= 100 else "DOES NOT FIT"
@@ -172,8 +235,11 @@ class MemoryEstimate:
 def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
                     use_distributed_optimizer: bool = True, tokens_per_mb: int = 8192,
                     recompute: Optional[str] = None, sequence_parallel: Optional[bool] = None,
-                    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES) -> MemoryEstimate:
-    """Per-GPU memory of the most loaded trainer GPU (see the module docstring)."""
+                    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES, reference: bool = False,
+                    lora_rank: int = 0, lora_targets=()) -> MemoryEstimate:
+    """Per-GPU memory of the most loaded trainer GPU (see the module docstring).
+    ``reference``: a separate reference model shares the GPUs (ignored with LoRA, whose
+    reference is free); ``lora_rank`` > 0: LoRA on the PEFT ``lora_targets``."""
     if dtype not in _BYTES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(_BYTES)}")
     if recompute not in (None, "full", "selective"):
@@ -196,6 +262,14 @@ def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
     dense_shard = dims.dp * cp if use_distributed_optimizer else 1
     expert_shard = max(1, dims.dp * cp // ep) if use_distributed_optimizer else 1
     optimizer = opt_b * (dense_gpu / dense_shard + expert_gpu / expert_shard)
+    grads = grad_b * params_gpu
+    ref_bytes = w * params_gpu if reference and not lora_rank else 0.0
+    lora_full = lora_gpu = 0
+    if lora_rank:
+        lora_full, lora_gpu = lora_param_counts(hp, lora_rank, lora_targets, tp, lps)
+        grads = grad_b * lora_gpu
+        optimizer = opt_b * lora_gpu / dense_shard
+        params_gpu += lora_gpu
 
     h = hp.hidden_size
     heads = hp.num_attention_heads
@@ -224,10 +298,12 @@ def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
     logits = tokens * hp.vocab_size / tp * 2 * act_b
     if hp.num_layers % pp:
         notes.append(f"num_layers={hp.num_layers} is not divisible by pp={pp}")
-    return MemoryEstimate(weights=w * params_gpu, grads=grad_b * params_gpu, optimizer=optimizer,
+    return MemoryEstimate(weights=w * params_gpu, grads=grads, optimizer=optimizer,
                           activations=activations, logits=logits, overhead=overhead_bytes,
                           params_per_gpu=int(params_gpu), layers_per_stage=lps,
-                          total_params=c.total, active_params=c.active, notes=notes)
+                          total_params=c.total + lora_full, active_params=c.active + lora_full,
+                          notes=notes, reference=ref_bytes, lora_rank=lora_rank,
+                          trainable_params=lora_full, trainable_per_gpu=int(lora_gpu))
 
 
 def rollout_memory(hp: ModelHParams, tp: int, pp: int = 1, gpu_memory_gb: float = 80.0,

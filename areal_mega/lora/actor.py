@@ -116,11 +116,7 @@ def publish_adapter(engine, out, *, base_model: str, is_writer: bool):
 def merged_deltas(engine) -> Dict[str, torch.Tensor]:
     """``{HF weight name: (alpha / r) · B @ A}`` of this pipeline stage's adapted weights
     (fp32, full; collective over the TP group)."""
-    from areal_mega.lora.peft_io import iter_peft_tensors
+    from areal_mega.lora.peft_io import iter_peft_tensors, peft_deltas
     st = engine.lora
-    pieces: Dict[str, Dict[str, torch.Tensor]] = {}
-    for name, t in iter_peft_tensors(engine.model, engine.arch, rank=st.rank):
-        module, kind = name[len("base_model.model."):].rsplit(".", 2)[:2]
-        pieces.setdefault(module + ".weight", {})[kind] = t
-    scale = st.alpha / st.rank
-    return {w: scale * (p["lora_B"] @ p["lora_A"]) for w, p in pieces.items()}
+    return peft_deltas(dict(iter_peft_tensors(engine.model, engine.arch, rank=st.rank)),
+                       rank=st.rank, alpha=st.alpha)

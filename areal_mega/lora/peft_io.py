@@ -24,7 +24,8 @@ from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.lora.targets import CANONICAL_TO_HF
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_config", "iter_peft_tensors",
-           "write_peft_adapter", "load_peft_adapter", "read_peft_adapter", "PeftFormatError"]
+           "write_peft_adapter", "load_peft_adapter", "read_peft_adapter", "PeftFormatError",
+           "peft_deltas"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -115,6 +116,17 @@ def iter_peft_tensors(chunks: Sequence[torch.nn.Module], arch, *, rank: int, tp_
                     dist.all_gather(parts, t.contiguous(), group=tp_group)
                     t = torch.cat(parts, dim=axis)
                 yield name, t.to("cpu", torch.float32, copy=True).contiguous()
+
+
+def peft_deltas(tensors: Dict[str, torch.Tensor], *, rank: int, alpha: float
+                ) -> Dict[str, torch.Tensor]:
+    """``{HF weight name: (alpha / rank) · B @ A}`` of PEFT-named adapter tensors (fp32)."""
+    pieces: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        module, kind = name[len("base_model.model."):].rsplit(".", 2)[:2]
+        pieces.setdefault(module + ".weight", {})[kind] = t
+    scale = float(alpha) / int(rank)
+    return {w: scale * (p["lora_B"] @ p["lora_A"]) for w, p in pieces.items()}
 
 
 def _barrier():
