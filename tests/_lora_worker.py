@@ -176,9 +176,17 @@ def scenario_layouts(res, tmp):
     sp_mbs = make_data(1, pad=world)
     ref_sp = reference(hf, ckpt, lora, sp_mbs, tmp, "ref_sp")
     set_mesh(tp=world)
-    check(res, "tp2", ref, hf, ckpt, lora, mbs, ref["lps"])
+    eng = check(res, "tp2", ref, hf, ckpt, lora, mbs, ref["lps"])
+    saved_tp2 = os.path.join(tmp, "ckpt_tp2")
+    eng.save(saved_tp2)          # adapters + Adam after the step, resumed at TP1 below
+    del eng
     set_mesh(tp=world, sp=True)
     check(res, "tp2sp", ref_sp, hf, ckpt, lora, sp_mbs, ref_sp["lps"])
+    set_mesh(dp=world)
+    eng = engine(hf, ckpt, lora)
+    eng.load(saved_tp2)
+    res["ckpt_tp2_to_tp1"] = worst(peft_tensors(eng), ref["after"])
+    del eng
     set_mesh(pp=world)
     check(res, "pp2", ref, hf, ckpt, lora, mbs, ref["lps"])
     # a subset of the projections (the bridge's own fused wrappers need all of q/k/v)

@@ -22,7 +22,7 @@ import torch
 
 from areal_mega.checkpoint.dist_ckpt import CheckpointError
 from areal_mega.lora.ckpt_export import (checkpoint_peft_tensors, export_peft_adapter,
-                                         open_lora_checkpoint, unsplit_swiglu_rows)
+                                         open_lora_checkpoint)
 from tests._convert_fixture import ROOT
 from tests._lora_worker import hf_logprobs, max_diff
 
@@ -127,11 +127,3 @@ def test_nothing_to_do_is_an_argument_error(run):
     assert p.returncode == 2 and "nothing to do" in p.stderr, p.stderr[-2000:]
 
 
-def test_swiglu_saved_rows_come_back_in_rank_order():
-    # TP 2, 8 rows: rank 0 holds local rows 0-3 = [w0 (0, 1); v0 (2, 3)], rank 1 rows 4-7;
-    # megatron's SwiGLU factory stores [w0; w1; v0; v1]
-    saved = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]).float()[:, None]
-    assert unsplit_swiglu_rows(saved, 2)[:, 0].tolist() == list(range(8))
-    assert torch.equal(unsplit_swiglu_rows(saved, 1), saved)     # TP 1: stored as is
-    with pytest.raises(ValueError, match="6 rows do not split into 2 x 2"):
-        unsplit_swiglu_rows(torch.zeros(6, 1), 2)

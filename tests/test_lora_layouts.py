@@ -50,6 +50,12 @@ def test_dense_layouts_equal_one_rank(dense, layout):
         assert r[f"{layout}.only_adapters_train"] == 1.0, (layout, r)
 
 
+def test_adapter_checkpoint_saved_at_tp2_resumes_at_tp1(dense):
+    """The adapters (gate/up included: saved with plain TP sharding) reshard exactly."""
+    for r in dense:
+        assert r["ckpt_tp2_to_tp1"] < TOL, r
+
+
 def test_expert_parallel_moe_with_attention_adapters_equals_one_rank(models):
     for r in launch("moe", models):
         for what in ("logprobs", "grads", "loss", "step"):

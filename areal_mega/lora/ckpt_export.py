@@ -10,11 +10,9 @@ no model, no process group): each is saved layer-stacked under
 shards already global), and layer ``L`` of it is PEFT's ``lora_A`` / ``lora_B`` of the HF
 projection the family's mapping names (:data:`areal_mega.lora.peft_io._WRAPPED`).
 
-One exception: Megatron-Bridge saves the ``linear_out`` of every adapter on ``linear_fc1`` with
-megatron's SwiGLU sharding (each TP rank's rows split in two halves, the first halves of all
-ranks then the second halves), also for canonical LoRA's separate gate and up adapters, whose
-rows are plain row shards. Their saved rows are therefore in that order for the TP size of the
-save (``areal_meta.json`` ``layout.tp``), and :func:`unsplit_swiglu_rows` restores them.
+Every adapter tensor is stored with plain TP sharding (the gate/up adapters too:
+:class:`areal_mega.lora.layers.SplitFC1LoRA` saves them without megatron's SwiGLU sharding), so
+the stored tensors are the full ones whatever layout saved them.
 """
 from __future__ import annotations
 
@@ -38,8 +36,6 @@ __all__ = ["LoraCheckpoint", "open_lora_checkpoint", "checkpoint_peft_tensors",
 
 _PREFIX = "decoder.layers."
 _PEFT_KIND = {"linear_in": "lora_A", "linear_out": "lora_B"}
-_SWIGLU_SAVED = ("mlp.linear_fc1.adapter.adapter_gate.linear_out.weight",
-                 "mlp.linear_fc1.adapter.adapter_up.linear_out.weight")
 
 
 @dataclass
@@ -50,7 +46,6 @@ class LoraCheckpoint:
     record: dict
     base: Path
     arch: object
-    saved_tp: int = 1
 
 
 def _check_base(record: dict, base: Path, where: Path, check_identity: bool) -> None:
@@ -93,20 +88,7 @@ def open_lora_checkpoint(path, *, base=None, check_identity: bool = True) -> Lor
     _check_base(record, base, ckpt, check_identity)
     arch = hm.read_arch(base)
     return LoraCheckpoint(path=ckpt, iteration=int(meta.get("iteration", 0)), record=record,
-                          base=base, arch=arch,
-                          saved_tp=int((meta.get("layout") or {}).get("tp", 1)))
-
-
-def unsplit_swiglu_rows(t: torch.Tensor, tp: int) -> torch.Tensor:
-    """Rows of a tensor saved with megatron's SwiGLU sharding at TP size ``tp`` (rank ``i``'s
-    local rows ``[w_i; v_i]`` stored as ``[w_0 … w_{tp-1}; v_0 … v_{tp-1}]``) back in the order
-    of the ranks' local tensors concatenated, ``[w_0; v_0; w_1; v_1; …]`` (pure)."""
-    n = t.shape[0]
-    if n % (2 * tp):
-        raise ValueError(f"{n} rows do not split into 2 x {tp} SwiGLU blocks")
-    w, v = t.chunk(2, dim=0)
-    return torch.cat([x for i in range(tp) for x in (w.chunk(tp, dim=0)[i],
-                                                     v.chunk(tp, dim=0)[i])], dim=0)
+                          base=base, arch=arch)
 
 
 def _peft_name(arch, key: str, layer: int) -> str:
@@ -155,10 +137,7 @@ def checkpoint_peft_tensors(ck: LoraCheckpoint) -> Dict[str, torch.Tensor]:
                 raise CheckpointError(f"{ck.path}: {key!r} layer {layer} has shape "
                                       f"{tuple(stacked[layer].shape)}; {name} of rank {rank} "
                                       f"on {ck.base} needs {tuple(want)}")
-            t = stacked[layer]
-            if key.endswith(_SWIGLU_SAVED) and ck.saved_tp > 1:
-                t = unsplit_swiglu_rows(t, ck.saved_tp)
-            out[name] = t.clone()
+            out[name] = stacked[layer].clone()
     return dict(sorted(out.items()))
 
 

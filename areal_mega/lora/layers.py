@@ -13,7 +13,8 @@ shard it fails unless the token count is a multiple of TP (packed batches withou
 parallelism are not padded to one), and its QKV and gate/up wrappers call every adapter slot,
 so a subset such as ``q_proj, v_proj`` fails (and so does the bridge's checkpoint walk over
 the empty slots). Ours use the shard's own head-group count and add nothing for an untargeted
-projection.
+projection; the gate/up one also checkpoints its adapters with plain TP sharding (the bridge
+applies megatron's SwiGLU sharding to them, which makes a checkpoint TP-size dependent).
 
 :func:`adapters_disabled` runs the model without its adapters: the reference model of a LoRA
 run is the actor with the adapters off (no second model).
@@ -89,6 +90,19 @@ def _make_split_classes():
     class SplitFC1LoRA(_SplitWrapperMixin, base):
         """``linear_fc1`` (gate and up fused, ``[gate_shard; up_shard]``) with separate gate/up
         adapters (either or both)."""
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """The base's entries, then each adapter's ``linear_in`` / ``linear_out`` with
+            their plain row / column sharding. The bridge's adapter would store
+            ``linear_out`` with megatron's SwiGLU sharding (meant for a fused gate/up
+            output), which for these separate gate and up adapters puts the rows in a
+            TP-dependent order: a checkpoint saved at TP2 would load wrong at TP1."""
+            sd = self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata)
+            for slot, adapter in self.adapter.items():
+                for part in ("linear_in", "linear_out"):
+                    sd.update(getattr(adapter, part).sharded_state_dict(
+                        f"{prefix}adapter.{slot}.{part}.", sharded_offsets, metadata))
+            return sd
 
         def fused_delta(self, ln_out, out):
             half = out.shape[-1] // 2
