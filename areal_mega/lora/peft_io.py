@@ -93,7 +93,8 @@ def _tp_axis(name: str, local, full, tp: int) -> Optional[int]:
 
 def iter_peft_tensors(chunks: Sequence[torch.nn.Module], arch, *, rank: int, tp_group=None,
                       grads: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``(PEFT tensor name, full fp32 CPU tensor)`` of this pipeline stage's adapters; every
+    """``(PEFT tensor name, full CPU tensor)`` of this pipeline stage's adapters (in the
+    parameters' dtype; gradients in fp32); every
     rank of the TP group must iterate together (the gathers are collectives). ``grads``: the
     adapters' reduced gradients (``main_grad`` under DDP) instead of their weights."""
     from megatron.core import parallel_state as ps
@@ -115,7 +116,7 @@ def iter_peft_tensors(chunks: Sequence[torch.nn.Module], arch, *, rank: int, tp_
                     parts = [torch.empty_like(t) for _ in range(tp)]
                     dist.all_gather(parts, t.contiguous(), group=tp_group)
                     t = torch.cat(parts, dim=axis)
-                yield name, t.to("cpu", torch.float32, copy=True).contiguous()
+                yield name, t.to("cpu", copy=True).contiguous()
 
 
 def peft_deltas(tensors: Dict[str, torch.Tensor], *, rank: int, alpha: float
@@ -126,7 +127,7 @@ def peft_deltas(tensors: Dict[str, torch.Tensor], *, rank: int, alpha: float
         module, kind = name[len("base_model.model."):].rsplit(".", 2)[:2]
         pieces.setdefault(module + ".weight", {})[kind] = t
     scale = float(alpha) / int(rank)
-    return {w: scale * (p["lora_B"] @ p["lora_A"]) for w, p in pieces.items()}
+    return {w: scale * (p["lora_B"].float() @ p["lora_A"].float()) for w, p in pieces.items()}
 
 
 def _barrier():
