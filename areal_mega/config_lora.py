@@ -31,8 +31,8 @@ class LoraConfig:
 
 def check_lora(cfg) -> None:
     """Cross-field rules of ``lora`` (pure; raises ``ConfigError`` naming the key): known target
-    modules, a supported layout, no LoRA critic, no reference model of another path (the
-    reference of a LoRA run is the actor without adapters)."""
+    modules, a supported layout, no LoRA critic, weight updates through files, no reference
+    model of another path (the reference of a LoRA run is the actor without adapters)."""
     lo = cfg.lora
     if not lo.enabled:
         return
@@ -44,6 +44,10 @@ def check_lora(cfg) -> None:
                            critic=cfg.critic.enabled and cfg.mode == "rl")
     except LoraSupportError as e:
         raise ConfigError(str(e)) from None
+    if cfg.rollout.weight_update == "distributed":
+        raise ConfigError("rollout.weight_update='distributed' with lora.enabled: LoRA runs "
+                          "publish adapter files the servers load (SGLang's /load_lora_adapter"
+                          "); use rollout.weight_update=disk (or auto)")
     if cfg.ref.enabled and cfg.ref.path and cfg.ref.path != cfg.model.path:
         raise ConfigError(f"ref.path={cfg.ref.path!r} with lora.enabled: the reference model "
                           "of a LoRA run is the base model (model.path) with the adapters off; "

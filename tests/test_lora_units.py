@@ -51,6 +51,7 @@ def test_moe_attention_only_and_tp_divisible_rank_are_fine():
     (["allocation=local:d1+megatron:t2", "lora.rank=3"], "lora.rank=3 with tensor parallel"),
     (["ref.enabled=true", "ref.path=/elsewhere"], "ref.path='/elsewhere' with lora.enabled"),
     (["critic.enabled=true", "algorithm.adv_estimator=gae"], "critic"),
+    (["rollout.weight_update=distributed"], "weight_update='distributed' with lora"),
 ])
 def test_config_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
