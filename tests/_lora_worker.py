@@ -277,6 +277,15 @@ def scenario_interop(res, tmp):  # noqa: C901 (one story, read top to bottom)
     names = load_peft_adapter(eng2.model, eng2.arch, os.path.join(tmp, "theirs"), rank=8,
                               tp_rank=0, tp=1)
     res["peft_tensors_loaded"] = float(len(names))
+    from areal_mega.lora.peft_io import PeftFormatError
+    narrow = engine(hf, ckpt, lora_cfg(["q_proj", "v_proj"]))   # no place for down_proj
+    try:
+        load_peft_adapter(narrow.model, narrow.arch, os.path.join(tmp, "theirs"), rank=8,
+                          tp_rank=0, tp=1)
+        res["extra_tensors_refused"] = 0.0
+    except PeftFormatError as e:
+        res["extra_tensors_refused"] = float("down_proj" in str(e) and "4 tensors" in str(e))
+    del narrow
     res["theirs_in_ours"] = max_diff(eng2.forward_logprobs(mbs, temperature=TEMP),
                                      hf_logprobs(pm.eval(), mbs))
     # an adapter-only checkpoint after a step: small, and a resumed step equals the original

@@ -29,6 +29,8 @@ def test_our_adapter_in_peft_gives_our_logprobs(interop):
 def test_peft_made_adapter_loads_into_our_engine(interop):
     assert interop["peft_tensors_loaded"] == 12.0      # 2 layers x 3 modules x (A, B)
     assert interop["theirs_in_ours"] < TOL, interop
+    # an engine without adapters on down_proj refuses the file, naming its 4 tensors
+    assert interop["extra_tensors_refused"] == 1.0, interop
 
 
 def test_adapters_off_is_the_base_model(interop):

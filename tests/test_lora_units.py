@@ -73,6 +73,20 @@ def test_config_checks_the_model_family(tmp_path):
     check_against_model(ok)
 
 
+def test_peft_tensors_without_a_place_in_the_model_are_named():
+    from areal_mega.lora.peft_io import _unexpected
+    pre = "base_model.model.model.layers"
+    names = dict.fromkeys([f"{pre}.0.self_attn.q_proj.lora_A.weight",
+                           f"{pre}.1.self_attn.q_proj.lora_B.weight",
+                           f"{pre}.1.mlp.down_proj.lora_B.weight",
+                           f"{pre}.7.self_attn.q_proj.lora_B.weight",
+                           "base_model.model.lm_head.lora_A.weight"], 0)
+    assert _unexpected(names, {"q_proj"}, num_layers=2) == [
+        "base_model.model.lm_head.lora_A.weight", f"{pre}.1.mlp.down_proj.lora_B.weight",
+        f"{pre}.7.self_attn.q_proj.lora_B.weight"]
+    assert _unexpected({}, {"q_proj"}, num_layers=2) == []
+
+
 def test_lora_publishes_files():
     assert resolve_weight_update("auto", cuda=True, pp=1, lora=True) == "disk"
     with pytest.raises(ValueError, match="distributed' with lora.enabled"):

@@ -13,6 +13,7 @@ stage's export source writes its layers, global rank 0 merges them. The scaling 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -28,6 +29,7 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_config", "iter_peft_ten
            "peft_deltas"]
 
 ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_NAME = re.compile(r"\.layers\.(\d+)\..*\.(\w+)\.lora_[AB]\.weight$")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 #: wrapper suffix -> (HF-mapping suffix of its base weight, adapter slots in HF-name order)
@@ -197,6 +199,17 @@ def read_peft_adapter(path) -> Tuple[dict, Dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
+def _unexpected(tensors, projections: set, num_layers: int) -> List[str]:
+    """Names of ``tensors`` that are not ``lora_A``/``lora_B`` of one of ``projections`` in a
+    layer below ``num_layers``: adapters the model has no place for (pure)."""
+    bad = []
+    for name in tensors:
+        m = _PEFT_NAME.search(name)
+        if m is None or int(m.group(1)) >= num_layers or m.group(2) not in projections:
+            bad.append(name)
+    return sorted(bad)
+
+
 def load_peft_adapter(chunks, arch, path, *, rank: int, tp_rank: int, tp: int) -> List[str]:
     """Copy a PEFT adapter directory into the adapters of ``chunks`` (this rank's TP shard of
     each). Its ``r`` must equal ``rank``; its ``lora_alpha`` becomes the adapters' scaling.
@@ -207,6 +220,13 @@ def load_peft_adapter(chunks, arch, path, *, rank: int, tp_rank: int, tp: int) -
         raise PeftFormatError(f"{Path(path) / ADAPTER_CONFIG}: r={cfg.get('r')} but the model's "
                               f"adapters have rank {rank} (lora.rank)")
     alpha = float(cfg.get("lora_alpha", rank))
+    found = [(prefix, adapter, proj) for chunk in chunks
+             for prefix, adapter, proj in _adapters(getattr(chunk, "module", chunk), arch)]
+    extra = _unexpected(tensors, {proj for _, _, proj in found}, arch.num_layers)
+    if extra:
+        raise PeftFormatError(f"{Path(path) / ADAPTER_WEIGHTS}: {len(extra)} tensors for "
+                              f"modules the model has no LoRA adapter on, e.g. {extra[:3]} "
+                              "(lora.target_modules must cover the adapter's target_modules)")
     loaded = []
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
@@ -230,9 +250,3 @@ def load_peft_adapter(chunks, arch, path, *, rank: int, tp_rank: int, tp: int) -
                     param.copy_(t.to(param.dtype))
                 loaded.append(name)
     return loaded
-
-
-def unexpected_tensors(path, loaded_everywhere: Sequence[str]) -> List[str]:
-    """Tensors of the PEFT file no rank loaded (adapters on modules the model does not have)."""
-    _, tensors = read_peft_adapter(path)
-    return sorted(set(tensors) - set(loaded_everywhere))
