@@ -109,11 +109,13 @@ def model_paths(tmp, arch):
     return os.path.join(tmp, f"hf_{arch}"), os.path.join(tmp, f"mcore_{arch}")
 
 
-def scenario_prepare(res, tmp):
+def scenario_prepare(res, tmp, archs=None):
     """Tiny HF models and their converted checkpoints (the converter runs on one rank)."""
     from areal_mega.checkpoint.convert import convert_hf_to_mcore
     from areal_mega.models.tiny import make_tiny_model
     for arch, spec in MODELS.items():
+        if archs is not None and arch not in archs:
+            continue
         hf, ckpt = model_paths(tmp, arch)
         make_tiny_model(hf, arch=arch, tie_word_embeddings=False, **spec)
         convert_hf_to_mcore(hf, ckpt, progress=False)
@@ -201,6 +203,7 @@ def scenario_layouts(res, tmp):
     ref_vpp = reference(hf4, ckpt4, lora, mbs, tmp, "ref_vpp")
     set_mesh(pp=world, vpp=2)
     check(res, "pp2vpp2", ref_vpp, hf4, ckpt4, lora, mbs, ref_vpp["lps"])
+    scenario_moe(res, tmp)
 
 
 def scenario_moe(res, tmp):
@@ -310,7 +313,8 @@ def scenario_interop(res, tmp):  # noqa: C901 (one story, read top to bottom)
     res["resumed_step_count"] = float(eng3.step_count == eng.step_count == 2)
 
 
-SCENARIOS = {"prepare": scenario_prepare, "layouts": scenario_layouts, "moe": scenario_moe,
+SCENARIOS = {"prepare": scenario_prepare, "layouts": scenario_layouts,
+             "prepare_qwen3": lambda res, tmp: scenario_prepare(res, tmp, ["qwen3"]),
              "interop": scenario_interop}
 
 

@@ -1,10 +1,10 @@
 """LoRA RL through ``launch.local`` (CPU, tiny model, CPU rollout servers).
 
-Each published version reaches the servers either as a PEFT adapter through SGLang's LoRA API
-(``lora.sync=adapter``) or as full weights with the adapters merged (``merged``). With eta = 0
-every token after an update comes from the version just published, so a behaviour/proximal
-mismatch <= 1e-5 on every step proves the servers generate with exactly the trainer's LoRA
-model. The reference is the actor with its adapters off: KL 0 at first, then it grows. The
+Each published version reaches the servers as a PEFT adapter through SGLang's LoRA API
+(``lora.sync=adapter``; the merged export, ``lora.sync=merged``, is checked against the adapter
+model in tests/test_lora_peft_interop.py and by LoRA SFT below). With eta = 0 every token
+after an update comes from the version just published, so a behaviour/proximal mismatch
+<= 1e-5 on every step proves the servers generate with exactly the trainer's LoRA model. The reference is the actor with its adapters off: KL 0 at first, then it grows. The
 adapter run then resumes from its adapter-only checkpoint for one more step.
 """
 import json
@@ -29,29 +29,23 @@ def _check_on_policy(rows):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sync", ["merged", "adapter"])
-def test_lora_run_serves_the_trainers_model_and_resumes(sync, assets, tmp_path):
+def test_lora_run_serves_the_trainers_model_and_resumes(assets, tmp_path):
     model, data = assets
     run = tmp_path / "run"
     rc, out = _finish(_launch(run, model, data, "total_steps=3", "recover=auto",
-                              "checkpoint.save_every=3", f"lora.sync={sync}", *LORA),
+                              "checkpoint.save_every=3", *LORA),
                       timeout=400)
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     _check_on_policy(rows)
-    published = sorted((run / "weights").iterdir())[-1]
-    if sync == "adapter":       # a PEFT adapter, not a model
-        assert sorted(p.name for p in published.iterdir()) == ["adapter_config.json",
-                                                               "adapter_model.safetensors"]
-        assert json.loads((published / "adapter_config.json").read_text())["r"] == 8
-    else:
-        assert (published / "model.safetensors.index.json").is_file()
-    if sync == "merged":
-        return
+    published = sorted((run / "weights").iterdir())[-1]     # a PEFT adapter, not a model
+    assert sorted(p.name for p in published.iterdir()) == ["adapter_config.json",
+                                                           "adapter_model.safetensors"]
+    assert json.loads((published / "adapter_config.json").read_text())["r"] == 8
     # resume: the frozen base from model.path, the adapters and Adam from the checkpoint
     rc, out = _finish(_launch(run, model, data, "total_steps=4", "recover=auto",
-                              "checkpoint.save_every=4", f"lora.sync={sync}", *LORA),
+                              "checkpoint.save_every=4", *LORA),
                       timeout=400)
     assert rc == 0, out[-3000:]
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()

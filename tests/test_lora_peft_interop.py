@@ -17,7 +17,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def interop(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_interop")
-    launch("prepare", out, world=1)
+    launch("prepare_qwen3", out, world=1)
     return launch("interop", out, world=1)[0]
 
 
