@@ -69,7 +69,9 @@ def test_lora_sft_exports_the_merged_model_and_its_adapter(assets, tmp_path):
     from test_e2e_async_rl import ROOT
     model, data = assets
     run = tmp_path / "sft"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    from areal_mega.common.net import free_port
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+               MASTER_PORT=str(free_port()))     # not the default 29500 another test may hold
     out = subprocess.run(
         [sys.executable, "-m", "areal_mega.trainer", "--config",
          str(ROOT / "recipes" / "tiny-cpu.yaml"), "mode=sft", f"model.path={model}",

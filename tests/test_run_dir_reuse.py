@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_mega.common.net import free_port
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.run_dir import SOURCE_FILE
@@ -45,7 +46,9 @@ def _overrides(run_dir, model, data, *extra):
 
 
 def _run(module, args, timeout=600):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    # a free port: another test's trainer may hold the default 29500 at the same time
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+               MASTER_PORT=str(free_port()))
     cmd = [sys.executable, "-m", module, "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"),
            *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
