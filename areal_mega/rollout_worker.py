@@ -44,7 +44,6 @@ from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.dataplane.control import ControlServer
 from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
-from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.counts import CountCarrier, counts_of
@@ -166,7 +165,7 @@ class RolloutWorker:
                              "host:port list (launch.local fills it in)")
         self.elastic = ElasticPool(   # the servers now: some may have joined or left
             self.paths.rollout_server_addrs(cfg.rollout.server_addrs), paths=self.paths,
-            api_key=cfg.rollout.api_key,
+            api_key=cfg.rollout.api_key, backend=cfg.rollout.backend,
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
         self.client = self.elastic.client
@@ -308,23 +307,21 @@ class RolloutWorker:
                 self.pool.end_update()            # servers that joined the group take work
             return {"version": version, **pool_metrics(self.elastic.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
-            r = self.cfg.rollout
             return self.evaluator.run(int(msg["version"]), self.controller,
-                                      lambda: RolloutClient(self.client.dispatchable(),
-                                                            api_key=r.api_key))
+                                      lambda: self.client.sibling(self.client.dispatchable()))
         raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
                          "begin_update, end_update, servers, add_server, remove_server or "
                          "evaluate (with eval.every_steps > 0)")
 
     async def _set_version(self, version: int) -> None:
-        c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
+        c = self.client.sibling(self.client.addrs)
         try:
             await c.set_weight_version(version)
         finally:
             await c.close()
 
     async def _load_directly(self, path: str, version: int) -> None:
-        c = RolloutClient(self.client.addrs, api_key=self.cfg.rollout.api_key)
+        c = self.client.sibling(self.client.addrs)
         try:
             await load_published(c, path, version)   # full weights or a LoRA adapter
             self.client.lora_name = c.lora_name

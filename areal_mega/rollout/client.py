@@ -217,6 +217,10 @@ class RolloutClient:
             self._sticky[sticky_key] = s
         return s
 
+    def sibling(self, addrs: list) -> "RolloutClient":
+        """A new client of this kind and key for ``addrs``, with plain hooks."""
+        return type(self)(addrs, api_key=self.api_key, control_timeout_s=self.control_timeout_s)
+
     def release(self, sticky_key: str) -> None:
         """Forget the server binding of ``sticky_key`` (call when an episode ends)."""
         self._sticky.pop(sticky_key, None)
@@ -361,6 +365,10 @@ class RolloutClient:
         await asyncio.gather(*(self.request(s.addr, "POST", "/update_weights_from_distributed",
                                             body, timeout=self.control_timeout_s)
                                for s in self._servers))
+
+    async def weights_received(self, weight_version: Optional[int] = None) -> None:
+        """After the last bucket of a version: nothing on SGLang, which loads each bucket as
+        it lands (a backend that loads the version at once does it here)."""
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         """``POST /destroy_weights_update_group`` on every live server (before the group is

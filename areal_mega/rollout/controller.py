@@ -38,6 +38,7 @@ import numpy as np
 
 from areal_mega.common.moe_routes import RouteLayout, RouteTable
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
+from areal_mega.rollout.generate_result import token_versions
 from areal_mega.rollout.failures import EpisodeFailures, FailureRate
 from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.routes import call_routes
@@ -357,12 +358,6 @@ class RolloutController:
                                                  **route_kw)
             finally:
                 self.n_inflight_requests -= 1
-            v = submit_version
-            if self._trust_server_version and res.weight_version is not None:
-                try:
-                    v = int(res.weight_version)
-                except ValueError:
-                    pass
             status = (res.finish_reason or {}).get("status_code")
             if res.finish_type == "abort" and status:   # an error, not an interruption
                 self.client.release(key)
@@ -374,7 +369,8 @@ class RolloutController:
                 routes.add(*(got or (None,)))
             out += res.output_ids
             lps += res.logprobs
-            vers += [v] * len(res.output_ids)
+            vers += token_versions(res, submit_version) if self._trust_server_version else \
+                [submit_version] * len(res.output_ids)
             server = res.server
             if res.finish_type != "abort" or len(out) >= max_new_tokens:
                 self.client.release(key)

@@ -31,6 +31,9 @@ class GenerateResult:
     server: str
     raw: dict = field(repr=False, default_factory=dict)
     routed_experts: Optional[str] = field(repr=False, default=None)
+    # the version of each output token when the server reports them per token (vLLM's
+    # weight-version spans); None: ``weight_version`` holds for all of them
+    token_versions: Optional[list] = field(repr=False, default=None)
 
     @property
     def finish_type(self) -> str:
@@ -66,7 +69,22 @@ def parse_generate_answer(out: dict, server: str) -> GenerateResult:
         logprobs=[float(x[0]) for x in lps],
         finish_reason=meta.get("finish_reason") or {"type": "abort"},
         weight_version=meta.get("weight_version"), server=server, raw=out,
-        routed_experts=meta.get("routed_experts"))
+        routed_experts=meta.get("routed_experts"),
+        token_versions=meta.get("token_weight_versions"))
+
+
+def token_versions(res: GenerateResult, default: int) -> list:
+    """The integer weight version of each of ``res``'s output tokens: the server's per-token
+    versions, else its one ``weight_version``, else ``default`` (what the caller knows); a
+    version that is not an integer counts as ``default``."""
+    def as_int(v) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return default
+    if res.token_versions is not None:
+        return [as_int(v) for v in res.token_versions]
+    return [as_int(res.weight_version)] * len(res.output_ids)
 
 
 def sampling_dict(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,

@@ -33,7 +33,7 @@ from areal_mega.common.net import free_port
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
                                               init_update_group)
 from areal_mega.parallel.weight_group import weight_update_group
-from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.backends import client_class, group_handshake
 from areal_mega.rollout.client import RolloutRequestError, server_url
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,16 @@ class WeightBroadcastError(RuntimeError):
 
 
 def create_sender_group(master_address: str, master_port: int, world_size: int,
-                        group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
-    """Rank 0 of the weight-update group (hosts the TCP store), built exactly as SGLang builds
-    it (:func:`~areal_mega.parallel.update_group.init_update_group`). Does not touch the default
+                        group_name: str, backend: str = "gloo", timeout_s: float = 300.0,
+                        handshake: str = "sglang"):
+    """Rank 0 of the weight-update group (hosts the TCP store), built exactly as the servers
+    build theirs (SGLang's way, or vLLM's stateless group with ``handshake="vllm"``:
+    :func:`~areal_mega.parallel.update_group.init_update_group`). Does not touch the default
     process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
     until every server has joined."""
 
     return init_update_group(master_address, master_port, world_size, 0, group_name, backend,
-                             timeout_s)
+                             timeout_s, handshake=handshake)
 
 
 class DistributedWeightSender:
@@ -121,7 +123,7 @@ class DistributedWeightSender:
                  master_port: Optional[int] = None, backend: str = "gloo",
                  group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
                  group=None, run_async=None, timeout_s: float = 300.0,
-                 liveness_timeout_s: float = 5.0):
+                 liveness_timeout_s: float = 5.0, handshake: str = "sglang"):
         self.client = client
         self.master_address = master_address
         self.master_port = master_port or free_port(master_address)
@@ -135,6 +137,7 @@ class DistributedWeightSender:
         self.liveness_timeout_s = liveness_timeout_s
         self._own_loop = run_async is None
         self._run_async = run_async or _private_loop()
+        self.handshake = handshake
         self.pg = None
         self.buckets_sent = 0
 
@@ -151,7 +154,7 @@ class DistributedWeightSender:
         try:
             self.pg = create_sender_group(
                 self.master_address, self.master_port, self.world_size, self.group_name,
-                self.backend, self.timeout_s)
+                self.backend, self.timeout_s, self.handshake)
         except BaseException:
             fut.cancel()
             raise
@@ -210,6 +213,7 @@ class DistributedWeightSender:
                 raise WeightBroadcastError(f"weight broadcast failed in bucket {n + 1}: "
                                            f"{failure}")
             n += 1
+        self._run_async(self.client.weights_received(weight_version)).result(self.timeout_s)
         self.buckets_sent += n
         return n
 
@@ -356,11 +360,12 @@ def connect_weight_sender(cfg, group) -> DistributedWeightSender:
     r = cfg.rollout
     if not r.server_addrs:
         raise ValueError("rollout.weight_update=distributed needs rollout.server_addrs")
-    client = RolloutClient(r.server_addrs, api_key=r.api_key, timeout_s=r.request_timeout_s,
-                           retries=r.request_retries)
+    client = client_class(r.backend)(r.server_addrs, api_key=r.api_key,
+                                     timeout_s=r.request_timeout_s, retries=r.request_retries)
     sender = DistributedWeightSender(
         client, master_address=os.environ.get("MASTER_ADDR", cfg.cluster.master_addr),
         backend="nccl" if torch.cuda.is_available() else "gloo",
-        bucket_bytes=r.weight_bucket_mb << 20, group=group)
+        bucket_bytes=r.weight_bucket_mb << 20, group=group,
+        handshake=group_handshake(r.backend))
     sender.connect()
     return sender

