@@ -37,6 +37,9 @@ def test_stop_strings_turn_detokenizing_on_and_logit_bias_keys_become_ints():
     (generate_body([1], sampling_dict(4, n=2)), "sampling_params.n=2"),
     (generate_body([1], sampling_dict(4), lora_path="policy-v1"), "lora_path"),
     (generate_body([1], sampling_dict(4), return_routed_experts=True), "return_routed_experts"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+      "logprob_start_len": 0}, "logprob_start_len"),    # teacher scoring's body
+    (dict(generate_body([1], sampling_dict(4)), stream=True), "stream"),
 ])
 def test_what_vllm_cannot_honour_is_refused_by_name(body, needle):
     with pytest.raises(RolloutRequestError, match=needle) as e:

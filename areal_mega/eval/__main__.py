@@ -36,7 +36,7 @@ from areal_mega.eval.runner import evaluate, load_eval_items
 from areal_mega.eval.scores import format_table, summarize
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import load_reward_fn, shutdown_reward_workers
-from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.backends import client_class
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -100,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompt-len", type=int, default=4096)
     p.add_argument("--server-addrs", nargs="+", default=None,
                    help="running SGLang-compatible servers host:port (default: start ours)")
+    p.add_argument("--backend", choices=["sglang", "vllm"], default="sglang",
+                   help="what the --server-addrs speak (vllm: vLLM servers in dev mode)")
     p.add_argument("--api-key", default=os.environ.get("AREAL_ROLLOUT_API_KEY"),
                    help="servers' API key (default: $AREAL_ROLLOUT_API_KEY)")
     p.add_argument("--num-servers", type=int, default=1, help="local CPU servers to start")
@@ -120,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def _run(args, addrs: list, items: list, tokenizer, reward_fn) -> list:
-    client = RolloutClient(addrs, api_key=args.api_key)
+    client = client_class(args.backend)(addrs, api_key=args.api_key)
     try:
         await client.wait_ready(timeout=120.0)
         return await evaluate(client, items, tokenizer, reward_fn, n_samples=args.n_samples,

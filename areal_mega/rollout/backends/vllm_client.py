@@ -57,11 +57,19 @@ _SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens
                                      "spaces_between_special_tokens", "frequency_penalty",
                                      "presence_penalty", "repetition_penalty", "logit_bias")}}
 _INTERNAL_ID = "generate-tokens-"     # vLLM's id of a /inference/v1/generate request_id
+# the /generate fields the translation honours (what generate_body writes)
+_BODY_FIELDS = {"input_ids", "sampling_params", "return_logprob", "stream", "rid",
+                "lora_path", "return_routed_experts", "routed_experts_start_len"}
 
 
 def vllm_generate_body(body: dict) -> dict:
     """An SGLang ``/generate`` body -> vLLM's ``/inference/v1/generate`` body. Raises
     :class:`RolloutRequestError` naming a field vLLM cannot honour here."""
+    unknown = sorted(set(body) - _BODY_FIELDS)
+    if unknown or body.get("stream") or body.get("return_logprob") is False:
+        what = ", ".join(unknown) or ("stream" if body.get("stream") else "return_logprob")
+        raise RolloutRequestError(f"generate: {what}: not supported on the vllm backend "
+                                  "(token ids in, sampled tokens' logprobs out)", status=400)
     if body.get("lora_path") is not None:
         raise RolloutRequestError("generate: lora_path: LoRA adapters are not served by the "
                                   "vllm backend here", status=400)
