@@ -26,7 +26,8 @@ args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
 validate_parsed_serve_args(args)
 engine = AsyncEngineArgs.from_cli_args(args)
 out = {k: getattr(engine, k) for k in ENGINE_KEYS}
-out.update(host=args.host, port=args.port, middleware=args.middleware, api_key=args.api_key)
+out.update(host=args.host, port=args.port, middleware=args.middleware, api_key=args.api_key,
+           enable_scale_out=args.enable_scale_out)
 for name, app_args in (("status", args), ("status_bare", argparse.Namespace(
         **{**vars(args), "middleware": []}))):
     client = TestClient(build_app(app_args, ("generate",)), raise_server_exceptions=False)

@@ -38,8 +38,8 @@ def test_command_has_the_flags_we_rely_on():
                     "--served-model-name", SERVED_MODEL_NAME, "--tensor-parallel-size", "1",
                     "--dtype", "float32", "--seed", "4", "--logprobs-mode",
                     "processed_logprobs", "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-                    "--middleware", VLLM_AUTH_MIDDLEWARE, "--enforce-eager",
-                    "--max-model-len", "512"]
+                    "--middleware", VLLM_AUTH_MIDDLEWARE, "--enable-scale-out",
+                    "--enforce-eager", "--max-model-len", "512"]
 
 
 def test_command_options():
@@ -161,7 +161,8 @@ def test_check_python_real_vllm():
 # through the middleware ends in 500 (no engine client), one that does not in 401
 REQUESTS = [("GET", "/health", None), ("POST", "/collective_rpc", None),
             ("POST", "/collective_rpc", "wrong"), ("POST", "/collective_rpc", KEY),
-            ("POST", "/pause", None), ("GET", "/is_paused", None), ("GET", "/v1/models", None)]
+            ("POST", "/pause", None), ("GET", "/is_paused", None), ("GET", "/v1/models", None),
+            ("POST", "/inference/v1/generate", None)]
 
 
 def _probe(python, argv, env) -> dict:
@@ -182,17 +183,19 @@ def test_vllm_parses_our_command_and_guards_every_route():
     assert {k: got[k] for k in ("model", "served_model_name", "tensor_parallel_size", "dtype",
                                 "seed", "logprobs_mode", "worker_extension_cls",
                                 "enforce_eager", "max_model_len", "gpu_memory_utilization",
-                                "host", "port", "middleware", "api_key")} == {
+                                "host", "port", "middleware", "api_key",
+                                "enable_scale_out")} == {
         "model": "/models/tiny", "served_model_name": [SERVED_MODEL_NAME],
         "tensor_parallel_size": 1, "dtype": "float32", "seed": 7,
         "logprobs_mode": "processed_logprobs", "worker_extension_cls": VLLM_WORKER_EXTENSION,
         "enforce_eager": True, "max_model_len": 256, "gpu_memory_utilization": 0.5,
         "host": "127.0.0.1", "port": 8311, "middleware": [VLLM_AUTH_MIDDLEWARE],
-        "api_key": None}                               # the key came from the environment
+        "api_key": None,                               # the key came from the environment
+        "enable_scale_out": True}
     # /health open; the development routes and /v1 need the key; with it, through
-    assert got["status"] == [500, 401, 401, 500, 401, 401, 401]
+    assert got["status"] == [500, 401, 401, 500, 401, 401, 401, 401]
     # without our middleware vLLM's own check leaves the development routes open: why it exists
-    assert got["status_bare"] == [500, 500, 500, 500, 500, 500, 401]
+    assert got["status_bare"] == [500, 500, 500, 500, 500, 500, 401, 401]
 
 
 # ----------------------------------------------------------------------------- middleware

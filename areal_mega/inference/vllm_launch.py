@@ -56,8 +56,9 @@ def build_vllm_command(python: str, model_path: str, port: int, *, host: str = "
     """The argv of one vLLM OpenAI-compatible server (``tp·pp`` devices).
 
     Always: ``--logprobs-mode processed_logprobs`` (logprobs after temperature, the trainer's
-    convention), ``--worker-extension-cls`` :data:`VLLM_WORKER_EXTENSION` and ``--middleware``
-    :data:`VLLM_AUTH_MIDDLEWARE`. ``--max-model-len`` only when ``max_model_len > 0`` (else
+    convention), ``--worker-extension-cls`` :data:`VLLM_WORKER_EXTENSION`, ``--middleware``
+    :data:`VLLM_AUTH_MIDDLEWARE` and ``--enable-scale-out`` (the token-in/token-out routes
+    ``/inference/v1/generate`` and ``/inference/v1/abort_requests``). ``--max-model-len`` only when ``max_model_len > 0`` (else
     vLLM takes the model's context), ``--pipeline-parallel-size`` only when ``pp > 1``,
     ``--gpu-memory-utilization`` only when given. Never the API key (``VLLM_API_KEY``, see
     :func:`vllm_env`): an ``--api-key`` in ``extra`` raises ValueError, as do bad sizes."""
@@ -84,7 +85,7 @@ def build_vllm_command(python: str, model_path: str, port: int, *, host: str = "
     if seed is not None:
         cmd += ["--seed", str(seed)]
     cmd += ["--logprobs-mode", LOGPROBS_MODE, "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-            "--middleware", VLLM_AUTH_MIDDLEWARE]
+            "--middleware", VLLM_AUTH_MIDDLEWARE, "--enable-scale-out"]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if max_model_len > 0:
