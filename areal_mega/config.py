@@ -19,6 +19,7 @@ from areal_mega.config_logging import LoggingConfig, MlflowConfig, WandbConfig  
 from areal_mega.config_lora import LoraConfig
 from areal_mega.config_presets import PRESETS, resolve_algorithm
 from areal_mega.config_schema import ConfigError, _build, _f, _merge, parse_overrides
+from areal_mega.config_vllm import VllmConfig
 from areal_mega.security import api_key_from_env
 
 __all__ = ["ConfigError", "ExperimentConfig", "config_from_dict", "config_to_dict",
@@ -99,7 +100,8 @@ class TeacherConfig:
     dtype: Optional[str] = _f(None, choices=[None, "fp32", "bf16", "fp16"],
                               doc="the in-trainer teacher's dtype; None = model.dtype")
     server_addrs: list = _f(factory=list, doc="host:port of SGLang-compatible servers serving "
-                            "the teacher (scored by prompt logprobs) instead of teacher.path")
+                            "the teacher (scored by prompt logprobs through SGLang's /generate"
+                            "; not vLLM servers) instead of teacher.path")
     api_key: Optional[str] = _f(None, doc="Bearer key of the teacher servers")
     request_timeout_s: float = _f(600.0, lo=0.0, lo_open=True,
                                   doc="per scoring request to a teacher server")
@@ -155,7 +157,8 @@ class OnlineConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = _f("local", choices=["local", "sglang"])
+    backend: str = _f("local", choices=["local", "sglang", "vllm"],
+                      doc="local: our CPU server; sglang; vllm (rollout.vllm, docs/vllm.md)")
     server_addrs: list = _f(factory=list, doc="external servers host:port; empty = launch ours")
     api_key: Optional[str] = _f(None, doc="bearer key of the rollout servers; unset: "
                                 "AREAL_ROLLOUT_API_KEY_FILE / AREAL_ROLLOUT_API_KEY")
@@ -195,6 +198,7 @@ class RolloutConfig:
                               "when an episode's calls are separate samples")
     mem_fraction_static: float = _f(0.8, lo=0.0, hi=1.0, lo_open=True)
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from areal_mega.checkpoint.value_model import hf_num_labels, is_sequence_classif
 from areal_mega.common.net import is_loopback_host
 from areal_mega.config_lora import check_lora, check_lora_model
 from areal_mega.config_schema import ConfigError
+from areal_mega.config_vllm import check_vllm
 from areal_mega.data.sources import check_sources
 from areal_mega.parallel.allocation import AllocationError, parse_allocation
 from areal_mega.security import check_remote_secret
@@ -118,6 +119,7 @@ def validate(cfg) -> None:
                           "with critic.enabled=true (GAE runs after the reference forward)")
     _check_critic(cfg, gae)
     check_lora(cfg)
+    check_vllm(cfg)
     _check_opd(cfg)
     _check_policy_loss(cfg.algorithm)
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:

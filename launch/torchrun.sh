@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # launch/torchrun.sh — start the areal-mega trainer on this node under torchrun, joining
-# rollout servers that already run elsewhere (SGLang or the CPU local server).
+# rollout servers that already run elsewhere (SGLang, vLLM or the CPU local server).
 #
 # Usage (run once per trainer node, e.g. from srun or by hand on each node):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node-a MASTER_PORT=29500 \
@@ -9,7 +9,10 @@
 # (the allocation's rollout part describes the servers: one per address, its t = --tp-size)
 # With algorithm.routing_replay: r3 those servers must run with --enable-return-routed-experts
 # (launch.local and launch/slurm/run.sbatch add it themselves); otherwise the first /generate
-# fails with an error naming the flag.
+# fails with an error naming the flag. vLLM servers (rollout.backend=vllm, allocation vllm:...)
+# need the flags and environment launch.local gives them (worker extension, logprobs mode, key
+# middleware, VLLM_SERVER_DEV_MODE=1, the key in VLLM_API_KEY): `python -m
+# areal_mega.launch.local --config R --dry-run rollout.backend=vllm ...` prints them.
 #
 # Environment (all optional):
 #   PYTHON          python with areal_mega's dependencies       (default: the repository's
@@ -26,7 +29,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,23p' "$0" >&2
+    sed -n '2,26p' "$0" >&2
     exit 2
 fi
 RECIPE=$1
@@ -48,7 +51,8 @@ if [[ -n ${TRAINER_GPUS:-} && -z ${CUDA_VISIBLE_DEVICES:-} ]]; then
 fi
 
 echo "[torchrun.sh] $(hostname): node ${NODE_RANK}/${NNODES}, ${NPROC_PER_NODE} ranks," \
-     "master ${MASTER_ADDR}:${MASTER_PORT}, module ${TRAINER_MODULE}" >&2
+     "master ${MASTER_ADDR}:${MASTER_PORT}, module ${TRAINER_MODULE}," \
+     "rollout backend ${ROLLOUT_BACKEND}" >&2
 
 # The rollout worker (RL mode) runs beside trainer rank 0: its data and control sockets are
 # ipc:// files in the run directory unless dataplane.endpoint / control_endpoint say tcp://.

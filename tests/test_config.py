@@ -71,7 +71,7 @@ def test_allocation_ok(text, trainer, rollout, tw, rw):
 @pytest.mark.parametrize("text, words", [
     ("", ["empty"]),
     ("sglang:d2", ["trainer", "sglang"]),
-    ("vllm:d2+megatron:t2", ["rollout backend", "vllm"]),
+    ("tgi:d2+megatron:t2", ["rollout backend", "tgi"]),
     ("sglang:d2+megatron:t2x2", ["unknown letter 'x'"]),
     ("sglang:d2+megatron:t2t2", ["'t' given twice"]),
     ("sglang:d2+megatron:t0", ["'t'", ">= 1"]),

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from areal_mega.common.net import free_port
+from tests.vllm_env import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_launch"
@@ -18,7 +21,8 @@ def test_scripts_parse():
         assert os.access(ROOT / script, os.X_OK)
 
 
-def test_torchrun_sh_joins_external_servers(tmp_path):
+@pytest.mark.parametrize("backend", ["local", "vllm"])
+def test_torchrun_sh_joins_external_servers(tmp_path, backend):
     env = {**os.environ, "PYTHON": sys.executable, "AREAL_MEGA_TRAINER_MODULE": "fake_trainer",
            "FAKE_TRAINER_MODE": "echo", "PYTHONPATH": os.pathsep.join([str(FIX), str(ROOT)]),
            "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
@@ -26,9 +30,10 @@ def test_torchrun_sh_joins_external_servers(tmp_path):
            "FAKE_PID_DIR": str(tmp_path)}
     r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "recipes/tiny-cpu.yaml",
                         "allocation=megatron:d2", "rollout.server_addrs=10.1.2.3:30000",
-                        f"logging.run_dir={tmp_path}"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+                        f"rollout.backend={backend}", f"logging.run_dir={tmp_path}"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert f"rollout backend {backend}" in r.stderr
     # each rank's line from its own file (the two ranks' stdout lines can interleave)
     lines = [(tmp_path / f"echo-rank{k}.txt").read_text() for k in (0, 1)]
     assert all(x.startswith(f"ECHO rank={k} world=2") for k, x in enumerate(lines)), lines
@@ -59,7 +64,9 @@ esac
 """
 
 
-def test_sbatch_flow_with_stubs(tmp_path):
+def _run_sbatch_with_stubs(tmp_path, *overrides):
+    """run.sbatch on two stub nodes (nodeA, nodeB) with the 7B recipe; returns the finished
+    process and the stub log path (srun and curl calls)."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     (stubs / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'nodeA\\nnodeB\\n'\n")
@@ -73,8 +80,13 @@ def test_sbatch_flow_with_stubs(tmp_path):
            "SLURM_SUBMIT_DIR": str(ROOT), "STUB_LOG": str(log), "STUB_DIR": str(tmp_path)}
     r = subprocess.run(["bash", str(ROOT / "launch/slurm/run.sbatch"),
                         str(ROOT / "recipes/qwen2.5-7b-math.yaml"),
-                        f"logging.run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
+                        f"logging.run_dir={tmp_path / 'run'}", *overrides], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    return r, log
+
+
+def test_sbatch_flow_with_stubs(tmp_path):
+    r, log = _run_sbatch_with_stubs(tmp_path)
     out = log.read_text()
     assert r.returncode == 0, r.stdout + r.stderr + out
     sruns = [x for x in out.splitlines() if x.startswith("SRUN")]
@@ -94,6 +106,38 @@ def test_sbatch_flow_with_stubs(tmp_path):
     assert "training finished" in r.stdout
     # the rollout step (a sleeping stub) was stopped by the EXIT trap
     assert not _alive(int((tmp_path / "serve.pid").read_text()))
+    assert "(8 sglang servers)" in r.stdout and "vLLM" not in r.stdout
+
+
+VLLM = ["rollout.backend=vllm", "allocation=vllm:d2t4+megatron:d4t2"]
+
+
+def test_sbatch_vllm_branch_checks_the_interpreter_then_serves(tmp_path):
+    """The vLLM interpreter is checked once on the batch host; the rollout step is
+    launch.local --serve-node with the same overrides (it builds the vLLM commands)."""
+    python = vllm_python()
+    r, log = _run_sbatch_with_stubs(tmp_path, *VLLM, f"rollout.vllm.python={python}")
+    out = log.read_text()
+    assert r.returncode == 0, r.stdout + r.stderr + out
+    assert "(2 vllm servers)" in r.stdout and "weight-update group world 9" in r.stdout
+    assert "[run.sbatch] rollout servers: vLLM 0.32." in r.stdout and python in r.stdout
+    serve = [x for x in out.splitlines() if x.startswith("SRUN") and "--serve-node" in x]
+    assert len(serve) == 1 and "--nodelist=nodeA" in serve[0]
+    assert all(o in serve[0] for o in VLLM) and f"rollout.vllm.python={python}" in serve[0]
+    curls = [x for x in out.splitlines() if x.startswith("CURL")]
+    assert [x.rsplit(" ", 1)[1] for x in curls] == ["http://nodeA:30000/health",
+                                                    "http://nodeA:30001/health"]
+    train = [x for x in out.splitlines() if x.startswith("SRUN") and "torchrun.sh" in x]
+    assert train and all("rollout.server_addrs=nodeA:30000,nodeA:30001" in t for t in train)
+
+
+def test_sbatch_vllm_branch_stops_before_any_step_without_the_interpreter(tmp_path):
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    r, log = _run_sbatch_with_stubs(tmp_path, *VLLM, f"rollout.vllm.python={missing}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"rollout.vllm.python: {str(missing)!r} does not exist" in r.stderr
+    assert "make vllm-env" in r.stderr and "no step started" in r.stderr
+    assert not log.exists() or "SRUN" not in log.read_text()      # no srun, no curl
 
 
 def test_sbatch_requests_no_gpus_and_uses_the_repo_venv(tmp_path):

@@ -6,7 +6,8 @@ names on this machine (see tests/slurm_cluster.py), started and stopped by the t
   mid-run and leaves no process behind; a resubmission resumes it (``recover=auto``);
 - the multi-node branch of run.sbatch on two nodes: a real rollout server step on the first,
   the trainer step (torchrun.sh; a stand-in trainer that crashes once) on the second, the
-  bounded relaunch, cleanup of the rollout step.
+  bounded relaunch, cleanup of the rollout step;
+- the vLLM branch without its interpreter: the job fails before any step, saying what to do.
 
 Skipped (with the reason) where the Slurm or munge programs are missing or we are not root;
 ``.ci/run`` installs them when it can.
@@ -173,3 +174,25 @@ def test_multi_node_branch_on_two_nodes(cluster, assets, tmp_path):
     logs = list((run / "logs").glob("node0-*/rollout0.log"))
     assert logs, "the rollout step did not run launch.local --serve-node 0"
     assert job_processes(job_id) == []                      # rollout step stopped at exit
+
+
+def test_vllm_branch_without_its_interpreter_fails_before_any_step(cluster, assets, tmp_path):
+    """rollout.backend=vllm on two nodes with no vLLM interpreter: the batch script stops with
+    what to do before it starts any step (no vLLM is started here either way)."""
+    model, data = assets
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    run, out = tmp_path / "run", tmp_path / "job.out"
+    job_id = cluster.sbatch(
+        ["sbatch", "--parsable", "--nodes=2", f"--output={out}", "launch/slurm/run.sbatch",
+         "recipes/tiny-cpu.yaml",
+         *_overrides(run, model, data, "cluster.device=cuda", "cluster.n_nodes=2",
+                     "cluster.n_gpus_per_node=1", "rollout.backend=vllm",
+                     "allocation=vllm:d1+megatron:d1", f"rollout.vllm.python={missing}")],
+        env=_job_env(), cwd=ROOT)
+    job = _finished(cluster, job_id, out)
+    text = out.read_text()
+    assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", text
+    assert "(1 vllm servers)" in text
+    assert f"rollout.vllm.python: {str(missing)!r} does not exist" in text
+    assert "make vllm-env" in text and "no step started" in text
+    assert not (run / "logs").exists()                      # no rollout step ran

@@ -6,22 +6,22 @@
 rollout / trainer world sizes, ranks per node) and the per-GPU memory estimate; nothing starts.
 
 Without it: writes the resolved config to ``<run_dir>/config.yaml``, starts the rollout servers
-(``local`` backend: :data:`ROLLOUT_SERVER_MODULE`; ``sglang``:
-:func:`areal_mega.inference.process.build_sglang_command`) on free ports, waits until they answer, then starts
-``python -m torch.distributed.run ... -m TRAINER_MODULE --config <run_dir>/config.yaml`` with
-``rollout.server_addrs`` filled in, and (RL mode) the rollout worker
-(:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It watches all;
-Ctrl-C / SIGTERM or the death of any one stops all (process groups, SIGTERM, SIGKILL after ``cluster.kill_grace_s``). Logs go to
-``<run_dir>/logs/<name>.log``. With ``recover=auto`` a crashed trainer is relaunched (at most
-``cluster.max_restarts`` times); it resumes from the latest complete checkpoint. A killed
-rollout server is relaunched alone, whatever ``recover`` says (same budget; with distributed
-weight updates it rejoins the trainer's group at the next update); a killed rollout worker
-too with disk weight updates (see ``docs/reliability.md``). A trainer that cannot save a checkpoint
-for want of disk space ends the run (no relaunch). With
-``rollout.server_addrs`` set no servers are launched: the trainer joins the external ones.
-While the run goes on, ``python -m areal_mega.launch.scale`` adds and removes rollout servers
-through this launcher (:mod:`areal_mega.launch.elastic`); the servers it starts are its own.
-Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
+(``local`` backend: our CPU server; ``sglang``; ``vllm``, run by its own interpreter, checked
+first: :mod:`areal_mega.launch.server_commands`) on free ports, waits until they answer, then
+starts ``python -m torch.distributed.run ... -m TRAINER_MODULE --config
+<run_dir>/config.yaml`` with ``rollout.server_addrs`` filled in, and (RL mode) the rollout
+worker (:data:`ROLLOUT_WORKER_MODULE`) that drives the servers and feeds the trainer. It
+watches all; Ctrl-C / SIGTERM or the death of any one stops all (process groups, SIGTERM,
+SIGKILL after ``cluster.kill_grace_s``). Logs go to ``<run_dir>/logs/<name>.log``. With
+``recover=auto`` a crashed trainer is relaunched (at most ``cluster.max_restarts`` times); it
+resumes from the latest complete checkpoint. A killed rollout server is relaunched alone,
+whatever ``recover`` says (same budget; with distributed weight updates it rejoins the
+trainer's group at the next update); a killed rollout worker too with disk weight updates (see
+``docs/reliability.md``). A trainer that cannot save a checkpoint for want of disk space ends
+the run (no relaunch). With ``rollout.server_addrs`` set no servers are launched: the trainer
+joins the external ones. While the run goes on, ``python -m areal_mega.launch.scale`` adds and
+removes rollout servers through this launcher (:mod:`areal_mega.launch.elastic`); the servers
+it starts are its own. Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
 """
 from __future__ import annotations
 
@@ -39,26 +39,22 @@ from areal_mega.common.net import free_ports, http_ready
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.config_presets import PRESETS
-from areal_mega.inference.process import build_sglang_command
-from areal_mega.lora.targets import lora_server_flags
-from areal_mega.rollout.routes import replay_server_flags
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory,
                                       lora_estimate_args, resolve_hparams, rollout_memory)
 from areal_mega.launch.plan import Layout, plan_layout
+from areal_mega.launch.server_commands import (ROLLOUT_SERVER_MODULE, backend_env,  # noqa: F401
+                                               check_server_runtime, describe_servers,
+                                               memory_fraction, server_command, server_secrets)
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
-from areal_mega.security import (API_KEY_FILE_ENV, check_bind, holds_secret, server_env,
-                                 write_run_file, write_sglang_key_file)
+from areal_mega.security import API_KEY_FILE_ENV, check_bind, holds_secret, write_run_file
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
 # ``AREAL_MEGA_TRAINER_MODULE`` in the environment replaces it (custom trainers, tests).
 TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer")
-# The CPU rollout server (``--model-path DIR --port P``; the API key comes in the environment,
-# see :func:`server_secrets`).
-ROLLOUT_SERVER_MODULE = "areal_mega.inference.server"
 # The rollout worker (prompts -> servers -> rewards -> trajectories to the trainer; weight
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
 # Started in RL mode. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it (tests).
@@ -139,6 +135,8 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
         out.append(f"weight update: distributed, group world {group.world_size} = trainer rank "
                    f"0 + {len(group.rank_offsets)} server(s) x {group.ranks_per_server} "
                    f"rank(s); rank offsets {', '.join(map(str, group.rank_offsets))}")
+    if layout.servers:
+        out += describe_servers(cfg, planned_layout(cfg).servers[0], layout.device)
     out.append(algorithm_line(cfg))
     hp, source = resolve_hparams(cfg)
     dims = layout.allocation.trainer
@@ -158,50 +156,17 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
     out.append(est.format(cap, unit=where))
     a = layout.allocation
     if a.rollout is not None and not layout.external_servers and layout.device != "cpu":
-        r = rollout_memory(hp, a.rollout.tp, a.rollout.pp, cfg.cluster.gpu_memory_gb,
-                           cfg.rollout.mem_fraction_static, cfg.model.dtype)
+        frac = memory_fraction(cfg)
+        key = "gpu_memory_utilization" if cfg.rollout.backend == "vllm" else \
+            "mem_fraction_static"
+        r = rollout_memory(hp, a.rollout.tp, a.rollout.pp, cfg.cluster.gpu_memory_gb, frac,
+                           cfg.model.dtype)
         out.append(f"rollout memory per GPU: weights {r['weights_gib']} GiB, KV cache "
-                   f"{r['kv_cache_gib']} GiB (~{r['kv_tokens']:,} tokens) at "
-                   f"mem_fraction_static={cfg.rollout.mem_fraction_static}")
+                   f"{r['kv_cache_gib']} GiB (~{r['kv_tokens']:,} tokens) at {key}={frac}")
     return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- process specs
-
-
-def server_secrets(cfg: ExperimentConfig) -> dict:
-    """Hand ``rollout.api_key`` to the servers without putting it on a command line (``ps``
-    shows those to every user): the environment entries for our CPU server; for SGLang, which
-    reads the key only as a flag, writes the 0600 YAML file that :func:`server_command` passes
-    as ``--config``. Empty without a key."""
-    key = cfg.rollout.api_key
-    if not key:
-        return {}
-    if cfg.rollout.backend == "local":
-        return server_env(key)
-    write_sglang_key_file(RunDir.from_config(cfg).sglang_key_file, key)
-    return {}
-
-
-def server_command(cfg: ExperimentConfig, slot, host: str = "127.0.0.1") -> list:
-    """The argv of one rollout server; never holds the API key (see :func:`server_secrets`)."""
-    if cfg.rollout.backend == "local":
-        return [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
-                "--host", host, "--port", str(slot.port)] + replay_server_flags(cfg) + \
-            lora_server_flags(cfg) + \
-            (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
-    # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
-    alloc = parse_allocation(cfg.allocation)
-    extra = ["--pp-size", str(alloc.rollout.pp)] if alloc.rollout and alloc.rollout.pp > 1 else []
-    extra += replay_server_flags(cfg) + lora_server_flags(cfg)   # routing replay, LoRA
-    return list(build_sglang_command(cfg.model.path, slot.port, host=host,
-                        tp=alloc.rollout.tp if alloc.rollout else 1,
-                        mem_fraction_static=cfg.rollout.mem_fraction_static,
-                        dtype=cfg.model.dtype, base_gpu_id=0,
-                        api_key_file=RunDir.from_config(cfg).sglang_key_file
-                        if cfg.rollout.api_key else None,
-                        random_seed=cfg.seed + slot.index, extra=extra,
-                        allow_unauthenticated=cfg.rollout.allow_unauthenticated))
 
 
 def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None) -> list:
@@ -224,9 +189,10 @@ def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) ->
 
 
 def server_spec(cfg: ExperimentConfig, slot, host: str, restartable: bool,
-                secret_env: dict) -> ProcessSpec:
+                secret_env: dict, device: str) -> ProcessSpec:
     """The supervised process ``rollout<index>`` of one local rollout server."""
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+    env.update(backend_env(cfg, device))
     env.update(secret_env)
     return ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
                        ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
@@ -255,7 +221,7 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     # next broadcast re-forms the group with it (distributed); a killed worker only with disk
     restartable = cfg.mode == "rl" and weight_group(cfg, layout) is None
     for slot in layout.servers:
-        specs.append(server_spec(cfg, slot, host, cfg.mode == "rl", secret_env))
+        specs.append(server_spec(cfg, slot, host, cfg.mode == "rl", secret_env, device))
         addrs.append(f"{host}:{slot.port}")
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
@@ -339,7 +305,8 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
            "TRAINER_MODULE": TRAINER_MODULE,
            "ROLLOUT_WORKER_MODULE": ROLLOUT_WORKER_MODULE
            if cfg.mode == "rl" else "",
-           "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes)}
+           "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes),
+           "ROLLOUT_BACKEND": cfg.rollout.backend}
     env["MAX_RESTARTS"] = cfg.cluster.max_restarts if cfg.recover == "auto" else 0
     group = weight_group(cfg, lay)
     env["WEIGHT_GROUP_WORLD_SIZE"] = group.world_size if group else 0
@@ -369,10 +336,14 @@ def serve_node(cfg: ExperimentConfig, node: int) -> int:
     if not mine:
         print(f"node {node}: no rollout servers in this layout", file=sys.stderr)
         return 0
+    checked = check_server_runtime(cfg)      # before any process starts
+    if checked:
+        print(f"[launch] node {node}: {checked}", file=sys.stderr, flush=True)
     specs = []
     secret_env = server_secrets(cfg)
     for slot in mine:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
+        env.update(backend_env(cfg, lay.device))
         env.update(secret_env)
         specs.append(ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, "0.0.0.0"),
                                  env=env, kind="main"))
@@ -400,6 +371,8 @@ def main(argv: Optional[list] = None) -> int:
                    help="run the rollout servers the layout puts on node K (srun per node)")
     p.add_argument("--print-resume", action="store_true",
                    help="print the checkpoint a recover=auto trainer resumes from (or nothing)")
+    p.add_argument("--check-rollout-env", action="store_true",
+                   help="check the rollout servers' interpreter (vLLM) and exit")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     try:
@@ -417,12 +390,20 @@ def main(argv: Optional[list] = None) -> int:
             latest = resume_point(cfg)
             print(latest or "")
             return 0
+        if args.check_rollout_env:
+            print(check_server_runtime(cfg) or f"rollout.backend={cfg.rollout.backend}: "
+                  "nothing to check")
+            return 0
         if args.serve_node is not None:
             return serve_node(cfg, args.serve_node)
         try:
             RunDir.from_config(cfg).check_fresh_start(cfg.recover)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if not cfg.rollout.server_addrs:      # before any process starts
+            checked = check_server_runtime(cfg)
+            if checked:
+                print(f"[launch] {checked}", file=sys.stderr, flush=True)
         specs, layout = build_specs(cfg, args.device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -436,7 +417,7 @@ def main(argv: Optional[list] = None) -> int:
         scale = start_scale_service(
             cfg, sup, RunDir.from_config(cfg), layout, distributed_updates=distributed,
             make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", True,
-                                               server_secrets(cfg)))
+                                               server_secrets(cfg), layout.device))
     try:
         return sup.run()
     finally:

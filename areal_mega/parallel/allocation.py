@@ -1,6 +1,7 @@
 """Allocation strings: ``<rollout>:<dims>+<trainer>:<dims>`` (pure; no torch.distributed).
 
-Examples: ``sglang:d4t2+megatron:d2p2t2c1e2``, ``local:d1+megatron:t2``, ``megatron:t2p2``
+Examples: ``sglang:d4t2+megatron:d2p2t2c1e2``, ``vllm:d2t2+megatron:t2``,
+``local:d1+megatron:t2``, ``megatron:t2p2``
 (trainer only, joining external rollout servers).
 
 Letters: ``d`` data, ``t`` tensor, ``p`` pipeline, ``c`` context, ``e`` expert parallel size
@@ -18,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-ROLLOUT_BACKENDS = ("sglang", "local")
+ROLLOUT_BACKENDS = ("sglang", "vllm", "local")
 TRAINER_BACKENDS = ("megatron",)
 _DIM_NAMES = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 _ROLLOUT_LETTERS = "dtp"
@@ -53,9 +54,9 @@ class ParallelDims:
 
 @dataclass(frozen=True)
 class Allocation:
-    """A parsed allocation string. ``rollout_backend`` (``sglang``/``local``) and ``rollout``
-    are None for a trainer-only string (the trainer joins external rollout servers);
-    ``trainer_backend`` is ``megatron``; ``trainer`` holds the trainer's sizes."""
+    """A parsed allocation string. ``rollout_backend`` (``sglang``/``vllm``/``local``) and
+    ``rollout`` are None for a trainer-only string (the trainer joins external rollout
+    servers); ``trainer_backend`` is ``megatron``; ``trainer`` holds the trainer's sizes."""
 
     rollout_backend: Optional[str]
     rollout: Optional[ParallelDims]

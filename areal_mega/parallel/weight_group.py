@@ -2,8 +2,8 @@
 (pure: plain data in and out, no torch).
 
 The trainer's sender is rank 0 of a broadcast group shared with every rollout server; server
-``i`` joins as ranks ``rank_offsets[i] .. rank_offsets[i] + ranks_per_server - 1`` (SGLang:
-``rank_offset + tp_rank``). The launcher (:mod:`areal_mega.launch.local`), the trainer
+``i`` joins as ranks ``rank_offsets[i] .. rank_offsets[i] + ranks_per_server - 1`` (SGLang and
+vLLM: ``rank_offset + tp_rank``). The launcher (:mod:`areal_mega.launch.local`), the trainer
 (:mod:`areal_mega.train.session`) and the sender (:mod:`areal_mega.train.weight_sender`) all
 take the group from here, so their world sizes and rank offsets agree (a mismatch hangs the
 broadcast).
@@ -39,28 +39,35 @@ class WeightGroup:
         return WeightGroup.of(n_servers, self.ranks_per_server)
 
 
+#: backends whose server runs one weight-group rank per tensor-parallel rank (it joins as
+#: ``rank_offset + tp_rank``); a ``local`` server is one rank
+MULTI_RANK_BACKENDS = ("sglang", "vllm")
+_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
 def weight_update_group(alloc: Optional[Allocation], backend: str,
                         n_servers: Optional[int] = None) -> WeightGroup:
     """World size and per-server rank offsets of the weight-update group (pure).
 
-    The allocation string is the only authority: an SGLang server of ``sglang:dDtT`` runs
-    ``T`` ranks (its ``--tp-size``), a ``local`` server one. ``n_servers`` (the servers the
-    sender talks to, e.g. ``len(rollout.server_addrs)``) defaults to ``d`` and must equal it
-    when the allocation has a rollout part. ``alloc`` may be None (or trainer-only) only for
-    the ``local`` backend, whose servers are one rank each. Raises :class:`ConfigError`."""
+    The allocation string is the only authority: an SGLang or vLLM server of ``sglang:dDtT``
+    / ``vllm:dDtT`` runs ``T`` ranks (its tensor-parallel size), a ``local`` server one.
+    ``n_servers`` (the servers the sender talks to, e.g. ``len(rollout.server_addrs)``)
+    defaults to ``d`` and must equal it when the allocation has a rollout part. ``alloc`` may
+    be None (or trainer-only) only for the ``local`` backend, whose servers are one rank each.
+    Raises :class:`ConfigError`."""
     rollout = alloc.rollout if alloc is not None else None
-    if backend not in ("local", "sglang"):
-        raise ConfigError(f"rollout.backend={backend!r}: must be 'local' or 'sglang'")
+    if backend not in ("local", *MULTI_RANK_BACKENDS):
+        raise ConfigError(f"rollout.backend={backend!r}: must be 'local', 'sglang' or 'vllm'")
     if rollout is not None and alloc.rollout_backend != backend:
         raise ConfigError(f"rollout.backend={backend!r} but allocation={alloc.canonical()!r} "
                           f"names {alloc.rollout_backend!r} servers; make them agree")
     if rollout is None:
-        if backend == "sglang":
+        if backend in MULTI_RANK_BACKENDS:
             where = f"allocation={alloc.canonical()!r}" if alloc else "allocation"
-            raise ConfigError(f"{where} has no rollout part, so the SGLang servers' tensor "
-                              "parallel size is unknown; write it there, e.g. "
-                              "'sglang:d2t4+megatron:...' (with rollout.server_addrs set, no "
-                              "servers are launched)")
+            raise ConfigError(f"{where} has no rollout part, so the {_NAMES[backend]} servers' "
+                              "tensor parallel size is unknown; write it there, e.g. "
+                              f"'{backend}:d2t4+megatron:...' (with rollout.server_addrs set, "
+                              "no servers are launched)")
         if n_servers is None:
             raise ConfigError("weight_update_group: n_servers is needed without a rollout "
                               "part in the allocation")
@@ -69,11 +76,11 @@ def weight_update_group(alloc: Optional[Allocation], backend: str,
         if n_servers is not None and n_servers != rollout.dp:
             raise ConfigError(f"rollout.server_addrs: {n_servers} server(s) but allocation="
                               f"{alloc.canonical()!r} has d{rollout.dp}; make them agree")
-        if backend == "sglang" and rollout.pp > 1:
-            raise ConfigError(f"allocation={alloc.canonical()!r}: SGLang joins the weight "
-                              "group as rank_offset + tp_rank, so servers with p>1 would "
-                              "collide; use rollout.weight_update=disk")
-        per = rollout.tp if backend == "sglang" else 1
+        if backend in MULTI_RANK_BACKENDS and rollout.pp > 1:
+            raise ConfigError(f"allocation={alloc.canonical()!r}: {_NAMES[backend]} joins the "
+                              "weight group as rank_offset + tp_rank, so servers with p>1 "
+                              "would collide; use rollout.weight_update=disk")
+        per = rollout.tp if backend in MULTI_RANK_BACKENDS else 1
         n_servers = rollout.dp
     if n_servers < 1:
         raise ConfigError(f"rollout.server_addrs: {n_servers} servers; the weight group "
