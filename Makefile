@@ -75,7 +75,7 @@ install: $(STAMP)
 build: $(KERNEL_STAMP)
 
 test: $(STAMP) $(KERNEL_STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m areal_mega.demo

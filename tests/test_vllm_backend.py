@@ -2,7 +2,9 @@
 the rollout client's translation of SGLang's calls, interruptible generation across a weight
 update, both weight-update paths (disk reload, gloo broadcast through our worker extension),
 and the errors of a server we cannot use."""
+import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -78,10 +80,9 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
     async def go():
         c = client([server.addr])
         try:
-            return await asyncio_gather(*(c.generate(p, {"max_new_tokens": 24, "temperature": 1.0,
-                                                         "ignore_eos": True, "sampling_seed": i},
-                                                     rid=f"lp-{i}")
-                                          for i, p in enumerate(ps)))
+            return await asyncio.gather(*(c.generate(p, {
+                "max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True,
+                "sampling_seed": i}, rid=f"lp-{i}") for i, p in enumerate(ps)))
         finally:
             await c.close()
     res = run(go())
@@ -94,8 +95,7 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "tests" / "_teacher_forward_worker.py"),
                         str(models["a"]), str(tmp_path), str(job), str(tmp_path / "out.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT),
-                            "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     trainer = json.loads((tmp_path / "out.json").read_text())["logprobs"]
     worst = max(abs(a - b) for r, want in zip(res, trainer) for a, b in zip(r.logprobs, want))
@@ -103,17 +103,22 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
     assert worst <= 1e-5
 
 
-def tokens_generated(addr) -> float:
-    """vLLM's own count of generated tokens (its Prometheus counter)."""
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total"))
-
-
-async def asyncio_gather(*aws):
-    import asyncio
-    return await asyncio.gather(*aws)
+def tokens_generated(addr, settled: bool = False) -> float:
+    """vLLM's own count of generated tokens (its Prometheus counter). The counter catches up
+    with finished work a little later: ``settled`` waits until two reads 0.5 s apart agree."""
+    def read() -> float:
+        req = urllib.request.Request(f"http://{addr}/metrics",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:generation_tokens_total"))
+    now = read()
+    while settled:
+        time.sleep(0.5)
+        now, before = read(), now
+        settled = now != before
+    return now
 
 
 def test_interrupted_generation_across_a_disk_update(server, models):
@@ -131,13 +136,14 @@ def test_interrupted_generation_across_a_disk_update(server, models):
             answers[body["request_id"]] = out["choices"][0]
         return out
     c.vllm = spy
+    base = tokens_generated(server.addr, settled=True)
     sink = GroupSink()
     ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(16),
                             batch_size=4, n_samples=2, eta=1, sink=sink, ignore_eos=True).start()
     try:
-        base = tokens_generated(server.addr)
+        # interrupt once the 16 requests are ~10 tokens in (of 400)
         deadline = time.monotonic() + 120
-        while ctl.n_inflight_requests < 8 or tokens_generated(server.addr) - base < 64:
+        while ctl.n_inflight_requests < 16 or tokens_generated(server.addr) - base < 160:
             assert time.monotonic() < deadline, "vLLM generated nothing"
             time.sleep(0.02)
         ctl.update_weights(1, path=str(models["b"]))

@@ -1,9 +1,8 @@
 """Real vLLM servers for the tests: tiny models vLLM's CPU kernels serve, and a server process
 started with the command and environment launch.local uses.
 
-The vLLM interpreter is ``$AREAL_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python`` (``make
-vllm-env``). Without one the tests are skipped, unless ``AREAL_REQUIRE_VLLM=1`` (``make test``
-sets it: CI must run them), which fails them instead.
+The vLLM interpreter: :func:`tests.vllm_env.vllm_python` (skipped without one, except where
+``make test`` runs them: there they fail).
 """
 from __future__ import annotations
 
@@ -19,23 +18,13 @@ import pytest
 
 from areal_mega.common.net import free_port
 from areal_mega.models.tiny import make_tiny_model
+from tests.vllm_env import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "vllm-test-key"
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...: the tiny models use 64
 TINY_VLLM = dict(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1,
                  intermediate_size=256, num_layers=2)
-
-
-def vllm_python() -> str:
-    """The vLLM environment's interpreter, or skip (fail under ``AREAL_REQUIRE_VLLM=1``)."""
-    py = os.environ.get("AREAL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
-    if not Path(py).is_file():
-        msg = f"no vLLM environment at {py} (make vllm-env)"
-        if os.environ.get("AREAL_REQUIRE_VLLM") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return py
 
 
 def make_vllm_models(base: Path, n: int = 2) -> list:
@@ -53,7 +42,7 @@ class VLLMServer:
         self.port = free_port("127.0.0.1")
         self.addr = f"127.0.0.1:{self.port}"
         argv = build_vllm_command(vllm_python(), str(model), self.port, host="127.0.0.1",
-                                  tp=1, dtype="float32", max_model_len=512, seed=0,
+                                  tp=1, dtype="fp32", max_model_len=512, seed=0,
                                   enforce_eager=True, served_model_name="tiny", extra=[])
         env = dict(os.environ, **vllm_env(API_KEY, "cpu", 1.0, str(ROOT)))
         if not dev_mode:

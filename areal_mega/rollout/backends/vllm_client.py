@@ -40,15 +40,15 @@ import json
 import logging
 from typing import Optional
 
+from areal_mega.inference.vllm_launch import SUPPORTED_VLLM_VERSIONS
 from areal_mega.rollout.client import RolloutClient, server_url
 from areal_mega.rollout.generate_result import RolloutRequestError
 
-__all__ = ["SUPPORTED_VLLM_VERSIONS", "VLLMClient", "vllm_generate_body",
+__all__ = ["VLLMClient", "vllm_generate_body",
            "sglang_answer_from_vllm"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VLLM_VERSIONS = ("0.32.",)
 # SGLang sampling_params -> vLLM SamplingParams (same meaning, other name or same name)
 _SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                    "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output",
