@@ -1,7 +1,8 @@
 """End to end with vLLM rollouts: ``launch.local`` with ``rollout.backend=vllm`` starts a real
 vLLM server (its own environment), the rollout worker, the trainer; 10 GRPO steps on the
-reverse task's prompts learn a fixed answer, no sample is trained twice, and both weight-update paths (disk reload,
-gloo broadcast through our worker extension) keep the servers on the trainer's weights."""
+reverse task's prompts learn a fixed answer, no sample is trained twice, and both
+weight-update paths (disk reload, gloo broadcast through our worker extension) keep the
+servers on the trainer's weights."""
 import json
 import os
 import signal
