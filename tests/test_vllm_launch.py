@@ -133,12 +133,14 @@ def test_check_python_without_vllm():
     with pytest.raises(ConfigError) as e:
         check_vllm_python(sys.executable)
     msg = str(e.value)
-    assert f"rollout.vllm.python: {sys.executable!r} cannot import vllm (exit 1)" in msg
+    assert f"rollout.vllm.python: {sys.executable!r} cannot import vllm or our extension" in msg
+    assert "(exit 1)" in msg
     assert "No module named 'vllm'" in msg and "make vllm-env" in msg
 
 
 def test_check_python_odd_interpreters(tmp_path):
-    with pytest.raises(ConfigError, match=r"cannot import vllm \(exit 3\):\nbroken"):
+    with pytest.raises(ConfigError,
+                       match=r"cannot import vllm or our extension .*\(exit 3\):\nbroken"):
         check_vllm_python(_script(tmp_path / "p1", "echo broken >&2; exit 3"))
     with pytest.raises(ConfigError, match=r"has vLLM \(no version printed\)"):
         check_vllm_python(_script(tmp_path / "p2", "exit 0"))

@@ -137,15 +137,19 @@ def check_vllm_python(python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS,
     """Run ``python -c "import vllm; print(vllm.__version__)"`` and return the version; raise
     :class:`ConfigError` naming ``rollout.vllm.python``, the path, what it printed and how to
     build the environment when the interpreter is missing, cannot import vllm, or has a
-    version outside ``supported`` (prefixes)."""
+    version outside ``supported`` (prefixes). The same run imports our worker extension and
+    middleware with the servers' ``PYTHONPATH``: a broken one fails here, not ~40 s later in
+    vLLM's engine."""
     where = f"rollout.vllm.python: {python!r}"
     if not os.path.isfile(python) or not os.access(python, os.X_OK):
         what = "is not an executable file" if os.path.exists(python) else "does not exist"
         raise ConfigError(f"{where} {what}; {BUILD_HINT}")
     try:
-        proc = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"],
-                              capture_output=True, text=True, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [python, "-c", "import vllm; import areal_mega.inference.vllm_worker, "
+             "areal_mega.inference.vllm_auth; print(vllm.__version__)"],
+            capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=vllm_env(None, "gpu")["PYTHONPATH"]))
     except subprocess.TimeoutExpired:
         raise ConfigError(f"{where}: `import vllm` did not finish in {timeout_s:g} s; "
                           f"{BUILD_HINT}") from None
@@ -153,7 +157,8 @@ def check_vllm_python(python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS,
         raise ConfigError(f"{where} cannot run ({e}); {BUILD_HINT}") from None
     if proc.returncode != 0:
         said = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or "(nothing)"
-        raise ConfigError(f"{where} cannot import vllm (exit {proc.returncode}):\n{said}\n"
+        raise ConfigError(f"{where} cannot import vllm or our extension (areal_mega."
+                          f"inference.vllm_worker) (exit {proc.returncode}):\n{said}\n"
                           f"{BUILD_HINT}")
     lines = proc.stdout.strip().splitlines()
     version = lines[-1].strip() if lines else ""
