@@ -13,6 +13,7 @@ from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.teacher import build_teacher_scorer
 from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
+from test_e2e_presets import check_preset_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,8 @@ def _check_rows(rows, steps):
 
 
 def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_path):
+    """Also the ``opd`` case of tests/test_e2e_presets.py: the preset's keys reach the trainer
+    and every step's loss is finite."""
     model, data = assets
     run = tmp_path / "run"
     opd = ("algorithm.preset=opd", f"teacher.path={model}", "recover=auto",
@@ -39,6 +42,7 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_pa
     assert abs(rows[0]["opd/reverse_kl"]) <= 1e-6, rows[0]["opd/reverse_kl"]
     assert rows[0]["opd/abs_log_ratio"] <= 1e-6
     assert (run / "init_mcore_teacher").is_dir()
+    check_preset_run(run, "opd", steps=3)
     # resumed: the teacher is loaded again (from its converted checkpoint), OPD goes on
     rc, out = _finish(_launch(run, model, data, "total_steps=4", *opd), timeout=300)
     assert rc == 0, out[-3000:]
