@@ -32,12 +32,15 @@ def assets(tmp_path_factory):
 
 
 def _launch(run_dir, model, data, *extra):
+    """``launch.local`` on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
+    unless ``extra`` asks (``logging.plot=true``): drawing it takes a second per run and is
+    checked in tests/test_e2e_multitask.py and tests/test_eval_training.py."""
     args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
             str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
             f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
             f"logging.run_dir={run_dir}", "logging.progress_bar=false",
-            "logging.tensorboard=false", "rollout.batch_size=4", "rollout.n_samples=4",
-            "cluster.kill_grace_s=5", *extra]
+            "logging.tensorboard=false", "logging.plot=false", "rollout.batch_size=4",
+            "rollout.n_samples=4", "cluster.kill_grace_s=5", *extra]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)

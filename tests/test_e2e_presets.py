@@ -37,9 +37,9 @@ def test_every_preset_trains_two_steps(preset, assets, tmp_path):
     args = [sys.executable, "-m", "areal_mega.launch.local", "--config", str(_recipe(tmp_path)),
             f"model.path={model}", f"data.train_path={data / 'train.jsonl'}",
             f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={run}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "rollout.batch_size=4",
-            "rollout.n_samples=4", "cluster.kill_grace_s=5", "total_steps=2", "recover=off",
-            "checkpoint.save_every=0",
+            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
+            "rollout.batch_size=4", "rollout.n_samples=4", "cluster.kill_grace_s=5",
+            "total_steps=2", "recover=off", "checkpoint.save_every=0",
             "rollout.reward_fn=areal_mega.rewards:char_match_reward",
             f"algorithm.preset={preset}"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
