@@ -1,8 +1,9 @@
 """Single-process jobs for tests/test_checkpoint_integrity.py (run as a script: megatron's
 parallel state and writer processes need a fresh process).
 
-    python tests/_ckpt_fault_worker.py convert WORK        tiny Qwen2 -> WORK/hf, WORK/mcore
-    python tests/_ckpt_fault_worker.py train WORK ROOT     2 training steps, save iter 1 and 2
+    python tests/_ckpt_fault_worker.py make WORK ROOT      tiny Qwen2 -> WORK/hf, WORK/mcore;
+                                                           then from it 2 training steps,
+                                                           saving ROOT/iter 1 and 2
     python tests/_ckpt_fault_worker.py resume WORK ROOT    what the trainer does on recover=auto
 
 Each writes a JSON result to stdout's last line.
@@ -62,13 +63,12 @@ def _step(ddp, opt, sched, ids):
 def main(mode, work, root=None):
     work = Path(work)
     out = {}
-    if mode == "convert":
+    if mode == "make":     # converted and trained in one process, as the trainer does
         from areal_mega.checkpoint.convert import convert_hf_to_mcore
+        from areal_mega.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
         from areal_mega.models.tiny import make_tiny_model
         hf = make_tiny_model(work / "hf", arch="qwen2", tie_word_embeddings=False)
         out["path"] = convert_hf_to_mcore(hf, work / "mcore", progress=False)["path"]
-    elif mode == "train":
-        from areal_mega.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
         ddp, opt, sched, ids = _setup(work)
         load_checkpoint(work / "mcore", ddp)
         out["losses"] = []

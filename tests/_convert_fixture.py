@@ -1,5 +1,7 @@
 """Shared by the conversion/checkpoint tests: run tests/_convert_jobs.py once per session."""
+import fcntl
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +13,23 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
+def session_dir(tmp_path_factory) -> Path:
+    """The test session's temporary root: under pytest-xdist the parent of this worker's
+    basetemp, which every worker of the session shares (without xdist: the basetemp)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def run_jobs(base: Path) -> Path:
-    """Convert every tiny-model variant HF -> megatron -> HF (once; cached under ``base``)."""
+    """Convert every tiny-model variant HF -> megatron -> HF (once; cached under ``base``,
+    :func:`session_dir`: a worker that needs them while another converts waits for it)."""
     work = base / "convert_jobs"
-    if not (work / "results.json").exists():
-        p = subprocess.run([sys.executable, str(TESTS / "_convert_jobs.py"), str(work)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=400)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    with open(base / "convert_jobs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (work / "results.json").exists():
+            p = subprocess.run([sys.executable, str(TESTS / "_convert_jobs.py"), str(work)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=400)
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return work
 
 

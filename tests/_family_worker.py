@@ -2,6 +2,9 @@
 
     python tests/_family_worker.py <family> <rank> <world> <port> <work_dir>
 
+(``all`` for ``<family>``: every family in turn, each family's checks under its name, as
+tests/test_new_families.py runs them.)
+
 ``<work_dir>/<family>/hf`` is the tiny HF model and ``<work_dir>/<family>/mcore`` its
 checkpoint converted by ``tools/convert_hf_to_mcore.py``. On the DP2 mesh and on each layout of
 the family's case (:data:`tests.new_families.CASES`):
@@ -119,5 +122,13 @@ def run_family(name):
     return scenario
 
 
+def run_all(res, out_dir):
+    """Every family's scenario one after the other (one pair of processes): ``res[family]``
+    holds each family's checks."""
+    for name in CASES:
+        res[name] = {}
+        run_family(name)(res[name], out_dir)
+
+
 if __name__ == "__main__":
-    sys.exit(ew.run_scenario({n: run_family(n) for n in CASES}))
+    sys.exit(ew.run_scenario({**{n: run_family(n) for n in CASES}, "all": run_all}))

@@ -313,9 +313,15 @@ def scenario_interop(res, tmp):  # noqa: C901 (one story, read top to bottom)
     res["resumed_step_count"] = float(eng3.step_count == eng.step_count == 2)
 
 
+def scenario_prepared_interop(res, tmp):
+    """The qwen3 model made and converted, then :func:`scenario_interop`, in one process
+    (as a trainer converts, then trains)."""
+    scenario_prepare(res, tmp, ["qwen3"])
+    scenario_interop(res, tmp)
+
+
 SCENARIOS = {"prepare": scenario_prepare, "layouts": scenario_layouts,
-             "prepare_qwen3": lambda res, tmp: scenario_prepare(res, tmp, ["qwen3"]),
-             "interop": scenario_interop}
+             "prepared_interop": scenario_prepared_interop}
 
 
 def main():

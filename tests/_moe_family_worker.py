@@ -4,6 +4,8 @@ layout holding the reference weights).
 
     python tests/_moe_family_worker.py <scenario> <rank> <world> <port> <out_dir>
 
+(scenario: a family, or ``both``, as tests/test_moe_families.py runs them)
+
 ``glm4_moe``: 4 layers (layer 0 dense), 8 experts in 2 groups (top-1 group, top-2 experts),
 a shared expert, non-zero expert biases, partial rotary, QKV bias and QK norms; the policy
 loss; layouts EP2 (inside DP2), TP2 + sequence parallelism, PP2. ``deepseek_v3``: the same
@@ -65,7 +67,16 @@ def scenario_glm4_moe(res, out_dir, hf=GLM4_MOE):
     ew.check_layout(res, "pp2", hf, ref, mbs)
 
 
+def scenario_both(res, out_dir):
+    """Both families one after the other (one pair of processes): ``res[family]`` holds each
+    family's checks."""
+    for family, hf in (("glm4_moe", GLM4_MOE), ("deepseek_v3", DEEPSEEK_V3)):
+        res[family] = {}
+        scenario_glm4_moe(res[family], out_dir, hf=hf)
+
+
 if __name__ == "__main__":
     sys.exit(ew.run_scenario({
         "glm4_moe": scenario_glm4_moe,
-        "deepseek_v3": lambda res, out: scenario_glm4_moe(res, out, hf=DEEPSEEK_V3)}))
+        "deepseek_v3": lambda res, out: scenario_glm4_moe(res, out, hf=DEEPSEEK_V3),
+        "both": scenario_both}))

@@ -401,6 +401,13 @@ def scenario_vpp(res, out_dir):
         del eng
 
 
+def scenario_cpu(res, out_dir):
+    """The CPU scenarios one after the other in one pair of processes (each process start
+    costs more than a scenario): dense, MoE, then the interleaved pipeline."""
+    for scenario in (scenario_dense, scenario_moe, scenario_vpp):
+        scenario(res, out_dir)
+
+
 def finish_rank(res: dict, path: str) -> int:
     """A worker rank's end: its results as JSON at ``path``, its process groups destroyed;
     the exit code says whether ``res`` holds an error."""
@@ -433,7 +440,7 @@ def run_scenario(scenarios: dict, res: dict = None) -> int:
 def main():
     return run_scenario({"dense": scenario_dense, "moe": scenario_moe,
                          "gpu_thd": scenario_gpu_thd, "gpu_cp2": scenario_gpu_cp2,
-                         "vpp": scenario_vpp})
+                         "vpp": scenario_vpp, "cpu": scenario_cpu})
 
 
 if __name__ == "__main__":

@@ -10,12 +10,12 @@ from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.convert import convert_mcore_to_hf
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, find_latest, prune_checkpoints,
                                              resolve_checkpoint, verify_checkpoint)
-from tests._convert_fixture import run_jobs
+from tests._convert_fixture import run_jobs, session_dir
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    work = run_jobs(tmp_path_factory.getbasetemp())
+    work = run_jobs(session_dir(tmp_path_factory))
     return work / "qwen2_untied_bias" / "mcore" / "iter_0000000"
 
 

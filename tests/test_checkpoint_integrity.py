@@ -32,8 +32,7 @@ def _worker(*args):
 def made(tmp_path_factory):
     """``work`` (hf/, mcore/) and ``ckpts`` (iter_0000001, iter_0000002: training saves)."""
     work = tmp_path_factory.mktemp("integrity")
-    _worker("convert", work)
-    res = _worker("train", work, work / "ckpts")
+    res = _worker("make", work, work / "ckpts")
     return work, work / "ckpts", res["losses"]
 
 

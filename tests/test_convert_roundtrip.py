@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from tests._convert_fixture import ROOT, launch_2ranks, results, run_jobs
+from tests._convert_fixture import ROOT, launch_2ranks, results, run_jobs, session_dir
 from tests._convert_jobs import VARIANTS, compare, load_all
 
 
 @pytest.fixture(scope="session")
 def jobs(tmp_path_factory):
-    return run_jobs(tmp_path_factory.getbasetemp())
+    return run_jobs(session_dir(tmp_path_factory))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -32,12 +32,15 @@ def assets(tmp_path_factory):
 
 
 def _launch(run_dir, model, data, *extra):
+    """``launch.local`` on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
+    unless ``extra`` asks (``logging.plot=true``): drawing it takes a second per run and is
+    checked in tests/test_e2e_multitask.py and tests/test_eval_training.py."""
     args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
             str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
             f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
             f"logging.run_dir={run_dir}", "logging.progress_bar=false",
-            "logging.tensorboard=false", "rollout.batch_size=4", "rollout.n_samples=4",
-            "cluster.kill_grace_s=5", *extra]
+            "logging.tensorboard=false", "logging.plot=false", "rollout.batch_size=4",
+            "rollout.n_samples=4", "cluster.kill_grace_s=5", *extra]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -96,12 +99,14 @@ def _accepted_ids(run_dir):
     return ids
 
 
+ON_POLICY = ("rollout.max_head_offpolicyness=0", "rollout.weight_bucket_mb=1",
+             "rollout.reward_fn=areal_mega.rewards:char_match_reward")
+
+
 @pytest.mark.parametrize("weight_update, extra", [
     ("disk", ()),
     ("distributed", ("ref.enabled=true", "algorithm.kl_coef=0.01")),   # + reference model, KL
-    ("disk", ("algorithm.adv_estimator=gae", "critic.enabled=true",    # PPO with a critic,
-              "critic.warmup_steps=1")),                               # step 1: critic only
-])
+])   # PPO with a critic: test_critic_run_on_policy_then_resumes_with_its_critic
 def test_fresh_run_on_policy_and_weights_reach_the_servers(assets, tmp_path, weight_update,
                                                            extra):
     """Step 1 is exactly on-policy (ppo_kl 0, mismatch <= 1e-5). With eta = 0 every later token
@@ -111,13 +116,15 @@ def test_fresh_run_on_policy_and_weights_reach_the_servers(assets, tmp_path, wei
     model, data = assets
     run = tmp_path / "run"
     rc, out = _finish(_launch(run, model, data, "total_steps=4", "recover=off",
-                              "rollout.max_head_offpolicyness=0",
-                              f"rollout.weight_update={weight_update}",
-                              "rollout.weight_bucket_mb=1",
-                              "rollout.reward_fn=areal_mega.rewards:char_match_reward",
-                              *extra),
+                              f"rollout.weight_update={weight_update}", *ON_POLICY, *extra),
                       timeout=300)
     assert rc == 0, out[-3000:]
+    _check_on_policy_run(run, extra)
+
+
+def _check_on_policy_run(run, extra):
+    """The checks of test_fresh_run_on_policy_and_weights_reach_the_servers on a finished
+    4-step run launched with ``extra``."""
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     first = next(r for r in rows if "ppo_kl/first_minibatch" in r)   # the actor's first step
@@ -179,21 +186,24 @@ def test_sigkill_trainer_then_recover(assets, tmp_path):
     assert steps_before >= 3
 
 
-def test_critic_run_resumes_with_its_critic(assets, tmp_path):
-    """A run with a critic, stopped after its checkpoint at step 2 and launched again with
-    total_steps=3, resumes the actor and the critic from iter_2 (the critic's exactness on
-    resume is checked in tests/test_critic_engine.py)."""
+def test_critic_run_on_policy_then_resumes_with_its_critic(assets, tmp_path):
+    """PPO with a critic (step 1: critic only), 4 steps on-policy as in
+    test_fresh_run_on_policy_and_weights_reach_the_servers (values, GAE, value loss, the
+    critic checkpointed); launched again with total_steps=5 it resumes the actor and the
+    critic from iter_4 (the critic's exactness on resume is checked in
+    tests/test_critic_engine.py). One run for both: the resume needs a finished critic run."""
     model, data = assets
     run = tmp_path / "run"
-    critic = ("algorithm.adv_estimator=gae", "critic.enabled=true", "recover=auto",
-              "checkpoint.save_every=1")
-    rc, out = _finish(_launch(run, model, data, "total_steps=2", *critic), timeout=300)
+    critic = ("algorithm.adv_estimator=gae", "critic.enabled=true", "critic.warmup_steps=1",
+              "recover=auto", "checkpoint.save_every=1", "rollout.weight_update=disk",
+              *ON_POLICY)
+    rc, out = _finish(_launch(run, model, data, "total_steps=4", *critic), timeout=300)
     assert rc == 0, out[-3000:]
-    assert (run / "checkpoints" / "critic" / "iter_0000002").is_dir()
-    rc, out = _finish(_launch(run, model, data, "total_steps=3", *critic), timeout=300)
+    _check_on_policy_run(run, critic)
+    rc, out = _finish(_launch(run, model, data, "total_steps=5", *critic), timeout=300)
     assert rc == 0, out[-3000:]
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["critic/grad_norm"] > 0
-    assert (run / "checkpoints" / "critic" / "iter_0000003").is_dir()
+    assert (run / "checkpoints" / "critic" / "iter_0000005").is_dir()

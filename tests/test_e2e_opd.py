@@ -13,6 +13,7 @@ from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.teacher import build_teacher_scorer
 from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
+from test_e2e_presets import check_preset_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,8 @@ def _check_rows(rows, steps):
 
 
 def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_path):
+    """Also the ``opd`` case of tests/test_e2e_presets.py: the preset's keys reach the trainer
+    and every step's loss is finite."""
     model, data = assets
     run = tmp_path / "run"
     opd = ("algorithm.preset=opd", f"teacher.path={model}", "recover=auto",
@@ -39,6 +42,7 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_pa
     assert abs(rows[0]["opd/reverse_kl"]) <= 1e-6, rows[0]["opd/reverse_kl"]
     assert rows[0]["opd/abs_log_ratio"] <= 1e-6
     assert (run / "init_mcore_teacher").is_dir()
+    check_preset_run(run, "opd", steps=3)
     # resumed: the teacher is loaded again (from its converted checkpoint), OPD goes on
     rc, out = _finish(_launch(run, model, data, "total_steps=4", *opd), timeout=300)
     assert rc == 0, out[-3000:]
@@ -63,20 +67,29 @@ def test_other_teacher_added_to_grpo_advantages(assets, tmp_path):
     assert rows[0]["advantage"] != 0.0 and math.isfinite(rows[0]["advantage"])
 
 
-def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, tmp_path):
+@pytest.fixture(scope="module")
+def served_student(assets):
+    """A CPU server process on the student model (API key ``teacher-key``): the served
+    teacher of the tests below."""
+    model, _ = assets
+    (srv,) = launch_local_servers(str(model), 1, api_key="teacher-key")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, served_student, tmp_path):
     """The teacher served by a CPU server process (SGLang's prompt-logprob request, scored
     from each sequence's first loss token): equal to the student, its scores land on the same
     tokens as the trainer's proximal logprobs, so step 1's reverse KL is ~0."""
     model, data = assets
-    (srv,) = launch_local_servers(str(model), 1, api_key="teacher-key")
-    try:
-        run = tmp_path / "run"
-        rc, out = _finish(_launch(run, model, data, "total_steps=2", "recover=off",
-                                  "algorithm.preset=opd", f"teacher.server_addrs=[{srv.addr}]",
-                                  "teacher.api_key=teacher-key",
-                                  "rollout.max_head_offpolicyness=0"), timeout=300)
-    finally:
-        srv.stop()
+    run = tmp_path / "run"
+    rc, out = _finish(_launch(run, model, data, "total_steps=2", "recover=off",
+                              "algorithm.preset=opd",
+                              f"teacher.server_addrs=[{served_student.addr}]",
+                              "teacher.api_key=teacher-key",
+                              "rollout.max_head_offpolicyness=0"), timeout=300)
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     _check_rows(rows, [1, 2])
@@ -85,23 +98,21 @@ def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, tmp_path):
     assert "teacher-key" not in (run / "logs" / "trainer.log").read_text()
 
 
-def test_served_teacher_with_another_tokenizer_is_refused(assets, tmp_path):
+def test_served_teacher_with_another_tokenizer_is_refused(assets, served_student, tmp_path):
     model, _ = assets
     other = make_tiny_model(tmp_path / "ascii", arch="llama", charset="ascii", hidden_size=64,
                             num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
     cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml",
-                      [f"model.path={model}", "algorithm.preset=opd", "teacher.server_addrs=[x:1]"])
-    (srv,) = launch_local_servers(str(other), 1)
+                      [f"model.path={model}", "algorithm.preset=opd", "teacher.server_addrs=[x:1]",
+                       "teacher.api_key=teacher-key"])
+    cfg.teacher.server_addrs = [served_student.addr]
+    cfg.model.path = str(other)                    # a student with another tokenizer: refused
+    with pytest.raises(ConfigError, match=r"different tokenizers"):
+        build_teacher_scorer(cfg)
+    cfg.model.path = str(model)                    # the same tokenizer: accepted
+    scorer = build_teacher_scorer(cfg)
     try:
-        cfg.teacher.server_addrs = [srv.addr]
-        with pytest.raises(ConfigError, match=r"different tokenizers"):
-            build_teacher_scorer(cfg)
-        cfg.model.path = str(other)                    # the same tokenizer: accepted
-        scorer = build_teacher_scorer(cfg)
-        try:
-            (lp,) = scorer.score([[5, 6, 7, 8]], [1])
-            assert lp.shape == (3,) and (lp < 0).all()
-        finally:
-            scorer.close()
+        (lp,) = scorer.score([[5, 6, 7, 8]], [1])
+        assert lp.shape == (3,) and (lp < 0).all()
     finally:
-        srv.stop()
+        scorer.close()

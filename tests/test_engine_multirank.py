@@ -1,10 +1,11 @@
 """Multi-process CPU (gloo, 2 ranks) equality of engine layouts against a single-rank reference.
 
-Launches (dense, MoE, VPP) each run many checks in sequence; see tests/engine_worker.py. Every
-layout's per-token logprobs and gradients must match the TP1/PP1 reference within 1e-5 (fp32),
-with the production losses (decoupled PPO with KL and entropy terms, a GSPO / sequence-mean
-variant on the pipeline layouts, SFT on the MoE layouts). A third launch trains the interleaved
-pipeline (PP2 × VPP2) with equal and variable micro-batch lengths.
+One launch runs the CPU scenarios (dense, MoE, VPP), each many checks in sequence; see
+tests/engine_worker.py. Every layout's per-token logprobs and gradients must match the TP1/PP1
+reference within 1e-5 (fp32), with the production losses (decoupled PPO with KL and entropy
+terms, a GSPO / sequence-mean variant on the pipeline layouts, SFT on the MoE layouts). The
+VPP scenario trains the interleaved pipeline (PP2 × VPP2) with equal and variable micro-batch
+lengths.
 """
 import os
 import sys
@@ -27,13 +28,19 @@ def _launch(scenario, tmp_path, world=2, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    return _launch("dense", tmp_path_factory.mktemp("dense"))
+def cpu(tmp_path_factory):
+    """Every rank's results of the dense, MoE and VPP scenarios (their keys are disjoint)."""
+    return _launch("cpu", tmp_path_factory.mktemp("cpu"), timeout=480)
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return _launch("moe", tmp_path_factory.mktemp("moe"))
+def dense(cpu):
+    return cpu
+
+
+@pytest.fixture(scope="module")
+def moe(cpu):
+    return cpu
 
 
 def _worst(results, key):
@@ -62,8 +69,8 @@ def test_ten_steps_lower_loss(dense):
 
 
 @pytest.fixture(scope="module")
-def vpp(tmp_path_factory):
-    return _launch("vpp", tmp_path_factory.mktemp("vpp"))
+def vpp(cpu):
+    return cpu
 
 
 @pytest.mark.parametrize("case", ["vpp_same", "vpp_var"])

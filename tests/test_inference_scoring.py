@@ -155,15 +155,16 @@ def test_score_sequences_names_server_on_refusal(server):
         run(go())
 
 
-def test_teacher_scorer_on_two_servers_equals_teacher_forcing(models):
-    """TeacherServerScorer over two server processes: every batch, whichever server scored
-    it, equals teacher forcing within 1e-5; float32 arrays of the right lengths."""
-    procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
+def test_teacher_scorer_on_two_servers_equals_teacher_forcing(server, models):
+    """TeacherServerScorer over two server processes (the module's and one more): every
+    batch, whichever server scored it, equals teacher forcing within 1e-5; float32 arrays of
+    the right lengths."""
+    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
     try:
         seqs = [SEQS[i % len(SEQS)][: 2 + i % 7] + [i + 3] for i in range(20)]
         starts = [1 + i % (len(s) - 1) for i, s in enumerate(seqs)]
-        scorer = TeacherServerScorer([p.addr for p in procs], api_key=API_KEY, timeout_s=60,
-                                     batch=3)
+        scorer = TeacherServerScorer([server.addr, procs[0].addr], api_key=API_KEY,
+                                     timeout_s=60, batch=3)
         try:
             got = scorer.score(seqs, starts)
             assert scorer.score([], []) == []
@@ -182,24 +183,18 @@ def test_teacher_scorer_on_two_servers_equals_teacher_forcing(models):
             p.stop()
 
 
-def test_teacher_scorer_skips_a_dead_server(models):
+def test_teacher_scorer_skips_a_dead_server(server, models):
     """A member that cannot be reached is marked down and its batches go to the other."""
-    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
     dead = "127.0.0.1:9"  # discard port: nothing listens
+    scorer = TeacherServerScorer([dead, server.addr], api_key=API_KEY, timeout_s=30, batch=1)
     try:
-        scorer = TeacherServerScorer([dead, procs[0].addr], api_key=API_KEY, timeout_s=30,
-                                     batch=1)
-        try:
-            got = scorer.score(SEQS, [1] * len(SEQS))
-            assert not scorer.client.is_healthy(dead)
-        finally:
-            scorer.close()
-        for s, g in zip(SEQS, got):
-            want = teacher_forced_logprobs(models["ma"], s, 1)
-            assert np.max(np.abs(g - np.asarray(want))) <= 1e-5
+        got = scorer.score(SEQS, [1] * len(SEQS))
+        assert not scorer.client.is_healthy(dead)
     finally:
-        for p in procs:
-            p.stop()
+        scorer.close()
+    for s, g in zip(SEQS, got):
+        want = teacher_forced_logprobs(models["ma"], s, 1)
+        assert np.max(np.abs(g - np.asarray(want))) <= 1e-5
 
 
 def test_scorer_is_usable_from_plain_sync_code_repeatedly(server, models):

@@ -50,6 +50,19 @@ def test_recipe_nodes_match_issue():
     assert parse_allocation(moe.allocation).trainer.ep > 1 and moe.model_hparams.num_experts
 
 
+def test_launcher_imports_no_torch():
+    """launch.local (the parent of every process of a run, and ``--dry-run``) plans without
+    torch: importing it would cost each launch ~2 s before the first process starts."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "areal_mega.launch.local",
+                        "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--dry-run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "config OK" in r.stdout, r.stdout[-2000:]
+    imported = [ln.rsplit("|", 1)[1].strip() for ln in r.stderr.splitlines()
+                if ln.startswith("import time:")]
+    assert "areal_mega.launch.local" in imported or "areal_mega.launch" in imported
+    assert "torch" not in imported
+
+
 def test_dry_run_bad_override_names_key(capsys):
     rc = local.main(["--config", str(ROOT / "recipes/tiny-cpu.yaml"), "--dry-run",
                      "rollout.n_samples=0"])

@@ -16,9 +16,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def interop(tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora_interop")
-    launch("prepare_qwen3", out, world=1)
-    return launch("interop", out, world=1)[0]
+    return launch("prepared_interop", tmp_path_factory.mktemp("lora_interop"), world=1)[0]
 
 
 def test_our_adapter_in_peft_gives_our_logprobs(interop):

@@ -130,16 +130,23 @@ def test_cli_roundtrip_is_bit_exact(family_model, tmp_path):
 
 
 # ---------------------------------------------------------------------------- layouts
-@pytest.mark.parametrize("family", FAMILIES)
-def test_layouts_match_single_rank(family, tmp_path):
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """Both families' layout checks from one 2-rank launch: ``{family: [rank results]}``."""
     from areal_mega.common.net import free_port
     from tests.multirank import rank_results, run_ranks
+    out = tmp_path_factory.mktemp("layouts")
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, TESTS / "_moe_family_worker.py", family, r, 2, port,
-                        tmp_path] for r in range(2)], timeout=300, env=env)
-    res = rank_results([tmp_path / f"{family}.{r}.json" for r in range(2)], ranks)
-    for r in res:
+    ranks = run_ranks([[sys.executable, TESTS / "_moe_family_worker.py", "both", r, 2, port,
+                        out] for r in range(2)], timeout=480, env=env)
+    res = rank_results([out / f"both.{r}.json" for r in range(2)], ranks)
+    return {family: [r[family] for r in res] for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layouts_match_single_rank(family, layouts):
+    for r in layouts[family]:
         assert r["expert_bias_max"] > 0.01                  # the biases are really non-zero
         for layout in ("ep2", "tp2sp", "pp2"):
             for what in ("logprobs", "grads", "loss", "n_tokens"):

@@ -42,22 +42,33 @@ def _tool(*argv):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def family(request, tmp_path_factory):
-    """A family's tiny model, converted there and back by our tools, and its 2-rank checks."""
-    case = CASES[request.param]
-    work = tmp_path_factory.mktemp(case.name)
-    hf = make_tiny_model(work / case.name / "hf", **tiny_spec(case))
-    mcore, hf2 = work / case.name / "mcore", work / case.name / "hf2"
-    _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(mcore),
-          *case.convert)
-    _tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out", str(hf2))
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """Every family's tiny model, converted there and back by our tools, and the 2-rank checks
+    of all families (one launch): ``{name: {"case", "hf", "hf2", "checks"}}``."""
+    work = tmp_path_factory.mktemp("families")
+    out = {}
+    for name, case in sorted(CASES.items()):
+        hf = make_tiny_model(work / name / "hf", **tiny_spec(case))
+        mcore, hf2 = work / name / "mcore", work / name / "hf2"
+        _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(mcore),
+              *case.convert)
+        _tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out", str(hf2))
+        out[name] = {"case": case, "hf": hf, "hf2": hf2}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
-    ranks = run_ranks([[sys.executable, WORKER, case.name, r, 2, port, work] for r in range(2)],
-                      timeout=300, env=env, cwd=ROOT)
-    checks = rank_results([work / f"{case.name}.{r}.json" for r in range(2)], ranks)
-    return {"case": case, "hf": hf, "hf2": hf2, "checks": checks}
+    ranks = run_ranks([[sys.executable, WORKER, "all", r, 2, port, work] for r in range(2)],
+                      timeout=480, env=env, cwd=ROOT)
+    checks = rank_results([work / f"all.{r}.json" for r in range(2)], ranks)
+    for name in out:
+        out[name]["checks"] = [r[name] for r in checks]
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def family(request, families):
+    """One family's tiny model, its conversions and its 2-rank checks."""
+    return families[request.param]
 
 
 def test_conversion_round_trip_is_bit_exact(family):

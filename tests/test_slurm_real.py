@@ -1,9 +1,9 @@
 """launch/slurm on a real Slurm (Debian's slurm-wlm + munge): a throwaway cluster of two node
 names on this machine (see tests/slurm_cluster.py), started and stopped by the test.
 
-- the CPU recipe through the submit wrapper (no GPU generic resource): the job completes and
-  the run directory has metrics; a second job submitted with plain ``sbatch`` is ``scancel``-ed
-  mid-run and leaves no process behind; a resubmission resumes it (``recover=auto``);
+- the CPU recipe submitted with plain ``sbatch`` is ``scancel``-ed mid-run and leaves no
+  process behind; resubmitted through the submit wrapper (no GPU generic resource), the job
+  resumes it (``recover=auto``) and completes with every step in the run's metrics;
 - the multi-node branch of run.sbatch on two nodes: a real rollout server step on the first,
   the trainer step (torchrun.sh; a stand-in trainer that crashes once) on the second, the
   bounded relaunch, cleanup of the rollout step;
@@ -95,20 +95,7 @@ def _tail(path: Path, n: int = 60) -> str:
 def test_cpu_recipe_runs_is_cancelled_cleanly_and_resumes(cluster, assets, tmp_path):
     model, data = assets
     recipe = "recipes/tiny-cpu.yaml"
-    # 1. the submit wrapper reads the recipe: --nodes=1 and no --gpus-per-node for device=cpu
-    out = tmp_path / "job-a.out"
-    job_a = cluster.sbatch([sys.executable, "-m", "areal_mega.launch.slurm_submit",
-                            "--parsable", f"--output={out}", recipe,
-                            *_overrides(tmp_path / "a", model, data, "total_steps=2")],
-                           env=_job_env(), cwd=ROOT)
-    job = _finished(cluster, job_a, out)
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _tail(out)
-    assert job["NumNodes"] == "1" and "gres/gpu" not in job.get("TRES", "")
-    assert [m["step"] for m in _metrics(tmp_path / "a")] == [1, 2], _tail(out)
-    python = ROOT / ".venv/bin/python" if (ROOT / ".venv/bin/python").exists() else sys.executable
-    assert f"[run.sbatch] python: {python}" in out.read_text()
-
-    # 2. the documented plain sbatch; scancel once a checkpoint exists: nothing survives
+    # 1. the documented plain sbatch; scancel once a checkpoint exists: nothing survives
     run_b, out = tmp_path / "b", tmp_path / "job-b.out"
     job_b = cluster.sbatch(["sbatch", "--parsable", "--nodes=1", f"--output={out}",
                             "launch/slurm/run.sbatch", recipe,
@@ -131,16 +118,21 @@ def test_cpu_recipe_runs_is_cancelled_cleanly_and_resumes(cluster, assets, tmp_p
     assert job_processes(job_b) == []                # every process of the job is gone
     done = max(m["step"] for m in _metrics(run_b))
 
-    # 3. resubmitting the same run (recover=auto) resumes from the latest checkpoint
+    # 2. resubmitting the same run (recover=auto) through the submit wrapper, which reads the
+    # recipe: --nodes=1 and no --gpus-per-node for device=cpu; the job completes, resumed
+    # from the latest checkpoint
     out = tmp_path / "job-c.out"
-    job_c = cluster.sbatch(["sbatch", "--parsable", "--nodes=1", f"--output={out}",
-                            "launch/slurm/run.sbatch", recipe,
+    job_c = cluster.sbatch([sys.executable, "-m", "areal_mega.launch.slurm_submit",
+                            "--parsable", f"--output={out}", recipe,
                             *_overrides(run_b, model, data, f"total_steps={done + 1}")],
                            env=_job_env(), cwd=ROOT)
     job = _finished(cluster, job_c, out)
-    assert job["JobState"] == "COMPLETED", _tail(out)
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _tail(out)
+    assert job["NumNodes"] == "1" and "gres/gpu" not in job.get("TRES", "")
+    python = ROOT / ".venv/bin/python" if (ROOT / ".venv/bin/python").exists() else sys.executable
+    assert f"[run.sbatch] python: {python}" in out.read_text()
     assert "resumed from" in (run_b / "logs" / "trainer.log").read_text()
-    assert max(m["step"] for m in _metrics(run_b)) == done + 1
+    assert [m["step"] for m in _metrics(run_b)] == list(range(1, done + 2)), _tail(out)
 
 
 def test_multi_node_branch_on_two_nodes(cluster, assets, tmp_path):

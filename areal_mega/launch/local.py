@@ -51,6 +51,7 @@ from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 from areal_mega.run_dir import FATAL_EXIT_CODE, LOW_SPACE_BYTES, RunDir, free_bytes
 from areal_mega.security import API_KEY_FILE_ENV, check_bind, holds_secret, write_run_file
+from areal_mega.train.weights import resolve_weight_update
 
 # The one place that names the trainer entry point (``python -m <TRAINER_MODULE> --config F``).
 # ``AREAL_MEGA_TRAINER_MODULE`` in the environment replaces it (custom trainers, tests).
@@ -96,8 +97,6 @@ def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]
     """The broadcast group the trainer forms with this layout's servers when
     ``rollout.weight_update`` resolves to ``distributed`` (GPU, one trainer pipeline stage);
     None for the disk path. Same function as the trainer's sender; raises ConfigError."""
-    from areal_mega.train.weights import resolve_weight_update
-
     a = layout.allocation
     try:
         mode = resolve_weight_update(cfg.rollout.weight_update, cuda=layout.device == "cuda",

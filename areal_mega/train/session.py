@@ -30,6 +30,7 @@ from areal_mega.tracking import RunLog
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer
 from areal_mega.train.weight_sender import broadcast_version, connect_weight_sender
+from areal_mega.train.weights import export_hf_dir, resolve_weight_update
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,6 @@ class TrainerSession:
         resumed = self._restore_or_init()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
         self.rollout_metrics: dict = {}    # the worker's rollout/* server metrics (elastic)
-        from areal_mega.train.weights import resolve_weight_update
         try:
             self.weight_update = resolve_weight_update(
                 cfg.rollout.weight_update, cuda=torch.cuda.is_available(), pp=d.pp,
@@ -272,8 +272,6 @@ class TrainerSession:
         version sent again to the others
         (:func:`~areal_mega.train.weight_sender.broadcast_version`).
         """
-        from areal_mega.train.weights import export_hf_dir
-
         if self.weight_update == "distributed":
             self._publish_distributed(version)
             return

@@ -17,6 +17,7 @@ from areal_mega.algo.policy_loss import check_devices
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
+from areal_mega.train.weights import export_hf_dir
 
 
 def sft_loss(logprobs: torch.Tensor, entropy, mb: dict):
@@ -43,7 +44,6 @@ def run_sft(s) -> None:
     """Train ``cfg.total_steps`` SFT steps on ``data.train_path``; export the HF model."""
     from areal_mega.lora.actor import merged_deltas, publish_adapter
     from areal_mega.scheduler.packing import pack_sequences
-    from areal_mega.train.weights import export_hf_dir
 
     cfg = s.cfg
     tok = load_tokenizer(cfg.model.path)

@@ -12,10 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
-import torch.distributed as dist
-
 
 def _barrier() -> None:
+    # imported here: launch.local uses resolve_weight_update and must not pay for torch
+    import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
 
