@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from areal_mega.common.net import free_port, tcp_ready
-from areal_mega.launch import local
+from areal_mega.launch import local, server_commands
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.run_dir import find_latest
 
@@ -197,7 +197,7 @@ def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
     """launch.local: fake rollout server + fake trainer under torchrun (2 ranks); the trainer
     crashes after a checkpoint and is relaunched with checkpoint.load=<latest complete>."""
     monkeypatch.setattr(local, "TRAINER_MODULE", "fake_trainer")
-    monkeypatch.setattr(local, "ROLLOUT_SERVER_MODULE", "fake_rollout_server")
+    monkeypatch.setattr(server_commands, "ROLLOUT_SERVER_MODULE", "fake_rollout_server")
     monkeypatch.setattr(local, "ROLLOUT_WORKER_MODULE", "fake_rollout_worker")
     monkeypatch.syspath_prepend(str(FIX))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FIX), str(ROOT)]))

@@ -422,11 +422,13 @@ class RolloutController:
 
     async def _end_update(self, version: Optional[int]) -> None:
         try:
-            if version is not None:
-                if self._trust_server_version:
-                    await self.client.set_weight_version(version)
-                self.counter.set_version(version)
-            await self.client.resume()
+            try:
+                if version is not None:
+                    if self._trust_server_version:
+                        await self.client.set_weight_version(version)
+                    self.counter.set_version(version)
+            finally:
+                await self.client.resume()      # never leave a server paused
         finally:
             self._gate.set()
             self._wake.set()
