@@ -47,7 +47,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        logprobs are attached and the OPD term replaces or joins the advantages (after GAE).
     3. The loss is built from ``cfg.algorithm`` by ``make_policy_loss`` (so every algorithm key,
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
-       optimizer steps (``train_batch``, collective over the trainer ranks).
+       optimizer steps (``train_batch``, collective over the trainer ranks). A step the
+       dynamic filter left without samples takes no optimizer step (``n_samples`` 0, no
+       ``loss`` in its row).
     4. ``s.publish_weights(version=step)`` sends the new weights to the rollout servers; then
        rank 0 appends the trained sample ids to the intake's trained log.
 
@@ -86,14 +88,17 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                max_response_len=cfg.rollout.max_new_tokens)
     train_stats = []
-    actor_trains = s.critic is None or step > cfg.critic.warmup_steps
+    # no sample left (the dynamic filter dropped every group): no optimizer step, no weight
+    # decay on zero gradients; the version still advances so the rollout side goes on
+    has_samples = batch.stats.get("n_samples", 0) > 0
+    actor_trains = has_samples and (s.critic is None or step > cfg.critic.warmup_steps)
     actor_batches = batches.minibatches(mbs, cfg.actor.ppo_n_minibatches,
                                          s.actor.micro_batch_multiple) if actor_trains else []
     for minibatch in actor_batches:
         train_stats.append(s.actor.train_batch(minibatch, loss_fn, denominator_fn,
                                                temperature=cfg.actor.temperature,
                                                return_entropy=True))
-    if s.critic is not None:
+    if s.critic is not None and has_samples:
         critic_stats.update(train_critic(s.critic, mbs, cfg))
     t_train = time.time()
     s.publish_weights(version=step)                     # pause -> update -> continue on servers

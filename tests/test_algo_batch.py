@@ -118,3 +118,39 @@ def test_minibatches_keep_a_multiple_of_pp_for_the_interleaved_schedule():
     assert batches.minibatches(mbs, 1, multiple_of=3) == [mbs]
     with pytest.raises(ValueError, match="multiple_of=4"):
         batches.minibatches(mbs, 2, multiple_of=4)
+
+
+def _group(gid, rewards, extras=False):
+    from areal_mega.dataplane import Trajectory
+    out = []
+    for i, r in enumerate(rewards):
+        kw = {"token_extras": {"routed_experts": np.full((6, 2, 2), i, np.int16)}} if extras \
+            else {}
+        out.append(Trajectory.from_tokens([1, 2, 3], [4 + i, 5, 6], [-0.5, -0.25, -0.125],
+                                          [0, 0, 0], reward=r, sample_id=f"{gid}-{i}",
+                                          group_id=gid, **kw))
+    return out
+
+
+def test_a_step_the_dynamic_filter_empties_plans_padding_only_micro_batches():
+    from areal_mega.config import load_config
+    cfg = load_config(None, ["algorithm.preset=dapo"])
+    trajs = _group("a", [0.0, 0.0]) + _group("b", [1.0, 1.0])      # every group uniform
+    plan = batches.plan_step(trajs, cfg, dp_size=2, tp_size=4, pp_size=1, cp_size=1)
+    assert plan.sample_ids == [] and plan.stats["n_samples"] == 0
+    assert plan.stats["filter/uniform_groups"] == 2
+    for [mb] in plan.micro_batches:
+        assert mb.n_tokens == 4 and mb.advantages.tolist() == [0.0] * 4
+        assert int(mb.loss_mask.sum()) == 0 and mb.labels.tolist() == [-1] * 4
+
+
+def test_a_dp_rank_without_samples_gets_every_field_of_the_step_as_padding():
+    from areal_mega.config import load_config
+    cfg = load_config(None, [])
+    plan = batches.plan_step(_group("a", [0.0, 1.0], extras=True)[:1], cfg, dp_size=2,
+                             tp_size=1, pp_size=1, cp_size=1)
+    (full,), (empty,) = plan.micro_batches
+    assert full.routed_experts is not None and empty.routed_experts is not None
+    assert tuple(empty.routed_experts.shape[1:]) == tuple(full.routed_experts.shape[1:])
+    assert (empty.routed_experts == -1).all() and empty.advantages.dtype == torch.float32
+    assert empty.cu_seqlens.tolist() == [0] and int(empty.loss_mask.sum()) == 0

@@ -29,9 +29,7 @@ def _recipe(tmp_path):
     return path
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"opd"}))   # opd: test_e2e_opd.py
-def test_every_preset_trains_two_steps(preset, assets, tmp_path):
+def _run_preset(preset, assets, tmp_path, reward="char_match_reward"):
     model, data = assets
     run = tmp_path / "run"
     args = [sys.executable, "-m", "areal_mega.launch.local", "--config", str(_recipe(tmp_path)),
@@ -40,19 +38,37 @@ def test_every_preset_trains_two_steps(preset, assets, tmp_path):
             "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
             "rollout.batch_size=4", "rollout.n_samples=4", "cluster.kill_grace_s=5",
             "total_steps=2", "recover=off", "checkpoint.save_every=0",
-            "rollout.reward_fn=areal_mega.rewards:char_match_reward",
-            f"algorithm.preset={preset}"]
+            f"rollout.reward_fn=areal_mega.rewards:{reward}", f"algorithm.preset={preset}"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     rc, out = _finish(proc, timeout=360)
     assert rc == 0, out[-3000:]
-    check_preset_run(run, preset, steps=2)
+    return run
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"opd"}))   # opd: test_e2e_opd.py
+def test_every_preset_trains_two_steps(preset, assets, tmp_path):
+    check_preset_run(_run_preset(preset, assets, tmp_path), preset, steps=2)
+
+
+@pytest.mark.timeout(400)
+def test_steps_the_dynamic_filter_empties_train_nothing_and_the_run_goes_on(assets, tmp_path):
+    """DAPO with the exact-match reward on an untrained model: every group is uniform (all
+    0), so every step is empty; each takes no optimizer step (no loss, no lr) and the
+    versions still advance."""
+    run = _run_preset("dapo", assets, tmp_path, reward="exact_match_reward")
+    check_preset_run(run, "dapo", steps=2)
+    for r in _metrics(run):
+        if r["step"] >= 1:
+            assert r["n_samples"] == 0 and r["filter/uniform_groups"] == 4, r
+            assert "lr" not in r and "grad_norm" not in r and r["version"] == r["step"], r
 
 
 def check_preset_run(run, preset, steps):
     """``preset``'s keys reached the trainer (the run's resolved config) and the run's
-    ``steps`` steps logged finite losses."""
+    ``steps`` steps logged finite losses (none on a step the dynamic filter emptied)."""
     resolved = json.loads((run / "config.resolved.json").read_text())
     assert resolved["algorithm"]["preset"] == preset
     for key, value in PRESETS[preset].items():
@@ -60,6 +76,6 @@ def check_preset_run(run, preset, steps):
         assert resolved[section][leaf] == value, key
     rows = _metrics(run)
     assert [r["step"] for r in rows if r["step"] >= 1] == list(range(1, steps + 1))
-    for r in rows:
+    for r in rows:   # a step the dynamic filter emptied takes no optimizer step, has no loss
         if r["step"] >= 1:
-            assert math.isfinite(r["loss"]), r
+            assert math.isfinite(r["loss"]) if r["n_samples"] > 0 else "loss" not in r, r

@@ -152,6 +152,25 @@ def test_server_dying_before_ready_is_an_error(tmp_path):
     assert "before it was ready" in (tmp_path / "logs/supervisor.log").read_text()
 
 
+def test_a_death_notice_quotes_the_last_error_of_the_log(tmp_path):
+    """torchrun's wrapper error is skipped: the rank's own error is the one quoted."""
+    fail = ("import sys; print('[rank0]: ValueError: bad key algorithm.x', flush=True); "
+            "sys.exit('torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ')")
+    sup = Supervisor([ProcessSpec("main", [sys.executable, "-c", fail], kind="main")],
+                     tmp_path / "logs", echo=lambda m: None)
+    assert sup.run() == 1
+    text = (tmp_path / "logs/supervisor.log").read_text()
+    assert "main died (exit code 1)" in text
+    assert "last error: [rank0]: ValueError: bad key algorithm.x" in text
+    sup = Supervisor([ProcessSpec("server", [sys.executable, "-c", "import no_such_module_x"],
+                                  ready=lambda: False),
+                      ProcessSpec("main", CHILD + ["sleep"], kind="main")],
+                     tmp_path / "logs2", echo=lambda m: None)
+    assert sup.run() == 1
+    text = (tmp_path / "logs2/supervisor.log").read_text()
+    assert "last error: ModuleNotFoundError: No module named 'no_such_module_x'" in text
+
+
 DRIVER = textwrap.dedent("""
     import sys
     from areal_mega.common.net import tcp_ready

@@ -113,3 +113,33 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
         for p in procs + [relaunched]:
             if p is not None:
                 p.stop()
+
+
+def test_a_port_taken_before_the_server_binds_is_replaced(models, monkeypatch, tmp_path):
+    """The port a handle chose can be taken by another process before its server binds it
+    (parallel test workers): the server is started again on a fresh port. A start that fails
+    otherwise raises with the server's own last error."""
+    import socket
+
+    from areal_mega.common.net import free_port
+    from areal_mega.inference import process
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    taken = busy.getsockname()[1]
+    picks = iter([taken])
+    monkeypatch.setattr(process, "free_port", lambda host="127.0.0.1": next(picks, None)
+                        or free_port(host))
+    srv = LocalServerProcess(str(models["a"]), api_key=API_KEY)
+    try:
+        assert srv.port == taken
+        srv.wait_ready(120)
+        assert srv.port != taken and srv.alive()
+    finally:
+        srv.stop()
+        busy.close()
+    bad = LocalServerProcess(str(tmp_path / "no-model"), api_key=API_KEY)
+    with pytest.raises(RuntimeError, match=r"exited with code 1\n  last error: \w+"):
+        bad.wait_ready(120)
+    bad.stop()

@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
+from areal_mega.common.log_tail import last_error
 from areal_mega.common.net import free_port, http_ready
 from areal_mega.security import API_KEY_ENV, API_KEY_FILE_ENV, check_bind
 
@@ -69,28 +71,42 @@ class LocalServerProcess:
         A ``host`` other than loopback needs ``api_key`` (ConfigError)."""
         check_bind(host, authenticated=bool(api_key), what=f"local rollout server host {host}",
                    fix="pass api_key")
-        self.host, self.port = host, port or free_port(host)
-        self.addr = f"{host}:{self.port}"
-        self.api_key = api_key
-        cmd = [sys.executable, "-m", "areal_mega.inference.server", "--model-path",
-               str(model_path), "--host", host, "--port", str(self.port),
-               "--num-threads", str(num_threads), "--max-running-requests", str(max_running)]
-        cmd += [str(a) for a in extra_args or ()]
+        self.host, self.api_key, self._auto_port = host, api_key, port is None
+        self._args = [str(model_path), num_threads, max_running,
+                      [str(a) for a in extra_args or ()]]
+        # without a log file the output still goes somewhere: the error of a failed start
+        self._log_path = log_path
+        self._log = open(log_path, "ab") if log_path else tempfile.TemporaryFile()
+        self._start(port or free_port(host))
+
+    def _start(self, port: int) -> None:
+        model_path, num_threads, max_running, extra_args = self._args
+        self.port, self.addr = port, f"{self.host}:{port}"
+        cmd = [sys.executable, "-m", "areal_mega.inference.server", "--model-path", model_path,
+               "--host", self.host, "--port", str(port), "--num-threads", str(num_threads),
+               "--max-running-requests", str(max_running), *extra_args]
         env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), TOKENIZERS_PARALLELISM="false")
-        if api_key:
-            env[API_KEY_ENV] = api_key  # not on the command line (ps)
-        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key  # not on the command line (ps)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log)
 
     def wait_ready(self, timeout: float = 120.0) -> "LocalServerProcess":
-        """Block until ``GET /health`` answers 200; raise if the process died or timed out."""
+        """Block until ``GET /health`` answers 200; raise if the process died (with the last
+        error of its output) or timed out. A port this handle chose that another process took
+        in the meantime is replaced by a fresh one (up to 3 times)."""
         deadline = time.monotonic() + timeout
-        healthy = http_ready(f"http://{self.addr}/health", timeout=2, api_key=self.api_key,
-                             healthy=True)
+        retries = 3
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                error = last_error(self._log_path or self._log)
+                if self._auto_port and retries and "address already in use" in error.lower():
+                    retries -= 1
+                    self._start(free_port(self.host))
+                    continue
                 raise RuntimeError(f"local rollout server on {self.addr} exited with code "
-                                   f"{self.proc.returncode}")
+                                   f"{self.proc.returncode}{error}")
+            healthy = http_ready(f"http://{self.addr}/health", timeout=2, api_key=self.api_key,
+                                 healthy=True)
             if healthy():
                 return self
             time.sleep(0.2)
@@ -115,9 +131,8 @@ class LocalServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        if self._log is not subprocess.DEVNULL:
+        if not self._log.closed:
             self._log.close()
-            self._log = subprocess.DEVNULL
 
 
 def launch_local_servers(model_path: str, n: int = 1, api_key: Optional[str] = None,

@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 import psutil
 
+from areal_mega.common.log_tail import last_error
 
 _PR_SET_PDEATHSIG = 1
 try:
@@ -108,10 +109,8 @@ class Supervisor:
         self.specs = list(specs)
         self.log_dir = Path(log_dir)
         self.grace_s, self.max_restarts, self.poll_s = grace_s, max_restarts, poll_s
-        self.restarts = 0
-        self.running: dict = {}
-        self._signal: Optional[int] = None
-        self._signal_count = 0
+        self.restarts, self.running = 0, {}
+        self._signal, self._signal_count = None, 0   # the last signal received, how many
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._sup_log = (self.log_dir / "supervisor.log").open("a", encoding="utf-8")
@@ -223,7 +222,8 @@ class Supervisor:
                 return
             if run.proc.poll() is not None:
                 raise SupervisorError(f"{spec.name} exited with code {run.proc.returncode} "
-                                      f"before it was ready; see {run.log.name}")
+                                      f"before it was ready; see {run.log.name}"
+                                      + last_error(run.log.name))
             try:
                 if spec.ready():
                     self.say(f"{spec.name} is ready")
@@ -363,8 +363,7 @@ class Supervisor:
                 if run.spec.kind == "main" and run.spec.restart and \
                         self.restarts < self.max_restarts:
                     self.restarts += 1
-                    self.say(f"{name} failed ({why}); relaunch {self.restarts}/"
-                             f"{self.max_restarts}")
+                    self.say(f"{name} failed ({why}); relaunch {self.restarts}/{self.max_restarts}")
                     _close_quietly(run.log)
                     if run.spec.on_restart is not None:
                         argv = run.spec.on_restart(run.spec, self.restarts)
@@ -381,7 +380,8 @@ class Supervisor:
                     for comp in companions:
                         self._launch(comp.spec, self.restarts)
                     continue
-                self.say(f"{name} died ({why}); stopping everything. Log: {run.log.name}")
+                self.say(f"{name} died ({why}); stopping everything. Log: {run.log.name}"
+                         + last_error(run.log.name))
                 return rc if rc > 0 else 128 - rc
             mains = [r for r in self.running.values() if r.spec.kind == "main"]
             if mains and all(r.done for r in mains):
