@@ -43,6 +43,10 @@ class ClusterConfig:
                                        doc="how long launch.local waits for a rollout server")
     server_base_port: int = _f(30000, lo=1024, hi=65535,
                                doc="multi-node: rollout server k of a node listens on base + k")
+    cpu_threads_per_server: int = _f(1, lo=1, doc="cluster.device=cpu: torch threads of each "
+                                     "local rollout server")
+    cpu_threads_per_trainer_rank: int = _f(0, lo=0, doc="cluster.device=cpu: threads of each "
+                                           "trainer rank; 0 = the cores the servers leave")
 
 
 @dataclass
@@ -80,6 +84,11 @@ class ActorConfig:
     temperature: float = _f(1.0, lo=0.0, lo_open=True,
                             doc="sampling temperature; logprobs are recomputed at it")
     ppo_n_minibatches: int = _f(1, lo=1)
+    prox_logprobs: str = _f("auto", choices=["auto", "recompute"],
+                            doc="π_prox of the decoupled loss: auto = taken from the training "
+                            "forward (detached) when the step is one optimizer step on the "
+                            "weights that define π_prox and nothing reads it before training; "
+                            "recompute = always a forward pass of its own (AReaL)")
     sequence_parallel: bool = False
     virtual_pipeline_size: Optional[int] = _f(None, lo=1)
     logprob_chunk_size: Optional[int] = _f(None, lo=1)

@@ -21,7 +21,7 @@ from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
-from areal_mega.train.routing import routing_metrics
+from areal_mega.train.routing import free_routing_due, routing_metrics
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 from areal_mega.train.teacher import opd_step
 
@@ -33,7 +33,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        (blocking until they arrive), filters them, computes advantages and plans packed
        micro-batches for every DP rank (``batches.plan_step``, a ``StepPlan``); each rank
        receives only its DP rank's share (``batches.distribute``).
-    2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``)
+    2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``;
+       skipped when the training forward provides them, :func:`prox_forward_needed`)
        and, with a reference model, ``ref_logprobs``; both are attached to the micro-batches
        (``batches.attach``, new ``PackedBatch`` objects), as is ``policy_version = step − 1``.
        With ``algorithm.routing_replay: r3`` the actor replays the rollout's MoE routes, and
@@ -70,10 +71,18 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     batch = batches.distribute(plan, s.mesh)
     t_data = time.time()
     mbs = batch.micro_batches   # PackedBatch: attaching returns new batches (no mutation)
-    # the weights that compute prox_logprobs below (for the mismatch metric)
+    # no sample left (the dynamic filter dropped every group): no optimizer step, no weight
+    # decay on zero gradients; the version still advances so the rollout side goes on
+    has_samples = batch.stats.get("n_samples", 0) > 0
+    actor_trains = has_samples and (s.critic is None or step > cfg.critic.warmup_steps)
+    n_updates = len(batches.minibatches(list(range(len(mbs))), cfg.actor.ppo_n_minibatches,
+                                        s.actor.micro_batch_multiple)) if actor_trains else 0
+    recompute = prox_forward_needed(cfg, step, n_updates)
+    # the weights that compute prox_logprobs (for the mismatch metric)
     mbs = batches.attach(mbs, policy_version=[step - 1] * len(mbs))
-    mbs = batches.attach(mbs, prox_logprobs=s.actor.forward_logprobs(
-        mbs, temperature=cfg.actor.temperature))
+    if recompute:
+        mbs = batches.attach(mbs, prox_logprobs=s.actor.forward_logprobs(
+            mbs, temperature=cfg.actor.temperature))
     moe_stats = routing_metrics(s.actor, mbs, step=step, algo_cfg=cfg.algorithm,
                                 temperature=cfg.actor.temperature)   # R3: free routing
     if s.ref is not None:
@@ -86,12 +95,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     mbs, opd_stats = opd_step(s, mbs)   # OPD: teacher logprobs, the reverse-KL advantage
     t_fwd = time.time()
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
-                                               max_response_len=cfg.rollout.max_new_tokens)
+                                               max_response_len=cfg.rollout.max_new_tokens,
+                                               prox_from_forward=not recompute)
     train_stats = []
-    # no sample left (the dynamic filter dropped every group): no optimizer step, no weight
-    # decay on zero gradients; the version still advances so the rollout side goes on
-    has_samples = batch.stats.get("n_samples", 0) > 0
-    actor_trains = has_samples and (s.critic is None or step > cfg.critic.warmup_steps)
     actor_batches = batches.minibatches(mbs, cfg.actor.ppo_n_minibatches,
                                          s.actor.micro_batch_multiple) if actor_trains else []
     for minibatch in actor_batches:
@@ -109,10 +115,27 @@ def rl_step(s: TrainerSession, step: int) -> dict:
              **critic_stats, **opd_stats, **moe_stats}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
-                  "time/weight_sync": t_sync - t_train,
+                  "time/weight_sync": t_sync - t_train, "prox/recomputed": float(recompute),
                   "tokens/s": batch.stats.get("n_tokens_total", 0.0) / max(t_sync - t0, 1e-9),
                   "mem/trainer_peak_rss_gib": peak_rss_gib()})
     return stats
+
+
+def prox_forward_needed(cfg, step: int, n_updates: int) -> bool:
+    """Whether RL step ``step`` runs a forward pass of its own for ``prox_logprobs``.
+
+    π_prox is the policy of the weights before this step's update. When the actor takes
+    ``n_updates`` ≤ 1 optimizer steps, its training forward runs on exactly those weights, so
+    the loss can take π_prox from it (``make_policy_loss(prox_from_forward=True)``), as TRL
+    does for its single-iteration GRPO. A separate forward stays needed with
+    ``actor.prox_logprobs=recompute``, with several updates per step (the later minibatches
+    train on moved weights), and where π_prox is read before training: on-policy
+    distillation (the student's logprobs), ``kl_in_reward`` (GAE's KL penalty) and the
+    routing-replay metrics' step (they compare π_prox with a free-routing forward)."""
+    alg = cfg.algorithm
+    read_before_training = alg.opd != "off" or alg.kl_in_reward or (
+        alg.routing_replay != "off" and free_routing_due(step, alg.routing_replay_free_every))
+    return cfg.actor.prox_logprobs == "recompute" or read_before_training or n_updates > 1
 
 
 def peak_rss_gib() -> float:

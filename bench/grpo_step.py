@@ -21,8 +21,9 @@ step's weight version. A fresh batch per step (its own seed).
 
 Step: exactly the compute of :func:`areal_mega.trainer.rl_step` on one rank:
 ``batches.plan_step`` (GRPO advantages, micro-batch planning and packing with the recipe's
-``scheduler.max_tokens_per_mb``), ``batches.distribute``, the proximal logprobs
-(``actor.forward_logprobs``, attached with ``batches.attach``), ``make_policy_loss`` and
+``scheduler.max_tokens_per_mb``), ``batches.distribute``, the proximal logprobs where the trainer computes them
+(``trainer.prox_forward_needed``; ``--prox``: ``actor.prox_logprobs``, ``both`` compares
+auto with recompute), ``make_policy_loss`` and
 ``actor.train_batch`` per ``batches.minibatches`` (forward, backward, optimizer step).
 Left out: the intake's wait for rollouts (there are no rollout servers), the reference
 model (off in the recipe) and the weight publication to the servers (``publish_weights``).
@@ -83,6 +84,8 @@ def load_cfg(args, hf_dir, run_dir):
                  f"rollout.max_new_tokens={args.max_new}"]
     if args.mb_tokens:
         overrides.append(f"scheduler.max_tokens_per_mb={args.mb_tokens}")
+    if args.prox in ("auto", "recompute"):
+        overrides.append(f"actor.prox_logprobs={args.prox}")
     return load_config(ROOT / "recipes" / "tiny-cpu.yaml", overrides)
 
 
@@ -90,17 +93,23 @@ def grpo_step(actor, mesh, cfg, trajs, version):
     """rl_step's compute on ``trajs`` (weights of ``version``); returns times and stats."""
     from areal_mega.algo import finalize_stats, make_policy_loss
     from areal_mega.train import batches
+    from areal_mega.trainer import prox_forward_needed
     t0, c0 = time.perf_counter(), time.process_time()
     plan = batches.plan_step(trajs, cfg, **LAYOUT)
     batch = batches.distribute(plan, mesh)
     t_data = time.perf_counter()
     mbs = batch.micro_batches
     mbs = batches.attach(mbs, policy_version=[version] * len(mbs))
-    mbs = batches.attach(mbs, prox_logprobs=actor.forward_logprobs(
-        mbs, temperature=cfg.actor.temperature))
+    updates = batches.minibatches(list(range(len(mbs))), cfg.actor.ppo_n_minibatches,
+                                  actor.micro_batch_multiple)
+    recompute = prox_forward_needed(cfg, version + 1, len(updates))
+    if recompute:
+        mbs = batches.attach(mbs, prox_logprobs=actor.forward_logprobs(
+            mbs, temperature=cfg.actor.temperature))
     t_fwd = time.perf_counter()
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
-                                               max_response_len=cfg.rollout.max_new_tokens)
+                                               max_response_len=cfg.rollout.max_new_tokens,
+                                               prox_from_forward=not recompute)
     train_stats = [actor.train_batch(mb, loss_fn, denominator_fn,
                                      temperature=cfg.actor.temperature, return_entropy=True)
                    for mb in batches.minibatches(mbs, cfg.actor.ppo_n_minibatches,
@@ -155,11 +164,12 @@ def child(args, hf_dir, out):
         "table": table, "mm_share": mm_share, "threads": torch.get_num_threads()}))
 
 
-def run_variant(gemm, args, hf_dir, tmp):
-    """Run :func:`child` in a fresh process with ``AREAL_MEGA_CPU_GEMM=gemm``."""
-    out = Path(tmp) / f"{gemm}.json"
+def run_variant(gemm, prox, args, hf_dir, tmp):
+    """Run :func:`child` in a fresh process with ``AREAL_MEGA_CPU_GEMM=gemm`` and
+    ``actor.prox_logprobs=prox``."""
+    out = Path(tmp) / f"{gemm}-{prox}.json"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k not in ("child", "gemm") and v is not None]
+             if k not in ("child", "gemm", "prox") and v is not None] + [f"--prox={prox}"]
     cmd = [sys.executable, __file__, "--child", hf_dir, str(out)] + flags
     env = dict(os.environ, PYTHONWARNINGS="ignore", AREAL_MEGA_CPU_GEMM=gemm)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -168,9 +178,10 @@ def run_variant(gemm, args, hf_dir, tmp):
     return json.loads(out.read_text())
 
 
-def report(gemm, res):
+def report(gemm, prox, res):
     """Print one variant's per-step split and its profile."""
-    print(f"\n== AREAL_MEGA_CPU_GEMM={gemm} (oneDNN linear active: {res['onednn_active']}, "
+    print(f"\n== AREAL_MEGA_CPU_GEMM={gemm}, actor.prox_logprobs={prox} "
+          f"(oneDNN linear active: {res['onednn_active']}, "
           f"{res['threads']} threads)")
     print(f"  {'step':6s}{'tokens':>8s}{'mbs':>5s}{'plan s':>9s}{'logprobs s':>12s}"
           f"{'train s':>9s}{'total s':>9s}{'CPU s':>8s}{'tokens/s':>10s}{'loss':>10s}")
@@ -197,6 +208,8 @@ def main():
     ap.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gemm", choices=("onednn", "torch", "both"), default="both")
+    ap.add_argument("--prox", choices=("auto", "recompute", "both"), default="auto",
+                    help="actor.prox_logprobs; both: compare them (first --gemm variant)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", nargs=2, metavar=("HF_DIR", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -206,6 +219,8 @@ def main():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     gemms = ("onednn", "torch") if args.gemm == "both" else (args.gemm,)
+    proxes = ("auto", "recompute") if args.prox == "both" else (args.prox,)
+    variants = [(g, proxes[0]) for g in gemms] + [(gemms[0], p) for p in proxes[1:]]
     print(f"model: 135M Llama shape, {args.layers} layers, fp32, {args.threads} threads; "
           f"batch: {args.prompts} prompts x {args.group} samples, prompt {args.prompt_len} "
           f"tokens, completion 1-{args.max_new}; one warm-up step + {args.steps} measured + "
@@ -215,20 +230,26 @@ def main():
         torch.manual_seed(args.seed)
         LlamaForCausalLM(LlamaConfig(**dict(SHAPE, num_hidden_layers=args.layers))
                          ).save_pretrained(tmp)
-        for gemm in gemms:
-            results[gemm] = run_variant(gemm, args, tmp, tmp)
-            report(gemm, results[gemm])
-    if len(results) == 2:
-        def ratio(key, agg):
-            vals = {g: agg([s[key] for s in r["steps"]]) for g, r in results.items()}
-            return vals, vals["torch"] / vals["onednn"]
+        for gemm, prox in variants:
+            results[gemm, prox] = run_variant(gemm, prox, args, tmp, tmp)
+            report(gemm, prox, results[gemm, prox])
+    pairs = []
+    if len(gemms) == 2:
+        pairs.append((("torch", proxes[0]), ("onednn", proxes[0])))
+    if len(proxes) == 2:
+        pairs.append(((gemms[0], "recompute"), (gemms[0], "auto")))
+    for slow, fast in pairs:
         print()
         for name, agg in (("best", min), ("mean", lambda v: sum(v) / len(v))):
-            (tot, r_tot), (_, r_train), (_, r_cpu) = (ratio(k, agg) for k in
-                                                     ("total_s", "train_s", "cpu_s"))
-            print(f"{name} step: onednn {tot['onednn']:.2f} s, torch {tot['torch']:.2f} s; "
-                  f"torch/onednn = {r_tot:.2f}x (train part {r_train:.2f}x, "
-                  f"CPU seconds {r_cpu:.2f}x)")
+            tot, r = {}, {}
+            for key in ("total_s", "train_s", "cpu_s"):
+                vals = {v: agg([s[key] for s in results[v]["steps"]]) for v in (slow, fast)}
+                tot[key], r[key] = vals, vals[slow] / vals[fast]
+            print(f"{name} step: {'/'.join(fast)} {tot['total_s'][fast]:.2f} s, "
+                  f"{'/'.join(slow)} {tot['total_s'][slow]:.2f} s; ratio = "
+                  f"{r['total_s']:.2f}x (train part {r['train_s']:.2f}x, CPU seconds "
+                  f"{r['cpu_s']:.2f}x; > 1: {'/'.join(fast)} is faster)")
+    if pairs:
         print("(on a shared machine single steps are noisy: the best step is the fairer "
               "figure; check `uptime`)")
 

@@ -22,6 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from areal_mega.config import ModelConfig, OptimizerConfig  # noqa: E402
+from areal_mega.scheduler.packing import pack_sequences  # noqa: E402
+from areal_mega.train.batches import next_token_layout  # noqa: E402
+
 VOCAB = 200  # padded to 256: the padded ids must be excluded from the softmax
 DENSE = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -39,9 +43,9 @@ POLICY = dict(kl_coef=0.05, entropy_coef=0.01)
 GSPO = dict(POLICY, ratio_level="sequence", loss_agg="seq_mean", imp_weight_level="geometric")
 
 
-def losses(kind):
+def losses(kind, **kw):
     """``(loss_fn, denominator_fn)`` of the production losses: ``"sft"`` or a dict of
-    :class:`~areal_mega.config.AlgorithmConfig` fields for :func:`make_policy_loss`."""
+    :class:`~areal_mega.config.AlgorithmConfig` fields for :func:`make_policy_loss`(``**kw``)."""
     if kind == "sft":
         from areal_mega.engine import default_denominator
         from areal_mega.train.sft import sft_loss
@@ -49,7 +53,7 @@ def losses(kind):
     import dataclasses
     from areal_mega.algo import make_policy_loss
     from areal_mega.config import AlgorithmConfig
-    return make_policy_loss(dataclasses.replace(AlgorithmConfig(), **kind))
+    return make_policy_loss(dataclasses.replace(AlgorithmConfig(), **kind), **kw)
 
 
 def attach_policy_inputs(mb, lp, seed):
@@ -63,8 +67,6 @@ def attach_policy_inputs(mb, lp, seed):
 
 # ----------------------------------------------------------------------------- data
 def make_mbs(seed, lens_per_mb, pad=2, cp=1):
-    from areal_mega.scheduler.packing import pack_sequences
-    from areal_mega.train.batches import next_token_layout
     g = torch.Generator().manual_seed(seed)
     mbs = []
     for lens in lens_per_mb:
@@ -83,7 +85,6 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
     loss's inputs are attached to ``mbs`` from the logprobs computed here. ``prepare(model)``
     may set non-trained state first (e.g. routers' expert biases)."""
     from areal_mega.engine import MegatronEngine
-    from areal_mega.config import ModelConfig
     from areal_mega.engine.packed import block_causal_mask, micro_batch_labels
     from areal_mega.ops import packed_logprobs
     eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="ref", mesh=MESH[0],
@@ -201,7 +202,6 @@ def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32"):
     """An actor engine holding the reference weights. The regular optimizer even on GPU: the
     grads are read from ``main_grad``, which the distributed optimizer only reduce-scatters
     (each DP×CP rank would hold the reduced gradient of its own buffer shard only)."""
-    from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
     eng = MegatronEngine(ModelConfig(dtype=dtype), hf_config=hf, role="actor", mesh=MESH[0],
                          optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0), seed=seed,
@@ -210,9 +210,11 @@ def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32"):
     return eng
 
 
-def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype="fp32"):
+def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype="fp32",
+                 prox=False):
     """Logprobs (forward_logprobs) and grads (forward_backward) of a layout vs reference, with
-    the reference's production loss."""
+    the reference's production loss; ``prox``: again with π_prox taken from the training
+    forward (``actor.prox_logprobs=auto``: no ``prox_logprobs`` in the micro-batches)."""
     eng = actor(hf, ref, dtype=dtype)
     my_mbs = mbs if my_mbs is None else my_mbs
     want = ref["lps"] if my_ref_lps is None else my_ref_lps
@@ -222,6 +224,12 @@ def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype=
     res[f"{tag}.grads"], res[f"{tag}.grads_rel"] = compare_grads(eng, ref, hf)
     res[f"{tag}.loss"] = abs(stats["loss"] - ref["loss"])
     res[f"{tag}.n_tokens"] = abs(stats["n_tokens"] - ref["n_tokens"])
+    if prox:
+        bare = [{k: v for k, v in mb.items() if k != "prox_logprobs"} for mb in my_mbs]
+        stats = eng.forward_backward(bare, *losses(ref["kind"], prox_from_forward=True),
+                                     temperature=TEMP, return_entropy=True)
+        res[f"{tag}.prox_from_forward.grads"], _ = compare_grads(eng, ref, hf)
+        res[f"{tag}.prox_from_forward.loss"] = abs(stats["loss"] - ref["loss"])
     return eng
 
 
@@ -235,8 +243,6 @@ def scenario_dense(res, out_dir):
     half = mbs[rank::world]
     check_layout(res, "dp2", DENSE, ref, mbs, my_mbs=half, my_ref_lps=ref["lps"][rank::world])
     # packed = alone: every sequence of mb 0 run on its own
-    from areal_mega.scheduler.packing import pack_sequences
-    from areal_mega.train.batches import next_token_layout
     eng = actor(DENSE, ref)
     worst = 0.0
     mb0 = mbs[0]
@@ -253,8 +259,7 @@ def scenario_dense(res, out_dir):
     del eng
     # ---- TP2, then TP2 + sequence parallelism
     set_mesh(dict(tp=world))
-    eng = check_layout(res, "tp2", DENSE, ref, mbs)
-    from areal_mega.config import ModelConfig
+    eng = check_layout(res, "tp2", DENSE, ref, mbs, prox=True)
     from areal_mega.engine import MegatronEngine
     fresh = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=DENSE, role="ref", mesh=MESH[0],
                            seed=999)
@@ -281,7 +286,7 @@ def scenario_dense(res, out_dir):
     set_mesh(dict(dp=world))
     ref_t = reference(TIED, pp_mbs, seed=3, loss=GSPO)
     set_mesh(dict(pp=world))
-    check_layout(res, "pp2_tied", TIED, ref_t, pp_mbs)
+    check_layout(res, "pp2_tied", TIED, ref_t, pp_mbs, prox=True)
 
 
 def scenario_moe(res, out_dir):
@@ -309,7 +314,6 @@ def _engine_reference(hf, mbs, seed, loss):
     rank the full batch. The global denominator sums the DP ranks (world × one batch's) and DDP
     sums their gradients, so ``main_grad`` and the summed ``loss`` already equal one rank's
     single-batch values: nothing is rescaled by the world size."""
-    from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
     eng = MegatronEngine(ModelConfig(dtype=GPU_DTYPE), hf_config=hf, role="actor",
                          mesh=MESH[0], optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
@@ -331,8 +335,6 @@ def _engine_reference(hf, mbs, seed, loss):
 def scenario_gpu_thd(res, out_dir):
     """One GPU: TransformerEngine THD packed forward equals each sequence run alone; the
     effect of letting a sequence see its predecessor is recorded for scale."""
-    from areal_mega.scheduler.packing import pack_sequences
-    from areal_mega.train.batches import next_token_layout
     set_mesh(dict(dp=1))
     mbs = make_mbs(1, [[9, 14, 5, 30]])
     ref = _engine_reference(DENSE, mbs, seed=11, loss=POLICY)
@@ -438,9 +440,9 @@ def run_scenario(scenarios: dict, res: dict = None) -> int:
 
 
 def main():
-    return run_scenario({"dense": scenario_dense, "moe": scenario_moe,
+    return run_scenario({"dense": scenario_dense, "moe": scenario_moe, "vpp": scenario_vpp,
                          "gpu_thd": scenario_gpu_thd, "gpu_cp2": scenario_gpu_cp2,
-                         "vpp": scenario_vpp, "cpu": scenario_cpu})
+                         "cpu": scenario_cpu})
 
 
 if __name__ == "__main__":

@@ -183,6 +183,46 @@ def test_decoupled_loss_hand_computed(agg, num, den):
     assert s["advantage_sum"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_prox_from_the_forward_equals_passing_the_same_logprobs(level):
+    """make_policy_loss(prox_from_forward=True) with no prox_logprobs: π_prox is π_θ detached,
+    i.e. what a separate forward on the same weights attaches; the gradient flows through
+    π_θ only."""
+    cfg = cfg_(ratio_level=level, policy_loss="gspo" if level == "sequence" else "ppo")
+    mb = hand_mb()
+    del mb["prox_logprobs"]
+    logp = torch.tensor(LOGP, requires_grad=True)
+    num, stats = make_policy_loss(cfg, prox_from_forward=True)[0](logp, None, mb)
+    num.backward()
+    want_lp = torch.tensor(LOGP, requires_grad=True)
+    want, want_stats = policy_loss(want_lp, None, dict(mb, prox_logprobs=want_lp.detach()), cfg)
+    want.backward()
+    assert float(num.detach()) == float(want.detach()) and torch.equal(logp.grad, want_lp.grad)
+    assert {k: float(v) for k, v in stats.items()} == \
+        {k: float(v) for k, v in want_stats.items()}
+    assert float(stats["ratio_sum"]) == float(stats["token_count"])     # ratio exactly 1
+    with pytest.raises(KeyError, match="prox_logprobs"):
+        make_policy_loss(cfg)[0](logp, None, mb)
+
+
+def test_the_trainer_skips_the_proximal_forward_only_where_nothing_else_needs_it():
+    from areal_mega.config import load_config
+    from areal_mega.trainer import prox_forward_needed
+
+    def needed(step=1, n_updates=1, **keys):
+        cfg = load_config(None, [f"{k.replace('__', '.')}={v}" for k, v in keys.items()])
+        return prox_forward_needed(cfg, step, n_updates)
+
+    assert not needed() and not needed(n_updates=0)          # one update, or none at all
+    assert needed(n_updates=2)                               # later minibatches moved
+    assert needed(actor__prox_logprobs="recompute")
+    assert needed(algorithm__opd="pure", teacher__path="/t", algorithm__dynamic_filter="false")
+    assert needed(algorithm__adv_estimator="gae", critic__enabled="true",
+                  algorithm__kl_in_reward="true", algorithm__kl_coef=0.1, ref__enabled="true")
+    replay = dict(algorithm__routing_replay="r3", algorithm__routing_replay_free_every=2)
+    assert needed(step=1, **replay) and not needed(step=2, **replay)
+
+
 def test_standard_ppo_uses_behaviour_policy():
     cfg = cfg_(decoupled=False, eps_clip_low=0.2)
     mb = hand_mb()

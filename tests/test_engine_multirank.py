@@ -53,6 +53,14 @@ def test_dense_layouts_match_single_rank(dense, layout):
         assert _worst(dense, f"{layout}.{what}") < TOL, (layout, what, dense[0])
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2_tied"])
+def test_prox_from_the_training_forward_trains_like_a_separate_forward(dense, layout):
+    """The trainer skips the proximal forward when one optimizer step follows it
+    (trainer.prox_forward_needed); the loss then takes π_prox from the training forward."""
+    for what in ("grads", "loss"):
+        assert _worst(dense, f"{layout}.prox_from_forward.{what}") < TOL, (layout, what)
+
+
 def test_packed_equals_alone(dense):
     assert _worst(dense, "packed_vs_alone") < TOL
 

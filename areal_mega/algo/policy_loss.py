@@ -257,13 +257,17 @@ def policy_objective(objective: str, logprobs: Tensor, ratio: Tensor, advantages
 
 
 def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
-                norm_len: Optional[float] = None) -> tuple[Tensor, dict[str, Tensor]]:
+                norm_len: Optional[float] = None, *, prox_from_forward: bool = False
+                ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss numerator and summed statistics (the engine loss contract).
 
     ``cfg`` is an :class:`~areal_mega.config.AlgorithmConfig`. ``mb`` needs ``loss_mask``,
     ``cu_seqlens``, ``advantages``, ``logprobs`` (behaviour: the trajectory's, not the
     ``logprobs`` argument, which are π_θ's); ``prox_logprobs`` when ``cfg.decoupled``;
-    ``ref_logprobs`` when ``cfg.kl_coef > 0`` and not ``cfg.kl_in_reward``.
+    ``ref_logprobs`` when ``cfg.kl_coef > 0`` and not ``cfg.kl_in_reward``. With
+    ``prox_from_forward`` and no ``prox_logprobs`` in ``mb``, π_prox is ``logprobs`` detached:
+    exact when this forward runs on the weights that define π_prox (one optimizer step per RL
+    step), and it saves the proximal forward pass.
 
     Statistics are detached sums over this micro-batch's loss tokens (see
     :func:`finalize_stats` for their means): ``token_count``, ``seq_count``, ``clip_count``,
@@ -290,6 +294,8 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     adv = mb["advantages"].to(dtype)
     behav = mb["logprobs"].to(dtype)
     prox = mb["prox_logprobs"].to(dtype) if mb.get("prox_logprobs") is not None else None
+    if prox is None and prox_from_forward:
+        prox = logprobs.detach()
     if cfg.decoupled:
         if prox is None:
             raise KeyError("decoupled PPO needs 'prox_logprobs' in the micro-batch")
@@ -353,13 +359,14 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     return numerator, stats
 
 
-def make_policy_loss(cfg, *, max_response_len: Optional[int] = None
-                     ) -> tuple[LossFn, Callable[[dict], float]]:
+def make_policy_loss(cfg, *, max_response_len: Optional[int] = None,
+                     prox_from_forward: bool = False) -> tuple[LossFn, Callable[[dict], float]]:
     """``(loss_fn, denominator_fn)`` for the engine (see the module docstring).
 
     ``loss_fn(logprobs, entropy, mb) -> (numerator, stats)``; ``denominator_fn(mb) -> float``.
     ``max_response_len`` (the trainer passes ``rollout.max_new_tokens``) is the ``seq_sum_norm``
-    constant unless ``cfg.loss_norm_len`` sets it.
+    constant unless ``cfg.loss_norm_len`` sets it. ``prox_from_forward``: see
+    :func:`policy_loss`.
     """
     if cfg.loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg {cfg.loss_agg!r}: must be one of {LOSS_AGGS}")
@@ -371,7 +378,8 @@ def make_policy_loss(cfg, *, max_response_len: Optional[int] = None
                          "max_response_len (rollout.max_new_tokens)")
 
     def loss_fn(logprobs: Tensor, entropy: Optional[Tensor], mb: dict):
-        return policy_loss(logprobs, entropy, mb, cfg, norm_len)
+        return policy_loss(logprobs, entropy, mb, cfg, norm_len,
+                           prox_from_forward=prox_from_forward)
 
     def denominator_fn(mb: dict) -> float:
         return float(loss_denominator(mb["loss_mask"], segment_bounds(mb), cfg.loss_agg))
