@@ -1,4 +1,5 @@
 """Recipes validate with --dry-run; memory arithmetic on hand-computed cases; node layouts."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -205,7 +206,10 @@ def test_server_commands(tmp_path):
     slot = local.make_layout(cpu, ports=[1234]).servers[0]
     assert local.server_command(cpu, slot)[1:] == ["-m", local.ROLLOUT_SERVER_MODULE,
                                                   "--model-path", "runs/tiny-cpu/model",
-                                                  "--host", "127.0.0.1", "--port", "1234"]
+                                                  "--host", "127.0.0.1", "--port", "1234",
+                                                  "--num-threads", "1"]
+    cpu3 = load_config(ROOT / "recipes/tiny-cpu.yaml", ["cluster.cpu_threads_per_server=3"])
+    assert local.server_command(cpu3, slot)[-2:] == ["--num-threads", "3"]
 
 
 def test_cpu_threads_per_trainer_rank():
@@ -213,3 +217,15 @@ def test_cpu_threads_per_trainer_rank():
     assert cpu_threads_per_trainer_rank(2, n_servers=1, nproc=1) == 1
     assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2) == 7
     assert cpu_threads_per_trainer_rank(2, n_servers=4, nproc=2) == 1   # never zero
+    assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2, server_threads=4) == 4
+    assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2, configured=3) == 3
+
+
+def test_cpu_thread_keys_reach_the_trainer_environment(tmp_path):
+    for keys, want in (([], "1"), (["cluster.cpu_threads_per_trainer_rank=2"], "2")):
+        cfg = load_config(ROOT / "recipes/tiny-cpu.yaml",
+                          [f"logging.run_dir={tmp_path}", *keys])
+        specs, _ = local.build_specs(cfg, device="cpu")
+        trainer = next(s for s in specs if s.name == "trainer")
+        assert trainer.env["OMP_NUM_THREADS"] == (want if keys else str(max(
+            1, (os.cpu_count() or 1) - 1))), keys

@@ -182,9 +182,13 @@ def resume_point(cfg: ExperimentConfig) -> Optional[Path]:
     return RunDir.from_config(cfg).latest_checkpoint()
 
 
-def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int) -> int:
-    """Threads for each trainer rank on a CPU-only machine (pure)."""
-    return max(1, (n_cores - n_servers) // max(1, nproc))
+def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int,
+                                 server_threads: int = 1, configured: int = 0) -> int:
+    """Threads for each trainer rank on a CPU-only machine (pure): ``configured`` when set,
+    else the cores the servers' threads leave, shared by the ranks (at least 1)."""
+    if configured:
+        return configured
+    return max(1, (n_cores - n_servers * server_threads) // max(1, nproc))
 
 
 def server_spec(cfg: ExperimentConfig, slot, host: str, restartable: bool,
@@ -231,11 +235,13 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
         if layout.trainer_gpus else {}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-        # the servers hold one core each; the trainer ranks share the rest (oversubscribing
-        # the cores slows both sides more than it gains)
+        # the servers hold cluster.cpu_threads_per_server cores each; the trainer ranks share
+        # the rest (oversubscribing the cores slows both sides more than it gains)
         env["OMP_NUM_THREADS"] = str(cpu_threads_per_trainer_rank(
             os.cpu_count() or 1, n_servers=len(layout.servers),
-            nproc=layout.trainer_nproc_per_node))
+            nproc=layout.trainer_nproc_per_node,
+            server_threads=cfg.cluster.cpu_threads_per_server,
+            configured=cfg.cluster.cpu_threads_per_trainer_rank))
 
     paths = RunDir.from_config(cfg)
     paths.fatal_file.unlink(missing_ok=True)      # a previous attempt's reason is not ours

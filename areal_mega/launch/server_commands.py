@@ -69,7 +69,9 @@ def server_command(cfg, slot, host: str = "127.0.0.1") -> list:
     backend = cfg.rollout.backend
     if backend == "local":
         return [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
-                "--host", host, "--port", str(slot.port)] + replay_server_flags(cfg) + \
+                "--host", host, "--port", str(slot.port),
+                "--num-threads", str(cfg.cluster.cpu_threads_per_server)] + \
+            replay_server_flags(cfg) + \
             lora_server_flags(cfg) + \
             (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0

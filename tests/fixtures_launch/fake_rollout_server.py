@@ -22,6 +22,7 @@ def main():
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--api-key")
     p.add_argument("--allow-unauthenticated", action="store_true")
+    p.add_argument("--num-threads", type=int, default=1)
     a = p.parse_args()
     pid_dir = os.environ.get("FAKE_PID_DIR")
     if pid_dir:
