@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -174,6 +175,21 @@ def prune_checkpoints(root, keep_last: int) -> List[Path]:
 # saving
 # ----------------------------------------------------------------------------------------------
 
+def in_process_write_results() -> bool:
+    """Give megatron-core's checkpoint writer an in-process results queue.
+
+    Its ``FileSystemWriterAsync`` collects the writer threads' results in a process-global
+    queue that it creates as a ``multiprocessing`` Manager queue: a spawned helper process
+    (which re-imports the caller's ``__main__``: seconds of CPU per process, on the first
+    save) needed only when the write runs in another process. Our saves are synchronous, in
+    this process, so a thread-safe ``queue.Queue`` carries the same results. Returns whether
+    the queue is ours (False: megatron-core no longer has the global; it then makes its own)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+    return isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue)
+
+
 def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
                         meta: Optional[dict] = None, hf_dir=None,
                         keep_last: Optional[int] = None) -> Path:
@@ -195,6 +211,7 @@ def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
+    in_process_write_results()
     dist_checkpointing.save(sharded_state_dict, str(tmp))
     _barrier()
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from areal_mega.compat.megatron_import import import_megatron_core
 from areal_mega.parallel.allocation import ParallelDims
 
 __all__ = ["ParallelMesh", "init_distributed", "RANK_ORDER"]
@@ -77,6 +78,7 @@ class ParallelMesh:
 
         On CPU the megatron-core compatibility patches are applied first. ``vpp`` is the
         number of virtual pipeline chunks per stage (None or 1: no interleaving)."""
+        import_megatron_core()
         if not torch.cuda.is_available():
             from areal_mega.compat import megatron_cpu
             megatron_cpu.apply()

@@ -1,0 +1,45 @@
+"""What a process pays to start megatron-core: megatron-core's import skips wandb (our trackers
+still import it), and a checkpoint save spawns no multiprocessing Manager process. Both lean on
+megatron-core internals; these tests notice when a release moves them (the savings then go,
+the behaviour stays)."""
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests._convert_fixture import ROOT
+
+CHILD = textwrap.dedent("""
+    import json, queue, sys
+    import psutil
+    from areal_mega.compat.megatron_import import import_megatron_core
+    import_megatron_core()
+    import megatron.core.timers as timers
+    out = {"wandb_skipped": timers.wandb is None and "wandb" not in sys.modules}
+    import wandb                                   # our tracker's import still works
+    out["wandb_after"] = wandb.__name__
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from areal_mega.checkpoint.convert import _single_process_mesh
+    from areal_mega.checkpoint.dist_ckpt import atomic_save_sharded, verify_checkpoint
+    mesh = _single_process_mesh()
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    final = atomic_save_sharded(sys.argv[1], 1, {"w": ShardedTensor.from_rank_offsets("w", t)})
+    verify_checkpoint(final)
+    out["queue_in_process"] = isinstance(filesystem_async._results_queue, queue.Queue)
+    out["children"] = [p.name() for p in psutil.Process().children(recursive=True)]
+    mesh.destroy(process_group=True)
+    print(json.dumps(out))
+""")
+
+
+def test_megatron_starts_without_wandb_and_saves_without_a_manager_process(tmp_path):
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ckpt")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin",
+                            "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"wandb_skipped": True, "wandb_after": "wandb", "queue_in_process": True,
+                   "children": []}, out
