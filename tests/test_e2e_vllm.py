@@ -1,8 +1,7 @@
 """End to end with vLLM rollouts: ``launch.local`` with ``rollout.backend=vllm`` starts a real
 vLLM server (its own environment), the rollout worker, the trainer; 10 GRPO steps on the
-reverse task's prompts learn a fixed answer, no sample is trained twice, and both
-weight-update paths (disk reload, gloo broadcast through our worker extension) keep the
-servers on the trainer's weights."""
+reverse task's prompts learn a fixed answer, no sample is trained twice, and the gloo
+broadcast through our worker extension keeps the server on the trainer's weights."""
 import json
 import os
 import signal
@@ -60,13 +59,18 @@ def _rows(run_dir, name):
     return [json.loads(x) for x in (Path(run_dir) / name).read_text().splitlines() if x.strip()]
 
 
-def test_grpo_with_vllm_rollouts_learns(assets, tmp_path):
-    """10 steps, disk weight updates, eta 1: the reward goes up, every step trains new
-    samples, and the first step is on-policy to fp32 precision."""
+def test_grpo_with_vllm_rollouts_learns_with_broadcast_weights(assets, tmp_path):
+    """10 steps, eta 0, weights broadcast over gloo each step (our worker extension on
+    vLLM's stateless group): the reward goes up, every step trains new samples, and on every
+    step the tokens vLLM generated with the weights the trainer evaluates have the trainer's
+    logprobs (mismatch <= 1e-5), so each broadcast reached the server whole. (vLLM's disk
+    reload is checked against the broadcast in test_vllm_backend.py.)"""
     model, data = assets
     run = tmp_path / "run"
     rc, out = _run(run, model, data, "total_steps=10", "rollout.batch_size=8",
                    "rollout.n_samples=8", "optimizer.lr=5e-3", "optimizer.warmup_steps=0",
+                   "rollout.weight_update=distributed", "rollout.weight_bucket_mb=1",
+                   "rollout.max_head_offpolicyness=0",
                    "rollout.reward_fn=areal_mega.rewards:char_match_reward")
     assert rc == 0, out[-4000:]
     rows = _rows(run, "metrics.jsonl")
@@ -74,30 +78,15 @@ def test_grpo_with_vllm_rollouts_learns(assets, tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     print("reward per step:", [round(x, 3) for x in rewards])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
-    assert rows[0]["mismatch"] <= 1e-5, rows[0]["mismatch"]
+    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])     # the weights moved
+    checked = [r for r in rows if r.get("mismatch_tokens", 0) > 0]
+    print("tokens of the evaluated version per step:", [r.get("mismatch_tokens") for r in rows])
+    assert checked == rows, [r.get("mismatch_tokens") for r in rows]
+    for r in checked:
+        assert r["mismatch"] <= 1e-5, (r["step"], r["mismatch"])
     ids = [s for rec in _rows(run, "trained.jsonl") for s in rec["sample_ids"]]
     assert len(ids) == len(set(ids)) == 10 * 8 * 8
-    assert max(r["staleness/max"] for r in rows) <= 1
+    assert max(r["staleness/max"] for r in rows) == 0
     log = (run / "logs" / "rollout0.log").read_text()
     assert "vllm" in log.lower() and "Traceback" not in (run / "logs" /
                                                          "rollout_worker.log").read_text()
-
-
-def test_distributed_weight_updates_reach_vllm(assets, tmp_path):
-    """Weights broadcast over gloo each step (our worker extension on vLLM's stateless
-    group): with eta 0 every token after an update comes from the pushed weights, so the
-    trainer's recomputed logprobs equal vLLM's (mismatch <= 1e-5) on every step."""
-    model, data = assets
-    run = tmp_path / "run"
-    rc, out = _run(run, model, data, "total_steps=3", "rollout.batch_size=4",
-                   "rollout.n_samples=4", "rollout.max_head_offpolicyness=0",
-                   "rollout.weight_update=distributed", "rollout.weight_bucket_mb=1",
-                   "optimizer.lr=5e-3", "optimizer.warmup_steps=0",
-                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
-    assert rc == 0, out[-4000:]
-    rows = _rows(run, "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])     # the weights moved
-    for r in rows:
-        assert r["staleness/max"] == 0
-        assert r["mismatch_tokens"] > 0 and r["mismatch"] <= 1e-5, (r["step"], r["mismatch"])
