@@ -138,7 +138,8 @@ def main(argv=None) -> None:
     micro = a.micro_batch or samples
     if samples % micro:
         raise SystemExit(f"--micro-batch {micro} must divide prompts x group = {samples}")
-    tok = AutoTokenizer.from_pretrained(a.model)
+    # as GRPOTrainer loads a tokenizer itself: prompts padded (and cut) on the left
+    tok = AutoTokenizer.from_pretrained(a.model, padding_side="left", truncation_side="left")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     rows = [json.loads(x) for x in Path(a.train).read_text().splitlines() if x.strip()]
     data = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])}

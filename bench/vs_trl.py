@@ -27,15 +27,19 @@ temperature 1, group-normalised advantages, no KL term, one optimizer step (Adam
   off unless ``--trl-grad-ckpt``.
 
 Both run one after the other, each pinned to the same ``--cpus`` (default: the first two this
-process may use), never together. Printed per side: the median wall time per step after the
-first (warm-up) step, from the steps' end times (so process start-up and model loading are
-left out), samples/s and tokens/s (prompt + completion tokens) at that pace, the time split
-(ours: the trainer's metrics; TRL: its profiled ``model.generate`` and the rest of its rollout
-vs the rest of the step), the peak memory of all the side's processes (the sum of their
-proportional set sizes, sampled every second) and of its training process, and the reward per
-step. Then the ratio TRL s/step / ours s/step (> 1: ours faster) and whether the target "ours
-at least 2x TRL's steps per hour" is met. Written beside: vs_trl.json (everything printed) and
-vs_trl.png (both reward curves, when matplotlib is there).
+process may use), never together; ours with the launcher's thread split (one for the rollout
+server, the rest for the trainer; extra positional arguments are overrides of our side, e.g.
+``cluster.cpu_threads_per_trainer_rank=2``), TRL with torch on all of them.
+
+Printed per side: the median wall time per step after the first (warm-up) step, from the
+steps' end times (so process start-up and model loading are left out), samples/s and tokens/s
+(prompt + completion tokens) at that pace, the time split (ours: the trainer's metrics; TRL:
+its profiled ``model.generate`` and the rest of its rollout vs the rest of the step), the peak
+memory of all the side's processes (the sum of their proportional set sizes, sampled every
+second) and of its training process, and the reward per step. Then the ratio TRL s/step / ours
+s/step (> 1: ours faster) and whether the target "ours at least 2x TRL's steps per hour" is
+met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves, when
+matplotlib is there).
 """
 import argparse
 import json
@@ -243,6 +247,7 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
            f"optimizer.lr={a.lr}", "optimizer.warmup_steps=0", "optimizer.clip_grad=1.0",
            "actor.temperature=1.0", "rollout.temperature=1.0", "algorithm.kl_coef=0.0",
            f"rollout.max_head_offpolicyness={a.eta}", f"rollout.reward_fn={a.reward}",
+           f"rollout.weight_update={a.weight_update}",
            f"seed={a.seed}", "recover=off", "checkpoint.save_every=0",
            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
            "cluster.cpu_threads_per_server=1",
@@ -255,7 +260,8 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     return {"steps": ours_steps(rows), "wall": wall, "peak_pss_gib": peak / 2 ** 30,
             "settings": {"launcher": "areal_mega.launch.local", "recipe": "tiny-cpu.yaml",
-                         "eta": a.eta, "server_threads": 1, "trainer_threads": max(1, n - 1),
+                         "eta": a.eta, "weight_update": a.weight_update, "server_threads": 1,
+                         "trainer_threads": max(1, n - 1),
                          "rollout_backend": "local (our CPU server)", "overrides": cmd[4:]}}
 
 
@@ -300,7 +306,8 @@ def report(res: dict) -> str:
              f"model: 135M Llama shape, {run['layers']} layers, fp32, random weights; "
              f"{run['prompts']} prompts x {run['group']} samples/step, <= {run['max_new']} new "
              f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)",
-             f"ours: launch.local, eta={res['ours']['settings']['eta']}, server "
+             f"ours: launch.local, eta={res['ours']['settings']['eta']}, weight update "
+             f"{res['ours']['settings']['weight_update']}, server "
              f"{res['ours']['settings']['server_threads']} thread(s), trainer "
              f"{res['ours']['settings']['trainer_threads']}",
              f"TRL {res['trl']['settings']['trl']} (torch {res['trl']['settings']['torch']}, "
@@ -366,6 +373,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-new", type=int, default=16, help="max new tokens per sample")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--eta", type=int, default=1, help="ours: rollout.max_head_offpolicyness")
+    p.add_argument("--weight-update", default="disk", choices=["disk", "distributed"],
+                   help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
     p.add_argument("--cpus", default=None, help="cores for each side, e.g. 0,1 (default: the "
@@ -385,7 +394,8 @@ def main(argv=None) -> None:
     print(f"[vs_trl] run directory {out}", flush=True)
     model, data = make_assets(out, a.layers, a.seed)
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
-        "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "seed", "reward")}}
+        "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
+        "reward")}}
     for side, fn in (("ours", run_ours), ("trl", run_trl)):
         print(f"[vs_trl] {side}: running (log {out / side}.log)", flush=True)
         res[side] = fn(a, model, data, out / side)
