@@ -238,6 +238,9 @@ def _env(threads: int) -> dict:
 def run_ours(a, model: Path, data: Path, out: Path) -> dict:
     """Our GRPO run through launch.local; returns its step rows, wall and peak memory."""
     n = len(a.cpus)
+    given = dict(o.split("=", 1) for o in a.ours_overrides if "=" in o)   # the last one wins
+    server_t = int(given.get("cluster.cpu_threads_per_server", 1))
+    trainer_t = int(given.get("cluster.cpu_threads_per_trainer_rank", max(1, n - server_t)))
     cmd = [sys.executable, "-m", "areal_mega.launch.local", "--config",
            ROOT / "recipes" / "tiny-cpu.yaml", "model_hparams=null", f"model.path={model}",
            "model.dtype=fp32", f"data.train_path={data / 'train.jsonl'}",
@@ -250,8 +253,8 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
            f"rollout.weight_update={a.weight_update}",
            f"seed={a.seed}", "recover=off", "checkpoint.save_every=0",
            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-           "cluster.cpu_threads_per_server=1",
-           f"cluster.cpu_threads_per_trainer_rank={max(1, n - 1)}", *a.ours_overrides]
+           f"cluster.cpu_threads_per_server={server_t}",
+           f"cluster.cpu_threads_per_trainer_rank={trainer_t}", *a.ours_overrides]
     rc, wall, peak = run_pinned(cmd, _env(n), out.with_suffix(".log"), a.cpus, a.timeout)
     metrics = out / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
@@ -260,8 +263,8 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     return {"steps": ours_steps(rows), "wall": wall, "peak_pss_gib": peak / 2 ** 30,
             "settings": {"launcher": "areal_mega.launch.local", "recipe": "tiny-cpu.yaml",
-                         "eta": a.eta, "weight_update": a.weight_update, "server_threads": 1,
-                         "trainer_threads": max(1, n - 1),
+                         "eta": a.eta, "weight_update": a.weight_update,
+                         "server_threads": server_t, "trainer_threads": trainer_t,
                          "rollout_backend": "local (our CPU server)", "overrides": cmd[4:]}}
 
 
