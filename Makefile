@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.installed
 # cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other.
 PYTEST_ARGS ?= -m "not gpu" -q -n 2 --dist loadfile --durations=30
 
-.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env
+.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env \
+	trl-env clean-trl-env
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py
 	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place
@@ -69,6 +70,38 @@ vllm-env: $(VLLM_STAMP)
 
 clean-vllm-env:
 	rm -rf $(VLLM_VENV)
+
+# TRL's own Python 3.11 venv, for bench/vs_trl.py only (GRPO on a CPU, ours vs TRL's
+# GRPOTrainer): exact pins in requirements-trl.txt; no test and no other target needs it.
+# TRL_PYTHON_BIN picks the interpreter when python3.11 is not on PATH. The build's duration
+# goes to $(TRL_VENV)/build-seconds.
+TRL_PYTHON_BIN ?= python3.11
+TRL_VENV       ?= .venv-trl
+TRL_STAMP      := $(TRL_VENV)/.installed
+
+$(TRL_STAMP): requirements-trl.txt
+	@start=$$(date +%s); \
+	fail() { echo "make trl-env: FAILED: $$*; bench/vs_trl.py needs $(TRL_VENV)" >&2; exit 1; }; \
+	$(TRL_PYTHON_BIN) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null || \
+		fail "TRL_PYTHON_BIN=$(TRL_PYTHON_BIN) is not a Python 3.11 (install one, or pass" \
+		"TRL_PYTHON_BIN=/path/to/python3.11)"; \
+	echo "make trl-env: building $(TRL_VENV) with $$($(TRL_PYTHON_BIN) -c \
+		'import sys; print(sys.executable)')"; \
+	rm -rf $(TRL_VENV); \
+	$(TRL_PYTHON_BIN) -m venv $(TRL_VENV) || fail "python -m venv $(TRL_VENV)"; \
+	$(TRL_VENV)/bin/python -m pip install -q -r requirements-trl.txt || \
+		fail "pip install -r requirements-trl.txt (output above)"; \
+	version=$$($(TRL_VENV)/bin/python -c 'import trl; print(trl.__version__)') || \
+		fail "import trl in $(TRL_VENV) (output above)"; \
+	echo $$(( $$(date +%s) - start )) > $(TRL_VENV)/build-seconds; \
+	touch $(TRL_STAMP); \
+	echo "make trl-env: TRL $$version in $(TRL_VENV), built in $$(cat \
+		$(TRL_VENV)/build-seconds) s"
+
+trl-env: $(TRL_STAMP)
+
+clean-trl-env:
+	rm -rf $(TRL_VENV)
 
 install: $(STAMP)
 
