@@ -75,9 +75,10 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     # decay on zero gradients; the version still advances so the rollout side goes on
     has_samples = batch.stats.get("n_samples", 0) > 0
     actor_trains = has_samples and (s.critic is None or step > cfg.critic.warmup_steps)
-    n_updates = len(batches.minibatches(list(range(len(mbs))), cfg.actor.ppo_n_minibatches,
-                                        s.actor.micro_batch_multiple)) if actor_trains else 0
-    recompute = prox_forward_needed(cfg, step, n_updates)
+    # the actor's optimizer steps, as micro-batch indices (attaching below makes new batches)
+    updates = batches.minibatches(list(range(len(mbs))), cfg.actor.ppo_n_minibatches,
+                                  s.actor.micro_batch_multiple) if actor_trains else []
+    recompute = prox_forward_needed(cfg, step, len(updates))
     # the weights that compute prox_logprobs (for the mismatch metric)
     mbs = batches.attach(mbs, policy_version=[step - 1] * len(mbs))
     if recompute:
@@ -98,10 +99,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
                                                max_response_len=cfg.rollout.max_new_tokens,
                                                prox_from_forward=not recompute)
     train_stats = []
-    actor_batches = batches.minibatches(mbs, cfg.actor.ppo_n_minibatches,
-                                         s.actor.micro_batch_multiple) if actor_trains else []
-    for minibatch in actor_batches:
-        train_stats.append(s.actor.train_batch(minibatch, loss_fn, denominator_fn,
+    for indices in updates:
+        train_stats.append(s.actor.train_batch([mbs[i] for i in indices], loss_fn, denominator_fn,
                                                temperature=cfg.actor.temperature,
                                                return_entropy=True))
     if s.critic is not None and has_samples:

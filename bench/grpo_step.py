@@ -110,10 +110,9 @@ def grpo_step(actor, mesh, cfg, trajs, version):
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                max_response_len=cfg.rollout.max_new_tokens,
                                                prox_from_forward=not recompute)
-    train_stats = [actor.train_batch(mb, loss_fn, denominator_fn,
+    train_stats = [actor.train_batch([mbs[i] for i in indices], loss_fn, denominator_fn,
                                      temperature=cfg.actor.temperature, return_entropy=True)
-                   for mb in batches.minibatches(mbs, cfg.actor.ppo_n_minibatches,
-                                                 actor.micro_batch_multiple)]
+                   for indices in updates]
     t_train = time.perf_counter()
     stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats)}
     return {"plan_s": t_data - t0, "logprobs_s": t_fwd - t_data, "train_s": t_train - t_fwd,

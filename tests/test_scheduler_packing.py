@@ -47,6 +47,13 @@ def test_no_padding_when_already_a_multiple_and_empty_batch():
     assert e["input_ids"].shape == (4,) and e["cu_seqlens"].tolist() == [0]
     assert e["loss_mask"].sum().item() == 0 and e["max_seqlen"] == 0
     assert e["rewards"].shape == (0,)
+    like = {"input_ids": np.arange(3), "labels": np.arange(1, 4), "advantages":
+            np.ones(3, np.float32), "routed_experts": np.zeros((3, 2, 4), np.int16)}
+    e = pack_sequences([], pad_to_multiple=4, like=like)      # the step's fields, as padding
+    assert e["advantages"].tolist() == [0.0] * 4 and e["advantages"].dtype == torch.float32
+    assert tuple(e["routed_experts"].shape) == (4, 2, 4) and (e["routed_experts"] == -1).all()
+    assert e["labels"].tolist() == [-1] * 4 and e["loss_mask"].sum().item() == 0
+    assert {"advantages", "routed_experts", "labels"} <= set(e["token_keys"])
 
 
 def test_extras_and_per_token_rewards():

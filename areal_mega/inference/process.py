@@ -89,6 +89,8 @@ class LocalServerProcess:
         if self.api_key:
             env[API_KEY_ENV] = self.api_key  # not on the command line (ps)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log)
+        self._healthy = http_ready(f"http://{self.addr}/health", timeout=2, api_key=self.api_key,
+                                   healthy=True)
 
     def wait_ready(self, timeout: float = 120.0) -> "LocalServerProcess":
         """Block until ``GET /health`` answers 200; raise if the process died (with the last
@@ -105,9 +107,7 @@ class LocalServerProcess:
                     continue
                 raise RuntimeError(f"local rollout server on {self.addr} exited with code "
                                    f"{self.proc.returncode}{error}")
-            healthy = http_ready(f"http://{self.addr}/health", timeout=2, api_key=self.api_key,
-                                 healthy=True)
-            if healthy():
+            if self._healthy():
                 return self
             time.sleep(0.2)
         self.stop()

@@ -121,8 +121,11 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
 
 def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]], *,
                    pad_to_multiple: int = 1, cp_size: int = 1,
-                   pad_token_id: int = 0) -> dict[str, Any]:
+                   pad_token_id: int = 0,
+                   like: Union[Trajectory, Mapping[str, Any], None] = None) -> dict[str, Any]:
     """Pack trajectories (or dicts with the same keys) into flat tensors; see module docstring.
+    ``like``: a sequence of the same kind; an empty list then packs to padding carrying
+    ``like``'s per-token fields (its dtypes and trailing shapes) besides the standard ones.
 
     Returns a dict with, for T packed tokens and B sequences:
 
@@ -159,13 +162,17 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
     used = int(offsets[-1])
     total = max(-(-used // pad_to_multiple) * pad_to_multiple, pad_to_multiple, slot_mult)
 
-    # every sequence must carry the same per-token fields with a consistent dtype
-    names = list(seqs[0]["tokens"]) if seqs else list(_DEFAULT_DTYPES)
-    dtypes = {k: seqs[0]["tokens"][k].dtype for k in names} if seqs else \
-        {k: np.dtype(v) for k, v in _DEFAULT_DTYPES.items()}
+    # every sequence must carry the same per-token fields with a consistent dtype; an empty
+    # pack carries the standard fields and those of ``like``
+    fields = {k: np.zeros(0, v) for k, v in _DEFAULT_DTYPES.items()}
+    if seqs:
+        fields = seqs[0]["tokens"]
+    elif like is not None:
+        fields.update(_normalize(0, like)["tokens"])
+    names = list(fields)
+    dtypes = {k: fields[k].dtype for k in names}
     # a per-token field is [n] or [n, *trailing] with the same trailing shape in every sequence
-    trailing = {k: tuple(seqs[0]["tokens"][k].shape[1:]) for k in names} if seqs else \
-        {k: () for k in names}
+    trailing = {k: tuple(fields[k].shape[1:]) for k in names}
     scalar_names = sorted(seqs[0]["scalars"]) if seqs else []
     for i, s in enumerate(seqs):
         n = int(lens[i])

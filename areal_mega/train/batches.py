@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.trajectories import filter_trajectories, trajectory_advantages
@@ -151,9 +150,14 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
                               balance_by=cfg.scheduler.balance_by,
                               flops_linear_coef=cfg.scheduler.flops_linear_coef)
     pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
-    template = samples[0] if samples else {"advantages": np.zeros(0, np.float32)}
-    per_rank = [[pack_micro_batch([samples[i] for i in idx], template, pad_to_multiple=pad_to,
-                                  cp_size=cp_size) for idx in rank_plan] for rank_plan in plan]
+    # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
+    # every group the dynamic filter dropped) is padding carrying every field of the step's
+    # samples, so it trains with zero weight
+    like = samples[0] if samples else \
+        next_token_sample(trajs[0], np.zeros(trajs[0].length, np.float32)) if trajs else None
+    per_rank = [[PackedBatch.from_packed(pack_sequences(
+        [samples[i] for i in idx], pad_to_multiple=pad_to, cp_size=cp_size, like=like))
+        for idx in rank_plan] for rank_plan in plan]
     generated = [t for t in kept if t.min_version >= 0]
     if generated:
         stats["versions/min"] = float(min(t.min_version for t in generated))
@@ -163,25 +167,6 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
     return StepPlan(micro_batches=per_rank, sample_ids=[t.sample_id for t in kept], stats=stats,
                     advantages=sample_advantages(kept, advs))
-
-
-def pack_micro_batch(samples: Sequence[dict], template: dict, *, pad_to_multiple: int,
-                     cp_size: int) -> PackedBatch:
-    """One packed micro-batch of ``samples`` (:func:`next_token_sample` dicts). An empty list
-    (a DP rank with fewer samples than micro-batches, or a step whose every group the dynamic
-    filter dropped) packs to padding only, carrying every per-token field of ``template`` (a
-    sample of the same step) filled with its padding value, so it trains with zero weight."""
-    packed = pack_sequences(samples, pad_to_multiple=pad_to_multiple, cp_size=cp_size)
-    if not samples:
-        total = packed["input_ids"].shape[0]
-        for name, value in template.items():
-            arr = np.asarray(value)
-            if name in packed or name == "input_ids" or arr.ndim == 0:
-                continue
-            fill = np.full((total, *arr.shape[1:]), PER_TOKEN_FILL.get(name, 0), arr.dtype)
-            packed[name] = torch.from_numpy(fill)
-            packed["token_keys"].append(name)
-    return PackedBatch.from_packed(packed)
 
 
 def sample_advantages(kept: Sequence[Trajectory], advs: Sequence[np.ndarray]) -> dict:
