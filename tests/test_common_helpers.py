@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from areal_mega.common.files import atomic_open, atomic_write, fsync_path
-from areal_mega.common.net import free_port, free_ports, http_ready, tcp_ready
+from areal_mega.common.net import (LOWEST_PICKED_PORT, ephemeral_port_range, free_port,
+                                   free_ports, http_ready, quiet_ports, tcp_ready)
 
 
 def _names(d) -> set:
@@ -128,6 +129,28 @@ def test_free_ports_are_distinct_and_bindable():
         for s in socks:
             s.close()
     assert free_ports(0) == []
+
+
+def test_free_ports_avoid_the_kernels_ephemeral_range(tmp_path):
+    eph = ephemeral_port_range()
+    if eph is not None:     # Linux: outgoing connections never take these before their user
+        low, high = eph
+        assert all(not low <= p <= high and p >= LOWEST_PICKED_PORT for p in free_ports(20))
+    f = tmp_path / "range"
+    f.write_text("32768\t60999\n")
+    assert ephemeral_port_range(str(f)) == (32768, 60999)
+    f.write_text("garbage")
+    assert ephemeral_port_range(str(f)) is None
+    assert ephemeral_port_range(str(tmp_path / "missing")) is None
+
+
+def test_quiet_ports_lie_outside_the_ephemeral_range():
+    ports = quiet_ports((32768, 60999))
+    assert ports[0] == LOWEST_PICKED_PORT and 32767 in ports and 61000 in ports
+    assert 32768 not in ports and 60999 not in ports and ports[-1] == 65535
+    assert quiet_ports(None) == []                  # unknown: the OS picks
+    assert quiet_ports((1024, 65000)) == []         # too few left to draw from
+    assert len(quiet_ports((64000, 65535))) == 64000 - LOWEST_PICKED_PORT
 
 
 def test_free_port_is_bindable_on_the_given_host():

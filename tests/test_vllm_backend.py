@@ -25,18 +25,24 @@ from tests.vllm_helpers import API_KEY, ROOT, VLLMServer, make_vllm_models
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-N_NEW = 400      # long generations, so that the pause lands while they run
+# long generations, so that the pause lands while they run: 16 requests of the tiny model take
+# ~1.5 s per 400 tokens here, and a loaded CI machine once took longer than that between seeing
+# the requests ~10 tokens in and the pause (every sample had finished)
+N_NEW = 2000
+MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    a, b = make_vllm_models(tmp_path_factory.mktemp("vllm_models"))
+    a, b = make_vllm_models(tmp_path_factory.mktemp("vllm_models"),
+                            max_position_embeddings=MAX_MODEL_LEN)
     return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    srv = VLLMServer(models["a"], tmp_path_factory.mktemp("vllm_logs")).wait_ready()
+    srv = VLLMServer(models["a"], tmp_path_factory.mktemp("vllm_logs"),
+                     max_model_len=MAX_MODEL_LEN).wait_ready()
     print(f"vLLM server healthy after {srv.ready_s:.1f} s")
     try:
         yield srv
@@ -141,7 +147,7 @@ def test_interrupted_generation_across_a_disk_update(server, models):
     ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(16),
                             batch_size=4, n_samples=2, eta=1, sink=sink, ignore_eos=True).start()
     try:
-        # interrupt once the requests are ~10 tokens in (of 400)
+        # interrupt once the requests are ~10 tokens in (of N_NEW)
         deadline = time.monotonic() + 300
         while ctl.n_inflight_requests < 8 or tokens_generated(server.addr) - base < 160:
             assert time.monotonic() < deadline, \
@@ -217,7 +223,8 @@ def test_unusable_servers_fail_with_one_clear_error(server, models, tmp_path):
     """A vLLM without dev mode is refused by name; a server that dies while paused for an
     update makes the update fail at once (no hang) and the client marks it down; a
     non-vLLM answer to /version is refused as an unsupported version."""
-    plain = VLLMServer(models["a"], tmp_path, dev_mode=False).wait_ready()
+    plain = VLLMServer(models["a"], tmp_path, dev_mode=False,
+                       max_model_len=MAX_MODEL_LEN).wait_ready()
     try:
         async def generate(addr):
             c = client([addr])

@@ -27,22 +27,25 @@ TINY_VLLM = dict(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1,
                  intermediate_size=256, num_layers=2)
 
 
-def make_vllm_models(base: Path, n: int = 2) -> list:
-    """``n`` tiny llama models of one shape with different weights (seeds 0..n-1)."""
-    return [make_tiny_model(base / f"m{i}", **TINY_VLLM, seed=i) for i in range(n)]
+def make_vllm_models(base: Path, n: int = 2, **overrides) -> list:
+    """``n`` tiny llama models of one shape with different weights (seeds 0..n-1);
+    ``overrides`` change TINY_VLLM's shape (e.g. max_position_embeddings)."""
+    return [make_tiny_model(base / f"m{i}", **{**TINY_VLLM, **overrides}, seed=i)
+            for i in range(n)]
 
 
 class VLLMServer:
     """One vLLM server process on ``model`` (its log in ``log_dir``); ``dev_mode=False``
-    starts it without the dev-mode routes."""
+    starts it without the dev-mode routes; ``max_model_len`` bounds prompt + generation."""
 
-    def __init__(self, model: Path, log_dir: Path, dev_mode: bool = True):
+    def __init__(self, model: Path, log_dir: Path, dev_mode: bool = True,
+                 max_model_len: int = 512):
         from areal_mega.inference.vllm_launch import build_vllm_command, vllm_env
 
         self.port = free_port("127.0.0.1")
         self.addr = f"127.0.0.1:{self.port}"
         argv = build_vllm_command(vllm_python(), str(model), self.port, host="127.0.0.1",
-                                  tp=1, dtype="fp32", max_model_len=512, seed=0,
+                                  tp=1, dtype="fp32", max_model_len=max_model_len, seed=0,
                                   enforce_eager=True, served_model_name="tiny", extra=[])
         env = dict(os.environ, **vllm_env(API_KEY, "cpu", 1.0, str(ROOT)))
         if not dev_mode:

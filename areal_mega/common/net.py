@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
+import random
 import socket
 import urllib.error
 import urllib.request
@@ -26,16 +27,54 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PICKED_PORT = 10000      # below: well-known and registered services
+
+
+def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[tuple]:
+    """``(low, high)``: the ports the kernel hands out as the source port of an outgoing
+    connection (Linux; None where the file is missing or unreadable)."""
+    try:
+        with open(path) as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def quiet_ports(ephemeral: Optional[tuple]) -> list:
+    """The ports from LOWEST_PICKED_PORT up that lie outside ``ephemeral`` (pure): no outgoing
+    connection takes one of them between our pick and its user's bind. Empty when the
+    ephemeral range is unknown or leaves fewer than 1000 such ports."""
+    if ephemeral is None:
+        return []
+    low, high = ephemeral
+    ports = [p for p in range(LOWEST_PICKED_PORT, 65536) if not low <= p <= high]
+    return ports if len(ports) >= 1000 else []
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list:
-    """``n`` distinct TCP ports that are free right now on ``host``. The OS picks each one
-    while the sockets of the ports already picked are still open, so they differ; once they
-    are closed a tiny race remains (another process may take one before its user binds it)."""
+    """``n`` distinct TCP ports that are free right now on ``host``, for a process that binds
+    them later. They are drawn at random outside the kernel's ephemeral range where that is
+    known (an ephemeral port the OS picked can be taken by any outgoing connection before its
+    user binds it; CI once lost a test to that). Each is checked by binding it while the
+    sockets of the ports already picked stay open, so they differ; the OS picks the rest if
+    the draw keeps finding busy ports."""
     socks, ports = [], []
+    candidates = quiet_ports(ephemeral_port_range())
+    draw = random.SystemRandom()     # not the seeded global generator two test workers share
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(s)
-            s.bind((host, 0))
+            for _ in range(100 if candidates else 0):
+                try:
+                    s.bind((host, draw.choice(candidates)))
+                    break
+                except OSError:
+                    continue
+            else:
+                s.bind((host, 0))
             ports.append(s.getsockname()[1])
     finally:
         for s in socks:
