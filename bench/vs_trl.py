@@ -239,8 +239,11 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
     """Our GRPO run through launch.local; returns its step rows, wall and peak memory."""
     n = len(a.cpus)
     given = dict(o.split("=", 1) for o in a.ours_overrides if "=" in o)   # the last one wins
+    from areal_mega.launch.local import cpu_threads_per_trainer_rank
     server_t = int(given.get("cluster.cpu_threads_per_server", 1))
-    trainer_t = int(given.get("cluster.cpu_threads_per_trainer_rank", max(1, n - server_t)))
+    trainer_t = cpu_threads_per_trainer_rank(n, n_servers=1, nproc=1, server_threads=server_t,
+                                             configured=int(given.get(
+                                                 "cluster.cpu_threads_per_trainer_rank", 0)))
     cmd = [sys.executable, "-m", "areal_mega.launch.local", "--config",
            ROOT / "recipes" / "tiny-cpu.yaml", "model_hparams=null", f"model.path={model}",
            "model.dtype=fp32", f"data.train_path={data / 'train.jsonl'}",
@@ -266,6 +269,25 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
                          "eta": a.eta, "weight_update": a.weight_update,
                          "server_threads": server_t, "trainer_threads": trainer_t,
                          "rollout_backend": "local (our CPU server)", "overrides": cmd[4:]}}
+
+
+SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "reward")
+
+
+def earlier_trl_side(path: Path, res: dict) -> dict:
+    """TRL's side of an earlier vs_trl.json of the same CPU and ``SAME_WORK`` (else exit)."""
+    try:
+        prev = json.loads(path.read_text())
+        differ = [k for k in SAME_WORK if prev["run"][k] != res["run"][k]]
+        if prev["cpu"] != res["cpu"]:
+            differ.append("cpu")
+        trl = prev["trl"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--trl-from {path}: not a vs_trl.json with a TRL side ({e!r})")
+    if differ:
+        raise SystemExit(f"--trl-from {path}: another machine or work ({', '.join(differ)})")
+    trl["settings"] = dict(trl["settings"], reused_from=str(path))
+    return trl
 
 
 def require_trl_env() -> None:
@@ -313,6 +335,8 @@ def report(res: dict) -> str:
              f"{res['ours']['settings']['weight_update']}, server "
              f"{res['ours']['settings']['server_threads']} thread(s), trainer "
              f"{res['ours']['settings']['trainer_threads']}",
+             ("TRL side reused from " + res["trl"]["settings"]["reused_from"] + "; "
+              if res["trl"]["settings"].get("reused_from") else "") +
              f"TRL {res['trl']['settings']['trl']} (torch {res['trl']['settings']['torch']}, "
              f"transformers {res['trl']['settings']['transformers']}): GRPOConfig "
              + ", ".join(f"{k}={v}" for k, v in res["trl"]["settings"]["config"].items()),
@@ -387,11 +411,14 @@ def main(argv=None) -> None:
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL: gradient checkpointing")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per side")
     p.add_argument("--out", default=None, help="default: runs/vs-trl-<time>")
+    p.add_argument("--trl-from", default=None, help="a previous run's vs_trl.json: take TRL's "
+                   "side from it instead of running TRL again (same machine and work)")
     p.add_argument("ours_overrides", nargs="*", help="extra overrides for our side")
     a = p.parse_args(argv)
     a.cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else \
         sorted(os.sched_getaffinity(0))[:2]
-    require_trl_env()                  # before any work
+    if not a.trl_from:
+        require_trl_env()              # before any work
     out = Path(a.out or ROOT / "runs" / f"vs-trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] run directory {out}", flush=True)
@@ -399,7 +426,11 @@ def main(argv=None) -> None:
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
         "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
         "reward")}}
+    if a.trl_from:
+        res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     for side, fn in (("ours", run_ours), ("trl", run_trl)):
+        if side in res:
+            continue
         print(f"[vs_trl] {side}: running (log {out / side}.log)", flush=True)
         res[side] = fn(a, model, data, out / side)
         res[side]["summary"] = side_summary(res[side]["steps"], a.prompts * a.group)

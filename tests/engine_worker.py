@@ -273,6 +273,7 @@ def scenario_dense(res, out_dir):
     fns = losses(POLICY)
     trace = [eng.train_batch(mbs, *fns, temperature=TEMP)["loss"] for _ in range(10)]
     res["train10.first_loss"], res["train10.last_loss"] = trace[0], trace[-1]
+    res["train10.adam_fused"] = float(all(g["fused"] for g in eng.optimizer.optimizer.param_groups))
     del eng, fresh
     set_mesh(dict(tp=world), sp=True)
     check_layout(res, "tp2sp", DENSE, ref, mbs)

@@ -11,6 +11,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from areal_mega.common.net import free_port
 from tests.multirank import rank_results, run_ranks
@@ -74,6 +75,8 @@ def test_checkpoint_tp1_to_tp2_reload(dense):
 def test_ten_steps_lower_loss(dense):
     for r in dense:
         assert r["train10.last_loss"] < r["train10.first_loss"] - 0.05, r
+        if not torch.cuda.is_available():     # compat's cpu_fused_adam: torch's fused kernel
+            assert r["train10.adam_fused"] == 1.0, r
 
 
 @pytest.fixture(scope="module")

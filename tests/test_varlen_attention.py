@@ -14,7 +14,7 @@ import torch
 
 from areal_mega.common.net import free_port
 from areal_mega.engine.packed import block_causal_mask
-from areal_mega.models.varlen_attention import varlen_causal_attention
+from areal_mega.models.varlen_attention import pads_cheaply, varlen_causal_attention
 from tests.multirank import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "_varlen_worker.py")
@@ -37,10 +37,15 @@ def _segments(bounds, total):
     return seg
 
 
+GRPO_BOUNDS = [0, 6, 13, 13, 21, 26, 33, 40, 46, 55, 62, 69, 75]    # 11 short slots, one empty
+
+
 @pytest.mark.parametrize("bounds,total,heads", [
     ([0, 7, 8, 30, 33], 33, (4, 2)),      # varied lengths, one of a single token, GQA
     ([0, 12, 20, 44], 50, (6, 2)),        # trailing padding as its own slot
     ([0, 5, 5, 19], 19, (3, 3)),          # an empty slot, plain multi-head attention
+    (GRPO_BOUNDS, 75, (4, 2)),            # many short slots: one padded call
+    (GRPO_BOUNDS, 79, (3, 3)),            # ... and trailing padding
 ])
 def test_varlen_equals_dense_mask_forward_and_backward(bounds, total, heads):
     g = torch.Generator().manual_seed(total)
@@ -59,11 +64,20 @@ def test_varlen_equals_dense_mask_forward_and_backward(bounds, total, heads):
         assert (a - b).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("window", [1, 4, 8, 64])
-def test_varlen_sliding_window_equals_dense_window_mask(window):
+def test_many_short_slots_take_one_padded_call_and_few_or_long_ones_do_not():
+    assert pads_cheaply([6, 7, 0, 8, 5, 7, 7])         # GRPO-like: 6 real slots, little padding
+    assert not pads_cheaply([7, 1, 22])                # too few slots to matter
+    assert not pads_cheaply([7, 1, 22, 3])             # padding to 22 would be 88 of 33 tokens
+    assert not pads_cheaply([0, 0, 0, 0, 0])
+    assert pads_cheaply([10, 10, 10, 10]) and not pads_cheaply([1, 1, 1, 40])
+
+
+@pytest.mark.parametrize("window,bounds", [(1, None), (4, None), (8, None), (64, None),
+                                           (4, GRPO_BOUNDS), (64, GRPO_BOUNDS)])
+def test_varlen_sliding_window_equals_dense_window_mask(window, bounds):
     """A window narrows each slot's causal mask to the last ``window`` keys (transformers'
     ``kv_idx > q_idx - window``); slots shorter than the window are plain causal."""
-    bounds, total = [0, 7, 8, 30, 33], 33
+    bounds, total = (bounds, bounds[-1]) if bounds else ([0, 7, 8, 30, 33], 33)
     g = torch.Generator().manual_seed(window)
     q, k, v = (torch.randn(total, n, 16, generator=g).requires_grad_() for n in (4, 2, 2))
     out = varlen_causal_attention(q, k, v, bounds, scale=0.25, window=window)
@@ -79,7 +93,7 @@ def test_varlen_sliding_window_equals_dense_window_mask(window):
     for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
                     torch.autograd.grad((want * w).sum(), (q, k, v))):
         assert (a - b).abs().max().item() < TOL
-    if window < 22:   # the 22-token slot really is cut
+    if window < 8:    # the longer slots really are cut
         full = varlen_causal_attention(q, k, v, bounds, scale=0.25)
         assert (full - out).abs().max().item() > 1e-3
 

@@ -2,6 +2,7 @@
 the warm-up step, the speed ratio and target, the parsing of both sides' step logs, the table,
 the tokenizer every id of the 135M vocabulary decodes with, and the missing-env message."""
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -109,3 +110,18 @@ def test_missing_trl_env_names_make_trl_env(vs, monkeypatch, tmp_path):
     monkeypatch.setattr(vs, "TRL_PYTHON", tmp_path / "absent" / "python")
     with pytest.raises(SystemExit, match="make trl-env"):
         vs.require_trl_env()
+
+
+def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
+    run = dict(layers=30, steps=5, prompts=8, group=8, max_new=16, lr=1e-4, seed=1,
+               reward="r", eta=1, weight_update="disk")
+    cpu = {"model": "AMD EPYC", "isa": "avx512f", "cpus": [0, 1]}
+    prev = tmp_path / "vs_trl.json"
+    prev.write_text(json.dumps({"run": run, "cpu": cpu,
+                                "trl": {"settings": {"trl": "1.16.0"}, "steps": []}}))
+    trl = vs.earlier_trl_side(prev, {"run": dict(run, eta=0), "cpu": cpu})   # ours-only: ok
+    assert trl["settings"] == {"trl": "1.16.0", "reused_from": str(prev)}
+    with pytest.raises(SystemExit, match="max_new, cpu"):
+        vs.earlier_trl_side(prev, {"run": dict(run, max_new=8), "cpu": dict(cpu, cpus=[2])})
+    with pytest.raises(SystemExit, match="not a vs_trl.json"):
+        vs.earlier_trl_side(tmp_path / "missing.json", {"run": run, "cpu": cpu})

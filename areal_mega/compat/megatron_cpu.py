@@ -4,10 +4,11 @@ megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG track
 generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
 ``Stream()`` or build tensors with ``device="cuda"``, and the optimizers compare
 ``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places
-when CUDA is absent, plus two patches for speed: the tensor-parallel linear layers' GEMMs go
+when CUDA is absent, plus three patches for speed: the tensor-parallel linear layers' GEMMs go
 through oneDNN (:mod:`areal_mega.compat.cpu_gemm`; on AMD CPUs MKL's fp32 GEMM runs at less
-than half the rate), and RoPE over packed sequences runs as one call, not one per sequence
-(:mod:`areal_mega.compat.packed_rope`). Where TransformerEngine is absent, :func:`apply` also installs the scoped
+than half the rate), RoPE over packed sequences runs as one call, not one per sequence
+(:mod:`areal_mega.compat.packed_rope`), and the Adam megatron falls back to is torch's fused
+CPU kernel. Where TransformerEngine is absent, :func:`apply` also installs the scoped
 TE placeholder of :mod:`areal_mega.compat.te_placeholder` (``import megatron.bridge`` needs it).
 
 Every patch names the module (and function) it patches and the source text it expects to find
@@ -353,6 +354,16 @@ def _build_patches() -> list[Patch]:
               replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",
                         "param.grad.dtype == torch.float32"),),
               why="asserts grads are torch.cuda.FloatTensor"),
+        Patch("cpu_fused_adam", "megatron.core.optimizer", "rewrite",
+              function="_get_megatron_optimizer_based_on_param_groups",
+              expect=("adam_cls = torch.optim.AdamW if config.decoupled_weight_decay",),
+              replace=(("optimizer = adam_cls(**kwargs)",
+                        "optimizer = adam_cls(**kwargs, **({'fused': True} "
+                        "if USING_PYTORCH_OPTIMIZER else {}))"),),
+              why="speed, not correctness: without TE/apex megatron builds torch's AdamW "
+                  "with its defaults, the per-parameter loop on CPU tensors (~10 passes over "
+                  "the weights); torch's fused CPU kernel makes one (135M params, 2 threads: "
+                  "0.42 s -> 0.07 s a step)"),
         Patch("tp_linear_gemms", "megatron.core.tensor_parallel.layers", "custom",
               expect=tuple(old for pairs in _TP_GEMM_REWRITES.values() for old, _ in pairs),
               fn=_patch_tp_gemms,

@@ -8,7 +8,8 @@ spent on pairs of tokens from different sequences that the mask then throws away
 :class:`VarlenDotProductAttention` is a drop-in ``core_attention`` for that spec. Given THD
 ``PackedSeqParams`` (the same ones TransformerEngine gets) it runs
 ``torch.nn.functional.scaled_dot_product_attention`` (causal, grouped-query) once per packed
-slot, so the cost is that of running each sequence alone. Slot bounds are the padded offsets
+slot, so the cost is that of running each sequence alone (many short slots: one padded call,
+see :func:`pads_cheaply`). Slot bounds are the padded offsets
 when present (the padding of a slot attends inside its slot and is ignored by the loss).
 Without packed parameters it keeps megatron's behaviour: a given mask goes through the parent
 class (the dense reference path), no mask means plain causal attention over the whole
@@ -51,22 +52,63 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     ``query`` [T, nq, d], ``key`` / ``value`` [T, nkv, d] with ``nq`` a multiple of ``nkv``
     (grouped-query attention). Returns [T, nq, d]. Tokens past ``bounds[-1]`` (if any) form
     one more slot. ``window``: each query sees only the ``window`` most recent keys of its
-    slot (itself included); None: all earlier keys."""
+    slot (itself included); None: all earlier keys.
+
+    Many short slots (a GRPO micro-batch: dozens of samples of a few dozen tokens) go through
+    one padded SDPA call (:func:`pads_cheaply`); the per-slot calls and their gradients'
+    bookkeeping would cost more than the attention itself there."""
     total = query.shape[0]
     if bounds[-1] < total:
         bounds = list(bounds) + [total]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     gqa = query.shape[1] != key.shape[1]
+    if pads_cheaply(lengths):
+        return _padded_causal_attention(query, key, value, lengths, scale=scale,
+                                        dropout_p=dropout_p, window=window, gqa=gqa)
     outs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e <= s:
+    # split, not slicing: the backward of one split is one concatenation, while each slice's
+    # backward would write a zero-filled [T, h, d] gradient (quadratic in the slot count)
+    for q, k, v in zip(*(torch.split(x, lengths) for x in (query, key, value))):
+        if q.shape[0] == 0:
             continue
         # [L, h, d] -> [1, h, L, d]: transposed views, SDPA reads the strides
-        q = query[s:e].transpose(0, 1)[None]
-        k = key[s:e].transpose(0, 1)[None]
-        v = value[s:e].transpose(0, 1)[None]
-        o = _causal_sdpa(q, k, v, window, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        o = _causal_sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                         v.transpose(0, 1)[None], window, dropout_p=dropout_p, scale=scale,
+                         enable_gqa=gqa)
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+PAD_BATCH_MIN_SLOTS = 4     # fewer slots: the per-slot calls cost little
+PAD_BATCH_MAX_WASTE = 2.0   # padded tokens at most this many times the real ones
+
+
+def pads_cheaply(lengths: list[int]) -> bool:
+    """Whether slots of ``lengths`` run as one padded batch (pure): at least
+    PAD_BATCH_MIN_SLOTS non-empty slots whose padding to the longest at most
+    PAD_BATCH_MAX_WASTE-folds the token count."""
+    real = [n for n in lengths if n > 0]
+    if len(real) < PAD_BATCH_MIN_SLOTS:
+        return False
+    return len(real) * max(real) <= PAD_BATCH_MAX_WASTE * sum(real)
+
+
+def _padded_causal_attention(query, key, value, lengths, *, scale, dropout_p, window, gqa):
+    """One SDPA over the non-empty slots padded to the longest: [B, h, Lmax, d] gathered by
+    index, a causal (and window) mask that also hides the padded keys, scattered back."""
+    device = query.device
+    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) if n > 0],
+                          device=device)
+    lens = torch.tensor([n for n in lengths if n > 0], device=device)
+    width = int(lens.max())
+    pos = torch.arange(width, device=device)
+    valid = pos[None, :] < lens[:, None]                                   # [B, Lmax]
+    index = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
+    mask = window_visible(pos, pos, window)[None, None] & valid[:, None, None, :]  # causal
+    q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))     # [B, h, Lmax, d]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                       scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2)[valid]                                        # [T, h, d]
 
 
 def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
