@@ -42,6 +42,7 @@ met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both rewar
 matplotlib is there).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -63,8 +64,7 @@ def median_after_warmup(values: list, warmup: int = 1) -> float:
 
 
 def step_walls(ends: list, first: float) -> list:
-    """Wall seconds per step from the steps' end times: the first step's is ``first``, each
-    later one's the time since the previous step's end."""
+    """Wall seconds per step: ``first``, then the time between consecutive step ends."""
     return [first] + [b - a for a, b in zip(ends, ends[1:])] if ends else []
 
 
@@ -159,7 +159,7 @@ def _tree_pss_bytes(root: int) -> int:
 
 def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> tuple:
     """Run ``cmd`` pinned to ``cpus`` (output to ``log``); returns ``(exit code, wall s, peak
-    summed PSS bytes of its process tree)``."""
+    summed PSS bytes of its process tree)``, sampled every 5 s (each /proc scan costs CPU)."""
     t0, peak = time.time(), 0
     with open(log, "w") as f:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
@@ -171,7 +171,8 @@ def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> t
                 os.killpg(proc.pid, 9)
                 proc.wait()
                 break
-            time.sleep(1.0)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
     return proc.returncode, time.time() - t0, peak
 
 
@@ -278,9 +279,8 @@ def earlier_trl_side(path: Path, res: dict) -> dict:
     """TRL's side of an earlier vs_trl.json of the same CPU and ``SAME_WORK`` (else exit)."""
     try:
         prev = json.loads(path.read_text())
-        differ = [k for k in SAME_WORK if prev["run"][k] != res["run"][k]]
-        if prev["cpu"] != res["cpu"]:
-            differ.append("cpu")
+        differ = [k for k in SAME_WORK if prev["run"][k] != res["run"][k]] + \
+            (["cpu"] if prev["cpu"] != res["cpu"] else [])
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--trl-from {path}: not a vs_trl.json with a TRL side ({e!r})")
