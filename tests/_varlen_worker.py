@@ -8,7 +8,9 @@ mask (tests/engine_worker.py ``reference``); the engine under test runs the same
 THD ``PackedSeqParams`` through :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`. Both layouts the engine packs on CPU are covered: contiguous
 sequences with trailing padding, and slots padded per sequence (``cu_seqlens_padded``, the
-context-parallel packing). Writes {check: max abs difference}."""
+context-parallel packing). The policy loss trains on logits of its loss-mask rows only
+(engine/loss_rows.py), against the reference's full logits. Writes {check: max abs
+difference}."""
 import os
 import sys
 import traceback
@@ -35,10 +37,18 @@ def main():
             "trailing_pad": ew.make_mbs(3, [[9, 31, 5, 1], [40], [2, 17, 11]], pad=8),
             "padded_slots": ew.make_mbs(4, [[9, 30, 5], [3, 21]], pad=4, cp=2),
         }
+        from areal_mega.engine import megatron_engine as me
+        real_processor = me.logits_at_rows
         for tag, mbs in layouts.items():
             assert all("segment_ids" in mb for mb in mbs)
             ref = ew.reference(LLAMA_GQA, mbs, seed=5, loss=ew.POLICY)
+            rows = []      # the policy loss trains on logits of its loss-mask rows only
+            me.logits_at_rows = lambda **kw: rows.append(int(kw["context"].numel())) or \
+                real_processor(**kw)
             eng = ew.check_layout(res, tag, LLAMA_GQA, ref, mbs)
+            me.logits_at_rows = real_processor
+            res[f"{tag}.trained_logit_rows"] = rows
+            res[f"{tag}.tokens"] = [int(torch.as_tensor(mb["input_ids"]).numel()) for mb in mbs]
             attn = eng.model_chunks()[0].decoder.layers[0].self_attention.core_attention
             res[f"{tag}.varlen_module"] = type(attn).__name__
             batch = eng._prepare(mbs[0])

@@ -124,3 +124,6 @@ def test_engine_varlen_matches_dense_mask(engine_results, layout):
     assert r[f"{layout}.thd_no_mask"] is True
     for what in ("logprobs", "grads", "loss", "n_tokens"):
         assert r[f"{layout}.{what}"] < TOL, (layout, what, r)
+    # the training forward projected fewer rows than tokens, in every micro-batch
+    rows, tokens = r[f"{layout}.trained_logit_rows"], r[f"{layout}.tokens"]
+    assert len(rows) == len(tokens) and all(0 < a < b for a, b in zip(rows, tokens)), r

@@ -359,6 +359,17 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     return numerator, stats
 
 
+LOSS_MASK_ONLY = "reads_loss_mask_only"
+
+
+def reads_loss_mask_only(loss_fn: Callable) -> Callable:
+    """Mark an engine loss function as reading log-probabilities and entropies only where its
+    micro-batch's ``loss_mask`` is set, so the engine may compute logits at those rows only
+    (:mod:`areal_mega.engine.loss_rows`); returns ``loss_fn``."""
+    setattr(loss_fn, LOSS_MASK_ONLY, True)
+    return loss_fn
+
+
 def make_policy_loss(cfg, *, max_response_len: Optional[int] = None,
                      prox_from_forward: bool = False) -> tuple[LossFn, Callable[[dict], float]]:
     """``(loss_fn, denominator_fn)`` for the engine (see the module docstring).
@@ -377,6 +388,7 @@ def make_policy_loss(cfg, *, max_response_len: Optional[int] = None,
         raise ValueError("loss_agg='seq_sum_norm' needs algorithm.loss_norm_len or "
                          "max_response_len (rollout.max_new_tokens)")
 
+    @reads_loss_mask_only        # the engine computes logits at loss-mask rows only
     def loss_fn(logprobs: Tensor, entropy: Optional[Tensor], mb: dict):
         return policy_loss(logprobs, entropy, mb, cfg, norm_len,
                            prox_from_forward=prox_from_forward)

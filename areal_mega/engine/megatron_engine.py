@@ -15,6 +15,9 @@ segment layout (see :mod:`areal_mega.engine.loss_context`); the optimised loss i
 micro-batches (default: loss-mask token count). Megatron's own loss scaling is disabled
 (``calculate_per_token_loss``: the schedule neither divides by the micro-batch count nor DDP
 averages over DP × CP), so gradients do not depend on the micro-batch split nor on the DP size.
+A loss marked :func:`~areal_mega.algo.policy_loss.reads_loss_mask_only` (the policy and SFT
+losses) gets logits computed at its ``loss_mask`` rows only (:mod:`areal_mega.engine.loss_rows`;
+its log-probabilities and entropies are 0 elsewhere).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                             reduce_stats)
+from areal_mega.engine.loss_rows import logits_at_rows, loss_rows, scatter_rows
 from areal_mega.engine.packed import (cp_token_index, micro_batch_labels, segment_ids_from_cu,
                                       slot_offsets, zigzag_merge)
 from areal_mega.engine.packed_params import packed_seq_kwargs
@@ -211,11 +215,16 @@ class MegatronEngine:
         logits = self._mask_padded_vocab(logits)
         chunk = getattr(self.actor_cfg, "logprob_chunk_size", None)
         from areal_mega.ops import packed_logprobs
-        res = packed_logprobs(logits, batch["labels"], temperature=temperature,
+        rows = batch.get("rows")      # logits of these rows only (engine/loss_rows.py)
+        res = packed_logprobs(logits, batch["labels"] if rows is None else batch["labels"][rows],
+                              temperature=temperature,
                               tp_group=self.mesh.tp_group if self.mesh.dims.tp > 1 else None,
                               chunk_size=chunk, return_entropy=return_entropy)
         lp, ent = (res if return_entropy else (res, None))
         valid = batch["valid"]
+        if rows is not None:
+            lp = scatter_rows(lp, rows, valid.shape[0])
+            ent = None if ent is None else scatter_rows(ent, rows, valid.shape[0])
         lp = torch.where(valid, lp, torch.zeros_like(lp))
         if ent is not None:
             ent = torch.where(valid, ent, torch.zeros_like(ent))
@@ -225,8 +234,13 @@ class MegatronEngine:
                       loss_fn=None, denominator=None):
         mb, batch = next(data_iterator)
         armed = self.replay and self.replay.arm(self.model.index(model), batch["routes"])
+        batch["rows"] = None if collect else loss_rows(
+            loss_fn, mb, batch["valid"], batch["index"],
+            sequence_parallel=self.mesh.sequence_parallel)
+        trim = {} if batch["rows"] is None else dict(output_processor=logits_at_rows,
+                                                     output_processor_context=batch["rows"])
         output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
-                       packed_seq_params=batch["packed_seq_params"])
+                       packed_seq_params=batch["packed_seq_params"], **trim)
         if armed:
             armed(output)
         return output, partial(self._on_output, mb, batch, collect, temperature,

@@ -13,13 +13,14 @@ import time
 import numpy as np
 import torch
 
-from areal_mega.algo.policy_loss import check_devices
+from areal_mega.algo.policy_loss import check_devices, reads_loss_mask_only
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
 
 
+@reads_loss_mask_only
 def sft_loss(logprobs: torch.Tensor, entropy, mb: dict):
     """Engine loss contract: numerator = Σ NLL over loss tokens (denominator: their count).
 
