@@ -117,6 +117,34 @@ def test_trackers_resume_without_duplicated_steps(tmp_path, model, monkeypatch):
     assert leaked == []
 
 
+@pytest.mark.parametrize("reached_store", [True, False])
+def test_mlflow_resume_after_a_crash_between_the_store_and_the_state(tmp_path, model,
+                                                                     reached_store):
+    """A SIGKILL after step 3's metrics reached MLflow but before the tracker saved its state
+    (the e2e trackers run once hit this window): the resumed run does not log step 3 again;
+    killed before they reached the store, step 3 is logged by the resumed run."""
+    from mlflow.entities import Metric
+    run = tmp_path / "run"
+    cfg = _cfg(run, model, trackers=["mlflow"])
+    log = RunLog(cfg, run)
+    for step in (1, 2):
+        log.log(step, {"reward/mean": step / 10})
+    mlf = next(t for t in log.trackers if t.name == "mlflow")
+    # what the killed process left: log()'s first two actions for step 3, not its last
+    mlf.state.save(pending={"step": 3, "key": "reward.mean"})
+    if reached_store:
+        mlf.client.log_batch(mlf.run_id, metrics=[Metric("reward.mean", 0.3, 0, 3)])
+    log = RunLog(cfg, run, resume_step=2)
+    for step in (3, 4):
+        log.log(step, {"reward/mean": step / 10 + 1.0})
+    log.close()
+    client, run_id = mlflow_client(run)
+    got = {m.step: m.value for m in client.get_metric_history(run_id, "reward.mean")}
+    assert len(client.get_metric_history(run_id, "reward.mean")) == 4
+    assert got == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3 if reached_store else 1.3, 4: 1.4})
+    assert json.loads((run / "mlflow_run.json").read_text())["pending"] is None
+
+
 def test_counts_ride_once_per_delivered_group():
     state = {"failed": 0}
     carrier = CountCarrier(lambda: dict(state))

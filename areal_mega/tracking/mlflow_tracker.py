@@ -43,7 +43,8 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         run_id = self.state.data.get("run_id")
-        if run_id and self.state.data.get("tracking_uri") == uri:
+        continued = bool(run_id and self.state.data.get("tracking_uri") == uri)
+        if continued:
             self.client.update_run(run_id, status="RUNNING")
         else:
             name = m.experiment or cfg.name
@@ -56,16 +57,31 @@ class MlflowTracker:
                 self.client.log_batch(run_id, params=flat[i:i + BATCH])
         self.run_id = run_id
         self.key = _file_store_key if uri.startswith("file:") else _key
-        self.state.save(run_id=run_id, tracking_uri=uri, last_step=self.state.last_step)
+        last = max(self.state.last_step, self._pending_step_logged() if continued else -1)
+        self.state.save(run_id=run_id, tracking_uri=uri, last_step=last, pending=None)
+
+    def _pending_step_logged(self) -> int:
+        """A step whose log a crash interrupted before its state was saved: its step when its
+        last metric reached the store (the whole step is there, it is not logged again), else
+        -1 (it is logged again; only a crash inside one batch can repeat its first points)."""
+        pending = self.state.data.get("pending")
+        if not pending or not self.state.data.get("run_id"):
+            return -1
+        history = self.client.get_metric_history(self.state.data["run_id"], pending["key"])
+        return int(pending["step"]) if any(m.step == pending["step"] for m in history) else -1
 
     def log(self, step: int, row: dict) -> None:
-        """Every finite scalar of ``row`` at ``step``; then remember ``step``."""
+        """Every finite scalar of ``row`` at ``step``; then remember ``step``. The step and
+        its last metric's name are saved first, so a resumed run can tell whether a crash
+        came before or after they reached the store."""
         ts = int(row.get("time", time.time()) * 1000)
         metrics = [Metric(self.key(k), float(v), ts, int(step))
                    for k, v in finite_scalars(row).items()]
+        if metrics:
+            self.state.save(pending={"step": int(step), "key": metrics[-1].key})
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-        self.state.save(last_step=int(step))
+        self.state.save(last_step=int(step), pending=None)
 
     def log_samples(self, step: int, rows: list, name: str = "samples") -> None:
         """``rows`` as the artifact ``<name>/step_<step>.jsonl``."""
