@@ -89,6 +89,8 @@ class ActorConfig:
                             "forward (detached) when the step is one optimizer step on the "
                             "weights that define π_prox and nothing reads it before training; "
                             "recompute = always a forward pass of its own (AReaL)")
+    share_prompt_prefix: bool = _f(True, doc="samples of a micro-batch with the same prompt "
+                                   "compute it once (same results; local attention, no CP/SP)")
     sequence_parallel: bool = False
     virtual_pipeline_size: Optional[int] = _f(None, lo=1)
     logprob_chunk_size: Optional[int] = _f(None, lo=1)

@@ -84,6 +84,7 @@ def load_cfg(args, hf_dir, run_dir):
                  f"rollout.max_new_tokens={args.max_new}"]
     if args.mb_tokens:
         overrides.append(f"scheduler.max_tokens_per_mb={args.mb_tokens}")
+    overrides.append(f"actor.share_prompt_prefix={args.share_prefix == 'on'}")
     if args.prox in ("auto", "recompute"):
         overrides.append(f"actor.prox_logprobs={args.prox}")
     return load_config(ROOT / "recipes" / "tiny-cpu.yaml", overrides)
@@ -95,7 +96,7 @@ def grpo_step(actor, mesh, cfg, trajs, version):
     from areal_mega.train import batches
     from areal_mega.trainer import prox_forward_needed
     t0, c0 = time.perf_counter(), time.process_time()
-    plan = batches.plan_step(trajs, cfg, **LAYOUT)
+    plan = batches.plan_step(trajs, cfg, **LAYOUT, share_prefix=actor.shares_prompt_prefix)
     batch = batches.distribute(plan, mesh)
     t_data = time.perf_counter()
     mbs = batch.micro_batches
@@ -209,6 +210,8 @@ def main():
     ap.add_argument("--gemm", choices=("onednn", "torch", "both"), default="both")
     ap.add_argument("--prox", choices=("auto", "recompute", "both"), default="auto",
                     help="actor.prox_logprobs; both: compare them (first --gemm variant)")
+    ap.add_argument("--share-prefix", choices=("on", "off"), default="on",
+                    help="actor.share_prompt_prefix: a group's prompt computed once")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", nargs=2, metavar=("HF_DIR", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -222,7 +225,8 @@ def main():
     variants = [(g, proxes[0]) for g in gemms] + [(gemms[0], p) for p in proxes[1:]]
     print(f"model: 135M Llama shape, {args.layers} layers, fp32, {args.threads} threads; "
           f"batch: {args.prompts} prompts x {args.group} samples, prompt {args.prompt_len} "
-          f"tokens, completion 1-{args.max_new}; one warm-up step + {args.steps} measured + "
+          f"tokens, completion 1-{args.max_new}, shared prompts {args.share_prefix}; one "
+          f"warm-up step + {args.steps} measured + "
           f"one profiled; no rollout servers, no weight publication")
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:

@@ -10,9 +10,11 @@ vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` s
 random weights, written once with ``save_pretrained`` (fp32 safetensors) beside a tokenizer
 built here: single characters for the prompts (digits, ``=``) and digit strings of 2-5
 characters for the rest of the 49,152 ids, so that every id decodes to text the reward can
-score. Task: the synthetic ``reverse`` prompts (``48312=``), every answer ``0000``, reward
-``areal_mega.rewards:char_match_reward`` (partial credit per matching character; ``--reward``
-names another): the same Python function on both sides (TRL's through a signature adapter).
+score. Task: the synthetic ``reverse`` prompts (``48312=``) after a fixed ``--instruction``
+of 54 characters (one token each; the part of a chat prompt every sample shares, as a system
+turn: 60-token prompts, ~75 tokens a sample like the issue's chat run), every answer ``0000``,
+reward ``areal_mega.rewards:char_match_reward`` (partial credit per matching character;
+``--reward`` names another): the same Python function on both sides (TRL's via an adapter).
 
 Each step: ``--prompts`` prompts x ``--group`` samples of at most ``--max-new`` new tokens at
 temperature 1, group-normalised advantages, no KL term, one optimizer step (AdamW, constant
@@ -52,6 +54,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _vs_trl_assets import build_tokenizer, make_assets  # noqa: E402,F401 (bench/)
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 TARGET = 2.0     # ours at least 2x TRL's steps per hour
 
@@ -176,59 +180,6 @@ def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> t
     return proc.returncode, time.time() - t0, peak
 
 
-# ----------------------------------------------------------------------------------- assets
-def build_tokenizer(vocab_size: int):
-    """A ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` ids: ``<pad>``, ``<eos>``,
-    ``<unk>``, the ``digits`` charset of areal_mega.models.tiny (one id per character; text is
-    split into characters), then digit strings of 2, 3, 4 and 5 characters in order."""
-    from itertools import product
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from areal_mega.models.tiny import CHARSETS, SPECIAL_TOKENS
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    for ch in CHARSETS["digits"]:
-        vocab.setdefault(ch, len(vocab))
-    for n in range(2, 6):
-        for digits in product("0123456789", repeat=n):
-            if len(vocab) == vocab_size:
-                break
-            vocab["".join(digits)] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
-
-
-def make_assets(out: Path, layers: int, seed: int) -> tuple:
-    """The model directory (random weights, fp32, tokenizer) and the prompt files."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from areal_mega.data.synthetic import write_task_files
-    sys.path.insert(0, str(ROOT / "bench"))
-    from engine import SHAPE
-
-    tok = build_tokenizer(SHAPE["vocab_size"])
-    shape = {k: v for k, v in SHAPE.items() if k not in ("model_type", "architectures")}
-    shape.update(num_hidden_layers=layers, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                 pad_token_id=tok.pad_token_id)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape))
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out / "model")
-    tok.save_pretrained(out / "model")
-    write_task_files(out / "data", task="reverse", n_train=2048, n_test=32, seed=seed)
-    for name in ("train.jsonl", "test.jsonl"):    # one answer for every prompt
-        p = out / "data" / name
-        p.write_text("".join(json.dumps(dict(json.loads(x), answer="0000")) + "\n"
-                             for x in p.read_text().splitlines() if x.strip()))
-    return out / "model", out / "data"
-
-
 # ------------------------------------------------------------------------------------ sides
 def _env(threads: int) -> dict:
     return dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
@@ -272,14 +223,15 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
                          "rollout_backend": "local (our CPU server)", "overrides": cmd[4:]}}
 
 
-SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "reward")
+SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "reward",
+             "instruction")
 
 
 def earlier_trl_side(path: Path, res: dict) -> dict:
     """TRL's side of an earlier vs_trl.json of the same CPU and ``SAME_WORK`` (else exit)."""
     try:
         prev = json.loads(path.read_text())
-        differ = [k for k in SAME_WORK if prev["run"][k] != res["run"][k]] + \
+        differ = [k for k in SAME_WORK if prev["run"].get(k) != res["run"].get(k)] + \
             (["cpu"] if prev["cpu"] != res["cpu"] else [])
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
@@ -329,7 +281,8 @@ def report(res: dict) -> str:
     cpu, run = res["cpu"], res["run"]
     lines = [f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
              f"model: 135M Llama shape, {run['layers']} layers, fp32, random weights; "
-             f"{run['prompts']} prompts x {run['group']} samples/step, <= {run['max_new']} new "
+             f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
+             f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
              f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)",
              f"ours: launch.local, eta={res['ours']['settings']['eta']}, weight update "
              f"{res['ours']['settings']['weight_update']}, server "
@@ -399,6 +352,8 @@ def main(argv=None) -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new", type=int, default=16, help="max new tokens per sample")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--instruction", type=int, default=54, help="characters (tokens) of the "
+                   "instruction every prompt starts with (0: the bare 6-token prompts)")
     p.add_argument("--eta", type=int, default=1, help="ours: rollout.max_head_offpolicyness")
     p.add_argument("--weight-update", default="disk", choices=["disk", "distributed"],
                    help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)")
@@ -422,10 +377,10 @@ def main(argv=None) -> None:
     out = Path(a.out or ROOT / "runs" / f"vs-trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] run directory {out}", flush=True)
-    model, data = make_assets(out, a.layers, a.seed)
+    model, data = make_assets(out, a.layers, a.seed, a.instruction)
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
         "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
-        "reward")}}
+        "reward", "instruction")}}
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     for side, fn in (("ours", run_ours), ("trl", run_trl)):

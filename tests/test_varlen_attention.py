@@ -117,7 +117,7 @@ def engine_results(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("layout", ["trailing_pad", "padded_slots"])
+@pytest.mark.parametrize("layout", ["trailing_pad", "padded_slots", "shared_prompts"])
 def test_engine_varlen_matches_dense_mask(engine_results, layout):
     r = engine_results
     assert r[f"{layout}.varlen_module"] == "VarlenDotProductAttention"
@@ -127,3 +127,89 @@ def test_engine_varlen_matches_dense_mask(engine_results, layout):
     # the training forward projected fewer rows than tokens, in every micro-batch
     rows, tokens = r[f"{layout}.trained_logit_rows"], r[f"{layout}.tokens"]
     assert len(rows) == len(tokens) and all(0 < a < b for a, b in zip(rows, tokens)), r
+
+
+def test_engine_computes_shared_prompts_once(engine_results):
+    """The micro-batches of groups run fewer rows through the model than they pack (each
+    group's prompt but its last token once), the others all of theirs; the results above are
+    equal either way."""
+    r = engine_results
+    # group sizes 4, 1, 3 (prompts 11, 6, 9) and 2, 6 (prompts 1, 23): the 1-token prompt
+    # has nothing to share
+    assert r["shared_prompts.model_tokens"] == [
+        r["shared_prompts.tokens"][0] - 3 * 10 - 2 * 8, r["shared_prompts.tokens"][1] - 5 * 22]
+    assert r["shared_prompts.logprobs"] < TOL
+    for layout in ("trailing_pad", "padded_slots"):
+        assert r[f"{layout}.model_tokens"] == r[f"{layout}.tokens"]
+
+
+def _tree_case(prompts_and_completions, trailing, seed):
+    """A packed batch of groups (tokens of a group's samples equal up to their prompt) and
+    its shared-prefix layout (scheduler/shared_prefix.py)."""
+    from areal_mega.scheduler.shared_prefix import plan_shared_prefix
+    g = torch.Generator().manual_seed(seed)
+    ids, labels, mask, bounds = [], [], [], [0]
+    for p, comps in prompts_and_completions:
+        prompt = torch.randint(0, 50, (p,), generator=g).tolist()
+        for n in comps:     # next-token layout: row t is trained on token t + 1
+            seq = prompt + torch.randint(0, 50, (n,), generator=g).tolist()
+            ids += seq
+            labels += seq[1:] + [-1]
+            mask += [0] * (p - 1) + [1] * n + [0]
+            bounds.append(len(ids))
+    ids += [0] * trailing
+    labels += [-1] * trailing
+    mask += [0] * trailing
+    return ids, bounds, plan_shared_prefix(ids, labels, bounds, mask)
+
+
+@pytest.mark.parametrize("groups,trailing,window", [
+    ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 3, None),  # padded batches
+    ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 0, 4),     # ... windowed
+    ([(40, [3, 30]), (1, [6]), (5, [2])], 2, None),       # few / uneven units: one call each
+    ([(40, [3, 30]), (12, [6, 1, 9])], 0, 8),
+])
+def test_shared_prefix_attention_equals_the_packed_batch(groups, trailing, window):
+    """Attention over the compressed rows, read back through ``expand``, equals the packed
+    batch's per-sequence attention; the gradients of the compressed rows are the sums over
+    their copies."""
+    from areal_mega.models.varlen_attention import unit_attention
+    ids, bounds, layout = _tree_case(groups, trailing, seed=len(groups) + trailing)
+    assert layout is not None and layout.saved > 0
+    total = len(ids)
+    keep, expand = torch.tensor(layout.keep), torch.tensor(layout.expand)
+    g = torch.Generator().manual_seed(total)
+    # per-token q, k, v functions of the token and its position, as after the rotary step
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])] +
+                    [torch.arange(trailing)])
+    table = {n: torch.randn(80, 50, n, 8, generator=g) for n in (4, 2)}
+    q, k, v = (table[n][pos, torch.tensor(ids)] for n in (4, 2, 2))
+    qc, kc, vc = (x[keep].clone().requires_grad_() for x in (q, k, v))
+    out = unit_attention(qc, kc, vc, layout.units, scale=8 ** -0.5, window=window)
+    qe, ke, ve = (x.clone().requires_grad_() for x in (q, k, v))
+    want = varlen_causal_attention(qe, ke, ve, bounds, scale=8 ** -0.5, window=window)
+    assert (out[expand] - want).abs().max().item() < TOL
+    w = torch.randn(want.shape, generator=g)
+    got_grads = torch.autograd.grad((out[expand] * w).sum(), (qc, kc, vc))
+    want_grads = torch.autograd.grad((want * w).sum(), (qe, ke, ve))
+    for a, b in zip(got_grads, want_grads):
+        summed = torch.zeros_like(a).index_add_(0, expand, b)
+        assert (a - summed).abs().max().item() < TOL
+
+
+def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
+    """4 groups of 8 samples (60-token prompts, 16-token answers): one padded call for the
+    prompts, one for the 32 branches; two uneven units get a call each."""
+    import areal_mega.models.varlen_attention as va
+    calls = []
+    sdpa = va.F.scaled_dot_product_attention
+    monkeypatch.setattr(va.F, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: calls.append(tuple(q.shape)) or sdpa(q, *a, **kw))
+    for groups, want in (([(60, [16] * 8)] * 4, [(4, 4, 59, 8), (32, 4, 17, 8)]),
+                         ([(40, [3, 30])], [(1, 4, 39, 8), (1, 4, 4, 8), (1, 4, 31, 8)])):
+        _, _, layout = _tree_case(groups, 0, seed=3)
+        t = len(layout.keep)
+        calls.clear()
+        va.unit_attention(torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8),
+                          layout.units, scale=0.3)
+        assert calls == want

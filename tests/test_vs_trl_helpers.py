@@ -114,7 +114,7 @@ def test_missing_trl_env_names_make_trl_env(vs, monkeypatch, tmp_path):
 
 def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
     run = dict(layers=30, steps=5, prompts=8, group=8, max_new=16, lr=1e-4, seed=1,
-               reward="r", eta=1, weight_update="disk")
+               reward="r", eta=1, weight_update="disk", instruction=54)
     cpu = {"model": "AMD EPYC", "isa": "avx512f", "cpus": [0, 1]}
     prev = tmp_path / "vs_trl.json"
     prev.write_text(json.dumps({"run": run, "cpu": cpu,
@@ -123,5 +123,7 @@ def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
     assert trl["settings"] == {"trl": "1.16.0", "reused_from": str(prev)}
     with pytest.raises(SystemExit, match="max_new, cpu"):
         vs.earlier_trl_side(prev, {"run": dict(run, max_new=8), "cpu": dict(cpu, cpus=[2])})
+    with pytest.raises(SystemExit, match="work .instruction."):    # prompts of another shape
+        vs.earlier_trl_side(prev, {"run": dict(run, instruction=0), "cpu": cpu})
     with pytest.raises(SystemExit, match="not a vs_trl.json"):
         vs.earlier_trl_side(tmp_path / "missing.json", {"run": run, "cpu": cpu})

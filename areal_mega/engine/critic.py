@@ -104,6 +104,8 @@ class CriticEngine(MegatronEngine):
     critic's (:func:`critic_optimizer_config`). ``forward_values`` returns per-token values;
     ``train_batch(mbs, loss_fn, ...)`` calls ``loss_fn(values [T] fp32, None, mb)``."""
 
+    SHARES_PROMPT_PREFIX = False      # its values are read per packed row
+
     def __init__(self, model_cfg, *, hf_config, mesh, optimizer_cfg, seed: int = 1234,
                  total_train_steps=None, use_distributed_optimizer=None):
         self._head_seed = seed + 7919      # fresh head independent of the trunk's init stream

@@ -22,6 +22,7 @@ its log-probabilities and entropies are 0 elsewhere).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,13 +32,13 @@ import torch.distributed as dist
 from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                             reduce_stats)
 from areal_mega.engine.loss_rows import logits_at_rows, loss_rows, scatter_rows
-from areal_mega.engine.packed import (cp_token_index, micro_batch_labels, segment_ids_from_cu,
-                                      slot_offsets, zigzag_merge)
-from areal_mega.engine.packed_params import packed_seq_kwargs
+from areal_mega.engine.micro_batch import model_rows, prepare_micro_batch
+from areal_mega.engine.packed import zigzag_merge
 from areal_mega.engine.routing_replay import (RouteReplayer, check_replay_target, cleared_after,
                                               free_routing_if)
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
+from areal_mega.models.rope_positions import positions_supported, rope_at_positions
 
 __all__ = ["MegatronEngine", "default_denominator"]
 
@@ -70,7 +71,13 @@ class MegatronEngine:
             actor of a MoE model only): see :mod:`areal_mega.engine.routing_replay`.
         lora: :class:`areal_mega.config_lora.LoraConfig`; when enabled (actor only), LoRA
             adapters train on the frozen base (``self.lora``, :mod:`areal_mega.lora.actor`).
+
+    ``shares_prompt_prefix``: micro-batches whose samples share a prompt run it once
+    (``actor.share_prompt_prefix``, on by default; dense models on the local attention only,
+    no CP nor SP); results are the same as without.
     """
+
+    SHARES_PROMPT_PREFIX = True     # False where outputs are read per packed row (the critic)
 
     def __init__(self, model_cfg, *, hf_config=None, role: str = "actor", mesh,
                  optimizer_cfg=None, actor_cfg=None, seed: int = 1234,
@@ -106,6 +113,13 @@ class MegatronEngine:
         self.lr_scheduler = None
         self.step_count = 0
         self.replay = RouteReplayer(chunks, mesh, self.arch) if routing_replay else None
+        # shared prompts computed once (scheduler/shared_prefix.py): the local attention reads
+        # the layout, the rotary table is indexed by each row's position
+        self.shares_prompt_prefix = bool(
+            self.SHARES_PROMPT_PREFIX and getattr(actor_cfg, "share_prompt_prefix", True)
+            and not self.use_te and mesh.dims.cp == 1 and not mesh.sequence_parallel
+            and not self.arch.is_moe    # its router's load statistics count every copy
+            and self.replay is None and all(positions_supported(c) for c in chunks))
         if role == "ref":
             for c in chunks:
                 c.requires_grad_(False)
@@ -154,48 +168,10 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ data preparation
     def _prepare(self, mb: dict) -> dict:
-        """Model inputs for one packed micro-batch; its ``labels`` (next-token targets, -1 =
-        none) come with it and are CP-split like the tokens."""
-        ids = torch.as_tensor(mb["input_ids"]).long().reshape(-1)
-        total = ids.shape[0]
-        tp = self.mesh.dims.tp
-        if self.mesh.sequence_parallel and total % tp:
-            raise ValueError(f"packed length {total} must be a multiple of TP={tp} with "
-                             "sequence parallelism (pack with pad_to_multiple=TP)")
-        pos = torch.as_tensor(mb["position_ids"]).long().reshape(-1) if "position_ids" in mb \
-            else None
-        starts, lens = slot_offsets(mb)
-        labels = micro_batch_labels(mb, total)
-        valid = labels >= 0
-        bounds = torch.as_tensor(mb.get("cu_seqlens_padded", mb["cu_seqlens"])).long()
-        if pos is None:
-            seg0 = segment_ids_from_cu(total, starts, lens, bounds[1:])
-            pos = torch.arange(total) - torch.cat([bounds, torch.tensor([total])])[seg0]
-        batch: dict[str, Any] = {"n_total": total, "labels": labels,
-                                 "valid": valid, "index": None}
-        cp = self.mesh.dims.cp
-        dev = self.mesh.device
-        if cp > 1 and not self.use_te:
-            raise RuntimeError("context parallelism needs TransformerEngine (GPU)")
-        # THD packed attention: TE's, or the local spec's per-sequence SDPA
-        # (models/varlen_attention.py); padded offsets only where sequences are padded (CP):
-        # see engine/packed_params.py
-        from megatron.core.packed_seq_params import PackedSeqParams
-        batch["packed_seq_params"] = PackedSeqParams(**packed_seq_kwargs(
-            mb["cu_seqlens"], bounds, total, cp=cp, device=dev))
-        batch["attention_mask"] = None
-        if cp > 1:
-            idx = cp_token_index(mb, cp, self.mesh.cp_rank)
-            batch["index"] = idx
-            ids, pos = ids[idx], pos[idx]
-            batch["labels"], batch["valid"] = batch["labels"][idx], valid[idx]
-        if self.replay is not None:
-            batch["routes"] = self.replay.local_routes(mb, batch["index"])
-        batch["input_ids"] = ids[None].to(dev)
-        batch["position_ids"] = pos[None].to(dev)
-        batch["labels"] = batch["labels"].to(dev)
-        batch["valid"] = batch["valid"].to(dev)
-        return batch
+        """Model inputs for one packed micro-batch (:func:`prepare_micro_batch`); its
+        ``labels`` (next-token targets, -1 = none) come with it, CP-split like the tokens."""
+        return prepare_micro_batch(mb, self.mesh, use_te=self.use_te, replay=self.replay,
+                                   share_prefix=self.shares_prompt_prefix)
 
     # ------------------------------------------------------------------ model pieces
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -216,12 +192,16 @@ class MegatronEngine:
         chunk = getattr(self.actor_cfg, "logprob_chunk_size", None)
         from areal_mega.ops import packed_logprobs
         rows = batch.get("rows")      # logits of these rows only (engine/loss_rows.py)
-        res = packed_logprobs(logits, batch["labels"] if rows is None else batch["labels"][rows],
+        res = packed_logprobs(logits, batch["model_labels"] if rows is None else
+                              batch["labels"][rows],
                               temperature=temperature,
                               tp_group=self.mesh.tp_group if self.mesh.dims.tp > 1 else None,
                               chunk_size=chunk, return_entropy=return_entropy)
         lp, ent = (res if return_entropy else (res, None))
         valid = batch["valid"]
+        if rows is None and batch["expand"] is not None:    # back to the packed layout
+            lp = lp.index_select(0, batch["expand"])
+            ent = None if ent is None else ent.index_select(0, batch["expand"])
         if rows is not None:
             lp = scatter_rows(lp, rows, valid.shape[0])
             ent = None if ent is None else scatter_rows(ent, rows, valid.shape[0])
@@ -237,10 +217,13 @@ class MegatronEngine:
         batch["rows"] = None if collect else loss_rows(
             loss_fn, mb, batch["valid"], batch["index"],
             sequence_parallel=self.mesh.sequence_parallel)
-        trim = {} if batch["rows"] is None else dict(output_processor=logits_at_rows,
-                                                     output_processor_context=batch["rows"])
-        output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
-                       packed_seq_params=batch["packed_seq_params"], **trim)
+        trim = {} if batch["rows"] is None else dict(
+            output_processor=logits_at_rows, output_processor_context=model_rows(batch,
+                                                                                 batch["rows"]))
+        with rope_at_positions(model, batch["position_ids"][0]) \
+                if batch["expand"] is not None else nullcontext():
+            output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
+                           packed_seq_params=batch["packed_seq_params"], **trim)
         if armed:
             armed(output)
         return output, partial(self._on_output, mb, batch, collect, temperature,

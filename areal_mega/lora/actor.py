@@ -67,6 +67,7 @@ class AdaptersOffReference:
 
     def __init__(self, actor):
         self.actor = actor
+        self.shares_prompt_prefix = actor.shares_prompt_prefix
 
     def forward_logprobs(self, micro_batches, **kw):
         from areal_mega.lora.layers import adapters_disabled

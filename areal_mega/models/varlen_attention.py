@@ -23,16 +23,27 @@ packed row (letting sequences see each other), so the window is taken out of it 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from areal_mega.models.sliding_window import window_visible
 
-__all__ = ["VarlenDotProductAttention", "packed_slot_bounds", "varlen_causal_attention"]
+__all__ = ["VarlenDotProductAttention", "SharedPrefixSeqParams", "packed_slot_bounds",
+           "varlen_causal_attention", "unit_attention"]
+
+
+@dataclass
+class SharedPrefixSeqParams(PackedSeqParams):
+    """THD ``PackedSeqParams`` of a micro-batch whose shared prompt prefixes are computed once:
+    ``units`` (host tuples, see :mod:`areal_mega.scheduler.shared_prefix`) say which rows each
+    row attends to; only :class:`VarlenDotProductAttention` reads them."""
+    units: Optional[list] = None
 
 
 def packed_slot_bounds(packed_seq_params) -> list[int]:
@@ -81,6 +92,9 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 PAD_BATCH_MIN_SLOTS = 4     # fewer slots: the per-slot calls cost little
 PAD_BATCH_MAX_WASTE = 2.0   # padded tokens at most this many times the real ones
+# shared-prefix units: padded query x key area at most this many times the units' own (each
+# unit's own area counts its masked upper triangle too, hence more than PAD_BATCH_MAX_WASTE)
+UNIT_BATCH_MAX_WASTE = 4.0
 
 
 def pads_cheaply(lengths: list[int]) -> bool:
@@ -109,6 +123,76 @@ def _padded_causal_attention(query, key, value, lengths, *, scale, dropout_p, wi
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                        scale=scale, enable_gqa=gqa)
     return o.transpose(1, 2)[valid]                                        # [T, h, d]
+
+
+def unit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   units: list, *, scale: float, dropout_p: float = 0.0,
+                   window: Optional[int] = None) -> torch.Tensor:
+    """Attention of a micro-batch with shared prompt prefixes
+    (:mod:`areal_mega.scheduler.shared_prefix`): each unit ``(start, length, ctx_start,
+    ctx_len)`` of consecutive rows attends to the keys ``[ctx_start, ctx_start + ctx_len)`` and
+    causally to its own, at positions ``ctx_len + i`` (the window counts positions). Units
+    cover ``[0, T)`` in order. Units without a context and those with one run as a padded
+    batch each (or, when padding would more than double the work, one call per unit)."""
+    gqa = query.shape[1] != key.shape[1]
+    units = [u for u in units if u[1] > 0]
+    parts, order = [], []
+    for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
+        if group:
+            parts.append(_unit_group(query, key, value, group, scale, dropout_p, window, gqa))
+            order += [u[0] + i for u in group for i in range(u[1])]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if order == list(range(len(order))):
+        return out
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return out.index_select(0, inverse.to(out.device))
+
+
+def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
+    """Outputs of ``units`` ([sum of lengths, h, d], in their order)."""
+    device = query.device
+    lens = [u[1] for u in units]
+    spans = [u[3] + u[1] for u in units]
+    real = sum(n * m for n, m in zip(lens, spans))
+    q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
+    k_idx = torch.tensor([j for u in units for j in (*range(u[2], u[2] + u[3]),
+                                                      *range(u[0], u[0] + u[1]))],
+                         device=device)
+    if len(units) < PAD_BATCH_MIN_SLOTS or \
+            len(units) * max(lens) * max(spans) > UNIT_BATCH_MAX_WASTE * real:
+        outs = []
+        qs = torch.split(query.index_select(0, q_idx), lens)
+        ks, vs = (torch.split(x.index_select(0, k_idx), spans) for x in (key, value))
+        for u, q, k, v in zip(units, qs, ks, vs):
+            pos_k = torch.arange(u[3] + u[1], device=device)
+            mask = window_visible(pos_k[u[3]:], pos_k, window)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], attn_mask=mask,
+                                               dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            outs.append(o[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    width_q, width_k = max(lens), max(spans)
+    lq = torch.tensor(lens, device=device)
+    ctx = torch.tensor([u[3] for u in units], device=device)
+    pq = torch.arange(width_q, device=device)
+    pk = torch.arange(width_k, device=device)
+    valid_q = pq[None, :] < lq[:, None]                                   # [U, Q]
+    valid_k = pk[None, :] < (ctx + lq)[:, None]                           # [U, K]
+    q_off = torch.tensor([0] + lens[:-1], device=device).cumsum(0)
+    k_off = torch.tensor([0] + spans[:-1], device=device).cumsum(0)
+    q_rows = torch.where(valid_q, q_off[:, None] + pq[None, :], q_off[:, None])
+    k_rows = torch.where(valid_k, k_off[:, None] + pk[None, :], k_off[:, None])
+    d = (ctx[:, None] + pq[None, :])[:, :, None] - pk[None, None, :]      # [U, Q, K]
+    mask = (d >= 0) & valid_k[:, None, :]
+    if window is not None:
+        mask &= d < window
+    q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]      # rows of query / key: one gather each
+    q = query[q_rows].transpose(1, 2)                                     # [U, h, Q, d]
+    k, v = (x[k_rows].transpose(1, 2) for x in (key, value))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p,
+                                       scale=scale, enable_gqa=gqa)
+    return o.transpose(1, 2)[valid_q]
 
 
 def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
@@ -163,10 +247,15 @@ class VarlenDotProductAttention(DotProductAttention):
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed attention needs qkv_format='thd', got "
                                  f"{packed_seq_params.qkv_format!r}")
-            out = varlen_causal_attention(query, key, value,
-                                          packed_slot_bounds(packed_seq_params),
-                                          scale=self.sdpa_scale, dropout_p=p,
-                                          window=self.window)
+            units = getattr(packed_seq_params, "units", None)
+            if units is not None:
+                out = unit_attention(query, key, value, units, scale=self.sdpa_scale,
+                                     dropout_p=p, window=self.window)
+            else:
+                out = varlen_causal_attention(query, key, value,
+                                              packed_slot_bounds(packed_seq_params),
+                                              scale=self.sdpa_scale, dropout_p=p,
+                                              window=self.window)
             # heads x value dim; MLA pads its values to the query dim here and trims after
             return out.reshape(out.shape[0], -1)
         if attention_mask is not None:

@@ -27,6 +27,7 @@ from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.rollout.counts import carried_counts
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
+from areal_mega.scheduler.shared_prefix import plan_grouped_micro_batches
 
 @dataclass
 class StepPlan:
@@ -128,8 +129,10 @@ def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
 
 
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
-              cp_size: int) -> StepPlan:
-    """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics."""
+              cp_size: int, share_prefix: bool = False) -> StepPlan:
+    """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics.
+    ``share_prefix``: the engines compute shared prompts once (the samples of a prompt group
+    are planned together and the budget counts the tokens computed)."""
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
                                          max_response_len=cfg.rollout.max_new_tokens)
@@ -144,11 +147,14 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
         stats["response_len/mean"] = float(np.mean(resp))
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
     seqlens = [len(s["input_ids"]) for s in samples]
-    plan = plan_micro_batches(seqlens, dp_size=dp_size,
-                              max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
-                              pp_size=pp_size, min_micro_batches=cfg.scheduler.min_micro_batches,
-                              balance_by=cfg.scheduler.balance_by,
-                              flops_linear_coef=cfg.scheduler.flops_linear_coef)
+    plan_kw = dict(dp_size=dp_size, max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
+                   pp_size=pp_size, min_micro_batches=cfg.scheduler.min_micro_batches,
+                   balance_by=cfg.scheduler.balance_by,
+                   flops_linear_coef=cfg.scheduler.flops_linear_coef)
+    plan = plan_grouped_micro_batches(
+        [s["input_ids"] for s in samples], [s["labels"] for s in samples],
+        [s["loss_mask"] for s in samples], **plan_kw) if share_prefix else \
+        plan_micro_batches(seqlens, **plan_kw)
     pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
     # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
     # every group the dynamic filter dropped) is padding carrying every field of the step's

@@ -111,6 +111,10 @@ class TrainerSession:
         if cfg.critic.enabled and cfg.mode == "rl":
             from areal_mega.train.critic_step import build_critic
             self.critic = build_critic(cfg, self.mesh)
+        # plan micro-batches by prompt group when every engine that runs them shares prompts
+        self.layout["share_prefix"] = all(
+            getattr(e, "shares_prompt_prefix", False)
+            for e in (self.actor, self.ref, self.teacher, self.critic) if e is not None)
         self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
         resumed = self._restore_or_init()
