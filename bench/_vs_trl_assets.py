@@ -1,10 +1,14 @@
-"""bench/vs_trl.py's assets: the 135M-shape Llama with random weights, its tokenizer and the
-prompt files (both sides read the same ones)."""
+"""bench/vs_trl.py's assets: a Llama with random weights (the 135M shape, or the demo's tiny one
+that learns the task within a run), its tokenizer and the prompt files (both sides read the
+same ones)."""
 import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the demo's model (areal_mega/demo.py) over the digits charset alone: 3 special tokens + 19
+TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=256, vocab_size=22)
 
 
 def build_tokenizer(vocab_size: int):
@@ -32,9 +36,11 @@ def build_tokenizer(vocab_size: int):
                                    unk_token="<unk>", clean_up_tokenization_spaces=False)
 
 
-def make_assets(out: Path, layers: int, seed: int, instruction: int = 0) -> tuple:
-    """The model directory (random weights, fp32, tokenizer) and the prompt files, each
-    prompt after the same ``instruction`` characters (digits)."""
+def make_assets(out: Path, layers: int, seed: int, instruction: int = 0,
+                shape_name: str = "135m") -> tuple:
+    """The model directory (random weights, fp32, tokenizer; ``shape_name`` 135m or tiny, with
+    ``layers`` layers) and the prompt files, each prompt after the same ``instruction``
+    characters (digits)."""
     import random
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,8 +49,9 @@ def make_assets(out: Path, layers: int, seed: int, instruction: int = 0) -> tupl
     sys.path.insert(0, str(ROOT / "bench"))
     from engine import SHAPE
 
-    tok = build_tokenizer(SHAPE["vocab_size"])
     shape = {k: v for k, v in SHAPE.items() if k not in ("model_type", "architectures")}
+    shape.update(TINY if shape_name == "tiny" else {})
+    tok = build_tokenizer(shape["vocab_size"])
     shape.update(num_hidden_layers=layers, bos_token_id=None, eos_token_id=tok.eos_token_id,
                  pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)

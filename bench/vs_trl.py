@@ -4,9 +4,11 @@
     make trl-env                        # once: TRL's own Python 3.11 venv (.venv-trl)
     python bench/vs_trl.py              # the 135M Llama shape: 10 steps of 8 prompts x 8
     python bench/vs_trl.py --layers 2 --steps 3 --prompts 2 --group 4 --max-new 8   # smoke
+    python bench/vs_trl.py --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
 
 Model: the shape of a 135M Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536,
-vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it) with
+vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it;
+``--shape tiny``: the demo's hidden 128 over the 22 characters, which learns the task) with
 random weights, written once with ``save_pretrained`` (fp32 safetensors) beside a tokenizer
 built here: single characters for the prompts (digits, ``=``) and digit strings of 2-5
 characters for the rest of the 49,152 ids, so that every id decodes to text the reward can
@@ -200,6 +202,7 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
            ROOT / "recipes" / "tiny-cpu.yaml", "model_hparams=null", f"model.path={model}",
            "model.dtype=fp32", f"data.train_path={data / 'train.jsonl'}",
            f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={out}",
+           f"data.max_prompt_len={a.instruction + 16}",
            f"total_steps={a.steps}", f"rollout.batch_size={a.prompts}",
            f"rollout.n_samples={a.group}", f"rollout.max_new_tokens={a.max_new}",
            f"optimizer.lr={a.lr}", "optimizer.warmup_steps=0", "optimizer.clip_grad=1.0",
@@ -224,14 +227,16 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
 
 
 SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "reward",
-             "instruction")
+             "instruction", "shape")
+BEFORE_KEY = {"instruction": 0, "shape": "135m"}   # the work of runs older than these keys
 
 
 def earlier_trl_side(path: Path, res: dict) -> dict:
     """TRL's side of an earlier vs_trl.json of the same CPU and ``SAME_WORK`` (else exit)."""
     try:
         prev = json.loads(path.read_text())
-        differ = [k for k in SAME_WORK if prev["run"].get(k) != res["run"].get(k)] + \
+        differ = [k for k in SAME_WORK if prev["run"].get(k, BEFORE_KEY.get(k)) !=
+                  res["run"].get(k, BEFORE_KEY.get(k))] + \
             (["cpu"] if prev["cpu"] != res["cpu"] else [])
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
@@ -280,7 +285,8 @@ def report(res: dict) -> str:
         return f"{label:{w}s}{f(a):>14s}{f(b):>14s}"
     cpu, run = res["cpu"], res["run"]
     lines = [f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
-             f"model: 135M Llama shape, {run['layers']} layers, fp32, random weights; "
+             f"model: {run.get('shape', '135m')} Llama shape, {run['layers']} layers, fp32, "
+             "random weights; "
              f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
              f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
              f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)",
@@ -346,6 +352,7 @@ def main(argv=None) -> None:
     """Build the assets, run ours then TRL, print and write the comparison."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=("135m", "tiny"), default="135m")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -377,10 +384,10 @@ def main(argv=None) -> None:
     out = Path(a.out or ROOT / "runs" / f"vs-trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] run directory {out}", flush=True)
-    model, data = make_assets(out, a.layers, a.seed, a.instruction)
+    model, data = make_assets(out, a.layers, a.seed, a.instruction, a.shape)
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
         "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
-        "reward", "instruction")}}
+        "reward", "instruction", "shape")}}
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     for side, fn in (("ours", run_ours), ("trl", run_trl)):
