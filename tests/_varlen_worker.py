@@ -25,27 +25,6 @@ from tests import engine_worker as ew  # noqa: E402
 LLAMA_GQA = dict(ew.TIED)
 
 
-def group_mbs(seed, groups_per_mb, pad=8):
-    """Micro-batches of GRPO-like groups: ``(prompt length, [completion lengths])`` per group,
-    the samples of a group with the same prompt (shared-prefix layout), one packed list each."""
-    from areal_mega.scheduler.packing import pack_sequences
-    from areal_mega.train.batches import next_token_layout
-    g = torch.Generator().manual_seed(seed)
-    mbs = []
-    for groups in groups_per_mb:
-        seqs = []
-        for p, comps in groups:
-            prompt = torch.randint(0, ew.VOCAB, (p,), generator=g)
-            for n in comps:
-                ids = torch.cat([prompt, torch.randint(0, ew.VOCAB, (n,), generator=g)])
-                mask = (torch.arange(p + n) >= p).to(torch.uint8)
-                seqs.append({"prompt_len": p,     # production's layout: loss_mask shifted too
-                             "advantages": torch.randn(1, generator=g).expand(p + n).clone(),
-                             **next_token_layout(ids, loss_mask=mask)})
-        mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
-    return mbs
-
-
 def main():
     port, out_path = sys.argv[1:3]
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
@@ -58,7 +37,7 @@ def main():
             "trailing_pad": ew.make_mbs(3, [[9, 31, 5, 1], [40], [2, 17, 11]], pad=8),
             "padded_slots": ew.make_mbs(4, [[9, 30, 5], [3, 21]], pad=4, cp=2),
             # groups sharing prompts (computed once), a lone sample, a 1-token prompt
-            "shared_prompts": group_mbs(6, [[(11, [3, 7, 1, 5]), (6, [4]), (9, [2, 6, 6])],
+            "shared_prompts": ew.make_group_mbs(6, [[(11, [3, 7, 1, 5]), (6, [4]), (9, [2, 6, 6])],
                                             [(1, [5, 4]), (23, [9, 2, 12, 4, 3, 8])]]),
         }
         from areal_mega.engine import megatron_engine as me

@@ -78,6 +78,26 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
     return mbs
 
 
+def make_group_mbs(seed, groups_per_mb, pad=8):
+    """Micro-batches of GRPO-like groups, ``(prompt length, [completion lengths])`` each: the
+    samples of a group share their prompt (the engine computes it once), the loss mask is in
+    the production next-token layout."""
+    g = torch.Generator().manual_seed(seed)
+    mbs = []
+    for groups in groups_per_mb:
+        seqs = []
+        for p, comps in groups:
+            prompt = torch.randint(0, VOCAB, (p,), generator=g)
+            for n in comps:
+                ids = torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=g)])
+                mask = (torch.arange(p + n) >= p).to(torch.uint8)
+                seqs.append({"prompt_len": p,
+                             "advantages": torch.randn(1, generator=g).expand(p + n).clone(),
+                             **next_token_layout(ids, loss_mask=mask)})
+        mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
+    return mbs
+
+
 # ----------------------------------------------------------------------------- reference
 def reference(hf, mbs, seed, loss="sft", prepare=None):
     """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd,
@@ -288,6 +308,18 @@ def scenario_dense(res, out_dir):
     ref_t = reference(TIED, pp_mbs, seed=3, loss=GSPO)
     set_mesh(dict(pp=world))
     check_layout(res, "pp2_tied", TIED, ref_t, pp_mbs, prox=True)
+    # ---- shared prompts (computed once per micro-batch) under PP2 and TP2
+    sh_mbs = make_group_mbs(4, [[(11, [3, 7, 1]), (5, [4])], [(17, [9, 2, 6, 4])],
+                                [(8, [2, 2])], [(3, [6, 1, 5])]])
+    set_mesh(dict(dp=world))
+    ref_s = reference(TIED, sh_mbs, seed=8, loss=POLICY)
+    set_mesh(dict(pp=world))
+    eng = check_layout(res, "pp2_shared_prompts", TIED, ref_s, sh_mbs)
+    res["pp2_shared_prompts.model_rows"] = [int(eng._prepare(mb)["input_ids"].numel())
+                                            for mb in sh_mbs]
+    del eng
+    set_mesh(dict(tp=world))
+    check_layout(res, "tp2_shared_prompts", TIED, ref_s, sh_mbs)
 
 
 def scenario_moe(res, out_dir):

@@ -48,7 +48,8 @@ def _worst(results, key):
     return max(r[key] for r in results)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2sp", "qwen2_tp2sp", "pp2_tied"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2sp", "qwen2_tp2sp", "pp2_tied",
+                                    "pp2_shared_prompts", "tp2_shared_prompts"])
 def test_dense_layouts_match_single_rank(dense, layout):
     for what in ("logprobs", "grads", "loss", "n_tokens"):
         assert _worst(dense, f"{layout}.{what}") < TOL, (layout, what, dense[0])
@@ -60,6 +61,15 @@ def test_prox_from_the_training_forward_trains_like_a_separate_forward(dense, la
     (trainer.prox_forward_needed); the loss then takes π_prox from the training forward."""
     for what in ("grads", "loss"):
         assert _worst(dense, f"{layout}.prox_from_forward.{what}") < TOL, (layout, what)
+
+
+def test_shared_prompts_ran_once_under_the_pipeline(dense):
+    """PP2's micro-batches of prompt groups ran fewer rows than they pack (each shared prompt
+    but its last token once; the 3-token prompt's group too), compared above."""
+    for r in dense:
+        # packed lengths 53, 89, 20, 21 padded to multiples of 8; groups of 3, 4, 2, 3 samples
+        assert r["pp2_shared_prompts.model_rows"] == [56 - 2 * 10, 96 - 3 * 16, 24 - 7,
+                                                      24 - 2 * 2], r
 
 
 def test_packed_equals_alone(dense):
