@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tests import engine_worker as ew  # noqa: E402
+from tests import group_batches  # noqa: E402
 
 # grouped-query attention (4 query heads, 2 KV heads), tied embeddings
 LLAMA_GQA = dict(ew.TIED)
@@ -37,7 +38,7 @@ def main():
             "trailing_pad": ew.make_mbs(3, [[9, 31, 5, 1], [40], [2, 17, 11]], pad=8),
             "padded_slots": ew.make_mbs(4, [[9, 30, 5], [3, 21]], pad=4, cp=2),
             # groups sharing prompts (computed once), a lone sample, a 1-token prompt
-            "shared_prompts": ew.make_group_mbs(6, [[(11, [3, 7, 1, 5]), (6, [4]), (9, [2, 6, 6])],
+            "shared_prompts": group_batches.make_group_mbs(6, [[(11, [3, 7, 1, 5]), (6, [4]), (9, [2, 6, 6])],
                                             [(1, [5, 4]), (23, [9, 2, 12, 4, 3, 8])]]),
         }
         from areal_mega.engine import megatron_engine as me

@@ -9,9 +9,8 @@ difference of per-token logprobs and gradients. Rank r writes ``<out_dir>/<scena
 ({check: max_diff}). Everything here is real megatron-core over gloo (NCCL for ``gpu_*``).
 
 The losses are the production ones: the decoupled PPO loss of :func:`make_policy_loss` (its
-``prox_logprobs`` are the reference model's own logprobs, ``logprobs`` (behaviour) / ``ref_logprobs``
-those plus a little noise, so ratios sit inside the clip range) and the SFT loss.
-"""
+``prox_logprobs`` the reference model's own logprobs, ``logprobs`` / ``ref_logprobs`` those
+plus a little noise, ratios inside the clip range) and the SFT loss."""
 import json
 import os
 import re
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 from areal_mega.config import ModelConfig, OptimizerConfig  # noqa: E402
 from areal_mega.scheduler.packing import pack_sequences  # noqa: E402
 from areal_mega.train.batches import next_token_layout  # noqa: E402
+from tests import group_batches  # noqa: E402
 
 VOCAB = 200  # padded to 256: the padded ids must be excluded from the softmax
 DENSE = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
@@ -75,26 +75,6 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
                  "advantages": torch.randn(1, generator=g).expand(n).clone()} for n in lens]
         seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
         mbs.append(pack_sequences(seqs, pad_to_multiple=pad, cp_size=cp))
-    return mbs
-
-
-def make_group_mbs(seed, groups_per_mb, pad=8):
-    """Micro-batches of GRPO-like groups, ``(prompt length, [completion lengths])`` each: the
-    samples of a group share their prompt (the engine computes it once), the loss mask is in
-    the production next-token layout."""
-    g = torch.Generator().manual_seed(seed)
-    mbs = []
-    for groups in groups_per_mb:
-        seqs = []
-        for p, comps in groups:
-            prompt = torch.randint(0, VOCAB, (p,), generator=g)
-            for n in comps:
-                ids = torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=g)])
-                mask = (torch.arange(p + n) >= p).to(torch.uint8)
-                seqs.append({"prompt_len": p,
-                             "advantages": torch.randn(1, generator=g).expand(p + n).clone(),
-                             **next_token_layout(ids, loss_mask=mask)})
-        mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
     return mbs
 
 
@@ -308,18 +288,7 @@ def scenario_dense(res, out_dir):
     ref_t = reference(TIED, pp_mbs, seed=3, loss=GSPO)
     set_mesh(dict(pp=world))
     check_layout(res, "pp2_tied", TIED, ref_t, pp_mbs, prox=True)
-    # ---- shared prompts (computed once per micro-batch) under PP2 and TP2
-    sh_mbs = make_group_mbs(4, [[(11, [3, 7, 1]), (5, [4])], [(17, [9, 2, 6, 4])],
-                                [(8, [2, 2])], [(3, [6, 1, 5])]])
-    set_mesh(dict(dp=world))
-    ref_s = reference(TIED, sh_mbs, seed=8, loss=POLICY)
-    set_mesh(dict(pp=world))
-    eng = check_layout(res, "pp2_shared_prompts", TIED, ref_s, sh_mbs)
-    res["pp2_shared_prompts.model_rows"] = [int(eng._prepare(mb)["input_ids"].numel())
-                                            for mb in sh_mbs]
-    del eng
-    set_mesh(dict(tp=world))
-    check_layout(res, "tp2_shared_prompts", TIED, ref_s, sh_mbs)
+    group_batches.shared_prompt_layouts(res, world, sys.modules[__name__])
 
 
 def scenario_moe(res, out_dir):
@@ -437,8 +406,7 @@ def scenario_vpp(res, out_dir):
 
 
 def scenario_cpu(res, out_dir):
-    """The CPU scenarios one after the other in one pair of processes (each process start
-    costs more than a scenario): dense, MoE, then the interleaved pipeline."""
+    """The CPU scenarios (dense, MoE, interleaved pipeline) in one pair of processes."""
     for scenario in (scenario_dense, scenario_moe, scenario_vpp):
         scenario(res, out_dir)
 

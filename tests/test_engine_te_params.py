@@ -54,7 +54,8 @@ def test_engine_prepare_passes_no_padded_offsets_at_cp1():
     from areal_mega.engine.megatron_engine import MegatronEngine
     mesh = types.SimpleNamespace(dims=types.SimpleNamespace(tp=1, cp=1),
                                  sequence_parallel=False, device=torch.device("cpu"), cp_rank=0)
-    fake = types.SimpleNamespace(mesh=mesh, use_te=True, replay=None)   # no routing replay
+    fake = types.SimpleNamespace(mesh=mesh, use_te=True, replay=None,   # no routing replay
+                                 shares_prompt_prefix=False)           # never with TE
     batch = MegatronEngine._prepare(fake, _mb([3, 1, 2], pad=8))
     p = batch["packed_seq_params"]
     assert p.qkv_format == "thd" and batch["attention_mask"] is None
