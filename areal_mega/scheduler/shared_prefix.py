@@ -151,9 +151,9 @@ def plan_grouped_micro_batches(tokens: Sequence[Sequence[int]], labels: Sequence
     micro-batch, in budget-sized pieces, and the budget counts the tokens the model computes.
     Same plan format and errors (a sample longer than the budget is named by its index)."""
     lengths = [len(t) for t in tokens]
-    plan_micro_batches(lengths, max_tokens_per_mb=max_tokens_per_mb,
-                       **{**plan_kw, "dp_size": 1, "pp_size": 1, "min_micro_batches": 1}) \
-        if any(n > max_tokens_per_mb or n < 1 for n in lengths) else None   # its errors
+    if any(n > max_tokens_per_mb or n < 1 for n in lengths):   # the planner's error names it
+        plan_micro_batches(lengths, max_tokens_per_mb=max_tokens_per_mb,
+                           **{**plan_kw, "dp_size": 1, "pp_size": 1, "min_micro_batches": 1})
     firsts = [next((j for j, m in enumerate(mask) if m), None) for mask in loss_masks]
     groups = prompt_groups(tokens, labels, firsts)
     shared = [firsts[g[0]] if len(g) > 1 else 0 for g in groups]
