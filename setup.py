@@ -154,7 +154,9 @@ def kernel_extensions():
         "areal_mega._ops_cpu",
         sources=[f"{CSRC}/bindings/ops_cpu.cpp", f"{CSRC}/logprob/logprob_cpu.cpp",
                  f"{CSRC}/logprob/logprob_cpu_avx512.cpp", f"{CSRC}/logprob/logprob_cpu_avx2.cpp",
-                 f"{CSRC}/logprob/logprob_cpu_generic.cpp", f"{CSRC}/gae/gae_cpu.cpp"],
+                 f"{CSRC}/logprob/logprob_cpu_generic.cpp", f"{CSRC}/gae/gae_cpu.cpp",
+                 f"{CSRC}/bindings/decode_ops_cpu.cpp", f"{CSRC}/decode/decode_cpu.cpp",
+                 *(f"{CSRC}/decode/decode_cpu_{isa}.cpp" for isa in ("avx512", "avx2", "generic"))],
         include_dirs=include, extra_compile_args={"cxx": cxx + OPENMP},
         extra_link_args=OPENMP)]
     nvcc = cpp_extension.CUDA_HOME and shutil.which("nvcc", path=os.path.join(

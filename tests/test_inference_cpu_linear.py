@@ -39,10 +39,10 @@ def test_prepacked_model_gives_the_model_outputs(tmp_path):
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert pack_linear_layers(model) == n_linear > 0
     got = _logits(model, ids)
-    assert any("_onednn_packed" in m.__dict__ for m in model.modules())
+    assert any("_packed_weight" in m.__dict__ for m in model.modules())
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     unpack_linear_layers(model)
-    assert not any("_onednn_packed" in m.__dict__ for m in model.modules())
+    assert not any("_packed_weight" in m.__dict__ for m in model.modules())
     torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)
 
 
@@ -78,7 +78,7 @@ def test_autograd_goes_through_f_linear():
     F.linear(x, lin.weight, lin.bias).square().sum().backward()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, lin.weight.grad)
-    assert "_onednn_packed" not in lin.__dict__
+    assert "_packed_weight" not in lin.__dict__
 
 
 def _greedy(engine, prompt, n):

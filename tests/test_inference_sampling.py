@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_mega.inference.sampling import SamplingParams, adjust_logits, choose_tokens
+from areal_mega.inference.sampling import (SamplingParams, _choose, _temperature_only,
+                                           adjust_logits, choose_tokens, choose_tokens_isolated)
 from tests.rollout_helpers import http, models, server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,6 +44,37 @@ def test_logprob_is_of_temperature_scaled_distribution_before_truncation():
     r = req(temperature=1.0, min_p=0.5, top_logprobs_num=2)
     toks, _, top = choose_tokens([r], torch.tensor([[3.0, 3.0, -9.0, -9.0]]), frozenset())
     assert toks[0] in (0, 1) and [t for _, t in top[0]] in ([0, 1], [1, 0])
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_temperature_only_rows_take_one_pass_and_pick_what_the_general_path_picks(
+        backend, monkeypatch):
+    """A batch whose rows need only their temperature (greedy, top_k = 1, seeded and unseeded
+    rows, min_new_tokens already reached) goes through ``sample_rows``; with the same random
+    numbers the general path (steps 1-5 in torch) picks the same tokens and logprobs."""
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", backend)
+    V = 5003
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(0)) * 3
+    reqs = [req(temperature=1.0), req(temperature=0.0), req(temperature=0.7, top_k=1),
+            req(temperature=1.3), req([4, 5], temperature=0.9, min_new_tokens=2),
+            req(temperature=0.5)]
+    reqs[3].generator = torch.Generator().manual_seed(11)
+    assert all(_temperature_only(r, V) for r in reqs)
+    assert not _temperature_only(req(top_p=0.9), V)
+    assert not _temperature_only(req([1], min_new_tokens=2), V)
+    torch.manual_seed(5)
+    toks, lps, top, errors = choose_tokens_isolated(reqs, logits, frozenset([0]))
+    assert errors == [None] * 6 and top == [[]] * 6
+    reqs[3].generator = torch.Generator().manual_seed(11)
+    torch.manual_seed(5)
+    want_toks, want_lps, _ = _choose(reqs, adjust_logits(reqs, logits, frozenset([0])))
+    assert toks == want_toks
+    assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-5
+    assert toks[1] == int(logits[1].argmax()) and toks[2] == int(logits[2].argmax())
+    logits[3, 7] = float("nan")                                 # one bad row fails alone
+    toks, lps, _, errors = choose_tokens_isolated(reqs, logits, frozenset([0]))
+    assert toks[3] is None and "not a distribution" in errors[3]
+    assert all(e is None for i, e in enumerate(errors) if i != 3)
 
 
 def gen(server, prompt, **sp):

@@ -1,20 +1,28 @@
-"""Decode-sized matmuls on CPU through oneDNN with weights prepacked once.
+"""Decode-sized matmuls on CPU with weights prepacked once.
 
 A decode step multiplies a few rows (one per running request) by every weight matrix of the
 model, so its cost is reading the weights. ``F.linear`` on CPU goes to MKL's sgemm, which on
 small ``M`` reads fp32 weights at about a quarter of the memory bandwidth (and less on AMD
-CPUs, where MKL does not take its fast paths). oneDNN's matmul on a weight reordered into its
-blocked layout for the machine's ISA (``torch.ops.mkldnn._reorder_linear_weight``, the
-prepacking torch's inductor uses for CPU linears) runs the same product 2.5-3x faster at
-``M`` = 1-32 (``bench/rollout.py`` prints the end-to-end effect).
+CPUs, where MKL does not take its fast paths). Two prepacked paths replace it:
 
-:func:`pack_linear_layers` routes every ``nn.Linear`` of a model through that path. The dense
-parameter stays the source of truth: the packed copy is rebuilt on the first forward after the
-weight changes (a different storage, or an in-place write such as the servers' weight
-updates, which bumps the tensor's version counter). The path is used only without autograd
-and for fp32 CPU tensors; anything else goes to ``F.linear``. :func:`fused_linear` does the
-same for several projections of one input at once (q/k/v, gate/up): one matmul, one packed
-weight, the layers' forward hooks applied to their slices of the output.
+* up to :data:`PANEL_ROWS_MAX` rows (decode): the C++ kernel of ``csrc/decode/``
+  (:func:`areal_mega.ops.decode.panel_kernels`), which streams a weight packed in panels of
+  a few output columns once, in order, with the next block prefetched. On a 2-core AVX2 EPYC
+  the 121 matmuls of a 135M model's decode step took 39.8 ms at 8 rows against oneDNN's
+  75.4 ms, and 92.6 against 105.4 at 32 (``bench/rollout.py`` prints the end-to-end effect);
+* more rows (prefill): oneDNN's matmul on a weight reordered into its blocked layout for the
+  machine's ISA (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking torch's inductor
+  uses for CPU linears), the faster one there (100-140 GFLOPS against the panels' ~100).
+
+:func:`pack_linear_layers` routes every ``nn.Linear`` of a model through these paths. The
+dense parameter stays the source of truth: the packed copies are rebuilt on the first
+forward after the weight changes (a different storage, or an in-place write such as the
+servers' weight updates, which bumps the tensor's version counter). The paths are used only
+without autograd and for fp32 CPU tensors; anything else goes to ``F.linear``.
+:func:`fused_linear` does the same for several projections of one input at once (q/k/v,
+gate/up): one matmul, one packed weight, the layers' forward hooks applied to their slices
+of the output. The price is memory: each weight is held in both packed layouts besides the
+dense parameter.
 """
 from __future__ import annotations
 
@@ -22,6 +30,10 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from areal_mega.ops import decode as decode_ops
+
+PANEL_ROWS_MAX = 32   # rows up to which the panel kernel beats oneDNN (measured above)
 
 
 def onednn_linear_available() -> bool:
@@ -44,14 +56,46 @@ def _onednn_mm(x: torch.Tensor, w: torch.Tensor, b) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
 
 
-def _packed_weight(mod: torch.nn.Linear) -> torch.Tensor:
-    """``mod``'s weight in oneDNN's layout, rebuilt when the dense weight changed."""
-    w = mod.weight
-    key = _version_key(w)
-    cached = mod.__dict__.get("_onednn_packed")
+class PackedWeight:
+    """A weight ``[N, K]`` and bias in the layouts its products use: panels for the C++
+    few-rows kernel, oneDNN's blocked layout for more rows (each where available), and the
+    dense weight where a product still needs it."""
+
+    def __init__(self, w: torch.Tensor, b, owned: bool):
+        """``owned``: ``w`` is a copy made for this object (a concatenation), dropped once
+        the packed layouts serve every product."""
+        kernels = decode_ops.panel_kernels()
+        self.out_features, self.bias = w.shape[0], b
+        self.panels = kernels.pack_gemm_panels(w) if kernels is not None else None
+        self.onednn = (torch.ops.mkldnn._reorder_linear_weight(w, None)
+                       if onednn_linear_available() else None)
+        self.dense = None if owned and self.onednn is not None else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if self.panels is not None and rows <= PANEL_ROWS_MAX:
+            return decode_ops.panel_kernels().gemm_panels(x, self.panels, self.out_features,
+                                                          self.bias)
+        if self.onednn is not None:
+            return _onednn_mm(x, self.onednn, self.bias)
+        return F.linear(x, self.dense, self.bias)
+
+
+def _layout_key() -> tuple:
+    """What the packed layouts depend on beyond the weights: the panel width of the ISA in
+    use (a test or a bench may switch it)."""
+    kernels = decode_ops.panel_kernels()
+    return (None if kernels is None else kernels.gemm_panel_width(),)
+
+
+def _packed_weight(mod: torch.nn.Linear) -> PackedWeight:
+    """``mod``'s weight packed, rebuilt when the dense weight or bias changed."""
+    key = (_version_key(mod.weight), _version_key(mod.bias), _layout_key())
+    cached = mod.__dict__.get("_packed_weight")
     if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        mod.__dict__["_onednn_packed"] = cached
+        bias = None if mod.bias is None else mod.bias.detach()
+        cached = (key, PackedWeight(mod.weight.detach(), bias, owned=False))
+        mod.__dict__["_packed_weight"] = cached
     return cached[1]
 
 
@@ -62,21 +106,20 @@ def _plain_path(x: torch.Tensor, w: torch.Tensor) -> bool:
             or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
 
 
-def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    if _plain_path(x, w):
-        return F.linear(x, w, self.bias)
-    bias = None if self.bias is None else self.bias.detach()
-    return _onednn_mm(x, _packed_weight(self), bias)
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _plain_path(x, self.weight):
+        return F.linear(x, self.weight, self.bias)
+    return _packed_weight(self)(x)
 
 
 def fused_linear(x: torch.Tensor, layers: tuple) -> torch.Tensor:
     """``torch.cat([layer(x) for layer in layers], -1)`` as one matmul over the concatenated
-    weights (e.g. q/k/v or gate/up projections), prepacked for oneDNN where available. The
+    weights (e.g. q/k/v or gate/up projections), prepacked (:class:`PackedWeight`). The
     concatenation is cached on ``layers[0]`` and rebuilt when any weight or bias changes."""
     if any(type(m) is not torch.nn.Linear or _plain_path(x, m.weight) for m in layers):
         return torch.cat([m(x) for m in layers], -1)
-    key = tuple((_version_key(m.weight), _version_key(m.bias)) for m in layers)
+    key = (tuple((_version_key(m.weight), _version_key(m.bias)) for m in layers),
+           _layout_key())
     cached = layers[0].__dict__.get("_fused_weights")
     if cached is None or cached[0] != key:
         w = torch.cat([m.weight.detach() for m in layers])
@@ -84,12 +127,9 @@ def fused_linear(x: torch.Tensor, layers: tuple) -> torch.Tensor:
         if any(m.bias is not None for m in layers):
             b = torch.cat([m.bias.detach() if m.bias is not None
                            else w.new_zeros(m.out_features) for m in layers])
-        if onednn_linear_available():
-            w = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        cached = (key, w, b)
+        cached = (key, PackedWeight(w, b, owned=True))
         layers[0].__dict__["_fused_weights"] = cached
-    _, w, b = cached
-    y = _onednn_mm(x, w, b) if w.is_mkldnn else F.linear(x, w, b)
+    y = cached[1](x)
     if any(m._forward_hooks for m in layers):
         y = _run_hooks(x, layers, y)
     return y
@@ -111,14 +151,15 @@ def _run_hooks(x: torch.Tensor, layers: tuple, y: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_layers(model: torch.nn.Module) -> int:
-    """Route every ``nn.Linear`` of ``model`` through :func:`_onednn_forward` (see the module
-    docstring); returns how many layers were routed (0 when oneDNN is unavailable)."""
-    if not onednn_linear_available():
+    """Route every ``nn.Linear`` of ``model`` through :func:`_packed_forward` (see the module
+    docstring); returns how many layers were routed (0 when neither oneDNN nor the C++
+    kernels are available)."""
+    if not onednn_linear_available() and decode_ops.panel_kernels() is None:
         return 0
     n = 0
     for mod in model.modules():
         if type(mod) is torch.nn.Linear:
-            mod.forward = types.MethodType(_onednn_forward, mod)
+            mod.forward = types.MethodType(_packed_forward, mod)
             n += 1
     return n
 
@@ -128,5 +169,5 @@ def unpack_linear_layers(model: torch.nn.Module) -> None:
     for mod in model.modules():
         if type(mod) is torch.nn.Linear:
             mod.__dict__.pop("forward", None)
-            mod.__dict__.pop("_onednn_packed", None)
+            mod.__dict__.pop("_packed_weight", None)
             mod.__dict__.pop("_fused_weights", None)

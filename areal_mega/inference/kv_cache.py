@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.inference.cpu_linear import fused_linear
+from areal_mega.ops import decode as decode_ops
 from areal_mega.models.sliding_window import (SLIDING_WINDOW_MODEL_TYPES, hf_sliding_window,
                                               window_visible)
 
@@ -42,7 +43,9 @@ def _norm(mod, x: torch.Tensor) -> torch.Tensor:
     fused ``F.rms_norm`` call on fp32 inputs; other norms run as modules."""
     if (x.dtype == torch.float32 and type(mod).__name__.endswith("RMSNorm")
             and hasattr(mod, "variance_epsilon")):
-        return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+        if torch.is_grad_enabled():
+            return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
+        return decode_ops.rms_norm(x, mod.weight, mod.variance_epsilon)
     return mod(x)
 
 
@@ -234,26 +237,15 @@ class StaticKVBatch:
         B = self.rows
         self._reserve(B, int(self.lens.max()) + 1)
         pos = self.lens.view(B, 1)
-        Lm = int(self.lens.max()) + 1
-        rows = torch.arange(B)
-        # a row attends to its columns 0..lens[b] (the new token included), with a window
-        # the last `window` of them
-        cols, lens = torch.arange(Lm).view(1, 1, 1, Lm), self.lens.view(B, 1, 1, 1)
-        masked = cols > lens
-        if self.window is not None and Lm > self.window:
-            masked |= cols <= lens - self.window
         h = self.body.embed_tokens(torch.tensor(last_tokens, dtype=torch.long).view(B, 1))
         rot = self._rotary_of(h, pos)
-        G, D = self.groups, self.head_dim
         for i, layer in enumerate(self.layers):
             qs, ks, vs = self._qkv(layer, h, rot)
-            kc, vc = self.k[i], self.v[i]
-            kc[rows, :, self.lens] = ks[:, :, 0]
-            vc[rows, :, self.lens] = vs[:, :, 0]
-            q = qs.reshape(B, self.kv_heads, G, D)               # query head h uses kv head h // G
-            scores = torch.matmul(q, kc[:B, :, :Lm].transpose(-1, -2)) * self.scaling
-            probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
-            out = torch.matmul(probs, vc[:B, :, :Lm])          # [B, Hkv, G, D]
+            # each row's new key / value goes to its column lens[b]; its query attends to
+            # columns 0..lens[b] (with a window, the last `window` of them)
+            out = decode_ops.decode_attention(qs[:, :, 0], ks[:, :, 0], vs[:, :, 0], self.k[i],
+                                              self.v[i], self.lens, self.scaling,
+                                              self.window or 0)
             h = self._finish_layer(layer, h, out.reshape(B, 1, -1))
         self.lens = self.lens + 1
         return self._logits(h[:, -1])

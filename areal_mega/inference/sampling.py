@@ -22,7 +22,9 @@ temperature 1. ``-inf`` is clamped to the most negative float, as SGLang does.
 
 Every step is vectorised over the batch. A token is drawn by inverting the cumulative
 distribution at one uniform number per row (:func:`inverse_cdf_pick`); a row with a
-``sampling_seed`` draws its uniform from its own generator.
+``sampling_seed`` draws its uniform from its own generator. When every row's token depends on
+its temperature alone (no penalty, bias, truncation or top logprobs: the usual RL rollout),
+the whole step is one C++ pass per row (:func:`areal_mega.ops.decode.sample_rows`, same rule).
 
 One row must not fail the batch: :func:`choose_tokens_isolated` (what the engine calls) gives a
 row whose step-4 logits are not a distribution (a NaN or ``+inf`` anywhere, or every token at
@@ -37,7 +39,11 @@ from typing import Optional
 
 import torch
 
+from areal_mega.ops.decode import inverse_cdf_pick, sample_rows
+
 GREEDY_EPS = 1e-6
+_NOT_A_DISTRIBUTION = ("sampling error: the logits after penalties, logit_bias and temperature "
+                       "contain NaN or infinity (not a distribution)")
 
 
 @dataclass
@@ -160,6 +166,8 @@ def choose_tokens_isolated(reqs: list, logits: torch.Tensor, eos_ids: frozenset)
     Returns ``(tokens, logprobs, top, errors)``; for a failed row ``errors[i]`` is a message
     and its token is None, otherwise ``errors[i]`` is None."""
     B = len(reqs)
+    if all(_temperature_only(r, logits.shape[1]) for r in reqs):
+        return _choose_temperature_only(reqs, logits)
     errors: list = [None] * B
     try:
         z = adjust_logits(reqs, logits, eos_ids)
@@ -167,8 +175,7 @@ def choose_tokens_isolated(reqs: list, logits: torch.Tensor, eos_ids: frozenset)
         z = None
     if z is not None:
         for i in _bad_rows(z):
-            errors[i] = ("sampling error: the logits after penalties, logit_bias and "
-                         "temperature contain NaN or infinity (not a distribution)")
+            errors[i] = _NOT_A_DISTRIBUTION
     good = [i for i in range(B) if errors[i] is None]
     toks: list = [None] * B
     lps: list = [None] * B
@@ -194,19 +201,6 @@ def choose_tokens_isolated(reqs: list, logits: torch.Tensor, eos_ids: frozenset)
         for j, i in enumerate(idx):
             toks[i], lps[i], top[i] = t[j], lp[j], tp[j]
     return toks, lps, top, errors
-
-
-def inverse_cdf_pick(ps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row of ``ps`` ``[B, V]`` (non-negative, unnormalised weights), the index ``i``
-    with ``cdf[i-1] <= u * total < cdf[i]``: a draw from the row's distribution given one
-    uniform ``u`` in [0, 1) per row. One random number per row instead of the ``V``
-    exponentials ``torch.multinomial`` draws per row (a quarter of a 49k-vocabulary decode
-    step at 32 rows); the cumulative sums are float64, and a token of probability 0 is never
-    chosen (``cdf[i] > cdf[i-1]`` for the chosen ``i``)."""
-    cdf = ps.double().cumsum(-1)
-    total = cdf[:, -1:]
-    target = torch.minimum(u.view(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).view(-1).clamp_(max=ps.shape[1] - 1)
 
 
 def _choose(reqs: list, z: torch.Tensor):
@@ -239,3 +233,36 @@ def _choose(reqs: list, z: torch.Tensor):
             k = r.params.top_logprobs_num
             top[i] = list(zip(vals[i][:k], ids[i][:k]))
     return toks.tolist(), lps, top
+
+
+def _temperature_only(r, vocab: int) -> bool:
+    """Whether request ``r``'s token this step depends on its temperature alone: no penalty,
+    ``min_new_tokens`` reached, no ``logit_bias``, no top logprobs asked for, and nothing cut
+    by top-k / top-p / min-p (or top-k = 1, which is the argmax whatever the others say)."""
+    p = r.params
+    return (not p.penalised and len(r.output_ids) >= p.min_new_tokens and not p.logit_bias
+            and p.top_logprobs_num == 0 and (p.top_k == 1 or not _truncates(p, vocab)))
+
+
+def _choose_temperature_only(reqs: list, logits: torch.Tensor):
+    """:func:`choose_tokens_isolated` for rows that pass :func:`_temperature_only`: one
+    :func:`~areal_mega.ops.decode.sample_rows` call (a C++ pass per row) instead of steps 1-5
+    in torch. Uniforms are drawn as :func:`_choose` draws them."""
+    B = len(reqs)
+    greedy = [r.params.greedy or r.params.top_k == 1 for r in reqs]
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs],
+                         dtype=torch.float32)
+    u = torch.zeros(B, dtype=torch.float64)
+    sampled = [i for i in range(B) if not greedy[i]]
+    if sampled:
+        u[sampled] = torch.rand(len(sampled), dtype=torch.float64)
+        for i in sampled:
+            if reqs[i].generator is not None:
+                u[i] = torch.rand((), dtype=torch.float64, generator=reqs[i].generator)
+    tokens, logprobs, bad = sample_rows(logits.float(), temps, u, torch.tensor(greedy))
+    toks, lps = tokens.tolist(), logprobs.tolist()
+    errors: list = [None] * B
+    for i in bad.nonzero().view(-1).tolist():
+        toks[i], lps[i] = None, None
+        errors[i] = _NOT_A_DISTRIBUTION
+    return toks, lps, [[] for _ in reqs], errors

@@ -5,6 +5,10 @@
 
 #include "common.h"
 
+namespace areal {
+void register_decode_ops(py::module& mod);  // decode_ops_cpu.cpp
+}
+
 namespace {
 
 std::vector<at::Tensor> logprob_stats(const at::Tensor& logits, const at::Tensor& labels,
@@ -90,7 +94,7 @@ const char* const kIsaNames[] = {"generic", "avx2", "avx512"};
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.doc() = "areal-mega C++ CPU kernels (packed logprobs, GAE)";
+  mod.doc() = "areal-mega C++ CPU kernels (packed logprobs, GAE, the rollout decode step)";
   mod.def("logprob_stats", &logprob_stats, "per-token (m, s, xlab, u) of a vocabulary shard",
           py::arg("logits"), py::arg("labels"), py::arg("vocab_start"), py::arg("inv_temp"),
           py::arg("with_entropy"));
@@ -110,4 +114,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gae", &gae, "GAE over packed sequences", py::arg("rewards"), py::arg("values"),
           py::arg("cu_seqlens"), py::arg("bootstrap"), py::arg("loss_mask"), py::arg("gamma"),
           py::arg("lam"));
+  areal::register_decode_ops(mod);
 }
