@@ -64,7 +64,7 @@ class PackedWeight:
     def __init__(self, w: torch.Tensor, b, owned: bool):
         """``owned``: ``w`` is a copy made for this object (a concatenation), dropped once
         the packed layouts serve every product."""
-        kernels = decode_ops.panel_kernels()
+        kernels = self.kernels = decode_ops.panel_kernels()
         self.out_features, self.bias = w.shape[0], b
         self.panels = kernels.pack_gemm_panels(w) if kernels is not None else None
         self.onednn = (torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -74,8 +74,7 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         if self.panels is not None and rows <= PANEL_ROWS_MAX:
-            return decode_ops.panel_kernels().gemm_panels(x, self.panels, self.out_features,
-                                                          self.bias)
+            return self.kernels.gemm_panels(x, self.panels, self.out_features, self.bias)
         if self.onednn is not None:
             return _onednn_mm(x, self.onednn, self.bias)
         return F.linear(x, self.dense, self.bias)
