@@ -109,20 +109,23 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
     assert worst <= 1e-5
 
 
+def vllm_metric(addr, name: str) -> float:
+    """One of vLLM's Prometheus series, summed over its labels (engines, models)."""
+    req = urllib.request.Request(f"http://{addr}/metrics",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def tokens_generated(addr, settled: bool = False) -> float:
     """vLLM's own count of generated tokens (its Prometheus counter). The counter catches up
     with finished work a little later: ``settled`` waits until two reads 0.5 s apart agree."""
-    def read() -> float:
-        req = urllib.request.Request(f"http://{addr}/metrics",
-                                     headers={"Authorization": f"Bearer {API_KEY}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            text = r.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:generation_tokens_total"))
-    now = read()
+    now = vllm_metric(addr, "vllm:generation_tokens_total")
     while settled:
         time.sleep(0.5)
-        now, before = read(), now
+        now, before = vllm_metric(addr, "vllm:generation_tokens_total"), now
         settled = now != before
     return now
 
@@ -142,18 +145,26 @@ def test_interrupted_generation_across_a_disk_update(server, models):
             answers[body["request_id"]] = out["choices"][0]
         return out
     c.vllm = spy
-    base = tokens_generated(server.addr, settled=True)
+    tokens_generated(server.addr, settled=True)     # the earlier tests' tokens counted
     sink = GroupSink()
     ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(16),
                             batch_size=4, n_samples=2, eta=1, sink=sink, ignore_eos=True).start()
     try:
-        # interrupt once the requests are ~10 tokens in (of N_NEW)
+        # interrupt once vLLM itself runs >= 8 of the requests and has made ~10 tokens a
+        # request since: the controller's own count of requests in flight includes requests
+        # vLLM has not scheduled yet (on a loaded CI machine, one request once ran 160 tokens
+        # alone, and the pause caught only that one mid-generation)
         deadline = time.monotonic() + 300
-        while ctl.n_inflight_requests < 8 or tokens_generated(server.addr) - base < 160:
+        while vllm_metric(server.addr, "vllm:num_requests_running") < 8:
             assert time.monotonic() < deadline, \
-                (f"in 300 s: {ctl.n_inflight_requests} requests in flight, "
-                 f"{tokens_generated(server.addr) - base} tokens generated")
-            time.sleep(0.05)
+                (f"in 300 s: {ctl.n_inflight_requests} requests sent, vLLM runs "
+                 f"{vllm_metric(server.addr, 'vllm:num_requests_running')}")
+            time.sleep(0.02)
+        running_from = tokens_generated(server.addr)
+        while tokens_generated(server.addr) - running_from < 160:
+            assert time.monotonic() < deadline, \
+                f"in 300 s: {tokens_generated(server.addr) - running_from} tokens since 8 ran"
+            time.sleep(0.02)
         ctl.update_weights(1, path=str(models["b"]))
         groups = sink.take(ctl, 8, timeout=300)
     finally:
