@@ -65,6 +65,49 @@ def make_assets(out: Path, layers: int, seed: int, instruction: int = 0,
     for name in ("train.jsonl", "test.jsonl"):    # one answer for every prompt
         p = out / "data" / name
         rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+        if name == "train.jsonl":                 # the reverse task's own answers, for SFT
+            (out / "data" / "sft.jsonl").write_text("".join(
+                json.dumps(dict(r, prompt=head + r["prompt"])) + "\n" for r in rows))
         p.write_text("".join(json.dumps(dict(r, prompt=head + r["prompt"], answer="0000"))
                              + "\n" for r in rows))
     return out / "model", out / "data"
+
+
+def warm_start(out: Path, model: Path, data: Path, steps: int, env: dict, seed: int,
+               lr: float) -> Path:
+    """A model that answers like the RL task wants before RL starts: ``steps`` of our SFT
+    (``mode=sft``, 64 examples a step) on the reverse task's own answers (``sft.jsonl``: five
+    digits and EOS), from the random weights. RL then has a reward to climb (char_match
+    towards ``0000`` pays per matching digit), where the random model's 16 tokens of 2-5
+    digits each score ~0.007 on both sides and stay flat. ``env``: the processes' environment
+    (threads). Returns the SFT'd HF directory; one that ``out`` already holds from the same
+    work (model, steps, lr, seed: the assets are made again identically) is reused."""
+    import subprocess
+    run = out / "sft"
+    stamp, work = run / "warm_start.json", {"model": str(model), "steps": steps, "lr": lr,
+                                            "seed": seed}
+    if (run / "hf_model" / "config.json").exists() and stamp.exists() and \
+            json.loads(stamp.read_text()) == work:
+        print(f"[vs_trl] SFT warm start: reusing {run / 'hf_model'} (same work)", flush=True)
+        return run / "hf_model"
+    cmd = [sys.executable, "-m", "areal_mega.trainer", "--config",
+           str(ROOT / "recipes" / "tiny-cpu.yaml"), "mode=sft", "model_hparams=null",
+           f"model.path={model}", f"logging.run_dir={run}", f"total_steps={steps}",
+           f"optimizer.lr={lr}", "optimizer.warmup_steps=0", "recover=off",
+           f"data.train_path={data / 'sft.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
+           f"data.max_prompt_len={len(_first_prompt(data)) + 16}", "checkpoint.save_every=0",
+           "logging.progress_bar=true", "logging.tensorboard=false", "logging.plot=false",
+           f"seed={seed}"]
+    from areal_mega.common.net import free_port
+    env = dict(env, MASTER_PORT=str(free_port()))
+    with (out / "sft.log").open("w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not (run / "hf_model" / "config.json").exists():
+        raise SystemExit(f"the SFT warm start failed (exit {rc}); see {out / 'sft.log'}")
+    stamp.write_text(json.dumps(work))
+    return run / "hf_model"
+
+
+def _first_prompt(data: Path) -> str:
+    with (data / "sft.jsonl").open() as f:
+        return json.loads(f.readline())["prompt"]

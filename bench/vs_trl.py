@@ -5,6 +5,7 @@
     python bench/vs_trl.py              # the 135M Llama shape: 10 steps of 8 prompts x 8
     python bench/vs_trl.py --layers 2 --steps 3 --prompts 2 --group 4 --max-new 8   # smoke
     python bench/vs_trl.py --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
+    python bench/vs_trl.py --sft-steps 30    # 135M: SFT'd before RL, so both sides learn
 
 Model: the shape of a 135M Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536,
 vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it;
@@ -17,6 +18,9 @@ of 54 characters (one token each; the part of a chat prompt every sample shares,
 turn: 60-token prompts, ~75 tokens a sample like the issue's chat run), every answer ``0000``,
 reward ``areal_mega.rewards:char_match_reward`` (partial credit per matching character;
 ``--reward`` names another): the same Python function on both sides (TRL's via an adapter).
+The random model's 16 tokens of 2-5 digits score ~0.007 and do not learn in 10 steps:
+``--sft-steps N`` first trains it N steps with our SFT on the reverse task's own answers (five
+digits and EOS), so both sides start RL from that model with a reward to climb.
 
 Each step: ``--prompts`` prompts x ``--group`` samples of at most ``--max-new`` new tokens at
 temperature 1, group-normalised advantages, no KL term, one optimizer step (AdamW, constant
@@ -57,7 +61,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _vs_trl_assets import build_tokenizer, make_assets  # noqa: E402,F401 (bench/)
+from _vs_trl_assets import build_tokenizer, make_assets, warm_start  # noqa: E402,F401
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 TARGET = 2.0     # ours at least 2x TRL's steps per hour
 
@@ -227,8 +231,9 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
 
 
 SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "reward",
-             "instruction", "shape")
-BEFORE_KEY = {"instruction": 0, "shape": "135m"}   # the work of runs older than these keys
+             "instruction", "shape", "sft_steps", "sft_lr")
+# the work of runs older than these keys
+BEFORE_KEY = {"instruction": 0, "shape": "135m", "sft_steps": 0, "sft_lr": 3e-4}
 
 
 def earlier_trl_side(path: Path, res: dict) -> dict:
@@ -286,7 +291,8 @@ def report(res: dict) -> str:
     cpu, run = res["cpu"], res["run"]
     lines = [f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
              f"model: {run.get('shape', '135m')} Llama shape, {run['layers']} layers, fp32, "
-             "random weights; "
+             + (f"{run['sft_steps']} steps of our SFT (lr {run['sft_lr']}) from random weights; "
+                if run.get("sft_steps") else "random weights; ") +
              f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
              f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
              f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)",
@@ -365,6 +371,9 @@ def main(argv=None) -> None:
     p.add_argument("--weight-update", default="disk", choices=["disk", "distributed"],
                    help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sft-steps", type=int, default=0, help="warm start: steps of our SFT on "
+                   "the reverse task's answers before both sides' RL (0: the random weights)")
+    p.add_argument("--sft-lr", type=float, default=3e-4)
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
     p.add_argument("--cpus", default=None, help="cores for each side, e.g. 0,1 (default: the "
                    "first two this process may use)")
@@ -385,9 +394,13 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] run directory {out}", flush=True)
     model, data = make_assets(out, a.layers, a.seed, a.instruction, a.shape)
+    if a.sft_steps:
+        print(f"[vs_trl] SFT warm start: {a.sft_steps} steps (log {out / 'sft.log'})",
+              flush=True)
+        model = warm_start(out, model, data, a.sft_steps, _env(len(a.cpus)), a.seed, a.sft_lr)
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
         "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
-        "reward", "instruction", "shape")}}
+        "reward", "instruction", "shape", "sft_steps", "sft_lr")}}
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     for side, fn in (("ours", run_ours), ("trl", run_trl)):

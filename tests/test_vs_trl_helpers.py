@@ -1,6 +1,7 @@
 """bench/vs_trl.py's pure helpers (no TRL needed): step walls from end times, the median after
 the warm-up step, the speed ratio and target, the parsing of both sides' step logs, the table,
-the tokenizer every id of the 135M vocabulary decodes with, and the missing-env message."""
+the tokenizer every id of the 135M vocabulary decodes with, the assets (RL and SFT files),
+and the missing-env message."""
 import importlib.util
 import json
 import math
@@ -104,6 +105,21 @@ def test_tokenizer_decodes_every_id_of_the_vocabulary(vs):
     ids = tok("48312=", add_special_tokens=False)["input_ids"]
     assert len(ids) == 6 and tok.decode(ids) == "48312="
     assert tok.decode([49151]) and tok.decode([1000, 30000]).isdigit()
+
+
+def test_assets_keep_the_reverse_answers_for_the_sft_warm_start(vs, tmp_path):
+    """RL's files answer ``0000`` after the shared instruction; sft.jsonl has the same prompts
+    with the reverse task's own answers (what ``--sft-steps`` trains on)."""
+    model, data = vs.make_assets(tmp_path, layers=1, seed=3, instruction=5, shape_name="tiny")
+    assert (model / "config.json").exists() and (model / "tokenizer.json").exists()
+    rl = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+    sft = [json.loads(x) for x in (data / "sft.jsonl").read_text().splitlines()]
+    assert len(rl) == len(sft) == 2048
+    for r, s in zip(rl, sft):
+        assert r["prompt"] == s["prompt"] and r["answer"] == "0000"
+        digits = s["prompt"][5:-1]
+        assert len(s["prompt"]) == 11 and s["prompt"][:5] == rl[0]["prompt"][:5]
+        assert s["answer"] == digits[::-1] and s["prompt"].endswith("=")
 
 
 def test_missing_trl_env_names_make_trl_env(vs, monkeypatch, tmp_path):
