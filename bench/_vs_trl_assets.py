@@ -74,28 +74,36 @@ def make_assets(out: Path, layers: int, seed: int, instruction: int = 0,
 
 
 def warm_start(out: Path, model: Path, data: Path, steps: int, env: dict, seed: int,
-               lr: float) -> Path:
+               lr: float, max_prompt_len: int) -> Path:
     """A model that answers like the RL task wants before RL starts: ``steps`` of our SFT
     (``mode=sft``, 64 examples a step) on the reverse task's own answers (``sft.jsonl``: five
     digits and EOS), from the random weights. RL then has a reward to climb (char_match
     towards ``0000`` pays per matching digit), where the random model's 16 tokens of 2-5
     digits each score ~0.007 on both sides and stay flat. ``env``: the processes' environment
     (threads). Returns the SFT'd HF directory; one that ``out`` already holds from the same
-    work (model, steps, lr, seed: the assets are made again identically) is reused."""
+    work (the model's config and the SFT file's contents, the seed that made the weights,
+    steps, lr) is reused, and one of other work is replaced."""
+    import hashlib
+    import shutil
     import subprocess
     run = out / "sft"
-    stamp, work = run / "warm_start.json", {"model": str(model), "steps": steps, "lr": lr,
-                                            "seed": seed}
+    stamp = run / "warm_start.json"
+    work = {"config": json.loads((model / "config.json").read_text()),
+            "sft_data": hashlib.sha256((data / "sft.jsonl").read_bytes()).hexdigest(),
+            "seed": seed, "steps": steps, "lr": lr}
     if (run / "hf_model" / "config.json").exists() and stamp.exists() and \
             json.loads(stamp.read_text()) == work:
         print(f"[vs_trl] SFT warm start: reusing {run / 'hf_model'} (same work)", flush=True)
         return run / "hf_model"
+    if run.exists():                  # another work's (or an unfinished) warm start: redo it
+        print(f"[vs_trl] SFT warm start: replacing {run} (other work)", flush=True)
+        shutil.rmtree(run)
     cmd = [sys.executable, "-m", "areal_mega.trainer", "--config",
            str(ROOT / "recipes" / "tiny-cpu.yaml"), "mode=sft", "model_hparams=null",
            f"model.path={model}", f"logging.run_dir={run}", f"total_steps={steps}",
            f"optimizer.lr={lr}", "optimizer.warmup_steps=0", "recover=off",
            f"data.train_path={data / 'sft.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
-           f"data.max_prompt_len={len(_first_prompt(data)) + 16}", "checkpoint.save_every=0",
+           f"data.max_prompt_len={max_prompt_len}", "checkpoint.save_every=0",
            "logging.progress_bar=true", "logging.tensorboard=false", "logging.plot=false",
            f"seed={seed}"]
     from areal_mega.common.net import free_port
@@ -106,8 +114,3 @@ def warm_start(out: Path, model: Path, data: Path, steps: int, env: dict, seed: 
         raise SystemExit(f"the SFT warm start failed (exit {rc}); see {out / 'sft.log'}")
     stamp.write_text(json.dumps(work))
     return run / "hf_model"
-
-
-def _first_prompt(data: Path) -> str:
-    with (data / "sft.jsonl").open() as f:
-        return json.loads(f.readline())["prompt"]

@@ -397,7 +397,8 @@ def main(argv=None) -> None:
     if a.sft_steps:
         print(f"[vs_trl] SFT warm start: {a.sft_steps} steps (log {out / 'sft.log'})",
               flush=True)
-        model = warm_start(out, model, data, a.sft_steps, _env(len(a.cpus)), a.seed, a.sft_lr)
+        model = warm_start(out, model, data, a.sft_steps, _env(len(a.cpus)), a.seed, a.sft_lr,
+                           max_prompt_len=a.instruction + 16)
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
         "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
         "reward", "instruction", "shape", "sft_steps", "sft_lr")}}

@@ -159,12 +159,12 @@ def test_interrupted_generation_across_a_disk_update(server, models):
             assert time.monotonic() < deadline, \
                 (f"in 300 s: {ctl.n_inflight_requests} requests sent, vLLM runs "
                  f"{vllm_metric(server.addr, 'vllm:num_requests_running')}")
-            time.sleep(0.02)
+            time.sleep(0.05)
         running_from = tokens_generated(server.addr)
         while tokens_generated(server.addr) - running_from < 160:
             assert time.monotonic() < deadline, \
                 f"in 300 s: {tokens_generated(server.addr) - running_from} tokens since 8 ran"
-            time.sleep(0.02)
+            time.sleep(0.05)
         ctl.update_weights(1, path=str(models["b"]))
         groups = sink.take(ctl, 8, timeout=300)
     finally:
