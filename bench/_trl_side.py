@@ -103,9 +103,9 @@ def step_logger(path: Path):
     return StepLog()
 
 
-def main(argv=None) -> None:
-    """Run TRL's GRPO as the bench asks (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(argv=None, *, description: str):
+    """The command line both TRL scripts share (this one and bench/_trl_step.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", required=True)
     p.add_argument("--train", required=True, help="JSONL with prompt and answer")
     p.add_argument("--out", required=True)
@@ -121,19 +121,19 @@ def main(argv=None) -> None:
     p.add_argument("--grad-ckpt", action="store_true",
                    help="gradient checkpointing (GRPOConfig's default; off unless given)")
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def build_trainer(a, callbacks=()):
+    """TRL's ``GRPOTrainer`` as the bench asks (see the module docstring): ``(trainer, cfg,
+    tokenizer)`` with torch's threads set; ``callbacks``: ``TrainerCallback`` objects."""
     import datasets
     import torch
-    import transformers
-    import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(a.threads)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    patch_profiling()
     samples = a.prompts * a.group
     micro = a.micro_batch or samples
     if samples % micro:
@@ -159,7 +159,20 @@ def main(argv=None) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(load_reward(a.reward),
                                                                 tok.eos_token_id)],
                           args=cfg, train_dataset=data, processing_class=tok,
-                          callbacks=[step_logger(out / "steps.jsonl")])
+                          callbacks=list(callbacks))
+    return trainer, cfg, tok
+
+
+def main(argv=None) -> None:
+    """Run TRL's GRPO as the bench asks (see the module docstring)."""
+    a = arguments(argv, description=__doc__.split("\n")[0])
+    import torch
+    import transformers
+    import trl
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    patch_profiling()
+    trainer, cfg, tok = build_trainer(a, [step_logger(out / "steps.jsonl")])
     meta = {"trl": trl.__version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "config": {k: getattr(cfg, k) for k in (

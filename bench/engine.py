@@ -86,15 +86,18 @@ def _measure(fn, warmup, repeats):
 
 
 def load_hf_weights(eng, hf_dir):
-    """Copy the single-file HF checkpoint in ``hf_dir`` into ``eng``'s (world-size-1) model
-    through the HF -> megatron tensor mapping (tied embeddings: the output layer reads
-    ``model.embed_tokens.weight``)."""
+    """Copy the single-file HF checkpoint in ``hf_dir`` (``model.safetensors``, or its one
+    ``*.safetensors`` shard) into ``eng``'s (world-size-1) model through the HF -> megatron
+    tensor mapping (tied embeddings: the output layer reads ``model.embed_tokens.weight``)."""
     import torch
     from safetensors import safe_open
 
     from areal_mega.checkpoint import hf_mapping as hm
     arch = eng.arch
-    with safe_open(str(Path(hf_dir) / "model.safetensors"), "pt") as f, torch.no_grad():
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"{hf_dir}: expected one *.safetensors file, found {len(files)}")
+    with safe_open(str(files[0]), "pt") as f, torch.no_grad():
         for chunk in eng.model_chunks():
             for name, p in chunk.named_parameters():
                 layer, expert, suffix = hm.parse_mcore_name(name)

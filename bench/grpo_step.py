@@ -90,8 +90,10 @@ def load_cfg(args, hf_dir, run_dir):
     return load_config(ROOT / "recipes" / "tiny-cpu.yaml", overrides)
 
 
-def grpo_step(actor, mesh, cfg, trajs, version):
-    """rl_step's compute on ``trajs`` (weights of ``version``); returns times and stats."""
+def grpo_step(actor, mesh, cfg, trajs, version, before_optimizer=None):
+    """rl_step's compute on ``trajs`` (weights of ``version``); returns times and stats.
+    ``before_optimizer()``, when given, runs after each backward, before its optimizer step
+    (``train_batch`` is the two halves: ``forward_backward`` then ``optimizer_step``)."""
     from areal_mega.algo import finalize_stats, make_policy_loss
     from areal_mega.train import batches
     from areal_mega.trainer import prox_forward_needed
@@ -111,9 +113,14 @@ def grpo_step(actor, mesh, cfg, trajs, version):
     loss_fn, denominator_fn = make_policy_loss(cfg.algorithm,
                                                max_response_len=cfg.rollout.max_new_tokens,
                                                prox_from_forward=not recompute)
-    train_stats = [actor.train_batch([mbs[i] for i in indices], loss_fn, denominator_fn,
-                                     temperature=cfg.actor.temperature, return_entropy=True)
-                   for indices in updates]
+    train_stats = []
+    for indices in updates:
+        train_stats.append(actor.forward_backward([mbs[i] for i in indices], loss_fn,
+                                                  denominator_fn, return_entropy=True,
+                                                  temperature=cfg.actor.temperature))
+        if before_optimizer is not None:
+            before_optimizer()
+        train_stats[-1].update(actor.optimizer_step())
     t_train = time.perf_counter()
     stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats)}
     return {"plan_s": t_data - t0, "logprobs_s": t_fwd - t_data, "train_s": t_train - t_fwd,
