@@ -6,6 +6,7 @@
     python bench/vs_trl.py --layers 2 --steps 3 --prompts 2 --group 4 --max-new 8   # smoke
     python bench/vs_trl.py --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
     python bench/vs_trl.py --sft-steps 30    # 135M: SFT'd before RL, so both sides learn
+    python bench/vs_trl.py --sft-steps 30 --rl-seed 2 --out runs/X   # X's warm start, seed 2
 
 Model: the shape of a 135M Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536,
 vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it;
@@ -47,7 +48,8 @@ memory of all the side's processes (the sum of their proportional set sizes, sam
 second) and of its training process, and the reward per step. Then the ratio TRL s/step / ours
 s/step (> 1: ours faster) and whether the target "ours at least 2x TRL's steps per hour" is
 met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves, when
-matplotlib is there).
+matplotlib is there); another ``--eta`` or ``--rl-seed`` names its files after them
+(:func:`run_names`): runs of several seeds and etas share one ``--out`` and its warm start.
 """
 import argparse
 import contextlib
@@ -213,7 +215,7 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
            "actor.temperature=1.0", "rollout.temperature=1.0", "algorithm.kl_coef=0.0",
            f"rollout.max_head_offpolicyness={a.eta}", f"rollout.reward_fn={a.reward}",
            f"rollout.weight_update={a.weight_update}",
-           f"seed={a.seed}", "recover=off", "checkpoint.save_every=0",
+           f"seed={a.rl_seed}", "recover=off", "checkpoint.save_every=0",
            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
            f"cluster.cpu_threads_per_server={server_t}",
            f"cluster.cpu_threads_per_trainer_rank={trainer_t}", *a.ours_overrides]
@@ -230,18 +232,25 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
                          "rollout_backend": "local (our CPU server)", "overrides": cmd[4:]}}
 
 
-SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "reward",
-             "instruction", "shape", "sft_steps", "sft_lr")
+SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "rl_seed",
+             "reward", "instruction", "shape", "sft_steps", "sft_lr")
 # the work of runs older than these keys
 BEFORE_KEY = {"instruction": 0, "shape": "135m", "sft_steps": 0, "sft_lr": 3e-4}
+
+
+def work_of(run: dict) -> dict:
+    """``run``'s ``SAME_WORK`` values; a key older runs lack takes its value of then
+    (``BEFORE_KEY``; the RL seed was ``seed``)."""
+    then = dict(BEFORE_KEY, rl_seed=run.get("seed"))
+    return {k: run.get(k, then.get(k)) for k in SAME_WORK}
 
 
 def earlier_trl_side(path: Path, res: dict) -> dict:
     """TRL's side of an earlier vs_trl.json of the same CPU and ``SAME_WORK`` (else exit)."""
     try:
         prev = json.loads(path.read_text())
-        differ = [k for k in SAME_WORK if prev["run"].get(k, BEFORE_KEY.get(k)) !=
-                  res["run"].get(k, BEFORE_KEY.get(k))] + \
+        old, new = work_of(prev["run"]), work_of(res["run"])
+        differ = [k for k in SAME_WORK if old[k] != new[k]] + \
             (["cpu"] if prev["cpu"] != res["cpu"] else [])
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
@@ -266,7 +275,7 @@ def run_trl(a, model: Path, data: Path, out: Path) -> dict:
     cmd = [TRL_PYTHON, ROOT / "bench" / "_trl_side.py", "--model", model,
            "--train", data / "train.jsonl", "--out", out, "--steps", a.steps,
            "--prompts", a.prompts, "--group", a.group, "--max-new", a.max_new, "--lr", a.lr,
-           "--seed", a.seed, "--threads", len(a.cpus), "--micro-batch", a.trl_micro_batch,
+           "--seed", a.rl_seed, "--threads", len(a.cpus), "--micro-batch", a.trl_micro_batch,
            "--reward", a.reward] + (["--grad-ckpt"] if a.trl_grad_ckpt else [])
     out.mkdir(parents=True, exist_ok=True)
     rc, wall, peak = run_pinned(cmd, _env(len(a.cpus)), out.with_suffix(".log"), a.cpus,
@@ -295,7 +304,8 @@ def report(res: dict) -> str:
                 if run.get("sft_steps") else "random weights; ") +
              f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
              f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
-             f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)",
+             f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)"
+             + (f", RL seed {run['rl_seed']}" if "rl_seed" in run else ""),
              f"ours: launch.local, eta={res['ours']['settings']['eta']}, weight update "
              f"{res['ours']['settings']['weight_update']}, server "
              f"{res['ours']['settings']['server_threads']} thread(s), trainer "
@@ -354,6 +364,15 @@ def plot(res: dict, path: Path) -> bool:
     return True
 
 
+def run_names(a) -> dict:
+    """This run's names in ``--out``: ``eta`` 1 and the RL seed ``--seed`` keep the plain
+    ``ours``, ``trl``, ``vs_trl.*``; another adds ``-eta``/``-seed`` so that runs of several
+    seeds and etas share one ``--out`` and its warm start."""
+    eta = f"-eta{a.eta}" if a.eta != 1 else ""
+    seed = f"-seed{a.rl_seed}" if a.rl_seed != a.seed else ""
+    return {"ours": f"ours{eta}{seed}", "trl": f"trl{seed}", "result": f"vs_trl{eta}{seed}"}
+
+
 def main(argv=None) -> None:
     """Build the assets, run ours then TRL, print and write the comparison."""
     p = argparse.ArgumentParser(description=__doc__,
@@ -370,7 +389,9 @@ def main(argv=None) -> None:
     p.add_argument("--eta", type=int, default=1, help="ours: rollout.max_head_offpolicyness")
     p.add_argument("--weight-update", default="disk", choices=["disk", "distributed"],
                    help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="assets and the SFT warm start")
+    p.add_argument("--rl-seed", type=int, default=None, help="both sides' RL runs (default: "
+                   "--seed); bench/vs_trl_seeds.py pools several")
     p.add_argument("--sft-steps", type=int, default=0, help="warm start: steps of our SFT on "
                    "the reverse task's answers before both sides' RL (0: the random weights)")
     p.add_argument("--sft-lr", type=float, default=3e-4)
@@ -386,6 +407,7 @@ def main(argv=None) -> None:
                    "side from it instead of running TRL again (same machine and work)")
     p.add_argument("ours_overrides", nargs="*", help="extra overrides for our side")
     a = p.parse_args(argv)
+    a.rl_seed = a.seed if a.rl_seed is None else a.rl_seed
     a.cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else \
         sorted(os.sched_getaffinity(0))[:2]
     if not a.trl_from:
@@ -401,24 +423,26 @@ def main(argv=None) -> None:
                            max_prompt_len=a.instruction + 16)
     res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
         "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
-        "reward", "instruction", "shape", "sft_steps", "sft_lr")}}
+        "rl_seed", "reward", "instruction", "shape", "sft_steps", "sft_lr")}}
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
+    names = run_names(a)
     for side, fn in (("ours", run_ours), ("trl", run_trl)):
         if side in res:
             continue
-        print(f"[vs_trl] {side}: running (log {out / side}.log)", flush=True)
-        res[side] = fn(a, model, data, out / side)
+        print(f"[vs_trl] {side}: running (log {out / names[side]}.log)", flush=True)
+        res[side] = fn(a, model, data, out / names[side])
         res[side]["summary"] = side_summary(res[side]["steps"], a.prompts * a.group)
         print(f"[vs_trl] {side}: {res[side]['summary']['s_per_step']:.2f} s/step", flush=True)
     res["ratio"], res["target_met"] = speed_ratio(res["trl"]["summary"]["s_per_step"],
                                                   res["ours"]["summary"]["s_per_step"])
     text = report(res)
     print("\n" + text)
-    (out / "vs_trl.json").write_text(json.dumps(res, indent=2, default=str))
-    (out / "vs_trl.txt").write_text(text + "\n")
-    png = out / "vs_trl.png"
-    print(f"\n[vs_trl] summary {out / 'vs_trl.json'}" +
+    result = out / names["result"]
+    result.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))
+    result.with_suffix(".txt").write_text(text + "\n")
+    png = result.with_suffix(".png")
+    print(f"\n[vs_trl] summary {result.with_suffix('.json')}" +
           (f", plot {png}" if plot(res, png) else " (no matplotlib: no plot)"))
 
 

@@ -78,7 +78,8 @@ def test_report_prints_both_sides_ratio_and_verdict(vs):
                                          "rollout_s": 6.0, "peak_rss_gib": None}]), 8)
     ratio, met = vs.speed_ratio(trl["s_per_step"], ours["s_per_step"])
     res = {"cpu": {"model": "X", "isa": "avx2 (no avx512f)", "cpus": [0, 1]},
-           "run": {"layers": 2, "steps": 3, "prompts": 2, "group": 4, "max_new": 8, "lr": 1e-4},
+           "run": {"layers": 2, "steps": 3, "prompts": 2, "group": 4, "max_new": 8, "lr": 1e-4,
+                   "rl_seed": 3},
            "ours": {"summary": ours, "wall": 20.0, "peak_pss_gib": 3.0,
                     "settings": {"eta": 1, "weight_update": "disk", "server_threads": 1,
                                  "trainer_threads": 1}},
@@ -90,6 +91,7 @@ def test_report_prints_both_sides_ratio_and_verdict(vs):
     assert "TRL s/step / ours s/step = 3.60x" in text and "MET" in text
     assert "TRL 1.16.0" in text and "num_generations=4" in text and "avx2" in text
     assert "  TRL  -" in text            # a step without a reward prints a dash
+    assert "RL seed 3" in text
 
 
 def test_cpu_info_names_an_isa(vs):
@@ -141,5 +143,16 @@ def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
         vs.earlier_trl_side(prev, {"run": dict(run, max_new=8), "cpu": dict(cpu, cpus=[2])})
     with pytest.raises(SystemExit, match="work .instruction."):    # prompts of another shape
         vs.earlier_trl_side(prev, {"run": dict(run, instruction=0), "cpu": cpu})
+    with pytest.raises(SystemExit, match="work .rl_seed."):       # another RL seed
+        vs.earlier_trl_side(prev, {"run": dict(run, rl_seed=2), "cpu": cpu})
+    assert vs.earlier_trl_side(prev, {"run": dict(run, rl_seed=1), "cpu": cpu})  # = seed then
     with pytest.raises(SystemExit, match="not a vs_trl.json"):
         vs.earlier_trl_side(tmp_path / "missing.json", {"run": run, "cpu": cpu})
+
+
+def test_runs_of_other_seeds_and_etas_get_their_own_names(vs):
+    from types import SimpleNamespace as NS
+    assert vs.run_names(NS(eta=1, seed=1, rl_seed=1)) == {
+        "ours": "ours", "trl": "trl", "result": "vs_trl"}
+    assert vs.run_names(NS(eta=0, seed=1, rl_seed=2)) == {
+        "ours": "ours-eta0-seed2", "trl": "trl-seed2", "result": "vs_trl-eta0-seed2"}
