@@ -82,7 +82,8 @@ def trajectories(trl: dict) -> list:
 
 
 def our_step(a, model: Path, trl: dict) -> dict:
-    """Our trainer's step on TRL's batch: loss, grad norm, HF-named gradients and weights."""
+    """Our trainer's step on TRL's batch: loss, grad norm (and the clip), HF-named gradients
+    and weights."""
     from areal_mega.checkpoint.convert import _large_allocations_via_mmap, _single_process_mesh
     from areal_mega.checkpoint.export import iter_hf_tensors
     from areal_mega.config import load_config
@@ -118,30 +119,41 @@ def our_step(a, model: Path, trl: dict) -> dict:
     after = {n: t.clone() for n, t in iter_hf_tensors(chunks, actor.arch)}
     mesh.destroy(process_group=True)
     return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "grads": grads,
-            "after": after}
+            "after": after, "max_grad_norm": cfg.optimizer.clip_grad}
 
 
 EMBED = "model.embed_tokens.weight"
 
 
-def rel_diffs(ours: dict, theirs: dict, scale: float = 1.0, pad_id=None) -> dict:
-    """``|ours - theirs * scale| / |theirs * scale|`` per tensor name (tensors both have;
-    a zero reference compares the absolute difference). ``pad_id``: that row of the embedding
-    is left out (HF's ``nn.Embedding(padding_idx=pad)`` gives it no gradient from lookups,
-    Megatron's embedding does: the one place the models differ, when a sample holds pad)."""
+def without_pad_row(name: str, t, pad_id):
+    """``t`` as fp64, without the embedding's row ``pad_id`` (HF's
+    ``nn.Embedding(padding_idx=pad)`` gives it no gradient from lookups, Megatron's embedding
+    does: the one place the models differ, when a sample holds pad)."""
+    t = t.double()
+    if name == EMBED and pad_id is not None:
+        t = t[torch.arange(t.shape[0]) != pad_id]
+    return t
+
+
+def clip_factor(grad_norm: float, max_norm: float) -> float:
+    """What torch's ``clip_grad_norm_`` and Megatron multiply the gradients by."""
+    return min(1.0, max_norm / (grad_norm + 1e-6))
+
+
+def rel_diffs(ours: dict, theirs: dict, pad_id=None) -> dict:
+    """``|ours - theirs| / |theirs|`` per tensor name (tensors both have; a zero reference
+    compares the absolute difference), the embedding's ``pad_id`` row left out
+    (:func:`without_pad_row`)."""
     out = {}
     for name, t in theirs.items():
-        ref, mine = t.double() * scale, ours[name].double()
-        if name == EMBED and pad_id is not None:
-            keep = torch.arange(ref.shape[0]) != pad_id
-            ref, mine = ref[keep], mine[keep]
+        ref, mine = without_pad_row(name, t, pad_id), without_pad_row(name, ours[name], pad_id)
         d = (mine - ref).norm().item()
         n = ref.norm().item()
         out[name] = d / n if n > 0 else d
     return out
 
 
-def adamw_first_step(grads: dict, grad_norm: float, lr: float, max_norm: float = 1.0,
+def adamw_first_step(grads: dict, grad_norm: float, lr: float, max_norm: float,
                      eps: float = 1e-8) -> dict:
     """The update AdamW's first step makes from ``grads`` (no weight decay): the gradient
     clipped to ``max_norm`` (factor ``max_norm / (grad_norm + 1e-6)`` when below 1, as torch
@@ -149,19 +161,15 @@ def adamw_first_step(grads: dict, grad_norm: float, lr: float, max_norm: float =
     gradients equal to 1e-3 still give updates that differ wherever an element is ~0 (its sign
     is noise, the step ~ lr * sign), so each side's update is checked against this of its own
     gradient, and the gradients against each other."""
-    clip = min(1.0, max_norm / (grad_norm + 1e-6))
+    clip = clip_factor(grad_norm, max_norm)
     return {n: -lr * (g.double() * clip) / ((g.double() * clip).abs() + eps)
             for n, g in grads.items()}
 
 
 def norm_without_pad(grads: dict, pad_id) -> float:
     """The global norm of ``grads`` with the embedding's pad row left out."""
-    total = 0.0
-    for name, g in grads.items():
-        if name == EMBED and pad_id is not None:
-            g = g[torch.arange(g.shape[0]) != pad_id]
-        total += float((g.double() ** 2).sum())
-    return total ** 0.5
+    return sum(float((without_pad_row(n, g, pad_id) ** 2).sum())
+               for n, g in grads.items()) ** 0.5
 
 
 def summarise(values: dict, worst=max) -> dict:
@@ -214,7 +222,7 @@ def main(argv=None) -> None:
     adv_ours = group_normalize(rewards, groups)
     adv_trl = torch.tensor([s["advantage"] for s in trl["samples"]])
     pad = trl["pad_id"]
-    clip = min(1.0, trl["max_grad_norm"] / (trl["grad_norm"] + 1e-6))   # torch's clip factor
+    clip = clip_factor(trl["grad_norm"], trl["max_grad_norm"])
     before = load_file(str(next(Path(model).glob("*.safetensors"))))
     trl_after = load_file(str(out / "trl" / "after.safetensors"))
     trl_unclipped = {n: g / clip for n, g in
@@ -235,9 +243,9 @@ def main(argv=None) -> None:
         "grad": summarise(rel_diffs(ours["grads"], trl_grads, pad_id=pad)),
         "update_vs_adamw": {
             "ours": summarise(rel_diffs(ours_step, adamw_first_step(
-                ours["grads"], ours["grad_norm"], a.lr))),
+                ours["grads"], ours["grad_norm"], a.lr, ours["max_grad_norm"]))),
             "trl": summarise(rel_diffs(trl_step, adamw_first_step(
-                trl_unclipped, trl["grad_norm"], a.lr)))}}
+                trl_unclipped, trl["grad_norm"], a.lr, trl["max_grad_norm"])))}}
     res["grad_norm_without_pad_row"] = {
         "ours": norm_without_pad(ours["grads"], pad),
         "trl": norm_without_pad(trl_grads, pad)}

@@ -47,15 +47,17 @@ def test_differences_leave_out_only_the_pad_row(step):
     d = step.rel_diffs(ours, ref, pad_id=0)
     assert d[EMBED] == 0.0 and d["w"] == pytest.approx(0.1)
     assert step.rel_diffs(ours, ref)[EMBED] > 1.0         # counted without pad_id
-    assert step.rel_diffs(ours, {"w": torch.full((2,), 1.0)}, scale=2.0)["w"] == \
-        pytest.approx(0.1)                                # TRL's clipped gradient unclipped
+    clipped = {"w": torch.full((2,), 1.0)}                # TRL's gradient clipped by 1/2
+    unclipped = {n: g / step.clip_factor(2.0 - 1e-6, 1.0) for n, g in clipped.items()}
+    assert step.rel_diffs(ours, unclipped)["w"] == pytest.approx(0.1)
+    assert step.clip_factor(0.5, 1.0) == 1.0              # below the bound: no clipping
     zero = step.rel_diffs({"z": torch.tensor([0.5])}, {"z": torch.zeros(1)})
     assert zero["z"] == pytest.approx(0.5)                # a zero reference: absolute
 
 
 def test_adamw_first_step_is_lr_times_the_sign_after_clipping(step):
     g = {"w": torch.tensor([2.0, -2.0, 0.0, 1e-8])}
-    u = step.adamw_first_step(g, grad_norm=4.0, lr=0.1)["w"]      # clipped by 1/4 first
+    u = step.adamw_first_step(g, grad_norm=4.0, lr=0.1, max_norm=1.0)["w"]   # clipped by 1/4
     assert u.tolist() == pytest.approx([-0.1, 0.1, 0.0, -0.1 * 2.5e-9 / (2.5e-9 + 1e-8)],
                                        rel=1e-5)
     # the same update as torch's AdamW after clip_grad_norm_
@@ -64,7 +66,7 @@ def test_adamw_first_step_is_lr_times_the_sign_after_clipping(step):
     torch.nn.utils.clip_grad_norm_([p], 1.0)
     torch.optim.AdamW([p], lr=0.1, weight_decay=0.0).step()
     norm = float(g["w"].double().norm())
-    assert torch.allclose(p.detach(), step.adamw_first_step(g, norm, 0.1)["w"], rtol=1e-6)
+    assert torch.allclose(p.detach(), step.adamw_first_step(g, norm, 0.1, 1.0)["w"], rtol=1e-6)
 
 
 def test_norm_without_pad_and_summary(step):
