@@ -2,6 +2,8 @@
 
 - :mod:`~areal_mega.algo.policy_loss` — decoupled PPO/GRPO/GSPO loss, the engine loss contract
   (:func:`make_policy_loss`) and :func:`finalize_stats`;
+- :mod:`~areal_mega.algo.objectives` — the per-token objectives besides PPO's clipped
+  surrogate (CISPO, SAPO);
 - :mod:`~areal_mega.algo.advantages` — reward shaping, GRPO group normalisation, REINFORCE and
   GAE advantages (:func:`compute_advantages`);
 - :mod:`~areal_mega.algo.estimators` — verl's rloo, opo, grpo_passk and
@@ -11,6 +13,9 @@
 - :mod:`~areal_mega.algo.filters` — dynamic sampling (drop uniform-reward groups);
 - :mod:`~areal_mega.algo.trajectories` — filtering and advantages on the step's trajectories,
   before packing (what the trainer runs);
+- :mod:`~areal_mega.algo.value_loss` — the critic's clipped value loss and its statistics;
+- :mod:`~areal_mega.algo.distill` — on-policy distillation: the teacher's per-token reverse-KL
+  signal as an advantage;
 - :mod:`~areal_mega.algo.packing` — packed-batch helpers (segment sums, selection, splitting);
 - :mod:`~areal_mega.algo.batch` — :class:`PackedBatch`, the typed RL micro-batch.
 """

@@ -3,10 +3,22 @@
 * :mod:`.dist_ckpt` — ``save_checkpoint`` / ``load_checkpoint`` / ``find_latest`` /
   ``latest_verified`` / ``prune_checkpoints`` / ``verify_checkpoint`` (megatron
   ``dist_checkpointing``, atomic, reshardable over TP/PP/VPP/EP).
-* :mod:`.checksums`, :mod:`.verify` — per-file CRC-32 written at save, checked before loading.
+* :mod:`.checksums` — per-file CRC-32 recorded in ``areal_meta.json`` at save (torch-free).
+* :mod:`.verify` — completeness, sizes and checksums checked before a checkpoint is trusted, on
+  one process or split over the ranks of a collective load.
+* :mod:`.distopt_state` — the distributed optimizer's state in our own reshardable format.
+* :mod:`.dcp_reader` — any region of a tensor read from a torch DCP checkpoint, chunk by chunk.
 * :mod:`.hf_mapping` — the HF <-> megatron name/layout tables, one per family.
+* :mod:`.hf_mapping_moe` — which rows of a family's table a config has (DeepSeek-style MoE
+  families, optional parts of the others).
+* :mod:`.bridge_tables` — those tables read from Megatron-Bridge's mapping registries (kept in
+  ``bridge_tables.json``).
+* :mod:`.safetensors_io` — memory-bounded safetensors reading and writing, errors naming the
+  file.
+* :mod:`.value_model` — HF ``*ForSequenceClassification`` models as the critic's start.
 * :mod:`.export` — live export of model chunks as HF-named tensors in buckets.
 * :mod:`.convert` — offline HF <-> megatron converters (``tools/convert_*.py``).
+* :mod:`.anon_peak` — peak anonymous memory of this process over a block.
 
 Import the submodules; nothing heavy is imported here.
 """

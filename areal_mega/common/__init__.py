@@ -1,4 +1,14 @@
-"""Small helpers every process uses, each written once: atomic file writes
-(:mod:`.files`), free ports and readiness probes (:mod:`.net`), SIGTERM on a watchdog thread
-(:mod:`.signals`), and loading an object named in
-a config (:mod:`.loading`). Nothing here imports another part of ``areal_mega``."""
+"""Small helpers every process uses, each written once. Nothing here imports another part of
+``areal_mega``.
+
+- :mod:`.files` — atomic file writes;
+- :mod:`.net` — free ports and readiness probes;
+- :mod:`.loading` — loading an object a config names (``pkg.mod:name`` / ``file.py:name``),
+  with the alias table of moved names;
+- :mod:`.signals` — SIGTERM heard on a watchdog thread, whatever the main thread is doing;
+- :mod:`.counters` — process-wide event counters of the rollout side (sandbox kills and
+  timeouts, gateway sessions);
+- :mod:`.log_tail` — the error a dead process left in its log, for one-line death notices;
+- :mod:`.moe_routes` — routed experts of a mixture-of-experts model: the layout, SGLang's wire
+  encoding, the per-sample table.
+"""

@@ -1,0 +1,12 @@
+"""megatron-core on CPU-only torch, and its import without optional parts we do not use.
+
+- :mod:`.megatron_cpu` — the patches that make megatron-core 0.19.2 run on CPU with gloo
+  (applied only without CUDA; each checks the upstream source it replaces);
+- :mod:`.cuda_shim` — the CPU stand-ins for ``torch.cuda`` those patches hand megatron's
+  modules;
+- :mod:`.cpu_gemm` — the tensor-parallel linears' three GEMMs through oneDNN (a speed patch);
+- :mod:`.packed_rope` — RoPE over packed sequences in one call (a speed patch);
+- :mod:`.megatron_import` — megatron-core's first import without wandb (every device);
+- :mod:`.te_placeholder` — a TransformerEngine placeholder seen only by Megatron-Bridge's one
+  unconditional import.
+"""

@@ -1,4 +1,13 @@
-"""Prompt datasets (JSONL / parquet, chat templates, resumable shuffling) and synthetic tasks."""
+"""Prompt datasets (JSONL / parquet, chat templates, resumable shuffling) and synthetic tasks.
+
+- :mod:`.dataset` — :class:`PromptDataset`, its loader and sampler: records tokenized, in a
+  resumable order;
+- :mod:`.sources` — several sources (``data.sources``) drawn by weight, resumably;
+- :mod:`.hf` — Hugging Face ``datasets`` as prompt sources (``hf:owner/name``, saved
+  directories);
+- :mod:`.synthetic` — the CPU demo's verifiable tasks, written as JSONL files;
+- :mod:`.errors` — :class:`DataError`, the one error type of this layer.
+"""
 from areal_mega.data.dataset import (DataError, PromptDataset, PromptItem, PromptLoader,
                                      PromptSampler, epoch_permutation, load_tokenizer,
                                      read_records)

@@ -8,6 +8,13 @@ steps through ``launch.local`` whose weight updates reach the server (its logpro
 trainer's). With CUDA: CUDA kernels against the CPU ones, TransformerEngine and its attention
 backend, an NCCL group of two processes, SGLang's version. The checks are functions of a
 :class:`~areal_mega.doctor.rows.Context` (e.g. ``server_addr``: check a running server).
+
+- :mod:`.rows` — a check, the row it produces, the shared context, the runner and the table;
+- :mod:`.env_checks` — what is installed: Python, the pins, the kernels, the CPU patches,
+  oneDNN;
+- :mod:`.tiny_run` — the checks by numbers on a tiny model;
+- :mod:`.cuda_checks` — the rows of a CUDA machine;
+- ``__main__`` — the command line.
 """
 from areal_mega.doctor.cuda_checks import CHECKS as CUDA_CHECKS
 from areal_mega.doctor.env_checks import CHECKS as ENV_CHECKS

@@ -1,0 +1,16 @@
+"""megatron-core models built from Hugging Face configs, and their attention.
+
+- :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
+  Gemma 3 text, GLM-4 MoE, DeepSeek-V3);
+- :mod:`.backend` — which attention implementation and GPU fusions a model is built with
+  (pure decisions on probed facts);
+- :mod:`.gemma3` — what Gemma 3 changes against the Llama math, on megatron's local spec;
+- :mod:`.mla` — DeepSeek-V3's multi-latent attention on megatron-core's ``MLASelfAttention``;
+- :mod:`.moe_families` — config fields and options of the DeepSeek-style MoE families;
+- :mod:`.sliding_window` — sliding-window attention (Mistral): the key, megatron's window, the
+  masks;
+- :mod:`.varlen_attention` — packed attention for megatron's local spec, no work across
+  sequences;
+- :mod:`.rope_positions` — rotary embeddings at given positions (shared prompt prefixes);
+- :mod:`.tiny` — tiny random-weight HF models and a character tokenizer, no network.
+"""

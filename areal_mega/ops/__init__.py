@@ -12,6 +12,11 @@ Each dispatches to the CUDA kernels, the C++ CPU kernels or the pure-torch refer
 see :mod:`areal_mega.ops._backend` for the ``AREAL_MEGA_OPS_BACKEND`` switch. When a native
 module is missing, the first call on that device prints a banner on stderr and issues a
 :class:`KernelFallbackWarning` naming the build command (once per process).
+
+Modules: :mod:`.logprob` (``packed_logprobs``), :mod:`.gae` (``packed_gae``), :mod:`.fused`
+(``packed_logprobs_from_hidden``), :mod:`.decode` (the CPU rollout server's decode-step
+kernels), :mod:`.reference` (the pure-torch references), :mod:`._backend` (locating the
+compiled kernels, choosing a backend per call).
 """
 from ._backend import KernelFallbackWarning, cpu_available, cuda_available
 from .fused import packed_logprobs_from_hidden

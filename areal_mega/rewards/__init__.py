@@ -9,7 +9,11 @@ Signature of every reward function: ``fn(prompt: str, completion: str, answer, *
 - :func:`code_reward` (:mod:`.code_tests`): APPS/TACO tests in the sandbox (:mod:`.sandbox`);
 - :func:`gsm8k_reward` (:mod:`.gsm8k`): ``#### 42`` answers;
 - :func:`exact_match_reward`, :func:`char_match_reward` (:mod:`.string_match`): one exact
-  string, followed by EOS.
+  string, followed by EOS;
+- :mod:`.sandbox_runner`: the process inside the code sandbox (run by :mod:`.sandbox`, never
+  imported).
+
+:func:`load_reward_fn` (here) loads the function a config names.
 """
 from __future__ import annotations
 

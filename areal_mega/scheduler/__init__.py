@@ -1,5 +1,10 @@
 """Micro-batch scheduling (pure planning on sequence lengths) and packing into flat tensors.
 
+- :mod:`.planner` — micro-batches balanced over DP ranks under a token budget (pure, no torch);
+- :mod:`.shared_prefix` — a GRPO group's prompt computed once per micro-batch: layout and plan
+  (pure);
+- :mod:`.packing` — variable-length sequences packed into one THD batch, and the CP split.
+
 ``pack_sequences`` / ``zigzag_cp_shard`` are imported lazily so that importing the planner
 does not import torch.
 """

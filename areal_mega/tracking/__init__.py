@@ -15,6 +15,14 @@ and always holds the redone values. A tracker that lost steps up to the checkpoi
 writes its file in blocks: a killed trainer loses the tail) gets them again from
 ``metrics.jsonl`` and ``samples.jsonl``, so no step is missing either. Parameters are the resolved config with every secret
 redacted (:func:`areal_mega.security.redact_secrets`).
+
+- this module: :class:`RunLog`, the run log that feeds every chosen tracker;
+- :mod:`.base` — what every tracker shares: the names, the config check, the per-tracker state
+  file, the row filtering;
+- :mod:`.wandb_tracker` — Weights & Biases;
+- :mod:`.mlflow_tracker` — MLflow;
+- :mod:`.samples` — ``samples.jsonl``, a few decoded prompt groups every
+  ``logging.log_samples_every`` steps.
 """
 from __future__ import annotations
 

@@ -1,4 +1,14 @@
-"""The trainer's parts: the session (mesh, engines, resume, intake, logging), step planning and
-distribution (:mod:`.batches`), the trajectory intake, weight publishing to the rollout servers
-(:mod:`.weight_sender`, :mod:`.weights`), the critic step, SFT and evaluation scheduling. The
-loop itself is :mod:`areal_mega.trainer`."""
+"""The trainer's parts; the loop itself is :mod:`areal_mega.trainer`.
+
+- :mod:`.session` — what a trainer process holds across steps: mesh, engines, intake, logger,
+  resume;
+- :mod:`.intake` — ZMQ receiver -> write-ahead journal -> buffer (rank 0);
+- :mod:`.batches` — the step planned on rank 0, each DP rank's share of packed micro-batches;
+- :mod:`.weights` — the actor's weights written as an HF directory (disk weight updates);
+- :mod:`.weight_sender` — the distributed weight update: bucket planning and the sender;
+- :mod:`.critic_step` — the critic's part of a step and of the session;
+- :mod:`.teacher` — on-policy distillation in the step and the session;
+- :mod:`.routing` — the routing-replay metrics of a step;
+- :mod:`.evaluation` — evaluation during training, the trainer's side;
+- :mod:`.sft` — supervised fine-tuning on the same engine.
+"""
