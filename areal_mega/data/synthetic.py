@@ -2,8 +2,8 @@
 
 Tasks (every prompt and answer fits the tiny model's ``digits`` character vocabulary):
 
-- ``reverse``: reverse a digit string, ``48312=`` -> ``21384`` (the demo's default; see the
-  design doc's "CPU demo" section for why this one learns fastest).
+- ``reverse``: reverse a digit string, ``48312=`` -> ``21384`` (the demo's default; the probe
+  that chose the demo's settings is in ``docs/benchmarks.md``, "The CPU demo").
 - ``add``: small addition, ``12+34=`` -> ``46``.
 - ``arith``: ``+``, ``-`` or ``*`` of two small numbers (non-negative results).
 
