@@ -2,8 +2,9 @@
 
 Static check: for each leaf ``section.key`` of :class:`ExperimentConfig`, some Python file of
 the package, the launchers or the tools (other than the section dataclasses of
-``areal_mega/config/``, which only declare it) must access an attribute of that name. Generic names (``path``, ``name``) can be satisfied by an
-unrelated attribute; the check exists to catch keys that nothing reads at all.
+``areal_mega/config/``, which only declare it) must access an attribute of that name. Generic
+names (``path``, ``name``) can be satisfied by an unrelated attribute; the check exists to
+catch keys that nothing reads at all.
 """
 from __future__ import annotations
 
