@@ -8,6 +8,7 @@
 - ``run_dir`` and the pure planners are imported by every process and must not import torch.
 - Only ``rollout/client.py`` touches the client's private members; ``train/`` takes the
   weight-update group from ``parallel/``, not from the launcher.
+- A file holds one concept; no file reaches 800 lines, a smoke alarm rather than a cap.
 """
 from __future__ import annotations
 
