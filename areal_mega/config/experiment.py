@@ -196,7 +196,9 @@ def check_against_model(cfg) -> None:
     """Raise one :class:`ConfigError` naming the keys when, in RL mode, the longest prompt the
     data may hold plus the generation budget (``data.max_prompt_len +
     rollout.max_new_tokens``) exceeds the context of ``model.path`` (``max_position_embeddings``
-    of its ``config.json``). Does nothing when the model's context is unknown."""
+    of its ``config.json``). Does nothing when the model's context is unknown. First runs the
+    sections' own checks against their model directories (critic, teacher, LoRA, and in RL
+    mode routing replay)."""
     check_critic_model(cfg)
     check_teacher_model(cfg)
     check_lora_model(cfg)
