@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 
 from areal_mega.common.net import free_port
-from areal_mega.config import ConfigError, load_config
-from areal_mega.config_checks import check_against_model
+from areal_mega.config import ConfigError, check_against_model, load_config
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
 

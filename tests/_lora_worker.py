@@ -36,7 +36,7 @@ def set_mesh(sp=False, vpp=None, **dims):
 
 
 def lora_cfg(targets=None, **kw):
-    from areal_mega.config_lora import LoraConfig
+    from areal_mega.config import LoraConfig
     cfg = LoraConfig(enabled=True, **{**RANK8, **kw})
     if targets is not None:
         cfg.target_modules = list(targets)

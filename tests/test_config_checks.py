@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.config import ConfigError, load_config
-from areal_mega.config_checks import check_against_model, model_context
+from areal_mega.config import ConfigError, check_against_model, load_config, model_context
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.config import ConfigError, config_to_dict, load_config
-from areal_mega.config_checks import (check_against_model, check_same_tokenizer,
-                                      tokenizer_signature)
+from areal_mega.config import (ConfigError, check_against_model, check_same_tokenizer,
+                               config_to_dict, load_config)
+from areal_mega.config.teacher import tokenizer_signature
 from areal_mega.launch.local import algorithm_line
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.security import holds_secret

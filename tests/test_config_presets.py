@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from areal_mega.config import ConfigError, config_from_dict, config_to_dict, load_config
-from areal_mega.config_presets import (PRESETS, pair_policy_loss, preset_keys,
+from areal_mega.config.presets import (PRESETS, pair_policy_loss, preset_keys,
                                        resolve_algorithm)
 from areal_mega.launch.local import describe
 

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.config import ConfigError, config_to_dict, load_config
-from areal_mega.config_vllm import MANAGED_VLLM_FLAGS
+from areal_mega.config import MANAGED_VLLM_FLAGS, ConfigError, config_to_dict, load_config
 from areal_mega.parallel.allocation import AllocationError, parse_allocation
 from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from areal_mega.algo.value_loss import explained_variance, finalize_value_stats, value_loss
-from areal_mega.config import ConfigError, load_config
-from areal_mega.config_checks import check_against_model
+from areal_mega.config import ConfigError, check_against_model, load_config
 
 
 @pytest.mark.parametrize("override, words", [

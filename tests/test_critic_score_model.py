@@ -14,8 +14,7 @@ import torch
 from areal_mega.checkpoint.convert import convert_hf_to_mcore
 from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
 from areal_mega.common.net import free_port
-from areal_mega.config import ConfigError, load_config
-from areal_mega.config_checks import check_against_model
+from areal_mega.config import ConfigError, check_against_model, load_config
 from tests.multirank import rank_results, run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "score_critic_worker.py")

@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from areal_mega.config_presets import PRESETS
+from areal_mega.config import PRESETS
 from test_e2e_async_rl import ROOT, _finish, _metrics, assets  # noqa: F401
 
 pytestmark = pytest.mark.slow

@@ -8,6 +8,7 @@
 - ``run_dir`` and the pure planners are imported by every process and must not import torch.
 - Only ``rollout/client.py`` touches the client's private members; ``train/`` takes the
   weight-update group from ``parallel/``, not from the launcher.
+- A file holds one concept; no file reaches 800 lines, a smoke alarm rather than a cap.
 """
 from __future__ import annotations
 
@@ -21,13 +22,12 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "areal_mega"
 ROOT = PKG.parent
 
-# Lowest first. A top-level module (config.py, trainer.py, ...) is a package of its own.
+# Lowest first. A top-level module (trainer.py, run_dir.py, ...) is a package of its own.
 LAYERS = [
     ["common"],
-    ["compat", "config_schema", "config_presets", "config_logging", "security"],
+    ["compat", "security"],
     ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
-    ["checkpoint", "config_checks", "config", "config_lora", "config_vllm", "lora", "scheduler",
-     "ops"],
+    ["checkpoint", "config", "lora", "scheduler", "ops"],
     ["algo", "engine"],
     ["inference"],
     ["rollout"],
@@ -290,10 +290,14 @@ def test_only_the_client_touches_its_private_members():
     assert not bad, bad
 
 
-def test_no_source_file_is_over_450_lines():
+def test_no_source_file_sets_off_the_800_line_smoke_alarm():
+    """A file holds one concept and is named after it. When it holds two, it is split into a
+    subpackage named by role (``config/``: schema, sections, checks), never into pieces cut to
+    fit a line count. Length is not the rule: 800 lines is a smoke alarm only, and a file that
+    sets it off is read for the second concept it may hold."""
     roots = ["areal_mega", "tests", "tools", "launch", "bench", "examples"]
     files = [p for r in roots for p in (ROOT / r).rglob("*.py")]
     assert len(files) > 100
     long = {str(p.relative_to(ROOT)): n for p in files
-            if (n := len(p.read_text().splitlines())) > 450}
+            if (n := len(p.read_text().splitlines())) > 800}
     assert not long, long

@@ -59,7 +59,7 @@ def test_config_errors_name_the_key(overrides, match):
 
 
 def test_config_checks_the_model_family(tmp_path):
-    from areal_mega.config_checks import check_against_model
+    from areal_mega.config import check_against_model
     for name, hf in (("moe", {"model_type": "qwen3_moe", "num_experts": 4}),
                      ("mla", {"model_type": "deepseek_v3", "kv_lora_rank": 32})):
         d = tmp_path / name

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.config import ConfigError, ModelHParams
-from areal_mega.config_lora import LoraConfig
+from areal_mega.config import ConfigError, LoraConfig, ModelHParams
 from areal_mega.launch.memory import (KNOWN_MODELS, estimate_memory, lora_estimate_args,
                                       lora_param_counts)
 from areal_mega.parallel.allocation import ParallelDims

@@ -233,8 +233,7 @@ def test_routing_replay_is_refused(family_model):
         check_replay_target(True, "actor", parse_hf_config(hf))
     with pytest.raises(ValueError, match="expert bias"):
         RouteCapture(AutoModelForCausalLM.from_pretrained(model))
-    from areal_mega.config import config_from_dict
-    from areal_mega.config_schema import ConfigError
+    from areal_mega.config import ConfigError, config_from_dict
     from areal_mega.rollout.routes import replay_layout
     cfg = config_from_dict({"model": {"path": str(model)},
                             "algorithm": {"routing_replay": "r3"}})

@@ -177,8 +177,7 @@ def test_launchers_start_servers_with_the_flag_when_replay_is_on(tmp_path):
 
 
 def test_replay_on_a_dense_model_is_a_config_error(moe):
-    from areal_mega.config import config_from_dict
-    from areal_mega.config_schema import ConfigError
+    from areal_mega.config import ConfigError, config_from_dict
     from areal_mega.rollout.routes import replay_layout
 
     cfg = config_from_dict({"model": {"path": str(moe["dense"])},
@@ -251,9 +250,7 @@ def test_routed_experts_start_len(servers, moe):
 
 
 def test_config_check_refuses_replay_on_a_dense_model(moe):
-    from areal_mega.config import config_from_dict
-    from areal_mega.config_checks import check_against_model
-    from areal_mega.config_schema import ConfigError
+    from areal_mega.config import ConfigError, check_against_model, config_from_dict
 
     cfg = config_from_dict({"model": {"path": str(moe["dense"])},
                             "algorithm": {"routing_replay": "r3"},

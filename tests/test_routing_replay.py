@@ -154,8 +154,7 @@ def test_routes_of_inconsistent_shapes_are_refused_naming_the_field():
 
 # ----------------------------------------------------------------------------- config
 def test_config_key_default_choices_and_model_checks(tmp_path):
-    from areal_mega.config import ConfigError, load_config
-    from areal_mega.config_checks import check_against_model
+    from areal_mega.config import ConfigError, check_against_model, load_config
     assert load_config(None, []).algorithm.routing_replay == "off"
     with pytest.raises(ConfigError, match="algorithm.routing_replay"):
         load_config(None, ["algorithm.routing_replay=r2"])

@@ -9,6 +9,7 @@
 - :mod:`.counters` — process-wide event counters of the rollout side (sandbox kills and
   timeouts, gateway sessions);
 - :mod:`.log_tail` — the error a dead process left in its log, for one-line death notices;
+- :mod:`.errors` — ``ConfigError``, the config error every layer raises;
 - :mod:`.moe_routes` — routed experts of a mixture-of-experts model: the layout, SGLang's wire
   encoding, the per-sample table.
 """

@@ -69,7 +69,7 @@ class MegatronEngine:
             design notes), the regular optimizer on CPU.
         routing_replay: replay the rollout's MoE routes (``algorithm.routing_replay: r3``;
             actor of a MoE model only): see :mod:`areal_mega.engine.routing_replay`.
-        lora: :class:`areal_mega.config_lora.LoraConfig`; when enabled (actor only), LoRA
+        lora: :class:`areal_mega.config.LoraConfig`; when enabled (actor only), LoRA
             adapters train on the frozen base (``self.lora``, :mod:`areal_mega.lora.actor`).
 
     ``shares_prompt_prefix``: micro-batches whose samples share a prompt run it once

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Mapping, Optional
 
-from areal_mega.config_schema import ConfigError
+from areal_mega.common.errors import ConfigError
 
 __all__ = ["VLLM_WORKER_EXTENSION", "VLLM_AUTH_MIDDLEWARE", "SUPPORTED_VLLM_VERSIONS",
            "SERVED_MODEL_NAME", "VLLM_PYTHON_ENV", "PACKAGE_ROOT", "build_vllm_command",

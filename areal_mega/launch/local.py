@@ -36,9 +36,8 @@ from typing import Optional
 import yaml
 
 from areal_mega.common.net import free_ports, http_ready
-from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict, load_config
-from areal_mega.config_checks import check_against_model
-from areal_mega.config_presets import PRESETS
+from areal_mega.config import (PRESETS, ConfigError, ExperimentConfig, check_against_model,
+                               config_to_dict, load_config)
 from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory,
                                       lora_estimate_args, resolve_hparams, rollout_memory)

@@ -9,7 +9,7 @@ Letters: ``d`` data, ``t`` tensor, ``p`` pipeline, ``c`` context, ``e`` expert p
 must divide d·c. Rollout world = d·t·p.
 
 Pure parsing with no side effects; any process may call it: config validation
-(:func:`areal_mega.config_checks.validate`), the launcher's plan (``areal_mega.launch.plan``),
+(:func:`areal_mega.config.validate`), the launcher's plan (``areal_mega.launch.plan``),
 the weight-update group (``areal_mega.parallel.weight_group``) and every trainer rank building
 its mesh (``TrainerSession``).
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from areal_mega.config_schema import ConfigError
+from areal_mega.common.errors import ConfigError
 from areal_mega.parallel.allocation import Allocation
 
 

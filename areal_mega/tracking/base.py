@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 from areal_mega.common.files import atomic_write
-from areal_mega.config_schema import ConfigError
+from areal_mega.common.errors import ConfigError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """The names ``logging.trackers`` accepts."""

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import wandb
 from wandb.sdk.lib import runid
 
-from areal_mega.config_schema import ConfigError
+from areal_mega.common.errors import ConfigError
 from areal_mega.tracking.base import TrackerState, finite_scalars
 from areal_mega.tracking.samples import COLUMNS
 

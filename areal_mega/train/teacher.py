@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.algo.distill import opd_advantages, reverse_kl_sums
-from areal_mega.config_checks import check_same_tokenizer
+from areal_mega.config import check_same_tokenizer
 from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
 
@@ -77,7 +77,7 @@ def build_teacher_scorer(cfg):
 def check_served_tokenizer(addr: str, info: dict, model_path: str) -> None:
     """The tokenizer a teacher server reports (``/get_model_info``: ``tokenizer_path``, else
     ``model_path``) against the student's, when that path is a directory on this machine
-    (:func:`~areal_mega.config_checks.check_same_tokenizer`, a ConfigError naming both); a
+    (:func:`~areal_mega.config.check_same_tokenizer`, a ConfigError naming both); a
     path this machine cannot read is logged and left to the user."""
     path = info.get("tokenizer_path") or info.get("model_path") or ""
     if path and Path(path).is_dir():

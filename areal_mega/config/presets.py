@@ -1,10 +1,10 @@
 """Algorithm presets (``algorithm.preset``) and the ``policy_loss`` / ``ratio_level`` pairing.
 
-Pure dict logic on the nested config dict, applied by :func:`areal_mega.config.config_from_dict`
-before the dataclasses are built, so the resolved values are the config's own (written to the
-run's config, printed by ``--dry-run``). A preset fills in the keys that define its algorithm;
-a key the user gave (recipe YAML or dotlist override) wins. The table with the papers is in
-docs/algorithms.md.
+Pure dict logic on the nested config dict, applied by
+:func:`areal_mega.config.experiment.config_from_dict` before the dataclasses are built, so the
+resolved values are the config's own (written to the run's config, printed by ``--dry-run``).
+A preset fills in the keys that define its algorithm; a key the user gave (recipe YAML or
+dotlist override) wins. The table with the papers is in docs/algorithms.md.
 
 ``rloo`` and ``reinforce_pp`` name the advantage estimators ``rloo`` / ``reinforce_plus_plus``
 (added alongside these presets in areal_mega/algo/estimators.py). ``opd`` is on-policy
@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from areal_mega.config_schema import ConfigError
+from areal_mega.common.errors import ConfigError
 
 _MISSING = object()
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from areal_mega.config_schema import ConfigError, _f
+from areal_mega.common.errors import ConfigError
+from areal_mega.config.schema import _f
 
 __all__ = ["VllmConfig", "check_vllm", "MANAGED_VLLM_FLAGS"]
 

@@ -5,11 +5,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_mega.config_schema import ConfigError, _f
+from areal_mega.common.errors import ConfigError
+from areal_mega.config.schema import _f
 from areal_mega.lora.targets import LoraSupportError, check_lora_support, hf_targets
 from areal_mega.parallel.allocation import parse_allocation
 
-__all__ = ["LoraConfig"]
+__all__ = ["LoraConfig", "check_lora", "check_lora_model"]
 
 
 @dataclass

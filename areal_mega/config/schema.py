@@ -1,6 +1,6 @@
 """The configuration schema's machinery: field declarations with ranges (``_f``), type coercion
-with messages that name the dotted key, and dotlist overrides. The sections themselves live in
-:mod:`areal_mega.config`.
+with messages that name the dotted key, and dotlist overrides. The sections themselves are the
+other modules of :mod:`areal_mega.config`.
 """
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad configuration key, type or value. The message names the dotted key."""
+from areal_mega.common.errors import ConfigError
 
 
 def _f(default=dataclasses.MISSING, *, lo=None, hi=None, choices=None, lo_open=False,

@@ -1,11 +1,11 @@
 """The ``logging`` section of the experiment config: run directory, TensorBoard, progress bar,
-plot, experiment trackers (W&B, MLflow) and the sample log. Part of :mod:`areal_mega.config`,
-which re-exports these classes."""
+plot, experiment trackers (W&B, MLflow) and the sample log. The tracker names are checked by
+:func:`areal_mega.tracking.base.check_trackers`, beside the trackers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal_mega.config_schema import _f
+from areal_mega.config.schema import _f
 
 
 @dataclass
