@@ -1,7 +1,7 @@
 """RolloutController: concurrent episodes under the staleness bound, interruptible generation,
 weight updates, and delivery of finished groups to a sink.
 
-The rollout worker (:mod:`areal_mega.rollout_worker`) drives it; all calls come from threads
+The rollout worker (:mod:`areal_mega.rollout.worker`) drives it; all calls come from threads
 other than the controller's own asyncio thread::
 
     ctl = RolloutController(client, workflow, prompts, batch_size=B, eta=η, n_samples=n,
@@ -30,6 +30,7 @@ import itertools
 import logging
 import threading
 import uuid
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -73,8 +74,11 @@ def model_finish(finish: str, output_ids: list, sampling: dict, tokenizer=None) 
     return "stop" if output_ids[-1] in ends else finish
 
 
-class EpisodeContext:
-    """What a workflow sees for one prompt group."""
+class GroupContext:
+    """What a workflow sees for one prompt group (``arun_episode(ctx, item, n_samples)``):
+    the group's ids, the tokenizer, keyed interruptible generation, rewards and blocking calls
+    off the loop. :class:`~areal_mega.workflow.api.SampleContext` is the per-sample view an
+    episode function gets; it wraps this one (one group context, ``n_samples`` samples)."""
 
     def __init__(self, ctl: "RolloutController", group_index: int):
         self.ctl = ctl
@@ -270,7 +274,7 @@ class RolloutController:
         return next(self._prompts, None), 0
 
     async def _run_group(self, gidx: int, item: dict, attempt: int = 0) -> None:
-        ctx = EpisodeContext(self, gidx)
+        ctx = GroupContext(self, gidx)
         start_version = self.counter.version
         try:
             group = await self.workflow.arun_episode(ctx, item, self.n_samples)
@@ -445,3 +449,11 @@ class RolloutController:
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
                 **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
 
+
+def __getattr__(name: str):
+    """``EpisodeContext``, the old name of :class:`GroupContext`, with a ``FutureWarning``."""
+    if name == "EpisodeContext":
+        warnings.warn("areal_mega.rollout.controller.EpisodeContext was renamed: write "
+                      "areal_mega.rollout.controller.GroupContext", FutureWarning, stacklevel=2)
+        return GroupContext
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

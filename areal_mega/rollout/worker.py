@@ -1,6 +1,6 @@
 """The rollout worker process: prompts -> rollout servers -> rewards -> data plane -> trainer.
 
-    python -m areal_mega.rollout_worker --config recipes/X.yaml [key=value ...]
+    python -m areal_mega.rollout.worker --config recipes/X.yaml [key=value ...]
 
 (normally started by ``areal_mega.launch.local``). It runs a
 :class:`~areal_mega.rollout.controller.RolloutController` over the training prompts, pushes
@@ -55,7 +55,7 @@ from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration
 from areal_mega.workflow.builtin import workflow_from_config
 from areal_mega.workflow.multitask import build_multitask
 
-log = logging.getLogger("areal_mega.rollout_worker")
+log = logging.getLogger("areal_mega.rollout.worker")
 
 
 class PromptCursor:
