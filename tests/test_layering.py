@@ -34,6 +34,7 @@ LAYERS = [
     ["algo", "engine"],
     ["inference"],
     ["rollout"],
+    ["backends"],
     ["workflow"],
     ["eval"],
     ["rollout.worker", "train"],
@@ -245,8 +246,8 @@ def test_the_inference_server_imports_nothing_from_the_client_side():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("layer", ["rollout", "rollout.worker", "dataplane", "inference",
-                                   "workflow", "rewards"])
+@pytest.mark.parametrize("layer", ["rollout", "rollout.worker", "backends", "dataplane",
+                                   "inference", "workflow", "rewards"])
 def test_rollout_side_imports_nothing_from_the_trainer(layer):
     files = [m for m in _modules() if _package(m) == layer]
     assert files

@@ -2,7 +2,7 @@
 helpers and the SGLang command line. No servers."""
 import pytest
 
-from areal_mega.inference.process import build_sglang_command
+from areal_mega.backends.sglang import build_sglang_command
 from areal_mega.rewards import (TimeoutWorkerPool, exact_match_reward, extract_boxed,
                                         load_reward_fn, math_reward, shutdown_reward_workers)
 from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,
@@ -136,12 +136,3 @@ def test_eos_drawn_as_the_last_allowed_token_is_a_stop():
     assert model_finish("length", [], {}, tok) == "length"
     assert model_finish("abort", [2], {}, tok) == "abort"
     assert model_finish("length", [4], {}, SimpleNamespace(eos_token_id=[3, 4])) == "stop"
-
-
-def test_the_group_context_old_name_resolves_with_a_warning():
-    """``EpisodeContext`` (one prompt group's context) is now ``GroupContext``: the old name
-    still imports, with a FutureWarning naming the new one."""
-    from areal_mega.rollout import controller
-    with pytest.warns(FutureWarning, match="GroupContext"):
-        from areal_mega.rollout.controller import EpisodeContext
-    assert EpisodeContext is controller.GroupContext

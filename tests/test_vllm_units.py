@@ -3,8 +3,8 @@ token-in/token-out route) and the per-token versions the controller takes from a
 real server is in tests/test_vllm_backend.py."""
 import pytest
 
-from areal_mega.rollout.backends import client_class, group_handshake
-from areal_mega.rollout.backends.vllm_client import (VLLMClient, sglang_answer_from_vllm,
+from areal_mega.backends.clients import client_class, group_handshake
+from areal_mega.backends.vllm.client import (VLLMClient, sglang_answer_from_vllm,
                                                      vllm_generate_body)
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.generate_result import (RolloutRequestError, generate_body,

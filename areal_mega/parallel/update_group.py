@@ -9,7 +9,7 @@ an SGLang peer: both sides wait for keys the other never writes. The trainer's s
 and the CPU server (ranks >= 1) both call :func:`init_update_group`.
 
 vLLM's workers join through its ``stateless_init_torch_distributed_process_group`` (our worker
-extension, :mod:`areal_mega.inference.vllm_worker`), which meets another handshake: the same
+extension, :mod:`areal_mega.backends.vllm.worker_extension`), which meets another handshake: the same
 ``tcp://`` store, but wrapped in ``PrefixStore("tcp://host:port")`` with a bare gloo (or NCCL)
 backend under it. :func:`init_update_group` builds rank 0's side that way with
 ``handshake="vllm"``; the broadcasts are the same.

@@ -30,7 +30,6 @@ import itertools
 import logging
 import threading
 import uuid
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -448,12 +447,3 @@ class RolloutController:
                 **self.failures.stats(),
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
                 **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
-
-
-def __getattr__(name: str):
-    """``EpisodeContext``, the old name of :class:`GroupContext`, with a ``FutureWarning``."""
-    if name == "EpisodeContext":
-        warnings.warn("areal_mega.rollout.controller.EpisodeContext was renamed: write "
-                      "areal_mega.rollout.controller.GroupContext", FutureWarning, stacklevel=2)
-        return GroupContext
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from areal_mega.backends.clients import client_class
 from areal_mega.common.files import atomic_write
 from areal_mega.common.signals import TermWatchdog
 from areal_mega.config import load_config
@@ -165,7 +166,7 @@ class RolloutWorker:
                              "host:port list (launch.local fills it in)")
         self.elastic = ElasticPool(   # the servers now: some may have joined or left
             self.paths.rollout_server_addrs(cfg.rollout.server_addrs), paths=self.paths,
-            api_key=cfg.rollout.api_key, backend=cfg.rollout.backend,
+            api_key=cfg.rollout.api_key, client_cls=client_class(cfg.rollout.backend),
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
         self.client = self.elastic.client

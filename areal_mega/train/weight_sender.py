@@ -33,7 +33,7 @@ from areal_mega.common.net import free_port
 from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
                                               init_update_group)
 from areal_mega.parallel.weight_group import weight_update_group
-from areal_mega.rollout.backends import client_class, group_handshake
+from areal_mega.backends.clients import client_class, group_handshake
 from areal_mega.rollout.client import RolloutRequestError, server_url
 
 log = logging.getLogger(__name__)
