@@ -256,12 +256,20 @@ def test_rollout_side_imports_nothing_from_the_trainer(layer):
     assert not bad, sorted(bad)
 
 
-@pytest.mark.parametrize("module", ["run_dir", "parallel.allocation", "parallel.weight_group",
-                                    "scheduler.planner", "launch.plan", "rollout.staleness",
-                                    "common.files", "common.net", "common.loading"])
+@pytest.mark.parametrize("module", ["run_dir", "parallel.allocation", "scheduler.planner",
+                                    "launch.plan", "rollout.staleness", "common.files",
+                                    "common.net", "common.loading"])
 def test_pure_modules_do_not_import_torch(module):
     found = {ext for _, _, ext, _ in _imports(f"areal_mega.{module}") if ext}
     assert "torch" not in found, found
+
+
+def test_the_weight_group_loads_torch_only_to_form_the_group():
+    """The launcher takes the group's shape from ``parallel.weight_group``: torch is imported
+    only inside the functions that form the process group."""
+    imports = _imports("areal_mega.parallel.weight_group")
+    assert any(ext == "torch" for _, _, ext, _ in imports)
+    assert not _heavy("areal_mega.parallel.weight_group")
 
 
 def test_the_rollout_package_stays_small():

@@ -101,6 +101,6 @@ def test_backend_picks_the_client_and_the_group_handshake():
 
 
 def test_unknown_group_handshake_is_refused():
-    from areal_mega.parallel.update_group import init_update_group
+    from areal_mega.parallel.weight_group import init_update_group
     with pytest.raises(ValueError, match="handshake='ray'"):
         init_update_group("127.0.0.1", 1, 2, 0, "g", handshake="ray")

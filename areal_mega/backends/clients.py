@@ -21,5 +21,5 @@ def client_class(backend: str) -> type:
 
 def group_handshake(backend: str) -> str:
     """How the servers of ``backend`` build the weight-update group
-    (:func:`areal_mega.parallel.update_group.init_update_group`)."""
+    (:func:`areal_mega.parallel.weight_group.init_update_group`)."""
     return "vllm" if backend == "vllm" else "sglang"
