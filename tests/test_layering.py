@@ -28,7 +28,7 @@ ROOT = PKG.parent
 LAYERS = [
     ["common"],
     ["compat", "config_schema", "config_presets", "config_logging", "security"],
-    ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
+    ["parallel", "data", "dataplane", "models", "run_dir", "rewards", "tracking"],
     ["checkpoint", "config_checks", "config", "config_lora", "config_vllm", "lora", "scheduler",
      "ops"],
     ["algo", "engine"],
