@@ -10,9 +10,9 @@ sizes and rank offsets agree (a mismatch hangs the broadcast).
 
 The process group (:func:`init_update_group`, :func:`broadcast_from_rank0`,
 :func:`destroy_update_group`; torch imported inside them, so the launcher loads none) is
-created the way SGLang creates it. SGLang's ``init_weights_update_group`` (and AReaL's trainer, which copies it) builds the group
-with torch's ``_new_process_group_helper`` on a ``tcp://`` rendezvous store wrapped in
-``PrefixStore(group_name)``. The helper adds its own ``"{group_name}/"`` and per-device
+created the way SGLang creates it. SGLang's ``init_weights_update_group`` (and AReaL's
+trainer, which copies it) builds the group with torch's ``_new_process_group_helper`` on a
+``tcp://`` rendezvous store wrapped in ``PrefixStore(group_name)``. The helper adds its own ``"{group_name}/"`` and per-device
 (``"cpu/"``, ``"cuda/"``) prefixes and, for gloo, connects one context per device, so a group
 built any other way (e.g. ``ProcessGroupGloo(PrefixStore(group_name, store), ...)``) never meets
 an SGLang peer: both sides wait for keys the other never writes. The trainer's sender (rank 0)
@@ -20,8 +20,8 @@ and the CPU server (ranks >= 1) both call :func:`init_update_group`.
 
 vLLM's workers join through its ``stateless_init_torch_distributed_process_group`` (our worker
 extension, :mod:`areal_mega.backends.vllm.worker_extension`), which meets another handshake:
-the same ``tcp://`` store, but wrapped in ``PrefixStore("tcp://host:port")`` with a bare gloo (or NCCL)
-backend under it. :func:`init_update_group` builds rank 0's side that way with
+the same ``tcp://`` store, but wrapped in ``PrefixStore("tcp://host:port")`` with a bare gloo
+(or NCCL) backend under it. :func:`init_update_group` builds rank 0's side that way with
 ``handshake="vllm"``; the broadcasts are the same.
 
 The group does not touch the default process group, so it coexists with the trainer's own
