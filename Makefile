@@ -71,7 +71,7 @@ vllm-env: $(VLLM_STAMP)
 clean-vllm-env:
 	rm -rf $(VLLM_VENV)
 
-# TRL's own Python 3.11 venv, for bench/vs_trl.py only (GRPO on a CPU, ours vs TRL's
+# TRL's own Python 3.11 venv, for bench/vs_trl/ only (GRPO on a CPU, ours vs TRL's
 # GRPOTrainer): exact pins in requirements-trl.txt; no test and no other target needs it.
 # TRL_PYTHON_BIN picks the interpreter when python3.11 is not on PATH. The build's duration
 # goes to $(TRL_VENV)/build-seconds.

@@ -16,7 +16,7 @@ import sys
 import time
 
 from areal_mega.algo import finalize_stats, make_policy_loss
-from areal_mega.checkpoint.anon_peak import proc_status_bytes
+from areal_mega.common.proc_memory import proc_status_bytes
 from areal_mega.config import check_against_model, load_config
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation

@@ -128,7 +128,7 @@ def test_conversion_memory_is_bounded(tmp_path):
             # HF -> megatron: megatron-core 0.19 writes the checkpoint from threads of this
             # process, which makes the memory-mapped staged tensors' page-cache pages resident
             # here (RSS + the model size, nothing allocated): up to the save RSS counts, during
-            # it the anonymous memory (checkpoint/anon_peak.py)
+            # it the anonymous memory (common/proc_memory.py)
             over = max(r["peak_rss_before_save"] - r["baseline_rss"],
                        r["save_anon_peak"] - r["save_anon_baseline"])
         print(f"peak over baseline {over / 2**20:.1f} MiB, largest tensor "

@@ -10,7 +10,7 @@ from areal_mega.data.hf import is_hf_source, parse_hf_spec
 from areal_mega.data.sources import (MultiSourceCursor, SourceSpec, resolve_sources,
                                      source_counts, source_schedule)
 from areal_mega.dataplane import Trajectory
-from areal_mega.metrics import plot_metrics, source_reward_keys
+from areal_mega.tracking.metrics import plot_metrics, source_reward_keys
 from areal_mega.models.tiny import build_char_tokenizer
 from areal_mega.train.batches import per_source_rewards
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from areal_mega.data.synthetic import write_task_files
-from areal_mega.metrics import read_metrics
+from areal_mega.tracking.metrics import read_metrics
 from areal_mega.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

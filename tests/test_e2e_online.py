@@ -35,7 +35,7 @@ TOTAL = 5
 def _worker_pid(run_dir):
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "areal_mega.rollout_worker" in cmd and f"{run_dir}/config.yaml" in cmd:
+        if "areal_mega.rollout.worker" in cmd and f"{run_dir}/config.yaml" in cmd:
             return p.pid
     return None
 

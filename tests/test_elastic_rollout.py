@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from areal_mega.common.net import free_port
-from areal_mega.metrics import plot_metrics
+from areal_mega.tracking.metrics import plot_metrics
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.launch.scale import run_command
 from areal_mega.run_dir import RunDir

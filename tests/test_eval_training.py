@@ -10,7 +10,7 @@ import pytest
 
 from areal_mega.config import ConfigError, load_config
 from areal_mega.data.synthetic import write_task_files
-from areal_mega.metrics import eval_curve_keys
+from areal_mega.tracking.metrics import eval_curve_keys
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.evaluation import eval_due
 

@@ -168,7 +168,7 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
         progress = len(_metrics(run))
         assert progress <= total - 8, f"fault {k + 1} came too late (step {progress})"
         if name == "rollout_worker":
-            victim = _wait(lambda: _proc(run, "areal_mega.rollout_worker"), proc, "the worker")
+            victim = _wait(lambda: _proc(run, "areal_mega.rollout.worker"), proc, "the worker")
         else:
             (port,) = _server_ports(run)
             victim = _wait(lambda: _server_proc(port), proc, "the server")
@@ -274,7 +274,7 @@ def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
     worker = None
     try:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "areal_mega.rollout_worker", "--config",
+            [sys.executable, "-m", "areal_mega.rollout.worker", "--config",
              str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
              f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
              f"logging.run_dir={run}", "recover=off", "rollout.batch_size=4",

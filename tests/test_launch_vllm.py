@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_mega.config import ConfigError, load_config
-from areal_mega.inference.vllm_launch import (PACKAGE_ROOT, SERVED_MODEL_NAME,
+from areal_mega.backends.vllm.launch import (PACKAGE_ROOT, SERVED_MODEL_NAME,
                                               VLLM_AUTH_MIDDLEWARE, VLLM_PYTHON_ENV,
                                               VLLM_WORKER_EXTENSION)
 from areal_mega.launch import local

@@ -22,20 +22,25 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "areal_mega"
 ROOT = PKG.parent
 
-# Lowest first. A top-level module (trainer.py, run_dir.py, ...) is a package of its own.
+# Lowest first. A top-level module (trainer.py, run_dir.py, ...) is a package of its own; a dotted
+# entry (``rollout.worker``) is a module or subpackage that sits in a higher layer than the rest
+# of its package: the rollout worker process puts the rollout client, the workflows and
+# evaluation together, so it sits above all three.
 LAYERS = [
     ["common"],
     ["compat", "security"],
-    ["parallel", "data", "dataplane", "models", "run_dir", "metrics", "rewards", "tracking"],
+    ["parallel", "data", "dataplane", "models", "run_dir", "rewards", "tracking"],
     ["checkpoint", "config", "lora", "scheduler", "ops"],
     ["algo", "engine"],
     ["inference"],
     ["rollout"],
+    ["backends"],
     ["workflow"],
     ["eval"],
-    ["rollout_worker", "train"],
+    ["rollout.worker", "train"],
     ["trainer", "launch", "demo", "doctor"],
 ]
+SUBPACKAGE_LAYERS = [p for layer in LAYERS for p in layer if "." in p]
 # Importing one of these costs seconds or needs an optional extra: a module that pulls one in
 # at import time may be imported inside a function.
 HEAVY = {"torch", "megatron", "transformer_engine", "transformers", "tokenizers", "sglang",
@@ -107,8 +112,16 @@ def _imports(module: str) -> tuple:
 
 
 def _package(module: str) -> str:
+    """The layer entry of ``module``: its top-level package, or the dotted entry of
+    :data:`LAYERS` it lies in (``areal_mega.rollout.worker`` -> ``rollout.worker``)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else parts[0]
+    if len(parts) < 2:
+        return parts[0]
+    for entry in SUBPACKAGE_LAYERS:
+        n = entry.count(".") + 1
+        if parts[1:1 + n] == entry.split("."):
+            return entry
+    return parts[1]
 
 
 def _edges() -> dict:
@@ -189,6 +202,8 @@ def test_the_graph_sees_imports_inside_functions():
     ops = _imports("areal_mega.ops")
     assert any(t == "areal_mega.ops.logprob" for t, *_ in ops)
     assert _heavy("areal_mega.engine.megatron_engine") and not _heavy("areal_mega.run_dir")
+    assert _package("areal_mega.rollout.worker") == "rollout.worker"
+    assert _package("areal_mega.rollout.client") == "rollout"
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -226,12 +241,13 @@ def test_imports_inside_functions_are_only_for_heavy_dependencies():
 def test_the_inference_server_imports_nothing_from_the_client_side():
     bad = sorted(f"{m} imports {t}" for m in _modules() if _package(m) == "inference"
                  for t, *_ in _imports(m)
-                 if t and _package(t) in ("rollout", "workflow", "train", "launch", "eval",
-                                          "rollout_worker", "trainer"))
+                 if t and _package(t) in ("rollout", "backends", "workflow", "train", "launch",
+                                          "eval", "rollout.worker", "trainer"))
     assert not bad, bad
 
 
-@pytest.mark.parametrize("layer", ["rollout", "dataplane", "inference", "workflow", "rewards"])
+@pytest.mark.parametrize("layer", ["rollout", "rollout.worker", "backends", "dataplane",
+                                   "inference", "workflow", "rewards"])
 def test_rollout_side_imports_nothing_from_the_trainer(layer):
     files = [m for m in _modules() if _package(m) == layer]
     assert files
@@ -240,16 +256,25 @@ def test_rollout_side_imports_nothing_from_the_trainer(layer):
     assert not bad, sorted(bad)
 
 
-@pytest.mark.parametrize("module", ["run_dir", "parallel.allocation", "parallel.weight_group",
-                                    "scheduler.planner", "launch.plan", "rollout.staleness",
-                                    "common.files", "common.net", "common.loading"])
+@pytest.mark.parametrize("module", ["run_dir", "parallel.allocation", "scheduler.planner",
+                                    "launch.plan", "rollout.staleness", "common.files",
+                                    "common.net", "common.loading"])
 def test_pure_modules_do_not_import_torch(module):
     found = {ext for _, _, ext, _ in _imports(f"areal_mega.{module}") if ext}
     assert "torch" not in found, found
 
 
+def test_the_weight_group_loads_torch_only_to_form_the_group():
+    """The launcher takes the group's shape from ``parallel.weight_group``: torch is imported
+    only inside the functions that form the process group."""
+    imports = _imports("areal_mega.parallel.weight_group")
+    assert any(ext == "torch" for _, _, ext, _ in imports)
+    assert not _heavy("areal_mega.parallel.weight_group")
+
+
 def test_the_rollout_package_stays_small():
-    assert len(list((PKG / "rollout").glob("*.py"))) <= 14
+    """The client side (13 files) and the worker process (``rollout/worker.py``)."""
+    assert len(list((PKG / "rollout").glob("*.py"))) <= 15
 
 
 def test_one_place_replaces_files_and_one_picks_free_ports():

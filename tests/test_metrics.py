@@ -6,12 +6,12 @@ import subprocess
 import sys
 import textwrap
 
-from areal_mega.metrics import (MetricsLogger, ProgressBar, moving_average, plot_metrics,
-                                read_metrics, truncate_metrics)
+from areal_mega.tracking.metrics import (MetricsLogger, ProgressBar, moving_average, plot_metrics,
+                                        read_metrics, truncate_metrics)
 
 CRASHER = textwrap.dedent("""
     import os, signal, sys
-    from areal_mega.metrics import MetricsLogger
+    from areal_mega.tracking.metrics import MetricsLogger
     lg = MetricsLogger(sys.argv[1], tensorboard=False)
     for step in range(1, 8):
         lg.log(step, {"reward/mean": step / 10, "loss": 1.0 / step})

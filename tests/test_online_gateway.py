@@ -213,7 +213,7 @@ def test_gateway_serves_https_with_the_configured_certificate(tmp_path):
     import ssl
     import subprocess
 
-    from areal_mega.rollout.controller import EpisodeContext, RolloutController
+    from areal_mega.rollout.controller import GroupContext, RolloutController
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -224,7 +224,7 @@ def test_gateway_serves_https_with_the_configured_certificate(tmp_path):
     ctl = RolloutController(None, wf, [], batch_size=1, n_samples=2, eta=0, sink=print)
 
     async def go():
-        slot = asyncio.ensure_future(wf.arun_episode(EpisodeContext(ctl, 0), {}, 2))
+        slot = asyncio.ensure_future(wf.arun_episode(GroupContext(ctl, 0), {}, 2))
         while not wf.book.free_slots:
             await asyncio.sleep(0.01)
         info = json.loads((tmp_path / INFO_FILE).read_text())

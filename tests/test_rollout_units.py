@@ -2,7 +2,7 @@
 helpers and the SGLang command line. No servers."""
 import pytest
 
-from areal_mega.inference.process import build_sglang_command
+from areal_mega.backends.sglang import build_sglang_command
 from areal_mega.rewards import (TimeoutWorkerPool, exact_match_reward, extract_boxed,
                                         load_reward_fn, math_reward, shutdown_reward_workers)
 from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,

@@ -34,7 +34,7 @@ def test_worker_streams_groups_and_updates_weights(tmp_path_factory, tmp_path):
                            "reward_fn": "areal_mega.rewards:exact_match_reward"}}
         path = tmp_path / "config.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        worker = subprocess.Popen([sys.executable, "-m", "areal_mega.rollout_worker",
+        worker = subprocess.Popen([sys.executable, "-m", "areal_mega.rollout.worker",
                                    "--config", str(path)])
         got = []
         while len(got) < 4:  # eta = 0: exactly batch_size groups, then it waits

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.generate_result import RolloutRequestError, RolloutServerError
-from areal_mega.rollout.backends.vllm_client import VLLMClient
+from areal_mega.backends.vllm.client import VLLMClient
 from areal_mega.train.weight_sender import DistributedWeightSender
 from areal_mega.workflow.builtin import RLVRWorkflow
 from tests.rollout_helpers import GroupSink, load_model, run, teacher_forced_logprobs

@@ -1,5 +1,5 @@
-"""The vLLM server's command line, environment and interpreter (areal_mega.inference.vllm_launch)
-and the key check on every route (areal_mega.inference.vllm_auth).
+"""The vLLM server's command line, environment and interpreter (areal_mega.backends.vllm.launch)
+and the key check on every route (areal_mega.backends.vllm.auth).
 
 The command line is checked against vLLM's own parser and app, run by the vLLM interpreter
 (tests/_vllm_probe.py: parsed as the server parses it, the app built without an engine)."""
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from areal_mega.config import ConfigError
-from areal_mega.inference import vllm_auth
-from areal_mega.inference.vllm_auth import BearerOnEveryRoute
-from areal_mega.inference.vllm_launch import (PACKAGE_ROOT, SERVED_MODEL_NAME,
+from areal_mega.backends.vllm import auth as vllm_auth
+from areal_mega.backends.vllm.auth import BearerOnEveryRoute
+from areal_mega.backends.vllm.launch import (PACKAGE_ROOT, SERVED_MODEL_NAME,
                                               SUPPORTED_VLLM_VERSIONS, VLLM_AUTH_MIDDLEWARE,
                                               VLLM_PYTHON_ENV, VLLM_WORKER_EXTENSION,
                                               build_vllm_command, check_vllm_python,
@@ -85,7 +85,7 @@ def test_env_gpu_without_key():
     env = vllm_env(None, "cuda", 0.5, environ={})
     assert "VLLM_API_KEY" not in env and "VLLM_CPU_KVCACHE_SPACE" not in env  # GPU: no CPU KV
     assert env["PYTHONPATH"] == str(PACKAGE_ROOT) and env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert (PACKAGE_ROOT / "areal_mega" / "inference" / "vllm_auth.py").is_file()
+    assert (PACKAGE_ROOT / "areal_mega" / "backends" / "vllm" / "auth.py").is_file()
     assert vllm_env("", "cpu", 1, environ={}).get("VLLM_API_KEY") is None
     for bad in (0.5, 1.5, 0):
         with pytest.raises(ValueError, match="whole number of GiB"):

@@ -1,11 +1,15 @@
 """The vLLM client's translations (pure: SGLang's /generate body and answer <-> vLLM's
 token-in/token-out route) and the per-token versions the controller takes from an answer. The
 real server is in tests/test_vllm_backend.py."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from areal_mega.rollout.backends import client_class, group_handshake
-from areal_mega.rollout.backends.vllm_client import (VLLMClient, sglang_answer_from_vllm,
-                                                     vllm_generate_body)
+from areal_mega.backends.clients import client_class, group_handshake
+from areal_mega.backends.vllm.client import (VLLMClient, sglang_answer_from_vllm,
+                                             vllm_generate_body)
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.generate_result import (RolloutRequestError, generate_body,
                                                 parse_generate_answer, sampling_dict,
@@ -101,6 +105,20 @@ def test_backend_picks_the_client_and_the_group_handshake():
 
 
 def test_unknown_group_handshake_is_refused():
-    from areal_mega.parallel.update_group import init_update_group
+    from areal_mega.parallel.weight_group import init_update_group
     with pytest.raises(ValueError, match="handshake='ray'"):
         init_update_group("127.0.0.1", 1, 2, 0, "g", handshake="ray")
+
+
+def test_vllms_processes_import_our_two_modules_alone():
+    """vLLM's Python imports the API-key middleware and the worker extension by dotted name
+    from this checkout: with no site-packages at all (``-S``), they and their packages'
+    ``__init__`` load, and nothing else of ours."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, areal_mega.backends.vllm.auth, areal_mega.backends.vllm.worker_extension; "
+            "print(sorted(m for m in sys.modules if m.startswith('areal_mega')))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=root, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == str(["areal_mega", "areal_mega.backends", "areal_mega.backends.vllm",
+                               "areal_mega.backends.vllm.auth",
+                               "areal_mega.backends.vllm.worker_extension"])

@@ -1,23 +1,17 @@
-"""bench/vs_trl.py's pure helpers (no TRL needed): step walls from end times, the median after
+"""bench/vs_trl/run.py's pure helpers (no TRL needed): step walls from end times, the median after
 the warm-up step, the speed ratio and target, the parsing of both sides' step logs, the table,
 the tokenizer every id of the 135M vocabulary decodes with, the assets (RL and SFT files),
 and the missing-env message."""
-import importlib.util
+import importlib
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def vs():
-    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "bench" / "vs_trl.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.vs_trl.run")
 
 
 def test_step_walls_and_median_after_warmup(vs):

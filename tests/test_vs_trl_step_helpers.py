@@ -1,24 +1,18 @@
-"""bench/vs_trl_step.py's helpers (no TRL needed): TRL's batch as the intake's trajectories,
+"""bench/vs_trl/step.py's helpers (no TRL needed): TRL's batch as the intake's trajectories,
 the per-tensor comparisons with the embedding's pad row left out, AdamW's first step, the
-summaries; and bench/vs_trl_seeds.py's pooling of several runs' reward curves."""
-import importlib.util
-from pathlib import Path
+summaries; and bench/vs_trl/seeds.py's pooling of several runs' reward curves."""
+import importlib
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 EMBED = "model.embed_tokens.weight"
 
 
 @pytest.fixture(scope="module")
 def step():
-    spec = importlib.util.spec_from_file_location("vs_trl_step",
-                                                  ROOT / "bench" / "vs_trl_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.vs_trl.step")
 
 
 def test_trl_batch_becomes_groups_of_trajectories(step):
@@ -86,10 +80,7 @@ def _run(seed, eta, ours, trl, rl_seed=True):
 
 
 def test_seeds_pool_curves_per_label_and_seed():
-    spec = importlib.util.spec_from_file_location("vs_trl_seeds",
-                                                  ROOT / "bench" / "vs_trl_seeds.py")
-    seeds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(seeds)
+    seeds = importlib.import_module("bench.vs_trl.seeds")
     runs = [_run(1, 1, [0.1, 0.3], [0.2, 0.4], rl_seed=False),   # older: RL seed = seed
             _run(1, 0, [0.2, 0.2], [0.2, 0.4]),                  # TRL reused: counted once
             _run(2, 0, [0.4, None, 0.6], [0.0, 0.2])]            # a step without a reward

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from areal_mega.inference.vllm_launch import resolve_vllm_python
+from areal_mega.backends.vllm.launch import resolve_vllm_python
 
 
 def vllm_python() -> str:

@@ -40,7 +40,7 @@ class VLLMServer:
 
     def __init__(self, model: Path, log_dir: Path, dev_mode: bool = True,
                  max_model_len: int = 512):
-        from areal_mega.inference.vllm_launch import build_vllm_command, vllm_env
+        from areal_mega.backends.vllm.launch import build_vllm_command, vllm_env
 
         self.port = free_port("127.0.0.1")
         self.addr = f"127.0.0.1:{self.port}"

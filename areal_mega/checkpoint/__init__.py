@@ -18,7 +18,6 @@
 * :mod:`.value_model` — HF ``*ForSequenceClassification`` models as the critic's start.
 * :mod:`.export` — live export of model chunks as HF-named tensors in buckets.
 * :mod:`.convert` — offline HF <-> megatron converters (``tools/convert_*.py``).
-* :mod:`.anon_peak` — peak anonymous memory of this process over a block.
 
 Import the submodules; nothing heavy is imported here.
 """

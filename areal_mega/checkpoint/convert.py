@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from areal_mega.checkpoint.anon_peak import AnonPeak, proc_status_bytes
+from areal_mega.common.proc_memory import AnonPeak, proc_status_bytes
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, HF_AUX_FILES, HF_SUBDIR,
@@ -263,7 +263,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 "num_chunks": 1, "has_optimizer": False, "has_lr_scheduler": False,
                 "has_rng": False, "extra": {"value_model": True} if value_model else {}}
         peak_before_save = peak_rss_bytes()
-        with AnonPeak() as save_anon:   # the save maps the staged files: see anon_peak.py
+        with AnonPeak() as save_anon:   # the save maps the staged files: see common/proc_memory.py
             path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)

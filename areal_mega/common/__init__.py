@@ -9,6 +9,8 @@
 - :mod:`.counters` — process-wide event counters of the rollout side (sandbox kills and
   timeouts, gateway sessions);
 - :mod:`.log_tail` — the error a dead process left in its log, for one-line death notices;
+- :mod:`.proc_memory` — this process's memory from ``/proc/self/status`` (peak RSS, the
+  anonymous peak over a block);
 - :mod:`.errors` — ``ConfigError``, the config error every layer raises;
 - :mod:`.moe_routes` — routed experts of a mixture-of-experts model: the layout, SGLang's wire
   encoding, the per-sample table.

@@ -1,6 +1,6 @@
 """The ``rollout.vllm`` section of the experiment config (``rollout.backend: vllm``, docs/vllm.md)
 and the rules a vLLM rollout must follow. Pure: no vllm, no torch; the launcher builds the
-command line from it (:mod:`areal_mega.inference.vllm_launch`)."""
+command line from it (:mod:`areal_mega.backends.vllm.launch`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

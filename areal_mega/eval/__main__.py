@@ -36,7 +36,7 @@ from areal_mega.eval.runner import evaluate, load_eval_items
 from areal_mega.eval.scores import format_table, summarize
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import load_reward_fn, shutdown_reward_workers
-from areal_mega.rollout.backends import client_class
+from areal_mega.backends.clients import client_class
 
 
 def is_hf_dir(path: Path) -> bool:

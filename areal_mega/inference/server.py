@@ -29,7 +29,7 @@ logged opt-out ``--allow-unauthenticated``): the server refuses to start. Genera
 batched per decode step by
 :class:`~areal_mega.inference.decoding.BatchedEngine`; sampling and logprobs are described in
 :mod:`areal_mega.inference.sampling`. The weight-update group is created the SGLang way
-(:mod:`areal_mega.parallel.update_group`); the model side lives in
+(:mod:`areal_mega.parallel.weight_group`); the model side lives in
 :mod:`areal_mega.inference.server_state`.
 
 One client must not hurt the others:
@@ -260,7 +260,7 @@ def build_app(srv: LocalRolloutServer,
             raise BadRequest(f"{w}.rank_offset={rank}: must be in [1, world_size)")
         if not name:
             raise BadRequest(f"{w}.group_name: must not be empty")
-        # the join runs on its own thread (see server_model); if this client goes away the
+        # the join runs on its own thread (see server_state); if this client goes away the
         # join still completes or times out, and the group is kept if it was made
         joined = asyncio.wrap_future(srv.start_join(addr, port, rank, world, name, backend,
                                                     timeout_s))

@@ -25,8 +25,8 @@ from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_
 from areal_mega.inference.lora_layers import LoraLayers
 from areal_mega.inference.param_targets import ParamTargets
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
-from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
-                                             init_update_group)
+from areal_mega.parallel.weight_group import (broadcast_from_rank0, destroy_update_group,
+                                              init_update_group)
 
 # the longest rendezvous /init_weights_update_group may ask for; a longer timeout_s is refused
 MAX_JOIN_TIMEOUT_S = 600.0

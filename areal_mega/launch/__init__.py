@@ -5,7 +5,7 @@
 - :mod:`.supervisor` — a generic process supervisor: start a list of specs, watch them,
   relaunch, stop them all;
 - :mod:`.server_commands` — each rollout backend's server process: command line, environment,
-  secret, interpreter check;
+  secret, interpreter check (the backends' own pieces are :mod:`areal_mega.backends`);
 - :mod:`.plan` — placement of rollout servers and trainer ranks on nodes and GPUs (pure);
 - :mod:`.memory` — the per-GPU memory estimate of a trainer layout (pure);
 - :mod:`.slurm_submit` — ``sbatch`` of ``launch/slurm/run.sbatch`` with the resources a recipe

@@ -59,7 +59,7 @@ TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
 # Started in RL mode. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it (tests).
 ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
-                                       "areal_mega.rollout_worker")
+                                       "areal_mega.rollout.worker")
 # Liveness probe of a rollout server. SGLang's ``/health_generate`` generates a token and
 # answers 503 while generation is paused (a weight update), so the launcher asks ``/health``.
 HEALTH_PATH = "/health"

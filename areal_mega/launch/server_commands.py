@@ -2,9 +2,9 @@
 
 - ``local``: our CPU server (:data:`ROLLOUT_SERVER_MODULE`), the API key in
   :data:`~areal_mega.security.API_KEY_ENV`;
-- ``sglang``: :func:`~areal_mega.inference.process.build_sglang_command`, the key in a 0600 YAML
+- ``sglang``: :func:`~areal_mega.backends.sglang.build_sglang_command`, the key in a 0600 YAML
   file passed as ``--config`` (SGLang reads it only as a flag);
-- ``vllm``: :func:`~areal_mega.inference.vllm_launch.build_vllm_command` run by the vLLM
+- ``vllm``: :func:`~areal_mega.backends.vllm.launch.build_vllm_command` run by the vLLM
   interpreter (``rollout.vllm.python``), the key in ``VLLM_API_KEY``; the interpreter is
   checked once before any process starts (:func:`check_server_runtime`).
 
@@ -17,8 +17,8 @@ import shlex
 import sys
 from typing import Optional
 
-from areal_mega.inference.process import build_sglang_command
-from areal_mega.inference.vllm_launch import (SERVED_MODEL_NAME, build_vllm_command,
+from areal_mega.backends.sglang import build_sglang_command
+from areal_mega.backends.vllm.launch import (SERVED_MODEL_NAME, build_vllm_command,
                                               check_vllm_python, resolve_vllm_python, vllm_env)
 from areal_mega.lora.targets import lora_server_flags
 from areal_mega.parallel.allocation import parse_allocation
@@ -50,7 +50,7 @@ def server_secrets(cfg) -> dict:
 def backend_env(cfg, device: str) -> dict:
     """Environment entries a server of ``cfg.rollout.backend`` needs besides its GPUs and its
     key: for vLLM the development routes, the CPU KV cache, ``PYTHONPATH`` to this checkout
-    (:func:`~areal_mega.inference.vllm_launch.vllm_env`); nothing for the others."""
+    (:func:`~areal_mega.backends.vllm.launch.vllm_env`); nothing for the others."""
     if cfg.rollout.backend != "vllm":
         return {}
     return vllm_env(None, device, cfg.rollout.vllm.kv_cache_gib)

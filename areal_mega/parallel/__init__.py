@@ -3,6 +3,7 @@
 - :mod:`.allocation` — ``<rollout>:<dims>+<trainer>:<dims>`` parsed and checked (pure);
 - :mod:`.mesh` — :class:`ParallelMesh`, the one place that creates torch.distributed process
   groups;
-- :mod:`.weight_group` — the weight-update group's ranks against the layout (pure);
-- :mod:`.update_group` — the weight-update process group, created the way SGLang creates it.
+- :mod:`.weight_group` — the weight-update group shared by the trainer's sender and the
+  rollout servers: its ranks against the layout (pure) and the process group that forms it,
+  created the way SGLang creates it.
 """

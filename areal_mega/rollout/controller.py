@@ -1,7 +1,7 @@
 """RolloutController: concurrent episodes under the staleness bound, interruptible generation,
 weight updates, and delivery of finished groups to a sink.
 
-The rollout worker (:mod:`areal_mega.rollout_worker`) drives it; all calls come from threads
+The rollout worker (:mod:`areal_mega.rollout.worker`) drives it; all calls come from threads
 other than the controller's own asyncio thread::
 
     ctl = RolloutController(client, workflow, prompts, batch_size=B, eta=η, n_samples=n,
@@ -73,8 +73,11 @@ def model_finish(finish: str, output_ids: list, sampling: dict, tokenizer=None) 
     return "stop" if output_ids[-1] in ends else finish
 
 
-class EpisodeContext:
-    """What a workflow sees for one prompt group."""
+class GroupContext:
+    """What a workflow sees for one prompt group (``arun_episode(ctx, item, n_samples)``):
+    the group's ids, the tokenizer, keyed interruptible generation, rewards and blocking calls
+    off the loop. :class:`~areal_mega.workflow.api.SampleContext` is the per-sample view an
+    episode function gets; it wraps this one (one group context, ``n_samples`` samples)."""
 
     def __init__(self, ctl: "RolloutController", group_index: int):
         self.ctl = ctl
@@ -270,7 +273,7 @@ class RolloutController:
         return next(self._prompts, None), 0
 
     async def _run_group(self, gidx: int, item: dict, attempt: int = 0) -> None:
-        ctx = EpisodeContext(self, gidx)
+        ctx = GroupContext(self, gidx)
         start_version = self.counter.version
         try:
             group = await self.workflow.arun_episode(ctx, item, self.n_samples)
@@ -444,4 +447,3 @@ class RolloutController:
                 **self.failures.stats(),
                 "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
                 **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
-

@@ -35,8 +35,7 @@ from typing import Optional
 
 import aiohttp
 
-from areal_mega.rollout.backends import client_class
-from areal_mega.rollout.client import RolloutRequestError
+from areal_mega.rollout.client import RolloutClient, RolloutRequestError
 from areal_mega.rollout.hooks import ClientHooks
 from areal_mega.rollout.lora_sync import load_published_into
 from areal_mega.rollout.relaunch import RelaunchPolicy
@@ -67,12 +66,13 @@ class ElasticPool(ClientHooks):
     the pool keeps joining (``pending``) and leaving servers out of dispatch, counts requests
     and tokens per server, and re-syncs relaunched servers through its
     :class:`~areal_mega.rollout.relaunch.RelaunchPolicy` (``relaunch``). ``client_kw`` go to
-    the client (of ``backend``'s kind). All methods run on the controller's event loop."""
+    the client, of class ``client_cls`` (:func:`areal_mega.backends.clients.client_class`
+    picks it for ``rollout.backend``). All methods run on the controller's event loop."""
 
     serial_checks = True
 
     def __init__(self, addrs: list, *, paths: RunDir, down_wait_s: float = 120.0,
-                 backend: str = "sglang", **client_kw):
+                 client_cls: type = RolloutClient, **client_kw):
         self.relaunch = RelaunchPolicy(paths, down_wait_s)
         self.leaving: set = set()               # addresses out of dispatch (being removed)
         self.pending: set = set()               # joined, awaiting the group's next broadcast
@@ -84,7 +84,7 @@ class ElasticPool(ClientHooks):
         self.tokens: collections.Counter = collections.Counter()
         self.resumptions = 0
         self.joins = self.removals = 0
-        self.client = client_class(backend)(addrs, hooks=self, **client_kw)
+        self.client = client_cls(addrs, hooks=self, **client_kw)
 
     # ------------------------------------------------------------------ client hooks
     @property

@@ -1,5 +1,14 @@
-"""Experiment trackers fed from trainer rank 0: ``metrics.jsonl`` first, then TensorBoard,
-Weights & Biases and MLflow (``logging.trackers``), plus the sample log (``samples.jsonl``).
+"""What a run logs, from trainer rank 0: ``metrics.jsonl`` first, then TensorBoard, Weights &
+Biases and MLflow (``logging.trackers``), plus the sample log (``samples.jsonl``).
+
+- :mod:`.metrics` -- ``metrics.jsonl`` (one fsync'd line a step, rewritten on resume), the
+  TensorBoard scalars, the progress bar and the reward plot;
+- :mod:`.base` -- what every tracker shares: the names, the config check, the per-run state
+  file, the row filtering;
+- :mod:`.wandb_tracker`, :mod:`.mlflow_tracker` -- one optional tracker each;
+- :mod:`.samples` -- ``samples.jsonl``: a few prompt groups every
+  ``logging.log_samples_every`` steps, decoded;
+- here: :class:`RunLog`, all of them behind one ``log``.
 
     log = RunLog(cfg, run_dir, resume_step=None)      # rank 0 only
     log.log_samples(step, trajs, advantages)          # every logging.log_samples_every steps
@@ -13,10 +22,11 @@ and a step the resumed trainer redoes (after the checkpoint, before the crash) i
 twice: a tracker takes only steps above its last one. ``metrics.jsonl`` is rewritten on resume
 and always holds the redone values. A tracker that lost steps up to the checkpoint (W&B offline
 writes its file in blocks: a killed trainer loses the tail) gets them again from
-``metrics.jsonl`` and ``samples.jsonl``, so no step is missing either. Parameters are the resolved config with every secret
-redacted (:func:`areal_mega.security.redact_secrets`).
+``metrics.jsonl`` and ``samples.jsonl``, so no step is missing either. Parameters are the
+resolved config with every secret redacted (:func:`areal_mega.security.redact_secrets`).
 
 - this module: :class:`RunLog`, the run log that feeds every chosen tracker;
+- :mod:`.metrics` — ``metrics.jsonl``, TensorBoard scalars, the progress bar and the plot;
 - :mod:`.base` — what every tracker shares: the names, the config check, the per-tracker state
   file, the row filtering;
 - :mod:`.wandb_tracker` — Weights & Biases;
@@ -30,7 +40,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.metrics import MetricsLogger, read_metrics
+from areal_mega.tracking.metrics import MetricsLogger, read_metrics
 from areal_mega.security import redact_secrets
 from areal_mega.tracking.base import TRACKERS, check_trackers
 from areal_mega.tracking.samples import SampleLog
@@ -39,8 +49,8 @@ __all__ = ["RunLog", "TRACKERS", "check_trackers"]
 
 
 class RunLog:
-    """Rank 0's logs of one run: :class:`~areal_mega.metrics.MetricsLogger`, the chosen
-    trackers and the :class:`~areal_mega.tracking.samples.SampleLog`.
+    """Rank 0's logs of one run: :class:`~areal_mega.tracking.metrics.MetricsLogger`, the
+    chosen trackers and the :class:`~areal_mega.tracking.samples.SampleLog`.
 
     ``cfg``: the experiment config; ``resume_step``: the checkpoint step a resumed run
     continues from (None: a fresh run, whose tracker state files are ignored)."""

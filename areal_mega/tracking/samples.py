@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from areal_mega.data.dataset import load_tokenizer
-from areal_mega.metrics import truncate_metrics
+from areal_mega.tracking.metrics import truncate_metrics
 
 SAMPLES_FILE = "samples.jsonl"
 COLUMNS = ("kind", "group_id", "sample_id", "prompt", "completion", "reward", "advantage",

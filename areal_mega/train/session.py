@@ -19,7 +19,7 @@ from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.lora.actor import (AdaptersOffReference, base_keys, check_resumed_base,
                                    checkpoint_extra, merged_deltas, publish_adapter)
-from areal_mega.metrics import ProgressBar, plot_metrics
+from areal_mega.tracking.metrics import ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import weight_update_group
 from areal_mega.rollout.routes import replay_layout

@@ -5,7 +5,7 @@ rank 1 + i·tp through ``/init_weights_update_group``). For each bucket it POSTs
 ``/update_weights_from_distributed {names, dtypes, shapes}`` to every server and, while those
 requests are in flight, broadcasts the bucket's tensors one by one (root 0) in the listed order,
 which is exactly what SGLang's receiver expects. Gloo on CPU, NCCL on GPU. The group itself is
-created the SGLang way (see :mod:`areal_mega.parallel.update_group`), so real SGLang servers and
+created the SGLang way (see :mod:`areal_mega.parallel.weight_group`), so real SGLang servers and
 the CPU server both meet it.
 
 A server that dies before or during a broadcast does not end the trainer: before each bucket
@@ -30,10 +30,9 @@ from typing import Callable, Iterable, Iterator, Optional
 import aiohttp
 
 from areal_mega.common.net import free_port
-from areal_mega.parallel.update_group import (broadcast_from_rank0, destroy_update_group,
-                                              init_update_group)
-from areal_mega.parallel.weight_group import weight_update_group
-from areal_mega.rollout.backends import client_class, group_handshake
+from areal_mega.parallel.weight_group import (broadcast_from_rank0, destroy_update_group,
+                                              init_update_group, weight_update_group)
+from areal_mega.backends.clients import client_class, group_handshake
 from areal_mega.rollout.client import RolloutRequestError, server_url
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ def create_sender_group(master_address: str, master_port: int, world_size: int,
                         handshake: str = "sglang"):
     """Rank 0 of the weight-update group (hosts the TCP store), built exactly as the servers
     build theirs (SGLang's way, or vLLM's stateless group with ``handshake="vllm"``:
-    :func:`~areal_mega.parallel.update_group.init_update_group`). Does not touch the default
+    :func:`~areal_mega.parallel.weight_group.init_update_group`). Does not touch the default
     process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
     until every server has joined."""
 

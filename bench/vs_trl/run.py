@@ -1,12 +1,11 @@
-#!/usr/bin/env python
 """GRPO on a CPU, ours against TRL: the same work, one run of each, printed side by side.
 
     make trl-env                        # once: TRL's own Python 3.11 venv (.venv-trl)
-    python bench/vs_trl.py              # the 135M Llama shape: 10 steps of 8 prompts x 8
-    python bench/vs_trl.py --layers 2 --steps 3 --prompts 2 --group 4 --max-new 8   # smoke
-    python bench/vs_trl.py --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
-    python bench/vs_trl.py --sft-steps 30    # 135M: SFT'd before RL, so both sides learn
-    python bench/vs_trl.py --sft-steps 30 --rl-seed 2 --out runs/X   # X's warm start, seed 2
+    python -m bench.vs_trl              # the 135M Llama shape: 10 steps of 8 prompts x 8
+    python -m bench.vs_trl --layers 2 --steps 3 --prompts 2 --group 4 --max-new 8   # smoke
+    python -m bench.vs_trl --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
+    python -m bench.vs_trl --sft-steps 30    # 135M: SFT'd before RL, so both sides learn
+    python -m bench.vs_trl --sft-steps 30 --rl-seed 2 --out runs/X   # X's warm start, seed 2
 
 Model: the shape of a 135M Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536,
 vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it;
@@ -31,7 +30,7 @@ temperature 1, group-normalised advantages, no KL term, one optimizer step (Adam
   server, the rollout worker, the trainer; staleness bound ``--eta``, default 1: the server
   generates the next batch while the trainer trains; ``--eta 0`` alternates them, as TRL
   does), times from its metrics.jsonl;
-* TRL: bench/_trl_side.py in .venv-trl: ``GRPOTrainer`` (``model.generate`` for rollouts),
+* TRL: bench/vs_trl/trl_side.py in .venv-trl: ``GRPOTrainer`` (``model.generate`` for rollouts),
   one generation batch of prompts x group samples per optimizer step, gradient checkpointing
   off unless ``--trl-grad-ckpt``.
 
@@ -61,9 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from _vs_trl_assets import build_tokenizer, make_assets, warm_start  # noqa: E402,F401
+from bench.vs_trl.assets import ROOT, build_tokenizer, make_assets, warm_start  # noqa: F401
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 TARGET = 2.0     # ours at least 2x TRL's steps per hour
 
@@ -101,7 +98,7 @@ def ours_steps(metrics_rows: list) -> list:
 
 
 def trl_steps(rows: list) -> list:
-    """bench/_trl_side.py's steps.jsonl rows as the bench's step rows; tokens per step from
+    """bench/vs_trl/trl_side.py's steps.jsonl rows as the bench's step rows; tokens per step from
     TRL's cumulative ``num_tokens``; the split: ``generate`` (inside ``model.generate``),
     ``rollout_rest`` (the rest of TRL's ``_prepare_inputs``: decoding, rewards, advantages)
     and ``train`` (the rest of the step: forward, backward, optimizer)."""
@@ -269,10 +266,10 @@ def require_trl_env() -> None:
 
 
 def run_trl(a, model: Path, data: Path, out: Path) -> dict:
-    """TRL's GRPO run (bench/_trl_side.py in .venv-trl); returns its step rows, wall, peak
+    """TRL's GRPO run (bench/vs_trl/trl_side.py in .venv-trl); returns its step rows, wall, peak
     memory and settings."""
     require_trl_env()
-    cmd = [TRL_PYTHON, ROOT / "bench" / "_trl_side.py", "--model", model,
+    cmd = [TRL_PYTHON, "-m", "bench.vs_trl.trl_side", "--model", model,
            "--train", data / "train.jsonl", "--out", out, "--steps", a.steps,
            "--prompts", a.prompts, "--group", a.group, "--max-new", a.max_new, "--lr", a.lr,
            "--seed", a.rl_seed, "--threads", len(a.cpus), "--micro-batch", a.trl_micro_batch,
@@ -391,7 +388,7 @@ def main(argv=None) -> None:
                    help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)")
     p.add_argument("--seed", type=int, default=1, help="assets and the SFT warm start")
     p.add_argument("--rl-seed", type=int, default=None, help="both sides' RL runs (default: "
-                   "--seed); bench/vs_trl_seeds.py pools several")
+                   "--seed); bench/vs_trl/seeds.py pools several")
     p.add_argument("--sft-steps", type=int, default=0, help="warm start: steps of our SFT on "
                    "the reverse task's answers before both sides' RL (0: the random weights)")
     p.add_argument("--sft-lr", type=float, default=3e-4)

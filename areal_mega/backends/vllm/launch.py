@@ -6,7 +6,7 @@ and the launcher starts ``<that python> -m vllm.entrypoints.openai.api_server``.
 processes import two modules of ours from this checkout (``PYTHONPATH``, :func:`vllm_env`):
 the worker extension that receives weight updates (:data:`VLLM_WORKER_EXTENSION`) and the
 middleware that asks for the API key on every route but ``/health``
-(:data:`VLLM_AUTH_MIDDLEWARE`, :mod:`areal_mega.inference.vllm_auth`).
+(:data:`VLLM_AUTH_MIDDLEWARE`, :mod:`areal_mega.backends.vllm.auth`).
 
 The API key never goes on the command line: vLLM reads it from ``VLLM_API_KEY``.
 Pure functions but :func:`check_vllm_python`, which runs the interpreter once; no torch, no
@@ -26,10 +26,10 @@ __all__ = ["VLLM_WORKER_EXTENSION", "VLLM_AUTH_MIDDLEWARE", "SUPPORTED_VLLM_VERS
            "vllm_env", "resolve_vllm_python", "check_vllm_python"]
 
 #: the class vLLM's workers mix in (``--worker-extension-cls``): weight updates from the trainer
-VLLM_WORKER_EXTENSION = "areal_mega.inference.vllm_worker.WeightSyncExtension"
+VLLM_WORKER_EXTENSION = "areal_mega.backends.vllm.worker_extension.WeightSyncExtension"
 #: ASGI middleware (``--middleware``): vLLM's own key check guards only /v1, /v2, /inference and
 #: /cohere, not the development routes (/collective_rpc, /pause, ...) that weight syncs use
-VLLM_AUTH_MIDDLEWARE = "areal_mega.inference.vllm_auth.BearerOnEveryRoute"
+VLLM_AUTH_MIDDLEWARE = "areal_mega.backends.vllm.auth.BearerOnEveryRoute"
 #: vLLM releases whose routes and worker API this code is written against (version prefixes)
 SUPPORTED_VLLM_VERSIONS = ("0.32.",)
 #: the model name the servers answer to (``--served-model-name``), whatever ``model.path`` is
@@ -37,7 +37,7 @@ SERVED_MODEL_NAME = "policy"
 #: environment variable naming the vLLM interpreter when ``rollout.vllm.python`` is empty
 VLLM_PYTHON_ENV = "AREAL_VLLM_PYTHON"
 #: the directory that holds the ``areal_mega`` package (a checkout's root)
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 #: our trainer's logprobs are after temperature (as SGLang's and our CPU server's); vLLM's
 #: default (raw_logprobs) is before it
 LOGPROBS_MODE = "processed_logprobs"
@@ -146,8 +146,8 @@ def check_vllm_python(python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS,
         raise ConfigError(f"{where} {what}; {BUILD_HINT}")
     try:
         proc = subprocess.run(
-            [python, "-c", "import vllm; import areal_mega.inference.vllm_worker, "
-             "areal_mega.inference.vllm_auth; print(vllm.__version__)"],
+            [python, "-c", "import vllm; import areal_mega.backends.vllm.worker_extension, "
+             "areal_mega.backends.vllm.auth; print(vllm.__version__)"],
             capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
             env=dict(os.environ, PYTHONPATH=vllm_env(None, "gpu")["PYTHONPATH"]))
     except subprocess.TimeoutExpired:
@@ -158,7 +158,7 @@ def check_vllm_python(python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS,
     if proc.returncode != 0:
         said = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or "(nothing)"
         raise ConfigError(f"{where} cannot import vllm or our extension (areal_mega."
-                          f"inference.vllm_worker) (exit {proc.returncode}):\n{said}\n"
+                          f"backends.vllm.worker_extension) (exit {proc.returncode}):\n{said}\n"
                           f"{BUILD_HINT}")
     lines = proc.stdout.strip().splitlines()
     version = lines[-1].strip() if lines else ""

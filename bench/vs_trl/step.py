@@ -1,14 +1,13 @@
-#!/usr/bin/env python
 """One GRPO step, ours against TRL's ``GRPOTrainer``: the same weights and the same batch must
 give the same gradient and the same update.
 
     make trl-env                                        # once: TRL's venv (.venv-trl)
-    python bench/vs_trl_step.py                         # a tiny model built here
-    python bench/vs_trl_step.py --from runs/vs-trl-X    # the model and data of a vs_trl run
+    python -m bench.vs_trl.step                         # a tiny model built here
+    python -m bench.vs_trl.step --from runs/vs-trl-X    # the model and data of a vs_trl run
 
-bench/vs_trl.py compares whole runs, where sampling noise and our staleness bound (``--eta``)
+bench/vs_trl/run.py compares whole runs, where sampling noise and our staleness bound (``--eta``)
 separate the reward curves; this compares one step with neither. TRL's side
-(bench/_trl_step.py in .venv-trl) runs one real step of the vs_trl trainer (its own
+(bench/vs_trl/trl_step.py in .venv-trl) runs one real step of the vs_trl trainer (its own
 generation, rewards, advantages, loss, clipping and AdamW) and writes what it trained on: the
 samples, their rewards and the log-probabilities of the sampled tokens under the weights that
 sampled them (what a rollout server reports). Ours then trains that batch from the same
@@ -35,22 +34,18 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench._vs_trl_assets import make_assets  # noqa: E402  (bench/ is a namespace package)
-from bench.vs_trl import TRL_PYTHON, _env, require_trl_env  # noqa: E402
+from bench.vs_trl.assets import ROOT, make_assets
+from bench.vs_trl.run import TRL_PYTHON, _env, require_trl_env
 
 
 def run_trl_step(a, model: Path, train: Path, out: Path) -> dict:
-    """bench/_trl_step.py in .venv-trl; returns its batch.json."""
-    cmd = [str(TRL_PYTHON), str(ROOT / "bench" / "_trl_step.py"), "--model", str(model),
+    """bench/vs_trl/trl_step.py in .venv-trl; returns its batch.json."""
+    cmd = [str(TRL_PYTHON), "-m", "bench.vs_trl.trl_step", "--model", str(model),
            "--train", str(train), "--out", str(out), "--prompts", str(a.prompts),
            "--group", str(a.group), "--max-new", str(a.max_new), "--lr", str(a.lr),
            "--seed", str(a.seed), "--threads", str(a.threads)]
@@ -182,7 +177,7 @@ def summarise(values: dict, worst=max) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--from", dest="source", default=None, help="a bench/vs_trl.py --out: its "
+    p.add_argument("--from", dest="source", default=None, help="a bench/vs_trl/run.py --out: its "
                    "SFT'd model (sft/hf_model) or else its model, and its data/train.jsonl")
     p.add_argument("--shape", choices=("135m", "tiny"), default="tiny",
                    help="without --from: the model built here")

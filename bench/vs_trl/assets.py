@@ -1,11 +1,11 @@
-"""bench/vs_trl.py's assets: a Llama with random weights (the 135M shape, or the demo's tiny one
+"""bench/vs_trl/run.py's assets: a Llama with random weights (the 135M shape, or the demo's tiny one
 that learns the task within a run), its tokenizer and the prompt files (both sides read the
 same ones)."""
 import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the demo's model (areal_mega/demo.py) over the digits charset alone: 3 special tokens + 19
 TINY = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
             intermediate_size=256, vocab_size=22)
@@ -46,8 +46,7 @@ def make_assets(out: Path, layers: int, seed: int, instruction: int = 0,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from areal_mega.data.synthetic import write_task_files
-    sys.path.insert(0, str(ROOT / "bench"))
-    from engine import SHAPE
+    from bench.engine import SHAPE
 
     shape = {k: v for k, v in SHAPE.items() if k not in ("model_type", "architectures")}
     shape.update(TINY if shape_name == "tiny" else {})

@@ -1,6 +1,6 @@
 """The rollout worker process: prompts -> rollout servers -> rewards -> data plane -> trainer.
 
-    python -m areal_mega.rollout_worker --config recipes/X.yaml [key=value ...]
+    python -m areal_mega.rollout.worker --config recipes/X.yaml [key=value ...]
 
 (normally started by ``areal_mega.launch.local``). It runs a
 :class:`~areal_mega.rollout.controller.RolloutController` over the training prompts, pushes
@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from areal_mega.backends.clients import client_class
 from areal_mega.common.files import atomic_write
 from areal_mega.common.signals import TermWatchdog
 from areal_mega.config import load_config
@@ -55,7 +56,7 @@ from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration
 from areal_mega.workflow.builtin import workflow_from_config
 from areal_mega.workflow.multitask import build_multitask
 
-log = logging.getLogger("areal_mega.rollout_worker")
+log = logging.getLogger("areal_mega.rollout.worker")
 
 
 class PromptCursor:
@@ -165,7 +166,7 @@ class RolloutWorker:
                              "host:port list (launch.local fills it in)")
         self.elastic = ElasticPool(   # the servers now: some may have joined or left
             self.paths.rollout_server_addrs(cfg.rollout.server_addrs), paths=self.paths,
-            api_key=cfg.rollout.api_key, backend=cfg.rollout.backend,
+            api_key=cfg.rollout.api_key, client_cls=client_class(cfg.rollout.backend),
             timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
             down_wait_s=cfg.cluster.server_ready_timeout_s)
         self.client = self.elastic.client

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
-"""Reward curves of several bench/vs_trl.py runs (other ``--rl-seed``s, other ``--eta``s),
+"""Reward curves of several bench/vs_trl/run.py runs (other ``--rl-seed``s, other ``--eta``s),
 pooled: one seed's curve says little, sampling noise moves it by a step or two.
 
-    for s in 1 2 3; do python bench/vs_trl.py --sft-steps 30 --rl-seed $s --out runs/s$s; done
-    python bench/vs_trl_seeds.py runs/s*/vs_trl.json --out runs/seeds.png
+    for s in 1 2 3; do python -m bench.vs_trl --sft-steps 30 --rl-seed $s --out runs/s$s; done
+    python -m bench.vs_trl.seeds runs/s*/vs_trl.json --out runs/seeds.png
 
 Each file adds its TRL curve (once per RL seed: a TRL side reused with ``--trl-from`` counts
 once) and its curve of ours under the label ``ours eta=N``. Printed per label: the number of

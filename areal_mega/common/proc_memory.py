@@ -1,4 +1,5 @@
-"""Peak anonymous memory of this process over a block, sampled from ``/proc/self/status``.
+"""Memory of this process from ``/proc/self/status``: a field (peak RSS, ``VmHWM``), and the peak
+anonymous memory over a block (:class:`AnonPeak`).
 
 The kernel's peak RSS (``VmHWM``) counts file-backed pages too. megatron-core 0.19 writes a
 distributed checkpoint from threads of the saving process (0.16 wrote from child processes),

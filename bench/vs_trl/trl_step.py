@@ -1,8 +1,9 @@
-"""TRL's side of bench/vs_trl_step.py: one real ``GRPOTrainer`` step, with what it trained on.
+"""TRL's side of bench/vs_trl/step.py: one real ``GRPOTrainer`` step, with what it trained on.
 
-    .venv-trl/bin/python bench/_trl_step.py --model DIR --train FILE --out DIR [--prompts N ...]
+    .venv-trl/bin/python -m bench.vs_trl.trl_step --model DIR --train FILE --out DIR \
+        [--prompts N ...]
 
-The trainer of bench/_trl_side.py (same ``GRPOConfig``), ``max_steps`` 1. Its own
+The trainer of bench/vs_trl/trl_side.py (same ``GRPOConfig``), ``max_steps`` 1. Its own
 ``_generate_and_score_completions`` is wrapped to keep its output; its reward function to keep
 the rewards. Writes into ``--out``:
 
@@ -19,7 +20,7 @@ the rewards. Writes into ``--out``:
 import json
 from pathlib import Path
 
-from _trl_side import arguments, build_trainer
+from bench.vs_trl.trl_side import arguments, build_trainer
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
-"""TRL's side of bench/vs_trl.py; runs in TRL's own environment (``make trl-env``, .venv-trl).
+"""TRL's side of bench/vs_trl/run.py; runs in TRL's own environment (``make trl-env``, .venv-trl).
 
-    .venv-trl/bin/python bench/_trl_side.py --model DIR --train FILE --out DIR [--steps N ...]
+    .venv-trl/bin/python -m bench.vs_trl.trl_side --model DIR --train FILE --out DIR [--steps N ...]
 
 TRL's ``GRPOTrainer`` on the bench's model directory and prompt file, with the reward function
 our side names (``module:function``, imported from this repository: the parent puts its root on
@@ -104,7 +104,7 @@ def step_logger(path: Path):
 
 
 def arguments(argv=None, *, description: str):
-    """The command line both TRL scripts share (this one and bench/_trl_step.py)."""
+    """The command line both TRL scripts share (this one and bench/vs_trl/trl_step.py)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--model", required=True)
     p.add_argument("--train", required=True, help="JSONL with prompt and answer")
