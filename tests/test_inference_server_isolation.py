@@ -171,6 +171,22 @@ def test_out_of_range_ints_and_deep_json_are_400(server):
     assert status == 200 and len(out["output_ids"]) == 3
 
 
+def test_huge_numbers_and_bodies_are_4xx_naming_the_field(server):
+    """Integers that overflow a float (10**400) in float fields and token ids, and a body
+    beyond the size limit: 4xx naming the field, never 500."""
+    for body, msg in [(gen([5], 4, temperature=10 ** 400), "temperature"),
+                      (gen([5], 4, top_p=-10 ** 400), "top_p"),
+                      (gen([5], 4, repetition_penalty=10 ** 400), "repetition_penalty"),
+                      (gen([5], 4, logit_bias={"5": 10 ** 400}), "logit_bias"),
+                      (gen([10 ** 400], 4), "input_ids")]:
+        status, out = call(server, "/generate", body)
+        assert status == 400 and msg in out["error"]["message"], (msg, status, out)
+    status, _ = call(server, "/generate", data=b'{"text": "' + b"a" * (65 << 20) + b'"}')
+    assert status == 413
+    status, out = call(server, "/generate", gen([5, 6], 3))
+    assert status == 200 and len(out["output_ids"]) == 3
+
+
 # ------------------------------------------------------------------ item 10: disconnects
 
 

@@ -16,6 +16,14 @@ Routes (JSON bodies; errors in the OpenAI error shape ``{"error": {"message", "t
   /rl/end_session {"session_id"}`` (the admin key, or that session's key: another session's
   key is 403).
 
+Hostile clients hurt only themselves (:mod:`areal_mega.common.http_guard`): a connection idle
+for ``idle_timeout_s`` (no request, or headers never finished) is closed; a body not received
+within ``body_timeout_s`` is 408; a body over 64 MiB is 413, nested too deep or with integers
+beyond int64 400; past ``max_connections`` (kept below the file descriptor limit) the oldest
+idle connection is closed for the newcomer, or the newcomer gets a plain 503 when all are busy,
+counted as ``online/connections_closed_idle`` / ``online/connections_refused`` and logged once
+per interval, never a traceback per socket.
+
 Each group the controller starts (under its staleness bound) is one slot of the
 :class:`~areal_mega.workflow.online_sessions.SessionBook`; sessions of one ``task_id`` fill
 it, and when it is ready its done sessions become the group's trajectories
@@ -40,6 +48,7 @@ from typing import Optional
 from aiohttp import web
 
 from areal_mega.common import counters
+from areal_mega.common.http_guard import ConnectionGuard
 from areal_mega.common.net import is_loopback_host
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.security import write_run_file
@@ -104,6 +113,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         self.n_requests = 0
         self._start: Optional[asyncio.Task] = None
         self._runner: Optional[web.AppRunner] = None
+        self._listener: Optional[asyncio.AbstractServer] = None
+        self.guard: Optional[ConnectionGuard] = None
         self._ticker: Optional[asyncio.Task] = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -136,12 +147,16 @@ class OnlineWorkflow(EpisodeWorkflow):
         if self.cfg.tls_cert:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
-        self._runner = web.AppRunner(app, access_log=None)
+        # idle connections and headers that never complete are closed after idle_timeout_s;
+        # the guard keeps the connections under the cap (and the descriptor limit)
+        self._runner = web.AppRunner(app, access_log=None,
+                                     keepalive_timeout=self.cfg.idle_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, ssl_context=ctx,
-                           backlog=2048)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.guard = ConnectionGuard("online gateway", self.cfg.max_connections,
+                                     counter="online/connections")
+        self._listener = await self.guard.serve(self._runner, self.cfg.host, self.cfg.port,
+                                                ssl_context=ctx, backlog=2048)
+        self.port = self._listener.sockets[0].getsockname()[1]
         if self.run_dir:
             write_run_file(Path(self.run_dir) / INFO_FILE, json.dumps(
                 {"base_url": self.base_url, "admin_api_key": self.admin_key}), private=True)
@@ -152,6 +167,9 @@ class OnlineWorkflow(EpisodeWorkflow):
         """Stop serving (registered with the controller's ``at_close``)."""
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -274,7 +292,10 @@ class OnlineWorkflow(EpisodeWorkflow):
         except SessionError as e:
             return error_response(e.status, str(e), param=e.param)
         except OpenAIRequestError as e:
-            return error_response(e.status, str(e), e.err_type, e.param)
+            resp = error_response(e.status, str(e), e.err_type, e.param)
+            if e.status == 408:
+                resp.force_close()     # the rest of the body may still come
+            return resp
         except RolloutRequestError as e:   # the rollout server refused it (e.g. too long)
             return error_response(e.status if e.status and 400 <= e.status < 500 else 400,
                                   str(e))
@@ -301,7 +322,7 @@ class OnlineWorkflow(EpisodeWorkflow):
             raise OpenAIRequestError("invalid API key: neither the admin key nor an open "
                                      "session's key", status=401,
                                      err_type="authentication_error")
-        body = await json_object_body(request)
+        body = await json_object_body(request, self.cfg.body_timeout_s)
         sid = body.get("session_id")
         if sid is None:
             raise SessionError("session_id: required", 400, "session_id")
@@ -315,7 +336,7 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _start_session(self, request: web.Request) -> web.Response:
         async def go(request):
             self._auth_admin(request)
-            body = await json_object_body(request)
+            body = await json_object_body(request, self.cfg.body_timeout_s)
             sid = f"sess-{uuid.uuid4().hex}"
             s = self.book.start(sid, body.get("task_id"), time.monotonic())
             ctx, _, k = self.slots[s.slot]
@@ -375,7 +396,7 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _complete(self, request: web.Request, handler) -> web.Response:
         async def go(request):
             s = self._session_of_key(request)
-            body = await json_object_body(request)
+            body = await json_object_body(request, self.cfg.body_timeout_s)
             c = s.data.client
             s.inflight += 1
             self.book.touch(s, time.monotonic())
