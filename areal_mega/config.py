@@ -170,6 +170,8 @@ class OnlineConfig:
                                "(no request, or headers unfinished) is closed")
     body_timeout_s: float = _f(30.0, lo=0.0, lo_open=True, doc="a body not received this "
                                "long after its headers: 408, connection closed")
+    train_abandoned: bool = _f(False, doc="also train completions whose client hung up "
+                               "before the answer (the openai SDK retries them)")
 
 
 @dataclass

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rollout_helpers import models, server  # noqa: F401
+
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,3 +152,57 @@ def test_hostile_bodies_are_4xx(gateway):
     st, _ = post(url, "/rl/start_session", {"task_id": "t"}, admin)    # still serving
     assert st == 200
     assert gateway["stderr"].read_bytes().count(b"Traceback") == 0
+
+
+def test_a_completion_whose_client_hung_up_is_not_trained(server, models, tmp_path):
+    """An agent that hangs up in the middle of a generation (the openai SDK's timeout, then its
+    retry) never received that completion: it is not trained; what the agent received is."""
+    import openai
+    from transformers import AutoTokenizer
+
+    from areal_mega.common import counters
+    from areal_mega.config import OnlineConfig
+    from areal_mega.workflow.api import WorkflowSettings
+    from areal_mega.workflow.online_gateway import INFO_FILE, OnlineWorkflow
+    from tests.rollout_helpers import GroupSink
+    from tests.test_openai_endpoint import HERMES_TEMPLATE, NO_SPECIAL, controller, wait_for
+
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    tok.chat_template = HERMES_TEMPLATE
+    wf = OnlineWorkflow(OnlineConfig(), n_samples=1, run_dir=str(tmp_path))
+    wf.settings = WorkflowSettings(max_new_tokens=300)
+    sink = GroupSink()
+    ctl = controller(server.addr, wf, tok, sink, n_prompts=4, batch_size=1,
+                     n_samples=1).start()
+    try:
+        wait_for(lambda: (tmp_path / INFO_FILE).exists() and wf.book.free_slots)
+        info = json.loads((tmp_path / INFO_FILE).read_text())
+        url, admin = info["base_url"], info["admin_api_key"]
+        st, sess = post(url, "/rl/start_session", {"task_id": "t"}, admin)
+        assert st == 200
+        before = counters.snapshot().get("online/completions_abandoned", 0)
+        body = json.dumps({"model": "policy", "max_tokens": 300, "logit_bias": NO_SPECIAL,
+                           "messages": [{"role": "user", "content": "hang up"}]}).encode()
+        host, port = url[len("http://"):].rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nAuthorization: Bearer " + sess["api_key"].encode() +
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: ctl.n_inflight_requests >= 1)
+        s.close()                                   # gone before the answer
+        wait_for(lambda: counters.snapshot().get("online/completions_abandoned", 0) > before)
+        c = openai.OpenAI(base_url=sess["base_url"], api_key=sess["api_key"], max_retries=0,
+                          timeout=120)
+        ans = c.chat.completions.create(model="policy", max_tokens=5, logprobs=True,
+                                        messages=[{"role": "user", "content": "stay"}],
+                                        logit_bias=NO_SPECIAL)
+        sid, key = sess["session_id"], sess["api_key"]
+        assert post(url, "/rl/end_session", {"session_id": sid}, key)[0] == 200
+        assert post(url, "/rl/set_reward", {"session_id": sid, "reward": 1.0}, key)[0] == 200
+        (group,) = sink.take(ctl, 1, timeout=120)
+    finally:
+        ctl.stop()
+    (t,) = group
+    got = t.logprobs[t.loss_mask.astype(bool)].tolist()
+    assert len(got) == 5
+    assert got == pytest.approx([x.logprob for x in ans.choices[0].logprobs.content], abs=0)

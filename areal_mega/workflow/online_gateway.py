@@ -22,7 +22,8 @@ within ``body_timeout_s`` is 408; a body over 64 MiB is 413, nested too deep or 
 beyond int64 400; past ``max_connections`` (kept below the file descriptor limit) the oldest
 idle connection is closed for the newcomer, or the newcomer gets a plain 503 when all are busy,
 counted as ``online/connections_closed_idle`` / ``online/connections_refused`` and logged once
-per interval, never a traceback per socket.
+per interval, never a traceback per socket. A completion whose client hung up before the answer
+is not trained (``online/completions_abandoned``; ``train_abandoned=true`` keeps it).
 
 Each group the controller starts (under its staleness bound) is one slot of the
 :class:`~areal_mega.workflow.online_sessions.SessionBook`; sessions of one ``task_id`` fill
@@ -60,7 +61,8 @@ from areal_mega.workflow.online_restore import (RestoredSession, ended_record, k
                                                 restored_sessions, session_trajectories)
 from areal_mega.workflow.openai_server import bearer_token, json_object_body
 from areal_mega.workflow.online_sessions import (DONE, DROPPED, ENDED, OPEN, REMEMBER_FINISHED,
-                                                Busy, Session, SessionBook, SessionError)
+                                                TRAINED, Busy, Session, SessionBook,
+                                                SessionError)
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2
@@ -107,6 +109,7 @@ class OnlineWorkflow(EpisodeWorkflow):
                 log.info("%d online sessions ended before the restart still wait for their "
                          "reward (rollout.online.reward_timeout_s from now)", len(self.restored))
         self.restored_keys = {r.key_sha256: sid for sid, r in self.restored.items()}
+        self.restored_done: dict = {}  # session id -> RestoredSession rewarded, not delivered
         self.keys: dict = {}          # session key -> session id
         self.slots: dict = {}         # slot -> (EpisodeContext, ready-group future, prompt)
         self.port = 0
@@ -191,6 +194,10 @@ class OnlineWorkflow(EpisodeWorkflow):
         while any(r.prompt_index == k for r in self.restored.values()):
             await asyncio.sleep(TICK_S)    # its ended sessions: rewarded or dropped first
         restored = self.journal.restore(k) if self.journal is not None else []
+        for sid in {t.meta.get("session_id") for t in restored}:
+            r = self.restored_done.pop(sid, None)    # a later reward: 409, as for a live one
+            self.book.remember(Session(sid, getattr(r, "task_id", ""), None, 0,
+                                       time.monotonic(), state=TRAINED))
         if restored:     # done sessions of this slot from before a restart: train them now
             log.info("online: %d journaled samples of prompt %s delivered again", len(restored),
                      k)
@@ -270,10 +277,11 @@ class OnlineWorkflow(EpisodeWorkflow):
         """A reward for a session restored after a restart: once it has one, journal its
         trajectories for its prompt's next generation."""
         r.set_reward(body["reward"], body.get("completion_id"), self.cfg.max_abs_reward)
-        if r.has_reward():
+        if r.has_reward():       # (again: a changed reward replaces the journaled one)
             if self.journal is not None:
                 self.journal.done(r.trajectories(self.settings.turn_discount), restorable=True)
             self.restored.pop(r.session_id, None)
+            self.restored_done[r.session_id] = r
             r.state = DONE
         return r.state
 
@@ -329,8 +337,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         if own is not None and own != sid:
             raise SessionError("this session key belongs to another session", 403,
                                "session_id")
-        if isinstance(sid, str) and sid in self.restored:
-            return self.restored[sid], body
+        if isinstance(sid, str) and (sid in self.restored or sid in self.restored_done):
+            return self.restored.get(sid) or self.restored_done[sid], body
         return self.book.get(sid), body
 
     async def _start_session(self, request: web.Request) -> web.Response:
@@ -406,6 +414,12 @@ class OnlineWorkflow(EpisodeWorkflow):
             finally:
                 s.inflight -= 1
                 self.book.touch(s, time.monotonic())
+            if not self.cfg.train_abandoned and (request.transport is None
+                                                 or request.transport.is_closing()):
+                # the agent never got it (and its SDK may send it again): not trained
+                gone = {f"{out['id']}-{i}" for i in range(len(out["choices"]))}
+                c.records[:] = [r for r in c.records if r.completion_id not in gone]
+                counters.bump("online/completions_abandoned")
             return web.json_response(out)
         return await self._guard(go, request)
 
