@@ -224,3 +224,38 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 10.0) 
             lp.default_exception_handler(context)
     handler._quiet_accept = True
     loop.set_exception_handler(handler)
+
+
+def run_app_guarded(app: web.Application, host: str, port: int, *, name: str,
+                    max_connections: int = 1024, **runner_kwargs) -> None:
+    """``web.run_app(app, host=host, port=port, **runner_kwargs)`` with the connections kept
+    under a :class:`ConnectionGuard` named ``name``. As ``run_app``: SIGINT/SIGTERM stop it,
+    the application's shutdown hooks run while requests in progress may still answer, then
+    the tasks left are cancelled."""
+    async def serve() -> None:
+        runner = web.AppRunner(app, handle_signals=True, **runner_kwargs)
+        await runner.setup()
+        listener = await ConnectionGuard(name, max_connections).serve(runner, host, port)
+        try:
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            listener.close()
+            await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(serve())
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        for tasks in ({main}, asyncio.all_tasks(loop)):   # the server first, then the rest
+            for t in tasks:
+                t.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        asyncio.set_event_loop(None)
+        loop.close()

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 from aiohttp import web
 
+from areal_mega.common.http_guard import run_app_guarded
 from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
                                            MAX_BODY, RequestTimeout, TooLarge, error_response,
@@ -440,9 +441,9 @@ def main(argv: Optional[list] = None) -> None:
                              prefix_cache_mb=args.prefix_cache_mb, lora=lora)
     print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
           flush=True)
-    web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,
-                port=args.port, print=None, handle_signals=True, access_log=None,
-                keepalive_timeout=args.idle_timeout, handler_cancellation=True)
+    run_app_guarded(build_app(srv, body_timeout_s=args.idle_timeout), args.host, args.port,
+                    name="rollout server", access_log=None, handler_cancellation=True,
+                    keepalive_timeout=args.idle_timeout)   # capped below the fd limit
 
 
 if __name__ == "__main__":
