@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Optional
@@ -48,35 +49,191 @@ PRIVATE_MODE = 0o600
 
 
 def holds_secret(resolved: dict) -> bool:
-    """Whether a config dict (``config_to_dict`` shape) carries ``dataplane.secret``,
-    ``rollout.api_key``, ``rollout.online.admin_api_key`` or ``teacher.api_key``."""
+    """Whether a config dict (``config_to_dict`` shape) carries a secret: ``dataplane.secret``,
+    ``rollout.api_key``, ``rollout.online.admin_api_key``, ``teacher.api_key``, or any value
+    :func:`redact_secrets` would hide (a secret-named key anywhere, e.g. in
+    ``rollout.workflow_kwargs``; a password in a URL; the value of a secret-named environment
+    variable)."""
     rollout = resolved.get("rollout") or {}
     return bool((resolved.get("dataplane") or {}).get("secret")
                 or rollout.get("api_key") or (rollout.get("online") or {}).get("admin_api_key")
-                or (resolved.get("teacher") or {}).get("api_key"))
+                or (resolved.get("teacher") or {}).get("api_key")
+                or redact_secrets(resolved) != resolved)
 
 
 SECRET_NAME_PARTS = ("secret", "api_key", "apikey", "password", "passwd", "credential", "hmac",
                      "private_key", "access_key", "auth_token", "access_token")
+"""A key containing one of these names a secret whatever its value's type."""
+SECRET_STRING_PARTS = ("token", "pass", "authorization", "cookie", "bearer")
+"""A key containing one of these names a secret when its value is a string (``max_new_tokens``
+and ``eval.pass_threshold`` are numbers, never hidden)."""
+SECRET_STRING_SUFFIXES = ("_key", "_pat")
+"""A key ending in one of these (``OPENAI_KEY``, ``SERPER_KEY``, ``GH_PAT``) names a secret when
+its value is a string, except :data:`NOT_SECRET_NAMES`."""
+NOT_SECRET_NAMES = frozenset({"prompt_key", "answer_key", "tls_key", "sort_key", "group_key",
+                              "cache_key", "text_key", "label_key", "messages_key",
+                              "reward_key", "id_key", "image_key", "dataset_key"})
+"""Keys ending in ``_key`` that name a field or a file, not a secret."""
 REDACTED = "<redacted>"
+MIN_SECRET_CHARS = 6
+"""A secret's value shorter than this is hidden where its key names it, but not searched for in
+free text (``"on"`` or ``"1"`` would hide every such word)."""
+_SPECIAL_TOKEN = re.compile(r"^(pad|eos|bos|unk|sep|cls|mask|stop|special|additional_special)"
+                            r"_tokens?$")
+_URL_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)"
+                              r"(?P<pw>[^@/\s]+)(?P<at>@)")
+
+_known_values: set = set()
 
 
-def redact_secrets(tree):
-    """A copy of a config tree (dicts / lists / scalars) with the value of every key that
-    names a secret (``dataplane.secret``, ``rollout.api_key``, ``teacher.api_key``, and any
-    key containing one of :data:`SECRET_NAME_PARTS`, e.g. an agent's ``env.OPENAI_API_KEY``)
-    replaced by :data:`REDACTED`; what trackers may log as parameters."""
+def redact_secrets(tree, values=None):
+    """A copy of a config tree (dicts / lists / scalars) with every secret hidden
+    (:data:`REDACTED`): the value of every key that names one (``dataplane.secret``,
+    ``rollout.api_key``, :data:`SECRET_NAME_PARTS`; string values under
+    :data:`SECRET_STRING_PARTS` / :data:`SECRET_STRING_SUFFIXES` names, e.g. an agent's
+    ``env.OPENAI_KEY`` or an ``Authorization`` header in ``rollout.workflow_kwargs``), the
+    password of every URL (``http://user:<redacted>@host``), and every occurrence of a secret's
+    value in any other string: the tree's own secrets, those of secret-named environment
+    variables, those registered with :func:`register_secrets`, and ``values``. What trackers
+    may log as parameters."""
+    found = secret_values(tree) | known_secrets()
+    if values:
+        found |= {str(v) for v in values if v and len(str(v)) >= MIN_SECRET_CHARS}
+    return _redact_tree(tree, _ordered(found))
+
+
+def _redact_tree(tree, ordered):
     if isinstance(tree, dict):
-        return {k: (REDACTED if v not in (None, "", {}, []) and _names_secret(k)
-                    else redact_secrets(v)) for k, v in tree.items()}
+        return {k: (REDACTED if _hides(k, v) else _redact_tree(v, ordered))
+                for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return [redact_secrets(v) for v in tree]
+        return [_redact_tree(v, ordered) for v in tree]
+    if isinstance(tree, str):
+        return _redact_string(tree, ordered)
     return tree
+
+
+def _hides(key, value) -> bool:
+    """Whether the value of ``key`` is hidden whole."""
+    if value in (None, "", {}, []):
+        return False
+    if _names_secret(key):
+        return True
+    return isinstance(value, str) and _names_secret_string(key)
 
 
 def _names_secret(key) -> bool:
     k = str(key).lower().replace("-", "_")
     return any(part in k for part in SECRET_NAME_PARTS) or k.endswith("_token") or k == "token"
+
+
+def _names_secret_string(key) -> bool:
+    k = str(key).lower().replace("-", "_")
+    if k in NOT_SECRET_NAMES or _SPECIAL_TOKEN.match(k):
+        return False
+    return (any(part in k for part in SECRET_STRING_PARTS) or k.endswith(SECRET_STRING_SUFFIXES)
+            or k in ("key", "pat"))
+
+
+def secret_values(tree) -> set:
+    """The secrets' values a config tree holds (long enough to search for in free text): the
+    string values of secret-named keys, the parts after ``Bearer``/``Basic``, URL passwords."""
+    out: set = set()
+
+    def add(v) -> None:
+        v = str(v).strip()
+        if len(v) >= MIN_SECRET_CHARS:
+            out.add(v)
+        parts = v.split(None, 1)
+        if len(parts) == 2 and parts[0].lower() in ("bearer", "basic", "token"):
+            add(parts[1])
+
+    def walk(node, key=None) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, k)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v, key)
+        elif isinstance(node, str):
+            if key is not None and _hides(key, node) and not _SPECIAL_TOKEN.match(
+                    str(key).lower()):
+                add(node)
+            for m in _URL_CREDENTIALS.finditer(node):
+                add(m.group("pw"))
+        elif key is not None and _hides(key, node) and isinstance(node, (int, float)) \
+                and not isinstance(node, bool):
+            add(node)
+
+    walk(tree)
+    return out
+
+
+def env_secret_values(environ=None) -> set:
+    """The values of the environment variables whose names name a secret (``OPENAI_KEY``,
+    ``HF_TOKEN``, ``DB_PASS``, ``GH_PAT``) and the passwords of URLs in any variable."""
+    env = os.environ if environ is None else environ
+    return secret_values(dict(env))
+
+
+def register_secrets(values) -> None:
+    """Remember ``values`` as secrets of this process: :func:`redact_text` and
+    :func:`redact_secrets` hide them from then on (values shorter than
+    :data:`MIN_SECRET_CHARS` are ignored)."""
+    _known_values.update(str(v) for v in values if v and len(str(v)) >= MIN_SECRET_CHARS)
+
+
+def known_secrets() -> set:
+    """The registered secrets and those of the environment now."""
+    return _known_values | env_secret_values()
+
+
+def _ordered(values) -> list:
+    return sorted(values, key=len, reverse=True)     # a secret inside a longer one: longer first
+
+
+def _redact_string(text: str, ordered) -> str:
+    for v in ordered:
+        if v in text:
+            text = text.replace(v, REDACTED)
+    return _URL_CREDENTIALS.sub(lambda m: m.group("head") + REDACTED + m.group("at"), text)
+
+
+def redact_text(text: str, values=None) -> str:
+    """``text`` with every known secret (:func:`known_secrets`, plus ``values``) and every URL
+    password replaced by :data:`REDACTED`: for logs, samples and anything else written."""
+    found = known_secrets()
+    if values:
+        found = found | {str(v) for v in values if v and len(str(v)) >= MIN_SECRET_CHARS}
+    return _redact_string(str(text), _ordered(found))
+
+
+class _RedactingFactory:
+    """A log record factory whose records carry their message with every secret hidden."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        record = self.inner(*args, **kwargs)
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format is the logging module's to report
+            return record
+        clean = redact_text(msg)
+        if clean != msg:
+            record.msg, record.args = clean, None
+        return record
+
+
+def install_log_redaction(tree=None) -> None:
+    """Register the secrets of ``tree`` (a config dict) and make every log record of this
+    process hide the known secrets (:func:`redact_text`) from then on; idempotent."""
+    if tree is not None:
+        register_secrets(secret_values(tree))
+    factory = logging.getLogRecordFactory()
+    if not isinstance(factory, _RedactingFactory):
+        logging.setLogRecordFactory(_RedactingFactory(factory))
 
 
 def write_run_file(path, text: str, *, private: bool) -> Path:

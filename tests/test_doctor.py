@@ -162,3 +162,22 @@ def test_cuda_rows_skip_without_cuda(tmp_path, monkeypatch):
     rows = doctor.run_checks(doctor.CUDA_CHECKS, doctor.new_context(str(tmp_path)), cuda=True)
     assert [r.name for r in rows] == ["cuda-kernels", "transformer-engine", "nccl", "sglang"]
     assert all(r.status == "skip" and r.detail == "no CUDA device" for r in rows), rows
+
+
+def test_truncated_kernel_module_is_a_failed_row_not_a_crash(tmp_path):
+    """A ``_ops_cpu*.so`` cut short (a failed copy, a full disk): loading it kills the process
+    with SIGBUS (cut to its first 200 kB) or loads a module whose code is partly missing (cut in
+    half); the doctor prints its table with the kernels row failed instead."""
+    shutil.copytree(ROOT / "areal_mega", tmp_path / "areal_mega",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (so,) = (tmp_path / "areal_mega").glob("_ops_cpu*.so")
+    whole = so.read_bytes()
+    for size in (200_000, len(whole) // 2):
+        so.write_bytes(whole[:size])
+        rc, report, _ = run_doctor("--only", "kernels,logprob-kernel", cwd=tmp_path,
+                                   pythonpath=tmp_path)
+        rows = rows_by_name(report)
+        assert rc == 1 and not report["ok"]
+        assert rows["kernels"]["status"] == "fail" and "truncated" in rows["kernels"]["detail"]
+        assert "build_ext --inplace" in rows["kernels"]["fix"]
+        assert rows["logprob-kernel"]["status"] == "skip"

@@ -4,8 +4,10 @@ Real server processes on a real tiny HF model, real sockets on 127.0.0.1; no moc
 thresholds (every wait is a bounded poll for a condition)."""
 import json
 import math
+import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -171,6 +173,22 @@ def test_out_of_range_ints_and_deep_json_are_400(server):
     assert status == 200 and len(out["output_ids"]) == 3
 
 
+def test_huge_numbers_and_bodies_are_4xx_naming_the_field(server):
+    """Integers that overflow a float (10**400) in float fields and token ids, and a body
+    beyond the size limit: 4xx naming the field, never 500."""
+    for body, msg in [(gen([5], 4, temperature=10 ** 400), "temperature"),
+                      (gen([5], 4, top_p=-10 ** 400), "top_p"),
+                      (gen([5], 4, repetition_penalty=10 ** 400), "repetition_penalty"),
+                      (gen([5], 4, logit_bias={"5": 10 ** 400}), "logit_bias"),
+                      (gen([10 ** 400], 4), "input_ids")]:
+        status, out = call(server, "/generate", body)
+        assert status == 400 and msg in out["error"]["message"], (msg, status, out)
+    status, _ = call(server, "/generate", data=b'{"text": "' + b"a" * (65 << 20) + b'"}')
+    assert status == 413
+    status, out = call(server, "/generate", gen([5, 6], 3))
+    assert status == 200 and len(out["output_ids"]) == 3
+
+
 # ------------------------------------------------------------------ item 10: disconnects
 
 
@@ -305,3 +323,48 @@ def test_pending_group_join_blocks_nothing_and_sigterm_exits(model):
     finally:
         srv.stop()
         pending.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_socket_flood_under_a_low_fd_limit_leaves_the_server_serving(model):
+    """1,100 idle or half-sent sockets against a server whose file descriptor limit is 256:
+    it keeps accepting (idle connections closed for newcomers, no traceback per socket),
+    a generation is served, SIGTERM still stops it cleanly."""
+    port = free_port()
+    boot = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[1])); sys.argv = sys.argv[1:]; "
+            "runpy.run_module('areal_mega.inference.server', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", boot, "server", "--model-path", str(model),
+                             "--port", str(port), "--idle-timeout", str(IDLE_S)],
+                            env={**os.environ, "AREAL_ROLLOUT_API_KEY": API_KEY},
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    srv = SimpleNamespace(addr=f"127.0.0.1:{port}", host="127.0.0.1", port=port)
+    socks = []
+    try:
+        poll(lambda: _healthy(srv), "server up")
+        for i in range(1100):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if i % 2:
+                s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+            socks.append(s)
+        t0 = time.monotonic()
+        status, out = call(srv, "/generate", gen([5, 6], 3), timeout=30)
+        served_s = time.monotonic() - t0
+        assert status == 200 and len(out["output_ids"]) == 3
+        print(f"\nserver (256 fds) under 1,100 sockets: generation served in {served_s:.2f} s")
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+        assert err.count(b"Traceback") == 0 and len(err) < 20_000, err[-2000:]
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(srv) -> bool:
+    try:
+        return call(srv, "/health", timeout=5)[0] == 200
+    except OSError:
+        return False

@@ -210,6 +210,11 @@ def test_server_commands(tmp_path):
                                                   "--num-threads", "1"]
     cpu3 = load_config(ROOT / "recipes/tiny-cpu.yaml", ["cluster.cpu_threads_per_server=3"])
     assert local.server_command(cpu3, slot)[-2:] == ["--num-threads", "3"]
+    # a LoRA run's servers load adapters only from the run directory (where they are published)
+    lora = load_config(ROOT / "recipes/tiny-cpu.yaml", ["lora.enabled=true",
+                                                        f"logging.run_dir={tmp_path}"])
+    argv = local.server_command(lora, slot)
+    assert argv[argv.index("--lora-allowed-dirs") + 1] == str(tmp_path.resolve())
 
 
 def test_cpu_threads_per_trainer_rank():

@@ -179,3 +179,15 @@ def test_prefix_cache_namespaces_share_the_budget(tmp_path):
     cache.add_prefilled(base, kv, 0, None)              # ... so it is kept over budget
     assert cache.stats()["namespaces"] == 2
     assert [t.num_tokens for t in cache.trees.values()] == [20, 20]
+
+
+def test_loaded_adapters_are_capped_by_default():
+    """Without ``--max-loaded-loras`` a client cannot make the server hold adapters without
+    bound: the cap is DEFAULT_MAX_LOADED_LORAS (at least --max-loras-per-batch)."""
+    from areal_mega.inference.lora_adapters import DEFAULT_MAX_LOADED_LORAS
+    assert lora_settings(True, 8, ["q_proj"], None).max_loaded == DEFAULT_MAX_LOADED_LORAS
+    assert lora_settings(True, 8, ["q_proj"], None, 100).max_loaded == 100
+    reg = LoraRegistry(lora_settings(True, 8, ["q_proj"], None, 2), {})
+    for i in range(DEFAULT_MAX_LOADED_LORAS + 5):
+        reg.add(LoraAdapter(f"n{i}", f"/p{i}", 8, 1.0, frozenset({"q_proj"}), {}))
+    assert len(reg.loaded) == DEFAULT_MAX_LOADED_LORAS and "n0" in reg.evicted

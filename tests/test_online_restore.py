@@ -83,6 +83,11 @@ def test_an_ended_session_gets_its_reward_after_a_restart(server, models, tmp_pa
                                                  "reward": 0.5}, sess["waiting"]["api_key"])
         assert (st, ans["state"]) == (200, "done")
         group = sink2.take(ctl2, 1, timeout=60)[0]
+        # delivered: a further reward is refused as for a live session (409), not unknown
+        for name in ("waiting", "done"):
+            st, ans = post(addr2, "/rl/set_reward", {"session_id": sess[name]["session_id"],
+                                                     "reward": 0.25}, admin2)
+            assert st == 409 and "already trained" in ans["error"]["message"], (name, ans)
     finally:
         ctl2.stop()
     by_session = {t.meta["session_id"]: t for t in group}

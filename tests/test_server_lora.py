@@ -61,7 +61,8 @@ def lora_env(tmp_path_factory):
         str(base), 1, api_key=API_KEY,
         extra_args=["--max-lora-rank", "8", "--lora-target-modules", *SERVED_TARGETS,
                     "--lora-paths", f"a1={ad['a1']}", "--max-loras-per-batch", "3",
-                    "--max-loaded-loras", "3", "--num-threads", "1", "--max-context", "8192"])
+                    "--max-loaded-loras", "3", "--num-threads", "1", "--max-context", "8192",
+                    "--lora-allowed-dirs", str(d)])
     try:
         yield {"base": base, "ad": ad, "srv": procs[0], "d": d}
     finally:
@@ -139,6 +140,52 @@ def test_errors_answer_like_sglang_and_the_server_keeps_serving(lora_env):
     st, out = http(srv, "/load_lora_adapter", {"lora_path": ad["a3"]})
     assert st == 400 and "lora_name" in out["error"]["message"]
     st, out = gen(srv, [[1, 2, 3]], "a1", n_new=3)   # still serving
+    assert st == 200 and len(out[0]["output_ids"]) == 3
+
+
+def test_adapters_load_only_from_allowed_dirs_and_bad_files_are_400(lora_env,
+                                                                   tmp_path_factory):
+    """A path outside ``--lora-allowed-dirs`` (as given, through ``..`` or a symlink, to the
+    directory or to one of its files) is refused with one message that names no path and is
+    the same whether the path exists; truncated or garbage weights, garbage config, rank 0 or
+    null are 400s; the server keeps serving."""
+    srv, ad, d = lora_env["srv"], lora_env["ad"], lora_env["d"]
+    outside = tmp_path_factory.mktemp("outside")
+    shutil.copytree(ad["a3"], outside / "a3")
+    (d / "via_link").symlink_to(outside / "a3")
+    shutil.copytree(ad["a3"], d / "cfg_link")
+    (d / "cfg_link" / "adapter_config.json").unlink()
+    (d / "cfg_link" / "adapter_config.json").symlink_to(outside / "a3" / "adapter_config.json")
+    escapes = [str(outside / "a3"), str(outside / "missing"), "/etc", "/nonexistent/x",
+               f"{d}/../{outside.name}/a3", str(d / "via_link"), str(d / "cfg_link")]
+    messages = set()
+    for path in escapes:
+        st, out = http(srv, "/load_lora_adapter", {"lora_name": "esc", "lora_path": path})
+        assert st == 400 and out["success"] is False, (path, out)
+        messages.add(out["error_message"])
+    assert len(messages) == 1 and "--lora-allowed-dirs" in messages.pop()
+    assert not any(str(outside) in json.dumps(v) for v in http(srv, "/get_server_info")[1:])
+
+    def bad(name, edit_cfg=None, weights=None):
+        dst = d / name
+        shutil.copytree(ad["a3"], dst)
+        if edit_cfg is not None:
+            (dst / "adapter_config.json").write_text(edit_cfg)
+        if weights is not None:
+            f = dst / "adapter_model.safetensors"
+            f.write_bytes(weights(f.read_bytes()))
+        st, out = http(srv, "/load_lora_adapter", {"lora_name": name, "lora_path": str(dst)})
+        assert st == 400 and out["success"] is False, (name, st, out)
+        return out["error_message"]
+    cfg = json.loads((d / "a3" / "adapter_config.json").read_text())
+    assert "unreadable" in bad("trunc", weights=lambda b: b[:len(b) // 2])
+    assert "unreadable" in bad("garbage", weights=lambda b: b"\x00\xff" * 40)
+    assert "not a valid JSON" in bad("badjson", edit_cfg="{not json")
+    assert "r=0 must be a positive integer" in bad("r0", json.dumps({**cfg, "r": 0}))
+    assert "r=None must be" in bad("rnull", json.dumps({**cfg, "r": None}))
+    assert "not a valid JSON" in bad("alpha_nan", json.dumps({**cfg, "lora_alpha": 1})
+                                     .replace('"lora_alpha": 1', '"lora_alpha": NaN'))
+    st, out = gen(srv, [[1, 2, 3]], None, n_new=3)   # still serving
     assert st == 200 and len(out[0]["output_ids"]) == 3
 
 

@@ -39,6 +39,14 @@ class OnlineConfig:
     max_abs_reward: float = _f(1e6, lo=0.0, lo_open=True, doc="rewards outside +-this are "
                                "refused (422)")
     max_open_sessions: int = _f(1024, lo=1, doc="open sessions at most; more get 503")
+    max_connections: int = _f(1024, lo=8, doc="HTTP connections at most (kept below the fd "
+                              "limit); past it the oldest idle one is closed, or 503")
+    idle_timeout_s: float = _f(30.0, lo=0.0, lo_open=True, doc="a connection idle this long "
+                               "(no request, or headers unfinished) is closed")
+    body_timeout_s: float = _f(30.0, lo=0.0, lo_open=True, doc="a body not received this "
+                               "long after its headers: 408, connection closed")
+    train_abandoned: bool = _f(False, doc="also train completions whose client hung up "
+                               "before the answer (the openai SDK retries them)")
 
 
 @dataclass

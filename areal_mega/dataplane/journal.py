@@ -73,9 +73,12 @@ class TrajectoryJournal:
     (:meth:`rotate`) and the segments no kept checkpoint needs are retired (:meth:`retire`,
     :func:`segments_to_retire`)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, private: bool = False):
+        """``private``: the segment files are created with mode 0600 (they may hold what
+        only the run's owner may read, e.g. the online agents' conversations)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.private = private
         self._packer = msgpack.Packer(use_bin_type=True)
         self._lock = threading.Lock()
         self._f = None
@@ -94,7 +97,12 @@ class TrajectoryJournal:
         segs = self.segments()
         nxt = int(segs[-1].stem) + 1 if segs else 1
         self.path = self.dir / f"{nxt:08d}.journal"
-        self._f = open(self.path, "ab")
+        if self.private:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.fchmod(fd, 0o600)
+            self._f = os.fdopen(fd, "ab")
+        else:
+            self._f = open(self.path, "ab")
 
     def append(self, trajs) -> None:
         """Append ``trajs`` to the current segment; durable (fsync'd) when this returns."""

@@ -68,6 +68,8 @@ UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data"
 INT64_MAX = 2 ** 63 - 1
 # outputs (prompts x n) one /generate call may ask for; more is refused rather than queued
 MAX_OUTPUTS = 4096
+MAX_BODY = 64 << 20
+"""Largest request body (bytes); a larger one is answered 413."""
 
 
 class BadRequest(ValueError):
@@ -79,6 +81,11 @@ class Conflict(BadRequest):
     """The request is valid but clashes with the server's state (e.g. a group still joining);
     answered with HTTP 409."""
     status = 409
+
+
+class TooLarge(BadRequest):
+    """The request body exceeds the server's limit; answered with HTTP 413."""
+    status = 413
 
 
 class RequestTimeout(BadRequest):
@@ -135,7 +142,11 @@ def get_field(body: dict, key: str, tp, default=None, where: str = "request",
         return default
     v = body[key]
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:       # 10**400: beyond any float
+            raise BadRequest(f"{where}.{key}: out of range (must be a finite number)") \
+                from None
     if tp is int and isinstance(v, bool) or not isinstance(v, tp):
         raise BadRequest(f"{where}.{key}={v!r}: expected {getattr(tp, '__name__', tp)}")
     if tp is float and not math.isfinite(v):

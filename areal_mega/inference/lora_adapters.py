@@ -21,6 +21,13 @@ manager's ``load_lora_adapter`` / ``unload_lora_adapter`` / ``_resolve_lora_path
 * an adapter is unregistered at once by ``/unload_lora_adapter`` (new requests naming it are
   refused) and the answer waits until the requests already using it have finished.
 
+Beyond SGLang, for a server reachable by others: ``/load_lora_adapter`` reads only under
+``--lora-allowed-dirs`` (:func:`confine`; symlinks resolved, a path outside is refused with
+one message whether it exists or not; the launcher passes the run directory), unreadable or
+malformed adapter files (truncated, garbage, rank 0 or null, non-finite weights) are refused
+with a ValueError (HTTP 400), and without ``--max-loaded-loras`` at most
+:data:`DEFAULT_MAX_LOADED_LORAS` adapters are held (least recently used evicted).
+
 PEFT options this server cannot apply exactly are refused by name (``modules_to_save``, bias
 other than ``"none"``, ``fan_in_fan_out``, ``lora_bias``, rank/alpha patterns, target
 parameters); ``use_rslora`` is applied as PEFT does (scaling ``alpha / sqrt(r)`` instead of
@@ -47,6 +54,9 @@ SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 _PREFIX = "base_model.model."
+DEFAULT_MAX_LOADED_LORAS = 64
+"""``--max-loaded-loras`` when not given (at least ``--max-loras-per-batch`` and the number of
+``--lora-paths``): adapters a client loads beyond it evict the least recently used."""
 
 
 def stacked_names(modules) -> set:
@@ -82,6 +92,7 @@ class LoraSettings:
     max_per_batch: int = 8
     max_loaded: Optional[int] = None
     preload: list = field(default_factory=list)   # [{"lora_name", "lora_path", "pinned"}]
+    allowed_dirs: tuple = ()     # where /load_lora_adapter may read (none: nowhere)
 
     def info(self) -> dict:
         """What ``/get_server_info`` shows (SGLang's server-args names)."""
@@ -93,7 +104,7 @@ class LoraSettings:
 
 def lora_settings(enable: bool, max_rank: Optional[int], targets: Optional[list],
                   paths: Optional[list], max_per_batch: int = 8,
-                  max_loaded: Optional[int] = None) -> LoraSettings:
+                  max_loaded: Optional[int] = None, allowed_dirs=None) -> LoraSettings:
     """SGLang's ``check_lora_server_args`` on the parsed flags (ValueError naming the flag).
     Reads the configs of ``paths`` to infer a missing rank or target list."""
     if max_per_batch <= 0:
@@ -114,7 +125,7 @@ def lora_settings(enable: bool, max_rank: Optional[int], targets: Optional[list]
         raise ValueError("--enable-lora without --lora-paths needs both --max-lora-rank and "
                          "--lora-target-modules")
     configs = [read_config(p["lora_path"]) for p in preload]
-    rank = max_rank or max(int(c["r"]) for c in configs)
+    rank = max_rank or max(_rank(c, p["lora_name"]) for c, p in zip(configs, preload))
     if not mods:
         for c in configs:
             mods |= set(config_targets(c))
@@ -125,21 +136,54 @@ def lora_settings(enable: bool, max_rank: Optional[int], targets: Optional[list]
         if len(preload) > max_loaded:
             raise ValueError(f"--lora-paths: {len(preload)} adapters exceed "
                              f"--max-loaded-loras={max_loaded}")
+    else:
+        max_loaded = max(DEFAULT_MAX_LOADED_LORAS, max_per_batch, len(preload))
     return LoraSettings(True, int(rank), tuple(m for m in SUPPORTED_TARGETS if m in mods),
-                        max_per_batch, max_loaded, preload)
+                        max_per_batch, max_loaded, preload, tuple(allowed_dirs or ()))
 
 
-def read_config(path: str) -> dict:
-    """``adapter_config.json`` of adapter directory ``path`` (ValueError if unreadable)."""
-    f = os.path.join(path, "adapter_config.json")
+def confine(path: str, allowed) -> str:
+    """``path`` with its symlinks resolved when that lies inside one of the ``allowed``
+    directories (themselves resolved); ValueError otherwise, the same whether ``path`` exists
+    or not and naming no other path. ``allowed`` None: no confinement (operator-given paths)."""
+    if allowed is None:
+        return path
+    real = os.path.realpath(path)
+    for d in allowed:
+        root = os.path.realpath(d)
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return real
+    raise ValueError("lora_path is outside the directories this server loads adapters from "
+                     "(--lora-allowed-dirs)")
+
+
+def read_config(path: str, allowed=None) -> dict:
+    """``adapter_config.json`` of adapter directory ``path`` (ValueError if unreadable, or, with
+    ``allowed``, if the file resolves outside those directories: :func:`confine`)."""
+    f = confine(os.path.join(path, "adapter_config.json"), allowed)
     try:
         with open(f) as fh:
-            cfg = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {f}: {e}") from None
+            cfg = json.load(fh, parse_constant=_no_constant)
+    except OSError as e:
+        raise ValueError(f"cannot read {f}: {e.strerror or 'unreadable'}") from None
+    except (ValueError, RecursionError):     # garbage, NaN, nesting beyond the parser
+        raise ValueError(f"cannot read {f}: not a valid JSON file") from None
     if not isinstance(cfg, dict) or "r" not in cfg:
         raise ValueError(f"{f}: not a PEFT LoRA config (no 'r')")
     return cfg
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _rank(cfg: dict, name: str) -> int:
+    """The adapter's rank ``r``: a positive integer (ValueError naming the adapter)."""
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"Failed to load {name}: adapter_config r={r!r} must be a positive "
+                         "integer")
+    return r
 
 
 def config_targets(cfg: dict) -> list:
@@ -183,26 +227,46 @@ def _refuse_unsupported(name: str, cfg: dict) -> None:
                              "is not supported by this server")
 
 
-def _read_tensors(path: str) -> dict:
+def _read_tensors(name: str, path: str, allowed=None) -> dict:
     st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.exists(st):
-        from safetensors.torch import load_file
-        return load_file(st)
     pt = os.path.join(path, "adapter_model.bin")
-    if os.path.exists(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
+    for f in (st, pt):
+        if not os.path.exists(f):
+            continue
+        f = confine(f, allowed)
+        try:
+            if f.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                out = load_file(f)
+            else:
+                out = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - any reader's error: the file is bad, not the server
+            raise ValueError(f"Failed to load {name}: {os.path.basename(f)} is unreadable "
+                             "(truncated or not a tensor file)") from None
+        if not isinstance(out, dict) or not all(isinstance(t, torch.Tensor)
+                                                for t in out.values()):
+            raise ValueError(f"Failed to load {name}: {os.path.basename(f)} is not a mapping "
+                             "of tensors")
+        return out
     raise ValueError(f"{path}: no adapter_model.safetensors (or adapter_model.bin)")
 
 
 def read_adapter(name: str, path: str, settings: LoraSettings, modules: dict,
-                 pinned: bool = False) -> LoraAdapter:
+                 pinned: bool = False, allowed=None) -> LoraAdapter:
     """Read and check adapter ``path`` against the server's ``settings`` and the served
-    ``modules`` (name -> ``nn.Linear``); ValueError naming the problem."""
-    cfg = read_config(path)
+    ``modules`` (name -> ``nn.Linear``); ValueError naming the problem. ``allowed``: the
+    directories the files must resolve into (:func:`confine`; None: any)."""
+    given, path = path, confine(path, allowed)
+    cfg = read_config(path, allowed)
     _refuse_unsupported(name, cfg)
-    r = int(cfg["r"])
+    r = _rank(cfg, name)
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or \
+            not math.isfinite(alpha):
+        raise ValueError(f"Failed to load {name}: adapter_config lora_alpha={alpha!r} must be "
+                         "a finite number")
     weights: dict = {}
-    for key, t in _read_tensors(path).items():
+    for key, t in _read_tensors(name, path, allowed).items():
         for part in ("lora_A", "lora_B"):
             if f".{part}." in key:
                 mod = key.split(f".{part}.")[0]
@@ -233,11 +297,15 @@ def read_adapter(name: str, path: str, settings: LoraSettings, modules: dict,
             raise ValueError(f"Failed to load {name}: {mod} has A {list(a.shape)}, B "
                              f"{list(b.shape)}; expected [{r}, {lin.in_features}], "
                              f"[{lin.out_features}, {r}]")
+        if not (a.is_floating_point() and b.is_floating_point()
+                and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise ValueError(f"Failed to load {name}: {mod} has non-finite or non-float "
+                             "weights")
         dt = lin.weight.dtype
         out[mod] = (a.to(dt).contiguous(), b.to(dt).contiguous())
-    alpha = float(cfg.get("lora_alpha", 8))
+    alpha = float(alpha)
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return LoraAdapter(name, path, r, scaling, targets, out, pinned)
+    return LoraAdapter(name, given, r, scaling, targets, out, pinned)
 
 
 class LoraRegistry:

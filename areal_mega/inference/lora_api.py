@@ -6,7 +6,9 @@
 * ``/load_lora_adapter`` ``{"lora_name", "lora_path", "pinned": false}`` and
   ``/unload_lora_adapter`` ``{"lora_name"}`` answer ``{"success", "error_message",
   "loaded_adapters": {name: path}}``, HTTP 200 on success and 400 otherwise (the server keeps
-  serving). Unloading answers once the requests using the adapter have finished; in a
+  serving): also for a ``lora_path`` outside ``--lora-allowed-dirs`` (symlinks resolved; the
+  answer is the same whether it exists) and for unreadable or malformed adapter files (truncated,
+  garbage, rank 0 or null). Unloading answers once the requests using the adapter have finished; in a
   trainer's swap (``/pause_generation``, load the new version, unload the old one,
   ``/continue_generation``) the pause has aborted them already, so it answers at once;
 * ``/generate``'s ``lora_path`` is an adapter name for every prompt, or a list with one name
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 from aiohttp import web
 
 from areal_mega.inference.http_api import BadRequest, get_field, ignore_unknown
@@ -41,7 +44,12 @@ def add_lora_flags(ap: argparse.ArgumentParser) -> None:
                     help="adapters to load at start: NAME=PATH, PATH or "
                          "'{\"lora_name\":..,\"lora_path\":..,\"pinned\":..}'")
     ap.add_argument("--max-loras-per-batch", type=int, default=8)
-    ap.add_argument("--max-loaded-loras", type=int, default=None)
+    ap.add_argument("--max-loaded-loras", type=int, default=None,
+                    help="adapters held at once (least recently used evicted beyond it); "
+                         "default: 64, at least --max-loras-per-batch")
+    ap.add_argument("--lora-allowed-dirs", nargs="*", default=None, metavar="DIR",
+                    help="directories /load_lora_adapter may read adapters from (symlinks "
+                         "resolved; none given: it loads nothing); not SGLang's")
 
 
 def lora_settings_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> LoraSettings:
@@ -51,7 +59,8 @@ def lora_settings_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> L
     try:
         return lora_settings(bool(args.enable_lora), args.max_lora_rank,
                              args.lora_target_modules, args.lora_paths,
-                             args.max_loras_per_batch, args.max_loaded_loras)
+                             args.max_loras_per_batch, args.max_loaded_loras,
+                             args.lora_allowed_dirs)
     except ValueError as e:
         ap.error(str(e))
 
@@ -71,10 +80,15 @@ def _state(srv) -> asyncio.Condition:
 
 
 async def _load(srv, name: str, path: str, pinned: bool) -> None:
-    """Read, check and register one adapter (ValueError with SGLang's message)."""
+    """Read, check and register one adapter (ValueError with SGLang's message); a path other
+    than the operator's ``--lora-paths`` entry of that name only inside
+    ``--lora-allowed-dirs``."""
     srv.lora_registry.check_load(name, pinned)
+    preloaded = any(p["lora_name"] == name and p["lora_path"] == path
+                    for p in srv.lora_settings.preload)
     adapter = await asyncio.get_running_loop().run_in_executor(
-        None, srv.read_lora_adapter, name, path, pinned)
+        None, functools.partial(srv.read_lora_adapter, name, path, pinned,
+                                confined=not preloaded))
     srv.lora_registry.add(adapter)
 
 

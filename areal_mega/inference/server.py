@@ -59,10 +59,11 @@ from typing import Optional
 import torch
 from aiohttp import web
 
+from areal_mega.common.http_guard import run_app_guarded
 from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
-                                           RequestTimeout, error_response, get_field,
-                                           get_int_like, ignore_unknown, load_format_of,
+                                           MAX_BODY, RequestTimeout, TooLarge, error_response,
+                                           get_field, get_int_like, ignore_unknown, load_format_of,
                                            parse_dtype, parse_generate, parse_logprob_starts,
                                            parse_routes_start, response_of, version_of)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
@@ -102,7 +103,7 @@ def build_app(srv: LocalRolloutServer,
             return await handler(request)
         except BadRequest as e:
             resp = error_response(e.status, str(e))
-            if isinstance(e, RequestTimeout):
+            if isinstance(e, (RequestTimeout, TooLarge)):
                 resp.force_close()  # the rest of the body may still come: drop the connection
             return resp
         except web.HTTPException:
@@ -117,6 +118,8 @@ def build_app(srv: LocalRolloutServer,
         except asyncio.TimeoutError:
             raise RequestTimeout(f"request body not received within {body_timeout_s:g} s "
                                  "(--idle-timeout)") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise TooLarge(f"request body larger than {MAX_BODY >> 20} MiB") from None
         if not raw.strip():
             if allow_empty:
                 return {}
@@ -365,7 +368,7 @@ def build_app(srv: LocalRolloutServer,
             "receiving_buckets": srv.receiving, **lora_server_info(srv),
             "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
 
-    app = web.Application(middlewares=[guard], client_max_size=64 << 20)
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
     post = {"/generate": generate, "/abort_request": abort_request,
             "/pause_generation": pause_generation, "/continue_generation": continue_generation,
             "/update_weights_from_disk": update_weights_from_disk,
@@ -438,9 +441,9 @@ def main(argv: Optional[list] = None) -> None:
                              prefix_cache_mb=args.prefix_cache_mb, lora=lora)
     print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
           flush=True)
-    web.run_app(build_app(srv, body_timeout_s=args.idle_timeout), host=args.host,
-                port=args.port, print=None, handle_signals=True, access_log=None,
-                keepalive_timeout=args.idle_timeout, handler_cancellation=True)
+    run_app_guarded(build_app(srv, body_timeout_s=args.idle_timeout), args.host, args.port,
+                    name="rollout server", access_log=None, handler_cancellation=True,
+                    keepalive_timeout=args.idle_timeout)   # capped below the fd limit
 
 
 if __name__ == "__main__":

@@ -85,9 +85,12 @@ class LocalRolloutServer:
         self._targets = ParamTargets(self.model.state_dict())
         self.started_at = time.time()
 
-    def read_lora_adapter(self, name: str, path: str, pinned: bool = False):
-        """Read and check one PEFT adapter directory for this model (ValueError)."""
-        return read_adapter(name, path, self.lora_settings, self.lora_registry.modules, pinned)
+    def read_lora_adapter(self, name: str, path: str, pinned: bool = False,
+                          confined: bool = False):
+        """Read and check one PEFT adapter directory for this model (ValueError).
+        ``confined``: a client's path, read only inside ``--lora-allowed-dirs``."""
+        return read_adapter(name, path, self.lora_settings, self.lora_registry.modules, pinned,
+                            allowed=self.lora_settings.allowed_dirs if confined else None)
 
     # ---------------------------------------------------------------- weights
     def _assign(self, tensors: dict, version: Optional[str]) -> None:

@@ -73,6 +73,8 @@ def server_command(cfg, slot, host: str = "127.0.0.1") -> list:
                 "--num-threads", str(cfg.cluster.cpu_threads_per_server)] + \
             replay_server_flags(cfg) + \
             lora_server_flags(cfg) + \
+            (["--lora-allowed-dirs", str(RunDir.from_config(cfg).root)]   # published adapters
+             if lora_server_flags(cfg) else []) + \
             (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     rollout = parse_allocation(cfg.allocation).rollout

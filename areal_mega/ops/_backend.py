@@ -23,7 +23,9 @@ module is loaded, naming the variable.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import struct
 import sys
 import warnings
 from types import ModuleType
@@ -59,11 +61,42 @@ def _check_kernel_isa_env() -> None:
                          f"{', '.join(KERNEL_ISAS)} (or unset: the best the CPU has)")
 
 
+def elf_problem(path: str) -> Optional[str]:
+    """Why the shared library ``path`` must not be loaded, or None: a file whose ELF headers
+    point past its end (truncated by a failed copy or a full disk) makes the dynamic loader
+    die with SIGBUS instead of raising an ImportError, so it is checked first."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return None                 # not a 64-bit little-endian ELF: the loader says
+            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+            if shoff + shnum * shentsize > size or phoff + phnum * phentsize > size:
+                return f"{path}: truncated ({size} bytes, its headers need more); rebuild it"
+            f.seek(phoff)
+            table = f.read(phnum * phentsize)
+        for i in range(phnum):
+            off, filesz = struct.unpack_from("<Q", table, i * phentsize + 0x08)[0], \
+                struct.unpack_from("<Q", table, i * phentsize + 0x20)[0]
+            if off + filesz > size:
+                return f"{path}: truncated ({size} bytes, a segment ends at {off + filesz}); " \
+                    "rebuild it"
+    except (OSError, struct.error) as e:
+        return f"{path}: unreadable ({e})"
+    return None
+
+
 def _load(name: str) -> Optional[ModuleType]:
     if name == "_ops_cpu":
         _check_kernel_isa_env()
     if name not in _modules:
         try:
+            spec = importlib.util.find_spec(f"areal_mega.{name}")
+            problem = spec is not None and spec.origin and elf_problem(spec.origin)
+            if problem:
+                raise ImportError(problem)
             _modules[name] = importlib.import_module(f"areal_mega.{name}")
         except ImportError as exc:  # not built (or built for another torch)
             _modules[name] = None

@@ -23,16 +23,9 @@ twice: a tracker takes only steps above its last one. ``metrics.jsonl`` is rewri
 and always holds the redone values. A tracker that lost steps up to the checkpoint (W&B offline
 writes its file in blocks: a killed trainer loses the tail) gets them again from
 ``metrics.jsonl`` and ``samples.jsonl``, so no step is missing either. Parameters are the
-resolved config with every secret redacted (:func:`areal_mega.security.redact_secrets`).
-
-- this module: :class:`RunLog`, the run log that feeds every chosen tracker;
-- :mod:`.metrics` — ``metrics.jsonl``, TensorBoard scalars, the progress bar and the plot;
-- :mod:`.base` — what every tracker shares: the names, the config check, the per-tracker state
-  file, the row filtering;
-- :mod:`.wandb_tracker` — Weights & Biases;
-- :mod:`.mlflow_tracker` — MLflow;
-- :mod:`.samples` — ``samples.jsonl``, a few decoded prompt groups every
-  ``logging.log_samples_every`` steps.
+resolved config with every secret redacted (:func:`areal_mega.security.redact_secrets`: by key
+name, URL password and value); the config's secrets are registered, so log records and sample
+rows hide them too.
 """
 from __future__ import annotations
 
@@ -41,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_mega.tracking.metrics import MetricsLogger, read_metrics
-from areal_mega.security import redact_secrets
+from areal_mega.security import install_log_redaction, redact_secrets
 from areal_mega.tracking.base import TRACKERS, check_trackers
 from areal_mega.tracking.samples import SampleLog
 
@@ -66,7 +59,9 @@ class RunLog:
                                  n_groups=lg.log_samples_groups, resume_step=resume_step)
         self.trackers = []
         resumed = resume_step is not None
-        params = redact_secrets(dataclasses.asdict(cfg))   # no secret reaches a tracker
+        tree = dataclasses.asdict(cfg)
+        install_log_redaction(tree)         # its secrets hidden in logs and samples from now on
+        params = redact_secrets(tree)       # no secret reaches a tracker
         try:
             if "wandb" in lg.trackers:
                 from areal_mega.tracking.wandb_tracker import WandbTracker

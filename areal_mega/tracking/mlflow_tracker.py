@@ -20,6 +20,7 @@ from pathlib import Path
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
+from areal_mega.security import redact_text
 from areal_mega.tracking.base import TrackerState, finite_scalars, flat_params
 
 MAX_PARAM_CHARS = 6000          # MLflow's limit on a parameter's value
@@ -43,7 +44,8 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         run_id = self.state.data.get("run_id")
-        continued = bool(run_id and self.state.data.get("tracking_uri") == uri)
+        shown = redact_text(uri)       # the state file keeps no password of the URI
+        continued = bool(run_id and self.state.data.get("tracking_uri") in (uri, shown))
         if continued:
             self.client.update_run(run_id, status="RUNNING")
         else:
@@ -58,7 +60,7 @@ class MlflowTracker:
         self.run_id = run_id
         self.key = _file_store_key if uri.startswith("file:") else _key
         last = max(self.state.last_step, self._pending_step_logged() if continued else -1)
-        self.state.save(run_id=run_id, tracking_uri=uri, last_step=last, pending=None)
+        self.state.save(run_id=run_id, tracking_uri=shown, last_step=last, pending=None)
 
     def _pending_step_logged(self) -> int:
         """A step whose log a crash interrupted before its state was saved: its step when its

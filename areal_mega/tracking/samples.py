@@ -18,6 +18,7 @@ import numpy as np
 
 from areal_mega.data.dataset import load_tokenizer
 from areal_mega.tracking.metrics import truncate_metrics
+from areal_mega.security import redact_text
 
 SAMPLES_FILE = "samples.jsonl"
 COLUMNS = ("kind", "group_id", "sample_id", "prompt", "completion", "reward", "advantage",
@@ -79,8 +80,10 @@ class SampleLog:
         return self.write_rows(step, rows, kind="train")
 
     def write_rows(self, step: int, rows: list, kind: str) -> list:
-        """Append ``rows`` (stamped with ``step`` and ``kind``) durably; returns them."""
-        rows = [{"step": int(step), **r, "kind": kind} for r in rows]
+        """Append ``rows`` (stamped with ``step`` and ``kind``, every known secret in their
+        text hidden: :func:`~areal_mega.security.redact_text`) durably; returns them."""
+        rows = [{"step": int(step), **{k: redact_text(v) if isinstance(v, str) else v
+                                       for k, v in r.items()}, "kind": kind} for r in rows]
         if not rows:
             return rows
         with self.path.open("a", encoding="utf-8") as f:

@@ -16,6 +16,15 @@ Routes (JSON bodies; errors in the OpenAI error shape ``{"error": {"message", "t
   /rl/end_session {"session_id"}`` (the admin key, or that session's key: another session's
   key is 403).
 
+Hostile clients hurt only themselves (:mod:`areal_mega.common.http_guard`): a connection idle
+for ``idle_timeout_s`` (no request, or headers never finished) is closed; a body not received
+within ``body_timeout_s`` is 408; a body over 64 MiB is 413, nested too deep or with integers
+beyond int64 400; past ``max_connections`` (kept below the file descriptor limit) the oldest
+idle connection is closed for the newcomer, or the newcomer gets a plain 503 when all are busy,
+counted as ``online/connections_closed_idle`` / ``online/connections_refused`` and logged once
+per interval, never a traceback per socket. A completion whose client hung up before the answer
+is not trained (``online/completions_abandoned``; ``train_abandoned=true`` keeps it).
+
 Each group the controller starts (under its staleness bound) is one slot of the
 :class:`~areal_mega.workflow.online_sessions.SessionBook`; sessions of one ``task_id`` fill
 it, and when it is ready its done sessions become the group's trajectories
@@ -40,6 +49,7 @@ from typing import Optional
 from aiohttp import web
 
 from areal_mega.common import counters
+from areal_mega.common.http_guard import ConnectionGuard
 from areal_mega.common.net import is_loopback_host
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.security import write_run_file
@@ -51,7 +61,8 @@ from areal_mega.workflow.online_restore import (RestoredSession, ended_record, k
                                                 restored_sessions, session_trajectories)
 from areal_mega.workflow.openai_server import bearer_token, json_object_body
 from areal_mega.workflow.online_sessions import (DONE, DROPPED, ENDED, OPEN, REMEMBER_FINISHED,
-                                                Busy, Session, SessionBook, SessionError)
+                                                TRAINED, Busy, Session, SessionBook,
+                                                SessionError)
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2
@@ -98,12 +109,15 @@ class OnlineWorkflow(EpisodeWorkflow):
                 log.info("%d online sessions ended before the restart still wait for their "
                          "reward (rollout.online.reward_timeout_s from now)", len(self.restored))
         self.restored_keys = {r.key_sha256: sid for sid, r in self.restored.items()}
+        self.restored_done: dict = {}  # session id -> RestoredSession rewarded, not delivered
         self.keys: dict = {}          # session key -> session id
         self.slots: dict = {}         # slot -> (GroupContext, ready-group future, prompt)
         self.port = 0
         self.n_requests = 0
         self._start: Optional[asyncio.Task] = None
         self._runner: Optional[web.AppRunner] = None
+        self._listener: Optional[asyncio.AbstractServer] = None
+        self.guard: Optional[ConnectionGuard] = None
         self._ticker: Optional[asyncio.Task] = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -136,12 +150,16 @@ class OnlineWorkflow(EpisodeWorkflow):
         if self.cfg.tls_cert:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
-        self._runner = web.AppRunner(app, access_log=None)
+        # idle connections and headers that never complete are closed after idle_timeout_s;
+        # the guard keeps the connections under the cap (and the descriptor limit)
+        self._runner = web.AppRunner(app, access_log=None,
+                                     keepalive_timeout=self.cfg.idle_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, ssl_context=ctx,
-                           backlog=2048)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.guard = ConnectionGuard("online gateway", self.cfg.max_connections,
+                                     counter="online/connections")
+        self._listener = await self.guard.serve(self._runner, self.cfg.host, self.cfg.port,
+                                                ssl_context=ctx, backlog=2048)
+        self.port = self._listener.sockets[0].getsockname()[1]
         if self.run_dir:
             write_run_file(Path(self.run_dir) / INFO_FILE, json.dumps(
                 {"base_url": self.base_url, "admin_api_key": self.admin_key}), private=True)
@@ -152,6 +170,9 @@ class OnlineWorkflow(EpisodeWorkflow):
         """Stop serving (registered with the controller's ``at_close``)."""
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -173,6 +194,10 @@ class OnlineWorkflow(EpisodeWorkflow):
         while any(r.prompt_index == k for r in self.restored.values()):
             await asyncio.sleep(TICK_S)    # its ended sessions: rewarded or dropped first
         restored = self.journal.restore(k) if self.journal is not None else []
+        for sid in {t.meta.get("session_id") for t in restored}:
+            r = self.restored_done.pop(sid, None)    # a later reward: 409, as for a live one
+            self.book.remember(Session(sid, getattr(r, "task_id", ""), None, 0,
+                                       time.monotonic(), state=TRAINED))
         if restored:     # done sessions of this slot from before a restart: train them now
             log.info("online: %d journaled samples of prompt %s delivered again", len(restored),
                      k)
@@ -252,10 +277,11 @@ class OnlineWorkflow(EpisodeWorkflow):
         """A reward for a session restored after a restart: once it has one, journal its
         trajectories for its prompt's next generation."""
         r.set_reward(body["reward"], body.get("completion_id"), self.cfg.max_abs_reward)
-        if r.has_reward():
+        if r.has_reward():       # (again: a changed reward replaces the journaled one)
             if self.journal is not None:
                 self.journal.done(r.trajectories(self.settings.turn_discount), restorable=True)
             self.restored.pop(r.session_id, None)
+            self.restored_done[r.session_id] = r
             r.state = DONE
         return r.state
 
@@ -274,7 +300,10 @@ class OnlineWorkflow(EpisodeWorkflow):
         except SessionError as e:
             return error_response(e.status, str(e), param=e.param)
         except OpenAIRequestError as e:
-            return error_response(e.status, str(e), e.err_type, e.param)
+            resp = error_response(e.status, str(e), e.err_type, e.param)
+            if e.status == 408:
+                resp.force_close()     # the rest of the body may still come
+            return resp
         except RolloutRequestError as e:   # the rollout server refused it (e.g. too long)
             return error_response(e.status if e.status and 400 <= e.status < 500 else 400,
                                   str(e))
@@ -301,21 +330,21 @@ class OnlineWorkflow(EpisodeWorkflow):
             raise OpenAIRequestError("invalid API key: neither the admin key nor an open "
                                      "session's key", status=401,
                                      err_type="authentication_error")
-        body = await json_object_body(request)
+        body = await json_object_body(request, self.cfg.body_timeout_s)
         sid = body.get("session_id")
         if sid is None:
             raise SessionError("session_id: required", 400, "session_id")
         if own is not None and own != sid:
             raise SessionError("this session key belongs to another session", 403,
                                "session_id")
-        if isinstance(sid, str) and sid in self.restored:
-            return self.restored[sid], body
+        if isinstance(sid, str) and (sid in self.restored or sid in self.restored_done):
+            return self.restored.get(sid) or self.restored_done[sid], body
         return self.book.get(sid), body
 
     async def _start_session(self, request: web.Request) -> web.Response:
         async def go(request):
             self._auth_admin(request)
-            body = await json_object_body(request)
+            body = await json_object_body(request, self.cfg.body_timeout_s)
             sid = f"sess-{uuid.uuid4().hex}"
             s = self.book.start(sid, body.get("task_id"), time.monotonic())
             ctx, _, k = self.slots[s.slot]
@@ -375,7 +404,7 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _complete(self, request: web.Request, handler) -> web.Response:
         async def go(request):
             s = self._session_of_key(request)
-            body = await json_object_body(request)
+            body = await json_object_body(request, self.cfg.body_timeout_s)
             c = s.data.client
             s.inflight += 1
             self.book.touch(s, time.monotonic())
@@ -385,6 +414,12 @@ class OnlineWorkflow(EpisodeWorkflow):
             finally:
                 s.inflight -= 1
                 self.book.touch(s, time.monotonic())
+            if not self.cfg.train_abandoned and (request.transport is None
+                                                 or request.transport.is_closing()):
+                # the agent never got it (and its SDK may send it again): not trained
+                gone = {f"{out['id']}-{i}" for i in range(len(out["choices"]))}
+                c.records[:] = [r for r in c.records if r.completion_id not in gone]
+                counters.bump("online/completions_abandoned")
             return web.json_response(out)
         return await self._guard(go, request)
 

@@ -6,7 +6,8 @@ fsync'd as soon as it is done (a :class:`~areal_mega.dataplane.journal.Trajector
 appended again when a reward changes before delivery: the last record of a sample id wins),
 ``ended.jsonl``, one fsync'd line per session ended before its reward came (everything needed
 to train it, :func:`~areal_mega.workflow.online_restore.ended_record`), and ``events.jsonl``,
-one line per session started or dropped. A resumed worker regenerates
+one line per session started or dropped. They hold the agents' conversations: the directory
+is 0700 and every file 0600. A resumed worker regenerates
 exactly the prompt positions (slots) whose group the trainer lacks
 (:mod:`areal_mega.rollout.resume`); for such a position the gateway delivers the journaled
 sessions at once, with their original sample ids (a group the trainer had received already
@@ -38,7 +39,9 @@ def _reopen_jsonl(path: Path) -> tuple:
             records.append(json.loads(line))
         except ValueError:       # a line cut short by the kill
             continue
-    handle = open(path, "a")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)             # the agents' conversations: the run's owner only
+    handle = os.fdopen(fd, "a")
     if text and not text.endswith("\n"):
         handle.write("\n")
     return records, handle
@@ -52,6 +55,7 @@ class OnlineJournal:
         if fresh and self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
         self.by_prompt: dict = {}        # prompt position -> {sample id: Trajectory}
         done: set = set()
         for t in TrajectoryJournal.replay(self.dir / "trajs"):
@@ -71,7 +75,7 @@ class OnlineJournal:
         self.awaiting = [r for s, r in ended.items() if s not in done and s not in dropped]
         self.left_open = [s for s in started if s not in done and s not in dropped
                           and s not in ended]
-        self._trajs = TrajectoryJournal(self.dir / "trajs")
+        self._trajs = TrajectoryJournal(self.dir / "trajs", private=True)
         for sid in self.left_open:
             self.dropped(sid, "worker_restart")
             dropped[sid] = "worker_restart"

@@ -241,6 +241,11 @@ class SessionBook:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         self._forget(s)
 
+    def remember(self, s: Session) -> None:
+        """Keep ``s`` (trained or dropped elsewhere, e.g. restored after a restart) among the
+        finished sessions, so that a later request about it gets its clear 409 / 410."""
+        self._forget(s)
+
     def _forget(self, s: Session) -> None:
         s.data = None           # its records: only the state is kept, for clear errors
         self.sessions.pop(s.session_id, None)

@@ -22,6 +22,7 @@ from typing import Optional
 from aiohttp import web
 
 from areal_mega.common import counters
+from areal_mega.common.http_guard import BodyError, read_json_body
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
                                               completion_request)
@@ -45,16 +46,19 @@ def bearer_token(request: web.Request) -> str:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
 
 
-async def json_object_body(request: web.Request) -> dict:
-    """The request's JSON body, which must be an object; else :class:`OpenAIRequestError`
-    (HTTP 400)."""
+async def json_object_body(request: web.Request, timeout_s: Optional[float] = None) -> dict:
+    """The request's JSON body, which must be an object and arrive within ``timeout_s``
+    (:func:`~areal_mega.common.http_guard.read_json_body`: numbers out of range, nesting too
+    deep, a body too big or too slow are refused); else :class:`OpenAIRequestError` (HTTP 400,
+    408 or 413)."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise OpenAIRequestError("request body is not valid JSON") from None
+        body = await read_json_body(request, timeout_s)
+    except BodyError as e:
+        raise OpenAIRequestError(str(e), status=e.status) from None
     if not isinstance(body, dict):
         raise OpenAIRequestError("request body must be a JSON object")
     return body
+
 
 class OpenAIHTTPServer:
     """An aiohttp site serving the OpenAI routes for the open sessions."""
@@ -115,7 +119,10 @@ class OpenAIHTTPServer:
             return web.json_response(out)
         except OpenAIRequestError as e:
             self.n_errors += 1
-            return _error(e.status, str(e), e.err_type, e.param)
+            resp = _error(e.status, str(e), e.err_type, e.param)
+            if e.status == 408:
+                resp.force_close()     # the rest of the body may still come
+            return resp
         except RolloutRequestError as e:   # the rollout server refused it (e.g. too long)
             self.n_errors += 1
             return _error(e.status if e.status and 400 <= e.status < 500 else 400, str(e))
