@@ -21,6 +21,7 @@ from areal_mega.config import load_config
 from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
+from areal_mega.train.nonfinite import NonFiniteStepsError
 from areal_mega.train.routing import free_routing_due, routing_metrics
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 from areal_mega.train.teacher import opd_step
@@ -50,7 +51,10 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
        optimizer steps (``train_batch``, collective over the trainer ranks). A step the
        dynamic filter left without samples takes no optimizer step (``n_samples`` 0, no
-       ``loss`` in its row).
+       ``loss`` in its row). An optimizer step whose loss or gradients are non-finite on any
+       rank is skipped on every rank (``train/skipped``, ``train/skipped_steps``,
+       ``train/skip_reason/<source>``; ``train.nonfinite``); ``actor.max_consecutive_skips``
+       in a row stop the run (``NonFiniteStepsError``, fatal).
     4. ``s.publish_weights(version=step)`` sends the new weights to the rollout servers; then
        rank 0 appends the trained sample ids to the intake's trained log.
 
@@ -106,12 +110,16 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     if s.critic is not None and has_samples:
         critic_stats.update(train_critic(s.critic, mbs, cfg))
     t_train = time.time()
+    # after a skipped step the weights are the previous version's (no update was applied):
+    # published like a step without samples, so the version advances and the rollout side
+    # goes on; a non-finite tensor never reaches the servers
     s.publish_weights(version=step)                     # pause -> update -> continue on servers
     t_sync = time.time()
     if s.is_rank0:
         s.intake.record_trained(step, plan.sample_ids)
-    stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats),
-             **critic_stats, **opd_stats, **moe_stats}
+    merged = batches.merge_train_stats(train_stats, finalize_stats)
+    skip_stats = s.skips.record(step, merged, mbs)    # collective: names the likely source
+    stats = {**batch.stats, **merged, **critic_stats, **opd_stats, **moe_stats, **skip_stats}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
                   "time/weight_sync": t_sync - t_train, "prox/recomputed": float(recompute),
@@ -166,9 +174,10 @@ def main(argv=None) -> None:
             stats = rl_step(s, step)
             stats.update(evaluation.evaluate_if_due(s, step))   # eval/*, at version `step`
             s.log(step, stats)
+            s.skips.check()     # too many non-finite steps in a row: stop, naming the source
             s.maybe_checkpoint(step)
         s.finish()
-    except CheckpointSaveError as e:           # fatal: a relaunch would fill the disk again
+    except (CheckpointSaveError, NonFiniteStepsError) as e:   # fatal: a relaunch repeats it
         print(f"[areal-mega] error: {e}", file=sys.stderr, flush=True)
         s.paths.write_fatal(str(e))
         sys.exit(FATAL_EXIT_CODE)                # ``finally`` still closes the session

@@ -254,6 +254,7 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
     weight publishing has no servers to reach."""
     from types import SimpleNamespace
     from areal_mega.config import load_config
+    from areal_mega.train.nonfinite import SkipGuard
     from areal_mega.trainer import rl_step
     cfg = load_config(None, [f"model.path={hf_dir}", "algorithm.routing_replay=r3",
                              "algorithm.routing_replay_free_every=1", "rollout.n_samples=2"])
@@ -264,7 +265,7 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
         intake=SimpleNamespace(next_groups=lambda n: list(trajs),
                                record_trained=lambda step, ids: trained.append(list(ids))),
         logger=SimpleNamespace(log_samples=lambda *a, **k: None),
-        publish_weights=lambda version: None)
+        publish_weights=lambda version: None, skips=SkipGuard(3, routing_replay=True))
     stats = rl_step(session, 1)
     res["step.stats"] = {k: v for k, v in stats.items()
                          if k.startswith("moe/") or k in ("mismatch", "mismatch_tokens",

@@ -239,21 +239,35 @@ def minibatches(micro_batches: list, n: int, multiple_of: int = 1) -> list:
 def merge_train_stats(per_minibatch: list, finalize) -> dict:
     """Engine stats of each minibatch -> one dict: loss-function sums are added and finalised
     into means/fractions; ``loss``/``grad_norm`` are averaged; ``lr`` is the last one.
-    ``ppo_kl/first_minibatch`` keeps the first minibatch's ``ppo_kl`` (0 on-policy)."""
+    ``ppo_kl/first_minibatch`` keeps the first minibatch's ``ppo_kl`` (0 on-policy).
+    A minibatch the engine skipped (``skipped``: its loss or gradients non-finite, no update
+    applied) is left out of those means and counted in ``skipped_minibatches`` (with
+    ``nonfinite_loss`` / ``nonfinite_grad``: how many had each); when every one was
+    skipped only ``lr`` and those counts remain."""
     if not per_minibatch:
         return {}
-    engine_keys = {"loss", "grad_norm", "lr", "n_tokens", "update_successful"}
+    engine_keys = {"loss", "grad_norm", "lr", "n_tokens", "update_successful", "skipped",
+                   "nonfinite_loss", "nonfinite_grad"}
+    applied = [st for st in per_minibatch if not st.get("skipped")]
+    out: dict = {}
+    if len(applied) < len(per_minibatch):
+        skipped = [st for st in per_minibatch if st.get("skipped")]
+        out["skipped_minibatches"] = float(len(skipped))
+        for k in ("nonfinite_loss", "nonfinite_grad"):
+            out[k] = float(sum(st.get(k, 0.0) for st in skipped))
+    out["lr"] = float(per_minibatch[-1]["lr"])
+    if not applied:
+        return out
     summed: dict = {}
-    for st in per_minibatch:
+    for st in applied:
         for k, v in st.items():
             if k not in engine_keys:
                 summed[k] = summed.get(k, 0.0) + float(v)
-    out = {k: float(v) for k, v in finalize(summed).items()}
-    n = len(per_minibatch)
-    out["loss"] = sum(float(s["loss"]) for s in per_minibatch) / n
-    out["grad_norm"] = sum(float(s["grad_norm"]) for s in per_minibatch) / n
-    out["lr"] = float(per_minibatch[-1]["lr"])
-    first = finalize({k: float(v) for k, v in per_minibatch[0].items() if k not in engine_keys})
+    out.update({k: float(v) for k, v in finalize(summed).items()})
+    n = len(applied)
+    out["loss"] = sum(float(s["loss"]) for s in applied) / n
+    out["grad_norm"] = sum(float(s["grad_norm"]) for s in applied) / n
+    first = finalize({k: float(v) for k, v in applied[0].items() if k not in engine_keys})
     if "ppo_kl" in first:
         out["ppo_kl/first_minibatch"] = float(first["ppo_kl"])
     return out
