@@ -22,6 +22,7 @@ from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
 from areal_mega.train.nonfinite import NonFiniteStepsError
+from areal_mega.train.screen import screen_samples
 from areal_mega.train.routing import free_routing_due, routing_metrics
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 from areal_mega.train.teacher import opd_step
@@ -69,7 +70,13 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
-    plan = batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else None
+    if s.is_rank0:     # bad rewards / logprobs / routes: the sample is dropped and counted
+        trajs, refused, dropped = screen_samples(trajs, s.intake.route_layout)
+        plan = batches.plan_step(trajs, cfg, **s.layout,
+                                 template=dropped[0] if dropped else None)
+        plan.stats.update(refused)
+    else:
+        plan = None
     if s.is_rank0:     # samples.jsonl + tracker tables when logging.log_samples_every is due
         s.logger.log_samples(step, trajs, plan.advantages)
     batch = batches.distribute(plan, s.mesh)

@@ -129,10 +129,13 @@ def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
 
 
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
-              cp_size: int, share_prefix: bool = False) -> StepPlan:
+              cp_size: int, share_prefix: bool = False,
+              template: Optional[Trajectory] = None) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics.
     ``share_prefix``: the engines compute shared prompts once (the samples of a prompt group
-    are planned together and the budget counts the tokens computed)."""
+    are planned together and the budget counts the tokens computed). ``template``: a
+    trajectory whose fields the padding micro-batches carry when ``trajs`` is empty (every
+    sample of the step refused by the entry checks)."""
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
                                          max_response_len=cfg.rollout.max_new_tokens)
@@ -159,8 +162,9 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
     # every group the dynamic filter dropped) is padding carrying every field of the step's
     # samples, so it trains with zero weight
+    first = trajs[0] if trajs else template
     like = samples[0] if samples else \
-        next_token_sample(trajs[0], np.zeros(trajs[0].length, np.float32)) if trajs else None
+        next_token_sample(first, np.zeros(first.length, np.float32)) if first else None
     per_rank = [[PackedBatch.from_packed(pack_sequences(
         [samples[i] for i in idx], pad_to_multiple=pad_to, cp_size=cp_size, like=like))
         for idx in rank_plan] for rank_plan in plan]
