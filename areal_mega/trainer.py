@@ -32,7 +32,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     """Run RL step ``step`` (1-based) on this trainer rank; every rank calls it, in lockstep.
 
     1. Rank 0 takes the ``rollout.batch_size`` oldest complete prompt groups from the intake
-       (blocking until they arrive), filters them, computes advantages and plans packed
+       (blocking until they arrive), drops the samples the entry checks refuse (non-finite
+       reward or rollout logprobs, unusable routes: ``train.screen``, ``refused/*``),
+       filters them, computes advantages and plans packed
        micro-batches for every DP rank (``batches.plan_step``, a ``StepPlan``); each rank
        receives only its DP rank's share (``batches.distribute``).
     2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``;

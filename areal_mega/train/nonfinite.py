@@ -81,9 +81,11 @@ class SkipGuard:
     :meth:`record` is collective (every trainer rank, once per step); :meth:`check` raises
     :class:`NonFiniteStepsError` on every rank alike."""
 
-    def __init__(self, max_consecutive: int, routing_replay: bool = False):
+    def __init__(self, max_consecutive: int, routing_replay=False):
+        """``routing_replay``: whether the actor replays rollout routes (a bool, or
+        ``algorithm.routing_replay``: anything but ``"off"`` is on)."""
         self.max_consecutive = max_consecutive
-        self.routing_replay = routing_replay
+        self.routing_replay = bool(routing_replay) and routing_replay != "off"
         self.total = 0
         self.consecutive = []       # (step, source) of the current run of skipped steps
 

@@ -16,11 +16,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from areal_mega.common.moe_routes import ROUTED_EXPERTS, RouteLayout, check_routes, \
-    repeated_expert
+from areal_mega.common.moe_routes import (ROUTED_EXPERTS, RouteLayout, check_routes,
+                                         repeated_expert)
 
-__all__ = ["TEACHER_LOGPROB_TOL", "TEACHER_LOGPROB_MIN", "sample_problem", "screen_samples", "teacher_row_problem",
-           "refuse_bad_teacher_rows"]
+__all__ = ["TEACHER_LOGPROB_TOL", "TEACHER_LOGPROB_MIN", "sample_problem", "screen_samples",
+           "teacher_row_problem", "refuse_bad_teacher_rows"]
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,8 @@ class TrainerSession:
     ``rollout.weight_update=distributed``, ``weight_sender``; these are None on other ranks.
     Other attributes: ``cfg``, ``run_dir``, ``mesh``, ``layout`` (dp/tp/pp/cp sizes for
     planning), ``actor``, ``ref`` (None without ``ref.enabled``), ``teacher`` (OPD's
-    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``ckpt_root``,
+    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``skips``
+    (the :class:`~areal_mega.train.nonfinite.SkipGuard` of non-finite steps), ``ckpt_root``,
     ``start_step`` (last completed step; 0 on a fresh run), ``weight_update``.
     """
 
@@ -118,8 +119,7 @@ class TrainerSession:
             for e in (self.actor, self.ref, self.teacher, self.critic) if e is not None)
         self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
-        self.skips = SkipGuard(cfg.actor.max_consecutive_skips,   # non-finite steps skipped
-                               routing_replay=cfg.algorithm.routing_replay != "off")
+        self.skips = SkipGuard(cfg.actor.max_consecutive_skips, cfg.algorithm.routing_replay)
         resumed = self._restore_or_init()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
         self.rollout_metrics: dict = {}    # the worker's rollout/* server metrics (elastic)
