@@ -22,6 +22,7 @@ from areal_mega.config_checks import check_against_model
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
 from areal_mega.train.nonfinite import NonFiniteStepsError
+from areal_mega.train.quarantine import record_crash
 from areal_mega.train.screen import screen_samples
 from areal_mega.train.routing import free_routing_due, routing_metrics
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
@@ -73,7 +74,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
     if s.is_rank0:     # bad rewards / logprobs / routes: the sample is dropped and counted
-        trajs, refused, dropped = screen_samples(trajs, s.intake.route_layout)
+        trajs, refused, dropped = screen_samples(trajs, s.intake.route_layout,
+                                                 s.intake.quarantine)
         plan = batches.plan_step(trajs, cfg, **s.layout,
                                  template=dropped[0] if dropped else None)
         plan.stats.update(refused)
@@ -190,6 +192,9 @@ def main(argv=None) -> None:
         print(f"[areal-mega] error: {e}", file=sys.stderr, flush=True)
         s.paths.write_fatal(str(e))
         sys.exit(FATAL_EXIT_CODE)                # ``finally`` still closes the session
+    except Exception as e:       # died on a micro-batch: its samples are recorded (quarantine)
+        record_crash(s.run_dir, s.mesh.rank, e)
+        raise
     finally:
         s.close()
 

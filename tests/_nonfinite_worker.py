@@ -9,7 +9,8 @@ schedule unmoved) and :class:`~areal_mega.train.nonfinite.SkipGuard` names the a
 both; a clean step then applies; two poisoned steps in a row stop the run (``check``). A
 weight set to NaN on rank 1 makes ``save_checkpoint`` refuse on both ranks, writing nothing;
 a checkpoint holding NaN (as written before the check existed, through the lower-level
-``atomic_save_sharded``) is refused by ``load_checkpoint``. Rank r writes
+``atomic_save_sharded``) is refused by ``load_checkpoint``. A forward on a token id outside
+the vocabulary raises an error that names the micro-batch's samples. Rank r writes
 ``<out_dir>/dp2.<r>.json``.
 """
 import math
@@ -122,6 +123,20 @@ def scenario_dp2(res, out_dir):
     loaded = load_checkpoint(os.path.join(root, "iter_0000001"), chunks, eng.optimizer,
                              eng.lr_scheduler)
     res["load.good_iteration"] = loaded.iteration
+
+    # last (no collective after it): a sample whose token id is outside the vocabulary makes
+    # the forward raise; the error names the samples of the micro-batch it was raised on
+    from areal_mega.scheduler.packing import pack_sequences
+    from areal_mega.train.batches import next_token_layout
+    seqs = [{**next_token_layout(torch.tensor(ids)), "prompt_len": 1,
+             "sample_id": f"r{rank}-{i}"}
+            for i, ids in enumerate(([5, 6, 7, 8], [9, 10, 4 * ew.VOCAB, 11, 12]))]
+    try:
+        eng.forward_logprobs([pack_sequences(seqs, pad_to_multiple=2)], temperature=1.0)
+        res["blame.sample_ids"] = None
+    except Exception as e:  # noqa: BLE001 - what the trainer's main would record
+        res["blame.error"] = f"{type(e).__name__}: {e}"
+        res["blame.sample_ids"] = getattr(e, "sample_ids", None)
 
 
 if __name__ == "__main__":

@@ -271,7 +271,7 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
         cfg=cfg, actor=actor(hf_dir, state=state), ref=None, critic=None, mesh=ew.MESH[0],
         is_rank0=True, layout=dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1),
         intake=SimpleNamespace(next_groups=lambda n: list(trajs),
-                               route_layout=replay_layout(cfg),
+                               route_layout=replay_layout(cfg), quarantine=None,
                                record_trained=lambda step, ids: trained.append(list(ids))),
         logger=SimpleNamespace(log_samples=lambda *a, **k: None),
         publish_weights=lambda version: None, skips=SkipGuard(3, routing_replay=True))

@@ -100,3 +100,10 @@ def test_skip_guard_counts_and_resets():
     g.record(4, skipped, [])
     with pytest.raises(RuntimeError, match="steps 3..4.*learning rate"):
         g.check()
+
+
+def test_an_error_in_the_forward_names_the_micro_batchs_samples(dp2):
+    """What the trainer records for the quarantine when it dies on a micro-batch."""
+    for rank, r in enumerate(dp2):
+        assert r["blame.sample_ids"] == [f"r{rank}-0", f"r{rank}-1"], r.get("blame.error")
+

@@ -1,13 +1,15 @@
-"""The non-finite check before an optimizer step: loss and gradients, agreed by every rank."""
+"""The non-finite check before an optimizer step (loss and gradients, agreed by every rank),
+and :func:`blame`: an error raised while a micro-batch is prepared or run names its samples."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["model_grads", "nonfinite_flags"]
+__all__ = ["blame", "model_grads", "nonfinite_flags"]
 
 
 def model_grads(model_chunks: Sequence[torch.nn.Module]) -> list:
@@ -36,3 +38,20 @@ def nonfinite_flags(loss: Optional[float], grads: Sequence[torch.Tensor],
     flags = torch.tensor([float(bad_loss), float(bad_grad)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     return bool(flags[0] > 0), bool(flags[1] > 0)
+
+
+@contextmanager
+def blame(micro_batch):
+    """An exception raised inside gets ``sample_ids``: the ids of ``micro_batch``'s samples
+    (unless an inner ``blame`` set them), so the trainer can record which samples it died
+    on (:mod:`areal_mega.train.quarantine`)."""
+    try:
+        yield
+    except Exception as e:
+        if getattr(e, "sample_ids", None) is None:
+            try:
+                e.sample_ids = [str(x) for x in micro_batch["sample_ids"]]
+            except (KeyError, TypeError, AttributeError):
+                pass
+        raise
+

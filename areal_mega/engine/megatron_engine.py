@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from areal_mega.engine.finite import model_grads, nonfinite_flags
+from areal_mega.engine.finite import blame, model_grads, nonfinite_flags
 from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                             reduce_stats)
 from areal_mega.engine.loss_rows import logits_at_rows, loss_rows, scatter_rows
@@ -221,7 +221,7 @@ class MegatronEngine:
         trim = {} if batch["rows"] is None else dict(
             output_processor=logits_at_rows, output_processor_context=model_rows(batch,
                                                                                  batch["rows"]))
-        with rope_at_positions(model, batch["position_ids"][0]) \
+        with blame(mb), rope_at_positions(model, batch["position_ids"][0]) \
                 if batch["expand"] is not None else nullcontext():
             output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                            packed_seq_params=batch["packed_seq_params"], **trim)
@@ -248,7 +248,10 @@ class MegatronEngine:
             raise ValueError(f"the interleaved pipeline (virtual_pipeline_size={self.mesh.vpp}) "
                              f"needs a multiple of PP={self.micro_batch_multiple} micro-batches, "
                              f"got {len(micro_batches)}")
-        batches = [self._prepare(mb) for mb in micro_batches]
+        batches = []
+        for mb in micro_batches:
+            with blame(mb):
+                batches.append(self._prepare(mb))
         data = list(zip(micro_batches, batches))
         n_chunks = len(self.model)
         iters = [iter(data) for _ in range(n_chunks)] if n_chunks > 1 else iter(data)

@@ -56,14 +56,20 @@ def sample_problem(traj, route_layout: Optional[RouteLayout] = None) -> Optional
     return None
 
 
-def screen_samples(trajs: Sequence, route_layout: Optional[RouteLayout] = None
-                   ) -> tuple[list, dict, list]:
+def screen_samples(trajs: Sequence, route_layout: Optional[RouteLayout] = None,
+                   quarantine=None) -> tuple[list, dict, list]:
     """``(kept trajectories, stats, refused trajectories)``: ``trajs`` split by
     :func:`sample_problem` (each refused one logged with its sample id and source); ``stats``
-    counts the refused (``refused/samples`` and ``refused/<source>``; empty when none)."""
+    counts the refused (``refused/samples`` and ``refused/<source>``; empty when none).
+    ``quarantine``: a :class:`~areal_mega.train.quarantine.Quarantine`; its samples are
+    refused too (``refused/quarantine``) and written to its file."""
     kept, stats, refused = [], {}, []
     for t in trajs:
         problem = sample_problem(t, route_layout)
+        if problem is None and quarantine is not None and t.sample_id in quarantine:
+            quarantine.write(t)
+            problem = "quarantine", f"quarantined: the trainer died on its micro-batch " \
+                                    f"({quarantine.reason(t.sample_id)})"
         if problem is None:
             kept.append(t)
             continue
