@@ -72,7 +72,10 @@ class Quarantine:
         samples of a micro-batch that reached :data:`CRASHES_TO_QUARANTINE`. Returns how many
         samples are newly quarantined."""
         new = 0
-        for f in sorted(self.dir.glob("crash.rank*.json")) if self.dir.is_dir() else []:
+        found = sorted(self.dir.glob("crash.rank*.json")) if self.dir.is_dir() else []
+        if not found:
+            return 0
+        for f in found:
             try:
                 rec = json.loads(f.read_text())
             except (OSError, ValueError):
@@ -91,7 +94,7 @@ class Quarantine:
                       f"micro-batch {entry['count']} times ({entry['error'][:300]}); they are "
                       f"not trained, see {self.file}", flush=True)
         self._save()
-        for f in self.dir.glob("crash.rank*.json") if self.dir.is_dir() else []:
+        for f in found:
             f.unlink(missing_ok=True)
         return new
 
