@@ -23,7 +23,9 @@ def nonfinite_parameters(model: Sequence[torch.nn.Module]) -> Optional[str]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = None
     for i, c in enumerate(model):
-        for name, p in c.named_parameters():
+        # a view of a chunk (the critic's trunk for an LM checkpoint) checks the chunk
+        c = c if hasattr(c, "named_parameters") else getattr(c, "chunk", None)
+        for name, p in c.named_parameters() if c is not None else ():
             if not bool(torch.isfinite(p.detach()).all()):
                 mine = f"parameter {name}" + (f" of chunk {i}" if len(model) > 1 else "") + \
                     f" (rank {rank})"
