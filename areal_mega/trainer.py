@@ -20,6 +20,9 @@ from areal_mega.common.proc_memory import proc_status_bytes
 from areal_mega.config import check_against_model, load_config
 from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
+from areal_mega.train.nonfinite import NonFiniteStepsError
+from areal_mega.train.quarantine import record_crash
+from areal_mega.train.screen import screen_samples
 from areal_mega.train.routing import free_routing_due, routing_metrics
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 from areal_mega.train.teacher import opd_step
@@ -29,7 +32,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     """Run RL step ``step`` (1-based) on this trainer rank; every rank calls it, in lockstep.
 
     1. Rank 0 takes the ``rollout.batch_size`` oldest complete prompt groups from the intake
-       (blocking until they arrive), filters them, computes advantages and plans packed
+       (blocking until they arrive), drops the samples the entry checks refuse (non-finite
+       reward or rollout logprobs, unusable routes: ``train.screen``, ``refused/*``),
+       filters them, computes advantages and plans packed
        micro-batches for every DP rank (``batches.plan_step``, a ``StepPlan``); each rank
        receives only its DP rank's share (``batches.distribute``).
     2. Forward passes: ``prox_logprobs`` from the actor (the weights of version ``step − 1``;
@@ -49,7 +54,10 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
        optimizer steps (``train_batch``, collective over the trainer ranks). A step the
        dynamic filter left without samples takes no optimizer step (``n_samples`` 0, no
-       ``loss`` in its row).
+       ``loss`` in its row). An optimizer step whose loss or gradients are non-finite on any
+       rank is skipped on every rank (``train/skipped``, ``train/skipped_steps``,
+       ``train/skip_reason/<source>``; ``train.nonfinite``); ``actor.max_consecutive_skips``
+       in a row stop the run (``NonFiniteStepsError``, fatal).
     4. ``s.publish_weights(version=step)`` sends the new weights to the rollout servers; then
        rank 0 appends the trained sample ids to the intake's trained log.
 
@@ -64,7 +72,14 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     """
     cfg, t0 = s.cfg, time.time()
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None   # start order
-    plan = batches.plan_step(trajs, cfg, **s.layout) if s.is_rank0 else None
+    if s.is_rank0:     # bad rewards / logprobs / routes: the sample is dropped and counted
+        trajs, refused, dropped = screen_samples(trajs, s.intake.route_layout,
+                                                 s.intake.quarantine)
+        plan = batches.plan_step(trajs, cfg, **s.layout,
+                                 template=dropped[0] if dropped else None)
+        plan.stats.update(refused)
+    else:
+        plan = None
     if s.is_rank0:     # samples.jsonl + tracker tables when logging.log_samples_every is due
         s.logger.log_samples(step, trajs, plan.advantages)
     batch = batches.distribute(plan, s.mesh)
@@ -105,12 +120,16 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     if s.critic is not None and has_samples:
         critic_stats.update(train_critic(s.critic, mbs, cfg))
     t_train = time.time()
+    # after a skipped step the weights are the previous version's (no update was applied):
+    # published like a step without samples, so the version advances and the rollout side
+    # goes on; a non-finite tensor never reaches the servers
     s.publish_weights(version=step)                     # pause -> update -> continue on servers
     t_sync = time.time()
     if s.is_rank0:
         s.intake.record_trained(step, plan.sample_ids)
-    stats = {**batch.stats, **batches.merge_train_stats(train_stats, finalize_stats),
-             **critic_stats, **opd_stats, **moe_stats}
+    merged = batches.merge_train_stats(train_stats, finalize_stats)
+    skip_stats = s.skips.record(step, merged, mbs)    # collective: names the likely source
+    stats = {**batch.stats, **merged, **critic_stats, **opd_stats, **moe_stats, **skip_stats}
     stats.update({"version": step, "time/step": t_sync - t0, "time/wait_data": t_data - t0,
                   "time/logprobs": t_fwd - t_data, "time/train": t_train - t_fwd,
                   "time/weight_sync": t_sync - t_train, "prox/recomputed": float(recompute),
@@ -165,12 +184,16 @@ def main(argv=None) -> None:
             stats = rl_step(s, step)
             stats.update(evaluation.evaluate_if_due(s, step))   # eval/*, at version `step`
             s.log(step, stats)
+            s.skips.check()     # too many non-finite steps in a row: stop, naming the source
             s.maybe_checkpoint(step)
         s.finish()
-    except CheckpointSaveError as e:           # fatal: a relaunch would fill the disk again
+    except (CheckpointSaveError, NonFiniteStepsError) as e:   # fatal: a relaunch repeats it
         print(f"[areal-mega] error: {e}", file=sys.stderr, flush=True)
         s.paths.write_fatal(str(e))
         sys.exit(FATAL_EXIT_CODE)                # ``finally`` still closes the session
+    except Exception as e:       # died on a micro-batch: its samples are recorded (quarantine)
+        record_crash(s.run_dir, s.mesh.rank, e)
+        raise
     finally:
         s.close()
 

@@ -254,21 +254,32 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
     weight publishing has no servers to reach."""
     from types import SimpleNamespace
     from areal_mega.config import load_config
+    from areal_mega.rollout.routes import replay_layout
+    from areal_mega.train.nonfinite import SkipGuard
     from areal_mega.trainer import rl_step
     cfg = load_config(None, [f"model.path={hf_dir}", "algorithm.routing_replay=r3",
                              "algorithm.routing_replay_free_every=1", "rollout.n_samples=2"])
     trained = []
+    # one poisonous sample joins the first group: its routes name an expert twice in one
+    # token's top-k (they passed the shape/range checks; replaying them crashed the trainer)
+    bad = trajs[0].token_extras["routed_experts"].copy()
+    bad[len(bad) // 2, 0, 1] = bad[len(bad) // 2, 0, 0]
+    poison = dataclass_replace(trajs[0], sample_id="poison",
+                               token_extras={**trajs[0].token_extras, "routed_experts": bad})
+    trajs = [trajs[0], poison, *trajs[1:]]
     session = SimpleNamespace(
         cfg=cfg, actor=actor(hf_dir, state=state), ref=None, critic=None, mesh=ew.MESH[0],
         is_rank0=True, layout=dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1),
         intake=SimpleNamespace(next_groups=lambda n: list(trajs),
+                               route_layout=replay_layout(cfg), quarantine=None,
                                record_trained=lambda step, ids: trained.append(list(ids))),
         logger=SimpleNamespace(log_samples=lambda *a, **k: None),
-        publish_weights=lambda version: None)
+        publish_weights=lambda version: None, skips=SkipGuard(3, routing_replay=True))
     stats = rl_step(session, 1)
     res["step.stats"] = {k: v for k, v in stats.items()
                          if k.startswith("moe/") or k in ("mismatch", "mismatch_tokens",
-                                                           "grad_norm", "n_samples")}
+                                                           "grad_norm", "n_samples")
+                         or k.startswith("refused/")}
     res["step.trained"] = trained
 
 

@@ -3,11 +3,17 @@ equal to the student gives ``opd/reverse_kl`` = 0 on step 1 and the run resumes 
 teacher; a different teacher (same tokenizer, other weights) gives a finite, nonzero signal
 added to GRPO's advantages; a served teacher (a CPU server process) scores the same tokens
 and its tokenizer is checked against the student's."""
+import json
 import math
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from areal_mega.common.net import free_port
 from areal_mega.config import ConfigError, load_config
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
@@ -79,23 +85,57 @@ def served_student(assets):
         srv.stop()
 
 
-def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, served_student, tmp_path):
+@pytest.fixture
+def faulty_teacher(served_student, tmp_path):
+    """tests/_faulty_teacher.py in front of the served student: its first scoring request is
+    answered 503, its second carries a NaN and a +7 logprob, the rest pass unchanged.
+    Yields (its address, its fault log)."""
+    port, log = free_port(), tmp_path / "teacher_faults.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_faulty_teacher.py"),
+                             "--upstream", f"http://{served_student.addr}", "--port", str(port),
+                             "--log", str(log)])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, faulty_teacher, tmp_path):
     """The teacher served by a CPU server process (SGLang's prompt-logprob request, scored
     from each sequence's first loss token): equal to the student, its scores land on the same
-    tokens as the trainer's proximal logprobs, so step 1's reverse KL is ~0."""
+    tokens as the trainer's proximal logprobs, so step 1's reverse KL is ~0.
+
+    It is reached through a faulty front (``faulty_teacher``): the first scoring request's 503
+    (the only teacher server marked down) is retried after a probe, and the sequence whose
+    logprobs hold a NaN and a +7 is refused and dropped from the loss; the run goes on, no
+    optimizer step is skipped and no non-finite number reaches the metrics."""
     model, data = assets
+    addr, fault_log = faulty_teacher
     run = tmp_path / "run"
     rc, out = _finish(_launch(run, model, data, "total_steps=2", "recover=off",
-                              "algorithm.preset=opd",
-                              f"teacher.server_addrs=[{served_student.addr}]",
+                              "algorithm.preset=opd", f"teacher.server_addrs=[{addr}]",
                               "teacher.api_key=teacher-key",
                               "rollout.max_head_offpolicyness=0"), timeout=300)
     assert rc == 0, out[-3000:]
+    faults = [json.loads(x)["fault"] for x in fault_log.read_text().splitlines()]
+    assert faults[:3] == ["503", "nan", "none"], faults
     rows = _metrics(run)
     _check_rows(rows, [1, 2])
     assert abs(rows[0]["opd/reverse_kl"]) <= 1e-5, rows[0]["opd/reverse_kl"]
     assert rows[0]["opd/abs_log_ratio"] <= 1e-5
-    assert "teacher-key" not in (run / "logs" / "trainer.log").read_text()
+    assert sum(r.get("refused/teacher", 0.0) for r in rows) == 1.0, rows
+    assert all(r["train/skipped"] == 0.0 and math.isfinite(r["loss"]) for r in rows), rows
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "teacher-key" not in log
+    assert "non-finite teacher logprobs (the teacher's answer)" in log
 
 
 def test_served_teacher_with_another_tokenizer_is_refused(assets, served_student, tmp_path):

@@ -226,6 +226,10 @@ def test_rl_step_reports_the_moe_metrics_and_trains_with_replay(single):
     assert st["moe/route_agreement"] == pytest.approx(res["gap.metrics"]["moe/route_agreement"])
     assert st["grad_norm"] > 0 and len(res["step.trained"]) == 1
     assert len(res["step.trained"][0]) == res["n_seqs"]
+    # the poisonous sample (an expert twice in one token's top-k) is dropped and counted;
+    # the rest of its group trains
+    assert st["refused/routes"] == 1.0 and st["refused/samples"] == 1.0
+    assert "poison" not in res["step.trained"][0] and st["n_samples"] == res["n_seqs"]
 
 
 def test_replay_with_activation_recompute_and_stand_ins_for_minus_one_rows(single):

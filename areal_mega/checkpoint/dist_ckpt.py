@@ -41,6 +41,7 @@ from areal_mega.checkpoint import checksums as cks
 from areal_mega.checkpoint.distopt_state import FORMAT as DISTOPT_FORMAT
 from areal_mega.checkpoint.distopt_state import (distopt_load_state, distopt_sharded_state,
                                                  distributed_optimizers)
+from areal_mega.checkpoint.finite_weights import NonFiniteWeightsError, nonfinite_parameters
 from areal_mega.checkpoint.verify import (CheckpointError, gather_all, read_meta,
                                           verify_checkpoint, verify_collective)
 from areal_mega.common.files import atomic_write, fsync_path
@@ -49,7 +50,8 @@ from areal_mega.run_dir import (ITER_RE, META_NAME, complete_checkpoints, find_l
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "LoadedCheckpoint", "save_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "NonFiniteWeightsError", "LoadedCheckpoint", "save_checkpoint",
+           "load_checkpoint",
            "find_latest", "latest_verified", "resolve_checkpoint", "verify_checkpoint",
            "prune_checkpoints", "iter_dir_name", "atomic_save_sharded", "META_NAME", "HF_SUBDIR"]
 
@@ -338,6 +340,11 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
     model keys it accepts (a LoRA run: the adapters)."""
     if extra is not None:
         json.dumps(extra)  # fail early, on every rank, if it is not JSON-able
+    bad = nonfinite_parameters([_unwrap(c) for c in model])
+    if bad:
+        raise NonFiniteWeightsError(f"refusing to save {iter_dir_name(iteration)} under {root}: "
+                                    f"{bad} holds NaN/inf values; the previous checkpoint "
+                                    "is kept")
     state = _model_sharded_sd(model, model_keys)
     opt_format = None
     if optimizer is not None:
@@ -411,6 +418,11 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
             _unwrap(c).load_state_dict(loaded[key], strict=strict)
         else:
             _load_subset(_unwrap(c), loaded[key], path)
+    bad = nonfinite_parameters([_unwrap(c) for c in model])
+    if bad:
+        raise NonFiniteWeightsError(f"{path}: {bad} holds NaN/inf values after loading; not "
+                                    "resuming from non-finite weights (resume from an older "
+                                    "checkpoint: move this iter_* directory away)")
     if distopt:
         ld = loaded["optimizer"]["distopt"]
         distopt_load_state(optimizer, model, ld, {i: v["step"] for i, v in ld.items()})

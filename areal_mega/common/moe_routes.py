@@ -168,3 +168,19 @@ def check_routes(traj, layout: RouteLayout) -> Optional[str]:
         return (f"{head}: expert ids in [{int(arr.min())}, {int(arr.max())}], expected "
                 f"[-1, {layout.num_experts})")
     return None
+
+
+def repeated_expert(arr) -> Optional[tuple]:
+    """``(token, layer, expert)`` of the first row of routes ``arr`` [L, layers, topk] that
+    names one expert twice in its top-k (rows of -1, no route, excepted), else None. Such a
+    row cannot be replayed: megatron's dispatch splits tokens by expert counts."""
+    a = np.asarray(arr)
+    if a.ndim != 3 or a.shape[-1] < 2 or not a.size:
+        return None
+    s = np.sort(a, axis=-1)
+    dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] != NO_ROUTE)
+    if not dup.any():
+        return None
+    t, layer, k = (int(i) for i in np.argwhere(dup)[0])
+    return t, layer, int(s[t, layer, k])
+

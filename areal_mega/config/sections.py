@@ -82,6 +82,9 @@ class ActorConfig:
     sequence_parallel: bool = False
     virtual_pipeline_size: Optional[int] = _f(None, lo=1)
     logprob_chunk_size: Optional[int] = _f(None, lo=1)
+    max_consecutive_skips: int = _f(3, lo=1, doc="training steps in a row whose loss or "
+                                    "gradients are non-finite (each skipped: no update "
+                                    "applied) before the run stops, naming the likely source")
 
 
 @dataclass

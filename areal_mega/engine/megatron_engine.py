@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from areal_mega.engine.finite import blame, model_grads, nonfinite_flags
 from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
                                             reduce_stats)
 from areal_mega.engine.loss_rows import logits_at_rows, loss_rows, scatter_rows
@@ -220,7 +221,7 @@ class MegatronEngine:
         trim = {} if batch["rows"] is None else dict(
             output_processor=logits_at_rows, output_processor_context=model_rows(batch,
                                                                                  batch["rows"]))
-        with rope_at_positions(model, batch["position_ids"][0]) \
+        with blame(mb), rope_at_positions(model, batch["position_ids"][0]) \
                 if batch["expand"] is not None else nullcontext():
             output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
                            packed_seq_params=batch["packed_seq_params"], **trim)
@@ -247,7 +248,10 @@ class MegatronEngine:
             raise ValueError(f"the interleaved pipeline (virtual_pipeline_size={self.mesh.vpp}) "
                              f"needs a multiple of PP={self.micro_batch_multiple} micro-batches, "
                              f"got {len(micro_batches)}")
-        batches = [self._prepare(mb) for mb in micro_batches]
+        batches = []
+        for mb in micro_batches:
+            with blame(mb):
+                batches.append(self._prepare(mb))
         data = list(zip(micro_batches, batches))
         n_chunks = len(self.model)
         iters = [iter(data) for _ in range(n_chunks)] if n_chunks > 1 else iter(data)
@@ -358,15 +362,26 @@ class MegatronEngine:
         stats["n_tokens"] = float(denom)
         return stats
 
-    def optimizer_step(self) -> dict:
-        """Clip, step the optimizer and the LR schedule. Returns grad_norm and lr."""
-        ok, grad_norm, _ = self.optimizer.step()
+    def optimizer_step(self, loss: Optional[float] = None) -> dict:
+        """Clip, step the optimizer and the LR schedule. Returns grad_norm and lr.
+
+        Never applies a non-finite update: when ``loss`` or any gradient is NaN/inf on any
+        trainer rank (a flag all-reduced over the trainer's default process group, so every
+        rank decides alike), the optimizer and the LR schedule do not step and the stats say
+        ``skipped`` 1 with ``nonfinite_loss`` / ``nonfinite_grad``. fp16 keeps megatron's own
+        ``found_inf`` check for the gradients (its loss scaler must see the overflow)."""
         lr = self.current_lr()
+        grads = () if self.model_cfg.dtype == "fp16" else model_grads(self.model)
+        bad_loss, bad_grad = nonfinite_flags(loss, grads, self.mesh.device)
+        if bad_loss or bad_grad:
+            return {"grad_norm": math.nan, "lr": lr, "update_successful": 0.0, "skipped": 1.0,
+                    "nonfinite_loss": float(bad_loss), "nonfinite_grad": float(bad_grad)}
+        ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.lr_scheduler.step(increment=1)
             self.step_count += 1
         return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": lr, "update_successful": float(bool(ok))}
+                "lr": lr, "update_successful": float(bool(ok)), "skipped": 0.0}
 
     def train_batch(self, micro_batches: Sequence[dict], loss_fn: LossFn,
                     denominator_fn: Optional[Callable] = None, *,
@@ -375,11 +390,12 @@ class MegatronEngine:
         """One optimizer step on ``micro_batches`` (this DP rank's share of the batch).
 
         Returns stats: ``loss`` (Σ numerators / global denominator), ``grad_norm`` (before
-        clipping), ``lr`` (used by this step), ``n_tokens`` (global denominator), plus every
-        ``loss_fn`` stat summed over micro-batches and DP ranks."""
+        clipping), ``lr`` (used by this step), ``n_tokens`` (global denominator), ``skipped``
+        (1: a non-finite loss or gradient, no update applied, :meth:`optimizer_step`), plus
+        every ``loss_fn`` stat summed over micro-batches and DP ranks."""
         stats = self.forward_backward(micro_batches, loss_fn, denominator_fn,
                                       temperature=temperature, return_entropy=return_entropy)
-        stats.update(self.optimizer_step())
+        stats.update(self.optimizer_step(loss=stats.get("loss")))
         return stats
 
     def step_lr(self, n: int = 1) -> None:

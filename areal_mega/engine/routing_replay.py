@@ -49,6 +49,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from areal_mega.common.moe_routes import repeated_expert
+
 __all__ = ["ROUTES_KEY", "RouteReplayer", "check_replay_target", "check_routes",
            "cleared_after", "fill_missing_routes", "free_routing_if", "moe_layer_columns",
            "route_agreement_counts", "sequence_parallel_slice"]
@@ -92,7 +94,8 @@ def sequence_parallel_slice(n_tokens: int, tp: int, tp_rank: int) -> slice:
 def check_routes(routes: torch.Tensor, total: int, n_layers: int, topk: int,
                  num_experts: int) -> None:
     """Raise a ValueError naming the field when packed ``routes`` are not
-    ``[total, n_layers, topk]`` expert ids in ``[-1, num_experts)``."""
+    ``[total, n_layers, topk]`` expert ids in ``[-1, num_experts)``, distinct within a token's
+    top-k."""
     want = (total, n_layers, topk)
     where = f"micro-batch field {ROUTES_KEY!r} (token_extras.{ROUTES_KEY})"
     if tuple(routes.shape) != want:
@@ -101,6 +104,10 @@ def check_routes(routes: torch.Tensor, total: int, n_layers: int, topk: int,
     if routes.numel() and (int(routes.min()) < -1 or int(routes.max()) >= num_experts):
         raise ValueError(f"{where} holds expert ids in [{int(routes.min())}, "
                          f"{int(routes.max())}], expected [-1, {num_experts})")
+    rep = repeated_expert(routes.cpu().numpy()) if topk > 1 else None
+    if rep is not None:
+        raise ValueError(f"{where}: token {rep[0]}, MoE layer {rep[1]} names expert {rep[2]} "
+                         "twice in its top-k")
 
 
 def route_agreement_counts(free: torch.Tensor, rollout: torch.Tensor) -> tuple[int, int]:

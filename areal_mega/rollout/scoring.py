@@ -10,6 +10,10 @@ it. They are at temperature 1 (raw ``log_softmax``), whatever the request's temp
 
 :func:`score_sequences` spreads batched requests over the client's dispatchable servers; a
 server that cannot be reached (or answers 5xx) is marked down and the batch goes to another.
+A server marked down is probed again (``/health``) at the next call, and when every server
+failed a batch it is retried ``RETRIES`` more rounds after a pause and a probe, so a blip of
+the only teacher server does not end the step. Whether the logprobs are usable (finite,
+<= 0) is the trainer's check (:mod:`areal_mega.train.screen`).
 :class:`TeacherServerScorer` is the synchronous face for the trainer: it owns a
 :class:`~areal_mega.rollout.client.RolloutClient` and an event loop on a thread of its own.
 """
@@ -26,6 +30,10 @@ from areal_mega.rollout.client import RolloutClient, RolloutRequestError
 
 # sequences per /generate call: a teacher forward per call, batched per sequence length
 DEFAULT_BATCH = 8
+# when every server failed a chunk: rounds more over all of them, after probing them again
+RETRIES = 2
+RETRY_BACKOFF_S = 2.0
+PROBE_TIMEOUT_S = 10.0
 
 
 class ScoringError(RuntimeError):
@@ -78,24 +86,29 @@ async def _score_chunk(client: RolloutClient, servers: list, first: int, seqs: l
     timeout or 5xx marks that server down and moves on, a 4xx raises at once."""
     span = f"sequences {offset}..{offset + len(seqs) - 1}"
     last: Optional[BaseException] = None
-    for j in range(len(servers)):
-        addr = servers[(first + j) % len(servers)]
-        try:
-            out = await client.request(addr, "POST", "/generate", scoring_body(seqs, starts),
-                                       timeout)
-        except RolloutRequestError as e:
-            raise ScoringError(f"teacher server {addr} refused {span}: {e}") from e
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            client.mark_down(addr, e)
-            last = e
-            continue
-        if not isinstance(out, list) or len(out) != len(seqs):
-            raise ScoringError(f"teacher server {addr}, {span}: expected a list of "
-                               f"{len(seqs)} answers")
-        return [values_of(a, s, k, addr, offset + i)
-                for i, (a, s, k) in enumerate(zip(out, seqs, starts))]
-    raise ScoringError(f"no teacher server could score {span}: last error: "
-                       f"{type(last).__name__}: {last}")
+    for attempt in range(RETRIES + 1):
+        if attempt:     # every server failed: wait, probe them again, retry (a blip)
+            await asyncio.sleep(RETRY_BACKOFF_S * attempt)
+            await client.check_health(min(timeout or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S))
+            servers = client.live_servers() or servers
+        for j in range(len(servers)):
+            addr = servers[(first + j) % len(servers)]
+            try:
+                out = await client.request(addr, "POST", "/generate",
+                                           scoring_body(seqs, starts), timeout)
+            except RolloutRequestError as e:
+                raise ScoringError(f"teacher server {addr} refused {span}: {e}") from e
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                client.mark_down(addr, e)
+                last = e
+                continue
+            if not isinstance(out, list) or len(out) != len(seqs):
+                raise ScoringError(f"teacher server {addr}, {span}: expected a list of "
+                                   f"{len(seqs)} answers")
+            return [values_of(a, s, k, addr, offset + i)
+                    for i, (a, s, k) in enumerate(zip(out, seqs, starts))]
+    raise ScoringError(f"no teacher server could score {span} ({RETRIES + 1} rounds over "
+                       f"every server): last error: {type(last).__name__}: {last}")
 
 
 async def score_sequences(client: RolloutClient, seqs: list, starts: list,
@@ -109,9 +122,11 @@ async def score_sequences(client: RolloutClient, seqs: list, starts: list,
     check_inputs(seqs, starts)
     if not seqs:
         return []
-    servers = client.dispatchable() or client.live_servers()
+    if len(client.live_servers()) < len(client.addrs):   # one marked down earlier: probe it
+        await client.check_health(min(timeout or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S))
+    servers = client.dispatchable() or client.live_servers() or list(client.addrs)
     if not servers:
-        raise ScoringError("score_sequences: no healthy teacher server")
+        raise ScoringError("score_sequences: no teacher server")
     jobs = []
     for c, lo in enumerate(range(0, len(seqs), max(1, batch))):
         hi = min(lo + max(1, batch), len(seqs))

@@ -129,10 +129,13 @@ def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
 
 
 def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
-              cp_size: int, share_prefix: bool = False) -> StepPlan:
+              cp_size: int, share_prefix: bool = False,
+              template: Optional[Trajectory] = None) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics.
     ``share_prefix``: the engines compute shared prompts once (the samples of a prompt group
-    are planned together and the budget counts the tokens computed)."""
+    are planned together and the budget counts the tokens computed). ``template``: a
+    trajectory whose fields the padding micro-batches carry when ``trajs`` is empty (every
+    sample of the step refused by the entry checks)."""
 
     kept, advs, stats = group_advantages(trajs, cfg.algorithm,
                                          max_response_len=cfg.rollout.max_new_tokens)
@@ -159,8 +162,9 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
     # every group the dynamic filter dropped) is padding carrying every field of the step's
     # samples, so it trains with zero weight
+    first = trajs[0] if trajs else template
     like = samples[0] if samples else \
-        next_token_sample(trajs[0], np.zeros(trajs[0].length, np.float32)) if trajs else None
+        next_token_sample(first, np.zeros(first.length, np.float32)) if first else None
     per_rank = [[PackedBatch.from_packed(pack_sequences(
         [samples[i] for i in idx], pad_to_multiple=pad_to, cp_size=cp_size, like=like))
         for idx in rank_plan] for rank_plan in plan]
@@ -239,21 +243,35 @@ def minibatches(micro_batches: list, n: int, multiple_of: int = 1) -> list:
 def merge_train_stats(per_minibatch: list, finalize) -> dict:
     """Engine stats of each minibatch -> one dict: loss-function sums are added and finalised
     into means/fractions; ``loss``/``grad_norm`` are averaged; ``lr`` is the last one.
-    ``ppo_kl/first_minibatch`` keeps the first minibatch's ``ppo_kl`` (0 on-policy)."""
+    ``ppo_kl/first_minibatch`` keeps the first minibatch's ``ppo_kl`` (0 on-policy).
+    A minibatch the engine skipped (``skipped``: its loss or gradients non-finite, no update
+    applied) is left out of those means and counted in ``skipped_minibatches`` (with
+    ``nonfinite_loss`` / ``nonfinite_grad``: how many had each); when every one was
+    skipped only ``lr`` and those counts remain."""
     if not per_minibatch:
         return {}
-    engine_keys = {"loss", "grad_norm", "lr", "n_tokens", "update_successful"}
+    engine_keys = {"loss", "grad_norm", "lr", "n_tokens", "update_successful", "skipped",
+                   "nonfinite_loss", "nonfinite_grad"}
+    applied = [st for st in per_minibatch if not st.get("skipped")]
+    out: dict = {}
+    if len(applied) < len(per_minibatch):
+        skipped = [st for st in per_minibatch if st.get("skipped")]
+        out["skipped_minibatches"] = float(len(skipped))
+        for k in ("nonfinite_loss", "nonfinite_grad"):
+            out[k] = float(sum(st.get(k, 0.0) for st in skipped))
+    out["lr"] = float(per_minibatch[-1]["lr"])
+    if not applied:
+        return out
     summed: dict = {}
-    for st in per_minibatch:
+    for st in applied:
         for k, v in st.items():
             if k not in engine_keys:
                 summed[k] = summed.get(k, 0.0) + float(v)
-    out = {k: float(v) for k, v in finalize(summed).items()}
-    n = len(per_minibatch)
-    out["loss"] = sum(float(s["loss"]) for s in per_minibatch) / n
-    out["grad_norm"] = sum(float(s["grad_norm"]) for s in per_minibatch) / n
-    out["lr"] = float(per_minibatch[-1]["lr"])
-    first = finalize({k: float(v) for k, v in per_minibatch[0].items() if k not in engine_keys})
+    out.update({k: float(v) for k, v in finalize(summed).items()})
+    n = len(applied)
+    out["loss"] = sum(float(s["loss"]) for s in applied) / n
+    out["grad_norm"] = sum(float(s["grad_norm"]) for s in applied) / n
+    first = finalize({k: float(v) for k, v in applied[0].items() if k not in engine_keys})
     if "ppo_kl" in first:
         out["ppo_kl/first_minibatch"] = float(first["ppo_kl"])
     return out

@@ -20,6 +20,8 @@ With routing replay (``route_layout``) a trajectory whose ``token_extras.routed_
 not fit the model (shape ``(L, MoE layers, topk)``, ids in ``[-1, num_experts)``) is refused on
 arrival like a message that fails its wire checks: counted under ``invalid_field``
 (``dataplane/rejected``), logged with the sample id and expected vs got, never journaled.
+Samples the trainer died on twice are quarantined (:mod:`areal_mega.train.quarantine`,
+``quarantine`` here: loaded at start, applied by the step's entry screen).
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
@@ -41,6 +43,7 @@ from areal_mega.dataplane.journal import (ReplayStats, TrajectoryJournal, segmen
 from areal_mega.dataplane.prompt_ledger import PromptLedger
 from areal_mega.dataplane.wire import WireError
 from areal_mega.run_dir import checkpoint_meta, complete_checkpoints
+from areal_mega.train.quarantine import Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class TrajectoryIntake:
                                            max_message_bytes=max_message_bytes,
                                            allow_remote=allow_remote)
         self.journal = TrajectoryJournal(self.journal_dir)
+        self.quarantine = Quarantine(self.run_dir)   # samples the trainer died on, twice
+        self.quarantine.load()
         self.n_accepted = 0                 # samples journaled in this run's lineage
         self.prompt_ledger = PromptLedger()  # prompts whose whole group was journaled
         self.replay_stats = ReplayStats()   # what the last restore found in the journal
@@ -166,6 +171,7 @@ class TrajectoryIntake:
         s.update({f"buffer/{k}": float(v) for k, v in self.buffer.stats().items()
                   if isinstance(v, (int, float))})
         s["journal/corrupt_records"] = float(self.replay_stats.corrupt)
+        s.update(self.quarantine.stats())
         return s
 
     def close(self) -> None:

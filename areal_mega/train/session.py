@@ -28,6 +28,7 @@ from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk
 from areal_mega.security import holds_secret, write_run_file
 from areal_mega.tracking import RunLog
 from areal_mega.train.intake import TrajectoryIntake
+from areal_mega.train.nonfinite import SkipGuard
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer
 from areal_mega.train.weight_sender import broadcast_version, connect_weight_sender
 from areal_mega.train.weights import export_hf_dir, resolve_weight_update
@@ -59,7 +60,8 @@ class TrainerSession:
     ``rollout.weight_update=distributed``, ``weight_sender``; these are None on other ranks.
     Other attributes: ``cfg``, ``run_dir``, ``mesh``, ``layout`` (dp/tp/pp/cp sizes for
     planning), ``actor``, ``ref`` (None without ``ref.enabled``), ``teacher`` (OPD's
-    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``ckpt_root``,
+    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``skips``
+    (the :class:`~areal_mega.train.nonfinite.SkipGuard` of non-finite steps), ``ckpt_root``,
     ``start_step`` (last completed step; 0 on a fresh run), ``weight_update``.
     """
 
@@ -117,6 +119,7 @@ class TrainerSession:
             for e in (self.actor, self.ref, self.teacher, self.critic) if e is not None)
         self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
+        self.skips = SkipGuard(cfg.actor.max_consecutive_skips, cfg.algorithm.routing_replay)
         resumed = self._restore_or_init()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
         self.rollout_metrics: dict = {}    # the worker's rollout/* server metrics (elastic)
@@ -150,7 +153,7 @@ class TrainerSession:
             self.start_step = int(loaded.extra.get("step", loaded.iteration))
             self.actor.step_count = self.start_step
             if self.ref is not None and self.actor.lora is None:
-                self._load_initial(self.ref, self._ref_path())
+                self._load_initial(self.ref, self.cfg.ref.path or self.cfg.model.path)
             self._load_teacher()
             if self.critic is not None:
                 from areal_mega.train.critic_step import load_critic
@@ -161,16 +164,13 @@ class TrainerSession:
             return dict(loaded.extra, path=str(latest))
         self._load_initial(self.actor, self.cfg.model.path)
         if self.ref is not None and self.actor.lora is None:
-            self._load_initial(self.ref, self._ref_path())
+            self._load_initial(self.ref, self.cfg.ref.path or self.cfg.model.path)
         self._load_teacher()
         if self.critic is not None:
             from areal_mega.train.critic_step import init_critic
             init_critic(self.critic, lambda views, hf: self._load_initial(views, hf, "critic"),
                         self.cfg.critic.path or self.cfg.model.path)
         return None
-
-    def _ref_path(self) -> str:
-        return self.cfg.ref.path or self.cfg.model.path
 
     def _load_teacher(self) -> None:
         """The in-trainer teacher's weights (fresh run and resume alike; never trained)."""
@@ -343,7 +343,8 @@ class TrainerSession:
         (``total_steps``), or a multiple of ``checkpoint.save_every`` (0 = only the last).
 
         Raises :class:`CheckpointSaveError` ("no space left on device while saving iter_N to
-        <root>") when the disk is full, after removing the partial save.
+        <root>") when the disk is full, after removing the partial save, and when a weight is
+        NaN/inf (nothing saved: a checkpoint never holds non-finite weights).
 
         Collective (every trainer rank, after :meth:`log`). Writes ``<ckpt_root>/iter_<step>``
         (model, optimizer, LR scheduler, RNG; ``extra`` = step, version, time, buffer file,
@@ -355,7 +356,7 @@ class TrainerSession:
         every = self.cfg.checkpoint.save_every
         if not (force or step == self.cfg.total_steps or (every and step % every == 0)):
             return
-        from areal_mega.checkpoint.dist_ckpt import save_checkpoint
+        from areal_mega.checkpoint.dist_ckpt import NonFiniteWeightsError, save_checkpoint
 
         buf_name = f"buffer_iter_{step:07d}.bin" if self.cfg.mode == "rl" else None
         journal_from, accepted, ledger = 0, 0, None
@@ -384,9 +385,12 @@ class TrainerSession:
                             keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path,
                             model_keys=self.actor.checkpoint_keys)
         except (OSError, RuntimeError, CheckpointException) as e:
-            if not is_disk_full_error(e, self.ckpt_root):
+            nonfinite = isinstance(e, NonFiniteWeightsError)   # never NaN weights saved: fatal
+            if not nonfinite and not is_disk_full_error(e, self.ckpt_root):
                 raise
             self._discard_partial_save(step, buf_name)
+            if nonfinite:
+                raise CheckpointSaveError(str(e)) from None
             raise CheckpointSaveError(f"no space left on device while saving "
                                       f"{iter_dir_name(step)} to {self.ckpt_root}") from None
         if self.is_rank0 and self.intake is not None:

@@ -77,10 +77,13 @@ def run_sft(s) -> None:
         st = s.actor.train_batch(batch.micro_batches, sft_loss)
         n_tok = max(st.get("token_count", 1.0), 1.0)
         dt = time.time() - t0
+        skip = s.skips.record(step, {**st, "skipped_minibatches": st.get("skipped", 0.0)},
+                              batch.micro_batches)     # a non-finite step: no update applied
         s.log(step, {"loss": st["loss"], "nll": st["nll_sum"] / n_tok,
                      "token_acc": st["correct_sum"] / n_tok, "grad_norm": st["grad_norm"],
                      "lr": st["lr"], "time/step": dt,
-                     "tokens/s": batch.stats["n_tokens_total"] / max(dt, 1e-9)})
+                     "tokens/s": batch.stats["n_tokens_total"] / max(dt, 1e-9), **skip})
+        s.skips.check()
         s.maybe_checkpoint(step)
     lora = s.actor.lora         # LoRA SFT: the adapters merged in (and, apart, as PEFT)
     export_hf_dir(s.actor, cfg.model.path, s.run_dir / "hf_model", is_writer=s.is_rank0,

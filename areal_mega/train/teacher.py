@@ -15,7 +15,9 @@
   scores of each packed sequence from its first loss token on.
 * :func:`opd_step` — attaches ``teacher_logprobs`` to the micro-batches, replaces (``pure``) or
   shifts (``add``) their advantages with :func:`~areal_mega.algo.distill.opd_advantages`
-  student = ``prox_logprobs``) and returns the ``opd/*`` and ``time/teacher`` statistics.
+  student = ``prox_logprobs``) and returns the ``opd/*`` and ``time/teacher`` statistics. A
+  sequence whose teacher logprobs are NaN/inf or above 0 is dropped from the step's loss
+  (:func:`~areal_mega.train.screen.refuse_bad_teacher_rows`; ``refused/teacher``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from areal_mega.algo.distill import opd_advantages, reverse_kl_sums
 from areal_mega.config import check_same_tokenizer
 from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
+from areal_mega.train.screen import refuse_bad_teacher_rows
 
 __all__ = ["build_teacher", "build_teacher_scorer", "teacher_model_config", "teacher_logprobs",
            "opd_step"]
@@ -141,14 +144,22 @@ def opd_step(session, micro_batches: list) -> tuple[list, dict]:
         return micro_batches, {}
     t0 = time.time()
     mbs = batches.attach(micro_batches, teacher_logprobs=teacher_logprobs(session, micro_batches))
+    mbs, refused = refuse_bad_teacher_rows(mbs)    # NaN/inf or > 0: the sequence is dropped
+    for sid, why in refused:
+        log.warning("refused sample %r: %s (the teacher's answer); dropped from this step's "
+                    "loss, the run goes on", sid, why)
     advs, sums = [], torch.zeros(3, dtype=torch.float64)
     for mb in mbs:
         advs.append(opd_advantages(mb["advantages"], mb["prox_logprobs"],
                                    mb["teacher_logprobs"], mb["loss_mask"], mode=alg.opd,
                                    coef=alg.opd_coef))
         sums += reverse_kl_sums(mb["prox_logprobs"], mb["teacher_logprobs"], mb["loss_mask"])
-    total, total_abs, n = _dp_sum(sums, session.mesh).tolist()
+    sums = torch.cat([sums, torch.tensor([float(len(refused))], dtype=torch.float64)])
+    total, total_abs, n, n_refused = _dp_sum(sums, session.mesh).tolist()
     mbs = batches.attach(mbs, advantages=advs)
     n_safe = max(n, 1.0)
-    return mbs, {"opd/reverse_kl": total / n_safe, "opd/abs_log_ratio": total_abs / n_safe,
-                 "time/teacher": time.time() - t0}
+    stats = {"opd/reverse_kl": total / n_safe, "opd/abs_log_ratio": total_abs / n_safe,
+             "time/teacher": time.time() - t0}
+    if n_refused:
+        stats.update({"refused/teacher": n_refused, "opd/refused_samples": n_refused})
+    return mbs, stats
