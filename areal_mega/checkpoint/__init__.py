@@ -4,6 +4,7 @@
   ``latest_verified`` / ``prune_checkpoints`` / ``verify_checkpoint`` (megatron
   ``dist_checkpointing``, atomic, reshardable over TP/PP/VPP/EP).
 * :mod:`.checksums` — per-file CRC-32 recorded in ``areal_meta.json`` at save (torch-free).
+* :mod:`.finite_weights` — non-finite weights refused on saving and on loading.
 * :mod:`.verify` — completeness, sizes and checksums checked before a checkpoint is trusted, on
   one process or split over the ranks of a collective load.
 * :mod:`.distopt_state` — the distributed optimizer's state in our own reshardable format.

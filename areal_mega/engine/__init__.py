@@ -14,6 +14,8 @@
 - :mod:`.routing_replay` — rollout routing replay (R3) through megatron-core's
   ``RouterReplay``;
 - :mod:`.optim` — the actor's optimizer and LR schedule, from our config sections;
+- :mod:`.finite` — the non-finite check before an optimizer step, agreed by every rank, and
+  the micro-batch's samples named in an error raised while it runs;
 - :mod:`.critic` — :class:`CriticEngine`, the actor's model with a scalar value head.
 """
 from areal_mega.engine.megatron_engine import MegatronEngine, default_denominator

@@ -10,5 +10,10 @@
 - :mod:`.teacher` — on-policy distillation in the step and the session;
 - :mod:`.routing` — the routing-replay metrics of a step;
 - :mod:`.evaluation` — evaluation during training, the trainer's side;
+- :mod:`.screen` — entry checks of the numbers a sample brings from outside (rewards, rollout
+  logprobs, MoE routes, teacher logprobs);
+- :mod:`.nonfinite` — skipped non-finite steps: their metrics, their likely source, the stop
+  after ``actor.max_consecutive_skips`` in a row;
+- :mod:`.quarantine` — samples the trainer died on twice, kept out of training;
 - :mod:`.sft` — supervised fine-tuning on the same engine.
 """
