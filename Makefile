@@ -14,10 +14,19 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CI runs every test that does not need a GPU; slow tests included. Two pytest workers, one test
 # file each at a time (most tests wait on servers and processes half the time, so two keep both
-# cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other.
-PYTEST_ARGS ?= -m "not gpu" -q -n 2 --dist loadfile --durations=30
+# cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other. Test files start
+# longest first (tests/durations.json, via tests/conftest.py) so the two workers end together:
+# --no-loadscope-reorder keeps that order (xdist's default reorders files by test count).
+XDIST_ARGS  ?= -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?= -m "not gpu" -q $(XDIST_ARGS) --durations=30
+# `make test-quick`: the unit tests and pure planners, for iteration (CI runs `make test`): no
+# slow/vllm/gpu marker, and --quick keeps only tests that took <= 2 s in tests/durations.json
+# (tools/test_times.py says which; new test files join when the table is next refreshed).
+QUICK_ARGS  ?= -m "not gpu and not slow and not vllm" --quick -q $(XDIST_ARGS)
+# Every run writes each test's durations here; `make test-times` (tools/test_times.py) reports.
+TIMES_RECORD ?= build/test-times.json
 
-.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env \
+.PHONY: install test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env \
 	trl-env clean-trl-env
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py
@@ -115,7 +124,15 @@ install: $(STAMP)
 build: $(KERNEL_STAMP)
 
 test: $(STAMP) $(KERNEL_STAMP) $(VLLM_STAMP)
-	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
+	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS) --times-record $(TIMES_RECORD)
+
+test-quick: $(STAMP) $(KERNEL_STAMP)
+	$(PY) -m pytest $(QUICK_ARGS) --times-record build/test-times-quick.json
+
+# The slowest tests and each file's share in the last `make test`; TIMES_ARGS=--update-table
+# also refreshes tests/durations.json from it (commit that after a full run on CI's machine kind).
+test-times:
+	$(PY) tools/test_times.py $(TIMES_RECORD) $(TIMES_ARGS)
 
 demo: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m areal_mega.demo
