@@ -26,8 +26,8 @@ QUICK_ARGS  ?= -m "not gpu and not slow and not vllm" --quick -q $(XDIST_ARGS)
 # Every run writes each test's durations here; `make test-times` (tools/test_times.py) reports.
 TIMES_RECORD ?= build/test-times.json
 
-.PHONY: install test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env \
-	trl-env clean-trl-env
+.PHONY: install test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels \
+	vllm-env clean-vllm-env trl-env clean-trl-env
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py
 	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place

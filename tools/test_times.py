@@ -34,7 +34,7 @@ PHASES = ("setup", "call", "teardown")
 
 
 def file_of(nodeid):
-    """The test file part of a pytest node id ("tests/test_x.py::test_a[1]" -> "tests/test_x.py")."""
+    """The file part of a pytest node id ("tests/test_x.py::test_a[1]" -> "tests/test_x.py")."""
     return nodeid.split("::", 1)[0]
 
 
