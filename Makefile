@@ -20,8 +20,9 @@ STAMP  := $(VENV)/.installed
 XDIST_ARGS  ?= -n 2 --dist loadfile --no-loadscope-reorder
 PYTEST_ARGS ?= -m "not gpu" -q $(XDIST_ARGS) --durations=30
 # `make test-quick`: the unit tests and pure planners, for iteration (CI runs `make test`): no
-# slow/vllm/gpu marker, and --quick keeps only tests that took <= 2 s in tests/durations.json
-# (tools/test_times.py says which; new test files join when the table is next refreshed).
+# slow/vllm/gpu marker, and --quick keeps the tests that took <= 2 s in tests/durations.json,
+# within a total that keeps the tier under 5 minutes (tools/test_times.py; new test files join
+# when the table is next refreshed).
 QUICK_ARGS  ?= -m "not gpu and not slow and not vllm" --quick -q $(XDIST_ARGS)
 # Every run writes each test's durations here; `make test-times` (tools/test_times.py) reports.
 TIMES_RECORD ?= build/test-times.json

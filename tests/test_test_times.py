@@ -41,6 +41,14 @@ def test_quick_keeps_users_of_a_shared_fixture_whose_setup_was_fast():
     assert tt.quick_selection(tests, table, limit=2.0) == [False, True]
 
 
+def test_quick_drops_its_slowest_tests_to_stay_within_the_budget():
+    table = {f"tests/test_u.py::t{i}": (float(i), 0.0) for i in range(6)}
+    tests = [(k, []) for k in table] + [("tests/test_u.py::new", [])]
+    keep = tt.quick_selection(tests, table, limit=10.0, budget=6.5)
+    assert keep == [True, True, True, True, False, False, True]
+    assert tt.quick_selection(tests, table, limit=10.0, budget=100.0) == [True] * 7
+
+
 def test_record_report_and_table_round_trip(tmp_path):
     record = {"wall_s": 12.0, "args": ["-n", "2"], "tests": {
         "tests/test_a.py::x": {"setup": 1.0, "call": 2.0, "teardown": 0.5, "outcome": "passed",

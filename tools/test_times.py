@@ -11,7 +11,8 @@ tests/durations.json (committed; refreshed only by --update-table) holds each te
 (total, setup). tests/conftest.py uses it twice through this module: test files run longest
 first, so the two xdist workers (`--dist loadfile --no-loadscope-reorder`) end together; and
 `--quick` (`make test-quick`) keeps only the tests of measured files that took at most
-QUICK_LIMIT_S, and no test sharing a fixture whose setup took longer. No test asserts on time.
+QUICK_LIMIT_S, no test sharing a fixture whose setup took longer, and within QUICK_BUDGET_S in
+all. No test asserts on time.
 """
 
 import argparse
@@ -28,8 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "build" / "test-times.json"
 TABLE = ROOT / "tests" / "durations.json"
 # A test (or a shared fixture's setup) longer than this on the table's machine leaves the quick
-# tier; with it the quick tier ran in under 5 minutes on 2 cores.
+# tier; and when the kept tests' recorded seconds add up to more than QUICK_BUDGET_S, the
+# slowest of them leave too, so that the tier stays under 5 minutes on 2 cores (two workers,
+# plus about 30 s of collection) however many tests are added.
 QUICK_LIMIT_S = 2.0
+QUICK_BUDGET_S = 400.0
 PHASES = ("setup", "call", "teardown")
 
 
@@ -106,7 +110,7 @@ def longest_files_first(nodeids, table):
     return [i for f in order for i in by_file[f]]
 
 
-def quick_selection(tests, table, limit=QUICK_LIMIT_S):
+def quick_selection(tests, table, limit=QUICK_LIMIT_S, budget=QUICK_BUDGET_S):
     """Which tests the quick tier keeps: a list of booleans, one per test.
 
     tests: [(nodeid, shared)] in collection order, where shared lists keys of the test's
@@ -114,7 +118,8 @@ def quick_selection(tests, table, limit=QUICK_LIMIT_S):
     (fixture,)). A test is dropped when its file is not in the table (measured on the next
     refresh), when its recorded total exceeds limit, or when it uses a shared fixture whose
     setup was slow: one first used by a test whose recorded setup exceeded limit (otherwise the
-    next test to use it would pay that setup). A new test in a measured file is kept.
+    next test to use it would pay that setup). A new test in a measured file is kept. Then the
+    slowest kept tests are dropped until the kept ones add up to at most budget seconds.
     """
     known_files = {file_of(k) for k in table}
     heavy = set()
@@ -133,6 +138,13 @@ def quick_selection(tests, table, limit=QUICK_LIMIT_S):
             and total <= limit
             and not any(key in heavy for key in shared)
         )
+    kept = [i for i, k in enumerate(keep) if k]
+    summed = sum(table.get(tests[i][0], (0.0, 0.0))[0] for i in kept)
+    for i in sorted(kept, key=lambda i: table.get(tests[i][0], (0.0, 0.0))[0], reverse=True):
+        if summed <= budget:
+            break
+        keep[i] = False
+        summed -= table.get(tests[i][0], (0.0, 0.0))[0]
     return keep
 
 
