@@ -16,6 +16,17 @@ def test_files_run_longest_first_and_unknown_files_first():
                      "tests/test_b.py::z", "tests/test_c.py::w", "tests/test_a.py::x"]
 
 
+def test_unknown_files_with_more_slow_tests_go_first():
+    table = {"tests/test_a.py::x": (1.0, 0.0)}
+    nodeids = ["tests/test_a.py::x", "tests/test_b.py::y", "tests/test_c.py::w1",
+               "tests/test_c.py::w2", "tests/test_d.py::v"]
+    slow = ["tests/test_c.py::w1", "tests/test_c.py::w2", "tests/test_d.py::v",
+            "tests/test_a.py::x"]
+    order = [nodeids[i] for i in tt.longest_files_first(nodeids, table, slow)]
+    assert order == ["tests/test_c.py::w1", "tests/test_c.py::w2", "tests/test_d.py::v",
+                     "tests/test_b.py::y", "tests/test_a.py::x"]
+
+
 def test_file_order_keeps_collection_order_without_a_table():
     nodeids = ["tests/test_b.py::y", "tests/test_a.py::x", "tests/test_b.py::z"]
     assert tt.longest_files_first(nodeids, {}) == [0, 2, 1]

@@ -91,17 +91,23 @@ def file_totals(table):
     return dict(totals)
 
 
-def longest_files_first(nodeids, table):
+def longest_files_first(nodeids, table, slow=()):
     """Indices of nodeids reordered file by file: files missing from the table first (assumed
-    long: a new file may start servers), then by the table's file total, longest first; tests
-    keep their order inside a file and files of equal rank keep collection order."""
+    long: a new file may start servers), those with more tests marked slow (nodeids in slow)
+    before others, then the table's files by their total, longest first; tests keep their order
+    inside a file and files of equal rank keep collection order."""
     totals = file_totals(table)
     first_seen = {}
     for i, nodeid in enumerate(nodeids):
         first_seen.setdefault(file_of(nodeid), i)
+    slow_count = defaultdict(int)
+    for nodeid in slow:
+        slow_count[file_of(nodeid)] += 1
 
     def rank(f):
-        return (0, 0.0, first_seen[f]) if f not in totals else (1, -totals[f], first_seen[f])
+        if f not in totals:
+            return (0, -slow_count[f], first_seen[f])
+        return (1, -totals[f], first_seen[f])
 
     order = sorted(first_seen, key=rank)
     by_file = defaultdict(list)
@@ -242,7 +248,8 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=dropped)
             items[:] = [i for i, k in zip(items, keep) if k]
     if table:
-        order = longest_files_first([i.nodeid for i in items], table)
+        slow = [i.nodeid for i in items if i.get_closest_marker("slow")]
+        order = longest_files_first([i.nodeid for i in items], table, slow)
         items[:] = [items[i] for i in order]
 
 
