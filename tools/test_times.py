@@ -247,10 +247,9 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = [i for i, k in zip(items, keep) if k]
-    if table:
-        slow = [i.nodeid for i in items if i.get_closest_marker("slow")]
-        order = longest_files_first([i.nodeid for i in items], table, slow)
-        items[:] = [items[i] for i in order]
+    slow = [i.nodeid for i in items if i.get_closest_marker("slow")]
+    order = longest_files_first([i.nodeid for i in items], table, slow)
+    items[:] = [items[i] for i in order]
 
 
 def report(record, top=30, files=None, out=sys.stdout):
