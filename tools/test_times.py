@@ -236,6 +236,22 @@ def pytest_configure(config):
         config.pluginmanager.register(Recorder(path), "test-times-recorder")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """--quick: test files missing from the table are not even imported (their tests would all
+    be deselected; importing them costs the quick tier's collection most of its time)."""
+    if not config.getoption("quick") or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    if not hasattr(config, "_test_times_known_files"):
+        config._test_times_known_files = {file_of(k) for k in load_table()}
+    try:
+        rel = collection_path.resolve().relative_to(config.rootpath.resolve()).as_posix()
+    except ValueError:
+        return None
+    return True if rel not in config._test_times_known_files else None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Quick-tier deselection (--quick), then test files longest first (trylast: after -m and
