@@ -98,7 +98,7 @@ TRL_STAMP      := $(TRL_VENV)/.installed
 
 $(TRL_STAMP): requirements-trl.txt
 	@start=$$(date +%s); \
-	fail() { echo "make trl-env: FAILED: $$*; bench/vs_trl.py needs $(TRL_VENV)" >&2; exit 1; }; \
+	fail() { echo "make trl-env: FAILED: $$*; python -m bench.vs_trl needs $(TRL_VENV)" >&2; exit 1; }; \
 	$(TRL_PYTHON_BIN) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null || \
 		fail "TRL_PYTHON_BIN=$(TRL_PYTHON_BIN) is not a Python 3.11 (install one, or pass" \
 		"TRL_PYTHON_BIN=/path/to/python3.11)"; \
