@@ -12,8 +12,7 @@ from areal_mega.config import ConfigError, load_config
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.teacher import build_teacher_scorer
-from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
-from test_e2e_presets import check_preset_run
+from tests.helpers.local_runs import _finish, _launch, _metrics, check_preset_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,8 @@
 parser, as ``python -m vllm.entrypoints.openai.api_server`` does, and build vLLM's app from it
 (no engine: nothing is loaded) to send requests through its middleware stack.
 
-    python _vllm_probe.py '<json argv after -m module>' '<json [[method, path, key], ...]>'
+    python -m tests.helpers.vllm_probe_worker '<json argv after -m module>' \
+        '<json [[method, path, key], ...]>'
 
 Prints one JSON object: the parsed engine and frontend settings and, per request, the status
 (``status``; ``status_bare``: the same app built without the ``--middleware`` entries).

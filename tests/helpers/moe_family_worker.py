@@ -1,8 +1,8 @@
 """Layout equality of the DeepSeek-style MoE families, run by tests/test_moe_families.py in 2
-gloo processes (the machinery of tests/engine_worker.py: a single-rank reference, then each
+gloo processes (the machinery of tests/helpers/engine_worker.py: a single-rank reference, then each
 layout holding the reference weights).
 
-    python tests/_moe_family_worker.py <scenario> <rank> <world> <port> <out_dir>
+    python -m tests.helpers.moe_family_worker <scenario> <rank> <world> <port> <out_dir>
 
 (scenario: a family, or ``both``, as tests/test_moe_families.py runs them)
 
@@ -14,11 +14,10 @@ router and layouts with multi-latent attention (q and kv LoRA ranks 32, rope dim
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-import engine_worker as ew  # noqa: E402
+from tests.helpers import engine_worker as ew
 
 GLM4_MOE = dict(ew.DENSE, model_type="glm4_moe", num_hidden_layers=4, attention_bias=True,
                 use_qk_norm=True, n_routed_experts=8, num_experts=8, num_experts_per_tok=2,

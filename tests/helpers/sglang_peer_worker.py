@@ -16,7 +16,7 @@ SGLang's source, so that the interop tests prove compatibility rather than self-
   then wait on all handles. Instead of loading into a model it saves each bucket to
   ``--out-dir/bucket-<i>.pt`` so the test can compare the tensors.
 
-    python tests/sglang_style_peer.py --port P --out-dir DIR [--group-timeout-s S]
+    python -m tests.helpers.sglang_peer_worker --port P --out-dir DIR [--group-timeout-s S]
 """
 from __future__ import annotations
 

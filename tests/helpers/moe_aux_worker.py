@@ -1,7 +1,7 @@
 """One-process (gloo, world 1) check of the MoE load-balancing loss gradient, run by
 tests/test_moe_aux.py:
 
-    python tests/_moe_aux_worker.py <out.json>
+    python -m tests.helpers.moe_aux_worker <out.json>
 
 Two actors with the same weights, router_aux_loss_coef = COEF and 0, run one forward_backward
 on the same micro-batches of different lengths. The difference of their router-weight
@@ -9,13 +9,10 @@ gradients is the aux-loss gradient; it is compared with an independent torch com
 COEF · Σ_mb aux_mb · T_mb / Σ_mb T_mb from the router inputs recorded during the forward.
 """
 import json
-import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 COEF = 0.01
 VOCAB = 200

@@ -1,6 +1,6 @@
 """Context-parallel loss equality, run by tests/test_engine_cp_loss.py in 2 gloo processes.
 
-    python tests/cp_loss_worker.py <rank> <world> <port> <out_dir>
+    python -m tests.helpers.cp_loss_worker <rank> <world> <port> <out_dir>
 
 The mesh is a real CP=2 ``ParallelMesh`` (megatron's parallel state over gloo; no model: the
 model side of CP needs TransformerEngine). Every rank holds the same packed micro-batches
@@ -22,9 +22,8 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
 LENS = [[9, 14, 5], [20, 3], [6, 6, 6, 4], [1, 17, 2]]
 POLICY_VERSION = 3

@@ -1,10 +1,10 @@
 """Single-process jobs for tests/test_checkpoint_integrity.py (run as a script: megatron's
 parallel state and writer processes need a fresh process).
 
-    python tests/_ckpt_fault_worker.py make WORK ROOT      tiny Qwen2 -> WORK/hf, WORK/mcore;
-                                                           then from it 2 training steps,
-                                                           saving ROOT/iter 1 and 2
-    python tests/_ckpt_fault_worker.py resume WORK ROOT    what the trainer does on recover=auto
+    python -m tests.helpers.ckpt_fault_worker make WORK ROOT
+        tiny Qwen2 -> WORK/hf, WORK/mcore; then from it 2 training steps, saving ROOT/iter 1 and 2
+    python -m tests.helpers.ckpt_fault_worker resume WORK ROOT
+        what the trainer does on recover=auto
 
 Each writes a JSON result to stdout's last line.
 """
@@ -14,8 +14,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from areal_mega.common.net import free_port  # noqa: E402  (needs the sys.path entry above)
+from areal_mega.common.net import free_port
 
 
 def _setup(work):

@@ -1,10 +1,10 @@
 """Critic checks in gloo processes, run by tests/test_critic_engine.py.
 
-    python tests/critic_worker.py <scenario> <rank> <world> <port> <out_dir>
+    python -m tests.helpers.critic_worker <scenario> <rank> <world> <port> <out_dir>
 
 ``layouts`` (2 ranks): a single-rank reference critic (TP1/PP1, plain autograd on the model,
 the production value loss) against DP2, TP2, TP2+SP and PP2 (variable lengths): values and
-gradients, as tests/engine_worker.py does for the actor (its shard mapping is reused), and
+gradients, as tests/helpers/engine_worker.py does for the actor (its shard mapping is reused), and
 PP2 × VPP2 on a 4-layer model (variable lengths).
 ``single`` (1 rank): the GAE of a real RL step equals the torch reference on the same packed
 batch; a critic restored from its checkpoint takes the same next step as an uninterrupted
@@ -15,11 +15,10 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from tests import engine_worker as ew  # noqa: E402
+from tests.helpers import engine_worker as ew
 
 HF = ew.DENSE
 RESULTS = {}      # this process's results (reference() adds its sanity numbers)

@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.workers import ROOT, worker_env
+
 
 def run_ranks(argvs: list, *, timeout: float, env=None, cwd=None) -> list:
     """Start one process per argv, wait for each (``timeout`` seconds per rank) and return
     ``[(returncode, combined output)]`` in rank order; processes still running when a wait
-    fails are killed, so no rank outlives the test."""
+    fails are killed, so no rank outlives the test. Each runs in ``cwd`` (default: the
+    repository root) with the root first on ``PYTHONPATH`` (:func:`worker_env`)."""
+    env, cwd = worker_env(env), cwd or ROOT
     procs = [subprocess.Popen([str(a) for a in argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for argv in argvs]
     outs = []

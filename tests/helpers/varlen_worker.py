@@ -1,11 +1,11 @@
 """Single-rank check of the packed (varlen) CPU attention against the dense-mask path, run by
 tests/test_varlen_attention.py in its own process (megatron's parallel state is global).
 
-    python tests/_varlen_worker.py <port> <out.json>
+    python -m tests.helpers.varlen_worker <port> <out.json>
 
 The reference is the engine's model called with megatron's dense block-diagonal ``[T, T]``
-mask (tests/engine_worker.py ``reference``); the engine under test runs the same weights with
-THD ``PackedSeqParams`` through :class:`~areal_mega.models.varlen_attention.
+mask (tests/helpers/engine_worker.py ``reference``); the engine under test runs the same weights
+with THD ``PackedSeqParams`` through :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`. Both layouts the engine packs on CPU are covered: contiguous
 sequences with trailing padding, and slots padded per sequence (``cu_seqlens_padded``, the
 context-parallel packing). The policy loss trains on logits of its loss-mask rows only
@@ -15,12 +15,11 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from tests import engine_worker as ew  # noqa: E402
-from tests import group_batches  # noqa: E402
+from tests.helpers import engine_worker as ew
+from tests.helpers import group_batches
 
 # grouped-query attention (4 query heads, 2 KV heads), tied embeddings
 LLAMA_GQA = dict(ew.TIED)

@@ -1,7 +1,7 @@
 """A reward model's ``score`` head as the critic's start, in gloo processes; run by
 tests/test_critic_score_model.py.
 
-    python tests/score_critic_worker.py <rank> <world> <port> <hf_dir> <out_dir>
+    python -m tests.helpers.score_critic_worker <rank> <world> <port> <hf_dir> <out_dir>
 
 World 1 first converts ``hf_dir`` (a one-label ``*ForSequenceClassification``) with the
 session's critic conversion (``convert_hf_to_mcore(value_model=True)``) into
@@ -15,11 +15,10 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from tests import engine_worker as ew  # noqa: E402
+from tests.helpers import engine_worker as ew
 
 
 def packed_batch(seqs):

@@ -1,13 +1,12 @@
 """Single-process conversion jobs for tests/test_convert_*.py (run as a script in a fresh
 process: the converters initialise a world-size-1 process group and megatron's CPU patches).
 
-    python tests/_convert_jobs.py WORKDIR   -> WORKDIR/results.json
+    python -m tests.helpers.convert_worker WORKDIR   -> WORKDIR/results.json
 """
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # name -> (make_tiny_model overrides, convert_hf_to_mcore kwargs)
 VARIANTS = {

@@ -1,13 +1,13 @@
 """One rank of tests/test_new_families.py's 2-rank checks of a new model family.
 
-    python tests/_family_worker.py <family> <rank> <world> <port> <work_dir>
+    python -m tests.helpers.family_worker <family> <rank> <world> <port> <work_dir>
 
 (``all`` for ``<family>``: every family in turn, each family's checks under its name, as
 tests/test_new_families.py runs them.)
 
 ``<work_dir>/<family>/hf`` is the tiny HF model and ``<work_dir>/<family>/mcore`` its
 checkpoint converted by ``tools/convert_hf_to_mcore.py``. On the DP2 mesh and on each layout of
-the family's case (:data:`tests.new_families.CASES`):
+the family's case (:data:`tests.helpers.new_families.CASES`):
 
 * ``<layout>.hf_logits``: the converted checkpoint loaded into the engine in that layout, its
   logits (unpacked forward, TP-gathered; non-pipelined layouts) minus transformers' logits;
@@ -16,7 +16,7 @@ the family's case (:data:`tests.new_families.CASES`):
 * ``dp2_<variant>.hf_logits`` / ``.hf_packed``: the same under each of the case's
   ``config_variants`` (config overrides given to both the engine and transformers);
 * ``<layout>.{logprobs,grads,loss,n_tokens}``: the layout against the single-rank reference
-  with the production PPO loss, exactly as tests/engine_worker.py checks the dense families.
+  with the production PPO loss, exactly as tests/helpers/engine_worker.py checks the dense families.
 
 Rank r writes ``<work_dir>/<family>.<r>.json`` ({check: max abs difference}).
 """
@@ -25,12 +25,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from tests import engine_worker as ew  # noqa: E402
-from tests.new_families import CASES  # noqa: E402
+from tests.helpers import engine_worker as ew
+from tests.helpers.new_families import CASES
 
 #: layout name -> ParallelDims of the 2-rank mesh; EP2 runs inside DP2 (half the batch each)
 MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "ep2": dict(dp=2, ep=2)}
@@ -97,7 +96,7 @@ def run_family(name):
         seqs = [torch.randint(3, cfg["vocab_size"], (n,), generator=g) for n in (21, 21, 5, 13)]
         want_logits, want_lps = hf_reference(hf_dir, seqs)
         # the layouts' reference: this family's config with the shared test vocabulary (both
-        # spellings of MoE keys filled in: tests/engine_worker.py reads ``num_experts``) and
+        # spellings of MoE keys filled in: tests/helpers/engine_worker.py reads ``num_experts``) and
         # no MoE aux loss (the reference is the plain autograd of the policy loss; the aux
         # loss's per-step scaling is checked by tests/test_moe_aux.py)
         from areal_mega.models.builder import normalize_hf_config

@@ -1,6 +1,6 @@
 """Micro-batches of GRPO-like prompt groups for the engine tests (the engine computes each
 shared prompt once, areal_mega/scheduler/shared_prefix.py), and the multirank check of that
-path (run by tests/engine_worker.py's dense scenario)."""
+path (run by tests/helpers/engine_worker.py's dense scenario)."""
 import torch
 
 

@@ -1,7 +1,7 @@
 """Real vLLM servers for the tests: tiny models vLLM's CPU kernels serve, and a server process
 started with the command and environment launch.local uses.
 
-The vLLM interpreter: :func:`tests.vllm_env.vllm_python` (skipped without one, except where
+The vLLM interpreter: :func:`tests.helpers.vllm_env.vllm_python` (skipped without one, except where
 ``make test`` runs them: there they fail).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 
 from areal_mega.common.net import free_port
 from areal_mega.models.tiny import make_tiny_model
-from tests.vllm_env import vllm_python
+from tests.helpers.vllm_env import vllm_python
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "vllm-test-key"
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...: the tiny models use 64
 TINY_VLLM = dict(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1,

@@ -1,5 +1,6 @@
-"""Helpers shared by the rollout tests: tiny models, server processes, teacher-forced logprobs,
-a collecting group sink."""
+"""Helpers shared by the rollout tests: tiny models, HTTP calls to a server, teacher-forced
+logprobs, a collecting group sink (the ``models`` and ``server`` fixtures are in
+tests/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,6 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
 import torch
 
 from areal_mega.models.tiny import make_tiny_model
@@ -23,28 +23,6 @@ def make_models(tmp_path_factory):
     a = make_tiny_model(base / "a", arch="llama", hidden_size=64, num_layers=2, seed=0)
     b = make_tiny_model(base / "b", arch="llama", hidden_size=64, num_layers=2, seed=1)
     return a, b
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """The two tiny models as paths (``a``, ``b``) and loaded transformers models (``ma``,
-    ``mb``); test modules import this fixture."""
-    a, b = make_models(tmp_path_factory)
-    return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
-
-
-@pytest.fixture(scope="module")
-def server(models):
-    """One CPU rollout server process on model ``a`` (with :data:`API_KEY`), stopped after
-    the module; test modules import this fixture."""
-    from areal_mega.inference.process import launch_local_servers
-
-    procs = launch_local_servers(str(models["a"]), 1, api_key=API_KEY)
-    try:
-        yield procs[0]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def load_model(path):

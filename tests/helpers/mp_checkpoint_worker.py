@@ -1,12 +1,13 @@
-"""One rank of the 2-rank checkpoint/conversion tests (launched by tests/test_checkpoint_mp.py).
+"""One rank of the 2-rank checkpoint/conversion tests (launched by
+tests/helpers/conversions.py :func:`launch_2ranks`).
 
-    python tests/_mp_checkpoint_worker.py RANK WORLD PORT WORKDIR SCENARIO CONVDIR
+    python -m tests.helpers.mp_checkpoint_worker RANK WORLD PORT WORKDIR SCENARIO CONVDIR
 
 Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
 TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
 and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2, export at
 PP2).
-CONVDIR holds tests/_convert_jobs.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
+CONVDIR holds tests/helpers/convert_worker.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """
 import json
 import os
@@ -14,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(rank, world, port, work, scenario, convdir):

@@ -1,7 +1,7 @@
 """Routing replay (R3) on a tiny Qwen3-MoE, run by tests/test_routing_replay.py:
 
-    python tests/_routing_replay_worker.py single 0 1 <port> <work>
-    python tests/_routing_replay_worker.py layouts <rank> 2 <port> <work>
+    python -m tests.helpers.routing_replay_worker single 0 1 <port> <work>
+    python -m tests.helpers.routing_replay_worker layouts <rank> 2 <port> <work>
 
 ``single`` (one gloo process): a tiny HF Qwen3-MoE plays the inference server — its own router
 (softmax over the gate logits, top-k, in transformers) gives the routes of every token of a few
@@ -25,12 +25,11 @@ agreement counts (each rank counts its own tokens and layers) with the single ra
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from tests import engine_worker as ew  # noqa: E402  (shard mapping and gradient comparison)
+from tests.helpers import engine_worker as ew  # (shard mapping and gradient comparison)
 
 LENS_PER_MB = [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17, 8]]
 NOISE = 0.2          # router-weight noise relative to the router weights' std (version gap)

@@ -1,6 +1,7 @@
 """Probe upstream megatron-core on CPU with and without areal_mega.compat.megatron_cpu.
 
-    python tests/compat_probe.py   -> prints JSON {"unpatched": {...}, "patched": {...}}
+    python -m tests.helpers.compat_probe_worker
+        -> prints JSON {"unpatched": {...}, "patched": {...}}
 
 Each probe returns True when the code works on CPU. Run in a fresh process: the patches are
 process-global once applied.
@@ -10,7 +11,6 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
@@ -52,7 +52,8 @@ def probes():
         from areal_mega.compat import megatron_cpu
         pre = ("from areal_mega.compat import megatron_cpu; megatron_cpu.apply(force=True); "
                if megatron_cpu.is_applied() else "")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        from tests.helpers.workers import ROOT
+        root = str(ROOT)
         proc = subprocess.run([sys.executable, "-c", pre + "import megatron.bridge"], cwd=root,
                               capture_output=True, timeout=300,
                               env=dict(os.environ, PYTHONPATH=root))

@@ -1,9 +1,9 @@
 """A LoRA run's checkpoint for tests/test_lora_export_tool.py, made in its own process (the
 engine needs torch.distributed; the pytest process must not initialise it).
 
-    python tests/_lora_export_worker.py <out_dir>
+    python -m tests.helpers.lora_export_worker <out_dir>
 
-Everything is production code (tests/_lora_worker.py's helpers): a tiny qwen3 model converted
+Everything is production code (tests/helpers/lora_worker.py's helpers): a tiny qwen3 model converted
 to a base checkpoint, a LoRA actor (rank 8, all seven projections) with random adapters, one
 training step, then ``engine.save`` into ``<out_dir>/run/checkpoints`` with the ``lora`` record
 a training run writes (:func:`areal_mega.lora.actor.checkpoint_extra`). The actor's logprobs
@@ -15,12 +15,11 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from tests import _lora_worker as lw  # noqa: E402
-from tests.engine_worker import TEMP, attach_policy_inputs  # noqa: E402
+from tests.helpers import lora_worker as lw
+from tests.helpers.engine_worker import TEMP, attach_policy_inputs
 
 
 def make_checkpoint(out):

@@ -1,6 +1,6 @@
 """Multi-rank engine equality checks, run by tests/test_engine_multirank.py in 2 gloo processes.
 
-    python tests/engine_worker.py <scenario> <rank> <world> <port> <out_dir>
+    python -m tests.helpers.engine_worker <scenario> <rank> <world> <port> <out_dir>
 
 Each scenario builds a single-rank reference (TP1/PP1/EP1 model, plain autograd, no pipeline
 schedule) in every process from one seed, then re-initialises the mesh in the layouts under
@@ -17,14 +17,13 @@ import re
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from areal_mega.config import ModelConfig, OptimizerConfig  # noqa: E402
-from areal_mega.scheduler.packing import pack_sequences  # noqa: E402
-from areal_mega.train.batches import next_token_layout  # noqa: E402
-from tests import group_batches  # noqa: E402
+from areal_mega.config import ModelConfig, OptimizerConfig
+from areal_mega.scheduler.packing import pack_sequences
+from areal_mega.train.batches import next_token_layout
+from tests.helpers import group_batches
 
 VOCAB = 200  # padded to 256: the padded ids must be excluded from the softmax
 DENSE = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,

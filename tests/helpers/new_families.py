@@ -1,5 +1,5 @@
 """The families checked end to end by tests/test_new_families.py (and its 2-rank worker
-tests/_family_worker.py). Adding a family: one :class:`FamilyCase` in :data:`CASES`.
+tests/helpers/family_worker.py). Adding a family: one :class:`FamilyCase` in :data:`CASES`.
 
 Every case is a tiny HF model made locally (:func:`areal_mega.models.tiny.make_tiny_model`
 with ``tiny``), on the digits vocabulary so that the same model also runs the RL steps."""

@@ -1,7 +1,7 @@
 """LoRA checks in real gloo processes, run by tests/test_lora_layouts.py and
 tests/test_lora_peft_interop.py.
 
-    python tests/_lora_worker.py <scenario> <rank> <world> <port> <out_dir>
+    python -m tests.helpers.lora_worker <scenario> <rank> <world> <port> <out_dir>
 
 Everything goes through production code: the tiny HF model is converted once
 (``convert_hf_to_mcore``) and each engine loads its base from that checkpoint like a training
@@ -15,11 +15,10 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from tests.engine_worker import POLICY, TEMP, attach_policy_inputs, losses  # noqa: E402
+from tests.helpers.engine_worker import POLICY, TEMP, attach_policy_inputs, losses
 
 RANK8 = dict(rank=8, alpha=16.0)
 MESH = [None]

@@ -1,8 +1,8 @@
 """Worker for tests/test_train_distribute.py: one gloo rank of a 2-rank trainer mesh.
 
-Usage: _distribute_worker.py RANK WORLD PORT OUT_DIR. For layouts DP2 and TP2, rank 0 builds a
-StepPlan whose DP shares are told apart by their sample ids and sizes, then every rank calls the
-production ``batches.distribute`` and records what it received."""
+Usage: python -m tests.helpers.distribute_worker RANK WORLD PORT OUT_DIR. For layouts DP2 and
+TP2, rank 0 builds a StepPlan whose DP shares are told apart by their sample ids and sizes, then
+every rank calls the production ``batches.distribute`` and records what it received."""
 import json
 import os
 import sys

@@ -3,7 +3,7 @@ trainer builds it (one process, gloo): HF directory -> ``convert_hf_to_mcore`` -
 ``load_checkpoint`` into a forward-only ``MegatronEngine`` (role ``ref``) -> ``forward_logprobs``
 over packed sequences. Writes ``{"logprobs": [[log p(ids[t] | ids[:t]) for t >= start], ...]}``.
 
-    python tests/_teacher_forward_worker.py HF_DIR WORK_DIR IN_JSON OUT_JSON
+    python -m tests.helpers.teacher_forward_worker HF_DIR WORK_DIR IN_JSON OUT_JSON
 """
 import json
 import sys
