@@ -10,7 +10,7 @@ from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.convert import convert_mcore_to_hf
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, find_latest, prune_checkpoints,
                                              resolve_checkpoint, verify_checkpoint)
-from tests._convert_fixture import run_jobs, session_dir
+from tests.helpers.conversions import run_jobs, session_dir
 
 
 @pytest.fixture(scope="module")

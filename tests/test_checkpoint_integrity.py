@@ -16,13 +16,13 @@ import pytest
 from areal_mega.checkpoint import checksums as cks
 from areal_mega.checkpoint.dist_ckpt import (CheckpointError, latest_verified,
                                              resolve_checkpoint, verify_checkpoint)
-from tests._convert_fixture import ROOT
-
-WORKER = ROOT / "tests" / "_ckpt_fault_worker.py"
+from tests.helpers.bit_flips import flip
+from tests.helpers.conversions import ROOT
+from tests.helpers.workers import worker_cmd, worker_env
 
 
 def _worker(*args):
-    p = subprocess.run([sys.executable, str(WORKER), *map(str, args)], cwd=ROOT,
+    p = subprocess.run(worker_cmd("ckpt_fault_worker", *args), cwd=ROOT, env=worker_env(),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -40,19 +40,6 @@ def _root_copy(made, tmp_path):
     root = tmp_path / "ckpts"
     shutil.copytree(made[1], root)
     return root
-
-
-def flip(path, n=64):
-    """XOR ``n`` bytes in the middle of ``path``: same size, different content."""
-    size = path.stat().st_size
-    off = max(0, size // 2 - n // 2)
-    with open(path, "r+b") as f:
-        f.seek(off)
-        data = f.read(n)
-        f.seek(off)
-        f.write(bytes(b ^ 0xFF for b in data))
-    assert path.stat().st_size == size
-    return path
 
 
 def test_save_records_every_file(made):

@@ -11,7 +11,7 @@ import pytest
 from areal_mega.checkpoint.convert import convert_hf_to_mcore
 from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
 from areal_mega.checkpoint.safetensors_io import SafetensorsError
-from tests._convert_fixture import ROOT
+from tests.helpers.conversions import ROOT
 
 
 @pytest.fixture(scope="module")

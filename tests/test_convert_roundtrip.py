@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tests._convert_fixture import ROOT, launch_2ranks, results, run_jobs, session_dir
-from tests._convert_jobs import VARIANTS, compare, load_all
+from tests.helpers.conversions import ROOT, launch_2ranks, results, run_jobs, session_dir
+from tests.helpers.convert_worker import VARIANTS, compare, load_all
 
 
 @pytest.fixture(scope="session")

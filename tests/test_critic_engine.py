@@ -1,28 +1,28 @@
 """The critic (PPO value model): layouts, GAE in the RL step, resume, initial weights.
 
-Two gloo launches of tests/critic_worker.py (CPU, fp32): ``layouts`` (2 ranks) checks that the
-critic's values and value-loss gradients at DP2, TP2, TP2+SP, PP2 and PP2 with VPP 2 on a
+Two gloo launches of tests/helpers/critic_worker.py (CPU, fp32): ``layouts`` (2 ranks) checks
+that the critic's values and value-loss gradients at DP2, TP2, TP2+SP, PP2 and PP2 with VPP 2 on a
 4-layer model (variable lengths) equal a single-rank reference within 1e-5, as
 tests/test_engine_multirank.py does for the actor;
 ``single`` (1 rank) checks the GAE of a real RL step against the torch reference, an exact
 resume from a critic checkpoint, and loading an LM checkpoint / an HF ``score`` head.
 """
 import os
-import sys
 
 import pytest
 
 from areal_mega.common.net import free_port
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "critic_worker.py")
+WORKER = "critic_worker"   # tests.helpers.critic_worker
 TOL = 1e-5
 
 
 def _launch(scenario, tmp_path, world, timeout=300):
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, WORKER, scenario, r, world, port, tmp_path]
+    ranks = run_ranks([worker_cmd(WORKER, scenario, r, world, port, tmp_path)
                        for r in range(world)], timeout=timeout, env=env)
     return rank_results([tmp_path / f"{scenario}.{r}.json" for r in range(world)], ranks)
 

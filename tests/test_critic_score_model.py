@@ -2,11 +2,10 @@
 ``critic.path``: its body converts into the critic's trunk and its ``score`` head becomes the
 value head, so the critic's initial values on a packed batch are transformers' per-token
 scores (``score(hidden)[..., 0]`` at every position, before the last-token pooling), at TP1
-and TP2 (gloo, tests/score_critic_worker.py). Bad value models get one clear error; the
+and TP2 (gloo, tests/helpers/score_critic_worker.py). Bad value models get one clear error; the
 actor's conversion stays strict."""
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -15,9 +14,10 @@ from areal_mega.checkpoint.convert import convert_hf_to_mcore
 from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
 from areal_mega.common.net import free_port
 from areal_mega.config import ConfigError, check_against_model, load_config
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "score_critic_worker.py")
+WORKER = "score_critic_worker"   # tests.helpers.score_critic_worker
 SEQ_LENS = (7, 12, 4)
 TOL = 1e-5
 
@@ -62,7 +62,7 @@ def reward_model(tmp_path_factory):
 def _launch(world, hf_dir, work):
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, WORKER, r, world, port, hf_dir, work]
+    ranks = run_ranks([worker_cmd(WORKER, r, world, port, hf_dir, work)
                        for r in range(world)], timeout=240, env=env)
     return rank_results([work / f"tp{world}.{r}.json" for r in range(world)], ranks)
 

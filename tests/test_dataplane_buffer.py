@@ -6,7 +6,7 @@ import pytest
 
 from areal_mega.dataplane import (BufferFileError, TrajectoryBuffer, TrajectoryReceiver,
                                   TrajectorySender)
-from dataplane_helpers import make_traj
+from tests.helpers.trajectories import make_traj
 
 
 def grouped(group, k, created, version=0):

@@ -18,7 +18,7 @@ from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.dataplane.wire import encode_record
 from areal_mega.run_dir import RunDir
 from areal_mega.train.intake import TrajectoryIntake
-from tests.dataplane_helpers import make_traj
+from tests.helpers.trajectories import make_traj
 
 pytestmark = pytest.mark.timeout(600)
 N = 5

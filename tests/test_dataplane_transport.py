@@ -10,7 +10,7 @@ import zmq
 from areal_mega.dataplane import (DataplaneError, Trajectory, TrajectoryReceiver, TrajectorySender,
                                   WireError, decode_trajectory,
                                   check_endpoint, encode_trajectory)
-from dataplane_helpers import make_traj
+from tests.helpers.trajectories import make_traj
 
 N_SENDERS, PER_SENDER = 3, 40
 

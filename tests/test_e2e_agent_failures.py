@@ -1,8 +1,8 @@
 """``launch.local`` (CPU, tiny model) with an external agent that fails on nearly every task
-(``tests/_agent_mostly_fails.py``, a plain ``openai`` script) and the default failure settings
-but a small window: the dropped share passes ``rollout.failure_rate_ceiling`` and the run stops
-with one clear error naming the rate, the window and the config keys; the rollout worker is not
-relaunched (``recover=auto`` would allow it). The converse, an agent that fails on some tasks
+(``tests/helpers/mostly_failing_agent.py``, a plain ``openai`` script) and the default failure
+settings but a small window: the dropped share passes ``rollout.failure_rate_ceiling`` and the run
+stops with one clear error naming the rate, the window and the config keys; the rollout worker is
+not relaunched (``recover=auto`` would allow it). The converse, an agent that fails on some tasks
 in a run that completes with its drops and failures by reason in ``metrics.jsonl``, is
 ``tests/test_e2e_trackers.py``."""
 import json
@@ -10,7 +10,7 @@ import re
 import sys
 
 from areal_mega.run_dir import FATAL_EXIT_CODE
-from test_e2e_async_rl import ROOT, _finish, _launch, assets  # noqa: F401
+from tests.helpers.local_runs import ROOT, _finish, _launch
 
 ERROR = re.compile(
     r"rollout worker: (\d+) of the last (\d+) prompts failed \(rate (\d\.\d\d) > "
@@ -25,7 +25,7 @@ def test_an_agent_failing_on_nearly_every_task_stops_the_run_with_one_clear_erro
                                                                                    tmp_path):
     model, data = assets
     run = tmp_path / "run"
-    agent = {"command": f"{sys.executable} {ROOT / 'tests' / '_agent_mostly_fails.py'}",
+    agent = {"command": f"{sys.executable} {ROOT / 'tests/helpers/mostly_failing_agent.py'}",
              "timeout_s": 120, "max_concurrent": 2}
     rc, out = _finish(_launch(run, model, data, "total_steps=50", "rollout.batch_size=2",
                               "rollout.n_samples=2", "logging.plot=false",

@@ -1,102 +1,16 @@
 """End to end on CPU: launch.local (CPU rollout server, rollout worker, ZMQ data plane, trainer
 under torchrun) — a fresh run's first PPO step is exactly on-policy, and a trainer killed with
 SIGKILL mid-run is relaunched from its latest checkpoint without losing or repeating samples."""
-import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import psutil
 import pytest
 
-from areal_mega.data.synthetic import write_task_files
-from areal_mega.dataplane.buffer import TrajectoryBuffer
-from areal_mega.models.tiny import make_tiny_model
-from areal_mega.dataplane.journal import TrajectoryJournal
+from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics,
+                                      _snapshot_live_run, _trained, _trainer_pid)
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    d = tmp_path_factory.mktemp("e2e")
-    model = make_tiny_model(d / "model", arch="llama", charset="digits", hidden_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
-    write_task_files(d / "data", task="reverse", n_train=512, n_test=32)
-    return model, d / "data"
-
-
-def _launch(run_dir, model, data, *extra):
-    """``launch.local`` on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
-    unless ``extra`` asks (``logging.plot=true``): drawing it takes a second per run and is
-    checked in tests/test_e2e_multitask.py and tests/test_eval_training.py."""
-    args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
-            str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
-            f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
-            f"logging.run_dir={run_dir}", "logging.progress_bar=false",
-            "logging.tensorboard=false", "logging.plot=false", "rollout.batch_size=4",
-            "rollout.n_samples=4", "cluster.kill_grace_s=5", *extra]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _finish(proc, timeout):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail("launch.local did not finish:\n" + out.decode()[-3000:])
-    return proc.returncode, out.decode()
-
-
-def _metrics(run_dir):
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _trained(run_dir):
-    path = Path(run_dir) / "trained.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _trainer_pid(run_dir):
-    """The trainer rank of THIS run (its command line names the run's config), never another
-    run's on the same machine."""
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "areal_mega.trainer" in cmd and "torch.distributed.run" not in cmd and \
-                f"{run_dir}/config.yaml" in cmd:
-            return p.pid
-    return None
-
-
-def _snapshot_live_run(run_dir, dest):
-    """Copy a running run's directory (its journal and pending buffers: what was accepted so
-    far) to ``dest``, without checkpoints, weights or sockets; an atomic write's *.tmp file
-    may vanish while the tree is copied, so those are skipped."""
-    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(
-        "*.sock", "iter_*", "weights", "init_mcore", "tensorboard", "*.tmp"))
-    return dest
-
-
-def _accepted_ids(run_dir):
-    """Sample ids the trainer has accepted: trained, pending in checkpointed buffers, or in
-    the journal segments."""
-    run_dir = Path(run_dir)
-    ids = {s for rec in _trained(run_dir) for s in rec["sample_ids"]}
-    for f in (run_dir / "checkpoints").glob("buffer_iter_*.bin"):
-        ids |= {t.sample_id for t in TrajectoryBuffer.load(str(f)).pending()}
-    ids |= {t.sample_id for t in TrajectoryJournal.replay(run_dir / "journal")}
-    return ids
 
 
 ON_POLICY = ("rollout.max_head_offpolicyness=0", "rollout.weight_bucket_mb=1",

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
+from tests.helpers.local_runs import _finish, _launch, _metrics
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_lora_sft_exports_the_merged_model_and_its_adapter(assets, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from test_e2e_async_rl import ROOT
+    from tests.helpers.local_runs import ROOT
     model, data = assets
     run = tmp_path / "sft"
     from areal_mega.common.net import free_port

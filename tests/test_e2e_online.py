@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from areal_mega.dataplane.journal import TrajectoryJournal
-from rollout_helpers import http
-from test_e2e_async_rl import (ROOT, _accepted_ids, _finish, _launch, _metrics, _trained,
-                               _trainer_pid, assets)  # noqa: F401
+from tests.helpers.rollout import http
+from tests.helpers.local_runs import (ROOT, _accepted_ids, _finish, _launch, _metrics, _trained,
+                                      _trainer_pid)
 
 pytestmark = pytest.mark.slow
 TOTAL = 5

@@ -18,8 +18,8 @@ from areal_mega.config import ConfigError, load_config
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.teacher import build_teacher_scorer
-from test_e2e_async_rl import _finish, _launch, _metrics, assets  # noqa: F401
-from test_e2e_presets import check_preset_run
+from tests.helpers.local_runs import _finish, _launch, _metrics, check_preset_run
+from tests.helpers.workers import worker_cmd, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,13 +87,13 @@ def served_student(assets):
 
 @pytest.fixture
 def faulty_teacher(served_student, tmp_path):
-    """tests/_faulty_teacher.py in front of the served student: its first scoring request is
+    """tests/helpers/faulty_teacher_worker.py in front of the served student: its first scoring request is
     answered 503, its second carries a NaN and a +7 logprob, the rest pass unchanged.
     Yields (its address, its fault log)."""
     port, log = free_port(), tmp_path / "teacher_faults.jsonl"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_faulty_teacher.py"),
-                             "--upstream", f"http://{served_student.addr}", "--port", str(port),
-                             "--log", str(log)])
+    proc = subprocess.Popen(worker_cmd("faulty_teacher_worker", "--upstream",
+                                       f"http://{served_student.addr}", "--port", port,
+                                       "--log", log), cwd=ROOT, env=worker_env())
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -5,8 +5,6 @@ preset's keys are not overridden by the recipe's (explicit keys win, tested in
 tests/test_config_presets.py); the reward is the dense character match, so DAPO's dynamic
 filter finds non-uniform groups. ``opd`` (it needs a teacher) gets the same checks on the first
 run of tests/test_e2e_opd.py (the full tiny-cpu recipe sets none of its keys)."""
-import json
-import math
 import os
 import subprocess
 import sys
@@ -15,7 +13,7 @@ import pytest
 import yaml
 
 from areal_mega.config import PRESETS
-from test_e2e_async_rl import ROOT, _finish, _metrics, assets  # noqa: F401
+from tests.helpers.local_runs import ROOT, _finish, _metrics, check_preset_run
 
 pytestmark = pytest.mark.slow
 
@@ -64,18 +62,3 @@ def test_steps_the_dynamic_filter_empties_train_nothing_and_the_run_goes_on(asse
         if r["step"] >= 1:
             assert r["n_samples"] == 0 and r["filter/uniform_groups"] == 4, r
             assert "lr" not in r and "grad_norm" not in r and r["version"] == r["step"], r
-
-
-def check_preset_run(run, preset, steps):
-    """``preset``'s keys reached the trainer (the run's resolved config) and the run's
-    ``steps`` steps logged finite losses (none on a step the dynamic filter emptied)."""
-    resolved = json.loads((run / "config.resolved.json").read_text())
-    assert resolved["algorithm"]["preset"] == preset
-    for key, value in PRESETS[preset].items():
-        section, leaf = key.split(".", 1)
-        assert resolved[section][leaf] == value, key
-    rows = _metrics(run)
-    assert [r["step"] for r in rows if r["step"] >= 1] == list(range(1, steps + 1))
-    for r in rows:   # a step the dynamic filter emptied takes no optimizer step, has no loss
-        if r["step"] >= 1:
-            assert math.isfinite(r["loss"]) if r["n_samples"] > 0 else "loss" not in r, r

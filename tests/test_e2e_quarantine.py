@@ -18,7 +18,7 @@ import pytest
 
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.trajectory import Trajectory
-from test_e2e_async_rl import _finish, _launch, _metrics, _trained, assets  # noqa: F401
+from tests.helpers.local_runs import _finish, _launch, _metrics, _trained
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
-from test_e2e_async_rl import _finish, _launch, _metrics, _trained
+from tests.helpers.local_runs import _finish, _launch, _metrics, _trained
 
 pytestmark = pytest.mark.slow
 STEPS, LAYERS = 4, 2

@@ -1,6 +1,6 @@
 """One ``launch.local`` run (CPU, tiny model) with W&B (offline, chosen automatically: no API
 key) and MLflow (a local file store) and an external agent that fails in known ways
-(``tests/_agent_counted.py``; ``rollout.on_episode_failure`` left at its default, ``auto``,
+(``tests/helpers/counted_agent.py``; ``rollout.on_episode_failure`` left at its default, ``auto``,
 which drops a task the agent fails on and goes on), killed with SIGKILL after step 3 (checkpoint
 at step 2) and relaunched by the supervisor, so step 3 is redone:
 
@@ -22,8 +22,8 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from test_e2e_async_rl import ROOT, _finish, _launch, _metrics, _trainer_pid, assets  # noqa: F401
-from tracker_readers import mlflow_client, wandb_history
+from tests.helpers.local_runs import ROOT, _finish, _launch, _metrics, _trainer_pid
+from tests.helpers.tracker_readers import mlflow_client, wandb_history
 
 pytestmark = pytest.mark.slow
 SECRETS = {"dataplane.secret": "hmac-e2e-4242", "rollout.api_key": "server-e2e-4343",
@@ -39,7 +39,7 @@ def run(assets, tmp_path_factory):
     gate.mkdir()
     (tmp / "eval.jsonl").write_text("".join(
         line + "\n" for line in (data / "test.jsonl").read_text().splitlines()[:2]))
-    kwargs = {"command": f"{sys.executable} {ROOT / 'tests' / '_agent_counted.py'}",
+    kwargs = {"command": f"{sys.executable} {ROOT / 'tests' / 'helpers' / 'counted_agent.py'}",
               "timeout_s": 600, "max_concurrent": 2,
               "env": {"AGENT_GATE": str(gate), "SOME_API_KEY": SECRETS["agent"]}}
     os.environ["HOME"], old_home = str(home), os.environ.get("HOME")   # no ~/.netrc

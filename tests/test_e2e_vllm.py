@@ -13,8 +13,8 @@ import pytest
 
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
-from tests.vllm_env import vllm_python
-from tests.vllm_helpers import TINY_VLLM
+from tests.helpers.vllm_env import vllm_python
+from tests.helpers.vllm_servers import TINY_VLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -22,9 +22,8 @@ from areal_mega.launch.elastic import ScaleService
 from areal_mega.launch.scale import run_command
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.run_dir import RunDir
-from test_e2e_async_rl import (_finish, _launch, _metrics, _trained, _trainer_pid,  # noqa: F401
-                               assets)
-from test_launch_faults import _server_proc, _wait
+from tests.helpers.local_runs import (_finish, _launch, _metrics, _server_proc, _trained,
+                                      _trainer_pid, _wait)
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]

@@ -12,9 +12,8 @@ import urllib.request
 import psutil
 import pytest
 
-from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
-                               _trainer_pid, assets)
-from test_launch_faults import _server_ports, _server_proc, _wait
+from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _server_ports,
+                                      _server_proc, _trained, _trainer_pid, _wait)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -18,9 +18,8 @@ from areal_mega.tracking.metrics import plot_metrics
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.launch.scale import run_command
 from areal_mega.run_dir import RunDir
-from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics, _trained,  # noqa: F401
-                               _trainer_pid, assets)
-from test_launch_faults import _wait
+from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _trained,
+                                      _trainer_pid, _wait)
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers.workers import worker_cmd, worker_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -103,9 +105,9 @@ def test_check_reports_moved_code():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only behaviour")
 def test_upstream_still_needs_each_patch_and_patch_fixes_it():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "compat_probe.py")],
+    out = subprocess.run(worker_cmd("compat_probe_worker"), cwd=ROOT,
                          capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                         env=worker_env(dict(os.environ, PYTHONWARNINGS="ignore")))
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
     assert line, out.stdout[-2000:] + out.stderr[-2000:]
     res = json.loads(line[0][6:])

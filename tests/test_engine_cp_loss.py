@@ -1,15 +1,15 @@
 """Context parallelism in the loss: a CP=2 rank's share of a packed micro-batch, fed to the
 production losses through the engine's own loss path, gives the CP=1 loss, statistics and
-gradients w.r.t. the logprobs (2 gloo processes, see tests/cp_loss_worker.py)."""
+gradients w.r.t. the logprobs (2 gloo processes, see tests/helpers/cp_loss_worker.py)."""
 import os
-import sys
 
 import pytest
 
 from areal_mega.common.net import free_port
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "cp_loss_worker.py")
+WORKER = "cp_loss_worker"   # tests.helpers.cp_loss_worker
 #: fp32 sums of the same terms in another order (per shard, then across the 2 ranks)
 TOL = 1e-5
 NAMES = ["token_mean", "seq_mean", "seq_sum_norm", "gspo_seq_mean", "gspo_token_mean_geometric",
@@ -21,7 +21,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp_loss")
     port, world = str(free_port()), 2
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, WORKER, r, world, port, out] for r in range(world)],
+    ranks = run_ranks([worker_cmd(WORKER, r, world, port, out) for r in range(world)],
                       timeout=300, env=env)
     return rank_results([out / f"cp_loss.{r}.json" for r in range(world)], ranks)
 

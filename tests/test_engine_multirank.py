@@ -1,29 +1,29 @@
 """Multi-process CPU (gloo, 2 ranks) equality of engine layouts against a single-rank reference.
 
 One launch runs the CPU scenarios (dense, MoE, VPP), each many checks in sequence; see
-tests/engine_worker.py. Every layout's per-token logprobs and gradients must match the TP1/PP1
-reference within 1e-5 (fp32), with the production losses (decoupled PPO with KL and entropy
+tests/helpers/engine_worker.py. Every layout's per-token logprobs and gradients must match the
+TP1/PP1 reference within 1e-5 (fp32), with the production losses (decoupled PPO with KL and entropy
 terms, a GSPO / sequence-mean variant on the pipeline layouts, SFT on the MoE layouts). The
 VPP scenario trains the interleaved pipeline (PP2 × VPP2) with equal and variable micro-batch
 lengths.
 """
 import os
-import sys
 
 import pytest
 import torch
 
 from areal_mega.common.net import free_port
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "engine_worker.py")
+WORKER = "engine_worker"   # tests.helpers.engine_worker
 TOL = 1e-5
 
 
 def _launch(scenario, tmp_path, world=2, timeout=240):
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, WORKER, scenario, r, world, port, tmp_path]
+    ranks = run_ranks([worker_cmd(WORKER, scenario, r, world, port, tmp_path)
                        for r in range(world)], timeout=timeout, env=env)
     return rank_results([tmp_path / f"{scenario}.{r}.json" for r in range(world)], ranks)
 

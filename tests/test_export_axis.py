@@ -14,7 +14,7 @@ import torch
 from areal_mega.checkpoint.export import expected_full_shape, gather_axis
 from areal_mega.common.net import free_port
 from areal_mega.models.builder import HFArch
-from tests.multirank import run_ranks
+from tests.helpers.multirank import run_ranks
 
 H, MOE_FFN, TP = 6, 8, 2
 ROOT = Path(__file__).resolve().parents[1]

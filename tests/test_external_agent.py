@@ -14,7 +14,7 @@ from areal_mega.workflow.external_agent import ExternalAgent, parse_reward
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.workflow.api import WorkflowSettings, build_workflow
-from tests.rollout_helpers import API_KEY, GroupSink, models, server  # noqa: F401 (fixtures)
+from tests.helpers.rollout import API_KEY, GroupSink
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_external_agents_ok_and_failures(server, models):
     started = time.time()
     tok = AutoTokenizer.from_pretrained(models["a"])
     agent = build_workflow(ExternalAgent, {
-        "command": f"{sys.executable} {ROOT / 'tests' / '_agent_modes.py'}",
+        "command": f"{sys.executable} {ROOT / 'tests' / 'helpers' / 'modes_agent.py'}",
         "timeout_s": 12, "max_concurrent": 4}, WorkflowSettings(max_new_tokens=8))
     modes = ["ok", "crash", "hang", "noreward", "ok", "badreward"]
     items = [{"prompt": f"abc{i}", "answer": "", "mode": m} for i, m in enumerate(modes)]

@@ -9,9 +9,9 @@ import time
 import psutil
 import pytest
 
-from test_checkpoint_integrity import flip
-from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics,  # noqa: F401
-                               _snapshot_live_run, _trained, _trainer_pid, assets)
+from tests.helpers.bit_flips import flip
+from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _snapshot_live_run,
+                                      _trained, _trainer_pid)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,5 +1,5 @@
 """The online gateway under hostile clients, as a real process whose file descriptor limit is
-low (``tests/_gateway_fd_limit.py``): ~1,100 idle, half-sent and body-less sockets from one
+low (``tests/helpers/gateway_fd_limit_worker.py``): ~1,100 idle, half-sent and body-less sockets from one
 attacker do not lock a legitimate agent out (served within seconds), the gateway writes no
 traceback per socket and closes the idle ones itself; hostile bodies (too big, nested too
 deep, numbers out of range) are 4xx, never 500. Connections go to 127.0.0.1 only."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rollout_helpers import models, server  # noqa: F401
+from tests.helpers.workers import worker_cmd, worker_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,9 +47,8 @@ def gateway(tmp_path):
     cfg = {"idle_timeout_s": IDLE_S, "body_timeout_s": IDLE_S, "max_open_sessions": 1024}
     err = open(tmp_path / "stderr.log", "w+b")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests/_gateway_fd_limit.py"), str(tmp_path / "run"),
-         str(NOFILE), json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=err, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+        worker_cmd("gateway_fd_limit_worker", tmp_path / "run", NOFILE, json.dumps(cfg)),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=worker_env(), cwd=ROOT)
     try:
         line = proc.stdout.readline()
         assert line, (tmp_path / "stderr.log").read_text()
@@ -164,7 +163,7 @@ def test_a_completion_whose_client_hung_up_is_not_trained(server, models, tmp_pa
     from areal_mega.config import OnlineConfig
     from areal_mega.workflow.api import WorkflowSettings
     from areal_mega.workflow.online_gateway import INFO_FILE, OnlineWorkflow
-    from tests.rollout_helpers import GroupSink
+    from tests.helpers.rollout import GroupSink
     from tests.test_openai_endpoint import HERMES_TEMPLATE, NO_SPECIAL, controller, wait_for
 
     tok = AutoTokenizer.from_pretrained(models["a"])

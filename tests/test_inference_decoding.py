@@ -7,7 +7,6 @@ import pytest
 
 from areal_mega.inference.decoding import BatchedEngine, GenRequest
 from areal_mega.inference.sampling import SamplingParams
-from tests.rollout_helpers import models  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(120)
 

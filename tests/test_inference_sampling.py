@@ -8,7 +8,7 @@ import torch
 
 from areal_mega.inference.sampling import (SamplingParams, _choose, _temperature_only,
                                            adjust_logits, choose_tokens, choose_tokens_isolated)
-from tests.rollout_helpers import http, models, server  # noqa: F401 (fixtures)
+from tests.helpers.rollout import http
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,8 +7,7 @@ import pytest
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.scoring import ScoringError, TeacherServerScorer, score_sequences
-from tests.rollout_helpers import (API_KEY, http, models, run, server,  # noqa: F401 (fixtures)
-                                   teacher_forced_logprobs)
+from tests.helpers.rollout import API_KEY, http, run, teacher_forced_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 

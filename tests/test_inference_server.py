@@ -9,8 +9,7 @@ import torch
 
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, sampling_dict
 from areal_mega.train.weight_sender import DistributedWeightSender, plan_weight_buckets
-from tests.rollout_helpers import (API_KEY, models, run, server,  # noqa: F401 (fixtures)
-                                   teacher_forced_logprobs)
+from tests.helpers.rollout import API_KEY, run, teacher_forced_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,5 @@
-"""Interop with real SGLang / AReaL peers, built from their source (tests/sglang_style_peer.py):
+"""Interop with real SGLang / AReaL peers, built from their source
+(tests/helpers/sglang_peer_worker.py):
 
 - our trainer-side sender against a receiver that creates the weight-update group and receives
   buckets the way SGLang's ModelRunner does;
@@ -11,9 +12,7 @@ Gloo throughout; group timeouts are short so that an incompatible group fails fa
 import concurrent.futures
 import datetime
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ import torch
 from areal_mega.common.net import free_port
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.train.weight_sender import DistributedWeightSender, plan_weight_buckets
-from tests.rollout_helpers import (http, models, run, server,  # noqa: F401 (fixtures)
-                                   teacher_forced_logprobs)
-from tests.sglang_style_peer import sglang_init_custom_process_group
+from tests.helpers.rollout import http, teacher_forced_logprobs
+from tests.helpers.sglang_peer_worker import sglang_init_custom_process_group
+from tests.helpers.workers import ROOT, worker_cmd, worker_env
 
 pytestmark = pytest.mark.timeout(300)
 GROUP_TIMEOUT_S = 30.0  # a group that never forms fails the test within this
@@ -47,9 +46,9 @@ def test_our_sender_to_sglang_style_receiver(models, tmp_path):
     """DistributedWeightSender (connect + bucketed send) against SGLang's group creation and
     receive loop: every tensor of model B arrives bit-exact, bucket by bucket."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sglang_style_peer.py")),
-                             "--port", str(port), "--out-dir", str(tmp_path),
-                             "--group-timeout-s", str(GROUP_TIMEOUT_S)])
+    proc = subprocess.Popen(worker_cmd("sglang_peer_worker", "--port", port, "--out-dir", tmp_path,
+                                       "--group-timeout-s", GROUP_TIMEOUT_S),
+                            cwd=ROOT, env=worker_env())
     try:
         addr = f"127.0.0.1:{port}"
         wait_http_ok(addr, "/health", proc)

@@ -8,7 +8,7 @@ import pytest
 from areal_mega.dataplane.journal import TrajectoryJournal, segments_to_retire
 from areal_mega.run_dir import META_NAME, RunDir, iter_dir_name
 from areal_mega.train.intake import TrajectoryIntake
-from tests.dataplane_helpers import make_traj
+from tests.helpers.trajectories import make_traj
 
 
 @pytest.mark.parametrize("segments, kept_from, retired", [

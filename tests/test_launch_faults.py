@@ -19,9 +19,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
-from test_e2e_async_rl import _accepted_ids, _finish, _launch, _metrics, _trained, assets  # noqa: F401
+from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _server_ports,
+                                      _server_proc, _trained, _wait)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,33 +114,6 @@ def _proc(run_dir, module):
         if f"-m {module}" in cmd and str(run_dir) in cmd:
             return p
     return None
-
-
-def _server_ports(run_dir) -> list:
-    """The ports of ``rollout.server_addrs`` in the config the launcher wrote (parsed, not
-    searched for: other sections have a ``server_addrs`` too, e.g. ``teacher``)."""
-    cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-    return [str(a).rsplit(":", 1)[1] for a in cfg["rollout"]["server_addrs"]]
-
-
-def _server_proc(port):
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "areal_mega.inference.server" in " ".join(cmd) and str(port) in cmd:
-            return p
-    return None
-
-
-def _wait(cond, proc, what, timeout=240):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"launch.local exited while waiting for {what}:\n" + \
-            proc.stdout.read().decode()[-3000:]
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.3)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_mega.common.net import free_port
-from tests.vllm_env import vllm_python
+from tests.helpers.vllm_env import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_launch"

@@ -15,7 +15,7 @@ from areal_mega.backends.vllm.launch import (PACKAGE_ROOT, SERVED_MODEL_NAME,
 from areal_mega.launch import local
 from areal_mega.launch.server_commands import check_server_runtime, memory_fraction
 from areal_mega.run_dir import RunDir
-from tests.vllm_env import vllm_python
+from tests.helpers.vllm_env import vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny-cpu.yaml"

@@ -1,5 +1,5 @@
-"""tools/export_lora.py on a real LoRA checkpoint (tests/_lora_export_worker.py: a tiny qwen3,
-one training step, ``engine.save`` with the ``lora`` record), checked with the real ``peft``:
+"""tools/export_lora.py on a real LoRA checkpoint (tests/helpers/lora_export_worker.py: a tiny
+qwen3, one training step, ``engine.save`` with the ``lora`` record), checked with the real ``peft``:
 
 * the exported PEFT adapter, loaded by ``PeftModel.from_pretrained`` on the HF base, gives the
   training engine's logprobs at that checkpoint (fp32);
@@ -23,11 +23,11 @@ import torch
 from areal_mega.checkpoint.dist_ckpt import CheckpointError
 from areal_mega.lora.ckpt_export import (checkpoint_peft_tensors, export_peft_adapter,
                                          open_lora_checkpoint)
-from tests._convert_fixture import ROOT
-from tests._lora_worker import hf_logprobs, max_diff
+from tests.helpers.conversions import ROOT
+from tests.helpers.lora_worker import hf_logprobs, max_diff
+from tests.helpers.workers import worker_cmd, worker_env
 
 TOL = 1e-5
-WORKER = ROOT / "tests" / "_lora_export_worker.py"
 
 
 def _tool(*args):
@@ -39,7 +39,7 @@ def _tool(*args):
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_export")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    p = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=ROOT, env=env,
+    p = subprocess.run(worker_cmd("lora_export_worker", out), cwd=ROOT, env=worker_env(env),
                        capture_output=True, text=True, timeout=400)
     res = json.loads((out / "make.0.json").read_text())
     assert res.get("ok") == 1.0, (res.get("error"), p.stderr[-3000:])

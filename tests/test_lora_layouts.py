@@ -1,4 +1,4 @@
-"""LoRA on every trainer layout equals one rank (fp32, gloo, tests/_lora_worker.py).
+"""LoRA on every trainer layout equals one rank (fp32, gloo, tests/helpers/lora_worker.py).
 
 A TP1 reference actor with random adapters writes them as a PEFT directory; each layout loads
 its base from the converted checkpoint and its adapters from that directory, then its
@@ -8,24 +8,11 @@ TP2 + sequence parallelism, PP2, PP2 x VPP2 (4 layers), TP2 with a subset of the
 and EP2 on a MoE model (attention adapters). Only the adapters train: they are the trainable parameters and all the
 optimizer holds.
 """
-import os
-import sys
-
 import pytest
 
-from areal_mega.common.net import free_port
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.lora_layouts import launch
 
-WORKER = os.path.join(os.path.dirname(__file__), "_lora_worker.py")
 TOL = 1e-5
-
-
-def launch(scenario, out, world=2, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    port = str(free_port())
-    ranks = run_ranks([[sys.executable, WORKER, scenario, r, world, port, out]
-                       for r in range(world)], timeout=timeout, env=env)
-    return rank_results([out / f"{scenario}.{r}.json" for r in range(world)], ranks)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Our LoRA adapters and the real ``peft`` package agree (fp32, one rank, tests/_lora_worker.py):
+"""Our LoRA adapters and the real ``peft`` package agree (fp32, one rank,
+tests/helpers/lora_worker.py):
 
 * adapters we export load with ``PeftModel.from_pretrained`` and give our logprobs;
 * an adapter ``peft`` made (q/v/down only) loads into our engine and gives PEFT's logprobs;
@@ -9,7 +10,7 @@
 """
 import pytest
 
-from tests.test_lora_layouts import launch
+from tests.helpers.lora_layouts import launch
 
 TOL = 1e-5
 

@@ -156,7 +156,7 @@ def test_prefix_cache_namespaces_share_the_budget(tmp_path):
     from areal_mega.inference.kv_cache import StaticKVBatch
     from areal_mega.inference.prefix_reuse import PrefixReuse
     from areal_mega.models.tiny import make_tiny_model
-    from tests.rollout_helpers import load_model
+    from tests.helpers.rollout import load_model
 
     batch = StaticKVBatch(load_model(make_tiny_model(tmp_path / "m", arch="llama",
                                                      hidden_size=64, num_layers=2, seed=0)))

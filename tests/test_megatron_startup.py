@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests._convert_fixture import ROOT
+from tests.helpers.conversions import ROOT
 
 CHILD = textwrap.dedent("""
     import json, queue, sys

@@ -1,14 +1,14 @@
 """MoE load-balancing loss: the builder reads ``router_aux_loss_coef``, and a real engine step
 gives the router exactly the gradient of coef · Σ_mb aux_mb · T_mb / Σ_mb T_mb (compared with
-an independent torch computation in tests/_moe_aux_worker.py), and logs the aux loss."""
+an independent torch computation in tests/helpers/moe_aux_worker.py), and logs the aux loss."""
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-WORKER = os.path.join(os.path.dirname(__file__), "_moe_aux_worker.py")
+from tests.helpers.workers import ROOT, worker_cmd, worker_env
+
 
 
 def test_builder_reads_router_aux_loss_coef(tmp_path):
@@ -39,9 +39,10 @@ def test_aux_coeff_for_step():
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_aux") / "res.json"
-    proc = subprocess.run([sys.executable, WORKER, str(out)], capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(worker_cmd("moe_aux_worker", out), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env=worker_env(dict(os.environ, OMP_NUM_THREADS="1",
+                                              PYTHONWARNINGS="ignore")))
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert "error" not in res, res.get("error")

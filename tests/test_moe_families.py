@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from areal_mega.models.tiny import make_tiny_model
-from tests._convert_jobs import compare, load_all
-from tests._moe_family_worker import DEEPSEEK_V3, GLM4_MOE
+from tests.helpers.convert_worker import compare, load_all
+from tests.helpers.moe_family_worker import DEEPSEEK_V3, GLM4_MOE
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests"
 TOL = 1e-5
 FAMILIES = ("glm4_moe", "deepseek_v3")
 
@@ -134,12 +133,13 @@ def test_cli_roundtrip_is_bit_exact(family_model, tmp_path):
 def layouts(tmp_path_factory):
     """Both families' layout checks from one 2-rank launch: ``{family: [rank results]}``."""
     from areal_mega.common.net import free_port
-    from tests.multirank import rank_results, run_ranks
+    from tests.helpers.multirank import rank_results, run_ranks
+    from tests.helpers.workers import worker_cmd
     out = tmp_path_factory.mktemp("layouts")
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, TESTS / "_moe_family_worker.py", "both", r, 2, port,
-                        out] for r in range(2)], timeout=480, env=env)
+    ranks = run_ranks([worker_cmd("moe_family_worker", "both", r, 2, port, out)
+                       for r in range(2)], timeout=480, env=env)
     res = rank_results([out / f"both.{r}.json" for r in range(2)], ranks)
     return {family: [r[family] for r in res] for family in FAMILIES}
 
@@ -194,7 +194,8 @@ def test_served_logprobs_equal_the_trainers(family_model, tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"seqs": [p + r.output_ids for p, r in zip(prompts, reqs)],
                                "starts": [len(p) for p in prompts]}))
-    _run([TESTS / "_teacher_forward_worker.py", model, tmp_path, job, tmp_path / "out.json"])
+    _run(["-m", "tests.helpers.teacher_forward_worker", model, tmp_path, job,
+          tmp_path / "out.json"])
     trainer = json.loads((tmp_path / "out.json").read_text())["logprobs"]
     for r, want in zip(reqs, trainer):
         assert len(r.logprobs) == len(want) == 8
@@ -250,7 +251,7 @@ def test_five_rl_steps(family, tmp_path):
     (mismatch of logprobs ~ 0), and the server samples with each step's trained weights with
     logprobs still equal to the trainer's."""
     from areal_mega.data.synthetic import write_task_files
-    from test_e2e_async_rl import _finish, _launch, _metrics
+    from tests.helpers.local_runs import _finish, _launch, _metrics
     model = _tiny(tmp_path / "model", family, charset="digits", num_layers=2)
     write_task_files(tmp_path / "data", task="reverse", n_train=128, n_test=8)
     run = tmp_path / "run"

@@ -1,5 +1,5 @@
 """A new model family on the CPU, end to end (issue 28 part 3), one parametrised set per family
-of :data:`tests.new_families.CASES`:
+of :data:`tests.helpers.new_families.CASES`:
 
 * a tiny HF model made locally converts with ``tools/convert_hf_to_mcore.py`` and back with
   ``tools/convert_mcore_to_hf.py`` bit-exactly;
@@ -8,8 +8,8 @@ of :data:`tests.new_families.CASES`:
   (EP2 for MoE), and on DP2 under config variants (Mistral: ``sliding_window: null``;
   Gemma 3: linear RoPE scaling of the full-attention layers);
 * those layouts' logprobs and gradients under the production PPO loss equal the single-rank
-  reference (tests/_family_worker.py reuses tests/engine_worker.py);
-* (:data:`tests.new_families.RL_CASES`) 5 RL steps through ``launch.local`` (CPU rollout
+  reference (tests/helpers/family_worker.py reuses tests/helpers/engine_worker.py);
+* (:data:`tests.helpers.new_families.RL_CASES`) 5 RL steps through ``launch.local`` (CPU rollout
   server running the transformers model, rollout worker, trainer): every step's server
   logprobs equal the trainer's (``mismatch`` <= 1e-5, exactly on-policy), and the weights the
   trainer publishes moved away from the initial ones.
@@ -25,14 +25,15 @@ import pytest
 from areal_mega.common.net import free_port
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
-from test_e2e_async_rl import _finish, _launch, _metrics
-from tests._convert_jobs import compare, load_all
-from tests.multirank import rank_results, run_ranks
-from tests.new_families import CASES, RL_CASES, tiny_spec
+from tests.helpers.local_runs import _finish, _launch, _metrics
+from tests.helpers.convert_worker import compare, load_all
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
+from tests.helpers.new_families import CASES, RL_CASES, tiny_spec
 
 pytestmark = pytest.mark.slow   # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("_family_worker.py")
+WORKER = "family_worker"   # tests.helpers.family_worker
 TOL = 1e-5
 
 
@@ -57,7 +58,7 @@ def families(tmp_path_factory):
         out[name] = {"case": case, "hf": hf, "hf2": hf2}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
-    ranks = run_ranks([[sys.executable, WORKER, "all", r, 2, port, work] for r in range(2)],
+    ranks = run_ranks([worker_cmd(WORKER, "all", r, 2, port, work) for r in range(2)],
                       timeout=480, env=env, cwd=ROOT)
     checks = rank_results([work / f"all.{r}.json" for r in range(2)], ranks)
     for name in out:

@@ -1,6 +1,6 @@
 """No non-finite update is ever applied, and no checkpoint holds non-finite weights.
 
-One launch of tests/_nonfinite_worker.py as 2 gloo processes (DP2, CPU, fp32, the production
+One launch of tests/helpers/nonfinite_worker.py as 2 gloo processes (DP2, CPU, fp32, the production
 policy loss and megatron-core's distributed optimizer): NaN advantages on rank 1 alone make
 both ranks skip the optimizer step together; the skip guard names the advantages on both and
 stops the run after ``max_consecutive`` skips in a row; saving and loading NaN weights is
@@ -17,9 +17,8 @@ import torch
 from areal_mega.common.net import free_port
 from areal_mega.train.batches import merge_train_stats
 from areal_mega.train.nonfinite import SkipGuard, likely_source, nonfinite_fields
-from tests.multirank import rank_results, run_ranks
-
-WORKER = os.path.join(os.path.dirname(__file__), "_nonfinite_worker.py")
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def dp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("nonfinite")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
-    ranks = run_ranks([[sys.executable, WORKER, "dp2", r, 2, port, out] for r in range(2)],
+    ranks = run_ranks([worker_cmd("nonfinite_worker", "dp2", r, 2, port, out) for r in range(2)],
                       timeout=400, env=env)
     return rank_results([out / f"dp2.{r}.json" for r in range(2)], ranks)
 

@@ -19,26 +19,11 @@ from transformers import AutoTokenizer
 from areal_mega.config import OnlineConfig
 from areal_mega.workflow.api import WorkflowSettings
 from areal_mega.workflow.online_gateway import INFO_FILE, OnlineWorkflow
-from tests.rollout_helpers import GroupSink, http, models, server  # noqa: F401
-from tests.test_openai_endpoint import (HERMES_TEMPLATE, NO_SPECIAL, controller, load_weights,
-                                        server_tokens, wait_for)
+from tests.helpers.openai_episodes import (HERMES_TEMPLATE, NO_SPECIAL, controller, load_weights,
+                                           post, server_tokens, wait_for)
+from tests.helpers.rollout import GroupSink, http
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def post(addr, path, body, key):
-    """(status, answer) of a POST; ``body`` bytes are sent as they are."""
-    if isinstance(body, bytes):
-        import urllib.error
-        import urllib.request
-        r = urllib.request.Request(f"http://{addr}{path}", data=body, method="POST",
-                                   headers={"Authorization": f"Bearer {key}"})
-        try:
-            with urllib.request.urlopen(r, timeout=60) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-    return http(addr, path, body, key=key, timeout=60)
 
 
 async def flood(addr, key, n):

@@ -16,10 +16,9 @@ from transformers import AutoTokenizer
 from areal_mega.config import OnlineConfig
 from areal_mega.workflow.api import WorkflowSettings
 from areal_mega.workflow.online_gateway import INFO_FILE, OnlineWorkflow
-from tests.rollout_helpers import GroupSink, models, server  # noqa: F401
-from tests.test_online_gateway import post
+from tests.helpers.rollout import API_KEY, GroupSink
+from tests.helpers.openai_episodes import NO_SPECIAL, RecordingClient, post, wait_for
 from areal_mega.rollout.controller import RolloutController
-from tests.test_openai_endpoint import API_KEY, NO_SPECIAL, RecordingClient, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

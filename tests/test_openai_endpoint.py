@@ -4,11 +4,8 @@ update (the exported trajectory equals the servers' answers bit for bit, version
 the HTTP endpoint through the official ``openai`` package (chat, completions, n > 1, a
 tool-call round trip, models, bad key, malformed messages, streaming refused)."""
 import asyncio
-import json
 import queue
 import threading
-import time
-import urllib.request
 
 import numpy as np
 import openai
@@ -16,37 +13,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from areal_mega.rollout.client import RolloutClient
-from areal_mega.rollout.controller import RolloutController
 from areal_mega.workflow.tool_calls import messages_for_template
 from areal_mega.workflow.api import WorkflowSettings, build_workflow
-from tests.rollout_helpers import API_KEY, GroupSink, models, run, server  # noqa: F401
+from tests.helpers.openai_episodes import (HERMES_TEMPLATE, NO_SPECIAL, controller, load_weights,
+                                           server_tokens, wait_for)
+from tests.helpers.rollout import GroupSink
 
 pytestmark = pytest.mark.timeout(300)
-NO_SPECIAL = {"0": -100, "1": -100, "2": -100}   # <pad>, <eos>, <unk>: text round-trips
-
-HERMES_TEMPLATE = (
-    "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
-    "{% endif %}{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}{{ m.content }}"
-    "{%- for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, "
-    "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
-    "{%- elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
-    "{%- else %}{{ m.content }}{% endif %}{%- endfor %}")
-
-
-class RecordingClient(RolloutClient):
-    """The production client, keeping every /generate answer the servers sent."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.answers: list = []
-
-    async def generate(self, input_ids, sampling_params, rid=None, sticky_key=None, **kw):
-        res = await super().generate(input_ids, sampling_params, rid=rid,
-                                     sticky_key=sticky_key, **kw)
-        self.answers.append((rid, res))
-        return res
 
 
 @torch.no_grad()
@@ -58,37 +31,6 @@ def biased_logprobs(model, ids):
         logits[:, int(k)] += v
     lp = torch.log_softmax(logits, -1)
     return [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
-
-
-def wait_for(cond, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
-
-
-def server_tokens(addr) -> int:
-    req = urllib.request.Request(f"http://{addr}/get_server_info",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.load(r)["tokens_generated"]
-
-
-def load_weights(addr, path):
-    async def go():
-        c = RolloutClient([addr], api_key=API_KEY)
-        try:
-            await c.update_weights_from_disk(str(path), weight_version=0)
-        finally:
-            await c.close()
-    run(go())
-
-
-def controller(addr, wf, tok, sink, n_prompts, batch_size, n_samples):
-    client = RecordingClient([addr], api_key=API_KEY, timeout_s=120, retries=2)
-    items = [{"prompt": "abcdefgh"[i % 8:] + "xyz", "answer": ""} for i in range(n_prompts)]
-    return RolloutController(client, wf, items, batch_size=batch_size, n_samples=n_samples,
-                             eta=0, sink=sink, tokenizer=tok, ignore_eos=True)
 
 
 async def chat_twice(ctx, item, max_tokens=60):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.ops import decode as dops
-from tests.ops_helpers import ensure_cpu_extension
+from tests.helpers.cpu_extension import ensure_cpu_extension
 
 ISAS = ["avx512", "avx2", "generic"]
 

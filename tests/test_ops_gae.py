@@ -8,7 +8,7 @@ import torch
 
 from areal_mega.ops import packed_gae
 from areal_mega.ops.reference import gae_loop_reference
-from tests.ops_helpers import ROOT, ensure_cpu_extension
+from tests.helpers.cpu_extension import ROOT, ensure_cpu_extension
 
 
 @pytest.fixture(params=["native", "torch"])

@@ -3,7 +3,7 @@ import torch
 
 from areal_mega.ops import packed_logprobs, packed_logprobs_from_hidden
 from areal_mega.ops.reference import logprobs_naive
-from tests.ops_helpers import ensure_cpu_extension
+from tests.helpers.cpu_extension import ensure_cpu_extension
 
 # the C++ kernels once per vector ISA (AVX-512, AVX2, SSE2 builds, chosen at run time), and torch
 BACKENDS = ["native-avx512", "native-avx2", "native-generic", "torch"]

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_mega.common.net import free_port
-from tests.ops_helpers import ensure_cpu_extension
+from tests.helpers.cpu_extension import ensure_cpu_extension
 
 T, V, TP = 40, 3002, 2
 CASES = [(backend, dtype, temp) for backend in ("native", "torch")

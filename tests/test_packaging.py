@@ -134,11 +134,7 @@ def test_gpu_check_dry_run_lists_every_step():
 
 
 def test_gpu_check_table_and_step_failure():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    from tools import gpu_check
 
     def boom(step, work):
         raise gpu_check.StepFailed("exit 1: boom")

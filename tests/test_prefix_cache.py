@@ -16,7 +16,7 @@ from areal_mega.inference.prefix_cache import PrefixTree, common_prefix_len, con
 from areal_mega.inference.prefix_reuse import IN_BATCH_THRESHOLD
 from areal_mega.inference.sampling import SamplingParams
 from areal_mega.models.tiny import make_tiny_model
-from tests.rollout_helpers import load_model
+from tests.helpers.rollout import load_model
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import pytest
 
 from areal_mega.inference.process import LocalServerProcess
 from areal_mega.inference.server import FLUSH_CACHE_TEXT
-from tests.rollout_helpers import API_KEY, http, models  # noqa: F401 (fixture)
+from tests.helpers.rollout import API_KEY, http
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from test_e2e_async_rl import (_accepted_ids, _finish, _launch, _metrics,  # noqa: F401
-                               _snapshot_live_run, _trained, _trainer_pid, assets)
+from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _snapshot_live_run,
+                                      _trained, _trainer_pid)
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,7 @@ from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.staleness import sample_version
 from areal_mega.workflow.builtin import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
-from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
-                                   teacher_forced_logprobs)
+from tests.helpers.rollout import API_KEY, GroupSink, run, teacher_forced_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ from areal_mega.rollout.failures import FailureRate, FailureRateExceeded
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import exact_match_reward
 from areal_mega.workflow.builtin import RLVRWorkflow
-from tests.rollout_helpers import API_KEY, GroupSink
+from tests.helpers.rollout import API_KEY, GroupSink
 
 pytestmark = pytest.mark.timeout(300)
 CONTEXT = 64

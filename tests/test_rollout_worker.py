@@ -10,7 +10,7 @@ import yaml
 from areal_mega.dataplane import TrajectoryReceiver
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.inference.process import launch_local_servers
-from tests.rollout_helpers import API_KEY, make_models
+from tests.helpers.rollout import API_KEY, make_models
 
 pytestmark = pytest.mark.timeout(240)
 

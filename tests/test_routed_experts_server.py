@@ -17,7 +17,7 @@ from areal_mega.inference.server_state import LocalRolloutServer
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.rollout.client import RolloutClient, sampling_dict
 from areal_mega.rollout.controller import RolloutController
-from tests.rollout_helpers import API_KEY, http, load_model, run
+from tests.helpers.rollout import API_KEY, http, load_model, run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -200,7 +200,7 @@ def test_multi_turn_trajectory_routes(servers, moe):
     every token but the last (-1), and int16 of shape (L, layers, topk)."""
     from areal_mega.data.dataset import load_tokenizer
     from areal_mega.workflow.builtin import MultiTurnWorkflow, RetryEnvironment
-    from tests.rollout_helpers import GroupSink
+    from tests.helpers.rollout import GroupSink
 
     on, _ = servers
     wf = MultiTurnWorkflow(lambda: RetryEnvironment(_never_right, feedback="no, again:"),

@@ -1,21 +1,21 @@
 """Rollout routing replay (R3), trainer side: routes packed with the tokens, megatron-core's
 RouterReplay driven per micro-batch, the ``moe/*`` metrics, and the config key.
 
-The model checks run tests/_routing_replay_worker.py: a tiny HF Qwen3-MoE plays the server (its
-own router gives the routes), the trainer replays them on one rank (``single``) and in EP2,
-TP2 (sequence parallel) and PP2 (full recompute) gloo layouts (``layouts``)."""
+The model checks run tests/helpers/routing_replay_worker.py: a tiny HF Qwen3-MoE plays the
+server (its own router gives the routes), the trainer replays them on one rank (``single``) and in
+EP2, TP2 (sequence parallel) and PP2 (full recompute) gloo layouts (``layouts``)."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from areal_mega.common.net import free_port
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "_routing_replay_worker.py")
+WORKER = "routing_replay_worker"   # tests.helpers.routing_replay_worker
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
@@ -177,7 +177,7 @@ def test_config_key_default_choices_and_model_checks(tmp_path):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     work = tmp_path_factory.mktemp("r3")
-    ranks = run_ranks([[sys.executable, WORKER, "single", 0, 1, free_port(), work]],
+    ranks = run_ranks([worker_cmd(WORKER, "single", 0, 1, free_port(), work)],
                       timeout=300, env=ENV)
     return rank_results([work / "single.0.json"], ranks)[0], work
 
@@ -185,7 +185,7 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def layouts(single):
     work, port = single[1], free_port()
-    ranks = run_ranks([[sys.executable, WORKER, "layouts", r, 2, port, work] for r in range(2)],
+    ranks = run_ranks([worker_cmd(WORKER, "layouts", r, 2, port, work) for r in range(2)],
                       timeout=300, env=ENV)
     return rank_results([work / f"layouts.{r}.json" for r in range(2)], ranks)
 

@@ -9,7 +9,7 @@ from areal_mega.config import load_config
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.run_dir import (META_NAME, RunDir, checkpoint_iteration, complete_checkpoints,
                                 find_latest, iter_dir_name)
-from tests.dataplane_helpers import make_traj
+from tests.helpers.trajectories import make_traj
 
 
 def _complete(root, it, accepted=0):

@@ -19,7 +19,7 @@ from areal_mega.run_dir import RunDir
 from areal_mega.security import REDACTED, holds_secret, redact_secrets, redact_text
 from areal_mega.tracking import RunLog
 from areal_mega.workflow.online_journal import OnlineJournal
-from tracker_readers import mlflow_client, wandb_history
+from tests.helpers.tracker_readers import mlflow_client, wandb_history
 
 OPENAI, SERPER, PAT, DBPASS, BEARER, URLPW, ENVVAL = (
     "sk-openai-1111", "serper-2222x", "ghp_pat3333", "db-pass-4444", "bearer-5555x",

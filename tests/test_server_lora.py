@@ -14,7 +14,7 @@ import torch
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, sampling_dict
-from tests.rollout_helpers import API_KEY, http, load_model, run, teacher_forced_logprobs
+from tests.helpers.rollout import API_KEY, http, load_model, run, teacher_forced_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,9 +5,6 @@ their versions and are the teacher-forced tokens of the weights that made them);
 server finishes its requests, unless its drain deadline passes first (the rest is interrupted
 and resumes elsewhere); bad requests change nothing."""
 import shutil
-import time
-import urllib.request
-import json
 
 import numpy as np
 import pytest
@@ -20,11 +17,10 @@ from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, ServerPoolError
 from areal_mega.workflow.builtin import RLVRWorkflow
 from areal_mega.run_dir import RunDir
-from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
-                                   teacher_forced_logprobs)
+from tests.helpers.rollout import API_KEY, GroupSink, run, teacher_forced_logprobs
+from tests.helpers.server_pool import N_NEW, check_tokens, tokens_generated, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-N_NEW = 96
 
 
 @pytest.fixture(scope="module")
@@ -37,31 +33,8 @@ def servers(models):
             p.stop()
 
 
-def tokens_generated(addr) -> int:
-    req = urllib.request.Request(f"http://{addr}/get_server_info",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.load(r)["tokens_generated"]
-
-
-def wait_for(cond, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def members(elastic):
     return [s["addr"] for s in elastic.pool_stats()["servers"]]
-
-
-def check_tokens(out, prompt, model, version):
-    """Every token of ``out`` was made by ``model`` at ``version``: its logprob is the
-    teacher-forced one."""
-    assert len(out.output_ids) == N_NEW and out.versions == [version] * N_NEW
-    ids = list(prompt) + out.output_ids
-    ref = teacher_forced_logprobs(model, ids, len(prompt))
-    assert np.abs(np.array(ref) - np.array(out.logprobs)).max() <= 1e-4
 
 
 def test_join_remove_drain_and_bad_requests(servers, models, tmp_path):

@@ -17,9 +17,8 @@ from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands
 from areal_mega.train.weight_sender import DistributedWeightSender
 from areal_mega.workflow.builtin import RLVRWorkflow
 from areal_mega.run_dir import RunDir
-from tests.rollout_helpers import (API_KEY, GroupSink, models, run,  # noqa: F401 (fixture)
-                                   teacher_forced_logprobs)
-from tests.test_server_pool import check_tokens, tokens_generated, wait_for, N_NEW
+from tests.helpers.rollout import API_KEY, GroupSink, run, teacher_forced_logprobs
+from tests.helpers.server_pool import check_tokens, tokens_generated, wait_for, N_NEW
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,5 +1,5 @@
 """launch/slurm on a real Slurm (Debian's slurm-wlm + munge): a throwaway cluster of two node
-names on this machine (see tests/slurm_cluster.py), started and stopped by the test.
+names on this machine (see tests/helpers/slurm_cluster.py), started and stopped by the test.
 
 - the CPU recipe submitted with plain ``sbatch`` is ``scancel``-ed mid-run and leaves no
   process behind; resubmitted through the submit wrapper (no GPU generic resource), the job
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from areal_mega.common.net import free_ports
-from tests.slurm_cluster import SlurmCluster, job_processes, missing_binaries, poll
+from tests.helpers.slurm_cluster import SlurmCluster, job_processes, missing_binaries, poll
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_launch"

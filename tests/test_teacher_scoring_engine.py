@@ -5,16 +5,15 @@ trainer takes), fp32 on CPU, within 1e-5."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from areal_mega.rollout.scoring import TeacherServerScorer
-from tests.rollout_helpers import API_KEY, models, server  # noqa: F401 (fixtures)
+from tests.helpers.rollout import API_KEY
+from tests.helpers.workers import worker_cmd
 
-WORKER = Path(__file__).with_name("_teacher_forward_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,9 +26,8 @@ def test_server_scoring_equals_the_trainers_megatron_forward(server, models, tmp
     job.write_text(json.dumps({"seqs": seqs, "starts": starts}))
     out = tmp_path / "out.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(WORKER), str(models["a"]), str(tmp_path),
-                           str(job), str(out)], env=env, capture_output=True, text=True,
-                          timeout=540)
+    proc = subprocess.run(worker_cmd("teacher_forward_worker", models["a"], tmp_path, job, out),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     engine = json.loads(out.read_text())["logprobs"]
     with TeacherServerScorer([server.addr], api_key=API_KEY) as scorer:

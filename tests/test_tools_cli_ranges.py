@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests._convert_fixture import ROOT
+from tests.helpers.conversions import ROOT
 
 
 @pytest.fixture(scope="module")

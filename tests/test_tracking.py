@@ -15,7 +15,7 @@ from areal_mega.models.tiny import make_tiny_model
 from areal_mega.rollout.counts import CARRY_KEY, CountCarrier, carried_counts
 from areal_mega.security import REDACTED, redact_secrets
 from areal_mega.tracking import RunLog
-from tracker_readers import mlflow_client, wandb_history
+from tests.helpers.tracker_readers import mlflow_client, wandb_history
 
 SECRETS = ("hmac-secret-1234", "server-key-5678", "agent-key-9012")
 

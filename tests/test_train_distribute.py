@@ -1,13 +1,13 @@
 """batches.distribute over a real 2-rank gloo mesh: each rank receives only its own DP share."""
 import os
-import sys
 
 import pytest
 
 from areal_mega.common.net import free_port
-from tests.multirank import rank_results, run_ranks
+from tests.helpers.multirank import rank_results, run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "_distribute_worker.py")
+WORKER = "distribute_worker"   # tests.helpers.distribute_worker
 
 
 @pytest.fixture(scope="module")
@@ -15,7 +15,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distribute")
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([[sys.executable, WORKER, r, 2, port, out] for r in range(2)],
+    ranks = run_ranks([worker_cmd(WORKER, r, 2, port, out) for r in range(2)],
                       timeout=300, env=env)
     return rank_results([out / f"distribute.{r}.json" for r in range(2)], ranks)
 

@@ -3,11 +3,10 @@ equal outputs and gradients to megatron's dense block-diagonal-mask attention.
 
 The function-level tests compare :func:`varlen_causal_attention` with softmax attention under
 :func:`~areal_mega.engine.packed.block_causal_mask` (the CPU path it replaces). The engine
-test (tests/_varlen_worker.py, own process) compares the engine's logprobs, gradients and loss
-with the dense-mask path of the same model on packed batches of varied lengths."""
+test (tests/helpers/varlen_worker.py, own process) compares the engine's logprobs, gradients and
+loss with the dense-mask path of the same model on packed batches of varied lengths."""
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -15,9 +14,10 @@ import torch
 from areal_mega.common.net import free_port
 from areal_mega.engine.packed import block_causal_mask
 from areal_mega.models.varlen_attention import pads_cheaply, varlen_causal_attention
-from tests.multirank import run_ranks
+from tests.helpers.multirank import run_ranks
+from tests.helpers.workers import worker_cmd
 
-WORKER = os.path.join(os.path.dirname(__file__), "_varlen_worker.py")
+WORKER = "varlen_worker"   # tests.helpers.varlen_worker
 TOL = 1e-5
 
 
@@ -110,7 +110,7 @@ def test_varlen_is_each_sequence_alone():
 def engine_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("varlen") / "res.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    (rc, log), = run_ranks([[sys.executable, WORKER, free_port(), out]], timeout=240, env=env)
+    (rc, log), = run_ranks([worker_cmd(WORKER, free_port(), out)], timeout=240, env=env)
     assert out.exists(), log[-3000:]
     res = json.loads(out.read_text())
     assert "error" not in res, res["error"]

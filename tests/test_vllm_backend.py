@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -20,8 +19,9 @@ from areal_mega.rollout.generate_result import RolloutRequestError, RolloutServe
 from areal_mega.backends.vllm.client import VLLMClient
 from areal_mega.train.weight_sender import DistributedWeightSender
 from areal_mega.workflow.builtin import RLVRWorkflow
-from tests.rollout_helpers import GroupSink, load_model, run, teacher_forced_logprobs
-from tests.vllm_helpers import API_KEY, ROOT, VLLMServer, make_vllm_models
+from tests.helpers.rollout import GroupSink, load_model, run, teacher_forced_logprobs
+from tests.helpers.vllm_servers import API_KEY, ROOT, VLLMServer, make_vllm_models
+from tests.helpers.workers import worker_cmd
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -98,8 +98,8 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"seqs": [p + r.output_ids for p, r in zip(ps, res)],
                                "starts": [len(p) for p in ps]}))
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "_teacher_forward_worker.py"),
-                        str(models["a"]), str(tmp_path), str(job), str(tmp_path / "out.json")],
+    p = subprocess.run(worker_cmd("teacher_forward_worker", models["a"], tmp_path, job,
+                                  tmp_path / "out.json"),
                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -2,7 +2,8 @@
 and the key check on every route (areal_mega.backends.vllm.auth).
 
 The command line is checked against vLLM's own parser and app, run by the vLLM interpreter
-(tests/_vllm_probe.py: parsed as the server parses it, the app built without an engine)."""
+(tests/helpers/vllm_probe_worker.py: parsed as the server parses it, the app built without an
+engine)."""
 import ast
 import asyncio
 import json
@@ -21,7 +22,8 @@ from areal_mega.backends.vllm.launch import (PACKAGE_ROOT, SERVED_MODEL_NAME,
                                               VLLM_PYTHON_ENV, VLLM_WORKER_EXTENSION,
                                               build_vllm_command, check_vllm_python,
                                               resolve_vllm_python, vllm_env)
-from tests.vllm_env import vllm_python
+from tests.helpers.vllm_env import vllm_python
+from tests.helpers.workers import worker_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "vllm-test-key-5d1c"
@@ -168,8 +170,8 @@ REQUESTS = [("GET", "/health", None), ("POST", "/collective_rpc", None),
 
 
 def _probe(python, argv, env) -> dict:
-    r = subprocess.run([python, str(ROOT / "tests" / "_vllm_probe.py"), json.dumps(argv[3:]),
-                        json.dumps(REQUESTS)], env={**os.environ, **env}, capture_output=True,
+    r = subprocess.run(worker_cmd("vllm_probe_worker", json.dumps(argv[3:]), json.dumps(REQUESTS),
+                                  python=python), env={**os.environ, **env}, capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

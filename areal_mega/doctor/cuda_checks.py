@@ -12,8 +12,8 @@ from areal_mega.doctor.env_checks import (gae_case, logprob_case, logprob_fwd_bw
 from areal_mega.doctor.rows import Check, CheckFailed, CheckSkipped, Context
 
 TE_VERSION = "2.11.0"          # setup.py TE_PIN (the [gpu] extra)
-#: SGLang releases whose HTTP and weight-update protocol ours follows (tests/sglang_style_peer.py
-#: is written from SGLang v0.5.x's source)
+#: SGLang releases whose HTTP and weight-update protocol ours follows
+#: (tests/helpers/sglang_peer_worker.py is written from SGLang v0.5.x's source)
 SGLANG_RANGE = ">=0.5,<0.6"
 
 

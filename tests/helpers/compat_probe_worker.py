@@ -1,0 +1,86 @@
+"""Probe upstream megatron-core on CPU with and without areal_mega.compat.megatron_cpu.
+
+    python -m tests.helpers.compat_probe_worker
+        -> prints JSON {"unpatched": {...}, "patched": {...}}
+
+Each probe returns True when the code works on CPU. Run in a fresh process: the patches are
+process-global once applied.
+"""
+import json
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+
+def _ok(fn):
+    try:
+        return bool(fn())
+    except Exception:
+        return False
+
+
+def probes():
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.tensor_parallel import random as tpr
+    from megatron.core.transformer import utils as tutils
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core import utils as cutils
+    import numpy as np
+
+    def rng():
+        t = tpr.CudaRNGStatesTracker()
+        t.add("probe", 1234)
+        with t.fork("probe"):
+            torch.rand(1)
+        return True
+
+    def clip():
+        p = torch.nn.Parameter(torch.ones(3))
+        p.grad = torch.ones(3)
+        clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=10.0)
+        return abs(float(p.grad[0]) - 0.1) < 1e-5
+
+    def bridge_imports():
+        """``import megatron.bridge`` in a fresh process (it needs TransformerEngine), with
+        the patches there when they are applied here."""
+        import subprocess
+        from areal_mega.compat import megatron_cpu
+        pre = ("from areal_mega.compat import megatron_cpu; megatron_cpu.apply(force=True); "
+               if megatron_cpu.is_applied() else "")
+        from tests.helpers.workers import ROOT
+        root = str(ROOT)
+        proc = subprocess.run([sys.executable, "-c", pre + "import megatron.bridge"], cwd=root,
+                              capture_output=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=root))
+        return proc.returncode == 0
+
+    return {
+        "import_megatron_bridge": bridge_imports,
+        "rng_tracker": rng,
+        "rope_inv_freq_device": lambda: rope.RotaryEmbedding(16, 1.0,
+                                                             use_cpu_initialization=False)
+        .inv_freq.device.type == "cpu",
+        "default_causal_mask": lambda: tutils.get_default_causal_mask(4).shape == (4, 4),
+        "global_memory_buffer": lambda: cutils.GlobalMemoryBuffer().get_tensor(
+            [2, 2], torch.float32, "probe").shape == (2, 2),
+        "moe_splits_numpy": lambda: isinstance(
+            moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), np.ndarray),
+        "clip_grads_type": clip,
+    }
+
+
+def main():
+    out = {"unpatched": {k: _ok(f) for k, f in probes().items()}}
+    from areal_mega.compat import megatron_cpu
+    megatron_cpu.apply(force=True)
+    out["patched"] = {k: _ok(f) for k, f in probes().items()}
+    print("PROBE " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""One rank of the 2-rank checkpoint/conversion tests (launched by
+tests/helpers/conversions.py :func:`launch_2ranks`).
+
+    python -m tests.helpers.mp_checkpoint_worker RANK WORLD PORT WORKDIR SCENARIO CONVDIR
+
+Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
+TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
+and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2, export at
+PP2).
+CONVDIR holds tests/helpers/convert_worker.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+
+def main(rank, world, port, work, scenario, convdir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+    from areal_mega.checkpoint import export, hf_mapping as hm
+    from areal_mega.checkpoint.dist_ckpt import load_checkpoint
+    from areal_mega.checkpoint.safetensors_io import SafetensorsDir
+    from areal_mega.models.builder import build_model_chunks
+    from areal_mega.parallel.allocation import ParallelDims
+    from areal_mega.parallel.mesh import ParallelMesh
+    from megatron.core import parallel_state as ps
+
+    work = Path(work)
+    res = {"checks": {}}
+    t0 = time.time()
+
+    def mesh_for(vpp=None, **dims):
+        return ParallelMesh.create(ParallelDims(**dims), vpp=vpp, timeout_s=90)
+
+    def hf_logits(hf_dir, ids):
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+
+    def mc_logits(chunks, ids, vocab):
+        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        was_training = chunks[0].training
+        chunks[0].eval()
+        with torch.no_grad():
+            out = chunks[0](input_ids=ids, position_ids=pos, attention_mask=None)
+        chunks[0].train(was_training)
+        g = ps.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(out) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(parts, out.contiguous(), group=g)
+        return torch.cat(parts, dim=-1)[..., :vocab]
+
+    def export_check(chunks, arch, ref):
+        got = {}
+        for bucket in export.iter_hf_buckets(chunks, arch, bucket_bytes=64 << 10):
+            got.update(bucket)
+        bad = [n for n, t in got.items()
+               if n not in ref or t.dtype != ref[n].dtype or not torch.equal(t, ref[n])]
+        names = [None] * world
+        dist.all_gather_object(names, sorted(got))
+        union = set().union(*map(set, names))
+        return {"bad": bad, "missing": sorted(set(ref) - union), "n": len(got)}
+
+    def ids_for(vocab):
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(3, vocab, (2, 24), generator=g)
+
+    def conv(name):
+        return Path(convdir) / name
+
+    def run_model_checks(name, layouts, logits_layouts):
+        hf_dir = conv(name) / "hf"
+        arch = hm.read_arch(hf_dir)
+        sd = SafetensorsDir(hf_dir)
+        ref = {n: sd.get(n) for n in sd.keys()}
+        ids = ids_for(arch.vocab_size)
+        want = hf_logits(hf_dir, ids)
+        for dims in layouts:
+            tag = f"{name}:" + ",".join(f"{k}{v}" for k, v in dims.items())
+            mesh = mesh_for(**dims)
+            chunks, _ = build_model_chunks(arch, mesh, seed=123)
+            info = load_checkpoint(conv(name) / "mcore", chunks)
+            c = {"iteration": info.iteration, "export": export_check(chunks, arch, ref)}
+            if dims in logits_layouts:
+                got = mc_logits(chunks, ids, arch.vocab_size)
+                c["logits_max_abs_diff"] = float((got - want).abs().max())
+            res["checks"][tag] = c
+            mesh.destroy()
+
+    if scenario == "dense":
+        run_model_checks("qwen2_untied_bias", [dict(dp=2), dict(tp=2), dict(pp=2)],
+                         [dict(dp=2), dict(tp=2)])
+        run_model_checks("llama_tied_gqa", [dict(tp=2), dict(pp=2)], [dict(tp=2)])
+        run_model_checks("llama_4layers_vpp", [dict(pp=2, vpp=2), dict(tp=2)], [dict(tp=2)])
+        res["resume"] = resume_and_reshard(work, rank, mesh_for, conv("qwen3_tied_qknorm"),
+                                           mc_logits, ids_for, export)
+        res["resume_distopt"] = resume_and_reshard(work, rank, mesh_for,
+                                                   conv("qwen3_tied_qknorm"), mc_logits,
+                                                   ids_for, export, distopt=True)
+    elif scenario == "moe":
+        run_model_checks("qwen3_moe_untied", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2),
+                                              dict(dp=2)],
+                         [dict(dp=2, ep=2), dict(tp=2), dict(dp=2)])
+        run_model_checks("glm4_moe", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
+                         [dict(dp=2, ep=2), dict(tp=2)])
+        run_model_checks("deepseek_v3", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
+                         [dict(dp=2, ep=2), dict(tp=2)])
+    res["seconds"] = time.time() - t0
+    (work / f"{scenario}_rank{rank}.json").write_text(json.dumps(res, indent=2, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, export,
+                       distopt=False):
+    """Train one step at TP1 (DP2), save, train another; a fresh model resumed from the save
+    must give bit-identical weights after the same step. Then load the save at TP2 and compare
+    logits and exported weights with the TP1 model at save time."""
+    import torch
+    import torch.distributed as dist
+    from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.checkpoint.dist_ckpt import (find_latest, latest_verified, load_checkpoint,
+                                                 save_checkpoint)
+    from areal_mega.models.builder import build_model_chunks
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    arch = hm.read_arch(conv_dir / "hf")
+    root = work / ("train_ckpt_distopt" if distopt else "train_ckpt")
+    out = {}
+
+    def make(seed, mesh):
+        chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
+        ddp = [DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
+               for c in chunks]
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
+                            use_distributed_optimizer=distopt), ddp,
+            use_gloo_process_groups=False)
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=2, lr_decay_steps=10,
+                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=10, wd_incr_style="constant")
+        return ddp, opt, sched
+
+    def batch(step, r=None):
+        g = torch.Generator().manual_seed(100 + 10 * step + (rank if r is None else r))
+        return torch.randint(3, arch.vocab_size, (2, 16), generator=g)
+
+    def train_step(ddp, opt, sched, ids):
+        for m in ddp:
+            m.zero_grad_buffer()
+        opt.zero_grad()
+        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        labels = torch.roll(ids, -1, dims=1)
+        loss = ddp[0](input_ids=ids, position_ids=pos, attention_mask=None,
+                      labels=labels).float().mean()
+        loss.backward()
+        finalize_model_grads(ddp)  # DP reduce + TP all-reduce of q/k-norm grads
+        ok, gnorm, _ = opt.step()
+        sched.step(1)
+        return float(loss), ok
+
+    def params(ddp):
+        return [p.detach().clone() for p in ddp[0].module.parameters()]
+
+    mesh = mesh_for(dp=2)
+    ddp, opt, sched = make(7, mesh)
+    load_checkpoint(conv_dir / "mcore", ddp)  # start from the converted weights
+    train_step(ddp, opt, sched, batch(0))
+    ids = ids_for(arch.vocab_size)
+    logits_w1 = mc_logits([ddp[0].module], ids, arch.vocab_size)
+    export_w1 = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
+    t = time.time()
+    path = save_checkpoint(root, 1, ddp, opt, sched, extra={"version": 1, "data_pos": 7},
+                           hf_dir=conv_dir / "hf", keep_last=2)
+    out["save_seconds"] = time.time() - t
+    from areal_mega.checkpoint import checksums as cks
+    files = json.loads((path / "areal_meta.json").read_text())["checksums"]["files"]
+    out["checksums_cover_all_files"] = (sorted(files) == cks.list_files(path)
+                                        and any(f.startswith("__1_") for f in files))
+    train_step(ddp, opt, sched, batch(1))
+    want = params(ddp)
+    export_w2 = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
+    lr_want = opt.param_groups[0]["lr"]
+    del ddp, opt, sched
+
+    ddp, opt, sched = make(999, mesh)
+    info = load_checkpoint(root, ddp, opt, sched)
+    out["loaded"] = {"iteration": info.iteration, "extra": info.extra,
+                     "optimizer": info.loaded_optimizer, "rng": info.loaded_rng,
+                     "path": str(info.path), "latest": str(find_latest(root))}
+    train_step(ddp, opt, sched, batch(1))
+    got = params(ddp)
+    out["resume_bitexact"] = all(torch.equal(a, b) for a, b in zip(want, got))
+    out["resume_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(want, got))
+    out["lr_equal"] = opt.param_groups[0]["lr"] == lr_want
+    if distopt:  # optimizer state resharded DP2 x TP1 -> TP2: the same global step follows
+        mesh.destroy()
+        del ddp, opt, sched
+        mesh = mesh_for(tp=2)
+        ddp, opt, sched = make(31, mesh)
+        info = load_checkpoint(root, ddp, opt, sched)
+        train_step(ddp, opt, sched, torch.cat([batch(1, 0), batch(1, 1)]))
+        got2 = dict(export.iter_hf_tensors(ddp, arch))
+        out["opt_reshard_tp2_max_abs_diff"] = max(float((got2[k] - export_w2[k]).abs().max())
+                                                  for k in export_w2)
+        out["opt_reshard_loaded_optimizer"] = info.loaded_optimizer
+        mesh.destroy()
+        return out
+    # more saves: keep_last=2 prunes; a stale .tmp and an incomplete dir are never "latest"
+    proot = work / "prune_ckpt"
+    for it in (1, 2, 3):
+        save_checkpoint(proot, it, ddp, opt, sched, extra={"version": it}, keep_last=2)
+    dist.barrier()
+    if rank == 0:
+        (proot / "iter_0000009.tmp").mkdir()
+        (proot / "iter_0000008").mkdir()
+    dist.barrier()
+    out["after_prune"] = sorted(p.name for p in proot.iterdir())
+    out["latest_after_junk"] = find_latest(proot).name
+    # bytes flipped in a shard rank 1 wrote: both ranks agree to fall back to iteration 2
+    if rank == 0:
+        shard = proot / "iter_0000003" / "__1_0.distcp"
+        with open(shard, "r+b") as f:
+            f.seek(shard.stat().st_size // 2)
+            b = f.read(8)
+            f.seek(shard.stat().st_size // 2)
+            f.write(bytes(x ^ 0xFF for x in b))
+    dist.barrier()
+    back = latest_verified(proot)
+    out["fallback"] = {"path": back.name, "iteration": load_checkpoint(back, ddp, opt).iteration,
+                       "dirs": sorted(p.name for p in proot.iterdir())}
+    mesh.destroy()
+    del ddp, opt, sched
+
+    mesh = mesh_for(tp=2)
+    chunks, _ = build_model_chunks(arch, mesh, seed=5)
+    info = load_checkpoint(path, chunks)  # model only, TP1 -> TP2
+    logits_t2 = mc_logits(chunks, ids, arch.vocab_size)
+    export_t2 = dict(export.iter_hf_tensors(chunks, arch))
+    out["reshard"] = {
+        "logits_max_abs_diff": float((logits_t2 - logits_w1).abs().max()),
+        "export_bitexact": sorted(export_t2) == sorted(export_w1) and all(
+            torch.equal(export_t2[k], export_w1[k]) for k in export_w1),
+        "export_diff": {k: float((export_t2[k] - export_w1[k]).abs().max())
+                        for k in export_w1 if k in export_t2
+                        and not torch.equal(export_t2[k], export_w1[k])},
+        "export_names_only_one_side": sorted(set(export_t2) ^ set(export_w1)),
+        "rng_restored": info.loaded_rng}
+    # a checkpoint written by TP2 training ranks (chunks are TP shards) for the HF exporter
+    save_checkpoint(work / "tp2_ckpt", 5, chunks, hf_dir=conv_dir / "hf")
+    if rank == 0:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in export_t2.items()},
+                  str(work / "tp2_ref.safetensors"))
+    dist.barrier()
+    mesh.destroy()
+    return out
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+         sys.argv[6])

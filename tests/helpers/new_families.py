@@ -1,0 +1,58 @@
+"""The families checked end to end by tests/test_new_families.py (and its 2-rank worker
+tests/helpers/family_worker.py). Adding a family: one :class:`FamilyCase` in :data:`CASES`.
+
+Every case is a tiny HF model made locally (:func:`areal_mega.models.tiny.make_tiny_model`
+with ``tiny``), on the digits vocabulary so that the same model also runs the RL steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One family under test.
+
+    ``tiny``: :func:`make_tiny_model` overrides (``arch`` is the model type); ``layouts``:
+    the 2-rank layouts compared with the single-rank reference (``tp2``, ``pp2``, ``ep2``
+    for MoE: EP2 inside DP2); ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
+    (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
+    its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
+    converted weights are also checked against transformers (on DP2). The checked sequences
+    (up to 21 tokens) and the RL samples are longer than a sliding window of 8."""
+    name: str
+    tiny: dict
+    layouts: tuple = ("tp2", "pp2")
+    convert: tuple = ("--tp", "2", "--pp", "2")
+    rl_overrides: tuple = field(default_factory=tuple)
+    config_variants: dict = field(default_factory=dict)
+
+
+CASES = {
+    # explicit head_dim (24, not hidden/heads = 16) and a window (8) shorter than the
+    # sequences; also with sliding_window: null (many Mistral checkpoints)
+    "mistral": FamilyCase("mistral", dict(arch="mistral", head_dim=24, sliding_window=8,
+                                          tie_word_embeddings=False),
+                          config_variants={"nowindow": {"sliding_window": None}}),
+    # Gemma 3: layers sliding (window 8, RoPE base 1e4) then full (RoPE base 1e6), softmax scale
+    # 32^-0.5 (not head_dim^-0.5), random (1 + w) norms, tied embeddings; also with linear RoPE
+    # scaling of the full layers
+    "gemma3_text": FamilyCase(
+        "gemma3_text", dict(arch="gemma3_text", head_dim=24, sliding_window=8, rope_theta=1e6,
+                            query_pre_attn_scalar=32),
+        config_variants={"linear_rope": {"rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}}),
+}
+
+# A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
+#   FamilyCase("qwen3_moe", dict(arch="qwen3_moe", tie_word_embeddings=False),
+#              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
+
+#: the full end-to-end set (RL steps through launch.local) runs for these
+RL_CASES = ("mistral", "gemma3_text")
+
+
+def tiny_spec(case: FamilyCase) -> dict:
+    """:func:`make_tiny_model` keyword arguments of ``case``."""
+    return dict(dict(charset="digits", hidden_size=64, num_layers=2, num_heads=4,
+                     num_kv_heads=2, intermediate_size=128), **case.tiny)

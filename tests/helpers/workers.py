@@ -1,0 +1,25 @@
+"""Start a helper program of this package as its own process: ``python -m
+tests.helpers.<name>`` from the repository root, with the root also first on ``PYTHONPATH``, so
+the program imports this checkout's ``areal_mega`` and ``tests.helpers`` whatever directory the
+spawner runs it in (no program patches ``sys.path`` itself)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_cmd(name: str, *args, python: str | None = None) -> list:
+    """The argv that runs ``tests.helpers.<name>`` as ``__main__`` with ``args`` (as strings),
+    under ``python`` (default: this interpreter)."""
+    return [python or sys.executable, "-m", f"tests.helpers.{name}", *map(str, args)]
+
+
+def worker_env(env: dict | None = None) -> dict:
+    """``env`` (default: this process's environment) with the repository root first on
+    ``PYTHONPATH``."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
