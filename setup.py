@@ -14,6 +14,7 @@ neither, and this script then stops with instructions instead of installing a pa
 kernels silently fall back to the much slower pure-torch code. ``AREAL_MEGA_SKIP_KERNELS=1``
 installs without kernels on purpose (with a loud notice).
 """
+
 import os
 import shutil
 import sys
@@ -23,7 +24,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
 CSRC = "csrc"
-DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"   # A100 and H100/H200 (+PTX: newer GPUs JIT it)
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0+PTX"  # A100 and H100/H200 (+PTX: newer GPUs JIT it)
 SKIP_ENV = "AREAL_MEGA_SKIP_KERNELS"
 TE_PIN = "transformer-engine[pytorch,{core}]==2.11.0"
 NO_BUILD_DEPS_MSG = """
@@ -42,7 +43,7 @@ code), set {skip}=1.
 """
 
 
-OPTIONAL_TRACKERS = ("wandb", "mlflow")   # extras (logging.trackers); pinned for the tests
+OPTIONAL_TRACKERS = ("wandb", "mlflow")  # extras (logging.trackers); pinned for the tests
 
 
 def read_requirements():
@@ -77,11 +78,16 @@ def check_build_deps(have_torch, have_numpy, env):
     if not missing:
         return None
     if env.get(SKIP_ENV) != "1":
-        raise SystemExit(NO_BUILD_DEPS_MSG.format(missing=" and ".join(missing),
-                                                  python=sys.executable, skip=SKIP_ENV))
-    return (f"\n{'!' * 78}\nareal-mega: {SKIP_ENV}=1 and {' and '.join(missing)} not "
-            "importable: installing WITHOUT the csrc kernels; areal_mega.ops will use the "
-            f"pure-torch fallback (much slower).\n{'!' * 78}\n")
+        raise SystemExit(
+            NO_BUILD_DEPS_MSG.format(
+                missing=" and ".join(missing), python=sys.executable, skip=SKIP_ENV
+            )
+        )
+    return (
+        f"\n{'!' * 78}\nareal-mega: {SKIP_ENV}=1 and {' and '.join(missing)} not "
+        "importable: installing WITHOUT the csrc kernels; areal_mega.ops will use the "
+        f"pure-torch fallback (much slower).\n{'!' * 78}\n"
+    )
 
 
 def cuda_arch_list(env, visible_capabilities):
@@ -121,8 +127,10 @@ def cuda_home(env, nvcc, has_headers):
         return explicit
     candidates = []
     if nvcc:
-        candidates += [os.path.dirname(os.path.dirname(nvcc)),
-                       os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+        candidates += [
+            os.path.dirname(os.path.dirname(nvcc)),
+            os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+        ]
     candidates.append("/usr/local/cuda")
     return next((c for c in candidates if has_headers(c)), None)
 
@@ -142,40 +150,65 @@ def kernel_extensions():
     if not _importable("torch"):
         return [], {}
     import torch
+
     home = cuda_home(os.environ, shutil.which("nvcc"), _has_cuda_headers)
-    if home:   # read by cpp_extension when imported; set on it too in case it already was
+    if home:  # read by cpp_extension when imported; set on it too in case it already was
         os.environ["CUDA_HOME"] = home
     from torch.utils import cpp_extension
+
     if home:
         cpp_extension.CUDA_HOME = home
     include = [str(ROOT / CSRC / "include"), str(ROOT / CSRC / "bindings")]
     cxx = ["-O3", "-std=c++20", "-Wno-psabi"]
-    exts = [cpp_extension.CppExtension(
-        "areal_mega._ops_cpu",
-        sources=[f"{CSRC}/bindings/ops_cpu.cpp", f"{CSRC}/logprob/logprob_cpu.cpp",
-                 f"{CSRC}/logprob/logprob_cpu_avx512.cpp", f"{CSRC}/logprob/logprob_cpu_avx2.cpp",
-                 f"{CSRC}/logprob/logprob_cpu_generic.cpp", f"{CSRC}/gae/gae_cpu.cpp",
-                 f"{CSRC}/bindings/decode_ops_cpu.cpp", f"{CSRC}/decode/decode_cpu.cpp",
-                 *(f"{CSRC}/decode/decode_cpu_{isa}.cpp" for isa in ("avx512", "avx2", "generic"))],
-        include_dirs=include, extra_compile_args={"cxx": cxx + OPENMP},
-        extra_link_args=OPENMP)]
-    nvcc = cpp_extension.CUDA_HOME and shutil.which("nvcc", path=os.path.join(
-        cpp_extension.CUDA_HOME, "bin"))
+    exts = [
+        cpp_extension.CppExtension(
+            "areal_mega._ops_cpu",
+            sources=[
+                f"{CSRC}/bindings/ops_cpu.cpp",
+                f"{CSRC}/logprob/logprob_cpu.cpp",
+                f"{CSRC}/logprob/logprob_cpu_avx512.cpp",
+                f"{CSRC}/logprob/logprob_cpu_avx2.cpp",
+                f"{CSRC}/logprob/logprob_cpu_generic.cpp",
+                f"{CSRC}/gae/gae_cpu.cpp",
+                f"{CSRC}/bindings/decode_ops_cpu.cpp",
+                f"{CSRC}/decode/decode_cpu.cpp",
+                *(f"{CSRC}/decode/decode_cpu_{isa}.cpp" for isa in ("avx512", "avx2", "generic")),
+            ],
+            include_dirs=include,
+            extra_compile_args={"cxx": cxx + OPENMP},
+            extra_link_args=OPENMP,
+        )
+    ]
+    nvcc = cpp_extension.CUDA_HOME and shutil.which(
+        "nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")
+    )
     if torch.version.cuda and nvcc and os.environ.get("AREAL_MEGA_NO_CUDA") != "1":
         arch = cuda_arch_list(os.environ, _visible_capabilities(torch))
         if arch and arch != os.environ.get("TORCH_CUDA_ARCH_LIST"):
             os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-            print(f"areal-mega: no GPU visible; building the CUDA kernels for "
-                  f"TORCH_CUDA_ARCH_LIST={arch} (set it to choose others)", file=sys.stderr)
-        exts.append(cpp_extension.CUDAExtension(
-            "areal_mega._ops_cuda",
-            sources=[f"{CSRC}/bindings/ops_cuda.cpp", f"{CSRC}/logprob/logprob_cuda.cu",
-                     f"{CSRC}/gae/gae_cuda.cu"],
-            include_dirs=include,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]}))
+            print(
+                f"areal-mega: no GPU visible; building the CUDA kernels for "
+                f"TORCH_CUDA_ARCH_LIST={arch} (set it to choose others)",
+                file=sys.stderr,
+            )
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "areal_mega._ops_cuda",
+                sources=[
+                    f"{CSRC}/bindings/ops_cuda.cpp",
+                    f"{CSRC}/logprob/logprob_cuda.cu",
+                    f"{CSRC}/gae/gae_cuda.cu",
+                ],
+                include_dirs=include,
+                extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]},
+            )
+        )
     else:
-        print("areal-mega: building CPU kernels only (torch.version.cuda="
-              f"{torch.version.cuda}, nvcc={nvcc})", file=sys.stderr)
+        print(
+            "areal-mega: building CPU kernels only (torch.version.cuda="
+            f"{torch.version.cuda}, nvcc={nvcc})",
+            file=sys.stderr,
+        )
     return exts, {"build_ext": cpp_extension.BuildExtension}
 
 
@@ -214,5 +247,5 @@ def main():
     )
 
 
-if __name__ == "__main__":   # also true under pip (setuptools runs this file as __main__)
+if __name__ == "__main__":  # also true under pip (setuptools runs this file as __main__)
     main()

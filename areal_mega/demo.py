@@ -11,6 +11,7 @@
    per step, held-out greedy accuracy before and after RL, and where the run directory,
    metrics and plots are.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,33 +28,47 @@ from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
-MODEL = dict(arch="llama", charset="digits", hidden_size=128, num_layers=2, num_heads=4,
-             num_kv_heads=4, intermediate_size=256, tie_word_embeddings=True)
+MODEL = dict(
+    arch="llama",
+    charset="digits",
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    intermediate_size=256,
+    tie_word_embeddings=True,
+)
 
 
-def _run(cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 0,
-         desc: str = "") -> None:
+def _run(
+    cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 0, desc: str = ""
+) -> None:
     """Run ``cmd`` with its output in ``log``; follow ``metrics`` (the child's metrics.jsonl)
     with a progress bar showing the step, the reward and the time per step."""
     from tqdm import tqdm
 
     print(f"[demo] $ {' '.join(map(str, cmd))}\n[demo]   log: {log}", flush=True)
     with open(log, "w") as f:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
-                                env=env)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, env=env)
         bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True) if metrics else None
         seen = 0
         while proc.poll() is None:
             time.sleep(1.0)
             if bar is None or not metrics.exists():
                 continue
-            rows = [json.loads(x) for x in metrics.read_text().splitlines()[seen:]
-                    if x.strip().endswith("}")]
+            rows = [
+                json.loads(x)
+                for x in metrics.read_text().splitlines()[seen:]
+                if x.strip().endswith("}")
+            ]
             if rows:
                 seen += len(rows)
                 last = rows[-1]
-                shown = {k: f"{last[k]:.3f}" for k in ("reward/mean", "loss", "nll")
-                         if isinstance(last.get(k), float)}
+                shown = {
+                    k: f"{last[k]:.3f}"
+                    for k in ("reward/mean", "loss", "nll")
+                    if isinstance(last.get(k), float)
+                }
                 shown["s/step"] = f"{last.get('time/step', 0):.2f}"
                 bar.set_postfix(shown, refresh=False)
                 bar.update(last["step"] - bar.n)
@@ -62,7 +77,9 @@ def _run(cmd: list, log: Path, env: dict, *, metrics: Path = None, total: int = 
         rc = proc.returncode
     if rc != 0:
         tail = log.read_text().splitlines()[-30:]
-        raise SystemExit(f"[demo] step failed (exit {rc}); last lines of {log}:\n" + "\n".join(tail))
+        raise SystemExit(
+            f"[demo] step failed (exit {rc}); last lines of {log}:\n" + "\n".join(tail)
+        )
 
 
 def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
@@ -72,12 +89,16 @@ def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter = (model_dir / "adapter_config.json").is_file()
-    base = json.loads((model_dir / "adapter_config.json").read_text())[
-        "base_model_name_or_path"] if adapter else model_dir
+    base = (
+        json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+        if adapter
+        else model_dir
+    )
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     if adapter:
         from peft import PeftModel
+
         model = PeftModel.from_pretrained(model, model_dir).eval()
     rows = [json.loads(line) for line in test_file.read_text().splitlines()[:n]]
     prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
@@ -85,18 +106,23 @@ def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
     assert all(len(p) == width for p in prompts), "the demo task has fixed-width prompts"
     ids = torch.tensor(prompts)
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=len(rows[0]["answer"]) + 1, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        out = model.generate(
+            ids,
+            max_new_tokens=len(rows[0]["answer"]) + 1,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
     correct = 0
     for r, row in zip(out[:, width:].tolist(), rows):
         want = tok(row["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        correct += r[:len(want)] == want
+        correct += r[: len(want)] == want
     return correct / len(rows)
 
 
 def summarize(metrics_file: Path) -> dict:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["step"] >= 1]   # step 0: the evaluation before training
+    rows = [r for r in rows if r["step"] >= 1]  # step 0: the evaluation before training
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     k = min(10, len(rewards))
 
@@ -108,21 +134,33 @@ def summarize(metrics_file: Path) -> dict:
     def mean(key, rs=rows):
         vals = values(key, rs)
         return sum(vals) / len(vals) if vals else float("nan")
+
     ev = [r["critic/explained_variance"] for r in rows if "critic/explained_variance" in r]
-    critic = {"explained_variance_first10": sum(ev[:k]) / k,
-              "explained_variance_last10": sum(ev[-k:]) / k} if len(ev) >= k > 0 else {}
+    critic = (
+        {
+            "explained_variance_first10": sum(ev[:k]) / k,
+            "explained_variance_last10": sum(ev[-k:]) / k,
+        }
+        if len(ev) >= k > 0
+        else {}
+    )
     return {
         **critic,
         "steps": len(rows),
         "reward_first10": sum(rewards[:k]) / max(k, 1),
         "reward_last10": sum(rewards[-k:]) / max(k, 1),
         "ppo_kl_first_minibatch_step1": rows[0].get("ppo_kl/first_minibatch"),
-        **({"mismatch_mean": mean("mismatch"), "mismatch_max": max(values("mismatch"))}
-           if values("mismatch") else {}),
+        **(
+            {"mismatch_mean": mean("mismatch"), "mismatch_max": max(values("mismatch"))}
+            if values("mismatch")
+            else {}
+        ),
         "mismatch_steps": len(values("mismatch")),
         "staleness_max": max(r.get("staleness/max", 0) for r in rows),
-        "time_step": mean("time/step"), "time_wait_rollout": mean("time/wait_data"),
-        "time_logprobs": mean("time/logprobs"), "time_train": mean("time/train"),
+        "time_step": mean("time/step"),
+        "time_wait_rollout": mean("time/wait_data"),
+        "time_logprobs": mean("time/logprobs"),
+        "time_train": mean("time/train"),
         "time_weight_sync": mean("time/weight_sync"),
     }
 
@@ -132,12 +170,15 @@ def mismatch_text(s: dict) -> str:
     no mismatch (left out of their metrics rows), so none may have one."""
     if not s.get("mismatch_steps"):
         return "none measured (no step trained tokens of the trainer's own version)"
-    return (f"mean {s['mismatch_mean']:.2e}, max {s['mismatch_max']:.2e} (over the "
-            f"{s['mismatch_steps']} steps with tokens of the trainer's version)")
+    return (
+        f"mean {s['mismatch_mean']:.2e}, max {s['mismatch_max']:.2e} (over the "
+        f"{s['mismatch_steps']} steps with tokens of the trainer's version)"
+    )
 
 
-def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None,
-            model: dict = MODEL) -> tuple:
+def prepare(
+    run: Path, seed: int, sft_steps: int, env: dict, check=None, model: dict = MODEL
+) -> tuple:
     """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s).
     ``check(base model dir)`` runs before the SFT (the RL config against the model);
     ``model``: the tiny model's spec (:func:`~areal_mega.models.tiny.make_tiny_model`)."""
@@ -146,25 +187,54 @@ def prepare(run: Path, seed: int, sft_steps: int, env: dict, check=None,
     if check is not None:
         check(base)
     write_task_files(run / "data", task="reverse", seed=seed)
-    data = [f"data.train_path={run / 'data' / 'train.jsonl'}",
-            f"data.test_path={run / 'data' / 'test.jsonl'}"]
+    data = [
+        f"data.train_path={run / 'data' / 'train.jsonl'}",
+        f"data.test_path={run / 'data' / 'test.jsonl'}",
+    ]
     t0 = time.time()
     env_sft = dict(env, MASTER_PORT=str(free_port()))
-    _run([sys.executable, "-m", "areal_mega.trainer", "--config", RECIPE, "mode=sft",
-          f"model.path={base}", f"logging.run_dir={run / 'sft'}", f"total_steps={sft_steps}",
-          "optimizer.lr=1e-3", "optimizer.warmup_steps=0", "recover=off",
-          "logging.progress_bar=false", "checkpoint.save_every=0", f"seed={seed}", *data],
-         run / "sft.log", env_sft, metrics=run / "sft" / "metrics.jsonl", total=sft_steps,
-         desc="SFT")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.trainer",
+            "--config",
+            RECIPE,
+            "mode=sft",
+            f"model.path={base}",
+            f"logging.run_dir={run / 'sft'}",
+            f"total_steps={sft_steps}",
+            "optimizer.lr=1e-3",
+            "optimizer.warmup_steps=0",
+            "recover=off",
+            "logging.progress_bar=false",
+            "checkpoint.save_every=0",
+            f"seed={seed}",
+            *data,
+        ],
+        run / "sft.log",
+        env_sft,
+        metrics=run / "sft" / "metrics.jsonl",
+        total=sft_steps,
+        desc="SFT",
+    )
     return run / "sft" / "hf_model", data, time.time() - t0
 
 
-def rl_overrides(run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int,
-                 extra=()) -> list:
+def rl_overrides(
+    run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, extra=()
+) -> list:
     """The overrides of the RL run (the user's ``extra`` last, so they win)."""
-    return [f"model.path={model}", f"logging.run_dir={run_dir}", f"total_steps={steps}",
-            f"rollout.max_head_offpolicyness={eta}", f"seed={seed}",
-            "logging.progress_bar=false", *data, *extra]
+    return [
+        f"model.path={model}",
+        f"logging.run_dir={run_dir}",
+        f"total_steps={steps}",
+        f"rollout.max_head_offpolicyness={eta}",
+        f"seed={seed}",
+        "logging.progress_bar=false",
+        *data,
+        *extra,
+    ]
 
 
 def check_rl_config(model: Path, args) -> None:
@@ -174,29 +244,49 @@ def check_rl_config(model: Path, args) -> None:
     :class:`~areal_mega.config.ConfigError` naming the bad key."""
 
     data = ["data.train_path=train.jsonl", "data.test_path=test.jsonl"]
-    check_against_model(load_config(RECIPE, rl_overrides(Path("rl"), model, data, args.rl_steps,
-                                                         args.eta, args.seed, args.overrides)))
+    check_against_model(
+        load_config(
+            RECIPE,
+            rl_overrides(
+                Path("rl"), model, data, args.rl_steps, args.eta, args.seed, args.overrides
+            ),
+        )
+    )
 
 
-def run_rl(run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, env: dict,
-           extra=()) -> float:
+def run_rl(
+    run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, env: dict, extra=()
+) -> float:
     """Asynchronous GRPO through launch.local; returns the wall time in seconds."""
     t0 = time.time()
-    _run([sys.executable, "-m", "areal_mega.launch.local", "--config", RECIPE,
-          *rl_overrides(run_dir, model, data, steps, eta, seed, extra)],
-         run_dir.with_suffix(".log"), env, metrics=run_dir / "metrics.jsonl",
-         total=steps, desc=f"GRPO eta={eta}")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.local",
+            "--config",
+            RECIPE,
+            *rl_overrides(run_dir, model, data, steps, eta, seed, extra),
+        ],
+        run_dir.with_suffix(".log"),
+        env,
+        metrics=run_dir / "metrics.jsonl",
+        total=steps,
+        desc=f"GRPO eta={eta}",
+    )
     return time.time() - t0
 
 
 def cpu_env() -> dict:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
-                PYTHONUNBUFFERED="1")
+    return dict(
+        os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1"
+    )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
     p.add_argument("--sft-steps", type=int, default=120)
     p.add_argument("--rl-steps", type=int, default=300)
@@ -210,7 +300,8 @@ def main(argv=None) -> None:
             check_rl_config(model, args)
         except ConfigError as e:
             raise SystemExit(f"[demo] config error: {e}") from None
-    check(Path("model-not-built-yet"))   # every override, before any work
+
+    check(Path("model-not-built-yet"))  # every override, before any work
     t_start = time.time()
     run = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run.mkdir(parents=True, exist_ok=True)
@@ -218,38 +309,49 @@ def main(argv=None) -> None:
     print(f"[demo] run directory: {run}", flush=True)
     sft_model, data, t_sft = prepare(run, args.seed, args.sft_steps, env, check=check)
     acc_before = greedy_accuracy(sft_model, run / "data" / "test.jsonl")
-    print(f"[demo] SFT done in {t_sft:.0f}s; held-out greedy accuracy {acc_before:.3f}",
-          flush=True)
-    t_rl = run_rl(run / "rl", sft_model, data, args.rl_steps, args.eta, args.seed, env,
-                  args.overrides)
+    print(f"[demo] SFT done in {t_sft:.0f}s; held-out greedy accuracy {acc_before:.3f}", flush=True)
+    t_rl = run_rl(
+        run / "rl", sft_model, data, args.rl_steps, args.eta, args.seed, env, args.overrides
+    )
     final = sorted((run / "rl" / "weights").glob("v*"))[-1]
     acc_after = greedy_accuracy(final, run / "data" / "test.jsonl")
     s = summarize(run / "rl" / "metrics.jsonl")
-    s.update(acc_before=acc_before, acc_after=acc_after, sft_seconds=t_sft, rl_seconds=t_rl,
-             total_seconds=time.time() - t_start)
+    s.update(
+        acc_before=acc_before,
+        acc_after=acc_after,
+        sft_seconds=t_sft,
+        rl_seconds=t_rl,
+        total_seconds=time.time() - t_start,
+    )
     (run / "summary.json").write_text(json.dumps(s, indent=2))
     gain = s["reward_last10"] - s["reward_first10"]
     mismatch = mismatch_text(s)
-    critic_line = (f"[demo] critic explained variance: first 10 steps "
-                   f"{s['explained_variance_first10']:.3f} -> last 10 steps "
-                   f"{s['explained_variance_last10']:.3f}\n"
-                   if "explained_variance_first10" in s else "")
-    print(f"""
+    critic_line = (
+        f"[demo] critic explained variance: first 10 steps "
+        f"{s['explained_variance_first10']:.3f} -> last 10 steps "
+        f"{s['explained_variance_last10']:.3f}\n"
+        if "explained_variance_first10" in s
+        else ""
+    )
+    print(
+        f"""
 [demo] ===================== summary =====================
-[demo] RL steps: {s['steps']} in {t_rl:.0f}s (SFT {t_sft:.0f}s, total {s['total_seconds']:.0f}s)
-[demo] mean reward: first 10 steps {s['reward_first10']:.3f} -> last 10 steps \
-{s['reward_last10']:.3f} (gain {gain:+.3f})
+[demo] RL steps: {s["steps"]} in {t_rl:.0f}s (SFT {t_sft:.0f}s, total {s["total_seconds"]:.0f}s)
+[demo] mean reward: first 10 steps {s["reward_first10"]:.3f} -> last 10 steps \
+{s["reward_last10"]:.3f} (gain {gain:+.3f})
 {critic_line}[demo] held-out greedy accuracy: {acc_before:.3f} (after SFT) -> {acc_after:.3f} (after RL)
-[demo] ppo_kl of the first PPO minibatch: {s['ppo_kl_first_minibatch_step1']}
+[demo] ppo_kl of the first PPO minibatch: {s["ppo_kl_first_minibatch_step1"]}
 [demo] training/inference mismatch |logp_trainer - logp_rollout|: {mismatch}
-[demo] staleness max: {s['staleness_max']:.0f} (eta = {args.eta})
-[demo] time per step {s['time_step']:.2f}s: waiting for rollouts {s['time_wait_rollout']:.2f}s,
-[demo]   logprob recompute {s['time_logprobs']:.2f}s, training {s['time_train']:.2f}s, \
-weight update {s['time_weight_sync']:.2f}s
+[demo] staleness max: {s["staleness_max"]:.0f} (eta = {args.eta})
+[demo] time per step {s["time_step"]:.2f}s: waiting for rollouts {s["time_wait_rollout"]:.2f}s,
+[demo]   logprob recompute {s["time_logprobs"]:.2f}s, training {s["time_train"]:.2f}s, \
+weight update {s["time_weight_sync"]:.2f}s
 [demo] run dir:  {run}
-[demo] metrics:  {run / 'rl' / 'metrics.jsonl'}
-[demo] plot:     {run / 'rl' / 'reward_curve.png'}
-[demo] summary:  {run / 'summary.json'}""", flush=True)
+[demo] metrics:  {run / "rl" / "metrics.jsonl"}
+[demo] plot:     {run / "rl" / "reward_curve.png"}
+[demo] summary:  {run / "summary.json"}""",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

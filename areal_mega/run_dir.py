@@ -20,6 +20,7 @@ the layout is written down once (no torch, no megatron: any process may import i
 
 ``checkpoint.dir`` and the ``dataplane`` endpoints override the defaults.
 """
+
 from __future__ import annotations
 
 import errno
@@ -61,8 +62,11 @@ def checkpoint_iteration(ckpt) -> int:
 def complete_checkpoints(root) -> List[Path]:
     """Every complete ``iter_*`` checkpoint under ``root``, oldest first."""
     root = Path(root)
-    out = [p for p in (root.iterdir() if root.is_dir() else [])
-           if p.is_dir() and ITER_RE.match(p.name) and (p / META_NAME).is_file()]
+    out = [
+        p
+        for p in (root.iterdir() if root.is_dir() else [])
+        if p.is_dir() and ITER_RE.match(p.name) and (p / META_NAME).is_file()
+    ]
     return sorted(out, key=lambda p: int(ITER_RE.match(p.name).group(1)))
 
 
@@ -120,8 +124,9 @@ def is_disk_full_error(exc: BaseException, path) -> bool:
         text = str(e)
         if "No space left on device" in text or "Disk quota exceeded" in text:
             return True
-        write_failed |= any(s in text for s in ("inline_container", "write failed",
-                                                  "Worker failure"))
+        write_failed |= any(
+            s in text for s in ("inline_container", "write failed", "Worker failure")
+        )
         e = e.__cause__ or e.__context__
     if not write_failed:
         return False
@@ -137,13 +142,21 @@ def hf_source_identity(hf_dir, **conversion) -> dict:
 
     root = Path(hf_dir).resolve()
     cfg = root / "config.json"
-    weights = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".bin", ".pt")
-                     or p.name.endswith(".index.json")) if root.is_dir() else []
-    return {"hf_dir": str(root),
-            "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest()
-            if cfg.is_file() else None,
-            "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
-            "conversion": conversion}
+    weights = (
+        sorted(
+            p
+            for p in root.iterdir()
+            if p.suffix in (".safetensors", ".bin", ".pt") or p.name.endswith(".index.json")
+        )
+        if root.is_dir()
+        else []
+    )
+    return {
+        "hf_dir": str(root),
+        "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.is_file() else None,
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights],
+        "conversion": conversion,
+    }
 
 
 SOURCE_FILE = "source.json"
@@ -163,12 +176,14 @@ class RunDir:
     def from_config(cls, cfg) -> "RunDir":
         """The run directory of ``cfg`` (an :class:`~areal_mega.config.ExperimentConfig`)."""
         root = Path(cfg.logging.run_dir).resolve()
-        return cls(root=root,
-                   checkpoint_root=Path(cfg.checkpoint.dir).resolve() if cfg.checkpoint.dir
-                   else root / "checkpoints",
-                   data_endpoint=cfg.dataplane.endpoint or f"ipc://{root}/trajectories.sock",
-                   control_endpoint=(cfg.dataplane.control_endpoint
-                                     or f"ipc://{root}/control.sock"))
+        return cls(
+            root=root,
+            checkpoint_root=Path(cfg.checkpoint.dir).resolve()
+            if cfg.checkpoint.dir
+            else root / "checkpoints",
+            data_endpoint=cfg.dataplane.endpoint or f"ipc://{root}/trajectories.sock",
+            control_endpoint=(cfg.dataplane.control_endpoint or f"ipc://{root}/control.sock"),
+        )
 
     @property
     def config_file(self) -> Path:
@@ -226,9 +241,11 @@ class RunDir:
     def latest_weights(self) -> Optional[tuple]:
         """``(version, path)`` of the newest complete published weights directory, or None.
         Directories are written as ``vN.tmp`` and renamed, so a listed one is complete."""
-        found = [(int(m.group(1)), p) for p in (self.weights_root.iterdir()
-                                                if self.weights_root.is_dir() else [])
-                 if (m := WEIGHTS_RE.match(p.name)) and p.is_dir()]
+        found = [
+            (int(m.group(1)), p)
+            for p in (self.weights_root.iterdir() if self.weights_root.is_dir() else [])
+            if (m := WEIGHTS_RE.match(p.name)) and p.is_dir()
+        ]
         return max(found) if found else None
 
     @property
@@ -293,7 +310,8 @@ class RunDir:
             raise ValueError(
                 f"logging.run_dir={self.root} was used by an earlier run ({'; '.join(found)}) "
                 f"and recover=off would start over on top of it: resume it with recover=auto, "
-                f"or choose a new logging.run_dir (or delete this one)")
+                f"or choose a new logging.run_dir (or delete this one)"
+            )
 
     def accepted_samples(self, ckpt: Optional[Path]) -> int:
         """Samples the trainer has accepted in this run's lineage: those counted by checkpoint

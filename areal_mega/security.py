@@ -22,6 +22,7 @@ rollout worker's control channel) and ``rollout.api_key`` (bearer key of the rol
 
 No torch, no zmq: every process may import it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,14 +56,28 @@ def holds_secret(resolved: dict) -> bool:
     ``rollout.workflow_kwargs``; a password in a URL; the value of a secret-named environment
     variable)."""
     rollout = resolved.get("rollout") or {}
-    return bool((resolved.get("dataplane") or {}).get("secret")
-                or rollout.get("api_key") or (rollout.get("online") or {}).get("admin_api_key")
-                or (resolved.get("teacher") or {}).get("api_key")
-                or redact_secrets(resolved) != resolved)
+    return bool(
+        (resolved.get("dataplane") or {}).get("secret")
+        or rollout.get("api_key")
+        or (rollout.get("online") or {}).get("admin_api_key")
+        or (resolved.get("teacher") or {}).get("api_key")
+        or redact_secrets(resolved) != resolved
+    )
 
 
-SECRET_NAME_PARTS = ("secret", "api_key", "apikey", "password", "passwd", "credential", "hmac",
-                     "private_key", "access_key", "auth_token", "access_token")
+SECRET_NAME_PARTS = (
+    "secret",
+    "api_key",
+    "apikey",
+    "password",
+    "passwd",
+    "credential",
+    "hmac",
+    "private_key",
+    "access_key",
+    "auth_token",
+    "access_token",
+)
 """A key containing one of these names a secret whatever its value's type."""
 SECRET_STRING_PARTS = ("token", "pass", "authorization", "cookie", "bearer")
 """A key containing one of these names a secret when its value is a string (``max_new_tokens``
@@ -70,18 +85,36 @@ and ``eval.pass_threshold`` are numbers, never hidden)."""
 SECRET_STRING_SUFFIXES = ("_key", "_pat")
 """A key ending in one of these (``OPENAI_KEY``, ``SERPER_KEY``, ``GH_PAT``) names a secret when
 its value is a string, except :data:`NOT_SECRET_NAMES`."""
-NOT_SECRET_NAMES = frozenset({"prompt_key", "answer_key", "tls_key", "sort_key", "group_key",
-                              "cache_key", "text_key", "label_key", "messages_key",
-                              "reward_key", "id_key", "image_key", "dataset_key"})
+NOT_SECRET_NAMES = frozenset(
+    {
+        "prompt_key",
+        "answer_key",
+        "tls_key",
+        "sort_key",
+        "group_key",
+        "cache_key",
+        "text_key",
+        "label_key",
+        "messages_key",
+        "reward_key",
+        "id_key",
+        "image_key",
+        "dataset_key",
+    }
+)
 """Keys ending in ``_key`` that name a field or a file, not a secret."""
 REDACTED = "<redacted>"
 MIN_SECRET_CHARS = 6
 """A secret's value shorter than this is hidden where its key names it, but not searched for in
 free text (``"on"`` or ``"1"`` would hide every such word)."""
-_SPECIAL_TOKEN = re.compile(r"^(pad|eos|bos|unk|sep|cls|mask|stop|special|additional_special)"
-                            r"_tokens?$")
-_URL_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)"
-                              r"(?P<pw>[^@/\s]+)(?P<at>@)")
+_SPECIAL_TOKEN = re.compile(
+    r"^(pad|eos|bos|unk|sep|cls|mask|stop|special|additional_special)"
+    r"_tokens?$"
+)
+_URL_CREDENTIALS = re.compile(
+    r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s]*:)"
+    r"(?P<pw>[^@/\s]+)(?P<at>@)"
+)
 
 _known_values: set = set()
 
@@ -104,8 +137,9 @@ def redact_secrets(tree, values=None):
 
 def _redact_tree(tree, ordered):
     if isinstance(tree, dict):
-        return {k: (REDACTED if _hides(k, v) else _redact_tree(v, ordered))
-                for k, v in tree.items()}
+        return {
+            k: (REDACTED if _hides(k, v) else _redact_tree(v, ordered)) for k, v in tree.items()
+        }
     if isinstance(tree, (list, tuple)):
         return [_redact_tree(v, ordered) for v in tree]
     if isinstance(tree, str):
@@ -131,8 +165,11 @@ def _names_secret_string(key) -> bool:
     k = str(key).lower().replace("-", "_")
     if k in NOT_SECRET_NAMES or _SPECIAL_TOKEN.match(k):
         return False
-    return (any(part in k for part in SECRET_STRING_PARTS) or k.endswith(SECRET_STRING_SUFFIXES)
-            or k in ("key", "pat"))
+    return (
+        any(part in k for part in SECRET_STRING_PARTS)
+        or k.endswith(SECRET_STRING_SUFFIXES)
+        or k in ("key", "pat")
+    )
 
 
 def secret_values(tree) -> set:
@@ -156,13 +193,16 @@ def secret_values(tree) -> set:
             for v in node:
                 walk(v, key)
         elif isinstance(node, str):
-            if key is not None and _hides(key, node) and not _SPECIAL_TOKEN.match(
-                    str(key).lower()):
+            if key is not None and _hides(key, node) and not _SPECIAL_TOKEN.match(str(key).lower()):
                 add(node)
             for m in _URL_CREDENTIALS.finditer(node):
                 add(m.group("pw"))
-        elif key is not None and _hides(key, node) and isinstance(node, (int, float)) \
-                and not isinstance(node, bool):
+        elif (
+            key is not None
+            and _hides(key, node)
+            and isinstance(node, (int, float))
+            and not isinstance(node, bool)
+        ):
             add(node)
 
     walk(tree)
@@ -189,7 +229,7 @@ def known_secrets() -> set:
 
 
 def _ordered(values) -> list:
-    return sorted(values, key=len, reverse=True)     # a secret inside a longer one: longer first
+    return sorted(values, key=len, reverse=True)  # a secret inside a longer one: longer first
 
 
 def _redact_string(text: str, ordered) -> str:
@@ -266,10 +306,12 @@ def check_remote_secret(cfg) -> None:
     the port inject training samples or drive the rollout worker: one ConfigError naming both
     keys."""
     if cfg.dataplane.allow_remote and not cfg.dataplane.secret:
-        raise ConfigError("dataplane.allow_remote=true needs dataplane.secret: without a "
-                          "shared secret anyone who reaches the data or control port could "
-                          "inject training samples or weight updates; set dataplane.secret "
-                          "(same value on every process) or dataplane.allow_remote=false")
+        raise ConfigError(
+            "dataplane.allow_remote=true needs dataplane.secret: without a "
+            "shared secret anyone who reaches the data or control port could "
+            "inject training samples or weight updates; set dataplane.secret "
+            "(same value on every process) or dataplane.allow_remote=false"
+        )
 
 
 def api_key_from_env(environ=None) -> Optional[str]:
@@ -284,28 +326,36 @@ def api_key_from_env(environ=None) -> Optional[str]:
             st = os.stat(path)
             key = Path(path).read_text().strip()
         except OSError as e:
-            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: cannot read it ({e.strerror})") \
-                from None
+            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: cannot read it ({e.strerror})") from None
         if stat.S_IMODE(st.st_mode) & 0o077:
-            raise ConfigError(f"{API_KEY_FILE_ENV}={path}: mode "
-                              f"{stat.S_IMODE(st.st_mode):04o} lets other users read the key; "
-                              "chmod 600 it")
+            raise ConfigError(
+                f"{API_KEY_FILE_ENV}={path}: mode "
+                f"{stat.S_IMODE(st.st_mode):04o} lets other users read the key; "
+                "chmod 600 it"
+            )
         if not key:
             raise ConfigError(f"{API_KEY_FILE_ENV}={path}: the file is empty")
         return key
     return env.get(API_KEY_ENV) or None
 
 
-def check_bind(host: str, *, authenticated: bool, what: str, fix: str,
-               allow_unauthenticated: bool = False) -> None:
+def check_bind(
+    host: str, *, authenticated: bool, what: str, fix: str, allow_unauthenticated: bool = False
+) -> None:
     """Refuse (ConfigError) to let ``what`` bind ``host`` when that reaches beyond loopback and
     nothing authenticates its clients; ``fix`` says which flag or key to set. With
     ``allow_unauthenticated`` (an explicit opt-out) it is allowed and logged as a warning."""
     if authenticated or is_loopback_host(host):
         return
     if allow_unauthenticated:
-        log.warning("%s binds %s WITHOUT authentication (explicit opt-out): anyone who reaches "
-                    "it can drive it", what, host)
+        log.warning(
+            "%s binds %s WITHOUT authentication (explicit opt-out): anyone who reaches "
+            "it can drive it",
+            what,
+            host,
+        )
         return
-    raise ConfigError(f"{what}: binding {host!r} (not loopback) without an API key is refused: "
-                      f"anyone who reaches it could drive it; {fix}")
+    raise ConfigError(
+        f"{what}: binding {host!r} (not loopback) without an API key is refused: "
+        f"anyone who reaches it could drive it; {fix}"
+    )

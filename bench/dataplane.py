@@ -33,6 +33,7 @@ machine's noise than the rates do.
 
 Usage: python bench/dataplane.py [--secret] [--reps 5] [--mb 150] [--sizes 1024,8192,32768]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,12 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from areal_mega.dataplane import (Trajectory, TrajectoryReceiver,  # noqa: E402
-                                  TrajectorySender, encode_trajectory)
+from areal_mega.dataplane import (
+    Trajectory,
+    TrajectoryReceiver,  # noqa: E402
+    TrajectorySender,
+    encode_trajectory,
+)
 
 
 GOAL = 0.80
@@ -58,9 +63,16 @@ def make(n_tokens: int, k: int) -> Trajectory:
     rng = np.random.default_rng(n_tokens)
     n_p = n_tokens // 4
     n_g = n_tokens - n_p
-    return Trajectory.from_tokens(rng.integers(0, 150_000, n_p), rng.integers(0, 150_000, n_g),
-                                  -rng.random(n_g), np.full(n_g, 3), reward=1.0,
-                                  sample_id=f"s{k}", group_id="g", created_at=float(k))
+    return Trajectory.from_tokens(
+        rng.integers(0, 150_000, n_p),
+        rng.integers(0, 150_000, n_g),
+        -rng.random(n_g),
+        np.full(n_g, 3),
+        reward=1.0,
+        sample_id=f"s{k}",
+        group_id="g",
+        created_at=float(k),
+    )
 
 
 def ours_sender(endpoint, n_tokens, count, secret, conn):
@@ -102,8 +114,9 @@ def raw_sender(endpoint, n_tokens, count, conn, ours_frames):
 def run_ours(endpoint, n_tokens, count, secret):
     with TrajectoryReceiver(endpoint, secret=secret, max_queue=64) as rx:
         here, there = mp.Pipe()
-        p = mp.get_context("spawn").Process(target=ours_sender,
-                                            args=(rx.endpoint, n_tokens, count, secret, there))
+        p = mp.get_context("spawn").Process(
+            target=ours_sender, args=(rx.endpoint, n_tokens, count, secret, there)
+        )
         p.start()
         first = rx.recv(timeout=60)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -120,8 +133,12 @@ def run_ours(endpoint, n_tokens, count, secret):
 
 def _result(count, dt, nbytes, rx_cpu, tx_cpu):
     """(traj/s, GB/s, receiver CPU us/msg, sender CPU us/msg), rates over count - 1 messages."""
-    return ((count - 1) / dt, nbytes * (count - 1) / dt / 1e9, rx_cpu / (count - 1) * 1e6,
-            tx_cpu / count * 1e6)
+    return (
+        (count - 1) / dt,
+        nbytes * (count - 1) / dt / 1e9,
+        rx_cpu / (count - 1) * 1e6,
+        tx_cpu / count * 1e6,
+    )
 
 
 def run_raw(endpoint, n_tokens, count, ours_frames=False):
@@ -131,8 +148,9 @@ def run_raw(endpoint, n_tokens, count, ours_frames=False):
     r.bind(endpoint)
     ep = r.getsockopt_string(zmq.LAST_ENDPOINT)
     here, there = mp.Pipe()
-    p = mp.get_context("spawn").Process(target=raw_sender, args=(ep, n_tokens, count, there,
-                                                                    ours_frames))
+    p = mp.get_context("spawn").Process(
+        target=raw_sender, args=(ep, n_tokens, count, there, ours_frames)
+    )
     p.start()
     r.recv_multipart(copy=False)
     nbytes = 0
@@ -166,12 +184,16 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="dpbench")
     kinds = ("raw", "ours", "raw_ours_frames")
     verdict = []
-    print(f"{'transport':9} {'tokens':>6} | {'ours traj/s':>11} {'GB/s':>6} | "
-          f"{'raw traj/s':>10} {'GB/s':>6} | ratio | raw, our frames: traj/s ratio | "
-          f"ours CPU us/msg | raw CPU us/msg | cpu ratio  (secret={'on' if secret else 'off'}"
-          f", best of {args.reps})")
-    print(f"{'':9} {'':>6} | {'':>11} {'':>6} | {'':>10} {'':>6} | {'':5} | {'':>22} {'':5} | "
-          f"{'recv':>6} {'send':>6} | {'recv':>6} {'send':>6} |")
+    print(
+        f"{'transport':9} {'tokens':>6} | {'ours traj/s':>11} {'GB/s':>6} | "
+        f"{'raw traj/s':>10} {'GB/s':>6} | ratio | raw, our frames: traj/s ratio | "
+        f"ours CPU us/msg | raw CPU us/msg | cpu ratio  (secret={'on' if secret else 'off'}"
+        f", best of {args.reps})"
+    )
+    print(
+        f"{'':9} {'':>6} | {'':>11} {'':>6} | {'':>10} {'':>6} | {'':5} | {'':>22} {'':5} | "
+        f"{'recv':>6} {'send':>6} | {'recv':>6} {'send':>6} |"
+    )
     for transport in args.transports.split(","):
         for n in [int(x) for x in args.sizes.split(",")]:
             per = n * 13 + 300
@@ -179,27 +201,34 @@ def main() -> None:
 
             def ep(tag):
                 return f"ipc://{tmp}/{tag}.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
+
             runs = {k: [] for k in kinds}
             for rep in range(args.reps):
-                for kind in kinds[rep % 3:] + kinds[:rep % 3]:
+                for kind in kinds[rep % 3 :] + kinds[: rep % 3]:
                     runs[kind].append(
-                        run_ours(ep(kind), n, count, secret) if kind == "ours" else
-                        run_raw(ep(kind), n, count, ours_frames=kind != "raw"))
+                        run_ours(ep(kind), n, count, secret)
+                        if kind == "ours"
+                        else run_raw(ep(kind), n, count, ours_frames=kind != "raw")
+                    )
             best = {k: max(v) for k, v in runs.items()}
             (o_tps, o_gbs, *_), (r_tps, r_gbs, *_) = best["ours"], best["raw"]
             t_tps = best["raw_ours_frames"][0]
             o_cpu = [min(r[i] for r in runs["ours"]) for i in (2, 3)]
             r_cpu = [min(r[i] for r in runs["raw"]) for i in (2, 3)]
-            print(f"{transport:9} {n:>6} | {o_tps:>11.0f} {o_gbs:>6.2f} | {r_tps:>10.0f} "
-                  f"{r_gbs:>6.2f} | {o_tps / r_tps:5.2f} | {t_tps:>22.0f} {o_tps / t_tps:5.2f} | "
-                  f"{o_cpu[0]:6.1f} {o_cpu[1]:6.1f} | {r_cpu[0]:6.1f} {r_cpu[1]:6.1f} | "
-                  f"{sum(r_cpu) / sum(o_cpu):9.2f}",
-                  flush=True)
+            print(
+                f"{transport:9} {n:>6} | {o_tps:>11.0f} {o_gbs:>6.2f} | {r_tps:>10.0f} "
+                f"{r_gbs:>6.2f} | {o_tps / r_tps:5.2f} | {t_tps:>22.0f} {o_tps / t_tps:5.2f} | "
+                f"{o_cpu[0]:6.1f} {o_cpu[1]:6.1f} | {r_cpu[0]:6.1f} {r_cpu[1]:6.1f} | "
+                f"{sum(r_cpu) / sum(o_cpu):9.2f}",
+                flush=True,
+            )
             verdict.append((f"{transport}/{n}", o_tps / r_tps))
     met = [f"{k} {r:.2f}" for k, r in verdict if r >= GOAL]
     missed = [f"{k} {r:.2f}" for k, r in verdict if r < GOAL]
-    print(f"goal ours >= {GOAL:.2f} x raw traj/s: met at {', '.join(met) or 'none'}; "
-          f"missed at {', '.join(missed) or 'none'}")
+    print(
+        f"goal ours >= {GOAL:.2f} x raw traj/s: met at {', '.join(met) or 'none'}; "
+        f"missed at {', '.join(missed) or 'none'}"
+    )
 
 
 if __name__ == "__main__":

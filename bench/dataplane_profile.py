@@ -16,6 +16,7 @@ data plane needs no native code.
 Usage: python bench/dataplane_profile.py [--tokens 32768] [--count 3000] [--tcp]
                                          [--metrics runs/x/rl/metrics.jsonl]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataplane import make, ours_sender  # noqa: E402
 from areal_mega.dataplane import TrajectoryReceiver, decode_trajectory, encode_trajectory  # noqa
 
-STEPS = ("recv frames", "ack", "msgpack header", "frombuffer x all", "decode(no validate)",
-         "validate", "release frames")
+STEPS = (
+    "recv frames",
+    "ack",
+    "msgpack header",
+    "frombuffer x all",
+    "decode(no validate)",
+    "validate",
+    "release frames",
+)
 
 
 def hot(n_tokens: int, reps: int = 2000) -> tuple[float, float]:
     import zmq
-    frames = [zmq.Frame(bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f)
-              for f in encode_trajectory(make(n_tokens, 0))]
+
+    frames = [
+        zmq.Frame(bytes(memoryview(f).cast("B")) if not isinstance(f, bytes) else f)
+        for f in encode_trajectory(make(n_tokens, 0))
+    ]
     traj = decode_trajectory(frames)
     out = []
     for fn in (lambda: decode_trajectory(frames, validate=False), traj.validate):
@@ -69,8 +80,9 @@ def main() -> None:
     acc = np.zeros(len(STEPS), dtype=np.int64)
     with TrajectoryReceiver(ep, max_queue=64) as rx:
         here, there = mp.Pipe()
-        p = mp.get_context("spawn").Process(target=ours_sender,
-                                            args=(rx.endpoint, n, count, None, there))
+        p = mp.get_context("spawn").Process(
+            target=ours_sender, args=(rx.endpoint, n, count, None, there)
+        )
         p.start()
         sock, unacked = rx._sock, rx._unacked
         for i in range(count):
@@ -108,13 +120,17 @@ def main() -> None:
     print(f"{n} tokens, {count - skip} messages, main-thread CPU us/msg per step:")
     for k, v in zip(STEPS, m):
         print(f"  {k:22} {v:7.1f}")
-    print(f"  {'sum':22} {m.sum():7.1f}   (process CPU, all threads: "
-          f"{cpu / (count - skip) * 1e6:.1f})")
+    print(
+        f"  {'sum':22} {m.sum():7.1f}   (process CPU, all threads: "
+        f"{cpu / (count - skip) * 1e6:.1f})"
+    )
     d, v = hot(n)
     print(f"hot in-cache: decode(no validate) {d:.1f} us, validate {v:.1f} us")
     if args.metrics:
-        path_us = sum(m[STEPS.index(k)] for k in ("recv frames", "ack", "decode(no validate)",
-                                                  "validate", "release frames"))
+        path_us = sum(
+            m[STEPS.index(k)]
+            for k in ("recv frames", "ack", "decode(no validate)", "validate", "release frames")
+        )
         step_share(args.metrics, path_us)
 
 
@@ -124,10 +140,12 @@ def step_share(metrics_path: str, path_us: float) -> None:
     step_s = statistics.median(r["time/step"] for r in rows)
     per_step = statistics.median(r["n_samples"] for r in rows)
     share = per_step * path_us * 1e-6 / step_s
-    print(f"{metrics_path}: median step {step_s:.3f} s, {per_step:.0f} trajectories/step "
-          f"({per_step / step_s:.0f}/s consumed); receive path {path_us:.1f} us/msg -> "
-          f"{per_step * path_us / 1e3:.2f} ms/step = {100 * share:.2f} % of a step; "
-          f"one receiver thread could take {1e6 / path_us:.0f} msgs/s")
+    print(
+        f"{metrics_path}: median step {step_s:.3f} s, {per_step:.0f} trajectories/step "
+        f"({per_step / step_s:.0f}/s consumed); receive path {path_us:.1f} us/msg -> "
+        f"{per_step * path_us / 1e3:.2f} ms/step = {100 * share:.2f} % of a step; "
+        f"one receiver thread could take {1e6 / path_us:.0f} msgs/s"
+    )
 
 
 if __name__ == "__main__":

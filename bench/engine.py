@@ -26,6 +26,7 @@ return freed large blocks to the OS) minus the RSS before the phase, and the abs
 The logprobs of both sides are compared (max |difference| on the loss tokens) as a check that
 both computed the same model.
 """
+
 import argparse
 import json
 import os
@@ -38,23 +39,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPE = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576,
-             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-             intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
-             max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
-             hidden_act="silu", initializer_range=0.02, bos_token_id=1, eos_token_id=2)
+SHAPE = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    initializer_range=0.02,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def make_batch(n_seqs, mb_tokens, vocab, seed):
     """``[[{input_ids, prompt_len}, ...], ...]``: sequences grouped into micro-batches."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for _ in range(n_seqs):
         p = int(torch.randint(20, 201, (1,), generator=g))
         c = int(torch.randint(1, 501, (1,), generator=g))
-        seqs.append({"input_ids": torch.randint(3, vocab, (p + c,), generator=g),
-                     "prompt_len": p})
+        seqs.append({"input_ids": torch.randint(3, vocab, (p + c,), generator=g), "prompt_len": p})
     groups, cur, used = [], [], 0
     for s in seqs:
         n = s["input_ids"].numel()
@@ -71,6 +85,7 @@ def _measure(fn, warmup, repeats):
     """(best wall seconds, peak extra bytes, absolute peak bytes, result, CPU seconds of the
     best pass) of ``fn()``."""
     from areal_mega.checkpoint.convert import peak_rss_bytes, reset_peak_rss, rss_bytes
+
     warmup()
     reset_peak_rss()
     before = rss_bytes()
@@ -93,6 +108,7 @@ def load_hf_weights(eng, hf_dir):
     from safetensors import safe_open
 
     from areal_mega.checkpoint import hf_mapping as hm
+
     arch = eng.arch
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if len(files) != 1:
@@ -103,8 +119,11 @@ def load_hf_weights(eng, hf_dir):
                 layer, expert, suffix = hm.parse_mcore_name(name)
                 names, kind = hm.hf_names_for(arch, layer, expert, suffix)
                 names = [n if n in f.keys() else "model.embed_tokens.weight" for n in names]
-                p.copy_(hm.to_mcore(arch, kind, [f.get_tensor(n) for n in names],
-                                    padded_vocab_size=p.shape[0]))
+                p.copy_(
+                    hm.to_mcore(
+                        arch, kind, [f.get_tensor(n) for n in names], padded_vocab_size=p.shape[0]
+                    )
+                )
 
 
 def _ours(hf_dir, groups):
@@ -119,26 +138,34 @@ def _ours(hf_dir, groups):
     from areal_mega.train.sft import sft_loss
 
     mesh = _single_process_mesh()
-    eng = MegatronEngine(ModelConfig(dtype="fp32", path=str(hf_dir)), role="actor", mesh=mesh,
-                         optimizer_cfg=OptimizerConfig(lr=1e-5, clip_grad=0.0),
-                         use_distributed_optimizer=False)
+    eng = MegatronEngine(
+        ModelConfig(dtype="fp32", path=str(hf_dir)),
+        role="actor",
+        mesh=mesh,
+        optimizer_cfg=OptimizerConfig(lr=1e-5, clip_grad=0.0),
+        use_distributed_optimizer=False,
+    )
     load_hf_weights(eng, hf_dir)
 
     def sample(s):
         ids = s["input_ids"].numpy()
         mask = (np.arange(len(ids)) >= s["prompt_len"]).astype(np.uint8)
-        return next_token_layout(ids, loss_mask=mask)   # labels + loss mask, shifted
+        return next_token_layout(ids, loss_mask=mask)  # labels + loss mask, shifted
 
     mbs = [pack_sequences([sample(s) for s in g]) for g in groups]
-    fwd = _measure(lambda: eng.forward_logprobs(mbs), lambda: eng.forward_logprobs(mbs[:1]),
-                   REPEATS[0])
-    fb = _measure(lambda: eng.forward_backward(mbs, sft_loss),
-                  lambda: eng.forward_backward(mbs[:1], sft_loss), REPEATS[0])
+    fwd = _measure(
+        lambda: eng.forward_logprobs(mbs), lambda: eng.forward_logprobs(mbs[:1]), REPEATS[0]
+    )
+    fb = _measure(
+        lambda: eng.forward_backward(mbs, sft_loss),
+        lambda: eng.forward_backward(mbs[:1], sft_loss),
+        REPEATS[0],
+    )
     lps = []
     for mb, lp in zip(mbs, fwd[3]):
         for b in range(len(mb["seqlens"])):
             s, n = int(mb["cu_seqlens"][b]), int(mb["seqlens"][b])
-            lps.append(lp[s:s + n - 1].tolist())
+            lps.append(lp[s : s + n - 1].tolist())
     mesh.destroy(process_group=True)
     return fwd, fb, lps
 
@@ -147,8 +174,10 @@ def _hf(hf_dir, groups):
     """transformers eager on right-padded micro-batches."""
     import torch
     from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(str(hf_dir), attn_implementation="eager",
-                                             dtype=torch.float32)
+
+    model = LlamaForCausalLM.from_pretrained(
+        str(hf_dir), attn_implementation="eager", dtype=torch.float32
+    )
 
     def padded(group):
         n = max(s["input_ids"].numel() for s in group)
@@ -158,7 +187,7 @@ def _hf(hf_dir, groups):
         for i, s in enumerate(group):
             m = s["input_ids"].numel()
             ids[i, :m], mask[i, :m] = s["input_ids"], 1
-            loss[i, s["prompt_len"] - 1:m - 1] = 1.0
+            loss[i, s["prompt_len"] - 1 : m - 1] = 1.0
         return ids, mask, loss
 
     batches = [padded(g) for g in groups]
@@ -180,8 +209,11 @@ def _hf(hf_dir, groups):
 
     fwd = _measure(lambda: forward(batches), lambda: forward(batches[:1]), REPEATS[0])
     fb = _measure(lambda: fwd_bwd(batches), lambda: fwd_bwd(batches[:1]), REPEATS[0])
-    lps = [lp[i, :s["input_ids"].numel() - 1].tolist()
-           for g, lp in zip(groups, fwd[3]) for i, s in enumerate(g)]
+    lps = [
+        lp[i, : s["input_ids"].numel() - 1].tolist()
+        for g, lp in zip(groups, fwd[3])
+        for i, s in enumerate(g)
+    ]
     return fwd, fb, lps
 
 
@@ -191,14 +223,23 @@ REPEATS = [1]
 def child(side, hf_dir, args, out):
     import torch
     from areal_mega.checkpoint.convert import _large_allocations_via_mmap
+
     _large_allocations_via_mmap()
     torch.set_num_threads(args.threads)
     REPEATS[0] = args.repeats
     groups = make_batch(args.seqs, args.mb_tokens, SHAPE["vocab_size"], args.seed)
     fwd, fb, lps = (_ours if side == "ours" else _hf)(hf_dir, groups)
-    res = {"fwd_s": fwd[0], "fwd_peak_extra": fwd[1], "fwd_peak": fwd[2], "fwd_cpu": fwd[4],
-           "fb_s": fb[0], "fb_peak_extra": fb[1], "fb_peak": fb[2], "fb_cpu": fb[4],
-           "lps": lps}
+    res = {
+        "fwd_s": fwd[0],
+        "fwd_peak_extra": fwd[1],
+        "fwd_peak": fwd[2],
+        "fwd_cpu": fwd[4],
+        "fb_s": fb[0],
+        "fb_peak_extra": fb[1],
+        "fb_peak": fb[2],
+        "fb_cpu": fb[4],
+        "lps": lps,
+    }
     Path(out).write_text(json.dumps(res))
 
 
@@ -217,12 +258,15 @@ def main():
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     groups = make_batch(args.seqs, args.mb_tokens, SHAPE["vocab_size"], args.seed)
     n_tokens = sum(s["input_ids"].numel() for g in groups for s in g)
     lens = [s["input_ids"].numel() for g in groups for s in g]
-    print(f"model: 135M Llama shape, {args.layers} layers, fp32, {args.threads} threads; "
-          f"batch: {args.seqs} sequences ({min(lens)}-{max(lens)} tokens, {n_tokens} in all) "
-          f"in {len(groups)} micro-batches of <= {args.mb_tokens} tokens")
+    print(
+        f"model: 135M Llama shape, {args.layers} layers, fp32, {args.threads} threads; "
+        f"batch: {args.seqs} sequences ({min(lens)}-{max(lens)} tokens, {n_tokens} in all) "
+        f"in {len(groups)} micro-batches of <= {args.mb_tokens} tokens"
+    )
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         torch.manual_seed(args.seed)
@@ -231,26 +275,39 @@ def main():
         for side in ("hf", "ours"):
             out = Path(tmp) / f"{side}.json"
             cmd = [sys.executable, __file__, "--child", side, tmp, str(out)] + [
-                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                if k not in ("child",)]
+                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child",)
+            ]
             env = dict(os.environ, PYTHONWARNINGS="ignore")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode or not out.exists():
                 sys.exit(f"{side} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             results[side] = json.loads(out.read_text())
-    worst = max(abs(a - b) for x, y in zip(results["ours"]["lps"], results["hf"]["lps"])
-                for a, b in zip(x, y))
+    worst = max(
+        abs(a - b)
+        for x, y in zip(results["ours"]["lps"], results["hf"]["lps"])
+        for a, b in zip(x, y)
+    )
     mib = 1 << 20
     w = 28
     print(f"{'':{w}s}{'transformers eager':>20s}{'ours':>12s}{'ours/hf':>9s}")
     for key, name in (("fwd", "forward"), ("fb", "forward+backward")):
         h, o = results["hf"], results["ours"]
-        rows = [(f"{name} tokens/s", n_tokens / h[f"{key}_s"], n_tokens / o[f"{key}_s"], 1),
-                ("  tokens per CPU-second", n_tokens / max(h[f"{key}_cpu"], 1e-9),
-                 n_tokens / max(o[f"{key}_cpu"], 1e-9), 1),
-                ("  peak extra memory MiB", h[f"{key}_peak_extra"] / mib,
-                 o[f"{key}_peak_extra"] / mib, 0),
-                ("  peak RSS MiB", h[f"{key}_peak"] / mib, o[f"{key}_peak"] / mib, 0)]
+        rows = [
+            (f"{name} tokens/s", n_tokens / h[f"{key}_s"], n_tokens / o[f"{key}_s"], 1),
+            (
+                "  tokens per CPU-second",
+                n_tokens / max(h[f"{key}_cpu"], 1e-9),
+                n_tokens / max(o[f"{key}_cpu"], 1e-9),
+                1,
+            ),
+            (
+                "  peak extra memory MiB",
+                h[f"{key}_peak_extra"] / mib,
+                o[f"{key}_peak_extra"] / mib,
+                0,
+            ),
+            ("  peak RSS MiB", h[f"{key}_peak"] / mib, o[f"{key}_peak"] / mib, 0),
+        ]
         for label, a, b, digits in rows:
             print(f"{label:{w}s}{a:20.{digits}f}{b:12.{digits}f}{b / max(a, 1e-9):8.2f}x")
     print(f"max |logprob ours - transformers| over all tokens: {worst:.2e}")

@@ -36,6 +36,7 @@ is measured first (``copy_`` of a 512 MiB buffer, bytes read + written per secon
 logits + labels + outputs; rewards, values, mask, advantages, returns) as a fraction of it.
 ``--json-out`` writes the figures for the caller.
 """
+
 import argparse
 import json
 import os
@@ -63,16 +64,19 @@ ISA_ATEN = {"avx2": "avx2", "generic": "default"}
 
 def _logprob_child(variant, T, V, dtype_name, repeats):
     import torch
+
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     logits = torch.empty(T, V, dtype=dtype)
     for a in range(0, T, 4):
-        logits[a:a + 4] = torch.randn(min(4, T - a), V, generator=g).mul_(3)
+        logits[a : a + 4] = torch.randn(min(4, T - a), V, generator=g).mul_(3)
     labels = torch.randint(0, V, (T,), generator=g)
     if variant == "naive":
+
         def run():
             return torch.log_softmax(logits.float(), dim=-1).gather(1, labels[:, None]).squeeze(1)
     elif variant == "logsumexp":  # the least any logprob needs, on the same rows and dtype
+
         def run():
             return torch.logsumexp(logits, dim=-1)
     elif variant == "ours-entropy":
@@ -87,6 +91,7 @@ def _logprob_child(variant, T, V, dtype_name, repeats):
 
         def run():
             return packed_logprobs(logits, labels)
+
     base = _current_rss_bytes()
     t0 = time.perf_counter()
     out = run()
@@ -97,15 +102,39 @@ def _logprob_child(variant, T, V, dtype_name, repeats):
         t0 = time.perf_counter()
         out = run()
         best = min(best, time.perf_counter() - t0)
-    print(json.dumps({"peak_extra": peak_extra, "time": best, "checksum": float(out.double().sum()),
-                      "input_bytes": logits.numel() * logits.element_size()}))
+    print(
+        json.dumps(
+            {
+                "peak_extra": peak_extra,
+                "time": best,
+                "checksum": float(out.double().sum()),
+                "input_bytes": logits.numel() * logits.element_size(),
+            }
+        )
+    )
 
 
 def logprob_variant(variant, args):
-    cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens),
-           "--vocab", str(args.vocab), "--dtype", args.dtype, "--repeats", str(args.repeats)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072",
-               MALLOC_TRIM_THRESHOLD_="131072")
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--dtype",
+        args.dtype,
+        "--repeats",
+        str(args.repeats),
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        MALLOC_MMAP_THRESHOLD_="131072",
+        MALLOC_TRIM_THRESHOLD_="131072",
+    )
     if args.isa in ISA_ATEN:
         env["ATEN_CPU_CAPABILITY"] = ISA_ATEN[args.isa]
         env["AREAL_MEGA_KERNEL_ISA"] = args.isa
@@ -127,7 +156,9 @@ def bench_logprobs(args):
     floor = 4 * 4 * args.tokens  # ours must at least hold its [T] float32 statistics
     mem_ratio = res["naive"]["peak_extra"] / max(res["ours"]["peak_extra"], floor)
     time_ratio = res["naive"]["time"] / res["ours"]["time"]
-    print(f"  memory ratio naive/ours: {mem_ratio:.0f}x (goal >= 20x; ours floored at its 4 x T float32 statistics)")
+    print(
+        f"  memory ratio naive/ours: {mem_ratio:.0f}x (goal >= 20x; ours floored at its 4 x T float32 statistics)"
+    )
     print(f"  time ratio   naive/ours: {time_ratio:.2f}x (goal >= 1x)")
     return mem_ratio, time_ratio
 
@@ -135,8 +166,11 @@ def bench_logprobs(args):
 def bench_logsumexp(args):
     """Ours vs ``torch.logsumexp`` on the same rows: fp32 and bf16 at ``--lse-tokens``, and
     bf16 with entropy at ``--tokens`` (goal: >= 3x everywhere)."""
-    cases = [("float32", args.lse_tokens, "ours"), ("bfloat16", args.lse_tokens, "ours"),
-             ("bfloat16", args.tokens, "ours-entropy")]
+    cases = [
+        ("float32", args.lse_tokens, "ours"),
+        ("bfloat16", args.lse_tokens, "ours"),
+        ("bfloat16", args.tokens, "ours-entropy"),
+    ]
     print(f"== ours vs torch.logsumexp on the same rows, V={args.vocab} ==")
     ratios = {}
     for dtype, T, ours in cases:
@@ -145,8 +179,11 @@ def bench_logsumexp(args):
         t_ours = logprob_variant(ours, sub)["time"]
         name = f"T={T} {dtype}{' +entropy' if ours == 'ours-entropy' else ''}"
         ratios[name] = t_lse / t_ours
-        print(f"  {name:24s} logsumexp {t_lse * 1e3:8.1f} ms   ours {t_ours * 1e3:8.1f} ms   "
-              f"ratio {t_lse / t_ours:5.2f}x (goal >= 3x)", flush=True)
+        print(
+            f"  {name:24s} logsumexp {t_lse * 1e3:8.1f} ms   ours {t_ours * 1e3:8.1f} ms   "
+            f"ratio {t_lse / t_ours:5.2f}x (goal >= 3x)",
+            flush=True,
+        )
     return ratios
 
 
@@ -154,6 +191,7 @@ def bench_gae(args):
     import torch
     from areal_mega.ops import packed_gae
     from areal_mega.ops.reference import gae_loop_reference, packed_gae_torch
+
     os.environ["AREAL_MEGA_OPS_BACKEND"] = "native"
     g = torch.Generator().manual_seed(0)
     n = args.gae_tokens
@@ -180,25 +218,38 @@ def bench_gae(args):
     # best-of-N everywhere: the 2 cores are shared, so the minimum is the least disturbed run
     t_ours, (adv, _) = best_of(lambda: packed_gae(r, v, cu, **kw), 20)
     t_vec, (adv_vec, _) = best_of(lambda: packed_gae_torch(r, v, cu, **kw), 3)
-    k = int((cu <= args.loop_tokens).sum()) - 1          # whole sequences in the prefix
+    k = int((cu <= args.loop_tokens).sum()) - 1  # whole sequences in the prefix
     m = int(cu[k])
-    t_loop, (adv_loop, _) = best_of(lambda: gae_loop_reference(
-        r[:m], v[:m], cu[:k + 1], gamma=0.99, lam=0.95, bootstrap_values=boot[:k],
-        loss_mask=mask[:m]), 2)
+    t_loop, (adv_loop, _) = best_of(
+        lambda: gae_loop_reference(
+            r[:m],
+            v[:m],
+            cu[: k + 1],
+            gamma=0.99,
+            lam=0.95,
+            bootstrap_values=boot[:k],
+            loss_mask=mask[:m],
+        ),
+        2,
+    )
     t_loop *= n / m
-    err = max((adv[:m].double() - adv_loop).abs().max().item(),
-              (adv - adv_vec).abs().max().item())
-    print(f"  per-token Python loop {t_loop:9.3f} s  (timed on {m} tokens, extrapolated x{n / m:.1f})")
+    err = max((adv[:m].double() - adv_loop).abs().max().item(), (adv - adv_vec).abs().max().item())
+    print(
+        f"  per-token Python loop {t_loop:9.3f} s  (timed on {m} tokens, extrapolated x{n / m:.1f})"
+    )
     print(f"  vectorised torch      {t_vec:9.3f} s")
     print(f"  ours (C++ kernel)     {t_ours:9.4f} s   max |diff| vs others {err:.1e}")
-    print(f"  speed-up vs loop: {t_loop / t_ours:.0f}x (goal >= 100x); "
-          f"vs vectorised torch: {t_vec / t_ours:.1f}x (goal >= 3x)")
+    print(
+        f"  speed-up vs loop: {t_loop / t_ours:.0f}x (goal >= 100x); "
+        f"vs vectorised torch: {t_vec / t_ours:.1f}x (goal >= 3x)"
+    )
     return t_loop / t_ours, t_vec / t_ours
 
 
 def _cuda_best(fn, reps=20):
     """Best wall time of ``fn`` on the current CUDA stream, in seconds (CUDA events)."""
     import torch
+
     fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -215,8 +266,10 @@ def _cuda_best(fn, reps=20):
 def bench_cuda(args):
     """Copy bandwidth, then the CUDA kernels' achieved bandwidth as a fraction of it."""
     import torch
+
     os.environ["AREAL_MEGA_OPS_BACKEND"] = "native"
     from areal_mega.ops import packed_gae, packed_logprobs
+
     dev = torch.device("cuda")
     print(f"== CUDA: {torch.cuda.get_device_name(dev)} ==")
     src = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
@@ -236,17 +289,27 @@ def bench_cuda(args):
     cu = cu[cu < n]
     cu = torch.cat([cu, torch.tensor([n])]).to(torch.int32).to(dev)
     r, v = torch.randn(n, device=dev), torch.randn(n, device=dev)
-    mask = (torch.rand(n, device=dev) > 0.1).to(torch.uint8)   # the kernel's dtype: no copy
+    mask = (torch.rand(n, device=dev) > 0.1).to(torch.uint8)  # the kernel's dtype: no copy
     t_gae = _cuda_best(lambda: packed_gae(r, v, cu, gamma=0.99, lam=0.95, loss_mask=mask))
     gae_bytes = n * (4 + 4 + 1 + 4 + 4) + cu.numel() * 4
-    res = {"device": torch.cuda.get_device_name(dev), "copy_gbps": copy_bw / 1e9,
-           "logprob_gbps": lp_bytes / t_lp / 1e9, "logprob_fraction": lp_bytes / t_lp / copy_bw,
-           "gae_gbps": gae_bytes / t_gae / 1e9, "gae_fraction": gae_bytes / t_gae / copy_bw,
-           "logprob_s": t_lp, "gae_s": t_gae}
-    print(f"  logprobs T={args.tokens} V={args.vocab} {args.dtype}: {t_lp * 1e3:8.3f} ms, "
-          f"{res['logprob_gbps']:8.1f} GB/s = {res['logprob_fraction']:.2f} of copy bandwidth")
-    print(f"  GAE {n} tokens, {cu.numel() - 1} sequences: {t_gae * 1e3:8.3f} ms, "
-          f"{res['gae_gbps']:8.1f} GB/s = {res['gae_fraction']:.2f} of copy bandwidth")
+    res = {
+        "device": torch.cuda.get_device_name(dev),
+        "copy_gbps": copy_bw / 1e9,
+        "logprob_gbps": lp_bytes / t_lp / 1e9,
+        "logprob_fraction": lp_bytes / t_lp / copy_bw,
+        "gae_gbps": gae_bytes / t_gae / 1e9,
+        "gae_fraction": gae_bytes / t_gae / copy_bw,
+        "logprob_s": t_lp,
+        "gae_s": t_gae,
+    }
+    print(
+        f"  logprobs T={args.tokens} V={args.vocab} {args.dtype}: {t_lp * 1e3:8.3f} ms, "
+        f"{res['logprob_gbps']:8.1f} GB/s = {res['logprob_fraction']:.2f} of copy bandwidth"
+    )
+    print(
+        f"  GAE {n} tokens, {cu.numel() - 1} sequences: {t_gae * 1e3:8.3f} ms, "
+        f"{res['gae_gbps']:8.1f} GB/s = {res['gae_fraction']:.2f} of copy bandwidth"
+    )
     return res
 
 
@@ -256,20 +319,29 @@ def main():
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--lse-tokens", type=int, default=2048,
-                   help="rows of the fp32 / bf16 comparison with torch.logsumexp")
+    p.add_argument(
+        "--lse-tokens",
+        type=int,
+        default=2048,
+        help="rows of the fp32 / bf16 comparison with torch.logsumexp",
+    )
     p.add_argument("--gae-tokens", type=int, default=1_000_000)
     p.add_argument("--loop-tokens", type=int, default=100_000)
     p.add_argument("--skip-logprobs", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json-out", default=None, help="write the CUDA figures here as JSON")
-    p.add_argument("--isa", default="native", choices=["native", "avx2", "generic"],
-                   help="run our kernels' build for this ISA (see the module docstring)")
+    p.add_argument(
+        "--isa",
+        default="native",
+        choices=["native", "avx2", "generic"],
+        help="run our kernels' build for this ISA (see the module docstring)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return _logprob_child(args.child, args.tokens, args.vocab, args.dtype, args.repeats)
     import torch
+
     if args.device == "cuda":
         if not torch.cuda.is_available():
             sys.exit("bench/kernels.py --device cuda: torch sees no CUDA device")
@@ -278,10 +350,13 @@ def main():
             Path(args.json_out).write_text(json.dumps(res))
         return
     from areal_mega.ops._backend import _load
+
     ops = _load("_ops_cpu")
     isa = ops.set_cpu_isa(args.isa if args.isa != "native" else "default") if ops else "none"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, one run, "
-          f"our kernels run their {isa} build")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, one run, "
+        f"our kernels run their {isa} build"
+    )
     bench_gae(args)
     if not args.skip_logprobs:
         bench_logprobs(args)

@@ -11,6 +11,7 @@ Part 2, micro-batch count per rank: ours vs FFD on our DP split vs ``ceil(rank t
 budget)`` (a lower bound), over 200 seeds per case, including the length distribution of
 verl's distributed seqlen-balancing test (valid lengths U[50, 90], 20 rows, 300-token budget).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,14 +20,18 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from areal_mega.scheduler.planner import (first_fit_decreasing,  # noqa: E402
-                                          plan_micro_batches, plan_stats)
+from areal_mega.scheduler.planner import (
+    first_fit_decreasing,  # noqa: E402
+    plan_micro_batches,
+    plan_stats,
+)
 
 
 def lengths(n: int, budget: int, seed: int) -> list[int]:
     rng = random.Random(seed)
-    return [min(budget, rng.randint(64, 1024) + int(rng.lognormvariate(7.0, 1.0)))
-            for _ in range(n)]
+    return [
+        min(budget, rng.randint(64, 1024) + int(rng.lognormvariate(7.0, 1.0))) for _ in range(n)
+    ]
 
 
 def ffd_round_robin(lens, dp, budget, pp=1):
@@ -46,9 +51,10 @@ def balance_table() -> None:
     print(f"budget {budget} tokens/micro-batch, dp={dp}; mean over 5 seeds")
     print(f"{'case':12} {'method':10} {'imbalance':>9} {'mb/rank':>7} {'fill':>6} {'ms':>7}")
     for n, goal in ((1024, 1.01), (64, 1.02)):
-        for name, fn in (("KK (ours)", lambda L: plan_micro_batches(
-                L, dp_size=dp, max_tokens_per_mb=budget)),
-                         ("FFD+RR", lambda L: ffd_round_robin(L, dp, budget))):
+        for name, fn in (
+            ("KK (ours)", lambda L: plan_micro_batches(L, dp_size=dp, max_tokens_per_mb=budget)),
+            ("FFD+RR", lambda L: ffd_round_robin(L, dp, budget)),
+        ):
             imb, mbs, fill, ms = [], [], [], []
             for seed in range(5):
                 L = lengths(n, budget, seed)
@@ -59,9 +65,11 @@ def balance_table() -> None:
                 imb.append(st["imbalance"])
                 mbs.append(st["micro_batches_per_rank"])
                 fill.append(st["fill_ratio"])
-            print(f"{n:>4} on {dp:<4} {name:10} {max(imb):9.4f} {sum(mbs) / 5:7.1f} "
-                  f"{sum(fill) / 5:6.3f} {sum(ms) / 5:7.1f}"
-                  + (f"   (goal <= {goal}, worst seed shown)" if name.startswith("KK") else ""))
+            print(
+                f"{n:>4} on {dp:<4} {name:10} {max(imb):9.4f} {sum(mbs) / 5:7.1f} "
+                f"{sum(fill) / 5:6.3f} {sum(ms) / 5:7.1f}"
+                + (f"   (goal <= {goal}, worst seed shown)" if name.startswith("KK") else "")
+            )
 
 
 def count_table() -> None:
@@ -71,10 +79,14 @@ def count_table() -> None:
         ("U[.15,.35]B", 64, 2, 4096, lambda r: int(4096 * r.uniform(0.15, 0.35))),
         ("RL lognormal", 256, 8, 16384, None),
     ]
-    print("\nmicro-batches per rank over 200 seeds: ours vs FFD (on our DP split) vs "
-          "ceil(rank tokens / budget)")
-    print(f"{'case':14} {'n':>4} {'dp':>3} {'ours<FFD':>9} {'ours=ceil':>9} "
-          f"{'sum ours':>8} {'sum FFD':>8} {'sum ceil':>8}")
+    print(
+        "\nmicro-batches per rank over 200 seeds: ours vs FFD (on our DP split) vs "
+        "ceil(rank tokens / budget)"
+    )
+    print(
+        f"{'case':14} {'n':>4} {'dp':>3} {'ours<FFD':>9} {'ours=ceil':>9} "
+        f"{'sum ours':>8} {'sum FFD':>8} {'sum ceil':>8}"
+    )
     for name, n, dp, budget, draw in cases:
         fewer = at_bound = tot_ours = tot_ffd = tot_ceil = 0
         for seed in range(200):
@@ -88,8 +100,10 @@ def count_table() -> None:
             fewer += ours < ffd
             at_bound += ours == ceil
             tot_ours, tot_ffd, tot_ceil = tot_ours + ours, tot_ffd + ffd, tot_ceil + ceil
-        print(f"{name:14} {n:>4} {dp:>3} {fewer / 2:8.1f}% {at_bound / 2:8.1f}% "
-              f"{tot_ours:>8} {tot_ffd:>8} {tot_ceil:>8}")
+        print(
+            f"{name:14} {n:>4} {dp:>3} {fewer / 2:8.1f}% {at_bound / 2:8.1f}% "
+            f"{tot_ours:>8} {tot_ffd:>8} {tot_ceil:>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ none of them stays cheap.
 The test-time plugin (:mod:`tools.test_times`: the run record ``--times-record``, test files
 longest first, the quick tier ``--quick``) is registered here.
 """
+
 import pytest
 
 from tools import test_times
@@ -54,7 +55,15 @@ def assets(tmp_path_factory):
     from areal_mega.models.tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("e2e")
-    model = make_tiny_model(d / "model", arch="llama", charset="digits", hidden_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    model = make_tiny_model(
+        d / "model",
+        arch="llama",
+        charset="digits",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
     write_task_files(d / "data", task="reverse", n_train=512, n_test=32)
     return model, d / "data"

@@ -1,5 +1,6 @@
 """On-policy distillation: the OPD advantage (values, loss mask, pure / add / off) and the
 reverse-KL sums behind ``opd/reverse_kl``."""
+
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ MASK = torch.tensor([0, 1, 1, 1, 0, 1, 1])
 
 def test_pure_replaces_the_outcome_advantage_with_minus_coef_times_the_log_ratio():
     out = opd_advantages(ADV, STUDENT, TEACHER, MASK, mode="pure", coef=2.0)
-    want = torch.tensor([0.0, 1.0, 0.0, 4.0, 0.0, -2.0, -1.0])   # -2 * (s - t) on loss tokens
+    want = torch.tensor([0.0, 1.0, 0.0, 4.0, 0.0, -2.0, -1.0])  # -2 * (s - t) on loss tokens
     assert torch.allclose(out, want)
     assert out.dtype == torch.float32
 

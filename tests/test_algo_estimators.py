@@ -9,6 +9,7 @@ lengths. verl is not installed here; to regenerate the table, extract verl's sou
 the repository and run ``tests/data/make_verl_estimator_table.py --verl <dir> --commit <sha>``
 (its docstring has the full recipe and says how each batch's inputs are arranged).
 """
+
 import dataclasses
 import json
 from pathlib import Path
@@ -18,10 +19,15 @@ import pytest
 import torch
 
 from areal_mega.algo import compute_advantages
-from areal_mega.algo.estimators import (discounted_returns, estimator_advantages,
-                                        grpo_passk_advantages, opo_advantages,
-                                        reinforce_pp_advantages, rloo_advantages,
-                                        whiten_like_verl)
+from areal_mega.algo.estimators import (
+    discounted_returns,
+    estimator_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten_like_verl,
+)
 from areal_mega.config import AlgorithmConfig
 
 TABLE = Path(__file__).parent / "data" / "verl_estimators.npz"
@@ -34,7 +40,7 @@ def _table():
     batches = []
     for k in range(meta["n_batches"]):
         pre = f"b{k}__"
-        batches.append({key[len(pre):]: data[key] for key in data.files if key.startswith(pre)})
+        batches.append({key[len(pre) :]: data[key] for key in data.files if key.startswith(pre)})
     return meta, batches
 
 
@@ -59,16 +65,25 @@ def pack(batch, token_rewards):
     m = torch.tensor(masks, dtype=torch.bool)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     seq = torch.tensor(token_rewards.sum(axis=1), dtype=torch.float64)
-    return dict(tok=tok, mask=m, cu=cu_t, seq=seq,
-                group=torch.from_numpy(batch["index"].astype(np.int64))), np.array(cells)
+    return dict(
+        tok=tok, mask=m, cu=cu_t, seq=seq, group=torch.from_numpy(batch["index"].astype(np.int64))
+    ), np.array(cells)
 
 
 def ours(batch, name, token_rewards=None):
     """Our advantages in verl's [bs, L] layout (asserting 0 on prompt tokens)."""
     tr = batch["token_rewards"] if token_rewards is None else token_rewards
     p, cells = pack(batch, tr)
-    adv = estimator_advantages(name, p["seq"], p["tok"], p["mask"], p["cu"], p["group"],
-                               gamma=float(batch["gamma"]), use_std=bool(batch["use_std"]))
+    adv = estimator_advantages(
+        name,
+        p["seq"],
+        p["tok"],
+        p["mask"],
+        p["cu"],
+        p["group"],
+        gamma=float(batch["gamma"]),
+        use_std=bool(batch["use_std"]),
+    )
     assert adv.dtype == torch.float64
     adv = adv.numpy()
     assert not adv[cells < 0].any() and not adv[~p["mask"].numpy()].any()
@@ -89,7 +104,7 @@ def test_table_is_verls_and_small():
     for b in BATCHES:
         idx = b["index"]
         sizes |= {int((idx == g).sum()) for g in np.unique(idx)}
-    assert 1 in sizes and max(sizes) >= 12                        # groups of 1 .. 16
+    assert 1 in sizes and max(sizes) >= 12  # groups of 1 .. 16
     assert any(b["holes"] for b in BATCHES) and any(not b["holes"] for b in BATCHES)
 
 
@@ -111,7 +126,7 @@ def test_grpo_passk_matches_verl(k):
     b = BATCHES[k]
     got = ours(b, "grpo_passk")
     np.testing.assert_allclose(got, b["grpo_passk"], atol=TOL, rtol=0)
-    assert not got[singleton_rows(b)].any()          # verl raises on a singleton group
+    assert not got[singleton_rows(b)].any()  # verl raises on a singleton group
 
 
 @pytest.mark.parametrize("k", range(len(BATCHES)))
@@ -126,8 +141,9 @@ def test_reinforce_pp_baseline_matches_verl(k):
 @pytest.mark.parametrize("k", [k for k, b in enumerate(BATCHES) if not b["holes"]])
 def test_reinforce_pp_matches_verl(k):
     b = BATCHES[k]
-    np.testing.assert_allclose(ours(b, "reinforce_plus_plus"), b["reinforce_plus_plus"],
-                               atol=TOL, rtol=0)
+    np.testing.assert_allclose(
+        ours(b, "reinforce_plus_plus"), b["reinforce_plus_plus"], atol=TOL, rtol=0
+    )
 
 
 def test_reinforce_pp_skips_masked_tokens():
@@ -137,7 +153,7 @@ def test_reinforce_pp_skips_masked_tokens():
     mask = torch.tensor([0, 1, 1, 0, 1, 0, 1], dtype=torch.bool)
     cu = torch.tensor([0, 5, 7])
     g = discounted_returns(tok, mask, cu, gamma=0.5)
-    expect = [0.0, 0.5 + 0.5 * 0.5, 0.5, 0.0, 1.0, 0.0, 2.0]   # token 3's reward ignored
+    expect = [0.0, 0.5 + 0.5 * 0.5, 0.5, 0.0, 1.0, 0.0, 2.0]  # token 3's reward ignored
     np.testing.assert_allclose(g.numpy(), expect)
     vals = torch.tensor([0.75, 0.5, 1.0, 2.0], dtype=torch.float64)
     mean, var = vals.sum() / (4 + 1e-8), None
@@ -153,31 +169,41 @@ def test_hand_values():
     np.testing.assert_allclose(rloo_advantages(r, g).numpy(), [0.5, -1, 0.5, 0, 2, -1, -1])
     lens = torch.tensor([1, 2, 3, 4, 1, 1, 2])
     b0, b2 = (1 * 1 + 3 * 1) / 6, (5 + 3 + 6) / 4
-    np.testing.assert_allclose(opo_advantages(r, g, lens).numpy(),
-                               [1 - b0, -b0, 1 - b0, 0, 5 - b2, 3 - b2, 3 - b2])
+    np.testing.assert_allclose(
+        opo_advantages(r, g, lens).numpy(), [1 - b0, -b0, 1 - b0, 0, 5 - b2, 3 - b2, 3 - b2]
+    )
     std2 = np.std([5.0, 3.0, 3.0], ddof=1)
-    np.testing.assert_allclose(grpo_passk_advantages(r, g).numpy(),
-                               [0, 0, 0, 0, 2 / (std2 + 1e-6), 0, 0])
-    np.testing.assert_allclose(grpo_passk_advantages(r, g, use_std=False).numpy(),
-                               [0, 0, 0, 0, 2, 0, 0])      # group 0: tied maximum -> all 0
+    np.testing.assert_allclose(
+        grpo_passk_advantages(r, g).numpy(), [0, 0, 0, 0, 2 / (std2 + 1e-6), 0, 0]
+    )
+    np.testing.assert_allclose(
+        grpo_passk_advantages(r, g, use_std=False).numpy(), [0, 0, 0, 0, 2, 0, 0]
+    )  # group 0: tied maximum -> all 0
     x = torch.tensor([3.0, 3.0, 3.0])
     assert whiten_like_verl(x, torch.tensor([1, 0, 0])).abs().max() < 1e-7
 
 
-@pytest.mark.parametrize("name", ["rloo", "opo", "grpo_passk", "reinforce_plus_plus",
-                                  "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize(
+    "name", ["rloo", "opo", "grpo_passk", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+)
 def test_compute_advantages_dispatch(name):
     """The packed trainer entry (float32) gives the pure function's numbers."""
     b = BATCHES[0]
     p, _ = pack(b, b["token_rewards"])
     rewards = p["seq"].float()
-    batch = {"loss_mask": p["mask"], "cu_seqlens": p["cu"], "rewards": rewards,
-             "group_index": p["group"]}
+    batch = {
+        "loss_mask": p["mask"],
+        "cu_seqlens": p["cu"],
+        "rewards": rewards,
+        "group_index": p["group"],
+    }
     cfg = dataclasses.replace(AlgorithmConfig(), adv_estimator=name, gamma=0.9)
     out, stats = compute_advantages(batch, cfg)
     tok = torch.zeros_like(p["tok"])
-    last = [int(np.nonzero(p["mask"][s:e].numpy())[0].max()) + s
-            for s, e in zip(p["cu"][:-1].tolist(), p["cu"][1:].tolist())]
+    last = [
+        int(np.nonzero(p["mask"][s:e].numpy())[0].max()) + s
+        for s, e in zip(p["cu"][:-1].tolist(), p["cu"][1:].tolist())
+    ]
     tok[last] = p["seq"]
     ref = estimator_advantages(name, p["seq"], tok, p["mask"], p["cu"], p["group"], gamma=0.9)
     np.testing.assert_allclose(out["advantages"].double().numpy(), ref.numpy(), atol=1e-5)

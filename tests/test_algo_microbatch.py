@@ -5,6 +5,7 @@ Simulation of the engine: loss = Σ_mb loss_fn(mb).numerator / Σ_{mb, ranks} de
 the denominator being known before any forward pass; each DP rank backpropagates its own
 numerators over the shared global denominator and the gradients are summed across ranks.
 """
+
 import dataclasses
 
 import pytest
@@ -18,12 +19,25 @@ CONFIGS = {
     "token_mean": {},
     "seq_mean": {"loss_agg": "seq_mean"},
     "dr_grpo": {"loss_agg": "seq_sum_norm", "loss_norm_len": 16, "group_std": False},
-    "gspo": {"loss_agg": "seq_mean", "ratio_level": "sequence", "eps_clip_low": 3e-4,
-             "eps_clip_high": 4e-4},
-    "seq_is_mask_dual": {"imp_weight_level": "sequence", "behav_imp_weight_cap": 1.2,
-                         "dual_clip_c": 1.3, "eps_clip_high": 0.28},
-    "geo_clamp_kl_ent": {"imp_weight_level": "geometric", "imp_weight_mode": "clamp",
-                         "behav_imp_weight_cap": 1.05, "kl_coef": 0.05, "entropy_coef": 0.01},
+    "gspo": {
+        "loss_agg": "seq_mean",
+        "ratio_level": "sequence",
+        "eps_clip_low": 3e-4,
+        "eps_clip_high": 4e-4,
+    },
+    "seq_is_mask_dual": {
+        "imp_weight_level": "sequence",
+        "behav_imp_weight_cap": 1.2,
+        "dual_clip_c": 1.3,
+        "eps_clip_high": 0.28,
+    },
+    "geo_clamp_kl_ent": {
+        "imp_weight_level": "geometric",
+        "imp_weight_mode": "clamp",
+        "behav_imp_weight_cap": 1.05,
+        "kl_coef": 0.05,
+        "entropy_coef": 0.01,
+    },
 }
 
 
@@ -34,21 +48,24 @@ def make_batch(seed=0, n_seqs=8, pad=5):
     cu[1:] = torch.cumsum(lens, 0)
     T = int(cu[-1]) + pad
     mask = torch.zeros(T, dtype=torch.uint8)
-    for b in range(n_seqs):   # a 2-token prompt, then generated tokens (some masked out)
+    for b in range(n_seqs):  # a 2-token prompt, then generated tokens (some masked out)
         s, e = int(cu[b]), int(cu[b + 1])
-        mask[s + 2:e] = (torch.rand(e - s - 2, generator=g) > 0.15).to(torch.uint8)
+        mask[s + 2 : e] = (torch.rand(e - s - 2, generator=g) > 0.15).to(torch.uint8)
     prox = -torch.rand(T, generator=g, dtype=torch.float64) * 2 - 0.1
     adv_seq = torch.randn(n_seqs, generator=g, dtype=torch.float64)
     adv = torch.cat([torch.repeat_interleave(adv_seq, lens), torch.zeros(pad, dtype=torch.float64)])
     return {
-        "cu_seqlens": cu, "loss_mask": mask, "input_ids": torch.arange(T),
+        "cu_seqlens": cu,
+        "loss_mask": mask,
+        "input_ids": torch.arange(T),
         "prox_logprobs": prox,
         "logprobs": prox + 0.2 * torch.randn(T, generator=g, dtype=torch.float64),
         "ref_logprobs": prox + 0.3 * torch.randn(T, generator=g, dtype=torch.float64),
         "advantages": adv,
         "logprobs0": prox + 0.3 * torch.randn(T, generator=g, dtype=torch.float64),
         "entropy": torch.rand(T, generator=g, dtype=torch.float64) * 3,
-        "rewards": adv_seq.clone(), "group_index": torch.arange(n_seqs) // 4,
+        "rewards": adv_seq.clone(),
+        "group_index": torch.arange(n_seqs) // 4,
     }
 
 
@@ -76,7 +93,7 @@ def simulate(cfg, batch, n_dp, n_mb):
     total_loss, stats = 0.0, {}
     for mbs in mbs_per_rank:
         loss, st = run_rank(loss_fn, mbs, logp, global_den)
-        loss.backward()                          # grads of all ranks accumulate = all-reduce SUM
+        loss.backward()  # grads of all ranks accumulate = all-reduce SUM
         total_loss += float(loss.detach())
         for k, v in st.items():
             stats[k] = stats.get(k, 0.0) + v
@@ -100,8 +117,9 @@ def test_split_invariance(name):
 def test_options_are_exercised():
     """The invariance test is meaningful: clipping, capping and dual clipping all happen."""
     batch = make_batch()
-    _, _, st = simulate(dataclasses.replace(AlgorithmConfig(), **CONFIGS["seq_is_mask_dual"]),
-                        batch, 1, 1)
+    _, _, st = simulate(
+        dataclasses.replace(AlgorithmConfig(), **CONFIGS["seq_is_mask_dual"]), batch, 1, 1
+    )
     assert 0 < st["imp_weight_capped_frac"] < 1 and st["clip_frac"] > 0
     assert st["dual_clip_frac"] > 0
     _, _, st = simulate(dataclasses.replace(AlgorithmConfig(), **CONFIGS["gspo"]), batch, 1, 1)
@@ -137,12 +155,21 @@ def test_select_sequences_regathers_fields():
 def test_empty_padding_only_micro_batch(agg):
     """The scheduler may hand a rank a padding-only micro-batch (B = 0): zero numerator and
     denominator, but still a graph to backpropagate through."""
-    cfg = dataclasses.replace(AlgorithmConfig(), loss_agg=agg, loss_norm_len=8,
-                              ratio_level="sequence", imp_weight_level="sequence")
+    cfg = dataclasses.replace(
+        AlgorithmConfig(),
+        loss_agg=agg,
+        loss_norm_len=8,
+        ratio_level="sequence",
+        imp_weight_level="sequence",
+    )
     loss_fn, den_fn = make_policy_loss(cfg)
-    mb = {"cu_seqlens": torch.zeros(1, dtype=torch.int32), "loss_mask": torch.zeros(4),
-          "logprobs": torch.zeros(4), "prox_logprobs": torch.zeros(4),
-          "advantages": torch.zeros(4)}
+    mb = {
+        "cu_seqlens": torch.zeros(1, dtype=torch.int32),
+        "loss_mask": torch.zeros(4),
+        "logprobs": torch.zeros(4),
+        "prox_logprobs": torch.zeros(4),
+        "advantages": torch.zeros(4),
+    }
     logp = torch.zeros(4, requires_grad=True)
     num, stats = loss_fn(logp, None, mb)
     assert den_fn(mb) == 0.0 and float(num.detach()) == 0.0

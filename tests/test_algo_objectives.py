@@ -7,6 +7,7 @@ verl is not installed here: ``tests/data/verl_loss_table.json`` is a frozen tabl
 verl ``token-mean`` <-> our ``token_mean``, ``seq-mean-token-mean`` <-> ``seq_mean``; the
 decoupled cases hand verl our behaviour weight π_prox/π_behav as ``rollout_is_weights``.
 """
+
 import dataclasses
 import json
 import math
@@ -39,8 +40,8 @@ def test_cispo_closed_form_value_gradient_and_clip_mask():
     assert torch.allclose(loss, -w * adv * logp.detach())
     assert clipped.tolist() == [True, False, True, False]
     loss.sum().backward()
-    assert torch.allclose(logp.grad, -w * adv)          # clipped tokens keep a gradient
-    assert ratio.grad is None                          # the weight is detached
+    assert torch.allclose(logp.grad, -w * adv)  # clipped tokens keep a gradient
+    assert ratio.grad is None  # the weight is detached
 
 
 def test_sapo_gate_is_one_with_slope_one_on_policy():
@@ -48,8 +49,8 @@ def test_sapo_gate_is_one_with_slope_one_on_policy():
     for tau in (0.5, 1.0, 1.05, 4.0):
         g = sapo_gate(r, torch.tensor(tau, dtype=torch.float64)).sum()
         (grad,) = torch.autograd.grad(g, r)
-        assert abs(g.item() - 2.0 / tau) < 1e-12        # σ(0) = 1/2: value 2/τ
-        assert abs(float(grad) - 1.0) < 1e-12          # slope (4/τ)·τ·σ'(0) = 1
+        assert abs(g.item() - 2.0 / tau) < 1e-12  # σ(0) = 1/2: value 2/τ
+        assert abs(float(grad) - 1.0) < 1e-12  # slope (4/τ)·τ·σ'(0) = 1
 
 
 def test_sapo_temperature_by_advantage_sign():
@@ -66,10 +67,12 @@ def test_sapo_temperature_by_advantage_sign():
 
 def test_gspo_policy_loss_equals_ppo_with_sequence_ratio():
     g = torch.Generator().manual_seed(0)
-    mb = {"loss_mask": torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool),
-          "cu_seqlens": torch.tensor([0, 3, 6]),
-          "advantages": torch.randn(6, generator=g, dtype=torch.float64),
-          "logprobs": -torch.rand(6, generator=g, dtype=torch.float64)}
+    mb = {
+        "loss_mask": torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.bool),
+        "cu_seqlens": torch.tensor([0, 3, 6]),
+        "advantages": torch.randn(6, generator=g, dtype=torch.float64),
+        "logprobs": -torch.rand(6, generator=g, dtype=torch.float64),
+    }
     mb["prox_logprobs"] = mb["logprobs"] + 0.1
     logp = mb["logprobs"] + 0.3 * torch.randn(6, generator=g, dtype=torch.float64)
     a, _ = make_policy_loss(cfg_(policy_loss="gspo", ratio_level="sequence"))[0](logp, None, mb)
@@ -92,11 +95,15 @@ def _packed(inp: dict):
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
 
     def pack(key, dtype=torch.float64):
-        return torch.cat([torch.tensor(row[:n], dtype=dtype)
-                          for row, n in zip(inp[key], lengths)])
-    mb = {"loss_mask": pack("mask", torch.bool), "cu_seqlens": cu,
-          "advantages": pack("advantages"), "logprobs": pack("behav_logprobs"),
-          "prox_logprobs": pack("prox_logprobs")}
+        return torch.cat([torch.tensor(row[:n], dtype=dtype) for row, n in zip(inp[key], lengths)])
+
+    mb = {
+        "loss_mask": pack("mask", torch.bool),
+        "cu_seqlens": cu,
+        "advantages": pack("advantages"),
+        "logprobs": pack("behav_logprobs"),
+        "prox_logprobs": pack("prox_logprobs"),
+    }
     return mb, pack("logprobs")
 
 
@@ -104,21 +111,30 @@ def test_table_is_from_verl_and_covers_every_objective():
     assert len(TABLE["verl_commit"]) == 40
     assert {c["objective"] for c in TABLE["cases"]} == {"ppo", "cispo", "sapo"}
     assert {c["loss_agg"] for c in TABLE["cases"]} == {"token_mean", "seq_mean"}
-    assert any(c["clipfrac"] > 0 for c in TABLE["cases"])   # the clip binds somewhere
+    assert any(c["clipfrac"] > 0 for c in TABLE["cases"])  # the clip binds somewhere
 
 
-@pytest.mark.parametrize("case", TABLE["cases"],
-                         ids=lambda c: f"{c['objective']}-{c['loss_agg']}-in{c['inputs']}-"
-                                       f"{'dec' if c['decoupled'] else 'onp'}")
+@pytest.mark.parametrize(
+    "case",
+    TABLE["cases"],
+    ids=lambda c: (
+        f"{c['objective']}-{c['loss_agg']}-in{c['inputs']}-{'dec' if c['decoupled'] else 'onp'}"
+    ),
+)
 def test_matches_verl(case):
     p = TABLE["params"]
     inp = TABLE["inputs"][case["inputs"]]
-    cfg = cfg_(policy_loss=case["objective"], eps_clip_low=p["eps_low"],
-               eps_clip_high=p["eps_high"],
-               dual_clip_c=p["dual_clip_c"] if case["objective"] == "ppo" else None,
-               sapo_tau_pos=p["tau_pos"], sapo_tau_neg=p["tau_neg"],
-               decoupled=case["decoupled"], behav_imp_weight_cap=None,
-               loss_agg=case["loss_agg"])
+    cfg = cfg_(
+        policy_loss=case["objective"],
+        eps_clip_low=p["eps_low"],
+        eps_clip_high=p["eps_high"],
+        dual_clip_c=p["dual_clip_c"] if case["objective"] == "ppo" else None,
+        sapo_tau_pos=p["tau_pos"],
+        sapo_tau_neg=p["tau_neg"],
+        decoupled=case["decoupled"],
+        behav_imp_weight_cap=None,
+        loss_agg=case["loss_agg"],
+    )
     mb, logp = _packed(inp)
     logp.requires_grad_(True)
     loss_fn, denominator_fn = make_policy_loss(cfg)
@@ -126,11 +142,12 @@ def test_matches_verl(case):
     loss = numerator / denominator_fn(mb)
     loss.backward()
     assert abs(loss.item() - case["loss"]) < TOL
-    verl_grad = torch.cat([torch.tensor(row[:n], dtype=torch.float64)
-                           for row, n in zip(case["grad"], inp["lengths"])])
+    verl_grad = torch.cat(
+        [torch.tensor(row[:n], dtype=torch.float64) for row, n in zip(case["grad"], inp["lengths"])]
+    )
     beyond = [g for row, n in zip(case["grad"], inp["lengths"]) for g in row[n:]]
-    assert all(g == 0.0 for g in beyond)               # verl: no gradient on padding either
+    assert all(g == 0.0 for g in beyond)  # verl: no gradient on padding either
     assert torch.allclose(logp.grad, verl_grad, atol=TOL, rtol=0)
-    if case["objective"] != "sapo":                    # verl reports 0 for SAPO
+    if case["objective"] != "sapo":  # verl reports 0 for SAPO
         frac = float(stats["clip_count"] / stats["token_count"])
         assert abs(frac - case["clipfrac"]) < TOL

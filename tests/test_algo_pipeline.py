@@ -1,28 +1,50 @@
 """The algorithm pipeline on a batch packed by the real scheduler: adapt field names, shape
 rewards, filter, compute advantages, split into micro-batches and evaluate the loss."""
+
 import dataclasses
 import math
 
 import pytest
 import torch
 
-from areal_mega.algo import (compute_advantages, dynamic_filter, finalize_stats,
-                             make_policy_loss, split_micro_batches, with_algo_fields)
+from areal_mega.algo import (
+    compute_advantages,
+    dynamic_filter,
+    finalize_stats,
+    make_policy_loss,
+    split_micro_batches,
+    with_algo_fields,
+)
 from areal_mega.config import AlgorithmConfig
 from areal_mega.scheduler.packing import pack_sequences
 
 
 def trajectories():
     # 3 prompt groups x 2 samples; prompt of 2 tokens; group "b" is uniform (both reward 1)
-    spec = [("a", 1.0, 3, "stop"), ("a", 0.0, 4, "length"), ("b", 1.0, 2, "stop"),
-            ("b", 1.0, 3, "stop"), ("c", 0.0, 2, "stop"), ("c", 1.0, 5, "stop")]
+    spec = [
+        ("a", 1.0, 3, "stop"),
+        ("a", 0.0, 4, "length"),
+        ("b", 1.0, 2, "stop"),
+        ("b", 1.0, 3, "stop"),
+        ("c", 0.0, 2, "stop"),
+        ("c", 1.0, 5, "stop"),
+    ]
     out = []
     for i, (g, r, n_gen, fin) in enumerate(spec):
         n = 2 + n_gen
         lp = torch.zeros(n)
         lp[2:] = -0.5 - 0.1 * torch.arange(n_gen)
-        out.append({"input_ids": torch.arange(n) + 10 * i, "prompt_len": 2, "logprobs": lp,
-                    "reward": r, "group_id": g, "finish_reason": fin, "sample_id": f"s{i}"})
+        out.append(
+            {
+                "input_ids": torch.arange(n) + 10 * i,
+                "prompt_len": 2,
+                "logprobs": lp,
+                "reward": r,
+                "group_id": g,
+                "finish_reason": fin,
+                "sample_id": f"s{i}",
+            }
+        )
     return out
 
 
@@ -34,13 +56,20 @@ def test_scheduler_batch_through_the_pipeline():
     assert batch["response_lens"].tolist() == [3, 4, 2, 3, 2, 5]
     assert batch["logprobs"] is packed["logprobs"]
 
-    cfg = dataclasses.replace(AlgorithmConfig(), zero_reward_without_eos=True,
-                              dynamic_filter=True, group_std=False, loss_agg="seq_mean")
+    cfg = dataclasses.replace(
+        AlgorithmConfig(),
+        zero_reward_without_eos=True,
+        dynamic_filter=True,
+        group_std=False,
+        loss_agg="seq_mean",
+    )
     batch, fstats = dynamic_filter(batch, cfg.dynamic_filter)
     assert fstats["uniform_groups"] == 1 and fstats["seqs_dropped"] == 2
     assert batch["sample_ids"] == ["s0", "s1", "s4", "s5"]
-    assert batch["segment_ids"][:batch["cu_seqlens"][-1]].tolist() == \
-        [0] * 5 + [1] * 6 + [2] * 4 + [3] * 7
+    assert (
+        batch["segment_ids"][: batch["cu_seqlens"][-1]].tolist()
+        == [0] * 5 + [1] * 6 + [2] * 4 + [3] * 7
+    )
     adv, st = compute_advantages(batch, cfg, max_response_len=8)
     batch["advantages"] = adv["advantages"]
     # group a: [1, 0] (no EOS zeroes nothing new) -> ±0.5; group c: [0, 1] -> ∓0.5

@@ -3,6 +3,7 @@ in which one server dies in the middle of a weight broadcast: the trainer tears 
 down, forms it again with the survivor and sends the version again, without a restart. The run
 finishes every step, every sample trained exactly once, and the survivor serves exactly the
 trainer's weights after it."""
+
 import json
 import os
 import signal
@@ -11,8 +12,16 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _server_ports,
-                                      _server_proc, _trained, _wait)
+from tests.helpers.local_runs import (
+    _accepted_ids,
+    _finish,
+    _launch,
+    _metrics,
+    _server_ports,
+    _server_proc,
+    _trained,
+    _wait,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -39,10 +48,19 @@ def _receiving(port, proc, timeout=240) -> dict:
 def test_server_killed_mid_broadcast_is_left_out_without_a_trainer_restart(assets, tmp_path):
     model, data = assets
     run, total = tmp_path / "run", 10
-    proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
-                   "allocation=local:d2+megatron:d1", "rollout.weight_update=distributed",
-                   "rollout.weight_bucket_mb=1", "cluster.max_restarts=2", "logging.plot=false",
-                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={total}",
+        "recover=off",
+        "allocation=local:d2+megatron:d1",
+        "rollout.weight_update=distributed",
+        "rollout.weight_bucket_mb=1",
+        "cluster.max_restarts=2",
+        "logging.plot=false",
+        "rollout.reward_fn=areal_mega.rewards:char_match_reward",
+    )
     _wait(lambda: len(_metrics(run)) >= 2, proc, "step 2")
     port0, port = _server_ports(run)
     victim = _wait(lambda: _server_proc(port), proc, "rollout1")
@@ -82,6 +100,8 @@ def test_server_killed_mid_broadcast_is_left_out_without_a_trainer_restart(asset
     # every token tagged with the trainer's version has the trainer's logprob
     checked = [r for r in rows if r["mismatch_tokens"] > 0 and r["step"] > killed_at]
     assert checked and max(r["mismatch"] for r in checked) <= 1e-5, checked
-    print(f"rollout1 killed mid-broadcast of version {version + 1} (step {killed_at}); "
-          f"the update finished {retry_s:.1f}s after the kill; {len(set(ids))} of "
-          f"{total * 16} samples trained exactly once")
+    print(
+        f"rollout1 killed mid-broadcast of version {version + 1} (step {killed_at}); "
+        f"the update finished {retry_s:.1f}s after the kill; {len(set(ids))} of "
+        f"{total * 16} samples trained exactly once"
+    )

@@ -1,6 +1,7 @@
 """Checkpoint files: completeness checks name the broken file, `latest` / `find_latest` never
 pick a half-written checkpoint, pruning keeps the newest, and the HF<->megatron mapping's
 layout transforms (pure functions) are exact inverses with megatron's QKV grouping."""
+
 import shutil
 
 import pytest
@@ -8,8 +9,13 @@ import torch
 
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.convert import convert_mcore_to_hf
-from areal_mega.checkpoint.dist_ckpt import (CheckpointError, find_latest, prune_checkpoints,
-                                             resolve_checkpoint, verify_checkpoint)
+from areal_mega.checkpoint.dist_ckpt import (
+    CheckpointError,
+    find_latest,
+    prune_checkpoints,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from tests.helpers.conversions import run_jobs, session_dir
 
 
@@ -61,11 +67,11 @@ def test_incomplete_checkpoint_is_refused(ckpt, tmp_path):
 def test_latest_never_points_at_half_written(ckpt, tmp_path):
     good = _copy(ckpt, tmp_path, "iter_0000003")
     root = good.parent
-    shutil.copytree(ckpt, root / "iter_0000007.tmp")          # interrupted save
+    shutil.copytree(ckpt, root / "iter_0000007.tmp")  # interrupted save
     half = root / "iter_0000009"
     shutil.copytree(ckpt, half)
-    (half / "areal_meta.json").unlink()                       # renamed but never marked
-    (root / "latest").write_text("iter_0000009\n")            # stale pointer
+    (half / "areal_meta.json").unlink()  # renamed but never marked
+    (root / "latest").write_text("iter_0000009\n")  # stale pointer
     assert find_latest(root) == good
     assert resolve_checkpoint(root) == good
     older = _copy(ckpt, tmp_path, "iter_0000001")
@@ -85,16 +91,18 @@ def test_qkv_grouping_and_inverses(heads, kv, d):
     r = heads // kv
     # megatron's layout: per KV group g, r query heads, then k_g, then v_g
     g0 = fused[: (r + 2) * d]
-    assert torch.equal(g0[: r * d], q[: r * d]) and torch.equal(g0[r * d:(r + 1) * d], k[:d])
-    assert torch.equal(g0[(r + 1) * d:], v[:d])
+    assert torch.equal(g0[: r * d], q[: r * d]) and torch.equal(g0[r * d : (r + 1) * d], k[:d])
+    assert torch.equal(g0[(r + 1) * d :], v[:d])
     assert all(torch.equal(a, b) for a, b in zip(hm.qkv_to_hf(fused, heads, kv, d), (q, k, v)))
 
     class A:
         num_heads, num_kv_heads, head_dim, vocab_size = heads, kv, d, 0
+
     segs = hm.to_hf_segments(A, "qkv", fused)
     assert all(torch.equal(torch.cat(s), t) for s, t in zip(segs, (q, k, v)))
-    streamed = torch.cat(list(hm.to_mcore_segments(A, "qkv", ["q", "k", "v"],
-                                                   {"q": q, "k": k, "v": v}.get)))
+    streamed = torch.cat(
+        list(hm.to_mcore_segments(A, "qkv", ["q", "k", "v"], {"q": q, "k": k, "v": v}.get))
+    )
     assert torch.equal(streamed, fused)
 
 
@@ -108,24 +116,41 @@ def test_vocab_and_glu_inverses():
 
 
 def test_megatron_name_parsing_local_and_te():
-    assert hm.parse_mcore_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") \
-        == (3, None, "input_layernorm.weight")
-    assert hm.parse_mcore_name("module.module.decoder.layers.1.mlp.linear_fc1.layer_norm_weight") \
-        == (1, None, "pre_mlp_layernorm.weight")
-    assert hm.parse_mcore_name("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight") \
-        == (0, 2, "mlp.experts.local_experts.{E}.linear_fc2.weight")
-    assert hm.parse_mcore_name("decoder.layers.0.mlp.experts.linear_fc1.weight5") \
-        == (0, 5, "mlp.experts.local_experts.{E}.linear_fc1.weight")
+    assert hm.parse_mcore_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") == (
+        3,
+        None,
+        "input_layernorm.weight",
+    )
+    assert hm.parse_mcore_name(
+        "module.module.decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    ) == (1, None, "pre_mlp_layernorm.weight")
+    assert hm.parse_mcore_name(
+        "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight"
+    ) == (0, 2, "mlp.experts.local_experts.{E}.linear_fc2.weight")
+    assert hm.parse_mcore_name("decoder.layers.0.mlp.experts.linear_fc1.weight5") == (
+        0,
+        5,
+        "mlp.experts.local_experts.{E}.linear_fc1.weight",
+    )
     assert hm.parse_mcore_name("output_layer.weight") == (None, None, "output_layer.weight")
     with pytest.raises(hm.UnsupportedModelError, match="GroupedMLP"):
         hm.parse_mcore_name("decoder.layers.0.mlp.experts.weight1")
 
 
 def test_config_spellings_are_both_accepted():
-    base = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=100,
-                hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=32,
-                num_experts_per_tok=2, head_dim=16)
+    base = dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+        head_dim=16,
+    )
     a = hm.read_arch(dict(base, num_local_experts=4, rope_parameters={"rope_theta": 5e5}))
     b = hm.read_arch(dict(base, num_experts=4, rope_theta=5e5))
     assert a == b and a.num_experts == 4 and a.rope_theta == 5e5

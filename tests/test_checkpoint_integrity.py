@@ -4,6 +4,7 @@ resume falls back to the previous intact checkpoint with a warning naming the fi
 with one error when none is left), and the HF exporter refuses it. Real checkpoints (a tiny
 Qwen2 converted from HF, then two real training saves with optimizer state), real files
 corrupted on disk, real processes."""
+
 import json
 import logging
 import os
@@ -14,16 +15,26 @@ import sys
 import pytest
 
 from areal_mega.checkpoint import checksums as cks
-from areal_mega.checkpoint.dist_ckpt import (CheckpointError, latest_verified,
-                                             resolve_checkpoint, verify_checkpoint)
+from areal_mega.checkpoint.dist_ckpt import (
+    CheckpointError,
+    latest_verified,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from tests.helpers.bit_flips import flip
 from tests.helpers.conversions import ROOT
 from tests.helpers.workers import worker_cmd, worker_env
 
 
 def _worker(*args):
-    p = subprocess.run(worker_cmd("ckpt_fault_worker", *args), cwd=ROOT, env=worker_env(),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        worker_cmd("ckpt_fault_worker", *args),
+        cwd=ROOT,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -49,10 +60,12 @@ def test_save_records_every_file(made):
         files = meta["checksums"]["files"]
         assert sorted(files) == cks.list_files(ckpt)
         assert {"__0_0.distcp", ".metadata", "hf/config.json"} <= set(files)
-        assert "common.pt" not in files        # megatron-core 0.19: common state inside DCP
+        assert "common.pt" not in files  # megatron-core 0.19: common state inside DCP
         for rel, rec in files.items():
-            assert rec == {"size": (ckpt / rel).stat().st_size,
-                           "crc32": cks.file_crc32(ckpt / rel)}, rel
+            assert rec == {
+                "size": (ckpt / rel).stat().st_size,
+                "crc32": cks.file_crc32(ckpt / rel),
+            }, rel
 
 
 # megatron-core 0.19 writes one DCP file per rank (its save thread_count default went 2 -> 1)
@@ -60,8 +73,10 @@ def test_save_records_every_file(made):
 def test_verify_names_the_flipped_file(made, tmp_path, rel):
     root = _root_copy(made, tmp_path)
     bad = flip(root / "iter_0000002" / rel)
-    for check in (lambda: verify_checkpoint(root / "iter_0000002"),
-                  lambda: resolve_checkpoint(root)):
+    for check in (
+        lambda: verify_checkpoint(root / "iter_0000002"),
+        lambda: resolve_checkpoint(root),
+    ):
         with pytest.raises(CheckpointError, match="content checksum mismatch") as e:
             check()
         assert str(bad) in str(e.value)
@@ -72,7 +87,7 @@ def test_flipped_metadata_file_is_caught(made, tmp_path):
     meta = root / "iter_0000002" / "areal_meta.json"
     text = meta.read_text()
     assert '"step": 2' in text
-    meta.write_text(text.replace('"step": 2', '"step": 7'))   # same size, still valid JSON
+    meta.write_text(text.replace('"step": 2', '"step": 7'))  # same size, still valid JSON
     with pytest.raises(CheckpointError, match="metadata file is corrupt") as e:
         verify_checkpoint(root / "iter_0000002")
     assert str(meta) in str(e.value)
@@ -113,7 +128,7 @@ def test_no_intact_checkpoint_left_is_one_clear_error(made, tmp_path, caplog):
 
 def test_latest_verified_in_process(made, tmp_path, caplog):
     root = _root_copy(made, tmp_path)
-    assert latest_verified(root) == root / "iter_0000002"          # intact: no warning
+    assert latest_verified(root) == root / "iter_0000002"  # intact: no warning
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     bad = flip(root / "iter_0000002" / ".metadata")
     with caplog.at_level(logging.WARNING):
@@ -126,9 +141,21 @@ def test_converter_refuses_corrupt_checkpoint(made, tmp_path):
     root = _root_copy(made, tmp_path)
     bad = flip(root / "iter_0000002" / "__0_0.distcp")
     out = tmp_path / "hf_out"
-    p = subprocess.run([sys.executable, "tools/convert_mcore_to_hf.py", "--mcore-dir", str(root),
-                        "--out", str(out), "--no-progress"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_mcore_to_hf.py",
+            "--mcore-dir",
+            str(root),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert str(bad) in p.stderr and "content checksum mismatch" in p.stderr
     assert "Traceback" not in p.stderr
@@ -145,8 +172,11 @@ def test_checkpoint_without_checksums_loads_with_a_warning(made, tmp_path, caplo
     (ckpt / "areal_meta.json").write_text(json.dumps(meta))
     with caplog.at_level(logging.WARNING):
         assert verify_checkpoint(ckpt)["iteration"] == 2
-    assert any(str(ckpt / "areal_meta.json") in r.getMessage() and "without content checksums"
-               in r.getMessage() for r in caplog.records)
+    assert any(
+        str(ckpt / "areal_meta.json") in r.getMessage()
+        and "without content checksums" in r.getMessage()
+        for r in caplog.records
+    )
     shard = ckpt / "__0_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 10)

@@ -1,13 +1,13 @@
 """The rollout client's public server set and its hooks (composition instead of subclassing),
 without a model: closed ports stand in for dead servers, a tiny aiohttp app for a live one."""
+
 import asyncio
 import socket
 
 import pytest
 from aiohttp import web
 
-from areal_mega.rollout.client import (ClientHooks, RolloutClient, RolloutServerError,
-                                       server_url)
+from areal_mega.rollout.client import ClientHooks, RolloutClient, RolloutServerError, server_url
 
 
 def closed_port() -> int:
@@ -31,10 +31,10 @@ def test_server_set_is_public_and_keyed_by_url():
     assert c.addrs == [f"http://{b}"]
     with pytest.raises(ValueError, match="not a member"):
         c.remove_server(a)
-    c.mark_down(a, OSError("gone"))          # a non-member: ignored
+    c.mark_down(a, OSError("gone"))  # a non-member: ignored
     assert not c.is_healthy(a)
     c.mark_down(b, OSError("gone"))
-    c.set_servers([a, b])                    # as a fresh client: every server healthy
+    c.set_servers([a, b])  # as a fresh client: every server healthy
     assert c.addrs == [f"http://{a}", f"http://{b}"] and c.live_servers() == c.addrs
     with pytest.raises(ValueError):
         c.set_servers([])
@@ -42,6 +42,7 @@ def test_server_set_is_public_and_keyed_by_url():
 
 class Recorder(ClientHooks):
     """Blocks one address, waits a little for a server, counts the /generate outcomes."""
+
     down_wait_s = 0.3
     serial_checks = True
 
@@ -64,11 +65,19 @@ class Recorder(ClientHooks):
 
 async def _serve():
     async def generate(request):
-        return web.json_response({"output_ids": [7], "meta_info": {
-            "output_token_logprobs": [[-0.5, 7]], "finish_reason": {"type": "stop"}}})
+        return web.json_response(
+            {
+                "output_ids": [7],
+                "meta_info": {
+                    "output_token_logprobs": [[-0.5, 7]],
+                    "finish_reason": {"type": "stop"},
+                },
+            }
+        )
 
     async def health(request):
         return web.json_response({})
+
     app = web.Application()
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
@@ -91,7 +100,7 @@ def test_hooks_choose_probe_observe_and_wait():
             # the blocked server is never tried; the dead one fails over to the live one
             assert res.server == f"http://{live}" and res.output_ids == [7]
             assert hooks.ok == [(f"http://{live}", [7])]
-            assert hooks.failed == [f"http://{dead}"]        # least loaded, first listed
+            assert hooks.failed == [f"http://{dead}"]  # least loaded, first listed
             assert await c.check_health(1.0) == [False, False, True]
             assert sorted(hooks.probed[-3:]) == sorted(c.addrs)
             assert c.live_servers() == [f"http://{live}"]
@@ -108,4 +117,5 @@ def test_hooks_choose_probe_observe_and_wait():
             await c.generate([1], {"max_new_tokens": 1})
         assert loop.time() - t0 >= 0.3
         await c.close()
+
     asyncio.run(go())

@@ -1,6 +1,7 @@
 """code_reward and its sandbox on real processes: correct/wrong solutions, call-based tests,
 an infinite loop, a memory bomb, a fork bomb, a 10 GB write, a write outside the working
 directory, a network connection, and 64 concurrent evaluations with bounded processes."""
+
 import json
 import logging
 import socket
@@ -15,8 +16,13 @@ import pytest
 
 from areal_mega.common import counters
 from areal_mega.rewards import sandbox as sandbox_mod
-from areal_mega.rewards import (code_reward, extract_code, extract_gsm8k_answer,
-                                        gsm8k_reward, parse_code_tests)
+from areal_mega.rewards import (
+    code_reward,
+    extract_code,
+    extract_gsm8k_answer,
+    gsm8k_reward,
+    parse_code_tests,
+)
 from areal_mega.rewards.sandbox import CodeSandbox
 
 ADD = {"inputs": ["1 2\n", "10 20\n", "5 -5\n"], "outputs": ["3\n", "30\n", "0\n"]}
@@ -77,14 +83,16 @@ def test_infinite_loop_is_killed_within_the_limit(box):
     t0 = time.monotonic()
     before = counters.snapshot().get("sandbox/test_kills", 0)
     res = run(box, "while True:\n    pass", {"inputs": ["1"], "outputs": ["1"]}, timeout_s=1.0)
-    assert counters.snapshot()["sandbox/test_kills"] == before + 1   # counted for the metrics
+    assert counters.snapshot()["sandbox/test_kills"] == before + 1  # counted for the metrics
     elapsed = time.monotonic() - t0
-    assert res.passed == 0 and not res.timed_out     # the per-test deadline killed it
+    assert res.passed == 0 and not res.timed_out  # the per-test deadline killed it
     # the loop itself was killed within the time limit plus a second (interpreter start-up
     # before the test is not part of it; the runner's deadline polls every 20 ms)
     assert len(res.test_seconds) == 1 and res.test_seconds[0] < 1.0 + 1.0, res.test_seconds
-    print(f"infinite loop: killed after {res.test_seconds[0]:.2f}s (limit 1.0s), scored 0 "
-          f"after {elapsed:.2f}s wall")
+    print(
+        f"infinite loop: killed after {res.test_seconds[0]:.2f}s (limit 1.0s), scored 0 "
+        f"after {elapsed:.2f}s wall"
+    )
 
 
 def test_memory_bomb_fork_bomb_and_huge_file_are_contained(box, tmp_path):
@@ -92,39 +100,52 @@ def test_memory_bomb_fork_bomb_and_huge_file_are_contained(box, tmp_path):
     mem = run(box, "x = bytearray(8 << 30)\nprint('done')", one, memory_mb=512)
     assert mem.passed == 0
     before = len(psutil.pids())
-    fork = run(box, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
-                    "        pass", one, timeout_s=1.0, max_procs=16)
+    fork = run(
+        box,
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        one,
+        timeout_s=1.0,
+        max_procs=16,
+    )
     assert fork.passed == 0
     time.sleep(0.2)
-    assert len(psutil.pids()) < before + 8    # nothing of the fork bomb outlives it
-    big = run(box, "f = open('big.bin', 'wb')\nblock = b'0' * (1 << 20)\n"
-                   "for _ in range(10 * 1024):\n    f.write(block)\nprint('done')", one,
-              max_file_mb=8)
+    assert len(psutil.pids()) < before + 8  # nothing of the fork bomb outlives it
+    big = run(
+        box,
+        "f = open('big.bin', 'wb')\nblock = b'0' * (1 << 20)\n"
+        "for _ in range(10 * 1024):\n    f.write(block)\nprint('done')",
+        one,
+        max_file_mb=8,
+    )
     assert big.passed == 0
     print(f"isolation on this kernel: {big.isolation}")
 
 
 def test_write_outside_the_working_directory_fails(box, tmp_path):
     target = tmp_path / f"escape-{uuid.uuid4().hex}"
-    code = (f"try:\n    open({str(target)!r}, 'w').write('x')\n    print('written')\n"
-            "except OSError as e:\n    print('denied')\nopen('inside.txt', 'w').write('ok')")
+    code = (
+        f"try:\n    open({str(target)!r}, 'w').write('x')\n    print('written')\n"
+        "except OSError as e:\n    print('denied')\nopen('inside.txt', 'w').write('ok')"
+    )
     res = run(box, code, {"inputs": [""], "outputs": ["denied"]})
     if res.isolation.get("readonly") or res.isolation.get("root"):
         # read-only mounts, or (without them) the slot's own uid in root's private tmp_path
         assert res.passed == 1
         assert not target.exists()
-    else:   # neither: this kernel gives no way to stop it, and the test says so
+    else:  # neither: this kernel gives no way to stop it, and the test says so
         pytest.skip(f"no read-only mount namespace here: {res.isolation.get('why')}")
 
 
 @pytest.mark.parametrize("namespaces", [True, False])
 def test_network_connection_fails_or_the_missing_namespace_is_logged(namespaces, caplog):
     box = CodeSandbox(max_parallel=1, namespaces=namespaces)
-    listener = socket.create_server(("127.0.0.1", 0))   # reachable from this namespace
+    listener = socket.create_server(("127.0.0.1", 0))  # reachable from this namespace
     port = listener.getsockname()[1]
-    code = ("import socket\ntry:\n"
-            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "    print('connected')\nexcept OSError:\n    print('blocked')")
+    code = (
+        "import socket\ntry:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "    print('connected')\nexcept OSError:\n    print('blocked')"
+    )
     try:
         with caplog.at_level(logging.WARNING, logger=sandbox_mod.__name__):
             res = run(box, code, {"inputs": [""], "outputs": ["blocked"]})
@@ -132,13 +153,17 @@ def test_network_connection_fails_or_the_missing_namespace_is_logged(namespaces,
         listener.close()
     if res.isolation.get("netns"):
         assert res.passed == 1
-    else:   # without a network namespace the connection works, and the log says so once
+    else:  # without a network namespace the connection works, and the log says so once
         assert res.passed == 0 and "network access is NOT blocked" in caplog.text
         print(f"without namespaces: {caplog.text.strip()}")
     # the limits hold either way: a fork bomb is contained
-    fork = run(box, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
-                    "        pass", {"inputs": ["x"], "outputs": ["done"]}, timeout_s=0.5,
-               max_procs=8)
+    fork = run(
+        box,
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        {"inputs": ["x"], "outputs": ["done"]},
+        timeout_s=0.5,
+        max_procs=8,
+    )
     assert fork.passed == 0 and not fork.timed_out
 
 
@@ -187,7 +212,8 @@ def test_gsm8k_extractor_and_reward():
 
 def test_working_directory_is_private_and_removed(box, tmp_path):
     box2 = CodeSandbox(max_parallel=1, tmp_root=str(tmp_path))
-    res = run(box2, "import os\nprint(len(os.listdir('.')) > 0)", {"inputs": [""],
-                                                                    "outputs": ["True"]})
+    res = run(
+        box2, "import os\nprint(len(os.listdir('.')) > 0)", {"inputs": [""], "outputs": ["True"]}
+    )
     assert res.passed == 1
     assert list(Path(tmp_path).iterdir()) == []

@@ -1,5 +1,6 @@
 """areal_mega.common: atomic file writes, free ports, readiness probes, object loading (real
 files and sockets, nothing mocked)."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,15 @@ from pathlib import Path
 import pytest
 
 from areal_mega.common.files import atomic_open, atomic_write, fsync_path
-from areal_mega.common.net import (LOWEST_PICKED_PORT, ephemeral_port_range, free_port,
-                                   free_ports, http_ready, quiet_ports, tcp_ready)
+from areal_mega.common.net import (
+    LOWEST_PICKED_PORT,
+    ephemeral_port_range,
+    free_port,
+    free_ports,
+    http_ready,
+    quiet_ports,
+    tcp_ready,
+)
 
 
 def _names(d) -> set:
@@ -63,7 +71,7 @@ def test_failing_write_of_a_str_keeps_old_content(tmp_path):
     p = tmp_path / "t.txt"
     p.write_text("old")
     with pytest.raises(TypeError):
-        atomic_write(p, ["not", "bytes"], durable=False)   # f.write raises inside the helper
+        atomic_write(p, ["not", "bytes"], durable=False)  # f.write raises inside the helper
     assert p.read_text() == "old"
     assert _names(tmp_path) == {"t.txt"}
 
@@ -72,7 +80,7 @@ def test_private_mode_is_0600_whatever_the_umask_and_replaces_a_readable_file(tm
     p = tmp_path / "secret.yaml"
     p.write_text("public")
     os.chmod(p, 0o644)
-    old = os.umask(0)   # the most permissive umask: the mode must still be exactly 0600
+    old = os.umask(0)  # the most permissive umask: the mode must still be exactly 0600
     try:
         atomic_write(p, "api-key: k", durable=True, mode=0o600)
     finally:
@@ -120,7 +128,7 @@ def test_free_ports_are_distinct_and_bindable():
     assert len(ports) == 8 and len(set(ports)) == 8
     socks = []
     try:
-        for p in ports:   # every one at the same time
+        for p in ports:  # every one at the same time
             s = socket.socket()
             socks.append(s)
             s.bind(("127.0.0.1", p))
@@ -133,7 +141,7 @@ def test_free_ports_are_distinct_and_bindable():
 
 def test_free_ports_avoid_the_kernels_ephemeral_range(tmp_path):
     eph = ephemeral_port_range()
-    if eph is not None:     # Linux: outgoing connections never take these before their user
+    if eph is not None:  # Linux: outgoing connections never take these before their user
         low, high = eph
         assert all(not low <= p <= high and p >= LOWEST_PICKED_PORT for p in free_ports(20))
     f = tmp_path / "range"
@@ -148,8 +156,8 @@ def test_quiet_ports_lie_outside_the_ephemeral_range():
     ports = quiet_ports((32768, 60999))
     assert ports[0] == LOWEST_PICKED_PORT and 32767 in ports and 61000 in ports
     assert 32768 not in ports and 60999 not in ports and ports[-1] == 65535
-    assert quiet_ports(None) == []                  # unknown: the OS picks
-    assert quiet_ports((1024, 65000)) == []         # too few left to draw from
+    assert quiet_ports(None) == []  # unknown: the OS picks
+    assert quiet_ports((1024, 65000)) == []  # too few left to draw from
     assert len(quiet_ports((64000, 65535))) == 64000 - LOWEST_PICKED_PORT
 
 
@@ -199,8 +207,8 @@ def http_base():
 
 def test_http_ready_against_a_real_server(http_base):
     assert http_ready(f"{http_base}/ok")()
-    assert http_ready(f"{http_base}/missing")()          # up: any status below 500
-    assert not http_ready(f"{http_base}/loading")()      # 503 while loading: not yet
+    assert http_ready(f"{http_base}/missing")()  # up: any status below 500
+    assert not http_ready(f"{http_base}/loading")()  # 503 while loading: not yet
     assert http_ready(f"{http_base}/ok", healthy=True)()
     assert not http_ready(f"{http_base}/missing", healthy=True)()
     assert http_ready(f"{http_base}/secret", api_key="k3y", healthy=True)()
@@ -220,8 +228,9 @@ def test_common_imports_nothing_else_from_areal_mega():
     for f in sorted(pkg.glob("*.py")):
         tree = ast.parse(f.read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        mods |= {n.module or "" for n in ast.walk(tree)
-                 if isinstance(n, ast.ImportFrom) and n.level == 0}
+        mods |= {
+            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0
+        }
         assert not {m for m in mods if m.split(".")[0] == "areal_mega"}, (f.name, mods)
 
 
@@ -243,12 +252,18 @@ def test_load_object_by_module_or_file_and_errors_name_the_key(tmp_path):
     assert not any(m.startswith("_areal_user_broken_") for m in sys.modules)  # none left behind
 
 
-@pytest.mark.parametrize("old,new", [
-    ("areal_mega.rollout.rewards:math_reward", "areal_mega.rewards:math_reward"),
-    ("areal_mega.data.synthetic:exact_match_reward", "areal_mega.rewards:exact_match_reward"),
-    ("areal_mega.rollout.agents:ExternalAgent", "areal_mega.workflow.external_agent:ExternalAgent"),
-    ("areal_mega.rollout.workflows:RLVRWorkflow", "areal_mega.workflow.builtin:RLVRWorkflow"),
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ("areal_mega.rollout.rewards:math_reward", "areal_mega.rewards:math_reward"),
+        ("areal_mega.data.synthetic:exact_match_reward", "areal_mega.rewards:exact_match_reward"),
+        (
+            "areal_mega.rollout.agents:ExternalAgent",
+            "areal_mega.workflow.external_agent:ExternalAgent",
+        ),
+        ("areal_mega.rollout.workflows:RLVRWorkflow", "areal_mega.workflow.builtin:RLVRWorkflow"),
+    ],
+)
 def test_moved_names_still_load_with_a_warning_naming_the_new_one(old, new):
     from areal_mega.common.loading import load_object
 
@@ -270,8 +285,11 @@ def test_recipes_name_objects_that_load_without_a_moved_alias():
     specs = []
     for f in sorted([*root.glob("recipes/*.yaml"), *root.glob("examples/*/*.yaml")]):
         rollout = (yaml.safe_load(f.read_text()) or {}).get("rollout") or {}
-        specs += [(f.name, rollout[k]) for k in ("reward_fn", "workflow")
-                  if ":" in str(rollout.get(k, "")) and ".py:" not in str(rollout[k])]
+        specs += [
+            (f.name, rollout[k])
+            for k in ("reward_fn", "workflow")
+            if ":" in str(rollout.get(k, "")) and ".py:" not in str(rollout[k])
+        ]
     assert len(specs) >= 5, specs
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -1,5 +1,6 @@
 """The CPU speed patch of megatron's tensor-parallel linear layers: each GEMM goes through
 oneDNN and equals the torch expression it replaces (forward, input and weight gradients)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ def _close(a, b):
 def test_each_function_equals_the_expression_it_replaces():
     assert cpu_gemm._AVAILABLE, "this torch has no oneDNN linear: the speed patch is a no-op"
     g = torch.Generator().manual_seed(0)
-    x3 = torch.randn(37, 2, 24, generator=g)             # [s, b, K] as megatron passes it
+    x3 = torch.randn(37, 2, 24, generator=g)  # [s, b, K] as megatron passes it
     w = torch.randn(40, 24, generator=g)
     _close(cpu_gemm.linear(x3, w), torch.matmul(x3, w.t()))
     # not a view: megatron's cross entropy modifies the logits in place
@@ -30,7 +31,7 @@ def test_each_function_equals_the_expression_it_replaces():
     _close(cpu_gemm.grad_weight(g2.t().contiguous().t(), x2), g2.t().matmul(x2))
     empty = torch.zeros(0, 24)
     assert cpu_gemm.linear(empty, w).shape == (0, 40)
-    xb, wb = x3.bfloat16(), w.bfloat16()                 # other dtypes: torch's own matmul
+    xb, wb = x3.bfloat16(), w.bfloat16()  # other dtypes: torch's own matmul
     assert torch.equal(cpu_gemm.linear(xb, wb), torch.matmul(xb, wb.t()))
 
 
@@ -42,7 +43,7 @@ def test_patched_megatron_linear_runs_onednn_and_matches_f_linear(frozen):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(33, 3, 16, generator=g, requires_grad=True)
     w = torch.randn(20, 16, generator=g, requires_grad=not frozen)
-    b = torch.randn(20, generator=g, requires_grad=not frozen)   # frozen: no bias grad either
+    b = torch.randn(20, generator=g, requires_grad=not frozen)  # frozen: no bias grad either
     leaves = [x] + ([] if frozen else [w, b])
 
     def grads(forward):
@@ -58,7 +59,8 @@ def test_patched_megatron_linear_runs_onednn_and_matches_f_linear(frozen):
         # (input, weight, bias, grad_accumulation_fusion, allreduce_dgrad, sequence_parallel,
         #  grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)
         return layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
-            x, w, b, False, False, False, None, 0, None, 1)
+            x, w, b, False, False, False, None, 0, None, 1
+        )
 
     with torch.profiler.profile() as prof:
         got = grads(megatron_linear)
@@ -73,12 +75,14 @@ def test_env_switch_selects_torch_matmul_or_rejects_unknown_values():
     import os
     import subprocess
     import sys
+
     code = "from areal_mega.compat import cpu_gemm; print(cpu_gemm._AVAILABLE)"
 
     def run(value):
         env = dict(os.environ, AREAL_MEGA_CPU_GEMM=value)
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
 
     torch_run = run("torch")
     assert torch_run.returncode == 0, torch_run.stderr

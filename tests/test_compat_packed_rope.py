@@ -1,6 +1,7 @@
 """The packed-RoPE speed patch (areal_mega/compat/packed_rope.py): bit-identical to
 megatron-core's per-sequence THD RoPE, one rotation call per attention instead of one per
 packed sequence, and the engine's logprobs unchanged."""
+
 import os
 
 import pytest
@@ -21,6 +22,7 @@ def one_rank_group(tmp_path_factory):
 def _rope():
     megatron_cpu.apply()
     from megatron.core.models.common.embeddings import rope_utils
+
     return rope_utils
 
 
@@ -34,17 +36,21 @@ def test_packed_rope_equals_upstream_bit_for_bit(one_rank_group, interleaved):
     lens = [5, 1, 17, 9, 2]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     t = torch.randn(sum(lens), 4, 16, generator=g)
-    freqs = torch.randn(32, 1, 1, 12, generator=g)        # rot dim 12 < 16: a pass-through part
+    freqs = torch.randn(32, 1, 1, 12, generator=g)  # rot dim 12 < 16: a pass-through part
     for mscale in (1.0, 0.7):
-        want = upstream(t, cu, freqs, rotary_interleaved=interleaved, mscale=mscale,
-                        cp_group=one_rank_group)
-        got = patched(t, cu, freqs, rotary_interleaved=interleaved, mscale=mscale,
-                      cp_group=one_rank_group)
+        want = upstream(
+            t, cu, freqs, rotary_interleaved=interleaved, mscale=mscale, cp_group=one_rank_group
+        )
+        got = patched(
+            t, cu, freqs, rotary_interleaved=interleaved, mscale=mscale, cp_group=one_rank_group
+        )
         assert torch.equal(got, want)
     # frequencies for the whole packed batch: upstream's own branch, same answer
     whole = torch.randn(sum(lens), 1, 1, 16, generator=g)
-    assert torch.equal(patched(t, cu, whole, cp_group=one_rank_group),
-                       upstream(t, cu, whole, cp_group=one_rank_group))
+    assert torch.equal(
+        patched(t, cu, whole, cp_group=one_rank_group),
+        upstream(t, cu, whole, cp_group=one_rank_group),
+    )
 
 
 def test_packed_rope_rotates_once_not_per_sequence(one_rank_group):

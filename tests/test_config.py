@@ -7,8 +7,10 @@ from areal_mega.parallel.allocation import AllocationError, parse_allocation
 def test_defaults_and_overrides(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("optimizer:\n  lr: 1.0e-5\nrollout:\n  n_samples: 4\n")
-    cfg = load_config(recipe, ["optimizer.lr=2e-6", "allocation=sglang:d2+megatron:t2p2",
-                               "rollout.server_addrs=a:1,b:2"])
+    cfg = load_config(
+        recipe,
+        ["optimizer.lr=2e-6", "allocation=sglang:d2+megatron:t2p2", "rollout.server_addrs=a:1,b:2"],
+    )
     assert cfg.optimizer.lr == 2e-6
     assert cfg.rollout.n_samples == 4
     assert cfg.allocation == "sglang:d2+megatron:t2p2"
@@ -16,21 +18,26 @@ def test_defaults_and_overrides(tmp_path):
     assert isinstance(cfg.optimizer.lr, float)
 
 
-@pytest.mark.parametrize("override, words", [
-    (["optimizer.lrr=1"], ["optimizer.lrr", "unknown key", "lr"]),
-    (["nosuch.key=1"], ["nosuch", "unknown key"]),
-    (["optimizer.lr=abc"], ["optimizer.lr", "'abc'", "float"]),
-    (["optimizer.lr=-1"], ["optimizer.lr", ">= 0"]),
-    (["model.dtype=fp8"], ["model.dtype", "fp8", "one of"]),
-    (["rollout.top_p=0"], ["rollout.top_p", "> 0"]),
-    (["allocation=sglang:d2+megatron:t2e3"], ["allocation", "'e'", "divide"]),
-    (["algorithm.kl_coef=0.1"], ["algorithm.kl_coef", "ref.enabled"]),
-    (["optimizer.lr=1e-6", "optimizer.min_lr=1e-3"], ["optimizer.min_lr"]),
-    (["seed"], ["key=value"]),
-    (["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", "ref.enabled=true"],
-     ["algorithm.kl_in_reward", "loss term"]),
-    (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator", "critic"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["optimizer.lrr=1"], ["optimizer.lrr", "unknown key", "lr"]),
+        (["nosuch.key=1"], ["nosuch", "unknown key"]),
+        (["optimizer.lr=abc"], ["optimizer.lr", "'abc'", "float"]),
+        (["optimizer.lr=-1"], ["optimizer.lr", ">= 0"]),
+        (["model.dtype=fp8"], ["model.dtype", "fp8", "one of"]),
+        (["rollout.top_p=0"], ["rollout.top_p", "> 0"]),
+        (["allocation=sglang:d2+megatron:t2e3"], ["allocation", "'e'", "divide"]),
+        (["algorithm.kl_coef=0.1"], ["algorithm.kl_coef", "ref.enabled"]),
+        (["optimizer.lr=1e-6", "optimizer.min_lr=1e-3"], ["optimizer.min_lr"]),
+        (["seed"], ["key=value"]),
+        (
+            ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", "ref.enabled=true"],
+            ["algorithm.kl_in_reward", "loss term"],
+        ),
+        (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator", "critic"]),
+    ],
+)
 def test_bad_config_names_the_key(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, override)
@@ -51,16 +58,21 @@ def test_bad_file(tmp_path):
 
 
 def test_parse_overrides_nested():
-    assert parse_overrides(["a.b.c=1", "a.d=x", "e=[1, 2]"]) == {"a": {"b": {"c": 1}, "d": "x"},
-                                                               "e": [1, 2]}
+    assert parse_overrides(["a.b.c=1", "a.d=x", "e=[1, 2]"]) == {
+        "a": {"b": {"c": 1}, "d": "x"},
+        "e": [1, 2],
+    }
 
 
-@pytest.mark.parametrize("text, trainer, rollout, tw, rw", [
-    ("sglang:d4t2+megatron:d2p2t2c1e2", "d2t2p2c1e2", "d4t2p1c1e1", 8, 8),
-    ("local:d1+megatron:t2", "d1t2p1c1e1", "d1t1p1c1e1", 2, 1),
-    ("megatron:t2p2", "d1t2p2c1e1", None, 4, 0),
-    ("sglang:d1+megatron:d2c2e4", "d2t1p1c2e4", "d1t1p1c1e1", 4, 1),
-])
+@pytest.mark.parametrize(
+    "text, trainer, rollout, tw, rw",
+    [
+        ("sglang:d4t2+megatron:d2p2t2c1e2", "d2t2p2c1e2", "d4t2p1c1e1", 8, 8),
+        ("local:d1+megatron:t2", "d1t2p1c1e1", "d1t1p1c1e1", 2, 1),
+        ("megatron:t2p2", "d1t2p2c1e1", None, 4, 0),
+        ("sglang:d1+megatron:d2c2e4", "d2t1p1c2e4", "d1t1p1c1e1", 4, 1),
+    ],
+)
 def test_allocation_ok(text, trainer, rollout, tw, rw):
     a = parse_allocation(text)
     assert a.trainer.short() == trainer
@@ -68,20 +80,23 @@ def test_allocation_ok(text, trainer, rollout, tw, rw):
     assert a.trainer_world_size == tw and a.rollout_world_size == rw
 
 
-@pytest.mark.parametrize("text, words", [
-    ("", ["empty"]),
-    ("sglang:d2", ["trainer", "sglang"]),
-    ("tgi:d2+megatron:t2", ["rollout backend", "tgi"]),
-    ("sglang:d2+megatron:t2x2", ["unknown letter 'x'"]),
-    ("sglang:d2+megatron:t2t2", ["'t' given twice"]),
-    ("sglang:d2+megatron:t0", ["'t'", ">= 1"]),
-    ("sglang:c2+megatron:t2", ["'c'", "not allowed"]),
-    ("sglang:d2+megatron:d3e2", ["'e'", "divide", "3"]),
-    ("sglang:d2+megatron:", ["no dimensions"]),
-    ("sglang:d2+megatron:2t", ["cannot parse"]),
-    ("a:d1+b:d1+c:d1", ["at most two"]),
-    ("megatron", ["<backend>:<dims>"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("", ["empty"]),
+        ("sglang:d2", ["trainer", "sglang"]),
+        ("tgi:d2+megatron:t2", ["rollout backend", "tgi"]),
+        ("sglang:d2+megatron:t2x2", ["unknown letter 'x'"]),
+        ("sglang:d2+megatron:t2t2", ["'t' given twice"]),
+        ("sglang:d2+megatron:t0", ["'t'", ">= 1"]),
+        ("sglang:c2+megatron:t2", ["'c'", "not allowed"]),
+        ("sglang:d2+megatron:d3e2", ["'e'", "divide", "3"]),
+        ("sglang:d2+megatron:", ["no dimensions"]),
+        ("sglang:d2+megatron:2t", ["cannot parse"]),
+        ("a:d1+b:d1+c:d1", ["at most two"]),
+        ("megatron", ["<backend>:<dims>"]),
+    ],
+)
 def test_allocation_errors(text, words):
     with pytest.raises(AllocationError) as e:
         parse_allocation(text)
@@ -89,14 +104,19 @@ def test_allocation_errors(text, words):
         assert w in str(e.value), (w, str(e.value))
 
 
-@pytest.mark.parametrize("name", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                  "grpo_passk", "opo"])
+@pytest.mark.parametrize(
+    "name", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk", "opo"]
+)
 def test_verl_estimators_are_choices(name):
     cfg = load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n_samples=4"])
     assert cfg.algorithm.adv_estimator == name
-    if name == "reinforce_plus_plus":               # no groups: one sample per prompt is fine
-        assert load_config(None, [f"algorithm.adv_estimator={name}",
-                                  "rollout.n_samples=1"]).rollout.n_samples == 1
+    if name == "reinforce_plus_plus":  # no groups: one sample per prompt is fine
+        assert (
+            load_config(
+                None, [f"algorithm.adv_estimator={name}", "rollout.n_samples=1"]
+            ).rollout.n_samples
+            == 1
+        )
         return
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n_samples=1"])

@@ -1,6 +1,7 @@
 """Every float in the configuration must be a finite number: ``optimizer.lr=inf`` used to pass
 ``lo=0`` (inf >= 0) and trained with a NaN learning rate. The fields are derived from the
 dataclasses, so a float added later is covered without touching this file."""
+
 import dataclasses
 import typing
 
@@ -27,8 +28,12 @@ RANGED = [key for key, meta in FLOATS if meta.get("lo") is not None or meta.get(
 
 def test_the_walk_found_the_float_fields():
     keys = [k for k, _ in FLOATS]
-    assert {"optimizer.lr", "optimizer.beta1", "algorithm.kl_clamp",
-            "algorithm.reward_scale"} <= set(keys)
+    assert {
+        "optimizer.lr",
+        "optimizer.beta1",
+        "algorithm.kl_clamp",
+        "algorithm.reward_scale",
+    } <= set(keys)
     assert len(RANGED) >= 20
 
 
@@ -50,8 +55,9 @@ def test_unranged_float_rejects_non_finite(key):
 
 
 def test_finite_values_still_pass_and_ranges_still_apply():
-    cfg = load_config(None, ["optimizer.lr=1e-5", "algorithm.kl_clamp=3",
-                             "algorithm.reward_scale=-2.5"])
+    cfg = load_config(
+        None, ["optimizer.lr=1e-5", "algorithm.kl_clamp=3", "algorithm.reward_scale=-2.5"]
+    )
     assert cfg.optimizer.lr == 1e-5 and cfg.algorithm.kl_clamp == 3.0
     assert cfg.algorithm.reward_scale == -2.5
     with pytest.raises(ConfigError, match=r"optimizer\.beta1=1\.5: must be <= 1\.0"):

@@ -6,6 +6,7 @@ the package, the launchers or the tools (other than the section dataclasses of
 names (``path``, ``name``) can be satisfied by an unrelated attribute; the check exists to
 catch keys that nothing reads at all.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,22 +36,25 @@ def _without_declarations(src: str) -> str:
     lines = src.splitlines()
     for node in reversed(ast.parse(src).body):
         if isinstance(node, ast.ClassDef) and node.decorator_list:
-            del lines[node.decorator_list[0].lineno - 1:node.end_lineno]
+            del lines[node.decorator_list[0].lineno - 1 : node.end_lineno]
     return "\n".join(lines)
 
 
 def _code_outside_config() -> str:
     files = [p for d in ("areal_mega", "tools", "launch") for p in (ROOT / d).rglob("*.py")]
     config = ROOT / "areal_mega" / "config"
-    return "\n".join(_without_declarations(p.read_text()) if p.parent == config
-                     else p.read_text() for p in files)
+    return "\n".join(
+        _without_declarations(p.read_text()) if p.parent == config else p.read_text() for p in files
+    )
 
 
 def test_every_config_leaf_is_read_somewhere():
     code = _code_outside_config()
     leaves = list(_leaves(ExperimentConfig))
-    assert len(leaves) > 80   # the walk really saw the sections
-    unread = [leaf for leaf in leaves
-              if not re.search(r"\.%s\b|['\"]%s['\"]" % ((re.escape(leaf.rsplit(".", 1)[-1]),) * 2),
-                               code)]
+    assert len(leaves) > 80  # the walk really saw the sections
+    unread = [
+        leaf
+        for leaf in leaves
+        if not re.search(r"\.%s\b|['\"]%s['\"]" % ((re.escape(leaf.rsplit(".", 1)[-1]),) * 2), code)
+    ]
     assert unread == [], f"config keys that no code reads: {unread}"

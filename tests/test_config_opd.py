@@ -1,13 +1,19 @@
 """On-policy distillation config: ``algorithm.opd`` against ``teacher.*`` (ConfigErrors naming
 the keys), the teacher's tokenizer against the student's, the secret, the preset."""
+
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from areal_mega.config import (ConfigError, check_against_model, check_same_tokenizer,
-                               config_to_dict, load_config)
+from areal_mega.config import (
+    ConfigError,
+    check_against_model,
+    check_same_tokenizer,
+    config_to_dict,
+    load_config,
+)
 from areal_mega.config.teacher import tokenizer_signature
 from areal_mega.launch.local import algorithm_line
 from areal_mega.models.tiny import make_tiny_model
@@ -20,29 +26,53 @@ TINY = ROOT / "recipes" / "tiny-cpu.yaml"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("opd_models")
-    kw = dict(arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-              intermediate_size=64)
-    return {"student": make_tiny_model(d / "student", charset="digits", **kw),
-            "teacher": make_tiny_model(d / "teacher", charset="digits", seed=3, **kw),
-            "ascii": make_tiny_model(d / "ascii", charset="ascii", **kw)}
+    kw = dict(
+        arch="llama",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+    )
+    return {
+        "student": make_tiny_model(d / "student", charset="digits", **kw),
+        "teacher": make_tiny_model(d / "teacher", charset="digits", seed=3, **kw),
+        "ascii": make_tiny_model(d / "ascii", charset="ascii", **kw),
+    }
 
 
-@pytest.mark.parametrize("override, words", [
-    (["algorithm.opd=pure"], ["algorithm.opd='pure'", "teacher.path", "teacher.server_addrs",
-                              "neither"]),
-    (["algorithm.opd=add", "teacher.path=t", "teacher.server_addrs=[a:1]"],
-     ["teacher.path", "teacher.server_addrs", "both"]),
-    (["teacher.path=t"], ["teacher.path='t'", "algorithm.opd='off'"]),
-    (["teacher.server_addrs=[a:1]"], ["teacher.server_addrs", "algorithm.opd='off'"]),
-    (["algorithm.opd=pure", "teacher.path=t", "mode=sft"], ["algorithm.opd", "mode='sft'"]),
-    (["algorithm.opd=pure", "teacher.path=t", "algorithm.dynamic_filter=true"],
-     ["algorithm.dynamic_filter", "algorithm.opd='pure'"]),
-    (["algorithm.opd=pure", "teacher.path=t", "algorithm.adv_estimator=gae",
-      "critic.enabled=true"], ["algorithm.opd='pure'", "algorithm.adv_estimator='gae'"]),
-    (["algorithm.opd=distill"], ["algorithm.opd", "one of"]),
-    (["algorithm.opd=add", "teacher.path=t", "algorithm.opd_coef=0"], ["algorithm.opd_coef"]),
-    (["algorithm.opd=add", "teacher.path=t", "teacher.dtype=fp8"], ["teacher.dtype"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (
+            ["algorithm.opd=pure"],
+            ["algorithm.opd='pure'", "teacher.path", "teacher.server_addrs", "neither"],
+        ),
+        (
+            ["algorithm.opd=add", "teacher.path=t", "teacher.server_addrs=[a:1]"],
+            ["teacher.path", "teacher.server_addrs", "both"],
+        ),
+        (["teacher.path=t"], ["teacher.path='t'", "algorithm.opd='off'"]),
+        (["teacher.server_addrs=[a:1]"], ["teacher.server_addrs", "algorithm.opd='off'"]),
+        (["algorithm.opd=pure", "teacher.path=t", "mode=sft"], ["algorithm.opd", "mode='sft'"]),
+        (
+            ["algorithm.opd=pure", "teacher.path=t", "algorithm.dynamic_filter=true"],
+            ["algorithm.dynamic_filter", "algorithm.opd='pure'"],
+        ),
+        (
+            [
+                "algorithm.opd=pure",
+                "teacher.path=t",
+                "algorithm.adv_estimator=gae",
+                "critic.enabled=true",
+            ],
+            ["algorithm.opd='pure'", "algorithm.adv_estimator='gae'"],
+        ),
+        (["algorithm.opd=distill"], ["algorithm.opd", "one of"]),
+        (["algorithm.opd=add", "teacher.path=t", "algorithm.opd_coef=0"], ["algorithm.opd_coef"]),
+        (["algorithm.opd=add", "teacher.path=t", "teacher.dtype=fp8"], ["teacher.dtype"]),
+    ],
+)
 def test_bad_opd_config_names_the_keys(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, override)
@@ -54,14 +84,15 @@ def test_good_opd_configs_load():
     cfg = load_config(TINY, ["algorithm.opd=add", "teacher.path=t", "algorithm.opd_coef=0.3"])
     assert cfg.algorithm.opd == "add" and cfg.algorithm.opd_coef == 0.3
     assert cfg.teacher.path == "t" and cfg.teacher.dtype is None
-    assert load_config(TINY).algorithm.opd == "off"            # default: no distillation
+    assert load_config(TINY).algorithm.opd == "off"  # default: no distillation
     # pure OPD discards the outcome advantage: one sample per prompt is fine with grpo
     one = load_config(TINY, ["algorithm.preset=opd", "teacher.path=t", "rollout.n_samples=1"])
     assert one.rollout.n_samples == 1 and one.algorithm.opd == "pure"
-    with pytest.raises(ConfigError, match="rollout.n_samples"):   # add keeps GRPO's check
+    with pytest.raises(ConfigError, match="rollout.n_samples"):  # add keeps GRPO's check
         load_config(TINY, ["algorithm.opd=add", "teacher.path=t", "rollout.n_samples=1"])
-    served = load_config(TINY, ["algorithm.opd=pure", "teacher.server_addrs=[h:1,h:2]",
-                                "teacher.api_key=k"])
+    served = load_config(
+        TINY, ["algorithm.opd=pure", "teacher.server_addrs=[h:1,h:2]", "teacher.api_key=k"]
+    )
     assert served.teacher.server_addrs == ["h:1", "h:2"]
     assert holds_secret(config_to_dict(served))
     assert not holds_secret(config_to_dict(one))
@@ -79,7 +110,7 @@ def test_preset_opd_sets_pure_and_the_dry_run_line_names_the_teacher():
 def test_same_tokenizer_passes_and_other_weights_do_not_matter(models):
     check_same_tokenizer(str(models["teacher"]), str(models["student"]))
     sig = tokenizer_signature(str(models["student"]))
-    assert sig["vocab"] and sig["added"]                 # vocab and the <pad>/<eos>/... tokens
+    assert sig["vocab"] and sig["added"]  # vocab and the <pad>/<eos>/... tokens
 
 
 def test_other_vocabulary_is_refused_naming_both_paths(models):
@@ -105,7 +136,7 @@ def test_tokenizer_files_missing_on_one_side(models, tmp_path):
     with pytest.raises(ConfigError, match="has no tokenizer file"):
         check_same_tokenizer(str(bare), str(models["student"]))
     assert tokenizer_signature(str(bare)) is None
-    check_same_tokenizer(str(bare), str(bare))           # nothing to compare on either side
+    check_same_tokenizer(str(bare), str(bare))  # nothing to compare on either side
 
 
 def test_check_against_model_checks_the_teacher(models, tmp_path):
@@ -116,6 +147,6 @@ def test_check_against_model_checks_the_teacher(models, tmp_path):
     with pytest.raises(ConfigError, match=r"teacher.path=.*not an HF model directory"):
         check_against_model(load_config(TINY, base + [f"teacher.path={tmp_path}"]))
     served = base + ["teacher.server_addrs=[h:1]"]
-    check_against_model(load_config(TINY, served))     # its tokenizer: asked of the servers
+    check_against_model(load_config(TINY, served))  # its tokenizer: asked of the servers
     with pytest.raises(ConfigError, match=r"actor.temperature=0.7.*teacher.server_addrs"):
         check_against_model(load_config(TINY, served + ["actor.temperature=0.7"]))

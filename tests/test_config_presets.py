@@ -1,13 +1,13 @@
 """``algorithm.preset`` (pure resolution and through load_config) and the ``policy_loss`` /
 ``ratio_level`` pairing."""
+
 from pathlib import Path
 
 import pytest
 import yaml
 
 from areal_mega.config import ConfigError, config_from_dict, config_to_dict, load_config
-from areal_mega.config.presets import (PRESETS, pair_policy_loss, preset_keys,
-                                       resolve_algorithm)
+from areal_mega.config.presets import PRESETS, pair_policy_loss, preset_keys, resolve_algorithm
 from areal_mega.launch.local import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +43,10 @@ def test_preset_estimator_names_match_the_parallel_estimators():
 
 @pytest.mark.parametrize("name", ALL)
 def test_explicit_keys_win(name):
-    user = {"algorithm": {"preset": name, "loss_agg": "seq_sum_norm", "eps_clip_high": 0.5},
-            "critic": {"enabled": False}}
+    user = {
+        "algorithm": {"preset": name, "loss_agg": "seq_sum_norm", "eps_clip_high": 0.5},
+        "critic": {"enabled": False},
+    }
     before = repr(user)
     keys = preset_keys(name, user)
     assert "algorithm.loss_agg" not in keys and "critic.enabled" not in keys
@@ -52,7 +54,7 @@ def test_explicit_keys_win(name):
     assert out["algorithm"]["loss_agg"] == "seq_sum_norm"
     assert out["algorithm"]["eps_clip_high"] == 0.5
     assert out["critic"]["enabled"] is False
-    assert repr(user) == before                       # pure: the input is not modified
+    assert repr(user) == before  # pure: the input is not modified
 
 
 def test_unknown_preset_names_the_key_and_the_choices():
@@ -74,8 +76,10 @@ def _recipe_without(tmp_path, *sections):
 @pytest.mark.parametrize("name", ALL)
 def test_load_config_accepts_the_preset_and_keeps_its_values(name, tmp_path):
     # tiny-cpu pins algorithm.adv_estimator etc. (explicit keys win): drop those sections
-    cfg = load_config(_recipe_without(tmp_path, "algorithm", "critic"),
-                      [f"algorithm.preset={name}", *NEEDS.get(name, [])])
+    cfg = load_config(
+        _recipe_without(tmp_path, "algorithm", "critic"),
+        [f"algorithm.preset={name}", *NEEDS.get(name, [])],
+    )
     written = config_to_dict(cfg)
     assert written["algorithm"]["preset"] == name
     for key, value in PRESETS[name].items():
@@ -85,17 +89,19 @@ def test_load_config_accepts_the_preset_and_keeps_its_values(name, tmp_path):
 
 
 def test_recipe_keys_beat_the_preset():
-    cfg = load_config(TINY, ["algorithm.preset=gspo"])      # tiny-cpu sets eps_clip_low: 0.2
+    cfg = load_config(TINY, ["algorithm.preset=gspo"])  # tiny-cpu sets eps_clip_low: 0.2
     assert cfg.algorithm.eps_clip_low == 0.2
     assert cfg.algorithm.eps_clip_high == PRESETS["gspo"]["algorithm.eps_clip_high"]
     assert cfg.algorithm.policy_loss == "gspo" and cfg.algorithm.ratio_level == "sequence"
 
 
 def test_dotlist_override_beats_the_preset():
-    cfg = load_config(TINY, ["algorithm.preset=dapo", "algorithm.eps_clip_high=0.3",
-                             "algorithm.dynamic_filter=false"])
+    cfg = load_config(
+        TINY,
+        ["algorithm.preset=dapo", "algorithm.eps_clip_high=0.3", "algorithm.dynamic_filter=false"],
+    )
     assert cfg.algorithm.eps_clip_high == 0.3 and cfg.algorithm.dynamic_filter is False
-    assert cfg.algorithm.eps_clip_low == 0.2          # the preset's own value elsewhere
+    assert cfg.algorithm.eps_clip_low == 0.2  # the preset's own value elsewhere
 
 
 def test_no_preset_changes_nothing():
@@ -111,13 +117,16 @@ def test_policy_loss_and_ratio_level_pairing():
     assert pair_policy_loss({"ratio_level": "token"}) == {"policy_loss": "ppo"}
     assert pair_policy_loss({"policy_loss": "ppo", "ratio_level": "sequence"}) == {}
     legacy = config_from_dict({"algorithm": {"ratio_level": "sequence"}})
-    assert legacy.algorithm.policy_loss == "gspo"     # old recipes keep their meaning
-    assert config_from_dict({"algorithm": {"policy_loss": "gspo"}}).algorithm.ratio_level \
-        == "sequence"
+    assert legacy.algorithm.policy_loss == "gspo"  # old recipes keep their meaning
+    assert (
+        config_from_dict({"algorithm": {"policy_loss": "gspo"}}).algorithm.ratio_level == "sequence"
+    )
 
 
-@pytest.mark.parametrize("loss,level", [("ppo", "sequence"), ("gspo", "token"),
-                                        ("cispo", "sequence"), ("sapo", "sequence")])
+@pytest.mark.parametrize(
+    "loss,level",
+    [("ppo", "sequence"), ("gspo", "token"), ("cispo", "sequence"), ("sapo", "sequence")],
+)
 def test_contradiction_names_both_keys(loss, level):
     with pytest.raises(ConfigError, match=r"algorithm\.policy_loss.*algorithm\.ratio_level"):
         config_from_dict({"algorithm": {"policy_loss": loss, "ratio_level": level}})

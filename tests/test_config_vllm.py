@@ -1,5 +1,6 @@
 """``rollout.backend: vllm`` in the config: the ``rollout.vllm`` section, the refusals that name
 their key, the allocation prefix ``vllm:`` and the weight-update group of vLLM servers."""
+
 from pathlib import Path
 
 import pytest
@@ -19,27 +20,40 @@ def test_defaults_and_overrides():
     assert cfg.rollout.backend == "vllm"
     assert (v.python, v.kv_cache_gib, v.enforce_eager, v.max_model_len) == ("", 1.0, True, 0)
     assert v.gpu_memory_utilization is None and v.extra_args == []
-    cfg = load_config(TINY, VLLM + ["rollout.vllm.python=/opt/v/bin/python",
-                                    "rollout.vllm.kv_cache_gib=2",
-                                    "rollout.vllm.enforce_eager=false",
-                                    "rollout.vllm.max_model_len=512",
-                                    "rollout.vllm.gpu_memory_utilization=0.6",
-                                    "rollout.vllm.extra_args=[--max-num-seqs, 64]"])
+    cfg = load_config(
+        TINY,
+        VLLM
+        + [
+            "rollout.vllm.python=/opt/v/bin/python",
+            "rollout.vllm.kv_cache_gib=2",
+            "rollout.vllm.enforce_eager=false",
+            "rollout.vllm.max_model_len=512",
+            "rollout.vllm.gpu_memory_utilization=0.6",
+            "rollout.vllm.extra_args=[--max-num-seqs, 64]",
+        ],
+    )
     v = cfg.rollout.vllm
-    assert (v.python, v.kv_cache_gib, v.enforce_eager, v.max_model_len) == \
-        ("/opt/v/bin/python", 2.0, False, 512)
+    assert (v.python, v.kv_cache_gib, v.enforce_eager, v.max_model_len) == (
+        "/opt/v/bin/python",
+        2.0,
+        False,
+        512,
+    )
     assert v.gpu_memory_utilization == 0.6 and v.extra_args == ["--max-num-seqs", 64]
     assert config_to_dict(cfg)["rollout"]["vllm"]["max_model_len"] == 512
 
 
-@pytest.mark.parametrize("override, words", [
-    (["rollout.backend=vllm2"], ["rollout.backend", "vllm"]),
-    (["rollout.vllm.kv_cache_gib=0"], ["rollout.vllm.kv_cache_gib"]),
-    (["rollout.vllm.max_model_len=-1"], ["rollout.vllm.max_model_len"]),
-    (["rollout.vllm.gpu_memory_utilization=1.5"], ["rollout.vllm.gpu_memory_utilization"]),
-    (["rollout.vllm.gpu_memory_utilization=0"], ["rollout.vllm.gpu_memory_utilization"]),
-    (["rollout.vllm.no_such_key=1"], ["rollout.vllm.no_such_key"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["rollout.backend=vllm2"], ["rollout.backend", "vllm"]),
+        (["rollout.vllm.kv_cache_gib=0"], ["rollout.vllm.kv_cache_gib"]),
+        (["rollout.vllm.max_model_len=-1"], ["rollout.vllm.max_model_len"]),
+        (["rollout.vllm.gpu_memory_utilization=1.5"], ["rollout.vllm.gpu_memory_utilization"]),
+        (["rollout.vllm.gpu_memory_utilization=0"], ["rollout.vllm.gpu_memory_utilization"]),
+        (["rollout.vllm.no_such_key=1"], ["rollout.vllm.no_such_key"]),
+    ],
+)
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, VLLM + override)
@@ -50,15 +64,19 @@ def test_bad_values_name_the_key(override, words):
 def test_lora_is_refused_with_vllm():
     with pytest.raises(ConfigError) as e:
         load_config(TINY, VLLM + ["lora.enabled=true", "rollout.weight_update=disk"])
-    assert str(e.value).startswith("rollout.backend=vllm: LoRA adapters are served only by "
-                                   "sglang/local here")
+    assert str(e.value).startswith(
+        "rollout.backend=vllm: LoRA adapters are served only by sglang/local here"
+    )
     # the same LoRA run on the CPU server is fine
     assert load_config(TINY, ["lora.enabled=true"]).lora.enabled
 
 
 def test_routing_replay_is_refused_with_vllm():
-    with pytest.raises(ConfigError, match=r"algorithm.routing_replay='r3' with "
-                                          r"rollout.backend=vllm"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm.routing_replay='r3' with "
+        r"rollout.backend=vllm",
+    ):
         load_config(TINY, VLLM + ["algorithm.routing_replay=r3"])
 
 
@@ -68,23 +86,31 @@ def test_truncated_sampling_is_refused_in_rl(override):
     with pytest.raises(ConfigError, match="rollout.top_p=.*rollout.top_k=.*renormalisation"):
         load_config(TINY, VLLM + override)
     assert load_config(TINY, ["rollout.backend=vllm", "mode=sft", *override])  # no rollout
-    assert load_config(TINY, override)                                      # local server
+    assert load_config(TINY, override)  # local server
     assert load_config(TINY, VLLM + ["rollout.top_k=-1", "rollout.top_p=1"])
 
 
 def test_kv_cache_is_whole_gib():
     with pytest.raises(ConfigError, match=r"rollout.vllm.kv_cache_gib=0.5: .*whole number"):
         load_config(TINY, VLLM + ["rollout.vllm.kv_cache_gib=0.5"])
-    assert load_config(TINY, VLLM + ["rollout.vllm.kv_cache_gib=3.0"]).rollout.vllm.kv_cache_gib \
-        == 3.0
+    assert (
+        load_config(TINY, VLLM + ["rollout.vllm.kv_cache_gib=3.0"]).rollout.vllm.kv_cache_gib == 3.0
+    )
 
 
-@pytest.mark.parametrize("arg, flag", [
-    ("--tensor-parallel-size", "--tensor-parallel-size"), ("-tp", "-tp"),
-    ("--max_model_len=64", "--max-model-len"), ("--api-key", "--api-key"),
-    ("--seed=3", "--seed"), ("--worker-extension-cls", "--worker-extension-cls"),
-    ("--logprobs-mode", "--logprobs-mode"), ("--port", "--port"),
-])
+@pytest.mark.parametrize(
+    "arg, flag",
+    [
+        ("--tensor-parallel-size", "--tensor-parallel-size"),
+        ("-tp", "-tp"),
+        ("--max_model_len=64", "--max-model-len"),
+        ("--api-key", "--api-key"),
+        ("--seed=3", "--seed"),
+        ("--worker-extension-cls", "--worker-extension-cls"),
+        ("--logprobs-mode", "--logprobs-mode"),
+        ("--port", "--port"),
+    ],
+)
 def test_extra_args_may_not_repeat_what_the_launcher_sets(arg, flag):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, VLLM + [f"rollout.vllm.extra_args=[{arg}]"])
@@ -96,8 +122,9 @@ def test_extra_args_may_not_repeat_what_the_launcher_sets(arg, flag):
 def test_extra_args_items_are_words():
     with pytest.raises(ConfigError, match=r"rollout.vllm.extra_args\[1\]=.*one command-line"):
         load_config(TINY, VLLM + ["rollout.vllm.extra_args=[--max-num-seqs, {a: 1}]"])
-    cfg = load_config(TINY, VLLM + ["rollout.vllm.extra_args=[--max-num-seqs, 8, "
-                                    "--middleware, x.Y]"])
+    cfg = load_config(
+        TINY, VLLM + ["rollout.vllm.extra_args=[--max-num-seqs, 8, --middleware, x.Y]"]
+    )
     assert cfg.rollout.vllm.extra_args == ["--max-num-seqs", 8, "--middleware", "x.Y"]
 
 
@@ -125,15 +152,18 @@ def test_weight_group_of_vllm_servers_is_sglangs():
         v = weight_update_group(parse_allocation(f"vllm:{text}+megatron:d1"), "vllm")
         s = weight_update_group(parse_allocation(f"sglang:{text}+megatron:d1"), "sglang")
         assert v == s
-    assert weight_update_group(parse_allocation("vllm:d2t4+megatron:d1"), "vllm") == \
-        WeightGroup(9, (1, 5), 4)
-    assert weight_update_group(parse_allocation("vllm:d3t2+megatron:d1"), "vllm",
-                               n_servers=3).rank_offsets == (1, 3, 5)
+    assert weight_update_group(parse_allocation("vllm:d2t4+megatron:d1"), "vllm") == WeightGroup(
+        9, (1, 5), 4
+    )
+    assert weight_update_group(
+        parse_allocation("vllm:d3t2+megatron:d1"), "vllm", n_servers=3
+    ).rank_offsets == (1, 3, 5)
 
 
 def test_weight_group_refusals_name_vllm():
-    with pytest.raises(ConfigError, match="vLLM servers' tensor parallel size is unknown.*"
-                                          "'vllm:d2t4"):
+    with pytest.raises(
+        ConfigError, match="vLLM servers' tensor parallel size is unknown.*'vllm:d2t4"
+    ):
         weight_update_group(parse_allocation("megatron:d1"), "vllm", n_servers=2)
     with pytest.raises(ConfigError, match="vLLM joins the weight group"):
         weight_update_group(parse_allocation("vllm:d1t2p2+megatron:d1"), "vllm")

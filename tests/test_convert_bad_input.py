@@ -1,6 +1,7 @@
 """The converters refuse bad input with a clear message naming the file: unsupported
 architecture or option, a layout the model cannot be split into, a missing shard, a truncated
 safetensors file, a missing tensor. Pure checks: they fail before any process group exists."""
+
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from tests.helpers.conversions import ROOT
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from areal_mega.models.tiny import make_tiny_model
+
     return make_tiny_model(tmp_path_factory.mktemp("bad") / "llama", arch="llama")
 
 
@@ -29,15 +31,18 @@ def _copy(src, dst, **cfg_changes):
     return dst
 
 
-@pytest.mark.parametrize("changes, needle", [
-    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type='gpt2'"),
-    (dict(model_type="gemma"), "not supported"),
-    # a mistral config.json naming a llama class: the model type and the class disagree
-    (dict(model_type="mistral"), "is not a causal LM of model_type 'mistral'"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "llama3"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
-])
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type='gpt2'"),
+        (dict(model_type="gemma"), "not supported"),
+        # a mistral config.json naming a llama class: the model type and the class disagree
+        (dict(model_type="mistral"), "is not a causal LM of model_type 'mistral'"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "llama3"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
+    ],
+)
 def test_unsupported_config(tiny, tmp_path, changes, needle):
     d = _copy(tiny, tmp_path / "m", **changes)
     with pytest.raises(UnsupportedModelError) as e:
@@ -55,6 +60,7 @@ def test_layout_that_does_not_fit(tiny, tmp_path):
 
 def test_missing_shard(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
+
     d = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(tiny).save_pretrained(d, max_shard_size="40KB")
     shards = sorted(d.glob("model-*.safetensors"))
@@ -81,6 +87,7 @@ def test_truncated_safetensors(tiny, tmp_path):
 
 def test_missing_tensor(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
+
     d = _copy(tiny, tmp_path / "m")
     sd = load_file(d / "model.safetensors")
     sd.pop("model.layers.1.mlp.up_proj.weight")
@@ -91,8 +98,19 @@ def test_missing_tensor(tiny, tmp_path):
 
 def test_cli_reports_error_and_exit_code(tiny, tmp_path):
     d = _copy(tiny, tmp_path / "m", model_type="gpt2")
-    p = subprocess.run([sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(d),
-                        "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_hf_to_mcore.py",
+            "--hf-dir",
+            str(d),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert "error:" in p.stderr and "gpt2" in p.stderr and "Traceback" not in p.stderr

@@ -1,4 +1,5 @@
 """Critic configuration rules, the value loss and the GAE planning hook (no engine)."""
+
 import json
 
 import numpy as np
@@ -9,16 +10,35 @@ from areal_mega.algo.value_loss import explained_variance, finalize_value_stats,
 from areal_mega.config import ConfigError, check_against_model, load_config
 
 
-@pytest.mark.parametrize("override, words", [
-    (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator", "critic.enabled=true"]),
-    (["critic.enabled=true"], ["critic.enabled=true", "adv_estimator='gae'"]),
-    (["algorithm.adv_estimator=gae", "critic.enabled=true", "critic.lr=1e-6",
-      "critic.min_lr=1e-3"], ["critic.min_lr"]),
-    (["algorithm.adv_estimator=gae", "critic.enabled=true", "critic.warmup_steps=5",
-      "total_steps=5"], ["critic.warmup_steps"]),
-    (["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", "ref.enabled=true"],
-     ["algorithm.kl_in_reward", "adv_estimator=gae"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        (["algorithm.adv_estimator=gae"], ["algorithm.adv_estimator", "critic.enabled=true"]),
+        (["critic.enabled=true"], ["critic.enabled=true", "adv_estimator='gae'"]),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "critic.enabled=true",
+                "critic.lr=1e-6",
+                "critic.min_lr=1e-3",
+            ],
+            ["critic.min_lr"],
+        ),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "critic.enabled=true",
+                "critic.warmup_steps=5",
+                "total_steps=5",
+            ],
+            ["critic.warmup_steps"],
+        ),
+        (
+            ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1", "ref.enabled=true"],
+            ["algorithm.kl_in_reward", "adv_estimator=gae"],
+        ),
+    ],
+)
 def test_bad_critic_config_gets_one_clear_error(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, override)
@@ -27,9 +47,16 @@ def test_bad_critic_config_gets_one_clear_error(override, words):
 
 
 def test_kl_in_reward_is_allowed_with_a_critic():
-    cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.enabled=true",
-                             "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1",
-                             "ref.enabled=true"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.adv_estimator=gae",
+            "critic.enabled=true",
+            "algorithm.kl_in_reward=true",
+            "algorithm.kl_coef=0.1",
+            "ref.enabled=true",
+        ],
+    )
     assert cfg.critic.enabled and cfg.algorithm.kl_in_reward
 
 
@@ -63,18 +90,24 @@ def test_explained_variance_edges():
     r = np.array([0.0, 1.0, 2.0, 3.0])
     perfect = explained_variance(4, r.sum(), (r * r).sum(), 0.0, 0.0)
     assert perfect == 1.0
-    res = r - 1.5    # V = mean: explains nothing
-    assert explained_variance(4, r.sum(), (r * r).sum(), res.sum(), (res * res).sum()) == \
-        pytest.approx(0.0)
+    res = r - 1.5  # V = mean: explains nothing
+    assert explained_variance(
+        4, r.sum(), (r * r).sum(), res.sum(), (res * res).sum()
+    ) == pytest.approx(0.0)
     assert explained_variance(1, 1.0, 1.0, 0.0, 0.0) == 0.0
-    assert explained_variance(3, 3.0, 3.0, 0.0, 0.0) == 0.0     # constant returns
+    assert explained_variance(3, 3.0, 3.0, 0.0, 0.0) == 0.0  # constant returns
 
 
 def test_gae_planning_leaves_advantages_to_the_step():
     from areal_mega.dataplane.trajectory import Trajectory
     from areal_mega.train.batches import group_advantages
+
     cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.enabled=true"])
-    trajs = [Trajectory.from_tokens([1, 2], [3, 4, 5], [-0.1] * 3, [0] * 3, reward=1.0,
-                                    sample_id=f"s{i}", group_id="g") for i in range(2)]
+    trajs = [
+        Trajectory.from_tokens(
+            [1, 2], [3, 4, 5], [-0.1] * 3, [0] * 3, reward=1.0, sample_id=f"s{i}", group_id="g"
+        )
+        for i in range(2)
+    ]
     kept, advs, _ = group_advantages(trajs, cfg.algorithm, max_response_len=8)
     assert len(kept) == 2 and all(a.shape == (5,) and not a.any() for a in advs)

@@ -7,6 +7,7 @@ tests/test_engine_multirank.py does for the actor;
 ``single`` (1 rank) checks the GAE of a real RL step against the torch reference, an exact
 resume from a critic checkpoint, and loading an LM checkpoint / an HF ``score`` head.
 """
+
 import os
 
 import pytest
@@ -15,15 +16,18 @@ from areal_mega.common.net import free_port
 from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.workers import worker_cmd
 
-WORKER = "critic_worker"   # tests.helpers.critic_worker
+WORKER = "critic_worker"  # tests.helpers.critic_worker
 TOL = 1e-5
 
 
 def _launch(scenario, tmp_path, world, timeout=300):
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([worker_cmd(WORKER, scenario, r, world, port, tmp_path)
-                       for r in range(world)], timeout=timeout, env=env)
+    ranks = run_ranks(
+        [worker_cmd(WORKER, scenario, r, world, port, tmp_path) for r in range(world)],
+        timeout=timeout,
+        env=env,
+    )
     return rank_results([tmp_path / f"{scenario}.{r}.json" for r in range(world)], ranks)
 
 
@@ -59,8 +63,9 @@ def test_gae_of_the_rl_step_equals_the_torch_reference(single):
     assert single["gae.n_micro_batches"] > 1
     assert single["gae.has_truncated"] == 1.0 and single["gae.has_multiturn"] == 1.0
     assert single["gae.max_diff"] < 1e-5
-    assert {"adv/advantage_mean", "critic/old_value_mean",
-            "critic/gae_return_mean"} <= set(single["gae.stats_keys"])
+    assert {"adv/advantage_mean", "critic/old_value_mean", "critic/gae_return_mean"} <= set(
+        single["gae.stats_keys"]
+    )
 
 
 def test_kl_in_reward_with_the_critic(single):

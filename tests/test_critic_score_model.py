@@ -4,6 +4,7 @@ value head, so the critic's initial values on a packed batch are transformers' p
 scores (``score(hidden)[..., 0]`` at every position, before the last-token pooling), at TP1
 and TP2 (gloo, tests/helpers/score_critic_worker.py). Bad value models get one clear error; the
 actor's conversion stays strict."""
+
 import json
 import os
 
@@ -17,7 +18,7 @@ from areal_mega.config import ConfigError, check_against_model, load_config
 from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.workers import worker_cmd
 
-WORKER = "score_critic_worker"   # tests.helpers.score_critic_worker
+WORKER = "score_critic_worker"  # tests.helpers.score_critic_worker
 SEQ_LENS = (7, 12, 4)
 TOL = 1e-5
 
@@ -25,10 +26,20 @@ TOL = 1e-5
 def save_reward_model(out_dir, num_labels=1):
     """A tiny random Qwen2 sequence-classification model saved by transformers."""
     from transformers import AutoModelForSequenceClassification, Qwen2Config
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, initializer_range=0.1, pad_token_id=0,
-                      tie_word_embeddings=False, num_labels=num_labels)
+
+    cfg = Qwen2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        num_labels=num_labels,
+    )
     torch.manual_seed(11)
     model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out_dir)
@@ -39,6 +50,7 @@ def save_reward_model(out_dir, num_labels=1):
 def reward_model(tmp_path_factory):
     """(hf_dir, work dir with seqs.json, transformers' per-token scores of each sequence)."""
     from transformers import AutoModelForSequenceClassification
+
     root = tmp_path_factory.mktemp("score_critic")
     hf_dir = root / "rm"
     save_reward_model(hf_dir)
@@ -50,7 +62,7 @@ def reward_model(tmp_path_factory):
         for ids in seqs:
             hidden = model.model(ids[None]).last_hidden_state
             per_token = model.score(hidden)[0, :, 0]
-            pooled = model(ids[None]).logits[0, 0]          # the last token's score
+            pooled = model(ids[None]).logits[0, 0]  # the last token's score
             assert torch.allclose(pooled, per_token[-1], atol=1e-6)
             scores.append(per_token)
     work = root / "work"
@@ -62,8 +74,11 @@ def reward_model(tmp_path_factory):
 def _launch(world, hf_dir, work):
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([worker_cmd(WORKER, r, world, port, hf_dir, work)
-                       for r in range(world)], timeout=240, env=env)
+    ranks = run_ranks(
+        [worker_cmd(WORKER, r, world, port, hf_dir, work) for r in range(world)],
+        timeout=240,
+        env=env,
+    )
     return rank_results([work / f"tp{world}.{r}.json" for r in range(world)], ranks)
 
 
@@ -73,8 +88,8 @@ def _max_diff(values, scores):
 
 def test_score_model_critic_values_equal_transformers_at_tp1_and_tp2(reward_model):
     hf_dir, work, scores = reward_model
-    assert min(float(s.abs().max()) for s in scores) > 0.05     # not trivially near zero
-    (tp1,) = _launch(1, hf_dir, work)                          # converts, then TP1
+    assert min(float(s.abs().max()) for s in scores) > 0.05  # not trivially near zero
+    (tp1,) = _launch(1, hf_dir, work)  # converts, then TP1
     diff1 = _max_diff(tp1["values"], scores)
     tp2 = _launch(2, hf_dir, work)
     diffs2 = [_max_diff(r["values"], scores) for r in tp2]
@@ -101,6 +116,7 @@ def test_actor_conversion_stays_strict(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from areal_mega.models.tiny import make_tiny_model
+
     rm = tmp_path / "rm"
     save_reward_model(rm)
     with pytest.raises(UnsupportedModelError, match="Qwen2ForSequenceClassification"):
@@ -108,8 +124,7 @@ def test_actor_conversion_stays_strict(tmp_path):
     lm = make_tiny_model(tmp_path / "lm", arch="llama")
     f = lm / "model.safetensors"
     tensors = load_file(f)
-    save_file(dict(tensors, **{"score.weight": torch.zeros(1, 64)}), f,
-              metadata={"format": "pt"})
+    save_file(dict(tensors, **{"score.weight": torch.zeros(1, 64)}), f, metadata={"format": "pt"})
     with pytest.raises(UnsupportedModelError, match=r"unexpected tensor 'score\.weight'"):
         convert_hf_to_mcore(lm, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -119,13 +134,18 @@ def test_value_model_config_rules():
     """transformers' num_labels: id2label's size, else num_labels, else 2; a value model is
     the family's causal LM or its one-label sequence classifier."""
     from areal_mega.checkpoint.value_model import hf_num_labels, value_model_problem
+
     assert hf_num_labels({}) == 2 and hf_num_labels({"num_labels": 1}) == 1
     assert hf_num_labels({"id2label": {"0": "LABEL_0"}, "num_labels": 3}) == 1
     lm = ("LlamaForCausalLM",)
-    one = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"],
-           "id2label": {"0": "LABEL_0"}}
+    one = {
+        "model_type": "llama",
+        "architectures": ["LlamaForSequenceClassification"],
+        "id2label": {"0": "LABEL_0"},
+    }
     assert value_model_problem(one, lm) is None
     assert value_model_problem({"architectures": ["LlamaForCausalLM"]}, lm) is None
     assert "num_labels=2" in value_model_problem(dict(one, id2label=None), lm)
     assert "Qwen2ForSequenceClassification" in value_model_problem(
-        dict(one, architectures=["Qwen2ForSequenceClassification"]), lm)
+        dict(one, architectures=["Qwen2ForSequenceClassification"]), lm
+    )

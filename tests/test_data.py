@@ -1,11 +1,11 @@
 """Datasets: reading, chat template, length filter, errors, resumable deterministic order."""
+
 import json
 
 import pytest
 
 from areal_mega.config import load_config
-from areal_mega.data import (DataError, PromptDataset, PromptLoader, PromptSampler,
-                             write_task_files)
+from areal_mega.data import DataError, PromptDataset, PromptLoader, PromptSampler, write_task_files
 from areal_mega.data.synthetic import make_examples
 from areal_mega.rewards import exact_match_reward
 from areal_mega.models.tiny import build_char_tokenizer
@@ -22,12 +22,19 @@ def _write(path, rows):
 
 
 def test_jsonl_chat_template_and_length_filter(tmp_path, tok):
-    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}" \
-                        "{% if add_generation_prompt %}>{% endif %}"
-    f = _write(tmp_path / "d.jsonl", [{"q": "12=", "a": "21", "src": "x"}, "",
-                                      {"q": "9" * 50, "a": "1"},
-                                      {"q": [{"role": "system", "content": "s"},
-                                             {"role": "user", "content": "3="}], "a": 3}])
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    f = _write(
+        tmp_path / "d.jsonl",
+        [
+            {"q": "12=", "a": "21", "src": "x"},
+            "",
+            {"q": "9" * 50, "a": "1"},
+            {"q": [{"role": "system", "content": "s"}, {"role": "user", "content": "3="}], "a": 3},
+        ],
+    )
     ds = PromptDataset(f, tok, prompt_key="q", answer_key="a", max_prompt_len=20)
     assert len(ds) == 2 and ds.n_dropped == 1 and ds.n_total == 3
     assert ds[0].prompt == "[user]12=>" and ds[0].answer == "21" and ds[0].meta["src"] == "x"
@@ -41,14 +48,22 @@ def test_jsonl_chat_template_and_length_filter(tmp_path, tok):
     assert raw[0].prompt == "12=" and len(raw[0].input_ids) == 3
 
 
-@pytest.mark.parametrize("rows, words", [
-    ([{"prompt": "a", "answer": "b"}, '{"prompt": "x", "answer": '], ["d.jsonl:2", "invalid JSON"]),
-    ([{"prompt": "a", "answer": "b"}, {"prompt": "c"}], ["d.jsonl:2", "'answer'",
-                                                          "data.answer_key"]),
-    ([{"question": "a", "answer": "b"}], ["d.jsonl:1", "'prompt'", "question"]),
-    (["[1, 2]"], ["d.jsonl:1", "JSON object"]),
-    ([{"prompt": 5, "answer": "b"}], ["d.jsonl:1", "string or a list"]),
-])
+@pytest.mark.parametrize(
+    "rows, words",
+    [
+        (
+            [{"prompt": "a", "answer": "b"}, '{"prompt": "x", "answer": '],
+            ["d.jsonl:2", "invalid JSON"],
+        ),
+        (
+            [{"prompt": "a", "answer": "b"}, {"prompt": "c"}],
+            ["d.jsonl:2", "'answer'", "data.answer_key"],
+        ),
+        ([{"question": "a", "answer": "b"}], ["d.jsonl:1", "'prompt'", "question"]),
+        (["[1, 2]"], ["d.jsonl:1", "JSON object"]),
+        ([{"prompt": 5, "answer": "b"}], ["d.jsonl:1", "string or a list"]),
+    ],
+)
 def test_errors_name_line_and_field(tmp_path, tok, rows, words):
     f = _write(tmp_path / "d.jsonl", rows)
     with pytest.raises(DataError) as e:
@@ -77,8 +92,10 @@ def test_all_dropped_is_an_error(tmp_path, tok):
 
 def test_from_config(tmp_path, tok):
     train, test = write_task_files(tmp_path, "reverse", n_train=64, n_test=16, seed=3)
-    cfg = load_config(None, [f"data.train_path={train}", f"data.test_path={test}",
-                             "data.apply_chat_template=false"])
+    cfg = load_config(
+        None,
+        [f"data.train_path={train}", f"data.test_path={test}", "data.apply_chat_template=false"],
+    )
     ds = PromptDataset.from_config(cfg.data, tok)
     dt = PromptDataset.from_config(cfg.data, tok, split="test")
     assert len(ds) == 64 and len(dt) == 16
@@ -90,10 +107,10 @@ def test_from_config(tmp_path, tok):
 
 def test_sampler_resume_is_exact():
     full = PromptSampler(10, 3, seed=7)
-    ref = [full.next_indices() for _ in range(12)]   # 4 epochs of 3 batches (drop_last)
+    ref = [full.next_indices() for _ in range(12)]  # 4 epochs of 3 batches (drop_last)
     assert all(len(b) == 3 for b in ref)
     for b in range(4):  # every epoch is a permutation prefix; epochs differ
-        ep = sum(ref[3 * b:3 * b + 3], [])
+        ep = sum(ref[3 * b : 3 * b + 3], [])
         assert len(set(ep)) == 9
     assert ref[0:3] != ref[3:6]
     for cut in (0, 1, 3, 5, 11):
@@ -154,7 +171,8 @@ def test_synthetic_tasks_and_reward():
 
 def test_char_match_reward_partial_credit():
     from areal_mega.rewards import char_match_reward
+
     assert char_match_reward("", "21384<eos>", "21384") == 1.0
     assert char_match_reward("", "21300", "21384") == 0.6
-    assert char_match_reward("", "2138444", "21384") == 5 / 7    # longer text is penalised
+    assert char_match_reward("", "2138444", "21384") == 5 / 7  # longer text is penalised
     assert char_match_reward("", "", "21384") == 0.0

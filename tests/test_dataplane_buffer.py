@@ -1,11 +1,16 @@
 """TrajectoryBuffer: dedup, oldest-first complete groups, staleness, capacity, save/restore."""
+
 import os
 import threading
 
 import pytest
 
-from areal_mega.dataplane import (BufferFileError, TrajectoryBuffer, TrajectoryReceiver,
-                                  TrajectorySender)
+from areal_mega.dataplane import (
+    BufferFileError,
+    TrajectoryBuffer,
+    TrajectoryReceiver,
+    TrajectorySender,
+)
 from tests.helpers.trajectories import make_traj
 
 
@@ -21,8 +26,13 @@ def test_dedup_groups_and_arrival_order():
     # g0 arrives first but completes last (t=9); g1 completes at t=5; g2 stays incomplete.
     # Groups go out in arrival order (the rollout side delivers in start order), not by
     # completion time.
-    for t in [grouped(0, 0, 1), grouped(1, 0, 2), grouped(1, 1, 5), grouped(0, 1, 9),
-              grouped(2, 0, 0)]:
+    for t in [
+        grouped(0, 0, 1),
+        grouped(1, 0, 2),
+        grouped(1, 1, 5),
+        grouped(0, 1, 9),
+        grouped(2, 0, 0),
+    ]:
         assert buf.put(t)
     assert not buf.put(grouped(1, 1, 5))  # duplicate sample_id
     assert buf.duplicates == 1 and len(buf) == 5 and buf.n_complete_groups == 2
@@ -78,8 +88,9 @@ def test_save_restore_roundtrip_and_atomicity(tmp_path):
     assert all(a.equals(b) for a, b in zip(after, before))
     assert back.stats() == buf.stats()
     assert not back.put(grouped(0, 0, 0))  # consumed-id window survived the restart
-    assert [[t.sample_id for t in g] for g in back.get_groups(2, timeout=0)] == \
-        [[t.sample_id for t in g] for g in buf.get_groups(2, timeout=0)]
+    assert [[t.sample_id for t in g] for g in back.get_groups(2, timeout=0)] == [
+        [t.sample_id for t in g] for g in buf.get_groups(2, timeout=0)
+    ]
     # a failed save (meta not encodable) leaves the previous file intact
     bad = grouped(9, 0, 0)
     bad.meta["x"] = object()
@@ -112,6 +123,8 @@ def test_pump_from_receiver_into_buffer():
         finally:
             stop.set()
             th.join(5)
-    assert [[t.sample_id for t in g] for g in groups] == \
-        [[f"w3-{i}" for i in range(4)], [f"w3-{i}" for i in range(4, 8)]]
+    assert [[t.sample_id for t in g] for g in groups] == [
+        [f"w3-{i}" for i in range(4)],
+        [f"w3-{i}" for i in range(4, 8)],
+    ]
     assert buf.duplicates == 1

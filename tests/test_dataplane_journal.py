@@ -2,6 +2,7 @@
 TrajectoryIntake (trajectories sent over a real socket) is corrupted on disk, and no corrupt
 record replays, is counted as accepted or reaches the next buffer checkpoint; a torn tail still
 ends a segment quietly; a segment of the old unchecksummed format is refused by name."""
+
 import logging
 import struct
 import time
@@ -12,8 +13,7 @@ import pytest
 
 from areal_mega.config import load_config
 from areal_mega.dataplane.buffer import TrajectoryBuffer
-from areal_mega.dataplane.journal import (HEADER_BYTES, JournalError, ReplayStats,
-                                          TrajectoryJournal)
+from areal_mega.dataplane.journal import HEADER_BYTES, JournalError, ReplayStats, TrajectoryJournal
 from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.dataplane.wire import encode_record
 from areal_mega.run_dir import RunDir
@@ -69,8 +69,7 @@ def _replay(path):
 
 
 @pytest.mark.parametrize("which", [2, N - 1])
-def test_every_single_bit_flip_of_a_record_is_skipped_and_counted(journal, tmp_path, which,
-                                                                   caplog):
+def test_every_single_bit_flip_of_a_record_is_skipped_and_counted(journal, tmp_path, which, caplog):
     """Flip each bit of one record (a middle one, and the last one so that a corrupt header is
     not mistaken for a torn tail) in turn: the other records replay unchanged, the flipped one
     never does (it is counted, and the warning names the segment and record)."""
@@ -87,7 +86,7 @@ def test_every_single_bit_flip_of_a_record_is_skipped_and_counted(journal, tmp_p
         buf[i] ^= 1 << (bit % 8)
         caplog.clear()
         got, stats = _replay(tmp_path)
-        assert got == want[:which] + want[which + 1:], f"bit {bit} of record {which}"
+        assert got == want[:which] + want[which + 1 :], f"bit {bit} of record {which}"
         assert (stats.corrupt, stats.torn, stats.records) == (1, 0, N - 1), f"bit {bit}"
         assert f"{seg}: record {which} " in caplog.text, caplog.text
 
@@ -106,7 +105,8 @@ def test_reward_edited_to_1e30_is_skipped_counted_and_not_checkpointed(journal, 
     run_dir = tmp_path / "run"
     (run_dir / "journal").mkdir(parents=True)
     (run_dir / "journal" / "00000001.journal").write_bytes(
-        data[:at] + np.float32(1e30).tobytes() + data[at + 4:])
+        data[:at] + np.float32(1e30).tobytes() + data[at + 4 :]
+    )
     cfg = load_config(None, [f"logging.run_dir={run_dir}"])
     assert RunDir.from_config(cfg).accepted_samples(None) == N - 1
     intake = TrajectoryIntake(f"ipc://{run_dir}/t.sock", run_dir, group_size=1)
@@ -119,7 +119,8 @@ def test_reward_edited_to_1e30_is_skipped_counted_and_not_checkpointed(journal, 
         intake.close()
     saved = TrajectoryBuffer.load(str(tmp_path / "buffer.bin")).pending()
     assert sorted(t.sample_id for t in saved) == sorted(
-        t.sample_id for i, t in enumerate(trajs) if i != k)
+        t.sample_id for i, t in enumerate(trajs) if i != k
+    )
     assert all(np.all(np.abs(t.reward) < 1e6) for t in saved)
 
 
@@ -130,9 +131,11 @@ def test_torn_tail_ends_the_segment_quietly(journal, tmp_path, cut, caplog):
     corrupt, no warning."""
     _, data, trajs, bounds = journal
     start, end = bounds[-1]
-    torn = {"in_header": data[:start + HEADER_BYTES // 2],
-            "in_payload": data[:end - 3],
-            "zero_filled": data[:start] + bytes(end - start)}[cut]
+    torn = {
+        "in_header": data[: start + HEADER_BYTES // 2],
+        "in_payload": data[: end - 3],
+        "zero_filled": data[:start] + bytes(end - start),
+    }[cut]
     (tmp_path / "00000001.journal").write_bytes(torn)
     caplog.set_level(logging.INFO, logger="areal_mega.dataplane.journal")
     got, stats = _replay(tmp_path)

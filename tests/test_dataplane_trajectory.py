@@ -1,4 +1,5 @@
 """Trajectory construction and validation: every rule names the bad field."""
+
 import numpy as np
 import pytest
 
@@ -7,9 +8,16 @@ from areal_mega.dataplane import trajectory as trajectory_mod
 
 
 def make(n_prompt=3, n_gen=4, **kw):
-    return Trajectory.from_tokens(np.arange(1, n_prompt + 1), np.arange(10, 10 + n_gen),
-                                  -np.linspace(0.1, 1.0, n_gen), [2] * (n_gen - 1) + [3],
-                                  reward=1.0, sample_id="s0", group_id="g0", **kw)
+    return Trajectory.from_tokens(
+        np.arange(1, n_prompt + 1),
+        np.arange(10, 10 + n_gen),
+        -np.linspace(0.1, 1.0, n_gen),
+        [2] * (n_gen - 1) + [3],
+        reward=1.0,
+        sample_id="s0",
+        group_id="g0",
+        **kw,
+    )
 
 
 def test_from_tokens_layout_and_dtypes():
@@ -34,26 +42,29 @@ def test_dict_roundtrip_with_extras():
     assert not u.equals(t)
 
 
-@pytest.mark.parametrize("mutate, field", [
-    (lambda t: setattr(t, "loss_mask", np.ones(7, np.uint8)), "loss_mask"),  # 1 on prompt
-    (lambda t: setattr(t, "loss_mask", np.full(7, 2, np.uint8)), "loss_mask"),
-    (lambda t: setattr(t, "logprobs", np.full(7, np.nan, np.float32)), "logprobs"),
-    (lambda t: setattr(t, "logprobs", np.full(7, 0.5, np.float32)), "logprobs"),
-    (lambda t: setattr(t, "versions", np.full(7, -5, np.int32)), "versions"),
-    (lambda t: setattr(t, "versions", np.zeros(6, np.int32)), "versions"),
-    (lambda t: setattr(t, "input_ids", np.full(7, -1, np.int32)), "input_ids"),
-    (lambda t: setattr(t, "input_ids", np.zeros(7, np.int64)), "input_ids"),
-    (lambda t: setattr(t, "reward", np.float32(np.inf)), "reward"),
-    (lambda t: setattr(t, "reward", np.zeros(3, np.float32)), "reward"),
-    (lambda t: setattr(t, "prompt_len", 9), "prompt_len"),
-    (lambda t: setattr(t, "finish_reason", "eos"), "finish_reason"),
-    (lambda t: setattr(t, "sample_id", ""), "sample_id"),
-    (lambda t: setattr(t, "created_at", float("nan")), "created_at"),
-    (lambda t: setattr(t, "meta", [1]), "meta"),
-    (lambda t: t.token_extras.update(values=np.zeros(3, np.float32)), "token_extras.values"),
-    (lambda t: t.token_extras.update(reward=np.zeros(7, np.float32)), "token_extras.reward"),
-    (lambda t: t.token_extras.update(x=np.zeros(7, np.complex64)), "token_extras.x"),
-])
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda t: setattr(t, "loss_mask", np.ones(7, np.uint8)), "loss_mask"),  # 1 on prompt
+        (lambda t: setattr(t, "loss_mask", np.full(7, 2, np.uint8)), "loss_mask"),
+        (lambda t: setattr(t, "logprobs", np.full(7, np.nan, np.float32)), "logprobs"),
+        (lambda t: setattr(t, "logprobs", np.full(7, 0.5, np.float32)), "logprobs"),
+        (lambda t: setattr(t, "versions", np.full(7, -5, np.int32)), "versions"),
+        (lambda t: setattr(t, "versions", np.zeros(6, np.int32)), "versions"),
+        (lambda t: setattr(t, "input_ids", np.full(7, -1, np.int32)), "input_ids"),
+        (lambda t: setattr(t, "input_ids", np.zeros(7, np.int64)), "input_ids"),
+        (lambda t: setattr(t, "reward", np.float32(np.inf)), "reward"),
+        (lambda t: setattr(t, "reward", np.zeros(3, np.float32)), "reward"),
+        (lambda t: setattr(t, "prompt_len", 9), "prompt_len"),
+        (lambda t: setattr(t, "finish_reason", "eos"), "finish_reason"),
+        (lambda t: setattr(t, "sample_id", ""), "sample_id"),
+        (lambda t: setattr(t, "created_at", float("nan")), "created_at"),
+        (lambda t: setattr(t, "meta", [1]), "meta"),
+        (lambda t: t.token_extras.update(values=np.zeros(3, np.float32)), "token_extras.values"),
+        (lambda t: t.token_extras.update(reward=np.zeros(7, np.float32)), "token_extras.reward"),
+        (lambda t: t.token_extras.update(x=np.zeros(7, np.complex64)), "token_extras.x"),
+    ],
+)
 def test_validate_names_the_field(mutate, field):
     t = make()
     mutate(t)
@@ -65,8 +76,13 @@ def test_validate_names_the_field(mutate, field):
 
 def test_float_ids_are_refused_at_construction():
     with pytest.raises(TrajectoryError, match="input_ids"):
-        Trajectory(input_ids=np.zeros(3, np.float32), loss_mask=[0, 0, 0], logprobs=[0, 0, 0],
-                   versions=[-1, -1, -1], sample_id="a")
+        Trajectory(
+            input_ids=np.zeros(3, np.float32),
+            loss_mask=[0, 0, 0],
+            logprobs=[0, 0, 0],
+            versions=[-1, -1, -1],
+            sample_id="a",
+        )
 
 
 def test_per_token_reward():
@@ -89,40 +105,55 @@ def _rule_breaks():
     """(name, expected bits, (ids, mask, logprobs, versions, prompt_len)) for every rule alone,
     combinations, and the edge values right at each bound."""
     tr = trajectory_mod
-    cases = [("valid", 0, (*_core(), 10)), ("valid_no_prompt", 0, (*_core(n_prompt=0), 0)),
-             ("valid_all_prompt", 0, (*_core(n_prompt=40), 40)), ("valid_one", 0, (*_core(1, 0), 0))]
+    cases = [
+        ("valid", 0, (*_core(), 10)),
+        ("valid_no_prompt", 0, (*_core(n_prompt=0), 0)),
+        ("valid_all_prompt", 0, (*_core(n_prompt=40), 40)),
+        ("valid_one", 0, (*_core(1, 0), 0)),
+    ]
 
     def broken(name, bits, edit, prompt_len=10, n=40):
         arrays = [a.copy() for a in _core(n)]
         edit(*arrays)
         cases.append((name, bits, (*arrays, prompt_len)))
 
-    broken("id_min_int", tr.NEGATIVE_ID, lambda i, m, l, v: i.__setitem__(39, -2**31))
+    broken("id_min_int", tr.NEGATIVE_ID, lambda i, m, l, v: i.__setitem__(39, -(2**31)))
     broken("id_zero_ok", 0, lambda i, m, l, v: i.__setitem__(0, 0))
     broken("mask_2", tr.MASK_NOT_BINARY, lambda i, m, l, v: m.__setitem__(20, 2))
-    broken("mask_255_on_prompt", tr.MASK_NOT_BINARY | tr.MASK_ON_PROMPT,
-           lambda i, m, l, v: m.__setitem__(3, 255))
+    broken(
+        "mask_255_on_prompt",
+        tr.MASK_NOT_BINARY | tr.MASK_ON_PROMPT,
+        lambda i, m, l, v: m.__setitem__(3, 255),
+    )
     broken("version_-2", tr.VERSION_BELOW, lambda i, m, l, v: v.__setitem__(0, -2))
     broken("version_-1_ok", 0, lambda i, m, l, v: v.__setitem__(30, -1))
     broken("mask_on_last_prompt", tr.MASK_ON_PROMPT, lambda i, m, l, v: m.__setitem__(9, 1))
     broken("mask_after_prompt_ok", 0, lambda i, m, l, v: m.__setitem__(10, 1))
     for bad in (np.nan, np.inf, -np.inf, 1e-30, 0.5):
         broken(f"logprob_{bad}", tr.BAD_LOGPROB, lambda i, m, l, v, b=bad: l.__setitem__(25, b))
-        broken(f"logprob_{bad}_masked_out_ok", 0,
-               lambda i, m, l, v, b=bad: l.__setitem__(5, b))  # prompt token: not checked
+        broken(
+            f"logprob_{bad}_masked_out_ok", 0, lambda i, m, l, v, b=bad: l.__setitem__(5, b)
+        )  # prompt token: not checked
     broken("logprob_zero_ok", 0, lambda i, m, l, v: l.__setitem__(25, 0.0))
     broken("logprob_-0_ok", 0, lambda i, m, l, v: l.__setitem__(25, -0.0))
-    broken("everything", tr.NEGATIVE_ID | tr.VERSION_BELOW | tr.MASK_ON_PROMPT | tr.BAD_LOGPROB,
-           lambda i, m, l, v: (i.__setitem__(1, -1), v.__setitem__(2, -7), m.__setitem__(0, 1),
-                               l.__setitem__(0, np.nan)))
+    broken(
+        "everything",
+        tr.NEGATIVE_ID | tr.VERSION_BELOW | tr.MASK_ON_PROMPT | tr.BAD_LOGPROB,
+        lambda i, m, l, v: (
+            i.__setitem__(1, -1),
+            v.__setitem__(2, -7),
+            m.__setitem__(0, 1),
+            l.__setitem__(0, np.nan),
+        ),
+    )
     # a long array with the bad value at the very end
-    broken("long_bad_tail", tr.BAD_LOGPROB, lambda i, m, l, v: l.__setitem__(-1, 2.0),
-           n=1 << 17)
+    broken("long_bad_tail", tr.BAD_LOGPROB, lambda i, m, l, v: l.__setitem__(-1, 2.0), n=1 << 17)
     return cases
 
 
-@pytest.mark.parametrize("name, bits, args", _rule_breaks(), ids=lambda x: x
-                         if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "name, bits, args", _rule_breaks(), ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_value_checks_name_every_broken_rule(name, bits, args):
     tr = trajectory_mod
     assert tr.failed_value_rules(*args) == bits

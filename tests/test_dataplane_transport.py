@@ -1,4 +1,5 @@
 """Real ZMQ sockets (ipc and loopback tcp), real sender processes, hostile input."""
+
 import multiprocessing as mp
 import os
 
@@ -7,9 +8,16 @@ import numpy as np
 import pytest
 import zmq
 
-from areal_mega.dataplane import (DataplaneError, Trajectory, TrajectoryReceiver, TrajectorySender,
-                                  WireError, decode_trajectory,
-                                  check_endpoint, encode_trajectory)
+from areal_mega.dataplane import (
+    DataplaneError,
+    Trajectory,
+    TrajectoryReceiver,
+    TrajectorySender,
+    WireError,
+    decode_trajectory,
+    check_endpoint,
+    encode_trajectory,
+)
 from tests.helpers.trajectories import make_traj
 
 N_SENDERS, PER_SENDER = 3, 40
@@ -26,8 +34,10 @@ def test_many_sender_processes_exactly_once_bit_identical(tmp_path, transport, s
     ep = f"ipc://{tmp_path}/dp.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
     with TrajectoryReceiver(ep, secret=secret, max_queue=8) as rx:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_sender_main, args=(rx.endpoint, secret, w, PER_SENDER))
-                 for w in range(N_SENDERS)]
+        procs = [
+            ctx.Process(target=_sender_main, args=(rx.endpoint, secret, w, PER_SENDER))
+            for w in range(N_SENDERS)
+        ]
         for p in procs:
             p.start()
         got = {}
@@ -69,7 +79,7 @@ def _garbage(secret):
         out.append(({"bad_header", "schema"}, [rng.bytes(50) for _ in range(4)]))
     out.append(("bad_header", [msgpack.packb([1, 2, 3])]))
     fr = _frames(good)
-    out.append(("frame_count", fr[:1]))                 # truncated multipart
+    out.append(("frame_count", fr[:1]))  # truncated multipart
     out.append(("frame_count", fr + [b"extra"]))
     h = msgpack.unpackb(fr[0])
 
@@ -85,8 +95,12 @@ def _garbage(secret):
     out.append(("bad_dtype", with_header(lambda hh: hh["fields"][0].__setitem__(1, "<f4"))))
     out.append(("bad_shape", with_header(lambda hh: hh["fields"][1].__setitem__(2, [-3]))))
     out.append(("bad_shape", with_header(lambda hh: hh["fields"][1].__setitem__(2, "x"))))
-    out.append(("frame_size", with_header(lambda hh: hh["fields"][0].__setitem__(
-        2, [hh["fields"][0][2][0] + 2]))))                  # runs past the end of the pack
+    out.append(
+        (
+            "frame_size",
+            with_header(lambda hh: hh["fields"][0].__setitem__(2, [hh["fields"][0][2][0] + 2])),
+        )
+    )  # runs past the end of the pack
     out.append(("frame_size", with_header(lambda hh: None, [fr[0], fr[1][:-4]] + fr[2:])))
     out.append(("frame_size", with_header(lambda hh: None, [fr[0], fr[1] + bytes(8)] + fr[2:])))
     out.append(("frame_count", with_header(lambda hh: hh["fields"][2].__setitem__(3, False))))
@@ -99,14 +113,23 @@ def _garbage(secret):
     hb = msgpack.unpackb(big[0])
     own = [i for i, f in enumerate(hb["fields"]) if not f[3]]
     assert own, "expected fields too large for the pack"
-    out.append(("frame_size", with_header(lambda hh: hh["fields"][own[0]].__setitem__(
-        2, [hh["fields"][own[0]][2][0] - 1]), big, hb)))  # own frame longer than its shape
+    out.append(
+        (
+            "frame_size",
+            with_header(
+                lambda hh: hh["fields"][own[0]].__setitem__(2, [hh["fields"][own[0]][2][0] - 1]),
+                big,
+                hb,
+            ),
+        )
+    )  # own frame longer than its shape
     out.append(("frame_count", with_header(lambda hh: None, big[:-1], hb)))
     if secret is not None:
         from areal_mega.dataplane.wire import _mac, secret_bytes
+
         key = secret_bytes(secret)
         out = [(reason, [f[0] + _mac(key, f[0], f[1:])] + f[1:]) for reason, f in out]
-        out.append(("missing_hmac", fr))                     # the sender has no secret
+        out.append(("missing_hmac", fr))  # the sender has no secret
         out.append(("bad_hmac", _frames(good, "wrong-secret")))
         signed = _frames(good, secret)
         tampered = list(signed)
@@ -120,8 +143,7 @@ def _garbage(secret):
 
 @pytest.mark.parametrize("secret", [None, "k3y"])
 def test_garbage_flood_keeps_accepting_good_messages(secret):
-    with TrajectoryReceiver("tcp://127.0.0.1:*", secret=secret,
-                            max_message_bytes=400_000) as rx:
+    with TrajectoryReceiver("tcp://127.0.0.1:*", secret=secret, max_message_bytes=400_000) as rx:
         ctx = zmq.Context.instance()
         raw = ctx.socket(zmq.DEALER)  # a peer that ignores the protocol and sends junk
         raw.connect(rx.endpoint)
@@ -173,6 +195,7 @@ def test_sender_close_waits_until_everything_was_taken(tmp_path):
         for i in range(8):
             tx.send(make_traj(2, i))
         import threading
+
         left = []
         th = threading.Thread(target=lambda: left.append(tx.close(linger_s=30)))
         th.start()
@@ -216,6 +239,7 @@ def test_acks_are_batched_per_advertised_window_and_flushed_when_idle(advertise)
     window // 4 messages (and the rest as soon as nothing else is queued); any other peer is
     acked per message. inproc delivers synchronously, so all 20 are queued before recv."""
     from areal_mega.dataplane.transport import _sender_routing_id
+
     ctx = zmq.Context()
     with TrajectoryReceiver("inproc://acks", context=ctx) as rx:
         peer = ctx.socket(zmq.DEALER)
@@ -252,16 +276,28 @@ def test_decoder_names_the_reason_of_every_malformed_message(secret):
     messages (extras, 2-D and 0-d shapes, fields in frames of their own) decode bit-exactly."""
     rng = np.random.default_rng(3)
     good = [make_traj(2, i) for i in range(6)]
-    good.append(Trajectory.from_tokens(np.arange(17_000), [1], [0.0], [0], sample_id="big",
-                                       token_extras={"grid": rng.random((17_001, 2), np.float32)}))
+    good.append(
+        Trajectory.from_tokens(
+            np.arange(17_000),
+            [1],
+            [0.0],
+            [0],
+            sample_id="big",
+            token_extras={"grid": rng.random((17_001, 2), np.float32)},
+        )
+    )
     for t in good:  # validate=False: a 2-D extra is the wire's to carry, not a trajectory's
-        got = decode_trajectory(_frames(t, secret), secret, max_message_bytes=400_000,
-                                validate=False).arrays()
+        got = decode_trajectory(
+            _frames(t, secret), secret, max_message_bytes=400_000, validate=False
+        ).arrays()
         want = t.arrays()
         assert got.keys() == want.keys()
         for k, a in want.items():
-            assert got[k].dtype.str == a.dtype.newbyteorder("<").str and \
-                got[k].shape == a.shape and got[k].tobytes() == a.tobytes(), k
+            assert (
+                got[k].dtype.str == a.dtype.newbyteorder("<").str
+                and got[k].shape == a.shape
+                and got[k].tobytes() == a.tobytes()
+            ), k
     for reason, frames in _garbage(secret):
         with pytest.raises(WireError) as e:
             decode_trajectory(frames, secret, max_message_bytes=400_000)
@@ -273,8 +309,14 @@ def test_encoder_frames_for_big_strided_and_byte_swapped_fields():
     """Fields of 64 KiB or more get frames of their own, the rest share the pack; strided and
     big-endian arrays travel as C-contiguous little-endian bytes and decode equal."""
     n = 17_000
-    big = Trajectory.from_tokens(np.arange(n), [1], [0.0], [0], sample_id="big",
-                                 token_extras={"v": np.arange(n + 1, dtype=np.int64)})
+    big = Trajectory.from_tokens(
+        np.arange(n),
+        [1],
+        [0.0],
+        [0],
+        sample_id="big",
+        token_extras={"v": np.arange(n + 1, dtype=np.int64)},
+    )
     strided = make_traj(4, 0)
     strided.token_extras["s"] = np.repeat(strided.logprobs, 2)[::2]
     swapped = make_traj(4, 1)

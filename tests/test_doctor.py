@@ -3,6 +3,7 @@ the kernel module is missing, when megatron-core's source no longer matches the 
 and when a rollout server computes logprobs other than the trainer's. Every failure is real:
 a package copy without the compiled module, a megatron-core copy with an edited source file,
 a real server started from a model config that differs from the trainer's."""
+
 import json
 import os
 import shutil
@@ -18,15 +19,31 @@ from areal_mega.inference.process import LocalServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(400)
-CPU_ROWS = ["python", "packages", "kernels", "megatron-patches", "onednn", "logprob-kernel",
-            "convert", "rollout-server", "rl-step", "weight-update"]
+CPU_ROWS = [
+    "python",
+    "packages",
+    "kernels",
+    "megatron-patches",
+    "onednn",
+    "logprob-kernel",
+    "convert",
+    "rollout-server",
+    "rl-step",
+    "weight-update",
+]
 
 
 def run_doctor(*args, cwd=ROOT, pythonpath=ROOT, timeout=300):
     """``python -m areal_mega.doctor --json ARGS``: (exit status, report, stderr)."""
     env = dict(os.environ, PYTHONPATH=str(pythonpath), CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, "-m", "areal_mega.doctor", "--json", *args], cwd=cwd,
-                       env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_mega.doctor", "--json", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.stdout.strip(), p.stderr[-3000:]
     return p.returncode, json.loads(p.stdout), p.stderr
 
@@ -45,7 +62,7 @@ def test_every_row_passes_on_this_machine(full_run):
     rc, report, err = full_run
     rows = rows_by_name(report)
     assert rc == 0 and report["ok"], json.dumps(report["rows"], indent=1)
-    assert list(rows) == CPU_ROWS          # no CUDA here: the CUDA rows are not run
+    assert list(rows) == CPU_ROWS  # no CUDA here: the CUDA rows are not run
     assert all(r["status"] == "pass" for r in rows.values())
     assert "bit-exact" in rows["convert"]["detail"]
     assert "logprobs = trainer's" in rows["weight-update"]["detail"]
@@ -58,17 +75,23 @@ def test_missing_kernel_module_fails_the_kernel_rows(tmp_path):
     """A copy of the package without ``_ops_cpu*.so`` (as after an install that skipped the
     build): the kernels row fails and says how to build them; the kernel numbers are not
     compared."""
-    shutil.copytree(ROOT / "areal_mega", tmp_path / "areal_mega",
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    rc, report, _ = run_doctor("--only", "kernels,logprob-kernel", cwd=tmp_path,
-                               pythonpath=tmp_path)
+    shutil.copytree(
+        ROOT / "areal_mega",
+        tmp_path / "areal_mega",
+        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
+    )
+    rc, report, _ = run_doctor(
+        "--only", "kernels,logprob-kernel", cwd=tmp_path, pythonpath=tmp_path
+    )
     rows = rows_by_name(report)
     assert rc == 1 and not report["ok"]
     assert rows["kernels"]["status"] == "fail"
     # not importable, or (an editable install of another checkout on sys.path) not this
     # package's own module: either way this checkout has no kernels
-    assert "_ops_cpu not importable" in rows["kernels"]["detail"] or \
-        "not from this package" in rows["kernels"]["detail"]
+    assert (
+        "_ops_cpu not importable" in rows["kernels"]["detail"]
+        or "not from this package" in rows["kernels"]["detail"]
+    )
     assert "build_ext --inplace" in rows["kernels"]["fix"]
     assert rows["logprob-kernel"]["status"] == "skip"
     assert rows["logprob-kernel"]["detail"] == "needs kernels to pass"
@@ -79,20 +102,22 @@ def test_changed_megatron_source_fails_the_patch_row(tmp_path):
     might): the copy shadows the installed one and the patch row names the patch."""
     import importlib.util
 
-    src = Path(importlib.util.find_spec("megatron.core").origin).parent   # not imported here
+    src = Path(importlib.util.find_spec("megatron.core").origin).parent  # not imported here
     dst = tmp_path / "megatron" / "core"
-    shutil.copytree(src, dst)   # bytecode too (mtimes kept, still valid): no recompiling
+    shutil.copytree(src, dst)  # bytecode too (mtimes kept, still valid): no recompiling
     utils = dst / "transformer" / "utils.py"
     text = utils.read_text()
     old = 'torch.ones(sq, sq, device="cuda")'
     assert old in text
     utils.write_text(text.replace(old, 'torch.ones(sq, sq, device=torch.device("cuda"))'))
-    rc, report, _ = run_doctor("--only", "megatron-patches",
-                               pythonpath=f"{tmp_path}{os.pathsep}{ROOT}")
+    rc, report, _ = run_doctor(
+        "--only", "megatron-patches", pythonpath=f"{tmp_path}{os.pathsep}{ROOT}"
+    )
     row = rows_by_name(report)["megatron-patches"]
     assert rc == 1 and row["status"] == "fail"
     assert "torch_view:utils" in row["detail"] and "no longer contains" in row["detail"]
     from areal_mega.compat.megatron_cpu import MEGATRON_CORE_VERSION
+
     assert f"megatron-core=={MEGATRON_CORE_VERSION}" in row["fix"]
 
 
@@ -112,8 +137,9 @@ def test_server_with_wrong_logprobs_fails_the_weight_update_row(tmp_path):
     try:
         srv.wait_ready(120)
         ctx.server_addr = srv.addr
-        checks = [c for c in doctor.CHECKS if c.name in ("rollout-server", "rl-step",
-                                                         "weight-update")]
+        checks = [
+            c for c in doctor.CHECKS if c.name in ("rollout-server", "rl-step", "weight-update")
+        ]
         rows = {r.name: r for r in doctor.run_checks(checks, ctx)}
     finally:
         srv.stop()
@@ -136,20 +162,30 @@ def test_a_crashing_check_is_a_failed_row_and_the_others_still_run(tmp_path):
     def crash(ctx):
         raise OSError("disk on fire")
 
-    checks = [doctor.Check("crash", "raises", "put the fire out", crash),
-              doctor.Check("after", "needs crash", "", lambda ctx: "ran", needs=("crash",)),
-              doctor.CHECKS[0]]                       # the python row
+    checks = [
+        doctor.Check("crash", "raises", "put the fire out", crash),
+        doctor.Check("after", "needs crash", "", lambda ctx: "ran", needs=("crash",)),
+        doctor.CHECKS[0],
+    ]  # the python row
     rows = doctor.run_checks(checks, doctor.new_context(str(tmp_path)))
-    assert [(r.name, r.status) for r in rows] == [("crash", "fail"), ("after", "skip"),
-                                                  ("python", "pass")]
+    assert [(r.name, r.status) for r in rows] == [
+        ("crash", "fail"),
+        ("after", "skip"),
+        ("python", "pass"),
+    ]
     assert rows[0].detail.startswith("OSError: disk on fire") and rows[0].fix == "put the fire out"
     table = doctor.format_table(rows)
     assert "to fix crash: put the fire out" in table and "FAIL" in table
 
 
 def test_list_names_every_check():
-    p = subprocess.run([sys.executable, "-m", "areal_mega.doctor", "--list"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "areal_mega.doctor", "--list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0
     assert [ln.split()[0] for ln in p.stdout.splitlines()] == [c.name for c in doctor.CHECKS]
 
@@ -168,14 +204,16 @@ def test_truncated_kernel_module_is_a_failed_row_not_a_crash(tmp_path):
     """A ``_ops_cpu*.so`` cut short (a failed copy, a full disk): loading it kills the process
     with SIGBUS (cut to its first 200 kB) or loads a module whose code is partly missing (cut in
     half); the doctor prints its table with the kernels row failed instead."""
-    shutil.copytree(ROOT / "areal_mega", tmp_path / "areal_mega",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "areal_mega", tmp_path / "areal_mega", ignore=shutil.ignore_patterns("__pycache__")
+    )
     (so,) = (tmp_path / "areal_mega").glob("_ops_cpu*.so")
     whole = so.read_bytes()
     for size in (200_000, len(whole) // 2):
         so.write_bytes(whole[:size])
-        rc, report, _ = run_doctor("--only", "kernels,logprob-kernel", cwd=tmp_path,
-                                   pythonpath=tmp_path)
+        rc, report, _ = run_doctor(
+            "--only", "kernels,logprob-kernel", cwd=tmp_path, pythonpath=tmp_path
+        )
         rows = rows_by_name(report)
         assert rc == 1 and not report["ok"]
         assert rows["kernels"]["status"] == "fail" and "truncated" in rows["kernels"]["detail"]

@@ -1,6 +1,7 @@
 """End to end on CPU, multi-task: two synthetic tasks from two sources (weights 3:1, each with
 its own reward function) through launch.local; metrics.jsonl and the reward plot carry one
 reward curve per source (reward/<name>)."""
+
 import json
 import os
 import signal
@@ -19,24 +20,62 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_sources_give_per_source_reward_curves(tmp_path):
-    model = make_tiny_model(tmp_path / "model", arch="llama", charset="digits", hidden_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    model = make_tiny_model(
+        tmp_path / "model",
+        arch="llama",
+        charset="digits",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
     rev, _ = write_task_files(tmp_path / "reverse", task="reverse", n_train=64, n_test=4)
     add, _ = write_task_files(tmp_path / "add", task="add", n_train=64, n_test=4)
-    sources = [{"name": "reverse", "path": str(rev), "weight": 3,
-                "reward_fn": "areal_mega.rewards:char_match_reward"},
-               {"name": "add", "path": str(add), "weight": 1,
-                "reward_fn": "areal_mega.rewards:exact_match_reward"}]
+    sources = [
+        {
+            "name": "reverse",
+            "path": str(rev),
+            "weight": 3,
+            "reward_fn": "areal_mega.rewards:char_match_reward",
+        },
+        {
+            "name": "add",
+            "path": str(add),
+            "weight": 1,
+            "reward_fn": "areal_mega.rewards:exact_match_reward",
+        },
+    ]
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
-            str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
-            "data.train_path=", "data.test_path=", f"data.sources={json.dumps(sources)}",
-            f"logging.run_dir={run}", "logging.progress_bar=false", "logging.plot=true",
-            "logging.tensorboard=false", "rollout.batch_size=8", "rollout.n_samples=4",
-            "total_steps=3", "recover=off", "cluster.kill_grace_s=5"]
+    args = [
+        sys.executable,
+        "-m",
+        "areal_mega.launch.local",
+        "--config",
+        str(ROOT / "recipes" / "tiny-cpu.yaml"),
+        f"model.path={model}",
+        "data.train_path=",
+        "data.test_path=",
+        f"data.sources={json.dumps(sources)}",
+        f"logging.run_dir={run}",
+        "logging.progress_bar=false",
+        "logging.plot=true",
+        "logging.tensorboard=false",
+        "rollout.batch_size=8",
+        "rollout.n_samples=4",
+        "total_steps=3",
+        "recover=off",
+        "cluster.kill_grace_s=5",
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:

@@ -12,6 +12,7 @@ with it):
 - the sessions open at the worker's kill are reported: the relaunched worker's count equals
   ``rollout/online/sessions_dropped/worker_restart`` summed over ``metrics.jsonl``.
 """
+
 import json
 import os
 import re
@@ -25,8 +26,15 @@ import pytest
 
 from areal_mega.dataplane.journal import TrajectoryJournal
 from tests.helpers.rollout import http
-from tests.helpers.local_runs import (ROOT, _accepted_ids, _finish, _launch, _metrics, _trained,
-                                      _trainer_pid)
+from tests.helpers.local_runs import (
+    ROOT,
+    _accepted_ids,
+    _finish,
+    _launch,
+    _metrics,
+    _trained,
+    _trainer_pid,
+)
 
 pytestmark = pytest.mark.slow
 TOTAL = 5
@@ -51,17 +59,19 @@ def _wait_step(proc, run, step, timeout=300):
 def _hold_a_session(run, timeout=60):
     """Open one session (and keep it open) as one more agent would."""
     info = json.loads((run / "online_gateway.json").read_text())
-    addr = info["base_url"][len("http://"):]
+    addr = info["base_url"][len("http://") :]
     deadline = time.time() + timeout
-    while http(addr, "/rl/start_session", {"task_id": "held"},
-               key=info["admin_api_key"])[0] != 200:
+    while http(addr, "/rl/start_session", {"task_id": "held"}, key=info["admin_api_key"])[0] != 200:
         assert time.time() < deadline, "no session could start"
         time.sleep(0.2)
 
 
 def _lines(path):
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] \
-        if path.exists() else []
+    return (
+        [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+        if path.exists()
+        else []
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +79,48 @@ def run(assets, tmp_path_factory):
     """The run directory after the run with both kills finished."""
     model, data = assets
     run = tmp_path_factory.mktemp("online") / "run"
-    proc = _launch(run, model, data, f"total_steps={TOTAL}", "recover=auto",
-                   "checkpoint.save_every=2", "cluster.max_restarts=3",
-                   "rollout.batch_size=2", "rollout.n_samples=2",
-                   "rollout.max_head_offpolicyness=1", "rollout.workflow=online",
-                   "rollout.online.reward_timeout_s=30", "rollout.online.group_timeout_s=20",
-                   "logging.plot=false")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={TOTAL}",
+        "recover=auto",
+        "checkpoint.save_every=2",
+        "cluster.max_restarts=3",
+        "rollout.batch_size=2",
+        "rollout.n_samples=2",
+        "rollout.max_head_offpolicyness=1",
+        "rollout.workflow=online",
+        "rollout.online.reward_timeout_s=30",
+        "rollout.online.group_timeout_s=20",
+        "logging.plot=false",
+    )
     agents = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "online_agent" / "agent.py"), "all",
-         "--run-dir", str(run), "--data", str(data / "train.jsonl"), "--agents", "2",
-         "--group", "2", "--delay", "1.5", "--give-up-s", "600"], cwd=ROOT, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            str(ROOT / "examples" / "online_agent" / "agent.py"),
+            "all",
+            "--run-dir",
+            str(run),
+            "--data",
+            str(data / "train.jsonl"),
+            "--agents",
+            "2",
+            "--group",
+            "2",
+            "--delay",
+            "1.5",
+            "--give-up-s",
+            "600",
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_step(proc, run, 1)
-        _hold_a_session(run)             # open at the kill, whatever the agents are doing
+        _hold_a_session(run)  # open at the kill, whatever the agents are doing
         os.kill(_worker_pid(run), signal.SIGKILL)
         _wait_step(proc, run, 3)
         os.kill(_trainer_pid(run), signal.SIGKILL)
@@ -104,10 +142,16 @@ def _sessions(run):
     """{sample id: session record} of the sessions the agents ended; ``rewarded``: when the
     gateway accepted its reward (inf: never)."""
     talk = [r for f in sorted((run / "agents").glob("talk-*.jsonl")) for r in _lines(f)]
-    ok = {r["session_id"]: r["time"] for r in _lines(run / "agents" / "rewards.jsonl")
-          if r["status"] == 200}
-    return {r["sample_id"]: dict(r, rewarded=ok.get(r["session_id"], float("inf")))
-            for r in talk if r.get("ended")}
+    ok = {
+        r["session_id"]: r["time"]
+        for r in _lines(run / "agents" / "rewards.jsonl")
+        if r["status"] == 200
+    }
+    return {
+        r["sample_id"]: dict(r, rewarded=ok.get(r["session_id"], float("inf")))
+        for r in talk
+        if r.get("ended")
+    }
 
 
 def _session_of(sample_id):
@@ -137,8 +181,9 @@ def test_no_ended_session_is_lost(run):
 def test_sessions_open_at_the_kill_are_reported_dropped(run):
     log = (run / "logs" / "rollout_worker.log").read_text()
     counted = [int(n) for n in re.findall(r"(\d+) online sessions were open when", log)]
-    reported = sum(r.get("rollout/online/sessions_dropped/worker_restart", 0)
-                   for r in _metrics(run))
+    reported = sum(
+        r.get("rollout/online/sessions_dropped/worker_restart", 0) for r in _metrics(run)
+    )
     # the worker's SIGKILL left at least the held session open; its count rides on the
     # relaunched worker's first group (trained before the end); a later restart's may not
     assert counted and counted[0] >= 1 and counted[0] <= reported <= sum(counted)

@@ -3,6 +3,7 @@ equal to the student gives ``opd/reverse_kl`` = 0 on step 1 and the run resumes 
 teacher; a different teacher (same tokenizer, other weights) gives a finite, nonzero signal
 added to GRPO's advantages; a served teacher (a CPU server process) scores the same tokens
 and its tokenizer is checked against the student's."""
+
 import json
 import math
 import socket
@@ -39,8 +40,13 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_pa
     and every step's loss is finite."""
     model, data = assets
     run = tmp_path / "run"
-    opd = ("algorithm.preset=opd", f"teacher.path={model}", "recover=auto",
-           "rollout.max_head_offpolicyness=0", "checkpoint.save_every=1")
+    opd = (
+        "algorithm.preset=opd",
+        f"teacher.path={model}",
+        "recover=auto",
+        "rollout.max_head_offpolicyness=0",
+        "checkpoint.save_every=1",
+    )
     rc, out = _finish(_launch(run, model, data, "total_steps=3", *opd), timeout=300)
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
@@ -58,17 +64,36 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_pa
 
 def test_other_teacher_added_to_grpo_advantages(assets, tmp_path):
     model, data = assets
-    teacher = make_tiny_model(tmp_path / "teacher", arch="llama", charset="digits",
-                              hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                              intermediate_size=128, seed=7)
+    teacher = make_tiny_model(
+        tmp_path / "teacher",
+        arch="llama",
+        charset="digits",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        seed=7,
+    )
     run = tmp_path / "run"
-    rc, out = _finish(_launch(run, model, data, "total_steps=2", "recover=off",
-                              "algorithm.opd=add", "algorithm.opd_coef=0.5",
-                              f"teacher.path={teacher}", "teacher.dtype=fp32"), timeout=300)
+    rc, out = _finish(
+        _launch(
+            run,
+            model,
+            data,
+            "total_steps=2",
+            "recover=off",
+            "algorithm.opd=add",
+            "algorithm.opd_coef=0.5",
+            f"teacher.path={teacher}",
+            "teacher.dtype=fp32",
+        ),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     _check_rows(rows, [1, 2])
-    assert rows[0]["opd/abs_log_ratio"] > 1e-3          # other weights: a real signal
+    assert rows[0]["opd/abs_log_ratio"] > 1e-3  # other weights: a real signal
     # the loss saw outcome + OPD term: nonzero even where GRPO's group advantage is 0
     assert rows[0]["advantage"] != 0.0 and math.isfinite(rows[0]["advantage"])
 
@@ -91,9 +116,19 @@ def faulty_teacher(served_student, tmp_path):
     answered 503, its second carries a NaN and a +7 logprob, the rest pass unchanged.
     Yields (its address, its fault log)."""
     port, log = free_port(), tmp_path / "teacher_faults.jsonl"
-    proc = subprocess.Popen(worker_cmd("faulty_teacher_worker", "--upstream",
-                                       f"http://{served_student.addr}", "--port", port,
-                                       "--log", log), cwd=ROOT, env=worker_env())
+    proc = subprocess.Popen(
+        worker_cmd(
+            "faulty_teacher_worker",
+            "--upstream",
+            f"http://{served_student.addr}",
+            "--port",
+            port,
+            "--log",
+            log,
+        ),
+        cwd=ROOT,
+        env=worker_env(),
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -120,10 +155,20 @@ def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, faulty_teac
     model, data = assets
     addr, fault_log = faulty_teacher
     run = tmp_path / "run"
-    rc, out = _finish(_launch(run, model, data, "total_steps=2", "recover=off",
-                              "algorithm.preset=opd", f"teacher.server_addrs=[{addr}]",
-                              "teacher.api_key=teacher-key",
-                              "rollout.max_head_offpolicyness=0"), timeout=300)
+    rc, out = _finish(
+        _launch(
+            run,
+            model,
+            data,
+            "total_steps=2",
+            "recover=off",
+            "algorithm.preset=opd",
+            f"teacher.server_addrs=[{addr}]",
+            "teacher.api_key=teacher-key",
+            "rollout.max_head_offpolicyness=0",
+        ),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     faults = [json.loads(x)["fault"] for x in fault_log.read_text().splitlines()]
     assert faults[:3] == ["503", "nan", "none"], faults
@@ -140,16 +185,30 @@ def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, faulty_teac
 
 def test_served_teacher_with_another_tokenizer_is_refused(assets, served_student, tmp_path):
     model, _ = assets
-    other = make_tiny_model(tmp_path / "ascii", arch="llama", charset="ascii", hidden_size=64,
-                            num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
-    cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml",
-                      [f"model.path={model}", "algorithm.preset=opd", "teacher.server_addrs=[x:1]",
-                       "teacher.api_key=teacher-key"])
+    other = make_tiny_model(
+        tmp_path / "ascii",
+        arch="llama",
+        charset="ascii",
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
+    cfg = load_config(
+        ROOT / "recipes" / "tiny-cpu.yaml",
+        [
+            f"model.path={model}",
+            "algorithm.preset=opd",
+            "teacher.server_addrs=[x:1]",
+            "teacher.api_key=teacher-key",
+        ],
+    )
     cfg.teacher.server_addrs = [served_student.addr]
-    cfg.model.path = str(other)                    # a student with another tokenizer: refused
+    cfg.model.path = str(other)  # a student with another tokenizer: refused
     with pytest.raises(ConfigError, match=r"different tokenizers"):
         build_teacher_scorer(cfg)
-    cfg.model.path = str(model)                    # the same tokenizer: accepted
+    cfg.model.path = str(model)  # the same tokenizer: accepted
     scorer = build_teacher_scorer(cfg)
     try:
         (lp,) = scorer.score([[5, 6, 7, 8]], [1])

@@ -5,6 +5,7 @@ preset's keys are not overridden by the recipe's (explicit keys win, tested in
 tests/test_config_presets.py); the reward is the dense character match, so DAPO's dynamic
 filter finds non-uniform groups. ``opd`` (it needs a teacher) gets the same checks on the first
 run of tests/test_e2e_opd.py (the full tiny-cpu recipe sets none of its keys)."""
+
 import os
 import subprocess
 import sys
@@ -30,23 +31,44 @@ def _recipe(tmp_path):
 def _run_preset(preset, assets, tmp_path, reward="char_match_reward"):
     model, data = assets
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "areal_mega.launch.local", "--config", str(_recipe(tmp_path)),
-            f"model.path={model}", f"data.train_path={data / 'train.jsonl'}",
-            f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={run}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-            "rollout.batch_size=4", "rollout.n_samples=4", "cluster.kill_grace_s=5",
-            "total_steps=2", "recover=off", "checkpoint.save_every=0",
-            f"rollout.reward_fn=areal_mega.rewards:{reward}", f"algorithm.preset={preset}"]
+    args = [
+        sys.executable,
+        "-m",
+        "areal_mega.launch.local",
+        "--config",
+        str(_recipe(tmp_path)),
+        f"model.path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.test_path={data / 'test.jsonl'}",
+        f"logging.run_dir={run}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "rollout.batch_size=4",
+        "rollout.n_samples=4",
+        "cluster.kill_grace_s=5",
+        "total_steps=2",
+        "recover=off",
+        "checkpoint.save_every=0",
+        f"rollout.reward_fn=areal_mega.rewards:{reward}",
+        f"algorithm.preset={preset}",
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     rc, out = _finish(proc, timeout=360)
     assert rc == 0, out[-3000:]
     return run
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"opd"}))   # opd: test_e2e_opd.py
+@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"opd"}))  # opd: test_e2e_opd.py
 def test_every_preset_trains_two_steps(preset, assets, tmp_path):
     check_preset_run(_run_preset(preset, assets, tmp_path), preset, steps=2)
 

@@ -10,6 +10,7 @@ relaunch quarantines the micro-batch's samples (``quarantine.jsonl``, with the e
 run finishes: every other sample trained once, none trained twice. Before, every relaunch
 died the same way and the run ended with exit 1 after ``cluster.max_restarts``.
 """
+
 import json
 import time
 
@@ -31,17 +32,24 @@ def test_a_sample_that_kills_the_trainer_is_quarantined(assets, tmp_path):
     rc, out = _finish(_launch(run, model, data, "total_steps=1", *SMALL_MBS), timeout=300)
     assert rc == 0, out[-3000:]
     poison = []
-    for i in range(4):                            # one complete group (rollout.n_samples=4)
+    for i in range(4):  # one complete group (rollout.n_samples=4)
         ids = np.array([5, 6, 7, 8, 9, 10 + i], np.int32)
         if i == 0:
-            ids[-1] = 10 ** 6                     # no such token: the embedding lookup fails
+            ids[-1] = 10**6  # no such token: the embedding lookup fails
         mask = np.array([0, 0, 0, 1, 1, 1], np.int8)
-        poison.append(Trajectory(input_ids=ids, loss_mask=mask,
-                                 logprobs=-0.5 * mask.astype(np.float32),
-                                 versions=np.where(mask > 0, 1, -1).astype(np.int32),
-                                 reward=float(i % 2), sample_id=f"poison-{i}",
-                                 group_id="poison-group", prompt_len=3,
-                                 created_at=time.time()))
+        poison.append(
+            Trajectory(
+                input_ids=ids,
+                loss_mask=mask,
+                logprobs=-0.5 * mask.astype(np.float32),
+                versions=np.where(mask > 0, 1, -1).astype(np.int32),
+                reward=float(i % 2),
+                sample_id=f"poison-{i}",
+                group_id="poison-group",
+                prompt_len=3,
+                created_at=time.time(),
+            )
+        )
     journal = TrajectoryJournal(run / "journal")
     journal.append(poison)
     journal.close()
@@ -51,14 +59,14 @@ def test_a_sample_that_kills_the_trainer_is_quarantined(assets, tmp_path):
     rc, out = _finish(_launch(run, model, data, "total_steps=5", *SMALL_MBS), timeout=1200)
     took = time.monotonic() - t0
     assert rc == 0, out[-3000:]
-    assert out.count("relaunch") >= 2, out[-3000:]       # died twice on it, then went on
+    assert out.count("relaunch") >= 2, out[-3000:]  # died twice on it, then went on
     lines = [json.loads(x) for x in (run / "quarantine.jsonl").read_text().splitlines()]
     quarantined = {x["sample_id"] for x in lines}
     assert "poison-0" in quarantined, lines
     assert all("IndexError" in x["error"] or "index" in x["error"] for x in lines), lines
     trained = [sid for r in _trained(run) for sid in r["sample_ids"]]
-    assert len(trained) == len(set(trained))                     # nothing trained twice
-    assert not quarantined & set(trained)                        # no quarantined one trained
+    assert len(trained) == len(set(trained))  # nothing trained twice
+    assert not quarantined & set(trained)  # no quarantined one trained
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5]
     rows = _metrics(run)
     assert rows[-1]["quarantine/samples"] == len(quarantined)

@@ -5,6 +5,7 @@ replay them. Every step the free-routing pass compares the trainer's own routes 
 rollout's over every routed token (``moe/route_rows`` = (tokens - samples) x MoE layers: each
 sample's tokens but its last, which no server forwards), weight updates reach the server's
 fused expert tensors, and no sample is trained twice."""
+
 import pytest
 
 from areal_mega.data.synthetic import write_task_files
@@ -16,14 +17,29 @@ STEPS, LAYERS = 4, 2
 
 
 def test_routes_flow_from_the_server_to_the_replaying_trainer(tmp_path):
-    model = make_tiny_model(tmp_path / "model", arch="qwen3_moe", charset="digits",
-                            hidden_size=64, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-                            intermediate_size=128, num_experts=8)
+    model = make_tiny_model(
+        tmp_path / "model",
+        arch="qwen3_moe",
+        charset="digits",
+        hidden_size=64,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        num_experts=8,
+    )
     write_task_files(tmp_path / "data", task="reverse", n_train=256, n_test=16)
     run = tmp_path / "run"
-    proc = _launch(run, model, tmp_path / "data", f"total_steps={STEPS}",
-                   "algorithm.routing_replay=r3", "algorithm.routing_replay_free_every=1",
-                   "logging.plot=false", "cluster.max_restarts=0")
+    proc = _launch(
+        run,
+        model,
+        tmp_path / "data",
+        f"total_steps={STEPS}",
+        "algorithm.routing_replay=r3",
+        "algorithm.routing_replay_free_every=1",
+        "logging.plot=false",
+        "cluster.max_restarts=0",
+    )
     rc, out = _finish(proc, timeout=400)
     assert rc == 0, out[-4000:]
     rows = [r for r in _metrics(run) if r["step"]]

@@ -13,6 +13,7 @@ at step 2) and relaunched by the supervisor, so step 3 is redone:
 - ``samples.jsonl`` holds the logged groups decoded by the model's tokenizer, and the eval
   pass's completions.
 """
+
 import json
 import os
 import signal
@@ -26,8 +27,11 @@ from tests.helpers.local_runs import ROOT, _finish, _launch, _metrics, _trainer_
 from tests.helpers.tracker_readers import mlflow_client, wandb_history
 
 pytestmark = pytest.mark.slow
-SECRETS = {"dataplane.secret": "hmac-e2e-4242", "rollout.api_key": "server-e2e-4343",
-           "agent": "agent-e2e-4444"}
+SECRETS = {
+    "dataplane.secret": "hmac-e2e-4242",
+    "rollout.api_key": "server-e2e-4343",
+    "agent": "agent-e2e-4444",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,33 +41,48 @@ def run(assets, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trackers")
     run, gate, home = tmp / "run", tmp / "gate", tmp / "home"
     gate.mkdir()
-    (tmp / "eval.jsonl").write_text("".join(
-        line + "\n" for line in (data / "test.jsonl").read_text().splitlines()[:2]))
-    kwargs = {"command": f"{sys.executable} {ROOT / 'tests' / 'helpers' / 'counted_agent.py'}",
-              "timeout_s": 600, "max_concurrent": 2,
-              "env": {"AGENT_GATE": str(gate), "SOME_API_KEY": SECRETS["agent"]}}
-    os.environ["HOME"], old_home = str(home), os.environ.get("HOME")   # no ~/.netrc
-    old_wandb = {k: os.environ.pop(k) for k in ("WANDB_MODE", "WANDB_API_KEY")
-                 if k in os.environ}
+    (tmp / "eval.jsonl").write_text(
+        "".join(line + "\n" for line in (data / "test.jsonl").read_text().splitlines()[:2])
+    )
+    kwargs = {
+        "command": f"{sys.executable} {ROOT / 'tests' / 'helpers' / 'counted_agent.py'}",
+        "timeout_s": 600,
+        "max_concurrent": 2,
+        "env": {"AGENT_GATE": str(gate), "SOME_API_KEY": SECRETS["agent"]},
+    }
+    os.environ["HOME"], old_home = str(home), os.environ.get("HOME")  # no ~/.netrc
+    old_wandb = {k: os.environ.pop(k) for k in ("WANDB_MODE", "WANDB_API_KEY") if k in os.environ}
     try:
-        proc = _launch(run, model, data, "total_steps=4", "recover=auto",
-                       "checkpoint.save_every=2", "cluster.max_restarts=2",
-                       "rollout.batch_size=2", "rollout.n_samples=2", "rollout.max_concurrent=1",
-                       "rollout.max_head_offpolicyness=4",
-                       "rollout.workflow=areal_mega.workflow.external_agent:ExternalAgent",
-                       f"rollout.workflow_kwargs={json.dumps(kwargs)}",
-                       f"dataplane.secret={SECRETS['dataplane.secret']}",
-                       f"rollout.api_key={SECRETS['rollout.api_key']}",
-                       "logging.trackers=[wandb,mlflow]", "logging.log_samples_every=1",
-                       "logging.log_samples_groups=1", f"eval.data=[{tmp / 'eval.jsonl'}]",
-                       "eval.every_steps=4", "logging.plot=false")
+        proc = _launch(
+            run,
+            model,
+            data,
+            "total_steps=4",
+            "recover=auto",
+            "checkpoint.save_every=2",
+            "cluster.max_restarts=2",
+            "rollout.batch_size=2",
+            "rollout.n_samples=2",
+            "rollout.max_concurrent=1",
+            "rollout.max_head_offpolicyness=4",
+            "rollout.workflow=areal_mega.workflow.external_agent:ExternalAgent",
+            f"rollout.workflow_kwargs={json.dumps(kwargs)}",
+            f"dataplane.secret={SECRETS['dataplane.secret']}",
+            f"rollout.api_key={SECRETS['rollout.api_key']}",
+            "logging.trackers=[wandb,mlflow]",
+            "logging.log_samples_every=1",
+            "logging.log_samples_groups=1",
+            f"eval.data=[{tmp / 'eval.jsonl'}]",
+            "eval.every_steps=4",
+            "logging.plot=false",
+        )
         deadline = time.time() + 300
         while time.time() < deadline and len([r for r in _metrics(run) if r["step"]]) < 3:
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             time.sleep(0.5)
-        assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]   # waits for prompt 9
+        assert [r["step"] for r in _metrics(run)] == [0, 1, 2, 3]  # waits for prompt 9
         os.kill(_trainer_pid(run), signal.SIGKILL)
-        (gate / "open").touch()                    # the relaunched worker's agents go on
+        (gate / "open").touch()  # the relaunched worker's agents go on
         rc, out = _finish(proc, timeout=400)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -82,10 +101,10 @@ def test_trackers_hold_every_step_once_with_the_reward_of_metrics_jsonl(run):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     reward = {r["step"]: r["reward/mean"] for r in rows if "reward/mean" in r}
     history = [h for h in wandb_history(run) if "reward/mean" in h]
-    assert [h["_step"] for h in history] == [1, 2, 3, 4]            # step 3 not logged twice
+    assert [h["_step"] for h in history] == [1, 2, 3, 4]  # step 3 not logged twice
     assert {h["_step"]: h["reward/mean"] for h in history} == pytest.approx(reward)
     client, run_id = mlflow_client(run)
-    got = client.get_metric_history(run_id, "reward.mean")     # a file store: "/" -> "."
+    got = client.get_metric_history(run_id, "reward.mean")  # a file store: "/" -> "."
     assert sorted(m.step for m in got) == [1, 2, 3, 4]
     assert {m.step: m.value for m in got} == pytest.approx(reward)
     evals = {h["_step"] for h in wandb_history(run) if "eval/pass@1" in h}
@@ -101,8 +120,12 @@ def test_trackers_hold_every_step_once_with_the_reward_of_metrics_jsonl(run):
 
 def test_no_secret_in_any_tracker_file(run):
     files = [f for d in ("wandb", "mlruns") for f in (run / d).rglob("*") if f.is_file()]
-    files += [run / "wandb_run.json", run / "mlflow_run.json", run / "samples.jsonl",
-              run / "metrics.jsonl"]
+    files += [
+        run / "wandb_run.json",
+        run / "mlflow_run.json",
+        run / "samples.jsonl",
+        run / "metrics.jsonl",
+    ]
     assert len(files) > 10
     leaked = [str(f) for f in files for s in SECRETS.values() if s.encode() in f.read_bytes()]
     assert leaked == []
@@ -117,9 +140,12 @@ def test_agent_failures_by_reason_equal_the_workers_counts(run):
     sums: dict = {}
     for r in rows:
         for k, v in r.items():
-            if k.startswith("rollout/") and k.split("/")[1] not in ("servers", "resumptions",
-                                                                  "server"):
-                sums[k[len("rollout/"):]] = sums.get(k[len("rollout/"):], 0) + v
+            if k.startswith("rollout/") and k.split("/")[1] not in (
+                "servers",
+                "resumptions",
+                "server",
+            ):
+                sums[k[len("rollout/") :]] = sums.get(k[len("rollout/") :], 0) + v
     worker = json.loads((run / "rollout_state.json").read_text())["counts"]
     assert sums == pytest.approx(worker)
     # prompts 0..8 (steps 1-3): 1, 4, 7 fail 3 times with 2 samples each and are dropped
@@ -128,12 +154,25 @@ def test_agent_failures_by_reason_equal_the_workers_counts(run):
     first = {}
     for r in rows:
         if 1 <= r["step"] <= 3:
-            for k in ("agent_failed/exit_code", "agent_failed/no_reward", "agent_ok",
-                      "dropped_prompts", "dropped/out_of_retries", "retries", "failed"):
+            for k in (
+                "agent_failed/exit_code",
+                "agent_failed/no_reward",
+                "agent_ok",
+                "dropped_prompts",
+                "dropped/out_of_retries",
+                "retries",
+                "failed",
+            ):
                 first[k] = first.get(k, 0) + r.get(f"rollout/{k}", 0)
-    assert first == {"agent_failed/exit_code": 18, "agent_failed/no_reward": 3, "agent_ok": 9,
-                     "dropped_prompts": 3, "dropped/out_of_retries": 3, "retries": 6,
-                     "failed": 9}
+    assert first == {
+        "agent_failed/exit_code": 18,
+        "agent_failed/no_reward": 3,
+        "agent_ok": 9,
+        "dropped_prompts": 3,
+        "dropped/out_of_retries": 3,
+        "retries": 6,
+        "failed": 9,
+    }
     assert worker["gateway/sessions"] >= 30
 
 
@@ -144,7 +183,7 @@ def test_samples_jsonl_holds_decoded_groups(run, assets):
     rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     assert sorted({r["step"] for r in train}) == [1, 2, 3, 4]
-    for step in (1, 2, 3, 4):                       # one group per step, redone step 3 once
+    for step in (1, 2, 3, 4):  # one group per step, redone step 3 once
         mine = [r for r in train if r["step"] == step]
         assert len({r["group_id"] for r in mine}) == 1 and 1 <= len(mine) <= 2
     for r in train:

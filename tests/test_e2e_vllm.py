@@ -2,6 +2,7 @@
 vLLM server (its own environment), the rollout worker, the trainer; 10 GRPO steps on the
 reverse task's prompts learn a fixed answer, no sample is trained twice, and the gloo
 broadcast through our worker extension keeps the server on the trainer's weights."""
+
 import json
 import os
 import signal
@@ -28,24 +29,47 @@ def assets(tmp_path_factory):
     # the same prompts, one answer for all: a random tiny model learns it within 10 steps
     # (the reversal itself takes the demo's 200)
     for name in ("train.jsonl", "test.jsonl"):
-        rows = [dict(json.loads(x), answer="0000") for x in
-                (d / "data" / name).read_text().splitlines() if x.strip()]
+        rows = [
+            dict(json.loads(x), answer="0000")
+            for x in (d / "data" / name).read_text().splitlines()
+            if x.strip()
+        ]
         (d / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return model, d / "data"
 
 
 def _run(run_dir, model, data, *extra, timeout=600):
-    args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
-            str(ROOT / "recipes" / "tiny-cpu.yaml"), "model_hparams=null",
-            f"model.path={model}", f"data.train_path={data / 'train.jsonl'}",
-            f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={run_dir}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-            "rollout.backend=vllm", "allocation=vllm:d1+megatron:d1",
-            f"rollout.vllm.python={vllm_python()}", "cluster.server_ready_timeout_s=400",
-            "cluster.kill_grace_s=5", "recover=off", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "areal_mega.launch.local",
+        "--config",
+        str(ROOT / "recipes" / "tiny-cpu.yaml"),
+        "model_hparams=null",
+        f"model.path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.test_path={data / 'test.jsonl'}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "rollout.backend=vllm",
+        "allocation=vllm:d1+megatron:d1",
+        f"rollout.vllm.python={vllm_python()}",
+        "cluster.server_ready_timeout_s=400",
+        "cluster.kill_grace_s=5",
+        "recover=off",
+        *extra,
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -67,18 +91,27 @@ def test_grpo_with_vllm_rollouts_learns_with_broadcast_weights(assets, tmp_path)
     reload is checked against the broadcast in test_vllm_backend.py.)"""
     model, data = assets
     run = tmp_path / "run"
-    rc, out = _run(run, model, data, "total_steps=10", "rollout.batch_size=8",
-                   "rollout.n_samples=8", "optimizer.lr=5e-3", "optimizer.warmup_steps=0",
-                   "rollout.weight_update=distributed", "rollout.weight_bucket_mb=1",
-                   "rollout.max_head_offpolicyness=0",
-                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
+    rc, out = _run(
+        run,
+        model,
+        data,
+        "total_steps=10",
+        "rollout.batch_size=8",
+        "rollout.n_samples=8",
+        "optimizer.lr=5e-3",
+        "optimizer.warmup_steps=0",
+        "rollout.weight_update=distributed",
+        "rollout.weight_bucket_mb=1",
+        "rollout.max_head_offpolicyness=0",
+        "rollout.reward_fn=areal_mega.rewards:char_match_reward",
+    )
     assert rc == 0, out[-4000:]
     rows = _rows(run, "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 11))
     rewards = [r["reward/mean"] for r in rows]
     print("reward per step:", [round(x, 3) for x in rewards])
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
-    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])     # the weights moved
+    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])  # the weights moved
     checked = [r for r in rows if r.get("mismatch_tokens", 0) > 0]
     print("tokens of the evaluated version per step:", [r.get("mismatch_tokens") for r in rows])
     assert checked == rows, [r.get("mismatch_tokens") for r in rows]
@@ -88,5 +121,7 @@ def test_grpo_with_vllm_rollouts_learns_with_broadcast_weights(assets, tmp_path)
     assert len(ids) == len(set(ids)) == 10 * 8 * 8
     assert max(r["staleness/max"] for r in rows) == 0
     log = (run / "logs" / "rollout0.log").read_text()
-    assert "vllm" in log.lower() and "Traceback" not in (run / "logs" /
-                                                         "rollout_worker.log").read_text()
+    assert (
+        "vllm" in log.lower()
+        and "Traceback" not in (run / "logs" / "rollout_worker.log").read_text()
+    )

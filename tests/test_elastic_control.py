@@ -4,6 +4,7 @@ out of its own timeout (a clear error, the process stopped, the members unchange
 ``list`` answers in well under a second and shows the operation; then the sequence of the
 issue through launch.local (add 2, SIGKILL the newest server, remove --drain both added, list),
 listing all along."""
+
 import json
 import os
 import signal
@@ -22,8 +23,15 @@ from areal_mega.launch.elastic import ScaleService
 from areal_mega.launch.scale import run_command
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.run_dir import RunDir
-from tests.helpers.local_runs import (_finish, _launch, _metrics, _server_proc, _trained,
-                                      _trainer_pid, _wait)
+from tests.helpers.local_runs import (
+    _finish,
+    _launch,
+    _metrics,
+    _server_proc,
+    _trained,
+    _trainer_pid,
+    _wait,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
@@ -60,14 +68,24 @@ def test_add_that_never_gets_ready_times_out_while_list_answers(tmp_path):
     cfg = load_config(ROOT / "recipes/tiny-cpu.yaml", [f"logging.run_dir={tmp_path / 'run'}"])
     paths = RunDir.from_config(cfg)
     paths.root.mkdir(parents=True)
-    sup = Supervisor([ProcessSpec("main", SLEEP, kind="main")], paths.logs, grace_s=2,
-                     echo=lambda msg: None)
+    sup = Supervisor(
+        [ProcessSpec("main", SLEEP, kind="main")], paths.logs, grace_s=2, echo=lambda msg: None
+    )
     runner = threading.Thread(target=sup.run, daemon=True)
     runner.start()
-    never_ready = lambda slot: ProcessSpec(f"rollout{slot.index}", SLEEP,    # noqa: E731
-                                           ready=lambda: False, ready_timeout_s=600)
-    svc = ScaleService(cfg, sup, paths, never_ready,
-                       {"rollout0": {"addr": "127.0.0.1:9", "owned": False, "gpus": []}})
+    never_ready = lambda slot: ProcessSpec(
+        f"rollout{slot.index}",
+        SLEEP,  # noqa: E731
+        ready=lambda: False,
+        ready_timeout_s=600,
+    )
+    svc = ScaleService(
+        cfg,
+        sup,
+        paths,
+        never_ready,
+        {"rollout0": {"addr": "127.0.0.1:9", "owned": False, "gpus": []}},
+    )
     lister = _Lister(paths.launcher_endpoint)
     link = RolloutLink(paths.launcher_endpoint, timeout_s=30, peer="launcher")
     try:
@@ -78,9 +96,12 @@ def test_add_that_never_gets_ready_times_out_while_list_answers(tmp_path):
         assert time.monotonic() - t0 < 15
         lister.stop.set()
         lister.join(30)
-        assert "rollout1" not in sup.running                      # stopped, not left behind
-        sleepers = [p for p in psutil.Process().children(recursive=True)
-                    if "time.sleep(300)" in " ".join(p.cmdline())]
+        assert "rollout1" not in sup.running  # stopped, not left behind
+        sleepers = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if "time.sleep(300)" in " ".join(p.cmdline())
+        ]
         assert [p.pid for p in sleepers] == [sup.running["main"].proc.pid]
         final = run_command(link, {"cmd": "list"}, timeout_s=3)
         assert [m["id"] for m in final["members"]] == ["rollout0"]
@@ -88,8 +109,9 @@ def test_add_that_never_gets_ready_times_out_while_list_answers(tmp_path):
         assert json.loads(paths.rollout_servers_file.read_text())["ids"] == ["rollout0"]
         # every list answered in time, and showed the add while it waited
         assert len(lister.seen) >= 5 and lister.slowest() < 1.0, lister.slowest()
-        assert any(op["cmd"] == "add" and op["state"] == "starting rollout1"
-                   for op in lister.ops()), lister.ops()
+        assert any(
+            op["cmd"] == "add" and op["state"] == "starting rollout1" for op in lister.ops()
+        ), lister.ops()
     finally:
         lister.stop.set()
         link.close()
@@ -101,16 +123,23 @@ def test_add_that_never_gets_ready_times_out_while_list_answers(tmp_path):
 def _scale(run, *args, wait=True):
     """``launch.scale`` as an operator runs it: (exit code, JSON reply or stderr, seconds), or
     the running process with ``wait=False``."""
-    proc = subprocess.Popen([sys.executable, "-m", "areal_mega.launch.scale", "--run-dir",
-                             str(run), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_mega.launch.scale", "--run-dir", str(run), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     if not wait:
         return proc
     t0 = time.monotonic()
     out, err = proc.communicate(timeout=600)
-    return proc.returncode, (json.loads(out) if proc.returncode == 0 else err), \
-        time.monotonic() - t0
+    return (
+        proc.returncode,
+        (json.loads(out) if proc.returncode == 0 else err),
+        time.monotonic() - t0,
+    )
 
 
 @pytest.mark.slow
@@ -119,9 +148,17 @@ def test_list_answers_through_add_kill_and_drains(assets, tmp_path):
     model, data = assets
     run = tmp_path / "run"
     total = 40
-    proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
-                   "checkpoint.save_every=0", "cluster.max_restarts=3", "logging.plot=false",
-                   "rollout.max_new_tokens=48")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={total}",
+        "recover=off",
+        "checkpoint.save_every=0",
+        "cluster.max_restarts=3",
+        "logging.plot=false",
+        "rollout.max_new_tokens=48",
+    )
     _wait(lambda: (run / "launcher.sock").exists(), proc, "the launcher socket")
     lister = _Lister(RunDir(run, run, "", "").launcher_endpoint)
     trainer = None
@@ -129,10 +166,10 @@ def test_list_answers_through_add_kill_and_drains(assets, tmp_path):
         _wait(lambda: len(_metrics(run)) >= 2, proc, "step 2")
         lister.start()
         trainer = psutil.Process(_trainer_pid(run))
-        trainer.suspend()        # servers boot for as long as ~20 steps take: keep the run going
+        trainer.suspend()  # servers boot for as long as ~20 steps take: keep the run going
         adding = _scale(run, "--add", "2", wait=False)
         _wait(lambda: any(op["cmd"] == "add" for op in lister.ops()), proc, "the add listed")
-        rc, during, cli_s = _scale(run, "--list")       # the operator's CLI, meanwhile
+        rc, during, cli_s = _scale(run, "--list")  # the operator's CLI, meanwhile
         assert rc == 0 and [op["cmd"] for op in during["operations"]] == ["add"], during
         out, err = adding.communicate(timeout=600)
         trainer.resume()
@@ -142,8 +179,13 @@ def test_list_answers_through_add_kill_and_drains(assets, tmp_path):
 
         newest = _server_proc(json.loads(out)["added"][-1]["addr"].rsplit(":", 1)[1])
         newest.kill()
-        _wait(lambda: any(op["cmd"] == "relaunch" and op["target"] == "rollout2"
-                          for op in lister.ops()), proc, "the relaunch of rollout2 listed")
+        _wait(
+            lambda: any(
+                op["cmd"] == "relaunch" and op["target"] == "rollout2" for op in lister.ops()
+            ),
+            proc,
+            "the relaunch of rollout2 listed",
+        )
         assert len(_metrics(run)) <= total - 5, "too late for the removals"
         removing = [_scale(run, "--remove", sid, "--drain", wait=False) for sid in added[::-1]]
         for p in removing:
@@ -166,6 +208,8 @@ def test_list_answers_through_add_kill_and_drains(assets, tmp_path):
     seen = {(op["cmd"], op["target"]) for op in lister.ops()}
     assert ("relaunch", "rollout2") in seen and ("add", "2 server(s)") in seen, seen
     slowest = lister.slowest()
-    print(f"{len(lister.seen)} lists, slowest {slowest:.3f} s; CLI --list during the add "
-          f"{cli_s:.2f} s (interpreter start included); operations seen {sorted(seen)}")
+    print(
+        f"{len(lister.seen)} lists, slowest {slowest:.3f} s; CLI --list during the add "
+        f"{cli_s:.2f} s (interpreter start included); operations seen {sorted(seen)}"
+    )
     assert slowest < 2.0, slowest

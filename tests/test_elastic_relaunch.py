@@ -3,6 +3,7 @@ servers: one is SIGKILLed mid-run. launch.local relaunches it, the worker holds 
 until the trainer's next update re-forms the weight-update group with it, and it then takes
 requests again. The run finishes, every sample is trained exactly once, and every token
 tagged with the trainer's version has the trainer's logprob (whichever server made it)."""
+
 import json
 import os
 import signal
@@ -12,8 +13,17 @@ import urllib.request
 import psutil
 import pytest
 
-from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _server_ports,
-                                      _server_proc, _trained, _trainer_pid, _wait)
+from tests.helpers.local_runs import (
+    _accepted_ids,
+    _finish,
+    _launch,
+    _metrics,
+    _server_ports,
+    _server_proc,
+    _trained,
+    _trainer_pid,
+    _wait,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -22,11 +32,20 @@ def test_killed_server_is_relaunched_into_the_distributed_group(assets, tmp_path
     model, data = assets
     run = tmp_path / "run"
     total = 30
-    proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
-                   "allocation=local:d2+megatron:d1", "rollout.weight_update=distributed",
-                   "rollout.weight_bucket_mb=1", "cluster.max_restarts=2", "logging.plot=false",
-                   "rollout.max_new_tokens=12",
-                   "rollout.reward_fn=areal_mega.rewards:char_match_reward")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={total}",
+        "recover=off",
+        "allocation=local:d2+megatron:d1",
+        "rollout.weight_update=distributed",
+        "rollout.weight_bucket_mb=1",
+        "cluster.max_restarts=2",
+        "logging.plot=false",
+        "rollout.max_new_tokens=12",
+        "rollout.reward_fn=areal_mega.rewards:char_match_reward",
+    )
     sup_log = run / "logs" / "supervisor.log"
     worker_log = run / "logs" / "rollout_worker.log"
     _wait(lambda: len(_metrics(run)) >= 2, proc, "step 2")
@@ -42,10 +61,16 @@ def test_killed_server_is_relaunched_into_the_distributed_group(assets, tmp_path
     _suspend_between_updates(trainer, [port0, port])
     os.kill(victim.pid, signal.SIGKILL)
     try:
-        _wait(lambda: "rollout1 failed (killed by signal 9); relaunch 1/2" in
-              sup_log.read_text(), proc, "the relaunch of rollout1")
-        _wait(lambda: "pending until the next weight broadcast" in worker_log.read_text(),
-              proc, "rollout1 back, pending")
+        _wait(
+            lambda: "rollout1 failed (killed by signal 9); relaunch 1/2" in sup_log.read_text(),
+            proc,
+            "the relaunch of rollout1",
+        )
+        _wait(
+            lambda: "pending until the next weight broadcast" in worker_log.read_text(),
+            proc,
+            "rollout1 back, pending",
+        )
     finally:
         trainer.resume()
     back_at = len(_metrics(run))
@@ -70,8 +95,10 @@ def test_killed_server_is_relaunched_into_the_distributed_group(assets, tmp_path
     assert max(r["staleness/max"] for r in rows[1:]) <= 1
     log = worker_log.read_text()
     assert "Traceback" not in log
-    print(f"killed at step {killed_at}, back (pending) at step {back_at}; servers per step "
-          f"{servers}; requests on rollout1 {reqs}")
+    print(
+        f"killed at step {killed_at}, back (pending) at step {back_at}; servers per step "
+        f"{servers}; requests on rollout1 {reqs}"
+    )
 
 
 def _paused(port) -> bool:

@@ -1,5 +1,6 @@
 """Pure parts of elastic rollout: GPU choice for new servers, the scale CLI's requests, the
 rollout server metrics, address checks."""
+
 import argparse
 
 import pytest
@@ -20,10 +21,15 @@ def test_scale_requests():
     ns = dict(list=False, add=None, add_addr=None, remove=None, drain=False)
     assert request_of(argparse.Namespace(**{**ns, "list": True})) == {"cmd": "list"}
     assert request_of(argparse.Namespace(**{**ns, "add": 2})) == {"cmd": "add", "n": 2}
-    assert request_of(argparse.Namespace(**{**ns, "add_addr": "h:1"})) == \
-        {"cmd": "add_addr", "addr": "h:1"}
-    assert request_of(argparse.Namespace(**{**ns, "remove": "rollout1", "drain": True})) == \
-        {"cmd": "remove", "id": "rollout1", "drain": True}
+    assert request_of(argparse.Namespace(**{**ns, "add_addr": "h:1"})) == {
+        "cmd": "add_addr",
+        "addr": "h:1",
+    }
+    assert request_of(argparse.Namespace(**{**ns, "remove": "rollout1", "drain": True})) == {
+        "cmd": "remove",
+        "id": "rollout1",
+        "drain": True,
+    }
 
 
 def test_scale_cli_bad_arguments(tmp_path, capsys):
@@ -40,13 +46,22 @@ def test_scale_cli_bad_arguments(tmp_path, capsys):
 
 
 def test_pool_metrics_and_addresses():
-    stats = {"live_servers": 2, "resumptions": 3,
-             "servers": [{"addr": "http://10.0.0.1:30000", "requests": 5, "tokens": 40},
-                         {"addr": "http://h:1", "requests": 0, "tokens": 0}]}
+    stats = {
+        "live_servers": 2,
+        "resumptions": 3,
+        "servers": [
+            {"addr": "http://10.0.0.1:30000", "requests": 5, "tokens": 40},
+            {"addr": "http://h:1", "requests": 0, "tokens": 0},
+        ],
+    }
     assert pool_metrics(stats) == {
-        "rollout/servers": 2, "rollout/resumptions": 3,
-        "rollout/server/10_0_0_1_30000/requests": 5, "rollout/server/10_0_0_1_30000/tokens": 40,
-        "rollout/server/h_1/requests": 0, "rollout/server/h_1/tokens": 0}
+        "rollout/servers": 2,
+        "rollout/resumptions": 3,
+        "rollout/server/10_0_0_1_30000/requests": 5,
+        "rollout/server/10_0_0_1_30000/tokens": 40,
+        "rollout/server/h_1/requests": 0,
+        "rollout/server/h_1/tokens": 0,
+    }
     assert normalize_addr("h:8000") == normalize_addr("http://h:8000/") == "http://h:8000"
     for bad in ("h", "h:x", "h:0", ":80", "h:70000"):
         with pytest.raises(ServerPoolError, match="expected host:port"):

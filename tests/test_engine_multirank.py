@@ -7,6 +7,7 @@ terms, a GSPO / sequence-mean variant on the pipeline layouts, SFT on the MoE la
 VPP scenario trains the interleaved pipeline (PP2 × VPP2) with equal and variable micro-batch
 lengths.
 """
+
 import os
 
 import pytest
@@ -16,15 +17,18 @@ from areal_mega.common.net import free_port
 from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.workers import worker_cmd
 
-WORKER = "engine_worker"   # tests.helpers.engine_worker
+WORKER = "engine_worker"  # tests.helpers.engine_worker
 TOL = 1e-5
 
 
 def _launch(scenario, tmp_path, world=2, timeout=240):
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([worker_cmd(WORKER, scenario, r, world, port, tmp_path)
-                       for r in range(world)], timeout=timeout, env=env)
+    ranks = run_ranks(
+        [worker_cmd(WORKER, scenario, r, world, port, tmp_path) for r in range(world)],
+        timeout=timeout,
+        env=env,
+    )
     return rank_results([tmp_path / f"{scenario}.{r}.json" for r in range(world)], ranks)
 
 
@@ -48,8 +52,10 @@ def _worst(results, key):
     return max(r[key] for r in results)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2sp", "qwen2_tp2sp", "pp2_tied",
-                                    "pp2_shared_prompts", "tp2_shared_prompts"])
+@pytest.mark.parametrize(
+    "layout",
+    ["dp2", "tp2", "tp2sp", "qwen2_tp2sp", "pp2_tied", "pp2_shared_prompts", "tp2_shared_prompts"],
+)
 def test_dense_layouts_match_single_rank(dense, layout):
     for what in ("logprobs", "grads", "loss", "n_tokens"):
         assert _worst(dense, f"{layout}.{what}") < TOL, (layout, what, dense[0])
@@ -68,8 +74,12 @@ def test_shared_prompts_ran_once_under_the_pipeline(dense):
     but its last token once; the 3-token prompt's group too), compared above."""
     for r in dense:
         # packed lengths 53, 89, 20, 21 padded to multiples of 8; groups of 3, 4, 2, 3 samples
-        assert r["pp2_shared_prompts.model_rows"] == [56 - 2 * 10, 96 - 3 * 16, 24 - 7,
-                                                      24 - 2 * 2], r
+        assert r["pp2_shared_prompts.model_rows"] == [
+            56 - 2 * 10,
+            96 - 3 * 16,
+            24 - 7,
+            24 - 2 * 2,
+        ], r
 
 
 def test_packed_equals_alone(dense):
@@ -85,7 +95,7 @@ def test_checkpoint_tp1_to_tp2_reload(dense):
 def test_ten_steps_lower_loss(dense):
     for r in dense:
         assert r["train10.last_loss"] < r["train10.first_loss"] - 0.05, r
-        if not torch.cuda.is_available():     # compat's cpu_fused_adam: torch's fused kernel
+        if not torch.cuda.is_available():  # compat's cpu_fused_adam: torch's fused kernel
             assert r["train10.adam_fused"] == 1.0, r
 
 
@@ -102,7 +112,7 @@ def test_interleaved_pipeline_trains_like_single_rank(vpp, case):
     for r in vpp:
         for what in ("logprobs", "grads", "loss", "n_tokens", "step_loss", "step_params"):
             assert r[f"{case}.{what}"] < TOL, (case, what, r)
-        assert r[f"{case}.step_moved"] > 1e-4, r     # the step really moved the weights
+        assert r[f"{case}.step_moved"] > 1e-4, r  # the step really moved the weights
 
 
 def test_interleaved_pipeline_refuses_a_micro_batch_count_not_a_multiple_of_pp(vpp):
@@ -118,6 +128,7 @@ def test_moe_layouts_match_single_rank(moe, layout):
 
 def _cuda_count():
     import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -1,5 +1,6 @@
 """Attention backend selection, TransformerEngine probing and GPU-fusion decisions (pure
 functions, exercised on CPU with fake TE packages and injected facts)."""
+
 import importlib
 import sys
 
@@ -31,11 +32,14 @@ def _fake_te(tmp_path, monkeypatch, init_src):
     importlib.invalidate_caches()
 
 
-@pytest.mark.parametrize("body, err", [
-    ("raise OSError('libcudnn.so.9: cannot open shared object file')", "libcudnn"),
-    ("raise RuntimeError('CUDA driver version is insufficient')", "CUDA driver"),
-    ("import transformer_engine_torch_missing_ext", "transformer_engine_torch_missing_ext"),
-])
+@pytest.mark.parametrize(
+    "body, err",
+    [
+        ("raise OSError('libcudnn.so.9: cannot open shared object file')", "libcudnn"),
+        ("raise RuntimeError('CUDA driver version is insufficient')", "CUDA driver"),
+        ("import transformer_engine_torch_missing_ext", "transformer_engine_torch_missing_ext"),
+    ],
+)
 def test_broken_te_raises_instead_of_meaning_no_te(tmp_path, monkeypatch, body, err):
     _fake_te(tmp_path, monkeypatch, body + "\n")
     st = B.probe_te()
@@ -98,42 +102,59 @@ def test_config_backend_follows_the_process_commitment(monkeypatch):
     assert B.config_attention_backend(None, use_te=False) == "flash"  # e.g. the converter
     assert B.config_attention_backend("local", use_te=False) == "flash"
     from megatron.core.transformer.enums import AttnBackend
+
     assert B.attn_backend_enum("fused") is AttnBackend.fused
 
 
 def test_fusions_all_off_on_cpu():
     f = B.decide_fusions(cuda=False, use_te=True, te_version="2.11", apex_grad_accum=True)
-    assert f == dict(apply_rope_fusion=False, bias_activation_fusion=False,
-                     gradient_accumulation_fusion=False)
+    assert f == dict(
+        apply_rope_fusion=False, bias_activation_fusion=False, gradient_accumulation_fusion=False
+    )
 
 
 def test_fusions_on_gpu_follow_te_and_apex():
     f = B.decide_fusions(cuda=True, use_te=True, te_version="2.11.0+abc", apex_grad_accum=True)
-    assert f == dict(apply_rope_fusion=True, bias_activation_fusion=True,
-                     gradient_accumulation_fusion=True)
+    assert f == dict(
+        apply_rope_fusion=True, bias_activation_fusion=True, gradient_accumulation_fusion=True
+    )
     f = B.decide_fusions(cuda=True, use_te=False, te_version=None, apex_grad_accum=False)
-    assert f == dict(apply_rope_fusion=False, bias_activation_fusion=True,
-                     gradient_accumulation_fusion=False)
-    assert not B.decide_fusions(cuda=True, use_te=True, te_version="1.3", apex_grad_accum=False
-                                )["apply_rope_fusion"]
-    assert not B.decide_fusions(cuda=True, use_te=True, te_version="1.11", apex_grad_accum=False,
-                                cp=2)["apply_rope_fusion"]
-    assert B.decide_fusions(cuda=True, use_te=True, te_version="1.12", apex_grad_accum=False,
-                            cp=2)["apply_rope_fusion"]
-    assert not B.decide_fusions(cuda=True, use_te=True, te_version="2.11", apex_grad_accum=False,
-                                activation="gelu")["bias_activation_fusion"]
+    assert f == dict(
+        apply_rope_fusion=False, bias_activation_fusion=True, gradient_accumulation_fusion=False
+    )
+    assert not B.decide_fusions(cuda=True, use_te=True, te_version="1.3", apex_grad_accum=False)[
+        "apply_rope_fusion"
+    ]
+    assert not B.decide_fusions(
+        cuda=True, use_te=True, te_version="1.11", apex_grad_accum=False, cp=2
+    )["apply_rope_fusion"]
+    assert B.decide_fusions(cuda=True, use_te=True, te_version="1.12", apex_grad_accum=False, cp=2)[
+        "apply_rope_fusion"
+    ]
+    assert not B.decide_fusions(
+        cuda=True, use_te=True, te_version="2.11", apex_grad_accum=False, activation="gelu"
+    )["bias_activation_fusion"]
 
 
 def test_transformer_config_uses_the_fusion_decision(monkeypatch):
     from areal_mega.compat import megatron_cpu
+
     megatron_cpu.apply()
     from areal_mega.models import builder
-    arch = builder.parse_hf_config(dict(
-        model_type="qwen3", vocab_size=100, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))
+
+    arch = builder.parse_hf_config(
+        dict(
+            model_type="qwen3",
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+        )
+    )
     c = builder.transformer_config_from_hf(arch)
-    assert not (c.apply_rope_fusion or c.bias_activation_fusion
-                or c.gradient_accumulation_fusion)
+    assert not (c.apply_rope_fusion or c.bias_activation_fusion or c.gradient_accumulation_fusion)
     # "GPU" without TE / apex: only megatron's own fused SwiGLU can be on
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     c = builder.transformer_config_from_hf(arch, use_te=False)

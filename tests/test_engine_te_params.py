@@ -1,5 +1,6 @@
 """THD PackedSeqParams: padded offsets only where sequences are padded (TransformerEngine
 otherwise assumes padding between sequences, or compares the tensors on the device)."""
+
 import types
 
 import pytest
@@ -50,12 +51,22 @@ def test_bad_offsets_name_the_problem():
 def test_engine_prepare_passes_no_padded_offsets_at_cp1():
     """The engine's own _prepare on the TE path (use_te forced, CPU tensors)."""
     from areal_mega.compat import megatron_cpu
+
     megatron_cpu.apply()
     from areal_mega.engine.megatron_engine import MegatronEngine
-    mesh = types.SimpleNamespace(dims=types.SimpleNamespace(tp=1, cp=1),
-                                 sequence_parallel=False, device=torch.device("cpu"), cp_rank=0)
-    fake = types.SimpleNamespace(mesh=mesh, use_te=True, replay=None,   # no routing replay
-                                 shares_prompt_prefix=False)           # never with TE
+
+    mesh = types.SimpleNamespace(
+        dims=types.SimpleNamespace(tp=1, cp=1),
+        sequence_parallel=False,
+        device=torch.device("cpu"),
+        cp_rank=0,
+    )
+    fake = types.SimpleNamespace(
+        mesh=mesh,
+        use_te=True,
+        replay=None,  # no routing replay
+        shares_prompt_prefix=False,
+    )  # never with TE
     batch = MegatronEngine._prepare(fake, _mb([3, 1, 2], pad=8))
     p = batch["packed_seq_params"]
     assert p.qkv_format == "thd" and batch["attention_mask"] is None

@@ -1,17 +1,31 @@
 """Pure parts of the engine: HF config -> TransformerConfig, vocab padding, packed helpers
 (labels check, block-diagonal mask) and the zigzag CP split / merge."""
+
 import pytest
 import torch
 
-from areal_mega.engine.packed import (block_causal_mask, micro_batch_labels, zigzag_index,
-                                      zigzag_merge, zigzag_split)
+from areal_mega.engine.packed import (
+    block_causal_mask,
+    micro_batch_labels,
+    zigzag_index,
+    zigzag_merge,
+    zigzag_split,
+)
 from areal_mega.models.builder import padded_vocab_size, parse_hf_config
 from areal_mega.scheduler.packing import pack_sequences, zigzag_cp_shard
 from areal_mega.train.batches import next_token_layout
 
-BASE = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, intermediate_size=96, max_position_embeddings=128,
-            rope_theta=123456.0, rms_norm_eps=1e-5)
+BASE = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=128,
+    rope_theta=123456.0,
+    rms_norm_eps=1e-5,
+)
 
 
 def test_parse_families():
@@ -22,9 +36,17 @@ def test_parse_families():
     assert q2.qkv_bias and not q2.qk_norm and not q2.tie_word_embeddings
     q3 = parse_hf_config(dict(BASE, model_type="qwen3", head_dim=32))
     assert q3.qk_norm and q3.head_dim == 32 and not q3.qkv_bias
-    moe = parse_hf_config(dict(BASE, model_type="qwen3_moe", num_experts=8,
-                               num_experts_per_tok=2, moe_intermediate_size=16,
-                               norm_topk_prob=False, mlp_only_layers=[0]))
+    moe = parse_hf_config(
+        dict(
+            BASE,
+            model_type="qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        )
+    )
     assert moe.is_moe and moe.moe_layer_pattern == (0, 1, 1, 1) and not moe.moe_norm_topk_prob
     with pytest.raises(ValueError, match="model_type"):
         parse_hf_config(dict(BASE, model_type="gpt2"))
@@ -34,10 +56,19 @@ def test_parse_families():
 
 def test_transformer_config_matches_hf():
     from areal_mega.compat import megatron_cpu
+
     megatron_cpu.apply()
     from areal_mega.models.builder import transformer_config_from_hf
-    arch = parse_hf_config(dict(BASE, model_type="qwen3_moe", num_experts=8,
-                                num_experts_per_tok=2, moe_intermediate_size=16))
+
+    arch = parse_hf_config(
+        dict(
+            BASE,
+            model_type="qwen3_moe",
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+        )
+    )
     c = transformer_config_from_hf(arch, tp=2, pp=2)
     assert (c.num_query_groups, c.kv_channels, c.layernorm_epsilon) == (2, 8, 1e-5)
     assert c.qk_layernorm and c.normalization == "RMSNorm" and c.gated_linear_unit
@@ -52,8 +83,8 @@ def test_interleaved_pp2_splits_forward_and_backward_p2p():
     """PP2 × VPP: separate forward/backward exchanges (the peer is both prev and next);
     other layouts keep megatron's batched p2p."""
     from areal_mega.models.builder import interleaved_p2p_settings
-    assert interleaved_p2p_settings(2, 2) == {"overlap_p2p_comm": True,
-                                              "batch_p2p_comm": False}
+
+    assert interleaved_p2p_settings(2, 2) == {"overlap_p2p_comm": True, "batch_p2p_comm": False}
     assert interleaved_p2p_settings(2, None) == {}
     assert interleaved_p2p_settings(4, 2) == {}
     assert interleaved_p2p_settings(2, 1) == {}
@@ -74,7 +105,7 @@ def test_labels_and_mask():
     mb = _mb([3, 1, 2], pad=4)  # T = 8: [0 1 2 | 100 | 200 201 | pad pad]
     labels = micro_batch_labels(mb, 8)
     assert labels.dtype == torch.long
-    assert labels.tolist() == [1, 2, -1, -1, 201, -1, -1, -1]   # -1: last token, padding
+    assert labels.tolist() == [1, 2, -1, -1, 201, -1, -1, -1]  # -1: last token, padding
     cp = _mb([3, 1], cp=2, pad=4)  # slots of 4: [0 1 2 pad | 100 pad pad pad]
     assert cp["labels"].tolist() == [1, 2, -1, -1, -1, -1, -1, -1]
     assert pack_sequences([], pad_to_multiple=4)["labels"].tolist() == [-1] * 4

@@ -1,6 +1,7 @@
 """``python -m areal_mega.eval`` end to end on a tiny HF model with CPU rollout servers: at
 temperature 0 it reproduces transformers' greedy decoding exactly (same completions, same
 rewards), from an HF directory and from one of our Megatron checkpoints alike."""
+
 import json
 
 import pytest
@@ -19,14 +20,26 @@ MAX_NEW = 6
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     d = tmp_path_factory.mktemp("eval_cli")
-    model = make_tiny_model(d / "model", arch="llama", charset="digits", hidden_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                            seed=3)
+    model = make_tiny_model(
+        d / "model",
+        arch="llama",
+        charset="digits",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        seed=3,
+    )
     _, test = write_task_files(d / "data", task="reverse", n_train=4, n_test=12)
     # a second file whose records name their source: the per-source breakdown uses it
     add = d / "data" / "mixed.jsonl"
-    add.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a),
-                                       "source": "add"}) + "\n" for a in range(10, 16)))
+    add.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "source": "add"}) + "\n"
+            for a in range(10, 16)
+        )
+    )
     return model, test, add
 
 
@@ -43,21 +56,48 @@ def hf_greedy(model_dir, data_files):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
             ids = tok(rec["prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"]
-            gen = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            new = gen[0, ids.shape[1]:].tolist()
+            gen = model.generate(
+                ids,
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+            new = gen[0, ids.shape[1] :].tolist()
             finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
             text = tok.decode(new, skip_special_tokens=True)
-            out.append({"output_ids": new, "completion": text, "finish": finish,
-                        "reward": reward(rec["prompt"], text, rec["answer"],
-                                         finish_reason=finish)})
+            out.append(
+                {
+                    "output_ids": new,
+                    "completion": text,
+                    "finish": finish,
+                    "reward": reward(rec["prompt"], text, rec["answer"], finish_reason=finish),
+                }
+            )
     return out
 
 
 def _common(data, out, *extra):
-    return ["--data", *map(str, data), "--temperature", "0", "--n-samples", "2",
-            "--max-new-tokens", str(MAX_NEW), "--reward-fn", REWARD, "--chat-template", "off",
-            "--pass-threshold", "0.2", "--out", str(out), "--no-progress", *extra]
+    return [
+        "--data",
+        *map(str, data),
+        "--temperature",
+        "0",
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--reward-fn",
+        REWARD,
+        "--chat-template",
+        "off",
+        "--pass-threshold",
+        "0.2",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +123,11 @@ def test_greedy_eval_equals_transformers_generate(assets, greedy_run):
     s = res["summary"]
     hf_pass = sum(w["reward"] >= 0.2 for w in want) / len(want)
     assert s["overall"]["pass@1"] == pytest.approx(hf_pass)
-    assert s["overall"]["pass@2"] == pytest.approx(hf_pass)    # identical samples
+    assert s["overall"]["pass@2"] == pytest.approx(hf_pass)  # identical samples
     assert s["overall"]["reward"] == pytest.approx(sum(w["reward"] for w in want) / 18)
     assert s["overall"]["truncation_rate"] == pytest.approx(
-        sum(w["finish"] == "length" for w in want) / 18)
+        sum(w["finish"] == "length" for w in want) / 18
+    )
     assert set(s["per_source"]) == {"test", "add"}
     assert s["per_source"]["add"]["n_prompts"] == 6
     written = json.loads(out.read_text())
@@ -101,8 +142,9 @@ def test_eval_of_a_megatron_checkpoint_equals_its_hf_model(assets, greedy_run, t
 
     model, test, add = assets
     ckpt = tmp_path / "ckpt"
-    convert_hf_to_mcore(model, ckpt, tp=2, dtype="fp32", make_vocab_size_divisible_by=1,
-                        progress=False)
+    convert_hf_to_mcore(
+        model, ckpt, tp=2, dtype="fp32", make_vocab_size_divisible_by=1, progress=False
+    )
     a = eval_main(["--checkpoint", str(ckpt), *_common([test, add], tmp_path / "a.json")])
     b = greedy_run[0]
     assert [r["output_ids"] for r in a["records"]] == [r["output_ids"] for r in b["records"]]
@@ -116,12 +158,16 @@ def test_bad_input_is_one_line_naming_it(assets, tmp_path, capsys):
     model, test, _ = assets
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1=", "answer": "1"}) + "\n")
-    cases = [(["--model", str(model), "--data", str(tmp_path / "none.jsonl")], "not found"),
-             (["--model", str(model), "--data", str(bad)], "missing field 'prompt'"),
-             (["--model", str(tmp_path), "--data", str(test)], "not an HF model directory"),
-             (["--checkpoint", str(tmp_path), "--data", str(test)], "no complete checkpoint"),
-             (["--model", str(model), "--data", str(test), "--reward-fn", "no_such:fn"],
-              "cannot import")]
+    cases = [
+        (["--model", str(model), "--data", str(tmp_path / "none.jsonl")], "not found"),
+        (["--model", str(model), "--data", str(bad)], "missing field 'prompt'"),
+        (["--model", str(tmp_path), "--data", str(test)], "not an HF model directory"),
+        (["--checkpoint", str(tmp_path), "--data", str(test)], "no complete checkpoint"),
+        (
+            ["--model", str(model), "--data", str(test), "--reward-fn", "no_such:fn"],
+            "cannot import",
+        ),
+    ]
     for argv, msg in cases:
         with pytest.raises(SystemExit) as e:
             cli(argv + ["--out", str(tmp_path / "r.json")])

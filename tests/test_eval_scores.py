@@ -1,5 +1,6 @@
 """The unbiased pass@k estimator and the evaluation summary (pure functions) on hand-computed
 cases."""
+
 from math import comb
 
 import pytest
@@ -49,14 +50,20 @@ def test_pass_ks():
 
 def _rec(source, rewards, lens=None, fins=None):
     n = len(rewards)
-    return {"source": source, "rewards": rewards, "response_lens": lens or [2] * n,
-            "finish_reasons": fins or ["stop"] * n}
+    return {
+        "source": source,
+        "rewards": rewards,
+        "response_lens": lens or [2] * n,
+        "finish_reasons": fins or ["stop"] * n,
+    }
 
 
 def test_summarize_overall_and_per_source():
-    recs = [_rec("a", [1, 0, 0, 0], lens=[1, 2, 3, 4], fins=["stop", "length", "stop", "stop"]),
-            _rec("a", [1, 1, 1, 1]),
-            _rec("b", [0, 0, 0.5, 0])]          # partial credit is not a pass at threshold 1
+    recs = [
+        _rec("a", [1, 0, 0, 0], lens=[1, 2, 3, 4], fins=["stop", "length", "stop", "stop"]),
+        _rec("a", [1, 1, 1, 1]),
+        _rec("b", [0, 0, 0.5, 0]),
+    ]  # partial credit is not a pass at threshold 1
     s = summarize(recs)
     o = s["overall"]
     assert o["n_prompts"] == 3 and o["n_samples"] == 4

@@ -4,6 +4,7 @@ TE's ``GroupedLinear`` (megatron's ``TEGroupedLinear`` with explicit expert comm
 marks the row-parallel expert ``linear_fc2`` with ``partition_dim=0`` although its shards are
 split on dim 1; the export must still produce HF ``down_proj`` of shape [hidden, moe_ffn].
 """
+
 import os
 import sys
 from pathlib import Path
@@ -21,11 +22,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_moe_arch() -> HFArch:
-    return HFArch(model_type="qwen3_moe", vocab_size=32, hidden_size=H, num_layers=1,
-                  num_heads=2, num_kv_heads=1, head_dim=4, ffn_hidden_size=10,
-                  max_position_embeddings=64, rope_theta=1e4, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, qkv_bias=False, qk_norm=True, num_experts=2,
-                  moe_topk=1, moe_ffn_hidden_size=MOE_FFN)
+    return HFArch(
+        model_type="qwen3_moe",
+        vocab_size=32,
+        hidden_size=H,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        ffn_hidden_size=10,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=True,
+        num_experts=2,
+        moe_topk=1,
+        moe_ffn_hidden_size=MOE_FFN,
+    )
 
 
 def full_fc1() -> torch.Tensor:
@@ -43,7 +58,7 @@ def test_row_parallel_shard_gathers_on_dim1():
 def test_column_parallel_and_vector_shards_gather_on_dim0():
     assert gather_axis("qkv", (8, H), (16, H), 2) == 0
     assert gather_axis("qkv.bias", (8,), (16,), 2) == 0
-    assert gather_axis("embedding", (16, H), (None, H), 4) == 0   # padded vocab: rows free
+    assert gather_axis("embedding", (16, H), (None, H), 4) == 0  # padded vocab: rows free
 
 
 def test_tp1_needs_no_gather_but_checks_shapes():
@@ -71,7 +86,9 @@ def test_expected_full_shapes_from_the_hf_config():
     fc2 = "mlp.experts.local_experts.{E}.linear_fc2.weight"
     assert expected_full_shape(arch, fc2) == (H, MOE_FFN)
     assert expected_full_shape(arch, "mlp.experts.local_experts.{E}.linear_fc1.weight") == (
-        2 * MOE_FFN, H)
+        2 * MOE_FFN,
+        H,
+    )
     assert expected_full_shape(arch, "self_attention.linear_qkv.weight") == (16, H)
     assert expected_full_shape(arch, "self_attention.linear_proj.weight") == (H, 8)
     assert expected_full_shape(arch, "output_layer.weight") == (None, H)
@@ -82,8 +99,12 @@ def test_te_grouped_fc2_with_lying_partition_dim_exports_down_proj(tmp_path):
     """Two gloo ranks export a TE-grouped-GEMM expert layer at expert TP 2."""
     port, out = free_port(), tmp_path / "export.pt"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for rc, log in run_ranks([[sys.executable, __file__, r, port, out] for r in range(TP)],
-                             timeout=240, env=env, cwd=ROOT):
+    for rc, log in run_ranks(
+        [[sys.executable, __file__, r, port, out] for r in range(TP)],
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    ):
         assert rc == 0, log[-4000:]
     got = torch.load(out)
     x = "model.layers.0.mlp.experts.0."
@@ -98,13 +119,13 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torch import nn
 
     from areal_mega.checkpoint.export import iter_hf_tensors
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=TP)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
     solo = [dist.new_group([r]) for r in range(TP)][rank]
     n = MOE_FFN // TP
     gate, up = full_fc1().chunk(2)
-    fc1 = torch.cat([gate[rank * n:(rank + 1) * n], up[rank * n:(rank + 1) * n]])
-    fc2 = full_fc2()[:, rank * n:(rank + 1) * n]
+    fc1 = torch.cat([gate[rank * n : (rank + 1) * n], up[rank * n : (rank + 1) * n]])
+    fc2 = full_fc2()[:, rank * n : (rank + 1) * n]
     layer = nn.Module()
     layer.layer_number = 1
     layer.mlp = nn.Module()
@@ -112,15 +133,19 @@ def _worker(rank: int, port: int, out: str) -> None:
     for mod_name, shard in (("linear_fc1", fc1), ("linear_fc2", fc2)):
         mod = nn.Module()
         w = nn.Parameter(shard.clone())
-        w.tensor_model_parallel, w.partition_dim = True, 0   # fc2's partition_dim lies
+        w.tensor_model_parallel, w.partition_dim = True, 0  # fc2's partition_dim lies
         mod.register_parameter("weight0", w)
         setattr(layer.mlp.experts, mod_name, mod)
     chunk = nn.Module()
     chunk.decoder = nn.Module()
     chunk.decoder.layers = nn.ModuleList([layer])
     world = dist.group.WORLD
-    got = {k: v.clone() for k, v in iter_hf_tensors([chunk], tiny_moe_arch(), tp_group=world,
-                                                    ep_group=solo, etp_group=world)}
+    got = {
+        k: v.clone()
+        for k, v in iter_hf_tensors(
+            [chunk], tiny_moe_arch(), tp_group=world, ep_group=solo, etp_group=world
+        )
+    }
     if rank == 0:
         torch.save(got, out)
     dist.barrier()

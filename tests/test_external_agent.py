@@ -2,6 +2,7 @@
 know only OPENAI_BASE_URL / OPENAI_API_KEY are trained episodes; one that crashes, hangs (its
 whole process group is killed), prints no reward or a malformed one is counted and logged,
 never fatal."""
+
 import sys
 import time
 from pathlib import Path
@@ -23,9 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_parse_reward():
     assert parse_reward('log\n{"reward": 0.5}\n\n') == 0.5
     assert parse_reward('{"reward": 1}') == 1.0
-    for out, msg in [("", "printed nothing"), ("done", "not JSON"),
-                     ('{"reward": "high"}', "no finite number"), ('{"reward": NaN}', "finite"),
-                     ('[1]', "no finite number")]:
+    for out, msg in [
+        ("", "printed nothing"),
+        ("done", "not JSON"),
+        ('{"reward": "high"}', "no finite number"),
+        ('{"reward": NaN}', "finite"),
+        ("[1]", "no finite number"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             parse_reward(out)
 
@@ -42,16 +47,31 @@ def test_agent_arguments_checked():
 def test_external_agents_ok_and_failures(server, models):
     started = time.time()
     tok = AutoTokenizer.from_pretrained(models["a"])
-    agent = build_workflow(ExternalAgent, {
-        "command": f"{sys.executable} {ROOT / 'tests' / 'helpers' / 'modes_agent.py'}",
-        "timeout_s": 12, "max_concurrent": 4}, WorkflowSettings(max_new_tokens=8))
+    agent = build_workflow(
+        ExternalAgent,
+        {
+            "command": f"{sys.executable} {ROOT / 'tests' / 'helpers' / 'modes_agent.py'}",
+            "timeout_s": 12,
+            "max_concurrent": 4,
+        },
+        WorkflowSettings(max_new_tokens=8),
+    )
     modes = ["ok", "crash", "hang", "noreward", "ok", "badreward"]
     items = [{"prompt": f"abc{i}", "answer": "", "mode": m} for i, m in enumerate(modes)]
     sink = GroupSink()
     client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=2)
-    ctl = RolloutController(client, agent, items, batch_size=len(items), n_samples=2, eta=0,
-                            sink=sink, tokenizer=tok, max_episode_retries=1,
-                            on_episode_failure="drop").start()
+    ctl = RolloutController(
+        client,
+        agent,
+        items,
+        batch_size=len(items),
+        n_samples=2,
+        eta=0,
+        sink=sink,
+        tokenizer=tok,
+        max_episode_retries=1,
+        on_episode_failure="drop",
+    ).start()
     try:
         deadline = time.monotonic() + 120
         while ctl.stats()["dropped_prompts"] + len(sink) < len(items):
@@ -66,28 +86,34 @@ def test_external_agents_ok_and_failures(server, models):
     assert st["agent_failed/exit_code"] == 2 and st["agent_failed/timeout"] == 2
     assert st["agent_failed/no_reward"] == 4
     for group in sink.groups:
-        assert len(group) == 2                      # no sample lost
+        assert len(group) == 2  # no sample lost
         for t in group:
             n_gen = int(t.loss_mask.sum())
             assert n_gen == 4 and t.prompt_len == len(t.input_ids) - 4
             assert 0.0 <= t.reward <= 1.0
     # the hanging agents' children died with their process group
-    left = [p for p in psutil.process_iter(["cmdline", "create_time"])
-            if p.info["cmdline"] == ["sleep", "300"] and p.info["create_time"] >= started]
+    left = [
+        p
+        for p in psutil.process_iter(["cmdline", "create_time"])
+        if p.info["cmdline"] == ["sleep", "300"] and p.info["create_time"] >= started
+    ]
     assert left == []
 
 
 def test_example_agent_runs(server, models):
     """examples/external_agent/agent.py through ExternalAgent: every sample is trained."""
     tok = AutoTokenizer.from_pretrained(models["a"])
-    agent = build_workflow(ExternalAgent, {
-        "command": f"{sys.executable} {ROOT / 'examples' / 'external_agent' / 'agent.py'}"},
-        WorkflowSettings())
+    agent = build_workflow(
+        ExternalAgent,
+        {"command": f"{sys.executable} {ROOT / 'examples' / 'external_agent' / 'agent.py'}"},
+        WorkflowSettings(),
+    )
     sink = GroupSink()
     client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=2)
     items = [{"prompt": "12345=", "answer": "54321"}, {"prompt": "777=", "answer": "777"}]
-    ctl = RolloutController(client, agent, items, batch_size=2, n_samples=3, eta=0, sink=sink,
-                            tokenizer=tok).start()
+    ctl = RolloutController(
+        client, agent, items, batch_size=2, n_samples=3, eta=0, sink=sink, tokenizer=tok
+    ).start()
     try:
         groups = sink.take(ctl, 2, timeout=120)
     finally:

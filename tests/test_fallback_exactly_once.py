@@ -2,6 +2,7 @@
 is SIGKILLed: the relaunched trainer falls back to the previous checkpoint, and the samples
 accepted between the two (journal segments a kept checkpoint still needs) are trained again,
 every sample of the run exactly once."""
+
 import os
 import signal
 import time
@@ -10,8 +11,14 @@ import psutil
 import pytest
 
 from tests.helpers.bit_flips import flip
-from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _snapshot_live_run,
-                                      _trained, _trainer_pid)
+from tests.helpers.local_runs import (
+    _accepted_ids,
+    _finish,
+    _launch,
+    _snapshot_live_run,
+    _trained,
+    _trainer_pid,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -20,16 +27,24 @@ def test_corrupt_newest_checkpoint_falls_back_and_trains_every_sample_once(asset
     model, data = assets
     run, total = tmp_path / "run", 8
     ckpts = run / "checkpoints"
-    proc = _launch(run, model, data, f"total_steps={total}", "recover=auto",
-                   "checkpoint.save_every=2", "checkpoint.keep_last=2", "cluster.max_restarts=2",
-                   "logging.plot=false")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={total}",
+        "recover=auto",
+        "checkpoint.save_every=2",
+        "checkpoint.keep_last=2",
+        "cluster.max_restarts=2",
+        "logging.plot=false",
+    )
     deadline = time.time() + 300
     latest = ckpts / "latest"
     while not (latest.is_file() and latest.read_text().strip() >= "iter_0000004"):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()[-3000:]
         time.sleep(0.2)
     trainer = psutil.Process(_trainer_pid(run))
-    trainer.suspend()                       # no save can complete while we pick the victim
+    trainer.suspend()  # no save can complete while we pick the victim
     newest = ckpts / latest.read_text().strip()
     step = int(newest.name.split("_")[1])
     previous = ckpts / f"iter_{step - 2:07d}"
@@ -55,5 +70,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_trains_every_sample_once(asset
     assert rolled_back <= set(ids), f"{len(rolled_back - set(ids))} rolled-back samples lost"
     lost = _accepted_ids(snap) - _accepted_ids(run)
     assert not lost, f"{len(lost)} accepted samples lost, e.g. {sorted(lost)[:3]}"
-    print(f"fallback iter_{step} -> iter_{step - 2}: {len(set(ids))} of {total * 16} samples "
-          f"trained exactly once, {len(rolled_back)} rolled-back samples trained again")
+    print(
+        f"fallback iter_{step} -> iter_{step - 2}: {len(set(ids))} of {total * 16} samples "
+        f"trained exactly once, {len(rolled_back)} rolled-back samples trained again"
+    )

@@ -1,6 +1,7 @@
 """The rollout server's decode speed-ups keep its semantics: oneDNN-prepacked linears give the
 model's outputs and follow every weight change; inverse-CDF sampling draws from the
 distribution and never picks a token of probability 0."""
+
 import threading
 
 import pytest
@@ -8,16 +9,27 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.models.tiny import make_tiny_model
-from areal_mega.inference.cpu_linear import (onednn_linear_available, pack_linear_layers,
-                                           unpack_linear_layers)
+from areal_mega.inference.cpu_linear import (
+    onednn_linear_available,
+    pack_linear_layers,
+    unpack_linear_layers,
+)
 from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.sampling import SamplingParams, inverse_cdf_pick
 
 
 def _tiny(tmp_path, name="m", seed=3):
-    path = make_tiny_model(tmp_path / name, arch="llama", hidden_size=64, num_layers=2,
-                           num_heads=4, num_kv_heads=2, seed=seed)
+    path = make_tiny_model(
+        tmp_path / name,
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        seed=seed,
+    )
     from transformers import AutoModelForCausalLM
+
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -50,8 +62,8 @@ def test_prepacked_weights_follow_in_place_and_replaced_weights(tmp_path):
     _, model = _tiny(tmp_path)
     pack_linear_layers(model)
     ids = torch.randint(3, 90, (2, 7), generator=torch.Generator().manual_seed(1))
-    _logits(model, ids)                                  # packs every layer once
-    sd = model.state_dict()                              # how the server writes updates
+    _logits(model, ids)  # packs every layer once
+    sd = model.state_dict()  # how the server writes updates
     name = "model.layers.0.mlp.down_proj.weight"
     with torch.no_grad():
         sd[name].copy_(torch.randn_like(sd[name]))
@@ -62,7 +74,7 @@ def test_prepacked_weights_follow_in_place_and_replaced_weights(tmp_path):
     pack_linear_layers(model)
     _logits(model, ids)
     proj = model.model.layers[1].self_attn.q_proj
-    proj.weight = torch.nn.Parameter(torch.randn_like(proj.weight))   # new storage
+    proj.weight = torch.nn.Parameter(torch.randn_like(proj.weight))  # new storage
     got = _logits(model, ids)
     unpack_linear_layers(model)
     torch.testing.assert_close(got, _logits(model, ids), atol=2e-5, rtol=1e-4)
@@ -83,8 +95,12 @@ def test_autograd_goes_through_f_linear():
 
 def _greedy(engine, prompt, n):
     done = threading.Event()
-    req = GenRequest(rid="r", input_ids=list(prompt), on_done=lambda r: done.set(),
-                     params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    req = GenRequest(
+        rid="r",
+        input_ids=list(prompt),
+        on_done=lambda r: done.set(),
+        params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+    )
     engine.submit(req)
     assert done.wait(60)
     return req
@@ -109,7 +125,7 @@ def test_server_weight_load_reaches_the_prepacked_layers(tmp_path):
     assert after.weight_version == "1"
     seq = prompt + after.output_ids
     ref = torch.log_softmax(_logits(model_b, torch.tensor([seq]))[0].float(), -1)
-    want_tokens = ref[len(prompt) - 1:-1].argmax(-1).tolist()
+    want_tokens = ref[len(prompt) - 1 : -1].argmax(-1).tolist()
     want_lps = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(after.output_ids)]
     assert after.output_ids == want_tokens
     assert after.logprobs == pytest.approx(want_lps, abs=1e-4)
@@ -117,15 +133,19 @@ def test_server_weight_load_reaches_the_prepacked_layers(tmp_path):
 
 
 def test_inverse_cdf_never_picks_a_zero_probability_token():
-    ps = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0],
-                       [0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
-                       [3.0, 0.0, 0.0, 0.0, 0.0, 1.0]])        # unnormalised row
-    for u in (0.0, 0.25, 0.5, 0.75, 1.0 - 2.0 ** -53):
+    ps = torch.tensor(
+        [
+            [0.0, 0.0, 0.5, 0.0, 0.5, 0.0],
+            [0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+            [3.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+        ]
+    )  # unnormalised row
+    for u in (0.0, 0.25, 0.5, 0.75, 1.0 - 2.0**-53):
         pick = inverse_cdf_pick(ps, torch.full((3,), u, dtype=torch.float64)).tolist()
         assert all(ps[r, i] > 0 for r, i in enumerate(pick)), (u, pick)
     pick = inverse_cdf_pick(ps, torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64))
     assert pick.tolist() == [2, 1, 0]
-    pick = inverse_cdf_pick(ps, torch.full((3,), 1.0 - 2.0 ** -53, dtype=torch.float64))
+    pick = inverse_cdf_pick(ps, torch.full((3,), 1.0 - 2.0**-53, dtype=torch.float64))
     assert pick.tolist() == [4, 1, 5]
 
 

@@ -1,6 +1,7 @@
 """The CPU server's batched decoder in process (no HTTP): a pause that lands while a request is
 being admitted still aborts it, so no token decoded after a weight load carries the old
 version (seen as a flaky `test_interrupted_generation_is_stitched` on a loaded machine)."""
+
 import threading
 
 import pytest
@@ -12,8 +13,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _request(rid: str, done: threading.Event) -> GenRequest:
-    return GenRequest(rid=rid, input_ids=[5, 6, 7, 8], on_done=lambda r: done.set(),
-                      params=SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+    return GenRequest(
+        rid=rid,
+        input_ids=[5, 6, 7, 8],
+        on_done=lambda r: done.set(),
+        params=SamplingParams(max_new_tokens=10_000, ignore_eos=True),
+    )
 
 
 @pytest.fixture
@@ -46,10 +51,10 @@ def test_pause_during_admission_aborts_the_request(engine):
     done = threading.Event()
     req = _request("r0", done)
     engine.submit(req)
-    assert entered.wait(30)          # taken off the queue, inside prefill, not yet running
+    assert entered.wait(30)  # taken off the queue, inside prefill, not yet running
     engine.pause()
     release.set()
-    engine.run_exclusive(lambda: None, timeout=30)   # what /pause_generation waits for
+    engine.run_exclusive(lambda: None, timeout=30)  # what /pause_generation waits for
     assert done.is_set() and req.finish_reason["type"] == "abort", req.finish_reason
     assert len(req.output_ids) <= 1 and req.weight_version == "0"
     n_before = engine.tokens_generated

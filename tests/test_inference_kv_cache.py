@@ -1,5 +1,6 @@
 """The rollout engine's KV-cache batches: rows that join, decode and leave must get the logits
 of a plain full-sequence forward of each row alone."""
+
 import pytest
 import torch
 
@@ -9,16 +10,25 @@ from areal_mega.inference.kv_cache import HFCacheBatch, StaticKVBatch, make_kv_b
 
 #: mistral: an explicit head_dim and a sliding window shorter than most rows; gemma3_text:
 #: the same window on its sliding layers only (transformers' cache, HFCacheBatch)
-EXTRA = {"mistral": dict(head_dim=24, sliding_window=6),
-         "gemma3_text": dict(head_dim=24, sliding_window=6, rope_theta=1e6,
-                             query_pre_attn_scalar=32)}
+EXTRA = {
+    "mistral": dict(head_dim=24, sliding_window=6),
+    "gemma3_text": dict(head_dim=24, sliding_window=6, rope_theta=1e6, query_pre_attn_scalar=32),
+}
 
 
 def _model(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path / arch, arch=arch, hidden_size=64, num_layers=2,
-                           num_heads=4, num_kv_heads=2, seed=3, **EXTRA.get(arch, {}))
+    path = make_tiny_model(
+        tmp_path / arch,
+        arch=arch,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        seed=3,
+        **EXTRA.get(arch, {}),
+    )
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -27,9 +37,17 @@ def _reference(model, seq):
         return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("arch,kind", [("llama", StaticKVBatch), ("qwen2", StaticKVBatch),
-                                       ("qwen3_moe", StaticKVBatch), ("mistral", StaticKVBatch),
-                                       ("llama", HFCacheBatch), ("gemma3_text", HFCacheBatch)])
+@pytest.mark.parametrize(
+    "arch,kind",
+    [
+        ("llama", StaticKVBatch),
+        ("qwen2", StaticKVBatch),
+        ("qwen3_moe", StaticKVBatch),
+        ("mistral", StaticKVBatch),
+        ("llama", HFCacheBatch),
+        ("gemma3_text", HFCacheBatch),
+    ],
+)
 def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     model = _model(tmp_path, arch)
     if kind is StaticKVBatch or arch == "gemma3_text":
@@ -62,18 +80,18 @@ def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
 
     join(2, 5, [0, 1])
     step(3)
-    join(3, 9, [0, 2])                  # a longer prompt joins rows already decoding
+    join(3, 9, [0, 2])  # a longer prompt joins rows already decoding
     step(2)
-    keep = [3, 0, 2]                    # rows leave (and change order)
+    keep = [3, 0, 2]  # rows leave (and change order)
     batch.select(keep)
     seqs[:] = [seqs[i] for i in keep]
     step(2)
-    join(1, 70, [0])                    # past the first cache capacity (64 columns)
+    join(1, 70, [0])  # past the first cache capacity (64 columns)
     step(2)
     batch.select([])
     assert batch.rows == 0
     seqs.clear()
-    join(2, 4, [1])                     # an emptied batch takes new rows again
+    join(2, 4, [1])  # an emptied batch takes new rows again
     step(1)
 
 
@@ -90,5 +108,4 @@ def test_mistral_window_prefill_after_a_cached_prefix(tmp_path, prefix_len, suff
         _, kv = batch.prefill(ids[:, :prefix_len])
         payload = StaticKVBatch.payload_of_prefill(kv, 0, 0, prefix_len)
         logits, _ = batch.prefill(ids[:, prefix_len:], prefix=StaticKVBatch.split_payload(payload))
-    torch.testing.assert_close(logits[0], _reference(model, ids[0].tolist()), atol=2e-5,
-                               rtol=1e-4)
+    torch.testing.assert_close(logits[0], _reference(model, ids[0].tolist()), atol=2e-5, rtol=1e-4)

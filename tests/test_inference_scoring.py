@@ -11,8 +11,7 @@ from tests.helpers.rollout import API_KEY, http, run, teacher_forced_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 
-SEQS = [[5, 9, 13, 2, 7, 7, 30, 4], [11, 3, 3, 8, 21, 6], [40, 1, 2, 3, 4, 5, 6, 7, 8, 9],
-        [17, 18]]
+SEQS = [[5, 9, 13, 2, 7, 7, 30, 4], [11, 3, 3, 8, 21, 6], [40, 1, 2, 3, 4, 5, 6, 7, 8, 9], [17, 18]]
 
 
 def post(server, body: dict):
@@ -20,8 +19,13 @@ def post(server, body: dict):
 
 
 def score_body(ids, start, **extra):
-    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True, "logprob_start_len": start, **extra}
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": start,
+        **extra,
+    }
 
 
 def test_input_logprobs_equal_teacher_forcing_single(server, models):
@@ -108,9 +112,17 @@ def test_input_logprobs_with_generation(server, models):
     assert max(abs(a - b) for a, b in zip(out_got, out_want)) <= 1e-4
 
 
-@pytest.mark.parametrize("bad, needle", [
-    (-2, "logprob_start_len=-2"), (6, "logprob_start_len=6"), (100, "logprob_start_len=100"),
-    ("3", "logprob_start_len"), ([0, 1], "logprob_start_len"), (True, "logprob_start_len")])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (-2, "logprob_start_len=-2"),
+        (6, "logprob_start_len=6"),
+        (100, "logprob_start_len=100"),
+        ("3", "logprob_start_len"),
+        ([0, 1], "logprob_start_len"),
+        (True, "logprob_start_len"),
+    ],
+)
 def test_bad_logprob_start_len_is_400(server, bad, needle):
     """Out-of-range or mistyped logprob_start_len: 400 naming the field; the server serves on."""
     status, out = post(server, score_body(SEQS[1], bad))
@@ -128,6 +140,7 @@ def test_input_top_logprobs_are_refused(server):
 
 def test_score_sequences_checks_starts_and_names_the_sequence(server):
     """A start outside [1, len] is refused before any request, naming the sequence index."""
+
     async def go():
         c = RolloutClient([server.addr], api_key=API_KEY, timeout_s=60, retries=1)
         try:
@@ -138,18 +151,21 @@ def test_score_sequences_checks_starts_and_names_the_sequence(server):
             return await score_sequences(c, SEQS[:2], [len(SEQS[0]), 3])
         finally:
             await c.close()
+
     out = run(go())
     assert out[0] == [] and len(out[1]) == len(SEQS[1]) - 3
 
 
 def test_score_sequences_names_server_on_refusal(server):
     """A 4xx from the server raises ScoringError naming the server and the sequences."""
+
     async def go():
         c = RolloutClient([server.addr], api_key="wrong", timeout_s=60, retries=1)
         try:
             await score_sequences(c, SEQS[:2], [1, 1])
         finally:
             await c.close()
+
     with pytest.raises(ScoringError, match=f"{server.addr}.*sequences 0..1"):
         run(go())
 
@@ -162,8 +178,9 @@ def test_teacher_scorer_on_two_servers_equals_teacher_forcing(server, models):
     try:
         seqs = [SEQS[i % len(SEQS)][: 2 + i % 7] + [i + 3] for i in range(20)]
         starts = [1 + i % (len(s) - 1) for i, s in enumerate(seqs)]
-        scorer = TeacherServerScorer([server.addr, procs[0].addr], api_key=API_KEY,
-                                     timeout_s=60, batch=3)
+        scorer = TeacherServerScorer(
+            [server.addr, procs[0].addr], api_key=API_KEY, timeout_s=60, batch=3
+        )
         try:
             got = scorer.score(seqs, starts)
             assert scorer.score([], []) == []

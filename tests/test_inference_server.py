@@ -1,4 +1,5 @@
 """The CPU rollout server as a real process on a real tiny HF model, driven by the real client."""
+
 import asyncio
 import json
 import urllib.error
@@ -19,8 +20,12 @@ def client_for(server):
 
 
 def post_raw(server, path, data: bytes, key=API_KEY):
-    req = urllib.request.Request(f"http://{server.addr}{path}", data=data, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{server.addr}{path}",
+        data=data,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     if key:
         req.add_header("Authorization", f"Bearer {key}")
     try:
@@ -46,13 +51,24 @@ def test_logprobs_match_teacher_forcing_batched(server, models):
     async def go():
         c = client_for(server)
         try:
-            return await asyncio.gather(*[
-                c.generate(p, sampling_dict(20 + 3 * i, t, top_k=40 if i % 2 else -1,
-                                            top_p=0.95 if i % 3 == 0 else 1.0,
-                                            ignore_eos=True))
-                for i, (p, t) in enumerate(zip(prompts, temps))])
+            return await asyncio.gather(
+                *[
+                    c.generate(
+                        p,
+                        sampling_dict(
+                            20 + 3 * i,
+                            t,
+                            top_k=40 if i % 2 else -1,
+                            top_p=0.95 if i % 3 == 0 else 1.0,
+                            ignore_eos=True,
+                        ),
+                    )
+                    for i, (p, t) in enumerate(zip(prompts, temps))
+                ]
+            )
         finally:
             await c.close()
+
     results = run(go())
     for i, (p, t, r) in enumerate(zip(prompts, temps, results)):
         assert r.finish_type == "length" and len(r.output_ids) == 20 + 3 * i
@@ -62,6 +78,7 @@ def test_logprobs_match_teacher_forcing_batched(server, models):
 def test_greedy_stop_tokens_and_seed(server, models):
     """Greedy is the model's argmax; a stop token id ends generation (and, as on SGLang, is
     ignored together with EOS under ignore_eos); a sampling_seed makes sampling repeatable."""
+
     async def go():
         c = client_for(server)
         try:
@@ -69,13 +86,15 @@ def test_greedy_stop_tokens_and_seed(server, models):
             g2 = await c.generate([7, 8, 9], sampling_dict(12, 0.0, ignore_eos=True))
             stop = g1.output_ids[3]
             s = await c.generate([7, 8, 9], sampling_dict(12, 0.0, stop_token_ids=[stop]))
-            s_ign = await c.generate([7, 8, 9], sampling_dict(12, 0.0, stop_token_ids=[stop],
-                                                               ignore_eos=True))
+            s_ign = await c.generate(
+                [7, 8, 9], sampling_dict(12, 0.0, stop_token_ids=[stop], ignore_eos=True)
+            )
             r1 = await c.generate([7, 8], sampling_dict(10, 1.0, sampling_seed=3))
             r2 = await c.generate([7, 8], sampling_dict(10, 1.0, sampling_seed=3))
             return g1, g2, s, s_ign, stop, r1, r2
         finally:
             await c.close()
+
     g1, g2, s, s_ign, stop, r1, r2 = run(go())
     assert g1.output_ids == g2.output_ids
     ids = [7, 8, 9]
@@ -86,7 +105,7 @@ def test_greedy_stop_tokens_and_seed(server, models):
         ids.append(tok)
     eos = models["ma"].config.eos_token_id
     first = next(i for i, t in enumerate(g1.output_ids) if t in (stop, eos))
-    assert s.output_ids == g1.output_ids[:first + 1]
+    assert s.output_ids == g1.output_ids[: first + 1]
     assert s.finish_reason == {"type": "stop", "matched": g1.output_ids[first]}
     assert s_ign.output_ids == g1.output_ids and s_ign.finish_type == "length"
     assert r1.output_ids == r2.output_ids
@@ -97,14 +116,22 @@ def test_bad_input_answered_400_and_server_keeps_serving(server):
         (b"{not json", "malformed JSON"),
         (b"[1, 2]", "JSON object"),
         (json.dumps({"input_ids": [1, 2], "image_data": "x.png"}).encode(), "image_data"),
-        (json.dumps({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}).encode(),
-         "unknown field"),
-        (json.dumps({"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}}
-                    ).encode(), "too long"),
+        (
+            json.dumps({"input_ids": [1, 2], "sampling_params": {"temprature": 1}}).encode(),
+            "unknown field",
+        ),
+        (
+            json.dumps(
+                {"input_ids": [5] * 500, "sampling_params": {"max_new_tokens": 100}}
+            ).encode(),
+            "too long",
+        ),
         (json.dumps({"input_ids": [1, 100000]}).encode(), "token ids"),
         (json.dumps({"input_ids": []}).encode(), "input_ids"),
-        (json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}).encode(),
-         "max_new_tokens"),
+        (
+            json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}).encode(),
+            "max_new_tokens",
+        ),
         (json.dumps({"input_ids": [1], "sampling_params": {"top_p": 0}}).encode(), "top_p"),
         (json.dumps({"input_ids": [1], "sampling_params": {"regex": "a+"}}).encode(), "regex"),
         (json.dumps({"input_ids": [1], "sampling_params": {"min_p": 2}}).encode(), "min_p"),
@@ -114,19 +141,25 @@ def test_bad_input_answered_400_and_server_keeps_serving(server):
         status, body = post_raw(server, "/generate", data)
         assert status == 400, (data, body)
         assert msg in body["error"]["message"], (msg, body)
-    status, body = post_raw(server, "/update_weights_from_disk",
-                            json.dumps({"model_path": "/nonexistent"}).encode())
+    status, body = post_raw(
+        server, "/update_weights_from_disk", json.dumps({"model_path": "/nonexistent"}).encode()
+    )
     assert status == 400 and "not a directory" in body["error"]["message"]
-    status, body = post_raw(server, "/update_weights_from_distributed",
-                            json.dumps({"names": [], "dtypes": [], "shapes": [],
-                                        "group_name": "nope"}).encode())
+    status, body = post_raw(
+        server,
+        "/update_weights_from_distributed",
+        json.dumps({"names": [], "dtypes": [], "shapes": [], "group_name": "nope"}).encode(),
+    )
     assert status == 400 and "not initialised" in body["error"]["message"]
     status, body = post_raw(server, "/generate", b'{"input_ids": [1]}', key="wrong")
     assert status == 401
-    status, body = post_raw(server, "/generate",
-                            json.dumps({"input_ids": [5, 6],
-                                        "sampling_params": {"max_new_tokens": 3,
-                                                            "ignore_eos": True}}).encode())
+    status, body = post_raw(
+        server,
+        "/generate",
+        json.dumps(
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+        ).encode(),
+    )
     assert status == 200 and len(body["output_ids"]) == 3
     assert server.alive()
 
@@ -137,12 +170,14 @@ def test_bad_input_answered_400_and_server_keeps_serving(server):
                 await c.generate([5] * 600, sampling_dict(10))
         finally:
             await c.close()
+
     run(go())
 
 
 def server_info(server) -> dict:
-    req = urllib.request.Request(f"http://{server.addr}/get_server_info",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        f"http://{server.addr}/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -152,8 +187,12 @@ def test_pause_aborts_with_partial_output_then_continue(server, models):
         c = client_for(server)
         try:
             steps0 = server_info(server)["decode_steps"]
-            tasks = [asyncio.create_task(c.generate([9, 10 + i], sampling_dict(
-                400, 1.0, ignore_eos=True))) for i in range(3)]
+            tasks = [
+                asyncio.create_task(
+                    c.generate([9, 10 + i], sampling_dict(400, 1.0, ignore_eos=True))
+                )
+                for i in range(3)
+            ]
             # pause mid-generation: once all three run and have decoded a few tokens (a fixed
             # sleep is not enough: on a quiet machine 400 tokens take well under a second)
             for _ in range(2000):
@@ -171,6 +210,7 @@ def test_pause_aborts_with_partial_output_then_continue(server, models):
             return parts, await late
         finally:
             await c.close()
+
     parts, late = run(go())
     for i, r in enumerate(parts):
         assert r.finish_type == "abort" and 0 < len(r.output_ids) < 400
@@ -185,6 +225,7 @@ def _logprobs_of(server, prompt, n=16):
             return await c.generate(prompt, sampling_dict(n, 1.0, ignore_eos=True))
         finally:
             await c.close()
+
     return run(go())
 
 
@@ -196,6 +237,7 @@ def test_update_weights_from_disk(server, models):
             return await c.model_info()
         finally:
             await c.close()
+
     info = run(upd(models["b"], 7))
     assert info["weight_version"] == "7"
     r = _logprobs_of(server, [11, 12, 13])
@@ -213,8 +255,9 @@ def test_update_weights_from_distributed_gloo_buckets(server, models):
     plan = plan_weight_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes)
     assert len(plan) >= 3
     client = client_for(server)
-    sender = DistributedWeightSender(client, backend="gloo", group_name="test_dist_1",
-                                     bucket_bytes=bucket_bytes, timeout_s=60)
+    sender = DistributedWeightSender(
+        client, backend="gloo", group_name="test_dist_1", bucket_bytes=bucket_bytes, timeout_s=60
+    )
     sender.connect()
     n = sender.send(iter(named), weight_version=3)
     assert n == len(plan)
@@ -224,7 +267,9 @@ def test_update_weights_from_distributed_gloo_buckets(server, models):
     # a bucket with an unknown name is refused with 400 yet the group stays in sync
     with pytest.raises(RolloutRequestError, match="unknown parameter"):
         sender.send(iter([("not.a.param", torch.zeros(3))]))
-    sender.send(iter((n_, p.detach().clone()) for n_, p in models["ma"].named_parameters()),
-                weight_version=0)
+    sender.send(
+        iter((n_, p.detach().clone()) for n_, p in models["ma"].named_parameters()),
+        weight_version=0,
+    )
     sender.close()
     check_logprobs(models["ma"], [20, 21, 22], _logprobs_of(server, [20, 21, 22]))

@@ -2,6 +2,7 @@
 
 Real server processes on a real tiny HF model, real sockets on 127.0.0.1; no mocks and no timing
 thresholds (every wait is a bounded poll for a condition)."""
+
 import json
 import math
 import os
@@ -31,14 +32,21 @@ LONG = 1800  # max_new_tokens of the requests whose clients disconnect (context 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("iso") / "m", arch="llama", hidden_size=64,
-                           num_layers=2, seed=0, max_position_embeddings=2048)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("iso") / "m",
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        seed=0,
+        max_position_embeddings=2048,
+    )
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    (p,) = launch_local_servers(str(model), 1, api_key=API_KEY,
-                                extra_args=["--idle-timeout", str(IDLE_S)])
+    (p,) = launch_local_servers(
+        str(model), 1, api_key=API_KEY, extra_args=["--idle-timeout", str(IDLE_S)]
+    )
     try:
         yield p
     finally:
@@ -49,10 +57,12 @@ def call(server, path, body=None, data=None, timeout=120):
     """(status, parsed JSON) of one request; ``data`` sends raw bytes."""
     if data is None and body is not None:
         data = json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{server.addr}{path}", data=data,
-                                 method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        f"http://{server.addr}{path}",
+        data=data,
+        method="POST" if data is not None else "GET",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -78,8 +88,10 @@ def poll(cond, what: str, timeout: float = 120.0):
 
 
 def gen(ids, max_new, **sp):
-    return {"input_ids": ids, "sampling_params": dict(max_new_tokens=max_new, ignore_eos=True,
-                                                      **sp)}
+    return {
+        "input_ids": ids,
+        "sampling_params": dict(max_new_tokens=max_new, ignore_eos=True, **sp),
+    }
 
 
 # ------------------------------------------------------------------ item 8: sampling errors
@@ -91,8 +103,12 @@ def _row(**kw):
 
 def test_choose_tokens_isolated_fails_only_the_bad_rows():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]] * 4)
-    rows = [_row(temperature=1.0), _row(temperature=0.5, logit_bias={1: 3e38}),
-            _row(temperature=0.0), _row(temperature=1.0)]
+    rows = [
+        _row(temperature=1.0),
+        _row(temperature=0.5, logit_bias={1: 3e38}),
+        _row(temperature=0.0),
+        _row(temperature=1.0),
+    ]
     rows[3].generator = "not a generator"  # sampling this row alone raises
     toks, lps, _, errors = choose_tokens_isolated(rows, logits, frozenset())
     assert errors[0] is None and toks[0] in (0, 1, 2, 3) and math.isfinite(lps[0])
@@ -102,18 +118,26 @@ def test_choose_tokens_isolated_fails_only_the_bad_rows():
 
 
 def test_non_finite_float_params_are_400_naming_the_field(server):
-    fields = ["temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-              "repetition_penalty"]
+    fields = [
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    ]
     for field in fields:
         for bad in ("NaN", "Infinity", "-Infinity"):
-            data = ('{"input_ids": [5, 6], "sampling_params": {"%s": %s}}'
-                    % (field, bad)).encode()
+            data = ('{"input_ids": [5, 6], "sampling_params": {"%s": %s}}' % (field, bad)).encode()
             status, body = call(server, "/generate", data=data)
             assert status == 400, (field, bad, body)
             assert f"sampling_params.{field}" in body["error"]["message"], body
             assert body["error"]["code"] == 400
-    status, body = call(server, "/generate",
-                        data=b'{"input_ids": [5], "sampling_params": {"logit_bias": {"3": NaN}}}')
+    status, body = call(
+        server,
+        "/generate",
+        data=b'{"input_ids": [5], "sampling_params": {"logit_bias": {"3": NaN}}}',
+    )
     assert status == 400 and "logit_bias" in body["error"]["message"], body
 
 
@@ -149,38 +173,49 @@ def test_a_row_that_cannot_be_sampled_fails_alone_in_its_batch(server):
 
 def test_out_of_range_ints_and_deep_json_are_400(server):
     cases = [
-        (gen([5], 4, sampling_seed=10 ** 30), "sampling_seed"),
+        (gen([5], 4, sampling_seed=10**30), "sampling_seed"),
         (gen([5], 4, sampling_seed=-1), "sampling_seed"),
         (gen([5], 4, sampling_seed=1e30), "sampling_seed"),
-        (gen([5], 4, n=10 ** 30), "sampling_params.n"),
-        (gen([5], 4, n=10 ** 6), "at most"),
-        (gen([5], 4, top_k=2 ** 64), "top_k"),
-        (dict(gen([5], 4), top_logprobs_num=10 ** 20, return_logprob=True),
-         "top_logprobs_num"),
+        (gen([5], 4, n=10**30), "sampling_params.n"),
+        (gen([5], 4, n=10**6), "at most"),
+        (gen([5], 4, top_k=2**64), "top_k"),
+        (dict(gen([5], 4), top_logprobs_num=10**20, return_logprob=True), "top_logprobs_num"),
     ]
     for body, msg in cases:
         status, out = call(server, "/generate", body)
         assert status == 400 and msg in out["error"]["message"], (body, out)
-    for deep in (b"[" * 100_000 + b"]" * 100_000,
-                 b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"):
+    for deep in (
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ):
         status, out = call(server, "/generate", data=deep)
         assert status == 400 and "nested too deeply" in out["error"]["message"], out
-    status, out = call(server, "/init_weights_update_group",
-                       {"master_address": "127.0.0.1", "master_port": 29500,
-                        "rank_offset": 1, "world_size": 10 ** 30, "backend": "gloo"})
+    status, out = call(
+        server,
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 10**30,
+            "backend": "gloo",
+        },
+    )
     assert status == 400 and "world_size" in out["error"]["message"], out
-    status, out = call(server, "/generate", gen([5, 6], 3, sampling_seed=2 ** 63 - 1))
+    status, out = call(server, "/generate", gen([5, 6], 3, sampling_seed=2**63 - 1))
     assert status == 200 and len(out["output_ids"]) == 3
 
 
 def test_huge_numbers_and_bodies_are_4xx_naming_the_field(server):
     """Integers that overflow a float (10**400) in float fields and token ids, and a body
     beyond the size limit: 4xx naming the field, never 500."""
-    for body, msg in [(gen([5], 4, temperature=10 ** 400), "temperature"),
-                      (gen([5], 4, top_p=-10 ** 400), "top_p"),
-                      (gen([5], 4, repetition_penalty=10 ** 400), "repetition_penalty"),
-                      (gen([5], 4, logit_bias={"5": 10 ** 400}), "logit_bias"),
-                      (gen([10 ** 400], 4), "input_ids")]:
+    for body, msg in [
+        (gen([5], 4, temperature=10**400), "temperature"),
+        (gen([5], 4, top_p=-(10**400)), "top_p"),
+        (gen([5], 4, repetition_penalty=10**400), "repetition_penalty"),
+        (gen([5], 4, logit_bias={"5": 10**400}), "logit_bias"),
+        (gen([10**400], 4), "input_ids"),
+    ]:
         status, out = call(server, "/generate", body)
         assert status == 400 and msg in out["error"]["message"], (msg, status, out)
     status, _ = call(server, "/generate", data=b'{"text": "' + b"a" * (65 << 20) + b'"}')
@@ -195,10 +230,12 @@ def test_huge_numbers_and_bodies_are_4xx_naming_the_field(server):
 def _raw_generate(server, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection((server.host, server.port), timeout=30)
-    s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-              b"Content-Type: application/json\r\n"
-              + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n"
-              .encode() + data)
+    s.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -215,8 +252,13 @@ def test_client_that_disconnects_frees_its_slot(server):
     finally:
         for s in socks:
             s.close()
-    end = poll(lambda: (lambda i: i if i["num_running"] == 0 and i["num_waiting"] == 0
-                        else None)(info(server)), "slots freed", timeout=300)
+    end = poll(
+        lambda: (lambda i: i if i["num_running"] == 0 and i["num_waiting"] == 0 else None)(
+            info(server)
+        ),
+        "slots freed",
+        timeout=300,
+    )
     generated = end["tokens_generated"] - start
     assert generated < n * LONG // 2, f"{generated} tokens generated for disconnected clients"
     status, out = call(server, "/generate", gen([5, 6], 4))
@@ -246,9 +288,11 @@ def test_slow_header_and_body_connections_are_closed(server):
         s.settimeout(0.2)
         slow.append(s)
     body_slow = socket.create_connection((server.host, server.port), timeout=30)
-    body_slow.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      + f"Authorization: Bearer {API_KEY}\r\n".encode()
-                      + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"in")
+    body_slow.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + f"Authorization: Bearer {API_KEY}\r\n".encode()
+        + b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"in'
+    )
     try:
         status, out = call(server, "/generate", gen([5, 6], 3))
         assert status == 200 and len(out["output_ids"]) == 3
@@ -259,6 +303,7 @@ def test_slow_header_and_body_connections_are_closed(server):
                 if _closed_by_peer(slow[i]):
                     open_.discard(i)
             return not open_
+
         poll(all_closed, "slow-header sockets closed by the server", timeout=60)
         answer = b""
         body_slow.settimeout(60)
@@ -287,18 +332,32 @@ def test_pending_group_join_blocks_nothing_and_sigterm_exits(model):
     closed_port = free_port()
     pending = ThreadPoolExecutor(4)
     try:
-        join = {"master_address": "127.0.0.1", "master_port": closed_port, "rank_offset": 1,
-                "world_size": 2, "backend": "gloo", "timeout_s": 600}
-        status, out = call(srv, "/init_weights_update_group",
-                           dict(join, group_name="huge", timeout_s=1e12))
+        join = {
+            "master_address": "127.0.0.1",
+            "master_port": closed_port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "backend": "gloo",
+            "timeout_s": 600,
+        }
+        status, out = call(
+            srv, "/init_weights_update_group", dict(join, group_name="huge", timeout_s=1e12)
+        )
         assert status == 400 and "timeout_s" in out["error"]["message"], out
         names = [f"g{i}" for i in range(4)]
         # these requests stay open until the server goes away
-        joins = [pending.submit(call, srv, "/init_weights_update_group",
-                                dict(join, group_name=name), None, 900) for name in names]
+        joins = [
+            pending.submit(
+                call, srv, "/init_weights_update_group", dict(join, group_name=name), None, 900
+            )
+            for name in names
+        ]
         poll(lambda: sorted(info(srv).get("joining_groups", [])) == names, "joins pending")
-        status, out = call(srv, "/update_weights_from_distributed",
-                           {"names": [], "dtypes": [], "shapes": [], "group_name": "g0"})
+        status, out = call(
+            srv,
+            "/update_weights_from_distributed",
+            {"names": [], "dtypes": [], "shapes": [], "group_name": "g0"},
+        )
         assert status == 409 and "still joining" in out["error"]["message"], out
         status, out = call(srv, "/init_weights_update_group", dict(join, group_name="g1"))
         assert status == 409, out
@@ -306,8 +365,9 @@ def test_pending_group_join_blocks_nothing_and_sigterm_exits(model):
         assert status == 409, out
         assert call(srv, "/pause_generation", {})[0] == 200
         assert call(srv, "/continue_generation", {})[0] == 200
-        status, out = call(srv, "/update_weights_from_disk",
-                           {"model_path": str(model), "weight_version": "7"})
+        status, out = call(
+            srv, "/update_weights_from_disk", {"model_path": str(model), "weight_version": "7"}
+        )
         assert status == 200 and out["weight_version"] == "7", out
         status, out = call(srv, "/generate", gen([5, 6], 3))
         assert status == 200 and out["meta_info"]["weight_version"] == "7"
@@ -330,13 +390,28 @@ def test_a_socket_flood_under_a_low_fd_limit_leaves_the_server_serving(model):
     it keeps accepting (idle connections closed for newcomers, no traceback per socket),
     a generation is served, SIGTERM still stops it cleanly."""
     port = free_port()
-    boot = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, "
-            "resource.getrlimit(resource.RLIMIT_NOFILE)[1])); sys.argv = sys.argv[1:]; "
-            "runpy.run_module('areal_mega.inference.server', run_name='__main__')")
-    proc = subprocess.Popen([sys.executable, "-c", boot, "server", "--model-path", str(model),
-                             "--port", str(port), "--idle-timeout", str(IDLE_S)],
-                            env={**os.environ, "AREAL_ROLLOUT_API_KEY": API_KEY},
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    boot = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, "
+        "resource.getrlimit(resource.RLIMIT_NOFILE)[1])); sys.argv = sys.argv[1:]; "
+        "runpy.run_module('areal_mega.inference.server', run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            boot,
+            "server",
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+            "--idle-timeout",
+            str(IDLE_S),
+        ],
+        env={**os.environ, "AREAL_ROLLOUT_API_KEY": API_KEY},
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
     srv = SimpleNamespace(addr=f"127.0.0.1:{port}", host="127.0.0.1", port=port)
     socks = []
     try:

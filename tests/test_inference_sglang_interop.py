@@ -9,6 +9,7 @@
 
 Gloo throughout; group timeouts are short so that an incompatible group fails fast.
 """
+
 import concurrent.futures
 import datetime
 import subprocess
@@ -46,19 +47,32 @@ def test_our_sender_to_sglang_style_receiver(models, tmp_path):
     """DistributedWeightSender (connect + bucketed send) against SGLang's group creation and
     receive loop: every tensor of model B arrives bit-exact, bucket by bucket."""
     port = free_port()
-    proc = subprocess.Popen(worker_cmd("sglang_peer_worker", "--port", port, "--out-dir", tmp_path,
-                                       "--group-timeout-s", GROUP_TIMEOUT_S),
-                            cwd=ROOT, env=worker_env())
+    proc = subprocess.Popen(
+        worker_cmd(
+            "sglang_peer_worker",
+            "--port",
+            port,
+            "--out-dir",
+            tmp_path,
+            "--group-timeout-s",
+            GROUP_TIMEOUT_S,
+        ),
+        cwd=ROOT,
+        env=worker_env(),
+    )
     try:
         addr = f"127.0.0.1:{port}"
         wait_http_ok(addr, "/health", proc)
         named = [(n, p.detach().clone()) for n, p in models["mb"].named_parameters()]
         bucket_bytes = 40_000
         plan = plan_weight_buckets([(n, t.shape, t.dtype) for n, t in named], bucket_bytes)
-        sender = DistributedWeightSender(RolloutClient([addr], timeout_s=60, retries=0,
-                                                       control_timeout_s=2 * GROUP_TIMEOUT_S),
-                                         backend="gloo", group_name="interop_to_sglang",
-                                         bucket_bytes=bucket_bytes, timeout_s=GROUP_TIMEOUT_S)
+        sender = DistributedWeightSender(
+            RolloutClient([addr], timeout_s=60, retries=0, control_timeout_s=2 * GROUP_TIMEOUT_S),
+            backend="gloo",
+            group_name="interop_to_sglang",
+            bucket_bytes=bucket_bytes,
+            timeout_s=GROUP_TIMEOUT_S,
+        )
         sender.connect()
         try:
             assert sender.send(iter(named)) == len(plan)
@@ -85,23 +99,45 @@ def test_sglang_style_sender_to_our_server(server, models):
     group = "interop_from_sglang"
     pool = concurrent.futures.ThreadPoolExecutor(2)
     # areal/engine/sglang_remote.py SGLangBackend.build_init_weights_group_request (PP = 1)
-    init = pool.submit(http, server.addr, "/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1,
-        "world_size": 2, "backend": "gloo", "group_name": group})
+    init = pool.submit(
+        http,
+        server.addr,
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": str(port),
+            "rank_offset": 1,
+            "world_size": 2,
+            "backend": "gloo",
+            "group_name": group,
+        },
+    )
     pg = sglang_init_custom_process_group(
-        backend="gloo", init_method=f"tcp://127.0.0.1:{port}",
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S), world_size=2, rank=0,
-        group_name=group)
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        world_size=2,
+        rank=0,
+        group_name=group,
+    )
     try:
         status, body = init.result(timeout=GROUP_TIMEOUT_S)
         assert status == 200 and body["success"] is True, body
         named = [(n, p.detach().clone()) for n, p in models["mb"].named_parameters()]
         for bucket in plan_weight_buckets([(n, t.shape, t.dtype) for n, t in named], 60_000):
             # build_distributed_weight_update_requests
-            upd = pool.submit(http, server.addr, "/update_weights_from_distributed", {
-                "names": [n for n, _, _ in bucket], "dtypes": [d for _, _, d in bucket],
-                "shapes": [list(s) for _, s, _ in bucket], "group_name": group,
-                "abort_all_requests": True})
+            upd = pool.submit(
+                http,
+                server.addr,
+                "/update_weights_from_distributed",
+                {
+                    "names": [n for n, _, _ in bucket],
+                    "dtypes": [d for _, _, d in bucket],
+                    "shapes": [list(s) for _, s, _ in bucket],
+                    "group_name": group,
+                    "abort_all_requests": True,
+                },
+            )
             tensors = dict(named)
             for n, _, _ in bucket:
                 torch.distributed.broadcast(tensors[n], src=0, group=pg)
@@ -113,15 +149,24 @@ def test_sglang_style_sender_to_our_server(server, models):
     status, body = http(server.addr, "/destroy_weights_update_group", {"group_name": group})
     assert status == 200, body
     prompt = [20, 21, 22]
-    status, out = http(server.addr, "/generate", {
-        "input_ids": prompt, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}})
+    status, out = http(
+        server.addr,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "ignore_eos": True},
+        },
+    )
     assert status == 200, out
     lps = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
     ref = teacher_forced_logprobs(models["mb"], prompt + out["output_ids"], len(prompt))
     assert max(abs(a - b) for a, b in zip(ref, lps)) <= 1e-4
-    status, body = http(server.addr, "/update_weights_from_disk",
-                        {"model_path": str(models["a"]), "abort_all_requests": True})
+    status, body = http(
+        server.addr,
+        "/update_weights_from_disk",
+        {"model_path": str(models["a"]), "abort_all_requests": True},
+    )
     assert status == 200, body
 
 
@@ -129,20 +174,37 @@ def test_areal_generate_body_is_served(server, models):
     """AReaL's unmodified /generate request (SGLangBackend.build_generation_request in
     areal/engine/sglang_remote.py, GenerationHyperparameters defaults, a stop word) gets a 200,
     and AReaL's response parsing finds what it needs."""
-    gconfig = {"top_p": 1.0, "top_k": int(1e8), "max_new_tokens": 8, "temperature": 1.0,
-               "greedy": False, "stop_token_ids": [], "ignore_eos": False,
-               "skip_special_tokens": True, "frequency_penalty": 0.0, "stop": ["zz"]}
+    gconfig = {
+        "top_p": 1.0,
+        "top_k": int(1e8),
+        "max_new_tokens": 8,
+        "temperature": 1.0,
+        "greedy": False,
+        "stop_token_ids": [],
+        "ignore_eos": False,
+        "skip_special_tokens": True,
+        "frequency_penalty": 0.0,
+        "stop": ["zz"],
+    }
     sample_params = {
-        "top_p": gconfig["top_p"], "top_k": gconfig["top_k"],
+        "top_p": gconfig["top_p"],
+        "top_k": gconfig["top_k"],
         "max_new_tokens": gconfig["max_new_tokens"],
         "temperature": 0.0 if gconfig["greedy"] else gconfig["temperature"],
-        "stop_token_ids": gconfig["stop_token_ids"], "ignore_eos": gconfig["ignore_eos"],
+        "stop_token_ids": gconfig["stop_token_ids"],
+        "ignore_eos": gconfig["ignore_eos"],
         "skip_special_tokens": gconfig["skip_special_tokens"],
-        "frequency_penalty": gconfig["frequency_penalty"]}
+        "frequency_penalty": gconfig["frequency_penalty"],
+    }
     if gconfig["stop"]:
         sample_params["stop"] = gconfig["stop"]
-    payload = {"input_ids": [5, 6, 7], "image_data": None, "sampling_params": sample_params,
-               "return_logprob": True, "stream": False}
+    payload = {
+        "input_ids": [5, 6, 7],
+        "image_data": None,
+        "sampling_params": sample_params,
+        "return_logprob": True,
+        "stream": False,
+    }
     status, out = http(server.addr, "/generate", payload)
     assert status == 200, out
     meta = out["meta_info"]  # SGLangBackend.parse_generation_response

@@ -1,6 +1,7 @@
 """Journal segments outlive the newest checkpoint while an older kept one may still be resumed
 from: the pure retention plan, and the real intake on real files (a checkpoint sequence, then a
 resume from the older checkpoint replays exactly the samples accepted since it)."""
+
 import json
 
 import pytest
@@ -11,16 +12,19 @@ from areal_mega.train.intake import TrajectoryIntake
 from tests.helpers.trajectories import make_traj
 
 
-@pytest.mark.parametrize("segments, kept_from, retired", [
-    ([1, 2, 3, 4], [3, 4], [1, 2]),       # the older kept checkpoint needs 3 on
-    ([1, 2, 3, 4], [4, 3], [1, 2]),       # order of the checkpoints does not matter
-    ([1, 2, 3], [3], [1, 2]),             # keep_last=1: only the newest's segments
-    ([5, 6], [2, 6], []),                 # needed segments already gone: nothing more
-    ([1, 2, 3], [], []),                  # no checkpoint kept (all pruned or corrupt)
-    ([1, 2, 3], [None, 3], []),           # a checkpoint from before journal_from: keep all
-    ([], [2], []),
-    ([2, 7, 3], [7], [2, 3]),             # unsorted input, sorted answer
-])
+@pytest.mark.parametrize(
+    "segments, kept_from, retired",
+    [
+        ([1, 2, 3, 4], [3, 4], [1, 2]),  # the older kept checkpoint needs 3 on
+        ([1, 2, 3, 4], [4, 3], [1, 2]),  # order of the checkpoints does not matter
+        ([1, 2, 3], [3], [1, 2]),  # keep_last=1: only the newest's segments
+        ([5, 6], [2, 6], []),  # needed segments already gone: nothing more
+        ([1, 2, 3], [], []),  # no checkpoint kept (all pruned or corrupt)
+        ([1, 2, 3], [None, 3], []),  # a checkpoint from before journal_from: keep all
+        ([], [2], []),
+        ([2, 7, 3], [7], [2, 3]),  # unsorted input, sorted answer
+    ],
+)
 def test_segments_to_retire(segments, kept_from, retired):
     assert segments_to_retire(segments, kept_from) == retired
 
@@ -28,8 +32,14 @@ def test_segments_to_retire(segments, kept_from, retired):
 def _checkpoint(root, step, journal_from, accepted):
     d = root / iter_dir_name(step)
     d.mkdir(parents=True)
-    (d / META_NAME).write_text(json.dumps({"complete": True, "extra": {
-        "step": step, "accepted_samples": accepted, "journal_from": journal_from}}))
+    (d / META_NAME).write_text(
+        json.dumps(
+            {
+                "complete": True,
+                "extra": {"step": step, "accepted_samples": accepted, "journal_from": journal_from},
+            }
+        )
+    )
     return d
 
 
@@ -50,13 +60,14 @@ def test_fallback_to_the_older_checkpoint_replays_everything_since_it(tmp_path):
         intake.journal.append(batches[1])
         second, _, _ = intake.snapshot(str(tmp_path / "b2.bin"))
         c2 = _checkpoint(ckpts, 2, second, 6)
-        assert intake.after_checkpoint(ckpts) == []          # step 1 still kept: keep all
+        assert intake.after_checkpoint(ckpts) == []  # step 1 still kept: keep all
         intake.journal.append(batches[2])
     finally:
         intake.close()
 
     def ids(ckpt):
         return [t.sample_id for t in paths.journal_since(ckpt)]
+
     since_1 = [t.sample_id for t in batches[1] + batches[2]]
     assert ids(ckpts / iter_dir_name(1)) == since_1
     assert ids(c2) == [t.sample_id for t in batches[2]]
@@ -68,12 +79,13 @@ def test_fallback_to_the_older_checkpoint_replays_everything_since_it(tmp_path):
         assert resumed.n_accepted == 9
         resumed.journal.append(batches[3])
         third, _, _ = resumed.snapshot(str(tmp_path / "b3.bin"))
-        (ckpts / iter_dir_name(1) / META_NAME).unlink()      # pruned by keep_last=2
+        (ckpts / iter_dir_name(1) / META_NAME).unlink()  # pruned by keep_last=2
         assert resumed.after_checkpoint(ckpts) == list(range(first, second))
     finally:
         resumed.close()
-    assert [t.sample_id for t in TrajectoryJournal.replay(run / "journal")] == \
-        [t.sample_id for t in batches[2] + batches[3]]
+    assert [t.sample_id for t in TrajectoryJournal.replay(run / "journal")] == [
+        t.sample_id for t in batches[2] + batches[3]
+    ]
 
 
 def test_unreadable_checkpoint_metadata_keeps_every_segment(tmp_path):

@@ -7,6 +7,7 @@
   SIGTERM are each relaunched by ``launch.local``; the run finishes every step and trains every
   sample exactly once; the worker answers SIGTERM itself (exit 143, not the grace SIGKILL).
 """
+
 import json
 import os
 import signal
@@ -20,8 +21,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _server_ports,
-                                      _server_proc, _trained, _wait)
+from tests.helpers.local_runs import (
+    _accepted_ids,
+    _finish,
+    _launch,
+    _metrics,
+    _server_ports,
+    _server_proc,
+    _trained,
+    _wait,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +43,11 @@ def tiny_fs(tmp_path):
     def make(size: str) -> Path:
         d = tmp_path / f"fs{len(mounted)}"
         d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs to fill a real disk: {r.stderr.strip()}")
         mounted.append(d)
@@ -70,8 +82,9 @@ def test_supervisor_survives_a_full_log_disk(tiny_fs, tmp_path):
         sys.exit(Supervisor(specs, {str(logs)!r}, grace_s=5).run())
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stderr.count("cannot write") == 1, r.stderr
@@ -89,10 +102,21 @@ def test_full_disk_while_checkpointing_ends_the_run_clearly(assets, tmp_path, ti
     model, data = assets
     ckpt = tiny_fs("1600k")
     run = tmp_path / "run"
-    rc, out = _finish(_launch(run, model, data, "total_steps=4", "recover=auto",
-                              "checkpoint.save_every=1", "checkpoint.keep_last=2",
-                              f"checkpoint.dir={ckpt}", "cluster.max_restarts=2",
-                              "logging.plot=false"), timeout=300)
+    rc, out = _finish(
+        _launch(
+            run,
+            model,
+            data,
+            "total_steps=4",
+            "recover=auto",
+            "checkpoint.save_every=1",
+            "checkpoint.keep_last=2",
+            f"checkpoint.dir={ckpt}",
+            "cluster.max_restarts=2",
+            "logging.plot=false",
+        ),
+        timeout=300,
+    )
     assert rc != 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     msg = f"no space left on device while saving iter_0000002 to {ckpt}"
@@ -128,15 +152,22 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
     # (the third fault came at step 15 in a loaded run); the run must keep going long enough
     # that the relaunched server has to generate (else a fast run ends before it is back)
     total = 30
-    proc = _launch(run, model, data, f"total_steps={total}", "recover=off",
-                   "checkpoint.save_every=3", "cluster.max_restarts=3", "cluster.kill_grace_s=30",
-                   "logging.plot=false")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={total}",
+        "recover=off",
+        "checkpoint.save_every=3",
+        "cluster.max_restarts=3",
+        "cluster.kill_grace_s=30",
+        "logging.plot=false",
+    )
     sup_log = run / "logs" / "supervisor.log"
     accepted_before = set()
-    faults = [("SIGTERM", "rollout_worker"), ("SIGKILL", "rollout_worker"),
-              ("SIGKILL", "rollout0")]
+    faults = [("SIGTERM", "rollout_worker"), ("SIGKILL", "rollout_worker"), ("SIGKILL", "rollout0")]
     progress = 0
-    for k, (sig, name) in enumerate(faults):   # each fault after 2 more steps
+    for k, (sig, name) in enumerate(faults):  # each fault after 2 more steps
         _wait(lambda: len(_metrics(run)) >= progress + 2, proc, f"step {progress + 2}")
         progress = len(_metrics(run))
         assert progress <= total - 8, f"fault {k + 1} came too late (step {progress})"
@@ -148,10 +179,18 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
         accepted_before |= _accepted_ids(run)
         os.kill(victim.pid, getattr(signal, sig))
         _wait(lambda: f"relaunch {k + 1}/3" in sup_log.read_text(), proc, f"relaunch {k + 1}")
-        if name == "rollout_worker":   # the next fault hits a worker that has resumed
-            n = sum(1 for _, who in faults[:k + 1] if who == "rollout_worker")
-            _wait(lambda: (run / "logs" / "rollout_worker.log").read_text().count(
-                "relaunched: continuing at version") >= n, proc, f"worker relaunch {n} resumed")
+        if name == "rollout_worker":  # the next fault hits a worker that has resumed
+            n = sum(1 for _, who in faults[: k + 1] if who == "rollout_worker")
+            _wait(
+                lambda: (
+                    (run / "logs" / "rollout_worker.log")
+                    .read_text()
+                    .count("relaunched: continuing at version")
+                    >= n
+                ),
+                proc,
+                f"worker relaunch {n} resumed",
+            )
     rc, out = _finish(proc, timeout=420)
     assert rc == 0, out[-4000:]
     supervisor = sup_log.read_text()
@@ -201,8 +240,12 @@ def test_rollout_link_resends_to_a_relaunched_worker(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
 
     def peer(mode):
-        p = subprocess.Popen([sys.executable, "-c", _CONTROL_PEER, endpoint, mode], env=env,
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _CONTROL_PEER, endpoint, mode],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout.readline().strip() == "bound"
         return p
 
@@ -213,7 +256,7 @@ def test_rollout_link_resends_to_a_relaunched_worker(tmp_path):
     second = None
     try:
         t.start()
-        assert first.stdout.readline().strip() == "got update_weights"   # it holds it
+        assert first.stdout.readline().strip() == "got update_weights"  # it holds it
         first.kill()
         first.wait(timeout=30)
         second = peer("answer")
@@ -228,7 +271,6 @@ def test_rollout_link_resends_to_a_relaunched_worker(tmp_path):
                 p.wait(timeout=30)
 
 
-
 def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
     """No trainer takes trajectories: the sender's window (4 = one group) fills and the next
     delivery blocks. SIGTERM then still ends the worker by itself (exit 143) within
@@ -240,20 +282,45 @@ def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
     run = tmp_path / "run"
     port = free_port("127.0.0.1")
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    server = subprocess.Popen([sys.executable, "-m", "areal_mega.inference.server",
-                               "--model-path", str(model), "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.inference.server",
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     grace = 5
     worker = None
     try:
         worker = subprocess.Popen(
-            [sys.executable, "-m", "areal_mega.rollout.worker", "--config",
-             str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
-             f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
-             f"logging.run_dir={run}", "recover=off", "rollout.batch_size=4",
-             "rollout.n_samples=4", "dataplane.sender_window=4",
-             f'rollout.server_addrs=["127.0.0.1:{port}"]', f"cluster.kill_grace_s={grace}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "areal_mega.rollout.worker",
+                "--config",
+                str(ROOT / "recipes" / "tiny-cpu.yaml"),
+                f"model.path={model}",
+                f"data.train_path={data / 'train.jsonl'}",
+                f"data.test_path={data / 'test.jsonl'}",
+                f"logging.run_dir={run}",
+                "recover=off",
+                "rollout.batch_size=4",
+                "rollout.n_samples=4",
+                "dataplane.sender_window=4",
+                f'rollout.server_addrs=["127.0.0.1:{port}"]',
+                f"cluster.kill_grace_s={grace}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.time() + 240
         # one group went out (rollout_state.json written): the window is full from here on
         while time.time() < deadline and not (run / "rollout_state.json").exists():
@@ -262,7 +329,7 @@ def test_worker_answers_sigterm_while_a_delivery_is_blocked(assets, tmp_path):
         assert (run / "rollout_state.json").exists(), "the worker delivered nothing"
         worker.send_signal(signal.SIGTERM)
         try:
-            rc = worker.wait(timeout=grace)        # what the supervisor grants before SIGKILL
+            rc = worker.wait(timeout=grace)  # what the supervisor grants before SIGKILL
         except subprocess.TimeoutExpired:
             pytest.fail(f"the worker ignored SIGTERM for the {grace} s grace period")
         assert rc == 128 + signal.SIGTERM, worker.stdout.read().decode()[-3000:]

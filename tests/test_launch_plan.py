@@ -1,4 +1,5 @@
 """Recipes validate with --dry-run; memory arithmetic on hand-computed cases; node layouts."""
+
 import os
 import subprocess
 import sys
@@ -9,8 +10,13 @@ import pytest
 from areal_mega.common.net import free_ports
 from areal_mega.config import ConfigError, ModelHParams, load_config
 from areal_mega.launch import local
-from areal_mega.launch.memory import (KNOWN_MODELS, count_params, estimate_memory,
-                                      hparams_from_hf_config, known_model_key)
+from areal_mega.launch.memory import (
+    KNOWN_MODELS,
+    count_params,
+    estimate_memory,
+    hparams_from_hf_config,
+    known_model_key,
+)
 from areal_mega.launch.plan import assign_ports, plan_layout
 from areal_mega.parallel.allocation import ParallelDims, parse_allocation
 
@@ -20,18 +26,38 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 def test_recipe_set_is_complete():
     names = {p.name for p in RECIPES}
-    assert {"tiny-cpu.yaml", "qwen2.5-1.5b-math.yaml", "qwen2.5-7b-math.yaml",
-            "qwen2.5-32b-math.yaml", "qwen3-30b-a3b-math.yaml"} <= names
+    assert {
+        "tiny-cpu.yaml",
+        "qwen2.5-1.5b-math.yaml",
+        "qwen2.5-7b-math.yaml",
+        "qwen2.5-32b-math.yaml",
+        "qwen3-30b-a3b-math.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_every_recipe_dry_run(recipe):
-    r = subprocess.run([sys.executable, "-m", "areal_mega.launch.local", "--config", str(recipe),
-                        "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_mega.launch.local", "--config", str(recipe), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for words in ("config OK", "allocation:", "rollout:", "trainer: world", "node 0:",
-                  "weights", "grads", "optimizer", "activations", "total"):
+    for words in (
+        "config OK",
+        "allocation:",
+        "rollout:",
+        "trainer: world",
+        "node 0:",
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "total",
+    ):
         assert words in out, (words, out)
     cfg = load_config(recipe)
     assert "DOES NOT FIT" not in out
@@ -54,36 +80,64 @@ def test_recipe_nodes_match_issue():
 def test_launcher_imports_no_torch():
     """launch.local (the parent of every process of a run, and ``--dry-run``) plans without
     torch: importing it would cost each launch ~2 s before the first process starts."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "areal_mega.launch.local",
-                        "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), "--dry-run"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "areal_mega.launch.local",
+            "--config",
+            str(ROOT / "recipes" / "tiny-cpu.yaml"),
+            "--dry-run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "config OK" in r.stdout, r.stdout[-2000:]
-    imported = [ln.rsplit("|", 1)[1].strip() for ln in r.stderr.splitlines()
-                if ln.startswith("import time:")]
+    imported = [
+        ln.rsplit("|", 1)[1].strip()
+        for ln in r.stderr.splitlines()
+        if ln.startswith("import time:")
+    ]
     assert "areal_mega.launch.local" in imported or "areal_mega.launch" in imported
     assert "torch" not in imported
 
 
 def test_dry_run_bad_override_names_key(capsys):
-    rc = local.main(["--config", str(ROOT / "recipes/tiny-cpu.yaml"), "--dry-run",
-                     "rollout.n_samples=0"])
+    rc = local.main(
+        ["--config", str(ROOT / "recipes/tiny-cpu.yaml"), "--dry-run", "rollout.n_samples=0"]
+    )
     assert rc == 2 and "rollout.n_samples" in capsys.readouterr().err
-    rc = local.main(["--config", str(ROOT / "recipes/qwen2.5-7b-math.yaml"), "--dry-run",
-                     "cluster.n_nodes=1"])
+    rc = local.main(
+        ["--config", str(ROOT / "recipes/qwen2.5-7b-math.yaml"), "--dry-run", "cluster.n_nodes=1"]
+    )
     assert rc == 2 and "cluster.n_nodes=1" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- memory
 
 
-SMALL = ModelHParams(hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=128, vocab_size=100)
+SMALL = ModelHParams(
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=128,
+    vocab_size=100,
+)
 
 
 def test_param_counts_match_published_totals():
     # published: 1.54B, 7.61B, 32.8B (32.5B non-embedding+...), 30.5B total / 3.3B active
-    expect = {"qwen2.5-1.5b": 1.54e9, "qwen2.5-7b": 7.62e9, "qwen2.5-32b": 32.76e9,
-              "qwen3-30b-a3b": 30.53e9}
+    expect = {
+        "qwen2.5-1.5b": 1.54e9,
+        "qwen2.5-7b": 7.62e9,
+        "qwen2.5-32b": 32.76e9,
+        "qwen3-30b-a3b": 30.53e9,
+    }
     for key, total in expect.items():
         assert count_params(KNOWN_MODELS[key]).total == pytest.approx(total, rel=0.005)
     assert count_params(KNOWN_MODELS["qwen3-30b-a3b"]).active == pytest.approx(3.35e9, rel=0.01)
@@ -93,8 +147,14 @@ def test_param_counts_match_published_totals():
 def test_memory_hand_computed_dense():
     # per layer: attention 3*64*64 + 64*32 ... = 12288, mlp 3*64*128 = 24576, norms 128
     # pp=2 -> 2 layers + embedding 6400 on stage 0: (2*36864 + 6400)/tp2 + 2*128 = 40320 params
-    e = estimate_memory(SMALL, ParallelDims(dp=2, tp=2, pp=2), dtype="bf16",
-                        use_distributed_optimizer=True, tokens_per_mb=1000, overhead_bytes=0)
+    e = estimate_memory(
+        SMALL,
+        ParallelDims(dp=2, tp=2, pp=2),
+        dtype="bf16",
+        use_distributed_optimizer=True,
+        tokens_per_mb=1000,
+        overhead_bytes=0,
+    )
     assert e.params_per_gpu == 40320 and e.layers_per_stage == 2
     assert e.weights == 2 * 40320 and e.grads == 4 * 40320
     assert e.optimizer == 12 * 40320 / 2
@@ -103,24 +163,43 @@ def test_memory_hand_computed_dense():
     assert e.activations == 960 * 1000 * 2 * 2
     assert e.logits == 1000 * 100 / 2 * 4
     assert e.total == 80640 + 161280 + 241920 + 3_840_000 + 200_000
-    full = estimate_memory(SMALL, ParallelDims(dp=2, tp=2, pp=2), recompute="full",
-                           tokens_per_mb=1000, overhead_bytes=0)
+    full = estimate_memory(
+        SMALL,
+        ParallelDims(dp=2, tp=2, pp=2),
+        recompute="full",
+        tokens_per_mb=1000,
+        overhead_bytes=0,
+    )
     assert full.activations == 4 * (1000 * 2 * 64 / 2) + 960_000
-    plain = estimate_memory(SMALL, ParallelDims(dp=2, tp=2, pp=2), tokens_per_mb=1000,
-                            use_distributed_optimizer=False, overhead_bytes=0)
+    plain = estimate_memory(
+        SMALL,
+        ParallelDims(dp=2, tp=2, pp=2),
+        tokens_per_mb=1000,
+        use_distributed_optimizer=False,
+        overhead_bytes=0,
+    )
     assert plain.optimizer == 12 * 40320
-    fp32 = estimate_memory(SMALL, ParallelDims(dp=2, tp=2, pp=2), dtype="fp32",
-                           tokens_per_mb=1000, overhead_bytes=0)
+    fp32 = estimate_memory(
+        SMALL, ParallelDims(dp=2, tp=2, pp=2), dtype="fp32", tokens_per_mb=1000, overhead_bytes=0
+    )
     assert fp32.weights == 4 * 40320 and fp32.optimizer == 8 * 40320 / 2
-    cp2 = estimate_memory(SMALL, ParallelDims(dp=1, tp=2, pp=2, cp=2), tokens_per_mb=1000,
-                          overhead_bytes=0)
+    cp2 = estimate_memory(
+        SMALL, ParallelDims(dp=1, tp=2, pp=2, cp=2), tokens_per_mb=1000, overhead_bytes=0
+    )
     assert cp2.activations == e.activations / 2 and cp2.optimizer == e.optimizer
 
 
 def test_memory_hand_computed_moe():
-    hp = ModelHParams(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=100,
-                      tie_word_embeddings=True, num_experts=4, moe_ffn_hidden_size=32,
-                      moe_topk=2)
+    hp = ModelHParams(
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        vocab_size=100,
+        tie_word_embeddings=True,
+        num_experts=4,
+        moe_ffn_hidden_size=32,
+        moe_topk=2,
+    )
     c = count_params(hp)
     assert c.experts == 4 * 3 * 64 * 32 and c.total == 89152 and c.active == 64576
     e = estimate_memory(hp, ParallelDims(dp=4, ep=2), tokens_per_mb=10, overhead_bytes=0)
@@ -132,8 +211,15 @@ def test_memory_hand_computed_moe():
 def test_hparams_from_hf_config_and_names(tmp_path):
     from areal_mega.models.tiny import make_tiny_model
 
-    d = make_tiny_model(tmp_path / "m", arch="qwen3_moe", hidden_size=32, num_heads=4,
-                        num_kv_heads=2, num_layers=2, charset="digits")
+    d = make_tiny_model(
+        tmp_path / "m",
+        arch="qwen3_moe",
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        num_layers=2,
+        charset="digits",
+    )
     hp = hparams_from_hf_config(d / "config.json")
     assert hp.num_experts == 4 and hp.moe_topk == 2 and hp.qk_norm and hp.tie_word_embeddings
     import torch  # noqa: F401  (transformers already imported it)
@@ -155,8 +241,12 @@ def test_hparams_from_hf_config_and_names(tmp_path):
 
 
 def test_layout_single_node_shares_gpus():
-    lay = plan_layout(parse_allocation("sglang:d2t2+megatron:d2t2"), n_nodes=1, gpus_per_node=8,
-                      ports=[9000, 9001])
+    lay = plan_layout(
+        parse_allocation("sglang:d2t2+megatron:d2t2"),
+        n_nodes=1,
+        gpus_per_node=8,
+        ports=[9000, 9001],
+    )
     assert [s.gpus for s in lay.servers] == [(0, 1), (2, 3)]
     assert [s.port for s in lay.servers] == [9000, 9001]
     assert lay.trainer_nodes == [0] and lay.trainer_gpus == (4, 5, 6, 7)
@@ -176,8 +266,9 @@ def test_layout_multi_node_and_errors():
         plan_layout(parse_allocation("sglang:d8+megatron:d12"), n_nodes=4, gpus_per_node=8)
     with pytest.raises(ConfigError, match="tensor parallel"):
         plan_layout(parse_allocation("sglang:d1+megatron:t16"), n_nodes=4, gpus_per_node=8)
-    ext = plan_layout(parse_allocation("megatron:d8"), n_nodes=1, gpus_per_node=8,
-                      external_servers=["h:1"])
+    ext = plan_layout(
+        parse_allocation("megatron:d8"), n_nodes=1, gpus_per_node=8, external_servers=["h:1"]
+    )
     assert ext.servers == [] and ext.trainer_gpus == tuple(range(8))
     with pytest.raises(ConfigError, match="server_addrs"):
         plan_layout(parse_allocation("megatron:d8"), n_nodes=1, gpus_per_node=8)
@@ -192,8 +283,9 @@ def test_ports():
 
 
 def test_server_commands(tmp_path):
-    cfg = load_config(ROOT / "recipes/qwen2.5-32b-math.yaml",
-                      ["rollout.api_key=k", f"logging.run_dir={tmp_path}"])
+    cfg = load_config(
+        ROOT / "recipes/qwen2.5-32b-math.yaml", ["rollout.api_key=k", f"logging.run_dir={tmp_path}"]
+    )
     lay = local.planned_layout(cfg)
     argv = local.server_command(cfg, lay.servers[3], "0.0.0.0")
     assert argv[1:3] == ["-m", "sglang.launch_server"]
@@ -204,33 +296,43 @@ def test_server_commands(tmp_path):
     assert lay.servers[3].gpus == (4, 5, 6, 7) and lay.servers[3].node == 1
     cpu = load_config(ROOT / "recipes/tiny-cpu.yaml")
     slot = local.make_layout(cpu, ports=[1234]).servers[0]
-    assert local.server_command(cpu, slot)[1:] == ["-m", local.ROLLOUT_SERVER_MODULE,
-                                                  "--model-path", "runs/tiny-cpu/model",
-                                                  "--host", "127.0.0.1", "--port", "1234",
-                                                  "--num-threads", "1"]
+    assert local.server_command(cpu, slot)[1:] == [
+        "-m",
+        local.ROLLOUT_SERVER_MODULE,
+        "--model-path",
+        "runs/tiny-cpu/model",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1234",
+        "--num-threads",
+        "1",
+    ]
     cpu3 = load_config(ROOT / "recipes/tiny-cpu.yaml", ["cluster.cpu_threads_per_server=3"])
     assert local.server_command(cpu3, slot)[-2:] == ["--num-threads", "3"]
     # a LoRA run's servers load adapters only from the run directory (where they are published)
-    lora = load_config(ROOT / "recipes/tiny-cpu.yaml", ["lora.enabled=true",
-                                                        f"logging.run_dir={tmp_path}"])
+    lora = load_config(
+        ROOT / "recipes/tiny-cpu.yaml", ["lora.enabled=true", f"logging.run_dir={tmp_path}"]
+    )
     argv = local.server_command(lora, slot)
     assert argv[argv.index("--lora-allowed-dirs") + 1] == str(tmp_path.resolve())
 
 
 def test_cpu_threads_per_trainer_rank():
     from areal_mega.launch.local import cpu_threads_per_trainer_rank
+
     assert cpu_threads_per_trainer_rank(2, n_servers=1, nproc=1) == 1
     assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2) == 7
-    assert cpu_threads_per_trainer_rank(2, n_servers=4, nproc=2) == 1   # never zero
+    assert cpu_threads_per_trainer_rank(2, n_servers=4, nproc=2) == 1  # never zero
     assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2, server_threads=4) == 4
     assert cpu_threads_per_trainer_rank(16, n_servers=2, nproc=2, configured=3) == 3
 
 
 def test_cpu_thread_keys_reach_the_trainer_environment(tmp_path):
     for keys, want in (([], "1"), (["cluster.cpu_threads_per_trainer_rank=2"], "2")):
-        cfg = load_config(ROOT / "recipes/tiny-cpu.yaml",
-                          [f"logging.run_dir={tmp_path}", *keys])
+        cfg = load_config(ROOT / "recipes/tiny-cpu.yaml", [f"logging.run_dir={tmp_path}", *keys])
         specs, _ = local.build_specs(cfg, device="cpu")
         trainer = next(s for s in specs if s.name == "trainer")
-        assert trainer.env["OMP_NUM_THREADS"] == (want if keys else str(max(
-            1, (os.cpu_count() or 1) - 1))), keys
+        assert trainer.env["OMP_NUM_THREADS"] == (
+            want if keys else str(max(1, (os.cpu_count() or 1) - 1))
+        ), keys

@@ -1,6 +1,7 @@
 """launch/torchrun.sh under a real torchrun, and launch/slurm/run.sbatch's flow with stub
 ``scontrol`` / ``srun`` / ``curl`` commands (no Slurm here): node split, server addresses,
 master address, bounded trainer relaunch, cleanup of the rollout step."""
+
 import os
 import subprocess
 import sys
@@ -23,22 +24,40 @@ def test_scripts_parse():
 
 @pytest.mark.parametrize("backend", ["local", "vllm"])
 def test_torchrun_sh_joins_external_servers(tmp_path, backend):
-    env = {**os.environ, "PYTHON": sys.executable, "AREAL_MEGA_TRAINER_MODULE": "fake_trainer",
-           "FAKE_TRAINER_MODE": "echo", "PYTHONPATH": os.pathsep.join([str(FIX), str(ROOT)]),
-           "MASTER_PORT": str(free_port()), "CUDA_VISIBLE_DEVICES": "",
-           "AREAL_MEGA_ROLLOUT_WORKER_MODULE": "fake_rollout_worker",
-           "FAKE_PID_DIR": str(tmp_path)}
-    r = subprocess.run(["bash", str(ROOT / "launch/torchrun.sh"), "recipes/tiny-cpu.yaml",
-                        "allocation=megatron:d2", "rollout.server_addrs=10.1.2.3:30000",
-                        f"rollout.backend={backend}", f"logging.run_dir={tmp_path}"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "AREAL_MEGA_TRAINER_MODULE": "fake_trainer",
+        "FAKE_TRAINER_MODE": "echo",
+        "PYTHONPATH": os.pathsep.join([str(FIX), str(ROOT)]),
+        "MASTER_PORT": str(free_port()),
+        "CUDA_VISIBLE_DEVICES": "",
+        "AREAL_MEGA_ROLLOUT_WORKER_MODULE": "fake_rollout_worker",
+        "FAKE_PID_DIR": str(tmp_path),
+    }
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch/torchrun.sh"),
+            "recipes/tiny-cpu.yaml",
+            "allocation=megatron:d2",
+            "rollout.server_addrs=10.1.2.3:30000",
+            f"rollout.backend={backend}",
+            f"logging.run_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert f"rollout backend {backend}" in r.stderr
     # each rank's line from its own file (the two ranks' stdout lines can interleave)
     lines = [(tmp_path / f"echo-rank{k}.txt").read_text() for k in (0, 1)]
     assert all(x.startswith(f"ECHO rank={k} world=2") for k, x in enumerate(lines)), lines
     assert "rollout.server_addrs=10.1.2.3:30000" in lines[0] and "'--config'" in lines[0]
-    assert "worker serving ['10.1.2.3:30000']" in r.stdout   # started beside rank 0 ...
+    assert "worker serving ['10.1.2.3:30000']" in r.stdout  # started beside rank 0 ...
     assert not _alive(int((tmp_path / "worker.pid").read_text()))  # ... and stopped after
 
 
@@ -71,17 +90,35 @@ def _run_sbatch_with_stubs(tmp_path, *overrides):
     stubs.mkdir()
     (stubs / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'nodeA\\nnodeB\\n'\n")
     (stubs / "srun").write_text(SRUN_STUB)
-    (stubs / "curl").write_text("#!/usr/bin/env bash\necho \"CURL $*\" >> \"$STUB_LOG\"\n")
+    (stubs / "curl").write_text('#!/usr/bin/env bash\necho "CURL $*" >> "$STUB_LOG"\n')
     for f in stubs.iterdir():
         f.chmod(0o755)
     log = tmp_path / "stub.log"
-    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "PYTHON": sys.executable,
-           "PYTHONPATH": str(ROOT), "SLURM_JOB_NODELIST": "node[A-B]", "SLURM_JOB_ID": "42",
-           "SLURM_SUBMIT_DIR": str(ROOT), "STUB_LOG": str(log), "STUB_DIR": str(tmp_path)}
-    r = subprocess.run(["bash", str(ROOT / "launch/slurm/run.sbatch"),
-                        str(ROOT / "recipes/qwen2.5-7b-math.yaml"),
-                        f"logging.run_dir={tmp_path / 'run'}", *overrides], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+        "SLURM_JOB_NODELIST": "node[A-B]",
+        "SLURM_JOB_ID": "42",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "STUB_LOG": str(log),
+        "STUB_DIR": str(tmp_path),
+    }
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch/slurm/run.sbatch"),
+            str(ROOT / "recipes/qwen2.5-7b-math.yaml"),
+            f"logging.run_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return r, log
 
 
@@ -100,8 +137,9 @@ def test_sbatch_flow_with_stubs(tmp_path):
         assert f"rollout.server_addrs={addrs}" in t
     # servers are probed for liveness on /health (SGLang's /health_generate 503s while paused)
     curls = [x for x in out.splitlines() if x.startswith("CURL")]
-    assert len(curls) == 8 and all(x.endswith(":%d/health" % (30000 + k))
-                                   for k, x in enumerate(curls)), curls
+    assert len(curls) == 8 and all(
+        x.endswith(":%d/health" % (30000 + k)) for k, x in enumerate(curls)
+    ), curls
     assert "relaunch 1/3" in r.stderr
     assert "training finished" in r.stdout
     # the rollout step (a sleeping stub) was stopped by the EXIT trap
@@ -125,8 +163,10 @@ def test_sbatch_vllm_branch_checks_the_interpreter_then_serves(tmp_path):
     assert len(serve) == 1 and "--nodelist=nodeA" in serve[0]
     assert all(o in serve[0] for o in VLLM) and f"rollout.vllm.python={python}" in serve[0]
     curls = [x for x in out.splitlines() if x.startswith("CURL")]
-    assert [x.rsplit(" ", 1)[1] for x in curls] == ["http://nodeA:30000/health",
-                                                    "http://nodeA:30001/health"]
+    assert [x.rsplit(" ", 1)[1] for x in curls] == [
+        "http://nodeA:30000/health",
+        "http://nodeA:30001/health",
+    ]
     train = [x for x in out.splitlines() if x.startswith("SRUN") and "torchrun.sh" in x]
     assert train and all("rollout.server_addrs=nodeA:30000,nodeA:30001" in t for t in train)
 
@@ -137,36 +177,55 @@ def test_sbatch_vllm_branch_stops_before_any_step_without_the_interpreter(tmp_pa
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"rollout.vllm.python: {str(missing)!r} does not exist" in r.stderr
     assert "make vllm-env" in r.stderr and "no step started" in r.stderr
-    assert not log.exists() or "SRUN" not in log.read_text()      # no srun, no curl
+    assert not log.exists() or "SRUN" not in log.read_text()  # no srun, no curl
 
 
 def test_sbatch_requests_no_gpus_and_uses_the_repo_venv(tmp_path):
     """No hard-coded generic resource (a CPU cluster rejects it); PYTHON defaults to the
     repository's .venv (here a stand-in repository whose .venv/bin/python runs this one)."""
-    sbatch_lines = [x for x in (ROOT / "launch/slurm/run.sbatch").read_text().splitlines()
-                    if x.startswith("#SBATCH")]
+    sbatch_lines = [
+        x
+        for x in (ROOT / "launch/slurm/run.sbatch").read_text().splitlines()
+        if x.startswith("#SBATCH")
+    ]
     assert sbatch_lines and not any("gpu" in x or "gres" in x for x in sbatch_lines)
     repo, stubs = tmp_path / "repo", tmp_path / "bin"
     (repo / ".venv" / "bin").mkdir(parents=True)
     stubs.mkdir()
     venv_python = repo / ".venv" / "bin" / "python"
-    venv_python.write_text(f"#!/usr/bin/env bash\nexec {sys.executable} \"$@\"\n")
+    venv_python.write_text(f'#!/usr/bin/env bash\nexec {sys.executable} "$@"\n')
     (stubs / "scontrol").write_text("#!/usr/bin/env bash\necho node1\n")
     (stubs / "srun").write_text('#!/usr/bin/env bash\necho "SRUN $*" >> "$STUB_LOG"\n')
     for f in (venv_python, stubs / "scontrol", stubs / "srun"):
         f.chmod(0o755)
     log = tmp_path / "stub.log"
     env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    env.update(PATH=f"{stubs}:{os.environ['PATH']}", PYTHONPATH=str(ROOT),
-               SLURM_JOB_NODELIST="node1", SLURM_SUBMIT_DIR=str(repo), STUB_LOG=str(log))
-    r = subprocess.run(["bash", str(ROOT / "launch/slurm/run.sbatch"),
-                        str(ROOT / "recipes/tiny-cpu.yaml"), f"logging.run_dir={tmp_path}/r"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    env.update(
+        PATH=f"{stubs}:{os.environ['PATH']}",
+        PYTHONPATH=str(ROOT),
+        SLURM_JOB_NODELIST="node1",
+        SLURM_SUBMIT_DIR=str(repo),
+        STUB_LOG=str(log),
+    )
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch/slurm/run.sbatch"),
+            str(ROOT / "recipes/tiny-cpu.yaml"),
+            f"logging.run_dir={tmp_path}/r",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"[run.sbatch] python: {venv_python}" in r.stdout
     # single-node layout: one srun step running launch.local with that interpreter
-    assert log.read_text().startswith(f"SRUN --nodes=1 --ntasks=1 {venv_python} -m "
-                                      "areal_mega.launch.local --config")
+    assert log.read_text().startswith(
+        f"SRUN --nodes=1 --ntasks=1 {venv_python} -m areal_mega.launch.local --config"
+    )
 
 
 def test_submit_wrapper_takes_resources_from_the_recipe():
@@ -186,16 +245,37 @@ def test_submit_wrapper_takes_resources_from_the_recipe():
         else:
             assert gpus == [f"--gpus-per-node={cfg.cluster.n_gpus_per_node}"], argv
     # the shell entry point, as documented
-    r = subprocess.run(["bash", str(ROOT / "launch/slurm/submit.sh"), "--dry-run",
-                        "--time=1:00:00", "recipes/qwen2.5-7b-math.yaml", "seed=3"],
-                       cwd=ROOT, env={**os.environ, "PYTHON": sys.executable,
-                                      "PYTHONPATH": str(ROOT)},
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch/slurm/submit.sh"),
+            "--dry-run",
+            "--time=1:00:00",
+            "recipes/qwen2.5-7b-math.yaml",
+            "seed=3",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith("sbatch --nodes=2 --gpus-per-node=8 --time=1:00:00 ")
     assert r.stderr.rstrip().endswith("run.sbatch recipes/qwen2.5-7b-math.yaml seed=3")
-    bad = subprocess.run([sys.executable, "-m", "areal_mega.launch.slurm_submit", "--dry-run",
-                          "recipes/tiny-cpu.yaml", "cluster.n_nodes=0"], cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.slurm_submit",
+            "--dry-run",
+            "recipes/tiny-cpu.yaml",
+            "cluster.n_nodes=0",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "cluster.n_nodes" in bad.stderr

@@ -2,6 +2,7 @@
 stops everything, SIGINT leaves no process and no bound port, SIGTERM-ignorers get SIGKILL,
 bounded relaunch, and a full launch.local run (fake server + fake trainer under torchrun) that
 relaunches the trainer from the latest complete checkpoint."""
+
 import os
 import signal
 import socket
@@ -73,9 +74,15 @@ def _run_in_thread(sup):
 
 
 def test_main_done_stops_services(tmp_path):
-    sup = Supervisor([ProcessSpec("svc", CHILD + ["sleep"]),
-                      ProcessSpec("main", CHILD + ["exit", "0"], kind="main")],
-                     tmp_path / "logs", grace_s=5, echo=lambda m: None)
+    sup = Supervisor(
+        [
+            ProcessSpec("svc", CHILD + ["sleep"]),
+            ProcessSpec("main", CHILD + ["exit", "0"], kind="main"),
+        ],
+        tmp_path / "logs",
+        grace_s=5,
+        echo=lambda m: None,
+    )
     assert sup.run() == 0
     assert all(r.proc.returncode is not None for r in sup.running.values())
     assert (tmp_path / "logs" / "svc.log").exists()
@@ -84,11 +91,22 @@ def test_main_done_stops_services(tmp_path):
 
 def test_kill9_of_a_child_stops_all(tmp_path, cleanup):
     port = free_port()
-    sup = Supervisor([ProcessSpec("server", CHILD + ["listen", str(port)],
-                                  ready=tcp_ready("127.0.0.1", port), ready_timeout_s=30),
-                      ProcessSpec("victim", CHILD + ["sleep"]),
-                      ProcessSpec("main", CHILD + ["sleep"], kind="main", restart=True)],
-                     tmp_path / "logs", grace_s=5, max_restarts=3, echo=lambda m: None)
+    sup = Supervisor(
+        [
+            ProcessSpec(
+                "server",
+                CHILD + ["listen", str(port)],
+                ready=tcp_ready("127.0.0.1", port),
+                ready_timeout_s=30,
+            ),
+            ProcessSpec("victim", CHILD + ["sleep"]),
+            ProcessSpec("main", CHILD + ["sleep"], kind="main", restart=True),
+        ],
+        tmp_path / "logs",
+        grace_s=5,
+        max_restarts=3,
+        echo=lambda m: None,
+    )
     t, box = _run_in_thread(sup)
     assert _wait_for(lambda: len(sup.running) == 3)
     pids = [r.proc.pid for r in sup.running.values()]
@@ -101,9 +119,15 @@ def test_kill9_of_a_child_stops_all(tmp_path, cleanup):
 
 
 def test_stubborn_child_gets_sigkill(tmp_path, cleanup):
-    sup = Supervisor([ProcessSpec("stubborn", CHILD + ["stubborn"]),
-                      ProcessSpec("main", CHILD + ["exit", "0"], kind="main")],
-                     tmp_path / "logs", grace_s=1, echo=lambda m: None)
+    sup = Supervisor(
+        [
+            ProcessSpec("stubborn", CHILD + ["stubborn"]),
+            ProcessSpec("main", CHILD + ["exit", "0"], kind="main"),
+        ],
+        tmp_path / "logs",
+        grace_s=1,
+        echo=lambda m: None,
+    )
     t0 = time.monotonic()
     assert sup.run() == 0
     assert time.monotonic() - t0 < 15
@@ -112,32 +136,53 @@ def test_stubborn_child_gets_sigkill(tmp_path, cleanup):
 
 def test_failed_main_relaunch_is_bounded(tmp_path):
     marker = tmp_path / "flaky"
-    sup = Supervisor([ProcessSpec("main", CHILD + ["flaky", str(marker)], kind="main",
-                                  restart=True)], tmp_path / "logs", max_restarts=2,
-                     echo=lambda m: None)
+    sup = Supervisor(
+        [ProcessSpec("main", CHILD + ["flaky", str(marker)], kind="main", restart=True)],
+        tmp_path / "logs",
+        max_restarts=2,
+        echo=lambda m: None,
+    )
     assert sup.run() == 0 and sup.restarts == 1
     assert (tmp_path / "logs/main.log").read_text().count("===== ") == 2
     calls = []
-    sup = Supervisor([ProcessSpec("main", CHILD + ["exit", "4"], kind="main", restart=True,
-                                  on_restart=lambda spec, k: calls.append(k) or None)],
-                     tmp_path / "logs2", max_restarts=2, echo=lambda m: None)
+    sup = Supervisor(
+        [
+            ProcessSpec(
+                "main",
+                CHILD + ["exit", "4"],
+                kind="main",
+                restart=True,
+                on_restart=lambda spec, k: calls.append(k) or None,
+            )
+        ],
+        tmp_path / "logs2",
+        max_restarts=2,
+        echo=lambda m: None,
+    )
     assert sup.run() == 4 and sup.restarts == 2 and calls == [1, 2]
 
 
-@pytest.mark.parametrize("mode, marker", [
-    # a main killed by SIGKILL leaves a child in its process group (as a trainer leaves
-    # megatron's multiprocessing manager): the supervisor stops it before the relaunch
-    ("orphan", "orphan"),
-    # torchrun starts its worker in a new session; a process the worker forks just before it
-    # is SIGKILLed (e.g. a checkpoint writer) is reparented to init, no longer a descendant
-    # of anything the supervisor started, but still in the worker's process group: the
-    # supervisor stops that group when the main fails
-    ("worker", "forked"),
-])
+@pytest.mark.parametrize(
+    "mode, marker",
+    [
+        # a main killed by SIGKILL leaves a child in its process group (as a trainer leaves
+        # megatron's multiprocessing manager): the supervisor stops it before the relaunch
+        ("orphan", "orphan"),
+        # torchrun starts its worker in a new session; a process the worker forks just before it
+        # is SIGKILLed (e.g. a checkpoint writer) is reparented to init, no longer a descendant
+        # of anything the supervisor started, but still in the worker's process group: the
+        # supervisor stops that group when the main fails
+        ("worker", "forked"),
+    ],
+)
 def test_killed_process_leaves_no_orphan_behind(tmp_path, cleanup, mode, marker):
-    sup = Supervisor([ProcessSpec("main", CHILD + [mode, str(tmp_path)], kind="main",
-                                  restart=True)], tmp_path / "logs", grace_s=5,
-                     max_restarts=1, echo=lambda m: None)
+    sup = Supervisor(
+        [ProcessSpec("main", CHILD + [mode, str(tmp_path)], kind="main", restart=True)],
+        tmp_path / "logs",
+        grace_s=5,
+        max_restarts=1,
+        echo=lambda m: None,
+    )
     assert sup.run() == 0 and sup.restarts == 1
     left = int((tmp_path / marker).read_text())
     cleanup.append(left)
@@ -145,27 +190,43 @@ def test_killed_process_leaves_no_orphan_behind(tmp_path, cleanup, mode, marker)
 
 
 def test_server_dying_before_ready_is_an_error(tmp_path):
-    sup = Supervisor([ProcessSpec("server", CHILD + ["exit", "2"], ready=lambda: False),
-                      ProcessSpec("main", CHILD + ["sleep"], kind="main")],
-                     tmp_path / "logs", echo=lambda m: None)
+    sup = Supervisor(
+        [
+            ProcessSpec("server", CHILD + ["exit", "2"], ready=lambda: False),
+            ProcessSpec("main", CHILD + ["sleep"], kind="main"),
+        ],
+        tmp_path / "logs",
+        echo=lambda m: None,
+    )
     assert sup.run() == 1 and "main" not in sup.running
     assert "before it was ready" in (tmp_path / "logs/supervisor.log").read_text()
 
 
 def test_a_death_notice_quotes_the_last_error_of_the_log(tmp_path):
     """torchrun's wrapper error is skipped: the rank's own error is the one quoted."""
-    fail = ("import sys; print('[rank0]: ValueError: bad key algorithm.x', flush=True); "
-            "sys.exit('torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ')")
-    sup = Supervisor([ProcessSpec("main", [sys.executable, "-c", fail], kind="main")],
-                     tmp_path / "logs", echo=lambda m: None)
+    fail = (
+        "import sys; print('[rank0]: ValueError: bad key algorithm.x', flush=True); "
+        "sys.exit('torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ')"
+    )
+    sup = Supervisor(
+        [ProcessSpec("main", [sys.executable, "-c", fail], kind="main")],
+        tmp_path / "logs",
+        echo=lambda m: None,
+    )
     assert sup.run() == 1
     text = (tmp_path / "logs/supervisor.log").read_text()
     assert "main died (exit code 1)" in text
     assert "last error: [rank0]: ValueError: bad key algorithm.x" in text
-    sup = Supervisor([ProcessSpec("server", [sys.executable, "-c", "import no_such_module_x"],
-                                  ready=lambda: False),
-                      ProcessSpec("main", CHILD + ["sleep"], kind="main")],
-                     tmp_path / "logs2", echo=lambda m: None)
+    sup = Supervisor(
+        [
+            ProcessSpec(
+                "server", [sys.executable, "-c", "import no_such_module_x"], ready=lambda: False
+            ),
+            ProcessSpec("main", CHILD + ["sleep"], kind="main"),
+        ],
+        tmp_path / "logs2",
+        echo=lambda m: None,
+    )
     assert sup.run() == 1
     text = (tmp_path / "logs2/supervisor.log").read_text()
     assert "last error: ModuleNotFoundError: No module named 'no_such_module_x'" in text
@@ -188,14 +249,27 @@ DRIVER = textwrap.dedent("""
 
 def test_sigint_to_supervisor_leaves_nothing(tmp_path, cleanup):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(FIX / "children.py"),
-                             str(tmp_path / "logs"), str(port), str(tmp_path)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            str(FIX / "children.py"),
+            str(tmp_path / "logs"),
+            str(port),
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     cleanup.append(proc.pid)
     try:
-        assert _wait_for(lambda: (tmp_path / "pids").exists() and
-                         len(psutil.Process(proc.pid).children()) == 4, 60)
+        assert _wait_for(
+            lambda: (tmp_path / "pids").exists() and len(psutil.Process(proc.pid).children()) == 4,
+            60,
+        )
         kids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         spawner, grandchild = map(int, (tmp_path / "pids").read_text().split())
         cleanup.extend(kids + [grandchild])
@@ -222,9 +296,16 @@ def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FIX), str(ROOT)]))
     monkeypatch.setenv("FAKE_PID_DIR", str(tmp_path))
     run_dir = tmp_path / "run"
-    rc = local.main(["--config", str(ROOT / "recipes/tiny-cpu.yaml"),
-                     f"logging.run_dir={run_dir}", "allocation=local:d2+megatron:d2",
-                     "model.path=/unused", "cluster.kill_grace_s=3"])
+    rc = local.main(
+        [
+            "--config",
+            str(ROOT / "recipes/tiny-cpu.yaml"),
+            f"logging.run_dir={run_dir}",
+            "allocation=local:d2+megatron:d2",
+            "model.path=/unused",
+            "cluster.kill_grace_s=3",
+        ]
+    )
     logs = run_dir / "logs"
     sup_log = (logs / "supervisor.log").read_text()
     assert rc == 0, sup_log + (logs / "trainer.log").read_text()
@@ -241,5 +322,4 @@ def test_launch_local_end_to_end_with_recover(tmp_path, monkeypatch, cleanup):
     cfg_text = (run_dir / "config.yaml").read_text()
     assert all(f"127.0.0.1:{p}" in cfg_text for p in ports)
     assert find_latest(run_dir / "checkpoints").name == "iter_0000003"
-    assert local.resume_point(local.load_config(run_dir / "config.yaml")).name == \
-        "iter_0000003"
+    assert local.resume_point(local.load_config(run_dir / "config.yaml")).name == "iter_0000003"

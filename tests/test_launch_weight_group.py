@@ -1,6 +1,7 @@
 """The weight-update group (trainer rank 0 + every rank of every rollout server) comes from the
 allocation string alone: for every recipe, the launcher's SGLang command lines and the trainer's
 sender agree on the world size and each server's rank offset (a mismatch hangs the broadcast)."""
+
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 def _launched_ranks(cfg, slot) -> int:
     """Ranks of one server as the launcher starts it: SGLang's --tp-size, else one process."""
-    argv = local.server_command(cfg, slot, "127.0.0.1")   # 0.0.0.0 would need rollout.api_key
+    argv = local.server_command(cfg, slot, "127.0.0.1")  # 0.0.0.0 would need rollout.api_key
     return int(argv[argv.index("--tp-size") + 1]) if "--tp-size" in argv else 1
 
 
@@ -33,14 +34,14 @@ def test_every_recipe_weight_group_matches_launched_servers(recipe):
     assert ranks == [alloc.rollout.tp if cfg.rollout.backend == "sglang" else 1] * alloc.rollout.dp
     want_offsets = tuple(1 + sum(ranks[:i]) for i in range(len(ranks)))
     want = WeightGroup(1 + sum(ranks), want_offsets, ranks[0])
-    assert weight_update_group(alloc, cfg.rollout.backend) == want          # launcher
+    assert weight_update_group(alloc, cfg.rollout.backend) == want  # launcher
     # the trainer's sender, after the launcher filled rollout.server_addrs in
     hosts = [f"10.0.0.{n}" for n in range(cfg.cluster.n_nodes)]
     addrs = local.layout_env(cfg, hosts)["SERVER_ADDRS"]
     joined = load_config(recipe, [f"rollout.server_addrs={addrs}"])
     assert len(joined.rollout.server_addrs) == len(ranks)
     assert weight_group_for(joined) == want
-    if cfg.rollout.backend == "sglang":     # every GPU of the rollout part is one group rank
+    if cfg.rollout.backend == "sglang":  # every GPU of the rollout part is one group rank
         assert want.world_size == 1 + alloc.rollout_world_size
 
 
@@ -49,8 +50,9 @@ def test_moe_recipe_group_is_one_plus_four_by_four():
     cfg = load_config(ROOT / "recipes" / "qwen3-30b-a3b-math.yaml")
     group = weight_update_group(parse_allocation(cfg.allocation), "sglang")
     assert group == WeightGroup(17, (1, 5, 9, 13), 4)
-    assert "group world 17" in local.describe(cfg) and "rank offsets 1, 5, 9, 13" in \
-        local.describe(cfg)
+    assert "group world 17" in local.describe(cfg) and "rank offsets 1, 5, 9, 13" in local.describe(
+        cfg
+    )
     assert local.layout_env(cfg)["WEIGHT_GROUP_WORLD_SIZE"] == 17
 
 
@@ -65,16 +67,19 @@ def test_weight_group_errors_name_the_key():
         weight_update_group(sg, "sglang", 3)
     with pytest.raises(ConfigError, match="rollout.backend='local'"):
         weight_update_group(sg, "local")
-    with pytest.raises(ConfigError, match="no rollout part"):      # TP of external servers
+    with pytest.raises(ConfigError, match="no rollout part"):  # TP of external servers
         weight_update_group(parse_allocation("megatron:d8"), "sglang", 2)
     with pytest.raises(ConfigError, match="p>1"):
         weight_update_group(parse_allocation("sglang:d2t2p2+megatron:d8"), "sglang")
     # local servers are one process each, with or without a rollout part
-    assert weight_update_group(parse_allocation("megatron:d2"), "local", 3) == \
-        WeightGroup(4, (1, 2, 3), 1)
+    assert weight_update_group(parse_allocation("megatron:d2"), "local", 3) == WeightGroup(
+        4, (1, 2, 3), 1
+    )
     assert weight_update_group(sg, "sglang", 2) == WeightGroup(9, (1, 5), 4)
     # the dry run refuses a trainer that would join external SGLang servers of unknown TP
-    cfg = load_config(ROOT / "recipes" / "qwen2.5-7b-math.yaml",
-                      ["allocation=megatron:d4t2", "rollout.server_addrs=10.0.0.1:30000"])
+    cfg = load_config(
+        ROOT / "recipes" / "qwen2.5-7b-math.yaml",
+        ["allocation=megatron:d4t2", "rollout.server_addrs=10.0.0.1:30000"],
+    )
     with pytest.raises(ConfigError, match="allocation='megatron"):
         local.describe(cfg)

@@ -10,6 +10,7 @@
   weight-update group from ``parallel/``, not from the launcher.
 - A file holds one concept; no file reaches 800 lines, a smoke alarm rather than a cap.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,9 +44,25 @@ LAYERS = [
 SUBPACKAGE_LAYERS = [p for layer in LAYERS for p in layer if "." in p]
 # Importing one of these costs seconds or needs an optional extra: a module that pulls one in
 # at import time may be imported inside a function.
-HEAVY = {"torch", "megatron", "transformer_engine", "transformers", "tokenizers", "sglang",
-         "openai", "datasets", "apex", "matplotlib", "tensorboard", "math_verify", "pyarrow",
-         "peft", "wandb", "mlflow", "safetensors"}
+HEAVY = {
+    "torch",
+    "megatron",
+    "transformer_engine",
+    "transformers",
+    "tokenizers",
+    "sglang",
+    "openai",
+    "datasets",
+    "apex",
+    "matplotlib",
+    "tensorboard",
+    "math_verify",
+    "pyarrow",
+    "peft",
+    "wandb",
+    "mlflow",
+    "safetensors",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -90,8 +107,9 @@ def _imports(module: str) -> tuple:
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in _modules() else base
-                     for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in _modules() else base for a in node.names
+            ]
         else:
             continue
         if _in_type_checking(node, parents):
@@ -119,7 +137,7 @@ def _package(module: str) -> str:
         return parts[0]
     for entry in SUBPACKAGE_LAYERS:
         n = entry.count(".") + 1
-        if parts[1:1 + n] == entry.split("."):
+        if parts[1 : 1 + n] == entry.split("."):
             return entry
     return parts[1]
 
@@ -224,41 +242,79 @@ def test_every_package_has_a_layer_and_imports_only_its_layer_or_below():
     rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
     packages = {_package(m) for m in _modules()} - {"areal_mega"}
     assert packages <= set(rank), f"packages without a layer: {sorted(packages - set(rank))}"
-    bad = sorted(f"{m}:{line} imports {t} ({_package(m)} is below {_package(t)})"
-                 for m in _modules() for t, _, _, line in _imports(m)
-                 if t and _package(t) in rank and _package(m) in rank
-                 and rank[_package(t)] > rank[_package(m)])
+    bad = sorted(
+        f"{m}:{line} imports {t} ({_package(m)} is below {_package(t)})"
+        for m in _modules()
+        for t, _, _, line in _imports(m)
+        if t
+        and _package(t) in rank
+        and _package(m) in rank
+        and rank[_package(t)] > rank[_package(m)]
+    )
     assert not bad, "\n".join(bad)
 
 
 def test_imports_inside_functions_are_only_for_heavy_dependencies():
-    bad = sorted(f"{m}:{line} imports {t} inside a function, but {t} is light"
-                 for m in _modules() for t, inside, _, line in _imports(m)
-                 if t and inside and not _heavy(t))
+    bad = sorted(
+        f"{m}:{line} imports {t} inside a function, but {t} is light"
+        for m in _modules()
+        for t, inside, _, line in _imports(m)
+        if t and inside and not _heavy(t)
+    )
     assert not bad, "\n".join(bad)
 
 
 def test_the_inference_server_imports_nothing_from_the_client_side():
-    bad = sorted(f"{m} imports {t}" for m in _modules() if _package(m) == "inference"
-                 for t, *_ in _imports(m)
-                 if t and _package(t) in ("rollout", "backends", "workflow", "train", "launch",
-                                          "eval", "rollout.worker", "trainer"))
+    bad = sorted(
+        f"{m} imports {t}"
+        for m in _modules()
+        if _package(m) == "inference"
+        for t, *_ in _imports(m)
+        if t
+        and _package(t)
+        in (
+            "rollout",
+            "backends",
+            "workflow",
+            "train",
+            "launch",
+            "eval",
+            "rollout.worker",
+            "trainer",
+        )
+    )
     assert not bad, bad
 
 
-@pytest.mark.parametrize("layer", ["rollout", "rollout.worker", "backends", "dataplane",
-                                   "inference", "workflow", "rewards"])
+@pytest.mark.parametrize(
+    "layer",
+    ["rollout", "rollout.worker", "backends", "dataplane", "inference", "workflow", "rewards"],
+)
 def test_rollout_side_imports_nothing_from_the_trainer(layer):
     files = [m for m in _modules() if _package(m) == layer]
     assert files
-    bad = {f"{m}: {t}" for m in files for t, *_ in _imports(m)
-           if t and _package(t) in ("train", "trainer")}
+    bad = {
+        f"{m}: {t}"
+        for m in files
+        for t, *_ in _imports(m)
+        if t and _package(t) in ("train", "trainer")
+    }
     assert not bad, sorted(bad)
 
 
-@pytest.mark.parametrize("module", ["run_dir", "parallel.allocation", "scheduler.planner",
-                                    "launch.plan", "rollout.staleness", "common.files",
-                                    "common.net", "common.loading"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "run_dir",
+        "parallel.allocation",
+        "scheduler.planner",
+        "launch.plan",
+        "rollout.staleness",
+        "common.files",
+        "common.net",
+        "common.loading",
+    ],
+)
 def test_pure_modules_do_not_import_torch(module):
     found = {ext for _, _, ext, _ in _imports(f"areal_mega.{module}") if ext}
     assert "torch" not in found, found
@@ -278,14 +334,19 @@ def test_the_rollout_package_stays_small():
 
 
 def test_one_place_replaces_files_and_one_picks_free_ports():
-    replacing = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
-                       if "os.replace(" in f.read_text())
+    replacing = sorted(
+        str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if "os.replace(" in f.read_text()
+    )
     assert len(replacing) <= 2, replacing
-    port_helpers = sorted(f"{f.relative_to(PKG)}: {n.name}" for f in PKG.rglob("*.py")
-                          for n in ast.walk(ast.parse(f.read_text()))
-                          if isinstance(n, ast.FunctionDef) and "free_port" in n.name)
-    assert [h.split(":")[0] for h in port_helpers] == ["common/net.py"] * len(port_helpers), \
+    port_helpers = sorted(
+        f"{f.relative_to(PKG)}: {n.name}"
+        for f in PKG.rglob("*.py")
+        for n in ast.walk(ast.parse(f.read_text()))
+        if isinstance(n, ast.FunctionDef) and "free_port" in n.name
+    )
+    assert [h.split(":")[0] for h in port_helpers] == ["common/net.py"] * len(port_helpers), (
         port_helpers
+    )
 
 
 def test_the_one_step_walk_in_the_design_doc_names_at_most_20_real_files():
@@ -299,19 +360,30 @@ def test_the_one_step_walk_in_the_design_doc_names_at_most_20_real_files():
 
 
 def test_the_trainer_imports_nothing_from_the_launcher():
-    bad = sorted(f"{m}: {t}" for m in _modules() if _package(m) == "train"
-                 for t, *_ in _imports(m) if t and _package(t) == "launch")
+    bad = sorted(
+        f"{m}: {t}"
+        for m in _modules()
+        if _package(m) == "train"
+        for t, *_ in _imports(m)
+        if t and _package(t) == "launch"
+    )
     assert not bad, bad
 
 
 def test_only_the_client_touches_its_private_members():
     """Relaunch tolerance, elastic membership and the weight sender use the client's public
     methods and hooks (:mod:`areal_mega.rollout.hooks`), never its internals."""
-    private = re.compile(r"\._(pick|call|check_one|broadcast|sticky|servers|find|mark_down)\b"
-                         r"|\b_Server\b")
-    bad = [f"{f.relative_to(PKG)}:{i}: {line.strip()}"
-           for f in sorted(PKG.rglob("*.py")) if f != PKG / "rollout" / "client.py"
-           for i, line in enumerate(f.read_text().splitlines(), 1) if private.search(line)]
+    private = re.compile(
+        r"\._(pick|call|check_one|broadcast|sticky|servers|find|mark_down)\b"
+        r"|\b_Server\b"
+    )
+    bad = [
+        f"{f.relative_to(PKG)}:{i}: {line.strip()}"
+        for f in sorted(PKG.rglob("*.py"))
+        if f != PKG / "rollout" / "client.py"
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
     assert not bad, bad
 
 
@@ -323,6 +395,7 @@ def test_no_source_file_sets_off_the_800_line_smoke_alarm():
     roots = ["areal_mega", "tests", "tools", "launch", "bench", "examples"]
     files = [p for r in roots for p in (ROOT / r).rglob("*.py")]
     assert len(files) > 100
-    long = {str(p.relative_to(ROOT)): n for p in files
-            if (n := len(p.read_text().splitlines())) > 800}
+    long = {
+        str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 800
+    }
     assert not long, long

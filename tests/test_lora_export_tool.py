@@ -11,6 +11,7 @@ qwen3, one training step, ``engine.save`` with the ``lora`` record), checked wit
 * refusals name the file: a full (non-LoRA) checkpoint, a base whose files differ from the
   recorded identity, a missing base, a non-empty output, a missing checkpoint.
 """
+
 import json
 import os
 import shutil
@@ -21,8 +22,11 @@ import pytest
 import torch
 
 from areal_mega.checkpoint.dist_ckpt import CheckpointError
-from areal_mega.lora.ckpt_export import (checkpoint_peft_tensors, export_peft_adapter,
-                                         open_lora_checkpoint)
+from areal_mega.lora.ckpt_export import (
+    checkpoint_peft_tensors,
+    export_peft_adapter,
+    open_lora_checkpoint,
+)
 from tests.helpers.conversions import ROOT
 from tests.helpers.lora_worker import hf_logprobs, max_diff
 from tests.helpers.workers import worker_cmd, worker_env
@@ -31,16 +35,27 @@ TOL = 1e-5
 
 
 def _tool(*args):
-    return subprocess.run([sys.executable, "tools/export_lora.py", "--no-progress", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "tools/export_lora.py", "--no-progress", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_export")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    p = subprocess.run(worker_cmd("lora_export_worker", out), cwd=ROOT, env=worker_env(env),
-                       capture_output=True, text=True, timeout=400)
+    p = subprocess.run(
+        worker_cmd("lora_export_worker", out),
+        cwd=ROOT,
+        env=worker_env(env),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     res = json.loads((out / "make.0.json").read_text())
     assert res.get("ok") == 1.0, (res.get("error"), p.stderr[-3000:])
     return out
@@ -48,19 +63,29 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(run):
-    p = _tool("--ckpt", str(run / "run" / "checkpoints"), "--out", str(run / "adapter"),
-              "--merge-into", str(run / "merged"), "--report", str(run / "report.json"))
+    p = _tool(
+        "--ckpt",
+        str(run / "run" / "checkpoints"),
+        "--out",
+        str(run / "adapter"),
+        "--merge-into",
+        str(run / "merged"),
+        "--report",
+        str(run / "report.json"),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return run
 
 
 def _load(path):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def test_exported_adapter_in_peft_gives_the_engine_logprobs(exported):
     from peft import PeftModel
+
     exp = torch.load(exported / "expected.pt", weights_only=True)
     cfg = json.loads((exported / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0 and cfg["peft_type"] == "LORA"
@@ -68,17 +93,19 @@ def test_exported_adapter_in_peft_gives_the_engine_logprobs(exported):
     diff = max_diff(hf_logprobs(model, exp["mbs"]), exp["logprobs"])
     assert diff < TOL, diff
     base_diff = max_diff(hf_logprobs(_load(exported / "hf_qwen3"), exp["mbs"]), exp["logprobs"])
-    assert base_diff > 0.1, base_diff       # the trained adapters change the output
+    assert base_diff > 0.1, base_diff  # the trained adapters change the output
     report = json.loads((exported / "report.json").read_text())
     assert report["adapter"]["tensors"] == 28 and report["adapter"]["iteration"] == 1
 
 
 def test_merged_directory_equals_peft_merge_and_unload(exported):
     from peft import PeftModel
+
     exp = torch.load(exported / "expected.pt", weights_only=True)
     merged = _load(exported / "merged")
-    ref = PeftModel.from_pretrained(_load(exported / "hf_qwen3"),
-                                    exported / "adapter").merge_and_unload()
+    ref = PeftModel.from_pretrained(
+        _load(exported / "hf_qwen3"), exported / "adapter"
+    ).merge_and_unload()
     theirs = ref.state_dict()
     ours = merged.state_dict()
     assert set(ours) == set(theirs)
@@ -99,7 +126,7 @@ def test_full_checkpoint_is_refused(run):
 
 def test_base_identity_is_checked(run, tmp_path):
     copy = tmp_path / "base_copy"
-    shutil.copytree(run / "hf_qwen3", copy)        # same bytes and file times: accepted
+    shutil.copytree(run / "hf_qwen3", copy)  # same bytes and file times: accepted
     assert open_lora_checkpoint(run / "run" / "checkpoints", base=copy).base == copy
     cfg = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**cfg, "note": "edited"}))
@@ -125,5 +152,3 @@ def test_missing_checkpoint_and_non_empty_output_are_refused(run, tmp_path):
 def test_nothing_to_do_is_an_argument_error(run):
     p = _tool("--ckpt", str(run / "run" / "checkpoints"))
     assert p.returncode == 2 and "nothing to do" in p.stderr, p.stderr[-2000:]
-
-

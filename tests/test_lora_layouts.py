@@ -8,6 +8,7 @@ TP2 + sequence parallelism, PP2, PP2 x VPP2 (4 layers), TP2 with a subset of the
 and EP2 on a MoE model (attention adapters). Only the adapters train: they are the trainable parameters and all the
 optimizer holds.
 """
+
 import pytest
 
 from tests.helpers.lora_layouts import launch
@@ -27,8 +28,9 @@ def dense(models):
     return launch("layouts", models)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2_distopt", "tp2", "tp2sp", "pp2", "tp2_subset",
-                                    "pp2vpp2"])
+@pytest.mark.parametrize(
+    "layout", ["dp2", "dp2_distopt", "tp2", "tp2sp", "pp2", "tp2_subset", "pp2vpp2"]
+)
 def test_dense_layouts_equal_one_rank(dense, layout):
     whats = ["logprobs", "loss", "step"] + ([] if layout == "dp2_distopt" else ["grads"])
     for r in dense:

@@ -8,6 +8,7 @@ tests/helpers/lora_worker.py):
 * an adapter-only checkpoint holds no base weight, and a step after resuming from it equals
   the step the original run takes.
 """
+
 import pytest
 
 from tests.helpers.lora_layouts import launch
@@ -22,11 +23,11 @@ def interop(tmp_path_factory):
 
 def test_our_adapter_in_peft_gives_our_logprobs(interop):
     assert interop["ours_in_peft"] < TOL, interop
-    assert interop["adapters_change_output"] > 0.1, interop   # the adapters do something
+    assert interop["adapters_change_output"] > 0.1, interop  # the adapters do something
 
 
 def test_peft_made_adapter_loads_into_our_engine(interop):
-    assert interop["peft_tensors_loaded"] == 12.0      # 2 layers x 3 modules x (A, B)
+    assert interop["peft_tensors_loaded"] == 12.0  # 2 layers x 3 modules x (A, B)
     assert interop["theirs_in_ours"] < TOL, interop
     # an engine without adapters on down_proj refuses the file, naming its 4 tensors
     assert interop["extra_tensors_refused"] == 1.0, interop

@@ -2,6 +2,7 @@
 still import it), and a checkpoint save spawns no multiprocessing Manager process. Both lean on
 megatron-core internals; these tests notice when a release moves them (the savings then go,
 the behaviour stays)."""
+
 import json
 import subprocess
 import sys
@@ -35,11 +36,24 @@ CHILD = textwrap.dedent("""
 
 
 def test_megatron_starts_without_wandb_and_saves_without_a_manager_process(tmp_path):
-    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "ckpt")], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300,
-                       env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin",
-                            "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)})
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "ckpt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            "CUDA_VISIBLE_DEVICES": "",
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "HOME": str(tmp_path),
+        },
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out == {"wandb_skipped": True, "wandb_after": "wandb", "queue_in_process": True,
-                   "children": []}, out
+    assert out == {
+        "wandb_skipped": True,
+        "wandb_after": "wandb",
+        "queue_in_process": True,
+        "children": [],
+    }, out

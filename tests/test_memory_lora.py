@@ -2,6 +2,7 @@
 base has no gradients or optimizer state, the adapters (r·(in+out) per targeted projection,
 split by TP as the adapters are) carry weights + fp32 gradients + Adam, the reference model is
 free; a separate reference of a full run costs its weights. Plus the LoRA recipes' dry runs."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -9,16 +10,34 @@ from pathlib import Path
 import pytest
 
 from areal_mega.config import ConfigError, LoraConfig, ModelHParams
-from areal_mega.launch.memory import (KNOWN_MODELS, estimate_memory, lora_estimate_args,
-                                      lora_param_counts)
+from areal_mega.launch.memory import (
+    KNOWN_MODELS,
+    estimate_memory,
+    lora_estimate_args,
+    lora_param_counts,
+)
 from areal_mega.parallel.allocation import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[1]
 # h=64, 4 heads of 16 (q 64), 2 kv heads (k, v 32), ffn 128, 4 layers
-SMALL = ModelHParams(hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=128, vocab_size=100)
-MOE = ModelHParams(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=100,
-                   tie_word_embeddings=True, num_experts=4, moe_ffn_hidden_size=32, moe_topk=2)
+SMALL = ModelHParams(
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=128,
+    vocab_size=100,
+)
+MOE = ModelHParams(
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    vocab_size=100,
+    tie_word_embeddings=True,
+    num_experts=4,
+    moe_ffn_hidden_size=32,
+    moe_topk=2,
+)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -46,7 +65,7 @@ def test_refusals():
         lora_param_counts(SMALL, 8, ["qkv"])
     with pytest.raises(ConfigError, match="lora.rank=0"):
         lora_param_counts(SMALL, 0, ["q_proj"])
-    assert lora_estimate_args(LoraConfig()) == {}       # lora.enabled=false: a full run
+    assert lora_estimate_args(LoraConfig()) == {}  # lora.enabled=false: a full run
     args = lora_estimate_args(LoraConfig(enabled=True, rank=16, target_modules=["linear_q"]))
     assert args == {"lora_rank": 16, "lora_targets": ["q_proj"]}
 
@@ -54,21 +73,28 @@ def test_refusals():
 def test_lora_estimate_hand_computed():
     dims = ParallelDims(dp=2, tp=2, pp=2)
     full = estimate_memory(SMALL, dims, tokens_per_mb=1000, overhead_bytes=0)
-    lora = estimate_memory(SMALL, dims, tokens_per_mb=1000, overhead_bytes=0, reference=True,
-                           lora_rank=8, lora_targets=ALL)
+    lora = estimate_memory(
+        SMALL,
+        dims,
+        tokens_per_mb=1000,
+        overhead_bytes=0,
+        reference=True,
+        lora_rank=8,
+        lora_targets=ALL,
+    )
     # 2 layers on a stage, TP 2, per r: q 64, k/v 48, o 32 + 64 (B whole), gate/up 96, down 64 + 64
     adapters = 2 * 8 * ((128 + 96 + 96) / 2 + (32 + 64) + (192 + 192) / 2 + (64 + 64))
     assert lora.trainable_per_gpu == adapters == 9216 and lora.trainable_params == 32768
     assert lora.params_per_gpu == full.params_per_gpu + adapters
-    assert lora.weights == 2 * (40320 + adapters)        # frozen bf16 base + bf16 adapters
-    assert lora.grads == 4 * adapters                     # fp32 grads of the adapters only
-    assert lora.optimizer == 12 * adapters / 2            # master + m + v, sharded over DP 2
-    assert lora.reference == 0.0                          # adapters off: no second model
+    assert lora.weights == 2 * (40320 + adapters)  # frozen bf16 base + bf16 adapters
+    assert lora.grads == 4 * adapters  # fp32 grads of the adapters only
+    assert lora.optimizer == 12 * adapters / 2  # master + m + v, sharded over DP 2
+    assert lora.reference == 0.0  # adapters off: no second model
     assert lora.activations == full.activations and lora.logits == full.logits
     assert lora.total < full.total
     out = lora.format(80.0)
     assert "LoRA r=8: 32.8K trainable params (9.2K on this GPU)" in out
-    assert "reference" not in out.split("\n")[2]          # no reference category
+    assert "reference" not in out.split("\n")[2]  # no reference category
 
 
 def test_full_run_reference_costs_its_weights():
@@ -80,12 +106,19 @@ def test_full_run_reference_costs_its_weights():
 
 
 def test_moe_attention_adapters_and_fp32():
-    e = estimate_memory(MOE, ParallelDims(dp=4, ep=2), tokens_per_mb=10, overhead_bytes=0,
-                        dtype="fp32", use_distributed_optimizer=False, lora_rank=4,
-                        lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"])
-    adapters = 2 * 4 * 4 * 128          # 2 layers x 4 projections x r(64 + 64); MHA: kv = q
+    e = estimate_memory(
+        MOE,
+        ParallelDims(dp=4, ep=2),
+        tokens_per_mb=10,
+        overhead_bytes=0,
+        dtype="fp32",
+        use_distributed_optimizer=False,
+        lora_rank=4,
+        lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+    adapters = 2 * 4 * 4 * 128  # 2 layers x 4 projections x r(64 + 64); MHA: kv = q
     assert e.trainable_per_gpu == adapters
-    assert e.grads == 4 * adapters and e.optimizer == 8 * adapters   # fp32: Adam m, v only
+    assert e.grads == 4 * adapters and e.optimizer == 8 * adapters  # fp32: Adam m, v only
     big = KNOWN_MODELS["qwen3-30b-a3b"]
     n, _ = lora_param_counts(big, 32, ["q_proj", "k_proj", "v_proj", "o_proj"])
     # per layer 32 * ((2048+4096) + 2*(2048+512) + (4096+2048)) = 557,056; 48 layers
@@ -93,9 +126,21 @@ def test_moe_attention_adapters_and_fp32():
 
 
 def _dry_run(recipe, *overrides):
-    return subprocess.run([sys.executable, "-m", "areal_mega.launch.local", "--config",
-                           str(ROOT / "recipes" / recipe), "--dry-run", *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.local",
+            "--config",
+            str(ROOT / "recipes" / recipe),
+            "--dry-run",
+            *overrides,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_dry_run_of_a_lora_recipe_counts_the_adapters():

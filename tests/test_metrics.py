@@ -1,4 +1,5 @@
 """metrics.jsonl crash safety and truncation on resume, tensorboard scalars, plot, progress."""
+
 import json
 import os
 import signal
@@ -6,8 +7,14 @@ import subprocess
 import sys
 import textwrap
 
-from areal_mega.tracking.metrics import (MetricsLogger, ProgressBar, moving_average, plot_metrics,
-                                        read_metrics, truncate_metrics)
+from areal_mega.tracking.metrics import (
+    MetricsLogger,
+    ProgressBar,
+    moving_average,
+    plot_metrics,
+    read_metrics,
+    truncate_metrics,
+)
 
 CRASHER = textwrap.dedent("""
     import os, signal, sys
@@ -20,8 +27,12 @@ CRASHER = textwrap.dedent("""
 
 
 def test_crash_loses_nothing(tmp_path):
-    r = subprocess.run([sys.executable, "-c", CRASHER, str(tmp_path)], timeout=60,
-                       cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+    r = subprocess.run(
+        [sys.executable, "-c", CRASHER, str(tmp_path)],
+        timeout=60,
+        cwd=os.getcwd(),
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert r.returncode == -signal.SIGKILL
     recs = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == list(range(1, 8))
@@ -33,7 +44,7 @@ def test_resume_truncates_later_steps_and_torn_line(tmp_path):
         for s in range(1, 6):
             lg.log(s, {"reward/mean": s})
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write('{"step": 6, "rew')                      # torn by a crash
+        f.write('{"step": 6, "rew')  # torn by a crash
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     with MetricsLogger(tmp_path, tensorboard=False, resume_step=3) as lg:
         lg.log(4, {"reward/mean": 40})
@@ -53,9 +64,21 @@ def test_tensorboard_and_plot(tmp_path):
 
     with MetricsLogger(tmp_path, tensorboard=True) as lg:
         for s in range(1, 31):
-            rec = lg.log(s, {"step": 999, "version": s - 1, "reward/mean": np.float32(s / 30),
-                             "loss": 0.5, "ppo_kl": 1e-3, "mismatch": 0.0, "staleness/max": 1,
-                             "time/step": 0.2, "tokens/s": 1000.0, "flag": True})
+            rec = lg.log(
+                s,
+                {
+                    "step": 999,
+                    "version": s - 1,
+                    "reward/mean": np.float32(s / 30),
+                    "loss": 0.5,
+                    "ppo_kl": 1e-3,
+                    "mismatch": 0.0,
+                    "staleness/max": 1,
+                    "time/step": 0.2,
+                    "tokens/s": 1000.0,
+                    "flag": True,
+                },
+            )
             assert rec["step"] == s and isinstance(rec["reward/mean"], float)
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0

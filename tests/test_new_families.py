@@ -14,6 +14,7 @@ of :data:`tests.helpers.new_families.CASES`:
   logprobs equal the trainer's (``mismatch`` <= 1e-5, exactly on-policy), and the weights the
   trainer publishes moved away from the initial ones.
 """
+
 import json
 import os
 import subprocess
@@ -31,15 +32,20 @@ from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.workers import worker_cmd
 from tests.helpers.new_families import CASES, RL_CASES, tiny_spec
 
-pytestmark = pytest.mark.slow   # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
+pytestmark = pytest.mark.slow  # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = "family_worker"   # tests.helpers.family_worker
+WORKER = "family_worker"  # tests.helpers.family_worker
 TOL = 1e-5
 
 
 def _tool(*argv):
-    p = subprocess.run([sys.executable, *argv, "--no-progress"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, *argv, "--no-progress"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
 
 
@@ -52,14 +58,19 @@ def families(tmp_path_factory):
     for name, case in sorted(CASES.items()):
         hf = make_tiny_model(work / name / "hf", **tiny_spec(case))
         mcore, hf2 = work / name / "mcore", work / name / "hf2"
-        _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(mcore),
-              *case.convert)
+        _tool(
+            "tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(mcore), *case.convert
+        )
         _tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out", str(hf2))
         out[name] = {"case": case, "hf": hf, "hf2": hf2}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
-    ranks = run_ranks([worker_cmd(WORKER, "all", r, 2, port, work) for r in range(2)],
-                      timeout=480, env=env, cwd=ROOT)
+    ranks = run_ranks(
+        [worker_cmd(WORKER, "all", r, 2, port, work) for r in range(2)],
+        timeout=480,
+        env=env,
+        cwd=ROOT,
+    )
     checks = rank_results([work / f"all.{r}.json" for r in range(2)], ranks)
     for name in out:
         out[name]["checks"] = [r[name] for r in checks]
@@ -106,11 +117,22 @@ def test_rl_steps_on_policy_through_the_cpu_server(tmp_path, name):
     model = make_tiny_model(tmp_path / "model", **tiny_spec(CASES[name]))
     write_task_files(tmp_path / "data", task="reverse", n_train=64, n_test=8)
     run = tmp_path / "run"
-    rc, out = _finish(_launch(run, model, tmp_path / "data", "total_steps=5", "recover=off",
-                              "rollout.max_head_offpolicyness=0", "rollout.weight_update=disk",
-                              "rollout.reward_fn=areal_mega.rewards:char_match_reward",
-                              "optimizer.lr=1e-2", "optimizer.warmup_steps=0",
-                              *CASES[name].rl_overrides), timeout=300)
+    rc, out = _finish(
+        _launch(
+            run,
+            model,
+            tmp_path / "data",
+            "total_steps=5",
+            "recover=off",
+            "rollout.max_head_offpolicyness=0",
+            "rollout.weight_update=disk",
+            "rollout.reward_fn=areal_mega.rewards:char_match_reward",
+            "optimizer.lr=1e-2",
+            "optimizer.warmup_steps=0",
+            *CASES[name].rl_overrides,
+        ),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]

@@ -6,6 +6,7 @@ both ranks skip the optimizer step together; the skip guard names the advantages
 stops the run after ``max_consecutive`` skips in a row; saving and loading NaN weights is
 refused. Pure checks of the guard's helpers run in-process.
 """
+
 import math
 import os
 import sys
@@ -26,8 +27,11 @@ def dp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("nonfinite")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
-    ranks = run_ranks([worker_cmd("nonfinite_worker", "dp2", r, 2, port, out) for r in range(2)],
-                      timeout=400, env=env)
+    ranks = run_ranks(
+        [worker_cmd("nonfinite_worker", "dp2", r, 2, port, out) for r in range(2)],
+        timeout=400,
+        env=env,
+    )
     return rank_results([out / f"dp2.{r}.json" for r in range(2)], ranks)
 
 
@@ -35,10 +39,14 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(dp2):
     for r in dp2:
         assert r["skip.skipped"] == 1.0 and r["skip.nonfinite_loss"] == 1.0, r
         assert r["skip.moved"] == 0.0 and r["skip.step_count_moved"] == 0, r
-        assert "loss" not in r["skip.merged_keys"] and "skipped_minibatches" in \
-            r["skip.merged_keys"]
-        assert r["skip.metrics"] == {"train/skipped": 1.0, "train/skipped_steps": 1.0,
-                                     "train/skip_reason/advantages": 1.0}
+        assert (
+            "loss" not in r["skip.merged_keys"] and "skipped_minibatches" in r["skip.merged_keys"]
+        )
+        assert r["skip.metrics"] == {
+            "train/skipped": 1.0,
+            "train/skipped_steps": 1.0,
+            "train/skip_reason/advantages": 1.0,
+        }
 
 
 def test_a_clean_step_after_a_skip_applies(dp2):
@@ -66,8 +74,14 @@ def test_checkpoints_never_hold_non_finite_weights(dp2):
 
 
 def test_nonfinite_fields_and_likely_source():
-    mbs = [{"advantages": torch.zeros(4), "teacher_logprobs": torch.tensor([0.0, math.nan]),
-            "rewards": np.array([1.0], np.float32), "input_ids": torch.zeros(4, dtype=torch.long)}]
+    mbs = [
+        {
+            "advantages": torch.zeros(4),
+            "teacher_logprobs": torch.tensor([0.0, math.nan]),
+            "rewards": np.array([1.0], np.float32),
+            "input_ids": torch.zeros(4, dtype=torch.long),
+        }
+    ]
     assert nonfinite_fields(mbs) == ["teacher_logprobs"]
     assert likely_source(["advantages", "teacher_logprobs"]) == "teacher"
     assert likely_source(["rewards", "advantages"]) == "rewards"
@@ -77,22 +91,40 @@ def test_nonfinite_fields_and_likely_source():
 
 
 def test_merge_train_stats_leaves_skipped_minibatches_out():
-    fin = lambda d: d   # noqa: E731 - the loss sums pass through
+    fin = lambda d: d  # noqa: E731 - the loss sums pass through
     ok = {"loss": 1.0, "grad_norm": 2.0, "lr": 0.1, "pg": 3.0, "skipped": 0.0}
-    bad = {"loss": math.nan, "grad_norm": math.nan, "lr": 0.1, "pg": math.nan, "skipped": 1.0,
-           "nonfinite_loss": 1.0, "nonfinite_grad": 1.0}
+    bad = {
+        "loss": math.nan,
+        "grad_norm": math.nan,
+        "lr": 0.1,
+        "pg": math.nan,
+        "skipped": 1.0,
+        "nonfinite_loss": 1.0,
+        "nonfinite_grad": 1.0,
+    }
     out = merge_train_stats([ok, bad], fin)
-    assert out == {"skipped_minibatches": 1.0, "nonfinite_loss": 1.0, "nonfinite_grad": 1.0,
-                   "lr": 0.1, "pg": 3.0, "loss": 1.0, "grad_norm": 2.0}
-    assert merge_train_stats([bad], fin) == {"skipped_minibatches": 1.0, "nonfinite_loss": 1.0,
-                                             "nonfinite_grad": 1.0, "lr": 0.1}
+    assert out == {
+        "skipped_minibatches": 1.0,
+        "nonfinite_loss": 1.0,
+        "nonfinite_grad": 1.0,
+        "lr": 0.1,
+        "pg": 3.0,
+        "loss": 1.0,
+        "grad_norm": 2.0,
+    }
+    assert merge_train_stats([bad], fin) == {
+        "skipped_minibatches": 1.0,
+        "nonfinite_loss": 1.0,
+        "nonfinite_grad": 1.0,
+        "lr": 0.1,
+    }
 
 
 def test_skip_guard_counts_and_resets():
     g = SkipGuard(max_consecutive=2)
     skipped = {"skipped_minibatches": 1.0, "nonfinite_loss": 1.0, "lr": 1e-3}
     g.record(1, skipped, [])
-    g.record(2, {"lr": 1e-3}, [])        # an applied step ends the run of skips
+    g.record(2, {"lr": 1e-3}, [])  # an applied step ends the run of skips
     g.check()
     assert g.record(3, skipped, [])["train/skipped_steps"] == 2.0
     g.check()
@@ -105,4 +137,3 @@ def test_an_error_in_the_forward_names_the_micro_batchs_samples(dp2):
     """What the trainer records for the quarantine when it dies on a micro-batch."""
     for rank, r in enumerate(dp2):
         assert r["blame.sample_ids"] == [f"r{rank}-0", f"r{rank}-1"], r.get("blame.error")
-

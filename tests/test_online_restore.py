@@ -6,6 +6,7 @@ the waiting session's reward (with the session's own key), answers the open one'
 clear 410, and delivers the prompt's group with both sessions under their original ids,
 tokens and logprobs exactly as the agent was answered before the restart. (The SIGKILL of a
 real rollout worker is ``tests/test_e2e_online.py``.)"""
+
 import json
 
 import numpy as np
@@ -24,21 +25,32 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _gateway(tmp_path, server, tok, resume):
-    wf = OnlineWorkflow(OnlineConfig(reward_timeout_s=120.0), n_samples=2,
-                        run_dir=str(tmp_path), resume=resume)
+    wf = OnlineWorkflow(
+        OnlineConfig(reward_timeout_s=120.0), n_samples=2, run_dir=str(tmp_path), resume=resume
+    )
     wf.settings = WorkflowSettings(max_new_tokens=8)
     sink = GroupSink()
     items = [{"prompt": f"p{k}", "answer": "", "prompt_index": k} for k in range(100)]
-    ctl = RolloutController(RecordingClient([server.addr], api_key=API_KEY, timeout_s=120,
-                                            retries=2), wf, items, batch_size=2, n_samples=2,
-                            eta=0, sink=sink, tokenizer=tok, ignore_eos=True).start()
+    ctl = RolloutController(
+        RecordingClient([server.addr], api_key=API_KEY, timeout_s=120, retries=2),
+        wf,
+        items,
+        batch_size=2,
+        n_samples=2,
+        eta=0,
+        sink=sink,
+        tokenizer=tok,
+        ignore_eos=True,
+    ).start()
+
     def up():
         ctl.raise_if_failed()
         f = tmp_path / INFO_FILE
         return wf.port and f.exists() and f":{wf.port}" in f.read_text()
+
     wait_for(up)
     info = json.loads((tmp_path / INFO_FILE).read_text())
-    return wf, ctl, sink, info["base_url"][len("http://"):], info["admin_api_key"]
+    return wf, ctl, sink, info["base_url"][len("http://") :], info["admin_api_key"]
 
 
 def test_an_ended_session_gets_its_reward_after_a_restart(server, models, tmp_path):
@@ -51,41 +63,69 @@ def test_an_ended_session_gets_its_reward_after_a_restart(server, models, tmp_pa
             st, sess[name] = post(addr, "/rl/start_session", {"task_id": task}, admin)
             assert st == 200, sess[name]
         for name in ("done", "waiting"):
-            c = openai.OpenAI(base_url=sess[name]["base_url"], api_key=sess[name]["api_key"],
-                              max_retries=0, timeout=120)
-            ans = c.chat.completions.create(model="policy", max_tokens=8, logprobs=True,
-                                            messages=[{"role": "user", "content": name}],
-                                            logit_bias=NO_SPECIAL)
+            c = openai.OpenAI(
+                base_url=sess[name]["base_url"],
+                api_key=sess[name]["api_key"],
+                max_retries=0,
+                timeout=120,
+            )
+            ans = c.chat.completions.create(
+                model="policy",
+                max_tokens=8,
+                logprobs=True,
+                messages=[{"role": "user", "content": name}],
+                logit_bias=NO_SPECIAL,
+            )
             sent[name] = [x.logprob for x in ans.choices[0].logprobs.content]
             sid, key = sess[name]["session_id"], sess[name]["api_key"]
             assert post(addr, "/rl/end_session", {"session_id": sid}, key)[0] == 200
-        st, ans = post(addr, "/rl/set_reward", {"session_id": sess["done"]["session_id"],
-                                                "reward": 1.0}, admin)
+        st, ans = post(
+            addr, "/rl/set_reward", {"session_id": sess["done"]["session_id"], "reward": 1.0}, admin
+        )
         assert (st, ans["state"]) == (200, "done")
     finally:
-        ctl.stop()           # the group of task A never became ready: nothing delivered
+        ctl.stop()  # the group of task A never became ready: nothing delivered
     # the next gateway on the same run directory
     wf2, ctl2, sink2, addr2, admin2 = _gateway(tmp_path, server, tok, resume=True)
     try:
         assert set(wf2.restored) == {sess["waiting"]["session_id"]}
-        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["open"]["session_id"],
-                                                 "reward": 1.0}, admin2)
+        st, ans = post(
+            addr2,
+            "/rl/set_reward",
+            {"session_id": sess["open"]["session_id"], "reward": 1.0},
+            admin2,
+        )
         assert st == 410 and "dropped" in ans["error"]["message"]
-        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["waiting"]["session_id"],
-                                                 "reward": float("inf")},
-                       sess["waiting"]["api_key"])
+        st, ans = post(
+            addr2,
+            "/rl/set_reward",
+            {"session_id": sess["waiting"]["session_id"], "reward": float("inf")},
+            sess["waiting"]["api_key"],
+        )
         assert st == 422
-        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["done"]["session_id"],
-                                                 "reward": 0.0}, sess["waiting"]["api_key"])
-        assert st == 403                          # its key is still its own only
-        st, ans = post(addr2, "/rl/set_reward", {"session_id": sess["waiting"]["session_id"],
-                                                 "reward": 0.5}, sess["waiting"]["api_key"])
+        st, ans = post(
+            addr2,
+            "/rl/set_reward",
+            {"session_id": sess["done"]["session_id"], "reward": 0.0},
+            sess["waiting"]["api_key"],
+        )
+        assert st == 403  # its key is still its own only
+        st, ans = post(
+            addr2,
+            "/rl/set_reward",
+            {"session_id": sess["waiting"]["session_id"], "reward": 0.5},
+            sess["waiting"]["api_key"],
+        )
         assert (st, ans["state"]) == (200, "done")
         group = sink2.take(ctl2, 1, timeout=60)[0]
         # delivered: a further reward is refused as for a live session (409), not unknown
         for name in ("waiting", "done"):
-            st, ans = post(addr2, "/rl/set_reward", {"session_id": sess[name]["session_id"],
-                                                     "reward": 0.25}, admin2)
+            st, ans = post(
+                addr2,
+                "/rl/set_reward",
+                {"session_id": sess[name]["session_id"], "reward": 0.25},
+                admin2,
+            )
             assert st == 409 and "already trained" in ans["error"]["message"], (name, ans)
     finally:
         ctl2.stop()
@@ -108,14 +148,28 @@ def test_an_ended_sessions_journal_record_round_trips_exactly():
     from areal_mega.workflow.openai_client import CompletionRecord
 
     routes = np.arange(24, dtype=np.int16).reshape(4, 3, 2) - 1
-    recs = [CompletionRecord([1, 2], [3, 4], [-0.1234567890123, -2.5e-7], [0, 1], "stop",
-                             server="s0", completion_id="chatcmpl-x-0", routed_experts=routes),
-            CompletionRecord([1, 2, 3, 4, 9], [5], [-1.0], [1], "length",
-                             completion_id="chatcmpl-y-0")]
-    sample = SimpleNamespace(item={"prompt_index": 7}, sample_id="run-g3-s1",
-                             group_id="run-g3", client=SimpleNamespace(records=recs))
-    session = SimpleNamespace(session_id="sess-1", task_id="T", reward=None,
-                              completion_rewards={"chatcmpl-x-0": 0.5})
+    recs = [
+        CompletionRecord(
+            [1, 2],
+            [3, 4],
+            [-0.1234567890123, -2.5e-7],
+            [0, 1],
+            "stop",
+            server="s0",
+            completion_id="chatcmpl-x-0",
+            routed_experts=routes,
+        ),
+        CompletionRecord([1, 2, 3, 4, 9], [5], [-1.0], [1], "length", completion_id="chatcmpl-y-0"),
+    ]
+    sample = SimpleNamespace(
+        item={"prompt_index": 7},
+        sample_id="run-g3-s1",
+        group_id="run-g3",
+        client=SimpleNamespace(records=recs),
+    )
+    session = SimpleNamespace(
+        session_id="sess-1", task_id="T", reward=None, completion_rewards={"chatcmpl-x-0": 0.5}
+    )
     rec = json.loads(json.dumps(ended_record(session, sample, "sk-key")))
     assert rec["key_sha256"] == key_digest("sk-key") and "sk-key" not in json.dumps(rec)
     r = restored_sessions([rec], reward_timeout_s=5.0, now=100.0)["sess-1"]
@@ -123,7 +177,7 @@ def test_an_ended_sessions_journal_record_round_trips_exactly():
     assert r.records[0].logprobs == recs[0].logprobs and r.records[1] == recs[1]
     got = r.records[0].routed_experts
     assert got.dtype == np.int16 and np.array_equal(got, routes)
-    r.set_reward(1.0, "chatcmpl-y", max_abs=10.0)       # a response id covers its choices
+    r.set_reward(1.0, "chatcmpl-y", max_abs=10.0)  # a response id covers its choices
     assert r.has_reward()
     trajs = r.trajectories(turn_discount=1.0)
     assert [t.sample_id for t in trajs] == ["run-g3-s1-c0", "run-g3-s1-c1"]

@@ -3,6 +3,7 @@ RolloutController: the in-process client in a chained two-call episode interrupt
 update (the exported trajectory equals the servers' answers bit for bit, versions exact), and
 the HTTP endpoint through the official ``openai`` package (chat, completions, n > 1, a
 tool-call round trip, models, bad key, malformed messages, streaming refused)."""
+
 import asyncio
 import queue
 import threading
@@ -15,8 +16,14 @@ from transformers import AutoTokenizer
 
 from areal_mega.workflow.tool_calls import messages_for_template
 from areal_mega.workflow.api import WorkflowSettings, build_workflow
-from tests.helpers.openai_episodes import (HERMES_TEMPLATE, NO_SPECIAL, controller, load_weights,
-                                           server_tokens, wait_for)
+from tests.helpers.openai_episodes import (
+    HERMES_TEMPLATE,
+    NO_SPECIAL,
+    controller,
+    load_weights,
+    server_tokens,
+    wait_for,
+)
 from tests.helpers.rollout import GroupSink
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,11 +44,13 @@ async def chat_twice(ctx, item, max_tokens=60):
     """Two chained chat calls: the second conversation extends the first exactly."""
     msgs = [{"role": "user", "content": item["prompt"]}]
     for _ in range(2):
-        r = await ctx.client.chat.completions.create(model="policy", messages=msgs,
-                                                     max_tokens=max_tokens,
-                                                     logit_bias=NO_SPECIAL)
-        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
-                 {"role": "user", "content": " ok? "}]
+        r = await ctx.client.chat.completions.create(
+            model="policy", messages=msgs, max_tokens=max_tokens, logit_bias=NO_SPECIAL
+        )
+        msgs += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": " ok? "},
+        ]
     return 1.0
 
 
@@ -49,8 +58,7 @@ def test_chained_episode_exact_across_weight_update(server, models):
     tok = AutoTokenizer.from_pretrained(models["a"])
     wf = build_workflow(chat_twice, {}, WorkflowSettings())
     sink = GroupSink()
-    ctl = controller(server.addr, wf, tok, sink, n_prompts=8, batch_size=2,
-                     n_samples=2).start()
+    ctl = controller(server.addr, wf, tok, sink, n_prompts=8, batch_size=2, n_samples=2).start()
     try:
         # interrupt while all four samples are inside their first call, a few tokens in
         wait_for(lambda: ctl.n_inflight_requests >= 4)
@@ -62,12 +70,12 @@ def test_chained_episode_exact_across_weight_update(server, models):
         ctl.stop()
         load_weights(server.addr, models["a"])
     trajs = [t for g in groups for t in g]
-    assert len(trajs) == 4                 # chained: one sequence per sample
+    assert len(trajs) == 4  # chained: one sequence per sample
     switched = 0
     for t in trajs:
         assert t.meta["chained"] and t.meta["n_calls"] == 2 and t.reward == 1.0
         mask = t.loss_mask.astype(bool)
-        assert int(mask.sum()) == 120 and not mask[:t.prompt_len].any()
+        assert int(mask.sum()) == 120 and not mask[: t.prompt_len].any()
         assert (t.versions[~mask] == -1).all() and (t.logprobs[~mask] == 0).all()
         # what the servers answered for this sample's requests, in order (turn, segment)
         mine = [res for rid, res in ctl.client.answers if rid.startswith(t.sample_id + "-t")]
@@ -112,59 +120,98 @@ def test_http_endpoint_with_official_openai_client(server, models):
 
     async def episode(ctx, item):
         return await hold(ctx, item)
+
     sink = GroupSink()
-    ctl = controller(server.addr, build_workflow(episode, {}, WorkflowSettings(
-        max_new_tokens=16)), tok, sink, n_prompts=1, batch_size=1, n_samples=1).start()
+    ctl = controller(
+        server.addr,
+        build_workflow(episode, {}, WorkflowSettings(max_new_tokens=16)),
+        tok,
+        sink,
+        n_prompts=1,
+        batch_size=1,
+        n_samples=1,
+    ).start()
     try:
         url, key = hold.q.get(timeout=60)
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["areal-mega-policy"]
-        r = client.chat.completions.create(model="policy", seed=3, logprobs=True,
-                                           messages=[{"role": "user", "content": "2+2="}],
-                                           max_tokens=8, logit_bias=NO_SPECIAL)
+        r = client.chat.completions.create(
+            model="policy",
+            seed=3,
+            logprobs=True,
+            messages=[{"role": "user", "content": "2+2="}],
+            max_tokens=8,
+            logit_bias=NO_SPECIAL,
+        )
         ch = r.choices[0]
         assert r.object == "chat.completion" and ch.message.role == "assistant"
         assert ch.finish_reason == "length" and r.usage.completion_tokens == 8
         assert len(ch.logprobs.content) == 8 and isinstance(ch.message.content, str)
-        rn = client.chat.completions.create(model="policy", n=3, max_completion_tokens=4,
-                                            messages=[{"role": "user", "content": "hi"}])
+        rn = client.chat.completions.create(
+            model="policy",
+            n=3,
+            max_completion_tokens=4,
+            messages=[{"role": "user", "content": "hi"}],
+        )
         assert [c.index for c in rn.choices] == [0, 1, 2]
         assert rn.usage.completion_tokens == 12
         # a tool-call round trip: the assistant's call and the tool's answer go back in
-        tools = [{"type": "function", "function": {
-            "name": "python", "description": "run code",
-            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
-        convo = [{"role": "user", "content": "1+1?"},
-                 {"role": "assistant", "content": "", "tool_calls": [
-                     {"id": "call_1", "type": "function",
-                      "function": {"name": "python", "arguments": '{"code": "1+1"}'}}]},
-                 {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
-        rt = client.chat.completions.create(model="policy", messages=convo, tools=tools,
-                                            tool_choice="auto", max_tokens=4)
-        rendered = tok.apply_chat_template(messages_for_template(convo), tools=tools,
-                                           add_generation_prompt=True, tokenize=False)
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "python",
+                    "description": "run code",
+                    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+                },
+            }
+        ]
+        convo = [
+            {"role": "user", "content": "1+1?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "python", "arguments": '{"code": "1+1"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+        ]
+        rt = client.chat.completions.create(
+            model="policy", messages=convo, tools=tools, tool_choice="auto", max_tokens=4
+        )
+        rendered = tok.apply_chat_template(
+            messages_for_template(convo), tools=tools, add_generation_prompt=True, tokenize=False
+        )
         assert '<tool_call>{"name": "python", "arguments": {"code": "1+1"}}' in rendered
         assert "<tool_response>2</tool_response>" in rendered
-        assert rt.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)
-                                             ["input_ids"])
+        assert rt.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)["input_ids"])
         rc = client.completions.create(model="policy", prompt="abc", max_tokens=5)
         assert rc.object == "text_completion" and rc.usage.completion_tokens == 5
         with pytest.raises(openai.AuthenticationError) as e:
-            openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).chat.completions \
-                .create(model="policy", messages=[{"role": "user", "content": "x"}])
+            openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "x"}]
+            )
         assert e.value.status_code == 401 and "invalid API key" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="policy",
-                                           messages=[{"role": "robot", "content": "x"}])
+            client.chat.completions.create(
+                model="policy", messages=[{"role": "robot", "content": "x"}]
+            )
         assert e.value.status_code == 400 and "messages[0].role" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="policy", stream=True,
-                                           messages=[{"role": "user", "content": "x"}])
+            client.chat.completions.create(
+                model="policy", stream=True, messages=[{"role": "user", "content": "x"}]
+            )
         assert e.value.body["param"] == "stream"
-        with pytest.raises(openai.BadRequestError) as e:   # refused by the rollout server
-            client.chat.completions.create(model="policy", max_tokens=100000,
-                                           messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError) as e:  # refused by the rollout server
+            client.chat.completions.create(
+                model="policy", max_tokens=100000, messages=[{"role": "user", "content": "x"}]
+            )
         assert "too long" in e.value.body["message"]
         hold.done.set()
         [group] = sink.take(ctl, 1, timeout=60)
@@ -175,8 +222,9 @@ def test_http_endpoint_with_official_openai_client(server, models):
     assert len(group) == 6 and all(t.reward == 0.5 for t in group)
     first = group[0]
     gen = first.logprobs[first.loss_mask.astype(bool)]
-    assert np.array_equal(gen, np.asarray([c.logprob for c in ch.logprobs.content],
-                                          dtype=np.float32))
+    assert np.array_equal(
+        gen, np.asarray([c.logprob for c in ch.logprobs.content], dtype=np.float32)
+    )
     assert len({t.sample_id for t in group}) == 6
 
 
@@ -193,14 +241,16 @@ def test_docs_example_runs(server, models, tmp_path):
     (tmp_path / "my_agent.py").write_text(code)
     tok = AutoTokenizer.from_pretrained(models["a"])
     tok.chat_template = HERMES_TEMPLATE
-    wf = build_workflow(load_object(f"{tmp_path / 'my_agent.py'}:episode", "rollout.workflow"),
-                        {"max_turns": 2}, WorkflowSettings())
+    wf = build_workflow(
+        load_object(f"{tmp_path / 'my_agent.py'}:episode", "rollout.workflow"),
+        {"max_turns": 2},
+        WorkflowSettings(),
+    )
     sink = GroupSink()
-    ctl = controller(server.addr, wf, tok, sink, n_prompts=1, batch_size=1,
-                     n_samples=2).start()
+    ctl = controller(server.addr, wf, tok, sink, n_prompts=1, batch_size=1, n_samples=2).start()
     try:
         [group] = sink.take(ctl, 1, timeout=120)
     finally:
         ctl.stop()
-    assert len(group) >= 2 and all(t.reward == 0.0 for t in group)   # an untrained model
+    assert len(group) >= 2 and all(t.reward == 0.0 for t in group)  # an untrained model
     assert all(int(t.loss_mask.sum()) >= 1 for t in group)

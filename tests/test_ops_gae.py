@@ -22,7 +22,7 @@ def backend(request, monkeypatch):
 def _packed(lengths, seed=0, pad=3):
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    T = int(cu[-1]) + pad                         # padding tokens past cu_seqlens[-1]
+    T = int(cu[-1]) + pad  # padding tokens past cu_seqlens[-1]
     rewards = torch.randn(T, generator=g)
     values = torch.randn(T, generator=g)
     boot = torch.randn(len(lengths), generator=g)
@@ -40,14 +40,18 @@ LENGTHS = [1, 0, 5, 30, 1, 0, 20000, 64, 0, 2, 333]
 @pytest.mark.parametrize("use_mask", [False, True])
 def test_gae_matches_loop_reference(backend, use_boot, use_mask):
     r, v, cu, boot, mask = _packed(LENGTHS)
-    kw = dict(gamma=0.99, lam=0.95, bootstrap_values=boot if use_boot else None,
-              loss_mask=mask if use_mask else None)
+    kw = dict(
+        gamma=0.99,
+        lam=0.95,
+        bootstrap_values=boot if use_boot else None,
+        loss_mask=mask if use_mask else None,
+    )
     adv, ret = packed_gae(r, v, cu, **kw)
     adv_ref, ret_ref = gae_loop_reference(r, v, cu, **kw)
     assert adv.dtype == torch.float32 and adv.shape == r.shape
     torch.testing.assert_close(adv.double(), adv_ref, atol=2e-4, rtol=1e-5)
     torch.testing.assert_close(ret.double(), ret_ref, atol=2e-4, rtol=1e-5)
-    assert (adv[int(cu[-1]):] == 0).all() and (ret[int(cu[-1]):] == 0).all()
+    assert (adv[int(cu[-1]) :] == 0).all() and (ret[int(cu[-1]) :] == 0).all()
     if use_mask:
         assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
     # length-1 sequence: A = r + gamma * bootstrap - v
@@ -90,13 +94,19 @@ def test_gae_validation(backend):
     with pytest.raises(ValueError, match="cu_seqlens"):
         packed_gae(r, r, torch.tensor([0, 6], dtype=torch.int32), gamma=1.0, lam=1.0)
     with pytest.raises(ValueError, match="bootstrap_values"):
-        packed_gae(r, r, torch.tensor([0, 5], dtype=torch.int32), gamma=1.0, lam=1.0,
-                   bootstrap_values=torch.zeros(2))
+        packed_gae(
+            r,
+            r,
+            torch.tensor([0, 5], dtype=torch.int32),
+            gamma=1.0,
+            lam=1.0,
+            bootstrap_values=torch.zeros(2),
+        )
     with pytest.raises(ValueError, match="same length"):
-        packed_gae(r, torch.zeros(4), torch.tensor([0, 4], dtype=torch.int32), gamma=1.0,
-                   lam=1.0)
-    adv, ret = packed_gae(torch.zeros(0), torch.zeros(0), torch.tensor([0], dtype=torch.int32),
-                          gamma=1.0, lam=1.0)
+        packed_gae(r, torch.zeros(4), torch.tensor([0, 4], dtype=torch.int32), gamma=1.0, lam=1.0)
+    adv, ret = packed_gae(
+        torch.zeros(0), torch.zeros(0), torch.tensor([0], dtype=torch.int32), gamma=1.0, lam=1.0
+    )
     assert adv.numel() == 0 and ret.numel() == 0
 
 
@@ -107,8 +117,22 @@ def test_every_cu_file_compiles_with_nvcc(tmp_path):
     assert len(sources) >= 2, sources
     for src in sources:
         out = tmp_path / (Path(src).stem + ".o")
-        proc = subprocess.run(["nvcc", "-c", "-std=c++17", "-O1", "-I", str(ROOT / "csrc" / "include"),
-                               src, "-o", str(out)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                "nvcc",
+                "-c",
+                "-std=c++17",
+                "-O1",
+                "-I",
+                str(ROOT / "csrc" / "include"),
+                src,
+                "-o",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, f"nvcc failed on {src}:\n{proc.stderr[-4000:]}"
         assert out.stat().st_size > 0
 
@@ -120,8 +144,12 @@ def test_cuda_gae_matches_reference(use_mask, monkeypatch):
     monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "native")
     r, v, cu, boot, mask = _packed(LENGTHS)
     kw = dict(gamma=0.99, lam=0.95, bootstrap_values=boot, loss_mask=mask if use_mask else None)
-    adv, ret = packed_gae(r.cuda(), v.cuda(), cu.cuda(),
-                          **{k: (x.cuda() if torch.is_tensor(x) else x) for k, x in kw.items()})
+    adv, ret = packed_gae(
+        r.cuda(),
+        v.cuda(),
+        cu.cuda(),
+        **{k: (x.cuda() if torch.is_tensor(x) else x) for k, x in kw.items()},
+    )
     adv_ref, ret_ref = gae_loop_reference(r, v, cu, **kw)
     torch.testing.assert_close(adv.cpu().double(), adv_ref, atol=5e-4, rtol=1e-4)
     torch.testing.assert_close(ret.cpu().double(), ret_ref, atol=5e-4, rtol=1e-4)

@@ -15,6 +15,7 @@ def backend(request, monkeypatch):
     if name.startswith("native"):
         ensure_cpu_extension()
         from areal_mega import _ops_cpu
+
         isa = name.split("-", 1)[1]
         got = _ops_cpu.set_cpu_isa(isa)
         request.addfinalizer(lambda: _ops_cpu.set_cpu_isa("default"))
@@ -32,9 +33,10 @@ def _batch(T, V, dtype, seed=0, scale=3.0):
     return logits, labels
 
 
-@pytest.mark.parametrize("dtype, tol, gtol", [(torch.float32, 2e-5, 1e-6),
-                                              (torch.bfloat16, 2e-5, 1e-2),
-                                              (torch.float16, 2e-5, 2e-3)])
+@pytest.mark.parametrize(
+    "dtype, tol, gtol",
+    [(torch.float32, 2e-5, 1e-6), (torch.bfloat16, 2e-5, 1e-2), (torch.float16, 2e-5, 2e-3)],
+)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_forward_backward_match_reference(backend, dtype, tol, gtol, temperature):
     # V = 5003 is not a multiple of any block/vector width; label -1 is padding
@@ -59,10 +61,12 @@ def test_forward_backward_match_reference(backend, dtype, tol, gtol, temperature
     torch.testing.assert_close(gx.double(), gref, atol=gtol * scale + 1e-7, rtol=gtol)
     # logprob-only gradient path (no entropy statistics kept)
     x2 = logits.clone().requires_grad_()
-    (gx2,) = torch.autograd.grad((packed_logprobs(x2, labels, temperature=temperature)
-                                  * g_lp.float()).sum(), x2)
-    (gref2,) = torch.autograd.grad((logprobs_naive(ref, labels, temperature=temperature)
-                                    * g_lp).sum(), ref)
+    (gx2,) = torch.autograd.grad(
+        (packed_logprobs(x2, labels, temperature=temperature) * g_lp.float()).sum(), x2
+    )
+    (gref2,) = torch.autograd.grad(
+        (logprobs_naive(ref, labels, temperature=temperature) * g_lp).sum(), ref
+    )
     torch.testing.assert_close(gx2.double(), gref2, atol=gtol * scale + 1e-7, rtol=gtol)
 
 
@@ -71,16 +75,17 @@ def test_gradcheck_fp64(backend):
     labels[2] = -1
     x = logits.requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda z: packed_logprobs(z, labels, temperature=1.3, return_entropy=True), (x,))
+        lambda z: packed_logprobs(z, labels, temperature=1.3, return_entropy=True), (x,)
+    )
     assert torch.autograd.gradcheck(lambda z: packed_logprobs(z, labels, temperature=0.5), (x,))
 
 
 def test_masked_vocabulary_and_extremes(backend):
     logits, labels = _batch(8, 3000, torch.float32, seed=2)
-    logits[0, 100:2900] = float("-inf")   # e.g. a vocabulary mask
+    logits[0, 100:2900] = float("-inf")  # e.g. a vocabulary mask
     labels[0] = 5
-    logits[1] *= 1e3                      # very peaked row
-    logits[2] = 0.0                       # uniform row: entropy = log V
+    logits[1] *= 1e3  # very peaked row
+    logits[2] = 0.0  # uniform row: entropy = log V
     x = logits.clone().requires_grad_()
     lp, ent = packed_logprobs(x, labels, return_entropy=True)
     lp_ref, ent_ref = logprobs_naive(logits.double(), labels, return_entropy=True)
@@ -107,7 +112,7 @@ def test_empty_batch_and_validation(backend):
 
 def test_non_contiguous_rows_and_chunking(backend):
     big, labels = _batch(20, 900, torch.float32, seed=3)
-    view = big[:, :700]                      # row stride 900, unit column stride
+    view = big[:, :700]  # row stride 900, unit column stride
     labels = labels % 700
     lp = packed_logprobs(view, labels, chunk_size=3, temperature=1.7)
     ref = logprobs_naive(view.double(), labels, temperature=1.7)
@@ -120,10 +125,18 @@ def test_fused_from_hidden_matches_full_logits(backend):
     weight = torch.randn(1001, 32, generator=g) / 4
     labels = torch.randint(0, 1001, (70,), generator=g)
     labels[3] = -1
-    lp, ent = packed_logprobs_from_hidden(hidden, weight, labels, temperature=0.8,
-                                          token_chunk=16, vocab_chunk=300, return_entropy=True)
-    lp_ref, ent_ref = logprobs_naive((hidden.double() @ weight.double().T), labels,
-                                     temperature=0.8, return_entropy=True)
+    lp, ent = packed_logprobs_from_hidden(
+        hidden,
+        weight,
+        labels,
+        temperature=0.8,
+        token_chunk=16,
+        vocab_chunk=300,
+        return_entropy=True,
+    )
+    lp_ref, ent_ref = logprobs_naive(
+        (hidden.double() @ weight.double().T), labels, temperature=0.8, return_entropy=True
+    )
     torch.testing.assert_close(lp.double(), lp_ref, atol=5e-5, rtol=1e-5)
     torch.testing.assert_close(ent.double(), ent_ref, atol=5e-5, rtol=1e-5)
     assert not lp.requires_grad
@@ -131,6 +144,7 @@ def test_fused_from_hidden_matches_full_logits(backend):
 
 def test_native_backend_error_names_build_command(monkeypatch):
     from areal_mega.ops import _backend
+
     monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "native")
     monkeypatch.setitem(_backend._modules, "_ops_cpu", None)
     monkeypatch.setitem(_backend._errors, "_ops_cpu", ImportError("simulated"))
@@ -157,8 +171,9 @@ def test_cuda_matches_reference(dtype, monkeypatch):
     (gx,) = torch.autograd.grad(lp.sum() + ent.sum(), x)
     (gref,) = torch.autograd.grad(lp_ref.sum() + ent_ref.sum(), ref)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(gx.cpu().double(), gref, atol=tol * gref.abs().max().item(),
-                               rtol=tol)
+    torch.testing.assert_close(
+        gx.cpu().double(), gref, atol=tol * gref.abs().max().item(), rtol=tol
+    )
 
 
 @pytest.mark.parametrize("value, ok", [("avx2", True), ("sse9", False)])
@@ -168,18 +183,22 @@ def test_kernel_isa_env_caps_the_build_or_is_refused(value, ok):
     import os
     import subprocess
     import sys
+
     ensure_cpu_extension()
-    code = ("import torch; from areal_mega.ops import packed_logprobs; "
-            "from areal_mega import _ops_cpu; "
-            "packed_logprobs(torch.randn(2, 7), torch.tensor([1, 2])); print(_ops_cpu.cpu_isa())")
+    code = (
+        "import torch; from areal_mega.ops import packed_logprobs; "
+        "from areal_mega import _ops_cpu; "
+        "packed_logprobs(torch.randn(2, 7), torch.tensor([1, 2])); print(_ops_cpu.cpu_isa())"
+    )
     env = dict(os.environ, AREAL_MEGA_KERNEL_ISA=value, AREAL_MEGA_OPS_BACKEND="native")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     if ok:
         assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.strip() in ("avx2", "generic")   # capped at what the CPU has
+        assert out.stdout.strip() in ("avx2", "generic")  # capped at what the CPU has
     else:
         assert out.returncode != 0
-        assert "AREAL_MEGA_KERNEL_ISA='sse9'" in out.stderr and "avx512, avx2, generic" in \
-            out.stderr, out.stderr[-2000:]
-
+        assert (
+            "AREAL_MEGA_KERNEL_ISA='sse9'" in out.stderr and "avx512, avx2, generic" in out.stderr
+        ), out.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Every package's ``__init__`` docstring names each module and subpackage it holds
 (``docs/design.md``, "Package map"), so a reader learns a package from one place."""
+
 from __future__ import annotations
 
 import ast
@@ -14,8 +15,11 @@ NOT_YET = {"rollout", "rollout/backends", "inference", "workflow"}
 
 
 def _packages() -> list:
-    return sorted(p.parent for p in PKG.rglob("__init__.py") if p.parent != PKG
-                  and "__pycache__" not in p.parts)
+    return sorted(
+        p.parent
+        for p in PKG.rglob("__init__.py")
+        if p.parent != PKG and "__pycache__" not in p.parts
+    )
 
 
 def test_every_package_docstring_lists_its_modules():

@@ -1,5 +1,6 @@
 """Packaging: setup.py's build-environment checks, the CUDA arch default, the TE pin, and the
 runtime notice when the native kernels are missing."""
+
 import importlib.metadata
 import os
 import runpy
@@ -27,11 +28,18 @@ def _run_setup_without_torch(tmp_path, **env):
     block.mkdir(exist_ok=True)
     for mod in ("torch", "numpy"):
         (block / f"{mod}.py").write_text(
-            f"raise ImportError('{mod} is not installed in this build environment')\n")
+            f"raise ImportError('{mod} is not installed in this build environment')\n"
+        )
     full_env = {k: v for k, v in os.environ.items() if k != "AREAL_MEGA_SKIP_KERNELS"}
     full_env.update(env, PYTHONPATH=str(block))
-    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "setup.py", "--name"],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_build_without_torch_stops_with_instructions(tmp_path):
@@ -60,10 +68,10 @@ def test_check_build_deps(setup_py):
 
 def test_cuda_arch_list_default(setup_py):
     arch = setup_py["cuda_arch_list"]
-    assert arch({}, []) == "8.0;9.0+PTX"                         # build node: no GPU visible
+    assert arch({}, []) == "8.0;9.0+PTX"  # build node: no GPU visible
     assert arch({"TORCH_CUDA_ARCH_LIST": " "}, []) == "8.0;9.0+PTX"
-    assert arch({}, [(9, 0)]) is None                            # torch builds for the GPU
-    assert arch({"TORCH_CUDA_ARCH_LIST": "8.6"}, []) == "8.6"    # explicit choice wins
+    assert arch({}, [(9, 0)]) is None  # torch builds for the GPU
+    assert arch({"TORCH_CUDA_ARCH_LIST": "8.6"}, []) == "8.6"  # explicit choice wins
     assert arch({"TORCH_CUDA_ARCH_LIST": "8.6"}, [(9, 0)]) == "8.6"
 
 
@@ -71,7 +79,7 @@ def test_cuda_home_skips_a_wrapper_nvcc_outside_the_toolkit(setup_py):
     home = setup_py["cuda_home"]
     toolkits = {"/usr/local/cuda", "/opt/cuda-13.0"}
     has = toolkits.__contains__
-    assert home({"CUDA_HOME": "/x"}, "/usr/local/bin/nvcc", has) == "/x"      # explicit wins
+    assert home({"CUDA_HOME": "/x"}, "/usr/local/bin/nvcc", has) == "/x"  # explicit wins
     assert home({"CUDA_PATH": "/y"}, None, has) == "/y"
     # /usr/local/bin/nvcc (a wrapper script): torch would guess /usr/local, which has no headers
     assert home({}, "/usr/local/bin/nvcc", has) == "/usr/local/cuda"
@@ -88,12 +96,15 @@ def test_gpu_extra_pins_transformer_engine_inside_megatron_core_range(setup_py):
         (spec,) = list(pin.specifier)
         assert spec.operator == "=="
         assert all(r.specifier.contains(spec.version, prereleases=True) for r in te), (
-            pin, [str(r) for r in te])
+            pin,
+            [str(r) for r in te],
+        )
         assert {"pytorch", core} <= pin.extras
 
 
 def test_missing_native_kernels_announced_once(monkeypatch, capsys):
     from areal_mega.ops import KernelFallbackWarning, _backend, packed_gae
+
     monkeypatch.delenv("AREAL_MEGA_OPS_BACKEND", raising=False)
     monkeypatch.setitem(_backend._modules, "_ops_cpu", None)
     monkeypatch.setitem(_backend._errors, "_ops_cpu", ImportError("simulated"))
@@ -105,12 +116,13 @@ def test_missing_native_kernels_announced_once(monkeypatch, capsys):
     assert adv.shape == (4,)
     err = capsys.readouterr().err
     assert "pure-torch fallback" in err and "setup.py build_ext --inplace" in err
-    packed_gae(r, v, cu, gamma=1.0, lam=1.0)                   # once per process
+    packed_gae(r, v, cu, gamma=1.0, lam=1.0)  # once per process
     assert "pure-torch fallback" not in capsys.readouterr().err
 
 
 def test_explicit_torch_backend_is_silent(monkeypatch, capsys):
     from areal_mega.ops import _backend
+
     monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "torch")
     monkeypatch.setitem(_backend._modules, "_ops_cpu", None)
     monkeypatch.setattr(_backend, "_warned", set())
@@ -119,18 +131,37 @@ def test_explicit_torch_backend_is_silent(monkeypatch, capsys):
 
 
 def test_gpu_check_without_cuda_exits_with_a_clear_message():
-    proc = subprocess.run([sys.executable, "tools/gpu_check.py"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    proc = subprocess.run(
+        [sys.executable, "tools/gpu_check.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
     assert proc.returncode == 2
     assert "sees no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
 
 
 def test_gpu_check_dry_run_lists_every_step():
-    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     listed = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.strip()]
-    assert listed == ["build", "doctor", "gpu-tests", "kernel-bench", "prepare", "train-bf16", "e2e-rl"]
+    assert listed == [
+        "build",
+        "doctor",
+        "gpu-tests",
+        "kernel-bench",
+        "prepare",
+        "train-bf16",
+        "e2e-rl",
+    ]
 
 
 def test_gpu_check_table_and_step_failure():
@@ -141,6 +172,7 @@ def test_gpu_check_table_and_step_failure():
 
     def fine(step, work):
         step.figure = "3 passed"
+
     steps = [gpu_check.Step("a", "", fine), gpu_check.Step("b", "", boom)]
     for s in steps:
         s.execute(Path("."))

@@ -3,6 +3,7 @@ its budget), a prefill continuing a cached prefix gives the logits of a full pre
 the engine with the cache answers what it answers without (tokens, logprobs, MoE routes) while
 forwarding fewer prompt tokens, in-batch sharing and SGLang's ``cached_tokens``, a flush refused
 while requests wait, and no reuse of keys/values across a weight update."""
+
 import threading
 import time
 
@@ -41,18 +42,18 @@ def test_tree_match_insert_split_and_limit():
     assert tree.match(a) == (0, [])
     assert tree.insert(a, lambda s, e: _payload(a, s, e)) == 5
     assert _joined(tree, a) == (5, [1, 2, 3, 4, 5])
-    assert _joined(tree, a, limit=4) == (4, [1, 2, 3, 4])       # all but the last
-    assert _joined(tree, [1, 2, 9]) == (2, [1, 2])              # inside a node
+    assert _joined(tree, a, limit=4) == (4, [1, 2, 3, 4])  # all but the last
+    assert _joined(tree, [1, 2, 9]) == (2, [1, 2])  # inside a node
     b = [1, 2, 3, 7, 8, 9]
     assert tree.insert(b, lambda s, e: _payload(b, s, e)) == 3  # only the new tail is stored
     assert tree.num_tokens == 8
-    assert _joined(tree, a) == (5, [1, 2, 3, 4, 5])             # after the split
+    assert _joined(tree, a) == (5, [1, 2, 3, 4, 5])  # after the split
     assert _joined(tree, b + [10]) == (6, b)
     n, pieces = tree.match(b)
     assert concat_pieces(pieces, tree.token_dims)[1].tolist() == [[2.0 * t for t in b]] * 2
-    assert tree.insert(a[:3], lambda s, e: _payload(a, s, e)) == 0   # a cached prefix
+    assert tree.insert(a[:3], lambda s, e: _payload(a, s, e)) == 0  # a cached prefix
     assert tree.match([7, 1, 2]) == (0, [])
-    assert tree.nbytes == 8 * 3 * 4                             # 3 floats per token
+    assert tree.nbytes == 8 * 3 * 4  # 3 floats per token
     tree.clear()
     assert tree.match(a) == (0, []) and tree.nbytes == 0 and tree.num_tokens == 0
 
@@ -63,11 +64,11 @@ def test_tree_evicts_least_recently_used_leaves_to_its_budget():
     a, b, c = [1] * 4, [2] * 4, [3] * 4
     for s in (a, b):
         tree.insert(s, lambda st, e, s=s: _payload(s, st, e))
-    tree.match(a)                                   # b is now the least recently used
+    tree.match(a)  # b is now the least recently used
     tree.insert(c, lambda st, e: _payload(c, st, e))
     assert tree.match(b)[0] == 0 and tree.match(a)[0] == 4 and tree.match(c)[0] == 4
     assert tree.nbytes <= tree.budget_bytes and tree.evicted_tokens == 4
-    big = list(range(100, 120))                     # larger than the budget: not kept
+    big = list(range(100, 120))  # larger than the budget: not kept
     tree.insert(big, lambda st, e: _payload(big, st, e))
     assert tree.match(big)[0] == 0 and tree.nbytes <= tree.budget_bytes
     off = PrefixTree(0, token_dims=(0, 1))
@@ -86,14 +87,26 @@ def test_common_prefix_len_edges():
 def tiny(tmp_path_factory):
     base = tmp_path_factory.mktemp("prefix_models")
     return {
-        "llama": load_model(make_tiny_model(base / "llama", arch="llama", hidden_size=64,
-                                            num_layers=2, seed=0)),
-        "qwen3": load_model(make_tiny_model(base / "qwen3", arch="qwen3", hidden_size=64,
-                                            num_layers=2, seed=1)),
-        "moe": load_model(make_tiny_model(base / "moe", arch="qwen3_moe", hidden_size=32,
-                                          num_layers=3, num_heads=4, num_kv_heads=2,
-                                          num_experts=8, num_experts_per_tok=2,
-                                          moe_intermediate_size=16, seed=3)),
+        "llama": load_model(
+            make_tiny_model(base / "llama", arch="llama", hidden_size=64, num_layers=2, seed=0)
+        ),
+        "qwen3": load_model(
+            make_tiny_model(base / "qwen3", arch="qwen3", hidden_size=64, num_layers=2, seed=1)
+        ),
+        "moe": load_model(
+            make_tiny_model(
+                base / "moe",
+                arch="qwen3_moe",
+                hidden_size=32,
+                num_layers=3,
+                num_heads=4,
+                num_kv_heads=2,
+                num_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                seed=3,
+            )
+        ),
     }
 
 
@@ -104,7 +117,7 @@ def test_prefill_after_a_cached_prefix_equals_a_full_prefill(tiny, arch):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 100, (2, 40), generator=g)
     full_logits, full_kv = batch.prefill(ids)
-    for P in (1, 17, 39):                    # S = 39 ... 1 tokens after the prefix
+    for P in (1, 17, 39):  # S = 39 ... 1 tokens after the prefix
         prefix = StaticKVBatch.split_payload(StaticKVBatch.payload_of_prefill(full_kv, 0, 0, P))
         logits, kv = batch.prefill(ids[:1, P:].expand(2, -1), prefix)
         assert (logits[0] - full_logits[0]).abs().max() < 2e-5
@@ -114,10 +127,16 @@ def test_prefill_after_a_cached_prefix_equals_a_full_prefill(tiny, arch):
 def _run(engine, prompts, new_tokens=6, **kw):
     """Submit ``prompts`` at once (greedy, with logprobs) and wait; the finished requests."""
     done = threading.Semaphore(0)
-    reqs = [GenRequest(rid=f"r{i}", input_ids=list(p), on_done=lambda r: done.release(),
-                       params=SamplingParams(max_new_tokens=new_tokens, temperature=0.0,
-                                             ignore_eos=True), **kw)
-            for i, p in enumerate(prompts)]
+    reqs = [
+        GenRequest(
+            rid=f"r{i}",
+            input_ids=list(p),
+            on_done=lambda r: done.release(),
+            params=SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+            **kw,
+        )
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         engine.submit(r)
     for _ in reqs:
@@ -170,22 +189,26 @@ def test_weight_update_and_flush_empty_the_cache(engines):
     assert _run(on, [prompt])[0].cached_tokens == len(prompt) - 1
     # a row prefilled before an update is not cached when it finishes after it
     done = threading.Event()
-    long = GenRequest(rid="long", input_ids=list(range(50, 60)), on_done=lambda r: done.set(),
-                      params=SamplingParams(max_new_tokens=10_000, temperature=0.0,
-                                            ignore_eos=True))
+    long = GenRequest(
+        rid="long",
+        input_ids=list(range(50, 60)),
+        on_done=lambda r: done.set(),
+        params=SamplingParams(max_new_tokens=10_000, temperature=0.0, ignore_eos=True),
+    )
     on.submit(long)
     deadline = time.monotonic() + 60
-    while len(long.output_ids) < 3 and time.monotonic() < deadline:   # prefilled, decoding
+    while len(long.output_ids) < 3 and time.monotonic() < deadline:  # prefilled, decoding
         time.sleep(0.01)
-    on.run_exclusive(on.invalidate_prefix_cache, timeout=30)   # what a weight load does
-    on.abort("long")                                            # leaves the batch after it
+    on.run_exclusive(on.invalidate_prefix_cache, timeout=30)  # what a weight load does
+    on.abort("long")  # leaves the batch after it
     assert done.wait(60) and long.kv_epoch < on.prefix.epoch
     assert _run(on, [prompt])[0].cached_tokens == 0
     assert _run(on, [long.input_ids + long.output_ids])[0].cached_tokens == 0
     # SGLang's flush_cache: refused while a request waits, done when idle
     on.pause()
-    waiting = GenRequest(rid="w", input_ids=prompt, on_done=lambda r: None,
-                         params=SamplingParams(max_new_tokens=2))
+    waiting = GenRequest(
+        rid="w", input_ids=prompt, on_done=lambda r: None, params=SamplingParams(max_new_tokens=2)
+    )
     on.submit(waiting)
     assert on.run_exclusive(on.flush_prefix_cache, timeout=30) is False
     on.abort("w")

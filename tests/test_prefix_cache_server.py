@@ -3,6 +3,7 @@ multi-turn episode's second call reports its first call as ``cached_tokens``, a 
 all but the first, ``/flush_cache`` (200 and SGLang's text when idle) and a weight update from
 disk empty it, ``--prefix-cache-mb 0`` turns it off, and the answers equal those of a server
 without the cache."""
+
 import urllib.request
 
 import pytest
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 def servers(models):
     """One server with the default cache, one with ``--prefix-cache-mb 0``."""
     on = LocalServerProcess(str(models["a"]), api_key=API_KEY)
-    off = LocalServerProcess(str(models["a"]), api_key=API_KEY,
-                             extra_args=["--prefix-cache-mb", "0"])
+    off = LocalServerProcess(
+        str(models["a"]), api_key=API_KEY, extra_args=["--prefix-cache-mb", "0"]
+    )
     try:
         yield on.wait_ready(), off.wait_ready()
     finally:
@@ -28,17 +30,31 @@ def servers(models):
 
 
 def _generate(server, ids, n=1, new_tokens=5):
-    status, out = http(server, "/generate", {
-        "input_ids": ids, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "n": n,
-                            "ignore_eos": True}})
+    status, out = http(
+        server,
+        "/generate",
+        {
+            "input_ids": ids,
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": new_tokens,
+                "temperature": 0.0,
+                "n": n,
+                "ignore_eos": True,
+            },
+        },
+    )
     assert status == 200, out
     return out
 
 
 def _flush(server):
-    req = urllib.request.Request(f"http://{server.addr}/flush_cache", data=b"", method="POST",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        f"http://{server.addr}/flush_cache",
+        data=b"",
+        method="POST",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         return resp.status, resp.read().decode()
 
@@ -71,8 +87,9 @@ def test_multi_turn_group_flush_and_weight_update(servers, models):
     assert after["prefill_tokens"] - before["prefill_tokens"] == 64 + 7
     assert after["cached_tokens"] - before["cached_tokens"] == 7 * 63
     assert after["forward_seconds"]["prefill"] > before["forward_seconds"]["prefill"]
-    assert after["prefix_cache"]["tokens"] > 0 and http(off, "/server_info")[1][
-        "prefix_cache"] is None
+    assert (
+        after["prefix_cache"]["tokens"] > 0 and http(off, "/server_info")[1]["prefix_cache"] is None
+    )
     # SGLang's /flush_cache: 200 and its text when idle; the cache is empty after it
     assert _flush(on) == (200, FLUSH_CACHE_TEXT)
     assert _generate(on, turn2)["meta_info"]["cached_tokens"] == 0
@@ -99,23 +116,29 @@ def test_every_weight_load_path_empties_the_cache(models):
 
     srv = LocalRolloutServer(str(models["a"]))
     try:
+
         def generate():
             done = []
-            r = GenRequest(rid="x", input_ids=list(range(5, 45)), on_done=done.append,
-                           params=SamplingParams(max_new_tokens=3, temperature=0.0))
+            r = GenRequest(
+                rid="x",
+                input_ids=list(range(5, 45)),
+                on_done=done.append,
+                params=SamplingParams(max_new_tokens=3, temperature=0.0),
+            )
             srv.engine.submit(r)
             srv.engine.run_exclusive(lambda: None, timeout=60)
             while not done:
                 srv.engine.run_exclusive(lambda: None, timeout=60)
             return r
+
         generate()
         assert srv.engine.prefix.stats()["tokens"] > 0
         epoch = srv.engine.prefix.epoch
         tensors = {k: v.clone() for k, v in models["mb"].state_dict().items()}
-        srv.engine.run_exclusive(lambda: srv._assign(tensors, "7"), timeout=60)   # distributed
+        srv.engine.run_exclusive(lambda: srv._assign(tensors, "7"), timeout=60)  # distributed
         assert srv.engine.prefix.stats()["tokens"] == 0 and srv.engine.prefix.epoch > epoch
         assert generate().cached_tokens == 0
-        srv.load_from_disk(str(models["a"]), "8")                                  # disk
+        srv.load_from_disk(str(models["a"]), "8")  # disk
         assert srv.engine.prefix.stats()["tokens"] == 0 and generate().cached_tokens == 0
     finally:
         srv.engine.shutdown()

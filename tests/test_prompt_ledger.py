@@ -1,5 +1,6 @@
 """Exact resume position with rollout groups of different sizes: the prompt ledger the trainer
 keeps (dataplane/prompt_ledger.py) and the cursor the worker rebuilds from it (rollout/resume.py)."""
+
 import json
 
 import pytest
@@ -13,9 +14,16 @@ from areal_mega.dataplane import Trajectory
 
 
 def _traj(prompt, group, j, size):
-    return Trajectory.from_tokens([1, 2], [3], [-0.5], [0], reward=1.0,
-                                  sample_id=f"g{group}-s{j}", group_id=f"g{group}",
-                                  meta={"prompt_index": prompt, "group_size": size})
+    return Trajectory.from_tokens(
+        [1, 2],
+        [3],
+        [-0.5],
+        [0],
+        reward=1.0,
+        sample_id=f"g{group}-s{j}",
+        group_id=f"g{group}",
+        meta={"prompt_index": prompt, "group_size": size},
+    )
 
 
 def _group(prompt, size, group=None):
@@ -24,12 +32,12 @@ def _group(prompt, size, group=None):
 
 def test_variable_group_sizes_count_prompts_not_samples():
     ledger = PromptLedger()
-    sizes = {0: 4, 1: 1, 2: 3, 3: 4, 4: 2}          # 14 samples, 5 groups
+    sizes = {0: 4, 1: 1, 2: 3, 3: 4, 4: 2}  # 14 samples, 5 groups
     for k, n in sizes.items():
         for t in _group(k, n):
             ledger.add(t)
     assert ledger.accepted_prompts() == set(sizes)
-    assert ledger.n_accepted_groups() == 5           # samples // n_samples would say 14 // 4 = 3
+    assert ledger.n_accepted_groups() == 5  # samples // n_samples would say 14 // 4 = 3
     assert ledger.done == [[0, 5]]
     assert ledger.partial == {}
 
@@ -38,8 +46,8 @@ def test_partial_group_is_not_accepted_and_survives_a_checkpoint():
     ledger = PromptLedger()
     g = _group(7, 3)
     ledger.add(g[0])
-    ledger.add(g[0])                                  # a resent sample counts once
-    state = json.loads(json.dumps(ledger.state()))   # through checkpoint metadata (JSON)
+    ledger.add(g[0])  # a resent sample counts once
+    state = json.loads(json.dumps(ledger.state()))  # through checkpoint metadata (JSON)
     assert 7 not in PromptLedger(state).accepted_prompts()
     # the rest of the group arrives after the checkpoint, in the journal
     resumed = PromptLedger.replayed(state, g[1:])
@@ -49,8 +57,8 @@ def test_partial_group_is_not_accepted_and_survives_a_checkpoint():
 
 def test_regenerated_group_of_a_torn_prompt_is_counted_on_its_own():
     ledger = PromptLedger()
-    ledger.add(_group(2, 4, group="old")[0])          # torn by a crash: 1 of 4 arrived
-    for t in _group(2, 2, group="new"):               # generated again, 2 samples this time
+    ledger.add(_group(2, 4, group="old")[0])  # torn by a crash: 1 of 4 arrived
+    for t in _group(2, 2, group="new"):  # generated again, 2 samples this time
         ledger.add(t)
     assert ledger.accepted_prompts() == {2}
     assert list(ledger.partial) == ["gold"]
@@ -95,14 +103,14 @@ class _Items:
 
 def test_resuming_cursor_regenerates_exactly_the_missing_prompts():
     base = PromptCursor(_Items(), seed=3, shuffle=True)
-    order = [next(iter(base))["prompt"] for _ in range(12)]   # the uninterrupted stream
+    order = [next(iter(base))["prompt"] for _ in range(12)]  # the uninterrupted stream
     cur = ResumingCursor(base.at, redo=[1, 4], start=6)
     it = iter(cur)
     got = [next(it) for _ in range(4)]
     assert [g["prompt_index"] for g in got] == [1, 4, 6, 7]
     assert [g["prompt"] for g in got] == [order[1], order[4], order[6], order[7]]
     assert cur.drawn == 8
-    assert cur.delivered(4) == 1                      # 1 is still outstanding
+    assert cur.delivered(4) == 1  # 1 is still outstanding
     assert cur.delivered(1) == 6
     assert cur.delivered(6) == 7
     assert cur.delivered(7) == 8
@@ -120,4 +128,4 @@ def test_accepted_ledger_is_checkpoint_plus_journal(tmp_path):
     ledger = accepted_ledger(paths, ckpt)
     assert ledger.accepted_prompts() == {0, 1, 2}
     (ckpt / META_NAME).write_text(json.dumps({"extra": {"accepted_samples": 5}}))
-    assert accepted_ledger(paths, ckpt) is None       # a checkpoint older than the ledger
+    assert accepted_ledger(paths, ckpt) is None  # a checkpoint older than the ledger

@@ -1,6 +1,7 @@
 """A trainer killed with SIGKILL mid-run, rollout groups of different sizes (a user workflow that
 keeps 1 to 4 samples per prompt): the resumed run trains every prompt in exactly one step, loses
 none, and keeps the staleness bound (the worker counts accepted groups, not samples / n)."""
+
 import json
 import os
 import signal
@@ -10,8 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.local_runs import (_accepted_ids, _finish, _launch, _metrics, _snapshot_live_run,
-                                      _trained, _trainer_pid)
+from tests.helpers.local_runs import (
+    _accepted_ids,
+    _finish,
+    _launch,
+    _metrics,
+    _snapshot_live_run,
+    _trained,
+    _trainer_pid,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +53,18 @@ def test_sigkill_trainer_with_variable_group_sizes_trains_each_prompt_once(asset
     run, flow, log = tmp_path / "run", tmp_path / "fewer.py", tmp_path / "samples.jsonl"
     flow.write_text(textwrap.dedent(WORKFLOW))
     total = 6
-    proc = _launch(run, model, data, f"total_steps={total}", "recover=auto",
-                   "checkpoint.save_every=2", "cluster.max_restarts=1", "logging.plot=false",
-                   f"rollout.workflow={flow}:episode", f"rollout.workflow_kwargs.log_path={log}")
+    proc = _launch(
+        run,
+        model,
+        data,
+        f"total_steps={total}",
+        "recover=auto",
+        "checkpoint.save_every=2",
+        "cluster.max_restarts=1",
+        "logging.plot=false",
+        f"rollout.workflow={flow}:episode",
+        f"rollout.workflow_kwargs.log_path={log}",
+    )
     deadline = time.time() + 240
     while time.time() < deadline and len(_metrics(run)) < 3:
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
@@ -55,8 +72,8 @@ def test_sigkill_trainer_with_variable_group_sizes_trains_each_prompt_once(asset
     assert len(_metrics(run)) >= 3, "the run did not reach step 3"
     pid = _trainer_pid(run)
     assert pid is not None
-    snap = _snapshot_live_run(run, tmp_path / "before_kill")   # accepted before the crash
-    os.kill(pid, signal.SIGKILL)             # step 3 is past the checkpoint of step 2
+    snap = _snapshot_live_run(run, tmp_path / "before_kill")  # accepted before the crash
+    os.kill(pid, signal.SIGKILL)  # step 3 is past the checkpoint of step 2
     rc, out = _finish(proc, timeout=300)
     assert rc == 0, out[-4000:]
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()

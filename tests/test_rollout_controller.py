@@ -2,6 +2,7 @@
 worker uses (groups into a sink, weight updates with pause/resume): interruptible weight
 updates, the staleness bound, a server dying mid-run, multi-turn episodes, delivery order and
 failures surfacing."""
+
 import json
 import time
 import urllib.request
@@ -31,17 +32,42 @@ def servers(models):
 
 
 def prompts(n, length=4):
-    return [{"input_ids": [5 + (i % 50)] + [6 + (i * 7 + j) % 60 for j in range(length - 1)],
-             "answer": "never"} for i in range(n)]
+    return [
+        {
+            "input_ids": [5 + (i % 50)] + [6 + (i * 7 + j) % 60 for j in range(length - 1)],
+            "answer": "never",
+        }
+        for i in range(n)
+    ]
 
 
-def make_controller(addrs, *, batch_size, n_samples, eta, max_new_tokens, sink, n_prompts=64,
-                    workflow=None, tokenizer=None, **kw):
+def make_controller(
+    addrs,
+    *,
+    batch_size,
+    n_samples,
+    eta,
+    max_new_tokens,
+    sink,
+    n_prompts=64,
+    workflow=None,
+    tokenizer=None,
+    **kw,
+):
     client = RolloutClient(addrs, api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
     wf = workflow or RLVRWorkflow(exact_match_reward, max_new_tokens)
-    return RolloutController(client, wf, prompts(n_prompts), batch_size=batch_size,
-                             n_samples=n_samples, eta=eta, sink=sink, tokenizer=tokenizer,
-                             ignore_eos=True, **kw)
+    return RolloutController(
+        client,
+        wf,
+        prompts(n_prompts),
+        batch_size=batch_size,
+        n_samples=n_samples,
+        eta=eta,
+        sink=sink,
+        tokenizer=tokenizer,
+        ignore_eos=True,
+        **kw,
+    )
 
 
 def wait_for(cond, timeout=60):
@@ -55,8 +81,9 @@ def tokens_generated(addrs) -> int:
     """Decode tokens produced so far, summed over the servers' /get_server_info."""
     total = 0
     for a in addrs:
-        req = urllib.request.Request(f"http://{a}/get_server_info",
-                                     headers={"Authorization": f"Bearer {API_KEY}"})
+        req = urllib.request.Request(
+            f"http://{a}/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             total += json.load(r)["tokens_generated"]
     return total
@@ -65,12 +92,14 @@ def tokens_generated(addrs) -> int:
 def load_weights(addrs, path, version=0):
     """Load ``path`` on every server from a client of its own, as the trainer's side of a
     begin_update/end_update pair does (and as the end of a test restores model a)."""
+
     async def go():
         c = RolloutClient(addrs, api_key=API_KEY)
         try:
             await c.update_weights_from_disk(str(path), weight_version=version)
         finally:
             await c.close()
+
     run(go())
 
 
@@ -84,8 +113,9 @@ def test_interrupted_generation_is_stitched(servers, models):
     addrs = [p.addr for p in servers]
     base = tokens_generated(addrs)
     sink = GroupSink()
-    ctl = make_controller(addrs, batch_size=4, n_samples=2, eta=1, max_new_tokens=N_NEW,
-                          sink=sink).start()
+    ctl = make_controller(
+        addrs, batch_size=4, n_samples=2, eta=1, max_new_tokens=N_NEW, sink=sink
+    ).start()
     try:
         # interrupt once every in-flight request is a few tokens in: 8 requests x 4 tokens. The
         # pause must land before they finish; in one CI run on a loaded 2-core machine all of
@@ -128,8 +158,9 @@ def test_staleness_bound(servers, models, eta):
     B, steps = 2, 4
     addrs = [p.addr for p in servers]
     sink = GroupSink()
-    ctl = make_controller(addrs, batch_size=B, n_samples=2, eta=eta, max_new_tokens=6,
-                          sink=sink).start()
+    ctl = make_controller(
+        addrs, batch_size=B, n_samples=2, eta=eta, max_new_tokens=6, sink=sink
+    ).start()
     worst = 0
     try:
         for step in range(steps):
@@ -157,8 +188,9 @@ def test_killing_one_server_loses_nothing(models):
         # long requests and an early kill: none can finish on server 0 before it dies, so
         # every trajectory must have been completed (or resumed) on server 1
         sink = GroupSink()
-        ctl = make_controller([p.addr for p in procs], batch_size=4, n_samples=2, eta=0,
-                              max_new_tokens=300, sink=sink).start()
+        ctl = make_controller(
+            [p.addr for p in procs], batch_size=4, n_samples=2, eta=0, max_new_tokens=300, sink=sink
+        ).start()
         try:
             wait_for(lambda: ctl.n_inflight_requests >= 8)
             time.sleep(0.05)
@@ -175,7 +207,7 @@ def test_killing_one_server_loses_nothing(models):
         for t in trajs[:3]:  # what the surviving server produced is still exact
             ids = t.input_ids.tolist()
             ref = teacher_forced_logprobs(models["ma"], ids, t.prompt_len)
-            assert np.abs(np.array(ref) - t.logprobs[t.prompt_len:]).max() <= 1e-4
+            assert np.abs(np.array(ref) - t.logprobs[t.prompt_len :]).max() <= 1e-4
     finally:
         for p in procs:
             p.stop()
@@ -186,18 +218,30 @@ def test_multi_turn_environment_tokens_masked_and_sink(servers, models):
 
     tok = AutoTokenizer.from_pretrained(models["a"])
     feedback = "\nWrong, try again:\n"
-    wf = MultiTurnWorkflow(lambda: RetryEnvironment(exact_match_reward, feedback=feedback),
-                           max_new_tokens=6, max_turns=3, max_total_tokens=200)
+    wf = MultiTurnWorkflow(
+        lambda: RetryEnvironment(exact_match_reward, feedback=feedback),
+        max_new_tokens=6,
+        max_turns=3,
+        max_total_tokens=200,
+    )
     sink = GroupSink()
-    ctl = make_controller([p.addr for p in servers], batch_size=2, n_samples=2, eta=0,
-                          max_new_tokens=6, workflow=wf, sink=sink, tokenizer=tok,
-                          n_prompts=2).start()
+    ctl = make_controller(
+        [p.addr for p in servers],
+        batch_size=2,
+        n_samples=2,
+        eta=0,
+        max_new_tokens=6,
+        workflow=wf,
+        sink=sink,
+        tokenizer=tok,
+        n_prompts=2,
+    ).start()
     try:
         got = sink.take(ctl, 2)
         assert ctl.stats()["accepted"] == 2
     finally:
         ctl.stop()
-    assert len(sink) == 2   # two prompts: nothing else was delivered
+    assert len(sink) == 2  # two prompts: nothing else was delivered
     fb = tok(feedback, add_special_tokens=False)["input_ids"]
     for t in [t for g in got for t in g]:
         P = t.prompt_len
@@ -206,7 +250,7 @@ def test_multi_turn_environment_tokens_masked_and_sink(servers, models):
         assert mask == [1] * 6 + [0] * len(fb) + [1] * 6 + [0] * len(fb) + [1] * 6
         env = t.loss_mask == 0
         assert (t.versions[env] == -1).all() and (t.logprobs[env] == 0).all()
-        assert t.input_ids[P + 6:P + 6 + len(fb)].tolist() == fb
+        assert t.input_ids[P + 6 : P + 6 + len(fb)].tolist() == fb
         ids = t.input_ids.tolist()
         ref = np.array(teacher_forced_logprobs(models["ma"], ids, P))
         gen = t.loss_mask[P:] == 1
@@ -222,6 +266,7 @@ class _OutOfOrderWorkflow:
 
     async def arun_episode(self, ctx, item, n_samples):
         import asyncio
+
         if ctx.group_index == 2 and not self.failed:
             self.failed = True
             raise RuntimeError("injected episode failure")
@@ -237,14 +282,22 @@ def test_sink_receives_groups_in_start_order(servers):
     staleness bound exact on the data-plane path."""
     sink = GroupSink()
     wf = _OutOfOrderWorkflow(RLVRWorkflow(exact_match_reward, 4))
-    ctl = make_controller([p.addr for p in servers], batch_size=3, n_samples=2, eta=1,
-                          max_new_tokens=4, workflow=wf, sink=sink, n_prompts=12).start()
+    ctl = make_controller(
+        [p.addr for p in servers],
+        batch_size=3,
+        n_samples=2,
+        eta=1,
+        max_new_tokens=4,
+        workflow=wf,
+        sink=sink,
+        n_prompts=12,
+    ).start()
     try:
         wait_for(lambda: len(sink) >= 5, timeout=120)
     finally:
         ctl.stop()
     got = [g[0].meta["group_index"] for g in sink.groups]
-    assert got == sorted(got) and 2 not in got, got   # start order; the failed index skipped
+    assert got == sorted(got) and 2 not in got, got  # start order; the failed index skipped
     assert ctl.stats()["failed"] == 1
 
 
@@ -268,14 +321,25 @@ def test_failure_surfaces_through_raise_if_failed(servers, case):
         sink, match = _failing_sink, "injected sink failure"
     else:
         addrs, match = ["127.0.0.1:9"], "no healthy rollout server"
-    ctl = make_controller(addrs, batch_size=1, n_samples=1, eta=0, max_new_tokens=2,
-                          workflow=wf, sink=sink, n_prompts=1, max_episode_retries=2).start()
+    ctl = make_controller(
+        addrs,
+        batch_size=1,
+        n_samples=1,
+        eta=0,
+        max_new_tokens=2,
+        workflow=wf,
+        sink=sink,
+        n_prompts=1,
+        max_episode_retries=2,
+    ).start()
     try:
+
         def failed():
             try:
                 ctl.raise_if_failed()
             except RuntimeError as e:
                 return e
+
         wait_for(failed, timeout=120)
         e = failed()
     finally:

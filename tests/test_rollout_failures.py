@@ -4,6 +4,7 @@ forever; ``on_episode_failure=drop`` drops and counts such prompts (and ones out
 while the others are delivered, with the staleness counters exact, until the dropped share
 passes the failure-rate ceiling (the controller's own prompts, or outcomes another component
 records through ``record_outcome``)."""
+
 import re
 import time
 
@@ -24,8 +25,13 @@ CONTEXT = 64
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("ctx_model") / "m", arch="llama",
-                            hidden_size=32, num_layers=1, max_position_embeddings=CONTEXT)
+    model = make_tiny_model(
+        tmp_path_factory.mktemp("ctx_model") / "m",
+        arch="llama",
+        hidden_size=32,
+        num_layers=1,
+        max_position_embeddings=CONTEXT,
+    )
     (proc,) = launch_local_servers(str(model), 1, api_key=API_KEY)
     try:
         yield proc
@@ -54,11 +60,20 @@ class _FailsOnFlagged:
 
 
 def controller(server, items, sink, **kw):
-    client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=4,
-                           backoff_s=0.05)
+    client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=4, backoff_s=0.05)
     wf = _FailsOnFlagged(RLVRWorkflow(exact_match_reward, 4))
-    return RolloutController(client, wf, items, batch_size=2, n_samples=2, eta=1, sink=sink,
-                             ignore_eos=True, max_episode_retries=3, **kw)
+    return RolloutController(
+        client,
+        wf,
+        items,
+        batch_size=2,
+        n_samples=2,
+        eta=1,
+        sink=sink,
+        ignore_eos=True,
+        max_episode_retries=3,
+        **kw,
+    )
 
 
 def failure(ctl):
@@ -110,22 +125,35 @@ def test_drop_mode_counts_dropped_prompts_and_delivers_the_others(server):
     """drop mode: too-long prompts are dropped after one attempt, an always-failing one after
     max_episode_retries attempts; every other prompt is delivered, nothing fails the run, and
     the staleness counters count only delivered groups (capacity exact)."""
-    items = [short(0), too_long(1), short(2), {**short(3), "always_fails": True}, short(4),
-             too_long(5), short(6)]
+    items = [
+        short(0),
+        too_long(1),
+        short(2),
+        {**short(3), "always_fails": True},
+        short(4),
+        too_long(5),
+        short(6),
+    ]
     sink = GroupSink()
     ctl = controller(server, items, sink, on_episode_failure="drop").start()
     try:
-        wait_until(lambda: (ctl.raise_if_failed() or ctl.stats()["dropped_prompts"] == 3
-                                 and len(sink) == 4 and ctl.stats()["running"] == 0))
+        wait_until(
+            lambda: (
+                ctl.raise_if_failed()
+                or ctl.stats()["dropped_prompts"] == 3
+                and len(sink) == 4
+                and ctl.stats()["running"] == 0
+            )
+        )
         ctl.raise_if_failed()
         s = ctl.stats()
     finally:
         ctl.stop()
     assert s["dropped_prompts"] == 3
-    assert s["failed"] == 2 + 3          # too long: once each; the flagged one: 3 attempts
+    assert s["failed"] == 2 + 3  # too long: once each; the flagged one: 3 attempts
     assert s["accepted"] == 4 == s["finished"] and s["started"] == 4 + s["failed"]
-    assert s["capacity"] == (1 + 0 + 1) * 2 - 4   # (eta + version + 1) * batch - accepted
-    delivered = sorted(tuple(g[0].input_ids[:g[0].prompt_len].tolist()) for g in sink.groups)
+    assert s["capacity"] == (1 + 0 + 1) * 2 - 4  # (eta + version + 1) * batch - accepted
+    delivered = sorted(tuple(g[0].input_ids[: g[0].prompt_len].tolist()) for g in sink.groups)
     assert delivered == sorted(tuple(short(i)["input_ids"]) for i in (0, 2, 4, 6))
 
 
@@ -135,8 +163,7 @@ def test_a_request_the_server_cannot_sample_fails_instead_of_looping(server):
     weight-update interruption), and the controller fails the episode at once instead of
     resubmitting the partial output forever."""
     sink = GroupSink()
-    ctl = controller(server, [short(0)], sink, temperature=1e-5,
-                     logit_bias={"5": 1e38}).start()
+    ctl = controller(server, [short(0)], sink, temperature=1e-5, logit_bias={"5": 1e38}).start()
     try:
         wait_until(lambda: failure(ctl))
         err = failure(ctl)
@@ -153,35 +180,48 @@ def test_drop_mode_stops_once_the_dropped_share_passes_the_ceiling(server):
     naming the rate, the window and the keys; the prompts before it were dropped, not fatal."""
     items = [short(0)] + [{**short(i), "always_fails": True} for i in (1, 2, 3)]
     sink = GroupSink()
-    ctl = controller(server, items, sink, on_episode_failure="drop",
-                     failure_rate=FailureRate(ceiling=0.5, window=8, min_prompts=3)).start()
+    ctl = controller(
+        server,
+        items,
+        sink,
+        on_episode_failure="drop",
+        failure_rate=FailureRate(ceiling=0.5, window=8, min_prompts=3),
+    ).start()
     try:
         wait_until(lambda: failure(ctl))
         err = failure(ctl)
     finally:
         ctl.stop()
     assert isinstance(err.__cause__, FailureRateExceeded)
-    said = re.search(r"(\d) of the last 3 prompts failed \(rate (\S+) > rollout\."
-                     r"failure_rate_ceiling=0\.5, window rollout\.failure_window=8 prompts, "
-                     r"checked from rollout\.failure_min_prompts=3; by reason: "
-                     r"out_of_retries=(\d)\)", str(err))
+    said = re.search(
+        r"(\d) of the last 3 prompts failed \(rate (\S+) > rollout\."
+        r"failure_rate_ceiling=0\.5, window rollout\.failure_window=8 prompts, "
+        r"checked from rollout\.failure_min_prompts=3; by reason: "
+        r"out_of_retries=(\d)\)",
+        str(err),
+    )
     assert said, str(err)
     failed = int(said[1])
     assert failed in (2, 3) and said[2] == f"{failed / 3:.2f}" and int(said[3]) == failed
     assert "episode failed 3 times: injected failure" in str(err)
-    assert ctl.stats()["dropped_prompts"] >= failed     # the last one may end after the error
+    assert ctl.stats()["dropped_prompts"] >= failed  # the last one may end after the error
 
 
 def test_outcomes_recorded_from_outside_count_and_hit_the_same_ceiling(server):
     """``record_outcome``: how a component that runs tasks outside the controller's prompts
     (the online gateway) drops and counts them; the ceiling is the same."""
-    ctl = controller(server, iter(()), GroupSink(), on_episode_failure="drop",
-                     failure_rate=FailureRate(ceiling=0.5, window=4, min_prompts=4)).start()
+    ctl = controller(
+        server,
+        iter(()),
+        GroupSink(),
+        on_episode_failure="drop",
+        failure_rate=FailureRate(ceiling=0.5, window=4, min_prompts=4),
+    ).start()
     try:
-        for ok in (True, False, True, False):          # 2 of 4: at the ceiling, not above
+        for ok in (True, False, True, False):  # 2 of 4: at the ceiling, not above
             ctl.record_outcome(ok, "agent_exit", "session ended with exit code 1")
         assert failure(ctl) is None
-        ctl.record_outcome(False, "agent_exit", "session ended with exit code 1")   # 3 of 4
+        ctl.record_outcome(False, "agent_exit", "session ended with exit code 1")  # 3 of 4
         err = failure(ctl)
     finally:
         ctl.stop()

@@ -1,12 +1,24 @@
 """Pure parts of the rollout package: staleness accounting, weight-bucket planning, reward
 helpers and the SGLang command line. No servers."""
+
 import pytest
 
 from areal_mega.backends.sglang import build_sglang_command
-from areal_mega.rewards import (TimeoutWorkerPool, exact_match_reward, extract_boxed,
-                                        load_reward_fn, math_reward, shutdown_reward_workers)
-from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,
-                                          sample_version, staleness)
+from areal_mega.rewards import (
+    TimeoutWorkerPool,
+    exact_match_reward,
+    extract_boxed,
+    load_reward_fn,
+    math_reward,
+    shutdown_reward_workers,
+)
+from areal_mega.rollout.staleness import (
+    StalenessCounter,
+    may_start,
+    rollout_capacity,
+    sample_version,
+    staleness,
+)
 from areal_mega.train.weight_sender import plan_weight_buckets, tensor_nbytes
 
 
@@ -34,7 +46,7 @@ def test_counter_simulated_in_order_consumption(eta):
         # all running groups finish
         while c.running:
             c.on_finish()
-        batch = started[step * B:(step + 1) * B]
+        batch = started[step * B : (step + 1) * B]
         assert all(c.version - v <= eta for v in batch)
         assert max(c.version - v for v in batch) == min(eta, step)
         c.set_version(c.version + 1)
@@ -44,7 +56,8 @@ def test_counter_simulated_in_order_consumption(eta):
 
 def test_counter_rejected_frees_slots():
     c = StalenessCounter(batch_size=2, eta=0)
-    c.on_start(); c.on_start()
+    c.on_start()
+    c.on_start()
     with pytest.raises(RuntimeError):
         c.on_start()
     c.on_finish(accepted=False)
@@ -61,8 +74,12 @@ def test_sample_version_and_staleness():
 
 
 def test_plan_weight_buckets():
-    items = [("a", (4, 4), "float32"), ("b", (4,), "float32"), ("c", (100,), "bfloat16"),
-             ("d", (2, 2), "torch.float32")]
+    items = [
+        ("a", (4, 4), "float32"),
+        ("b", (4,), "float32"),
+        ("c", (100,), "bfloat16"),
+        ("d", (2, 2), "torch.float32"),
+    ]
     assert tensor_nbytes((4, 4), "float32") == 64
     plan = plan_weight_buckets(items, bucket_bytes=80)
     assert [[n for n, _, _ in b] for b in plan] == [["a", "b"], ["c"], ["d"]]
@@ -110,12 +127,19 @@ def test_math_reward_and_timeout():
 
 
 def test_sglang_command():
-    cmd = build_sglang_command("/m", 30001, tp=2, dp=1, mem_fraction_static=0.7, dtype="bf16",
-                               api_key="k")
+    cmd = build_sglang_command(
+        "/m", 30001, tp=2, dp=1, mem_fraction_static=0.7, dtype="bf16", api_key="k"
+    )
     s = " ".join(cmd)
     assert "-m sglang.launch_server --model-path /m" in s
-    for frag in ["--port 30001", "--tp-size 2", "--dp-size 1", "--mem-fraction-static 0.7",
-                 "--dtype bfloat16", "--api-key k"]:
+    for frag in [
+        "--port 30001",
+        "--tp-size 2",
+        "--dp-size 1",
+        "--mem-fraction-static 0.7",
+        "--dtype bfloat16",
+        "--api-key k",
+    ]:
         assert frag in s
     with pytest.raises(ValueError):
         build_sglang_command("/m", 1, dtype="int4")

@@ -4,6 +4,7 @@ router top-k for prompt and generated tokens, decoded as SGLang's clients decode
 answer's format follows SGLang (absent without the flag); an interrupted and resumed
 generation through the real client and controller has a route for every token but the last,
 equal to a fresh prefill's."""
+
 import base64
 import time
 
@@ -22,15 +23,24 @@ from tests.helpers.rollout import API_KEY, http, load_model, run
 pytestmark = pytest.mark.timeout(300)
 
 LAYERS, TOPK, EXPERTS = 3, 2, 8
-TIE = 1e-4   # rows whose k-th and (k+1)-th router probabilities are closer are not compared
+TIE = 1e-4  # rows whose k-th and (k+1)-th router probabilities are closer are not compared
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     base = tmp_path_factory.mktemp("r3_models")
-    path = make_tiny_model(base / "moe", arch="qwen3_moe", hidden_size=32, num_layers=LAYERS,
-                           num_heads=4, num_kv_heads=2, num_experts=EXPERTS,
-                           num_experts_per_tok=TOPK, moe_intermediate_size=16, seed=3)
+    path = make_tiny_model(
+        base / "moe",
+        arch="qwen3_moe",
+        hidden_size=32,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        moe_intermediate_size=16,
+        seed=3,
+    )
     dense = make_tiny_model(base / "dense", arch="qwen3", hidden_size=32, num_layers=1)
     return {"path": path, "model": load_model(path), "dense": dense}
 
@@ -38,8 +48,9 @@ def moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(moe):
     """One server with the flag, one without."""
-    on = LocalServerProcess(str(moe["path"]), api_key=API_KEY,
-                            extra_args=["--enable-return-routed-experts"])
+    on = LocalServerProcess(
+        str(moe["path"]), api_key=API_KEY, extra_args=["--enable-return-routed-experts"]
+    )
     off = LocalServerProcess(str(moe["path"]), api_key=API_KEY)
     try:
         yield on.wait_ready(), off.wait_ready()
@@ -68,9 +79,9 @@ def sglang_decode(answer, n_layers=LAYERS, topk=TOPK):
 def assert_routes_match(model, ids, got):
     ref, margin = hf_routes(model, ids)
     assert got.shape == (len(ids) - 1, LAYERS, TOPK)
-    clear = margin[:len(ids) - 1] > TIE
+    clear = margin[: len(ids) - 1] > TIE
     assert clear.mean() > 0.9
-    assert np.array_equal(np.asarray(got)[clear], ref[:len(ids) - 1][clear])
+    assert np.array_equal(np.asarray(got)[clear], ref[: len(ids) - 1][clear])
 
 
 def test_routes_equal_the_hf_router_for_prompt_and_output(servers, moe):
@@ -82,13 +93,22 @@ def test_routes_equal_the_hf_router_for_prompt_and_output(servers, moe):
 
     async def go():
         import asyncio
-        bodies = [{"input_ids": p, "return_routed_experts": True, "return_logprob": True,
-                   "sampling_params": sampling_dict(6 + 3 * i, 0.0, ignore_eos=True)}
-                  for i, p in enumerate(prompts)]
+
+        bodies = [
+            {
+                "input_ids": p,
+                "return_routed_experts": True,
+                "return_logprob": True,
+                "sampling_params": sampling_dict(6 + 3 * i, 0.0, ignore_eos=True),
+            }
+            for i, p in enumerate(prompts)
+        ]
         bodies.append({"input_ids": prompts[0], "sampling_params": sampling_dict(4, 0.0)})
         loop = asyncio.get_running_loop()
-        return await asyncio.gather(*[loop.run_in_executor(None, http, on, "/generate", b)
-                                      for b in bodies])
+        return await asyncio.gather(
+            *[loop.run_in_executor(None, http, on, "/generate", b) for b in bodies]
+        )
+
     answers = run(go())
     for i, (status, ans) in enumerate(answers[:3]):
         assert status == 200
@@ -101,8 +121,15 @@ def test_routes_equal_the_hf_router_for_prompt_and_output(servers, moe):
 
 def test_without_the_flag_the_request_is_served_without_routes(servers):
     _, off = servers
-    status, ans = http(off, "/generate", {"input_ids": [5, 6, 7], "return_routed_experts": True,
-                                          "sampling_params": sampling_dict(3, 0.0)})
+    status, ans = http(
+        off,
+        "/generate",
+        {
+            "input_ids": [5, 6, 7],
+            "return_routed_experts": True,
+            "sampling_params": sampling_dict(3, 0.0),
+        },
+    )
     assert status == 200 and len(ans["output_ids"]) == 3
     assert "routed_experts" not in ans["meta_info"]
     status, ans = http(off, "/generate", {"input_ids": [5], "return_routed_experts": "yes"})
@@ -122,16 +149,26 @@ def test_interrupted_generation_has_routes_for_every_token_but_the_last(servers,
     on, _ = servers
     layout = RouteLayout.from_model_path(str(moe["path"]))
     client = RolloutClient([on.addr], api_key=API_KEY, timeout_s=120, retries=1)
-    ctl = RolloutController(client, None, [], batch_size=1, n_samples=1, eta=0,
-                            sink=lambda group: None, route_layout=layout).start()
+    ctl = RolloutController(
+        client,
+        None,
+        [],
+        batch_size=1,
+        n_samples=1,
+        eta=0,
+        sink=lambda group: None,
+        route_layout=layout,
+    ).start()
     prompt = [5, 6, 7, 8, 9]
     try:
         for attempt in range(5):
             before = http(on, "/get_server_info")[1]["tokens_generated"]
-            fut = ctl.run_async(ctl.generate(prompt, 400, key=f"k{attempt}", temperature=0.0,
-                                             ignore_eos=True))
-            while http(on, "/get_server_info")[1]["tokens_generated"] < before + 20 \
-                    and not fut.done():
+            fut = ctl.run_async(
+                ctl.generate(prompt, 400, key=f"k{attempt}", temperature=0.0, ignore_eos=True)
+            )
+            while (
+                http(on, "/get_server_info")[1]["tokens_generated"] < before + 20 and not fut.done()
+            ):
                 time.sleep(0.005)
             ctl.begin_weight_update()
             ctl.end_weight_update(attempt + 1)
@@ -145,14 +182,17 @@ def test_interrupted_generation_has_routes_for_every_token_but_the_last(servers,
     routes = gen.routed_experts
     assert routes.shape == (len(ids) - 1, LAYERS, TOPK) and routes.dtype == np.int16
     assert (routes != NO_ROUTE).all()
-    status, fresh = http(on, "/generate", {"input_ids": ids, "return_routed_experts": True,
-                                           "sampling_params": sampling_dict(1, 0.0)})
+    status, fresh = http(
+        on,
+        "/generate",
+        {"input_ids": ids, "return_routed_experts": True, "sampling_params": sampling_dict(1, 0.0)},
+    )
     assert status == 200
-    fresh_rows = sglang_decode(fresh)[:len(ids) - 1]
+    fresh_rows = sglang_decode(fresh)[: len(ids) - 1]
     ref, margin = hf_routes(moe["model"], ids)
-    clear = margin[:len(ids) - 1] > TIE
+    clear = margin[: len(ids) - 1] > TIE
     assert np.array_equal(routes[clear], fresh_rows[clear])
-    assert np.array_equal(routes[clear], ref[:len(ids) - 1][clear])
+    assert np.array_equal(routes[clear], ref[: len(ids) - 1][clear])
 
 
 def test_launchers_start_servers_with_the_flag_when_replay_is_on(tmp_path):
@@ -180,8 +220,9 @@ def test_replay_on_a_dense_model_is_a_config_error(moe):
     from areal_mega.config import ConfigError, config_from_dict
     from areal_mega.rollout.routes import replay_layout
 
-    cfg = config_from_dict({"model": {"path": str(moe["dense"])},
-                            "algorithm": {"routing_replay": "r3"}})
+    cfg = config_from_dict(
+        {"model": {"path": str(moe["dense"])}, "algorithm": {"routing_replay": "r3"}}
+    )
     with pytest.raises(ConfigError, match="algorithm.routing_replay='r3'.*no mixture-of-experts"):
         replay_layout(cfg)
     cfg.model.path = str(moe["path"])
@@ -203,15 +244,27 @@ def test_multi_turn_trajectory_routes(servers, moe):
     from tests.helpers.rollout import GroupSink
 
     on, _ = servers
-    wf = MultiTurnWorkflow(lambda: RetryEnvironment(_never_right, feedback="no, again:"),
-                           max_new_tokens=6, max_turns=3, apply_chat_template=False)
+    wf = MultiTurnWorkflow(
+        lambda: RetryEnvironment(_never_right, feedback="no, again:"),
+        max_new_tokens=6,
+        max_turns=3,
+        apply_chat_template=False,
+    )
     sink = GroupSink()
     client = RolloutClient([on.addr], api_key=API_KEY, timeout_s=120, retries=1)
-    ctl = RolloutController(client, wf, [{"input_ids": [5, 6, 7, 8], "answer": "x"}],
-                            batch_size=1, n_samples=1, eta=0, temperature=0.0,
-                            tokenizer=load_tokenizer(str(moe["path"])), sink=sink,
-                            route_layout=RouteLayout.from_model_path(str(moe["path"])),
-                            ignore_eos=True).start()
+    ctl = RolloutController(
+        client,
+        wf,
+        [{"input_ids": [5, 6, 7, 8], "answer": "x"}],
+        batch_size=1,
+        n_samples=1,
+        eta=0,
+        temperature=0.0,
+        tokenizer=load_tokenizer(str(moe["path"])),
+        sink=sink,
+        route_layout=RouteLayout.from_model_path(str(moe["path"])),
+        ignore_eos=True,
+    ).start()
     try:
         [[traj]] = sink.take(ctl, 1)
     finally:
@@ -233,8 +286,11 @@ def test_routed_experts_start_len(servers, moe):
     from areal_mega.rollout.routes import call_routes
 
     on, _ = servers
-    body = {"input_ids": [5, 6, 7, 8, 9], "return_routed_experts": True,
-            "sampling_params": sampling_dict(4, 0.0, ignore_eos=True)}
+    body = {
+        "input_ids": [5, 6, 7, 8, 9],
+        "return_routed_experts": True,
+        "sampling_params": sampling_dict(4, 0.0, ignore_eos=True),
+    }
     _, whole = http(on, "/generate", body)
     status, part = http(on, "/generate", dict(body, routed_experts_start_len=3))
     assert status == 200 and whole["output_ids"] == part["output_ids"]
@@ -252,9 +308,14 @@ def test_routed_experts_start_len(servers, moe):
 def test_config_check_refuses_replay_on_a_dense_model(moe):
     from areal_mega.config import ConfigError, check_against_model, config_from_dict
 
-    cfg = config_from_dict({"model": {"path": str(moe["dense"])},
-                            "algorithm": {"routing_replay": "r3"},
-                            "data": {"max_prompt_len": 64}, "rollout": {"max_new_tokens": 64}})
+    cfg = config_from_dict(
+        {
+            "model": {"path": str(moe["dense"])},
+            "algorithm": {"routing_replay": "r3"},
+            "data": {"max_prompt_len": 64},
+            "rollout": {"max_new_tokens": 64},
+        }
+    )
     with pytest.raises(ConfigError, match="routing_replay='r3'.*set algorithm.routing_replay=off"):
         check_against_model(cfg)
     cfg.model.path = str(moe["path"])

@@ -1,4 +1,5 @@
 """The run directory's layout and questions (areal_mega.run_dir): one answer for every process."""
+
 from __future__ import annotations
 
 import json
@@ -7,16 +8,23 @@ import sys
 
 from areal_mega.config import load_config
 from areal_mega.dataplane.journal import TrajectoryJournal
-from areal_mega.run_dir import (META_NAME, RunDir, checkpoint_iteration, complete_checkpoints,
-                                find_latest, iter_dir_name)
+from areal_mega.run_dir import (
+    META_NAME,
+    RunDir,
+    checkpoint_iteration,
+    complete_checkpoints,
+    find_latest,
+    iter_dir_name,
+)
 from tests.helpers.trajectories import make_traj
 
 
 def _complete(root, it, accepted=0):
     d = root / iter_dir_name(it)
     d.mkdir(parents=True)
-    (d / META_NAME).write_text(json.dumps({"complete": True,
-                                           "extra": {"accepted_samples": accepted}}))
+    (d / META_NAME).write_text(
+        json.dumps({"complete": True, "extra": {"accepted_samples": accepted}})
+    )
     return d
 
 
@@ -28,8 +36,14 @@ def test_layout_defaults_and_overrides(tmp_path):
     assert rd.data_endpoint == f"ipc://{rd.root}/trajectories.sock"
     assert rd.control_endpoint == f"ipc://{rd.root}/control.sock"
     assert rd.journal == rd.root / "journal" and rd.config_file == rd.root / "config.yaml"
-    cfg = load_config(None, [f"logging.run_dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ck",
-                             "dataplane.endpoint=tcp://127.0.0.1:5555"])
+    cfg = load_config(
+        None,
+        [
+            f"logging.run_dir={tmp_path}/run",
+            f"checkpoint.dir={tmp_path}/ck",
+            "dataplane.endpoint=tcp://127.0.0.1:5555",
+        ],
+    )
     rd = RunDir.from_config(cfg)
     assert rd.checkpoint_root == (tmp_path / "ck").resolve()
     assert rd.data_endpoint == "tcp://127.0.0.1:5555"
@@ -40,12 +54,12 @@ def test_latest_complete_checkpoint_skips_incomplete_and_bad_pointer(tmp_path):
     assert find_latest(root) is None
     a = _complete(root, 2)
     b = _complete(root, 10)
-    (root / iter_dir_name(12)).mkdir()                 # a save cut short: no meta
+    (root / iter_dir_name(12)).mkdir()  # a save cut short: no meta
     assert complete_checkpoints(root) == [a, b]
     assert find_latest(root) == b
-    (root / "latest").write_text(iter_dir_name(12))    # pointer at an incomplete one
+    (root / "latest").write_text(iter_dir_name(12))  # pointer at an incomplete one
     assert find_latest(root) == b
-    (root / "latest").write_text(a.name)               # pointer wins when it is complete
+    (root / "latest").write_text(a.name)  # pointer wins when it is complete
     assert find_latest(root) == a
 
 
@@ -59,12 +73,14 @@ def test_accepted_samples_counts_checkpoint_and_journal(tmp_path):
     j.append([make_traj(0, i) for i in range(4)])
     j.close()
     assert rd.accepted_samples(ckpt) == 12
-    assert rd.accepted_samples(None) == 4   # recover=off: no checkpoint lineage
+    assert rd.accepted_samples(None) == 4  # recover=off: no checkpoint lineage
 
 
 def test_run_dir_imports_neither_torch_nor_megatron():
-    code = ("import sys, areal_mega.run_dir, areal_mega.dataplane.journal; "
-            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))")
+    code = (
+        "import sys, areal_mega.run_dir, areal_mega.dataplane.journal; "
+        "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -76,11 +92,13 @@ def test_disk_full_needs_errno_or_a_failed_write_on_a_full_filesystem(tmp_path):
     import errno as errno_mod
 
     from areal_mega.run_dir import is_disk_full_error
+
     assert is_disk_full_error(OSError(errno_mod.ENOSPC, "No space left on device"), tmp_path)
     try:
         try:
-            raise RuntimeError("An error is caught while starting worker 0, error: "
-                               "<class 'RuntimeError'>")
+            raise RuntimeError(
+                "An error is caught while starting worker 0, error: <class 'RuntimeError'>"
+            )
         except RuntimeError as inner:
             raise RuntimeError(f"Worker failure: {inner}") from inner
     except RuntimeError as outer:

@@ -7,6 +7,7 @@
   HF model with the same settings; a different ``model.path`` is converted again.
 Real trainer processes (SFT mode: the trainer alone) on tiny models.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     d = tmp_path_factory.mktemp("reuse")
-    kw = dict(arch="llama", charset="digits", hidden_size=64, num_layers=2, num_heads=4,
-              num_kv_heads=2, intermediate_size=128)
+    kw = dict(
+        arch="llama",
+        charset="digits",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
     a = make_tiny_model(d / "model_a", seed=1, **kw)
     b = make_tiny_model(d / "model_b", seed=2, **kw)
     write_task_files(d / "data", task="reverse", n_train=64, n_test=8)
@@ -39,20 +47,28 @@ def assets(tmp_path_factory):
 
 
 def _overrides(run_dir, model, data, *extra):
-    return ["mode=sft", f"model.path={model}", f"logging.run_dir={run_dir}",
-            f"data.train_path={data / 'train.jsonl'}", "total_steps=1", "seed=3",
-            "data.sft_batch_size=8", "logging.progress_bar=false", "logging.tensorboard=false",
-            "logging.plot=false", *extra]
+    return [
+        "mode=sft",
+        f"model.path={model}",
+        f"logging.run_dir={run_dir}",
+        f"data.train_path={data / 'train.jsonl'}",
+        "total_steps=1",
+        "seed=3",
+        "data.sft_batch_size=8",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        *extra,
+    ]
 
 
 def _run(module, args, timeout=600):
     # a free port: another test's trainer may hold the default 29500 at the same time
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
-               MASTER_PORT=str(free_port()))
-    cmd = [sys.executable, "-m", module, "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"),
-           *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = dict(
+        os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port())
+    )
+    cmd = [sys.executable, "-m", module, "--config", str(ROOT / "recipes" / "tiny-cpu.yaml"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _first_loss(run_dir):
@@ -71,7 +87,7 @@ def test_recover_off_in_a_used_run_dir_is_refused_before_any_work(assets, tmp_pa
         assert again.returncode != 0, module
         assert "recover=auto" in again.stderr and str(run) in again.stderr, again.stderr[-2000:]
         assert "checkpoint" in again.stderr
-    assert (run / "metrics.jsonl").read_text() == metrics_before   # nothing appended
+    assert (run / "metrics.jsonl").read_text() == metrics_before  # nothing appended
 
 
 def test_init_conversion_of_another_model_is_not_reused(assets, tmp_path):

@@ -3,6 +3,7 @@
 Real sockets, real files, a real server process; no mocks. Every bind that would reach beyond
 loopback is one that must be refused, so nothing here listens on a public interface.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ def test_receiver_refuses_a_remote_bind_without_secret(endpoint):
     with pytest.raises(DataplaneError, match="without a shared secret"):
         TrajectoryReceiver(endpoint, allow_remote=True)
     with pytest.raises(DataplaneError, match="without a shared secret"):
-        TrajectoryReceiver(endpoint, secret="", allow_remote=True)   # empty = no secret
+        TrajectoryReceiver(endpoint, secret="", allow_remote=True)  # empty = no secret
 
 
 def test_receiver_on_loopback_needs_no_secret():
@@ -102,7 +103,7 @@ def test_control_rejects_missing_and_wrong_secret_and_accepts_the_right_one():
         links.append(wrong)
         with pytest.raises(ControlError, match="bad_mac"):
             wrong.request({"cmd": "ping"})
-        assert h.calls == []                       # neither reached the worker's handler
+        assert h.calls == []  # neither reached the worker's handler
         assert srv.rejected["missing_mac"] == 1 and srv.rejected["bad_mac"] == 1
         good = RolloutLink(srv.endpoint, secret=SECRET, timeout_s=60)
         links.append(good)
@@ -135,12 +136,13 @@ def test_control_refuses_a_replayed_request():
         first = json.dumps({"cmd": "ping", "_id": "a", "_nonce": None}).encode()
         reply = json.loads(_raw_request(sock, [first, _mac(key, _REQ_TAG, first)])[0])
         assert reply["ok"] is False and reply["_stale"] and h.calls == []
-        body = json.dumps({"cmd": "end_update", "version": 7, "_id": "b",
-                           "_nonce": reply["_nonce"]}).encode()
+        body = json.dumps(
+            {"cmd": "end_update", "version": 7, "_id": "b", "_nonce": reply["_nonce"]}
+        ).encode()
         signed = [body, _mac(key, _REQ_TAG, body)]
         assert json.loads(_raw_request(sock, signed)[0])["ok"] is True
         assert len(h.calls) == 1
-        again = json.loads(_raw_request(sock, signed)[0])     # the same signed bytes, replayed
+        again = json.loads(_raw_request(sock, signed)[0])  # the same signed bytes, replayed
         assert again["ok"] is False and "replayed" in again["error"]
         assert len(h.calls) == 1 and srv.rejected["replay"] == 1
     finally:
@@ -149,7 +151,7 @@ def test_control_refuses_a_replayed_request():
 
 
 def test_signed_client_refuses_an_unsigned_worker():
-    srv = ControlServer("tcp://127.0.0.1:0", _Handler()).start()   # no secret on the worker
+    srv = ControlServer("tcp://127.0.0.1:0", _Handler()).start()  # no secret on the worker
     link = RolloutLink(srv.endpoint, secret=SECRET, timeout_s=60)
     try:
         with pytest.raises(ControlError, match="not signed"):
@@ -163,8 +165,9 @@ def test_signed_client_refuses_an_unsigned_worker():
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(TINY, [f"logging.run_dir={tmp_path / 'run'}",
-                              f"model.path={tmp_path / 'model'}", *extra])
+    return load_config(
+        TINY, [f"logging.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *extra]
+    )
 
 
 def test_launcher_config_yaml_is_private_when_it_holds_a_secret(tmp_path):
@@ -206,8 +209,10 @@ def test_trainer_resolved_config_is_private_when_it_holds_a_secret(tmp_path):
 
 
 def test_sglang_command_takes_the_key_from_a_private_file(tmp_path):
-    cfg = load_config(ROOT / "recipes/qwen2.5-32b-math.yaml",
-                      [f"rollout.api_key={KEY}", f"logging.run_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        ROOT / "recipes/qwen2.5-32b-math.yaml",
+        [f"rollout.api_key={KEY}", f"logging.run_dir={tmp_path / 'run'}"],
+    )
     assert local.server_secrets(cfg) == {}
     key_file = RunDir.from_config(cfg).sglang_key_file
     assert _mode(key_file) == 0o600 and yaml.safe_load(key_file.read_text()) == {"api-key": KEY}
@@ -239,8 +244,9 @@ def test_launched_local_server_keeps_the_key_off_its_command_line(tmp_path):
     assert KEY not in " ".join(map(str, spec.argv))
     env = dict(os.environ, **{k: str(v) for k, v in (spec.env or {}).items()})
     log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([str(a) for a in spec.argv], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(a) for a in spec.argv], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{layout.servers[0].port}/health"
     try:
         deadline = time.monotonic() + 300
@@ -253,9 +259,9 @@ def test_launched_local_server_keeps_the_key_off_its_command_line(tmp_path):
         assert status == 200, (tmp_path / "server.log").read_text()
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert KEY not in cmdline and "areal_mega.inference.server" in cmdline
-        info = url.replace("/health", "/get_model_info")   # /health needs no key (SGLang)
+        info = url.replace("/health", "/get_model_info")  # /health needs no key (SGLang)
         assert _get(info, KEY) == 200
-        assert _get(info) == 401                      # the key is still enforced
+        assert _get(info) == 401  # the key is still enforced
         assert _get(info, "wrong-key") == 401
     finally:
         proc.terminate()

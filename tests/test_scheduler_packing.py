@@ -1,4 +1,5 @@
 """pack_sequences: layout, padding, per-token / per-sequence fields, CP zigzag shards."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,9 +10,16 @@ from areal_mega.scheduler.packing import PackingError, pack_sequences, zigzag_cp
 
 def traj(i, n_prompt, n_gen, reward=0.5, **kw):
     rng = np.random.default_rng(i)
-    return Trajectory.from_tokens(rng.integers(1, 100, n_prompt), rng.integers(1, 100, n_gen),
-                                  -rng.random(n_gen), np.full(n_gen, i), reward=reward,
-                                  sample_id=f"s{i}", group_id=f"g{i // 2}", **kw)
+    return Trajectory.from_tokens(
+        rng.integers(1, 100, n_prompt),
+        rng.integers(1, 100, n_gen),
+        -rng.random(n_gen),
+        np.full(n_gen, i),
+        reward=reward,
+        sample_id=f"s{i}",
+        group_id=f"g{i // 2}",
+        **kw,
+    )
 
 
 def test_pack_layout_and_trailing_padding():
@@ -47,9 +55,13 @@ def test_no_padding_when_already_a_multiple_and_empty_batch():
     assert e["input_ids"].shape == (4,) and e["cu_seqlens"].tolist() == [0]
     assert e["loss_mask"].sum().item() == 0 and e["max_seqlen"] == 0
     assert e["rewards"].shape == (0,)
-    like = {"input_ids": np.arange(3), "labels": np.arange(1, 4), "advantages":
-            np.ones(3, np.float32), "routed_experts": np.zeros((3, 2, 4), np.int16)}
-    e = pack_sequences([], pad_to_multiple=4, like=like)      # the step's fields, as padding
+    like = {
+        "input_ids": np.arange(3),
+        "labels": np.arange(1, 4),
+        "advantages": np.ones(3, np.float32),
+        "routed_experts": np.zeros((3, 2, 4), np.int16),
+    }
+    e = pack_sequences([], pad_to_multiple=4, like=like)  # the step's fields, as padding
     assert e["advantages"].tolist() == [0.0] * 4 and e["advantages"].dtype == torch.float32
     assert tuple(e["routed_experts"].shape) == (4, 2, 4) and (e["routed_experts"] == -1).all()
     assert e["labels"].tolist() == [-1] * 4 and e["loss_mask"].sum().item() == 0
@@ -68,20 +80,30 @@ def test_extras_and_per_token_rewards():
 
 
 def test_dict_inputs_with_defaults_and_scalar_extras():
-    p = pack_sequences([{"input_ids": [5, 6, 7], "prompt_len": 1, "adv_scale": 2.0},
-                        {"input_ids": torch.tensor([8, 9]), "adv_scale": 3.0}])
+    p = pack_sequences(
+        [
+            {"input_ids": [5, 6, 7], "prompt_len": 1, "adv_scale": 2.0},
+            {"input_ids": torch.tensor([8, 9]), "adv_scale": 3.0},
+        ]
+    )
     assert p["loss_mask"].tolist() == [0, 1, 1, 1, 1]
     assert p["versions"].tolist() == [-1] * 5 and p["adv_scale"].tolist() == [2.0, 3.0]
 
 
-@pytest.mark.parametrize("items, words", [
-    ([{"input_ids": [1, 2], "values": [1.0, 2.0]}, {"input_ids": [1]}], ["sequence 1", "values"]),
-    ([{"input_ids": [1, 2], "loss_mask": [1]}], ["sequence 0", "loss_mask", "(2,)"]),
-    ([{"input_ids": [1, 2]}, {"loss_mask": [1]}], ["sequence 1", "input_ids"]),
-    ([{"input_ids": [1.5]}], ["sequence 0", "input_ids"]),
-    ([{"input_ids": [1, 2], "reward": [1, 2, 3]}], ["sequence 0", "reward"]),
-    ([{"input_ids": [1, 2], "prompt_len": 5}], ["sequence 0", "prompt_len"]),
-])
+@pytest.mark.parametrize(
+    "items, words",
+    [
+        (
+            [{"input_ids": [1, 2], "values": [1.0, 2.0]}, {"input_ids": [1]}],
+            ["sequence 1", "values"],
+        ),
+        ([{"input_ids": [1, 2], "loss_mask": [1]}], ["sequence 0", "loss_mask", "(2,)"]),
+        ([{"input_ids": [1, 2]}, {"loss_mask": [1]}], ["sequence 1", "input_ids"]),
+        ([{"input_ids": [1.5]}], ["sequence 0", "input_ids"]),
+        ([{"input_ids": [1, 2], "reward": [1, 2, 3]}], ["sequence 0", "reward"]),
+        ([{"input_ids": [1, 2], "prompt_len": 5}], ["sequence 0", "prompt_len"]),
+    ],
+)
 def test_errors_name_sequence_and_field(items, words):
     with pytest.raises(PackingError) as e:
         pack_sequences(items)

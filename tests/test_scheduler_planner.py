@@ -1,11 +1,17 @@
 """Property tests of plan_micro_batches over seeded random cases (no hypothesis needed)."""
+
 import random
 import sys
 
 import pytest
 
-from areal_mega.scheduler import (PlanError, first_fit_decreasing, karmarkar_karp,
-                                  plan_micro_batches, plan_stats)
+from areal_mega.scheduler import (
+    PlanError,
+    first_fit_decreasing,
+    karmarkar_karp,
+    plan_micro_batches,
+    plan_stats,
+)
 from areal_mega.scheduler.planner import micro_batch_count_bounds
 
 
@@ -15,12 +21,23 @@ def random_cases(n_cases=150, seed=1234):
         budget = rng.choice([64, 256, 1000, 4096])
         n = rng.choice([0, 1, 2, 3, 7, 16, 50, 200])
         kind = rng.random()
-        lens = [rng.randint(1, budget) if kind < 0.5 else
-                min(budget, max(1, int(rng.lognormvariate(3, 1.2)))) for _ in range(n)]
-        yield c, dict(seqlens=lens, dp_size=rng.choice([1, 2, 3, 4, 8]),
-                      max_tokens_per_mb=budget, pp_size=rng.choice([1, 1, 2, 4]),
-                      min_micro_batches=rng.choice([1, 1, 3]),
-                      balance_by=rng.choice(["tokens", "flops"]))
+        lens = [
+            rng.randint(1, budget)
+            if kind < 0.5
+            else min(budget, max(1, int(rng.lognormvariate(3, 1.2))))
+            for _ in range(n)
+        ]
+        yield (
+            c,
+            dict(
+                seqlens=lens,
+                dp_size=rng.choice([1, 2, 3, 4, 8]),
+                max_tokens_per_mb=budget,
+                pp_size=rng.choice([1, 1, 2, 4]),
+                min_micro_batches=rng.choice([1, 1, 3]),
+                balance_by=rng.choice(["tokens", "flops"]),
+            ),
+        )
 
 
 def test_properties_on_random_cases():
@@ -54,7 +71,7 @@ def test_balance_quality_and_pyramid_order():
         loads = [sum(lens[i] for i in mb) for mb in rank]
         peak = loads.index(max(loads))
         # pyramid: non-decreasing up to the peak, non-increasing after it
-        assert loads[:peak + 1] == sorted(loads[:peak + 1])
+        assert loads[: peak + 1] == sorted(loads[: peak + 1])
         assert loads[peak:] == sorted(loads[peak:], reverse=True)
         assert loads[0] <= min(loads[1:-1] or loads) or len(loads) < 3
 
@@ -69,11 +86,14 @@ def test_few_sequences_get_empty_micro_batches():
 def test_flops_balancing_evens_quadratic_cost():
     lens = [4096] + [1024] * 16
     by_tok = plan_micro_batches(lens, dp_size=2, max_tokens_per_mb=8192)
-    by_flops = plan_micro_batches(lens, dp_size=2, max_tokens_per_mb=8192,
-                                  balance_by="flops", flops_linear_coef=1024)
+    by_flops = plan_micro_batches(
+        lens, dp_size=2, max_tokens_per_mb=8192, balance_by="flops", flops_linear_coef=1024
+    )
     f = dict(balance_by="flops", flops_linear_coef=1024)
-    assert plan_stats(by_flops, lens, 8192, **f)["imbalance"] < \
-        plan_stats(by_tok, lens, 8192, **f)["imbalance"]
+    assert (
+        plan_stats(by_flops, lens, 8192, **f)["imbalance"]
+        < plan_stats(by_tok, lens, 8192, **f)["imbalance"]
+    )
 
 
 def test_errors_name_the_sequence():
@@ -97,9 +117,12 @@ def test_kk_beats_greedy_on_classic_case():
 
 def test_planner_does_not_import_torch():
     import subprocess
-    code = ("import sys; import areal_mega.scheduler.planner as p; "
-            "p.plan_micro_batches([5, 6], dp_size=2, max_tokens_per_mb=8); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+
+    code = (
+        "import sys; import areal_mega.scheduler.planner as p; "
+        "p.plan_micro_batches([5, 6], dp_size=2, max_tokens_per_mb=8); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=".")
 
 
@@ -120,8 +143,9 @@ def exact_min_bins(lens, budget):
 
 def count_checks(lens, dp, budget, pp=1, min_mbs=1):
     """Plan, check the invariants, return (our count, FFD count over our ranks, exact min)."""
-    plan = plan_micro_batches(lens, dp_size=dp, max_tokens_per_mb=budget, pp_size=pp,
-                              min_micro_batches=min_mbs)
+    plan = plan_micro_batches(
+        lens, dp_size=dp, max_tokens_per_mb=budget, pp_size=pp, min_micro_batches=min_mbs
+    )
     assert len({len(r) for r in plan}) == 1
     assert all(sum(lens[i] for i in mb) <= budget for r in plan for mb in r)
     assert sorted(i for r in plan for mb in r for i in mb) == list(range(len(lens)))
@@ -176,14 +200,17 @@ def test_edge_cases():
     plan = plan_micro_batches([256, 256, 1], dp_size=1, max_tokens_per_mb=256)
     assert len(plan[0]) == 3 and all(sum([256, 256, 1][i] for i in mb) <= 256 for mb in plan[0])
     assert plan_micro_batches([], dp_size=1, max_tokens_per_mb=256) == [[[]]]
-    assert plan_micro_batches([], dp_size=2, max_tokens_per_mb=256, pp_size=2) == \
-        [[[], []], [[], []]]
+    assert plan_micro_batches([], dp_size=2, max_tokens_per_mb=256, pp_size=2) == [
+        [[], []],
+        [[], []],
+    ]
     with pytest.raises(PlanError, match=r"sequence 0: length 257 exceeds max_tokens_per_mb=256"):
         plan_micro_batches([257], dp_size=1, max_tokens_per_mb=256)
 
 
 def test_pack_search_is_exact_or_gives_up():
     from areal_mega.scheduler.planner import _fit_rank, _pack_search
+
     assert _pack_search([0, 1, 2], [60, 60, 60], 2, 100) is None  # exhausted: infeasible
     got = _pack_search(list(range(6)), [50, 50, 40, 40, 30, 30], 2, 120)
     assert sorted(sum([50, 50, 40, 40, 30, 30][i] for i in b) for b in got) == [120, 120]

@@ -2,6 +2,7 @@
 that stores its MoE experts fused (qwen3_moe): per-expert tensors land in the right slices,
 a whole checkpoint loads to the same logits as ``from_pretrained``, and bad names, shapes and
 missing experts are refused with the name."""
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,10 +17,28 @@ from areal_mega.models.tiny import make_tiny_model
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe")
-    a = make_tiny_model(d / "a", arch="qwen3_moe", hidden_size=32, num_layers=2, num_heads=4,
-                        num_kv_heads=2, intermediate_size=48, num_experts=4, seed=1)
-    b = make_tiny_model(d / "b", arch="qwen3_moe", hidden_size=32, num_layers=2, num_heads=4,
-                        num_kv_heads=2, intermediate_size=48, num_experts=4, seed=2)
+    a = make_tiny_model(
+        d / "a",
+        arch="qwen3_moe",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        num_experts=4,
+        seed=1,
+    )
+    b = make_tiny_model(
+        d / "b",
+        arch="qwen3_moe",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        num_experts=4,
+        seed=2,
+    )
     return a, b
 
 
@@ -30,18 +49,25 @@ def test_per_expert_names_resolve_to_slices_of_the_fused_parameters(moe):
     fused = sd["model.layers.1.mlp.experts.gate_up_proj"]
     half = fused.shape[1] // 2
     assert t.target("model.layers.1.mlp.experts.3.up_proj.weight") == (
-        "model.layers.1.mlp.experts.gate_up_proj", (3, slice(half, 2 * half)))
+        "model.layers.1.mlp.experts.gate_up_proj",
+        (3, slice(half, 2 * half)),
+    )
     assert t.target("model.layers.1.mlp.experts.2.down_proj.weight") == (
-        "model.layers.1.mlp.experts.down_proj", (2,))
+        "model.layers.1.mlp.experts.down_proj",
+        (2,),
+    )
     assert t.target("model.norm.weight") == ("model.norm.weight", ())
-    assert t.target("model.layers.1.mlp.experts.4.up_proj.weight") is None   # 4 experts
+    assert t.target("model.layers.1.mlp.experts.4.up_proj.weight") is None  # 4 experts
     assert t.target("model.layers.1.mlp.experts.0.w1.weight") is None
     ckpt = load_file(str(next(moe[0].glob("*.safetensors"))))
     assert t.missing(ckpt, dict(model.named_parameters())) == []
     some = {k: v for k, v in ckpt.items() if ".experts.1." not in k}
     assert t.missing(some, dict(model.named_parameters())) == [
-        "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj",
-        "model.layers.1.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"]
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.down_proj",
+        "model.layers.1.mlp.experts.gate_up_proj",
+    ]
 
 
 def test_the_server_loads_an_moe_checkpoint_by_its_hf_names(moe, tmp_path):
@@ -66,8 +92,10 @@ def test_the_server_loads_an_moe_checkpoint_by_its_hf_names(moe, tmp_path):
         save_file(wrong, str(bad / "model.safetensors"))
         with pytest.raises(BadRequest, match=r"experts\.1\.gate_proj\.weight: got \[3, 3\]"):
             srv.load_from_disk(str(bad), "2")
-        save_file({k: v for k, v in ckpt.items() if ".experts.2.down" not in k},
-                  str(bad / "model.safetensors"))
+        save_file(
+            {k: v for k, v in ckpt.items() if ".experts.2.down" not in k},
+            str(bad / "model.safetensors"),
+        )
         with pytest.raises(BadRequest, match="missing parameter.*experts.down_proj"):
             srv.load_from_disk(str(bad), "2")
     finally:

@@ -4,6 +4,7 @@ trainer's next update leaves the dead rank out of the group instead of waiting o
 relaunched server (same port, base model, no group) comes back *pending* and takes no
 request until the following update re-forms the group with it; it then serves exactly the
 trainer's weights at the trainer's version."""
+
 import time
 
 import numpy as np
@@ -26,16 +27,33 @@ pytestmark = pytest.mark.timeout(300)
 def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
     procs = launch_local_servers(str(models["a"]), 2, api_key=API_KEY)
     s0, s1 = (f"http://{p.addr}" for p in procs)
-    elastic = ElasticPool([p.addr for p in procs], paths=RunDir(tmp_path, tmp_path, "", ""),
-                          api_key=API_KEY, timeout_s=120, retries=2, backoff_s=0.05)
+    elastic = ElasticPool(
+        [p.addr for p in procs],
+        paths=RunDir(tmp_path, tmp_path, "", ""),
+        api_key=API_KEY,
+        timeout_s=120,
+        retries=2,
+        backoff_s=0.05,
+    )
     client = elastic.client
-    ctl = RolloutController(client, RLVRWorkflow(exact_match_reward, 4), iter(()),
-                            batch_size=2, n_samples=2, eta=1, sink=GroupSink(),
-                            ignore_eos=True).start()
+    ctl = RolloutController(
+        client,
+        RLVRWorkflow(exact_match_reward, 4),
+        iter(()),
+        batch_size=2,
+        n_samples=2,
+        eta=1,
+        sink=GroupSink(),
+        ignore_eos=True,
+    ).start()
     pool = ServerPoolCommands(elastic, lambda: ctl)
     # the trainer's sender; a dead peer must not hold it for this long
-    sender = DistributedWeightSender(RolloutClient([p.addr for p in procs], api_key=API_KEY),
-                                     backend="gloo", bucket_bytes=1 << 20, timeout_s=60)
+    sender = DistributedWeightSender(
+        RolloutClient([p.addr for p in procs], api_key=API_KEY),
+        backend="gloo",
+        bucket_bytes=1 << 20,
+        timeout_s=60,
+    )
     sender.connect()
     relaunched = None
 
@@ -58,6 +76,7 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
                 return await c.generate(prompt, {"max_new_tokens": 12, "ignore_eos": True})
             finally:
                 await c.close()
+
         return run(go())
 
     try:
@@ -66,8 +85,7 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
         # SIGKILL s1 while both servers generate: its request resumes on s0, versions kept
         prompts = [[5, 9, 11, 13], [6, 10, 12, 14]]
         base = tokens_generated(procs[1].addr)
-        futs = [ctl.run_async(ctl.generate(p, N_NEW, key=f"k{i}")) for i, p in
-                enumerate(prompts)]
+        futs = [ctl.run_async(ctl.generate(p, N_NEW, key=f"k{i}")) for i, p in enumerate(prompts)]
         wait_for(lambda: tokens_generated(procs[1].addr) - base >= 20)
         procs[1].kill()
         outs = [f.result(120) for f in futs]
@@ -83,8 +101,9 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
         assert secs < sender.timeout_s
 
         # launch.local relaunches it on the same port with the base model: pending
-        relaunched = LocalServerProcess(str(models["a"]), port=procs[1].port,
-                                        api_key=API_KEY).wait_ready(120)
+        relaunched = LocalServerProcess(
+            str(models["a"]), port=procs[1].port, api_key=API_KEY
+        ).wait_ready(120)
         ctl.run_async(client.check_health(5.0)).result(60)
         assert client.dispatchable() == [s0] and elastic.pending == {s1}
         out = ctl.run_async(ctl.generate(prompts[0], 8, key="while-pending")).result(120)
@@ -92,8 +111,7 @@ def test_killed_server_rejoins_the_distributed_weight_group(models, tmp_path):
 
         # the following update re-forms the group with it (world 2 -> 3), then it serves
         named, regrouped, secs = publish(3, models["mb"])
-        print(f"update re-forming with the relaunched s1: {secs:.2f}s, world "
-              f"{sender.world_size}")
+        print(f"update re-forming with the relaunched s1: {secs:.2f}s, world {sender.world_size}")
         assert named == [s0, s1] and regrouped and sender.world_size == 3
         assert client.dispatchable() == [s0, s1] and not elastic.pending
         prompt = [5, 6, 7, 8]
@@ -128,8 +146,9 @@ def test_a_port_taken_before_the_server_binds_is_replaced(models, monkeypatch, t
     busy.listen()
     taken = busy.getsockname()[1]
     picks = iter([taken])
-    monkeypatch.setattr(process, "free_port", lambda host="127.0.0.1": next(picks, None)
-                        or free_port(host))
+    monkeypatch.setattr(
+        process, "free_port", lambda host="127.0.0.1": next(picks, None) or free_port(host)
+    )
     srv = LocalServerProcess(str(models["a"]), api_key=API_KEY)
     try:
         assert srv.port == taken

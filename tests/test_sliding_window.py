@@ -1,24 +1,36 @@
 """The sliding-window helpers (areal_mega/models/sliding_window.py): the config key, megatron's
 window and the visibility mask, against transformers' own mask."""
+
 import pytest
 import torch
 
 from areal_mega.models.builder import parse_hf_config, transformer_config_from_hf
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size, window_visible
 
-MISTRAL = dict(model_type="mistral", vocab_size=64, hidden_size=32, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-               intermediate_size=64, max_position_embeddings=128)
+MISTRAL = dict(
+    model_type="mistral",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    intermediate_size=64,
+    max_position_embeddings=128,
+)
 
 
-@pytest.mark.parametrize("cfg,want", [
-    (dict(model_type="mistral", sliding_window=4096), 4096),
-    (dict(model_type="mistral", sliding_window=None), None),     # many Mistral checkpoints
-    (dict(model_type="mistral"), None),
-    (dict(model_type="mistral", sliding_window=1), 1),
-    # Qwen2 carries the key but applies it only with use_sliding_window (refused elsewhere)
-    (dict(model_type="qwen2", sliding_window=4096), None),
-])
+@pytest.mark.parametrize(
+    "cfg,want",
+    [
+        (dict(model_type="mistral", sliding_window=4096), 4096),
+        (dict(model_type="mistral", sliding_window=None), None),  # many Mistral checkpoints
+        (dict(model_type="mistral"), None),
+        (dict(model_type="mistral", sliding_window=1), 1),
+        # Qwen2 carries the key but applies it only with use_sliding_window (refused elsewhere)
+        (dict(model_type="qwen2", sliding_window=4096), None),
+    ],
+)
 def test_hf_sliding_window(cfg, want):
     assert hf_sliding_window(cfg) == want
 
@@ -37,10 +49,10 @@ def test_mcore_window_size_is_bridge_convention():
 
 @pytest.mark.parametrize("window", [None, 1, 3, 7, 20])
 def test_window_visible_equals_transformers_mask(window):
-    from transformers.masking_utils import (causal_mask_function,
-                                            sliding_window_causal_mask_function)
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
     fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
-    q, k = torch.arange(4, 11), torch.arange(11)      # 7 queries after 4 cached keys
+    q, k = torch.arange(4, 11), torch.arange(11)  # 7 queries after 4 cached keys
     want = torch.tensor([[bool(fn(0, 0, i, j)) for j in k] for i in q])
     assert torch.equal(window_visible(q, k, window), want)
 

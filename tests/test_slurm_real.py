@@ -12,6 +12,7 @@ names on this machine (see tests/helpers/slurm_cluster.py), started and stopped 
 Skipped (with the reason) where the Slurm or munge programs are missing or we are not root;
 ``.ci/run`` installs them when it can.
 """
+
 import json
 import os
 import sys
@@ -28,8 +29,10 @@ _missing = missing_binaries()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(bool(_missing), reason=f"no Slurm here (missing {', '.join(_missing)}; "
-                       "apt-get install slurm-wlm munge)"),
+    pytest.mark.skipif(
+        bool(_missing),
+        reason=f"no Slurm here (missing {', '.join(_missing)}; apt-get install slurm-wlm munge)",
+    ),
     pytest.mark.skipif(os.geteuid() != 0, reason="slurmd must run as root"),
 ]
 JOB_TIMEOUT_S = 600
@@ -41,8 +44,16 @@ def assets(tmp_path_factory):
     from areal_mega.models.tiny import make_tiny_model
 
     d = tmp_path_factory.mktemp("slurm-assets")
-    model = make_tiny_model(d / "model", arch="llama", charset="digits", hidden_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    model = make_tiny_model(
+        d / "model",
+        arch="llama",
+        charset="digits",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+    )
     write_task_files(d / "data", task="reverse", n_train=256, n_test=16)
     return model, d / "data"
 
@@ -54,20 +65,33 @@ def cluster(tmp_path_factory):
 
 
 def _job_env(*pythonpath) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(ROOT)]),
-               CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(ROOT)]),
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("PYTHON", None)
-    if not (ROOT / ".venv" / "bin" / "python").exists():   # else run.sbatch's default
+    if not (ROOT / ".venv" / "bin" / "python").exists():  # else run.sbatch's default
         env["PYTHON"] = sys.executable
     return env
 
 
 def _overrides(run_dir, model, data, *extra) -> list:
-    return [f"model.path={model}", f"data.train_path={data / 'train.jsonl'}",
-            f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={run_dir}",
-            "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-            "rollout.batch_size=2", "rollout.n_samples=2", "checkpoint.save_every=1",
-            "cluster.kill_grace_s=5", *extra]
+    return [
+        f"model.path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.test_path={data / 'test.jsonl'}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "rollout.batch_size=2",
+        "rollout.n_samples=2",
+        "checkpoint.save_every=1",
+        "cluster.kill_grace_s=5",
+        *extra,
+    ]
 
 
 def _metrics(run_dir) -> list:
@@ -88,8 +112,11 @@ def _finished(cluster, job_id, out: Path) -> dict:
 
 
 def _tail(path: Path, n: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() \
+    return (
+        "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        if path.exists()
         else f"(no {path})"
+    )
 
 
 def test_cpu_recipe_runs_is_cancelled_cleanly_and_resumes(cluster, assets, tmp_path):
@@ -97,35 +124,58 @@ def test_cpu_recipe_runs_is_cancelled_cleanly_and_resumes(cluster, assets, tmp_p
     recipe = "recipes/tiny-cpu.yaml"
     # 1. the documented plain sbatch; scancel once a checkpoint exists: nothing survives
     run_b, out = tmp_path / "b", tmp_path / "job-b.out"
-    job_b = cluster.sbatch(["sbatch", "--parsable", "--nodes=1", f"--output={out}",
-                            "launch/slurm/run.sbatch", recipe,
-                            *_overrides(run_b, model, data, "total_steps=1000")],
-                           env=_job_env(), cwd=ROOT)
+    job_b = cluster.sbatch(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            f"--output={out}",
+            "launch/slurm/run.sbatch",
+            recipe,
+            *_overrides(run_b, model, data, "total_steps=1000"),
+        ],
+        env=_job_env(),
+        cwd=ROOT,
+    )
     try:
-        poll(lambda: list((run_b / "checkpoints").glob("iter_*/areal_meta.json")),
-             JOB_TIMEOUT_S, f"job {job_b}: first checkpoint", interval_s=1.0)
+        poll(
+            lambda: list((run_b / "checkpoints").glob("iter_*/areal_meta.json")),
+            JOB_TIMEOUT_S,
+            f"job {job_b}: first checkpoint",
+            interval_s=1.0,
+        )
     except TimeoutError:
         cluster.run(["scancel", str(job_b)], check=False)
-        pytest.fail(f"job {job_b} wrote no checkpoint:\n{_tail(out)}\n"
-                    f"{_tail(run_b / 'logs' / 'trainer.log')}")
+        pytest.fail(
+            f"job {job_b} wrote no checkpoint:\n{_tail(out)}\n"
+            f"{_tail(run_b / 'logs' / 'trainer.log')}"
+        )
     running = " ".join(cmd for _, cmd in job_processes(job_b))
-    for part in ("areal_mega.launch.local", "areal_mega.inference.server",
-                 "areal_mega.trainer"):
+    for part in ("areal_mega.launch.local", "areal_mega.inference.server", "areal_mega.trainer"):
         assert part in running, running
     cluster.run(["scancel", str(job_b)])
     job = _finished(cluster, job_b, out)
     assert job["JobState"] == "CANCELLED"
-    assert job_processes(job_b) == []                # every process of the job is gone
+    assert job_processes(job_b) == []  # every process of the job is gone
     done = max(m["step"] for m in _metrics(run_b))
 
     # 2. resubmitting the same run (recover=auto) through the submit wrapper, which reads the
     # recipe: --nodes=1 and no --gpus-per-node for device=cpu; the job completes, resumed
     # from the latest checkpoint
     out = tmp_path / "job-c.out"
-    job_c = cluster.sbatch([sys.executable, "-m", "areal_mega.launch.slurm_submit",
-                            "--parsable", f"--output={out}", recipe,
-                            *_overrides(run_b, model, data, f"total_steps={done + 1}")],
-                           env=_job_env(), cwd=ROOT)
+    job_c = cluster.sbatch(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.slurm_submit",
+            "--parsable",
+            f"--output={out}",
+            recipe,
+            *_overrides(run_b, model, data, f"total_steps={done + 1}"),
+        ],
+        env=_job_env(),
+        cwd=ROOT,
+    )
     job = _finished(cluster, job_c, out)
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", _tail(out)
     assert job["NumNodes"] == "1" and "gres/gpu" not in job.get("TRES", "")
@@ -140,9 +190,13 @@ def test_multi_node_branch_on_two_nodes(cluster, assets, tmp_path):
     port, master = free_ports(2)
     run, out = tmp_path / "run", tmp_path / "job.out"
     env = _job_env(FIX)
-    env.update(AREAL_MEGA_TRAINER_MODULE="fake_trainer", MASTER_PORT=str(master),
-               AREAL_MEGA_ROLLOUT_WORKER_MODULE="fake_rollout_worker",
-               FAKE_PID_DIR=str(tmp_path), SERVER_WAIT_S="300")
+    env.update(
+        AREAL_MEGA_TRAINER_MODULE="fake_trainer",
+        MASTER_PORT=str(master),
+        AREAL_MEGA_ROLLOUT_WORKER_MODULE="fake_rollout_worker",
+        FAKE_PID_DIR=str(tmp_path),
+        SERVER_WAIT_S="300",
+    )
     # the server serves the network (--serve-node): its key from a private file, not argv
     key_file = tmp_path / "api.key"
     key_file.write_text("slurm-test-key")
@@ -150,22 +204,38 @@ def test_multi_node_branch_on_two_nodes(cluster, assets, tmp_path):
     env["AREAL_ROLLOUT_API_KEY_FILE"] = str(key_file)
     # a layout with whole nodes per role: rollout server on node 0, trainer on node 1
     job_id = cluster.sbatch(
-        ["sbatch", "--parsable", "--nodes=2", f"--output={out}", "launch/slurm/run.sbatch",
-         "recipes/tiny-cpu.yaml",
-         *_overrides(run, model, data, "cluster.device=cuda", "cluster.n_nodes=2",
-                     "cluster.n_gpus_per_node=1", "allocation=local:d1+megatron:d1",
-                     f"cluster.server_base_port={port}")], env=env, cwd=ROOT)
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            f"--output={out}",
+            "launch/slurm/run.sbatch",
+            "recipes/tiny-cpu.yaml",
+            *_overrides(
+                run,
+                model,
+                data,
+                "cluster.device=cuda",
+                "cluster.n_nodes=2",
+                "cluster.n_gpus_per_node=1",
+                "allocation=local:d1+megatron:d1",
+                f"cluster.server_base_port={port}",
+            ),
+        ],
+        env=env,
+        cwd=ROOT,
+    )
     job = _finished(cluster, job_id, out)
     text = out.read_text()
     assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2", text
     assert "nodes: n1 n2 (addresses 127.0.0.1 127.0.0.1)" in text
-    assert f"127.0.0.1:{port} ready" in text                # probed GET /health
+    assert f"127.0.0.1:{port} ready" in text  # probed GET /health
     assert "relaunch 1/2" in text and "resumed OK from iter_0000003" in text
-    assert f"servers ['127.0.0.1:{port}']" in text          # the trainer step joined it
+    assert f"servers ['127.0.0.1:{port}']" in text  # the trainer step joined it
     assert "training finished" in text
     logs = list((run / "logs").glob("node0-*/rollout0.log"))
     assert logs, "the rollout step did not run launch.local --serve-node 0"
-    assert job_processes(job_id) == []                      # rollout step stopped at exit
+    assert job_processes(job_id) == []  # rollout step stopped at exit
 
 
 def test_vllm_branch_without_its_interpreter_fails_before_any_step(cluster, assets, tmp_path):
@@ -175,16 +245,32 @@ def test_vllm_branch_without_its_interpreter_fails_before_any_step(cluster, asse
     missing = tmp_path / "no-venv" / "bin" / "python"
     run, out = tmp_path / "run", tmp_path / "job.out"
     job_id = cluster.sbatch(
-        ["sbatch", "--parsable", "--nodes=2", f"--output={out}", "launch/slurm/run.sbatch",
-         "recipes/tiny-cpu.yaml",
-         *_overrides(run, model, data, "cluster.device=cuda", "cluster.n_nodes=2",
-                     "cluster.n_gpus_per_node=1", "rollout.backend=vllm",
-                     "allocation=vllm:d1+megatron:d1", f"rollout.vllm.python={missing}")],
-        env=_job_env(), cwd=ROOT)
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            f"--output={out}",
+            "launch/slurm/run.sbatch",
+            "recipes/tiny-cpu.yaml",
+            *_overrides(
+                run,
+                model,
+                data,
+                "cluster.device=cuda",
+                "cluster.n_nodes=2",
+                "cluster.n_gpus_per_node=1",
+                "rollout.backend=vllm",
+                "allocation=vllm:d1+megatron:d1",
+                f"rollout.vllm.python={missing}",
+            ),
+        ],
+        env=_job_env(),
+        cwd=ROOT,
+    )
     job = _finished(cluster, job_id, out)
     text = out.read_text()
     assert job["JobState"] == "FAILED" and job["ExitCode"] == "2:0", text
     assert "(1 vllm servers)" in text
     assert f"rollout.vllm.python: {str(missing)!r} does not exist" in text
     assert "make vllm-env" in text and "no step started" in text
-    assert not (run / "logs").exists()                      # no rollout step ran
+    assert not (run / "logs").exists()  # no rollout step ran

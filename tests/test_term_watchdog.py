@@ -1,5 +1,6 @@
 """SIGTERM reaches a process whose main thread is stuck (common.signals.TermWatchdog): real
 processes, real signals."""
+
 import signal
 import subprocess
 import sys
@@ -24,8 +25,12 @@ _CHILD = textwrap.dedent("""
 
 
 def _start(mode: str, exit_after_s: float) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, mode, str(exit_after_s)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, mode, str(exit_after_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -36,14 +41,14 @@ def test_a_stuck_main_thread_still_exits_on_sigterm_with_its_stack_dumped():
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "did not stop 0.5s after signal 15" in err
-    line = _CHILD.splitlines().index("    lock.acquire()") + 1       # the second one: it hangs
+    line = _CHILD.splitlines().index("    lock.acquire()") + 1  # the second one: it hangs
     assert f'File "<string>", line {line + 1} in <module>' in err
 
 
 @pytest.mark.parametrize("signals", [1, 2])
 def test_a_healthy_process_stops_through_on_term_without_the_hard_exit(signals):
     p = _start("healthy", 60.0)
-    for _ in range(signals):       # the launcher may signal the process group and the pid
+    for _ in range(signals):  # the launcher may signal the process group and the pid
         p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err

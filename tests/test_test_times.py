@@ -7,24 +7,54 @@ from tools import test_times as tt
 
 
 def test_files_run_longest_first_and_unknown_files_first():
-    table = {"tests/test_a.py::x": (1.0, 0.0), "tests/test_b.py::y": (30.0, 0.0),
-             "tests/test_b.py::z": (5.0, 0.0), "tests/test_c.py::w": (10.0, 0.0)}
-    nodeids = ["tests/test_a.py::x", "tests/test_b.py::y", "tests/test_b.py::z",
-               "tests/test_new.py::n1", "tests/test_c.py::w", "tests/test_new.py::n2"]
+    table = {
+        "tests/test_a.py::x": (1.0, 0.0),
+        "tests/test_b.py::y": (30.0, 0.0),
+        "tests/test_b.py::z": (5.0, 0.0),
+        "tests/test_c.py::w": (10.0, 0.0),
+    }
+    nodeids = [
+        "tests/test_a.py::x",
+        "tests/test_b.py::y",
+        "tests/test_b.py::z",
+        "tests/test_new.py::n1",
+        "tests/test_c.py::w",
+        "tests/test_new.py::n2",
+    ]
     order = [nodeids[i] for i in tt.longest_files_first(nodeids, table)]
-    assert order == ["tests/test_new.py::n1", "tests/test_new.py::n2", "tests/test_b.py::y",
-                     "tests/test_b.py::z", "tests/test_c.py::w", "tests/test_a.py::x"]
+    assert order == [
+        "tests/test_new.py::n1",
+        "tests/test_new.py::n2",
+        "tests/test_b.py::y",
+        "tests/test_b.py::z",
+        "tests/test_c.py::w",
+        "tests/test_a.py::x",
+    ]
 
 
 def test_unknown_files_with_more_slow_tests_go_first():
     table = {"tests/test_a.py::x": (1.0, 0.0)}
-    nodeids = ["tests/test_a.py::x", "tests/test_b.py::y", "tests/test_c.py::w1",
-               "tests/test_c.py::w2", "tests/test_d.py::v"]
-    slow = ["tests/test_c.py::w1", "tests/test_c.py::w2", "tests/test_d.py::v",
-            "tests/test_a.py::x"]
+    nodeids = [
+        "tests/test_a.py::x",
+        "tests/test_b.py::y",
+        "tests/test_c.py::w1",
+        "tests/test_c.py::w2",
+        "tests/test_d.py::v",
+    ]
+    slow = [
+        "tests/test_c.py::w1",
+        "tests/test_c.py::w2",
+        "tests/test_d.py::v",
+        "tests/test_a.py::x",
+    ]
     order = [nodeids[i] for i in tt.longest_files_first(nodeids, table, slow)]
-    assert order == ["tests/test_c.py::w1", "tests/test_c.py::w2", "tests/test_d.py::v",
-                     "tests/test_b.py::y", "tests/test_a.py::x"]
+    assert order == [
+        "tests/test_c.py::w1",
+        "tests/test_c.py::w2",
+        "tests/test_d.py::v",
+        "tests/test_b.py::y",
+        "tests/test_a.py::x",
+    ]
 
 
 def test_file_order_keeps_collection_order_without_a_table():
@@ -33,16 +63,32 @@ def test_file_order_keeps_collection_order_without_a_table():
 
 
 def test_quick_drops_slow_tests_unmeasured_files_and_users_of_a_slow_shared_fixture():
-    table = {"tests/test_u.py::fast": (0.1, 0.0), "tests/test_u.py::slow": (9.0, 0.0),
-             "tests/test_m.py::first": (30.0, 29.0), "tests/test_m.py::second": (0.2, 0.0),
-             "tests/test_m.py::own": (0.2, 0.0)}
+    table = {
+        "tests/test_u.py::fast": (0.1, 0.0),
+        "tests/test_u.py::slow": (9.0, 0.0),
+        "tests/test_m.py::first": (30.0, 29.0),
+        "tests/test_m.py::second": (0.2, 0.0),
+        "tests/test_m.py::own": (0.2, 0.0),
+    }
     model = ("tests/test_m.py", "tests", "model")
-    tests = [("tests/test_u.py::fast", []), ("tests/test_u.py::slow", []),
-             ("tests/test_u.py::added_since", []), ("tests/test_new.py::t", []),
-             ("tests/test_m.py::first", [model]), ("tests/test_m.py::second", [model]),
-             ("tests/test_m.py::own", [])]
-    assert tt.quick_selection(tests, table, limit=2.0) == [True, False, True, False, False,
-                                                           False, True]
+    tests = [
+        ("tests/test_u.py::fast", []),
+        ("tests/test_u.py::slow", []),
+        ("tests/test_u.py::added_since", []),
+        ("tests/test_new.py::t", []),
+        ("tests/test_m.py::first", [model]),
+        ("tests/test_m.py::second", [model]),
+        ("tests/test_m.py::own", []),
+    ]
+    assert tt.quick_selection(tests, table, limit=2.0) == [
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
 
 
 def test_quick_keeps_users_of_a_shared_fixture_whose_setup_was_fast():
@@ -61,11 +107,28 @@ def test_quick_drops_its_slowest_tests_to_stay_within_the_budget():
 
 
 def test_record_report_and_table_round_trip(tmp_path):
-    record = {"wall_s": 12.0, "args": ["-n", "2"], "tests": {
-        "tests/test_a.py::x": {"setup": 1.0, "call": 2.0, "teardown": 0.5, "outcome": "passed",
-                               "worker": "gw0", "end": 3.5},
-        "tests/test_b.py::y": {"setup": 0.0, "call": 6.5, "teardown": 0.0, "outcome": "passed",
-                               "worker": "gw1", "end": 6.5}}}
+    record = {
+        "wall_s": 12.0,
+        "args": ["-n", "2"],
+        "tests": {
+            "tests/test_a.py::x": {
+                "setup": 1.0,
+                "call": 2.0,
+                "teardown": 0.5,
+                "outcome": "passed",
+                "worker": "gw0",
+                "end": 3.5,
+            },
+            "tests/test_b.py::y": {
+                "setup": 0.0,
+                "call": 6.5,
+                "teardown": 0.0,
+                "outcome": "passed",
+                "worker": "gw1",
+                "end": 6.5,
+            },
+        },
+    }
     out = io.StringIO()
     tt.report(record, top=1, out=out)
     text = out.getvalue()

@@ -31,8 +31,9 @@ def test_make_tiny_model_loads_in_transformers(tmp_path, arch):
     assert logits.shape == (1, 5, cfg["vocab_size"])
     assert torch.isfinite(logits).all()
     # deterministic for the same spec
-    again = make_tiny_model(tmp_path / (arch + "2"), arch=arch,
-                            tie_word_embeddings=(arch != "qwen2"))
+    again = make_tiny_model(
+        tmp_path / (arch + "2"), arch=arch, tie_word_embeddings=(arch != "qwen2")
+    )
     assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 

@@ -1,5 +1,6 @@
 """examples/tool_math: the sandboxed Python tool (time and memory limits, errors as text) and
 the episode's loading as a configured workflow."""
+
 from pathlib import Path
 
 from areal_mega.config import load_config
@@ -29,8 +30,10 @@ def test_python_tool_sandbox_limits():
 
 
 def test_tool_math_config_builds_the_workflow():
-    cfg = load_config(ROOT / "examples" / "tool_math" / "config.yaml", [
-        f"rollout.workflow={EXAMPLE}:tool_math_episode"])
+    cfg = load_config(
+        ROOT / "examples" / "tool_math" / "config.yaml",
+        [f"rollout.workflow={EXAMPLE}:tool_math_episode"],
+    )
     wf = workflow_from_config(cfg.rollout)
     assert isinstance(wf, FunctionWorkflow)
     assert wf.kwargs == {"max_code_tokens": 8, "timeout_s": 3.0, "memory_mb": 256}

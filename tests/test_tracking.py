@@ -3,6 +3,7 @@ secrets redacted, the real W&B (offline) and MLflow (local file store) runs read
 their own readers, a resumed run continuing the same tracker runs with no step twice,
 ``samples.jsonl`` decoded by the model's tokenizer, and the rollout counters carried once per
 delivered group (a relaunched worker included)."""
+
 import json
 import sys
 
@@ -22,17 +23,31 @@ SECRETS = ("hmac-secret-1234", "server-key-5678", "agent-key-9012")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("trk") / "model", arch="llama",
-                           charset="digits", hidden_size=32, num_layers=1, num_heads=2,
-                           num_kv_heads=2, intermediate_size=64)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("trk") / "model",
+        arch="llama",
+        charset="digits",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
 
 
 def _cfg(run_dir, model, **logging):
-    return config_from_dict({
-        "name": "trk", "model": {"path": str(model)},
-        "dataplane": {"secret": SECRETS[0]}, "rollout": {"api_key": SECRETS[1],
-        "workflow_kwargs": {"env": {"OPENAI_API_KEY": SECRETS[2]}}},
-        "logging": {"run_dir": str(run_dir), "tensorboard": False, **logging}})
+    return config_from_dict(
+        {
+            "name": "trk",
+            "model": {"path": str(model)},
+            "dataplane": {"secret": SECRETS[0]},
+            "rollout": {
+                "api_key": SECRETS[1],
+                "workflow_kwargs": {"env": {"OPENAI_API_KEY": SECRETS[2]}},
+            },
+            "logging": {"run_dir": str(run_dir), "tensorboard": False, **logging},
+        }
+    )
 
 
 def test_bad_tracker_names_the_key():
@@ -43,17 +58,27 @@ def test_bad_tracker_names_the_key():
 
 
 def test_a_chosen_tracker_that_is_not_installed_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "mlflow", None)     # Python's "cannot be imported"
-    with pytest.raises(ConfigError, match=r"logging.trackers: 'mlflow' is chosen but the "
-                       r"'mlflow' package is not installed: pip install -e \.\[mlflow\]"):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # Python's "cannot be imported"
+    with pytest.raises(
+        ConfigError,
+        match=r"logging.trackers: 'mlflow' is chosen but the "
+        r"'mlflow' package is not installed: pip install -e \.\[mlflow\]",
+    ):
         config_from_dict({"logging": {"trackers": ["mlflow"]}})
 
 
 def test_redact_secrets_keeps_the_rest():
-    tree = {"dataplane": {"secret": "s"}, "rollout": {"api_key": "k", "batch_size": 4,
-            "workflow_kwargs": {"env": {"HF_TOKEN": "t", "MODE": "x"}}},
-            "data": {"prompt_key": "prompt"}, "scheduler": {"max_tokens_per_mb": 512},
-            "teacher": {"api_key": None}}
+    tree = {
+        "dataplane": {"secret": "s"},
+        "rollout": {
+            "api_key": "k",
+            "batch_size": 4,
+            "workflow_kwargs": {"env": {"HF_TOKEN": "t", "MODE": "x"}},
+        },
+        "data": {"prompt_key": "prompt"},
+        "scheduler": {"max_tokens_per_mb": 512},
+        "teacher": {"api_key": None},
+    }
     out = redact_secrets(tree)
     assert out["dataplane"]["secret"] == out["rollout"]["api_key"] == REDACTED
     assert out["rollout"]["workflow_kwargs"]["env"] == {"HF_TOKEN": REDACTED, "MODE": "x"}
@@ -63,8 +88,9 @@ def test_redact_secrets_keeps_the_rest():
 
 def _traj(prompt, completion, reward, group, version, tok):
     p, c = tok.encode(prompt), tok.encode(completion)
-    return Trajectory.from_tokens(p, c, [-0.5] * len(c), [version] * len(c), reward=reward,
-                                  group_id=group)
+    return Trajectory.from_tokens(
+        p, c, [-0.5] * len(c), [version] * len(c), reward=reward, group_id=group
+    )
 
 
 def test_trackers_resume_without_duplicated_steps(tmp_path, model, monkeypatch):
@@ -73,18 +99,27 @@ def test_trackers_resume_without_duplicated_steps(tmp_path, model, monkeypatch):
     steps keep their first values in the trackers (metrics.jsonl holds the redone ones)."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))      # no ~/.netrc: auto -> offline
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: auto -> offline
     run = tmp_path / "run"
-    cfg = _cfg(run, model, trackers=["wandb", "mlflow"], log_samples_every=2,
-               log_samples_groups=1)
+    cfg = _cfg(run, model, trackers=["wandb", "mlflow"], log_samples_every=2, log_samples_groups=1)
     tok = AutoTokenizer.from_pretrained(model)
-    trajs = [_traj("12", "34", 1.0, "g1", 3, tok), _traj("12", "5", 0.0, "g1", 3, tok),
-             _traj("77", "7", 0.5, "g2", 3, tok)]
+    trajs = [
+        _traj("12", "34", 1.0, "g1", 3, tok),
+        _traj("12", "5", 0.0, "g1", 3, tok),
+        _traj("77", "7", 0.5, "g2", 3, tok),
+    ]
     log = RunLog(cfg, run)
     for step in range(1, 5):
         log.log_samples(step, trajs, {trajs[0].sample_id: 0.5})
-        log.log(step, {"reward/mean": step / 10, "loss": float("nan"), "ppo_kl": 0.0,
-                       "ppo_kl/first_minibatch": 0.0})
+        log.log(
+            step,
+            {
+                "reward/mean": step / 10,
+                "loss": float("nan"),
+                "ppo_kl": 0.0,
+                "ppo_kl/first_minibatch": 0.0,
+            },
+        )
     log.close()
     wandb_id = json.loads((run / "wandb_run.json").read_text())["id"]
     log = RunLog(cfg, run, resume_step=2)
@@ -96,34 +131,43 @@ def test_trackers_resume_without_duplicated_steps(tmp_path, model, monkeypatch):
     assert [r["_step"] for r in history] == [1, 2, 3, 4, 5, 6]
     expected = {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4, 5: 1.5, 6: 1.6}
     assert {r["_step"]: r["reward/mean"] for r in history} == pytest.approx(expected)
-    assert not any("loss" in r for r in history)          # NaN is left out, not logged
+    assert not any("loss" in r for r in history)  # NaN is left out, not logged
     assert any(r.get("samples/_type") == "table-file" for r in history)
     client, run_id = mlflow_client(run)
-    got = client.get_metric_history(run_id, "reward.mean")     # a file store: "/" -> "."
+    got = client.get_metric_history(run_id, "reward.mean")  # a file store: "/" -> "."
     assert sorted(m.step for m in got) == [1, 2, 3, 4, 5, 6]
     assert {m.step: m.value for m in got} == pytest.approx(expected)
     params = client.get_run(run_id).data.params
     assert params["rollout.batch_size"] == "16" and params["dataplane.secret"] == REDACTED
     assert [a.path for a in client.list_artifacts(run_id, "samples")] == [
-        "samples/step_0000002.jsonl", "samples/step_0000004.jsonl"]
+        "samples/step_0000002.jsonl",
+        "samples/step_0000004.jsonl",
+    ]
     rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 2]           # resume cut step 4's rows
+    assert [r["step"] for r in rows] == [2, 2]  # resume cut step 4's rows
     assert [(r["prompt"], r["completion"], r["advantage"]) for r in rows] == [
-        ("12", "34", 0.5), ("12", "5", None)]
+        ("12", "34", 0.5),
+        ("12", "5", None),
+    ]
     assert rows[0]["version_min"] == rows[0]["version_max"] == 3
     assert rows[0]["response_len"] == 2 and rows[0]["finish_reason"] == "stop"
-    leaked = [str(f) for f in run.rglob("*") if f.is_file()
-              and any(s.encode() in f.read_bytes() for s in SECRETS)]
+    leaked = [
+        str(f)
+        for f in run.rglob("*")
+        if f.is_file() and any(s.encode() in f.read_bytes() for s in SECRETS)
+    ]
     assert leaked == []
 
 
 @pytest.mark.parametrize("reached_store", [True, False])
-def test_mlflow_resume_after_a_crash_between_the_store_and_the_state(tmp_path, model,
-                                                                     reached_store):
+def test_mlflow_resume_after_a_crash_between_the_store_and_the_state(
+    tmp_path, model, reached_store
+):
     """A SIGKILL after step 3's metrics reached MLflow but before the tracker saved its state
     (the e2e trackers run once hit this window): the resumed run does not log step 3 again;
     killed before they reached the store, step 3 is logged by the resumed run."""
     from mlflow.entities import Metric
+
     run = tmp_path / "run"
     cfg = _cfg(run, model, trackers=["mlflow"])
     log = RunLog(cfg, run)
@@ -153,11 +197,10 @@ def test_counts_ride_once_per_delivered_group():
     assert carrier.attach(g1) == {"failed": 3, "agent_failed/exit_code": 6}
     assert CARRY_KEY not in g1[1].meta
     g2 = [Trajectory.from_tokens([1], [2], [0.0], [0])]
-    assert carrier.attach(g2) == {} and CARRY_KEY not in g2[0].meta      # nothing new
+    assert carrier.attach(g2) == {} and CARRY_KEY not in g2[0].meta  # nothing new
     state["failed"] = 4
     carrier.attach(g2)
-    assert carried_counts(g1 + g2) == {"rollout/failed": 4.0,
-                                       "rollout/agent_failed/exit_code": 6.0}
+    assert carried_counts(g1 + g2) == {"rollout/failed": 4.0, "rollout/agent_failed/exit_code": 6.0}
     # a relaunched worker counts from zero and continues the delivered totals
     relaunched = CountCarrier(lambda: {"failed": 1}, start=carrier.delivered)
     g3 = [Trajectory.from_tokens([1], [2], [0.0], [0])]

@@ -1,4 +1,5 @@
 """batches.distribute over a real 2-rank gloo mesh: each rank receives only its own DP share."""
+
 import os
 
 import pytest
@@ -7,7 +8,7 @@ from areal_mega.common.net import free_port
 from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.workers import worker_cmd
 
-WORKER = "distribute_worker"   # tests.helpers.distribute_worker
+WORKER = "distribute_worker"  # tests.helpers.distribute_worker
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +16,7 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("distribute")
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    ranks = run_ranks([worker_cmd(WORKER, r, 2, port, out) for r in range(2)],
-                      timeout=300, env=env)
+    ranks = run_ranks([worker_cmd(WORKER, r, 2, port, out) for r in range(2)], timeout=300, env=env)
     return rank_results([out / f"distribute.{r}.json" for r in range(2)], ranks)
 
 
@@ -46,6 +46,7 @@ def test_mesh_dp_rank_table_matches_the_process_groups(results):
 
 def test_step_plan_needs_equal_micro_batch_counts_and_shares_by_dp_rank():
     from areal_mega.train.batches import StepBatch, StepPlan
+
     with pytest.raises(ValueError, match="same number of micro-batches"):
         StepPlan(micro_batches=[[{}], []], sample_ids=[], stats={})
     with pytest.raises(ValueError, match="same number of micro-batches"):

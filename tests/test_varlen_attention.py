@@ -5,6 +5,7 @@ The function-level tests compare :func:`varlen_causal_attention` with softmax at
 :func:`~areal_mega.engine.packed.block_causal_mask` (the CPU path it replaces). The engine
 test (tests/helpers/varlen_worker.py, own process) compares the engine's logprobs, gradients and
 loss with the dense-mask path of the same model on packed batches of varied lengths."""
+
 import json
 import os
 
@@ -17,7 +18,7 @@ from areal_mega.models.varlen_attention import pads_cheaply, varlen_causal_atten
 from tests.helpers.multirank import run_ranks
 from tests.helpers.workers import worker_cmd
 
-WORKER = "varlen_worker"   # tests.helpers.varlen_worker
+WORKER = "varlen_worker"  # tests.helpers.varlen_worker
 TOL = 1e-5
 
 
@@ -37,22 +38,27 @@ def _segments(bounds, total):
     return seg
 
 
-GRPO_BOUNDS = [0, 6, 13, 13, 21, 26, 33, 40, 46, 55, 62, 69, 75]    # 11 short slots, one empty
+GRPO_BOUNDS = [0, 6, 13, 13, 21, 26, 33, 40, 46, 55, 62, 69, 75]  # 11 short slots, one empty
 
 
-@pytest.mark.parametrize("bounds,total,heads", [
-    ([0, 7, 8, 30, 33], 33, (4, 2)),      # varied lengths, one of a single token, GQA
-    ([0, 12, 20, 44], 50, (6, 2)),        # trailing padding as its own slot
-    ([0, 5, 5, 19], 19, (3, 3)),          # an empty slot, plain multi-head attention
-    (GRPO_BOUNDS, 75, (4, 2)),            # many short slots: one padded call
-    (GRPO_BOUNDS, 79, (3, 3)),            # ... and trailing padding
-])
+@pytest.mark.parametrize(
+    "bounds,total,heads",
+    [
+        ([0, 7, 8, 30, 33], 33, (4, 2)),  # varied lengths, one of a single token, GQA
+        ([0, 12, 20, 44], 50, (6, 2)),  # trailing padding as its own slot
+        ([0, 5, 5, 19], 19, (3, 3)),  # an empty slot, plain multi-head attention
+        (GRPO_BOUNDS, 75, (4, 2)),  # many short slots: one padded call
+        (GRPO_BOUNDS, 79, (3, 3)),  # ... and trailing padding
+    ],
+)
 def test_varlen_equals_dense_mask_forward_and_backward(bounds, total, heads):
     g = torch.Generator().manual_seed(total)
     nq, nkv = heads
-    q, k, v = (torch.randn(total, n, 16, generator=g, dtype=torch.float64).float()
-               .requires_grad_() for n in (nq, nkv, nkv))
-    scale = 16 ** -0.5
+    q, k, v = (
+        torch.randn(total, n, 16, generator=g, dtype=torch.float64).float().requires_grad_()
+        for n in (nq, nkv, nkv)
+    )
+    scale = 16**-0.5
     out = varlen_causal_attention(q, k, v, bounds, scale=scale)
     assert out.shape == (total, nq, 16)
     want = _dense(q, k, v, _segments(bounds, total), scale)
@@ -65,15 +71,17 @@ def test_varlen_equals_dense_mask_forward_and_backward(bounds, total, heads):
 
 
 def test_many_short_slots_take_one_padded_call_and_few_or_long_ones_do_not():
-    assert pads_cheaply([6, 7, 0, 8, 5, 7, 7])         # GRPO-like: 6 real slots, little padding
-    assert not pads_cheaply([7, 1, 22])                # too few slots to matter
-    assert not pads_cheaply([7, 1, 22, 3])             # padding to 22 would be 88 of 33 tokens
+    assert pads_cheaply([6, 7, 0, 8, 5, 7, 7])  # GRPO-like: 6 real slots, little padding
+    assert not pads_cheaply([7, 1, 22])  # too few slots to matter
+    assert not pads_cheaply([7, 1, 22, 3])  # padding to 22 would be 88 of 33 tokens
     assert not pads_cheaply([0, 0, 0, 0, 0])
     assert pads_cheaply([10, 10, 10, 10]) and not pads_cheaply([1, 1, 1, 40])
 
 
-@pytest.mark.parametrize("window,bounds", [(1, None), (4, None), (8, None), (64, None),
-                                           (4, GRPO_BOUNDS), (64, GRPO_BOUNDS)])
+@pytest.mark.parametrize(
+    "window,bounds",
+    [(1, None), (4, None), (8, None), (64, None), (4, GRPO_BOUNDS), (64, GRPO_BOUNDS)],
+)
 def test_varlen_sliding_window_equals_dense_window_mask(window, bounds):
     """A window narrows each slot's causal mask to the last ``window`` keys (transformers'
     ``kv_idx > q_idx - window``); slots shorter than the window are plain causal."""
@@ -90,10 +98,12 @@ def test_varlen_sliding_window_equals_dense_window_mask(window, bounds):
     want = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(rep, 1))
     assert (out - want).abs().max().item() < TOL
     w = torch.randn(out.shape, generator=g)
-    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)),
-                    torch.autograd.grad((want * w).sum(), (q, k, v))):
+    for a, b in zip(
+        torch.autograd.grad((out * w).sum(), (q, k, v)),
+        torch.autograd.grad((want * w).sum(), (q, k, v)),
+    ):
         assert (a - b).abs().max().item() < TOL
-    if window < 8:    # the longer slots really are cut
+    if window < 8:  # the longer slots really are cut
         full = varlen_causal_attention(q, k, v, bounds, scale=0.25)
         assert (full - out).abs().max().item() > 1e-3
 
@@ -110,7 +120,7 @@ def test_varlen_is_each_sequence_alone():
 def engine_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("varlen") / "res.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    (rc, log), = run_ranks([worker_cmd(WORKER, free_port(), out)], timeout=240, env=env)
+    ((rc, log),) = run_ranks([worker_cmd(WORKER, free_port(), out)], timeout=240, env=env)
     assert out.exists(), log[-3000:]
     res = json.loads(out.read_text())
     assert "error" not in res, res["error"]
@@ -137,7 +147,9 @@ def test_engine_computes_shared_prompts_once(engine_results):
     # group sizes 4, 1, 3 (prompts 11, 6, 9) and 2, 6 (prompts 1, 23): the 1-token prompt
     # has nothing to share
     assert r["shared_prompts.model_tokens"] == [
-        r["shared_prompts.tokens"][0] - 3 * 10 - 2 * 8, r["shared_prompts.tokens"][1] - 5 * 22]
+        r["shared_prompts.tokens"][0] - 3 * 10 - 2 * 8,
+        r["shared_prompts.tokens"][1] - 5 * 22,
+    ]
     assert r["shared_prompts.logprobs"] < TOL
     for layout in ("trailing_pad", "padded_slots"):
         assert r[f"{layout}.model_tokens"] == r[f"{layout}.tokens"]
@@ -147,11 +159,12 @@ def _tree_case(prompts_and_completions, trailing, seed):
     """A packed batch of groups (tokens of a group's samples equal up to their prompt) and
     its shared-prefix layout (scheduler/shared_prefix.py)."""
     from areal_mega.scheduler.shared_prefix import plan_shared_prefix
+
     g = torch.Generator().manual_seed(seed)
     ids, labels, mask, bounds = [], [], [], [0]
     for p, comps in prompts_and_completions:
         prompt = torch.randint(0, 50, (p,), generator=g).tolist()
-        for n in comps:     # next-token layout: row t is trained on token t + 1
+        for n in comps:  # next-token layout: row t is trained on token t + 1
             seq = prompt + torch.randint(0, 50, (n,), generator=g).tolist()
             ids += seq
             labels += seq[1:] + [-1]
@@ -163,31 +176,36 @@ def _tree_case(prompts_and_completions, trailing, seed):
     return ids, bounds, plan_shared_prefix(ids, labels, bounds, mask)
 
 
-@pytest.mark.parametrize("groups,trailing,window", [
-    ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 3, None),  # padded batches
-    ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 0, 4),     # ... windowed
-    ([(40, [3, 30]), (1, [6]), (5, [2])], 2, None),       # few / uneven units: one call each
-    ([(40, [3, 30]), (12, [6, 1, 9])], 0, 8),
-])
+@pytest.mark.parametrize(
+    "groups,trailing,window",
+    [
+        ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 3, None),  # padded batches
+        ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 0, 4),  # ... windowed
+        ([(40, [3, 30]), (1, [6]), (5, [2])], 2, None),  # few / uneven units: one call each
+        ([(40, [3, 30]), (12, [6, 1, 9])], 0, 8),
+    ],
+)
 def test_shared_prefix_attention_equals_the_packed_batch(groups, trailing, window):
     """Attention over the compressed rows, read back through ``expand``, equals the packed
     batch's per-sequence attention; the gradients of the compressed rows are the sums over
     their copies."""
     from areal_mega.models.varlen_attention import unit_attention
+
     ids, bounds, layout = _tree_case(groups, trailing, seed=len(groups) + trailing)
     assert layout is not None and layout.saved > 0
     total = len(ids)
     keep, expand = torch.tensor(layout.keep), torch.tensor(layout.expand)
     g = torch.Generator().manual_seed(total)
     # per-token q, k, v functions of the token and its position, as after the rotary step
-    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])] +
-                    [torch.arange(trailing)])
+    pos = torch.cat(
+        [torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])] + [torch.arange(trailing)]
+    )
     table = {n: torch.randn(80, 50, n, 8, generator=g) for n in (4, 2)}
     q, k, v = (table[n][pos, torch.tensor(ids)] for n in (4, 2, 2))
     qc, kc, vc = (x[keep].clone().requires_grad_() for x in (q, k, v))
-    out = unit_attention(qc, kc, vc, layout.units, scale=8 ** -0.5, window=window)
+    out = unit_attention(qc, kc, vc, layout.units, scale=8**-0.5, window=window)
     qe, ke, ve = (x.clone().requires_grad_() for x in (q, k, v))
-    want = varlen_causal_attention(qe, ke, ve, bounds, scale=8 ** -0.5, window=window)
+    want = varlen_causal_attention(qe, ke, ve, bounds, scale=8**-0.5, window=window)
     assert (out[expand] - want).abs().max().item() < TOL
     w = torch.randn(want.shape, generator=g)
     got_grads = torch.autograd.grad((out[expand] * w).sum(), (qc, kc, vc))
@@ -201,15 +219,26 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
     """4 groups of 8 samples (60-token prompts, 16-token answers): one padded call for the
     prompts, one for the 32 branches; two uneven units get a call each."""
     import areal_mega.models.varlen_attention as va
+
     calls = []
     sdpa = va.F.scaled_dot_product_attention
-    monkeypatch.setattr(va.F, "scaled_dot_product_attention",
-                        lambda q, *a, **kw: calls.append(tuple(q.shape)) or sdpa(q, *a, **kw))
-    for groups, want in (([(60, [16] * 8)] * 4, [(4, 4, 59, 8), (32, 4, 17, 8)]),
-                         ([(40, [3, 30])], [(1, 4, 39, 8), (1, 4, 4, 8), (1, 4, 31, 8)])):
+    monkeypatch.setattr(
+        va.F,
+        "scaled_dot_product_attention",
+        lambda q, *a, **kw: calls.append(tuple(q.shape)) or sdpa(q, *a, **kw),
+    )
+    for groups, want in (
+        ([(60, [16] * 8)] * 4, [(4, 4, 59, 8), (32, 4, 17, 8)]),
+        ([(40, [3, 30])], [(1, 4, 39, 8), (1, 4, 4, 8), (1, 4, 31, 8)]),
+    ):
         _, _, layout = _tree_case(groups, 0, seed=3)
         t = len(layout.keep)
         calls.clear()
-        va.unit_attention(torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8),
-                          layout.units, scale=0.3)
+        va.unit_attention(
+            torch.randn(t, 4, 8),
+            torch.randn(t, 2, 8),
+            torch.randn(t, 2, 8),
+            layout.units,
+            scale=0.3,
+        )
         assert calls == want

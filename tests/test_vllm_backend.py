@@ -2,6 +2,7 @@
 the rollout client's translation of SGLang's calls, interruptible generation across a weight
 update, both weight-update paths (disk reload, gloo broadcast through our worker extension),
 and the errors of a server we cannot use."""
+
 import asyncio
 import json
 import os
@@ -34,15 +35,17 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    a, b = make_vllm_models(tmp_path_factory.mktemp("vllm_models"),
-                            max_position_embeddings=MAX_MODEL_LEN)
+    a, b = make_vllm_models(
+        tmp_path_factory.mktemp("vllm_models"), max_position_embeddings=MAX_MODEL_LEN
+    )
     return {"a": a, "b": b, "ma": load_model(a), "mb": load_model(b)}
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    srv = VLLMServer(models["a"], tmp_path_factory.mktemp("vllm_logs"),
-                     max_model_len=MAX_MODEL_LEN).wait_ready()
+    srv = VLLMServer(
+        models["a"], tmp_path_factory.mktemp("vllm_logs"), max_model_len=MAX_MODEL_LEN
+    ).wait_ready()
     print(f"vLLM server healthy after {srv.ready_s:.1f} s")
     try:
         yield srv
@@ -51,19 +54,35 @@ def server(models, tmp_path_factory):
 
 
 def client(addrs, **kw):
-    return VLLMClient(list(addrs), api_key=API_KEY, timeout_s=120, retries=2, backoff_s=0.05,
-                      control_timeout_s=120, **kw)
+    return VLLMClient(
+        list(addrs),
+        api_key=API_KEY,
+        timeout_s=120,
+        retries=2,
+        backoff_s=0.05,
+        control_timeout_s=120,
+        **kw,
+    )
 
 
 def prompts(n, length=4):
-    return [{"input_ids": [5 + (i % 50)] + [6 + (i * 7 + j) % 60 for j in range(length - 1)],
-             "answer": "never"} for i in range(n)]
+    return [
+        {
+            "input_ids": [5 + (i % 50)] + [6 + (i * 7 + j) % 60 for j in range(length - 1)],
+            "answer": "never",
+        }
+        for i in range(n)
+    ]
 
 
 async def prompt_logprobs(c, addr, ids):
     """vLLM's own teacher forcing: log p(ids[t] | ids[:t]) for t >= 1."""
-    out = await c.vllm(addr, "POST", "/v1/completions", {
-        "model": "tiny", "prompt": list(ids), "max_tokens": 1, "prompt_logprobs": 0})
+    out = await c.vllm(
+        addr,
+        "POST",
+        "/v1/completions",
+        {"model": "tiny", "prompt": list(ids), "max_tokens": 1, "prompt_logprobs": 0},
+    )
     rows = out["choices"][0]["prompt_logprobs"][1:]
     return [row[str(t)]["logprob"] for row, t in zip(rows, ids[1:])]
 
@@ -75,6 +94,7 @@ def load_disk(addr, path, version):
             await c.update_weights_from_disk(str(path), weight_version=version)
         finally:
             await c.close()
+
     run(go())
 
 
@@ -86,22 +106,42 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
     async def go():
         c = client([server.addr])
         try:
-            return await asyncio.gather(*(c.generate(p, {
-                "max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True,
-                "sampling_seed": i}, rid=f"lp-{i}") for i, p in enumerate(ps)))
+            return await asyncio.gather(
+                *(
+                    c.generate(
+                        p,
+                        {
+                            "max_new_tokens": 24,
+                            "temperature": 1.0,
+                            "ignore_eos": True,
+                            "sampling_seed": i,
+                        },
+                        rid=f"lp-{i}",
+                    )
+                    for i, p in enumerate(ps)
+                )
+            )
         finally:
             await c.close()
+
     res = run(go())
     for r in res:
         assert r.finish_type == "length" and len(r.output_ids) == len(r.logprobs) == 24
         assert r.raw["meta_info"]["completion_tokens"] == 24
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"seqs": [p + r.output_ids for p, r in zip(ps, res)],
-                               "starts": [len(p) for p in ps]}))
-    p = subprocess.run(worker_cmd("teacher_forward_worker", models["a"], tmp_path, job,
-                                  tmp_path / "out.json"),
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    job.write_text(
+        json.dumps(
+            {"seqs": [p + r.output_ids for p, r in zip(ps, res)], "starts": [len(p) for p in ps]}
+        )
+    )
+    p = subprocess.run(
+        worker_cmd("teacher_forward_worker", models["a"], tmp_path, job, tmp_path / "out.json"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     trainer = json.loads((tmp_path / "out.json").read_text())["logprobs"]
     worst = max(abs(a - b) for r, want in zip(res, trainer) for a, b in zip(r.logprobs, want))
@@ -111,12 +151,16 @@ def test_generated_logprobs_equal_the_trainers(server, models, tmp_path):
 
 def vllm_metric(addr, name: str) -> float:
     """One of vLLM's Prometheus series, summed over its labels (engines, models)."""
-    req = urllib.request.Request(f"http://{addr}/metrics",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        f"http://{addr}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 def tokens_generated(addr, settled: bool = False) -> float:
@@ -139,16 +183,25 @@ def test_interrupted_generation_across_a_disk_update(server, models):
     c = client([server.addr])
     raw_call = c.vllm
 
-    async def spy(addr, method, path, body=None, timeout=None):   # records vLLM's raw answers
+    async def spy(addr, method, path, body=None, timeout=None):  # records vLLM's raw answers
         out = await raw_call(addr, method, path, body, timeout)
         if path == "/inference/v1/generate":
             answers[body["request_id"]] = out["choices"][0]
         return out
+
     c.vllm = spy
-    tokens_generated(server.addr, settled=True)     # the earlier tests' tokens counted
+    tokens_generated(server.addr, settled=True)  # the earlier tests' tokens counted
     sink = GroupSink()
-    ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(16),
-                            batch_size=4, n_samples=2, eta=1, sink=sink, ignore_eos=True).start()
+    ctl = RolloutController(
+        c,
+        RLVRWorkflow(exact_match_reward, N_NEW),
+        prompts(16),
+        batch_size=4,
+        n_samples=2,
+        eta=1,
+        sink=sink,
+        ignore_eos=True,
+    ).start()
     try:
         # interrupt once vLLM itself runs >= 8 of the requests and has made ~10 tokens a
         # request since: the controller's own count of requests in flight includes requests
@@ -156,14 +209,16 @@ def test_interrupted_generation_across_a_disk_update(server, models):
         # alone, and the pause caught only that one mid-generation)
         deadline = time.monotonic() + 300
         while vllm_metric(server.addr, "vllm:num_requests_running") < 8:
-            assert time.monotonic() < deadline, \
-                (f"in 300 s: {ctl.n_inflight_requests} requests sent, vLLM runs "
-                 f"{vllm_metric(server.addr, 'vllm:num_requests_running')}")
+            assert time.monotonic() < deadline, (
+                f"in 300 s: {ctl.n_inflight_requests} requests sent, vLLM runs "
+                f"{vllm_metric(server.addr, 'vllm:num_requests_running')}"
+            )
             time.sleep(0.05)
         running_from = tokens_generated(server.addr)
         while tokens_generated(server.addr) - running_from < 160:
-            assert time.monotonic() < deadline, \
+            assert time.monotonic() < deadline, (
                 f"in 300 s: {tokens_generated(server.addr) - running_from} tokens since 8 ran"
+            )
             time.sleep(0.05)
         ctl.update_weights(1, path=str(models["b"]))
         groups = sink.take(ctl, 8, timeout=300)
@@ -180,12 +235,21 @@ def test_interrupted_generation_across_a_disk_update(server, models):
         assert set(gen_v.tolist()) <= {0, 1} and (np.diff(gen_v) >= 0).all()
         k = int((gen_v == 0).sum())
         segs, seg = [], 0
-        while f"{t.sample_id}-t0-r{seg}" in answers:      # the controller's request ids
+        while f"{t.sample_id}-t0-r{seg}" in answers:  # the controller's request ids
             segs.append(answers[f"{t.sample_id}-t0-r{seg}"])
             seg += 1
         assert sum((s["token_ids"] for s in segs), []) == t.input_ids[P:].tolist()
-        assert sum(([int(s["weight_versions"][0]["version"])] * len(s["token_ids"])
-                    for s in segs if s["token_ids"]), []) == gen_v.tolist()
+        assert (
+            sum(
+                (
+                    [int(s["weight_versions"][0]["version"])] * len(s["token_ids"])
+                    for s in segs
+                    if s["token_ids"]
+                ),
+                [],
+            )
+            == gen_v.tolist()
+        )
         if 0 < k < N_NEW:
             n_interrupted += 1
         ids = t.input_ids.tolist()
@@ -210,17 +274,23 @@ def test_gloo_push_equals_disk_reload(server, models):
             return await prompt_logprobs(c, server.addr, ids)
         finally:
             await c.close()
+
     base = run(logprobs())
     load_disk(server.addr, models["b"], 1)
     from_disk = run(logprobs())
     load_disk(server.addr, models["a"], 0)
     assert run(logprobs()) == base and from_disk != base
-    sender = DistributedWeightSender(client([server.addr]), handshake="vllm", backend="gloo",
-                                     bucket_bytes=64 << 10, timeout_s=120)
+    sender = DistributedWeightSender(
+        client([server.addr]),
+        handshake="vllm",
+        backend="gloo",
+        bucket_bytes=64 << 10,
+        timeout_s=120,
+    )
     try:
         sender.connect()
         n = sender.send(sorted(tensors.items()), weight_version=2)
-        assert n > 1                                    # several buckets, loaded at once
+        assert n > 1  # several buckets, loaded at once
         pushed = run(logprobs())
         assert pushed == from_disk
         info = sender._run_async(sender.client.vllm(server.addr, "GET", "/weight_info")).result(60)
@@ -234,38 +304,48 @@ def test_unusable_servers_fail_with_one_clear_error(server, models, tmp_path):
     """A vLLM without dev mode is refused by name; a server that dies while paused for an
     update makes the update fail at once (no hang) and the client marks it down; a
     non-vLLM answer to /version is refused as an unsupported version."""
-    plain = VLLMServer(models["a"], tmp_path, dev_mode=False,
-                       max_model_len=MAX_MODEL_LEN).wait_ready()
+    plain = VLLMServer(
+        models["a"], tmp_path, dev_mode=False, max_model_len=MAX_MODEL_LEN
+    ).wait_ready()
     try:
+
         async def generate(addr):
             c = client([addr])
             try:
                 return await c.generate([5, 6, 7], {"max_new_tokens": 2})
             finally:
                 await c.close()
+
         with pytest.raises(RolloutRequestError, match="VLLM_SERVER_DEV_MODE=1"):
             run(generate(plain.addr))
     finally:
         plain.stop()
     # the last test of the module: the fixture's server dies during a paused update
     c = client([server.addr])
-    ctl = RolloutController(c, RLVRWorkflow(exact_match_reward, N_NEW), prompts(8),
-                            batch_size=2, n_samples=2, eta=0, sink=GroupSink(),
-                            ignore_eos=True).start()
+    ctl = RolloutController(
+        c,
+        RLVRWorkflow(exact_match_reward, N_NEW),
+        prompts(8),
+        batch_size=2,
+        n_samples=2,
+        eta=0,
+        sink=GroupSink(),
+        ignore_eos=True,
+    ).start()
     try:
         deadline = time.monotonic() + 120
         while ctl.n_inflight_requests < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        ctl.begin_weight_update(timeout=60)            # paused ...
-        server.kill()                                  # ... and the server dies
+        ctl.begin_weight_update(timeout=60)  # paused ...
+        server.kill()  # ... and the server dies
         t0 = time.monotonic()
-        try:    # the load finds it dead, unless a failed generate call already had
+        try:  # the load finds it dead, unless a failed generate call already had
             ctl.run_async(c.update_weights_from_disk(str(models["b"]), 1)).result(120)
         except RolloutServerError as e:
             assert "no healthy rollout server" in str(e)
         assert not c.is_healthy(server.addr)
         with pytest.raises(RolloutServerError, match="no healthy rollout server"):
-            ctl.end_weight_update(1, timeout=120)      # nothing to resume: one clear error
+            ctl.end_weight_update(1, timeout=120)  # nothing to resume: one clear error
         assert time.monotonic() - t0 < 60
     finally:
         ctl.stop()

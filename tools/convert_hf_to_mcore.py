@@ -8,6 +8,7 @@ OUT gets iter_0000000/ (torch_dist files, hf/ config + tokenizer, areal_meta.jso
 `latest` pointer. Any TP/PP/VPP/EP layout loads it (dist_checkpointing reshards); the layout
 given here is validated against the model and sets the vocabulary padding.
 """
+
 import argparse
 import json
 import sys
@@ -26,8 +27,9 @@ def main(argv=None):
     p.add_argument("--pp", type=int_range(1), default=1)
     p.add_argument("--ep", type=int_range(1), default=1)
     p.add_argument("--vpp", type=int_range(1), default=None)
-    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
-                   help="default: keep the HF dtype")
+    p.add_argument(
+        "--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: keep the HF dtype"
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int_range(1), default=128)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", help="write a JSON report (paths, memory) here")
@@ -36,11 +38,19 @@ def main(argv=None):
     from areal_mega.checkpoint.dist_ckpt import CheckpointError
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
     from areal_mega.checkpoint.safetensors_io import SafetensorsError
+
     try:
-        rep = convert_hf_to_mcore(a.hf_dir, a.out, tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp,
-                                  dtype=a.dtype,
-                                  make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-                                  progress=not a.no_progress)
+        rep = convert_hf_to_mcore(
+            a.hf_dir,
+            a.out,
+            tp=a.tp,
+            pp=a.pp,
+            ep=a.ep,
+            vpp=a.vpp,
+            dtype=a.dtype,
+            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+            progress=not a.no_progress,
+        )
     except (UnsupportedModelError, SafetensorsError, CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@
 by convert_hf_to_mcore.py or by training. DIR2 gets config.json, tokenizer files and
 model-0000i-of-0000N.safetensors with model.safetensors.index.json.
 """
+
 import argparse
 import json
 import sys
@@ -21,22 +22,39 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mcore-dir", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
-                   help="default: the checkpoint's dtype")
-    p.add_argument("--hf-config", default=None,
-                   help="HF dir with config/tokenizer if the checkpoint has no hf/ copy")
-    p.add_argument("--max-shard-size", type=float_range(0.0, lo_open=True), default=2.0,
-                   help="GiB per safetensors shard")
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32", "fp16"],
+        default=None,
+        help="default: the checkpoint's dtype",
+    )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="HF dir with config/tokenizer if the checkpoint has no hf/ copy",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=float_range(0.0, lo_open=True),
+        default=2.0,
+        help="GiB per safetensors shard",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", help="write a JSON report (paths, memory) here")
     a = p.parse_args(argv)
     from areal_mega.checkpoint.convert import convert_mcore_to_hf
     from areal_mega.checkpoint.dist_ckpt import CheckpointError
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
+
     try:
-        rep = convert_mcore_to_hf(a.mcore_dir, a.out, dtype=a.dtype, hf_config_dir=a.hf_config,
-                                  max_shard_bytes=int(a.max_shard_size * 1024 ** 3),
-                                  progress=not a.no_progress)
+        rep = convert_mcore_to_hf(
+            a.mcore_dir,
+            a.out,
+            dtype=a.dtype,
+            hf_config_dir=a.hf_config,
+            max_shard_bytes=int(a.max_shard_size * 1024**3),
+            progress=not a.no_progress,
+        )
     except (UnsupportedModelError, CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

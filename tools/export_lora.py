@@ -13,6 +13,7 @@ replaced by W + (alpha / r) B A. The base model is --base or the path the checkp
 its files must match the identity recorded at training time (--ignore-base-identity skips that
 check, e.g. for a copy of the base with new file times). One process, CPU only.
 """
+
 import argparse
 import json
 import sys
@@ -29,10 +30,17 @@ def main(argv=None):
     p.add_argument("--out", help="write the PEFT adapter directory here")
     p.add_argument("--merge-into", help="write the base model with the adapters merged here")
     p.add_argument("--base", help="base HF model directory (default: the recorded one)")
-    p.add_argument("--ignore-base-identity", action="store_true",
-                   help="do not compare the base model's files with the recorded identity")
-    p.add_argument("--max-shard-size", type=float_range(0.0, lo_open=True), default=2.0,
-                   help="GiB per safetensors shard of --merge-into")
+    p.add_argument(
+        "--ignore-base-identity",
+        action="store_true",
+        help="do not compare the base model's files with the recorded identity",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=float_range(0.0, lo_open=True),
+        default=2.0,
+        help="GiB per safetensors shard of --merge-into",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--report", help="write a JSON report (paths, counts) here")
     a = p.parse_args(argv)
@@ -41,22 +49,32 @@ def main(argv=None):
     from areal_mega.checkpoint.dist_ckpt import CheckpointError
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
     from areal_mega.checkpoint.safetensors_io import SafetensorsError
-    from areal_mega.lora.ckpt_export import (export_peft_adapter, merge_into_base,
-                                             open_lora_checkpoint)
+    from areal_mega.lora.ckpt_export import (
+        export_peft_adapter,
+        merge_into_base,
+        open_lora_checkpoint,
+    )
+
     report = {}
     try:
-        ck = open_lora_checkpoint(a.ckpt, base=a.base,
-                                  check_identity=not a.ignore_base_identity)
+        ck = open_lora_checkpoint(a.ckpt, base=a.base, check_identity=not a.ignore_base_identity)
         if a.out:
             report["adapter"] = export_peft_adapter(ck, a.out)
-            print(f"wrote {a.out} ({report['adapter']['tensors']} adapter tensors, "
-                  f"r={ck.record['rank']}, iteration {ck.iteration})")
+            print(
+                f"wrote {a.out} ({report['adapter']['tensors']} adapter tensors, "
+                f"r={ck.record['rank']}, iteration {ck.iteration})"
+            )
         if a.merge_into:
             report["merged"] = merge_into_base(
-                ck, a.merge_into, max_shard_bytes=int(a.max_shard_size * 1024 ** 3),
-                progress=not a.no_progress)
-            print(f"wrote {a.merge_into} ({report['merged']['merged']} of "
-                  f"{report['merged']['tensors']} weights merged)")
+                ck,
+                a.merge_into,
+                max_shard_bytes=int(a.max_shard_size * 1024**3),
+                progress=not a.no_progress,
+            )
+            print(
+                f"wrote {a.merge_into} ({report['merged']['merged']} of "
+                f"{report['merged']['tensors']} weights merged)"
+            )
     except (CheckpointError, UnsupportedModelError, SafetensorsError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

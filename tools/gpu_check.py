@@ -21,6 +21,7 @@ SGLang (tests that need them skip themselves). Steps, each a subprocess:
 Then one table: step, pass/fail/skip, seconds, key figure. Exit status 0 only when no step
 failed. Without CUDA it stops at once with a message (exit 2); ``--dry-run`` lists the steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ sys.path.insert(0, str(ROOT))
 from areal_mega.common.net import free_port, tcp_ready  # noqa: E402  (tools/ is sys.path[0])
 
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
-NO_CUDA_MSG = ("gpu_check: torch ({torch}) sees no CUDA device. This check needs one CUDA GPU "
-               "and torch built with CUDA (python: {python}). Use --dry-run to list the steps.")
+NO_CUDA_MSG = (
+    "gpu_check: torch ({torch}) sees no CUDA device. This check needs one CUDA GPU "
+    "and torch built with CUDA (python: {python}). Use --dry-run to list the steps."
+)
 
 
 class Step:
@@ -66,8 +69,9 @@ class StepFailed(RuntimeError):
     """A step's command failed; the message is the table's key figure."""
 
 
-def run_logged(cmd: List[str], log: Path, *, env: Optional[dict] = None, timeout: float = 1800
-               ) -> str:
+def run_logged(
+    cmd: List[str], log: Path, *, env: Optional[dict] = None, timeout: float = 1800
+) -> str:
     """Run ``cmd`` from the repository root with output in ``log``; return the output,
     raising :class:`StepFailed` (naming the log) on a nonzero exit."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -76,8 +80,14 @@ def run_logged(cmd: List[str], log: Path, *, env: Optional[dict] = None, timeout
         f.write("$ " + " ".join(map(str, cmd)) + "\n")
         f.flush()
         try:
-            rc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=full_env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                [str(c) for c in cmd],
+                cwd=ROOT,
+                env=full_env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            ).returncode
         except subprocess.TimeoutExpired:
             raise StepFailed(f"timed out after {timeout:.0f} s (log: {log})") from None
     out = log.read_text(errors="replace")
@@ -89,10 +99,19 @@ def run_logged(cmd: List[str], log: Path, *, env: Optional[dict] = None, timeout
 
 # ------------------------------------------------------------------------------------ steps
 def step_build(step: Step, work: Path) -> None:
-    run_logged([sys.executable, "setup.py", "build_ext", "--inplace"], work / "build.log",
-               env={"MAX_JOBS": os.environ.get("MAX_JOBS", "8")})
-    out = run_logged([sys.executable, "-c", "import torch, areal_mega._ops_cuda; "
-                      "print(torch.cuda.get_device_capability())"], work / "build_import.log")
+    run_logged(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        work / "build.log",
+        env={"MAX_JOBS": os.environ.get("MAX_JOBS", "8")},
+    )
+    out = run_logged(
+        [
+            sys.executable,
+            "-c",
+            "import torch, areal_mega._ops_cuda; print(torch.cuda.get_device_capability())",
+        ],
+        work / "build_import.log",
+    )
     step.figure = f"_ops_cuda imports (capability {out.strip().splitlines()[-1]})"
 
 
@@ -100,8 +119,18 @@ def step_doctor(step: Step, work: Path) -> None:
     report_path = work / "doctor.json"
     error = None
     try:
-        run_logged([sys.executable, "-m", "areal_mega.doctor", "--json-out", report_path,
-                    "--work", work / "doctor"], work / "doctor.log")
+        run_logged(
+            [
+                sys.executable,
+                "-m",
+                "areal_mega.doctor",
+                "--json-out",
+                report_path,
+                "--work",
+                work / "doctor",
+            ],
+            work / "doctor.log",
+        )
     except StepFailed as e:
         error = e
     rows = json.loads(report_path.read_text())["rows"] if report_path.exists() else []
@@ -111,44 +140,60 @@ def step_doctor(step: Step, work: Path) -> None:
     if error is not None:
         raise error
     skipped = [r["name"] for r in rows if r["status"] == "skip"]
-    step.figure = f"{len(rows)} rows pass" + (f", skipped: {', '.join(skipped)}" if skipped
-                                              else "")
+    step.figure = f"{len(rows)} rows pass" + (f", skipped: {', '.join(skipped)}" if skipped else "")
 
 
 def step_gpu_tests(step: Step, work: Path) -> None:
-    out = run_logged([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
-                      "-p", "no:cacheprovider"], work / "gpu_tests.log",
-                     env={"AREAL_MEGA_OPS_BACKEND": "native"}, timeout=3600)
-    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)",
-                                                      out))
+    out = run_logged(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider"],
+        work / "gpu_tests.log",
+        env={"AREAL_MEGA_OPS_BACKEND": "native"},
+        timeout=3600,
+    )
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out))
     step.figure = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no summary line"
 
 
 def step_bench(step: Step, work: Path) -> None:
     res_path = work / "kernels.json"
-    run_logged([sys.executable, "bench/kernels.py", "--device", "cuda", "--json-out",
-                res_path], work / "kernels.log")
+    run_logged(
+        [sys.executable, "bench/kernels.py", "--device", "cuda", "--json-out", res_path],
+        work / "kernels.log",
+    )
     r = json.loads(res_path.read_text())
-    step.figure = (f"copy {r['copy_gbps']:.0f} GB/s; logprob {r['logprob_fraction']:.2f}, "
-                   f"GAE {r['gae_fraction']:.2f} of it")
+    step.figure = (
+        f"copy {r['copy_gbps']:.0f} GB/s; logprob {r['logprob_fraction']:.2f}, "
+        f"GAE {r['gae_fraction']:.2f} of it"
+    )
 
 
 def step_prepare(step: Step, work: Path) -> None:
-    code = ("import sys; from areal_mega.demo import MODEL; "
-            "from areal_mega.models.tiny import make_tiny_model; "
-            "from areal_mega.data.synthetic import write_task_files; "
-            "w = sys.argv[1]; make_tiny_model(w + '/base_model', seed=1, **MODEL); "
-            "write_task_files(w + '/data', task='reverse', seed=1)")
-    run_logged([sys.executable, "-c", code, work], work / "prepare.log",
-               env={"CUDA_VISIBLE_DEVICES": ""})
+    code = (
+        "import sys; from areal_mega.demo import MODEL; "
+        "from areal_mega.models.tiny import make_tiny_model; "
+        "from areal_mega.data.synthetic import write_task_files; "
+        "w = sys.argv[1]; make_tiny_model(w + '/base_model', seed=1, **MODEL); "
+        "write_task_files(w + '/data', task='reverse', seed=1)"
+    )
+    run_logged(
+        [sys.executable, "-c", code, work], work / "prepare.log", env={"CUDA_VISIBLE_DEVICES": ""}
+    )
     step.figure = f"tiny model + task files under {work}"
 
 
 def _common(work: Path) -> List[str]:
-    return ["cluster.device=cuda", "cluster.n_gpus_per_node=1", "model.dtype=bf16",
-            f"data.train_path={work / 'data' / 'train.jsonl'}",
-            f"data.test_path={work / 'data' / 'test.jsonl'}", "logging.progress_bar=false",
-            "logging.tensorboard=false", "logging.plot=false", "recover=off", "seed=1"]
+    return [
+        "cluster.device=cuda",
+        "cluster.n_gpus_per_node=1",
+        "model.dtype=bf16",
+        f"data.train_path={work / 'data' / 'train.jsonl'}",
+        f"data.test_path={work / 'data' / 'test.jsonl'}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "recover=off",
+        "seed=1",
+    ]
 
 
 def _last_metrics(path: Path) -> List[dict]:
@@ -159,18 +204,38 @@ def _last_metrics(path: Path) -> List[dict]:
 
 def step_train(step: Step, work: Path) -> None:
     run_dir = work / "sft"
-    run_logged([sys.executable, "-m", "areal_mega.trainer", "--config", RECIPE, "mode=sft",
-                f"model.path={work / 'base_model'}", f"logging.run_dir={run_dir}",
-                "total_steps=5", "optimizer.lr=1e-3", "optimizer.warmup_steps=0",
-                "checkpoint.save_every=0", *_common(work)], work / "train_bf16.log",
-               env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                    "AREAL_MEGA_OPS_BACKEND": "native"})
+    run_logged(
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.trainer",
+            "--config",
+            RECIPE,
+            "mode=sft",
+            f"model.path={work / 'base_model'}",
+            f"logging.run_dir={run_dir}",
+            "total_steps=5",
+            "optimizer.lr=1e-3",
+            "optimizer.warmup_steps=0",
+            "checkpoint.save_every=0",
+            *_common(work),
+        ],
+        work / "train_bf16.log",
+        env={
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "AREAL_MEGA_OPS_BACKEND": "native",
+        },
+    )
     rows = _last_metrics(run_dir / "metrics.jsonl")
     if not rows:
         raise StepFailed(f"no metrics in {run_dir / 'metrics.jsonl'}")
     loss = [r.get("loss") for r in rows if r.get("loss") is not None]
-    step.figure = (f"{len(rows)} bf16 steps, loss {loss[0]:.3f} -> {loss[-1]:.3f}" if loss
-                   else f"{len(rows)} bf16 steps")
+    step.figure = (
+        f"{len(rows)} bf16 steps, loss {loss[0]:.3f} -> {loss[-1]:.3f}"
+        if loss
+        else f"{len(rows)} bf16 steps"
+    )
 
 
 def step_e2e(step: Step, work: Path) -> None:
@@ -180,9 +245,20 @@ def step_e2e(step: Step, work: Path) -> None:
     port = free_port()
     server_log = open(work / "e2e_server.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "areal_mega.inference.server", "--model-path", str(model),
-         "--port", str(port)], cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.inference.server",
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        stdout=server_log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     try:
         deadline, ready = time.time() + 180, tcp_ready("127.0.0.1", port)
         while time.time() < deadline and server.poll() is None:
@@ -192,11 +268,24 @@ def step_e2e(step: Step, work: Path) -> None:
         else:
             raise StepFailed(f"local rollout server did not start (log: {server_log.name})")
         run_dir = work / "rl"
-        run_logged([sys.executable, "-m", "areal_mega.launch.local", "--config", RECIPE,
-                    f"model.path={model}", f"logging.run_dir={run_dir}", "total_steps=6",
-                    "allocation=megatron:d1", f"rollout.server_addrs=127.0.0.1:{port}",
-                    "checkpoint.save_every=0", *_common(work)], work / "e2e_rl.log",
-                   env={"AREAL_MEGA_OPS_BACKEND": "native"})
+        run_logged(
+            [
+                sys.executable,
+                "-m",
+                "areal_mega.launch.local",
+                "--config",
+                RECIPE,
+                f"model.path={model}",
+                f"logging.run_dir={run_dir}",
+                "total_steps=6",
+                "allocation=megatron:d1",
+                f"rollout.server_addrs=127.0.0.1:{port}",
+                "checkpoint.save_every=0",
+                *_common(work),
+            ],
+            work / "e2e_rl.log",
+            env={"AREAL_MEGA_OPS_BACKEND": "native"},
+        )
     finally:
         server.terminate()
         try:
@@ -210,8 +299,9 @@ def step_e2e(step: Step, work: Path) -> None:
         raise StepFailed(f"no metrics in {work / 'rl' / 'metrics.jsonl'}")
     rew = [r.get("reward/mean", float("nan")) for r in rows]
     kl = rows[0].get("ppo_kl", rows[0].get("actor/ppo_kl"))
-    step.figure = (f"{len(rows)} RL steps, reward {rew[0]:.2f} -> {rew[-1]:.2f}"
-                   + (f", first ppo_kl {kl:.1e}" if isinstance(kl, (int, float)) else ""))
+    step.figure = f"{len(rows)} RL steps, reward {rew[0]:.2f} -> {rew[-1]:.2f}" + (
+        f", first ppo_kl {kl:.1e}" if isinstance(kl, (int, float)) else ""
+    )
 
 
 STEPS = [
@@ -242,8 +332,9 @@ def cuda_problem() -> Optional[str]:
     except ImportError:
         return NO_CUDA_MSG.format(torch="not importable", python=sys.executable)
     if torch.version.cuda is None or not torch.cuda.is_available():
-        return NO_CUDA_MSG.format(torch=f"{torch.__version__}, CUDA {torch.version.cuda}",
-                                  python=sys.executable)
+        return NO_CUDA_MSG.format(
+            torch=f"{torch.__version__}, CUDA {torch.version.cuda}", python=sys.executable
+        )
     return None
 
 

@@ -13,6 +13,7 @@ GPU box::
     python3 -m pip install --no-index --find-links .whl -r .whl/requirements.txt
     make gpu-check
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,16 +29,28 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 EXCLUDE = re.compile(r"^(torch|triton|nvidia-.*|pytorch-triton.*)$")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64", "linux_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "linux_x86_64",
+)
 
 
 def target_env(py: str) -> dict:
     """PEP 508 marker environment of the offline box (CPython ``py`` on x86_64 Linux)."""
-    return {"python_version": py, "python_full_version": f"{py}.0", "sys_platform": "linux",
-            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython",
-            "extra": ""}
+    return {
+        "python_version": py,
+        "python_full_version": f"{py}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
 
 
 def wheel_requires(path: Path, extras: set, env: dict) -> list:
@@ -48,8 +61,9 @@ def wheel_requires(path: Path, extras: set, env: dict) -> list:
     out = []
     for line in msg.get_all("Requires-Dist") or []:
         req = Requirement(line)
-        if req.marker is None or any(req.marker.evaluate(dict(env, extra=e))
-                                     for e in (extras or {""})):
+        if req.marker is None or any(
+            req.marker.evaluate(dict(env, extra=e)) for e in (extras or {""})
+        ):
             out.append(req)
     return out
 
@@ -64,15 +78,30 @@ def main(argv=None) -> int:
     dest = Path(args.dest).resolve()
     dest.mkdir(parents=True, exist_ok=True)
     env = target_env(args.python_version)
-    top = [Requirement(ln.split("#", 1)[0].strip())
-           for ln in Path(args.requirement).read_text().splitlines()
-           if ln.split("#", 1)[0].strip()]
+    top = [
+        Requirement(ln.split("#", 1)[0].strip())
+        for ln in Path(args.requirement).read_text().splitlines()
+        if ln.split("#", 1)[0].strip()
+    ]
     top = [r for r in top if not EXCLUDE.match(canonicalize_name(r.name))]
     (dest / "requirements.txt").write_text("".join(f"{r}\n" for r in top))
-    have: dict = {}          # canonical name -> (version, wheel path)
+    have: dict = {}  # canonical name -> (version, wheel path)
     queue, problems = list(top), []
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--python-version", args.python_version, "--implementation", "cp", "-d", str(dest)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--python-version",
+        args.python_version,
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+    ]
     for plat in PLATFORMS:
         pip += ["--platform", plat]
     while queue:
@@ -91,10 +120,12 @@ def main(argv=None) -> int:
             break
         proc = subprocess.run(pip + [str(r) for r in todo.values()])
         if proc.returncode != 0:
-            print(f"gpu_wheels: pip download failed for {[str(r) for r in todo.values()]}",
-                  file=sys.stderr)
+            print(
+                f"gpu_wheels: pip download failed for {[str(r) for r in todo.values()]}",
+                file=sys.stderr,
+            )
             return 1
-        for whl in dest.glob("*.whl"):   # pip may reuse a wheel already in dest
+        for whl in dest.glob("*.whl"):  # pip may reuse a wheel already in dest
             name, version, _, _ = parse_wheel_filename(whl.name)
             if name in todo and name not in have:
                 have[name] = (version, whl)
@@ -103,11 +134,15 @@ def main(argv=None) -> int:
         if missing:
             print(f"gpu_wheels: no wheel found for {missing}", file=sys.stderr)
             return 1
-    print(f"gpu_wheels: {len(have)} wheels in {dest} for CPython {args.python_version} "
-          "manylinux x86_64 (torch, triton and nvidia-* left to the GPU box)")
+    print(
+        f"gpu_wheels: {len(have)} wheels in {dest} for CPython {args.python_version} "
+        "manylinux x86_64 (torch, triton and nvidia-* left to the GPU box)"
+    )
     for msg in problems:
-        print(f"gpu_wheels: WARNING: requirement not satisfied by the chosen wheel: {msg}",
-              file=sys.stderr)
+        print(
+            f"gpu_wheels: WARNING: requirement not satisfied by the chosen wheel: {msg}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -5,6 +5,7 @@
 
 No network access: the tokenizer is built with `tokenizers`, the weights are random.
 """
+
 import argparse
 import dataclasses
 import sys
@@ -28,14 +29,23 @@ def main(argv=None):
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
-                           help=f"default {f.default}")
+            p.add_argument(
+                flag,
+                type=lambda s: s.lower() in ("1", "true", "yes"),
+                default=None,
+                help=f"default {f.default}",
+            )
         elif f.name == "charset":
             p.add_argument(flag, choices=sorted(CHARSETS), default=None)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), type(f.default))
-            kind = (int_range(INT_LO.get(f.name, 1)) if kind is int
-                    else float_range(0.0, lo_open=True) if kind is float else kind)
+            kind = (
+                int_range(INT_LO.get(f.name, 1))
+                if kind is int
+                else float_range(0.0, lo_open=True)
+                if kind is float
+                else kind
+            )
             p.add_argument(flag, type=kind, default=None, help=f"default {f.default}")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None and k not in ("out",)}

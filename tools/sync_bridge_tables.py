@@ -5,6 +5,7 @@ changed.
     python tools/sync_bridge_tables.py           # rewrite the file
     python tools/sync_bridge_tables.py --check   # exit 1 if the file differs from the bridge
 """
+
 import argparse
 import json
 import sys
@@ -18,8 +19,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     new = derive_tables()
     old = json.loads(SNAPSHOT.read_text()) if SNAPSHOT.exists() else {"families": {}}
-    changed = [mt for mt in sorted(set(new["families"]) | set(old["families"]))
-               if new["families"].get(mt) != old["families"].get(mt)]
+    changed = [
+        mt
+        for mt in sorted(set(new["families"]) | set(old["families"]))
+        if new["families"].get(mt) != old["families"].get(mt)
+    ]
     if old.get("megatron_bridge") != new["megatron_bridge"]:
         print(f"megatron-bridge {old.get('megatron_bridge')} -> {new['megatron_bridge']}")
     for mt in changed:
@@ -27,8 +31,7 @@ def main(argv=None) -> int:
     if args.check:
         return 1 if changed or old.get("megatron_bridge") != new["megatron_bridge"] else 0
     SNAPSHOT.write_text(json.dumps(new, indent=1) + "\n")
-    print(f"wrote {SNAPSHOT} ({len(new['families'])} families: "
-          f"{', '.join(new['families'])})")
+    print(f"wrote {SNAPSHOT} ({len(new['families'])} families: {', '.join(new['families'])})")
     return 0
 
 

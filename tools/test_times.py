@@ -77,8 +77,9 @@ def merged_table(table, record, root=ROOT):
 
 def write_table(table, path=TABLE):
     """Writes the table one test a line, sorted, rounded to 10 ms (small diffs on refresh)."""
-    lines = [f"{json.dumps(k)}: [{round(v[0], 2)}, {round(v[1], 2)}]"
-             for k, v in sorted(table.items())]
+    lines = [
+        f"{json.dumps(k)}: [{round(v[0], 2)}, {round(v[1], 2)}]" for k, v in sorted(table.items())
+    ]
     with open(path, "w") as f:
         f.write('{"tests": {\n' + ",\n".join(lines) + "\n}}\n")
 
@@ -279,17 +280,25 @@ def report(record, top=30, files=None, out=sys.stdout):
         w[0] += totals[k]
         w[1] = max(w[1], t.get("end", 0.0))
         w[2] += 1
-    print(f"{len(tests)} tests, {summed:.1f} s of test time, {record.get('wall_s', 0):.1f} s "
-          f"wall; args: {' '.join(record.get('args', []))}", file=out)
+    print(
+        f"{len(tests)} tests, {summed:.1f} s of test time, {record.get('wall_s', 0):.1f} s "
+        f"wall; args: {' '.join(record.get('args', []))}",
+        file=out,
+    )
     for name, (busy, end, n) in sorted(workers.items()):
-        print(f"  worker {name}: {n} tests, {busy:.1f} s busy, last test ended at {end:.1f} s",
-              file=out)
+        print(
+            f"  worker {name}: {n} tests, {busy:.1f} s busy, last test ended at {end:.1f} s",
+            file=out,
+        )
     print(f"\nslowest {top} tests (setup + call + teardown):", file=out)
     print(f"{'total s':>8} {'setup':>7} {'call':>7} {'tdown':>7}  test", file=out)
     for k in sorted(totals, key=totals.get, reverse=True)[:top]:
         t = tests[k]
-        print(f"{totals[k]:8.1f} {t.get('setup', 0):7.1f} {t.get('call', 0):7.1f} "
-              f"{t.get('teardown', 0):7.1f}  {k}", file=out)
+        print(
+            f"{totals[k]:8.1f} {t.get('setup', 0):7.1f} {t.get('call', 0):7.1f} "
+            f"{t.get('teardown', 0):7.1f}  {k}",
+            file=out,
+        )
     per_file = defaultdict(lambda: [0.0, 0])
     for k, s in totals.items():
         per_file[file_of(k)][0] += s
@@ -307,8 +316,14 @@ def main(argv=None):
     ap.add_argument("record", nargs="?", default=str(RECORD), help="default: %(default)s")
     ap.add_argument("--top", type=int, default=30, help="slowest tests to list (default 30)")
     ap.add_argument("--files", type=int, default=None, help="files to list (default: all)")
-    ap.add_argument("--update-table", nargs="?", const=str(TABLE), default=None, metavar="PATH",
-                    help="merge the record into the duration table (default: %(const)s)")
+    ap.add_argument(
+        "--update-table",
+        nargs="?",
+        const=str(TABLE),
+        default=None,
+        metavar="PATH",
+        help="merge the record into the duration table (default: %(const)s)",
+    )
     args = ap.parse_args(argv)
     try:
         record = load_record(args.record)

@@ -27,6 +27,7 @@ Where these conventions differ from verl and AReaL on purpose (singleton groups,
 ``scale·R + bias``, the capped overlong penalty) is stated at each function and, with the
 formulas and config keys, in docs/algorithms.md.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -44,8 +45,9 @@ EPS = 1e-6
 # ----------------------------------------------------------------------------- reward shaping
 
 
-def overlong_penalty(response_lens: Tensor, *, max_len: int, buffer: int,
-                     penalty: float = 1.0) -> Tensor:
+def overlong_penalty(
+    response_lens: Tensor, *, max_len: int, buffer: int, penalty: float = 1.0
+) -> Tensor:
     r"""DAPO soft overlong punishment, ≤ 0, per sequence [B].
 
     With L_exp = max_len − buffer:  0 for |y| ≤ L_exp;  −penalty·(|y| − L_exp)/buffer for
@@ -63,9 +65,14 @@ def overlong_penalty(response_lens: Tensor, *, max_len: int, buffer: int,
     return -penalty * ((lens - (max_len - buffer)) / buffer).clamp(0.0, 1.0)
 
 
-def shape_rewards(rewards: Tensor, cfg, *, response_lens: Optional[Tensor] = None,
-                  seq_no_eos: Optional[Tensor] = None,
-                  max_response_len: Optional[int] = None) -> Tensor:
+def shape_rewards(
+    rewards: Tensor,
+    cfg,
+    *,
+    response_lens: Optional[Tensor] = None,
+    seq_no_eos: Optional[Tensor] = None,
+    max_response_len: Optional[int] = None,
+) -> Tensor:
     r"""Shaped sequence rewards [B], in this order:
 
     R ← 0 where ``seq_no_eos`` (if ``zero_reward_without_eos``);
@@ -86,8 +93,12 @@ def shape_rewards(rewards: Tensor, cfg, *, response_lens: Optional[Tensor] = Non
     if cfg.overlong_buffer > 0:
         if response_lens is None or max_response_len is None:
             raise KeyError("the overlong penalty needs 'response_lens' and max_response_len")
-        r = r + overlong_penalty(response_lens, max_len=max_response_len,
-                                 buffer=cfg.overlong_buffer, penalty=cfg.overlong_penalty)
+        r = r + overlong_penalty(
+            response_lens,
+            max_len=max_response_len,
+            buffer=cfg.overlong_buffer,
+            penalty=cfg.overlong_penalty,
+        )
     r = cfg.reward_scale * r + cfg.reward_bias
     if cfg.reward_clip is not None:
         r = r.clamp(-cfg.reward_clip, cfg.reward_clip)
@@ -97,8 +108,14 @@ def shape_rewards(rewards: Tensor, cfg, *, response_lens: Optional[Tensor] = Non
 # ----------------------------------------------------------------------------- normalisation
 
 
-def group_normalize(rewards: Tensor, group_index: Tensor, *, use_std: bool = True,
-                    leave_one_out: bool = False, eps: float = EPS) -> Tensor:
+def group_normalize(
+    rewards: Tensor,
+    group_index: Tensor,
+    *,
+    use_std: bool = True,
+    leave_one_out: bool = False,
+    eps: float = EPS,
+) -> Tensor:
     r"""GRPO advantages per sequence [B], within each prompt group g of size n:
 
     baseline b_i = mean_g(R)   or, with ``leave_one_out`` (RLOO), mean of the *other* n−1
@@ -115,7 +132,8 @@ def group_normalize(rewards: Tensor, group_index: Tensor, *, use_std: bool = Tru
     _, gid = torch.unique(group_index, return_inverse=True)
     n_groups = int(gid.max()) + 1 if gid.numel() else 0
     count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add(
-        0, gid, torch.ones_like(r))
+        0, gid, torch.ones_like(r)
+    )
     mean = torch.zeros_like(count).index_add(0, gid, r) / count
     centred = r - mean[gid]
     n = count[gid]
@@ -128,15 +146,15 @@ def group_normalize(rewards: Tensor, group_index: Tensor, *, use_std: bool = Tru
     return torch.where(n > 1, centred, torch.zeros_like(centred))
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = EPS
-                  ) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = EPS) -> Tensor:
     r"""Batch normalisation over the masked entries: (x − mean) / (std + eps) with the unbiased
     std of the entries where ``mask`` is 1; 0 elsewhere. ``shift_mean=False`` only rescales."""
     m = mask.bool()
     vals = x[m]
     if vals.numel() < 2:
-        return torch.where(m, x - vals.mean() if shift_mean and vals.numel() else x,
-                           torch.zeros_like(x))
+        return torch.where(
+            m, x - vals.mean() if shift_mean and vals.numel() else x, torch.zeros_like(x)
+        )
     mean, std = vals.mean(), vals.std(unbiased=True)
     y = (x - mean if shift_mean else x) / (std + eps)
     return torch.where(m, y, torch.zeros_like(y))
@@ -159,14 +177,17 @@ def _packed_gae():
     try:
         from areal_mega.ops import packed_gae
     except ImportError as e:  # the kernels land in areal_mega.ops
-        raise NotImplementedError("adv_estimator gae/reinforce needs areal_mega.ops.packed_gae "
-                                  "(not available in this build)") from e
+        raise NotImplementedError(
+            "adv_estimator gae/reinforce needs areal_mega.ops.packed_gae "
+            "(not available in this build)"
+        ) from e
     return packed_gae
 
 
 @torch.no_grad()
-def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = None
-                       ) -> tuple[dict[str, Tensor], dict[str, float]]:
+def compute_advantages(
+    batch: dict, cfg, *, max_response_len: Optional[int] = None
+) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Advantages (and returns, for GAE) of a whole packed batch; see the module docstring.
 
     ``batch`` needs ``loss_mask``, ``cu_seqlens``, ``rewards``; ``group_index`` for group
@@ -183,10 +204,17 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
     cu = batch["cu_seqlens"]
     n_tokens = mask.shape[0]
     raw = batch["rewards"].to(torch.float32)
-    rewards = shape_rewards(raw, cfg, response_lens=batch.get("response_lens"),
-                            seq_no_eos=batch.get("seq_no_eos"), max_response_len=max_response_len)
-    stats: dict[str, float] = {"reward_mean": float(raw.mean()),
-                               "shaped_reward_mean": float(rewards.mean())}
+    rewards = shape_rewards(
+        raw,
+        cfg,
+        response_lens=batch.get("response_lens"),
+        seq_no_eos=batch.get("seq_no_eos"),
+        max_response_len=max_response_len,
+    )
+    stats: dict[str, float] = {
+        "reward_mean": float(raw.mean()),
+        "shaped_reward_mean": float(rewards.mean()),
+    }
     if batch.get("seq_no_eos") is not None:
         stats["no_eos_frac"] = float(batch["seq_no_eos"].float().mean())
     if cfg.overlong_buffer > 0 and max_response_len is not None:
@@ -199,17 +227,19 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
             raise KeyError("kl_in_reward needs 'ref_logprobs'")
         pol = batch.get("prox_logprobs")
         pol = batch["logprobs"] if pol is None else pol
-        kl = kl_estimate(pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask,
-                         clamp=cfg.kl_clamp)
+        kl = kl_estimate(
+            pol.float(), batch["ref_logprobs"].float(), cfg.kl_estimator, mask, clamp=cfg.kl_clamp
+        )
         kl_pen = -cfg.kl_coef * kl
-        if mask.any():      # a mean over no token is left out
+        if mask.any():  # a mean over no token is left out
             stats["kl_reward_mean"] = float(kl[mask].mean())
 
     def group_adv(r: Tensor) -> Tensor:
         if not cfg.group_norm:
             return r
-        return group_normalize(r, batch["group_index"], use_std=cfg.group_std,
-                               leave_one_out=cfg.leave_one_out)
+        return group_normalize(
+            r, batch["group_index"], use_std=cfg.group_std, leave_one_out=cfg.leave_one_out
+        )
 
     out: dict[str, Tensor] = {"shaped_rewards": rewards}
     if cfg.adv_estimator == "grpo":
@@ -217,30 +247,45 @@ def compute_advantages(batch: dict, cfg, *, max_response_len: Optional[int] = No
         adv = broadcast_to_tokens(group_adv(seq_r), cu, n_tokens)
     elif cfg.adv_estimator == "reinforce":
         tok_r = outcome_token_rewards(group_adv(rewards), mask, cu) + kl_pen
-        adv, _ = _packed_gae()(tok_r, torch.zeros_like(tok_r), cu, gamma=cfg.gamma, lam=1.0,
-                               loss_mask=mask)
+        adv, _ = _packed_gae()(
+            tok_r, torch.zeros_like(tok_r), cu, gamma=cfg.gamma, lam=1.0, loss_mask=mask
+        )
     elif cfg.adv_estimator == "gae":
         if batch.get("values") is None:
             raise KeyError("adv_estimator='gae' needs the critic's per-token 'values'")
         tok_r = outcome_token_rewards(rewards, mask, cu) + kl_pen
-        adv, returns = _packed_gae()(tok_r, batch["values"].float(), cu, gamma=cfg.gamma,
-                                     lam=cfg.lam, bootstrap_values=batch.get("bootstrap_values"),
-                                     loss_mask=mask)
+        adv, returns = _packed_gae()(
+            tok_r,
+            batch["values"].float(),
+            cu,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            bootstrap_values=batch.get("bootstrap_values"),
+            loss_mask=mask,
+        )
         out["returns"] = returns
     elif cfg.adv_estimator in ESTIMATORS:
         adv = estimator_advantages(
-            cfg.adv_estimator, rewards + segment_sum(kl_pen, cu),
-            outcome_token_rewards(rewards, mask, cu) + kl_pen, mask, cu,
-            batch.get("group_index"), gamma=cfg.gamma, use_std=cfg.group_std)
+            cfg.adv_estimator,
+            rewards + segment_sum(kl_pen, cu),
+            outcome_token_rewards(rewards, mask, cu) + kl_pen,
+            mask,
+            cu,
+            batch.get("group_index"),
+            gamma=cfg.gamma,
+            use_std=cfg.group_std,
+        )
     else:
-        raise ValueError(f"adv_estimator {cfg.adv_estimator!r}: must be grpo, reinforce, gae "
-                         f"or one of {ESTIMATORS}")
+        raise ValueError(
+            f"adv_estimator {cfg.adv_estimator!r}: must be grpo, reinforce, gae "
+            f"or one of {ESTIMATORS}"
+        )
     if cfg.batch_norm:
         adv = masked_whiten(adv, mask)
     adv = torch.where(mask, adv, torch.zeros_like(adv))
     out["advantages"] = adv
     vals = adv[mask]
-    if vals.numel():        # undefined over no token (std: over fewer than two): left out
+    if vals.numel():  # undefined over no token (std: over fewer than two): left out
         stats["advantage_mean"] = float(vals.mean())
     if vals.numel() > 1:
         stats["advantage_std"] = float(vals.std())

@@ -43,6 +43,7 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
 Fields computed after planning are attached with :meth:`PackedBatch.with_fields`, which returns
 a new batch (the planned one is never mutated) and checks every per-token tensor has length T.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,12 +57,31 @@ from torch import Tensor
 __all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
 
 #: Per-token [T] fields (next-token layout).
-TOKEN_FIELDS = ("input_ids", "position_ids", "segment_ids", "labels", "loss_mask", "logprobs",
-                "versions", "advantages", "prox_logprobs", "ref_logprobs", "teacher_logprobs",
-                "values", "returns")
+TOKEN_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "segment_ids",
+    "labels",
+    "loss_mask",
+    "logprobs",
+    "versions",
+    "advantages",
+    "prox_logprobs",
+    "ref_logprobs",
+    "teacher_logprobs",
+    "values",
+    "returns",
+)
 #: Fields that may be attached to a planned batch with :meth:`PackedBatch.with_fields`.
-ATTACHABLE_FIELDS = ("prox_logprobs", "ref_logprobs", "teacher_logprobs", "policy_version",
-                     "values", "returns", "advantages")
+ATTACHABLE_FIELDS = (
+    "prox_logprobs",
+    "ref_logprobs",
+    "teacher_logprobs",
+    "policy_version",
+    "values",
+    "returns",
+    "advantages",
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,11 +112,11 @@ class PackedBatch(Mapping):
     group_ids: list
     prox_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
-    teacher_logprobs: Optional[Tensor] = None   # on-policy distillation's teacher (OPD)
+    teacher_logprobs: Optional[Tensor] = None  # on-policy distillation's teacher (OPD)
     policy_version: Optional[int] = None
-    values: Optional[Tensor] = None      # the critic's, with a critic (GAE)
-    returns: Optional[Tensor] = None     # GAE returns, the value loss's targets
-    routed_experts: Optional[Tensor] = None   # rollout MoE routes [T, layers, topk] (R3)
+    values: Optional[Tensor] = None  # the critic's, with a critic (GAE)
+    returns: Optional[Tensor] = None  # GAE returns, the value loss's targets
+    routed_experts: Optional[Tensor] = None  # rollout MoE routes [T, layers, topk] (R3)
 
     def __post_init__(self):
         t = int(self.input_ids.shape[0])
@@ -104,20 +124,35 @@ class PackedBatch(Mapping):
         for name in TOKEN_FIELDS:
             v = getattr(self, name)
             if v is not None and tuple(v.shape) != (t,):
-                raise ValueError(f"PackedBatch: per-token field {name!r} has shape "
-                                 f"{tuple(v.shape)}, expected ({t},) like input_ids")
+                raise ValueError(
+                    f"PackedBatch: per-token field {name!r} has shape "
+                    f"{tuple(v.shape)}, expected ({t},) like input_ids"
+                )
         r = self.routed_experts
         if r is not None and (r.dim() != 3 or int(r.shape[0]) != t):
-            raise ValueError(f"PackedBatch: 'routed_experts' has shape {tuple(r.shape)}, "
-                             f"expected ({t}, layers, topk) like input_ids")
-        for name in ("rewards", "seqlens", "prompt_lens", "response_lens", "min_versions",
-                     "finish_codes", "seq_no_eos", "group_index", "sample_ids", "group_ids"):
+            raise ValueError(
+                f"PackedBatch: 'routed_experts' has shape {tuple(r.shape)}, "
+                f"expected ({t}, layers, topk) like input_ids"
+            )
+        for name in (
+            "rewards",
+            "seqlens",
+            "prompt_lens",
+            "response_lens",
+            "min_versions",
+            "finish_codes",
+            "seq_no_eos",
+            "group_index",
+            "sample_ids",
+            "group_ids",
+        ):
             if len(getattr(self, name)) != b:
-                raise ValueError(f"PackedBatch: per-sequence field {name!r} has "
-                                 f"{len(getattr(self, name))} entries, expected B={b}")
+                raise ValueError(
+                    f"PackedBatch: per-sequence field {name!r} has "
+                    f"{len(getattr(self, name))} entries, expected B={b}"
+                )
         if tuple(self.cu_seqlens_padded.shape) != (b + 1,):
-            raise ValueError("PackedBatch: cu_seqlens_padded must have B+1 entries like "
-                             "cu_seqlens")
+            raise ValueError("PackedBatch: cu_seqlens_padded must have B+1 entries like cu_seqlens")
 
     @classmethod
     def from_packed(cls, packed: dict) -> "PackedBatch":
@@ -127,16 +162,22 @@ class PackedBatch(Mapping):
         :func:`~areal_mega.algo.packing.with_algo_fields` does. Fields of ``packed`` not
         declared here, or required ones missing from it, raise a ValueError naming them."""
         from areal_mega.algo.packing import with_algo_fields
+
         full = with_algo_fields(packed)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(full) - names - {"token_keys"}
         if unknown:
             raise ValueError(f"PackedBatch: undeclared packed fields {sorted(unknown)}")
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in full
-                   and f.default is dataclasses.MISSING]
+        missing = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in full and f.default is dataclasses.MISSING
+        ]
         if missing:
-            raise ValueError(f"PackedBatch: packed batch lacks the fields {missing} (labels "
-                             "come from train.batches.next_token_layout)")
+            raise ValueError(
+                f"PackedBatch: packed batch lacks the fields {missing} (labels "
+                "come from train.batches.next_token_layout)"
+            )
         return cls(**{k: v for k, v in full.items() if k in names})
 
     def with_fields(self, **fields: Any) -> "PackedBatch":
@@ -144,10 +185,14 @@ class PackedBatch(Mapping):
         converted with ``torch.as_tensor`` and shape-checked. ``self`` is left unchanged."""
         bad = set(fields) - set(ATTACHABLE_FIELDS)
         if bad:
-            raise ValueError(f"PackedBatch.with_fields: {sorted(bad)} cannot be attached "
-                             f"(attachable: {list(ATTACHABLE_FIELDS)})")
-        conv = {k: (v if k == "policy_version" or isinstance(v, Tensor) else torch.as_tensor(v))
-                for k, v in fields.items()}
+            raise ValueError(
+                f"PackedBatch.with_fields: {sorted(bad)} cannot be attached "
+                f"(attachable: {list(ATTACHABLE_FIELDS)})"
+            )
+        conv = {
+            k: (v if k == "policy_version" or isinstance(v, Tensor) else torch.as_tensor(v))
+            for k, v in fields.items()
+        }
         return dataclasses.replace(self, **conv)
 
     @property

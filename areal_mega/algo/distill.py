@@ -13,6 +13,7 @@ advantages with it; ``mode="add"`` adds it to the outcome advantages (GRPO, PPO,
 ``algorithm.adv_estimator`` gave them). Non-loss tokens (prompt, padding, tool output) get 0.
 Pure tensor functions: no engine, no distributed state.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,15 @@ __all__ = ["OPD_MODES", "opd_advantages", "reverse_kl_sums"]
 OPD_MODES = ("off", "pure", "add")
 
 
-def opd_advantages(advantages: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor,
-                   loss_mask: Tensor, *, mode: str, coef: float = 1.0) -> Tensor:
+def opd_advantages(
+    advantages: Tensor,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    mode: str,
+    coef: float = 1.0,
+) -> Tensor:
     """The per-token advantages with the OPD term applied (a new tensor; inputs untouched).
 
     All tensors are ``[T]`` in one layout (the packed next-token layout in the trainer).
@@ -36,8 +44,7 @@ def opd_advantages(advantages: Tensor, student_logprobs: Tensor, teacher_logprob
     shapes."""
     if mode not in OPD_MODES:
         raise ValueError(f"opd mode must be one of {OPD_MODES}, got {mode!r}")
-    shapes = {tuple(t.shape) for t in (advantages, student_logprobs, teacher_logprobs,
-                                       loss_mask)}
+    shapes = {tuple(t.shape) for t in (advantages, student_logprobs, teacher_logprobs, loss_mask)}
     if len(shapes) != 1:
         raise ValueError(f"opd_advantages: tensors of different shapes {sorted(shapes)}")
     dtype = torch.promote_types(advantages.dtype, torch.float32)
@@ -49,12 +56,14 @@ def opd_advantages(advantages: Tensor, student_logprobs: Tensor, teacher_logprob
     return torch.where(mask, base + term, torch.zeros_like(term))
 
 
-def reverse_kl_sums(student_logprobs: Tensor, teacher_logprobs: Tensor, loss_mask: Tensor
-                    ) -> Tensor:
+def reverse_kl_sums(
+    student_logprobs: Tensor, teacher_logprobs: Tensor, loss_mask: Tensor
+) -> Tensor:
     """``[Σ_t (student − teacher), Σ_t |student − teacher|, n]`` over the loss tokens, in fp64:
     the sums behind ``opd/reverse_kl`` (their mean per loss token) and ``opd/abs_log_ratio``,
     to be added over micro-batches and DP ranks before dividing."""
     mask = loss_mask.bool()
     diff = (student_logprobs.double() - teacher_logprobs.double())[mask]
-    return torch.stack([diff.sum(), diff.abs().sum(),
-                        torch.tensor(float(mask.sum()), dtype=torch.float64)])
+    return torch.stack(
+        [diff.sum(), diff.abs().sum(), torch.tensor(float(mask.sum()), dtype=torch.float64)]
+    )

@@ -19,6 +19,7 @@ returns-to-go of ``reinforce_plus_plus`` run over the loss tokens in order, skip
 loss mask 0 as ``areal_mega.ops.packed_gae`` does (verl restarts the sum at every masked token;
 the two agree when each sequence's loss tokens are contiguous).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,9 +35,17 @@ SEQUENCE_ESTIMATORS = ("rloo", "opo", "grpo_passk")
 TOKEN_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 ESTIMATORS = SEQUENCE_ESTIMATORS + TOKEN_ESTIMATORS
 
-__all__ = ["ESTIMATORS", "discounted_returns", "estimator_advantages", "grpo_passk_advantages",
-           "opo_advantages", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages",
-           "rloo_advantages", "whiten_like_verl"]
+__all__ = [
+    "ESTIMATORS",
+    "discounted_returns",
+    "estimator_advantages",
+    "grpo_passk_advantages",
+    "opo_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "whiten_like_verl",
+]
 
 
 def _float(x: Tensor) -> Tensor:
@@ -81,8 +90,9 @@ def opo_advantages(rewards: Tensor, group_index: Tensor, lengths: Tensor) -> Ten
     return torch.where(count[gid] > 1, r - base[gid], torch.zeros_like(r))
 
 
-def grpo_passk_advantages(rewards: Tensor, group_index: Tensor, *, use_std: bool = True,
-                          eps: float = EPS) -> Tensor:
+def grpo_passk_advantages(
+    rewards: Tensor, group_index: Tensor, *, use_std: bool = True, eps: float = EPS
+) -> Tensor:
     r"""GRPO pass@k (verl ``grpo_passk``): the group's best sequence gets r_max − r_second
     (divided by std_g R + ``eps``, unbiased std, when ``use_std``), every other sequence 0; a
     maximum shared by several sequences gives 0 to all. A singleton group gets 0 (verl raises:
@@ -119,12 +129,13 @@ def whiten_like_verl(x: Tensor, mask: Tensor) -> Tensor:
     if int(m.sum()) < 2:
         return torch.where(m, x - mean, torch.zeros_like(x))
     dev = torch.where(m, x - mean, torch.zeros_like(x))
-    var = (dev ** 2).sum() / (n + WHITEN_EPS) * n / (n - 1)
+    var = (dev**2).sum() / (n + WHITEN_EPS) * n / (n - 1)
     return torch.where(m, (x - mean) * torch.rsqrt(var + WHITEN_EPS), torch.zeros_like(x))
 
 
-def discounted_returns(token_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
-                       gamma: float) -> Tensor:
+def discounted_returns(
+    token_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *, gamma: float
+) -> Tensor:
     r"""G_t = r_t + γ·G_{t'} over the loss tokens of each sequence in order (t' the next loss
     token of the same sequence, G = 0 past its last one); tokens with loss mask 0 and padding
     get 0 and their rewards are ignored. Same numbers as ``packed_gae`` with V = 0, λ = 1, in
@@ -147,16 +158,18 @@ def discounted_returns(token_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Ten
     return out
 
 
-def reinforce_pp_advantages(token_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *,
-                            gamma: float) -> Tensor:
+def reinforce_pp_advantages(
+    token_rewards: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, *, gamma: float
+) -> Tensor:
     r"""REINFORCE++ (verl ``reinforce_plus_plus``): :func:`discounted_returns` whitened over
     every loss token of the batch (:func:`whiten_like_verl`), 0 off the loss mask. [T]."""
     returns = discounted_returns(token_rewards, loss_mask, cu_seqlens, gamma=gamma)
     return whiten_like_verl(returns, loss_mask)
 
 
-def reinforce_pp_baseline_advantages(rewards: Tensor, group_index: Tensor, loss_mask: Tensor,
-                                     cu_seqlens: Tensor) -> Tensor:
+def reinforce_pp_baseline_advantages(
+    rewards: Tensor, group_index: Tensor, loss_mask: Tensor, cu_seqlens: Tensor
+) -> Tensor:
     r"""REINFORCE++-baseline (verl ``reinforce_plus_plus_baseline``): R_i − mean_g R (0 for a
     singleton; verl keeps R_i) on every loss token of i, then whitened over all loss tokens of
     the batch (:func:`whiten_like_verl`; longer sequences weigh more). Returns [T]."""
@@ -166,9 +179,17 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, group_index: Tensor, loss_
     return whiten_like_verl(per_tok, loss_mask)
 
 
-def estimator_advantages(name: str, seq_rewards: Tensor, token_rewards: Tensor, loss_mask: Tensor,
-                         cu_seqlens: Tensor, group_index: Optional[Tensor], *,
-                         gamma: float = 1.0, use_std: bool = True) -> Tensor:
+def estimator_advantages(
+    name: str,
+    seq_rewards: Tensor,
+    token_rewards: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    group_index: Optional[Tensor],
+    *,
+    gamma: float = 1.0,
+    use_std: bool = True,
+) -> Tensor:
     """Per-token advantages [T] (0 off the loss mask) of one of :data:`ESTIMATORS`.
 
     ``seq_rewards`` [B] are the outcome rewards R_i (already including any per-token reward

@@ -8,6 +8,7 @@ its zero advantage in :func:`~areal_mega.algo.advantages.group_normalize`. verl'
 keeps singleton groups (its rule is "std > 0 or a single sample"); AReaL has no built-in group
 filter (a workflow's ``should_accept_fn`` decides). See docs/algorithms.md.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,9 @@ from torch import Tensor
 from areal_mega.algo.packing import select_sequences
 
 
-def uniform_groups(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
-                   ) -> tuple[Tensor, Tensor]:
+def uniform_groups(
+    rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
+) -> tuple[Tensor, Tensor]:
     """``(keep [B] bool, uniform_group [G] bool)``: a group is uniform when
     max − min of its rewards ≤ ``tol``; ``keep`` is False on every sequence of such a group.
     A singleton group is uniform. Groups are numbered by ``torch.unique(group_index)``
@@ -26,16 +28,15 @@ def uniform_groups(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
     _, gid = torch.unique(group_index, return_inverse=True)
     n_groups = int(gid.max()) + 1 if gid.numel() else 0
     gid = gid.to(r.device)
-    hi = torch.full((n_groups,), -float("inf"), device=r.device).scatter_reduce(0, gid, r,
-                                                                                "amax")
-    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, gid, r,
-                                                                               "amin")
+    hi = torch.full((n_groups,), -float("inf"), device=r.device).scatter_reduce(0, gid, r, "amax")
+    lo = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, gid, r, "amin")
     uniform = (hi - lo) <= tol
     return ~uniform[gid], uniform
 
 
-def group_filter(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
-                 ) -> tuple[Tensor, dict[str, float]]:
+def group_filter(
+    rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
+) -> tuple[Tensor, dict[str, float]]:
     """``(keep [B] bool, stats)`` of the uniform-group rule over per-sequence ``rewards`` and
     their ``group_index``: what :func:`dynamic_filter` (packed batch) and
     :func:`~areal_mega.algo.trajectories.filter_trajectories` (trajectory list) both apply.
@@ -47,22 +48,26 @@ def group_filter(rewards: Tensor, group_index: Tensor, *, tol: float = 0.0
     _, gid = torch.unique(group_index, return_inverse=True)
     n_groups = uniform.numel()
     group_value = torch.full((n_groups,), 0.0, device=r.device).scatter_reduce(
-        0, gid.to(r.device), r, "amax", include_self=False)
+        0, gid.to(r.device), r, "amax", include_self=False
+    )
     stats = {
         "groups": float(n_groups),
         "uniform_groups": float(uniform.sum()),
         "uniform_all_max_groups": float((uniform & (group_value >= r.max() - tol)).sum())
-        if n_groups else 0.0,
+        if n_groups
+        else 0.0,
         "uniform_all_min_groups": float((uniform & (group_value <= r.min() + tol)).sum())
-        if n_groups else 0.0,
+        if n_groups
+        else 0.0,
     }
-    if n_groups:            # a fraction of no group is left out
+    if n_groups:  # a fraction of no group is left out
         stats["uniform_group_frac"] = float(uniform.float().mean())
     return keep, stats
 
 
-def dynamic_filter(batch: dict, enabled: bool = True, *, rewards: Tensor | None = None,
-                   tol: float = 0.0) -> tuple[dict, dict[str, float]]:
+def dynamic_filter(
+    batch: dict, enabled: bool = True, *, rewards: Tensor | None = None, tol: float = 0.0
+) -> tuple[dict, dict[str, float]]:
     """Drop the sequences of uniform-reward groups from a packed batch (when ``enabled``).
 
     ``rewards`` defaults to ``batch["rewards"]`` (pass shaped rewards to filter on those).

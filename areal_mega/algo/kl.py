@@ -18,6 +18,7 @@ clamped token gets no KL gradient. k1 and k2 are never clamped. This is verl's c
 log ratio itself is also bounded to ±``MAX_LOG_RATIO`` before ``exp`` (as verl does), so the
 unclamped value stays finite.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,14 @@ MAX_LOG_RATIO = 20.0
 CLAMPED_ESTIMATORS = ("k3",)
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3",
-                loss_mask: Optional[Tensor] = None, *, clamp: Optional[float] = None) -> Tensor:
+def kl_estimate(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: str = "k3",
+    loss_mask: Optional[Tensor] = None,
+    *,
+    clamp: Optional[float] = None,
+) -> Tensor:
     """Per-token estimate of KL(π ‖ π_ref); 0 where ``loss_mask`` is 0. Returns [T].
 
     ``logprobs`` are log π(y_t), ``ref_logprobs`` log π_ref(y_t), same shape. ``clamp`` (a

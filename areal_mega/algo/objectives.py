@@ -28,6 +28,7 @@ term for term, see tests/test_algo_objectives.py): the decoupled weight π_prox/
 whenever ``decoupled`` (verl: only when given ``rollout_is_weights``), and the loss is aggregated
 with ``loss_agg`` for both (verl's SAPO always uses seq-mean-token-mean = our ``seq_mean``).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,8 +39,14 @@ from torch import Tensor
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
 
 
-def cispo_surrogate(logprobs: Tensor, ratio: Tensor, advantages: Tensor, *, eps_low: float,
-                    eps_high: Optional[float] = None) -> tuple[Tensor, Tensor]:
+def cispo_surrogate(
+    logprobs: Tensor,
+    ratio: Tensor,
+    advantages: Tensor,
+    *,
+    eps_low: float,
+    eps_high: Optional[float] = None,
+) -> tuple[Tensor, Tensor]:
     """CISPO per-token loss − sg(clip(r, 1 − ε_low, 1 + ε_high)) · A · log π_θ.
 
     ``logprobs`` are π_θ's (differentiable); ``ratio`` is only used detached. ``eps_high`` None
@@ -57,8 +64,7 @@ def sapo_gate(ratio: Tensor, tau: Tensor) -> Tensor:
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-def sapo_surrogate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float
-                   ) -> Tensor:
+def sapo_surrogate(ratio: Tensor, advantages: Tensor, *, tau_pos: float, tau_neg: float) -> Tensor:
     """SAPO per-token loss − f_τ(r) · A with τ = ``tau_pos`` where A > 0, else ``tau_neg``;
     differentiable through ``ratio``."""
     if tau_pos <= 0 or tau_neg <= 0:

@@ -4,6 +4,7 @@ Conventions (see the design doc): ``cu_seqlens`` int32 [B+1] marks sequence b as
 ``cu_seqlens[b] : cu_seqlens[b+1]``; tokens past ``cu_seqlens[-1]`` are padding (loss_mask 0).
 Per-sequence fields have length B; every other tensor whose first dimension is T is per-token.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -14,10 +15,22 @@ from torch import Tensor
 from areal_mega.dataplane.trajectory import FINISH_REASONS
 
 #: Per-sequence [B] fields of a packed batch (everything else with a leading T is per-token).
-PER_SEQUENCE_KEYS = frozenset({
-    "rewards", "group_index", "seq_no_eos", "prompt_lens", "response_lens", "sample_ids",
-    "group_ids", "bootstrap_values", "seqlens", "min_versions", "finish_codes", "shaped_rewards",
-})
+PER_SEQUENCE_KEYS = frozenset(
+    {
+        "rewards",
+        "group_index",
+        "seq_no_eos",
+        "prompt_lens",
+        "response_lens",
+        "sample_ids",
+        "group_ids",
+        "bootstrap_values",
+        "seqlens",
+        "min_versions",
+        "finish_codes",
+        "shaped_rewards",
+    }
+)
 
 
 def token_seq_ids(cu_seqlens: Tensor, n_tokens: int) -> Tensor:
@@ -41,8 +54,9 @@ def segment_sum(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     return out[:n_seqs]
 
 
-def broadcast_to_tokens(per_seq: Tensor, cu_seqlens: Tensor, n_tokens: int,
-                        pad_value: float = 0.0) -> Tensor:
+def broadcast_to_tokens(
+    per_seq: Tensor, cu_seqlens: Tensor, n_tokens: int, pad_value: float = 0.0
+) -> Tensor:
     """``out[t] = per_seq[b]`` for every token t of sequence b; padding gets ``pad_value``.
     Differentiable w.r.t. ``per_seq``. Returns [T]."""
     ids = token_seq_ids(cu_seqlens, n_tokens).to(per_seq.device)
@@ -78,19 +92,22 @@ def select_sequences(batch: dict, index: Sequence[int] | Tensor) -> dict:
     new_cu[1:] = torch.cumsum(lengths, 0)
     # token positions in the old batch, sequence by sequence
     offsets = torch.arange(int(new_cu[-1]), device=cu.device) - torch.repeat_interleave(
-        new_cu[:-1], lengths)
+        new_cu[:-1], lengths
+    )
     tok = torch.repeat_interleave(starts, lengths) + offsets
     cu_padded = batch.get("cu_seqlens_padded")
     if cu_padded is not None and not torch.equal(cu_padded.to(torch.long), cu):
-        raise ValueError("select_sequences: per-sequence (context-parallel) slot padding is "
-                         "not supported; select before CP padding")
+        raise ValueError(
+            "select_sequences: per-sequence (context-parallel) slot padding is "
+            "not supported; select before CP padding"
+        )
     out: dict = {}
     for key, value in batch.items():
         if key in ("cu_seqlens", "cu_seqlens_padded"):
             out[key] = new_cu.to(value.dtype)
         elif key in ("max_seqlen", "max_seqlen_padded"):
             out[key] = int(lengths.max()) if lengths.numel() else 0
-        elif key == "segment_ids":   # the scheduler's sequence index per token
+        elif key == "segment_ids":  # the scheduler's sequence index per token
             out[key] = token_seq_ids(new_cu, int(new_cu[-1])).to(value.dtype)
         elif key in PER_SEQUENCE_KEYS and isinstance(value, (list, tuple)):
             out[key] = [value[i] for i in idx.tolist()]
@@ -101,8 +118,10 @@ def select_sequences(batch: dict, index: Sequence[int] | Tensor) -> dict:
         elif value.shape[0] == n_tokens:
             out[key] = value[tok.to(value.device)]
         else:
-            raise ValueError(f"select_sequences: field {key!r} has leading dim "
-                             f"{value.shape[0]}, neither T={n_tokens} nor a per-sequence key")
+            raise ValueError(
+                f"select_sequences: field {key!r} has leading dim "
+                f"{value.shape[0]}, neither T={n_tokens} nor a per-sequence key"
+            )
     return out
 
 

@@ -45,6 +45,7 @@ CP ranks, every per-sequence sum goes through ``seq_reduce`` = ``cp_shard.sum`` 
 CP), and per-sequence statistics are reported by the owner rank only. Every tensor input must be
 on the device of ``logprobs`` (checked: mixing devices raises a ValueError naming the field).
 """
+
 from __future__ import annotations
 
 import math
@@ -86,9 +87,11 @@ def check_devices(logprobs: Tensor, mb: dict, keys, entropy: Optional[Tensor] = 
     fields = [(k, mb.get(k)) for k in keys] + [("entropy", entropy)]
     for key, value in fields:
         if isinstance(value, Tensor) and value.device != logprobs.device:
-            raise ValueError(f"loss input {key!r} is on {value.device} but logprobs are on "
-                             f"{logprobs.device}: the micro-batch must be on the compute device "
-                             "(see areal_mega.engine.loss_context.loss_view)")
+            raise ValueError(
+                f"loss input {key!r} is on {value.device} but logprobs are on "
+                f"{logprobs.device}: the micro-batch must be on the compute device "
+                "(see areal_mega.engine.loss_context.loss_view)"
+            )
 
 
 def _exp(log_x: Tensor) -> Tensor:
@@ -103,9 +106,14 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- building blocks
 
 
-def ppo_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
-              cu_seqlens: Optional[Tensor] = None, level: str = "token",
-              seq_reduce: SeqReduce = None) -> Tensor:
+def ppo_ratio(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Optional[Tensor] = None,
+    level: str = "token",
+    seq_reduce: SeqReduce = None,
+) -> Tensor:
     r"""Policy ratio per token, differentiable w.r.t. ``logprobs``; 1 where ``loss_mask`` is 0.
 
     ``token``: r_t = exp(logπ_θ − logπ_old).
@@ -127,10 +135,17 @@ def ppo_ratio(logprobs: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
 
 
 @torch.no_grad()
-def behav_importance_weight(prox_logprobs: Tensor, logprobs: Tensor, loss_mask: Tensor,
-                            cu_seqlens: Optional[Tensor] = None, *, cap: Optional[float] = None,
-                            level: str = "token", mode: str = "mask",
-                            seq_reduce: SeqReduce = None) -> tuple[Tensor, Tensor, Tensor]:
+def behav_importance_weight(
+    prox_logprobs: Tensor,
+    logprobs: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Optional[Tensor] = None,
+    *,
+    cap: Optional[float] = None,
+    level: str = "token",
+    mode: str = "mask",
+    seq_reduce: SeqReduce = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     r"""Importance weight of the proximal against the behaviour policy (no gradient);
     ``logprobs`` are the behaviour logprobs (the batch's ``logprobs``).
 
@@ -155,8 +170,9 @@ def behav_importance_weight(prox_logprobs: Tensor, logprobs: Tensor, loss_mask: 
             raise ValueError(f"imp_weight_level={level!r} needs cu_seqlens")
         log_w = _total(segment_sum(d, cu_seqlens), seq_reduce)
         if level == "geometric":
-            log_w = log_w / _total(segment_sum(mask.to(d.dtype), cu_seqlens),
-                                   seq_reduce).clamp_min(1.0)
+            log_w = log_w / _total(segment_sum(mask.to(d.dtype), cu_seqlens), seq_reduce).clamp_min(
+                1.0
+            )
         d = _masked(broadcast_to_tokens(log_w, cu_seqlens, d.shape[0]), mask)
     elif level != "token":
         raise ValueError(f"imp_weight_level {level!r}: must be token, sequence or geometric")
@@ -171,9 +187,14 @@ def behav_importance_weight(prox_logprobs: Tensor, logprobs: Tensor, loss_mask: 
     raise ValueError(f"imp_weight_mode {mode!r}: must be 'mask' or 'clamp'")
 
 
-def clipped_surrogate(ratio: Tensor, advantages: Tensor, *, eps_low: float,
-                      eps_high: Optional[float] = None, dual_clip_c: Optional[float] = None
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+def clipped_surrogate(
+    ratio: Tensor,
+    advantages: Tensor,
+    *,
+    eps_low: float,
+    eps_high: Optional[float] = None,
+    dual_clip_c: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     r"""PPO clipped surrogate loss per token (to be minimised).
 
     ℓ = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)); with dual clip c > 1, ℓ = min(ℓ, −c·A) where
@@ -208,8 +229,14 @@ def loss_denominator(loss_mask: Tensor, cu_seqlens: Tensor, loss_agg: str) -> Te
     raise ValueError(f"loss_agg {loss_agg!r}: must be one of {LOSS_AGGS}")
 
 
-def aggregate_loss(token_loss: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, loss_agg: str,
-                   norm_len: Optional[float] = None, seq_reduce: SeqReduce = None) -> Tensor:
+def aggregate_loss(
+    token_loss: Tensor,
+    loss_mask: Tensor,
+    cu_seqlens: Tensor,
+    loss_agg: str,
+    norm_len: Optional[float] = None,
+    seq_reduce: SeqReduce = None,
+) -> Tensor:
     r"""This micro-batch's numerator; the loss is Σ_mb numerator / Σ_{mb,dp} denominator.
 
     ``token_mean``:   Σ_t m_t L_t                   / Σ_t m_t          (mean over all tokens)
@@ -228,37 +255,55 @@ def aggregate_loss(token_loss: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, lo
         return (segment_sum(tl, cu_seqlens) / n_tok).sum()
     if loss_agg == "seq_sum_norm":
         if not norm_len or norm_len <= 0:
-            raise ValueError("loss_agg='seq_sum_norm' needs a positive norm_len "
-                             "(algorithm.loss_norm_len or rollout.max_new_tokens)")
+            raise ValueError(
+                "loss_agg='seq_sum_norm' needs a positive norm_len "
+                "(algorithm.loss_norm_len or rollout.max_new_tokens)"
+            )
         return tl.sum() / float(norm_len)
     raise ValueError(f"loss_agg {loss_agg!r}: must be one of {LOSS_AGGS}")
 
 
-def policy_objective(objective: str, logprobs: Tensor, ratio: Tensor, advantages: Tensor, cfg
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+def policy_objective(
+    objective: str, logprobs: Tensor, ratio: Tensor, advantages: Tensor, cfg
+) -> tuple[Tensor, Tensor, Tensor]:
     """The per-token loss of ``algorithm.policy_loss`` (``ppo``/``gspo``: clipped surrogate of
     ``ratio``; ``cispo``, ``sapo``: :mod:`areal_mega.algo.objectives`) and the bool masks
     ``(clipped, dual_clipped)`` (all False for SAPO; CISPO has no dual clip)."""
     if objective in ("ppo", "gspo"):
-        return clipped_surrogate(ratio, advantages, eps_low=cfg.eps_clip_low,
-                                 eps_high=cfg.eps_clip_high, dual_clip_c=cfg.dual_clip_c)
+        return clipped_surrogate(
+            ratio,
+            advantages,
+            eps_low=cfg.eps_clip_low,
+            eps_high=cfg.eps_clip_high,
+            dual_clip_c=cfg.dual_clip_c,
+        )
     none = torch.zeros_like(advantages, dtype=torch.bool)
     if objective == "cispo":
-        loss, clipped = cispo_surrogate(logprobs, ratio, advantages, eps_low=cfg.eps_clip_low,
-                                        eps_high=cfg.eps_clip_high)
+        loss, clipped = cispo_surrogate(
+            logprobs, ratio, advantages, eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high
+        )
         return loss, clipped, none
     if objective == "sapo":
-        return (sapo_surrogate(ratio, advantages, tau_pos=cfg.sapo_tau_pos,
-                               tau_neg=cfg.sapo_tau_neg), none, none)
+        return (
+            sapo_surrogate(ratio, advantages, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg),
+            none,
+            none,
+        )
     raise ValueError(f"policy_loss {objective!r}: must be one of {POLICY_LOSSES}")
 
 
 # ----------------------------------------------------------------------------- the loss
 
 
-def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
-                norm_len: Optional[float] = None, *, prox_from_forward: bool = False
-                ) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logprobs: Tensor,
+    entropy: Optional[Tensor],
+    mb: dict,
+    cfg,
+    norm_len: Optional[float] = None,
+    *,
+    prox_from_forward: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss numerator and summed statistics (the engine loss contract).
 
     ``cfg`` is an :class:`~areal_mega.config.AlgorithmConfig`. ``mb`` needs ``loss_mask``,
@@ -283,8 +328,12 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     Sequences are the slots of :func:`segment_bounds`; with ``mb["cp_shard"]`` (a CP rank's
     share, see the module docstring) per-sequence sums are added over the CP group.
     """
-    check_devices(logprobs, mb, ("loss_mask", "advantages", "logprobs", "prox_logprobs",
-                                 "ref_logprobs", "versions"), entropy)
+    check_devices(
+        logprobs,
+        mb,
+        ("loss_mask", "advantages", "logprobs", "prox_logprobs", "ref_logprobs", "versions"),
+        entropy,
+    )
     dtype = logprobs.dtype
     cu = segment_bounds(mb)
     shard = mb.get("cp_shard")
@@ -301,8 +350,15 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
             raise KeyError("decoupled PPO needs 'prox_logprobs' in the micro-batch")
         old = prox
         weight, keep, capped = behav_importance_weight(
-            prox, behav, mask, cu, cap=cfg.behav_imp_weight_cap, level=cfg.imp_weight_level,
-            mode=cfg.imp_weight_mode, seq_reduce=seq_reduce)
+            prox,
+            behav,
+            mask,
+            cu,
+            cap=cfg.behav_imp_weight_cap,
+            level=cfg.imp_weight_level,
+            mode=cfg.imp_weight_mode,
+            seq_reduce=seq_reduce,
+        )
     else:
         old = behav
         weight, keep, capped = torch.ones_like(behav), mask, torch.zeros_like(mask)
@@ -315,8 +371,9 @@ def policy_loss(logprobs: Tensor, entropy: Optional[Tensor], mb: dict, cfg,
     token_loss = pg
     kl_ref = None
     if mb.get("ref_logprobs") is not None:
-        kl_ref = kl_estimate(logprobs, mb["ref_logprobs"].to(dtype), cfg.kl_estimator, mask,
-                             clamp=cfg.kl_clamp)
+        kl_ref = kl_estimate(
+            logprobs, mb["ref_logprobs"].to(dtype), cfg.kl_estimator, mask, clamp=cfg.kl_clamp
+        )
         if cfg.kl_coef > 0 and not cfg.kl_in_reward:
             token_loss = token_loss + cfg.kl_coef * kl_ref
     elif cfg.kl_coef > 0 and not cfg.kl_in_reward:
@@ -370,8 +427,9 @@ def reads_loss_mask_only(loss_fn: Callable) -> Callable:
     return loss_fn
 
 
-def make_policy_loss(cfg, *, max_response_len: Optional[int] = None,
-                     prox_from_forward: bool = False) -> tuple[LossFn, Callable[[dict], float]]:
+def make_policy_loss(
+    cfg, *, max_response_len: Optional[int] = None, prox_from_forward: bool = False
+) -> tuple[LossFn, Callable[[dict], float]]:
     """``(loss_fn, denominator_fn)`` for the engine (see the module docstring).
 
     ``loss_fn(logprobs, entropy, mb) -> (numerator, stats)``; ``denominator_fn(mb) -> float``.
@@ -385,13 +443,16 @@ def make_policy_loss(cfg, *, max_response_len: Optional[int] = None,
         raise ValueError(f"policy_loss {cfg.policy_loss!r}: must be one of {POLICY_LOSSES}")
     norm_len = cfg.loss_norm_len or max_response_len
     if cfg.loss_agg == "seq_sum_norm" and not norm_len:
-        raise ValueError("loss_agg='seq_sum_norm' needs algorithm.loss_norm_len or "
-                         "max_response_len (rollout.max_new_tokens)")
+        raise ValueError(
+            "loss_agg='seq_sum_norm' needs algorithm.loss_norm_len or "
+            "max_response_len (rollout.max_new_tokens)"
+        )
 
-    @reads_loss_mask_only        # the engine computes logits at loss-mask rows only
+    @reads_loss_mask_only  # the engine computes logits at loss-mask rows only
     def loss_fn(logprobs: Tensor, entropy: Optional[Tensor], mb: dict):
-        return policy_loss(logprobs, entropy, mb, cfg, norm_len,
-                           prox_from_forward=prox_from_forward)
+        return policy_loss(
+            logprobs, entropy, mb, cfg, norm_len, prox_from_forward=prox_from_forward
+        )
 
     def denominator_fn(mb: dict) -> float:
         return float(loss_denominator(mb["loss_mask"], segment_bounds(mb), cfg.loss_agg))
@@ -424,7 +485,7 @@ def finalize_stats(summed: dict) -> dict[str, float]:
             if own > 0:
                 out[key[: -len("_sum")]] = v / own
         elif key.endswith(("_sum", "_count")) and n <= 0:
-            continue                                  # a per-token mean over no token
+            continue  # a per-token mean over no token
         elif key.endswith("_sq_sum"):
             base = key[: -len("_sq_sum")]
             mean = vals.get(base + "_sum", 0.0) / n

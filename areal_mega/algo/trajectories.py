@@ -12,6 +12,7 @@ only when the configuration uses them — and the formulas are those of
 :func:`~areal_mega.algo.advantages.compute_advantages`, so the numbers are the ones a packed
 batch of the same trajectories gives.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -43,15 +44,16 @@ def sequence_fields(trajs: Sequence) -> dict:
     return {
         "rewards": sequence_rewards(trajs),
         "group_index": group_index_of([t.group_id for t in trajs]),
-        "seq_no_eos": torch.tensor([t.finish_reason == "length" for t in trajs],
-                                   dtype=torch.bool),
-        "response_lens": torch.tensor([len(t.input_ids) - int(t.prompt_len) for t in trajs],
-                                      dtype=torch.int32),
+        "seq_no_eos": torch.tensor([t.finish_reason == "length" for t in trajs], dtype=torch.bool),
+        "response_lens": torch.tensor(
+            [len(t.input_ids) - int(t.prompt_len) for t in trajs], dtype=torch.int32
+        ),
     }
 
 
-def filter_trajectories(trajs: Sequence, enabled: bool = True, *, tol: float = 0.0
-                        ) -> tuple[list, dict[str, float]]:
+def filter_trajectories(
+    trajs: Sequence, enabled: bool = True, *, tol: float = 0.0
+) -> tuple[list, dict[str, float]]:
     """Dynamic sampling on a trajectory list: drop the trajectories of uniform-reward groups
     (when ``enabled``), keeping the others in order. Statistics as
     :func:`~areal_mega.algo.filters.dynamic_filter` (reported whether or not it is enabled)."""
@@ -68,21 +70,26 @@ def filter_trajectories(trajs: Sequence, enabled: bool = True, *, tol: float = 0
 def _token_column(trajs: Sequence, name: str) -> Optional[Tensor]:
     """One per-token field of every trajectory laid end to end (a core field or a
     ``token_extras`` entry); None when the first trajectory has no such field."""
+
     def get(t):
         return getattr(t, name) if name in ("loss_mask", "logprobs") else t.token_extras.get(name)
+
     arrays = [get(t) for t in trajs]
     if arrays[0] is None:
         return None
     missing = [t.sample_id for t, a in zip(trajs, arrays) if a is None]
     if missing:
-        raise ValueError(f"per-token field {name!r} present in some trajectories only "
-                         f"(missing in {missing[0]!r})")
+        raise ValueError(
+            f"per-token field {name!r} present in some trajectories only "
+            f"(missing in {missing[0]!r})"
+        )
     return torch.from_numpy(np.concatenate(arrays))
 
 
 @torch.no_grad()
-def trajectory_advantages(trajs: Sequence, cfg, *, max_response_len: Optional[int] = None
-                          ) -> tuple[list, dict[str, float]]:
+def trajectory_advantages(
+    trajs: Sequence, cfg, *, max_response_len: Optional[int] = None
+) -> tuple[list, dict[str, float]]:
     """Per-token advantages of each trajectory, in its own layout (float32 arrays of its
     length L, 0 where ``loss_mask`` is 0), and the statistics of
     :func:`~areal_mega.algo.advantages.compute_advantages`; ``cfg`` is an
@@ -93,8 +100,11 @@ def trajectory_advantages(trajs: Sequence, cfg, *, max_response_len: Optional[in
     lens = np.array([len(t.input_ids) for t in trajs], np.int64)
     cu = np.zeros(len(trajs) + 1, np.int32)
     np.cumsum(lens, out=cu[1:])
-    inputs = {**sequence_fields(trajs), "cu_seqlens": torch.from_numpy(cu),
-              "loss_mask": _token_column(trajs, "loss_mask")}
+    inputs = {
+        **sequence_fields(trajs),
+        "cu_seqlens": torch.from_numpy(cu),
+        "loss_mask": _token_column(trajs, "loss_mask"),
+    }
     wanted = []
     if cfg.kl_in_reward and cfg.kl_coef > 0:
         wanted += ["logprobs", "prox_logprobs", "ref_logprobs"]
@@ -106,4 +116,4 @@ def trajectory_advantages(trajs: Sequence, cfg, *, max_response_len: Optional[in
             inputs[name] = col
     out, stats = compute_advantages(inputs, cfg, max_response_len=max_response_len)
     adv = out["advantages"].to(torch.float32).numpy()
-    return [adv[cu[i]:cu[i + 1]] for i in range(len(trajs))], stats
+    return [adv[cu[i] : cu[i + 1]] for i in range(len(trajs))], stats

@@ -12,6 +12,7 @@ The engine divides ``value_loss_coef · Σ_t ℓ_t`` by the global loss-token co
 over all micro-batches and DP ranks), as for the policy loss (PPO's clipped value objective,
 as in verl's ``compute_value_loss`` with ``loss_agg_mode=token-mean``).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -22,8 +23,9 @@ from torch import Tensor
 __all__ = ["value_loss", "make_value_loss", "finalize_value_stats", "explained_variance"]
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *,
-               clip: Optional[float]) -> tuple[Tensor, dict]:
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *, clip: Optional[float]
+) -> tuple[Tensor, dict]:
     """``(Σ_t ℓ_t over loss tokens, stats)``; see the module docstring. ``stats`` are detached
     sums over the loss tokens: ``value_token_count``, ``value_loss_sum``, ``value_clip_count``
     (tokens where the clipped term is the larger), ``value_sum``, ``return_sum``,
@@ -44,10 +46,16 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: T
     with torch.no_grad():
         m = mask.float()
         res = (ret - v) * m
-        stats = {"value_token_count": m.sum(), "value_loss_sum": total.detach(),
-                 "value_clip_count": clipped.float().sum(), "value_sum": (v * m).sum(),
-                 "return_sum": (ret * m).sum(), "return_sq_sum": (ret * ret * m).sum(),
-                 "residual_sum": res.sum(), "residual_sq_sum": (res * res).sum()}
+        stats = {
+            "value_token_count": m.sum(),
+            "value_loss_sum": total.detach(),
+            "value_clip_count": clipped.float().sum(),
+            "value_sum": (v * m).sum(),
+            "return_sum": (ret * m).sum(),
+            "return_sq_sum": (ret * ret * m).sum(),
+            "residual_sum": res.sum(),
+            "residual_sq_sum": (res * res).sum(),
+        }
     return total, stats
 
 
@@ -58,8 +66,7 @@ def make_value_loss(critic_cfg) -> tuple[Callable, Callable]:
     coef, clip = critic_cfg.value_loss_coef, critic_cfg.value_clip
 
     def loss_fn(values: Tensor, _entropy, mb) -> tuple[Tensor, dict]:
-        total, stats = value_loss(values, mb["values"], mb["returns"], mb["loss_mask"],
-                                  clip=clip)
+        total, stats = value_loss(values, mb["values"], mb["returns"], mb["loss_mask"], clip=clip)
         return coef * total, stats
 
     return loss_fn, loss_token_count
@@ -70,8 +77,9 @@ def loss_token_count(mb) -> Tensor:
     return torch.as_tensor(mb["loss_mask"]).sum()
 
 
-def explained_variance(n: float, ret_sum: float, ret_sq: float, res_sum: float,
-                       res_sq: float) -> float:
+def explained_variance(
+    n: float, ret_sum: float, ret_sq: float, res_sum: float, res_sq: float
+) -> float:
     """1 − Var(R − V) / Var(R) from sums over n tokens (population variances); 0 when Var(R)
     is 0 or n < 2."""
     if n < 2:
@@ -89,13 +97,19 @@ def finalize_value_stats(summed: dict) -> dict:
     n = float(summed.get("value_token_count", 0.0))
     if n <= 0:
         return {}
-    out = {"value_loss": summed["value_loss_sum"] / n,
-           "clip_frac": summed["value_clip_count"] / n,
-           "value_mean": summed["value_sum"] / n,
-           "return_mean": summed["return_sum"] / n}
+    out = {
+        "value_loss": summed["value_loss_sum"] / n,
+        "clip_frac": summed["value_clip_count"] / n,
+        "value_mean": summed["value_sum"] / n,
+        "return_mean": summed["return_sum"] / n,
+    }
     var_ret = summed["return_sq_sum"] / n - (summed["return_sum"] / n) ** 2
     if n >= 2 and var_ret > 1e-12:
         out["explained_variance"] = explained_variance(
-            n, summed["return_sum"], summed["return_sq_sum"], summed["residual_sum"],
-            summed["residual_sq_sum"])
+            n,
+            summed["return_sum"],
+            summed["return_sq_sum"],
+            summed["residual_sum"],
+            summed["residual_sq_sum"],
+        )
     return out

@@ -5,6 +5,7 @@
 - vLLM (``vllm``): :class:`~areal_mega.backends.vllm.client.VLLMClient`, which translates
   SGLang's calls at the client's one HTTP seam.
 """
+
 from __future__ import annotations
 
 from areal_mega.rollout.client import RolloutClient

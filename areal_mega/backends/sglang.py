@@ -6,6 +6,7 @@ is written against (so does our CPU server, :mod:`areal_mega.inference`), and it
 the trainer's weight-update group with ``handshake="sglang"``
 (:func:`areal_mega.parallel.weight_group.init_update_group`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,13 +19,23 @@ __all__ = ["SGLANG_DTYPES", "build_sglang_command"]
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-
-def build_sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1", tp: int = 1,
-                         dp: int = 1, mem_fraction_static: float = 0.8, dtype: str = "bf16",
-                         api_key: Optional[str] = None, base_gpu_id: int = 0,
-                         random_seed: Optional[int] = None, extra: Optional[list] = None,
-                         python: str = sys.executable, api_key_file=None,
-                         allow_unauthenticated: bool = False) -> list:
+def build_sglang_command(
+    model_path: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    tp: int = 1,
+    dp: int = 1,
+    mem_fraction_static: float = 0.8,
+    dtype: str = "bf16",
+    api_key: Optional[str] = None,
+    base_gpu_id: int = 0,
+    random_seed: Optional[int] = None,
+    extra: Optional[list] = None,
+    python: str = sys.executable,
+    api_key_file=None,
+    allow_unauthenticated: bool = False,
+) -> list:
     """The argv of ``python -m sglang.launch_server`` for one server (tp·dp GPUs).
 
     SGLang takes its API key only as ``--api-key`` (no environment variable), which puts it in
@@ -33,21 +44,42 @@ def build_sglang_command(model_path: str, port: int, *, host: str = "127.0.0.1",
     which SGLang merges into its arguments in-process. ``api_key`` is the argv form, for
     SGLang releases without ``--config``. A ``host`` other than loopback needs one of the two
     (ConfigError naming ``rollout.api_key``) unless ``allow_unauthenticated`` (logged)."""
-    check_bind(host, authenticated=bool(api_key or api_key_file),
-               what=f"SGLang server --host {host}", fix="set rollout.api_key (or "
-               f"{API_KEY_FILE_ENV}), or rollout.allow_unauthenticated=true on a trusted network",
-               allow_unauthenticated=allow_unauthenticated)
+    check_bind(
+        host,
+        authenticated=bool(api_key or api_key_file),
+        what=f"SGLang server --host {host}",
+        fix="set rollout.api_key (or "
+        f"{API_KEY_FILE_ENV}), or rollout.allow_unauthenticated=true on a trusted network",
+        allow_unauthenticated=allow_unauthenticated,
+    )
     if dtype not in SGLANG_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(SGLANG_DTYPES)}")
     if tp < 1 or dp < 1:
         raise ValueError(f"tp={tp}, dp={dp}: must be >= 1")
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"mem_fraction_static={mem_fraction_static}: must be in (0, 1]")
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dp-size", str(dp),
-           "--mem-fraction-static", str(mem_fraction_static),
-           "--dtype", SGLANG_DTYPES[dtype], "--base-gpu-id", str(base_gpu_id),
-           "--skip-server-warmup"]
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp),
+        "--dp-size",
+        str(dp),
+        "--mem-fraction-static",
+        str(mem_fraction_static),
+        "--dtype",
+        SGLANG_DTYPES[dtype],
+        "--base-gpu-id",
+        str(base_gpu_id),
+        "--skip-server-warmup",
+    ]
     if api_key_file:
         cmd += ["--config", str(api_key_file)]
     elif api_key:

@@ -27,6 +27,7 @@ The tensor transforms themselves (:func:`~areal_mega.checkpoint.hf_mapping.qkv_t
 friends) stream and reshard; the same test checks the QKV one bit for bit against the bridge's
 ``merge_qkv_weights`` / ``split_qkv_weights`` (its gated MLP, like ours, stacks ``[gate; up]``).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,16 @@ import re
 from pathlib import Path
 from typing import Dict, List
 
-__all__ = ["BRIDGED_ARCHITECTURES", "SNAPSHOT", "UnsupportedMappingError", "bridge_rows",
-           "table_from_rows", "derive_tables", "load_tables", "import_bridge"]
+__all__ = [
+    "BRIDGED_ARCHITECTURES",
+    "SNAPSHOT",
+    "UnsupportedMappingError",
+    "bridge_rows",
+    "table_from_rows",
+    "derive_tables",
+    "load_tables",
+    "import_bridge",
+]
 
 #: model_type -> the HF architecture whose bridge registry gives its table
 BRIDGED_ARCHITECTURES = {
@@ -60,8 +69,10 @@ _LAYER = "decoder.layers.*."
 _TE_FUSED_NORM = ".layer_norm_weight"
 #: the local-spec norm of a fused TE name, for registries that list only the fused name
 #: (Gemma 3's input and pre-feedforward norms)
-_TE_FUSED_LOCAL = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+_TE_FUSED_LOCAL = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 #: TE grouped-GEMM expert weights (``mlp.experts.linear_fc1.weight*``): the local spec's
 #: ``local_experts.<E>.linear_fc1.weight`` (some registries list only these)
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight\*$")
@@ -77,9 +88,11 @@ def import_bridge():
     """Import Megatron-Bridge (through the checked TransformerEngine placeholder where TE is
     absent) and return its ``get_model_bridge`` and ``AutoBridge``."""
     from areal_mega.compat.megatron_cpu import install_te_placeholder
+
     install_te_placeholder()
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
     from megatron.bridge.models.conversion.model_bridge import get_model_bridge
+
     return get_model_bridge, AutoBridge
 
 
@@ -87,6 +100,7 @@ def bridge_rows(architecture: str) -> List[dict]:
     """The installed bridge's registry for ``architecture`` (an HF class name, e.g.
     ``"LlamaForCausalLM"``) as rows ``{"megatron": pattern, "hf": [patterns], "kind": k}``."""
     import transformers
+
     get_model_bridge, _ = import_bridge()
     model_class = getattr(transformers, architecture)
     # Some registries read the HF config (layer counts for multi-token-prediction rows): the
@@ -98,8 +112,9 @@ def bridge_rows(architecture: str) -> List[dict]:
     for m in bridge.mapping_registry().mappings:
         kind = _KINDS.get(type(m).__name__)
         if kind is None:
-            raise UnsupportedMappingError(f"{architecture}: {type(m).__name__} for "
-                                          f"{m.megatron_param!r} has no table form")
+            raise UnsupportedMappingError(
+                f"{architecture}: {type(m).__name__} for {m.megatron_param!r} has no table form"
+            )
         hf = [m.hf_param] if kind == "copy" else [m.hf_param[p] for p in _HF_PARTS[kind]]
         rows.append({"megatron": m.megatron_param, "hf": hf, "kind": kind})
     return rows
@@ -130,19 +145,21 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
         if name.startswith(_NOT_BUILT):
             continue
         if name.startswith(_LAYER):
-            suffix = name[len(_LAYER):]
+            suffix = name[len(_LAYER) :]
             if suffix.endswith(_TE_FUSED_NORM):
                 local = _TE_FUSED_LOCAL.get(suffix)
                 if local is None or _LAYER + local in listed:
                     continue
                 suffix = local
             grouped = _GROUPED_EXPERT.match(suffix)
-            if grouped:           # TE grouped GEMM: one weight<E> per expert of the layer
+            if grouped:  # TE grouped GEMM: one weight<E> per expert of the layer
                 suffix = f"mlp.experts.local_experts.*.{grouped.group(1)}.weight"
             if "*" in suffix:
                 if not suffix.startswith("mlp.experts.local_experts.*."):
-                    raise UnsupportedMappingError(f"megatron pattern {name!r}: a wildcard "
-                                                  "other than the layer and local expert")
+                    raise UnsupportedMappingError(
+                        f"megatron pattern {name!r}: a wildcard "
+                        "other than the layer and local expert"
+                    )
                 suffix = suffix.replace("*", "{E}", 1)
             scope, entry = "layer", {"mcore": suffix}
         elif "*" in name:
@@ -162,9 +179,14 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
 def derive_tables() -> dict:
     """Every bridged family's table from the installed bridge, with its version."""
     from importlib.metadata import version
-    return {"megatron_bridge": version("megatron-bridge"),
-            "families": {mt: dict(architecture=arch, **table_from_rows(bridge_rows(arch)))
-                         for mt, arch in BRIDGED_ARCHITECTURES.items()}}
+
+    return {
+        "megatron_bridge": version("megatron-bridge"),
+        "families": {
+            mt: dict(architecture=arch, **table_from_rows(bridge_rows(arch)))
+            for mt, arch in BRIDGED_ARCHITECTURES.items()
+        },
+    }
 
 
 def load_tables() -> dict:

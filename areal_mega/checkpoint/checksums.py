@@ -19,6 +19,7 @@ its page cache), in parallel; rank 0 hashes the rest (``.metadata``, ``metadata.
 ``hf/*``; ``common.pt`` in checkpoints of megatron-core < 0.19) and merges. At load every rank hashes a balanced share of the
 files and the ranks agree on the outcome.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ from typing import Dict, Iterable, List, Optional
 from areal_mega.run_dir import META_NAME
 
 ALGORITHM = "crc32"
-CHUNK = 1 << 20   # as fast as 8 MiB (the GIL-free CRC dominates), and a small memory footprint
+CHUNK = 1 << 20  # as fast as 8 MiB (the GIL-free CRC dominates), and a small memory footprint
 _WRITER_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -148,10 +149,11 @@ def check_files(ckpt, files: Dict[str, dict], rels: Iterable[str]) -> List[str]:
             continue
         if size != want.get("size"):
             what = f"truncated checkpoint {kind}" if size < want.get("size", 0) else "wrong size"
-            errors.append(f"{p}: {what} ({size} bytes, the checkpoint recorded "
-                          f"{want.get('size')})")
+            errors.append(f"{p}: {what} ({size} bytes, the checkpoint recorded {want.get('size')})")
             continue
         if got != want.get(ALGORITHM):
-            errors.append(f"{p}: content checksum mismatch ({ALGORITHM} {got}, recorded "
-                          f"{want.get(ALGORITHM)}): the file is corrupt")
+            errors.append(
+                f"{p}: content checksum mismatch ({ALGORITHM} {got}, recorded "
+                f"{want.get(ALGORITHM)}): the file is corrupt"
+            )
     return errors

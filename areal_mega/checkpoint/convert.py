@@ -12,6 +12,7 @@ TP/PP/VPP/EP layout, by resharding). Tensors are moved one at a time:
 * megatron → HF: each megatron tensor is loaded alone with ``dist_checkpointing.load``, mapped
   to its HF tensors and streamed into pre-planned safetensors shards.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,16 +28,27 @@ import torch
 from areal_mega.common.proc_memory import AnonPeak, proc_status_bytes
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
-from areal_mega.checkpoint.dist_ckpt import (CheckpointError, HF_AUX_FILES, HF_SUBDIR,
-                                             atomic_save_sharded, resolve_checkpoint)
+from areal_mega.checkpoint.dist_ckpt import (
+    CheckpointError,
+    HF_AUX_FILES,
+    HF_SUBDIR,
+    atomic_save_sharded,
+    resolve_checkpoint,
+)
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
 from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
 from areal_mega.checkpoint.verify import read_meta
 from areal_mega.common.net import free_port
 from areal_mega.parallel.allocation import ParallelDims
 
-__all__ = ["convert_hf_to_mcore", "convert_mcore_to_hf", "check_layout", "rss_bytes",
-           "peak_rss_bytes", "reset_peak_rss"]
+__all__ = [
+    "convert_hf_to_mcore",
+    "convert_mcore_to_hf",
+    "check_layout",
+    "rss_bytes",
+    "peak_rss_bytes",
+    "reset_peak_rss",
+]
 
 _DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DT_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -72,21 +84,29 @@ def _large_allocations_via_mmap(threshold: int = 1 << 20) -> None:
     later tensors of that size come from the heap, whose freed space stays resident.)"""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):  # pragma: no cover - not glibc
         pass
 
 
-def check_layout(arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
-                 where: str = "") -> None:
+def check_layout(
+    arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, where: str = ""
+) -> None:
     """Refuse a layout the model cannot be split into, with a message naming the rule."""
-    rules = [(arch.num_heads % tp == 0, f"num_attention_heads={arch.num_heads} % TP={tp}"),
-             (arch.num_kv_heads % tp == 0, f"num_key_value_heads={arch.num_kv_heads} % TP={tp}"),
-             (arch.num_layers % (pp * (vpp or 1)) == 0,
-              f"num_hidden_layers={arch.num_layers} % (PP·VPP={pp * (vpp or 1)})"),
-             (not arch.is_moe or arch.num_experts % ep == 0,
-              f"num_experts={arch.num_experts} % EP={ep}"),
-             (arch.is_moe or ep == 1, f"EP={ep} needs an MoE model")]
+    rules = [
+        (arch.num_heads % tp == 0, f"num_attention_heads={arch.num_heads} % TP={tp}"),
+        (arch.num_kv_heads % tp == 0, f"num_key_value_heads={arch.num_kv_heads} % TP={tp}"),
+        (
+            arch.num_layers % (pp * (vpp or 1)) == 0,
+            f"num_hidden_layers={arch.num_layers} % (PP·VPP={pp * (vpp or 1)})",
+        ),
+        (
+            not arch.is_moe or arch.num_experts % ep == 0,
+            f"num_experts={arch.num_experts} % EP={ep}",
+        ),
+        (arch.is_moe or ep == 1, f"EP={ep} needs an MoE model"),
+    ]
     for ok, rule in rules:
         if not ok:
             raise hm.UnsupportedModelError(f"{where}: layout does not fit: {rule} != 0")
@@ -98,13 +118,19 @@ def _single_process_mesh():
 
     if dist.is_initialized() and dist.get_world_size() != 1:
         raise RuntimeError("the offline converters run in a single process (world size 1)")
-    return ParallelMesh.create(ParallelDims(), timeout_s=120, rank=0, world_size=1,
-                               init_method=f"tcp://127.0.0.1:{free_port()}")
+    return ParallelMesh.create(
+        ParallelDims(),
+        timeout_s=120,
+        rank=0,
+        world_size=1,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+    )
 
 
 def _meta_sharded_state_dict(arch):
     """The world-size-1 model's ``sharded_state_dict()`` with meta tensors (no memory)."""
     from areal_mega.models.builder import build_model_chunks
+
     mesh = _single_process_mesh()
     # local spec always: the sharded keys are the same as TE's for dense models (megatron maps
     # them) and the meta device needs no kernels
@@ -117,6 +143,7 @@ def _tqdm(it, progress: bool, **kw):
     if not progress:
         return it
     from tqdm import tqdm
+
     return tqdm(it, **kw)
 
 
@@ -127,14 +154,17 @@ def _score_head_of(hf_dir: Path, weights: SafetensorsDir) -> set:
     if not is_sequence_classification(cfg.get("architectures")):
         return set()
     if SCORE_TENSOR not in weights:
-        raise hm.UnsupportedModelError(f"{hf_dir}: {cfg['architectures'][0]} without a "
-                                       f"{SCORE_TENSOR!r} tensor in its safetensors files")
+        raise hm.UnsupportedModelError(
+            f"{hf_dir}: {cfg['architectures'][0]} without a "
+            f"{SCORE_TENSOR!r} tensor in its safetensors files"
+        )
     return {SCORE_TENSOR}
 
 
 # ----------------------------------------------------------------------------------------------
 # HF -> megatron
 # ----------------------------------------------------------------------------------------------
+
 
 class _Stager:
     """Moves tensors out of process memory into files and maps them back lazily
@@ -165,15 +195,25 @@ class _Stager:
     @staticmethod
     def map(path: Path, dtype: torch.dtype, shape, offset: int = 0) -> torch.Tensor:
         import numpy as np
+
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         arr = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(nbytes,))
         return torch.from_numpy(arr).view(dtype).view(tuple(shape))
 
 
-def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                        vpp: Optional[int] = None, dtype: Optional[str] = None,
-                        make_vocab_size_divisible_by: int = 128, value_model: bool = False,
-                        progress: bool = True) -> Dict[str, object]:
+def convert_hf_to_mcore(
+    hf_dir,
+    out,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    vpp: Optional[int] = None,
+    dtype: Optional[str] = None,
+    make_vocab_size_divisible_by: int = 128,
+    value_model: bool = False,
+    progress: bool = True,
+) -> Dict[str, object]:
     """Convert an HF model directory to a megatron ``dist_checkpointing`` checkpoint under
     ``out`` (``out/iter_0000000`` + ``out/latest``; loadable by
     :func:`~areal_mega.checkpoint.dist_ckpt.load_checkpoint` under any layout).
@@ -186,8 +226,11 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     :mod:`~areal_mega.checkpoint.value_model`). Returns a report dict (path, tensor count,
     memory numbers)."""
     from areal_mega.models.builder import padded_vocab_size
-    from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
-                                                          ShardedTensorFactory)
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     hf_dir = Path(hf_dir)
     out = Path(out)
@@ -199,15 +242,23 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     if missing:
         raise hm.UnsupportedModelError(
             f"{hf_dir}: tensor {missing[0]!r} (and {len(missing) - 1} more) not in the "
-            f"safetensors files; fused or renamed weights are not supported")
+            f"safetensors files; fused or renamed weights are not supported"
+        )
     ignorable = {"lm_head.weight"} if arch.tie_word_embeddings or value_model else set()
     if value_model:
         ignorable |= _score_head_of(hf_dir, weights)
-    unexpected = [n for n in weights.keys() if n not in set(expected) | ignorable
-                  and not n.endswith("rotary_emb.inv_freq") and not is_mtp_tensor(arch, n)]
+    unexpected = [
+        n
+        for n in weights.keys()
+        if n not in set(expected) | ignorable
+        and not n.endswith("rotary_emb.inv_freq")
+        and not is_mtp_tensor(arch, n)
+    ]
     if unexpected:
-        raise hm.UnsupportedModelError(f"{hf_dir}: unexpected tensor {unexpected[0]!r} "
-                                       f"(+{len(unexpected) - 1}); unsupported model variant")
+        raise hm.UnsupportedModelError(
+            f"{hf_dir}: unexpected tensor {unexpected[0]!r} "
+            f"(+{len(unexpected) - 1}); unsupported model variant"
+        )
     out_dtype = _DT[dtype] if dtype else None
     padded = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, tp)
     sd = _meta_sharded_state_dict(arch)
@@ -216,8 +267,11 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
     _large_allocations_via_mmap()
     reset_peak_rss()
     baseline = rss_bytes()
-    largest = max(torch.Size(weights.info(n)[1]).numel() * torch.empty(
-        (), dtype=weights.info(n)[0]).element_size() for n in expected)
+    largest = max(
+        torch.Size(weights.info(n)[1]).numel()
+        * torch.empty((), dtype=weights.info(n)[0]).element_size()
+        for n in expected
+    )
     out.mkdir(parents=True, exist_ok=True)
     stage_dir = Path(tempfile.mkdtemp(prefix=".stage-", dir=out))
     stage = _Stager(stage_dir)
@@ -230,8 +284,7 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
             layer, expert, suffix = hm.parse_mcore_name(name)
             hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
             src_dtype = src_dtype or weights.info(hf_names[0])[0]
-            segs = hm.to_mcore_segments(arch, kind, hf_names, weights.get,
-                                        padded_vocab_size=padded)
+            segs = hm.to_mcore_segments(arch, kind, hf_names, weights.get, padded_vocab_size=padded)
             fpath, t = stage.write(segs, out_dtype)
             if isinstance(entry, ShardedTensorFactory):
                 entry.data = t
@@ -247,40 +300,62 @@ def convert_hf_to_mcore(hf_dir, out, *, tp: int = 1, pp: int = 1, ep: int = 1,
             elif isinstance(entry, ShardedTensor):
                 if tuple(entry.local_shape) != tuple(t.shape):
                     if kind != "vocab":
-                        raise RuntimeError(f"{name}: mapped shape {tuple(t.shape)} != model "
-                                           f"shape {tuple(entry.local_shape)}")
+                        raise RuntimeError(
+                            f"{name}: mapped shape {tuple(t.shape)} != model "
+                            f"shape {tuple(entry.local_shape)}"
+                        )
                     entry.local_shape = tuple(t.shape)
                     entry.global_shape = tuple(t.shape)
                 entry.data = t
             del t
         report_dtype = out_dtype or src_dtype
-        meta = {"source": "hf", "model_type": arch.model_type,
-                "dtype": _DT_NAME.get(report_dtype, str(report_dtype)),
-                "vocab_size": arch.vocab_size, "padded_vocab_size": padded,
-                "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
-                "target_layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1},
-                "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},
-                "num_chunks": 1, "has_optimizer": False, "has_lr_scheduler": False,
-                "has_rng": False, "extra": {"value_model": True} if value_model else {}}
+        meta = {
+            "source": "hf",
+            "model_type": arch.model_type,
+            "dtype": _DT_NAME.get(report_dtype, str(report_dtype)),
+            "vocab_size": arch.vocab_size,
+            "padded_vocab_size": padded,
+            "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
+            "target_layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1},
+            "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},
+            "num_chunks": 1,
+            "has_optimizer": False,
+            "has_lr_scheduler": False,
+            "has_rng": False,
+            "extra": {"value_model": True} if value_model else {},
+        }
         peak_before_save = peak_rss_bytes()
-        with AnonPeak() as save_anon:   # the save maps the staged files: see common/proc_memory.py
+        with AnonPeak() as save_anon:  # the save maps the staged files: see common/proc_memory.py
             path = atomic_save_sharded(out, 0, {"model": sd}, meta=meta, hf_dir=hf_dir)
     finally:
         shutil.rmtree(stage_dir, ignore_errors=True)
-    return {"path": str(path), "tensors": len(expected), "baseline_rss": baseline,
-            "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
-            "peak_rss_before_save": peak_before_save,
-            "save_anon_baseline": save_anon.baseline, "save_anon_peak": save_anon.peak,
-            "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+    return {
+        "path": str(path),
+        "tensors": len(expected),
+        "baseline_rss": baseline,
+        "peak_rss": peak_rss_bytes(),
+        "largest_tensor_bytes": largest,
+        "peak_rss_before_save": peak_before_save,
+        "save_anon_baseline": save_anon.baseline,
+        "save_anon_peak": save_anon.peak,
+        "children_peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # megatron -> HF
 # ----------------------------------------------------------------------------------------------
 
-def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
-                        max_shard_bytes: int = 2 * 1024 ** 3, hf_config_dir=None,
-                        progress: bool = True) -> Dict[str, object]:
+
+def convert_mcore_to_hf(
+    mcore_dir,
+    out,
+    *,
+    dtype: Optional[str] = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    hf_config_dir=None,
+    progress: bool = True,
+) -> Dict[str, object]:
     """Convert a checkpoint (a root → its latest, or one ``iter_*`` directory) written by
     :func:`convert_hf_to_mcore` or by training (``save_checkpoint(..., hf_dir=...)``) to an HF
     directory: ``config.json``, tokenizer files, ``model-*.safetensors`` + index.
@@ -294,8 +369,10 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
     path = resolve_checkpoint(mcore_dir)
     cfg_dir = Path(hf_config_dir) if hf_config_dir else path / HF_SUBDIR
     if not (cfg_dir / "config.json").is_file():
-        raise CheckpointError(f"{cfg_dir / 'config.json'}: missing; the checkpoint has no HF "
-                              f"config (pass hf_config_dir / --hf-config)")
+        raise CheckpointError(
+            f"{cfg_dir / 'config.json'}: missing; the checkpoint has no HF "
+            f"config (pass hf_config_dir / --hf-config)"
+        )
     arch = hm.read_arch(cfg_dir)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -316,33 +393,40 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
         pieces = list(pieces.values()) if isinstance(pieces, dict) else list(pieces)
         key = pieces[0].key
         if key not in reader.meta:
-            raise CheckpointError(f"{path}: tensor {key!r} (for {name}) is not in the "
-                                  f"checkpoint")
+            raise CheckpointError(f"{path}: tensor {key!r} (for {name}) is not in the checkpoint")
         layer, expert, suffix = hm.parse_mcore_name(name)
         hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
         # the region of the global tensor this (world-size-1) parameter covers
         ndim = len(pieces[0].global_offset)
         offs = [min(p.global_offset[d] for p in pieces) for d in range(ndim)]
-        ends = [max(p.global_offset[d] + ((1,) * p.prepend_axis_num + tuple(p.local_shape))[d]
-                    for p in pieces) for d in range(len(offs))]
+        ends = [
+            max(
+                p.global_offset[d] + ((1,) * p.prepend_axis_num + tuple(p.local_shape))[d]
+                for p in pieces
+            )
+            for d in range(len(offs))
+        ]
         sizes = [e - o for o, e in zip(offs, ends)]
         full_shape = tuple(entry.data.shape)
         if kind == "vocab":  # the checkpoint's padding, whatever the builder would pick
             offs, sizes = [0] * len(offs), list(reader.size(key))
             full_shape = tuple(sizes)
-        shapes = [tuple(x.shape) for x in hm.to_hf(arch, kind, torch.empty(full_shape,
-                                                                          device="meta"))]
+        shapes = [
+            tuple(x.shape) for x in hm.to_hf(arch, kind, torch.empty(full_shape, device="meta"))
+        ]
         ck_dtype = reader.dtype(key)
         jobs.append((key, offs, sizes, kind, hf_names, full_shape))
         plan += [(h, out_dtype or ck_dtype, s) for h, s in zip(hf_names, shapes)]
-    largest = max(torch.Size(s).numel() * torch.empty((), dtype=d).element_size()
-                  for _, d, s in plan)
+    largest = max(
+        torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in plan
+    )
     tmp_out = out.with_name(out.name + ".tmp")
     if tmp_out.exists():
         shutil.rmtree(tmp_out)
     writer = ShardedSafetensorsWriter(tmp_out, plan, max_shard_bytes=max_shard_bytes)
     for key, offs, sizes, kind, hf_names, full_shape in _tqdm(
-            jobs, progress, desc="megatron -> HF", unit="tensor"):
+        jobs, progress, desc="megatron -> HF", unit="tensor"
+    ):
         row_axis = len(offs) - len(full_shape)
 
         def rows(r0: int, r1: int) -> torch.Tensor:
@@ -382,6 +466,12 @@ def convert_mcore_to_hf(mcore_dir, out, *, dtype: Optional[str] = None,
     if out.exists():
         out.rmdir()
     os.rename(tmp_out, out)
-    return {"path": str(out), "tensors": len(plan), "baseline_rss": baseline,
-            "peak_rss": peak_rss_bytes(), "largest_tensor_bytes": largest,
-            "checkpoint": str(path), "meta": read_meta(path)}
+    return {
+        "path": str(out),
+        "tensors": len(plan),
+        "baseline_rss": baseline,
+        "peak_rss": peak_rss_bytes(),
+        "largest_tensor_bytes": largest,
+        "checkpoint": str(path),
+        "meta": read_meta(path),
+    }

@@ -7,6 +7,7 @@ the DCP metadata: for every saved chunk overlapping the region, the chunk's byte
 overlap is the whole chunk and the destination slice is contiguous; otherwise the chunk is
 loaded and its overlapping part copied. Memory: the region plus at most one chunk.
 """
+
 from __future__ import annotations
 
 import io
@@ -52,12 +53,15 @@ class DcpReader:
 
     def __init__(self, path):
         from torch.distributed.checkpoint import FileSystemReader
+
         self.path = Path(path)
         md = FileSystemReader(str(self.path)).read_metadata()
         self.meta = md.state_dict_metadata
         self._storage: Dict[Tuple[str, Tuple[int, ...]], object] = {
-            (idx.fqn, tuple(idx.offset)): info for idx, info in md.storage_data.items()
-            if idx.offset is not None}
+            (idx.fqn, tuple(idx.offset)): info
+            for idx, info in md.storage_data.items()
+            if idx.offset is not None
+        }
 
     def size(self, key: str) -> Tuple[int, ...]:
         return tuple(self.meta[key].size)
@@ -65,8 +69,9 @@ class DcpReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.meta[key].properties.dtype
 
-    def read(self, key: str, offsets: Sequence[int], sizes: Sequence[int],
-             dtype: torch.dtype = None) -> torch.Tensor:
+    def read(
+        self, key: str, offsets: Sequence[int], sizes: Sequence[int], dtype: torch.dtype = None
+    ) -> torch.Tensor:
         """The region ``[offsets, offsets + sizes)`` of the global tensor ``key``."""
         if key not in self.meta:
             raise KeyError(f"{self.path}: tensor {key!r} is not in the checkpoint")
@@ -87,8 +92,10 @@ class DcpReader:
                 del chunk
             covered += dst.numel()
         if covered != out.numel():
-            raise KeyError(f"{self.path}: tensor {key!r} region {tuple(offsets)}+{tuple(sizes)} "
-                           f"is not fully stored in the checkpoint")
+            raise KeyError(
+                f"{self.path}: tensor {key!r} region {tuple(offsets)}+{tuple(sizes)} "
+                f"is not fully stored in the checkpoint"
+            )
         return out if dtype is None else out.to(dtype)
 
     def _info(self, key, c_off):
@@ -117,8 +124,11 @@ class DcpReader:
             try:
                 with zipfile.ZipFile(_Window(f, info.offset, info.length)) as zf:
                     recs = [i for i in zf.infolist() if "/data/" in i.filename]
-                    if len(recs) != 1 or recs[0].compress_type != zipfile.ZIP_STORED \
-                            or recs[0].file_size != nbytes:
+                    if (
+                        len(recs) != 1
+                        or recs[0].compress_type != zipfile.ZIP_STORED
+                        or recs[0].file_size != nbytes
+                    ):
                         return False
                     hdr = recs[0].header_offset
             except zipfile.BadZipFile:

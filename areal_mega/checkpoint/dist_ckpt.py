@@ -22,6 +22,7 @@ distributed optimizer: a model-space format of ours, reshardable like the weight
 rank's RNG states (restored only when the layout is unchanged), and an ``extra`` JSON-able
 dict from the trainer.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,26 +40,54 @@ import torch.distributed as dist
 
 from areal_mega.checkpoint import checksums as cks
 from areal_mega.checkpoint.distopt_state import FORMAT as DISTOPT_FORMAT
-from areal_mega.checkpoint.distopt_state import (distopt_load_state, distopt_sharded_state,
-                                                 distributed_optimizers)
+from areal_mega.checkpoint.distopt_state import (
+    distopt_load_state,
+    distopt_sharded_state,
+    distributed_optimizers,
+)
 from areal_mega.checkpoint.finite_weights import NonFiniteWeightsError, nonfinite_parameters
-from areal_mega.checkpoint.verify import (CheckpointError, gather_all, read_meta,
-                                          verify_checkpoint, verify_collective)
+from areal_mega.checkpoint.verify import (
+    CheckpointError,
+    gather_all,
+    read_meta,
+    verify_checkpoint,
+    verify_collective,
+)
 from areal_mega.common.files import atomic_write, fsync_path
-from areal_mega.run_dir import (ITER_RE, META_NAME, complete_checkpoints, find_latest,
-                                iter_dir_name)
+from areal_mega.run_dir import ITER_RE, META_NAME, complete_checkpoints, find_latest, iter_dir_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "NonFiniteWeightsError", "LoadedCheckpoint", "save_checkpoint",
-           "load_checkpoint",
-           "find_latest", "latest_verified", "resolve_checkpoint", "verify_checkpoint",
-           "prune_checkpoints", "iter_dir_name", "atomic_save_sharded", "META_NAME", "HF_SUBDIR"]
+__all__ = [
+    "CheckpointError",
+    "NonFiniteWeightsError",
+    "LoadedCheckpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "find_latest",
+    "latest_verified",
+    "resolve_checkpoint",
+    "verify_checkpoint",
+    "prune_checkpoints",
+    "iter_dir_name",
+    "atomic_save_sharded",
+    "META_NAME",
+    "HF_SUBDIR",
+]
 
 HF_SUBDIR = "hf"
-HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+HF_AUX_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 def _rank() -> int:
@@ -68,6 +97,7 @@ def _rank() -> int:
 @dataclass
 class LoadedCheckpoint:
     """What :func:`load_checkpoint` found: where, which iteration, the trainer's ``extra``."""
+
     path: Path
     iteration: int
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -92,6 +122,7 @@ def _fsync_tree(root: Path) -> None:
 # finding and checking checkpoints
 # ----------------------------------------------------------------------------------------------
 
+
 def _resolve(path) -> Path:
     path = Path(path)
     if not path.exists():
@@ -99,8 +130,10 @@ def _resolve(path) -> Path:
     if not (path / META_NAME).exists() and not (path / "metadata.json").exists():
         latest = find_latest(path)
         if latest is None:
-            raise CheckpointError(f"{path}: no complete checkpoint found (no 'latest' pointer "
-                                  f"and no complete iter_* directory)")
+            raise CheckpointError(
+                f"{path}: no complete checkpoint found (no 'latest' pointer "
+                f"and no complete iter_* directory)"
+            )
         path = latest
     return path
 
@@ -113,7 +146,7 @@ def resolve_checkpoint(path) -> Path:
     return path
 
 
-_JUST_VERIFIED: set = set()   # latest_verified's answer, so the next load does not hash again
+_JUST_VERIFIED: set = set()  # latest_verified's answer, so the next load does not hash again
 
 
 def latest_verified(root) -> Optional[Path]:
@@ -129,8 +162,10 @@ def latest_verified(root) -> Optional[Path]:
     first = find_latest(root)
     if first is None:
         return None
+
     def num(p):
         return int(ITER_RE.match(p.name).group(1))
+
     older = [p for p in reversed(complete_checkpoints(root)) if num(p) < num(first)]
     bad: List[Tuple[Path, str]] = []
     for cand in [first] + older:
@@ -148,16 +183,22 @@ def latest_verified(root) -> Optional[Path]:
                     dst, k = p.with_name(f"{p.name}.corrupt.{k}"), k + 1
                 try:
                     os.rename(p, dst)
-                    logger.warning("moved corrupt checkpoint %s aside to %s; resuming from %s",
-                                   p, dst.name, cand)
+                    logger.warning(
+                        "moved corrupt checkpoint %s aside to %s; resuming from %s",
+                        p,
+                        dst.name,
+                        cand,
+                    )
                 except OSError as e:
                     logger.warning("could not move corrupt checkpoint %s aside: %s", p, e)
             atomic_write(root / "latest", cand.name + "\n", durable=True)
         _barrier()
         _JUST_VERIFIED.add(str(cand))
         return cand
-    raise CheckpointError(f"{root}: no intact checkpoint to resume from; every complete "
-                          f"checkpoint is corrupt: " + "; ".join(e for _, e in bad))
+    raise CheckpointError(
+        f"{root}: no intact checkpoint to resume from; every complete "
+        f"checkpoint is corrupt: " + "; ".join(e for _, e in bad)
+    )
 
 
 def prune_checkpoints(root, keep_last: int) -> List[Path]:
@@ -166,7 +207,7 @@ def prune_checkpoints(root, keep_last: int) -> List[Path]:
     root = Path(root)
     done = complete_checkpoints(root)
     latest = find_latest(root)
-    doomed = [p for p in done[:max(0, len(done) - max(1, keep_last))] if p != latest]
+    doomed = [p for p in done[: max(0, len(done) - max(1, keep_last))] if p != latest]
     doomed += [p for p in root.glob("iter_*.tmp") if p.is_dir()]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
@@ -176,6 +217,7 @@ def prune_checkpoints(root, keep_last: int) -> List[Path]:
 # ----------------------------------------------------------------------------------------------
 # saving
 # ----------------------------------------------------------------------------------------------
+
 
 def in_process_write_results() -> bool:
     """Give megatron-core's checkpoint writer an in-process results queue.
@@ -187,21 +229,29 @@ def in_process_write_results() -> bool:
     this process, so a thread-safe ``queue.Queue`` carries the same results. Returns whether
     the queue is ours (False: megatron-core no longer has the global; it then makes its own)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
     return isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue)
 
 
-def atomic_save_sharded(root, iteration: int, sharded_state_dict: dict, *,
-                        meta: Optional[dict] = None, hf_dir=None,
-                        keep_last: Optional[int] = None) -> Path:
+def atomic_save_sharded(
+    root,
+    iteration: int,
+    sharded_state_dict: dict,
+    *,
+    meta: Optional[dict] = None,
+    hf_dir=None,
+    keep_last: Optional[int] = None,
+) -> Path:
     """Save a megatron sharded state dict as ``<root>/iter_XXXXXXX`` atomically (collective:
     every rank calls it). ``meta`` goes into ``areal_meta.json``; ``hf_dir``'s config and
     tokenizer files are copied to ``hf/``. Returns the final directory."""
     from megatron.core import dist_checkpointing
 
     from areal_mega.compat import megatron_cpu
-    megatron_cpu.apply()   # no-op with CUDA; on CPU it also covers the checkpoint writer
+
+    megatron_cpu.apply()  # no-op with CUDA; on CPU it also covers the checkpoint writer
     root = Path(root)
     final = root / iter_dir_name(iteration)
     tmp = root / (final.name + ".tmp")
@@ -253,9 +303,12 @@ def _chunk_key(i: int, n: int) -> str:
 def _model_sharded_sd(chunks: Sequence[torch.nn.Module], keep=None) -> dict:
     """Each chunk's sharded state dict, with only the keys ``keep(key)`` accepts (all: None)."""
     n = len(chunks)
-    return {_chunk_key(i, n): {k: v for k, v in _unwrap(c).sharded_state_dict().items()
-                               if keep is None or keep(k)}
-            for i, c in enumerate(chunks)}
+    return {
+        _chunk_key(i, n): {
+            k: v for k, v in _unwrap(c).sharded_state_dict().items() if keep is None or keep(k)
+        }
+        for i, c in enumerate(chunks)
+    }
 
 
 def _load_subset(chunk, loaded: dict, path) -> None:
@@ -265,8 +318,9 @@ def _load_subset(chunk, loaded: dict, path) -> None:
     live = chunk.state_dict(keep_vars=True)
     absent = sorted(k for k, v in loaded.items() if torch.is_tensor(v) and k not in live)
     if absent:
-        raise CheckpointError(f"{path}: {len(absent)} saved keys match no parameter, e.g. "
-                              f"{absent[:3]}")
+        raise CheckpointError(
+            f"{path}: {len(absent)} saved keys match no parameter, e.g. {absent[:3]}"
+        )
     with torch.no_grad():
         for k, v in loaded.items():
             if torch.is_tensor(v):
@@ -282,22 +336,30 @@ def _unwrap(m):
 
 def _layout() -> Dict[str, int]:
     from megatron.core import parallel_state as ps
+
     if not ps.model_parallel_is_initialized():
         return {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1}
-    return {"world": dist.get_world_size() if dist.is_initialized() else 1,
-            "tp": ps.get_tensor_model_parallel_world_size(),
-            "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(),
-            "ep": ps.get_expert_model_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+    return {
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }
 
 
 def _rng_state() -> dict:
     from megatron.core import tensor_parallel
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     try:
         import numpy as np
+
         state["numpy"] = np.random.get_state()
     except ImportError:  # pragma: no cover
         pass
@@ -308,10 +370,12 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
+
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         import numpy as np
+
         np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -320,14 +384,24 @@ def _set_rng_state(state: dict) -> None:
 
 def _rng_sharded(state: Optional[dict]):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+
     ws = dist.get_world_size() if dist.is_initialized() else 1
     return ShardedObject("rng_state", state, (ws,), (_rank(),), replica_id=0)
 
 
-def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], optimizer=None,
-                    lr_scheduler=None, *, extra: Optional[dict] = None,
-                    keep_last: Optional[int] = None, hf_dir=None, save_rng: bool = True,
-                    model_keys=None) -> Path:
+def save_checkpoint(
+    root,
+    iteration: int,
+    model: Sequence[torch.nn.Module],
+    optimizer=None,
+    lr_scheduler=None,
+    *,
+    extra: Optional[dict] = None,
+    keep_last: Optional[int] = None,
+    hf_dir=None,
+    save_rng: bool = True,
+    model_keys=None,
+) -> Path:
     """Save model chunks (+ optimizer, LR scheduler, RNG, ``extra``) as ``<root>/iter_N``.
 
     Collective over all ranks. ``model``: this rank's chunks (``MegatronEngine.model``);
@@ -342,16 +416,21 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
         json.dumps(extra)  # fail early, on every rank, if it is not JSON-able
     bad = nonfinite_parameters([_unwrap(c) for c in model])
     if bad:
-        raise NonFiniteWeightsError(f"refusing to save {iter_dir_name(iteration)} under {root}: "
-                                    f"{bad} holds NaN/inf values; the previous checkpoint "
-                                    "is kept")
+        raise NonFiniteWeightsError(
+            f"refusing to save {iter_dir_name(iteration)} under {root}: "
+            f"{bad} holds NaN/inf values; the previous checkpoint "
+            "is kept"
+        )
     state = _model_sharded_sd(model, model_keys)
     opt_format = None
     if optimizer is not None:
         if distributed_optimizers(optimizer):
             opt_format = DISTOPT_FORMAT
-            state["optimizer"] = {"distopt": distopt_sharded_state(
-                optimizer, model, list(state.values()), is_loading=False)}
+            state["optimizer"] = {
+                "distopt": distopt_sharded_state(
+                    optimizer, model, list(state.values()), is_loading=False
+                )
+            }
         else:
             opt_format = "megatron"
             state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False)
@@ -359,21 +438,36 @@ def save_checkpoint(root, iteration: int, model: Sequence[torch.nn.Module], opti
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if save_rng:
         state["rng_state"] = _rng_sharded(_rng_state())
-    meta = {"layout": _layout(), "extra": extra or {}, "has_optimizer": optimizer is not None,
-            "optimizer_format": opt_format,
-            "has_lr_scheduler": lr_scheduler is not None, "has_rng": save_rng,
-            "num_chunks": len(model)}
-    return atomic_save_sharded(root, iteration, state, meta=meta, hf_dir=hf_dir,
-                               keep_last=keep_last)
+    meta = {
+        "layout": _layout(),
+        "extra": extra or {},
+        "has_optimizer": optimizer is not None,
+        "optimizer_format": opt_format,
+        "has_lr_scheduler": lr_scheduler is not None,
+        "has_rng": save_rng,
+        "num_chunks": len(model),
+    }
+    return atomic_save_sharded(
+        root, iteration, state, meta=meta, hf_dir=hf_dir, keep_last=keep_last
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # loading
 # ----------------------------------------------------------------------------------------------
 
-def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_scheduler=None,
-                    *, load_optimizer: bool = True, load_rng: bool = True,
-                    strict: bool = True, model_keys=None) -> LoadedCheckpoint:
+
+def load_checkpoint(
+    path,
+    model: Sequence[torch.nn.Module],
+    optimizer=None,
+    lr_scheduler=None,
+    *,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+    strict: bool = True,
+    model_keys=None,
+) -> LoadedCheckpoint:
     """Load a checkpoint (a root → its latest, or one ``iter_*`` directory) into this rank's
     model chunks, resharding to the current TP/PP/VPP/EP layout.
 
@@ -388,7 +482,7 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     from megatron.core import dist_checkpointing
 
     path = _resolve(path)
-    just = str(path) in _JUST_VERIFIED   # latest_verified hashed it a moment ago
+    just = str(path) in _JUST_VERIFIED  # latest_verified hashed it a moment ago
     _JUST_VERIFIED.discard(str(path))
     meta = read_meta(path) if all(gather_all(just)) else verify_collective(path)
     n = len(model)
@@ -397,11 +491,16 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     want_opt = optimizer is not None and load_optimizer and meta.get("has_optimizer")
     distopt = want_opt and meta.get("optimizer_format") == DISTOPT_FORMAT
     if want_opt and bool(distributed_optimizers(optimizer)) != distopt:
-        raise CheckpointError(f"{path}: optimizer state format {meta.get('optimizer_format')!r} "
-                              f"does not match this optimizer ({type(optimizer).__name__})")
+        raise CheckpointError(
+            f"{path}: optimizer state format {meta.get('optimizer_format')!r} "
+            f"does not match this optimizer ({type(optimizer).__name__})"
+        )
     if distopt:
-        state["optimizer"] = {"distopt": distopt_sharded_state(
-            optimizer, model, [state[k] for k in list(state)], is_loading=True)}
+        state["optimizer"] = {
+            "distopt": distopt_sharded_state(
+                optimizer, model, [state[k] for k in list(state)], is_loading=True
+            )
+        }
     elif want_opt:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
     same_layout = meta.get("layout", {}) == _layout()
@@ -420,9 +519,11 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
             _load_subset(_unwrap(c), loaded[key], path)
     bad = nonfinite_parameters([_unwrap(c) for c in model])
     if bad:
-        raise NonFiniteWeightsError(f"{path}: {bad} holds NaN/inf values after loading; not "
-                                    "resuming from non-finite weights (resume from an older "
-                                    "checkpoint: move this iter_* directory away)")
+        raise NonFiniteWeightsError(
+            f"{path}: {bad} holds NaN/inf values after loading; not "
+            "resuming from non-finite weights (resume from an older "
+            "checkpoint: move this iter_* directory away)"
+        )
     if distopt:
         ld = loaded["optimizer"]["distopt"]
         distopt_load_state(optimizer, model, ld, {i: v["step"] for i, v in ld.items()})
@@ -434,8 +535,17 @@ def load_checkpoint(path, model: Sequence[torch.nn.Module], optimizer=None, lr_s
     if want_rng:
         _set_rng_state(loaded["rng_state"])
     elif load_rng and meta.get("has_rng"):
-        logger.info("%s: saved layout %s differs from %s; RNG states not restored", path,
-                    meta.get("layout"), _layout())
-    return LoadedCheckpoint(path=path, iteration=int(meta.get("iteration", 0)),
-                            extra=meta.get("extra", {}), meta=meta, loaded_optimizer=bool(want_opt),
-                            loaded_rng=bool(want_rng))
+        logger.info(
+            "%s: saved layout %s differs from %s; RNG states not restored",
+            path,
+            meta.get("layout"),
+            _layout(),
+        )
+    return LoadedCheckpoint(
+        path=path,
+        iteration=int(meta.get("iteration", 0)),
+        extra=meta.get("extra", {}),
+        meta=meta,
+        loaded_optimizer=bool(want_opt),
+        loaded_rng=bool(want_rng),
+    )

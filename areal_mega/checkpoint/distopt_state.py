@@ -12,6 +12,7 @@ like the weights. Loading slices each rank's flat range back out.
 
 Cost: the save materialises the full (TP-local) optimizer state on every DP rank, on CPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ def distributed_optimizers(optimizer) -> List:
     """The megatron ``DistributedOptimizer``s inside ``optimizer`` (chained or not)."""
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
     opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     return [o for o in opts if isinstance(o, DistributedOptimizer)]
 
@@ -37,6 +39,7 @@ def distributed_optimizers(optimizer) -> List:
 def _entries_by_param(model_sds: Sequence[dict]) -> Dict[int, object]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
     out = {}
     for sd in model_sds:
         for e in nested_values(sd):
@@ -59,8 +62,7 @@ def _params_in_order(model, opt):
                 yield p
 
 
-def distopt_sharded_state(optimizer, model, model_sds: Sequence[dict], *,
-                          is_loading: bool) -> dict:
+def distopt_sharded_state(optimizer, model, model_sds: Sequence[dict], *, is_loading: bool) -> dict:
     """The sharded state dict of ``optimizer``'s distributed optimizers (collective over each
     optimizer's data-parallel group). ``model_sds``: the chunks' ``sharded_state_dict()``."""
     by_param = _entries_by_param(model_sds)
@@ -72,23 +74,25 @@ def distopt_sharded_state(optimizer, model, model_sds: Sequence[dict], *,
         for j, p in enumerate(_params_in_order(model, o)):
             entry = by_param.get((p.data_ptr(), tuple(p.shape)))
             if entry is None:
-                raise RuntimeError(f"optimizer parameter {tuple(p.shape)} has no sharded entry "
-                                   f"in the model state dict")
+                raise RuntimeError(
+                    f"optimizer parameter {tuple(p.shape)} has no sharded entry "
+                    f"in the model state dict"
+                )
             full = torch.zeros((len(_STATES), p.numel()), dtype=torch.float32)
             if not is_loading and p in o.model_param_group_index_map:  # has a local piece
                 r = o._get_model_param_range_map(p)["param"]
                 t = o._get_main_param_and_optimizer_states(p)
                 for k, name in enumerate(_STATES):
                     if name in t:
-                        full[k, r.start:r.end] = t[name].detach().reshape(-1).float()
+                        full[k, r.start : r.end] = t[name].detach().reshape(-1).float()
                 if "step" in t:
                     step = torch.maximum(step, t["step"].detach().double().reshape(()))
             if not is_loading and dist.get_world_size(group) > 1:
                 dist.all_reduce(full, group=group)
             for k, name in enumerate(_STATES):
                 states[name][str(j)] = dataclasses.replace(
-                    entry, key=f"optimizer.distopt.{name}.{entry.key}",
-                    data=full[k].view(p.shape))
+                    entry, key=f"optimizer.distopt.{name}.{entry.key}", data=full[k].view(p.shape)
+                )
         if not is_loading:
             dist.all_reduce(step, op=dist.ReduceOp.MAX)
         out[str(i)] = {"states": states, "step": float(step)}
@@ -112,7 +116,7 @@ def distopt_load_state(optimizer, model, loaded: dict, steps: Dict[str, float]) 
                 if name == "step":
                     new[name] = step.to(dst.dtype).reshape(dst.shape)
                 else:
-                    src = states[name][str(j)].reshape(-1)[r.start:r.end]
+                    src = states[name][str(j)].reshape(-1)[r.start : r.end]
                     new[name] = src.to(dst.dtype).view(dst.shape)
             with torch.no_grad():  # fp32 main params are views of the (leaf) model params
                 o._set_main_param_and_optimizer_states(p, new)

@@ -22,6 +22,7 @@ of a TP/EP group must iterate together (the gathers are collectives); every such
 full tensors, and the caller decides which ranks send (typically TP rank 0 / DP rank 0 of each
 pipeline stage; see :func:`is_export_source`).
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -32,8 +33,13 @@ import torch.distributed as dist
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.models.mla import mla_full_shapes
 
-__all__ = ["iter_hf_tensors", "iter_hf_buckets", "is_export_source", "gather_axis",
-           "expected_full_shape"]
+__all__ = [
+    "iter_hf_tensors",
+    "iter_hf_buckets",
+    "is_export_source",
+    "gather_axis",
+    "expected_full_shape",
+]
 
 Shape = Tuple[Optional[int], ...]
 
@@ -68,8 +74,9 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
     return shapes.get(suffix)
 
 
-def gather_axis(name: str, local_shape: Sequence[int], full_shape: Optional[Sequence],
-                tp_size: int) -> Optional[int]:
+def gather_axis(
+    name: str, local_shape: Sequence[int], full_shape: Optional[Sequence], tp_size: int
+) -> Optional[int]:
     """The axis along which ``tp_size`` shards of ``local_shape`` concatenate to ``full_shape``.
 
     A pure function of shapes: axis ``d`` fits when ``local[d] * tp_size`` equals ``full[d]``
@@ -82,26 +89,35 @@ def gather_axis(name: str, local_shape: Sequence[int], full_shape: Optional[Sequ
     if tp_size < 1:
         raise ValueError(f"{name}: tensor-parallel size must be >= 1, got {tp_size}")
     if len(local) != len(full):
-        raise ValueError(f"{name}: local shard shape {local} has {len(local)} dims but the "
-                         f"full shape the HF config implies is {full}")
+        raise ValueError(
+            f"{name}: local shard shape {local} has {len(local)} dims but the "
+            f"full shape the HF config implies is {full}"
+        )
 
     def fits(size, want):
         return want is None or size == want
 
     if tp_size == 1:
         if not all(fits(a, b) for a, b in zip(local, full)):
-            raise ValueError(f"{name}: shape {local} does not match the HF config's {full} "
-                             "(tensor-parallel size 1)")
+            raise ValueError(
+                f"{name}: shape {local} does not match the HF config's {full} "
+                "(tensor-parallel size 1)"
+            )
         return None
-    axes = [d for d in range(len(local))
-            if fits(local[d] * tp_size, full[d])
-            and all(fits(local[k], full[k]) for k in range(len(local)) if k != d)]
+    axes = [
+        d
+        for d in range(len(local))
+        if fits(local[d] * tp_size, full[d])
+        and all(fits(local[k], full[k]) for k in range(len(local)) if k != d)
+    ]
     if len(axes) == 1:
         return axes[0]
     what = "no axis fits" if not axes else f"ambiguous: axes {axes} all fit"
-    raise ValueError(f"{name}: cannot tell which axis its {tp_size} tensor-parallel shards "
-                     f"split ({what}): local shard shape {local}, full shape {full} (None = "
-                     "not fixed by the HF config)")
+    raise ValueError(
+        f"{name}: cannot tell which axis its {tp_size} tensor-parallel shards "
+        f"split ({what}): local shard shape {local}, full shape {full} (None = "
+        "not fixed by the HF config)"
+    )
 
 
 def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -152,13 +168,23 @@ def is_export_source() -> bool:
     """True on the ranks that should send the exported tensors: TP rank 0 and DP rank 0 (with
     context parallelism, CP rank 0) of each pipeline stage."""
     from megatron.core import parallel_state as ps
-    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-            and ps.get_context_parallel_rank() == 0)
+
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+    )
 
 
-def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep_group=None,
-                    etp_group=None, dtype: Optional[torch.dtype] = None
-                    ) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    model: Sequence[torch.nn.Module],
+    arch,
+    *,
+    tp_group=None,
+    ep_group=None,
+    etp_group=None,
+    dtype: Optional[torch.dtype] = None,
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for this pipeline stage's share of the model.
 
     ``model``: this rank's chunks; ``arch``: :func:`hf_mapping.read_arch` of the model's HF
@@ -166,6 +192,7 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
     Without a cast, an ungathered tensor (TP 1, replicated norms) may be a view of the live
     parameter: send or clone it before the next optimizer step."""
     from megatron.core import parallel_state as ps
+
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
     ep_group = ep_group or (ps.get_expert_model_parallel_group() if arch.is_moe else None)
     etp_group = etp_group or (ps.get_expert_tensor_parallel_group() if arch.is_moe else None)
@@ -173,11 +200,14 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
     for chunk in model:
         chunk = _unwrap(chunk)
         offsets = _layer_offsets(chunk)
-        tied_copy = (arch.tie_word_embeddings and not getattr(chunk, "pre_process", True))
+        tied_copy = arch.tie_word_embeddings and not getattr(chunk, "pre_process", True)
         for name, p in _exported_tensors(chunk):
             layer, expert, suffix = hm.parse_mcore_name(name)
-            if layer is None and suffix == "output_layer.weight" and (
-                    arch.tie_word_embeddings or tied_copy):
+            if (
+                layer is None
+                and suffix == "output_layer.weight"
+                and (arch.tie_word_embeddings or tied_copy)
+            ):
                 continue  # HF ties lm_head to the embedding
             is_expert = expert is not None
             tgroup = etp_group if is_expert else tp_group
@@ -187,8 +217,10 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
                 axis = gather_axis(name, t.shape, expected_full_shape(arch, suffix), tp_size)
                 glu = suffix.endswith("linear_fc1.weight")
                 if glu and axis not in (None, 0):
-                    raise ValueError(f"{name}: GLU linear_fc1 shards must split dim 0 "
-                                     f"([gate_r; up_r]), the shapes say dim {axis}")
+                    raise ValueError(
+                        f"{name}: GLU linear_fc1 shards must split dim 0 "
+                        f"([gate_r; up_r]), the shapes say dim {axis}"
+                    )
                 if axis is not None:
                     t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, axis)
             glayer = offsets[layer] if layer is not None else None
@@ -206,8 +238,9 @@ def iter_hf_tensors(model: Sequence[torch.nn.Module], arch, *, tp_group=None, ep
             del t, items
 
 
-def iter_hf_buckets(model: Sequence[torch.nn.Module], arch, *, bucket_bytes: int = 512 << 20,
-                    **kw) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+def iter_hf_buckets(
+    model: Sequence[torch.nn.Module], arch, *, bucket_bytes: int = 512 << 20, **kw
+) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     """Group :func:`iter_hf_tensors` into lists of at most ``bucket_bytes`` (a tensor larger
     than that is a bucket of its own)."""
     bucket: List[Tuple[str, torch.Tensor]] = []

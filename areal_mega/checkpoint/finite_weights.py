@@ -1,4 +1,5 @@
 """Checkpoints never hold non-finite weights: the check on saving and on loading."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -27,8 +28,11 @@ def nonfinite_parameters(model: Sequence[torch.nn.Module]) -> Optional[str]:
         c = c if hasattr(c, "named_parameters") else getattr(c, "chunk", None)
         for name, p in c.named_parameters() if c is not None else ():
             if not bool(torch.isfinite(p.detach()).all()):
-                mine = f"parameter {name}" + (f" of chunk {i}" if len(model) > 1 else "") + \
-                    f" (rank {rank})"
+                mine = (
+                    f"parameter {name}"
+                    + (f" of chunk {i}" if len(model) > 1 else "")
+                    + f" (rank {rank})"
+                )
                 break
         if mine:
             break

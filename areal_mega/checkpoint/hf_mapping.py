@@ -47,6 +47,7 @@ The vocabulary rows are padded with zeros to ``padded_vocab_size`` going to mega
 back to ``vocab_size`` going to HF. Legacy ``GroupedMLP`` (``weight1``/``weight2``) is not
 produced by the builder and is refused by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,11 +63,30 @@ from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
-__all__ = ["UnsupportedModelError", "TensorMap", "Family", "FAMILIES", "read_arch",
-           "normalize_hf_config", "parse_mcore_name", "canonical_layer_suffix", "maps_for",
-           "to_mcore", "to_hf", "hf_names_for", "qkv_to_mcore", "qkv_to_hf", "glu_to_mcore",
-           "glu_to_hf", "pad_vocab", "unpad_vocab", "hf_tensor_names",
-           "qkv_row_blocks", "to_hf_segments", "to_mcore_segments"]
+__all__ = [
+    "UnsupportedModelError",
+    "TensorMap",
+    "Family",
+    "FAMILIES",
+    "read_arch",
+    "normalize_hf_config",
+    "parse_mcore_name",
+    "canonical_layer_suffix",
+    "maps_for",
+    "to_mcore",
+    "to_hf",
+    "hf_names_for",
+    "qkv_to_mcore",
+    "qkv_to_hf",
+    "glu_to_mcore",
+    "glu_to_hf",
+    "pad_vocab",
+    "unpad_vocab",
+    "hf_tensor_names",
+    "qkv_row_blocks",
+    "to_hf_segments",
+    "to_mcore_segments",
+]
 
 
 class UnsupportedModelError(ValueError):
@@ -77,27 +97,40 @@ class UnsupportedModelError(ValueError):
 # tensor layout transforms (full, unsharded tensors)
 # ----------------------------------------------------------------------------------------------
 
-def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, head_dim: int) -> torch.Tensor:
+
+def qkv_to_mcore(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
     """HF q/k/v projections (weights [n·d, H] or biases [n·d]) → megatron fused QKV, rows
     grouped per KV group: [q heads of group g (n_q/n_kv of them); k_g; v_g] for g = 0..n_kv-1."""
     r = num_heads // num_kv_heads
     rest = tuple(q.shape[1:])
-    parts = [q.reshape(num_kv_heads, r * head_dim, *rest),
-             k.reshape(num_kv_heads, head_dim, *rest),
-             v.reshape(num_kv_heads, head_dim, *rest)]
+    parts = [
+        q.reshape(num_kv_heads, r * head_dim, *rest),
+        k.reshape(num_kv_heads, head_dim, *rest),
+        v.reshape(num_kv_heads, head_dim, *rest),
+    ]
     return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
 
 
-def qkv_to_hf(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
-              head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_to_hf(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`qkv_to_mcore`."""
     r = num_heads // num_kv_heads
     rest = tuple(qkv.shape[1:])
     g = qkv.reshape(num_kv_heads, (r + 2) * head_dim, *rest)
     q, k, v = torch.split(g, [r * head_dim, head_dim, head_dim], dim=1)
-    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
-            v.reshape(-1, *rest).contiguous())
+    return (
+        q.reshape(-1, *rest).contiguous(),
+        k.reshape(-1, *rest).contiguous(),
+        v.reshape(-1, *rest).contiguous(),
+    )
 
 
 def glu_to_mcore(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -130,6 +163,7 @@ def unpad_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 # the per-family tables
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class TensorMap:
     """One megatron tensor ↔ one or more HF tensors.
@@ -137,6 +171,7 @@ class TensorMap:
     ``mcore``: megatron name suffix (within a layer for layer tensors, else the full name);
     ``hf``: HF name templates (``{L}`` layer, ``{E}`` expert); ``kind``: ``copy``, ``qkv``,
     ``glu`` or ``vocab``."""
+
     mcore: str
     hf: Tuple[str, ...]
     kind: str = "copy"
@@ -146,6 +181,7 @@ class TensorMap:
 class Family:
     """One HF architecture family: its layer tables (dense and, for MoE, sparse layers) and
     its non-layer tensors."""
+
     model_type: str
     architectures: Tuple[str, ...]
     dense_layer: Tuple[TensorMap, ...]
@@ -178,9 +214,11 @@ def _families(tables: dict) -> Dict[str, Family]:
             continue
         attn = tuple(m for m in layer if not m.mcore.startswith("mlp."))
         dense_mlp = tuple(m for m in layer if m.mcore in _DENSE_MLP) or tuple(
-            m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"]) if m.mcore in _DENSE_MLP)
-        sparse_mlp = tuple(m for m in layer
-                           if m.mcore.startswith("mlp.") and m.mcore not in _DENSE_MLP)
+            m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"]) if m.mcore in _DENSE_MLP
+        )
+        sparse_mlp = tuple(
+            m for m in layer if m.mcore.startswith("mlp.") and m.mcore not in _DENSE_MLP
+        )
         out[mt] = Family(mt, (t["architecture"],), attn + dense_mlp, attn + sparse_mlp, glob)
     return out
 
@@ -216,7 +254,8 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
     if mt not in FAMILIES:
         raise UnsupportedModelError(
             f"{where}: model_type={mt!r} (architectures={cfg.get('architectures')}) is not "
-            f"supported; supported: {', '.join(FAMILIES)}")
+            f"supported; supported: {', '.join(FAMILIES)}"
+        )
     archs = cfg.get("architectures") or []
     bad = [a for a in archs if a not in FAMILIES[mt].architectures]
     if value_model:
@@ -224,8 +263,10 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
         if problem:
             raise UnsupportedModelError(f"{where}: {problem}")
     elif bad:
-        raise UnsupportedModelError(f"{where}: architectures={bad} is not a causal LM of "
-                                    f"model_type {mt!r} (expected {FAMILIES[mt].architectures})")
+        raise UnsupportedModelError(
+            f"{where}: architectures={bad} is not a causal LM of "
+            f"model_type {mt!r} (expected {FAMILIES[mt].architectures})"
+        )
     if mt == "qwen3_moe" and cfg.get("shared_expert_intermediate_size"):
         raise UnsupportedModelError(f"{where}: MoE shared experts are not supported")
     if cfg.get("attention_bias") and mt == "llama":
@@ -235,8 +276,10 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
     except (ValueError, KeyError, TypeError) as e:
         raise UnsupportedModelError(f"{where}: {e}") from None
     if arch.num_heads % arch.num_kv_heads:
-        raise UnsupportedModelError(f"{where}: num_attention_heads={arch.num_heads} is not a "
-                                    f"multiple of num_key_value_heads={arch.num_kv_heads}")
+        raise UnsupportedModelError(
+            f"{where}: num_attention_heads={arch.num_heads} is not a "
+            f"multiple of num_key_value_heads={arch.num_kv_heads}"
+        )
     return arch
 
 
@@ -244,11 +287,15 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     """The tensor maps of one layer (``layer`` given) or of the non-layer tensors."""
     fam = FAMILIES[arch.model_type]
     if layer is None:
-        return tuple(m for m in fam.global_maps
-                     if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings))
+        return tuple(
+            m
+            for m in fam.global_maps
+            if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings)
+        )
     pattern = arch.moe_layer_pattern
-    table = fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else \
-        fam.dense_layer
+    table = (
+        fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else fam.dense_layer
+    )
     return tuple(m for m in table if optional_map_present(arch, m.mcore))
 
 
@@ -277,8 +324,10 @@ def canonical_layer_suffix(suffix: str) -> Tuple[str, Optional[int]]:
     if m:
         return f"mlp.experts.local_experts.{{E}}.{m.group(1)}.weight", int(m.group(2))
     if suffix.startswith("mlp.experts.weight"):
-        raise UnsupportedModelError(f"{suffix}: legacy GroupedMLP weights are not supported; "
-                                    "build with moe_grouped_gemm=False or TE grouped GEMM")
+        raise UnsupportedModelError(
+            f"{suffix}: legacy GroupedMLP weights are not supported; "
+            "build with moe_grouped_gemm=False or TE grouped GEMM"
+        )
     return suffix, None
 
 
@@ -298,19 +347,22 @@ def _find_map(arch, layer: Optional[int], suffix: str) -> TensorMap:
         if tm.mcore == suffix:
             return tm
     where = "non-layer" if layer is None else f"layer {layer}"
-    raise UnsupportedModelError(f"megatron tensor {suffix!r} ({where}) has no HF mapping for "
-                                f"model_type {arch.model_type!r}")
+    raise UnsupportedModelError(
+        f"megatron tensor {suffix!r} ({where}) has no HF mapping for model_type {arch.model_type!r}"
+    )
 
 
-def hf_names_for(arch, layer: Optional[int], expert: Optional[int], suffix: str
-                 ) -> Tuple[Tuple[str, ...], str]:
+def hf_names_for(
+    arch, layer: Optional[int], expert: Optional[int], suffix: str
+) -> Tuple[Tuple[str, ...], str]:
     """HF names (global layer/expert indices) and the transform kind of one megatron tensor."""
     tm = _find_map(arch, layer, suffix)
     return tuple(h.format(L=layer, E=expert) for h in tm.hf), tm.kind
 
 
-def to_mcore(arch, kind: str, hf_tensors: Sequence[torch.Tensor], *,
-             padded_vocab_size: Optional[int] = None) -> torch.Tensor:
+def to_mcore(
+    arch, kind: str, hf_tensors: Sequence[torch.Tensor], *, padded_vocab_size: Optional[int] = None
+) -> torch.Tensor:
     """HF tensors (in :func:`hf_names_for` order) → the full megatron tensor."""
     if kind == "copy":
         return hf_tensors[0]
@@ -336,8 +388,9 @@ def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     raise ValueError(kind)
 
 
-def qkv_row_blocks(num_heads: int, num_kv_heads: int, head_dim: int
-                   ) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]], List[Tuple[int, int]]]:
+def qkv_row_blocks(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]], List[Tuple[int, int]]]:
     """Row ranges of q, k and v inside the megatron fused QKV (one range per KV group)."""
     r = num_heads // num_kv_heads
     g = (r + 2) * head_dim
@@ -353,18 +406,25 @@ def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor]
     if kind == "copy":
         return ([t],)
     if kind == "vocab":
-        return ([t[:arch.vocab_size]],)
+        return ([t[: arch.vocab_size]],)
     if kind == "glu":
         return tuple([x] for x in torch.chunk(t, 2, dim=0))
     if kind == "qkv":
-        return tuple([t[a:b] for a, b in blocks]
-                     for blocks in qkv_row_blocks(arch.num_heads, arch.num_kv_heads,
-                                                  arch.head_dim))
+        return tuple(
+            [t[a:b] for a, b in blocks]
+            for blocks in qkv_row_blocks(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        )
     raise ValueError(kind)
 
 
-def to_mcore_segments(arch, kind: str, hf_names: Sequence[str], get: Callable[[str], torch.Tensor],
-                      *, padded_vocab_size: Optional[int] = None):
+def to_mcore_segments(
+    arch,
+    kind: str,
+    hf_names: Sequence[str],
+    get: Callable[[str], torch.Tensor],
+    *,
+    padded_vocab_size: Optional[int] = None,
+):
     """Like :func:`to_mcore` but streamed: yields row blocks whose concatenation (dim 0) is the
     megatron tensor, reading HF tensors through ``get`` only when needed (GLU: gate, then up;
     vocabulary padding: zero rows generated, not concatenated)."""
@@ -377,8 +437,9 @@ def to_mcore_segments(arch, kind: str, hf_names: Sequence[str], get: Callable[[s
         t = get(hf_names[0])
         pad = (padded_vocab_size or t.shape[0]) - t.shape[0]
         if pad < 0:
-            raise ValueError(f"vocabulary of {t.shape[0]} rows exceeds padded size "
-                             f"{padded_vocab_size}")
+            raise ValueError(
+                f"vocabulary of {t.shape[0]} rows exceeds padded size {padded_vocab_size}"
+            )
         yield t
         if pad:
             yield t.new_zeros((pad,) + tuple(t.shape[1:]))
@@ -386,9 +447,9 @@ def to_mcore_segments(arch, kind: str, hf_names: Sequence[str], get: Callable[[s
         q, k, v = (get(n) for n in hf_names)
         r, hd = arch.num_heads // arch.num_kv_heads, arch.head_dim
         for g in range(arch.num_kv_heads):
-            yield q[g * r * hd:(g + 1) * r * hd]
-            yield k[g * hd:(g + 1) * hd]
-            yield v[g * hd:(g + 1) * hd]
+            yield q[g * r * hd : (g + 1) * r * hd]
+            yield k[g * hd : (g + 1) * hd]
+            yield v[g * hd : (g + 1) * hd]
     else:
         raise ValueError(kind)
 
@@ -406,4 +467,3 @@ def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
     if with_head and not arch.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
-

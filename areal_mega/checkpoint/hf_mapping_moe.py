@@ -15,6 +15,7 @@ which the builder never makes). Multi-token-prediction layers (``num_nextn_predi
 layers numbered from ``num_hidden_layers`` on) are not part of the trained model; transformers
 ignores them too.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,8 +29,10 @@ def optional_map_present(arch, mcore_suffix: str) -> bool:
     projection)."""
     if mcore_suffix == "self_attention.linear_q_proj.weight":
         return arch.mla_q_lora_rank is None
-    if mcore_suffix in ("self_attention.linear_q_down_proj.weight",
-                        "self_attention.linear_q_up_proj.weight"):
+    if mcore_suffix in (
+        "self_attention.linear_q_down_proj.weight",
+        "self_attention.linear_q_up_proj.weight",
+    ):
         return arch.mla_q_lora_rank is not None
     if arch.is_mla and mcore_suffix == "self_attention.q_layernorm.weight":
         return arch.mla_q_lora_rank is not None
@@ -37,7 +40,7 @@ def optional_map_present(arch, mcore_suffix: str) -> bool:
         return arch.qkv_bias
     if mcore_suffix in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         return arch.qk_norm
-    if mcore_suffix == "mlp.shared_experts.router.weight":    # a shared-expert gate
+    if mcore_suffix == "mlp.shared_experts.router.weight":  # a shared-expert gate
         return False
     if mcore_suffix.startswith("mlp.shared_experts."):
         return bool(arch.moe_shared_ffn_hidden_size)

@@ -7,6 +7,7 @@ shard's byte range are present. :class:`ShardedSafetensorsWriter` writes a stand
 (names, dtypes, shapes known up front), streaming each tensor's bytes into its shard as it
 arrives, so only the tensor being written is in memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,27 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["SafetensorsError", "SafetensorsDir", "ShardedSafetensorsWriter", "DTYPES",
-           "DTYPE_NAMES", "read_header"]
+__all__ = [
+    "SafetensorsError",
+    "SafetensorsDir",
+    "ShardedSafetensorsWriter",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "read_header",
+]
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -45,18 +61,19 @@ def read_header(path: Path) -> Tuple[dict, int]:
             raise SafetensorsError(f"{path}: truncated ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", raw)
         if n > 100_000_000 or 8 + n > size:
-            raise SafetensorsError(f"{path}: truncated or corrupt header ({size} bytes, header "
-                                   f"claims {n})")
+            raise SafetensorsError(
+                f"{path}: truncated or corrupt header ({size} bytes, header claims {n})"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise SafetensorsError(f"{path}: corrupt header ({e})") from None
     data_start = 8 + n
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-              default=0)
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if data_start + end > size:
-        raise SafetensorsError(f"{path}: truncated ({size} bytes, its header needs "
-                               f"{data_start + end})")
+        raise SafetensorsError(
+            f"{path}: truncated ({size} bytes, its header needs {data_start + end})"
+        )
     return header, data_start
 
 
@@ -75,8 +92,11 @@ class SafetensorsDir:
         elif (self.dir / SINGLE_NAME).is_file():
             files, wmap = [SINGLE_NAME], None
         else:
-            extra = "" if not list(self.dir.glob("*.bin")) else " (pytorch_model*.bin is not " \
-                "supported; re-save with safe_serialization=True)"
+            extra = (
+                ""
+                if not list(self.dir.glob("*.bin"))
+                else " (pytorch_model*.bin is not supported; re-save with safe_serialization=True)"
+            )
             raise SafetensorsError(f"{self.dir}: no {INDEX_NAME} or {SINGLE_NAME}{extra}")
         self._where: Dict[str, Tuple[Path, dict, int]] = {}
         for fn in files:
@@ -91,8 +111,9 @@ class SafetensorsDir:
         if wmap is not None:
             missing = [n for n, fn in wmap.items() if n not in self._where]
             if missing:
-                raise SafetensorsError(f"{self.dir / wmap[missing[0]]}: lacks tensor "
-                                       f"{missing[0]!r} listed in {index}")
+                raise SafetensorsError(
+                    f"{self.dir / wmap[missing[0]]}: lacks tensor {missing[0]!r} listed in {index}"
+                )
 
     def keys(self) -> List[str]:
         return list(self._where)
@@ -109,20 +130,21 @@ class SafetensorsDir:
         try:
             return self._where[name]
         except KeyError:
-            raise SafetensorsError(f"{self.dir}: tensor {name!r} not found in the "
-                                   f"safetensors files") from None
+            raise SafetensorsError(
+                f"{self.dir}: tensor {name!r} not found in the safetensors files"
+            ) from None
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (a fresh tensor; nothing stays mapped)."""
         path, info, start = self._lookup(name)
         if info["dtype"] not in DTYPES:
-            raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype "
-                                   f"{info['dtype']}")
+            raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         b, e = info["data_offsets"]
         t = torch.empty(tuple(info["shape"]), dtype=DTYPES[info["dtype"]])
         if e - b != t.numel() * t.element_size():
-            raise SafetensorsError(f"{path}: tensor {name!r} byte range does not match its "
-                                   f"shape {info['shape']}")
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} byte range does not match its shape {info['shape']}"
+            )
         buf = t.view(-1).view(torch.uint8).numpy() if t.numel() else None
         with open(path, "rb") as f:
             f.seek(start + b)
@@ -138,8 +160,13 @@ class ShardedSafetensorsWriter:
     order, then :meth:`close` (writes the index). Shards are named like ``transformers``
     names them; the index is always written."""
 
-    def __init__(self, out_dir, plan: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
-                 max_shard_bytes: int = 2 * 1024 ** 3, metadata: Optional[dict] = None):
+    def __init__(
+        self,
+        out_dir,
+        plan: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
+        max_shard_bytes: int = 2 * 1024**3,
+        metadata: Optional[dict] = None,
+    ):
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         shards: List[List[Tuple[str, torch.dtype, Tuple[int, ...], int]]] = [[]]
@@ -163,8 +190,11 @@ class ShardedSafetensorsWriter:
             header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
             off = 0
             for name, dtype, shape, nbytes in shard:
-                header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                                "data_offsets": [off, off + nbytes]}
+                header[name] = {
+                    "dtype": DTYPE_NAMES[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [off, off + nbytes],
+                }
                 off += nbytes
                 self._order.append((name, i, shape, dtype))
                 self.weight_map[name] = fn
@@ -188,8 +218,9 @@ class ShardedSafetensorsWriter:
         rows = sum(s.shape[0] if s.dim() else 1 for s in segs)
         got = (rows,) + tuple(segs[0].shape[1:]) if segs[0].dim() else tuple(segs[0].shape)
         if name != pname or got != shape or any(s.dtype != dtype for s in segs):
-            raise RuntimeError(f"out-of-plan tensor {name} {got} {segs[0].dtype}; "
-                               f"expected {pname} {shape} {dtype}")
+            raise RuntimeError(
+                f"out-of-plan tensor {name} {got} {segs[0].dtype}; expected {pname} {shape} {dtype}"
+            )
         if idx != self._fh_idx:
             self._finish_file()
             self._fh = open(self.out / self._files[idx], "wb")
@@ -213,12 +244,19 @@ class ShardedSafetensorsWriter:
         """Finish the last shard and write the index; returns the index path."""
         if self._next != len(self._order):
             missing = self._order[self._next][0]
-            raise RuntimeError(f"{self.out}: only {self._next}/{len(self._order)} tensors "
-                               f"written (next expected {missing})")
+            raise RuntimeError(
+                f"{self.out}: only {self._next}/{len(self._order)} tensors "
+                f"written (next expected {missing})"
+            )
         self._finish_file()
         index = self.out / INDEX_NAME
-        index.write_text(json.dumps({"metadata": {"total_size": self.total_bytes},
-                                     "weight_map": self.weight_map}, indent=2) + "\n")
+        index.write_text(
+            json.dumps(
+                {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map},
+                indent=2,
+            )
+            + "\n"
+        )
         return index
 
     def __enter__(self):

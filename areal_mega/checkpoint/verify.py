@@ -3,6 +3,7 @@
 
 Torch is imported lazily, only to read torch DCP's ``.metadata``.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ class CheckpointError(RuntimeError):
 
 def _dist():
     import torch.distributed as dist
+
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -39,8 +41,9 @@ def read_meta(path: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: checkpoint directory does not exist")
     meta_path = path / META_NAME
     if not meta_path.is_file():
-        raise CheckpointError(f"{meta_path}: missing; {path} is not a complete checkpoint "
-                              f"(interrupted save?)")
+        raise CheckpointError(
+            f"{meta_path}: missing; {path} is not a complete checkpoint (interrupted save?)"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -58,12 +61,20 @@ def verify_share(path, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     sums = meta.get("checksums")
     if sums is None:
         if rank == 0:
-            logger.warning("%s: written without content checksums (before they existed); "
-                           "checking file sizes only", path / META_NAME)
-    elif (not isinstance(sums, dict) or sums.get("algorithm") != cks.ALGORITHM
-            or sums.get("meta_crc32") != cks.meta_digest(meta)):
-        raise CheckpointError(f"{path / META_NAME}: content checksum mismatch (or unknown "
-                              f"checksum algorithm): the metadata file is corrupt")
+            logger.warning(
+                "%s: written without content checksums (before they existed); "
+                "checking file sizes only",
+                path / META_NAME,
+            )
+    elif (
+        not isinstance(sums, dict)
+        or sums.get("algorithm") != cks.ALGORITHM
+        or sums.get("meta_crc32") != cks.meta_digest(meta)
+    ):
+        raise CheckpointError(
+            f"{path / META_NAME}: content checksum mismatch (or unknown "
+            f"checksum algorithm): the metadata file is corrupt"
+        )
     files = (sums or {}).get("files", {})
     bad = cks.check_files(path, files, cks.load_share(files, rank, world))
     if bad:
@@ -72,23 +83,27 @@ def verify_share(path, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     # megatron-core >= 0.19 keeps the common (non-tensor) state inside the DCP files; a
     # ``common.pt`` exists only in checkpoints written by older releases (still loadable)
     megatron_files = ["metadata.json", ".metadata"] + (
-        ["common.pt"] if (path / "common.pt").is_file() else [])
+        ["common.pt"] if (path / "common.pt").is_file() else []
+    )
     for fn in megatron_files:
         if not (path / fn).is_file():
             raise CheckpointError(f"{path / fn}: missing megatron checkpoint file")
     from torch.distributed.checkpoint import FileSystemReader
+
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unpickling problem means a broken file
-        raise CheckpointError(f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})") \
-            from None
+        raise CheckpointError(
+            f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})"
+        ) from None
     need: Dict[str, int] = {}
     for info in (md.storage_data or {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for rel in megatron_files + sorted(need):
         if sums is not None and rel not in files:
-            raise CheckpointError(f"{path / rel}: not covered by the checksums in "
-                                  f"{path / META_NAME}")
+            raise CheckpointError(
+                f"{path / rel}: not covered by the checksums in {path / META_NAME}"
+            )
     for rel, n in sorted(need.items()):
         f = path / rel
         if not f.is_file():
@@ -128,6 +143,7 @@ def verify_collective(path: Path) -> Dict[str, Any]:
         meta, err = None, str(e)
     errors = [e for e in gather_all(err) if e]
     if errors:
-        raise CheckpointError(errors[0] if len(errors) == 1
-                              else f"{errors[0]} (and {len(errors) - 1} more problems)")
+        raise CheckpointError(
+            errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more problems)"
+        )
     return meta

@@ -2,6 +2,7 @@
 timeouts (reward functions), OpenAI gateway sessions. ``bump`` from any thread;
 :class:`areal_mega.rollout.counts.CountCarrier` reads :func:`snapshot` when the rollout worker
 delivers a group, so the counts reach the trainer's metrics rows."""
+
 from __future__ import annotations
 
 import threading

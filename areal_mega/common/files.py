@@ -13,6 +13,7 @@ temporary file is removed and the target keeps its old content.
 * ``durable=False`` is atomic for other processes, but after a machine crash the file may
   hold the old content (on some filesystems even nothing). For outputs a person regenerates.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,7 @@ def _create_temp(path: Path, file_mode: Optional[int]) -> tuple[int, Path]:
             continue
     if file_mode is not None:
         try:
-            os.fchmod(fd, file_mode)   # exactly file_mode whatever the umask, before any byte
+            os.fchmod(fd, file_mode)  # exactly file_mode whatever the umask, before any byte
         except BaseException:
             os.close(fd)
             os.unlink(tmp)
@@ -56,8 +57,13 @@ def _create_temp(path: Path, file_mode: Optional[int]) -> tuple[int, Path]:
 
 
 @contextlib.contextmanager
-def atomic_open(path: Union[str, os.PathLike], mode: str = "wb", *, durable: bool,
-                file_mode: Optional[int] = None) -> Iterator[IO]:
+def atomic_open(
+    path: Union[str, os.PathLike],
+    mode: str = "wb",
+    *,
+    durable: bool,
+    file_mode: Optional[int] = None,
+) -> Iterator[IO]:
     """A file to write ``path``'s new content into (``mode`` ``"wb"`` or ``"w"``, UTF-8): when
     the ``with`` block ends normally it replaces ``path``; when it raises, ``path`` keeps its
     old content and no temporary file remains. ``durable``: fsync the file and the directory
@@ -88,12 +94,18 @@ def atomic_open(path: Union[str, os.PathLike], mode: str = "wb", *, durable: boo
         fsync_path(path.parent)
 
 
-def atomic_write(path: Union[str, os.PathLike], data: Union[bytes, str], *, durable: bool,
-                 mode: Optional[int] = None) -> Path:
+def atomic_write(
+    path: Union[str, os.PathLike],
+    data: Union[bytes, str],
+    *,
+    durable: bool,
+    mode: Optional[int] = None,
+) -> Path:
     """Replace ``path``'s content with ``data`` (``str`` is written as UTF-8) atomically; see
     :func:`atomic_open` for ``durable`` and ``mode`` (the file's permissions). Returns the
     path."""
-    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", durable=durable,
-                     file_mode=mode) as f:
+    with atomic_open(
+        path, "wb" if isinstance(data, bytes) else "w", durable=durable, file_mode=mode
+    ) as f:
         f.write(data)
     return Path(path)

@@ -16,6 +16,7 @@ OpenAI endpoint of episode workflows, the CPU rollout server).
 
 No torch: every process may import it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +35,7 @@ from areal_mega.common import counters
 
 log = logging.getLogger(__name__)
 
-MAX_INT = 2 ** 63 - 1
+MAX_INT = 2**63 - 1
 """JSON integers beyond +-this are refused (no field of ours takes more than int64)."""
 FD_RESERVE = 128
 """File descriptors kept free for everything but client connections (the rollout servers'
@@ -54,8 +55,10 @@ class BodyError(ValueError):
 
 def _int(text: str) -> int:
     if len(text.lstrip("-")) > 19 or not -MAX_INT - 1 <= int(text) <= MAX_INT:
-        raise BodyError(f"number {text[:24]}{'...' if len(text) > 24 else ''} is out of "
-                        "range (integers must fit in int64)")
+        raise BodyError(
+            f"number {text[:24]}{'...' if len(text) > 24 else ''} is out of "
+            "range (integers must fit in int64)"
+        )
     return int(text)
 
 
@@ -96,8 +99,7 @@ async def read_json_body(request: web.Request, timeout_s: Optional[float] = None
     except asyncio.TimeoutError:
         raise BodyError(f"request body not received within {timeout_s:g} s", 408) from None
     except web.HTTPRequestEntityTooLarge as e:
-        raise BodyError(f"request body too large ({e.text or 'over the limit'})", 413) \
-            from None
+        raise BodyError(f"request body too large ({e.text or 'over the limit'})", 413) from None
     return strict_json_loads(raw)
 
 
@@ -110,8 +112,10 @@ def connection_cap(requested: int, reserve: int = FD_RESERVE) -> int:
     return max(8, min(requested, soft - reserve))
 
 
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n")
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+)
 
 
 class _Refuse(asyncio.Protocol):
@@ -132,36 +136,49 @@ class ConnectionGuard:
     """The connection cap of one aiohttp server (see the module doc). ``name`` is what the
     log lines call it; ``max_connections`` is capped by :func:`connection_cap`."""
 
-    def __init__(self, name: str, max_connections: int, log_every_s: float = 10.0,
-                 counter: Optional[str] = None):
+    def __init__(
+        self,
+        name: str,
+        max_connections: int,
+        log_every_s: float = 10.0,
+        counter: Optional[str] = None,
+    ):
         """``counter``: a :mod:`~areal_mega.common.counters` prefix; ``<counter>_refused`` and
         ``<counter>_closed_idle`` are bumped per connection."""
         self.name = name
         self.counter = counter
         self.cap = connection_cap(max_connections)
         self.log_every_s = log_every_s
-        self.refused = self.evicted = 0            # since the start
-        self._unlogged = [0, 0]                    # refused, evicted since the last log line
+        self.refused = self.evicted = 0  # since the start
+        self._unlogged = [0, 0]  # refused, evicted since the last log line
         self._last_log = 0.0
-        self._refusal = json.dumps({"error": {
-            "message": f"{name}: too many connections ({self.cap}); retry later",
-            "type": "server_error", "param": None, "code": None}}).encode()
+        self._refusal = json.dumps(
+            {
+                "error": {
+                    "message": f"{name}: too many connections ({self.cap}); retry later",
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        ).encode()
 
     def factory(self, server: web.Server):
         """The protocol factory to serve ``server`` (``runner.server``) with."""
+
         def make():
-            conns = server._connections              # handler -> transport, oldest first
+            conns = server._connections  # handler -> transport, oldest first
             live = [(h, t) for h, t in conns.items() if not t.is_closing()]
             if len(live) >= self.cap:
                 # the oldest connection without a request in progress makes room
-                idle = next((h for h, _ in live
-                             if getattr(h, "_current_request", 1) is None), None)
+                idle = next((h for h, _ in live if getattr(h, "_current_request", 1) is None), None)
                 if idle is None:
                     self._count(0)
                     return _Refuse(self._refusal)
                 idle.force_close()
                 self._count(1)
             return server()
+
         return make
 
     def _count(self, which: int) -> None:
@@ -174,24 +191,35 @@ class ConnectionGuard:
         self._unlogged[which] += 1
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:
-            log.warning("%s at its cap of %d connections: %d refused (503), %d idle ones closed "
-                        "for newcomers since the last such line", self.name, self.cap,
-                        self._unlogged[0], self._unlogged[1])
+            log.warning(
+                "%s at its cap of %d connections: %d refused (503), %d idle ones closed "
+                "for newcomers since the last such line",
+                self.name,
+                self.cap,
+                self._unlogged[0],
+                self._unlogged[1],
+            )
             self._unlogged = [0, 0]
             self._last_log = now
 
-    async def serve(self, runner: web.AppRunner, host: str, port: int, ssl_context=None,
-                    backlog: int = 2048) -> asyncio.AbstractServer:
+    async def serve(
+        self, runner: web.AppRunner, host: str, port: int, ssl_context=None, backlog: int = 2048
+    ) -> asyncio.AbstractServer:
         """Listen on ``host:port`` for ``runner`` (set up) through this guard; returns the
         asyncio server (close it before ``runner.cleanup()``). The kernel queues ``backlog``
         connections; the loop accepts at most :data:`ACCEPT_BATCH` of them at a time, so the
         descriptors of those it closed (past the cap) are released before it accepts more."""
         loop = asyncio.get_running_loop()
         quiet_accept_errors(loop)
-        server = await loop.create_server(self.factory(runner.server), host, port,
-                                          ssl=ssl_context, backlog=ACCEPT_BATCH,
-                                          reuse_address=True)
-        for ts in server.sockets:   # asyncio listens with its accept batch: widen the queue
+        server = await loop.create_server(
+            self.factory(runner.server),
+            host,
+            port,
+            ssl=ssl_context,
+            backlog=ACCEPT_BATCH,
+            reuse_address=True,
+        )
+        for ts in server.sockets:  # asyncio listens with its accept batch: widen the queue
             with socket.socket(ts.family, ts.type, fileno=os.dup(ts.fileno())) as dup:
                 dup.listen(backlog)
         return server
@@ -214,24 +242,38 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, every_s: float = 10.0) 
             state["n"] += 1
             now = time.monotonic()
             if now - state["last"] >= every_s:
-                log.warning("%s (%d times in the last %.0f s): %s", _ACCEPT_ERROR, state["n"],
-                            every_s, context.get("exception"))
+                log.warning(
+                    "%s (%d times in the last %.0f s): %s",
+                    _ACCEPT_ERROR,
+                    state["n"],
+                    every_s,
+                    context.get("exception"),
+                )
                 state["n"], state["last"] = 0, now
             return
         if old is not None:
             old(lp, context)
         else:
             lp.default_exception_handler(context)
+
     handler._quiet_accept = True
     loop.set_exception_handler(handler)
 
 
-def run_app_guarded(app: web.Application, host: str, port: int, *, name: str,
-                    max_connections: int = 1024, **runner_kwargs) -> None:
+def run_app_guarded(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    name: str,
+    max_connections: int = 1024,
+    **runner_kwargs,
+) -> None:
     """``web.run_app(app, host=host, port=port, **runner_kwargs)`` with the connections kept
     under a :class:`ConnectionGuard` named ``name``. As ``run_app``: SIGINT/SIGTERM stop it,
     the application's shutdown hooks run while requests in progress may still answer, then
     the tasks left are cancelled."""
+
     async def serve() -> None:
         runner = web.AppRunner(app, handle_signals=True, **runner_kwargs)
         await runner.setup()
@@ -251,7 +293,7 @@ def run_app_guarded(app: web.Application, host: str, port: int, *, name: str,
     except (web.GracefulExit, KeyboardInterrupt):
         pass
     finally:
-        for tasks in ({main}, asyncio.all_tasks(loop)):   # the server first, then the rest
+        for tasks in ({main}, asyncio.all_tasks(loop)):  # the server first, then the rest
             for t in tasks:
                 t.cancel()
             loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))

@@ -4,6 +4,7 @@ Config keys such as ``rollout.reward_fn`` and ``rollout.workflow`` hold such str
 that moved to another module keep working under their old name through :data:`MOVED` (one
 alias each, with a ``FutureWarning`` that names the new spelling); see ``docs/design.md``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,8 +34,9 @@ def _split(spec: str, what: str, dotted_ok: bool) -> tuple[str, str]:
     else:
         mod_part = name = ""
     if not mod_part or not name:
-        raise ValueError(f"{what}={spec!r}: expected 'package.module:name' or "
-                         "'path/to/file.py:name'")
+        raise ValueError(
+            f"{what}={spec!r}: expected 'package.module:name' or 'path/to/file.py:name'"
+        )
     return mod_part, name
 
 
@@ -46,15 +48,16 @@ def _renamed(mod_part: str, name: str, spec: str, what: str) -> tuple[str, str]:
         new_mod, new_name = MOVED[mod_part], name
     else:
         return mod_part, name
-    warnings.warn(f"{what}={spec!r}: moved, write '{new_mod}:{new_name}'", FutureWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"{what}={spec!r}: moved, write '{new_mod}:{new_name}'", FutureWarning, stacklevel=3
+    )
     return new_mod, new_name
 
 
 def _module_from_file(path: Path, spec: str, what: str):
     if not path.is_file():
         raise ValueError(f"{what}={spec!r}: file {str(path)!r} does not exist")
-    mod_name = f"_areal_user_{path.stem}_{abs(hash(str(path))) % 10 ** 8}"
+    mod_name = f"_areal_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
     module = sys.modules.get(mod_name)
     if module is None:
         file_spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -73,8 +76,9 @@ def load_object(spec: str, what: str, *, dotted_ok: bool = False) -> Any:
     ``package.module.name`` when ``dotted_ok``). Errors are ``ValueError`` naming the config
     key ``what`` and the part of ``spec`` that is wrong."""
     if not isinstance(spec, str) or not spec:
-        raise ValueError(f"{what}={spec!r}: expected 'package.module:name' or "
-                         "'path/to/file.py:name'")
+        raise ValueError(
+            f"{what}={spec!r}: expected 'package.module:name' or 'path/to/file.py:name'"
+        )
     mod_part, name = _split(spec, what, dotted_ok)
     if mod_part.endswith(".py"):
         module = _module_from_file(Path(mod_part).expanduser().resolve(), spec, what)

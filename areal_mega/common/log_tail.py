@@ -1,13 +1,16 @@
 """The error a dead process left in its log, for one-line death notices (supervisor, servers)."""
+
 from __future__ import annotations
 
 import os
 import re
 from typing import BinaryIO, Union
 
-_ERROR_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)"
-                         r"|Killed|Segmentation fault)\b.*")
-_BOILERPLATE = ("ChildFailedError",)   # torchrun's wrapper; the rank's own error comes first
+_ERROR_LINE = re.compile(
+    r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)"
+    r"|Killed|Segmentation fault)\b.*"
+)
+_BOILERPLATE = ("ChildFailedError",)  # torchrun's wrapper; the rank's own error comes first
 _TAIL_BYTES = 64 * 1024
 
 
@@ -17,7 +20,7 @@ def last_error_line(text: str, max_chars: int = 400) -> str:
     for line in reversed(text.splitlines()):
         line = line.strip()
         if _ERROR_LINE.match(line) and not any(b in line for b in _BOILERPLATE):
-            return line if len(line) <= max_chars else line[:max_chars - 3] + "..."
+            return line if len(line) <= max_chars else line[: max_chars - 3] + "..."
     return ""
 
 

@@ -13,6 +13,7 @@ The data plane's form (``token_extras["routed_experts"]``): ``[L, n_moe_layers, 
 layers only, int16 when the model has at most 32767 experts (else int32), -1 on rows no server
 forwarded (at least the last token).
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,6 +38,7 @@ def _get(cfg: Any, key: str, default=None):
 class RouteLayout:
     """Where routes live in a model: ``num_hidden_layers`` decoder layers, of which
     ``moe_layers`` (indices, ascending) route each token to ``topk`` of ``num_experts``."""
+
     num_hidden_layers: int
     moe_layers: tuple
     topk: int
@@ -84,8 +86,9 @@ def encode_sglang_routes(rows: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
 
 
-def decode_sglang_routes(encoded: str, layout: RouteLayout,
-                         n_rows: Optional[int] = None) -> np.ndarray:
+def decode_sglang_routes(
+    encoded: str, layout: RouteLayout, n_rows: Optional[int] = None
+) -> np.ndarray:
     """SGLang's ``meta_info["routed_experts"]`` -> ``[rows, n_moe_layers, topk]`` of
     ``layout.dtype`` (the MoE layers' rows). ``ValueError`` when the size is not a whole number
     of rows, or not ``n_rows`` rows when given."""
@@ -93,9 +96,11 @@ def decode_sglang_routes(encoded: str, layout: RouteLayout,
     per_row = layout.num_hidden_layers * layout.topk
     rows = flat.size // per_row
     if flat.size % per_row or (n_rows is not None and rows != n_rows):
-        raise ValueError(f"meta_info.routed_experts: {flat.size} ids, expected "
-                         f"{'whole' if n_rows is None else n_rows} tokens x "
-                         f"{layout.num_hidden_layers} layers x top-{layout.topk}")
+        raise ValueError(
+            f"meta_info.routed_experts: {flat.size} ids, expected "
+            f"{'whole' if n_rows is None else n_rows} tokens x "
+            f"{layout.num_hidden_layers} layers x top-{layout.topk}"
+        )
     full = flat.reshape(rows, layout.num_hidden_layers, layout.topk)
     if len(layout.moe_layers) != layout.num_hidden_layers:
         full = full[:, list(layout.moe_layers)]
@@ -146,7 +151,7 @@ class RouteTable:
         lay = self.layout
         out = np.full((length, lay.n_moe_layers, lay.topk), NO_ROUTE, lay.dtype)
         rows = self.rows()[:length]
-        out[:len(rows)] = rows
+        out[: len(rows)] = rows
         return out
 
 
@@ -159,14 +164,18 @@ def check_routes(traj, layout: RouteLayout) -> Optional[str]:
     want = (traj.length, layout.n_moe_layers, layout.topk)
     head = f"token_extras.{ROUTED_EXPERTS} of sample {traj.sample_id!r}"
     if arr is None:
-        return (f"{head}: missing, expected {want} (algorithm.routing_replay is on: the "
-                "rollout servers must return routes, started with "
-                "--enable-return-routed-experts)")
+        return (
+            f"{head}: missing, expected {want} (algorithm.routing_replay is on: the "
+            "rollout servers must return routes, started with "
+            "--enable-return-routed-experts)"
+        )
     if tuple(arr.shape) != want:
         return f"{head}: shape {tuple(arr.shape)}, expected {want} (tokens, MoE layers, top-k)"
     if arr.size and (int(arr.min()) < NO_ROUTE or int(arr.max()) >= layout.num_experts):
-        return (f"{head}: expert ids in [{int(arr.min())}, {int(arr.max())}], expected "
-                f"[-1, {layout.num_experts})")
+        return (
+            f"{head}: expert ids in [{int(arr.min())}, {int(arr.max())}], expected "
+            f"[-1, {layout.num_experts})"
+        )
     return None
 
 
@@ -183,4 +192,3 @@ def repeated_expert(arr) -> Optional[tuple]:
         return None
     t, layer, k = (int(i) for i in np.argwhere(dup)[0])
     return t, layer, int(s[t, layer, k])
-

@@ -3,6 +3,7 @@
 A probe is a callable returning a bool; whoever waits polls it (the launcher's supervisor, a
 server handle's ``wait_ready``).
 """
+
 from __future__ import annotations
 
 import http.client
@@ -28,7 +29,7 @@ def is_loopback_host(host: str) -> bool:
 
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-LOWEST_PICKED_PORT = 10000      # below: well-known and registered services
+LOWEST_PICKED_PORT = 10000  # below: well-known and registered services
 
 
 def ephemeral_port_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[tuple]:
@@ -62,7 +63,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list:
     the draw keeps finding busy ports."""
     socks, ports = [], []
     candidates = quiet_ports(ephemeral_port_range())
-    draw = random.SystemRandom()     # not the seeded global generator two test workers share
+    draw = random.SystemRandom()  # not the seeded global generator two test workers share
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -89,17 +90,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def tcp_ready(host: str, port: int, timeout: float = 1.0) -> Callable[[], bool]:
     """A probe that is true once something accepts TCP connections on ``host:port``."""
+
     def probe() -> bool:
         try:
             with socket.create_connection((host, port), timeout=timeout):
                 return True
         except OSError:
             return False
+
     return probe
 
 
-def http_ready(url: str, timeout: float = 2.0, api_key: Optional[str] = None, *,
-               healthy: bool = False) -> Callable[[], bool]:
+def http_ready(
+    url: str, timeout: float = 2.0, api_key: Optional[str] = None, *, healthy: bool = False
+) -> Callable[[], bool]:
     """A probe that is true once ``GET url`` answers with a status below 500 (the server is
     up; a 503 while it loads keeps waiting), or with ``healthy=True`` only once it answers
     200. ``api_key`` goes in an ``Authorization: Bearer`` header. A malformed ``url`` raises
@@ -117,4 +121,5 @@ def http_ready(url: str, timeout: float = 2.0, api_key: Optional[str] = None, *,
         except (OSError, ValueError, http.client.HTTPException):
             return False
         return status == 200 if healthy else status < 500
+
     return probe

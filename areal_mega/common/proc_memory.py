@@ -8,6 +8,7 @@ their clean page-cache pages resident in *this* process: RSS grows by the model 
 no memory is allocated. ``RssAnon`` (anonymous pages: heap and tensor buffers) is what a
 conversion actually holds; the kernel keeps no peak of it, so a thread samples it.
 """
+
 from __future__ import annotations
 
 import threading

@@ -11,6 +11,7 @@ thread reading that pipe acts at once. It calls ``on_term`` (set a stop event, f
 thread) and, when the process has not ended ``exit_after_s`` later, dumps every thread's stack to
 stderr (so the next report says where it hung) and ends the process with ``os._exit``.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -29,8 +30,12 @@ class TermWatchdog:
     process's end, exit code ``128 + signum``. The Python-level handler installed here does
     nothing: the watchdog thread does the work, so no code runs inside the signal handler."""
 
-    def __init__(self, on_term: Optional[Callable[[], None]] = None, exit_after_s: float = 9.0,
-                 signals=(signal.SIGTERM,)):
+    def __init__(
+        self,
+        on_term: Optional[Callable[[], None]] = None,
+        exit_after_s: float = 9.0,
+        signals=(signal.SIGTERM,),
+    ):
         self.on_term = on_term
         self.exit_after_s = exit_after_s
         self.signals = tuple(signals)
@@ -60,8 +65,12 @@ class TermWatchdog:
             except Exception as e:  # noqa: BLE001 - the hard exit below still comes
                 print(f"term-watchdog: on_term failed: {e!r}", file=sys.stderr, flush=True)
         threading.Event().wait(self.exit_after_s)
-        print(f"term-watchdog: the process did not stop {self.exit_after_s:.1f}s after signal "
-              f"{self.received}; its threads:", file=sys.stderr, flush=True)
+        print(
+            f"term-watchdog: the process did not stop {self.exit_after_s:.1f}s after signal "
+            f"{self.received}; its threads:",
+            file=sys.stderr,
+            flush=True,
+        )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(128 + self.received)

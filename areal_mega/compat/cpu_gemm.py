@@ -16,6 +16,7 @@ Environment switch ``AREAL_MEGA_CPU_GEMM`` (read once, at import): ``onednn`` (t
 routes the products as above; ``torch`` keeps torch's own ``matmul`` (MKL) everywhere, e.g.
 to A/B the two (``bench/grpo_step.py --gemm``). Any other value raises ``ValueError``.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,14 +28,16 @@ GEMM_CHOICES = ("onednn", "torch")
 
 
 def _onednn_ok(*ts: torch.Tensor) -> bool:
-    return (_AVAILABLE and all(t.dtype == torch.float32 and t.device.type == "cpu"
-                               and t.numel() > 0 for t in ts))
+    return _AVAILABLE and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() > 0 for t in ts
+    )
 
 
 def _available() -> bool:
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                                "_linear_pointwise")
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
     except (AttributeError, RuntimeError):
         return False
 
@@ -42,8 +45,9 @@ def _available() -> bool:
 def _requested_backend() -> str:
     value = os.environ.get(GEMM_ENV, "onednn").strip().lower() or "onednn"
     if value not in GEMM_CHOICES:
-        raise ValueError(f"{GEMM_ENV}={os.environ[GEMM_ENV]!r}: expected one of "
-                         f"{', '.join(GEMM_CHOICES)}")
+        raise ValueError(
+            f"{GEMM_ENV}={os.environ[GEMM_ENV]!r}: expected one of {', '.join(GEMM_CHOICES)}"
+        )
     return value
 
 
@@ -60,8 +64,9 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # oneDNN returns a view for N-D inputs; megatron's cross entropy writes into the logits in
     # place, which autograd forbids on a custom Function's view output, so compute in 2-D and
     # reshape without creating a view (as torch.matmul does)
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), w, None,
-                                           "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(
+        x.reshape(-1, x.shape[-1]).contiguous(), w, None, "none", [], ""
+    )
     return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w.shape[0]))
 
 
@@ -82,7 +87,6 @@ def grad_input(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def grad_weight(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
     """``grad_output.t().matmul(total_input)`` for 2-D ``[tokens, N]`` / ``[tokens, K]``
     (the weight gradient)."""
-    if grad_output.dim() == 2 and total_input.dim() == 2 and _onednn_ok(grad_output,
-                                                                        total_input):
+    if grad_output.dim() == 2 and total_input.dim() == 2 and _onednn_ok(grad_output, total_input):
         return _mm(grad_output.t(), total_input.t())
     return grad_output.t().matmul(total_input)

@@ -7,6 +7,7 @@
 
 Code outside the patched modules, and ``torch`` itself, is untouched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -96,13 +97,28 @@ def _make_cuda_shim() -> _CudaOnCpu:
     shim.manual_seed = lambda seed: torch.manual_seed(seed)
     shim.memory_allocated = lambda *a, **k: 0
     shim.max_memory_allocated = lambda *a, **k: 0
-    shim.nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop,
-                                      range=lambda *a, **k: contextlib.nullcontext())
+    shim.nvtx = types.SimpleNamespace(
+        range_push=_noop, range_pop=_noop, range=lambda *a, **k: contextlib.nullcontext()
+    )
     return shim
 
 
-_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand",
-              "randint", "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor")
+_FACTORIES = (
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "tensor",
+    "arange",
+    "randn",
+    "rand",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "as_tensor",
+)
 
 
 class _TorchOnCpu(types.ModuleType):
@@ -121,6 +137,7 @@ class _TorchOnCpu(types.ModuleType):
             if "device" in kwargs:
                 kwargs["device"] = _map_device(kwargs["device"])
             return fn(*args, **kwargs)
+
         factory.__name__ = fn.__name__
         factory.__doc__ = fn.__doc__
         return factory

@@ -34,6 +34,7 @@ patch list and the one entry point. Usage: ``from areal_mega.compat import megat
 megatron_cpu.apply()`` before building models (idempotent; a no-op when CUDA is available
 unless ``force=True``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,8 +49,16 @@ import torch
 from areal_mega.compat import packed_rope, te_placeholder
 from areal_mega.compat.cuda_shim import torch_view
 
-__all__ = ["apply", "is_applied", "needed", "CompatError", "PATCHES", "check_targets",
-           "install_te_placeholder", "MEGATRON_CORE_VERSION"]
+__all__ = [
+    "apply",
+    "is_applied",
+    "needed",
+    "CompatError",
+    "PATCHES",
+    "check_targets",
+    "install_te_placeholder",
+    "MEGATRON_CORE_VERSION",
+]
 
 #: The megatron-core release these patches were written and measured against.
 MEGATRON_CORE_VERSION = "0.19.2"
@@ -62,6 +71,7 @@ class CompatError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Patch descriptions
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass
 class Patch:
@@ -80,7 +90,7 @@ class Patch:
     extra: dict = field(default_factory=dict)
 
     def target_source(self) -> str:
-        if self.kind == "te_placeholder":   # importing it is what fails: read it from disk
+        if self.kind == "te_placeholder":  # importing it is what fails: read it from disk
             src = te_placeholder.importer_source(self.module)
             if src is None:
                 raise ModuleNotFoundError(self.module)
@@ -102,12 +112,17 @@ class Patch:
             src = self.target_source()
         except Exception as exc:  # module or function gone
             return [f"{self.name}: cannot read {self.module}:{self.function}: {exc!r}"]
-        probs = [f"{self.name}: {self.module}{':' + self.function if self.function else ''} "
-                 f"no longer contains {s!r}" for s in self.expect if s not in src]
+        probs = [
+            f"{self.name}: {self.module}{':' + self.function if self.function else ''} "
+            f"no longer contains {s!r}"
+            for s in self.expect
+            if s not in src
+        ]
         for old, _ in self.replace:
             if old not in src:
-                probs.append(f"{self.name}: {self.module}:{self.function} no longer contains "
-                             f"{old!r}")
+                probs.append(
+                    f"{self.name}: {self.module}:{self.function} no longer contains {old!r}"
+                )
         return probs
 
     def apply(self) -> None:
@@ -143,8 +158,11 @@ def _rewrite(mod, qualname: str, replace: tuple) -> None:
     src = textwrap.dedent(inspect.getsource(orig))
     for old, new in replace:
         src = src.replace(old, new)
-    factory_src = "def __areal_factory(__class__):\n" + textwrap.indent(src, "    ") + \
-        f"\n    return {parts[-1]}\n"
+    factory_src = (
+        "def __areal_factory(__class__):\n"
+        + textwrap.indent(src, "    ")
+        + f"\n    return {parts[-1]}\n"
+    )
     code = compile(factory_src, inspect.getsourcefile(orig) or "<rewrite>", "exec")
     ns: dict = {}
     exec(code, mod.__dict__, ns)
@@ -156,6 +174,7 @@ def _rewrite(mod, qualname: str, replace: tuple) -> None:
     setattr(owner, parts[-1], new_fn)
     if cls is None:  # module-level function: rebind copies imported by name elsewhere
         import sys
+
         for name, other in list(sys.modules.items()):
             if name.startswith("megatron.") and other is not None and other is not mod:
                 if other.__dict__.get(parts[-1]) is orig:
@@ -163,6 +182,7 @@ def _rewrite(mod, qualname: str, replace: tuple) -> None:
 
 
 # ---- custom patches ------------------------------------------------------------------------
+
 
 def _patch_rng(mod) -> None:
     """Keep the tensor-parallel RNG tracker's states as CPU generator states."""
@@ -185,15 +205,24 @@ def _patch_torch_norm(mod) -> None:
     cls = mod.WrappedTorchNorm
     orig_new = cls.__new__
 
-    def __new__(klass, config, hidden_size, eps=1e-5, persist_layer_norm=False,
-                zero_centered_gamma=False, normalization="LayerNorm"):
+    def __new__(
+        klass,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         sp = config.sequence_parallel
         if sp:
             import copy
+
             config = copy.copy(config)
             config.sequence_parallel = False
-        module = orig_new(klass, config, hidden_size, eps, persist_layer_norm,
-                          zero_centered_gamma, normalization)
+        module = orig_new(
+            klass, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization
+        )
         if sp:
             for p in module.parameters():
                 setattr(p, "sequence_parallel", True)
@@ -205,72 +234,113 @@ def _patch_torch_norm(mod) -> None:
 _TORCH_VIEW_MODULES = {
     # module: (snippets that must exist, why)
     "megatron.core.models.common.embeddings.rotary_pos_embedding": (
-        ("torch.cuda.current_device()",), "RoPE inv_freq placed on torch.cuda.current_device()"),
+        ("torch.cuda.current_device()",),
+        "RoPE inv_freq placed on torch.cuda.current_device()",
+    ),
     "megatron.core.pipeline_parallel.schedules": (
-        ('device="cuda"',), "schedules count tokens in a CUDA tensor"),
+        ('device="cuda"',),
+        "schedules count tokens in a CUDA tensor",
+    ),
     "megatron.core.pipeline_parallel.p2p_communication": (
         ("torch.cuda.current_device()", "torch.cuda.synchronize()"),
-        "p2p buffers on the CUDA device and synchronize()"),
+        "p2p buffers on the CUDA device and synchronize()",
+    ),
     "megatron.core.optimizer.optimizer": (
-        ("torch.cuda",), "optimizer found-inf / grad-norm tensors on CUDA"),
-    "megatron.core.optimizer.clip_grads": (
-        ("device='cuda'",), "grad-norm accumulators on CUDA"),
+        ("torch.cuda",),
+        "optimizer found-inf / grad-norm tensors on CUDA",
+    ),
+    "megatron.core.optimizer.clip_grads": (("device='cuda'",), "grad-norm accumulators on CUDA"),
     "megatron.core.optimizer.distrib_optimizer": (
-        ("torch.cuda",), "distributed optimizer buffers on CUDA"),
+        ("torch.cuda",),
+        "distributed optimizer buffers on CUDA",
+    ),
     "megatron.core.distributed.param_and_grad_buffer": (
-        ("torch.cuda.current_device()",), "param/grad buffers on CUDA"),
-    "megatron.core.distributed.distributed_data_parallel": (
-        ("torch.cuda",), "DDP streams on CUDA"),
+        ("torch.cuda.current_device()",),
+        "param/grad buffers on CUDA",
+    ),
+    "megatron.core.distributed.distributed_data_parallel": (("torch.cuda",), "DDP streams on CUDA"),
     "megatron.core.transformer.moe.token_dispatcher": (
         ("torch.cuda.Stream()", "torch.cuda.current_stream()"),
-        "alltoall dispatcher's D2H stream and events"),
+        "alltoall dispatcher's D2H stream and events",
+    ),
     "megatron.core.utils": (
         ("device=torch.cuda.current_device()",),
-        "GlobalMemoryBuffer (attention scores buffer) allocates on the CUDA device"),
+        "GlobalMemoryBuffer (attention scores buffer) allocates on the CUDA device",
+    ),
     "megatron.core.transformer.moe.router": (
-        ("device=torch.cuda.current_device()",), "router moves its weight to the CUDA device"),
+        ("device=torch.cuda.current_device()",),
+        "router moves its weight to the CUDA device",
+    ),
     "megatron.core.dist_checkpointing.strategies.filesystem_async": (
-        ("torch.cuda.synchronize()",), "checkpoint writer synchronizes CUDA before copying"),
+        ("torch.cuda.synchronize()",),
+        "checkpoint writer synchronizes CUDA before copying",
+    ),
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": (
         ("device='cuda'", "device=torch.cuda.current_device()"),
-        "checkpoint save all-reduces flags in CUDA tensors"),
+        "checkpoint save all-reduces flags in CUDA tensors",
+    ),
     "megatron.core.dist_checkpointing.strategies.fully_parallel": (
-        ("torch.cuda.synchronize()",), "fully-parallel save/load synchronizes CUDA"),
+        ("torch.cuda.synchronize()",),
+        "fully-parallel save/load synchronizes CUDA",
+    ),
     "megatron.core.dist_checkpointing.strategies.async_utils": (
         ("device=torch.cuda.current_device()", "torch.cuda.synchronize()"),
-        "async save queue uses CUDA tensors and synchronize"),
+        "async save queue uses CUDA tensors and synchronize",
+    ),
     "megatron.core.dist_checkpointing.exchange_utils": (
-        ('device="cuda"',), "shard exchange buffers on cuda"),
+        ('device="cuda"',),
+        "shard exchange buffers on cuda",
+    ),
     "megatron.core.tensor_parallel.mappings": (
         ("device=torch.cuda.current_device()",),
-        "sequence-parallel gather/scatter buffers on the CUDA device"),
+        "sequence-parallel gather/scatter buffers on the CUDA device",
+    ),
     "megatron.core.tensor_parallel.layers": (
         ("device=torch.cuda.current_device()",),
-        "sequence-parallel all-gather buffer in linear backward on the CUDA device"),
+        "sequence-parallel all-gather buffer in linear backward on the CUDA device",
+    ),
     "megatron.core.transformer.utils": (
-        ('torch.ones(sq, sq, device="cuda")',), "get_default_causal_mask builds on cuda"),
+        ('torch.ones(sq, sq, device="cuda")',),
+        "get_default_causal_mask builds on cuda",
+    ),
 }
 
 
 # the three GEMMs of the tensor-parallel linear layers -> oneDNN (see compat/cpu_gemm.py)
 _TP_GEMM_REWRITES = {
     "LinearWithGradAccumulationAndAsyncCommunication.forward": (
-        ("output = torch.matmul(total_input, weight.t())",
-         "output = _areal_cpu_gemm.linear(total_input, weight)"),),
+        (
+            "output = torch.matmul(total_input, weight.t())",
+            "output = _areal_cpu_gemm.linear(total_input, weight)",
+        ),
+    ),
     "LinearWithGradAccumulationAndAsyncCommunication.backward": (
-        ("grad_input = grad_output.matmul(weight)",
-         "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)"),
-        ("grad_weight = grad_output.t().matmul(total_input)",
-         "grad_weight = _areal_cpu_gemm.grad_weight(grad_output, total_input)")),
+        (
+            "grad_input = grad_output.matmul(weight)",
+            "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)",
+        ),
+        (
+            "grad_weight = grad_output.t().matmul(total_input)",
+            "grad_weight = _areal_cpu_gemm.grad_weight(grad_output, total_input)",
+        ),
+    ),
     "LinearWithFrozenWeight.forward": (
-        ("output = torch.matmul(input, weight.t())",
-         "output = _areal_cpu_gemm.linear(input, weight)"),),
+        (
+            "output = torch.matmul(input, weight.t())",
+            "output = _areal_cpu_gemm.linear(input, weight)",
+        ),
+    ),
     "LinearWithFrozenWeight.backward": (
-        ("grad_input = grad_output.matmul(weight)",
-         "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)"),
+        (
+            "grad_input = grad_output.matmul(weight)",
+            "grad_input = _areal_cpu_gemm.grad_input(grad_output, weight)",
+        ),
         # the >2-D branch (0.19) folds the leading dims first
-        ("grad_input = grad_output_2d.matmul(weight)",
-         "grad_input = _areal_cpu_gemm.grad_input(grad_output_2d, weight)")),
+        (
+            "grad_input = grad_output_2d.matmul(weight)",
+            "grad_input = _areal_cpu_gemm.grad_input(grad_output_2d, weight)",
+        ),
+    ),
 }
 
 
@@ -306,86 +376,171 @@ _MLA_KV_GATHER = "kv_combined = gather_from_tensor_model_parallel_region(kv_comb
 _MLA_KV_GATHER_SUMMED_ROPE = (
     _MLA_KV_GATHER + "; kv_combined = torch.cat([kv_combined[..., :self.config.kv_lora_rank], "
     "tensor_parallel.copy_to_tensor_model_parallel_region("
-    "kv_combined[..., self.config.kv_lora_rank:])], dim=-1)")
+    "kv_combined[..., self.config.kv_lora_rank:])], dim=-1)"
+)
 
 
 def _build_patches() -> list[Patch]:
     patches = [
-        Patch("rng_tracker", "megatron.core.tensor_parallel.random", "custom",
-              expect=("def _get_cuda_rng_state(", "def _set_cuda_rng_state(",
-                      "torch.cuda.get_rng_state()", "torch.cuda.manual_seed(seed)"),
-              fn=_patch_rng, why="TP RNG tracker keeps CUDA generator states"),
-        Patch("torch_norm_sp", "megatron.core.transformer.torch_norm", "custom",
-              expect=("class WrappedTorchNorm", "sequence_parallel"),
-              fn=_patch_torch_norm, why="WrappedTorchNorm refuses sequence parallelism"),
-        Patch("optimizer_param_type", "megatron.core.optimizer.optimizer", "rewrite",
-              function="Float16OptimizerWithFloat16Params.__init__",
-              replace=(("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
-                       ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
-                        "['torch.HalfTensor', 'torch.BFloat16Tensor']")),
-              why="compares param.type() with CUDA tensor type names"),
-        Patch("distopt_param_type", "megatron.core.optimizer.distrib_optimizer", "rewrite",
-              function="DistributedOptimizer._build_model_and_main_param_groups",
-              replace=(("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
-                       ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
-                        "['torch.HalfTensor', 'torch.BFloat16Tensor']")),
-              why="compares param.type() with CUDA tensor type names"),
-        Patch("tied_embedding_sync", "megatron.core.models.common.language_module."
-              "language_module", "rewrite",
-              function="LanguageModule.setup_embeddings_and_output_layer",
-              replace=(("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
-              why="moves the tied output-layer copy to CUDA before the PP all-reduce"),
-        Patch("moe_splits_numpy", "megatron.core.transformer.moe.moe_utils", "rewrite",
-              function="maybe_move_tensor_to_cpu",
-              replace=(("if torch.is_tensor(tensor) and tensor.is_cuda:",
-                        "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):"),),
-              why="alltoall split sizes become numpy only for CUDA tensors; gloo's "
-                  "all_to_all_single then receives tensors instead of int lists"),
-        Patch("mla_k_pos_emb_grad", "megatron.core.transformer.multi_latent_attention",
-              "rewrite", function="MLASelfAttention.get_query_key_value_tensors",
-              expect=(_MLA_KV_GATHER,),
-              replace=((_MLA_KV_GATHER, _MLA_KV_GATHER_SUMMED_ROPE),),
-              why="local-spec MLA (column-parallel kv down projection, no TE): the shared "
-                  "rotary key is used by every TP rank's heads but its gradient is not summed "
-                  "over TP (TE's duplicated projection sums it in the sequence-parallel "
-                  "gather's backward)"),
-        Patch("clip_grads_type", "megatron.core.optimizer.clip_grads", "rewrite",
-              function="clip_grad_by_total_norm_fp32",
-              replace=(("param.grad.type() == 'torch.cuda.FloatTensor'",
-                        "param.grad.dtype == torch.float32"),),
-              why="asserts grads are torch.cuda.FloatTensor"),
-        Patch("cpu_fused_adam", "megatron.core.optimizer", "rewrite",
-              function="_get_megatron_optimizer_based_on_param_groups",
-              expect=("adam_cls = torch.optim.AdamW if config.decoupled_weight_decay",),
-              replace=(("optimizer = adam_cls(**kwargs)",
-                        "optimizer = adam_cls(**kwargs, **({'fused': True} "
-                        "if USING_PYTORCH_OPTIMIZER else {}))"),),
-              why="speed, not correctness: without TE/apex megatron builds torch's AdamW "
-                  "with its defaults, the per-parameter loop on CPU tensors (~10 passes over "
-                  "the weights); torch's fused CPU kernel makes one (135M params, 2 threads: "
-                  "0.42 s -> 0.07 s a step)"),
-        Patch("tp_linear_gemms", "megatron.core.tensor_parallel.layers", "custom",
-              expect=tuple(old for pairs in _TP_GEMM_REWRITES.values() for old, _ in pairs),
-              fn=_patch_tp_gemms,
-              why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
-                  "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)"),
-        Patch("packed_thd_rope", "megatron.core.models.common.embeddings.rope_utils", "custom",
-              function="_apply_rotary_pos_emb_thd",
-              expect=("Apply RoPE one sequence at a time",
-                      "for x in sequence_splits:",
-                      "_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs)",
-                      "_apply_rotary_pos_emb_bshd("),
-              fn=_patch_packed_rope,
-              why="speed, not correctness: 0.19's unfused THD RoPE loops over the packed "
-                  "sequences; one call over the packed tensor (compat/packed_rope.py)"),
+        Patch(
+            "rng_tracker",
+            "megatron.core.tensor_parallel.random",
+            "custom",
+            expect=(
+                "def _get_cuda_rng_state(",
+                "def _set_cuda_rng_state(",
+                "torch.cuda.get_rng_state()",
+                "torch.cuda.manual_seed(seed)",
+            ),
+            fn=_patch_rng,
+            why="TP RNG tracker keeps CUDA generator states",
+        ),
+        Patch(
+            "torch_norm_sp",
+            "megatron.core.transformer.torch_norm",
+            "custom",
+            expect=("class WrappedTorchNorm", "sequence_parallel"),
+            fn=_patch_torch_norm,
+            why="WrappedTorchNorm refuses sequence parallelism",
+        ),
+        Patch(
+            "optimizer_param_type",
+            "megatron.core.optimizer.optimizer",
+            "rewrite",
+            function="Float16OptimizerWithFloat16Params.__init__",
+            replace=(
+                ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+                (
+                    "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                    "['torch.HalfTensor', 'torch.BFloat16Tensor']",
+                ),
+            ),
+            why="compares param.type() with CUDA tensor type names",
+        ),
+        Patch(
+            "distopt_param_type",
+            "megatron.core.optimizer.distrib_optimizer",
+            "rewrite",
+            function="DistributedOptimizer._build_model_and_main_param_groups",
+            replace=(
+                ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+                (
+                    "['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                    "['torch.HalfTensor', 'torch.BFloat16Tensor']",
+                ),
+            ),
+            why="compares param.type() with CUDA tensor type names",
+        ),
+        Patch(
+            "tied_embedding_sync",
+            "megatron.core.models.common.language_module.language_module",
+            "rewrite",
+            function="LanguageModule.setup_embeddings_and_output_layer",
+            replace=(("weight.data = weight.data.cuda()", "weight.data = weight.data"),),
+            why="moves the tied output-layer copy to CUDA before the PP all-reduce",
+        ),
+        Patch(
+            "moe_splits_numpy",
+            "megatron.core.transformer.moe.moe_utils",
+            "rewrite",
+            function="maybe_move_tensor_to_cpu",
+            replace=(
+                (
+                    "if torch.is_tensor(tensor) and tensor.is_cuda:",
+                    "if torch.is_tensor(tensor) and (tensor.is_cuda or as_numpy):",
+                ),
+            ),
+            why="alltoall split sizes become numpy only for CUDA tensors; gloo's "
+            "all_to_all_single then receives tensors instead of int lists",
+        ),
+        Patch(
+            "mla_k_pos_emb_grad",
+            "megatron.core.transformer.multi_latent_attention",
+            "rewrite",
+            function="MLASelfAttention.get_query_key_value_tensors",
+            expect=(_MLA_KV_GATHER,),
+            replace=((_MLA_KV_GATHER, _MLA_KV_GATHER_SUMMED_ROPE),),
+            why="local-spec MLA (column-parallel kv down projection, no TE): the shared "
+            "rotary key is used by every TP rank's heads but its gradient is not summed "
+            "over TP (TE's duplicated projection sums it in the sequence-parallel "
+            "gather's backward)",
+        ),
+        Patch(
+            "clip_grads_type",
+            "megatron.core.optimizer.clip_grads",
+            "rewrite",
+            function="clip_grad_by_total_norm_fp32",
+            replace=(
+                (
+                    "param.grad.type() == 'torch.cuda.FloatTensor'",
+                    "param.grad.dtype == torch.float32",
+                ),
+            ),
+            why="asserts grads are torch.cuda.FloatTensor",
+        ),
+        Patch(
+            "cpu_fused_adam",
+            "megatron.core.optimizer",
+            "rewrite",
+            function="_get_megatron_optimizer_based_on_param_groups",
+            expect=("adam_cls = torch.optim.AdamW if config.decoupled_weight_decay",),
+            replace=(
+                (
+                    "optimizer = adam_cls(**kwargs)",
+                    "optimizer = adam_cls(**kwargs, **({'fused': True} "
+                    "if USING_PYTORCH_OPTIMIZER else {}))",
+                ),
+            ),
+            why="speed, not correctness: without TE/apex megatron builds torch's AdamW "
+            "with its defaults, the per-parameter loop on CPU tensors (~10 passes over "
+            "the weights); torch's fused CPU kernel makes one (135M params, 2 threads: "
+            "0.42 s -> 0.07 s a step)",
+        ),
+        Patch(
+            "tp_linear_gemms",
+            "megatron.core.tensor_parallel.layers",
+            "custom",
+            expect=tuple(old for pairs in _TP_GEMM_REWRITES.values() for old, _ in pairs),
+            fn=_patch_tp_gemms,
+            why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
+            "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)",
+        ),
+        Patch(
+            "packed_thd_rope",
+            "megatron.core.models.common.embeddings.rope_utils",
+            "custom",
+            function="_apply_rotary_pos_emb_thd",
+            expect=(
+                "Apply RoPE one sequence at a time",
+                "for x in sequence_splits:",
+                "_get_thd_freqs_on_this_cp_rank(cp_rank, cp_size, x, freqs)",
+                "_apply_rotary_pos_emb_bshd(",
+            ),
+            fn=_patch_packed_rope,
+            why="speed, not correctness: 0.19's unfused THD RoPE loops over the packed "
+            "sequences; one call over the packed tensor (compat/packed_rope.py)",
+        ),
     ]
     for module, (snips, why) in _TORCH_VIEW_MODULES.items():
-        patches.append(Patch("torch_view:" + module.rsplit(".", 1)[-1], module, "torch_view",
-                             expect=snips, why=why))
+        patches.append(
+            Patch(
+                "torch_view:" + module.rsplit(".", 1)[-1],
+                module,
+                "torch_view",
+                expect=snips,
+                why=why,
+            )
+        )
     for module, line in te_placeholder.IMPORTERS.items():
-        patches.append(Patch("te_placeholder:" + module.rsplit(".", 1)[-1], module,
-                             "te_placeholder", expect=(line,),
-                             why="imports transformer_engine unconditionally (megatron-bridge)"))
+        patches.append(
+            Patch(
+                "te_placeholder:" + module.rsplit(".", 1)[-1],
+                module,
+                "te_placeholder",
+                expect=(line,),
+                why="imports transformer_engine unconditionally (megatron-bridge)",
+            )
+        )
     return patches
 
 
@@ -417,8 +572,9 @@ def install_te_placeholder() -> bool:
     patches = [p for p in PATCHES if p.kind == "te_placeholder"]
     probs = check_targets(patches)
     if probs:
-        raise CompatError("TransformerEngine placeholder no longer matches:\n  "
-                          + "\n  ".join(probs))
+        raise CompatError(
+            "TransformerEngine placeholder no longer matches:\n  " + "\n  ".join(probs)
+        )
     return te_placeholder.install()
 
 
@@ -435,13 +591,20 @@ def apply(force: bool = False) -> bool:
     # the distribution's version: megatron-core 0.19's ``__version__`` appends the short hash
     # of whatever git repository holds site-packages (a .venv inside a checkout: ours)
     from importlib.metadata import version as dist_version
+
     version = dist_version("megatron-core")
-    probs = [] if version == MEGATRON_CORE_VERSION else [
-        f"megatron-core {version} installed; these CPU patches target {MEGATRON_CORE_VERSION}"]
+    probs = (
+        []
+        if version == MEGATRON_CORE_VERSION
+        else [
+            f"megatron-core {version} installed; these CPU patches target {MEGATRON_CORE_VERSION}"
+        ]
+    )
     probs += check_targets()
     if probs:
-        raise CompatError("megatron-core CPU compatibility patches no longer match:\n  "
-                          + "\n  ".join(probs))
+        raise CompatError(
+            "megatron-core CPU compatibility patches no longer match:\n  " + "\n  ".join(probs)
+        )
     for p in PATCHES:
         p.apply()
     _APPLIED = True

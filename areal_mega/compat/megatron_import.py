@@ -6,6 +6,7 @@ that areal-mega never hands it; with wandb installed (our trackers' extra) that 
 skipped here: wandb is hidden while megatron-core is first imported, then visible again, so
 our own tracker (``areal_mega.tracking``) still imports it when a run asks for W&B.
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,7 +21,7 @@ def import_megatron_core():
         return sys.modules["megatron.core"]
     hidden = [name for name in SKIPPED_OPTIONAL if name not in sys.modules]
     for name in hidden:
-        sys.modules[name] = None      # `import name` raises ImportError, megatron falls back
+        sys.modules[name] = None  # `import name` raises ImportError, megatron falls back
     try:
         import megatron.core
     finally:

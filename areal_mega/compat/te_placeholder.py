@@ -22,6 +22,7 @@ megatron-core's TE probes are run once so they cache "absent" (``HAVE_TE``,
 :func:`install` does nothing when TransformerEngine is importable. Each importer's expected
 source line is checked like every other patch (:mod:`areal_mega.compat.megatron_cpu`).
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -32,9 +33,17 @@ import types
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["IMPORTERS", "TE_MODULES", "install", "is_installed", "te_importable",
-           "importer_source", "PlaceholderModule", "BRIDGE_PEFT_TE_FLAGS",
-           "settle_bridge_peft_te_flags"]
+__all__ = [
+    "IMPORTERS",
+    "TE_MODULES",
+    "install",
+    "is_installed",
+    "te_importable",
+    "importer_source",
+    "PlaceholderModule",
+    "BRIDGE_PEFT_TE_FLAGS",
+    "settle_bridge_peft_te_flags",
+]
 
 #: module -> the source text that needs the placeholder (checked before installing)
 IMPORTERS = {
@@ -50,14 +59,17 @@ class _PlaceholderClass(type):
     def __getattr__(cls, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        sub = _PlaceholderClass(name, (), {"__qualname__": f"{cls.__qualname__}.{name}",
-                                           "__module__": cls.__module__})
+        sub = _PlaceholderClass(
+            name, (), {"__qualname__": f"{cls.__qualname__}.{name}", "__module__": cls.__module__}
+        )
         type.__setattr__(cls, name, sub)
         return sub
 
     def __call__(cls, *args, **kwargs):
-        raise ImportError(f"{cls.__module__}.{cls.__qualname__}: TransformerEngine is not "
-                          "installed (areal_mega.compat.te_placeholder)")
+        raise ImportError(
+            f"{cls.__module__}.{cls.__qualname__}: TransformerEngine is not "
+            "installed (areal_mega.compat.te_placeholder)"
+        )
 
 
 class PlaceholderModule(types.ModuleType):
@@ -98,7 +110,8 @@ def _settle_megatron_te_probes() -> None:
     """Let megatron-core record "no TE" before any placeholder exists."""
     import megatron.core.extensions.transformer_engine  # noqa: F401  (HAVE_TE = False)
     from megatron.core.utils import get_te_version
-    get_te_version()                                      # caches 0.0.0
+
+    get_te_version()  # caches 0.0.0
 
 
 class _ScopedLoader(importlib.abc.Loader):
@@ -115,8 +128,9 @@ class _ScopedLoader(importlib.abc.Loader):
         te = PlaceholderModule("transformer_engine")
         te.__path__ = []
         te.pytorch = PlaceholderModule("transformer_engine.pytorch")
-        added = {name: mod for name, mod in zip(TE_MODULES, (te, te.pytorch))
-                 if name not in sys.modules}
+        added = {
+            name: mod for name, mod in zip(TE_MODULES, (te, te.pytorch)) if name not in sys.modules
+        }
         sys.modules.update(added)
         try:
             self.real.exec_module(module)
@@ -172,6 +186,7 @@ def settle_bridge_peft_te_flags() -> list:
     if te_importable():
         return []
     import importlib
+
     changed = []
     for name in BRIDGE_PEFT_TE_FLAGS:
         mod = importlib.import_module(name)

@@ -11,6 +11,7 @@ rollout whose prompt and completion cannot fit the model's context would only fa
 request by request, on the rollout servers. No torch, no megatron: the launcher, the trainer
 and the demo call it first thing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,17 +23,30 @@ from typing import Optional
 import yaml
 
 from areal_mega.common.errors import ConfigError
-from areal_mega.config.algorithm import (AlgorithmConfig, check_policy_loss,
-                                         check_routing_replay_model)
+from areal_mega.config.algorithm import (
+    AlgorithmConfig,
+    check_policy_loss,
+    check_routing_replay_model,
+)
 from areal_mega.config.critic import CriticConfig, check_critic, check_critic_model
 from areal_mega.config.logging import LoggingConfig
 from areal_mega.config.lora import LoraConfig, check_lora, check_lora_model
 from areal_mega.config.presets import resolve_algorithm
 from areal_mega.config.rollout import RolloutConfig, check_rollout
 from areal_mega.config.schema import _build, _f, _merge, parse_overrides
-from areal_mega.config.sections import (ActorConfig, CheckpointConfig, ClusterConfig, DataConfig,
-                                        DataplaneConfig, EvalConfig, ModelConfig, ModelHParams,
-                                        OptimizerConfig, RefConfig, SchedulerConfig)
+from areal_mega.config.sections import (
+    ActorConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    DataplaneConfig,
+    EvalConfig,
+    ModelConfig,
+    ModelHParams,
+    OptimizerConfig,
+    RefConfig,
+    SchedulerConfig,
+)
 from areal_mega.config.teacher import TeacherConfig, check_opd, check_teacher_model
 from areal_mega.config.vllm import check_vllm
 from areal_mega.data.sources import check_sources
@@ -40,8 +54,15 @@ from areal_mega.parallel.allocation import AllocationError, parse_allocation
 from areal_mega.security import api_key_from_env, check_remote_secret
 from areal_mega.tracking.base import check_trackers
 
-__all__ = ["ExperimentConfig", "check_against_model", "config_from_dict", "config_to_dict",
-           "load_config", "model_context", "validate"]
+__all__ = [
+    "ExperimentConfig",
+    "check_against_model",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+    "model_context",
+    "validate",
+]
 
 
 # advantage estimators that compare the samples of one prompt (areal_mega.algo.estimators)
@@ -55,8 +76,10 @@ class ExperimentConfig:
     total_steps: int = _f(100, lo=1)
     mode: str = _f("rl", choices=["rl", "sft"])
     recover: str = _f("off", choices=["off", "auto"])
-    allocation: str = _f("local:d1+megatron:d1",
-                         doc="<rollout>:<dims>+<trainer>:<dims>, e.g. sglang:d4t2+megatron:t2p2")
+    allocation: str = _f(
+        "local:d1+megatron:d1",
+        doc="<rollout>:<dims>+<trainer>:<dims>, e.g. sglang:d4t2+megatron:t2p2",
+    )
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -74,7 +97,8 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     model_hparams: Optional[ModelHParams] = _f(
-        None, doc="published architecture numbers for the --dry-run memory estimate")
+        None, doc="published architecture numbers for the --dry-run memory estimate"
+    )
 
 
 def config_from_dict(data: dict) -> ExperimentConfig:
@@ -86,8 +110,9 @@ def config_from_dict(data: dict) -> ExperimentConfig:
     return cfg
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None
-                ) -> ExperimentConfig:
+def load_config(
+    path: Optional[str | Path] = None, overrides: Optional[list[str]] = None
+) -> ExperimentConfig:
     """Load a recipe YAML (optional) and apply dotlist overrides; ``rollout.api_key`` left
     unset comes from the environment (:func:`areal_mega.security.api_key_from_env`). Raises
     :class:`ConfigError`."""
@@ -105,7 +130,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     data = _merge(data, parse_overrides(overrides or []))
     rollout = data.get("rollout")
     if not (isinstance(rollout, dict) and rollout.get("api_key")):
-        key = api_key_from_env()     # e.g. the Slurm steps: the key never in argv
+        key = api_key_from_env()  # e.g. the Slurm steps: the key never in argv
         if key:
             data = _merge(data, {"rollout": {"api_key": key}})
     return config_from_dict(data)
@@ -130,16 +155,19 @@ def validate(cfg) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
-        raise ConfigError(f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
-                          f"({cfg.optimizer.lr})")
+        raise ConfigError(
+            f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "
+            f"({cfg.optimizer.lr})"
+        )
     gae = cfg.algorithm.adv_estimator == "gae"
-    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0 \
-            and not gae:
-        raise ConfigError("algorithm.kl_in_reward=true: with adv_estimator="
-                          f"{cfg.algorithm.adv_estimator!r} the trainer computes advantages "
-                          "before the reference forward, so the KL penalty is a loss term "
-                          "only; set algorithm.kl_in_reward=false, or use adv_estimator=gae "
-                          "with critic.enabled=true (GAE runs after the reference forward)")
+    if cfg.mode == "rl" and cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0 and not gae:
+        raise ConfigError(
+            "algorithm.kl_in_reward=true: with adv_estimator="
+            f"{cfg.algorithm.adv_estimator!r} the trainer computes advantages "
+            "before the reference forward, so the KL penalty is a loss term "
+            "only; set algorithm.kl_in_reward=false, or use adv_estimator=gae "
+            "with critic.enabled=true (GAE runs after the reference forward)"
+        )
     check_critic(cfg, gae)
     check_lora(cfg)
     check_vllm(cfg)
@@ -147,26 +175,45 @@ def validate(cfg) -> None:
     check_policy_loss(cfg.algorithm)
     if cfg.algorithm.kl_coef > 0 and not cfg.ref.enabled:
         raise ConfigError(f"algorithm.kl_coef={cfg.algorithm.kl_coef!r}: needs ref.enabled=true")
-    outcome = cfg.algorithm.opd != "pure"     # pure OPD discards the outcome advantage
-    if cfg.algorithm.adv_estimator == "grpo" and cfg.mode == "rl" and cfg.rollout.n_samples < 2 \
-            and cfg.algorithm.group_norm and outcome:
-        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
-                          "needs at least 2 samples per prompt")
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.mode == "rl" \
-            and cfg.rollout.n_samples < 2 and outcome:
-        raise ConfigError(f"rollout.n_samples={cfg.rollout.n_samples}: adv_estimator="
-                          f"{cfg.algorithm.adv_estimator} compares the samples of a prompt and "
-                          "needs at least 2 per prompt (a group of one gets advantage 0)")
+    outcome = cfg.algorithm.opd != "pure"  # pure OPD discards the outcome advantage
+    if (
+        cfg.algorithm.adv_estimator == "grpo"
+        and cfg.mode == "rl"
+        and cfg.rollout.n_samples < 2
+        and cfg.algorithm.group_norm
+        and outcome
+    ):
+        raise ConfigError(
+            f"rollout.n_samples={cfg.rollout.n_samples}: GRPO group normalisation "
+            "needs at least 2 samples per prompt"
+        )
+    if (
+        cfg.algorithm.adv_estimator in GROUP_ESTIMATORS
+        and cfg.mode == "rl"
+        and cfg.rollout.n_samples < 2
+        and outcome
+    ):
+        raise ConfigError(
+            f"rollout.n_samples={cfg.rollout.n_samples}: adv_estimator="
+            f"{cfg.algorithm.adv_estimator} compares the samples of a prompt and "
+            "needs at least 2 per prompt (a group of one gets advantage 0)"
+        )
     if cfg.eval.every_steps and not cfg.eval.data:
-        raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: eval.data is empty; name "
-                          "the evaluation prompt files or set eval.every_steps=0")
+        raise ConfigError(
+            f"eval.every_steps={cfg.eval.every_steps}: eval.data is empty; name "
+            "the evaluation prompt files or set eval.every_steps=0"
+        )
     if cfg.algorithm.routing_replay != "off" and cfg.mode != "rl":
-        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: replays "
-                          f"rollout routes, so it needs mode=rl, not mode={cfg.mode!r}")
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: replays "
+            f"rollout routes, so it needs mode=rl, not mode={cfg.mode!r}"
+        )
     if cfg.eval.every_steps and cfg.mode != "rl":
-        raise ConfigError(f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
-                          f"training runs on the rollout servers (mode=rl), not mode="
-                          f"{cfg.mode!r}; use python -m areal_mega.eval on the checkpoint")
+        raise ConfigError(
+            f"eval.every_steps={cfg.eval.every_steps}: evaluation during "
+            f"training runs on the rollout servers (mode=rl), not mode="
+            f"{cfg.mode!r}; use python -m areal_mega.eval on the checkpoint"
+        )
     check_rollout(cfg.rollout)
 
 
@@ -216,4 +263,5 @@ def check_against_model(cfg) -> None:
             f"{cfg.rollout.max_new_tokens} = {need} tokens exceeds the model's context of "
             f"{context} (max_position_embeddings in {path}): every such request would be "
             "rejected by the rollout servers; lower data.max_prompt_len or "
-            "rollout.max_new_tokens")
+            "rollout.max_new_tokens"
+        )

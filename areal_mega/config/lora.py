@@ -1,4 +1,5 @@
 """The ``lora`` section of the experiment config (LoRA RL training, :mod:`areal_mega.lora`)."""
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,38 @@ __all__ = ["LoraConfig", "check_lora", "check_lora_model"]
 
 @dataclass
 class LoraConfig:
-    enabled: bool = _f(False, doc="train LoRA adapters on the frozen base model instead of all "
-                       "weights; the reference model is then the actor with its adapters off")
+    enabled: bool = _f(
+        False,
+        doc="train LoRA adapters on the frozen base model instead of all "
+        "weights; the reference model is then the actor with its adapters off",
+    )
     rank: int = _f(8, lo=1, doc="adapter rank r (a multiple of the trainer's TP size)")
-    alpha: float = _f(16.0, lo=0.0, lo_open=True, doc="scaling numerator: updates are "
-                      "(alpha / rank) · B A, as PEFT's lora_alpha")
+    alpha: float = _f(
+        16.0,
+        lo=0.0,
+        lo_open=True,
+        doc="scaling numerator: updates are (alpha / rank) · B A, as PEFT's lora_alpha",
+    )
     dropout: float = _f(0.0, lo=0.0, hi=1.0, lo_open=False, doc="dropout on the adapters' input")
-    target_modules: list = _f(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                               "gate_proj", "up_proj", "down_proj"],
-                              doc="PEFT module names (q_proj … down_proj, all-linear) or "
-                              "Megatron-Bridge canonical ones (linear_q … linear_fc2)")
-    sync: str = _f("adapter", choices=["adapter", "merged"],
-                   doc="adapter: servers load each version's PEFT adapter through SGLang's LoRA "
-                   "API; merged: they load full weights with the adapters merged in")
+    target_modules: list = _f(
+        factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        doc="PEFT module names (q_proj … down_proj, all-linear) or "
+        "Megatron-Bridge canonical ones (linear_q … linear_fc2)",
+    )
+    sync: str = _f(
+        "adapter",
+        choices=["adapter", "merged"],
+        doc="adapter: servers load each version's PEFT adapter through SGLang's LoRA "
+        "API; merged: they load full weights with the adapters merged in",
+    )
 
 
 def check_lora(cfg) -> None:
@@ -40,19 +60,30 @@ def check_lora(cfg) -> None:
     try:
         targets = hf_targets(lo.target_modules)
         dims = parse_allocation(cfg.allocation).trainer
-        check_lora_support(model_type="this model", is_moe=False, is_mla=False, targets=targets,
-                           rank=lo.rank, tp=dims.tp, cp=dims.cp,
-                           critic=cfg.critic.enabled and cfg.mode == "rl")
+        check_lora_support(
+            model_type="this model",
+            is_moe=False,
+            is_mla=False,
+            targets=targets,
+            rank=lo.rank,
+            tp=dims.tp,
+            cp=dims.cp,
+            critic=cfg.critic.enabled and cfg.mode == "rl",
+        )
     except LoraSupportError as e:
         raise ConfigError(str(e)) from None
     if cfg.rollout.weight_update == "distributed":
-        raise ConfigError("rollout.weight_update='distributed' with lora.enabled: LoRA runs "
-                          "publish adapter files the servers load (SGLang's /load_lora_adapter"
-                          "); use rollout.weight_update=disk (or auto)")
+        raise ConfigError(
+            "rollout.weight_update='distributed' with lora.enabled: LoRA runs "
+            "publish adapter files the servers load (SGLang's /load_lora_adapter"
+            "); use rollout.weight_update=disk (or auto)"
+        )
     if cfg.ref.enabled and cfg.ref.path and cfg.ref.path != cfg.model.path:
-        raise ConfigError(f"ref.path={cfg.ref.path!r} with lora.enabled: the reference model "
-                          "of a LoRA run is the base model (model.path) with the adapters off; "
-                          "leave ref.path empty")
+        raise ConfigError(
+            f"ref.path={cfg.ref.path!r} with lora.enabled: the reference model "
+            "of a LoRA run is the base model (model.path) with the adapters off; "
+            "leave ref.path empty"
+        )
 
 
 def check_lora_model(cfg) -> None:
@@ -68,11 +99,16 @@ def check_lora_model(cfg) -> None:
         return
     dims = parse_allocation(cfg.allocation).trainer
     try:
-        check_lora_support(model_type=str(hf.get("model_type")),
-                           is_moe=bool(hf.get("num_experts") or hf.get("num_local_experts")
-                                       or hf.get("n_routed_experts")),
-                           is_mla=hf.get("kv_lora_rank") is not None,
-                           targets=hf_targets(lo.target_modules), rank=lo.rank, tp=dims.tp,
-                           cp=dims.cp)
+        check_lora_support(
+            model_type=str(hf.get("model_type")),
+            is_moe=bool(
+                hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+            ),
+            is_mla=hf.get("kv_lora_rank") is not None,
+            targets=hf_targets(lo.target_modules),
+            rank=lo.rank,
+            tp=dims.tp,
+            cp=dims.cp,
+        )
     except LoraSupportError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None

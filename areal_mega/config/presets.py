@@ -10,6 +10,7 @@ dotlist override) wins. The table with the papers is in docs/algorithms.md.
 (added alongside these presets in areal_mega/algo/estimators.py). ``opd`` is on-policy
 distillation (areal_mega/algo/distill.py): it needs a ``teacher`` section.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,40 +23,83 @@ _MISSING = object()
 #: preset -> {dotted key: value}. Only the keys that define the algorithm; lengths, learning
 #: rates, KL strength (which needs a reference model) stay the user's.
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": {"algorithm.adv_estimator": "grpo", "algorithm.group_norm": True,
-             "algorithm.group_std": True, "algorithm.leave_one_out": False,
-             "algorithm.policy_loss": "ppo", "algorithm.loss_agg": "seq_mean",
-             "algorithm.kl_estimator": "k3"},
-    "dr_grpo": {"algorithm.adv_estimator": "grpo", "algorithm.group_norm": True,
-                "algorithm.group_std": False, "algorithm.leave_one_out": False,
-                "algorithm.policy_loss": "ppo", "algorithm.loss_agg": "seq_sum_norm",
-                "algorithm.kl_coef": 0.0},
-    "dapo": {"algorithm.adv_estimator": "grpo", "algorithm.group_norm": True,
-             "algorithm.group_std": True, "algorithm.leave_one_out": False,
-             "algorithm.policy_loss": "ppo", "algorithm.eps_clip_low": 0.2,
-             "algorithm.eps_clip_high": 0.28, "algorithm.loss_agg": "token_mean",
-             "algorithm.dynamic_filter": True, "algorithm.kl_coef": 0.0},
-    "gspo": {"algorithm.adv_estimator": "grpo", "algorithm.group_norm": True,
-             "algorithm.group_std": True, "algorithm.policy_loss": "gspo",
-             "algorithm.eps_clip_low": 3e-4, "algorithm.eps_clip_high": 4e-4,
-             "algorithm.loss_agg": "seq_mean"},
-    "rloo": {"algorithm.adv_estimator": "rloo", "algorithm.policy_loss": "ppo",
-             "algorithm.loss_agg": "token_mean"},
-    "reinforce_pp": {"algorithm.adv_estimator": "reinforce_plus_plus",
-                     "algorithm.policy_loss": "ppo", "algorithm.loss_agg": "token_mean"},
-    "cispo": {"algorithm.adv_estimator": "grpo", "algorithm.group_norm": True,
-              "algorithm.group_std": True, "algorithm.policy_loss": "cispo",
-              "algorithm.eps_clip_low": 1.0, "algorithm.eps_clip_high": 0.2,
-              "algorithm.loss_agg": "token_mean"},
-    "ppo": {"algorithm.adv_estimator": "gae", "algorithm.policy_loss": "ppo",
-            "algorithm.gamma": 1.0, "algorithm.lam": 0.95, "algorithm.loss_agg": "token_mean",
-            "critic.enabled": True},
+    "grpo": {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.group_norm": True,
+        "algorithm.group_std": True,
+        "algorithm.leave_one_out": False,
+        "algorithm.policy_loss": "ppo",
+        "algorithm.loss_agg": "seq_mean",
+        "algorithm.kl_estimator": "k3",
+    },
+    "dr_grpo": {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.group_norm": True,
+        "algorithm.group_std": False,
+        "algorithm.leave_one_out": False,
+        "algorithm.policy_loss": "ppo",
+        "algorithm.loss_agg": "seq_sum_norm",
+        "algorithm.kl_coef": 0.0,
+    },
+    "dapo": {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.group_norm": True,
+        "algorithm.group_std": True,
+        "algorithm.leave_one_out": False,
+        "algorithm.policy_loss": "ppo",
+        "algorithm.eps_clip_low": 0.2,
+        "algorithm.eps_clip_high": 0.28,
+        "algorithm.loss_agg": "token_mean",
+        "algorithm.dynamic_filter": True,
+        "algorithm.kl_coef": 0.0,
+    },
+    "gspo": {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.group_norm": True,
+        "algorithm.group_std": True,
+        "algorithm.policy_loss": "gspo",
+        "algorithm.eps_clip_low": 3e-4,
+        "algorithm.eps_clip_high": 4e-4,
+        "algorithm.loss_agg": "seq_mean",
+    },
+    "rloo": {
+        "algorithm.adv_estimator": "rloo",
+        "algorithm.policy_loss": "ppo",
+        "algorithm.loss_agg": "token_mean",
+    },
+    "reinforce_pp": {
+        "algorithm.adv_estimator": "reinforce_plus_plus",
+        "algorithm.policy_loss": "ppo",
+        "algorithm.loss_agg": "token_mean",
+    },
+    "cispo": {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.group_norm": True,
+        "algorithm.group_std": True,
+        "algorithm.policy_loss": "cispo",
+        "algorithm.eps_clip_low": 1.0,
+        "algorithm.eps_clip_high": 0.2,
+        "algorithm.loss_agg": "token_mean",
+    },
+    "ppo": {
+        "algorithm.adv_estimator": "gae",
+        "algorithm.policy_loss": "ppo",
+        "algorithm.gamma": 1.0,
+        "algorithm.lam": 0.95,
+        "algorithm.loss_agg": "token_mean",
+        "critic.enabled": True,
+    },
     # on-policy distillation (needs teacher.path or teacher.server_addrs): the teacher's
     # per-token reverse KL replaces the outcome advantage; no reward filtering, no KL to a
     # reference (the teacher is the anchor)
-    "opd": {"algorithm.opd": "pure", "algorithm.opd_coef": 1.0, "algorithm.policy_loss": "ppo",
-            "algorithm.loss_agg": "token_mean", "algorithm.dynamic_filter": False,
-            "algorithm.kl_coef": 0.0},
+    "opd": {
+        "algorithm.opd": "pure",
+        "algorithm.opd_coef": 1.0,
+        "algorithm.policy_loss": "ppo",
+        "algorithm.loss_agg": "token_mean",
+        "algorithm.dynamic_filter": False,
+        "algorithm.kl_coef": 0.0,
+    },
 }
 
 

@@ -2,6 +2,7 @@
 with messages that name the dotted key, and dotlist overrides. The sections themselves are the
 other modules of :mod:`areal_mega.config`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,16 @@ import yaml
 from areal_mega.common.errors import ConfigError
 
 
-def _f(default=dataclasses.MISSING, *, lo=None, hi=None, choices=None, lo_open=False,
-       factory=None, doc=""):
+def _f(
+    default=dataclasses.MISSING,
+    *,
+    lo=None,
+    hi=None,
+    choices=None,
+    lo_open=False,
+    factory=None,
+    doc="",
+):
     """Declare a field with its allowed range (``lo``/``hi`` inclusive unless ``lo_open``)."""
     meta = {"lo": lo, "hi": hi, "choices": choices, "lo_open": lo_open, "doc": doc}
     if factory is not None:
@@ -113,8 +122,9 @@ def _build(cls, data: dict, prefix: str = ""):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"{key}: unknown key; allowed keys under "
-                          f"{prefix or '<root>'}: {sorted(fields)}")
+        raise ConfigError(
+            f"{key}: unknown key; allowed keys under {prefix or '<root>'}: {sorted(fields)}"
+        )
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -137,7 +147,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     for i, part in enumerate(parts[:-1]):
         nxt = node.setdefault(part, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, cannot set {dotted}")
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {dotted}")
         node = nxt
     node[parts[-1]] = value
 

@@ -2,6 +2,7 @@
 cluster, model, optimizer, actor, reference model, dataplane, scheduler, data, evaluation,
 checkpoints and the model's architecture numbers. Rules across sections are
 :func:`areal_mega.config.experiment.validate`'s."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,32 +10,54 @@ from typing import Optional
 
 from areal_mega.config.schema import _f
 
-__all__ = ["ActorConfig", "CheckpointConfig", "ClusterConfig", "DataConfig", "DataSourceConfig",
-           "DataplaneConfig", "EvalConfig", "ModelConfig", "ModelHParams", "OptimizerConfig",
-           "RefConfig", "SchedulerConfig"]
+__all__ = [
+    "ActorConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "DataConfig",
+    "DataSourceConfig",
+    "DataplaneConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "ModelHParams",
+    "OptimizerConfig",
+    "RefConfig",
+    "SchedulerConfig",
+]
 
 
 @dataclass
 class ClusterConfig:
     n_nodes: int = _f(1, lo=1)
     n_gpus_per_node: int = _f(8, lo=1)
-    device: str = _f("auto", choices=["auto", "cpu", "cuda"],
-                     doc="auto: cuda when available, else cpu")
+    device: str = _f(
+        "auto", choices=["auto", "cpu", "cuda"], doc="auto: cuda when available, else cpu"
+    )
     master_addr: str = "127.0.0.1"
     master_port: int = _f(0, lo=0, hi=65535, doc="0 picks a free port")
     dist_timeout_s: float = _f(600.0, lo=1.0)
-    gpu_memory_gb: float = _f(80.0, lo=0.0, lo_open=True,
-                              doc="usable memory per GPU; --dry-run compares its estimate to it")
+    gpu_memory_gb: float = _f(
+        80.0,
+        lo=0.0,
+        lo_open=True,
+        doc="usable memory per GPU; --dry-run compares its estimate to it",
+    )
     kill_grace_s: float = _f(10.0, lo=0.0, doc="SIGTERM -> SIGKILL grace when stopping processes")
     max_restarts: int = _f(3, lo=0, doc="trainer relaunches after a crash when recover=auto")
-    server_ready_timeout_s: float = _f(600.0, lo=1.0,
-                                       doc="how long launch.local waits for a rollout server")
-    server_base_port: int = _f(30000, lo=1024, hi=65535,
-                               doc="multi-node: rollout server k of a node listens on base + k")
-    cpu_threads_per_server: int = _f(1, lo=1, doc="cluster.device=cpu: torch threads of each "
-                                     "local rollout server")
-    cpu_threads_per_trainer_rank: int = _f(0, lo=0, doc="cluster.device=cpu: threads of each "
-                                           "trainer rank; 0 = the cores the servers leave")
+    server_ready_timeout_s: float = _f(
+        600.0, lo=1.0, doc="how long launch.local waits for a rollout server"
+    )
+    server_base_port: int = _f(
+        30000, lo=1024, hi=65535, doc="multi-node: rollout server k of a node listens on base + k"
+    )
+    cpu_threads_per_server: int = _f(
+        1, lo=1, doc="cluster.device=cpu: torch threads of each local rollout server"
+    )
+    cpu_threads_per_trainer_rank: int = _f(
+        0,
+        lo=0,
+        doc="cluster.device=cpu: threads of each trainer rank; 0 = the cores the servers leave",
+    )
 
 
 @dataclass
@@ -44,11 +67,13 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = _f(128, lo=1)
     recompute_granularity: Optional[str] = _f(None, choices=[None, "full", "selective"])
     attention_backend: str = _f(
-        "auto", choices=["auto", "flash", "fused", "unfused", "local"],
+        "auto",
+        choices=["auto", "flash", "fused", "unfused", "local"],
         doc="auto: TransformerEngine picks its kernel on GPU, local attention on CPU; flash / "
-            "fused / unfused: pin TE's kernel (GPU + TE); local: megatron's local spec "
-            "with per-sequence torch SDPA on the packed batch (the only choice on GPU without "
-            "TE; no CP)")
+        "fused / unfused: pin TE's kernel (GPU + TE); local: megatron's local spec "
+        "with per-sequence torch SDPA on the packed batch (the only choice on GPU without "
+        "TE; no CP)",
+    )
 
 
 @dataclass
@@ -62,29 +87,44 @@ class OptimizerConfig:
     clip_grad: float = _f(1.0, lo=0.0)
     warmup_steps: int = _f(0, lo=0)
     lr_schedule: str = _f("constant", choices=["constant", "cosine", "linear"])
-    lr_decay_steps: int = _f(0, lo=0, doc="steps of the warmup+decay schedule; 0 = the "
-                             "trainer's total steps (or warmup_steps + 1 when unknown)")
+    lr_decay_steps: int = _f(
+        0,
+        lo=0,
+        doc="steps of the warmup+decay schedule; 0 = the "
+        "trainer's total steps (or warmup_steps + 1 when unknown)",
+    )
     use_distributed_optimizer: bool = True
 
 
 @dataclass
 class ActorConfig:
-    temperature: float = _f(1.0, lo=0.0, lo_open=True,
-                            doc="sampling temperature; logprobs are recomputed at it")
+    temperature: float = _f(
+        1.0, lo=0.0, lo_open=True, doc="sampling temperature; logprobs are recomputed at it"
+    )
     ppo_n_minibatches: int = _f(1, lo=1)
-    prox_logprobs: str = _f("auto", choices=["auto", "recompute"],
-                            doc="π_prox of the decoupled loss: auto = taken from the training "
-                            "forward (detached) when the step is one optimizer step on the "
-                            "weights that define π_prox and nothing reads it before training; "
-                            "recompute = always a forward pass of its own (AReaL)")
-    share_prompt_prefix: bool = _f(True, doc="samples of a micro-batch with the same prompt "
-                                   "compute it once (same results; local attention, no CP/SP)")
+    prox_logprobs: str = _f(
+        "auto",
+        choices=["auto", "recompute"],
+        doc="π_prox of the decoupled loss: auto = taken from the training "
+        "forward (detached) when the step is one optimizer step on the "
+        "weights that define π_prox and nothing reads it before training; "
+        "recompute = always a forward pass of its own (AReaL)",
+    )
+    share_prompt_prefix: bool = _f(
+        True,
+        doc="samples of a micro-batch with the same prompt "
+        "compute it once (same results; local attention, no CP/SP)",
+    )
     sequence_parallel: bool = False
     virtual_pipeline_size: Optional[int] = _f(None, lo=1)
     logprob_chunk_size: Optional[int] = _f(None, lo=1)
-    max_consecutive_skips: int = _f(3, lo=1, doc="training steps in a row whose loss or "
-                                    "gradients are non-finite (each skipped: no update "
-                                    "applied) before the run stops, naming the likely source")
+    max_consecutive_skips: int = _f(
+        3,
+        lo=1,
+        doc="training steps in a row whose loss or "
+        "gradients are non-finite (each skipped: no update "
+        "applied) before the run stops, naming the likely source",
+    )
 
 
 @dataclass
@@ -100,8 +140,9 @@ class DataplaneConfig:
     secret: Optional[str] = None
     max_queue: int = _f(1024, lo=1, doc="trajectories buffered before senders block")
     max_message_bytes: int = _f(1 << 30, lo=1024)
-    sender_window: int = _f(64, lo=1, doc="unacknowledged trajectories per sender before send "
-                            "blocks (backpressure)")
+    sender_window: int = _f(
+        64, lo=1, doc="unacknowledged trajectories per sender before send blocks (backpressure)"
+    )
     allow_remote: bool = _f(False, doc="let the receiver bind a non-loopback interface")
 
 
@@ -117,9 +158,12 @@ class SchedulerConfig:
 class DataSourceConfig:
     """One task of a multi-task run (``data.sources``): prompts drawn with probability
     proportional to ``weight``, scored by ``reward_fn``, logged as ``reward/<name>``."""
+
     name: str = _f("", doc="metric name: reward/<name>; unique")
-    path: str = _f("", doc="JSONL / parquet file, a saved HF dataset directory, or "
-                           "hf:owner/name[:config][@split]")
+    path: str = _f(
+        "",
+        doc="JSONL / parquet file, a saved HF dataset directory, or hf:owner/name[:config][@split]",
+    )
     weight: float = _f(1.0, lo=0.0, lo_open=True)
     reward_fn: str = _f("", doc="'package.module:function'; empty = rollout.reward_fn")
     reward_kwargs: dict = _f(factory=dict, doc="extra keyword arguments of reward_fn")
@@ -128,20 +172,32 @@ class DataSourceConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = _f("", doc="one source (shorthand for a single entry of data.sources): "
-                                 "a file, a saved HF dataset directory or hf:owner/name")
-    sources: list[DataSourceConfig] = _f(factory=list, doc="multi-task: [{name, path, weight, "
-                                         "reward_fn}], drawn by weight; exclusive with train_path")
-    fields: dict = _f(factory=dict, doc="{prompt: <field>, answer: <field>}: record field names "
-                                        "(default: prompt_key / answer_key)")
+    train_path: str = _f(
+        "",
+        doc="one source (shorthand for a single entry of data.sources): "
+        "a file, a saved HF dataset directory or hf:owner/name",
+    )
+    sources: list[DataSourceConfig] = _f(
+        factory=list,
+        doc="multi-task: [{name, path, weight, "
+        "reward_fn}], drawn by weight; exclusive with train_path",
+    )
+    fields: dict = _f(
+        factory=dict,
+        doc="{prompt: <field>, answer: <field>}: record field names "
+        "(default: prompt_key / answer_key)",
+    )
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     apply_chat_template: bool = True
     max_prompt_len: int = _f(1024, lo=1)
     shuffle: bool = True
     test_path: str = _f("", doc="held-out prompts (same format as train_path)")
-    format: str = _f("auto", choices=["auto", "jsonl", "parquet"],
-                     doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)")
+    format: str = _f(
+        "auto",
+        choices=["auto", "jsonl", "parquet"],
+        doc="auto: by file suffix (.parquet / .pq -> parquet, else JSONL)",
+    )
     drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
     sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
 
@@ -152,8 +208,11 @@ class EvalConfig:
     rollout servers at the weights just published (outside the staleness bound and the
     training buffer); the trainer logs ``eval/*``. Runs at step 0 (fresh run), every
     ``every_steps`` steps and after the last step."""
-    data: list = _f(factory=list, doc="prompt files (JSONL / parquet, read with the data.* "
-                    "keys); empty = no evaluation")
+
+    data: list = _f(
+        factory=list,
+        doc="prompt files (JSONL / parquet, read with the data.* keys); empty = no evaluation",
+    )
     every_steps: int = _f(0, lo=0, doc="steps between evaluations; 0 = off")
     n_samples: int = _f(1, lo=1, doc="samples per prompt (pass@k for k = 1, 2, 4, ..)")
     temperature: float = _f(0.0, lo=0.0, doc="0 = greedy")
@@ -176,6 +235,7 @@ class ModelHParams:
     """Architecture numbers of the trained model (the published ``config.json`` values), used
     only by the memory estimate of ``launch.local --dry-run``. Optional: without it the estimate
     reads ``<model.path>/config.json`` or the built-in table of known models."""
+
     hidden_size: int = _f(0, lo=1)
     num_layers: int = _f(0, lo=1)
     num_attention_heads: int = _f(0, lo=1)

@@ -1,6 +1,7 @@
 """The ``teacher`` section of the experiment config (on-policy distillation, ``algorithm.opd``)
 and its checks: exactly one teacher when OPD is on, and the teacher against the student (an HF
 directory with the same tokenizer, or served at temperature 1)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -12,24 +13,40 @@ from typing import Optional
 from areal_mega.common.errors import ConfigError
 from areal_mega.config.schema import _f
 
-__all__ = ["TeacherConfig", "check_opd", "check_same_tokenizer", "check_teacher_model",
-           "tokenizer_signature"]
+__all__ = [
+    "TeacherConfig",
+    "check_opd",
+    "check_same_tokenizer",
+    "check_teacher_model",
+    "tokenizer_signature",
+]
 
 
 @dataclass
 class TeacherConfig:
     """The teacher of on-policy distillation (``algorithm.opd``): in the trainer (``path``) or
     served (``server_addrs``); exactly one of the two when OPD is on (docs/algorithms.md)."""
-    path: str = _f("", doc="HF directory of a teacher run in the trainer as a forward-only "
-                   "Megatron engine (like the reference model, on the trainer's layout)")
-    dtype: Optional[str] = _f(None, choices=[None, "fp32", "bf16", "fp16"],
-                              doc="the in-trainer teacher's dtype; None = model.dtype")
-    server_addrs: list = _f(factory=list, doc="host:port of SGLang-compatible servers serving "
-                            "the teacher (scored by prompt logprobs through SGLang's /generate"
-                            "; not vLLM servers) instead of teacher.path")
+
+    path: str = _f(
+        "",
+        doc="HF directory of a teacher run in the trainer as a forward-only "
+        "Megatron engine (like the reference model, on the trainer's layout)",
+    )
+    dtype: Optional[str] = _f(
+        None,
+        choices=[None, "fp32", "bf16", "fp16"],
+        doc="the in-trainer teacher's dtype; None = model.dtype",
+    )
+    server_addrs: list = _f(
+        factory=list,
+        doc="host:port of SGLang-compatible servers serving "
+        "the teacher (scored by prompt logprobs through SGLang's /generate"
+        "; not vLLM servers) instead of teacher.path",
+    )
     api_key: Optional[str] = _f(None, doc="Bearer key of the teacher servers")
-    request_timeout_s: float = _f(600.0, lo=0.0, lo_open=True,
-                                  doc="per scoring request to a teacher server")
+    request_timeout_s: float = _f(
+        600.0, lo=0.0, lo_open=True, doc="per scoring request to a teacher server"
+    )
 
 
 def check_opd(cfg) -> None:
@@ -37,32 +54,41 @@ def check_opd(cfg) -> None:
     (``teacher.path`` or ``teacher.server_addrs``) and RL; a teacher with OPD off is an error
     (it would cost a forward per step that nothing reads)."""
     alg, t = cfg.algorithm, cfg.teacher
-    keys = [k for k, v in (("teacher.path", t.path), ("teacher.server_addrs", t.server_addrs))
-            if v]
+    keys = [k for k, v in (("teacher.path", t.path), ("teacher.server_addrs", t.server_addrs)) if v]
     if alg.opd == "off":
         if keys:
-            raise ConfigError(f"{keys[0]}={getattr(t, keys[0].split('.')[1])!r}: a teacher is "
-                              "set but algorithm.opd='off', so nothing would use it; set "
-                              "algorithm.opd=pure or add (or algorithm.preset=opd), or remove "
-                              f"{' and '.join(keys)}")
+            raise ConfigError(
+                f"{keys[0]}={getattr(t, keys[0].split('.')[1])!r}: a teacher is "
+                "set but algorithm.opd='off', so nothing would use it; set "
+                "algorithm.opd=pure or add (or algorithm.preset=opd), or remove "
+                f"{' and '.join(keys)}"
+            )
         return
     if cfg.mode != "rl":
-        raise ConfigError(f"algorithm.opd={alg.opd!r}: on-policy distillation trains on the "
-                          f"student's rollouts (mode=rl), not mode={cfg.mode!r}")
+        raise ConfigError(
+            f"algorithm.opd={alg.opd!r}: on-policy distillation trains on the "
+            f"student's rollouts (mode=rl), not mode={cfg.mode!r}"
+        )
     if len(keys) != 1:
         given = "both are set" if keys else "neither is set"
-        raise ConfigError(f"algorithm.opd={alg.opd!r}: needs exactly one teacher, "
-                          f"teacher.path (in the trainer) or teacher.server_addrs (served); "
-                          f"{given}")
+        raise ConfigError(
+            f"algorithm.opd={alg.opd!r}: needs exactly one teacher, "
+            f"teacher.path (in the trainer) or teacher.server_addrs (served); "
+            f"{given}"
+        )
     if alg.opd == "pure" and alg.adv_estimator == "gae":
-        raise ConfigError("algorithm.opd='pure' replaces the outcome advantages, so "
-                          "algorithm.adv_estimator='gae' would train a critic nothing reads; "
-                          "use algorithm.opd=add (GAE plus the OPD term) or another estimator")
+        raise ConfigError(
+            "algorithm.opd='pure' replaces the outcome advantages, so "
+            "algorithm.adv_estimator='gae' would train a critic nothing reads; "
+            "use algorithm.opd=add (GAE plus the OPD term) or another estimator"
+        )
     if alg.opd == "pure" and alg.dynamic_filter:
-        raise ConfigError("algorithm.dynamic_filter=true: drops groups by their outcome reward, "
-                          "which algorithm.opd='pure' does not use (every sample carries the "
-                          "teacher's signal); set algorithm.dynamic_filter=false or "
-                          "algorithm.opd=add")
+        raise ConfigError(
+            "algorithm.dynamic_filter=true: drops groups by their outcome reward, "
+            "which algorithm.opd='pure' does not use (every sample carries the "
+            "teacher's signal); set algorithm.dynamic_filter=false or "
+            "algorithm.opd=add"
+        )
 
 
 #: tokenizer files whose vocabulary is compared (the first found wins)
@@ -100,8 +126,7 @@ def tokenizer_signature(hf_dir: str) -> Optional[dict]:
             for i, tok in decoder.items():
                 added.setdefault(int(i), (tok.get("content"), bool(tok.get("special"))))
     except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{main}: unreadable tokenizer file: {type(e).__name__}: {e}") \
-            from None
+        raise ConfigError(f"{main}: unreadable tokenizer file: {type(e).__name__}: {e}") from None
     return {"vocab": vocab, "merges": merges, "added": added}
 
 
@@ -118,14 +143,18 @@ def check_same_tokenizer(teacher_path: str, model_path: str) -> None:
     where = f"teacher.path={teacher_path!r} and model.path={model_path!r}"
     if a is None or b is None:
         lacking = teacher_path if a is None else model_path
-        raise ConfigError(f"{where}: {lacking} has no tokenizer file ({', '.join(_VOCAB_FILES)})"
-                          ", so the tokenizers cannot be compared; OPD needs the same one")
+        raise ConfigError(
+            f"{where}: {lacking} has no tokenizer file ({', '.join(_VOCAB_FILES)})"
+            ", so the tokenizers cannot be compared; OPD needs the same one"
+        )
     differ = [k for k in ("vocab", "merges", "added") if a[k] != b[k]]
     if differ:
-        raise ConfigError(f"{where} have different tokenizers ({', '.join(differ)} differ): "
-                          "on-policy distillation compares the teacher's and the student's "
-                          "logprobs of the same token ids, so both need the same vocabulary "
-                          "and special tokens")
+        raise ConfigError(
+            f"{where} have different tokenizers ({', '.join(differ)} differ): "
+            "on-policy distillation compares the teacher's and the student's "
+            "logprobs of the same token ids, so both need the same vocabulary "
+            "and special tokens"
+        )
 
 
 def check_teacher_model(cfg) -> None:
@@ -139,12 +168,13 @@ def check_teacher_model(cfg) -> None:
         return
     if t.server_addrs:
         if cfg.actor.temperature != 1.0:
-            raise ConfigError(f"actor.temperature={cfg.actor.temperature}: a teacher served by "
-                              f"teacher.server_addrs={t.server_addrs!r} scores at temperature "
-                              "1 (SGLang's prompt logprobs), so the student's logprobs must "
-                              "be at 1 too; set actor.temperature=1 or use teacher.path")
+            raise ConfigError(
+                f"actor.temperature={cfg.actor.temperature}: a teacher served by "
+                f"teacher.server_addrs={t.server_addrs!r} scores at temperature "
+                "1 (SGLang's prompt logprobs), so the student's logprobs must "
+                "be at 1 too; set actor.temperature=1 or use teacher.path"
+            )
         return
     if not (Path(t.path) / "config.json").is_file():
-        raise ConfigError(f"teacher.path={t.path!r}: not an HF model directory (no "
-                          "config.json)")
+        raise ConfigError(f"teacher.path={t.path!r}: not an HF model directory (no config.json)")
     check_same_tokenizer(t.path, cfg.model.path)

@@ -1,6 +1,7 @@
 """The ``rollout.vllm`` section of the experiment config (``rollout.backend: vllm``, docs/vllm.md)
 and the rules a vLLM rollout must follow. Pure: no vllm, no torch; the launcher builds the
 command line from it (:mod:`areal_mega.backends.vllm.launch`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,21 +15,42 @@ __all__ = ["VllmConfig", "check_vllm", "MANAGED_VLLM_FLAGS"]
 
 @dataclass
 class VllmConfig:
-    python: str = _f("", doc="the interpreter that has vLLM (its own venv: vLLM pins its own "
-                     "torch); empty: $AREAL_VLLM_PYTHON, else <repository>/.venv-vllm/bin/"
-                     "python (make vllm-env builds it)")
-    kv_cache_gib: float = _f(1.0, lo=0.0, lo_open=True, doc="CPU only: KV cache size in whole "
-                             "GiB (VLLM_CPU_KVCACHE_SPACE); on GPU the cache is "
-                             "gpu_memory_utilization's share")
-    enforce_eager: bool = _f(True, doc="--enforce-eager: no CUDA graphs / torch.compile (fast "
-                             "start; false: faster decoding after a longer start)")
-    max_model_len: int = _f(0, lo=0, doc="--max-model-len; 0 = vLLM's default (the model's "
-                            "context from its config.json)")
-    gpu_memory_utilization: Optional[float] = _f(None, lo=0.0, hi=1.0, lo_open=True,
-                                                 doc="--gpu-memory-utilization on GPU; None "
-                                                 "= rollout.mem_fraction_static")
-    extra_args: list = _f(factory=list, doc="more vLLM server flags, e.g. [--max-num-seqs, "
-                          "'64']; the flags the launcher sets (MANAGED_VLLM_FLAGS) are refused")
+    python: str = _f(
+        "",
+        doc="the interpreter that has vLLM (its own venv: vLLM pins its own "
+        "torch); empty: $AREAL_VLLM_PYTHON, else <repository>/.venv-vllm/bin/"
+        "python (make vllm-env builds it)",
+    )
+    kv_cache_gib: float = _f(
+        1.0,
+        lo=0.0,
+        lo_open=True,
+        doc="CPU only: KV cache size in whole "
+        "GiB (VLLM_CPU_KVCACHE_SPACE); on GPU the cache is "
+        "gpu_memory_utilization's share",
+    )
+    enforce_eager: bool = _f(
+        True,
+        doc="--enforce-eager: no CUDA graphs / torch.compile (fast "
+        "start; false: faster decoding after a longer start)",
+    )
+    max_model_len: int = _f(
+        0,
+        lo=0,
+        doc="--max-model-len; 0 = vLLM's default (the model's context from its config.json)",
+    )
+    gpu_memory_utilization: Optional[float] = _f(
+        None,
+        lo=0.0,
+        hi=1.0,
+        lo_open=True,
+        doc="--gpu-memory-utilization on GPU; None = rollout.mem_fraction_static",
+    )
+    extra_args: list = _f(
+        factory=list,
+        doc="more vLLM server flags, e.g. [--max-num-seqs, "
+        "'64']; the flags the launcher sets (MANAGED_VLLM_FLAGS) are refused",
+    )
 
 
 #: flags the launcher passes itself, with the key (or reason) that decides each; in
@@ -38,7 +60,8 @@ MANAGED_VLLM_FLAGS = {
     "--model": "model.path",
     "--host": "the launcher (loopback, or 0.0.0.0 for --serve-node)",
     "--port": "the launcher (a free port, or cluster.server_base_port + k)",
-    "--tensor-parallel-size": "the allocation's rollout t", "-tp": "the allocation's rollout t",
+    "--tensor-parallel-size": "the allocation's rollout t",
+    "-tp": "the allocation's rollout t",
     "--pipeline-parallel-size": "the allocation's rollout p",
     "-pp": "the allocation's rollout p",
     "--data-parallel-size": "the allocation's rollout d (one server each)",
@@ -71,30 +94,42 @@ def check_vllm(cfg) -> None:
         return
     v = cfg.rollout.vllm
     if cfg.lora.enabled:
-        raise ConfigError("rollout.backend=vllm: LoRA adapters are served only by sglang/local "
-                          "here (lora.enabled=true); set rollout.backend=sglang or local, or "
-                          "lora.enabled=false")
+        raise ConfigError(
+            "rollout.backend=vllm: LoRA adapters are served only by sglang/local "
+            "here (lora.enabled=true); set rollout.backend=sglang or local, or "
+            "lora.enabled=false"
+        )
     if cfg.algorithm.routing_replay != "off":
-        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} with "
-                          "rollout.backend=vllm: the vLLM servers do not return the routed "
-                          "experts here; use rollout.backend=sglang or local, or "
-                          "algorithm.routing_replay=off")
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} with "
+            "rollout.backend=vllm: the vLLM servers do not return the routed "
+            "experts here; use rollout.backend=sglang or local, or "
+            "algorithm.routing_replay=off"
+        )
     r = cfg.rollout
     if cfg.mode == "rl" and (r.top_p < 1.0 or r.top_k > 0):
-        raise ConfigError(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k} with "
-                          "rollout.backend=vllm: vLLM's processed logprobs are taken after "
-                          "top-k/top-p renormalisation, the trainer's (and SGLang's) after "
-                          "temperature only, so the behaviour logprobs would be off by the "
-                          "log of the kept mass; use rollout.top_p=1 and rollout.top_k=-1 "
-                          "with vllm, or rollout.backend=sglang")
+        raise ConfigError(
+            f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k} with "
+            "rollout.backend=vllm: vLLM's processed logprobs are taken after "
+            "top-k/top-p renormalisation, the trainer's (and SGLang's) after "
+            "temperature only, so the behaviour logprobs would be off by the "
+            "log of the kept mass; use rollout.top_p=1 and rollout.top_k=-1 "
+            "with vllm, or rollout.backend=sglang"
+        )
     if not float(v.kv_cache_gib).is_integer():
-        raise ConfigError(f"rollout.vllm.kv_cache_gib={v.kv_cache_gib}: vLLM's CPU KV cache "
-                          "(VLLM_CPU_KVCACHE_SPACE) is a whole number of GiB; use 1 or more")
+        raise ConfigError(
+            f"rollout.vllm.kv_cache_gib={v.kv_cache_gib}: vLLM's CPU KV cache "
+            "(VLLM_CPU_KVCACHE_SPACE) is a whole number of GiB; use 1 or more"
+        )
     for i, arg in enumerate(v.extra_args):
         if isinstance(arg, bool) or not isinstance(arg, (str, int, float)):
-            raise ConfigError(f"rollout.vllm.extra_args[{i}]={arg!r}: each item is one "
-                              "command-line word (a string or a number)")
+            raise ConfigError(
+                f"rollout.vllm.extra_args[{i}]={arg!r}: each item is one "
+                "command-line word (a string or a number)"
+            )
         owner = MANAGED_VLLM_FLAGS.get(_flag_name(str(arg)))
         if owner is not None:
-            raise ConfigError(f"rollout.vllm.extra_args[{i}]={arg!r}: the launcher sets "
-                              f"{_flag_name(str(arg))} itself (from {owner}); remove it")
+            raise ConfigError(
+                f"rollout.vllm.extra_args[{i}]={arg!r}: the launcher sets "
+                f"{_flag_name(str(arg))} itself (from {owner}); remove it"
+            )

@@ -8,10 +8,27 @@
 - :mod:`.synthetic` — the CPU demo's verifiable tasks, written as JSONL files;
 - :mod:`.errors` — :class:`DataError`, the one error type of this layer.
 """
-from areal_mega.data.dataset import (DataError, PromptDataset, PromptItem, PromptLoader,
-                                     PromptSampler, epoch_permutation, load_tokenizer,
-                                     read_records)
+
+from areal_mega.data.dataset import (
+    DataError,
+    PromptDataset,
+    PromptItem,
+    PromptLoader,
+    PromptSampler,
+    epoch_permutation,
+    load_tokenizer,
+    read_records,
+)
 from areal_mega.data.synthetic import write_task_files
 
-__all__ = ["DataError", "PromptDataset", "PromptItem", "PromptLoader", "PromptSampler",
-           "epoch_permutation", "load_tokenizer", "read_records", "write_task_files"]
+__all__ = [
+    "DataError",
+    "PromptDataset",
+    "PromptItem",
+    "PromptLoader",
+    "PromptSampler",
+    "epoch_permutation",
+    "load_tokenizer",
+    "read_records",
+    "write_task_files",
+]

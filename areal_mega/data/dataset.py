@@ -15,6 +15,7 @@ tokenized; prompts longer than ``max_prompt_len`` tokens are dropped and counted
 
 Shuffling is a pure function of ``(seed, epoch)``, so a resumed run replays the same order.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,11 +63,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: invalid JSON ({e.msg} at column {e.colno})"
-                                ) from None
+                raise DataError(
+                    f"{p}:{lineno}: invalid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(obj, dict):
-                raise DataError(f"{p}:{lineno}: expected a JSON object, got "
-                                f"{type(obj).__name__}")
+                raise DataError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             obj["__line__"] = lineno
             rows.append(obj)
     return rows
@@ -80,9 +81,11 @@ def read_parquet(path: str | Path) -> list[dict]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"dataset file {str(p)!r}: reading parquet needs the 'pyarrow' package "
-                        "(pip install pyarrow, pinned in requirements.txt), or convert the file "
-                        "to JSONL") from None
+        raise DataError(
+            f"dataset file {str(p)!r}: reading parquet needs the 'pyarrow' package "
+            "(pip install pyarrow, pinned in requirements.txt), or convert the file "
+            "to JSONL"
+        ) from None
     rows = pq.read_table(p).to_pylist()
     for i, row in enumerate(rows):
         row["__line__"] = i  # parquet rows are 0-based "row N"
@@ -109,10 +112,11 @@ def _where(path, kind: str, row: dict) -> str:
 @dataclass
 class PromptItem:
     """One prompt ready for rollout."""
-    index: int                 # position in the filtered dataset (stable across runs)
-    prompt: str                # rendered prompt text (after the chat template)
-    input_ids: list[int]       # tokenized prompt
-    answer: Any                # the reference answer, unchanged
+
+    index: int  # position in the filtered dataset (stable across runs)
+    prompt: str  # rendered prompt text (after the chat template)
+    input_ids: list[int]  # tokenized prompt
+    answer: Any  # the reference answer, unchanged
     meta: dict = field(default_factory=dict)  # the record's other fields
 
 
@@ -120,20 +124,27 @@ def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool, where: str 
     """Turn a record's prompt (string or message list) into the text the model sees."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m
-                                          for m in prompt):
+    elif isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    ):
         messages = prompt
     else:
-        raise DataError(f"{where}: prompt must be a string or a list of {{role, content}} "
-                        f"messages, got {type(prompt).__name__}")
+        raise DataError(
+            f"{where}: prompt must be a string or a list of {{role, content}} "
+            f"messages, got {type(prompt).__name__}"
+        )
     if not apply_chat_template:
         if isinstance(prompt, str):
             return prompt
-        raise DataError(f"{where}: the prompt is a message list; set data.apply_chat_template"
-                        "=true (raw text needs a string prompt)")
+        raise DataError(
+            f"{where}: the prompt is a message list; set data.apply_chat_template"
+            "=true (raw text needs a string prompt)"
+        )
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("data.apply_chat_template=true but the tokenizer has no chat_template; "
-                        "set data.apply_chat_template=false to use raw prompt text")
+        raise DataError(
+            "data.apply_chat_template=true but the tokenizer has no chat_template; "
+            "set data.apply_chat_template=false to use raw prompt text"
+        )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -147,9 +158,17 @@ class PromptDataset:
         max_prompt_len: longer prompts (in tokens) are dropped; ``n_dropped`` counts them.
     """
 
-    def __init__(self, path: str | Path, tokenizer, *, prompt_key: str = "prompt",
-                 answer_key: str = "answer", apply_chat_template: bool = True,
-                 max_prompt_len: int = 1024, fmt: str = "auto"):
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        apply_chat_template: bool = True,
+        max_prompt_len: int = 1024,
+        fmt: str = "auto",
+    ):
         self.path = str(path)
         self.prompt_key, self.answer_key = prompt_key, answer_key
         kind = detect_format(path, fmt)
@@ -160,8 +179,9 @@ class PromptDataset:
             for key, cfg_key in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
                 if key not in row:
                     fields = sorted(k for k in row if k != "__line__")
-                    raise DataError(f"{where}: missing field {key!r} ({cfg_key}); the record "
-                                    f"has {fields}")
+                    raise DataError(
+                        f"{where}: missing field {key!r} ({cfg_key}); the record has {fields}"
+                    )
             texts.append(render_prompt(tokenizer, row[prompt_key], apply_chat_template, where))
             kept.append(row)
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -173,15 +193,23 @@ class PromptDataset:
                 self.n_dropped += 1
                 continue
             meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-            self.items.append(PromptItem(len(self.items), text, list(tok_ids), row[answer_key],
-                                         meta))
+            self.items.append(
+                PromptItem(len(self.items), text, list(tok_ids), row[answer_key], meta)
+            )
         if self.n_dropped:
-            log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                        self.path, self.n_dropped, self.n_total, max_prompt_len)
+            log.warning(
+                "%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
+                self.path,
+                self.n_dropped,
+                self.n_total,
+                max_prompt_len,
+            )
         if not self.items:
-            raise DataError(f"dataset file {self.path!r}: no usable prompts ({self.n_total} "
-                            f"records, {self.n_dropped} longer than max_prompt_len="
-                            f"{max_prompt_len})")
+            raise DataError(
+                f"dataset file {self.path!r}: no usable prompts ({self.n_total} "
+                f"records, {self.n_dropped} longer than max_prompt_len="
+                f"{max_prompt_len})"
+            )
 
     @classmethod
     def from_config(cls, data_cfg, tokenizer, split: str = "train") -> "PromptDataset":
@@ -193,9 +221,15 @@ class PromptDataset:
         if not path:
             raise DataError(f"data.{key} is empty; point it at a JSONL or parquet file")
         prompt_key, answer_key = field_keys(data_cfg, {})
-        return cls(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key,
-                   apply_chat_template=data_cfg.apply_chat_template,
-                   max_prompt_len=data_cfg.max_prompt_len, fmt=data_cfg.format)
+        return cls(
+            path,
+            tokenizer,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            apply_chat_template=data_cfg.apply_chat_template,
+            max_prompt_len=data_cfg.max_prompt_len,
+            fmt=data_cfg.format,
+        )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -212,8 +246,9 @@ def field_keys(data_cfg, fields: dict, where: str = "data.fields") -> tuple[str,
         where = "data.fields"
     bad = sorted(set(mapping) - {"prompt", "answer"})
     if bad:
-        raise DataError(f"{where}.{bad[0]}: unknown key; a field mapping names 'prompt' and "
-                        "'answer'")
+        raise DataError(
+            f"{where}.{bad[0]}: unknown key; a field mapping names 'prompt' and 'answer'"
+        )
     for k, v in mapping.items():
         if not isinstance(v, str) or not v:
             raise DataError(f"{where}.{k}={v!r}: expected a record field name")
@@ -238,15 +273,18 @@ class PromptSampler:
     silently differ.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True):
+    def __init__(
+        self, n: int, batch_size: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True
+    ):
         if n < 1:
             raise DataError("PromptSampler: the dataset is empty")
         if batch_size < 1:
             raise DataError(f"batch_size={batch_size}: must be >= 1")
         if drop_last and batch_size > n:
-            raise DataError(f"batch_size={batch_size} is larger than the dataset ({n} prompts) "
-                            "with data.drop_last=true: no batch could be formed")
+            raise DataError(
+                f"batch_size={batch_size} is larger than the dataset ({n} prompts) "
+                "with data.drop_last=true: no batch could be formed"
+            )
         self.n, self.batch_size, self.seed = n, batch_size, seed
         self.shuffle, self.drop_last = shuffle, drop_last
         self.epoch, self.offset, self.batches_served = 0, 0, 0
@@ -262,22 +300,31 @@ class PromptSampler:
         if remaining == 0 or (self.drop_last and remaining < self.batch_size):
             self._set_epoch(self.epoch + 1)
         end = min(self.offset + self.batch_size, self.n)
-        out = [int(i) for i in self._perm[self.offset:end]]
+        out = [int(i) for i in self._perm[self.offset : end]]
         self.offset = end
         self.batches_served += 1
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "batches_served": self.batches_served,
-                "n": self.n, "batch_size": self.batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "batches_served": self.batches_served,
+            "n": self.n,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("n", "batch_size", "seed", "shuffle", "drop_last"):
             if key in state and state[key] != getattr(self, key):
-                raise DataError(f"data state: {key}={state[key]!r} in the checkpoint but "
-                                f"{getattr(self, key)!r} now; the prompt order would differ "
-                                "(same dataset file, seed and batch size are needed to resume)")
+                raise DataError(
+                    f"data state: {key}={state[key]!r} in the checkpoint but "
+                    f"{getattr(self, key)!r} now; the prompt order would differ "
+                    "(same dataset file, seed and batch size are needed to resume)"
+                )
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if not 0 <= offset <= self.n:
             raise DataError(f"data state: offset={offset} outside [0, {self.n}]")
@@ -289,8 +336,14 @@ class PromptSampler:
 class PromptLoader:
     """A :class:`PromptDataset` + :class:`PromptSampler`: batches of :class:`PromptItem`."""
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = True):
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ):
         self.dataset = dataset
         self.sampler = PromptSampler(len(dataset), batch_size, seed, shuffle, drop_last)
 
@@ -309,8 +362,11 @@ class PromptLoader:
             k += 1
 
     def state_dict(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "path": self.dataset.path,
-                "n_dropped": self.dataset.n_dropped}
+        return {
+            "sampler": self.sampler.state_dict(),
+            "path": self.dataset.path,
+            "n_dropped": self.dataset.n_dropped,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
@@ -325,7 +381,18 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
-__all__: Sequence[str] = ("DataError", "PromptDataset", "PromptItem", "PromptLoader",
-                          "PromptSampler", "epoch_permutation", "field_keys", "load_tokenizer",
-                          "read_records",
-                          "read_jsonl", "read_parquet", "detect_format", "render_prompt")
+__all__: Sequence[str] = (
+    "DataError",
+    "PromptDataset",
+    "PromptItem",
+    "PromptLoader",
+    "PromptSampler",
+    "epoch_permutation",
+    "field_keys",
+    "load_tokenizer",
+    "read_records",
+    "read_jsonl",
+    "read_parquet",
+    "detect_format",
+    "render_prompt",
+)

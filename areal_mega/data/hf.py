@@ -11,6 +11,7 @@ Two spellings of a source path:
 Rows come back as plain dicts with ``__line__`` = the row number, like the JSONL/parquet
 readers of :mod:`areal_mega.data.dataset`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,9 @@ def is_hf_source(path: str) -> bool:
         return True
     base, _ = _split_suffix(path)
     p = Path(base)
-    return p.is_dir() and any((p / n).exists() for n in ("dataset_info.json", "state.json",
-                                                         "dataset_dict.json"))
+    return p.is_dir() and any(
+        (p / n).exists() for n in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
 
 
 def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str]:
@@ -41,7 +43,7 @@ def parse_hf_spec(spec: str) -> tuple[str, Optional[str], str]:
 
     if not spec.startswith(HF_PREFIX):
         raise DataError(f"{spec!r}: an HF dataset is written hf:owner/name[:config][@split]")
-    body, split = _split_suffix(spec[len(HF_PREFIX):])
+    body, split = _split_suffix(spec[len(HF_PREFIX) :])
     name, _, config = body.partition(":")
     if not name:
         raise DataError(f"{spec!r}: missing the dataset name after 'hf:'")
@@ -54,8 +56,10 @@ def read_hf(path: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise DataError(f"dataset {path!r}: reading an HF dataset needs the 'datasets' package "
-                        "(pip install datasets, pinned in requirements.txt)") from None
+        raise DataError(
+            f"dataset {path!r}: reading an HF dataset needs the 'datasets' package "
+            "(pip install datasets, pinned in requirements.txt)"
+        ) from None
     if path.startswith(HF_PREFIX):
         name, config, split = parse_hf_spec(path)
         ds = datasets.load_dataset(name, config, split=split)
@@ -65,8 +69,10 @@ def read_hf(path: str) -> list[dict]:
         if isinstance(ds, datasets.DatasetDict):
             split = split or "train"
             if split not in ds:
-                raise DataError(f"dataset directory {base!r}: no split {split!r}; it has "
-                                f"{sorted(ds)} (write {base}@<split>)")
+                raise DataError(
+                    f"dataset directory {base!r}: no split {split!r}; it has "
+                    f"{sorted(ds)} (write {base}@<split>)"
+                )
             ds = ds[split]
         elif split is not None:
             raise DataError(f"dataset directory {base!r} holds one split; drop '@{split}'")

@@ -12,6 +12,7 @@ source's own position is the number of earlier draws that picked it (:func:`sour
 walked through that source's own epoch shuffles. A resumed cursor yields exactly the items an
 uninterrupted one would have from ``k`` on.
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,6 +30,7 @@ SCHEDULE_SALT = 0x5EED
 @dataclass(frozen=True)
 class SourceSpec:
     """One resolved source (plain data: what the worker needs to load and score it)."""
+
     name: str
     path: str
     weight: float = 1.0
@@ -42,24 +44,31 @@ def check_sources(data_cfg) -> None:
     """Config rules for ``data.sources`` / ``data.train_path``; raises ``DataError`` (a
     ``ValueError``) naming the key, e.g. ``data.sources[1].name``."""
     if data_cfg.sources and data_cfg.train_path:
-        raise DataError("data.train_path and data.sources are both set: train_path is the "
-                        "shorthand for one source; list it under data.sources instead")
+        raise DataError(
+            "data.train_path and data.sources are both set: train_path is the "
+            "shorthand for one source; list it under data.sources instead"
+        )
     seen: dict = {}
     for i, src in enumerate(data_cfg.sources):
         key = f"data.sources[{i}]"
         if not src.name or "/" in src.name:
-            raise DataError(f"{key}.name={src.name!r}: needs a non-empty name without '/' "
-                            "(its metric is reward/<name>)")
+            raise DataError(
+                f"{key}.name={src.name!r}: needs a non-empty name without '/' "
+                "(its metric is reward/<name>)"
+            )
         if src.name in ("mean", "std"):
-            raise DataError(f"{key}.name={src.name!r}: reserved (reward/{src.name} is the "
-                            "overall statistic)")
+            raise DataError(
+                f"{key}.name={src.name!r}: reserved (reward/{src.name} is the overall statistic)"
+            )
         if src.name in seen:
-            raise DataError(f"{key}.name={src.name!r}: already used by data.sources"
-                            f"[{seen[src.name]}]")
+            raise DataError(
+                f"{key}.name={src.name!r}: already used by data.sources[{seen[src.name]}]"
+            )
         seen[src.name] = i
         if not src.path:
-            raise DataError(f"{key}.path is empty: a file, a saved HF dataset directory or "
-                            "hf:owner/name")
+            raise DataError(
+                f"{key}.path is empty: a file, a saved HF dataset directory or hf:owner/name"
+            )
         field_keys(data_cfg, src.fields, f"{key}.fields")
     field_keys(data_cfg, {})
 
@@ -69,15 +78,25 @@ def resolve_sources(data_cfg, default_reward_fn: str) -> list[SourceSpec]:
     check_sources(data_cfg)
     if not data_cfg.sources:
         if not data_cfg.train_path:
-            raise DataError("data.train_path is empty and data.sources is empty: give the "
-                            "training prompts")
+            raise DataError(
+                "data.train_path is empty and data.sources is empty: give the training prompts"
+            )
         p, a = field_keys(data_cfg, {})
         return [SourceSpec("train", data_cfg.train_path, 1.0, default_reward_fn, {}, p, a)]
     out = []
     for i, s in enumerate(data_cfg.sources):
         p, a = field_keys(data_cfg, s.fields, f"data.sources[{i}].fields")
-        out.append(SourceSpec(s.name, s.path, float(s.weight), s.reward_fn or default_reward_fn,
-                              dict(s.reward_kwargs), p, a))
+        out.append(
+            SourceSpec(
+                s.name,
+                s.path,
+                float(s.weight),
+                s.reward_fn or default_reward_fn,
+                dict(s.reward_kwargs),
+                p,
+                a,
+            )
+        )
     return out
 
 
@@ -101,7 +120,7 @@ def source_schedule(weights: Sequence[float], seed: int, start: int, count: int)
     while len(out) < count:
         b, off = divmod(k, BLOCK)
         take = min(BLOCK - off, count - len(out))
-        out += [int(x) for x in _block(probs, seed, b)[off:off + take]]
+        out += [int(x) for x in _block(probs, seed, b)[off : off + take]]
         k += take
     return out
 
@@ -123,8 +142,14 @@ class MultiSourceCursor:
     position ``start`` (see the module doc). Same interface as the worker's single-source
     cursor: iterate for items, :meth:`delivered` for the resume position."""
 
-    def __init__(self, datasets: Sequence, specs: Sequence[SourceSpec], seed: int,
-                 shuffle: bool = True, start: int = 0):
+    def __init__(
+        self,
+        datasets: Sequence,
+        specs: Sequence[SourceSpec],
+        seed: int,
+        shuffle: bool = True,
+        start: int = 0,
+    ):
         if len(datasets) != len(specs) or not specs:
             raise DataError("MultiSourceCursor: one dataset per source, at least one")
         self.datasets, self.specs, self.seed = list(datasets), list(specs), int(seed)
@@ -134,8 +159,9 @@ class MultiSourceCursor:
         counts = source_counts(self.weights, seed, start)
         for i, (ds, c) in enumerate(zip(self.datasets, counts)):
             n = len(ds)
-            sampler = PromptSampler(n, 1, seed=self.seed * 1000 + i, shuffle=shuffle,
-                                    drop_last=False)
+            sampler = PromptSampler(
+                n, 1, seed=self.seed * 1000 + i, shuffle=shuffle, drop_last=False
+            )
             if c:
                 sampler.load_state_dict({"epoch": c // n, "offset": c % n})
             self.samplers.append(sampler)
@@ -158,10 +184,18 @@ class MultiSourceCursor:
             self.drawn += 1
             self.outstanding.add(k)
         it = self.datasets[s][idx]
-        return {"input_ids": it.input_ids, "prompt": it.prompt, "answer": it.answer,
-                "prompt_index": k, "source": self.specs[s].name,
-                **{kk: v for kk, v in it.meta.items()
-                   if isinstance(v, (str, int, float, bool)) and kk != "source"}}
+        return {
+            "input_ids": it.input_ids,
+            "prompt": it.prompt,
+            "answer": it.answer,
+            "prompt_index": k,
+            "source": self.specs[s].name,
+            **{
+                kk: v
+                for kk, v in it.meta.items()
+                if isinstance(v, (str, int, float, bool)) and kk != "source"
+            },
+        }
 
     def __iter__(self):
         while True:

@@ -13,6 +13,7 @@ followed by EOS (or the end of the text), else 0.0.
 
     python -m areal_mega.data.synthetic --out data/reverse --task reverse --n-train 4096
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,7 @@ from areal_mega.common.files import atomic_write
 TASKS = ("reverse", "add", "arith")
 
 
-def make_example(task: str, rng: random.Random, *, digits: int = 5, max_operand: int = 99
-                 ) -> dict:
+def make_example(task: str, rng: random.Random, *, digits: int = 5, max_operand: int = 99) -> dict:
     """One ``{"prompt", "answer", "task"}`` record."""
     if task == "reverse":
         s = "".join(rng.choice("0123456789") for _ in range(digits))
@@ -45,8 +45,9 @@ def make_example(task: str, rng: random.Random, *, digits: int = 5, max_operand:
     raise ValueError(f"task={task!r}: must be one of {TASKS}")
 
 
-def make_examples(task: str, n: int, seed: int = 0, *, exclude: Optional[set] = None,
-                  unique: bool = True, **kw) -> list[dict]:
+def make_examples(
+    task: str, n: int, seed: int = 0, *, exclude: Optional[set] = None, unique: bool = True, **kw
+) -> list[dict]:
     """``n`` records, deterministic for ``seed``; prompts in ``exclude`` are skipped."""
     rng = random.Random(f"{task}-{seed}")
     exclude = exclude or set()
@@ -56,8 +57,10 @@ def make_examples(task: str, n: int, seed: int = 0, *, exclude: Optional[set] = 
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise ValueError(f"task={task!r}: cannot draw {n} distinct prompts "
-                             f"({len(out)} found); widen digits/max_operand or set unique=False")
+            raise ValueError(
+                f"task={task!r}: cannot draw {n} distinct prompts "
+                f"({len(out)} found); widen digits/max_operand or set unique=False"
+            )
         ex = make_example(task, rng, **kw)
         if ex["prompt"] in exclude or (unique and ex["prompt"] in seen):
             continue
@@ -74,8 +77,14 @@ def write_jsonl(path: str | Path, records: list[dict]) -> Path:
     return atomic_write(p, "".join(json.dumps(r) + "\n" for r in records), durable=False)
 
 
-def write_task_files(out_dir: str | Path, task: str = "reverse", n_train: int = 4096,
-                     n_test: int = 256, seed: int = 0, **kw) -> tuple[Path, Path]:
+def write_task_files(
+    out_dir: str | Path,
+    task: str = "reverse",
+    n_train: int = 4096,
+    n_test: int = 256,
+    seed: int = 0,
+    **kw,
+) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` (disjoint prompts) under ``out_dir``."""
     out = Path(out_dir)
     test = make_examples(task, n_test, seed=seed + 1_000_003, **kw)
@@ -84,8 +93,9 @@ def write_task_files(out_dir: str | Path, task: str = "reverse", n_train: int = 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True, help="directory for train.jsonl and test.jsonl")
     p.add_argument("--task", choices=TASKS, default="reverse")
     p.add_argument("--n-train", type=int, default=4096)

@@ -16,10 +16,24 @@
 * :mod:`.control` — the trainer <-> rollout worker control channel (JSON over ZMQ REQ/REP,
   signed when a secret is set).
 """
+
 from areal_mega.dataplane.buffer import BufferFileError, TrajectoryBuffer  # noqa: F401
-from areal_mega.dataplane.trajectory import (FINISH_REASONS, Trajectory,  # noqa: F401
-                                             TrajectoryError)
-from areal_mega.dataplane.transport import (DataplaneError, TrajectoryReceiver,  # noqa: F401
-                                            TrajectorySender, check_endpoint, default_endpoint)
-from areal_mega.dataplane.wire import (REJECT_REASONS, SCHEMA_VERSION, WireError,  # noqa: F401
-                                       decode_trajectory, encode_trajectory)
+from areal_mega.dataplane.trajectory import (
+    FINISH_REASONS,
+    Trajectory,  # noqa: F401
+    TrajectoryError,
+)
+from areal_mega.dataplane.transport import (
+    DataplaneError,
+    TrajectoryReceiver,  # noqa: F401
+    TrajectorySender,
+    check_endpoint,
+    default_endpoint,
+)
+from areal_mega.dataplane.wire import (
+    REJECT_REASONS,
+    SCHEMA_VERSION,
+    WireError,  # noqa: F401
+    decode_trajectory,
+    encode_trajectory,
+)

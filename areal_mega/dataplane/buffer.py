@@ -22,6 +22,7 @@
 Thread-safe: one thread may :meth:`pump` from a receiver while the trainer calls
 :meth:`get_groups`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -52,7 +53,7 @@ class _Group:
         self.size = size
         self.samples: list[Trajectory] = []
         self.finished_at = float("-inf")
-        self.seq = seq                     # arrival order of the group's first sample
+        self.seq = seq  # arrival order of the group's first sample
 
     @property
     def complete(self) -> bool:
@@ -72,8 +73,13 @@ class _Group:
 class TrajectoryBuffer:
     """Pending trajectories grouped by prompt; see the module docstring for the semantics."""
 
-    def __init__(self, group_size: int = 1, *, max_pending: Optional[int] = None,
-                 dedup_window: int = 1_000_000):
+    def __init__(
+        self,
+        group_size: int = 1,
+        *,
+        max_pending: Optional[int] = None,
+        dedup_window: int = 1_000_000,
+    ):
         if group_size < 1:
             raise ValueError(f"group_size={group_size} must be >= 1")
         self.group_size = int(group_size)
@@ -92,8 +98,9 @@ class TrajectoryBuffer:
         self.dropped_stale = 0
 
     # ------------------------------------------------------------------ intake
-    def put(self, traj: Trajectory, timeout: Optional[float] = None, *,
-            ignore_capacity: bool = False) -> bool:
+    def put(
+        self, traj: Trajectory, timeout: Optional[float] = None, *, ignore_capacity: bool = False
+    ) -> bool:
         """Add one trajectory; returns False (and counts it) if its ``sample_id`` was seen.
 
         Blocks while the buffer is full and ``traj`` would open a new group; raises
@@ -105,12 +112,13 @@ class TrajectoryBuffer:
             if traj.sample_id in self._pending_ids or traj.sample_id in self._consumed_ids:
                 self.duplicates += 1
                 return False
-            if self.max_pending is not None and gid not in self._groups and \
-                    not ignore_capacity:
+            if self.max_pending is not None and gid not in self._groups and not ignore_capacity:
                 ok = self._cond.wait_for(lambda: self._n_pending < self.max_pending, timeout)
                 if not ok:
-                    raise TimeoutError(f"buffer full ({self._n_pending} pending samples) for "
-                                       f"{timeout} s; sample_id={traj.sample_id!r} not added")
+                    raise TimeoutError(
+                        f"buffer full ({self._n_pending} pending samples) for "
+                        f"{timeout} s; sample_id={traj.sample_id!r} not added"
+                    )
                 if traj.sample_id in self._pending_ids or traj.sample_id in self._consumed_ids:
                     self.duplicates += 1
                     return False
@@ -152,15 +160,19 @@ class TrajectoryBuffer:
     def start_pump(self, receiver) -> tuple[threading.Thread, threading.Event]:
         """Start :meth:`pump` in a daemon thread; set the returned event and join to stop."""
         stop = threading.Event()
-        th = threading.Thread(target=self.pump, args=(receiver, stop), daemon=True,
-                              name="trajectory-pump")
+        th = threading.Thread(
+            target=self.pump, args=(receiver, stop), daemon=True, name="trajectory-pump"
+        )
         th.start()
         return th, stop
 
     # ------------------------------------------------------------------ output
     def _eligible(self, min_version: Optional[int]) -> list[_Group]:
-        out = [g for g in self._groups.values() if g.complete and
-               (min_version is None or g.min_version() >= min_version)]
+        out = [
+            g
+            for g in self._groups.values()
+            if g.complete and (min_version is None or g.min_version() >= min_version)
+        ]
         out.sort(key=_Group.sort_key)
         return out
 
@@ -184,9 +196,14 @@ class TrajectoryBuffer:
         while len(self._consumed) > self.dedup_window:
             self._consumed_ids.discard(self._consumed.popleft())
 
-    def get_groups(self, n_groups: int, timeout: Optional[float] = None, *,
-                   min_version: Optional[int] = None,
-                   allow_partial: bool = False) -> list[list[Trajectory]]:
+    def get_groups(
+        self,
+        n_groups: int,
+        timeout: Optional[float] = None,
+        *,
+        min_version: Optional[int] = None,
+        allow_partial: bool = False,
+    ) -> list[list[Trajectory]]:
         """Remove and return the ``n_groups`` oldest complete groups (each a list of samples).
 
         Waits up to ``timeout`` seconds (None: forever) until that many are complete. On
@@ -197,7 +214,8 @@ class TrajectoryBuffer:
             raise ValueError(f"n_groups={n_groups} must be >= 1")
         with self._cond:
             ready = self._cond.wait_for(
-                lambda: len(self._eligible(min_version)) >= n_groups, timeout)
+                lambda: len(self._eligible(min_version)) >= n_groups, timeout
+            )
             groups = self._eligible(min_version)
             if not ready and not allow_partial:
                 return []
@@ -210,8 +228,7 @@ class TrajectoryBuffer:
         policy is to keep late samples (the staleness bound holds prompts back instead).
         """
         with self._cond:
-            stale = [g for g in self._groups.values()
-                     if 0 <= g.min_version() < min_version]
+            stale = [g for g in self._groups.values() if 0 <= g.min_version() < min_version]
             ids = [t.sample_id for g in stale for t in g.samples]
             self._take(stale)
             self.consumed -= len(ids)
@@ -232,21 +249,26 @@ class TrajectoryBuffer:
         """Every pending sample (complete groups first, oldest first), without removing."""
         with self._cond:
             gs = sorted(self._groups.values(), key=lambda g: (not g.complete, g.sort_key()))
-            return [t for g in gs for t in sorted(g.samples,
-                                                  key=lambda t: (t.created_at, t.sample_id))]
+            return [
+                t for g in gs for t in sorted(g.samples, key=lambda t: (t.created_at, t.sample_id))
+            ]
 
     def stats(self) -> dict:
         """Counters and staleness figures as a plain dict."""
         with self._cond:
             groups = list(self._groups.values())
             vmins = [g.min_version() for g in groups if g.min_version() >= 0]
-            return {"pending_samples": self._n_pending,
-                    "complete_groups": sum(g.complete for g in groups),
-                    "incomplete_groups": sum(not g.complete for g in groups),
-                    "accepted": self.accepted, "consumed": self.consumed,
-                    "duplicates": self.duplicates, "dropped_stale": self.dropped_stale,
-                    "min_version": min(vmins) if vmins else -1,
-                    "max_version": max((g.max_version() for g in groups), default=-1)}
+            return {
+                "pending_samples": self._n_pending,
+                "complete_groups": sum(g.complete for g in groups),
+                "incomplete_groups": sum(not g.complete for g in groups),
+                "accepted": self.accepted,
+                "consumed": self.consumed,
+                "duplicates": self.duplicates,
+                "dropped_stale": self.dropped_stale,
+                "min_version": min(vmins) if vmins else -1,
+                "max_version": max((g.max_version() for g in groups), default=-1),
+            }
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str) -> None:
@@ -254,12 +276,19 @@ class TrajectoryBuffer:
         ``path`` (no pickle)."""
         with self._cond:
             samples = [t for g in self._groups.values() for t in g.samples]
-            state = {"format": "areal-mega-trajectory-buffer", "version": _FORMAT_VERSION,
-                     "group_size": self.group_size, "n_samples": len(samples),
-                     "consumed_ids": list(self._consumed),
-                     "counters": {"accepted": self.accepted, "consumed": self.consumed,
-                                  "duplicates": self.duplicates,
-                                  "dropped_stale": self.dropped_stale}}
+            state = {
+                "format": "areal-mega-trajectory-buffer",
+                "version": _FORMAT_VERSION,
+                "group_size": self.group_size,
+                "n_samples": len(samples),
+                "consumed_ids": list(self._consumed),
+                "counters": {
+                    "accepted": self.accepted,
+                    "consumed": self.consumed,
+                    "duplicates": self.duplicates,
+                    "dropped_stale": self.dropped_stale,
+                },
+            }
             packer = msgpack.Packer(use_bin_type=True)
             records = [encode_record(t, packer) for t in samples]
         h = hashlib.sha256()
@@ -270,8 +299,9 @@ class TrajectoryBuffer:
             f.write(h.digest())
 
     @classmethod
-    def load(cls, path: str, *, max_pending: Optional[int] = None,
-             dedup_window: int = 1_000_000) -> "TrajectoryBuffer":
+    def load(
+        cls, path: str, *, max_pending: Optional[int] = None, dedup_window: int = 1_000_000
+    ) -> "TrajectoryBuffer":
         """Restore a buffer written by :meth:`save`; raises :class:`BufferFileError`."""
         with open(path, "rb") as f:
             data = f.read()
@@ -281,11 +311,13 @@ class TrajectoryBuffer:
         if hashlib.sha256(body).digest() != digest:
             raise BufferFileError(f"{path}: checksum mismatch (truncated or corrupted)")
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(body))
-        unpacker.feed(body[len(_MAGIC):])
+        unpacker.feed(body[len(_MAGIC) :])
         state = next(unpacker, None)
         if not isinstance(state, dict) or state.get("version") != _FORMAT_VERSION:
-            raise BufferFileError(f"{path}: unknown format version "
-                                  f"{state.get('version') if isinstance(state, dict) else None}")
+            raise BufferFileError(
+                f"{path}: unknown format version "
+                f"{state.get('version') if isinstance(state, dict) else None}"
+            )
         buf = cls(state["group_size"], max_pending=max_pending, dedup_window=dedup_window)
         for sid in state["consumed_ids"]:
             buf._remember(sid)

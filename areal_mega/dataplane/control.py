@@ -33,6 +33,7 @@ again. A request that fails authentication is not executed: it is counted in
 :attr:`ControlServer.rejected` (``missing_mac``, ``bad_mac``, ``replay``), logged (rate-limited)
 and answered with an unsigned ``ok: false``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -86,10 +87,16 @@ class RolloutLink:
     request goes again, on a fresh socket, to its successor.
     """
 
-    def __init__(self, endpoint: str, *, secret: Secret = None, timeout_s: float = 600.0,
-                 peer: str = "rollout worker"):
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        secret: Secret = None,
+        timeout_s: float = 600.0,
+        peer: str = "rollout worker",
+    ):
         self.endpoint = endpoint
-        self.peer = peer                    # who answers, for error messages
+        self.peer = peer  # who answers, for error messages
         self.timeout_ms = int(timeout_s * 1000)
         self._key = secret_bytes(secret)
         self._nonce: Optional[str] = None
@@ -135,30 +142,42 @@ class RolloutLink:
         cmd = msg.get("cmd")
         rid = os.urandom(12).hex()
         self._send(msg, rid)
-        while not self._sock.poll(min(500, max(0, int((deadline - time.monotonic()) * 1000))),
-                                  zmq.POLLIN):
+        while not self._sock.poll(
+            min(500, max(0, int((deadline - time.monotonic()) * 1000))), zmq.POLLIN
+        ):
             if time.monotonic() >= deadline:
                 self._connect()
-                raise ControlError(f"{self.peer} at {self.endpoint} did not answer "
-                                   f"{cmd!r} within {timeout_ms / 1000:.0f} s")
+                raise ControlError(
+                    f"{self.peer} at {self.endpoint} did not answer "
+                    f"{cmd!r} within {timeout_ms / 1000:.0f} s"
+                )
             if self._peer_lost():
-                log.warning("%s at %s went away during %r; sending it again to "
-                            "its successor", self.peer, self.endpoint, cmd)
+                log.warning(
+                    "%s at %s went away during %r; sending it again to its successor",
+                    self.peer,
+                    self.endpoint,
+                    cmd,
+                )
                 self._connect()
                 self._send(msg, rid)
         frames = self._sock.recv_multipart()
         if self._key is None:
             return json.loads(frames[0])
         self._nonce = None
-        if len(frames) != 2 or not hmac.compare_digest(frames[1],
-                                                       _mac(self._key, _REP_TAG, frames[0])):
-            raise ControlError(f"{self.peer} at {self.endpoint}: the reply to {cmd!r} is not "
-                               "signed with dataplane.secret (do both sides use the same "
-                               f"secret?); it says: {_said(frames[0])}")
+        if len(frames) != 2 or not hmac.compare_digest(
+            frames[1], _mac(self._key, _REP_TAG, frames[0])
+        ):
+            raise ControlError(
+                f"{self.peer} at {self.endpoint}: the reply to {cmd!r} is not "
+                "signed with dataplane.secret (do both sides use the same "
+                f"secret?); it says: {_said(frames[0])}"
+            )
         reply = json.loads(frames[0])
         if reply.pop("_re", None) != rid:
-            raise ControlError(f"{self.peer} at {self.endpoint}: the reply to {cmd!r} "
-                               "answers another request (replayed reply?)")
+            raise ControlError(
+                f"{self.peer} at {self.endpoint}: the reply to {cmd!r} "
+                "answers another request (replayed reply?)"
+            )
         self._nonce = reply.pop("_nonce", None)
         return reply
 
@@ -171,10 +190,11 @@ class RolloutLink:
         deadline = time.monotonic() + timeout_ms / 1000
         reply = self._exchange(msg, deadline, timeout_ms)
         if reply.pop("_stale", False) and self._nonce is not None:
-            reply = self._exchange(msg, deadline, timeout_ms)   # now with a fresh nonce
+            reply = self._exchange(msg, deadline, timeout_ms)  # now with a fresh nonce
         if not reply.get("ok"):
-            raise ControlError(f"{self.peer} refused {msg.get('cmd')!r}: "
-                               f"{reply.get('error', 'no reason given')}")
+            raise ControlError(
+                f"{self.peer} refused {msg.get('cmd')!r}: {reply.get('error', 'no reason given')}"
+            )
         return reply
 
     def update_weights(self, *, version: int, path: str) -> dict:
@@ -206,17 +226,27 @@ class ControlServer:
     only signed, fresh requests reach ``handler``; the others are counted in :attr:`rejected`.
     """
 
-    def __init__(self, endpoint: str, handler: Callable[[dict], dict], *,
-                 secret: Secret = None, allow_remote: bool = False):
+    def __init__(
+        self,
+        endpoint: str,
+        handler: Callable[[dict], dict],
+        *,
+        secret: Secret = None,
+        allow_remote: bool = False,
+    ):
         self._key = secret_bytes(secret)
         if not is_local_endpoint(endpoint):
             if not allow_remote:
-                raise ControlError(f"control endpoint {endpoint!r}: not loopback; binding it "
-                                   "needs dataplane.allow_remote=true and dataplane.secret")
+                raise ControlError(
+                    f"control endpoint {endpoint!r}: not loopback; binding it "
+                    "needs dataplane.allow_remote=true and dataplane.secret"
+                )
             if self._key is None:
-                raise ControlError(f"control endpoint {endpoint!r}: binding a non-loopback "
-                                   "interface without dataplane.secret is refused (anyone who "
-                                   "reaches it could drive weight updates)")
+                raise ControlError(
+                    f"control endpoint {endpoint!r}: binding a non-loopback "
+                    "interface without dataplane.secret is refused (anyone who "
+                    "reaches it could drive weight updates)"
+                )
         self.handler = handler
         self.rejected: collections.Counter = collections.Counter()
         self._nonces: collections.OrderedDict = collections.OrderedDict()
@@ -264,8 +294,14 @@ class ControlServer:
         """The reply frames for one request's frames."""
         if self._key is None:
             if len(frames) != 1:
-                return [json.dumps({"ok": False, "error": "signed request, but this worker has "
-                                    "no dataplane.secret"}).encode()]
+                return [
+                    json.dumps(
+                        {
+                            "ok": False,
+                            "error": "signed request, but this worker has no dataplane.secret",
+                        }
+                    ).encode()
+                ]
             try:
                 msg = json.loads(frames[0])
             except ValueError as e:
@@ -279,8 +315,15 @@ class ControlServer:
             reason = "bad_mac"
         if reason is not None:
             self._reject(reason)
-            return [json.dumps({"ok": False, "error": f"authentication failed ({reason}): "
-                                "requests must be signed with dataplane.secret"}).encode()]
+            return [
+                json.dumps(
+                    {
+                        "ok": False,
+                        "error": f"authentication failed ({reason}): "
+                        "requests must be signed with dataplane.secret",
+                    }
+                ).encode()
+            ]
         try:
             msg = json.loads(body)
         except ValueError as e:
@@ -293,8 +336,11 @@ class ControlServer:
         elif nonce is None or nonce not in self._nonces:
             if nonce is not None:
                 self._reject("replay")
-            reply = {"ok": False, "_stale": True,
-                     "error": "stale or replayed nonce; repeat with the fresh one"}
+            reply = {
+                "ok": False,
+                "_stale": True,
+                "error": "stale or replayed nonce; repeat with the fresh one",
+            }
         else:
             del self._nonces[nonce]
             reply = self._run(msg)

@@ -22,6 +22,7 @@ zero bytes follow) ends that segment's replay quietly. ``0xc1`` is the one byte 
 uses, so a segment of the unframed format 1 (a bare msgpack array) is told apart from its first
 byte and refused with :class:`JournalError` (see :func:`replay_segment`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,6 +56,7 @@ class JournalError(ValueError):
 class ReplayStats:
     """What a replay found: ``records`` replayed, ``corrupt`` records skipped (checksum or
     decode failure, never replayed), ``torn`` segments whose tail a crash cut short."""
+
     segments: int = 0
     records: int = 0
     corrupt: int = 0
@@ -137,8 +139,11 @@ class TrajectoryJournal:
                 self._f = None
 
     @staticmethod
-    def replay(directory: str | os.PathLike, stats: Optional[ReplayStats] = None,
-               since: Optional[int] = None):
+    def replay(
+        directory: str | os.PathLike,
+        stats: Optional[ReplayStats] = None,
+        since: Optional[int] = None,
+    ):
         """Yield the trajectories of every segment numbered ``since`` or later (all of them
         when None) in order, skipping (and counting in ``stats``) corrupt records; a record
         cut short by a crash ends that segment's replay. Raises :class:`JournalError` for a
@@ -175,7 +180,7 @@ def _valid_header(data, pos: int) -> Optional[tuple]:
     if len(data) - pos < HEADER_BYTES:
         return None
     magic, n, pcrc, hcrc = _HEADER.unpack_from(data, pos)
-    if magic != MAGIC or zlib.crc32(data[pos:pos + HEADER_BYTES - 4]) != hcrc:
+    if magic != MAGIC or zlib.crc32(data[pos : pos + HEADER_BYTES - 4]) != hcrc:
         return None
     return n, pcrc
 
@@ -205,9 +210,11 @@ def replay_segment(path: Path, stats: Optional[ReplayStats] = None):
     data = memoryview(raw)  # payloads are sliced without a copy
     stats.segments += 1
     if len(data) and data[0] in _LEGACY_FIRST_BYTES:
-        raise JournalError(f"{path}: journal segment in the unchecksummed format of an earlier "
-                           "version; its records cannot be verified. Delete it to resume "
-                           "(its samples since the last checkpoint are not trained)")
+        raise JournalError(
+            f"{path}: journal segment in the unchecksummed format of an earlier "
+            "version; its records cannot be verified. Delete it to resume "
+            "(its samples since the last checkpoint are not trained)"
+        )
     pos = idx = 0
     end = len(data)
     while pos < end:
@@ -217,8 +224,7 @@ def replay_segment(path: Path, stats: Optional[ReplayStats] = None):
                 _torn(path, idx, pos, stats)  # crash inside a header, or zero-filled blocks
                 return
             nxt = _resync(raw, pos)
-            _corrupt(path, idx, pos, stats, f"record header corrupt; bytes [{pos}, {nxt}) "
-                     "skipped")
+            _corrupt(path, idx, pos, stats, f"record header corrupt; bytes [{pos}, {nxt}) skipped")
             pos, idx = nxt, idx + 1
             continue
         n, pcrc = head
@@ -226,7 +232,7 @@ def replay_segment(path: Path, stats: Optional[ReplayStats] = None):
         if n > end - start:
             _torn(path, idx, pos, stats)
             return
-        payload = data[start:start + n]
+        payload = data[start : start + n]
         pos, idx = start + n, idx + 1
         if zlib.crc32(payload) != pcrc:
             _corrupt(path, idx - 1, start - HEADER_BYTES, stats, "payload checksum mismatch")
@@ -234,8 +240,13 @@ def replay_segment(path: Path, stats: Optional[ReplayStats] = None):
         try:
             traj = decode_trajectory(msgpack.unpackb(payload, raw=False))
         except Exception as e:  # noqa: BLE001 - msgpack raises several types; WireError too
-            _corrupt(path, idx - 1, start - HEADER_BYTES, stats, f"checksum holds but the "
-                     f"record does not decode: {e}")
+            _corrupt(
+                path,
+                idx - 1,
+                start - HEADER_BYTES,
+                stats,
+                f"checksum holds but the record does not decode: {e}",
+            )
             continue
         stats.records += 1
         yield traj
@@ -243,11 +254,14 @@ def replay_segment(path: Path, stats: Optional[ReplayStats] = None):
 
 def _corrupt(path: Path, idx: int, pos: int, stats: ReplayStats, why: str) -> None:
     stats.corrupt += 1
-    log.warning("journal %s: record %d (byte %d) skipped, not replayed: %s", path, idx, pos,
-                why)
+    log.warning("journal %s: record %d (byte %d) skipped, not replayed: %s", path, idx, pos, why)
 
 
 def _torn(path: Path, idx: int, pos: int, stats: ReplayStats) -> None:
     stats.torn += 1
-    log.info("journal %s: record %d (byte %d) cut short by a crash; the segment ends there",
-             path, idx, pos)
+    log.info(
+        "journal %s: record %d (byte %d) cut short by a crash; the segment ends there",
+        path,
+        idx,
+        pos,
+    )

@@ -10,6 +10,7 @@ drawn prompts the ledger lacks (:func:`resume_plan`): none is lost (a group in f
 short by the crash is generated again) and none repeated (a group journaled after the
 rollout's own saved position is not generated again). Pure logic on plain data.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -42,9 +43,10 @@ class PromptLedger:
     def __init__(self, state: Optional[dict] = None):
         state = state or {}
         self.done = [list(map(int, iv)) for iv in state.get("done", [])]
-        self.partial = {g: {"prompt": int(p["prompt"]), "size": int(p["size"]),
-                            "samples": list(p["samples"])}
-                        for g, p in state.get("partial", {}).items()}
+        self.partial = {
+            g: {"prompt": int(p["prompt"]), "size": int(p["size"]), "samples": list(p["samples"])}
+            for g, p in state.get("partial", {}).items()
+        }
 
     def add(self, traj) -> None:
         """Count one accepted trajectory (a repeated sample id is counted once)."""
@@ -53,8 +55,7 @@ class PromptLedger:
             return
         k = int(meta["prompt_index"])
         size = int(meta.get("group_size", 1))
-        entry = self.partial.setdefault(traj.group_id, {"prompt": k, "size": size,
-                                                        "samples": []})
+        entry = self.partial.setdefault(traj.group_id, {"prompt": k, "size": size, "samples": []})
         if traj.sample_id not in entry["samples"]:
             entry["samples"].append(traj.sample_id)
         if len(entry["samples"]) >= entry["size"]:
@@ -71,9 +72,10 @@ class PromptLedger:
 
     def state(self) -> dict:
         """Plain data for a checkpoint's metadata (JSON-safe)."""
-        return {"done": [list(iv) for iv in self.done],
-                "partial": {g: dict(p, samples=list(p["samples"]))
-                            for g, p in self.partial.items()}}
+        return {
+            "done": [list(iv) for iv in self.done],
+            "partial": {g: dict(p, samples=list(p["samples"])) for g, p in self.partial.items()},
+        }
 
     @classmethod
     def replayed(cls, state: Optional[dict], trajs: Iterable) -> "PromptLedger":

@@ -21,6 +21,7 @@ of an integer dtype, see :mod:`areal_mega.common.moe_routes`).
 :meth:`Trajectory.validate` checks every field and raises :class:`TrajectoryError` naming the
 offending field; the data plane runs it on every received message.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,9 +49,20 @@ CORE_FIELDS = {
 REWARD_DTYPE = np.dtype(np.float32)
 _I32, _U8, _F32 = np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.float32)
 
-ALLOWED_EXTRA_DTYPES = frozenset(np.dtype(d) for d in (
-    np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64,
-    np.float16, np.float32, np.float64))
+ALLOWED_EXTRA_DTYPES = frozenset(
+    np.dtype(d)
+    for d in (
+        np.bool_,
+        np.uint8,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.int64,
+        np.float16,
+        np.float32,
+        np.float64,
+    )
+)
 """dtypes accepted for ``token_extras`` (and therefore on the wire)."""
 
 RESERVED_NAMES = frozenset(CORE_FIELDS) | {"reward", "position_ids", "cu_seqlens"}
@@ -62,8 +74,13 @@ _MAX = np.maximum.reduce
 NEGATIVE_ID, MASK_NOT_BINARY, VERSION_BELOW, MASK_ON_PROMPT, BAD_LOGPROB = 1, 2, 4, 8, 16
 
 
-def failed_value_rules(input_ids: np.ndarray, loss_mask: np.ndarray, logprobs: np.ndarray,
-                       versions: np.ndarray, prompt_len: int) -> int:
+def failed_value_rules(
+    input_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    logprobs: np.ndarray,
+    versions: np.ndarray,
+    prompt_len: int,
+) -> int:
     """Bit mask of the value rules the core arrays break (0: all hold).
 
     Rules: :data:`NEGATIVE_ID` ``input_ids >= 0``; :data:`MASK_NOT_BINARY` ``loss_mask`` in
@@ -97,8 +114,7 @@ def _check_routes(key: str, arr: np.ndarray, n: int, sid: Optional[str]) -> None
     if arr.dtype.kind not in "iu":
         raise TrajectoryError(key, f"dtype {arr.dtype}, expected an integer dtype", sid)
     if arr.ndim != 3 or arr.shape[0] != n or not arr.shape[1] or not arr.shape[2]:
-        raise TrajectoryError(key, f"shape {tuple(arr.shape)}, expected ({n}, layers, topk)",
-                              sid)
+        raise TrajectoryError(key, f"shape {tuple(arr.shape)}, expected ({n}, layers, topk)", sid)
     if arr.dtype.kind == "i" and _MIN(arr.reshape(-1)) < -1:
         raise TrajectoryError(key, f"expert id {int(arr.min())} < -1", sid)
 
@@ -120,8 +136,9 @@ def _as_array(name: str, value: Any, dtype: np.dtype, sample_id: Optional[str]) 
         if value.dtype == dtype:
             return value
         if value.dtype.kind == "f" and dtype.kind in "iu":
-            raise TrajectoryError(name, f"expected {dtype}, got float dtype {value.dtype}",
-                                  sample_id)
+            raise TrajectoryError(
+                name, f"expected {dtype}, got float dtype {value.dtype}", sample_id
+            )
         return value.astype(dtype)
     if hasattr(value, "numpy") and hasattr(value, "detach"):  # a CPU torch tensor
         value = value.detach().cpu().numpy()
@@ -166,8 +183,11 @@ class Trajectory:
         self.reward = _as_array("reward", self.reward, REWARD_DTYPE, sid)
         extras = {}
         for name, arr in dict(self.token_extras).items():
-            arr = arr if isinstance(arr, np.ndarray) else _as_array(
-                f"token_extras.{name}", arr, np.dtype(np.float32), sid)
+            arr = (
+                arr
+                if isinstance(arr, np.ndarray)
+                else _as_array(f"token_extras.{name}", arr, np.dtype(np.float32), sid)
+            )
             extras[name] = arr
         self.token_extras = extras
         if self.meta is None:
@@ -177,8 +197,9 @@ class Trajectory:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def _from_arrays(cls, arrays: dict, extras: dict, sample_id: Any, meta: Mapping) -> \
-            "Trajectory":
+    def _from_arrays(
+        cls, arrays: dict, extras: dict, sample_id: Any, meta: Mapping
+    ) -> "Trajectory":
         """Build without ``__post_init__`` conversions, for :func:`decode_trajectory`.
 
         The caller guarantees every array in ``arrays`` (core fields and ``reward``) already has
@@ -205,11 +226,22 @@ class Trajectory:
         return self
 
     @classmethod
-    def from_tokens(cls, prompt_ids, completion_ids, completion_logprobs, completion_versions,
-                    *, reward: Any = 0.0, sample_id: Optional[str] = None, group_id: str = "",
-                    finish_reason: str = "stop", server_id: str = "",
-                    created_at: Optional[float] = None, meta: Optional[dict] = None,
-                    token_extras: Optional[dict] = None) -> "Trajectory":
+    def from_tokens(
+        cls,
+        prompt_ids,
+        completion_ids,
+        completion_logprobs,
+        completion_versions,
+        *,
+        reward: Any = 0.0,
+        sample_id: Optional[str] = None,
+        group_id: str = "",
+        finish_reason: str = "stop",
+        server_id: str = "",
+        created_at: Optional[float] = None,
+        meta: Optional[dict] = None,
+        token_extras: Optional[dict] = None,
+    ) -> "Trajectory":
         """Build a trajectory from a prompt and its generated completion.
 
         Prompt tokens get ``loss_mask`` 0, ``logprobs`` 0 and ``versions`` -1; completion tokens
@@ -221,18 +253,27 @@ class Trajectory:
         lp = np.asarray(completion_logprobs, dtype=np.float32).reshape(-1)
         vs = np.asarray(completion_versions, dtype=np.int32).reshape(-1)
         if not (len(c) == len(lp) == len(vs)):
-            raise TrajectoryError("completion", f"lengths differ: ids {len(c)}, logprobs "
-                                  f"{len(lp)}, versions {len(vs)}", sample_id)
+            raise TrajectoryError(
+                "completion",
+                f"lengths differ: ids {len(c)}, logprobs {len(lp)}, versions {len(vs)}",
+                sample_id,
+            )
         n_p = len(p)
         return cls(
             input_ids=np.concatenate([p, c]),
             loss_mask=np.concatenate([np.zeros(n_p, np.uint8), np.ones(len(c), np.uint8)]),
             logprobs=np.concatenate([np.zeros(n_p, np.float32), lp]),
             versions=np.concatenate([np.full(n_p, -1, np.int32), vs]),
-            reward=reward, sample_id=sample_id or uuid.uuid4().hex, group_id=group_id,
-            prompt_len=n_p, finish_reason=finish_reason, server_id=server_id,
+            reward=reward,
+            sample_id=sample_id or uuid.uuid4().hex,
+            group_id=group_id,
+            prompt_len=n_p,
+            finish_reason=finish_reason,
+            server_id=server_id,
             created_at=time.time() if created_at is None else float(created_at),
-            meta=dict(meta or {}), token_extras=dict(token_extras or {}))
+            meta=dict(meta or {}),
+            token_extras=dict(token_extras or {}),
+        )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -282,10 +323,15 @@ class Trajectory:
 
     def metadata(self) -> dict:
         """The non-array fields as a JSON-able dict."""
-        return {"sample_id": self.sample_id, "group_id": self.group_id,
-                "prompt_len": int(self.prompt_len), "finish_reason": self.finish_reason,
-                "created_at": float(self.created_at), "server_id": self.server_id,
-                "meta": self.meta}
+        return {
+            "sample_id": self.sample_id,
+            "group_id": self.group_id,
+            "prompt_len": int(self.prompt_len),
+            "finish_reason": self.finish_reason,
+            "created_at": float(self.created_at),
+            "server_id": self.server_id,
+            "meta": self.meta,
+        }
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> "Trajectory":
@@ -305,26 +351,33 @@ class Trajectory:
         if type(self.group_id) is not str or type(self.server_id) is not str:
             for name in ("group_id", "server_id"):
                 if not isinstance(getattr(self, name), str):
-                    raise TrajectoryError(name, f"must be a str, got "
-                                          f"{type(getattr(self, name))}", sid)
+                    raise TrajectoryError(
+                        name, f"must be a str, got {type(getattr(self, name))}", sid
+                    )
         ids, mask, lp, versions = self.input_ids, self.loss_mask, self.logprobs, self.versions
         if ids.ndim != 1 or ids.shape[0] < 1:
-            raise TrajectoryError("input_ids", f"must be 1-D with L >= 1, got shape "
-                                  f"{tuple(ids.shape)}", sid)
+            raise TrajectoryError(
+                "input_ids", f"must be 1-D with L >= 1, got shape {tuple(ids.shape)}", sid
+            )
         n = ids.shape[0]
         shape = (n,)
         # one combined test on the common path (identity: decoded and constructed arrays carry
         # numpy's canonical dtype objects); the loop below names the culprit otherwise
-        if not (ids.dtype is _I32 and mask.dtype is _U8 and lp.dtype is _F32 and
-                versions.dtype is _I32 and mask.shape == shape and lp.shape == shape and
-                versions.shape == shape):
+        if not (
+            ids.dtype is _I32
+            and mask.dtype is _U8
+            and lp.dtype is _F32
+            and versions.dtype is _I32
+            and mask.shape == shape
+            and lp.shape == shape
+            and versions.shape == shape
+        ):
             for name, dtype in CORE_FIELDS.items():
                 arr = getattr(self, name)
                 if arr.dtype != dtype:
                     raise TrajectoryError(name, f"dtype {arr.dtype}, expected {dtype}", sid)
                 if arr.shape != shape:
-                    raise TrajectoryError(name, f"shape {tuple(arr.shape)}, expected ({n},)",
-                                          sid)
+                    raise TrajectoryError(name, f"shape {tuple(arr.shape)}, expected ({n},)", sid)
         pl = self.prompt_len
         pl_ok = not isinstance(pl, bool) and isinstance(pl, (int, np.integer)) and 0 <= pl <= n
         bits = failed_value_rules(ids, mask, lp, versions, int(pl) if pl_ok else 0)
@@ -339,21 +392,28 @@ class Trajectory:
         if bits & MASK_ON_PROMPT:
             raise TrajectoryError("loss_mask", "is 1 on a prompt token", sid)
         if bits & BAD_LOGPROB:
-            raise TrajectoryError("logprobs", "must be finite and <= 0 where loss_mask is 1",
-                                  sid)
+            raise TrajectoryError("logprobs", "must be finite and <= 0 where loss_mask is 1", sid)
         r = self.reward
         if r.dtype is not _F32 and r.dtype != REWARD_DTYPE or r.shape not in ((), shape):
-            raise TrajectoryError("reward", f"dtype {r.dtype} shape {tuple(r.shape)}, expected "
-                                  f"float32 of shape () or ({n},)", sid)
-        if not (math.isfinite(r) if r.ndim == 0 else math.isfinite(_MAX(r)) and
-                math.isfinite(_MIN(r))):
+            raise TrajectoryError(
+                "reward",
+                f"dtype {r.dtype} shape {tuple(r.shape)}, expected float32 of shape () or ({n},)",
+                sid,
+            )
+        if not (
+            math.isfinite(r) if r.ndim == 0 else math.isfinite(_MAX(r)) and math.isfinite(_MIN(r))
+        ):
             raise TrajectoryError("reward", "must be finite", sid)
         if not (type(self.finish_reason) is str and self.finish_reason in _FINISH_REASON_SET):
-            raise TrajectoryError("finish_reason", f"{self.finish_reason!r} not in "
-                                  f"{FINISH_REASONS}", sid)
+            raise TrajectoryError(
+                "finish_reason", f"{self.finish_reason!r} not in {FINISH_REASONS}", sid
+            )
         ca = self.created_at
-        if type(ca) is not float and (isinstance(ca, bool) or not isinstance(ca, (int, float))) \
-                or not math.isfinite(ca):
+        if (
+            type(ca) is not float
+            and (isinstance(ca, bool) or not isinstance(ca, (int, float)))
+            or not math.isfinite(ca)
+        ):
             raise TrajectoryError("created_at", f"{ca!r} must be a finite number", sid)
         if type(self.meta) is not dict and not isinstance(self.meta, dict):
             raise TrajectoryError("meta", f"must be a dict, got {type(self.meta).__name__}", sid)
@@ -362,11 +422,13 @@ class Trajectory:
         for name, arr in self.token_extras.items():
             key = f"token_extras.{name}"
             if not isinstance(name, str) or not name or name in RESERVED_NAMES:
-                raise TrajectoryError(key, "name must be a non-empty str, not one of "
-                                      f"{sorted(RESERVED_NAMES)}", sid)
+                raise TrajectoryError(
+                    key, f"name must be a non-empty str, not one of {sorted(RESERVED_NAMES)}", sid
+                )
             if not isinstance(arr, np.ndarray) or arr.dtype not in ALLOWED_EXTRA_DTYPES:
-                raise TrajectoryError(key, f"dtype {getattr(arr, 'dtype', type(arr))} not "
-                                      "allowed", sid)
+                raise TrajectoryError(
+                    key, f"dtype {getattr(arr, 'dtype', type(arr))} not allowed", sid
+                )
             if name == ROUTED_EXPERTS:
                 _check_routes(key, arr, n, sid)
             elif arr.shape != (n,):
@@ -381,8 +443,10 @@ class Trajectory:
         a, b = self.arrays(), other.arrays()
         if a.keys() != b.keys():
             return False
-        return all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-                   for x, y in ((a[k], b[k]) for k in a))
+        return all(
+            x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+            for x, y in ((a[k], b[k]) for k in a)
+        )
 
     def to_dict(self) -> dict:
         """Arrays and metadata in one flat dict (arrays are not copied)."""
@@ -393,8 +457,16 @@ class Trajectory:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Trajectory":
         """Inverse of :meth:`to_dict`: unknown array entries become ``token_extras``."""
-        known = set(CORE_FIELDS) | {"reward", "sample_id", "group_id", "prompt_len",
-                                    "finish_reason", "created_at", "server_id", "meta"}
+        known = set(CORE_FIELDS) | {
+            "reward",
+            "sample_id",
+            "group_id",
+            "prompt_len",
+            "finish_reason",
+            "created_at",
+            "server_id",
+            "meta",
+        }
         missing = [k for k in CORE_FIELDS if k not in d]
         if missing:
             raise TrajectoryError(missing[0], "missing", d.get("sample_id"))

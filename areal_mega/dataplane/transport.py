@@ -25,6 +25,7 @@
   (``ZMQ_MAXMSGSIZE``), which drops that connection (the peer reconnects); a message whose
   frames together exceed the limit is counted as ``oversize``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,8 +38,13 @@ from typing import Optional
 import zmq
 
 from areal_mega.dataplane.trajectory import Trajectory
-from areal_mega.dataplane.wire import (Secret, WireError, decode_trajectory, encode_trajectory,
-                                       secret_bytes)
+from areal_mega.dataplane.wire import (
+    Secret,
+    WireError,
+    decode_trajectory,
+    encode_trajectory,
+    secret_bytes,
+)
 
 log = logging.getLogger("areal_mega.dataplane")
 
@@ -66,6 +72,7 @@ def _ack_batch(peer: bytes, cap: int) -> int:
     if len(peer) == _ID_LEN and peer.startswith(_ID_MAGIC):
         return max(1, min(cap, int.from_bytes(peer[5:9], "little") // 4))
     return 1
+
 
 _LOG_FIRST = 10
 _LOG_EVERY = 1000
@@ -108,9 +115,11 @@ def check_bind_secret(endpoint: str, secret: Secret, what: str = "endpoint") -> 
     """Refuse (:class:`DataplaneError`) to bind a non-local ``endpoint`` without a shared
     secret: an unauthenticated socket reachable from the network accepts anyone's messages."""
     if secret_bytes(secret) is None and not is_local_endpoint(endpoint):
-        raise DataplaneError(f"{what} {endpoint!r}: binding a non-loopback interface without a "
-                             "shared secret is refused (anyone who reaches it could inject "
-                             "messages); set dataplane.secret, or bind 127.0.0.1 / ipc://")
+        raise DataplaneError(
+            f"{what} {endpoint!r}: binding a non-loopback interface without a "
+            "shared secret is refused (anyone who reaches it could inject "
+            "messages); set dataplane.secret, or bind 127.0.0.1 / ipc://"
+        )
 
 
 def check_endpoint(endpoint: str, *, bind: bool = False, allow_remote: bool = False) -> str:
@@ -121,15 +130,18 @@ def check_endpoint(endpoint: str, *, bind: bool = False, allow_remote: bool = Fa
     normalised endpoint; raises :class:`DataplaneError` naming the problem.
     """
     if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise DataplaneError(f"endpoint {endpoint!r}: expected tcp://host:port, ipc://path or "
-                             "inproc://name")
+        raise DataplaneError(
+            f"endpoint {endpoint!r}: expected tcp://host:port, ipc://path or inproc://name"
+        )
     scheme, rest = endpoint.split("://", 1)
     if scheme == "ipc":
         if not rest:
             raise DataplaneError(f"endpoint {endpoint!r}: empty ipc path")
         if len(rest) > 100:  # sockaddr_un path limit is 107 bytes on Linux
-            raise DataplaneError(f"endpoint {endpoint!r}: ipc path longer than 100 characters; "
-                                 "use a shorter run directory or tcp://127.0.0.1:*")
+            raise DataplaneError(
+                f"endpoint {endpoint!r}: ipc path longer than 100 characters; "
+                "use a shorter run directory or tcp://127.0.0.1:*"
+            )
         return endpoint
     if scheme == "inproc":
         return endpoint
@@ -150,9 +162,11 @@ def check_endpoint(endpoint: str, *, bind: bool = False, allow_remote: bool = Fa
         except ValueError:
             loopback = False
         if not loopback:
-            raise DataplaneError(f"endpoint {endpoint!r}: binding host {host!r} is not loopback;"
-                                 " pass allow_remote=True (dataplane.allow_remote) and set a "
-                                 "secret to accept remote senders")
+            raise DataplaneError(
+                f"endpoint {endpoint!r}: binding host {host!r} is not loopback;"
+                " pass allow_remote=True (dataplane.allow_remote) and set a "
+                "secret to accept remote senders"
+            )
     return f"tcp://{host}:{port}"
 
 
@@ -167,9 +181,17 @@ class TrajectorySender:
     sending (the receiver always checks; off by default to keep the rollout side cheap).
     """
 
-    def __init__(self, endpoint: str, secret: Secret = None, *, window: int = 64,
-                 linger_s: float = 30.0, validate: bool = False,
-                 context: Optional[zmq.Context] = None, hwm: Optional[int] = None):
+    def __init__(
+        self,
+        endpoint: str,
+        secret: Secret = None,
+        *,
+        window: int = 64,
+        linger_s: float = 30.0,
+        validate: bool = False,
+        context: Optional[zmq.Context] = None,
+        hwm: Optional[int] = None,
+    ):
         self.endpoint = check_endpoint(endpoint)
         self._secret = secret_bytes(secret)
         self._validate = validate
@@ -223,9 +245,11 @@ class TrajectorySender:
             traj.validate()
         frames = encode_trajectory(traj, self._secret)
         if not self._wait_window(self.window - 1, timeout):
-            raise TimeoutError(f"send of sample_id={traj.sample_id!r} to {self.endpoint}: "
-                               f"{self.in_flight} messages unacknowledged for {timeout} s "
-                               "(receiver saturated)")
+            raise TimeoutError(
+                f"send of sample_id={traj.sample_id!r} to {self.endpoint}: "
+                f"{self.in_flight} messages unacknowledged for {timeout} s "
+                "(receiver saturated)"
+            )
         # the header and a small pack are copied (below the socket's copy_threshold), large
         # fields and a large pack sent zero-copy; a plain loop is cheaper than send_multipart
         send = self._sock.send
@@ -254,8 +278,11 @@ class TrajectorySender:
             return self.in_flight
         self.flush(self.linger_s if linger_s is None else linger_s)
         if self.in_flight:
-            log.warning("dataplane: sender to %s closing with %d unacknowledged messages",
-                        self.endpoint, self.in_flight)
+            log.warning(
+                "dataplane: sender to %s closing with %d unacknowledged messages",
+                self.endpoint,
+                self.in_flight,
+            )
         self._sock.close(0)
         if self._own_ctx:
             self._ctx.term()
@@ -287,10 +314,18 @@ class TrajectoryReceiver:
     :data:`~areal_mega.dataplane.wire.REJECT_REASONS`).
     """
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:*", secret: Secret = None, *,
-                 max_queue: int = 1024, max_message_bytes: int = 1 << 30,
-                 allow_remote: bool = False, validate: bool = True, ack_every: Optional[int] = None,
-                 context: Optional[zmq.Context] = None):
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:*",
+        secret: Secret = None,
+        *,
+        max_queue: int = 1024,
+        max_message_bytes: int = 1 << 30,
+        allow_remote: bool = False,
+        validate: bool = True,
+        ack_every: Optional[int] = None,
+        context: Optional[zmq.Context] = None,
+    ):
         ep = check_endpoint(endpoint, bind=True, allow_remote=allow_remote)
         check_bind_secret(ep, secret, "trajectory receiver endpoint")
         self._secret = secret_bytes(secret)
@@ -337,8 +372,9 @@ class TrajectoryReceiver:
         self.rejected[err.reason] += 1
         n = self.rejected[err.reason]
         if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
-            log.warning("dataplane: dropped message (%s, #%d of this reason): %s",
-                        err.reason, n, err.detail)
+            log.warning(
+                "dataplane: dropped message (%s, #%d of this reason): %s", err.reason, n, err.detail
+            )
 
     def recv(self, timeout: Optional[float] = None) -> Optional[Trajectory]:
         """Return the next valid trajectory, or None if none arrives within ``timeout`` s.
@@ -380,8 +416,9 @@ class TrajectoryReceiver:
             if n >= batch:
                 self._ack(peer)
             try:
-                traj = decode_trajectory(frames, self._secret, max_message_bytes=self._max_bytes,
-                                         validate=self._validate)
+                traj = decode_trajectory(
+                    frames, self._secret, max_message_bytes=self._max_bytes, validate=self._validate
+                )
             except WireError as e:
                 self.reject(e)
                 continue
@@ -414,9 +451,12 @@ class TrajectoryReceiver:
 
     def stats(self) -> dict:
         """Counters as a plain dict (for logging / tensorboard)."""
-        return {"accepted": self.accepted, "bytes_accepted": self.bytes_accepted,
-                "rejected": dict(self.rejected),
-                "rejected_total": sum(self.rejected.values())}
+        return {
+            "accepted": self.accepted,
+            "bytes_accepted": self.bytes_accepted,
+            "rejected": dict(self.rejected),
+            "rejected_total": sum(self.rejected.values()),
+        }
 
     def close(self) -> None:
         """Close the socket (pending messages are discarded)."""

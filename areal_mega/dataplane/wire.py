@@ -22,6 +22,7 @@ so the concatenation is unambiguous); the receiver verifies it before parsing an
 with a short machine-readable ``reason`` (one of :data:`REJECT_REASONS`) and a detail naming
 the frame or field; the receiver counts reasons and keeps running.
 """
+
 from __future__ import annotations
 
 import hmac as _hmac
@@ -33,8 +34,12 @@ import msgpack
 import numpy as np
 from zmq import Frame as _Frame
 
-from areal_mega.dataplane.trajectory import (ALLOWED_EXTRA_DTYPES, CORE_FIELDS, Trajectory,
-                                             TrajectoryError)
+from areal_mega.dataplane.trajectory import (
+    ALLOWED_EXTRA_DTYPES,
+    CORE_FIELDS,
+    Trajectory,
+    TrajectoryError,
+)
 
 SCHEMA_VERSION = 2
 """Bumped on any incompatible change of the header or frame layout (2: small fields packed)."""
@@ -46,13 +51,25 @@ PACK_THRESHOLD = 64 * 1024
 """Fields smaller than this many bytes travel in the pack frame (ZMQ copies frames this small
 anyway, and one frame costs less to send and receive than several)."""
 
-REJECT_REASONS = ("bad_header", "schema", "missing_hmac", "bad_hmac", "frame_count",
-                  "bad_dtype", "bad_shape", "frame_size", "oversize", "invalid_field")
+REJECT_REASONS = (
+    "bad_header",
+    "schema",
+    "missing_hmac",
+    "bad_hmac",
+    "frame_count",
+    "bad_dtype",
+    "bad_shape",
+    "frame_size",
+    "oversize",
+    "invalid_field",
+)
 """Why :func:`decode_trajectory` drops a message (counted per reason by the receiver)."""
 
 MAX_NDIM = 4
-_DTYPES = {np.dtype(d).newbyteorder("<").str: np.dtype(np.dtype(d).newbyteorder("<").str)
-           for d in ALLOWED_EXTRA_DTYPES}
+_DTYPES = {
+    np.dtype(d).newbyteorder("<").str: np.dtype(np.dtype(d).newbyteorder("<").str)
+    for d in ALLOWED_EXTRA_DTYPES
+}
 """Wire dtype string -> dtype; ``np.dtype("<i4")`` is numpy's canonical object on a
 little-endian host, so decoded arrays pass the identity checks of ``Trajectory.validate``."""
 _DTYPE_ITEMSIZE = {s: (dt, dt.itemsize) for s, dt in _DTYPES.items()}
@@ -60,10 +77,13 @@ _LITTLE = sys.byteorder == "little"
 _WIRE_STR = {dt: dt.str for dt in _DTYPES.values()}
 """Wire dtype string of each little-endian dtype (on a little-endian host these compare equal
 to the native ones, so ``a.dtype`` of a native array finds its entry)."""
-_META_KEYS = frozenset(("group_id", "prompt_len", "finish_reason", "created_at", "server_id",
-                        "meta"))
-_REQUIRED_DTYPE = {name: _DTYPES[dt.newbyteorder("<").str]
-                   for name, dt in (*CORE_FIELDS.items(), ("reward", np.dtype(np.float32)))}
+_META_KEYS = frozenset(
+    ("group_id", "prompt_len", "finish_reason", "created_at", "server_id", "meta")
+)
+_REQUIRED_DTYPE = {
+    name: _DTYPES[dt.newbyteorder("<").str]
+    for name, dt in (*CORE_FIELDS.items(), ("reward", np.dtype(np.float32)))
+}
 """Fields every message carries, with the exact dtype each must have (the ``_DTYPES`` objects,
 so they compare by identity)."""
 
@@ -107,8 +127,9 @@ def _hmac_failure(head: Any) -> WireError:
         if type(header) is dict and "schema" in header:
             sid = str(header.get("sample_id"))[:64]
             if reason == "missing_hmac":
-                return WireError(reason, f"sample_id={sid!r} is not signed but a secret is "
-                                 "configured")
+                return WireError(
+                    reason, f"sample_id={sid!r} is not signed but a secret is configured"
+                )
             return WireError(reason, f"HMAC mismatch for (claimed) sample_id={sid!r}")
     return WireError("bad_hmac", "HMAC mismatch")
 
@@ -140,8 +161,9 @@ def _pack_fields(arrays: dict, wire_str: dict, pack_threshold: int) -> tuple:
     return fields, b"".join(parts), frames
 
 
-def encode_trajectory(traj: Trajectory, secret: Secret = None, *,
-                      pack_threshold: int = PACK_THRESHOLD) -> list:
+def encode_trajectory(
+    traj: Trajectory, secret: Secret = None, *, pack_threshold: int = PACK_THRESHOLD
+) -> list:
     """Encode into ``[header, pack, array, array, ...]`` ready for ``send``.
 
     Fields smaller than ``pack_threshold`` bytes are copied into the pack (``bytes``);
@@ -152,8 +174,12 @@ def encode_trajectory(traj: Trajectory, secret: Secret = None, *,
     fields, pack, frames = _pack_fields(traj.arrays(), _WIRE_STR, pack_threshold)
     frames.insert(0, pack)
     md = traj.metadata()
-    header = {"schema": SCHEMA_VERSION, "sample_id": md.pop("sample_id"), "fields": fields,
-              "meta": md}
+    header = {
+        "schema": SCHEMA_VERSION,
+        "sample_id": md.pop("sample_id"),
+        "fields": fields,
+        "meta": md,
+    }
     head = msgpack.packb(header, use_bin_type=True)
     key = secret_bytes(secret)
     if key is not None:
@@ -185,15 +211,18 @@ def _field_frames(fields: list) -> Union[int, tuple]:
     entry is ``[str, dtype, shape, bool]``; ``(reason, detail)`` when one is not."""
     n_own = 0
     for i, spec in enumerate(fields):
-        if type(spec) is not list or len(spec) != 4 or type(spec[0]) is not str \
-                or type(spec[3]) is not bool:
+        if (
+            type(spec) is not list
+            or len(spec) != 4
+            or type(spec[0]) is not str
+            or type(spec[3]) is not bool
+        ):
             return "bad_header", f"fields[{i}] is not [name, dtype, shape, packed]"
         n_own += not spec[3]
     return n_own
 
 
-def _decode_fields(fields: list, views: list, dtypes: dict, required: dict,
-                   sid: str) -> tuple:
+def _decode_fields(fields: list, views: list, dtypes: dict, required: dict, sid: str) -> tuple:
     """``(arrays, n_required)``: a zero-copy array per field (``views[1]`` is the pack, then
     one view per unpacked field) and how many of them are ``required`` names; or
     ``(reason, detail)`` for the first failed check (dtype allowed and as required, shape,
@@ -212,8 +241,9 @@ def _decode_fields(fields: list, views: list, dtypes: dict, required: dict,
         dtype, itemsize = entry
         want = required.get(name)
         if want is not None and dtype is not want:
-            return "bad_dtype", (f"field {name!r}: dtype {dtype}, expected {want} "
-                                 f"(sample_id={sid!r})")
+            return "bad_dtype", (
+                f"field {name!r}: dtype {dtype}, expected {want} (sample_id={sid!r})"
+            )
         # exact ints only (msgpack yields int, never a subclass; excludes bool); each dimension
         # < 2**40 and at most MAX_NDIM of them keep the checks cheap
         if type(shape) is not list or len(shape) > MAX_NDIM:
@@ -228,14 +258,18 @@ def _decode_fields(fields: list, views: list, dtypes: dict, required: dict,
             start = (end + 7) & -8
             end = start + nbytes
             if end > pack_len:
-                return "frame_size", (f"frame 1 (pack) field {name!r}: needs bytes "
-                                      f"[{start}, {end}), the pack has {pack_len}")
+                return "frame_size", (
+                    f"frame 1 (pack) field {name!r}: needs bytes "
+                    f"[{start}, {end}), the pack has {pack_len}"
+                )
             arr = np.frombuffer(pack, dtype, count, start)  # zero-copy view, read-only
         else:
             view = views[k]
             if nbytes != len(view):
-                return "frame_size", (f"frame {k} field {name!r}: {len(view)} bytes, shape "
-                                      f"{shape} of {dtype} needs {nbytes}")
+                return "frame_size", (
+                    f"frame {k} field {name!r}: {len(view)} bytes, shape "
+                    f"{shape} of {dtype} needs {nbytes}"
+                )
             arr = np.frombuffer(view, dtype, count, 0)
             k += 1
         if name in arrays:
@@ -247,8 +281,13 @@ def _decode_fields(fields: list, views: list, dtypes: dict, required: dict,
     return arrays, n_required
 
 
-def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
-                      max_message_bytes: int = 1 << 30, validate: bool = True) -> Trajectory:
+def decode_trajectory(
+    frames: Sequence[Any],
+    secret: Secret = None,
+    *,
+    max_message_bytes: int = 1 << 30,
+    validate: bool = True,
+) -> Trajectory:
     """Decode and check one multipart message; arrays are zero-copy views on the frames.
 
     Checks, in order: total size, HMAC (when a secret is given; then a missing or wrong HMAC
@@ -270,21 +309,21 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     if key is not None:  # authenticate before parsing anything
         head = memoryview(head)
         if len(head) <= MAC_BYTES:
-            raise WireError("missing_hmac", f"frame 0 has {len(head)} bytes: no room for the "
-                            "HMAC a configured secret requires")
+            raise WireError(
+                "missing_hmac",
+                f"frame 0 has {len(head)} bytes: no room for the HMAC a configured secret requires",
+            )
         head, mac = head[:-MAC_BYTES], head[-MAC_BYTES:]
         if not _hmac.compare_digest(mac, _mac(key, head, views[1:])):
             raise _hmac_failure(views[0])
     try:
         header = msgpack.unpackb(head, raw=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise WireError("bad_header", f"frame 0 is not msgpack: {type(e).__name__}: {e}"
-                        ) from None
+        raise WireError("bad_header", f"frame 0 is not msgpack: {type(e).__name__}: {e}") from None
     if type(header) is not dict:
         raise WireError("bad_header", f"frame 0 is a {type(header).__name__}, expected a map")
     if header.get("schema") != SCHEMA_VERSION:
-        raise WireError("schema", f"schema {header.get('schema')!r}, expected "
-                        f"{SCHEMA_VERSION}")
+        raise WireError("schema", f"schema {header.get('schema')!r}, expected {SCHEMA_VERSION}")
     sample_id = header.get("sample_id")
     fields = header.get("fields")
     meta = header.get("meta")
@@ -294,8 +333,11 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     if type(n_own) is tuple:
         raise WireError(*n_own)
     if len(views) != n_own + 2:
-        raise WireError("frame_count", f"{len(views)} frames, header declares header + pack + "
-                        f"{n_own} field frames (sample_id={sample_id[:64]!r})")
+        raise WireError(
+            "frame_count",
+            f"{len(views)} frames, header declares header + pack + "
+            f"{n_own} field frames (sample_id={sample_id[:64]!r})",
+        )
     required = _REQUIRED_DTYPE
     decoded = _decode_fields(fields, views, _DTYPE_ITEMSIZE, required, sample_id[:64])
     if type(decoded[0]) is str:
@@ -303,13 +345,17 @@ def decode_trajectory(frames: Sequence[Any], secret: Secret = None, *,
     arrays, n_required = decoded
     if n_required != len(required):
         missing = [n for n in required if n not in arrays]
-        raise WireError("invalid_field", f"field {missing[0]!r} missing "
-                        f"(sample_id={sample_id[:64]!r})")
+        raise WireError(
+            "invalid_field", f"field {missing[0]!r} missing (sample_id={sample_id[:64]!r})"
+        )
     if not _META_KEYS.issuperset(meta):
         key = next(k for k in meta if k not in _META_KEYS)
         raise WireError("bad_header", f"meta key {key!r} not allowed")
-    extras = {n: a for n, a in arrays.items() if n not in required} \
-        if len(arrays) > len(required) else {}
+    extras = (
+        {n: a for n, a in arrays.items() if n not in required}
+        if len(arrays) > len(required)
+        else {}
+    )
     # Every core array has its contract dtype (checked above), so the checked constructor
     # would neither convert nor copy: build directly, then run the full validation.
     traj = Trajectory._from_arrays(arrays, extras, sample_id, meta)

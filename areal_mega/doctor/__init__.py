@@ -16,18 +16,39 @@ backend, an NCCL group of two processes, SGLang's version. The checks are functi
 - :mod:`.cuda_checks` — the rows of a CUDA machine;
 - ``__main__`` — the command line.
 """
+
 from areal_mega.doctor.cuda_checks import CHECKS as CUDA_CHECKS
 from areal_mega.doctor.env_checks import CHECKS as ENV_CHECKS
-from areal_mega.doctor.rows import (Check, CheckFailed, CheckSkipped, Context, Row,
-                                    format_table, new_context, run_checks)
+from areal_mega.doctor.rows import (
+    Check,
+    CheckFailed,
+    CheckSkipped,
+    Context,
+    Row,
+    format_table,
+    new_context,
+    run_checks,
+)
 from areal_mega.doctor.tiny_run import CHECKS as RUN_CHECKS
 
 #: every check, in the order the doctor runs them
 CHECKS = [*ENV_CHECKS, *RUN_CHECKS, *CUDA_CHECKS]
 
-__all__ = ["CHECKS", "ENV_CHECKS", "RUN_CHECKS", "CUDA_CHECKS", "Check", "CheckFailed",
-           "CheckSkipped", "Context", "Row", "format_table", "new_context", "run_checks",
-           "select_checks"]
+__all__ = [
+    "CHECKS",
+    "ENV_CHECKS",
+    "RUN_CHECKS",
+    "CUDA_CHECKS",
+    "Check",
+    "CheckFailed",
+    "CheckSkipped",
+    "Context",
+    "Row",
+    "format_table",
+    "new_context",
+    "run_checks",
+    "select_checks",
+]
 
 
 def select_checks(names=None) -> list:

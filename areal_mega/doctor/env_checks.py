@@ -1,6 +1,7 @@
 """The doctor's checks of what is installed: Python and the pinned packages, the csrc kernels
 (and the ISA they run), megatron-core's CPU patches, oneDNN, and the logprob / GAE kernels'
 numbers against the pure-torch reference."""
+
 from __future__ import annotations
 
 import os
@@ -12,20 +13,25 @@ from typing import List, Optional, Tuple
 
 from areal_mega.doctor.rows import Check, CheckFailed, Context
 
-PYTHON_MIN = (3, 12)   # setup.py python_requires
+PYTHON_MIN = (3, 12)  # setup.py python_requires
 
 
-PIN_FILES = ("requirements.txt", "requirements-nodeps.txt")   # the second: pip --no-deps
+PIN_FILES = ("requirements.txt", "requirements-nodeps.txt")  # the second: pip --no-deps
 
 
 def read_pins(root: Path) -> List[str]:
     """The requirement lines of ``requirements.txt`` and ``requirements-nodeps.txt`` under
     ``root`` (or, installed without a checkout, the package's own metadata)."""
     if (root / PIN_FILES[0]).is_file():
-        lines = [ln.split("#", 1)[0].strip() for name in PIN_FILES if (root / name).is_file()
-                 for ln in (root / name).read_text().splitlines()]
+        lines = [
+            ln.split("#", 1)[0].strip()
+            for name in PIN_FILES
+            if (root / name).is_file()
+            for ln in (root / name).read_text().splitlines()
+        ]
         return [ln for ln in lines if ln]
     from importlib.metadata import requires
+
     return [r for r in requires("areal-mega") or () if "extra ==" not in r]
 
 
@@ -86,27 +92,35 @@ def check_kernels(ctx: Context) -> str:
 
     mod = _backend.native_module(torch.device("cpu"))
     if mod is None:
-        raise CheckFailed(f"areal_mega._ops_cpu not importable: {_backend._errors.get('_ops_cpu')}",
-                          f"build the kernels: {_backend.BUILD_HINT}")
+        raise CheckFailed(
+            f"areal_mega._ops_cpu not importable: {_backend._errors.get('_ops_cpu')}",
+            f"build the kernels: {_backend.BUILD_HINT}",
+        )
     here = Path(_backend.__file__).resolve().parents[1]
     if Path(mod.__file__).resolve().parent != here:
         # e.g. an editable install of another checkout answering for the missing module
-        raise CheckFailed(f"areal_mega._ops_cpu loaded from {mod.__file__}, not from this "
-                          f"package ({here}): this checkout's kernels are not built",
-                          f"build the kernels here: {_backend.BUILD_HINT}")
+        raise CheckFailed(
+            f"areal_mega._ops_cpu loaded from {mod.__file__}, not from this "
+            f"package ({here}): this checkout's kernels are not built",
+            f"build the kernels here: {_backend.BUILD_HINT}",
+        )
     running, best = mod.cpu_isa(), cpu_best_isa()
     cap = os.environ.get(_backend.KERNEL_ISA_ENV)
-    detail = f"_ops_cpu runs {running} (CPU has {best}" + (f"; capped by {_backend.KERNEL_ISA_ENV}"
-                                                           f"={cap})" if cap else ")")
+    detail = f"_ops_cpu runs {running} (CPU has {best}" + (
+        f"; capped by {_backend.KERNEL_ISA_ENV}={cap})" if cap else ")"
+    )
     if not cap and best != "unknown" and running != best:
-        raise CheckFailed(detail, "rebuild the kernels on this machine: "
-                          "python setup.py build_ext --inplace")
+        raise CheckFailed(
+            detail, "rebuild the kernels on this machine: python setup.py build_ext --inplace"
+        )
     if torch.cuda.is_available():
         cuda = _backend.native_module(torch.device("cuda"))
         if cuda is None:
-            raise CheckFailed(f"{detail}; areal_mega._ops_cuda not importable: "
-                              f"{_backend._errors.get('_ops_cuda')}",
-                              f"build the CUDA kernels (nvcc on PATH): {_backend.BUILD_HINT}")
+            raise CheckFailed(
+                f"{detail}; areal_mega._ops_cuda not importable: "
+                f"{_backend._errors.get('_ops_cuda')}",
+                f"build the CUDA kernels (nvcc on PATH): {_backend.BUILD_HINT}",
+            )
         cap_major, cap_minor = torch.cuda.get_device_capability()
         detail += f"; _ops_cuda on sm_{cap_major}{cap_minor} ({torch.cuda.get_device_name()})"
     return detail
@@ -123,14 +137,19 @@ def check_megatron_patches(ctx: Context) -> str:
         megatron_cpu.apply()
     except megatron_cpu.CompatError as e:
         lines = str(e).splitlines()
-        raise CheckFailed(f"{len(lines) - 1} mismatch(es): " + "; ".join(
-            ln.strip() for ln in lines[1:4]) + (" ..." if len(lines) > 4 else ""),
+        raise CheckFailed(
+            f"{len(lines) - 1} mismatch(es): "
+            + "; ".join(ln.strip() for ln in lines[1:4])
+            + (" ..." if len(lines) > 4 else ""),
             f"install megatron-core=={megatron_cpu.MEGATRON_CORE_VERSION} (the release "
-            "areal_mega/compat/megatron_cpu.py patches), or update that module's patches") \
-            from None
+            "areal_mega/compat/megatron_cpu.py patches), or update that module's patches",
+        ) from None
     import megatron.core
-    return (f"{len(megatron_cpu.PATCHES)} CPU patches applied to megatron-core "
-            f"{megatron_cpu.MEGATRON_CORE_VERSION} ({Path(megatron.core.__file__).parent})")
+
+    return (
+        f"{len(megatron_cpu.PATCHES)} CPU patches applied to megatron-core "
+        f"{megatron_cpu.MEGATRON_CORE_VERSION} ({Path(megatron.core.__file__).parent})"
+    )
 
 
 def check_onednn(ctx: Context) -> str:
@@ -141,14 +160,17 @@ def check_onednn(ctx: Context) -> str:
     from areal_mega.inference.cpu_linear import onednn_linear_available
 
     if not onednn_linear_available():
-        raise CheckFailed("torch.ops.mkldnn._linear_pointwise / _reorder_linear_weight missing "
-                          f"or oneDNN off (torch {torch.__version__})")
+        raise CheckFailed(
+            "torch.ops.mkldnn._linear_pointwise / _reorder_linear_weight missing "
+            f"or oneDNN off (torch {torch.__version__})"
+        )
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(33, 64, generator=g), torch.randn(48, 64, generator=g)
     want = x.double() @ w.double().t()
     plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     packed = torch.ops.mkldnn._linear_pointwise(
-        x, torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], "")
+        x, torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], ""
+    )
     err = max((y.double() - want).abs().max().item() for y in (plain, packed))
     if err > 1e-3:
         raise CheckFailed(f"oneDNN linear differs from the float64 product by {err:.2e}")
@@ -213,8 +235,14 @@ def gae_case(device: str = "cpu"):
     r, v = torch.randn(300, generator=g), torch.randn(300, generator=g)
     cu = torch.tensor([0, 7, 120, 121, 300], dtype=torch.int32)
     boot, mask = torch.randn(4, generator=g), torch.rand(300, generator=g) > 0.2
-    a, ret = packed_gae(r.to(device), v.to(device), cu.to(device), bootstrap_values=boot.to(device),
-                        loss_mask=mask.to(device), **GAE_CASE)
+    a, ret = packed_gae(
+        r.to(device),
+        v.to(device),
+        cu.to(device),
+        bootstrap_values=boot.to(device),
+        loss_mask=mask.to(device),
+        **GAE_CASE,
+    )
     return a.cpu(), ret.cpu()
 
 
@@ -227,8 +255,10 @@ def check_logprob_kernel(ctx: Context) -> str:
     from areal_mega.ops.reference import logprobs_naive
 
     if not _backend.cpu_available():
-        raise CheckFailed("areal_mega._ops_cpu not built: nothing to compare (see kernels)",
-                          f"build the kernels: {_backend.BUILD_HINT}")
+        raise CheckFailed(
+            "areal_mega._ops_cpu not built: nothing to compare (see kernels)",
+            f"build the kernels: {_backend.BUILD_HINT}",
+        )
     worst = []
     for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1e-2)):
         logits, labels, g_lp, g_ent = logprob_case(dtype)
@@ -236,13 +266,16 @@ def check_logprob_kernel(ctx: Context) -> str:
             got = logprob_fwd_bwd(logits, labels, g_lp, g_ent)
         ref = logits.double().requires_grad_()
         lp, ent = logprobs_naive(ref, labels, return_entropy=True)
-        (gref,) = torch.autograd.grad((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum(),
-                                      ref)
+        (gref,) = torch.autograd.grad(
+            (lp * g_lp.double()).sum() + (ent * g_ent.double()).sum(), ref
+        )
         errs = max_rel_errors(got, (lp.detach(), ent.detach(), gref))
         if max(errs) > tol:
-            raise CheckFailed(f"{dtype}: logprob/entropy/grad differ from the reference by "
-                              f"{', '.join(f'{e:.1e}' for e in errs)} (> {tol:.0e})",
-                              "rebuild the kernels; run tests/test_ops_logprob.py")
+            raise CheckFailed(
+                f"{dtype}: logprob/entropy/grad differ from the reference by "
+                f"{', '.join(f'{e:.1e}' for e in errs)} (> {tol:.0e})",
+                "rebuild the kernels; run tests/test_ops_logprob.py",
+            )
         worst.append(max(errs))
     with ops_backend("native"):
         native = gae_case()
@@ -250,25 +283,52 @@ def check_logprob_kernel(ctx: Context) -> str:
         ref_gae = gae_case()
     gae_err = max(max_rel_errors(native, ref_gae))
     if gae_err > 1e-5:
-        raise CheckFailed(f"GAE differs from the reference by {gae_err:.1e}",
-                          "rebuild the kernels; run tests/test_ops_gae.py")
-    return (f"logprob+entropy+grad = torch reference (fp32 {worst[0]:.0e}, bf16 {worst[1]:.0e}); "
-            f"GAE {gae_err:.0e}")
+        raise CheckFailed(
+            f"GAE differs from the reference by {gae_err:.1e}",
+            "rebuild the kernels; run tests/test_ops_gae.py",
+        )
+    return (
+        f"logprob+entropy+grad = torch reference (fp32 {worst[0]:.0e}, bf16 {worst[1]:.0e}); "
+        f"GAE {gae_err:.0e}"
+    )
 
 
 CHECKS = [
-    Check("python", "the Python version", "use Python >= 3.12 (3.12 is what the tests run)",
-          check_python),
-    Check("packages", "installed versions against requirements.txt",
-          "pip install -r requirements.txt; pip install --no-deps -r requirements-nodeps.txt",
-          check_packages),
-    Check("kernels", "csrc kernels built, the ISA / CUDA arch they run",
-          "python setup.py build_ext --inplace", check_kernels),
-    Check("megatron-patches", "megatron-core CPU patches applied (or not needed)",
-          "pip install -r requirements.txt", check_megatron_patches),
-    Check("onednn", "oneDNN linear ops present and exact", "install the pinned CPU torch wheel",
-          check_onednn),
-    Check("logprob-kernel", "logprob/GAE kernels = pure-torch reference",
-          "rebuild the kernels and run tests/test_ops_logprob.py", check_logprob_kernel,
-          needs=("kernels",)),
+    Check(
+        "python",
+        "the Python version",
+        "use Python >= 3.12 (3.12 is what the tests run)",
+        check_python,
+    ),
+    Check(
+        "packages",
+        "installed versions against requirements.txt",
+        "pip install -r requirements.txt; pip install --no-deps -r requirements-nodeps.txt",
+        check_packages,
+    ),
+    Check(
+        "kernels",
+        "csrc kernels built, the ISA / CUDA arch they run",
+        "python setup.py build_ext --inplace",
+        check_kernels,
+    ),
+    Check(
+        "megatron-patches",
+        "megatron-core CPU patches applied (or not needed)",
+        "pip install -r requirements.txt",
+        check_megatron_patches,
+    ),
+    Check(
+        "onednn",
+        "oneDNN linear ops present and exact",
+        "install the pinned CPU torch wheel",
+        check_onednn,
+    ),
+    Check(
+        "logprob-kernel",
+        "logprob/GAE kernels = pure-torch reference",
+        "rebuild the kernels and run tests/test_ops_logprob.py",
+        check_logprob_kernel,
+        needs=("kernels",),
+    ),
 ]

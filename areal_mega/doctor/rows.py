@@ -5,6 +5,7 @@ A check is a function ``fn(ctx) -> str`` returning its key figure; it raises
 :class:`CheckFailed` (what is wrong and what to do) or :class:`CheckSkipped` (why it does not
 apply here). Any other exception is a failure too, reported with the check's own advice.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,14 @@ class Row:
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "what": self.what, "status": self.status,
-                "detail": self.detail, "fix": self.fix, "seconds": round(self.seconds, 2)}
+        return {
+            "name": self.name,
+            "what": self.what,
+            "status": self.status,
+            "detail": self.detail,
+            "fix": self.fix,
+            "seconds": round(self.seconds, 2),
+        }
 
 
 @dataclass
@@ -81,8 +88,12 @@ class Context:
     def env(self, **extra: str) -> dict:
         """The environment of a subprocess: this package first on ``PYTHONPATH``."""
         path = os.environ.get("PYTHONPATH", "")
-        return dict(os.environ, PYTHONPATH=str(self.root) + (os.pathsep + path if path else ""),
-                    PYTHONUNBUFFERED="1", **extra)
+        return dict(
+            os.environ,
+            PYTHONPATH=str(self.root) + (os.pathsep + path if path else ""),
+            PYTHONUNBUFFERED="1",
+            **extra,
+        )
 
     def close(self) -> None:
         """Run the cleanups (stop the server the checks started), newest first."""
@@ -119,8 +130,9 @@ def run_check(check: Check, ctx: Context, done: Dict[str, Row]) -> Row:
     return Row(check.name, check.what, status, detail, fix, time.monotonic() - t0)
 
 
-def run_checks(checks: Sequence[Check], ctx: Context, *, cuda: bool = False,
-               progress=None) -> List[Row]:
+def run_checks(
+    checks: Sequence[Check], ctx: Context, *, cuda: bool = False, progress=None
+) -> List[Row]:
     """Run ``checks`` in order (CUDA-only ones only when ``cuda``); ``progress(line)`` gets a
     line before and after each. Stops nothing on failure; closes ``ctx`` at the end."""
     say = progress or (lambda line: None)
@@ -131,8 +143,10 @@ def run_checks(checks: Sequence[Check], ctx: Context, *, cuda: bool = False,
             say(f"[doctor] {i}/{len(chosen)} {check.name}: {check.what} ...")
             row = run_check(check, ctx, done)
             done[check.name] = row
-            say(f"[doctor] {i}/{len(chosen)} {check.name}: {row.status.upper()} "
-                f"({row.seconds:.1f} s) {row.detail}")
+            say(
+                f"[doctor] {i}/{len(chosen)} {check.name}: {row.status.upper()} "
+                f"({row.seconds:.1f} s) {row.detail}"
+            )
     finally:
         ctx.close()
     return list(done.values())

@@ -18,6 +18,7 @@
   the micro-batch's samples named in an error raised while it runs;
 - :mod:`.critic` — :class:`CriticEngine`, the actor's model with a scalar value head.
 """
+
 from areal_mega.engine.megatron_engine import MegatronEngine, default_denominator
 
 __all__ = ["MegatronEngine", "default_denominator"]

@@ -14,6 +14,7 @@ out) and the head starts fresh from ``seed``; an HF reward/value model directory
 safetensors hold a ``score.weight`` of shape ``[1, H]`` also sets the head
 (:func:`load_score_head`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,14 @@ from areal_mega.engine.megatron_engine import MegatronEngine
 from areal_mega.engine.packed import slot_offsets
 from areal_mega.models.builder import load_hf_config
 
-__all__ = ["CriticEngine", "ValueHead", "TrunkView", "critic_optimizer_config",
-           "load_score_head", "HEAD_PREFIX"]
+__all__ = [
+    "CriticEngine",
+    "ValueHead",
+    "TrunkView",
+    "critic_optimizer_config",
+    "load_score_head",
+    "HEAD_PREFIX",
+]
 
 #: State-dict prefix of the value head inside a ``GPTModel`` (it takes the output layer's place).
 HEAD_PREFIX = "output_layer."
@@ -43,10 +50,19 @@ class ValueHead(torch.nn.Module):
     Called like megatron's output layer: ``head(h, weight=None, runtime_gather_output=None)``
     returns ``(values, None)``."""
 
-    def __init__(self, hidden_size: int, *, dtype: torch.dtype, seed: int, std: float,
-                 sequence_parallel: bool, tp_group, device=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        seed: int,
+        std: float,
+        sequence_parallel: bool,
+        tp_group,
+        device=None,
+    ):
         super().__init__()
-        gen = torch.Generator().manual_seed(seed)   # same weight on every rank, any layout
+        gen = torch.Generator().manual_seed(seed)  # same weight on every rank, any layout
         w = torch.randn(1, hidden_size, generator=gen) * std
         self.weight = torch.nn.Parameter(w.to(dtype=dtype, device=device))
         self.sequence_parallel = sequence_parallel
@@ -55,8 +71,10 @@ class ValueHead(torch.nn.Module):
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
             hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group)
+                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group
+            )
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
@@ -77,8 +95,9 @@ class TrunkView:
         res = self.chunk.load_state_dict(state_dict, strict=False)
         missing = [k for k in res.missing_keys if not k.startswith(HEAD_PREFIX)]
         if strict and (missing or res.unexpected_keys):
-            raise RuntimeError(f"critic trunk: missing {missing[:3]}, unexpected "
-                               f"{res.unexpected_keys[:3]}")
+            raise RuntimeError(
+                f"critic trunk: missing {missing[:3]}, unexpected {res.unexpected_keys[:3]}"
+            )
         return res
 
 
@@ -86,9 +105,14 @@ def critic_optimizer_config(optimizer_cfg, critic_cfg):
     """The critic's :class:`~areal_mega.config.OptimizerConfig`: the actor's Adam settings with
     the ``critic`` section's LR, schedule and gradient clip."""
     return dataclasses.replace(
-        optimizer_cfg, lr=critic_cfg.lr, min_lr=critic_cfg.min_lr,
-        warmup_steps=critic_cfg.lr_warmup_steps, lr_schedule=critic_cfg.lr_schedule,
-        lr_decay_steps=critic_cfg.lr_decay_steps, clip_grad=critic_cfg.clip_grad)
+        optimizer_cfg,
+        lr=critic_cfg.lr,
+        min_lr=critic_cfg.min_lr,
+        warmup_steps=critic_cfg.lr_warmup_steps,
+        lr_schedule=critic_cfg.lr_schedule,
+        lr_decay_steps=critic_cfg.lr_decay_steps,
+        clip_grad=critic_cfg.clip_grad,
+    )
 
 
 def _untied(hf_config) -> dict:
@@ -104,15 +128,31 @@ class CriticEngine(MegatronEngine):
     critic's (:func:`critic_optimizer_config`). ``forward_values`` returns per-token values;
     ``train_batch(mbs, loss_fn, ...)`` calls ``loss_fn(values [T] fp32, None, mb)``."""
 
-    SHARES_PROMPT_PREFIX = False      # its values are read per packed row
+    SHARES_PROMPT_PREFIX = False  # its values are read per packed row
 
-    def __init__(self, model_cfg, *, hf_config, mesh, optimizer_cfg, seed: int = 1234,
-                 total_train_steps=None, use_distributed_optimizer=None):
-        self._head_seed = seed + 7919      # fresh head independent of the trunk's init stream
-        super().__init__(model_cfg, hf_config=_untied(hf_config), role="actor", mesh=mesh,
-                         optimizer_cfg=optimizer_cfg, actor_cfg=None, seed=seed,
-                         total_train_steps=total_train_steps,
-                         use_distributed_optimizer=use_distributed_optimizer)
+    def __init__(
+        self,
+        model_cfg,
+        *,
+        hf_config,
+        mesh,
+        optimizer_cfg,
+        seed: int = 1234,
+        total_train_steps=None,
+        use_distributed_optimizer=None,
+    ):
+        self._head_seed = seed + 7919  # fresh head independent of the trunk's init stream
+        super().__init__(
+            model_cfg,
+            hf_config=_untied(hf_config),
+            role="actor",
+            mesh=mesh,
+            optimizer_cfg=optimizer_cfg,
+            actor_cfg=None,
+            seed=seed,
+            total_train_steps=total_train_steps,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
 
     def _wrap_ddp(self, chunks):
         """Swap the last stage's output layer for the value head before DDP and the optimizer
@@ -120,10 +160,14 @@ class CriticEngine(MegatronEngine):
         for c in chunks:
             if getattr(c, "post_process", False):
                 c.output_layer = ValueHead(
-                    self.config.hidden_size, dtype=self.config.params_dtype,
-                    seed=self._head_seed, std=self.config.init_method_std,
+                    self.config.hidden_size,
+                    dtype=self.config.params_dtype,
+                    seed=self._head_seed,
+                    std=self.config.init_method_std,
                     sequence_parallel=self.mesh.sequence_parallel,
-                    tp_group=self.mesh.tp_group, device=self.mesh.device)
+                    tp_group=self.mesh.tp_group,
+                    device=self.mesh.device,
+                )
         return super()._wrap_ddp(chunks)
 
     def _prepare(self, mb: dict) -> dict:
@@ -132,23 +176,44 @@ class CriticEngine(MegatronEngine):
         starts, lens = slot_offsets(mb)
         in_seq = torch.zeros(total, dtype=torch.bool)
         for s, n in zip(starts.tolist(), lens.tolist()):
-            in_seq[s:s + n] = True
+            in_seq[s : s + n] = True
         if batch["index"] is not None:
             in_seq = in_seq[batch["index"]]
         batch["in_seq"] = in_seq.to(self.mesh.device)
         return batch
 
-    def _on_output(self, mb, batch, collect, temperature, return_entropy, loss_fn,
-                   denominator, output, non_loss_data=False):
+    def _on_output(
+        self,
+        mb,
+        batch,
+        collect,
+        temperature,
+        return_entropy,
+        loss_fn,
+        denominator,
+        output,
+        non_loss_data=False,
+    ):
         values = output.reshape(-1).float()
         values = torch.where(batch["in_seq"], values, torch.zeros_like(values))
         if collect:
-            return {"logprobs": values.detach()}   # the base class gathers this key
+            return {"logprobs": values.detach()}  # the base class gathers this key
         idx = batch["index"]
-        shard = None if idx is None else CPShard(self.mesh.cp_group, self.mesh.dims.cp,
-                                                 self.mesh.cp_rank)
-        return compute_loss(loss_fn, values, None, mb, denominator=denominator,
-                            valid=batch["valid"], index=idx, shard=shard)
+        shard = (
+            None
+            if idx is None
+            else CPShard(self.mesh.cp_group, self.mesh.dims.cp, self.mesh.cp_rank)
+        )
+        return compute_loss(
+            loss_fn,
+            values,
+            None,
+            mb,
+            denominator=denominator,
+            valid=batch["valid"],
+            index=idx,
+            shard=shard,
+        )
 
     @torch.no_grad()
     def forward_values(self, micro_batches: Sequence[dict]) -> list:
@@ -174,15 +239,17 @@ def load_score_head(engine: CriticEngine, hf_dir: str) -> bool:
 
     try:
         st = SafetensorsDir(hf_dir)
-    except SafetensorsError:     # no weights there (e.g. a Megatron checkpoint.load start)
+    except SafetensorsError:  # no weights there (e.g. a Megatron checkpoint.load start)
         return False
     if "score.weight" not in st:
         return False
     w = engine.head_parameter()
     _, shape = st.info("score.weight")
     if tuple(shape) != (1, engine.config.hidden_size):
-        raise ValueError(f"{hf_dir}: score.weight has shape {tuple(shape)}; a value head needs "
-                         f"(1, {engine.config.hidden_size})")
+        raise ValueError(
+            f"{hf_dir}: score.weight has shape {tuple(shape)}; a value head needs "
+            f"(1, {engine.config.hidden_size})"
+        )
     if w is not None:
         with torch.no_grad():
             w.copy_(st.get("score.weight").to(dtype=w.dtype, device=w.device))

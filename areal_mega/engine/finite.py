@@ -1,5 +1,6 @@
 """The non-finite check before an optimizer step (loss and gradients, agreed by every rank),
 and :func:`blame`: an error raised while a micro-batch is prepared or run names its samples."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,9 @@ def model_grads(model_chunks: Sequence[torch.nn.Module]) -> list:
     return out
 
 
-def nonfinite_flags(loss: Optional[float], grads: Sequence[torch.Tensor],
-                    device=None) -> tuple[bool, bool]:
+def nonfinite_flags(
+    loss: Optional[float], grads: Sequence[torch.Tensor], device=None
+) -> tuple[bool, bool]:
     """(loss non-finite, a gradient non-finite) on ANY trainer rank: this rank's flags
     all-reduced (max) over the default process group when torch.distributed is initialised,
     so every rank of the trainer takes the same decision. Collective."""
@@ -54,4 +56,3 @@ def blame(micro_batch):
             except (KeyError, TypeError, AttributeError):
                 pass
         raise
-

@@ -19,6 +19,7 @@ On the last pipeline stage the engine calls ``loss_fn(logprobs, entropy, mb)`` w
   (a sequence's mean log-ratio, its loss-token count) must add every rank's partial sum with
   ``cp_shard.sum`` — differentiable — and be reported by one rank only (``cp_shard.owner``).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -29,8 +30,14 @@ import torch.distributed as dist
 from areal_mega.algo.packing import PER_SEQUENCE_KEYS
 from areal_mega.engine.packed import shard_bounds
 
-__all__ = ["CPShard", "loss_view", "compute_loss", "global_denominator", "reduce_stats",
-           "LAYOUT_KEYS"]
+__all__ = [
+    "CPShard",
+    "loss_view",
+    "compute_loss",
+    "global_denominator",
+    "reduce_stats",
+    "LAYOUT_KEYS",
+]
 
 #: Keys that stay on the host: the segment layout of the tokens the loss sees.
 LAYOUT_KEYS = ("cu_seqlens", "cu_seqlens_padded")
@@ -77,8 +84,12 @@ class CPShard:
         return _SumOverGroup.apply(per_seq, self.group)
 
 
-def loss_view(mb: dict, device: torch.device, index: Optional[torch.Tensor] = None,
-              shard: Optional[CPShard] = None) -> dict:
+def loss_view(
+    mb: dict,
+    device: torch.device,
+    index: Optional[torch.Tensor] = None,
+    shard: Optional[CPShard] = None,
+) -> dict:
     """The micro-batch as the loss function sees it (see the module docstring).
 
     ``index``: this CP rank's token indices (None without CP); ``shard``: its :class:`CPShard`.
@@ -91,11 +102,15 @@ def loss_view(mb: dict, device: torch.device, index: Optional[torch.Tensor] = No
         index = index.cpu()
     out = {}
     for k, v in mb.items():
-        if k in LAYOUT_KEYS or k == "routed_experts":   # routes are model input, not loss input
+        if k in LAYOUT_KEYS or k == "routed_experts":  # routes are model input, not loss input
             continue
         if isinstance(v, torch.Tensor):
-            if (index is not None and v.dim() >= 1 and v.shape[0] == total
-                    and k not in PER_SEQUENCE_KEYS):
+            if (
+                index is not None
+                and v.dim() >= 1
+                and v.shape[0] == total
+                and k not in PER_SEQUENCE_KEYS
+            ):
                 v = v.index_select(0, index.to(v.device))
             v = v.to(device, non_blocking=True)
         out[k] = v
@@ -105,9 +120,17 @@ def loss_view(mb: dict, device: torch.device, index: Optional[torch.Tensor] = No
     return out
 
 
-def compute_loss(loss_fn: Callable, logprobs: torch.Tensor, entropy: Optional[torch.Tensor],
-                 mb: dict, *, denominator: torch.Tensor, valid: torch.Tensor,
-                 index: Optional[torch.Tensor] = None, shard: Optional[CPShard] = None):
+def compute_loss(
+    loss_fn: Callable,
+    logprobs: torch.Tensor,
+    entropy: Optional[torch.Tensor],
+    mb: dict,
+    *,
+    denominator: torch.Tensor,
+    valid: torch.Tensor,
+    index: Optional[torch.Tensor] = None,
+    shard: Optional[CPShard] = None,
+):
     """One micro-batch's ``(loss, n_tokens, stats)`` for megatron's schedule.
 
     Calls ``loss_fn(logprobs, entropy, loss_view(mb, logprobs.device, index, shard))``;
@@ -116,18 +139,20 @@ def compute_loss(loss_fn: Callable, logprobs: torch.Tensor, entropy: Optional[to
     numerator, stats = loss_fn(logprobs, entropy, loss_view(mb, logprobs.device, index, shard))
     loss = numerator / denominator
     n_tok = valid.sum().to(torch.int)
-    reduced = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in
-               (stats or {}).items()}
+    reduced = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in (stats or {}).items()}
     reduced["loss"] = loss.detach().float().reshape(())
     return loss, n_tok, reduced
 
 
-def global_denominator(micro_batches: Sequence[dict], denominator_fn: Callable, mesh
-                       ) -> torch.Tensor:
+def global_denominator(
+    micro_batches: Sequence[dict], denominator_fn: Callable, mesh
+) -> torch.Tensor:
     """Σ over micro-batches and DP ranks of ``denominator_fn(mb)`` on the full (not CP-split)
     micro-batches (fp32 scalar on ``mesh.device``; CP ranks all hold the same value)."""
-    local = sum((torch.as_tensor(denominator_fn(mb), dtype=torch.float64)
-                 for mb in micro_batches), torch.zeros((), dtype=torch.float64))
+    local = sum(
+        (torch.as_tensor(denominator_fn(mb), dtype=torch.float64) for mb in micro_batches),
+        torch.zeros((), dtype=torch.float64),
+    )
     t = local.reshape(1).to(mesh.device)
     if mesh.dims.dp > 1:
         dist.all_reduce(t, group=mesh.dp_group)
@@ -151,8 +176,7 @@ def reduce_stats(records: list, mesh) -> dict:
             dist.all_reduce(vec, group=mesh.dp_cp_group)
     if mesh.dims.pp > 1:
         holder = [keys, None if vec is None else vec.cpu().tolist()]
-        dist.broadcast_object_list(holder, src=mesh.last_stage_global_rank(),
-                                   group=mesh.pp_group)
+        dist.broadcast_object_list(holder, src=mesh.last_stage_global_rank(), group=mesh.pp_group)
         keys, values = holder
     else:
         values = vec.cpu().tolist()

@@ -12,6 +12,7 @@ Forward-only log-probabilities (π_prox, the reference, evaluation) keep every r
 Not with sequence parallelism: there the output layer gathers the sequence itself, so the
 hidden states it receives are this rank's slice, not the rows the mask names.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -23,14 +24,23 @@ from areal_mega.algo.policy_loss import LOSS_MASK_ONLY
 __all__ = ["loss_rows", "logits_at_rows", "scatter_rows"]
 
 
-def loss_rows(loss_fn: Optional[Callable], mb: dict, valid: torch.Tensor,
-              index: Optional[torch.Tensor], *, sequence_parallel: bool
-              ) -> Optional[torch.Tensor]:
+def loss_rows(
+    loss_fn: Optional[Callable],
+    mb: dict,
+    valid: torch.Tensor,
+    index: Optional[torch.Tensor],
+    *,
+    sequence_parallel: bool,
+) -> Optional[torch.Tensor]:
     """The local token rows whose logits ``loss_fn`` needs (this rank's CP share when
     ``index`` is given), or None for every row: an unmarked loss, sequence parallelism, a
     micro-batch without ``loss_mask``, or when the rows are all or none of the tokens."""
-    if loss_fn is None or not getattr(loss_fn, LOSS_MASK_ONLY, False) or sequence_parallel \
-            or mb.get("loss_mask") is None:
+    if (
+        loss_fn is None
+        or not getattr(loss_fn, LOSS_MASK_ONLY, False)
+        or sequence_parallel
+        or mb.get("loss_mask") is None
+    ):
         return None
     mask = torch.as_tensor(mb["loss_mask"]).reshape(-1).bool()
     if index is not None:
@@ -40,13 +50,24 @@ def loss_rows(loss_fn: Optional[Callable], mb: dict, valid: torch.Tensor,
     return rows if 0 < rows.numel() < mask.numel() else None
 
 
-def logits_at_rows(*, hidden_states: torch.Tensor, output_layer, output_weight, context,
-                   runtime_gather_output=None, scale_logits=None, **_) -> torch.Tensor:
+def logits_at_rows(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer,
+    output_weight,
+    context,
+    runtime_gather_output=None,
+    scale_logits=None,
+    **_,
+) -> torch.Tensor:
     """megatron-core ``GPTModel`` output processor: the output layer (and its logit scaling)
     on the rows ``context`` of ``hidden_states`` [s, 1, h] only; returns [1, rows, V_local],
     the layout of the model's usual logits."""
-    logits, _ = output_layer(hidden_states.index_select(0, context), weight=output_weight,
-                             runtime_gather_output=runtime_gather_output)
+    logits, _ = output_layer(
+        hidden_states.index_select(0, context),
+        weight=output_weight,
+        runtime_gather_output=runtime_gather_output,
+    )
     if scale_logits is not None:
         logits = scale_logits(logits)
     return logits.transpose(0, 1).contiguous()

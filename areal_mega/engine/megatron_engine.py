@@ -19,6 +19,7 @@ A loss marked :func:`~areal_mega.algo.policy_loss.reads_loss_mask_only` (the pol
 losses) gets logits computed at its ``loss_mask`` rows only (:mod:`areal_mega.engine.loss_rows`;
 its log-probabilities and entropies are 0 elsewhere).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,13 +31,16 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.engine.finite import blame, model_grads, nonfinite_flags
-from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
-                                            reduce_stats)
+from areal_mega.engine.loss_context import CPShard, compute_loss, global_denominator, reduce_stats
 from areal_mega.engine.loss_rows import logits_at_rows, loss_rows, scatter_rows
 from areal_mega.engine.micro_batch import model_rows, prepare_micro_batch
 from areal_mega.engine.packed import zigzag_merge
-from areal_mega.engine.routing_replay import (RouteReplayer, check_replay_target, cleared_after,
-                                              free_routing_if)
+from areal_mega.engine.routing_replay import (
+    RouteReplayer,
+    check_replay_target,
+    cleared_after,
+    free_routing_if,
+)
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
 from areal_mega.models.rope_positions import positions_supported, rope_at_positions
@@ -78,13 +82,23 @@ class MegatronEngine:
     no CP nor SP); results are the same as without.
     """
 
-    SHARES_PROMPT_PREFIX = True     # False where outputs are read per packed row (the critic)
+    SHARES_PROMPT_PREFIX = True  # False where outputs are read per packed row (the critic)
 
-    def __init__(self, model_cfg, *, hf_config=None, role: str = "actor", mesh,
-                 optimizer_cfg=None, actor_cfg=None, seed: int = 1234,
-                 total_train_steps: Optional[int] = None,
-                 use_distributed_optimizer: Optional[bool] = None,
-                 routing_replay: bool = False, lora=None):
+    def __init__(
+        self,
+        model_cfg,
+        *,
+        hf_config=None,
+        role: str = "actor",
+        mesh,
+        optimizer_cfg=None,
+        actor_cfg=None,
+        seed: int = 1234,
+        total_train_steps: Optional[int] = None,
+        use_distributed_optimizer: Optional[bool] = None,
+        routing_replay: bool = False,
+        lora=None,
+    ):
         if role not in ("actor", "ref"):
             raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
         if role == "actor" and optimizer_cfg is None:
@@ -100,12 +114,18 @@ class MegatronEngine:
         attn = resolve_attention(getattr(model_cfg, "attention_backend", "auto"))
         self.use_te = attn.use_te
         chunks, self.config = build_model_chunks(
-            self.arch, mesh, dtype=model_cfg.dtype,
+            self.arch,
+            mesh,
+            dtype=model_cfg.dtype,
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             recompute_granularity=model_cfg.recompute_granularity if role == "actor" else None,
-            use_te=self.use_te, attention_backend=attn.backend, seed=seed,
-            moe_enable_routing_replay=routing_replay)
+            use_te=self.use_te,
+            attention_backend=attn.backend,
+            seed=seed,
+            moe_enable_routing_replay=routing_replay,
+        )
         from areal_mega.lora.actor import attach_lora
+
         self.lora = attach_lora(self, chunks, lora if role == "actor" else None)
         self.vocab_size = self.arch.vocab_size
         self.padded_vocab_size = chunks[0].vocab_size
@@ -117,10 +137,15 @@ class MegatronEngine:
         # shared prompts computed once (scheduler/shared_prefix.py): the local attention reads
         # the layout, the rotary table is indexed by each row's position
         self.shares_prompt_prefix = bool(
-            self.SHARES_PROMPT_PREFIX and getattr(actor_cfg, "share_prompt_prefix", True)
-            and not self.use_te and mesh.dims.cp == 1 and not mesh.sequence_parallel
-            and not self.arch.is_moe    # its router's load statistics count every copy
-            and self.replay is None and all(positions_supported(c) for c in chunks))
+            self.SHARES_PROMPT_PREFIX
+            and getattr(actor_cfg, "share_prompt_prefix", True)
+            and not self.use_te
+            and mesh.dims.cp == 1
+            and not mesh.sequence_parallel
+            and not self.arch.is_moe  # its router's load statistics count every copy
+            and self.replay is None
+            and all(positions_supported(c) for c in chunks)
+        )
         if role == "ref":
             for c in chunks:
                 c.requires_grad_(False)
@@ -128,8 +153,9 @@ class MegatronEngine:
             self.model = chunks
         else:
             if use_distributed_optimizer is None:
-                use_distributed_optimizer = (optimizer_cfg.use_distributed_optimizer
-                                             and not mesh.is_cpu)
+                use_distributed_optimizer = (
+                    optimizer_cfg.use_distributed_optimizer and not mesh.is_cpu
+                )
             self.use_distributed_optimizer = bool(use_distributed_optimizer)
             self.model = self._wrap_ddp(chunks)
             self.optimizer = self._build_optimizer()
@@ -137,42 +163,66 @@ class MegatronEngine:
             from megatron.core.distributed import finalize_model_grads
 
             from areal_mega.engine.moe_aux import moe_aux_loss_scaling
+
             # Loss is already divided by the global denominator: never rescale by num_tokens;
             # the MoE aux loss gets its per-token scale per step instead (engine/moe_aux.py).
-            self.config.finalize_model_grads_func = (
-                lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+            self.config.finalize_model_grads_func = lambda model, num_tokens=None, **kw: (
+                finalize_model_grads(model, None, **kw)
+            )
             self.moe_aux = moe_aux_loss_scaling(self)
             if self.config.fp16:
                 self.config.grad_scale_func = self.optimizer.scale_loss
 
     # ------------------------------------------------------------------ construction
     def _wrap_ddp(self, chunks):
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig)
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
             use_distributed_optimizer=self.use_distributed_optimizer,
-            check_for_nan_in_grad=False, average_in_collective=False)
-        return [DistributedDataParallel(self.config, ddp_cfg, c,
-                                        disable_bucketing=(i > 0),
-                                        pg_collection=self.mesh.pg_collection)
-                for i, c in enumerate(chunks)]
+            check_for_nan_in_grad=False,
+            average_in_collective=False,
+        )
+        return [
+            DistributedDataParallel(
+                self.config,
+                ddp_cfg,
+                c,
+                disable_bucketing=(i > 0),
+                pg_collection=self.mesh.pg_collection,
+            )
+            for i, c in enumerate(chunks)
+        ]
 
     def _build_optimizer(self):
         from areal_mega.engine.optim import build_optimizer
-        return build_optimizer(self.optimizer_cfg, self.config, self.model,
-                               self.use_distributed_optimizer, self.mesh.pg_collection)
+
+        return build_optimizer(
+            self.optimizer_cfg,
+            self.config,
+            self.model,
+            self.use_distributed_optimizer,
+            self.mesh.pg_collection,
+        )
 
     def _build_lr_scheduler(self, total_train_steps):
         from areal_mega.engine.optim import build_lr_scheduler
+
         return build_lr_scheduler(self.optimizer, self.optimizer_cfg, total_train_steps)
 
     # ------------------------------------------------------------------ data preparation
     def _prepare(self, mb: dict) -> dict:
         """Model inputs for one packed micro-batch (:func:`prepare_micro_batch`); its
         ``labels`` (next-token targets, -1 = none) come with it, CP-split like the tokens."""
-        return prepare_micro_batch(mb, self.mesh, use_te=self.use_te, replay=self.replay,
-                                   share_prefix=self.shares_prompt_prefix)
+        return prepare_micro_batch(
+            mb,
+            self.mesh,
+            use_te=self.use_te,
+            replay=self.replay,
+            share_prefix=self.shares_prompt_prefix,
+        )
 
     # ------------------------------------------------------------------ model pieces
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -186,21 +236,26 @@ class MegatronEngine:
         keep = torch.arange(v_local, device=logits.device) < max(n_valid, 0)
         return logits.masked_fill(~keep, neg)
 
-    def _token_logprobs(self, output: torch.Tensor, batch: dict, temperature: float,
-                        return_entropy: bool):
+    def _token_logprobs(
+        self, output: torch.Tensor, batch: dict, temperature: float, return_entropy: bool
+    ):
         logits = output.reshape(-1, output.shape[-1])  # [1, T, V_local] -> [T, V_local]
         logits = self._mask_padded_vocab(logits)
         chunk = getattr(self.actor_cfg, "logprob_chunk_size", None)
         from areal_mega.ops import packed_logprobs
-        rows = batch.get("rows")      # logits of these rows only (engine/loss_rows.py)
-        res = packed_logprobs(logits, batch["model_labels"] if rows is None else
-                              batch["labels"][rows],
-                              temperature=temperature,
-                              tp_group=self.mesh.tp_group if self.mesh.dims.tp > 1 else None,
-                              chunk_size=chunk, return_entropy=return_entropy)
-        lp, ent = (res if return_entropy else (res, None))
+
+        rows = batch.get("rows")  # logits of these rows only (engine/loss_rows.py)
+        res = packed_logprobs(
+            logits,
+            batch["model_labels"] if rows is None else batch["labels"][rows],
+            temperature=temperature,
+            tp_group=self.mesh.tp_group if self.mesh.dims.tp > 1 else None,
+            chunk_size=chunk,
+            return_entropy=return_entropy,
+        )
+        lp, ent = res if return_entropy else (res, None)
         valid = batch["valid"]
-        if rows is None and batch["expand"] is not None:    # back to the packed layout
+        if rows is None and batch["expand"] is not None:  # back to the packed layout
             lp = lp.index_select(0, batch["expand"])
             ent = None if ent is None else ent.index_select(0, batch["expand"])
         if rows is not None:
@@ -211,43 +266,101 @@ class MegatronEngine:
             ent = torch.where(valid, ent, torch.zeros_like(ent))
         return lp, ent
 
-    def _forward_step(self, data_iterator, model, *, collect, temperature, return_entropy,
-                      loss_fn=None, denominator=None):
+    def _forward_step(
+        self,
+        data_iterator,
+        model,
+        *,
+        collect,
+        temperature,
+        return_entropy,
+        loss_fn=None,
+        denominator=None,
+    ):
         mb, batch = next(data_iterator)
         armed = self.replay and self.replay.arm(self.model.index(model), batch["routes"])
-        batch["rows"] = None if collect else loss_rows(
-            loss_fn, mb, batch["valid"], batch["index"],
-            sequence_parallel=self.mesh.sequence_parallel)
-        trim = {} if batch["rows"] is None else dict(
-            output_processor=logits_at_rows, output_processor_context=model_rows(batch,
-                                                                                 batch["rows"]))
-        with blame(mb), rope_at_positions(model, batch["position_ids"][0]) \
-                if batch["expand"] is not None else nullcontext():
-            output = model(batch["input_ids"], batch["position_ids"], batch["attention_mask"],
-                           packed_seq_params=batch["packed_seq_params"], **trim)
+        batch["rows"] = (
+            None
+            if collect
+            else loss_rows(
+                loss_fn,
+                mb,
+                batch["valid"],
+                batch["index"],
+                sequence_parallel=self.mesh.sequence_parallel,
+            )
+        )
+        trim = (
+            {}
+            if batch["rows"] is None
+            else dict(
+                output_processor=logits_at_rows,
+                output_processor_context=model_rows(batch, batch["rows"]),
+            )
+        )
+        with (
+            blame(mb),
+            rope_at_positions(model, batch["position_ids"][0])
+            if batch["expand"] is not None
+            else nullcontext(),
+        ):
+            output = model(
+                batch["input_ids"],
+                batch["position_ids"],
+                batch["attention_mask"],
+                packed_seq_params=batch["packed_seq_params"],
+                **trim,
+            )
         if armed:
             armed(output)
-        return output, partial(self._on_output, mb, batch, collect, temperature,
-                               return_entropy, loss_fn, denominator)
+        return output, partial(
+            self._on_output, mb, batch, collect, temperature, return_entropy, loss_fn, denominator
+        )
 
-    def _on_output(self, mb, batch, collect, temperature, return_entropy, loss_fn,
-                   denominator, output, non_loss_data=False):
+    def _on_output(
+        self,
+        mb,
+        batch,
+        collect,
+        temperature,
+        return_entropy,
+        loss_fn,
+        denominator,
+        output,
+        non_loss_data=False,
+    ):
         lp, ent = self._token_logprobs(output, batch, temperature, return_entropy)
         if collect:
-            return {"logprobs": lp.detach().float(),
-                    "entropy": None if ent is None else ent.detach().float()}
+            return {
+                "logprobs": lp.detach().float(),
+                "entropy": None if ent is None else ent.detach().float(),
+            }
         idx = batch["index"]
-        shard = None if idx is None else CPShard(self.mesh.cp_group, self.mesh.dims.cp,
-                                                 self.mesh.cp_rank)
-        return compute_loss(loss_fn, lp, ent, mb, denominator=denominator,
-                            valid=batch["valid"], index=idx, shard=shard)
+        shard = (
+            None
+            if idx is None
+            else CPShard(self.mesh.cp_group, self.mesh.dims.cp, self.mesh.cp_rank)
+        )
+        return compute_loss(
+            loss_fn,
+            lp,
+            ent,
+            mb,
+            denominator=denominator,
+            valid=batch["valid"],
+            index=idx,
+            shard=shard,
+        )
 
     def _run_schedule(self, micro_batches, step_fn, forward_only: bool, collect: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
         if len(micro_batches) % self.micro_batch_multiple:
-            raise ValueError(f"the interleaved pipeline (virtual_pipeline_size={self.mesh.vpp}) "
-                             f"needs a multiple of PP={self.micro_batch_multiple} micro-batches, "
-                             f"got {len(micro_batches)}")
+            raise ValueError(
+                f"the interleaved pipeline (virtual_pipeline_size={self.mesh.vpp}) "
+                f"needs a multiple of PP={self.micro_batch_multiple} micro-batches, "
+                f"got {len(micro_batches)}"
+            )
         batches = []
         for mb in micro_batches:
             with blame(mb):
@@ -256,14 +369,18 @@ class MegatronEngine:
         n_chunks = len(self.model)
         iters = [iter(data) for _ in range(n_chunks)] if n_chunks > 1 else iter(data)
         seq_len = max(b["input_ids"].shape[1] for b in batches)
-        fwd_bwd = get_forward_backward_func(pp_size=self.mesh.dims.pp,
-                                            vp_size=self.mesh.vpp)
+        fwd_bwd = get_forward_backward_func(pp_size=self.mesh.dims.pp, vp_size=self.mesh.vpp)
         with cleared_after(self.replay):
-            return fwd_bwd(forward_step_func=step_fn, data_iterator=iters,
-                           model=self.model if n_chunks > 1 else self.model[0],
-                           num_microbatches=len(micro_batches), seq_length=seq_len,
-                           micro_batch_size=1, forward_only=forward_only,
-                           collect_non_loss_data=collect)
+            return fwd_bwd(
+                forward_step_func=step_fn,
+                data_iterator=iters,
+                model=self.model if n_chunks > 1 else self.model[0],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_len,
+                micro_batch_size=1,
+                forward_only=forward_only,
+                collect_non_loss_data=collect,
+            )
 
     @property
     def micro_batch_multiple(self) -> int:
@@ -278,8 +395,14 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def forward_logprobs(self, micro_batches: Sequence[dict], *, temperature: float = 1.0,
-                         return_entropy: bool = False, free_routing: bool = False):
+    def forward_logprobs(
+        self,
+        micro_batches: Sequence[dict],
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+        free_routing: bool = False,
+    ):
         """Per-token log-probability of each token's next token (the micro-batch's ``labels``,
         from ``train.batches.next_token_layout``), per micro-batch.
 
@@ -292,8 +415,9 @@ class MegatronEngine:
         if not micro_batches:
             return []
         self._set_mode(False)
-        step = partial(self._forward_step, collect=True, temperature=temperature,
-                       return_entropy=return_entropy)
+        step = partial(
+            self._forward_step, collect=True, temperature=temperature, return_entropy=return_entropy
+        )
         with free_routing_if(self.replay, free_routing):
             out = self._run_schedule(micro_batches, step, forward_only=True, collect=True)
         totals = [int(torch.as_tensor(mb["input_ids"]).numel()) for mb in micro_batches]
@@ -308,14 +432,13 @@ class MegatronEngine:
         else:
             flat = torch.empty(flat_len, dtype=torch.float32, device=self.mesh.device)
         if self.mesh.dims.pp > 1:
-            dist.broadcast(flat, src=self.mesh.last_stage_global_rank(),
-                           group=self.mesh.pp_group)
+            dist.broadcast(flat, src=self.mesh.last_stage_global_rank(), group=self.mesh.pp_group)
         flat = flat.cpu()
         res, off = [], 0
         for total in totals:
             fields = []
             for _ in range(n_fields):
-                fields.append(flat[off:off + total])
+                fields.append(flat[off : off + total])
                 off += total
             res.append(tuple(fields) if return_entropy else fields[0])
         return res
@@ -329,16 +452,21 @@ class MegatronEngine:
         bounds = torch.as_tensor(mb.get("cu_seqlens_padded", mb["cu_seqlens"])).tolist()
         return zigzag_merge(shards, bounds, total)
 
-    def global_denominator(self, micro_batches: Sequence[dict],
-                           denominator_fn: Optional[Callable] = None) -> torch.Tensor:
+    def global_denominator(
+        self, micro_batches: Sequence[dict], denominator_fn: Optional[Callable] = None
+    ) -> torch.Tensor:
         """Σ over micro-batches and DP ranks of ``denominator_fn(mb)`` (fp32 scalar)."""
-        return global_denominator(micro_batches, denominator_fn or default_denominator,
-                                  self.mesh)
+        return global_denominator(micro_batches, denominator_fn or default_denominator, self.mesh)
 
-    def forward_backward(self, micro_batches: Sequence[dict], loss_fn: LossFn,
-                         denominator_fn: Optional[Callable] = None, *,
-                         temperature: Optional[float] = None,
-                         return_entropy: bool = False) -> dict:
+    def forward_backward(
+        self,
+        micro_batches: Sequence[dict],
+        loss_fn: LossFn,
+        denominator_fn: Optional[Callable] = None,
+        *,
+        temperature: Optional[float] = None,
+        return_entropy: bool = False,
+    ) -> dict:
         """Zero the gradient buffers, run forward+backward over all micro-batches and reduce the
         gradients (DP, SP norms, tied embeddings); no optimizer step. Returns summed stats
         (reduced over DP, identical on every rank)."""
@@ -352,9 +480,15 @@ class MegatronEngine:
         for c in self.model:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        step = partial(self._forward_step, collect=False, temperature=temperature,
-                       return_entropy=return_entropy, loss_fn=loss_fn, denominator=safe)
-        if self.moe_aux is not None:   # router aux loss scaled per token for this step
+        step = partial(
+            self._forward_step,
+            collect=False,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            loss_fn=loss_fn,
+            denominator=safe,
+        )
+        if self.moe_aux is not None:  # router aux loss scaled per token for this step
             out = self.moe_aux.run(self._run_schedule, micro_batches, step, False, False)
         else:
             out = self._run_schedule(micro_batches, step, forward_only=False, collect=False)
@@ -374,27 +508,47 @@ class MegatronEngine:
         grads = () if self.model_cfg.dtype == "fp16" else model_grads(self.model)
         bad_loss, bad_grad = nonfinite_flags(loss, grads, self.mesh.device)
         if bad_loss or bad_grad:
-            return {"grad_norm": math.nan, "lr": lr, "update_successful": 0.0, "skipped": 1.0,
-                    "nonfinite_loss": float(bad_loss), "nonfinite_grad": float(bad_grad)}
+            return {
+                "grad_norm": math.nan,
+                "lr": lr,
+                "update_successful": 0.0,
+                "skipped": 1.0,
+                "nonfinite_loss": float(bad_loss),
+                "nonfinite_grad": float(bad_grad),
+            }
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.lr_scheduler.step(increment=1)
             self.step_count += 1
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": lr, "update_successful": float(bool(ok)), "skipped": 0.0}
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "lr": lr,
+            "update_successful": float(bool(ok)),
+            "skipped": 0.0,
+        }
 
-    def train_batch(self, micro_batches: Sequence[dict], loss_fn: LossFn,
-                    denominator_fn: Optional[Callable] = None, *,
-                    temperature: Optional[float] = None, return_entropy: bool = False
-                    ) -> dict:
+    def train_batch(
+        self,
+        micro_batches: Sequence[dict],
+        loss_fn: LossFn,
+        denominator_fn: Optional[Callable] = None,
+        *,
+        temperature: Optional[float] = None,
+        return_entropy: bool = False,
+    ) -> dict:
         """One optimizer step on ``micro_batches`` (this DP rank's share of the batch).
 
         Returns stats: ``loss`` (Σ numerators / global denominator), ``grad_norm`` (before
         clipping), ``lr`` (used by this step), ``n_tokens`` (global denominator), ``skipped``
         (1: a non-finite loss or gradient, no update applied, :meth:`optimizer_step`), plus
         every ``loss_fn`` stat summed over micro-batches and DP ranks."""
-        stats = self.forward_backward(micro_batches, loss_fn, denominator_fn,
-                                      temperature=temperature, return_entropy=return_entropy)
+        stats = self.forward_backward(
+            micro_batches,
+            loss_fn,
+            denominator_fn,
+            temperature=temperature,
+            return_entropy=return_entropy,
+        )
         stats.update(self.optimizer_step(loss=stats.get("loss")))
         return stats
 
@@ -425,6 +579,7 @@ class MegatronEngine:
         """The model keys a checkpoint of this engine holds: None (all), or with LoRA the
         adapters' (:func:`areal_mega.lora.actor.adapter_keys`)."""
         from areal_mega.lora.actor import adapter_keys
+
         return adapter_keys if self.lora is not None else None
 
     def save(self, directory: str, extra: Optional[dict] = None) -> None:
@@ -432,14 +587,28 @@ class MegatronEngine:
         ``directory`` (``<directory>/iter_<step>``, atomic; see
         :mod:`areal_mega.checkpoint.dist_ckpt`). Collective over all ranks."""
         from areal_mega.checkpoint.dist_ckpt import save_checkpoint
-        save_checkpoint(directory, self.step_count, self.model_chunks(), self.optimizer,
-                        self.lr_scheduler, extra=extra, model_keys=self.checkpoint_keys)
+
+        save_checkpoint(
+            directory,
+            self.step_count,
+            self.model_chunks(),
+            self.optimizer,
+            self.lr_scheduler,
+            extra=extra,
+            model_keys=self.checkpoint_keys,
+        )
 
     def load(self, directory: str) -> Optional[dict]:
         """Load the latest checkpoint under ``directory`` (or one ``iter_*`` directory) into
         any TP/PP/EP layout (resharding); returns the saved ``extra``."""
         from areal_mega.checkpoint.dist_ckpt import load_checkpoint
-        loaded = load_checkpoint(directory, self.model_chunks(), self.optimizer,
-                                 self.lr_scheduler, model_keys=self.checkpoint_keys)
+
+        loaded = load_checkpoint(
+            directory,
+            self.model_chunks(),
+            self.optimizer,
+            self.lr_scheduler,
+            model_keys=self.checkpoint_keys,
+        )
         self.step_count = loaded.iteration
         return loaded.extra

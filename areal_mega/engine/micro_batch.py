@@ -7,22 +7,28 @@ prompt once, and ``expand`` maps every packed token to its row there. ``labels``
 stay in the packed layout (what the loss reads); ``model_labels`` are the labels of the model's
 rows.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
 
-from areal_mega.engine.packed import (cp_token_index, micro_batch_labels, segment_ids_from_cu,
-                                      slot_offsets)
+from areal_mega.engine.packed import (
+    cp_token_index,
+    micro_batch_labels,
+    segment_ids_from_cu,
+    slot_offsets,
+)
 from areal_mega.engine.packed_params import packed_seq_kwargs
 from areal_mega.scheduler.shared_prefix import plan_shared_prefix
 
 __all__ = ["prepare_micro_batch", "model_rows"]
 
 
-def prepare_micro_batch(mb: dict, mesh, *, use_te: bool, replay=None,
-                        share_prefix: bool = False) -> dict:
+def prepare_micro_batch(
+    mb: dict, mesh, *, use_te: bool, replay=None, share_prefix: bool = False
+) -> dict:
     """Model inputs for one packed micro-batch (``input_ids`` [1, T'], ``position_ids``,
     ``packed_seq_params``, ``labels`` / ``valid`` [T], ``model_labels`` [T'], ``index``: this CP
     rank's tokens or None, ``expand``: [T] rows of the shared-prefix layout or None,
@@ -32,10 +38,11 @@ def prepare_micro_batch(mb: dict, mesh, *, use_te: bool, replay=None,
     total = ids.shape[0]
     tp = mesh.dims.tp
     if mesh.sequence_parallel and total % tp:
-        raise ValueError(f"packed length {total} must be a multiple of TP={tp} with "
-                         "sequence parallelism (pack with pad_to_multiple=TP)")
-    pos = torch.as_tensor(mb["position_ids"]).long().reshape(-1) if "position_ids" in mb \
-        else None
+        raise ValueError(
+            f"packed length {total} must be a multiple of TP={tp} with "
+            "sequence parallelism (pack with pad_to_multiple=TP)"
+        )
+    pos = torch.as_tensor(mb["position_ids"]).long().reshape(-1) if "position_ids" in mb else None
     starts, lens = slot_offsets(mb)
     labels = micro_batch_labels(mb, total)
     valid = labels >= 0
@@ -43,31 +50,40 @@ def prepare_micro_batch(mb: dict, mesh, *, use_te: bool, replay=None,
     if pos is None:
         seg0 = segment_ids_from_cu(total, starts, lens, bounds[1:])
         pos = torch.arange(total) - torch.cat([bounds, torch.tensor([total])])[seg0]
-    batch: dict[str, Any] = {"n_total": total, "labels": labels, "valid": valid,
-                             "index": None, "expand": None}
+    batch: dict[str, Any] = {
+        "n_total": total,
+        "labels": labels,
+        "valid": valid,
+        "index": None,
+        "expand": None,
+    }
     cp = mesh.dims.cp
     dev = mesh.device
     if cp > 1 and not use_te:
         raise RuntimeError("context parallelism needs TransformerEngine (GPU)")
     from megatron.core.packed_seq_params import PackedSeqParams
+
     layout = None
     if share_prefix and mb.get("loss_mask") is not None:
         mask = torch.as_tensor(mb["loss_mask"]).reshape(-1).tolist()
         layout = plan_shared_prefix(ids.tolist(), labels.tolist(), bounds.tolist(), mask)
     if layout is not None:
         from areal_mega.models.varlen_attention import SharedPrefixSeqParams
+
         keep = torch.tensor(layout.keep)
         batch["expand"] = torch.tensor(layout.expand).to(dev)
         cu = [u[0] for u in layout.units] + [len(layout.keep)]
         batch["packed_seq_params"] = SharedPrefixSeqParams(
-            units=layout.units, **packed_seq_kwargs(cu, None, len(layout.keep), device=dev))
+            units=layout.units, **packed_seq_kwargs(cu, None, len(layout.keep), device=dev)
+        )
         ids, pos, model_labels = ids[keep], pos[keep], labels[keep]
     else:
         # THD packed attention: TE's, or the local spec's per-sequence SDPA
         # (models/varlen_attention.py); padded offsets only where sequences are padded (CP):
         # see engine/packed_params.py
-        batch["packed_seq_params"] = PackedSeqParams(**packed_seq_kwargs(
-            mb["cu_seqlens"], bounds, total, cp=cp, device=dev))
+        batch["packed_seq_params"] = PackedSeqParams(
+            **packed_seq_kwargs(mb["cu_seqlens"], bounds, total, cp=cp, device=dev)
+        )
         model_labels = labels
     batch["attention_mask"] = None
     if cp > 1:

@@ -32,6 +32,7 @@ step's statistics as ``moe_aux_loss_sum`` / ``moe_aux_loss_tokens`` (the trainer
 ``finalize_stats`` turns the pair into ``moe_aux_loss``: mean over MoE layers and
 micro-batches, weighted by tokens across DP ranks and minibatches).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,15 +41,15 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoEAuxLoss", "aux_coeff_for_step", "moe_aux_loss_scaling",
-           "TRACKER_NAME"]
+__all__ = ["MoEAuxLoss", "aux_coeff_for_step", "moe_aux_loss_scaling", "TRACKER_NAME"]
 
 #: megatron's tracker key for the ``aux_loss`` load-balancing type.
 TRACKER_NAME = "load_balancing_loss"
 
 
-def aux_coeff_for_step(coeff: float, n_tokens_global: float, ranks_per_micro_batch: int,
-                       tp_cp_size: int = 1) -> float:
+def aux_coeff_for_step(
+    coeff: float, n_tokens_global: float, ranks_per_micro_batch: int, tp_cp_size: int = 1
+) -> float:
     """The coefficient to hand megatron for one step so that the aux gradient is that of
     ``coeff · Σ_mb aux_mb · T_mb / n_tokens_global`` (see the module docstring):
     ``ranks_per_micro_batch`` ranks share a micro-batch's tokens, and megatron multiplies each
@@ -67,8 +68,9 @@ class MoEAuxLoss:
         self.mesh = mesh
         self.coeff = float(config.moe_aux_loss_coeff)
         self.n_moe_layers = max(1, int(n_moe_layers))
-        self.ranks_per_micro_batch = mesh.dims.cp * (mesh.dims.tp if config.sequence_parallel
-                                                     else 1)
+        self.ranks_per_micro_batch = mesh.dims.cp * (
+            mesh.dims.tp if config.sequence_parallel else 1
+        )
         self.tp_cp_size = mesh.dims.tp * mesh.dims.cp
 
     def global_tokens(self, micro_batches: Sequence[dict]) -> float:
@@ -84,7 +86,8 @@ class MoEAuxLoss:
         """Within the block ``config.moe_aux_loss_coeff`` is the per-step coefficient."""
         n = self.global_tokens(micro_batches)
         self.config.moe_aux_loss_coeff = aux_coeff_for_step(
-            self.coeff, n, self.ranks_per_micro_batch, self.tp_cp_size)
+            self.coeff, n, self.ranks_per_micro_batch, self.tp_cp_size
+        )
         try:
             yield n
         finally:
@@ -94,9 +97,13 @@ class MoEAuxLoss:
         """Σ over this DP rank's micro-batches and all MoE layers of the unscaled aux loss
         (partials summed over PP stages and over the ranks sharing the tokens)."""
         from megatron.core.transformer.moe import moe_utils
+
         entry = moe_utils.get_moe_layer_wise_logging_tracker().get(TRACKER_NAME)
-        values = (entry["values"].detach().clone().float() if entry is not None else
-                  torch.zeros(self.config.num_layers, device=self.mesh.device))
+        values = (
+            entry["values"].detach().clone().float()
+            if entry is not None
+            else torch.zeros(self.config.num_layers, device=self.mesh.device)
+        )
         values = values.to(self.mesh.device)
         if self.mesh.dims.pp > 1:
             dist.all_reduce(values, group=self.mesh.pp_group)
@@ -105,14 +112,16 @@ class MoEAuxLoss:
             dist.all_reduce(values, group=tp_cp)
         return float(values.sum())
 
-    def run(self, run_schedule: Callable, micro_batches, step_fn, forward_only: bool,
-            collect: bool):
+    def run(
+        self, run_schedule: Callable, micro_batches, step_fn, forward_only: bool, collect: bool
+    ):
         """Run ``run_schedule`` (the engine's) with the per-step coefficient (training only)
         and add ``moe_aux_loss_sum`` / ``moe_aux_loss_tokens`` to the first record on the last
         stage, as shares that sum over the DP×CP ranks (``_reduce_stats``) to the totals."""
         if forward_only or not micro_batches:
             return run_schedule(micro_batches, step_fn, forward_only, collect)
         from megatron.core.transformer.moe import moe_utils
+
         moe_utils.clear_aux_losses_tracker()
         with self.step_coefficient(micro_batches):
             out = run_schedule(micro_batches, step_fn, forward_only, collect)

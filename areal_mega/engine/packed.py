@@ -7,6 +7,7 @@ Packed layout (from :func:`areal_mega.scheduler.packing.pack_sequences`): sequen
 cu_seqlens[b]``; without context parallelism ``cu_seqlens_padded == cu_seqlens``. Tokens beyond
 ``cu_seqlens_padded[-1]`` are trailing padding.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -16,8 +17,17 @@ import torch
 from areal_mega.scheduler.packing import zigzag_index  # noqa: F401 (re-exported)
 from areal_mega.scheduler.packing import zigzag_shard_bounds as shard_bounds  # noqa: F401
 
-__all__ = ["slot_offsets", "micro_batch_labels", "segment_ids_from_cu", "block_causal_mask",
-           "zigzag_index", "zigzag_split", "zigzag_merge", "shard_bounds", "cp_token_index"]
+__all__ = [
+    "slot_offsets",
+    "micro_batch_labels",
+    "segment_ids_from_cu",
+    "block_causal_mask",
+    "zigzag_index",
+    "zigzag_split",
+    "zigzag_merge",
+    "shard_bounds",
+    "cp_token_index",
+]
 
 
 def slot_offsets(mb: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,18 +43,22 @@ def micro_batch_labels(mb: dict, total: int) -> torch.Tensor:
     -1 where there is none), checked. Labels are made once, with the data
     (``train.batches.next_token_layout``); the engine never shifts tokens itself."""
     if "labels" not in mb:
-        raise ValueError("micro-batch has no 'labels' field (the next-token targets): build its "
-                         "samples with areal_mega.train.batches.next_token_layout")
+        raise ValueError(
+            "micro-batch has no 'labels' field (the next-token targets): build its "
+            "samples with areal_mega.train.batches.next_token_layout"
+        )
     labels = torch.as_tensor(mb["labels"])
-    if labels.is_floating_point() or labels.dtype == torch.bool or \
-            tuple(labels.shape) != (total,):
-        raise ValueError(f"micro-batch field 'labels' must be integer [{total}] like "
-                         f"input_ids, got {labels.dtype} {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.dtype == torch.bool or tuple(labels.shape) != (total,):
+        raise ValueError(
+            f"micro-batch field 'labels' must be integer [{total}] like "
+            f"input_ids, got {labels.dtype} {tuple(labels.shape)}"
+        )
     return labels.long()
 
 
-def segment_ids_from_cu(total: int, starts: torch.Tensor, lens: torch.Tensor,
-                        slot_ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+def segment_ids_from_cu(
+    total: int, starts: torch.Tensor, lens: torch.Tensor, slot_ends: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Segment id per token: ``b`` inside slot ``b``, ``B`` for trailing padding."""
     b = starts.shape[0]
     seg = torch.full((total,), b, dtype=torch.long)
@@ -64,15 +78,17 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (~(same & causal))[None, None]
 
 
-def zigzag_split(x: torch.Tensor, bounds: Sequence[int], cp_size: int, cp_rank: int,
-                 dim: int = 0) -> torch.Tensor:
+def zigzag_split(
+    x: torch.Tensor, bounds: Sequence[int], cp_size: int, cp_rank: int, dim: int = 0
+) -> torch.Tensor:
     """This CP rank's share of a packed per-token tensor (see :func:`zigzag_index`)."""
     idx = zigzag_index(bounds, x.shape[dim], cp_size, cp_rank).to(x.device)
     return x.index_select(dim, idx)
 
 
-def zigzag_merge(shards: Sequence[torch.Tensor], bounds: Sequence[int], total: int,
-                 dim: int = 0) -> torch.Tensor:
+def zigzag_merge(
+    shards: Sequence[torch.Tensor], bounds: Sequence[int], total: int, dim: int = 0
+) -> torch.Tensor:
     """Inverse of :func:`zigzag_split`: reassemble the full tensor from every rank's share
     (``shards[r]`` from rank r, e.g. after an all-gather over the CP group)."""
     cp = len(shards)

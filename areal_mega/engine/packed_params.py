@@ -19,6 +19,7 @@ pads each sequence to a multiple of 2·CP); otherwise they are None, which both 
 THD path divides the padded offsets by CP and needs them, so with CP > 1 and no padding the
 unpadded tensor itself is passed (the same object: TE >= 2.18 then sees no padding).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,8 +29,9 @@ import torch
 __all__ = ["packed_seq_kwargs"]
 
 
-def packed_seq_kwargs(cu_seqlens, cu_seqlens_padded, total: int, cp: int = 1,
-                      device: Optional[torch.device] = None) -> dict:
+def packed_seq_kwargs(
+    cu_seqlens, cu_seqlens_padded, total: int, cp: int = 1, device: Optional[torch.device] = None
+) -> dict:
     """Keyword arguments of megatron's ``PackedSeqParams`` (``qkv_format="thd"``).
 
     ``cu_seqlens``: [B+1] offsets of the real tokens; ``cu_seqlens_padded``: [B+1] slot
@@ -40,11 +42,16 @@ def packed_seq_kwargs(cu_seqlens, cu_seqlens_padded, total: int, cp: int = 1,
     the very tensor passed as ``cu_seqlens_q``. ``max_seqlen_*`` are host ints (no device
     sync)."""
     cu = torch.as_tensor(cu_seqlens).to(torch.int32).cpu()
-    pad = cu if cu_seqlens_padded is None else \
-        torch.as_tensor(cu_seqlens_padded).to(torch.int32).cpu()
+    pad = (
+        cu
+        if cu_seqlens_padded is None
+        else torch.as_tensor(cu_seqlens_padded).to(torch.int32).cpu()
+    )
     if pad.shape != cu.shape:
-        raise ValueError(f"cu_seqlens_padded has shape {tuple(pad.shape)}, cu_seqlens "
-                         f"{tuple(cu.shape)}: they must have the same length B+1")
+        raise ValueError(
+            f"cu_seqlens_padded has shape {tuple(pad.shape)}, cu_seqlens "
+            f"{tuple(cu.shape)}: they must have the same length B+1"
+        )
     last = int(pad[-1])
     if last > total:
         raise ValueError(f"cu_seqlens_padded ends at {last}, beyond the packed length {total}")
@@ -59,6 +66,12 @@ def packed_seq_kwargs(cu_seqlens, cu_seqlens_padded, total: int, cp: int = 1,
         pad_dev = pad.to(device) if device is not None else pad
     else:
         pad_dev = cu_dev if cp > 1 else None
-    return dict(qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev,
-                cu_seqlens_q_padded=pad_dev, cu_seqlens_kv_padded=pad_dev,
-                max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return dict(
+        qkv_format="thd",
+        cu_seqlens_q=cu_dev,
+        cu_seqlens_kv=cu_dev,
+        cu_seqlens_q_padded=pad_dev,
+        cu_seqlens_kv_padded=pad_dev,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )

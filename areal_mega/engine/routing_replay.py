@@ -42,6 +42,7 @@ padding is its own segment, and causal attention never lets another token see th
 reach the MoE aux loss, which counts every packed token (padding included, as without replay)
 and routes by the router's free top-k, through those tokens' hidden states in later layers.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -51,9 +52,18 @@ import torch
 
 from areal_mega.common.moe_routes import repeated_expert
 
-__all__ = ["ROUTES_KEY", "RouteReplayer", "check_replay_target", "check_routes",
-           "cleared_after", "fill_missing_routes", "free_routing_if", "moe_layer_columns",
-           "route_agreement_counts", "sequence_parallel_slice"]
+__all__ = [
+    "ROUTES_KEY",
+    "RouteReplayer",
+    "check_replay_target",
+    "check_routes",
+    "cleared_after",
+    "fill_missing_routes",
+    "free_routing_if",
+    "moe_layer_columns",
+    "route_agreement_counts",
+    "sequence_parallel_slice",
+]
 
 #: The packed micro-batch field (and trajectory ``token_extras`` name) holding the routes.
 ROUTES_KEY = "routed_experts"
@@ -91,23 +101,29 @@ def sequence_parallel_slice(n_tokens: int, tp: int, tp_rank: int) -> slice:
     return slice(tp_rank * per, (tp_rank + 1) * per)
 
 
-def check_routes(routes: torch.Tensor, total: int, n_layers: int, topk: int,
-                 num_experts: int) -> None:
+def check_routes(
+    routes: torch.Tensor, total: int, n_layers: int, topk: int, num_experts: int
+) -> None:
     """Raise a ValueError naming the field when packed ``routes`` are not
     ``[total, n_layers, topk]`` expert ids in ``[-1, num_experts)``, distinct within a token's
     top-k."""
     want = (total, n_layers, topk)
     where = f"micro-batch field {ROUTES_KEY!r} (token_extras.{ROUTES_KEY})"
     if tuple(routes.shape) != want:
-        raise ValueError(f"{where} has shape {tuple(routes.shape)}, expected {want} (packed "
-                         "tokens, MoE layers, top-k)")
+        raise ValueError(
+            f"{where} has shape {tuple(routes.shape)}, expected {want} (packed "
+            "tokens, MoE layers, top-k)"
+        )
     if routes.numel() and (int(routes.min()) < -1 or int(routes.max()) >= num_experts):
-        raise ValueError(f"{where} holds expert ids in [{int(routes.min())}, "
-                         f"{int(routes.max())}], expected [-1, {num_experts})")
+        raise ValueError(
+            f"{where} holds expert ids in [{int(routes.min())}, "
+            f"{int(routes.max())}], expected [-1, {num_experts})"
+        )
     rep = repeated_expert(routes.cpu().numpy()) if topk > 1 else None
     if rep is not None:
-        raise ValueError(f"{where}: token {rep[0]}, MoE layer {rep[1]} names expert {rep[2]} "
-                         "twice in its top-k")
+        raise ValueError(
+            f"{where}: token {rep[0]}, MoE layer {rep[1]} names expert {rep[2]} twice in its top-k"
+        )
 
 
 def route_agreement_counts(free: torch.Tensor, rollout: torch.Tensor) -> tuple[int, int]:
@@ -126,16 +142,20 @@ def check_replay_target(routing_replay: bool, role: str, arch) -> None:
     if role != "actor":
         raise ValueError(f"routing replay is for the actor only, not role={role!r}")
     if not arch.is_moe:
-        raise ValueError(f"algorithm.routing_replay='r3' needs a mixture-of-experts model; "
-                         f"model_type {arch.model_type!r} is dense (set "
-                         "algorithm.routing_replay=off)")
+        raise ValueError(
+            f"algorithm.routing_replay='r3' needs a mixture-of-experts model; "
+            f"model_type {arch.model_type!r} is dense (set "
+            "algorithm.routing_replay=off)"
+        )
     if arch.moe_score_function != "softmax":
         # megatron would replay these routers' indices correctly, but no rollout server
         # reports them yet: the CPU server's capture recomputes a softmax top-k
-        raise ValueError(f"algorithm.routing_replay='r3' is not supported for model_type "
-                         f"{arch.model_type!r}: the rollout servers' route capture covers the "
-                         "softmax top-k router only, not a sigmoid router with an expert bias "
-                         "(set algorithm.routing_replay=off)")
+        raise ValueError(
+            f"algorithm.routing_replay='r3' is not supported for model_type "
+            f"{arch.model_type!r}: the rollout servers' route capture covers the "
+            "softmax top-k router only, not a sigmoid router with an expert bias "
+            "(set algorithm.routing_replay=off)"
+        )
 
 
 @contextmanager
@@ -170,21 +190,23 @@ class RouteReplayer:
 
     def __init__(self, model: Sequence, mesh, arch):
         from megatron.core.transformer.moe.router import TopKRouter
+
         self.mesh = mesh
         self.num_experts = arch.num_experts
         self.topk = arch.moe_topk
         pattern = list(arch.moe_layer_pattern or [1] * arch.num_layers)
         self.n_moe_layers = int(sum(pattern))
         columns = moe_layer_columns(pattern)
-        self.chunks: list[list] = []     # per chunk: [(RouterReplay, MoE column)]
+        self.chunks: list[list] = []  # per chunk: [(RouterReplay, MoE column)]
         for chunk in model:
             routers = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
             if any(r.router_replay is None for r in routers):
-                raise RuntimeError("routing replay needs a model built with "
-                                   "moe_enable_routing_replay=True")
+                raise RuntimeError(
+                    "routing replay needs a model built with moe_enable_routing_replay=True"
+                )
             self.chunks.append([(r.router_replay, columns[r.layer_number]) for r in routers])
-        self.free = False               # RECORD (free routing) instead of replay
-        self.agree = torch.zeros(2, dtype=torch.long)   # (agreeing, compared) rows x layers
+        self.free = False  # RECORD (free routing) instead of replay
+        self.agree = torch.zeros(2, dtype=torch.long)  # (agreeing, compared) rows x layers
 
     @property
     def instances(self) -> list:
@@ -196,8 +218,10 @@ class RouteReplayer:
         as sent (-1 kept)}``, both [T_router, layers, topk] for the tokens its routers see
         (CP share ``index``, then the sequence-parallel slice)."""
         if ROUTES_KEY not in mb or mb[ROUTES_KEY] is None:
-            raise ValueError(f"routing replay is on but the micro-batch has no {ROUTES_KEY!r} "
-                             f"(token_extras.{ROUTES_KEY} of its trajectories)")
+            raise ValueError(
+                f"routing replay is on but the micro-batch has no {ROUTES_KEY!r} "
+                f"(token_extras.{ROUTES_KEY} of its trajectories)"
+            )
         total = int(torch.as_tensor(mb["input_ids"]).numel())
         given = torch.as_tensor(mb[ROUTES_KEY]).long()
         check_routes(given, total, self.n_moe_layers, self.topk, self.num_experts)
@@ -207,8 +231,9 @@ class RouteReplayer:
             if index is not None:
                 value = value.index_select(0, index)
             if self.mesh.sequence_parallel and self.mesh.dims.tp > 1:
-                value = value[sequence_parallel_slice(value.shape[0], self.mesh.dims.tp,
-                                                      self.mesh.tp_rank)]
+                value = value[
+                    sequence_parallel_slice(value.shape[0], self.mesh.dims.tp, self.mesh.tp_rank)
+                ]
             routes[key] = value
         return routes
 
@@ -219,6 +244,7 @@ class RouteReplayer:
         the output takes part in autograd, hooks the switch to ``REPLAY_BACKWARD`` for when
         this micro-batch's backward reaches it (recompute then pops its own targets)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction as Action
+
         chunk, dev = self.chunks[chunk_index], self.mesh.device
         for rr, col in chunk:
             if self.free:
@@ -235,11 +261,13 @@ class RouteReplayer:
         def done(output: torch.Tensor) -> None:
             if self.free:
                 for rr, col in chunk:
-                    a, n = route_agreement_counts(rr.get_recorded_indices().cpu(),
-                                                  routes["given"][:, col, :])
+                    a, n = route_agreement_counts(
+                        rr.get_recorded_indices().cpu(), routes["given"][:, col, :]
+                    )
                     self.agree += torch.tensor([a, n])
             elif output.requires_grad:
                 output.register_hook(to_backward)
+
         return done
 
     def clear(self) -> None:
@@ -257,13 +285,17 @@ class RouteReplayer:
         summed over every rank (each rank counts its own tokens and layers; TP ranks without
         sequence parallelism see the same tokens and only TP rank 0 counts)."""
         import torch.distributed as dist
+
         vec = self.agree.clone().double()
         m = self.mesh
         if m.dims.tp > 1 and not m.sequence_parallel and m.tp_rank != 0:
             vec.zero_()
         vec = vec.to(m.device)
-        for size, group in ((m.dims.tp, m.tp_group), (m.dims.pp, m.pp_group),
-                            (m.dims.dp * m.dims.cp, m.dp_cp_group)):
+        for size, group in (
+            (m.dims.tp, m.tp_group),
+            (m.dims.pp, m.pp_group),
+            (m.dims.dp * m.dims.cp, m.dp_cp_group),
+        ):
             if size > 1:
                 dist.all_reduce(vec, group=group)
         return float(vec[0]), float(vec[1])

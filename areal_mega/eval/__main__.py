@@ -18,6 +18,7 @@ averaged over prompts; pass@k (k = 1, 2, 4, ..., n) is the unbiased estimator of
 (2021); a sample is correct when its reward is >= ``--pass-threshold``. The summary is printed
 and written with every completion to ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,24 +61,28 @@ def resolve_model_dir(args, workdir: Path) -> Path:
         raise ValueError(f"--checkpoint {ckpt}: not a directory")
     if is_hf_dir(ckpt):
         return ckpt
-    if args.server_addrs:               # the servers hold the weights: tokenizer files only
+    if args.server_addrs:  # the servers hold the weights: tokenizer files only
         hf = Path(args.hf_config) if args.hf_config else resolve_checkpoint(ckpt) / HF_SUBDIR
         if not (hf / "config.json").is_file():
-            raise ValueError(f"--checkpoint {ckpt}: no HF config/tokenizer in {hf}; "
-                             "pass --hf-config")
+            raise ValueError(
+                f"--checkpoint {ckpt}: no HF config/tokenizer in {hf}; pass --hf-config"
+            )
         return hf
     from areal_mega.checkpoint.convert import convert_mcore_to_hf
 
     out = workdir / "hf"
-    ckpt = resolve_checkpoint(ckpt)     # the latest iter_* of a root; a clear error if none
+    ckpt = resolve_checkpoint(ckpt)  # the latest iter_* of a root; a clear error if none
     print(f"[eval] converting checkpoint {ckpt} to HF format", file=sys.stderr)
     convert_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config, progress=False)
     return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m areal_mega.eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m areal_mega.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF model directory")
     src.add_argument("--checkpoint", help="our checkpoint (root or iter_* dir), or HF dir")
@@ -89,29 +94,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=None, help="per-sample sampling seeds")
-    p.add_argument("--reward-fn", default="areal_mega.rewards:math_reward",
-                   help="module:function(prompt, completion, answer, **kw) -> float")
-    p.add_argument("--pass-threshold", type=float, default=1.0,
-                   help="a sample is correct when its reward >= this")
+    p.add_argument(
+        "--reward-fn",
+        default="areal_mega.rewards:math_reward",
+        help="module:function(prompt, completion, answer, **kw) -> float",
+    )
+    p.add_argument(
+        "--pass-threshold",
+        type=float,
+        default=1.0,
+        help="a sample is correct when its reward >= this",
+    )
     p.add_argument("--prompt-key", default="prompt")
     p.add_argument("--answer-key", default="answer")
-    p.add_argument("--chat-template", choices=["auto", "on", "off"], default="auto",
-                   help="auto: apply the tokenizer's chat template when it has one")
+    p.add_argument(
+        "--chat-template",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="auto: apply the tokenizer's chat template when it has one",
+    )
     p.add_argument("--max-prompt-len", type=int, default=4096)
-    p.add_argument("--server-addrs", nargs="+", default=None,
-                   help="running SGLang-compatible servers host:port (default: start ours)")
-    p.add_argument("--backend", choices=["sglang", "vllm"], default="sglang",
-                   help="what the --server-addrs speak (vllm: vLLM servers in dev mode)")
-    p.add_argument("--api-key", default=os.environ.get("AREAL_ROLLOUT_API_KEY"),
-                   help="servers' API key (default: $AREAL_ROLLOUT_API_KEY)")
+    p.add_argument(
+        "--server-addrs",
+        nargs="+",
+        default=None,
+        help="running SGLang-compatible servers host:port (default: start ours)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="what the --server-addrs speak (vllm: vLLM servers in dev mode)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("AREAL_ROLLOUT_API_KEY"),
+        help="servers' API key (default: $AREAL_ROLLOUT_API_KEY)",
+    )
     p.add_argument("--num-servers", type=int, default=1, help="local CPU servers to start")
     p.add_argument("--server-threads", type=int, default=1, help="torch threads per server")
     p.add_argument("--max-concurrent", type=int, default=64, help="requests in flight")
     p.add_argument("--out", default="eval_results.json", help="results JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    for name, lo in (("n_samples", 1), ("max_new_tokens", 1), ("num_servers", 1),
-                     ("server_threads", 1), ("max_concurrent", 1), ("max_prompt_len", 1)):
+    for name, lo in (
+        ("n_samples", 1),
+        ("max_new_tokens", 1),
+        ("num_servers", 1),
+        ("server_threads", 1),
+        ("max_concurrent", 1),
+        ("max_prompt_len", 1),
+    ):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= {lo}")
     if args.temperature < 0:
@@ -125,11 +158,20 @@ async def _run(args, addrs: list, items: list, tokenizer, reward_fn) -> list:
     client = client_class(args.backend)(addrs, api_key=args.api_key)
     try:
         await client.wait_ready(timeout=120.0)
-        return await evaluate(client, items, tokenizer, reward_fn, n_samples=args.n_samples,
-                              temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                              max_concurrent=args.max_concurrent, seed=args.seed,
-                              progress=not args.no_progress)
+        return await evaluate(
+            client,
+            items,
+            tokenizer,
+            reward_fn,
+            n_samples=args.n_samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_new_tokens,
+            max_concurrent=args.max_concurrent,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
     finally:
         await client.close()
 
@@ -145,16 +187,25 @@ def main(argv=None) -> dict:
     try:
         model_dir = resolve_model_dir(args, workdir)
         tokenizer = load_tokenizer(str(model_dir))
-        chat = {"on": True, "off": False}.get(args.chat_template,
-                                               bool(getattr(tokenizer, "chat_template", None)))
-        items = load_eval_items(args.data, tokenizer, prompt_key=args.prompt_key,
-                                answer_key=args.answer_key, apply_chat_template=chat,
-                                max_prompt_len=args.max_prompt_len)
+        chat = {"on": True, "off": False}.get(
+            args.chat_template, bool(getattr(tokenizer, "chat_template", None))
+        )
+        items = load_eval_items(
+            args.data,
+            tokenizer,
+            prompt_key=args.prompt_key,
+            answer_key=args.answer_key,
+            apply_chat_template=chat,
+            max_prompt_len=args.max_prompt_len,
+        )
         addrs = args.server_addrs
         if not addrs:
-            procs = launch_local_servers(str(model_dir), args.num_servers,
-                                         api_key=args.api_key,
-                                         num_threads=args.server_threads)
+            procs = launch_local_servers(
+                str(model_dir),
+                args.num_servers,
+                api_key=args.api_key,
+                num_threads=args.server_threads,
+            )
             addrs = [p.addr for p in procs]
         t0 = time.time()
         records = asyncio.run(_run(args, addrs, items, tokenizer, reward_fn))
@@ -165,19 +216,34 @@ def main(argv=None) -> dict:
         shutdown_reward_workers()
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarize(records, pass_threshold=args.pass_threshold)
-    settings = {k: getattr(args, k) for k in (
-        "model", "checkpoint", "data", "n_samples", "temperature", "top_p", "top_k",
-        "max_new_tokens", "seed", "reward_fn", "pass_threshold", "server_addrs")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "model",
+            "checkpoint",
+            "data",
+            "n_samples",
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_new_tokens",
+            "seed",
+            "reward_fn",
+            "pass_threshold",
+            "server_addrs",
+        )
+    }
     settings["chat_template"] = chat
-    result = {"summary": summary, "settings": settings, "seconds": seconds,
-              "records": records}
+    result = {"summary": summary, "settings": settings, "seconds": seconds, "records": records}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # not durable: nothing reads it back on recovery; a lost file is one rerun
     atomic_write(out, json.dumps(result, indent=1) + "\n", durable=False)
     print(format_table(summary))
-    print(f"[eval] {len(records)} prompts x {args.n_samples} samples in {seconds:.1f} s; "
-          f"results: {out}")
+    print(
+        f"[eval] {len(records)} prompts x {args.n_samples} samples in {seconds:.1f} s; "
+        f"results: {out}"
+    )
     return result
 
 
@@ -188,7 +254,7 @@ def cli(argv=None) -> None:
 
     try:
         main(argv)
-    except (ValueError, CheckpointError, FileExistsError) as e:   # DataError is a ValueError
+    except (ValueError, CheckpointError, FileExistsError) as e:  # DataError is a ValueError
         print(f"[eval] error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -7,6 +7,7 @@ function and returns one record per prompt (see :mod:`areal_mega.eval.scores`). 
 command line (``python -m areal_mega.eval``) and by the rollout worker for evaluation during
 training (:mod:`areal_mega.eval.worker_hook`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,16 @@ from areal_mega.rollout.client import RolloutRequestError, sampling_dict
 from areal_mega.rollout.controller import model_finish
 
 
-def load_eval_items(paths: Sequence[str], tokenizer, *, prompt_key: str = "prompt",
-                    answer_key: str = "answer", apply_chat_template: bool = True,
-                    max_prompt_len: int = 1024, fmt: str = "auto") -> list:
+def load_eval_items(
+    paths: Sequence[str],
+    tokenizer,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    apply_chat_template: bool = True,
+    max_prompt_len: int = 1024,
+    fmt: str = "auto",
+) -> list:
     """Every prompt of every file as ``{"source", "prompt", "input_ids", "answer", "index"}``.
     ``source`` is the record's ``source`` field when it has one, else the file's stem. Errors
     (a missing file or field) are :class:`~areal_mega.data.dataset.DataError` naming the file
@@ -31,14 +39,26 @@ def load_eval_items(paths: Sequence[str], tokenizer, *, prompt_key: str = "promp
         raise DataError("no evaluation data files given")
     items = []
     for path in paths:
-        ds = PromptDataset(path, tokenizer, prompt_key=prompt_key, answer_key=answer_key,
-                           apply_chat_template=apply_chat_template,
-                           max_prompt_len=max_prompt_len, fmt=fmt)
+        ds = PromptDataset(
+            path,
+            tokenizer,
+            prompt_key=prompt_key,
+            answer_key=answer_key,
+            apply_chat_template=apply_chat_template,
+            max_prompt_len=max_prompt_len,
+            fmt=fmt,
+        )
         for it in ds.items:
             source = it.meta.get("source")
-            items.append({"source": str(source) if source not in (None, "") else Path(path).stem,
-                          "prompt": it.prompt, "input_ids": list(it.input_ids),
-                          "answer": it.answer, "index": len(items)})
+            items.append(
+                {
+                    "source": str(source) if source not in (None, "") else Path(path).stem,
+                    "prompt": it.prompt,
+                    "input_ids": list(it.input_ids),
+                    "answer": it.answer,
+                    "index": len(items),
+                }
+            )
     return items
 
 
@@ -51,19 +71,19 @@ async def generate_to_end(client, input_ids: list, params: dict, rid: str) -> tu
     seg = 0
     while True:
         p = dict(params, max_new_tokens=params["max_new_tokens"] - len(out))
-        res = await client.generate(list(input_ids) + out, p, rid=f"{rid}-r{seg}",
-                                    sticky_key=rid)
+        res = await client.generate(list(input_ids) + out, p, rid=f"{rid}-r{seg}", sticky_key=rid)
         status = (res.finish_reason or {}).get("status_code")
         if res.finish_type == "abort" and status:
             client.release(rid)
-            raise RolloutRequestError(f"{res.server}/generate: aborted with status {status}: "
-                                      f"{(res.finish_reason or {}).get('message', '')}",
-                                      status=int(status))
+            raise RolloutRequestError(
+                f"{res.server}/generate: aborted with status {status}: "
+                f"{(res.finish_reason or {}).get('message', '')}",
+                status=int(status),
+            )
         out += res.output_ids
         if res.finish_type != "abort" or len(out) >= params["max_new_tokens"]:
             client.release(rid)
-            return out, (res.finish_type if res.finish_type != "abort" else "length"), \
-                res.server
+            return out, (res.finish_type if res.finish_type != "abort" else "length"), res.server
         seg += 1
 
 
@@ -74,8 +94,10 @@ class _Bar:
         self.bar = None
         if enabled:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=desc, unit="sample", file=sys.stderr,
-                            dynamic_ncols=True)
+
+            self.bar = tqdm(
+                total=total, desc=desc, unit="sample", file=sys.stderr, dynamic_ncols=True
+            )
 
     def update(self) -> None:
         if self.bar is not None:
@@ -86,12 +108,24 @@ class _Bar:
             self.bar.close()
 
 
-async def evaluate(client, items: Sequence[dict], tokenizer, reward_fn: Callable, *,
-                   n_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-                   top_k: int = -1, max_new_tokens: int = 512, max_concurrent: int = 64,
-                   seed: Optional[int] = None, progress: bool = False,
-                   run_blocking: Optional[Callable] = None, rid_prefix: str = "eval",
-                   reward_fns: Optional[dict] = None) -> list:
+async def evaluate(
+    client,
+    items: Sequence[dict],
+    tokenizer,
+    reward_fn: Callable,
+    *,
+    n_samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    max_new_tokens: int = 512,
+    max_concurrent: int = 64,
+    seed: Optional[int] = None,
+    progress: bool = False,
+    run_blocking: Optional[Callable] = None,
+    rid_prefix: str = "eval",
+    reward_fns: Optional[dict] = None,
+) -> list:
     """Generate ``n_samples`` completions of every item and score them; returns one record
     per item, in item order: its ``source``, ``index``, ``prompt``, ``answer`` and per sample
     ``completions`` (text), ``output_ids``, ``rewards``, ``response_lens`` and
@@ -109,8 +143,10 @@ async def evaluate(client, items: Sequence[dict], tokenizer, reward_fn: Callable
         raise ValueError(f"n_samples={n_samples}: must be >= 1")
     loop = asyncio.get_running_loop()
     if run_blocking is None:
+
         async def run_blocking(fn, *args, **kw):
             return await loop.run_in_executor(None, lambda: fn(*args, **kw))
+
     params = sampling_dict(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     sem = asyncio.Semaphore(max_concurrent)
     bar = _Bar(len(items) * n_samples, progress, "eval")
@@ -120,27 +156,38 @@ async def evaluate(client, items: Sequence[dict], tokenizer, reward_fn: Callable
         if seed is not None:
             p["sampling_seed"] = int(seed) + i * n_samples + j
         async with sem:
-            ids, finish, _ = await generate_to_end(client, item["input_ids"], p,
-                                                   rid=f"{rid_prefix}-{i}-{j}")
+            ids, finish, _ = await generate_to_end(
+                client, item["input_ids"], p, rid=f"{rid_prefix}-{i}-{j}"
+            )
         finish = model_finish(finish, ids, p, tokenizer)
         text = tokenizer.decode(ids, skip_special_tokens=True)
         fn = (reward_fns or {}).get(item["source"], reward_fn)
-        reward = float(await run_blocking(fn, item["prompt"], text, item["answer"],
-                                          finish_reason=finish))
+        reward = float(
+            await run_blocking(fn, item["prompt"], text, item["answer"], finish_reason=finish)
+        )
         bar.update()
         return ids, text, finish, reward
 
     try:
-        results = await asyncio.gather(*(one(i, it, j) for i, it in enumerate(items)
-                                         for j in range(n_samples)))
+        results = await asyncio.gather(
+            *(one(i, it, j) for i, it in enumerate(items) for j in range(n_samples))
+        )
     finally:
         bar.close()
     records = []
     for i, it in enumerate(items):
-        mine = results[i * n_samples:(i + 1) * n_samples]
-        records.append({"source": it["source"], "index": it["index"], "prompt": it["prompt"],
-                        "answer": it["answer"], "completions": [m[1] for m in mine],
-                        "output_ids": [m[0] for m in mine], "rewards": [m[3] for m in mine],
-                        "response_lens": [len(m[0]) for m in mine],
-                        "finish_reasons": [m[2] for m in mine]})
+        mine = results[i * n_samples : (i + 1) * n_samples]
+        records.append(
+            {
+                "source": it["source"],
+                "index": it["index"],
+                "prompt": it["prompt"],
+                "answer": it["answer"],
+                "completions": [m[1] for m in mine],
+                "output_ids": [m[0] for m in mine],
+                "rewards": [m[3] for m in mine],
+                "response_lens": [len(m[0]) for m in mine],
+                "finish_reasons": [m[2] for m in mine],
+            }
+        )
     return records

@@ -5,6 +5,7 @@ A *record* is one prompt's outcome: ``{"source": str, "rewards": [float] * n,
 "response_lens": [int] * n, "finish_reasons": [str] * n, ...}`` with ``n`` samples. A sample
 is *correct* when its reward is at least ``pass_threshold`` (1.0 by default: full credit).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -46,13 +47,18 @@ def _summary(records: Sequence[dict], pass_threshold: float) -> dict:
     correct = []
     for r in records:
         if len(r["rewards"]) != n:
-            raise ValueError(f"record of source {r.get('source')!r}: {len(r['rewards'])} "
-                             f"samples, expected {n} like the others")
+            raise ValueError(
+                f"record of source {r.get('source')!r}: {len(r['rewards'])} "
+                f"samples, expected {n} like the others"
+            )
         correct.append(sum(1 for x in r["rewards"] if x >= pass_threshold))
     for k in pass_ks(n):
         out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(records)
-    samples = [(rew, ln, fin) for r in records
-               for rew, ln, fin in zip(r["rewards"], r["response_lens"], r["finish_reasons"])]
+    samples = [
+        (rew, ln, fin)
+        for r in records
+        for rew, ln, fin in zip(r["rewards"], r["response_lens"], r["finish_reasons"])
+    ]
     out["reward"] = sum(s[0] for s in samples) / len(samples)
     out["response_len"] = sum(s[1] for s in samples) / len(samples)
     out["truncation_rate"] = sum(1 for s in samples if s[2] == "length") / len(samples)
@@ -72,8 +78,10 @@ def summarize(records: Iterable[dict], pass_threshold: float = 1.0) -> dict:
     by_source: dict = {}
     for r in records:
         by_source.setdefault(str(r["source"]), []).append(r)
-    return {"overall": _summary(records, pass_threshold),
-            "per_source": {s: _summary(rs, pass_threshold) for s, rs in sorted(by_source.items())}}
+    return {
+        "overall": _summary(records, pass_threshold),
+        "per_source": {s: _summary(rs, pass_threshold) for s, rs in sorted(by_source.items())},
+    }
 
 
 def flat_metrics(summary: dict, prefix: str = "eval/") -> dict:
@@ -89,13 +97,17 @@ def flat_metrics(summary: dict, prefix: str = "eval/") -> dict:
 def format_table(summary: dict) -> str:
     """A plain-text table: one row for the whole set and one per source."""
     overall = summary["overall"]
-    keys = [k for k in overall if k.startswith("pass@")] + ["reward", "response_len",
-                                                            "truncation_rate"]
+    keys = [k for k in overall if k.startswith("pass@")] + [
+        "reward",
+        "response_len",
+        "truncation_rate",
+    ]
     rows = [("all", overall)] + list(summary["per_source"].items())
     width = max(12, *(len(name) for name, _ in rows))
     head = f"{'source':<{width}} {'prompts':>7} " + " ".join(f"{k:>15}" for k in keys)
     lines = [head, "-" * len(head)]
     for name, s in rows:
-        lines.append(f"{name:<{width}} {s['n_prompts']:>7} "
-                     + " ".join(f"{s[k]:>15.4f}" for k in keys))
+        lines.append(
+            f"{name:<{width}} {s['n_prompts']:>7} " + " ".join(f"{s[k]:>15.4f}" for k in keys)
+        )
     return "\n".join(lines)

@@ -24,6 +24,7 @@ gate/up): one matmul, one packed weight, the layers' forward hooks applied to th
 of the output. The price is memory: each weight is held in both packed layouts besides the
 dense parameter.
 """
+
 from __future__ import annotations
 
 import types
@@ -33,15 +34,17 @@ import torch.nn.functional as F
 
 from areal_mega.ops import decode as decode_ops
 
-PANEL_ROWS_MAX = 32   # rows up to which the panel kernel beats oneDNN (measured above)
+PANEL_ROWS_MAX = 32  # rows up to which the panel kernel beats oneDNN (measured above)
 
 
 def onednn_linear_available() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (CPU builds with MKLDNN)."""
     try:
-        return (torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
     except (AttributeError, RuntimeError):
         return False
 
@@ -67,8 +70,9 @@ class PackedWeight:
         kernels = self.kernels = decode_ops.panel_kernels()
         self.out_features, self.bias = w.shape[0], b
         self.panels = kernels.pack_gemm_panels(w) if kernels is not None else None
-        self.onednn = (torch.ops.mkldnn._reorder_linear_weight(w, None)
-                       if onednn_linear_available() else None)
+        self.onednn = (
+            torch.ops.mkldnn._reorder_linear_weight(w, None) if onednn_linear_available() else None
+        )
         self.dense = None if owned and self.onednn is not None else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,9 +104,14 @@ def _packed_weight(mod: torch.nn.Linear) -> PackedWeight:
 
 def _plain_path(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``x @ w.T`` must go to ``F.linear`` (autograd, another dtype or device)."""
-    return (x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu"
-            or w.device.type != "cpu" or x.numel() == 0
-            or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+    return (
+        x.dtype != torch.float32
+        or w.dtype != torch.float32
+        or x.device.type != "cpu"
+        or w.device.type != "cpu"
+        or x.numel() == 0
+        or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
+    )
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -117,15 +126,18 @@ def fused_linear(x: torch.Tensor, layers: tuple) -> torch.Tensor:
     concatenation is cached on ``layers[0]`` and rebuilt when any weight or bias changes."""
     if any(type(m) is not torch.nn.Linear or _plain_path(x, m.weight) for m in layers):
         return torch.cat([m(x) for m in layers], -1)
-    key = (tuple((_version_key(m.weight), _version_key(m.bias)) for m in layers),
-           _layout_key())
+    key = (tuple((_version_key(m.weight), _version_key(m.bias)) for m in layers), _layout_key())
     cached = layers[0].__dict__.get("_fused_weights")
     if cached is None or cached[0] != key:
         w = torch.cat([m.weight.detach() for m in layers])
         b = None
         if any(m.bias is not None for m in layers):
-            b = torch.cat([m.bias.detach() if m.bias is not None
-                           else w.new_zeros(m.out_features) for m in layers])
+            b = torch.cat(
+                [
+                    m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features)
+                    for m in layers
+                ]
+            )
         cached = (key, PackedWeight(w, b, owned=True))
         layers[0].__dict__["_fused_weights"] = cached
     y = cached[1](x)
@@ -139,7 +151,7 @@ def _run_hooks(x: torch.Tensor, layers: tuple, y: torch.Tensor) -> torch.Tensor:
     the layers one by one would (e.g. LoRA, :mod:`areal_mega.inference.lora_layers`)."""
     outs, changed, start = [], False, 0
     for m in layers:
-        out = y[..., start:start + m.out_features]
+        out = y[..., start : start + m.out_features]
         start += m.out_features
         for hook in m._forward_hooks.values():
             r = hook(m, (x,), out)

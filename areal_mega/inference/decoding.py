@@ -20,6 +20,7 @@ A row whose token cannot be sampled (non-finite probabilities, or sampling raise
 finished alone with ``{"type": "abort", "message": "sampling error: ...", "status_code": 400}``
 and leaves the batch; the other rows keep decoding.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,9 +43,11 @@ __all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class GenRequest:
     """One generation request inside the engine; ``on_done(self)`` fires exactly once."""
+
     rid: str
     input_ids: list
     params: SamplingParams
@@ -61,14 +64,14 @@ class GenRequest:
     # SGLang's return_routed_experts: per forward that fed this request, the
     # [tokens, num_hidden_layers, topk] expert ids (see route_capture)
     return_routed_experts: bool = False
-    routes_start: int = 0   # routed_experts_start_len: the first position answered
+    routes_start: int = 0  # routed_experts_start_len: the first position answered
     routes: list = field(default_factory=list)
     # prefix cache: the most prompt tokens it may serve (None: all but the last), how many
     # it served (SGLang's cached_tokens), and the cache epoch of the prefill
     prefix_limit: Optional[int] = None
     cached_tokens: int = 0
     kv_epoch: int = -1
-    lora: Optional[object] = None   # the LoraAdapter it runs with (None: the base model)
+    lora: Optional[object] = None  # the LoraAdapter it runs with (None: the base model)
 
     def _finish(self, reason: dict) -> None:
         if self.finish_reason is None:
@@ -86,10 +89,18 @@ class BatchedEngine:
     :meth:`run_exclusive` (run a callable on the engine thread between decode steps).
     """
 
-    def __init__(self, model, eos_token_id, max_running: int = 64,
-                 weight_version: str = "0", decode: Optional[Callable[[list], str]] = None,
-                 prepack_linears: bool = True, capture_routes: bool = False,
-                 prefix_cache_mb: float = 0.0, lora=None):
+    def __init__(
+        self,
+        model,
+        eos_token_id,
+        max_running: int = 64,
+        weight_version: str = "0",
+        decode: Optional[Callable[[list], str]] = None,
+        prepack_linears: bool = True,
+        capture_routes: bool = False,
+        prefix_cache_mb: float = 0.0,
+        lora=None,
+    ):
         """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
         only for stop strings. ``prepack_linears``: run the model's linear layers through
         oneDNN with prepacked weights (:mod:`areal_mega.inference.cpu_linear`).
@@ -124,13 +135,13 @@ class BatchedEngine:
         self.prefix = None
         if prefix_cache_mb > 0 and isinstance(self._batch, StaticKVBatch):
             self.prefix = PrefixReuse(self._batch, prefix_cache_mb, self.routes is not None)
-        self.prefill_tokens = 0      # prompt tokens forwarded by prefills
-        self.cached_tokens = 0       # prompt tokens served by the prefix cache instead
-        self.forward_s = {"prefill": 0.0, "decode": 0.0}   # seconds in the model's forwards
+        self.prefill_tokens = 0  # prompt tokens forwarded by prefills
+        self.cached_tokens = 0  # prompt tokens served by the prefix cache instead
+        self.forward_s = {"prefill": 0.0, "decode": 0.0}  # seconds in the model's forwards
         self._last_tok: list[int] = []
         self.steps = 0
         self.tokens_generated = 0
-        self.sampling_errors = 0     # rows finished because their token could not be sampled
+        self.sampling_errors = 0  # rows finished because their token could not be sampled
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
         self._thread.start()
 
@@ -240,9 +251,13 @@ class BatchedEngine:
         torch.set_grad_enabled(False)
         while True:
             with self._cv:
-                while (not self._stop and not self._commands and not self._active
-                       and not (self._waiting and not self._paused)
-                       and not any(r.aborted for r in self._waiting)):
+                while (
+                    not self._stop
+                    and not self._commands
+                    and not self._active
+                    and not (self._waiting and not self._paused)
+                    and not any(r.aborted for r in self._waiting)
+                ):
                     self._cv.wait()
                 stop = self._stop
                 commands = list(self._commands)
@@ -250,9 +265,16 @@ class BatchedEngine:
                 # aborted waiting requests finish at once with no output
                 aborted_waiting = [r for r in self._waiting if r.aborted]
                 self._waiting = deque(r for r in self._waiting if not r.aborted)
-                admit = [] if self._paused or stop else take_admissible(
-                    self._waiting, self.max_running - len(self._active), self._active,
-                    None if self.lora is None else self.lora.max_per_batch)
+                admit = (
+                    []
+                    if self._paused or stop
+                    else take_admissible(
+                        self._waiting,
+                        self.max_running - len(self._active),
+                        self._active,
+                        None if self.lora is None else self.lora.max_per_batch,
+                    )
+                )
                 self._admitting = admit
             for r in aborted_waiting:
                 r._finish({"type": "abort", "message": r.abort_message})
@@ -314,8 +336,11 @@ class BatchedEngine:
                 now, pending = self.prefix.plan(pending)
             groups: dict = {}
             for r, cached in now:
-                key = (tuple(r.input_ids[:cached]), len(r.input_ids) - cached,
-                       self.prefix.namespace(r) if cached else None)   # one prefix each
+                key = (
+                    tuple(r.input_ids[:cached]),
+                    len(r.input_ids) - cached,
+                    self.prefix.namespace(r) if cached else None,
+                )  # one prefix each
                 groups.setdefault(key, []).append(r)
             for (prefix, *_), reqs in groups.items():
                 self._prefill_batch(reqs, len(prefix))
@@ -325,8 +350,7 @@ class BatchedEngine:
         epoch = -1 if self.prefix is None else self.prefix.epoch
         for r in reqs:
             r.weight_version, r.cached_tokens, r.kv_epoch = self.weight_version, cached, epoch
-        prefix, prefix_routes = (self.prefix.fetch(reqs[0], cached) if cached
-                                 else (None, None))
+        prefix, prefix_routes = self.prefix.fetch(reqs[0], cached) if cached else (None, None)
         ids = torch.tensor([r.input_ids[cached:] for r in reqs], dtype=torch.long)
         n, S = ids.shape
         capture = self._begin_routes(reqs)
@@ -346,8 +370,11 @@ class BatchedEngine:
         if self.prefix is not None:
             self.prefix.add_prefill(reqs, kv, bool(capture))
         toks = self._sample_and_record(reqs, logits)
-        keep = [i for i, (r, tok) in enumerate(zip(reqs, toks))
-                if tok is not None and not self._check_finished(r, tok)]
+        keep = [
+            i
+            for i, (r, tok) in enumerate(zip(reqs, toks))
+            if tok is not None and not self._check_finished(r, tok)
+        ]
         if not keep:
             return
         self._batch.append(kv, keep)
@@ -366,7 +393,7 @@ class BatchedEngine:
         if capture:  # row i: the token fed for request i
             rows = self.routes.end(B)
             for i, r in enumerate(self._active):
-                r.routes.append(rows[i:i + 1])
+                r.routes.append(rows[i : i + 1])
         self.steps += 1
         toks = self._sample_and_record(self._active, logits)
         keep = []
@@ -393,8 +420,9 @@ class BatchedEngine:
         """Start recording routes when a request of this forward asks for them, or always
         with the prefix cache (a cached token keeps its routes); returns the ``(layers,
         topk)`` of a row then, else None (nothing recorded, nothing to pay)."""
-        if self.routes is None or (self.prefix is None
-                                   and not any(r.return_routed_experts for r in reqs)):
+        if self.routes is None or (
+            self.prefix is None and not any(r.return_routed_experts for r in reqs)
+        ):
             return None
         self.routes.begin()
         lay = self.routes.layout
@@ -436,10 +464,9 @@ class BatchedEngine:
             r._finish({"type": "stop", "matched": tok})
             return True
         if p.stop_strs and self.decode is not None:
-            tail = self.decode(r.output_ids[-(p.stop_str_max_len + 1):])
+            tail = self.decode(r.output_ids[-(p.stop_str_max_len + 1) :])
             for s in p.stop_strs:
                 if s in tail:
                     r._finish({"type": "stop", "matched": s})
                     return True
         return False
-

@@ -27,6 +27,7 @@ batch or the handler with 500): every float field must be finite (Python's ``jso
 ``NaN`` and ``Infinity``), every int field must fit in int64 (``sampling_seed``:
 ``[0, 2**63)``), and one ``/generate`` call may ask for at most :data:`MAX_OUTPUTS` outputs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,29 +44,62 @@ from areal_mega.inference.sampling import SamplingParams
 
 log = logging.getLogger("areal_mega.inference.server")
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 # load formats meaning "plain tensors / safetensors files"; others change the wire format or
 # the loader and are refused
 DISK_LOAD_FORMATS = (None, "auto", "safetensors")
 DIST_LOAD_FORMATS = (None, "auto", "direct")
 
 SAMPLING_FIELDS = {
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed"}
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+}
 # sampling keys SGLang honours that change the output in a way this server does not implement
 UNSUPPORTED_SAMPLING = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag")
 # top-level /generate keys that must keep their "off" value here
-UNSUPPORTED_GENERATE = ("input_embeds", "image_data", "video_data", "audio_data",
-                        "custom_logit_processor", "session_params",
-                        "token_ids_logprob", "return_hidden_states", "return_entropy",
-                        "stream")
+UNSUPPORTED_GENERATE = (
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "custom_logit_processor",
+    "session_params",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "return_entropy",
+    "stream",
+)
 
 
-INT64_MAX = 2 ** 63 - 1
+INT64_MAX = 2**63 - 1
 # outputs (prompts x n) one /generate call may ask for; more is refused rather than queued
 MAX_OUTPUTS = 4096
 MAX_BODY = 64 << 20
@@ -74,23 +108,27 @@ MAX_BODY = 64 << 20
 
 class BadRequest(ValueError):
     """Raised on invalid input; answered with HTTP ``status`` (400) and the message."""
+
     status = 400
 
 
 class Conflict(BadRequest):
     """The request is valid but clashes with the server's state (e.g. a group still joining);
     answered with HTTP 409."""
+
     status = 409
 
 
 class TooLarge(BadRequest):
     """The request body exceeds the server's limit; answered with HTTP 413."""
+
     status = 413
 
 
 class RequestTimeout(BadRequest):
     """The client did not send its request body in time; answered with HTTP 408 (and the
     connection is closed)."""
+
     status = 408
 
 
@@ -120,8 +158,10 @@ def load_format_of(body: dict, where: str, allowed: tuple) -> None:
     """400 unless ``body["load_format"]`` is one of ``allowed``."""
     fmt = body.get("load_format")
     if fmt not in allowed:
-        raise BadRequest(f"{where}.load_format={fmt!r}: not supported by this server "
-                         f"(supported: {[f for f in allowed if f]})")
+        raise BadRequest(
+            f"{where}.load_format={fmt!r}: not supported by this server "
+            f"(supported: {[f for f in allowed if f]})"
+        )
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -132,8 +172,9 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[key]
 
 
-def get_field(body: dict, key: str, tp, default=None, where: str = "request",
-              required: bool = False):
+def get_field(
+    body: dict, key: str, tp, default=None, where: str = "request", required: bool = False
+):
     """``body[key]`` checked to be of type ``tp`` (ints accepted for floats); missing or null
     gives ``default`` (or a :class:`BadRequest` when ``required``)."""
     if key not in body or body[key] is None:
@@ -144,9 +185,8 @@ def get_field(body: dict, key: str, tp, default=None, where: str = "request",
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
         try:
             v = float(v)
-        except OverflowError:       # 10**400: beyond any float
-            raise BadRequest(f"{where}.{key}: out of range (must be a finite number)") \
-                from None
+        except OverflowError:  # 10**400: beyond any float
+            raise BadRequest(f"{where}.{key}: out of range (must be a finite number)") from None
     if tp is int and isinstance(v, bool) or not isinstance(v, tp):
         raise BadRequest(f"{where}.{key}={v!r}: expected {getattr(tp, '__name__', tp)}")
     if tp is float and not math.isfinite(v):
@@ -169,8 +209,9 @@ def _off(v: Any) -> bool:
     return v is None or v is False or v == [] or v == {} or v == ""
 
 
-def parse_sampling(sp: dict, n_prompt: int, tokenizer, vocab_size: int, max_context: int,
-                   top_logprobs_num: int = 0) -> tuple[SamplingParams, int]:
+def parse_sampling(
+    sp: dict, n_prompt: int, tokenizer, vocab_size: int, max_context: int, top_logprobs_num: int = 0
+) -> tuple[SamplingParams, int]:
     """``sampling_params`` -> (:class:`SamplingParams`, n). Raises :class:`BadRequest` naming
     the offending key."""
     w = "sampling_params"
@@ -215,21 +256,24 @@ def parse_sampling(sp: dict, n_prompt: int, tokenizer, vocab_size: int, max_cont
         min_new_tokens=get_field(sp, "min_new_tokens", int, 0, w),
         stop_token_ids=tuple(stop_ids),
         stop_strs=tuple(stop),
-        stop_str_max_len=max((len(tokenizer.encode(s, add_special_tokens=False))
-                              for s in stop), default=0),
+        stop_str_max_len=max(
+            (len(tokenizer.encode(s, add_special_tokens=False)) for s in stop), default=0
+        ),
         ignore_eos=get_field(sp, "ignore_eos", bool, False, w),
         sampling_seed=get_field(sp, "sampling_seed", int, None, w),
         logit_bias=bias,
         skip_special_tokens=get_field(sp, "skip_special_tokens", bool, True, w),
-        spaces_between_special_tokens=get_field(sp, "spaces_between_special_tokens", bool,
-                                                True, w),
+        spaces_between_special_tokens=get_field(sp, "spaces_between_special_tokens", bool, True, w),
         no_stop_trim=get_field(sp, "no_stop_trim", bool, False, w),
-        top_logprobs_num=top_logprobs_num)
+        top_logprobs_num=top_logprobs_num,
+    )
     n = get_field(sp, "n", int, 1, w)
     _verify(p, n, w)
     if n_prompt + p.max_new_tokens >= max_context:
-        raise BadRequest(f"request too long: {n_prompt} prompt tokens + max_new_tokens "
-                         f"{p.max_new_tokens} >= context length {max_context}")
+        raise BadRequest(
+            f"request too long: {n_prompt} prompt tokens + max_new_tokens "
+            f"{p.max_new_tokens} >= context length {max_context}"
+        )
     return p, n
 
 
@@ -244,8 +288,11 @@ def _verify(p: SamplingParams, n: int, w: str) -> None:
         (-2 <= p.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
         (0 < p.repetition_penalty <= 2, "repetition_penalty", "must be in (0, 2]"),
         (p.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
-        (0 <= p.min_new_tokens <= p.max_new_tokens, "min_new_tokens",
-         "must be in [0, max_new_tokens]"),
+        (
+            0 <= p.min_new_tokens <= p.max_new_tokens,
+            "min_new_tokens",
+            "must be in [0, max_new_tokens]",
+        ),
         (n >= 1, "n", "must be >= 1"),
         (p.sampling_seed is None or p.sampling_seed >= 0, "sampling_seed", "must be >= 0"),
     ]
@@ -266,34 +313,52 @@ def parse_generate(body: dict, tokenizer, vocab_size: int, max_context: int):
         text = body.get("text")
         if text is None:
             raise BadRequest("generate: one of input_ids or text is required")
-        if not (isinstance(text, str) or isinstance(text, list)
-                and all(isinstance(t, str) for t in text) and text):
+        if not (
+            isinstance(text, str)
+            or isinstance(text, list)
+            and all(isinstance(t, str) for t in text)
+            and text
+        ):
             raise BadRequest("generate.text: expected a string or a non-empty list of strings")
         if tokenizer is None:
             raise BadRequest("generate.text: this model has no tokenizer; send input_ids")
-        ids = [tokenizer(t, add_special_tokens=False)["input_ids"]
-               for t in ([text] if isinstance(text, str) else text)]
+        ids = [
+            tokenizer(t, add_special_tokens=False)["input_ids"]
+            for t in ([text] if isinstance(text, str) else text)
+        ]
         batched = isinstance(text, list)
     else:
         batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         ids = ids if batched else [ids]
     for one in ids:
-        if (not isinstance(one, list) or not one
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in one)):
-            raise BadRequest("generate.input_ids: expected a non-empty list of ints "
-                             "(or a list of such lists)")
+        if (
+            not isinstance(one, list)
+            or not one
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in one)
+        ):
+            raise BadRequest(
+                "generate.input_ids: expected a non-empty list of ints (or a list of such lists)"
+            )
         if min(one) < 0 or max(one) >= vocab_size:
             raise BadRequest(f"generate.input_ids: token ids must be in [0, {vocab_size})")
     top_n = get_field(body, "top_logprobs_num", int, 0, "generate")
     if top_n < 0:
         raise BadRequest("generate.top_logprobs_num: must be >= 0")
     sp = get_field(body, "sampling_params", dict, {}, "generate")
-    params, n = parse_sampling(sp, max(len(x) for x in ids), tokenizer, vocab_size,
-                               max_context, top_n if body.get("return_logprob") else 0)
+    params, n = parse_sampling(
+        sp,
+        max(len(x) for x in ids),
+        tokenizer,
+        vocab_size,
+        max_context,
+        top_n if body.get("return_logprob") else 0,
+    )
     count = len(ids) * n
     if count > MAX_OUTPUTS:
-        raise BadRequest(f"generate: {len(ids)} prompt(s) x n={n} = {count} outputs; at most "
-                         f"{MAX_OUTPUTS} per request")
+        raise BadRequest(
+            f"generate: {len(ids)} prompt(s) x n={n} = {count} outputs; at most "
+            f"{MAX_OUTPUTS} per request"
+        )
     rid = body.get("rid")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(count)]
@@ -332,11 +397,14 @@ def parse_logprob_starts(body: dict, prompts: list) -> Optional[list]:
     for ids, v in zip(prompts, vals):
         k = resolve_start(v, len(ids))
         if not 0 <= k < len(ids):
-            raise BadRequest(f"{w}={v}: must be -1 or in [0, {len(ids)}) for a prompt of "
-                             f"{len(ids)} tokens")
+            raise BadRequest(
+                f"{w}={v}: must be -1 or in [0, {len(ids)}) for a prompt of {len(ids)} tokens"
+            )
         if top_n and needs_forward(k, len(ids)):
-            raise BadRequest(f"{w}={v} with top_logprobs_num={top_n}: input top logprobs are "
-                             "not supported by this server")
+            raise BadRequest(
+                f"{w}={v} with top_logprobs_num={top_n}: input top logprobs are "
+                "not supported by this server"
+            )
         starts.append(k)
     return starts
 
@@ -347,8 +415,10 @@ def parse_routes_start(body: dict, prompts: list) -> int:
     start = get_field(body, "routed_experts_start_len", int, 0, "generate")
     shortest = min(len(p) for p in prompts)
     if not 0 <= start <= shortest:
-        raise BadRequest(f"generate.routed_experts_start_len={start}: must be in "
-                         f"[0, {shortest}] (the prompt's length)")
+        raise BadRequest(
+            f"generate.routed_experts_start_len={start}: must be in "
+            f"[0, {shortest}] (the prompt's length)"
+        )
     return start
 
 
@@ -360,37 +430,60 @@ def output_text(decode, r, params: SamplingParams) -> str:
     matched = (r.finish_reason or {}).get("matched")
     if not params.no_stop_trim and isinstance(matched, int) and ids:
         ids = ids[:-1]
-    text = decode(ids, skip_special_tokens=params.skip_special_tokens,
-                  spaces_between_special_tokens=params.spaces_between_special_tokens)
+    text = decode(
+        ids,
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+    )
     if not params.no_stop_trim and isinstance(matched, str):
         pos = text.find(matched)
         text = text[:pos] if pos != -1 else text
     return text
 
 
-def response_of(r, prompt_len: int, params: SamplingParams, return_logprob: bool,
-                text_in_logprobs: bool, decode, now: float,
-                input_lp: Optional[tuple] = None) -> dict:
+def response_of(
+    r,
+    prompt_len: int,
+    params: SamplingParams,
+    return_logprob: bool,
+    text_in_logprobs: bool,
+    decode,
+    now: float,
+    input_lp: Optional[tuple] = None,
+) -> dict:
     """One ``/generate`` answer object for finished request ``r``; ``input_lp`` is ``(values,
     token_ids)`` of its prompt's input positions from ``logprob_start_len`` on."""
     meta: dict = {
-        "id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": prompt_len,
-        "completion_tokens": len(r.output_ids), "cached_tokens": r.cached_tokens,
-        "weight_version": r.weight_version, "e2e_latency": now - r.created_at}
+        "id": r.rid,
+        "finish_reason": r.finish_reason,
+        "prompt_tokens": prompt_len,
+        "completion_tokens": len(r.output_ids),
+        "cached_tokens": r.cached_tokens,
+        "weight_version": r.weight_version,
+        "e2e_latency": now - r.created_at,
+    }
     if return_logprob:
+
         def tok_text(t: int) -> Optional[str]:
             return decode([t], skip_special_tokens=False) if text_in_logprobs and decode else None
-        meta["output_token_logprobs"] = [[lp, t, tok_text(t)]
-                                         for lp, t in zip(r.logprobs, r.output_ids)]
+
+        meta["output_token_logprobs"] = [
+            [lp, t, tok_text(t)] for lp, t in zip(r.logprobs, r.output_ids)
+        ]
         if input_lp is not None:
             meta["input_token_logprobs"] = [[lp, t, tok_text(t)] for lp, t in zip(*input_lp)]
         if params.top_logprobs_num:
             meta["input_top_logprobs"] = [None]
-            meta["output_top_logprobs"] = [[[lp, t, tok_text(t)] for lp, t in step]
-                                           for step in r.top_logprobs]
+            meta["output_top_logprobs"] = [
+                [[lp, t, tok_text(t)] for lp, t in step] for step in r.top_logprobs
+            ]
     if r.return_routed_experts and r.routes:  # SGLang: tokens [start, seqlen - 1)
         seqlen = prompt_len + len(r.output_ids)
         meta["routed_experts"] = encode_sglang_routes(
-            np.concatenate(r.routes)[r.routes_start:seqlen - 1])
-    return {"text": output_text(decode, r, params), "output_ids": list(r.output_ids),
-            "meta_info": meta}
+            np.concatenate(r.routes)[r.routes_start : seqlen - 1]
+        )
+    return {
+        "text": output_text(decode, r, params),
+        "output_ids": list(r.output_ids),
+        "meta_info": meta,
+    }

@@ -20,6 +20,7 @@ Here the values come from one plain full forward of the served model over the pr
 the engine thread (``BatchedEngine.run_exclusive``) so that it never interleaves with a decode
 step or a weight load.
 """
+
 from __future__ import annotations
 
 from typing import Optional

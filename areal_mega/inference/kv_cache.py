@@ -23,6 +23,7 @@ batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reus
 :meth:`append` (rows of a prefill join the batch), :meth:`decode` (one token per row),
 :meth:`select` (keep some rows) and :meth:`reset`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,11 @@ import torch.nn.functional as F
 
 from areal_mega.inference.cpu_linear import fused_linear
 from areal_mega.ops import decode as decode_ops
-from areal_mega.models.sliding_window import (SLIDING_WINDOW_MODEL_TYPES, hf_sliding_window,
-                                              window_visible)
+from areal_mega.models.sliding_window import (
+    SLIDING_WINDOW_MODEL_TYPES,
+    hf_sliding_window,
+    window_visible,
+)
 
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 # dense MLPs computed as down(act(gate(x)) * up(x)); other MLPs (MoE blocks) run as modules
@@ -41,8 +45,11 @@ PLAIN_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "MistralMLP")
 def _norm(mod, x: torch.Tensor) -> torch.Tensor:
     """``mod(x)`` for the models' RMSNorm (``weight * x / rms(x)``, computed in fp32) as one
     fused ``F.rms_norm`` call on fp32 inputs; other norms run as modules."""
-    if (x.dtype == torch.float32 and type(mod).__name__.endswith("RMSNorm")
-            and hasattr(mod, "variance_epsilon")):
+    if (
+        x.dtype == torch.float32
+        and type(mod).__name__.endswith("RMSNorm")
+        and hasattr(mod, "variance_epsilon")
+    ):
         if torch.is_grad_enabled():
             return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
         return decode_ops.rms_norm(x, mod.weight, mod.variance_epsilon)
@@ -97,8 +104,9 @@ class StaticKVBatch:
         self.kv_heads = model.config.num_key_value_heads
         self.q_heads = self.kv_heads * self.groups
         cfg = model.config
-        self.window = hf_sliding_window({"model_type": cfg.model_type,
-                                         "sliding_window": getattr(cfg, "sliding_window", None)})
+        self.window = hf_sliding_window(
+            {"model_type": cfg.model_type, "sliding_window": getattr(cfg, "sliding_window", None)}
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -135,14 +143,15 @@ class StaticKVBatch:
         attn = layer.self_attn
         n, q, _ = h.shape
         H, Hkv = self.q_heads, self.kv_heads
-        qkv = fused_linear(_norm(layer.input_layernorm, h),
-                           (attn.q_proj, attn.k_proj, attn.v_proj)).view(n, q, H + 2 * Hkv, -1)
+        qkv = fused_linear(
+            _norm(layer.input_layernorm, h), (attn.q_proj, attn.k_proj, attn.v_proj)
+        ).view(n, q, H + 2 * Hkv, -1)
         cos, sin = rot
         if hasattr(attn, "q_norm"):
             qs, ks, vs = qkv.split([H, Hkv, Hkv], dim=2)
             qs = _rotary(_norm(attn.q_norm, qs), cos, sin)
             ks = _rotary(_norm(attn.k_norm, ks), cos, sin)
-        else:                                                 # rotate q and k together
+        else:  # rotate q and k together
             qk, vs = qkv.split([H + Hkv, Hkv], dim=2)
             qs, ks = _rotary(qk, cos, sin).split([H, Hkv], dim=2)
         return qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
@@ -191,8 +200,13 @@ class StaticKVBatch:
                 vs = torch.cat([pv.expand(n, -1, -1, -1), vs], dim=2)
             kv.append((ks, vs))
             out = F.scaled_dot_product_attention(
-                qs, ks.repeat_interleave(self.groups, 1), vs.repeat_interleave(self.groups, 1),
-                attn_mask=mask, is_causal=mask is None and not P, scale=self.scaling)
+                qs,
+                ks.repeat_interleave(self.groups, 1),
+                vs.repeat_interleave(self.groups, 1),
+                attn_mask=mask,
+                is_causal=mask is None and not P,
+                scale=self.scaling,
+            )
             h = self._finish_layer(layer, h, out.transpose(1, 2).reshape(n, S, -1))
         return self._logits(h[:, -1]), kv
 
@@ -203,13 +217,18 @@ class StaticKVBatch:
     def payload_of_prefill(kv: list, row: int, start: int, end: int) -> torch.Tensor:
         """Tokens ``[start, end)`` of row ``row`` of a :meth:`prefill`'s keys/values, in the
         prefix cache's layout."""
-        return torch.stack([torch.stack([k[row, :, start:end], v[row, :, start:end]])
-                            for k, v in kv])
+        return torch.stack(
+            [torch.stack([k[row, :, start:end], v[row, :, start:end]]) for k, v in kv]
+        )
 
     def payload_of_row(self, row: int, start: int, end: int) -> torch.Tensor:
         """Tokens ``[start, end)`` of running row ``row``, in the prefix cache's layout."""
-        return torch.stack([torch.stack([k[row, :, start:end], v[row, :, start:end]])
-                            for k, v in zip(self.k, self.v)])
+        return torch.stack(
+            [
+                torch.stack([k[row, :, start:end], v[row, :, start:end]])
+                for k, v in zip(self.k, self.v)
+            ]
+        )
 
     @staticmethod
     def split_payload(payload: torch.Tensor) -> list:
@@ -228,8 +247,8 @@ class StaticKVBatch:
         B, n = self.rows, len(keep)
         self._reserve(B + n, L + 1)
         for i, (ks, vs) in enumerate(kv):
-            self.k[i][B:B + n, :, :L] = ks.index_select(0, idx)
-            self.v[i][B:B + n, :, :L] = vs.index_select(0, idx)
+            self.k[i][B : B + n, :, :L] = ks.index_select(0, idx)
+            self.v[i][B : B + n, :, :L] = vs.index_select(0, idx)
         self.lens = torch.cat([self.lens, torch.full((n,), L, dtype=torch.long)])
 
     def decode(self, last_tokens: list) -> torch.Tensor:
@@ -243,9 +262,16 @@ class StaticKVBatch:
             qs, ks, vs = self._qkv(layer, h, rot)
             # each row's new key / value goes to its column lens[b]; its query attends to
             # columns 0..lens[b] (with a window, the last `window` of them)
-            out = decode_ops.decode_attention(qs[:, :, 0], ks[:, :, 0], vs[:, :, 0], self.k[i],
-                                              self.v[i], self.lens, self.scaling,
-                                              self.window or 0)
+            out = decode_ops.decode_attention(
+                qs[:, :, 0],
+                ks[:, :, 0],
+                vs[:, :, 0],
+                self.k[i],
+                self.v[i],
+                self.lens,
+                self.scaling,
+                self.window or 0,
+            )
             h = self._finish_layer(layer, h, out.reshape(B, 1, -1))
         self.lens = self.lens + 1
         return self._logits(h[:, -1])
@@ -256,13 +282,13 @@ class StaticKVBatch:
             self.reset()
             return
         if keep == list(range(len(keep))):
-            self.lens = self.lens[:len(keep)].clone()
+            self.lens = self.lens[: len(keep)].clone()
             return
         idx = torch.tensor(keep, dtype=torch.long)
         Lm = int(self.lens.max())
         for kc, vc in zip(self.k, self.v):
-            kc[:len(keep), :, :Lm] = kc[idx, :, :Lm]
-            vc[:len(keep), :, :Lm] = vc[idx, :, :Lm]
+            kc[: len(keep), :, :Lm] = kc[idx, :, :Lm]
+            vc[: len(keep), :, :Lm] = vc[idx, :, :Lm]
         self.lens = self.lens.index_select(0, idx)
 
 
@@ -276,8 +302,8 @@ class HFCacheBatch:
 
     def reset(self) -> None:
         """Drop every row."""
-        self._kv: list = []          # per layer (keys [B,H,L,D], values [B,H,L,D])
-        self._mask = None            # [B, L] long, 1 = real token
+        self._kv: list = []  # per layer (keys [B,H,L,D], values [B,H,L,D])
+        self._mask = None  # [B, L] long, 1 = real token
         self._next_pos: list = []
 
     @property
@@ -286,9 +312,14 @@ class HFCacheBatch:
 
     def _forward(self, input_ids, past, attention_mask=None, position_ids=None):
         cache = _cache_keeping_every_key(self.config, past)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                         attention_mask=attention_mask, position_ids=position_ids,
-                         logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=cache,
+            use_cache=True,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=1,
+        )
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return out.logits[:, -1, :].float(), kv
 
@@ -309,9 +340,10 @@ class HFCacheBatch:
         else:
             Lb = self._mask.shape[1]
             Lm = max(Lb, L)
-            self._kv = [(torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]),
-                         torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
-                        for (kb, vb), (k, v) in zip(self._kv, kv)]
+            self._kv = [
+                (torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]), torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
+                for (kb, vb), (k, v) in zip(self._kv, kv)
+            ]
             mb = F.pad(self._mask, (Lm - Lb, 0))
             mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
             self._mask = torch.cat([mb, mn])
@@ -337,8 +369,10 @@ class HFCacheBatch:
         mask = self._mask.index_select(0, idx)
         first = int((mask.sum(0) > 0).nonzero()[0]) if mask.numel() else 0
         self._mask = mask[:, first:]
-        self._kv = [(k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-                    for k, v in self._kv]
+        self._kv = [
+            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+            for k, v in self._kv
+        ]
         self._next_pos = [self._next_pos[i] for i in keep]
 
 
@@ -353,8 +387,10 @@ def _cache_keeping_every_key(config, past):
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=config)
-    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
-                    for layer in cache.layers]
+    cache.layers = [
+        DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
     for layer, (k, v) in zip(cache.layers, past or ()):
         layer.update(k, v)
     return cache

@@ -33,6 +33,7 @@ other than ``"none"``, ``fan_in_fan_out``, ``lora_bias``, rank/alpha patterns, t
 parameters); ``use_rslora`` is applied as PEFT does (scaling ``alpha / sqrt(r)`` instead of
 ``alpha / r``), which SGLang does not do.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,14 +46,26 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SUPPORTED_TARGETS", "LoraAdapter", "LoraRegistry", "LoraSettings",
-           "lora_settings", "parse_lora_path_item", "read_adapter", "stacked_names"]
+__all__ = [
+    "SUPPORTED_TARGETS",
+    "LoraAdapter",
+    "LoraRegistry",
+    "LoraSettings",
+    "lora_settings",
+    "parse_lora_path_item",
+    "read_adapter",
+    "stacked_names",
+]
 
 # the HF projection names served (SGLang's SUPPORTED_LORA_TARGET_MODULES of dense models)
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
-_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_STACKED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 _PREFIX = "base_model.model."
 DEFAULT_MAX_LOADED_LORAS = 64
 """``--max-loaded-loras`` when not given (at least ``--max-loras-per-batch`` and the number of
@@ -71,10 +84,12 @@ def parse_lora_path_item(item: str) -> dict:
     if item.startswith("{"):
         d = json.loads(item)
         if not isinstance(d, dict) or "lora_name" not in d or "lora_path" not in d:
-            raise ValueError(f"--lora-paths {item!r}: a JSON item needs lora_name and "
-                             "lora_path")
-        return {"lora_name": str(d["lora_name"]), "lora_path": str(d["lora_path"]),
-                "pinned": bool(d.get("pinned", False))}
+            raise ValueError(f"--lora-paths {item!r}: a JSON item needs lora_name and lora_path")
+        return {
+            "lora_name": str(d["lora_name"]),
+            "lora_path": str(d["lora_path"]),
+            "pinned": bool(d.get("pinned", False)),
+        }
     name, sep, path = item.partition("=")
     if not sep:
         name, path = item, item
@@ -86,25 +101,36 @@ def parse_lora_path_item(item: str) -> dict:
 @dataclass
 class LoraSettings:
     """The server's LoRA flags after SGLang's checks (``enabled`` False: LoRA off)."""
+
     enabled: bool = False
     max_rank: int = 0
-    targets: tuple = ()          # HF module names the server applies adapters to
+    targets: tuple = ()  # HF module names the server applies adapters to
     max_per_batch: int = 8
     max_loaded: Optional[int] = None
-    preload: list = field(default_factory=list)   # [{"lora_name", "lora_path", "pinned"}]
-    allowed_dirs: tuple = ()     # where /load_lora_adapter may read (none: nowhere)
+    preload: list = field(default_factory=list)  # [{"lora_name", "lora_path", "pinned"}]
+    allowed_dirs: tuple = ()  # where /load_lora_adapter may read (none: nowhere)
 
     def info(self) -> dict:
         """What ``/get_server_info`` shows (SGLang's server-args names)."""
-        return {"enable_lora": self.enabled, "max_lora_rank": self.max_rank or None,
-                "lora_target_modules": list(self.targets) or None,
-                "max_loras_per_batch": self.max_per_batch,
-                "max_loaded_loras": self.max_loaded, "lora_paths": list(self.preload)}
+        return {
+            "enable_lora": self.enabled,
+            "max_lora_rank": self.max_rank or None,
+            "lora_target_modules": list(self.targets) or None,
+            "max_loras_per_batch": self.max_per_batch,
+            "max_loaded_loras": self.max_loaded,
+            "lora_paths": list(self.preload),
+        }
 
 
-def lora_settings(enable: bool, max_rank: Optional[int], targets: Optional[list],
-                  paths: Optional[list], max_per_batch: int = 8,
-                  max_loaded: Optional[int] = None, allowed_dirs=None) -> LoraSettings:
+def lora_settings(
+    enable: bool,
+    max_rank: Optional[int],
+    targets: Optional[list],
+    paths: Optional[list],
+    max_per_batch: int = 8,
+    max_loaded: Optional[int] = None,
+    allowed_dirs=None,
+) -> LoraSettings:
     """SGLang's ``check_lora_server_args`` on the parsed flags (ValueError naming the flag).
     Reads the configs of ``paths`` to infer a missing rank or target list."""
     if max_per_batch <= 0:
@@ -119,11 +145,15 @@ def lora_settings(enable: bool, max_rank: Optional[int], targets: Optional[list]
         mods = set(SUPPORTED_TARGETS)
     bad = sorted(mods - set(SUPPORTED_TARGETS))
     if bad:
-        raise ValueError(f"--lora-target-modules {bad}: not supported (supported: "
-                         f"{list(SUPPORTED_TARGETS)} or all)")
+        raise ValueError(
+            f"--lora-target-modules {bad}: not supported (supported: "
+            f"{list(SUPPORTED_TARGETS)} or all)"
+        )
     if not preload and not (max_rank and mods):
-        raise ValueError("--enable-lora without --lora-paths needs both --max-lora-rank and "
-                         "--lora-target-modules")
+        raise ValueError(
+            "--enable-lora without --lora-paths needs both --max-lora-rank and "
+            "--lora-target-modules"
+        )
     configs = [read_config(p["lora_path"]) for p in preload]
     rank = max_rank or max(_rank(c, p["lora_name"]) for c, p in zip(configs, preload))
     if not mods:
@@ -131,15 +161,24 @@ def lora_settings(enable: bool, max_rank: Optional[int], targets: Optional[list]
             mods |= set(config_targets(c))
     if max_loaded is not None:
         if max_loaded < max_per_batch:
-            raise ValueError(f"--max-loaded-loras={max_loaded}: must be >= "
-                             f"--max-loras-per-batch={max_per_batch}")
+            raise ValueError(
+                f"--max-loaded-loras={max_loaded}: must be >= --max-loras-per-batch={max_per_batch}"
+            )
         if len(preload) > max_loaded:
-            raise ValueError(f"--lora-paths: {len(preload)} adapters exceed "
-                             f"--max-loaded-loras={max_loaded}")
+            raise ValueError(
+                f"--lora-paths: {len(preload)} adapters exceed --max-loaded-loras={max_loaded}"
+            )
     else:
         max_loaded = max(DEFAULT_MAX_LOADED_LORAS, max_per_batch, len(preload))
-    return LoraSettings(True, int(rank), tuple(m for m in SUPPORTED_TARGETS if m in mods),
-                        max_per_batch, max_loaded, preload, tuple(allowed_dirs or ()))
+    return LoraSettings(
+        True,
+        int(rank),
+        tuple(m for m in SUPPORTED_TARGETS if m in mods),
+        max_per_batch,
+        max_loaded,
+        preload,
+        tuple(allowed_dirs or ()),
+    )
 
 
 def confine(path: str, allowed) -> str:
@@ -153,8 +192,9 @@ def confine(path: str, allowed) -> str:
         root = os.path.realpath(d)
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
             return real
-    raise ValueError("lora_path is outside the directories this server loads adapters from "
-                     "(--lora-allowed-dirs)")
+    raise ValueError(
+        "lora_path is outside the directories this server loads adapters from (--lora-allowed-dirs)"
+    )
 
 
 def read_config(path: str, allowed=None) -> dict:
@@ -166,7 +206,7 @@ def read_config(path: str, allowed=None) -> dict:
             cfg = json.load(fh, parse_constant=_no_constant)
     except OSError as e:
         raise ValueError(f"cannot read {f}: {e.strerror or 'unreadable'}") from None
-    except (ValueError, RecursionError):     # garbage, NaN, nesting beyond the parser
+    except (ValueError, RecursionError):  # garbage, NaN, nesting beyond the parser
         raise ValueError(f"cannot read {f}: not a valid JSON file") from None
     if not isinstance(cfg, dict) or "r" not in cfg:
         raise ValueError(f"{f}: not a PEFT LoRA config (no 'r')")
@@ -181,22 +221,29 @@ def _rank(cfg: dict, name: str) -> int:
     """The adapter's rank ``r``: a positive integer (ValueError naming the adapter)."""
     r = cfg.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"Failed to load {name}: adapter_config r={r!r} must be a positive "
-                         "integer")
+        raise ValueError(
+            f"Failed to load {name}: adapter_config r={r!r} must be a positive integer"
+        )
     return r
 
 
 def config_targets(cfg: dict) -> list:
     """The module names a config targets (a regex string is taken as unknown: [])."""
     t = cfg.get("target_modules") or []
-    return [t] if isinstance(t, str) and t in SUPPORTED_TARGETS else \
-        [] if isinstance(t, str) else [str(m).split(".")[-1] for m in t]
+    return (
+        [t]
+        if isinstance(t, str) and t in SUPPORTED_TARGETS
+        else []
+        if isinstance(t, str)
+        else [str(m).split(".")[-1] for m in t]
+    )
 
 
 @dataclass(eq=False)
 class LoraAdapter:
     """One loaded adapter: ``weights`` maps a served module name to ``(A [r, in], B [out,
     r])``; ``uid`` is new for every load (SGLang's ``lora_id``)."""
+
     name: str
     path: str
     rank: int
@@ -205,26 +252,37 @@ class LoraAdapter:
     weights: dict
     pinned: bool = False
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    in_flight: int = 0           # requests using it (event-loop thread only)
+    in_flight: int = 0  # requests using it (event-loop thread only)
 
 
 def _refuse_unsupported(name: str, cfg: dict) -> None:
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise ValueError(f"Failed to load {name}: peft_type={cfg.get('peft_type')!r} is not "
-                         "a LoRA adapter")
+        raise ValueError(
+            f"Failed to load {name}: peft_type={cfg.get('peft_type')!r} is not a LoRA adapter"
+        )
     if cfg.get("use_dora"):
-        raise ValueError(f"Failed to load {name} because LoRA serving currently doesn't "
-                         "support DoRA adapters")
+        raise ValueError(
+            f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters"
+        )
     if cfg.get("trainable_token_indices"):
-        raise ValueError(f"Failed to load {name} because LoRA serving currently doesn't "
-                         "support adapters that add tokens to the vocabulary")
-    for key, ok in (("modules_to_save", lambda v: not v), ("bias", lambda v: v in (None, "none")),
-                    ("fan_in_fan_out", lambda v: not v), ("lora_bias", lambda v: not v),
-                    ("rank_pattern", lambda v: not v), ("alpha_pattern", lambda v: not v),
-                    ("target_parameters", lambda v: not v)):
+        raise ValueError(
+            f"Failed to load {name} because LoRA serving currently doesn't "
+            "support adapters that add tokens to the vocabulary"
+        )
+    for key, ok in (
+        ("modules_to_save", lambda v: not v),
+        ("bias", lambda v: v in (None, "none")),
+        ("fan_in_fan_out", lambda v: not v),
+        ("lora_bias", lambda v: not v),
+        ("rank_pattern", lambda v: not v),
+        ("alpha_pattern", lambda v: not v),
+        ("target_parameters", lambda v: not v),
+    ):
         if not ok(cfg.get(key)):
-            raise ValueError(f"Failed to load {name}: adapter_config {key}={cfg.get(key)!r} "
-                             "is not supported by this server")
+            raise ValueError(
+                f"Failed to load {name}: adapter_config {key}={cfg.get(key)!r} "
+                "is not supported by this server"
+            )
 
 
 def _read_tensors(name: str, path: str, allowed=None) -> dict:
@@ -237,22 +295,26 @@ def _read_tensors(name: str, path: str, allowed=None) -> dict:
         try:
             if f.endswith(".safetensors"):
                 from safetensors.torch import load_file
+
                 out = load_file(f)
             else:
                 out = torch.load(f, map_location="cpu", weights_only=True)
         except Exception:  # noqa: BLE001 - any reader's error: the file is bad, not the server
-            raise ValueError(f"Failed to load {name}: {os.path.basename(f)} is unreadable "
-                             "(truncated or not a tensor file)") from None
-        if not isinstance(out, dict) or not all(isinstance(t, torch.Tensor)
-                                                for t in out.values()):
-            raise ValueError(f"Failed to load {name}: {os.path.basename(f)} is not a mapping "
-                             "of tensors")
+            raise ValueError(
+                f"Failed to load {name}: {os.path.basename(f)} is unreadable "
+                "(truncated or not a tensor file)"
+            ) from None
+        if not isinstance(out, dict) or not all(isinstance(t, torch.Tensor) for t in out.values()):
+            raise ValueError(
+                f"Failed to load {name}: {os.path.basename(f)} is not a mapping of tensors"
+            )
         return out
     raise ValueError(f"{path}: no adapter_model.safetensors (or adapter_model.bin)")
 
 
-def read_adapter(name: str, path: str, settings: LoraSettings, modules: dict,
-                 pinned: bool = False, allowed=None) -> LoraAdapter:
+def read_adapter(
+    name: str, path: str, settings: LoraSettings, modules: dict, pinned: bool = False, allowed=None
+) -> LoraAdapter:
     """Read and check adapter ``path`` against the server's ``settings`` and the served
     ``modules`` (name -> ``nn.Linear``); ValueError naming the problem. ``allowed``: the
     directories the files must resolve into (:func:`confine`; None: any)."""
@@ -261,21 +323,23 @@ def read_adapter(name: str, path: str, settings: LoraSettings, modules: dict,
     _refuse_unsupported(name, cfg)
     r = _rank(cfg, name)
     alpha = cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or \
-            not math.isfinite(alpha):
-        raise ValueError(f"Failed to load {name}: adapter_config lora_alpha={alpha!r} must be "
-                         "a finite number")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(
+            f"Failed to load {name}: adapter_config lora_alpha={alpha!r} must be a finite number"
+        )
     weights: dict = {}
     for key, t in _read_tensors(name, path, allowed).items():
         for part in ("lora_A", "lora_B"):
             if f".{part}." in key:
                 mod = key.split(f".{part}.")[0]
-                mod = mod[len(_PREFIX):] if mod.startswith(_PREFIX) else mod
+                mod = mod[len(_PREFIX) :] if mod.startswith(_PREFIX) else mod
                 weights.setdefault(mod, {})[part] = t
                 break
         else:
-            raise ValueError(f"Failed to load {name}: tensor {key!r} is not a LoRA A/B weight "
-                             "(only lora_A/lora_B of linear layers are supported)")
+            raise ValueError(
+                f"Failed to load {name}: tensor {key!r} is not a LoRA A/B weight "
+                "(only lora_A/lora_B of linear layers are supported)"
+            )
     targets = frozenset(m.split(".")[-1] for m in weights) or frozenset(config_targets(cfg))
     if r > settings.max_rank or not stacked_names(targets) <= stacked_names(settings.targets):
         raise ValueError(
@@ -283,24 +347,31 @@ def read_adapter(name: str, path: str, settings: LoraSettings, modules: dict,
             "pool configuration. Please ensure that the LoRA adapter's rank is within the "
             f"configured `--max-lora-rank` ({settings.max_rank}) and that the target modules "
             f"({sorted(targets)}) are included in `--lora-target-modules` "
-            f"({list(settings.targets)}).")
+            f"({list(settings.targets)})."
+        )
     out: dict = {}
     for mod, ab in weights.items():
         lin = modules.get(mod)
         if lin is None:
-            raise ValueError(f"Failed to load {name}: module {mod!r} is not a LoRA target of "
-                             "the served model")
+            raise ValueError(
+                f"Failed to load {name}: module {mod!r} is not a LoRA target of the served model"
+            )
         if set(ab) != {"lora_A", "lora_B"}:
             raise ValueError(f"Failed to load {name}: {mod} lacks lora_A or lora_B")
         a, b = ab["lora_A"], ab["lora_B"]
         if a.shape != (r, lin.in_features) or b.shape != (lin.out_features, r):
-            raise ValueError(f"Failed to load {name}: {mod} has A {list(a.shape)}, B "
-                             f"{list(b.shape)}; expected [{r}, {lin.in_features}], "
-                             f"[{lin.out_features}, {r}]")
-        if not (a.is_floating_point() and b.is_floating_point()
-                and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-            raise ValueError(f"Failed to load {name}: {mod} has non-finite or non-float "
-                             "weights")
+            raise ValueError(
+                f"Failed to load {name}: {mod} has A {list(a.shape)}, B "
+                f"{list(b.shape)}; expected [{r}, {lin.in_features}], "
+                f"[{lin.out_features}, {r}]"
+            )
+        if not (
+            a.is_floating_point()
+            and b.is_floating_point()
+            and bool(torch.isfinite(a).all())
+            and bool(torch.isfinite(b).all())
+        ):
+            raise ValueError(f"Failed to load {name}: {mod} has non-finite or non-float weights")
         dt = lin.weight.dtype
         out[mod] = (a.to(dt).contiguous(), b.to(dt).contiguous())
     alpha = float(alpha)
@@ -315,7 +386,7 @@ class LoraRegistry:
         self.settings = settings
         self.modules = modules
         self.loaded: "OrderedDict[str, LoraAdapter]" = OrderedDict()
-        self.evicted: dict = {}   # name -> (path, pinned) of adapters evicted for room
+        self.evicted: dict = {}  # name -> (path, pinned) of adapters evicted for room
 
     def loaded_adapters(self) -> dict:
         """SGLang's ``loaded_adapters``: name -> path."""
@@ -326,15 +397,15 @@ class LoraRegistry:
         if not self.settings.enabled:
             raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         if name in self.loaded:
-            raise ValueError(f"Failed to load LoRA adapter {name} because it is already "
-                             "loaded")
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
         n_pinned = sum(a.pinned for a in self.loaded.values())
         if pinned and n_pinned >= self.settings.max_per_batch - 1:
             raise ValueError(
                 f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to "
                 "pin all slots in the LoRA memory pool to avoid starvation for unpinned "
                 "adapters and base models. Please increase your `--max-loras-per-batch` or "
-                "load it as unpinned LoRA adapters.")
+                "load it as unpinned LoRA adapters."
+            )
 
     def add(self, adapter: LoraAdapter) -> list:
         """Register ``adapter`` (checked by :meth:`check_load` and :func:`read_adapter`);
@@ -345,15 +416,18 @@ class LoraRegistry:
         gone = []
         limit = self.settings.max_loaded
         while limit is not None and len(self.loaded) > limit:
-            victim = next((a for a in self.loaded.values()
-                           if not a.pinned and a is not adapter), None)
-            if victim is None:   # (SGLang keeps the new adapter registered then)
+            victim = next(
+                (a for a in self.loaded.values() if not a.pinned and a is not adapter), None
+            )
+            if victim is None:  # (SGLang keeps the new adapter registered then)
                 del self.loaded[adapter.name]
                 for g in gone:
                     self.loaded[g.name] = g
                     self.evicted.pop(g.name, None)
-                raise ValueError("Didn't find any LoRA adapters when trying to evict LRU "
-                                 f"LoRA adapter. Loaded: {list(self.loaded)}")
+                raise ValueError(
+                    "Didn't find any LoRA adapters when trying to evict LRU "
+                    f"LoRA adapter. Loaded: {list(self.loaded)}"
+                )
             del self.loaded[victim.name]
             self.evicted[victim.name] = (victim.path, victim.pinned)
             gone.append(victim)
@@ -364,8 +438,9 @@ class LoraRegistry:
         if not self.settings.enabled:
             raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         if name not in self.loaded:
-            raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: "
-                             f"{list(self.loaded)}")
+            raise ValueError(
+                f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.loaded)}"
+            )
         self.evicted.pop(name, None)
         return self.loaded.pop(name)
 
@@ -377,13 +452,17 @@ class LoraRegistry:
             raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         limit = self.settings.max_loaded
         if limit is not None and len({n for n in names}) > limit:
-            raise ValueError(f"Received request with {len(set(names))} unique loras requested "
-                             f"but max loaded loras is {limit}")
+            raise ValueError(
+                f"Received request with {len(set(names))} unique loras requested "
+                f"but max loaded loras is {limit}"
+            )
         out = []
         for n in names:
             if n is not None and n not in self.loaded:
-                raise ValueError(f"The following requested LoRA adapters are not loaded: {n}\n"
-                                 f"Loaded adapters: {list(self.loaded)}.")
+                raise ValueError(
+                    f"The following requested LoRA adapters are not loaded: {n}\n"
+                    f"Loaded adapters: {list(self.loaded)}."
+                )
             if n is not None:
                 self.loaded.move_to_end(n)
             out.append(None if n is None else self.loaded[n])

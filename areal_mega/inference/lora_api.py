@@ -18,6 +18,7 @@
   adapters), so a request queued during a swap never pins the adapter being unloaded.
   ``lora_id`` (SGLang's internal id, filled from ``lora_path``) is ignored.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,30 +27,53 @@ import functools
 from aiohttp import web
 
 from areal_mega.inference.http_api import BadRequest, get_field, ignore_unknown
-from areal_mega.inference.lora_adapters import (SUPPORTED_TARGETS, LoraSettings,
-                                                lora_settings)
+from areal_mega.inference.lora_adapters import SUPPORTED_TARGETS, LoraSettings, lora_settings
 
-__all__ = ["add_lora_flags", "add_lora_routes", "lora_server_info", "lora_settings_of",
-           "release_adapters", "resolve_adapters"]
+__all__ = [
+    "add_lora_flags",
+    "add_lora_routes",
+    "lora_server_info",
+    "lora_settings_of",
+    "release_adapters",
+    "resolve_adapters",
+]
 
 
 def add_lora_flags(ap: argparse.ArgumentParser) -> None:
     """SGLang's LoRA server flags."""
-    ap.add_argument("--enable-lora", action="store_true", default=None,
-                    help="serve LoRA adapters (implied by --lora-paths)")
+    ap.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters (implied by --lora-paths)",
+    )
     ap.add_argument("--max-lora-rank", type=int, default=None)
-    ap.add_argument("--lora-target-modules", nargs="*", default=None,
-                    choices=[*SUPPORTED_TARGETS, "all"])
-    ap.add_argument("--lora-paths", nargs="*", default=None,
-                    help="adapters to load at start: NAME=PATH, PATH or "
-                         "'{\"lora_name\":..,\"lora_path\":..,\"pinned\":..}'")
+    ap.add_argument(
+        "--lora-target-modules", nargs="*", default=None, choices=[*SUPPORTED_TARGETS, "all"]
+    )
+    ap.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=None,
+        help="adapters to load at start: NAME=PATH, PATH or "
+        '\'{"lora_name":..,"lora_path":..,"pinned":..}\'',
+    )
     ap.add_argument("--max-loras-per-batch", type=int, default=8)
-    ap.add_argument("--max-loaded-loras", type=int, default=None,
-                    help="adapters held at once (least recently used evicted beyond it); "
-                         "default: 64, at least --max-loras-per-batch")
-    ap.add_argument("--lora-allowed-dirs", nargs="*", default=None, metavar="DIR",
-                    help="directories /load_lora_adapter may read adapters from (symlinks "
-                         "resolved; none given: it loads nothing); not SGLang's")
+    ap.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="adapters held at once (least recently used evicted beyond it); "
+        "default: 64, at least --max-loras-per-batch",
+    )
+    ap.add_argument(
+        "--lora-allowed-dirs",
+        nargs="*",
+        default=None,
+        metavar="DIR",
+        help="directories /load_lora_adapter may read adapters from (symlinks "
+        "resolved; none given: it loads nothing); not SGLang's",
+    )
 
 
 def lora_settings_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> LoraSettings:
@@ -57,18 +81,25 @@ def lora_settings_of(args: argparse.Namespace, ap: argparse.ArgumentParser) -> L
     if args.enable_lora is False:
         return LoraSettings()
     try:
-        return lora_settings(bool(args.enable_lora), args.max_lora_rank,
-                             args.lora_target_modules, args.lora_paths,
-                             args.max_loras_per_batch, args.max_loaded_loras,
-                             args.lora_allowed_dirs)
+        return lora_settings(
+            bool(args.enable_lora),
+            args.max_lora_rank,
+            args.lora_target_modules,
+            args.lora_paths,
+            args.max_loras_per_batch,
+            args.max_loaded_loras,
+            args.lora_allowed_dirs,
+        )
     except ValueError as e:
         ap.error(str(e))
 
 
 def _update_answer(srv, ok: bool, message: str = "") -> web.Response:
     loaded = srv.lora_registry.loaded_adapters() if srv.lora_settings.enabled else None
-    return web.json_response({"success": ok, "error_message": message,
-                              "loaded_adapters": loaded}, status=200 if ok else 400)
+    return web.json_response(
+        {"success": ok, "error_message": message, "loaded_adapters": loaded},
+        status=200 if ok else 400,
+    )
 
 
 def _state(srv) -> asyncio.Condition:
@@ -84,11 +115,12 @@ async def _load(srv, name: str, path: str, pinned: bool) -> None:
     than the operator's ``--lora-paths`` entry of that name only inside
     ``--lora-allowed-dirs``."""
     srv.lora_registry.check_load(name, pinned)
-    preloaded = any(p["lora_name"] == name and p["lora_path"] == path
-                    for p in srv.lora_settings.preload)
+    preloaded = any(
+        p["lora_name"] == name and p["lora_path"] == path for p in srv.lora_settings.preload
+    )
     adapter = await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(srv.read_lora_adapter, name, path, pinned,
-                                confined=not preloaded))
+        None, functools.partial(srv.read_lora_adapter, name, path, pinned, confined=not preloaded)
+    )
     srv.lora_registry.add(adapter)
 
 
@@ -101,13 +133,14 @@ async def resolve_adapters(srv, body: dict, n_prompts: int) -> list:
     if isinstance(names, str):
         names = [names] * n_prompts
     elif not (isinstance(names, list) and all(n is None or isinstance(n, str) for n in names)):
-        raise BadRequest(f"generate.lora_path={names!r}: expected an adapter name or a list "
-                         "of names (or nulls)")
+        raise BadRequest(
+            f"generate.lora_path={names!r}: expected an adapter name or a list of names (or nulls)"
+        )
     elif len(names) != n_prompts:
         raise BadRequest(f"generate.lora_path: {len(names)} names for {n_prompts} prompts")
     if all(n is None for n in names):
         return [None] * n_prompts
-    while srv.engine.paused:   # SGLang resolves adapters once the pause is over
+    while srv.engine.paused:  # SGLang resolves adapters once the pause is over
         await asyncio.sleep(0.02)
     reg = srv.lora_registry
     try:
@@ -115,7 +148,7 @@ async def resolve_adapters(srv, body: dict, n_prompts: int) -> list:
             try:
                 await _load(srv, name, path, pinned)
             except ValueError:
-                if name not in reg.loaded:   # not reloaded by a concurrent request either
+                if name not in reg.loaded:  # not reloaded by a concurrent request either
                     raise
         adapters = reg.lookup(names)
     except ValueError as e:
@@ -165,7 +198,7 @@ def add_lora_routes(app: web.Application, srv, body_of) -> None:
         except ValueError as e:
             return _update_answer(srv, False, str(e))
         cond = _state(srv)
-        async with cond:   # SGLang: unload once no request uses it
+        async with cond:  # SGLang: unload once no request uses it
             await cond.wait_for(lambda: adapter.in_flight <= 0)
         return _update_answer(srv, True)
 
@@ -179,4 +212,3 @@ def lora_server_info(srv) -> dict:
     info = srv.lora_settings.info()
     info["loaded_adapters"] = srv.lora_registry.loaded_adapters()
     return info
-

@@ -11,6 +11,7 @@ has a forward hook adding ``scaling * (x A^T) B^T`` to the output rows of that a
 model has no hooks installed: it is exactly the model's own (prepacked, fused) forward. Hooks
 and rows are used on the engine thread only.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -24,19 +25,21 @@ __all__ = ["LoraLayers", "take_admissible"]
 class LoraLayers:
     """The LoRA hooks of one model and the adapters of the current forward's rows."""
 
-    def __init__(self, model: torch.nn.Module, targets: tuple,
-                 max_per_batch: Optional[int] = None):
+    def __init__(self, model: torch.nn.Module, targets: tuple, max_per_batch: Optional[int] = None):
         """Hook the ``nn.Linear`` modules of ``model`` whose last name is in ``targets``
         (MoE expert projections excepted: their rows are tokens routed together, not
         requests). ``max_per_batch``: the engine's ``--max-loras-per-batch``."""
         self.max_per_batch = max_per_batch
         self.modules: dict = {}
-        self._groups: Optional[list] = None   # [(adapter, row index tensor)] or None
-        self._handles: list = []              # the hooks, installed while rows use adapters
+        self._groups: Optional[list] = None  # [(adapter, row index tensor)] or None
+        self._handles: list = []  # the hooks, installed while rows use adapters
         self._rows = 0
         for name, mod in model.named_modules():
-            if (isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in targets
-                    and ".experts." not in f".{name}."):
+            if (
+                isinstance(mod, torch.nn.Linear)
+                and name.split(".")[-1] in targets
+                and ".experts." not in f".{name}."
+            ):
                 self.modules[name] = mod
 
     def set_rows(self, adapters: list) -> None:
@@ -50,8 +53,9 @@ class LoraLayers:
         self._groups = [(a, torch.tensor(rows)) for a, rows in groups.values()] or None
         self._rows = len(adapters)
         if self._groups is not None and not self._handles:
-            self._handles = [mod.register_forward_hook(self._hook_of(name))
-                             for name, mod in self.modules.items()]
+            self._handles = [
+                mod.register_forward_hook(self._hook_of(name)) for name, mod in self.modules.items()
+            ]
         elif self._groups is None and self._handles:
             for h in self._handles:
                 h.remove()
@@ -63,9 +67,11 @@ class LoraLayers:
             if groups is None:
                 return None
             x = args[0]
-            if x.shape[0] != self._rows:   # e.g. a layer fed tokens flattened across rows
-                raise RuntimeError(f"LoRA on {name}: its input has {x.shape[0]} rows, the "
-                                   f"batch {self._rows} requests")
+            if x.shape[0] != self._rows:  # e.g. a layer fed tokens flattened across rows
+                raise RuntimeError(
+                    f"LoRA on {name}: its input has {x.shape[0]} rows, the "
+                    f"batch {self._rows} requests"
+                )
             out = out.clone()
             for adapter, rows in groups:
                 ab = adapter.weights.get(name)
@@ -75,6 +81,7 @@ class LoraLayers:
                 delta = (x.index_select(0, rows) @ a.T) @ b.T
                 out.index_add_(0, rows, delta, alpha=adapter.scaling)
             return out
+
         return hook
 
 

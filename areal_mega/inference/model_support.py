@@ -16,6 +16,7 @@ Everything is read from the code that decides it, not written down here:
 
 :func:`support_rows` is the pure part (plain data in and out).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -24,8 +25,15 @@ from areal_mega.checkpoint.hf_mapping import FAMILIES
 from areal_mega.inference.kv_cache import kv_path_of
 from areal_mega.models.builder import SUPPORTED_MODEL_TYPES
 
-__all__ = ["engine_architectures", "causal_lm_model_types", "server_kv_paths",
-           "support_rows", "markdown_table", "SERVER_PATHS", "ENGINE_HF_CACHE"]
+__all__ = [
+    "engine_architectures",
+    "causal_lm_model_types",
+    "server_kv_paths",
+    "support_rows",
+    "markdown_table",
+    "SERVER_PATHS",
+    "ENGINE_HF_CACHE",
+]
 
 #: how the CPU server runs a model: :func:`kv_path_of`'s answer -> what the table says. Our
 #: tests serve StaticKV families end to end; an HF-cache family is loaded and batched by the
@@ -38,14 +46,19 @@ ENGINE_HF_CACHE = "yes (HF cache)"
 
 def engine_architectures() -> dict:
     """``{architecture: model_type}`` of every causal LM the trainer engine builds."""
-    return {a: mt for mt, fam in FAMILIES.items() if mt in SUPPORTED_MODEL_TYPES
-            for a in fam.architectures}
+    return {
+        a: mt
+        for mt, fam in FAMILIES.items()
+        if mt in SUPPORTED_MODEL_TYPES
+        for a in fam.architectures
+    }
 
 
 def causal_lm_model_types() -> dict:
     """``{architecture: [model_type, ...]}`` of the installed transformers' causal-LM classes
     (what ``AutoModelForCausalLM`` loads)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     out: dict = {}
     for model_type, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         out.setdefault(arch, []).append(model_type)
@@ -56,11 +69,18 @@ def server_kv_paths(model_types: Iterable[str]) -> dict:
     """``{model_type: "static" | "hf_cache"}``: the server's running batch for each model
     type's default transformers config."""
     from transformers import AutoConfig
+
     return {mt: kv_path_of(AutoConfig.for_model(mt)) for mt in model_types}
 
 
-def support_rows(architectures: Iterable[str], *, engine: dict, causal_lm: dict,
-                 kv_paths: dict, transformers_classes: Optional[set] = None) -> list:
+def support_rows(
+    architectures: Iterable[str],
+    *,
+    engine: dict,
+    causal_lm: dict,
+    kv_paths: dict,
+    transformers_classes: Optional[set] = None,
+) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
     class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value,
@@ -77,24 +97,36 @@ def support_rows(architectures: Iterable[str], *, engine: dict, causal_lm: dict,
         model_type = engine.get(arch) or (types[0] if types else None)
         if model_type is not None and model_type in types:
             path = kv_paths[model_type]
-            server = ENGINE_HF_CACHE if arch in engine and path == "hf_cache" \
-                else SERVER_PATHS[path]
+            server = (
+                ENGINE_HF_CACHE if arch in engine and path == "hf_cache" else SERVER_PATHS[path]
+            )
             note = ""
         elif transformers_classes is not None and arch not in transformers_classes:
             server, note = "no", "not in transformers (remote code)"
         else:
             server, note = "no", "not a causal LM for AutoModelForCausalLM"
-        rows.append({"architecture": arch, "model_type": model_type,
-                     "engine": arch in engine, "server": server, "note": note})
+        rows.append(
+            {
+                "architecture": arch,
+                "model_type": model_type,
+                "engine": arch in engine,
+                "server": server,
+                "note": note,
+            }
+        )
     return rows
 
 
 def markdown_table(rows: list) -> str:
     """The rows as a Markdown table."""
-    lines = ["| Architecture (Megatron-Bridge) | model_type | our engine | our CPU server |",
-             "|---|---|---|---|"]
+    lines = [
+        "| Architecture (Megatron-Bridge) | model_type | our engine | our CPU server |",
+        "|---|---|---|---|",
+    ]
     for r in rows:
         server = r["server"] + (f": {r['note']}" if r["note"] else "")
-        lines.append(f"| `{r['architecture']}` | {r['model_type'] or '-'} | "
-                     f"{'yes' if r['engine'] else 'no'} | {server} |")
+        lines.append(
+            f"| `{r['architecture']}` | {r['model_type'] or '-'} | "
+            f"{'yes' if r['engine'] else 'no'} | {server} |"
+        )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ expert e's ``gate_proj`` in rows ``0..I-1`` and its ``up_proj`` in rows ``I..2I-
 ``<layer>.mlp.experts.<e>.(gate|up|down)_proj.weight`` is therefore a slice of a fused
 parameter; :class:`ParamTargets` resolves every name to ``(parameter name, index)``.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,7 +23,7 @@ class ParamTargets:
 
     def __init__(self, state_dict: dict):
         self.sd = state_dict
-        self.pieces: dict = {}       # fused parameter name -> how many slices make it whole
+        self.pieces: dict = {}  # fused parameter name -> how many slices make it whole
         for name, t in state_dict.items():
             if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
                 self.pieces[name] = 2 * t.shape[0]

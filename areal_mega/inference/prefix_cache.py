@@ -10,6 +10,7 @@ entry's token dimension gives the prefix's data); :meth:`PrefixTree.insert` adds
 storing data only for the tokens not cached yet. Nodes are split where sequences diverge, so
 the samples of one prompt share the prompt's data once. Used on one thread only (the engine's).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -31,8 +32,10 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 def _slice(payload: Optional[tuple], dims: tuple, start: int, end: int) -> Optional[tuple]:
     if payload is None:
         return None
-    return tuple(None if t is None else t.narrow(d, start, end - start).clone()
-                 for t, d in zip(payload, dims))
+    return tuple(
+        None if t is None else t.narrow(d, start, end - start).clone()
+        for t, d in zip(payload, dims)
+    )
 
 
 def _nbytes(payload: Optional[tuple]) -> int:
@@ -90,9 +93,14 @@ class PrefixTree:
             if k == 0:
                 break
             if child.payload is not None:
-                pieces.append(child.payload if k == len(child.tokens) else
-                              tuple(None if t is None else t.narrow(d, 0, k)
-                                    for t, d in zip(child.payload, self.token_dims)))
+                pieces.append(
+                    child.payload
+                    if k == len(child.tokens)
+                    else tuple(
+                        None if t is None else t.narrow(d, 0, k)
+                        for t, d in zip(child.payload, self.token_dims)
+                    )
+                )
             n += k
             last = child
             if k < len(child.tokens):
@@ -102,8 +110,9 @@ class PrefixTree:
             self._touch(last)
         return n, pieces
 
-    def insert(self, tokens: Sequence[int],
-               payload_of: Optional[Callable[[int, int], tuple]] = None) -> int:
+    def insert(
+        self, tokens: Sequence[int], payload_of: Optional[Callable[[int, int], tuple]] = None
+    ) -> int:
         """Add sequence ``tokens``; ``payload_of(start, end)`` gives the data of tokens
         ``[start, end)`` (called only for tokens not cached yet). Returns how many tokens were
         new; evicts to the budget afterwards (possibly this very sequence)."""
@@ -170,8 +179,12 @@ class PrefixTree:
 
     def stats(self) -> dict:
         """Sizes for the server's info endpoint."""
-        return {"budget_mb": self.budget_bytes / 2 ** 20, "used_mb": self.nbytes / 2 ** 20,
-                "tokens": self.num_tokens, "evicted_tokens": self.evicted_tokens}
+        return {
+            "budget_mb": self.budget_bytes / 2**20,
+            "used_mb": self.nbytes / 2**20,
+            "tokens": self.num_tokens,
+            "evicted_tokens": self.evicted_tokens,
+        }
 
 
 def concat_pieces(pieces: list, token_dims: tuple) -> Optional[tuple]:
@@ -182,6 +195,11 @@ def concat_pieces(pieces: list, token_dims: tuple) -> Optional[tuple]:
     out = []
     for i, d in enumerate(token_dims):
         parts = [p[i] for p in pieces]
-        out.append(None if any(t is None for t in parts) else
-                   parts[0] if len(parts) == 1 else torch.cat(parts, dim=d))
+        out.append(
+            None
+            if any(t is None for t in parts)
+            else parts[0]
+            if len(parts) == 1
+            else torch.cat(parts, dim=d)
+        )
     return tuple(out)

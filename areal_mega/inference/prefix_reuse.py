@@ -34,6 +34,7 @@ The tree itself is :class:`~areal_mega.inference.prefix_cache.PrefixTree`; paylo
 the keys/values (layout of :class:`~areal_mega.inference.kv_cache.StaticKVBatch`) and the
 routes ``[tokens, layers, topk]`` (None without route capture).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -69,13 +70,13 @@ class PrefixReuse:
     def __init__(self, batch: StaticKVBatch, budget_mb: float, with_routes: bool):
         self.batch = batch
         self.with_routes = with_routes
-        self.budget = int(budget_mb * 2 ** 20)
+        self.budget = int(budget_mb * 2**20)
         # one tree per namespace (None: the base model, else an adapter load's uid), least
         # recently used first; together within the budget
         self.trees: "OrderedDict[Optional[str], PrefixTree]" = OrderedDict()
-        self._planned: set = set()   # namespaces of the current round: never dropped in it
-        self.dropped_tokens = 0      # tokens of whole namespaces dropped for room
-        self.epoch = 0   # bumped when the cache is emptied: older rows are not added back
+        self._planned: set = set()  # namespaces of the current round: never dropped in it
+        self.dropped_tokens = 0  # tokens of whole namespaces dropped for room
+        self.epoch = 0  # bumped when the cache is emptied: older rows are not added back
 
     @staticmethod
     def namespace(r) -> Optional[str]:
@@ -87,8 +88,9 @@ class PrefixReuse:
         ns = self.namespace(r)
         tree = self.trees.get(ns)
         if tree is None and create:
-            tree = self.trees[ns] = PrefixTree(self.budget,
-                                               token_dims=(StaticKVBatch.KV_TOKEN_DIM, 0))
+            tree = self.trees[ns] = PrefixTree(
+                self.budget, token_dims=(StaticKVBatch.KV_TOKEN_DIM, 0)
+            )
         if tree is not None:
             self.trees.move_to_end(ns)
         return tree
@@ -153,15 +155,18 @@ class PrefixReuse:
             key = (self.namespace(r), tuple(r.input_ids))
             if key not in seen:
                 seen.add(key)
-                self.add_prefilled(r, kv, b, np.concatenate(r.routes) if with_routes
-                                   else None)
+                self.add_prefilled(r, kv, b, np.concatenate(r.routes) if with_routes else None)
 
     def add_prefilled(self, r, kv: list, row: int, routes: Optional[np.ndarray]) -> None:
         """Cache the prompt of ``r``, row ``row`` of a prefill's keys/values ``kv`` (covering
         the whole prompt); ``routes``: the prompt's routes."""
+
         def payload(start: int, end: int) -> tuple:
-            return (StaticKVBatch.payload_of_prefill(kv, row, start, end),
-                    None if routes is None else torch.from_numpy(routes[start:end].copy()))
+            return (
+                StaticKVBatch.payload_of_prefill(kv, row, start, end),
+                None if routes is None else torch.from_numpy(routes[start:end].copy()),
+            )
+
         self._insert(r, r.input_ids, payload)
 
     def add_running(self, r, row: int) -> None:
@@ -176,18 +181,24 @@ class PrefixReuse:
             routes = np.concatenate(r.routes) if r.routes else None
             if routes is None or len(routes) < n:
                 return
-        tokens = list(r.input_ids) + list(r.output_ids[:n - len(r.input_ids)])
+        tokens = list(r.input_ids) + list(r.output_ids[: n - len(r.input_ids)])
 
         def payload(start: int, end: int) -> tuple:
-            return (self.batch.payload_of_row(row, start, end),
-                    None if routes is None else torch.from_numpy(routes[start:end].copy()))
+            return (
+                self.batch.payload_of_row(row, start, end),
+                None if routes is None else torch.from_numpy(routes[start:end].copy()),
+            )
+
         self._insert(r, tokens, payload)
 
     def stats(self) -> dict:
         """The trees' sizes together, the number of namespaces and the current epoch."""
         parts = [t.stats() for t in self.trees.values()]
-        return {"budget_mb": self.budget / 2 ** 20,
-                "used_mb": sum(p["used_mb"] for p in parts),
-                "tokens": sum(p["tokens"] for p in parts),
-                "evicted_tokens": sum(p["evicted_tokens"] for p in parts) + self.dropped_tokens,
-                "namespaces": len(parts), "epoch": self.epoch}
+        return {
+            "budget_mb": self.budget / 2**20,
+            "used_mb": sum(p["used_mb"] for p in parts),
+            "tokens": sum(p["tokens"] for p in parts),
+            "evicted_tokens": sum(p["evicted_tokens"] for p in parts) + self.dropped_tokens,
+            "namespaces": len(parts),
+            "epoch": self.epoch,
+        }

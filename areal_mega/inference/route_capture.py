@@ -8,6 +8,7 @@ logits, top-k), or the same softmax / top-k over the logits of a plain linear ga
 installed only when the server is started with the flag, and record only between
 :meth:`RouteCapture.begin` and :meth:`RouteCapture.end`.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,18 +39,24 @@ class RouteCapture:
         self.layout = RouteLayout.from_hf_config(model.config)
         gates = _moe_gates(model)
         if self.layout is None or not gates:
-            raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} "
-                             f"(model_type={getattr(model.config, 'model_type', None)!r}) has "
-                             "no mixture-of-experts layers to report")
+            raise ValueError(
+                f"--enable-return-routed-experts: {type(model).__name__} "
+                f"(model_type={getattr(model.config, 'model_type', None)!r}) has "
+                "no mixture-of-experts layers to report"
+            )
         biased = [i for i, g in gates.items() if hasattr(g, "e_score_correction_bias")]
         if biased:
-            raise ValueError(f"--enable-return-routed-experts: {type(model).__name__} routes "
-                             "with a sigmoid score and an expert bias (layers "
-                             f"{biased}); only the softmax top-k router is captured")
+            raise ValueError(
+                f"--enable-return-routed-experts: {type(model).__name__} routes "
+                "with a sigmoid score and an expert bias (layers "
+                f"{biased}); only the softmax top-k router is captured"
+            )
         if tuple(sorted(gates)) != self.layout.moe_layers:
-            raise ValueError(f"--enable-return-routed-experts: the model's MoE blocks are in "
-                             f"layers {sorted(gates)}, its config says "
-                             f"{list(self.layout.moe_layers)}")
+            raise ValueError(
+                f"--enable-return-routed-experts: the model's MoE blocks are in "
+                f"layers {sorted(gates)}, its config says "
+                f"{list(self.layout.moe_layers)}"
+            )
         self._rows: Optional[dict] = None
         self._handles = [gate.register_forward_hook(self._hook(i)) for i, gate in gates.items()]
 
@@ -59,12 +66,13 @@ class RouteCapture:
         def record(_mod, _inp, out):
             if self._rows is None:
                 return
-            if isinstance(out, tuple):   # a router module: (logits, weights, indices)
+            if isinstance(out, tuple):  # a router module: (logits, weights, indices)
                 ids = out[-1]
-            else:                        # a linear gate: the block's softmax / top-k
+            else:  # a linear gate: the block's softmax / top-k
                 probs = torch.softmax(out, dim=-1, dtype=torch.float)
                 ids = torch.topk(probs, topk, dim=-1).indices
             self._rows[layer] = ids.reshape(-1, topk)
+
         return record
 
     def begin(self) -> None:

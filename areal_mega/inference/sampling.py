@@ -32,6 +32,7 @@ row whose step-4 logits are not a distribution (a NaN or ``+inf`` anywhere, or e
 instead of a token, and if the vectorised choice still raises, retries row by row so that only
 the rows that raise on their own get an error.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,13 +43,16 @@ import torch
 from areal_mega.ops.decode import inverse_cdf_pick, sample_rows
 
 GREEDY_EPS = 1e-6
-_NOT_A_DISTRIBUTION = ("sampling error: the logits after penalties, logit_bias and temperature "
-                       "contain NaN or infinity (not a distribution)")
+_NOT_A_DISTRIBUTION = (
+    "sampling error: the logits after penalties, logit_bias and temperature "
+    "contain NaN or infinity (not a distribution)"
+)
 
 
 @dataclass
 class SamplingParams:
     """Validated sampling parameters of one request (SGLang field names and defaults)."""
+
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -60,7 +64,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop_token_ids: tuple = ()
     stop_strs: tuple = ()
-    stop_str_max_len: int = 0      # longest stop string in tokens (how much tail to decode)
+    stop_str_max_len: int = 0  # longest stop string in tokens (how much tail to decode)
     ignore_eos: bool = False
     sampling_seed: Optional[int] = None
     logit_bias: dict = field(default_factory=dict)  # token id -> additive bias
@@ -77,8 +81,11 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Whether any generated-token penalty is active."""
-        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _output_counts(reqs: list, vocab: int) -> torch.Tensor:
@@ -87,7 +94,7 @@ def _output_counts(reqs: list, vocab: int) -> torch.Tensor:
     idx = torch.full((len(reqs), max(longest, 1)), vocab, dtype=torch.long)
     for i, r in enumerate(reqs):
         if r.output_ids:
-            idx[i, :len(r.output_ids)] = torch.tensor(r.output_ids, dtype=torch.long)
+            idx[i, : len(r.output_ids)] = torch.tensor(r.output_ids, dtype=torch.long)
     counts = torch.zeros(len(reqs), vocab + 1)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -128,8 +135,9 @@ def _truncated_probs(reqs: list, probs: torch.Tensor):
     kept sorted probabilities and their token ids."""
     B, V = probs.shape
     ps, idx = probs.sort(dim=-1, descending=True)
-    ks = torch.tensor([V if r.params.top_k <= 0 or r.params.top_k > V else r.params.top_k
-                       for r in reqs]).view(-1, 1)
+    ks = torch.tensor(
+        [V if r.params.top_k <= 0 or r.params.top_k > V else r.params.top_k for r in reqs]
+    ).view(-1, 1)
     ps[torch.arange(V).view(1, -1) >= ks] = 0.0
     top_p = _column(reqs, "top_p")
     ps[(ps.cumsum(-1) - ps) > top_p] = 0.0
@@ -191,7 +199,7 @@ def choose_tokens_isolated(reqs: list, logits: torch.Tensor, eos_ids: frozenset)
         parts = []
         for i in good:
             try:
-                zi = adjust_logits([reqs[i]], logits[i:i + 1], eos_ids)
+                zi = adjust_logits([reqs[i]], logits[i : i + 1], eos_ids)
                 if _bad_rows(zi):
                     raise ValueError("logits are not a distribution")
                 parts.append(([i], _choose([reqs[i]], zi)))
@@ -240,8 +248,13 @@ def _temperature_only(r, vocab: int) -> bool:
     ``min_new_tokens`` reached, no ``logit_bias``, no top logprobs asked for, and nothing cut
     by top-k / top-p / min-p (or top-k = 1, which is the argmax whatever the others say)."""
     p = r.params
-    return (not p.penalised and len(r.output_ids) >= p.min_new_tokens and not p.logit_bias
-            and p.top_logprobs_num == 0 and (p.top_k == 1 or not _truncates(p, vocab)))
+    return (
+        not p.penalised
+        and len(r.output_ids) >= p.min_new_tokens
+        and not p.logit_bias
+        and p.top_logprobs_num == 0
+        and (p.top_k == 1 or not _truncates(p, vocab))
+    )
 
 
 def _choose_temperature_only(reqs: list, logits: torch.Tensor):
@@ -250,8 +263,9 @@ def _choose_temperature_only(reqs: list, logits: torch.Tensor):
     in torch. Uniforms are drawn as :func:`_choose` draws them."""
     B = len(reqs)
     greedy = [r.params.greedy or r.params.top_k == 1 for r in reqs]
-    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in reqs],
-                         dtype=torch.float32)
+    temps = torch.tensor(
+        [1.0 if r.params.greedy else r.params.temperature for r in reqs], dtype=torch.float32
+    )
     u = torch.zeros(B, dtype=torch.float64)
     sampled = [i for i in range(B) if not greedy[i]]
     if sampled:

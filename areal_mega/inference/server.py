@@ -45,6 +45,7 @@ One client must not hurt the others:
   (:mod:`areal_mega.inference.server_state`), so pause / continue / weight loads / SIGTERM
   answer while a join is pending.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,15 +62,34 @@ from aiohttp import web
 
 from areal_mega.common.http_guard import run_app_guarded
 from areal_mega.inference.decoding import GenRequest
-from areal_mega.inference.http_api import (DISK_LOAD_FORMATS, DIST_LOAD_FORMATS, BadRequest,
-                                           MAX_BODY, RequestTimeout, TooLarge, error_response,
-                                           get_field, get_int_like, ignore_unknown, load_format_of,
-                                           parse_dtype, parse_generate, parse_logprob_starts,
-                                           parse_routes_start, response_of, version_of)
+from areal_mega.inference.http_api import (
+    DISK_LOAD_FORMATS,
+    DIST_LOAD_FORMATS,
+    BadRequest,
+    MAX_BODY,
+    RequestTimeout,
+    TooLarge,
+    error_response,
+    get_field,
+    get_int_like,
+    ignore_unknown,
+    load_format_of,
+    parse_dtype,
+    parse_generate,
+    parse_logprob_starts,
+    parse_routes_start,
+    response_of,
+    version_of,
+)
 from areal_mega.inference.input_logprobs import input_token_logprobs, needs_forward
-from areal_mega.inference.lora_api import (add_lora_flags, add_lora_routes, lora_server_info,
-                                           lora_settings_of, release_adapters,
-                                           resolve_adapters)
+from areal_mega.inference.lora_api import (
+    add_lora_flags,
+    add_lora_routes,
+    lora_server_info,
+    lora_settings_of,
+    release_adapters,
+    resolve_adapters,
+)
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
 from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
@@ -77,8 +97,10 @@ from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
 
 DEFAULT_IDLE_TIMEOUT_S = 30.0
-FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there "
-                    "are running or waiting requests, the operation will not be performed.)\n")
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there "
+    "are running or waiting requests, the operation will not be performed.)\n"
+)
 
 log = logging.getLogger("areal_mega.inference.server")
 
@@ -86,8 +108,9 @@ log = logging.getLogger("areal_mega.inference.server")
 # ------------------------------------------------------------------------- HTTP handlers
 
 
-def build_app(srv: LocalRolloutServer,
-              body_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S) -> web.Application:
+def build_app(
+    srv: LocalRolloutServer, body_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+) -> web.Application:
     """The aiohttp application serving ``srv``; a request body must arrive within
     ``body_timeout_s`` of its headers (408 otherwise). Serve it with
     ``handler_cancellation=True`` so that a client that goes away frees its slots."""
@@ -116,8 +139,9 @@ def build_app(srv: LocalRolloutServer,
         try:
             raw = await asyncio.wait_for(request.read(), body_timeout_s)
         except asyncio.TimeoutError:
-            raise RequestTimeout(f"request body not received within {body_timeout_s:g} s "
-                                 "(--idle-timeout)") from None
+            raise RequestTimeout(
+                f"request body not received within {body_timeout_s:g} s (--idle-timeout)"
+            ) from None
         except web.HTTPRequestEntityTooLarge:
             raise TooLarge(f"request body larger than {MAX_BODY >> 20} MiB") from None
         if not raw.strip():
@@ -140,28 +164,38 @@ def build_app(srv: LocalRolloutServer,
     async def generate(request: web.Request):
         body = await body_of(request)
         prompts, params, n, rids, as_list = parse_generate(
-            body, srv.tokenizer, srv.vocab_size, srv.max_context)
+            body, srv.tokenizer, srv.vocab_size, srv.max_context
+        )
         starts = parse_logprob_starts(body, prompts)
         # SGLang ignores the flag on a server started without --enable-return-routed-experts
-        routes = get_field(body, "return_routed_experts", bool, False, "generate") \
+        routes = (
+            get_field(body, "return_routed_experts", bool, False, "generate")
             and srv.engine.routes is not None
+        )
         routes_start = parse_routes_start(body, prompts) if routes else 0
         adapters = await resolve_adapters(srv, body, len(prompts))
         try:
-            return await generate_with(body, prompts, params, n, rids, as_list, starts, routes,
-                                       routes_start, adapters)
+            return await generate_with(
+                body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters
+            )
         finally:
             await release_adapters(srv, adapters)
 
-    async def generate_with(body, prompts, params, n, rids, as_list, starts, routes,
-                            routes_start, adapters):
+    async def generate_with(
+        body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters
+    ):
         version, values = None, [[None]] * len(prompts)
         if starts is not None and any(needs_forward(k, len(p)) for k, p in zip(starts, prompts)):
             # SGLang's input_token_logprobs: one forward per prompt length, between decode steps
 
             def score():
-                return (input_token_logprobs(srv.engine.model, prompts, starts, adapters,
-                                             srv.engine.lora), srv.engine.weight_version)
+                return (
+                    input_token_logprobs(
+                        srv.engine.model, prompts, starts, adapters, srv.engine.lora
+                    ),
+                    srv.engine.weight_version,
+                )
+
             values, version = await run_blocking(srv.engine.run_exclusive, score)
         loop = asyncio.get_running_loop()
         reqs, futs = [], []
@@ -170,15 +204,24 @@ def build_app(srv: LocalRolloutServer,
 
             def on_done(r: GenRequest, fut=fut):
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+
             gen = None
             if params.sampling_seed is not None:
                 gen = torch.Generator().manual_seed(params.sampling_seed)
-            reqs.append(GenRequest(rid=rid, input_ids=list(prompts[i // n]), params=params,
-                                   on_done=on_done, generator=gen,
-                                   return_routed_experts=routes, routes_start=routes_start,
-                                   lora=adapters[i // n],
-                                   # SGLang: with return_logprob no prefix past its start
-                                   prefix_limit=None if starts is None else starts[i // n]))
+            reqs.append(
+                GenRequest(
+                    rid=rid,
+                    input_ids=list(prompts[i // n]),
+                    params=params,
+                    on_done=on_done,
+                    generator=gen,
+                    return_routed_experts=routes,
+                    routes_start=routes_start,
+                    lora=adapters[i // n],
+                    # SGLang: with return_logprob no prefix past its start
+                    prefix_limit=None if starts is None else starts[i // n],
+                )
+            )
             if version is not None:  # what a prefill-only request reports
                 reqs[-1].weight_version = version
             futs.append(fut)
@@ -191,17 +234,26 @@ def build_app(srv: LocalRolloutServer,
                 srv.engine.abort(r.rid, "client disconnected")
             raise
         now = time.time()
-        out = [response_of(r, len(r.input_ids), params, bool(body.get("return_logprob")),
-                           bool(body.get("return_text_in_logprobs")), srv.decode, now,
-                           None if starts is None else
-                           (values[i // n], r.input_ids[starts[i // n]:]))
-               for i, r in enumerate(done)]
+        out = [
+            response_of(
+                r,
+                len(r.input_ids),
+                params,
+                bool(body.get("return_logprob")),
+                bool(body.get("return_text_in_logprobs")),
+                srv.decode,
+                now,
+                None if starts is None else (values[i // n], r.input_ids[starts[i // n] :]),
+            )
+            for i, r in enumerate(done)
+        ]
         return web.json_response(out if as_list else out[0])
 
     async def abort_request(request: web.Request):
         body = await body_of(request)
-        ignore_unknown(body, {"rid", "abort_all", "finished_reason", "abort_message"},
-                        "abort_request")
+        ignore_unknown(
+            body, {"rid", "abort_all", "finished_reason", "abort_message"}, "abort_request"
+        )
         if body.get("abort_all") or not body.get("rid"):
             # SGLang: an empty rid with abort_all aborts everything
             if not body.get("abort_all"):
@@ -229,23 +281,42 @@ def build_app(srv: LocalRolloutServer,
     async def update_weights_from_disk(request: web.Request):
         body = await body_of(request)
         w = "update_weights_from_disk"
-        ignore_unknown(body, {"model_path", "load_format", "abort_all_requests",
-                               "weight_version", "flush_cache"}, w)
+        ignore_unknown(
+            body,
+            {"model_path", "load_format", "abort_all_requests", "weight_version", "flush_cache"},
+            w,
+        )
         path = get_field(body, "model_path", str, where=w, required=True)
         version = version_of(body, w)
         load_format_of(body, w, DISK_LOAD_FORMATS)
         if get_field(body, "abort_all_requests", bool, False, w):
             srv.engine.abort(None, "aborted for weight update")
         await run_blocking(srv.load_from_disk, path, version)
-        return web.json_response({"success": True, "message": f"loaded {path}",
-                                  "num_paused_requests": 0,
-                                  "weight_version": srv.engine.weight_version})
+        return web.json_response(
+            {
+                "success": True,
+                "message": f"loaded {path}",
+                "num_paused_requests": 0,
+                "weight_version": srv.engine.weight_version,
+            }
+        )
 
     async def init_weights_update_group(request: web.Request):
         body = await body_of(request)
         w = "init_weights_update_group"
-        ignore_unknown(body, {"master_address", "master_port", "rank_offset", "world_size",
-                               "group_name", "backend", "timeout_s"}, w)
+        ignore_unknown(
+            body,
+            {
+                "master_address",
+                "master_port",
+                "rank_offset",
+                "world_size",
+                "group_name",
+                "backend",
+                "timeout_s",
+            },
+            w,
+        )
         addr = get_field(body, "master_address", str, where=w, required=True)
         port = get_int_like(body, "master_port", w)
         rank = get_int_like(body, "rank_offset", w)
@@ -265,8 +336,9 @@ def build_app(srv: LocalRolloutServer,
             raise BadRequest(f"{w}.group_name: must not be empty")
         # the join runs on its own thread (see server_state); if this client goes away the
         # join still completes or times out, and the group is kept if it was made
-        joined = asyncio.wrap_future(srv.start_join(addr, port, rank, world, name, backend,
-                                                    timeout_s))
+        joined = asyncio.wrap_future(
+            srv.start_join(addr, port, rank, world, name, backend, timeout_s)
+        )
         stop_wait = asyncio.ensure_future(stopping.wait())
         try:
             await asyncio.wait([joined, stop_wait], return_when=asyncio.FIRST_COMPLETED)
@@ -277,15 +349,28 @@ def build_app(srv: LocalRolloutServer,
         try:
             joined.result()
         except Exception as e:  # noqa: BLE001 - SGLang answers a failed join with 400
-            raise BadRequest(f"{w}: joining {name!r} at {addr}:{port} failed: "
-                             f"{type(e).__name__}: {e}") from None
+            raise BadRequest(
+                f"{w}: joining {name!r} at {addr}:{port} failed: {type(e).__name__}: {e}"
+            ) from None
         return web.json_response({"success": True, "message": f"joined {name} as rank {rank}"})
 
     async def update_weights_from_distributed(request: web.Request):
         body = await body_of(request)
         w = "update_weights_from_distributed"
-        ignore_unknown(body, {"names", "dtypes", "shapes", "group_name", "flush_cache",
-                               "abort_all_requests", "weight_version", "load_format"}, w)
+        ignore_unknown(
+            body,
+            {
+                "names",
+                "dtypes",
+                "shapes",
+                "group_name",
+                "flush_cache",
+                "abort_all_requests",
+                "weight_version",
+                "load_format",
+            },
+            w,
+        )
         names = get_field(body, "names", list, where=w, required=True)
         dtypes = get_field(body, "dtypes", list, where=w, required=True)
         shapes = get_field(body, "shapes", list, where=w, required=True)
@@ -298,8 +383,9 @@ def build_app(srv: LocalRolloutServer,
         load_format_of(body, w, DIST_LOAD_FORMATS)
         for dt in dtypes:
             parse_dtype(dt)
-        if not all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
-                   for s in shapes):
+        if not all(
+            isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s) for s in shapes
+        ):
             raise BadRequest(f"{w}.shapes: expected lists of non-negative ints")
         if abort_all:
             srv.engine.abort(None, "aborted for weight update")
@@ -310,9 +396,12 @@ def build_app(srv: LocalRolloutServer,
             problem = None
         except BadRequest as e:
             problem = e
-        await run_blocking(srv.engine.run_exclusive,
-                           lambda: srv.receive_distributed(name, names, dtypes, shapes, version,
-                                                           load=problem is None))
+        await run_blocking(
+            srv.engine.run_exclusive,
+            lambda: srv.receive_distributed(
+                name, names, dtypes, shapes, version, load=problem is None
+            ),
+        )
         if problem is not None:
             raise problem
         return web.json_response({"success": True, "message": f"updated {len(names)} tensors"})
@@ -320,8 +409,9 @@ def build_app(srv: LocalRolloutServer,
     async def destroy_weights_update_group(request: web.Request):
         body = await body_of(request, allow_empty=True)
         ignore_unknown(body, {"group_name"}, "destroy_weights_update_group")
-        name = get_field(body, "group_name", str, "weight_update_group",
-                         "destroy_weights_update_group")
+        name = get_field(
+            body, "group_name", str, "weight_update_group", "destroy_weights_update_group"
+        )
         await run_blocking(srv.destroy_group, name)
         return web.json_response({"success": True})
 
@@ -333,8 +423,9 @@ def build_app(srv: LocalRolloutServer,
             raise BadRequest("update_weight_version.new_version: required (string or int)")
         if body.get("abort_all_requests"):
             srv.engine.abort(None, "aborted for weight version update")
-        await run_blocking(srv.engine.run_exclusive,
-                           lambda: setattr(srv.engine, "weight_version", str(v)))
+        await run_blocking(
+            srv.engine.run_exclusive, lambda: setattr(srv.engine, "weight_version", str(v))
+        )
         return web.json_response({"success": True, "weight_version": str(v)})
 
     async def flush_cache(request: web.Request):
@@ -348,47 +439,76 @@ def build_app(srv: LocalRolloutServer,
         return web.json_response({"status": "ok"})
 
     async def get_model_info(request: web.Request):
-        return web.json_response({
-            "model_path": srv.model_path, "tokenizer_path": srv.model_path,
-            "is_generation": True, "weight_version": srv.engine.weight_version,
-            "vocab_size": srv.vocab_size, "max_context": srv.max_context})
+        return web.json_response(
+            {
+                "model_path": srv.model_path,
+                "tokenizer_path": srv.model_path,
+                "is_generation": True,
+                "weight_version": srv.engine.weight_version,
+                "vocab_size": srv.vocab_size,
+                "max_context": srv.max_context,
+            }
+        )
 
     async def get_server_info(request: web.Request):
         e = srv.engine
-        return web.json_response({
-            "model_path": srv.model_path, "context_length": srv.max_context,
-            "max_running_requests": e.max_running,
-            "num_running": e.num_running, "num_waiting": e.num_waiting, "paused": e.paused,
-            "decode_steps": e.steps, "tokens_generated": e.tokens_generated,
-            "sampling_errors": e.sampling_errors, "joining_groups": sorted(srv.joining),
-            "prefill_tokens": e.prefill_tokens, "cached_tokens": e.cached_tokens,
-            "forward_seconds": dict(e.forward_s), "process_cpu_seconds": time.process_time(),
-            "prefix_cache": None if e.prefix is None else e.prefix.stats(),
-            "enable_return_routed_experts": e.routes is not None,
-            "receiving_buckets": srv.receiving, **lora_server_info(srv),
-            "weight_version": e.weight_version, "uptime_s": time.time() - srv.started_at})
+        return web.json_response(
+            {
+                "model_path": srv.model_path,
+                "context_length": srv.max_context,
+                "max_running_requests": e.max_running,
+                "num_running": e.num_running,
+                "num_waiting": e.num_waiting,
+                "paused": e.paused,
+                "decode_steps": e.steps,
+                "tokens_generated": e.tokens_generated,
+                "sampling_errors": e.sampling_errors,
+                "joining_groups": sorted(srv.joining),
+                "prefill_tokens": e.prefill_tokens,
+                "cached_tokens": e.cached_tokens,
+                "forward_seconds": dict(e.forward_s),
+                "process_cpu_seconds": time.process_time(),
+                "prefix_cache": None if e.prefix is None else e.prefix.stats(),
+                "enable_return_routed_experts": e.routes is not None,
+                "receiving_buckets": srv.receiving,
+                **lora_server_info(srv),
+                "weight_version": e.weight_version,
+                "uptime_s": time.time() - srv.started_at,
+            }
+        )
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_BODY)
-    post = {"/generate": generate, "/abort_request": abort_request,
-            "/pause_generation": pause_generation, "/continue_generation": continue_generation,
-            "/update_weights_from_disk": update_weights_from_disk,
-            "/init_weights_update_group": init_weights_update_group,
-            "/update_weights_from_distributed": update_weights_from_distributed,
-            "/destroy_weights_update_group": destroy_weights_update_group,
-            "/update_weight_version": update_weight_version, "/flush_cache": flush_cache}
+    post = {
+        "/generate": generate,
+        "/abort_request": abort_request,
+        "/pause_generation": pause_generation,
+        "/continue_generation": continue_generation,
+        "/update_weights_from_disk": update_weights_from_disk,
+        "/init_weights_update_group": init_weights_update_group,
+        "/update_weights_from_distributed": update_weights_from_distributed,
+        "/destroy_weights_update_group": destroy_weights_update_group,
+        "/update_weight_version": update_weight_version,
+        "/flush_cache": flush_cache,
+    }
     for path, h in post.items():
         app.router.add_post(path, h)
     add_lora_routes(app, srv, body_of)
-    for path, h in {"/health": health, "/health_generate": health,
-                    "/get_model_info": get_model_info, "/model_info": get_model_info,
-                    "/get_server_info": get_server_info, "/server_info": get_server_info,
-                    "/flush_cache": flush_cache}.items():
+    for path, h in {
+        "/health": health,
+        "/health_generate": health,
+        "/get_model_info": get_model_info,
+        "/model_info": get_model_info,
+        "/get_server_info": get_server_info,
+        "/server_info": get_server_info,
+        "/flush_cache": flush_cache,
+    }.items():
         app.router.add_get(path, h)
     stopping = asyncio.Event()  # set on shutdown: pending join requests answer 503 at once
 
     async def on_shutdown(_app):
         stopping.set()
         await asyncio.get_running_loop().run_in_executor(None, srv.engine.shutdown)
+
     app.on_shutdown.append(on_shutdown)
     return app
 
@@ -399,24 +519,41 @@ def main(argv: Optional[list] = None) -> None:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                    help=f"bearer key of every request but /health* (better: {API_KEY_ENV} "
-                         "in the environment; argv is visible in ps)")
-    ap.add_argument("--allow-unauthenticated", action="store_true",
-                    help="serve a non-loopback --host without an API key (logged)")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"bearer key of every request but /health* (better: {API_KEY_ENV} "
+        "in the environment; argv is visible in ps)",
+    )
+    ap.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve a non-loopback --host without an API key (logged)",
+    )
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
-                    help="seconds a connection may take to send complete request headers "
-                         "(after opening or after its previous answer) and, separately, its "
-                         "body; slower connections are closed")
-    ap.add_argument("--enable-return-routed-experts", action="store_true",
-                    help="answer return_routed_experts with meta_info.routed_experts "
-                         "(MoE models only), as SGLang's flag")
-    ap.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
-                    help="memory budget of the prefix cache (keys/values of prompts and "
-                         "finished sequences reused by later requests); 0 disables it")
+    ap.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds a connection may take to send complete request headers "
+        "(after opening or after its previous answer) and, separately, its "
+        "body; slower connections are closed",
+    )
+    ap.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="answer return_routed_experts with meta_info.routed_experts "
+        "(MoE models only), as SGLang's flag",
+    )
+    ap.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory budget of the prefix cache (keys/values of prompts and "
+        "finished sequences reused by later requests); 0 disables it",
+    )
     ap.add_argument("--log-level", default="WARNING")
     add_lora_flags(ap)
     args = ap.parse_args(argv)
@@ -426,24 +563,39 @@ def main(argv: Optional[list] = None) -> None:
     if not args.prefix_cache_mb >= 0:
         ap.error(f"--prefix-cache-mb={args.prefix_cache_mb}: must be >= 0")
     try:
-        check_bind(args.host, authenticated=bool(args.api_key), what=f"--host {args.host}",
-                   fix=f"set {API_KEY_ENV} (rollout.api_key) in the environment or --api-key, "
-                       "or pass --allow-unauthenticated on a trusted network",
-                   allow_unauthenticated=args.allow_unauthenticated)
+        check_bind(
+            args.host,
+            authenticated=bool(args.api_key),
+            what=f"--host {args.host}",
+            fix=f"set {API_KEY_ENV} (rollout.api_key) in the environment or --api-key, "
+            "or pass --allow-unauthenticated on a trusted network",
+            allow_unauthenticated=args.allow_unauthenticated,
+        )
     except ConfigError as e:
         ap.error(str(e))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     torch.set_num_threads(args.num_threads)
-    srv = LocalRolloutServer(args.model_path, max_running=args.max_running_requests,
-                             api_key=args.api_key, max_context=args.max_context,
-                             enable_return_routed_experts=args.enable_return_routed_experts,
-                             prefix_cache_mb=args.prefix_cache_mb, lora=lora)
-    print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}",
-          flush=True)
-    run_app_guarded(build_app(srv, body_timeout_s=args.idle_timeout), args.host, args.port,
-                    name="rollout server", access_log=None, handler_cancellation=True,
-                    keepalive_timeout=args.idle_timeout)   # capped below the fd limit
+    srv = LocalRolloutServer(
+        args.model_path,
+        max_running=args.max_running_requests,
+        api_key=args.api_key,
+        max_context=args.max_context,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        prefix_cache_mb=args.prefix_cache_mb,
+        lora=lora,
+    )
+    print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}", flush=True)
+    run_app_guarded(
+        build_app(srv, body_timeout_s=args.idle_timeout),
+        args.host,
+        args.port,
+        name="rollout server",
+        access_log=None,
+        handler_cancellation=True,
+        keepalive_timeout=args.idle_timeout,
+    )  # capped below the fd limit
 
 
 if __name__ == "__main__":

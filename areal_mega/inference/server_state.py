@@ -8,6 +8,7 @@ does not hold up pause / continue / weight loads, and SIGTERM shutdown does not 
 While group ``name`` is joining it is in :attr:`LocalRolloutServer.joining`; requests that need
 it are answered 409.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -25,8 +26,11 @@ from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_
 from areal_mega.inference.lora_layers import LoraLayers
 from areal_mega.inference.param_targets import ParamTargets
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
-from areal_mega.parallel.weight_group import (broadcast_from_rank0, destroy_update_group,
-                                              init_update_group)
+from areal_mega.parallel.weight_group import (
+    broadcast_from_rank0,
+    destroy_update_group,
+    init_update_group,
+)
 
 # the longest rendezvous /init_weights_update_group may ask for; a longer timeout_s is refused
 MAX_JOIN_TIMEOUT_S = 600.0
@@ -35,10 +39,16 @@ MAX_JOIN_TIMEOUT_S = 600.0
 class LocalRolloutServer:
     """The model, its engine, the tokenizer and the weight-update process groups."""
 
-    def __init__(self, model_path: str, max_running: int = 64, api_key: Optional[str] = None,
-                 max_context: Optional[int] = None, enable_return_routed_experts: bool = False,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 lora: Optional[LoraSettings] = None):
+    def __init__(
+        self,
+        model_path: str,
+        max_running: int = 64,
+        api_key: Optional[str] = None,
+        max_context: Optional[int] = None,
+        enable_return_routed_experts: bool = False,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        lora: Optional[LoraSettings] = None,
+    ):
         """``enable_return_routed_experts``: capture MoE routes for requests asking for them
         (ValueError for a dense model). ``prefix_cache_mb``: memory budget of the prefix
         cache (0: none; :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
@@ -66,38 +76,51 @@ class LocalRolloutServer:
         self.lora_settings = lora or LoraSettings()
         layers = None
         if self.lora_settings.enabled:
-            layers = LoraLayers(self.model, self.lora_settings.targets,
-                                self.lora_settings.max_per_batch)
-        self.lora_registry = LoraRegistry(self.lora_settings,
-                                          {} if layers is None else layers.modules)
+            layers = LoraLayers(
+                self.model, self.lora_settings.targets, self.lora_settings.max_per_batch
+            )
+        self.lora_registry = LoraRegistry(
+            self.lora_settings, {} if layers is None else layers.modules
+        )
         for p in self.lora_settings.preload:
-            self.lora_registry.add(self.read_lora_adapter(p["lora_name"], p["lora_path"],
-                                                          p["pinned"]))
-        self.engine = BatchedEngine(self.model, eos_token_id=eos, max_running=max_running,
-                                    decode=self.decode,
-                                    capture_routes=enable_return_routed_experts,
-                                    prefix_cache_mb=prefix_cache_mb, lora=layers)
+            self.lora_registry.add(
+                self.read_lora_adapter(p["lora_name"], p["lora_path"], p["pinned"])
+            )
+        self.engine = BatchedEngine(
+            self.model,
+            eos_token_id=eos,
+            max_running=max_running,
+            decode=self.decode,
+            capture_routes=enable_return_routed_experts,
+            prefix_cache_mb=prefix_cache_mb,
+            lora=layers,
+        )
         self.groups: dict = {}  # group name -> process group
         self.joining: set = set()  # group names whose rendezvous is in progress
-        self.receiving = 0         # buckets of a distributed weight update being received
+        self.receiving = 0  # buckets of a distributed weight update being received
         self._groups_lock = threading.Lock()
         self._params = dict(self.model.named_parameters())
         self._targets = ParamTargets(self.model.state_dict())
         self.started_at = time.time()
 
-    def read_lora_adapter(self, name: str, path: str, pinned: bool = False,
-                          confined: bool = False):
+    def read_lora_adapter(self, name: str, path: str, pinned: bool = False, confined: bool = False):
         """Read and check one PEFT adapter directory for this model (ValueError).
         ``confined``: a client's path, read only inside ``--lora-allowed-dirs``."""
-        return read_adapter(name, path, self.lora_settings, self.lora_registry.modules, pinned,
-                            allowed=self.lora_settings.allowed_dirs if confined else None)
+        return read_adapter(
+            name,
+            path,
+            self.lora_settings,
+            self.lora_registry.modules,
+            pinned,
+            allowed=self.lora_settings.allowed_dirs if confined else None,
+        )
 
     # ---------------------------------------------------------------- weights
     def _assign(self, tensors: dict, version: Optional[str]) -> None:
         """Copy ``tensors`` (HF checkpoint names) into the model and empty the prefix cache
         (keys/values of the old weights are never reused); runs on the engine thread."""
         self.engine.invalidate_prefix_cache()
-        targets = ParamTargets(self.model.state_dict())    # the model's current tensors
+        targets = ParamTargets(self.model.state_dict())  # the model's current tensors
         with torch.no_grad():
             for name, t in tensors.items():
                 dst = targets.view(name)
@@ -108,11 +131,15 @@ class LocalRolloutServer:
     def _check_names(self, shapes: dict, full: bool) -> None:
         unknown = sorted(n for n in shapes if self._targets.target(n) is None)
         if unknown:
-            raise BadRequest(f"unknown parameter name(s) {unknown[:5]}"
-                             f"{' ...' if len(unknown) > 5 else ''}")
+            raise BadRequest(
+                f"unknown parameter name(s) {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+            )
         want = {n: tuple(self._targets.view(n).shape) for n in shapes}
-        bad = [f"{n}: got {list(s)}, expected {list(want[n])}"
-               for n, s in shapes.items() if tuple(s) != want[n]]
+        bad = [
+            f"{n}: got {list(s)}, expected {list(want[n])}"
+            for n, s in shapes.items()
+            if tuple(s) != want[n]
+        ]
         if bad:
             raise BadRequest("shape mismatch: " + "; ".join(bad[:5]))
         if full:
@@ -136,21 +163,24 @@ class LocalRolloutServer:
         self.engine.run_exclusive(lambda: self._assign(tensors, version))
         self.model_path = path
 
-    def start_join(self, addr: str, port: int, rank: int, world: int, name: str,
-                   backend: str, timeout_s: float) -> concurrent.futures.Future:
+    def start_join(
+        self, addr: str, port: int, rank: int, world: int, name: str, backend: str, timeout_s: float
+    ) -> concurrent.futures.Future:
         """Start joining the trainer's weight-update group ``name`` on a thread of its own;
         the returned future completes when the rendezvous succeeds or fails (at the latest
         after ``timeout_s``). Raises :class:`Conflict` if ``name`` exists or is joining."""
         if not 0 < timeout_s <= MAX_JOIN_TIMEOUT_S:
-            raise BadRequest(f"init_weights_update_group.timeout_s={timeout_s}: must be in "
-                             f"(0, {MAX_JOIN_TIMEOUT_S:g}]")
+            raise BadRequest(
+                f"init_weights_update_group.timeout_s={timeout_s}: must be in "
+                f"(0, {MAX_JOIN_TIMEOUT_S:g}]"
+            )
         with self._groups_lock:
             if name in self.groups:
-                raise BadRequest(f"init_weights_update_group.group_name={name!r}: "
-                                 "already initialised")
+                raise BadRequest(
+                    f"init_weights_update_group.group_name={name!r}: already initialised"
+                )
             if name in self.joining:
-                raise Conflict(f"init_weights_update_group.group_name={name!r}: "
-                               "still joining")
+                raise Conflict(f"init_weights_update_group.group_name={name!r}: still joining")
             self.joining.add(name)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
@@ -175,11 +205,15 @@ class LocalRolloutServer:
         """The joined group ``name``: 409 while it is joining, 400 if it does not exist."""
         with self._groups_lock:
             if name in self.joining:
-                raise Conflict(f"{where}.group_name={name!r}: still joining (wait for "
-                               "/init_weights_update_group to answer)")
+                raise Conflict(
+                    f"{where}.group_name={name!r}: still joining (wait for "
+                    "/init_weights_update_group to answer)"
+                )
             if name not in self.groups:
-                raise BadRequest(f"{where}.group_name={name!r}: not initialised "
-                                 "(call /init_weights_update_group first)")
+                raise BadRequest(
+                    f"{where}.group_name={name!r}: not initialised "
+                    "(call /init_weights_update_group first)"
+                )
             return self.groups[name]
 
     def destroy_group(self, name: str) -> None:
@@ -189,8 +223,9 @@ class LocalRolloutServer:
             pg = self.groups.pop(name)
         destroy_update_group(pg)
 
-    def receive_distributed(self, name: str, names, dtypes, shapes, version,
-                            load: bool = True) -> None:
+    def receive_distributed(
+        self, name: str, names, dtypes, shapes, version, load: bool = True
+    ) -> None:
         """Receive one bucket (one broadcast per tensor, root 0) and load it (unless
         ``load`` is False: the tensors are received and dropped)."""
         pg = self.group(name, "update_weights_from_distributed")

@@ -31,6 +31,7 @@ requests after the trainer's next broadcast, which forms the weight-update group
 (:meth:`DistributedWeightSender.regroup
 <areal_mega.train.weight_sender.DistributedWeightSender.regroup>`).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,10 +66,12 @@ def free_gpus(n_gpus: int, used: set, per_server: int, n_servers: int) -> list:
     free = [g for g in range(n_gpus) if g not in used]
     need = per_server * n_servers
     if len(free) < need:
-        raise ScaleError(f"{n_servers} server(s) x {per_server} GPU(s) need {need} free GPUs; "
-                         f"{len(free)} free of cluster.n_gpus_per_node={n_gpus} "
-                         f"(in use: {sorted(used)})")
-    return [tuple(free[i * per_server:(i + 1) * per_server]) for i in range(n_servers)]
+        raise ScaleError(
+            f"{n_servers} server(s) x {per_server} GPU(s) need {need} free GPUs; "
+            f"{len(free)} free of cluster.n_gpus_per_node={n_gpus} "
+            f"(in use: {sorted(used)})"
+        )
+    return [tuple(free[i * per_server : (i + 1) * per_server]) for i in range(n_servers)]
 
 
 class ScaleService:
@@ -78,37 +81,57 @@ class ScaleService:
     are the servers at launch: ``{id: {"addr", "owned", "gpus"}}``; ``gpu_info`` is
     ``(n_gpus_per_node, gpus_per_server, trainer_gpus)`` on GPU, None on CPU."""
 
-    def __init__(self, cfg, supervisor, paths, make_spec, members: dict, *,
-                 host: str = "127.0.0.1", gpu_info: Optional[tuple] = None,
-                 distributed_updates: bool = False):
+    def __init__(
+        self,
+        cfg,
+        supervisor,
+        paths,
+        make_spec,
+        members: dict,
+        *,
+        host: str = "127.0.0.1",
+        gpu_info: Optional[tuple] = None,
+        distributed_updates: bool = False,
+    ):
         self.cfg, self.sup, self.paths = cfg, supervisor, paths
         self.make_spec = make_spec
         self.members = dict(members)
         self.host = host
         self.gpu_info = gpu_info
         self.distributed_updates = distributed_updates
-        self._next = {"rollout": len([m for m in members if m.startswith("rollout")]),
-                      "ext": len([m for m in members if m.startswith("ext")])}
-        self._leaving: dict = {}                # id -> "draining" / "leaving" (a remove runs)
-        self._requests: dict = {}               # request_id -> op id (resent commands)
-        self._pool: Optional[dict] = None       # the worker's last counters, and when
+        self._next = {
+            "rollout": len([m for m in members if m.startswith("rollout")]),
+            "ext": len([m for m in members if m.startswith("ext")]),
+        }
+        self._leaving: dict = {}  # id -> "draining" / "leaving" (a remove runs)
+        self._requests: dict = {}  # request_id -> op id (resent commands)
+        self._pool: Optional[dict] = None  # the worker's last counters, and when
         self._pool_at = 0.0
         self._save()
         self.ops = OperationQueue()
-        self.link = RolloutLink(paths.control_endpoint, secret=cfg.dataplane.secret,
-                                timeout_s=cfg.rollout.request_timeout_s)
+        self.link = RolloutLink(
+            paths.control_endpoint,
+            secret=cfg.dataplane.secret,
+            timeout_s=cfg.rollout.request_timeout_s,
+        )
         # list's own link (the operation thread holds the other one while it waits)
-        self.pool_link = RolloutLink(paths.control_endpoint, secret=cfg.dataplane.secret,
-                                     timeout_s=POOL_QUERY_S)
-        self.server = ControlServer(paths.launcher_endpoint, self.handle,
-                                    secret=cfg.dataplane.secret).start()
+        self.pool_link = RolloutLink(
+            paths.control_endpoint, secret=cfg.dataplane.secret, timeout_s=POOL_QUERY_S
+        )
+        self.server = ControlServer(
+            paths.launcher_endpoint, self.handle, secret=cfg.dataplane.secret
+        ).start()
 
     def _save(self) -> None:
         """Write the member addresses for a relaunched rollout worker (atomically; durable
         too, as it changes only when servers join or leave)."""
-        atomic_write(self.paths.rollout_servers_file,
-                     json.dumps({"addrs": [m["addr"] for m in self.members.values()],
-                                 "ids": list(self.members)}), durable=True)
+        atomic_write(
+            self.paths.rollout_servers_file,
+            json.dumps(
+                {"addrs": [m["addr"] for m in self.members.values()], "ids": list(self.members)}
+            ),
+            durable=True,
+        )
 
     def close(self) -> None:
         """Stop answering and close the sockets."""
@@ -183,9 +206,17 @@ class ScaleService:
                 state = "relaunching"
             out.append({"id": sid, **m, "state": state})
         ops = self.ops.active()
-        ops += [{"op": f"relaunch-{name}", "cmd": "relaunch", "target": name,
-                 "state": "relaunching", "seconds": round(now - since, 2)}
-                for name, since in relaunching.items() if name in members]
+        ops += [
+            {
+                "op": f"relaunch-{name}",
+                "cmd": "relaunch",
+                "target": name,
+                "state": "relaunching",
+                "seconds": round(now - since, 2),
+            }
+            for name, since in relaunching.items()
+            if name in members
+        ]
         try:
             pool = self.pool_link.request({"cmd": "servers"}, timeout_s=POOL_QUERY_S)
             pool.pop("ok", None)
@@ -211,7 +242,7 @@ class ScaleService:
         started = []
         for g, port in zip(gpus, ports):
             sid = self._new_id("rollout")
-            spec: ProcessSpec = self.make_spec(ServerSlot(int(sid[len("rollout"):]), 0, g, port))
+            spec: ProcessSpec = self.make_spec(ServerSlot(int(sid[len("rollout") :]), 0, g, port))
             if spec.name != sid:
                 raise RuntimeError(f"make_spec named the server {spec.name!r}, expected {sid!r}")
             started.append((sid, spec, g, port, self.sup.call(lambda s, sp=spec: s.add(sp))))
@@ -231,8 +262,9 @@ class ScaleService:
                 else:
                     self.members[sid] = {"addr": addr, "owned": True, "gpus": list(g)}
                     self._save()
-                    self.sup.say(f"{sid} ({addr}) joined the rollout at version "
-                                 f"{joined.get('version')}")
+                    self.sup.say(
+                        f"{sid} ({addr}) joined the rollout at version {joined.get('version')}"
+                    )
                     added.append({"id": sid, "addr": addr, "version": joined.get("version")})
                     continue
             self.sup.call(lambda s, name=sid: s.retire(name))
@@ -248,17 +280,21 @@ class ScaleService:
         deadline = time.monotonic() + limit
         while True:
             if run.proc.poll() is not None:
-                return (f"{sid} exited (code {run.proc.returncode}) before it was ready; see "
-                        f"{run.log.name}")
+                return (
+                    f"{sid} exited (code {run.proc.returncode}) before it was ready; see "
+                    f"{run.log.name}"
+                )
             try:
                 if spec.ready():
                     return None
             except Exception:  # noqa: BLE001 - still booting
                 pass
             if time.monotonic() > deadline:
-                return (f"{sid} not ready after {limit:.0f}s (cluster.server_ready_timeout_s="
-                        f"{spec.ready_timeout_s:.0f}, launch.scale --timeout="
-                        f"{op.timeout_s:.0f}); it was stopped; see {run.log.name}")
+                return (
+                    f"{sid} not ready after {limit:.0f}s (cluster.server_ready_timeout_s="
+                    f"{spec.ready_timeout_s:.0f}, launch.scale --timeout="
+                    f"{op.timeout_s:.0f}); it was stopped; see {run.log.name}"
+                )
             time.sleep(0.2)
 
     def _attach(self, addr: str, op: Operation) -> dict:
@@ -274,31 +310,35 @@ class ScaleService:
         sid = self._new_id("ext")
         self.members[sid] = {"addr": addr, "owned": False, "gpus": []}
         self._save()
-        self.sup.say(f"{sid} ({addr}, external) joined the rollout at version "
-                     f"{joined.get('version')}")
+        self.sup.say(
+            f"{sid} ({addr}, external) joined the rollout at version {joined.get('version')}"
+        )
         return {"id": sid, "addr": addr, "version": joined.get("version")}
 
     def _join(self, addr: str, op: Operation) -> dict:
         """Have the worker add ``addr``: at the current weights from disk, or (distributed
         weight updates) pending the trainer's next broadcast to a group that includes it."""
-        return self.link.request({"cmd": "add_server", "addr": addr,
-                                  "via_group": self.distributed_updates},
-                                 timeout_s=op.check(f"joining {addr}"))
+        return self.link.request(
+            {"cmd": "add_server", "addr": addr, "via_group": self.distributed_updates},
+            timeout_s=op.check(f"joining {addr}"),
+        )
 
     def _forget(self, addr: str) -> None:
         """A join whose answer never came may still complete in the worker (it runs its
         commands in order): have it drop ``addr`` again, so that its pool and the member
         list agree. Best effort: the error the caller reports stands either way."""
         try:
-            self.link.request({"cmd": "remove_server", "addr": addr, "drain": False},
-                              timeout_s=POOL_QUERY_S * 20)
+            self.link.request(
+                {"cmd": "remove_server", "addr": addr, "drain": False}, timeout_s=POOL_QUERY_S * 20
+            )
         except Exception as e:  # noqa: BLE001 - "not in the pool" is the expected answer
             log.info("dropping %s from the worker after a failed join: %s", addr, e)
 
     def _remove(self, sid: str, drain: bool, op: Operation) -> dict:
         if sid not in self.members:
-            raise ScaleError(f"remove: unknown server id {sid!r}; members: "
-                             f"{', '.join(self.members) or 'none'}")
+            raise ScaleError(
+                f"remove: unknown server id {sid!r}; members: {', '.join(self.members) or 'none'}"
+            )
         m = self.members[sid]
         self._leaving[sid] = op.state = ("draining " if drain else "leaving ") + sid
         try:
@@ -311,13 +351,16 @@ class ScaleService:
             op.state = f"stopping {sid}"
             self.sup.call(lambda s: s.retire(sid))
         how = "drained" if out.get("drained") else "its requests resume elsewhere"
-        self.sup.say(f"{sid} ({m['addr']}) left the rollout ({how}; "
-                     f"{out.get('aborted', 0)} interrupted)")
+        self.sup.say(
+            f"{sid} ({m['addr']}) left the rollout ({how}; {out.get('aborted', 0)} interrupted)"
+        )
         if drain and out.get("drain_timed_out"):
-            raise ScaleError(f"remove {sid} --drain: its requests did not finish within the "
-                             f"operation's {op.timeout_s:.0f} s (launch.scale --timeout); the "
-                             f"{out.get('aborted', 0)} left were interrupted and resume on "
-                             f"other servers; {sid} was removed")
+            raise ScaleError(
+                f"remove {sid} --drain: its requests did not finish within the "
+                f"operation's {op.timeout_s:.0f} s (launch.scale --timeout); the "
+                f"{out.get('aborted', 0)} left were interrupted and resume on "
+                f"other servers; {sid} was removed"
+            )
         return {"id": sid, **out}
 
     def _remove_from_worker(self, sid: str, addr: str, drain: bool, op: Operation) -> dict:
@@ -327,29 +370,59 @@ class ScaleService:
         while True:
             left = op.check(f"remove {sid}")
             try:
-                return self.link.request({"cmd": "remove_server", "addr": addr, "drain": drain,
-                                          "drain_timeout_s": max(0.0, left - DRAIN_MARGIN_S)},
-                                         timeout_s=left)
+                return self.link.request(
+                    {
+                        "cmd": "remove_server",
+                        "addr": addr,
+                        "drain": drain,
+                        "drain_timeout_s": max(0.0, left - DRAIN_MARGIN_S),
+                    },
+                    timeout_s=left,
+                )
             except ControlError as e:
                 if "broadcast is in progress" not in str(e):
                     raise
                 time.sleep(0.2)
 
 
-def start_scale_service(cfg, supervisor, paths, layout, make_spec, *, host: str = "127.0.0.1",
-                        distributed_updates: bool = False) -> ScaleService:
+def start_scale_service(
+    cfg,
+    supervisor,
+    paths,
+    layout,
+    make_spec,
+    *,
+    host: str = "127.0.0.1",
+    distributed_updates: bool = False,
+) -> ScaleService:
     """The :class:`ScaleService` of a run that ``launch.local`` started with ``layout``: its
     members are the external ``rollout.server_addrs`` (``ext<k>``) and the launched servers
     (``rollout<k>``, the supervisor's process names)."""
-    members = {f"ext{i}": {"addr": a, "owned": False, "gpus": []}
-               for i, a in enumerate(cfg.rollout.server_addrs)}
+    members = {
+        f"ext{i}": {"addr": a, "owned": False, "gpus": []}
+        for i, a in enumerate(cfg.rollout.server_addrs)
+    }
     for slot in layout.servers:
-        members[f"rollout{slot.index}"] = {"addr": f"{host}:{slot.port}", "owned": True,
-                                           "gpus": list(slot.gpus or ())}
+        members[f"rollout{slot.index}"] = {
+            "addr": f"{host}:{slot.port}",
+            "owned": True,
+            "gpus": list(slot.gpus or ()),
+        }
     a = layout.allocation
     gpu_info = None
     if layout.device != "cpu" and a.rollout is not None:
-        gpu_info = (cfg.cluster.n_gpus_per_node, a.rollout.tp * a.rollout.pp,
-                    tuple(layout.trainer_gpus))
-    return ScaleService(cfg, supervisor, paths, make_spec, members, host=host,
-                        gpu_info=gpu_info, distributed_updates=distributed_updates)
+        gpu_info = (
+            cfg.cluster.n_gpus_per_node,
+            a.rollout.tp * a.rollout.pp,
+            tuple(layout.trainer_gpus),
+        )
+    return ScaleService(
+        cfg,
+        supervisor,
+        paths,
+        make_spec,
+        members,
+        host=host,
+        gpu_info=gpu_info,
+        distributed_updates=distributed_updates,
+    )

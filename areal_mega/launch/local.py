@@ -23,6 +23,7 @@ joins the external ones. While the run goes on, ``python -m areal_mega.launch.sc
 removes rollout servers through this launcher (:mod:`areal_mega.launch.elastic`); the servers
 it starts are its own. Multi-node runs use ``launch/slurm/`` or ``launch/torchrun.sh``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,15 +37,32 @@ from typing import Optional
 import yaml
 
 from areal_mega.common.net import free_ports, http_ready
-from areal_mega.config import (PRESETS, ConfigError, ExperimentConfig, check_against_model,
-                               config_to_dict, load_config)
+from areal_mega.config import (
+    PRESETS,
+    ConfigError,
+    ExperimentConfig,
+    check_against_model,
+    config_to_dict,
+    load_config,
+)
 from areal_mega.launch.elastic import start_scale_service
-from areal_mega.launch.memory import (DEFAULT_OVERHEAD_BYTES, estimate_memory,
-                                      lora_estimate_args, resolve_hparams, rollout_memory)
+from areal_mega.launch.memory import (
+    DEFAULT_OVERHEAD_BYTES,
+    estimate_memory,
+    lora_estimate_args,
+    resolve_hparams,
+    rollout_memory,
+)
 from areal_mega.launch.plan import Layout, plan_layout
-from areal_mega.launch.server_commands import (ROLLOUT_SERVER_MODULE, backend_env,  # noqa: F401
-                                               check_server_runtime, describe_servers,
-                                               memory_fraction, server_command, server_secrets)
+from areal_mega.launch.server_commands import (
+    ROLLOUT_SERVER_MODULE,
+    backend_env,  # noqa: F401
+    check_server_runtime,
+    describe_servers,
+    memory_fraction,
+    server_command,
+    server_secrets,
+)
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
@@ -58,8 +76,9 @@ TRAINER_MODULE = os.environ.get("AREAL_MEGA_TRAINER_MODULE", "areal_mega.trainer
 # The rollout worker (prompts -> servers -> rewards -> trajectories to the trainer; weight
 # updates over the control socket): ``python -m <module> --config <run_dir>/config.yaml``.
 # Started in RL mode. ``AREAL_MEGA_ROLLOUT_WORKER_MODULE`` replaces it (tests).
-ROLLOUT_WORKER_MODULE = os.environ.get("AREAL_MEGA_ROLLOUT_WORKER_MODULE",
-                                       "areal_mega.rollout.worker")
+ROLLOUT_WORKER_MODULE = os.environ.get(
+    "AREAL_MEGA_ROLLOUT_WORKER_MODULE", "areal_mega.rollout.worker"
+)
 # Liveness probe of a rollout server. SGLang's ``/health_generate`` generates a token and
 # answers 503 while generation is paused (a weight update), so the launcher asks ``/health``.
 HEALTH_PATH = "/health"
@@ -79,17 +98,28 @@ def resolve_device(cfg: ExperimentConfig) -> str:
         return "cpu"
 
 
-def make_layout(cfg: ExperimentConfig, device: Optional[str] = None,
-                ports: Optional[list] = None) -> Layout:
+def make_layout(
+    cfg: ExperimentConfig, device: Optional[str] = None, ports: Optional[list] = None
+) -> Layout:
     alloc = parse_allocation(cfg.allocation)
-    if alloc.rollout is not None and not cfg.rollout.server_addrs and \
-            alloc.rollout_backend != cfg.rollout.backend:
-        raise ConfigError(f"rollout.backend={cfg.rollout.backend!r} but allocation="
-                          f"{cfg.allocation!r} starts {alloc.rollout_backend!r} servers; make "
-                          "them agree")
-    return plan_layout(alloc, device=device or resolve_device(cfg), n_nodes=cfg.cluster.n_nodes,
-                       gpus_per_node=cfg.cluster.n_gpus_per_node,
-                       external_servers=cfg.rollout.server_addrs, ports=ports)
+    if (
+        alloc.rollout is not None
+        and not cfg.rollout.server_addrs
+        and alloc.rollout_backend != cfg.rollout.backend
+    ):
+        raise ConfigError(
+            f"rollout.backend={cfg.rollout.backend!r} but allocation="
+            f"{cfg.allocation!r} starts {alloc.rollout_backend!r} servers; make "
+            "them agree"
+        )
+    return plan_layout(
+        alloc,
+        device=device or resolve_device(cfg),
+        n_nodes=cfg.cluster.n_nodes,
+        gpus_per_node=cfg.cluster.n_gpus_per_node,
+        external_servers=cfg.rollout.server_addrs,
+        ports=ports,
+    )
 
 
 def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]:
@@ -98,8 +128,12 @@ def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]
     None for the disk path. Same function as the trainer's sender; raises ConfigError."""
     a = layout.allocation
     try:
-        mode = resolve_weight_update(cfg.rollout.weight_update, cuda=layout.device == "cuda",
-                                     pp=a.trainer.pp, lora=cfg.lora.enabled)
+        mode = resolve_weight_update(
+            cfg.rollout.weight_update,
+            cuda=layout.device == "cuda",
+            pp=a.trainer.pp,
+            lora=cfg.lora.enabled,
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if mode != "distributed":
@@ -111,56 +145,81 @@ def weight_group(cfg: ExperimentConfig, layout: Layout) -> Optional[WeightGroup]
 def algorithm_line(cfg: ExperimentConfig) -> str:
     """The resolved keys that define the algorithm (every key a preset can set), one line."""
     alg = cfg.algorithm
-    keys = sorted({k.split(".", 1)[1] for keys in PRESETS.values() for k in keys
-                   if k.startswith("algorithm.")} | {"ratio_level"})
+    keys = sorted(
+        {
+            k.split(".", 1)[1]
+            for keys in PRESETS.values()
+            for k in keys
+            if k.startswith("algorithm.")
+        }
+        | {"ratio_level"}
+    )
     vals = " ".join(f"{k}={getattr(alg, k)}" for k in keys)
     teacher = ""
     if alg.opd != "off":
         teacher = f" teacher={cfg.teacher.path or cfg.teacher.server_addrs}"
-    return (f"algorithm (preset {alg.preset or 'none'}): {vals} "
-            f"critic.enabled={cfg.critic.enabled}{teacher}")
+    return (
+        f"algorithm (preset {alg.preset or 'none'}): {vals} "
+        f"critic.enabled={cfg.critic.enabled}{teacher}"
+    )
 
 
 def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
     """The ``--dry-run`` report: layout and per-GPU memory estimate."""
     layout = make_layout(cfg, device)
-    out = [f"config OK: {cfg.name} (mode {cfg.mode}, {cfg.total_steps} steps, "
-           f"recover {cfg.recover}, run_dir {cfg.logging.run_dir})", "layout:", layout.describe()]
+    out = [
+        f"config OK: {cfg.name} (mode {cfg.mode}, {cfg.total_steps} steps, "
+        f"recover {cfg.recover}, run_dir {cfg.logging.run_dir})",
+        "layout:",
+        layout.describe(),
+    ]
     group = weight_group(cfg, layout)
     if group is None:
         out.append("weight update: disk (HF safetensors directory under the run directory)")
     else:
-        out.append(f"weight update: distributed, group world {group.world_size} = trainer rank "
-                   f"0 + {len(group.rank_offsets)} server(s) x {group.ranks_per_server} "
-                   f"rank(s); rank offsets {', '.join(map(str, group.rank_offsets))}")
+        out.append(
+            f"weight update: distributed, group world {group.world_size} = trainer rank "
+            f"0 + {len(group.rank_offsets)} server(s) x {group.ranks_per_server} "
+            f"rank(s); rank offsets {', '.join(map(str, group.rank_offsets))}"
+        )
     if layout.servers:
         out += describe_servers(cfg, planned_layout(cfg).servers[0], layout.device)
     out.append(algorithm_line(cfg))
     hp, source = resolve_hparams(cfg)
     dims = layout.allocation.trainer
     recompute = cfg.model.recompute_granularity
-    est = estimate_memory(hp, dims, dtype=cfg.model.dtype,
-                          use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-                          tokens_per_mb=cfg.scheduler.max_tokens_per_mb, recompute=recompute,
-                          sequence_parallel=cfg.actor.sequence_parallel,
-                          overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES,
-                          reference=cfg.ref.enabled, **lora_estimate_args(cfg.lora))
+    est = estimate_memory(
+        hp,
+        dims,
+        dtype=cfg.model.dtype,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
+        recompute=recompute,
+        sequence_parallel=cfg.actor.sequence_parallel,
+        overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES,
+        reference=cfg.ref.enabled,
+        **lora_estimate_args(cfg.lora),
+    )
     cap = None if layout.device == "cpu" else cfg.cluster.gpu_memory_gb
     where = "process" if layout.device == "cpu" else "GPU"
-    out.append(f"trainer memory per {where} (model numbers from {source}; "
-               f"{cfg.model.dtype}, distributed optimizer "
-               f"{'on' if cfg.optimizer.use_distributed_optimizer else 'off'}, "
-               f"{cfg.scheduler.max_tokens_per_mb} tokens/micro-batch, recompute {recompute}):")
+    out.append(
+        f"trainer memory per {where} (model numbers from {source}; "
+        f"{cfg.model.dtype}, distributed optimizer "
+        f"{'on' if cfg.optimizer.use_distributed_optimizer else 'off'}, "
+        f"{cfg.scheduler.max_tokens_per_mb} tokens/micro-batch, recompute {recompute}):"
+    )
     out.append(est.format(cap, unit=where))
     a = layout.allocation
     if a.rollout is not None and not layout.external_servers and layout.device != "cpu":
         frac = memory_fraction(cfg)
-        key = "gpu_memory_utilization" if cfg.rollout.backend == "vllm" else \
-            "mem_fraction_static"
-        r = rollout_memory(hp, a.rollout.tp, a.rollout.pp, cfg.cluster.gpu_memory_gb, frac,
-                           cfg.model.dtype)
-        out.append(f"rollout memory per GPU: weights {r['weights_gib']} GiB, KV cache "
-                   f"{r['kv_cache_gib']} GiB (~{r['kv_tokens']:,} tokens) at {key}={frac}")
+        key = "gpu_memory_utilization" if cfg.rollout.backend == "vllm" else "mem_fraction_static"
+        r = rollout_memory(
+            hp, a.rollout.tp, a.rollout.pp, cfg.cluster.gpu_memory_gb, frac, cfg.model.dtype
+        )
+        out.append(
+            f"rollout memory per GPU: weights {r['weights_gib']} GiB, KV cache "
+            f"{r['kv_cache_gib']} GiB (~{r['kv_tokens']:,} tokens) at {key}={frac}"
+        )
     return "\n".join(out)
 
 
@@ -169,9 +228,21 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
 
 def trainer_command(config_path: Path, nproc: int, extra: Optional[list] = None) -> list:
     """``torch.distributed.run`` on this machine (``--standalone`` picks a free port)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nnodes", "1", "--nproc-per-node", str(nproc), "-m", TRAINER_MODULE,
-            "--config", str(config_path), *(extra or [])]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        TRAINER_MODULE,
+        "--config",
+        str(config_path),
+        *(extra or []),
+    ]
 
 
 def resume_point(cfg: ExperimentConfig) -> Optional[Path]:
@@ -181,8 +252,9 @@ def resume_point(cfg: ExperimentConfig) -> Optional[Path]:
     return RunDir.from_config(cfg).latest_checkpoint()
 
 
-def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int,
-                                 server_threads: int = 1, configured: int = 0) -> int:
+def cpu_threads_per_trainer_rank(
+    n_cores: int, *, n_servers: int, nproc: int, server_threads: int = 1, configured: int = 0
+) -> int:
     """Threads for each trainer rank on a CPU-only machine (pure): ``configured`` when set,
     else the cores the servers' threads leave, shared by the ranks (at least 1)."""
     if configured:
@@ -190,20 +262,26 @@ def cpu_threads_per_trainer_rank(n_cores: int, *, n_servers: int, nproc: int,
     return max(1, (n_cores - n_servers * server_threads) // max(1, nproc))
 
 
-def server_spec(cfg: ExperimentConfig, slot, host: str, restartable: bool,
-                secret_env: dict, device: str) -> ProcessSpec:
+def server_spec(
+    cfg: ExperimentConfig, slot, host: str, restartable: bool, secret_env: dict, device: str
+) -> ProcessSpec:
     """The supervised process ``rollout<index>`` of one local rollout server."""
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
     env.update(backend_env(cfg, device))
     env.update(secret_env)
-    return ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, host), env=env,
-                       ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}",
-                                        api_key=cfg.rollout.api_key),
-                       ready_timeout_s=cfg.cluster.server_ready_timeout_s, restart=restartable)
+    return ProcessSpec(
+        f"rollout{slot.index}",
+        server_command(cfg, slot, host),
+        env=env,
+        ready=http_ready(f"http://{host}:{slot.port}{HEALTH_PATH}", api_key=cfg.rollout.api_key),
+        ready_timeout_s=cfg.cluster.server_ready_timeout_s,
+        restart=restartable,
+    )
 
 
-def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
-                host: str = "127.0.0.1") -> tuple:
+def build_specs(
+    cfg: ExperimentConfig, device: Optional[str] = None, host: str = "127.0.0.1"
+) -> tuple:
     """Plan, pick ports, write ``<run_dir>/config.yaml`` (mode 0600 when it holds a secret);
     returns ``(specs, layout)``."""
     device = device or resolve_device(cfg)
@@ -211,10 +289,15 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     alloc = parse_allocation(cfg.allocation)
     n = 0 if external or alloc.rollout is None else alloc.rollout.dp
     layout = make_layout(cfg, device, ports=free_ports(n, host))
-    if layout.n_nodes > 1 and device != "cpu" and (len(set(s.node for s in layout.servers)
-                                                       | set(layout.trainer_nodes)) > 1):
-        raise ConfigError(f"cluster.n_nodes={cfg.cluster.n_nodes}: launch.local runs one "
-                          "machine; use launch/slurm/ or launch/torchrun.sh for several nodes")
+    if (
+        layout.n_nodes > 1
+        and device != "cpu"
+        and (len(set(s.node for s in layout.servers) | set(layout.trainer_nodes)) > 1)
+    ):
+        raise ConfigError(
+            f"cluster.n_nodes={cfg.cluster.n_nodes}: launch.local runs one "
+            "machine; use launch/slurm/ or launch/torchrun.sh for several nodes"
+        )
     specs = []
     addrs = list(cfg.rollout.server_addrs)
     secret_env = server_secrets(cfg) if layout.servers else {}
@@ -228,39 +311,60 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
     resolved = config_to_dict(cfg)
     resolved["rollout"]["server_addrs"] = addrs
     config_path = RunDir.from_config(cfg).config_file
-    write_run_file(config_path, yaml.safe_dump(resolved, sort_keys=False),
-                   private=holds_secret(resolved))
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_gpus))} \
-        if layout.trainer_gpus else {}
+    write_run_file(
+        config_path, yaml.safe_dump(resolved, sort_keys=False), private=holds_secret(resolved)
+    )
+    env = (
+        {"CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_gpus))}
+        if layout.trainer_gpus
+        else {}
+    )
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         # the servers hold cluster.cpu_threads_per_server cores each; the trainer ranks share
         # the rest (oversubscribing the cores slows both sides more than it gains)
-        env["OMP_NUM_THREADS"] = str(cpu_threads_per_trainer_rank(
-            os.cpu_count() or 1, n_servers=len(layout.servers),
-            nproc=layout.trainer_nproc_per_node,
-            server_threads=cfg.cluster.cpu_threads_per_server,
-            configured=cfg.cluster.cpu_threads_per_trainer_rank))
+        env["OMP_NUM_THREADS"] = str(
+            cpu_threads_per_trainer_rank(
+                os.cpu_count() or 1,
+                n_servers=len(layout.servers),
+                nproc=layout.trainer_nproc_per_node,
+                server_threads=cfg.cluster.cpu_threads_per_server,
+                configured=cfg.cluster.cpu_threads_per_trainer_rank,
+            )
+        )
 
     paths = RunDir.from_config(cfg)
-    paths.fatal_file.unlink(missing_ok=True)      # a previous attempt's reason is not ours
+    paths.fatal_file.unlink(missing_ok=True)  # a previous attempt's reason is not ours
     if cfg.mode == "rl":
         worker_argv = [sys.executable, "-m", ROLLOUT_WORKER_MODULE, "--config", str(config_path)]
-        specs.append(ProcessSpec("rollout_worker", worker_argv, env={"CUDA_VISIBLE_DEVICES": ""},
-                                 # its data-plane window and control socket face the trainer
-                                 restart_with_main=True, restart=restartable,
-                                 # alone, it continues this run (prompt position, weights)
-                                 on_restart=lambda spec, n: worker_argv + ["--relaunched"],
-                                 # e.g. the failure-rate ceiling: a relaunch fails again
-                                 fatal=lambda rc: None if rc != FATAL_EXIT_CODE else
-                                 paths.read_fatal() or "the rollout worker stopped with a "
-                                 "fatal error (see its log)"))
+        specs.append(
+            ProcessSpec(
+                "rollout_worker",
+                worker_argv,
+                env={"CUDA_VISIBLE_DEVICES": ""},
+                # its data-plane window and control socket face the trainer
+                restart_with_main=True,
+                restart=restartable,
+                # alone, it continues this run (prompt position, weights)
+                on_restart=lambda spec, n: worker_argv + ["--relaunched"],
+                # e.g. the failure-rate ceiling: a relaunch fails again
+                fatal=lambda rc: (
+                    None
+                    if rc != FATAL_EXIT_CODE
+                    else paths.read_fatal()
+                    or "the rollout worker stopped with a fatal error (see its log)"
+                ),
+            )
+        )
 
     def on_restart(spec: ProcessSpec, attempt: int) -> None:
         latest = resume_point(cfg)
-        print(f"[launch] trainer relaunch {attempt}: "
-              f"{f'resuming from {latest}' if latest else 'no complete checkpoint yet'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[launch] trainer relaunch {attempt}: "
+            f"{f'resuming from {latest}' if latest else 'no complete checkpoint yet'}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None  # same command: under recover=auto the trainer resumes by itself
 
     def fatal(rc: int) -> Optional[str]:
@@ -268,15 +372,22 @@ def build_specs(cfg: ExperimentConfig, device: Optional[str] = None,
             return paths.read_fatal()
         if rc == FATAL_EXIT_CODE:
             return "the trainer stopped with a fatal error (see its log)"
-        free = free_bytes(paths.checkpoint_root)   # its own report may not fit on a full disk
+        free = free_bytes(paths.checkpoint_root)  # its own report may not fit on a full disk
         if free is not None and free < LOW_SPACE_BYTES:
             return f"no space left on device under {paths.checkpoint_root} ({free} bytes free)"
         return None
 
-    specs.append(ProcessSpec("trainer", trainer_command(config_path,
-                                                        layout.trainer_nproc_per_node),
-                             env=env, kind="main", restart=cfg.recover == "auto",
-                             on_restart=on_restart, fatal=fatal))
+    specs.append(
+        ProcessSpec(
+            "trainer",
+            trainer_command(config_path, layout.trainer_nproc_per_node),
+            env=env,
+            kind="main",
+            restart=cfg.recover == "auto",
+            on_restart=on_restart,
+            fatal=fatal,
+        )
+    )
     return specs, layout
 
 
@@ -301,16 +412,18 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
     """Shell variables for ``launch/slurm/*.sbatch`` (``eval "$(... --print-layout-env)"``)."""
     lay = planned_layout(cfg)
     rollout_nodes = sorted({s.node for s in lay.servers})
-    env = {"ROLLOUT_NNODES": len(rollout_nodes), "N_SERVERS": len(lay.servers),
-           "TRAINER_NNODES": len(lay.trainer_nodes),
-           "TRAINER_NPROC_PER_NODE": lay.trainer_nproc_per_node,
-           "TRAINER_WORLD_SIZE": lay.trainer_world_size,
-           "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus)),
-           "TRAINER_MODULE": TRAINER_MODULE,
-           "ROLLOUT_WORKER_MODULE": ROLLOUT_WORKER_MODULE
-           if cfg.mode == "rl" else "",
-           "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes),
-           "ROLLOUT_BACKEND": cfg.rollout.backend}
+    env = {
+        "ROLLOUT_NNODES": len(rollout_nodes),
+        "N_SERVERS": len(lay.servers),
+        "TRAINER_NNODES": len(lay.trainer_nodes),
+        "TRAINER_NPROC_PER_NODE": lay.trainer_nproc_per_node,
+        "TRAINER_WORLD_SIZE": lay.trainer_world_size,
+        "TRAINER_GPUS": ",".join(map(str, lay.trainer_gpus)),
+        "TRAINER_MODULE": TRAINER_MODULE,
+        "ROLLOUT_WORKER_MODULE": ROLLOUT_WORKER_MODULE if cfg.mode == "rl" else "",
+        "SHARED_NODE": int(bool(rollout_nodes) and rollout_nodes[-1] in lay.trainer_nodes),
+        "ROLLOUT_BACKEND": cfg.rollout.backend,
+    }
     env["MAX_RESTARTS"] = cfg.cluster.max_restarts if cfg.recover == "auto" else 0
     group = weight_group(cfg, lay)
     env["WEIGHT_GROUP_WORLD_SIZE"] = group.world_size if group else 0
@@ -318,8 +431,10 @@ def layout_env(cfg: ExperimentConfig, rollout_hosts: Optional[list] = None) -> d
         env["SERVER_ADDRS"] = ",".join(lay.external_servers)
     elif rollout_hosts is not None:
         if len(rollout_hosts) < len(rollout_nodes):
-            raise ConfigError(f"--rollout-hosts: {len(rollout_hosts)} host(s) given, the layout "
-                              f"needs {len(rollout_nodes)}")
+            raise ConfigError(
+                f"--rollout-hosts: {len(rollout_hosts)} host(s) given, the layout "
+                f"needs {len(rollout_nodes)}"
+            )
         env["SERVER_ADDRS"] = ",".join(f"{rollout_hosts[s.node]}:{s.port}" for s in lay.servers)
     return env
 
@@ -328,19 +443,28 @@ def serve_node(cfg: ExperimentConfig, node: int) -> int:
     """Run (and supervise) the rollout servers that the layout puts on ``node``; for srun.
     They serve the network (0.0.0.0): ``rollout.api_key`` is required (ConfigError) unless
     ``rollout.allow_unauthenticated=true``, which is logged."""
-    check_bind("0.0.0.0", authenticated=bool(cfg.rollout.api_key),
-               what=f"launch.local --serve-node {node}", fix=f"set rollout.api_key (without "
-               f"argv: {API_KEY_FILE_ENV}=<a 0600 file>), or rollout.allow_unauthenticated=true "
-               "on a trusted network", allow_unauthenticated=cfg.rollout.allow_unauthenticated)
+    check_bind(
+        "0.0.0.0",
+        authenticated=bool(cfg.rollout.api_key),
+        what=f"launch.local --serve-node {node}",
+        fix=f"set rollout.api_key (without "
+        f"argv: {API_KEY_FILE_ENV}=<a 0600 file>), or rollout.allow_unauthenticated=true "
+        "on a trusted network",
+        allow_unauthenticated=cfg.rollout.allow_unauthenticated,
+    )
     if cfg.rollout.allow_unauthenticated and not cfg.rollout.api_key:
-        print(f"[launch] WARNING: node {node}'s rollout servers bind 0.0.0.0 WITHOUT an API key "
-              "(rollout.allow_unauthenticated=true)", file=sys.stderr, flush=True)
+        print(
+            f"[launch] WARNING: node {node}'s rollout servers bind 0.0.0.0 WITHOUT an API key "
+            "(rollout.allow_unauthenticated=true)",
+            file=sys.stderr,
+            flush=True,
+        )
     lay = planned_layout(cfg)
     mine = [s for s in lay.servers if s.node == node]
     if not mine:
         print(f"node {node}: no rollout servers in this layout", file=sys.stderr)
         return 0
-    checked = check_server_runtime(cfg)      # before any process starts
+    checked = check_server_runtime(cfg)  # before any process starts
     if checked:
         print(f"[launch] node {node}: {checked}", file=sys.stderr, flush=True)
     specs = []
@@ -349,34 +473,63 @@ def serve_node(cfg: ExperimentConfig, node: int) -> int:
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slot.gpus))} if slot.gpus else {}
         env.update(backend_env(cfg, lay.device))
         env.update(secret_env)
-        specs.append(ProcessSpec(f"rollout{slot.index}", server_command(cfg, slot, "0.0.0.0"),
-                                 env=env, kind="main"))
+        specs.append(
+            ProcessSpec(
+                f"rollout{slot.index}", server_command(cfg, slot, "0.0.0.0"), env=env, kind="main"
+            )
+        )
     host = socket.gethostname()
-    return Supervisor(specs, RunDir.from_config(cfg).logs / f"node{node}-{host}",
-                      grace_s=cfg.cluster.kill_grace_s).run()
+    return Supervisor(
+        specs, RunDir.from_config(cfg).logs / f"node{node}-{host}", grace_s=cfg.cluster.kill_grace_s
+    ).run()
 
 
 # ----------------------------------------------------------------------------- CLI
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m areal_mega.launch.local",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m areal_mega.launch.local", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate, print the layout and memory estimate, start nothing")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="plan for this device instead of cluster.device (dry runs on a laptop)")
-    p.add_argument("--print-layout-env", action="store_true",
-                   help="print the layout as shell variables (for launch/slurm)")
-    p.add_argument("--rollout-hosts", default=None,
-                   help="comma-separated rollout node hosts, to print SERVER_ADDRS")
-    p.add_argument("--serve-node", type=int, default=None, metavar="K",
-                   help="run the rollout servers the layout puts on node K (srun per node)")
-    p.add_argument("--print-resume", action="store_true",
-                   help="print the checkpoint a recover=auto trainer resumes from (or nothing)")
-    p.add_argument("--check-rollout-env", action="store_true",
-                   help="check the rollout servers' interpreter (vLLM) and exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate, print the layout and memory estimate, start nothing",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="plan for this device instead of cluster.device (dry runs on a laptop)",
+    )
+    p.add_argument(
+        "--print-layout-env",
+        action="store_true",
+        help="print the layout as shell variables (for launch/slurm)",
+    )
+    p.add_argument(
+        "--rollout-hosts",
+        default=None,
+        help="comma-separated rollout node hosts, to print SERVER_ADDRS",
+    )
+    p.add_argument(
+        "--serve-node",
+        type=int,
+        default=None,
+        metavar="K",
+        help="run the rollout servers the layout puts on node K (srun per node)",
+    )
+    p.add_argument(
+        "--print-resume",
+        action="store_true",
+        help="print the checkpoint a recover=auto trainer resumes from (or nothing)",
+    )
+    p.add_argument(
+        "--check-rollout-env",
+        action="store_true",
+        help="check the rollout servers' interpreter (vLLM) and exit",
+    )
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     try:
@@ -395,8 +548,10 @@ def main(argv: Optional[list] = None) -> int:
             print(latest or "")
             return 0
         if args.check_rollout_env:
-            print(check_server_runtime(cfg) or f"rollout.backend={cfg.rollout.backend}: "
-                  "nothing to check")
+            print(
+                check_server_runtime(cfg)
+                or f"rollout.backend={cfg.rollout.backend}: nothing to check"
+            )
             return 0
         if args.serve_node is not None:
             return serve_node(cfg, args.serve_node)
@@ -404,7 +559,7 @@ def main(argv: Optional[list] = None) -> int:
             RunDir.from_config(cfg).check_fresh_start(cfg.recover)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if not cfg.rollout.server_addrs:      # before any process starts
+        if not cfg.rollout.server_addrs:  # before any process starts
             checked = check_server_runtime(cfg)
             if checked:
                 print(f"[launch] {checked}", file=sys.stderr, flush=True)
@@ -413,15 +568,25 @@ def main(argv: Optional[list] = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(layout.describe(), file=sys.stderr, flush=True)
-    sup = Supervisor(specs, RunDir.from_config(cfg).logs, grace_s=cfg.cluster.kill_grace_s,
-                     max_restarts=cfg.cluster.max_restarts)
+    sup = Supervisor(
+        specs,
+        RunDir.from_config(cfg).logs,
+        grace_s=cfg.cluster.kill_grace_s,
+        max_restarts=cfg.cluster.max_restarts,
+    )
     scale = None
-    if cfg.mode == "rl":   # launch.scale adds / removes servers while the job runs
+    if cfg.mode == "rl":  # launch.scale adds / removes servers while the job runs
         distributed = weight_group(cfg, layout) is not None
         scale = start_scale_service(
-            cfg, sup, RunDir.from_config(cfg), layout, distributed_updates=distributed,
-            make_spec=lambda slot: server_spec(cfg, slot, "127.0.0.1", True,
-                                               server_secrets(cfg), layout.device))
+            cfg,
+            sup,
+            RunDir.from_config(cfg),
+            layout,
+            distributed_updates=distributed,
+            make_spec=lambda slot: server_spec(
+                cfg, slot, "127.0.0.1", True, server_secrets(cfg), layout.device
+            ),
+        )
     try:
         return sup.run()
     finally:

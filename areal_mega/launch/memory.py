@@ -32,6 +32,7 @@ The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
 
 It is an upper-bound planning number, not a measurement: compare with ``cluster.gpu_memory_gb``.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,43 +45,77 @@ from areal_mega.config import ConfigError, ModelHParams
 from areal_mega.lora.targets import LoraSupportError, hf_targets
 from areal_mega.parallel.allocation import ParallelDims
 
-GiB = 1024 ** 3
-DEFAULT_OVERHEAD_BYTES = 3 * GiB   # CUDA context + NCCL + allocator fragmentation, on GPUs
+GiB = 1024**3
+DEFAULT_OVERHEAD_BYTES = 3 * GiB  # CUDA context + NCCL + allocator fragmentation, on GPUs
 
 # Published config.json values (Hugging Face model cards); no downloads needed.
 KNOWN_MODELS: dict[str, ModelHParams] = {
-    "qwen2.5-1.5b": ModelHParams(hidden_size=1536, num_layers=28, num_attention_heads=12,
-                                 num_kv_heads=2, ffn_hidden_size=8960, vocab_size=151936,
-                                 tie_word_embeddings=True, qkv_bias=True),
-    "qwen2.5-7b": ModelHParams(hidden_size=3584, num_layers=28, num_attention_heads=28,
-                               num_kv_heads=4, ffn_hidden_size=18944, vocab_size=152064,
-                               qkv_bias=True),
-    "qwen2.5-32b": ModelHParams(hidden_size=5120, num_layers=64, num_attention_heads=40,
-                                num_kv_heads=8, ffn_hidden_size=27648, vocab_size=152064,
-                                qkv_bias=True),
-    "qwen3-30b-a3b": ModelHParams(hidden_size=2048, num_layers=48, num_attention_heads=32,
-                                  num_kv_heads=4, head_dim=128, ffn_hidden_size=6144,
-                                  vocab_size=151936, qk_norm=True, num_experts=128,
-                                  moe_ffn_hidden_size=768, moe_topk=8),
+    "qwen2.5-1.5b": ModelHParams(
+        hidden_size=1536,
+        num_layers=28,
+        num_attention_heads=12,
+        num_kv_heads=2,
+        ffn_hidden_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+    ),
+    "qwen2.5-7b": ModelHParams(
+        hidden_size=3584,
+        num_layers=28,
+        num_attention_heads=28,
+        num_kv_heads=4,
+        ffn_hidden_size=18944,
+        vocab_size=152064,
+        qkv_bias=True,
+    ),
+    "qwen2.5-32b": ModelHParams(
+        hidden_size=5120,
+        num_layers=64,
+        num_attention_heads=40,
+        num_kv_heads=8,
+        ffn_hidden_size=27648,
+        vocab_size=152064,
+        qkv_bias=True,
+    ),
+    "qwen3-30b-a3b": ModelHParams(
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        vocab_size=151936,
+        qk_norm=True,
+        num_experts=128,
+        moe_ffn_hidden_size=768,
+        moe_topk=8,
+    ),
 }
 
 _BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 #: PEFT projection -> (input size, output size, row-parallel base) from (h, q, kv, ffn) widths
-_LORA_PROJ = {"q_proj": (0, 1, False), "k_proj": (0, 2, False), "v_proj": (0, 2, False),
-              "o_proj": (1, 0, True), "gate_proj": (0, 3, False), "up_proj": (0, 3, False),
-              "down_proj": (3, 0, True)}
+_LORA_PROJ = {
+    "q_proj": (0, 1, False),
+    "k_proj": (0, 2, False),
+    "v_proj": (0, 2, False),
+    "o_proj": (1, 0, True),
+    "gate_proj": (0, 3, False),
+    "up_proj": (0, 3, False),
+    "down_proj": (3, 0, True),
+}
 _MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    embedding: int          # V·h
-    output: int             # V·h, 0 when tied
-    attention: int          # per layer, matmuls (+ qkv bias)
-    dense_mlp: int          # per layer (0 for MoE layers)
-    experts: int            # per layer, all experts
-    shared_expert: int      # per layer
-    replicated: int         # per layer: norms, qk-norm, router
+    embedding: int  # V·h
+    output: int  # V·h, 0 when tied
+    attention: int  # per layer, matmuls (+ qkv bias)
+    dense_mlp: int  # per layer (0 for MoE layers)
+    experts: int  # per layer, all experts
+    shared_expert: int  # per layer
+    replicated: int  # per layer: norms, qk-norm, router
     num_layers: int
     moe_topk: int
     num_experts: int
@@ -88,8 +123,7 @@ class ParamCounts:
 
     @property
     def per_layer(self) -> int:
-        return (self.attention + self.dense_mlp + self.experts + self.shared_expert
-                + self.replicated)
+        return self.attention + self.dense_mlp + self.experts + self.shared_expert + self.replicated
 
     @property
     def total(self) -> int:
@@ -120,14 +154,24 @@ def count_params(hp: ModelHParams) -> ParamCounts:
     else:
         dense_mlp, experts, shared = 3 * h * hp.ffn_hidden_size, 0, 0
     emb = hp.vocab_size * h
-    return ParamCounts(embedding=emb, output=0 if hp.tie_word_embeddings else emb,
-                       attention=attention, dense_mlp=dense_mlp, experts=experts,
-                       shared_expert=shared, replicated=replicated, num_layers=hp.num_layers,
-                       moe_topk=hp.moe_topk, num_experts=hp.num_experts, final_norm=h)
+    return ParamCounts(
+        embedding=emb,
+        output=0 if hp.tie_word_embeddings else emb,
+        attention=attention,
+        dense_mlp=dense_mlp,
+        experts=experts,
+        shared_expert=shared,
+        replicated=replicated,
+        num_layers=hp.num_layers,
+        moe_topk=hp.moe_topk,
+        num_experts=hp.num_experts,
+        final_norm=h,
+    )
 
 
-def lora_param_counts(hp: ModelHParams, rank: int, targets, tp: int = 1,
-                      layers: Optional[int] = None) -> tuple[int, float]:
+def lora_param_counts(
+    hp: ModelHParams, rank: int, targets, tp: int = 1, layers: Optional[int] = None
+) -> tuple[int, float]:
     """``(adapter parameters of the whole model, of one TP rank over ``layers`` layers)`` for
     LoRA of ``rank`` on the PEFT ``targets``: each targeted projection of each layer has
     ``A [r, in]`` and ``B [out, r]``. Column-parallel bases (q/k/v, gate/up) split both by
@@ -138,15 +182,21 @@ def lora_param_counts(hp: ModelHParams, rank: int, targets, tp: int = 1,
         raise ConfigError(f"lora.rank={rank}: must be >= 1")
     h = hp.hidden_size
     hd = hp.head_dim or h // hp.num_attention_heads
-    widths = (h, hp.num_attention_heads * hd, (hp.num_kv_heads or hp.num_attention_heads) * hd,
-              hp.ffn_hidden_size)
+    widths = (
+        h,
+        hp.num_attention_heads * hd,
+        (hp.num_kv_heads or hp.num_attention_heads) * hd,
+        hp.ffn_hidden_size,
+    )
     full = per_rank = 0.0
     for t in targets:
         if t not in _LORA_PROJ:
             raise ConfigError(f"lora.target_modules: {t!r} is not one of {sorted(_LORA_PROJ)}")
         if t in _MLP_PROJ and hp.num_experts:
-            raise ConfigError(f"lora.target_modules: {t!r} on an MoE model (expert MLPs take "
-                              "no LoRA adapters; target attention only)")
+            raise ConfigError(
+                f"lora.target_modules: {t!r} on an MoE model (expert MLPs take "
+                "no LoRA adapters; target attention only)"
+            )
         i, o, row = _LORA_PROJ[t]
         n_in, n_out = widths[i], widths[o]
         full += rank * (n_in + n_out)
@@ -168,7 +218,7 @@ def lora_estimate_args(lora_cfg) -> dict:
 
 def fmt_bytes(n: float) -> str:
     """``12.34 GiB`` / ``5.6 MiB`` / ``12 KiB``."""
-    for unit, size in (("GiB", GiB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    for unit, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= size or unit == "KiB":
             return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
     return f"{n} B"  # pragma: no cover
@@ -185,6 +235,7 @@ def fmt_count(n: float) -> str:
 @dataclass
 class MemoryEstimate:
     """Bytes per GPU on the most loaded trainer GPU, by category."""
+
     weights: float
     grads: float
     optimizer: float
@@ -196,17 +247,24 @@ class MemoryEstimate:
     total_params: int
     active_params: int
     notes: list = field(default_factory=list)
-    reference: float = 0.0          # a separate reference model's weights
-    lora_rank: int = 0              # 0: full training
-    trainable_params: int = 0       # LoRA: adapter parameters of the whole model
+    reference: float = 0.0  # a separate reference model's weights
+    lora_rank: int = 0  # 0: full training
+    trainable_params: int = 0  # LoRA: adapter parameters of the whole model
     trainable_per_gpu: int = 0
 
     _KEYS = ("weights", "grads", "optimizer", "activations", "logits", "overhead")
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
-                + self.overhead + self.reference)
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.overhead
+            + self.reference
+        )
 
     def as_gib(self) -> dict:
         keys = self._KEYS + ("reference", "total")
@@ -215,14 +273,18 @@ class MemoryEstimate:
     def format(self, capacity_gb: Optional[float] = None, unit: str = "GPU") -> str:
         keys = self._KEYS + (("reference",) if self.reference else ())
         parts = " | ".join(f"{k} {fmt_bytes(getattr(self, k))}" for k in keys)
-        lines = [f"  model: {fmt_count(self.total_params)} params ({fmt_count(self.active_params)}"
-                 f" active); this {unit} holds {fmt_count(self.params_per_gpu)} params, "
-                 f"{self.layers_per_stage} layers"]
+        lines = [
+            f"  model: {fmt_count(self.total_params)} params ({fmt_count(self.active_params)}"
+            f" active); this {unit} holds {fmt_count(self.params_per_gpu)} params, "
+            f"{self.layers_per_stage} layers"
+        ]
         if self.lora_rank:
-            lines.append(f"  LoRA r={self.lora_rank}: {fmt_count(self.trainable_params)} "
-                         f"trainable params ({fmt_count(self.trainable_per_gpu)} on this {unit}); "
-                         "the frozen base has no gradients or optimizer state; the reference "
-                         "is the actor with its adapters off")
+            lines.append(
+                f"  LoRA r={self.lora_rank}: {fmt_count(self.trainable_params)} "
+                f"trainable params ({fmt_count(self.trainable_per_gpu)} on this {unit}); "
+                "the frozen base has no gradients or optimizer state; the reference "
+                "is the actor with its adapters off"
+            )
         lines += [f"  {parts}", f"  total {fmt_bytes(self.total)} per {unit}"]
         if capacity_gb:
             pct = 100.0 * self.total / (capacity_gb * GiB)
@@ -232,11 +294,19 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
-                    use_distributed_optimizer: bool = True, tokens_per_mb: int = 8192,
-                    recompute: Optional[str] = None, sequence_parallel: Optional[bool] = None,
-                    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES, reference: bool = False,
-                    lora_rank: int = 0, lora_targets=()) -> MemoryEstimate:
+def estimate_memory(
+    hp: ModelHParams,
+    dims: ParallelDims,
+    dtype: str = "bf16",
+    use_distributed_optimizer: bool = True,
+    tokens_per_mb: int = 8192,
+    recompute: Optional[str] = None,
+    sequence_parallel: Optional[bool] = None,
+    overhead_bytes: float = DEFAULT_OVERHEAD_BYTES,
+    reference: bool = False,
+    lora_rank: int = 0,
+    lora_targets=(),
+) -> MemoryEstimate:
     """Per-GPU memory of the most loaded trainer GPU (see the module docstring).
     ``reference``: a separate reference model shares the GPUs (ignored with LoRA, whose
     reference is free); ``lora_rank`` > 0: LoRA on the PEFT ``lora_targets``."""
@@ -256,9 +326,9 @@ def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
 
     w = _BYTES[dtype]
     if dtype == "fp32":
-        grad_b, opt_b = 4, 8          # Adam m, v (weights are the master copy)
+        grad_b, opt_b = 4, 8  # Adam m, v (weights are the master copy)
     else:
-        grad_b, opt_b = 4, 12         # fp32 main grads; fp32 master + m + v
+        grad_b, opt_b = 4, 12  # fp32 main grads; fp32 master + m + v
     dense_shard = dims.dp * cp if use_distributed_optimizer else 1
     expert_shard = max(1, dims.dp * cp // ep) if use_distributed_optimizer else 1
     optimizer = opt_b * (dense_gpu / dense_shard + expert_gpu / expert_shard)
@@ -279,8 +349,10 @@ def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
     hidden_terms = 4 * h / (tp if sp else 1)
     attn_terms = (2 * q + 2 * k) / tp
     if hp.num_experts:
-        mlp_terms = hp.moe_topk * (h + 4 * hp.moe_ffn_hidden_size) / tp \
+        mlp_terms = (
+            hp.moe_topk * (h + 4 * hp.moe_ffn_hidden_size) / tp
             + 4 * hp.shared_expert_ffn_hidden_size / tp
+        )
         router_bytes = 4 * hp.num_experts  # fp32 router logits / probabilities
     else:
         mlp_terms, router_bytes = 4 * hp.ffn_hidden_size / tp, 0
@@ -298,16 +370,33 @@ def estimate_memory(hp: ModelHParams, dims: ParallelDims, dtype: str = "bf16",
     logits = tokens * hp.vocab_size / tp * 2 * act_b
     if hp.num_layers % pp:
         notes.append(f"num_layers={hp.num_layers} is not divisible by pp={pp}")
-    return MemoryEstimate(weights=w * params_gpu, grads=grads, optimizer=optimizer,
-                          activations=activations, logits=logits, overhead=overhead_bytes,
-                          params_per_gpu=int(params_gpu), layers_per_stage=lps,
-                          total_params=c.total + lora_full, active_params=c.active + lora_full,
-                          notes=notes, reference=ref_bytes, lora_rank=lora_rank,
-                          trainable_params=lora_full, trainable_per_gpu=int(lora_gpu))
+    return MemoryEstimate(
+        weights=w * params_gpu,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        logits=logits,
+        overhead=overhead_bytes,
+        params_per_gpu=int(params_gpu),
+        layers_per_stage=lps,
+        total_params=c.total + lora_full,
+        active_params=c.active + lora_full,
+        notes=notes,
+        reference=ref_bytes,
+        lora_rank=lora_rank,
+        trainable_params=lora_full,
+        trainable_per_gpu=int(lora_gpu),
+    )
 
 
-def rollout_memory(hp: ModelHParams, tp: int, pp: int = 1, gpu_memory_gb: float = 80.0,
-                   mem_fraction_static: float = 0.8, dtype: str = "bf16") -> dict:
+def rollout_memory(
+    hp: ModelHParams,
+    tp: int,
+    pp: int = 1,
+    gpu_memory_gb: float = 80.0,
+    mem_fraction_static: float = 0.8,
+    dtype: str = "bf16",
+) -> dict:
     """Inference server per GPU: weights and how many KV-cache tokens the rest holds."""
     c = count_params(hp)
     weights = _BYTES.get(dtype, 2) * c.total / (tp * pp)
@@ -315,26 +404,38 @@ def rollout_memory(hp: ModelHParams, tp: int, pp: int = 1, gpu_memory_gb: float 
     kv_heads_gpu = max(1, (hp.num_kv_heads or hp.num_attention_heads) // tp)
     kv_per_token = 2 * math.ceil(hp.num_layers / pp) * kv_heads_gpu * hd * 2
     pool = max(0.0, mem_fraction_static * gpu_memory_gb * GiB - weights)
-    return {"weights_gib": round(weights / GiB, 2), "kv_cache_gib": round(pool / GiB, 2),
-            "kv_tokens": int(pool // kv_per_token)}
+    return {
+        "weights_gib": round(weights / GiB, 2),
+        "kv_cache_gib": round(pool / GiB, 2),
+        "kv_tokens": int(pool // kv_per_token),
+    }
 
 
 def hparams_from_hf_config(path: str | Path) -> ModelHParams:
     """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields)."""
     d = json.loads(Path(path).read_text())
-    moe = int(d.get("num_experts") or d.get("num_local_experts")  # transformers 5 name
-              or d.get("n_routed_experts") or 0)
+    moe = int(
+        d.get("num_experts")
+        or d.get("num_local_experts")  # transformers 5 name
+        or d.get("n_routed_experts")
+        or 0
+    )
     return ModelHParams(
-        hidden_size=d["hidden_size"], num_layers=d["num_hidden_layers"],
+        hidden_size=d["hidden_size"],
+        num_layers=d["num_hidden_layers"],
         num_attention_heads=d["num_attention_heads"],
-        num_kv_heads=d.get("num_key_value_heads") or 0, head_dim=d.get("head_dim") or 0,
-        ffn_hidden_size=d.get("intermediate_size") or 0, vocab_size=d["vocab_size"],
+        num_kv_heads=d.get("num_key_value_heads") or 0,
+        head_dim=d.get("head_dim") or 0,
+        ffn_hidden_size=d.get("intermediate_size") or 0,
+        vocab_size=d["vocab_size"],
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
-        qk_norm=d.get("model_type", "").startswith("qwen3"), num_experts=moe,
+        qk_norm=d.get("model_type", "").startswith("qwen3"),
+        num_experts=moe,
         moe_ffn_hidden_size=d.get("moe_intermediate_size") or 0 if moe else 0,
         moe_topk=d.get("num_experts_per_tok") or 0 if moe else 0,
-        shared_expert_ffn_hidden_size=d.get("shared_expert_intermediate_size") or 0)
+        shared_expert_ffn_hidden_size=d.get("shared_expert_intermediate_size") or 0,
+    )
 
 
 def known_model_key(model_path: str) -> Optional[str]:
@@ -360,6 +461,8 @@ def resolve_hparams(cfg) -> tuple[ModelHParams, str]:
     key = known_model_key(cfg.model.path) if cfg.model.path else None
     if key:
         return KNOWN_MODELS[key], f"built-in table ({key})"
-    raise ConfigError(f"model.path={cfg.model.path!r}: no config.json there and not a known "
-                      f"model ({sorted(KNOWN_MODELS)}); add a model_hparams section to the "
-                      "recipe for the memory estimate")
+    raise ConfigError(
+        f"model.path={cfg.model.path!r}: no config.json there and not a known "
+        f"model ({sorted(KNOWN_MODELS)}); add a model_hparams section to the "
+        "recipe for the memory estimate"
+    )

@@ -8,6 +8,7 @@ the commands in the order they came (serialised); ``launch.scale`` polls the id 
 operation ends. :meth:`OperationQueue.active` lists the queued and running ones with how long
 they have taken, for ``--list``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,6 +30,7 @@ class OperationTimeout(RuntimeError):
 class Operation:
     """One mutating command. ``state``: ``queued``, then what it waits for (``starting
     rollout3``, ``joining rollout3``, ``draining rollout1``, ...), then ``done`` / ``failed``."""
+
     op: str
     cmd: str
     target: str
@@ -56,16 +58,23 @@ class Operation:
         """The seconds left; :class:`OperationTimeout` naming ``what`` once none are."""
         left = self.remaining()
         if left <= 0:
-            raise OperationTimeout(f"{what} did not finish within the operation's "
-                                   f"{self.timeout_s:.0f} s (launch.scale --timeout)")
+            raise OperationTimeout(
+                f"{what} did not finish within the operation's "
+                f"{self.timeout_s:.0f} s (launch.scale --timeout)"
+            )
         return left
 
     def view(self) -> dict:
         """What ``launch.scale`` shows: id, command, target, state, seconds so far (or in
         all), and the result or error once ended."""
         now = self.ended or time.monotonic()
-        out = {"op": self.op, "cmd": self.cmd, "target": self.target, "state": self.state,
-               "seconds": round(now - self.submitted, 2)}
+        out = {
+            "op": self.op,
+            "cmd": self.cmd,
+            "target": self.target,
+            "state": self.state,
+            "seconds": round(now - self.submitted, 2),
+        }
         if self.result is not None:
             out["result"] = self.result
         if self.error is not None:
@@ -80,14 +89,15 @@ class OperationQueue:
     def __init__(self, keep: int = 64):
         self._queue: queue.Queue = queue.Queue()
         self._ops: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()         # guards _ops, held for dict updates only
+        self._lock = threading.Lock()  # guards _ops, held for dict updates only
         self._keep = keep
         self._count = 0
         self._thread = threading.Thread(target=self._work, name="scale-operations", daemon=True)
         self._thread.start()
 
-    def submit(self, cmd: str, target: str, fn: Callable[[Operation], dict],
-               timeout_s: float) -> Operation:
+    def submit(
+        self, cmd: str, target: str, fn: Callable[[Operation], dict], timeout_s: float
+    ) -> Operation:
         """Queue ``fn(op)`` (it returns the result dict; an exception fails the operation
         with its message) and return the operation at once."""
         with self._lock:
@@ -118,14 +128,17 @@ class OperationQueue:
                 op.result = fn(op) or {}
                 op.state = "done"
             except Exception as e:  # noqa: BLE001 - reported to whoever polls the operation
-                op.error = str(e) if isinstance(e, (ValueError, OperationTimeout)) \
+                op.error = (
+                    str(e)
+                    if isinstance(e, (ValueError, OperationTimeout))
                     else f"{type(e).__name__}: {e}"
+                )
                 op.state = "failed"
                 log.warning("%s %s failed: %s", op.cmd, op.target, op.error)
             op.ended = time.monotonic()
             with self._lock:
                 done = [k for k, o in self._ops.items() if o.finished]
-                for k in done[:max(0, len(done) - self._keep)]:
+                for k in done[: max(0, len(done) - self._keep)]:
                     del self._ops[k]
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ Rules (GPU clusters):
 
 On CPU (``cluster.device=cpu``) everything runs on node 0 as processes; GPU ids are empty.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,6 +26,7 @@ from areal_mega.parallel.allocation import Allocation
 @dataclass(frozen=True)
 class ServerSlot:
     """One rollout server: where it runs and which GPUs it owns."""
+
     index: int
     node: int
     gpus: tuple
@@ -37,11 +39,11 @@ class Layout:
     device: str
     n_nodes: int
     gpus_per_node: int
-    servers: list = field(default_factory=list)          # ServerSlot
+    servers: list = field(default_factory=list)  # ServerSlot
     external_servers: list = field(default_factory=list)  # host:port strings
-    trainer_nodes: list = field(default_factory=list)     # node indices
+    trainer_nodes: list = field(default_factory=list)  # node indices
     trainer_nproc_per_node: int = 1
-    trainer_gpus: tuple = ()                              # GPU ids on each trainer node
+    trainer_gpus: tuple = ()  # GPU ids on each trainer node
     notes: list = field(default_factory=list)
 
     @property
@@ -59,29 +61,39 @@ class Layout:
             out.setdefault(s.node, {"rollout": [], "trainer": []})["rollout"].append(s.index)
         for i, node in enumerate(self.trainer_nodes):
             start = i * self.trainer_nproc_per_node
-            out.setdefault(node, {"rollout": [], "trainer": []})["trainer"] = \
-                list(range(start, start + self.trainer_nproc_per_node))
+            out.setdefault(node, {"rollout": [], "trainer": []})["trainer"] = list(
+                range(start, start + self.trainer_nproc_per_node)
+            )
         return dict(sorted(out.items()))
 
     def describe(self) -> str:
         a = self.allocation
-        lines = [f"  allocation: {a.rollout_backend or 'external'}:"
-                 f"{a.rollout.short() if a.rollout else '-'} + {a.trainer_backend}:"
-                 f"{a.trainer.short()}  (device {self.device}, " + (
-                     "processes on this machine)" if self.device == "cpu" else
-                     f"{self.n_nodes} node(s) x {self.gpus_per_node} GPU(s))")]
+        lines = [
+            f"  allocation: {a.rollout_backend or 'external'}:"
+            f"{a.rollout.short() if a.rollout else '-'} + {a.trainer_backend}:"
+            f"{a.trainer.short()}  (device {self.device}, "
+            + (
+                "processes on this machine)"
+                if self.device == "cpu"
+                else f"{self.n_nodes} node(s) x {self.gpus_per_node} GPU(s))"
+            )
+        ]
         if self.external_servers:
             lines.append(f"  rollout: external servers {', '.join(self.external_servers)}")
         else:
             per = (a.rollout.tp * a.rollout.pp) if a.rollout else 0
             each = "1 process" if self.device == "cpu" else f"{per} GPU(s)"
-            lines.append(f"  rollout: {len(self.servers)} {a.rollout_backend} server(s) x "
-                         f"{each} (tp={a.rollout.tp if a.rollout else '-'}); world "
-                         f"{self.rollout_world_size}")
+            lines.append(
+                f"  rollout: {len(self.servers)} {a.rollout_backend} server(s) x "
+                f"{each} (tp={a.rollout.tp if a.rollout else '-'}); world "
+                f"{self.rollout_world_size}"
+            )
         t = a.trainer
-        lines.append(f"  trainer: world {self.trainer_world_size} = dp {t.dp} x tp {t.tp} x "
-                     f"pp {t.pp} x cp {t.cp} (ep {t.ep}); torchrun --nnodes "
-                     f"{len(self.trainer_nodes)} --nproc-per-node {self.trainer_nproc_per_node}")
+        lines.append(
+            f"  trainer: world {self.trainer_world_size} = dp {t.dp} x tp {t.tp} x "
+            f"pp {t.pp} x cp {t.cp} (ep {t.ep}); torchrun --nnodes "
+            f"{len(self.trainer_nodes)} --nproc-per-node {self.trainer_nproc_per_node}"
+        )
         for node, roles in self.ranks_per_node().items():
             parts = []
             for s in (x for x in self.servers if x.node == node):
@@ -96,16 +108,24 @@ class Layout:
         return "\n".join(lines)
 
 
-def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
-                gpus_per_node: int = 8, external_servers: Optional[list] = None,
-                ports: Optional[list] = None) -> Layout:
+def plan_layout(
+    alloc: Allocation,
+    *,
+    device: str = "cuda",
+    n_nodes: int = 1,
+    gpus_per_node: int = 8,
+    external_servers: Optional[list] = None,
+    ports: Optional[list] = None,
+) -> Layout:
     """Place servers and trainer ranks; raises :class:`ConfigError` naming the key at fault."""
     external = list(external_servers or [])
     lay = Layout(alloc, device, n_nodes, gpus_per_node, external_servers=external)
     n_servers = 0 if external or alloc.rollout is None else alloc.rollout.dp
     if alloc.rollout is None and not external:
-        raise ConfigError(f"allocation={alloc.canonical()!r}: no rollout part; give one "
-                          "(e.g. sglang:d2+...) or external servers with rollout.server_addrs")
+        raise ConfigError(
+            f"allocation={alloc.canonical()!r}: no rollout part; give one "
+            "(e.g. sglang:d2+...) or external servers with rollout.server_addrs"
+        )
     ports = list(ports or [])
     if device == "cpu":
         for i in range(n_servers):
@@ -118,22 +138,29 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
 
     per_server = alloc.rollout.tp * alloc.rollout.pp if n_servers else 0
     if per_server > gpus_per_node:
-        raise ConfigError(f"allocation={alloc.canonical()!r}: one rollout server needs "
-                          f"t·p = {per_server} GPUs but cluster.n_gpus_per_node="
-                          f"{gpus_per_node}; a server cannot span nodes")
+        raise ConfigError(
+            f"allocation={alloc.canonical()!r}: one rollout server needs "
+            f"t·p = {per_server} GPUs but cluster.n_gpus_per_node="
+            f"{gpus_per_node}; a server cannot span nodes"
+        )
     if alloc.trainer.tp > gpus_per_node:
-        raise ConfigError(f"allocation={alloc.canonical()!r}: trainer tensor parallel "
-                          f"t={alloc.trainer.tp} exceeds cluster.n_gpus_per_node={gpus_per_node}")
+        raise ConfigError(
+            f"allocation={alloc.canonical()!r}: trainer tensor parallel "
+            f"t={alloc.trainer.tp} exceeds cluster.n_gpus_per_node={gpus_per_node}"
+        )
     node, used = 0, 0
     for i in range(n_servers):
         if used + per_server > gpus_per_node:
             node, used = node + 1, 0
-        lay.servers.append(ServerSlot(i, node, tuple(range(used, used + per_server)),
-                                      ports[i] if i < len(ports) else None))
+        lay.servers.append(
+            ServerSlot(
+                i, node, tuple(range(used, used + per_server)), ports[i] if i < len(ports) else None
+            )
+        )
         used += per_server
     world = alloc.trainer_world_size
     rollout_gpus = n_servers * per_server
-    if rollout_gpus + world <= gpus_per_node:           # everything on one node
+    if rollout_gpus + world <= gpus_per_node:  # everything on one node
         start = used if n_servers else 0
         lay.trainer_nodes = [node if n_servers else 0]
         lay.trainer_nproc_per_node = world
@@ -142,20 +169,25 @@ def plan_layout(alloc: Allocation, *, device: str = "cuda", n_nodes: int = 1,
         first = node + 1 if n_servers else 0
         nproc = min(world, gpus_per_node)
         if world % nproc:
-            raise ConfigError(f"allocation={alloc.canonical()!r}: the trainer world {world} "
-                              f"spans nodes, so it must be a multiple of "
-                              f"cluster.n_gpus_per_node={gpus_per_node}")
+            raise ConfigError(
+                f"allocation={alloc.canonical()!r}: the trainer world {world} "
+                f"spans nodes, so it must be a multiple of "
+                f"cluster.n_gpus_per_node={gpus_per_node}"
+            )
         lay.trainer_nodes = list(range(first, first + world // nproc))
         lay.trainer_nproc_per_node = nproc
         lay.trainer_gpus = tuple(range(nproc))
         if n_servers and used < gpus_per_node:
-            lay.notes.append(f"node {node}: {gpus_per_node - used} GPU(s) idle (the trainer "
-                             "takes whole nodes)")
+            lay.notes.append(
+                f"node {node}: {gpus_per_node - used} GPU(s) idle (the trainer takes whole nodes)"
+            )
     needed = max([s.node for s in lay.servers] + lay.trainer_nodes) + 1
     if needed > n_nodes:
-        raise ConfigError(f"cluster.n_nodes={n_nodes}: the allocation {alloc.canonical()!r} "
-                          f"needs {needed} node(s) of {gpus_per_node} GPUs ({rollout_gpus} "
-                          f"rollout + {world} trainer GPUs)")
+        raise ConfigError(
+            f"cluster.n_nodes={n_nodes}: the allocation {alloc.canonical()!r} "
+            f"needs {needed} node(s) of {gpus_per_node} GPUs ({rollout_gpus} "
+            f"rollout + {world} trainer GPUs)"
+        )
     if needed < n_nodes:
         lay.notes.append(f"{n_nodes - needed} node(s) unused by this allocation")
     return lay

@@ -16,6 +16,7 @@ launcher; the error says what was left). Prints the launcher's JSON answer; exit
 success, 1 when the request was refused or failed (the message says what changed), 2 for bad
 arguments. With ``dataplane.secret`` set for the job, pass it in ``AREAL_MEGA_SECRET``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,16 @@ def run_command(link: RolloutLink, msg: dict, timeout_s: float, poll_s: float = 
     if msg["cmd"] == "list":
         return link.request(msg, timeout_s=LIST_TIMEOUT_S)
     # an id of its own: a resend after a dropped socket is answered, not run twice
-    op = link.request({**msg, "timeout_s": timeout_s, "request_id": uuid.uuid4().hex},
-                      timeout_s=LIST_TIMEOUT_S)
+    op = link.request(
+        {**msg, "timeout_s": timeout_s, "request_id": uuid.uuid4().hex}, timeout_s=LIST_TIMEOUT_S
+    )
     deadline = time.monotonic() + timeout_s + LIST_TIMEOUT_S
     while op["state"] not in ("done", "failed"):
         if time.monotonic() > deadline:
-            raise ControlError(f"{msg['cmd']}: operation {op['op']} still {op['state']!r} "
-                               f"after {timeout_s:.0f} s (--timeout)")
+            raise ControlError(
+                f"{msg['cmd']}: operation {op['op']} still {op['state']!r} "
+                f"after {timeout_s:.0f} s (--timeout)"
+            )
         time.sleep(poll_s)
         op = link.request({"cmd": "op", "op": op["op"]}, timeout_s=LIST_TIMEOUT_S)
     if op["state"] == "failed":
@@ -69,18 +73,24 @@ def run_command(link: RolloutLink, msg: dict, timeout_s: float, poll_s: float = 
 
 def main(argv: Optional[list] = None) -> int:
     """CLI entry point; see the module docstring."""
-    p = argparse.ArgumentParser(prog="python -m areal_mega.launch.scale",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m areal_mega.launch.scale", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--run-dir", required=True, help="logging.run_dir of the running job")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--list", action="store_true", help="the servers and their counters")
     g.add_argument("--add", type=int, metavar="N", help="start N local servers")
     g.add_argument("--add-addr", metavar="HOST:PORT", help="attach an external SGLang server")
     g.add_argument("--remove", metavar="SERVER_ID", help="remove a server (ids: --list)")
-    p.add_argument("--drain", action="store_true",
-                   help="with --remove: let its in-flight requests finish")
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds a mutating command may take (the launcher stops it then)")
+    p.add_argument(
+        "--drain", action="store_true", help="with --remove: let its in-flight requests finish"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds a mutating command may take (the launcher stops it then)",
+    )
     args = p.parse_args(argv)
     if args.drain and args.remove is None:
         p.error("--drain goes with --remove")
@@ -90,16 +100,24 @@ def main(argv: Optional[list] = None) -> int:
         p.error(f"--timeout {args.timeout}: must be > 0")
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "config.yaml").is_file():
-        print(f"error: {run_dir} is not the run directory of a launch.local job (no "
-              "config.yaml)", file=sys.stderr)
+        print(
+            f"error: {run_dir} is not the run directory of a launch.local job (no config.yaml)",
+            file=sys.stderr,
+        )
         return 2
     endpoint = RunDir(run_dir, run_dir, "", "").launcher_endpoint
     if not (run_dir / "launcher.sock").exists():
-        print(f"error: no launcher is running for {run_dir} ({endpoint} does not exist)",
-              file=sys.stderr)
+        print(
+            f"error: no launcher is running for {run_dir} ({endpoint} does not exist)",
+            file=sys.stderr,
+        )
         return 1
-    link = RolloutLink(endpoint, secret=os.environ.get("AREAL_MEGA_SECRET") or None,
-                       timeout_s=LIST_TIMEOUT_S, peer="launcher")
+    link = RolloutLink(
+        endpoint,
+        secret=os.environ.get("AREAL_MEGA_SECRET") or None,
+        timeout_s=LIST_TIMEOUT_S,
+        peer="launcher",
+    )
     try:
         reply = run_command(link, request_of(args), args.timeout)
     except ControlError as e:

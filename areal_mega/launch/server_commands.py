@@ -11,6 +11,7 @@
 No command line holds the API key (``ps`` shows argv to every user). Used by
 :mod:`areal_mega.launch.local` (one machine, ``--serve-node``, elastic servers).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -18,8 +19,13 @@ import sys
 from typing import Optional
 
 from areal_mega.backends.sglang import build_sglang_command
-from areal_mega.backends.vllm.launch import (SERVED_MODEL_NAME, build_vllm_command,
-                                              check_vllm_python, resolve_vllm_python, vllm_env)
+from areal_mega.backends.vllm.launch import (
+    SERVED_MODEL_NAME,
+    build_vllm_command,
+    check_vllm_python,
+    resolve_vllm_python,
+    vllm_env,
+)
 from areal_mega.lora.targets import lora_server_flags
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.rollout.routes import replay_server_flags
@@ -60,43 +66,73 @@ def memory_fraction(cfg) -> float:
     """The share of a GPU a rollout server takes: ``rollout.vllm.gpu_memory_utilization``
     for vLLM when set, else ``rollout.mem_fraction_static`` (SGLang's flag of that name)."""
     v = cfg.rollout.vllm.gpu_memory_utilization
-    return v if cfg.rollout.backend == "vllm" and v is not None else \
-        cfg.rollout.mem_fraction_static
+    return v if cfg.rollout.backend == "vllm" and v is not None else cfg.rollout.mem_fraction_static
 
 
 def server_command(cfg, slot, host: str = "127.0.0.1") -> list:
     """The argv of one rollout server; never holds the API key (see :func:`server_secrets`)."""
     backend = cfg.rollout.backend
     if backend == "local":
-        return [sys.executable, "-m", ROLLOUT_SERVER_MODULE, "--model-path", cfg.model.path,
-                "--host", host, "--port", str(slot.port),
-                "--num-threads", str(cfg.cluster.cpu_threads_per_server)] + \
-            replay_server_flags(cfg) + \
-            lora_server_flags(cfg) + \
-            (["--lora-allowed-dirs", str(RunDir.from_config(cfg).root)]   # published adapters
-             if lora_server_flags(cfg) else []) + \
-            (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
+        return (
+            [
+                sys.executable,
+                "-m",
+                ROLLOUT_SERVER_MODULE,
+                "--model-path",
+                cfg.model.path,
+                "--host",
+                host,
+                "--port",
+                str(slot.port),
+                "--num-threads",
+                str(cfg.cluster.cpu_threads_per_server),
+            ]
+            + replay_server_flags(cfg)
+            + lora_server_flags(cfg)
+            + (
+                ["--lora-allowed-dirs", str(RunDir.from_config(cfg).root)]  # published adapters
+                if lora_server_flags(cfg)
+                else []
+            )
+            + (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
+        )
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     rollout = parse_allocation(cfg.allocation).rollout
     tp, pp = (rollout.tp, rollout.pp) if rollout else (1, 1)
     if backend == "vllm":
         v = cfg.rollout.vllm
-        return build_vllm_command(resolve_vllm_python(v.python), cfg.model.path, slot.port,
-                                  host=host, tp=tp, pp=pp, dtype=cfg.model.dtype,
-                                  max_model_len=v.max_model_len, seed=cfg.seed + slot.index,
-                                  enforce_eager=v.enforce_eager,
-                                  served_model_name=SERVED_MODEL_NAME,
-                                  gpu_memory_utilization=memory_fraction(cfg),
-                                  extra=v.extra_args)
+        return build_vllm_command(
+            resolve_vllm_python(v.python),
+            cfg.model.path,
+            slot.port,
+            host=host,
+            tp=tp,
+            pp=pp,
+            dtype=cfg.model.dtype,
+            max_model_len=v.max_model_len,
+            seed=cfg.seed + slot.index,
+            enforce_eager=v.enforce_eager,
+            served_model_name=SERVED_MODEL_NAME,
+            gpu_memory_utilization=memory_fraction(cfg),
+            extra=v.extra_args,
+        )
     extra = ["--pp-size", str(pp)] if pp > 1 else []
-    extra += replay_server_flags(cfg) + lora_server_flags(cfg)   # routing replay, LoRA
-    return list(build_sglang_command(cfg.model.path, slot.port, host=host, tp=tp,
-                                     mem_fraction_static=cfg.rollout.mem_fraction_static,
-                                     dtype=cfg.model.dtype, base_gpu_id=0,
-                                     api_key_file=RunDir.from_config(cfg).sglang_key_file
-                                     if cfg.rollout.api_key else None,
-                                     random_seed=cfg.seed + slot.index, extra=extra,
-                                     allow_unauthenticated=cfg.rollout.allow_unauthenticated))
+    extra += replay_server_flags(cfg) + lora_server_flags(cfg)  # routing replay, LoRA
+    return list(
+        build_sglang_command(
+            cfg.model.path,
+            slot.port,
+            host=host,
+            tp=tp,
+            mem_fraction_static=cfg.rollout.mem_fraction_static,
+            dtype=cfg.model.dtype,
+            base_gpu_id=0,
+            api_key_file=RunDir.from_config(cfg).sglang_key_file if cfg.rollout.api_key else None,
+            random_seed=cfg.seed + slot.index,
+            extra=extra,
+            allow_unauthenticated=cfg.rollout.allow_unauthenticated,
+        )
+    )
 
 
 def check_server_runtime(cfg) -> Optional[str]:
@@ -113,14 +149,18 @@ def check_server_runtime(cfg) -> Optional[str]:
 def describe_servers(cfg, slot, device: str) -> list:
     """Dry-run lines: the rollout backend and what server ``slot`` would run (its environment
     entries other than the GPUs; the key by name only)."""
-    out = [f"rollout backend: {cfg.rollout.backend}; server {slot.index} runs: "
-           f"{shlex.join(str(a) for a in server_command(cfg, slot))}"]
+    out = [
+        f"rollout backend: {cfg.rollout.backend}; server {slot.index} runs: "
+        f"{shlex.join(str(a) for a in server_command(cfg, slot))}"
+    ]
     env = backend_env(cfg, device)
     if cfg.rollout.api_key and cfg.rollout.backend != "sglang":
         env.update({k: "<rollout.api_key>" for k in server_secrets(cfg)})
     if env:
         out.append("  with " + " ".join(f"{k}={v}" for k, v in env.items()))
     if cfg.rollout.backend == "vllm":
-        out.append("  (vLLM's interpreter is checked when the run starts: "
-                   "rollout.vllm.python, make vllm-env)")
+        out.append(
+            "  (vLLM's interpreter is checked when the run starts: "
+            "rollout.vllm.python, make vllm-env)"
+        )
     return out

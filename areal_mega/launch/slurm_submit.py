@@ -13,6 +13,7 @@ with the same dependencies, and ``AREAL_MEGA_ROOT`` as this repository. ``--dry-
 the command instead of running it. The rollout API key goes in ``AREAL_ROLLOUT_API_KEY_FILE``
 (exported to the job), never as ``rollout.api_key=...`` (refused).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,15 +36,19 @@ def slurm_resources(cfg: ExperimentConfig) -> dict:
     ``cluster.device=auto`` counts as ``cuda``: the compute nodes, not the submit host, decide,
     and the recipe's ``cluster.n_gpus_per_node`` describes them."""
     if cfg.cluster.device == "cpu":
-        return {"nodes": 1, "gpus_per_node": 0}   # every process runs on node 0
+        return {"nodes": 1, "gpus_per_node": 0}  # every process runs on node 0
     lay = make_layout(cfg, device="cuda")
     used = {s.node for s in lay.servers} | set(lay.trainer_nodes)
     return {"nodes": max(used) + 1, "gpus_per_node": cfg.cluster.n_gpus_per_node}
 
 
-def sbatch_command(cfg: ExperimentConfig, recipe: str, overrides: Optional[list] = None,
-                   sbatch_options: Optional[list] = None,
-                   script: Path = SBATCH_SCRIPT) -> list:
+def sbatch_command(
+    cfg: ExperimentConfig,
+    recipe: str,
+    overrides: Optional[list] = None,
+    sbatch_options: Optional[list] = None,
+    script: Path = SBATCH_SCRIPT,
+) -> list:
     """The ``sbatch`` argv that submits ``script`` for ``recipe`` with ``cfg``'s resources."""
     res = slurm_resources(cfg)
     argv = ["sbatch", f"--nodes={res['nodes']}"]
@@ -73,12 +78,15 @@ def split_args(argv: list) -> tuple:
 def main(argv: Optional[list] = None) -> int:
     """Parse the command line, print the sbatch command and run it (unless ``--dry-run``)."""
     try:
-        dry_run, options, recipe, overrides = split_args(list(sys.argv[1:] if argv is None
-                                                             else argv))
+        dry_run, options, recipe, overrides = split_args(
+            list(sys.argv[1:] if argv is None else argv)
+        )
         if any(o.startswith("rollout.api_key=") for o in overrides):
-            raise ConfigError(f"rollout.api_key on the command line is refused (sbatch's argv "
-                              f"shows in ps and the job records): set {API_KEY_FILE_ENV}=<a "
-                              "chmod-600 file holding the key> instead")
+            raise ConfigError(
+                f"rollout.api_key on the command line is refused (sbatch's argv "
+                f"shows in ps and the job records): set {API_KEY_FILE_ENV}=<a "
+                "chmod-600 file holding the key> instead"
+            )
         cfg = load_config(recipe, overrides)
         cmd = sbatch_command(cfg, recipe, overrides, options)
     except ConfigError as e:
@@ -89,7 +97,7 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("PYTHON", sys.executable)
-    env.setdefault("AREAL_MEGA_ROOT", str(SBATCH_SCRIPT.parents[2]))   # run.sbatch's REPO
+    env.setdefault("AREAL_MEGA_ROOT", str(SBATCH_SCRIPT.parents[2]))  # run.sbatch's REPO
     try:
         return subprocess.run(cmd, env=env).returncode
     except FileNotFoundError:

@@ -26,6 +26,7 @@ Behaviour:
 - stopping: SIGTERM to each child's process group and to every descendant found with psutil,
   wait ``grace_s``, then SIGKILL what is left; every child is reaped.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -61,22 +62,24 @@ def _child_setup() -> None:
 @dataclass
 class ProcessSpec:
     """What to run. ``kind``: ``service`` (must stay up) or ``main`` (its exit 0 ends the run)."""
+
     name: str
     argv: list
-    env: Optional[dict] = None            # added to the supervisor's environment
+    env: Optional[dict] = None  # added to the supervisor's environment
     cwd: Optional[str] = None
     kind: str = "service"
-    restart: bool = False                 # relaunch after a failure (see the module doc)
+    restart: bool = False  # relaunch after a failure (see the module doc)
     ready: Optional[Callable[[], bool]] = None
     ready_timeout_s: float = 600.0
     on_restart: Optional[Callable[["ProcessSpec", int], Optional[list]]] = None
-    restart_with_main: bool = False       # service: stopped and relaunched with a relaunched main
-    fatal: Optional[Callable[[int], Optional[str]]] = None   # rc -> why no relaunch helps
+    restart_with_main: bool = False  # service: stopped and relaunched with a relaunched main
+    fatal: Optional[Callable[[int], Optional[str]]] = None  # rc -> why no relaunch helps
 
     def __post_init__(self):
         if self.kind not in ("service", "main"):
-            raise ValueError(f"ProcessSpec {self.name!r}: kind={self.kind!r} must be 'service' "
-                             "or 'main'")
+            raise ValueError(
+                f"ProcessSpec {self.name!r}: kind={self.kind!r} must be 'service' or 'main'"
+            )
         if not self.argv:
             raise ValueError(f"ProcessSpec {self.name!r}: empty argv")
 
@@ -89,7 +92,7 @@ class _Running:
     attempt: int = 0
     done: bool = False
     descendants: set = field(default_factory=set)
-    group_cleared: bool = False           # what its process group left behind was stopped
+    group_cleared: bool = False  # what its process group left behind was stopped
     # process groups of descendants that lead their own (torchrun starts each worker in a new
     # session): a process such a worker forks after the last refresh is in one of them
     groups: set = field(default_factory=set)
@@ -100,9 +103,15 @@ class SupervisorError(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, specs: list, log_dir: str | Path, grace_s: float = 10.0,
-                 max_restarts: int = 0, poll_s: float = 0.2,
-                 echo: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        specs: list,
+        log_dir: str | Path,
+        grace_s: float = 10.0,
+        max_restarts: int = 0,
+        poll_s: float = 0.2,
+        echo: Optional[Callable[[str], None]] = None,
+    ):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate process names: {names}")
@@ -110,12 +119,12 @@ class Supervisor:
         self.log_dir = Path(log_dir)
         self.grace_s, self.max_restarts, self.poll_s = grace_s, max_restarts, poll_s
         self.restarts, self.running = 0, {}
-        self._signal, self._signal_count = None, 0   # the last signal received, how many
+        self._signal, self._signal_count = None, 0  # the last signal received, how many
         self._echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._sup_log = (self.log_dir / "supervisor.log").open("a", encoding="utf-8")
         self._log_error: Optional[OSError] = None
-        self._calls: queue.Queue = queue.Queue()   # (fn, future) from other threads
+        self._calls: queue.Queue = queue.Queue()  # (fn, future) from other threads
         # relaunched services not ready yet: name -> monotonic time of the relaunch
         self.relaunching: dict = {}
 
@@ -125,8 +134,12 @@ class Supervisor:
         """Report a failed log write once, on stderr (the disk may be full)."""
         if self._log_error is None:
             self._log_error = e
-            print(f"[supervisor] cannot write {path}: {e.strerror or e}; its messages go to "
-                  "stderr only", file=sys.stderr, flush=True)
+            print(
+                f"[supervisor] cannot write {path}: {e.strerror or e}; its messages go to "
+                "stderr only",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def say(self, msg: str) -> None:
         """Log ``msg`` to ``supervisor.log`` (best effort) and echo it (stderr by default)."""
@@ -145,21 +158,29 @@ class Supervisor:
 
     # ------------------------------------------------------------------ processes
 
-    def _launch(self, spec: ProcessSpec, attempt: int = 0,
-                argv: Optional[list] = None) -> _Running:
+    def _launch(self, spec: ProcessSpec, attempt: int = 0, argv: Optional[list] = None) -> _Running:
         argv = list(argv or spec.argv)
         log = (self.log_dir / f"{spec.name}.log").open("ab")
         try:
-            log.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} start {spec.name} attempt "
-                      f"{attempt}: {' '.join(map(str, argv))}\n".encode())
+            log.write(
+                f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} start {spec.name} attempt "
+                f"{attempt}: {' '.join(map(str, argv))}\n".encode()
+            )
             log.flush()
         except OSError as e:
             self._log_failed(log.name, e)
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (spec.env or {}).items()})
-        proc = subprocess.Popen([str(a) for a in argv], cwd=spec.cwd, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_child_setup)
+        proc = subprocess.Popen(
+            [str(a) for a in argv],
+            cwd=spec.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_child_setup,
+        )
         self.say(f"started {spec.name} pid {proc.pid} (log {log.name})")
         run = _Running(spec, proc, log, attempt)
         self.running[spec.name] = run
@@ -221,9 +242,10 @@ class Supervisor:
             if self._signal is not None:
                 return
             if run.proc.poll() is not None:
-                raise SupervisorError(f"{spec.name} exited with code {run.proc.returncode} "
-                                      f"before it was ready; see {run.log.name}"
-                                      + last_error(run.log.name))
+                raise SupervisorError(
+                    f"{spec.name} exited with code {run.proc.returncode} "
+                    f"before it was ready; see {run.log.name}" + last_error(run.log.name)
+                )
             try:
                 if spec.ready():
                     self.say(f"{spec.name} is ready")
@@ -231,8 +253,9 @@ class Supervisor:
             except Exception:  # a readiness probe may raise while the server boots
                 pass
             if time.monotonic() > deadline:
-                raise SupervisorError(f"{spec.name} not ready after {spec.ready_timeout_s:.0f}s;"
-                                      f" see {run.log.name}")
+                raise SupervisorError(
+                    f"{spec.name} not ready after {spec.ready_timeout_s:.0f}s; see {run.log.name}"
+                )
             time.sleep(self.poll_s)
 
     def stop_all(self, grace_s: Optional[float] = None, runs: Optional[list] = None) -> None:
@@ -282,8 +305,9 @@ class Supervisor:
                 break
             for run in runs:
                 run.proc.poll()
-            if all(not _alive(p) for p in procs) and \
-                    all(r.proc.returncode is not None for r in runs):
+            if all(not _alive(p) for p in procs) and all(
+                r.proc.returncode is not None for r in runs
+            ):
                 break
             time.sleep(0.05)
         for run in runs:
@@ -353,15 +377,23 @@ class Supervisor:
                 why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
                 fatal = run.spec.fatal(rc) if run.spec.fatal is not None else None
                 if fatal:
-                    self.say(f"{name} failed ({why}): {fatal}; not relaunching, stopping "
-                             f"everything. Log: {run.log.name}")
+                    self.say(
+                        f"{name} failed ({why}): {fatal}; not relaunching, stopping "
+                        f"everything. Log: {run.log.name}"
+                    )
                     return rc if rc > 0 else 128 - rc
-                if run.spec.kind == "service" and run.spec.restart and \
-                        self.restarts < self.max_restarts:
+                if (
+                    run.spec.kind == "service"
+                    and run.spec.restart
+                    and self.restarts < self.max_restarts
+                ):
                     self._relaunch_service(run, why)
                     continue
-                if run.spec.kind == "main" and run.spec.restart and \
-                        self.restarts < self.max_restarts:
+                if (
+                    run.spec.kind == "main"
+                    and run.spec.restart
+                    and self.restarts < self.max_restarts
+                ):
                     self.restarts += 1
                     self.say(f"{name} failed ({why}); relaunch {self.restarts}/{self.max_restarts}")
                     _close_quietly(run.log)
@@ -369,19 +401,25 @@ class Supervisor:
                         argv = run.spec.on_restart(run.spec, self.restarts)
                         if argv:
                             run.spec.argv = list(argv)
-                    companions = [r for r in self.running.values()
-                                  if r.spec.restart_with_main and r is not run]
+                    companions = [
+                        r
+                        for r in self.running.values()
+                        if r.spec.restart_with_main and r is not run
+                    ]
                     if companions:  # e.g. the rollout worker, whose sockets face the main
-                        self.say("restarting with it: " + ", ".join(r.spec.name
-                                                                    for r in companions))
+                        self.say(
+                            "restarting with it: " + ", ".join(r.spec.name for r in companions)
+                        )
                     # the failed main's leftovers go too: they may hold its ports and files
                     self.stop_all(runs=[run] + companions)
                     self._launch(run.spec, self.restarts)
                     for comp in companions:
                         self._launch(comp.spec, self.restarts)
                     continue
-                self.say(f"{name} died ({why}); stopping everything. Log: {run.log.name}"
-                         + last_error(run.log.name))
+                self.say(
+                    f"{name} died ({why}); stopping everything. Log: {run.log.name}"
+                    + last_error(run.log.name)
+                )
                 return rc if rc > 0 else 128 - rc
             mains = [r for r in self.running.values() if r.spec.kind == "main"]
             if mains and all(r.done for r in mains):
@@ -396,21 +434,20 @@ class Supervisor:
         clients wait for it), with the argv ``on_restart`` returns for this attempt."""
         self.restarts += 1
         name = run.spec.name
-        self.say(f"{name} failed ({why}); relaunch {self.restarts}/{self.max_restarts} "
-                 f"(service)")
-        self.stop_all(runs=[run])          # whatever it left behind may hold its port
+        self.say(f"{name} failed ({why}); relaunch {self.restarts}/{self.max_restarts} (service)")
+        self.stop_all(runs=[run])  # whatever it left behind may hold its port
         argv = run.spec.on_restart(run.spec, self.restarts) if run.spec.on_restart else None
         new = self._launch(run.spec, self.restarts, argv=argv)
         if run.spec.ready is not None:
             since = self.relaunching[name] = time.monotonic()
-            threading.Thread(target=self._watch_ready, args=(new, since), daemon=True,
-                             name=f"ready-{name}").start()
+            threading.Thread(
+                target=self._watch_ready, args=(new, since), daemon=True, name=f"ready-{name}"
+            ).start()
 
     def _watch_ready(self, run: _Running, since: float) -> None:
         """Poll a relaunched service's readiness off the loop until it is ready or gone."""
         name = run.spec.name
-        while self.running.get(name) is run and run.proc.poll() is None and \
-                self._signal is None:
+        while self.running.get(name) is run and run.proc.poll() is None and self._signal is None:
             try:
                 ready = run.spec.ready()
             except Exception:  # noqa: BLE001 - a probe may raise while it boots

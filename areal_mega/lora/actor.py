@@ -13,6 +13,7 @@ checkpoints and the weights the rollout servers get.
   gives the ``scale · B @ A`` of each adapted HF weight for a merged export (``lora.sync:
   merged``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,14 +23,24 @@ import torch
 
 from areal_mega.lora.targets import canonical_targets, check_lora_support, hf_targets
 
-__all__ = ["LoraState", "attach_lora", "AdaptersOffReference", "adapter_keys", "base_keys",
-           "publish_adapter", "merged_deltas", "checkpoint_extra", "check_resumed_base"]
+__all__ = [
+    "LoraState",
+    "attach_lora",
+    "AdaptersOffReference",
+    "adapter_keys",
+    "base_keys",
+    "publish_adapter",
+    "merged_deltas",
+    "checkpoint_extra",
+    "check_resumed_base",
+]
 
 
 @dataclass
 class LoraState:
     """The adapters of an engine: rank, alpha, dropout, PEFT targets, sync mode and how many
     parameters train on this rank."""
+
     rank: int
     alpha: float
     dropout: float
@@ -47,18 +58,35 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
     if lora_cfg is None or not getattr(lora_cfg, "enabled", False):
         return None
     from areal_mega.lora.layers import apply_lora
+
     arch, dims = engine.arch, engine.mesh.dims
     targets = hf_targets(lora_cfg.target_modules)
-    check_lora_support(model_type=arch.model_type, is_moe=bool(arch.num_experts),
-                       is_mla=arch.is_mla, targets=targets, rank=lora_cfg.rank, tp=dims.tp,
-                       cp=dims.cp)
+    check_lora_support(
+        model_type=arch.model_type,
+        is_moe=bool(arch.num_experts),
+        is_mla=arch.is_mla,
+        targets=targets,
+        rank=lora_cfg.rank,
+        tp=dims.tp,
+        cp=dims.cp,
+    )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
-    n = apply_lora(chunks, rank=lora_cfg.rank, alpha=lora_cfg.alpha, dropout=lora_cfg.dropout,
-                   targets=canonical_targets(targets))
-    return LoraState(rank=lora_cfg.rank, alpha=float(lora_cfg.alpha),
-                     dropout=float(lora_cfg.dropout), targets=targets,
-                     sync=getattr(lora_cfg, "sync", "adapter"), n_trainable=n,
-                     n_frozen=n_all)
+    n = apply_lora(
+        chunks,
+        rank=lora_cfg.rank,
+        alpha=lora_cfg.alpha,
+        dropout=lora_cfg.dropout,
+        targets=canonical_targets(targets),
+    )
+    return LoraState(
+        rank=lora_cfg.rank,
+        alpha=float(lora_cfg.alpha),
+        dropout=float(lora_cfg.dropout),
+        targets=targets,
+        sync=getattr(lora_cfg, "sync", "adapter"),
+        n_trainable=n,
+        n_frozen=n_all,
+    )
 
 
 class AdaptersOffReference:
@@ -71,6 +99,7 @@ class AdaptersOffReference:
 
     def forward_logprobs(self, micro_batches, **kw):
         from areal_mega.lora.layers import adapters_disabled
+
         with adapters_disabled(self.actor.model):
             return self.actor.forward_logprobs(micro_batches, **kw)
 
@@ -87,37 +116,58 @@ def base_keys(key: str) -> bool:
 
 def checkpoint_extra(state: LoraState, base_identity: dict) -> dict:
     """What a LoRA checkpoint records about its adapters and the base model they apply to."""
-    return {"rank": state.rank, "alpha": state.alpha, "targets": state.targets,
-            "base_model": base_identity.get("hf_dir"), "base_identity": base_identity}
+    return {
+        "rank": state.rank,
+        "alpha": state.alpha,
+        "targets": state.targets,
+        "base_model": base_identity.get("hf_dir"),
+        "base_identity": base_identity,
+    }
 
 
 def check_resumed_base(saved: dict, base_identity: dict, where) -> None:
     """Refuse to resume adapters trained on another base model or with another shape."""
     if not saved:
-        raise ValueError(f"{where}: not a LoRA checkpoint (no 'lora' record); it holds full "
-                         "weights — resume it with lora.enabled=false")
+        raise ValueError(
+            f"{where}: not a LoRA checkpoint (no 'lora' record); it holds full "
+            "weights — resume it with lora.enabled=false"
+        )
     mine = {k: base_identity.get(k) for k in ("config_sha256", "weights")}
     theirs = {k: (saved.get("base_identity") or {}).get(k) for k in mine}
     if mine != theirs:
-        raise ValueError(f"{where}: its adapters were trained on {saved.get('base_model')!r}, "
-                         f"whose files differ from model.path {base_identity.get('hf_dir')!r}")
+        raise ValueError(
+            f"{where}: its adapters were trained on {saved.get('base_model')!r}, "
+            f"whose files differ from model.path {base_identity.get('hf_dir')!r}"
+        )
 
 
 def publish_adapter(engine, out, *, base_model: str, is_writer: bool):
     """Write the actor's adapters as a PEFT directory at ``out`` (collective)."""
     from areal_mega.checkpoint.export import is_export_source
     from areal_mega.lora.peft_io import adapter_config, write_peft_adapter
+
     st = engine.lora
-    cfg = adapter_config(rank=st.rank, alpha=st.alpha, dropout=st.dropout, targets=st.targets,
-                         base_model=base_model)
-    return write_peft_adapter(engine.model, engine.arch, out, config=cfg, is_writer=is_writer,
-                              is_source=is_export_source())
+    cfg = adapter_config(
+        rank=st.rank, alpha=st.alpha, dropout=st.dropout, targets=st.targets, base_model=base_model
+    )
+    return write_peft_adapter(
+        engine.model,
+        engine.arch,
+        out,
+        config=cfg,
+        is_writer=is_writer,
+        is_source=is_export_source(),
+    )
 
 
 def merged_deltas(engine) -> Dict[str, torch.Tensor]:
     """``{HF weight name: (alpha / r) · B @ A}`` of this pipeline stage's adapted weights
     (fp32, full; collective over the TP group)."""
     from areal_mega.lora.peft_io import iter_peft_tensors, peft_deltas
+
     st = engine.lora
-    return peft_deltas(dict(iter_peft_tensors(engine.model, engine.arch, rank=st.rank)),
-                       rank=st.rank, alpha=st.alpha)
+    return peft_deltas(
+        dict(iter_peft_tensors(engine.model, engine.arch, rank=st.rank)),
+        rank=st.rank,
+        alpha=st.alpha,
+    )

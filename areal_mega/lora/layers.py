@@ -19,6 +19,7 @@ applies megatron's SwiGLU sharding to them, which makes a checkpoint TP-size dep
 :func:`adapters_disabled` runs the model without its adapters: the reference model of a LoRA
 run is the actor with the adapters off (no second model).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -28,8 +29,15 @@ import torch
 
 from areal_mega.compat.te_placeholder import settle_bridge_peft_te_flags
 
-__all__ = ["import_canonical_lora", "apply_lora", "adapters_disabled", "adapter_wrappers",
-           "SplitQKVLoRA", "SplitFC1LoRA", "trainable_parameter_count"]
+__all__ = [
+    "import_canonical_lora",
+    "apply_lora",
+    "adapters_disabled",
+    "adapter_wrappers",
+    "SplitQKVLoRA",
+    "SplitFC1LoRA",
+    "trainable_parameter_count",
+]
 
 
 def import_canonical_lora():
@@ -37,10 +45,12 @@ def import_canonical_lora():
     TransformerEngine placeholder where TE is absent
     (:func:`areal_mega.compat.te_placeholder.settle_bridge_peft_te_flags`)."""
     from areal_mega.compat.megatron_cpu import install_te_placeholder
+
     install_te_placeholder()
     settle_bridge_peft_te_flags()
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
     from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+
     return CanonicalLoRA, AdapterWrapper
 
 
@@ -74,13 +84,13 @@ def _make_split_classes():
             cfg = self.to_wrap.config
             hd = cfg.kv_channels
             per_group = cfg.num_attention_heads // cfg.num_query_groups
-            groups = out.shape[-1] // ((per_group + 2) * hd)    # this TP shard's groups
+            groups = out.shape[-1] // ((per_group + 2) * hd)  # this TP shard's groups
             lead = out.shape[:-1]
             a = self.adapter
-            q, k, v = (_adapter_out(a, n, ln_out) for n in ("adapter_q", "adapter_k",
-                                                            "adapter_v"))
+            q, k, v = (_adapter_out(a, n, ln_out) for n in ("adapter_q", "adapter_k", "adapter_v"))
             blocks = [
-                out.new_zeros(*lead, groups, per_group * hd) if q is None
+                out.new_zeros(*lead, groups, per_group * hd)
+                if q is None
                 else q.reshape(*lead, groups, per_group * hd),
                 out.new_zeros(*lead, groups, hd) if k is None else k.reshape(*lead, groups, hd),
                 out.new_zeros(*lead, groups, hd) if v is None else v.reshape(*lead, groups, hd),
@@ -100,8 +110,11 @@ def _make_split_classes():
             sd = self.to_wrap.sharded_state_dict(prefix, sharded_offsets, metadata)
             for slot, adapter in self.adapter.items():
                 for part in ("linear_in", "linear_out"):
-                    sd.update(getattr(adapter, part).sharded_state_dict(
-                        f"{prefix}adapter.{slot}.{part}.", sharded_offsets, metadata))
+                    sd.update(
+                        getattr(adapter, part).sharded_state_dict(
+                            f"{prefix}adapter.{slot}.{part}.", sharded_offsets, metadata
+                        )
+                    )
             return sd
 
         def fused_delta(self, ln_out, out):
@@ -109,8 +122,7 @@ def _make_split_classes():
             gate = _adapter_out(self.adapter, "adapter_gate", ln_out)
             up = _adapter_out(self.adapter, "adapter_up", ln_out)
             zeros = out.new_zeros(*out.shape[:-1], half)
-            return torch.cat([zeros if gate is None else gate, zeros if up is None else up],
-                             dim=-1)
+            return torch.cat([zeros if gate is None else gate, zeros if up is None else up], dim=-1)
 
     return SplitQKVLoRA, SplitFC1LoRA
 
@@ -124,7 +136,7 @@ def _split_classes():
     return _CLASSES["qkv"], _CLASSES["fc1"]
 
 
-def __getattr__(name):      # SplitQKVLoRA / SplitFC1LoRA, built on first use (bridge import)
+def __getattr__(name):  # SplitQKVLoRA / SplitFC1LoRA, built on first use (bridge import)
     if name in ("SplitQKVLoRA", "SplitFC1LoRA"):
         return _split_classes()[0 if name == "SplitQKVLoRA" else 1]
     raise AttributeError(name)
@@ -132,8 +144,12 @@ def __getattr__(name):      # SplitQKVLoRA / SplitFC1LoRA, built on first use (b
 
 def _canonical_lora_class():
     CanonicalLoRA, _ = import_canonical_lora()
-    from megatron.bridge.peft.canonical_lora import (LoRALinearSplitFC1UpGate,
-                                                     LoRALinearSplitQKV, ModuleDict)
+    from megatron.bridge.peft.canonical_lora import (
+        LoRALinearSplitFC1UpGate,
+        LoRALinearSplitQKV,
+        ModuleDict,
+    )
+
     qkv_cls, fc1_cls = _split_classes()
 
     class TPCanonicalLoRA(CanonicalLoRA):
@@ -157,15 +173,22 @@ def _present(adapters) -> dict:
     return {k: v for k, v in adapters.items() if v is not None}
 
 
-def apply_lora(chunks: Sequence[torch.nn.Module], *, rank: int, alpha: float,
-               dropout: float, targets: Sequence[str]) -> int:
+def apply_lora(
+    chunks: Sequence[torch.nn.Module],
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: Sequence[str],
+) -> int:
     """Freeze ``chunks`` (bare GPTModel chunks, before DDP) and add LoRA adapters of ``rank`` on
     the canonical ``targets`` (:func:`areal_mega.lora.targets.canonical_targets`). B starts at
     zero (the model's output is unchanged), A with Xavier init. Returns the number of trainable
     parameters on this rank."""
     lora_cls = _canonical_lora_class()
-    peft = lora_cls(target_modules=list(targets), dim=int(rank), alpha=float(alpha),
-                    dropout=float(dropout))
+    peft = lora_cls(
+        target_modules=list(targets), dim=int(rank), alpha=float(alpha), dropout=float(dropout)
+    )
     peft(list(chunks), training=True)
     return trainable_parameter_count(chunks)
 

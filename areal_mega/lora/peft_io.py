@@ -10,6 +10,7 @@ the axis the full shapes imply (:func:`areal_mega.checkpoint.export.gather_axis`
 stage's export source writes its layers, global rank 0 merges them. The scaling is PEFT's
 ``lora_alpha / r``, the same as the bridge adapters' ``alpha / dim``.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,17 @@ import torch.distributed as dist
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.lora.targets import CANONICAL_TO_HF
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_config", "iter_peft_tensors",
-           "write_peft_adapter", "load_peft_adapter", "read_peft_adapter", "PeftFormatError",
-           "peft_deltas"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "adapter_config",
+    "iter_peft_tensors",
+    "write_peft_adapter",
+    "load_peft_adapter",
+    "read_peft_adapter",
+    "PeftFormatError",
+    "peft_deltas",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_NAME = re.compile(r"\.layers\.(\d+)\..*\.(\w+)\.lora_[AB]\.weight$")
@@ -34,8 +43,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 #: wrapper suffix -> (HF-mapping suffix of its base weight, adapter slots in HF-name order)
 _WRAPPED = {
-    "self_attention.linear_qkv": ("self_attention.linear_qkv.weight",
-                                  ("adapter_q", "adapter_k", "adapter_v")),
+    "self_attention.linear_qkv": (
+        "self_attention.linear_qkv.weight",
+        ("adapter_q", "adapter_k", "adapter_v"),
+    ),
     "self_attention.linear_proj": ("self_attention.linear_proj.weight", (None,)),
     "mlp.linear_fc1": ("mlp.linear_fc1.weight", ("adapter_gate", "adapter_up")),
     "mlp.linear_fc2": ("mlp.linear_fc2.weight", (None,)),
@@ -46,25 +57,45 @@ class PeftFormatError(ValueError):
     """A PEFT adapter directory that does not fit this model (names the file and the key)."""
 
 
-def adapter_config(*, rank: int, alpha: float, dropout: float, targets: Sequence[str],
-                   base_model: str) -> dict:
+def adapter_config(
+    *, rank: int, alpha: float, dropout: float, targets: Sequence[str], base_model: str
+) -> dict:
     """The ``adapter_config.json`` of our adapters (PEFT's LoraConfig fields; ``targets`` in
     PEFT names)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank),
-            "lora_alpha": float(alpha), "lora_dropout": float(dropout),
-            "target_modules": list(targets), "bias": "none", "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "modules_to_save": None,
-            "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
-            "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
-            "base_model_name_or_path": str(base_model), "revision": None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "lora_dropout": float(dropout),
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+        "base_model_name_or_path": str(base_model),
+        "revision": None,
+    }
 
 
 def _full_shapes(arch, slot_hf: str, rank: int) -> Tuple[tuple, tuple]:
     h, hd = arch.hidden_size, arch.head_dim
-    out_in = {"q_proj": (arch.num_heads * hd, h), "k_proj": (arch.num_kv_heads * hd, h),
-              "v_proj": (arch.num_kv_heads * hd, h), "o_proj": (h, arch.num_heads * hd),
-              "gate_proj": (arch.ffn_hidden_size, h), "up_proj": (arch.ffn_hidden_size, h),
-              "down_proj": (h, arch.ffn_hidden_size)}[slot_hf]
+    out_in = {
+        "q_proj": (arch.num_heads * hd, h),
+        "k_proj": (arch.num_kv_heads * hd, h),
+        "v_proj": (arch.num_kv_heads * hd, h),
+        "o_proj": (h, arch.num_heads * hd),
+        "gate_proj": (arch.ffn_hidden_size, h),
+        "up_proj": (arch.ffn_hidden_size, h),
+        "down_proj": (h, arch.ffn_hidden_size),
+    }[slot_hf]
     return (rank, out_in[1]), (out_in[0], rank)
 
 
@@ -72,6 +103,7 @@ def _adapters(chunk, arch) -> Iterator[Tuple[str, torch.nn.Module, str]]:
     """``(PEFT module prefix, ParallelLinearAdapter, PEFT projection name)`` of a bare chunk."""
     from areal_mega.checkpoint.export import _layer_offsets
     from areal_mega.lora.layers import adapter_wrappers
+
     offsets = _layer_offsets(chunk)
     for name, w in adapter_wrappers(chunk):
         parts = name.split(".")
@@ -82,32 +114,37 @@ def _adapters(chunk, arch) -> Iterator[Tuple[str, torch.nn.Module, str]]:
         hf_names, _ = hm.hf_names_for(arch, layer, None, base_suffix)
         for slot, hf_name in zip(slots, hf_names):
             if slot is not None and slot not in w.adapter:
-                continue        # an untargeted projection of a fused linear
+                continue  # an untargeted projection of a fused linear
             adapter = w.adapter if slot is None else w.adapter[slot]
-            module = hf_name[:-len(".weight")]
+            module = hf_name[: -len(".weight")]
             yield "base_model.model." + module, adapter, module.rsplit(".", 1)[1]
 
 
 def _tp_axis(name: str, local, full, tp: int) -> Optional[int]:
     from areal_mega.checkpoint.export import gather_axis
+
     return gather_axis(name, local, full, tp)
 
 
-def iter_peft_tensors(chunks: Sequence[torch.nn.Module], arch, *, rank: int, tp_group=None,
-                      grads: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_peft_tensors(
+    chunks: Sequence[torch.nn.Module], arch, *, rank: int, tp_group=None, grads: bool = False
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """``(PEFT tensor name, full CPU tensor)`` of this pipeline stage's adapters (in the
     parameters' dtype; gradients in fp32); every
     rank of the TP group must iterate together (the gathers are collectives). ``grads``: the
     adapters' reduced gradients (``main_grad`` under DDP) instead of their weights."""
     from megatron.core import parallel_state as ps
+
     tp_group = tp_group or ps.get_tensor_model_parallel_group()
     tp = dist.get_world_size(tp_group) if dist.is_initialized() else 1
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
         for prefix, adapter, proj in _adapters(chunk, arch):
             full_a, full_b = _full_shapes(arch, proj, rank)
-            for key, param, full in (("lora_A", adapter.linear_in.weight, full_a),
-                                     ("lora_B", adapter.linear_out.weight, full_b)):
+            for key, param, full in (
+                ("lora_A", adapter.linear_in.weight, full_a),
+                ("lora_B", adapter.linear_out.weight, full_b),
+            ):
                 name = f"{prefix}.{key}.weight"
                 t = param.detach()
                 if grads:
@@ -121,12 +158,13 @@ def iter_peft_tensors(chunks: Sequence[torch.nn.Module], arch, *, rank: int, tp_
                 yield name, t.to("cpu", copy=True).contiguous()
 
 
-def peft_deltas(tensors: Dict[str, torch.Tensor], *, rank: int, alpha: float
-                ) -> Dict[str, torch.Tensor]:
+def peft_deltas(
+    tensors: Dict[str, torch.Tensor], *, rank: int, alpha: float
+) -> Dict[str, torch.Tensor]:
     """``{HF weight name: (alpha / rank) · B @ A}`` of PEFT-named adapter tensors (fp32)."""
     pieces: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-        module, kind = name[len("base_model.model."):].rsplit(".", 2)[:2]
+        module, kind = name[len("base_model.model.") :].rsplit(".", 2)[:2]
         pieces.setdefault(module + ".weight", {})[kind] = t
     scale = float(alpha) / int(rank)
     return {w: scale * (p["lora_B"].float() @ p["lora_A"].float()) for w, p in pieces.items()}
@@ -137,12 +175,14 @@ def _barrier():
         dist.barrier()
 
 
-def write_peft_adapter(chunks, arch, out, *, config: dict, is_writer: bool,
-                       is_source: bool) -> Path:
+def write_peft_adapter(
+    chunks, arch, out, *, config: dict, is_writer: bool, is_source: bool
+) -> Path:
     """Write the adapters of ``chunks`` as a PEFT directory at ``out`` (collective over all
     ranks; atomic: ``<out>.tmp`` renamed). ``config``: :func:`adapter_config`. ``is_source``:
     this rank writes its pipeline stage (TP/DP/CP rank 0); ``is_writer``: global rank 0."""
     from safetensors.torch import load_file, save_file
+
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if is_writer:
@@ -152,6 +192,7 @@ def write_peft_adapter(chunks, arch, out, *, config: dict, is_writer: bool,
     tensors = dict(iter_peft_tensors(chunks, arch, rank=config["r"]))
     if is_source and tensors:
         from megatron.core import parallel_state as ps
+
         stage = ps.get_pipeline_model_parallel_rank()
         save_file(tensors, str(tmp / f".stage-{stage}.safetensors"))
     _barrier()
@@ -162,8 +203,9 @@ def write_peft_adapter(chunks, arch, out, *, config: dict, is_writer: bool,
             part.unlink()
         if not merged:
             raise RuntimeError(f"PEFT export to {out}: the model has no LoRA adapters")
-        save_file(dict(sorted(merged.items())), str(tmp / ADAPTER_WEIGHTS),
-                  metadata={"format": "pt"})
+        save_file(
+            dict(sorted(merged.items())), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"}
+        )
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
@@ -176,6 +218,7 @@ def read_peft_adapter(path) -> Tuple[dict, Dict[str, torch.Tensor]]:
     without DoRA, rsLoRA, biases, ``modules_to_save`` or per-module ranks. Tensor names are
     normalised to ours (PEFT's optional ``.default`` adapter-name infix removed)."""
     from safetensors.torch import load_file
+
     path = Path(path)
     cfg_file, w_file = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
     for f in (cfg_file, w_file):
@@ -185,17 +228,24 @@ def read_peft_adapter(path) -> Tuple[dict, Dict[str, torch.Tensor]]:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise PeftFormatError(f"{cfg_file}: invalid JSON: {e}") from None
-    refuse = {"peft_type": cfg.get("peft_type") != "LORA", "use_dora": bool(cfg.get("use_dora")),
-              "use_rslora": bool(cfg.get("use_rslora")), "bias": cfg.get("bias", "none") != "none",
-              "modules_to_save": bool(cfg.get("modules_to_save")),
-              "rank_pattern": bool(cfg.get("rank_pattern")),
-              "alpha_pattern": bool(cfg.get("alpha_pattern"))}
+    refuse = {
+        "peft_type": cfg.get("peft_type") != "LORA",
+        "use_dora": bool(cfg.get("use_dora")),
+        "use_rslora": bool(cfg.get("use_rslora")),
+        "bias": cfg.get("bias", "none") != "none",
+        "modules_to_save": bool(cfg.get("modules_to_save")),
+        "rank_pattern": bool(cfg.get("rank_pattern")),
+        "alpha_pattern": bool(cfg.get("alpha_pattern")),
+    }
     bad = [k for k, v in refuse.items() if v]
     if bad:
-        raise PeftFormatError(f"{cfg_file}: {bad[0]}={cfg.get(bad[0])!r} is not supported "
-                              "(plain LoRA only)")
-    tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
-               for k, v in load_file(str(w_file)).items()}
+        raise PeftFormatError(
+            f"{cfg_file}: {bad[0]}={cfg.get(bad[0])!r} is not supported (plain LoRA only)"
+        )
+    tensors = {
+        k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+        for k, v in load_file(str(w_file)).items()
+    }
     return cfg, tensors
 
 
@@ -217,32 +267,45 @@ def load_peft_adapter(chunks, arch, path, *, rank: int, tp_rank: int, tp: int) -
     not fit. Returns the names loaded."""
     cfg, tensors = read_peft_adapter(path)
     if int(cfg.get("r", -1)) != rank:
-        raise PeftFormatError(f"{Path(path) / ADAPTER_CONFIG}: r={cfg.get('r')} but the model's "
-                              f"adapters have rank {rank} (lora.rank)")
+        raise PeftFormatError(
+            f"{Path(path) / ADAPTER_CONFIG}: r={cfg.get('r')} but the model's "
+            f"adapters have rank {rank} (lora.rank)"
+        )
     alpha = float(cfg.get("lora_alpha", rank))
-    found = [(prefix, adapter, proj) for chunk in chunks
-             for prefix, adapter, proj in _adapters(getattr(chunk, "module", chunk), arch)]
+    found = [
+        (prefix, adapter, proj)
+        for chunk in chunks
+        for prefix, adapter, proj in _adapters(getattr(chunk, "module", chunk), arch)
+    ]
     extra = _unexpected(tensors, {proj for _, _, proj in found}, arch.num_layers)
     if extra:
-        raise PeftFormatError(f"{Path(path) / ADAPTER_WEIGHTS}: {len(extra)} tensors for "
-                              f"modules the model has no LoRA adapter on, e.g. {extra[:3]} "
-                              "(lora.target_modules must cover the adapter's target_modules)")
+        raise PeftFormatError(
+            f"{Path(path) / ADAPTER_WEIGHTS}: {len(extra)} tensors for "
+            f"modules the model has no LoRA adapter on, e.g. {extra[:3]} "
+            "(lora.target_modules must cover the adapter's target_modules)"
+        )
     loaded = []
     for chunk in chunks:
         chunk = getattr(chunk, "module", chunk)
         for prefix, adapter, proj in _adapters(chunk, arch):
             adapter.alpha = alpha
             full_a, full_b = _full_shapes(arch, proj, rank)
-            for key, param, full in (("lora_A", adapter.linear_in.weight, full_a),
-                                     ("lora_B", adapter.linear_out.weight, full_b)):
+            for key, param, full in (
+                ("lora_A", adapter.linear_in.weight, full_a),
+                ("lora_B", adapter.linear_out.weight, full_b),
+            ):
                 name = f"{prefix}.{key}.weight"
                 if name not in tensors:
-                    raise PeftFormatError(f"{Path(path) / ADAPTER_WEIGHTS}: {name} missing "
-                                          "(the model has a LoRA adapter there)")
+                    raise PeftFormatError(
+                        f"{Path(path) / ADAPTER_WEIGHTS}: {name} missing "
+                        "(the model has a LoRA adapter there)"
+                    )
                 t = tensors[name]
                 if tuple(t.shape) != tuple(full):
-                    raise PeftFormatError(f"{Path(path) / ADAPTER_WEIGHTS}: {name} has shape "
-                                          f"{tuple(t.shape)}, the model needs {tuple(full)}")
+                    raise PeftFormatError(
+                        f"{Path(path) / ADAPTER_WEIGHTS}: {name} has shape "
+                        f"{tuple(t.shape)}, the model needs {tuple(full)}"
+                    )
                 axis = _tp_axis(name, param.shape, full, tp)
                 if axis is not None:
                     t = t.chunk(tp, dim=axis)[tp_rank]

@@ -6,18 +6,33 @@ projections inside Megatron's fused linears (``linear_q`` … ``linear_fc2``). E
 accepted. :func:`check_lora_support` refuses what this implementation does not serve, before any
 model is built, with the reason.
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence
 
-__all__ = ["HF_TO_CANONICAL", "CANONICAL_TO_HF", "ATTENTION_TARGETS", "MLP_TARGETS",
-           "canonical_targets", "hf_targets", "check_lora_support", "LoraSupportError",
-           "lora_server_flags"]
+__all__ = [
+    "HF_TO_CANONICAL",
+    "CANONICAL_TO_HF",
+    "ATTENTION_TARGETS",
+    "MLP_TARGETS",
+    "canonical_targets",
+    "hf_targets",
+    "check_lora_support",
+    "LoraSupportError",
+    "lora_server_flags",
+]
 
 #: PEFT module name -> Megatron-Bridge canonical LoRA target, in the order PEFT lists them
-HF_TO_CANONICAL = {"q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v",
-                   "o_proj": "linear_proj", "gate_proj": "linear_fc1_gate",
-                   "up_proj": "linear_fc1_up", "down_proj": "linear_fc2"}
+HF_TO_CANONICAL = {
+    "q_proj": "linear_q",
+    "k_proj": "linear_k",
+    "v_proj": "linear_v",
+    "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1_gate",
+    "up_proj": "linear_fc1_up",
+    "down_proj": "linear_fc2",
+}
 CANONICAL_TO_HF = {v: k for k, v in HF_TO_CANONICAL.items()}
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -33,8 +48,10 @@ def hf_targets(target_modules: Sequence[str]) -> List[str]:
     if isinstance(target_modules, str):
         target_modules = [target_modules]
     if not target_modules:
-        raise LoraSupportError("lora.target_modules: empty; name at least one of "
-                               f"{', '.join(HF_TO_CANONICAL)} (or all-linear)")
+        raise LoraSupportError(
+            "lora.target_modules: empty; name at least one of "
+            f"{', '.join(HF_TO_CANONICAL)} (or all-linear)"
+        )
     wanted = set()
     for t in target_modules:
         if t == "all-linear":
@@ -47,7 +64,8 @@ def hf_targets(target_modules: Sequence[str]) -> List[str]:
             raise LoraSupportError(
                 f"lora.target_modules: {t!r} is not a linear this model has; known: "
                 f"{', '.join(HF_TO_CANONICAL)}, all-linear (or the canonical names "
-                f"{', '.join(CANONICAL_TO_HF)})")
+                f"{', '.join(CANONICAL_TO_HF)})"
+            )
     return [t for t in HF_TO_CANONICAL if t in wanted]
 
 
@@ -56,8 +74,17 @@ def canonical_targets(target_modules: Sequence[str]) -> List[str]:
     return [HF_TO_CANONICAL[t] for t in hf_targets(target_modules)]
 
 
-def check_lora_support(*, model_type: str, is_moe: bool, is_mla: bool, targets: Sequence[str],
-                       rank: int, tp: int, cp: int, critic: bool = False) -> None:
+def check_lora_support(
+    *,
+    model_type: str,
+    is_moe: bool,
+    is_mla: bool,
+    targets: Sequence[str],
+    rank: int,
+    tp: int,
+    cp: int,
+    critic: bool = False,
+) -> None:
     """Refuse LoRA settings this implementation does not serve (pure; raises
     :class:`LoraSupportError` with the reason and what to do instead).
 
@@ -69,22 +96,29 @@ def check_lora_support(*, model_type: str, is_moe: bool, is_mla: bool, targets: 
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
     if rank % tp:
-        raise LoraSupportError(f"lora.rank={rank} with tensor parallel size {tp}: the rank must "
-                               "be a multiple of TP (the adapters' A matrices are split on it)")
+        raise LoraSupportError(
+            f"lora.rank={rank} with tensor parallel size {tp}: the rank must "
+            "be a multiple of TP (the adapters' A matrices are split on it)"
+        )
     if is_mla:
-        raise LoraSupportError(f"LoRA on {model_type}: multi-latent attention has no q/k/v/o "
-                               "projections to adapt; not supported")
+        raise LoraSupportError(
+            f"LoRA on {model_type}: multi-latent attention has no q/k/v/o "
+            "projections to adapt; not supported"
+        )
     mlp = [t for t in targets if t in MLP_TARGETS]
     if is_moe and mlp:
         raise LoraSupportError(
             f"LoRA on {model_type} (MoE): lora.target_modules {mlp} would adapt the routed "
             "experts, which is not supported; target the attention only "
-            f"({', '.join(ATTENTION_TARGETS)})")
+            f"({', '.join(ATTENTION_TARGETS)})"
+        )
     if cp > 1:
         raise LoraSupportError(f"LoRA with context parallel size {cp}: not supported; use c=1")
     if critic:
-        raise LoraSupportError("LoRA with critic.enabled: the critic trains all its weights; "
-                               "not supported with lora.enabled")
+        raise LoraSupportError(
+            "LoRA with critic.enabled: the critic trains all its weights; "
+            "not supported with lora.enabled"
+        )
 
 
 def lora_server_flags(cfg) -> list:
@@ -94,5 +128,10 @@ def lora_server_flags(cfg) -> list:
     lo = cfg.lora
     if not lo.enabled or lo.sync != "adapter":
         return []
-    return ["--enable-lora", "--max-lora-rank", str(lo.rank),
-            "--lora-target-modules", *hf_targets(lo.target_modules)]
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(lo.rank),
+        "--lora-target-modules",
+        *hf_targets(lo.target_modules),
+    ]

@@ -16,6 +16,7 @@ branch is unit-testable on a CPU machine:
   ``gradient_accumulation_fusion``: on only on CUDA and only where the installed TE / apex
   provide the kernels megatron-core calls; all off on CPU.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,10 +27,21 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ATTENTION_BACKENDS", "TEStatus", "TEUnusableError", "AttentionChoice", "probe_te",
-           "have_te", "select_attention", "resolve_attention", "attn_backend_enum",
-           "committed_attention_backend", "config_attention_backend", "decide_fusions",
-           "apex_grad_accum_available"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "TEStatus",
+    "TEUnusableError",
+    "AttentionChoice",
+    "probe_te",
+    "have_te",
+    "select_attention",
+    "resolve_attention",
+    "attn_backend_enum",
+    "committed_attention_backend",
+    "config_attention_backend",
+    "decide_fusions",
+    "apex_grad_accum_available",
+]
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
@@ -73,6 +85,7 @@ def probe_te() -> TEStatus:
     if version is None:
         try:
             from importlib.metadata import version as dist_version
+
             version = dist_version("transformer-engine")
         except Exception:  # noqa: BLE001 - version unknown: treat as oldest
             version = "0"
@@ -80,10 +93,12 @@ def probe_te() -> TEStatus:
 
 
 def _broken_message(status: TEStatus) -> str:
-    return ("TransformerEngine is installed but fails to import "
-            f"({status.error}); fix or uninstall it, or set model.attention_backend=local to "
-            "build megatron's local attention without TE (per-sequence torch SDPA: slower than "
-            "TE's kernels, no context parallelism)")
+    return (
+        "TransformerEngine is installed but fails to import "
+        f"({status.error}); fix or uninstall it, or set model.attention_backend=local to "
+        "build megatron's local attention without TE (per-sequence torch SDPA: slower than "
+        "TE's kernels, no context parallelism)"
+    )
 
 
 def have_te(cuda: Optional[bool] = None) -> bool:
@@ -122,15 +137,18 @@ def select_attention(backend: str, *, cuda: bool, te: Optional[TEStatus]) -> Att
 
     ``te`` may be None when it is not needed (CPU, or ``local``)."""
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"model.attention_backend={backend!r}: must be one of "
-                         f"{', '.join(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"model.attention_backend={backend!r}: must be one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     if backend == "local":
         return AttentionChoice(False, "local")
     if not cuda:
         if backend == "auto":
             return AttentionChoice(False, "local")
-        raise TEUnusableError(f"model.attention_backend={backend!r} is a TransformerEngine "
-                              "kernel and needs CUDA; use auto or local on CPU")
+        raise TEUnusableError(
+            f"model.attention_backend={backend!r} is a TransformerEngine "
+            "kernel and needs CUDA; use auto or local on CPU"
+        )
     if te is None:
         raise ValueError("select_attention needs the TE status on CUDA")
     if te.state == "broken":
@@ -140,7 +158,8 @@ def select_attention(backend: str, *, cuda: bool, te: Optional[TEStatus]) -> Att
             f"model.attention_backend={backend!r}: CUDA is available but TransformerEngine is "
             "not installed; install transformer-engine[pytorch], or set "
             "model.attention_backend=local to run megatron's local attention (per-sequence "
-            "torch SDPA: slower than TE's kernels, no context parallelism)")
+            "torch SDPA: slower than TE's kernels, no context parallelism)"
+        )
     return AttentionChoice(True, backend)
 
 
@@ -154,17 +173,23 @@ def resolve_attention(backend: str = "auto") -> AttentionChoice:
 def attn_backend_enum(name: str):
     """megatron's ``AttnBackend`` member called ``name``."""
     from megatron.core.transformer.enums import AttnBackend
+
     try:
         return AttnBackend[name]
     except KeyError:
-        raise ValueError(f"model.attention_backend={name!r}: must be one of "
-                         f"{', '.join(ATTENTION_BACKENDS)}") from None
+        raise ValueError(
+            f"model.attention_backend={name!r}: must be one of {', '.join(ATTENTION_BACKENDS)}"
+        ) from None
 
 
 _ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-_ENV_TO_BACKEND = {("0", "0", "0"): "local", ("1", "0", "0"): "flash",
-                   ("0", "1", "0"): "fused", ("0", "0", "1"): "unfused",
-                   ("1", "1", "1"): "auto"}
+_ENV_TO_BACKEND = {
+    ("0", "0", "0"): "local",
+    ("1", "0", "0"): "flash",
+    ("0", "1", "0"): "fused",
+    ("0", "0", "1"): "unfused",
+    ("1", "1", "1"): "auto",
+}
 
 
 def committed_attention_backend() -> Optional[str]:
@@ -217,9 +242,16 @@ def _version_tuple(v: Optional[str]) -> tuple:
     return tuple(out + [0] * (3 - len(out)))
 
 
-def decide_fusions(*, cuda: bool, use_te: bool, te_version: Optional[str],
-                   apex_grad_accum: bool, activation: str = "silu",
-                   gated_linear_unit: bool = True, cp: int = 1) -> dict:
+def decide_fusions(
+    *,
+    cuda: bool,
+    use_te: bool,
+    te_version: Optional[str],
+    apex_grad_accum: bool,
+    activation: str = "silu",
+    gated_linear_unit: bool = True,
+    cp: int = 1,
+) -> dict:
     """Pure decision of the three GPU fusions for a TransformerConfig.
 
     * ``apply_rope_fusion``: TE's fused RoPE (megatron-core calls TE's
@@ -233,10 +265,15 @@ def decide_fusions(*, cuda: bool, use_te: bool, te_version: Optional[str],
 
     Everything is off on CPU."""
     if not cuda:
-        return dict(apply_rope_fusion=False, bias_activation_fusion=False,
-                    gradient_accumulation_fusion=False)
+        return dict(
+            apply_rope_fusion=False,
+            bias_activation_fusion=False,
+            gradient_accumulation_fusion=False,
+        )
     te_v = _version_tuple(te_version) if use_te else (0, 0, 0)
     rope = use_te and te_v >= (1, 4, 0) and (cp == 1 or te_v >= (1, 12, 0))
-    return dict(apply_rope_fusion=bool(rope),
-                bias_activation_fusion=activation == "silu" and gated_linear_unit,
-                gradient_accumulation_fusion=bool(apex_grad_accum))
+    return dict(
+        apply_rope_fusion=bool(rope),
+        bias_activation_fusion=activation == "silu" and gated_linear_unit,
+        gradient_accumulation_fusion=bool(apex_grad_accum),
+    )

@@ -57,6 +57,7 @@ With the TE spec the norms fuse into the following linear: ``input_layernorm.wei
 The vocabulary is padded to :func:`padded_vocab_size`; logits of padded ids must be masked
 before any softmax (the engine does it).
 """
+
 from __future__ import annotations
 
 import json
@@ -68,19 +69,40 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 
-from areal_mega.models.backend import (apex_grad_accum_available, attn_backend_enum,
-                                       config_attention_backend, decide_fusions, have_te,
-                                       probe_te)
+from areal_mega.models.backend import (
+    apex_grad_accum_available,
+    attn_backend_enum,
+    config_attention_backend,
+    decide_fusions,
+    have_te,
+    probe_te,
+)
 from areal_mega.models.mla import deepseek_v3_fields, mla_config_kwargs
 from areal_mega.models.moe_families import glm4_moe_fields, router_config_kwargs
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "HFArch", "load_hf_config", "parse_hf_config",
-           "padded_vocab_size", "transformer_config_from_hf", "layer_spec_for",
-           "build_model_chunks", "have_te"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "HFArch",
+    "load_hf_config",
+    "parse_hf_config",
+    "padded_vocab_size",
+    "transformer_config_from_hf",
+    "layer_spec_for",
+    "build_model_chunks",
+    "have_te",
+]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text",
-                         "glm4_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "gemma3_text",
+    "glm4_moe",
+    "deepseek_v3",
+)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -111,14 +133,14 @@ class HFArch:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: Optional[tuple] = None  # 1 = MoE layer, 0 = dense, per layer
     router_aux_loss_coef: float = 0.0
-    rotary_percent: float = 1.0       # share of each head's channels that get rotary
+    rotary_percent: float = 1.0  # share of each head's channels that get rotary
     moe_score_function: str = "softmax"
-    moe_expert_bias: bool = False     # sigmoid routers: bias added for the expert choice only
-    moe_num_groups: Optional[int] = None      # group-limited top-k (None: not limited)
+    moe_expert_bias: bool = False  # sigmoid routers: bias added for the expert choice only
+    moe_num_groups: Optional[int] = None  # group-limited top-k (None: not limited)
     moe_group_topk: Optional[int] = None
     moe_routed_scaling_factor: Optional[float] = None
     moe_shared_ffn_hidden_size: Optional[int] = None  # all shared experts together
-    mtp_layers: int = 0               # multi-token-prediction layers of the checkpoint (unused)
+    mtp_layers: int = 0  # multi-token-prediction layers of the checkpoint (unused)
     # multi-latent attention (DeepSeek-V3; areal_mega.models.mla); None: not MLA
     mla_kv_lora_rank: Optional[int] = None
     mla_q_lora_rank: Optional[int] = None
@@ -127,7 +149,7 @@ class HFArch:
     mla_v_head_dim: int = 0
     # Gemma 3 (:mod:`areal_mega.models.gemma3`); the defaults are the Llama math
     activation: str = "silu"
-    layer_types: Optional[tuple] = None   # per layer: sliding_attention / full_attention
+    layer_types: Optional[tuple] = None  # per layer: sliding_attention / full_attention
     rope_local_theta: Optional[float] = None
     rope_scaling_factor: float = 1.0
     softmax_scale: Optional[float] = None  # None: 1/sqrt(head_dim)
@@ -171,10 +193,12 @@ def parse_hf_config(hf: dict) -> HFArch:
     hf = normalize_hf_config(hf)
     mt = hf.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {mt!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if mt == "gemma3_text":
         from areal_mega.models.gemma3 import gemma3_arch_fields
+
         return HFArch(**gemma3_arch_fields(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
@@ -189,13 +213,17 @@ def parse_hf_config(hf: dict) -> HFArch:
     theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     n_layers = int(hf["num_hidden_layers"])
     kw: dict[str, Any] = dict(
-        model_type=mt, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
-        num_layers=n_layers, num_heads=heads,
+        model_type=mt,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=n_layers,
+        num_heads=heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         ffn_hidden_size=int(hf["intermediate_size"]),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rope_theta=float(theta), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=(mt == "qwen2") or bool(hf.get("attention_bias", False)),
         qk_norm=mt in ("qwen3", "qwen3_moe"),
@@ -210,11 +238,14 @@ def parse_hf_config(hf: dict) -> HFArch:
         step = int(hf.get("decoder_sparse_step", 1))
         dense = set(hf.get("mlp_only_layers") or [])
         pattern = tuple(0 if (i in dense or (i + 1) % step) else 1 for i in range(n_layers))
-        kw.update(num_experts=int(hf["num_experts"]), moe_topk=int(hf["num_experts_per_tok"]),
-                  moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-                  moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                  moe_layer_pattern=pattern,
-                  router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+        kw.update(
+            num_experts=int(hf["num_experts"]),
+            moe_topk=int(hf["num_experts_per_tok"]),
+            moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            moe_layer_pattern=pattern,
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        )
     if mt == "glm4_moe":
         kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
     if mt == "deepseek_v3":
@@ -248,16 +279,25 @@ def interleaved_p2p_settings(pp: int, vpp: Optional[int]) -> dict:
     return {}
 
 
-def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                               ep: int = 1, vpp: Optional[int] = None,
-                               sequence_parallel: bool = False, dtype: str = "fp32",
-                               recompute_granularity: Optional[str] = None,
-                               variable_seq_lengths: bool = True, use_te: bool = False,
-                               moe_aux_loss_coeff: Optional[float] = None,
-                               deterministic: bool = False,
-                               attention_backend: Optional[str] = None,
-                               fusions: Optional[dict] = None,
-                               moe_enable_routing_replay: bool = False):
+def transformer_config_from_hf(
+    arch: HFArch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    vpp: Optional[int] = None,
+    sequence_parallel: bool = False,
+    dtype: str = "fp32",
+    recompute_granularity: Optional[str] = None,
+    variable_seq_lengths: bool = True,
+    use_te: bool = False,
+    moe_aux_loss_coeff: Optional[float] = None,
+    deterministic: bool = False,
+    attention_backend: Optional[str] = None,
+    fusions: Optional[dict] = None,
+    moe_enable_routing_replay: bool = False,
+):
     """Translate :class:`HFArch` + parallel sizes into a megatron ``TransformerConfig``.
 
     ``attention_backend`` is megatron's ``AttnBackend`` name (see
@@ -276,43 +316,64 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
     if arch.num_kv_heads % tp:
         raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
     if arch.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"num_hidden_layers={arch.num_layers} not divisible by "
-                         f"PP·VPP={pp * (vpp or 1)}")
+        raise ValueError(
+            f"num_hidden_layers={arch.num_layers} not divisible by PP·VPP={pp * (vpp or 1)}"
+        )
     params_dtype = _DTYPES[dtype]
     on_gpu = torch.cuda.is_available()
     if fusions is None:
         te = probe_te() if on_gpu and use_te else None
-        fusions = decide_fusions(cuda=on_gpu, use_te=use_te,
-                                 te_version=te.version if te is not None else None,
-                                 apex_grad_accum=on_gpu and apex_grad_accum_available(),
-                                 activation=arch.activation, gated_linear_unit=True,
-                                 cp=cp)
+        fusions = decide_fusions(
+            cuda=on_gpu,
+            use_te=use_te,
+            te_version=te.version if te is not None else None,
+            apex_grad_accum=on_gpu and apex_grad_accum_available(),
+            activation=arch.activation,
+            gated_linear_unit=True,
+            cp=cp,
+        )
     kw: dict[str, Any] = dict(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=arch.initializer_range,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp,
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.initializer_range,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
         sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=dtype == "bf16", fp16=dtype == "fp16",
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
         variable_seq_lengths=variable_seq_lengths,
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
         perform_initialization=True,
-        masked_softmax_fusion=on_gpu and use_te, bias_dropout_fusion=False,
-        persist_layer_norm=False, deterministic_mode=deterministic,
+        masked_softmax_fusion=on_gpu and use_te,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=deterministic,
         attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
         window_size=mcore_window_size(arch.sliding_window),
         **fusions,
     )
     if arch.sliding_window is not None and cp > 1:
-        kw["cp_comm_type"] = "a2a"   # megatron's context parallelism with a window needs a2a
+        kw["cp_comm_type"] = "a2a"  # megatron's context parallelism with a window needs a2a
     kw.update(interleaved_p2p_settings(pp, vpp))
     if recompute_granularity:
         kw["recompute_granularity"] = recompute_granularity
@@ -323,13 +384,16 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
             raise ValueError(f"num_experts={arch.num_experts} not divisible by EP={ep}")
         aux = arch.router_aux_loss_coef if moe_aux_loss_coeff is None else moe_aux_loss_coeff
         kw.update(
-            num_moe_experts=arch.num_experts, moe_router_topk=arch.moe_topk,
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             **router_config_kwargs(arch),
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
-            moe_aux_loss_coeff=aux, moe_grouped_gemm=use_te,
+            moe_aux_loss_coeff=aux,
+            moe_grouped_gemm=use_te,
             moe_layer_freq=list(arch.moe_layer_pattern),
-            moe_router_dtype="fp32", moe_permute_fusion=False,
+            moe_router_dtype="fp32",
+            moe_permute_fusion=False,
             moe_enable_routing_replay=moe_enable_routing_replay,
         )
     if arch.is_mla:
@@ -337,6 +401,7 @@ def transformer_config_from_hf(arch: HFArch, *, tp: int = 1, pp: int = 1, cp: in
         return MLATransformerConfig(**kw)
     if arch.model_type == "gemma3_text":
         from areal_mega.models.gemma3 import gemma3_transformer_config
+
         return gemma3_transformer_config(arch, kw)
     return TransformerConfig(**kw)
 
@@ -347,36 +412,50 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
 
     if arch.model_type == "gemma3_text":
         from areal_mega.models.gemma3 import gemma3_block_spec
+
         return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.is_moe:
         spec = specs.get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization="RMSNorm",
-            vp_stage=vp_stage)
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
+        )
         return spec if use_te else _with_varlen_attention(spec)
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm)
-    return _with_varlen_attention(specs.get_gpt_layer_local_spec(
-        num_experts=None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
-        normalization="RMSNorm"))
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
+        )
+    return _with_varlen_attention(
+        specs.get_gpt_layer_local_spec(
+            num_experts=None,
+            moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_norm,
+            normalization="RMSNorm",
+        )
+    )
 
 
 def _with_varlen_attention(spec):
     """Local layer (or block) spec with :class:`VarlenDotProductAttention` as core attention:
     packed micro-batches run as THD, each sequence attending only to itself."""
     from areal_mega.models.varlen_attention import VarlenDotProductAttention
+
     for layer in getattr(spec, "layer_specs", None) or [spec]:
         layer.submodules.self_attention.submodules.core_attention = VarlenDotProductAttention
     return spec
 
 
-def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
-                       make_vocab_size_divisible_by: int = 128,
-                       recompute_granularity: Optional[str] = None,
-                       use_te: Optional[bool] = None, seed: int = 1234,
-                       moe_aux_loss_coeff: Optional[float] = None,
-                       attention_backend: Optional[str] = None,
-                       moe_enable_routing_replay: bool = False):
+def build_model_chunks(
+    arch: HFArch,
+    mesh,
+    *,
+    dtype: str = "fp32",
+    make_vocab_size_divisible_by: int = 128,
+    recompute_granularity: Optional[str] = None,
+    use_te: Optional[bool] = None,
+    seed: int = 1234,
+    moe_aux_loss_coeff: Optional[float] = None,
+    attention_backend: Optional[str] = None,
+    moe_enable_routing_replay: bool = False,
+):
     """Build this rank's model chunks (one per virtual pipeline stage; one without VPP).
 
     Returns ``(chunks, config)``. Weights are initialised from ``seed`` through megatron's
@@ -391,11 +470,20 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
         use_te = have_te()
     d = mesh.dims
     config = transformer_config_from_hf(
-        arch, tp=d.tp, pp=d.pp, cp=d.cp, ep=d.ep, vpp=mesh.vpp,
-        sequence_parallel=mesh.sequence_parallel, dtype=dtype,
-        recompute_granularity=recompute_granularity, use_te=use_te,
-        moe_aux_loss_coeff=moe_aux_loss_coeff, attention_backend=attention_backend,
-        moe_enable_routing_replay=moe_enable_routing_replay)
+        arch,
+        tp=d.tp,
+        pp=d.pp,
+        cp=d.cp,
+        ep=d.ep,
+        vpp=mesh.vpp,
+        sequence_parallel=mesh.sequence_parallel,
+        dtype=dtype,
+        recompute_granularity=recompute_granularity,
+        use_te=use_te,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        attention_backend=attention_backend,
+        moe_enable_routing_replay=moe_enable_routing_replay,
+    )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     vocab = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, d.tp)
@@ -407,14 +495,22 @@ def build_model_chunks(arch: HFArch, mesh, *, dtype: str = "fp32",
         post = mesh.is_last_stage and vp == n_chunks - 1
         spec = layer_spec_for(arch, config, use_te=use_te, vp_stage=vp_stage)
         model = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=vocab,
-            max_sequence_length=arch.max_position_embeddings, pre_process=pre,
-            post_process=post, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=arch.rotary_percent,
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=arch.rotary_percent,
             rotary_base=arch.rope_theta,
-            pg_collection=mesh.pg_collection, vp_stage=vp_stage)
+            pg_collection=mesh.pg_collection,
+            vp_stage=vp_stage,
+        )
         if arch.model_type == "gemma3_text":
             from areal_mega.models.gemma3 import finish_gemma3_model
+
             finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())

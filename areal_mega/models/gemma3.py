@@ -23,6 +23,7 @@ Refused (``ValueError`` naming the key): logit soft-capping, bidirectional atten
 types other than default/linear, a local RoPE that is scaled, other activations, biases.
 TransformerEngine's spec is not wired (the local spec runs on CPU and GPU).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,10 +41,21 @@ from megatron.core.transformer.attention import SelfAttention
 
 from areal_mega.models.varlen_attention import VarlenDotProductAttention
 
-__all__ = ["GEMMA3_MODEL_TYPE", "SLIDING", "FULL", "gemma3_arch_fields", "Gemma3Config",
-           "gemma3_transformer_config", "gemma3_block_spec", "finish_gemma3_model",
-           "Gemma3RMSNorm", "RowParallelLinearWithPostNorm", "DualRotaryEmbedding",
-           "Gemma3SelfAttention", "Gemma3CoreAttention"]
+__all__ = [
+    "GEMMA3_MODEL_TYPE",
+    "SLIDING",
+    "FULL",
+    "gemma3_arch_fields",
+    "Gemma3Config",
+    "gemma3_transformer_config",
+    "gemma3_block_spec",
+    "finish_gemma3_model",
+    "Gemma3RMSNorm",
+    "RowParallelLinearWithPostNorm",
+    "DualRotaryEmbedding",
+    "Gemma3SelfAttention",
+    "Gemma3CoreAttention",
+]
 
 GEMMA3_MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -70,8 +82,10 @@ def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
     dict. Raises ``ValueError`` naming the key of any feature this implementation lacks."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
-            raise ValueError(f"{key}={hf[key]!r} is not supported (logit soft-capping; Gemma 3 "
-                             "has none: set it to null)")
+            raise ValueError(
+                f"{key}={hf[key]!r} is not supported (logit soft-capping; Gemma 3 "
+                "has none: set it to null)"
+            )
     if hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
@@ -80,8 +94,10 @@ def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
     if hf.get("attention_bias"):
         raise ValueError("attention_bias=True is not supported for gemma3_text")
     if not hf.get("tie_word_embeddings", True):
-        raise ValueError("tie_word_embeddings=False is not supported for gemma3_text "
-                         "(Megatron-Bridge's Gemma3ForCausalLM registry maps no lm_head)")
+        raise ValueError(
+            "tie_word_embeddings=False is not supported for gemma3_text "
+            "(Megatron-Bridge's Gemma3ForCausalLM registry maps no lm_head)"
+        )
     n_layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
@@ -91,35 +107,52 @@ def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
         layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
     layer_types = tuple(layer_types)
     if len(layer_types) != n_layers or set(layer_types) - {SLIDING, FULL}:
-        raise ValueError(f"layer_types={list(layer_types)!r}: need {n_layers} entries, each "
-                         f"{SLIDING!r} or {FULL!r}")
+        raise ValueError(
+            f"layer_types={list(layer_types)!r}: need {n_layers} entries, each "
+            f"{SLIDING!r} or {FULL!r}"
+        )
     window = hf.get("sliding_window")
-    if SLIDING in layer_types and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):
+    if SLIDING in layer_types and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
         raise ValueError(f"sliding_window={window!r}: must be a positive integer")
     local, full = _rope_of(hf, SLIDING), _rope_of(hf, FULL)
     if local.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_parameters[{SLIDING!r}].rope_type="
-                         f"{local.get('rope_type')!r} is not supported (default only)")
+        raise ValueError(
+            f"rope_parameters[{SLIDING!r}].rope_type="
+            f"{local.get('rope_type')!r} is not supported (default only)"
+        )
     full_type = full.get("rope_type", "default")
     if full_type not in ("default", "linear"):
-        raise ValueError(f"rope_scaling type {full_type!r} (full-attention layers) is not "
-                         "supported (default or linear)")
+        raise ValueError(
+            f"rope_scaling type {full_type!r} (full-attention layers) is not "
+            "supported (default or linear)"
+        )
     factor = float(full.get("factor", 1.0)) if full_type == "linear" else 1.0
     head_dim = int(hf.get("head_dim") or hidden // heads)
     return dict(
-        model_type=GEMMA3_MODEL_TYPE, vocab_size=int(hf["vocab_size"]), hidden_size=hidden,
-        num_layers=n_layers, num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        model_type=GEMMA3_MODEL_TYPE,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
         ffn_hidden_size=int(hf["intermediate_size"]),
         max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
-        rope_theta=float(full["rope_theta"]), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=False,
-        qk_norm=True, initializer_range=float(hf.get("initializer_range", 0.02)),
+        rope_theta=float(full["rope_theta"]),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=False,
+        qk_norm=True,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=int(window) if SLIDING in layer_types else None,
-        activation="gelu_tanh", layer_types=layer_types,
-        rope_local_theta=float(local["rope_theta"]), rope_scaling_factor=factor,
-        softmax_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5)
+        activation="gelu_tanh",
+        layer_types=layer_types,
+        rope_local_theta=float(local["rope_theta"]),
+        rope_scaling_factor=factor,
+        softmax_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+    )
 
 
 @dataclass
@@ -138,9 +171,14 @@ class Gemma3Config(TransformerConfig):
 
 def gemma3_transformer_config(arch, kw: dict) -> Gemma3Config:
     """The :class:`Gemma3Config` of ``arch`` from the builder's generic keyword arguments."""
-    kw = dict(kw, activation_func=_gelu_tanh, softmax_scale=arch.softmax_scale,
-              window_size=None, layer_types=tuple(arch.layer_types),
-              sliding_window=arch.sliding_window)
+    kw = dict(
+        kw,
+        activation_func=_gelu_tanh,
+        softmax_scale=arch.softmax_scale,
+        window_size=None,
+        layer_types=tuple(arch.layer_types),
+        sliding_window=arch.sliding_window,
+    )
     kw.pop("cp_comm_type", None)
     return Gemma3Config(**kw)
 
@@ -189,9 +227,13 @@ class DualRotaryEmbedding(torch.nn.Module):
 
     def __init__(self, config: Gemma3Config, arch, cp_group=None):
         super().__init__()
-        common = dict(kv_channels=config.kv_channels, rotary_percent=1.0,
-                      rotary_interleaved=config.rotary_interleaved,
-                      use_cpu_initialization=config.use_cpu_initialization, cp_group=cp_group)
+        common = dict(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            use_cpu_initialization=config.use_cpu_initialization,
+            cp_group=cp_group,
+        )
         self.local = RotaryEmbedding(rotary_base=arch.rope_local_theta, **common)
         self.full = RotaryEmbedding(rotary_base=arch.rope_theta, **common)
         # linear scaling (transformers' "linear" rope type) divides the frequencies
@@ -201,11 +243,16 @@ class DualRotaryEmbedding(torch.nn.Module):
         """megatron's rotary length of the step (same for both tables)."""
         return self.full.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group=None) -> torch.Tensor:
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None
+    ) -> torch.Tensor:
         """``[2, max_seq_len, 1, 1, d]``: the local and the full table."""
-        return torch.stack([self.local(max_seq_len, offset, packed_seq, cp_group),
-                            self.full(max_seq_len, offset, packed_seq, cp_group)])
+        return torch.stack(
+            [
+                self.local(max_seq_len, offset, packed_seq, cp_group),
+                self.full(max_seq_len, offset, packed_seq, cp_group),
+            ]
+        )
 
 
 class Gemma3SelfAttention(SelfAttention):
@@ -216,8 +263,9 @@ class Gemma3SelfAttention(SelfAttention):
         """As the parent, with ``rotary_pos_emb`` [2, ...] reduced to this layer's table."""
         if rotary_pos_emb is not None:
             rotary_pos_emb = rotary_pos_emb[0 if self.config.is_sliding(self.layer_number) else 1]
-        return super().forward(hidden_states, attention_mask, *args,
-                               rotary_pos_emb=rotary_pos_emb, **kwargs)
+        return super().forward(
+            hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs
+        )
 
 
 class Gemma3CoreAttention(VarlenDotProductAttention):
@@ -232,13 +280,19 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
     """The block spec of this pipeline stage (chunk): megatron's local layer spec with
     Gemma 3's norms, post-norm projections and per-layer attention, and its final norm."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
     if use_te:
-        raise ValueError("gemma3_text runs on megatron's local layer spec only "
-                         "(model.attention_backend other than TransformerEngine)")
-    spec = specs.get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
-                                          qk_layernorm=True, normalization="RMSNorm")
+        raise ValueError(
+            "gemma3_text runs on megatron's local layer spec only "
+            "(model.attention_backend other than TransformerEngine)"
+        )
+    spec = specs.get_gpt_layer_local_spec(
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
     layer = spec.submodules
     layer.input_layernorm = Gemma3RMSNorm
     layer.pre_mlp_layernorm = Gemma3RMSNorm
@@ -249,9 +303,16 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
     attn.linear_proj = RowParallelLinearWithPostNorm
     # the dense MLP spec is a partial of MLP.as_mlp_submodule over (frozen) MLPSubmodules
     mlp = layer.mlp
-    layer.mlp = functools.partial(mlp.func, *mlp.args, **dict(
-        mlp.keywords, submodules=dataclasses.replace(mlp.keywords["submodules"],
-                                                     linear_fc2=RowParallelLinearWithPostNorm)))
+    layer.mlp = functools.partial(
+        mlp.func,
+        *mlp.args,
+        **dict(
+            mlp.keywords,
+            submodules=dataclasses.replace(
+                mlp.keywords["submodules"], linear_fc2=RowParallelLinearWithPostNorm
+            ),
+        ),
+    )
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=Gemma3RMSNorm)
 

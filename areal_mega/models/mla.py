@@ -11,6 +11,7 @@ HF fields -> ``MLATransformerConfig`` (as megatron-bridge 0.6.2's DeepSeek provi
 channel) layout, which is transformers' ``rope_interleave=True`` (its default); a config with
 ``rope_interleave=False`` is refused. Rope scaling (YaRN) is refused by the builder's rope check.
 """
+
 from __future__ import annotations
 
 from areal_mega.models.moe_families import routed_moe_fields
@@ -24,27 +25,45 @@ def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
     """The :class:`~areal_mega.models.builder.HFArch` fields of a ``deepseek_v3`` config beyond
     the common ones. ``ValueError`` for what megatron's MLA cannot reproduce."""
     if hf.get("rope_interleave", True) is False:
-        raise ValueError("rope_interleave=False: megatron-core's MLA applies rotary in the "
-                         "interleaved layout only")
+        raise ValueError(
+            "rope_interleave=False: megatron-core's MLA applies rotary in the "
+            "interleaved layout only"
+        )
     if hf.get("attention_bias"):
         raise ValueError("attention_bias=True is not supported for multi-latent attention")
     nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
     q_lora = hf.get("q_lora_rank")
     heads = int(hf["num_attention_heads"])
-    return dict(routed_moe_fields(hf, n_layers), qk_norm=True, qkv_bias=False,
-                num_kv_heads=heads, head_dim=nope + rope,
-                mla_q_lora_rank=int(q_lora) if q_lora else None,
-                mla_kv_lora_rank=int(hf["kv_lora_rank"]), mla_qk_nope_head_dim=nope,
-                mla_qk_rope_head_dim=rope, mla_v_head_dim=int(hf["v_head_dim"]))
+    return dict(
+        routed_moe_fields(hf, n_layers),
+        qk_norm=True,
+        qkv_bias=False,
+        num_kv_heads=heads,
+        head_dim=nope + rope,
+        mla_q_lora_rank=int(q_lora) if q_lora else None,
+        mla_kv_lora_rank=int(hf["kv_lora_rank"]),
+        mla_qk_nope_head_dim=nope,
+        mla_qk_rope_head_dim=rope,
+        mla_v_head_dim=int(hf["v_head_dim"]),
+    )
 
 
 def mla_config_kwargs(arch) -> dict:
     """``MLATransformerConfig`` options of an MLA ``arch`` (plain rope, no scaling)."""
-    return dict(multi_latent_attention=True, q_lora_rank=arch.mla_q_lora_rank,
-                kv_lora_rank=arch.mla_kv_lora_rank, qk_head_dim=arch.mla_qk_nope_head_dim,
-                qk_pos_emb_head_dim=arch.mla_qk_rope_head_dim, v_head_dim=arch.mla_v_head_dim,
-                kv_channels=arch.mla_v_head_dim, rope_type="rope", rotary_base=arch.rope_theta,
-                rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=arch.mla_q_lora_rank,
+        kv_lora_rank=arch.mla_kv_lora_rank,
+        qk_head_dim=arch.mla_qk_nope_head_dim,
+        qk_pos_emb_head_dim=arch.mla_qk_rope_head_dim,
+        v_head_dim=arch.mla_v_head_dim,
+        kv_channels=arch.mla_v_head_dim,
+        rope_type="rope",
+        rotary_base=arch.rope_theta,
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
 
 
 def mla_full_shapes(arch) -> dict:
@@ -54,12 +73,14 @@ def mla_full_shapes(arch) -> dict:
     q_head = arch.mla_qk_nope_head_dim + arch.mla_qk_rope_head_dim
     q_in = arch.mla_q_lora_rank or h
     a = "self_attention."
-    return {a + "linear_q_proj.weight": (n * q_head, h),
-            a + "linear_q_down_proj.weight": (arch.mla_q_lora_rank, h),
-            a + "linear_q_up_proj.weight": (n * q_head, q_in),
-            a + "linear_kv_down_proj.weight": (arch.mla_kv_lora_rank
-                                               + arch.mla_qk_rope_head_dim, h),
-            a + "linear_kv_up_proj.weight": (n * (arch.mla_qk_nope_head_dim
-                                                  + arch.mla_v_head_dim),
-                                             arch.mla_kv_lora_rank),
-            a + "linear_proj.weight": (h, n * arch.mla_v_head_dim)}
+    return {
+        a + "linear_q_proj.weight": (n * q_head, h),
+        a + "linear_q_down_proj.weight": (arch.mla_q_lora_rank, h),
+        a + "linear_q_up_proj.weight": (n * q_head, q_in),
+        a + "linear_kv_down_proj.weight": (arch.mla_kv_lora_rank + arch.mla_qk_rope_head_dim, h),
+        a + "linear_kv_up_proj.weight": (
+            n * (arch.mla_qk_nope_head_dim + arch.mla_v_head_dim),
+            arch.mla_kv_lora_rank,
+        ),
+        a + "linear_proj.weight": (h, n * arch.mla_v_head_dim),
+    }

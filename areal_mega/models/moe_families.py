@@ -28,12 +28,17 @@ megatron's sigmoid router renormalises the top-k weights whenever ``topk > 1`` (
 only when ``norm_topk_prob``), and megatron scores an expert group by the sum of its top
 ``topk / topk_group`` scores (transformers: its top 2).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SIGMOID_ROUTER_MODEL_TYPES", "glm4_moe_fields", "routed_moe_fields",
-           "router_config_kwargs"]
+__all__ = [
+    "SIGMOID_ROUTER_MODEL_TYPES",
+    "glm4_moe_fields",
+    "routed_moe_fields",
+    "router_config_kwargs",
+]
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
 SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3")
@@ -56,25 +61,32 @@ def routed_moe_fields(hf: dict, n_layers: int) -> dict:
     topk_group = int(hf.get("topk_group") or 1)
     norm = bool(hf.get("norm_topk_prob", True))
     if norm != (topk > 1):
-        raise ValueError(f"norm_topk_prob={norm} with num_experts_per_tok={topk}: megatron's "
-                         "sigmoid router renormalises the top-k weights exactly when top-k > 1")
+        raise ValueError(
+            f"norm_topk_prob={norm} with num_experts_per_tok={topk}: megatron's "
+            "sigmoid router renormalises the top-k weights exactly when top-k > 1"
+        )
     grouped = 1 < n_group and topk_group < n_group
     if n_group > 1 and n_exp % n_group:
         raise ValueError(f"n_routed_experts={n_exp} is not divisible by n_group={n_group}")
     if grouped and topk // topk_group != 2:
-        raise ValueError(f"group-limited routing with num_experts_per_tok={topk}, topk_group="
-                         f"{topk_group}: transformers scores a group by its top-2 experts, "
-                         "megatron by its top (num_experts_per_tok / topk_group); they agree "
-                         "only when that is 2")
+        raise ValueError(
+            f"group-limited routing with num_experts_per_tok={topk}, topk_group="
+            f"{topk_group}: transformers scores a group by its top-2 experts, "
+            "megatron by its top (num_experts_per_tok / topk_group); they agree "
+            "only when that is 2"
+        )
     k_dense = int(hf.get("first_k_dense_replace") or 0)
     n_shared = int(hf.get("n_shared_experts") or 0)
     moe_ffn = int(hf["moe_intermediate_size"])
     return dict(
-        num_experts=n_exp, moe_topk=topk, moe_ffn_hidden_size=moe_ffn,
+        num_experts=n_exp,
+        moe_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
         moe_norm_topk_prob=norm,
         moe_layer_pattern=tuple(0 if i < k_dense else 1 for i in range(n_layers)),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef") or 0.0),
-        moe_score_function="sigmoid", moe_expert_bias=True,
+        moe_score_function="sigmoid",
+        moe_expert_bias=True,
         moe_num_groups=n_group if grouped else None,
         moe_group_topk=topk_group if grouped else None,
         moe_routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
@@ -89,10 +101,16 @@ def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
     factor = _partial_rotary_factor(hf)
     rot = head_dim * factor
     if not (0 < factor <= 1) or rot != int(rot) or int(rot) % 2:
-        raise ValueError(f"partial_rotary_factor={factor} with head_dim={head_dim}: the rotary "
-                         "part must be a positive even number of channels")
-    return dict(routed_moe_fields(hf, n_layers), qk_norm=bool(hf.get("use_qk_norm", False)),
-                qkv_bias=bool(hf.get("attention_bias", False)), rotary_percent=factor)
+        raise ValueError(
+            f"partial_rotary_factor={factor} with head_dim={head_dim}: the rotary "
+            "part must be a positive even number of channels"
+        )
+    return dict(
+        routed_moe_fields(hf, n_layers),
+        qk_norm=bool(hf.get("use_qk_norm", False)),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        rotary_percent=factor,
+    )
 
 
 def router_config_kwargs(arch) -> dict:
@@ -101,14 +119,21 @@ def router_config_kwargs(arch) -> dict:
     if arch.moe_score_function == "softmax":
         # HF Qwen3-MoE: softmax over all experts, top-k, renormalise when norm_topk_prob.
         # Megatron: top-k on logits then softmax over the k == renormalised top-k.
-        return dict(moe_router_score_function="softmax",
-                    moe_router_pre_softmax=not arch.moe_norm_topk_prob)
+        return dict(
+            moe_router_score_function="softmax", moe_router_pre_softmax=not arch.moe_norm_topk_prob
+        )
     kw: dict[str, Any] = dict(
-        moe_router_score_function=arch.moe_score_function, moe_router_pre_softmax=False,
-        moe_router_enable_expert_bias=arch.moe_expert_bias, moe_router_bias_update_rate=0.0,
+        moe_router_score_function=arch.moe_score_function,
+        moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=arch.moe_expert_bias,
+        moe_router_bias_update_rate=0.0,
         moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor,
-        moe_router_num_groups=arch.moe_num_groups, moe_router_group_topk=arch.moe_group_topk)
+        moe_router_num_groups=arch.moe_num_groups,
+        moe_router_group_topk=arch.moe_group_topk,
+    )
     if arch.moe_shared_ffn_hidden_size:
-        kw.update(moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size,
-                  moe_shared_expert_overlap=False)
+        kw.update(
+            moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size,
+            moe_shared_expert_overlap=False,
+        )
     return kw

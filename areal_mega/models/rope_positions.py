@@ -8,6 +8,7 @@ cu_seqlens[-1]``, megatron-core >= 0.19: ``_apply_rotary_pos_emb_thd``'s exact m
 multimodal positions), which it applies row by row. :func:`rope_at_positions` makes the
 model's rotary module return that table, the rows of the given positions, for one forward.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -31,12 +32,16 @@ def positions_supported(chunk) -> bool:
     plain RoPE (not YaRN, multimodal, Gemma 3's dual tables, nor multi-latent attention),
     learned absolute positions, or none."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
     gpt = gpt_module(chunk)
     kind = getattr(gpt, "position_embedding_type", None)
     if kind in ("learned_absolute", "none"):
         return True
-    return kind == "rope" and type(getattr(gpt, "rotary_pos_emb", None)) is RotaryEmbedding \
+    return (
+        kind == "rope"
+        and type(getattr(gpt, "rotary_pos_emb", None)) is RotaryEmbedding
         and not gpt.config.multi_latent_attention
+    )
 
 
 @contextmanager
@@ -51,8 +56,7 @@ def rope_at_positions(chunk, positions: torch.Tensor) -> Iterator[None]:
     cls_forward = type(rope).forward
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        return cls_forward(rope, table_len, offset, packed_seq, cp_group).index_select(
-            0, positions)
+        return cls_forward(rope, table_len, offset, packed_seq, cp_group).index_select(0, positions)
 
     rope.forward = forward
     try:

@@ -8,14 +8,14 @@ also what Megatron-Bridge's Mistral provider sets from ``sliding_window``.
 
 Pure torch: used by the trainer's packed attention and by the rollout server's KV cache.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
-__all__ = ["SLIDING_WINDOW_MODEL_TYPES", "hf_sliding_window", "mcore_window_size",
-           "window_visible"]
+__all__ = ["SLIDING_WINDOW_MODEL_TYPES", "hf_sliding_window", "mcore_window_size", "window_visible"]
 
 #: model types whose ``sliding_window`` applies to every layer (no ``use_sliding_window``
 #: switch, no per-layer pattern); ``sliding_window: null`` means full attention
@@ -42,8 +42,7 @@ def mcore_window_size(window: Optional[int]) -> Optional[tuple]:
     return None if window is None else (window - 1, 0)
 
 
-def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor,
-                   window: Optional[int]) -> torch.Tensor:
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """Boolean ``[len(q_pos), len(k_pos)]``: True where the query at position ``q_pos[a]`` may
     attend to the key at position ``k_pos[b]`` (causal, and inside the window if any)."""
     d = q_pos.view(-1, 1) - k_pos.view(1, -1)

@@ -4,6 +4,7 @@ Used by the tests, the CPU demo and anyone who wants a smoke run without downloa
 Nothing here touches the network: the tokenizer is built with `tokenizers`, the model with
 `transformers` from a config, and both are written with ``save_pretrained`` (safetensors).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text", "glm4_moe",
-         "deepseek_v3")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "gemma3_text",
+    "glm4_moe",
+    "deepseek_v3",
+)
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -23,12 +32,13 @@ CHARSETS = {
 }
 # One user turn, rendered verbatim; the generation prompt adds nothing so that the model sees
 # exactly the prompt text (the tiny vocabulary has no role tokens).
-CHAT_TEMPLATE = ("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 @dataclass
 class TinyModelSpec:
     """Sizes of a tiny model; defaults give ~0.1-0.4M parameters."""
+
     arch: str = "llama"
     hidden_size: int = 64
     num_layers: int = 2
@@ -45,7 +55,7 @@ class TinyModelSpec:
     charset: str = "ascii"
     seed: int = 0
     initializer_range: float = 0.02
-    head_dim: Optional[int] = None        # None: hidden_size // num_heads
+    head_dim: Optional[int] = None  # None: hidden_size // num_heads
     sliding_window: Optional[int] = None  # mistral, gemma3_text: attention window
     # gemma3_text: layers alternate sliding / full attention (sliding first); the sliding
     # layers' RoPE base and the attention scale's denominator (None: head_dim)
@@ -60,7 +70,7 @@ class TinyModelSpec:
     partial_rotary_factor: float = 0.5
     attention_bias: bool = True
     use_qk_norm: bool = True
-    expert_bias_std: float = 0.02   # e_score_correction_bias ~ N(0, std) (HF initialises 0)
+    expert_bias_std: float = 0.02  # e_score_correction_bias ~ N(0, std) (HF initialises 0)
     # deepseek_v3 only (multi-latent attention; also uses the glm4_moe routing fields)
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
@@ -83,25 +93,45 @@ def build_char_tokenizer(charset: str = "ascii"):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
 def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
-    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig,
-                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings, pad_token_id=pad_id,
-        eos_token_id=eos_id, bos_token_id=None, initializer_range=spec.initializer_range,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        initializer_range=spec.initializer_range,
         rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"},
-        hidden_act="silu", attention_dropout=0.0,
+        hidden_act="silu",
+        attention_dropout=0.0,
     )
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text"):
@@ -114,47 +144,78 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         return MistralConfig(**common, head_dim=head_dim, sliding_window=spec.sliding_window)
     if spec.arch == "gemma3_text":
         from transformers import Gemma3TextConfig
+
         common.pop("hidden_act")
-        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                       for i in range(spec.num_layers)]
-        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta},
-                "full_attention": common.pop("rope_parameters")}
-        return Gemma3TextConfig(**common, head_dim=head_dim, rope_parameters=rope,
-                                hidden_activation="gelu_pytorch_tanh",
-                                sliding_window=spec.sliding_window or 4096,
-                                layer_types=layer_types,
-                                query_pre_attn_scalar=spec.query_pre_attn_scalar or head_dim)
+        layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+        ]
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": spec.rope_local_theta},
+            "full_attention": common.pop("rope_parameters"),
+        }
+        return Gemma3TextConfig(
+            **common,
+            head_dim=head_dim,
+            rope_parameters=rope,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=spec.sliding_window or 4096,
+            layer_types=layer_types,
+            query_pre_attn_scalar=spec.query_pre_attn_scalar or head_dim,
+        )
     if spec.arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if spec.arch == "qwen3":
-        return Qwen3Config(**common, head_dim=head_dim,
-                           attention_bias=False, use_sliding_window=False)
+        return Qwen3Config(
+            **common, head_dim=head_dim, attention_bias=False, use_sliding_window=False
+        )
     if spec.arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, head_dim=head_dim,
-                              attention_bias=False, use_sliding_window=False,
-                              num_experts=spec.num_experts,
-                              num_experts_per_tok=spec.num_experts_per_tok,
-                              moe_intermediate_size=spec.moe_intermediate_size,
-                              decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                              output_router_logits=False)
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=head_dim,
+            attention_bias=False,
+            use_sliding_window=False,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
     # DeepSeek-style routing (sigmoid + expert bias, groups, shared experts, dense first layers)
-    routing = dict(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-                   moe_intermediate_size=spec.moe_intermediate_size,
-                   n_shared_experts=spec.n_shared_experts, n_group=spec.n_group,
-                   topk_group=spec.topk_group, routed_scaling_factor=spec.routed_scaling_factor,
-                   first_k_dense_replace=spec.first_k_dense_replace, norm_topk_prob=True)
+    routing = dict(
+        n_routed_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        n_shared_experts=spec.n_shared_experts,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        first_k_dense_replace=spec.first_k_dense_replace,
+        norm_topk_prob=True,
+    )
     if spec.arch == "glm4_moe":
         common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
-        return Glm4MoeConfig(**common, **routing, head_dim=spec.hidden_size // spec.num_heads,
-                             attention_bias=spec.attention_bias, use_qk_norm=spec.use_qk_norm)
+        return Glm4MoeConfig(
+            **common,
+            **routing,
+            head_dim=spec.hidden_size // spec.num_heads,
+            attention_bias=spec.attention_bias,
+            use_qk_norm=spec.use_qk_norm,
+        )
     if spec.arch == "deepseek_v3":
         common["num_key_value_heads"] = spec.num_heads
-        return DeepseekV3Config(**common, **routing, q_lora_rank=spec.q_lora_rank,
-                                kv_lora_rank=spec.kv_lora_rank,
-                                qk_nope_head_dim=spec.qk_nope_head_dim,
-                                qk_rope_head_dim=spec.qk_rope_head_dim,
-                                v_head_dim=spec.v_head_dim, rope_interleave=True,
-                                attention_bias=False)
+        return DeepseekV3Config(
+            **common,
+            **routing,
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            rope_interleave=True,
+            attention_bias=False,
+        )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
@@ -169,22 +230,27 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
     spec = spec or TinyModelSpec()
     for k, v in overrides.items():
         if not hasattr(spec, k):
-            raise ValueError(f"{k}: unknown tiny-model field; allowed: "
-                             f"{sorted(TinyModelSpec.__dataclass_fields__)}")
+            raise ValueError(
+                f"{k}: unknown tiny-model field; allowed: "
+                f"{sorted(TinyModelSpec.__dataclass_fields__)}"
+            )
         setattr(spec, k, v)
     if spec.arch not in ARCHS:
         raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
-    if (spec.head_dim is None and spec.hidden_size % spec.num_heads) \
-            or spec.num_heads % spec.num_kv_heads:
-        raise ValueError("hidden_size must divide by num_heads (unless head_dim is given) and "
-                         "num_heads by num_kv_heads")
+    if (
+        spec.head_dim is None and spec.hidden_size % spec.num_heads
+    ) or spec.num_heads % spec.num_kv_heads:
+        raise ValueError(
+            "hidden_size must divide by num_heads (unless head_dim is given) and "
+            "num_heads by num_kv_heads"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(spec.charset)
     cfg = _hf_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():   # a non-zero expert bias, so that tests see it applied
+    with torch.no_grad():  # a non-zero expert bias, so that tests see it applied
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)

@@ -21,6 +21,7 @@ path: a slot (or sequence) longer than ``W`` gets an explicit causal-window mask
 own torch softmax would instead *replace* a given mask by a window mask over the whole
 packed row (letting sequences see each other), so the window is taken out of it here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from areal_mega.models.sliding_window import window_visible
 
-__all__ = ["VarlenDotProductAttention", "SharedPrefixSeqParams", "packed_slot_bounds",
-           "varlen_causal_attention", "unit_attention"]
+__all__ = [
+    "VarlenDotProductAttention",
+    "SharedPrefixSeqParams",
+    "packed_slot_bounds",
+    "varlen_causal_attention",
+    "unit_attention",
+]
 
 
 @dataclass
@@ -43,6 +49,7 @@ class SharedPrefixSeqParams(PackedSeqParams):
     """THD ``PackedSeqParams`` of a micro-batch whose shared prompt prefixes are computed once:
     ``units`` (host tuples, see :mod:`areal_mega.scheduler.shared_prefix`) say which rows each
     row attends to; only :class:`VarlenDotProductAttention` reads them."""
+
     units: Optional[list] = None
 
 
@@ -55,9 +62,16 @@ def packed_slot_bounds(packed_seq_params) -> list[int]:
     return [int(x) for x in cu.tolist()]
 
 
-def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            bounds: list[int], *, scale: float, dropout_p: float = 0.0,
-                            window: Optional[int] = None) -> torch.Tensor:
+def varlen_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
 
     ``query`` [T, nq, d], ``key`` / ``value`` [T, nkv, d] with ``nq`` a multiple of ``nkv``
@@ -74,8 +88,9 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     gqa = query.shape[1] != key.shape[1]
     if pads_cheaply(lengths):
-        return _padded_causal_attention(query, key, value, lengths, scale=scale,
-                                        dropout_p=dropout_p, window=window, gqa=gqa)
+        return _padded_causal_attention(
+            query, key, value, lengths, scale=scale, dropout_p=dropout_p, window=window, gqa=gqa
+        )
     outs = []
     # split, not slicing: the backward of one split is one concatenation, while each slice's
     # backward would write a zero-filled [T, h, d] gradient (quadratic in the slot count)
@@ -83,15 +98,21 @@ def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
         if q.shape[0] == 0:
             continue
         # [L, h, d] -> [1, h, L, d]: transposed views, SDPA reads the strides
-        o = _causal_sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                         v.transpose(0, 1)[None], window, dropout_p=dropout_p, scale=scale,
-                         enable_gqa=gqa)
+        o = _causal_sdpa(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            window,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=gqa,
+        )
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-PAD_BATCH_MIN_SLOTS = 4     # fewer slots: the per-slot calls cost little
-PAD_BATCH_MAX_WASTE = 2.0   # padded tokens at most this many times the real ones
+PAD_BATCH_MIN_SLOTS = 4  # fewer slots: the per-slot calls cost little
+PAD_BATCH_MAX_WASTE = 2.0  # padded tokens at most this many times the real ones
 # shared-prefix units: padded query x key area at most this many times the units' own (each
 # unit's own area counts its masked upper triangle too, hence more than PAD_BATCH_MAX_WASTE)
 UNIT_BATCH_MAX_WASTE = 4.0
@@ -111,23 +132,30 @@ def _padded_causal_attention(query, key, value, lengths, *, scale, dropout_p, wi
     """One SDPA over the non-empty slots padded to the longest: [B, h, Lmax, d] gathered by
     index, a causal (and window) mask that also hides the padded keys, scattered back."""
     device = query.device
-    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) if n > 0],
-                          device=device)
+    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) if n > 0], device=device)
     lens = torch.tensor([n for n in lengths if n > 0], device=device)
     width = int(lens.max())
     pos = torch.arange(width, device=device)
-    valid = pos[None, :] < lens[:, None]                                   # [B, Lmax]
+    valid = pos[None, :] < lens[:, None]  # [B, Lmax]
     index = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
     mask = window_visible(pos, pos, window)[None, None] & valid[:, None, None, :]  # causal
-    q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))     # [B, h, Lmax, d]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                       scale=scale, enable_gqa=gqa)
-    return o.transpose(1, 2)[valid]                                        # [T, h, d]
+    q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [B, h, Lmax, d]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
+    return o.transpose(1, 2)[valid]  # [T, h, d]
 
 
-def unit_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   units: list, *, scale: float, dropout_p: float = 0.0,
-                   window: Optional[int] = None) -> torch.Tensor:
+def unit_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    units: list,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    window: Optional[int] = None,
+) -> torch.Tensor:
     """Attention of a micro-batch with shared prompt prefixes
     (:mod:`areal_mega.scheduler.shared_prefix`): each unit ``(start, length, ctx_start,
     ctx_len)`` of consecutive rows attends to the keys ``[ctx_start, ctx_start + ctx_len)`` and
@@ -156,20 +184,29 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
     spans = [u[3] + u[1] for u in units]
     real = sum(n * m for n, m in zip(lens, spans))
     q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
-    k_idx = torch.tensor([j for u in units for j in (*range(u[2], u[2] + u[3]),
-                                                      *range(u[0], u[0] + u[1]))],
-                         device=device)
-    if len(units) < PAD_BATCH_MIN_SLOTS or \
-            len(units) * max(lens) * max(spans) > UNIT_BATCH_MAX_WASTE * real:
+    k_idx = torch.tensor(
+        [j for u in units for j in (*range(u[2], u[2] + u[3]), *range(u[0], u[0] + u[1]))],
+        device=device,
+    )
+    if (
+        len(units) < PAD_BATCH_MIN_SLOTS
+        or len(units) * max(lens) * max(spans) > UNIT_BATCH_MAX_WASTE * real
+    ):
         outs = []
         qs = torch.split(query.index_select(0, q_idx), lens)
         ks, vs = (torch.split(x.index_select(0, k_idx), spans) for x in (key, value))
         for u, q, k, v in zip(units, qs, ks, vs):
             pos_k = torch.arange(u[3] + u[1], device=device)
-            mask = window_visible(pos_k[u[3]:], pos_k, window)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], attn_mask=mask,
-                                               dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            mask = window_visible(pos_k[u[3] :], pos_k, window)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                scale=scale,
+                enable_gqa=gqa,
+            )
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     width_q, width_k = max(lens), max(spans)
@@ -177,21 +214,22 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
     ctx = torch.tensor([u[3] for u in units], device=device)
     pq = torch.arange(width_q, device=device)
     pk = torch.arange(width_k, device=device)
-    valid_q = pq[None, :] < lq[:, None]                                   # [U, Q]
-    valid_k = pk[None, :] < (ctx + lq)[:, None]                           # [U, K]
+    valid_q = pq[None, :] < lq[:, None]  # [U, Q]
+    valid_k = pk[None, :] < (ctx + lq)[:, None]  # [U, K]
     q_off = torch.tensor([0] + lens[:-1], device=device).cumsum(0)
     k_off = torch.tensor([0] + spans[:-1], device=device).cumsum(0)
     q_rows = torch.where(valid_q, q_off[:, None] + pq[None, :], q_off[:, None])
     k_rows = torch.where(valid_k, k_off[:, None] + pk[None, :], k_off[:, None])
-    d = (ctx[:, None] + pq[None, :])[:, :, None] - pk[None, None, :]      # [U, Q, K]
+    d = (ctx[:, None] + pq[None, :])[:, :, None] - pk[None, None, :]  # [U, Q, K]
     mask = (d >= 0) & valid_k[:, None, :]
     if window is not None:
         mask &= d < window
-    q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]      # rows of query / key: one gather each
-    q = query[q_rows].transpose(1, 2)                                     # [U, h, Q, d]
+    q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]  # rows of query / key: one gather each
+    q = query[q_rows].transpose(1, 2)  # [U, h, Q, d]
     k, v = (x[k_rows].transpose(1, 2) for x in (key, value))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p,
-                                       scale=scale, enable_gqa=gqa)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
     return o.transpose(1, 2)[valid_q]
 
 
@@ -202,8 +240,7 @@ def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
     if window is None or L <= window:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
     pos = torch.arange(L, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_visible(pos, pos, window),
-                                          **kw)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_visible(pos, pos, window), **kw)
 
 
 class VarlenDotProductAttention(DotProductAttention):
@@ -216,28 +253,41 @@ class VarlenDotProductAttention(DotProductAttention):
         # local DotProductAttention does not: its output width comes from config.kv_channels,
         # which the MLA builder sets to the value head dim (areal_mega.models.mla)
         if v_channels is not None and v_channels != config.kv_channels:
-            raise ValueError(f"value head dim {v_channels} != config.kv_channels "
-                             f"{config.kv_channels}")
+            raise ValueError(
+                f"value head dim {v_channels} != config.kv_channels {config.kv_channels}"
+            )
         super().__init__(config, *args, **kwargs)
         if self.softmax_offset is not None:
-            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the "
-                             "packed local attention (vanilla softmax only)")
+            raise ValueError(
+                f"softmax_type={config.softmax_type!r} is not supported by the "
+                "packed local attention (vanilla softmax only)"
+            )
         self.window: Optional[int] = None
         window_size = self.scale_mask_softmax.window_size
         if window_size is not None:
             left, right = (int(x) for x in window_size)
             if right != 0 or left < 0:
-                raise ValueError(f"window_size={tuple(window_size)}: the packed local attention "
-                                 "supports causal windows (W - 1, 0) only")
+                raise ValueError(
+                    f"window_size={tuple(window_size)}: the packed local attention "
+                    "supports causal windows (W - 1, 0) only"
+                )
             self.window = left + 1
-            self.scale_mask_softmax.window_size = None   # applied here (see module docstring)
+            self.scale_mask_softmax.window_size = None  # applied here (see module docstring)
         # apply_query_key_layer_scaling divides the scale by the layer number and the
         # softmax multiplies it back: the product is the plain 1/sqrt(d) scale.
         coeff = self.scale_mask_softmax.scale or 1.0
         self.sdpa_scale = self.softmax_scale * coeff
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         """THD ``query`` [T, nq, d] (``key`` / ``value`` [T, nkv, d]) with packed params ->
         [T, nq·d]; sbhd without packed params -> [s, b, nq·d] like the parent class."""
         if attention_bias is not None:
@@ -245,30 +295,46 @@ class VarlenDotProductAttention(DotProductAttention):
         p = self.attention_dropout.p if self.training else 0.0
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed attention needs qkv_format='thd', got "
-                                 f"{packed_seq_params.qkv_format!r}")
+                raise ValueError(
+                    f"packed attention needs qkv_format='thd', got {packed_seq_params.qkv_format!r}"
+                )
             units = getattr(packed_seq_params, "units", None)
             if units is not None:
-                out = unit_attention(query, key, value, units, scale=self.sdpa_scale,
-                                     dropout_p=p, window=self.window)
+                out = unit_attention(
+                    query, key, value, units, scale=self.sdpa_scale, dropout_p=p, window=self.window
+                )
             else:
-                out = varlen_causal_attention(query, key, value,
-                                              packed_slot_bounds(packed_seq_params),
-                                              scale=self.sdpa_scale, dropout_p=p,
-                                              window=self.window)
+                out = varlen_causal_attention(
+                    query,
+                    key,
+                    value,
+                    packed_slot_bounds(packed_seq_params),
+                    scale=self.sdpa_scale,
+                    dropout_p=p,
+                    window=self.window,
+                )
             # heads x value dim; MLA pads its values to the query dim here and trims after
             return out.reshape(out.shape[0], -1)
         if attention_mask is not None:
-            if self.window is not None:     # megatron's mask: True = masked
+            if self.window is not None:  # megatron's mask: True = masked
                 sq, sk = query.shape[0], key.shape[0]
-                outside = ~window_visible(torch.arange(sk - sq, sk, device=query.device),
-                                          torch.arange(sk, device=query.device), self.window)
+                outside = ~window_visible(
+                    torch.arange(sk - sq, sk, device=query.device),
+                    torch.arange(sk, device=query.device),
+                    self.window,
+                )
                 attention_mask = attention_mask | outside
-            return super().forward(query, key, value, attention_mask,
-                                   attn_mask_type=attn_mask_type)
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        o = _causal_sdpa(q, k, v, self.window, dropout_p=p, scale=self.sdpa_scale,
-                         enable_gqa=q.shape[1] != k.shape[1])
+        o = _causal_sdpa(
+            q,
+            k,
+            v,
+            self.window,
+            dropout_p=p,
+            scale=self.sdpa_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)

@@ -18,10 +18,17 @@ Modules: :mod:`.logprob` (``packed_logprobs``), :mod:`.gae` (``packed_gae``), :m
 kernels), :mod:`.reference` (the pure-torch references), :mod:`._backend` (locating the
 compiled kernels, choosing a backend per call).
 """
+
 from ._backend import KernelFallbackWarning, cpu_available, cuda_available
 from .fused import packed_logprobs_from_hidden
 from .gae import packed_gae
 from .logprob import packed_logprobs
 
-__all__ = ["packed_logprobs", "packed_gae", "packed_logprobs_from_hidden", "cpu_available",
-           "cuda_available", "KernelFallbackWarning"]
+__all__ = [
+    "packed_logprobs",
+    "packed_gae",
+    "packed_logprobs_from_hidden",
+    "cpu_available",
+    "cuda_available",
+    "KernelFallbackWarning",
+]

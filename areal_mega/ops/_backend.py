@@ -20,6 +20,7 @@ jobs, benchmarks, ``tools/gpu_check.py``) set ``AREAL_MEGA_OPS_BACKEND=native``.
 CPU kernels run (they pick the best the CPU has); any other value is refused when the CPU
 module is loaded, naming the variable.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,10 +34,11 @@ from typing import Optional
 
 import torch
 
-BUILD_HINT = ("build them from the repository root with `python setup.py build_ext --inplace` "
-              "(or `pip install --no-build-isolation -e .`, which `make test` runs); the CUDA "
-              "kernels are built only when torch has CUDA and nvcc is on PATH")
-
+BUILD_HINT = (
+    "build them from the repository root with `python setup.py build_ext --inplace` "
+    "(or `pip install --no-build-isolation -e .`, which `make test` runs); the CUDA "
+    "kernels are built only when torch has CUDA and nvcc is on PATH"
+)
 
 
 class KernelFallbackWarning(RuntimeWarning):
@@ -57,8 +59,10 @@ def _check_kernel_isa_env() -> None:
     (it would otherwise run the best ISA without a word)."""
     value = os.environ.get(KERNEL_ISA_ENV, "")
     if value and value not in KERNEL_ISAS:
-        raise ValueError(f"{KERNEL_ISA_ENV}={value!r}: expected one of "
-                         f"{', '.join(KERNEL_ISAS)} (or unset: the best the CPU has)")
+        raise ValueError(
+            f"{KERNEL_ISA_ENV}={value!r}: expected one of "
+            f"{', '.join(KERNEL_ISAS)} (or unset: the best the CPU has)"
+        )
 
 
 def elf_problem(path: str) -> Optional[str]:
@@ -70,7 +74,7 @@ def elf_problem(path: str) -> Optional[str]:
         with open(path, "rb") as f:
             head = f.read(64)
             if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-                return None                 # not a 64-bit little-endian ELF: the loader says
+                return None  # not a 64-bit little-endian ELF: the loader says
             phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
             phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
             if shoff + shnum * shentsize > size or phoff + phnum * phentsize > size:
@@ -78,11 +82,15 @@ def elf_problem(path: str) -> Optional[str]:
             f.seek(phoff)
             table = f.read(phnum * phentsize)
         for i in range(phnum):
-            off, filesz = struct.unpack_from("<Q", table, i * phentsize + 0x08)[0], \
-                struct.unpack_from("<Q", table, i * phentsize + 0x20)[0]
+            off, filesz = (
+                struct.unpack_from("<Q", table, i * phentsize + 0x08)[0],
+                struct.unpack_from("<Q", table, i * phentsize + 0x20)[0],
+            )
             if off + filesz > size:
-                return f"{path}: truncated ({size} bytes, a segment ends at {off + filesz}); " \
+                return (
+                    f"{path}: truncated ({size} bytes, a segment ends at {off + filesz}); "
                     "rebuild it"
+                )
     except (OSError, struct.error) as e:
         return f"{path}: unreadable ({e})"
     return None
@@ -138,14 +146,18 @@ def select(device: torch.device) -> Optional[ModuleType]:
     name = "_ops_cuda" if device.type == "cuda" else "_ops_cpu"
     reason = _errors.get(name)
     if mode == "native":
-        raise RuntimeError(f"areal_mega.ops: the native {device.type} kernels "
-                           f"(areal_mega.{name}) are not built ({reason}); {BUILD_HINT}")
+        raise RuntimeError(
+            f"areal_mega.ops: the native {device.type} kernels "
+            f"(areal_mega.{name}) are not built ({reason}); {BUILD_HINT}"
+        )
     if name not in _warned:
         _warned.add(name)
-        msg = (f"areal_mega.ops: the native {device.type} kernels (areal_mega.{name}) are not "
-               f"built ({reason}); using the pure-torch fallback, which is several times "
-               f"slower. To get them, {BUILD_HINT}. Set AREAL_MEGA_OPS_BACKEND=torch to choose "
-               "the fallback deliberately (no notice) or =native to make this an error.")
+        msg = (
+            f"areal_mega.ops: the native {device.type} kernels (areal_mega.{name}) are not "
+            f"built ({reason}); using the pure-torch fallback, which is several times "
+            f"slower. To get them, {BUILD_HINT}. Set AREAL_MEGA_OPS_BACKEND=torch to choose "
+            "the fallback deliberately (no notice) or =native to make this an error."
+        )
         bar = "!" * 78
         print(f"{bar}\n{msg}\n{bar}", file=sys.stderr, flush=True)
         warnings.warn(msg, KernelFallbackWarning, stacklevel=3)

@@ -10,6 +10,7 @@ kernels) on float32 CPU tensors when the kernels are built and ``AREAL_MEGA_OPS_
 not ``torch``; otherwise its pure-torch reference below, which the tests compare it with.
 Neither has autograd: they serve inference only.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,9 +52,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return mod.rms_norm(x, weight, eps)
 
 
-def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
-                     scale: float, window: int = 0) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
     """One decode step's attention for rows ``b = 0..B-1``: writes ``k_new[b]`` / ``v_new[b]``
     (``[B, Hkv, D]``) into the caches (``[rows >= B, Hkv, capacity, D]``) at column
     ``pos[b]``, then returns ``softmax(q k^T * scale) v`` ``[B, H, D]`` for queries ``q``
@@ -62,8 +70,9 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     mod = _native(q, k_new, v_new, k_cache, v_cache)
     if mod is None:
         return decode_attention_reference(q, k_new, v_new, k_cache, v_cache, pos, scale, window)
-    return mod.decode_attention(q, k_new, v_new, k_cache, v_cache, pos.contiguous(), scale,
-                                int(window or 0))
+    return mod.decode_attention(
+        q, k_new, v_new, k_cache, v_cache, pos.contiguous(), scale, int(window or 0)
+    )
 
 
 def decode_attention_reference(q, k_new, v_new, k_cache, v_cache, pos, scale, window=0):
@@ -80,14 +89,16 @@ def decode_attention_reference(q, k_new, v_new, k_cache, v_cache, pos, scale, wi
     masked = cols > last
     if window:
         masked |= cols <= last - window
-    scores = torch.matmul(q.reshape(B, Hkv, H // Hkv, D),
-                          k_cache[:B, :, :Lm].transpose(-1, -2)) * scale
+    scores = (
+        torch.matmul(q.reshape(B, Hkv, H // Hkv, D), k_cache[:B, :, :Lm].transpose(-1, -2)) * scale
+    )
     probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
     return torch.matmul(probs, v_cache[:B, :, :Lm]).reshape(B, H, D)
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
-                greedy: torch.Tensor) -> tuple:
+def sample_rows(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, greedy: torch.Tensor
+) -> tuple:
     """One token per row of ``x = logits / temperature[:, None]`` (``logits`` ``[B, V]``).
 
     Returns ``(tokens, logprobs, bad)``: a row is *bad* when ``x`` has a NaN or ``+inf``, or
@@ -98,9 +109,14 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.
     mod = _native(logits, temperature)
     if mod is None:
         return sample_rows_reference(logits, temperature, uniform, greedy)
-    return tuple(mod.sample_rows(logits if logits.stride(-1) == 1 else logits.contiguous(),
-                                 temperature.contiguous(), uniform.contiguous(),
-                                 greedy.contiguous()))
+    return tuple(
+        mod.sample_rows(
+            logits if logits.stride(-1) == 1 else logits.contiguous(),
+            temperature.contiguous(),
+            uniform.contiguous(),
+            greedy.contiguous(),
+        )
+    )
 
 
 def sample_rows_reference(logits, temperature, uniform, greedy) -> tuple:

@@ -6,6 +6,7 @@ reduced to per-token statistics by the same kernels as :func:`packed_logprobs`, 
 across vocabulary tiles, then all-reduced over the TP group.  Peak extra memory is one tile of
 logits (plus its float32 view inside the torch backend), never ``[T, V]``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,10 +17,18 @@ from .logprob import _tp_info, finalize, global_stats, local_stats, merge_stats
 
 
 @torch.no_grad()
-def packed_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                *, temperature: float = 1.0, tp_group=None,
-                                token_chunk: int = 1024, vocab_chunk: int = 16384,
-                                return_entropy: bool = False, bias: Optional[torch.Tensor] = None):
+def packed_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group=None,
+    token_chunk: int = 1024,
+    vocab_chunk: int = 16384,
+    return_entropy: bool = False,
+    bias: Optional[torch.Tensor] = None,
+):
     """Log-probabilities of ``labels`` under ``softmax(hidden @ weight.T / temperature)``.
 
     Args:
@@ -35,8 +44,10 @@ def packed_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, labe
         ``logprobs`` float32 ``[T]`` or ``(logprobs, entropy)``; identical on every TP rank.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [T, H] and weight [V_local, H] expected, got "
-                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden [T, H] and weight [V_local, H] expected, got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [T]={hidden.shape[0]}, got {tuple(labels.shape)}")
     if token_chunk <= 0 or vocab_chunk <= 0:
@@ -54,8 +65,13 @@ def packed_logprobs_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, labe
             logits = h @ weight[v0:v1].T
             if bias is not None:
                 logits += bias[v0:v1]
-            st = local_stats(logits, labels[a:b], vocab_start=rank * V_local + v0,
-                             temperature=temperature, with_entropy=return_entropy)
+            st = local_stats(
+                logits,
+                labels[a:b],
+                vocab_start=rank * V_local + v0,
+                temperature=temperature,
+                with_entropy=return_entropy,
+            )
             acc = st if acc is None else merge_stats(acc, st)
             del logits
         parts.append(acc)

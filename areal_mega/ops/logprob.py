@@ -5,6 +5,7 @@ shard (see :mod:`areal_mega.ops.reference`); this module merges them across the 
 group by all-reducing ``[T]``-sized tensors only, and implements the autograd function whose
 backward is computed shard-locally from the saved global ``log-sum-exp`` and ``E[x]``.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -22,16 +23,29 @@ def _tp_info(tp_group) -> Tuple[int, int]:
     return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
 
 
-def local_stats(logits: torch.Tensor, labels: torch.Tensor, *, vocab_start: int,
-                temperature: float, with_entropy: bool, chunk_size: Optional[int] = None):
+def local_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_start: int,
+    temperature: float,
+    with_entropy: bool,
+    chunk_size: Optional[int] = None,
+):
     """Per-token ``(m, s, xlab, u)`` of this shard using the selected backend."""
     mod = _backend.select(logits.device)
     if mod is None:
-        return logprob_stats_torch(logits, labels, vocab_start=vocab_start,
-                                   temperature=temperature, with_entropy=with_entropy,
-                                   chunk_size=chunk_size)
-    m, s, xlab, u = mod.logprob_stats(logits, labels, int(vocab_start),
-                                      1.0 / float(temperature), bool(with_entropy))
+        return logprob_stats_torch(
+            logits,
+            labels,
+            vocab_start=vocab_start,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=chunk_size,
+        )
+    m, s, xlab, u = mod.logprob_stats(
+        logits, labels, int(vocab_start), 1.0 / float(temperature), bool(with_entropy)
+    )
     return m, s, xlab, (u if with_entropy else None)
 
 
@@ -84,8 +98,14 @@ class _PackedLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, temperature, tp_group, chunk_size, return_entropy):
         rank, _ = _tp_info(tp_group)
         vocab_start = rank * logits.shape[1]
-        stats = local_stats(logits, labels, vocab_start=vocab_start, temperature=temperature,
-                            with_entropy=return_entropy, chunk_size=chunk_size)
+        stats = local_stats(
+            logits,
+            labels,
+            vocab_start=vocab_start,
+            temperature=temperature,
+            with_entropy=return_entropy,
+            chunk_size=chunk_size,
+        )
         m, s, xlab, u = global_stats(*stats, tp_group)
         lp, ent, lse, ex = finalize(m, s, xlab, u, labels)
         ctx.temperature = temperature
@@ -115,19 +135,40 @@ class _PackedLogprobs(torch.autograd.Function):
             grad_ent = grad_ent.to(lse.dtype).contiguous()
         mod = _backend.select(logits.device)
         if mod is None:
-            grad = logprob_backward_torch(logits, labels, lse, grad_lp, ex=ex, grad_entropy=grad_ent,
-                                          vocab_start=ctx.vocab_start,
-                                          temperature=ctx.temperature, chunk_size=ctx.chunk_size)
+            grad = logprob_backward_torch(
+                logits,
+                labels,
+                lse,
+                grad_lp,
+                ex=ex,
+                grad_entropy=grad_ent,
+                vocab_start=ctx.vocab_start,
+                temperature=ctx.temperature,
+                chunk_size=ctx.chunk_size,
+            )
         else:
-            grad = mod.logprob_backward(logits, labels, int(ctx.vocab_start),
-                                        1.0 / float(ctx.temperature), lse,
-                                        grad_lp.contiguous(), ex, grad_ent)
+            grad = mod.logprob_backward(
+                logits,
+                labels,
+                int(ctx.vocab_start),
+                1.0 / float(ctx.temperature),
+                lse,
+                grad_lp.contiguous(),
+                ex,
+                grad_ent,
+            )
         return grad, None, None, None, None, None
 
 
-def packed_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                    tp_group=None, chunk_size: Optional[int] = None,
-                    return_entropy: bool = False):
+def packed_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group=None,
+    chunk_size: Optional[int] = None,
+    return_entropy: bool = False,
+):
     """Log-probabilities of ``labels`` under ``softmax(logits / temperature)``.
 
     Args:
@@ -161,6 +202,7 @@ def packed_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: 
     labels = labels.to(device=logits.device, dtype=torch.long)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    lp, ent = _PackedLogprobs.apply(logits, labels, float(temperature), tp_group, chunk_size,
-                                    bool(return_entropy))
+    lp, ent = _PackedLogprobs.apply(
+        logits, labels, float(temperature), tp_group, chunk_size, bool(return_entropy)
+    )
     return (lp, ent) if return_entropy else lp

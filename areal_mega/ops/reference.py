@@ -20,6 +20,7 @@ Per-token logprob statistics (the contract shared by every backend) for one TP s
 * ``xlab`` = x_label if ``vocab_start <= label < vocab_start + V_local`` else 0
 * ``u``    = sum_v exp(x_v - m) * (x_v - m)            (only needed for the entropy)
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -45,9 +46,15 @@ def _local_label_index(labels: torch.Tensor, vocab_start: int, vocab_local: int)
     return local.clamp(0, vocab_local - 1), valid
 
 
-def logprob_stats_torch(logits: torch.Tensor, labels: torch.Tensor, *, vocab_start: int = 0,
-                        temperature: float = 1.0, with_entropy: bool = False,
-                        chunk_size: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+def logprob_stats_torch(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: Optional[int] = None,
+) -> Tuple[torch.Tensor, ...]:
     """Per-token statistics ``(m, s, xlab, u)`` of one vocabulary shard, chunked over tokens.
 
     ``u`` is ``None`` unless ``with_entropy``.  Outputs are ``[T]`` in :func:`acc_dtype`.
@@ -80,11 +87,18 @@ def logprob_stats_torch(logits: torch.Tensor, labels: torch.Tensor, *, vocab_sta
     return m, s, xlab, u
 
 
-def logprob_backward_torch(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                           grad_logprob: torch.Tensor, *, ex: Optional[torch.Tensor] = None,
-                           grad_entropy: Optional[torch.Tensor] = None, vocab_start: int = 0,
-                           temperature: float = 1.0,
-                           chunk_size: Optional[int] = None) -> torch.Tensor:
+def logprob_backward_torch(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logprob: torch.Tensor,
+    *,
+    ex: Optional[torch.Tensor] = None,
+    grad_entropy: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
     """Gradient w.r.t. the logits shard, in the logits' dtype.
 
     With ``p = softmax(x)`` over the global vocabulary (``lse`` is its global log-sum-exp) and
@@ -109,8 +123,9 @@ def logprob_backward_torch(logits: torch.Tensor, labels: torch.Tensor, lse: torc
             x.sub_(ex[a:b, None]).clamp_(min=lowest)
             g.sub_(p.mul_(x).mul_(grad_entropy[a:b, None]))
         rows = torch.arange(b - a, device=logits.device)
-        g[rows, idx[a:b]] += torch.where(valid[a:b], grad_logprob[a:b],
-                                         torch.zeros_like(grad_logprob[a:b]))
+        g[rows, idx[a:b]] += torch.where(
+            valid[a:b], grad_logprob[a:b], torch.zeros_like(grad_logprob[a:b])
+        )
         if inv_t != 1.0:
             g.mul_(inv_t)
         grad[a:b] = g
@@ -118,8 +133,13 @@ def logprob_backward_torch(logits: torch.Tensor, labels: torch.Tensor, lse: torc
     return grad
 
 
-def logprobs_naive(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                   return_entropy: bool = False):
+def logprobs_naive(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+):
     """The textbook definition: ``log_softmax(logits.float() / T).gather(labels)``.
 
     Materialises float32 ``[T, V]`` copies; negative labels give logprob 0.  Differentiable.
@@ -137,22 +157,34 @@ def logprobs_naive(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
 
 def _check_gae_inputs(rewards, values, cu_seqlens, bootstrap_values, loss_mask):
     if rewards.dim() != 1 or values.shape != rewards.shape:
-        raise ValueError(f"rewards and values must be 1-D of the same length, got "
-                         f"{tuple(rewards.shape)} and {tuple(values.shape)}")
+        raise ValueError(
+            f"rewards and values must be 1-D of the same length, got "
+            f"{tuple(rewards.shape)} and {tuple(values.shape)}"
+        )
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError("cu_seqlens must be 1-D with B+1 >= 1 entries")
     B = cu_seqlens.numel() - 1
     if bootstrap_values is not None and bootstrap_values.shape != (B,):
-        raise ValueError(f"bootstrap_values must have shape ({B},), got "
-                         f"{tuple(bootstrap_values.shape)}")
+        raise ValueError(
+            f"bootstrap_values must have shape ({B},), got {tuple(bootstrap_values.shape)}"
+        )
     if loss_mask is not None and loss_mask.shape != rewards.shape:
-        raise ValueError(f"loss_mask must have shape {tuple(rewards.shape)}, got "
-                         f"{tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"loss_mask must have shape {tuple(rewards.shape)}, got {tuple(loss_mask.shape)}"
+        )
 
 
-def gae_loop_reference(rewards, values, cu_seqlens, *, gamma: float, lam: float,
-                       bootstrap_values=None, loss_mask=None,
-                       dtype: torch.dtype = torch.float64):
+def gae_loop_reference(
+    rewards,
+    values,
+    cu_seqlens,
+    *,
+    gamma: float,
+    lam: float,
+    bootstrap_values=None,
+    loss_mask=None,
+    dtype: torch.dtype = torch.float64,
+):
     """GAE by the definition: a per-token Python loop, accumulated in float64.
 
     Tokens past ``cu_seqlens[-1]`` (padding) get 0.  Returns ``(advantages, returns)``.
@@ -180,8 +212,9 @@ def gae_loop_reference(rewards, values, cu_seqlens, *, gamma: float, lam: float,
     return (torch.tensor(adv, dtype=dtype), torch.tensor(ret, dtype=dtype))
 
 
-def packed_gae_torch(rewards, values, cu_seqlens, *, gamma: float, lam: float,
-                     bootstrap_values=None, loss_mask=None):
+def packed_gae_torch(
+    rewards, values, cu_seqlens, *, gamma: float, lam: float, bootstrap_values=None, loss_mask=None
+):
     """Vectorised torch GAE: scatter the (masked-in) tokens into a ``[L, B]`` grid and run the
     recurrence with one vectorised step per time index.  float32 in and out."""
     _check_gae_inputs(rewards, values, cu_seqlens, bootstrap_values, loss_mask)

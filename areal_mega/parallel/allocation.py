@@ -13,6 +13,7 @@ Pure parsing with no side effects; any process may call it: config validation
 the weight-update group (``areal_mega.parallel.weight_group``) and every trainer rank building
 its mesh (``TrainerSession``).
 """
+
 from __future__ import annotations
 
 import re
@@ -93,24 +94,36 @@ def _parse_dims(part: str, dims: str, allowed: str) -> ParallelDims:
             break
         letter, num = m.group(1), m.group(2)
         if letter not in _DIM_NAMES:
-            raise AllocationError(f"{part!r}: unknown letter '{letter}'; letters are "
-                                  + ", ".join(f"{k} ({v})" for k, v in _DIM_NAMES.items()))
+            raise AllocationError(
+                f"{part!r}: unknown letter '{letter}'; letters are "
+                + ", ".join(f"{k} ({v})" for k, v in _DIM_NAMES.items())
+            )
         if letter not in allowed:
-            raise AllocationError(f"{part!r}: letter '{letter}' ({_DIM_NAMES[letter]} parallel) "
-                                  f"is not allowed here; allowed: {', '.join(allowed)}")
+            raise AllocationError(
+                f"{part!r}: letter '{letter}' ({_DIM_NAMES[letter]} parallel) "
+                f"is not allowed here; allowed: {', '.join(allowed)}"
+            )
         if letter in values:
             raise AllocationError(f"{part!r}: letter '{letter}' given twice")
         size = int(num)
         if size < 1:
-            raise AllocationError(f"{part!r}: '{letter}' ({_DIM_NAMES[letter]} parallel size) "
-                                  f"must be >= 1, got {size}")
+            raise AllocationError(
+                f"{part!r}: '{letter}' ({_DIM_NAMES[letter]} parallel size) "
+                f"must be >= 1, got {size}"
+            )
         values[letter] = size
         pos = m.end()
     if pos != len(dims):
-        raise AllocationError(f"{part!r}: cannot parse {dims[pos:]!r}; expected letter+number "
-                              "pairs such as d2t2p1")
-    return ParallelDims(dp=values.get("d", 1), tp=values.get("t", 1), pp=values.get("p", 1),
-                        cp=values.get("c", 1), ep=values.get("e", 1))
+        raise AllocationError(
+            f"{part!r}: cannot parse {dims[pos:]!r}; expected letter+number pairs such as d2t2p1"
+        )
+    return ParallelDims(
+        dp=values.get("d", 1),
+        tp=values.get("t", 1),
+        pp=values.get("p", 1),
+        cp=values.get("c", 1),
+        ep=values.get("e", 1),
+    )
 
 
 def parse_allocation(text: str) -> Allocation:
@@ -138,16 +151,22 @@ def parse_allocation(text: str) -> Allocation:
     if len(parsed) == 2:
         rollout_backend, dims, part = parsed[0]
         if rollout_backend not in ROLLOUT_BACKENDS:
-            raise AllocationError(f"{part!r}: unknown rollout backend {rollout_backend!r}; "
-                                  f"expected one of {ROLLOUT_BACKENDS}")
+            raise AllocationError(
+                f"{part!r}: unknown rollout backend {rollout_backend!r}; "
+                f"expected one of {ROLLOUT_BACKENDS}"
+            )
         rollout = _parse_dims(part, dims, _ROLLOUT_LETTERS)
     trainer_backend, dims, part = parsed[-1]
     if trainer_backend not in TRAINER_BACKENDS:
         where = "second" if len(parsed) == 2 else "only"
-        raise AllocationError(f"{part!r}: the {where} part must be the trainer "
-                              f"({'/'.join(TRAINER_BACKENDS)}), got {trainer_backend!r}")
+        raise AllocationError(
+            f"{part!r}: the {where} part must be the trainer "
+            f"({'/'.join(TRAINER_BACKENDS)}), got {trainer_backend!r}"
+        )
     trainer = _parse_dims(part, dims, _TRAINER_LETTERS)
     if (trainer.dp * trainer.cp) % trainer.ep != 0:
-        raise AllocationError(f"{part!r}: 'e' (expert parallel size {trainer.ep}) must divide "
-                              f"d·c = {trainer.dp}·{trainer.cp} = {trainer.dp * trainer.cp}")
+        raise AllocationError(
+            f"{part!r}: 'e' (expert parallel size {trainer.ep}) must divide "
+            f"d·c = {trainer.dp}·{trainer.cp} = {trainer.dp * trainer.cp}"
+        )
     return Allocation(rollout_backend, rollout, trainer_backend, trainer)

@@ -10,6 +10,7 @@ Rank order is megatron's ``tp-cp-ep-dp-pp`` (TP fastest). Expert parallelism car
 expert-parallel group out of DP·CP with expert-tensor-parallel size = TP (megatron's default),
 which is why ``ep`` must divide ``dp·cp``.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,14 @@ __all__ = ["ParallelMesh", "init_distributed", "RANK_ORDER"]
 RANK_ORDER = "tp-cp-ep-dp-pp"
 
 
-def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
-                     rank: Optional[int] = None, world_size: Optional[int] = None,
-                     init_method: Optional[str] = None) -> None:
+def init_distributed(
+    *,
+    backend: Optional[str] = None,
+    timeout_s: float = 600.0,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    init_method: Optional[str] = None,
+) -> None:
     """Initialise the default process group once (env:// unless ``init_method`` is given).
 
     ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. A short ``timeout_s``
@@ -48,8 +54,13 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         init_method = "env://"
-    dist.init_process_group(backend, init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 @dataclass
@@ -69,11 +80,18 @@ class ParallelMesh:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def create(cls, dims: ParallelDims, *, vpp: Optional[int] = None,
-               sequence_parallel: bool = False, backend: Optional[str] = None,
-               timeout_s: float = 600.0, rank: Optional[int] = None,
-               world_size: Optional[int] = None, init_method: Optional[str] = None
-               ) -> "ParallelMesh":
+    def create(
+        cls,
+        dims: ParallelDims,
+        *,
+        vpp: Optional[int] = None,
+        sequence_parallel: bool = False,
+        backend: Optional[str] = None,
+        timeout_s: float = 600.0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        init_method: Optional[str] = None,
+    ) -> "ParallelMesh":
         """Initialise torch.distributed (if needed) and megatron's parallel state for ``dims``.
 
         On CPU the megatron-core compatibility patches are applied first. ``vpp`` is the
@@ -81,16 +99,25 @@ class ParallelMesh:
         import_megatron_core()
         if not torch.cuda.is_available():
             from areal_mega.compat import megatron_cpu
+
             megatron_cpu.apply()
-        init_distributed(backend=backend, timeout_s=timeout_s, rank=rank,
-                         world_size=world_size, init_method=init_method)
+        init_distributed(
+            backend=backend,
+            timeout_s=timeout_s,
+            rank=rank,
+            world_size=world_size,
+            init_method=init_method,
+        )
         ws = dist.get_world_size()
         if ws != dims.world_size:
-            raise ValueError(f"trainer layout {dims.short()} needs {dims.world_size} ranks, "
-                             f"torch.distributed has {ws}")
+            raise ValueError(
+                f"trainer layout {dims.short()} needs {dims.world_size} ranks, "
+                f"torch.distributed has {ws}"
+            )
         if (dims.dp * dims.cp) % dims.ep:
-            raise ValueError(f"expert parallel size e={dims.ep} must divide d*c="
-                             f"{dims.dp * dims.cp}")
+            raise ValueError(
+                f"expert parallel size e={dims.ep} must divide d*c={dims.dp * dims.cp}"
+            )
         if sequence_parallel and dims.tp == 1:
             sequence_parallel = False
         if vpp is not None and vpp <= 1:
@@ -99,6 +126,7 @@ class ParallelMesh:
             raise ValueError("virtual pipeline parallelism needs p > 1")
         from megatron.core import parallel_state as ps
         from megatron.core.process_groups_config import ProcessGroupCollection
+
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(
@@ -113,14 +141,25 @@ class ParallelMesh:
             order=RANK_ORDER,
         )
         pgc = ProcessGroupCollection.use_mpu_process_groups()
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() else torch.device("cpu"))
-        return cls(dims=dims, vpp=vpp, device=device, sequence_parallel=sequence_parallel,
-                   pg_collection=pgc, rank=dist.get_rank(), world_size=ws)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        return cls(
+            dims=dims,
+            vpp=vpp,
+            device=device,
+            sequence_parallel=sequence_parallel,
+            pg_collection=pgc,
+            rank=dist.get_rank(),
+            world_size=ws,
+        )
 
     def destroy(self, *, process_group: bool = False) -> None:
         """Destroy megatron's parallel state (and the default group when asked)."""
         from megatron.core import parallel_state as ps
+
         ps.destroy_model_parallel()
         if process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -189,6 +228,7 @@ class ParallelMesh:
         (:data:`RANK_ORDER`; dense groups have ep = 1), so it names the same
         DP groups as ``mesh.dp_group`` on each rank."""
         from megatron.core.parallel_state import RankGenerator
+
         d = self.dims
         gen = RankGenerator(tp=d.tp, ep=1, dp=d.dp, pp=d.pp, cp=d.cp, order=RANK_ORDER)
         out = [0] * self.world_size

@@ -28,6 +28,7 @@ The group does not touch the default process group, so it coexists with the trai
 ``torch.distributed`` world; it is registered with ranks 0..world_size-1 so that
 ``torch.distributed.broadcast(t, src=0, group=pg)`` works as on SGLang.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -43,6 +44,7 @@ class WeightGroup:
     """The broadcast group of ``rollout.weight_update=distributed``: the trainer's sender is
     rank 0, server ``i`` joins as ranks ``rank_offsets[i] .. rank_offsets[i] + ranks_per_server
     - 1`` (SGLang: ``rank_offset + tp_rank``)."""
+
     world_size: int
     rank_offsets: tuple
     ranks_per_server: int
@@ -66,8 +68,9 @@ MULTI_RANK_BACKENDS = ("sglang", "vllm")
 _NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
-def weight_update_group(alloc: Optional[Allocation], backend: str,
-                        n_servers: Optional[int] = None) -> WeightGroup:
+def weight_update_group(
+    alloc: Optional[Allocation], backend: str, n_servers: Optional[int] = None
+) -> WeightGroup:
     """World size and per-server rank offsets of the weight-update group (pure).
 
     The allocation string is the only authority: an SGLang or vLLM server of ``sglang:dDtT``
@@ -80,32 +83,42 @@ def weight_update_group(alloc: Optional[Allocation], backend: str,
     if backend not in ("local", *MULTI_RANK_BACKENDS):
         raise ConfigError(f"rollout.backend={backend!r}: must be 'local', 'sglang' or 'vllm'")
     if rollout is not None and alloc.rollout_backend != backend:
-        raise ConfigError(f"rollout.backend={backend!r} but allocation={alloc.canonical()!r} "
-                          f"names {alloc.rollout_backend!r} servers; make them agree")
+        raise ConfigError(
+            f"rollout.backend={backend!r} but allocation={alloc.canonical()!r} "
+            f"names {alloc.rollout_backend!r} servers; make them agree"
+        )
     if rollout is None:
         if backend in MULTI_RANK_BACKENDS:
             where = f"allocation={alloc.canonical()!r}" if alloc else "allocation"
-            raise ConfigError(f"{where} has no rollout part, so the {_NAMES[backend]} servers' "
-                              "tensor parallel size is unknown; write it there, e.g. "
-                              f"'{backend}:d2t4+megatron:...' (with rollout.server_addrs set, "
-                              "no servers are launched)")
+            raise ConfigError(
+                f"{where} has no rollout part, so the {_NAMES[backend]} servers' "
+                "tensor parallel size is unknown; write it there, e.g. "
+                f"'{backend}:d2t4+megatron:...' (with rollout.server_addrs set, "
+                "no servers are launched)"
+            )
         if n_servers is None:
-            raise ConfigError("weight_update_group: n_servers is needed without a rollout "
-                              "part in the allocation")
+            raise ConfigError(
+                "weight_update_group: n_servers is needed without a rollout part in the allocation"
+            )
         per = 1
     else:
         if n_servers is not None and n_servers != rollout.dp:
-            raise ConfigError(f"rollout.server_addrs: {n_servers} server(s) but allocation="
-                              f"{alloc.canonical()!r} has d{rollout.dp}; make them agree")
+            raise ConfigError(
+                f"rollout.server_addrs: {n_servers} server(s) but allocation="
+                f"{alloc.canonical()!r} has d{rollout.dp}; make them agree"
+            )
         if backend in MULTI_RANK_BACKENDS and rollout.pp > 1:
-            raise ConfigError(f"allocation={alloc.canonical()!r}: {_NAMES[backend]} joins the "
-                              "weight group as rank_offset + tp_rank, so servers with p>1 "
-                              "would collide; use rollout.weight_update=disk")
+            raise ConfigError(
+                f"allocation={alloc.canonical()!r}: {_NAMES[backend]} joins the "
+                "weight group as rank_offset + tp_rank, so servers with p>1 "
+                "would collide; use rollout.weight_update=disk"
+            )
         per = rollout.tp if backend in MULTI_RANK_BACKENDS else 1
         n_servers = rollout.dp
     if n_servers < 1:
-        raise ConfigError(f"rollout.server_addrs: {n_servers} servers; the weight group "
-                          "needs at least one")
+        raise ConfigError(
+            f"rollout.server_addrs: {n_servers} servers; the weight group needs at least one"
+        )
     return WeightGroup.of(n_servers, per)
 
 
@@ -113,9 +126,16 @@ def weight_update_group(alloc: Optional[Allocation], backend: str,
 HANDSHAKES = ("sglang", "vllm")
 
 
-def init_update_group(master_address: str, master_port: int, world_size: int, rank: int,
-                      group_name: str, backend: str = "gloo", timeout_s: float = 300.0,
-                      handshake: str = "sglang"):
+def init_update_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    handshake: str = "sglang",
+):
     """Join (rank 0: host) the weight-update group ``group_name``; blocks until all
     ``world_size`` ranks have joined or ``timeout_s`` passes. Returns the process group.
     ``handshake``: how the peers build theirs (``sglang``: SGLang and our CPU server; ``vllm``:
@@ -135,23 +155,38 @@ def init_update_group(master_address: str, master_port: int, world_size: int, ra
     # the store ``rendezvous("tcp://...")`` makes outside torchrun (rank 0 hosts it). Under
     # torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make rank 0 a mere client of a
     # store nobody hosts, so it is built directly; the keys are the same.
-    store = dist.TCPStore(master_address.strip("[]"), int(master_port), world_size,
-                          rank == 0, timeout=timeout, multi_tenant=True)
+    store = dist.TCPStore(
+        master_address.strip("[]"),
+        int(master_port),
+        world_size,
+        rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
     store.set_timeout(timeout)
     if handshake == "vllm":
-        pg = _stateless_group(store, master_address, master_port, world_size, rank, backend,
-                              timeout)
+        pg = _stateless_group(
+            store, master_address, master_port, world_size, rank, backend, timeout
+        )
     else:
         store = c10d.PrefixStore(group_name, store)
         pg, _ = c10d._new_process_group_helper(
-            world_size, rank, [], c10d.Backend(backend), store, group_name=group_name,
-            backend_options=None, timeout=timeout)
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            store,
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
-def _stateless_group(store, master_address: str, master_port: int, world_size: int, rank: int,
-                     backend: str, timeout):
+def _stateless_group(
+    store, master_address: str, master_port: int, world_size: int, rank: int, backend: str, timeout
+):
     """A process group as vLLM's stateless helper builds it: not in torch's group registry,
     its keys under the rendezvous URL."""
     import torch
@@ -184,7 +219,7 @@ def destroy_update_group(pg) -> None:
         return
     if pg in c10d._world.pg_map:
         dist.destroy_process_group(pg)
-    else:                               # a stateless (vLLM handshake) group
+    else:  # a stateless (vLLM handshake) group
         c10d._world.pg_group_ranks.pop(pg, None)
         pg.shutdown()
 
@@ -211,4 +246,4 @@ def broadcast_from_rank0(pg, tensor, watch=None, watch_every_s: float = 1.0) -> 
         if time.monotonic() >= next_watch:
             watch()
             next_watch = time.monotonic() + watch_every_s
-    work.wait()     # raises the collective's own error (gloo: a member's connection reset)
+    work.wait()  # raises the collective's own error (gloo: a member's connection reset)

@@ -15,6 +15,7 @@ Signature of every reward function: ``fn(prompt: str, completion: str, answer, *
 
 :func:`load_reward_fn` (here) loads the function a config names.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -36,6 +37,17 @@ def load_reward_fn(spec: str) -> Callable:
     return fn
 
 
-__all__ = ["TimeoutWorkerPool", "char_match_reward", "code_reward", "exact_match_reward",
-           "extract_boxed", "extract_code", "extract_gsm8k_answer", "gsm8k_reward",
-           "load_reward_fn", "math_reward", "parse_code_tests", "shutdown_reward_workers"]
+__all__ = [
+    "TimeoutWorkerPool",
+    "char_match_reward",
+    "code_reward",
+    "exact_match_reward",
+    "extract_boxed",
+    "extract_code",
+    "extract_gsm8k_answer",
+    "gsm8k_reward",
+    "load_reward_fn",
+    "math_reward",
+    "parse_code_tests",
+    "shutdown_reward_workers",
+]

@@ -1,5 +1,6 @@
 """Code rewards: the completion's last fenced python block runs on APPS/TACO-style tests in
 the sandbox (:mod:`areal_mega.rewards.sandbox`)."""
+
 from __future__ import annotations
 
 import json
@@ -37,17 +38,28 @@ def parse_code_tests(answer) -> dict:
         if not isinstance(answer.get(key), list):
             raise ValueError(f"code tests: {key!r} must be a list")
     if len(answer["inputs"]) != len(answer["outputs"]) or not answer["inputs"]:
-        raise ValueError(f"code tests: {len(answer['inputs'])} inputs but "
-                         f"{len(answer['outputs'])} outputs (need equal, non-zero counts)")
+        raise ValueError(
+            f"code tests: {len(answer['inputs'])} inputs but "
+            f"{len(answer['outputs'])} outputs (need equal, non-zero counts)"
+        )
     fn_name = answer.get("fn_name")
     if fn_name is not None and not isinstance(fn_name, str):
         raise ValueError("code tests: 'fn_name' must be a string")
     return {"inputs": answer["inputs"], "outputs": answer["outputs"], "fn_name": fn_name}
 
 
-def code_reward(prompt: str, completion: str, answer, *, timeout_s: float = 4.0,
-                all_or_nothing: bool = False, memory_mb: int = 1024, max_procs: int = 32,
-                max_file_mb: int = 32, **kw) -> float:
+def code_reward(
+    prompt: str,
+    completion: str,
+    answer,
+    *,
+    timeout_s: float = 4.0,
+    all_or_nothing: bool = False,
+    memory_mb: int = 1024,
+    max_procs: int = 32,
+    max_file_mb: int = 32,
+    **kw,
+) -> float:
     """Run the completion's last fenced python block on the tests in ``answer`` (APPS/TACO
     convention, see :func:`parse_code_tests`) in the sandbox (:mod:`areal_mega.rewards.sandbox`).
 
@@ -59,10 +71,16 @@ def code_reward(prompt: str, completion: str, answer, *, timeout_s: float = 4.0,
         return 0.0
     try:
         tests = parse_code_tests(answer)
-        res = default_sandbox().run(code, tests, timeout_s=timeout_s, memory_mb=memory_mb,
-                                    max_procs=max_procs, max_file_mb=max_file_mb,
-                                    stop_at_first_failure=all_or_nothing)
-    except (ValueError, TypeError, OSError) as e:   # bad tests or no process: score 0
+        res = default_sandbox().run(
+            code,
+            tests,
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            max_procs=max_procs,
+            max_file_mb=max_file_mb,
+            stop_at_first_failure=all_or_nothing,
+        )
+    except (ValueError, TypeError, OSError) as e:  # bad tests or no process: score 0
         log.warning("code_reward: %s", e)
         return 0.0
     if all_or_nothing:

@@ -1,4 +1,5 @@
 """GSM8K answers: the number after the last ``####``."""
+
 from __future__ import annotations
 
 import re

@@ -14,6 +14,7 @@ group is killed at the wall deadline (``timeout_s`` per test plus a start-up all
 the tests passed before it still count. Nothing here raises on bad code: a crash, a timeout or
 a missing result is a failed test.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,19 +36,20 @@ from areal_mega.common import counters
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
-STARTUP_ALLOWANCE_S = 2.0       # interpreter start + namespace setup, added to the wall deadline
-SLOT_UID_BASE = 61000           # slot k runs as uid/gid SLOT_UID_BASE + k when we are root
+STARTUP_ALLOWANCE_S = 2.0  # interpreter start + namespace setup, added to the wall deadline
+SLOT_UID_BASE = 61000  # slot k runs as uid/gid SLOT_UID_BASE + k when we are root
 
 
 @dataclass
 class SandboxResult:
     """What one evaluation did: tests passed of total, and how it was isolated."""
+
     passed: int
     total: int
     timed_out: bool = False
     error: Optional[str] = None
     isolation: dict = field(default_factory=dict)
-    test_seconds: list = field(default_factory=list)   # per finished test: fork to reaping
+    test_seconds: list = field(default_factory=list)  # per finished test: fork to reaping
 
     @property
     def fraction(self) -> float:
@@ -57,8 +59,9 @@ class SandboxResult:
 class CodeSandbox:
     """Bounded-concurrency sandboxed test runner (thread-safe; one per process is enough)."""
 
-    def __init__(self, max_parallel: int = 4, tmp_root: Optional[str] = None,
-                 namespaces: bool = True):
+    def __init__(
+        self, max_parallel: int = 4, tmp_root: Optional[str] = None, namespaces: bool = True
+    ):
         """``namespaces=False`` skips the namespaces and read-only mounts (resource limits
         and the slot uid only), e.g. where a kernel's namespaces misbehave; it is logged."""
         if max_parallel < 1:
@@ -78,13 +81,25 @@ class CodeSandbox:
         missing = [k for k in ("netns", "pidns", "readonly") if not info.get(k)]
         if missing and not self._warned:
             self._warned = True
-            log.warning("code sandbox: running without %s (%s); the code still runs under "
-                        "resource limits%s", ", ".join(missing), "; ".join(info.get("why", [])),
-                        ", but network access is NOT blocked" if "netns" in missing else "")
+            log.warning(
+                "code sandbox: running without %s (%s); the code still runs under "
+                "resource limits%s",
+                ", ".join(missing),
+                "; ".join(info.get("why", [])),
+                ", but network access is NOT blocked" if "netns" in missing else "",
+            )
 
-    def run(self, code: str, tests: dict, *, timeout_s: float = 4.0, memory_mb: int = 1024,
-            max_procs: int = 32, max_file_mb: int = 32, stop_at_first_failure: bool = False
-            ) -> SandboxResult:
+    def run(
+        self,
+        code: str,
+        tests: dict,
+        *,
+        timeout_s: float = 4.0,
+        memory_mb: int = 1024,
+        max_procs: int = 32,
+        max_file_mb: int = 32,
+        stop_at_first_failure: bool = False,
+    ) -> SandboxResult:
         """Run ``code`` on ``tests`` (``inputs``, ``outputs``, optional ``fn_name``).
 
         ``timeout_s``: wall and CPU limit per test; ``memory_mb``: address-space limit;
@@ -97,11 +112,18 @@ class CodeSandbox:
             self.peak_running = max(self.peak_running, self.running)
         workdir = tempfile.mkdtemp(prefix="areal-sandbox-", dir=self.tmp_root)
         try:
-            job = {"inputs": inputs, "outputs": outputs, "fn_name": tests.get("fn_name"),
-                   "timeout_s": float(timeout_s), "memory_mb": int(memory_mb),
-                   "max_procs": int(max_procs), "max_file_mb": int(max_file_mb),
-                   "uid": SLOT_UID_BASE + slot, "stop_at_first_failure": stop_at_first_failure,
-                   "namespaces": self.namespaces}
+            job = {
+                "inputs": inputs,
+                "outputs": outputs,
+                "fn_name": tests.get("fn_name"),
+                "timeout_s": float(timeout_s),
+                "memory_mb": int(memory_mb),
+                "max_procs": int(max_procs),
+                "max_file_mb": int(max_file_mb),
+                "uid": SLOT_UID_BASE + slot,
+                "stop_at_first_failure": stop_at_first_failure,
+                "namespaces": self.namespaces,
+            }
             Path(workdir, "job.json").write_text(json.dumps(job))
             Path(workdir, "solution.py").write_text(code)
             if os.geteuid() == 0:
@@ -117,10 +139,15 @@ class CodeSandbox:
     def _execute(self, workdir: str, job: dict, total: int) -> SandboxResult:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
         # -S: the standard library only (no site-packages); halves the start-up time
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(RUNNER), workdir],
-                                cwd=workdir,
-                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-B", str(RUNNER), workdir],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         timed_out = False
         try:
             out, _ = proc.communicate(timeout=job["timeout_s"] * total + STARTUP_ALLOWANCE_S)
@@ -150,7 +177,7 @@ class CodeSandbox:
             elif isinstance(rec.get("i"), int):
                 result.test_seconds.append(float(rec.get("s", 0.0)))
                 if rec.get("t"):
-                    counters.bump("sandbox/test_timeouts")   # reach the metrics rows
+                    counters.bump("sandbox/test_timeouts")  # reach the metrics rows
                 if rec.get("k"):
                     counters.bump("sandbox/test_kills")
                 if rec.get("ok") is True:

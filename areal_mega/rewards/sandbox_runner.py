@@ -17,6 +17,7 @@ step is best-effort; what worked is reported first as an ``{"isolation": {...}}`
 5. per test: fork, ``RLIMIT_CPU``, stdin from the test input, stdout to a file in the working
    directory, run the solution; the harness (not the solution) compares the output.
 """
+
 import ctypes
 import json
 import math
@@ -30,12 +31,16 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
 CLONE_NEWNET, CLONE_NEWIPC = 0x40000000, 0x08000000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MOUNT_ATTR_RDONLY, AT_RECURSIVE, AT_FDCWD = 0x1, 0x8000, -100
-SYS_MOUNT_SETATTR = 442   # x86_64 and aarch64 share the new-syscall numbers
+SYS_MOUNT_SETATTR = 442  # x86_64 and aarch64 share the new-syscall numbers
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _libc():
@@ -58,10 +63,13 @@ def isolate(libc, workdir: str) -> dict:
         info["why"].append(_err("unshare"))
         return info
     info["netns"] = info["pidns"] = True
-    if not root:   # map our own uid/gid into the new user namespace
+    if not root:  # map our own uid/gid into the new user namespace
         try:
-            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                               ("gid_map", f"{gid} {gid} 1")):
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
         except OSError as e:
@@ -76,25 +84,54 @@ def isolate(libc, workdir: str) -> dict:
         return info
     ro = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
     rw = _MountAttr(0, MOUNT_ATTR_RDONLY, 0, 0)
-    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(ro),
-                    ctypes.sizeof(ro)) != 0:
+    if (
+        libc.syscall(
+            SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(ro), ctypes.sizeof(ro)
+        )
+        != 0
+    ):
         info["why"].append(_err("mount_setattr / read-only"))
         return info
-    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, wd, 0, ctypes.byref(rw),
-                    ctypes.sizeof(rw)) != 0:
+    if libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, wd, 0, ctypes.byref(rw), ctypes.sizeof(rw)) != 0:
         info["why"].append(_err("mount_setattr workdir read-write"))
         return info
     info["readonly"] = True
-    os.chdir(workdir)   # the old cwd still points into the now read-only mount
+    os.chdir(workdir)  # the old cwd still points into the now read-only mount
     return info
 
 
 # Imported before the uid drop: the interpreter's files may not be readable by the slot uid
 # (e.g. a Python installed under a private home directory); a forked test inherits them.
-PRELOAD = ("array", "bisect", "collections", "copy", "datetime", "decimal",
-           "fractions", "functools", "heapq", "itertools", "math", "operator", "random", "re",
-           "statistics", "string", "typing", "traceback", "io", "enum", "queue", "cmath",
-           "socket", "encodings.idna", "struct", "textwrap", "hashlib", "time")
+PRELOAD = (
+    "array",
+    "bisect",
+    "collections",
+    "copy",
+    "datetime",
+    "decimal",
+    "fractions",
+    "functools",
+    "heapq",
+    "itertools",
+    "math",
+    "operator",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "typing",
+    "traceback",
+    "io",
+    "enum",
+    "queue",
+    "cmath",
+    "socket",
+    "encodings.idna",
+    "struct",
+    "textwrap",
+    "hashlib",
+    "time",
+)
 
 
 def limit_and_drop(job: dict) -> None:
@@ -113,7 +150,7 @@ def limit_and_drop(job: dict) -> None:
         os.setgroups([])
         os.setgid(job["uid"])
         os.setuid(job["uid"])
-    else:   # the limit counts every task of our uid (the trainer's too): allow those first
+    else:  # the limit counts every task of our uid (the trainer's too): allow those first
         nproc += _tasks_of_uid(os.getuid())
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
 
@@ -159,7 +196,7 @@ def _as_text(value) -> str:
 def _run_child(job: dict, src: str, i: int, report_fd: int) -> None:
     """In the forked test child: run the solution on test ``i``; never returns."""
     try:
-        os.close(report_fd)   # the solution must not reach the result channel
+        os.close(report_fd)  # the solution must not reach the result channel
         os.setpgid(0, 0)
         cpu = max(1, math.ceil(job["timeout_s"]))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -238,15 +275,25 @@ def run_tests(job: dict, src: str, out) -> None:
             else:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.02)
-        if os.getpid() == 1:   # PID 1 of our own namespace: clear anything the test left
+        if os.getpid() == 1:  # PID 1 of our own namespace: clear anything the test left
             try:
                 os.kill(-1, signal.SIGKILL)
             except OSError:
                 pass
         ok = _check(job, i, status)
         # "t": killed at the wall deadline; "k": ended by a signal (deadline, CPU or memory limit)
-        out.write(json.dumps({"i": i, "ok": ok, "s": round(time.monotonic() - started, 4),
-                              "t": timed_out, "k": status < 0}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "i": i,
+                    "ok": ok,
+                    "s": round(time.monotonic() - started, 4),
+                    "t": timed_out,
+                    "k": status < 0,
+                }
+            )
+            + "\n"
+        )
         out.flush()
         if not ok and job.get("stop_at_first_failure"):
             return
@@ -263,11 +310,16 @@ def main() -> None:
     if job.get("namespaces", True):
         info = isolate(_libc(), workdir)
     else:
-        info = {"root": os.geteuid() == 0, "netns": False, "pidns": False, "readonly": False,
-                "why": ["namespaces turned off (CodeSandbox(namespaces=False))"]}
+        info = {
+            "root": os.geteuid() == 0,
+            "netns": False,
+            "pidns": False,
+            "readonly": False,
+            "why": ["namespaces turned off (CodeSandbox(namespaces=False))"],
+        }
     out.write(json.dumps({"isolation": info}) + "\n")
     out.flush()
-    pid = os.fork()   # with a PID namespace this child is its PID 1
+    pid = os.fork()  # with a PID namespace this child is its PID 1
     if pid == 0:
         try:
             limit_and_drop(job)

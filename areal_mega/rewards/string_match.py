@@ -1,6 +1,7 @@
 """String rewards for tasks whose answer is one exact string (the synthetic tasks of
 :mod:`areal_mega.data.synthetic`): :func:`exact_match_reward` and its dense partial-credit
 twin :func:`char_match_reward`."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -8,9 +9,15 @@ from typing import Any, Optional
 DEFAULT_EOS_TOKEN = "<eos>"
 
 
-def exact_match_reward(prompt: str, completion: str, answer: Any, *,
-                       finish_reason: Optional[str] = None, eos_token: str = DEFAULT_EOS_TOKEN,
-                       **kw) -> float:
+def exact_match_reward(
+    prompt: str,
+    completion: str,
+    answer: Any,
+    *,
+    finish_reason: Optional[str] = None,
+    eos_token: str = DEFAULT_EOS_TOKEN,
+    **kw,
+) -> float:
     """1.0 for exactly ``answer`` followed by EOS or the end of the completion, else 0.0.
 
     The completion may carry the EOS token as text (``"21384<eos>"``, decoded without skipping
@@ -30,9 +37,15 @@ def exact_match_reward(prompt: str, completion: str, answer: Any, *,
     return 1.0 if text == str(answer) else 0.0
 
 
-def char_match_reward(prompt: str, completion: str, answer: Any, *,
-                      finish_reason: Optional[str] = None, eos_token: str = DEFAULT_EOS_TOKEN,
-                      **kw) -> float:
+def char_match_reward(
+    prompt: str,
+    completion: str,
+    answer: Any,
+    *,
+    finish_reason: Optional[str] = None,
+    eos_token: str = DEFAULT_EOS_TOKEN,
+    **kw,
+) -> float:
     """Partial credit: the fraction of positions where the completion (EOS removed) matches
     the answer, over the longer of the two. Dense where :func:`exact_match_reward` is sparse,
     so even an untrained model gets a learning signal."""

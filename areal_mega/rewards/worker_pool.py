@@ -1,6 +1,7 @@
 """Reward functions that may hang run in a few long-lived worker processes with a hard
 timeout: :class:`TimeoutWorkerPool` (a worker that overruns is killed and replaced) and the
 process-wide pool that :func:`~areal_mega.rewards.math_answer.math_reward` uses."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -40,8 +41,7 @@ class TimeoutWorkerPool:
 
     def _spawn(self):
         parent, child = self._ctx.Pipe()
-        p = self._ctx.Process(target=_worker_main, args=(child,), daemon=True,
-                              name="reward-worker")
+        p = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="reward-worker")
         p.start()
         child.close()
         return p, parent

@@ -23,15 +23,38 @@
 The servers themselves are :mod:`areal_mega.inference` (CPU), SGLang or vLLM (GPU; their
 pieces, the vLLM client included, are :mod:`areal_mega.backends`); what an episode does is
 :mod:`areal_mega.workflow`; rewards are :mod:`areal_mega.rewards`."""
-from areal_mega.rollout.client import (GenerateResult, RolloutClient, RolloutRequestError,
-                                       RolloutServerError, sampling_dict)
+
+from areal_mega.rollout.client import (
+    GenerateResult,
+    RolloutClient,
+    RolloutRequestError,
+    RolloutServerError,
+    sampling_dict,
+)
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.failures import FailureRate, FailureRateExceeded
 from areal_mega.rollout.hooks import ClientHooks
-from areal_mega.rollout.staleness import (StalenessCounter, may_start, rollout_capacity,
-                                          sample_version, staleness)
+from areal_mega.rollout.staleness import (
+    StalenessCounter,
+    may_start,
+    rollout_capacity,
+    sample_version,
+    staleness,
+)
 
-__all__ = ["ClientHooks", "GenerateResult", "RolloutClient", "RolloutRequestError",
-           "RolloutServerError", "sampling_dict", "RolloutController", "FailureRate",
-           "FailureRateExceeded", "StalenessCounter",
-           "may_start", "rollout_capacity", "sample_version", "staleness"]
+__all__ = [
+    "ClientHooks",
+    "GenerateResult",
+    "RolloutClient",
+    "RolloutRequestError",
+    "RolloutServerError",
+    "sampling_dict",
+    "RolloutController",
+    "FailureRate",
+    "FailureRateExceeded",
+    "StalenessCounter",
+    "may_start",
+    "rollout_capacity",
+    "sample_version",
+    "staleness",
+]

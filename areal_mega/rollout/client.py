@@ -17,6 +17,7 @@ new requests, how a server is probed (and brought back), whether calls wait whil
 and observe each ``/generate``: :class:`~areal_mega.rollout.relaunch.RelaunchPolicy` and
 :class:`~areal_mega.rollout.server_pool.ElasticPool`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,13 +30,24 @@ from typing import Optional
 
 import aiohttp
 
-from areal_mega.rollout.generate_result import (GenerateResult, RolloutRequestError,
-                                                RolloutServerError, generate_body,
-                                                parse_generate_answer, sampling_dict)
+from areal_mega.rollout.generate_result import (
+    GenerateResult,
+    RolloutRequestError,
+    RolloutServerError,
+    generate_body,
+    parse_generate_answer,
+    sampling_dict,
+)
 from areal_mega.rollout.hooks import ClientHooks
 
-__all__ = ["GenerateResult", "RolloutClient", "RolloutRequestError", "RolloutServerError",
-           "sampling_dict", "server_url"]
+__all__ = [
+    "GenerateResult",
+    "RolloutClient",
+    "RolloutRequestError",
+    "RolloutServerError",
+    "sampling_dict",
+    "server_url",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +72,16 @@ class RolloutClient:
     ``hooks`` (a :class:`ClientHooks`, default the plain behaviour) is what a relaunch-tolerant
     or elastic client adds; see the module docstring."""
 
-    def __init__(self, addrs: list, api_key: Optional[str] = None, timeout_s: float = 3600.0,
-                 retries: int = 3, backoff_s: float = 0.2, control_timeout_s: float = 600.0,
-                 hooks: Optional[ClientHooks] = None):
+    def __init__(
+        self,
+        addrs: list,
+        api_key: Optional[str] = None,
+        timeout_s: float = 3600.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        control_timeout_s: float = 600.0,
+        hooks: Optional[ClientHooks] = None,
+    ):
         if not addrs:
             raise ValueError("RolloutClient: need at least one server address")
         self._servers = [_Server(server_url(a)) for a in addrs]
@@ -148,7 +167,8 @@ class RolloutClient:
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._session = aiohttp.ClientSession(
-                headers=headers, connector=aiohttp.TCPConnector(limit=0))
+                headers=headers, connector=aiohttp.TCPConnector(limit=0)
+            )
         return self._session
 
     async def close(self) -> None:
@@ -158,8 +178,14 @@ class RolloutClient:
             await self._session.close()
             self._session = None
 
-    async def request(self, addr: str, method: str, path: str, body: Optional[dict] = None,
-                      timeout: Optional[float] = None) -> dict:
+    async def request(
+        self,
+        addr: str,
+        method: str,
+        path: str,
+        body: Optional[dict] = None,
+        timeout: Optional[float] = None,
+    ) -> dict:
         """One HTTP call to ``addr`` (a member or not) with this client's session and key;
         returns the JSON answer (``{}`` when empty). HTTP 4xx raises
         :class:`RolloutRequestError`, 5xx ``aiohttp.ClientResponseError``; connection errors
@@ -171,16 +197,18 @@ class RolloutClient:
             text = await resp.text()
             if resp.status >= 400:
                 msg = text
-                try:   # SGLang's error object, or a LoRA call's error_message
+                try:  # SGLang's error object, or a LoRA call's error_message
                     j = await resp.json(content_type=None)
                     msg = j["error"]["message"] if "error" in j else j["error_message"]
                 except Exception:  # noqa: BLE001 - keep the raw text
                     pass
                 if 400 <= resp.status < 500:
-                    raise RolloutRequestError(f"{url}{path}: HTTP {resp.status}: {msg}",
-                                              status=resp.status)
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                  message=f"{msg}"[:500])
+                    raise RolloutRequestError(
+                        f"{url}{path}: HTTP {resp.status}: {msg}", status=resp.status
+                    )
+                raise aiohttp.ClientResponseError(
+                    resp.request_info, (), status=resp.status, message=f"{msg}"[:500]
+                )
             if not text:
                 return {}
             try:
@@ -208,8 +236,9 @@ class RolloutClient:
         s = self._sticky.get(sticky_key) if sticky_key else None
         if s is not None and s.healthy and s.addr not in exclude:
             return s
-        cands = [s for s in self._servers if s.healthy and s.addr not in exclude] or \
-                [s for s in self._servers if s.healthy]
+        cands = [s for s in self._servers if s.healthy and s.addr not in exclude] or [
+            s for s in self._servers if s.healthy
+        ]
         if not cands:
             return None
         s = min(cands, key=lambda x: x.inflight)
@@ -226,10 +255,16 @@ class RolloutClient:
         self._sticky.pop(sticky_key, None)
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, input_ids: list, sampling_params: dict, rid: Optional[str] = None,
-                       sticky_key: Optional[str] = None,
-                       return_routed_experts: bool = False, routes_from: int = 0,
-                       lora_path: Optional[str] = None) -> GenerateResult:
+    async def generate(
+        self,
+        input_ids: list,
+        sampling_params: dict,
+        rid: Optional[str] = None,
+        sticky_key: Optional[str] = None,
+        return_routed_experts: bool = False,
+        routes_from: int = 0,
+        lora_path: Optional[str] = None,
+    ) -> GenerateResult:
         """``POST /generate`` with logprobs on the least-loaded server, retrying elsewhere on
         failure. Returns the parsed result (``finish_type`` is stop/length/abort). When every
         try failed for want of a server and ``hooks.down_wait_s`` is set, waits up to that
@@ -238,8 +273,14 @@ class RolloutClient:
         still encoded), from position ``routes_from`` on (``routed_experts_start_len``).
         ``lora_path``: the name of a loaded LoRA adapter to generate with (default
         :attr:`lora_name`; None there too: the base model)."""
-        body = generate_body(input_ids, sampling_params, rid, return_routed_experts,
-                             routes_from, lora_path if lora_path is not None else self.lora_name)
+        body = generate_body(
+            input_ids,
+            sampling_params,
+            rid,
+            return_routed_experts,
+            routes_from,
+            lora_path if lora_path is not None else self.lora_name,
+        )
         wait_s = self.hooks.down_wait_s
         deadline = time.monotonic() + (wait_s or 0.0)
         while True:
@@ -259,7 +300,7 @@ class RolloutClient:
                 srv = self._pick(key, tried)
             if srv is None:
                 last = last or RolloutServerError("no healthy rollout server")
-                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
                 continue
             srv.inflight += 1
             try:
@@ -273,7 +314,7 @@ class RolloutClient:
                 tried.add(srv.addr)
                 if key:
                     self._sticky.pop(key, None)
-                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+                await asyncio.sleep(self.backoff_s * 2**attempt)
                 continue
             finally:
                 srv.inflight -= 1
@@ -288,8 +329,14 @@ class RolloutClient:
         await self._broadcast("/abort_request", body, only=[srv] if srv else None)
 
     # ------------------------------------------------------------------ control plane
-    async def _broadcast(self, path: str, body: Optional[dict] = None, only=None,
-                         method: str = "POST", timeout: Optional[float] = None) -> list:
+    async def _broadcast(
+        self,
+        path: str,
+        body: Optional[dict] = None,
+        only=None,
+        method: str = "POST",
+        timeout: Optional[float] = None,
+    ) -> list:
         wait_s = self.hooks.down_wait_s
         if only is None and wait_s is not None and not any(s.healthy for s in self._servers):
             await self.wait_for_server(time.monotonic() + wait_s)
@@ -299,13 +346,15 @@ class RolloutClient:
 
         async def one(s: _Server):
             try:
-                return await self.request(s.addr, method, path, body,
-                                          timeout=timeout or self.control_timeout_s)
+                return await self.request(
+                    s.addr, method, path, body, timeout=timeout or self.control_timeout_s
+                )
             except RolloutRequestError:
                 raise
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 self._mark_down(s, e)
                 return None
+
         return await asyncio.gather(*(one(s) for s in targets))
 
     async def pause(self) -> None:
@@ -316,55 +365,86 @@ class RolloutClient:
         """``POST /continue_generation`` on every live server."""
         await self._broadcast("/continue_generation", {})
 
-    async def update_weights_from_disk(self, model_path: str,
-                                       weight_version: Optional[int] = None) -> None:
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: Optional[int] = None
+    ) -> None:
         """``POST /update_weights_from_disk`` on every live server."""
         body: dict = {"model_path": model_path, "abort_all_requests": False}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         await self._broadcast("/update_weights_from_disk", body)
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str,
-                                pinned: bool = False) -> list:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> list:
         """SGLang's ``POST /load_lora_adapter`` on every live server; returns the answers
         (``success``, ``error_message``, ``loaded_adapters``); a refusal (HTTP 400) raises
         :class:`RolloutRequestError` carrying the server's answer."""
-        return await self._broadcast("/load_lora_adapter", {
-            "lora_name": lora_name, "lora_path": lora_path, "pinned": bool(pinned)})
+        return await self._broadcast(
+            "/load_lora_adapter",
+            {"lora_name": lora_name, "lora_path": lora_path, "pinned": bool(pinned)},
+        )
 
     async def unload_lora_adapter(self, lora_name: str) -> list:
         """``POST /unload_lora_adapter`` on every live server (each answers once no request
         uses the adapter); raises on a refusal like :meth:`load_lora_adapter`."""
         return await self._broadcast("/unload_lora_adapter", {"lora_name": lora_name})
 
-    async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        world_size: int, group_name: str, backend: str,
-                                        rank_offsets: list) -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        rank_offsets: list,
+    ) -> None:
         """``POST /init_weights_update_group``: server i joins as ranks from
         ``rank_offsets[i]`` (rank 0 is the trainer's sender)."""
         if len(rank_offsets) != len(self._servers):
-            raise ValueError(f"rank_offsets: {len(rank_offsets)} for {len(self._servers)} "
-                             "servers")
+            raise ValueError(f"rank_offsets: {len(rank_offsets)} for {len(self._servers)} servers")
 
         async def one(i: int, s: _Server):
-            return await self.request(s.addr, "POST", "/init_weights_update_group", {
-                "master_address": master_address, "master_port": master_port,
-                "rank_offset": rank_offsets[i], "world_size": world_size,
-                "group_name": group_name, "backend": backend}, timeout=self.control_timeout_s)
+            return await self.request(
+                s.addr,
+                "POST",
+                "/init_weights_update_group",
+                {
+                    "master_address": master_address,
+                    "master_port": master_port,
+                    "rank_offset": rank_offsets[i],
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+                timeout=self.control_timeout_s,
+            )
+
         await asyncio.gather(*(one(i, s) for i, s in enumerate(self._servers)))
 
-    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
-                                              group_name: str,
-                                              weight_version: Optional[int] = None) -> None:
+    async def update_weights_from_distributed(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        group_name: str,
+        weight_version: Optional[int] = None,
+    ) -> None:
         """``POST /update_weights_from_distributed`` to every server (the trainer broadcasts
         the tensors over the group while these requests are in flight)."""
-        body: dict = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                      "group_name": group_name}
+        body: dict = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        await asyncio.gather(*(self.request(s.addr, "POST", "/update_weights_from_distributed",
-                                            body, timeout=self.control_timeout_s)
-                               for s in self._servers))
+        await asyncio.gather(
+            *(
+                self.request(
+                    s.addr,
+                    "POST",
+                    "/update_weights_from_distributed",
+                    body,
+                    timeout=self.control_timeout_s,
+                )
+                for s in self._servers
+            )
+        )
 
     async def weights_received(self, weight_version: Optional[int] = None) -> None:
         """After the last bucket of a version: nothing on SGLang, which loads each bucket as
@@ -376,9 +456,15 @@ class RolloutClient:
         error (e.g. a relaunched server that holds no group) is raised, so none is still
         destroying while the group is formed again."""
         targets = [s for s in self._servers if s.healthy]
-        outs = await asyncio.gather(*(self._broadcast(
-            "/destroy_weights_update_group", {"group_name": group_name}, only=[s])
-            for s in targets), return_exceptions=True)
+        outs = await asyncio.gather(
+            *(
+                self._broadcast(
+                    "/destroy_weights_update_group", {"group_name": group_name}, only=[s]
+                )
+                for s in targets
+            ),
+            return_exceptions=True,
+        )
         errors = [e for e in outs if isinstance(e, BaseException)]
         if errors:
             raise errors[0]
@@ -397,8 +483,9 @@ class RolloutClient:
 
     async def model_info(self, i: int = 0) -> dict:
         """``GET /get_model_info`` of server ``i``."""
-        return await self.request(self._servers[i].addr, "GET", "/get_model_info",
-                                  timeout=self.control_timeout_s)
+        return await self.request(
+            self._servers[i].addr, "GET", "/get_model_info", timeout=self.control_timeout_s
+        )
 
     async def check_health(self, timeout: float = 5.0) -> list:
         """Probe every server (``hooks.probe``; plain: ``GET /health``), updating the health
@@ -407,8 +494,7 @@ class RolloutClient:
         if self.hooks.serial_checks and self._health_lock is None:
             self._health_lock = asyncio.Lock()
         async with self._health_lock if self.hooks.serial_checks else contextlib.nullcontext():
-            return list(await asyncio.gather(*(self._check_one(s, timeout)
-                                               for s in self._servers)))
+            return list(await asyncio.gather(*(self._check_one(s, timeout) for s in self._servers)))
 
     async def _check_one(self, srv: _Server, timeout: float) -> bool:
         try:
@@ -438,4 +524,3 @@ class RolloutClient:
                 down = [s.addr for s in self._servers if not s.healthy]
                 raise RolloutServerError(f"rollout servers not ready after {timeout}s: {down}")
             await asyncio.sleep(0.2)
-

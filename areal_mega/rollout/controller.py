@@ -22,6 +22,7 @@ consumes in start order.
 Staleness (units: prompt groups, see :mod:`areal_mega.rollout.staleness`): a group starts only
 while ``accepted + running < (η + version + 1) · batch_size``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class GenerationOutput:
     """A completed (possibly interrupted and resumed) generation."""
+
     output_ids: list
     logprobs: list
     versions: list
@@ -89,8 +91,9 @@ class GroupContext:
         """Unique id of sample ``j`` of this group."""
         return f"{self.group_id}-s{j}"
 
-    async def generate(self, input_ids: list, max_new_tokens: int, sample_index: int = 0,
-                       turn: int = 0, **sampling) -> GenerationOutput:
+    async def generate(
+        self, input_ids: list, max_new_tokens: int, sample_index: int = 0, turn: int = 0, **sampling
+    ) -> GenerationOutput:
         """Interruptible generation (see :meth:`RolloutController.generate`)."""
         key = f"{self.sample_id(sample_index)}-t{turn}"
         return await self.ctl.generate(input_ids, max_new_tokens, key=key, **sampling)
@@ -120,38 +123,58 @@ class GroupContext:
 class RolloutController:
     """Runs episodes in a background asyncio thread; see the module docstring."""
 
-    def __init__(self, client: RolloutClient, workflow, prompts: Iterable[dict], *,
-                 batch_size: int, n_samples: int, eta: int, max_concurrent: int = 64,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                 tokenizer=None, sink: Callable[[list], None],
-                 initial_version: int = 0, max_episode_retries: int = 3,
-                 on_episode_failure: str = "fail", failure_rate: Optional[FailureRate] = None,
-                 reward_threads: int = 4, route_layout: Optional[RouteLayout] = None,
-                 **extra_sampling):
+    def __init__(
+        self,
+        client: RolloutClient,
+        workflow,
+        prompts: Iterable[dict],
+        *,
+        batch_size: int,
+        n_samples: int,
+        eta: int,
+        max_concurrent: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        tokenizer=None,
+        sink: Callable[[list], None],
+        initial_version: int = 0,
+        max_episode_retries: int = 3,
+        on_episode_failure: str = "fail",
+        failure_rate: Optional[FailureRate] = None,
+        reward_threads: int = 4,
+        route_layout: Optional[RouteLayout] = None,
+        **extra_sampling,
+    ):
         # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
         self.failures = EpisodeFailures(on_episode_failure, max_episode_retries, failure_rate)
         self.client = client
         self.workflow = workflow
         self._prompts = iter(prompts)
-        self._requeued: deque = deque()             # (prompt item, failed attempts so far)
+        self._requeued: deque = deque()  # (prompt item, failed attempts so far)
         self.n_samples = n_samples
         self.max_concurrent = max_concurrent
-        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
-                         **extra_sampling}
+        self.sampling = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            **extra_sampling,
+        }
         self.tokenizer = tokenizer
-        self.route_layout = route_layout     # set: ask the servers for MoE routes (R3)
+        self.route_layout = route_layout  # set: ask the servers for MoE routes (R3)
         self.sink = sink
         self.run_id = uuid.uuid4().hex[:8]
         self.counter = StalenessCounter(batch_size=batch_size, eta=eta, version=initial_version)
-        self._pool = concurrent.futures.ThreadPoolExecutor(reward_threads,
-                                                           thread_name_prefix="rollout-reward")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            reward_threads, thread_name_prefix="rollout-reward"
+        )
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
-        self._closers: list = []                    # run on the loop as it ends (at_close)
+        self._closers: list = []  # run on the loop as it ends (at_close)
         self._error_lock = threading.Lock()
-        self._order: deque = deque()                # started, not delivered group indices
-        self._finished: dict = {}                   # group index -> list[Trajectory]
-        self._sink_lock = asyncio.Lock()            # sink deliveries keep start order
+        self._order: deque = deque()  # started, not delivered group indices
+        self._finished: dict = {}  # group index -> list[Trajectory]
+        self._sink_lock = asyncio.Lock()  # sink deliveries keep start order
         self._group_ids = itertools.count()
         self._exhausted = False
         self._error: Optional[BaseException] = None
@@ -197,10 +220,12 @@ class RolloutController:
         """Stop starting groups, abort in-flight requests and join the loop thread."""
         if self._thread is None or self._loop is None:
             return
+
         def _stop():
             self._stopping = True
             self._gate.set()
             self._wake.set()
+
         self._loop.call_soon_threadsafe(_stop)
         self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -232,15 +257,18 @@ class RolloutController:
     # ------------------------------------------------------------------ the loop
     async def _main(self) -> None:
         try:
-            self._trust_server_version = await self.client.set_weight_version(
-                self.counter.version)
+            self._trust_server_version = await self.client.set_weight_version(self.counter.version)
         except RolloutServerError as e:
             raise RuntimeError(f"rollout servers unreachable at start: {e}") from None
         tasks: set = set()
         while not self._stopping:
             c = self.counter
-            can = (self._gate.is_set() and c.capacity() > 0 and c.running < self.max_concurrent
-                   and (not self._exhausted or bool(self._requeued)))  # retries go on
+            can = (
+                self._gate.is_set()
+                and c.capacity() > 0
+                and c.running < self.max_concurrent
+                and (not self._exhausted or bool(self._requeued))
+            )  # retries go on
             if can:
                 item, attempt = self._next_prompt()
                 if item is None:
@@ -287,17 +315,27 @@ class RolloutController:
             retry, err = self.failures.after_failure(attempt, e)
             if retry:
                 self._requeued.append((item, attempt + 1))
-            elif err is None:   # dropped (a failed run's error is enough said)
-                log.warning("prompt dropped after %d attempts (%d so far): %s; prompt %.200r",
-                            attempt + 1, self.failures.n_dropped, e, item)
+            elif err is None:  # dropped (a failed run's error is enough said)
+                log.warning(
+                    "prompt dropped after %d attempts (%d so far): %s; prompt %.200r",
+                    attempt + 1,
+                    self.failures.n_dropped,
+                    e,
+                    item,
+                )
             if err is not None:
                 self._set_error(err)
             self._wake.set()
             await self._deliver_in_order()  # a later-started group may have waited for this one
             return
         for tr in group:
-            tr.meta.update({"group_index": gidx, "start_version": start_version,
-                            "sample_version": sample_version(tr.versions)})
+            tr.meta.update(
+                {
+                    "group_index": gidx,
+                    "start_version": start_version,
+                    "sample_version": sample_version(tr.versions),
+                }
+            )
         self.counter.on_finish(accepted=True)
         self.n_finished += 1
         self.failures.record_outcome(True)
@@ -325,15 +363,15 @@ class RolloutController:
             while self._order and self._order[0] in self._finished:
                 group = self._finished.pop(self._order.popleft())
                 try:
-                    await asyncio.get_running_loop().run_in_executor(self._pool, self.sink,
-                                                                     group)
+                    await asyncio.get_running_loop().run_in_executor(self._pool, self.sink, group)
                 except Exception as e:  # noqa: BLE001
                     log.exception("sink failed")
                     self._set_error(e)
                     return
 
-    async def generate(self, input_ids: list, max_new_tokens: int, key: str,
-                       **sampling) -> GenerationOutput:
+    async def generate(
+        self, input_ids: list, max_new_tokens: int, key: str, **sampling
+    ) -> GenerationOutput:
         """Generate ``max_new_tokens`` at most; when a weight update interrupts the request
         (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
         output with the remaining budget. Tokens carry the version that produced them; with a
@@ -347,39 +385,57 @@ class RolloutController:
         while True:
             await self._gate.wait()
             if self._stopping:
-                return GenerationOutput(out, lps, vers, "abort", seg, server,
-                                        routes.rows() if routes else None)
+                return GenerationOutput(
+                    out, lps, vers, "abort", seg, server, routes.rows() if routes else None
+                )
             remaining = max_new_tokens - len(out)
             submit_version = self.counter.version
             params = dict(sp, max_new_tokens=remaining)
             self.n_inflight_requests += 1
             try:
-                route_kw = {} if routes is None else dict(      # only with routing replay
-                    return_routed_experts=True)
-                res = await self.client.generate(list(input_ids) + out, params,
-                                                 rid=f"{key}-r{seg}", sticky_key=key,
-                                                 **route_kw)
+                route_kw = (
+                    {}
+                    if routes is None
+                    else dict(  # only with routing replay
+                        return_routed_experts=True
+                    )
+                )
+                res = await self.client.generate(
+                    list(input_ids) + out, params, rid=f"{key}-r{seg}", sticky_key=key, **route_kw
+                )
             finally:
                 self.n_inflight_requests -= 1
             status = (res.finish_reason or {}).get("status_code")
-            if res.finish_type == "abort" and status:   # an error, not an interruption
+            if res.finish_type == "abort" and status:  # an error, not an interruption
                 self.client.release(key)
                 raise RolloutRequestError(
                     f"{res.server}/generate: aborted with status {status}: "
-                    f"{(res.finish_reason or {}).get('message', '')}", status=int(status))
+                    f"{(res.finish_reason or {}).get('message', '')}",
+                    status=int(status),
+                )
             if routes is not None:
                 got = call_routes(res, len(input_ids) + len(out), self.route_layout)
                 routes.add(*(got or (None,)))
             out += res.output_ids
             lps += res.logprobs
-            vers += token_versions(res, submit_version) if self._trust_server_version else \
-                [submit_version] * len(res.output_ids)
+            vers += (
+                token_versions(res, submit_version)
+                if self._trust_server_version
+                else [submit_version] * len(res.output_ids)
+            )
             server = res.server
             if res.finish_type != "abort" or len(out) >= max_new_tokens:
                 self.client.release(key)
                 finish = res.finish_type if res.finish_type != "abort" else "length"
-                return GenerationOutput(out, lps, vers, model_finish(finish, out, sp, self.tokenizer),
-                                        seg, server, routes.rows() if routes else None)
+                return GenerationOutput(
+                    out,
+                    lps,
+                    vers,
+                    model_finish(finish, out, sp, self.tokenizer),
+                    seg,
+                    server,
+                    routes.rows() if routes else None,
+                )
             seg += 1
             self.n_interruptions += 1
 
@@ -404,8 +460,9 @@ class RolloutController:
 
     def _check_version(self, version: int) -> None:
         if version <= self.counter.version:
-            raise ValueError(f"update_weights: version {version} must exceed "
-                             f"{self.counter.version}")
+            raise ValueError(
+                f"update_weights: version {version} must exceed {self.counter.version}"
+            )
 
     def begin_weight_update(self, timeout: float = 600.0) -> None:
         """First half of an update driven from elsewhere (e.g. the trainer broadcasting over
@@ -431,7 +488,7 @@ class RolloutController:
                         await self.client.set_weight_version(version)
                     self.counter.set_version(version)
             finally:
-                await self.client.resume()      # never leave a server paused
+                await self.client.resume()  # never leave a server paused
         finally:
             self._gate.set()
             self._wake.set()
@@ -440,10 +497,19 @@ class RolloutController:
         """Counters for logging (the cumulative ones reach the metrics rows through
         :mod:`areal_mega.rollout.counts`)."""
         c = self.counter
-        return {"version": c.version, "accepted": c.accepted, "running": c.running,
-                "rejected": c.rejected, "capacity": c.capacity(), "started": self.n_started,
-                "finished": self.n_finished, "failed": self.n_failed,
-                "interruptions": self.n_interruptions, "reward_errors": self.reward_errors,
-                **self.failures.stats(),
-                "buffered": len(self._finished), "max_running_seen": self.max_running_seen,
-                **(self.workflow.stats() if hasattr(self.workflow, "stats") else {})}
+        return {
+            "version": c.version,
+            "accepted": c.accepted,
+            "running": c.running,
+            "rejected": c.rejected,
+            "capacity": c.capacity(),
+            "started": self.n_started,
+            "finished": self.n_finished,
+            "failed": self.n_failed,
+            "interruptions": self.n_interruptions,
+            "reward_errors": self.reward_errors,
+            **self.failures.stats(),
+            "buffered": len(self._finished),
+            "max_running_seen": self.max_running_seen,
+            **(self.workflow.stats() if hasattr(self.workflow, "stats") else {}),
+        }

@@ -12,6 +12,7 @@ checkpoint), a duplicate delivery is dropped with its group by the buffer, and a
 worker carries only what its own process counted. Events after a worker's last delivery die
 with the worker.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -29,8 +30,13 @@ def counts_of(stats: dict) -> dict:
     ``agent_ok`` / ``agent_failed/<reason>`` and ``dropped/<reason>`` included) plus the
     process-wide ones of :mod:`areal_mega.common.counters`."""
     out = {k: int(stats[k]) for k in CONTROLLER_COUNTS if k in stats}
-    out.update({k: int(v) for k, v in stats.items()
-                if k.startswith(("agent_", "dropped/")) and isinstance(v, (int, float))})
+    out.update(
+        {
+            k: int(v)
+            for k, v in stats.items()
+            if k.startswith(("agent_", "dropped/")) and isinstance(v, (int, float))
+        }
+    )
     out.update(counters.snapshot())
     return out
 
@@ -40,9 +46,9 @@ class CountCarrier:
     counts; ``start`` continues them after a relaunch) and the deltas to attach."""
 
     def __init__(self, read: Callable[[], dict], start: Optional[dict] = None):
-        self.read = read                       # the process's cumulative counts now
+        self.read = read  # the process's cumulative counts now
         self.delivered = {k: int(v) for k, v in (start or {}).items()}
-        self._base: dict = {}                  # what this process had counted at the last delivery
+        self._base: dict = {}  # what this process had counted at the last delivery
 
     def attach(self, group: list) -> dict:
         """Put the counts since the previous delivery into ``group[0].meta`` (only non-zero
@@ -51,8 +57,7 @@ class CountCarrier:
         if not group:
             return {}
         now = self.read()
-        delta = {k: v - self._base.get(k, 0) for k, v in now.items()
-                 if v != self._base.get(k, 0)}
+        delta = {k: v - self._base.get(k, 0) for k, v in now.items() if v != self._base.get(k, 0)}
         self._base = now
         if delta:
             group[0].meta[CARRY_KEY] = delta

@@ -19,6 +19,7 @@ stops the run with one :class:`FailureRateExceeded` naming the rate, the window 
 (``failure_rate_ceiling=1`` never stops). A relaunch does not cure it: the rollout worker exits
 with :data:`areal_mega.run_dir.FATAL_EXIT_CODE` and ``launch.local`` ends the run.
 """
+
 from __future__ import annotations
 
 import threading
@@ -28,8 +29,7 @@ from typing import Optional
 from areal_mega.rollout.client import RolloutRequestError
 
 BUILTIN_WORKFLOWS = ("rlvr", "multi_turn")
-KEYS = ("rollout.failure_rate_ceiling", "rollout.failure_window",
-        "rollout.failure_min_prompts")
+KEYS = ("rollout.failure_rate_ceiling", "rollout.failure_window", "rollout.failure_min_prompts")
 
 
 class FailureRateExceeded(RuntimeError):
@@ -40,8 +40,7 @@ def episode_failure_policy(on_episode_failure: str, workflow: str) -> str:
     """``fail`` or ``drop``: what ``rollout.on_episode_failure`` means for ``rollout.workflow``
     (``auto``: ``fail`` for the built-in workflows, ``drop`` for the others)."""
     if on_episode_failure not in ("auto", "fail", "drop"):
-        raise ValueError(f"on_episode_failure={on_episode_failure!r}: must be auto, fail or "
-                         "drop")
+        raise ValueError(f"on_episode_failure={on_episode_failure!r}: must be auto, fail or drop")
     if on_episode_failure != "auto":
         return on_episode_failure
     return "fail" if workflow in BUILTIN_WORKFLOWS else "drop"
@@ -56,10 +55,11 @@ class FailureRate:
         if not 0.0 <= ceiling <= 1.0:
             raise ValueError(f"failure_rate_ceiling={ceiling!r}: must be in [0, 1]")
         if not 1 <= min_prompts <= window:
-            raise ValueError(f"failure_min_prompts={min_prompts!r}: must be in [1, "
-                             f"failure_window={window}]")
+            raise ValueError(
+                f"failure_min_prompts={min_prompts!r}: must be in [1, failure_window={window}]"
+            )
         self.ceiling, self.window, self.min_prompts = float(ceiling), int(window), min_prompts
-        self._outcomes: deque = deque(maxlen=self.window)   # None (ok) or the failure reason
+        self._outcomes: deque = deque(maxlen=self.window)  # None (ok) or the failure reason
         self._lock = threading.Lock()
 
     def record(self, ok: bool, reason: str = "", detail: str = "") -> Optional[FailureRateExceeded]:
@@ -81,7 +81,8 @@ class FailureRate:
             f"{self.window} prompts, checked from rollout.failure_min_prompts="
             f"{self.min_prompts}; by reason: {reasons}){last}. Too many tasks fail: fix the "
             f"agent or workflow (the rollout worker's log says why each failed), or raise "
-            f"rollout.failure_rate_ceiling (1 never stops)")
+            f"rollout.failure_rate_ceiling (1 never stops)"
+        )
 
     def rate(self) -> float:
         """The failed share of the outcomes in the window (0 when there are none)."""
@@ -94,31 +95,33 @@ class EpisodeFailures:
     """The controller's bookkeeping of failed episodes: whether to retry a prompt, drop it or
     fail the run (see the module doc), with the counts for its ``stats()``."""
 
-    def __init__(self, policy: str = "fail", max_retries: int = 3,
-                 rate: Optional[FailureRate] = None):
+    def __init__(
+        self, policy: str = "fail", max_retries: int = 3, rate: Optional[FailureRate] = None
+    ):
         if policy not in ("fail", "drop"):
             raise ValueError(f"on_episode_failure={policy!r}: must be fail or drop")
         self.policy, self.max_retries = policy, max_retries
         self.rate = rate or FailureRate()
         self._lock = threading.Lock()
-        self.n_retries = 0                          # failed episodes started again
-        self.n_dropped = 0                          # prompts given up (drop)
-        self.dropped_by_reason: Counter = Counter()   # rejected | out_of_retries | ...
+        self.n_retries = 0  # failed episodes started again
+        self.n_dropped = 0  # prompts given up (drop)
+        self.dropped_by_reason: Counter = Counter()  # rejected | out_of_retries | ...
 
     def after_failure(self, attempt: int, e: BaseException) -> tuple:
         """A prompt's episode failed on attempt ``attempt`` (0-based) with ``e``: returns
         ``(retry, error)``: requeue the prompt, and the error that ends the run (None: go on;
         a dropped prompt is counted and recorded here)."""
         if not _retryable(e):
-            msg = (f"episode failed: the server rejected the request, which would fail "
-                   f"again, so it is not retried: {e}")
+            msg = (
+                f"episode failed: the server rejected the request, which would fail "
+                f"again, so it is not retried: {e}"
+            )
             return False, self._give_up(msg, e, "rejected")
         if attempt + 1 < self.max_retries:
             with self._lock:
                 self.n_retries += 1
             return True, None
-        return False, self._give_up(f"episode failed {attempt + 1} times: {e}", e,
-                                    "out_of_retries")
+        return False, self._give_up(f"episode failed {attempt + 1} times: {e}", e, "out_of_retries")
 
     def _give_up(self, msg: str, cause: BaseException, reason: str) -> Optional[BaseException]:
         if self.policy == "drop":
@@ -127,8 +130,9 @@ class EpisodeFailures:
         err.__cause__ = cause
         return err
 
-    def record_outcome(self, ok: bool, reason: str = "",
-                       detail: str = "") -> Optional[RuntimeError]:
+    def record_outcome(
+        self, ok: bool, reason: str = "", detail: str = ""
+    ) -> Optional[RuntimeError]:
         """One prompt's final outcome: delivered (``ok``) or given up for ``reason``
         (``detail``: its error). Under ``drop`` a failure is counted as ``dropped/<reason>``
         and the :class:`FailureRateExceeded` to stop the run with is returned once the window
@@ -146,9 +150,12 @@ class EpisodeFailures:
         """``retries``, ``dropped_prompts``, ``dropped/<reason>`` and the window's
         ``failure_rate``."""
         with self._lock:
-            return {"dropped_prompts": self.n_dropped, "retries": self.n_retries,
-                    **{f"dropped/{k}": v for k, v in sorted(self.dropped_by_reason.items())},
-                    "failure_rate": self.rate.rate()}
+            return {
+                "dropped_prompts": self.n_dropped,
+                "retries": self.n_retries,
+                **{f"dropped/{k}": v for k, v in sorted(self.dropped_by_reason.items())},
+                "failure_rate": self.rate.rate(),
+            }
 
 
 def _retryable(e: BaseException) -> bool:

@@ -1,5 +1,6 @@
 """The ``/generate`` exchange of :class:`~areal_mega.rollout.client.RolloutClient`: the request
 body, the parsed answer and the client's errors (SGLang's native API)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ class GenerateResult:
     """One ``/generate`` answer, parsed. ``routed_experts``: SGLang's encoded
     ``meta_info.routed_experts`` when the server returned it (decode with
     :func:`areal_mega.common.moe_routes.decode_sglang_routes`), else None."""
+
     output_ids: list
     logprobs: list
     finish_reason: dict
@@ -40,15 +42,24 @@ class GenerateResult:
         return (self.finish_reason or {}).get("type", "abort")
 
 
-def generate_body(input_ids: list, sampling_params: dict, rid: Optional[str] = None,
-                  return_routed_experts: bool = False, routes_from: int = 0,
-                  lora_path: Optional[str] = None) -> dict:
+def generate_body(
+    input_ids: list,
+    sampling_params: dict,
+    rid: Optional[str] = None,
+    return_routed_experts: bool = False,
+    routes_from: int = 0,
+    lora_path: Optional[str] = None,
+) -> dict:
     """The JSON body of one ``/generate`` call (token ids in, logprobs out, no streaming);
     routes only from position ``routes_from`` (SGLang's ``routed_experts_start_len``: a
     resumed call needs none of the positions routed before); ``lora_path``: the LoRA adapter
     name (SGLang's field; None: the base model)."""
-    body = {"input_ids": list(input_ids), "sampling_params": sampling_params,
-            "return_logprob": True, "stream": False}
+    body = {
+        "input_ids": list(input_ids),
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+        "stream": False,
+    }
     if rid is not None:
         body["rid"] = rid
     if lora_path is not None:
@@ -68,31 +79,47 @@ def parse_generate_answer(out: dict, server: str) -> GenerateResult:
         output_ids=list(out.get("output_ids", [])),
         logprobs=[float(x[0]) for x in lps],
         finish_reason=meta.get("finish_reason") or {"type": "abort"},
-        weight_version=meta.get("weight_version"), server=server, raw=out,
+        weight_version=meta.get("weight_version"),
+        server=server,
+        raw=out,
         routed_experts=meta.get("routed_experts"),
-        token_versions=meta.get("token_weight_versions"))
+        token_versions=meta.get("token_weight_versions"),
+    )
 
 
 def token_versions(res: GenerateResult, default: int) -> list:
     """The integer weight version of each of ``res``'s output tokens: the server's per-token
     versions, else its one ``weight_version``, else ``default`` (what the caller knows); a
     version that is not an integer counts as ``default``."""
+
     def as_int(v) -> int:
         try:
             return int(v)
         except (TypeError, ValueError):
             return default
+
     if res.token_versions is not None:
         return [as_int(v) for v in res.token_versions]
     return [as_int(res.weight_version)] * len(res.output_ids)
 
 
-def sampling_dict(max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                  top_k: int = -1, stop_token_ids: Optional[list] = None,
-                  ignore_eos: bool = False, **extra: Any) -> dict:
+def sampling_dict(
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    stop_token_ids: Optional[list] = None,
+    ignore_eos: bool = False,
+    **extra: Any,
+) -> dict:
     """SGLang ``sampling_params`` dict."""
-    d = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
-         "top_p": float(top_p), "top_k": int(top_k), "ignore_eos": bool(ignore_eos)}
+    d = {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "top_k": int(top_k),
+        "ignore_eos": bool(ignore_eos),
+    }
     if stop_token_ids:
         d["stop_token_ids"] = list(stop_token_ids)
     d.update(extra)

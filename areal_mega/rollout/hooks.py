@@ -1,6 +1,7 @@
 """What a :class:`~areal_mega.rollout.client.RolloutClient` leaves to its owner, by
 composition: the :class:`ClientHooks` given at construction. The client calls them; they reach
 the servers only through the client's public methods (``request``, ``mark_up``, ...)."""
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ class ClientHooks:
         """Member addresses that get no new requests now (they still get control calls)."""
         return set()
 
-    async def probe(self, client: "RolloutClient", addr: str, healthy: bool,
-                    timeout: float) -> None:
+    async def probe(
+        self, client: "RolloutClient", addr: str, healthy: bool, timeout: float
+    ) -> None:
         """Check the member ``addr`` (``healthy``: its flag before the check). Raise when it is
         down: the client marks it down. A check that finds it usable calls
         ``client.mark_up(addr)``; one that returns without doing so leaves the flag as is.

@@ -9,6 +9,7 @@ new one, so every later ``/generate`` (resubmitted interrupted requests included
 The caller pauses the servers around the load as for full weights; the per-token versions are
 the controller's, so they stay exact across the swap.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,8 +17,13 @@ from typing import Optional
 
 from areal_mega.rollout.generate_result import RolloutRequestError
 
-__all__ = ["ADAPTER_CONFIG", "adapter_name", "is_adapter_dir", "load_published",
-           "load_published_into"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "adapter_name",
+    "is_adapter_dir",
+    "load_published",
+    "load_published_into",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -55,23 +61,35 @@ async def load_published_into(client, addr: str, path, version: int) -> None:
     name."""
     timeout = client.control_timeout_s
     if not is_adapter_dir(path):
-        await client.request(addr, "POST", "/update_weights_from_disk",
-                             {"model_path": str(path), "abort_all_requests": False,
-                              "weight_version": str(version)}, timeout=timeout)
+        await client.request(
+            addr,
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": str(path), "abort_all_requests": False, "weight_version": str(version)},
+            timeout=timeout,
+        )
         return
     name = adapter_name(version)
     try:
-        loaded = (await client.request(addr, "POST", "/load_lora_adapter",
-                                       {"lora_name": name, "lora_path": str(path)},
-                                       timeout=timeout)).get("loaded_adapters") or {}
-    except RolloutRequestError as e:     # a server that came back without a restart
+        loaded = (
+            await client.request(
+                addr,
+                "POST",
+                "/load_lora_adapter",
+                {"lora_name": name, "lora_path": str(path)},
+                timeout=timeout,
+            )
+        ).get("loaded_adapters") or {}
+    except RolloutRequestError as e:  # a server that came back without a restart
         if "already" not in str(e).lower():
             raise
         loaded = {}
-    for old in loaded:                   # earlier versions it may still hold
+    for old in loaded:  # earlier versions it may still hold
         if old != name and old.startswith("policy-v"):
-            await client.request(addr, "POST", "/unload_lora_adapter", {"lora_name": old},
-                                 timeout=timeout)
-    await client.request(addr, "POST", "/update_weight_version",
-                         {"new_version": str(version)}, timeout=timeout)
+            await client.request(
+                addr, "POST", "/unload_lora_adapter", {"lora_name": old}, timeout=timeout
+            )
+    await client.request(
+        addr, "POST", "/update_weight_version", {"new_version": str(version)}, timeout=timeout
+    )
     client.lora_name = name

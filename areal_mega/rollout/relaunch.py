@@ -18,6 +18,7 @@ While no server is healthy, generation and control calls wait for one to come ba
 
 (the rollout worker's :class:`~areal_mega.rollout.server_pool.ElasticPool` composes one too).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ class RelaunchPolicy(ClientHooks):
     a call waits for some server to be healthy again. Counts the servers brought back in
     ``resyncs``; ``synced_version`` is the newest version a sync loaded."""
 
-    serial_checks = True   # a returning server is re-synced once, not by two checks at once
+    serial_checks = True  # a returning server is re-synced once, not by two checks at once
 
     def __init__(self, paths: RunDir, down_wait_s: float = 120.0):
         self.paths = paths
@@ -52,9 +53,9 @@ class RelaunchPolicy(ClientHooks):
         seen = None
         while True:
             latest = self.paths.latest_weights()
-            if latest is None or latest == seen:   # none published: the base model, v0
+            if latest is None or latest == seen:  # none published: the base model, v0
                 return latest[0] if latest else None
-            version, path = latest     # full weights, or a LoRA run's adapter
+            version, path = latest  # full weights, or a LoRA run's adapter
             await load_published_into(client, addr, path, version)
             self.synced_version = max(version, self.synced_version or 0)
             seen = latest
@@ -68,7 +69,7 @@ class RelaunchPolicy(ClientHooks):
                 await self.sync_server(client, addr)
             except Exception as e:  # noqa: BLE001 - re-synced when it answers again
                 client.mark_down(addr, e)
-        await client.resume()   # waits for a server if none is up
+        await client.resume()  # waits for a server if none is up
         return self.synced_version
 
     async def probe(self, client, addr: str, healthy: bool, timeout: float) -> None:

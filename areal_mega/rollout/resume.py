@@ -6,6 +6,7 @@ the drawn prompts missing from both are generated again first and drawing goes o
 last drawn one. A checkpoint written before the ledger existed has none: the caller then keeps
 the saved position (``next_prompt``).
 """
+
 from __future__ import annotations
 
 import threading

@@ -1,5 +1,6 @@
 """Routed experts of one ``/generate`` call, decoded for the trajectory (routing replay,
 ``algorithm.routing_replay: r3``; formats in :mod:`areal_mega.common.moe_routes`)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ from areal_mega.models.moe_families import SIGMOID_ROUTER_MODEL_TYPES
 from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
 
 
-def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
-                start: int = 0) -> Optional[tuple]:
+def call_routes(
+    res: GenerateResult, n_input: int, layout: RouteLayout, start: int = 0
+) -> Optional[tuple]:
     """``(rows, first position)``: the routes of the tokens this call forwarded, positions
     ``first .. n_input + len(res.output_ids) - 2`` from the start of its input, where ``first``
     is the call's ``routed_experts_start_len`` (``start``) or 0 from a server that returns the
@@ -30,7 +32,8 @@ def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
         raise RolloutRequestError(
             f"{res.server}/generate: no meta_info.routed_experts in the answer although the "
             "request asked for them (algorithm.routing_replay is on); start the rollout "
-            "servers with --enable-return-routed-experts")
+            "servers with --enable-return-routed-experts"
+        )
     try:
         rows = decode_sglang_routes(res.routed_experts, layout)
     except ValueError as e:
@@ -38,9 +41,11 @@ def call_routes(res: GenerateResult, n_input: int, layout: RouteLayout,
     for first in (start, 0):
         if len(rows) == end - first:
             return rows, first
-    raise RolloutRequestError(f"{res.server}/generate: meta_info.routed_experts has "
-                              f"{len(rows)} tokens, expected {end - start} (from position "
-                              f"{start}) or {end}")
+    raise RolloutRequestError(
+        f"{res.server}/generate: meta_info.routed_experts has "
+        f"{len(rows)} tokens, expected {end - start} (from position "
+        f"{start}) or {end}"
+    )
 
 
 def _model_type(model_path) -> Optional[str]:
@@ -57,16 +62,20 @@ def replay_layout(cfg) -> Optional[RouteLayout]:
         return None
     model_type = _model_type(cfg.model.path)
     if model_type in SIGMOID_ROUTER_MODEL_TYPES:
-        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
-                          f"model_type {model_type!r} routes with a sigmoid score and an expert "
-                          "bias, which the rollout servers' route capture does not cover; set "
-                          "algorithm.routing_replay=off")
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
+            f"model_type {model_type!r} routes with a sigmoid score and an expert "
+            "bias, which the rollout servers' route capture does not cover; set "
+            "algorithm.routing_replay=off"
+        )
     layout = RouteLayout.from_model_path(cfg.model.path)
     if layout is None:
-        raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
-                          f"model.path={cfg.model.path!r} has no mixture-of-experts layers "
-                          "(config.json without num_experts / num_experts_per_tok); set "
-                          "algorithm.routing_replay=off")
+        raise ConfigError(
+            f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
+            f"model.path={cfg.model.path!r} has no mixture-of-experts layers "
+            "(config.json without num_experts / num_experts_per_tok); set "
+            "algorithm.routing_replay=off"
+        )
     return layout
 
 

@@ -17,6 +17,7 @@ the only teacher server does not end the step. Whether the logprobs are usable (
 :class:`TeacherServerScorer` is the synchronous face for the trainer: it owns a
 :class:`~areal_mega.rollout.client.RolloutClient` and an event loop on a thread of its own.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,10 +44,12 @@ class ScoringError(RuntimeError):
 def scoring_body(seqs: list, starts: list) -> dict:
     """The SGLang ``/generate`` body asking for ``log p(seq[t] | seq[:t])`` from ``t = start``
     on, for each sequence (one batched request)."""
-    return {"input_ids": [list(s) for s in seqs],
-            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-            "return_logprob": True,
-            "logprob_start_len": [int(k) - 1 for k in starts]}
+    return {
+        "input_ids": [list(s) for s in seqs],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": [int(k) - 1 for k in starts],
+    }
 
 
 def check_inputs(seqs: list, starts: list) -> None:
@@ -55,8 +58,9 @@ def check_inputs(seqs: list, starts: list) -> None:
         raise ValueError(f"score_sequences: {len(seqs)} sequences but {len(starts)} starts")
     for i, (s, k) in enumerate(zip(seqs, starts)):
         if not 1 <= int(k) <= len(s):
-            raise ValueError(f"score_sequences: sequence {i}: start {k} must be in "
-                             f"[1, {len(s)}] (its length)")
+            raise ValueError(
+                f"score_sequences: sequence {i}: start {k} must be in [1, {len(s)}] (its length)"
+            )
 
 
 def values_of(answer: dict, seq: list, start: int, addr: str, index: int) -> list:
@@ -72,7 +76,7 @@ def values_of(answer: dict, seq: list, start: int, addr: str, index: int) -> lis
         got = len(entries) if isinstance(entries, list) else type(entries).__name__
         raise ScoringError(f"{where}: expected {want} input_token_logprobs, got {got}")
     ids = [e[1] for e in entries]
-    if ids != list(seq[start - 1:]):
+    if ids != list(seq[start - 1 :]):
         raise ScoringError(f"{where}: echoed token ids differ from the sequence")
     vals = [e[0] for e in entries[1:]]
     if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in vals):
@@ -80,22 +84,30 @@ def values_of(answer: dict, seq: list, start: int, addr: str, index: int) -> lis
     return [float(v) for v in vals]
 
 
-async def _score_chunk(client: RolloutClient, servers: list, first: int, seqs: list,
-                       starts: list, offset: int, timeout: Optional[float]) -> list:
+async def _score_chunk(
+    client: RolloutClient,
+    servers: list,
+    first: int,
+    seqs: list,
+    starts: list,
+    offset: int,
+    timeout: Optional[float],
+) -> list:
     """Score one chunk, trying ``servers`` from index ``first`` on; a connection error,
     timeout or 5xx marks that server down and moves on, a 4xx raises at once."""
     span = f"sequences {offset}..{offset + len(seqs) - 1}"
     last: Optional[BaseException] = None
     for attempt in range(RETRIES + 1):
-        if attempt:     # every server failed: wait, probe them again, retry (a blip)
+        if attempt:  # every server failed: wait, probe them again, retry (a blip)
             await asyncio.sleep(RETRY_BACKOFF_S * attempt)
             await client.check_health(min(timeout or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S))
             servers = client.live_servers() or servers
         for j in range(len(servers)):
             addr = servers[(first + j) % len(servers)]
             try:
-                out = await client.request(addr, "POST", "/generate",
-                                           scoring_body(seqs, starts), timeout)
+                out = await client.request(
+                    addr, "POST", "/generate", scoring_body(seqs, starts), timeout
+                )
             except RolloutRequestError as e:
                 raise ScoringError(f"teacher server {addr} refused {span}: {e}") from e
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -103,17 +115,26 @@ async def _score_chunk(client: RolloutClient, servers: list, first: int, seqs: l
                 last = e
                 continue
             if not isinstance(out, list) or len(out) != len(seqs):
-                raise ScoringError(f"teacher server {addr}, {span}: expected a list of "
-                                   f"{len(seqs)} answers")
-            return [values_of(a, s, k, addr, offset + i)
-                    for i, (a, s, k) in enumerate(zip(out, seqs, starts))]
-    raise ScoringError(f"no teacher server could score {span} ({RETRIES + 1} rounds over "
-                       f"every server): last error: {type(last).__name__}: {last}")
+                raise ScoringError(
+                    f"teacher server {addr}, {span}: expected a list of {len(seqs)} answers"
+                )
+            return [
+                values_of(a, s, k, addr, offset + i)
+                for i, (a, s, k) in enumerate(zip(out, seqs, starts))
+            ]
+    raise ScoringError(
+        f"no teacher server could score {span} ({RETRIES + 1} rounds over "
+        f"every server): last error: {type(last).__name__}: {last}"
+    )
 
 
-async def score_sequences(client: RolloutClient, seqs: list, starts: list,
-                          batch: int = DEFAULT_BATCH,
-                          timeout: Optional[float] = None) -> list:
+async def score_sequences(
+    client: RolloutClient,
+    seqs: list,
+    starts: list,
+    batch: int = DEFAULT_BATCH,
+    timeout: Optional[float] = None,
+) -> list:
     """For each sequence, ``[log p(seq[t] | seq[:t]) for t in range(start, len(seq))]`` as
     scored by the client's servers (at temperature 1). Batches of ``batch`` sequences go
     round-robin to the dispatchable servers, concurrently. Raises ``ValueError`` for a start
@@ -122,7 +143,7 @@ async def score_sequences(client: RolloutClient, seqs: list, starts: list,
     check_inputs(seqs, starts)
     if not seqs:
         return []
-    if len(client.live_servers()) < len(client.addrs):   # one marked down earlier: probe it
+    if len(client.live_servers()) < len(client.addrs):  # one marked down earlier: probe it
         await client.check_health(min(timeout or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S))
     servers = client.dispatchable() or client.live_servers() or list(client.addrs)
     if not servers:
@@ -130,8 +151,17 @@ async def score_sequences(client: RolloutClient, seqs: list, starts: list,
     jobs = []
     for c, lo in enumerate(range(0, len(seqs), max(1, batch))):
         hi = min(lo + max(1, batch), len(seqs))
-        jobs.append(_score_chunk(client, servers, c % len(servers), seqs[lo:hi],
-                                 [int(k) for k in starts[lo:hi]], lo, timeout))
+        jobs.append(
+            _score_chunk(
+                client,
+                servers,
+                c % len(servers),
+                seqs[lo:hi],
+                [int(k) for k in starts[lo:hi]],
+                lo,
+                timeout,
+            )
+        )
     parts = await asyncio.gather(*jobs)
     return [v for part in parts for v in part]
 
@@ -142,14 +172,20 @@ class TeacherServerScorer:
     :class:`RolloutClient` on ``addrs`` and an event loop running on its own thread;
     :meth:`close` stops both."""
 
-    def __init__(self, addrs: list, api_key: Optional[str] = None, timeout_s: float = 600.0,
-                 batch: int = DEFAULT_BATCH):
+    def __init__(
+        self,
+        addrs: list,
+        api_key: Optional[str] = None,
+        timeout_s: float = 600.0,
+        batch: int = DEFAULT_BATCH,
+    ):
         self.client = RolloutClient(list(addrs), api_key=api_key, timeout_s=timeout_s)
         self.timeout_s = timeout_s
         self.batch = batch
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name="teacher-scorer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="teacher-scorer", daemon=True
+        )
         self._thread.start()
         self._closed = False
 
@@ -159,16 +195,20 @@ class TeacherServerScorer:
         if self._closed:
             raise RuntimeError("TeacherServerScorer is closed")
         fut = asyncio.run_coroutine_threadsafe(
-            score_sequences(self.client, seqs, starts, self.batch, self.timeout_s), self._loop)
+            score_sequences(self.client, seqs, starts, self.batch, self.timeout_s), self._loop
+        )
         return [np.asarray(v, dtype=np.float32) for v in fut.result()]
 
     def model_info(self) -> dict:
         """``GET /get_model_info`` of every server, by address (SGLang's answer holds
         ``model_path`` and ``tokenizer_path``)."""
+
         async def ask() -> dict:
-            return {a: await self.client.request(a, "GET", "/get_model_info",
-                                                 timeout=self.timeout_s)
-                    for a in self.client.addrs}
+            return {
+                a: await self.client.request(a, "GET", "/get_model_info", timeout=self.timeout_s)
+                for a in self.client.addrs
+            }
+
         return asyncio.run_coroutine_threadsafe(ask(), self._loop).result()
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ commands ``servers``, ``add_server`` and ``remove_server``; membership changes a
 the controller's event loop, between weight updates (the control channel runs one command
 at a time), so no server misses an update or serves a request at a version it does not hold.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,15 +72,22 @@ class ElasticPool(ClientHooks):
 
     serial_checks = True
 
-    def __init__(self, addrs: list, *, paths: RunDir, down_wait_s: float = 120.0,
-                 client_cls: type = RolloutClient, **client_kw):
+    def __init__(
+        self,
+        addrs: list,
+        *,
+        paths: RunDir,
+        down_wait_s: float = 120.0,
+        client_cls: type = RolloutClient,
+        **client_kw,
+    ):
         self.relaunch = RelaunchPolicy(paths, down_wait_s)
-        self.leaving: set = set()               # addresses out of dispatch (being removed)
-        self.pending: set = set()               # joined, awaiting the group's next broadcast
+        self.leaving: set = set()  # addresses out of dispatch (being removed)
+        self.pending: set = set()  # joined, awaiting the group's next broadcast
         # distributed weight updates (set by the first begin_update): a relaunched server
         # cannot load weights from disk, so it comes back pending and the group is re-formed
         self.group_updates = False
-        self.reform = False                     # a relaunched member must rejoin the group
+        self.reform = False  # a relaunched member must rejoin the group
         self.requests: collections.Counter = collections.Counter()
         self.tokens: collections.Counter = collections.Counter()
         self.resumptions = 0
@@ -132,8 +140,11 @@ class ElasticPool(ClientHooks):
         self.reform = True
         self.relaunch.resyncs += 1
         client.mark_up(addr)
-        log.warning("rollout server %s is back; pending until the next weight broadcast "
-                    "re-forms the group with it", addr)
+        log.warning(
+            "rollout server %s is back; pending until the next weight broadcast "
+            "re-forms the group with it",
+            addr,
+        )
 
     # ------------------------------------------------------------------ membership
     async def sync_all(self):
@@ -155,20 +166,30 @@ class ElasticPool(ClientHooks):
         try:
             await self.client.request(url, "GET", "/health", timeout=5.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RolloutRequestError) as e:
-            raise ServerPoolError(f"server {url} is unreachable ({type(e).__name__}: {e}); "
-                                  "the pool is unchanged") from None
+            raise ServerPoolError(
+                f"server {url} is unreachable ({type(e).__name__}: {e}); the pool is unchanged"
+            ) from None
         if via_group:
             self.pending.add(url)
         else:
             await self.sync_to_version(url, version)
-            await self.client.request(url, "POST", "/continue_generation", {},
-                                      timeout=self.client.control_timeout_s)
+            await self.client.request(
+                url, "POST", "/continue_generation", {}, timeout=self.client.control_timeout_s
+            )
         self.client.add_server(url)
         self.joins += 1
-        log.info("rollout server %s joined %s (%d servers)", url, "pending the next weight "
-                 "broadcast" if via_group else f"at version {version}", len(self.client.addrs))
-        return {"addr": url, "version": None if via_group else version, "pending": via_group,
-                "seconds": time.monotonic() - t0}
+        log.info(
+            "rollout server %s joined %s (%d servers)",
+            url,
+            "pending the next weight broadcast" if via_group else f"at version {version}",
+            len(self.client.addrs),
+        )
+        return {
+            "addr": url,
+            "version": None if via_group else version,
+            "pending": via_group,
+            "seconds": time.monotonic() - t0,
+        }
 
     def group_members(self) -> list:
         """The servers the weight-update group must hold now: all but leaving ones and those
@@ -195,14 +216,17 @@ class ElasticPool(ClientHooks):
         server already holds) at version 0; otherwise ``ServerPoolError``."""
         path = self.paths.weights_dir(version)
         timeout = self.client.control_timeout_s
-        if path.is_dir():       # full weights, or a LoRA run's adapter
+        if path.is_dir():  # full weights, or a LoRA run's adapter
             await load_published_into(self.client, addr, path, version)
         elif version == 0:
-            await self.client.request(addr, "POST", "/update_weight_version",
-                                      {"new_version": "0"}, timeout=timeout)
+            await self.client.request(
+                addr, "POST", "/update_weight_version", {"new_version": "0"}, timeout=timeout
+            )
         else:
-            raise ServerPoolError(f"no published weights for version {version} ({path}); "
-                                  "cannot bring a new server to the current version")
+            raise ServerPoolError(
+                f"no published weights for version {version} ({path}); "
+                "cannot bring a new server to the current version"
+            )
 
     async def remove_server(self, addr: str, drain: bool, drain_timeout_s: float = 600.0) -> dict:
         """Take ``addr`` out of dispatch, then drain it (wait for its in-flight requests) or
@@ -213,12 +237,15 @@ class ElasticPool(ClientHooks):
         url = normalize_addr(addr)
         client = self.client
         if url not in client.addrs:
-            raise ServerPoolError(f"server {url} is not in the pool (members: "
-                                  f"{', '.join(client.addrs)})")
+            raise ServerPoolError(
+                f"server {url} is not in the pool (members: {', '.join(client.addrs)})"
+            )
         others = [a for a in client.dispatchable() if a != url]
         if not others:
-            raise ServerPoolError(f"server {url} is the last server that can take requests; "
-                                  "add another before removing it")
+            raise ServerPoolError(
+                f"server {url} is the last server that can take requests; "
+                "add another before removing it"
+            )
         t0 = time.monotonic()
         self.leaving.add(url)
         aborted = 0
@@ -231,12 +258,13 @@ class ElasticPool(ClientHooks):
             if client.inflight(url) > 0:
                 timed_out = bool(drain)
                 try:
-                    out = await client.request(url, "POST", "/abort_request",
-                                               {"abort_all": True}, timeout=10.0)
+                    out = await client.request(
+                        url, "POST", "/abort_request", {"abort_all": True}, timeout=10.0
+                    )
                     aborted = int(out.get("num_aborted", 0) or 0)
                 except Exception as e:  # noqa: BLE001 - a dead server's requests fail over
                     log.warning("abort on leaving server %s failed: %s", url, e)
-                while client.inflight(url) > 0:        # the aborted requests come back
+                while client.inflight(url) > 0:  # the aborted requests come back
                     await asyncio.sleep(0.05)
         finally:
             client.remove_server(url)
@@ -244,20 +272,42 @@ class ElasticPool(ClientHooks):
             self.pending.discard(url)
         self.resumptions += aborted
         self.removals += 1
-        log.info("rollout server %s removed (%s, %d aborted; %d servers left)", url,
-                 "drained" if drain else "interrupted", aborted, len(client.addrs))
-        return {"addr": url, "aborted": aborted, "drained": bool(drain) and not timed_out,
-                "drain_timed_out": timed_out, "seconds": time.monotonic() - t0}
+        log.info(
+            "rollout server %s removed (%s, %d aborted; %d servers left)",
+            url,
+            "drained" if drain else "interrupted",
+            aborted,
+            len(client.addrs),
+        )
+        return {
+            "addr": url,
+            "aborted": aborted,
+            "drained": bool(drain) and not timed_out,
+            "drain_timed_out": timed_out,
+            "seconds": time.monotonic() - t0,
+        }
 
     def pool_stats(self) -> dict:
         """Live servers, per-server requests / tokens, resumptions, joins, removals."""
         c = self.client
-        return {"servers": [{"addr": a, "healthy": c.is_healthy(a), "inflight": c.inflight(a),
-                             "leaving": a in self.leaving, "pending": a in self.pending,
-                             "requests": self.requests[a], "tokens": self.tokens[a]}
-                            for a in c.addrs],
-                "live_servers": len(c.dispatchable()), "resumptions": self.resumptions,
-                "joins": self.joins, "removals": self.removals}
+        return {
+            "servers": [
+                {
+                    "addr": a,
+                    "healthy": c.is_healthy(a),
+                    "inflight": c.inflight(a),
+                    "leaving": a in self.leaving,
+                    "pending": a in self.pending,
+                    "requests": self.requests[a],
+                    "tokens": self.tokens[a],
+                }
+                for a in c.addrs
+            ],
+            "live_servers": len(c.dispatchable()),
+            "resumptions": self.resumptions,
+            "joins": self.joins,
+            "removals": self.removals,
+        }
 
 
 def pool_metrics(stats: dict) -> dict:
@@ -296,7 +346,7 @@ class ServerPoolCommands:
         self.pool = pool
         self.controller = controller
         self.timeout_s = timeout_s
-        self._in_group: Optional[list] = None    # members named to the open update
+        self._in_group: Optional[list] = None  # members named to the open update
 
     def begin_update(self) -> dict:
         """A broadcast update starts: the members the trainer's group must hold (probed
@@ -323,8 +373,10 @@ class ServerPoolCommands:
         if cmd == "servers":
             return self.pool.pool_stats()
         if ctl is None:
-            raise ServerPoolError(f"{cmd}: the rollout worker is not generating yet (it waits "
-                                  "for the trainer's first weights); retry shortly")
+            raise ServerPoolError(
+                f"{cmd}: the rollout worker is not generating yet (it waits "
+                "for the trainer's first weights); retry shortly"
+            )
         addr = msg.get("addr")
         if not isinstance(addr, str) or not addr:
             raise ServerPoolError(f"{cmd}: field 'addr' (host:port) is required")
@@ -332,13 +384,19 @@ class ServerPoolCommands:
             coro = self.pool.add_server(addr, ctl.version, bool(msg.get("via_group", False)))
         elif cmd == "remove_server":
             if self._in_group is not None:
-                raise ServerPoolError("remove_server: a weight broadcast is in progress and the "
-                                      "server is a rank of its group; retry after it")
-            limit = msg.get("drain_timeout_s")   # the launcher's operation deadline
-            limit = self.timeout_s if not isinstance(limit, (int, float)) else \
-                min(self.timeout_s, max(0.0, float(limit)))
-            coro = self.pool.remove_server(addr, bool(msg.get("drain", False)),
-                                           drain_timeout_s=limit)
+                raise ServerPoolError(
+                    "remove_server: a weight broadcast is in progress and the "
+                    "server is a rank of its group; retry after it"
+                )
+            limit = msg.get("drain_timeout_s")  # the launcher's operation deadline
+            limit = (
+                self.timeout_s
+                if not isinstance(limit, (int, float))
+                else min(self.timeout_s, max(0.0, float(limit)))
+            )
+            coro = self.pool.remove_server(
+                addr, bool(msg.get("drain", False)), drain_timeout_s=limit
+            )
         else:
             raise ValueError(f"unknown server-pool command {cmd!r}")
         return ctl.run_async(coro).result(self.timeout_s + 30)

@@ -12,18 +12,20 @@ g < (eta + w + 1) * batch_size. A trainer that consumes groups in start order tr
 at version floor(g / batch_size) <= eta + w: no consumed sample is more than ``eta`` versions
 older than the trainer (the sample's version is the version its first token was generated with).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-def rollout_capacity(version: int, accepted: int, running: int, batch_size: int,
-                     eta: int) -> int:
+def rollout_capacity(version: int, accepted: int, running: int, batch_size: int, eta: int) -> int:
     """How many more prompt groups may start now (never negative)."""
     if batch_size < 1 or eta < 0 or version < 0 or accepted < 0 or running < 0:
-        raise ValueError(f"rollout_capacity: invalid arguments version={version} "
-                         f"accepted={accepted} running={running} batch_size={batch_size} "
-                         f"eta={eta}")
+        raise ValueError(
+            f"rollout_capacity: invalid arguments version={version} "
+            f"accepted={accepted} running={running} batch_size={batch_size} "
+            f"eta={eta}"
+        )
     return max(0, (eta + version + 1) * batch_size - (accepted + running))
 
 
@@ -48,6 +50,7 @@ def staleness(trainer_version: int, token_versions) -> int:
 @dataclass
 class StalenessCounter:
     """The counters behind the bound (not thread-safe; the controller owns one per loop)."""
+
     batch_size: int
     eta: int
     version: int = 0
@@ -57,8 +60,9 @@ class StalenessCounter:
 
     def capacity(self) -> int:
         """Groups that may start now."""
-        return rollout_capacity(self.version, self.accepted, self.running, self.batch_size,
-                                self.eta)
+        return rollout_capacity(
+            self.version, self.accepted, self.running, self.batch_size, self.eta
+        )
 
     def on_start(self) -> None:
         """A group started; raises if that breaks the bound."""

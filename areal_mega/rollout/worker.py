@@ -24,6 +24,7 @@ rollout server that comes back after a relaunch is re-synced before it gets work
 (:mod:`areal_mega.rollout.relaunch`). SIGTERM stops it within ``cluster.kill_grace_s``
 (exit code 143).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,7 @@ class PromptCursor:
 
     def __init__(self, dataset, seed: int, shuffle: bool, start: int = 0):
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
-        self.sampler = PromptSampler(len(dataset), 1, seed=seed, shuffle=shuffle,
-                                     drop_last=False)
+        self.sampler = PromptSampler(len(dataset), 1, seed=seed, shuffle=shuffle, drop_last=False)
         n = len(dataset)
         if start:
             self.sampler.load_state_dict({"epoch": start // n, "offset": start % n})
@@ -82,9 +82,13 @@ class PromptCursor:
                 self.drawn += 1
                 self.outstanding.add(k)
             it = self.dataset[idx]
-            yield {"input_ids": it.input_ids, "prompt": it.prompt, "answer": it.answer,
-                   "prompt_index": k, **{kk: v for kk, v in it.meta.items()
-                                         if isinstance(v, (str, int, float, bool))}}
+            yield {
+                "input_ids": it.input_ids,
+                "prompt": it.prompt,
+                "answer": it.answer,
+                "prompt_index": k,
+                **{kk: v for kk, v in it.meta.items() if isinstance(v, (str, int, float, bool))},
+            }
 
     def delivered(self, k: int) -> int:
         """Mark prompt ``k`` delivered; returns the resume position (oldest outstanding)."""
@@ -107,7 +111,7 @@ class StampedWorkflow:
         trajs = await self.inner.arun_episode(ctx, item, n_samples)
         for t in trajs:
             t.meta["prompt_index"] = int(item["prompt_index"])
-            t.meta["group_size"] = len(trajs)   # a sample may yield several (agent calls)
+            t.meta["group_size"] = len(trajs)  # a sample may yield several (agent calls)
         return trajs
 
     def stats(self) -> dict:
@@ -150,40 +154,56 @@ class RolloutWorker:
             start = int(saved.get("next_prompt", 0))
             self.drawn_before = int(saved.get("drawn", start))
         # counters ride on delivered groups to the trainer's metrics (rollout/counts.py)
-        self.counts = CountCarrier(lambda: counts_of(self.controller.stats() if self.controller
-                                                     else {}), start=saved.get("counts"))
+        self.counts = CountCarrier(
+            lambda: counts_of(self.controller.stats() if self.controller else {}),
+            start=saved.get("counts"),
+        )
         self.tokenizer = load_tokenizer(cfg.model.path)
-        if cfg.data.sources:   # multi-task: per-source datasets, weights and rewards
+        if cfg.data.sources:  # multi-task: per-source datasets, weights and rewards
             self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
         else:
             dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
             self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
-            inner_workflow = workflow_from_config(cfg.rollout, run_dir=str(self.run_dir),
-                                                  resume=cfg.recover == "auto" or relaunched)
-        self.make_cursor = self.cursor.at   # the same prompt stream from another position
+            inner_workflow = workflow_from_config(
+                cfg.rollout, run_dir=str(self.run_dir), resume=cfg.recover == "auto" or relaunched
+            )
+        self.make_cursor = self.cursor.at  # the same prompt stream from another position
         if not cfg.rollout.server_addrs:
-            raise ValueError("rollout.server_addrs is empty: the worker needs the servers' "
-                             "host:port list (launch.local fills it in)")
-        self.elastic = ElasticPool(   # the servers now: some may have joined or left
-            self.paths.rollout_server_addrs(cfg.rollout.server_addrs), paths=self.paths,
-            api_key=cfg.rollout.api_key, client_cls=client_class(cfg.rollout.backend),
-            timeout_s=cfg.rollout.request_timeout_s, retries=cfg.rollout.request_retries,
-            down_wait_s=cfg.cluster.server_ready_timeout_s)
+            raise ValueError(
+                "rollout.server_addrs is empty: the worker needs the servers' "
+                "host:port list (launch.local fills it in)"
+            )
+        self.elastic = ElasticPool(  # the servers now: some may have joined or left
+            self.paths.rollout_server_addrs(cfg.rollout.server_addrs),
+            paths=self.paths,
+            api_key=cfg.rollout.api_key,
+            client_cls=client_class(cfg.rollout.backend),
+            timeout_s=cfg.rollout.request_timeout_s,
+            retries=cfg.rollout.request_retries,
+            down_wait_s=cfg.cluster.server_ready_timeout_s,
+        )
         self.client = self.elastic.client
         self.workflow = StampedWorkflow(inner_workflow)
-        self.evaluator = WorkerEvaluator.from_config(cfg, self.tokenizer)   # None: eval off
-        self.sender = TrajectorySender(self.paths.data_endpoint, secret=cfg.dataplane.secret,
-                                       window=cfg.dataplane.sender_window)
+        self.evaluator = WorkerEvaluator.from_config(cfg, self.tokenizer)  # None: eval off
+        self.sender = TrajectorySender(
+            self.paths.data_endpoint,
+            secret=cfg.dataplane.secret,
+            window=cfg.dataplane.sender_window,
+        )
         self.controller = None
         self._ctl_lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
         self.stop_event = threading.Event()
-        self.pool = ServerPoolCommands(self.elastic, lambda: self.controller,
-                                       timeout_s=cfg.rollout.request_timeout_s)
-        self.control = ControlServer(self.paths.control_endpoint, self.handle,
-                                     secret=cfg.dataplane.secret,
-                                     allow_remote=cfg.dataplane.allow_remote).start()
+        self.pool = ServerPoolCommands(
+            self.elastic, lambda: self.controller, timeout_s=cfg.rollout.request_timeout_s
+        )
+        self.control = ControlServer(
+            self.paths.control_endpoint,
+            self.handle,
+            secret=cfg.dataplane.secret,
+            allow_remote=cfg.dataplane.allow_remote,
+        ).start()
 
     def _resume_step(self) -> int:
         if self.cfg.recover != "auto" and not self.relaunched:
@@ -201,8 +221,12 @@ class RolloutWorker:
             # durable: a torn file after a machine crash would stop the resume (an fsync per
             # delivered group is small next to generating the group); "counts": the
             # counters delivered so far (the worker's own, continued by a relaunch)
-            state = {"next_prompt": nxt, "drawn": self.cursor.drawn, "time": time.time(),
-                     "counts": self.counts.delivered}
+            state = {
+                "next_prompt": nxt,
+                "drawn": self.cursor.drawn,
+                "time": time.time(),
+                "counts": self.counts.delivered,
+            }
             atomic_write(self.state_path, json.dumps(state), durable=True)
 
     def start_controller(self, version: int) -> None:
@@ -220,27 +244,44 @@ class RolloutWorker:
         # plus the journal since
         ckpt = self.paths.latest_checkpoint() if self.resume_step or self.relaunched else None
         ledger = accepted_ledger(self.paths, ckpt) if ckpt is not None else None
-        if ledger is not None:   # exact: regenerate just the drawn prompts the trainer lacks
+        if ledger is not None:  # exact: regenerate just the drawn prompts the trainer lacks
             self.cursor, redo = resumed_cursor(self.make_cursor, ledger, self.drawn_before)
-            log.info("resume: %d prompts generated again %s, drawing on from %d", len(redo),
-                     redo[:20], self.cursor.drawn)
-        ctl = RolloutController(self.client, self.workflow, self.cursor,
-                                batch_size=r.batch_size, n_samples=r.n_samples,
-                                eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,
-                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                tokenizer=self.tokenizer, sink=self._sink,
-                                initial_version=version, route_layout=replay_layout(self.cfg),
-                                on_episode_failure=episode_failure_policy(r.on_episode_failure,
-                                                                          r.workflow),
-                                failure_rate=FailureRate(r.failure_rate_ceiling,
-                                                         r.failure_window, r.failure_min_prompts))
-        if ledger is None:   # fresh, or a checkpoint older than the prompt ledger
+            log.info(
+                "resume: %d prompts generated again %s, drawing on from %d",
+                len(redo),
+                redo[:20],
+                self.cursor.drawn,
+            )
+        ctl = RolloutController(
+            self.client,
+            self.workflow,
+            self.cursor,
+            batch_size=r.batch_size,
+            n_samples=r.n_samples,
+            eta=r.max_head_offpolicyness,
+            max_concurrent=r.max_concurrent,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            tokenizer=self.tokenizer,
+            sink=self._sink,
+            initial_version=version,
+            route_layout=replay_layout(self.cfg),
+            on_episode_failure=episode_failure_policy(r.on_episode_failure, r.workflow),
+            failure_rate=FailureRate(
+                r.failure_rate_ceiling, r.failure_window, r.failure_min_prompts
+            ),
+        )
+        if ledger is None:  # fresh, or a checkpoint older than the prompt ledger
             ctl.counter.accepted = self.paths.accepted_samples(ckpt) // r.n_samples
         else:
             ctl.counter.accepted = ledger.n_accepted_groups()
         self.controller = ctl.start()
-        log.info("controller started at version %d (%d groups already accepted)", version,
-                 ctl.counter.accepted)
+        log.info(
+            "controller started at version %d (%d groups already accepted)",
+            version,
+            ctl.counter.accepted,
+        )
 
     def handle(self, msg: dict) -> dict:
         """Answer one control command from trainer rank 0; runs on the control server's thread.
@@ -270,9 +311,11 @@ class RolloutWorker:
         if cmd == "ping":
             return {}
         if cmd == "stats":
-            return {**(self.controller.stats() if self.controller else {"started": 0}),
-                    **self.elastic.pool_stats()}
-        if cmd in self.pool.COMMANDS:   # elastic rollout: servers join / leave
+            return {
+                **(self.controller.stats() if self.controller else {"started": 0}),
+                **self.elastic.pool_stats(),
+            }
+        if cmd in self.pool.COMMANDS:  # elastic rollout: servers join / leave
             with self._ctl_lock:
                 return self.pool.handle(msg)
         if cmd == "update_weights":
@@ -282,37 +325,45 @@ class RolloutWorker:
             t0 = time.time()
             with self._ctl_lock:
                 if self.controller is not None and version == self.controller.version:
-                    return {"version": version, "seconds": 0.0}   # a resent request: done
-                if self.controller is None:       # resuming: load, then start generating
+                    return {"version": version, "seconds": 0.0}  # a resent request: done
+                if self.controller is None:  # resuming: load, then start generating
                     asyncio.run(self._load_directly(path, version))
                     self.start_controller(version)
                 else:
                     self.controller.update_weights(version, path=path)
-            return {"version": version, "seconds": time.time() - t0,
-                    **pool_metrics(self.elastic.pool_stats())}
-        if cmd == "begin_update":   # the trainer broadcasts the weights itself (bucketed)
+            return {
+                "version": version,
+                "seconds": time.time() - t0,
+                **pool_metrics(self.elastic.pool_stats()),
+            }
+        if cmd == "begin_update":  # the trainer broadcasts the weights itself (bucketed)
             with self._ctl_lock:
                 if self.controller is not None:
                     self.controller.begin_weight_update()
-                return self.pool.begin_update()   # the servers the trainer's group must hold
+                return self.pool.begin_update()  # the servers the trainer's group must hold
         if cmd == "end_update":
             version = int(msg["version"])
             with self._ctl_lock:
                 if self.controller is not None and version == self.controller.version:
-                    return {"version": version}   # a resent request: done
-                if self.controller is None:       # resuming: the servers hold the weights now
+                    return {"version": version}  # a resent request: done
+                if self.controller is None:  # resuming: the servers hold the weights now
                     asyncio.run(self._set_version(version))
                     self.start_controller(version)
                 else:
                     self.controller.end_weight_update(version)
-                self.pool.end_update()            # servers that joined the group take work
+                self.pool.end_update()  # servers that joined the group take work
             return {"version": version, **pool_metrics(self.elastic.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
-            return self.evaluator.run(int(msg["version"]), self.controller,
-                                      lambda: self.client.sibling(self.client.dispatchable()))
-        raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
-                         "begin_update, end_update, servers, add_server, remove_server or "
-                         "evaluate (with eval.every_steps > 0)")
+            return self.evaluator.run(
+                int(msg["version"]),
+                self.controller,
+                lambda: self.client.sibling(self.client.dispatchable()),
+            )
+        raise ValueError(
+            f"unknown command {cmd!r}; expected ping, stats, update_weights, "
+            "begin_update, end_update, servers, add_server, remove_server or "
+            "evaluate (with eval.every_steps > 0)"
+        )
 
     async def _set_version(self, version: int) -> None:
         c = self.client.sibling(self.client.addrs)
@@ -324,9 +375,9 @@ class RolloutWorker:
     async def _load_directly(self, path: str, version: int) -> None:
         c = self.client.sibling(self.client.addrs)
         try:
-            await load_published(c, path, version)   # full weights or a LoRA adapter
+            await load_published(c, path, version)  # full weights or a LoRA adapter
             self.client.lora_name = c.lora_name
-            await c.resume()       # a killed predecessor may have left the servers paused
+            await c.resume()  # a killed predecessor may have left the servers paused
         finally:
             await c.close()
 
@@ -358,15 +409,16 @@ class RolloutWorker:
             if self.controller is not None:
                 return
             version = asyncio.run(self._sync_servers()) or 0
-            log.info("relaunched: continuing at version %d from prompt %d", version,
-                     self.cursor.drawn)
+            log.info(
+                "relaunched: continuing at version %d from prompt %d", version, self.cursor.drawn
+            )
             self.start_controller(version)
 
     async def _sync_servers(self):
         try:
             return await self.elastic.sync_all()
         finally:
-            await self.client.close()      # the controller's loop opens its own session
+            await self.client.close()  # the controller's loop opens its own session
 
     def close(self, budget_s: float = 15.0) -> None:
         """Stop the control server, the controller and the sender (letting queued trajectories
@@ -393,18 +445,22 @@ def main(argv=None) -> None:
     ``cluster.kill_grace_s`` and exits 143; the process ends with ``os._exit`` so that no
     thread blocked on the trainer (a delivery waiting for credit) can hold it up."""
 
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config")
-    p.add_argument("--relaunched", action="store_true",
-                   help="continue this run after the worker alone crashed (launch.local)")
+    p.add_argument(
+        "--relaunched",
+        action="store_true",
+        help="continue this run after the worker alone crashed (launch.local)",
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout-worker %(message)s")
     holder: list = []
 
     def on_term():
-        if not holder:                 # still setting up: nothing to flush yet
+        if not holder:  # still setting up: nothing to flush yet
             os._exit(128 + signal.SIGTERM)
         holder[0].stop_event.set()
 
@@ -426,8 +482,8 @@ def main(argv=None) -> None:
         rc = 130
     except BaseException as e:  # noqa: BLE001 - reported, then the hard exit below
         rc = 1
-        if holder and isinstance(e.__cause__, FailureRateExceeded):   # no relaunch cures it
-            log.error("error: %s", e)          # one line; a traceback would add nothing
+        if holder and isinstance(e.__cause__, FailureRateExceeded):  # no relaunch cures it
+            log.error("error: %s", e)  # one line; a traceback would add nothing
             holder[0].paths.write_fatal(f"rollout worker: {e.__cause__}")
             rc = FATAL_EXIT_CODE
         else:

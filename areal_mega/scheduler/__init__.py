@@ -13,10 +13,16 @@ does not import torch.
 def __getattr__(name):
     if name in ("pack_sequences", "zigzag_cp_shard", "PackingError"):
         from areal_mega.scheduler import packing
+
         return getattr(packing, name)
     raise AttributeError(f"module 'areal_mega.scheduler' has no attribute {name!r}")
 
 
-from areal_mega.scheduler.planner import (PlanError, first_fit_decreasing,  # noqa: E402,F401
-                                          karmarkar_karp, plan_micro_batches, plan_stats,
-                                          sequence_costs)
+from areal_mega.scheduler.planner import (
+    PlanError,
+    first_fit_decreasing,  # noqa: E402,F401
+    karmarkar_karp,
+    plan_micro_batches,
+    plan_stats,
+    sequence_costs,
+)

@@ -27,6 +27,7 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
   tokens (B = 0, ``labels`` all -1), so a rank with an empty micro-batch still runs a forward/backward pass with
   zero loss weight (the scheduler may hand out empty micro-batches to keep counts equal).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence, Union
@@ -36,21 +37,53 @@ import torch
 
 from areal_mega.dataplane.trajectory import FINISH_REASONS, Trajectory
 
-PER_TOKEN_FILL = {"loss_mask": 0, "logprobs": 0.0, "versions": -1, "token_rewards": 0.0,
-                  "labels": -1, "routed_experts": -1}
+PER_TOKEN_FILL = {
+    "loss_mask": 0,
+    "logprobs": 0.0,
+    "versions": -1,
+    "token_rewards": 0.0,
+    "labels": -1,
+    "routed_experts": -1,
+}
 """Value of padding tokens per field (extras not listed here are padded with 0); ``labels``
 (the next-token targets the engine scores) is -1 = no target; ``routed_experts`` (MoE routes
 per token ``[layers, topk]``) -1 = no route."""
 
 # dtypes of the standard per-token fields; an empty pack carries each of them (all padding)
-_DEFAULT_DTYPES = {"loss_mask": np.uint8, "logprobs": np.float32, "versions": np.int32,
-                   "labels": np.int64}
-_SCALAR_KEYS = {"sample_id", "group_id", "finish_reason", "server_id", "meta", "created_at",
-                "prompt_len", "reward"}
-_OUTPUT_KEYS = {"input_ids", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen",
-                "max_seqlen_padded", "seqlens", "prompt_lens", "rewards", "token_rewards",
-                "segment_ids", "finish_codes", "min_versions", "sample_ids", "group_ids",
-                "token_keys"}
+_DEFAULT_DTYPES = {
+    "loss_mask": np.uint8,
+    "logprobs": np.float32,
+    "versions": np.int32,
+    "labels": np.int64,
+}
+_SCALAR_KEYS = {
+    "sample_id",
+    "group_id",
+    "finish_reason",
+    "server_id",
+    "meta",
+    "created_at",
+    "prompt_len",
+    "reward",
+}
+_OUTPUT_KEYS = {
+    "input_ids",
+    "position_ids",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+    "max_seqlen",
+    "max_seqlen_padded",
+    "seqlens",
+    "prompt_lens",
+    "rewards",
+    "token_rewards",
+    "segment_ids",
+    "finish_codes",
+    "min_versions",
+    "sample_ids",
+    "group_ids",
+    "token_keys",
+}
 
 
 class PackingError(ValueError):
@@ -60,14 +93,26 @@ class PackingError(ValueError):
 def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
     """Return {tokens: {name: 1-D array}, reward, prompt_len, scalars, ids} for one sequence."""
     if isinstance(item, Trajectory):
-        tokens = {"input_ids": item.input_ids, "loss_mask": item.loss_mask,
-                  "logprobs": item.logprobs, "versions": item.versions, **item.token_extras}
-        return {"tokens": tokens, "reward": item.reward, "prompt_len": int(item.prompt_len),
-                "scalars": {}, "sample_id": item.sample_id, "group_id": item.group_id,
-                "finish_reason": item.finish_reason}
+        tokens = {
+            "input_ids": item.input_ids,
+            "loss_mask": item.loss_mask,
+            "logprobs": item.logprobs,
+            "versions": item.versions,
+            **item.token_extras,
+        }
+        return {
+            "tokens": tokens,
+            "reward": item.reward,
+            "prompt_len": int(item.prompt_len),
+            "scalars": {},
+            "sample_id": item.sample_id,
+            "group_id": item.group_id,
+            "finish_reason": item.finish_reason,
+        }
     if not isinstance(item, Mapping):
-        raise PackingError(f"sequence {i}: expected a Trajectory or a dict, got "
-                           f"{type(item).__name__}")
+        raise PackingError(
+            f"sequence {i}: expected a Trajectory or a dict, got {type(item).__name__}"
+        )
     if "input_ids" not in item:
         raise PackingError(f"sequence {i}: missing 'input_ids'")
 
@@ -81,8 +126,10 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
 
     ids = arr("input_ids", item["input_ids"])
     if ids.ndim != 1 or ids.shape[0] < 1 or ids.dtype.kind not in "iu":
-        raise PackingError(f"sequence {i}: field 'input_ids' must be a non-empty 1-D integer "
-                           f"array, got dtype {ids.dtype} shape {tuple(ids.shape)}")
+        raise PackingError(
+            f"sequence {i}: field 'input_ids' must be a non-empty 1-D integer "
+            f"array, got dtype {ids.dtype} shape {tuple(ids.shape)}"
+        )
     n = ids.shape[0]
     prompt_len = int(item.get("prompt_len", 0))
     if not 0 <= prompt_len <= n:
@@ -106,23 +153,33 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
         a = arr(name, value)
         if a.ndim == 0:
             if name in _OUTPUT_KEYS:
-                raise PackingError(f"sequence {i}: per-sequence field {name!r} clashes with an "
-                                   "output key")
+                raise PackingError(
+                    f"sequence {i}: per-sequence field {name!r} clashes with an output key"
+                )
             scalars[name] = a
         else:
             tokens[name] = a
     for name, value in (item.get("token_extras") or {}).items():
         tokens[name] = arr(f"token_extras.{name}", value)
-    return {"tokens": tokens, "reward": arr("reward", item.get("reward", 0.0), np.float32),
-            "prompt_len": prompt_len, "scalars": scalars,
-            "sample_id": str(item.get("sample_id", "")), "group_id": str(item.get("group_id", "")),
-            "finish_reason": str(item.get("finish_reason", "stop"))}
+    return {
+        "tokens": tokens,
+        "reward": arr("reward", item.get("reward", 0.0), np.float32),
+        "prompt_len": prompt_len,
+        "scalars": scalars,
+        "sample_id": str(item.get("sample_id", "")),
+        "group_id": str(item.get("group_id", "")),
+        "finish_reason": str(item.get("finish_reason", "stop")),
+    }
 
 
-def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]], *,
-                   pad_to_multiple: int = 1, cp_size: int = 1,
-                   pad_token_id: int = 0,
-                   like: Union[Trajectory, Mapping[str, Any], None] = None) -> dict[str, Any]:
+def pack_sequences(
+    trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
+    *,
+    pad_to_multiple: int = 1,
+    cp_size: int = 1,
+    pad_token_id: int = 0,
+    like: Union[Trajectory, Mapping[str, Any], None] = None,
+) -> dict[str, Any]:
     """Pack trajectories (or dicts with the same keys) into flat tensors; see module docstring.
     ``like``: a sequence of the same kind; an empty list then packs to padding carrying
     ``like``'s per-token fields (its dtypes and trailing shapes) besides the standard ones.
@@ -147,12 +204,13 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
     sequence and field on any inconsistency (lengths, dtypes, extras present in only some).
     """
     if pad_to_multiple < 1 or cp_size < 1:
-        raise PackingError(f"pad_to_multiple={pad_to_multiple} and cp_size={cp_size} must be "
-                           ">= 1")
+        raise PackingError(f"pad_to_multiple={pad_to_multiple} and cp_size={cp_size} must be >= 1")
     slot_mult = 2 * cp_size if cp_size > 1 else 1
     if pad_to_multiple % slot_mult:
-        raise PackingError(f"pad_to_multiple={pad_to_multiple} must be a multiple of "
-                           f"2*cp_size={slot_mult} (pass 2*TP*CP)")
+        raise PackingError(
+            f"pad_to_multiple={pad_to_multiple} must be a multiple of "
+            f"2*cp_size={slot_mult} (pass 2*TP*CP)"
+        )
     seqs = [_normalize(i, t) for i, t in enumerate(trajectories)]
     b = len(seqs)
     lens = np.array([s["tokens"]["input_ids"].shape[0] for s in seqs], dtype=np.int64)
@@ -178,35 +236,42 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
         n = int(lens[i])
         if set(s["tokens"]) != set(names):
             diff = sorted(set(s["tokens"]) ^ set(names))
-            raise PackingError(f"sequence {i}: per-token field {diff[0]!r} present in some "
-                               "sequences only")
+            raise PackingError(
+                f"sequence {i}: per-token field {diff[0]!r} present in some sequences only"
+            )
         if sorted(s["scalars"]) != scalar_names:
             diff = sorted(set(s["scalars"]) ^ set(scalar_names))
-            raise PackingError(f"sequence {i}: per-sequence field {diff[0]!r} present in "
-                               "some sequences only")
+            raise PackingError(
+                f"sequence {i}: per-sequence field {diff[0]!r} present in some sequences only"
+            )
         for k, a in s["tokens"].items():
             if a.shape != (n, *trailing[k]) or (k == "input_ids" and a.ndim != 1):
                 want = ", ".join(str(d) for d in (n, *trailing[k]))
-                raise PackingError(f"sequence {i}: field {k!r} has shape {tuple(a.shape)}, "
-                                   f"expected ({want},) like input_ids")
+                raise PackingError(
+                    f"sequence {i}: field {k!r} has shape {tuple(a.shape)}, "
+                    f"expected ({want},) like input_ids"
+                )
             if k != "input_ids" and a.dtype != dtypes[k]:
-                raise PackingError(f"sequence {i}: field {k!r} has dtype {a.dtype}, sequence 0 "
-                                   f"has {dtypes[k]}")
+                raise PackingError(
+                    f"sequence {i}: field {k!r} has dtype {a.dtype}, sequence 0 has {dtypes[k]}"
+                )
         if s["reward"].shape not in ((), (n,)):
-            raise PackingError(f"sequence {i}: field 'reward' has shape "
-                               f"{tuple(s['reward'].shape)}, expected () or ({n},)")
+            raise PackingError(
+                f"sequence {i}: field 'reward' has shape "
+                f"{tuple(s['reward'].shape)}, expected () or ({n},)"
+            )
 
     out: dict[str, Any] = {}
     starts = offsets[:-1]
     seg = np.full(total, b, np.int32)
     pos = np.arange(total, dtype=np.int64)
     for i in range(b):
-        seg[offsets[i]:offsets[i + 1]] = i
-        pos[offsets[i]:offsets[i + 1]] -= offsets[i]
+        seg[offsets[i] : offsets[i + 1]] = i
+        pos[offsets[i] : offsets[i + 1]] -= offsets[i]
     pos[used:] -= used
     ids = np.full(total, pad_token_id, np.int64)
     for i, s in enumerate(seqs):
-        ids[starts[i]:starts[i] + lens[i]] = s["tokens"]["input_ids"]
+        ids[starts[i] : starts[i] + lens[i]] = s["tokens"]["input_ids"]
     out["input_ids"] = torch.from_numpy(ids)
     out["position_ids"] = torch.from_numpy(pos)
     out["segment_ids"] = torch.from_numpy(seg)
@@ -221,7 +286,7 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
             continue
         buf = np.full((total, *trailing[k]), PER_TOKEN_FILL.get(k, 0), dtypes[k])
         for i, s in enumerate(seqs):
-            buf[starts[i]:starts[i] + lens[i]] = s["tokens"][k]
+            buf[starts[i] : starts[i] + lens[i]] = s["tokens"][k]
         out[k] = torch.from_numpy(buf)
     rewards = np.zeros(b, np.float32)
     per_token = any(s["reward"].ndim == 1 for s in seqs)
@@ -231,7 +296,7 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
         rewards[i] = r.sum(dtype=np.float64) if r.ndim else r
         if tok_r is not None:
             if r.ndim:
-                tok_r[starts[i]:starts[i] + lens[i]] = r
+                tok_r[starts[i] : starts[i] + lens[i]] = r
             else:
                 tok_r[starts[i] + lens[i] - 1] = r
     out["rewards"] = torch.from_numpy(rewards)
@@ -246,12 +311,16 @@ def pack_sequences(trajectories: Iterable[Union[Trajectory, Mapping[str, Any]]],
         mv.append(int(v.min()) if v.size else -1)
     out["min_versions"] = torch.tensor(mv, dtype=torch.int32)
     codes = {r: c for c, r in enumerate(FINISH_REASONS)}
-    out["finish_codes"] = torch.tensor([codes.get(s["finish_reason"], -1) for s in seqs],
-                                       dtype=torch.int8)
+    out["finish_codes"] = torch.tensor(
+        [codes.get(s["finish_reason"], -1) for s in seqs], dtype=torch.int8
+    )
     for k in scalar_names:
         out[k] = torch.from_numpy(np.stack([s["scalars"][k] for s in seqs]))
-    out["token_keys"] = ["input_ids", "position_ids", "segment_ids"] + \
-        [k for k in names if k != "input_ids"] + (["token_rewards"] if per_token else [])
+    out["token_keys"] = (
+        ["input_ids", "position_ids", "segment_ids"]
+        + [k for k in names if k != "input_ids"]
+        + (["token_rewards"] if per_token else [])
+    )
     out["sample_ids"] = [s["sample_id"] for s in seqs]
     out["group_ids"] = [s["group_id"] for s in seqs]
     return out
@@ -287,8 +356,9 @@ def _zigzag_chunk(lo: int, hi: int, cp_size: int) -> int:
     """Length of each of the ``2·cp_size`` chunks of segment ``[lo, hi)``, checked."""
     n = 2 * cp_size
     if (hi - lo) % n:
-        raise PackingError(f"segment [{lo}, {hi}) is not a multiple of 2*cp_size={n}; "
-                           f"pack with cp_size={cp_size}")
+        raise PackingError(
+            f"segment [{lo}, {hi}) is not a multiple of 2*cp_size={n}; pack with cp_size={cp_size}"
+        )
     return (hi - lo) // n
 
 

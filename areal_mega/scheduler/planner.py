@@ -25,6 +25,7 @@
 
 Deterministic: the same input gives the same plan (ties broken by index).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -36,8 +37,9 @@ class PlanError(ValueError):
     """Impossible or malformed planning input; the message names the offending sequence."""
 
 
-def sequence_costs(seqlens: Sequence[int], balance_by: str = "tokens",
-                   flops_linear_coef: float = 49152.0) -> list[float]:
+def sequence_costs(
+    seqlens: Sequence[int], balance_by: str = "tokens", flops_linear_coef: float = 49152.0
+) -> list[float]:
     """Per-sequence cost used for DP balancing: ``L`` or ``a*L + L**2``."""
     if balance_by == "tokens":
         return [float(n) for n in seqlens]
@@ -72,8 +74,9 @@ def karmarkar_karp(costs: Sequence[float], k: int) -> list[list[int]]:
     return [sorted(p[1]) for p in heap[0][2]]
 
 
-def _refine(sets: list[list[int]], costs: Sequence[float], max_rounds: int = 200
-            ) -> list[list[int]]:
+def _refine(
+    sets: list[list[int]], costs: Sequence[float], max_rounds: int = 200
+) -> list[list[int]]:
     """Greedy improvement: move or swap one item between the heaviest and the lightest set
     while that lowers the heaviest sum. Deterministic."""
     sums = [sum(costs[i] for i in s) for s in sets]
@@ -111,8 +114,9 @@ def _refine(sets: list[list[int]], costs: Sequence[float], max_rounds: int = 200
     return [sorted(s) for s in sets]
 
 
-def first_fit_decreasing(indices: Sequence[int], seqlens: Sequence[int], budget: int
-                         ) -> list[list[int]]:
+def first_fit_decreasing(
+    indices: Sequence[int], seqlens: Sequence[int], budget: int
+) -> list[list[int]]:
     """Bin-pack ``indices`` by ``seqlens`` into bins of at most ``budget`` tokens (FFD)."""
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -128,8 +132,9 @@ def first_fit_decreasing(indices: Sequence[int], seqlens: Sequence[int], budget:
     return bins
 
 
-def _pack_search(indices: list[int], seqlens: Sequence[int], m: int, budget: int,
-                 node_limit: int = 5000) -> list[list[int]] | None:
+def _pack_search(
+    indices: list[int], seqlens: Sequence[int], m: int, budget: int, node_limit: int = 5000
+) -> list[list[int]] | None:
     """``indices`` into exactly ``m`` bins of at most ``budget`` tokens, or ``None``.
 
     Depth-first over the sequences in decreasing length, each tried in the bins from the
@@ -174,8 +179,9 @@ def _pack_search(indices: list[int], seqlens: Sequence[int], m: int, budget: int
     return None
 
 
-def _fit_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int
-              ) -> list[list[int]] | None:
+def _fit_rank(
+    indices: list[int], seqlens: Sequence[int], m: int, budget: int
+) -> list[list[int]] | None:
     """Some ``m`` micro-batches under ``budget`` tokens each for ``indices``, or ``None``:
     the bounded exact search, else first-fit-decreasing when it needs at most ``m`` bins."""
     found = _pack_search(indices, seqlens, m, budget)
@@ -185,8 +191,9 @@ def _fit_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int
     return bins + [[] for _ in range(m - len(bins))] if len(bins) <= m else None
 
 
-def _split_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int,
-                fit: list[list[int]]) -> list[list[int]]:
+def _split_rank(
+    indices: list[int], seqlens: Sequence[int], m: int, budget: int, fit: list[list[int]]
+) -> list[list[int]]:
     """Exactly ``m`` micro-batches (some possibly empty) under ``budget`` tokens each: KK into
     ``m`` token-balanced parts, or, if one breaks the budget, ``fit`` (a feasible split from
     ``_fit_rank``) balanced by ``_refine`` (which only ever lowers the heaviest bin)."""
@@ -200,9 +207,13 @@ def _split_rank(indices: list[int], seqlens: Sequence[int], m: int, budget: int,
     return _refine([list(b) for b in fit], [float(n) for n in seqlens])
 
 
-def micro_batch_count_bounds(ranks: Sequence[Sequence[int]], seqlens: Sequence[int],
-                             budget: int, pp_size: int = 1, min_micro_batches: int = 1
-                             ) -> tuple[int, int]:
+def micro_batch_count_bounds(
+    ranks: Sequence[Sequence[int]],
+    seqlens: Sequence[int],
+    budget: int,
+    pp_size: int = 1,
+    min_micro_batches: int = 1,
+) -> tuple[int, int]:
     """``(lower, ffd)``: where the search for the per-rank micro-batch count starts and where
     it is sure to end, both multiples of ``pp_size`` and ``>= min_micro_batches``.
 
@@ -210,12 +221,21 @@ def micro_batch_count_bounds(ranks: Sequence[Sequence[int]], seqlens: Sequence[i
     sequences longer than half the budget (no two share a micro-batch); ``ffd`` is the largest
     first-fit-decreasing bin count over ranks (always feasible).
     """
+
     def up(m: int) -> int:
         m = max(m, min_micro_batches, 1)
         return -(-m // pp_size) * pp_size
 
-    lower = max([max(-(-sum(seqlens[i] for i in r) // budget),
-                     sum(1 for i in r if 2 * seqlens[i] > budget)) for r in ranks] or [0])
+    lower = max(
+        [
+            max(
+                -(-sum(seqlens[i] for i in r) // budget),
+                sum(1 for i in r if 2 * seqlens[i] > budget),
+            )
+            for r in ranks
+        ]
+        or [0]
+    )
     ffd = max([len(first_fit_decreasing(r, seqlens, budget)) for r in ranks] or [0])
     return up(lower), up(ffd)
 
@@ -231,10 +251,16 @@ def _pyramid(mbs: list[list[int]], costs: Sequence[float]) -> list[list[int]]:
     return left + right[::-1] + empty
 
 
-def plan_micro_batches(seqlens: Sequence[int], *, dp_size: int, max_tokens_per_mb: int,
-                       pp_size: int = 1, min_micro_batches: int = 1,
-                       balance_by: str = "tokens", flops_linear_coef: float = 49152.0
-                       ) -> list[list[list[int]]]:
+def plan_micro_batches(
+    seqlens: Sequence[int],
+    *,
+    dp_size: int,
+    max_tokens_per_mb: int,
+    pp_size: int = 1,
+    min_micro_batches: int = 1,
+    balance_by: str = "tokens",
+    flops_linear_coef: float = 49152.0,
+) -> list[list[list[int]]]:
     """Assign sample indices to DP ranks and micro-batches; see the module docstring.
 
     Returns ``plan`` with ``len(plan) == dp_size`` and ``len(plan[r]) == m`` for every rank,
@@ -242,8 +268,12 @@ def plan_micro_batches(seqlens: Sequence[int], *, dp_size: int, max_tokens_per_m
     index ``0..len(seqlens)-1`` exactly once. Raises :class:`PlanError` for a sequence longer
     than the budget (naming its index and length) or invalid arguments.
     """
-    for name, v in (("dp_size", dp_size), ("max_tokens_per_mb", max_tokens_per_mb),
-                    ("pp_size", pp_size), ("min_micro_batches", min_micro_batches)):
+    for name, v in (
+        ("dp_size", dp_size),
+        ("max_tokens_per_mb", max_tokens_per_mb),
+        ("pp_size", pp_size),
+        ("min_micro_batches", min_micro_batches),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"{name}={v!r}: must be an int >= 1")
     lens = []
@@ -252,14 +282,18 @@ def plan_micro_batches(seqlens: Sequence[int], *, dp_size: int, max_tokens_per_m
             raise PlanError(f"sequence {i}: length {n!r} must be a positive int")
         n = int(n)
         if n > max_tokens_per_mb:
-            raise PlanError(f"sequence {i}: length {n} exceeds max_tokens_per_mb="
-                            f"{max_tokens_per_mb}; raise the budget or truncate it")
+            raise PlanError(
+                f"sequence {i}: length {n} exceeds max_tokens_per_mb="
+                f"{max_tokens_per_mb}; raise the budget or truncate it"
+            )
         lens.append(n)
     costs = sequence_costs(lens, balance_by, flops_linear_coef)
-    ranks = _refine(karmarkar_karp(costs, dp_size), costs) if dp_size > 1 else \
-        [list(range(len(lens)))]
-    lower, ffd = micro_batch_count_bounds(ranks, lens, max_tokens_per_mb, pp_size,
-                                          min_micro_batches)
+    ranks = (
+        _refine(karmarkar_karp(costs, dp_size), costs) if dp_size > 1 else [list(range(len(lens)))]
+    )
+    lower, ffd = micro_batch_count_bounds(
+        ranks, lens, max_tokens_per_mb, pp_size, min_micro_batches
+    )
     for m in range(lower, ffd + 1, pp_size):  # fewest micro-batches every rank can fit into
         fits = []
         for r in ranks:  # stop at the first rank that does not fit
@@ -268,13 +302,19 @@ def plan_micro_batches(seqlens: Sequence[int], *, dp_size: int, max_tokens_per_m
                 break
         else:
             break
-    plan = [_pyramid(_split_rank(r, lens, m, max_tokens_per_mb, f), costs)
-            for r, f in zip(ranks, fits)]
+    plan = [
+        _pyramid(_split_rank(r, lens, m, max_tokens_per_mb, f), costs) for r, f in zip(ranks, fits)
+    ]
     return plan
 
 
-def plan_stats(plan: list[list[list[int]]], seqlens: Sequence[int], max_tokens_per_mb: int,
-               balance_by: str = "tokens", flops_linear_coef: float = 49152.0) -> dict:
+def plan_stats(
+    plan: list[list[list[int]]],
+    seqlens: Sequence[int],
+    max_tokens_per_mb: int,
+    balance_by: str = "tokens",
+    flops_linear_coef: float = 49152.0,
+) -> dict:
     """Quality figures: DP imbalance (max/mean rank cost), micro-batch count and fill ratio
     (real tokens / (non-empty micro-batches x budget)), empty micro-batches."""
     costs = sequence_costs(seqlens, balance_by, flops_linear_coef)
@@ -283,7 +323,9 @@ def plan_stats(plan: list[list[list[int]]], seqlens: Sequence[int], max_tokens_p
     mbs = [mb for rank in plan for mb in rank]
     full = [mb for mb in mbs if mb]
     tokens = sum(seqlens[i] for mb in full for i in mb)
-    return {"imbalance": (max(loads) / mean) if mean else 1.0,
-            "micro_batches_per_rank": len(plan[0]) if plan else 0,
-            "empty_micro_batches": len(mbs) - len(full),
-            "fill_ratio": tokens / (len(full) * max_tokens_per_mb) if full else 0.0}
+    return {
+        "imbalance": (max(loads) / mean) if mean else 1.0,
+        "micro_batches_per_rank": len(plan[0]) if plan else 0,
+        "empty_micro_batches": len(mbs) - len(full),
+        "fill_ratio": tokens / (len(full) * max_tokens_per_mb) if full else 0.0,
+    }

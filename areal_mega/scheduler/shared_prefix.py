@@ -26,6 +26,7 @@ part has ``ctx_len == 0``.
 
 Plain data in, plain data out (lists of ints): no torch, no torch.distributed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,14 +34,21 @@ from typing import Optional, Sequence
 
 from areal_mega.scheduler.planner import plan_micro_batches
 
-__all__ = ["SharedPrefixLayout", "first_loss_offsets", "prompt_groups", "plan_shared_prefix",
-           "group_units", "plan_grouped_micro_batches"]
+__all__ = [
+    "SharedPrefixLayout",
+    "first_loss_offsets",
+    "prompt_groups",
+    "plan_shared_prefix",
+    "group_units",
+    "plan_grouped_micro_batches",
+]
 
 
 @dataclass(frozen=True)
 class SharedPrefixLayout:
     """A micro-batch's compressed layout (see the module docstring). ``saved``: packed tokens
     not computed (``len(expand) - len(keep)``)."""
+
     keep: list[int]
     expand: list[int]
     units: list[tuple[int, int, int, int]]
@@ -59,8 +67,11 @@ def first_loss_offsets(loss_mask: Sequence, bounds: Sequence[int]) -> list[Optio
     return out
 
 
-def prompt_groups(tokens: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
-                  first_loss: Sequence[Optional[int]]) -> list[list[int]]:
+def prompt_groups(
+    tokens: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    first_loss: Sequence[Optional[int]],
+) -> list[list[int]]:
     """Indices of the samples in groups whose rows before ``first_loss`` hold equal tokens and
     labels, in order of first appearance; a sample without a loss row, or with fewer than 2
     rows before it (nothing worth sharing), is a group of its own."""
@@ -78,15 +89,17 @@ def prompt_groups(tokens: Sequence[Sequence[int]], labels: Sequence[Sequence[int
     return order
 
 
-def plan_shared_prefix(input_ids: Sequence[int], labels: Sequence[int], bounds: Sequence[int],
-                       loss_mask: Sequence) -> Optional[SharedPrefixLayout]:
+def plan_shared_prefix(
+    input_ids: Sequence[int], labels: Sequence[int], bounds: Sequence[int], loss_mask: Sequence
+) -> Optional[SharedPrefixLayout]:
     """The compressed layout of a packed micro-batch (slots ``bounds``, tokens past
     ``bounds[-1]`` are trailing padding), or None when no two slots share a prompt."""
     total = len(input_ids)
     slots = [(s, e) for s, e in zip(bounds[:-1], bounds[1:])]
     firsts = first_loss_offsets(loss_mask, bounds)
-    groups = prompt_groups([input_ids[s:e] for s, e in slots],
-                           [labels[s:e] for s, e in slots], firsts)
+    groups = prompt_groups(
+        [input_ids[s:e] for s, e in slots], [labels[s:e] for s, e in slots], firsts
+    )
     if all(len(g) < 2 for g in groups):
         return None
     keep: list[int] = []
@@ -108,7 +121,7 @@ def plan_shared_prefix(input_ids: Sequence[int], labels: Sequence[int], bounds: 
         shared = firsts[g[0]]
         lo0 = slots[g[0]][0]
         prefix = place(lo0, lo0 + shared)
-        for i in g[1:]:                      # their shared rows are the first sample's
+        for i in g[1:]:  # their shared rows are the first sample's
             lo = slots[i][0]
             for j in range(shared):
                 expand[lo + j] = prefix + j
@@ -120,8 +133,9 @@ def plan_shared_prefix(input_ids: Sequence[int], labels: Sequence[int], bounds: 
     return SharedPrefixLayout(keep=keep, expand=expand, units=units)
 
 
-def group_units(groups: Sequence[Sequence[int]], lengths: Sequence[int],
-                shared: Sequence[int], budget: int) -> list[tuple[list[int], int]]:
+def group_units(
+    groups: Sequence[Sequence[int]], lengths: Sequence[int], shared: Sequence[int], budget: int
+) -> list[tuple[list[int], int]]:
     """Planning units for the micro-batch planner: each group of samples (``lengths``, sharing
     ``shared[k]`` tokens in group ``k``) as ``(members, cost)`` with ``cost`` the compressed
     token count, split into consecutive pieces of at most ``budget`` tokens (a piece keeps
@@ -143,21 +157,30 @@ def group_units(groups: Sequence[Sequence[int]], lengths: Sequence[int],
     return out
 
 
-def plan_grouped_micro_batches(tokens: Sequence[Sequence[int]], labels: Sequence[Sequence[int]],
-                               loss_masks: Sequence[Sequence], *, max_tokens_per_mb: int,
-                               **plan_kw) -> list[list[list[int]]]:
+def plan_grouped_micro_batches(
+    tokens: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence],
+    *,
+    max_tokens_per_mb: int,
+    **plan_kw,
+) -> list[list[list[int]]]:
     """:func:`~areal_mega.scheduler.planner.plan_micro_batches` for an engine that computes
     shared prompts once: the samples (next-token layout) of a prompt group go to the same
     micro-batch, in budget-sized pieces, and the budget counts the tokens the model computes.
     Same plan format and errors (a sample longer than the budget is named by its index)."""
     lengths = [len(t) for t in tokens]
-    if any(n > max_tokens_per_mb or n < 1 for n in lengths):   # the planner's error names it
-        plan_micro_batches(lengths, max_tokens_per_mb=max_tokens_per_mb,
-                           **{**plan_kw, "dp_size": 1, "pp_size": 1, "min_micro_batches": 1})
+    if any(n > max_tokens_per_mb or n < 1 for n in lengths):  # the planner's error names it
+        plan_micro_batches(
+            lengths,
+            max_tokens_per_mb=max_tokens_per_mb,
+            **{**plan_kw, "dp_size": 1, "pp_size": 1, "min_micro_batches": 1},
+        )
     firsts = [next((j for j, m in enumerate(mask) if m), None) for mask in loss_masks]
     groups = prompt_groups(tokens, labels, firsts)
     shared = [firsts[g[0]] if len(g) > 1 else 0 for g in groups]
     units = group_units(groups, lengths, shared, max_tokens_per_mb)
-    unit_plan = plan_micro_batches([cost for _, cost in units],
-                                   max_tokens_per_mb=max_tokens_per_mb, **plan_kw)
+    unit_plan = plan_micro_batches(
+        [cost for _, cost in units], max_tokens_per_mb=max_tokens_per_mb, **plan_kw
+    )
     return [[[i for u in mb for i in units[u][0]] for mb in rank] for rank in unit_plan]

@@ -27,6 +27,7 @@ resolved config with every secret redacted (:func:`areal_mega.security.redact_se
 name, URL password and value); the config's secrets are registered, so log records and sample
 rows hide them too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,21 +54,27 @@ class RunLog:
         self.run_dir = Path(run_dir)
         lg = cfg.logging
         tensorboard = lg.tensorboard or "tensorboard" in lg.trackers
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=tensorboard,
-                                     resume_step=resume_step)
-        self.samples = SampleLog(self.run_dir, cfg.model.path, every=lg.log_samples_every,
-                                 n_groups=lg.log_samples_groups, resume_step=resume_step)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=tensorboard, resume_step=resume_step)
+        self.samples = SampleLog(
+            self.run_dir,
+            cfg.model.path,
+            every=lg.log_samples_every,
+            n_groups=lg.log_samples_groups,
+            resume_step=resume_step,
+        )
         self.trackers = []
         resumed = resume_step is not None
         tree = dataclasses.asdict(cfg)
-        install_log_redaction(tree)         # its secrets hidden in logs and samples from now on
-        params = redact_secrets(tree)       # no secret reaches a tracker
+        install_log_redaction(tree)  # its secrets hidden in logs and samples from now on
+        params = redact_secrets(tree)  # no secret reaches a tracker
         try:
             if "wandb" in lg.trackers:
                 from areal_mega.tracking.wandb_tracker import WandbTracker
+
                 self.trackers.append(WandbTracker(cfg, params, self.run_dir, resumed))
             if "mlflow" in lg.trackers:
                 from areal_mega.tracking.mlflow_tracker import MlflowTracker
+
                 self.trackers.append(MlflowTracker(cfg, params, self.run_dir, resumed))
         except BaseException:
             self.close()
@@ -83,14 +90,16 @@ class RunLog:
             if held >= resume_step:
                 continue
             rows = [r for r in read_metrics(self.metrics.path) if held < r["step"] <= resume_step]
-            samples = [r for r in read_metrics(self.samples.path)
-                       if held < r["step"] <= resume_step]
+            samples = [
+                r for r in read_metrics(self.samples.path) if held < r["step"] <= resume_step
+            ]
             for row in rows:
                 mine = [r for r in samples if r["step"] == row["step"]]
                 for kind, name in (("train", "samples"), ("eval", "eval_samples")):
                     if any(r["kind"] == kind for r in mine):
-                        t.log_samples(row["step"], [r for r in mine if r["kind"] == kind],
-                                      name=name)
+                        t.log_samples(
+                            row["step"], [r for r in mine if r["kind"] == kind], name=name
+                        )
                 t.log(row["step"], row)
 
     def log(self, step: int, scalars: dict) -> dict:

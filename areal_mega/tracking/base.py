@@ -1,5 +1,6 @@
 """What every tracker shares: the names, the config check, the per-tracker state file and
 the row filtering (no tracker package is imported here)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,7 @@ from areal_mega.common.errors import ConfigError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """The names ``logging.trackers`` accepts."""
-EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}     # tracker -> (module, extra) to install
+EXTRAS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> (module, extra) to install
 
 
 def check_trackers(trackers: list) -> None:
@@ -20,12 +21,15 @@ def check_trackers(trackers: list) -> None:
     :class:`ConfigError` naming the key, the bad name and the ``pip install`` that fixes it."""
     for name in trackers:
         if name not in TRACKERS:
-            raise ConfigError(f"logging.trackers: unknown tracker {name!r}; choose from "
-                              f"{list(TRACKERS)}")
+            raise ConfigError(
+                f"logging.trackers: unknown tracker {name!r}; choose from {list(TRACKERS)}"
+            )
         module = EXTRAS.get(name)
         if module and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"logging.trackers: {name!r} is chosen but the {module!r} package "
-                              f"is not installed: pip install -e .[{name}]")
+            raise ConfigError(
+                f"logging.trackers: {name!r} is chosen but the {module!r} package "
+                f"is not installed: pip install -e .[{name}]"
+            )
 
 
 def flat_params(tree: dict, prefix: str = "") -> dict:
@@ -42,8 +46,11 @@ def flat_params(tree: dict, prefix: str = "") -> dict:
 
 def finite_scalars(row: dict) -> dict:
     """The finite numbers of a metrics row, without ``step`` and ``time``."""
-    return {k: v for k, v in row.items() if k not in ("step", "time")
-            and isinstance(v, (int, float)) and math.isfinite(v)}
+    return {
+        k: v
+        for k, v in row.items()
+        if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)
+    }
 
 
 class TrackerState:

@@ -10,6 +10,7 @@ Every step appends one JSON object (``{"step": ..., "time": ..., **scalars}``) t
 On resume (``resume_step=k``) the file is rewritten atomically without records with
 ``step > k`` (the steps that will be redone), and a torn last line is dropped.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ from areal_mega.common.files import atomic_write
 
 METRICS_FILE = "metrics.jsonl"
 # Keys the trainer is expected to log every step (issue 8); others are welcome.
-STANDARD_KEYS = ("step", "version", "reward/mean", "loss", "ppo_kl", "mismatch",
-                 "staleness/max", "time/step", "tokens/s")
+STANDARD_KEYS = (
+    "step",
+    "version",
+    "reward/mean",
+    "loss",
+    "ppo_kl",
+    "mismatch",
+    "staleness/max",
+    "time/step",
+    "tokens/s",
+)
 
 
 def _scalar(key: str, value) -> float | int | None:
@@ -78,8 +88,13 @@ class MetricsLogger:
         ``enabled``: False on non-zero ranks makes every call a no-op.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True,
-                 resume_step: Optional[int] = None, enabled: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        resume_step: Optional[int] = None,
+        enabled: bool = True,
+    ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.enabled = enabled
@@ -97,8 +112,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step makes tensorboard hide events after the resumed step
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"),
-                                     purge_step=None if resume_step is None else resume_step + 1)
+            self._tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
 
     def log(self, step: int, scalars: Mapping[str, object]) -> dict:
         """Write one record for ``step``; returns it. Durable when this returns."""
@@ -145,22 +162,38 @@ class ProgressBar:
     Disabled (no output) when ``enabled`` is False, e.g. on non-zero ranks.
     """
 
-    def __init__(self, total_steps: int, initial_step: int = 0, enabled: bool = True,
-                 desc: str = "train", **tqdm_kw):
+    def __init__(
+        self,
+        total_steps: int,
+        initial_step: int = 0,
+        enabled: bool = True,
+        desc: str = "train",
+        **tqdm_kw,
+    ):
         self._bar = None
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc=desc,
-                             unit="step", dynamic_ncols=True, **tqdm_kw)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial_step,
+                desc=desc,
+                unit="step",
+                dynamic_ncols=True,
+                **tqdm_kw,
+            )
         self._step = initial_step
 
     @staticmethod
     def postfix(metrics: Mapping[str, object]) -> dict:
         """The short fields shown beside the bar."""
         out = {}
-        for key, label, fmt in (("reward/mean", "reward", "{:.3f}"), ("tokens/s", "tok/s",
-                                "{:.0f}"), ("version", "v", "{}"), ("loss", "loss", "{:.4f}")):
+        for key, label, fmt in (
+            ("reward/mean", "reward", "{:.3f}"),
+            ("tokens/s", "tok/s", "{:.0f}"),
+            ("version", "v", "{}"),
+            ("loss", "loss", "{:.4f}"),
+        ):
             v = metrics.get(key)
             if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
                 out[label] = fmt.format(v)
@@ -200,20 +233,30 @@ def source_reward_keys(records: Iterable[Mapping]) -> list[str]:
     return sorted(keys - {"reward/mean", "reward/std"})
 
 
-PANELS = (("loss", "loss"), ("ppo_kl", "ppo_kl"), ("staleness/max", "staleness (max)"),
-          ("time/step", "time / step (s)"), ("rollout/servers", "rollout servers"))
+PANELS = (
+    ("loss", "loss"),
+    ("ppo_kl", "ppo_kl"),
+    ("staleness/max", "staleness (max)"),
+    ("time/step", "time / step (s)"),
+    ("rollout/servers", "rollout servers"),
+)
 
 
 def eval_curve_keys(records: Iterable[Mapping]) -> list:
     """The evaluation curves drawn on the reward panel: ``eval/pass@1`` first, then each
     source's ``eval/<source>/pass@1``."""
-    keys = {k for r in records for k in r if k.startswith("eval/") and k.endswith("/pass@1")
-            or k == "eval/pass@1"}
+    keys = {
+        k
+        for r in records
+        for k in r
+        if k.startswith("eval/") and k.endswith("/pass@1") or k == "eval/pass@1"
+    }
     return sorted(keys, key=lambda k: (k != "eval/pass@1", k))
 
 
-def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 10,
-                 title: Optional[str] = None) -> Path:
+def plot_metrics(
+    metrics_jsonl: str | Path, out_png: str | Path, window: int = 10, title: Optional[str] = None
+) -> Path:
     """Draw the reward curve (raw + moving average; per-source moving averages for
     ``reward/<name>`` keys; the evaluation pass@1 curves of :func:`eval_curve_keys` when the
     run evaluated) and loss / ppo_kl / staleness /
@@ -238,30 +281,70 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, window: int = 1
     xs, ys = series("reward/mean")
     if xs:
         ax.plot(xs, ys, color="tab:blue", alpha=0.35, lw=1, label="reward/mean")
-        ax.plot(xs, moving_average(ys, window), color="tab:blue", lw=2,
-                label=f"moving average ({window})")
-        colors = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-                  "tab:olive", "tab:cyan", "tab:gray")
-        for i, key in enumerate(source_reward_keys(recs)):   # multi-task: a curve per source
+        ax.plot(
+            xs,
+            moving_average(ys, window),
+            color="tab:blue",
+            lw=2,
+            label=f"moving average ({window})",
+        )
+        colors = (
+            "tab:orange",
+            "tab:green",
+            "tab:red",
+            "tab:purple",
+            "tab:brown",
+            "tab:pink",
+            "tab:olive",
+            "tab:cyan",
+            "tab:gray",
+        )
+        for i, key in enumerate(source_reward_keys(recs)):  # multi-task: a curve per source
             sx, sy = series(key)
-            ax.plot(sx, moving_average(sy, window), lw=1.5, ls="--",
-                    color=colors[i % len(colors)], label=f"{key} (moving average)")
+            ax.plot(
+                sx,
+                moving_average(sy, window),
+                lw=1.5,
+                ls="--",
+                color=colors[i % len(colors)],
+                label=f"{key} (moving average)",
+            )
         ax.legend(loc="lower right")
     else:
         ax.text(0.5, 0.5, "no reward/mean", ha="center", va="center", transform=ax.transAxes)
     evals = eval_curve_keys(recs)
-    colors = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-              "tab:olive", "tab:cyan", "tab:gray")
+    colors = (
+        "tab:orange",
+        "tab:green",
+        "tab:red",
+        "tab:purple",
+        "tab:brown",
+        "tab:pink",
+        "tab:olive",
+        "tab:cyan",
+        "tab:gray",
+    )
     # a source's evaluation curve takes the colour of its training reward curve
-    source_color = {k.split("/", 1)[1]: colors[i % len(colors)]
-                    for i, k in enumerate(source_reward_keys(recs))}
-    for i, key in enumerate(evals):      # evaluation during training: pass@1 per eval step
+    source_color = {
+        k.split("/", 1)[1]: colors[i % len(colors)] for i, k in enumerate(source_reward_keys(recs))
+    }
+    for i, key in enumerate(evals):  # evaluation during training: pass@1 per eval step
         xs, ys = series(key)
-        name = key[len("eval/"):-len("/pass@1")] if key != "eval/pass@1" else None
-        color = "black" if name is None else source_color.get(
-            name, colors[(len(source_color) + i) % len(colors)])
-        ax.plot(xs, ys, marker="o", lw=2 if name is None else 1,
-                ls="-" if name is None else ":", color=color, label=key)
+        name = key[len("eval/") : -len("/pass@1")] if key != "eval/pass@1" else None
+        color = (
+            "black"
+            if name is None
+            else source_color.get(name, colors[(len(source_color) + i) % len(colors)])
+        )
+        ax.plot(
+            xs,
+            ys,
+            marker="o",
+            lw=2 if name is None else 1,
+            ls="-" if name is None else ":",
+            color=color,
+            label=key,
+        )
     if evals:
         ax.legend(loc="lower right")
     ax.set_xlabel("step")

@@ -10,6 +10,7 @@ In a file store a metric is a file named like the metric, so ``ppo_kl`` and
 ``ppo_kl/first_minibatch`` cannot both exist: there every ``/`` of a metric name becomes ``.``
 (``reward.mean``); other stores keep the names of ``metrics.jsonl``.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ from mlflow.tracking import MlflowClient
 from areal_mega.security import redact_text
 from areal_mega.tracking.base import TrackerState, finite_scalars, flat_params
 
-MAX_PARAM_CHARS = 6000          # MLflow's limit on a parameter's value
-BATCH = 100                     # MLflow's limit on parameters per log_batch
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter's value
+BATCH = 100  # MLflow's limit on parameters per log_batch
 
 
 class MlflowTracker:
@@ -44,7 +45,7 @@ class MlflowTracker:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         run_id = self.state.data.get("run_id")
-        shown = redact_text(uri)       # the state file keeps no password of the URI
+        shown = redact_text(uri)  # the state file keeps no password of the URI
         continued = bool(run_id and self.state.data.get("tracking_uri") in (uri, shown))
         if continued:
             self.client.update_run(run_id, status="RUNNING")
@@ -53,10 +54,12 @@ class MlflowTracker:
             exp = self.client.get_experiment_by_name(name)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(name)
             run_id = self.client.create_run(exp_id, run_name=m.run_name or cfg.name).info.run_id
-            flat = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:MAX_PARAM_CHARS])
-                    for k, v in sorted(flat_params(params).items())]
+            flat = [
+                Param(k, (v if isinstance(v, str) else json.dumps(v))[:MAX_PARAM_CHARS])
+                for k, v in sorted(flat_params(params).items())
+            ]
             for i in range(0, len(flat), BATCH):
-                self.client.log_batch(run_id, params=flat[i:i + BATCH])
+                self.client.log_batch(run_id, params=flat[i : i + BATCH])
         self.run_id = run_id
         self.key = _file_store_key if uri.startswith("file:") else _key
         last = max(self.state.last_step, self._pending_step_logged() if continued else -1)
@@ -77,12 +80,13 @@ class MlflowTracker:
         its last metric's name are saved first, so a resumed run can tell whether a crash
         came before or after they reached the store."""
         ts = int(row.get("time", time.time()) * 1000)
-        metrics = [Metric(self.key(k), float(v), ts, int(step))
-                   for k, v in finite_scalars(row).items()]
+        metrics = [
+            Metric(self.key(k), float(v), ts, int(step)) for k, v in finite_scalars(row).items()
+        ]
         if metrics:
             self.state.save(pending={"step": int(step), "key": metrics[-1].key})
         for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         self.state.save(last_step=int(step), pending=None)
 
     def log_samples(self, step: int, rows: list, name: str = "samples") -> None:

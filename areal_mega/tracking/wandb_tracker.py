@@ -8,6 +8,7 @@ steps above the last one logged). ``logging.wandb.mode=auto`` logs offline when 
 key (``WANDB_API_KEY``, ``~/.netrc``) or the server cannot be reached, and says so once; an
 offline run is uploaded later with ``wandb sync <run_dir>/wandb/offline-run-*``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -74,31 +75,48 @@ class WandbTracker:
         w = cfg.logging.wandb
         mode, why = resolve_mode(w.mode)
         if why:
-            print(f"[areal-mega] W&B: {why}: logging offline to {run_dir / 'wandb'} "
-                  "(upload later with `wandb sync`)", flush=True)
+            print(
+                f"[areal-mega] W&B: {why}: logging offline to {run_dir / 'wandb'} "
+                "(upload later with `wandb sync`)",
+                flush=True,
+            )
         run_id = self.state.data.get("id") or runid.generate_id()
         # a service inherited from the launching process (one that used wandb itself) would
         # outlive a killed trainer with this run open: the relaunch then finds the id "in use"
         os.environ.pop("WANDB_SERVICE", None)
         if resumed and mode == "offline" and not self.state.data.get("closed", True):
             # the killed process's unflushed records are lost: keep only what the files hold
-            self.state.data["last_step"] = offline_last_step(run_dir / "wandb", run_id,
-                                                             self.state.last_step)
+            self.state.data["last_step"] = offline_last_step(
+                run_dir / "wandb", run_id, self.state.last_step
+            )
         try:
             self.run = wandb.init(
-                project=w.project, entity=w.entity or None, name=w.name or cfg.name,
-                tags=list(w.tags) or None, id=run_id, dir=str(run_dir),
+                project=w.project,
+                entity=w.entity or None,
+                name=w.name or cfg.name,
+                tags=list(w.tags) or None,
+                id=run_id,
+                dir=str(run_dir),
                 # offline, W&B ignores `resume`; `wandb sync` joins the segments of one id
                 resume="allow" if mode == "online" else None,
-                mode=mode, config=params,
+                mode=mode,
+                config=params,
                 # no metadata: it records the command line, which may carry a secret override
-                settings=wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                        x_disable_machine_info=True, x_disable_meta=True,
-                                        save_code=False))
+                settings=wandb.Settings(
+                    console="off",
+                    silent=True,
+                    x_disable_stats=True,
+                    x_disable_machine_info=True,
+                    x_disable_meta=True,
+                    save_code=False,
+                ),
+            )
         except Exception as e:  # noqa: BLE001 - re-raised with the keys that fix it
-            raise ConfigError(f"logging.wandb: wandb.init failed ({e}); check "
-                              "logging.wandb.project / entity, or set logging.wandb.mode="
-                              "offline") from e
+            raise ConfigError(
+                f"logging.wandb: wandb.init failed ({e}); check "
+                "logging.wandb.project / entity, or set logging.wandb.mode="
+                "offline"
+            ) from e
         if resumed and mode == "online" and not self.state.data.get("closed", True):
             # the server's history ends where the killed process's stream stopped
             self.state.data["last_step"] = min(self.state.last_step, self.run.starting_step - 1)
@@ -111,8 +129,9 @@ class WandbTracker:
 
     def log_samples(self, step: int, rows: list, name: str = "samples") -> None:
         """``rows`` as a W&B Table under ``name`` at ``step``."""
-        table = wandb.Table(columns=["step", *COLUMNS],
-                            data=[[r.get(c) for c in ("step", *COLUMNS)] for r in rows])
+        table = wandb.Table(
+            columns=["step", *COLUMNS], data=[[r.get(c) for c in ("step", *COLUMNS)] for r in rows]
+        )
         self.run.log({name: table}, step=int(step), commit=False)
 
     def close(self) -> None:
@@ -141,8 +160,9 @@ def offline_last_step(wandb_dir: Path, run_id: str, default: int) -> int:
                 rec = pb.Record()
                 rec.ParseFromString(data)
                 if rec.WhichOneof("record_type") == "history":
-                    last = max([last] + [int(i.value_json) for i in rec.history.item
-                                         if i.key == "_step"])
+                    last = max(
+                        [last] + [int(i.value_json) for i in rec.history.item if i.key == "_step"]
+                    )
         except Exception as e:  # noqa: BLE001 - a torn tail: what was read before counts
             log.info("%s: read up to a torn record (%s)", f, e)
     return last

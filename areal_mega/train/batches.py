@@ -14,6 +14,7 @@ Rank 0 owns the trajectory buffer. For one training step it
 and :func:`distribute` scatters the :class:`StepPlan` so every rank receives only its DP
 rank's share (every rank of one DP replica — its TP, CP and PP ranks — gets the same share).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,22 +30,26 @@ from areal_mega.scheduler import plan_micro_batches
 from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
 from areal_mega.scheduler.shared_prefix import plan_grouped_micro_batches
 
+
 @dataclass
 class StepPlan:
     """Rank 0's plan of one training step (built by :func:`plan_step`; plain data).
 
     ``micro_batches[d]`` is DP rank d's list of packed micro-batches; every DP rank holds the
     same number of them (each rank runs the same pipeline schedule and optimizer steps)."""
-    micro_batches: list          # [dp_size][n_micro_batches] PackedBatch (SFT: packed dicts)
-    sample_ids: list             # every sample trained this step (all DP ranks)
-    stats: dict                  # advantage / filter / staleness statistics
-    advantages: dict = field(default_factory=dict)   # sample id -> mean advantage (samples log)
+
+    micro_batches: list  # [dp_size][n_micro_batches] PackedBatch (SFT: packed dicts)
+    sample_ids: list  # every sample trained this step (all DP ranks)
+    stats: dict  # advantage / filter / staleness statistics
+    advantages: dict = field(default_factory=dict)  # sample id -> mean advantage (samples log)
 
     def __post_init__(self):
         counts = {len(mbs) for mbs in self.micro_batches}
         if not self.micro_batches or len(counts) != 1:
-            raise ValueError(f"StepPlan: every DP rank needs the same number of micro-batches, "
-                             f"got {[len(m) for m in self.micro_batches]}")
+            raise ValueError(
+                f"StepPlan: every DP rank needs the same number of micro-batches, "
+                f"got {[len(m) for m in self.micro_batches]}"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -59,8 +64,9 @@ class StepPlan:
 @dataclass
 class StepBatch:
     """One rank's share of a training step (see :meth:`StepPlan.share`)."""
-    micro_batches: list          # this DP rank's packed micro-batches
-    stats: dict                  # the step's batch statistics (rank 0's view, same everywhere)
+
+    micro_batches: list  # this DP rank's packed micro-batches
+    stats: dict  # the step's batch statistics (rank 0's view, same everywhere)
 
 
 def next_token_layout(input_ids: np.ndarray, **per_token: np.ndarray) -> dict:
@@ -91,17 +97,26 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
     (``token_extras["routed_experts"]`` [L, layers, topk], routing replay) describe each token
     as a model input, so they stay in the layout of ``input_ids``, unshifted."""
     routes = traj.token_extras.get("routed_experts")
-    return {**next_token_layout(traj.input_ids, loss_mask=traj.loss_mask, logprobs=traj.logprobs,
-                                versions=traj.versions,
-                                advantages=advantages.astype(np.float32)),
-            **({} if routes is None else {"routed_experts": np.asarray(routes)}),
-            "prompt_len": traj.prompt_len, "reward": traj.total_reward,
-            "sample_id": traj.sample_id, "group_id": traj.group_id,
-            "finish_reason": traj.finish_reason}
+    return {
+        **next_token_layout(
+            traj.input_ids,
+            loss_mask=traj.loss_mask,
+            logprobs=traj.logprobs,
+            versions=traj.versions,
+            advantages=advantages.astype(np.float32),
+        ),
+        **({} if routes is None else {"routed_experts": np.asarray(routes)}),
+        "prompt_len": traj.prompt_len,
+        "reward": traj.total_reward,
+        "sample_id": traj.sample_id,
+        "group_id": traj.group_id,
+        "finish_reason": traj.finish_reason,
+    }
 
 
-def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len: int
-                     ) -> tuple[list, list, dict]:
+def group_advantages(
+    trajs: Sequence[Trajectory], algo_cfg, *, max_response_len: int
+) -> tuple[list, list, dict]:
     """Filter and compute per-token advantages over a list of whole groups, on the
     trajectories themselves (:mod:`areal_mega.algo.trajectories`), before any packing.
 
@@ -110,7 +125,7 @@ def group_advantages(trajs: Sequence[Trajectory], algo_cfg, *, max_response_len:
     stats = {f"filter/{k}": float(v) for k, v in fstats.items()}
     if not kept:
         return [], [], stats
-    if algo_cfg.adv_estimator == "gae":   # needs the critic's values: computed in the step
+    if algo_cfg.adv_estimator == "gae":  # needs the critic's values: computed in the step
         return kept, [np.zeros(len(t.input_ids), np.float32) for t in kept], stats
     advs, astats = trajectory_advantages(kept, algo_cfg, max_response_len=max_response_len)
     stats.update({f"adv/{k}": float(v) for k, v in astats.items()})
@@ -128,46 +143,78 @@ def per_source_rewards(trajs: Sequence[Trajectory]) -> dict:
     return {f"reward/{k}": float(np.mean(v)) for k, v in sorted(by_source.items())}
 
 
-def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, pp_size: int,
-              cp_size: int, share_prefix: bool = False,
-              template: Optional[Trajectory] = None) -> StepPlan:
+def plan_step(
+    trajs: Sequence[Trajectory],
+    cfg,
+    *,
+    dp_size: int,
+    tp_size: int,
+    pp_size: int,
+    cp_size: int,
+    share_prefix: bool = False,
+    template: Optional[Trajectory] = None,
+) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics.
     ``share_prefix``: the engines compute shared prompts once (the samples of a prompt group
     are planned together and the budget counts the tokens computed). ``template``: a
     trajectory whose fields the padding micro-batches carry when ``trajs`` is empty (every
     sample of the step refused by the entry checks)."""
 
-    kept, advs, stats = group_advantages(trajs, cfg.algorithm,
-                                         max_response_len=cfg.rollout.max_new_tokens)
+    kept, advs, stats = group_advantages(
+        trajs, cfg.algorithm, max_response_len=cfg.rollout.max_new_tokens
+    )
     rewards = np.array([t.total_reward for t in trajs], dtype=np.float64)
-    if len(rewards):        # means over no sample are left out of the row
+    if len(rewards):  # means over no sample are left out of the row
         stats["reward/mean"] = float(rewards.mean())
         stats["reward/std"] = float(rewards.std())
     stats.update(per_source_rewards(trajs))
-    stats.update(carried_counts(trajs))   # the rollout side's counters, once per group
+    stats.update(carried_counts(trajs))  # the rollout side's counters, once per group
     resp = [t.length - t.prompt_len for t in trajs]
     if resp:
         stats["response_len/mean"] = float(np.mean(resp))
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
     seqlens = [len(s["input_ids"]) for s in samples]
-    plan_kw = dict(dp_size=dp_size, max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
-                   pp_size=pp_size, min_micro_batches=cfg.scheduler.min_micro_batches,
-                   balance_by=cfg.scheduler.balance_by,
-                   flops_linear_coef=cfg.scheduler.flops_linear_coef)
-    plan = plan_grouped_micro_batches(
-        [s["input_ids"] for s in samples], [s["labels"] for s in samples],
-        [s["loss_mask"] for s in samples], **plan_kw) if share_prefix else \
-        plan_micro_batches(seqlens, **plan_kw)
+    plan_kw = dict(
+        dp_size=dp_size,
+        max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
+        pp_size=pp_size,
+        min_micro_batches=cfg.scheduler.min_micro_batches,
+        balance_by=cfg.scheduler.balance_by,
+        flops_linear_coef=cfg.scheduler.flops_linear_coef,
+    )
+    plan = (
+        plan_grouped_micro_batches(
+            [s["input_ids"] for s in samples],
+            [s["labels"] for s in samples],
+            [s["loss_mask"] for s in samples],
+            **plan_kw,
+        )
+        if share_prefix
+        else plan_micro_batches(seqlens, **plan_kw)
+    )
     pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
     # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
     # every group the dynamic filter dropped) is padding carrying every field of the step's
     # samples, so it trains with zero weight
     first = trajs[0] if trajs else template
-    like = samples[0] if samples else \
-        next_token_sample(first, np.zeros(first.length, np.float32)) if first else None
-    per_rank = [[PackedBatch.from_packed(pack_sequences(
-        [samples[i] for i in idx], pad_to_multiple=pad_to, cp_size=cp_size, like=like))
-        for idx in rank_plan] for rank_plan in plan]
+    like = (
+        samples[0]
+        if samples
+        else next_token_sample(first, np.zeros(first.length, np.float32))
+        if first
+        else None
+    )
+    per_rank = [
+        [
+            PackedBatch.from_packed(
+                pack_sequences(
+                    [samples[i] for i in idx], pad_to_multiple=pad_to, cp_size=cp_size, like=like
+                )
+            )
+            for idx in rank_plan
+        ]
+        for rank_plan in plan
+    ]
     generated = [t for t in kept if t.min_version >= 0]
     if generated:
         stats["versions/min"] = float(min(t.min_version for t in generated))
@@ -175,8 +222,12 @@ def plan_step(trajs: Sequence[Trajectory], cfg, *, dp_size: int, tp_size: int, p
     stats["n_samples"] = float(len(kept))
     stats["n_tokens_total"] = float(sum(seqlens))
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
-    return StepPlan(micro_batches=per_rank, sample_ids=[t.sample_id for t in kept], stats=stats,
-                    advantages=sample_advantages(kept, advs))
+    return StepPlan(
+        micro_batches=per_rank,
+        sample_ids=[t.sample_id for t in kept],
+        stats=stats,
+        advantages=sample_advantages(kept, advs),
+    )
 
 
 def sample_advantages(kept: Sequence[Trajectory], advs: Sequence[np.ndarray]) -> dict:
@@ -202,8 +253,9 @@ def distribute(plan: Optional[StepPlan], mesh) -> StepBatch:
     shares = None
     if mesh.rank == 0:
         if plan.dp_size != mesh.dims.dp:
-            raise ValueError(f"StepPlan has {plan.dp_size} DP shares, the mesh has "
-                             f"dp={mesh.dims.dp}")
+            raise ValueError(
+                f"StepPlan has {plan.dp_size} DP shares, the mesh has dp={mesh.dims.dp}"
+            )
         shares = [plan.share(d) for d in mesh.dp_ranks_by_global_rank()]
     out = [None]
     dist.scatter_object_list(out, shares, src=0)
@@ -217,8 +269,9 @@ def attach(micro_batches: list, **per_micro_batch: list) -> list:
     out = list(micro_batches)
     for key, values in per_micro_batch.items():
         if len(values) != len(out):
-            raise ValueError(f"attach: {len(values)} values of {key!r} for {len(out)} "
-                             "micro-batches")
+            raise ValueError(
+                f"attach: {len(values)} values of {key!r} for {len(out)} micro-batches"
+            )
         out = [mb.with_fields(**{key: v}) for mb, v in zip(out, values)]
     return out
 
@@ -232,12 +285,14 @@ def minibatches(micro_batches: list, n: int, multiple_of: int = 1) -> list:
     ``micro_batch_multiple``: PP under the interleaved pipeline schedule); the number of
     micro-batches must then be a multiple of it too."""
     if multiple_of < 1 or len(micro_batches) % multiple_of:
-        raise ValueError(f"{len(micro_batches)} micro-batches cannot be split into minibatches "
-                         f"of a multiple of multiple_of={multiple_of}")
+        raise ValueError(
+            f"{len(micro_batches)} micro-batches cannot be split into minibatches "
+            f"of a multiple of multiple_of={multiple_of}"
+        )
     units = len(micro_batches) // multiple_of
     n = max(1, min(n, units))
     bounds = [round(i * units / n) * multiple_of for i in range(n + 1)]
-    return [micro_batches[bounds[i]:bounds[i + 1]] for i in range(n)]
+    return [micro_batches[bounds[i] : bounds[i + 1]] for i in range(n)]
 
 
 def merge_train_stats(per_minibatch: list, finalize) -> dict:
@@ -250,8 +305,16 @@ def merge_train_stats(per_minibatch: list, finalize) -> dict:
     skipped only ``lr`` and those counts remain."""
     if not per_minibatch:
         return {}
-    engine_keys = {"loss", "grad_norm", "lr", "n_tokens", "update_successful", "skipped",
-                   "nonfinite_loss", "nonfinite_grad"}
+    engine_keys = {
+        "loss",
+        "grad_norm",
+        "lr",
+        "n_tokens",
+        "update_successful",
+        "skipped",
+        "nonfinite_loss",
+        "nonfinite_grad",
+    }
     applied = [st for st in per_minibatch if not st.get("skipped")]
     out: dict = {}
     if len(applied) < len(per_minibatch):

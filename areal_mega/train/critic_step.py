@@ -10,6 +10,7 @@
   samples, loss masks for multi-turn), advantage whitening over all DP ranks.
 * :func:`train_critic` — ``critic.ppo_n_minibatches`` optimizer steps of the clipped value loss.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,17 +25,29 @@ from areal_mega.dataplane.trajectory import FINISH_REASONS
 from areal_mega.run_dir import iter_dir_name
 from areal_mega.train import batches
 
-__all__ = ["build_critic", "init_critic", "load_critic", "save_critic", "critic_root",
-           "gae_step", "train_critic"]
+__all__ = [
+    "build_critic",
+    "init_critic",
+    "load_critic",
+    "save_critic",
+    "critic_root",
+    "gae_step",
+    "train_critic",
+]
 
 
 def build_critic(cfg, mesh):
     """The critic engine of ``cfg`` (its HF directory ``critic.path`` or ``model.path``)."""
     from areal_mega.engine.critic import CriticEngine, critic_optimizer_config
 
-    return CriticEngine(cfg.model, hf_config=cfg.critic.path or cfg.model.path, mesh=mesh,
-                        optimizer_cfg=critic_optimizer_config(cfg.optimizer, cfg.critic),
-                        seed=cfg.seed, total_train_steps=cfg.total_steps)
+    return CriticEngine(
+        cfg.model,
+        hf_config=cfg.critic.path or cfg.model.path,
+        mesh=mesh,
+        optimizer_cfg=critic_optimizer_config(cfg.optimizer, cfg.critic),
+        seed=cfg.seed,
+        total_train_steps=cfg.total_steps,
+    )
 
 
 def critic_root(ckpt_root) -> Path:
@@ -59,8 +72,15 @@ def save_critic(critic, ckpt_root, step: int, keep_last: int) -> None:
     """Save the critic (model, optimizer, LR schedule) as ``<critic root>/iter_<step>``."""
     from areal_mega.checkpoint.dist_ckpt import save_checkpoint
 
-    save_checkpoint(critic_root(ckpt_root), step, critic.model_chunks(), critic.optimizer,
-                    critic.lr_scheduler, extra={"step": step}, keep_last=keep_last)
+    save_checkpoint(
+        critic_root(ckpt_root),
+        step,
+        critic.model_chunks(),
+        critic.optimizer,
+        critic.lr_scheduler,
+        extra={"step": step},
+        keep_last=keep_last,
+    )
 
 
 def load_critic(critic, ckpt_root, step: int) -> None:
@@ -70,10 +90,13 @@ def load_critic(critic, ckpt_root, step: int) -> None:
 
     path = critic_root(ckpt_root) / iter_dir_name(step)
     if not path.is_dir():
-        raise FileNotFoundError(f"critic.enabled=true but the checkpoint of step {step} has no "
-                                f"critic ({path} is missing)")
-    load_checkpoint(path, critic.model_chunks(), critic.optimizer, critic.lr_scheduler,
-                    load_rng=False)
+        raise FileNotFoundError(
+            f"critic.enabled=true but the checkpoint of step {step} has no "
+            f"critic ({path} is missing)"
+        )
+    load_checkpoint(
+        path, critic.model_chunks(), critic.optimizer, critic.lr_scheduler, load_rng=False
+    )
     critic.step_count = step
 
 
@@ -90,8 +113,16 @@ def gae_inputs(mb, values: torch.Tensor, *, bootstrap_truncated: bool) -> dict:
     """The packed micro-batch as :func:`compute_advantages` reads it for GAE: its per-token
     fields in the (padded) packed layout, the critic's ``values`` and, with
     ``bootstrap_truncated``, ``bootstrap_values``."""
-    keys = ("loss_mask", "rewards", "response_lens", "seq_no_eos", "group_index", "logprobs",
-            "prox_logprobs", "ref_logprobs")
+    keys = (
+        "loss_mask",
+        "rewards",
+        "response_lens",
+        "seq_no_eos",
+        "group_index",
+        "logprobs",
+        "prox_logprobs",
+        "ref_logprobs",
+    )
     out = {k: mb[k] for k in keys if mb.get(k) is not None}
     out["cu_seqlens"] = torch.as_tensor(mb["cu_seqlens_padded"])
     out["values"] = values
@@ -114,34 +145,53 @@ def gae_step(critic, mbs: list, cfg, mesh) -> tuple[list, dict]:
     loss tokens: ``adv/advantage_mean``, ``adv/advantage_std`` (before whitening),
     ``adv/kl_reward_mean`` (KL in the reward), ``critic/old_value_mean``,
     ``critic/gae_return_mean``. Collective over the trainer ranks."""
-    algo = dataclasses.replace(cfg.algorithm, batch_norm=False)   # whitened globally below
+    algo = dataclasses.replace(cfg.algorithm, batch_norm=False)  # whitened globally below
     values = critic.forward_values(mbs)
     advs, rets = [], []
-    sums = torch.zeros(6, dtype=torch.float64)   # n, Σa, Σa², ΣV, ΣR, Σkl·n
+    sums = torch.zeros(6, dtype=torch.float64)  # n, Σa, Σa², ΣV, ΣR, Σkl·n
     for mb, v in zip(mbs, values):
         out, st = compute_advantages(
-            gae_inputs(mb, v, bootstrap_truncated=cfg.critic.bootstrap_truncated), algo,
-            max_response_len=cfg.rollout.max_new_tokens)
+            gae_inputs(mb, v, bootstrap_truncated=cfg.critic.bootstrap_truncated),
+            algo,
+            max_response_len=cfg.rollout.max_new_tokens,
+        )
         m = torch.as_tensor(mb["loss_mask"]).bool()
         a = out["advantages"].double()
         n = float(m.sum())
-        sums += torch.tensor([n, float(a[m].sum()), float((a[m] ** 2).sum()),
-                              float(v.double()[m].sum()), float(out["returns"].double()[m].sum()),
-                              st.get("kl_reward_mean", 0.0) * n], dtype=torch.float64)
+        sums += torch.tensor(
+            [
+                n,
+                float(a[m].sum()),
+                float((a[m] ** 2).sum()),
+                float(v.double()[m].sum()),
+                float(out["returns"].double()[m].sum()),
+                st.get("kl_reward_mean", 0.0) * n,
+            ],
+            dtype=torch.float64,
+        )
         advs.append(out["advantages"])
         rets.append(out["returns"])
     n, sa, sa2, sv, sr, skl = _dp_sum(sums, mesh).tolist()
     n_safe = max(n, 1.0)
     mean = sa / n_safe
-    var = (sa2 - n * mean * mean) / max(n - 1.0, 1.0)      # unbiased, as masked_whiten
+    var = (sa2 - n * mean * mean) / max(n - 1.0, 1.0)  # unbiased, as masked_whiten
     std = max(var, 0.0) ** 0.5
     if cfg.algorithm.batch_norm:
-        advs = [torch.where(torch.as_tensor(mb["loss_mask"]).bool(), (a - mean) / (std + EPS),
-                            torch.zeros_like(a)) for mb, a in zip(mbs, advs)]
+        advs = [
+            torch.where(
+                torch.as_tensor(mb["loss_mask"]).bool(),
+                (a - mean) / (std + EPS),
+                torch.zeros_like(a),
+            )
+            for mb, a in zip(mbs, advs)
+        ]
     stats = {}
-    if n > 0:               # means over no loss token are left out (std: fewer than two)
-        stats = {"adv/advantage_mean": mean, "critic/old_value_mean": sv / n,
-                 "critic/gae_return_mean": sr / n}
+    if n > 0:  # means over no loss token are left out (std: fewer than two)
+        stats = {
+            "adv/advantage_mean": mean,
+            "critic/old_value_mean": sv / n,
+            "critic/gae_return_mean": sr / n,
+        }
         if n > 1:
             stats["adv/advantage_std"] = std
         if cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0:
@@ -156,8 +206,11 @@ def train_critic(critic, mbs: list, cfg) -> dict:
     finalised sums of :func:`~areal_mega.algo.value_loss.finalize_value_stats` (value loss,
     clip fraction, value and return means, explained variance), ``loss``, ``grad_norm``, ``lr``."""
     loss_fn, den_fn = make_value_loss(cfg.critic)
-    per = [critic.train_batch(mb_group, loss_fn, den_fn)
-           for mb_group in batches.minibatches(mbs, cfg.critic.ppo_n_minibatches,
-                                                   critic.micro_batch_multiple)]
+    per = [
+        critic.train_batch(mb_group, loss_fn, den_fn)
+        for mb_group in batches.minibatches(
+            mbs, cfg.critic.ppo_n_minibatches, critic.micro_batch_multiple
+        )
+    ]
     merged = batches.merge_train_stats(per, finalize_value_stats)
     return {f"critic/{k}": v for k, v in merged.items()}

@@ -7,6 +7,7 @@ version it just published to the rollout worker and waits for the ``eval/*`` sca
 (``metrics.jsonl``, TensorBoard, the plot). Waiting keeps the weights fixed during the
 evaluation; the worker keeps generating training samples meanwhile.
 """
+
 from __future__ import annotations
 
 
@@ -29,12 +30,14 @@ def evaluate_if_due(session, step: int) -> dict:
     cfg = session.cfg
     if not session.is_rank0 or not eval_due(cfg.eval, step, cfg.total_steps):
         return {}
-    reply = session.link.request({"cmd": "evaluate", "version": int(step)},
-                                 timeout_s=cfg.rollout.request_timeout_s)
+    reply = session.link.request(
+        {"cmd": "evaluate", "version": int(step)}, timeout_s=cfg.rollout.request_timeout_s
+    )
     if int(reply.get("version", -1)) != step:
-        raise RuntimeError(f"evaluation answered for version {reply.get('version')!r}, "
-                           f"asked for {step}")
-    session.logger.log_eval_samples(step, reply.get("samples") or [])   # completions
+        raise RuntimeError(
+            f"evaluation answered for version {reply.get('version')!r}, asked for {step}"
+        )
+    session.logger.log_eval_samples(step, reply.get("samples") or [])  # completions
     return {**reply["metrics"], "eval/version": step}
 
 

@@ -25,6 +25,7 @@ Samples the trainer died on twice are quarantined (:mod:`areal_mega.train.quaran
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
 checkpoint's step), so a run's lineage can be audited.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,12 @@ from areal_mega.common.files import atomic_write
 from areal_mega.common.moe_routes import RouteLayout, check_routes
 from areal_mega.dataplane.buffer import TrajectoryBuffer
 from areal_mega.dataplane.transport import TrajectoryReceiver
-from areal_mega.dataplane.journal import (ReplayStats, TrajectoryJournal, segment_number,
-                                          segments_to_retire)
+from areal_mega.dataplane.journal import (
+    ReplayStats,
+    TrajectoryJournal,
+    segment_number,
+    segments_to_retire,
+)
 from areal_mega.dataplane.prompt_ledger import PromptLedger
 from areal_mega.dataplane.wire import WireError
 from areal_mega.run_dir import checkpoint_meta, complete_checkpoints
@@ -51,10 +56,18 @@ log = logging.getLogger(__name__)
 class TrajectoryIntake:
     """Receives, journals and buffers trajectories in a background thread (trainer rank 0)."""
 
-    def __init__(self, endpoint: str, run_dir: str | os.PathLike, *, group_size: int,
-                 secret: Optional[str] = None, max_queue: int = 1024,
-                 max_message_bytes: int = 1 << 30, allow_remote: bool = False,
-                 route_layout: Optional[RouteLayout] = None):
+    def __init__(
+        self,
+        endpoint: str,
+        run_dir: str | os.PathLike,
+        *,
+        group_size: int,
+        secret: Optional[str] = None,
+        max_queue: int = 1024,
+        max_message_bytes: int = 1 << 30,
+        allow_remote: bool = False,
+        route_layout: Optional[RouteLayout] = None,
+    ):
         """``route_layout``: the model's MoE route layout when routing replay is on (arriving
         routes are checked against it), else None."""
         self.run_dir = Path(run_dir)
@@ -64,15 +77,19 @@ class TrajectoryIntake:
         self.buffer = TrajectoryBuffer(group_size)
         self.journal_dir = self.run_dir / "journal"
         self.trained_path = self.run_dir / "trained.jsonl"
-        self.receiver = TrajectoryReceiver(endpoint, secret=secret, max_queue=max_queue,
-                                           max_message_bytes=max_message_bytes,
-                                           allow_remote=allow_remote)
+        self.receiver = TrajectoryReceiver(
+            endpoint,
+            secret=secret,
+            max_queue=max_queue,
+            max_message_bytes=max_message_bytes,
+            allow_remote=allow_remote,
+        )
         self.journal = TrajectoryJournal(self.journal_dir)
-        self.quarantine = Quarantine(self.run_dir)   # samples the trainer died on, twice
+        self.quarantine = Quarantine(self.run_dir)  # samples the trainer died on, twice
         self.quarantine.load()
-        self.n_accepted = 0                 # samples journaled in this run's lineage
+        self.n_accepted = 0  # samples journaled in this run's lineage
         self.prompt_ledger = PromptLedger()  # prompts whose whole group was journaled
-        self.replay_stats = ReplayStats()   # what the last restore found in the journal
+        self.replay_stats = ReplayStats()  # what the last restore found in the journal
         self._pump_lock = threading.Lock()  # held while a checkpoint snapshots the intake
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pump, name="trajectory-intake", daemon=True)
@@ -104,8 +121,14 @@ class TrajectoryIntake:
             self.receiver.reject(WireError("invalid_field", problem))
         return problem is None
 
-    def restore(self, buffer_file: Optional[str], step: int, accepted_before: int = 0,
-                prompt_ledger: Optional[dict] = None, journal_from: Optional[int] = None) -> int:
+    def restore(
+        self,
+        buffer_file: Optional[str],
+        step: int,
+        accepted_before: int = 0,
+        prompt_ledger: Optional[dict] = None,
+        journal_from: Optional[int] = None,
+    ) -> int:
         """Recovery: load the checkpoint's buffer, replay the journal segments written since
         that checkpoint (numbered ``journal_from`` on; all when None), truncate the trained
         log. Returns the samples made pending again.
@@ -117,8 +140,7 @@ class TrajectoryIntake:
         n_new = n_seen = 0
         self.replay_stats = ReplayStats()
         self.prompt_ledger = PromptLedger(prompt_ledger)
-        for t in TrajectoryJournal.replay(self.journal_dir, self.replay_stats,
-                                          since=journal_from):
+        for t in TrajectoryJournal.replay(self.journal_dir, self.replay_stats, since=journal_from):
             n_seen += 1
             self.prompt_ledger.add(t)
             n_new += bool(self.buffer.put_restored(t))
@@ -143,8 +165,7 @@ class TrajectoryIntake:
         root = Path(ckpt_root)
         kept = complete_checkpoints(root)
         kept_from = [_journal_from(p) for p in kept]
-        doomed = segments_to_retire([segment_number(p) for p in self.journal.segments()],
-                                    kept_from)
+        doomed = segments_to_retire([segment_number(p) for p in self.journal.segments()], kept_from)
         self.journal.retire(doomed)
         live = {p.name for p in kept}
         for f in root.glob("buffer_iter_*.bin"):
@@ -166,10 +187,18 @@ class TrajectoryIntake:
     def stats(self) -> dict:
         """Metrics: ``dataplane/*`` (receiver), ``buffer/*`` and the journal records the last
         restore skipped as corrupt (``journal/corrupt_records``)."""
-        s = {f"dataplane/{k}": float(v) for k, v in self.receiver.stats().items()
-             if isinstance(v, (int, float))}
-        s.update({f"buffer/{k}": float(v) for k, v in self.buffer.stats().items()
-                  if isinstance(v, (int, float))})
+        s = {
+            f"dataplane/{k}": float(v)
+            for k, v in self.receiver.stats().items()
+            if isinstance(v, (int, float))
+        }
+        s.update(
+            {
+                f"buffer/{k}": float(v)
+                for k, v in self.buffer.stats().items()
+                if isinstance(v, (int, float))
+            }
+        )
         s["journal/corrupt_records"] = float(self.replay_stats.corrupt)
         s.update(self.quarantine.stats())
         return s

@@ -7,6 +7,7 @@ count for the metrics (``train/skipped``, ``train/skipped_steps``,
 was non-finite, and stops the run after ``actor.max_consecutive_skips`` skipped steps in a row
 (:class:`NonFiniteStepsError`, fatal: a relaunch would feed the same inputs again).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,16 +17,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["NonFiniteStepsError", "SkipGuard", "nonfinite_fields", "likely_source",
-           "FIELD_SOURCES"]
+__all__ = ["NonFiniteStepsError", "SkipGuard", "nonfinite_fields", "likely_source", "FIELD_SOURCES"]
 
 #: micro-batch fields checked on a skipped step, in the order a cause is named, and the source
 #: each points at (the first non-finite one is the likely cause of the rest)
-FIELD_SOURCES = {"teacher_logprobs": "teacher", "rewards": "rewards", "reward": "rewards",
-                 "token_rewards": "rewards", "logprobs": "rollout logprobs",
-                 "ref_logprobs": "reference model", "values": "critic",
-                 "returns": "critic", "advantages": "advantages",
-                 "prox_logprobs": "learning rate"}
+FIELD_SOURCES = {
+    "teacher_logprobs": "teacher",
+    "rewards": "rewards",
+    "reward": "rewards",
+    "token_rewards": "rewards",
+    "logprobs": "rollout logprobs",
+    "ref_logprobs": "reference model",
+    "values": "critic",
+    "returns": "critic",
+    "advantages": "advantages",
+    "prox_logprobs": "learning rate",
+}
 SOURCE_HINTS = {
     "teacher": "the teacher's logprobs (teacher.server_addrs / teacher.path)",
     "rewards": "the rewards (the workflow's reward function)",
@@ -34,9 +41,9 @@ SOURCE_HINTS = {
     "critic": "the critic's values or returns",
     "advantages": "the advantages (algorithm.adv_estimator / its normalisation)",
     "learning rate": "the learning rate (optimizer.lr): the policy's own logprobs or "
-                     "gradients are non-finite although its inputs are finite",
+    "gradients are non-finite although its inputs are finite",
     "routes": "the MoE routes replayed from the rollout (algorithm.routing_replay) or the "
-              "learning rate (optimizer.lr)",
+    "learning rate (optimizer.lr)",
 }
 
 
@@ -54,16 +61,16 @@ def nonfinite_fields(micro_batches: Sequence) -> list:
             v = mb.get(name) if hasattr(mb, "get") else None
             if v is None:
                 continue
-            a = v.detach().float().cpu().numpy() if isinstance(v, torch.Tensor) else \
-                np.asarray(v)
+            a = v.detach().float().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
             if a.dtype.kind in "fc" and not np.isfinite(a).all():
                 bad.append(name)
                 break
     return bad
 
 
-def likely_source(fields: Sequence[str], lr: Optional[float] = None,
-                  routing_replay: bool = False) -> str:
+def likely_source(
+    fields: Sequence[str], lr: Optional[float] = None, routing_replay: bool = False
+) -> str:
     """The source named for a skipped step: that of the first non-finite input field, else
     the learning rate when it is itself non-finite, else routes (with routing replay) or the
     learning rate."""
@@ -87,7 +94,7 @@ class SkipGuard:
         self.max_consecutive = max_consecutive
         self.routing_replay = bool(routing_replay) and routing_replay != "off"
         self.total = 0
-        self.consecutive = []       # (step, source) of the current run of skipped steps
+        self.consecutive = []  # (step, source) of the current run of skipped steps
 
     def record(self, step: int, train_stats: dict, micro_batches: Sequence) -> dict:
         """The step's ``train/*`` metrics; ``train_stats``: the merged engine stats
@@ -97,18 +104,23 @@ class SkipGuard:
             return {"train/skipped": 0.0, "train/skipped_steps": float(self.total)}
         fields = nonfinite_fields(micro_batches)
         mask = torch.tensor([float(n in fields) for n in FIELD_SOURCES])
-        if dist.is_initialized() and dist.get_world_size() > 1:   # every rank names the same
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank names the same
             dist.all_reduce(mask, op=dist.ReduceOp.MAX)
         fields = [n for n, m in zip(FIELD_SOURCES, mask.tolist()) if m > 0]
         source = likely_source(fields, train_stats.get("lr"), self.routing_replay)
         self.total += 1
         self.consecutive.append((step, source, fields))
-        print(f"[areal-mega] step {step}: non-finite "
-              f"{'loss' if train_stats.get('nonfinite_loss') else 'gradients'}; optimizer step "
-              f"skipped (likely source: {source}; non-finite inputs: {fields or 'none'})",
-              flush=True)
-        return {"train/skipped": 1.0, "train/skipped_steps": float(self.total),
-                f"train/skip_reason/{source.replace(' ', '_')}": 1.0}
+        print(
+            f"[areal-mega] step {step}: non-finite "
+            f"{'loss' if train_stats.get('nonfinite_loss') else 'gradients'}; optimizer step "
+            f"skipped (likely source: {source}; non-finite inputs: {fields or 'none'})",
+            flush=True,
+        )
+        return {
+            "train/skipped": 1.0,
+            "train/skipped_steps": float(self.total),
+            f"train/skip_reason/{source.replace(' ', '_')}": 1.0,
+        }
 
     def check(self) -> None:
         """Raise :class:`NonFiniteStepsError` once ``max_consecutive`` steps in a row were
@@ -124,4 +136,5 @@ class SkipGuard:
             f"non-finite loss or gradient and were skipped (no update applied); likely source: "
             f"{SOURCE_HINTS[source]} (non-finite inputs: {', '.join(fields) or 'none'}). The "
             f"weights and checkpoints are finite: fix the source and resume "
-            f"(actor.max_consecutive_skips sets how many skips in a row are tolerated)")
+            f"(actor.max_consecutive_skips sets how many skips in a row are tolerated)"
+        )

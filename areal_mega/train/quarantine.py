@@ -9,6 +9,7 @@ relaunch failed on it again) has its samples quarantined: the entry screen drops
 (``refused/quarantine``) and writes each, with the error, to ``<run_dir>/quarantine.jsonl``.
 Everything else is trained as before; a quarantined sample is never trained.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ def record_crash(run_dir, rank: int, error: BaseException) -> bool:
     d = _dir(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     text = f"{type(error).__name__}: {error}"[:2000]
-    atomic_write(d / f"crash.rank{rank}.json",
-                 json.dumps({"sample_ids": sorted(ids), "error": text}), durable=True)
+    atomic_write(
+        d / f"crash.rank{rank}.json",
+        json.dumps({"sample_ids": sorted(ids), "error": text}),
+        durable=True,
+    )
     return True
 
 
@@ -60,8 +64,8 @@ class Quarantine:
                 state = json.loads(self.suspects_path.read_text())
             except (OSError, ValueError) as e:
                 log.warning("%s unreadable (%s); starting a new record", self.suspects_path, e)
-        self.crashes: dict = state.get("crashes", {})     # key -> {sample_ids, count, error}
-        self.quarantined: dict = state.get("quarantined", {})   # sample id -> error
+        self.crashes: dict = state.get("crashes", {})  # key -> {sample_ids, count, error}
+        self.quarantined: dict = state.get("quarantined", {})  # sample id -> error
         self._written: set = set(state.get("written", []))
 
     def __contains__(self, sample_id) -> bool:
@@ -90,9 +94,12 @@ class Quarantine:
                     if sid not in self.quarantined:
                         self.quarantined[sid] = entry["error"]
                         new += 1
-                print(f"[areal-mega] quarantined {len(ids)} samples: the trainer died on their "
-                      f"micro-batch {entry['count']} times ({entry['error'][:300]}); they are "
-                      f"not trained, see {self.file}", flush=True)
+                print(
+                    f"[areal-mega] quarantined {len(ids)} samples: the trainer died on their "
+                    f"micro-batch {entry['count']} times ({entry['error'][:300]}); they are "
+                    f"not trained, see {self.file}",
+                    flush=True,
+                )
         self._save()
         for f in found:
             f.unlink(missing_ok=True)
@@ -107,8 +114,12 @@ class Quarantine:
         sid = str(traj.sample_id)
         if sid in self._written:
             return
-        rec = {"sample_id": sid, "group_id": traj.group_id, "error": self.reason(sid),
-               "trajectory": _jsonable(traj.to_dict())}
+        rec = {
+            "sample_id": sid,
+            "group_id": traj.group_id,
+            "error": self.reason(sid),
+            "trajectory": _jsonable(traj.to_dict()),
+        }
         with open(self.file, "a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -122,9 +133,17 @@ class Quarantine:
 
     def _save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.suspects_path, json.dumps(
-            {"crashes": self.crashes, "quarantined": self.quarantined,
-             "written": sorted(self._written)}), durable=True)
+        atomic_write(
+            self.suspects_path,
+            json.dumps(
+                {
+                    "crashes": self.crashes,
+                    "quarantined": self.quarantined,
+                    "written": sorted(self._written),
+                }
+            ),
+            durable=True,
+        )
 
 
 def _jsonable(x):

@@ -7,6 +7,7 @@ its group before the advantages, logged with its id and the source, and counted 
 row (``refused/samples``, ``refused/<source>``); the rest of its group trains. The teacher's
 logprobs are checked where they arrive, in the OPD step (:func:`refuse_bad_teacher_rows`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,16 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from areal_mega.common.moe_routes import (ROUTED_EXPERTS, RouteLayout, check_routes,
-                                         repeated_expert)
+from areal_mega.common.moe_routes import ROUTED_EXPERTS, RouteLayout, check_routes, repeated_expert
 
-__all__ = ["TEACHER_LOGPROB_TOL", "TEACHER_LOGPROB_MIN", "sample_problem", "screen_samples",
-           "teacher_row_problem", "refuse_bad_teacher_rows"]
+__all__ = [
+    "TEACHER_LOGPROB_TOL",
+    "TEACHER_LOGPROB_MIN",
+    "sample_problem",
+    "screen_samples",
+    "teacher_row_problem",
+    "refuse_bad_teacher_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +47,10 @@ def sample_problem(traj, route_layout: Optional[RouteLayout] = None) -> Optional
         return "rewards", f"reward {reward.tolist()} is not finite (the workflow's reward)"
     lp = np.asarray(traj.logprobs, dtype=np.float64)[np.asarray(traj.loss_mask, bool)]
     if not np.isfinite(lp).all():
-        return "rollout_logprobs", "logprobs of generated tokens are not finite (the rollout " \
-                                   "server's answer)"
+        return (
+            "rollout_logprobs",
+            "logprobs of generated tokens are not finite (the rollout server's answer)",
+        )
     if route_layout is not None:
         problem = check_routes(traj, route_layout)
         if problem is not None:
@@ -50,14 +58,17 @@ def sample_problem(traj, route_layout: Optional[RouteLayout] = None) -> Optional
         rep = repeated_expert(traj.token_extras[ROUTED_EXPERTS])
         if rep is not None:
             t, layer, e = rep
-            return "routes", (f"token_extras.{ROUTED_EXPERTS}: token {t}, MoE layer {layer} "
-                              f"names expert {e} twice in its top-k (the rollout server's "
-                              "routes)")
+            return "routes", (
+                f"token_extras.{ROUTED_EXPERTS}: token {t}, MoE layer {layer} "
+                f"names expert {e} twice in its top-k (the rollout server's "
+                "routes)"
+            )
     return None
 
 
-def screen_samples(trajs: Sequence, route_layout: Optional[RouteLayout] = None,
-                   quarantine=None) -> tuple[list, dict, list]:
+def screen_samples(
+    trajs: Sequence, route_layout: Optional[RouteLayout] = None, quarantine=None
+) -> tuple[list, dict, list]:
     """``(kept trajectories, stats, refused trajectories)``: ``trajs`` split by
     :func:`sample_problem` (each refused one logged with its sample id and source); ``stats``
     counts the refused (``refused/samples`` and ``refused/<source>``; empty when none).
@@ -68,15 +79,22 @@ def screen_samples(trajs: Sequence, route_layout: Optional[RouteLayout] = None,
         problem = sample_problem(t, route_layout)
         if problem is None and quarantine is not None and t.sample_id in quarantine:
             quarantine.write(t)
-            problem = "quarantine", f"quarantined: the trainer died on its micro-batch " \
-                                    f"({quarantine.reason(t.sample_id)})"
+            problem = (
+                "quarantine",
+                f"quarantined: the trainer died on its micro-batch "
+                f"({quarantine.reason(t.sample_id)})",
+            )
         if problem is None:
             kept.append(t)
             continue
         refused.append(t)
         source, why = problem
-        log.warning("refused sample %r (group %r): %s; dropped, the run goes on", t.sample_id,
-                    t.group_id, why)
+        log.warning(
+            "refused sample %r (group %r): %s; dropped, the run goes on",
+            t.sample_id,
+            t.group_id,
+            why,
+        )
         stats[f"refused/{source}"] = stats.get(f"refused/{source}", 0.0) + 1.0
         stats["refused/samples"] = stats.get("refused/samples", 0.0) + 1.0
     return kept, stats, refused
@@ -109,20 +127,23 @@ def refuse_bad_teacher_rows(micro_batches: list) -> tuple[list, list]:
         mask = torch.as_tensor(mb["loss_mask"])
         bad_spans = []
         ids = mb.get("sample_ids")
-        for i, (start, n) in enumerate(zip(mb["cu_seqlens_padded"].tolist(),
-                                           mb["seqlens"].tolist())):
-            rows = mask[start:start + n].bool()
-            why = teacher_row_problem(lp[start:start + n][rows])
+        for i, (start, n) in enumerate(
+            zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist())
+        ):
+            rows = mask[start : start + n].bool()
+            why = teacher_row_problem(lp[start : start + n][rows])
             if why is not None:
                 bad_spans.append((start, n))
                 refused.append((ids[i] if ids is not None and i < len(ids) else i, why))
         if bad_spans:
             lp, mask = lp.clone(), mask.clone()
             for start, n in bad_spans:
-                lp[start:start + n] = 0.0
-                mask[start:start + n] = 0
-            mb = dataclasses.replace(mb, teacher_logprobs=lp, loss_mask=mask) \
-                if dataclasses.is_dataclass(mb) else {**mb, "teacher_logprobs": lp,
-                                                      "loss_mask": mask}
+                lp[start : start + n] = 0.0
+                mask[start : start + n] = 0
+            mb = (
+                dataclasses.replace(mb, teacher_logprobs=lp, loss_mask=mask)
+                if dataclasses.is_dataclass(mb)
+                else {**mb, "teacher_logprobs": lp, "loss_mask": mask}
+            )
         out.append(mb)
     return out, refused

@@ -2,6 +2,7 @@
 
 The training loop itself lives in :mod:`areal_mega.trainer`; this module keeps it short.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,18 +14,29 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException   # a BaseException
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict
 from areal_mega.dataplane.control import RolloutLink
-from areal_mega.lora.actor import (AdaptersOffReference, base_keys, check_resumed_base,
-                                   checkpoint_extra, merged_deltas, publish_adapter)
+from areal_mega.lora.actor import (
+    AdaptersOffReference,
+    base_keys,
+    check_resumed_base,
+    checkpoint_extra,
+    merged_deltas,
+    publish_adapter,
+)
 from areal_mega.tracking.metrics import ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import weight_update_group
 from areal_mega.rollout.routes import replay_layout
-from areal_mega.run_dir import (RunDir, SOURCE_FILE, hf_source_identity, is_disk_full_error,
-                                iter_dir_name)
+from areal_mega.run_dir import (
+    RunDir,
+    SOURCE_FILE,
+    hf_source_identity,
+    is_disk_full_error,
+    iter_dir_name,
+)
 from areal_mega.security import holds_secret, write_run_file
 from areal_mega.tracking import RunLog
 from areal_mega.train.intake import TrajectoryIntake
@@ -46,8 +58,9 @@ def weight_group_for(cfg: ExperimentConfig):
     per ``rollout.server_addrs`` entry): the launcher's own arithmetic,
     :func:`areal_mega.parallel.weight_group.weight_update_group`. Raises ``ConfigError``."""
 
-    return weight_update_group(parse_allocation(cfg.allocation), cfg.rollout.backend,
-                               len(cfg.rollout.server_addrs))
+    return weight_update_group(
+        parse_allocation(cfg.allocation), cfg.rollout.backend, len(cfg.rollout.server_addrs)
+    )
 
 
 class TrainerSession:
@@ -89,51 +102,71 @@ class TrainerSession:
         self.run_dir = self.paths.root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         alloc = parse_allocation(cfg.allocation)
-        self.mesh = ParallelMesh.create(alloc.trainer, vpp=cfg.actor.virtual_pipeline_size,
-                                        sequence_parallel=cfg.actor.sequence_parallel,
-                                        timeout_s=cfg.cluster.dist_timeout_s)
+        self.mesh = ParallelMesh.create(
+            alloc.trainer,
+            vpp=cfg.actor.virtual_pipeline_size,
+            sequence_parallel=cfg.actor.sequence_parallel,
+            timeout_s=cfg.cluster.dist_timeout_s,
+        )
         self.is_rank0 = self.mesh.rank == 0
         d = alloc.trainer
         self.layout = dict(dp_size=d.dp, tp_size=d.tp, pp_size=d.pp, cp_size=d.cp)
         torch.manual_seed(cfg.seed)
-        self.actor = MegatronEngine(cfg.model, role="actor", mesh=self.mesh,
-                                    optimizer_cfg=cfg.optimizer, actor_cfg=cfg.actor,
-                                    seed=cfg.seed, total_train_steps=cfg.total_steps,
-                                    routing_replay=cfg.algorithm.routing_replay == "r3",
-                                    lora=cfg.lora)
+        self.actor = MegatronEngine(
+            cfg.model,
+            role="actor",
+            mesh=self.mesh,
+            optimizer_cfg=cfg.optimizer,
+            actor_cfg=cfg.actor,
+            seed=cfg.seed,
+            total_train_steps=cfg.total_steps,
+            routing_replay=cfg.algorithm.routing_replay == "r3",
+            lora=cfg.lora,
+        )
         self.ref = None
-        if cfg.ref.enabled and self.actor.lora is not None:   # the base: adapters off
+        if cfg.ref.enabled and self.actor.lora is not None:  # the base: adapters off
             self.ref = AdaptersOffReference(self.actor)
         elif cfg.ref.enabled:
-            self.ref = MegatronEngine(cfg.model, hf_config=cfg.ref.path or cfg.model.path,
-                                      role="ref", mesh=self.mesh, seed=cfg.seed)
-        self.teacher = build_teacher(cfg, self.mesh)   # OPD's in-trainer teacher, or None
-        self.teacher_scorer = build_teacher_scorer(cfg)   # OPD's served teacher, or None
+            self.ref = MegatronEngine(
+                cfg.model,
+                hf_config=cfg.ref.path or cfg.model.path,
+                role="ref",
+                mesh=self.mesh,
+                seed=cfg.seed,
+            )
+        self.teacher = build_teacher(cfg, self.mesh)  # OPD's in-trainer teacher, or None
+        self.teacher_scorer = build_teacher_scorer(cfg)  # OPD's served teacher, or None
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
             from areal_mega.train.critic_step import build_critic
+
             self.critic = build_critic(cfg, self.mesh)
         # plan micro-batches by prompt group when every engine that runs them shares prompts
         self.layout["share_prefix"] = all(
             getattr(e, "shares_prompt_prefix", False)
-            for e in (self.actor, self.ref, self.teacher, self.critic) if e is not None)
+            for e in (self.actor, self.ref, self.teacher, self.critic)
+            if e is not None
+        )
         self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
         self.skips = SkipGuard(cfg.actor.max_consecutive_skips, cfg.algorithm.routing_replay)
         resumed = self._restore_or_init()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
-        self.rollout_metrics: dict = {}    # the worker's rollout/* server metrics (elastic)
+        self.rollout_metrics: dict = {}  # the worker's rollout/* server metrics (elastic)
         try:
             self.weight_update = resolve_weight_update(
-                cfg.rollout.weight_update, cuda=torch.cuda.is_available(), pp=d.pp,
-                lora=cfg.lora.enabled)
+                cfg.rollout.weight_update,
+                cuda=torch.cuda.is_available(),
+                pp=d.pp,
+                lora=cfg.lora.enabled,
+            )
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.is_rank0:
             self._write_resolved_config()
             self._open_rank0_io(resumed)
         if resumed is not None and cfg.mode == "rl":
-            self.publish_weights(version=self.start_step)   # servers get the resumed weights
+            self.publish_weights(version=self.start_step)  # servers get the resumed weights
 
     # ------------------------------------------------------------------ initial state
     def _restore_or_init(self) -> Optional[dict]:
@@ -143,11 +176,15 @@ class TrainerSession:
         cfg = self.cfg
         latest = latest_verified(self.ckpt_root) if cfg.recover == "auto" else None
         if latest is not None:
-            if self.actor.lora is not None:     # the frozen base first, then the adapters
+            if self.actor.lora is not None:  # the frozen base first, then the adapters
                 self._load_initial(self.actor, self.cfg.model.path)
-            loaded = load_checkpoint(latest, self.actor.model_chunks(), self.actor.optimizer,
-                                     self.actor.lr_scheduler,
-                                     model_keys=self.actor.checkpoint_keys)
+            loaded = load_checkpoint(
+                latest,
+                self.actor.model_chunks(),
+                self.actor.optimizer,
+                self.actor.lr_scheduler,
+                model_keys=self.actor.checkpoint_keys,
+            )
             if self.actor.lora is not None:
                 check_resumed_base(loaded.extra.get("lora"), self._base_identity(), latest)
             self.start_step = int(loaded.extra.get("step", loaded.iteration))
@@ -157,10 +194,10 @@ class TrainerSession:
             self._load_teacher()
             if self.critic is not None:
                 from areal_mega.train.critic_step import load_critic
+
                 load_critic(self.critic, self.ckpt_root, self.start_step)
             if self.is_rank0:
-                print(f"[areal-mega] resumed from {latest} at step {self.start_step}",
-                      flush=True)
+                print(f"[areal-mega] resumed from {latest} at step {self.start_step}", flush=True)
             return dict(loaded.extra, path=str(latest))
         self._load_initial(self.actor, self.cfg.model.path)
         if self.ref is not None and self.actor.lora is None:
@@ -168,8 +205,12 @@ class TrainerSession:
         self._load_teacher()
         if self.critic is not None:
             from areal_mega.train.critic_step import init_critic
-            init_critic(self.critic, lambda views, hf: self._load_initial(views, hf, "critic"),
-                        self.cfg.critic.path or self.cfg.model.path)
+
+            init_critic(
+                self.critic,
+                lambda views, hf: self._load_initial(views, hf, "critic"),
+                self.cfg.critic.path or self.cfg.model.path,
+            )
         return None
 
     def _load_teacher(self) -> None:
@@ -194,30 +235,42 @@ class TrainerSession:
             if (own and role == "critic") or teacher:
                 src = src.with_name(f"init_mcore_{role}")
             m = self.cfg.model
-            conversion = dict(tp=self.layout["tp_size"], pp=self.layout["pp_size"],
-                              dtype=(self.cfg.teacher.dtype or m.dtype) if teacher else m.dtype,
-                              make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
-            if own and role == "critic":     # trunk only; a reward model's score head too
+            conversion = dict(
+                tp=self.layout["tp_size"],
+                pp=self.layout["pp_size"],
+                dtype=(self.cfg.teacher.dtype or m.dtype) if teacher else m.dtype,
+                make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+            )
+            if own and role == "critic":  # trunk only; a reward model's score head too
                 conversion["value_model"] = True
             identity = hf_source_identity(hf_dir, **conversion)
             current = self.paths.init_checkpoint_is_current(src, identity)  # every rank reads
             if dist.is_initialized():
-                dist.barrier()                      # ... before rank 0 may replace it
+                dist.barrier()  # ... before rank 0 may replace it
             if not current:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
+
                     if src.exists():
-                        print(f"[areal-mega] {src} was converted from another model or "
-                              f"with other settings; converting {hf_dir} again", flush=True)
+                        print(
+                            f"[areal-mega] {src} was converted from another model or "
+                            f"with other settings; converting {hf_dir} again",
+                            flush=True,
+                        )
                         shutil.rmtree(src)
                     convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
                     (src / SOURCE_FILE).write_text(json.dumps(identity))
                 if dist.is_initialized():
                     dist.barrier()
         chunks = engine if isinstance(engine, list) else engine.model_chunks()
-        lora = getattr(engine, "lora", None)       # a LoRA actor: the base, not the adapters
-        load_checkpoint(src, chunks, load_optimizer=False, load_rng=False,
-                        model_keys=base_keys if lora is not None else None)
+        lora = getattr(engine, "lora", None)  # a LoRA actor: the base, not the adapters
+        load_checkpoint(
+            src,
+            chunks,
+            load_optimizer=False,
+            load_rng=False,
+            model_keys=base_keys if lora is not None else None,
+        )
 
     def _base_identity(self) -> dict:
         """What a LoRA checkpoint records of the base model (``model.path``'s files)."""
@@ -225,39 +278,53 @@ class TrainerSession:
 
     def _write_resolved_config(self) -> None:
         resolved = config_to_dict(self.cfg)  # 0600 when it holds a secret
-        write_run_file(self.paths.resolved_config_file, json.dumps(resolved, indent=2),
-                       private=holds_secret(resolved))
+        write_run_file(
+            self.paths.resolved_config_file,
+            json.dumps(resolved, indent=2),
+            private=holds_secret(resolved),
+        )
 
     def _open_rank0_io(self, resumed: Optional[dict]) -> None:
         cfg = self.cfg
         # recover=auto without a checkpoint starts over: the lost lineage's rows go (-1)
-        self.logger = RunLog(cfg, self.run_dir,   # metrics.jsonl, trackers, samples.jsonl
-                             resume_step=self.start_step if resumed else
-                             (-1 if cfg.recover == "auto" else None))
+        self.logger = RunLog(
+            cfg,
+            self.run_dir,  # metrics.jsonl, trackers, samples.jsonl
+            resume_step=self.start_step if resumed else (-1 if cfg.recover == "auto" else None),
+        )
         if cfg.logging.progress_bar:
-            self.progress = ProgressBar(cfg.total_steps, initial_step=self.start_step,
-                                        desc=cfg.mode)
+            self.progress = ProgressBar(
+                cfg.total_steps, initial_step=self.start_step, desc=cfg.mode
+            )
         if cfg.mode != "rl":
             return
-        self.intake = TrajectoryIntake(self.paths.data_endpoint, self.run_dir,
-                                       group_size=cfg.rollout.n_samples,
-                                       secret=cfg.dataplane.secret,
-                                       max_queue=cfg.dataplane.max_queue,
-                                       max_message_bytes=cfg.dataplane.max_message_bytes,
-                                       allow_remote=cfg.dataplane.allow_remote,
-                                       route_layout=replay_layout(cfg))
+        self.intake = TrajectoryIntake(
+            self.paths.data_endpoint,
+            self.run_dir,
+            group_size=cfg.rollout.n_samples,
+            secret=cfg.dataplane.secret,
+            max_queue=cfg.dataplane.max_queue,
+            max_message_bytes=cfg.dataplane.max_message_bytes,
+            allow_remote=cfg.dataplane.allow_remote,
+            route_layout=replay_layout(cfg),
+        )
         if resumed is not None:
             buf = resumed.get("buffer_file")
-            n = self.intake.restore(str(self.ckpt_root / buf) if buf else None, self.start_step,
-                                    accepted_before=int(resumed.get("accepted_samples", 0)),
-                                    prompt_ledger=resumed.get("accepted_prompts"),
-                                    journal_from=resumed.get("journal_from"))
-            print(f"[areal-mega] journal replay: {n} accepted samples pending again",
-                  flush=True)
+            n = self.intake.restore(
+                str(self.ckpt_root / buf) if buf else None,
+                self.start_step,
+                accepted_before=int(resumed.get("accepted_samples", 0)),
+                prompt_ledger=resumed.get("accepted_prompts"),
+                journal_from=resumed.get("journal_from"),
+            )
+            print(f"[areal-mega] journal replay: {n} accepted samples pending again", flush=True)
         self.intake.start()
-        self.link = RolloutLink(self.paths.control_endpoint, secret=cfg.dataplane.secret,
-                                timeout_s=cfg.rollout.request_timeout_s)
-        if self.weight_update == "distributed":   # rank 0 joins the servers' broadcast group
+        self.link = RolloutLink(
+            self.paths.control_endpoint,
+            secret=cfg.dataplane.secret,
+            timeout_s=cfg.rollout.request_timeout_s,
+        )
+        if self.weight_update == "distributed":  # rank 0 joins the servers' broadcast group
             self.weight_sender = connect_weight_sender(self.cfg, weight_group_for(self.cfg))
 
     # ------------------------------------------------------------------ per step
@@ -282,12 +349,18 @@ class TrainerSession:
 
         out = self.run_dir / "weights" / f"v{version:07d}"
         lora = self.actor.lora
-        if lora is not None and lora.sync == "adapter":    # a PEFT adapter of a few MiB
-            publish_adapter(self.actor, out, base_model=self.cfg.model.path,
-                            is_writer=self.is_rank0)
-        else:                          # full weights (LoRA: merged into the base)
-            export_hf_dir(self.actor, self.cfg.model.path, out, is_writer=self.is_rank0,
-                          deltas=merged_deltas(self.actor) if lora is not None else None)
+        if lora is not None and lora.sync == "adapter":  # a PEFT adapter of a few MiB
+            publish_adapter(
+                self.actor, out, base_model=self.cfg.model.path, is_writer=self.is_rank0
+            )
+        else:  # full weights (LoRA: merged into the base)
+            export_hf_dir(
+                self.actor,
+                self.cfg.model.path,
+                out,
+                is_writer=self.is_rank0,
+                deltas=merged_deltas(self.actor) if lora is not None else None,
+            )
         if self.is_rank0:
             self._note_rollout(self.link.update_weights(version=version, path=str(out)))
             self._prune_weight_dirs(keep=out)
@@ -301,9 +374,13 @@ class TrainerSession:
         arch = hm.read_arch(self.cfg.model.path)
         # a server dying before or during the broadcast is left out and the version sent
         # again to the survivors; only a broadcast that keeps failing ends the trainer
-        reply = broadcast_version(self.weight_sender, self.link,
-                                  lambda: iter_hf_tensors(self.actor.model, arch), version,
-                                  agree=lambda failed: bool(self._from_rank0(int(failed))))
+        reply = broadcast_version(
+            self.weight_sender,
+            self.link,
+            lambda: iter_hf_tensors(self.actor.model, arch),
+            version,
+            agree=lambda failed: bool(self._from_rank0(int(failed))),
+        )
         if self.is_rank0:
             self._note_rollout(reply)
         if dist.is_initialized():
@@ -364,35 +441,50 @@ class TrainerSession:
             if self.is_rank0 and self.intake is not None:
                 self.ckpt_root.mkdir(parents=True, exist_ok=True)
                 journal_from, accepted, ledger = self.intake.snapshot(
-                    str(self.ckpt_root / buf_name))
+                    str(self.ckpt_root / buf_name)
+                )
             accepted = self._from_rank0(accepted)
             journal_from = self._from_rank0(journal_from)
             ledger = self._object_from_rank0(ledger)
-            extra = {"step": step, "version": step, "time": time.time(),
-                     "buffer_file": buf_name, "accepted_samples": accepted}
-            if journal_from:   # RL: a resume from this checkpoint replays from this segment
+            extra = {
+                "step": step,
+                "version": step,
+                "time": time.time(),
+                "buffer_file": buf_name,
+                "accepted_samples": accepted,
+            }
+            if journal_from:  # RL: a resume from this checkpoint replays from this segment
                 extra["journal_from"] = journal_from
-            if self.critic is not None:       # first: every actor checkpoint has its critic
+            if self.critic is not None:  # first: every actor checkpoint has its critic
                 from areal_mega.train.critic_step import save_critic
+
                 # one more kept: a crash before the actor's save resumes the previous step
                 save_critic(self.critic, self.ckpt_root, step, self.cfg.checkpoint.keep_last + 1)
-            if ledger is not None:   # RL: which prompts' groups it holds (exact resume)
+            if ledger is not None:  # RL: which prompts' groups it holds (exact resume)
                 extra["accepted_prompts"] = ledger
-            if self.actor.lora is not None:   # adapters + optimizer; the base is model.path
+            if self.actor.lora is not None:  # adapters + optimizer; the base is model.path
                 extra["lora"] = checkpoint_extra(self.actor.lora, self._base_identity())
-            save_checkpoint(self.ckpt_root, step, self.actor.model_chunks(),
-                            self.actor.optimizer, self.actor.lr_scheduler, extra=extra,
-                            keep_last=self.cfg.checkpoint.keep_last, hf_dir=self.cfg.model.path,
-                            model_keys=self.actor.checkpoint_keys)
+            save_checkpoint(
+                self.ckpt_root,
+                step,
+                self.actor.model_chunks(),
+                self.actor.optimizer,
+                self.actor.lr_scheduler,
+                extra=extra,
+                keep_last=self.cfg.checkpoint.keep_last,
+                hf_dir=self.cfg.model.path,
+                model_keys=self.actor.checkpoint_keys,
+            )
         except (OSError, RuntimeError, CheckpointException) as e:
-            nonfinite = isinstance(e, NonFiniteWeightsError)   # never NaN weights saved: fatal
+            nonfinite = isinstance(e, NonFiniteWeightsError)  # never NaN weights saved: fatal
             if not nonfinite and not is_disk_full_error(e, self.ckpt_root):
                 raise
             self._discard_partial_save(step, buf_name)
             if nonfinite:
                 raise CheckpointSaveError(str(e)) from None
-            raise CheckpointSaveError(f"no space left on device while saving "
-                                      f"{iter_dir_name(step)} to {self.ckpt_root}") from None
+            raise CheckpointSaveError(
+                f"no space left on device while saving {iter_dir_name(step)} to {self.ckpt_root}"
+            ) from None
         if self.is_rank0 and self.intake is not None:
             self.intake.after_checkpoint(self.ckpt_root)
 
@@ -432,15 +524,23 @@ class TrainerSession:
             png = self.run_dir / "reward_curve.png"
             plot_metrics(self.run_dir / "metrics.jsonl", png)
             print(f"[areal-mega] reward curve: {png}")
-        print(f"[areal-mega] run dir: {self.run_dir}\n[areal-mega] metrics: "
-              f"{self.run_dir / 'metrics.jsonl'}")
+        print(
+            f"[areal-mega] run dir: {self.run_dir}\n[areal-mega] metrics: "
+            f"{self.run_dir / 'metrics.jsonl'}"
+        )
 
     def close(self) -> None:
         """Release everything, on every rank, whether the run finished or failed: close rank
         0's progress bar, intake, weight sender, control link and logger (errors are logged,
         not raised), then destroy the process group. Called from the trainer's ``finally``."""
-        for obj in (self.progress, self.intake, self.weight_sender, self.link, self.logger,
-                    self.teacher_scorer):
+        for obj in (
+            self.progress,
+            self.intake,
+            self.weight_sender,
+            self.link,
+            self.logger,
+            self.teacher_scorer,
+        ):
             if obj is not None:
                 try:
                     obj.close()

@@ -6,6 +6,7 @@ micro-batches over the DP ranks, and minimises the mean negative log-likelihood 
 tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_model`` (with
 ``lora.enabled``: the adapters merged in, and the adapter alone in ``<run_dir>/adapter``).
 """
+
 from __future__ import annotations
 
 import time
@@ -29,15 +30,18 @@ def sft_loss(logprobs: torch.Tensor, entropy, mb: dict):
     check_devices(logprobs, mb, ("loss_mask",), entropy)
     mask = mb["loss_mask"].to(logprobs.dtype)
     nll = -(logprobs * mask).sum()
-    return nll, {"nll_sum": nll.detach(), "token_count": mask.sum(),
-                 "correct_sum": ((logprobs.detach() > -0.6931).float() * mask).sum()}
+    return nll, {
+        "nll_sum": nll.detach(),
+        "token_count": mask.sum(),
+        "correct_sum": ((logprobs.detach() > -0.6931).float() * mask).sum(),
+    }
 
 
 def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     """A packable dict in next-token layout: position t predicts token t+1."""
     ids = np.asarray(list(prompt_ids) + list(answer_ids) + [eos_id], dtype=np.int32)
     mask = np.zeros(len(ids), dtype=np.uint8)
-    mask[len(prompt_ids):] = 1
+    mask[len(prompt_ids) :] = 1
     return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
@@ -51,9 +55,14 @@ def run_sft(s) -> None:
     data = PromptDataset.from_config(cfg.data, tok)
     answers = tok([str(it.answer) for it in data.items], add_special_tokens=False)["input_ids"]
     samples = [sft_sample(it.input_ids, a, tok.eos_token_id) for it, a in zip(data.items, answers)]
-    sampler = PromptSampler(len(samples), cfg.data.sft_batch_size, seed=cfg.seed,
-                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
-    for _ in range(s.start_step):           # resume: replay the sampler to the same position
+    sampler = PromptSampler(
+        len(samples),
+        cfg.data.sft_batch_size,
+        seed=cfg.seed,
+        shuffle=cfg.data.shuffle,
+        drop_last=cfg.data.drop_last,
+    )
+    for _ in range(s.start_step):  # resume: replay the sampler to the same position
         sampler.next_indices()
     pad_to = s.layout["tp_size"] * (2 * s.layout["cp_size"] if s.layout["cp_size"] > 1 else 1)
     for step in range(s.start_step + 1, cfg.total_steps + 1):
@@ -62,36 +71,65 @@ def run_sft(s) -> None:
         if s.is_rank0:
             idx = sampler.next_indices()
             chosen = [samples[i] for i in idx]
-            mb_plan = plan_micro_batches([len(x["input_ids"]) for x in chosen],
-                                         dp_size=s.layout["dp_size"],
-                                         max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
-                                         pp_size=s.layout["pp_size"])
-            per_rank = [[pack_sequences([chosen[i] for i in mb], pad_to_multiple=pad_to,
-                                        cp_size=s.layout["cp_size"]) for mb in rank]
-                        for rank in mb_plan]
-            plan = batches.StepPlan(micro_batches=per_rank, sample_ids=[], stats={
-                "n_tokens_total": float(sum(len(x["input_ids"]) for x in chosen))})
+            mb_plan = plan_micro_batches(
+                [len(x["input_ids"]) for x in chosen],
+                dp_size=s.layout["dp_size"],
+                max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
+                pp_size=s.layout["pp_size"],
+            )
+            per_rank = [
+                [
+                    pack_sequences(
+                        [chosen[i] for i in mb], pad_to_multiple=pad_to, cp_size=s.layout["cp_size"]
+                    )
+                    for mb in rank
+                ]
+                for rank in mb_plan
+            ]
+            plan = batches.StepPlan(
+                micro_batches=per_rank,
+                sample_ids=[],
+                stats={"n_tokens_total": float(sum(len(x["input_ids"]) for x in chosen))},
+            )
         else:
             sampler.next_indices()
         batch = batches.distribute(plan, s.mesh)
         st = s.actor.train_batch(batch.micro_batches, sft_loss)
         n_tok = max(st.get("token_count", 1.0), 1.0)
         dt = time.time() - t0
-        skip = s.skips.record(step, {**st, "skipped_minibatches": st.get("skipped", 0.0)},
-                              batch.micro_batches)     # a non-finite step: no update applied
-        s.log(step, {"loss": st["loss"], "nll": st["nll_sum"] / n_tok,
-                     "token_acc": st["correct_sum"] / n_tok, "grad_norm": st["grad_norm"],
-                     "lr": st["lr"], "time/step": dt,
-                     "tokens/s": batch.stats["n_tokens_total"] / max(dt, 1e-9), **skip})
+        skip = s.skips.record(
+            step, {**st, "skipped_minibatches": st.get("skipped", 0.0)}, batch.micro_batches
+        )  # a non-finite step: no update applied
+        s.log(
+            step,
+            {
+                "loss": st["loss"],
+                "nll": st["nll_sum"] / n_tok,
+                "token_acc": st["correct_sum"] / n_tok,
+                "grad_norm": st["grad_norm"],
+                "lr": st["lr"],
+                "time/step": dt,
+                "tokens/s": batch.stats["n_tokens_total"] / max(dt, 1e-9),
+                **skip,
+            },
+        )
         s.skips.check()
         s.maybe_checkpoint(step)
-    lora = s.actor.lora         # LoRA SFT: the adapters merged in (and, apart, as PEFT)
-    export_hf_dir(s.actor, cfg.model.path, s.run_dir / "hf_model", is_writer=s.is_rank0,
-                  deltas=merged_deltas(s.actor) if lora is not None else None)
+    lora = s.actor.lora  # LoRA SFT: the adapters merged in (and, apart, as PEFT)
+    export_hf_dir(
+        s.actor,
+        cfg.model.path,
+        s.run_dir / "hf_model",
+        is_writer=s.is_rank0,
+        deltas=merged_deltas(s.actor) if lora is not None else None,
+    )
     if lora is not None:
-        publish_adapter(s.actor, s.run_dir / "adapter", base_model=cfg.model.path,
-                        is_writer=s.is_rank0)
+        publish_adapter(
+            s.actor, s.run_dir / "adapter", base_model=cfg.model.path, is_writer=s.is_rank0
+        )
     if s.is_rank0:
-        print(f"[areal-mega] SFT model (HF format): {s.run_dir / 'hf_model'}" +
-              (f"; its LoRA adapter (PEFT): {s.run_dir / 'adapter'}" if lora else ""))
+        print(
+            f"[areal-mega] SFT model (HF format): {s.run_dir / 'hf_model'}"
+            + (f"; its LoRA adapter (PEFT): {s.run_dir / 'adapter'}" if lora else "")
+        )
     s.finish()

@@ -19,6 +19,7 @@
   sequence whose teacher logprobs are NaN/inf or above 0 is dropped from the step's loss
   (:func:`~areal_mega.train.screen.refuse_bad_teacher_rows`; ``refused/teacher``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,13 @@ from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
 from areal_mega.train.screen import refuse_bad_teacher_rows
 
-__all__ = ["build_teacher", "build_teacher_scorer", "teacher_model_config", "teacher_logprobs",
-           "opd_step"]
+__all__ = [
+    "build_teacher",
+    "build_teacher_scorer",
+    "teacher_model_config",
+    "teacher_logprobs",
+    "opd_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +50,12 @@ log = logging.getLogger(__name__)
 def teacher_model_config(cfg):
     """``cfg.model`` with the teacher's path and dtype (``teacher.dtype`` or ``model.dtype``);
     the other model keys (vocab padding, attention backend) are the trainer's."""
-    return dataclasses.replace(cfg.model, path=cfg.teacher.path,
-                               dtype=cfg.teacher.dtype or cfg.model.dtype,
-                               recompute_granularity=None)
+    return dataclasses.replace(
+        cfg.model,
+        path=cfg.teacher.path,
+        dtype=cfg.teacher.dtype or cfg.model.dtype,
+        recompute_granularity=None,
+    )
 
 
 def build_teacher(cfg, mesh):
@@ -56,8 +65,9 @@ def build_teacher(cfg, mesh):
         return None
     from areal_mega.engine.megatron_engine import MegatronEngine
 
-    return MegatronEngine(teacher_model_config(cfg), hf_config=cfg.teacher.path, role="ref",
-                          mesh=mesh, seed=cfg.seed)
+    return MegatronEngine(
+        teacher_model_config(cfg), hf_config=cfg.teacher.path, role="ref", mesh=mesh, seed=cfg.seed
+    )
 
 
 def build_teacher_scorer(cfg):
@@ -66,8 +76,7 @@ def build_teacher_scorer(cfg):
     t = cfg.teacher
     if cfg.mode != "rl" or cfg.algorithm.opd == "off" or not t.server_addrs:
         return None
-    scorer = TeacherServerScorer(t.server_addrs, api_key=t.api_key,
-                                 timeout_s=t.request_timeout_s)
+    scorer = TeacherServerScorer(t.server_addrs, api_key=t.api_key, timeout_s=t.request_timeout_s)
     try:
         for addr, info in scorer.model_info().items():
             check_served_tokenizer(addr, info, cfg.model.path)
@@ -86,8 +95,13 @@ def check_served_tokenizer(addr: str, info: dict, model_path: str) -> None:
     if path and Path(path).is_dir():
         check_same_tokenizer(path, model_path)
     else:
-        log.warning("teacher server %s: tokenizer %r is not readable here; make sure it is "
-                    "the student's (%s)", addr, path, model_path)
+        log.warning(
+            "teacher server %s: tokenizer %r is not readable here; make sure it is "
+            "the student's (%s)",
+            addr,
+            path,
+            model_path,
+        )
 
 
 def served_logprobs(scorer, micro_batches: list) -> list:
@@ -100,11 +114,11 @@ def served_logprobs(scorer, micro_batches: list) -> list:
     for out, mb in zip(outs, micro_batches):
         ids, mask = mb["input_ids"], mb["loss_mask"]
         for start, n in zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist()):
-            first = torch.nonzero(mask[start:start + n - 1]).flatten()
+            first = torch.nonzero(mask[start : start + n - 1]).flatten()
             if first.numel() == 0:
                 continue
-            t0 = int(first[0])              # layout position t0 describes token t0 + 1
-            seqs.append(ids[start:start + n].tolist())
+            t0 = int(first[0])  # layout position t0 describes token t0 + 1
+            seqs.append(ids[start : start + n].tolist())
             starts.append(t0 + 1)
             spans.append((out, start + t0, start + n - 1))
     for (out, lo, hi), lp in zip(spans, scorer.score(seqs, starts) if seqs else []):
@@ -119,8 +133,9 @@ def teacher_logprobs(session, micro_batches: list) -> list:
     teacher runs the trainer's pipeline schedule). Served: every rank scores its own
     micro-batches over HTTP in one call (:func:`served_logprobs`)."""
     if session.teacher is not None:
-        return session.teacher.forward_logprobs(micro_batches,
-                                                temperature=session.cfg.actor.temperature)
+        return session.teacher.forward_logprobs(
+            micro_batches, temperature=session.cfg.actor.temperature
+        )
     return served_logprobs(session.teacher_scorer, micro_batches)
 
 
@@ -144,22 +159,36 @@ def opd_step(session, micro_batches: list) -> tuple[list, dict]:
         return micro_batches, {}
     t0 = time.time()
     mbs = batches.attach(micro_batches, teacher_logprobs=teacher_logprobs(session, micro_batches))
-    mbs, refused = refuse_bad_teacher_rows(mbs)    # NaN/inf or > 0: the sequence is dropped
+    mbs, refused = refuse_bad_teacher_rows(mbs)  # NaN/inf or > 0: the sequence is dropped
     for sid, why in refused:
-        log.warning("refused sample %r: %s (the teacher's answer); dropped from this step's "
-                    "loss, the run goes on", sid, why)
+        log.warning(
+            "refused sample %r: %s (the teacher's answer); dropped from this step's "
+            "loss, the run goes on",
+            sid,
+            why,
+        )
     advs, sums = [], torch.zeros(3, dtype=torch.float64)
     for mb in mbs:
-        advs.append(opd_advantages(mb["advantages"], mb["prox_logprobs"],
-                                   mb["teacher_logprobs"], mb["loss_mask"], mode=alg.opd,
-                                   coef=alg.opd_coef))
+        advs.append(
+            opd_advantages(
+                mb["advantages"],
+                mb["prox_logprobs"],
+                mb["teacher_logprobs"],
+                mb["loss_mask"],
+                mode=alg.opd,
+                coef=alg.opd_coef,
+            )
+        )
         sums += reverse_kl_sums(mb["prox_logprobs"], mb["teacher_logprobs"], mb["loss_mask"])
     sums = torch.cat([sums, torch.tensor([float(len(refused))], dtype=torch.float64)])
     total, total_abs, n, n_refused = _dp_sum(sums, session.mesh).tolist()
     mbs = batches.attach(mbs, advantages=advs)
     n_safe = max(n, 1.0)
-    stats = {"opd/reverse_kl": total / n_safe, "opd/abs_log_ratio": total_abs / n_safe,
-             "time/teacher": time.time() - t0}
+    stats = {
+        "opd/reverse_kl": total / n_safe,
+        "opd/abs_log_ratio": total_abs / n_safe,
+        "time/teacher": time.time() - t0,
+    }
     if n_refused:
         stats.update({"refused/teacher": n_refused, "opd/refused_samples": n_refused})
     return mbs, stats

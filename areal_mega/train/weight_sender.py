@@ -19,6 +19,7 @@ instead of at the group timeout) and raises :class:`WeightBroadcastError`;
 the dead one is left out and, relaunched, rejoins by the usual join path), forms the group with
 the survivors and sends the whole version again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,16 +31,31 @@ from typing import Callable, Iterable, Iterator, Optional
 import aiohttp
 
 from areal_mega.common.net import free_port
-from areal_mega.parallel.weight_group import (broadcast_from_rank0, destroy_update_group,
-                                              init_update_group, weight_update_group)
+from areal_mega.parallel.weight_group import (
+    broadcast_from_rank0,
+    destroy_update_group,
+    init_update_group,
+    weight_update_group,
+)
 from areal_mega.backends.clients import client_class, group_handshake
 from areal_mega.rollout.client import RolloutRequestError, server_url
 
 log = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
-                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-                "float8_e4m3fn": 1, "float8_e5m2": 1}
+_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 def dtype_name(dtype) -> str:
@@ -94,17 +110,31 @@ class WeightBroadcastError(RuntimeError):
     :meth:`DistributedWeightSender.regroup` forms it again."""
 
 
-def create_sender_group(master_address: str, master_port: int, world_size: int,
-                        group_name: str, backend: str = "gloo", timeout_s: float = 300.0,
-                        handshake: str = "sglang"):
+def create_sender_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    handshake: str = "sglang",
+):
     """Rank 0 of the weight-update group (hosts the TCP store), built exactly as the servers
     build theirs (SGLang's way, or vLLM's stateless group with ``handshake="vllm"``:
     :func:`~areal_mega.parallel.weight_group.init_update_group`). Does not touch the default
     process group, so it coexists with the trainer's own ``torch.distributed`` world. Blocks
     until every server has joined."""
 
-    return init_update_group(master_address, master_port, world_size, 0, group_name, backend,
-                             timeout_s, handshake=handshake)
+    return init_update_group(
+        master_address,
+        master_port,
+        world_size,
+        0,
+        group_name,
+        backend,
+        timeout_s,
+        handshake=handshake,
+    )
 
 
 class DistributedWeightSender:
@@ -118,11 +148,21 @@ class DistributedWeightSender:
     changes the client's servers through its public ``set_servers``.
     """
 
-    def __init__(self, client, *, master_address: str = "127.0.0.1",
-                 master_port: Optional[int] = None, backend: str = "gloo",
-                 group_name: str = "areal_weight_update", bucket_bytes: int = 512 << 20,
-                 group=None, run_async=None, timeout_s: float = 300.0,
-                 liveness_timeout_s: float = 5.0, handshake: str = "sglang"):
+    def __init__(
+        self,
+        client,
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: Optional[int] = None,
+        backend: str = "gloo",
+        group_name: str = "areal_weight_update",
+        bucket_bytes: int = 512 << 20,
+        group=None,
+        run_async=None,
+        timeout_s: float = 300.0,
+        liveness_timeout_s: float = 5.0,
+        handshake: str = "sglang",
+    ):
         self.client = client
         self.master_address = master_address
         self.master_port = master_port or free_port(master_address)
@@ -147,13 +187,26 @@ class DistributedWeightSender:
     def connect(self) -> None:
         """Create the group: POST ``/init_weights_update_group`` to every server and join as
         rank 0 concurrently."""
-        fut = self._run_async(self.client.init_weights_update_group(
-            self.master_address, self.master_port, self.world_size, self.group_name,
-            self.backend, self.group.rank_offsets))
+        fut = self._run_async(
+            self.client.init_weights_update_group(
+                self.master_address,
+                self.master_port,
+                self.world_size,
+                self.group_name,
+                self.backend,
+                self.group.rank_offsets,
+            )
+        )
         try:
             self.pg = create_sender_group(
-                self.master_address, self.master_port, self.world_size, self.group_name,
-                self.backend, self.timeout_s, self.handshake)
+                self.master_address,
+                self.master_port,
+                self.world_size,
+                self.group_name,
+                self.backend,
+                self.timeout_s,
+                self.handshake,
+            )
         except BaseException:
             fut.cancel()
             raise
@@ -174,7 +227,8 @@ class DistributedWeightSender:
             return False
         try:
             self._run_async(self.client.destroy_weights_update_group(self.group_name)).result(
-                timeout=self.timeout_s)
+                timeout=self.timeout_s
+            )
         except Exception as e:  # noqa: BLE001 - the survivors re-init below (and say so)
             log.warning("destroying the old weight-update group: %s", e)
         self._drop_group()
@@ -182,8 +236,11 @@ class DistributedWeightSender:
         self.group = self.group.resized(len(urls))
         self.master_port = free_port(self.master_address)
         self.connect()
-        log.info("weight-update group formed again: %d servers, world size %d", len(urls),
-                 self.world_size)
+        log.info(
+            "weight-update group formed again: %d servers, world size %d",
+            len(urls),
+            self.world_size,
+        )
         return True
 
     def send(self, named_tensors: Iterable, weight_version: Optional[int] = None) -> int:
@@ -195,22 +252,27 @@ class DistributedWeightSender:
         if self.pg is None:
             raise RuntimeError("DistributedWeightSender.send before connect()")
         n = 0
-        for bucket in iter_buckets(named_tensors, lambda it: it[1].numel() *
-                                   it[1].element_size(), self.bucket_bytes):
-            self._check_members(f"before bucket {n + 1}")   # never start a collective without one
+        for bucket in iter_buckets(
+            named_tensors, lambda it: it[1].numel() * it[1].element_size(), self.bucket_bytes
+        ):
+            self._check_members(f"before bucket {n + 1}")  # never start a collective without one
             names = [nm for nm, _ in bucket]
-            fut = self._run_async(self._post_bucket(
-                names, [dtype_name(t.dtype) for _, t in bucket],
-                [list(t.shape) for _, t in bucket], weight_version))
+            fut = self._run_async(
+                self._post_bucket(
+                    names,
+                    [dtype_name(t.dtype) for _, t in bucket],
+                    [list(t.shape) for _, t in bucket],
+                    weight_version,
+                )
+            )
             failure = self._broadcast_bucket(bucket, fut)
             if failure is not None:
-                self._drop_group()      # the survivors' receives fail now, not at the timeout
+                self._drop_group()  # the survivors' receives fail now, not at the timeout
                 try:
-                    fut.result(timeout=min(60.0, self.timeout_s))   # ... and they answer
+                    fut.result(timeout=min(60.0, self.timeout_s))  # ... and they answer
                 except Exception:  # noqa: BLE001 - their failed receives: expected
                     pass
-                raise WeightBroadcastError(f"weight broadcast failed in bucket {n + 1}: "
-                                           f"{failure}")
+                raise WeightBroadcastError(f"weight broadcast failed in bucket {n + 1}: {failure}")
             n += 1
         self._run_async(self.client.weights_received(weight_version)).result(self.timeout_s)
         self.buckets_sent += n
@@ -220,14 +282,27 @@ class DistributedWeightSender:
         """``POST /update_weights_from_distributed`` to every member, as the client's method
         of that name does, but every answer is awaited before the first error is raised: after
         a failed broadcast no survivor is still receiving when the group is formed again."""
-        body: dict = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                      "group_name": self.group_name}
+        body: dict = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": self.group_name,
+        }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        outs = await asyncio.gather(*(self.client.request(
-            a, "POST", "/update_weights_from_distributed", body,
-            timeout=self.client.control_timeout_s) for a in self.client.addrs),
-            return_exceptions=True)
+        outs = await asyncio.gather(
+            *(
+                self.client.request(
+                    a,
+                    "POST",
+                    "/update_weights_from_distributed",
+                    body,
+                    timeout=self.client.control_timeout_s,
+                )
+                for a in self.client.addrs
+            ),
+            return_exceptions=True,
+        )
         for e in outs:
             if isinstance(e, BaseException):
                 raise e
@@ -238,13 +313,16 @@ class DistributedWeightSender:
         its traceback would keep the process group, and with it the connections, alive."""
         try:
             for _, t in bucket:
-                broadcast_from_rank0(self.pg, t.detach().contiguous(),
-                                     watch=lambda: self._check_members("during the collective"))
+                broadcast_from_rank0(
+                    self.pg,
+                    t.detach().contiguous(),
+                    watch=lambda: self._check_members("during the collective"),
+                )
             fut.result(timeout=self.timeout_s)
             return None
         except RolloutRequestError:
             fut.cancel()
-            raise                       # a request the servers refuse: a retry cannot cure it
+            raise  # a request the servers refuse: a retry cannot cure it
         except WeightBroadcastError as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - gloo/NCCL errors, a member's HTTP failure
@@ -258,8 +336,9 @@ class DistributedWeightSender:
 
         async def dead(addr: str) -> bool:
             try:
-                await self.client.request(addr, "GET", "/get_model_info",
-                                          timeout=self.liveness_timeout_s)
+                await self.client.request(
+                    addr, "GET", "/get_model_info", timeout=self.liveness_timeout_s
+                )
             except (aiohttp.ClientConnectionError, ConnectionError):
                 return True
             except Exception:  # noqa: BLE001 - timeouts and HTTP errors: alive
@@ -268,6 +347,7 @@ class DistributedWeightSender:
 
         async def all_dead() -> list:
             return list(await asyncio.gather(*(dead(a) for a in addrs)))
+
         flags = self._run_async(all_dead()).result(self.liveness_timeout_s + 30)
         return [a for a, d in zip(addrs, flags) if d]
 
@@ -303,11 +383,19 @@ def _private_loop():
 
     def run_async(coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, loop)
+
     return run_async
 
 
-def broadcast_version(sender, link, make_stream: Callable, version: int, *,
-                      agree: Callable[[bool], bool], attempts: int = 3) -> dict:
+def broadcast_version(
+    sender,
+    link,
+    make_stream: Callable,
+    version: int,
+    *,
+    agree: Callable[[bool], bool],
+    attempts: int = 3,
+) -> dict:
     """Publish ``version`` by broadcast, surviving a server death (see the module docstring).
 
     Collective over the trainer's ranks: every rank calls it, with ``make_stream`` returning a
@@ -328,7 +416,7 @@ def broadcast_version(sender, link, make_stream: Callable, version: int, *,
             if sender is not None:
                 begun = link.begin_update()
                 members = begun.get("servers") or sender.client.addrs
-                dead = sender.dead_members(members)   # the worker probed; a last look
+                dead = sender.dead_members(members)  # the worker probed; a last look
                 members = [a for a in members if a not in dead]
                 if not members:
                     raise WeightBroadcastError("no live rollout server to broadcast to")
@@ -339,14 +427,20 @@ def broadcast_version(sender, link, make_stream: Callable, version: int, *,
         except WeightBroadcastError as e:
             failure = str(e)
         for _ in stream if stream is not None else make_stream():
-            pass          # what is left of it: the other ranks' gathers run to the end
+            pass  # what is left of it: the other ranks' gathers run to the end
         if not agree(failure is not None):
             return link.end_update(version=version) if sender is not None else {}
         if sender is not None:
-            log.warning("weight version %d, attempt %d/%d: %s; sending it again to the "
-                        "survivors", version, attempt, attempts, failure)
-    raise WeightBroadcastError(f"weight version {version} not sent after {attempts} attempts: "
-                               f"{failure or 'rank 0 failed'}")
+            log.warning(
+                "weight version %d, attempt %d/%d: %s; sending it again to the survivors",
+                version,
+                attempt,
+                attempts,
+                failure,
+            )
+    raise WeightBroadcastError(
+        f"weight version {version} not sent after {attempts} attempts: {failure or 'rank 0 failed'}"
+    )
 
 
 def connect_weight_sender(cfg, group) -> DistributedWeightSender:
@@ -356,15 +450,20 @@ def connect_weight_sender(cfg, group) -> DistributedWeightSender:
     import os
 
     import torch
+
     r = cfg.rollout
     if not r.server_addrs:
         raise ValueError("rollout.weight_update=distributed needs rollout.server_addrs")
-    client = client_class(r.backend)(r.server_addrs, api_key=r.api_key,
-                                     timeout_s=r.request_timeout_s, retries=r.request_retries)
+    client = client_class(r.backend)(
+        r.server_addrs, api_key=r.api_key, timeout_s=r.request_timeout_s, retries=r.request_retries
+    )
     sender = DistributedWeightSender(
-        client, master_address=os.environ.get("MASTER_ADDR", cfg.cluster.master_addr),
+        client,
+        master_address=os.environ.get("MASTER_ADDR", cfg.cluster.master_addr),
         backend="nccl" if torch.cuda.is_available() else "gloo",
-        bucket_bytes=r.weight_bucket_mb << 20, group=group,
-        handshake=group_handshake(r.backend))
+        bucket_bytes=r.weight_bucket_mb << 20,
+        group=group,
+        handshake=group_handshake(r.backend),
+    )
     sender.connect()
     return sender

@@ -6,6 +6,7 @@ safetensors shard, and global rank 0 writes the index and copies the config/toke
 of the source HF directory. The directory appears atomically (written as ``<out>.tmp``, then
 renamed), so a rollout server never loads a half-written model.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,12 @@ from pathlib import Path
 def _barrier() -> None:
     # imported here: launch.local uses resolve_weight_update and must not pay for torch
     import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
 
 
-def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None,
-                  deltas=None) -> Path:
+def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, deltas=None) -> Path:
     """Export ``engine``'s model as an HF directory at ``out`` (collective over all ranks).
 
     ``hf_src_dir``: the HF directory the model was built from (config, tokenizer).
@@ -55,8 +56,11 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None,
     if source:
         shard = f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
         save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-        manifest = {"shard": shard, "names": sorted(tensors),
-                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        manifest = {
+            "shard": shard,
+            "names": sorted(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
         (tmp / f".manifest-{stage}.json").write_text(json.dumps(manifest))
     del tensors
     _barrier()
@@ -70,11 +74,15 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None,
         expected = set(hm.hf_tensor_names(arch))
         missing = sorted(expected - set(weight_map))
         if missing:
-            raise RuntimeError(f"HF export to {out}: {len(missing)} tensors missing, e.g. "
-                               f"{missing[:3]}")
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2))
+            raise RuntimeError(
+                f"HF export to {out}: {len(missing)} tensors missing, e.g. {missing[:3]}"
+            )
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                indent=2,
+            )
+        )
         for f in HF_AUX_FILES:
             if (hf_src_dir / f).exists():
                 shutil.copy2(hf_src_dir / f, tmp / f)
@@ -95,16 +103,20 @@ def resolve_weight_update(mode: str, *, cuda: bool, pp: int, lora: bool = False)
         raise ValueError(f"rollout.weight_update={mode!r}: must be auto, disk or distributed")
     if lora:
         if mode == "distributed":
-            raise ValueError("rollout.weight_update='distributed' with lora.enabled: LoRA runs "
-                             "publish adapter files the servers load (SGLang's "
-                             "/load_lora_adapter); use rollout.weight_update=disk (or auto)")
+            raise ValueError(
+                "rollout.weight_update='distributed' with lora.enabled: LoRA runs "
+                "publish adapter files the servers load (SGLang's "
+                "/load_lora_adapter); use rollout.weight_update=disk (or auto)"
+            )
         return "disk"
     if mode == "auto":
         return "distributed" if cuda and pp == 1 else "disk"
     if mode == "distributed" and pp > 1:
-        raise ValueError(f"rollout.weight_update='distributed' with pipeline parallel size {pp}:"
-                         " the bucketed broadcast sends from rank 0 and needs p=1; use "
-                         "rollout.weight_update=disk (or auto)")
+        raise ValueError(
+            f"rollout.weight_update='distributed' with pipeline parallel size {pp}:"
+            " the bucketed broadcast sends from rank 0 and needs p=1; use "
+            "rollout.weight_update=disk (or auto)"
+        )
     return mode
 
 

@@ -20,6 +20,7 @@ per-token weight versions), ``tokenizer``, ``client`` (``chat.completions.create
 programs outside this process), ``reward`` / ``run_blocking`` (off the event loop),
 ``new_sequence`` / ``trajectory`` / ``prompt_ids``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,9 +46,10 @@ class EpisodeFailed(RuntimeError):
 @dataclass
 class WorkflowSettings:
     """Run-wide settings a workflow sees (from ``rollout.*``)."""
+
     max_new_tokens: int = 512
-    openai_port: int = 0          # the OpenAI-compatible HTTP endpoint's port (0: any free)
-    turn_discount: float = 1.0    # per-completion reward discount when calls do not chain
+    openai_port: int = 0  # the OpenAI-compatible HTTP endpoint's port (0: any free)
+    turn_discount: float = 1.0  # per-completion reward discount when calls do not chain
 
 
 class SampleContext:
@@ -65,10 +67,9 @@ class SampleContext:
         self.max_new_tokens = settings.max_new_tokens
         self._turns = 0
         self._client = None
-        self.failed: Optional[str] = None   # set by a workflow: why this sample failed
+        self.failed: Optional[str] = None  # set by a workflow: why this sample failed
 
-    async def generate(self, input_ids: list, max_new_tokens: Optional[int] = None,
-                       **sampling):
+    async def generate(self, input_ids: list, max_new_tokens: Optional[int] = None, **sampling):
         """Interruptible generation of up to ``max_new_tokens`` (default
         ``rollout.max_new_tokens``) after ``input_ids``. Returns a
         :class:`~areal_mega.rollout.controller.GenerationOutput`: ``output_ids``,
@@ -77,8 +78,9 @@ class SampleContext:
         sampling parameters (``temperature``, ``top_p``, ``stop``, ``sampling_seed``...)."""
         turn, self._turns = self._turns, self._turns + 1
         n = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        return await self.group.generate(list(input_ids), n, sample_index=self.sample_index,
-                                         turn=turn, **sampling)
+        return await self.group.generate(
+            list(input_ids), n, sample_index=self.sample_index, turn=turn, **sampling
+        )
 
     @property
     def client(self):
@@ -86,8 +88,9 @@ class SampleContext:
         (:class:`~areal_mega.workflow.openai_client.OpenAICompatClient`); every completion it
         returns is recorded with its exact tokens for the trajectory."""
         if self._client is None:
-            self._client = OpenAICompatClient(self.generate, self.tokenizer,
-                                              default_max_tokens=self.max_new_tokens)
+            self._client = OpenAICompatClient(
+                self.generate, self.tokenizer, default_max_tokens=self.max_new_tokens
+            )
         return self._client
 
     async def openai_endpoint(self) -> tuple:
@@ -105,8 +108,7 @@ class SampleContext:
 
     def prompt_ids(self, item: Optional[dict] = None, apply_chat_template: bool = True) -> list:
         """Token ids of a prompt item (``input_ids``, else the chat-templated ``prompt``)."""
-        return prompt_ids(self.tokenizer, self.item if item is None else item,
-                          apply_chat_template)
+        return prompt_ids(self.tokenizer, self.item if item is None else item, apply_chat_template)
 
     @staticmethod
     def new_sequence(context_ids=()) -> TokenSeq:
@@ -115,13 +117,27 @@ class SampleContext:
         seq.add_context(context_ids)
         return seq
 
-    def trajectory(self, seq: TokenSeq, reward: float, prompt_len: int, finish_reason: str,
-                   suffix: str = "", server_id: str = "", meta: Optional[dict] = None):
+    def trajectory(
+        self,
+        seq: TokenSeq,
+        reward: float,
+        prompt_len: int,
+        finish_reason: str,
+        suffix: str = "",
+        server_id: str = "",
+        meta: Optional[dict] = None,
+    ):
         """Freeze ``seq`` into this sample's :class:`Trajectory` (``suffix`` makes the id
         unique when one sample yields several trajectories)."""
-        return seq.to_trajectory(reward=reward, sample_id=self.sample_id + suffix,
-                                 group_id=self.group_id, prompt_len=prompt_len,
-                                 finish_reason=finish_reason, server_id=server_id, meta=meta)
+        return seq.to_trajectory(
+            reward=reward,
+            sample_id=self.sample_id + suffix,
+            group_id=self.group_id,
+            prompt_len=prompt_len,
+            finish_reason=finish_reason,
+            server_id=server_id,
+            meta=meta,
+        )
 
     async def reward(self, fn, *args, **kw) -> float:
         """Run a (blocking) reward function off the event loop; an error gives 0 (logged)."""
@@ -153,7 +169,7 @@ class EpisodeWorkflow:
         tasks = [asyncio.ensure_future(self.episode(s, item)) for s in samples]
         try:
             results = await asyncio.gather(*tasks)
-        except BaseException:      # one sample failed (or we are cancelled): stop the others
+        except BaseException:  # one sample failed (or we are cancelled): stop the others
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -173,14 +189,18 @@ class EpisodeWorkflow:
             return [res]
         if isinstance(res, (list, tuple)):
             if not all(isinstance(t, Trajectory) for t in res):
-                raise TypeError(f"{type(self).__name__}.episode returned a list that is not "
-                                "all Trajectory")
+                raise TypeError(
+                    f"{type(self).__name__}.episode returned a list that is not all Trajectory"
+                )
             return list(res)
         if isinstance(res, (int, float)) and not isinstance(res, bool):
-            return export_completions(s, float(res), s.client.records,
-                                      discount=self.settings.turn_discount)
-        raise TypeError(f"{type(self).__name__}.episode returned {type(res).__name__}; "
-                        "expected a reward (float) or a list of Trajectory")
+            return export_completions(
+                s, float(res), s.client.records, discount=self.settings.turn_discount
+            )
+        raise TypeError(
+            f"{type(self).__name__}.episode returned {type(res).__name__}; "
+            "expected a reward (float) or a list of Trajectory"
+        )
 
 
 class FunctionWorkflow(EpisodeWorkflow):
@@ -188,8 +208,9 @@ class FunctionWorkflow(EpisodeWorkflow):
 
     def __init__(self, fn: Callable, kwargs: Optional[dict] = None):
         if not inspect.iscoroutinefunction(fn):
-            raise TypeError(f"workflow function {getattr(fn, '__name__', fn)!r} must be "
-                            "`async def`")
+            raise TypeError(
+                f"workflow function {getattr(fn, '__name__', fn)!r} must be `async def`"
+            )
         self.fn, self.kwargs = fn, dict(kwargs or {})
 
     async def episode(self, ctx: SampleContext, item: dict):
@@ -204,8 +225,9 @@ def build_workflow(obj: Any, kwargs: Optional[dict], settings: WorkflowSettings)
         try:
             wf = obj(**kwargs)
         except TypeError as e:
-            raise ValueError(f"rollout.workflow_kwargs {sorted(kwargs)} do not fit "
-                             f"{obj.__name__}: {e}") from e
+            raise ValueError(
+                f"rollout.workflow_kwargs {sorted(kwargs)} do not fit {obj.__name__}: {e}"
+            ) from e
     elif inspect.iscoroutinefunction(obj):
         wf = FunctionWorkflow(obj, kwargs)
     else:
@@ -213,8 +235,9 @@ def build_workflow(obj: Any, kwargs: Optional[dict], settings: WorkflowSettings)
         if kwargs:
             raise ValueError("rollout.workflow_kwargs given for a workflow instance")
     if not hasattr(wf, "arun_episode"):
-        raise ValueError(f"rollout.workflow: {obj!r} is neither an async episode function nor "
-                         "an EpisodeWorkflow")
+        raise ValueError(
+            f"rollout.workflow: {obj!r} is neither an async episode function nor an EpisodeWorkflow"
+        )
     if isinstance(wf, EpisodeWorkflow):
         wf.settings = settings
     return wf

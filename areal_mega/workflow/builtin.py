@@ -5,19 +5,25 @@ turns. ``rollout.workflow`` picks one by name (``rlvr`` | ``multi_turn``) or loa
 
 Prompt items are dicts with ``prompt`` (text) or ``input_ids``, and ``answer`` (for the reward).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
 from areal_mega.common.loading import load_object
 from areal_mega.rewards import load_reward_fn
-from areal_mega.workflow.api import (EpisodeWorkflow, SampleContext, WorkflowSettings,
-                                     build_workflow)
+from areal_mega.workflow.api import EpisodeWorkflow, SampleContext, WorkflowSettings, build_workflow
 from areal_mega.workflow.online_gateway import OnlineWorkflow
 from areal_mega.workflow.tokens import TokenSeq, prompt_ids
 
-__all__ = ["RLVRWorkflow", "MultiTurnWorkflow", "RetryEnvironment", "TokenSeq", "prompt_ids",
-           "workflow_from_config"]
+__all__ = [
+    "RLVRWorkflow",
+    "MultiTurnWorkflow",
+    "RetryEnvironment",
+    "TokenSeq",
+    "prompt_ids",
+    "workflow_from_config",
+]
 
 
 def _decode(tokenizer, ids) -> str:
@@ -28,8 +34,13 @@ class RLVRWorkflow(EpisodeWorkflow):
     """Single turn: each sample is one completion of the prompt, scored by ``reward_fn``
     (``fn(prompt, completion, answer, finish_reason=..., **item_extras)``)."""
 
-    def __init__(self, reward_fn, max_new_tokens: int, apply_chat_template: bool = True,
-                 stop_token_ids: Optional[list] = None):
+    def __init__(
+        self,
+        reward_fn,
+        max_new_tokens: int,
+        apply_chat_template: bool = True,
+        stop_token_ids: Optional[list] = None,
+    ):
         self.reward_fn = reward_fn
         self.max_new_tokens = max_new_tokens
         self.apply_chat_template = apply_chat_template
@@ -41,11 +52,23 @@ class RLVRWorkflow(EpisodeWorkflow):
         seq = ctx.new_sequence(ids)
         seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
         text = _decode(ctx.tokenizer, gen.output_ids)
-        r = await ctx.reward(self.reward_fn, item.get("prompt", ""), text, item.get("answer"),
-                             finish_reason=gen.finish_reason)
-        return [ctx.trajectory(seq, r, len(ids), gen.finish_reason, server_id=gen.server,
-                               meta={"n_interruptions": gen.n_interruptions,
-                                     "completion": text})]
+        r = await ctx.reward(
+            self.reward_fn,
+            item.get("prompt", ""),
+            text,
+            item.get("answer"),
+            finish_reason=gen.finish_reason,
+        )
+        return [
+            ctx.trajectory(
+                seq,
+                r,
+                len(ids),
+                gen.finish_reason,
+                server_id=gen.server,
+                meta={"n_interruptions": gen.n_interruptions, "completion": text},
+            )
+        ]
 
 
 class Environment(Protocol):
@@ -63,8 +86,7 @@ class RetryEnvironment:
     ``feedback`` as an environment turn and another try. Reward: the last score times
     ``discount ** (turns - 1)``."""
 
-    def __init__(self, reward_fn, feedback: str = "\nWrong, try again:\n",
-                 discount: float = 0.9):
+    def __init__(self, reward_fn, feedback: str = "\nWrong, try again:\n", discount: float = 0.9):
         self.reward_fn, self.feedback, self.discount = reward_fn, feedback, discount
         self.item: dict = {}
         self.turn = 0
@@ -74,8 +96,14 @@ class RetryEnvironment:
 
     def step(self, completion: str, finish_reason: str = "stop") -> tuple:
         self.turn += 1
-        r = float(self.reward_fn(self.item.get("prompt", ""), completion,
-                                 self.item.get("answer"), finish_reason=finish_reason))
+        r = float(
+            self.reward_fn(
+                self.item.get("prompt", ""),
+                completion,
+                self.item.get("answer"),
+                finish_reason=finish_reason,
+            )
+        )
         if r > 0:
             return None, r * self.discount ** (self.turn - 1), True
         return self.feedback, 0.0, False
@@ -86,8 +114,14 @@ class MultiTurnWorkflow(EpisodeWorkflow):
     context (loss mask 0, version -1). Stops when the environment says done, after
     ``max_turns`` policy turns, or when the token budget ``max_total_tokens`` is used up."""
 
-    def __init__(self, env_factory, max_new_tokens: int, max_turns: int = 3,
-                 max_total_tokens: int = 512, apply_chat_template: bool = True):
+    def __init__(
+        self,
+        env_factory,
+        max_new_tokens: int,
+        max_turns: int = 3,
+        max_total_tokens: int = 512,
+        apply_chat_template: bool = True,
+    ):
         self.env_factory = env_factory
         self.max_new_tokens = max_new_tokens
         self.max_turns = max_turns
@@ -113,29 +147,46 @@ class MultiTurnWorkflow(EpisodeWorkflow):
             if done or obs is None or turn == self.max_turns - 1:
                 break
             seq.add_context(ctx.tokenizer(obs, add_special_tokens=False)["input_ids"])
-        return [ctx.trajectory(seq, reward, len(ids), finish,
-                               server_id=servers[-1] if servers else "",
-                               meta={"turns": len(servers), "n_interruptions": interrupts})]
+        return [
+            ctx.trajectory(
+                seq,
+                reward,
+                len(ids),
+                finish,
+                server_id=servers[-1] if servers else "",
+                meta={"turns": len(servers), "n_interruptions": interrupts},
+            )
+        ]
 
 
-def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None,
-                         run_dir: Optional[str] = None, resume: bool = False) -> Any:
+def workflow_from_config(
+    rollout_cfg,
+    reward_fn=None,
+    env_factory=None,
+    run_dir: Optional[str] = None,
+    resume: bool = False,
+) -> Any:
     """Build the workflow named by ``rollout.workflow``: ``rlvr`` | ``multi_turn`` (with
     ``rollout.reward_fn``), ``online`` (the agent gateway of ``rollout.online``, which writes
     ``online_gateway.json`` and its session journal into ``run_dir``, continuing the journal
     when ``resume``), or a user's ``package.module:Name`` | ``path/to/file.py:Name``
     built with ``rollout.workflow_kwargs`` (see :func:`workflow_api.build_workflow`)."""
 
-    settings = WorkflowSettings(max_new_tokens=rollout_cfg.max_new_tokens,
-                                openai_port=rollout_cfg.openai_port,
-                                turn_discount=rollout_cfg.turn_discount)
+    settings = WorkflowSettings(
+        max_new_tokens=rollout_cfg.max_new_tokens,
+        openai_port=rollout_cfg.openai_port,
+        turn_discount=rollout_cfg.turn_discount,
+    )
     name, kwargs = rollout_cfg.workflow, dict(rollout_cfg.workflow_kwargs or {})
     if name == "online":
         if kwargs:
-            raise ValueError("rollout.workflow_kwargs: the online workflow takes none "
-                             "(its keys are rollout.online.*)")
-        wf = OnlineWorkflow(rollout_cfg.online, rollout_cfg.n_samples, run_dir=run_dir,
-                            resume=resume)
+            raise ValueError(
+                "rollout.workflow_kwargs: the online workflow takes none "
+                "(its keys are rollout.online.*)"
+            )
+        wf = OnlineWorkflow(
+            rollout_cfg.online, rollout_cfg.n_samples, run_dir=run_dir, resume=resume
+        )
         wf.settings = settings
         return wf
     if name in ("rlvr", "multi_turn"):
@@ -143,10 +194,11 @@ def workflow_from_config(rollout_cfg, reward_fn=None, env_factory=None,
         if name == "rlvr":
             wf = RLVRWorkflow(fn, rollout_cfg.max_new_tokens, **kwargs)
         else:
-            wf = MultiTurnWorkflow(env_factory or (lambda: RetryEnvironment(fn)),
-                                   rollout_cfg.max_new_tokens,
-                                   **{"max_total_tokens": 4 * rollout_cfg.max_new_tokens,
-                                      **kwargs})
+            wf = MultiTurnWorkflow(
+                env_factory or (lambda: RetryEnvironment(fn)),
+                rollout_cfg.max_new_tokens,
+                **{"max_total_tokens": 4 * rollout_cfg.max_new_tokens, **kwargs},
+            )
         wf.settings = settings
         return wf
     return build_workflow(load_object(name, "rollout.workflow"), kwargs, settings)

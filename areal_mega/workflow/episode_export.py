@@ -9,6 +9,7 @@ episode's reward, discounted by ``discount ** (K-1-k)`` for completion k of K (t
 completion gets the full reward). Tokens and logprobs are copied from the records, which hold
 what the servers generated; nothing is re-tokenised.
 """
+
 from __future__ import annotations
 
 from areal_mega.workflow.tokens import TokenSeq
@@ -18,7 +19,7 @@ def chains(records: list) -> bool:
     """Whether each record's prompt extends the previous record's prompt + completion."""
     for prev, cur in zip(records, records[1:]):
         head = list(prev.prompt_ids) + list(prev.output_ids)
-        if list(cur.prompt_ids[:len(head)]) != head:
+        if list(cur.prompt_ids[: len(head)]) != head:
             return False
     return True
 
@@ -33,7 +34,7 @@ def plan_samples(records: list, reward: float, discount: float = 1.0) -> list:
         seq.add_context(records[0].prompt_ids)
         for k, rec in enumerate(records):
             if k:
-                seq.add_context(rec.prompt_ids[len(seq.input_ids):])
+                seq.add_context(rec.prompt_ids[len(seq.input_ids) :])
             seq.add_generated(rec.output_ids, rec.logprobs, rec.versions, rec.routed_experts)
         return [(seq, float(reward), len(records[0].prompt_ids), list(range(len(records))))]
     out, K = [], len(records)
@@ -52,9 +53,19 @@ def export_completions(ctx, reward: float, records: list, discount: float = 1.0)
     out = []
     for i, (seq, r, plen, idx) in enumerate(plans):
         last = records[idx[-1]]
-        out.append(ctx.trajectory(
-            seq, r, plen, last.finish_reason, suffix="" if len(plans) == 1 else f"-c{i}",
-            server_id=last.server,
-            meta={"n_calls": len(idx), "chained": len(plans) == 1 and len(records) > 1,
-                  "n_interruptions": sum(records[j].n_interruptions for j in idx)}))
+        out.append(
+            ctx.trajectory(
+                seq,
+                r,
+                plen,
+                last.finish_reason,
+                suffix="" if len(plans) == 1 else f"-c{i}",
+                server_id=last.server,
+                meta={
+                    "n_calls": len(idx),
+                    "chained": len(plans) == 1 and len(records) > 1,
+                    "n_interruptions": sum(records[j].n_interruptions for j in idx),
+                },
+            )
+        )
     return out

@@ -19,6 +19,7 @@ never a crash. A group whose every sample failed is a failed episode for the con
 (retried, then by default dropped and counted, up to a failure-rate ceiling:
 ``rollout.on_episode_failure``, :mod:`areal_mega.rollout.failures`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,7 +43,7 @@ def parse_reward(stdout: str) -> float:
     Raises ``ValueError`` saying what is wrong."""
     lines = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
     if not lines:
-        raise ValueError("printed nothing (the last line must be {\"reward\": <number>})")
+        raise ValueError('printed nothing (the last line must be {"reward": <number>})')
     try:
         obj = json.loads(lines[-1])
     except ValueError:
@@ -58,15 +59,23 @@ class ExternalAgent(EpisodeWorkflow):
     per sample; ``max_concurrent``: agent processes at once; ``env``: extra environment
     variables; ``cwd``: working directory of the command."""
 
-    def __init__(self, command: str, timeout_s: float = 600.0, max_concurrent: int = 8,
-                 env: Optional[dict] = None, cwd: Optional[str] = None):
+    def __init__(
+        self,
+        command: str,
+        timeout_s: float = 600.0,
+        max_concurrent: int = 8,
+        env: Optional[dict] = None,
+        cwd: Optional[str] = None,
+    ):
         if not isinstance(command, str) or not command.strip():
             raise ValueError("rollout.workflow_kwargs.command: a shell command is required")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"rollout.workflow_kwargs.timeout_s={timeout_s!r}: must be > 0")
         if not (isinstance(max_concurrent, int) and max_concurrent >= 1):
-            raise ValueError(f"rollout.workflow_kwargs.max_concurrent={max_concurrent!r}: "
-                             "must be an integer >= 1")
+            raise ValueError(
+                f"rollout.workflow_kwargs.max_concurrent={max_concurrent!r}: "
+                "must be an integer >= 1"
+            )
         # "{python}": the interpreter of the rollout worker (whose venv has `openai`)
         self.command = command.replace("{python}", shlex.quote(sys.executable))
         self.timeout_s = float(timeout_s)
@@ -79,15 +88,24 @@ class ExternalAgent(EpisodeWorkflow):
 
     def stats(self) -> dict:
         """Counters: finished agent runs and failures by reason."""
-        return {"agent_ok": self.n_ok, **{f"agent_failed/{k}": v
-                                         for k, v in sorted(self.failures.items())}}
+        return {
+            "agent_ok": self.n_ok,
+            **{f"agent_failed/{k}": v for k, v in sorted(self.failures.items())},
+        }
 
     def _fail(self, ctx: SampleContext, kind: str, detail: str, stderr: bytes = b"") -> float:
         self.failures[kind] += 1
         ctx.failed = f"{kind}: {detail}"
         tail = stderr.decode(errors="replace").strip()[-500:]
-        log.warning("agent sample %s failed (%s, %d %s so far): %s%s", ctx.sample_id, kind,
-                    self.failures[kind], kind, detail, f"; stderr: {tail}" if tail else "")
+        log.warning(
+            "agent sample %s failed (%s, %d %s so far): %s%s",
+            ctx.sample_id,
+            kind,
+            self.failures[kind],
+            kind,
+            detail,
+            f"; stderr: {tail}" if tail else "",
+        )
         return 0.0
 
     async def episode(self, ctx: SampleContext, item: dict) -> float:
@@ -103,16 +121,23 @@ class ExternalAgent(EpisodeWorkflow):
     async def _run(self, ctx: SampleContext, item: dict, url: str, key: str) -> float:
         env = dict(os.environ, **self.env, OPENAI_BASE_URL=url, OPENAI_API_KEY=key)
         proc = await asyncio.create_subprocess_shell(
-            self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cwd, start_new_session=True)
+            self.command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=self.cwd,
+            start_new_session=True,
+        )
         payload = (json.dumps(item, default=str) + "\n").encode()
         try:
             out, err = await asyncio.wait_for(proc.communicate(payload), self.timeout_s)
         except asyncio.TimeoutError:
             await _kill_group(proc)
-            return self._fail(ctx, "timeout", f"no exit within {self.timeout_s:g} s "
-                              "(process group killed)")
-        except BaseException:      # cancelled (the rollout stops): leave nothing behind
+            return self._fail(
+                ctx, "timeout", f"no exit within {self.timeout_s:g} s (process group killed)"
+            )
+        except BaseException:  # cancelled (the rollout stops): leave nothing behind
             await _kill_group(proc)
             raise
         if proc.returncode != 0:

@@ -6,6 +6,7 @@ function (``reward_fn`` + ``reward_kwargs``, default ``rollout.reward_fn``) and 
 workflow; prompts come from a :class:`~areal_mega.data.sources.MultiSourceCursor`. Every
 trajectory carries ``meta["source"]``, from which the trainer logs ``reward/<name>``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,14 +40,22 @@ def build_multitask(cfg, tokenizer, start: int = 0, env_factory=None):
     specs = resolve_sources(d, cfg.rollout.reward_fn)
     datasets, workflows = [], {}
     for spec in specs:
-        datasets.append(PromptDataset(spec.path, tokenizer, prompt_key=spec.prompt_key,
-                                      answer_key=spec.answer_key,
-                                      apply_chat_template=d.apply_chat_template,
-                                      max_prompt_len=d.max_prompt_len, fmt=d.format))
+        datasets.append(
+            PromptDataset(
+                spec.path,
+                tokenizer,
+                prompt_key=spec.prompt_key,
+                answer_key=spec.answer_key,
+                apply_chat_template=d.apply_chat_template,
+                max_prompt_len=d.max_prompt_len,
+                fmt=d.format,
+            )
+        )
         fn = load_reward_fn(spec.reward_fn)
         if spec.reward_kwargs:
             fn = functools.partial(fn, **spec.reward_kwargs)
-        workflows[spec.name] = workflow_from_config(cfg.rollout, reward_fn=fn,
-                                                    env_factory=env_factory)
+        workflows[spec.name] = workflow_from_config(
+            cfg.rollout, reward_fn=fn, env_factory=env_factory
+        )
     cursor = MultiSourceCursor(datasets, specs, cfg.seed, cfg.data.shuffle, start=start)
     return cursor, SourceRoutedWorkflow(workflows)

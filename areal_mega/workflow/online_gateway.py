@@ -33,6 +33,7 @@ ledger, exactly once). Dropped sessions are counted as ``online/sessions_dropped
 (``rollout/online/...`` in the metrics rows). Sessions ended before their reward survive a
 restart of the rollout worker (:mod:`~areal_mega.workflow.online_restore`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,26 +55,52 @@ from areal_mega.common.net import is_loopback_host
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.security import write_run_file
 from areal_mega.workflow.api import EpisodeWorkflow, SampleContext
-from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
-                                              completion_request)
+from areal_mega.workflow.openai_client import (
+    MODEL_NAME,
+    OpenAIRequestError,
+    chat_request,
+    completion_request,
+)
 from areal_mega.workflow.online_journal import OnlineJournal
-from areal_mega.workflow.online_restore import (RestoredSession, ended_record, key_digest,
-                                                restored_sessions, session_trajectories)
+from areal_mega.workflow.online_restore import (
+    RestoredSession,
+    ended_record,
+    key_digest,
+    restored_sessions,
+    session_trajectories,
+)
 from areal_mega.workflow.openai_server import bearer_token, json_object_body
-from areal_mega.workflow.online_sessions import (DONE, DROPPED, ENDED, OPEN, REMEMBER_FINISHED,
-                                                TRAINED, Busy, Session, SessionBook,
-                                                SessionError)
+from areal_mega.workflow.online_sessions import (
+    DONE,
+    DROPPED,
+    ENDED,
+    OPEN,
+    REMEMBER_FINISHED,
+    TRAINED,
+    Busy,
+    Session,
+    SessionBook,
+    SessionError,
+)
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2
 INFO_FILE = "online_gateway.json"
 
 
-def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: Optional[str] = None, headers: Optional[dict] = None):
+def error_response(
+    status: int,
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: Optional[str] = None,
+    headers: Optional[dict] = None,
+):
     """An OpenAI-shaped error answer."""
-    return web.json_response({"error": {"message": message, "type": err_type, "param": param,
-                                        "code": None}}, status=status, headers=headers)
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": param, "code": None}},
+        status=status,
+        headers=headers,
+    )
 
 
 class OnlineWorkflow(EpisodeWorkflow):
@@ -83,35 +110,45 @@ class OnlineWorkflow(EpisodeWorkflow):
     session journal (:mod:`~areal_mega.workflow.online_journal`) are written; ``resume``:
     continue that journal (else it starts empty)."""
 
-    def __init__(self, online, n_samples: int, run_dir: Optional[str] = None,
-                 resume: bool = False):
+    def __init__(self, online, n_samples: int, run_dir: Optional[str] = None, resume: bool = False):
         self.cfg = online
         self.admin_key = online.admin_api_key or f"sk-areal-admin-{secrets.token_hex(16)}"
-        self.book = SessionBook(n_samples, online.session_timeout_s, online.reward_timeout_s,
-                                online.group_timeout_s, online.max_open_sessions,
-                                online.max_abs_reward, completion_ids=_completion_ids)
+        self.book = SessionBook(
+            n_samples,
+            online.session_timeout_s,
+            online.reward_timeout_s,
+            online.group_timeout_s,
+            online.max_open_sessions,
+            online.max_abs_reward,
+            completion_ids=_completion_ids,
+        )
         self.run_dir = run_dir
         self.journal = None
-        self.restored: dict = {}      # session id -> RestoredSession (ended, awaiting reward)
+        self.restored: dict = {}  # session id -> RestoredSession (ended, awaiting reward)
         if run_dir:
             self.journal = OnlineJournal(Path(run_dir) / "online", fresh=not resume)
             if self.journal.left_open:
-                log.warning("%d online sessions were open when the previous rollout worker "
-                            "stopped: counted as dropped (worker_restart)",
-                            len(self.journal.left_open))
-                counters.bump("online/sessions_dropped/worker_restart",
-                              len(self.journal.left_open))
+                log.warning(
+                    "%d online sessions were open when the previous rollout worker "
+                    "stopped: counted as dropped (worker_restart)",
+                    len(self.journal.left_open),
+                )
+                counters.bump("online/sessions_dropped/worker_restart", len(self.journal.left_open))
             for sid, why in list(self.journal.dropped_before.items())[-REMEMBER_FINISHED:]:
-                self.book.finished[sid] = Session(sid, "", None, 0, 0.0, state=DROPPED,
-                                                  reason=why)    # a clear 410 if it comes
+                self.book.finished[sid] = Session(
+                    sid, "", None, 0, 0.0, state=DROPPED, reason=why
+                )  # a clear 410 if it comes
             self.restored = restored_sessions(self.journal.awaiting, online.reward_timeout_s)
             if self.restored:
-                log.info("%d online sessions ended before the restart still wait for their "
-                         "reward (rollout.online.reward_timeout_s from now)", len(self.restored))
+                log.info(
+                    "%d online sessions ended before the restart still wait for their "
+                    "reward (rollout.online.reward_timeout_s from now)",
+                    len(self.restored),
+                )
         self.restored_keys = {r.key_sha256: sid for sid, r in self.restored.items()}
         self.restored_done: dict = {}  # session id -> RestoredSession rewarded, not delivered
-        self.keys: dict = {}          # session key -> session id
-        self.slots: dict = {}         # slot -> (GroupContext, ready-group future, prompt)
+        self.keys: dict = {}  # session key -> session id
+        self.slots: dict = {}  # slot -> (GroupContext, ready-group future, prompt)
         self.port = 0
         self.n_requests = 0
         self._start: Optional[asyncio.Task] = None
@@ -144,25 +181,33 @@ class OnlineWorkflow(EpisodeWorkflow):
         app.router.add_get("/v1/models", self._models)
         ctx = None
         if not self.cfg.tls_cert and not is_loopback_host(self.cfg.host):
-            log.warning("online gateway binds %s over plain HTTP (rollout.online."
-                        "allow_insecure_http=true): session keys travel in clear",
-                        self.cfg.host)
+            log.warning(
+                "online gateway binds %s over plain HTTP (rollout.online."
+                "allow_insecure_http=true): session keys travel in clear",
+                self.cfg.host,
+            )
         if self.cfg.tls_cert:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
         # idle connections and headers that never complete are closed after idle_timeout_s;
         # the guard keeps the connections under the cap (and the descriptor limit)
-        self._runner = web.AppRunner(app, access_log=None,
-                                     keepalive_timeout=self.cfg.idle_timeout_s)
+        self._runner = web.AppRunner(
+            app, access_log=None, keepalive_timeout=self.cfg.idle_timeout_s
+        )
         await self._runner.setup()
-        self.guard = ConnectionGuard("online gateway", self.cfg.max_connections,
-                                     counter="online/connections")
-        self._listener = await self.guard.serve(self._runner, self.cfg.host, self.cfg.port,
-                                                ssl_context=ctx, backlog=2048)
+        self.guard = ConnectionGuard(
+            "online gateway", self.cfg.max_connections, counter="online/connections"
+        )
+        self._listener = await self.guard.serve(
+            self._runner, self.cfg.host, self.cfg.port, ssl_context=ctx, backlog=2048
+        )
         self.port = self._listener.sockets[0].getsockname()[1]
         if self.run_dir:
-            write_run_file(Path(self.run_dir) / INFO_FILE, json.dumps(
-                {"base_url": self.base_url, "admin_api_key": self.admin_key}), private=True)
+            write_run_file(
+                Path(self.run_dir) / INFO_FILE,
+                json.dumps({"base_url": self.base_url, "admin_api_key": self.admin_key}),
+                private=True,
+            )
         self._ticker = asyncio.ensure_future(self._tick_forever())
         log.info("online gateway at %s", self.base_url)
 
@@ -176,13 +221,15 @@ class OnlineWorkflow(EpisodeWorkflow):
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self._start = None      # a later controller (same process) serves it again
+        self._start = None  # a later controller (same process) serves it again
 
     def stats(self) -> dict:
         """Gauges of the gateway (the event counts go through ``common.counters``)."""
         # read from the control thread: len() only, no iteration over what the loop changes
-        return {"online_live_sessions": len(self.book.sessions),
-                "online_free_slots": len(self.book.free_slots)}
+        return {
+            "online_live_sessions": len(self.book.sessions),
+            "online_free_slots": len(self.book.free_slots),
+        }
 
     # ------------------------------------------------------------------ the controller side
     async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
@@ -192,17 +239,18 @@ class OnlineWorkflow(EpisodeWorkflow):
         await self.start()
         k = item.get("prompt_index")
         while any(r.prompt_index == k for r in self.restored.values()):
-            await asyncio.sleep(TICK_S)    # its ended sessions: rewarded or dropped first
+            await asyncio.sleep(TICK_S)  # its ended sessions: rewarded or dropped first
         restored = self.journal.restore(k) if self.journal is not None else []
         for sid in {t.meta.get("session_id") for t in restored}:
-            r = self.restored_done.pop(sid, None)    # a later reward: 409, as for a live one
-            self.book.remember(Session(sid, getattr(r, "task_id", ""), None, 0,
-                                       time.monotonic(), state=TRAINED))
-        if restored:     # done sessions of this slot from before a restart: train them now
-            log.info("online: %d journaled samples of prompt %s delivered again", len(restored),
-                     k)
-            counters.bump("online/sessions_restored",
-                          len({t.meta.get("session_id") for t in restored}))
+            r = self.restored_done.pop(sid, None)  # a later reward: 409, as for a live one
+            self.book.remember(
+                Session(sid, getattr(r, "task_id", ""), None, 0, time.monotonic(), state=TRAINED)
+            )
+        if restored:  # done sessions of this slot from before a restart: train them now
+            log.info("online: %d journaled samples of prompt %s delivered again", len(restored), k)
+            counters.bump(
+                "online/sessions_restored", len({t.meta.get("session_id") for t in restored})
+            )
             return restored
         fut = asyncio.get_running_loop().create_future()
         self.slots[ctx.group_index] = (ctx, fut, k)
@@ -219,16 +267,25 @@ class OnlineWorkflow(EpisodeWorkflow):
             if s.state == DONE:
                 out += self._trajectories(s)
         self.book.trained(group)
-        counters.bump("online/sessions_trained", sum(1 for s in group.sessions
-                                                     if s.state != "dropped"))
+        counters.bump(
+            "online/sessions_trained", sum(1 for s in group.sessions if s.state != "dropped")
+        )
         return out
 
     def _trajectories(self, s) -> list:
         sctx: SampleContext = s.data
-        return session_trajectories(sctx, sctx.client.records, s.reward, s.completion_rewards,
-                                    self.settings.turn_discount,
-                                    {"task_id": s.task_id, "session_id": s.session_id,
-                                     "prompt_index": sctx.item.get("prompt_index")})
+        return session_trajectories(
+            sctx,
+            sctx.client.records,
+            s.reward,
+            s.completion_rewards,
+            self.settings.turn_discount,
+            {
+                "task_id": s.task_id,
+                "session_id": s.session_id,
+                "prompt_index": sctx.item.get("prompt_index"),
+            },
+        )
 
     async def _tick_forever(self) -> None:
         while True:
@@ -244,8 +301,9 @@ class OnlineWorkflow(EpisodeWorkflow):
         for sid in [sid for sid, r in self.restored.items() if now > r.deadline]:
             r = self.restored.pop(sid)
             r.state, r.reason = DROPPED, "no_reward"
-            self.book.finished[sid] = Session(sid, r.task_id, None, 0, now, state=DROPPED,
-                                              reason="no_reward")
+            self.book.finished[sid] = Session(
+                sid, r.task_id, None, 0, now, state=DROPPED, reason="no_reward"
+            )
             dropped.append(r)
         self._dropped(dropped)
         for g in ready:
@@ -260,8 +318,7 @@ class OnlineWorkflow(EpisodeWorkflow):
             keep = s.reason == "shutdown" and getattr(s, "ended_at", None) is not None
             if self.journal is not None and not keep:
                 self.journal.dropped(s.session_id, s.reason)
-            log.info("online session %s (task %r) dropped: %s", s.session_id, s.task_id,
-                     s.reason)
+            log.info("online session %s (task %r) dropped: %s", s.session_id, s.task_id, s.reason)
 
     def _settled(self, s) -> None:
         """After an end or a reward: journal a done session, or an ended one still waiting
@@ -277,7 +334,7 @@ class OnlineWorkflow(EpisodeWorkflow):
         """A reward for a session restored after a restart: once it has one, journal its
         trajectories for its prompt's next generation."""
         r.set_reward(body["reward"], body.get("completion_id"), self.cfg.max_abs_reward)
-        if r.has_reward():       # (again: a changed reward replaces the journaled one)
+        if r.has_reward():  # (again: a changed reward replaces the journaled one)
             if self.journal is not None:
                 self.journal.done(r.trajectories(self.settings.turn_discount), restorable=True)
             self.restored.pop(r.session_id, None)
@@ -294,19 +351,21 @@ class OnlineWorkflow(EpisodeWorkflow):
         try:
             return await handler(request)
         except Busy as e:
-            return error_response(e.status, str(e), "rate_limit_error" if e.status == 429
-                                  else "server_error",
-                                  headers={"Retry-After": str(math.ceil(e.retry_after_s))})
+            return error_response(
+                e.status,
+                str(e),
+                "rate_limit_error" if e.status == 429 else "server_error",
+                headers={"Retry-After": str(math.ceil(e.retry_after_s))},
+            )
         except SessionError as e:
             return error_response(e.status, str(e), param=e.param)
         except OpenAIRequestError as e:
             resp = error_response(e.status, str(e), e.err_type, e.param)
             if e.status == 408:
-                resp.force_close()     # the rest of the body may still come
+                resp.force_close()  # the rest of the body may still come
             return resp
-        except RolloutRequestError as e:   # the rollout server refused it (e.g. too long)
-            return error_response(e.status if e.status and 400 <= e.status < 500 else 400,
-                                  str(e))
+        except RolloutRequestError as e:  # the rollout server refused it (e.g. too long)
+            return error_response(e.status if e.status and 400 <= e.status < 500 else 400, str(e))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - answered, logged; the worker keeps serving
@@ -315,9 +374,12 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     def _auth_admin(self, request: web.Request) -> None:
         if not self._is_admin(bearer_token(request)):
-            raise OpenAIRequestError("invalid admin key: /rl/start_session needs "
-                                     "rollout.online.admin_api_key as the Bearer token",
-                                     status=401, err_type="authentication_error")
+            raise OpenAIRequestError(
+                "invalid admin key: /rl/start_session needs "
+                "rollout.online.admin_api_key as the Bearer token",
+                status=401,
+                err_type="authentication_error",
+            )
 
     async def _own_session(self, request: web.Request) -> tuple:
         """``(session, body)``: the session named by ``body["session_id"]``, if the caller's
@@ -327,16 +389,17 @@ class OnlineWorkflow(EpisodeWorkflow):
         if own is None and key and self.restored_keys:
             own = self.restored_keys.get(key_digest(key))
         if not self._is_admin(key) and own is None:
-            raise OpenAIRequestError("invalid API key: neither the admin key nor an open "
-                                     "session's key", status=401,
-                                     err_type="authentication_error")
+            raise OpenAIRequestError(
+                "invalid API key: neither the admin key nor an open session's key",
+                status=401,
+                err_type="authentication_error",
+            )
         body = await json_object_body(request, self.cfg.body_timeout_s)
         sid = body.get("session_id")
         if sid is None:
             raise SessionError("session_id: required", 400, "session_id")
         if own is not None and own != sid:
-            raise SessionError("this session key belongs to another session", 403,
-                               "session_id")
+            raise SessionError("this session key belongs to another session", 403, "session_id")
         if isinstance(sid, str) and (sid in self.restored or sid in self.restored_done):
             return self.restored.get(sid) or self.restored_done[sid], body
         return self.book.get(sid), body
@@ -348,19 +411,27 @@ class OnlineWorkflow(EpisodeWorkflow):
             sid = f"sess-{uuid.uuid4().hex}"
             s = self.book.start(sid, body.get("task_id"), time.monotonic())
             ctx, _, k = self.slots[s.slot]
-            sctx = SampleContext(ctx, {"task_id": s.task_id, "prompt_index": k}, s.index,
-                                 self.settings)
+            sctx = SampleContext(
+                ctx, {"task_id": s.task_id, "prompt_index": k}, s.index, self.settings
+            )
             sctx.api_key = f"sk-areal-sess-{secrets.token_hex(16)}"
             s.data = sctx
             self.keys[sctx.api_key] = sid
-            while len(self.keys) > 2 * REMEMBER_FINISHED:   # old keys answer 401 then
+            while len(self.keys) > 2 * REMEMBER_FINISHED:  # old keys answer 401 then
                 self.keys.pop(next(iter(self.keys)))
             counters.bump("online/sessions_started")
             if self.journal is not None:
                 self.journal.started(sid, k)
-            return web.json_response({"session_id": sid, "api_key": sctx.api_key,
-                                      "task_id": s.task_id, "sample_id": sctx.sample_id,
-                                      "base_url": self.base_url + "/v1"})
+            return web.json_response(
+                {
+                    "session_id": sid,
+                    "api_key": sctx.api_key,
+                    "task_id": s.task_id,
+                    "sample_id": sctx.sample_id,
+                    "base_url": self.base_url + "/v1",
+                }
+            )
+
         return await self._guard(go, request)
 
     async def _set_reward(self, request: web.Request) -> web.Response:
@@ -369,33 +440,42 @@ class OnlineWorkflow(EpisodeWorkflow):
             if "reward" not in body:
                 raise SessionError("reward: required", 400, "reward")
             if isinstance(s, RestoredSession):
-                return web.json_response({"session_id": s.session_id,
-                                          "state": self._reward_restored(s, body)})
-            self.book.set_reward(s, body["reward"], body.get("completion_id"),
-                                 time.monotonic())
+                return web.json_response(
+                    {"session_id": s.session_id, "state": self._reward_restored(s, body)}
+                )
+            self.book.set_reward(s, body["reward"], body.get("completion_id"), time.monotonic())
             self._settled(s)
             return web.json_response({"session_id": s.session_id, "state": s.state})
+
         return await self._guard(go, request)
 
     async def _end_session(self, request: web.Request) -> web.Response:
         async def go(request):
             s, _ = await self._own_session(request)
-            if isinstance(s, RestoredSession):       # ended before the restart
+            if isinstance(s, RestoredSession):  # ended before the restart
                 return web.json_response({"session_id": s.session_id, "state": s.state})
             self.book.end(s, time.monotonic())
             if s.state == DROPPED:
                 self._dropped([s])
             self._settled(s)
-            return web.json_response({"session_id": s.session_id, "state": s.state,
-                                      **({"reason": s.reason} if s.reason else {})})
+            return web.json_response(
+                {
+                    "session_id": s.session_id,
+                    "state": s.state,
+                    **({"reason": s.reason} if s.reason else {}),
+                }
+            )
+
         return await self._guard(go, request)
 
     def _session_of_key(self, request: web.Request, open_only: bool = True):
         sid = self.keys.get(bearer_token(request))
         if sid is None:
-            raise OpenAIRequestError("invalid API key: not an open session's key (from "
-                                     "/rl/start_session)", status=401,
-                                     err_type="authentication_error")
+            raise OpenAIRequestError(
+                "invalid API key: not an open session's key (from /rl/start_session)",
+                status=401,
+                err_type="authentication_error",
+            )
         s = self.book.get(sid)
         if open_only and s.state != OPEN:
             raise SessionError(f"session {sid!r} has ended; start a new one", 409)
@@ -409,18 +489,19 @@ class OnlineWorkflow(EpisodeWorkflow):
             s.inflight += 1
             self.book.touch(s, time.monotonic())
             try:
-                out = await handler(body, c.generate, c.tokenizer, c.records,
-                                    c.default_max_tokens)
+                out = await handler(body, c.generate, c.tokenizer, c.records, c.default_max_tokens)
             finally:
                 s.inflight -= 1
                 self.book.touch(s, time.monotonic())
-            if not self.cfg.train_abandoned and (request.transport is None
-                                                 or request.transport.is_closing()):
+            if not self.cfg.train_abandoned and (
+                request.transport is None or request.transport.is_closing()
+            ):
                 # the agent never got it (and its SDK may send it again): not trained
                 gone = {f"{out['id']}-{i}" for i in range(len(out["choices"]))}
                 c.records[:] = [r for r in c.records if r.completion_id not in gone]
                 counters.bump("online/completions_abandoned")
             return web.json_response(out)
+
         return await self._guard(go, request)
 
     async def _chat(self, request: web.Request) -> web.Response:
@@ -432,9 +513,20 @@ class OnlineWorkflow(EpisodeWorkflow):
     async def _models(self, request: web.Request) -> web.Response:
         async def go(request):
             self._session_of_key(request, open_only=False)
-            return web.json_response({"object": "list", "data": [
-                {"id": MODEL_NAME, "object": "model", "created": int(time.time()),
-                 "owned_by": "areal-mega"}]})
+            return web.json_response(
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": MODEL_NAME,
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "areal-mega",
+                        }
+                    ],
+                }
+            )
+
         return await self._guard(go, request)
 
 

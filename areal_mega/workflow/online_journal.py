@@ -16,6 +16,7 @@ started and neither done nor dropped before the kill is counted dropped (``worke
 once, by the first worker that starts after it; a session ended but not yet rewarded is
 ``awaiting`` (its reward may still come: :mod:`areal_mega.workflow.online_restore`).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,10 +38,10 @@ def _reopen_jsonl(path: Path) -> tuple:
     for line in text.splitlines():
         try:
             records.append(json.loads(line))
-        except ValueError:       # a line cut short by the kill
+        except ValueError:  # a line cut short by the kill
             continue
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.fchmod(fd, 0o600)             # the agents' conversations: the run's owner only
+    os.fchmod(fd, 0o600)  # the agents' conversations: the run's owner only
     handle = os.fdopen(fd, "a")
     if text and not text.endswith("\n"):
         handle.write("\n")
@@ -56,7 +57,7 @@ class OnlineJournal:
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        self.by_prompt: dict = {}        # prompt position -> {sample id: Trajectory}
+        self.by_prompt: dict = {}  # prompt position -> {sample id: Trajectory}
         done: set = set()
         for t in TrajectoryJournal.replay(self.dir / "trajs"):
             k = t.meta.get("prompt_index")
@@ -73,13 +74,14 @@ class OnlineJournal:
         records, self._ended = _reopen_jsonl(self.dir / "ended.jsonl")
         ended = {rec["session_id"]: rec for rec in records}
         self.awaiting = [r for s, r in ended.items() if s not in done and s not in dropped]
-        self.left_open = [s for s in started if s not in done and s not in dropped
-                          and s not in ended]
+        self.left_open = [
+            s for s in started if s not in done and s not in dropped and s not in ended
+        ]
         self._trajs = TrajectoryJournal(self.dir / "trajs", private=True)
         for sid in self.left_open:
             self.dropped(sid, "worker_restart")
             dropped[sid] = "worker_restart"
-        self.dropped_before = dropped    # session id -> why it was dropped (clear errors)
+        self.dropped_before = dropped  # session id -> why it was dropped (clear errors)
 
     def _event(self, ev: dict) -> None:
         # flushed, not fsync'd: it survives a killed process (what it is for), and after a

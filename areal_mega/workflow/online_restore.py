@@ -8,6 +8,7 @@ its reward may still be posted (with the admin key or the session's own key), wi
 ``reward_timeout_s`` counted from the restart; it then becomes a done session of its prompt,
 delivered with its original ids when the controller generates that prompt again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,7 @@ from dataclasses import asdict
 import numpy as np
 
 from areal_mega.workflow.episode_export import export_completions
-from areal_mega.workflow.online_sessions import (check_reward, fully_rewarded,
-                                                matching_completions)
+from areal_mega.workflow.online_sessions import check_reward, fully_rewarded, matching_completions
 from areal_mega.workflow.openai_client import CompletionRecord
 from areal_mega.workflow.tokens import TokenSeq
 
@@ -28,8 +28,9 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def session_trajectories(sample, records: list, reward, completion_rewards: dict,
-                         turn_discount: float, meta: dict) -> list:
+def session_trajectories(
+    sample, records: list, reward, completion_rewards: dict, turn_discount: float, meta: dict
+) -> list:
     """The trajectories of one done session. ``sample`` makes a trajectory from a
     :class:`TokenSeq` (``sample.trajectory(...)``, as
     :class:`~areal_mega.workflow.api.SampleContext` does); with per-completion rewards each
@@ -45,9 +46,17 @@ def session_trajectories(sample, records: list, reward, completion_rewards: dict
             seq.add_context(rec.prompt_ids)
             seq.add_generated(rec.output_ids, rec.logprobs, rec.versions, rec.routed_experts)
             r = completion_rewards.get(rec.completion_id, reward)
-            out.append(sample.trajectory(seq, float(r), len(rec.prompt_ids), rec.finish_reason,
-                                         suffix=f"-c{k}", server_id=rec.server,
-                                         meta={"n_calls": 1, "chained": False}))
+            out.append(
+                sample.trajectory(
+                    seq,
+                    float(r),
+                    len(rec.prompt_ids),
+                    rec.finish_reason,
+                    suffix=f"-c{k}",
+                    server_id=rec.server,
+                    meta={"n_calls": 1, "chained": False},
+                )
+            )
     for t in out:
         t.meta.update(meta)
     return out
@@ -56,20 +65,29 @@ def session_trajectories(sample, records: list, reward, completion_rewards: dict
 def ended_record(session, sample, key: str) -> dict:
     """The journal record of an ended ``session`` (its recording ``sample`` context and
     session ``key``): JSON-able, exact (Python floats round-trip through JSON)."""
-    return {"session_id": session.session_id, "task_id": session.task_id,
-            "prompt_index": sample.item.get("prompt_index"), "sample_id": sample.sample_id,
-            "group_id": sample.group_id, "key_sha256": key_digest(key),
-            "reward": session.reward, "completion_rewards": dict(session.completion_rewards),
-            "records": [_record_json(r) for r in sample.client.records]}
+    return {
+        "session_id": session.session_id,
+        "task_id": session.task_id,
+        "prompt_index": sample.item.get("prompt_index"),
+        "sample_id": sample.sample_id,
+        "group_id": sample.group_id,
+        "key_sha256": key_digest(key),
+        "reward": session.reward,
+        "completion_rewards": dict(session.completion_rewards),
+        "records": [_record_json(r) for r in sample.client.records],
+    }
 
 
 def _record_json(rec: CompletionRecord) -> dict:
     d = asdict(rec)
     routes = d.pop("routed_experts")
-    if routes is not None:      # routing replay: an integer array, kept with its dtype
+    if routes is not None:  # routing replay: an integer array, kept with its dtype
         routes = np.asarray(routes)
-        d["routed_experts"] = {"dtype": routes.dtype.str, "shape": list(routes.shape),
-                               "ids": routes.ravel().tolist()}
+        d["routed_experts"] = {
+            "dtype": routes.dtype.str,
+            "shape": list(routes.shape),
+            "ids": routes.ravel().tolist(),
+        }
     return d
 
 
@@ -77,8 +95,9 @@ def _record_of(d: dict) -> CompletionRecord:
     d = dict(d)
     routes = d.pop("routed_experts", None)
     if routes is not None:
-        d["routed_experts"] = np.asarray(routes["ids"], dtype=np.dtype(routes["dtype"])) \
-            .reshape(routes["shape"])
+        d["routed_experts"] = np.asarray(routes["ids"], dtype=np.dtype(routes["dtype"])).reshape(
+            routes["shape"]
+        )
     return CompletionRecord(**d)
 
 
@@ -99,13 +118,27 @@ class RestoredSession:
         self.deadline = deadline
         self.state = "ended"
 
-    def trajectory(self, seq: TokenSeq, reward: float, prompt_len: int, finish_reason: str,
-                   suffix: str = "", server_id: str = "", meta=None):
+    def trajectory(
+        self,
+        seq: TokenSeq,
+        reward: float,
+        prompt_len: int,
+        finish_reason: str,
+        suffix: str = "",
+        server_id: str = "",
+        meta=None,
+    ):
         """Like :meth:`SampleContext.trajectory <areal_mega.workflow.api.SampleContext.
         trajectory>`, with the session's original ids."""
-        return seq.to_trajectory(reward=reward, sample_id=self.sample_id + suffix,
-                                 group_id=self.group_id, prompt_len=prompt_len,
-                                 finish_reason=finish_reason, server_id=server_id, meta=meta)
+        return seq.to_trajectory(
+            reward=reward,
+            sample_id=self.sample_id + suffix,
+            group_id=self.group_id,
+            prompt_len=prompt_len,
+            finish_reason=finish_reason,
+            server_id=server_id,
+            meta=meta,
+        )
 
     def set_reward(self, value, completion_id, max_abs: float) -> None:
         """Record a reward for the session or for one completion (its id, or the id of the
@@ -114,22 +147,32 @@ class RestoredSession:
         if completion_id is None:
             self.reward = v
             return
-        for c in matching_completions([r.completion_id for r in self.records], completion_id,
-                                      self.session_id):
+        for c in matching_completions(
+            [r.completion_id for r in self.records], completion_id, self.session_id
+        ):
             self.completion_rewards[c] = v
 
     def has_reward(self) -> bool:
         """A session reward, or one for each of its completions."""
-        return fully_rewarded(self.reward, self.completion_rewards,
-                              [r.completion_id for r in self.records])
+        return fully_rewarded(
+            self.reward, self.completion_rewards, [r.completion_id for r in self.records]
+        )
 
     def trajectories(self, turn_discount: float) -> list:
         """Its trajectories, once it has its reward."""
-        return session_trajectories(self, self.records, self.reward, self.completion_rewards,
-                                    turn_discount, {"task_id": self.task_id,
-                                                    "session_id": self.session_id,
-                                                    "prompt_index": self.prompt_index,
-                                                    "restored": True})
+        return session_trajectories(
+            self,
+            self.records,
+            self.reward,
+            self.completion_rewards,
+            turn_discount,
+            {
+                "task_id": self.task_id,
+                "session_id": self.session_id,
+                "prompt_index": self.prompt_index,
+                "restored": True,
+            },
+        )
 
 
 def restored_sessions(records: list, reward_timeout_s: float, now=None) -> dict:

@@ -15,6 +15,7 @@ the whole session, or one for every completion), *dropped* when it idles past
 done or dropped is *ready*: it trains with its done sessions, or, when every one was dropped,
 gives its slot back for another task.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -25,7 +26,7 @@ from typing import Any, Optional
 
 OPEN, ENDED, DONE, DROPPED, TRAINED = "open", "ended", "done", "dropped", "trained"
 MAX_TASK_ID = 256
-REMEMBER_FINISHED = 100_000   # sessions remembered after training / dropping (clear errors)
+REMEMBER_FINISHED = 100_000  # sessions remembered after training / dropping (clear errors)
 
 
 class SessionError(ValueError):
@@ -47,23 +48,25 @@ class Busy(SessionError):
 @dataclass
 class Session:
     """One agent's session; ``data`` is the gateway's (its recording client)."""
+
     session_id: str
     task_id: str
     slot: Any
-    index: int                      # sample index within the group
+    index: int  # sample index within the group
     last_active: float
     state: str = OPEN
     ended_at: Optional[float] = None
     reward: Optional[float] = None
     completion_rewards: dict = field(default_factory=dict)
     inflight: int = 0
-    reason: str = ""                # why it was dropped
+    reason: str = ""  # why it was dropped
     data: Any = None
 
 
 @dataclass
 class Group:
     """The sessions of one task bound to one slot."""
+
     task_id: str
     slot: Any
     bound_at: float
@@ -75,14 +78,17 @@ def check_reward(value, max_abs: float, param: str = "reward") -> float:
     """``value`` as a finite float within ``±max_abs``; :class:`SessionError` (400 for a
     non-number, 422 for NaN / inf / out of range) naming ``param`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SessionError(f"{param}: expected a number, got {type(value).__name__}",
-                           400, param)
+        raise SessionError(f"{param}: expected a number, got {type(value).__name__}", 400, param)
     v = float(value)
     if not math.isfinite(v):
         raise SessionError(f"{param}: {value!r} is not finite", 422, param)
     if abs(v) > max_abs:
-        raise SessionError(f"{param}: {v:g} is outside [-{max_abs:g}, {max_abs:g}] "
-                           "(rollout.online.max_abs_reward)", 422, param)
+        raise SessionError(
+            f"{param}: {v:g} is outside [-{max_abs:g}, {max_abs:g}] "
+            "(rollout.online.max_abs_reward)",
+            422,
+            param,
+        )
     return v
 
 
@@ -93,8 +99,11 @@ def matching_completions(ids, completion_id, session_id: str) -> list:
         raise SessionError("completion_id: expected a string", 400, "completion_id")
     out = [c for c in ids if c == completion_id or c.rsplit("-", 1)[0] == completion_id]
     if not out:
-        raise SessionError(f"completion_id: session {session_id!r} has no "
-                           f"completion {completion_id!r}", 404, "completion_id")
+        raise SessionError(
+            f"completion_id: session {session_id!r} has no completion {completion_id!r}",
+            404,
+            "completion_id",
+        )
     return out
 
 
@@ -108,9 +117,16 @@ class SessionBook:
     """Sessions and groups (see the module doc). ``completion_ids(session)`` returns the ids
     of a session's completions (the gateway's records), to check per-completion rewards."""
 
-    def __init__(self, n_samples: int, session_timeout_s: float, reward_timeout_s: float,
-                 group_timeout_s: float = 0.0, max_open_sessions: int = 1024,
-                 max_abs_reward: float = 1e6, completion_ids=lambda s: ()):
+    def __init__(
+        self,
+        n_samples: int,
+        session_timeout_s: float,
+        reward_timeout_s: float,
+        group_timeout_s: float = 0.0,
+        max_open_sessions: int = 1024,
+        max_abs_reward: float = 1e6,
+        completion_ids=lambda s: (),
+    ):
         self.n_samples = int(n_samples)
         self.session_timeout_s = float(session_timeout_s)
         self.reward_timeout_s = float(reward_timeout_s)
@@ -118,12 +134,12 @@ class SessionBook:
         self.max_open_sessions = int(max_open_sessions)
         self.max_abs_reward = float(max_abs_reward)
         self.completion_ids = completion_ids
-        self.free_slots: list = []          # oldest first
-        self.groups: dict = {}              # slot -> Group
-        self.joinable: dict = {}            # task id -> slot of its group taking sessions
-        self.sessions: dict = {}            # session id -> Session (live)
-        self.finished: OrderedDict = OrderedDict()   # session id -> Session (trained/dropped)
-        self.dropped: dict = {}             # reason -> count
+        self.free_slots: list = []  # oldest first
+        self.groups: dict = {}  # slot -> Group
+        self.joinable: dict = {}  # task id -> slot of its group taking sessions
+        self.sessions: dict = {}  # session id -> Session (live)
+        self.finished: OrderedDict = OrderedDict()  # session id -> Session (trained/dropped)
+        self.dropped: dict = {}  # reason -> count
 
     # ------------------------------------------------------------------ slots and sessions
     def add_slot(self, slot) -> None:
@@ -153,17 +169,26 @@ class SessionBook:
         """Open a session of ``task_id`` (see the module doc). Raises :class:`SessionError`
         for a bad task id, :class:`Busy` when no group can take it."""
         if not isinstance(task_id, str) or not task_id or len(task_id) > MAX_TASK_ID:
-            raise SessionError(f"task_id: expected a non-empty string of at most {MAX_TASK_ID} "
-                               "characters", 400, "task_id")
+            raise SessionError(
+                f"task_id: expected a non-empty string of at most {MAX_TASK_ID} characters",
+                400,
+                "task_id",
+            )
         if self.n_open() >= self.max_open_sessions:
-            raise Busy(f"{self.max_open_sessions} sessions are open "
-                       "(rollout.online.max_open_sessions); end some first", 503, 5.0)
+            raise Busy(
+                f"{self.max_open_sessions} sessions are open "
+                "(rollout.online.max_open_sessions); end some first",
+                503,
+                5.0,
+            )
         slot = self.joinable.get(task_id)
         if slot is None:
             if not self.free_slots:
-                raise Busy("no group may start now: the staleness bound "
-                           "(rollout.max_head_offpolicyness) would be exceeded until the "
-                           "trainer consumes more data; retry later")
+                raise Busy(
+                    "no group may start now: the staleness bound "
+                    "(rollout.max_head_offpolicyness) would be exceeded until the "
+                    "trainer consumes more data; retry later"
+                )
             slot = self.free_slots.pop(0)
             self.groups[slot] = Group(task_id, slot, now)
             self.joinable[task_id] = slot
@@ -187,8 +212,12 @@ class SessionBook:
         if s is None:
             raise SessionError(f"{param}: no session {session_id!r}", 404, param)
         if s.state == TRAINED:
-            raise SessionError(f"session {session_id!r} was already trained on; a reward or "
-                               "change now would not reach the model", 409, param)
+            raise SessionError(
+                f"session {session_id!r} was already trained on; a reward or "
+                "change now would not reach the model",
+                409,
+                param,
+            )
         raise SessionError(f"session {session_id!r} was dropped ({s.reason})", 410, param)
 
     def touch(self, s: Session, now: float) -> None:
@@ -200,7 +229,7 @@ class SessionBook:
         the response that holds it)."""
         v = check_reward(reward, self.max_abs_reward)
         if s.state in (DROPPED, TRAINED):
-            self.get(s.session_id)          # raises the clear error
+            self.get(s.session_id)  # raises the clear error
         if completion_id is None:
             s.reward = v
         else:
@@ -215,10 +244,11 @@ class SessionBook:
         if s.state != OPEN:
             return
         if s.inflight:
-            raise SessionError(f"session {s.session_id!r} has a completion in flight; end it "
-                               "after the answer", 409)
+            raise SessionError(
+                f"session {s.session_id!r} has a completion in flight; end it after the answer", 409
+            )
         if not list(self.completion_ids(s)):
-            self._drop(s, "no_completions")     # nothing to train on
+            self._drop(s, "no_completions")  # nothing to train on
             return
         s.state, s.ended_at = ENDED, now
         self._settle(s)
@@ -247,7 +277,7 @@ class SessionBook:
         self._forget(s)
 
     def _forget(self, s: Session) -> None:
-        s.data = None           # its records: only the state is kept, for clear errors
+        s.data = None  # its records: only the state is kept, for clear errors
         self.sessions.pop(s.session_id, None)
         self.finished[s.session_id] = s
         while len(self.finished) > REMEMBER_FINISHED:
@@ -261,8 +291,7 @@ class SessionBook:
         :meth:`trained`), an all-dropped one has given its slot back (oldest first)."""
         dropped = []
         for s in list(self.sessions.values()):
-            if s.state == OPEN and s.inflight == 0 and \
-                    now - s.last_active > self.session_timeout_s:
+            if s.state == OPEN and s.inflight == 0 and now - s.last_active > self.session_timeout_s:
                 self._drop(s, "idle")
                 dropped.append(s)
             elif s.state == ENDED and now - s.ended_at > self.reward_timeout_s:
@@ -270,11 +299,14 @@ class SessionBook:
                 dropped.append(s)
         ready = []
         for slot, g in list(self.groups.items()):
-            if not g.closed and self.group_timeout_s > 0 and \
-                    now - g.bound_at >= self.group_timeout_s:
+            if (
+                not g.closed
+                and self.group_timeout_s > 0
+                and now - g.bound_at >= self.group_timeout_s
+            ):
                 self._close(g)
             if not g.closed and g.sessions and all(s.state == DROPPED for s in g.sessions):
-                self._close(g)          # nobody left in it: give the slot to another task
+                self._close(g)  # nobody left in it: give the slot to another task
             if g.closed and all(s.state in (DONE, DROPPED) for s in g.sessions):
                 del self.groups[slot]
                 if any(s.state == DONE for s in g.sessions):

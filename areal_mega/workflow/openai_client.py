@@ -16,6 +16,7 @@ from text. Tool calls in the output (``<tool_call>{json}</tool_call>``) come bac
 The request handling is :func:`chat_request` / :func:`completion_request` on plain dicts; the
 HTTP endpoint (:mod:`areal_mega.workflow.openai_server`) serves the same functions.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,32 +31,72 @@ from areal_mega.workflow.tool_calls import messages_for_template, parse_tool_cal
 MODEL_NAME = "areal-mega-policy"
 MAX_N = 16
 # accepted and ignored: they change nothing we generate
-IGNORED = {"model", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
-           "stream_options", "extra_headers", "extra_query", "extra_body", "timeout"}
-SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "stop", "n", "seed", "logprobs",
-                 "frequency_penalty", "presence_penalty", "logit_bias", "stream"}
-CHAT_KEYS = SAMPLING_KEYS | {"messages", "tools", "tool_choice", "max_completion_tokens",
-                             "top_logprobs", "response_format"}
+IGNORED = {
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "parallel_tool_calls",
+    "service_tier",
+    "stream_options",
+    "extra_headers",
+    "extra_query",
+    "extra_body",
+    "timeout",
+}
+SAMPLING_KEYS = {
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "stop",
+    "n",
+    "seed",
+    "logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "stream",
+}
+CHAT_KEYS = SAMPLING_KEYS | {
+    "messages",
+    "tools",
+    "tool_choice",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+}
 COMPLETION_KEYS = SAMPLING_KEYS | {"prompt", "echo"}
 
 
 class OpenAIRequestError(ValueError):
     """A request the OpenAI API would refuse: HTTP ``status`` and an OpenAI-style body."""
 
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 err_type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: Optional[str] = None,
+        err_type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.param, self.err_type = status, param, err_type
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API answers."""
-        return {"error": {"message": str(self), "type": self.err_type, "param": self.param,
-                          "code": None}}
+        return {
+            "error": {
+                "message": str(self),
+                "type": self.err_type,
+                "param": self.param,
+                "code": None,
+            }
+        }
 
 
 @dataclass
 class CompletionRecord:
     """One choice of one call: exactly the tokens the servers saw and produced."""
+
     prompt_ids: list
     output_ids: list
     logprobs: list
@@ -65,7 +106,7 @@ class CompletionRecord:
     server: str = ""
     completion_id: str = ""
     created_at: float = field(default_factory=time.time)
-    routed_experts: Any = None   # routing replay: routes by position from the prompt's start
+    routed_experts: Any = None  # routing replay: routes by position from the prompt's start
 
 
 def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = False):
@@ -84,14 +125,16 @@ def _check_keys(body: dict, allowed: set) -> None:
     if unknown:
         raise OpenAIRequestError(f"unsupported parameter(s) {unknown}", param=unknown[0])
     if body.get("stream"):
-        raise OpenAIRequestError("stream=true is not supported by this endpoint; "
-                                 "call without streaming", param="stream")
+        raise OpenAIRequestError(
+            "stream=true is not supported by this endpoint; call without streaming", param="stream"
+        )
     if body.get("echo"):
         raise OpenAIRequestError("echo=true is not supported", param="echo")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise OpenAIRequestError("response_format: only {'type': 'text'} is supported",
-                                 param="response_format")
+        raise OpenAIRequestError(
+            "response_format: only {'type': 'text'} is supported", param="response_format"
+        )
 
 
 def sampling_of(body: dict, default_max_tokens: int) -> tuple:
@@ -100,48 +143,66 @@ def sampling_of(body: dict, default_max_tokens: int) -> tuple:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_new = _num({key: max_tokens}, key, 1, 1 << 20, default_max_tokens, integer=True)
-    sp = {"temperature": _num(body, "temperature", 0.0, 2.0, None),
-          "top_p": _num(body, "top_p", 1e-9, 1.0, None),
-          "frequency_penalty": _num(body, "frequency_penalty", -2.0, 2.0, None),
-          "presence_penalty": _num(body, "presence_penalty", -2.0, 2.0, None)}
+    sp = {
+        "temperature": _num(body, "temperature", 0.0, 2.0, None),
+        "top_p": _num(body, "top_p", 1e-9, 1.0, None),
+        "frequency_penalty": _num(body, "frequency_penalty", -2.0, 2.0, None),
+        "presence_penalty": _num(body, "presence_penalty", -2.0, 2.0, None),
+    }
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
     if stop is not None:
-        if not (isinstance(stop, list) and len(stop) <= 4
-                and all(isinstance(s, str) for s in stop)):
+        if not (
+            isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)
+        ):
             raise OpenAIRequestError("stop: expected a string or up to 4 strings", param="stop")
         sp["stop"] = stop
     bias = body.get("logit_bias")
     if bias is not None:
         try:
-            sp["logit_bias"] = {int(k): float(_num({"logit_bias": v}, "logit_bias", -100, 100,
-                                                   0)) for k, v in bias.items()}
+            sp["logit_bias"] = {
+                int(k): float(_num({"logit_bias": v}, "logit_bias", -100, 100, 0))
+                for k, v in bias.items()
+            }
         except (AttributeError, TypeError, ValueError):
-            raise OpenAIRequestError("logit_bias: expected {token id: number in [-100, 100]}",
-                                     param="logit_bias") from None
+            raise OpenAIRequestError(
+                "logit_bias: expected {token id: number in [-100, 100]}", param="logit_bias"
+            ) from None
     seed = _num(body, "seed", -(1 << 63), (1 << 63) - 1, None, integer=True)
     return n, max_new, {k: v for k, v in sp.items() if v is not None}, seed
 
 
 def _cut_at_stop(text: str, stop) -> str:
     cuts = [text.find(s) for s in (stop or []) if s and s in text]
-    return text[:min(cuts)] if cuts else text
+    return text[: min(cuts)] if cuts else text
 
 
-async def _generate_choices(generate: Callable, prompt_ids: list, n: int, max_new: int,
-                            sp: dict, seed) -> list:
+async def _generate_choices(
+    generate: Callable, prompt_ids: list, n: int, max_new: int, sp: dict, seed
+) -> list:
     async def one(i: int):
         extra = dict(sp)
         if seed is not None:
             extra["sampling_seed"] = int(seed) + i
         gen = await generate(prompt_ids, max_new, **extra)
         if gen.finish_reason == "abort":
-            raise OpenAIRequestError("generation was stopped (the rollout is shutting down)",
-                                     status=503, err_type="server_error")
-        return CompletionRecord(list(prompt_ids), list(gen.output_ids), list(gen.logprobs),
-                                list(gen.versions), gen.finish_reason, gen.n_interruptions,
-                                gen.server, routed_experts=gen.routed_experts)
+            raise OpenAIRequestError(
+                "generation was stopped (the rollout is shutting down)",
+                status=503,
+                err_type="server_error",
+            )
+        return CompletionRecord(
+            list(prompt_ids),
+            list(gen.output_ids),
+            list(gen.logprobs),
+            list(gen.versions),
+            gen.finish_reason,
+            gen.n_interruptions,
+            gen.server,
+            routed_experts=gen.routed_experts,
+        )
+
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
@@ -149,8 +210,9 @@ def _logprobs_content(tokenizer, rec: CompletionRecord) -> list:
     out = []
     for t, lp in zip(rec.output_ids, rec.logprobs):
         s = tokenizer.decode([t]) if tokenizer is not None else str(t)
-        out.append({"token": s, "logprob": float(lp), "bytes": list(s.encode()),
-                    "top_logprobs": []})
+        out.append(
+            {"token": s, "logprob": float(lp), "bytes": list(s.encode()), "top_logprobs": []}
+        )
     return out
 
 
@@ -164,23 +226,24 @@ def _decode(tokenizer, ids) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
 
-async def chat_request(body: dict, generate: Callable, tokenizer, records: list,
-                       default_max_tokens: int) -> dict:
+async def chat_request(
+    body: dict, generate: Callable, tokenizer, records: list, default_max_tokens: int
+) -> dict:
     """Answer one ``/v1/chat/completions`` body (a dict) with a ``chat.completion`` dict;
     appends one :class:`CompletionRecord` per choice to ``records``. Raises
     :class:`OpenAIRequestError` for a request the OpenAI API would refuse."""
     _check_keys(body, CHAT_KEYS)
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise OpenAIRequestError("messages: required, a list of message objects",
-                                 param="messages")
+        raise OpenAIRequestError("messages: required, a list of message objects", param="messages")
     try:
         msgs = messages_for_template(messages)
     except ValueError as e:
         raise OpenAIRequestError(str(e), param="messages") from None
     tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, dict) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
         raise OpenAIRequestError("tools: expected a list of tool objects", param="tools")
     if body.get("tool_choice") not in (None, "auto", "none") and not tools:
         raise OpenAIRequestError("tool_choice needs tools", param="tool_choice")
@@ -189,9 +252,11 @@ async def chat_request(body: dict, generate: Callable, tokenizer, records: list,
         raise OpenAIRequestError("this model has no chat template; use /v1/completions")
     # tool_choice "none": the model is not offered the tools
     offer = tools if body.get("tool_choice") != "none" else None
-    prompt_ids = list(tokenizer.apply_chat_template(msgs, tools=offer, tokenize=True,
-                                                    add_generation_prompt=True,
-                                                    return_dict=False))
+    prompt_ids = list(
+        tokenizer.apply_chat_template(
+            msgs, tools=offer, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+    )
     recs = await _generate_choices(generate, prompt_ids, n, max_new, sp, seed)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = []
@@ -203,32 +268,46 @@ async def chat_request(body: dict, generate: Callable, tokenizer, records: list,
         msg = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
-        choices.append({"index": i, "message": msg, "finish_reason": finish,
-                        "logprobs": ({"content": _logprobs_content(tokenizer, rec)}
-                                     if body.get("logprobs") else None)})
+        choices.append(
+            {
+                "index": i,
+                "message": msg,
+                "finish_reason": finish,
+                "logprobs": (
+                    {"content": _logprobs_content(tokenizer, rec)} if body.get("logprobs") else None
+                ),
+            }
+        )
     records.extend(recs)
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or MODEL_NAME, "choices": choices,
-            "usage": _usage(recs)}
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or MODEL_NAME,
+        "choices": choices,
+        "usage": _usage(recs),
+    }
 
 
-async def completion_request(body: dict, generate: Callable, tokenizer, records: list,
-                             default_max_tokens: int) -> dict:
+async def completion_request(
+    body: dict, generate: Callable, tokenizer, records: list, default_max_tokens: int
+) -> dict:
     """Answer one ``/v1/completions`` body with a ``text_completion`` dict (prompt: a string
     or a list of token ids); records like :func:`chat_request`."""
     _check_keys(body, COMPLETION_KEYS)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise OpenAIRequestError("this model has no tokenizer; send token ids",
-                                     param="prompt")
+            raise OpenAIRequestError("this model has no tokenizer; send token ids", param="prompt")
         prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         prompt_ids = list(prompt)
     else:
-        raise OpenAIRequestError("prompt: expected a string or a list of token ids",
-                                 param="prompt")
+        raise OpenAIRequestError("prompt: expected a string or a list of token ids", param="prompt")
     if not prompt_ids:
         raise OpenAIRequestError("prompt: must not be empty", param="prompt")
     n, max_new, sp, seed = sampling_of(body, default_max_tokens)
@@ -239,17 +318,32 @@ async def completion_request(body: dict, generate: Callable, tokenizer, records:
         rec.completion_id = f"{cid}-{i}"
         lp = None
         if body.get("logprobs"):
-            toks = [tokenizer.decode([t]) if tokenizer is not None else str(t)
-                    for t in rec.output_ids]
-            lp = {"tokens": toks, "token_logprobs": [float(x) for x in rec.logprobs],
-                  "text_offset": [], "top_logprobs": []}
-        choices.append({"index": i, "finish_reason": rec.finish_reason, "logprobs": lp,
-                        "text": _cut_at_stop(_decode(tokenizer, rec.output_ids),
-                                             sp.get("stop"))})
+            toks = [
+                tokenizer.decode([t]) if tokenizer is not None else str(t) for t in rec.output_ids
+            ]
+            lp = {
+                "tokens": toks,
+                "token_logprobs": [float(x) for x in rec.logprobs],
+                "text_offset": [],
+                "top_logprobs": [],
+            }
+        choices.append(
+            {
+                "index": i,
+                "finish_reason": rec.finish_reason,
+                "logprobs": lp,
+                "text": _cut_at_stop(_decode(tokenizer, rec.output_ids), sp.get("stop")),
+            }
+        )
     records.extend(recs)
-    return {"id": cid, "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or MODEL_NAME, "choices": choices,
-            "usage": _usage(recs)}
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model") or MODEL_NAME,
+        "choices": choices,
+        "usage": _usage(recs),
+    }
 
 
 class _Endpoint:
@@ -259,12 +353,13 @@ class _Endpoint:
     async def create(self, **kwargs):
         """Same arguments as the ``openai`` SDK's ``create``; returns the SDK's type."""
         c = self._client
-        body = await self._handler(kwargs, c.generate, c.tokenizer, c.records,
-                                   c.default_max_tokens)
+        body = await self._handler(kwargs, c.generate, c.tokenizer, c.records, c.default_max_tokens)
         if self._sdk_type == "chat":
             from openai.types.chat import ChatCompletion
+
             return ChatCompletion.model_validate(body)
         from openai.types import Completion
+
         return Completion.model_validate(body)
 
 

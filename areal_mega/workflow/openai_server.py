@@ -10,6 +10,7 @@ is recorded on that episode. A missing or unknown key is answered 401, a bad req
 with the OpenAI error body ``{"error": {"message", "type", "param", "code"}}``. Streaming is
 refused with 400 (``param: "stream"``). The endpoint binds 127.0.0.1 only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,20 +25,26 @@ from aiohttp import web
 from areal_mega.common import counters
 from areal_mega.common.http_guard import BodyError, read_json_body
 from areal_mega.rollout.client import RolloutRequestError
-from areal_mega.workflow.openai_client import (MODEL_NAME, OpenAIRequestError, chat_request,
-                                              completion_request)
+from areal_mega.workflow.openai_client import (
+    MODEL_NAME,
+    OpenAIRequestError,
+    chat_request,
+    completion_request,
+)
 
 log = logging.getLogger(__name__)
 
-_SERVERS: dict = {}      # event loop -> task starting its server
-_SESSIONS: dict = {}     # api key -> OpenAICompatClient (shared by the servers of a process)
+_SERVERS: dict = {}  # event loop -> task starting its server
+_SESSIONS: dict = {}  # api key -> OpenAICompatClient (shared by the servers of a process)
 
 
-def _error(status: int, message: str, err_type: str = "invalid_request_error",
-           param: Optional[str] = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": err_type, "param": param,
-                                        "code": None}}, status=status)
-
+def _error(
+    status: int, message: str, err_type: str = "invalid_request_error", param: Optional[str] = None
+) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": err_type, "param": param, "code": None}},
+        status=status,
+    )
 
 
 def bearer_token(request: web.Request) -> str:
@@ -104,9 +111,12 @@ class OpenAIHTTPServer:
     def _session(self, request: web.Request):
         client = _SESSIONS.get(bearer_token(request))
         if client is None:
-            raise OpenAIRequestError("invalid API key: not an open episode session "
-                                     "(use the OPENAI_API_KEY given to this episode)",
-                                     status=401, err_type="authentication_error")
+            raise OpenAIRequestError(
+                "invalid API key: not an open episode session "
+                "(use the OPENAI_API_KEY given to this episode)",
+                status=401,
+                err_type="authentication_error",
+            )
         return client
 
     async def _serve(self, request: web.Request, handler) -> web.Response:
@@ -114,16 +124,17 @@ class OpenAIHTTPServer:
         try:
             client = self._session(request)
             body = await json_object_body(request)
-            out = await handler(body, client.generate, client.tokenizer, client.records,
-                                client.default_max_tokens)
+            out = await handler(
+                body, client.generate, client.tokenizer, client.records, client.default_max_tokens
+            )
             return web.json_response(out)
         except OpenAIRequestError as e:
             self.n_errors += 1
             resp = _error(e.status, str(e), e.err_type, e.param)
             if e.status == 408:
-                resp.force_close()     # the rest of the body may still come
+                resp.force_close()  # the rest of the body may still come
             return resp
-        except RolloutRequestError as e:   # the rollout server refused it (e.g. too long)
+        except RolloutRequestError as e:  # the rollout server refused it (e.g. too long)
             self.n_errors += 1
             return _error(e.status if e.status and 400 <= e.status < 500 else 400, str(e))
         except asyncio.CancelledError:
@@ -144,9 +155,19 @@ class OpenAIHTTPServer:
             self._session(request)
         except OpenAIRequestError as e:
             return _error(e.status, str(e), e.err_type)
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL_NAME, "object": "model", "created": int(time.time()),
-             "owned_by": "areal-mega"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": MODEL_NAME,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "areal-mega",
+                    }
+                ],
+            }
+        )
 
 
 async def shared_server(port: int = 0) -> OpenAIHTTPServer:

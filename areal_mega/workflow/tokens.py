@@ -6,6 +6,7 @@ Per-token fields follow the data-plane contract: ``loss_mask`` 1 only on generat
 sequence also keeps the MoE routes its generations returned (``token_extras.routed_experts``,
 see :mod:`areal_mega.common.moe_routes`).
 """
+
 from __future__ import annotations
 
 import time
@@ -21,6 +22,7 @@ from areal_mega.dataplane import Trajectory
 @dataclass
 class TokenSeq:
     """Growing per-token arrays of one sample."""
+
     input_ids: list = field(default_factory=list)
     loss_mask: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -54,27 +56,44 @@ class TokenSeq:
         if rows is None:
             return
         have = 0 if self.routed_experts is None else len(self.routed_experts)
-        self.routed_experts = rows if len(rows) >= have else np.concatenate(
-            [rows, self.routed_experts[len(rows):]])
+        self.routed_experts = (
+            rows if len(rows) >= have else np.concatenate([rows, self.routed_experts[len(rows) :]])
+        )
 
-    def to_trajectory(self, *, reward: float, sample_id: str, group_id: str, prompt_len: int,
-                      finish_reason: str, server_id: str = "", meta: Optional[dict] = None):
+    def to_trajectory(
+        self,
+        *,
+        reward: float,
+        sample_id: str,
+        group_id: str,
+        prompt_len: int,
+        finish_reason: str,
+        server_id: str = "",
+        meta: Optional[dict] = None,
+    ):
         """Freeze into a :class:`Trajectory` with the data-plane dtypes (routes, when kept, as
         ``token_extras.routed_experts`` with -1 rows for tokens no server forwarded)."""
         extras = {}
         if self.routed_experts is not None:
             r, n = self.routed_experts, len(self.input_ids)
             full = np.full((n, *r.shape[1:]), NO_ROUTE, r.dtype)
-            full[:min(n, len(r))] = r[:n]
+            full[: min(n, len(r))] = r[:n]
             extras[ROUTED_EXPERTS] = full
         return Trajectory(
             input_ids=np.asarray(self.input_ids, dtype=np.int32),
             loss_mask=np.asarray(self.loss_mask, dtype=np.uint8),
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             versions=np.asarray(self.versions, dtype=np.int32),
-            reward=float(reward), sample_id=sample_id, group_id=group_id,
-            prompt_len=int(prompt_len), finish_reason=finish_reason, created_at=time.time(),
-            server_id=server_id, meta=dict(meta or {}), token_extras=extras)
+            reward=float(reward),
+            sample_id=sample_id,
+            group_id=group_id,
+            prompt_len=int(prompt_len),
+            finish_reason=finish_reason,
+            created_at=time.time(),
+            server_id=server_id,
+            meta=dict(meta or {}),
+            token_extras=extras,
+        )
 
 
 def prompt_ids(tokenizer, item: dict, apply_chat_template: bool = True) -> list:
@@ -87,7 +106,12 @@ def prompt_ids(tokenizer, item: dict, apply_chat_template: bool = True) -> list:
     if not isinstance(text, str):
         raise ValueError(f"prompt item needs 'prompt' (str) or 'input_ids': {item!r:.200}")
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                  tokenize=True, add_generation_prompt=True,
-                                                  return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

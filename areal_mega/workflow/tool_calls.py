@@ -6,6 +6,7 @@ allowed). :func:`parse_tool_calls` turns the text into OpenAI ``tool_calls`` (``
 JSON string, as the OpenAI API returns it) and the remaining content; a block whose JSON is
 malformed stays in the content (the model did not make a valid call). Pure functions.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ def parse_tool_calls(text: str) -> tuple:
         call = _one_call(m.group(1))
         if call is None:
             continue
-        kept.append(text[pos:m.start()])
+        kept.append(text[pos : m.start()])
         pos = m.end()
         calls.append(call)
     if not calls:
@@ -49,8 +50,11 @@ def _one_call(body: str):
         args_text = args
     else:
         args_text = json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args_text}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args_text},
+    }
 
 
 def messages_for_template(messages: list) -> list:
@@ -63,18 +67,21 @@ def messages_for_template(messages: list) -> list:
             raise ValueError(f"messages[{i}]: expected an object, got {type(m).__name__}")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise ValueError(f"messages[{i}].role={role!r}: must be system, developer, user, "
-                             "assistant or tool")
+            raise ValueError(
+                f"messages[{i}].role={role!r}: must be system, developer, user, assistant or tool"
+            )
         msg = {k: v for k, v in m.items() if v is not None}
         msg["role"] = "system" if role == "developer" else role
         content = m.get("content")
         if isinstance(content, list):
             parts = []
             for j, p in enumerate(content):
-                if not (isinstance(p, dict) and p.get("type") == "text"
-                        and isinstance(p.get("text"), str)):
-                    raise ValueError(f"messages[{i}].content[{j}]: only text parts are "
-                                     "supported")
+                if not (
+                    isinstance(p, dict)
+                    and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)
+                ):
+                    raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported")
                 parts.append(p["text"])
             msg["content"] = "".join(parts)
         elif content is None:
@@ -82,11 +89,9 @@ def messages_for_template(messages: list) -> list:
                 raise ValueError(f"messages[{i}].content: required for role {role!r}")
             msg["content"] = ""
         elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string or a list of text "
-                             "parts")
+            raise ValueError(f"messages[{i}].content: expected a string or a list of text parts")
         if m.get("tool_calls") is not None:
-            msg["tool_calls"] = [_call_for_template(i, k, c)
-                                 for k, c in enumerate(m["tool_calls"])]
+            msg["tool_calls"] = [_call_for_template(i, k, c) for k, c in enumerate(m["tool_calls"])]
         out.append(msg)
     if not out:
         raise ValueError("messages: must not be empty")
@@ -102,7 +107,11 @@ def _call_for_template(i: int, k: int, call) -> dict:
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise ValueError(f"messages[{i}].tool_calls[{k}].function.arguments: not valid "
-                             "JSON") from None
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": fn["name"], "arguments": args}}
+            raise ValueError(
+                f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON"
+            ) from None
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": args},
+    }

@@ -50,6 +50,7 @@ met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both rewar
 matplotlib is there); another ``--eta`` or ``--rl-seed`` names its files after them
 (:func:`run_names`): runs of several seeds and etas share one ``--out`` and its warm start.
 """
+
 import argparse
 import contextlib
 import json
@@ -61,8 +62,9 @@ import time
 from pathlib import Path
 
 from bench.vs_trl.assets import ROOT, build_tokenizer, make_assets, warm_start  # noqa: F401
+
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
-TARGET = 2.0     # ours at least 2x TRL's steps per hour
+TARGET = 2.0  # ours at least 2x TRL's steps per hour
 
 
 # ------------------------------------------------------------------------------------- pure
@@ -87,14 +89,24 @@ def ours_steps(metrics_rows: list) -> list:
     """Our metrics.jsonl rows as the bench's step rows (``step``, ``wall``, ``reward``,
     ``tokens``, ``split``, ``peak_rss_gib``); rows without ``time/step`` (evaluations) are
     left out."""
-    rows = sorted((r for r in metrics_rows if r.get("step", 0) >= 1 and "time/step" in r),
-                  key=lambda r: r["step"])
+    rows = sorted(
+        (r for r in metrics_rows if r.get("step", 0) >= 1 and "time/step" in r),
+        key=lambda r: r["step"],
+    )
     walls = step_walls([r["time"] for r in rows], rows[0]["time/step"]) if rows else []
-    return [{"step": r["step"], "wall": w, "reward": r.get("reward/mean"),
-             "tokens": r.get("n_tokens_total"), "peak_rss_gib": r.get("mem/trainer_peak_rss_gib"),
-             "split": {k: r.get(f"time/{k}") for k in ("wait_data", "logprobs", "train",
-                                                        "weight_sync")}}
-            for r, w in zip(rows, walls)]
+    return [
+        {
+            "step": r["step"],
+            "wall": w,
+            "reward": r.get("reward/mean"),
+            "tokens": r.get("n_tokens_total"),
+            "peak_rss_gib": r.get("mem/trainer_peak_rss_gib"),
+            "split": {
+                k: r.get(f"time/{k}") for k in ("wait_data", "logprobs", "train", "weight_sync")
+            },
+        }
+        for r, w in zip(rows, walls)
+    ]
 
 
 def trl_steps(rows: list) -> list:
@@ -106,11 +118,20 @@ def trl_steps(rows: list) -> list:
     for r in sorted(rows, key=lambda r: r["step"]):
         tokens = None if r.get("num_tokens") is None else r["num_tokens"] - seen
         seen = r.get("num_tokens") or seen
-        out.append({"step": r["step"], "wall": r["wall"], "reward": r.get("reward"),
-                    "tokens": tokens, "peak_rss_gib": r.get("peak_rss_gib"),
-                    "split": {"generate": r["generate_s"],
-                              "rollout_rest": r["rollout_s"] - r["generate_s"],
-                              "train": r["wall"] - r["rollout_s"]}})
+        out.append(
+            {
+                "step": r["step"],
+                "wall": r["wall"],
+                "reward": r.get("reward"),
+                "tokens": tokens,
+                "peak_rss_gib": r.get("peak_rss_gib"),
+                "split": {
+                    "generate": r["generate_s"],
+                    "rollout_rest": r["rollout_s"] - r["generate_s"],
+                    "train": r["wall"] - r["rollout_s"],
+                },
+            }
+        )
     return out
 
 
@@ -119,26 +140,44 @@ def side_summary(steps: list, samples_per_step: int) -> dict:
     mean per step after the warm-up step), the median of each split part, peak RSS, rewards."""
     s = median_after_warmup([r["wall"] for r in steps])
     tokens = [r["tokens"] for r in steps[1:] or steps if r["tokens"] is not None]
-    split = {k: median_after_warmup([r["split"][k] for r in steps if r["split"][k] is not None])
-             for k in (steps[0]["split"] if steps else {})}
+    split = {
+        k: median_after_warmup([r["split"][k] for r in steps if r["split"][k] is not None])
+        for k in (steps[0]["split"] if steps else {})
+    }
     peaks = [r["peak_rss_gib"] for r in steps if r.get("peak_rss_gib") is not None]
-    return {"steps": len(steps), "s_per_step": s, "samples_per_s": samples_per_step / s,
-            "tokens_per_step": sum(tokens) / len(tokens) if tokens else float("nan"),
-            "tokens_per_s": (sum(tokens) / len(tokens)) / s if tokens else float("nan"),
-            "split": split, "train_proc_peak_rss_gib": max(peaks) if peaks else float("nan"),
-            "rewards": [r["reward"] for r in steps], "walls": [r["wall"] for r in steps]}
+    return {
+        "steps": len(steps),
+        "s_per_step": s,
+        "samples_per_s": samples_per_step / s,
+        "tokens_per_step": sum(tokens) / len(tokens) if tokens else float("nan"),
+        "tokens_per_s": (sum(tokens) / len(tokens)) / s if tokens else float("nan"),
+        "split": split,
+        "train_proc_peak_rss_gib": max(peaks) if peaks else float("nan"),
+        "rewards": [r["reward"] for r in steps],
+        "walls": [r["wall"] for r in steps],
+    }
 
 
 # ---------------------------------------------------------------------------------- machine
 def cpu_info(cpus: list) -> dict:
     """CPU model name, the widest x86 vector ISA (avx512f / avx2 / neither) and the cores."""
     text = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                  if ln.startswith("model name")), "unknown")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                      if ln.startswith("flags")), []))
-    isa = "avx512f" if "avx512f" in flags else "avx2 (no avx512f)" if "avx2" in flags else \
-        "neither avx2 nor avx512f"
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
+        "unknown",
+    )
+    flags = set(
+        next(
+            (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+        )
+    )
+    isa = (
+        "avx512f"
+        if "avx512f" in flags
+        else "avx2 (no avx512f)"
+        if "avx2" in flags
+        else "neither avx2 nor avx512f"
+    )
     return {"model": model, "isa": isa, "cpus": cpus}
 
 
@@ -158,8 +197,10 @@ def _tree_pss_bytes(root: int) -> int:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
-            fields = dict(ln.split(":", 1) for ln in
-                          Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+            fields = dict(
+                ln.split(":", 1)
+                for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
+            )
             total += int(fields.get("Pss", fields.get("Rss", "0 kB")).split()[0]) * 1024
         except (OSError, ValueError):
             continue
@@ -171,9 +212,15 @@ def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> t
     summed PSS bytes of its process tree)``, sampled every 5 s (each /proc scan costs CPU)."""
     t0, peak = time.time(), 0
     with open(log, "w") as f:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=ROOT, start_new_session=True,
-                                preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+        proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+        )
         while proc.poll() is None:
             peak = max(peak, _tree_pss_bytes(proc.pid))
             if time.time() - t0 > timeout:
@@ -187,50 +234,108 @@ def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> t
 
 # ------------------------------------------------------------------------------------ sides
 def _env(threads: int) -> dict:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
-                PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads),
-                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONWARNINGS="ignore",
+    )
 
 
 def run_ours(a, model: Path, data: Path, out: Path) -> dict:
     """Our GRPO run through launch.local; returns its step rows, wall and peak memory."""
     n = len(a.cpus)
-    given = dict(o.split("=", 1) for o in a.ours_overrides if "=" in o)   # the last one wins
+    given = dict(o.split("=", 1) for o in a.ours_overrides if "=" in o)  # the last one wins
     from areal_mega.launch.local import cpu_threads_per_trainer_rank
+
     server_t = int(given.get("cluster.cpu_threads_per_server", 1))
-    trainer_t = cpu_threads_per_trainer_rank(n, n_servers=1, nproc=1, server_threads=server_t,
-                                             configured=int(given.get(
-                                                 "cluster.cpu_threads_per_trainer_rank", 0)))
-    cmd = [sys.executable, "-m", "areal_mega.launch.local", "--config",
-           ROOT / "recipes" / "tiny-cpu.yaml", "model_hparams=null", f"model.path={model}",
-           "model.dtype=fp32", f"data.train_path={data / 'train.jsonl'}",
-           f"data.test_path={data / 'test.jsonl'}", f"logging.run_dir={out}",
-           f"data.max_prompt_len={a.instruction + 16}",
-           f"total_steps={a.steps}", f"rollout.batch_size={a.prompts}",
-           f"rollout.n_samples={a.group}", f"rollout.max_new_tokens={a.max_new}",
-           f"optimizer.lr={a.lr}", "optimizer.warmup_steps=0", "optimizer.clip_grad=1.0",
-           "actor.temperature=1.0", "rollout.temperature=1.0", "algorithm.kl_coef=0.0",
-           f"rollout.max_head_offpolicyness={a.eta}", f"rollout.reward_fn={a.reward}",
-           f"rollout.weight_update={a.weight_update}",
-           f"seed={a.rl_seed}", "recover=off", "checkpoint.save_every=0",
-           "logging.progress_bar=false", "logging.tensorboard=false", "logging.plot=false",
-           f"cluster.cpu_threads_per_server={server_t}",
-           f"cluster.cpu_threads_per_trainer_rank={trainer_t}", *a.ours_overrides]
+    trainer_t = cpu_threads_per_trainer_rank(
+        n,
+        n_servers=1,
+        nproc=1,
+        server_threads=server_t,
+        configured=int(given.get("cluster.cpu_threads_per_trainer_rank", 0)),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_mega.launch.local",
+        "--config",
+        ROOT / "recipes" / "tiny-cpu.yaml",
+        "model_hparams=null",
+        f"model.path={model}",
+        "model.dtype=fp32",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.test_path={data / 'test.jsonl'}",
+        f"logging.run_dir={out}",
+        f"data.max_prompt_len={a.instruction + 16}",
+        f"total_steps={a.steps}",
+        f"rollout.batch_size={a.prompts}",
+        f"rollout.n_samples={a.group}",
+        f"rollout.max_new_tokens={a.max_new}",
+        f"optimizer.lr={a.lr}",
+        "optimizer.warmup_steps=0",
+        "optimizer.clip_grad=1.0",
+        "actor.temperature=1.0",
+        "rollout.temperature=1.0",
+        "algorithm.kl_coef=0.0",
+        f"rollout.max_head_offpolicyness={a.eta}",
+        f"rollout.reward_fn={a.reward}",
+        f"rollout.weight_update={a.weight_update}",
+        f"seed={a.rl_seed}",
+        "recover=off",
+        "checkpoint.save_every=0",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        f"cluster.cpu_threads_per_server={server_t}",
+        f"cluster.cpu_threads_per_trainer_rank={trainer_t}",
+        *a.ours_overrides,
+    ]
     rc, wall, peak = run_pinned(cmd, _env(n), out.with_suffix(".log"), a.cpus, a.timeout)
     metrics = out / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
-        raise SystemExit(f"ours failed (exit {rc}); see {out.with_suffix('.log')} and "
-                         f"{out / 'logs'}")
+        raise SystemExit(
+            f"ours failed (exit {rc}); see {out.with_suffix('.log')} and {out / 'logs'}"
+        )
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    return {"steps": ours_steps(rows), "wall": wall, "peak_pss_gib": peak / 2 ** 30,
-            "settings": {"launcher": "areal_mega.launch.local", "recipe": "tiny-cpu.yaml",
-                         "eta": a.eta, "weight_update": a.weight_update,
-                         "server_threads": server_t, "trainer_threads": trainer_t,
-                         "rollout_backend": "local (our CPU server)", "overrides": cmd[4:]}}
+    return {
+        "steps": ours_steps(rows),
+        "wall": wall,
+        "peak_pss_gib": peak / 2**30,
+        "settings": {
+            "launcher": "areal_mega.launch.local",
+            "recipe": "tiny-cpu.yaml",
+            "eta": a.eta,
+            "weight_update": a.weight_update,
+            "server_threads": server_t,
+            "trainer_threads": trainer_t,
+            "rollout_backend": "local (our CPU server)",
+            "overrides": cmd[4:],
+        },
+    }
 
 
-SAME_WORK = ("layers", "steps", "prompts", "group", "max_new", "lr", "seed", "rl_seed",
-             "reward", "instruction", "shape", "sft_steps", "sft_lr")
+SAME_WORK = (
+    "layers",
+    "steps",
+    "prompts",
+    "group",
+    "max_new",
+    "lr",
+    "seed",
+    "rl_seed",
+    "reward",
+    "instruction",
+    "shape",
+    "sft_steps",
+    "sft_lr",
+)
 # the work of runs older than these keys
 BEFORE_KEY = {"instruction": 0, "shape": "135m", "sft_steps": 0, "sft_lr": 3e-4}
 
@@ -247,8 +352,9 @@ def earlier_trl_side(path: Path, res: dict) -> dict:
     try:
         prev = json.loads(path.read_text())
         old, new = work_of(prev["run"]), work_of(res["run"])
-        differ = [k for k in SAME_WORK if old[k] != new[k]] + \
-            (["cpu"] if prev["cpu"] != res["cpu"] else [])
+        differ = [k for k in SAME_WORK if old[k] != new[k]] + (
+            ["cpu"] if prev["cpu"] != res["cpu"] else []
+        )
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--trl-from {path}: not a vs_trl.json with a TRL side ({e!r})")
@@ -261,28 +367,57 @@ def earlier_trl_side(path: Path, res: dict) -> dict:
 def require_trl_env() -> None:
     """Stop, naming ``make trl-env``, when TRL's environment (.venv-trl) is not built."""
     if not TRL_PYTHON.exists():
-        raise SystemExit(f"{TRL_PYTHON} is missing: TRL runs in its own environment; build it "
-                         "with `make trl-env` (Python 3.11, requirements-trl.txt)")
+        raise SystemExit(
+            f"{TRL_PYTHON} is missing: TRL runs in its own environment; build it "
+            "with `make trl-env` (Python 3.11, requirements-trl.txt)"
+        )
 
 
 def run_trl(a, model: Path, data: Path, out: Path) -> dict:
     """TRL's GRPO run (bench/vs_trl/trl_side.py in .venv-trl); returns its step rows, wall, peak
     memory and settings."""
     require_trl_env()
-    cmd = [TRL_PYTHON, "-m", "bench.vs_trl.trl_side", "--model", model,
-           "--train", data / "train.jsonl", "--out", out, "--steps", a.steps,
-           "--prompts", a.prompts, "--group", a.group, "--max-new", a.max_new, "--lr", a.lr,
-           "--seed", a.rl_seed, "--threads", len(a.cpus), "--micro-batch", a.trl_micro_batch,
-           "--reward", a.reward] + (["--grad-ckpt"] if a.trl_grad_ckpt else [])
+    cmd = [
+        TRL_PYTHON,
+        "-m",
+        "bench.vs_trl.trl_side",
+        "--model",
+        model,
+        "--train",
+        data / "train.jsonl",
+        "--out",
+        out,
+        "--steps",
+        a.steps,
+        "--prompts",
+        a.prompts,
+        "--group",
+        a.group,
+        "--max-new",
+        a.max_new,
+        "--lr",
+        a.lr,
+        "--seed",
+        a.rl_seed,
+        "--threads",
+        len(a.cpus),
+        "--micro-batch",
+        a.trl_micro_batch,
+        "--reward",
+        a.reward,
+    ] + (["--grad-ckpt"] if a.trl_grad_ckpt else [])
     out.mkdir(parents=True, exist_ok=True)
-    rc, wall, peak = run_pinned(cmd, _env(len(a.cpus)), out.with_suffix(".log"), a.cpus,
-                                a.timeout)
+    rc, wall, peak = run_pinned(cmd, _env(len(a.cpus)), out.with_suffix(".log"), a.cpus, a.timeout)
     steps = out / "steps.jsonl"
     if rc != 0 or not steps.exists():
         raise SystemExit(f"TRL failed (exit {rc}); see {out.with_suffix('.log')}")
     rows = [json.loads(x) for x in steps.read_text().splitlines() if x.strip()]
-    return {"steps": trl_steps(rows), "wall": wall, "peak_pss_gib": peak / 2 ** 30,
-            "settings": json.loads((out / "meta.json").read_text())}
+    return {
+        "steps": trl_steps(rows),
+        "wall": wall,
+        "peak_pss_gib": peak / 2**30,
+        "settings": json.loads((out / "meta.json").read_text()),
+    }
 
 
 # ----------------------------------------------------------------------------------- report
@@ -292,47 +427,67 @@ def report(res: dict) -> str:
     w = 40
 
     def row(label, a, b, fmt="{:.2f}"):
-        f = (lambda v: "-" if v is None or v != v else fmt.format(v))
+        f = lambda v: "-" if v is None or v != v else fmt.format(v)
         return f"{label:{w}s}{f(a):>14s}{f(b):>14s}"
+
     cpu, run = res["cpu"], res["run"]
-    lines = [f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
-             f"model: {run.get('shape', '135m')} Llama shape, {run['layers']} layers, fp32, "
-             + (f"{run['sft_steps']} steps of our SFT (lr {run['sft_lr']}) from random weights; "
-                if run.get("sft_steps") else "random weights; ") +
-             f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
-             f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
-             f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)"
-             + (f", RL seed {run['rl_seed']}" if "rl_seed" in run else ""),
-             f"ours: launch.local, eta={res['ours']['settings']['eta']}, weight update "
-             f"{res['ours']['settings']['weight_update']}, server "
-             f"{res['ours']['settings']['server_threads']} thread(s), trainer "
-             f"{res['ours']['settings']['trainer_threads']}",
-             ("TRL side reused from " + res["trl"]["settings"]["reused_from"] + "; "
-              if res["trl"]["settings"].get("reused_from") else "") +
-             f"TRL {res['trl']['settings']['trl']} (torch {res['trl']['settings']['torch']}, "
-             f"transformers {res['trl']['settings']['transformers']}): GRPOConfig "
-             + ", ".join(f"{k}={v}" for k, v in res["trl"]["settings"]["config"].items()),
-             "", f"{'':{w}s}{'ours':>14s}{'TRL':>14s}",
-             row("s/step (median after warm-up)", o["s_per_step"], t["s_per_step"]),
-             row("samples/s", o["samples_per_s"], t["samples_per_s"]),
-             row("tokens/s (prompt + completion)", o["tokens_per_s"], t["tokens_per_s"], "{:.1f}"),
-             row("tokens per step", o["tokens_per_step"], t["tokens_per_step"], "{:.0f}"),
-             row("warm-up step s", o["walls"][0], t["walls"][0]),
-             row("process wall s (start-up included)", res["ours"]["wall"], res["trl"]["wall"],
-                 "{:.1f}"),
-             row("peak memory GiB, all processes (PSS)", res["ours"]["peak_pss_gib"],
-                 res["trl"]["peak_pss_gib"]),
-             row("peak RSS GiB, training process", o["train_proc_peak_rss_gib"],
-                 t["train_proc_peak_rss_gib"])]
+    lines = [
+        f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
+        f"model: {run.get('shape', '135m')} Llama shape, {run['layers']} layers, fp32, "
+        + (
+            f"{run['sft_steps']} steps of our SFT (lr {run['sft_lr']}) from random weights; "
+            if run.get("sft_steps")
+            else "random weights; "
+        )
+        + f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
+        f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
+        f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)"
+        + (f", RL seed {run['rl_seed']}" if "rl_seed" in run else ""),
+        f"ours: launch.local, eta={res['ours']['settings']['eta']}, weight update "
+        f"{res['ours']['settings']['weight_update']}, server "
+        f"{res['ours']['settings']['server_threads']} thread(s), trainer "
+        f"{res['ours']['settings']['trainer_threads']}",
+        (
+            "TRL side reused from " + res["trl"]["settings"]["reused_from"] + "; "
+            if res["trl"]["settings"].get("reused_from")
+            else ""
+        )
+        + f"TRL {res['trl']['settings']['trl']} (torch {res['trl']['settings']['torch']}, "
+        f"transformers {res['trl']['settings']['transformers']}): GRPOConfig "
+        + ", ".join(f"{k}={v}" for k, v in res["trl"]["settings"]["config"].items()),
+        "",
+        f"{'':{w}s}{'ours':>14s}{'TRL':>14s}",
+        row("s/step (median after warm-up)", o["s_per_step"], t["s_per_step"]),
+        row("samples/s", o["samples_per_s"], t["samples_per_s"]),
+        row("tokens/s (prompt + completion)", o["tokens_per_s"], t["tokens_per_s"], "{:.1f}"),
+        row("tokens per step", o["tokens_per_step"], t["tokens_per_step"], "{:.0f}"),
+        row("warm-up step s", o["walls"][0], t["walls"][0]),
+        row(
+            "process wall s (start-up included)", res["ours"]["wall"], res["trl"]["wall"], "{:.1f}"
+        ),
+        row(
+            "peak memory GiB, all processes (PSS)",
+            res["ours"]["peak_pss_gib"],
+            res["trl"]["peak_pss_gib"],
+        ),
+        row(
+            "peak RSS GiB, training process",
+            o["train_proc_peak_rss_gib"],
+            t["train_proc_peak_rss_gib"],
+        ),
+    ]
     lines += ["time split, median s/step:"]
     lines += [row(f"  ours {k}", v, None) for k, v in o["split"].items()]
     lines += [row(f"  TRL {k}", None, v) for k, v in t["split"].items()]
-    lines += ["reward per step:",
-              "  ours " + " ".join(f"{r:.3f}" if r is not None else "-" for r in o["rewards"]),
-              "  TRL  " + " ".join(f"{r:.3f}" if r is not None else "-" for r in t["rewards"]),
-              "", f"TRL s/step / ours s/step = {res['ratio']:.2f}x (> 1: ours faster); target "
-              f"ours >= {TARGET:.0f}x TRL's steps per hour: "
-              f"{'MET' if res['target_met'] else 'NOT met'}"]
+    lines += [
+        "reward per step:",
+        "  ours " + " ".join(f"{r:.3f}" if r is not None else "-" for r in o["rewards"]),
+        "  TRL  " + " ".join(f"{r:.3f}" if r is not None else "-" for r in t["rewards"]),
+        "",
+        f"TRL s/step / ours s/step = {res['ratio']:.2f}x (> 1: ours faster); target "
+        f"ours >= {TARGET:.0f}x TRL's steps per hour: "
+        f"{'MET' if res['target_met'] else 'NOT met'}",
+    ]
     return "\n".join(lines)
 
 
@@ -341,6 +496,7 @@ def plot(res: dict, path: Path) -> bool:
     matplotlib."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -372,8 +528,9 @@ def run_names(a) -> dict:
 
 def main(argv=None) -> None:
     """Build the assets, run ours then TRL, print and write the comparison."""
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", choices=("135m", "tiny"), default="135m")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--steps", type=int, default=10)
@@ -381,46 +538,101 @@ def main(argv=None) -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new", type=int, default=16, help="max new tokens per sample")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--instruction", type=int, default=54, help="characters (tokens) of the "
-                   "instruction every prompt starts with (0: the bare 6-token prompts)")
+    p.add_argument(
+        "--instruction",
+        type=int,
+        default=54,
+        help="characters (tokens) of the "
+        "instruction every prompt starts with (0: the bare 6-token prompts)",
+    )
     p.add_argument("--eta", type=int, default=1, help="ours: rollout.max_head_offpolicyness")
-    p.add_argument("--weight-update", default="disk", choices=["disk", "distributed"],
-                   help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)")
+    p.add_argument(
+        "--weight-update",
+        default="disk",
+        choices=["disk", "distributed"],
+        help="ours: rollout.weight_update (disk: the tiny-cpu recipe's)",
+    )
     p.add_argument("--seed", type=int, default=1, help="assets and the SFT warm start")
-    p.add_argument("--rl-seed", type=int, default=None, help="both sides' RL runs (default: "
-                   "--seed); bench/vs_trl/seeds.py pools several")
-    p.add_argument("--sft-steps", type=int, default=0, help="warm start: steps of our SFT on "
-                   "the reverse task's answers before both sides' RL (0: the random weights)")
+    p.add_argument(
+        "--rl-seed",
+        type=int,
+        default=None,
+        help="both sides' RL runs (default: --seed); bench/vs_trl/seeds.py pools several",
+    )
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="warm start: steps of our SFT on "
+        "the reverse task's answers before both sides' RL (0: the random weights)",
+    )
     p.add_argument("--sft-lr", type=float, default=3e-4)
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
-    p.add_argument("--cpus", default=None, help="cores for each side, e.g. 0,1 (default: the "
-                   "first two this process may use)")
-    p.add_argument("--trl-micro-batch", type=int, default=0, help="TRL's "
-                   "per_device_train_batch_size (0: a step's samples at once)")
+    p.add_argument(
+        "--cpus",
+        default=None,
+        help="cores for each side, e.g. 0,1 (default: the first two this process may use)",
+    )
+    p.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=0,
+        help="TRL's per_device_train_batch_size (0: a step's samples at once)",
+    )
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL: gradient checkpointing")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per side")
     p.add_argument("--out", default=None, help="default: runs/vs-trl-<time>")
-    p.add_argument("--trl-from", default=None, help="a previous run's vs_trl.json: take TRL's "
-                   "side from it instead of running TRL again (same machine and work)")
+    p.add_argument(
+        "--trl-from",
+        default=None,
+        help="a previous run's vs_trl.json: take TRL's "
+        "side from it instead of running TRL again (same machine and work)",
+    )
     p.add_argument("ours_overrides", nargs="*", help="extra overrides for our side")
     a = p.parse_args(argv)
     a.rl_seed = a.seed if a.rl_seed is None else a.rl_seed
-    a.cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else \
-        sorted(os.sched_getaffinity(0))[:2]
+    a.cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else sorted(os.sched_getaffinity(0))[:2]
     if not a.trl_from:
-        require_trl_env()              # before any work
+        require_trl_env()  # before any work
     out = Path(a.out or ROOT / "runs" / f"vs-trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] run directory {out}", flush=True)
     model, data = make_assets(out, a.layers, a.seed, a.instruction, a.shape)
     if a.sft_steps:
-        print(f"[vs_trl] SFT warm start: {a.sft_steps} steps (log {out / 'sft.log'})",
-              flush=True)
-        model = warm_start(out, model, data, a.sft_steps, _env(len(a.cpus)), a.seed, a.sft_lr,
-                           max_prompt_len=a.instruction + 16)
-    res = {"cpu": cpu_info(a.cpus), "run": {k: getattr(a, k) for k in (
-        "layers", "steps", "prompts", "group", "max_new", "lr", "eta", "weight_update", "seed",
-        "rl_seed", "reward", "instruction", "shape", "sft_steps", "sft_lr")}}
+        print(f"[vs_trl] SFT warm start: {a.sft_steps} steps (log {out / 'sft.log'})", flush=True)
+        model = warm_start(
+            out,
+            model,
+            data,
+            a.sft_steps,
+            _env(len(a.cpus)),
+            a.seed,
+            a.sft_lr,
+            max_prompt_len=a.instruction + 16,
+        )
+    res = {
+        "cpu": cpu_info(a.cpus),
+        "run": {
+            k: getattr(a, k)
+            for k in (
+                "layers",
+                "steps",
+                "prompts",
+                "group",
+                "max_new",
+                "lr",
+                "eta",
+                "weight_update",
+                "seed",
+                "rl_seed",
+                "reward",
+                "instruction",
+                "shape",
+                "sft_steps",
+                "sft_lr",
+            )
+        },
+    }
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     names = run_names(a)
@@ -431,16 +643,19 @@ def main(argv=None) -> None:
         res[side] = fn(a, model, data, out / names[side])
         res[side]["summary"] = side_summary(res[side]["steps"], a.prompts * a.group)
         print(f"[vs_trl] {side}: {res[side]['summary']['s_per_step']:.2f} s/step", flush=True)
-    res["ratio"], res["target_met"] = speed_ratio(res["trl"]["summary"]["s_per_step"],
-                                                  res["ours"]["summary"]["s_per_step"])
+    res["ratio"], res["target_met"] = speed_ratio(
+        res["trl"]["summary"]["s_per_step"], res["ours"]["summary"]["s_per_step"]
+    )
     text = report(res)
     print("\n" + text)
     result = out / names["result"]
     result.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))
     result.with_suffix(".txt").write_text(text + "\n")
     png = result.with_suffix(".png")
-    print(f"\n[vs_trl] summary {result.with_suffix('.json')}" +
-          (f", plot {png}" if plot(res, png) else " (no matplotlib: no plot)"))
+    print(
+        f"\n[vs_trl] summary {result.with_suffix('.json')}"
+        + (f", plot {png}" if plot(res, png) else " (no matplotlib: no plot)")
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ seeds, the mean reward per step over the seeds, the mean over all steps with eac
 brackets, and the median s/step. With ``--out``: the mean curves with each label's band
 (lowest to highest seed) per step.
 """
+
 import argparse
 import json
 import statistics
@@ -23,12 +24,13 @@ def curves(results: list) -> dict:
     for res in results:
         run = res["run"]
         seed = run.get("rl_seed", run["seed"])
-        sides = (("TRL", res["trl"]), (f"ours eta={res['ours']['settings']['eta']}",
-                                       res["ours"]))
+        sides = (("TRL", res["trl"]), (f"ours eta={res['ours']['settings']['eta']}", res["ours"]))
         for label, side in sides:
             s = side["summary"]
-            out.setdefault(label, {})[seed] = {"rewards": s["rewards"],
-                                               "s_per_step": s["s_per_step"]}
+            out.setdefault(label, {})[seed] = {
+                "rewards": s["rewards"],
+                "s_per_step": s["s_per_step"],
+            }
     return out
 
 
@@ -39,31 +41,43 @@ def pooled(by_seed: dict) -> dict:
     n_steps = max(len(r["rewards"]) for r in runs)
     mean, low, high = [], [], []
     for i in range(n_steps):
-        vals = [r["rewards"][i] for r in runs
-                if i < len(r["rewards"]) and r["rewards"][i] is not None]
+        vals = [
+            r["rewards"][i] for r in runs if i < len(r["rewards"]) and r["rewards"][i] is not None
+        ]
         mean.append(statistics.fmean(vals) if vals else None)
         low.append(min(vals) if vals else None)
         high.append(max(vals) if vals else None)
-    per_seed = {seed: statistics.fmean([v for v in r["rewards"] if v is not None])
-                for seed, r in sorted(by_seed.items())}
-    return {"seeds": len(runs), "mean": mean, "low": low, "high": high, "per_seed": per_seed,
-            "overall": statistics.fmean(per_seed.values()),
-            "s_per_step": statistics.median(r["s_per_step"] for r in runs)}
+    per_seed = {
+        seed: statistics.fmean([v for v in r["rewards"] if v is not None])
+        for seed, r in sorted(by_seed.items())
+    }
+    return {
+        "seeds": len(runs),
+        "mean": mean,
+        "low": low,
+        "high": high,
+        "per_seed": per_seed,
+        "overall": statistics.fmean(per_seed.values()),
+        "s_per_step": statistics.median(r["s_per_step"] for r in runs),
+    }
 
 
 def report(pools: dict) -> str:
     lines = []
     for label, p in pools.items():
         seeds = ", ".join(f"seed {k}: {v:.3f}" for k, v in p["per_seed"].items())
-        lines += [f"{label} ({p['seeds']} seeds, median {p['s_per_step']:.2f} s/step): mean "
-                  f"reward {p['overall']:.3f} ({seeds})",
-                  "  per step " + " ".join("-" if v is None else f"{v:.3f}" for v in p["mean"])]
+        lines += [
+            f"{label} ({p['seeds']} seeds, median {p['s_per_step']:.2f} s/step): mean "
+            f"reward {p['overall']:.3f} ({seeds})",
+            "  per step " + " ".join("-" if v is None else f"{v:.3f}" for v in p["mean"]),
+        ]
     return "\n".join(lines)
 
 
 def plot(pools: dict, path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -72,11 +86,19 @@ def plot(pools: dict, path: Path) -> bool:
     for label, p in pools.items():
         steps = [i + 1 for i, v in enumerate(p["mean"]) if v is not None]
         pick = [v for v in p["mean"] if v is not None]
-        line, = ax.plot(steps, pick, marker="o", label=f"{label} ({p['seeds']} seeds)")
-        ax.fill_between(steps, [p["low"][i - 1] for i in steps], [p["high"][i - 1] for i in steps],
-                        color=line.get_color(), alpha=0.15)
-    ax.set(xlabel="step", ylabel="mean reward", title="reward per step: mean over seeds, "
-           "band lowest-highest")
+        (line,) = ax.plot(steps, pick, marker="o", label=f"{label} ({p['seeds']} seeds)")
+        ax.fill_between(
+            steps,
+            [p["low"][i - 1] for i in steps],
+            [p["high"][i - 1] for i in steps],
+            color=line.get_color(),
+            alpha=0.15,
+        )
+    ax.set(
+        xlabel="step",
+        ylabel="mean reward",
+        title="reward per step: mean over seeds, band lowest-highest",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -85,8 +107,9 @@ def plot(pools: dict, path: Path) -> bool:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("runs", nargs="+", help="vs_trl.json files")
     p.add_argument("--out", default=None, help="the plot (PNG)")
     a = p.parse_args(argv)

@@ -29,6 +29,7 @@ out: the embedding's pad row (HF's ``nn.Embedding(padding_idx=pad)`` gives it no
 from lookups of sampled pad tokens; Megatron's embedding does). Written beside:
 step.json, ours_grads.safetensors (our gradients, HF names) and TRL's files (trl/).
 """
+
 import argparse
 import json
 import os
@@ -45,15 +46,35 @@ from bench.vs_trl.run import TRL_PYTHON, _env, require_trl_env
 
 def run_trl_step(a, model: Path, train: Path, out: Path) -> dict:
     """bench/vs_trl/trl_step.py in .venv-trl; returns its batch.json."""
-    cmd = [str(TRL_PYTHON), "-m", "bench.vs_trl.trl_step", "--model", str(model),
-           "--train", str(train), "--out", str(out), "--prompts", str(a.prompts),
-           "--group", str(a.group), "--max-new", str(a.max_new), "--lr", str(a.lr),
-           "--seed", str(a.seed), "--threads", str(a.threads)]
+    cmd = [
+        str(TRL_PYTHON),
+        "-m",
+        "bench.vs_trl.trl_step",
+        "--model",
+        str(model),
+        "--train",
+        str(train),
+        "--out",
+        str(out),
+        "--prompts",
+        str(a.prompts),
+        "--group",
+        str(a.group),
+        "--max-new",
+        str(a.max_new),
+        "--lr",
+        str(a.lr),
+        "--seed",
+        str(a.seed),
+        "--threads",
+        str(a.threads),
+    ]
     log = out.with_suffix(".log")
     out.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        rc = subprocess.run(cmd, env=_env(a.threads), stdout=f, stderr=subprocess.STDOUT,
-                            cwd=ROOT).returncode
+        rc = subprocess.run(
+            cmd, env=_env(a.threads), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
+        ).returncode
     if rc != 0 or not (out / "batch.json").exists():
         raise SystemExit(f"TRL's step failed (exit {rc}); see {log}")
     return json.loads((out / "batch.json").read_text())
@@ -65,14 +86,24 @@ def trajectories(trl: dict) -> list:
     import numpy as np
 
     from areal_mega.dataplane.trajectory import Trajectory
+
     out = []
     for i, s in enumerate(trl["samples"]):
         c = s["completion_ids"]
         g = i // trl["group"]
-        out.append(Trajectory.from_tokens(
-            s["prompt_ids"], c, s["logprobs"], np.zeros(len(c)), reward=s["reward"],
-            sample_id=f"g{g}-s{i}", group_id=f"g{g}", created_at=0.0,
-            finish_reason="stop" if c and c[-1] == trl["eos_id"] else "length").validate())
+        out.append(
+            Trajectory.from_tokens(
+                s["prompt_ids"],
+                c,
+                s["logprobs"],
+                np.zeros(len(c)),
+                reward=s["reward"],
+                sample_id=f"g{g}-s{i}",
+                group_id=f"g{g}",
+                created_at=0.0,
+                finish_reason="stop" if c and c[-1] == trl["eos_id"] else "length",
+            ).validate()
+        )
     return out
 
 
@@ -85,23 +116,42 @@ def our_step(a, model: Path, trl: dict) -> dict:
     from areal_mega.engine import MegatronEngine
     from bench.engine import load_hf_weights
     from bench.grpo_step import grpo_step
+
     _large_allocations_via_mmap()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="vs_trl_step_") as run_dir:
-        cfg = load_config(ROOT / "recipes" / "tiny-cpu.yaml", [
-            "model_hparams=null", f"model.path={model}", f"logging.run_dir={run_dir}",
-            f"rollout.batch_size={a.prompts}", f"rollout.n_samples={a.group}",
-            f"rollout.max_new_tokens={a.max_new}", f"optimizer.lr={a.lr}",
-            "optimizer.warmup_steps=0", "optimizer.clip_grad=1.0", "algorithm.kl_coef=0.0",
-            "actor.temperature=1.0", f"seed={a.seed}"])
+        cfg = load_config(
+            ROOT / "recipes" / "tiny-cpu.yaml",
+            [
+                "model_hparams=null",
+                f"model.path={model}",
+                f"logging.run_dir={run_dir}",
+                f"rollout.batch_size={a.prompts}",
+                f"rollout.n_samples={a.group}",
+                f"rollout.max_new_tokens={a.max_new}",
+                f"optimizer.lr={a.lr}",
+                "optimizer.warmup_steps=0",
+                "optimizer.clip_grad=1.0",
+                "algorithm.kl_coef=0.0",
+                "actor.temperature=1.0",
+                f"seed={a.seed}",
+            ],
+        )
     mesh = _single_process_mesh()
-    actor = MegatronEngine(cfg.model, role="actor", mesh=mesh, optimizer_cfg=cfg.optimizer,
-                           actor_cfg=cfg.actor, seed=cfg.seed, total_train_steps=1)
+    actor = MegatronEngine(
+        cfg.model,
+        role="actor",
+        mesh=mesh,
+        optimizer_cfg=cfg.optimizer,
+        actor_cfg=cfg.actor,
+        seed=cfg.seed,
+        total_train_steps=1,
+    )
     load_hf_weights(actor, model)
     chunks = actor.model_chunks()
     grads = {}
 
-    def keep_grads():           # the gradient, exported as the weights are
+    def keep_grads():  # the gradient, exported as the weights are
         params = [p for c in chunks for p in c.parameters()]
         saved = [p.detach().clone() for p in params]
         with torch.no_grad():
@@ -110,11 +160,17 @@ def our_step(a, model: Path, trl: dict) -> dict:
             grads.update({n: t.clone() for n, t in iter_hf_tensors(chunks, actor.arch)})
             for p, s in zip(params, saved):
                 p.copy_(s)
+
     stats = grpo_step(actor, mesh, cfg, trajectories(trl), 0, before_optimizer=keep_grads)
     after = {n: t.clone() for n, t in iter_hf_tensors(chunks, actor.arch)}
     mesh.destroy(process_group=True)
-    return {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "grads": grads,
-            "after": after, "max_grad_norm": cfg.optimizer.clip_grad}
+    return {
+        "loss": stats["loss"],
+        "grad_norm": stats["grad_norm"],
+        "grads": grads,
+        "after": after,
+        "max_grad_norm": cfg.optimizer.clip_grad,
+    }
 
 
 EMBED = "model.embed_tokens.weight"
@@ -148,8 +204,9 @@ def rel_diffs(ours: dict, theirs: dict, pad_id=None) -> dict:
     return out
 
 
-def adamw_first_step(grads: dict, grad_norm: float, lr: float, max_norm: float,
-                     eps: float = 1e-8) -> dict:
+def adamw_first_step(
+    grads: dict, grad_norm: float, lr: float, max_norm: float, eps: float = 1e-8
+) -> dict:
     """The update AdamW's first step makes from ``grads`` (no weight decay): the gradient
     clipped to ``max_norm`` (factor ``max_norm / (grad_norm + 1e-6)`` when below 1, as torch
     and Megatron clip), then ``-lr * g / (|g| + eps)`` (bias-corrected m = g, v = g^2). Two
@@ -157,30 +214,44 @@ def adamw_first_step(grads: dict, grad_norm: float, lr: float, max_norm: float,
     is noise, the step ~ lr * sign), so each side's update is checked against this of its own
     gradient, and the gradients against each other."""
     clip = clip_factor(grad_norm, max_norm)
-    return {n: -lr * (g.double() * clip) / ((g.double() * clip).abs() + eps)
-            for n, g in grads.items()}
+    return {
+        n: -lr * (g.double() * clip) / ((g.double() * clip).abs() + eps) for n, g in grads.items()
+    }
 
 
 def norm_without_pad(grads: dict, pad_id) -> float:
     """The global norm of ``grads`` with the embedding's pad row left out."""
-    return sum(float((without_pad_row(n, g, pad_id) ** 2).sum())
-               for n, g in grads.items()) ** 0.5
+    return sum(float((without_pad_row(n, g, pad_id) ** 2).sum()) for n, g in grads.items()) ** 0.5
 
 
 def summarise(values: dict, worst=max) -> dict:
     """The worst value (``max`` or ``min``), its tensor, and the median over tensors."""
     name = worst(values, key=values.get)
-    return {"worst": values[name], "tensor": name, "median": statistics.median(values.values()),
-            "tensors": len(values)}
+    return {
+        "worst": values[name],
+        "tensor": name,
+        "median": statistics.median(values.values()),
+        "tensors": len(values),
+    }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--from", dest="source", default=None, help="a bench/vs_trl/run.py --out: its "
-                   "SFT'd model (sft/hf_model) or else its model, and its data/train.jsonl")
-    p.add_argument("--shape", choices=("135m", "tiny"), default="tiny",
-                   help="without --from: the model built here")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--from",
+        dest="source",
+        default=None,
+        help="a bench/vs_trl/run.py --out: its "
+        "SFT'd model (sft/hf_model) or else its model, and its data/train.jsonl",
+    )
+    p.add_argument(
+        "--shape",
+        choices=("135m", "tiny"),
+        default="tiny",
+        help="without --from: the model built here",
+    )
     p.add_argument("--layers", type=int, default=2, help="without --from")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group", type=int, default=8)
@@ -206,12 +277,15 @@ def main(argv=None) -> None:
     print("[vs_trl_step] our step on TRL's batch", flush=True)
     ours = our_step(a, model, trl)
     from safetensors.torch import save_file
-    save_file({n: t.contiguous() for n, t in ours["grads"].items()},
-              str(out / "ours_grads.safetensors"))
+
+    save_file(
+        {n: t.contiguous() for n, t in ours["grads"].items()}, str(out / "ours_grads.safetensors")
+    )
 
     from safetensors.torch import load_file
 
     from areal_mega.algo.advantages import group_normalize
+
     rewards = torch.tensor([s["reward"] for s in trl["samples"]])
     groups = torch.arange(len(rewards)) // trl["group"]
     adv_ours = group_normalize(rewards, groups)
@@ -220,53 +294,83 @@ def main(argv=None) -> None:
     clip = clip_factor(trl["grad_norm"], trl["max_grad_norm"])
     before = load_file(str(next(Path(model).glob("*.safetensors"))))
     trl_after = load_file(str(out / "trl" / "after.safetensors"))
-    trl_unclipped = {n: g / clip for n, g in
-                     load_file(str(out / "trl" / "grads.safetensors")).items()}
-    trl_grads = {n: g for n, g in trl_unclipped.items() if n in ours["grads"]}   # tied lm_head
+    trl_unclipped = {
+        n: g / clip for n, g in load_file(str(out / "trl" / "grads.safetensors")).items()
+    }
+    trl_grads = {n: g for n, g in trl_unclipped.items() if n in ours["grads"]}  # tied lm_head
     ours_step = {n: t - before[n] for n, t in ours["after"].items()}
     trl_step = {n: t - before[n] for n, t in trl_after.items()}
     res = {
-        "model": str(model), "versions": trl["versions"], "loss_type": trl["loss_type"],
-        "batch": {"samples": len(rewards), "completion_tokens": sum(
-            len(s["completion_ids"]) for s in trl["samples"]),
-            "reward_mean": float(rewards.mean())},
+        "model": str(model),
+        "versions": trl["versions"],
+        "loss_type": trl["loss_type"],
+        "batch": {
+            "samples": len(rewards),
+            "completion_tokens": sum(len(s["completion_ids"]) for s in trl["samples"]),
+            "reward_mean": float(rewards.mean()),
+        },
         "loss": {"ours": ours["loss"], "trl": trl["loss"]},
         "grad_norm": {"ours": ours["grad_norm"], "trl": trl["grad_norm"]},
         "advantage_max_abs_diff": float((adv_ours - adv_trl).abs().max()),
-        "pad_tokens_in_batch": sum((s["prompt_ids"] + s["completion_ids"]).count(pad)
-                                   for s in trl["samples"]),
+        "pad_tokens_in_batch": sum(
+            (s["prompt_ids"] + s["completion_ids"]).count(pad) for s in trl["samples"]
+        ),
         "grad": summarise(rel_diffs(ours["grads"], trl_grads, pad_id=pad)),
         "update_vs_adamw": {
-            "ours": summarise(rel_diffs(ours_step, adamw_first_step(
-                ours["grads"], ours["grad_norm"], a.lr, ours["max_grad_norm"]))),
-            "trl": summarise(rel_diffs(trl_step, adamw_first_step(
-                trl_unclipped, trl["grad_norm"], a.lr, trl["max_grad_norm"])))}}
+            "ours": summarise(
+                rel_diffs(
+                    ours_step,
+                    adamw_first_step(ours["grads"], ours["grad_norm"], a.lr, ours["max_grad_norm"]),
+                )
+            ),
+            "trl": summarise(
+                rel_diffs(
+                    trl_step,
+                    adamw_first_step(trl_unclipped, trl["grad_norm"], a.lr, trl["max_grad_norm"]),
+                )
+            ),
+        },
+    }
     res["grad_norm_without_pad_row"] = {
         "ours": norm_without_pad(ours["grads"], pad),
-        "trl": norm_without_pad(trl_grads, pad)}
+        "trl": norm_without_pad(trl_grads, pad),
+    }
     gn = res["grad_norm_without_pad_row"]
-    res["agree"] = (res["grad"]["worst"] <= a.tol and abs(gn["ours"] / gn["trl"] - 1) <= a.tol
-                    and all(u["worst"] <= a.tol for u in res["update_vs_adamw"].values()))
+    res["agree"] = (
+        res["grad"]["worst"] <= a.tol
+        and abs(gn["ours"] / gn["trl"] - 1) <= a.tol
+        and all(u["worst"] <= a.tol for u in res["update_vs_adamw"].values())
+    )
     (out / "step.json").write_text(json.dumps(res, indent=2))
     b = res["batch"]
-    print(f"\n{trl['versions']}; loss_type {trl['loss_type']}, scale_rewards "
-          f"{trl['scale_rewards']}; batch {b['samples']} samples, {b['completion_tokens']} "
-          f"completion tokens, mean reward {b['reward_mean']:.3f}")
+    print(
+        f"\n{trl['versions']}; loss_type {trl['loss_type']}, scale_rewards "
+        f"{trl['scale_rewards']}; batch {b['samples']} samples, {b['completion_tokens']} "
+        f"completion tokens, mean reward {b['reward_mean']:.3f}"
+    )
     print(f"{'':26s}{'ours':>12s}{'TRL':>14s}")
     for k in ("loss", "grad_norm", "grad_norm_without_pad_row"):
         print(f"{k:26s}{res[k]['ours']:12.6f}{res[k]['trl']:14.6f}")
     print(f"advantages: max |ours - TRL| = {res['advantage_max_abs_diff']:.2e}")
     if res["pad_tokens_in_batch"]:
-        print(f"{res['pad_tokens_in_batch']} sampled pad tokens (id {pad}): the embedding's "
-              f"pad row is left out (HF's padding_idx gives it no lookup gradient)")
+        print(
+            f"{res['pad_tokens_in_batch']} sampled pad tokens (id {pad}): the embedding's "
+            f"pad row is left out (HF's padding_idx gives it no lookup gradient)"
+        )
     s = res["grad"]
-    print(f"gradient |ours - TRL| / |TRL| over {s['tensors']} tensors: largest "
-          f"{s['worst']:.2e} ({s['tensor']}), median {s['median']:.2e}")
+    print(
+        f"gradient |ours - TRL| / |TRL| over {s['tensors']} tensors: largest "
+        f"{s['worst']:.2e} ({s['tensor']}), median {s['median']:.2e}"
+    )
     for side, u in res["update_vs_adamw"].items():
-        print(f"update of {side:4s} against AdamW's first step on its own gradient: largest "
-              f"{u['worst']:.2e} ({u['tensor']}), median {u['median']:.2e}")
-    print(f"\nsame step within {a.tol:g}: {'YES' if res['agree'] else 'NO'}  "
-          f"(written: {out / 'step.json'})")
+        print(
+            f"update of {side:4s} against AdamW's first step on its own gradient: largest "
+            f"{u['worst']:.2e} ({u['tensor']}), median {u['median']:.2e}"
+        )
+    print(
+        f"\nsame step within {a.tol:g}: {'YES' if res['agree'] else 'NO'}  "
+        f"(written: {out / 'step.json'})"
+    )
     if not res["agree"]:
         raise SystemExit(1)
 

@@ -19,6 +19,7 @@ The two timings come from TRL's own profiling contexts (``trl.extras.profiling``
 report to wandb, mlflow or trackio: their ``_log_metrics`` is replaced by one that adds each
 duration to this process's table, read and cleared at every step's end.
 """
+
 import argparse
 import importlib
 import json
@@ -26,7 +27,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-PROFILED = defaultdict(float)     # "GRPOTrainer.<block>" -> seconds since the last step's end
+PROFILED = defaultdict(float)  # "GRPOTrainer.<block>" -> seconds since the last step's end
 
 
 def load_reward(spec: str):
@@ -42,10 +43,13 @@ def trl_reward(fn, eos_id: int):
     reward function: ``(prompts, completions, completion_ids, answer, **kw) -> [float]``. The
     finish reason is ``stop`` where the completion's ids end with EOS (TRL keeps the EOS in
     ``completion_ids``), else ``length``; TRL decodes completions without special tokens."""
+
     def reward(prompts, completions, completion_ids, answer, **kw):
-        return [float(fn(p, c, a, finish_reason="stop" if ids and ids[-1] == eos_id
-                         else "length"))
-                for p, c, ids, a in zip(prompts, completions, completion_ids, answer)]
+        return [
+            float(fn(p, c, a, finish_reason="stop" if ids and ids[-1] == eos_id else "length"))
+            for p, c, ids, a in zip(prompts, completions, completion_ids, answer)
+        ]
+
     reward.__name__ = fn.__name__
     return reward
 
@@ -54,7 +58,7 @@ def vmhwm_gib() -> float:
     """This process's resident-set high-water mark (Linux ``VmHWM``), in GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2 ** 20
+            return int(line.split()[1]) / 2**20
     return float("nan")
 
 
@@ -64,6 +68,7 @@ def patch_profiling() -> None:
 
     def _log_metrics(self, duration: float) -> None:
         PROFILED[self.name] += duration
+
     profiling.ProfilingContext._log_metrics = _log_metrics
 
 
@@ -81,25 +86,33 @@ def step_logger(path: Path):
 
         def on_step_end(self, args, state, control, **kw):
             now = time.time()
-            self.row = {"step": state.global_step, "time": now, "wall": now - self.t_prev,
-                        "generate_s": PROFILED.get("GRPOTrainer.transformers.generate", 0.0),
-                        "rollout_s": PROFILED.get("GRPOTrainer._prepare_inputs", 0.0)}
+            self.row = {
+                "step": state.global_step,
+                "time": now,
+                "wall": now - self.t_prev,
+                "generate_s": PROFILED.get("GRPOTrainer.transformers.generate", 0.0),
+                "rollout_s": PROFILED.get("GRPOTrainer._prepare_inputs", 0.0),
+            }
             PROFILED.clear()
             self.t_prev = now
 
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs or "reward" not in logs or self.row is None:
-                return          # the end-of-training summary
-            self.row.update(reward=logs["reward"], num_tokens=logs.get("num_tokens"),
-                            step_time=logs.get("step_time"),
-                            completion_len=logs.get("completions/mean_length"),
-                            peak_rss_gib=vmhwm_gib())
+                return  # the end-of-training summary
+            self.row.update(
+                reward=logs["reward"],
+                num_tokens=logs.get("num_tokens"),
+                step_time=logs.get("step_time"),
+                completion_len=logs.get("completions/mean_length"),
+                peak_rss_gib=vmhwm_gib(),
+            )
             self.f.write(json.dumps(self.row) + "\n")
             self.f.flush()
             self.row = None
 
         def on_train_end(self, args, state, control, **kw):
             self.f.close()
+
     return StepLog()
 
 
@@ -116,10 +129,17 @@ def arguments(argv=None, *, description: str):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--micro-batch", type=int, default=0,
-                   help="per_device_train_batch_size; 0 = the whole step's samples at once")
-    p.add_argument("--grad-ckpt", action="store_true",
-                   help="gradient checkpointing (GRPOConfig's default; off unless given)")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="per_device_train_batch_size; 0 = the whole step's samples at once",
+    )
+    p.add_argument(
+        "--grad-ckpt",
+        action="store_true",
+        help="gradient checkpointing (GRPOConfig's default; off unless given)",
+    )
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
     return p.parse_args(argv)
 
@@ -142,24 +162,49 @@ def build_trainer(a, callbacks=()):
     tok = AutoTokenizer.from_pretrained(a.model, padding_side="left", truncation_side="left")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     rows = [json.loads(x) for x in Path(a.train).read_text().splitlines() if x.strip()]
-    data = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])}
-                                       for r in rows])
+    data = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"], "answer": str(r["answer"])} for r in rows]
+    )
     # one optimizer step = gradient_accumulation_steps micro-batches of per_device_train_batch
     # samples = one generation batch of prompts x group samples (steps_per_generation defaults
     # to gradient_accumulation_steps); num_iterations 1: each batch is trained once
     cfg = GRPOConfig(
-        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, fp16=False, beta=0.0,
-        num_generations=a.group, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=samples // micro, max_completion_length=a.max_new,
-        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, temperature=1.0, top_p=1.0, top_k=0, num_iterations=1,
-        epsilon=0.2, max_steps=a.steps, logging_steps=1, report_to=[], save_strategy="no",
-        gradient_checkpointing=a.grad_ckpt, seed=a.seed, disable_tqdm=True,
-        dataloader_num_workers=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(load_reward(a.reward),
-                                                                tok.eos_token_id)],
-                          args=cfg, train_dataset=data, processing_class=tok,
-                          callbacks=list(callbacks))
+        output_dir=str(out / "trainer"),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        beta=0.0,
+        num_generations=a.group,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=samples // micro,
+        max_completion_length=a.max_new,
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_iterations=1,
+        epsilon=0.2,
+        max_steps=a.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=a.grad_ckpt,
+        seed=a.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward(load_reward(a.reward), tok.eos_token_id)],
+        args=cfg,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=list(callbacks),
+    )
     return trainer, cfg, tok
 
 
@@ -169,18 +214,41 @@ def main(argv=None) -> None:
     import torch
     import transformers
     import trl
+
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     patch_profiling()
     trainer, cfg, tok = build_trainer(a, [step_logger(out / "steps.jsonl")])
-    meta = {"trl": trl.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "config": {k: getattr(cfg, k) for k in (
-                "per_device_train_batch_size", "gradient_accumulation_steps",
-                "generation_batch_size", "steps_per_generation", "num_generations",
-                "max_completion_length", "learning_rate", "lr_scheduler_type", "beta",
-                "num_iterations", "loss_type", "scale_rewards", "epsilon", "temperature",
-                "gradient_checkpointing", "optim", "max_steps", "bf16", "use_cpu")}}
+    meta = {
+        "trl": trl.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "config": {
+            k: getattr(cfg, k)
+            for k in (
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "generation_batch_size",
+                "steps_per_generation",
+                "num_generations",
+                "max_completion_length",
+                "learning_rate",
+                "lr_scheduler_type",
+                "beta",
+                "num_iterations",
+                "loss_type",
+                "scale_rewards",
+                "epsilon",
+                "temperature",
+                "gradient_checkpointing",
+                "optim",
+                "max_steps",
+                "bf16",
+                "use_cpu",
+            )
+        },
+    }
     meta["config"]["optim"] = str(meta["config"]["optim"])
     (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str))
     trainer.train()

@@ -17,6 +17,7 @@ the rewards. Writes into ``--out``:
   to ``max_grad_norm``; HF names; a tied ``lm_head`` is the embedding's);
 * ``after.safetensors``: every parameter after the optimizer step.
 """
+
 import json
 from pathlib import Path
 
@@ -40,9 +41,13 @@ def main(argv=None) -> None:
     class KeepGrads(TrainerCallback):
         """The gradients the optimizer is about to apply (after clipping) and the step's
         logged loss and grad norm."""
+
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
-            kept["grads"] = {n: p.grad.detach().clone().contiguous()
-                             for n, p in model.named_parameters() if p.grad is not None}
+            kept["grads"] = {
+                n: p.grad.detach().clone().contiguous()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -55,6 +60,7 @@ def main(argv=None) -> None:
         r = reward_fn(*args, **kw)
         kept.setdefault("rewards", []).extend(r)
         return r
+
     keep_rewards.__name__ = reward_fn.__name__
     trainer.reward_funcs[0] = keep_rewards
     generate_and_score = trainer._generate_and_score_completions
@@ -65,11 +71,21 @@ def main(argv=None) -> None:
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
         with torch.no_grad():
             logps, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, ids, mask, batch["completion_ids"].size(1))[:2]
-        kept["batch"] = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                "completion_mask", "advantages")}
+                trainer.model, ids, mask, batch["completion_ids"].size(1)
+            )[:2]
+        kept["batch"] = {
+            k: batch[k]
+            for k in (
+                "prompt_ids",
+                "prompt_mask",
+                "completion_ids",
+                "completion_mask",
+                "advantages",
+            )
+        }
         kept["batch"]["logps"] = logps
         return batch
+
     trainer._generate_and_score_completions = keep_batch
     trainer.train()
 
@@ -77,22 +93,38 @@ def main(argv=None) -> None:
     samples = []
     for i in range(b["prompt_ids"].shape[0]):
         pm, cm = b["prompt_mask"][i].bool(), b["completion_mask"][i].bool()
-        samples.append({"prompt_ids": b["prompt_ids"][i][pm].tolist(),
-                        "completion_ids": b["completion_ids"][i][cm].tolist(),
-                        "logprobs": b["logps"][i][cm].tolist(),
-                        "reward": float(kept["rewards"][i]),
-                        "advantage": float(b["advantages"][i])})
+        samples.append(
+            {
+                "prompt_ids": b["prompt_ids"][i][pm].tolist(),
+                "completion_ids": b["completion_ids"][i][cm].tolist(),
+                "logprobs": b["logps"][i][cm].tolist(),
+                "reward": float(kept["rewards"][i]),
+                "advantage": float(b["advantages"][i]),
+            }
+        )
     log = kept["log"]
-    (out / "batch.json").write_text(json.dumps({
-        "samples": samples, "group": a.group, "eos_id": tok.eos_token_id,
-        "pad_id": tok.pad_token_id,
-        "loss": log["loss"], "grad_norm": log["grad_norm"], "max_grad_norm": cfg.max_grad_norm,
-        "versions": f"TRL {trl.__version__}, transformers {transformers.__version__}, "
-                    f"torch {torch.__version__}", "loss_type": cfg.loss_type,
-        "scale_rewards": cfg.scale_rewards}))
+    (out / "batch.json").write_text(
+        json.dumps(
+            {
+                "samples": samples,
+                "group": a.group,
+                "eos_id": tok.eos_token_id,
+                "pad_id": tok.pad_token_id,
+                "loss": log["loss"],
+                "grad_norm": log["grad_norm"],
+                "max_grad_norm": cfg.max_grad_norm,
+                "versions": f"TRL {trl.__version__}, transformers {transformers.__version__}, "
+                f"torch {torch.__version__}",
+                "loss_type": cfg.loss_type,
+                "scale_rewards": cfg.scale_rewards,
+            }
+        )
+    )
     save_file(kept["grads"], str(out / "grads.safetensors"))
-    save_file({n: p.detach().contiguous() for n, p in trainer.model.named_parameters()},
-              str(out / "after.safetensors"))
+    save_file(
+        {n: p.detach().contiguous() for n, p in trainer.model.named_parameters()},
+        str(out / "after.safetensors"),
+    )
 
 
 if __name__ == "__main__":

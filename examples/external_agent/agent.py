@@ -8,6 +8,7 @@ characters of the reply that match the answer.
 
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=... python agent.py < item.json
 """
+
 import json
 import sys
 
@@ -23,10 +24,13 @@ def char_match(text: str, want: str) -> float:
 
 def main() -> None:
     item = json.loads(sys.stdin.readline())
-    client = OpenAI(max_retries=0)       # reads OPENAI_BASE_URL and OPENAI_API_KEY
+    client = OpenAI(max_retries=0)  # reads OPENAI_BASE_URL and OPENAI_API_KEY
     reply = client.chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": item["prompt"]}],
-        max_tokens=int(item.get("max_tokens", 6)), temperature=1.0)
+        model="policy",
+        messages=[{"role": "user", "content": item["prompt"]}],
+        max_tokens=int(item.get("max_tokens", 6)),
+        temperature=1.0,
+    )
     text = reply.choices[0].message.content or ""
     print(f"reply: {text!r}", file=sys.stderr)
     print(json.dumps({"reward": char_match(text.strip(), str(item["answer"]))}))

@@ -14,6 +14,7 @@ rollout's routes replayed in the trainer.
    -1 per MoE layer, against every token a server forwarded), the route agreement and the
    mismatch with and without replay, and whether any sample was trained twice.
 """
+
 import argparse
 import json
 import time
@@ -25,8 +26,9 @@ MOE = dict(MODEL, arch="qwen3_moe", num_experts=8, intermediate_size=128)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run-dir", default=f"runs/moe-r3-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--sft-steps", type=int, default=120)
     p.add_argument("--rl-steps", type=int, default=60)
@@ -39,9 +41,16 @@ def main() -> None:
     model, data, sft_s = prepare(run, args.seed, args.sft_steps, env, model=MOE)
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     rl = run / "rl"
-    wall = run_rl(rl, model, data, args.rl_steps, 1, args.seed, env,
-                  ["algorithm.routing_replay=r3", "algorithm.routing_replay_free_every=1",
-                   *args.overrides])
+    wall = run_rl(
+        rl,
+        model,
+        data,
+        args.rl_steps,
+        1,
+        args.seed,
+        env,
+        ["algorithm.routing_replay=r3", "algorithm.routing_replay_free_every=1", *args.overrides],
+    )
     rows = [r for r in map(json.loads, open(rl / "metrics.jsonl")) if r.get("step")]
     rw = [r["reward/mean"] for r in rows]
     k = min(10, len(rw))
@@ -51,15 +60,25 @@ def main() -> None:
     free = [r["moe/mismatch_free"] for r in rows if "moe/mismatch_free" in r]
     replay = [r["moe/mismatch_replay"] for r in rows if "moe/mismatch_replay" in r]
     agree = [r["moe/route_agreement"] for r in rows if "moe/route_agreement" in r]
-    print(json.dumps({
-        "steps": len(rows), "sft_s": round(sft_s, 1), "rl_s": round(wall, 1),
-        "reward_first10": sum(rw[:k]) / k, "reward_last10": sum(rw[-k:]) / k,
-        "route_rows_received": routed, "route_rows_forwarded": forwarded,
-        "route_agreement_first_last": [agree[0], agree[-1]] if agree else None,
-        "mismatch_free_mean": sum(free) / len(free) if free else None,
-        "mismatch_replay_mean": sum(replay) / len(replay) if replay else None,
-        "samples_trained": len(trained), "trained_twice": len(trained) - len(set(trained)),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "steps": len(rows),
+                "sft_s": round(sft_s, 1),
+                "rl_s": round(wall, 1),
+                "reward_first10": sum(rw[:k]) / k,
+                "reward_last10": sum(rw[-k:]) / k,
+                "route_rows_received": routed,
+                "route_rows_forwarded": forwarded,
+                "route_agreement_first_last": [agree[0], agree[-1]] if agree else None,
+                "mismatch_free_mean": sum(free) / len(free) if free else None,
+                "mismatch_replay_mean": sum(replay) / len(replay) if replay else None,
+                "samples_trained": len(trained),
+                "trained_twice": len(trained) - len(set(trained)),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

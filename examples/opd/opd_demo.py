@@ -13,6 +13,7 @@ teacher alone (no reward in its objective), the teacher run inside the trainer o
 3. prints the reverse KL and the task reward (logged, not trained on) over the first and last
    10 steps, and held-out greedy accuracy of student and teacher.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,9 @@ def first_last(metrics: Path, key: str, k: int = 10) -> tuple:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--teacher", choices=["trainer", "server"], default="trainer")
     p.add_argument("--run-dir", default=None, help="default: runs/opd-<teacher>-<time>")
     p.add_argument("--teacher-sft-steps", type=int, default=200)
@@ -56,8 +58,9 @@ def main(argv=None) -> None:
     student, _, _ = prepare(run / "student", args.seed, args.student_sft_steps, env)
     test = run / "teacher" / "data" / "test.jsonl"
     acc_teacher, acc_student = greedy_accuracy(teacher, test), greedy_accuracy(student, test)
-    print(f"[opd] greedy accuracy: teacher {acc_teacher:.3f}, student {acc_student:.3f}",
-          flush=True)
+    print(
+        f"[opd] greedy accuracy: teacher {acc_teacher:.3f}, student {acc_student:.3f}", flush=True
+    )
     opd = ["algorithm.preset=opd", f"optimizer.lr={LR}"]
     servers = []
     if args.teacher == "server":
@@ -66,8 +69,9 @@ def main(argv=None) -> None:
     else:
         opd.append(f"teacher.path={teacher}")
     try:
-        t_rl = run_rl(run / "rl", student, data, args.steps, 1, args.seed, env,
-                      [*opd, *args.overrides])
+        t_rl = run_rl(
+            run / "rl", student, data, args.steps, 1, args.seed, env, [*opd, *args.overrides]
+        )
     finally:
         for s in servers:
             s.stop()
@@ -76,21 +80,32 @@ def main(argv=None) -> None:
     r0, r1 = first_last(metrics, "reward/mean")
     final = sorted((run / "rl" / "weights").glob("v*"))[-1]
     acc_after = greedy_accuracy(final, test)
-    summary = dict(teacher=args.teacher, steps=args.steps, seconds=t_rl,
-                   reverse_kl_first10=kl0, reverse_kl_last10=kl1, reward_first10=r0,
-                   reward_last10=r1, acc_teacher=acc_teacher, acc_student_before=acc_student,
-                   acc_student_after=acc_after)
+    summary = dict(
+        teacher=args.teacher,
+        steps=args.steps,
+        seconds=t_rl,
+        reverse_kl_first10=kl0,
+        reverse_kl_last10=kl1,
+        reward_first10=r0,
+        reward_last10=r1,
+        acc_teacher=acc_teacher,
+        acc_student_before=acc_student,
+        acc_student_after=acc_after,
+    )
     (run / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"""
+    print(
+        f"""
 [opd] ============== on-policy distillation ({args.teacher} teacher) ==============
 [opd] {args.steps} steps in {t_rl:.0f}s
 [opd] reverse KL per token: first 10 steps {kl0:.3f} -> last 10 steps {kl1:.3f} \
-({kl1 / kl0 if kl0 else float('nan'):.2f}x)
+({kl1 / kl0 if kl0 else float("nan"):.2f}x)
 [opd] task reward (not trained on): first 10 steps {r0:.3f} -> last 10 steps {r1:.3f} \
 ({r1 - r0:+.3f})
 [opd] held-out greedy accuracy: student {acc_student:.3f} -> {acc_after:.3f} \
 (teacher {acc_teacher:.3f})
-[opd] metrics: {metrics}""", flush=True)
+[opd] metrics: {metrics}""",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ empty environment, limits on address space (``memory_mb``) and CPU seconds, a wa
 timeout, its own process group (killed on timeout) and its output capped. It is a resource
 sandbox, not a security boundary: run untrusted models' code inside a container.
 """
+
 import json
 import os
 import resource
@@ -22,33 +23,50 @@ import subprocess
 import sys
 import tempfile
 
-PYTHON_TOOL = {"type": "function", "function": {
-    "name": "python", "description": "Run Python code and return what it prints.",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
-                   "required": ["code"]}}}
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code and return what it prints.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string"}},
+            "required": ["code"],
+        },
+    },
+}
 
 
-def run_python(code: str, timeout_s: float = 3.0, memory_mb: int = 256,
-               max_output: int = 1000) -> tuple:
+def run_python(
+    code: str, timeout_s: float = 3.0, memory_mb: int = 256, max_output: int = 1000
+) -> tuple:
     """Run ``code`` in the sandbox; returns ``(ok, output)`` (stdout, or the error's last
     line)."""
+
     def limits():
         mem = memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         cpu = max(1, int(timeout_s))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code], cwd=tmp, env={},
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=limits,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", code],
+            cwd=tmp,
+            env={},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=limits,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             return False, "TimeoutError: the program ran too long"
-    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):   # the CPU-time limit hit first
+    if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # the CPU-time limit hit first
         return False, "TimeoutError: the program used too much CPU time"
     if proc.returncode != 0:
         lines = err.decode(errors="replace").strip().splitlines()
@@ -67,7 +85,8 @@ async def tool_math_episode(ctx, item, max_code_tokens=8, timeout_s=3.0, memory_
     """One sample: the model writes the program, the tool runs it, the output is scored."""
     messages = [{"role": "user", "content": item["prompt"]}]
     reply = await ctx.client.chat.completions.create(
-        model="policy", messages=messages, tools=[PYTHON_TOOL], max_tokens=max_code_tokens)
+        model="policy", messages=messages, tools=[PYTHON_TOOL], max_tokens=max_code_tokens
+    )
     msg = reply.choices[0].message
     if msg.tool_calls:
         code = json.loads(msg.tool_calls[0].function.arguments).get("code", "")

@@ -34,6 +34,7 @@ arranged so that the comparison is meaningful, and the test says how:
 - ``reinforce_plus_plus`` restarts its returns at masked tokens: only batches without holes
   (``holes`` False) have it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ def _shim_unused_imports() -> None:
         ray.remote = lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f)
         sys.modules["ray"] = ray
     import transformers
+
     if not hasattr(transformers, "AutoModelForVision2Seq"):
         transformers.AutoModelForVision2Seq = transformers.AutoModelForImageTextToText
 
@@ -83,7 +85,7 @@ def make_batches(rng: np.random.Generator) -> list[dict]:
         if lo == 1 and 1 not in sizes:
             sizes[0] = 1
         index = np.repeat(np.arange(len(sizes)), sizes)
-        index = index[rng.permutation(index.size)]          # groups interleaved
+        index = index[rng.permutation(index.size)]  # groups interleaved
         bs = index.size
         if kind == "binary":
             score = rng.integers(0, 2, bs).astype(np.float64)
@@ -103,43 +105,53 @@ def make_batches(rng: np.random.Generator) -> list[dict]:
             mask[b, :v] = 1
             if holes and v >= 4:
                 a = int(rng.integers(1, v - 2))
-                mask[b, a:a + int(rng.integers(1, v - 1 - a))] = 0
+                mask[b, a : a + int(rng.integers(1, v - 1 - a))] = 0
             if dense:
                 tok[b] = rng.normal(scale=0.1, size=L) * mask[b]
             tok[b, v - 1] += score[b]
-        out.append(dict(token_rewards=tok, mask=mask, index=index, gamma=gamma,
-                        use_std=use_std, holes=holes))
+        out.append(
+            dict(
+                token_rewards=tok, mask=mask, index=index, gamma=gamma, use_std=use_std, holes=holes
+            )
+        )
     return out
 
 
 def run_verl(core_algos, batch: dict) -> dict:
     """verl's advantages for one batch (see the module docstring for the arranged inputs)."""
     from omegaconf import OmegaConf
+
     tok = torch.tensor(batch["token_rewards"], dtype=torch.float64)
     mask = torch.tensor(batch["mask"], dtype=torch.float64)
     index = batch["index"]
-    cfg = OmegaConf.create({"gamma": batch["gamma"],
-                            "norm_adv_by_std_in_grpo": batch["use_std"]})
+    cfg = OmegaConf.create({"gamma": batch["gamma"], "norm_adv_by_std_in_grpo": batch["use_std"]})
     fn = core_algos.get_adv_estimator_fn
     res = {}
     for name in ("rloo", "opo"):
-        res[name] = fn(name)(token_level_rewards=tok.clone(), response_mask=mask, index=index,
-                             config=cfg)[0]
+        res[name] = fn(name)(
+            token_level_rewards=tok.clone(), response_mask=mask, index=index, config=cfg
+        )[0]
     sizes = {g: int((index == g).sum()) for g in np.unique(index)}
     multi = np.array([sizes[g] > 1 for g in index])
     passk = torch.zeros_like(tok)
     rows = torch.from_numpy(np.nonzero(multi)[0])
-    passk[rows] = fn("grpo_passk")(token_level_rewards=tok[rows].clone(),
-                                   response_mask=mask[rows], index=index[multi], config=cfg)[0]
+    passk[rows] = fn("grpo_passk")(
+        token_level_rewards=tok[rows].clone(),
+        response_mask=mask[rows],
+        index=index[multi],
+        config=cfg,
+    )[0]
     res["grpo_passk"] = passk
     rfppb_in = tok.clone()
     rfppb_in[torch.from_numpy(~multi)] = 0.0
     res["rfppb_input"] = rfppb_in
     res["reinforce_plus_plus_baseline"] = fn("reinforce_plus_plus_baseline")(
-        token_level_rewards=rfppb_in.clone(), response_mask=mask, index=index, config=cfg)[0]
+        token_level_rewards=rfppb_in.clone(), response_mask=mask, index=index, config=cfg
+    )[0]
     if not batch["holes"]:
         res["reinforce_plus_plus"] = fn("reinforce_plus_plus")(
-            token_level_rewards=tok.clone(), response_mask=mask, config=cfg)[0]
+            token_level_rewards=tok.clone(), response_mask=mask, config=cfg
+        )[0]
     return {k: v.numpy() for k, v in res.items()}
 
 
@@ -153,15 +165,22 @@ def main() -> None:
     sys.path.insert(0, args.verl)
     _shim_unused_imports()
     import verl.trainer.ppo.core_algos as core_algos
+
     batches = make_batches(np.random.default_rng(SEED))
     arrays = {}
     for k, batch in enumerate(batches):
         for key, val in {**batch, **run_verl(core_algos, batch)}.items():
             arrays[f"b{k}__{key}"] = np.asarray(val)
-    meta = {"verl_repo": "volcengine/verl", "verl_commit": args.commit,
-            "verl_file": "verl/trainer/ppo/core_algos.py", "n_batches": len(batches),
-            "seed": SEED, "torch": torch.__version__, "dtype": "float64",
-            "generator": "tests/data/make_verl_estimator_table.py"}
+    meta = {
+        "verl_repo": "volcengine/verl",
+        "verl_commit": args.commit,
+        "verl_file": "verl/trainer/ppo/core_algos.py",
+        "n_batches": len(batches),
+        "seed": SEED,
+        "torch": torch.__version__,
+        "dtype": "float64",
+        "generator": "tests/data/make_verl_estimator_table.py",
+    }
     arrays["meta"] = np.array(json.dumps(meta))
     np.savez_compressed(args.out, **arrays)
     print(f"wrote {args.out}: {len(batches)} batches, verl {args.commit}")

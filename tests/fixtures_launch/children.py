@@ -13,6 +13,7 @@ worker DIR   as torchrun: first time start a worker in a NEW session and exit 1 
              DIR/forked and SIGKILLs itself at once (the grandchild survives it, reparented to
              init: no longer anyone's descendant); afterwards exit 0
 """
+
 import os
 import signal
 import socket
@@ -63,7 +64,7 @@ elif mode == "worker":
     w.wait()
     sys.exit(1)
 elif mode == "worker-body":
-    time.sleep(3.0)       # longer than the supervisor's 2 s scan of descendants
+    time.sleep(3.0)  # longer than the supervisor's 2 s scan of descendants
     g = subprocess.Popen([sys.executable, __file__, "sleep"])
     marker = os.path.join(arg, "forked")
     with open(marker + ".tmp", "w") as f:

@@ -1,5 +1,6 @@
 """Stand-in for ``areal_mega.inference.server`` in launcher tests: same CLI, answers
 ``GET /health`` with 200 and writes its pid to ``$FAKE_PID_DIR/server-<port>.pid``."""
+
 import argparse
 import os
 from http.server import BaseHTTPRequestHandler, HTTPServer

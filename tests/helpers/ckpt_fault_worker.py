@@ -8,6 +8,7 @@ parallel state and writer processes need a fresh process).
 
 Each writes a JSON result to stdout's last line.
 """
+
 import json
 import logging
 import math
@@ -28,17 +29,34 @@ def _setup(work):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    mesh = ParallelMesh.create(ParallelDims(), timeout_s=120, rank=0, world_size=1,
-                               init_method=f"tcp://127.0.0.1:{free_port()}")
+    mesh = ParallelMesh.create(
+        ParallelDims(),
+        timeout_s=120,
+        rank=0,
+        world_size=1,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+    )
     arch = hm.read_arch(Path(work) / "hf")
     chunks, cfg = build_model_chunks(arch, mesh, seed=3)
     ddp = [DDP(cfg, DistributedDataParallelConfig(), c) for c in chunks]
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0), ddp,
-                                 use_gloo_process_groups=False)
-    sched = OptimizerParamScheduler(opt, init_lr=1e-3, max_lr=1e-3, min_lr=1e-4,
-                                    lr_warmup_steps=0, lr_decay_steps=10,
-                                    lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
-                                    wd_incr_steps=10, wd_incr_style="constant")
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0),
+        ddp,
+        use_gloo_process_groups=False,
+    )
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=1e-3,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=0,
+        lr_decay_steps=10,
+        lr_decay_style="constant",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
     ids = torch.randint(3, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     return ddp, opt, sched, ids
 
@@ -46,12 +64,18 @@ def _setup(work):
 def _step(ddp, opt, sched, ids):
     import torch
     from megatron.core.distributed import finalize_model_grads
+
     for m in ddp:
         m.zero_grad_buffer()
     opt.zero_grad()
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    loss = ddp[0](input_ids=ids, position_ids=pos, attention_mask=None,
-                  labels=torch.roll(ids, -1, dims=1)).float().mean()
+    loss = (
+        ddp[0](
+            input_ids=ids, position_ids=pos, attention_mask=None, labels=torch.roll(ids, -1, dims=1)
+        )
+        .float()
+        .mean()
+    )
     loss.backward()
     finalize_model_grads(ddp)
     opt.step()
@@ -62,10 +86,11 @@ def _step(ddp, opt, sched, ids):
 def main(mode, work, root=None):
     work = Path(work)
     out = {}
-    if mode == "make":     # converted and trained in one process, as the trainer does
+    if mode == "make":  # converted and trained in one process, as the trainer does
         from areal_mega.checkpoint.convert import convert_hf_to_mcore
         from areal_mega.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
         from areal_mega.models.tiny import make_tiny_model
+
         hf = make_tiny_model(work / "hf", arch="qwen2", tie_word_embeddings=False)
         out["path"] = convert_hf_to_mcore(hf, work / "mcore", progress=False)["path"]
         ddp, opt, sched, ids = _setup(work)
@@ -75,8 +100,12 @@ def main(mode, work, root=None):
             out["losses"].append(_step(ddp, opt, sched, ids))
             save_checkpoint(root, it, ddp, opt, sched, extra={"step": it}, hf_dir=work / "hf")
     elif mode == "resume":
-        from areal_mega.checkpoint.dist_ckpt import (CheckpointError, latest_verified,
-                                                     load_checkpoint)
+        from areal_mega.checkpoint.dist_ckpt import (
+            CheckpointError,
+            latest_verified,
+            load_checkpoint,
+        )
+
         seen = []
         handler = logging.Handler()
         handler.emit = lambda rec: seen.append(rec.getMessage())
@@ -85,8 +114,12 @@ def main(mode, work, root=None):
         try:
             latest = latest_verified(root)
             loaded = load_checkpoint(latest, ddp, opt, sched)
-            out.update(path=str(latest), iteration=loaded.iteration, extra=loaded.extra,
-                       loaded_optimizer=loaded.loaded_optimizer)
+            out.update(
+                path=str(latest),
+                iteration=loaded.iteration,
+                extra=loaded.extra,
+                loaded_optimizer=loaded.loaded_optimizer,
+            )
             loss = _step(ddp, opt, sched, ids)
             out["loss"] = loss if math.isfinite(loss) else str(loss)
         except CheckpointError as e:

@@ -6,6 +6,7 @@
 Each probe returns True when the code works on CPU. Run in a fresh process: the patches are
 process-global once applied.
 """
+
 import json
 import os
 import sys
@@ -50,26 +51,38 @@ def probes():
         the patches there when they are applied here."""
         import subprocess
         from areal_mega.compat import megatron_cpu
-        pre = ("from areal_mega.compat import megatron_cpu; megatron_cpu.apply(force=True); "
-               if megatron_cpu.is_applied() else "")
+
+        pre = (
+            "from areal_mega.compat import megatron_cpu; megatron_cpu.apply(force=True); "
+            if megatron_cpu.is_applied()
+            else ""
+        )
         from tests.helpers.workers import ROOT
+
         root = str(ROOT)
-        proc = subprocess.run([sys.executable, "-c", pre + "import megatron.bridge"], cwd=root,
-                              capture_output=True, timeout=300,
-                              env=dict(os.environ, PYTHONPATH=root))
+        proc = subprocess.run(
+            [sys.executable, "-c", pre + "import megatron.bridge"],
+            cwd=root,
+            capture_output=True,
+            timeout=300,
+            env=dict(os.environ, PYTHONPATH=root),
+        )
         return proc.returncode == 0
 
     return {
         "import_megatron_bridge": bridge_imports,
         "rng_tracker": rng,
-        "rope_inv_freq_device": lambda: rope.RotaryEmbedding(16, 1.0,
-                                                             use_cpu_initialization=False)
-        .inv_freq.device.type == "cpu",
+        "rope_inv_freq_device": lambda: (
+            rope.RotaryEmbedding(16, 1.0, use_cpu_initialization=False).inv_freq.device.type
+            == "cpu"
+        ),
         "default_causal_mask": lambda: tutils.get_default_causal_mask(4).shape == (4, 4),
-        "global_memory_buffer": lambda: cutils.GlobalMemoryBuffer().get_tensor(
-            [2, 2], torch.float32, "probe").shape == (2, 2),
+        "global_memory_buffer": lambda: (
+            cutils.GlobalMemoryBuffer().get_tensor([2, 2], torch.float32, "probe").shape == (2, 2)
+        ),
         "moe_splits_numpy": lambda: isinstance(
-            moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), np.ndarray),
+            moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), np.ndarray
+        ),
         "clip_grads_type": clip,
     }
 
@@ -77,6 +90,7 @@ def probes():
 def main():
     out = {"unpatched": {k: _ok(f) for k, f in probes().items()}}
     from areal_mega.compat import megatron_cpu
+
     megatron_cpu.apply(force=True)
     out["patched"] = {k: _ok(f) for k, f in probes().items()}
     print("PROBE " + json.dumps(out))

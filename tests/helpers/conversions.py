@@ -1,5 +1,6 @@
 """Shared by the conversion/checkpoint tests: run tests/helpers/convert_worker.py once per session
 and the 2-rank checkpoint worker (tests/helpers/mp_checkpoint_worker.py)."""
+
 import fcntl
 import json
 import os
@@ -25,8 +26,14 @@ def run_jobs(base: Path) -> Path:
     with open(base / "convert_jobs.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (work / "results.json").exists():
-            p = subprocess.run(worker_cmd("convert_worker", work), cwd=ROOT, env=worker_env(),
-                               capture_output=True, text=True, timeout=400)
+            p = subprocess.run(
+                worker_cmd("convert_worker", work),
+                cwd=ROOT,
+                env=worker_env(),
+                capture_output=True,
+                text=True,
+                timeout=400,
+            )
             assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return work
 
@@ -39,8 +46,11 @@ def launch_2ranks(scenario: str, work: Path, conv: Path, timeout: float = 300) -
     """Run the 2-rank worker for ``scenario``; returns both ranks' result dicts."""
     port = free_port()
     work.mkdir(parents=True, exist_ok=True)
-    ranks = run_ranks([worker_cmd("mp_checkpoint_worker", r, 2, port, work, scenario, conv)
-                       for r in range(2)], timeout=timeout, cwd=ROOT)
+    ranks = run_ranks(
+        [worker_cmd("mp_checkpoint_worker", r, 2, port, work, scenario, conv) for r in range(2)],
+        timeout=timeout,
+        cwd=ROOT,
+    )
     for r, (rc, out) in enumerate(ranks):
         assert rc == 0, f"rank {r} failed:\n" + out[-6000:]
     return [json.loads((work / f"{scenario}_rank{r}.json").read_text()) for r in range(2)]

@@ -5,6 +5,7 @@ no reward (one ``agent_failed/no_reward``), the other succeeds; otherwise one ch
 reward. Prompts ``k >= HELD_FROM`` wait until ``$AGENT_GATE/open`` exists and prompts
 ``k >= STOP_AT`` wait for ever (the rollout worker kills them when it stops), so the worker
 delivers nothing beyond what the test trains on."""
+
 import json
 import os
 import sys
@@ -23,8 +24,9 @@ if k % 3 == 1:
 from openai import OpenAI  # noqa: E402 (only the agents that call import it)
 
 client = OpenAI(max_retries=0)
-r = client.chat.completions.create(model="m", messages=[{"role": "user",
-                                   "content": item["prompt"]}], max_tokens=4)
+r = client.chat.completions.create(
+    model="m", messages=[{"role": "user", "content": item["prompt"]}], max_tokens=4
+)
 if k % 3 == 2:
     try:
         os.close(os.open(gate / f"noreward-{k}", os.O_CREAT | os.O_EXCL))

@@ -16,6 +16,7 @@ run. For each loss configuration:
 
 Rank r writes ``<out_dir>/cp_loss.<r>.json``: {config: {check: max_abs_diff or value}}.
 """
+
 import dataclasses
 import json
 import os
@@ -32,6 +33,7 @@ POLICY_VERSION = 3
 def configs():
     """(name, cfg) of every aggregation mode and sequence-level option; cfg None = SFT."""
     from areal_mega.config import AlgorithmConfig
+
     base = AlgorithmConfig(kl_coef=0.05, entropy_coef=0.01)
     rep = dataclasses.replace
     return [
@@ -39,13 +41,27 @@ def configs():
         ("seq_mean", rep(base, loss_agg="seq_mean")),
         ("seq_sum_norm", rep(base, loss_agg="seq_sum_norm", loss_norm_len=16)),
         ("gspo_seq_mean", rep(base, ratio_level="sequence", loss_agg="seq_mean")),
-        ("gspo_token_mean_geometric", rep(base, ratio_level="sequence",
-                                          imp_weight_level="geometric", behav_imp_weight_cap=1.1)),
-        ("seq_weight_mask", rep(base, imp_weight_level="sequence", behav_imp_weight_cap=1.5,
-                                loss_agg="seq_mean")),
-        ("seq_weight_clamp", rep(base, imp_weight_level="sequence", behav_imp_weight_cap=1.5,
-                                 imp_weight_mode="clamp", loss_agg="seq_sum_norm",
-                                 loss_norm_len=16)),
+        (
+            "gspo_token_mean_geometric",
+            rep(
+                base, ratio_level="sequence", imp_weight_level="geometric", behav_imp_weight_cap=1.1
+            ),
+        ),
+        (
+            "seq_weight_mask",
+            rep(base, imp_weight_level="sequence", behav_imp_weight_cap=1.5, loss_agg="seq_mean"),
+        ),
+        (
+            "seq_weight_clamp",
+            rep(
+                base,
+                imp_weight_level="sequence",
+                behav_imp_weight_cap=1.5,
+                imp_weight_mode="clamp",
+                loss_agg="seq_sum_norm",
+                loss_norm_len=16,
+            ),
+        ),
         ("ppo_dual_clip", rep(base, decoupled=False, dual_clip_c=3.0)),
         ("sft", None),
     ]
@@ -55,24 +71,29 @@ def make_batches(cp):
     """Micro-batches packed for ``cp`` plus full-length logprobs / entropies per micro-batch."""
     from areal_mega.scheduler.packing import pack_sequences
     from areal_mega.train.batches import next_token_layout
+
     g = torch.Generator().manual_seed(5)
     mbs, lps, ents = [], [], []
     for lens in LENS:
         seqs = []
         for n in lens:
             prox = -torch.rand(n, generator=g) * 3
-            seqs.append({
-                "input_ids": torch.randint(0, 100, (n,), generator=g),
-                "prompt_len": max(1, n // 3),
-                "advantages": torch.randn(1, generator=g).expand(n).clone(),
-                "prox_logprobs": prox,
-                "logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
-                "ref_logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
-                "versions": torch.randint(POLICY_VERSION - 1, POLICY_VERSION + 1, (n,),
-                                          generator=g).int(),
-                "lp": prox + (torch.rand(n, generator=g) - 0.5) * 0.6,
-                "ent": torch.rand(n, generator=g) * 2})
-        seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
+            seqs.append(
+                {
+                    "input_ids": torch.randint(0, 100, (n,), generator=g),
+                    "prompt_len": max(1, n // 3),
+                    "advantages": torch.randn(1, generator=g).expand(n).clone(),
+                    "prox_logprobs": prox,
+                    "logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
+                    "ref_logprobs": prox + (torch.rand(n, generator=g) - 0.5) * 0.4,
+                    "versions": torch.randint(
+                        POLICY_VERSION - 1, POLICY_VERSION + 1, (n,), generator=g
+                    ).int(),
+                    "lp": prox + (torch.rand(n, generator=g) - 0.5) * 0.6,
+                    "ent": torch.rand(n, generator=g) * 2,
+                }
+            )
+        seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]  # + labels
         mb = pack_sequences(seqs, pad_to_multiple=2 * cp, cp_size=cp)
         mb["policy_version"] = POLICY_VERSION
         mb["token_keys"] = [k for k in mb["token_keys"] if k not in ("lp", "ent")]
@@ -84,12 +105,17 @@ def make_batches(cp):
 
 def run_config(cfg, mesh, mbs, lps, ents):
     from areal_mega.algo import make_policy_loss
-    from areal_mega.engine.loss_context import (CPShard, compute_loss, global_denominator,
-                                                reduce_stats)
+    from areal_mega.engine.loss_context import (
+        CPShard,
+        compute_loss,
+        global_denominator,
+        reduce_stats,
+    )
     from areal_mega.engine.megatron_engine import default_denominator
     from areal_mega.engine.packed import cp_token_index, micro_batch_labels, zigzag_merge
     from areal_mega.train.sft import sft_loss
     import torch.distributed as dist
+
     if cfg is None:
         loss_fn, den_fn = sft_loss, default_denominator
     else:
@@ -100,7 +126,7 @@ def run_config(cfg, mesh, mbs, lps, ents):
     stats1, recs2 = {}, []
     res = {"grad_lp": 0.0, "grad_ent": 0.0, "grad_lp_max": 0.0}
     for mb, lp_full, ent_full in zip(mbs, lps, ents):
-        valid = micro_batch_labels(mb, lp_full.numel()) >= 0     # as the engine's _prepare
+        valid = micro_batch_labels(mb, lp_full.numel()) >= 0  # as the engine's _prepare
         # ---- CP=1: the whole micro-batch
         lp1 = lp_full.clone().requires_grad_()
         ent1 = ent_full.clone().requires_grad_()
@@ -112,15 +138,15 @@ def run_config(cfg, mesh, mbs, lps, ents):
         idx = cp_token_index(mb, cp, rank)
         lp2 = lp_full[idx].clone().requires_grad_()
         ent2 = ent_full[idx].clone().requires_grad_()
-        loss2, _, rec2 = compute_loss(loss_fn, lp2, ent2, mb, denominator=denom,
-                                      valid=valid[idx], index=idx, shard=shard)
+        loss2, _, rec2 = compute_loss(
+            loss_fn, lp2, ent2, mb, denominator=denom, valid=valid[idx], index=idx, shard=shard
+        )
         loss2.backward()
         recs2.append(rec2)
         bounds = mb["cu_seqlens_padded"].tolist()
         total = lp_full.numel()
-        for key, mine, ref in (("grad_lp", lp2.grad, lp1.grad),
-                               ("grad_ent", ent2.grad, ent1.grad)):
-            if mine is None or ref is None:   # a loss without an entropy term
+        for key, mine, ref in (("grad_lp", lp2.grad, lp1.grad), ("grad_ent", ent2.grad, ent1.grad)):
+            if mine is None or ref is None:  # a loss without an entropy term
                 res[key] = max(res[key], float((mine is None) != (ref is None)))
                 continue
             parts = [torch.empty_like(mine) for _ in range(cp)]
@@ -139,13 +165,15 @@ def run_config(cfg, mesh, mbs, lps, ents):
 
 def main():
     rank, world, port, out_dir = sys.argv[1:5]
-    os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                      LOCAL_RANK=rank)
+    os.environ.update(
+        RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_RANK=rank
+    )
     torch.set_num_threads(1)
     res, mesh = {}, None
     try:
         from areal_mega.parallel.allocation import ParallelDims
         from areal_mega.parallel.mesh import ParallelMesh
+
         mesh = ParallelMesh.create(ParallelDims(cp=int(world)), timeout_s=90)
         mbs, lps, ents = make_batches(mesh.dims.cp)
         for name, cfg in configs():

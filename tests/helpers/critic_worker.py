@@ -11,6 +11,7 @@ batch; a critic restored from its checkpoint takes the same next step as an unin
 one; an LM checkpoint loads into the trunk (fresh head), an HF ``score`` head into the head.
 Rank r writes ``<out_dir>/<scenario>.<r>.json`` ({check: value}).
 """
+
 import dataclasses
 import os
 import sys
@@ -21,7 +22,7 @@ import torch
 from tests.helpers import engine_worker as ew
 
 HF = ew.DENSE
-RESULTS = {}      # this process's results (reference() adds its sanity numbers)
+RESULTS = {}  # this process's results (reference() adds its sanity numbers)
 CRITIC = dict(lr=1e-3, value_clip=0.2, value_loss_coef=0.5)
 
 
@@ -29,14 +30,22 @@ def critic_engine(seed=7, hf=HF):
     """A critic on the current mesh with the test's critic settings (no grad clipping)."""
     from areal_mega.config import CriticConfig, ModelConfig, OptimizerConfig
     from areal_mega.engine.critic import CriticEngine, critic_optimizer_config
+
     ocfg = critic_optimizer_config(OptimizerConfig(clip_grad=0.0), CriticConfig(**CRITIC))
-    return CriticEngine(ModelConfig(dtype="fp32"), hf_config=hf, mesh=ew.MESH[0],
-                        optimizer_cfg=ocfg, seed=seed, use_distributed_optimizer=False)
+    return CriticEngine(
+        ModelConfig(dtype="fp32"),
+        hf_config=hf,
+        mesh=ew.MESH[0],
+        optimizer_cfg=ocfg,
+        seed=seed,
+        use_distributed_optimizer=False,
+    )
 
 
 def value_fns():
     from areal_mega.algo.value_loss import make_value_loss
     from areal_mega.config import CriticConfig
+
     return make_value_loss(CriticConfig(**CRITIC))
 
 
@@ -45,10 +54,14 @@ def reference(mbs, hf=HF):
     (the DDP hooks accumulate into ``main_grad``, read back below). Attaches the loss's
     ``values`` (old, = current + noise) and ``returns`` to ``mbs``."""
     from areal_mega.engine.packed import block_causal_mask
+
     eng = critic_engine(hf=hf)
     model = eng.model[0].module
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if not k.endswith("_extra_state")}
+    state = {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if not k.endswith("_extra_state")
+    }
     loss_fn, den_fn = value_fns()
     denom = float(sum(den_fn(mb) for mb in mbs))
     g = torch.Generator().manual_seed(5)
@@ -57,11 +70,12 @@ def reference(mbs, hf=HF):
         c.zero_grad_buffer()
     for mb in mbs:
         ids = mb["input_ids"].long()
-        v = model(ids[None], mb["position_ids"][None],
-                  block_causal_mask(mb["segment_ids"].long())).reshape(-1)
+        v = model(
+            ids[None], mb["position_ids"][None], block_causal_mask(mb["segment_ids"].long())
+        ).reshape(-1)
         in_seq = torch.zeros_like(v, dtype=torch.bool)
         for s, n in zip(mb["cu_seqlens_padded"][:-1].tolist(), mb["seqlens"].tolist()):
-            in_seq[s:s + n] = True
+            in_seq[s : s + n] = True
         v = torch.where(in_seq, v, torch.zeros_like(v))
         mb["values"] = v.detach() + (torch.rand(v.shape, generator=g) - 0.5) * 0.6
         mb["returns"] = torch.rand(v.shape, generator=g)
@@ -77,7 +91,7 @@ def reference(mbs, hf=HF):
 
 def check(res, tag, ref, mbs, want=None, hf=HF):
     """Values, gradients and loss of the critic on the current mesh vs the reference."""
-    eng = critic_engine(seed=99, hf=hf)      # other init: the reference weights are copied in
+    eng = critic_engine(seed=99, hf=hf)  # other init: the reference weights are copied in
     ew.load_reference(eng, ref, hf)
     want = ref["lps"] if want is None else want
     res[f"{tag}.values"] = ew.compare_lps(eng.forward_values(mbs), want)
@@ -104,6 +118,7 @@ def scenario_layouts(res, out_dir):
     # last chunk only; values, gradients and loss equal the reference.
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
+
     hf4 = dict(HF, num_hidden_layers=4)
     var = ew.make_mbs(2, [[9, 14, 5], [31], [6, 6, 6, 10], [12, 3]])
     ew.set_mesh(dict(dp=world))
@@ -120,16 +135,23 @@ def rl_micro_batches(cfg):
     import numpy as np
     from areal_mega.dataplane.trajectory import Trajectory
     from areal_mega.train import batches
+
     rng = np.random.default_rng(3)
     trajs = []
     for i in range(8):
         n_p, n_g = 4 + i % 3, 5 + (i * 3) % 7
-        t = Trajectory.from_tokens(rng.integers(0, ew.VOCAB, n_p), rng.integers(0, ew.VOCAB, n_g),
-                                   -rng.random(n_g), np.zeros(n_g, np.int32),
-                                   reward=float(i % 2), sample_id=f"s{i}", group_id=f"g{i // 4}",
-                                   finish_reason="length" if i % 3 == 0 else "stop")
-        if i == 5:            # multi-turn: an environment span inside the completion
-            t.loss_mask[n_p + 2:n_p + 4] = 0
+        t = Trajectory.from_tokens(
+            rng.integers(0, ew.VOCAB, n_p),
+            rng.integers(0, ew.VOCAB, n_g),
+            -rng.random(n_g),
+            np.zeros(n_g, np.int32),
+            reward=float(i % 2),
+            sample_id=f"s{i}",
+            group_id=f"g{i // 4}",
+            finish_reason="length" if i % 3 == 0 else "stop",
+        )
+        if i == 5:  # multi-turn: an environment span inside the completion
+            t.loss_mask[n_p + 2 : n_p + 4] = 0
         trajs.append(t)
     plan = batches.plan_step(trajs, cfg, dp_size=1, tp_size=1, pp_size=1, cp_size=1)
     return plan.micro_batches[0]
@@ -140,13 +162,21 @@ def scenario_single(res, out_dir):
     from areal_mega.dataplane.trajectory import FINISH_REASONS
     from areal_mega.ops.reference import gae_loop_reference
     from areal_mega.train import batches
-    from areal_mega.train.critic_step import (gae_step, load_critic, save_critic,
-                                              train_critic)
+    from areal_mega.train.critic_step import gae_step, load_critic, save_critic, train_critic
+
     ew.set_mesh(dict(dp=1))
-    cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.enabled=true",
-                             "algorithm.gamma=0.9", "algorithm.lam=0.8",
-                             "critic.bootstrap_truncated=true", "scheduler.max_tokens_per_mb=40",
-                             "critic.lr=1e-3"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.adv_estimator=gae",
+            "critic.enabled=true",
+            "algorithm.gamma=0.9",
+            "algorithm.lam=0.8",
+            "critic.bootstrap_truncated=true",
+            "scheduler.max_tokens_per_mb=40",
+            "critic.lr=1e-3",
+        ],
+    )
     mbs = rl_micro_batches(cfg)
     mbs = batches.attach(mbs, prox_logprobs=[mb["logprobs"] for mb in mbs])
     eng = critic_engine()
@@ -159,32 +189,49 @@ def scenario_single(res, out_dir):
         r = torch.zeros_like(v)
         boot = torch.zeros(len(mb["seqlens"]))
         for b in range(len(mb["seqlens"])):
-            idx = torch.nonzero(m[cu[b]:cu[b + 1]]).flatten()
+            idx = torch.nonzero(m[cu[b] : cu[b + 1]]).flatten()
             r[cu[b] + idx[-1]] = mb["rewards"][b]
             if int(mb["finish_codes"][b]) == FINISH_REASONS.index("length"):
                 boot[b] = v[cu[b] + int(mb["seqlens"][b]) - 1]
-        adv, ret = gae_loop_reference(r, v, cu, gamma=0.9, lam=0.8, bootstrap_values=boot,
-                                      loss_mask=m)
-        worst = max(worst, float((adv - mb["advantages"]).abs().max()),
-                    float((ret - mb["returns"]).abs().max()))
+        adv, ret = gae_loop_reference(
+            r, v, cu, gamma=0.9, lam=0.8, bootstrap_values=boot, loss_mask=m
+        )
+        worst = max(
+            worst,
+            float((adv - mb["advantages"]).abs().max()),
+            float((ret - mb["returns"]).abs().max()),
+        )
     res["gae.max_diff"] = worst
     res["gae.n_micro_batches"] = len(out)
     length = FINISH_REASONS.index("length")
-    res["gae.has_truncated"] = float(any(int(c) == length for mb in out
-                                         for c in mb["finish_codes"]))
-    res["gae.has_multiturn"] = float(any(
-        bool((mb["loss_mask"][1:].int() - mb["loss_mask"][:-1].int() == 1).sum() >
-             len(mb["seqlens"])) for mb in out))
+    res["gae.has_truncated"] = float(
+        any(int(c) == length for mb in out for c in mb["finish_codes"])
+    )
+    res["gae.has_multiturn"] = float(
+        any(
+            bool(
+                (mb["loss_mask"][1:].int() - mb["loss_mask"][:-1].int() == 1).sum()
+                > len(mb["seqlens"])
+            )
+            for mb in out
+        )
+    )
     res["gae.stats_keys"] = sorted(stats)
     # KL in the reward: the penalty −β·KL_t enters the token rewards before GAE
-    kl_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(
-        cfg.algorithm, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1"))
-    shifted = batches.attach(mbs, ref_logprobs=[mb["logprobs"] - 0.2 * mb["loss_mask"]
-                                                for mb in mbs])
+    kl_cfg = dataclasses.replace(
+        cfg,
+        algorithm=dataclasses.replace(
+            cfg.algorithm, kl_in_reward=True, kl_coef=0.5, kl_estimator="k1"
+        ),
+    )
+    shifted = batches.attach(
+        mbs, ref_logprobs=[mb["logprobs"] - 0.2 * mb["loss_mask"] for mb in mbs]
+    )
     kl_out, kl_stats = gae_step(eng, shifted, kl_cfg, ew.MESH[0])
     res["kl.reward_mean"] = kl_stats["adv/kl_reward_mean"]
-    res["kl.return_shift"] = max(float((a["returns"] - b["returns"]).abs().max())
-                                 for a, b in zip(kl_out, out))
+    res["kl.return_shift"] = max(
+        float((a["returns"] - b["returns"]).abs().max()) for a, b in zip(kl_out, out)
+    )
     # resume: two steps, checkpoint, third step; a fresh engine restored from the checkpoint
     # takes exactly the same third step
     root = os.path.join(out_dir, "ckpt")
@@ -218,16 +265,23 @@ def fit_checks(res, cfg):
     from areal_mega.dataplane.trajectory import Trajectory
     from areal_mega.train import batches
     from areal_mega.train.critic_step import gae_step, train_critic
+
     rng = np.random.default_rng(0)
     trajs = []
     for i in range(32):
         comp = rng.integers(0, 20, 6)
-        trajs.append(Trajectory.from_tokens(rng.integers(0, 20, 6), comp, -rng.random(6),
-                                            np.zeros(6, np.int32),
-                                            reward=float(comp[1] % 2 == 0), sample_id=f"f{i}",
-                                            group_id=f"h{i // 8}"))
-    mbs = batches.plan_step(trajs, cfg, dp_size=1, tp_size=1, pp_size=1,
-                            cp_size=1).micro_batches[0]
+        trajs.append(
+            Trajectory.from_tokens(
+                rng.integers(0, 20, 6),
+                comp,
+                -rng.random(6),
+                np.zeros(6, np.int32),
+                reward=float(comp[1] % 2 == 0),
+                sample_id=f"f{i}",
+                group_id=f"h{i // 8}",
+            )
+        )
+    mbs = batches.plan_step(trajs, cfg, dp_size=1, tp_size=1, pp_size=1, cp_size=1).micro_batches[0]
     mbs = batches.attach(mbs, prox_logprobs=[mb["logprobs"] for mb in mbs])
     eng = critic_engine(hf=ew.TIED)
     evs = []
@@ -243,17 +297,23 @@ def lm_checks(res, out_dir, mbs):
     from areal_mega.engine import MegatronEngine
     from areal_mega.engine.critic import load_score_head
     from areal_mega.train.critic_step import init_critic
-    lm = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=ew.TIED, role="ref",
-                        mesh=ew.MESH[0], seed=31)
+
+    lm = MegatronEngine(
+        ModelConfig(dtype="fp32"), hf_config=ew.TIED, role="ref", mesh=ew.MESH[0], seed=31
+    )
     lm_dir = os.path.join(out_dir, "lm")
     from areal_mega.checkpoint.dist_ckpt import save_checkpoint
+
     save_checkpoint(lm_dir, 0, lm.model_chunks())
     critic = critic_engine(seed=5, hf=ew.TIED)
     head0 = critic.head_parameter().detach().clone()
     hf_dir = os.path.join(out_dir, "hf")
     os.makedirs(hf_dir, exist_ok=True)
-    init_critic(critic, lambda views, hf: load_checkpoint(lm_dir, views, load_optimizer=False,
-                                                          load_rng=False), hf_dir)
+    init_critic(
+        critic,
+        lambda views, hf: load_checkpoint(lm_dir, views, load_optimizer=False, load_rng=False),
+        hf_dir,
+    )
     lm_sd = lm.model_chunks()[0].state_dict()
     diff = 0.0
     for k, v in critic.model_chunks()[0].state_dict().items():
@@ -263,6 +323,7 @@ def lm_checks(res, out_dir, mbs):
     res["lm.trunk_diff"] = diff
     res["lm.head_unchanged"] = float(torch.equal(critic.head_parameter().detach(), head0))
     from safetensors.torch import save_file
+
     score = torch.randn(1, ew.TIED["hidden_size"])
     save_file({"score.weight": score}, os.path.join(hf_dir, "model.safetensors"))
     res["score.loaded"] = float(load_score_head(critic, hf_dir))

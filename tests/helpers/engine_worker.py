@@ -11,6 +11,7 @@ difference of per-token logprobs and gradients. Rank r writes ``<out_dir>/<scena
 The losses are the production ones: the decoupled PPO loss of :func:`make_policy_loss` (its
 ``prox_logprobs`` the reference model's own logprobs, ``logprobs`` / ``ref_logprobs`` those
 plus a little noise, ratios inside the clip range) and the SFT loss."""
+
 import json
 import os
 import re
@@ -26,15 +27,37 @@ from areal_mega.train.batches import next_token_layout
 from tests.helpers import group_batches
 
 VOCAB = 200  # padded to 256: the padded ids must be excluded from the softmax
-DENSE = dict(model_type="qwen3", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-             max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-             tie_word_embeddings=False)
-TIED = dict(DENSE, model_type="llama", tie_word_embeddings=True, head_dim=None,
-            rope_theta=50000.0, rms_norm_eps=1e-5)
+DENSE = dict(
+    model_type="qwen3",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+TIED = dict(
+    DENSE,
+    model_type="llama",
+    tie_word_embeddings=True,
+    head_dim=None,
+    rope_theta=50000.0,
+    rms_norm_eps=1e-5,
+)
 BIAS = dict(DENSE, model_type="qwen2", head_dim=None)
-MOE = dict(DENSE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-           moe_intermediate_size=32, norm_topk_prob=True)
+MOE = dict(
+    DENSE,
+    model_type="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
 TEMP = 0.7
 #: the policy loss of the dense layouts, and a sequence-level one (GSPO ratio, mean of sequence
 #: means, geometric importance weight) for the pipeline layout and context parallelism
@@ -48,10 +71,12 @@ def losses(kind, **kw):
     if kind == "sft":
         from areal_mega.engine import default_denominator
         from areal_mega.train.sft import sft_loss
+
         return sft_loss, default_denominator
     import dataclasses
     from areal_mega.algo import make_policy_loss
     from areal_mega.config import AlgorithmConfig
+
     return make_policy_loss(dataclasses.replace(AlgorithmConfig(), **kind), **kw)
 
 
@@ -69,10 +94,15 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
     g = torch.Generator().manual_seed(seed)
     mbs = []
     for lens in lens_per_mb:
-        seqs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g),
-                 "prompt_len": max(1, n // 3),
-                 "advantages": torch.randn(1, generator=g).expand(n).clone()} for n in lens]
-        seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
+        seqs = [
+            {
+                "input_ids": torch.randint(0, VOCAB, (n,), generator=g),
+                "prompt_len": max(1, n // 3),
+                "advantages": torch.randn(1, generator=g).expand(n).clone(),
+            }
+            for n in lens
+        ]
+        seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]  # + labels
         mbs.append(pack_sequences(seqs, pad_to_multiple=pad, cp_size=cp))
     return mbs
 
@@ -86,14 +116,19 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
     from areal_mega.engine import MegatronEngine
     from areal_mega.engine.packed import block_causal_mask, micro_batch_labels
     from areal_mega.ops import packed_logprobs
-    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf, role="ref", mesh=MESH[0],
-                         seed=seed)
+
+    eng = MegatronEngine(
+        ModelConfig(dtype="fp32"), hf_config=hf, role="ref", mesh=MESH[0], seed=seed
+    )
     model = eng.model[0]
     model.requires_grad_(True)
     if prepare is not None:
         prepare(model)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if not k.endswith("_extra_state")}
+    state = {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if not k.endswith("_extra_state")
+    }
     loss_fn, den_fn = losses(loss)
     denom = float(sum(den_fn(mb) for mb in mbs))
     lps, total = [], 0.0
@@ -101,11 +136,11 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         ids = mb["input_ids"].long()
         labels = micro_batch_labels(mb, ids.numel())
         valid = labels >= 0
-        logits = model(ids[None], mb["position_ids"][None],
-                       block_causal_mask(mb["segment_ids"].long()))[0]
+        logits = model(
+            ids[None], mb["position_ids"][None], block_causal_mask(mb["segment_ids"].long())
+        )[0]
         logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
-        lp, ent = packed_logprobs(logits, labels, temperature=TEMP,
-                                  return_entropy=True)
+        lp, ent = packed_logprobs(logits, labels, temperature=TEMP, return_entropy=True)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
         ent = torch.where(valid, ent, torch.zeros_like(ent))
         if loss != "sft":
@@ -115,8 +150,14 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         total += float(num) / denom
         lps.append(lp.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"state": state, "lps": lps, "grads": grads, "loss": total, "kind": loss,
-            "n_tokens": denom}
+    return {
+        "state": state,
+        "lps": lps,
+        "grads": grads,
+        "loss": total,
+        "kind": loss,
+        "n_tokens": denom,
+    }
 
 
 # ----------------------------------------------------------------------------- shard mapping
@@ -130,13 +171,14 @@ def global_name(name, chunk, mesh, hf):
     m = _LAYER.search(name)
     if m:
         g = chunk.decoder.layers[int(m.group(1))].layer_number - 1
-        name = name[:m.start()] + f"decoder.layers.{g}." + name[m.end():]
+        name = name[: m.start()] + f"decoder.layers.{g}." + name[m.end() :]
     m = _EXPERT.search(name)
     if m:
         per = hf["num_experts"] // mesh.dims.ep
         from megatron.core import parallel_state as ps
+
         g = int(m.group(1)) + ps.get_expert_model_parallel_rank() * per
-        name = name[:m.start()] + f"local_experts.{g}." + name[m.end():]
+        name = name[: m.start()] + f"local_experts.{g}." + name[m.end() :]
     if name == "output_layer.weight" and hf.get("tie_word_embeddings"):
         name = "embedding.word_embeddings.weight"
     return name
@@ -159,7 +201,7 @@ def load_reference(eng, ref, hf):
         for n, p in inner.named_parameters():
             full = ref["state"][global_name(n, inner, eng.mesh, hf)]
             p.data.copy_(shard_of(full, p, n, eng.mesh))
-        for n, b in inner.named_buffers():   # routers' expert biases (replicated)
+        for n, b in inner.named_buffers():  # routers' expert biases (replicated)
             if n.endswith("router.expert_bias"):
                 b.copy_(ref["state"][global_name(n, inner, eng.mesh, hf)])
 
@@ -180,8 +222,7 @@ def compare_grads(eng, ref, hf):
 
 
 def compare_lps(got, want):
-    return max((a.float().cpu() - b.float().cpu()).abs().max().item()
-               for a, b in zip(got, want))
+    return max((a.float().cpu() - b.float().cpu()).abs().max().item() for a, b in zip(got, want))
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -191,6 +232,7 @@ MESH = [None]
 def set_mesh(spec, sp=False):
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
+
     if MESH[0] is not None:
         MESH[0].destroy()
     MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, timeout_s=90)
@@ -202,15 +244,21 @@ def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32"):
     grads are read from ``main_grad``, which the distributed optimizer only reduce-scatters
     (each DP×CP rank would hold the reduced gradient of its own buffer shard only)."""
     from areal_mega.engine import MegatronEngine
-    eng = MegatronEngine(ModelConfig(dtype=dtype), hf_config=hf, role="actor", mesh=MESH[0],
-                         optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0), seed=seed,
-                         use_distributed_optimizer=False)
+
+    eng = MegatronEngine(
+        ModelConfig(dtype=dtype),
+        hf_config=hf,
+        role="actor",
+        mesh=MESH[0],
+        optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0),
+        seed=seed,
+        use_distributed_optimizer=False,
+    )
     load_reference(eng, ref, hf)
     return eng
 
 
-def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype="fp32",
-                 prox=False):
+def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype="fp32", prox=False):
     """Logprobs (forward_logprobs) and grads (forward_backward) of a layout vs reference, with
     the reference's production loss; ``prox``: again with π_prox taken from the training
     forward (``actor.prox_logprobs=auto``: no ``prox_logprobs`` in the micro-batches)."""
@@ -218,15 +266,20 @@ def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype=
     my_mbs = mbs if my_mbs is None else my_mbs
     want = ref["lps"] if my_ref_lps is None else my_ref_lps
     res[f"{tag}.logprobs"] = compare_lps(eng.forward_logprobs(my_mbs, temperature=TEMP), want)
-    stats = eng.forward_backward(my_mbs, *losses(ref["kind"]), temperature=TEMP,
-                                 return_entropy=True)
+    stats = eng.forward_backward(
+        my_mbs, *losses(ref["kind"]), temperature=TEMP, return_entropy=True
+    )
     res[f"{tag}.grads"], res[f"{tag}.grads_rel"] = compare_grads(eng, ref, hf)
     res[f"{tag}.loss"] = abs(stats["loss"] - ref["loss"])
     res[f"{tag}.n_tokens"] = abs(stats["n_tokens"] - ref["n_tokens"])
     if prox:
         bare = [{k: v for k, v in mb.items() if k != "prox_logprobs"} for mb in my_mbs]
-        stats = eng.forward_backward(bare, *losses(ref["kind"], prox_from_forward=True),
-                                     temperature=TEMP, return_entropy=True)
+        stats = eng.forward_backward(
+            bare,
+            *losses(ref["kind"], prox_from_forward=True),
+            temperature=TEMP,
+            return_entropy=True,
+        )
         res[f"{tag}.prox_from_forward.grads"], _ = compare_grads(eng, ref, hf)
         res[f"{tag}.prox_from_forward.loss"] = abs(stats["loss"] - ref["loss"])
     return eng
@@ -248,9 +301,14 @@ def scenario_dense(res, out_dir):
     lp0 = eng.forward_logprobs([mb0], temperature=TEMP)[0]
     for b in range(len(mb0["seqlens"])):
         s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
-        alone = pack_sequences([next_token_layout(mb0["input_ids"][s:s + n])])
-        worst = max(worst, (eng.forward_logprobs([alone], temperature=TEMP)[0][:n]
-                            - lp0[s:s + n]).abs().max().item())
+        alone = pack_sequences([next_token_layout(mb0["input_ids"][s : s + n])])
+        worst = max(
+            worst,
+            (eng.forward_logprobs([alone], temperature=TEMP)[0][:n] - lp0[s : s + n])
+            .abs()
+            .max()
+            .item(),
+        )
     res["packed_vs_alone"] = worst
     # checkpoint written from the TP1 (d2) layout, reloaded under TP2 below
     ckpt = os.path.join(out_dir, "ckpt_tp1")
@@ -260,13 +318,17 @@ def scenario_dense(res, out_dir):
     set_mesh(dict(tp=world))
     eng = check_layout(res, "tp2", DENSE, ref, mbs, prox=True)
     from areal_mega.engine import MegatronEngine
-    fresh = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=DENSE, role="ref", mesh=MESH[0],
-                           seed=999)
-    res["tp2.before_reload_differs"] = float(compare_lps(
-        fresh.forward_logprobs(mbs, temperature=TEMP), ref["lps"]) > 1e-3)
+
+    fresh = MegatronEngine(
+        ModelConfig(dtype="fp32"), hf_config=DENSE, role="ref", mesh=MESH[0], seed=999
+    )
+    res["tp2.before_reload_differs"] = float(
+        compare_lps(fresh.forward_logprobs(mbs, temperature=TEMP), ref["lps"]) > 1e-3
+    )
     extra = fresh.load(ckpt)
-    res["ckpt_tp1_to_tp2.logprobs"] = compare_lps(fresh.forward_logprobs(mbs, temperature=TEMP),
-                                                  ref["lps"])
+    res["ckpt_tp1_to_tp2.logprobs"] = compare_lps(
+        fresh.forward_logprobs(mbs, temperature=TEMP), ref["lps"]
+    )
     res["ckpt_tp1_to_tp2.extra_ok"] = float(extra == {"note": "tp1"})
     # ten train steps on a fixed batch lower the loss (TP2)
     fns = losses(POLICY)
@@ -298,8 +360,9 @@ def scenario_moe(res, out_dir):
     ref = reference(MOE, mbs, seed=21, loss="sft")
     # EP2 (alltoall dispatcher) inside DP2: each rank half of the micro-batches
     set_mesh(dict(dp=world, ep=world))
-    check_layout(res, "ep2", MOE, ref, mbs, my_mbs=mbs[rank::world],
-                 my_ref_lps=ref["lps"][rank::world])
+    check_layout(
+        res, "ep2", MOE, ref, mbs, my_mbs=mbs[rank::world], my_ref_lps=ref["lps"][rank::world]
+    )
     # EP1 + TP2 (expert tensor parallel = TP)
     set_mesh(dict(tp=world), sp=True)
     check_layout(res, "moe_tp2sp", MOE, ref, mbs)
@@ -316,21 +379,36 @@ def _engine_reference(hf, mbs, seed, loss):
     sums their gradients, so ``main_grad`` and the summed ``loss`` already equal one rank's
     single-batch values: nothing is rescaled by the world size."""
     from areal_mega.engine import MegatronEngine
-    eng = MegatronEngine(ModelConfig(dtype=GPU_DTYPE), hf_config=hf, role="actor",
-                         mesh=MESH[0], optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
-                         seed=seed, use_distributed_optimizer=False)
-    state = {k: v.detach().clone() for k, v in eng.model_chunks()[0].state_dict().items()
-             if not k.endswith("_extra_state")}
+
+    eng = MegatronEngine(
+        ModelConfig(dtype=GPU_DTYPE),
+        hf_config=hf,
+        role="actor",
+        mesh=MESH[0],
+        optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
+        seed=seed,
+        use_distributed_optimizer=False,
+    )
+    state = {
+        k: v.detach().clone()
+        for k, v in eng.model_chunks()[0].state_dict().items()
+        if not k.endswith("_extra_state")
+    }
     lps = eng.forward_logprobs(mbs, temperature=TEMP)
     if loss != "sft":
         for i, (mb, lp) in enumerate(zip(mbs, lps)):
             attach_policy_inputs(mb, lp, seed * 100 + i)
     loss_fn, den_fn = losses(loss)
     st = eng.forward_backward(mbs, loss_fn, den_fn, temperature=TEMP, return_entropy=True)
-    grads = {n: p.main_grad.detach().clone()
-             for n, p in eng.model_chunks()[0].named_parameters()}
-    return {"state": state, "lps": lps, "grads": grads, "loss": st["loss"], "kind": loss,
-            "n_tokens": float(sum(den_fn(mb) for mb in mbs))}
+    grads = {n: p.main_grad.detach().clone() for n, p in eng.model_chunks()[0].named_parameters()}
+    return {
+        "state": state,
+        "lps": lps,
+        "grads": grads,
+        "loss": st["loss"],
+        "kind": loss,
+        "n_tokens": float(sum(den_fn(mb) for mb in mbs)),
+    }
 
 
 def scenario_gpu_thd(res, out_dir):
@@ -345,14 +423,14 @@ def scenario_gpu_thd(res, out_dir):
     e2 = actor(DENSE, ref, dtype=GPU_DTYPE)
     for b in range(len(mb0["seqlens"])):
         s, n = int(mb0["cu_seqlens"][b]), int(mb0["seqlens"][b])
-        alone = pack_sequences([next_token_layout(mb0["input_ids"][s:s + n])])
+        alone = pack_sequences([next_token_layout(mb0["input_ids"][s : s + n])])
         lp_alone = e2.forward_logprobs([alone], temperature=TEMP)[0][:n]
-        worst = max(worst, (lp_alone - lp0[s:s + n]).abs().max().item())
-        if b:   # the same tokens as the tail of one sequence that starts at sequence b-1
+        worst = max(worst, (lp_alone - lp0[s : s + n]).abs().max().item())
+        if b:  # the same tokens as the tail of one sequence that starts at sequence b-1
             p = int(mb0["cu_seqlens"][b - 1])
-            joined = pack_sequences([next_token_layout(mb0["input_ids"][p:s + n])])
-            lp_j = e2.forward_logprobs([joined], temperature=TEMP)[0][s - p:s - p + n - 1]
-            leak = max(leak, (lp_j - lp_alone[:n - 1]).abs().max().item())
+            joined = pack_sequences([next_token_layout(mb0["input_ids"][p : s + n])])
+            lp_j = e2.forward_logprobs([joined], temperature=TEMP)[0][s - p : s - p + n - 1]
+            leak = max(leak, (lp_j - lp_alone[: n - 1]).abs().max().item())
     res["thd.packed_vs_alone"] = worst
     res["thd.joined_vs_alone"] = leak
 
@@ -374,20 +452,24 @@ def scenario_vpp(res, out_dir):
     of one packed length and of variable lengths."""
     world = int(os.environ["WORLD_SIZE"])
     tied4 = dict(TIED, num_hidden_layers=4)
-    cases = {"vpp_same": make_mbs(5, [[9, 14, 5], [20, 8], [6, 6, 6, 10], [28]]),
-             "vpp_var": make_mbs(6, [[9, 14, 5], [31], [4, 4], [12, 7, 9]])}
+    cases = {
+        "vpp_same": make_mbs(5, [[9, 14, 5], [20, 8], [6, 6, 6, 10], [28]]),
+        "vpp_var": make_mbs(6, [[9, 14, 5], [31], [4, 4], [12, 7, 9]]),
+    }
     for tag, mbs in cases.items():
         set_mesh(dict(dp=world))
         ref = reference(tied4, mbs, seed=3, loss=GSPO)
-        before = actor(tied4, ref)       # single-rank train step: the reference step
+        before = actor(tied4, ref)  # single-rank train step: the reference step
         stats = before.train_batch(mbs, *losses(GSPO), temperature=TEMP)
         stepped = {n: p.detach().clone() for n, p in before.model_chunks()[0].named_parameters()}
-        res[f"{tag}.step_moved"] = max((stepped[n] - ref["state"][n]).abs().max().item()
-                                       for n in stepped)
+        res[f"{tag}.step_moved"] = max(
+            (stepped[n] - ref["state"][n]).abs().max().item() for n in stepped
+        )
         del before
         MESH[0].destroy()
         from areal_mega.parallel.allocation import ParallelDims
         from areal_mega.parallel.mesh import ParallelMesh
+
         MESH[0] = ParallelMesh.create(ParallelDims(pp=world), vpp=2, timeout_s=90)
         eng = check_layout(res, tag, tied4, ref, mbs)
         try:
@@ -398,9 +480,13 @@ def scenario_vpp(res, out_dir):
         got = eng.train_batch(mbs, *losses(GSPO), temperature=TEMP)
         res[f"{tag}.step_loss"] = abs(got["loss"] - stats["loss"])
         res[f"{tag}.step_params"] = max(
-            (p.detach() - shard_of(stepped[global_name(n, c, eng.mesh, tied4)], p, n,
-                                   eng.mesh)).abs().max().item()
-            for c in eng.model_chunks() for n, p in c.named_parameters())
+            (p.detach() - shard_of(stepped[global_name(n, c, eng.mesh, tied4)], p, n, eng.mesh))
+            .abs()
+            .max()
+            .item()
+            for c in eng.model_chunks()
+            for n, p in c.named_parameters()
+        )
         del eng
 
 
@@ -428,8 +514,9 @@ def run_scenario(scenarios: dict, res: dict = None) -> int:
     ``scenarios[scenario](res, out_dir)`` on a gloo rank of this world, an exception recorded
     as ``res["error"]``, then :func:`finish_rank` to ``<out_dir>/<scenario>.<rank>.json``."""
     scenario, rank, world, port, out_dir = sys.argv[1:6]
-    os.environ.update(RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                      LOCAL_RANK=rank)
+    os.environ.update(
+        RANK=rank, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOCAL_RANK=rank
+    )
     torch.set_num_threads(1)
     res = {} if res is None else res
     try:
@@ -440,9 +527,16 @@ def run_scenario(scenarios: dict, res: dict = None) -> int:
 
 
 def main():
-    return run_scenario({"dense": scenario_dense, "moe": scenario_moe, "vpp": scenario_vpp,
-                         "gpu_thd": scenario_gpu_thd, "gpu_cp2": scenario_gpu_cp2,
-                         "cpu": scenario_cpu})
+    return run_scenario(
+        {
+            "dense": scenario_dense,
+            "moe": scenario_moe,
+            "vpp": scenario_vpp,
+            "gpu_thd": scenario_gpu_thd,
+            "gpu_cp2": scenario_gpu_cp2,
+            "cpu": scenario_cpu,
+        }
+    )
 
 
 if __name__ == "__main__":

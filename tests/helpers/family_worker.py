@@ -20,6 +20,7 @@ the family's case (:data:`tests.helpers.new_families.CASES`):
 
 Rank r writes ``<work_dir>/<family>.<r>.json`` ({check: max abs difference}).
 """
+
 import json
 import os
 import sys
@@ -40,8 +41,10 @@ def hf_reference(hf_dir, seqs, overrides=None):
     """transformers' logits of the first two (equally long) sequences as one batch, and every
     sequence's next-token logprobs (``overrides``: config fields changed at load)."""
     from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                             **(overrides or {})).eval()
+
+    m = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, **(overrides or {})
+    ).eval()
     with torch.no_grad():
         logits = m(input_ids=torch.stack(seqs[:2])).logits
         lps = []
@@ -62,14 +65,17 @@ def converted_vs_hf(res, tag, hf_config, mcore_dir, hf_seqs, want_logits, want_l
     from areal_mega.engine import MegatronEngine
     from areal_mega.scheduler.packing import pack_sequences
     from areal_mega.train.batches import next_token_layout
-    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=hf_config, role="ref",
-                         mesh=ew.MESH[0], seed=5)
+
+    eng = MegatronEngine(
+        ModelConfig(dtype="fp32"), hf_config=hf_config, role="ref", mesh=ew.MESH[0], seed=5
+    )
     load_checkpoint(mcore_dir, eng.model_chunks(), load_optimizer=False, load_rng=False)
     mb = pack_sequences([next_token_layout(s) for s in hf_seqs], pad_to_multiple=2)
-    got = eng.forward_logprobs([mb, mb])[0]   # PP needs a micro-batch per stage in flight
+    got = eng.forward_logprobs([mb, mb])[0]  # PP needs a micro-batch per stage in flight
     res[f"{tag}.hf_packed"] = max(
-        (got[int(mb["cu_seqlens"][b]):int(mb["cu_seqlens"][b]) + len(w)] - w).abs().max().item()
-        for b, w in enumerate(want_lps))
+        (got[int(mb["cu_seqlens"][b]) : int(mb["cu_seqlens"][b]) + len(w)] - w).abs().max().item()
+        for b, w in enumerate(want_lps)
+    )
     if eng.mesh.dims.pp == 1:
         chunk = eng.model_chunks()[0]
         ids = torch.stack(hf_seqs[:2])
@@ -79,7 +85,7 @@ def converted_vs_hf(res, tag, hf_config, mcore_dir, hf_seqs, want_logits, want_l
         g = ps.get_tensor_model_parallel_group()
         parts = [torch.empty_like(out) for _ in range(dist.get_world_size(g))]
         dist.all_gather(parts, out.contiguous(), group=g)
-        got_logits = torch.cat(parts, dim=-1)[..., :want_logits.shape[-1]]
+        got_logits = torch.cat(parts, dim=-1)[..., : want_logits.shape[-1]]
         res[f"{tag}.hf_logits"] = (got_logits - want_logits).abs().max().item()
 
 
@@ -100,23 +106,37 @@ def run_family(name):
         # no MoE aux loss (the reference is the plain autograd of the policy loss; the aux
         # loss's per-step scaling is checked by tests/test_moe_aux.py)
         from areal_mega.models.builder import normalize_hf_config
+
         hf = normalize_hf_config(dict(cfg, vocab_size=ew.VOCAB, router_aux_loss_coef=0.0))
         mbs = ew.make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
         ew.set_mesh(MESHES["dp2"])
         converted_vs_hf(res, "dp2", cfg, mcore_dir, seqs, want_logits, want_lps)
         for variant, overrides in case.config_variants.items():
-            converted_vs_hf(res, f"dp2_{variant}", dict(cfg, **overrides), mcore_dir, seqs,
-                            *hf_reference(hf_dir, seqs, overrides))
+            converted_vs_hf(
+                res,
+                f"dp2_{variant}",
+                dict(cfg, **overrides),
+                mcore_dir,
+                seqs,
+                *hf_reference(hf_dir, seqs, overrides),
+            )
         ref = ew.reference(hf, mbs, seed=11, loss=ew.POLICY)
-        ew.check_layout(res, "dp2", hf, ref, mbs, my_mbs=mbs[rank::2],
-                        my_ref_lps=ref["lps"][rank::2])
+        ew.check_layout(
+            res, "dp2", hf, ref, mbs, my_mbs=mbs[rank::2], my_ref_lps=ref["lps"][rank::2]
+        )
         for layout in case.layouts:
             ew.set_mesh(MESHES[layout])
             converted_vs_hf(res, layout, cfg, mcore_dir, seqs, want_logits, want_lps)
             half = layout in HALF_BATCH
-            ew.check_layout(res, layout, hf, ref, mbs,
-                            my_mbs=mbs[rank::2] if half else None,
-                            my_ref_lps=ref["lps"][rank::2] if half else None)
+            ew.check_layout(
+                res,
+                layout,
+                hf,
+                ref,
+                mbs,
+                my_mbs=mbs[rank::2] if half else None,
+                my_ref_lps=ref["lps"][rank::2] if half else None,
+            )
 
     return scenario
 

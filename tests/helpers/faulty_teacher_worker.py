@@ -12,6 +12,7 @@ pass through). Faults, counted over the ``/generate`` (scoring) requests:
 
 Each ``/generate`` appends one JSON line to ``--log``: ``{"n", "fault"}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,19 +39,23 @@ def main() -> None:
                 f.write(json.dumps({"n": count[0], "fault": fault}) + "\n")
             if fault == "503":
                 return web.Response(status=503, text="teacher overloaded")
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type")}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("authorization", "content-type")
+        }
         async with aiohttp.ClientSession() as s:
-            async with s.request(request.method, args.upstream + request.path_qs, data=body,
-                                 headers=headers) as r:
+            async with s.request(
+                request.method, args.upstream + request.path_qs, data=body, headers=headers
+            ) as r:
                 status, text = r.status, await r.text()
         if request.path == "/generate" and fault == "nan" and status == 200:
             answers = json.loads(text)
             entries = answers[0]["meta_info"]["input_token_logprobs"]
-            entries[1][0] = float("nan")        # entry 0 is the context's None
+            entries[1][0] = float("nan")  # entry 0 is the context's None
             if len(entries) > 2:
                 entries[2][0] = 7.0
-            text = json.dumps(answers)            # NaN as the JSON literal Python writes
+            text = json.dumps(answers)  # NaN as the JSON literal Python writes
         return web.Response(status=status, text=text, content_type="application/json")
 
     app = web.Application(client_max_size=1 << 30)

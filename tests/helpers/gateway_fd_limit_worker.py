@@ -2,6 +2,7 @@
 file descriptor limit is low: ``python -m tests.helpers.gateway_fd_limit_worker RUN_DIR NOFILE CONFIG_JSON``.
 Prints ``{"base_url", "admin_api_key"}`` once serving, serves until stdin closes, then prints
 the gateway's connection counters."""
+
 import asyncio
 import json
 import resource
@@ -28,8 +29,13 @@ def main() -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         slot.cancel()
         await wf.close()
-        print(json.dumps({k: v for k, v in counters.snapshot().items()
-                          if k.startswith("online/connections")}), flush=True)
+        print(
+            json.dumps(
+                {k: v for k, v in counters.snapshot().items() if k.startswith("online/connections")}
+            ),
+            flush=True,
+        )
+
     asyncio.run(go())
 
 

@@ -1,6 +1,7 @@
 """A ``launch.local`` run of the tiny-cpu recipe as the end-to-end tests drive it: start and
 finish it, read what it wrote (metrics, trained samples, accepted sample ids), find its live
 processes, and check a preset's run."""
+
 import json
 import math
 import os
@@ -25,15 +26,33 @@ def _launch(run_dir, model, data, *extra):
     """``launch.local`` on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
     unless ``extra`` asks (``logging.plot=true``): drawing it takes a second per run and is
     checked in tests/test_e2e_multitask.py and tests/test_eval_training.py."""
-    args = [sys.executable, "-m", "areal_mega.launch.local", "--config",
-            str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}",
-            f"data.train_path={data / 'train.jsonl'}", f"data.test_path={data / 'test.jsonl'}",
-            f"logging.run_dir={run_dir}", "logging.progress_bar=false",
-            "logging.tensorboard=false", "logging.plot=false", "rollout.batch_size=4",
-            "rollout.n_samples=4", "cluster.kill_grace_s=5", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "areal_mega.launch.local",
+        "--config",
+        str(ROOT / "recipes" / "tiny-cpu.yaml"),
+        f"model.path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.test_path={data / 'test.jsonl'}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "rollout.batch_size=4",
+        "rollout.n_samples=4",
+        "cluster.kill_grace_s=5",
+        *extra,
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _finish(proc, timeout):
@@ -63,8 +82,11 @@ def _trainer_pid(run_dir):
     run's on the same machine."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if "areal_mega.trainer" in cmd and "torch.distributed.run" not in cmd and \
-                f"{run_dir}/config.yaml" in cmd:
+        if (
+            "areal_mega.trainer" in cmd
+            and "torch.distributed.run" not in cmd
+            and f"{run_dir}/config.yaml" in cmd
+        ):
             return p.pid
     return None
 
@@ -73,8 +95,13 @@ def _snapshot_live_run(run_dir, dest):
     """Copy a running run's directory (its journal and pending buffers: what was accepted so
     far) to ``dest``, without checkpoints, weights or sockets; an atomic write's *.tmp file
     may vanish while the tree is copied, so those are skipped."""
-    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(
-        "*.sock", "iter_*", "weights", "init_mcore", "tensorboard", "*.tmp"))
+    shutil.copytree(
+        run_dir,
+        dest,
+        ignore=shutil.ignore_patterns(
+            "*.sock", "iter_*", "weights", "init_mcore", "tensorboard", "*.tmp"
+        ),
+    )
     return dest
 
 
@@ -107,8 +134,9 @@ def _server_proc(port):
 def _wait(cond, proc, what, timeout=240):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, f"launch.local exited while waiting for {what}:\n" + \
-            proc.stdout.read().decode()[-3000:]
+        assert proc.poll() is None, (
+            f"launch.local exited while waiting for {what}:\n" + proc.stdout.read().decode()[-3000:]
+        )
         v = cond()
         if v:
             return v
@@ -126,6 +154,6 @@ def check_preset_run(run, preset, steps):
         assert resolved[section][leaf] == value, key
     rows = _metrics(run)
     assert [r["step"] for r in rows if r["step"] >= 1] == list(range(1, steps + 1))
-    for r in rows:   # a step the dynamic filter emptied takes no optimizer step, has no loss
+    for r in rows:  # a step the dynamic filter emptied takes no optimizer step, has no loss
         if r["step"] >= 1:
             assert math.isfinite(r["loss"]) if r["n_samples"] > 0 else "loss" not in r, r

@@ -10,6 +10,7 @@ a training run writes (:func:`areal_mega.lora.actor.checkpoint_extra`). The acto
 after the step and the micro-batches they belong to go to ``<out_dir>/expected.pt``; the
 converted base (``<out_dir>/mcore_qwen3``) is a full, non-LoRA checkpoint.
 """
+
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ def make_checkpoint(out):
     from areal_mega.lora.actor import checkpoint_extra
     from areal_mega.models.tiny import make_tiny_model
     from areal_mega.run_dir import hf_source_identity
+
     hf, ckpt = lw.model_paths(out, "qwen3")
     make_tiny_model(hf, arch="qwen3", tie_word_embeddings=False, **lw.MODELS["qwen3"])
     convert_hf_to_mcore(hf, ckpt, progress=False)
@@ -38,19 +40,32 @@ def make_checkpoint(out):
     for i, (mb, lp) in enumerate(zip(mbs, lps)):
         attach_policy_inputs(mb, lp, 300 + i)
     lw.train_once(eng, mbs)
-    eng.save(os.path.join(out, "run", "checkpoints"),
-             extra={"lora": checkpoint_extra(eng.lora, hf_source_identity(hf))})
+    eng.save(
+        os.path.join(out, "run", "checkpoints"),
+        extra={"lora": checkpoint_extra(eng.lora, hf_source_identity(hf))},
+    )
     after = eng.forward_logprobs(mbs, temperature=TEMP)
-    torch.save({"mbs": [{k: mb[k] for k in ("input_ids", "cu_seqlens", "seqlens")}
-                        for mb in mbs], "logprobs": after, "temperature": TEMP},
-               os.path.join(out, "expected.pt"))
+    torch.save(
+        {
+            "mbs": [{k: mb[k] for k in ("input_ids", "cu_seqlens", "seqlens")} for mb in mbs],
+            "logprobs": after,
+            "temperature": TEMP,
+        },
+        os.path.join(out, "expected.pt"),
+    )
 
 
 def main():
     out = sys.argv[1]
     from areal_mega.common.net import free_port
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0",
-                      MASTER_PORT=str(free_port()))
+
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        LOCAL_RANK="0",
+        MASTER_PORT=str(free_port()),
+    )
     torch.set_num_threads(1)
     res: dict = {}
     try:

@@ -8,6 +8,7 @@ on the same micro-batches of different lengths. The difference of their router-w
 gradients is the aux-loss gradient; it is compared with an independent torch computation of
 COEF · Σ_mb aux_mb · T_mb / Σ_mb T_mb from the router inputs recorded during the forward.
 """
+
 import json
 import sys
 import traceback
@@ -16,11 +17,25 @@ import torch
 
 COEF = 0.01
 VOCAB = 200
-MOE = dict(model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-           max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
-           tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])
+MOE = dict(
+    model_type="qwen3_moe",
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+)
 ROUTER = "decoder.layers.1.mlp.router"
 
 
@@ -40,7 +55,8 @@ def reference_aux_grad(weight, inputs, topk, n_experts):
         scores = torch.softmax(x @ w.t(), dim=-1)
         top = torch.topk(scores.detach(), topk, dim=-1).indices
         counts = torch.zeros(n_experts, dtype=torch.float64).scatter_add_(
-            0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float64))
+            0, top.reshape(-1), torch.ones(top.numel(), dtype=torch.float64)
+        )
         f = counts / (t * topk)
         p = scores.mean(dim=0)
         aux = n_experts * (f * p).sum()
@@ -62,31 +78,47 @@ def main():
         from areal_mega.scheduler.packing import pack_sequences
         from areal_mega.train.batches import next_token_layout
 
-        mesh = ParallelMesh.create(ParallelDims(), rank=0, world_size=1, timeout_s=120,
-                                   init_method=f"tcp://127.0.0.1:{free_port()}")
+        mesh = ParallelMesh.create(
+            ParallelDims(),
+            rank=0,
+            world_size=1,
+            timeout_s=120,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+        )
         engines = {}
         for coef in (COEF, 0.0):
             engines[coef] = MegatronEngine(
-                ModelConfig(dtype="fp32"), hf_config=dict(MOE, router_aux_loss_coef=coef),
-                role="actor", mesh=mesh, optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
-                seed=3)
+                ModelConfig(dtype="fp32"),
+                hf_config=dict(MOE, router_aux_loss_coef=coef),
+                role="actor",
+                mesh=mesh,
+                optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
+                seed=3,
+            )
         a, b = engines[COEF], engines[0.0]
-        for (n1, p1), (n2, p2) in zip(a.model[0].module.named_parameters(),
-                                      b.model[0].module.named_parameters()):
+        for (n1, p1), (n2, p2) in zip(
+            a.model[0].module.named_parameters(), b.model[0].module.named_parameters()
+        ):
             assert n1 == n2 and torch.equal(p1, p2), n1
         res["moe_aux_loss_coeff"] = float(a.config.moe_aux_loss_coeff)
         g = torch.Generator().manual_seed(0)
         mbs = []
         for lens, pad in (([9, 14, 5], 8), ([20, 3], 1), ([6, 6, 6, 4], 16)):
-            seqs = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g),
-                     "prompt_len": max(1, n // 3), "adv": torch.randn(n, generator=g)}
-                    for n in lens]
-            seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]   # + labels
+            seqs = [
+                {
+                    "input_ids": torch.randint(0, VOCAB, (n,), generator=g),
+                    "prompt_len": max(1, n // 3),
+                    "adv": torch.randn(n, generator=g),
+                }
+                for n in lens
+            ]
+            seqs = [{**s, **next_token_layout(s["input_ids"])} for s in seqs]  # + labels
             mbs.append(pack_sequences(seqs, pad_to_multiple=pad))
         inputs = []
         router = dict(a.model[0].module.named_modules())[ROUTER]
         hook = router.register_forward_hook(
-            lambda mod, args, out: inputs.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+            lambda mod, args, out: inputs.append(args[0].detach().reshape(-1, args[0].shape[-1]))
+        )
         stats_a = a.forward_backward(mbs, loss_fn)
         hook.remove()
         stats_b = b.forward_backward(mbs, loss_fn)
@@ -109,8 +141,12 @@ def main():
         # where the aux loss cannot reach (the output layer and the final norm)
         pa = dict(a.model[0].module.named_parameters())
         pb = dict(b.model[0].module.named_parameters())
-        res["output_layer_grad_diff"] = (pa["output_layer.weight"].main_grad
-                                         - pb["output_layer.weight"].main_grad).abs().max().item()
+        res["output_layer_grad_diff"] = (
+            (pa["output_layer.weight"].main_grad - pb["output_layer.weight"].main_grad)
+            .abs()
+            .max()
+            .item()
+        )
     except Exception:
         res["error"] = traceback.format_exc()
     with open(out_path, "w") as f:

@@ -9,6 +9,7 @@ and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export a
 PP2).
 CONVDIR holds tests/helpers/convert_worker.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """
+
 import json
 import os
 import sys
@@ -16,10 +17,14 @@ import time
 from pathlib import Path
 
 
-
 def main(rank, world, port, work, scenario, convdir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_RANK=str(rank),
+    )
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import export, hf_mapping as hm
@@ -39,6 +44,7 @@ def main(rank, world, port, work, scenario, convdir):
 
     def hf_logits(hf_dir, ids):
         from transformers import AutoModelForCausalLM
+
         m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             return m(input_ids=ids).logits
@@ -59,8 +65,11 @@ def main(rank, world, port, work, scenario, convdir):
         got = {}
         for bucket in export.iter_hf_buckets(chunks, arch, bucket_bytes=64 << 10):
             got.update(bucket)
-        bad = [n for n, t in got.items()
-               if n not in ref or t.dtype != ref[n].dtype or not torch.equal(t, ref[n])]
+        bad = [
+            n
+            for n, t in got.items()
+            if n not in ref or t.dtype != ref[n].dtype or not torch.equal(t, ref[n])
+        ]
         names = [None] * world
         dist.all_gather_object(names, sorted(got))
         union = set().union(*map(set, names))
@@ -93,39 +102,57 @@ def main(rank, world, port, work, scenario, convdir):
             mesh.destroy()
 
     if scenario == "dense":
-        run_model_checks("qwen2_untied_bias", [dict(dp=2), dict(tp=2), dict(pp=2)],
-                         [dict(dp=2), dict(tp=2)])
+        run_model_checks(
+            "qwen2_untied_bias", [dict(dp=2), dict(tp=2), dict(pp=2)], [dict(dp=2), dict(tp=2)]
+        )
         run_model_checks("llama_tied_gqa", [dict(tp=2), dict(pp=2)], [dict(tp=2)])
         run_model_checks("llama_4layers_vpp", [dict(pp=2, vpp=2), dict(tp=2)], [dict(tp=2)])
-        res["resume"] = resume_and_reshard(work, rank, mesh_for, conv("qwen3_tied_qknorm"),
-                                           mc_logits, ids_for, export)
-        res["resume_distopt"] = resume_and_reshard(work, rank, mesh_for,
-                                                   conv("qwen3_tied_qknorm"), mc_logits,
-                                                   ids_for, export, distopt=True)
+        res["resume"] = resume_and_reshard(
+            work, rank, mesh_for, conv("qwen3_tied_qknorm"), mc_logits, ids_for, export
+        )
+        res["resume_distopt"] = resume_and_reshard(
+            work,
+            rank,
+            mesh_for,
+            conv("qwen3_tied_qknorm"),
+            mc_logits,
+            ids_for,
+            export,
+            distopt=True,
+        )
     elif scenario == "moe":
-        run_model_checks("qwen3_moe_untied", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2),
-                                              dict(dp=2)],
-                         [dict(dp=2, ep=2), dict(tp=2), dict(dp=2)])
-        run_model_checks("glm4_moe", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
-                         [dict(dp=2, ep=2), dict(tp=2)])
-        run_model_checks("deepseek_v3", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
-                         [dict(dp=2, ep=2), dict(tp=2)])
+        run_model_checks(
+            "qwen3_moe_untied",
+            [dict(dp=2, ep=2), dict(tp=2), dict(pp=2), dict(dp=2)],
+            [dict(dp=2, ep=2), dict(tp=2), dict(dp=2)],
+        )
+        run_model_checks(
+            "glm4_moe", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)], [dict(dp=2, ep=2), dict(tp=2)]
+        )
+        run_model_checks(
+            "deepseek_v3",
+            [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
+            [dict(dp=2, ep=2), dict(tp=2)],
+        )
     res["seconds"] = time.time() - t0
     (work / f"{scenario}_rank{rank}.json").write_text(json.dumps(res, indent=2, default=str))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, export,
-                       distopt=False):
+def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, export, distopt=False):
     """Train one step at TP1 (DP2), save, train another; a fresh model resumed from the save
     must give bit-identical weights after the same step. Then load the save at TP2 and compare
     logits and exported weights with the TP1 model at save time."""
     import torch
     import torch.distributed as dist
     from areal_mega.checkpoint import hf_mapping as hm
-    from areal_mega.checkpoint.dist_ckpt import (find_latest, latest_verified, load_checkpoint,
-                                                 save_checkpoint)
+    from areal_mega.checkpoint.dist_ckpt import (
+        find_latest,
+        latest_verified,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from areal_mega.models.builder import build_model_chunks
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -138,16 +165,34 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
 
     def make(seed, mesh):
         chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
-        ddp = [DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
-               for c in chunks]
+        ddp = [
+            DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
+            for c in chunks
+        ]
         opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=0.0,
-                            use_distributed_optimizer=distopt), ddp,
-            use_gloo_process_groups=False)
-        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
-                                        lr_warmup_steps=2, lr_decay_steps=10,
-                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-                                        wd_incr_steps=10, wd_incr_style="constant")
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-3,
+                weight_decay=0.01,
+                clip_grad=0.0,
+                use_distributed_optimizer=distopt,
+            ),
+            ddp,
+            use_gloo_process_groups=False,
+        )
+        sched = OptimizerParamScheduler(
+            opt,
+            init_lr=0.0,
+            max_lr=1e-3,
+            min_lr=1e-4,
+            lr_warmup_steps=2,
+            lr_decay_steps=10,
+            lr_decay_style="cosine",
+            start_wd=0.01,
+            end_wd=0.01,
+            wd_incr_steps=10,
+            wd_incr_style="constant",
+        )
         return ddp, opt, sched
 
     def batch(step, r=None):
@@ -160,8 +205,11 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
         opt.zero_grad()
         pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
         labels = torch.roll(ids, -1, dims=1)
-        loss = ddp[0](input_ids=ids, position_ids=pos, attention_mask=None,
-                      labels=labels).float().mean()
+        loss = (
+            ddp[0](input_ids=ids, position_ids=pos, attention_mask=None, labels=labels)
+            .float()
+            .mean()
+        )
         loss.backward()
         finalize_model_grads(ddp)  # DP reduce + TP all-reduce of q/k-norm grads
         ok, gnorm, _ = opt.step()
@@ -179,13 +227,23 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     logits_w1 = mc_logits([ddp[0].module], ids, arch.vocab_size)
     export_w1 = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
     t = time.time()
-    path = save_checkpoint(root, 1, ddp, opt, sched, extra={"version": 1, "data_pos": 7},
-                           hf_dir=conv_dir / "hf", keep_last=2)
+    path = save_checkpoint(
+        root,
+        1,
+        ddp,
+        opt,
+        sched,
+        extra={"version": 1, "data_pos": 7},
+        hf_dir=conv_dir / "hf",
+        keep_last=2,
+    )
     out["save_seconds"] = time.time() - t
     from areal_mega.checkpoint import checksums as cks
+
     files = json.loads((path / "areal_meta.json").read_text())["checksums"]["files"]
-    out["checksums_cover_all_files"] = (sorted(files) == cks.list_files(path)
-                                        and any(f.startswith("__1_") for f in files))
+    out["checksums_cover_all_files"] = sorted(files) == cks.list_files(path) and any(
+        f.startswith("__1_") for f in files
+    )
     train_step(ddp, opt, sched, batch(1))
     want = params(ddp)
     export_w2 = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
@@ -194,9 +252,14 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
 
     ddp, opt, sched = make(999, mesh)
     info = load_checkpoint(root, ddp, opt, sched)
-    out["loaded"] = {"iteration": info.iteration, "extra": info.extra,
-                     "optimizer": info.loaded_optimizer, "rng": info.loaded_rng,
-                     "path": str(info.path), "latest": str(find_latest(root))}
+    out["loaded"] = {
+        "iteration": info.iteration,
+        "extra": info.extra,
+        "optimizer": info.loaded_optimizer,
+        "rng": info.loaded_rng,
+        "path": str(info.path),
+        "latest": str(find_latest(root)),
+    }
     train_step(ddp, opt, sched, batch(1))
     got = params(ddp)
     out["resume_bitexact"] = all(torch.equal(a, b) for a, b in zip(want, got))
@@ -210,8 +273,9 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
         info = load_checkpoint(root, ddp, opt, sched)
         train_step(ddp, opt, sched, torch.cat([batch(1, 0), batch(1, 1)]))
         got2 = dict(export.iter_hf_tensors(ddp, arch))
-        out["opt_reshard_tp2_max_abs_diff"] = max(float((got2[k] - export_w2[k]).abs().max())
-                                                  for k in export_w2)
+        out["opt_reshard_tp2_max_abs_diff"] = max(
+            float((got2[k] - export_w2[k]).abs().max()) for k in export_w2
+        )
         out["opt_reshard_loaded_optimizer"] = info.loaded_optimizer
         mesh.destroy()
         return out
@@ -236,8 +300,11 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
             f.write(bytes(x ^ 0xFF for x in b))
     dist.barrier()
     back = latest_verified(proot)
-    out["fallback"] = {"path": back.name, "iteration": load_checkpoint(back, ddp, opt).iteration,
-                       "dirs": sorted(p.name for p in proot.iterdir())}
+    out["fallback"] = {
+        "path": back.name,
+        "iteration": load_checkpoint(back, ddp, opt).iteration,
+        "dirs": sorted(p.name for p in proot.iterdir()),
+    }
     mesh.destroy()
     del ddp, opt, sched
 
@@ -248,24 +315,30 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     export_t2 = dict(export.iter_hf_tensors(chunks, arch))
     out["reshard"] = {
         "logits_max_abs_diff": float((logits_t2 - logits_w1).abs().max()),
-        "export_bitexact": sorted(export_t2) == sorted(export_w1) and all(
-            torch.equal(export_t2[k], export_w1[k]) for k in export_w1),
-        "export_diff": {k: float((export_t2[k] - export_w1[k]).abs().max())
-                        for k in export_w1 if k in export_t2
-                        and not torch.equal(export_t2[k], export_w1[k])},
+        "export_bitexact": sorted(export_t2) == sorted(export_w1)
+        and all(torch.equal(export_t2[k], export_w1[k]) for k in export_w1),
+        "export_diff": {
+            k: float((export_t2[k] - export_w1[k]).abs().max())
+            for k in export_w1
+            if k in export_t2 and not torch.equal(export_t2[k], export_w1[k])
+        },
         "export_names_only_one_side": sorted(set(export_t2) ^ set(export_w1)),
-        "rng_restored": info.loaded_rng}
+        "rng_restored": info.loaded_rng,
+    }
     # a checkpoint written by TP2 training ranks (chunks are TP shards) for the HF exporter
     save_checkpoint(work / "tp2_ckpt", 5, chunks, hf_dir=conv_dir / "hf")
     if rank == 0:
         from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in export_t2.items()},
-                  str(work / "tp2_ref.safetensors"))
+
+        save_file(
+            {k: v.contiguous() for k, v in export_t2.items()}, str(work / "tp2_ref.safetensors")
+        )
     dist.barrier()
     mesh.destroy()
     return out
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
-         sys.argv[6])
+    main(
+        int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+    )

@@ -1,4 +1,5 @@
 """Run a test's worker as N real processes (gloo ranks) and read what each rank wrote."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,17 @@ def run_ranks(argvs: list, *, timeout: float, env=None, cwd=None) -> list:
     fails are killed, so no rank outlives the test. Each runs in ``cwd`` (default: the
     repository root) with the root first on ``PYTHONPATH`` (:func:`worker_env`)."""
     env, cwd = worker_env(env), cwd or ROOT
-    procs = [subprocess.Popen([str(a) for a in argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for argv in argvs]
+    procs = [
+        subprocess.Popen(
+            [str(a) for a in argv],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv in argvs
+    ]
     outs = []
     try:
         for p in procs:

@@ -3,6 +3,7 @@ tests/helpers/family_worker.py). Adding a family: one :class:`FamilyCase` in :da
 
 Every case is a tiny HF model made locally (:func:`areal_mega.models.tiny.make_tiny_model`
 with ``tiny``), on the digits vocabulary so that the same model also runs the RL steps."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class FamilyCase:
     its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
     converted weights are also checked against transformers (on DP2). The checked sequences
     (up to 21 tokens) and the RL samples are longer than a sliding window of 8."""
+
     name: str
     tiny: dict
     layouts: tuple = ("tp2", "pp2")
@@ -30,18 +32,32 @@ class FamilyCase:
 CASES = {
     # explicit head_dim (24, not hidden/heads = 16) and a window (8) shorter than the
     # sequences; also with sliding_window: null (many Mistral checkpoints)
-    "mistral": FamilyCase("mistral", dict(arch="mistral", head_dim=24, sliding_window=8,
-                                          tie_word_embeddings=False),
-                          config_variants={"nowindow": {"sliding_window": None}}),
+    "mistral": FamilyCase(
+        "mistral",
+        dict(arch="mistral", head_dim=24, sliding_window=8, tie_word_embeddings=False),
+        config_variants={"nowindow": {"sliding_window": None}},
+    ),
     # Gemma 3: layers sliding (window 8, RoPE base 1e4) then full (RoPE base 1e6), softmax scale
     # 32^-0.5 (not head_dim^-0.5), random (1 + w) norms, tied embeddings; also with linear RoPE
     # scaling of the full layers
     "gemma3_text": FamilyCase(
-        "gemma3_text", dict(arch="gemma3_text", head_dim=24, sliding_window=8, rope_theta=1e6,
-                            query_pre_attn_scalar=32),
-        config_variants={"linear_rope": {"rope_parameters": {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}}),
+        "gemma3_text",
+        dict(
+            arch="gemma3_text",
+            head_dim=24,
+            sliding_window=8,
+            rope_theta=1e6,
+            query_pre_attn_scalar=32,
+        ),
+        config_variants={
+            "linear_rope": {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                }
+            }
+        },
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -54,5 +70,14 @@ RL_CASES = ("mistral", "gemma3_text")
 
 def tiny_spec(case: FamilyCase) -> dict:
     """:func:`make_tiny_model` keyword arguments of ``case``."""
-    return dict(dict(charset="digits", hidden_size=64, num_layers=2, num_heads=4,
-                     num_kv_heads=2, intermediate_size=128), **case.tiny)
+    return dict(
+        dict(
+            charset="digits",
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+        ),
+        **case.tiny,
+    )

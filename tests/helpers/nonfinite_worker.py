@@ -13,6 +13,7 @@ a checkpoint holding NaN (as written before the check existed, through the lower
 the vocabulary raises an error that names the micro-batch's samples. Rank r writes
 ``<out_dir>/dp2.<r>.json``.
 """
+
 import math
 import os
 import sys
@@ -27,15 +28,23 @@ def _params(eng):
 
 
 def _moved(eng, before):
-    return max(float((p.detach() - before[n]).abs().max())
-               for c in eng.model for n, p in c.named_parameters())
+    return max(
+        float((p.detach() - before[n]).abs().max())
+        for c in eng.model
+        for n, p in c.named_parameters()
+    )
 
 
 def scenario_dp2(res, out_dir):
     from areal_mega.algo import finalize_stats
-    from areal_mega.checkpoint.dist_ckpt import (NonFiniteWeightsError, _layout,
-                                                 _model_sharded_sd, atomic_save_sharded,
-                                                 load_checkpoint, save_checkpoint)
+    from areal_mega.checkpoint.dist_ckpt import (
+        NonFiniteWeightsError,
+        _layout,
+        _model_sharded_sd,
+        atomic_save_sharded,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
     from areal_mega.train.batches import merge_train_stats
@@ -43,9 +52,14 @@ def scenario_dp2(res, out_dir):
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     mesh = ew.set_mesh(dict(dp=world))
-    eng = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=ew.DENSE, role="actor",
-                         mesh=mesh, optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=1.0),
-                         seed=7)
+    eng = MegatronEngine(
+        ModelConfig(dtype="fp32"),
+        hf_config=ew.DENSE,
+        role="actor",
+        mesh=mesh,
+        optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=1.0),
+        seed=7,
+    )
     mbs = ew.make_mbs(1 + rank, [[9, 14, 5], [20, 3]])
     for i, (mb, lp) in enumerate(zip(mbs, eng.forward_logprobs(mbs, temperature=ew.TEMP))):
         ew.attach_policy_inputs(mb, lp, 10 * rank + i)
@@ -72,7 +86,7 @@ def scenario_dp2(res, out_dir):
     merged = merge_train_stats([st], finalize_stats)
     res["skip.merged_keys"] = sorted(merged)
     res["skip.metrics"] = guard.record(1, merged, mbs)
-    guard.check()                                    # one skip: the run goes on
+    guard.check()  # one skip: the run goes on
 
     heal()
     st = eng.train_batch(mbs, *fns, temperature=ew.TEMP)
@@ -81,7 +95,7 @@ def scenario_dp2(res, out_dir):
     res["clean.step_count_moved"] = eng.step_count - lr_steps
     res["clean.metrics"] = guard.record(2, merge_train_stats([st], finalize_stats), mbs)
 
-    for step in (3, 4):                               # two in a row: the run stops
+    for step in (3, 4):  # two in a row: the run stops
         poison()
         st = eng.train_batch(mbs, *fns, temperature=ew.TEMP)
         guard.record(step, merge_train_stats([st], finalize_stats), mbs)
@@ -108,27 +122,40 @@ def scenario_dp2(res, out_dir):
     # a checkpoint of NaN weights as an older version wrote it (no check on saving); the
     # replicated weight is saved from rank 0's copy, so the NaN is set on every rank
     p.data[0, 0] = math.nan
-    atomic_save_sharded(root, 3, _model_sharded_sd(chunks),
-                        meta={"layout": _layout(), "extra": {}, "has_optimizer": False,
-                              "optimizer_format": None, "has_lr_scheduler": False,
-                              "has_rng": False, "num_chunks": len(chunks)})
+    atomic_save_sharded(
+        root,
+        3,
+        _model_sharded_sd(chunks),
+        meta={
+            "layout": _layout(),
+            "extra": {},
+            "has_optimizer": False,
+            "optimizer_format": None,
+            "has_lr_scheduler": False,
+            "has_rng": False,
+            "num_chunks": len(chunks),
+        },
+    )
     p.data.copy_(good)
     try:
         load_checkpoint(os.path.join(root, "iter_0000003"), chunks)
         res["load.refused"] = None
     except NonFiniteWeightsError as e:
         res["load.refused"] = str(e)
-    loaded = load_checkpoint(os.path.join(root, "iter_0000001"), chunks, eng.optimizer,
-                             eng.lr_scheduler)
+    loaded = load_checkpoint(
+        os.path.join(root, "iter_0000001"), chunks, eng.optimizer, eng.lr_scheduler
+    )
     res["load.good_iteration"] = loaded.iteration
 
     # last (no collective after it): a sample whose token id is outside the vocabulary makes
     # the forward raise; the error names the samples of the micro-batch it was raised on
     from areal_mega.scheduler.packing import pack_sequences
     from areal_mega.train.batches import next_token_layout
-    seqs = [{**next_token_layout(torch.tensor(ids)), "prompt_len": 1,
-             "sample_id": f"r{rank}-{i}"}
-            for i, ids in enumerate(([5, 6, 7, 8], [9, 10, 4 * ew.VOCAB, 11, 12]))]
+
+    seqs = [
+        {**next_token_layout(torch.tensor(ids)), "prompt_len": 1, "sample_id": f"r{rank}-{i}"}
+        for i, ids in enumerate(([5, 6, 7, 8], [9, 10, 4 * ew.VOCAB, 11, 12]))
+    ]
     try:
         eng.forward_logprobs([pack_sequences(seqs, pad_to_multiple=2)], temperature=1.0)
         res["blame.sample_ids"] = None

@@ -2,6 +2,7 @@
 bias that keeps text round-tripping, a tool-call chat template, a client that records every
 answer the servers sent, a controller over it, and plain HTTP calls (weights, token counts,
 POSTs of raw bodies)."""
+
 import json
 import time
 import urllib.request
@@ -10,7 +11,7 @@ from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from tests.helpers.rollout import API_KEY, http, run
 
-NO_SPECIAL = {"0": -100, "1": -100, "2": -100}   # <pad>, <eos>, <unk>: text round-trips
+NO_SPECIAL = {"0": -100, "1": -100, "2": -100}  # <pad>, <eos>, <unk>: text round-trips
 
 HERMES_TEMPLATE = (
     "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
@@ -19,7 +20,8 @@ HERMES_TEMPLATE = (
     "{%- for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, "
     "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
     "{%- elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
-    "{%- else %}{{ m.content }}{% endif %}{%- endfor %}")
+    "{%- else %}{{ m.content }}{% endif %}{%- endfor %}"
+)
 
 
 class RecordingClient(RolloutClient):
@@ -30,8 +32,9 @@ class RecordingClient(RolloutClient):
         self.answers: list = []
 
     async def generate(self, input_ids, sampling_params, rid=None, sticky_key=None, **kw):
-        res = await super().generate(input_ids, sampling_params, rid=rid,
-                                     sticky_key=sticky_key, **kw)
+        res = await super().generate(
+            input_ids, sampling_params, rid=rid, sticky_key=sticky_key, **kw
+        )
         self.answers.append((rid, res))
         return res
 
@@ -44,8 +47,9 @@ def wait_for(cond, timeout=60):
 
 
 def server_tokens(addr) -> int:
-    req = urllib.request.Request(f"http://{addr}/get_server_info",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        f"http://{addr}/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)["tokens_generated"]
 
@@ -57,14 +61,24 @@ def load_weights(addr, path):
             await c.update_weights_from_disk(str(path), weight_version=0)
         finally:
             await c.close()
+
     run(go())
 
 
 def controller(addr, wf, tok, sink, n_prompts, batch_size, n_samples):
     client = RecordingClient([addr], api_key=API_KEY, timeout_s=120, retries=2)
-    items = [{"prompt": "abcdefgh"[i % 8:] + "xyz", "answer": ""} for i in range(n_prompts)]
-    return RolloutController(client, wf, items, batch_size=batch_size, n_samples=n_samples,
-                             eta=0, sink=sink, tokenizer=tok, ignore_eos=True)
+    items = [{"prompt": "abcdefgh"[i % 8 :] + "xyz", "answer": ""} for i in range(n_prompts)]
+    return RolloutController(
+        client,
+        wf,
+        items,
+        batch_size=batch_size,
+        n_samples=n_samples,
+        eta=0,
+        sink=sink,
+        tokenizer=tok,
+        ignore_eos=True,
+    )
 
 
 def post(addr, path, body, key):
@@ -72,8 +86,13 @@ def post(addr, path, body, key):
     if isinstance(body, bytes):
         import urllib.error
         import urllib.request
-        r = urllib.request.Request(f"http://{addr}{path}", data=body, method="POST",
-                                   headers={"Authorization": f"Bearer {key}"})
+
+        r = urllib.request.Request(
+            f"http://{addr}{path}",
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {key}"},
+        )
         try:
             with urllib.request.urlopen(r, timeout=60) as resp:
                 return resp.status, json.loads(resp.read())

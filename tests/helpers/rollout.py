@@ -1,6 +1,7 @@
 """Helpers shared by the rollout tests: tiny models, HTTP calls to a server, teacher-forced
 logprobs, a collecting group sink (the ``models`` and ``server`` fixtures are in
 tests/conftest.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,9 +46,12 @@ def http(server, path, body=None, key=API_KEY, timeout=120):
     ``host:port``): GET without ``body``, else POST of ``body`` as JSON; ``key`` as the Bearer
     token."""
     data = None if body is None else json.dumps(body).encode()
-    r = urllib.request.Request(f"http://{getattr(server, 'addr', server)}{path}", data=data,
-                               method="GET" if body is None else "POST",
-                               headers={"Content-Type": "application/json"})
+    r = urllib.request.Request(
+        f"http://{getattr(server, 'addr', server)}{path}",
+        data=data,
+        method="GET" if body is None else "POST",
+        headers={"Content-Type": "application/json"},
+    )
     if key:
         r.add_header("Authorization", f"Bearer {key}")
     try:
@@ -88,10 +92,12 @@ class GroupSink:
             ctl.raise_if_failed()
             with self._lock:
                 if len(self.groups) >= self._taken + n:
-                    out = self.groups[self._taken:self._taken + n]
+                    out = self.groups[self._taken : self._taken + n]
                     self._taken += n
                     return out
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{n} groups not delivered within {timeout}s "
-                                   f"({len(self)} delivered, {self._taken} taken)")
+                raise TimeoutError(
+                    f"{n} groups not delivered within {timeout}s "
+                    f"({len(self)} delivered, {self._taken} taken)"
+                )
             time.sleep(0.02)

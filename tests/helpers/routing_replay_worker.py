@@ -22,6 +22,7 @@ same routes; logprobs and gradients are compared with the single rank's, and the
 agreement counts (each rank counts its own tokens and layers) with the single rank's. Rank r writes
 ``<work>/<scenario>.<r>.json``.
 """
+
 import os
 import sys
 
@@ -32,8 +33,8 @@ import torch
 from tests.helpers import engine_worker as ew  # (shard mapping and gradient comparison)
 
 LENS_PER_MB = [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17, 8]]
-NOISE = 0.2          # router-weight noise relative to the router weights' std (version gap)
-HF = [None]         # the HF config dict of the tiny model (for the shard mapping)
+NOISE = 0.2  # router-weight noise relative to the router weights' std (version gap)
+HF = [None]  # the HF config dict of the tiny model (for the shard mapping)
 
 
 def hf_rollout(hf_dir, lens, seed=3):
@@ -42,11 +43,14 @@ def hf_rollout(hf_dir, lens, seed=3):
     logprobs of each sequence (position t: logprob of token t+1)."""
     from transformers import AutoModelForCausalLM
     from areal_mega.dataplane.trajectory import Trajectory
+
     m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     captured = []
     gates = [layer.mlp.gate for layer in m.model.layers]
-    hooks = [g.register_forward_hook(lambda mod, inp, out: captured.append(out[2].clone()))
-             for g in gates]
+    hooks = [
+        g.register_forward_hook(lambda mod, inp, out: captured.append(out[2].clone()))
+        for g in gates
+    ]
     g = torch.Generator().manual_seed(seed)
     vocab = m.config.vocab_size
     trajs, full_lps = [], []
@@ -56,13 +60,21 @@ def hf_rollout(hf_dir, lens, seed=3):
         with torch.no_grad():
             logits = m(ids[None]).logits[0].float()
         lp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[1:, None])[:, 0]
-        routes = torch.stack(captured, dim=1).to(torch.int16)       # [n, layers, topk]
-        routes[-1] = -1            # the server never forwards a sequence's last token
+        routes = torch.stack(captured, dim=1).to(torch.int16)  # [n, layers, topk]
+        routes[-1] = -1  # the server never forwards a sequence's last token
         p = max(1, n // 3)
-        trajs.append(Trajectory.from_tokens(
-            ids[:p].numpy(), ids[p:].numpy(), lp[p - 1:].numpy(), np.zeros(n - p, np.int32),
-            reward=float(i % 2), sample_id=f"s{i}", group_id=f"g{i // 2}",
-            token_extras={"routed_experts": routes.numpy()}))
+        trajs.append(
+            Trajectory.from_tokens(
+                ids[:p].numpy(),
+                ids[p:].numpy(),
+                lp[p - 1 :].numpy(),
+                np.zeros(n - p, np.int32),
+                reward=float(i % 2),
+                sample_id=f"s{i}",
+                group_id=f"g{i // 2}",
+                token_extras={"routed_experts": routes.numpy()},
+            )
+        )
         full_lps.append(torch.cat([lp, torch.zeros(1)]))
     for h in hooks:
         h.remove()
@@ -74,12 +86,13 @@ def packed_micro_batches(trajs, pad=2):
     from areal_mega.algo.batch import PackedBatch
     from areal_mega.scheduler.packing import pack_sequences
     from areal_mega.train.batches import next_token_sample
-    samples = [next_token_sample(t, np.linspace(-1, 1, t.length).astype(np.float32))
-               for t in trajs]
+
+    samples = [next_token_sample(t, np.linspace(-1, 1, t.length).astype(np.float32)) for t in trajs]
     mbs, k = [], 0
     for lens in LENS_PER_MB:
-        mbs.append(PackedBatch.from_packed(pack_sequences(samples[k:k + len(lens)],
-                                                          pad_to_multiple=pad)))
+        mbs.append(
+            PackedBatch.from_packed(pack_sequences(samples[k : k + len(lens)], pad_to_multiple=pad))
+        )
         k += len(lens)
     return [mb.with_fields(policy_version=0) for mb in mbs]
 
@@ -91,7 +104,7 @@ def packed_reference(mbs, full_lps):
         lp = torch.zeros(mb.n_tokens)
         starts = mb.cu_seqlens_padded[:-1].tolist()
         for s, n in zip(starts, mb.seqlens.tolist()):
-            lp[s:s + n] = full_lps[k]
+            lp[s : s + n] = full_lps[k]
             k += 1
         out.append((lp, mb.labels >= 0))
     return out
@@ -111,10 +124,16 @@ def actor(hf_dir, *, replay=True, recompute=None, state=None, mcore=None):
     from areal_mega.checkpoint.dist_ckpt import load_checkpoint
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import MegatronEngine
-    eng = MegatronEngine(ModelConfig(dtype="fp32", recompute_granularity=recompute),
-                         hf_config=str(hf_dir), role="actor", mesh=ew.MESH[0],
-                         optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
-                         use_distributed_optimizer=False, routing_replay=replay)
+
+    eng = MegatronEngine(
+        ModelConfig(dtype="fp32", recompute_granularity=recompute),
+        hf_config=str(hf_dir),
+        role="actor",
+        mesh=ew.MESH[0],
+        optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
+        use_distributed_optimizer=False,
+        routing_replay=replay,
+    )
     if mcore is not None:
         load_checkpoint(mcore, eng.model_chunks(), load_optimizer=False, load_rng=False)
     if state is not None:
@@ -136,6 +155,7 @@ def grads_by_name(eng):
 def policy_loss():
     from areal_mega.algo import make_policy_loss
     from areal_mega.config import AlgorithmConfig
+
     return make_policy_loss(AlgorithmConfig())
 
 
@@ -147,8 +167,16 @@ def scenario_single(res, work):
     from areal_mega.train import batches
     from areal_mega.train.routing import routing_metrics
     from megatron.core.transformer.moe.router_replay import RouterReplay
-    hf_dir = make_tiny_model(work / "hf", arch="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                             num_layers=4, tie_word_embeddings=False, seed=1)
+
+    hf_dir = make_tiny_model(
+        work / "hf",
+        arch="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_layers=4,
+        tie_word_embeddings=False,
+        seed=1,
+    )
     HF[0] = normalize_hf_config(load_hf_config(hf_dir))
     lens = [n for mb in LENS_PER_MB for n in mb]
     trajs, full_lps = hf_rollout(hf_dir, lens)
@@ -165,8 +193,9 @@ def scenario_single(res, work):
     n_before = len(RouterReplay.global_router_replay_instances)
     eng = actor(hf_dir, mcore=work / "mcore")
     res["actor_instances"] = len(eng.replay.instances)
-    res["global_instances_added_by_actor"] = len(RouterReplay.global_router_replay_instances) \
-        - n_before
+    res["global_instances_added_by_actor"] = (
+        len(RouterReplay.global_router_replay_instances) - n_before
+    )
 
     # (a) identical weights: replay == free == HF
     replayed = eng.forward_logprobs(mbs)
@@ -175,9 +204,12 @@ def scenario_single(res, work):
     res["same.replay_vs_free"] = max_diff(replayed, free, valid)
     res["same.replay_vs_hf"] = max_diff(replayed, hf_lps, valid)
     res["same.agreement"] = list(eng.replay.agreement())
-    res["targets_cleared"] = all(rr.target_topk_idx is None and not rr.replay_backward_list
-                                 and rr.router_replay_action is None
-                                 for rr in eng.replay.instances)
+    res["targets_cleared"] = all(
+        rr.target_topk_idx is None
+        and not rr.replay_backward_list
+        and rr.router_replay_action is None
+        for rr in eng.replay.instances
+    )
 
     # (d) the -1 rows' stand-in experts never reach a real output
     other = []
@@ -191,19 +223,29 @@ def scenario_single(res, work):
     # routes freely (same HF weights: the HF logprobs), whatever the actor was armed with
     from areal_mega.config import ModelConfig
     from areal_mega.engine import MegatronEngine
+
     n_actor = len(RouterReplay.global_router_replay_instances)
-    ref = MegatronEngine(ModelConfig(dtype="fp32"), hf_config=str(hf_dir), role="ref",
-                         mesh=ew.MESH[0])
+    ref = MegatronEngine(
+        ModelConfig(dtype="fp32"), hf_config=str(hf_dir), role="ref", mesh=ew.MESH[0]
+    )
     from areal_mega.checkpoint.dist_ckpt import load_checkpoint
+
     load_checkpoint(work / "mcore", ref.model_chunks(), load_optimizer=False, load_rng=False)
     res["ref.instances_added"] = len(RouterReplay.global_router_replay_instances) - n_actor
     res["ref.replay"] = ref.replay is not None
     from megatron.core.transformer.moe.router import TopKRouter
+
     res["ref.routers_without_replay"] = all(
-        m.router_replay is None for m in ref.model[0].modules() if isinstance(m, TopKRouter))
+        m.router_replay is None for m in ref.model[0].modules() if isinstance(m, TopKRouter)
+    )
     try:
-        MegatronEngine(ModelConfig(dtype="fp32"), hf_config=str(hf_dir), role="ref",
-                       mesh=ew.MESH[0], routing_replay=True)
+        MegatronEngine(
+            ModelConfig(dtype="fp32"),
+            hf_config=str(hf_dir),
+            role="ref",
+            mesh=ew.MESH[0],
+            routing_replay=True,
+        )
         res["ref.replay_refused"] = ""
     except ValueError as e:
         res["ref.replay_refused"] = str(e)
@@ -224,25 +266,40 @@ def scenario_single(res, work):
     loss_fn, den_fn = policy_loss()
     stats = eng.forward_backward(mbs_p, loss_fn, den_fn)
     grads = grads_by_name(eng)
-    res["grad.router_norms"] = [float(v.norm()) for n, v in grads.items()
-                                if n.endswith("router.weight")]
+    res["grad.router_norms"] = [
+        float(v.norm()) for n, v in grads.items() if n.endswith("router.weight")
+    ]
     res["loss"] = stats["loss"]
-    state = {k: v.detach().clone() for k, v in eng.model_chunks()[0].state_dict().items()
-             if not k.endswith("_extra_state")}
-    torch.save({"state": state, "mbs": mbs_p, "lps": pert_replay, "grads": grads,
-                "loss": stats["loss"], "hf": HF[0], "hf_dir": str(hf_dir)},
-               work / "reference.pt")
+    state = {
+        k: v.detach().clone()
+        for k, v in eng.model_chunks()[0].state_dict().items()
+        if not k.endswith("_extra_state")
+    }
+    torch.save(
+        {
+            "state": state,
+            "mbs": mbs_p,
+            "lps": pert_replay,
+            "grads": grads,
+            "loss": stats["loss"],
+            "hf": HF[0],
+            "hf_dir": str(hf_dir),
+        },
+        work / "reference.pt",
+    )
 
     # replay under full activation recompute: the recomputed forward replays the same routes
     rec = actor(hf_dir, recompute="full", state=state)
     rec.forward_backward(mbs_p, loss_fn, den_fn)
-    res["recompute.grads"] = max(float((g - grads[n]).abs().max())
-                                 for n, g in grads_by_name(rec).items())
+    res["recompute.grads"] = max(
+        float((g - grads[n]).abs().max()) for n, g in grads_by_name(rec).items()
+    )
     # ... and the same without replay differs (the perturbed routers route differently)
     free_eng = actor(hf_dir, replay=False, state=state)
     free_eng.forward_backward(mbs_p, loss_fn, den_fn)
-    res["free.grads_differ"] = max(float((g - grads[n]).abs().max())
-                                   for n, g in grads_by_name(free_eng).items())
+    res["free.grads_differ"] = max(
+        float((g - grads[n]).abs().max()) for n, g in grads_by_name(free_eng).items()
+    )
     rl_step_with_replay(res, hf_dir, trajs, state)
 
 
@@ -256,34 +313,57 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
     from areal_mega.rollout.routes import replay_layout
     from areal_mega.train.nonfinite import SkipGuard
     from areal_mega.trainer import rl_step
-    cfg = load_config(None, [f"model.path={hf_dir}", "algorithm.routing_replay=r3",
-                             "algorithm.routing_replay_free_every=1", "rollout.n_samples=2"])
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={hf_dir}",
+            "algorithm.routing_replay=r3",
+            "algorithm.routing_replay_free_every=1",
+            "rollout.n_samples=2",
+        ],
+    )
     trained = []
     # one poisonous sample joins the first group: its routes name an expert twice in one
     # token's top-k (they passed the shape/range checks; replaying them crashed the trainer)
     bad = trajs[0].token_extras["routed_experts"].copy()
     bad[len(bad) // 2, 0, 1] = bad[len(bad) // 2, 0, 0]
-    poison = dataclass_replace(trajs[0], sample_id="poison",
-                               token_extras={**trajs[0].token_extras, "routed_experts": bad})
+    poison = dataclass_replace(
+        trajs[0], sample_id="poison", token_extras={**trajs[0].token_extras, "routed_experts": bad}
+    )
     trajs = [trajs[0], poison, *trajs[1:]]
     session = SimpleNamespace(
-        cfg=cfg, actor=actor(hf_dir, state=state), ref=None, critic=None, mesh=ew.MESH[0],
-        is_rank0=True, layout=dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1),
-        intake=SimpleNamespace(next_groups=lambda n: list(trajs),
-                               route_layout=replay_layout(cfg), quarantine=None,
-                               record_trained=lambda step, ids: trained.append(list(ids))),
+        cfg=cfg,
+        actor=actor(hf_dir, state=state),
+        ref=None,
+        critic=None,
+        mesh=ew.MESH[0],
+        is_rank0=True,
+        layout=dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1),
+        intake=SimpleNamespace(
+            next_groups=lambda n: list(trajs),
+            route_layout=replay_layout(cfg),
+            quarantine=None,
+            record_trained=lambda step, ids: trained.append(list(ids)),
+        ),
         logger=SimpleNamespace(log_samples=lambda *a, **k: None),
-        publish_weights=lambda version: None, skips=SkipGuard(3, routing_replay=True))
+        publish_weights=lambda version: None,
+        skips=SkipGuard(3, routing_replay=True),
+    )
     stats = rl_step(session, 1)
-    res["step.stats"] = {k: v for k, v in stats.items()
-                         if k.startswith("moe/") or k in ("mismatch", "mismatch_tokens",
-                                                           "grad_norm", "n_samples")
-                         or k.startswith("refused/")}
+    res["step.stats"] = {
+        k: v
+        for k, v in stats.items()
+        if k.startswith("moe/")
+        or k in ("mismatch", "mismatch_tokens", "grad_norm", "n_samples")
+        or k.startswith("refused/")
+    }
     res["step.trained"] = trained
 
 
 def dataclass_replace(mb, **kw):
     import dataclasses
+
     return dataclasses.replace(mb, **kw)
 
 
@@ -293,10 +373,12 @@ def scenario_layouts(res, work):
     mbs, world = ref["mbs"], int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     loss_fn, den_fn = policy_loss()
-    layouts = [("ep2", dict(dp=world, ep=world), False, None, None, rank),
-               ("tp2sp", dict(tp=world), True, None, None, None),
-               ("pp2_recompute", dict(pp=world), False, None, "full", None),
-               ("pp2vpp2_recompute", dict(pp=world), False, 2, "full", None)]
+    layouts = [
+        ("ep2", dict(dp=world, ep=world), False, None, None, rank),
+        ("tp2sp", dict(tp=world), True, None, None, None),
+        ("pp2_recompute", dict(pp=world), False, None, "full", None),
+        ("pp2vpp2_recompute", dict(pp=world), False, 2, "full", None),
+    ]
     for tag, dims, sp, vpp, recompute, share in layouts:
         set_mesh(dims, sp=sp, vpp=vpp)
         eng = actor(ref["hf_dir"], recompute=recompute, state=ref["state"])
@@ -305,7 +387,7 @@ def scenario_layouts(res, work):
         res[f"{tag}.logprobs"] = ew.compare_lps(eng.forward_logprobs(mine), want)
         eng.replay.reset_agreement()
         eng.forward_logprobs(mine, free_routing=True)
-        res[f"{tag}.agreement"] = list(eng.replay.agreement())   # summed over the ranks
+        res[f"{tag}.agreement"] = list(eng.replay.agreement())  # summed over the ranks
         stats = eng.forward_backward(mine, loss_fn, den_fn)
         res[f"{tag}.grads"], res[f"{tag}.grads_rel"] = ew.compare_grads(eng, ref, hf)
         res[f"{tag}.loss"] = abs(stats["loss"] - ref["loss"])
@@ -315,16 +397,23 @@ def set_mesh(spec, sp=False, vpp=None):
     """engine_worker's mesh holder, with virtual pipeline stages."""
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
+
     if ew.MESH[0] is not None:
         ew.MESH[0].destroy()
-    ew.MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, vpp=vpp,
-                                     timeout_s=90)
+    ew.MESH[0] = ParallelMesh.create(
+        ParallelDims(**spec), sequence_parallel=sp, vpp=vpp, timeout_s=90
+    )
 
 
 def main():
     from pathlib import Path
-    return ew.run_scenario({"single": lambda res, d: scenario_single(res, Path(d)),
-                            "layouts": lambda res, d: scenario_layouts(res, Path(d))})
+
+    return ew.run_scenario(
+        {
+            "single": lambda res, d: scenario_single(res, Path(d)),
+            "layouts": lambda res, d: scenario_layouts(res, Path(d)),
+        }
+    )
 
 
 if __name__ == "__main__":

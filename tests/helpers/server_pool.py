@@ -1,5 +1,6 @@
 """Checks shared by the elastic server-pool tests: the tokens a server generated, waiting for a
 condition, and that every token of an answer came from a given model at a given version."""
+
 import json
 import time
 import urllib.request
@@ -12,8 +13,9 @@ N_NEW = 96
 
 
 def tokens_generated(addr) -> int:
-    req = urllib.request.Request(f"http://{addr}/get_server_info",
-                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    req = urllib.request.Request(
+        f"http://{addr}/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)["tokens_generated"]
 

@@ -18,6 +18,7 @@ SGLang's source, so that the interop tests prove compatibility rather than self-
 
     python -m tests.helpers.sglang_peer_worker --port P --out-dir DIR [--group-timeout-s S]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,21 +29,31 @@ import os
 import torch
 
 
-def sglang_init_custom_process_group(backend, init_method, timeout, world_size, rank,
-                                     group_name):
+def sglang_init_custom_process_group(backend, init_method, timeout, world_size, rank, group_name):
     """SGLang's ``init_custom_process_group`` (see the module docstring)."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world,
-                                                    rendezvous)
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     backend = Backend(backend)
     rendezvous_iterator = rendezvous(init_method, rank, world_size, timeout=timeout)
     store, rank, world_size = next(rendezvous_iterator)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store,
-                                      group_name=group_name, backend_options=None,
-                                      timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -64,8 +75,10 @@ def main() -> None:
             backend=body.get("backend", "nccl"),
             init_method=f"tcp://{body['master_address']}:{body['master_port']}",
             timeout=datetime.timedelta(seconds=args.group_timeout_s),
-            world_size=int(body["world_size"]), rank=rank,
-            group_name=body.get("group_name", "weight_update_group"))
+            world_size=int(body["world_size"]),
+            rank=rank,
+            group_name=body.get("group_name", "weight_update_group"),
+        )
 
     def receive(body: dict) -> None:
         pg = groups[body.get("group_name", "weight_update_group")]
@@ -84,6 +97,7 @@ def main() -> None:
             body = await request.json()
             await asyncio.get_running_loop().run_in_executor(None, fn, body)
             return web.json_response({"success": True, "message": "ok"})
+
         return handler
 
     async def health(request):

@@ -6,6 +6,7 @@ No cgroups: ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``. Aut
 freshly generated key and its own socket. Daemons listen on free ports; traffic stays on
 loopback. :meth:`SlurmCluster.stop` ends exactly the processes it started.
 """
+
 from __future__ import annotations
 
 import os
@@ -76,17 +77,31 @@ class SlurmCluster:
     def start(self) -> None:
         """Write the key and config, start the daemons, wait until every node is idle."""
         munge = self.root / "munge"
-        for d in (munge, self.root / "state", self.root / "log",
-                  *(self.root / "spool" / n for n in self.nodes)):
+        for d in (
+            munge,
+            self.root / "state",
+            self.root / "log",
+            *(self.root / "spool" / n for n in self.nodes),
+        ):
             d.mkdir(parents=True, exist_ok=True)
         munge.chmod(0o700)
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         sock = munge / "socket"
-        self._spawn("munged", ["munged", "-F", "-f", f"--key-file={key}", f"--socket={sock}",
-                               f"--pid-file={munge / 'pid'}", f"--log-file={munge / 'log'}",
-                               f"--seed-file={munge / 'seed'}"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--key-file={key}",
+                f"--socket={sock}",
+                f"--pid-file={munge / 'pid'}",
+                f"--log-file={munge / 'log'}",
+                f"--seed-file={munge / 'seed'}",
+            ],
+        )
         poll(sock.exists, 30, "munged socket")
         ports = free_ports(1 + len(self.nodes))
         self.conf.write_text(self._config(sock, ports[0], ports[1:]))
@@ -98,38 +113,57 @@ class SlurmCluster:
     def _config(self, sock: Path, ctld_port: int, node_ports: list) -> str:
         r = self.root
         lines = [
-            "ClusterName=areal-test", "SlurmctldHost=localhost", f"SlurmctldPort={ctld_port}",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={sock}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}/%n",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+            "ClusterName=areal-test",
+            "SlurmctldHost=localhost",
+            f"SlurmctldPort={ctld_port}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={sock}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'spool'}/%n",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
-            "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "ReturnToService=2",
-            "KillWait=10", "MinJobAge=3600", "InactiveLimit=0",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "KillWait=10",
+            "MinJobAge=3600",
+            "InactiveLimit=0",
         ]
         mem = real_memory_mb()
         for n, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
-                         f"CPUs={self.cpus} RealMemory={mem} State=UNKNOWN")
-        lines.append(f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES "
-                     "MaxTime=INFINITE State=UP")
+            lines.append(
+                f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={self.cpus} RealMemory={mem} State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP"
+        )
         return "\n".join(lines) + "\n"
 
     def _spawn(self, name: str, argv: list) -> None:
         log = open(self.root / "log" / f"{name}.stderr", "ab")
-        self.procs.append((name, subprocess.Popen(argv, env=self.env, stdout=log,
-                                                  stderr=subprocess.STDOUT)))
+        self.procs.append(
+            (name, subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        )
         log.close()
 
     def _all_idle(self) -> bool:
         for name, p in self.procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with {p.returncode}; see "
-                                   f"{self.root / 'log'}\n{self.logs()}")
+                raise RuntimeError(
+                    f"{name} exited with {p.returncode}; see {self.root / 'log'}\n{self.logs()}"
+                )
         r = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False)
         states = dict(x.split() for x in r.stdout.splitlines() if x.strip())
         return all(states.get(n) == "idle" for n in self.nodes)
@@ -168,15 +202,20 @@ class SlurmCluster:
     def wait_job(self, job_id: int, timeout_s: float) -> dict:
         """Poll until the job has ended; its fields."""
         ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-        return poll(lambda: (lambda j: j if j["JobState"] in ended else None)(self.job(job_id)),
-                    timeout_s, f"job {job_id} finished", interval_s=1.0)
+        return poll(
+            lambda: (lambda j: j if j["JobState"] in ended else None)(self.job(job_id)),
+            timeout_s,
+            f"job {job_id} finished",
+            interval_s=1.0,
+        )
 
     def logs(self) -> str:
         """The tail of every daemon log (for assertion messages)."""
         out = []
         for f in sorted((self.root / "log").glob("*")):
-            out.append(f"== {f.name}\n" + "\n".join(f.read_text(errors="replace")
-                                                   .splitlines()[-15:]))
+            out.append(
+                f"== {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:])
+            )
         return "\n".join(out)
 
 
@@ -191,8 +230,12 @@ def job_processes(job_id: int) -> list:
             env = (d / "environ").read_bytes().split(b"\0")
             state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
             if needle in env and state != "Z":
-                found.append((int(d.name), (d / "cmdline").read_bytes()
-                              .replace(b"\0", b" ").decode(errors="replace")))
+                found.append(
+                    (
+                        int(d.name),
+                        (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"),
+                    )
+                )
         except OSError:
             continue
     return found

@@ -5,6 +5,7 @@ over packed sequences. Writes ``{"logprobs": [[log p(ids[t] | ids[:t]) for t >= 
 
     python -m tests.helpers.teacher_forward_worker HF_DIR WORK_DIR IN_JSON OUT_JSON
 """
+
 import json
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def main() -> None:
     for b, (ids, start) in enumerate(zip(job["seqs"], job["starts"])):
         s = int(mb["cu_seqlens"][b])
         # position t of the layout holds log p(ids[t + 1] | ids[:t + 1])
-        out.append([float(x) for x in lp[s + start - 1:s + len(ids) - 1]])
+        out.append([float(x) for x in lp[s + start - 1 : s + len(ids) - 1]])
     Path(out_json).write_text(json.dumps({"logprobs": out}))
     mesh.destroy(process_group=True)
 

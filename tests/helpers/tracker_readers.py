@@ -1,6 +1,7 @@
 """Read what the trackers wrote with their own tools: W&B's offline run files through
 ``wandb.sdk.internal.datastore`` (the reader ``wandb sync`` used) and MLflow's store through
 ``MlflowClient``."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,12 @@ def wandb_history(run_dir) -> list:
             rec = pb.Record()
             rec.ParseFromString(data)
             if rec.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in rec.history.item})
+                rows.append(
+                    {
+                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in rec.history.item
+                    }
+                )
     return rows
 
 

@@ -4,6 +4,7 @@
 a CI that sets ``CI``) a missing interpreter fails the test; elsewhere (pytest run by hand
 without the env) the test is skipped, saying how to build it.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ started with the command and environment launch.local uses.
 The vLLM interpreter: :func:`tests.helpers.vllm_env.vllm_python` (skipped without one, except where
 ``make test`` runs them: there they fail).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,36 +24,50 @@ from tests.helpers.vllm_env import vllm_python
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "vllm-test-key"
 # vLLM's CPU attention takes head sizes 32, 64, 80, ...: the tiny models use 64
-TINY_VLLM = dict(arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1,
-                 intermediate_size=256, num_layers=2)
+TINY_VLLM = dict(
+    arch="llama", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, num_layers=2
+)
 
 
 def make_vllm_models(base: Path, n: int = 2, **overrides) -> list:
     """``n`` tiny llama models of one shape with different weights (seeds 0..n-1);
     ``overrides`` change TINY_VLLM's shape (e.g. max_position_embeddings)."""
-    return [make_tiny_model(base / f"m{i}", **{**TINY_VLLM, **overrides}, seed=i)
-            for i in range(n)]
+    return [make_tiny_model(base / f"m{i}", **{**TINY_VLLM, **overrides}, seed=i) for i in range(n)]
 
 
 class VLLMServer:
     """One vLLM server process on ``model`` (its log in ``log_dir``); ``dev_mode=False``
     starts it without the dev-mode routes; ``max_model_len`` bounds prompt + generation."""
 
-    def __init__(self, model: Path, log_dir: Path, dev_mode: bool = True,
-                 max_model_len: int = 512):
+    def __init__(self, model: Path, log_dir: Path, dev_mode: bool = True, max_model_len: int = 512):
         from areal_mega.backends.vllm.launch import build_vllm_command, vllm_env
 
         self.port = free_port("127.0.0.1")
         self.addr = f"127.0.0.1:{self.port}"
-        argv = build_vllm_command(vllm_python(), str(model), self.port, host="127.0.0.1",
-                                  tp=1, dtype="fp32", max_model_len=max_model_len, seed=0,
-                                  enforce_eager=True, served_model_name="tiny", extra=[])
+        argv = build_vllm_command(
+            vllm_python(),
+            str(model),
+            self.port,
+            host="127.0.0.1",
+            tp=1,
+            dtype="fp32",
+            max_model_len=max_model_len,
+            seed=0,
+            enforce_eager=True,
+            served_model_name="tiny",
+            extra=[],
+        )
         env = dict(os.environ, **vllm_env(API_KEY, "cpu", 1.0, str(ROOT)))
         if not dev_mode:
             env.pop("VLLM_SERVER_DEV_MODE")
         self.log = Path(log_dir) / f"vllm-{self.port}.log"
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.started = time.monotonic()
         self.ready_s = None
 

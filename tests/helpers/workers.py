@@ -2,6 +2,7 @@
 tests.helpers.<name>`` from the repository root, with the root also first on ``PYTHONPATH``, so
 the program imports this checkout's ``areal_mega`` and ``tests.helpers`` whatever directory the
 spawner runs it in (no program patches ``sys.path`` itself)."""
+
 from __future__ import annotations
 
 import os

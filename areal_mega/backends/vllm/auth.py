@@ -10,6 +10,7 @@ environment it lets everything through (the launcher binds such a server to loop
 
 Runs inside vLLM's Python: standard library only, nothing else of ours imported.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,26 +40,37 @@ class BearerOnEveryRoute:
         for name, value in scope.get("headers") or ():
             if name.lower() == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and \
-                    hmac.compare_digest(_digest(token.strip()), self._key_digest)
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    _digest(token.strip()), self._key_digest
+                )
         return False
 
     async def __call__(self, scope, receive, send):
         kind = scope.get("type")
-        if self._key_digest is None or kind not in ("http", "websocket") \
-                or scope.get("method") == "OPTIONS":
+        if (
+            self._key_digest is None
+            or kind not in ("http", "websocket")
+            or scope.get("method") == "OPTIONS"
+        ):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):]
+            path = path[len(root) :]
         if path in OPEN_PATHS or self._authorized(scope):
             return await self.app(scope, receive, send)
-        if kind == "websocket":      # refused before the handshake: the server answers 403
+        if kind == "websocket":  # refused before the handshake: the server answers 403
             return await send({"type": "websocket.close", "code": 1008})
         body = json.dumps({"error": "Unauthorized"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

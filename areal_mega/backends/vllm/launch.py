@@ -12,6 +12,7 @@ The API key never goes on the command line: vLLM reads it from ``VLLM_API_KEY``.
 Pure functions but :func:`check_vllm_python`, which runs the interpreter once; no torch, no
 vllm import here (the launcher's Python has neither necessarily).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,18 @@ from typing import Mapping, Optional
 
 from areal_mega.common.errors import ConfigError
 
-__all__ = ["VLLM_WORKER_EXTENSION", "VLLM_AUTH_MIDDLEWARE", "SUPPORTED_VLLM_VERSIONS",
-           "SERVED_MODEL_NAME", "VLLM_PYTHON_ENV", "PACKAGE_ROOT", "build_vllm_command",
-           "vllm_env", "resolve_vllm_python", "check_vllm_python"]
+__all__ = [
+    "VLLM_WORKER_EXTENSION",
+    "VLLM_AUTH_MIDDLEWARE",
+    "SUPPORTED_VLLM_VERSIONS",
+    "SERVED_MODEL_NAME",
+    "VLLM_PYTHON_ENV",
+    "PACKAGE_ROOT",
+    "build_vllm_command",
+    "vllm_env",
+    "resolve_vllm_python",
+    "check_vllm_python",
+]
 
 #: the class vLLM's workers mix in (``--worker-extension-cls``): weight updates from the trainer
 VLLM_WORKER_EXTENSION = "areal_mega.backends.vllm.worker_extension.WeightSyncExtension"
@@ -42,17 +52,29 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 #: default (raw_logprobs) is before it
 LOGPROBS_MODE = "processed_logprobs"
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-BUILD_HINT = ("build it with `make vllm-env` (a Python 3.11 venv at <repository>/.venv-vllm "
-              "from requirements-vllm.txt), or point rollout.vllm.python (or $AREAL_VLLM_PYTHON) "
-              "at a Python that has vLLM " + " / ".join(v + "x" for v in SUPPORTED_VLLM_VERSIONS))
+BUILD_HINT = (
+    "build it with `make vllm-env` (a Python 3.11 venv at <repository>/.venv-vllm "
+    "from requirements-vllm.txt), or point rollout.vllm.python (or $AREAL_VLLM_PYTHON) "
+    "at a Python that has vLLM " + " / ".join(v + "x" for v in SUPPORTED_VLLM_VERSIONS)
+)
 
 
-def build_vllm_command(python: str, model_path: str, port: int, *, host: str = "127.0.0.1",
-                       tp: int = 1, pp: int = 1, dtype: str = "bf16", max_model_len: int = 0,
-                       seed: Optional[int] = None, enforce_eager: bool = True,
-                       served_model_name: str = SERVED_MODEL_NAME,
-                       gpu_memory_utilization: Optional[float] = None,
-                       extra: Optional[list] = None) -> list:
+def build_vllm_command(
+    python: str,
+    model_path: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "bf16",
+    max_model_len: int = 0,
+    seed: Optional[int] = None,
+    enforce_eager: bool = True,
+    served_model_name: str = SERVED_MODEL_NAME,
+    gpu_memory_utilization: Optional[float] = None,
+    extra: Optional[list] = None,
+) -> list:
     """The argv of one vLLM OpenAI-compatible server (``tp·pp`` devices).
 
     Always: ``--logprobs-mode processed_logprobs`` (logprobs after temperature, the trainer's
@@ -74,18 +96,39 @@ def build_vllm_command(python: str, model_path: str, port: int, *, host: str = "
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: must be in (0, 1]")
     extra = [str(a) for a in extra or ()]
     if any(a.split("=", 1)[0] in ("--api-key", "--api_key") for a in extra):
-        raise ValueError("--api-key in the extra flags: the key would show in ps; it goes to "
-                         "the server as VLLM_API_KEY (vllm_env)")
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
-           "--host", host, "--port", str(port), "--served-model-name", served_model_name,
-           "--tensor-parallel-size", str(tp)]
+        raise ValueError(
+            "--api-key in the extra flags: the key would show in ps; it goes to "
+            "the server as VLLM_API_KEY (vllm_env)"
+        )
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
+        "--tensor-parallel-size",
+        str(tp),
+    ]
     if pp > 1:
         cmd += ["--pipeline-parallel-size", str(pp)]
     cmd += ["--dtype", VLLM_DTYPES[dtype]]
     if seed is not None:
         cmd += ["--seed", str(seed)]
-    cmd += ["--logprobs-mode", LOGPROBS_MODE, "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-            "--middleware", VLLM_AUTH_MIDDLEWARE, "--enable-scale-out"]
+    cmd += [
+        "--logprobs-mode",
+        LOGPROBS_MODE,
+        "--worker-extension-cls",
+        VLLM_WORKER_EXTENSION,
+        "--middleware",
+        VLLM_AUTH_MIDDLEWARE,
+        "--enable-scale-out",
+    ]
     if enforce_eager:
         cmd.append("--enforce-eager")
     if max_model_len > 0:
@@ -95,9 +138,13 @@ def build_vllm_command(python: str, model_path: str, port: int, *, host: str = "
     return cmd + extra
 
 
-def vllm_env(api_key: Optional[str], device: str, kv_cache_gib: float = 1.0,
-             package_root: Path | str = PACKAGE_ROOT,
-             environ: Optional[Mapping[str, str]] = None) -> dict:
+def vllm_env(
+    api_key: Optional[str],
+    device: str,
+    kv_cache_gib: float = 1.0,
+    package_root: Path | str = PACKAGE_ROOT,
+    environ: Optional[Mapping[str, str]] = None,
+) -> dict:
     """Environment entries of one vLLM server (added to the launcher's environment).
 
     ``VLLM_SERVER_DEV_MODE=1`` (the routes weight syncs use: /pause, /collective_rpc, ...);
@@ -111,8 +158,10 @@ def vllm_env(api_key: Optional[str], device: str, kv_cache_gib: float = 1.0,
         env["VLLM_API_KEY"] = api_key
     if device == "cpu":
         if not float(kv_cache_gib).is_integer() or kv_cache_gib < 1:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU KV cache "
-                             "(VLLM_CPU_KVCACHE_SPACE) is a whole number of GiB >= 1")
+            raise ValueError(
+                f"kv_cache_gib={kv_cache_gib}: vLLM's CPU KV cache "
+                "(VLLM_CPU_KVCACHE_SPACE) is a whole number of GiB >= 1"
+            )
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
     root = str(package_root)
     rest = [p for p in (environ.get("PYTHONPATH") or "").split(os.pathsep) if p and p != root]
@@ -120,20 +169,23 @@ def vllm_env(api_key: Optional[str], device: str, kv_cache_gib: float = 1.0,
     return env
 
 
-def resolve_vllm_python(configured: str = "", environ: Optional[Mapping[str, str]] = None
-                        ) -> str:
+def resolve_vllm_python(configured: str = "", environ: Optional[Mapping[str, str]] = None) -> str:
     """The vLLM interpreter: ``configured`` (``rollout.vllm.python``) when set, else
     ``$AREAL_VLLM_PYTHON``, else ``<repository>/.venv-vllm/bin/python``. A relative path is made
     absolute against the working directory; symlinks are kept (a venv's python is one, and
     resolving it would leave the venv)."""
     environ = os.environ if environ is None else environ
-    path = configured or environ.get(VLLM_PYTHON_ENV) or \
-        str(PACKAGE_ROOT / ".venv-vllm" / "bin" / "python")
+    path = (
+        configured
+        or environ.get(VLLM_PYTHON_ENV)
+        or str(PACKAGE_ROOT / ".venv-vllm" / "bin" / "python")
+    )
     return os.path.abspath(os.path.expanduser(path))
 
 
-def check_vllm_python(python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS,
-                      timeout_s: float = 300.0) -> str:
+def check_vllm_python(
+    python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS, timeout_s: float = 300.0
+) -> str:
     """Run ``python -c "import vllm; print(vllm.__version__)"`` and return the version; raise
     :class:`ConfigError` naming ``rollout.vllm.python``, the path, what it printed and how to
     build the environment when the interpreter is missing, cannot import vllm, or has a
@@ -146,23 +198,36 @@ def check_vllm_python(python: str, supported: tuple = SUPPORTED_VLLM_VERSIONS,
         raise ConfigError(f"{where} {what}; {BUILD_HINT}")
     try:
         proc = subprocess.run(
-            [python, "-c", "import vllm; import areal_mega.backends.vllm.worker_extension, "
-             "areal_mega.backends.vllm.auth; print(vllm.__version__)"],
-            capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONPATH=vllm_env(None, "gpu")["PYTHONPATH"]))
+            [
+                python,
+                "-c",
+                "import vllm; import areal_mega.backends.vllm.worker_extension, "
+                "areal_mega.backends.vllm.auth; print(vllm.__version__)",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=vllm_env(None, "gpu")["PYTHONPATH"]),
+        )
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"{where}: `import vllm` did not finish in {timeout_s:g} s; "
-                          f"{BUILD_HINT}") from None
+        raise ConfigError(
+            f"{where}: `import vllm` did not finish in {timeout_s:g} s; {BUILD_HINT}"
+        ) from None
     except OSError as e:
         raise ConfigError(f"{where} cannot run ({e}); {BUILD_HINT}") from None
     if proc.returncode != 0:
         said = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]) or "(nothing)"
-        raise ConfigError(f"{where} cannot import vllm or our extension (areal_mega."
-                          f"backends.vllm.worker_extension) (exit {proc.returncode}):\n{said}\n"
-                          f"{BUILD_HINT}")
+        raise ConfigError(
+            f"{where} cannot import vllm or our extension (areal_mega."
+            f"backends.vllm.worker_extension) (exit {proc.returncode}):\n{said}\n"
+            f"{BUILD_HINT}"
+        )
     lines = proc.stdout.strip().splitlines()
     version = lines[-1].strip() if lines else ""
     if not version.startswith(tuple(supported)):
-        raise ConfigError(f"{where} has vLLM {version or '(no version printed)'}; this code "
-                          f"supports {', '.join(v + 'x' for v in supported)}; {BUILD_HINT}")
+        raise ConfigError(
+            f"{where} has vLLM {version or '(no version printed)'}; this code "
+            f"supports {', '.join(v + 'x' for v in supported)}; {BUILD_HINT}"
+        )
     return version

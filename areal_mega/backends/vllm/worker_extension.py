@@ -17,14 +17,27 @@ buckets must not be loaded half.
 
 Arguments come as one JSON string (``/collective_rpc`` passes strings), answers are JSON-able.
 """
+
 from __future__ import annotations
 
 import json
 
 __all__ = ["WeightSyncExtension"]
 
-_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-           "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
+_DTYPES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
 
 
 def _spec(spec, *keys) -> dict:
@@ -48,15 +61,19 @@ class WeightSyncExtension:
         from vllm.distributed.parallel_state import get_tp_group
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-        d = _spec(spec, "master_address", "master_port", "rank_offset", "world_size",
-                  "backend")
+        d = _spec(spec, "master_address", "master_port", "rank_offset", "world_size", "backend")
         if d["backend"] not in ("gloo", "nccl"):
             raise ValueError(f"backend={d['backend']!r}: must be gloo or nccl")
         self.areal_leave_weight_group("{}")
         rank = int(d["rank_offset"]) + get_tp_group().rank_in_group
         self._areal_group = stateless_init_torch_distributed_process_group(
-            d["master_address"], int(d["master_port"]), rank, int(d["world_size"]),
-            d["backend"], timeout=datetime.timedelta(seconds=float(d.get("timeout_s", 300))))
+            d["master_address"],
+            int(d["master_port"]),
+            rank,
+            int(d["world_size"]),
+            d["backend"],
+            timeout=datetime.timedelta(seconds=float(d.get("timeout_s", 300))),
+        )
         self._areal_pending = []
         self._areal_device = torch.device("cpu") if d["backend"] == "gloo" else self.device
         return {"rank": rank}
@@ -76,8 +93,9 @@ class WeightSyncExtension:
         if bad:
             raise ValueError(f"areal_receive_weights: unknown dtypes {bad}")
         for name, dtype, shape in zip(d["names"], d["dtypes"], d["shapes"]):
-            t = torch.empty([int(x) for x in shape], dtype=getattr(torch, dtype),
-                            device=self._areal_device)
+            t = torch.empty(
+                [int(x) for x in shape], dtype=getattr(torch, dtype), device=self._areal_device
+            )
             group.broadcast(t, 0).wait()
             self._areal_pending.append((name, t))
         loaded = 0
@@ -92,15 +110,17 @@ class WeightSyncExtension:
     def areal_reload_from_disk(self, spec) -> dict:
         """Load the HF checkpoint directory ``model_path`` in place."""
         d = _spec(spec, "model_path")
-        self.model_runner.reload_weights(weights_path=str(d["model_path"]),
-                                         is_checkpoint_format=True)
+        self.model_runner.reload_weights(
+            weights_path=str(d["model_path"]), is_checkpoint_format=True
+        )
         return {"repacked": self._areal_repack_kept_weights()}
 
     def _areal_apply(self) -> int:
         pending, self._areal_pending = getattr(self, "_areal_pending", []), []
         if pending:
-            self.model_runner.reload_weights(weights_iterator=iter(pending),
-                                             is_checkpoint_format=True)
+            self.model_runner.reload_weights(
+                weights_iterator=iter(pending), is_checkpoint_format=True
+            )
             self._areal_repack_kept_weights()
         return len(pending)
 
@@ -118,8 +138,12 @@ class WeightSyncExtension:
         for module in self.model_runner.get_model().modules():
             weight = getattr(module, "weight", None)
             method = getattr(module, "quant_method", None)
-            if hasattr(module, "cpu_linear") and method is not None and weight is not None \
-                    and weight.numel() > 0:
+            if (
+                hasattr(module, "cpu_linear")
+                and method is not None
+                and weight is not None
+                and weight.numel() > 0
+            ):
                 method.process_weights_after_loading(module)
                 n += 1
         return n
