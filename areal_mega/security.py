@@ -32,9 +32,9 @@ import stat
 from pathlib import Path
 from typing import Optional
 
+from areal_mega.common.errors import ConfigError
 from areal_mega.common.files import atomic_write
 from areal_mega.common.net import is_loopback_host
-from areal_mega.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

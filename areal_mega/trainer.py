@@ -23,8 +23,8 @@ from areal_mega.run_dir import FATAL_EXIT_CODE
 from areal_mega.train import batches, evaluation
 from areal_mega.train.nonfinite import NonFiniteStepsError
 from areal_mega.train.quarantine import record_crash
-from areal_mega.train.screen import screen_samples
 from areal_mega.train.routing import free_routing_due, routing_metrics
+from areal_mega.train.screen import screen_samples
 from areal_mega.train.session import CheckpointSaveError, TrainerSession
 from areal_mega.train.teacher import opd_step
 

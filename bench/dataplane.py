@@ -55,7 +55,6 @@ from areal_mega.dataplane import (
     encode_trajectory,
 )
 
-
 GOAL = 0.80
 
 

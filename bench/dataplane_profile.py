@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataplane import make, ours_sender  # noqa: E402
+
 from areal_mega.dataplane import TrajectoryReceiver, decode_trajectory, encode_trajectory  # noqa
 
 STEPS = (

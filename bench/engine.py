@@ -222,6 +222,7 @@ REPEATS = [1]
 
 def child(side, hf_dir, args, out):
     import torch
+
     from areal_mega.checkpoint.convert import _large_allocations_via_mmap
 
     _large_allocations_via_mmap()

@@ -59,6 +59,7 @@ LAYOUT = dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1)
 def make_trajectories(args, vocab, seed, version):
     """``--prompts`` x ``--group`` finished trajectories as the intake delivers them."""
     import numpy as np
+
     from areal_mega.dataplane.trajectory import Trajectory
 
     rng = np.random.default_rng(seed)
@@ -175,6 +176,7 @@ def profile_table(prof, top=12):
 def child(args, hf_dir, out):
     """One variant (``AREAL_MEGA_CPU_GEMM`` already set by the parent): build, warm up, time."""
     import torch
+
     from areal_mega.checkpoint.convert import _large_allocations_via_mmap, _single_process_mesh
     from areal_mega.compat import cpu_gemm
     from areal_mega.engine import MegatronEngine

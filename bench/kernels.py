@@ -189,6 +189,7 @@ def bench_logsumexp(args):
 
 def bench_gae(args):
     import torch
+
     from areal_mega.ops import packed_gae
     from areal_mega.ops.reference import gae_loop_reference, packed_gae_torch
 

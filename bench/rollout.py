@@ -37,8 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from areal_mega.rollout.client import RolloutClient, sampling_dict  # noqa: E402
 from areal_mega.inference.process import launch_local_servers  # noqa: E402
+from areal_mega.rollout.client import RolloutClient, sampling_dict  # noqa: E402
 
 
 def write_model(path: str, args) -> str:

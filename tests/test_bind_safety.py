@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from areal_mega.backends.sglang import build_sglang_command
 from areal_mega.common.net import is_loopback_host
 from areal_mega.config import ConfigError, load_config
-from areal_mega.backends.sglang import build_sglang_command
 from areal_mega.inference.process import LocalServerProcess
 from areal_mega.launch import local
 from areal_mega.security import API_KEY_ENV, API_KEY_FILE_ENV, api_key_from_env, check_bind

@@ -15,7 +15,6 @@ import psutil
 import pytest
 
 from areal_mega.common import counters
-from areal_mega.rewards import sandbox as sandbox_mod
 from areal_mega.rewards import (
     code_reward,
     extract_code,
@@ -23,6 +22,7 @@ from areal_mega.rewards import (
     gsm8k_reward,
     parse_code_tests,
 )
+from areal_mega.rewards import sandbox as sandbox_mod
 from areal_mega.rewards.sandbox import CodeSandbox
 
 ADD = {"inputs": ["1 2\n", "10 20\n", "5 -5\n"], "outputs": ["3\n", "30\n", "0\n"]}

@@ -7,8 +7,8 @@ import pytest
 from areal_mega.config import load_config
 from areal_mega.data import DataError, PromptDataset, PromptLoader, PromptSampler, write_task_files
 from areal_mega.data.synthetic import make_examples
-from areal_mega.rewards import exact_match_reward
 from areal_mega.models.tiny import build_char_tokenizer
+from areal_mega.rewards import exact_match_reward
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ per-source rewards and plot curves, and HF datasets (built locally, no downloads
 
 import json
 
+import numpy as np
 import pytest
 
 from areal_mega.config import ConfigError, load_config
@@ -16,11 +17,9 @@ from areal_mega.data.sources import (
     source_schedule,
 )
 from areal_mega.dataplane import Trajectory
-from areal_mega.tracking.metrics import plot_metrics, source_reward_keys
 from areal_mega.models.tiny import build_char_tokenizer
+from areal_mega.tracking.metrics import plot_metrics, source_reward_keys
 from areal_mega.train.batches import per_source_rewards
-
-import numpy as np
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from areal_mega.dataplane import (
     TrajectoryReceiver,
     TrajectorySender,
     WireError,
-    decode_trajectory,
     check_endpoint,
+    decode_trajectory,
     encode_trajectory,
 )
 from tests.helpers.trajectories import make_traj

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from areal_mega.data.synthetic import write_task_files
-from areal_mega.tracking.metrics import read_metrics
 from areal_mega.models.tiny import make_tiny_model
+from areal_mega.tracking.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

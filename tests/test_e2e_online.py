@@ -25,7 +25,6 @@ import psutil
 import pytest
 
 from areal_mega.dataplane.journal import TrajectoryJournal
-from tests.helpers.rollout import http
 from tests.helpers.local_runs import (
     ROOT,
     _accepted_ids,
@@ -35,6 +34,7 @@ from tests.helpers.local_runs import (
     _trained,
     _trainer_pid,
 )
+from tests.helpers.rollout import http
 
 pytestmark = pytest.mark.slow
 TOTAL = 5

@@ -15,10 +15,10 @@ import psutil
 import pytest
 
 from areal_mega.common.net import free_port
-from areal_mega.tracking.metrics import plot_metrics
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.launch.scale import run_command
 from areal_mega.run_dir import RunDir
+from areal_mega.tracking.metrics import plot_metrics
 from tests.helpers.local_runs import (
     _accepted_ids,
     _finish,

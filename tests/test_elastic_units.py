@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from areal_mega.launch.elastic import ScaleError, free_gpus
-from areal_mega.launch.scale import main as scale_main, request_of
+from areal_mega.launch.scale import main as scale_main
+from areal_mega.launch.scale import request_of
 from areal_mega.rollout.server_pool import ServerPoolError, normalize_addr, pool_metrics
 
 

@@ -2,7 +2,6 @@
 teacher logprobs) and the served teacher's retry after a blip, on real objects."""
 
 import asyncio
-import dataclasses
 import math
 
 import numpy as np

@@ -11,8 +11,8 @@ import pytest
 
 from areal_mega.config import ConfigError, load_config
 from areal_mega.data.synthetic import write_task_files
-from areal_mega.tracking.metrics import eval_curve_keys
 from areal_mega.models.tiny import make_tiny_model
+from areal_mega.tracking.metrics import eval_curve_keys
 from areal_mega.train.evaluation import eval_due
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,8 +135,8 @@ def test_demo_summary_skips_the_step0_evaluation_row(tmp_path):
 def test_worker_evaluator_scores_each_source_like_training(tmp_path):
     """With data.sources and no eval.reward_fn, an eval item of a training source is scored by
     that source's reward function (and kwargs), any other item by rollout.reward_fn."""
-    from areal_mega.models.tiny import build_char_tokenizer
     from areal_mega.eval.worker_hook import WorkerEvaluator
+    from areal_mega.models.tiny import build_char_tokenizer
 
     f = tmp_path / "rev.jsonl"
     f.write_text(

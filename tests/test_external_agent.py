@@ -11,10 +11,10 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
-from areal_mega.workflow.external_agent import ExternalAgent, parse_reward
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.workflow.api import WorkflowSettings, build_workflow
+from areal_mega.workflow.external_agent import ExternalAgent, parse_reward
 from tests.helpers.rollout import API_KEY, GroupSink
 
 pytestmark = pytest.mark.timeout(300)

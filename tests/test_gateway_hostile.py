@@ -5,10 +5,8 @@ traceback per socket and closes the idle ones itself; hostile bodies (too big, n
 deep, numbers out of range) are 4xx, never 500. Connections go to 127.0.0.1 only."""
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from areal_mega.models.tiny import make_tiny_model
 from areal_mega.inference.cpu_linear import (
     onednn_linear_available,
     pack_linear_layers,
@@ -16,6 +15,7 @@ from areal_mega.inference.cpu_linear import (
 )
 from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.sampling import SamplingParams, inverse_cdf_pick
+from areal_mega.models.tiny import make_tiny_model
 
 
 def _tiny(tmp_path, name="m", seed=3):

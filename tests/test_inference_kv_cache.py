@@ -4,9 +4,8 @@ of a plain full-sequence forward of each row alone."""
 import pytest
 import torch
 
-from areal_mega.models.tiny import make_tiny_model
 from areal_mega.inference.kv_cache import HFCacheBatch, StaticKVBatch, make_kv_batch
-
+from areal_mega.models.tiny import make_tiny_model
 
 #: mistral: an explicit head_dim and a sliding window shorter than most rows; gemma3_text:
 #: the same window on its sliding layers only (transformers' cache, HFCacheBatch)

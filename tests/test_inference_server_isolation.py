@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from areal_mega.common.net import free_port
-from areal_mega.models.tiny import make_tiny_model
 from areal_mega.inference.process import LocalServerProcess, launch_local_servers
 from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
+from areal_mega.models.tiny import make_tiny_model
 from tests.helpers.rollout import API_KEY
 
 pytestmark = pytest.mark.timeout(600)

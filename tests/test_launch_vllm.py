@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.config import ConfigError, load_config
 from areal_mega.backends.vllm.launch import (
     PACKAGE_ROOT,
     SERVED_MODEL_NAME,
@@ -17,6 +16,7 @@ from areal_mega.backends.vllm.launch import (
     VLLM_PYTHON_ENV,
     VLLM_WORKER_EXTENSION,
 )
+from areal_mega.config import ConfigError, load_config
 from areal_mega.launch import local
 from areal_mega.launch.server_commands import check_server_runtime, memory_fraction
 from areal_mega.run_dir import RunDir

@@ -8,8 +8,8 @@ import pytest
 
 from areal_mega.config import ConfigError, load_config
 from areal_mega.launch import local
-from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 from areal_mega.parallel.allocation import parse_allocation
+from areal_mega.parallel.weight_group import WeightGroup, weight_update_group
 from areal_mega.train.session import weight_group_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -140,6 +140,7 @@ def test_lora_layers_hook_only_batches_with_adapter_rows():
     """Per-row deltas: the adapter's rows get ``W x + s B A x``, the others ``W x``; a batch
     without adapter rows runs with no hook installed."""
     import torch
+
     from areal_mega.inference.cpu_linear import fused_linear
     from areal_mega.inference.lora_layers import LoraLayers
 
@@ -169,6 +170,7 @@ def test_prefix_cache_namespaces_share_the_budget(tmp_path):
     past the shared budget drops the least recently used other, unless it is planned in the
     current round."""
     import torch
+
     from areal_mega.inference.kv_cache import StaticKVBatch
     from areal_mega.inference.prefix_reuse import PrefixReuse
     from areal_mega.models.tiny import make_tiny_model

@@ -15,8 +15,8 @@ from areal_mega.algo import compute_advantages, finalize_stats, policy_loss
 from areal_mega.algo.value_loss import finalize_value_stats
 from areal_mega.config import AlgorithmConfig
 from areal_mega.demo import mismatch_text, summarize
-from areal_mega.tracking.metrics import MetricsLogger, ProgressBar, plot_metrics, read_metrics
 from areal_mega.tracking.base import finite_scalars
+from areal_mega.tracking.metrics import MetricsLogger, ProgressBar, plot_metrics, read_metrics
 from areal_mega.train.batches import merge_train_stats
 
 

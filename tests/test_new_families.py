@@ -26,11 +26,11 @@ import pytest
 from areal_mega.common.net import free_port
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
-from tests.helpers.local_runs import _finish, _launch, _metrics
 from tests.helpers.convert_worker import compare, load_all
+from tests.helpers.local_runs import _finish, _launch, _metrics
 from tests.helpers.multirank import rank_results, run_ranks
-from tests.helpers.workers import worker_cmd
 from tests.helpers.new_families import CASES, RL_CASES, tiny_spec
+from tests.helpers.workers import worker_cmd
 
 pytestmark = pytest.mark.slow  # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
 ROOT = Path(__file__).resolve().parents[1]

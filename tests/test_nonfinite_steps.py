@@ -9,7 +9,6 @@ refused. Pure checks of the guard's helpers run in-process.
 
 import math
 import os
-import sys
 
 import numpy as np
 import pytest

@@ -15,11 +15,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from areal_mega.config import OnlineConfig
+from areal_mega.rollout.controller import RolloutController
 from areal_mega.workflow.api import WorkflowSettings
 from areal_mega.workflow.online_gateway import INFO_FILE, OnlineWorkflow
-from tests.helpers.rollout import API_KEY, GroupSink
 from tests.helpers.openai_episodes import NO_SPECIAL, RecordingClient, post, wait_for
-from areal_mega.rollout.controller import RolloutController
+from tests.helpers.rollout import API_KEY, GroupSink
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from areal_mega.workflow.tool_calls import messages_for_template
 from areal_mega.workflow.api import WorkflowSettings, build_workflow
+from areal_mega.workflow.tool_calls import messages_for_template
 from tests.helpers.openai_episodes import (
     HERMES_TEMPLATE,
     NO_SPECIAL,

@@ -5,7 +5,6 @@ One 2-process launch runs every check; each rank saves its results and the paren
 
 import os
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -43,8 +42,10 @@ def _run_case(logits, labels, g_lp, g_ent, temp, group):
 
 
 def _worker(rank, port, out_dir):
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
+
     from areal_mega.ops import packed_logprobs_from_hidden
 
     dist.init_process_group(

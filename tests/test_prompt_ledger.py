@@ -5,12 +5,12 @@ import json
 
 import pytest
 
+from areal_mega.dataplane import Trajectory
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.prompt_ledger import PromptLedger, resume_plan
 from areal_mega.rollout.resume import ResumingCursor, accepted_ledger
 from areal_mega.rollout.worker import PromptCursor
 from areal_mega.run_dir import META_NAME, RunDir
-from areal_mega.dataplane import Trajectory
 
 
 def _traj(prompt, group, j, size):

@@ -10,10 +10,10 @@ import urllib.request
 import numpy as np
 import pytest
 
-from areal_mega.rollout.client import RolloutClient
-from areal_mega.rollout.controller import RolloutController
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import exact_match_reward
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.staleness import sample_version
 from areal_mega.workflow.builtin import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
 from tests.helpers.rollout import API_KEY, GroupSink, run, teacher_forced_logprobs

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
+from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
+from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.failures import FailureRate, FailureRateExceeded
-from areal_mega.inference.process import launch_local_servers
-from areal_mega.rewards import exact_match_reward
 from areal_mega.workflow.builtin import RLVRWorkflow
 from tests.helpers.rollout import API_KEY, GroupSink
 

@@ -10,7 +10,6 @@ import json
 import os
 import stat
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,9 +22,9 @@ import yaml
 import zmq
 
 from areal_mega.config import ConfigError, load_config
+from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 from areal_mega.dataplane.transport import DataplaneError, TrajectoryReceiver
 from areal_mega.launch import local
-from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 from areal_mega.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]

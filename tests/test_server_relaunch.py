@@ -10,16 +10,16 @@ import time
 import numpy as np
 import pytest
 
-from areal_mega.rollout.client import RolloutClient
-from areal_mega.rollout.controller import RolloutController
 from areal_mega.inference.process import LocalServerProcess, launch_local_servers
 from areal_mega.rewards import exact_match_reward
+from areal_mega.rollout.client import RolloutClient
+from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands
+from areal_mega.run_dir import RunDir
 from areal_mega.train.weight_sender import DistributedWeightSender
 from areal_mega.workflow.builtin import RLVRWorkflow
-from areal_mega.run_dir import RunDir
 from tests.helpers.rollout import API_KEY, GroupSink, run, teacher_forced_logprobs
-from tests.helpers.server_pool import check_tokens, tokens_generated, wait_for, N_NEW
+from tests.helpers.server_pool import N_NEW, check_tokens, tokens_generated, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

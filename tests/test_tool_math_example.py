@@ -3,8 +3,8 @@ the episode's loading as a configured workflow."""
 
 from pathlib import Path
 
-from areal_mega.config import load_config
 from areal_mega.common.loading import load_object
+from areal_mega.config import load_config
 from areal_mega.workflow.api import FunctionWorkflow
 from areal_mega.workflow.builtin import workflow_from_config
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
+from areal_mega.backends.vllm.client import VLLMClient
 from areal_mega.rewards import exact_match_reward
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.generate_result import RolloutRequestError, RolloutServerError
-from areal_mega.backends.vllm.client import VLLMClient
 from areal_mega.train.weight_sender import DistributedWeightSender
 from areal_mega.workflow.builtin import RLVRWorkflow
 from tests.helpers.rollout import GroupSink, load_model, run, teacher_forced_logprobs

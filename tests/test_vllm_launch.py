@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_mega.config import ConfigError
 from areal_mega.backends.vllm import auth as vllm_auth
 from areal_mega.backends.vllm.auth import BearerOnEveryRoute
 from areal_mega.backends.vllm.launch import (
@@ -30,6 +29,7 @@ from areal_mega.backends.vllm.launch import (
     resolve_vllm_python,
     vllm_env,
 )
+from areal_mega.config import ConfigError
 from tests.helpers.vllm_env import vllm_python
 from tests.helpers.workers import worker_cmd
 

@@ -7,7 +7,15 @@ import asyncio
 
 import pytest
 
+from areal_mega.common.loading import load_object
 from areal_mega.config import ConfigError, load_config
+from areal_mega.workflow.api import (
+    EpisodeWorkflow,
+    FunctionWorkflow,
+    WorkflowSettings,
+    build_workflow,
+)
+from areal_mega.workflow.builtin import RLVRWorkflow, workflow_from_config
 from areal_mega.workflow.episode_export import chains, plan_samples
 from areal_mega.workflow.openai_client import (
     CompletionRecord,
@@ -16,14 +24,6 @@ from areal_mega.workflow.openai_client import (
     sampling_of,
 )
 from areal_mega.workflow.tool_calls import messages_for_template, parse_tool_calls
-from areal_mega.common.loading import load_object
-from areal_mega.workflow.api import (
-    EpisodeWorkflow,
-    FunctionWorkflow,
-    WorkflowSettings,
-    build_workflow,
-)
-from areal_mega.workflow.builtin import RLVRWorkflow, workflow_from_config
 
 USER_FILE = """
 from areal_mega.workflow.api import EpisodeWorkflow

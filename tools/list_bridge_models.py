@@ -33,8 +33,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.disable(logging.WARNING)  # the bridge's import-time notices
     warnings.filterwarnings("ignore")
-    import transformers
     from importlib.metadata import version
+
+    import transformers
 
     from areal_mega.inference import model_support as ms
 

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _argtypes import float_range, int_range  # noqa: E402  (tools/ is sys.path[0])
+
 from areal_mega.models.tiny import ARCHS, CHARSETS, TinyModelSpec, make_tiny_model  # noqa: E402
 
 # lower bounds of the numeric fields: sizes and counts >= 1, seed >= 0, floats finite and > 0

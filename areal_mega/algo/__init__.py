@@ -33,9 +33,9 @@ from areal_mega.algo.filters import dynamic_filter, group_filter, uniform_groups
 from areal_mega.algo.kl import kl_estimate
 from areal_mega.algo.packing import (
     broadcast_to_tokens,
+    group_index_of,
     last_token_index,
     segment_sum,
-    group_index_of,
     select_sequences,
     split_micro_batches,
     token_seq_ids,

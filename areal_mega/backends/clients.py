@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from areal_mega.rollout.client import RolloutClient
 from areal_mega.backends.vllm.client import VLLMClient
+from areal_mega.rollout.client import RolloutClient
 
 __all__ = ["client_class", "group_handshake"]
 

@@ -25,20 +25,20 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from areal_mega.common.proc_memory import AnonPeak, proc_status_bytes
 from areal_mega.checkpoint import hf_mapping as hm
-from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
 from areal_mega.checkpoint.dist_ckpt import (
-    CheckpointError,
     HF_AUX_FILES,
     HF_SUBDIR,
+    CheckpointError,
     atomic_save_sharded,
     resolve_checkpoint,
 )
+from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
 from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
 from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
 from areal_mega.checkpoint.verify import read_meta
 from areal_mega.common.net import free_port
+from areal_mega.common.proc_memory import AnonPeak, proc_status_bytes
 from areal_mega.parallel.allocation import ParallelDims
 
 __all__ = [
@@ -114,6 +114,7 @@ def check_layout(
 
 def _single_process_mesh():
     import torch.distributed as dist
+
     from areal_mega.parallel.mesh import ParallelMesh
 
     if dist.is_initialized() and dist.get_world_size() != 1:
@@ -225,12 +226,13 @@ def convert_hf_to_mcore(
     ``*ForSequenceClassification`` (``score.weight`` skipped: it becomes the value head, see
     :mod:`~areal_mega.checkpoint.value_model`). Returns a report dict (path, tensor count,
     memory numbers)."""
-    from areal_mega.models.builder import padded_vocab_size
     from megatron.core.dist_checkpointing.mapping import (
         ShardedObject,
         ShardedTensor,
         ShardedTensorFactory,
     )
+
+    from areal_mega.models.builder import padded_vocab_size
 
     hf_dir = Path(hf_dir)
     out = Path(out)

@@ -225,7 +225,7 @@ def _patch_torch_norm(mod) -> None:
         )
         if sp:
             for p in module.parameters():
-                setattr(p, "sequence_parallel", True)
+                p.sequence_parallel = True
         return module
 
     cls.__new__ = staticmethod(__new__)

@@ -25,8 +25,8 @@ the frame or field; the receiver counts reasons and keeps running.
 
 from __future__ import annotations
 
-import hmac as _hmac
 import hashlib
+import hmac as _hmac
 import sys
 from typing import Any, Optional, Sequence, Union
 

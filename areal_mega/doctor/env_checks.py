@@ -38,6 +38,7 @@ def read_pins(root: Path) -> List[str]:
 def version_problems(pins: List[str]) -> Tuple[List[str], int]:
     """``(problems, n_checked)``: each pin not installed or installed at another version."""
     from importlib.metadata import PackageNotFoundError, version
+
     from packaging.requirements import Requirement
 
     probs = []

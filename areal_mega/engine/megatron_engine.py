@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist

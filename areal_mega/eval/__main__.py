@@ -31,13 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from areal_mega.backends.clients import client_class
 from areal_mega.common.files import atomic_write
 from areal_mega.data.dataset import load_tokenizer
 from areal_mega.eval.runner import evaluate, load_eval_items
 from areal_mega.eval.scores import format_table, summarize
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.rewards import load_reward_fn, shutdown_reward_workers
-from areal_mega.backends.clients import client_class
 
 
 def is_hf_dir(path: Path) -> bool:

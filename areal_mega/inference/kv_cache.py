@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.inference.cpu_linear import fused_linear
-from areal_mega.ops import decode as decode_ops
 from areal_mega.models.sliding_window import (
     SLIDING_WINDOW_MODEL_TYPES,
     hf_sliding_window,
     window_visible,
 )
+from areal_mega.ops import decode as decode_ops
 
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 # dense MLPs computed as down(act(gate(x)) * up(x)); other MLPs (MoE blocks) run as modules

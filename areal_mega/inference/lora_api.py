@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+
 from aiohttp import web
 
 from areal_mega.inference.http_api import BadRequest, get_field, ignore_unknown

@@ -65,8 +65,8 @@ from areal_mega.inference.decoding import GenRequest
 from areal_mega.inference.http_api import (
     DISK_LOAD_FORMATS,
     DIST_LOAD_FORMATS,
-    BadRequest,
     MAX_BODY,
+    BadRequest,
     RequestTimeout,
     TooLarge,
     error_response,

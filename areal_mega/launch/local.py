@@ -55,7 +55,6 @@ from areal_mega.launch.memory import (
 )
 from areal_mega.launch.plan import Layout, plan_layout
 from areal_mega.launch.server_commands import (
-    ROLLOUT_SERVER_MODULE,
     backend_env,  # noqa: F401
     check_server_runtime,
     describe_servers,

@@ -21,21 +21,21 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.dist_ckpt import CheckpointError, resolve_checkpoint
 from areal_mega.checkpoint.verify import read_meta
-from areal_mega.run_dir import hf_source_identity
 from areal_mega.lora.peft_io import (
+    _WRAPPED,
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    _WRAPPED,
     adapter_config,
     peft_deltas,
 )
+from areal_mega.run_dir import hf_source_identity
 
 __all__ = [
     "LoraCheckpoint",

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
-from areal_mega.lora.targets import CANONICAL_TO_HF
 
 __all__ = [
     "ADAPTER_CONFIG",

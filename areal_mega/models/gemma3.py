@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -196,7 +195,7 @@ class Gemma3RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         # replicated across TP: with sequence parallelism its gradient is a partial sum
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of ``x``."""

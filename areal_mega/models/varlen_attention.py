@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 

@@ -39,8 +39,8 @@ import numpy as np
 
 from areal_mega.common.moe_routes import RouteLayout, RouteTable
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
-from areal_mega.rollout.generate_result import token_versions
 from areal_mega.rollout.failures import EpisodeFailures, FailureRate
+from areal_mega.rollout.generate_result import token_versions
 from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.routes import call_routes
 from areal_mega.rollout.staleness import StalenessCounter, sample_version

@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
-from areal_mega.common.moe_routes import RouteLayout, decode_sglang_routes
 from areal_mega.common.errors import ConfigError
+from areal_mega.common.moe_routes import RouteLayout, decode_sglang_routes
 from areal_mega.models.moe_families import SIGMOID_ROUTER_MODEL_TYPES
 from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
 

@@ -47,9 +47,9 @@ from areal_mega.dataplane.control import ControlServer
 from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
 from areal_mega.rollout.controller import RolloutController
-from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.counts import CountCarrier, counts_of
 from areal_mega.rollout.failures import FailureRate, FailureRateExceeded, episode_failure_policy
+from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.routes import replay_layout
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics

@@ -34,9 +34,9 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.tracking.metrics import MetricsLogger, read_metrics
 from areal_mega.security import install_log_redaction, redact_secrets
 from areal_mega.tracking.base import TRACKERS, check_trackers
+from areal_mega.tracking.metrics import MetricsLogger, read_metrics
 from areal_mega.tracking.samples import SampleLog
 
 __all__ = ["RunLog", "TRACKERS", "check_trackers"]

@@ -8,8 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from areal_mega.common.files import atomic_write
 from areal_mega.common.errors import ConfigError
+from areal_mega.common.files import atomic_write
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 """The names ``logging.trackers`` accepts."""

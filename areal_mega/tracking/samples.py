@@ -18,8 +18,8 @@ from typing import Optional
 import numpy as np
 
 from areal_mega.data.dataset import load_tokenizer
-from areal_mega.tracking.metrics import truncate_metrics
 from areal_mega.security import redact_text
+from areal_mega.tracking.metrics import truncate_metrics
 
 SAMPLES_FILE = "samples.jsonl"
 COLUMNS = (

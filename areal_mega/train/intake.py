@@ -38,7 +38,6 @@ from typing import Optional
 from areal_mega.common.files import atomic_write
 from areal_mega.common.moe_routes import RouteLayout, check_routes
 from areal_mega.dataplane.buffer import TrajectoryBuffer
-from areal_mega.dataplane.transport import TrajectoryReceiver
 from areal_mega.dataplane.journal import (
     ReplayStats,
     TrajectoryJournal,
@@ -46,6 +45,7 @@ from areal_mega.dataplane.journal import (
     segments_to_retire,
 )
 from areal_mega.dataplane.prompt_ledger import PromptLedger
+from areal_mega.dataplane.transport import TrajectoryReceiver
 from areal_mega.dataplane.wire import WireError
 from areal_mega.run_dir import checkpoint_meta, complete_checkpoints
 from areal_mega.train.quarantine import Quarantine

@@ -26,19 +26,19 @@ from areal_mega.lora.actor import (
     merged_deltas,
     publish_adapter,
 )
-from areal_mega.tracking.metrics import ProgressBar, plot_metrics
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.parallel.weight_group import weight_update_group
 from areal_mega.rollout.routes import replay_layout
 from areal_mega.run_dir import (
-    RunDir,
     SOURCE_FILE,
+    RunDir,
     hf_source_identity,
     is_disk_full_error,
     iter_dir_name,
 )
 from areal_mega.security import holds_secret, write_run_file
 from areal_mega.tracking import RunLog
+from areal_mega.tracking.metrics import ProgressBar, plot_metrics
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.nonfinite import SkipGuard
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer

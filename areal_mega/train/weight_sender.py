@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import aiohttp
 
+from areal_mega.backends.clients import client_class, group_handshake
 from areal_mega.common.net import free_port
 from areal_mega.parallel.weight_group import (
     broadcast_from_rank0,
@@ -37,7 +38,6 @@ from areal_mega.parallel.weight_group import (
     init_update_group,
     weight_update_group,
 )
-from areal_mega.backends.clients import client_class, group_handshake
 from areal_mega.rollout.client import RolloutRequestError, server_url
 
 log = logging.getLogger(__name__)

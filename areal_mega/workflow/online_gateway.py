@@ -55,12 +55,6 @@ from areal_mega.common.net import is_loopback_host
 from areal_mega.rollout.client import RolloutRequestError
 from areal_mega.security import write_run_file
 from areal_mega.workflow.api import EpisodeWorkflow, SampleContext
-from areal_mega.workflow.openai_client import (
-    MODEL_NAME,
-    OpenAIRequestError,
-    chat_request,
-    completion_request,
-)
 from areal_mega.workflow.online_journal import OnlineJournal
 from areal_mega.workflow.online_restore import (
     RestoredSession,
@@ -69,7 +63,6 @@ from areal_mega.workflow.online_restore import (
     restored_sessions,
     session_trajectories,
 )
-from areal_mega.workflow.openai_server import bearer_token, json_object_body
 from areal_mega.workflow.online_sessions import (
     DONE,
     DROPPED,
@@ -82,6 +75,13 @@ from areal_mega.workflow.online_sessions import (
     SessionBook,
     SessionError,
 )
+from areal_mega.workflow.openai_client import (
+    MODEL_NAME,
+    OpenAIRequestError,
+    chat_request,
+    completion_request,
+)
+from areal_mega.workflow.openai_server import bearer_token, json_object_body
 
 log = logging.getLogger(__name__)
 TICK_S = 0.2

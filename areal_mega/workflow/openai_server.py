@@ -14,7 +14,6 @@ refused with 400 (``param: "stream"``). The endpoint binds 127.0.0.1 only.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time

@@ -55,6 +55,7 @@ def make_assets(
     ``layers`` layers) and the prompt files, each prompt after the same ``instruction``
     characters (digits)."""
     import random
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

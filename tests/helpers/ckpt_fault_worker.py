@@ -20,14 +20,15 @@ from areal_mega.common.net import free_port
 
 def _setup(work):
     import torch
-    from areal_mega.checkpoint import hf_mapping as hm
-    from areal_mega.models.builder import build_model_chunks
-    from areal_mega.parallel.allocation import ParallelDims
-    from areal_mega.parallel.mesh import ParallelMesh
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.models.builder import build_model_chunks
+    from areal_mega.parallel.allocation import ParallelDims
+    from areal_mega.parallel.mesh import ParallelMesh
 
     mesh = ParallelMesh.create(
         ParallelDims(),

@@ -25,13 +25,13 @@ def _ok(fn):
 
 
 def probes():
+    import numpy as np
+    from megatron.core import utils as cutils
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel import random as tpr
     from megatron.core.transformer import utils as tutils
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core import utils as cutils
-    import numpy as np
 
     def rng():
         t = tpr.CudaRNGStatesTracker()
@@ -50,6 +50,7 @@ def probes():
         """``import megatron.bridge`` in a fresh process (it needs TransformerEngine), with
         the patches there when they are applied here."""
         import subprocess
+
         from areal_mega.compat import megatron_cpu
 
         pre = (

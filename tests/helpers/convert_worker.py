@@ -8,7 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-
 # name -> (make_tiny_model overrides, convert_hf_to_mcore kwargs)
 VARIANTS = {
     "llama_tied_gqa": (
@@ -77,6 +76,7 @@ def compare(a, b):
 
 def main(work):
     import torch
+
     from areal_mega.checkpoint.convert import convert_hf_to_mcore, convert_mcore_to_hf
     from areal_mega.models.tiny import make_tiny_model
 

@@ -23,7 +23,6 @@ import os
 import sys
 import traceback
 
-
 import torch
 
 LENS = [[9, 14, 5], [20, 3], [6, 6, 6, 4], [1, 17, 2]]
@@ -104,6 +103,8 @@ def make_batches(cp):
 
 
 def run_config(cfg, mesh, mbs, lps, ents):
+    import torch.distributed as dist
+
     from areal_mega.algo import make_policy_loss
     from areal_mega.engine.loss_context import (
         CPShard,
@@ -114,7 +115,6 @@ def run_config(cfg, mesh, mbs, lps, ents):
     from areal_mega.engine.megatron_engine import default_denominator
     from areal_mega.engine.packed import cp_token_index, micro_batch_labels, zigzag_merge
     from areal_mega.train.sft import sft_loss
-    import torch.distributed as dist
 
     if cfg is None:
         loss_fn, den_fn = sft_loss, default_denominator

@@ -16,7 +16,6 @@ import dataclasses
 import os
 import sys
 
-
 import torch
 
 from tests.helpers import engine_worker as ew
@@ -133,6 +132,7 @@ def rl_micro_batches(cfg):
     """A real step's packed micro-batches (plan_step on trajectories with a truncated sample
     and a multi-turn loss mask), as PackedBatch objects with logprobs attached."""
     import numpy as np
+
     from areal_mega.dataplane.trajectory import Trajectory
     from areal_mega.train import batches
 
@@ -262,6 +262,7 @@ def fit_checks(res, cfg):
     completion token is even, so V is predictable from that token on; explained variance
     rises over RL-like steps (values, GAE, value loss) on a fixed batch."""
     import numpy as np
+
     from areal_mega.dataplane.trajectory import Trajectory
     from areal_mega.train import batches
     from areal_mega.train.critic_step import gae_step, train_critic

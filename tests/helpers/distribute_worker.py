@@ -34,6 +34,7 @@ def plan_for(dp_size):
 
 def run_layout(spec, res):
     import torch.distributed as dist
+
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
     from areal_mega.train import batches

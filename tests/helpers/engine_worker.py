@@ -18,7 +18,6 @@ import re
 import sys
 import traceback
 
-
 import torch
 
 from areal_mega.config import ModelConfig, OptimizerConfig
@@ -74,6 +73,7 @@ def losses(kind, **kw):
 
         return sft_loss, default_denominator
     import dataclasses
+
     from areal_mega.algo import make_policy_loss
     from areal_mega.config import AlgorithmConfig
 

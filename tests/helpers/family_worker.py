@@ -26,7 +26,6 @@ import os
 import sys
 from pathlib import Path
 
-
 import torch
 
 from tests.helpers import engine_worker as ew

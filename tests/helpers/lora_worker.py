@@ -16,7 +16,6 @@ import os
 import sys
 import traceback
 
-
 import torch
 
 from tests.helpers.engine_worker import POLICY, TEMP, attach_policy_inputs, losses
@@ -283,6 +282,7 @@ def scenario_interop(res, tmp):  # noqa: C901 (one story, read top to bottom)
     """One rank: our adapters in PEFT's hands and PEFT's adapters in ours."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
+
     from areal_mega.lora.actor import AdaptersOffReference, merged_deltas
     from areal_mega.lora.peft_io import load_peft_adapter
     from areal_mega.train.weights import export_hf_dir

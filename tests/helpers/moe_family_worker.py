@@ -15,7 +15,6 @@ router and layouts with multi-latent attention (q and kv LoRA ranks 32, rope dim
 import os
 import sys
 
-
 import torch
 
 from tests.helpers import engine_worker as ew

@@ -27,13 +27,15 @@ def main(rank, world, port, work, scenario, convdir):
     )
     import torch
     import torch.distributed as dist
-    from areal_mega.checkpoint import export, hf_mapping as hm
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.checkpoint import export
+    from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import load_checkpoint
     from areal_mega.checkpoint.safetensors_io import SafetensorsDir
     from areal_mega.models.builder import build_model_chunks
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
-    from megatron.core import parallel_state as ps
 
     work = Path(work)
     res = {"checks": {}}
@@ -146,6 +148,11 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     logits and exported weights with the TP1 model at save time."""
     import torch
     import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import (
         find_latest,
@@ -154,10 +161,6 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
         save_checkpoint,
     )
     from areal_mega.models.builder import build_model_chunks
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     arch = hm.read_arch(conv_dir / "hf")
     root = work / ("train_ckpt_distopt" if distopt else "train_ckpt")

@@ -26,7 +26,6 @@ agreement counts (each rank counts its own tokens and layers) with the single ra
 import os
 import sys
 
-
 import numpy as np
 import torch
 
@@ -42,6 +41,7 @@ def hf_rollout(hf_dir, lens, seed=3):
     trajectories (prompt third, completion rest, version 0) and the full per-position HF
     logprobs of each sequence (position t: logprob of token t+1)."""
     from transformers import AutoModelForCausalLM
+
     from areal_mega.dataplane.trajectory import Trajectory
 
     m = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -160,13 +160,14 @@ def policy_loss():
 
 
 def scenario_single(res, work):
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
     from areal_mega.checkpoint.convert import convert_hf_to_mcore
     from areal_mega.config import AlgorithmConfig
     from areal_mega.models.builder import load_hf_config, normalize_hf_config
     from areal_mega.models.tiny import make_tiny_model
     from areal_mega.train import batches
     from areal_mega.train.routing import routing_metrics
-    from megatron.core.transformer.moe.router_replay import RouterReplay
 
     hf_dir = make_tiny_model(
         work / "hf",
@@ -309,6 +310,7 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
     holds only what the step reads; its data source hands over the server's trajectories and
     weight publishing has no servers to reach."""
     from types import SimpleNamespace
+
     from areal_mega.config import load_config
     from areal_mega.rollout.routes import replay_layout
     from areal_mega.train.nonfinite import SkipGuard

@@ -16,7 +16,6 @@ import os
 import sys
 import traceback
 
-
 import torch
 
 from tests.helpers import engine_worker as ew
