@@ -221,7 +221,9 @@ def main():
     setup(
         name="areal-mega",
         version="0.1.0",
-        description="Megatron-Core based asynchronous reinforcement learning for large language models",
+        description=(
+            "Megatron-Core based asynchronous reinforcement learning for large language models"
+        ),
         long_description=(ROOT / "README.md").read_text(),
         long_description_content_type="text/markdown",
         packages=find_packages(include=["areal_mega", "areal_mega.*"]),

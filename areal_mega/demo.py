@@ -339,7 +339,8 @@ def main(argv=None) -> None:
 [demo] RL steps: {s["steps"]} in {t_rl:.0f}s (SFT {t_sft:.0f}s, total {s["total_seconds"]:.0f}s)
 [demo] mean reward: first 10 steps {s["reward_first10"]:.3f} -> last 10 steps \
 {s["reward_last10"]:.3f} (gain {gain:+.3f})
-{critic_line}[demo] held-out greedy accuracy: {acc_before:.3f} (after SFT) -> {acc_after:.3f} (after RL)
+{critic_line}[demo] held-out greedy accuracy: {acc_before:.3f} (after SFT) -> \
+{acc_after:.3f} (after RL)
 [demo] ppo_kl of the first PPO minibatch: {s["ppo_kl_first_minibatch_step1"]}
 [demo] training/inference mismatch |logp_trainer - logp_rollout|: {mismatch}
 [demo] staleness max: {s["staleness_max"]:.0f} (eta = {args.eta})

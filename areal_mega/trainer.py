@@ -65,7 +65,8 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     Side effects: the actor's weights, optimizer and LR schedule advance; the servers serve
     ``step``; the planned micro-batches are not mutated (fields are attached to copies,
     ``PackedBatch.with_fields``). No metrics row or checkpoint (the caller's loop does
-    both); rank 0 writes the step's sample groups when ``logging.log_samples_every`` is due. Returns the step's statistics (identical on every rank): rank 0's batch
+    both); rank 0 writes the step's sample groups when ``logging.log_samples_every`` is due. Returns
+    the step's statistics (identical on every rank): rank 0's batch
     statistics (filter, advantages, rewards, versions, sizes), ``opd/*`` and ``time/teacher``
     (part of ``time/logprobs``) with OPD, the finalised loss statistics merged over
     minibatches (``finalize_stats``), ``version`` = ``step``, the ``time/*`` split,

@@ -199,7 +199,7 @@ def main() -> None:
             count = max(200, min(20_000, int(args.mb * 1e6 / per)))
 
             def ep(tag):
-                return f"ipc://{tmp}/{tag}.sock" if transport == "ipc" else "tcp://127.0.0.1:*"
+                return f"ipc://{tmp}/{tag}.sock" if transport == "ipc" else "tcp://127.0.0.1:*"  # noqa: B023
 
             runs = {k: [] for k in kinds}
             for rep in range(args.reps):

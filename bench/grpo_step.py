@@ -21,7 +21,8 @@ step's weight version. A fresh batch per step (its own seed).
 
 Step: exactly the compute of :func:`areal_mega.trainer.rl_step` on one rank:
 ``batches.plan_step`` (GRPO advantages, micro-batch planning and packing with the recipe's
-``scheduler.max_tokens_per_mb``), ``batches.distribute``, the proximal logprobs where the trainer computes them
+``scheduler.max_tokens_per_mb``), ``batches.distribute``, the proximal logprobs where the trainer
+computes them
 (``trainer.prox_forward_needed``; ``--prox``: ``actor.prox_logprobs``, ``both`` compares
 auto with recompute), ``make_policy_loss`` and
 ``actor.train_batch`` per ``batches.minibatches`` (forward, backward, optimizer step).
@@ -30,7 +31,8 @@ model (off in the recipe) and the weight publication to the servers (``publish_w
 
 Measured: one warm-up step, then ``--steps`` steps; per step the planning, logprob-recompute
 and train (forward+backward+optimizer) seconds, the total and tokens/s (all tokens of the
-batch over the total; CPU s: the process's CPU time). Then one more step under ``torch.profiler``: the top 12 ops by self
+batch over the total; CPU s: the process's CPU time). Then one more step under ``torch.profiler``:
+the top 12 ops by self
 CPU time and the share of the matmul-type ops (mm, addmm, bmm, matmul, oneDNN's
 ``_linear_pointwise``) in the total self CPU time. Each ``--gemm`` variant runs in its own
 process (``AREAL_MEGA_CPU_GEMM``, see :mod:`areal_mega.compat.cpu_gemm`) with

@@ -157,7 +157,8 @@ def bench_logprobs(args):
     mem_ratio = res["naive"]["peak_extra"] / max(res["ours"]["peak_extra"], floor)
     time_ratio = res["naive"]["time"] / res["ours"]["time"]
     print(
-        f"  memory ratio naive/ours: {mem_ratio:.0f}x (goal >= 20x; ours floored at its 4 x T float32 statistics)"
+        f"  memory ratio naive/ours: {mem_ratio:.0f}x (goal >= 20x; ours floored at its 4 x T "
+        "float32 statistics)"
     )
     print(f"  time ratio   naive/ours: {time_ratio:.2f}x (goal >= 1x)")
     return mem_ratio, time_ratio
@@ -275,7 +276,7 @@ def bench_cuda(args):
     print(f"== CUDA: {torch.cuda.get_device_name(dev)} ==")
     src = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / _cuda_best(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() / _cuda_best(lambda: dst.copy_(src))  # noqa: F821
     del src, dst
     print(f"  device-to-device copy: {copy_bw / 1e9:8.1f} GB/s (read + write)")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -390,7 +390,7 @@ def test_gradcheck_full_loss():
         {"loss_agg": "seq_sum_norm", "loss_norm_len": 5, "imp_weight_level": "sequence"},
     ]:
         loss_fn, _ = make_policy_loss(cfg_(**kw))
-        assert torch.autograd.gradcheck(lambda x: loss_fn(x, None, mb)[0], (logp,))
+        assert torch.autograd.gradcheck(lambda x: loss_fn(x, None, mb)[0], (logp,))  # noqa: B023
 
 
 def test_mismatch_counts_only_tokens_of_the_evaluated_weights():

@@ -142,7 +142,7 @@ def test_sequence_fields_and_grpo_values():
     advs, _ = trajectory_advantages(trajs, cfg)
     # group b: [1, 0] -> ±0.5; group a: [0, 1, .5] -> [-.5, .5, 0]; group c uniform -> 0
     expect = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]
-    for t, a, e in zip(trajs, advs, expect):
+    for _t, a, e in zip(trajs, advs, expect):
         assert a[:3].tolist() == [0.0] * 3  # prompt: no advantage
         assert a[3:].tolist() == pytest.approx([e] * (len(a) - 3), abs=1e-6)
 

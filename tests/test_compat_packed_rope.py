@@ -2,7 +2,6 @@
 megatron-core's per-sequence THD RoPE, one rotation call per attention instead of one per
 packed sequence, and the engine's logprobs unchanged."""
 
-
 import pytest
 import torch
 import torch.distributed as dist

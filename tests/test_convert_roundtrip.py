@@ -115,7 +115,8 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
 
 
 def test_moe_layouts_logits_export(jobs, tmp_path):
-    """Qwen3-MoE, GLM-4 MoE and DeepSeek-V3 (MLA) converted at 'TP2 PP2 EP2' load at EP2 (experts, shared experts
+    """Qwen3-MoE, GLM-4 MoE and DeepSeek-V3 (MLA) converted at 'TP2 PP2 EP2' load at EP2 (experts,
+    shared experts
     and expert biases exported back bit-exactly), TP2 and PP2; logits = transformers at TP1
     (Qwen3-MoE), TP2 and EP2."""
     ranks = launch_2ranks("moe", tmp_path, jobs)

@@ -117,37 +117,37 @@ def _rule_breaks():
         edit(*arrays)
         cases.append((name, bits, (*arrays, prompt_len)))
 
-    broken("id_min_int", tr.NEGATIVE_ID, lambda i, m, l, v: i.__setitem__(39, -(2**31)))
-    broken("id_zero_ok", 0, lambda i, m, l, v: i.__setitem__(0, 0))
-    broken("mask_2", tr.MASK_NOT_BINARY, lambda i, m, l, v: m.__setitem__(20, 2))
+    broken("id_min_int", tr.NEGATIVE_ID, lambda i, m, lp, v: i.__setitem__(39, -(2**31)))
+    broken("id_zero_ok", 0, lambda i, m, lp, v: i.__setitem__(0, 0))
+    broken("mask_2", tr.MASK_NOT_BINARY, lambda i, m, lp, v: m.__setitem__(20, 2))
     broken(
         "mask_255_on_prompt",
         tr.MASK_NOT_BINARY | tr.MASK_ON_PROMPT,
-        lambda i, m, l, v: m.__setitem__(3, 255),
+        lambda i, m, lp, v: m.__setitem__(3, 255),
     )
-    broken("version_-2", tr.VERSION_BELOW, lambda i, m, l, v: v.__setitem__(0, -2))
-    broken("version_-1_ok", 0, lambda i, m, l, v: v.__setitem__(30, -1))
-    broken("mask_on_last_prompt", tr.MASK_ON_PROMPT, lambda i, m, l, v: m.__setitem__(9, 1))
-    broken("mask_after_prompt_ok", 0, lambda i, m, l, v: m.__setitem__(10, 1))
+    broken("version_-2", tr.VERSION_BELOW, lambda i, m, lp, v: v.__setitem__(0, -2))
+    broken("version_-1_ok", 0, lambda i, m, lp, v: v.__setitem__(30, -1))
+    broken("mask_on_last_prompt", tr.MASK_ON_PROMPT, lambda i, m, lp, v: m.__setitem__(9, 1))
+    broken("mask_after_prompt_ok", 0, lambda i, m, lp, v: m.__setitem__(10, 1))
     for bad in (np.nan, np.inf, -np.inf, 1e-30, 0.5):
-        broken(f"logprob_{bad}", tr.BAD_LOGPROB, lambda i, m, l, v, b=bad: l.__setitem__(25, b))
+        broken(f"logprob_{bad}", tr.BAD_LOGPROB, lambda i, m, lp, v, b=bad: lp.__setitem__(25, b))
         broken(
-            f"logprob_{bad}_masked_out_ok", 0, lambda i, m, l, v, b=bad: l.__setitem__(5, b)
+            f"logprob_{bad}_masked_out_ok", 0, lambda i, m, lp, v, b=bad: lp.__setitem__(5, b)
         )  # prompt token: not checked
-    broken("logprob_zero_ok", 0, lambda i, m, l, v: l.__setitem__(25, 0.0))
-    broken("logprob_-0_ok", 0, lambda i, m, l, v: l.__setitem__(25, -0.0))
+    broken("logprob_zero_ok", 0, lambda i, m, lp, v: lp.__setitem__(25, 0.0))
+    broken("logprob_-0_ok", 0, lambda i, m, lp, v: lp.__setitem__(25, -0.0))
     broken(
         "everything",
         tr.NEGATIVE_ID | tr.VERSION_BELOW | tr.MASK_ON_PROMPT | tr.BAD_LOGPROB,
-        lambda i, m, l, v: (
+        lambda i, m, lp, v: (
             i.__setitem__(1, -1),
             v.__setitem__(2, -7),
             m.__setitem__(0, 1),
-            l.__setitem__(0, np.nan),
+            lp.__setitem__(0, np.nan),
         ),
     )
     # a long array with the bad value at the very end
-    broken("long_bad_tail", tr.BAD_LOGPROB, lambda i, m, l, v: l.__setitem__(-1, 2.0), n=1 << 17)
+    broken("long_bad_tail", tr.BAD_LOGPROB, lambda i, m, lp, v: lp.__setitem__(-1, 2.0), n=1 << 17)
     return cases
 
 

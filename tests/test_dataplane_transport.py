@@ -73,9 +73,9 @@ def _garbage(secret):
     rng = np.random.default_rng(0)
     good = make_traj(9, 1)
     out = []
-    for k in range(20):
+    for _k in range(20):
         out.append(({"bad_header", "schema"}, [rng.bytes(int(rng.integers(1, 200)))]))
-    for k in range(5):  # random multi-frame junk
+    for _k in range(5):  # random multi-frame junk
         out.append(({"bad_header", "schema"}, [rng.bytes(50) for _ in range(4)]))
     out.append(("bad_header", [msgpack.packb([1, 2, 3])]))
     fr = _frames(good)

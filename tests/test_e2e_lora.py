@@ -4,7 +4,8 @@ Each published version reaches the servers as a PEFT adapter through SGLang's Lo
 (``lora.sync=adapter``; the merged export, ``lora.sync=merged``, is checked against the adapter
 model in tests/test_lora_peft_interop.py and by LoRA SFT below). With eta = 0 every token
 after an update comes from the version just published, so a behaviour/proximal mismatch
-<= 1e-5 on every step proves the servers generate with exactly the trainer's LoRA model. The reference is the actor with its adapters off: KL 0 at first, then it grows. The
+<= 1e-5 on every step proves the servers generate with exactly the trainer's LoRA model. The
+reference is the actor with its adapters off: KL 0 at first, then it grows. The
 adapter run then resumes from its adapter-only checkpoint for one more step.
 """
 

@@ -111,7 +111,8 @@ def served_student(assets):
 
 @pytest.fixture
 def faulty_teacher(served_student, tmp_path):
-    """tests/helpers/faulty_teacher_worker.py in front of the served student: its first scoring request is
+    """tests/helpers/faulty_teacher_worker.py in front of the served student: its first scoring
+    request is
     answered 503, its second carries a NaN and a +7 logprob, the rest pass unchanged.
     Yields (its address, its fault log)."""
     port, log = free_port(), tmp_path / "teacher_faults.jsonl"

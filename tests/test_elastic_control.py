@@ -73,12 +73,15 @@ def test_add_that_never_gets_ready_times_out_while_list_answers(tmp_path):
     )
     runner = threading.Thread(target=sup.run, daemon=True)
     runner.start()
-    never_ready = lambda slot: ProcessSpec(
-        f"rollout{slot.index}",
-        SLEEP,  # noqa: E731
-        ready=lambda: False,
-        ready_timeout_s=600,
-    )
+
+    def never_ready(slot):
+        return ProcessSpec(
+            f"rollout{slot.index}",
+            SLEEP,  # noqa: E731
+            ready=lambda: False,
+            ready_timeout_s=600,
+        )
+
     svc = ScaleService(
         cfg,
         sup,

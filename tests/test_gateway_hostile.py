@@ -1,5 +1,6 @@
 """The online gateway under hostile clients, as a real process whose file descriptor limit is
-low (``tests/helpers/gateway_fd_limit_worker.py``): ~1,100 idle, half-sent and body-less sockets from one
+low (``tests/helpers/gateway_fd_limit_worker.py``): ~1,100 idle, half-sent and body-less sockets
+from one
 attacker do not lock a legitimate agent out (served within seconds), the gateway writes no
 traceback per socket and closes the idle ones itself; hostile bodies (too big, nested too
 deep, numbers out of range) are 4xx, never 500. Connections go to 127.0.0.1 only."""

@@ -167,17 +167,17 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
     faults = [("SIGTERM", "rollout_worker"), ("SIGKILL", "rollout_worker"), ("SIGKILL", "rollout0")]
     progress = 0
     for k, (sig, name) in enumerate(faults):  # each fault after 2 more steps
-        _wait(lambda: len(_metrics(run)) >= progress + 2, proc, f"step {progress + 2}")
+        _wait(lambda: len(_metrics(run)) >= progress + 2, proc, f"step {progress + 2}")  # noqa: B023
         progress = len(_metrics(run))
         assert progress <= total - 8, f"fault {k + 1} came too late (step {progress})"
         if name == "rollout_worker":
             victim = _wait(lambda: _proc(run, "areal_mega.rollout.worker"), proc, "the worker")
         else:
             (port,) = _server_ports(run)
-            victim = _wait(lambda: _server_proc(port), proc, "the server")
+            victim = _wait(lambda: _server_proc(port), proc, "the server")  # noqa: B023
         accepted_before |= _accepted_ids(run)
         os.kill(victim.pid, getattr(signal, sig))
-        _wait(lambda: f"relaunch {k + 1}/3" in sup_log.read_text(), proc, f"relaunch {k + 1}")
+        _wait(lambda: f"relaunch {k + 1}/3" in sup_log.read_text(), proc, f"relaunch {k + 1}")  # noqa: B023
         if name == "rollout_worker":  # the next fault hits a worker that has resumed
             n = sum(1 for _, who in faults[: k + 1] if who == "rollout_worker")
             _wait(
@@ -185,7 +185,7 @@ def test_rollout_worker_and_server_are_relaunched(assets, tmp_path):
                     (run / "logs" / "rollout_worker.log")
                     .read_text()
                     .count("relaunched: continuing at version")
-                    >= n
+                    >= n  # noqa: B023
                 ),
                 proc,
                 f"worker relaunch {n} resumed",

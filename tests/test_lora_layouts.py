@@ -5,7 +5,8 @@ its base from the converted checkpoint and its adapters from that directory, the
 logprobs, the adapters' gradients (gathered under their PEFT names), the loss and the adapters
 after one Adam step must equal the reference's: DP2 (regular and distributed optimizer), TP2,
 TP2 + sequence parallelism, PP2, PP2 x VPP2 (4 layers), TP2 with a subset of the projections,
-and EP2 on a MoE model (attention adapters). Only the adapters train: they are the trainable parameters and all the
+and EP2 on a MoE model (attention adapters). Only the adapters train: they are the trainable
+parameters and all the
 optimizer holds.
 """
 

@@ -170,11 +170,14 @@ def test_bridge_split_qkv_fails_on_a_token_count_not_a_multiple_of_tp():
     )
     fake = types.SimpleNamespace(to_wrap=types.SimpleNamespace(config=cfg))
     hd = 8  # one TP2 shard: 2 query heads and 1 group per rank
-    shard = lambda s: (
-        torch.randn(s, 1, 2 * hd),
-        torch.randn(s, 1, hd),  # noqa: E731
-        torch.randn(s, 1, hd),
-    )
+
+    def shard(s):
+        return (
+            torch.randn(s, 1, 2 * hd),
+            torch.randn(s, 1, hd),  # noqa: E731
+            torch.randn(s, 1, hd),
+        )
+
     q, k, v = shard(4)
     assert torch.equal(
         LoRALinearSplitQKV._interleave_qkv(fake, q, k, v), torch.cat([q, k, v], dim=-1)

@@ -323,7 +323,8 @@ def test_routing_replay_is_refused(family_model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_five_rl_steps(family, tmp_path):
     """5 GRPO steps through launch.local (CPU server + trainer, dense reward): every step has a
-    finite loss and most a non-zero gradient, the first step's samples come from the trainer's own weights
+    finite loss and most a non-zero gradient, the first step's samples come from the trainer's own
+    weights
     (mismatch of logprobs ~ 0), and the server samples with each step's trained weights with
     logprobs still equal to the trainer's."""
     from areal_mega.data.synthetic import write_task_files

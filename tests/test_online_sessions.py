@@ -93,7 +93,7 @@ def test_timeouts_drop_by_reason_and_empty_groups_give_their_slot_back():
     b = book(n_samples=3)
     b.add_slot(0)
     b.add_slot(1)
-    idle, busy = started(b, "idle", "t"), started(b, "busy", "t")
+    _idle, busy = started(b, "idle", "t"), started(b, "busy", "t")
     quiet = started(b, "quiet", "u")
     busy.inflight = 1  # a completion in flight is not idleness
     b.end(quiet, 1.0)  # ended, the reward never comes

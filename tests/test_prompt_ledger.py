@@ -1,5 +1,6 @@
 """Exact resume position with rollout groups of different sizes: the prompt ledger the trainer
-keeps (dataplane/prompt_ledger.py) and the cursor the worker rebuilds from it (rollout/resume.py)."""
+keeps (dataplane/prompt_ledger.py) and the cursor the worker rebuilds from it
+(rollout/resume.py)."""
 
 import json
 

@@ -128,7 +128,10 @@ def test_cp_padding_and_zigzag_shards_cover_every_token_once():
     # rank 0 holds chunks 0 and 3 of seq 0 (chunk size 2): positions 0,1,6,7
     assert shards[0]["position_ids"][:4].tolist() == [0, 1, 6, 7]
     assert shards[1]["position_ids"][:4].tolist() == [2, 3, 4, 5]
-    key = lambda s: sorted(zip(s["segment_ids"].tolist(), s["position_ids"].tolist()))
+
+    def key(s):
+        return sorted(zip(s["segment_ids"].tolist(), s["position_ids"].tolist()))
+
     union = sorted(key(shards[0]) + key(shards[1]))
     assert union == key(p)
     assert shards[0]["rewards"] is p["rewards"]

@@ -16,7 +16,8 @@ docs/reliability.md). Sizes are recorded too, so truncation is reported as such.
 
 At save each rank hashes the torch DCP files it wrote itself (``__<rank>_<i>.distcp``, still in
 its page cache), in parallel; rank 0 hashes the rest (``.metadata``, ``metadata.json``,
-``hf/*``; ``common.pt`` in checkpoints of megatron-core < 0.19) and merges. At load every rank hashes a balanced share of the
+``hf/*``; ``common.pt`` in checkpoints of megatron-core < 0.19) and merges. At load every rank
+hashes a balanced share of the
 files and the ranks agree on the outcome.
 """
 

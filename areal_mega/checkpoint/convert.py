@@ -432,13 +432,13 @@ def convert_mcore_to_hf(
         row_axis = len(offs) - len(full_shape)
 
         def rows(r0: int, r1: int) -> torch.Tensor:
-            o, z = list(offs), list(sizes)
-            o[row_axis] += r0
-            z[row_axis] = r1 - r0
+            o, z = list(offs), list(sizes)  # noqa: B023
+            o[row_axis] += r0  # noqa: B023
+            z[row_axis] = r1 - r0  # noqa: B023
             try:
-                return reader.read(key, o, z).view((r1 - r0,) + tuple(full_shape[1:]))
+                return reader.read(key, o, z).view((r1 - r0,) + tuple(full_shape[1:]))  # noqa: B023
             except (KeyError, OSError, RuntimeError) as e:
-                raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e
+                raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e  # noqa: B023
 
         if kind == "glu":  # gate and up are separate row ranges: read one at a time
             half = full_shape[0] // 2

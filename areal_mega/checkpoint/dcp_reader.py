@@ -82,13 +82,15 @@ class DcpReader:
             c_off, c_size = tuple(ch.offsets), tuple(ch.sizes)
             lo = [max(a, b) for a, b in zip(offsets, c_off)]
             hi = [min(a + s, b + t) for a, s, b, t in zip(offsets, sizes, c_off, c_size)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            if any(end <= start for start, end in zip(lo, hi)):
                 continue
-            dst = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))]
+            dst = out[tuple(slice(start - o, end - o) for start, end, o in zip(lo, hi, offsets))]
             whole = lo == list(c_off) and hi == [b + t for b, t in zip(c_off, c_size)]
             if not (whole and dst.is_contiguous() and self._read_raw(key, c_off, dst)):
                 chunk = self._load_chunk(key, c_off)
-                dst.copy_(chunk[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, c_off))])
+                dst.copy_(
+                    chunk[tuple(slice(start - b, end - b) for start, end, b in zip(lo, hi, c_off))]
+                )
                 del chunk
             covered += dst.numel()
         if covered != out.numel():

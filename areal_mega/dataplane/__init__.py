@@ -17,15 +17,15 @@
   signed when a secret is set).
 """
 
-from areal_mega.dataplane.buffer import BufferFileError, TrajectoryBuffer  # noqa: F401
+from areal_mega.dataplane.buffer import BufferFileError, TrajectoryBuffer
 from areal_mega.dataplane.trajectory import (
     FINISH_REASONS,
-    Trajectory,  # noqa: F401
+    Trajectory,
     TrajectoryError,
 )
 from areal_mega.dataplane.transport import (
     DataplaneError,
-    TrajectoryReceiver,  # noqa: F401
+    TrajectoryReceiver,
     TrajectorySender,
     check_endpoint,
     default_endpoint,
@@ -33,7 +33,25 @@ from areal_mega.dataplane.transport import (
 from areal_mega.dataplane.wire import (
     REJECT_REASONS,
     SCHEMA_VERSION,
-    WireError,  # noqa: F401
+    WireError,
     decode_trajectory,
     encode_trajectory,
 )
+
+__all__ = [
+    "BufferFileError",
+    "TrajectoryBuffer",
+    "FINISH_REASONS",
+    "Trajectory",
+    "TrajectoryError",
+    "DataplaneError",
+    "TrajectoryReceiver",
+    "TrajectorySender",
+    "check_endpoint",
+    "default_endpoint",
+    "REJECT_REASONS",
+    "SCHEMA_VERSION",
+    "WireError",
+    "decode_trajectory",
+    "encode_trajectory",
+]

@@ -4,7 +4,8 @@ A GRPO micro-batch packs prompts and completions; the policy loss reads the log-
 of the completion tokens only (``mb["loss_mask"]``), yet the output layer, the largest GEMM of
 a small model (vocabulary × hidden), would run over every packed token, prompts included. A
 loss function that reads nothing outside its micro-batch's ``loss_mask`` says so with
-:func:`areal_mega.algo.policy_loss.reads_loss_mask_only`; for it the engine hands megatron-core's ``GPTModel`` an
+:func:`areal_mega.algo.policy_loss.reads_loss_mask_only`; for it the engine hands megatron-core's
+``GPTModel`` an
 ``output_processor`` (:func:`logits_at_rows`) that projects only those rows, and scatters the
 log-probabilities back to every position (0 elsewhere, as for positions without a label).
 Forward-only log-probabilities (π_prox, the reference, evaluation) keep every row.

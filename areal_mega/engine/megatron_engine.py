@@ -4,7 +4,8 @@ The engine runs megatron-core's pipeline schedule (``get_forward_backward_func``
 sequence lengths) over packed micro-batches from
 :func:`areal_mega.scheduler.packing.pack_sequences`. Attention stays inside each sequence
 through THD ``PackedSeqParams``: TransformerEngine's kernels on GPU, per-sequence SDPA
-(:mod:`areal_mega.models.varlen_attention`) on CPU or without TE. Log-probabilities come from :func:`areal_mega.ops.packed_logprobs` on the
+(:mod:`areal_mega.models.varlen_attention`) on CPU or without TE. Log-probabilities come from
+:func:`areal_mega.ops.packed_logprobs` on the
 vocabulary-parallel logits, with the padded vocabulary ids masked out.
 
 Loss contract (``train_batch``): on the last stage, per micro-batch, the engine calls
@@ -408,7 +409,8 @@ class MegatronEngine:
 
         Returns a list (one per micro-batch) of fp32 ``[T]`` tensors on CPU, or of
         ``(logprobs, entropy)`` pairs with ``return_entropy``. Positions with label -1 (the last
-        token of each sequence, padding) get 0. Results are broadcast from the last pipeline stage (and gathered
+        token of each sequence, padding) get 0. Results are broadcast from the last pipeline stage
+        (and gathered
         over CP), so every rank of the model-parallel group returns them. With routing replay
         the routers replay the routes, or with ``free_routing`` route freely and count the
         agreement with them (``self.replay.agreement()``)."""

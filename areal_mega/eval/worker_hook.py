@@ -116,7 +116,8 @@ class WorkerEvaluator:
     def run(self, version: int, controller, make_client: Callable) -> dict:
         """Evaluate at ``version`` and return ``{"version", "metrics", "samples"}`` (``eval/*``
         scalars, :func:`areal_mega.eval.scores.flat_metrics`, plus ``eval/seconds``; the
-        completions of the first ``n_sample_groups`` items, :func:`eval_sample_rows`). With a running
+        completions of the first ``n_sample_groups`` items, :func:`eval_sample_rows`). With a
+        running
         ``controller`` its client and loop are used and its version must be ``version``
         (``ValueError`` otherwise: the servers would serve other weights); without one (the
         worker has not started generating yet) a client from ``make_client()`` is used."""

@@ -8,7 +8,8 @@
   "loaded_adapters": {name: path}}``, HTTP 200 on success and 400 otherwise (the server keeps
   serving): also for a ``lora_path`` outside ``--lora-allowed-dirs`` (symlinks resolved; the
   answer is the same whether it exists) and for unreadable or malformed adapter files (truncated,
-  garbage, rank 0 or null). Unloading answers once the requests using the adapter have finished; in a
+  garbage, rank 0 or null). Unloading answers once the requests using the adapter have finished; in
+  a
   trainer's swap (``/pause_generation``, load the new version, unload the old one,
   ``/continue_generation``) the pause has aborted them already, so it answers at once;
 * ``/generate``'s ``lora_path`` is an adapter name for every prompt, or a list with one name

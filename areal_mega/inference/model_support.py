@@ -84,7 +84,8 @@ def support_rows(
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
     class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value,
-    :data:`ENGINE_HF_CACHE` or ``"no"``) and ``note`` (why the server does not run it). ``engine`` / ``causal_lm`` /
+    :data:`ENGINE_HF_CACHE` or ``"no"``) and ``note`` (why the server does not run it). ``engine`` /
+    ``causal_lm`` /
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
     exports (tells "not a causal LM" from "not in transformers")."""

@@ -16,7 +16,8 @@ The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
   optimizer (dense: d·c; experts: d·c/e), i.e. ``6 + 12/(d·c)``. fp32: ``4 + 4 + 8/(d·c)``.
 - activations, per token of a micro-batch (``tokens_per_mb / cp`` tokens per GPU), per layer,
   2 bytes each (4 for fp32): 4·h hidden-sized tensors (split by tp only with sequence
-  parallelism), Q, K, V and the attention output (flash attention: no s² scores), 4·ffn for SwiGLU (split by tp);
+  parallelism), Q, K, V and the attention output (flash attention: no s² scores), 4·ffn for SwiGLU
+  (split by tp);
   MoE layers hold ``topk`` dispatched copies (h + 4·moe_ffn, split by tp) and fp32 router logits.
   Full recompute keeps only each layer's input (+ one layer's working set). 1F1B keeps ``pp``
   micro-batches in flight on the first stage, so a stage holds ``ceil(L/pp) · pp`` layer-sets.

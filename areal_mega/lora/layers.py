@@ -29,13 +29,14 @@ import torch
 
 from areal_mega.compat.te_placeholder import settle_bridge_peft_te_flags
 
+# SplitQKVLoRA and SplitFC1LoRA come from the module __getattr__ (built on first use).
 __all__ = [
     "import_canonical_lora",
     "apply_lora",
     "adapters_disabled",
     "adapter_wrappers",
-    "SplitQKVLoRA",
-    "SplitFC1LoRA",
+    "SplitQKVLoRA",  # noqa: F822
+    "SplitFC1LoRA",  # noqa: F822
     "trainable_parameter_count",
 ]
 

@@ -42,7 +42,8 @@ layer index *local to the chunk*; the global index is ``L + layer offset`` of th
 ``decoder.layers.L.mlp.linear_fc2.weight``      [H, F/TP]
 ``decoder.layers.L.mlp.router.weight``          [E, H] (MoE)
 ``decoder.layers.L.mlp.experts.local_experts.e.linear_fc1.weight``  [2·Fe/ETP, H] (MoE; ``e`` is
-                                                the EP-local expert index, global = e + ep_rank·E/EP)
+                                                the EP-local expert index, global = e +
+                                                ep_rank·E/EP)
 ``decoder.layers.L.mlp.experts.local_experts.e.linear_fc2.weight``  [H, Fe/ETP]
 ``decoder.final_layernorm.weight``              [H] (last stage)
 ``output_layer.weight``                         [V_pad/TP, H] (last stage, untied only)

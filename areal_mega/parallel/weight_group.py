@@ -12,7 +12,8 @@ The process group (:func:`init_update_group`, :func:`broadcast_from_rank0`,
 :func:`destroy_update_group`; torch imported inside them, so the launcher loads none) is
 created the way SGLang creates it. SGLang's ``init_weights_update_group`` (and AReaL's
 trainer, which copies it) builds the group with torch's ``_new_process_group_helper`` on a
-``tcp://`` rendezvous store wrapped in ``PrefixStore(group_name)``. The helper adds its own ``"{group_name}/"`` and per-device
+``tcp://`` rendezvous store wrapped in ``PrefixStore(group_name)``. The helper adds its own
+``"{group_name}/"`` and per-device
 (``"cpu/"``, ``"cuda/"``) prefixes and, for gloo, connects one context per device, so a group
 built any other way (e.g. ``ProcessGroupGloo(PrefixStore(group_name, store), ...)``) never meets
 an SGLang peer: both sides wait for keys the other never writes. The trainer's sender (rank 0)

@@ -1,4 +1,5 @@
-"""Exact resume of the rollout worker's prompt stream (see :mod:`areal_mega.dataplane.prompt_ledger`).
+"""Exact resume of the rollout worker's prompt stream (see
+:mod:`areal_mega.dataplane.prompt_ledger`).
 
 The trainer's checkpoint names the prompts whose whole group it holds (``accepted_prompts``) and
 its journal the groups accepted since; :func:`resumed_cursor` rebuilds the prompt stream so that

@@ -9,6 +9,27 @@
 does not import torch.
 """
 
+from areal_mega.scheduler.planner import (
+    PlanError,
+    first_fit_decreasing,
+    karmarkar_karp,
+    plan_micro_batches,
+    plan_stats,
+    sequence_costs,
+)
+
+__all__ = [
+    "PlanError",
+    "first_fit_decreasing",
+    "karmarkar_karp",
+    "plan_micro_batches",
+    "plan_stats",
+    "sequence_costs",
+    "pack_sequences",  # noqa: F822 (these three: the module __getattr__, packing needs torch)
+    "zigzag_cp_shard",  # noqa: F822
+    "PackingError",  # noqa: F822
+]
+
 
 def __getattr__(name):
     if name in ("pack_sequences", "zigzag_cp_shard", "PackingError"):
@@ -16,13 +37,3 @@ def __getattr__(name):
 
         return getattr(packing, name)
     raise AttributeError(f"module 'areal_mega.scheduler' has no attribute {name!r}")
-
-
-from areal_mega.scheduler.planner import (
-    PlanError,
-    first_fit_decreasing,  # noqa: E402,F401
-    karmarkar_karp,
-    plan_micro_batches,
-    plan_stats,
-    sequence_costs,
-)

@@ -16,7 +16,8 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
 * **Trailing padding** ``[cu_seqlens_padded[B], T)`` brings T to a multiple of
   ``pad_to_multiple`` (use TP, or ``2 * TP * CP`` with context parallelism). It forms its own
   segment: ``segment_ids`` is ``B`` there, ``position_ids`` restart at 0, ``input_ids`` are
-  ``pad_token_id``, ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1, ``labels`` -1, extras 0. An engine
+  ``pad_token_id``, ``loss_mask`` 0, ``logprobs`` 0, ``versions`` -1, ``labels`` -1, extras 0. An
+  engine
   building a block-diagonal causal mask from ``segment_ids`` therefore needs no special case,
   and since no real token attends to a later token, padding never changes real outputs.
 * Per-slot CP padding continues its sequence's positions (``L_b, L_b + 1, ...``) and has
@@ -24,7 +25,8 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
 * ``labels`` (the engine's next-token targets) are packed like any per-token field; they come
   from the samples (``train.batches.next_token_layout``), nothing here shifts tokens.
 * An empty list packs to a padding-only batch of ``max(pad_to_multiple, 2 * cp_size)``
-  tokens (B = 0, ``labels`` all -1), so a rank with an empty micro-batch still runs a forward/backward pass with
+  tokens (B = 0, ``labels`` all -1), so a rank with an empty micro-batch still runs a
+  forward/backward pass with
   zero loss weight (the scheduler may hand out empty micro-batches to keep counts equal).
 """
 

@@ -12,7 +12,8 @@ A server that dies before or during a broadcast does not end the trainer: before
 (and every second while its collective runs) every member is checked for liveness
 (``GET /get_model_info``: a refused or reset connection is death; any answer, or a slow one,
 is a live server), so NCCL, which does not notice a dead peer before the group timeout, is
-never left waiting for it; gloo also fails on its own when a peer's connection resets. Either way the
+never left waiting for it; gloo also fails on its own when a peer's connection resets. Either way
+the
 sender tears its side of the group down at once (the survivors' receives then fail too,
 instead of at the group timeout) and raises :class:`WeightBroadcastError`;
 :func:`broadcast_version` then asks the rollout worker for the members again (it probes them,

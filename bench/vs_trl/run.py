@@ -357,7 +357,7 @@ def earlier_trl_side(path: Path, res: dict) -> dict:
         )
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"--trl-from {path}: not a vs_trl.json with a TRL side ({e!r})")
+        raise SystemExit(f"--trl-from {path}: not a vs_trl.json with a TRL side ({e!r})") from e
     if differ:
         raise SystemExit(f"--trl-from {path}: another machine or work ({', '.join(differ)})")
     trl["settings"] = dict(trl["settings"], reused_from=str(path))
@@ -427,7 +427,9 @@ def report(res: dict) -> str:
     w = 40
 
     def row(label, a, b, fmt="{:.2f}"):
-        f = lambda v: "-" if v is None or v != v else fmt.format(v)
+        def f(v):
+            return "-" if v is None or v != v else fmt.format(v)
+
         return f"{label:{w}s}{f(a):>14s}{f(b):>14s}"
 
     cpu, run = res["cpu"], res["run"]

@@ -122,7 +122,9 @@ def talk(args) -> None:
         k = (j * args.agents + args.agent) % len(tasks)
         alive = []
         threads = [
-            threading.Thread(target=lambda: alive.append(session(args, tasks[k], k, log, lock)))
+            threading.Thread(
+                target=lambda alive=alive, k=k: alive.append(session(args, tasks[k], k, log, lock))
+            )
             for _ in range(args.group)
         ]
         for t in threads:

@@ -6,7 +6,8 @@ OpenAI-compatible client, a sandboxed Python tool runs it, and the tool's output
 The model is offered a ``python`` tool. A model that knows the Qwen/Hermes format calls it
 (``<tool_call>{"name": "python", "arguments": {"code": ...}}</tool_call>``: the code runs as
 is); a tiny model from scratch cannot write that JSON, so its reply up to the first ``=`` is
-taken as the expression and run as ``print(<expr>)``. Reward: 0.2 when the program ran, plus 0.8 times
+taken as the expression and run as ``print(<expr>)``. Reward: 0.2 when the program ran, plus 0.8
+times
 the fraction of characters of its output that match the answer.
 
 The sandbox is a fresh ``python -I -S`` subprocess in an empty temporary directory, with an

@@ -1,5 +1,6 @@
 """The online gateway alone (no rollout server: opening sessions needs none) in a process whose
-file descriptor limit is low: ``python -m tests.helpers.gateway_fd_limit_worker RUN_DIR NOFILE CONFIG_JSON``.
+file descriptor limit is low: ``python -m tests.helpers.gateway_fd_limit_worker RUN_DIR NOFILE
+CONFIG_JSON``.
 Prints ``{"base_url", "admin_api_key"}`` once serving, serves until stdin closes, then prints
 the gateway's connection counters."""
 

@@ -5,7 +5,8 @@ tests/helpers/conversions.py :func:`launch_2ranks`).
 
 Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
 TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
-and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2, export at
+and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2,
+export at
 PP2).
 CONVDIR holds tests/helpers/convert_worker.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """

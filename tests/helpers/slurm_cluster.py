@@ -170,7 +170,7 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """SIGTERM each daemon this cluster started (slurmd first), SIGKILL after 20 s."""
-        for name, p in reversed(self.procs):
+        for _name, p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
             try:

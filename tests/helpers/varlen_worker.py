@@ -54,7 +54,7 @@ def main():
             ref = ew.reference(LLAMA_GQA, mbs, seed=5, loss=ew.POLICY)
             rows = []  # the policy loss trains on logits of its loss-mask rows only
             me.logits_at_rows = lambda **kw: (
-                rows.append(int(kw["context"].numel())) or real_processor(**kw)
+                rows.append(int(kw["context"].numel())) or real_processor(**kw)  # noqa: B023
             )
             eng = ew.check_layout(res, tag, LLAMA_GQA, ref, mbs)
             me.logits_at_rows = real_processor

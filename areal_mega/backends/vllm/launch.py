@@ -81,7 +81,8 @@ def build_vllm_command(
     convention), ``--worker-extension-cls`` :data:`VLLM_WORKER_EXTENSION`, ``--middleware``
     :data:`VLLM_AUTH_MIDDLEWARE` and ``--enable-scale-out`` (the token-in/token-out routes
     ``/inference/v1/generate`` and ``/inference/v1/abort_requests``). ``--max-model-len``
-    only when ``max_model_len > 0`` (else vLLM takes the model's context), ``--pipeline-parallel-size`` only when ``pp > 1``,
+    only when ``max_model_len > 0`` (else vLLM takes the model's context),
+    ``--pipeline-parallel-size`` only when ``pp > 1``,
     ``--gpu-memory-utilization`` only when given. Never the API key (``VLLM_API_KEY``, see
     :func:`vllm_env`): an ``--api-key`` in ``extra`` raises ValueError, as do bad sizes."""
     if dtype not in VLLM_DTYPES:

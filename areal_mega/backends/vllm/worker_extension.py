@@ -4,7 +4,8 @@ vLLM loads it with ``--worker-extension-cls``
 ``areal_mega.backends.vllm.worker_extension.WeightSyncExtension`` (the launcher puts this
 package on the vLLM process's ``PYTHONPATH``), mixing the class into each worker; the rollout
 client calls its methods through vLLM's dev-mode ``/collective_rpc``
-(:class:`~areal_mega.backends.vllm.client.VLLMClient`). It runs in vLLM's own environment, so it imports nothing of areal_mega, and torch and vLLM only inside the methods.
+(:class:`~areal_mega.backends.vllm.client.VLLMClient`). It runs in vLLM's own environment, so it
+imports nothing of areal_mega, and torch and vLLM only inside the methods.
 
 The group is vLLM's ``stateless_init_torch_distributed_process_group`` (gloo on CPU, NCCL on
 GPU); the trainer's rank 0 meets it with ``init_update_group(..., handshake="vllm")``. Each
