@@ -27,7 +27,7 @@ QUICK_ARGS  ?= -m "not gpu and not slow and not vllm" --quick -q $(XDIST_ARGS)
 # Every run writes each test's durations here; `make test-times` (tools/test_times.py) reports.
 TIMES_RECORD ?= build/test-times.json
 
-.PHONY: install test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels \
+.PHONY: install lint test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels \
 	vllm-env clean-vllm-env trl-env clean-trl-env
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py
@@ -123,6 +123,11 @@ clean-trl-env:
 install: $(STAMP)
 
 build: $(KERNEL_STAMP)
+
+# ruff (pinned in requirements.txt, configured in pyproject.toml): lint and format check.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) $(KERNEL_STAMP) $(VLLM_STAMP)
 	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS) --times-record $(TIMES_RECORD)
