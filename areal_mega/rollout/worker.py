@@ -224,6 +224,9 @@ class RolloutWorker:
             self.cursor, redo = resumed_cursor(self.make_cursor, ledger, self.drawn_before)
             log.info("resume: %d prompts generated again %s, drawing on from %d", len(redo),
                      redo[:20], self.cursor.drawn)
+            retire = getattr(self.workflow.inner, "retire_accepted", None)
+            if retire is not None:   # online: sessions the trainer holds leave the journal
+                retire(ledger.accepted_prompts())
         ctl = RolloutController(self.client, self.workflow, self.cursor,
                                 batch_size=r.batch_size, n_samples=r.n_samples,
                                 eta=r.max_head_offpolicyness, max_concurrent=r.max_concurrent,

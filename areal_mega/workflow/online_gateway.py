@@ -31,7 +31,9 @@ it, and when it is ready its done sessions become the group's trajectories
 (:mod:`areal_mega.workflow.episode_export`), delivered like any other group (journal, prompt
 ledger, exactly once). Dropped sessions are counted as ``online/sessions_dropped/<reason>``
 (``rollout/online/...`` in the metrics rows). Sessions ended before their reward survive a
-restart of the rollout worker (:mod:`~areal_mega.workflow.online_restore`).
+restart of the rollout worker (:mod:`~areal_mega.workflow.online_restore`); the sessions the
+trainer has accepted are retired from the journal when a restarted worker knows its resume
+plan (:meth:`OnlineWorkflow.retire_accepted`), so a restart holds the pending ones only.
 """
 from __future__ import annotations
 
@@ -183,6 +185,17 @@ class OnlineWorkflow(EpisodeWorkflow):
         # read from the control thread: len() only, no iteration over what the loop changes
         return {"online_live_sessions": len(self.book.sessions),
                 "online_free_slots": len(self.book.free_slots)}
+
+    def retire_accepted(self, accepted) -> Optional[dict]:
+        """The resume plan is known: retire from the journal (memory and disk) the sessions of
+        the prompt positions in ``accepted`` (the trainer's accepted-prompt ledger), keeping
+        every session the trainer has not accepted
+        (:meth:`~areal_mega.workflow.online_journal.OnlineJournal.retire`). Only before the
+        gateway serves (the worker calls it before its controller starts); returns the
+        journal's sizes, None when nothing was done."""
+        if self.journal is None or self._start is not None:
+            return None
+        return self.journal.retire(accepted)
 
     # ------------------------------------------------------------------ the controller side
     async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
