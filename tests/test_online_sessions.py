@@ -276,3 +276,30 @@ def test_a_compaction_cut_short_leaves_a_whole_journal(tmp_path):
     assert not (tmp_path / "online.old").exists() and not (tmp_path / "online.new").exists()
     assert j.restore(1) == [] and len(j.restore(2)) == 2
     j.close()
+
+
+def test_a_serving_journal_retires_the_segments_a_checkpoint_covers(tmp_path):
+    """While serving, a checkpoint's accepted prompts retire the journal segments whose every
+    session is of such a prompt; a segment holding a session of another prompt stays."""
+    from areal_mega.dataplane import Trajectory
+    from areal_mega.workflow.online_journal import OnlineJournal
+
+    def traj(session, k):
+        return Trajectory.from_tokens([1, 2], [3], [-0.5], [0], reward=1.0,
+                                      sample_id=f"g{k}-{session}",
+                                      meta={"session_id": session, "prompt_index": k})
+    d = tmp_path / "online"
+    j = OnlineJournal(d, fresh=True)
+    j.done([traj("s0", 0)])
+    j.done([traj("s1", 1)])
+    assert j.retire_segments({5}) == []                 # nothing covered: no new segment
+    assert j.retire_segments({0, 1}) == [1]             # segment 1 held prompts 0 and 1
+    j.done([traj("s2", 2)])
+    j.done([traj("s3", 3)])
+    assert j.retire_segments({0, 1, 2}) == []           # segment 2 also holds prompt 3
+    assert [p.name for p in (d / "trajs").glob("*.journal")] == ["00000002.journal"]
+    j.close()
+    j = OnlineJournal(d, fresh=False)                   # a restart finds 2 and 3
+    assert [t.meta["session_id"] for t in j.restore(3)] == ["s3"]
+    assert [t.meta["session_id"] for t in j.restore(2)] == ["s2"] and j.restore(0) == []
+    j.close()

@@ -43,6 +43,7 @@ from areal_mega.common.signals import TermWatchdog
 from areal_mega.config import load_config
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.dataplane.control import ControlServer
+from areal_mega.dataplane.prompt_ledger import PromptLedger
 from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
 from areal_mega.rollout.controller import RolloutController
@@ -52,7 +53,7 @@ from areal_mega.rollout.failures import FailureRate, FailureRateExceeded, episod
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.routes import replay_layout
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics
-from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration
+from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration, checkpoint_meta
 from areal_mega.workflow.builtin import workflow_from_config
 from areal_mega.workflow.multitask import build_multitask
 
@@ -178,6 +179,7 @@ class RolloutWorker:
         self._ctl_lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
+        self._retired_at = None   # the checkpoint whose ledger the online journal retired
         self.stop_event = threading.Event()
         self.pool = ServerPoolCommands(self.elastic, lambda: self.controller,
                                        timeout_s=cfg.rollout.request_timeout_s)
@@ -291,6 +293,7 @@ class RolloutWorker:
                     self.start_controller(version)
                 else:
                     self.controller.update_weights(version, path=path)
+                self._retire_online()
             return {"version": version, "seconds": time.time() - t0,
                     **pool_metrics(self.elastic.pool_stats())}
         if cmd == "begin_update":   # the trainer broadcasts the weights itself (bucketed)
@@ -308,6 +311,7 @@ class RolloutWorker:
                     self.start_controller(version)
                 else:
                     self.controller.end_weight_update(version)
+                self._retire_online()
                 self.pool.end_update()            # servers that joined the group take work
             return {"version": version, **pool_metrics(self.elastic.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
@@ -316,6 +320,21 @@ class RolloutWorker:
         raise ValueError(f"unknown command {cmd!r}; expected ping, stats, update_weights, "
                          "begin_update, end_update, servers, add_server, remove_server or "
                          "evaluate (with eval.every_steps > 0)")
+
+    def _retire_online(self) -> None:
+        """A newer trainer checkpoint: the online gateway may retire from its journal the
+        sessions of the prompts that checkpoint's ledger holds (they are never generated
+        again)."""
+        retire = getattr(self.workflow.inner, "retire_accepted_later", None)
+        if retire is None:
+            return
+        ckpt = self.paths.latest_checkpoint()
+        if ckpt is None or ckpt == self._retired_at:
+            return
+        self._retired_at = ckpt
+        state = checkpoint_meta(ckpt).get("extra", {}).get("accepted_prompts")
+        if state is not None:
+            retire(PromptLedger(state).accepted_prompts())
 
     async def _set_version(self, version: int) -> None:
         c = self.client.sibling(self.client.addrs)

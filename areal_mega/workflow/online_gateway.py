@@ -121,6 +121,7 @@ class OnlineWorkflow(EpisodeWorkflow):
         self._listener: Optional[asyncio.AbstractServer] = None
         self.guard: Optional[ConnectionGuard] = None
         self._ticker: Optional[asyncio.Task] = None
+        self._to_retire: Optional[set] = None     # accepted prompts, from the worker's thread
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -197,6 +198,13 @@ class OnlineWorkflow(EpisodeWorkflow):
             return None
         return self.journal.retire(accepted)
 
+    def retire_accepted_later(self, accepted) -> None:
+        """A newer trainer checkpoint holds the groups of the prompt positions ``accepted``
+        (from any thread): the gateway's next tick deletes the journal segments whose sessions
+        are all of such positions
+        (:meth:`~areal_mega.workflow.online_journal.OnlineJournal.retire_segments`)."""
+        self._to_retire = set(accepted)
+
     # ------------------------------------------------------------------ the controller side
     async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
         """One slot: wait until sessions of some task fill it and are done, then return their
@@ -253,6 +261,12 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     def _tick(self) -> None:
         now = time.monotonic()
+        accepted, self._to_retire = self._to_retire, None
+        if accepted is not None and self.journal is not None:
+            gone = self.journal.retire_segments(accepted)
+            if gone:
+                log.info("online journal: %d segments of sessions the trainer accepted "
+                         "retired", len(gone))
         dropped, ready = self.book.tick(now)
         for sid in [sid for sid, r in self.restored.items() if now > r.deadline]:
             r = self.restored.pop(sid)

@@ -154,6 +154,7 @@ class OnlineJournal:
         self.left_open = [s for s in started if s not in done and s not in dropped
                           and s not in ended]
         self._trajs = TrajectoryJournal(self.dir / "trajs", private=True)
+        self._positions: dict = {}   # segment written here -> prompt positions it holds
         for sid in self.left_open:
             self.dropped(sid, "worker_restart")
             dropped[sid] = "worker_restart"
@@ -185,6 +186,8 @@ class OnlineJournal:
         durable when this returns. ``restorable``: also kept for :meth:`restore` (a session
         restored after a restart, rewarded now)."""
         self._trajs.append(trajs)
+        self._positions.setdefault(self._trajs.current, set()).update(
+            t.meta.get("prompt_index") for t in trajs)
         if restorable:
             if self.by_prompt is None:
                 self.by_prompt = self._read_trajs(set())
@@ -228,6 +231,7 @@ class OnlineJournal:
         trajs = TrajectoryJournal(new / "trajs", private=True)
         for by_sample in self.by_prompt.values():
             trajs.append(list(by_sample.values()))
+        self._positions = {trajs.current: set(self.by_prompt)}
         trajs.close()
         _write_private(new / "ended.jsonl", self.awaiting)
         _write_private(new / "events.jsonl",
@@ -250,6 +254,25 @@ class OnlineJournal:
                  before, out["bytes_after"], len(sessions), len(self.by_prompt),
                  len(self.awaiting))
         return out
+
+    def retire_segments(self, accepted) -> list:
+        """While the gateway serves: delete the trajectory segments whose every session is of
+        a prompt position in ``accepted`` (the trainer holds their groups; a checkpoint's
+        ledger), after starting a new one; only segments written since this journal opened
+        (or compacted by :meth:`retire`) are known. Returns the deleted segment numbers."""
+        accepted = set(accepted)
+        if self.by_prompt is not None:
+            for k in [k for k in self.by_prompt if k in accepted]:
+                del self.by_prompt[k]
+        if not any(p <= accepted for n, p in self._positions.items()):
+            return []
+        self._trajs.rotate()
+        gone = [n for n, p in self._positions.items()
+                if n != self._trajs.current and p <= accepted]
+        self._trajs.retire(gone)
+        for n in gone:
+            del self._positions[n]
+        return gone
 
     def close(self) -> None:
         """Close the files (again: a no-op)."""
