@@ -9,6 +9,8 @@ with it):
 - every session the agents ended and rewarded before the trainer's kill (so also every one
   done but not yet delivered at the worker's kill) was accepted by the trainer (trained, or
   journaled and pending) by the end, none twice: nothing lost;
+- the worker resumed with the trainer retires from its online journal the sessions the trainer
+  had accepted;
 - the sessions open at the worker's kill are reported: the relaunched worker's count equals
   ``rollout/online/sessions_dropped/worker_restart`` summed over ``metrics.jsonl``.
 """
@@ -173,9 +175,17 @@ def test_no_ended_session_is_lost(run):
     sessions = {s for s, r in _sessions(run).items() if r["rewarded"] < killed_at}
     lost = sessions - {_session_of(s) for s in _accepted_ids(run)}
     assert len(sessions) >= 6 and not lost, sorted(lost)[:5]
-    # the worker journaled each of them before it answered the reward
-    journaled = {t.sample_id for t in TrajectoryJournal.replay(run / "online" / "trajs")}
-    assert sessions <= {_session_of(s) for s in journaled}
+    # the worker journaled each of them before it answered the reward (every accepted session
+    # was journaled); the worker resumed with the trainer retired from its journal those the
+    # trainer had accepted then (in its log): they are accepted and no longer journaled
+    journaled = {
+        _session_of(t.sample_id) for t in TrajectoryJournal.replay(run / "online" / "trajs")
+    }
+    accepted = {_session_of(s) for s in _accepted_ids(run)}
+    assert sessions <= journaled | accepted
+    log = (run / "logs" / "rollout_worker.log").read_text()
+    assert "online journal: sessions the trainer accepted retired" in log
+    assert accepted - journaled
 
 
 def test_sessions_open_at_the_kill_are_reported_dropped(run):

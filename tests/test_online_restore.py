@@ -24,13 +24,19 @@ from tests.helpers.rollout import API_KEY, GroupSink
 pytestmark = pytest.mark.timeout(300)
 
 
-def _gateway(tmp_path, server, tok, resume):
+def _gateway(tmp_path, server, tok, resume, accepted=None):
     wf = OnlineWorkflow(
         OnlineConfig(reward_timeout_s=120.0), n_samples=2, run_dir=str(tmp_path), resume=resume
     )
+    if accepted is not None:  # the resume plan, before the controller starts (the worker)
+        wf.retired = wf.retire_accepted(accepted)
     wf.settings = WorkflowSettings(max_new_tokens=8)
     sink = GroupSink()
-    items = [{"prompt": f"p{k}", "answer": "", "prompt_index": k} for k in range(100)]
+    items = [
+        {"prompt": f"p{k}", "answer": "", "prompt_index": k}
+        for k in range(100)
+        if k not in (accepted or ())
+    ]  # the resume plan: the positions not accepted
     ctl = RolloutController(
         RecordingClient([server.addr], api_key=API_KEY, timeout_s=120, retries=2),
         wf,
@@ -137,6 +143,80 @@ def test_an_ended_session_gets_its_reward_after_a_restart(server, models, tmp_pa
         lps = t.logprobs[t.loss_mask.astype(bool)]
         assert np.array_equal(lps, np.asarray(sent[name], dtype=np.float32))
     assert len({t.group_id for t in group}) == 1
+
+
+def _talk(addr, sess, text):
+    c = openai.OpenAI(
+        base_url=sess["base_url"], api_key=sess["api_key"], max_retries=0, timeout=120
+    )
+    c.chat.completions.create(
+        model="policy",
+        max_tokens=8,
+        logit_bias=NO_SPECIAL,
+        messages=[{"role": "user", "content": text}],
+    )
+    assert (
+        post(addr, "/rl/end_session", {"session_id": sess["session_id"]}, sess["api_key"])[0] == 200
+    )
+
+
+def test_a_restart_retires_the_sessions_the_trainer_accepted(server, models, tmp_path):
+    """Task A's group (two sessions) is delivered and accepted by the trainer; task B has one
+    session done and one waiting for its reward when the gateway stops. The next gateway,
+    given the trainer's accepted prompts, keeps only task B's two sessions (the journal
+    shrinks on disk) and delivers B's group with both once the reward comes."""
+    tok = AutoTokenizer.from_pretrained(models["a"])
+    wf, ctl, sink, addr, admin = _gateway(tmp_path, server, tok, resume=False)
+    sess = {}
+    try:
+        wait_for(lambda: len(wf.book.free_slots) == 2)
+        for name, task in (("a1", "A"), ("a2", "A"), ("b1", "B"), ("b2", "B")):
+            st, sess[name] = post(addr, "/rl/start_session", {"task_id": task}, admin)
+            assert st == 200, sess[name]
+            _talk(addr, sess[name], name)
+        for name in ("a1", "a2", "b1"):
+            assert (
+                post(
+                    addr,
+                    "/rl/set_reward",
+                    {"session_id": sess[name]["session_id"], "reward": 1.0},
+                    admin,
+                )[0]
+                == 200
+            )
+        [group_a] = sink.take(ctl, 1, timeout=60)
+    finally:
+        ctl.stop()
+    accepted = {group_a[0].meta["prompt_index"]}  # the trainer's ledger holds task A
+    assert {t.meta["session_id"] for t in group_a} == {
+        sess["a1"]["session_id"],
+        sess["a2"]["session_id"],
+    }
+    wf2, ctl2, sink2, addr2, admin2 = _gateway(
+        tmp_path, server, tok, resume=True, accepted=accepted
+    )
+    try:
+        info = wf2.retired
+        assert info["sessions_kept"] == 2 and info["positions_kept"] == 1, info
+        assert info["bytes_after"] < info["bytes_before"], info
+        assert set(wf2.restored) == {sess["b2"]["session_id"]}
+        assert (
+            post(
+                addr2,
+                "/rl/set_reward",
+                {"session_id": sess["b2"]["session_id"], "reward": 0.5},
+                sess["b2"]["api_key"],
+            )[0]
+            == 200
+        )
+        group_b = sink2.take(ctl2, 1, timeout=60)[0]
+    finally:
+        ctl2.stop()
+    assert {t.meta["session_id"]: t.reward for t in group_b} == {
+        sess["b1"]["session_id"]: 1.0,
+        sess["b2"]["session_id"]: 0.5,
+    }
+    assert group_b[0].meta["prompt_index"] not in accepted
 
 
 def test_an_ended_sessions_journal_record_round_trips_exactly():

@@ -195,3 +195,160 @@ def test_journal_restores_done_sessions_and_counts_open_ones_once(tmp_path):
     assert j.left_open == []  # counted by the first restart only
     j.close()
     assert OnlineJournal(tmp_path / "online", fresh=True).restore(4) == []
+
+
+def test_journal_retires_the_sessions_the_trainer_accepted(tmp_path):
+    """4,000 done sessions (2,000 prompt positions), the trainer's ledger holding all but the
+    last 10 positions, one session ended and awaiting its reward, 100 dropped: a restart that
+    retires the accepted ones holds (memory) and keeps (disk) only the pending sessions, and
+    a second restart finds them again."""
+    import shutil
+    import tracemalloc
+
+    from areal_mega.dataplane import Trajectory
+    from areal_mega.workflow.online_journal import OnlineJournal
+
+    def traj(session, k):
+        return Trajectory.from_tokens(
+            list(range(64)),
+            list(range(192)),
+            [-0.5] * 192,
+            [1] * 192,
+            reward=1.0,
+            sample_id=f"run-g{k}-{session}",
+            meta={"session_id": session, "prompt_index": k},
+        )
+
+    d = tmp_path / "online"
+    j = OnlineJournal(d, fresh=True)
+    for i in range(0, 4000, 50):  # 50 sessions a write: one fsync each, not 4,000
+        for n in range(i, i + 50):
+            j.started(f"s{n}", n // 2)
+        j.done([traj(f"s{n}", n // 2) for n in range(i, i + 50)])
+    for i in range(100):
+        j.started(f"x{i}", 1999)
+        j.dropped(f"x{i}", "idle")
+    j.started("waiting", 1999)
+    j.ended({"session_id": "waiting", "prompt_index": 1999})
+    j.close()
+    shutil.copytree(d, tmp_path / "before")
+    accepted = set(range(1990))  # the trainer's accepted-prompt ledger
+
+    def held(restart):
+        """``(journal, result, bytes)``: the memory a restarted journal holds."""
+        tracemalloc.start()
+        try:
+            jj, out = restart()
+            return jj, out, tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+
+    def read_all():  # as a restart did before: every session of the run in memory
+        jj = OnlineJournal(tmp_path / "before", fresh=False)
+        return jj, jj.restore(None)
+
+    def retiring():
+        jj = OnlineJournal(d, fresh=False)
+        return jj, jj.retire(accepted)
+
+    old, _, mem_all = held(read_all)
+    assert sum(len(v) for v in old.by_prompt.values()) == 4000
+    old.close()
+    j, info, mem_after = held(retiring)
+    assert [r["session_id"] for r in j.awaiting] == ["waiting"] and j.left_open == []
+    assert sorted(j.by_prompt) == list(range(1990, 2000))
+    assert info["sessions_kept"] == 21 and info["positions_kept"] == 10
+    assert info["bytes_after"] * 50 < info["bytes_before"], info
+    assert mem_after * 20 < mem_all, (mem_after, mem_all)
+    print(
+        f"4000 sessions: journal {info['bytes_before']} -> {info['bytes_after']} bytes; "
+        f"memory held after a restart {mem_all} -> {mem_after} bytes"
+    )
+    assert not (tmp_path / "online.new").exists() and not (tmp_path / "online.old").exists()
+    assert {p.stat().st_mode & 0o777 for p in d.rglob("*") if p.is_file()} == {0o600}
+    assert d.stat().st_mode & 0o777 == 0o700
+    j.dropped("late", "idle")  # the compacted journal is appended to again
+    j.close()
+    # the next restart: the pending sessions only, the drops still known (a clear 410)
+    j = OnlineJournal(d, fresh=False)
+    assert [r["session_id"] for r in j.awaiting] == ["waiting"] and j.left_open == []
+    assert set(j.dropped_before) == {f"x{i}" for i in range(100)} | {"late"}
+    got = j.restore(1995)
+    assert sorted(t.meta["session_id"] for t in got) == ["s3990", "s3991"]
+    assert j.restore(5) == []  # retired: trained already
+    j.close()
+
+
+def test_a_compaction_cut_short_leaves_a_whole_journal(tmp_path):
+    """A kill while the compacted copy is built leaves the old journal; a kill between the two
+    renames of the swap finishes the swap on the next start."""
+    import shutil
+
+    from areal_mega.dataplane import Trajectory
+    from areal_mega.workflow.online_journal import COMPLETE, OnlineJournal
+
+    d = tmp_path / "online"
+    j = OnlineJournal(d, fresh=True)
+    for i, k in enumerate((1, 1, 2, 2)):
+        j.done(
+            [
+                Trajectory.from_tokens(
+                    [1],
+                    [2],
+                    [-0.1],
+                    [0],
+                    reward=1.0,
+                    sample_id=f"g{k}-{i}",
+                    meta={"session_id": f"s{i}", "prompt_index": k},
+                )
+            ]
+        )
+    j.close()
+    shutil.copytree(d, tmp_path / "online.new")  # a copy still being built
+    j = OnlineJournal(d, fresh=False)
+    assert not (tmp_path / "online.new").exists() and len(j.restore(1)) == 2
+    j.close()
+    j = OnlineJournal(d, fresh=False)
+    j.retire({1})
+    j.close()
+    shutil.copytree(d, tmp_path / "online.new")  # whole, then killed after the
+    (tmp_path / "online.new" / COMPLETE).write_text("")  # first rename of the swap
+    d.rename(tmp_path / "online.old")
+    j = OnlineJournal(d, fresh=False)
+    assert not (tmp_path / "online.old").exists() and not (tmp_path / "online.new").exists()
+    assert j.restore(1) == [] and len(j.restore(2)) == 2
+    j.close()
+
+
+def test_a_serving_journal_retires_the_segments_a_checkpoint_covers(tmp_path):
+    """While serving, a checkpoint's accepted prompts retire the journal segments whose every
+    session is of such a prompt; a segment holding a session of another prompt stays."""
+    from areal_mega.dataplane import Trajectory
+    from areal_mega.workflow.online_journal import OnlineJournal
+
+    def traj(session, k):
+        return Trajectory.from_tokens(
+            [1, 2],
+            [3],
+            [-0.5],
+            [0],
+            reward=1.0,
+            sample_id=f"g{k}-{session}",
+            meta={"session_id": session, "prompt_index": k},
+        )
+
+    d = tmp_path / "online"
+    j = OnlineJournal(d, fresh=True)
+    j.done([traj("s0", 0)])
+    j.done([traj("s1", 1)])
+    assert j.retire_segments({5}) == []  # nothing covered: no new segment
+    assert j.retire_segments({0, 1}) == [1]  # segment 1 held prompts 0 and 1
+    j.done([traj("s2", 2)])
+    j.done([traj("s3", 3)])
+    assert j.retire_segments({0, 1, 2}) == []  # segment 2 also holds prompt 3
+    assert [p.name for p in (d / "trajs").glob("*.journal")] == ["00000002.journal"]
+    j.close()
+    j = OnlineJournal(d, fresh=False)  # a restart finds 2 and 3
+    assert [t.meta["session_id"] for t in j.restore(3)] == ["s3"]
+    assert [t.meta["session_id"] for t in j.restore(2)] == ["s2"] and j.restore(0) == []
+    j.close()

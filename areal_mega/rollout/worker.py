@@ -44,6 +44,7 @@ from areal_mega.common.signals import TermWatchdog
 from areal_mega.config import load_config
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.dataplane.control import ControlServer
+from areal_mega.dataplane.prompt_ledger import PromptLedger
 from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
 from areal_mega.rollout.controller import RolloutController
@@ -53,7 +54,7 @@ from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.resume import accepted_ledger, resumed_cursor
 from areal_mega.rollout.routes import replay_layout
 from areal_mega.rollout.server_pool import ElasticPool, ServerPoolCommands, pool_metrics
-from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration
+from areal_mega.run_dir import FATAL_EXIT_CODE, RunDir, checkpoint_iteration, checkpoint_meta
 from areal_mega.workflow.builtin import workflow_from_config
 from areal_mega.workflow.multitask import build_multitask
 
@@ -194,6 +195,7 @@ class RolloutWorker:
         self._ctl_lock = threading.Lock()
         self._sink_lock = threading.Lock()
         self.resume_step = self._resume_step()
+        self._retired_at = None  # the checkpoint whose ledger the online journal retired
         self.stop_event = threading.Event()
         self.pool = ServerPoolCommands(
             self.elastic, lambda: self.controller, timeout_s=cfg.rollout.request_timeout_s
@@ -252,6 +254,9 @@ class RolloutWorker:
                 redo[:20],
                 self.cursor.drawn,
             )
+            retire = getattr(self.workflow.inner, "retire_accepted", None)
+            if retire is not None:  # online: sessions the trainer holds leave the journal
+                retire(ledger.accepted_prompts())
         ctl = RolloutController(
             self.client,
             self.workflow,
@@ -331,6 +336,7 @@ class RolloutWorker:
                     self.start_controller(version)
                 else:
                     self.controller.update_weights(version, path=path)
+                self._retire_online()
             return {
                 "version": version,
                 "seconds": time.time() - t0,
@@ -351,6 +357,7 @@ class RolloutWorker:
                     self.start_controller(version)
                 else:
                     self.controller.end_weight_update(version)
+                self._retire_online()
                 self.pool.end_update()  # servers that joined the group take work
             return {"version": version, **pool_metrics(self.elastic.pool_stats())}
         if cmd == "evaluate" and self.evaluator is not None:
@@ -364,6 +371,21 @@ class RolloutWorker:
             "begin_update, end_update, servers, add_server, remove_server or "
             "evaluate (with eval.every_steps > 0)"
         )
+
+    def _retire_online(self) -> None:
+        """A newer trainer checkpoint: the online gateway may retire from its journal the
+        sessions of the prompts that checkpoint's ledger holds (they are never generated
+        again)."""
+        retire = getattr(self.workflow.inner, "retire_accepted_later", None)
+        if retire is None:
+            return
+        ckpt = self.paths.latest_checkpoint()
+        if ckpt is None or ckpt == self._retired_at:
+            return
+        self._retired_at = ckpt
+        state = checkpoint_meta(ckpt).get("extra", {}).get("accepted_prompts")
+        if state is not None:
+            retire(PromptLedger(state).accepted_prompts())
 
     async def _set_version(self, version: int) -> None:
         c = self.client.sibling(self.client.addrs)

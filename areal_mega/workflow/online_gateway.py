@@ -31,7 +31,9 @@ it, and when it is ready its done sessions become the group's trajectories
 (:mod:`areal_mega.workflow.episode_export`), delivered like any other group (journal, prompt
 ledger, exactly once). Dropped sessions are counted as ``online/sessions_dropped/<reason>``
 (``rollout/online/...`` in the metrics rows). Sessions ended before their reward survive a
-restart of the rollout worker (:mod:`~areal_mega.workflow.online_restore`).
+restart of the rollout worker (:mod:`~areal_mega.workflow.online_restore`); the sessions the
+trainer has accepted are retired from the journal when a restarted worker knows its resume
+plan (:meth:`OnlineWorkflow.retire_accepted`), so a restart holds the pending ones only.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class OnlineWorkflow(EpisodeWorkflow):
         self._listener: Optional[asyncio.AbstractServer] = None
         self.guard: Optional[ConnectionGuard] = None
         self._ticker: Optional[asyncio.Task] = None
+        self._to_retire: Optional[set] = None  # accepted prompts, from the worker's thread
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -231,6 +234,24 @@ class OnlineWorkflow(EpisodeWorkflow):
             "online_free_slots": len(self.book.free_slots),
         }
 
+    def retire_accepted(self, accepted) -> Optional[dict]:
+        """The resume plan is known: retire from the journal (memory and disk) the sessions of
+        the prompt positions in ``accepted`` (the trainer's accepted-prompt ledger), keeping
+        every session the trainer has not accepted
+        (:meth:`~areal_mega.workflow.online_journal.OnlineJournal.retire`). Only before the
+        gateway serves (the worker calls it before its controller starts); returns the
+        journal's sizes, None when nothing was done."""
+        if self.journal is None or self._start is not None:
+            return None
+        return self.journal.retire(accepted)
+
+    def retire_accepted_later(self, accepted) -> None:
+        """A newer trainer checkpoint holds the groups of the prompt positions ``accepted``
+        (from any thread): the gateway's next tick deletes the journal segments whose sessions
+        are all of such positions
+        (:meth:`~areal_mega.workflow.online_journal.OnlineJournal.retire_segments`)."""
+        self._to_retire = set(accepted)
+
     # ------------------------------------------------------------------ the controller side
     async def arun_episode(self, ctx, item: dict, n_samples: int) -> list:
         """One slot: wait until sessions of some task fill it and are done, then return their
@@ -297,6 +318,14 @@ class OnlineWorkflow(EpisodeWorkflow):
 
     def _tick(self) -> None:
         now = time.monotonic()
+        accepted, self._to_retire = self._to_retire, None
+        if accepted is not None and self.journal is not None:
+            gone = self.journal.retire_segments(accepted)
+            if gone:
+                log.info(
+                    "online journal: %d segments of sessions the trainer accepted retired",
+                    len(gone),
+                )
         dropped, ready = self.book.tick(now)
         for sid in [sid for sid, r in self.restored.items() if now > r.deadline]:
             r = self.restored.pop(sid)
