@@ -9,7 +9,7 @@ import pytest
 
 from areal_mega.common.net import free_ports
 from areal_mega.config import ConfigError, ModelHParams, load_config
-from areal_mega.launch import local
+from areal_mega.launch import local, server_commands
 from areal_mega.launch.memory import (
     KNOWN_MODELS,
     count_params,
@@ -298,7 +298,7 @@ def test_server_commands(tmp_path):
     slot = local.make_layout(cpu, ports=[1234]).servers[0]
     assert local.server_command(cpu, slot)[1:] == [
         "-m",
-        local.ROLLOUT_SERVER_MODULE,
+        server_commands.ROLLOUT_SERVER_MODULE,
         "--model-path",
         "runs/tiny-cpu/model",
         "--host",

@@ -54,3 +54,20 @@ def test_a_healthy_process_stops_through_on_term_without_the_hard_exit(signals):
     assert p.returncode == 0, err
     assert "stopped cleanly" in out
     assert "term-watchdog" not in err
+
+
+def test_a_late_sigterm_during_shutdown_is_ignored():
+    """CPython puts Python-level handlers back to SIG_DFL at shutdown: a second SIGTERM arriving
+    while a cleanly stopped process finalizes would kill it (-15). From the first exit handler on
+    the watched signals are ignored (an exit handler registered before ``install`` runs after)."""
+    child = textwrap.dedent("""
+        import atexit, signal
+        from areal_mega.common.signals import TermWatchdog
+        atexit.register(lambda: print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN))
+        TermWatchdog(exit_after_s=60.0).install()
+        print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    assert out == ["False", "True"], out

@@ -31,7 +31,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from areal_mega.common import counters
+from . import counters
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ stderr (so the next report says where it hung) and ends the process with ``os._e
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -49,6 +50,10 @@ class TermWatchdog:
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for sig in self.signals:
             signal.signal(sig, _ignore_in_main_thread)
+        # At shutdown CPython puts a Python-level handler back to SIG_DFL, so a second SIGTERM
+        # (a launcher signals the process group and the pid) arriving while a cleanly stopping
+        # process finalizes would kill it (exit -15, read as a failure). SIG_IGN is kept.
+        atexit.register(_ignore_during_shutdown, self.signals)
         threading.Thread(target=self._watch, name="term-watchdog", daemon=True).start()
         return self
 
@@ -78,3 +83,9 @@ class TermWatchdog:
 
 def _ignore_in_main_thread(signum, frame) -> None:
     """The watchdog thread acts on the signal (it read it from the wakeup pipe)."""
+
+
+def _ignore_during_shutdown(signals) -> None:
+    """The watched signals ignored from the first exit handler on (main thread, at exit)."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
