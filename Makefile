@@ -130,10 +130,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP) $(KERNEL_STAMP) $(VLLM_STAMP)
-	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS) --times-record $(TIMES_RECORD)
+	@# --opt=value: a separate value naming an existing file would be taken for a test path
+	@# (pytest then finds no tests/conftest.py and so no --times-record on a second run)
+	AREAL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS) --times-record=$(TIMES_RECORD)
 
 test-quick: $(STAMP) $(KERNEL_STAMP)
-	$(PY) -m pytest $(QUICK_ARGS) --times-record build/test-times-quick.json
+	$(PY) -m pytest $(QUICK_ARGS) --times-record=build/test-times-quick.json
 
 # The slowest tests and each file's share in the last `make test`; TIMES_ARGS=--update-table
 # also refreshes tests/durations.json from it (commit that after a full run on CI's machine kind).
