@@ -40,6 +40,7 @@ from tests.helpers.rollout import http
 
 pytestmark = pytest.mark.slow
 TOTAL = 5
+DROPPED_KEY = "rollout/online/sessions_dropped/worker_restart"
 
 
 def _worker_pid(run_dir):
@@ -55,6 +56,17 @@ def _wait_step(proc, run, step, timeout=300):
     while max([r["step"] for r in _metrics(run)] or [0]) < step:
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         assert time.time() < deadline, f"step {step} not reached"
+        time.sleep(0.3)
+
+
+def _wait_dropped_count_or_step(proc, run, step, timeout=300):
+    deadline = time.time() + timeout
+    while True:
+        rows = _metrics(run)
+        if any(r.get(DROPPED_KEY) for r in rows) or max([r["step"] for r in rows] or [0]) >= step:
+            return
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.time() < deadline, f"neither the dropped-session count nor step {step}"
         time.sleep(0.3)
 
 
@@ -125,6 +137,10 @@ def run(assets, tmp_path_factory):
         _hold_a_session(run)  # open at the kill, whatever the agents are doing
         os.kill(_worker_pid(run), signal.SIGKILL)
         _wait_step(proc, run, 3)
+        # the relaunched worker's count of the sessions open at its predecessor's kill rides on
+        # its first delivered group: kill the trainer once a step has trained it (or at step 4
+        # at the latest), not while the steps still train groups the killed worker delivered
+        _wait_dropped_count_or_step(proc, run, TOTAL - 1)
         os.kill(_trainer_pid(run), signal.SIGKILL)
         (run / "trainer_killed_at").write_text(str(time.time()))
         rc, out = _finish(proc, timeout=400)
@@ -191,9 +207,7 @@ def test_no_ended_session_is_lost(run):
 def test_sessions_open_at_the_kill_are_reported_dropped(run):
     log = (run / "logs" / "rollout_worker.log").read_text()
     counted = [int(n) for n in re.findall(r"(\d+) online sessions were open when", log)]
-    reported = sum(
-        r.get("rollout/online/sessions_dropped/worker_restart", 0) for r in _metrics(run)
-    )
+    reported = sum(r.get(DROPPED_KEY, 0) for r in _metrics(run))
     # the worker's SIGKILL left at least the held session open; its count rides on the
     # relaunched worker's first group (trained before the end); a later restart's may not
     assert counted and counted[0] >= 1 and counted[0] <= reported <= sum(counted)
