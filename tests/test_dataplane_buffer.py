@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -120,6 +121,11 @@ def test_pump_from_receiver_into_buffer():
                 tx.send(make_traj(3, 0))  # a retried send is deduplicated
                 assert tx.flush(timeout=10)
             groups = buf.get_groups(2, timeout=10)
+            # the ack that ended flush() is sent on receipt: the retried send may still be on
+            # its way from the receiver to the buffer when both groups are complete
+            deadline = time.monotonic() + 10
+            while buf.duplicates < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
         finally:
             stop.set()
             th.join(5)
