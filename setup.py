@@ -44,13 +44,14 @@ code), set {skip}=1.
 
 
 OPTIONAL_TRACKERS = ("wandb", "mlflow")  # extras (logging.trackers); pinned for the tests
+OPTIONAL_LAUNCHERS = ("ray",)  # extra (launch.ray); pinned for the tests
 
 
 def read_requirements():
     reqs = []
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line and not line.startswith(("pytest", "ninja", "pybind11", *OPTIONAL_TRACKERS)):
+        if line and not line.startswith(("pytest", "ninja", "pybind11", *OPTIONAL_TRACKERS, *OPTIONAL_LAUNCHERS)):
             reqs.append(line)
     return reqs
 
@@ -244,6 +245,8 @@ def main():
             # logging.trackers; the same pins as requirements.txt (what the tests install)
             "wandb": [_pin("wandb")],
             "mlflow": [_pin("mlflow-skinny")],
+            # launch.ray: places and starts the run's processes on a Ray cluster
+            "ray": [_pin("ray[default]")],
             "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
         },
     )
