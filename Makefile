@@ -30,14 +30,25 @@ TIMES_RECORD ?= build/test-times.json
 .PHONY: install lint test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels \
 	vllm-env clean-vllm-env trl-env clean-trl-env
 
-$(STAMP): requirements.txt requirements-nodeps.txt setup.py
+# Installs go through uv (pip installs it, pinned, into each venv first): the same requirement
+# files and pins, from the sources and with the constraints this machine's pip is configured with
+# (tools/pip_sources.sh; uv reads no pip configuration), and pip's resolution across indexes
+# (unsafe-best-match: the newest matching release of any index, where uv would stop at the first
+# index that has the package). What lands in the venv is what pip installs; the downloads run in
+# parallel (docs/benchmarks.md: the trainer's .venv in under a minute instead of about five).
+UV_VERSION ?= 0.13.9
+# $(call uv_pip,VENV): `uv pip install` into VENV, quiet, with this machine's pip sources
+uv_pip = $(1)/bin/uv pip install --python $(1)/bin/python -q --index-strategy unsafe-best-match \
+	$$(tools/pip_sources.sh $(1)/bin/python)
+
+$(STAMP): requirements.txt requirements-nodeps.txt setup.py tools/pip_sources.sh
 	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place
 	$(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || \
 		{ rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q --upgrade pip setuptools wheel uv==$(UV_VERSION)
+	$(call uv_pip,$(VENV)) -r requirements.txt
+	$(call uv_pip,$(VENV)) --no-deps -r requirements-nodeps.txt
+	$(call uv_pip,$(VENV)) --no-build-isolation --no-deps -e .
 	mkdir -p build && touch build/.kernels-built
 	touch $(STAMP)
 
@@ -61,7 +72,7 @@ VLLM_PYTHON_BIN ?= $(call found_python,VLLM_PYTHON_BIN,11)
 VLLM_VENV       ?= .venv-vllm
 VLLM_STAMP      := $(VLLM_VENV)/.installed
 
-$(VLLM_STAMP): requirements-vllm.txt
+$(VLLM_STAMP): requirements-vllm.txt tools/pip_sources.sh
 	@start=$$(date +%s); \
 	fail() { echo "make vllm-env: FAILED: $$*; the vLLM rollout tests need $(VLLM_VENV)" \
 		"(docs/vllm.md)" >&2; exit 1; }; \
@@ -72,8 +83,9 @@ $(VLLM_STAMP): requirements-vllm.txt
 		'import sys; print(sys.executable)')"; \
 	rm -rf $(VLLM_VENV); \
 	$(VLLM_PYTHON_BIN) -m venv $(VLLM_VENV) || fail "python -m venv $(VLLM_VENV)"; \
-	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt || \
-		fail "pip install -r requirements-vllm.txt (output above)"; \
+	$(VLLM_VENV)/bin/python -m pip install -q uv==$(UV_VERSION) || fail "pip install uv"; \
+	$(call uv_pip,$(VLLM_VENV)) -r requirements-vllm.txt || \
+		fail "uv pip install -r requirements-vllm.txt (output above)"; \
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || \
 		fail "pip uninstall torchvision torchaudio torchcodec"; \
 	version=$$($(VLLM_VENV)/bin/python -c 'import vllm; print(vllm.__version__)') || \
@@ -96,7 +108,7 @@ TRL_PYTHON_BIN ?= $(call found_python,TRL_PYTHON_BIN,11)
 TRL_VENV       ?= .venv-trl
 TRL_STAMP      := $(TRL_VENV)/.installed
 
-$(TRL_STAMP): requirements-trl.txt
+$(TRL_STAMP): requirements-trl.txt tools/pip_sources.sh
 	@start=$$(date +%s); \
 	fail() { echo "make trl-env: FAILED: $$*; python -m bench.vs_trl needs $(TRL_VENV)" >&2; exit 1; }; \
 	$(TRL_PYTHON_BIN) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null || \
@@ -106,8 +118,9 @@ $(TRL_STAMP): requirements-trl.txt
 		'import sys; print(sys.executable)')"; \
 	rm -rf $(TRL_VENV); \
 	$(TRL_PYTHON_BIN) -m venv $(TRL_VENV) || fail "python -m venv $(TRL_VENV)"; \
-	$(TRL_VENV)/bin/python -m pip install -q -r requirements-trl.txt || \
-		fail "pip install -r requirements-trl.txt (output above)"; \
+	$(TRL_VENV)/bin/python -m pip install -q uv==$(UV_VERSION) || fail "pip install uv"; \
+	$(call uv_pip,$(TRL_VENV)) -r requirements-trl.txt || \
+		fail "uv pip install -r requirements-trl.txt (output above)"; \
 	version=$$($(TRL_VENV)/bin/python -c 'import trl; print(trl.__version__)') || \
 		fail "import trl in $(TRL_VENV) (output above)"; \
 	echo $$(( $$(date +%s) - start )) > $(TRL_VENV)/build-seconds; \
