@@ -49,8 +49,10 @@ $(STAMP): requirements.txt requirements-nodeps.txt setup.py tools/pip_sources.sh
 	$(call uv_pip,$(VENV)) -r requirements.txt
 	$(call uv_pip,$(VENV)) --no-deps -r requirements-nodeps.txt
 	$(call uv_pip,$(VENV)) --no-build-isolation --no-deps -e .
-	mkdir -p build && touch build/.kernels-built
+	@# the editable install built the kernels in place: their stamp is touched after the venv's,
+	@# or `make test` would see it older than the venv and build them all a second time
 	touch $(STAMP)
+	mkdir -p build && touch build/.kernels-built
 
 # csrc kernels: `pip install -e .` builds them once; rebuild in place when a source changes.
 KERNEL_SRC    := $(shell find csrc -type f 2>/dev/null)
