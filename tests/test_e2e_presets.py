@@ -20,9 +20,7 @@ import yaml
 
 from areal_mega.config import PRESETS
 from areal_mega.inference.process import launch_local_servers
-from areal_mega.rollout.client import RolloutClient
-from tests.helpers.local_runs import ROOT, _finish, _metrics, check_preset_run
-from tests.helpers.rollout import run as run_async
+from tests.helpers.local_runs import ROOT, _finish, _metrics, check_preset_run, fresh_server
 
 pytestmark = pytest.mark.slow
 
@@ -48,21 +46,8 @@ def shared_server(assets):
 
 @pytest.fixture
 def server_addr(shared_server, assets):
-    """The shared server's address, its weights back to the tiny model's at version 0 and
-    generating (a run may have ended while it was paused for a weight update)."""
-
-    async def reset():
-        c = RolloutClient([shared_server.addr], timeout_s=60, retries=1)
-        try:
-            await c.update_weights_from_disk(str(assets[0]), weight_version=0)
-            await c.resume()
-            info = await c.model_info()
-        finally:
-            await c.close()
-        return info
-
-    assert run_async(reset())["weight_version"] == "0"
-    return shared_server.addr
+    """The shared server's address, the server as launch.local would have started it."""
+    return fresh_server(shared_server.addr, assets[0])
 
 
 def _run_preset(preset, assets, server_addr, tmp_path, reward="char_match_reward"):
