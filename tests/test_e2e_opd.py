@@ -2,7 +2,11 @@
 equal to the student gives ``opd/reverse_kl`` = 0 on step 1 and the run resumes with its
 teacher; a different teacher (same tokenizer, other weights) gives a finite, nonzero signal
 added to GRPO's advantages; a served teacher (a CPU server process) scores the same tokens
-and its tokenizer is checked against the student's."""
+and its tokenizer is checked against the student's.
+
+The runs join one CPU rollout server of this module (``rollout.server_addrs``: launch.local
+starts none), brought back before each launch to what a server launch.local starts holds (the
+student's weights at version 0, generating)."""
 
 import json
 import math
@@ -18,12 +22,27 @@ from areal_mega.config import ConfigError, load_config
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.teacher import build_teacher_scorer
-from tests.helpers.local_runs import _finish, _launch, _metrics, check_preset_run
+from tests.helpers.local_runs import _finish, _launch, _metrics, check_preset_run, fresh_server
 from tests.helpers.workers import worker_cmd, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rollout_server(assets):
+    """One CPU rollout server on the student for every launch of the module."""
+    (srv,) = launch_local_servers(str(assets[0]), 1)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _on(srv, model):
+    """``rollout.server_addrs`` of a launch on ``srv``, brought back to a fresh server's state."""
+    return f"rollout.server_addrs=[{fresh_server(srv.addr, model)}]"
 
 
 def _check_rows(rows, steps):
@@ -34,7 +53,9 @@ def _check_rows(rows, steps):
         assert r["time/teacher"] >= 0.0
 
 
-def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_path):
+def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(
+    assets, rollout_server, tmp_path
+):
     """Also the ``opd`` case of tests/test_e2e_presets.py: the preset's keys reach the trainer
     and every step's loss is finite."""
     model, data = assets
@@ -46,7 +67,10 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_pa
         "rollout.max_head_offpolicyness=0",
         "checkpoint.save_every=1",
     )
-    rc, out = _finish(_launch(run, model, data, "total_steps=3", *opd), timeout=300)
+    rc, out = _finish(
+        _launch(run, model, data, "total_steps=3", *opd, _on(rollout_server, model)),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     _check_rows(rows, [1, 2, 3])
@@ -55,13 +79,16 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, tmp_pa
     assert (run / "init_mcore_teacher").is_dir()
     check_preset_run(run, "opd", steps=3)
     # resumed: the teacher is loaded again (from its converted checkpoint), OPD goes on
-    rc, out = _finish(_launch(run, model, data, "total_steps=4", *opd), timeout=300)
+    rc, out = _finish(
+        _launch(run, model, data, "total_steps=4", *opd, _on(rollout_server, model)),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()
     _check_rows(_metrics(run), [1, 2, 3, 4])
 
 
-def test_other_teacher_added_to_grpo_advantages(assets, tmp_path):
+def test_other_teacher_added_to_grpo_advantages(assets, rollout_server, tmp_path):
     model, data = assets
     teacher = make_tiny_model(
         tmp_path / "teacher",
@@ -86,6 +113,7 @@ def test_other_teacher_added_to_grpo_advantages(assets, tmp_path):
             "algorithm.opd_coef=0.5",
             f"teacher.path={teacher}",
             "teacher.dtype=fp32",
+            _on(rollout_server, model),
         ),
         timeout=300,
     )
@@ -143,7 +171,9 @@ def faulty_teacher(served_student, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, faulty_teacher, tmp_path):
+def test_served_teacher_equal_to_student_has_zero_reverse_kl(
+    assets, rollout_server, faulty_teacher, tmp_path
+):
     """The teacher served by a CPU server process (SGLang's prompt-logprob request, scored
     from each sequence's first loss token): equal to the student, its scores land on the same
     tokens as the trainer's proximal logprobs, so step 1's reverse KL is ~0.
@@ -166,6 +196,7 @@ def test_served_teacher_equal_to_student_has_zero_reverse_kl(assets, faulty_teac
             f"teacher.server_addrs=[{addr}]",
             "teacher.api_key=teacher-key",
             "rollout.max_head_offpolicyness=0",
+            _on(rollout_server, model),
         ),
         timeout=300,
     )

@@ -9,6 +9,10 @@ micro-batch; the supervisor relaunches it, it dies on the same micro-batch again
 relaunch quarantines the micro-batch's samples (``quarantine.jsonl``, with the error) and the
 run finishes: every other sample trained once, none trained twice. Before, every relaunch
 died the same way and the run ended with exit 1 after ``cluster.max_restarts``.
+
+Both launches join one CPU rollout server (``rollout.server_addrs``: launch.local starts none),
+brought back before each to what a server launch.local starts holds (the model's weights at
+version 0, generating).
 """
 
 import json
@@ -19,17 +23,36 @@ import pytest
 
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.trajectory import Trajectory
-from tests.helpers.local_runs import _finish, _launch, _metrics, _trained
+from areal_mega.inference.process import launch_local_servers
+from tests.helpers.local_runs import _finish, _launch, _metrics, _trained, fresh_server
 
 pytestmark = pytest.mark.slow
 
 SMALL_MBS = ("scheduler.max_tokens_per_mb=48", "checkpoint.save_every=1", "recover=auto")
 
 
-def test_a_sample_that_kills_the_trainer_is_quarantined(assets, tmp_path):
+@pytest.fixture(scope="module")
+def rollout_server(assets):
+    """One CPU rollout server on the tiny model for both launches."""
+    (srv,) = launch_local_servers(str(assets[0]), 1)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _on(srv, model):
+    """``rollout.server_addrs`` of a launch on ``srv``, brought back to a fresh server's state."""
+    return f"rollout.server_addrs=[{fresh_server(srv.addr, model)}]"
+
+
+def test_a_sample_that_kills_the_trainer_is_quarantined(assets, rollout_server, tmp_path):
     model, data = assets
     run = tmp_path / "run"
-    rc, out = _finish(_launch(run, model, data, "total_steps=1", *SMALL_MBS), timeout=300)
+    rc, out = _finish(
+        _launch(run, model, data, "total_steps=1", *SMALL_MBS, _on(rollout_server, model)),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     poison = []
     for i in range(4):  # one complete group (rollout.n_samples=4)
@@ -56,7 +79,10 @@ def test_a_sample_that_kills_the_trainer_is_quarantined(assets, tmp_path):
 
     t0 = time.monotonic()
     # the poisonous group waits behind those already pending: steps 2..5 reach it
-    rc, out = _finish(_launch(run, model, data, "total_steps=5", *SMALL_MBS), timeout=1200)
+    rc, out = _finish(
+        _launch(run, model, data, "total_steps=5", *SMALL_MBS, _on(rollout_server, model)),
+        timeout=1200,
+    )
     took = time.monotonic() - t0
     assert rc == 0, out[-3000:]
     assert out.count("relaunch") >= 2, out[-3000:]  # died twice on it, then went on

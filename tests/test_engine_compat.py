@@ -38,52 +38,34 @@ def test_megatron_bridge_pinned_exactly():
     assert pin and version("megatron-bridge") == pin.group(1)
 
 
-_SCOPE_PROBE = """
-import importlib.util, sys, json, torch
-from areal_mega.compat import megatron_cpu
-megatron_cpu.apply(force=True)
-import megatron.bridge
-from megatron.bridge.peft import lora_layers
-from megatron.core.extensions import transformer_engine as mte
-from megatron.core.utils import get_te_version
-from areal_mega.models.backend import probe_te
-te = lora_layers.te
-holders = sorted(n for n, m in list(sys.modules.items()) if m is not None and
-                 n not in ("__main__", "__mp_main__") and
-                 any(v is te for v in list(vars(m).values())))
-try:
-    te.Linear(4, 4)
-    made = True
-except ImportError:
-    made = False
-print("SCOPE " + json.dumps(dict(
-    in_sys_modules=[n for n in sys.modules if n.split(".")[0] == "transformer_engine"],
-    find_spec=importlib.util.find_spec("transformer_engine") is not None,
-    mcore_have_te=mte.HAVE_TE, te_version=str(get_te_version()), probe=probe_te().state,
-    holders=holders, instantiable=made,
-    isinstance_linear=isinstance(torch.nn.Linear(2, 2), (te.Linear, te.LayerNormLinear)),
-    nested=te.ops.Sequential.__qualname__)))
-"""
+@pytest.fixture(scope="module")
+def compat_probe():
+    """tests/helpers/compat_probe_worker.py's answer: each probe unpatched and patched, and
+    what sees the TE placeholder in the fresh process of the patched ``import
+    megatron.bridge`` (``scope``; none when TransformerEngine is installed)."""
+    out = subprocess.run(
+        worker_cmd("compat_probe_worker"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=worker_env(dict(os.environ, PYTHONWARNINGS="ignore")),
+    )
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert line, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(line[0][6:])
 
 
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("transformer_engine") is not None,
     reason="TransformerEngine installed: no placeholder",
 )
-def test_te_placeholder_is_seen_only_by_its_importer():
+def test_te_placeholder_is_seen_only_by_its_importer(compat_probe):
     """``import megatron.bridge`` works without TE, and nothing but the one importer sees the
-    placeholder: megatron-core, our backend probe and ``sys.modules`` still say TE is absent."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SCOPE_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore"),
-    )
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("SCOPE ")]
-    assert line, out.stdout[-2000:] + out.stderr[-3000:]
-    res = json.loads(line[0][6:])
+    placeholder: megatron-core, our backend probe and ``sys.modules`` still say TE is absent
+    (read in the process of the worker's patched bridge import)."""
+    assert compat_probe["patched"]["import_megatron_bridge"], compat_probe
+    res = compat_probe["scope"]
     assert res == dict(
         in_sys_modules=[],
         find_spec=False,
@@ -135,18 +117,8 @@ def test_check_reports_moved_code():
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CPU-only behaviour")
-def test_upstream_still_needs_each_patch_and_patch_fixes_it():
-    out = subprocess.run(
-        worker_cmd("compat_probe_worker"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=worker_env(dict(os.environ, PYTHONWARNINGS="ignore")),
-    )
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")]
-    assert line, out.stdout[-2000:] + out.stderr[-2000:]
-    res = json.loads(line[0][6:])
+def test_upstream_still_needs_each_patch_and_patch_fixes_it(compat_probe):
+    res = compat_probe
     now_works = [k for k, ok in res["unpatched"].items() if ok]
     assert not now_works, f"upstream works on CPU without these patches now: {now_works}"
     broken = [k for k, ok in res["patched"].items() if not ok]

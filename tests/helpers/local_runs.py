@@ -1,6 +1,7 @@
 """A ``launch.local`` run of the tiny-cpu recipe as the end-to-end tests drive it: start and
 finish it, read what it wrote (metrics, trained samples, accepted sample ids), find its live
-processes, and check a preset's run."""
+processes, check a preset's run, and bring a rollout server that several runs join
+(``rollout.server_addrs``) back to what a server launch.local starts holds."""
 
 import json
 import math
@@ -142,6 +143,27 @@ def _wait(cond, proc, what, timeout=240):
             return v
         time.sleep(0.3)
     pytest.fail(f"timed out waiting for {what}")
+
+
+def fresh_server(addr, model) -> str:
+    """The CPU rollout server at ``addr`` brought back to what one that launch.local starts on
+    ``model`` holds: ``model``'s weights at version 0, generating (a run may have ended while
+    it was paused for a weight update). Returns ``addr``."""
+    import asyncio
+
+    from areal_mega.rollout.client import RolloutClient
+
+    async def reset():
+        c = RolloutClient([addr], timeout_s=60, retries=1)
+        try:
+            await c.update_weights_from_disk(str(model), weight_version=0)
+            await c.resume()
+            return await c.model_info()
+        finally:
+            await c.close()
+
+    assert asyncio.run(asyncio.wait_for(reset(), 120))["weight_version"] == "0"
+    return addr
 
 
 def check_preset_run(run, preset, steps):
