@@ -51,7 +51,9 @@ def read_requirements():
     reqs = []
     for line in (ROOT / "requirements.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
-        if line and not line.startswith(("pytest", "ninja", "pybind11", *OPTIONAL_TRACKERS, *OPTIONAL_LAUNCHERS)):
+        if line and not line.startswith(
+            ("pytest", "ninja", "pybind11", *OPTIONAL_TRACKERS, *OPTIONAL_LAUNCHERS)
+        ):
             reqs.append(line)
     return reqs
 

@@ -53,9 +53,7 @@ def _check_rows(rows, steps):
         assert r["time/teacher"] >= 0.0
 
 
-def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(
-    assets, rollout_server, tmp_path
-):
+def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, rollout_server, tmp_path):
     """Also the ``opd`` case of tests/test_e2e_presets.py: the preset's keys reach the trainer
     and every step's loss is finite."""
     model, data = assets
