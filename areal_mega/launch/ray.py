@@ -1,0 +1,552 @@
+"""Ray launcher: the processes of ``launch.local``, placed and started on a Ray cluster.
+
+    ray start --head                          # on the first node (``ray start --address`` others)
+    python -m areal_mega.launch.ray --config recipes/tiny-cpu.yaml [key=value ...] [--dry-run]
+    ray job submit -- python -m areal_mega.launch.ray --config ...
+
+Ray only places and starts processes; it is not in the data path. The launcher connects to the
+running cluster (``RAY_ADDRESS``, else the local ``ray start`` one), reserves the placement
+groups :mod:`areal_mega.launch.ray_placement` plans (one per rollout server; one for the
+trainer, a bundle per trainer node, the rollout worker in the first), waits for them at most
+``--placement-timeout`` seconds (then one message: what the allocation needs, what the cluster
+has), and starts one small actor (:class:`ProcessHost`) per process in its bundle. Each actor
+starts its process as a child with exactly the command line and environment ``launch.local``
+uses (HTTP to the servers, ZMQ between worker and trainer, torch.distributed in the trainer),
+``CUDA_VISIBLE_DEVICES`` from Ray's GPU assignment, and reports its exit. The driver supervises
+them with :class:`~areal_mega.launch.supervisor.Supervisor` as ``launch.local`` does: a dead
+server or rollout worker is started again in its bundle, a dead trainer with ``recover=auto``
+resumes from its latest checkpoint; a process whose node is lost is started again when Ray has
+placed its bundle elsewhere, or the run stops naming the checkpoint to resume from.
+
+The run directory must be on storage every node sees: each actor reads a token the driver
+wrote there before anything starts. Servers bind their node's address, so (as with
+``launch.local --serve-node``) ``rollout.api_key`` is required unless every node is loopback or
+``rollout.allow_unauthenticated=true``. ``--dry-run`` prints the layout, the memory arithmetic
+and the placement (each process's group, bundle and node; the nodes of the cluster when one is
+reachable, else ``cluster.n_nodes`` planned ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+try:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "areal_mega.launch.ray needs Ray, an optional extra: pip install -e .[ray]"
+    ) from None
+
+from areal_mega.common.net import free_ports, is_loopback_host
+from areal_mega.config import ConfigError, ExperimentConfig, check_against_model, load_config
+from areal_mega.launch.local import (
+    TRAINER_MODULE,
+    describe,
+    make_layout,
+    resolve_device,
+    resume_point,
+    restartable_rollout,
+    server_spec,
+    trainer_command,
+    trainer_spec,
+    worker_spec,
+    write_run_config,
+)
+from areal_mega.launch.plan import ServerSlot
+from areal_mega.launch.ray_placement import (
+    WORKER,
+    Placement,
+    PlacementShortage,
+    assign_nodes,
+    describe_placement,
+    plan_placement,
+    ray_options,
+    shortage_message,
+)
+from areal_mega.launch.server_commands import check_server_runtime, server_secrets
+from areal_mega.launch.supervisor import RemoteProcess, Supervisor, start_child, stop_tree
+from areal_mega.run_dir import RunDir
+from areal_mega.security import check_bind
+
+SHARED_CHECK_FILE = ".ray_shared_check"
+"""The token file in the run directory each node's actor must read back."""
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+class ProcessHost:
+    """A Ray actor in one placement-group bundle: starts one process of the run as its child
+    (:func:`~areal_mega.launch.supervisor.start_child`, from a thread that lives as long as
+    the child, so the child dies with the actor), waits for it, stops it on request."""
+
+    def __init__(self):
+        self._proc = None
+        self._rc: Optional[int] = None
+        self._done = threading.Event()
+
+    def info(self) -> dict:
+        """Where it runs: node address and id, host name, the GPU ids Ray assigned it."""
+        ctx = ray.get_runtime_context()
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+            "hostname": socket.gethostname(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+        }
+
+    def pick_port(self, host: str) -> int:
+        return free_ports(1, host)[0]
+
+    def read(self, path: str) -> Optional[str]:
+        """The text of ``path`` as this node sees it (None when it cannot read it)."""
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
+
+    def start(self, argv: list, env: dict, cwd: Optional[str], log_path: str) -> int:
+        """Start the process (``env`` added to this node's environment; the GPUs Ray assigned
+        this actor, if any, as ``CUDA_VISIBLE_DEVICES``); returns its pid."""
+        full = dict(os.environ)
+        full.update(env)
+        gpus = ray.get_gpu_ids()
+        if gpus:
+            full["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        self._rc, started = None, threading.Event()
+        self._done.clear()
+        error: list = []
+
+        def run() -> None:
+            try:
+                with open(log_path, "ab") as log:
+                    self._proc = start_child(argv, full, cwd, log)
+            except OSError as e:
+                error.append(e)
+                started.set()
+                self._rc = 127
+                self._done.set()
+                return
+            started.set()
+            self._rc = self._proc.wait()
+            self._done.set()
+
+        threading.Thread(target=run, daemon=True, name="child").start()
+        started.wait()
+        if error:
+            raise RuntimeError(f"cannot start {argv[:3]}: {error[0]}")
+        return self._proc.pid
+
+    def wait(self) -> int:
+        """Block until the process has exited; its return code (negative: a signal)."""
+        self._done.wait()
+        return self._rc
+
+    def terminate(self, grace_s: float) -> None:
+        """Stop the process tree (SIGTERM, SIGKILL after ``grace_s``)."""
+        if self._proc is not None and self._proc.poll() is None:
+            stop_tree(self._proc, grace_s)
+
+
+# ----------------------------------------------------------------------------- driver side
+
+
+class RayProcess(RemoteProcess):
+    """A process started by a :class:`ProcessHost` actor, as the supervisor sees it."""
+
+    def __init__(self, actor, pid: int, where: str):
+        self.actor, self.pid, self.where = actor, pid, where
+        self._ref = actor.wait.remote()
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is not None:
+            return self.returncode
+        ready, _ = ray.wait([self._ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            self.returncode = ray.get(self._ref)
+        except ray.exceptions.RayError as e:
+            # the actor is gone (its node lost, or Ray stopped); its child died with it
+            self.lost = f"its Ray actor on {self.where} died ({type(e).__name__})"
+            self.returncode = -9
+        return self.returncode
+
+    def terminate(self, grace_s: float) -> None:
+        try:
+            self.actor.terminate.remote(grace_s)
+        except ray.exceptions.RayError:
+            pass
+
+    def kill(self) -> None:
+        try:
+            ray.kill(self.actor)
+        except ray.exceptions.RayError:
+            pass
+
+
+class BundleLauncher:
+    """The :attr:`ProcessSpec.launcher` of one process: a :class:`ProcessHost` actor in the
+    process's bundle, holding the bundle resources of its slot; a new actor when the last one
+    died (its node lost: Ray places the bundle again, within ``timeout_s``)."""
+
+    def __init__(self, process: str, pg, bundle: int, resources: dict, timeout_s: float):
+        self.process, self.pg, self.bundle = process, pg, bundle
+        self.resources, self.timeout_s = dict(resources), timeout_s
+        self.actor, self.info = None, None
+
+    def ensure(self) -> dict:
+        """A live actor (started when needed); its :meth:`ProcessHost.info`."""
+        if self.actor is not None:
+            try:
+                self.info = ray.get(self.actor.info.remote(), timeout=30)
+                return self.info
+            except ray.exceptions.RayError:
+                self.actor = None
+        opts = ray_options(self.resources)
+        actor = (
+            ray.remote(ProcessHost)
+            .options(
+                num_cpus=opts["num_cpus"],
+                num_gpus=opts["num_gpus"],
+                resources=opts["resources"] or None,
+                max_concurrency=4,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=self.bundle
+                ),
+            )
+            .remote()
+        )
+        try:
+            self.info = ray.get(actor.info.remote(), timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor)
+            raise RuntimeError(
+                f"no node could host {self.process} (bundle {self.bundle} "
+                f"{self.resources}) within {self.timeout_s:.0f}s"
+            ) from None
+        self.actor = actor
+        return self.info
+
+    def __call__(self, spec, argv: list, env: dict, log_path: Path, attempt: int) -> RayProcess:
+        info = self.ensure()
+        pid = ray.get(self.actor.start.remote(argv, env, spec.cwd, str(log_path)), timeout=60)
+        return RayProcess(self.actor, pid, f"{info['hostname']} ({info['ip']}, node "
+                                             f"{info['node_id'][:8]})")
+
+
+def run_key(cfg: ExperimentConfig) -> str:
+    """Placement-group names of this run: ``<name>-<hash of the run directory>``."""
+    root = str(Path(cfg.logging.run_dir).resolve())
+    return f"{cfg.name}-{hashlib.sha1(root.encode()).hexdigest()[:8]}"
+
+
+def make_placement(cfg: ExperimentConfig, device: str) -> Placement:
+    layout = make_layout(cfg, device)
+    return plan_placement(
+        layout,
+        run=run_key(cfg),
+        rl=cfg.mode == "rl",
+        cpus_per_server=cfg.cluster.cpu_threads_per_server,
+        cpus_per_trainer_rank=cfg.cluster.cpu_threads_per_trainer_rank or 1,
+    )
+
+
+def cluster_nodes(available: bool = True) -> list:
+    """``[(name, resources)]`` of the live nodes (their free resources when ``available``,
+    else their totals), for :func:`assign_nodes` and the shortage message."""
+    out = []
+    per_node = ray._private.state.available_resources_per_node() if available else {}
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = per_node.get(n["NodeID"], {}) if available else n["Resources"]
+        keep = {k: v for k, v in res.items() if k in ("CPU", "GPU") or not _internal(k)}
+        out.append((f"{n['NodeManagerAddress']}/{n['NodeID'][:8]}", keep))
+    return out
+
+
+def _internal(key: str) -> bool:
+    return key.startswith(("node:", "memory", "object_store_memory", "accelerator_type")) or (
+        "_group_" in key
+    )
+
+
+def connect() -> None:
+    """Connect to the running cluster (``RAY_ADDRESS``, else the one ``ray start`` left on
+    this machine); never start one."""
+    address = os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError) as e:
+        raise ConfigError(
+            f"no Ray cluster at {address!r} ({e}); start one with `ray start --head` on the "
+            "first node (and `ray start --address=HEAD:6379` on the others), or set "
+            "RAY_ADDRESS"
+        ) from None
+
+
+def reserve(placement: Placement, timeout_s: float) -> dict:
+    """Create the placement groups; wait at most ``timeout_s`` until all are placed (else
+    remove them and raise :class:`PlacementShortage` with the cluster's resources)."""
+    pgs = {
+        g.name: placement_group([b.resources for b in g.bundles], strategy=g.strategy, name=g.name)
+        for g in placement.groups
+    }
+    ready, _ = ray.wait([pg.ready() for pg in pgs.values()], num_returns=len(pgs),
+                        timeout=timeout_s)
+    if len(ready) < len(pgs):
+        for pg in pgs.values():
+            remove_placement_group(pg)
+        raise PlacementShortage(
+            f"placement groups not placed within {timeout_s:.0f}s (--placement-timeout)\n"
+            + shortage_message(placement, cluster_nodes(available=False))
+        )
+    return pgs
+
+
+def check_shared_run_dir(paths: RunDir, launchers: list) -> None:
+    """Every node with a process of the run reads the token the driver wrote into the run
+    directory; one ConfigError naming the nodes that cannot."""
+    token = secrets.token_hex(8)
+    f = paths.root / SHARED_CHECK_FILE
+    f.write_text(token)
+    bad = []
+    for bl in launchers:
+        if ray.get(bl.actor.read.remote(str(f)), timeout=60) != token:
+            bad.append(f"{bl.info['hostname']} ({bl.info['ip']}, {bl.process})")
+    f.unlink(missing_ok=True)
+    if bad:
+        raise ConfigError(
+            f"the run directory {paths.root} is not on storage every node sees: "
+            f"{', '.join(sorted(set(bad)))} cannot read what this node wrote there; put "
+            "logging.run_dir (and checkpoint.dir) on a shared filesystem"
+        )
+
+
+def build_ray_specs(cfg: ExperimentConfig, device: str, placement: Placement, pgs: dict,
+                    timeout_s: float) -> tuple:
+    """Actors in every bundle, the shared-storage check, then the processes' specs (as
+    ``launch.local`` builds them, each with its :class:`BundleLauncher`); ``(specs, layout,
+    launchers)``."""
+    layout = make_layout(cfg, device)
+    paths = RunDir.from_config(cfg)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    launchers = {}
+    for process, group, i, res in placement.processes():
+        launchers[process] = BundleLauncher(process, pgs[group], i, res, timeout_s)
+        launchers[process].ensure()
+    check_shared_run_dir(paths, list(launchers.values()))
+    secret_env = server_secrets(cfg) if layout.servers else {}
+    specs, addrs, slots = [], list(cfg.rollout.server_addrs), []
+    for slot in layout.servers:
+        bl = launchers[f"rollout{slot.index}"]
+        host = bl.info["ip"]
+        check_server_host(cfg, host)
+        port = ray.get(bl.actor.pick_port.remote(host), timeout=60)
+        slot = ServerSlot(slot.index, slot.node, slot.gpus, port)
+        slots.append(slot)
+        spec = server_spec(cfg, slot, host, cfg.mode == "rl", secret_env, device)
+        spec.env.pop("CUDA_VISIBLE_DEVICES", None)  # the actor sets Ray's assignment
+        spec.launcher = bl
+        specs.append(spec)
+        addrs.append(f"{host}:{port}")
+    layout.servers = slots
+    config_path = write_run_config(cfg, addrs)
+    paths.fatal_file.unlink(missing_ok=True)  # a previous attempt's reason is not ours
+    if cfg.mode == "rl":
+        spec = worker_spec(cfg, config_path, restartable_rollout(cfg, layout))
+        spec.launcher = launchers[WORKER]
+        specs.append(spec)
+    specs += trainer_specs(cfg, device, layout, config_path, placement, launchers)
+    return specs, layout, launchers
+
+
+def trainer_specs(cfg, device, layout, config_path, placement, launchers) -> list:
+    """One torchrun agent per trainer bundle: ``--standalone`` on one node (as under
+    ``launch.local``), else ``--nnodes N --node-rank k`` with the master address and a port
+    of the first bundle's node."""
+    nproc = layout.trainer_nproc_per_node
+    names = [p for p, g, _, _ in placement.processes() if p.startswith("trainer")]
+    env = {}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["OMP_NUM_THREADS"] = str(cfg.cluster.cpu_threads_per_trainer_rank or 1)
+    if len(names) == 1:
+        spec = trainer_spec(cfg, trainer_command(config_path, nproc), env)
+        spec.launcher = launchers[names[0]]
+        return [spec]
+    first = launchers[names[0]]
+    master = first.info["ip"]
+    port = ray.get(first.actor.pick_port.remote(master), timeout=60)
+    out = []
+    for k, name in enumerate(names):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", str(len(names)), "--node-rank", str(k),
+            "--nproc-per-node", str(nproc),
+            "--master-addr", master, "--master-port", str(port),
+            "-m", TRAINER_MODULE, "--config", str(config_path),
+        ]
+        spec = trainer_spec(cfg, argv, dict(env, MASTER_ADDR=master, MASTER_PORT=str(port)), name)
+        spec.launcher = launchers[name]
+        out.append(spec)
+    return out
+
+
+def check_server_host(cfg: ExperimentConfig, host: str) -> None:
+    """Servers bind their node's address: refused without ``rollout.api_key`` off loopback."""
+    if is_loopback_host(host):
+        return
+    check_bind(
+        host,
+        authenticated=bool(cfg.rollout.api_key),
+        what="launch.ray rollout servers",
+        fix="set rollout.api_key (without argv: AREAL_ROLLOUT_API_KEY_FILE=<a 0600 file>), "
+        "or rollout.allow_unauthenticated=true on a trusted network",
+        allow_unauthenticated=cfg.rollout.allow_unauthenticated,
+    )
+
+
+def dry_run(cfg: ExperimentConfig, device: str) -> str:
+    """The ``--dry-run`` report: ``launch.local``'s (layout, memory arithmetic) and the
+    placement, on the reachable cluster's nodes or on ``cluster.n_nodes`` planned ones."""
+    out = [describe(cfg, device)]
+    placement = make_placement(cfg, device)
+    nodes, source = None, ""
+    if os.environ.get("RAY_ADDRESS"):
+        connect()
+        nodes = cluster_nodes(available=True)
+        source = f"the cluster at {os.environ['RAY_ADDRESS']} (free resources)"
+        ray.shutdown()
+    if nodes is None:
+        # GPU nodes: their CPU count is unknown here, so CPUs are not what limits the plan
+        cpus = (os.cpu_count() or 1) if device == "cpu" else placement.total().get("CPU", 0)
+        res = {"CPU": cpus}
+        if device != "cpu":
+            res["GPU"] = cfg.cluster.n_gpus_per_node
+        nodes = [(f"node{i}", dict(res)) for i in range(cfg.cluster.n_nodes)]
+        source = (
+            f"cluster.n_nodes={cfg.cluster.n_nodes} planned node(s) of {res} (set RAY_ADDRESS "
+            "to place on a running cluster)"
+        )
+    try:
+        where = assign_nodes(placement, nodes)
+    except PlacementShortage as e:
+        out += [describe_placement(placement), f"on {source}: {e}"]
+        return "\n".join(out)
+    out += [f"ray placement on {source}:", describe_placement(placement, where)]
+    return "\n".join(out)
+
+
+def release(pgs: dict, launchers: dict) -> None:
+    """Kill the actors (their children die with them) and remove the placement groups."""
+    for bl in launchers.values():
+        if bl.actor is not None:
+            try:
+                ray.kill(bl.actor)
+            except Exception:  # noqa: BLE001 - the cluster may be gone
+                pass
+    for pg in pgs.values():
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def cluster_alive() -> bool:
+    try:
+        return any(n.get("Alive") for n in ray.nodes())
+    except Exception:  # noqa: BLE001 - the GCS is gone
+        return False
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m areal_mega.launch.ray", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the layout, the memory estimate and the placement; start nothing")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="plan for this device instead of cluster.device")
+    p.add_argument("--placement-timeout", type=float, default=120.0, metavar="S",
+                   help="how long to wait for the cluster to place the allocation")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    pgs, launchers = {}, {}
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_against_model(cfg)
+        device = args.device or resolve_device(cfg)
+        if args.dry_run:
+            print(dry_run(cfg, device))
+            return 0
+        try:
+            RunDir.from_config(cfg).check_fresh_start(cfg.recover)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.rollout.server_addrs:
+            raise ConfigError("launch.ray launches its own rollout servers; for external "
+                              "ones (rollout.server_addrs) use launch.local")
+        checked = check_server_runtime(cfg)
+        if checked:
+            print(f"[launch] {checked}", file=sys.stderr, flush=True)
+        placement = make_placement(cfg, device)
+        connect()
+        pgs = reserve(placement, args.placement_timeout)
+        specs, layout, launchers = build_ray_specs(
+            cfg, device, placement, pgs, args.placement_timeout
+        )
+    except (ConfigError, PlacementShortage, RuntimeError) as e:
+        release(pgs, launchers)
+        print(f"{'config' if isinstance(e, ConfigError) else 'launch'} error: {e}",
+              file=sys.stderr)
+        return 2
+    where = {(g, i): launchers[p].info["hostname"] + "/" + launchers[p].info["node_id"][:8]
+             for p, g, i, _ in placement.processes()}
+    print(layout.describe() + "\n" + describe_placement(placement, where), file=sys.stderr,
+          flush=True)
+    sup = Supervisor(
+        specs,
+        RunDir.from_config(cfg).logs,
+        grace_s=cfg.cluster.kill_grace_s,
+        max_restarts=cfg.cluster.max_restarts,
+    )
+    rc = 1
+    try:
+        rc = sup.run()
+    finally:
+        alive = cluster_alive()
+        release(pgs, launchers) if alive else None
+        if rc != 0:
+            latest = resume_point(cfg) or RunDir.from_config(cfg).latest_checkpoint()
+            why = "the Ray cluster is gone (ray stop?)" if not alive else "the run failed"
+            print(
+                f"[launch] {why}; every process of the run is stopped. Resume with the same "
+                f"command (recover=auto): "
+                f"{f'it continues from {latest}' if latest else 'no complete checkpoint yet'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            ray.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
