@@ -177,6 +177,11 @@ class RayProcess(RemoteProcess):
             return None
         try:
             self.returncode = ray.get(self._ref)
+        except ray.exceptions.ActorUnavailableError:
+            # unreachable for now (e.g. its node is being declared dead): ask again; a dead
+            # actor answers ActorDiedError, a reachable one goes on waiting for its child
+            self._ref = self.actor.wait.remote()
+            return None
         except ray.exceptions.RayError as e:
             # the actor is gone (its node lost, or Ray stopped); its child died with it
             self.lost = f"its Ray actor on {self.where} died ({type(e).__name__})"
@@ -214,8 +219,31 @@ class BundleLauncher:
                 return self.info
             except ray.exceptions.RayError:
                 self.actor = None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            actor = self._new_actor()
+            try:
+                self.info = ray.get(
+                    actor.info.remote(), timeout=max(1.0, deadline - time.monotonic())
+                )
+                break
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(actor)
+                raise RuntimeError(
+                    f"no node could host {self.process} (bundle {self.bundle} "
+                    f"{self.resources}) within {self.timeout_s:.0f}s"
+                ) from None
+            except ray.exceptions.RayActorError:
+                # placed on a node that was dying: Ray places the bundle again; retry until
+                # the deadline
+                if time.monotonic() > deadline:
+                    raise
+        self.actor = actor
+        return self.info
+
+    def _new_actor(self):
         opts = ray_options(self.resources)
-        actor = (
+        return (
             ray.remote(ProcessHost)
             .options(
                 num_cpus=opts["num_cpus"],
@@ -229,16 +257,6 @@ class BundleLauncher:
             )
             .remote()
         )
-        try:
-            self.info = ray.get(actor.info.remote(), timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.kill(actor)
-            raise RuntimeError(
-                f"no node could host {self.process} (bundle {self.bundle} "
-                f"{self.resources}) within {self.timeout_s:.0f}s"
-            ) from None
-        self.actor = actor
-        return self.info
 
     def __call__(self, spec, argv: list, env: dict, log_path: Path, attempt: int) -> RayProcess:
         info = self.ensure()
