@@ -259,7 +259,7 @@ def test_training_survives_process_kills_and_a_lost_node(assets, tmp_path, clust
 def test_ray_stopped_mid_run_then_resumed(assets, tmp_path, cluster, key_file):
     model, data = assets
     run = tmp_path / "run"
-    args = ("total_steps=3", "recover=auto", "checkpoint.save_every=1")
+    args = ("total_steps=2", "recover=auto", "checkpoint.save_every=1")
     proc = _ray_launch(cluster, key_file, run, model, data, *args)
     _wait(lambda: (run / "checkpoints" / "iter_0000001").is_dir() and len(_metrics(run)) >= 1,
           proc, "the first checkpoint")
@@ -278,7 +278,7 @@ def test_ray_stopped_mid_run_then_resumed(assets, tmp_path, cluster, key_file):
     assert rc == 0, out[-3000:]
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()
     trained = _trained(run)
-    assert [r["step"] for r in trained] == [1, 2, 3]
+    assert [r["step"] for r in trained] == [1, 2]
     ids = [s for r in trained for s in r["sample_ids"]]
     assert len(ids) == len(set(ids))
     lost = _accepted_ids(snap) - _accepted_ids(run)

@@ -81,6 +81,21 @@ from areal_mega.security import check_bind
 
 SHARED_CHECK_FILE = ".ray_shared_check"
 """The token file in the run directory each node's actor must read back."""
+_GCS: dict = {"address": None}  # host:port of the cluster's GCS, once connected
+
+
+def cluster_gone() -> Optional[str]:
+    """Why the cluster is gone (its GCS refuses connections: ``ray stop``, the head lost), or
+    None. A TCP connect, bounded: asking Ray itself blocks while its GCS is away."""
+    addr = _GCS["address"]
+    if not addr:
+        return None
+    host, port = addr.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return None
+    except OSError as e:
+        return f"the Ray cluster is gone (its GCS at {addr}: {e.strerror or e}; ray stop?)"
 
 
 # ----------------------------------------------------------------------------- the actor
@@ -184,7 +199,9 @@ class RayProcess(RemoteProcess):
             return None
         except ray.exceptions.RayError as e:
             # the actor is gone (its node lost, or Ray stopped); its child died with it
-            self.lost = f"its Ray actor on {self.where} died ({type(e).__name__})"
+            self.lost = cluster_gone() or (
+                f"its Ray actor on {self.where} died ({type(e).__name__})"
+            )
             self.returncode = -9
         return self.returncode
 
@@ -213,6 +230,9 @@ class BundleLauncher:
 
     def ensure(self) -> dict:
         """A live actor (started when needed); its :meth:`ProcessHost.info`."""
+        gone = cluster_gone()
+        if gone:
+            raise RuntimeError(gone)
         if self.actor is not None:
             try:
                 self.info = ray.get(self.actor.info.remote(), timeout=30)
@@ -220,24 +240,28 @@ class BundleLauncher:
             except ray.exceptions.RayError:
                 self.actor = None
         deadline = time.monotonic() + self.timeout_s
+        actor = self._new_actor()
+        ref = actor.info.remote()
         while True:
-            actor = self._new_actor()
+            gone = cluster_gone()
+            if gone:
+                raise RuntimeError(gone)
             try:
-                self.info = ray.get(
-                    actor.info.remote(), timeout=max(1.0, deadline - time.monotonic())
-                )
+                self.info = ray.get(ref, timeout=2.0)
                 break
             except ray.exceptions.GetTimeoutError:
-                ray.kill(actor)
-                raise RuntimeError(
-                    f"no node could host {self.process} (bundle {self.bundle} "
-                    f"{self.resources}) within {self.timeout_s:.0f}s"
-                ) from None
+                if time.monotonic() > deadline:
+                    ray.kill(actor)
+                    raise RuntimeError(
+                        f"no node could host {self.process} (bundle {self.bundle} "
+                        f"{self.resources}) within {self.timeout_s:.0f}s"
+                    ) from None
             except ray.exceptions.RayActorError:
-                # placed on a node that was dying: Ray places the bundle again; retry until
-                # the deadline
+                # placed on a node that was dying: Ray places the bundle again; a new actor
                 if time.monotonic() > deadline:
                     raise
+                actor = self._new_actor()
+                ref = actor.info.remote()
         self.actor = actor
         return self.info
 
@@ -307,7 +331,8 @@ def connect() -> None:
     this machine); never start one."""
     address = os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        ctx = ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        _GCS["address"] = ctx.address_info.get("gcs_address")
     except (ConnectionError, RuntimeError) as e:
         raise ConfigError(
             f"no Ray cluster at {address!r} ({e}); start one with `ray start --head` on the "
@@ -484,13 +509,6 @@ def release(pgs: dict, launchers: dict) -> None:
             pass
 
 
-def cluster_alive() -> bool:
-    try:
-        return any(n.get("Alive") for n in ray.nodes())
-    except Exception:  # noqa: BLE001 - the GCS is gone
-        return False
-
-
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m areal_mega.launch.ray", description=__doc__.split("\n\n")[0]
@@ -547,11 +565,12 @@ def main(argv: Optional[list] = None) -> int:
     try:
         rc = sup.run()
     finally:
-        alive = cluster_alive()
-        release(pgs, launchers) if alive else None
+        gone = cluster_gone()
+        if not gone:
+            release(pgs, launchers)
         if rc != 0:
             latest = resume_point(cfg) or RunDir.from_config(cfg).latest_checkpoint()
-            why = "the Ray cluster is gone (ray stop?)" if not alive else "the run failed"
+            why = gone or "the run failed"
             print(
                 f"[launch] {why}; every process of the run is stopped. Resume with the same "
                 f"command (recover=auto): "
@@ -559,10 +578,8 @@ def main(argv: Optional[list] = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        try:
+        if not gone:
             ray.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
     return rc
 
 
