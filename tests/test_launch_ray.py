@@ -14,6 +14,7 @@ the trainer land on different "nodes").
   message and no process of the run left; the same command on a new cluster resumes.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -163,7 +164,7 @@ def _started_on(sup_text, name):
 def test_training_survives_process_kills_and_a_lost_node(assets, tmp_path, cluster, key_file):
     model, data = assets
     run = tmp_path / "run"
-    total = 20
+    total = 26
     proc = _ray_launch(
         cluster, key_file, run, model, data,
         f"total_steps={total}", "recover=auto", "checkpoint.save_every=1",
@@ -219,12 +220,18 @@ def test_training_survives_process_kills_and_a_lost_node(assets, tmp_path, clust
     assert on_lost, f"nothing ran on node {lost_id}:\n{sup}"
     snap = _snapshot_live_run(run, tmp_path / "before_node_loss")
     c.remove_node(lost, allow_graceful=False)
-    new = c.add_node(num_cpus=1)
+    new = c.add_node(num_cpus=2)  # room for what was lost and for one more server
     new_id = new.node_id[:8]
     for name in on_lost:
         _wait(lambda: new_id in _started_on(sup_log.read_text(), name), proc,  # noqa: B023
               f"{name} restarted on the new node")
     accepted_before |= _accepted_ids(snap)
+    # 5. launch.scale on the Ray run: one more server, in a placement group of its own
+    assert len(_metrics(run)) <= total - 8, "the scale-up came too late"
+    listed = _scale(run, "--list")
+    assert [m["id"] for m in listed["members"]] == ["rollout0"], listed
+    added = _scale(run, "--add", "1", "--timeout", "180")
+    assert [a["id"] for a in added["added"]] == ["rollout1"], added
 
     rc, out = _finish(proc, timeout=420)
     assert rc == 0, out[-4000:]
@@ -252,7 +259,19 @@ def test_training_survives_process_kills_and_a_lost_node(assets, tmp_path, clust
     assert len(ids) == len(set(ids)), "a sample was trained twice"
     lost_ids = accepted_before - _accepted_ids(run)
     assert not lost_ids, f"{len(lost_ids)} accepted samples lost, e.g. {sorted(lost_ids)[:3]}"
+    assert "rollout1 (" in supervisor and "joined the rollout" in supervisor
+    assert "started rollout1 pid" in supervisor
     assert not _run_procs(run), "a process of the run outlived it"
+
+
+def _scale(run, *args):
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_mega.launch.scale", "--run-dir", str(run), *args],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=240, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ FIX = ROOT / "tests" / "fixtures_launch"
 
 
 def test_scripts_parse():
-    for script in ("launch/torchrun.sh", "launch/slurm/run.sbatch"):
+    for script in ("launch/torchrun.sh", "launch/slurm/run.sbatch", "launch/slurm/ray.sbatch"):
         subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
         assert os.access(ROOT / script, os.X_OK)
 

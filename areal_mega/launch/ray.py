@@ -55,14 +55,16 @@ from areal_mega.launch.local import (
     describe,
     make_layout,
     resolve_device,
-    resume_point,
     restartable_rollout,
+    resume_point,
     server_spec,
     trainer_command,
     trainer_spec,
+    weight_group,
     worker_spec,
     write_run_config,
 )
+from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.ray_placement import (
     WORKER,
@@ -72,6 +74,7 @@ from areal_mega.launch.ray_placement import (
     describe_placement,
     plan_placement,
     ray_options,
+    server_group,
     shortage_message,
 )
 from areal_mega.launch.server_commands import check_server_runtime, server_secrets
@@ -509,6 +512,50 @@ def release(pgs: dict, launchers: dict) -> None:
             pass
 
 
+def scaled_server_spec(cfg, device: str, slot, host: str, pgs: dict, launchers: dict,
+                       timeout_s: float):
+    """The spec of a server ``launch.scale --add`` starts: a placement group of its own, its
+    bundle on this (the driver's) node, where the scale service picked its port."""
+    a = make_layout(cfg, device).allocation
+    g = server_group(run_key(cfg), slot.index, a.rollout.tp * a.rollout.pp,
+                     cfg.cluster.cpu_threads_per_server, device)
+    res = dict(g.bundles[0].resources, **{f"node:{host}": 0.001})
+    pg = placement_group([res], strategy=g.strategy, name=g.name)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"no room for {g.name} ({res}) on this node within {timeout_s:.0f}s\n"
+            + shortage_message(Placement([g]), cluster_nodes(available=True))
+        )
+    name = f"rollout{slot.index}"
+    pgs[g.name] = pg
+    launchers[name] = BundleLauncher(name, pg, 0, res, timeout_s)
+    launchers[name].ensure()
+    spec = server_spec(cfg, slot, host, True, server_secrets(cfg), device)
+    spec.env.pop("CUDA_VISIBLE_DEVICES", None)  # the actor sets Ray's assignment
+    spec.launcher = launchers[name]
+    return spec
+
+
+def wait_nodes(n: int, timeout_s: float) -> int:
+    """Wait until the connected cluster has ``n`` live nodes (0), or say how many it has after
+    ``timeout_s`` (2)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = sum(1 for x in ray.nodes() if x.get("Alive"))
+        if alive >= n:
+            print(f"[launch] the Ray cluster has {alive} node(s)", file=sys.stderr, flush=True)
+            ray.shutdown()
+            return 0
+        if time.monotonic() > deadline:
+            print(f"launch error: the Ray cluster has {alive} of {n} node(s) after "
+                  f"{timeout_s:.0f}s", file=sys.stderr)
+            ray.shutdown()
+            return 2
+        time.sleep(1.0)
+
+
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m areal_mega.launch.ray", description=__doc__.split("\n\n")[0]
@@ -520,8 +567,18 @@ def main(argv: Optional[list] = None) -> int:
                    help="plan for this device instead of cluster.device")
     p.add_argument("--placement-timeout", type=float, default=120.0, metavar="S",
                    help="how long to wait for the cluster to place the allocation")
+    p.add_argument("--wait-nodes", type=int, default=None, metavar="N",
+                   help="wait (at most --placement-timeout) until the cluster has N live nodes, "
+                   "then exit (launch/slurm/ray.sbatch)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
+    if args.wait_nodes is not None:
+        try:
+            connect()
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        return wait_nodes(args.wait_nodes, args.placement_timeout)
     pgs, launchers = {}, {}
     try:
         cfg = load_config(args.config, args.overrides)
@@ -561,10 +618,29 @@ def main(argv: Optional[list] = None) -> int:
         grace_s=cfg.cluster.kill_grace_s,
         max_restarts=cfg.cluster.max_restarts,
     )
+    scale = None
+    if cfg.mode == "rl":  # launch.scale adds / removes servers while the job runs
+        host = ray.util.get_node_ip_address()
+        scale = start_scale_service(
+            cfg,
+            sup,
+            RunDir.from_config(cfg),
+            layout,
+            distributed_updates=weight_group(cfg, layout) is not None,
+            make_spec=lambda slot: scaled_server_spec(
+                cfg, device, slot, host, pgs, launchers, args.placement_timeout
+            ),
+            host=host,
+            addrs={s.index: f"{launchers[f'rollout{s.index}'].info['ip']}:{s.port}"
+                   for s in layout.servers},
+            gpus=False,
+        )
     rc = 1
     try:
         rc = sup.run()
     finally:
+        if scale is not None:
+            scale.close()
         gone = cluster_gone()
         if not gone:
             release(pgs, launchers)
