@@ -118,3 +118,13 @@ def test_dry_run_prints_placement_and_memory():
                  "cluster.n_nodes=3", "cluster.n_gpus_per_node=4", "rollout.backend=sglang")
     assert r.returncode == 0, r.stderr
     assert "rollout_worker: tiny-cpu-" in r.stdout and "trainer@1: tiny-cpu-" in r.stdout
+
+
+def test_without_ray_the_import_says_how_to_install_it():
+    code = "import sys; sys.modules['ray'] = None; import areal_mega.launch.ray"
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == (
+        "ImportError: areal_mega.launch.ray needs Ray, an optional extra: pip install -e .[ray]"
+    ), r.stderr
