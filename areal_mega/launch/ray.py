@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from areal_mega.common.net import free_ports, is_loopback_host
 from areal_mega.config import ConfigError, ExperimentConfig, check_against_model, load_config
+from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.local import (
     TRAINER_MODULE,
     describe,
@@ -64,7 +65,6 @@ from areal_mega.launch.local import (
     worker_spec,
     write_run_config,
 )
-from areal_mega.launch.elastic import start_scale_service
 from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.ray_placement import (
     WORKER,
@@ -538,6 +538,36 @@ def scaled_server_spec(cfg, device: str, slot, host: str, pgs: dict, launchers: 
     return spec
 
 
+def end_message(cfg: ExperimentConfig, why: str) -> str:
+    """The last line of a run that did not finish: why, and where the same command resumes."""
+    latest = resume_point(cfg) or RunDir.from_config(cfg).latest_checkpoint()
+    where = f"it continues from {latest}" if latest else "no complete checkpoint yet"
+    return (
+        f"[launch] {why}; every process of the run is stopped. Resume with the same command "
+        f"(recover=auto): {where}"
+    )
+
+
+def watch_cluster(cfg: ExperimentConfig, sup: Supervisor, period_s: float = 2.0) -> None:
+    """Off the supervisor's loop (which may be inside a Ray call that blocks while the GCS is
+    away, until Ray ends the process after a minute): once the GCS has refused two checks in
+    a row, the cluster is gone (``ray stop``, the head lost) and with it every actor and the
+    processes they started; say so and exit (1)."""
+
+    def loop() -> None:
+        misses = 0
+        while True:
+            time.sleep(period_s)
+            gone = cluster_gone()
+            misses = misses + 1 if gone else 0
+            if misses >= 2:
+                sup.say(f"{gone}: its nodes took the run's processes with them")
+                print(end_message(cfg, gone), file=sys.stderr, flush=True)
+                os._exit(1)
+
+    threading.Thread(target=loop, daemon=True, name="cluster-watch").start()
+
+
 def wait_nodes(n: int, timeout_s: float) -> int:
     """Wait until the connected cluster has ``n`` live nodes (0), or say how many it has after
     ``timeout_s`` (2)."""
@@ -635,6 +665,7 @@ def main(argv: Optional[list] = None) -> int:
                    for s in layout.servers},
             gpus=False,
         )
+    watch_cluster(cfg, sup)
     rc = 1
     try:
         rc = sup.run()
@@ -645,15 +676,7 @@ def main(argv: Optional[list] = None) -> int:
         if not gone:
             release(pgs, launchers)
         if rc != 0:
-            latest = resume_point(cfg) or RunDir.from_config(cfg).latest_checkpoint()
-            why = gone or "the run failed"
-            print(
-                f"[launch] {why}; every process of the run is stopped. Resume with the same "
-                f"command (recover=auto): "
-                f"{f'it continues from {latest}' if latest else 'no complete checkpoint yet'}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(end_message(cfg, gone or "the run failed"), file=sys.stderr, flush=True)
         if not gone:
             ray.shutdown()
     return rc
