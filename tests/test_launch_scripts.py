@@ -282,13 +282,19 @@ def test_submit_wrapper_takes_resources_from_the_recipe():
 
 
 RAY_SRUN_STUB = """#!/usr/bin/env bash
-echo "SRUN RAY_ADDRESS=${RAY_ADDRESS:-} $*" >> "$STUB_LOG"
 echo $$ >> "$STUB_DIR/ray-steps.pid"
+echo "SRUN RAY_ADDRESS=${RAY_ADDRESS:-} $*" >> "$STUB_LOG"
 exec sleep 60
 """
 RAY_PYTHON_STUB = """#!/usr/bin/env bash
 echo "PY RAY_ADDRESS=${RAY_ADDRESS:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
-case "$*" in *--wait-nodes*) exit 0 ;; *) exit "${RUN_RC:-0}" ;; esac
+case "$*" in
+  *--wait-nodes*)  # as the real one: until every node's step has joined (bounded)
+    for _ in $(seq 300); do
+      [[ $(grep -c '^SRUN' "$STUB_LOG" 2>/dev/null) -ge 3 ]] && exit 0; sleep 0.1
+    done; exit 2 ;;
+  *) exit "${RUN_RC:-0}" ;;
+esac
 """
 
 
@@ -299,7 +305,8 @@ def _ray_sbatch(tmp_path, *overrides, rc=0):
     stubs.mkdir()
     (stubs / "scontrol").write_text(
         "#!/usr/bin/env bash\n"
-        'if [[ $1 == show ]]; then printf "n1\\nn2\\nn3\\n"; else echo "NodeAddr=10.0.0.${4#n}"; fi\n'
+        'if [[ $1 == show ]]; then printf "n1\\nn2\\nn3\\n"\n'
+        'else echo "NodeAddr=10.0.0.${4#n}"; fi\n'  # scontrol -o show node nK
     )
     (stubs / "srun").write_text(RAY_SRUN_STUB)
     (stubs / "python").write_text(RAY_PYTHON_STUB)
