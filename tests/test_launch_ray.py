@@ -150,6 +150,13 @@ def test_shortage_message_and_dry_run_on_the_cluster(assets, tmp_path, cluster, 
     server = next(x for x in lines if x.strip().startswith("rollout0: tiny-cpu-"))
     trainer = next(x for x in lines if x.strip().startswith("trainer: tiny-cpu-"))
     assert server.rsplit(" on ", 1)[1] != trainer.rsplit(" on ", 1)[1]  # one CPU per node
+    # launch/slurm/ray.sbatch waits for the cluster's nodes this way
+    r = subprocess.run(
+        [sys.executable, "-m", "areal_mega.launch.ray", "--config",
+         str(ROOT / "recipes" / "tiny-cpu.yaml"), "--wait-nodes", "2", "--placement-timeout", "60"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert r.returncode == 0 and "the Ray cluster has 2 node(s)" in r.stderr, r.stderr
 
 
 def _started_on(sup_text, name):
