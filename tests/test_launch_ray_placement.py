@@ -1,9 +1,11 @@
 """The Ray placement planner (pure): placement groups of a layout, their nodes, the shortage
-message; and ``launch.ray --dry-run`` (no cluster needed)."""
+message; ``launch.ray --dry-run``, the import without Ray, and the reaper that stops a process
+tree whose actor died (no cluster needed)."""
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,50 @@ def test_without_ray_the_import_says_how_to_install_it():
     assert r.stderr.strip().splitlines()[-1] == (
         "ImportError: areal_mega.launch.ray needs Ray, an optional extra: pip install -e .[ray]"
     ), r.stderr
+
+
+_TREE = """
+import subprocess, sys, time
+# a child (torchrun's stand-in) whose own child sits in a session of its own (a rank)
+code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \\
+       "'import time; time.sleep(600)'], start_new_session=True); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", code])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_reaper_stops_the_whole_tree_once_its_parent_is_gone(tmp_path):
+    """The actor (here a plain process) is SIGKILLed: its child and the child's child in
+    another session are stopped by the reaper; a tree whose parent lives is left alone."""
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", _TREE], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    tree = [psutil.Process(child)]
+    deadline = time.monotonic() + 60
+    while len(tree) < 2 and time.monotonic() < deadline:  # until the grandchild has started
+        tree = [psutil.Process(child)] + psutil.Process(child).children(recursive=True)
+        time.sleep(0.05)
+    assert len(tree) == 2
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "areal_mega.launch.reaper", str(parent.pid), str(child), "5"],
+        env=env, start_new_session=True,
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            reaper.wait(timeout=2)  # the parent lives: it only watches
+        assert all(p.is_running() for p in tree)
+        parent.kill()
+        parent.wait()
+        assert reaper.wait(timeout=60) == 1
+        gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert not alive, alive
+    finally:
+        for p in [reaper, parent]:
+            if p.poll() is None:
+                p.kill()
+        for p in tree:
+            if p.is_running():
+                p.kill()

@@ -33,6 +33,7 @@ import hashlib
 import os
 import secrets
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -134,9 +135,13 @@ class ProcessHost:
         except OSError:
             return None
 
-    def start(self, argv: list, env: dict, cwd: Optional[str], log_path: str) -> int:
+    def start(
+        self, argv: list, env: dict, cwd: Optional[str], log_path: str, grace_s: float = 10.0
+    ) -> int:
         """Start the process (``env`` added to this node's environment; the GPUs Ray assigned
-        this actor, if any, as ``CUDA_VISIBLE_DEVICES``); returns its pid."""
+        this actor, if any, as ``CUDA_VISIBLE_DEVICES``) and its :mod:`reaper
+        <areal_mega.launch.reaper>` (which stops the whole tree, ``grace_s`` after SIGTERM,
+        should this actor die with its node); returns its pid."""
         full = dict(os.environ)
         full.update(env)
         gpus = ray.get_gpu_ids()
@@ -150,6 +155,12 @@ class ProcessHost:
             try:
                 with open(log_path, "ab") as log:
                     self._proc = start_child(argv, full, cwd, log)
+                reaper = subprocess.Popen(
+                    [sys.executable, "-m", "areal_mega.launch.reaper", str(os.getpid()),
+                     str(self._proc.pid), str(grace_s)],
+                    env=full, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             except OSError as e:
                 error.append(e)
                 started.set()
@@ -158,6 +169,7 @@ class ProcessHost:
                 return
             started.set()
             self._rc = self._proc.wait()
+            reaper.wait()  # it ends once it sees the child gone
             self._done.set()
 
         threading.Thread(target=run, daemon=True, name="child").start()
@@ -226,9 +238,12 @@ class BundleLauncher:
     process's bundle, holding the bundle resources of its slot; a new actor when the last one
     died (its node lost: Ray places the bundle again, within ``timeout_s``)."""
 
-    def __init__(self, process: str, pg, bundle: int, resources: dict, timeout_s: float):
+    def __init__(
+        self, process: str, pg, bundle: int, resources: dict, timeout_s: float,
+        grace_s: float = 10.0,
+    ):
         self.process, self.pg, self.bundle = process, pg, bundle
-        self.resources, self.timeout_s = dict(resources), timeout_s
+        self.resources, self.timeout_s, self.grace_s = dict(resources), timeout_s, grace_s
         self.actor, self.info = None, None
 
     def ensure(self) -> dict:
@@ -287,7 +302,9 @@ class BundleLauncher:
 
     def __call__(self, spec, argv: list, env: dict, log_path: Path, attempt: int) -> RayProcess:
         info = self.ensure()
-        pid = ray.get(self.actor.start.remote(argv, env, spec.cwd, str(log_path)), timeout=60)
+        pid = ray.get(
+            self.actor.start.remote(argv, env, spec.cwd, str(log_path), self.grace_s), timeout=60
+        )
         return RayProcess(self.actor, pid, f"{info['hostname']} ({info['ip']}, node "
                                              f"{info['node_id'][:8]})")
 
@@ -392,7 +409,9 @@ def build_ray_specs(cfg: ExperimentConfig, device: str, placement: Placement, pg
     paths.root.mkdir(parents=True, exist_ok=True)
     launchers = {}
     for process, group, i, res in placement.processes():
-        launchers[process] = BundleLauncher(process, pgs[group], i, res, timeout_s)
+        launchers[process] = BundleLauncher(
+            process, pgs[group], i, res, timeout_s, cfg.cluster.kill_grace_s
+        )
         launchers[process].ensure()
     check_shared_run_dir(paths, list(launchers.values()))
     secret_env = server_secrets(cfg) if layout.servers else {}
@@ -530,7 +549,7 @@ def scaled_server_spec(cfg, device: str, slot, host: str, pgs: dict, launchers: 
         )
     name = f"rollout{slot.index}"
     pgs[g.name] = pg
-    launchers[name] = BundleLauncher(name, pg, 0, res, timeout_s)
+    launchers[name] = BundleLauncher(name, pg, 0, res, timeout_s, cfg.cluster.kill_grace_s)
     launchers[name].ensure()
     spec = server_spec(cfg, slot, host, True, server_secrets(cfg), device)
     spec.env.pop("CUDA_VISIBLE_DEVICES", None)  # the actor sets Ray's assignment
@@ -633,7 +652,7 @@ def main(argv: Optional[list] = None) -> int:
         specs, layout, launchers = build_ray_specs(
             cfg, device, placement, pgs, args.placement_timeout
         )
-    except (ConfigError, PlacementShortage, RuntimeError) as e:
+    except (ConfigError, PlacementShortage, RuntimeError, ray.exceptions.RayError) as e:
         release(pgs, launchers)
         print(f"{'config' if isinstance(e, ConfigError) else 'launch'} error: {e}",
               file=sys.stderr)
