@@ -155,13 +155,16 @@ class ProcessHost:
             try:
                 with open(log_path, "ab") as log:
                     self._proc = start_child(argv, full, cwd, log)
-                reaper = subprocess.Popen(
-                    [sys.executable, "-m", "areal_mega.launch.reaper", str(os.getpid()),
-                     str(self._proc.pid), str(grace_s)],
+                # detached: Ray kills this worker's own children when it exits
+                subprocess.run(
+                    [sys.executable, "-m", "areal_mega.launch.reaper", "--detach",
+                     str(os.getpid()), str(self._proc.pid), str(grace_s)],
                     env=full, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    start_new_session=True,
+                    start_new_session=True, check=True, timeout=120,
                 )
-            except OSError as e:
+            except (OSError, subprocess.SubprocessError) as e:
+                if self._proc is not None and self._proc.poll() is None:
+                    stop_tree(self._proc, grace_s)  # not without its reaper
                 error.append(e)
                 started.set()
                 self._rc = 127
@@ -169,7 +172,6 @@ class ProcessHost:
                 return
             started.set()
             self._rc = self._proc.wait()
-            reaper.wait()  # it ends once it sees the child gone
             self._done.set()
 
         threading.Thread(target=run, daemon=True, name="child").start()
