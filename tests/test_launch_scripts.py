@@ -17,7 +17,7 @@ FIX = ROOT / "tests" / "fixtures_launch"
 
 
 def test_scripts_parse():
-    for script in ("launch/torchrun.sh", "launch/slurm/run.sbatch"):
+    for script in ("launch/torchrun.sh", "launch/slurm/run.sbatch", "launch/slurm/ray.sbatch"):
         subprocess.run(["bash", "-n", str(ROOT / script)], check=True)
         assert os.access(ROOT / script, os.X_OK)
 
@@ -279,3 +279,80 @@ def test_submit_wrapper_takes_resources_from_the_recipe():
         timeout=120,
     )
     assert bad.returncode == 2 and "cluster.n_nodes" in bad.stderr
+
+
+RAY_SRUN_STUB = """#!/usr/bin/env bash
+echo $$ >> "$STUB_DIR/ray-steps.pid"
+echo "SRUN RAY_ADDRESS=${RAY_ADDRESS:-} $*" >> "$STUB_LOG"
+exec sleep 60
+"""
+RAY_PYTHON_STUB = """#!/usr/bin/env bash
+echo "PY RAY_ADDRESS=${RAY_ADDRESS:-} PYTHONPATH=${PYTHONPATH:-} $*" >> "$STUB_LOG"
+case "$*" in
+  *--wait-nodes*)  # as the real one: until every node's step has joined (bounded)
+    for _ in $(seq 300); do
+      [[ $(grep -c '^SRUN' "$STUB_LOG" 2>/dev/null) -ge 3 ]] && exit 0; sleep 0.1
+    done; exit 2 ;;
+  *) exit "${RUN_RC:-0}" ;;
+esac
+"""
+
+
+def _ray_sbatch(tmp_path, *overrides, rc=0):
+    """launch/slurm/ray.sbatch on three stub nodes: ``srun`` records its step and sleeps (a
+    ``ray start --block``), ``python`` records its call; returns the result and the log."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "scontrol").write_text(
+        "#!/usr/bin/env bash\n"
+        'if [[ $1 == show ]]; then printf "n1\\nn2\\nn3\\n"\n'
+        'else echo "NodeAddr=10.0.0.${4#n}"; fi\n'  # scontrol -o show node nK
+    )
+    (stubs / "srun").write_text(RAY_SRUN_STUB)
+    (stubs / "python").write_text(RAY_PYTHON_STUB)
+    for f in stubs.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "stub.log"
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "PYTHON": str(stubs / "python"),
+        "SLURM_JOB_NODELIST": "n[1-3]",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "STUB_LOG": str(log),
+        "STUB_DIR": str(tmp_path),
+        "RUN_RC": str(rc),
+    }
+    r = subprocess.run(
+        ["bash", str(ROOT / "launch/slurm/ray.sbatch"), "recipes/tiny-cpu.yaml", *overrides],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    return r, log
+
+
+def test_ray_sbatch_starts_a_ray_cluster_then_the_launcher(tmp_path):
+    r, log = _ray_sbatch(tmp_path, "total_steps=3", rc=3)
+    out = log.read_text()
+    assert r.returncode == 3, r.stdout + r.stderr + out  # the launcher's exit code
+    lines = out.splitlines()
+    sruns = [x for x in lines if x.startswith("SRUN")]
+    head = [x for x in sruns if "--head" in x]
+    assert len(head) == 1 and "--nodelist=n1" in head[0]
+    assert "start --head --block --node-ip-address=10.0.0.1 --port=6379" in head[0]
+    joins = [x for x in sruns if "--address=10.0.0.1:6379" in x]
+    assert sorted(x.split("--nodelist=")[1].split()[0] for x in joins) == ["n2", "n3"]
+    py = [x for x in lines if x.startswith("PY")]
+    assert len(py) == 2 and all("RAY_ADDRESS=10.0.0.1:6379" in x for x in py)
+    assert f"PYTHONPATH={ROOT}" in py[0]  # every node imports areal_mega from the checkout
+    assert "-m areal_mega.launch.ray --config recipes/tiny-cpu.yaml --wait-nodes 3" in py[0]
+    assert py[1].endswith("-m areal_mega.launch.ray --config recipes/tiny-cpu.yaml total_steps=3")
+    assert "launch.ray exited with 3" in r.stdout
+    # the Ray steps (sleeping stubs) were stopped by the EXIT trap
+    pids = [int(x) for x in (tmp_path / "ray-steps.pid").read_text().split()]
+    assert len(pids) == 3 and not any(_alive(p) for p in pids)
+
+
+def test_ray_sbatch_refuses_the_api_key_on_the_command_line(tmp_path):
+    r, log = _ray_sbatch(tmp_path, "rollout.api_key=secret")
+    assert r.returncode == 2 and "AREAL_ROLLOUT_API_KEY_FILE" in r.stderr
+    assert not log.exists()

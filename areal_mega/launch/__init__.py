@@ -2,6 +2,10 @@
 
 - :mod:`.local` — ``python -m areal_mega.launch.local``: rollout servers, rollout worker and
   trainer (torchrun) on one machine, supervised; ``--dry-run`` prints the layout and memory;
+- :mod:`.ray` — ``python -m areal_mega.launch.ray``: the same processes placed in Ray
+  placement groups across a running Ray cluster, supervised the same way (needs ``.[ray]``);
+- :mod:`.ray_placement` — the placement groups of a layout and their nodes (pure);
+- :mod:`.reaper` — stops a process tree once the Ray actor that started it is gone;
 - :mod:`.supervisor` — a generic process supervisor: start a list of specs, watch them,
   relaunch, stop them all;
 - :mod:`.server_commands` — each rollout backend's server process: command line, environment,

@@ -394,23 +394,27 @@ def start_scale_service(
     *,
     host: str = "127.0.0.1",
     distributed_updates: bool = False,
+    addrs: Optional[dict] = None,
+    gpus: bool = True,
 ) -> ScaleService:
     """The :class:`ScaleService` of a run that ``launch.local`` started with ``layout``: its
     members are the external ``rollout.server_addrs`` (``ext<k>``) and the launched servers
-    (``rollout<k>``, the supervisor's process names)."""
+    (``rollout<k>``, the supervisor's process names). ``addrs`` (server index -> host:port)
+    when they are not all on ``host`` (``launch.ray``); ``gpus=False`` when the new servers'
+    GPUs are not picked from this machine's (``launch.ray``: Ray assigns them)."""
     members = {
         f"ext{i}": {"addr": a, "owned": False, "gpus": []}
         for i, a in enumerate(cfg.rollout.server_addrs)
     }
     for slot in layout.servers:
         members[f"rollout{slot.index}"] = {
-            "addr": f"{host}:{slot.port}",
+            "addr": (addrs or {}).get(slot.index, f"{host}:{slot.port}"),
             "owned": True,
             "gpus": list(slot.gpus or ()),
         }
     a = layout.allocation
     gpu_info = None
-    if layout.device != "cpu" and a.rollout is not None:
+    if gpus and layout.device != "cpu" and a.rollout is not None:
         gpu_info = (
             cfg.cluster.n_gpus_per_node,
             a.rollout.tp * a.rollout.pp,

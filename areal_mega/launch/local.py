@@ -278,6 +278,87 @@ def server_spec(
     )
 
 
+def restartable_rollout(cfg: ExperimentConfig, layout: Layout) -> bool:
+    """Whether a killed rollout worker is relaunched alone: RL mode with disk weight updates.
+    A killed server is relaunched alone (same port) in RL mode whatever the updates: the worker
+    brings it to the current weights from ``<run_dir>/weights/v*`` (disk) or it is held pending
+    until the trainer's next broadcast re-forms the group with it (distributed)."""
+    return cfg.mode == "rl" and weight_group(cfg, layout) is None
+
+
+def write_run_config(cfg: ExperimentConfig, addrs: list) -> Path:
+    """Write ``<run_dir>/config.yaml`` (the resolved config with ``rollout.server_addrs`` =
+    ``addrs``; mode 0600 when it holds a secret), which every process of the run reads."""
+    resolved = config_to_dict(cfg)
+    resolved["rollout"]["server_addrs"] = list(addrs)
+    config_path = RunDir.from_config(cfg).config_file
+    write_run_file(
+        config_path, yaml.safe_dump(resolved, sort_keys=False), private=holds_secret(resolved)
+    )
+    return config_path
+
+
+def worker_spec(cfg: ExperimentConfig, config_path: Path, restartable: bool) -> ProcessSpec:
+    """The supervised process ``rollout_worker`` (RL mode)."""
+    paths = RunDir.from_config(cfg)
+    worker_argv = [sys.executable, "-m", ROLLOUT_WORKER_MODULE, "--config", str(config_path)]
+    return ProcessSpec(
+        "rollout_worker",
+        worker_argv,
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        # its data-plane window and control socket face the trainer
+        restart_with_main=True,
+        restart=restartable,
+        # alone, it continues this run (prompt position, weights)
+        on_restart=lambda spec, n: worker_argv + ["--relaunched"],
+        # e.g. the failure-rate ceiling: a relaunch fails again
+        fatal=lambda rc: (
+            None
+            if rc != FATAL_EXIT_CODE
+            else paths.read_fatal() or "the rollout worker stopped with a fatal error (see its log)"
+        ),
+    )
+
+
+def trainer_spec(
+    cfg: ExperimentConfig, argv: list, env: dict, name: str = "trainer"
+) -> ProcessSpec:
+    """The supervised trainer process (``kind="main"``): relaunched under ``recover=auto``
+    (it resumes by itself from the latest complete checkpoint); a fatal error or a full
+    checkpoint disk ends the run."""
+    paths = RunDir.from_config(cfg)
+
+    def on_restart(spec: ProcessSpec, attempt: int) -> None:
+        latest = resume_point(cfg)
+        print(
+            f"[launch] {name} relaunch {attempt}: "
+            f"{f'resuming from {latest}' if latest else 'no complete checkpoint yet'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None  # same command: under recover=auto the trainer resumes by itself
+
+    def fatal(rc: int) -> Optional[str]:
+        if paths.read_fatal():
+            return paths.read_fatal()
+        if rc == FATAL_EXIT_CODE:
+            return "the trainer stopped with a fatal error (see its log)"
+        free = free_bytes(paths.checkpoint_root)  # its own report may not fit on a full disk
+        if free is not None and free < LOW_SPACE_BYTES:
+            return f"no space left on device under {paths.checkpoint_root} ({free} bytes free)"
+        return None
+
+    return ProcessSpec(
+        name,
+        argv,
+        env=env,
+        kind="main",
+        restart=cfg.recover == "auto",
+        on_restart=on_restart,
+        fatal=fatal,
+    )
+
+
 def build_specs(
     cfg: ExperimentConfig, device: Optional[str] = None, host: str = "127.0.0.1"
 ) -> tuple:
@@ -300,19 +381,11 @@ def build_specs(
     specs = []
     addrs = list(cfg.rollout.server_addrs)
     secret_env = server_secrets(cfg) if layout.servers else {}
-    # a killed server is relaunched alone (same port): the worker brings it to the current
-    # weights from <run_dir>/weights/v* (disk updates) or holds it pending until the trainer's
-    # next broadcast re-forms the group with it (distributed); a killed worker only with disk
-    restartable = cfg.mode == "rl" and weight_group(cfg, layout) is None
+    restartable = restartable_rollout(cfg, layout)
     for slot in layout.servers:
         specs.append(server_spec(cfg, slot, host, cfg.mode == "rl", secret_env, device))
         addrs.append(f"{host}:{slot.port}")
-    resolved = config_to_dict(cfg)
-    resolved["rollout"]["server_addrs"] = addrs
-    config_path = RunDir.from_config(cfg).config_file
-    write_run_file(
-        config_path, yaml.safe_dump(resolved, sort_keys=False), private=holds_secret(resolved)
-    )
+    config_path = write_run_config(cfg, addrs)
     env = (
         {"CUDA_VISIBLE_DEVICES": ",".join(map(str, layout.trainer_gpus))}
         if layout.trainer_gpus
@@ -331,61 +404,11 @@ def build_specs(
                 configured=cfg.cluster.cpu_threads_per_trainer_rank,
             )
         )
-
-    paths = RunDir.from_config(cfg)
-    paths.fatal_file.unlink(missing_ok=True)  # a previous attempt's reason is not ours
+    RunDir.from_config(cfg).fatal_file.unlink(missing_ok=True)  # not this attempt's reason
     if cfg.mode == "rl":
-        worker_argv = [sys.executable, "-m", ROLLOUT_WORKER_MODULE, "--config", str(config_path)]
-        specs.append(
-            ProcessSpec(
-                "rollout_worker",
-                worker_argv,
-                env={"CUDA_VISIBLE_DEVICES": ""},
-                # its data-plane window and control socket face the trainer
-                restart_with_main=True,
-                restart=restartable,
-                # alone, it continues this run (prompt position, weights)
-                on_restart=lambda spec, n: worker_argv + ["--relaunched"],
-                # e.g. the failure-rate ceiling: a relaunch fails again
-                fatal=lambda rc: (
-                    None
-                    if rc != FATAL_EXIT_CODE
-                    else paths.read_fatal()
-                    or "the rollout worker stopped with a fatal error (see its log)"
-                ),
-            )
-        )
-
-    def on_restart(spec: ProcessSpec, attempt: int) -> None:
-        latest = resume_point(cfg)
-        print(
-            f"[launch] trainer relaunch {attempt}: "
-            f"{f'resuming from {latest}' if latest else 'no complete checkpoint yet'}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None  # same command: under recover=auto the trainer resumes by itself
-
-    def fatal(rc: int) -> Optional[str]:
-        if paths.read_fatal():
-            return paths.read_fatal()
-        if rc == FATAL_EXIT_CODE:
-            return "the trainer stopped with a fatal error (see its log)"
-        free = free_bytes(paths.checkpoint_root)  # its own report may not fit on a full disk
-        if free is not None and free < LOW_SPACE_BYTES:
-            return f"no space left on device under {paths.checkpoint_root} ({free} bytes free)"
-        return None
-
+        specs.append(worker_spec(cfg, config_path, restartable))
     specs.append(
-        ProcessSpec(
-            "trainer",
-            trainer_command(config_path, layout.trainer_nproc_per_node),
-            env=env,
-            kind="main",
-            restart=cfg.recover == "auto",
-            on_restart=on_restart,
-            fatal=fatal,
-        )
+        trainer_spec(cfg, trainer_command(config_path, layout.trainer_nproc_per_node), env)
     )
     return specs, layout
 

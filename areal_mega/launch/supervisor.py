@@ -25,6 +25,9 @@ Behaviour:
   ``run`` then returns ``128 + signum``.
 - stopping: SIGTERM to each child's process group and to every descendant found with psutil,
   wait ``grace_s``, then SIGKILL what is left; every child is reaped.
+- a spec with a ``launcher`` runs elsewhere (``launch.ray``: on a Ray node): the launcher
+  starts it and returns a :class:`RemoteProcess`; everything above holds for it, the stopping
+  is done by its host (:func:`stop_tree`, the same steps).
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class ProcessSpec:
     on_restart: Optional[Callable[["ProcessSpec", int], Optional[list]]] = None
     restart_with_main: bool = False  # service: stopped and relaunched with a relaunched main
     fatal: Optional[Callable[[int], Optional[str]]] = None  # rc -> why no relaunch helps
+    # start it elsewhere: launcher(spec, argv, env, log_path, attempt) -> a RemoteProcess
+    launcher: Optional[Callable] = None
 
     def __post_init__(self):
         if self.kind not in ("service", "main"):
@@ -100,6 +105,99 @@ class _Running:
 
 class SupervisorError(RuntimeError):
     pass
+
+
+class RemoteProcess:
+    """What a :attr:`ProcessSpec.launcher` returns: a process on another host, with the part
+    of :class:`subprocess.Popen` the supervisor uses (``pid``, ``returncode``, ``poll``,
+    ``wait``) and ``terminate(grace_s)`` (its host stops the process tree: SIGTERM, SIGKILL
+    after the grace period) and ``kill()``. ``lost`` says why it ended when its host went away
+    (a node lost): then it is reported as that instead of an exit code."""
+
+    pid: int = 0
+    returncode: Optional[int] = None
+    lost: Optional[str] = None
+
+    def poll(self) -> Optional[int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"remote pid {self.pid}", timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+    def terminate(self, grace_s: float) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def kill(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def start_child(argv: list, env: dict, cwd: Optional[str], log) -> subprocess.Popen:
+    """Start one supervised child: its own session, ``PR_SET_PDEATHSIG`` (it dies with the
+    thread that started it: start it from one that lives as long as the supervisor), output
+    appended to the open binary file ``log``."""
+    return subprocess.Popen(
+        [str(a) for a in argv],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_child_setup,
+    )
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM ``proc``'s process group and every descendant, SIGKILL what is left after
+    ``grace_s``, reap ``proc`` (for a child started by :func:`start_child` on this host)."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    groups = {proc.pid}
+    for p in kids:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except OSError:
+            pass
+    for g in groups:
+        if g != os.getpgrp():
+            try:
+                os.killpg(g, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for p in kids:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not any(_alive(p) for p in kids):
+            break
+        time.sleep(0.05)
+    for g in groups:
+        if g != os.getpgrp() and _group_members(g):
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for p in kids:
+        if _alive(p):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover (unkillable: D state)
+        pass
+    psutil.wait_procs(kids, timeout=5)
 
 
 class Supervisor:
@@ -169,18 +267,21 @@ class Supervisor:
             log.flush()
         except OSError as e:
             self._log_failed(log.name, e)
+        if spec.launcher is not None:  # its host adds the entries to its own environment
+            env = {k: str(v) for k, v in (spec.env or {}).items()}
+            try:
+                proc = spec.launcher(spec, argv, env, Path(log.name), attempt)
+            except Exception as e:  # noqa: BLE001 - no host for it: the run cannot go on
+                _close_quietly(log)
+                raise SupervisorError(f"cannot start {spec.name}: {e}") from None
+            where = f" on {proc.where}" if getattr(proc, "where", None) else ""
+            self.say(f"started {spec.name} pid {proc.pid}{where} (log {log.name})")
+            run = _Running(spec, proc, log, attempt)
+            self.running[spec.name] = run
+            return run
         env = dict(os.environ)
         env.update({k: str(v) for k, v in (spec.env or {}).items()})
-        proc = subprocess.Popen(
-            [str(a) for a in argv],
-            cwd=spec.cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_child_setup,
-        )
+        proc = start_child(argv, env, spec.cwd, log)
         self.say(f"started {spec.name} pid {proc.pid} (log {log.name})")
         run = _Running(spec, proc, log, attempt)
         self.running[spec.name] = run
@@ -221,6 +322,8 @@ class Supervisor:
 
     def _refresh_descendants(self) -> None:
         for run in self.running.values():
+            if isinstance(run.proc, RemoteProcess):
+                continue  # its host finds them when it stops it
             if run.proc.poll() is None:
                 try:
                     children = psutil.Process(run.proc.pid).children(recursive=True)
@@ -266,6 +369,10 @@ class Supervisor:
         self._refresh_descendants()
         targets: list = []
         for run in runs:
+            if isinstance(run.proc, RemoteProcess):
+                if run.proc.poll() is None:
+                    run.proc.terminate(grace)
+                continue
             pids = set(run.descendants)
             # A leader killed with SIGKILL leaves its group behind (e.g. a multiprocessing
             # manager the trainer spawned); its pgid stays valid while any member lives. Only
@@ -313,6 +420,9 @@ class Supervisor:
         for run in runs:
             if run.proc.poll() is None:
                 self.say(f"{run.spec.name} ignored SIGTERM for {grace:.0f}s: SIGKILL")
+                if isinstance(run.proc, RemoteProcess):
+                    run.proc.kill()
+                    continue
                 try:
                     os.killpg(run.proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -375,6 +485,8 @@ class Supervisor:
                     self.stop_all(runs=[run])  # whatever it left running
                     continue
                 why = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+                if getattr(run.proc, "lost", None):
+                    why = run.proc.lost
                 fatal = run.spec.fatal(rc) if run.spec.fatal is not None else None
                 if fatal:
                     self.say(

@@ -23,14 +23,15 @@ from areal_mega.dataplane.journal import TrajectoryJournal
 from tests.helpers.workers import ROOT
 
 
-def _launch(run_dir, model, data, *extra):
-    """``launch.local`` on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
+def _launch(run_dir, model, data, *extra, module="areal_mega.launch.local", env=None):
+    """``launch.local`` (or another launcher ``module``, e.g. ``launch.ray``, with ``env``
+    added) on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
     unless ``extra`` asks (``logging.plot=true``): drawing it takes a second per run and is
     checked in tests/test_e2e_multitask.py and tests/test_eval_training.py."""
     args = [
         sys.executable,
         "-m",
-        "areal_mega.launch.local",
+        module,
         "--config",
         str(ROOT / "recipes" / "tiny-cpu.yaml"),
         f"model.path={model}",
@@ -45,7 +46,7 @@ def _launch(run_dir, model, data, *extra):
         "cluster.kill_grace_s=5",
         *extra,
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
         args,
         cwd=ROOT,
