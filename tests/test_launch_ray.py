@@ -95,10 +95,20 @@ def key_file(tmp_path_factory):
 
 
 def _ray_launch(cluster, key_file, run, model, data, *extra, timeout_flag="60"):
-    env = {"RAY_ADDRESS": cluster["c"].address, "AREAL_ROLLOUT_API_KEY_FILE": str(key_file),
-           "PYTHONPATH": str(ROOT)}
-    return _launch(run, model, data, *extra, f"--placement-timeout={timeout_flag}",
-                   module="areal_mega.launch.ray", env=env)
+    env = {
+        "RAY_ADDRESS": cluster["c"].address,
+        "AREAL_ROLLOUT_API_KEY_FILE": str(key_file),
+        "PYTHONPATH": str(ROOT),
+    }
+    return _launch(
+        run,
+        model,
+        data,
+        *extra,
+        f"--placement-timeout={timeout_flag}",
+        module="areal_mega.launch.ray",
+        env=env,
+    )
 
 
 def _run_procs(run):
@@ -129,8 +139,15 @@ def test_shortage_message_and_dry_run_on_the_cluster(assets, tmp_path, cluster, 
     model, data = assets
     t = time.monotonic()
     rc, out = _finish(
-        _ray_launch(cluster, key_file, tmp_path / "run", model, data,
-                    "allocation=local:d2+megatron:d1", timeout_flag="3"),
+        _ray_launch(
+            cluster,
+            key_file,
+            tmp_path / "run",
+            model,
+            data,
+            "allocation=local:d2+megatron:d1",
+            timeout_flag="3",
+        ),
         timeout=120,
     )
     assert rc == 2, out[-3000:]
@@ -140,9 +157,20 @@ def test_shortage_message_and_dry_run_on_the_cluster(assets, tmp_path, cluster, 
     assert time.monotonic() - t < 90
     env = dict(os.environ, RAY_ADDRESS=cluster["c"].address, PYTHONPATH=str(ROOT))
     r = subprocess.run(
-        [sys.executable, "-m", "areal_mega.launch.ray", "--config",
-         str(ROOT / "recipes" / "tiny-cpu.yaml"), f"model.path={model}", "--dry-run"],
-        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.ray",
+            "--config",
+            str(ROOT / "recipes" / "tiny-cpu.yaml"),
+            f"model.path={model}",
+            "--dry-run",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -152,9 +180,22 @@ def test_shortage_message_and_dry_run_on_the_cluster(assets, tmp_path, cluster, 
     assert server.rsplit(" on ", 1)[1] != trainer.rsplit(" on ", 1)[1]  # one CPU per node
     # launch/slurm/ray.sbatch waits for the cluster's nodes this way
     r = subprocess.run(
-        [sys.executable, "-m", "areal_mega.launch.ray", "--config",
-         str(ROOT / "recipes" / "tiny-cpu.yaml"), "--wait-nodes", "2", "--placement-timeout", "60"],
-        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.ray",
+            "--config",
+            str(ROOT / "recipes" / "tiny-cpu.yaml"),
+            "--wait-nodes",
+            "2",
+            "--placement-timeout",
+            "60",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert r.returncode == 0 and "the Ray cluster has 2 node(s)" in r.stderr, r.stderr
 
@@ -181,8 +222,12 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
     run = tmp_path / "run"
     total = 26
     args = (
-        f"total_steps={total}", "recover=auto", "checkpoint.save_every=1",
-        "checkpoint.keep_last=2", "cluster.max_restarts=8", *ON_POLICY,
+        f"total_steps={total}",
+        "recover=auto",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=2",
+        "cluster.max_restarts=8",
+        *ON_POLICY,
     )
     proc = _ray_launch(cluster, key_file, run, model, data, *args)
     sup_log = run / "logs" / "supervisor.log"
@@ -214,8 +259,13 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
     os.kill(victim.pid, signal.SIGKILL)
     relaunches += 1
     relaunched(relaunches)
-    _wait(lambda: "relaunched: continuing at version"
-          in (run / "logs" / "rollout_worker.log").read_text(), proc, "the worker resumed")
+    _wait(
+        lambda: (
+            "relaunched: continuing at version" in (run / "logs" / "rollout_worker.log").read_text()
+        ),
+        proc,
+        "the worker resumed",
+    )
     # 3. the trainer rank (recover=auto: resumes from its checkpoint, the worker with it)
     next_fault("the trainer kill")
     pid = _wait(lambda: _trainer_pid(run), proc, "the trainer rank")
@@ -230,16 +280,22 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
     (lost,) = list(c.worker_nodes)
     lost_id = lost.node_id[:8]
     sup = sup_log.read_text()
-    on_lost = [n for n in ("rollout0", "trainer", "rollout_worker")
-               if _started_on(sup, n) and _started_on(sup, n)[-1] == lost_id]
+    on_lost = [
+        n
+        for n in ("rollout0", "trainer", "rollout_worker")
+        if _started_on(sup, n) and _started_on(sup, n)[-1] == lost_id
+    ]
     assert on_lost, f"nothing ran on node {lost_id}:\n{sup}"
     snap = _snapshot_live_run(run, tmp_path / "before_node_loss")
     c.remove_node(lost, allow_graceful=False)
     new = c.add_node(num_cpus=2)  # room for what was lost and for one more server
     new_id = new.node_id[:8]
     for name in on_lost:
-        _wait(lambda: new_id in _started_on(sup_log.read_text(), name), proc,  # noqa: B023
-              f"{name} restarted on the new node")
+        _wait(
+            lambda name=name: new_id in _started_on(sup_log.read_text(), name),
+            proc,
+            f"{name} restarted on the new node",
+        )
     accepted_before |= _accepted_ids(snap)
     # 5. launch.scale on the Ray run: one more server, in a placement group of its own
     assert len(_metrics(run)) <= total - 6, "the scale-up came too late"
@@ -295,8 +351,11 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
 def _scale(run, *args):
     r = subprocess.run(
         [sys.executable, "-m", "areal_mega.launch.scale", "--run-dir", str(run), *args],
-        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-        timeout=240, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)

@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _layout(alloc, n_nodes=1, gpus=8, device="cuda"):
-    return plan_layout(parse_allocation(alloc), device=device, n_nodes=n_nodes,
-                       gpus_per_node=gpus)
+    return plan_layout(parse_allocation(alloc), device=device, n_nodes=n_nodes, gpus_per_node=gpus)
 
 
 def test_one_node_gpu_layout_groups_and_bundles():
@@ -91,7 +90,9 @@ def test_custom_resources_and_scaled_server_group():
     assert g.name == "r-rollout7" and g.bundles[0].resources == {"CPU": 4, "GPU": 2}
     assert server_group("r", 0, 2, 1, "cpu").bundles[0].resources == {"CPU": 1}
     assert ray_options({"CPU": 2, "GPU": 1, "node_a": 1}) == {
-        "num_cpus": 2, "num_gpus": 1, "resources": {"node_a": 1}
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "resources": {"node_a": 1},
     }
     assert ray_options({}) == {"num_cpus": 0, "num_gpus": 0, "resources": {}}
 
@@ -100,15 +101,32 @@ def _dry_run(*extra):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
-        [sys.executable, "-m", "areal_mega.launch.ray", "--config",
-         str(ROOT / "recipes" / "tiny-cpu.yaml"), "--dry-run", *extra],
-        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.launch.ray",
+            "--config",
+            str(ROOT / "recipes" / "tiny-cpu.yaml"),
+            "--dry-run",
+            *extra,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
 
 
 def test_dry_run_prints_placement_and_memory():
-    r = _dry_run("--device", "cuda", "allocation=sglang:d2t2+megatron:d4", "cluster.n_nodes=2",
-                 "cluster.n_gpus_per_node=4", "rollout.backend=sglang")
+    r = _dry_run(
+        "--device",
+        "cuda",
+        "allocation=sglang:d2t2+megatron:d4",
+        "cluster.n_nodes=2",
+        "cluster.n_gpus_per_node=4",
+        "rollout.backend=sglang",
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "trainer memory per GPU" in out  # launch.local's memory arithmetic
@@ -116,16 +134,28 @@ def test_dry_run_prints_placement_and_memory():
     assert "rollout0: tiny-cpu-" in out and "{CPU 1, GPU 2} on node" in out
     assert "trainer: tiny-cpu-" in out and "{CPU 4, GPU 4} on node" in out
     # the trainer's second node (STRICT_SPREAD) and the rollout worker in its first bundle
-    r = _dry_run("--device", "cuda", "allocation=sglang:d2t2+megatron:d8",
-                 "cluster.n_nodes=3", "cluster.n_gpus_per_node=4", "rollout.backend=sglang")
+    r = _dry_run(
+        "--device",
+        "cuda",
+        "allocation=sglang:d2t2+megatron:d8",
+        "cluster.n_nodes=3",
+        "cluster.n_gpus_per_node=4",
+        "rollout.backend=sglang",
+    )
     assert r.returncode == 0, r.stderr
     assert "rollout_worker: tiny-cpu-" in r.stdout and "trainer@1: tiny-cpu-" in r.stdout
 
 
 def test_without_ray_the_import_says_how_to_install_it():
     code = "import sys; sys.modules['ray'] = None; import areal_mega.launch.ray"
-    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1] == (
         "ImportError: areal_mega.launch.ray needs Ray, an optional extra: pip install -e .[ray]"

@@ -325,7 +325,11 @@ def _ray_sbatch(tmp_path, *overrides, rc=0):
     }
     r = subprocess.run(
         ["bash", str(ROOT / "launch/slurm/ray.sbatch"), "recipes/tiny-cpu.yaml", *overrides],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return r, log
 

@@ -157,10 +157,21 @@ class ProcessHost:
                     self._proc = start_child(argv, full, cwd, log)
                 # detached: Ray kills this worker's own children when it exits
                 subprocess.run(
-                    [sys.executable, "-m", "areal_mega.launch.reaper", "--detach",
-                     str(os.getpid()), str(self._proc.pid), str(grace_s)],
-                    env=full, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    start_new_session=True, check=True, timeout=120,
+                    [
+                        sys.executable,
+                        "-m",
+                        "areal_mega.launch.reaper",
+                        "--detach",
+                        str(os.getpid()),
+                        str(self._proc.pid),
+                        str(grace_s),
+                    ],
+                    env=full,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                    check=True,
+                    timeout=120,
                 )
             except (OSError, subprocess.SubprocessError) as e:
                 if self._proc is not None and self._proc.poll() is None:
@@ -241,7 +252,12 @@ class BundleLauncher:
     died (its node lost: Ray places the bundle again, within ``timeout_s``)."""
 
     def __init__(
-        self, process: str, pg, bundle: int, resources: dict, timeout_s: float,
+        self,
+        process: str,
+        pg,
+        bundle: int,
+        resources: dict,
+        timeout_s: float,
         grace_s: float = 10.0,
     ):
         self.process, self.pg, self.bundle = process, pg, bundle
@@ -307,8 +323,9 @@ class BundleLauncher:
         pid = ray.get(
             self.actor.start.remote(argv, env, spec.cwd, str(log_path), self.grace_s), timeout=60
         )
-        return RayProcess(self.actor, pid, f"{info['hostname']} ({info['ip']}, node "
-                                             f"{info['node_id'][:8]})")
+        return RayProcess(
+            self.actor, pid, f"{info['hostname']} ({info['ip']}, node {info['node_id'][:8]})"
+        )
 
 
 def run_key(cfg: ExperimentConfig) -> str:
@@ -370,8 +387,9 @@ def reserve(placement: Placement, timeout_s: float) -> dict:
         g.name: placement_group([b.resources for b in g.bundles], strategy=g.strategy, name=g.name)
         for g in placement.groups
     }
-    ready, _ = ray.wait([pg.ready() for pg in pgs.values()], num_returns=len(pgs),
-                        timeout=timeout_s)
+    ready, _ = ray.wait(
+        [pg.ready() for pg in pgs.values()], num_returns=len(pgs), timeout=timeout_s
+    )
     if len(ready) < len(pgs):
         for pg in pgs.values():
             remove_placement_group(pg)
@@ -401,8 +419,9 @@ def check_shared_run_dir(paths: RunDir, launchers: list) -> None:
         )
 
 
-def build_ray_specs(cfg: ExperimentConfig, device: str, placement: Placement, pgs: dict,
-                    timeout_s: float) -> tuple:
+def build_ray_specs(
+    cfg: ExperimentConfig, device: str, placement: Placement, pgs: dict, timeout_s: float
+) -> tuple:
     """Actors in every bundle, the shared-storage check, then the processes' specs (as
     ``launch.local`` builds them, each with its :class:`BundleLauncher`); ``(specs, layout,
     launchers)``."""
@@ -461,11 +480,23 @@ def trainer_specs(cfg, device, layout, config_path, placement, launchers) -> lis
     out = []
     for k, name in enumerate(names):
         argv = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(len(names)), "--node-rank", str(k),
-            "--nproc-per-node", str(nproc),
-            "--master-addr", master, "--master-port", str(port),
-            "-m", TRAINER_MODULE, "--config", str(config_path),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(names)),
+            "--node-rank",
+            str(k),
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            master,
+            "--master-port",
+            str(port),
+            "-m",
+            TRAINER_MODULE,
+            "--config",
+            str(config_path),
         ]
         spec = trainer_spec(cfg, argv, dict(env, MASTER_ADDR=master, MASTER_PORT=str(port)), name)
         spec.launcher = launchers[name]
@@ -533,13 +564,19 @@ def release(pgs: dict, launchers: dict) -> None:
             pass
 
 
-def scaled_server_spec(cfg, device: str, slot, host: str, pgs: dict, launchers: dict,
-                       timeout_s: float):
+def scaled_server_spec(
+    cfg, device: str, slot, host: str, pgs: dict, launchers: dict, timeout_s: float
+):
     """The spec of a server ``launch.scale --add`` starts: a placement group of its own, its
     bundle on this (the driver's) node, where the scale service picked its port."""
     a = make_layout(cfg, device).allocation
-    g = server_group(run_key(cfg), slot.index, a.rollout.tp * a.rollout.pp,
-                     cfg.cluster.cpu_threads_per_server, device)
+    g = server_group(
+        run_key(cfg),
+        slot.index,
+        a.rollout.tp * a.rollout.pp,
+        cfg.cluster.cpu_threads_per_server,
+        device,
+    )
     res = dict(g.bundles[0].resources, **{f"node:{host}": 0.001})
     pg = placement_group([res], strategy=g.strategy, name=g.name)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
@@ -600,8 +637,10 @@ def wait_nodes(n: int, timeout_s: float) -> int:
             ray.shutdown()
             return 0
         if time.monotonic() > deadline:
-            print(f"launch error: the Ray cluster has {alive} of {n} node(s) after "
-                  f"{timeout_s:.0f}s", file=sys.stderr)
+            print(
+                f"launch error: the Ray cluster has {alive} of {n} node(s) after {timeout_s:.0f}s",
+                file=sys.stderr,
+            )
             ray.shutdown()
             return 2
         time.sleep(1.0)
@@ -612,15 +651,32 @@ def main(argv: Optional[list] = None) -> int:
         prog="python -m areal_mega.launch.ray", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--config", required=True, help="recipe YAML (recipes/*.yaml)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the layout, the memory estimate and the placement; start nothing")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                   help="plan for this device instead of cluster.device")
-    p.add_argument("--placement-timeout", type=float, default=120.0, metavar="S",
-                   help="how long to wait for the cluster to place the allocation")
-    p.add_argument("--wait-nodes", type=int, default=None, metavar="N",
-                   help="wait (at most --placement-timeout) until the cluster has N live nodes, "
-                   "then exit (launch/slurm/ray.sbatch)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the layout, the memory estimate and the placement; start nothing",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="plan for this device instead of cluster.device",
+    )
+    p.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="how long to wait for the cluster to place the allocation",
+    )
+    p.add_argument(
+        "--wait-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="wait (at most --placement-timeout) until the cluster has N live nodes, "
+        "then exit (launch/slurm/ray.sbatch)",
+    )
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     if args.wait_nodes is not None:
@@ -643,8 +699,10 @@ def main(argv: Optional[list] = None) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.rollout.server_addrs:
-            raise ConfigError("launch.ray launches its own rollout servers; for external "
-                              "ones (rollout.server_addrs) use launch.local")
+            raise ConfigError(
+                "launch.ray launches its own rollout servers; for external "
+                "ones (rollout.server_addrs) use launch.local"
+            )
         checked = check_server_runtime(cfg)
         if checked:
             print(f"[launch] {checked}", file=sys.stderr, flush=True)
@@ -656,13 +714,15 @@ def main(argv: Optional[list] = None) -> int:
         )
     except (ConfigError, PlacementShortage, RuntimeError, ray.exceptions.RayError) as e:
         release(pgs, launchers)
-        print(f"{'config' if isinstance(e, ConfigError) else 'launch'} error: {e}",
-              file=sys.stderr)
+        print(f"{'config' if isinstance(e, ConfigError) else 'launch'} error: {e}", file=sys.stderr)
         return 2
-    where = {(g, i): launchers[p].info["hostname"] + "/" + launchers[p].info["node_id"][:8]
-             for p, g, i, _ in placement.processes()}
-    print(layout.describe() + "\n" + describe_placement(placement, where), file=sys.stderr,
-          flush=True)
+    where = {
+        (g, i): launchers[p].info["hostname"] + "/" + launchers[p].info["node_id"][:8]
+        for p, g, i, _ in placement.processes()
+    }
+    print(
+        layout.describe() + "\n" + describe_placement(placement, where), file=sys.stderr, flush=True
+    )
     sup = Supervisor(
         specs,
         RunDir.from_config(cfg).logs,
@@ -682,8 +742,10 @@ def main(argv: Optional[list] = None) -> int:
                 cfg, device, slot, host, pgs, launchers, args.placement_timeout
             ),
             host=host,
-            addrs={s.index: f"{launchers[f'rollout{s.index}'].info['ip']}:{s.port}"
-                   for s in layout.servers},
+            addrs={
+                s.index: f"{launchers[f'rollout{s.index}'].info['ip']}:{s.port}"
+                for s in layout.servers
+            },
             gpus=False,
         )
     watch_cluster(cfg, sup)

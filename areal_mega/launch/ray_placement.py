@@ -176,9 +176,7 @@ def assign_nodes(placement: Placement, nodes: list) -> dict:
     out: dict = {}
     for g in order:
         taken: set = set()
-        for i, b in sorted(
-            enumerate(g.bundles), key=lambda ib: -sum(ib[1].resources.values())
-        ):
+        for i, b in sorted(enumerate(g.bundles), key=lambda ib: -sum(ib[1].resources.values())):
             need = b.resources
             where = None
             for name, _ in nodes:
@@ -223,8 +221,9 @@ def shortage_message(
 
 def describe_placement(placement: Placement, where: Optional[dict] = None) -> str:
     """One line per process: its group, bundle, resources and (when assigned) node."""
-    lines = [f"placement ({len(placement.groups)} placement group(s), total "
-             f"{_fmt(placement.total())}):"]
+    lines = [
+        f"placement ({len(placement.groups)} placement group(s), total {_fmt(placement.total())}):"
+    ]
     for process, group, i, res in placement.processes():
         node = f" on {where[(group, i)]}" if where else ""
         lines.append(f"  {process}: {group} bundle {i} {{{_fmt(res)}}}{node}")
