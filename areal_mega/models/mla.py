@@ -3,7 +3,9 @@
 ``config.multi_latent_attention``), and the DeepSeek-style router of
 :mod:`areal_mega.models.moe_families`.
 
-HF fields -> ``MLATransformerConfig`` (as megatron-bridge 0.6.2's DeepSeek provider maps them):
+HF fields -> ``MLATransformerConfig``: Megatron-Bridge's DeepSeek provider maps them
+(:mod:`areal_mega.models.bridge_provider`, with its one correction for configs without rope
+scaling); these are the facts the converters and the export read:
 ``q_lora_rank`` (None: one ``q_proj``), ``kv_lora_rank``, ``qk_nope_head_dim`` -> ``qk_head_dim``,
 ``qk_rope_head_dim`` -> ``qk_pos_emb_head_dim``, ``v_head_dim``. The latent RMSNorms
 (``q_a_layernorm``, ``kv_a_layernorm``) are megatron's ``q_layernorm`` / ``kv_layernorm``
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from areal_mega.models.moe_families import routed_moe_fields
 
-__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "mla_config_kwargs", "mla_full_shapes"]
+__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "mla_full_shapes"]
 
 MLA_MODEL_TYPES = ("deepseek_v3",)
 
@@ -45,24 +47,6 @@ def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
         mla_qk_nope_head_dim=nope,
         mla_qk_rope_head_dim=rope,
         mla_v_head_dim=int(hf["v_head_dim"]),
-    )
-
-
-def mla_config_kwargs(arch) -> dict:
-    """``MLATransformerConfig`` options of an MLA ``arch`` (plain rope, no scaling)."""
-    return dict(
-        multi_latent_attention=True,
-        q_lora_rank=arch.mla_q_lora_rank,
-        kv_lora_rank=arch.mla_kv_lora_rank,
-        qk_head_dim=arch.mla_qk_nope_head_dim,
-        qk_pos_emb_head_dim=arch.mla_qk_rope_head_dim,
-        v_head_dim=arch.mla_v_head_dim,
-        kv_channels=arch.mla_v_head_dim,
-        rope_type="rope",
-        rotary_base=arch.rope_theta,
-        rotary_scaling_factor=1.0,
-        mscale=1.0,
-        mscale_all_dim=0.0,
     )
 
 

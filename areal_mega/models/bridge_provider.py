@@ -1,0 +1,210 @@
+"""Megatron-Bridge's model providers as our HF config -> megatron ``TransformerConfig`` translator.
+
+Megatron-Bridge describes every family it maps with a *provider*: ``AutoBridge.from_hf_config
+(config).to_megatron_provider(load_weights=False)`` reads an HF config (no weights) and returns
+a ``GPTModelProvider`` (a ``TransformerConfig`` subclass) carrying the family's architecture:
+sizes, norms, activation, biases, QK norm, window, router, shared experts, multi-latent
+attention, rotary base and share. The engine takes those *architecture fields* from it
+(:data:`ARCH_FIELDS`, :data:`GPT_FIELDS`) and adds its own *runtime fields* (parallel sizes of
+our mesh, dtype, CPU/GPU fusions, dispatcher, initialisation on CPU, MoE training policy),
+which :func:`~areal_mega.models.builder.transformer_config_from_hf` decides as before. The
+layer spec stays ours (:func:`~areal_mega.models.builder.layer_spec_for`): the providers'
+default spec is TransformerEngine's, which the CPU lacks (megatron-core's local spec with our
+packed attention, :mod:`areal_mega.models.varlen_attention`, runs on both).
+
+Families (``model_type``):
+
+* :data:`PROVIDER_FAMILIES`: architecture from the bridge's provider;
+* :data:`OWN_TRANSLATOR`: our translator kept, the reason given per family;
+* :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
+  here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry).
+
+Importing Megatron-Bridge takes a few seconds (it imports every family); it happens once per
+process, on the first model built, and the providers are cached per config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, Dict, Tuple
+
+__all__ = [
+    "ARCH_FIELDS",
+    "GPT_FIELDS",
+    "PROVIDER_FAMILIES",
+    "OWN_TRANSLATOR",
+    "CORRECTIONS",
+    "uses_provider",
+    "hf_config_object",
+    "provider_for",
+    "provider_arch_fields",
+]
+
+#: ``TransformerConfig`` fields that describe the architecture: read from the provider
+ARCH_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "gated_linear_unit",
+    "activation_func",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "init_method_std",
+    "window_size",
+    "softmax_scale",
+    "rotary_interleaved",
+    # MoE
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    # multi-latent attention (MLATransformerConfig)
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_base",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+)
+#: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
+GPT_FIELDS = {
+    "rotary_base": "rotary_base",
+    "rotary_percent": "rotary_percent",
+    "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
+    "seq_length": "max_sequence_length",
+    "position_embedding_type": "position_embedding_type",
+}
+
+#: families whose architecture comes from the bridge's provider
+PROVIDER_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm4_moe", "deepseek_v3")
+
+#: families that keep our translator, and why
+OWN_TRANSLATOR = {
+    "gemma3_text": (
+        "the bridge's Gemma 3 provider puts the per-layer window and RoPE base into its "
+        "TransformerEngine layer spec (gemma3_layer_spec) and one window_size for every layer "
+        "in the config; on the local spec a config-only translation would apply the window "
+        "to the full-attention layers too. Our Gemma3Config carries the per-layer choice "
+        "(areal_mega/models/gemma3.py)"
+    ),
+}
+
+
+def _deepseek_rope(hf: dict, fields: dict) -> dict:
+    """DeepSeek-V3 without ``rope_scaling``: the bridge leaves megatron's MLA default
+    (``rope_type="yarn"``, factor 40), transformers uses plain RoPE."""
+    rs = hf.get("rope_scaling") or {}
+    rp = hf.get("rope_parameters") or {}
+    kind = rs.get("type", rs.get("rope_type")) or rp.get("rope_type", "default")
+    if kind in (None, "default") and fields.get("rope_type") == "yarn":
+        return dict(
+            fields, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0
+        )
+    return fields
+
+
+def _qwen3_moe_dense_layers(hf: dict, fields: dict) -> dict:
+    """Qwen3-MoE with dense layers: transformers makes layer i dense when it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; the bridge makes every layer MoE."""
+    n = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = [0 if (i in dense or (i + 1) % step) else 1 for i in range(n)]
+    return dict(fields, moe_layer_freq=pattern)
+
+
+#: model_type -> (why, correction of the provider's architecture fields given the HF config)
+CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict], dict]]] = {
+    "deepseek_v3": (
+        "a config without rope_scaling keeps MLATransformerConfig's default rope_type 'yarn' "
+        "(rotary_scaling_factor 40) where transformers applies plain RoPE",
+        _deepseek_rope,
+    ),
+    "qwen3_moe": (
+        "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
+        "becomes MoE where transformers builds dense MLP layers",
+        _qwen3_moe_dense_layers,
+    ),
+}
+
+
+def uses_provider(model_type: str) -> bool:
+    """Whether ``model_type``'s architecture fields come from the bridge's provider."""
+    return model_type in PROVIDER_FAMILIES
+
+
+def hf_config_object(hf: dict):
+    """transformers' ``PretrainedConfig`` of a config dict (its ``architectures`` filled in
+    with the family's causal-LM class when absent: the bridge dispatches on it)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf = dict(hf)
+    mt = hf.pop("model_type")
+    if not hf.get("architectures"):
+        hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]]
+    return AutoConfig.for_model(mt, **hf)
+
+
+@functools.lru_cache(maxsize=32)
+def _provider(hf_json: str):
+    from areal_mega.checkpoint.bridge_tables import import_bridge
+
+    _, auto_bridge = import_bridge()
+    cfg = hf_config_object(json.loads(hf_json))
+    return auto_bridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
+
+
+def provider_for(hf: dict):
+    """The bridge's (unfinalised) provider of an HF config dict; cached per config. Treat it
+    as read-only."""
+    return _provider(json.dumps(hf, sort_keys=True, default=str))
+
+
+def provider_arch_fields(hf: dict) -> Tuple[dict, dict, bool]:
+    """``(config_fields, gpt_kwargs, is_mla)`` of an HF config dict from the bridge's provider:
+    the :data:`ARCH_FIELDS` it has (None values dropped: megatron derives them, e.g.
+    ``kv_channels``), the ``GPTModel`` keywords of :data:`GPT_FIELDS`, and whether it is a
+    multi-latent-attention config. :data:`CORRECTIONS` applied."""
+    p = provider_for(hf)
+    is_mla = bool(getattr(p, "multi_latent_attention", False))
+    fields: Dict[str, Any] = {}
+    for name in ARCH_FIELDS:
+        if not hasattr(p, name):
+            continue
+        value = getattr(p, name)
+        if value is None:
+            continue
+        if name == "rotary_base" and not is_mla:
+            continue  # a GPTModel argument for non-MLA models
+        fields[name] = value
+    if fields.get("window_size") is not None:
+        fields["window_size"] = tuple(fields["window_size"])
+    if isinstance(fields.get("moe_layer_freq"), int) and fields.get("num_moe_experts"):
+        freq = fields["moe_layer_freq"]
+        fields["moe_layer_freq"] = [1 if i % freq == 0 else 0 for i in range(p.num_layers)]
+    fix = CORRECTIONS.get(hf.get("model_type"))
+    if fix is not None:
+        fields = fix[1](hf, fields)
+    gpt = {kw: getattr(p, f) for f, kw in GPT_FIELDS.items()}
+    return fields, gpt, is_mla
