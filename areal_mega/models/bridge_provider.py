@@ -110,36 +110,47 @@ OWN_TRANSLATOR = {
 }
 
 
-def _deepseek_rope(hf: dict, fields: dict) -> dict:
+def _tied(hf: dict, fields: dict, gpt: dict) -> None:
+    """Tied embeddings as the config says (transformers' default when it says nothing)."""
+    gpt["share_embeddings_and_output_weights"] = bool(hf_config_object(hf).tie_word_embeddings)
+
+
+def _deepseek_v3(hf: dict, fields: dict, gpt: dict) -> None:
     """DeepSeek-V3 without ``rope_scaling``: the bridge leaves megatron's MLA default
-    (``rope_type="yarn"``, factor 40), transformers uses plain RoPE."""
+    ``rope_type="yarn"`` (with factor 1.0); transformers applies plain RoPE, which is megatron's
+    ``rope_type="rope"`` (the path our CPU packed-RoPE patch and the family tests cover)."""
+    _tied(hf, fields, gpt)
     rs = hf.get("rope_scaling") or {}
     rp = hf.get("rope_parameters") or {}
     kind = rs.get("type", rs.get("rope_type")) or rp.get("rope_type", "default")
     if kind in (None, "default") and fields.get("rope_type") == "yarn":
-        return dict(
-            fields, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0
-        )
-    return fields
+        fields.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
-def _qwen3_moe_dense_layers(hf: dict, fields: dict) -> dict:
+def _qwen3_moe_dense_layers(hf: dict, fields: dict, gpt: dict) -> None:
     """Qwen3-MoE with dense layers: transformers makes layer i dense when it is in
     ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; the bridge makes every layer MoE."""
     n = int(hf["num_hidden_layers"])
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or [])
     pattern = [0 if (i in dense or (i + 1) % step) else 1 for i in range(n)]
-    return dict(fields, moe_layer_freq=pattern)
+    fields["moe_layer_freq"] = pattern
 
 
-#: model_type -> (why, correction of the provider's architecture fields given the HF config)
-CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict], dict]]] = {
+_UNTIED = (
+    "the provider sets share_embeddings_and_output_weights=False whatever "
+    "tie_word_embeddings says"
+)
+
+#: model_type -> (why, correction of the provider's fields and GPTModel keywords in place, given
+#: the HF config)
+CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
     "deepseek_v3": (
         "a config without rope_scaling keeps MLATransformerConfig's default rope_type 'yarn' "
-        "(rotary_scaling_factor 40) where transformers applies plain RoPE",
-        _deepseek_rope,
+        "(factor 1.0) where transformers applies plain RoPE; " + _UNTIED,
+        _deepseek_v3,
     ),
+    "glm4_moe": (_UNTIED, _tied),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
         "becomes MoE where transformers builds dense MLP layers",
@@ -203,8 +214,8 @@ def provider_arch_fields(hf: dict) -> Tuple[dict, dict, bool]:
     if isinstance(fields.get("moe_layer_freq"), int) and fields.get("num_moe_experts"):
         freq = fields["moe_layer_freq"]
         fields["moe_layer_freq"] = [1 if i % freq == 0 else 0 for i in range(p.num_layers)]
+    gpt = {kw: getattr(p, f) for f, kw in GPT_FIELDS.items()}
     fix = CORRECTIONS.get(hf.get("model_type"))
     if fix is not None:
-        fields = fix[1](hf, fields)
-    gpt = {kw: getattr(p, f) for f, kw in GPT_FIELDS.items()}
+        fix[1](hf, fields, gpt)
     return fields, gpt, is_mla
