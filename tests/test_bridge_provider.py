@@ -132,3 +132,25 @@ def test_upstream_providers_still_untie_every_embedding(arch):
         f"the bridge now reads tie_word_embeddings for {arch}: drop _tied from its CORRECTIONS"
     )
     assert bp.provider_arch_fields(hf)[1]["share_embeddings_and_output_weights"] is True
+
+
+@pytest.mark.parametrize(
+    "model_type,words",
+    [
+        ("qwen3_next", "linear-attention"),
+        ("qwen3_5_moe_text", "linear-attention"),
+        ("nemotron_h", "Mamba"),
+        ("falcon_h1", "Mamba"),
+        ("glm_moe_dsa", "sparse attention"),
+        ("deepseek_v4", "sparse attention"),
+    ],
+)
+def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, tmp_path):
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
+
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64}
+    with pytest.raises(ValueError, match="GPU-only kernels") as e:
+        parse_hf_config(hf)
+    assert words in str(e.value)
+    with pytest.raises(UnsupportedModelError, match=words):
+        read_arch(hf)

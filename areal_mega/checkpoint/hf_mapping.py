@@ -251,6 +251,13 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
             raise UnsupportedModelError(f"{path}: not valid JSON ({e})") from None
     cfg = normalize_hf_config(cfg)
     mt = cfg.get("model_type")
+    from areal_mega.models.bridge_provider import gpu_only_reason
+
+    if gpu_only_reason(mt):
+        raise UnsupportedModelError(
+            f"{where}: model_type={mt!r} needs GPU-only kernels, which the CPU lacks: "
+            f"{gpu_only_reason(mt)}"
+        )
     if mt not in FAMILIES:
         raise UnsupportedModelError(
             f"{where}: model_type={mt!r} (architectures={cfg.get('architectures')}) is not "

@@ -35,6 +35,8 @@ __all__ = [
     "PROVIDER_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
+    "GPU_ONLY",
+    "gpu_only_reason",
     "uses_provider",
     "hf_config_object",
     "provider_for",
@@ -96,7 +98,16 @@ GPT_FIELDS = {
 }
 
 #: families whose architecture comes from the bridge's provider
-PROVIDER_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "glm4_moe", "deepseek_v3")
+PROVIDER_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v2",
+)
 
 #: families that keep our translator, and why
 OWN_TRANSLATOR = {
@@ -150,6 +161,10 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "(factor 1.0) where transformers applies plain RoPE; " + _UNTIED,
         _deepseek_v3,
     ),
+    "deepseek_v2": (
+        "as deepseek_v3 (default rope_type 'yarn' without rope_scaling; embeddings untied)",
+        _deepseek_v3,
+    ),
     "glm4_moe": (_UNTIED, _tied),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
@@ -157,6 +172,38 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         _qwen3_moe_dense_layers,
     ),
 }
+
+
+_LINEAR_ATTN = (
+    "gated delta-net linear-attention layers: megatron-core runs them with the "
+    "fla / causal-conv1d CUDA kernels (no CPU path)"
+)
+_MAMBA = (
+    "Mamba-2 SSM layers: megatron-core's MambaMixer needs the mamba-ssm / causal-conv1d CUDA "
+    "kernels and a HybridModel with TransformerEngine specs"
+)
+_SPARSE = (
+    "DeepSeek sparse attention (lightning indexer, top-k key selection): megatron-core "
+    "implements it with TransformerEngine / CUDA kernels only"
+)
+#: model types whose layers need megatron-core kernels that exist for CUDA only: the CPU
+#: refuses them naming why (the engine does not build them yet on any device)
+GPU_ONLY = {
+    "qwen3_next": _LINEAR_ATTN,
+    "qwen3_5": _LINEAR_ATTN,
+    "qwen3_5_text": _LINEAR_ATTN,
+    "qwen3_5_moe": _LINEAR_ATTN,
+    "qwen3_5_moe_text": _LINEAR_ATTN,
+    "nemotron_h": _MAMBA,
+    "falcon_h1": _MAMBA,
+    "glm_moe_dsa": _SPARSE,
+    "deepseek_v4": _SPARSE,
+}
+
+
+def gpu_only_reason(model_type: str):
+    """Why ``model_type`` needs GPU-only kernels (None when it does not)."""
+    return GPU_ONLY.get(model_type)
 
 
 def uses_provider(model_type: str) -> bool:

@@ -6,7 +6,8 @@ Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` 
 ``gemma3_text`` (Gemma 3 text: :mod:`areal_mega.models.gemma3`), ``glm4_moe`` (sigmoid router
 with expert bias, shared experts, dense first layers, partial rotary:
 :mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
-attention: :mod:`areal_mega.models.mla`). Actor and reference use this same builder; the model
+attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router).
+Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
@@ -78,8 +79,13 @@ from areal_mega.models.backend import (
     have_te,
     probe_te,
 )
-from areal_mega.models.bridge_provider import OWN_TRANSLATOR, provider_arch_fields, uses_provider
-from areal_mega.models.mla import deepseek_v3_fields
+from areal_mega.models.bridge_provider import (
+    OWN_TRANSLATOR,
+    gpu_only_reason,
+    provider_arch_fields,
+    uses_provider,
+)
+from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields
 from areal_mega.models.moe_families import glm4_moe_fields
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
@@ -104,6 +110,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "glm4_moe",
     "deepseek_v3",
+    "deepseek_v2",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -202,6 +209,10 @@ def parse_hf_config(hf: dict) -> HFArch:
     unsupported architectures or features (e.g. rope scaling other than none)."""
     hf = normalize_hf_config(hf)
     mt = hf.get("model_type")
+    if gpu_only_reason(mt):
+        raise ValueError(
+            f"model_type {mt!r} needs GPU-only kernels, which the CPU lacks: {gpu_only_reason(mt)}"
+        )
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -260,6 +271,8 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
     if mt == "deepseek_v3":
         kw.update(deepseek_v3_fields(hf, n_layers))
+    if mt == "deepseek_v2":
+        kw.update(deepseek_v2_fields(hf, n_layers))
     return HFArch(**kw, hf_json=_config_json(hf))
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from areal_mega.models.moe_families import routed_moe_fields
 
-__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "mla_full_shapes"]
+__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "deepseek_v2_fields", "mla_full_shapes"]
 
-MLA_MODEL_TYPES = ("deepseek_v3",)
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 
 
 def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
@@ -48,6 +48,40 @@ def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
         mla_qk_rope_head_dim=rope,
         mla_v_head_dim=int(hf["v_head_dim"]),
     )
+
+
+def deepseek_v2_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``deepseek_v2`` config:
+    DeepSeek-V3's attention and a softmax router (transformers: softmax over all experts, top-k,
+    no renormalisation whatever ``norm_topk_prob`` says, times ``routed_scaling_factor``; megatron:
+    ``moe_router_pre_softmax``), always-on shared experts, dense first layers."""
+    method = hf.get("topk_method") or "greedy"
+    topk = int(hf["num_experts_per_tok"])
+    if method == "group_limited_greedy" and int(hf.get("topk_group") or 0) != topk:
+        raise ValueError(
+            f"topk_method='group_limited_greedy' with topk_group={hf.get('topk_group')} and "
+            f"num_experts_per_tok={topk}: transformers scores a group by its best expert, "
+            "megatron by its top (num_experts_per_tok / topk_group); they agree only when "
+            "that is 1"
+        )
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method={method!r} is not supported (greedy, group_limited_greedy)")
+    if not hf.get("n_shared_experts"):
+        raise ValueError("n_shared_experts must be set (transformers adds the shared experts)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported for deepseek_v2")
+    fields = deepseek_v3_fields(
+        dict(hf, norm_topk_prob=topk > 1, n_group=1, topk_group=1, rope_interleave=True), n_layers
+    )
+    grouped = method == "group_limited_greedy"
+    fields.update(
+        moe_norm_topk_prob=False,
+        moe_score_function="softmax",
+        moe_expert_bias=False,
+        moe_num_groups=int(hf["n_group"]) if grouped else None,
+        moe_group_topk=int(hf["topk_group"]) if grouped else None,
+    )
+    return fields
 
 
 def mla_full_shapes(arch) -> dict:

@@ -22,6 +22,7 @@ ARCHS = (
     "gemma3_text",
     "glm4_moe",
     "deepseek_v3",
+    "deepseek_v2",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -71,7 +72,8 @@ class TinyModelSpec:
     attention_bias: bool = True
     use_qk_norm: bool = True
     expert_bias_std: float = 0.02  # e_score_correction_bias ~ N(0, std) (HF initialises 0)
-    # deepseek_v3 only (multi-latent attention; also uses the glm4_moe routing fields)
+    # deepseek_v3, deepseek_v2 (multi-latent attention; also the glm4_moe routing fields, of
+    # which deepseek_v2's softmax router uses the expert counts and routed_scaling_factor)
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
@@ -214,6 +216,27 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             qk_rope_head_dim=spec.qk_rope_head_dim,
             v_head_dim=spec.v_head_dim,
             rope_interleave=True,
+            attention_bias=False,
+        )
+    if spec.arch == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        common["num_key_value_heads"] = spec.num_heads
+        return DeepseekV2Config(
+            **common,
+            n_routed_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            n_shared_experts=spec.n_shared_experts,
+            first_k_dense_replace=spec.first_k_dense_replace,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
             attention_bias=False,
         )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
