@@ -57,6 +57,7 @@ BRIDGED_ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

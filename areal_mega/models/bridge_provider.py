@@ -107,6 +107,7 @@ PROVIDER_FAMILIES = (
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v2",
+    "gemma",
 )
 
 #: families that keep our translator, and why

@@ -6,7 +6,8 @@ Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` 
 ``gemma3_text`` (Gemma 3 text: :mod:`areal_mega.models.gemma3`), ``glm4_moe`` (sigmoid router
 with expert bias, shared experts, dense first layers, partial rotary:
 :mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
-attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router).
+attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router),
+``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -111,6 +112,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v2",
+    "gemma",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -221,6 +223,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.gemma3 import gemma3_arch_fields
 
         return HFArch(**gemma3_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "gemma":
+        from areal_mega.models.gemma3 import gemma_arch_fields
+
+        return HFArch(**gemma_arch_fields(hf), hf_json=_config_json(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rs_type not in ("default", None):
@@ -474,6 +480,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma3_block_spec
 
         return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "gemma":
+        from areal_mega.models.gemma3 import gemma_block_spec
+
+        return gemma_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.is_moe:
         spec = specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
@@ -569,6 +579,10 @@ def build_model_chunks(
             from areal_mega.models.gemma3 import finish_gemma3_model
 
             finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
+        if arch.model_type == "gemma":
+            from areal_mega.models.gemma3 import scale_embeddings
+
+            scale_embeddings(model, arch)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

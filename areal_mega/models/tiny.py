@@ -23,6 +23,7 @@ ARCHS = (
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v2",
+    "gemma",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -136,7 +137,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         attention_dropout=0.0,
     )
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text"):
+    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text", "gemma"):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text"):
         raise ValueError("sliding_window: only the mistral and gemma3_text tiny models have one")
@@ -218,6 +219,11 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             rope_interleave=True,
             attention_bias=False,
         )
+    if spec.arch == "gemma":
+        from transformers import GemmaConfig
+
+        common.update(hidden_act="gelu_pytorch_tanh")
+        return GemmaConfig(**common, head_dim=head_dim, attention_bias=False)
     if spec.arch == "deepseek_v2":
         from transformers import DeepseekV2Config
 
@@ -277,7 +283,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)
-    if spec.arch == "gemma3_text":
+    if spec.arch in ("gemma3_text", "gemma"):
         # Gemma's norms start at zero ((1 + w) scaling): random ones make every norm count
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -58,6 +58,9 @@ CASES = {
             }
         },
     ),
+    # Gemma (1): (1 + w) norms in fp32, GELU-tanh GLU, embeddings scaled by sqrt(hidden), tied;
+    # head_dim 24 (not hidden/heads = 16)
+    "gemma": FamilyCase("gemma", dict(arch="gemma", head_dim=24)),
     # DeepSeek-V2: multi-latent attention (q low-rank pair), softmax top-2 of 4 experts without
     # renormalisation times routed_scaling_factor 2.5, a shared expert, layer 0 dense
     "deepseek_v2": FamilyCase(
@@ -73,7 +76,7 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral", "gemma3_text", "deepseek_v2")
+RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma")
 
 
 def tiny_spec(case: FamilyCase) -> dict:
