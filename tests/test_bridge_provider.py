@@ -97,11 +97,12 @@ def test_qwen3_moe_dense_layers_are_kept():
 # ---- upstream defects: each test fails once the bridge is fixed (then drop the workaround)
 
 
-def test_upstream_deepseek_v3_provider_still_defaults_to_yarn():
-    raw = bp.provider_for(tiny_config("deepseek_v3"))
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+def test_upstream_mla_providers_still_default_to_yarn(arch):
+    raw = bp.provider_for(tiny_config(arch))
     assert raw.rope_type == "yarn", (
-        "the bridge now gives plain RoPE for a config without rope_scaling: drop "
-        "CORRECTIONS['deepseek_v3']"
+        "the bridge now gives plain RoPE for a config without rope_scaling: drop the RoPE "
+        f"part of CORRECTIONS[{arch!r}]"
     )
 
 
@@ -125,7 +126,7 @@ def test_upstream_gemma3_provider_still_has_one_window_for_every_layer():
     )
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
 def test_upstream_providers_still_untie_every_embedding(arch):
     hf = tiny_config(arch, tie_word_embeddings=True)
     assert bp.provider_for(hf).share_embeddings_and_output_weights is False, (
@@ -154,3 +155,14 @@ def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, 
     assert words in str(e.value)
     with pytest.raises(UnsupportedModelError, match=words):
         read_arch(hf)
+
+
+def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():
+    hf = dict(
+        tiny_config("glm4_moe_lite", num_layers=4), mlp_layer_types=["dense"] * 2 + ["sparse"] * 2
+    )
+    raw = bp.provider_for(hf)
+    assert list(raw.moe_layer_freq) == [0, 1, 1, 1], (
+        "the bridge now reads mlp_layer_types: drop that part of CORRECTIONS['glm4_moe_lite']"
+    )
+    assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 0, 1, 1]

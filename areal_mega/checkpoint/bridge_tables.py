@@ -58,6 +58,7 @@ BRIDGED_ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

@@ -108,6 +108,7 @@ PROVIDER_FAMILIES = (
     "deepseek_v3",
     "deepseek_v2",
     "gemma",
+    "glm4_moe_lite",
 )
 
 #: families that keep our translator, and why
@@ -139,6 +140,14 @@ def _deepseek_v3(hf: dict, fields: dict, gpt: dict) -> None:
         fields.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
 
 
+def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
+    """GLM-4-MoE-Lite: as DeepSeek-V3, and the dense layers of ``mlp_layer_types``."""
+    from areal_mega.models.mla import moe_pattern_of_layer_types
+
+    _deepseek_v3(hf, fields, gpt)
+    fields["moe_layer_freq"] = list(moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"])))
+
+
 def _qwen3_moe_dense_layers(hf: dict, fields: dict, gpt: dict) -> None:
     """Qwen3-MoE with dense layers: transformers makes layer i dense when it is in
     ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; the bridge makes every layer MoE."""
@@ -167,6 +176,11 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         _deepseek_v3,
     ),
     "glm4_moe": (_UNTIED, _tied),
+    "glm4_moe_lite": (
+        "as deepseek_v3, and the dense layers come from first_k_dense_replace (default 1), "
+        "which this config does not have: transformers reads mlp_layer_types",
+        _glm4_moe_lite,
+    ),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
         "becomes MoE where transformers builds dense MLP layers",

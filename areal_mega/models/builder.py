@@ -7,7 +7,8 @@ Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` 
 with expert bias, shared experts, dense first layers, partial rotary:
 :mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
 attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router),
-``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer).
+``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer),
+``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -86,7 +87,7 @@ from areal_mega.models.bridge_provider import (
     provider_arch_fields,
     uses_provider,
 )
-from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields
+from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
 from areal_mega.models.moe_families import glm4_moe_fields
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
@@ -113,6 +114,7 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v3",
     "deepseek_v2",
     "gemma",
+    "glm4_moe_lite",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -279,6 +281,8 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(deepseek_v3_fields(hf, n_layers))
     if mt == "deepseek_v2":
         kw.update(deepseek_v2_fields(hf, n_layers))
+    if mt == "glm4_moe_lite":
+        kw.update(glm4_moe_lite_fields(hf, n_layers))
     return HFArch(**kw, hf_json=_config_json(hf))
 
 

@@ -18,9 +18,16 @@ from __future__ import annotations
 
 from areal_mega.models.moe_families import routed_moe_fields
 
-__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "deepseek_v2_fields", "mla_full_shapes"]
+__all__ = [
+    "MLA_MODEL_TYPES",
+    "deepseek_v3_fields",
+    "deepseek_v2_fields",
+    "glm4_moe_lite_fields",
+    "moe_pattern_of_layer_types",
+    "mla_full_shapes",
+]
 
-MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 
 
 def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
@@ -81,6 +88,24 @@ def deepseek_v2_fields(hf: dict, n_layers: int) -> dict:
         moe_num_groups=int(hf["n_group"]) if grouped else None,
         moe_group_topk=int(hf["topk_group"]) if grouped else None,
     )
+    return fields
+
+
+def moe_pattern_of_layer_types(hf: dict, n_layers: int) -> tuple:
+    """1 = MoE, 0 = dense per layer from ``mlp_layer_types`` (``"dense"`` / ``"sparse"``;
+    transformers' GLM-4-MoE-Lite default: the first layer dense, the rest sparse)."""
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
+    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types={types!r}: need {n_layers} of 'dense' / 'sparse'")
+    return tuple(int(t == "sparse") for t in types)
+
+
+def glm4_moe_lite_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm4_moe_lite`` config
+    (GLM-4.7-Flash): DeepSeek-V3's attention and router, the dense layers from
+    ``mlp_layer_types``."""
+    fields = deepseek_v3_fields(dict(hf, first_k_dense_replace=0), n_layers)
+    fields["moe_layer_pattern"] = moe_pattern_of_layer_types(hf, n_layers)
     return fields
 
 

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
-SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
 
 def _partial_rotary_factor(hf: dict) -> float:

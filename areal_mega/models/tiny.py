@@ -24,6 +24,7 @@ ARCHS = (
     "deepseek_v3",
     "deepseek_v2",
     "gemma",
+    "glm4_moe_lite",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -205,6 +206,24 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             head_dim=spec.hidden_size // spec.num_heads,
             attention_bias=spec.attention_bias,
             use_qk_norm=spec.use_qk_norm,
+        )
+    if spec.arch == "glm4_moe_lite":
+        from transformers import Glm4MoeLiteConfig
+
+        common["num_key_value_heads"] = spec.num_heads
+        routing.pop("first_k_dense_replace")
+        k = spec.first_k_dense_replace
+        return Glm4MoeLiteConfig(
+            **common,
+            **routing,
+            mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            rope_interleave=True,
+            attention_bias=False,
         )
     if spec.arch == "deepseek_v3":
         common["num_key_value_heads"] = spec.num_heads

@@ -69,6 +69,14 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # GLM-4-MoE-Lite (GLM-4.7-Flash): DeepSeek-V3's attention and sigmoid router with expert
+    # bias, group-limited top-2, shared expert; dense layers from mlp_layer_types (layer 0)
+    "glm4_moe_lite": FamilyCase(
+        "glm4_moe_lite",
+        dict(arch="glm4_moe_lite", tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -76,7 +84,7 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma")
+RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma", "glm4_moe_lite")
 
 
 def tiny_spec(case: FamilyCase) -> dict:
