@@ -22,6 +22,10 @@ to transformers' ``Gemma3TextModel``:
 Refused (``ValueError`` naming the key): logit soft-capping, bidirectional attention, rope
 types other than default/linear, a local RoPE that is scaled, other activations, biases.
 TransformerEngine's spec is not wired (the local spec runs on CPU and GPU).
+
+Gemma 1 (``model_type: gemma``) is a Llama layer with these norms, activation and embedding
+scale: its megatron config comes from Megatron-Bridge's Gemma provider
+(:mod:`areal_mega.models.bridge_provider`), its block spec from :func:`gemma_block_spec`.
 """
 
 from __future__ import annotations
