@@ -29,6 +29,8 @@ import functools
 import json
 from typing import Any, Callable, Dict, Tuple
 
+from areal_mega.models.mla import moe_pattern_of_layer_types
+
 __all__ = [
     "ARCH_FIELDS",
     "GPT_FIELDS",
@@ -142,8 +144,6 @@ def _deepseek_v3(hf: dict, fields: dict, gpt: dict) -> None:
 
 def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
     """GLM-4-MoE-Lite: as DeepSeek-V3, and the dense layers of ``mlp_layer_types``."""
-    from areal_mega.models.mla import moe_pattern_of_layer_types
-
     _deepseek_v3(hf, fields, gpt)
     fields["moe_layer_freq"] = list(moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"])))
 
@@ -241,11 +241,13 @@ def hf_config_object(hf: dict):
 
 @functools.lru_cache(maxsize=32)
 def _provider(hf_json: str):
-    from areal_mega.checkpoint.bridge_tables import import_bridge
+    from areal_mega.compat.megatron_cpu import install_te_placeholder
 
-    _, auto_bridge = import_bridge()
+    install_te_placeholder()  # importing the bridge needs it where TransformerEngine is absent
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+
     cfg = hf_config_object(json.loads(hf_json))
-    return auto_bridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
+    return AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
 
 
 def provider_for(hf: dict):
