@@ -166,3 +166,16 @@ def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():
         "the bridge now reads mlp_layer_types: drop that part of CORRECTIONS['glm4_moe_lite']"
     )
     assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 0, 1, 1]
+
+
+def test_qwen3_moe_without_norm_topk_prob_routes_as_transformers():
+    """A config without ``norm_topk_prob``: transformers' default (False, no renormalisation
+    of the top-k softmax weights) is megatron's pre-softmax router, in the provider and in the
+    converters' facts."""
+    hf = tiny_config("qwen3_moe")
+    del hf["norm_topk_prob"]
+    from transformers import Qwen3MoeConfig
+
+    assert Qwen3MoeConfig().norm_topk_prob is False
+    assert bp.provider_arch_fields(hf)[0]["moe_router_pre_softmax"] is True
+    assert parse_hf_config(hf).moe_norm_topk_prob is False

@@ -271,7 +271,8 @@ def parse_hf_config(hf: dict) -> HFArch:
             num_experts=int(hf["num_experts"]),
             moe_topk=int(hf["num_experts_per_tok"]),
             moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            # transformers' Qwen3MoeConfig default (hub checkpoints set it to true)
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             moe_layer_pattern=pattern,
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
         )
