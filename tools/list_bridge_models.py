@@ -38,6 +38,7 @@ def main(argv=None):
     import transformers
 
     from areal_mega.inference import model_support as ms
+    from areal_mega.models.bridge_provider import GPU_ONLY
 
     archs = bridge_architectures()
     engine, causal_lm = ms.engine_architectures(), ms.causal_lm_model_types()
@@ -48,6 +49,7 @@ def main(argv=None):
         causal_lm=causal_lm,
         kv_paths=ms.server_kv_paths(sorted(types)),
         transformers_classes=set(dir(transformers)),
+        gpu_only=GPU_ONLY,
     )
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -61,7 +63,9 @@ def main(argv=None):
         f"transformers {transformers.__version__}; our engine builds "
         f"{sum(r['engine'] for r in rows)}; our CPU server runs {served[0]} with StaticKV "
         f"and {served[1]} through transformers' cache, loads {served[2]} more through "
-        "transformers' cache\n"
+        "transformers' cache; status: "
+        + ", ".join(f"{sum(r['status'] == v for r in rows)} {v}" for v in ms.STATUS.values())
+        + "\n"
     )
     print(ms.markdown_table(rows))
     ours = sorted(set(engine) - {r["architecture"] for r in rows})

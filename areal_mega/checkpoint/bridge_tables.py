@@ -56,6 +56,9 @@ BRIDGED_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

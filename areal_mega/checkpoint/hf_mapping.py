@@ -61,6 +61,7 @@ import torch
 from areal_mega.checkpoint.bridge_tables import load_tables
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.value_model import value_model_problem
+from areal_mega.models.bridge_provider import gpu_only_reason
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -251,6 +252,11 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
             raise UnsupportedModelError(f"{path}: not valid JSON ({e})") from None
     cfg = normalize_hf_config(cfg)
     mt = cfg.get("model_type")
+    if gpu_only_reason(mt):
+        raise UnsupportedModelError(
+            f"{where}: model_type={mt!r} needs GPU-only kernels, which the CPU lacks: "
+            f"{gpu_only_reason(mt)}"
+        )
     if mt not in FAMILIES:
         raise UnsupportedModelError(
             f"{where}: model_type={mt!r} (architectures={cfg.get('architectures')}) is not "

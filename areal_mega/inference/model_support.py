@@ -12,7 +12,11 @@ Everything is read from the code that decides it, not written down here:
   is :class:`~areal_mega.inference.kv_cache.StaticKVBatch` or transformers' cache
   (:class:`~areal_mega.inference.kv_cache.HFCacheBatch`) as
   :func:`~areal_mega.inference.kv_cache.kv_path_of` decides for that model type's default
-  config.
+  config;
+* status: ``CPU end to end`` (an engine family: every one is checked end to end on the CPU by
+  its family test), ``GPU only, not built yet`` (its layers need megatron-core kernels that exist for CUDA
+  only: :data:`areal_mega.models.bridge_provider.GPU_ONLY`, which names why; the CPU refuses
+  it and the engine does not build it yet) or ``not supported`` with the reason.
 
 :func:`support_rows` is the pure part (plain data in and out).
 """
@@ -33,6 +37,7 @@ __all__ = [
     "markdown_table",
     "SERVER_PATHS",
     "ENGINE_HF_CACHE",
+    "STATUS",
 ]
 
 #: how the CPU server runs a model: :func:`kv_path_of`'s answer -> what the table says. Our
@@ -42,6 +47,12 @@ SERVER_PATHS = {"static": "yes (StaticKV)", "hf_cache": "loads (HF cache, not te
 #: an engine family on the HF-cache path (Gemma 3): every engine family is served end to end
 #: by its family test (tests/test_new_families.py), whichever running batch it gets
 ENGINE_HF_CACHE = "yes (HF cache)"
+
+
+#: the status column's three values
+STATUS = {"cpu": "CPU end to end", "gpu": "GPU only, not built yet", "no": "not supported"}
+#: why a causal LM that transformers runs and the bridge maps is not an engine family
+NO_ENGINE_FAMILY = "no engine family yet"
 
 
 def engine_architectures() -> dict:
@@ -80,6 +91,7 @@ def support_rows(
     causal_lm: dict,
     kv_paths: dict,
     transformers_classes: Optional[set] = None,
+    gpu_only: Optional[dict] = None,
 ) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
@@ -88,7 +100,9 @@ def support_rows(
     ``causal_lm`` /
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
-    exports (tells "not a causal LM" from "not in transformers")."""
+    exports (tells "not a causal LM" from "not in transformers"); ``gpu_only``:
+    ``{model_type: why}`` of the families needing GPU-only kernels. ``status`` is a
+    :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
     rows, seen = [], set()
     for arch in architectures:
         if arch in seen:
@@ -106,6 +120,12 @@ def support_rows(
             server, note = "no", "not in transformers (remote code)"
         else:
             server, note = "no", "not a causal LM for AutoModelForCausalLM"
+        if arch in engine:
+            status, why = STATUS["cpu"], ""
+        elif model_type is not None and (gpu_only or {}).get(model_type):
+            status, why = STATUS["gpu"], gpu_only[model_type]
+        else:
+            status, why = STATUS["no"], note or NO_ENGINE_FAMILY
         rows.append(
             {
                 "architecture": arch,
@@ -113,6 +133,8 @@ def support_rows(
                 "engine": arch in engine,
                 "server": server,
                 "note": note,
+                "status": status,
+                "status_note": why,
             }
         )
     return rows
@@ -121,13 +143,14 @@ def support_rows(
 def markdown_table(rows: list) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| Architecture (Megatron-Bridge) | model_type | our engine | our CPU server |",
-        "|---|---|---|---|",
+        "| Architecture (Megatron-Bridge) | model_type | our engine | our CPU server | status |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
         server = r["server"] + (f": {r['note']}" if r["note"] else "")
+        status = r.get("status", "") + (f" ({r['status_note']})" if r.get("status_note") else "")
         lines.append(
             f"| `{r['architecture']}` | {r['model_type'] or '-'} | "
-            f"{'yes' if r['engine'] else 'no'} | {server} |"
+            f"{'yes' if r['engine'] else 'no'} | {server} | {status} |"
         )
     return "\n".join(lines)

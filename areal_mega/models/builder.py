@@ -6,7 +6,10 @@ Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` 
 ``gemma3_text`` (Gemma 3 text: :mod:`areal_mega.models.gemma3`), ``glm4_moe`` (sigmoid router
 with expert bias, shared experts, dense first layers, partial rotary:
 :mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
-attention: :mod:`areal_mega.models.mla`). Actor and reference use this same builder; the model
+attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router),
+``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer),
+``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router).
+Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
 
@@ -64,7 +67,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -78,8 +81,14 @@ from areal_mega.models.backend import (
     have_te,
     probe_te,
 )
-from areal_mega.models.mla import deepseek_v3_fields, mla_config_kwargs
-from areal_mega.models.moe_families import glm4_moe_fields, router_config_kwargs
+from areal_mega.models.bridge_provider import (
+    OWN_TRANSLATOR,
+    gpu_only_reason,
+    provider_arch_fields,
+    uses_provider,
+)
+from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
+from areal_mega.models.moe_families import glm4_moe_fields
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = [
@@ -103,6 +112,9 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "glm4_moe",
     "deepseek_v3",
+    "deepseek_v2",
+    "gemma",
+    "glm4_moe_lite",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -154,6 +166,8 @@ class HFArch:
     rope_local_theta: Optional[float] = None
     rope_scaling_factor: float = 1.0
     softmax_scale: Optional[float] = None  # None: 1/sqrt(head_dim)
+    # the normalised HF config (JSON) it was read from: the bridge's provider translates it
+    hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
@@ -162,6 +176,12 @@ class HFArch:
     @property
     def is_mla(self) -> bool:
         return self.mla_kv_lora_rank is not None
+
+    def source_config(self) -> dict:
+        """The HF config dict this was parsed from (:func:`parse_hf_config`)."""
+        if self.hf_json is None:
+            raise ValueError(f"{self.model_type}: HFArch not made by parse_hf_config (no config)")
+        return json.loads(self.hf_json)
 
 
 def load_hf_config(source: Union[str, os.PathLike, dict]) -> dict:
@@ -193,6 +213,10 @@ def parse_hf_config(hf: dict) -> HFArch:
     unsupported architectures or features (e.g. rope scaling other than none)."""
     hf = normalize_hf_config(hf)
     mt = hf.get("model_type")
+    if gpu_only_reason(mt):
+        raise ValueError(
+            f"model_type {mt!r} needs GPU-only kernels, which the CPU lacks: {gpu_only_reason(mt)}"
+        )
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -200,7 +224,11 @@ def parse_hf_config(hf: dict) -> HFArch:
     if mt == "gemma3_text":
         from areal_mega.models.gemma3 import gemma3_arch_fields
 
-        return HFArch(**gemma3_arch_fields(hf))
+        return HFArch(**gemma3_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "gemma":
+        from areal_mega.models.gemma3 import gemma_arch_fields
+
+        return HFArch(**gemma_arch_fields(hf), hf_json=_config_json(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rs_type not in ("default", None):
@@ -243,7 +271,8 @@ def parse_hf_config(hf: dict) -> HFArch:
             num_experts=int(hf["num_experts"]),
             moe_topk=int(hf["num_experts_per_tok"]),
             moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            # transformers' Qwen3MoeConfig default (hub checkpoints set it to true)
+            moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             moe_layer_pattern=pattern,
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
         )
@@ -251,7 +280,15 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(glm4_moe_fields(hf, n_layers, kw["head_dim"]))
     if mt == "deepseek_v3":
         kw.update(deepseek_v3_fields(hf, n_layers))
-    return HFArch(**kw)
+    if mt == "deepseek_v2":
+        kw.update(deepseek_v2_fields(hf, n_layers))
+    if mt == "glm4_moe_lite":
+        kw.update(glm4_moe_lite_fields(hf, n_layers))
+    return HFArch(**kw, hf_json=_config_json(hf))
+
+
+def _config_json(hf: dict) -> str:
+    return json.dumps(hf, sort_keys=True, default=str)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -333,23 +370,10 @@ def transformer_config_from_hf(
             gated_linear_unit=True,
             cp=cp,
         )
+    # runtime fields: ours (mesh, dtype, CPU/GPU fusions, dispatcher, initialisation)
     kw: dict[str, Any] = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=arch.initializer_range,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
@@ -370,10 +394,16 @@ def transformer_config_from_hf(
         persist_layer_norm=False,
         deterministic_mode=deterministic,
         attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
-        window_size=mcore_window_size(arch.sliding_window),
         **fusions,
     )
-    if arch.sliding_window is not None and cp > 1:
+    # architecture fields: the bridge's provider, or our translator where it is kept
+    if uses_provider(arch.model_type):
+        fields, _, is_mla = provider_arch_fields(arch.source_config())
+        kw.update(fields)
+    else:
+        kw.update(_own_arch_fields(arch))
+        is_mla = False
+    if kw.get("window_size") is not None and cp > 1:
         kw["cp_comm_type"] = "a2a"  # megatron's context parallelism with a window needs a2a
     kw.update(interleaved_p2p_settings(pp, vpp))
     if recompute_granularity:
@@ -385,26 +415,66 @@ def transformer_config_from_hf(
             raise ValueError(f"num_experts={arch.num_experts} not divisible by EP={ep}")
         aux = arch.router_aux_loss_coef if moe_aux_loss_coeff is None else moe_aux_loss_coeff
         kw.update(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_topk,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            **router_config_kwargs(arch),
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_aux_loss_coeff=aux,
             moe_grouped_gemm=use_te,
-            moe_layer_freq=list(arch.moe_layer_pattern),
             moe_router_dtype="fp32",
             moe_permute_fusion=False,
             moe_enable_routing_replay=moe_enable_routing_replay,
+            # RL keeps the checkpoint's expert bias (areal_mega.models.moe_families)
+            moe_router_bias_update_rate=0.0,
+            moe_shared_expert_overlap=False,
         )
-    if arch.is_mla:
-        kw.update(mla_config_kwargs(arch))
+    if is_mla:
+        # the local spec's core attention sizes its output by kv_channels (TE's takes the value
+        # head dim from MLA): the value head dim (the provider sets the rotary one)
+        kw["kv_channels"] = kw["v_head_dim"]
         return MLATransformerConfig(**kw)
     if arch.model_type == "gemma3_text":
         from areal_mega.models.gemma3 import gemma3_transformer_config
 
         return gemma3_transformer_config(arch, kw)
     return TransformerConfig(**kw)
+
+
+def _own_arch_fields(arch: HFArch) -> dict:
+    """Our translation of the architecture fields, for the families of
+    :data:`~areal_mega.models.bridge_provider.OWN_TRANSLATOR` (the reason is given there)."""
+    if arch.model_type not in OWN_TRANSLATOR:
+        raise ValueError(
+            f"model_type {arch.model_type!r}: neither the bridge's provider nor our translator"
+        )
+    return dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        init_method_std=arch.initializer_range,
+        window_size=mcore_window_size(arch.sliding_window),
+    )
+
+
+def gpt_model_kwargs(arch: HFArch) -> dict:
+    """The ``GPTModel`` keywords that describe the architecture (rotary base and share, maximum
+    length, tied embeddings): the bridge's provider's, or ours where our translator is kept."""
+    if uses_provider(arch.model_type):
+        return provider_arch_fields(arch.source_config())[1]
+    return dict(
+        rotary_base=arch.rope_theta,
+        rotary_percent=arch.rotary_percent,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+    )
 
 
 def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int] = None):
@@ -415,6 +485,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma3_block_spec
 
         return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "gemma":
+        from areal_mega.models.gemma3 import gemma_block_spec
+
+        return gemma_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.is_moe:
         spec = specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
@@ -489,6 +563,7 @@ def build_model_chunks(
     model_parallel_cuda_manual_seed(seed)
     vocab = padded_vocab_size(arch.vocab_size, make_vocab_size_divisible_by, d.tp)
     n_chunks = mesh.vpp or 1
+    gpt_kw = gpt_model_kwargs(arch)
     chunks = []
     for vp in range(n_chunks):
         vp_stage = vp if mesh.vpp else None
@@ -499,13 +574,9 @@ def build_model_chunks(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=vocab,
-            max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,
             post_process=post,
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_percent=arch.rotary_percent,
-            rotary_base=arch.rope_theta,
+            **gpt_kw,
             pg_collection=mesh.pg_collection,
             vp_stage=vp_stage,
         )
@@ -513,6 +584,10 @@ def build_model_chunks(
             from areal_mega.models.gemma3 import finish_gemma3_model
 
             finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
+        if arch.model_type == "gemma":
+            from areal_mega.models.gemma3 import scale_embeddings
+
+            scale_embeddings(model, arch)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -22,6 +22,10 @@ to transformers' ``Gemma3TextModel``:
 Refused (``ValueError`` naming the key): logit soft-capping, bidirectional attention, rope
 types other than default/linear, a local RoPE that is scaled, other activations, biases.
 TransformerEngine's spec is not wired (the local spec runs on CPU and GPU).
+
+Gemma 1 (``model_type: gemma``) is a Llama layer with these norms, activation and embedding
+scale: its megatron config comes from Megatron-Bridge's Gemma provider
+(:mod:`areal_mega.models.bridge_provider`), its block spec from :func:`gemma_block_spec`.
 """
 
 from __future__ import annotations
@@ -54,7 +58,14 @@ __all__ = [
     "DualRotaryEmbedding",
     "Gemma3SelfAttention",
     "Gemma3CoreAttention",
+    "GEMMA_MODEL_TYPE",
+    "gemma_arch_fields",
+    "gemma_block_spec",
+    "scale_embeddings",
 ]
+
+#: Gemma (1): the Gemma 3 norms, activation and embedding scale on a plain Llama layer
+GEMMA_MODEL_TYPE = "gemma"
 
 GEMMA3_MODEL_TYPE = "gemma3_text"
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -319,6 +330,12 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
 def finish_gemma3_model(model, arch, config: Gemma3Config, cp_group=None) -> None:
     """Give a freshly built ``GPTModel`` Gemma 3's rotary tables and embedding scale."""
     model.rotary_pos_emb = DualRotaryEmbedding(config, arch, cp_group=cp_group)
+    scale_embeddings(model, arch)
+
+
+def scale_embeddings(model, arch) -> None:
+    """Multiply a ``GPTModel``'s word embeddings by ``sqrt(hidden_size)`` in their dtype (every
+    Gemma; first pipeline stage only)."""
     if getattr(model, "embedding", None) is not None:
         scale = math.sqrt(arch.hidden_size)
 
@@ -326,3 +343,70 @@ def finish_gemma3_model(model, arch, config: Gemma3Config, cp_group=None) -> Non
             return output * torch.tensor(scale, dtype=module.word_embeddings.weight.dtype)
 
         model.embedding.register_forward_hook(scale_embeddings)
+
+
+def gemma_arch_fields(hf: dict) -> dict[str, Any]:
+    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``gemma`` config dict
+    (the converters' facts; the megatron config comes from the bridge's provider). Raises
+    ``ValueError`` naming the key of any feature this implementation lacks."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise ValueError(f"hidden_act={act!r} is not supported (gelu_pytorch_tanh only)")
+    if hf.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for gemma")
+    if not hf.get("tie_word_embeddings", True):
+        raise ValueError(
+            "tie_word_embeddings=False is not supported for gemma "
+            "(Megatron-Bridge's GemmaForCausalLM registry maps no lm_head)"
+        )
+    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
+        raise ValueError(f"rope type {rp.get('rope_type', rp.get('type'))!r} is not supported")
+    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    return dict(
+        model_type=GEMMA_MODEL_TYPE,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        rope_theta=float(hf.get("rope_theta", rp.get("rope_theta", 10_000.0))),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        qkv_bias=False,
+        qk_norm=False,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        activation="gelu_tanh",
+    )
+
+
+def gemma_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
+    """The block spec of this pipeline stage (chunk) of a Gemma (1) model: megatron's local
+    layer spec with :class:`Gemma3RMSNorm` (``(1 + w)``, fp32) as every norm, and our packed
+    attention. The bridge's provider says ``layernorm_zero_centered_gamma``, which megatron's
+    local (torch) norm does not implement; its TE spec does."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if use_te:
+        raise ValueError(
+            "gemma runs on megatron's local layer spec only "
+            "(model.attention_backend other than TransformerEngine)"
+        )
+    spec = specs.get_gpt_layer_local_spec(
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, normalization="RMSNorm"
+    )
+    layer = spec.submodules
+    layer.input_layernorm = Gemma3RMSNorm
+    layer.pre_mlp_layernorm = Gemma3RMSNorm
+    layer.self_attention.submodules.core_attention = VarlenDotProductAttention
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=Gemma3RMSNorm)

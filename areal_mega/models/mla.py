@@ -3,7 +3,9 @@
 ``config.multi_latent_attention``), and the DeepSeek-style router of
 :mod:`areal_mega.models.moe_families`.
 
-HF fields -> ``MLATransformerConfig`` (as megatron-bridge 0.6.2's DeepSeek provider maps them):
+HF fields -> ``MLATransformerConfig``: Megatron-Bridge's DeepSeek provider maps them
+(:mod:`areal_mega.models.bridge_provider`, with its one correction for configs without rope
+scaling); these are the facts the converters and the export read:
 ``q_lora_rank`` (None: one ``q_proj``), ``kv_lora_rank``, ``qk_nope_head_dim`` -> ``qk_head_dim``,
 ``qk_rope_head_dim`` -> ``qk_pos_emb_head_dim``, ``v_head_dim``. The latent RMSNorms
 (``q_a_layernorm``, ``kv_a_layernorm``) are megatron's ``q_layernorm`` / ``kv_layernorm``
@@ -16,9 +18,16 @@ from __future__ import annotations
 
 from areal_mega.models.moe_families import routed_moe_fields
 
-__all__ = ["MLA_MODEL_TYPES", "deepseek_v3_fields", "mla_config_kwargs", "mla_full_shapes"]
+__all__ = [
+    "MLA_MODEL_TYPES",
+    "deepseek_v3_fields",
+    "deepseek_v2_fields",
+    "glm4_moe_lite_fields",
+    "moe_pattern_of_layer_types",
+    "mla_full_shapes",
+]
 
-MLA_MODEL_TYPES = ("deepseek_v3",)
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 
 
 def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
@@ -48,22 +57,56 @@ def deepseek_v3_fields(hf: dict, n_layers: int) -> dict:
     )
 
 
-def mla_config_kwargs(arch) -> dict:
-    """``MLATransformerConfig`` options of an MLA ``arch`` (plain rope, no scaling)."""
-    return dict(
-        multi_latent_attention=True,
-        q_lora_rank=arch.mla_q_lora_rank,
-        kv_lora_rank=arch.mla_kv_lora_rank,
-        qk_head_dim=arch.mla_qk_nope_head_dim,
-        qk_pos_emb_head_dim=arch.mla_qk_rope_head_dim,
-        v_head_dim=arch.mla_v_head_dim,
-        kv_channels=arch.mla_v_head_dim,
-        rope_type="rope",
-        rotary_base=arch.rope_theta,
-        rotary_scaling_factor=1.0,
-        mscale=1.0,
-        mscale_all_dim=0.0,
+def deepseek_v2_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``deepseek_v2`` config:
+    DeepSeek-V3's attention and a softmax router (transformers: softmax over all experts, top-k,
+    no renormalisation whatever ``norm_topk_prob`` says, times ``routed_scaling_factor``; megatron:
+    ``moe_router_pre_softmax``), always-on shared experts, dense first layers."""
+    method = hf.get("topk_method") or "greedy"
+    topk = int(hf["num_experts_per_tok"])
+    if method == "group_limited_greedy" and int(hf.get("topk_group") or 0) != topk:
+        raise ValueError(
+            f"topk_method='group_limited_greedy' with topk_group={hf.get('topk_group')} and "
+            f"num_experts_per_tok={topk}: transformers scores a group by its best expert, "
+            "megatron by its top (num_experts_per_tok / topk_group); they agree only when "
+            "that is 1"
+        )
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"topk_method={method!r} is not supported (greedy, group_limited_greedy)")
+    if not hf.get("n_shared_experts"):
+        raise ValueError("n_shared_experts must be set (transformers adds the shared experts)")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported for deepseek_v2")
+    fields = deepseek_v3_fields(
+        dict(hf, norm_topk_prob=topk > 1, n_group=1, topk_group=1, rope_interleave=True), n_layers
     )
+    grouped = method == "group_limited_greedy"
+    fields.update(
+        moe_norm_topk_prob=False,
+        moe_score_function="softmax",
+        moe_expert_bias=False,
+        moe_num_groups=int(hf["n_group"]) if grouped else None,
+        moe_group_topk=int(hf["topk_group"]) if grouped else None,
+    )
+    return fields
+
+
+def moe_pattern_of_layer_types(hf: dict, n_layers: int) -> tuple:
+    """1 = MoE, 0 = dense per layer from ``mlp_layer_types`` (``"dense"`` / ``"sparse"``;
+    transformers' GLM-4-MoE-Lite default: the first layer dense, the rest sparse)."""
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
+    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types={types!r}: need {n_layers} of 'dense' / 'sparse'")
+    return tuple(int(t == "sparse") for t in types)
+
+
+def glm4_moe_lite_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm4_moe_lite`` config
+    (GLM-4.7-Flash): DeepSeek-V3's attention and router, the dense layers from
+    ``mlp_layer_types``."""
+    fields = deepseek_v3_fields(dict(hf, first_k_dense_replace=0), n_layers)
+    fields["moe_layer_pattern"] = moe_pattern_of_layer_types(hf, n_layers)
+    return fields
 
 
 def mla_full_shapes(arch) -> dict:

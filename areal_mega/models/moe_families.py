@@ -11,7 +11,8 @@ per-head QK RMSNorm (``use_qk_norm``) and partial rotary: rotary on the first
 layout, the rest passed through (transformers' ``apply_rotary_pos_emb`` of ``glm4_moe``, which
 is megatron's non-interleaved rotary with ``rotary_percent``).
 
-megatron-core 0.19.2 options for these (as megatron-bridge 0.6.2's GLM-4.5 provider sets them):
+megatron-core 0.19.2 options for these (set by megatron-bridge's GLM-4.5 / DeepSeek providers,
+which the builder takes them from: :mod:`areal_mega.models.bridge_provider`):
 ``moe_router_score_function="sigmoid"``, ``moe_router_enable_expert_bias`` (the router's
 ``expert_bias`` buffer, mapped from ``e_score_correction_bias``), ``moe_router_num_groups`` /
 ``moe_router_group_topk``, ``moe_router_topk_scaling_factor``,
@@ -37,11 +38,10 @@ __all__ = [
     "SIGMOID_ROUTER_MODEL_TYPES",
     "glm4_moe_fields",
     "routed_moe_fields",
-    "router_config_kwargs",
 ]
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
-SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
 
 def _partial_rotary_factor(hf: dict) -> float:
@@ -111,29 +111,3 @@ def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
         qkv_bias=bool(hf.get("attention_bias", False)),
         rotary_percent=factor,
     )
-
-
-def router_config_kwargs(arch) -> dict:
-    """megatron ``TransformerConfig`` MoE-router options of ``arch`` (softmax families: the
-    Qwen3-MoE router; sigmoid families: see the module docstring)."""
-    if arch.moe_score_function == "softmax":
-        # HF Qwen3-MoE: softmax over all experts, top-k, renormalise when norm_topk_prob.
-        # Megatron: top-k on logits then softmax over the k == renormalised top-k.
-        return dict(
-            moe_router_score_function="softmax", moe_router_pre_softmax=not arch.moe_norm_topk_prob
-        )
-    kw: dict[str, Any] = dict(
-        moe_router_score_function=arch.moe_score_function,
-        moe_router_pre_softmax=False,
-        moe_router_enable_expert_bias=arch.moe_expert_bias,
-        moe_router_bias_update_rate=0.0,
-        moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor,
-        moe_router_num_groups=arch.moe_num_groups,
-        moe_router_group_topk=arch.moe_group_topk,
-    )
-    if arch.moe_shared_ffn_hidden_size:
-        kw.update(
-            moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size,
-            moe_shared_expert_overlap=False,
-        )
-    return kw

@@ -22,6 +22,9 @@ ARCHS = (
     "gemma3_text",
     "glm4_moe",
     "deepseek_v3",
+    "deepseek_v2",
+    "gemma",
+    "glm4_moe_lite",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -71,7 +74,8 @@ class TinyModelSpec:
     attention_bias: bool = True
     use_qk_norm: bool = True
     expert_bias_std: float = 0.02  # e_score_correction_bias ~ N(0, std) (HF initialises 0)
-    # deepseek_v3 only (multi-latent attention; also uses the glm4_moe routing fields)
+    # deepseek_v3, deepseek_v2 (multi-latent attention; also the glm4_moe routing fields, of
+    # which deepseek_v2's softmax router uses the expert counts and routed_scaling_factor)
     q_lora_rank: int = 32
     kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
@@ -134,7 +138,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         attention_dropout=0.0,
     )
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text"):
+    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text", "gemma"):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text"):
         raise ValueError("sliding_window: only the mistral and gemma3_text tiny models have one")
@@ -203,6 +207,24 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             attention_bias=spec.attention_bias,
             use_qk_norm=spec.use_qk_norm,
         )
+    if spec.arch == "glm4_moe_lite":
+        from transformers import Glm4MoeLiteConfig
+
+        common["num_key_value_heads"] = spec.num_heads
+        routing.pop("first_k_dense_replace")
+        k = spec.first_k_dense_replace
+        return Glm4MoeLiteConfig(
+            **common,
+            **routing,
+            mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            rope_interleave=True,
+            attention_bias=False,
+        )
     if spec.arch == "deepseek_v3":
         common["num_key_value_heads"] = spec.num_heads
         return DeepseekV3Config(
@@ -214,6 +236,32 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             qk_rope_head_dim=spec.qk_rope_head_dim,
             v_head_dim=spec.v_head_dim,
             rope_interleave=True,
+            attention_bias=False,
+        )
+    if spec.arch == "gemma":
+        from transformers import GemmaConfig
+
+        common.update(hidden_act="gelu_pytorch_tanh")
+        return GemmaConfig(**common, head_dim=head_dim, attention_bias=False)
+    if spec.arch == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        common["num_key_value_heads"] = spec.num_heads
+        return DeepseekV2Config(
+            **common,
+            n_routed_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            n_shared_experts=spec.n_shared_experts,
+            first_k_dense_replace=spec.first_k_dense_replace,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
             attention_bias=False,
         )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
@@ -254,7 +302,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)
-    if spec.arch == "gemma3_text":
+    if spec.arch in ("gemma3_text", "gemma"):
         # Gemma's norms start at zero ((1 + w) scaling): random ones make every norm count
         with torch.no_grad():
             for name, p in model.named_parameters():

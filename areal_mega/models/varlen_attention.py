@@ -250,7 +250,7 @@ class VarlenDotProductAttention(DotProductAttention):
     def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
         # MLA passes its query/key and value head dims (TE's attention takes them); megatron's
         # local DotProductAttention does not: its output width comes from config.kv_channels,
-        # which the MLA builder sets to the value head dim (areal_mega.models.mla)
+        # which the builder sets to the value head dim for MLA (areal_mega.models.builder)
         if v_channels is not None and v_channels != config.kv_channels:
             raise ValueError(
                 f"value head dim {v_channels} != config.kv_channels {config.kv_channels}"

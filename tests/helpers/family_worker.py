@@ -32,8 +32,16 @@ from tests.helpers import engine_worker as ew
 from tests.helpers.new_families import CASES
 
 #: layout name -> ParallelDims of the 2-rank mesh; EP2 runs inside DP2 (half the batch each)
-MESHES = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2), "ep2": dict(dp=2, ep=2)}
+#: ``tp2sp``: TP2 with sequence parallelism (megatron requires it for MoE with TP)
+MESHES = {
+    "dp2": dict(dp=2),
+    "tp2": dict(tp=2),
+    "tp2sp": dict(tp=2),
+    "pp2": dict(pp=2),
+    "ep2": dict(dp=2, ep=2),
+}
 HALF_BATCH = ("dp2", "ep2")
+SEQUENCE_PARALLEL = ("tp2sp",)
 
 
 def hf_reference(hf_dir, seqs, overrides=None):
@@ -78,6 +86,10 @@ def converted_vs_hf(res, tag, hf_config, mcore_dir, hf_seqs, want_logits, want_l
     if eng.mesh.dims.pp == 1:
         chunk = eng.model_chunks()[0]
         ids = torch.stack(hf_seqs[:2])
+        if eng.config.sequence_parallel:  # the sequence splits over TP: a multiple of it (causal,
+            # so a prefix's logits are the full run's first rows)
+            ids = ids[:, : ids.shape[1] - ids.shape[1] % eng.config.tensor_model_parallel_size]
+            want_logits = want_logits[:, : ids.shape[1]]
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         with torch.no_grad():
             out = chunk(input_ids=ids, position_ids=pos, attention_mask=None)
@@ -107,6 +119,8 @@ def run_family(name):
         from areal_mega.models.builder import normalize_hf_config
 
         hf = normalize_hf_config(dict(cfg, vocab_size=ew.VOCAB, router_aux_loss_coef=0.0))
+        if hf.get("n_routed_experts") and not hf.get("num_experts"):  # DeepSeek's spelling
+            hf["num_experts"] = hf["n_routed_experts"]
         mbs = ew.make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
         ew.set_mesh(MESHES["dp2"])
         converted_vs_hf(res, "dp2", cfg, mcore_dir, seqs, want_logits, want_lps)
@@ -124,7 +138,7 @@ def run_family(name):
             res, "dp2", hf, ref, mbs, my_mbs=mbs[rank::2], my_ref_lps=ref["lps"][rank::2]
         )
         for layout in case.layouts:
-            ew.set_mesh(MESHES[layout])
+            ew.set_mesh(MESHES[layout], sp=layout in SEQUENCE_PARALLEL)
             converted_vs_hf(res, layout, cfg, mcore_dir, seqs, want_logits, want_lps)
             half = layout in HALF_BATCH
             ew.check_layout(

@@ -15,7 +15,7 @@ class FamilyCase:
 
     ``tiny``: :func:`make_tiny_model` overrides (``arch`` is the model type); ``layouts``:
     the 2-rank layouts compared with the single-rank reference (``tp2``, ``pp2``, ``ep2``
-    for MoE: EP2 inside DP2); ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
+    for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs); ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
     converted weights are also checked against transformers (on DP2). The checked sequences
@@ -58,6 +58,25 @@ CASES = {
             }
         },
     ),
+    # Gemma (1): (1 + w) norms in fp32, GELU-tanh GLU, embeddings scaled by sqrt(hidden), tied;
+    # head_dim 24 (not hidden/heads = 16)
+    "gemma": FamilyCase("gemma", dict(arch="gemma", head_dim=24)),
+    # DeepSeek-V2: multi-latent attention (q low-rank pair), softmax top-2 of 4 experts without
+    # renormalisation times routed_scaling_factor 2.5, a shared expert, layer 0 dense
+    "deepseek_v2": FamilyCase(
+        "deepseek_v2",
+        dict(arch="deepseek_v2", tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
+    # GLM-4-MoE-Lite (GLM-4.7-Flash): DeepSeek-V3's attention and sigmoid router with expert
+    # bias, group-limited top-2, shared expert; dense layers from mlp_layer_types (layer 0)
+    "glm4_moe_lite": FamilyCase(
+        "glm4_moe_lite",
+        dict(arch="glm4_moe_lite", tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -65,7 +84,7 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral", "gemma3_text")
+RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma", "glm4_moe_lite")
 
 
 def tiny_spec(case: FamilyCase) -> dict:

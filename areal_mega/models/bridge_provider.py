@@ -1,0 +1,285 @@
+"""Megatron-Bridge's model providers as our HF config -> megatron ``TransformerConfig`` translator.
+
+Megatron-Bridge describes every family it maps with a *provider*: ``AutoBridge.from_hf_config
+(config).to_megatron_provider(load_weights=False)`` reads an HF config (no weights) and returns
+a ``GPTModelProvider`` (a ``TransformerConfig`` subclass) carrying the family's architecture:
+sizes, norms, activation, biases, QK norm, window, router, shared experts, multi-latent
+attention, rotary base and share. The engine takes those *architecture fields* from it
+(:data:`ARCH_FIELDS`, :data:`GPT_FIELDS`) and adds its own *runtime fields* (parallel sizes of
+our mesh, dtype, CPU/GPU fusions, dispatcher, initialisation on CPU, MoE training policy),
+which :func:`~areal_mega.models.builder.transformer_config_from_hf` decides as before. The
+layer spec stays ours (:func:`~areal_mega.models.builder.layer_spec_for`): the providers'
+default spec is TransformerEngine's, which the CPU lacks (megatron-core's local spec with our
+packed attention, :mod:`areal_mega.models.varlen_attention`, runs on both).
+
+Families (``model_type``):
+
+* :data:`PROVIDER_FAMILIES`: architecture from the bridge's provider;
+* :data:`OWN_TRANSLATOR`: our translator kept, the reason given per family;
+* :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
+  here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry).
+
+Importing Megatron-Bridge takes a few seconds (it imports every family); it happens once per
+process, on the first model built, and the providers are cached per config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, Dict, Tuple
+
+from areal_mega.models.mla import moe_pattern_of_layer_types
+
+__all__ = [
+    "ARCH_FIELDS",
+    "GPT_FIELDS",
+    "PROVIDER_FAMILIES",
+    "OWN_TRANSLATOR",
+    "CORRECTIONS",
+    "GPU_ONLY",
+    "gpu_only_reason",
+    "uses_provider",
+    "hf_config_object",
+    "provider_for",
+    "provider_arch_fields",
+]
+
+#: ``TransformerConfig`` fields that describe the architecture: read from the provider
+ARCH_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "layernorm_epsilon",
+    "layernorm_zero_centered_gamma",
+    "gated_linear_unit",
+    "activation_func",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "init_method_std",
+    "window_size",
+    "softmax_scale",
+    "rotary_interleaved",
+    # MoE
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    # multi-latent attention (MLATransformerConfig)
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_base",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+)
+#: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
+GPT_FIELDS = {
+    "rotary_base": "rotary_base",
+    "rotary_percent": "rotary_percent",
+    "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
+    "seq_length": "max_sequence_length",
+    "position_embedding_type": "position_embedding_type",
+}
+
+#: families whose architecture comes from the bridge's provider
+PROVIDER_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v2",
+    "gemma",
+    "glm4_moe_lite",
+)
+
+#: families that keep our translator, and why
+OWN_TRANSLATOR = {
+    "gemma3_text": (
+        "the bridge's Gemma 3 provider puts the per-layer window and RoPE base into its "
+        "TransformerEngine layer spec (gemma3_layer_spec) and one window_size for every layer "
+        "in the config; on the local spec a config-only translation would apply the window "
+        "to the full-attention layers too. Our Gemma3Config carries the per-layer choice "
+        "(areal_mega/models/gemma3.py)"
+    ),
+}
+
+
+def _tied(hf: dict, fields: dict, gpt: dict) -> None:
+    """Tied embeddings as the config says (transformers' default when it says nothing)."""
+    gpt["share_embeddings_and_output_weights"] = bool(hf_config_object(hf).tie_word_embeddings)
+
+
+def _deepseek_v3(hf: dict, fields: dict, gpt: dict) -> None:
+    """DeepSeek-V3 without ``rope_scaling``: the bridge leaves megatron's MLA default
+    ``rope_type="yarn"`` (with factor 1.0); transformers applies plain RoPE, which is megatron's
+    ``rope_type="rope"`` (the path our CPU packed-RoPE patch and the family tests cover)."""
+    _tied(hf, fields, gpt)
+    rs = hf.get("rope_scaling") or {}
+    rp = hf.get("rope_parameters") or {}
+    kind = rs.get("type", rs.get("rope_type")) or rp.get("rope_type", "default")
+    if kind in (None, "default") and fields.get("rope_type") == "yarn":
+        fields.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+
+
+def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
+    """GLM-4-MoE-Lite: as DeepSeek-V3, and the dense layers of ``mlp_layer_types``."""
+    _deepseek_v3(hf, fields, gpt)
+    fields["moe_layer_freq"] = list(moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"])))
+
+
+def _qwen3_moe_dense_layers(hf: dict, fields: dict, gpt: dict) -> None:
+    """Qwen3-MoE with dense layers: transformers makes layer i dense when it is in
+    ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; the bridge makes every layer MoE."""
+    n = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = [0 if (i in dense or (i + 1) % step) else 1 for i in range(n)]
+    fields["moe_layer_freq"] = pattern
+
+
+_UNTIED = (
+    "the provider sets share_embeddings_and_output_weights=False whatever "
+    "tie_word_embeddings says"
+)
+
+#: model_type -> (why, correction of the provider's fields and GPTModel keywords in place, given
+#: the HF config)
+CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
+    "deepseek_v3": (
+        "a config without rope_scaling keeps MLATransformerConfig's default rope_type 'yarn' "
+        "(factor 1.0) where transformers applies plain RoPE; " + _UNTIED,
+        _deepseek_v3,
+    ),
+    "deepseek_v2": (
+        "as deepseek_v3 (default rope_type 'yarn' without rope_scaling; embeddings untied)",
+        _deepseek_v3,
+    ),
+    "glm4_moe": (_UNTIED, _tied),
+    "glm4_moe_lite": (
+        "as deepseek_v3, and the dense layers come from first_k_dense_replace (default 1), "
+        "which this config does not have: transformers reads mlp_layer_types",
+        _glm4_moe_lite,
+    ),
+    "qwen3_moe": (
+        "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
+        "becomes MoE where transformers builds dense MLP layers",
+        _qwen3_moe_dense_layers,
+    ),
+}
+
+
+_LINEAR_ATTN = (
+    "gated delta-net linear-attention layers: megatron-core runs them with the "
+    "fla / causal-conv1d CUDA kernels (no CPU path)"
+)
+_MAMBA = (
+    "Mamba-2 SSM layers: megatron-core's MambaMixer needs the mamba-ssm / causal-conv1d CUDA "
+    "kernels and a HybridModel with TransformerEngine specs"
+)
+_SPARSE = (
+    "DeepSeek sparse attention (lightning indexer, top-k key selection): megatron-core "
+    "implements it with TransformerEngine / CUDA kernels only"
+)
+#: model types whose layers need megatron-core kernels that exist for CUDA only: the CPU
+#: refuses them naming why (the engine does not build them yet on any device)
+GPU_ONLY = {
+    "qwen3_next": _LINEAR_ATTN,
+    "qwen3_5": _LINEAR_ATTN,
+    "qwen3_5_text": _LINEAR_ATTN,
+    "qwen3_5_moe": _LINEAR_ATTN,
+    "qwen3_5_moe_text": _LINEAR_ATTN,
+    "nemotron_h": _MAMBA,
+    "falcon_h1": _MAMBA,
+    "glm_moe_dsa": _SPARSE,
+    "deepseek_v4": _SPARSE,
+}
+
+
+def gpu_only_reason(model_type: str):
+    """Why ``model_type`` needs GPU-only kernels (None when it does not)."""
+    return GPU_ONLY.get(model_type)
+
+
+def uses_provider(model_type: str) -> bool:
+    """Whether ``model_type``'s architecture fields come from the bridge's provider."""
+    return model_type in PROVIDER_FAMILIES
+
+
+def hf_config_object(hf: dict):
+    """transformers' ``PretrainedConfig`` of a config dict (its ``architectures`` filled in
+    with the family's causal-LM class when absent: the bridge dispatches on it)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    hf = dict(hf)
+    mt = hf.pop("model_type")
+    if not hf.get("architectures"):
+        hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]]
+    return AutoConfig.for_model(mt, **hf)
+
+
+@functools.lru_cache(maxsize=32)
+def _provider(hf_json: str):
+    from areal_mega.compat.megatron_cpu import install_te_placeholder
+
+    install_te_placeholder()  # importing the bridge needs it where TransformerEngine is absent
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+
+    cfg = hf_config_object(json.loads(hf_json))
+    return AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
+
+
+def provider_for(hf: dict):
+    """The bridge's (unfinalised) provider of an HF config dict; cached per config. Treat it
+    as read-only."""
+    return _provider(json.dumps(hf, sort_keys=True, default=str))
+
+
+def provider_arch_fields(hf: dict) -> Tuple[dict, dict, bool]:
+    """``(config_fields, gpt_kwargs, is_mla)`` of an HF config dict from the bridge's provider:
+    the :data:`ARCH_FIELDS` it has (None values dropped: megatron derives them, e.g.
+    ``kv_channels``), the ``GPTModel`` keywords of :data:`GPT_FIELDS`, and whether it is a
+    multi-latent-attention config. :data:`CORRECTIONS` applied."""
+    p = provider_for(hf)
+    is_mla = bool(getattr(p, "multi_latent_attention", False))
+    fields: Dict[str, Any] = {}
+    for name in ARCH_FIELDS:
+        if not hasattr(p, name):
+            continue
+        value = getattr(p, name)
+        if value is None:
+            continue
+        if name == "rotary_base" and not is_mla:
+            continue  # a GPTModel argument for non-MLA models
+        fields[name] = value
+    if fields.get("window_size") is not None:
+        fields["window_size"] = tuple(fields["window_size"])
+    if isinstance(fields.get("moe_layer_freq"), int) and fields.get("num_moe_experts"):
+        freq = fields["moe_layer_freq"]
+        fields["moe_layer_freq"] = [1 if i % freq == 0 else 0 for i in range(p.num_layers)]
+    gpt = {kw: getattr(p, f) for f, kw in GPT_FIELDS.items()}
+    fix = CORRECTIONS.get(hf.get("model_type"))
+    if fix is not None:
+        fix[1](hf, fields, gpt)
+    return fields, gpt, is_mla

@@ -1,0 +1,181 @@
+"""The engine's architecture fields from Megatron-Bridge's providers
+(areal_mega/models/bridge_provider.py): they agree with the facts our converters read from the
+same HF config, and each provider defect we correct (or family we keep translating ourselves)
+is still there upstream: these tests fail once the bridge fixes one, to drop the workaround.
+
+The numerics (engine logits = transformers') are checked by the family tests
+(tests/test_new_families.py, tests/test_moe_families.py and the dense-family tests)."""
+
+import pytest
+
+from areal_mega.models import bridge_provider as bp
+from areal_mega.models.builder import normalize_hf_config, parse_hf_config
+from areal_mega.models.tiny import ARCHS, TinyModelSpec, _hf_config
+
+#: the tiny configs of the family tests (Mistral / Gemma 3 with a window and own head_dim)
+SPECS = {
+    "mistral": dict(head_dim=24, sliding_window=8),
+    "gemma3_text": dict(head_dim=24, sliding_window=8, rope_theta=1e6, query_pre_attn_scalar=32),
+    "qwen3_moe": dict(tie_word_embeddings=False),
+}
+
+
+def tiny_config(arch, **kw):
+    spec = TinyModelSpec(arch=arch, **{**SPECS.get(arch, {}), **kw})
+    return normalize_hf_config(_hf_config(spec, 22, 0, 1).to_dict())
+
+
+def test_every_engine_family_is_provided_or_translated_with_a_reason():
+    assert set(ARCHS) == set(bp.PROVIDER_FAMILIES) | set(bp.OWN_TRANSLATOR)
+    assert not set(bp.PROVIDER_FAMILIES) & set(bp.OWN_TRANSLATOR)
+    assert all(len(why) > 40 for why in bp.OWN_TRANSLATOR.values())
+    assert set(bp.CORRECTIONS) <= set(bp.PROVIDER_FAMILIES)
+
+
+@pytest.mark.parametrize("arch", bp.PROVIDER_FAMILIES)
+def test_provider_agrees_with_the_converters_facts(arch):
+    """The provider's architecture = what the converters read from the same config (shapes,
+    biases, norms, window, experts and their layer pattern, rotary share, tied embeddings)."""
+    hf = tiny_config(arch)
+    a = parse_hf_config(hf)
+    f, gpt, is_mla = bp.provider_arch_fields(hf)
+    assert is_mla == a.is_mla
+    assert (f["num_layers"], f["hidden_size"], f["num_attention_heads"]) == (
+        a.num_layers,
+        a.hidden_size,
+        a.num_heads,
+    )
+    assert f["ffn_hidden_size"] == a.ffn_hidden_size
+    assert f["layernorm_epsilon"] == a.rms_norm_eps and f["normalization"] == "RMSNorm"
+    assert f["add_qkv_bias"] == a.qkv_bias and f["qk_layernorm"] == a.qk_norm
+    assert f["add_bias_linear"] is False and f["gated_linear_unit"] is True
+    if a.is_mla:
+        assert (f["q_lora_rank"], f["kv_lora_rank"], f["v_head_dim"]) == (
+            a.mla_q_lora_rank,
+            a.mla_kv_lora_rank,
+            a.mla_v_head_dim,
+        )
+        assert (f["qk_head_dim"], f["qk_pos_emb_head_dim"]) == (
+            a.mla_qk_nope_head_dim,
+            a.mla_qk_rope_head_dim,
+        )
+        assert f["rope_type"] == "rope" and f["rotary_base"] == a.rope_theta
+    else:
+        assert f["num_query_groups"] == a.num_kv_heads
+        assert f.get("kv_channels", a.hidden_size // a.num_heads) == a.head_dim
+        assert gpt["rotary_base"] == a.rope_theta
+    want_window = None if a.sliding_window is None else (a.sliding_window - 1, 0)
+    assert f.get("window_size") == want_window
+    assert gpt["rotary_percent"] == a.rotary_percent
+    assert gpt["share_embeddings_and_output_weights"] == a.tie_word_embeddings
+    assert gpt["position_embedding_type"] == "rope"
+    if a.is_moe:
+        assert f["num_moe_experts"] == a.num_experts and f["moe_router_topk"] == a.moe_topk
+        assert f["moe_ffn_hidden_size"] == a.moe_ffn_hidden_size
+        assert list(f["moe_layer_freq"]) == list(a.moe_layer_pattern)
+        assert f["moe_router_score_function"] == a.moe_score_function
+        assert f.get("moe_router_enable_expert_bias", False) == a.moe_expert_bias
+        assert f.get("moe_shared_expert_intermediate_size") == a.moe_shared_ffn_hidden_size
+        if a.moe_score_function == "softmax":
+            assert f["moe_router_pre_softmax"] == (not a.moe_norm_topk_prob)
+        else:
+            assert f["moe_router_topk_scaling_factor"] == a.moe_routed_scaling_factor
+            assert f.get("moe_router_num_groups") == a.moe_num_groups
+    else:
+        assert not f.get("num_moe_experts")
+
+
+def test_qwen3_moe_dense_layers_are_kept():
+    """mlp_only_layers / decoder_sparse_step make layers dense (transformers and our
+    converters); the corrected provider fields follow them."""
+    hf = dict(tiny_config("qwen3_moe", num_layers=4), mlp_only_layers=[0])
+    assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 1, 1, 1]
+    hf = dict(tiny_config("qwen3_moe", num_layers=4), decoder_sparse_step=2)
+    assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 1, 0, 1]
+
+
+# ---- upstream defects: each test fails once the bridge is fixed (then drop the workaround)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+def test_upstream_mla_providers_still_default_to_yarn(arch):
+    raw = bp.provider_for(tiny_config(arch))
+    assert raw.rope_type == "yarn", (
+        "the bridge now gives plain RoPE for a config without rope_scaling: drop the RoPE "
+        f"part of CORRECTIONS[{arch!r}]"
+    )
+
+
+def test_upstream_qwen3_moe_provider_still_ignores_dense_layers():
+    hf = dict(tiny_config("qwen3_moe", num_layers=4), mlp_only_layers=[0])
+    raw = bp.provider_for(hf)
+    assert raw.moe_layer_freq in (1, [1, 1, 1, 1]), (
+        "the bridge now reads mlp_only_layers: drop CORRECTIONS['qwen3_moe']"
+    )
+
+
+def test_upstream_gemma3_provider_still_has_one_window_for_every_layer():
+    """Gemma 3 alternates sliding and full layers; the provider's config has one window (its
+    TE layer spec picks per layer), so the config alone cannot drive the local spec."""
+    hf = tiny_config("gemma3_text")
+    assert "full_attention" in hf["layer_types"]
+    raw = bp.provider_for(hf)
+    assert raw.window_size is not None and not hasattr(raw, "layer_types"), (
+        "the bridge's Gemma 3 config now carries the per-layer choice: try moving "
+        "gemma3_text to PROVIDER_FAMILIES"
+    )
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+def test_upstream_providers_still_untie_every_embedding(arch):
+    hf = tiny_config(arch, tie_word_embeddings=True)
+    assert bp.provider_for(hf).share_embeddings_and_output_weights is False, (
+        f"the bridge now reads tie_word_embeddings for {arch}: drop _tied from its CORRECTIONS"
+    )
+    assert bp.provider_arch_fields(hf)[1]["share_embeddings_and_output_weights"] is True
+
+
+@pytest.mark.parametrize(
+    "model_type,words",
+    [
+        ("qwen3_next", "linear-attention"),
+        ("qwen3_5_moe_text", "linear-attention"),
+        ("nemotron_h", "Mamba"),
+        ("falcon_h1", "Mamba"),
+        ("glm_moe_dsa", "sparse attention"),
+        ("deepseek_v4", "sparse attention"),
+    ],
+)
+def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, tmp_path):
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
+
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64}
+    with pytest.raises(ValueError, match="GPU-only kernels") as e:
+        parse_hf_config(hf)
+    assert words in str(e.value)
+    with pytest.raises(UnsupportedModelError, match=words):
+        read_arch(hf)
+
+
+def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():
+    hf = dict(
+        tiny_config("glm4_moe_lite", num_layers=4), mlp_layer_types=["dense"] * 2 + ["sparse"] * 2
+    )
+    raw = bp.provider_for(hf)
+    assert list(raw.moe_layer_freq) == [0, 1, 1, 1], (
+        "the bridge now reads mlp_layer_types: drop that part of CORRECTIONS['glm4_moe_lite']"
+    )
+    assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 0, 1, 1]
+
+
+def test_qwen3_moe_without_norm_topk_prob_routes_as_transformers():
+    """A config without ``norm_topk_prob``: transformers' default (False, no renormalisation
+    of the top-k softmax weights) is megatron's pre-softmax router, in the provider and in the
+    converters' facts."""
+    hf = tiny_config("qwen3_moe")
+    del hf["norm_topk_prob"]
+    from transformers import Qwen3MoeConfig
+
+    assert Qwen3MoeConfig().norm_topk_prob is False
+    assert bp.provider_arch_fields(hf)[0]["moe_router_pre_softmax"] is True
+    assert parse_hf_config(hf).moe_norm_topk_prob is False
