@@ -67,6 +67,7 @@ def test_transformer_config_matches_hf():
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=16,
+            norm_topk_prob=True,
         )
     )
     c = transformer_config_from_hf(arch, tp=2, pp=2)

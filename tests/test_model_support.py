@@ -98,9 +98,7 @@ def test_list_bridge_models_command():
         "Qwen3MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
-    assert not rows["GemmaForCausalLM"]["engine"]
-    assert (
-        rows["Gemma3ForCausalLM"]["engine"]
-        and rows["Gemma3ForCausalLM"]["server"] == ms.ENGINE_HF_CACHE
-    )
-    assert rows["GemmaForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
+    assert not rows["OlmoeForCausalLM"]["engine"]
+    for arch in ("GemmaForCausalLM", "Gemma3ForCausalLM"):
+        assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
+    assert rows["OlmoeForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]

@@ -14,9 +14,9 @@ Everything is read from the code that decides it, not written down here:
   :func:`~areal_mega.inference.kv_cache.kv_path_of` decides for that model type's default
   config;
 * status: ``CPU end to end`` (an engine family: every one is checked end to end on the CPU by
-  its family test), ``GPU only, not built yet`` (its layers need megatron-core kernels that exist for CUDA
-  only: :data:`areal_mega.models.bridge_provider.GPU_ONLY`, which names why; the CPU refuses
-  it and the engine does not build it yet) or ``not supported`` with the reason.
+  its family test), ``GPU only, not built yet`` (its layers need megatron-core kernels that
+  exist for CUDA only: :data:`areal_mega.models.bridge_provider.GPU_ONLY`, which names why;
+  the CPU refuses it and the engine does not build it yet) or ``not supported`` with the reason.
 
 :func:`support_rows` is the pure part (plain data in and out).
 """

@@ -159,8 +159,7 @@ def _qwen3_moe_dense_layers(hf: dict, fields: dict, gpt: dict) -> None:
 
 
 _UNTIED = (
-    "the provider sets share_embeddings_and_output_weights=False whatever "
-    "tie_word_embeddings says"
+    "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
 
 #: model_type -> (why, correction of the provider's fields and GPTModel keywords in place, given

@@ -32,8 +32,6 @@ only when ``norm_topk_prob``), and megatron scores an expert group by the sum of
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = [
     "SIGMOID_ROUTER_MODEL_TYPES",
     "glm4_moe_fields",

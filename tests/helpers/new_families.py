@@ -15,7 +15,8 @@ class FamilyCase:
 
     ``tiny``: :func:`make_tiny_model` overrides (``arch`` is the model type); ``layouts``:
     the 2-rank layouts compared with the single-rank reference (``tp2``, ``pp2``, ``ep2``
-    for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs); ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
+    for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs);
+    ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
     converted weights are also checked against transformers (on DP2). The checked sequences
