@@ -359,3 +359,72 @@ def _scale(run, *args):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(r.stdout)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_job_submit_runs_the_launcher_as_the_job(assets, tmp_path):
+    """``ray job submit -- python -m areal_mega.launch.ray ...`` as docs/ray.md writes it, against
+    a cluster of its own that serves jobs (the dashboard): the repository uploaded as the job's
+    working directory, the launcher run by Ray's job supervisor on the head node, connected to the
+    cluster from inside the job (Ray gives the job its address) and placing the tiny recipe on
+    the cluster's free resources; the job succeeds and its log holds the placement."""
+    model, _ = assets
+    port = _free_port()
+    c = ray_cluster_utils.Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": True, "dashboard_port": port},
+    )
+    session = c.head_node.get_session_dir_path()
+    try:
+        c.wait_for_nodes()
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        ray_cli = str(Path(sys.executable).parent / "ray")
+        deadline = time.monotonic() + 60  # the dashboard's job API comes up after the raylet
+        while True:
+            r = subprocess.run(
+                [
+                    ray_cli,
+                    "job",
+                    "submit",
+                    "--address",
+                    f"http://127.0.0.1:{port}",
+                    "--working-dir",
+                    str(ROOT),
+                    "--",
+                    sys.executable,  # `python` of an activated venv, as docs/ray.md has it
+                    "-m",
+                    "areal_mega.launch.ray",
+                    "--config",
+                    "recipes/tiny-cpu.yaml",
+                    f"model.path={model}",
+                    "--dry-run",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+                cwd=tmp_path,
+            )
+            if r.returncode == 0 or time.monotonic() > deadline:
+                break
+            if "Connection refused" not in r.stderr + r.stdout:
+                break
+            time.sleep(1)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-3000:]
+        assert "succeeded" in out, out[-3000:]
+        assert "ray placement on the cluster at " in out, out[-3000:]
+        assert any(x.strip().startswith("trainer: tiny-cpu-") for x in out.splitlines()), out
+    finally:
+        c.shutdown()
+    deadline = time.time() + 30
+    while time.time() < deadline and _ray_leftovers([session]):
+        time.sleep(0.5)
+    assert not _ray_leftovers([session]), _ray_leftovers([session])

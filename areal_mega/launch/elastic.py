@@ -45,6 +45,7 @@ from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLin
 from areal_mega.launch.operations import Operation, OperationQueue
 from areal_mega.launch.plan import ServerSlot
 from areal_mega.launch.supervisor import ProcessSpec
+from areal_mega.rollout.server_pool import NOT_GENERATING_YET
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +318,19 @@ class ScaleService:
 
     def _join(self, addr: str, op: Operation) -> dict:
         """Have the worker add ``addr``: at the current weights from disk, or (distributed
-        weight updates) pending the trainer's next broadcast to a group that includes it."""
-        return self.link.request(
-            {"cmd": "add_server", "addr": addr, "via_group": self.distributed_updates},
-            timeout_s=op.check(f"joining {addr}"),
-        )
+        weight updates) pending the trainer's next broadcast to a group that includes it. A
+        worker that is (re)starting and has no weights yet is asked again until the
+        operation's deadline."""
+        while True:
+            try:
+                return self.link.request(
+                    {"cmd": "add_server", "addr": addr, "via_group": self.distributed_updates},
+                    timeout_s=op.check(f"joining {addr}"),
+                )
+            except ControlError as e:
+                if NOT_GENERATING_YET not in str(e):
+                    raise
+                time.sleep(0.2)
 
     def _forget(self, addr: str) -> None:
         """A join whose answer never came may still complete in the worker (it runs its
@@ -366,7 +375,8 @@ class ScaleService:
     def _remove_from_worker(self, sid: str, addr: str, drain: bool, op: Operation) -> dict:
         """The worker's ``remove_server``; a drain gets the operation's time less a margin,
         after which the worker interrupts what is left. A broadcast in progress holds the
-        server in its group: retried until the operation's deadline."""
+        server in its group, and a (re)starting worker has no pool yet: retried until the
+        operation's deadline."""
         while True:
             left = op.check(f"remove {sid}")
             try:
@@ -380,7 +390,7 @@ class ScaleService:
                     timeout_s=left,
                 )
             except ControlError as e:
-                if "broadcast is in progress" not in str(e):
+                if "broadcast is in progress" not in str(e) and NOT_GENERATING_YET not in str(e):
                     raise
                 time.sleep(0.2)
 

@@ -45,6 +45,11 @@ from areal_mega.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 
+NOT_GENERATING_YET = "the rollout worker is not generating yet"
+"""In the answer to a pool command that came before the worker's first weights (at its start
+or after a relaunch): callers with a deadline (``launch.scale``) retry it."""
+
+
 class ServerPoolError(ValueError):
     """A membership request that cannot be applied (unknown server, unreachable address,
     removing the last server, a duplicate); nothing was changed."""
@@ -374,8 +379,8 @@ class ServerPoolCommands:
             return self.pool.pool_stats()
         if ctl is None:
             raise ServerPoolError(
-                f"{cmd}: the rollout worker is not generating yet (it waits "
-                "for the trainer's first weights); retry shortly"
+                f"{cmd}: {NOT_GENERATING_YET} (it waits for the trainer's first weights); "
+                "retry shortly"
             )
         addr = msg.get("addr")
         if not isinstance(addr, str) or not addr:
