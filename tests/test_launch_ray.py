@@ -386,7 +386,7 @@ def test_ray_job_submit_runs_the_launcher_as_the_job(assets, tmp_path):
         c.wait_for_nodes()
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         ray_cli = str(Path(sys.executable).parent / "ray")
-        deadline = time.monotonic() + 60  # the dashboard's job API comes up after the raylet
+        deadline = time.monotonic() + 120  # the job API comes up after the raylet
         while True:
             r = subprocess.run(
                 [
@@ -414,7 +414,8 @@ def test_ray_job_submit_runs_the_launcher_as_the_job(assets, tmp_path):
             )
             if r.returncode == 0 or time.monotonic() > deadline:
                 break
-            if "Connection refused" not in r.stderr + r.stdout:
+            # the job API answers once the dashboard and then the head's job agent are up
+            if not any(m in r.stderr + r.stdout for m in ("Connection refused", "try again later")):
                 break
             time.sleep(1)
         out = r.stdout + r.stderr
