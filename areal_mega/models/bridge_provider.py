@@ -25,8 +25,11 @@ process, on the first model built, and the providers are cached per config.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
+import sys
 from typing import Any, Callable, Dict, Tuple
 
 from areal_mega.models.mla import moe_pattern_of_layer_types
@@ -226,27 +229,48 @@ def uses_provider(model_type: str) -> bool:
 
 
 def hf_config_object(hf: dict):
-    """transformers' ``PretrainedConfig`` of a config dict (its ``architectures`` filled in
-    with the family's causal-LM class when absent: the bridge dispatches on it)."""
+    """transformers' ``PretrainedConfig`` of a config dict, its ``architectures`` the family's
+    causal-LM class when absent or not a causal LM (a critic's or reward model's
+    ``*ForSequenceClassification``: the decoder is the same, and the bridge dispatches on
+    causal-LM classes only)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     hf = dict(hf)
     mt = hf.pop("model_type")
-    if not hf.get("architectures"):
+    archs = hf.get("architectures") or []
+    if not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs):
         hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]]
     return AutoConfig.for_model(mt, **hf)
 
 
-@functools.lru_cache(maxsize=32)
-def _provider(hf_json: str):
+def _import_auto_bridge():
+    """``AutoBridge``, imported without touching this process's logging: the bridge imports
+    ``megatron.training``, whose import calls ``logging.basicConfig`` with a handler on
+    stdout at INFO, which would print the bridge's notices into a command's output (e.g.
+    ``doctor --json``). The root logger's handlers and level are put back as they were."""
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()  # importing the bridge needs it where TransformerEngine is absent
-    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+    return AutoBridge
 
+
+@functools.lru_cache(maxsize=32)
+def _provider(hf_json: str):
+    AutoBridge = _import_auto_bridge()
     cfg = hf_config_object(json.loads(hf_json))
-    return AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
+    with contextlib.redirect_stdout(sys.stderr):
+        return AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
 
 
 def provider_for(hf: dict):
