@@ -22,7 +22,7 @@ from tests.helpers.local_runs import (
     _snapshot_live_run,
     _trained,
     _trainer_pid,
-    fresh_server,
+    server_addrs_on,
 )
 
 pytestmark = pytest.mark.slow
@@ -36,11 +36,6 @@ def rollout_server(assets):
         yield srv
     finally:
         srv.stop()
-
-
-def _on(srv, model):
-    """``rollout.server_addrs`` of a launch on ``srv``, brought back to a fresh server's state."""
-    return f"rollout.server_addrs=[{fresh_server(srv.addr, model)}]"
 
 
 ON_POLICY = (
@@ -76,7 +71,7 @@ def test_fresh_run_on_policy_and_weights_reach_the_servers(
             f"rollout.weight_update={weight_update}",
             *ON_POLICY,
             *extra,
-            *((_on(rollout_server, model),) if weight_update == "disk" else ()),
+            *((server_addrs_on(rollout_server, model),) if weight_update == "disk" else ()),
         ),
         timeout=300,
     )
@@ -124,7 +119,7 @@ def test_sigkill_trainer_then_recover(assets, rollout_server, tmp_path):
         "recover=auto",
         "checkpoint.save_every=1",
         "cluster.max_restarts=2",
-        _on(rollout_server, model),
+        server_addrs_on(rollout_server, model),
     )
     deadline = time.time() + 240
     while time.time() < deadline and len(_metrics(run)) < 3:
@@ -174,13 +169,13 @@ def test_critic_run_on_policy_then_resumes_with_its_critic(assets, rollout_serve
         *ON_POLICY,
     )
     rc, out = _finish(
-        _launch(run, model, data, "total_steps=4", *critic, _on(rollout_server, model)),
+        _launch(run, model, data, "total_steps=4", *critic, server_addrs_on(rollout_server, model)),
         timeout=300,
     )
     assert rc == 0, out[-3000:]
     _check_on_policy_run(run, critic)
     rc, out = _finish(
-        _launch(run, model, data, "total_steps=5", *critic, _on(rollout_server, model)),
+        _launch(run, model, data, "total_steps=5", *critic, server_addrs_on(rollout_server, model)),
         timeout=300,
     )
     assert rc == 0, out[-3000:]

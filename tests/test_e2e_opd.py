@@ -22,7 +22,7 @@ from areal_mega.config import ConfigError, load_config
 from areal_mega.inference.process import launch_local_servers
 from areal_mega.models.tiny import make_tiny_model
 from areal_mega.train.teacher import build_teacher_scorer
-from tests.helpers.local_runs import _finish, _launch, _metrics, check_preset_run, fresh_server
+from tests.helpers.local_runs import _finish, _launch, _metrics, check_preset_run, server_addrs_on
 from tests.helpers.workers import worker_cmd, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,11 +38,6 @@ def rollout_server(assets):
         yield srv
     finally:
         srv.stop()
-
-
-def _on(srv, model):
-    """``rollout.server_addrs`` of a launch on ``srv``, brought back to a fresh server's state."""
-    return f"rollout.server_addrs=[{fresh_server(srv.addr, model)}]"
 
 
 def _check_rows(rows, steps):
@@ -66,7 +61,7 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, rollou
         "checkpoint.save_every=1",
     )
     rc, out = _finish(
-        _launch(run, model, data, "total_steps=3", *opd, _on(rollout_server, model)),
+        _launch(run, model, data, "total_steps=3", *opd, server_addrs_on(rollout_server, model)),
         timeout=300,
     )
     assert rc == 0, out[-3000:]
@@ -78,7 +73,7 @@ def test_teacher_equal_to_student_has_zero_reverse_kl_and_resumes(assets, rollou
     check_preset_run(run, "opd", steps=3)
     # resumed: the teacher is loaded again (from its converted checkpoint), OPD goes on
     rc, out = _finish(
-        _launch(run, model, data, "total_steps=4", *opd, _on(rollout_server, model)),
+        _launch(run, model, data, "total_steps=4", *opd, server_addrs_on(rollout_server, model)),
         timeout=300,
     )
     assert rc == 0, out[-3000:]
@@ -111,7 +106,7 @@ def test_other_teacher_added_to_grpo_advantages(assets, rollout_server, tmp_path
             "algorithm.opd_coef=0.5",
             f"teacher.path={teacher}",
             "teacher.dtype=fp32",
-            _on(rollout_server, model),
+            server_addrs_on(rollout_server, model),
         ),
         timeout=300,
     )
@@ -194,7 +189,7 @@ def test_served_teacher_equal_to_student_has_zero_reverse_kl(
             f"teacher.server_addrs=[{addr}]",
             "teacher.api_key=teacher-key",
             "rollout.max_head_offpolicyness=0",
-            _on(rollout_server, model),
+            server_addrs_on(rollout_server, model),
         ),
         timeout=300,
     )

@@ -24,7 +24,7 @@ import pytest
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.inference.process import launch_local_servers
-from tests.helpers.local_runs import _finish, _launch, _metrics, _trained, fresh_server
+from tests.helpers.local_runs import _finish, _launch, _metrics, _trained, server_addrs_on
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +41,13 @@ def rollout_server(assets):
         srv.stop()
 
 
-def _on(srv, model):
-    """``rollout.server_addrs`` of a launch on ``srv``, brought back to a fresh server's state."""
-    return f"rollout.server_addrs=[{fresh_server(srv.addr, model)}]"
-
-
 def test_a_sample_that_kills_the_trainer_is_quarantined(assets, rollout_server, tmp_path):
     model, data = assets
     run = tmp_path / "run"
     rc, out = _finish(
-        _launch(run, model, data, "total_steps=1", *SMALL_MBS, _on(rollout_server, model)),
+        _launch(
+            run, model, data, "total_steps=1", *SMALL_MBS, server_addrs_on(rollout_server, model)
+        ),
         timeout=300,
     )
     assert rc == 0, out[-3000:]
@@ -80,7 +77,9 @@ def test_a_sample_that_kills_the_trainer_is_quarantined(assets, rollout_server, 
     t0 = time.monotonic()
     # the poisonous group waits behind those already pending: steps 2..5 reach it
     rc, out = _finish(
-        _launch(run, model, data, "total_steps=5", *SMALL_MBS, _on(rollout_server, model)),
+        _launch(
+            run, model, data, "total_steps=5", *SMALL_MBS, server_addrs_on(rollout_server, model)
+        ),
         timeout=1200,
     )
     took = time.monotonic() - t0

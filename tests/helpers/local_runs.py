@@ -167,6 +167,12 @@ def fresh_server(addr, model) -> str:
     return addr
 
 
+def server_addrs_on(srv, model) -> str:
+    """``rollout.server_addrs`` of a launch that joins the module's shared server ``srv``,
+    brought back first to a fresh server's state (:func:`fresh_server`)."""
+    return f"rollout.server_addrs=[{fresh_server(srv.addr, model)}]"
+
+
 def check_preset_run(run, preset, steps):
     """``preset``'s keys reached the trainer (the run's resolved config) and the run's
     ``steps`` steps logged finite losses (none on a step the dynamic filter emptied)."""
