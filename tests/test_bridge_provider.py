@@ -6,12 +6,19 @@ is still there upstream: these tests fail once the bridge fixes one, to drop the
 The numerics (engine logits = transformers') are checked by the family tests
 (tests/test_new_families.py, tests/test_moe_families.py and the dense-family tests)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from areal_mega.models import bridge_provider as bp
 from areal_mega.models.builder import normalize_hf_config, parse_hf_config
 from areal_mega.models.tiny import ARCHS, TinyModelSpec, _hf_config
 
+ROOT = Path(__file__).resolve().parents[1]
 #: the tiny configs of the family tests (Mistral / Gemma 3 with a window and own head_dim)
 SPECS = {
     "mistral": dict(head_dim=24, sliding_window=8),
@@ -179,3 +186,68 @@ def test_qwen3_moe_without_norm_topk_prob_routes_as_transformers():
     assert Qwen3MoeConfig().norm_topk_prob is False
     assert bp.provider_arch_fields(hf)[0]["moe_router_pre_softmax"] is True
     assert parse_hf_config(hf).moe_norm_topk_prob is False
+
+
+@pytest.mark.parametrize("arch", bp.PROVIDER_FAMILIES)
+def test_cached_fields_equal_the_providers(arch, tmp_path, monkeypatch):
+    """The disk cache returns what the provider gives, values and types (callables, tuples)."""
+    monkeypatch.setenv("AREAL_MEGA_CACHE_DIR", str(tmp_path))
+    hf = tiny_config(arch)
+    fresh = bp.provider_arch_fields(hf)
+    (entry,) = (tmp_path / "bridge_providers").glob("*.json")
+    cached = bp._read_cached(json.dumps(hf, sort_keys=True, default=str))
+    assert cached is not None
+    fields, gpt, is_mla = cached
+    fix = bp.CORRECTIONS.get(arch)
+    if fix is not None:
+        fix[1](hf, fields, gpt)
+    assert (fields, gpt, is_mla) == fresh
+    assert {k: type(v) for k, v in fields.items()} == {k: type(v) for k, v in fresh[0].items()}
+    assert bp.provider_arch_fields(hf) == fresh
+    assert entry.stat().st_size > 0
+
+
+def test_a_warm_cache_spares_the_bridge_import_and_a_bad_entry_is_recomputed(tmp_path):
+    """A process that finds the fields in the cache does not import Megatron-Bridge; a corrupt
+    or foreign entry is ignored (with a warning) and written again; another package version
+    is another key."""
+    env = dict(os.environ, AREAL_MEGA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    hf = tiny_config("qwen2")
+    (tmp_path / "hf.json").write_text(json.dumps(hf))
+    probe = (
+        "import json, sys\n"
+        "from areal_mega.models import bridge_provider as bp\n"
+        f"f, g, m = bp.provider_arch_fields(json.load(open({str(tmp_path / 'hf.json')!r})))\n"
+        "print(json.dumps([f['num_layers'], f['activation_func'].__name__, m,"
+        " 'megatron.bridge' in sys.modules]))\n"
+    )
+
+    def run():
+        r = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+    first, _ = run()
+    assert first[-1] is True  # computed: the bridge was imported
+    (entry,) = (tmp_path / "bridge_providers").glob("*.json")
+    second, _ = run()
+    assert second == first[:-1] + [False]
+    entry.write_text(entry.read_text()[:40])  # a torn write
+    third, err = run()
+    assert third == first and "ignoring the bridge provider cache entry" in err
+    assert json.loads(entry.read_text())["config"] == json.dumps(hf, sort_keys=True)
+    key = bp._cache_file(json.dumps(hf, sort_keys=True))
+    bp._code_key.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(bp, "_version", lambda dist: "0.0-other")
+            assert bp._cache_file(json.dumps(hf, sort_keys=True)) != key
+    finally:
+        bp._code_key.cache_clear()
+
+
+def test_the_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("AREAL_MEGA_CACHE_DIR", "off")
+    assert bp.provider_cache_dir() is None and bp._cache_file("{}") is None

@@ -19,18 +19,27 @@ Families (``model_type``):
 * :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
   here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry).
 
-Importing Megatron-Bridge takes a few seconds (it imports every family); it happens once per
-process, on the first model built, and the providers are cached per config.
+Importing Megatron-Bridge takes about 20 s of CPU (it imports every family, and
+``megatron.training``). The fields read from a provider are plain data, so
+:func:`provider_arch_fields` keeps them in a disk cache keyed by their inputs' content (the HF
+config, the versions of Megatron-Bridge, megatron-core and transformers, and this file), in
+``$AREAL_MEGA_CACHE_DIR`` or ``~/.cache/areal_mega``: a process that builds a model another
+process already built imports no bridge. ``AREAL_MEGA_CACHE_DIR=off`` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import importlib
 import json
 import logging
+import os
 import sys
-from typing import Any, Callable, Dict, Tuple
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from areal_mega.models.mla import moe_pattern_of_layer_types
 
@@ -46,7 +55,10 @@ __all__ = [
     "hf_config_object",
     "provider_for",
     "provider_arch_fields",
+    "provider_cache_dir",
 ]
+
+log = logging.getLogger(__name__)
 
 #: ``TransformerConfig`` fields that describe the architecture: read from the provider
 ARCH_FIELDS = (
@@ -283,8 +295,21 @@ def provider_arch_fields(hf: dict) -> Tuple[dict, dict, bool]:
     """``(config_fields, gpt_kwargs, is_mla)`` of an HF config dict from the bridge's provider:
     the :data:`ARCH_FIELDS` it has (None values dropped: megatron derives them, e.g.
     ``kv_channels``), the ``GPTModel`` keywords of :data:`GPT_FIELDS`, and whether it is a
-    multi-latent-attention config. :data:`CORRECTIONS` applied."""
-    p = provider_for(hf)
+    multi-latent-attention config. :data:`CORRECTIONS` applied. Read from the disk cache
+    (:func:`provider_cache_dir`) when an earlier process computed them for the same inputs."""
+    hf_json = json.dumps(hf, sort_keys=True, default=str)
+    cached = _read_cached(hf_json)
+    if cached is None:
+        cached = _fields_of_provider(provider_for(hf))
+        _write_cached(hf_json, cached)
+    fields, gpt, is_mla = cached
+    fix = CORRECTIONS.get(hf.get("model_type"))
+    if fix is not None:
+        fix[1](hf, fields, gpt)
+    return fields, gpt, is_mla
+
+
+def _fields_of_provider(p) -> Tuple[dict, dict, bool]:
     is_mla = bool(getattr(p, "multi_latent_attention", False))
     fields: Dict[str, Any] = {}
     for name in ARCH_FIELDS:
@@ -302,7 +327,120 @@ def provider_arch_fields(hf: dict) -> Tuple[dict, dict, bool]:
         freq = fields["moe_layer_freq"]
         fields["moe_layer_freq"] = [1 if i % freq == 0 else 0 for i in range(p.num_layers)]
     gpt = {kw: getattr(p, f) for f, kw in GPT_FIELDS.items()}
-    fix = CORRECTIONS.get(hf.get("model_type"))
-    if fix is not None:
-        fix[1](hf, fields, gpt)
     return fields, gpt, is_mla
+
+
+# ----------------------------------------------------------------------------------------------
+# the disk cache of provider fields
+# ----------------------------------------------------------------------------------------------
+
+
+def provider_cache_dir() -> Optional[Path]:
+    """Where :func:`provider_arch_fields` keeps what it read from providers:
+    ``$AREAL_MEGA_CACHE_DIR/bridge_providers`` (``off``: no cache), else
+    ``$XDG_CACHE_HOME/areal_mega/bridge_providers`` (default ``~/.cache``)."""
+    root = os.environ.get("AREAL_MEGA_CACHE_DIR")
+    if root == "off":
+        return None
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "areal_mega")
+    return Path(root) / "bridge_providers"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_key() -> str:
+    """The inputs besides the config: the packages that compute the fields and this file."""
+    parts = [f"{d}=={_version(d)}" for d in ("megatron-bridge", "megatron-core", "transformers")]
+    parts.append(hashlib.sha256(Path(__file__).read_bytes()).hexdigest())
+    return "\n".join(parts)
+
+
+def _cache_file(hf_json: str) -> Optional[Path]:
+    d = provider_cache_dir()
+    if d is None:
+        return None
+    key = hashlib.sha256((_code_key() + "\n" + hf_json).encode()).hexdigest()
+    return d / f"{key}.json"
+
+
+def _encode(v):
+    if isinstance(v, tuple):
+        return {"tuple": [_encode(x) for x in v]}
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    if isinstance(v, dict):
+        return {"dict": {k: _encode(x) for k, x in v.items()}}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if callable(v):
+        ref = f"{v.__module__}:{v.__qualname__}"
+        if _decode({"callable": ref}) is not v:
+            raise TypeError(f"{v!r} is not importable as {ref}")
+        return {"callable": ref}
+    raise TypeError(f"{type(v).__name__} value {v!r} has no cache encoding")
+
+
+def _decode(v):
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    if isinstance(v, dict):
+        if "tuple" in v:
+            return tuple(_decode(x) for x in v["tuple"])
+        if "dict" in v:
+            return {k: _decode(x) for k, x in v["dict"].items()}
+        module, _, qualname = v["callable"].partition(":")
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+    return v
+
+
+def _read_cached(hf_json: str):
+    path = _cache_file(hf_json)
+    if path is None or not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+        if entry.get("config") != hf_json:
+            raise ValueError("written for another config")
+        return _decode(entry["fields"]), _decode(entry["gpt"]), bool(entry["is_mla"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
+        log.warning("ignoring the bridge provider cache entry %s (%s); recomputing", path, e)
+        return None
+
+
+def _write_cached(hf_json: str, value: Tuple[dict, dict, bool]) -> None:
+    path = _cache_file(hf_json)
+    if path is None:
+        return
+    fields, gpt, is_mla = value
+    try:
+        text = json.dumps(
+            {
+                "config": hf_json,
+                "inputs": _code_key(),
+                "fields": _encode(fields),
+                "gpt": _encode(gpt),
+                "is_mla": is_mla,
+            },
+            indent=1,
+        )
+    except TypeError as e:
+        log.warning("the bridge provider's fields are not cached: %s", e)
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not write the bridge provider cache %s: %s", path, e)
