@@ -71,16 +71,27 @@ def complete_checkpoints(root) -> List[Path]:
 
 
 def find_latest(root) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (the ``latest`` pointer if it names a
-    complete one, else the highest complete ``iter_*``), or None when there is none."""
+    """The newest complete checkpoint under ``root`` (the highest complete ``iter_*``), or
+    None when there is none.
+
+    A save renames ``iter_N.tmp`` to ``iter_N`` and then moves the ``latest`` pointer: a
+    process stopped between the two (``scancel`` lands there easily with ``save_every=1``)
+    leaves the pointer one save behind a complete checkpoint. Resuming from the pointer would
+    train step N again and then refuse to overwrite ``iter_N``, on every relaunch; so the
+    newest complete directory wins, and a pointer that disagrees is reported."""
     root = Path(root)
+    done = complete_checkpoints(root)
     ptr = root / "latest"
     if ptr.is_file():
-        cand = root / ptr.read_text().strip()
-        if ITER_RE.match(cand.name) and (cand / META_NAME).is_file():
-            return cand
-        log.warning("%s names %s, which is not a complete checkpoint; scanning", ptr, cand)
-    done = complete_checkpoints(root)
+        named = ptr.read_text().strip()
+        if not (done and named == done[-1].name):
+            log.warning(
+                "%s names %s; the newest complete checkpoint is %s (a save cut short "
+                "before its pointer moved, or a pointer at an incomplete one)",
+                ptr,
+                named,
+                done[-1].name if done else "none",
+            )
     return done[-1] if done else None
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -26,9 +27,20 @@ from tests.helpers.local_runs import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _info(port) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=10) as r:
-        return json.loads(r.read())
+def _info(port, wait_s=60.0) -> dict:
+    """``/get_server_info``; a refused connection (the server being relaunched by the
+    supervisor) is retried for ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/get_server_info", timeout=10
+            ) as r:
+                return json.loads(r.read())
+        except urllib.error.URLError as e:
+            if not isinstance(e.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _receiving(port, proc, timeout=240) -> dict:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import ast
 import http.server
+import json
 import os
 import re
 import socket
 import stat
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -18,6 +20,8 @@ import pytest
 from areal_mega.common.files import atomic_open, atomic_write, fsync_path
 from areal_mega.common.net import (
     LOWEST_PICKED_PORT,
+    PORT_CLAIM_S,
+    claim_port,
     ephemeral_port_range,
     free_port,
     free_ports,
@@ -25,6 +29,8 @@ from areal_mega.common.net import (
     quiet_ports,
     tcp_ready,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _names(d) -> set:
@@ -150,6 +156,34 @@ def test_free_ports_avoid_the_kernels_ephemeral_range(tmp_path):
     f.write_text("garbage")
     assert ephemeral_port_range(str(f)) is None
     assert ephemeral_port_range(str(tmp_path / "missing")) is None
+
+
+def test_a_claimed_port_is_not_handed_out_again_until_its_claim_expires(tmp_path):
+    claims = str(tmp_path / "claims")
+    assert claim_port(20001, claims, now=1000.0)
+    assert not claim_port(20001, claims, now=1000.0 + PORT_CLAIM_S - 1)  # another caller's
+    assert claim_port(20001, claims, now=1000.0 + PORT_CLAIM_S + 1)  # expired: taken over
+    assert not claim_port(20001, claims, now=1000.0 + PORT_CLAIM_S + 2)
+    (tmp_path / "file").write_text("x")
+    assert claim_port(20002, str(tmp_path / "file" / "sub"))  # unwritable: best effort
+
+
+def test_two_processes_picking_at_once_never_get_the_same_port(tmp_path):
+    """Two launchers (or a test run's two workers) drawing 400 ports each at the same moment:
+    drawn independently from ~27,000 ports they would share about 6; claimed, none."""
+    code = (
+        "import json; from areal_mega.common.net import free_ports; "
+        "print(json.dumps(free_ports(400)))"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    picks = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(len(set(p)) == 400 for p in picks)
+    assert not set(picks[0]) & set(picks[1])
+    assert len(os.listdir(tmp_path / f"areal-mega-ports-{os.getuid()}")) >= 800
 
 
 def test_quiet_ports_lie_outside_the_ephemeral_range():

@@ -357,5 +357,8 @@ def _scale(run, *args):
         timeout=240,
         cwd=ROOT,
     )
-    assert r.returncode == 0, r.stdout + r.stderr
+    if r.returncode != 0:
+        sup = run / "logs" / "supervisor.log"
+        tail = sup.read_text()[-3000:] if sup.exists() else "(no supervisor.log)"
+        pytest.fail(f"launch.scale {' '.join(args)}: {r.stdout}{r.stderr}\nsupervisor.log:\n{tail}")
     return json.loads(r.stdout)

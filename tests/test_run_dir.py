@@ -59,8 +59,10 @@ def test_latest_complete_checkpoint_skips_incomplete_and_bad_pointer(tmp_path):
     assert find_latest(root) == b
     (root / "latest").write_text(iter_dir_name(12))  # pointer at an incomplete one
     assert find_latest(root) == b
-    (root / "latest").write_text(a.name)  # pointer wins when it is complete
-    assert find_latest(root) == a
+    # a save cut between its rename and the pointer's move: the newest complete one wins,
+    # so the resumed run does not train step 10 again and then fail to save iter_10
+    (root / "latest").write_text(a.name)
+    assert find_latest(root) == b
 
 
 def test_accepted_samples_counts_checkpoint_and_journal(tmp_path):

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
+import os
 import random
 import socket
+import tempfile
+import time
 import urllib.error
 import urllib.request
 from typing import Callable, Optional
@@ -54,13 +57,49 @@ def quiet_ports(ephemeral: Optional[tuple]) -> list:
     return ports if len(ports) >= 1000 else []
 
 
+PORT_CLAIM_S = 180.0
+"""How long a port :func:`free_ports` handed out stays claimed against other callers on this
+machine: longer than any of our processes takes from being given a port to binding it."""
+
+
+def port_claims_dir() -> str:
+    """The directory of this user's port claims (``$TMPDIR/areal-mega-ports-<uid>``)."""
+    return os.path.join(tempfile.gettempdir(), f"areal-mega-ports-{os.getuid()}")
+
+
+def claim_port(port: int, claims: Optional[str] = None, now: Optional[float] = None) -> bool:
+    """Claim ``port`` for :data:`PORT_CLAIM_S` against every process on this machine that picks
+    ports through :func:`free_ports`: False while another caller's claim is fresh. A port that
+    is free when picked can still be taken before its user binds it (a server boots for
+    seconds first); two runs' launchers, or a test run's two workers, would otherwise draw the
+    same one in that window. Best effort: an unwritable directory claims nothing."""
+    claims = claims or port_claims_dir()
+    now = time.time() if now is None else now
+    path = os.path.join(claims, str(port))
+    try:
+        os.makedirs(claims, mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if now - os.stat(path).st_mtime < PORT_CLAIM_S:
+                return False
+            os.utime(path, (now, now))  # an old claim: take it over
+            return True
+        os.utime(fd, (now, now))
+        os.close(fd)
+    except OSError:
+        return True
+    return True
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list:
     """``n`` distinct TCP ports that are free right now on ``host``, for a process that binds
     them later. They are drawn at random outside the kernel's ephemeral range where that is
     known (an ephemeral port the OS picked can be taken by any outgoing connection before its
-    user binds it; CI once lost a test to that). Each is checked by binding it while the
-    sockets of the ports already picked stay open, so they differ; the OS picks the rest if
-    the draw keeps finding busy ports."""
+    user binds it; CI once lost a test to that), and each is claimed for a few minutes against
+    the other callers on this machine (:func:`claim_port`; CI lost another test to two picks
+    of one port). Each is checked by binding it while the sockets of the ports already picked
+    stay open, so they differ; the OS picks the rest if the draw keeps finding busy ports."""
     socks, ports = [], []
     candidates = quiet_ports(ephemeral_port_range())
     draw = random.SystemRandom()  # not the seeded global generator two test workers share
@@ -69,11 +108,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             socks.append(s)
             for _ in range(100 if candidates else 0):
+                port = draw.choice(candidates)
                 try:
-                    s.bind((host, draw.choice(candidates)))
-                    break
+                    s.bind((host, port))
                 except OSError:
                     continue
+                if claim_port(port):
+                    break
+                s.close()
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks[-1] = s
             else:
                 s.bind((host, 0))
             ports.append(s.getsockname()[1])
