@@ -38,7 +38,7 @@ def main(argv=None):
     import transformers
 
     from areal_mega.inference import model_support as ms
-    from areal_mega.models.bridge_provider import GPU_ONLY
+    from areal_mega.models.bridge_provider import GPU_ONLY, NOT_BUILT
 
     archs = bridge_architectures()
     engine, causal_lm = ms.engine_architectures(), ms.causal_lm_model_types()
@@ -50,6 +50,7 @@ def main(argv=None):
         kv_paths=ms.server_kv_paths(sorted(types)),
         transformers_classes=set(dir(transformers)),
         gpu_only=GPU_ONLY,
+        not_built=NOT_BUILT,
     )
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -61,7 +61,7 @@ import torch
 from areal_mega.checkpoint.bridge_tables import load_tables
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.value_model import value_model_problem
-from areal_mega.models.bridge_provider import gpu_only_reason
+from areal_mega.models.bridge_provider import gpu_only_reason, not_built_reason
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -258,9 +258,10 @@ def read_arch(source, *, where: Optional[str] = None, value_model: bool = False)
             f"{gpu_only_reason(mt)}"
         )
     if mt not in FAMILIES:
+        why = f" ({not_built_reason(mt)})" if not_built_reason(mt) else ""
         raise UnsupportedModelError(
             f"{where}: model_type={mt!r} (architectures={cfg.get('architectures')}) is not "
-            f"supported; supported: {', '.join(FAMILIES)}"
+            f"supported{why}; supported: {', '.join(FAMILIES)}"
         )
     archs = cfg.get("architectures") or []
     bad = [a for a in archs if a not in FAMILIES[mt].architectures]

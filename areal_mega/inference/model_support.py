@@ -92,6 +92,7 @@ def support_rows(
     kv_paths: dict,
     transformers_classes: Optional[set] = None,
     gpu_only: Optional[dict] = None,
+    not_built: Optional[dict] = None,
 ) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
@@ -101,7 +102,8 @@ def support_rows(
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
     exports (tells "not a causal LM" from "not in transformers"); ``gpu_only``:
-    ``{model_type: why}`` of the families needing GPU-only kernels. ``status`` is a
+    ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
+    why}`` of the others the engine does not build. ``status`` is a
     :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
     rows, seen = [], set()
     for arch in architectures:
@@ -125,7 +127,8 @@ def support_rows(
         elif model_type is not None and (gpu_only or {}).get(model_type):
             status, why = STATUS["gpu"], gpu_only[model_type]
         else:
-            status, why = STATUS["no"], note or NO_ENGINE_FAMILY
+            known = (not_built or {}).get(model_type) if model_type is not None else None
+            status, why = STATUS["no"], note or known or NO_ENGINE_FAMILY
         rows.append(
             {
                 "architecture": arch,

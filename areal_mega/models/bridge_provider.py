@@ -51,6 +51,8 @@ __all__ = [
     "CORRECTIONS",
     "GPU_ONLY",
     "gpu_only_reason",
+    "NOT_BUILT",
+    "not_built_reason",
     "uses_provider",
     "hf_config_object",
     "provider_for",
@@ -228,6 +230,70 @@ GPU_ONLY = {
     "glm_moe_dsa": _SPARSE,
     "deepseek_v4": _SPARSE,
 }
+
+
+_WHOLE_QK_NORM = (
+    "its QK RMSNorm normalises the whole query / key projection (all heads at once); "
+    "megatron-core's qk_layernorm normalises each head over head_dim, and under tensor "
+    "parallelism the statistics would span ranks"
+)
+_NOPE_GLOBAL = (
+    "the full-attention layers of its sliding-window pattern take no RoPE (NoPE), which "
+    "megatron-core's GPT model applies to every layer or to none"
+)
+_VLM = (
+    "a vision-language model: the engine builds text decoders only (vision-language RL is "
+    "open work)"
+)
+#: causal LMs (or their vision-language wrappers) that transformers runs and the bridge maps
+#: but the engine does not build, with the reason read from transformers' modelling code
+#: against megatron-core's layers; the CPU refuses them naming it
+NOT_BUILT = {
+    "olmoe": _WHOLE_QK_NORM,
+    "minimax_m2": _WHOLE_QK_NORM + "; also a partial rotary dimension with a sigmoid router",
+    "exaone4": (
+        "post-norm layers (RMSNorm on each sublayer's output before the residual add, no "
+        "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL
+    ),
+    "exaone_moe": _NOPE_GLOBAL,
+    "ernie4_5_moe": (
+        "its softmax router picks experts by softmax score + expert bias and renormalises "
+        "the chosen weights; megatron-core adds an expert bias to sigmoid scores only and "
+        "does not renormalise a pre-softmax top-k"
+    ),
+    "gemma2": (
+        "attention-logit and final-logit soft-capping (tanh): megatron-core's attention has "
+        "none (the bridge's Gemma 2 provider brings its own FlexAttention module); our packed "
+        "CPU attention has no soft-cap yet"
+    ),
+    "gemma4_text": (
+        "key/value sharing across its last layers, per-layer input embeddings, a double-wide "
+        "MLP in the shared layers and attention soft-capping: none of them are megatron-core "
+        "GPT layer options"
+    ),
+    "gpt_oss": (
+        "attention sinks (megatron-core's softmax_type='learnable'), which our packed CPU "
+        "attention does not implement yet, and the clamped SwiGLU (alpha 1.702, limit 7) "
+        "with biased experts, not wired yet"
+    ),
+    "nemotron": (
+        "LayerNorm1P (LayerNorm with bias and a (1 + w) gain): megatron-core's torch norm "
+        "refuses a zero-centred gamma, and the engine has no such norm module of its own yet"
+    ),
+    "hy_v3": (
+        "not built yet: megatron-core expresses its layers (sigmoid router with expert bias "
+        "and scaling, shared experts, dense layers from mlp_layer_types, per-head QK norm), "
+        "but no family case of ours checks it"
+    ),
+    "gemma3": _VLM,
+    "gemma4": _VLM,
+}
+
+
+def not_built_reason(model_type: str):
+    """Why the engine does not build ``model_type`` although transformers runs it and the bridge
+    maps it (None when that is not known: not a family the bridge maps, or one we build)."""
+    return NOT_BUILT.get(model_type)
 
 
 def gpu_only_reason(model_type: str):

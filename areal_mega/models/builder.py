@@ -84,6 +84,7 @@ from areal_mega.models.backend import (
 from areal_mega.models.bridge_provider import (
     OWN_TRANSLATOR,
     gpu_only_reason,
+    not_built_reason,
     provider_arch_fields,
     uses_provider,
 )
@@ -218,8 +219,10 @@ def parse_hf_config(hf: dict) -> HFArch:
             f"model_type {mt!r} needs GPU-only kernels, which the CPU lacks: {gpu_only_reason(mt)}"
         )
     if mt not in SUPPORTED_MODEL_TYPES:
+        why = f" ({not_built_reason(mt)})" if not_built_reason(mt) else ""
         raise ValueError(
-            f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model_type {mt!r} is not supported{why}; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if mt == "gemma3_text":
         from areal_mega.models.gemma3 import gemma3_arch_fields
