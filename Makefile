@@ -37,9 +37,12 @@ TIMES_RECORD ?= build/test-times.json
 # index that has the package). What lands in the venv is what pip installs; the downloads run in
 # parallel (docs/benchmarks.md: the trainer's .venv in under a minute instead of about five).
 UV_VERSION ?= 0.13.9
-# $(call uv_pip,VENV): `uv pip install` into VENV, quiet, with this machine's pip sources
-uv_pip = $(1)/bin/uv pip install --python $(1)/bin/python -q --index-strategy unsafe-best-match \
-	$$(tools/pip_sources.sh $(1)/bin/python)
+# $(call uv_pip,VENV): `uv pip install` into VENV, quiet, with this machine's pip sources. Like
+# pip, it compiles what it installs to bytecode (uv's default is not to): where
+# PYTHONDONTWRITEBYTECODE is set no process writes it later, and every Python process of a run
+# (the suite starts hundreds) would compile transformers and megatron from source, ~2 s each.
+uv_pip = $(1)/bin/uv pip install --python $(1)/bin/python -q --compile-bytecode \
+	--index-strategy unsafe-best-match $$(tools/pip_sources.sh $(1)/bin/python)
 
 $(STAMP): requirements.txt requirements-nodeps.txt setup.py tools/pip_sources.sh
 	@# a .venv of another Python (3.11 before the 3.12 move) is rebuilt, not upgraded in place
