@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from areal_mega.config import load_config
-from areal_mega.dataplane.control import ControlError, RolloutLink
+from areal_mega.dataplane.control import ControlError, ControlServer, RolloutLink
 from areal_mega.launch.elastic import ScaleService
 from areal_mega.launch.scale import run_command
 from areal_mega.launch.supervisor import ProcessSpec, Supervisor
@@ -147,6 +147,56 @@ def _scale(run, *args, wait=True):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_a_poll_the_launcher_leaves_unanswered_is_asked_again_until_the_deadline(tmp_path):
+    """launch.scale polls an operation; a launcher that leaves one poll unanswered (starved of
+    CPU) costs that poll, not the command: the operation's result still comes back. A launcher
+    that answers no poll before the operation's deadline fails the command, naming it."""
+    polls = []
+
+    def handler(msg):
+        if msg["cmd"] == "add":
+            return {"op": "op1", "state": "queued"}
+        polls.append(time.monotonic())
+        if len(polls) == 2:
+            time.sleep(1.5)  # the second poll goes unanswered past its 0.5 s
+        done = len(polls) >= 4
+        return {
+            "op": "op1",
+            "state": "done" if done else "starting rollout1",
+            **({"result": {"added": ["rollout1"]}} if done else {}),
+        }
+
+    server = ControlServer(f"ipc://{tmp_path}/launcher.sock", handler).start()
+    link = RolloutLink(f"ipc://{tmp_path}/launcher.sock", timeout_s=5, peer="launcher")
+    try:
+        result = run_command(
+            link, {"cmd": "add", "n": 1}, timeout_s=10, poll_s=0.05, answer_timeout_s=0.5
+        )
+        assert result == {"added": ["rollout1"]} and len(polls) >= 4
+    finally:
+        link.close()
+        server.close()
+
+    def silent(msg):
+        if msg["cmd"] == "add":
+            return {"op": "op1", "state": "queued"}
+        time.sleep(5)
+        return {"op": "op1", "state": "done"}
+
+    server = ControlServer(f"ipc://{tmp_path}/silent.sock", silent).start()
+    link = RolloutLink(f"ipc://{tmp_path}/silent.sock", timeout_s=5, peer="launcher")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ControlError, match="did not answer 'op'"):
+            run_command(
+                link, {"cmd": "add", "n": 1}, timeout_s=1, poll_s=0.05, answer_timeout_s=0.5
+            )
+        assert time.monotonic() - t0 < 4  # bounded by the operation's deadline
+    finally:
+        link.close()
+        server.close()
+
+
 def test_list_answers_through_add_kill_and_drains(assets, tmp_path):
     model, data = assets
     run = tmp_path / "run"

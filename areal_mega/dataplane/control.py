@@ -69,6 +69,10 @@ class ControlError(RuntimeError):
     endpoint may not be bound."""
 
 
+class ControlTimeout(ControlError):
+    """The peer did not answer within the request's time (it may still be alive, and busy)."""
+
+
 def _said(body: bytes) -> str:
     """The ``error`` text of an (untrusted) reply body, for an error message."""
     try:
@@ -147,7 +151,7 @@ class RolloutLink:
         ):
             if time.monotonic() >= deadline:
                 self._connect()
-                raise ControlError(
+                raise ControlTimeout(
                     f"{self.peer} at {self.endpoint} did not answer "
                     f"{cmd!r} within {timeout_ms / 1000:.0f} s"
                 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -28,8 +29,10 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.dataplane.control import ControlError, RolloutLink
+from areal_mega.dataplane.control import ControlError, ControlTimeout, RolloutLink
 from areal_mega.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 def request_of(args: argparse.Namespace) -> dict:
@@ -47,17 +50,29 @@ LIST_TIMEOUT_S = 30.0
 """How long ``--list`` waits for the launcher (which answers within a second)."""
 
 
-def run_command(link: RolloutLink, msg: dict, timeout_s: float, poll_s: float = 0.2) -> dict:
+def run_command(
+    link: RolloutLink,
+    msg: dict,
+    timeout_s: float,
+    poll_s: float = 0.2,
+    answer_timeout_s: float = LIST_TIMEOUT_S,
+) -> dict:
     """Send one command; a read answers at once, a mutating command is queued as an operation
     (with ``timeout_s`` as its deadline) that this polls until it ends. Returns the reply or
-    the operation's result; :class:`ControlError` when refused, failed or out of time."""
+    the operation's result; :class:`ControlError` when refused, failed or out of time.
+
+    A poll the launcher leaves unanswered for ``answer_timeout_s`` (a launcher starved of CPU,
+    or one whose socket dropped the connection) is sent again until the operation's own
+    deadline has passed: the operation runs on in the launcher either way, and giving up on
+    the first silent poll would report a failure for an operation that then succeeds."""
     if msg["cmd"] == "list":
-        return link.request(msg, timeout_s=LIST_TIMEOUT_S)
+        return link.request(msg, timeout_s=answer_timeout_s)
     # an id of its own: a resend after a dropped socket is answered, not run twice
     op = link.request(
-        {**msg, "timeout_s": timeout_s, "request_id": uuid.uuid4().hex}, timeout_s=LIST_TIMEOUT_S
+        {**msg, "timeout_s": timeout_s, "request_id": uuid.uuid4().hex},
+        timeout_s=answer_timeout_s,
     )
-    deadline = time.monotonic() + timeout_s + LIST_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s + answer_timeout_s
     while op["state"] not in ("done", "failed"):
         if time.monotonic() > deadline:
             raise ControlError(
@@ -65,7 +80,15 @@ def run_command(link: RolloutLink, msg: dict, timeout_s: float, poll_s: float = 
                 f"after {timeout_s:.0f} s (--timeout)"
             )
         time.sleep(poll_s)
-        op = link.request({"cmd": "op", "op": op["op"]}, timeout_s=LIST_TIMEOUT_S)
+        left = deadline - time.monotonic()
+        try:
+            op = link.request(
+                {"cmd": "op", "op": op["op"]}, timeout_s=max(0.1, min(answer_timeout_s, left))
+            )
+        except ControlTimeout as e:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s; asking again (operation %s)", e, op["op"])
     if op["state"] == "failed":
         raise ControlError(op.get("error") or "failed")
     return op.get("result") or {}
