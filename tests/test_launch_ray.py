@@ -217,19 +217,23 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
     stop`` does to it: the launcher ends with one message, no process of the run left); the
     same command on a new cluster resumes and finishes. Every step trained once, no sample
     twice, none accepted before a fault lost; step 1 exactly on-policy and the servers at the
-    trainer's exact weights after every update (as the launch.local end-to-end tests check)."""
+    trainer's exact weights after every update (as the launch.local end-to-end tests check).
+
+    A step of the tiny model takes 0.1 s on a quiet machine and seconds on a loaded one, while a
+    fault's relaunch or a scale-up takes seconds either way: the run is given more steps than
+    any machine trains before its faults are done (the faults wait on its progress, not on
+    time), and the resume after the cluster stop ends it two steps later (``total_steps``
+    set on the command that resumes, as a user shortens a run)."""
     model, data = assets
     run = tmp_path / "run"
-    total = 26
     args = (
-        f"total_steps={total}",
         "recover=auto",
         "checkpoint.save_every=1",
         "checkpoint.keep_last=2",
         "cluster.max_restarts=8",
         *ON_POLICY,
     )
-    proc = _ray_launch(cluster, key_file, run, model, data, *args)
+    proc = _ray_launch(cluster, key_file, run, model, data, "total_steps=100000", *args)
     sup_log = run / "logs" / "supervisor.log"
     accepted_before = set()
     progress = 0
@@ -239,7 +243,6 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
         nonlocal progress
         _wait(lambda: len(_metrics(run)) >= progress + 2, proc, f"2 steps before {what}")
         progress = len(_metrics(run))
-        assert progress <= total - 4, f"{what} came too late (step {progress})"
 
     def relaunched(n):
         _wait(lambda: f"relaunch {n}/8" in sup_log.read_text(), proc, f"relaunch {n}")
@@ -298,7 +301,6 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
         )
     accepted_before |= _accepted_ids(snap)
     # 5. launch.scale on the Ray run: one more server, in a placement group of its own
-    assert len(_metrics(run)) <= total - 6, "the scale-up came too late"
     listed = _scale(run, "--list")
     assert [m["id"] for m in listed["members"]] == ["rollout0"], listed
     added = _scale(run, "--add", "1", "--timeout", "180")
@@ -326,7 +328,11 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
     # 7. a new cluster, the same command: it resumes and finishes
     cluster["c"] = _start_cluster()
     cluster["sessions"].append(cluster["c"].head_node.get_session_dir_path())
-    rc, out = _finish(_ray_launch(cluster, key_file, run, model, data, *args), timeout=300)
+    total = max(r["step"] for r in _metrics(run)) + 2
+    rc, out = _finish(
+        _ray_launch(cluster, key_file, run, model, data, f"total_steps={total}", *args),
+        timeout=300,
+    )
     assert rc == 0, out[-3000:]
     assert (run / "logs" / "trainer.log").read_text().count("resumed from") >= 2
 
