@@ -44,7 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from areal_mega.models.mla import moe_pattern_of_layer_types
+from areal_mega.models.moe_families import moe_pattern_of_layer_types
 
 __all__ = [
     "ARCH_FIELDS",
@@ -167,7 +167,7 @@ def _deepseek_v3(hf: dict, fields: dict, gpt: dict) -> None:
 def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
     """GLM-4-MoE-Lite: as DeepSeek-V3, and the dense layers of ``mlp_layer_types``."""
     _deepseek_v3(hf, fields, gpt)
-    fields["moe_layer_freq"] = list(moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"])))
+    _dense_layers_of_layer_types(hf, fields, gpt)
 
 
 def _dense_layers_of_layer_types(hf: dict, fields: dict, gpt: dict) -> None:

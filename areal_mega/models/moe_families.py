@@ -42,6 +42,7 @@ __all__ = [
     "SIGMOID_ROUTER_MODEL_TYPES",
     "glm4_moe_fields",
     "hy_v3_fields",
+    "moe_pattern_of_layer_types",
     "routed_moe_fields",
 ]
 
@@ -118,6 +119,15 @@ def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
     )
 
 
+def moe_pattern_of_layer_types(hf: dict, n_layers: int) -> tuple:
+    """1 = MoE, 0 = dense per layer from ``mlp_layer_types`` (``"dense"`` / ``"sparse"``;
+    transformers' GLM-4-MoE-Lite and HY-V3 default: the first layer dense, the rest sparse)."""
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
+    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types={types!r}: need {n_layers} of 'dense' / 'sparse'")
+    return tuple(int(t == "sparse") for t in types)
+
+
 def hy_v3_fields(hf: dict, n_layers: int) -> dict:
     """The :class:`~areal_mega.models.builder.HFArch` fields of a ``hy_v3`` config (beyond the
     common attention fields): per-head QK RMSNorm, the sigmoid router with expert bias and
@@ -127,8 +137,6 @@ def hy_v3_fields(hf: dict, n_layers: int) -> dict:
     ``enable_moe_fp32_combine`` (add routed and shared expert outputs in fp32, then cast) is
     accepted either way: both outputs are already in the model's dtype, and PyTorch adds two
     bf16 / fp16 tensors in fp32 and rounds once, which is what the fp32 combine does."""
-    from areal_mega.models.mla import moe_pattern_of_layer_types
-
     topk = int(hf["num_experts_per_tok"])
     if topk < 2:
         raise ValueError(
