@@ -1,7 +1,8 @@
 """Weight updates of the CPU rollout server with HF checkpoint names on a transformers model
 that stores its MoE experts fused (qwen3_moe): per-expert tensors land in the right slices,
 a whole checkpoint loads to the same logits as ``from_pretrained``, and bad names, shapes and
-missing experts are refused with the name."""
+missing experts are refused with the name; checkpoint names that transformers renames on load
+(HY-V3) resolve through the same renamings."""
 
 import pytest
 import torch
