@@ -175,6 +175,61 @@ def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():
     assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 0, 1, 1]
 
 
+def test_upstream_hy_v3_provider_still_needs_first_k_dense_replace():
+    """HYV3Config has no first_k_dense_replace, which the bridge's HY-V3 provider reads."""
+    AutoBridge = bp._import_auto_bridge()
+    hf = tiny_config("hy_v3", num_layers=4)
+    assert "first_k_dense_replace" not in hf
+    with pytest.raises(AttributeError, match="first_k_dense_replace"):
+        AutoBridge.from_hf_config(bp.hf_config_object(hf)).to_megatron_provider(
+            load_weights=False
+        )
+    # the filled-in key is the number of leading dense layers (the provider then builds)
+    assert bp.INPUT_CORRECTIONS["hy_v3"][1](hf)["first_k_dense_replace"] == 1
+    assert bp.provider_for(hf).moe_layer_freq == [0, 1, 1, 1]
+
+
+def test_upstream_hy_v3_provider_still_ignores_mlp_layer_types():
+    hf = dict(
+        tiny_config("hy_v3", num_layers=4),
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        first_k_dense_replace=1,
+    )
+    raw = bp.provider_for(hf)
+    assert list(raw.moe_layer_freq) == [0, 1, 1, 1], (
+        "the bridge now reads mlp_layer_types: drop CORRECTIONS['hy_v3'] (and check "
+        "INPUT_CORRECTIONS['hy_v3'])"
+    )
+    assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 1, 0, 1]
+    assert parse_hf_config(hf).moe_layer_pattern == (0, 1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(num_experts_per_tok=1), "top-1"),
+        (dict(num_shared_experts=0), "num_shared_experts"),
+        (dict(attention_bias=True), "o_proj"),
+        (dict(mlp_bias=True), "mlp_bias"),
+    ],
+)
+def test_hy_v3_options_megatron_cannot_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("hy_v3"), **change))
+
+
+def test_hy_v3_fp32_combine_is_the_dtype_add():
+    """enable_moe_fp32_combine (accepted either way): adding two bf16 tensors in fp32 and
+    casting back rounds as the bf16 add does."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(4096, generator=g).mul(8).to(torch.bfloat16) for _ in range(2))
+    assert torch.equal((a.float() + b.float()).to(torch.bfloat16), a + b)
+    for flag in (True, False):
+        assert parse_hf_config(dict(tiny_config("hy_v3"), enable_moe_fp32_combine=flag)).is_moe
+
+
 def test_qwen3_moe_without_norm_topk_prob_routes_as_transformers():
     """A config without ``norm_topk_prob``: transformers' default (False, no renormalisation
     of the top-k softmax weights) is megatron's pre-softmax router, in the provider and in the

@@ -1,7 +1,8 @@
 """Weight updates of the CPU rollout server with HF checkpoint names on a transformers model
 that stores its MoE experts fused (qwen3_moe): per-expert tensors land in the right slices,
 a whole checkpoint loads to the same logits as ``from_pretrained``, and bad names, shapes and
-missing experts are refused with the name."""
+missing experts are refused with the name; checkpoint names that transformers renames on load
+(HY-V3) resolve through the same renamings."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from areal_mega.inference.http_api import BadRequest
-from areal_mega.inference.param_targets import ParamTargets
+from areal_mega.inference.param_targets import ParamTargets, checkpoint_renames
 from areal_mega.inference.server_state import LocalRolloutServer
 from areal_mega.models.tiny import make_tiny_model
 
@@ -98,5 +99,41 @@ def test_the_server_loads_an_moe_checkpoint_by_its_hf_names(moe, tmp_path):
         )
         with pytest.raises(BadRequest, match="missing parameter.*experts.down_proj"):
             srv.load_from_disk(str(bad), "2")
+    finally:
+        srv.engine.shutdown()
+
+
+def test_hub_names_that_transformers_renames_resolve_to_the_model(tmp_path):
+    """HY-V3 checkpoints name the router, the expert bias and the shared experts otherwise than
+    the modules (transformers renames them on load): a checkpoint loads into a server model
+    through the same renamings, to ``from_pretrained``'s logits."""
+    a = make_tiny_model(tmp_path / "a", arch="hy_v3", hidden_size=32, num_layers=2, seed=1)
+    b = make_tiny_model(tmp_path / "b", arch="hy_v3", hidden_size=32, num_layers=2, seed=2)
+    ckpt = load_file(str(next(b.glob("*.safetensors"))))
+    assert {"model.layers.1.mlp.expert_bias", "model.layers.1.mlp.router.gate.weight"} <= set(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(a)
+    sd = model.state_dict()
+    assert ParamTargets(sd).target("model.layers.1.mlp.expert_bias") is None
+    t = ParamTargets(sd, checkpoint_renames("hy_v3"))
+    assert t.target("model.layers.1.mlp.expert_bias") == (
+        "model.layers.1.mlp.e_score_correction_bias",
+        (),
+    )
+    assert t.target("model.layers.1.mlp.shared_mlp.up_proj.weight") == (
+        "model.layers.1.mlp.shared_experts.up_proj.weight",
+        (),
+    )
+    assert [n for n in ckpt if t.target(n) is None] == []
+    assert t.missing(ckpt, dict(model.named_parameters())) == []
+    assert checkpoint_renames("llama") == ()
+    srv = LocalRolloutServer(str(a))
+    try:
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(b).eval()(ids).logits
+        srv.load_from_disk(str(b), "1")
+        with torch.no_grad():
+            got = srv.model(ids).logits
+        assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
     finally:
         srv.engine.shutdown()

@@ -59,6 +59,7 @@ BRIDGED_ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "hy_v3": "HYV3ForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

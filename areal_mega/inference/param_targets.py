@@ -8,21 +8,46 @@ expert e's ``gate_proj`` in rows ``0..I-1`` and its ``up_proj`` in rows ``I..2I-
 ``<layer>.mlp.experts.down_proj`` ``[E, H, I]``. A checkpoint's per-expert tensor
 ``<layer>.mlp.experts.<e>.(gate|up|down)_proj.weight`` is therefore a slice of a fused
 parameter; :class:`ParamTargets` resolves every name to ``(parameter name, index)``.
+
+Some families' checkpoints also name tensors otherwise than their modules, which transformers
+renames on load (its ``WeightRenaming`` entries for the model type, e.g. HY-V3's
+``mlp.router.gate.weight`` -> ``mlp.gate.weight``, ``mlp.expert_bias`` ->
+``mlp.e_score_correction_bias``, ``mlp.shared_mlp.`` -> ``mlp.shared_experts.``): a name that is
+not the model's own is resolved after those renamings (:func:`checkpoint_renames`).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-class ParamTargets:
-    """Name resolution against ``state_dict`` (the model's tensors by name)."""
+def checkpoint_renames(model_type: Optional[str]) -> Tuple[Tuple[str, str], ...]:
+    """``(regex, replacement)`` pairs of transformers' checkpoint renamings for ``model_type``
+    (its conversion mapping's ``WeightRenaming`` entries; the expert fusions are
+    :class:`ParamTargets`' own)."""
+    if not model_type:
+        return ()
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
 
-    def __init__(self, state_dict: dict):
+    out = []
+    for t in get_checkpoint_conversion_mapping(model_type) or ():
+        if type(t) is WeightRenaming:
+            out.extend(zip(t.source_patterns, t.target_patterns))
+    return tuple(out)
+
+
+class ParamTargets:
+    """Name resolution against ``state_dict`` (the model's tensors by name); ``renames``:
+    :func:`checkpoint_renames` of the model's type, applied to names the model does not
+    have."""
+
+    def __init__(self, state_dict: dict, renames: Sequence[Tuple[str, str]] = ()):
         self.sd = state_dict
+        self.renames = tuple((re.compile(src), dst) for src, dst in renames)
         self.pieces: dict = {}  # fused parameter name -> how many slices make it whole
         for name, t in state_dict.items():
             if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
@@ -33,6 +58,10 @@ class ParamTargets:
     def target(self, name: str) -> Optional[tuple]:
         """``(parameter name, index)`` of checkpoint tensor ``name`` (index ``()`` for a whole
         parameter), or None when the model has no place for it."""
+        if name in self.sd:
+            return name, ()
+        for src, dst in self.renames:
+            name = src.sub(dst, name)
         if name in self.sd:
             return name, ()
         m = _EXPERT.match(name)

@@ -24,7 +24,7 @@ from areal_mega.inference.decoding import BatchedEngine
 from areal_mega.inference.http_api import BadRequest, Conflict, parse_dtype
 from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_adapter
 from areal_mega.inference.lora_layers import LoraLayers
-from areal_mega.inference.param_targets import ParamTargets
+from areal_mega.inference.param_targets import ParamTargets, checkpoint_renames
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
 from areal_mega.parallel.weight_group import (
     broadcast_from_rank0,
@@ -100,7 +100,8 @@ class LocalRolloutServer:
         self.receiving = 0  # buckets of a distributed weight update being received
         self._groups_lock = threading.Lock()
         self._params = dict(self.model.named_parameters())
-        self._targets = ParamTargets(self.model.state_dict())
+        self._renames = checkpoint_renames(getattr(self.model.config, "model_type", None))
+        self._targets = ParamTargets(self.model.state_dict(), self._renames)
         self.started_at = time.time()
 
     def read_lora_adapter(self, name: str, path: str, pinned: bool = False, confined: bool = False):
@@ -120,7 +121,7 @@ class LocalRolloutServer:
         """Copy ``tensors`` (HF checkpoint names) into the model and empty the prefix cache
         (keys/values of the old weights are never reused); runs on the engine thread."""
         self.engine.invalidate_prefix_cache()
-        targets = ParamTargets(self.model.state_dict())  # the model's current tensors
+        targets = ParamTargets(self.model.state_dict(), self._renames)  # its current tensors
         with torch.no_grad():
             for name, t in tensors.items():
                 dst = targets.view(name)

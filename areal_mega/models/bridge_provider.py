@@ -17,7 +17,10 @@ Families (``model_type``):
 * :data:`PROVIDER_FAMILIES`: architecture from the bridge's provider;
 * :data:`OWN_TRANSLATOR`: our translator kept, the reason given per family;
 * :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
-  here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry).
+  here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry);
+* :data:`INPUT_CORRECTIONS`: a key a provider reads that the family's transformers config does
+  not have, filled in (from what transformers reads) before the provider is built; the same
+  test file fails once upstream no longer needs it.
 
 Importing Megatron-Bridge takes about 20 s of CPU (it imports every family, and
 ``megatron.training``). The fields read from a provider are plain data, so
@@ -41,7 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from areal_mega.models.mla import moe_pattern_of_layer_types
+from areal_mega.models.moe_families import moe_pattern_of_layer_types
 
 __all__ = [
     "ARCH_FIELDS",
@@ -49,6 +52,7 @@ __all__ = [
     "PROVIDER_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
+    "INPUT_CORRECTIONS",
     "GPU_ONLY",
     "gpu_only_reason",
     "NOT_BUILT",
@@ -128,6 +132,7 @@ PROVIDER_FAMILIES = (
     "deepseek_v2",
     "gemma",
     "glm4_moe_lite",
+    "hy_v3",
 )
 
 #: families that keep our translator, and why
@@ -162,6 +167,11 @@ def _deepseek_v3(hf: dict, fields: dict, gpt: dict) -> None:
 def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
     """GLM-4-MoE-Lite: as DeepSeek-V3, and the dense layers of ``mlp_layer_types``."""
     _deepseek_v3(hf, fields, gpt)
+    _dense_layers_of_layer_types(hf, fields, gpt)
+
+
+def _dense_layers_of_layer_types(hf: dict, fields: dict, gpt: dict) -> None:
+    """The dense layers of ``mlp_layer_types`` (transformers' default: the first one)."""
     fields["moe_layer_freq"] = list(moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"])))
 
 
@@ -197,10 +207,39 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "which this config does not have: transformers reads mlp_layer_types",
         _glm4_moe_lite,
     ),
+    "hy_v3": (
+        "the provider makes the first first_k_dense_replace layers dense (a key HYV3Config "
+        "does not have: INPUT_CORRECTIONS fills it in); transformers reads mlp_layer_types, "
+        "which may put dense layers anywhere",
+        _dense_layers_of_layer_types,
+    ),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
         "becomes MoE where transformers builds dense MLP layers",
         _qwen3_moe_dense_layers,
+    ),
+}
+
+
+def _leading_dense_layers(hf: dict) -> dict:
+    """HY-V3: ``first_k_dense_replace`` (read by the bridge's provider, which raises without
+    it) as the number of leading dense layers of ``mlp_layer_types``, unless the config has
+    it; the layer pattern itself is :data:`CORRECTIONS`' (from ``mlp_layer_types``)."""
+    if "first_k_dense_replace" in hf:
+        return hf
+    pattern = moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"]))
+    k = pattern.index(1) if 1 in pattern else len(pattern)
+    return dict(hf, first_k_dense_replace=k)
+
+
+#: model_type -> (why, the config dict the provider is built from, given the HF config); the
+#: disk cache stays keyed by the config as given
+INPUT_CORRECTIONS: Dict[str, Tuple[str, Callable[[dict], dict]]] = {
+    "hy_v3": (
+        "the provider reads first_k_dense_replace, which HYV3Config does not have "
+        "(transformers reads mlp_layer_types): AttributeError for a config saved by "
+        "transformers",
+        _leading_dense_layers,
     ),
 }
 
@@ -280,11 +319,6 @@ NOT_BUILT = {
         "LayerNorm1P (LayerNorm with bias and a (1 + w) gain): megatron-core's torch norm "
         "refuses a zero-centred gamma, and the engine has no such norm module of its own yet"
     ),
-    "hy_v3": (
-        "not built yet: megatron-core expresses its layers (sigmoid router with expert bias "
-        "and scaling, shared experts, dense layers from mlp_layer_types, per-head QK norm), "
-        "but no family case of ours checks it"
-    ),
     "gemma3": _VLM,
     "gemma4": _VLM,
 }
@@ -346,14 +380,18 @@ def _import_auto_bridge():
 @functools.lru_cache(maxsize=32)
 def _provider(hf_json: str):
     AutoBridge = _import_auto_bridge()
-    cfg = hf_config_object(json.loads(hf_json))
+    hf = json.loads(hf_json)
+    fix = INPUT_CORRECTIONS.get(hf.get("model_type"))
+    if fix is not None:
+        hf = fix[1](hf)
+    cfg = hf_config_object(hf)
     with contextlib.redirect_stdout(sys.stderr):
         return AutoBridge.from_hf_config(cfg).to_megatron_provider(load_weights=False)
 
 
 def provider_for(hf: dict):
-    """The bridge's (unfinalised) provider of an HF config dict; cached per config. Treat it
-    as read-only."""
+    """The bridge's (unfinalised) provider of an HF config dict (:data:`INPUT_CORRECTIONS`
+    applied); cached per config. Treat it as read-only."""
     return _provider(json.dumps(hf, sort_keys=True, default=str))
 
 

@@ -8,7 +8,9 @@ with expert bias, shared experts, dense first layers, partial rotary:
 :mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
 attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router),
 ``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer),
-``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router).
+``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router), ``hy_v3`` (Hy3: GQA
+with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers from
+``mlp_layer_types``).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -89,7 +91,7 @@ from areal_mega.models.bridge_provider import (
     uses_provider,
 )
 from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
-from areal_mega.models.moe_families import glm4_moe_fields
+from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = [
@@ -116,6 +118,7 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v2",
     "gemma",
     "glm4_moe_lite",
+    "hy_v3",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -287,6 +290,8 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(deepseek_v2_fields(hf, n_layers))
     if mt == "glm4_moe_lite":
         kw.update(glm4_moe_lite_fields(hf, n_layers))
+    if mt == "hy_v3":
+        kw.update(hy_v3_fields(hf, n_layers))
     return HFArch(**kw, hf_json=_config_json(hf))
 
 

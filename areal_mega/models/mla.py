@@ -16,7 +16,7 @@ channel) layout, which is transformers' ``rope_interleave=True`` (its default); 
 
 from __future__ import annotations
 
-from areal_mega.models.moe_families import routed_moe_fields
+from areal_mega.models.moe_families import moe_pattern_of_layer_types, routed_moe_fields
 
 __all__ = [
     "MLA_MODEL_TYPES",
@@ -89,15 +89,6 @@ def deepseek_v2_fields(hf: dict, n_layers: int) -> dict:
         moe_group_topk=int(hf["topk_group"]) if grouped else None,
     )
     return fields
-
-
-def moe_pattern_of_layer_types(hf: dict, n_layers: int) -> tuple:
-    """1 = MoE, 0 = dense per layer from ``mlp_layer_types`` (``"dense"`` / ``"sparse"``;
-    transformers' GLM-4-MoE-Lite default: the first layer dense, the rest sparse)."""
-    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
-    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
-        raise ValueError(f"mlp_layer_types={types!r}: need {n_layers} of 'dense' / 'sparse'")
-    return tuple(int(t == "sparse") for t in types)
 
 
 def glm4_moe_lite_fields(hf: dict, n_layers: int) -> dict:

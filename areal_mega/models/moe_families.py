@@ -24,6 +24,12 @@ here the rate is 0, so it stays the checkpoint's value: the rollout servers rout
 checkpoint's bias, and a trainer-side drift would make the trainer choose other experts than
 the policy that generated the samples, for a balance objective RL does not optimise.
 
+HY-V3 (``hy_v3``, Hy3) routes the same way without groups: sigmoid scores, the expert bias
+(``e_score_correction_bias``; ``mlp.expert_bias`` in its checkpoints) for the choice only, the
+chosen weights always renormalised (``/ (sum + 1e-20)``, as megatron's) times
+``router_scaling_factor``, shared experts of ``moe_intermediate_size · num_shared_experts``,
+and its dense layers from ``mlp_layer_types`` (:func:`hy_v3_fields`).
+
 Two differences between megatron and transformers are refused rather than approximated:
 megatron's sigmoid router renormalises the top-k weights whenever ``topk > 1`` (transformers
 only when ``norm_topk_prob``), and megatron scores an expert group by the sum of its top
@@ -35,11 +41,13 @@ from __future__ import annotations
 __all__ = [
     "SIGMOID_ROUTER_MODEL_TYPES",
     "glm4_moe_fields",
+    "hy_v3_fields",
+    "moe_pattern_of_layer_types",
     "routed_moe_fields",
 ]
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
-SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "hy_v3")
 
 
 def _partial_rotary_factor(hf: dict) -> float:
@@ -108,4 +116,60 @@ def glm4_moe_fields(hf: dict, n_layers: int, head_dim: int) -> dict:
         qk_norm=bool(hf.get("use_qk_norm", False)),
         qkv_bias=bool(hf.get("attention_bias", False)),
         rotary_percent=factor,
+    )
+
+
+def moe_pattern_of_layer_types(hf: dict, n_layers: int) -> tuple:
+    """1 = MoE, 0 = dense per layer from ``mlp_layer_types`` (``"dense"`` / ``"sparse"``;
+    transformers' GLM-4-MoE-Lite and HY-V3 default: the first layer dense, the rest sparse)."""
+    types = hf.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n_layers - 1)
+    if len(types) != n_layers or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types={types!r}: need {n_layers} of 'dense' / 'sparse'")
+    return tuple(int(t == "sparse") for t in types)
+
+
+def hy_v3_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``hy_v3`` config (beyond the
+    common attention fields): per-head QK RMSNorm, the sigmoid router with expert bias and
+    ``router_scaling_factor``, shared experts, dense layers from ``mlp_layer_types``. Raises
+    ``ValueError`` for options megatron cannot reproduce.
+
+    ``enable_moe_fp32_combine`` (add routed and shared expert outputs in fp32, then cast) is
+    accepted either way: both outputs are already in the model's dtype, and PyTorch adds two
+    bf16 / fp16 tensors in fp32 and rounds once, which is what the fp32 combine does."""
+    topk = int(hf["num_experts_per_tok"])
+    if topk < 2:
+        raise ValueError(
+            f"num_experts_per_tok={topk}: transformers renormalises the chosen weight of a "
+            "top-1 sigmoid router to 1, megatron's sigmoid router renormalises only when "
+            "top-k > 1 (it would weight the expert by its sigmoid score)"
+        )
+    n_shared = int(hf.get("num_shared_experts") or 0)
+    if n_shared < 1:
+        raise ValueError(
+            f"num_shared_experts={hf.get('num_shared_experts')!r}: transformers then builds "
+            "a shared MLP of intermediate_size (its size 0 falls back to it), which the "
+            "bridge's provider does not describe"
+        )
+    if hf.get("attention_bias"):
+        raise ValueError(
+            "attention_bias=True is not supported for hy_v3: transformers then biases o_proj "
+            "too, which megatron-core ties to biases on every linear layer (MLPs included)"
+        )
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported for hy_v3")
+    moe_ffn = int(hf["moe_intermediate_size"])
+    return dict(
+        qk_norm=True,
+        qkv_bias=False,
+        num_experts=int(hf["num_experts"]),
+        moe_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
+        moe_norm_topk_prob=True,
+        moe_layer_pattern=moe_pattern_of_layer_types(hf, n_layers),
+        router_aux_loss_coef=0.0,
+        moe_score_function="sigmoid",
+        moe_expert_bias=True,
+        moe_routed_scaling_factor=float(hf["router_scaling_factor"]),
+        moe_shared_ffn_hidden_size=moe_ffn * n_shared,
     )

@@ -25,6 +25,7 @@ ARCHS = (
     "deepseek_v2",
     "gemma",
     "glm4_moe_lite",
+    "hy_v3",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -64,7 +65,8 @@ class TinyModelSpec:
     # layers' RoPE base and the attention scale's denominator (None: head_dim)
     rope_local_theta: float = 10000.0
     query_pre_attn_scalar: Optional[int] = None
-    # glm4_moe only (DeepSeek-style routing; see areal_mega.models.moe_families)
+    # glm4_moe (DeepSeek-style routing; see areal_mega.models.moe_families); hy_v3 takes the
+    # dense layers, shared experts and scaling factor (no groups)
     first_k_dense_replace: int = 1
     n_shared_experts: int = 1
     n_group: int = 2
@@ -138,7 +140,14 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         attention_dropout=0.0,
     )
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
-    if spec.head_dim and spec.arch not in ("mistral", "qwen3", "qwen3_moe", "gemma3_text", "gemma"):
+    if spec.head_dim and spec.arch not in (
+        "mistral",
+        "qwen3",
+        "qwen3_moe",
+        "gemma3_text",
+        "gemma",
+        "hy_v3",
+    ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text"):
         raise ValueError("sliding_window: only the mistral and gemma3_text tiny models have one")
@@ -224,6 +233,22 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             v_head_dim=spec.v_head_dim,
             rope_interleave=True,
             attention_bias=False,
+        )
+    if spec.arch == "hy_v3":
+        from transformers import HYV3Config
+
+        k = spec.first_k_dense_replace
+        return HYV3Config(
+            **common,
+            head_dim=head_dim,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_shared_experts=spec.n_shared_experts,
+            router_scaling_factor=spec.routed_scaling_factor,
+            mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
+            attention_bias=False,
+            mlp_bias=False,
         )
     if spec.arch == "deepseek_v3":
         common["num_key_value_heads"] = spec.num_heads

@@ -78,6 +78,16 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # HY-V3 (Hy3): GQA with per-head QK norm (head_dim 16), sigmoid top-2 of 4 experts with
+    # expert bias, renormalised, times router_scaling_factor 2.5, a shared expert; layer 0
+    # dense by mlp_layer_types; checkpoint names of the hub (mlp.router.gate, mlp.expert_bias,
+    # mlp.shared_mlp), which the rollout server renames as transformers does
+    "hy_v3": FamilyCase(
+        "hy_v3",
+        dict(arch="hy_v3", tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -85,7 +95,7 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma", "glm4_moe_lite")
+RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma", "glm4_moe_lite", "hy_v3")
 
 
 def tiny_spec(case: FamilyCase) -> dict:
