@@ -181,9 +181,7 @@ def test_upstream_hy_v3_provider_still_needs_first_k_dense_replace():
     hf = tiny_config("hy_v3", num_layers=4)
     assert "first_k_dense_replace" not in hf
     with pytest.raises(AttributeError, match="first_k_dense_replace"):
-        AutoBridge.from_hf_config(bp.hf_config_object(hf)).to_megatron_provider(
-            load_weights=False
-        )
+        AutoBridge.from_hf_config(bp.hf_config_object(hf)).to_megatron_provider(load_weights=False)
     # the filled-in key is the number of leading dense layers (the provider then builds)
     assert bp.INPUT_CORRECTIONS["hy_v3"][1](hf)["first_k_dense_replace"] == 1
     assert bp.provider_for(hf).moe_layer_freq == [0, 1, 1, 1]
