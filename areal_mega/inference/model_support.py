@@ -127,8 +127,8 @@ def support_rows(
         elif model_type is not None and (gpu_only or {}).get(model_type):
             status, why = STATUS["gpu"], gpu_only[model_type]
         else:
-            known = (not_built or {}).get(model_type) if model_type is not None else None
-            status, why = STATUS["no"], note or known or NO_ENGINE_FAMILY
+            status = STATUS["no"]
+            why = note or (not_built or {}).get(model_type) or NO_ENGINE_FAMILY
         rows.append(
             {
                 "architecture": arch,

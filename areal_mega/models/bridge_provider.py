@@ -44,6 +44,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from areal_mega.common.files import atomic_write
 from areal_mega.models.moe_families import moe_pattern_of_layer_types
 
 __all__ = [
@@ -543,8 +544,6 @@ def _write_cached(hf_json: str, value: Tuple[dict, dict, bool]) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write(path, text, durable=False)  # a lost entry is only computed again
     except OSError as e:
         log.warning("could not write the bridge provider cache %s: %s", path, e)

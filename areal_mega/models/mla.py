@@ -23,7 +23,6 @@ __all__ = [
     "deepseek_v3_fields",
     "deepseek_v2_fields",
     "glm4_moe_lite_fields",
-    "moe_pattern_of_layer_types",
     "mla_full_shapes",
 ]
 
