@@ -21,6 +21,7 @@ import torch
 from areal_mega.models.tiny import make_tiny_model
 from tests.helpers.convert_worker import compare, load_all
 from tests.helpers.moe_family_worker import DEEPSEEK_V3, GLM4_MOE
+from tests.helpers.tool_batch import run_tools
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -150,31 +151,15 @@ def test_glm4_moe_mtp_tensors_are_recognised_and_skipped():
 # ---------------------------------------------------------------------------- conversion
 def test_cli_roundtrip_is_bit_exact(family_model, tmp_path):
     _, model = family_model
-    _run(
+    mcore, hf2 = tmp_path / "mcore", tmp_path / "hf2"
+    run_tools(  # one interpreter for both directions
         [
-            ROOT / "tools" / "convert_hf_to_mcore.py",
-            "--hf-dir",
-            model,
-            "--out",
-            tmp_path / "mcore",
-            "--tp",
-            2,
-            "--pp",
-            2,
-            "--ep",
-            2,
-            "--no-progress",
-        ]
-    )
-    _run(
-        [
-            ROOT / "tools" / "convert_mcore_to_hf.py",
-            "--mcore-dir",
-            tmp_path / "mcore",
-            "--out",
-            tmp_path / "hf2",
-            "--no-progress",
-        ]
+            ["tools/convert_hf_to_mcore.py", "--hf-dir", model, "--out", mcore]
+            + ["--tp", 2, "--pp", 2, "--ep", 2, "--no-progress"],
+            ["tools/convert_mcore_to_hf.py", "--mcore-dir", mcore, "--out", hf2, "--no-progress"],
+        ],
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
     )
     src, dst = load_all(model), load_all(tmp_path / "hf2")
     assert any(k.endswith("e_score_correction_bias") for k in src)

@@ -17,8 +17,6 @@ of :data:`tests.helpers.new_families.CASES`:
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ from tests.helpers.convert_worker import compare, load_all
 from tests.helpers.local_runs import _finish, _launch, _metrics
 from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.new_families import CASES, RL_CASES, tiny_spec
+from tests.helpers.tool_batch import run_tools
 from tests.helpers.workers import worker_cmd
 
 pytestmark = pytest.mark.slow  # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
@@ -38,31 +37,21 @@ WORKER = "family_worker"  # tests.helpers.family_worker
 TOL = 1e-5
 
 
-def _tool(*argv):
-    p = subprocess.run(
-        [sys.executable, *argv, "--no-progress"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """Every family's tiny model, converted there and back by our tools, and the 2-rank checks
     of all families (one launch): ``{name: {"case", "hf", "hf2", "checks"}}``."""
     work = tmp_path_factory.mktemp("families")
-    out = {}
+    out, conversions = {}, []
     for name, case in sorted(CASES.items()):
         hf = make_tiny_model(work / name / "hf", **tiny_spec(case))
         mcore, hf2 = work / name / "mcore", work / name / "hf2"
-        _tool(
-            "tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(mcore), *case.convert
-        )
-        _tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out", str(hf2))
+        conversions += [
+            ["tools/convert_hf_to_mcore.py", "--hf-dir", hf, "--out", mcore, *case.convert],
+            ["tools/convert_mcore_to_hf.py", "--mcore-dir", mcore, "--out", hf2],
+        ]
         out[name] = {"case": case, "hf": hf, "hf2": hf2}
+    run_tools([[*c, "--no-progress"] for c in conversions])  # one interpreter, 12 conversions
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
     ranks = run_ranks(
