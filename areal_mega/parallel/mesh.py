@@ -38,7 +38,8 @@ def init_distributed(
     world_size: Optional[int] = None,
     init_method: Optional[str] = None,
 ) -> None:
-    """Initialise the default process group once (env:// unless ``init_method`` is given).
+    """Initialise the default process group once (env:// unless ``init_method`` is given; a
+    single rank without ``MASTER_PORT`` uses a port the OS picks).
 
     ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. A short ``timeout_s``
     makes a crashed peer fail collectives instead of hanging them."""
@@ -50,6 +51,10 @@ def init_distributed(
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+    if init_method is None and world_size == 1 and "MASTER_PORT" not in os.environ:
+        # one rank started without torchrun: its store on a port the OS picks, never a fixed
+        # one another process on the machine may hold
+        init_method = "tcp://127.0.0.1:0"
     if init_method is None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
