@@ -321,7 +321,7 @@ def test_training_survives_faults_a_lost_node_and_ray_stop(assets, tmp_path, clu
     supervisor = sup_log.read_text()
     assert "rollout0 failed (killed by signal 9); relaunch 1/8" in supervisor, supervisor
     assert "rollout_worker failed (killed by signal 9); relaunch 2/8" in supervisor
-    assert "trainer failed (killed by signal 9); relaunch 3/8" in supervisor  # one rank: no torchrun
+    assert "trainer failed (killed by signal 9); relaunch 3/8" in supervisor  # no torchrun
     assert "restarting with it: rollout_worker" in supervisor
     assert f", node {lost_id}) died (" in supervisor  # its actor, with the node
     assert "rollout1 (" in supervisor and "joined the rollout" in supervisor
