@@ -348,3 +348,50 @@ def test_failure_surfaces_through_raise_if_failed(servers, case):
     assert e.__cause__ is not None and match in str(e.__cause__)
     if case == "episode":
         assert ctl.stats()["failed"] == 2 and ctl.stats()["started"] == 2 and len(sink) == 0
+
+
+def _seeded_run(addrs, seed):
+    """Tokens of the first 4 groups (by group index) of a controller seeded with ``seed``."""
+    sink = GroupSink()
+    ctl = make_controller(
+        addrs,
+        batch_size=2,
+        n_samples=3,
+        eta=1,
+        max_new_tokens=8,
+        sink=sink,
+        n_prompts=4,
+        temperature=1.0,
+        sampling_seed=seed,
+    ).start()
+    try:
+        groups = sink.take(ctl, 4, timeout=120)
+    finally:
+        ctl.stop()
+    return {
+        (g[0].meta["group_index"], t.sample_id.rsplit("-", 1)[1]): t.input_ids.tolist()
+        for g in groups
+        for t in g
+    }
+
+
+def test_seeded_sampling_samples_the_same_tokens_again(servers):
+    """``rollout.seeded_sampling``: two controllers (each its own random run id, requests
+    spread over two servers in whatever order) seeded alike sample the same tokens for every
+    sample of every group at temperature 1; another seed samples others. The seed is a pure
+    function of the run's seed, the request key without the run id, and the segment."""
+    from areal_mega.rollout.controller import request_seed
+
+    addrs = [p.addr for p in servers]
+    first, again, other = (_seeded_run(addrs, s) for s in (7, 7, 8))
+    assert len(first) == 12 and first == again
+    assert other.keys() == first.keys() and other != first
+    assert request_seed(7, "g0-s1-t0", 0) == request_seed(7, "g0-s1-t0", 0)
+    seeds = {
+        request_seed(s, f"g{g}-s{j}-t0", r)
+        for s in (7, 8)
+        for g in range(3)
+        for j in range(3)
+        for r in range(2)
+    }
+    assert len(seeds) == 36 and all(0 <= x < 2**63 for x in seeds)

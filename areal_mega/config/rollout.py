@@ -112,6 +112,12 @@ class RolloutConfig:
     top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k: int = _f(-1, lo=-1)
     max_head_offpolicyness: int = _f(0, lo=0, doc="eta: staleness bound in weight versions")
+    seeded_sampling: bool = _f(
+        False,
+        doc="seed each request's sampling from the run's seed and the sample (group, sample, "
+        "turn, segment): a run started again samples the same tokens (with eta 0 the same "
+        "batches; docs/ray.md compares launchers with it)",
+    )
     max_concurrent: int = _f(64, lo=1)
     request_timeout_s: float = _f(3600.0, lo=0.0, lo_open=True)
     request_retries: int = _f(3, lo=0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 import threading
@@ -73,6 +74,15 @@ def model_finish(finish: str, output_ids: list, sampling: dict, tokenizer=None) 
     eos = getattr(tokenizer, "eos_token_id", None)
     ends |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     return "stop" if output_ids[-1] in ends else finish
+
+
+def request_seed(seed: int, key: str, segment: int) -> int:
+    """The sampling seed of one generation request (``rollout.seeded_sampling``): a 63-bit
+    hash of the run's ``seed``, the request's ``key`` without the controller's random run id
+    (group index, sample, turn) and its ``segment`` (the resumption after an interruption).
+    Pure: the same run started again seeds the same requests alike."""
+    digest = hashlib.blake2b(f"{seed}:{key}:{segment}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 class GroupContext:
@@ -144,6 +154,7 @@ class RolloutController:
         failure_rate: Optional[FailureRate] = None,
         reward_threads: int = 4,
         route_layout: Optional[RouteLayout] = None,
+        sampling_seed: Optional[int] = None,
         **extra_sampling,
     ):
         # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
@@ -164,6 +175,7 @@ class RolloutController:
         self.route_layout = route_layout  # set: ask the servers for MoE routes (R3)
         self.sink = sink
         self.run_id = uuid.uuid4().hex[:8]
+        self.sampling_seed = sampling_seed  # set: every request seeded (request_seed)
         self.counter = StalenessCounter(batch_size=batch_size, eta=eta, version=initial_version)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             reward_threads, thread_name_prefix="rollout-reward"
@@ -391,6 +403,10 @@ class RolloutController:
             remaining = max_new_tokens - len(out)
             submit_version = self.counter.version
             params = dict(sp, max_new_tokens=remaining)
+            if self.sampling_seed is not None and sp.get("sampling_seed") is None:
+                params["sampling_seed"] = request_seed(
+                    self.sampling_seed, key.removeprefix(f"{self.run_id}-"), seg
+                )
             self.n_inflight_requests += 1
             try:
                 route_kw = (

@@ -272,6 +272,7 @@ class RolloutWorker:
             sink=self._sink,
             initial_version=version,
             route_layout=replay_layout(self.cfg),
+            sampling_seed=self.cfg.seed if r.seeded_sampling else None,
             on_episode_failure=episode_failure_policy(r.on_episode_failure, r.workflow),
             failure_rate=FailureRate(
                 r.failure_rate_ceiling, r.failure_window, r.failure_min_prompts
