@@ -162,6 +162,43 @@ def test_failed_main_relaunch_is_bounded(tmp_path):
     assert sup.run() == 4 and sup.restarts == 2 and calls == [1, 2]
 
 
+def test_a_failed_gang_member_relaunches_the_whole_gang(tmp_path):
+    """Two mains of one gang (a trainer's torchrun agents on two nodes): the first fails,
+    the second would wait for it forever. Both are stopped and started again in one relaunch
+    (one of the budget), with the companion service; the second run of each ends the run."""
+    said = []
+    sup = Supervisor(
+        [
+            ProcessSpec("worker", CHILD + ["sleep"], restart_with_main=True),
+            ProcessSpec(
+                "trainer0",
+                CHILD + ["flaky", str(tmp_path / "f0")],
+                kind="main",
+                restart=True,
+                gang="trainer",
+            ),
+            ProcessSpec(
+                "trainer1",
+                CHILD + ["hang_once", str(tmp_path / "f1")],
+                kind="main",
+                restart=True,
+                gang="trainer",
+            ),
+        ],
+        tmp_path / "logs",
+        max_restarts=3,
+        echo=said.append,
+    )
+    t, box = _run_in_thread(sup)
+    t.join(60)
+    assert box.get("rc") == 0 and sup.restarts == 1, said
+    assert any("trainer0 failed (exit code 1); relaunch 1/3" in m for m in said), said
+    assert any("restarting its gang (trainer) with it: trainer1" in m for m in said), said
+    assert any("restarting with it: worker" in m for m in said), said
+    for name in ("trainer0", "trainer1", "worker"):
+        assert (tmp_path / f"logs/{name}.log").read_text().count("===== ") == 2, name
+
+
 @pytest.mark.parametrize(
     "mode, marker",
     [

@@ -500,6 +500,7 @@ def trainer_specs(cfg, device, layout, config_path, placement, launchers) -> lis
         ]
         spec = trainer_spec(cfg, argv, dict(env, MASTER_ADDR=master, MASTER_PORT=str(port)), name)
         spec.launcher = launchers[name]
+        spec.gang = "trainer"  # torchrun's static rendezvous: every agent again, at once
         out.append(spec)
     return out
 

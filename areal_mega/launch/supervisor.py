@@ -14,7 +14,8 @@ Behaviour:
 - a ``service`` that exits (any code) ends the run with a failure, unless it has
   ``restart=True``: then it alone is relaunched (not waited for). A ``main`` spec that exits 0
   is done, and when every ``main`` is done the run ends with 0. A ``main`` spec with
-  ``restart=True`` that fails is relaunched (with its ``restart_with_main`` companions). All
+  ``restart=True`` that fails is relaunched (with its ``restart_with_main`` companions, and
+  the other mains of its ``gang``, stopped first, finished or not, in one relaunch). All
   relaunches share one budget, ``max_restarts`` in total; ``spec.on_restart(spec, attempt)``
   may return the argv of that relaunch (e.g. to resume), the spec's own argv is kept for later.
 - ``spec.fatal(rc)`` returning a message marks a failure that a relaunch cannot cure (e.g. a
@@ -79,6 +80,9 @@ class ProcessSpec:
     fatal: Optional[Callable[[int], Optional[str]]] = None  # rc -> why no relaunch helps
     # start it elsewhere: launcher(spec, argv, env, log_path, attempt) -> a RemoteProcess
     launcher: Optional[Callable] = None
+    # main: the mains of one gang (a trainer's torchrun agents on several nodes, whose static
+    # rendezvous wants all of them at once) are stopped and relaunched together
+    gang: Optional[str] = None
 
     def __post_init__(self):
         if self.kind not in ("service", "main"):
@@ -476,6 +480,8 @@ class Supervisor:
                 self._refresh_descendants()
                 last_scan = time.monotonic()
             for name, run in list(self.running.items()):
+                if self.running.get(name) is not run:
+                    continue  # relaunched in this pass, with a gang member or as a companion
                 if run.done or run.proc.poll() is None:
                     continue
                 rc = run.proc.returncode
@@ -508,25 +514,35 @@ class Supervisor:
                 ):
                     self.restarts += 1
                     self.say(f"{name} failed ({why}); relaunch {self.restarts}/{self.max_restarts}")
-                    _close_quietly(run.log)
-                    if run.spec.on_restart is not None:
-                        argv = run.spec.on_restart(run.spec, self.restarts)
-                        if argv:
-                            run.spec.argv = list(argv)
+                    gang = [
+                        r
+                        for r in self.running.values()
+                        if run.spec.gang and r.spec.gang == run.spec.gang and r is not run
+                    ]
+                    for r in [run] + gang:
+                        _close_quietly(r.log)
+                        if r.spec.on_restart is not None:
+                            argv = r.spec.on_restart(r.spec, self.restarts)
+                            if argv:
+                                r.spec.argv = list(argv)
                     companions = [
                         r
                         for r in self.running.values()
-                        if r.spec.restart_with_main and r is not run
+                        if r.spec.restart_with_main and r is not run and r not in gang
                     ]
+                    if gang:  # e.g. torchrun's other agents: their static rendezvous
+                        self.say(
+                            f"restarting its gang ({run.spec.gang}) with it: "
+                            + ", ".join(r.spec.name for r in gang)
+                        )
                     if companions:  # e.g. the rollout worker, whose sockets face the main
                         self.say(
                             "restarting with it: " + ", ".join(r.spec.name for r in companions)
                         )
                     # the failed main's leftovers go too: they may hold its ports and files
-                    self.stop_all(runs=[run] + companions)
-                    self._launch(run.spec, self.restarts)
-                    for comp in companions:
-                        self._launch(comp.spec, self.restarts)
+                    self.stop_all(runs=[run] + gang + companions)
+                    for r in [run] + gang + companions:
+                        self._launch(r.spec, self.restarts)
                     continue
                 self.say(
                     f"{name} died ({why}); stopping everything. Log: {run.log.name}"

@@ -6,6 +6,8 @@ stubborn     ignore SIGTERM, sleep forever
 listen PORT  listen on PORT and sleep forever
 spawn DIR    start a grandchild in a NEW session (escapes the process group), write both pids
 flaky FILE   exit 1 the first time (creating FILE), exit 0 afterwards
+hang_once F  sleep forever the first time (creating F), exit 0 afterwards (a torchrun agent
+             whose peer died: it never ends by itself)
 orphan DIR   first time: start a grandchild in the same process group, write its pid to
              DIR/orphan, then SIGKILL itself (the grandchild survives it); afterwards exit 0
 worker DIR   as torchrun: first time start a worker in a NEW session and exit 1 when it dies;
@@ -46,6 +48,11 @@ elif mode == "flaky":
     if not os.path.exists(arg):
         open(arg, "w").close()
         sys.exit(1)
+    sys.exit(0)
+elif mode == "hang_once":
+    if not os.path.exists(arg):
+        open(arg, "w").close()
+        time.sleep(3600)
     sys.exit(0)
 elif mode == "orphan":
     marker = os.path.join(arg, "orphan")
