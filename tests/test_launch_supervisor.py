@@ -172,7 +172,7 @@ def test_a_failed_gang_member_relaunches_the_whole_gang(tmp_path):
             ProcessSpec("worker", CHILD + ["sleep"], restart_with_main=True),
             ProcessSpec(
                 "trainer0",
-                CHILD + ["flaky", str(tmp_path / "f0")],
+                CHILD + ["flaky_after", str(tmp_path / "f0"), str(tmp_path / "f1")],
                 kind="main",
                 restart=True,
                 gang="trainer",

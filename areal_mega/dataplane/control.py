@@ -153,7 +153,7 @@ class RolloutLink:
                 self._connect()
                 raise ControlTimeout(
                     f"{self.peer} at {self.endpoint} did not answer "
-                    f"{cmd!r} within {timeout_ms / 1000:.0f} s"
+                    f"{cmd!r} within {timeout_ms / 1000:g} s"
                 )
             if self._peer_lost():
                 log.warning(

@@ -73,8 +73,11 @@ def run_command(
         timeout_s=answer_timeout_s,
     )
     deadline = time.monotonic() + timeout_s + answer_timeout_s
+    unanswered: Optional[ControlTimeout] = None  # the last poll, when it went unanswered
     while op["state"] not in ("done", "failed"):
         if time.monotonic() > deadline:
+            if unanswered is not None:  # the launcher's silence is the reason, not the op's
+                raise unanswered
             raise ControlError(
                 f"{msg['cmd']}: operation {op['op']} still {op['state']!r} "
                 f"after {timeout_s:.0f} s (--timeout)"
@@ -85,9 +88,11 @@ def run_command(
             op = link.request(
                 {"cmd": "op", "op": op["op"]}, timeout_s=max(0.1, min(answer_timeout_s, left))
             )
+            unanswered = None
         except ControlTimeout as e:
             if time.monotonic() >= deadline:
                 raise
+            unanswered = e
             log.warning("%s; asking again (operation %s)", e, op["op"])
     if op["state"] == "failed":
         raise ControlError(op.get("error") or "failed")

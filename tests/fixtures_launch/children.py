@@ -8,6 +8,7 @@ spawn DIR    start a grandchild in a NEW session (escapes the process group), wr
 flaky FILE   exit 1 the first time (creating FILE), exit 0 afterwards
 hang_once F  sleep forever the first time (creating F), exit 0 afterwards (a torchrun agent
              whose peer died: it never ends by itself)
+flaky_after FILE OTHER  as flaky, but the first time only once OTHER exists (a peer is up)
 orphan DIR   first time: start a grandchild in the same process group, write its pid to
              DIR/orphan, then SIGKILL itself (the grandchild survives it); afterwards exit 0
 worker DIR   as torchrun: first time start a worker in a NEW session and exit 1 when it dies;
@@ -46,6 +47,13 @@ elif mode == "spawn":
     time.sleep(3600)
 elif mode == "flaky":
     if not os.path.exists(arg):
+        open(arg, "w").close()
+        sys.exit(1)
+    sys.exit(0)
+elif mode == "flaky_after":
+    if not os.path.exists(arg):
+        while not os.path.exists(sys.argv[3]):
+            time.sleep(0.02)
         open(arg, "w").close()
         sys.exit(1)
     sys.exit(0)

@@ -52,6 +52,11 @@ def main():
             os.makedirs(os.path.dirname(done), exist_ok=True)
             os.makedirs(os.path.join(ckpt, "iter_0000005.tmp"), exist_ok=True)  # incomplete
             open(done, "w").write('{"complete": true}')
+        else:  # the other ranks crash after the save, as a real trainer's do: torchrun stops
+            for _ in range(600):  # every rank once one fails, rank 0's save included
+                if os.path.exists(done):
+                    break
+                time.sleep(0.05)
         sys.exit(3)
     assert cfg.recover == "auto"  # relaunch: the trainer resumes by itself
     print("resumed OK from iter_0000003", flush=True)
