@@ -195,13 +195,17 @@ def _overrides(model, data, run) -> list:
 
 
 def _can_unshare_mounts() -> str:
-    """'' when this process may run a command in a new mount namespace, else why not."""
+    """'' when this process may mount a tmpfs in a mount namespace of its own (what the
+    second node's wrapper does), else why not."""
     if shutil.which("unshare") is None:
         return "no unshare(1) on this machine"
-    r = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, text=True
-    )
-    return "" if r.returncode == 0 else f"unshare -m refused: {r.stderr.strip()}"
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs", d],
+            capture_output=True,
+            text=True,
+        )
+    return "" if r.returncode == 0 else f"a tmpfs in a mount namespace refused: {r.stderr.strip()}"
 
 
 @pytest.fixture(scope="module")
