@@ -116,7 +116,8 @@ class RolloutConfig:
         False,
         doc="seed each request's sampling from the run's seed and the sample (group, sample, "
         "turn, segment): a run started again samples the same tokens (with eta 0 the same "
-        "batches; docs/ray.md compares launchers with it)",
+        "batches; docs/ray.md compares launchers with it). Our CPU server and vLLM apply "
+        "the seed; SGLang under --enable-deterministic-inference",
     )
     max_concurrent: int = _f(64, lo=1)
     request_timeout_s: float = _f(3600.0, lo=0.0, lo_open=True)
