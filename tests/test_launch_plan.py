@@ -338,6 +338,22 @@ def test_cpu_thread_keys_reach_the_trainer_environment(tmp_path):
         ), keys
 
 
+def test_a_lone_trainer_rank_gets_the_address_torchrun_would_give_it(tmp_path):
+    """Without torchrun, the one rank still gets ``MASTER_ADDR`` = this node's name, as
+    torchrun's standalone rendezvous sets it (the weight-update group's address, which
+    servers on other machines dial); with several ranks torchrun sets it."""
+    import socket
+
+    for alloc, want in (("local:d1+megatron:d1", socket.getfqdn()), ("local:d1+megatron:d2", None)):
+        cfg = load_config(
+            ROOT / "recipes/tiny-cpu.yaml",
+            [f"logging.run_dir={tmp_path / alloc}", f"allocation={alloc}"],
+        )
+        specs, _ = local.build_specs(cfg, device="cpu")
+        trainer = next(s for s in specs if s.name == "trainer")
+        assert trainer.env.get("MASTER_ADDR") == want, alloc
+
+
 def test_one_trainer_rank_runs_without_torchrun(tmp_path):
     """One rank: the trainer module itself (no torchrun agent, ~2.5 s of imports less per
     launch); several: torchrun --standalone; extra arguments follow the config either way."""

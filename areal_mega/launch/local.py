@@ -407,6 +407,10 @@ def build_specs(
                 configured=cfg.cluster.cpu_threads_per_trainer_rank,
             )
         )
+    if layout.trainer_nproc_per_node == 1:
+        # what torchrun hands its ranks (socket.getfqdn()): the address of the weight-update
+        # group, which servers on other machines dial; one rank started alone gets it here
+        env["MASTER_ADDR"] = socket.getfqdn()
     RunDir.from_config(cfg).fatal_file.unlink(missing_ok=True)  # not this attempt's reason
     if cfg.mode == "rl":
         specs.append(worker_spec(cfg, config_path, restartable))

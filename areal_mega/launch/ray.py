@@ -471,6 +471,8 @@ def trainer_specs(cfg, device, layout, config_path, placement, launchers) -> lis
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["OMP_NUM_THREADS"] = str(cfg.cluster.cpu_threads_per_trainer_rank or 1)
     if len(names) == 1:
+        if nproc == 1:  # no torchrun to hand it its node's address (the weight-update group's)
+            env["MASTER_ADDR"] = launchers[names[0]].info["ip"]
         spec = trainer_spec(cfg, trainer_command(config_path, nproc), env)
         spec.launcher = launchers[names[0]]
         return [spec]
