@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from areal_mega.common.net import free_ports
-from tests.helpers.local_runs import _finish, _launch, _metrics
+from tests.helpers.local_runs import _finish, _launch, _metrics, run_overrides
 
 pytest.importorskip("ray.dashboard")
 pytestmark = pytest.mark.slow
@@ -177,23 +177,6 @@ def _env(key_file) -> dict:
     )
 
 
-def _overrides(model, data, run) -> list:
-    """What tests.helpers.local_runs._launch passes, for the job's command line."""
-    return [
-        f"model.path={model}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"data.test_path={data / 'test.jsonl'}",
-        f"logging.run_dir={run}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
-        "rollout.batch_size=4",
-        "rollout.n_samples=4",
-        "cluster.kill_grace_s=5",
-        *COMMON,
-    ]
-
-
 def _can_unshare_mounts() -> str:
     """'' when this process may mount a tmpfs in a mount namespace of its own (what the
     second node's wrapper does), else why not."""
@@ -254,7 +237,8 @@ def test_a_submitted_job_trains_what_launch_local_trains(assets, tmp_path, clust
         "areal_mega.launch.ray",
         "--config",
         str(ROOT / "recipes" / "tiny-cpu.yaml"),
-        *_overrides(model, data, ray_run),
+        *run_overrides(ray_run, model, data),
+        *COMMON,
         "--placement-timeout=120",
     ]
     job = subprocess.run(

@@ -23,6 +23,23 @@ from areal_mega.dataplane.journal import TrajectoryJournal
 from tests.helpers.workers import ROOT
 
 
+def run_overrides(run_dir, model, data) -> list:
+    """The tiny-cpu recipe's overrides every end-to-end run starts from (``_launch``'s, and
+    those of a command the test hands to another launcher, e.g. ``ray job submit``)."""
+    return [
+        f"model.path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.test_path={data / 'test.jsonl'}",
+        f"logging.run_dir={run_dir}",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+        "rollout.batch_size=4",
+        "rollout.n_samples=4",
+        "cluster.kill_grace_s=5",
+    ]
+
+
 def _launch(run_dir, model, data, *extra, module="areal_mega.launch.local", env=None):
     """``launch.local`` (or another launcher ``module``, e.g. ``launch.ray``, with ``env``
     added) on the tiny-cpu recipe, ``extra`` overrides last. No reward-curve PNG
@@ -34,16 +51,7 @@ def _launch(run_dir, model, data, *extra, module="areal_mega.launch.local", env=
         module,
         "--config",
         str(ROOT / "recipes" / "tiny-cpu.yaml"),
-        f"model.path={model}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"data.test_path={data / 'test.jsonl'}",
-        f"logging.run_dir={run_dir}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
-        "rollout.batch_size=4",
-        "rollout.n_samples=4",
-        "cluster.kill_grace_s=5",
+        *run_overrides(run_dir, model, data),
         *extra,
     ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **(env or {}))
