@@ -3,12 +3,14 @@ keeps (dataplane/prompt_ledger.py) and the cursor the worker rebuilds from it
 (rollout/resume.py)."""
 
 import json
+from collections import deque
 
 import pytest
 
 from areal_mega.dataplane import Trajectory
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.prompt_ledger import PromptLedger, resume_plan
+from areal_mega.rollout.counts import CountCarrier, carried_counts
 from areal_mega.rollout.resume import ResumingCursor, accepted_ledger
 from areal_mega.rollout.worker import PromptCursor
 from areal_mega.run_dir import META_NAME, RunDir
@@ -63,6 +65,48 @@ def test_regenerated_group_of_a_torn_prompt_is_counted_on_its_own():
         ledger.add(t)
     assert ledger.accepted_prompts() == {2}
     assert list(ledger.partial) == ["gold"]
+
+
+def test_holds_names_the_accepted_samples_of_whole_and_partial_groups():
+    ledger = PromptLedger()
+    for t in _group(3, 2):
+        ledger.add(t)
+    ledger.add(_group(5, 3)[1])  # a partial group: its second sample only
+    assert ledger.holds(3, "g3-s0") and ledger.holds(3, "any sample of a whole group")
+    assert ledger.holds(5, "g5-s1")
+    assert not ledger.holds(5, "g5-s0") and not ledger.holds(4, "g4-s0")
+    state = json.loads(json.dumps(ledger.state()))
+    assert PromptLedger(state).holds(5, "g5-s1") and not PromptLedger(state).holds(5, "g5-s2")
+
+
+def test_counts_of_deliveries_the_trainer_lacks_ride_again_once(tmp_path):
+    """A worker delivers three groups carrying counts; the trainer journals the first and the
+    carrier sample of the second (a partial group), then dies with the third in flight. The
+    resumed worker (its carrier from the saved state) carries the third's counts again on its
+    next delivery: the trainer's metrics hold every count once."""
+    counted = {"failed": 0}
+    carrier = CountCarrier(lambda: dict(counted))
+    groups = [_group(0, 2), _group(1, 2), _group(2, 2)]
+    for n, g in zip((1, 2, 4), groups):
+        counted["failed"] += n
+        carrier.attach(g)
+    saved = json.loads(json.dumps({"next_prompt": 3, **carrier.state()}))
+    journal = TrajectoryJournal(tmp_path / "journal")
+    journal.append(groups[0] + groups[1][:1])
+    ledger = PromptLedger.replayed(None, TrajectoryJournal.replay(tmp_path / "journal"))
+    resumed = CountCarrier.from_state(lambda: {"failed": 1}, saved)
+    assert resumed.carry_again_unless(ledger.holds) == {"failed": 4}
+    again = _group(2, 2, group="again")
+    assert resumed.attach(again) == {"failed": 5}  # its own 1 and the lost group's 4
+    trained = groups[0] + groups[1][:1] + again
+    assert carried_counts(trained) == {"rollout/failed": 8.0}
+    assert resumed.delivered == {"failed": 8}
+    # resumed once more before any other delivery: the same saved state, the same answer
+    twice = CountCarrier.from_state(lambda: {}, saved)
+    assert twice.carry_again_unless(ledger.holds) == {"failed": 4}
+    # the next resume sees only what was delivered since
+    later = CountCarrier.from_state(lambda: {}, json.loads(json.dumps(resumed.state())))
+    assert later.in_flight == deque([[2, "gagain-s0", {"failed": 5}]])
 
 
 def test_intervals_merge_out_of_order():

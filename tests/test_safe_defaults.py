@@ -116,6 +116,34 @@ def test_control_rejects_missing_and_wrong_secret_and_accepts_the_right_one():
         srv.close()
 
 
+def test_control_server_closed_mid_command_answers_and_then_closes(monkeypatch):
+    """``close`` while a command runs past its 2 s join: the serving thread still answers
+    (no send on a socket closed under it) and closes the socket itself."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    started = threading.Event()
+
+    def slow(msg):
+        started.set()
+        time.sleep(3)
+        return {"echo": msg["cmd"]}
+
+    srv = ControlServer("tcp://127.0.0.1:0", slow, secret=SECRET).start()
+    link = RolloutLink(srv.endpoint, secret=SECRET, timeout_s=60)
+    replies = []
+    asker = threading.Thread(target=lambda: replies.append(link.request({"cmd": "drain"})))
+    try:
+        asker.start()
+        assert started.wait(30)
+        srv.close()
+        asker.join(30)
+        srv._thread.join(30)
+    finally:
+        link.close()
+    assert replies and replies[0]["echo"] == "drain"
+    assert not srv._thread.is_alive() and srv._sock.closed and errors == []
+
+
 def _raw_request(sock, frames):
     sock.send_multipart(frames)
     assert sock.poll(60_000, zmq.POLLIN), "no reply from the control server"

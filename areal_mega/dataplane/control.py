@@ -353,14 +353,21 @@ class ControlServer:
         return [out, _mac(self._key, _REP_TAG, out)]
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100, zmq.POLLIN):
-                continue
-            self._sock.send_multipart(self._answer(self._sock.recv_multipart()))
+        try:
+            while not self._stop.is_set():
+                if not self._sock.poll(100, zmq.POLLIN):
+                    continue
+                self._sock.send_multipart(self._answer(self._sock.recv_multipart()))
+        finally:
+            self._sock.close(linger=0)
 
     def close(self) -> None:
-        """Stop the thread and close the socket."""
+        """Stop the thread and close the socket. A command still running after 2 s keeps
+        the socket until it has answered: the serving thread closes it then (a ZMQ socket
+        belongs to one thread)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
+            if self._thread.is_alive():
+                return
         self._sock.close(linger=0)

@@ -66,6 +66,15 @@ class PromptLedger:
         """Every prompt position whose whole group was accepted."""
         return {k for a, b in self.done for k in range(a, b)}
 
+    def holds(self, prompt: int, sample_id: str) -> bool:
+        """Whether sample ``sample_id`` of prompt position ``prompt`` was accepted: its whole
+        group was, or the sample is among a partial group's."""
+        if any(a <= prompt < b for a, b in self.done):
+            return True
+        return any(
+            p["prompt"] == prompt and sample_id in p["samples"] for p in self.partial.values()
+        )
+
     def n_accepted_groups(self) -> int:
         """How many groups were accepted whole."""
         return sum(b - a for a, b in self.done)

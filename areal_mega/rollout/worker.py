@@ -155,9 +155,8 @@ class RolloutWorker:
             start = int(saved.get("next_prompt", 0))
             self.drawn_before = int(saved.get("drawn", start))
         # counters ride on delivered groups to the trainer's metrics (rollout/counts.py)
-        self.counts = CountCarrier(
-            lambda: counts_of(self.controller.stats() if self.controller else {}),
-            start=saved.get("counts"),
+        self.counts = CountCarrier.from_state(
+            lambda: counts_of(self.controller.stats() if self.controller else {}), saved
         )
         self.tokenizer = load_tokenizer(cfg.model.path)
         if cfg.data.sources:  # multi-task: per-source datasets, weights and rewards
@@ -221,13 +220,14 @@ class RolloutWorker:
                 self.sender.send(t)
             nxt = self.cursor.delivered(int(group[0].meta["prompt_index"]))
             # durable: a torn file after a machine crash would stop the resume (an fsync per
-            # delivered group is small next to generating the group); "counts": the
-            # counters delivered so far (the worker's own, continued by a relaunch)
+            # delivered group is small next to generating the group); "counts*": the
+            # counters delivered so far (the worker's own, continued by a relaunch) and what
+            # the recent deliveries carried
             state = {
                 "next_prompt": nxt,
                 "drawn": self.cursor.drawn,
                 "time": time.time(),
-                "counts": self.counts.delivered,
+                **self.counts.state(),
             }
             atomic_write(self.state_path, json.dumps(state), durable=True)
 
@@ -254,6 +254,9 @@ class RolloutWorker:
                 redo[:20],
                 self.cursor.drawn,
             )
+            again = self.counts.carry_again_unless(ledger.holds)
+            if again:
+                log.info("resume: counts of deliveries the trainer lacks carried again %s", again)
             retire = getattr(self.workflow.inner, "retire_accepted", None)
             if retire is not None:  # online: sessions the trainer holds leave the journal
                 retire(ledger.accepted_prompts())
