@@ -53,9 +53,9 @@ def test_provider_agrees_with_the_converters_facts(arch):
         a.num_heads,
     )
     assert f["ffn_hidden_size"] == a.ffn_hidden_size
-    assert f["layernorm_epsilon"] == a.rms_norm_eps and f["normalization"] == "RMSNorm"
+    assert f["layernorm_epsilon"] == a.rms_norm_eps and f["normalization"] == a.normalization
     assert f["add_qkv_bias"] == a.qkv_bias and f["qk_layernorm"] == a.qk_norm
-    assert f["add_bias_linear"] is False and f["gated_linear_unit"] is True
+    assert f["add_bias_linear"] is False and f["gated_linear_unit"] is a.gated_mlp
     if a.is_mla:
         assert (f["q_lora_rank"], f["kv_lora_rank"], f["v_head_dim"]) == (
             a.mla_q_lora_rank,

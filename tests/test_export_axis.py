@@ -5,6 +5,7 @@ marks the row-parallel expert ``linear_fc2`` with ``partition_dim=0`` although i
 split on dim 1; the export must still produce HF ``down_proj`` of shape [hidden, moe_ffn].
 """
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -93,6 +94,10 @@ def test_expected_full_shapes_from_the_hf_config():
     assert expected_full_shape(arch, "self_attention.linear_proj.weight") == (H, 8)
     assert expected_full_shape(arch, "output_layer.weight") == (None, H)
     assert expected_full_shape(arch, "input_layernorm.weight") is None
+    assert expected_full_shape(arch, "mlp.linear_fc1.weight") == (20, H)  # [gate; up]
+    # a non-gated MLP (Nemotron's squared ReLU): fc1 is the up projection alone
+    plain = dataclasses.replace(arch, gated_mlp=False, num_experts=None)
+    assert expected_full_shape(plain, "mlp.linear_fc1.weight") == (10, H)
 
 
 def test_te_grouped_fc2_with_lying_partition_dim_exports_down_proj(tmp_path):

@@ -228,6 +228,12 @@ def test_hparams_from_hf_config_and_names(tmp_path):
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         n = sum(f.get_tensor(k).numel() for k in f.keys())
     assert count_params(hp).total == n  # the formula counts the real checkpoint exactly
+    # Nemotron: an MLP without a gate, LayerNorms with biases, untied
+    d = make_tiny_model(tmp_path / "n", arch="nemotron", tie_word_embeddings=False)
+    hp = hparams_from_hf_config(d / "config.json")
+    assert not hp.gated_mlp and hp.norm_bias and not hp.tie_word_embeddings
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        assert count_params(hp).total == sum(f.get_tensor(k).numel() for k in f.keys())
     assert known_model_key("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
     assert known_model_key("/m/Qwen3-30B-A3B-Base") == "qwen3-30b-a3b"
     assert known_model_key("/m/llama") is None

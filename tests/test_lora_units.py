@@ -43,6 +43,7 @@ def test_target_names_peft_canonical_and_all_linear():
         (dict(rank=6, tp=4), "multiple of TP"),
         (dict(is_mla=True), "multi-latent attention"),
         (dict(is_moe=True, targets=["q_proj", "gate_proj"]), r"MoE.*\['gate_proj'\]"),
+        (dict(gated_mlp=False, targets=["q_proj", "up_proj"]), r"no gate.*\['up_proj'\]"),
         (dict(cp=2), "context parallel size 2"),
         (dict(critic=True), "critic"),
     ],

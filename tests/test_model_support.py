@@ -136,8 +136,9 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
 
 def test_upstream_still_lacks_what_the_not_built_reasons_name():
     """Fails once megatron-core gains what a reason says it lacks (then revisit the family):
-    an expert bias on softmax router scores (Ernie 4.5 MoE), a zero-centred torch LayerNorm
-    (Nemotron's LayerNorm1P)."""
+    an expert bias on softmax router scores (Ernie 4.5 MoE); and once its torch LayerNorm
+    takes a zero-centred gamma, which Nemotron's LayerNorm1P (areal_mega/models/nemotron.py)
+    stands in for."""
     import pytest
     import torch
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function

@@ -60,6 +60,7 @@ BRIDGED_ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "hy_v3": "HYV3ForCausalLM",
+    "nemotron": "NemotronForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
@@ -70,12 +71,14 @@ _LAYER = "decoder.layers.*."
 #: TransformerEngine's norms fused into the next linear (``LayerNormLinear``), e.g.
 #: ``self_attention.linear_qkv.layer_norm_weight``: the local spec has a separate norm module,
 #: which the registry lists beside each
-_TE_FUSED_NORM = ".layer_norm_weight"
+_TE_FUSED_NORM = (".layer_norm_weight", ".layer_norm_bias")
 #: the local-spec norm of a fused TE name, for registries that list only the fused name
-#: (Gemma 3's input and pre-feedforward norms)
+#: (Gemma 3's input and pre-feedforward norms; Nemotron's LayerNorm weights and biases)
 _TE_FUSED_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 #: TE grouped-GEMM expert weights (``mlp.experts.linear_fc1.weight*``): the local spec's
 #: ``local_experts.<E>.linear_fc1.weight`` (some registries list only these)

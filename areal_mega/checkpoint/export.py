@@ -59,7 +59,7 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
         "self_attention.linear_qkv.weight": (qkv_rows, h),
         "self_attention.linear_qkv.bias": (qkv_rows,),
         "self_attention.linear_proj.weight": (h, arch.num_heads * hd),
-        "mlp.linear_fc1.weight": (2 * arch.ffn_hidden_size, h),
+        "mlp.linear_fc1.weight": ((2 if arch.gated_mlp else 1) * arch.ffn_hidden_size, h),
         "mlp.linear_fc2.weight": (h, arch.ffn_hidden_size),
     }
     if moe_ffn:

@@ -315,7 +315,9 @@ _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _TE_EXPERT_RE = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 
 
@@ -461,6 +463,9 @@ def to_mcore_segments(
         raise ValueError(kind)
 
 
+_VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
     """Every HF tensor name the model has (in HF save order: embeddings, layers, norm, head;
     ``with_head=False``: the trunk only, no ``lm_head``)."""
@@ -470,7 +475,7 @@ def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
             experts = range(arch.num_experts) if "{E}" in tm.mcore else [None]
             for e in experts:
                 names += [h.format(L=layer, E=e) for h in tm.hf]
-    names.append("model.norm.weight")
+    names += [h for tm in maps_for(arch) if tm.mcore not in _VOCAB_TENSORS for h in tm.hf]
     if with_head and not arch.tie_word_embeddings:
         names.append("lm_head.weight")
     return names

@@ -109,6 +109,7 @@ def check_lora_model(cfg) -> None:
             rank=lo.rank,
             tp=dims.tp,
             cp=dims.cp,
+            gated_mlp=hf.get("hidden_act") != "relu2",
         )
     except LoraSupportError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None

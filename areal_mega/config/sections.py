@@ -242,6 +242,8 @@ class ModelHParams:
     num_kv_heads: int = _f(0, lo=0, doc="0 = num_attention_heads (no GQA)")
     head_dim: int = _f(0, lo=0, doc="0 = hidden_size / num_attention_heads")
     ffn_hidden_size: int = _f(0, lo=0, doc="dense MLP width (SwiGLU)")
+    gated_mlp: bool = _f(True, doc="false: an MLP without a gate (Nemotron's squared ReLU)")
+    norm_bias: bool = _f(False, doc="norms with a bias (Nemotron's LayerNorm)")
     vocab_size: int = _f(0, lo=1)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False

@@ -16,8 +16,8 @@ The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
   optimizer (dense: d·c; experts: d·c/e), i.e. ``6 + 12/(d·c)``. fp32: ``4 + 4 + 8/(d·c)``.
 - activations, per token of a micro-batch (``tokens_per_mb / cp`` tokens per GPU), per layer,
   2 bytes each (4 for fp32): 4·h hidden-sized tensors (split by tp only with sequence
-  parallelism), Q, K, V and the attention output (flash attention: no s² scores), 4·ffn for SwiGLU
-  (split by tp);
+  parallelism), Q, K, V and the attention output (flash attention: no s² scores), 4·ffn for
+  SwiGLU (2·ffn for an MLP without a gate; split by tp);
   MoE layers hold ``topk`` dispatched copies (h + 4·moe_ffn, split by tp) and fp32 router logits.
   Full recompute keeps only each layer's input (+ one layer's working set). 1F1B keeps ``pp``
   micro-batches in flight on the first stage, so a stage holds ``ceil(L/pp) · pp`` layer-sets.
@@ -139,21 +139,23 @@ class ParamCounts:
 
 
 def count_params(hp: ModelHParams) -> ParamCounts:
-    """Parameter counts of a Llama/Qwen-style decoder (SwiGLU, RMSNorm, GQA, optional MoE)."""
+    """Parameter counts of a Llama/Qwen-style decoder (SwiGLU or a plain MLP, RMSNorm, GQA,
+    optional MoE)."""
     h = hp.hidden_size
     heads = hp.num_attention_heads
     kv = hp.num_kv_heads or heads
     hd = hp.head_dim or h // heads
     q, k = heads * hd, kv * hd
     attention = h * q + 2 * h * k + q * h + ((q + 2 * k) if hp.qkv_bias else 0)
-    replicated = 2 * h + (2 * hd if hp.qk_norm else 0)
+    norm = 2 * h if hp.norm_bias else h
+    replicated = 2 * norm + (2 * hd if hp.qk_norm else 0)
     if hp.num_experts:
         dense_mlp = 0
         experts = hp.num_experts * 3 * h * hp.moe_ffn_hidden_size
         shared = 3 * h * hp.shared_expert_ffn_hidden_size
         replicated += h * hp.num_experts  # router
     else:
-        dense_mlp, experts, shared = 3 * h * hp.ffn_hidden_size, 0, 0
+        dense_mlp, experts, shared = (3 if hp.gated_mlp else 2) * h * hp.ffn_hidden_size, 0, 0
     emb = hp.vocab_size * h
     return ParamCounts(
         embedding=emb,
@@ -166,7 +168,7 @@ def count_params(hp: ModelHParams) -> ParamCounts:
         num_layers=hp.num_layers,
         moe_topk=hp.moe_topk,
         num_experts=hp.num_experts,
-        final_norm=h,
+        final_norm=norm,
     )
 
 
@@ -356,7 +358,8 @@ def estimate_memory(
         )
         router_bytes = 4 * hp.num_experts  # fp32 router logits / probabilities
     else:
-        mlp_terms, router_bytes = 4 * hp.ffn_hidden_size / tp, 0
+        # SwiGLU keeps [gate; up] and their product; a plain MLP its input and activation
+        mlp_terms, router_bytes = (4 if hp.gated_mlp else 2) * hp.ffn_hidden_size / tp, 0
     act_b = w  # activations are kept in the compute dtype
     layer_bytes = tokens * (act_b * (hidden_terms + attn_terms + mlp_terms) + router_bytes)
     notes = []
@@ -428,6 +431,8 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
         num_kv_heads=d.get("num_key_value_heads") or 0,
         head_dim=d.get("head_dim") or 0,
         ffn_hidden_size=d.get("intermediate_size") or 0,
+        gated_mlp=d.get("hidden_act") != "relu2",
+        norm_bias=d.get("model_type") == "nemotron",
         vocab_size=d["vocab_size"],
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         qkv_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),

@@ -69,6 +69,7 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         rank=lora_cfg.rank,
         tp=dims.tp,
         cp=dims.cp,
+        gated_mlp=arch.gated_mlp,
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
     n = apply_lora(

@@ -84,6 +84,7 @@ def check_lora_support(
     tp: int,
     cp: int,
     critic: bool = False,
+    gated_mlp: bool = True,
 ) -> None:
     """Refuse LoRA settings this implementation does not serve (pure; raises
     :class:`LoraSupportError` with the reason and what to do instead).
@@ -91,7 +92,9 @@ def check_lora_support(
     ``targets``: PEFT names (:func:`hf_targets`). Refused: rank < 1; a rank not divisible by the
     tensor-parallel size (the adapters' rank dimension is split over TP); multi-latent attention
     (DeepSeek-V3: its projections have no q/k/v/o LoRA mapping); MLP targets on MoE models (the
-    routed experts' adapters have no PEFT naming SGLang loads); context parallelism (its
+    routed experts' adapters have no PEFT naming SGLang loads); gate / up targets on an MLP
+    without a gate (``gated_mlp`` False: Nemotron's squared ReLU, whose ``linear_fc1`` is the up
+    projection alone, not the ``[gate; up]`` the adapters split); context parallelism (its
     equality with one rank is not tested for adapters); a LoRA critic."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
@@ -111,6 +114,13 @@ def check_lora_support(
             f"LoRA on {model_type} (MoE): lora.target_modules {mlp} would adapt the routed "
             "experts, which is not supported; target the attention only "
             f"({', '.join(ATTENTION_TARGETS)})"
+        )
+    fc1 = [t for t in targets if t in ("gate_proj", "up_proj")]
+    if not gated_mlp and fc1:
+        raise LoraSupportError(
+            f"LoRA on {model_type}: its MLP has no gate (one up projection), so "
+            f"lora.target_modules {fc1} are not supported; target the attention and "
+            "down_proj"
         )
     if cp > 1:
         raise LoraSupportError(f"LoRA with context parallel size {cp}: not supported; use c=1")

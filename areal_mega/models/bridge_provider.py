@@ -134,6 +134,7 @@ PROVIDER_FAMILIES = (
     "gemma",
     "glm4_moe_lite",
     "hy_v3",
+    "nemotron",
 )
 
 #: families that keep our translator, and why
@@ -315,10 +316,6 @@ NOT_BUILT = {
         "attention sinks (megatron-core's softmax_type='learnable'), which our packed CPU "
         "attention does not implement yet, and the clamped SwiGLU (alpha 1.702, limit 7) "
         "with biased experts, not wired yet"
-    ),
-    "nemotron": (
-        "LayerNorm1P (LayerNorm with bias and a (1 + w) gain): megatron-core's torch norm "
-        "refuses a zero-centred gamma, and the engine has no such norm module of its own yet"
     ),
     "gemma3": _VLM,
     "gemma4": _VLM,

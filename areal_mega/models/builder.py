@@ -10,7 +10,8 @@ attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a
 ``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer),
 ``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router), ``hy_v3`` (Hy3: GQA
 with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers from
-``mlp_layer_types``).
+``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
+rotary: :mod:`areal_mega.models.nemotron`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -119,6 +120,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma",
     "glm4_moe_lite",
     "hy_v3",
+    "nemotron",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,6 +172,9 @@ class HFArch:
     rope_local_theta: Optional[float] = None
     rope_scaling_factor: float = 1.0
     softmax_scale: Optional[float] = None  # None: 1/sqrt(head_dim)
+    # Nemotron (:mod:`areal_mega.models.nemotron`); the defaults are the Llama math
+    normalization: str = "RMSNorm"
+    gated_mlp: bool = True
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -235,6 +240,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.gemma3 import gemma_arch_fields
 
         return HFArch(**gemma_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "nemotron":
+        from areal_mega.models.nemotron import nemotron_arch_fields
+
+        return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rs_type not in ("default", None):
@@ -497,6 +506,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma_block_spec
 
         return gemma_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "nemotron":
+        from areal_mega.models.nemotron import nemotron_block_spec
+
+        return nemotron_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.is_moe:
         spec = specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage

@@ -26,6 +26,7 @@ ARCHS = (
     "gemma",
     "glm4_moe_lite",
     "hy_v3",
+    "nemotron",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -289,6 +290,17 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             v_head_dim=spec.v_head_dim,
             attention_bias=False,
         )
+    if spec.arch == "nemotron":
+        from transformers import NemotronConfig
+
+        common.pop("rms_norm_eps")
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return NemotronConfig(
+            **dict(common, hidden_act="relu2"),
+            norm_eps=spec.rms_norm_eps,
+            attention_bias=False,
+            mlp_bias=False,
+        )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
@@ -327,11 +339,12 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)
-    if spec.arch in ("gemma3_text", "gemma"):
-        # Gemma's norms start at zero ((1 + w) scaling): random ones make every norm count
+    if spec.arch in ("gemma3_text", "gemma", "nemotron"):
+        # (1 + w) norms (transformers starts Gemma's at zero, Nemotron's at one): random ones
+        # make every norm count; Nemotron's LayerNorm biases too
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
+                if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id

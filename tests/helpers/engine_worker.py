@@ -184,12 +184,12 @@ def global_name(name, chunk, mesh, hf):
     return name
 
 
-def shard_of(full, param, name, mesh):
-    """This rank's TP shard of a reference tensor."""
+def shard_of(full, param, name, mesh, gated=True):
+    """This rank's TP shard of a reference tensor (``gated``: the model's MLPs are gated)."""
     if not getattr(param, "tensor_model_parallel", False) or mesh.dims.tp == 1:
         return full
     tp, r, dim = mesh.dims.tp, mesh.tp_rank, param.partition_dim
-    if name.endswith("linear_fc1.weight"):  # gated MLP: [gate; up] split separately
+    if gated and name.endswith("linear_fc1.weight"):  # [gate; up] split separately
         two = full.view(2, full.shape[0] // 2, -1)
         return two.chunk(tp, dim=1)[r].reshape(-1, full.shape[1])
     return full.chunk(tp, dim=dim)[r]
@@ -200,7 +200,7 @@ def load_reference(eng, ref, hf):
         inner = chunk.module if hasattr(chunk, "module") else chunk
         for n, p in inner.named_parameters():
             full = ref["state"][global_name(n, inner, eng.mesh, hf)]
-            p.data.copy_(shard_of(full, p, n, eng.mesh))
+            p.data.copy_(shard_of(full, p, n, eng.mesh, inner.config.gated_linear_unit))
         for n, b in inner.named_buffers():  # routers' expert biases (replicated)
             if n.endswith("router.expert_bias"):
                 b.copy_(ref["state"][global_name(n, inner, eng.mesh, hf)])
@@ -213,7 +213,8 @@ def compare_grads(eng, ref, hf):
         inner = chunk.module
         for n, p in inner.named_parameters():
             g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-            want = shard_of(ref["grads"][global_name(n, inner, eng.mesh, hf)], p, n, eng.mesh)
+            full = ref["grads"][global_name(n, inner, eng.mesh, hf)]
+            want = shard_of(full, p, n, eng.mesh, inner.config.gated_linear_unit)
             diff = g.float() - want.float().to(g.device)
             worst = max(worst, diff.abs().max().item())
             d2 += float((diff * diff).sum())

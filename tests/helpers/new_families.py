@@ -88,6 +88,9 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # Nemotron: LayerNorm with a (1 + w) gain and a bias (random, so every norm counts),
+    # squared-ReLU MLP without a gate, rotary on half of each head's channels, untied
+    "nemotron": FamilyCase("nemotron", dict(arch="nemotron", tie_word_embeddings=False)),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -95,7 +98,15 @@ CASES = {
 #              layouts=("ep2", "tp2"), convert=("--tp", "2", "--ep", "2"))
 
 #: the full end-to-end set (RL steps through launch.local) runs for these
-RL_CASES = ("mistral", "gemma3_text", "deepseek_v2", "gemma", "glm4_moe_lite", "hy_v3")
+RL_CASES = (
+    "mistral",
+    "gemma3_text",
+    "deepseek_v2",
+    "gemma",
+    "glm4_moe_lite",
+    "hy_v3",
+    "nemotron",
+)
 
 
 def tiny_spec(case: FamilyCase) -> dict:
