@@ -108,6 +108,42 @@ def test_varlen_sliding_window_equals_dense_window_mask(window, bounds):
         assert (full - out).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize(
+    "bounds,total,window",
+    [
+        ([0, 7, 8, 30, 33], 33, None),  # one call per slot
+        (GRPO_BOUNDS, 75, None),  # one padded call
+        ([0, 7, 8, 30, 33], 33, 4),  # windowed slots
+        (GRPO_BOUNDS, 75, 4),
+    ],
+)
+def test_softcapped_scores_equal_the_dense_softcapped_reference(bounds, total, window):
+    """Gemma 2's attention-logit soft-capping: scores ``c · tanh(s / c)`` before the mask, on
+    every path, forward and backward; a cap far above the scores changes nothing."""
+    g = torch.Generator().manual_seed(total)
+    q, k, v = ((3 * torch.randn(total, n, 16, generator=g)).requires_grad_() for n in (4, 2, 2))
+    cap, scale = 2.0, 16**-0.5
+    out = varlen_causal_attention(q, k, v, bounds, scale=scale, window=window, softcap=cap)
+    pos = torch.arange(total)
+    masked = block_causal_mask(_segments(bounds, total))[0]
+    if window is not None:
+        masked = masked | ((pos.view(-1, 1) - pos.view(1, -1)) >= window)
+    scores = torch.einsum("thd,shd->hts", q, k.repeat_interleave(2, 1)) * scale
+    scores = (torch.tanh(scores / cap) * cap).masked_fill(masked, float("-inf"))
+    want = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(2, 1))
+    assert (out - want).abs().max().item() < TOL
+    w = torch.randn(out.shape, generator=g)
+    for a, b in zip(
+        torch.autograd.grad((out * w).sum(), (q, k, v)),
+        torch.autograd.grad((want * w).sum(), (q, k, v)),
+    ):
+        assert (a - b).abs().max().item() < TOL
+    plain = varlen_causal_attention(q, k, v, bounds, scale=scale, window=window)
+    assert (plain - out).abs().max().item() > 1e-2  # the cap bites at these scores
+    loose = varlen_causal_attention(q, k, v, bounds, scale=scale, window=window, softcap=1e6)
+    assert (plain - loose).abs().max().item() < TOL
+
+
 def test_varlen_is_each_sequence_alone():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(20, 2, 8, generator=g) for _ in range(3))
@@ -213,6 +249,21 @@ def test_shared_prefix_attention_equals_the_packed_batch(groups, trailing, windo
     for a, b in zip(got_grads, want_grads):
         summed = torch.zeros_like(a).index_add_(0, expand, b)
         assert (a - summed).abs().max().item() < TOL
+
+
+def test_softcapped_shared_prefix_attention_equals_the_packed_batch():
+    from areal_mega.models.varlen_attention import unit_attention
+
+    groups = [(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])]
+    ids, bounds, layout = _tree_case(groups, 0, seed=5)
+    g = torch.Generator().manual_seed(1)
+    pos = torch.cat([torch.arange(e - s) for s, e in zip(bounds[:-1], bounds[1:])])
+    table = {n: 3 * torch.randn(80, 50, n, 8, generator=g) for n in (4, 2)}
+    q, k, v = (table[n][pos, torch.tensor(ids)] for n in (4, 2, 2))
+    keep, expand = torch.tensor(layout.keep), torch.tensor(layout.expand)
+    out = unit_attention(q[keep], k[keep], v[keep], layout.units, scale=8**-0.5, softcap=2.0)
+    want = varlen_causal_attention(q, k, v, bounds, scale=8**-0.5, softcap=2.0)
+    assert (out[expand] - want).abs().max().item() < TOL
 
 
 def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):

@@ -61,6 +61,7 @@ BRIDGED_ARCHITECTURES = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "hy_v3": "HYV3ForCausalLM",
     "nemotron": "NemotronForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import glob
+import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -34,6 +36,19 @@ from areal_mega.parallel.weight_group import (
 
 # the longest rendezvous /init_weights_update_group may ask for; a longer timeout_s is refused
 MAX_JOIN_TIMEOUT_S = 600.0
+
+
+def attention_implementation(model_path) -> dict:
+    """``from_pretrained`` keywords for the attention a model needs: ``eager`` when its config
+    soft-caps the attention logits (Gemma 2), which transformers' SDPA path silently drops;
+    transformers' default otherwise (also when the config cannot be read here)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if (cfg.get("text_config") or cfg).get("attn_logit_softcapping") is not None:
+        return {"attn_implementation": "eager"}
+    return {}
 
 
 class LocalRolloutServer:
@@ -58,7 +73,9 @@ class LocalRolloutServer:
 
         self.model_path = model_path
         self.api_key = api_key
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, **attention_implementation(model_path)
+        )
         self.model.eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -1,13 +1,14 @@
 """megatron-core models built from Hugging Face configs, and their attention.
 
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
-  Gemma, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron);
+  Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron);
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
   Megatron-Bridge's model providers (and the defects we correct, the GPU-only families);
 - :mod:`.backend` — which attention implementation and GPU fusions a model is built with
   (pure decisions on probed facts);
 - :mod:`.gemma3` — what Gemma 3 (and Gemma 1) change against the Llama math, on megatron's
   local spec;
+- :mod:`.gemma2` — Gemma 2: Gemma 3's layer with attention and final-logit soft-caps;
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;

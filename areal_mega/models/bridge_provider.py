@@ -146,6 +146,12 @@ OWN_TRANSLATOR = {
         "to the full-attention layers too. Our Gemma3Config carries the per-layer choice "
         "(areal_mega/models/gemma3.py)"
     ),
+    "gemma2": (
+        "as gemma3_text (one window_size for every layer in the provider's config), and the "
+        "provider's attention soft-cap lives in its own FlexAttention module, not in a config "
+        "field megatron-core's attention reads; our Gemma3Config carries the per-layer window "
+        "and the cap (areal_mega/models/gemma2.py)"
+    ),
 }
 
 
@@ -301,11 +307,6 @@ NOT_BUILT = {
         "its softmax router picks experts by softmax score + expert bias and renormalises "
         "the chosen weights; megatron-core adds an expert bias to sigmoid scores only and "
         "does not renormalise a pre-softmax top-k"
-    ),
-    "gemma2": (
-        "attention-logit and final-logit soft-capping (tanh): megatron-core's attention has "
-        "none (the bridge's Gemma 2 provider brings its own FlexAttention module); our packed "
-        "CPU attention has no soft-cap yet"
     ),
     "gemma4_text": (
         "key/value sharing across its last layers, per-layer input embeddings, a double-wide "

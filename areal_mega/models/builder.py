@@ -11,7 +11,8 @@ attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a
 ``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router), ``hy_v3`` (Hy3: GQA
 with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers from
 ``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
-rotary: :mod:`areal_mega.models.nemotron`).
+rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without QK norms, with
+attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -121,6 +122,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe_lite",
     "hy_v3",
     "nemotron",
+    "gemma2",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -175,6 +177,9 @@ class HFArch:
     # Nemotron (:mod:`areal_mega.models.nemotron`); the defaults are the Llama math
     normalization: str = "RMSNorm"
     gated_mlp: bool = True
+    # Gemma 2 (:mod:`areal_mega.models.gemma2`): tanh soft-caps (None: none)
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -240,6 +245,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.gemma3 import gemma_arch_fields
 
         return HFArch(**gemma_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "gemma2":
+        from areal_mega.models.gemma2 import gemma2_arch_fields
+
+        return HFArch(**gemma2_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron":
         from areal_mega.models.nemotron import nemotron_arch_fields
 
@@ -447,7 +456,7 @@ def transformer_config_from_hf(
         # head dim from MLA): the value head dim (the provider sets the rotary one)
         kw["kv_channels"] = kw["v_head_dim"]
         return MLATransformerConfig(**kw)
-    if arch.model_type == "gemma3_text":
+    if arch.model_type in ("gemma3_text", "gemma2"):
         from areal_mega.models.gemma3 import gemma3_transformer_config
 
         return gemma3_transformer_config(arch, kw)
@@ -498,7 +507,7 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
     """The transformer layer spec (or block spec for MoE) for ``arch``."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if arch.model_type == "gemma3_text":
+    if arch.model_type in ("gemma3_text", "gemma2"):
         from areal_mega.models.gemma3 import gemma3_block_spec
 
         return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
@@ -601,10 +610,14 @@ def build_model_chunks(
             pg_collection=mesh.pg_collection,
             vp_stage=vp_stage,
         )
-        if arch.model_type == "gemma3_text":
+        if arch.model_type in ("gemma3_text", "gemma2"):
             from areal_mega.models.gemma3 import finish_gemma3_model
 
             finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
+        if arch.final_logit_softcapping is not None:
+            from areal_mega.models.gemma2 import softcap_logits
+
+            softcap_logits(model, arch.final_logit_softcapping)
         if arch.model_type == "gemma":
             from areal_mega.models.gemma3 import scale_embeddings
 

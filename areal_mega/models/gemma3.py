@@ -173,6 +173,7 @@ class Gemma3Config(TransformerConfig):
 
     layer_types: tuple = ()
     sliding_window: Optional[int] = None
+    attn_logit_softcapping: Optional[float] = None  # Gemma 2 (areal_mega/models/gemma2.py)
 
     def is_sliding(self, layer_number: int) -> bool:
         """Whether megatron's 1-based global ``layer_number`` is a sliding-window layer."""
@@ -188,6 +189,7 @@ def gemma3_transformer_config(arch, kw: dict) -> Gemma3Config:
         window_size=None,
         layer_types=tuple(arch.layer_types),
         sliding_window=arch.sliding_window,
+        attn_logit_softcapping=arch.attn_logit_softcapping,
     )
     kw.pop("cp_comm_type", None)
     return Gemma3Config(**kw)
@@ -279,16 +281,19 @@ class Gemma3SelfAttention(SelfAttention):
 
 
 class Gemma3CoreAttention(VarlenDotProductAttention):
-    """The packed local attention with the window of its layer (sliding layers only)."""
+    """The packed local attention with the window of its layer (sliding layers only) and the
+    attention-logit soft-cap (Gemma 2)."""
 
     def __init__(self, config: Gemma3Config, layer_number: int, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         self.window = config.sliding_window if config.is_sliding(self.layer_number) else None
+        self.softcap = config.attn_logit_softcapping
 
 
 def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[int] = None):
     """The block spec of this pipeline stage (chunk): megatron's local layer spec with
-    Gemma 3's norms, post-norm projections and per-layer attention, and its final norm."""
+    Gemma 3's norms, post-norm projections and per-layer attention, and its final norm (Gemma 2:
+    the same without QK norms)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -297,11 +302,12 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
 
     if use_te:
         raise ValueError(
-            "gemma3_text runs on megatron's local layer spec only "
+            "gemma3_text and gemma2 run on megatron's local layer spec only "
             "(model.attention_backend other than TransformerEngine)"
         )
+    qk_norm = bool(config.qk_layernorm)
     spec = specs.get_gpt_layer_local_spec(
-        num_experts=None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
     )
     layer = spec.submodules
     layer.input_layernorm = Gemma3RMSNorm
@@ -309,7 +315,8 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
     layer.self_attention.module = Gemma3SelfAttention
     attn = layer.self_attention.submodules
     attn.core_attention = Gemma3CoreAttention
-    attn.q_layernorm = attn.k_layernorm = Gemma3RMSNorm
+    if qk_norm:
+        attn.q_layernorm = attn.k_layernorm = Gemma3RMSNorm
     attn.linear_proj = RowParallelLinearWithPostNorm
     # the dense MLP spec is a partial of MLP.as_mlp_submodule over (frozen) MLPSubmodules
     mlp = layer.mlp

@@ -27,6 +27,7 @@ ARCHS = (
     "glm4_moe_lite",
     "hy_v3",
     "nemotron",
+    "gemma2",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -77,6 +78,10 @@ class TinyModelSpec:
     attention_bias: bool = True
     use_qk_norm: bool = True
     expert_bias_std: float = 0.02  # e_score_correction_bias ~ N(0, std) (HF initialises 0)
+    # gemma2: tanh soft-caps of the attention scores and the final logits (None: none); small
+    # enough that a tiny model's scores and logits reach them
+    attn_logit_softcapping: Optional[float] = 1.0
+    final_logit_softcapping: Optional[float] = 2.0
     # deepseek_v3, deepseek_v2 (multi-latent attention; also the glm4_moe routing fields, of
     # which deepseek_v2's softmax router uses the expert counts and routed_scaling_factor)
     q_lora_rank: int = 32
@@ -148,10 +153,13 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "gemma3_text",
         "gemma",
         "hy_v3",
+        "gemma2",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text"):
-        raise ValueError("sliding_window: only the mistral and gemma3_text tiny models have one")
+    if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text", "gemma2"):
+        raise ValueError(
+            "sliding_window: only the mistral, gemma3_text and gemma2 tiny models have one"
+        )
     if spec.arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if spec.arch == "mistral":
@@ -290,6 +298,20 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             v_head_dim=spec.v_head_dim,
             attention_bias=False,
         )
+    if spec.arch == "gemma2":
+        from transformers import Gemma2Config
+
+        common.pop("hidden_act")
+        return Gemma2Config(
+            **common,
+            head_dim=head_dim,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=spec.sliding_window or 4096,
+            query_pre_attn_scalar=spec.query_pre_attn_scalar or head_dim,
+            attn_logit_softcapping=spec.attn_logit_softcapping,
+            final_logit_softcapping=spec.final_logit_softcapping,
+            attention_bias=False,
+        )
     if spec.arch == "nemotron":
         from transformers import NemotronConfig
 
@@ -339,7 +361,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)
-    if spec.arch in ("gemma3_text", "gemma", "nemotron"):
+    if spec.arch in ("gemma3_text", "gemma", "gemma2", "nemotron"):
         # (1 + w) norms (transformers starts Gemma's at zero, Nemotron's at one): random ones
         # make every norm count; Nemotron's LayerNorm biases too
         with torch.no_grad():

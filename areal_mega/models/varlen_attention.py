@@ -20,6 +20,10 @@ path: a slot (or sequence) longer than ``W`` gets an explicit causal-window mask
 :mod:`areal_mega.models.sliding_window`), a given mask is narrowed by the window. megatron's
 own torch softmax would instead *replace* a given mask by a window mask over the whole
 packed row (letting sequences see each other), so the window is taken out of it here.
+
+Attention-logit soft-capping (``softcap``: scores become ``c · tanh(scores / c)`` before the
+mask and softmax, Gemma 2) has no SDPA kernel: with a cap every path computes the scores
+explicitly (:func:`attention`), the given-mask path included.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from areal_mega.models.sliding_window import window_visible
 
 __all__ = [
     "VarlenDotProductAttention",
+    "attention",
     "SharedPrefixSeqParams",
     "packed_slot_bounds",
     "varlen_causal_attention",
@@ -61,6 +66,49 @@ def packed_slot_bounds(packed_seq_params) -> list[int]:
     return [int(x) for x in cu.tolist()]
 
 
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float,
+    enable_gqa: bool = False,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of ``[b, h, Lq, d]`` tensors (``attn_mask``: True =
+    attend), or with ``softcap`` the same math with the scores capped at ``softcap`` by tanh
+    (computed explicitly, softmax in fp32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if enable_gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if attn_mask is not None:
+        # the lowest finite score, not -inf: a row with no visible key (padding past a window)
+        # gets finite weights (its output is discarded) instead of NaN in the backward
+        scores = scores.float().masked_fill(~attn_mask, torch.finfo(torch.float32).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
+
+
 def varlen_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -70,13 +118,14 @@ def varlen_causal_attention(
     scale: float,
     dropout_p: float = 0.0,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
 
     ``query`` [T, nq, d], ``key`` / ``value`` [T, nkv, d] with ``nq`` a multiple of ``nkv``
     (grouped-query attention). Returns [T, nq, d]. Tokens past ``bounds[-1]`` (if any) form
     one more slot. ``window``: each query sees only the ``window`` most recent keys of its
-    slot (itself included); None: all earlier keys.
+    slot (itself included); None: all earlier keys. ``softcap``: see :func:`attention`.
 
     Many short slots (a GRPO micro-batch: dozens of samples of a few dozen tokens) go through
     one padded SDPA call (:func:`pads_cheaply`); the per-slot calls and their gradients'
@@ -88,7 +137,15 @@ def varlen_causal_attention(
     gqa = query.shape[1] != key.shape[1]
     if pads_cheaply(lengths):
         return _padded_causal_attention(
-            query, key, value, lengths, scale=scale, dropout_p=dropout_p, window=window, gqa=gqa
+            query,
+            key,
+            value,
+            lengths,
+            scale=scale,
+            dropout_p=dropout_p,
+            window=window,
+            gqa=gqa,
+            softcap=softcap,
         )
     outs = []
     # split, not slicing: the backward of one split is one concatenation, while each slice's
@@ -105,6 +162,7 @@ def varlen_causal_attention(
             dropout_p=dropout_p,
             scale=scale,
             enable_gqa=gqa,
+            softcap=softcap,
         )
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -127,7 +185,9 @@ def pads_cheaply(lengths: list[int]) -> bool:
     return len(real) * max(real) <= PAD_BATCH_MAX_WASTE * sum(real)
 
 
-def _padded_causal_attention(query, key, value, lengths, *, scale, dropout_p, window, gqa):
+def _padded_causal_attention(
+    query, key, value, lengths, *, scale, dropout_p, window, gqa, softcap=None
+):
     """One SDPA over the non-empty slots padded to the longest: [B, h, Lmax, d] gathered by
     index, a causal (and window) mask that also hides the padded keys, scattered back."""
     device = query.device
@@ -139,8 +199,15 @@ def _padded_causal_attention(query, key, value, lengths, *, scale, dropout_p, wi
     index = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
     mask = window_visible(pos, pos, window)[None, None] & valid[:, None, None, :]  # causal
     q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [B, h, Lmax, d]
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    o = attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=gqa,
+        softcap=softcap,
     )
     return o.transpose(1, 2)[valid]  # [T, h, d]
 
@@ -154,6 +221,7 @@ def unit_attention(
     scale: float,
     dropout_p: float = 0.0,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Attention of a micro-batch with shared prompt prefixes
     (:mod:`areal_mega.scheduler.shared_prefix`): each unit ``(start, length, ctx_start,
@@ -166,7 +234,9 @@ def unit_attention(
     parts, order = [], []
     for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
         if group:
-            parts.append(_unit_group(query, key, value, group, scale, dropout_p, window, gqa))
+            parts.append(
+                _unit_group(query, key, value, group, scale, dropout_p, window, gqa, softcap)
+            )
             order += [u[0] + i for u in group for i in range(u[1])]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if order == list(range(len(order))):
@@ -176,7 +246,7 @@ def unit_attention(
     return out.index_select(0, inverse.to(out.device))
 
 
-def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
+def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap=None):
     """Outputs of ``units`` ([sum of lengths, h, d], in their order)."""
     device = query.device
     lens = [u[1] for u in units]
@@ -197,7 +267,7 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
         for u, q, k, v in zip(units, qs, ks, vs):
             pos_k = torch.arange(u[3] + u[1], device=device)
             mask = window_visible(pos_k[u[3] :], pos_k, window)
-            o = F.scaled_dot_product_attention(
+            o = attention(
                 q.transpose(0, 1)[None],
                 k.transpose(0, 1)[None],
                 v.transpose(0, 1)[None],
@@ -205,6 +275,7 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
                 dropout_p=dropout_p,
                 scale=scale,
                 enable_gqa=gqa,
+                softcap=softcap,
             )
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -226,8 +297,15 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa):
     q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]  # rows of query / key: one gather each
     q = query[q_rows].transpose(1, 2)  # [U, h, Q, d]
     k, v = (x[k_rows].transpose(1, 2) for x in (key, value))
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    o = attention(
+        q,
+        k,
+        v,
+        attn_mask=mask[:, None],
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=gqa,
+        softcap=softcap,
     )
     return o.transpose(1, 2)[valid_q]
 
@@ -237,9 +315,9 @@ def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
     explicit mask is built only when the sequence is longer than the window."""
     L = q.shape[2]
     if window is None or L <= window:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+        return attention(q, k, v, is_causal=True, **kw)
     pos = torch.arange(L, device=q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_visible(pos, pos, window), **kw)
+    return attention(q, k, v, attn_mask=window_visible(pos, pos, window), **kw)
 
 
 class VarlenDotProductAttention(DotProductAttention):
@@ -276,6 +354,7 @@ class VarlenDotProductAttention(DotProductAttention):
         # softmax multiplies it back: the product is the plain 1/sqrt(d) scale.
         coeff = self.scale_mask_softmax.scale or 1.0
         self.sdpa_scale = self.softmax_scale * coeff
+        self.softcap: Optional[float] = None  # attention-logit soft-capping (Gemma 2)
 
     def forward(
         self,
@@ -300,7 +379,14 @@ class VarlenDotProductAttention(DotProductAttention):
             units = getattr(packed_seq_params, "units", None)
             if units is not None:
                 out = unit_attention(
-                    query, key, value, units, scale=self.sdpa_scale, dropout_p=p, window=self.window
+                    query,
+                    key,
+                    value,
+                    units,
+                    scale=self.sdpa_scale,
+                    dropout_p=p,
+                    window=self.window,
+                    softcap=self.softcap,
                 )
             else:
                 out = varlen_causal_attention(
@@ -311,6 +397,7 @@ class VarlenDotProductAttention(DotProductAttention):
                     scale=self.sdpa_scale,
                     dropout_p=p,
                     window=self.window,
+                    softcap=self.softcap,
                 )
             # heads x value dim; MLA pads its values to the query dim here and trims after
             return out.reshape(out.shape[0], -1)
@@ -323,6 +410,8 @@ class VarlenDotProductAttention(DotProductAttention):
                     self.window,
                 )
                 attention_mask = attention_mask | outside
+            if self.softcap is not None:  # megatron's softmax has no cap: the explicit path
+                return self._masked_softcapped(query, key, value, attention_mask, p)
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -334,6 +423,24 @@ class VarlenDotProductAttention(DotProductAttention):
             dropout_p=p,
             scale=self.sdpa_scale,
             enable_gqa=q.shape[1] != k.shape[1],
+            softcap=self.softcap,
+        )
+        s, b = query.shape[0], query.shape[1]
+        return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+    def _masked_softcapped(self, query, key, value, attention_mask, dropout_p):
+        """sbhd ``query`` / ``key`` / ``value`` under megatron's mask ([b or 1, 1, sq, sk],
+        True = masked), scores soft-capped: [s, b, nq·d]."""
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        o = attention(
+            q,
+            k,
+            v,
+            attn_mask=~attention_mask,
+            dropout_p=dropout_p,
+            scale=self.sdpa_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            softcap=self.softcap,
         )
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)

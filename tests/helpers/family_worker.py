@@ -46,11 +46,12 @@ SEQUENCE_PARALLEL = ("tp2sp",)
 
 def hf_reference(hf_dir, seqs, overrides=None):
     """transformers' logits of the first two (equally long) sequences as one batch, and every
-    sequence's next-token logprobs (``overrides``: config fields changed at load)."""
+    sequence's next-token logprobs (``overrides``: config fields changed at load); eager
+    attention, transformers' reference (its SDPA path drops Gemma 2's attention soft-cap)."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, **(overrides or {})
+        hf_dir, dtype=torch.float32, attn_implementation="eager", **(overrides or {})
     ).eval()
     with torch.no_grad():
         logits = m(input_ids=torch.stack(seqs[:2])).logits

@@ -91,6 +91,23 @@ CASES = {
     # Nemotron: LayerNorm with a (1 + w) gain and a bias (random, so every norm counts),
     # squared-ReLU MLP without a gate, rotary on half of each head's channels, untied
     "nemotron": FamilyCase("nemotron", dict(arch="nemotron", tie_word_embeddings=False)),
+    # Gemma 2: Gemma 3's layer without QK norms (sliding window 8 on even layers, one RoPE
+    # base), attention scores capped at 1.0 and final logits at 2.0 by tanh, softmax scale
+    # 32^-0.5; weights drawn with std 0.1, so that both caps bite (at 0.02 the attention
+    # cap moved the logits by 8e-6, under the tolerance; at 0.1 by 0.33); also with no caps
+    "gemma2": FamilyCase(
+        "gemma2",
+        dict(
+            arch="gemma2",
+            head_dim=24,
+            sliding_window=8,
+            query_pre_attn_scalar=32,
+            initializer_range=0.1,
+        ),
+        config_variants={
+            "no_softcap": {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+        },
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -106,6 +123,7 @@ RL_CASES = (
     "glm4_moe_lite",
     "hy_v3",
     "nemotron",
+    "gemma2",
 )
 
 
