@@ -133,7 +133,9 @@ def test_upstream_gemma3_provider_still_has_one_window_for_every_layer():
     )
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+@pytest.mark.parametrize(
+    "arch", ["glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "olmoe"]
+)
 def test_upstream_providers_still_untie_every_embedding(arch):
     hf = tiny_config(arch, tie_word_embeddings=True)
     assert bp.provider_for(hf).share_embeddings_and_output_weights is False, (
@@ -162,6 +164,15 @@ def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, 
     assert words in str(e.value)
     with pytest.raises(UnsupportedModelError, match=words):
         read_arch(hf)
+
+
+def test_upstream_olmoe_provider_still_ignores_norm_topk_prob():
+    hf = dict(tiny_config("olmoe"), norm_topk_prob=True)
+    assert bp.provider_for(hf).moe_router_pre_softmax is True, (
+        "the bridge now reads norm_topk_prob: drop that part of CORRECTIONS['olmoe']"
+    )
+    assert bp.provider_arch_fields(hf)[0]["moe_router_pre_softmax"] is False
+    assert bp.provider_arch_fields(tiny_config("olmoe"))[0]["moe_router_pre_softmax"] is True
 
 
 def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():

@@ -62,6 +62,7 @@ BRIDGED_ARCHITECTURES = {
     "hy_v3": "HYV3ForCausalLM",
     "nemotron": "NemotronForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

@@ -135,6 +135,7 @@ PROVIDER_FAMILIES = (
     "glm4_moe_lite",
     "hy_v3",
     "nemotron",
+    "olmoe",
 )
 
 #: families that keep our translator, and why
@@ -193,6 +194,15 @@ def _qwen3_moe_dense_layers(hf: dict, fields: dict, gpt: dict) -> None:
     fields["moe_layer_freq"] = pattern
 
 
+def _olmoe(hf: dict, fields: dict, gpt: dict) -> None:
+    """OLMoE: tied embeddings as the config says; with ``norm_topk_prob`` transformers
+    renormalises the chosen softmax weights, which is megatron's top-k then softmax
+    (``moe_router_pre_softmax=False``)."""
+    _tied(hf, fields, gpt)
+    if hf.get("norm_topk_prob"):
+        fields["moe_router_pre_softmax"] = False
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -220,6 +230,11 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "does not have: INPUT_CORRECTIONS fills it in); transformers reads mlp_layer_types, "
         "which may put dense layers anywhere",
         _dense_layers_of_layer_types,
+    ),
+    "olmoe": (
+        "the provider sets moe_router_pre_softmax=True whatever norm_topk_prob says "
+        "(transformers renormalises the chosen weights when it is true); " + _UNTIED,
+        _olmoe,
     ),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
@@ -279,11 +294,6 @@ GPU_ONLY = {
 }
 
 
-_WHOLE_QK_NORM = (
-    "its QK RMSNorm normalises the whole query / key projection (all heads at once); "
-    "megatron-core's qk_layernorm normalises each head over head_dim, and under tensor "
-    "parallelism the statistics would span ranks"
-)
 _NOPE_GLOBAL = (
     "the full-attention layers of its sliding-window pattern take no RoPE (NoPE), which "
     "megatron-core's GPT model applies to every layer or to none"
@@ -296,8 +306,12 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
-    "olmoe": _WHOLE_QK_NORM,
-    "minimax_m2": _WHOLE_QK_NORM + "; also a partial rotary dimension with a sigmoid router",
+    "minimax_m2": (
+        "not wired yet: its QK RMSNorm normalises the whole query / key projection (the "
+        "engine has that norm for OLMoE, areal_mega/models/olmoe.py) together with a partial "
+        "rotary dimension (rotary_dim) and a sigmoid router with an expert bias, a "
+        "combination no tiny-model check covers yet"
+    ),
     "exaone4": (
         "post-norm layers (RMSNorm on each sublayer's output before the residual add, no "
         "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL

@@ -12,7 +12,8 @@ attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a
 with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers from
 ``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
 rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without QK norms, with
-attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`).
+attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
+MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -123,6 +124,7 @@ SUPPORTED_MODEL_TYPES = (
     "hy_v3",
     "nemotron",
     "gemma2",
+    "olmoe",
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -249,6 +251,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.gemma2 import gemma2_arch_fields
 
         return HFArch(**gemma2_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "olmoe":
+        from areal_mega.models.olmoe import olmoe_arch_fields
+
+        return HFArch(**olmoe_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron":
         from areal_mega.models.nemotron import nemotron_arch_fields
 
@@ -429,6 +435,10 @@ def transformer_config_from_hf(
     else:
         kw.update(_own_arch_fields(arch))
         is_mla = False
+    if arch.model_type == "olmoe":
+        from areal_mega.models.olmoe import CONFIG_OVERRIDES
+
+        kw.update(CONFIG_OVERRIDES)
     if kw.get("window_size") is not None and cp > 1:
         kw["cp_comm_type"] = "a2a"  # megatron's context parallelism with a window needs a2a
     kw.update(interleaved_p2p_settings(pp, vpp))
@@ -515,6 +525,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma_block_spec
 
         return gemma_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "olmoe":
+        from areal_mega.models.olmoe import olmoe_block_spec
+
+        return olmoe_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.model_type == "nemotron":
         from areal_mega.models.nemotron import nemotron_block_spec
 

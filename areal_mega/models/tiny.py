@@ -28,6 +28,7 @@ ARCHS = (
     "hy_v3",
     "nemotron",
     "gemma2",
+    "olmoe",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -298,6 +299,20 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             v_head_dim=spec.v_head_dim,
             attention_bias=False,
         )
+    if spec.arch == "olmoe":
+        from transformers import OlmoeConfig
+
+        common["intermediate_size"] = spec.moe_intermediate_size  # OLMoE: the expert width
+        return OlmoeConfig(
+            **common,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=False,
+            clip_qkv=None,
+            attention_bias=False,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+        )
     if spec.arch == "gemma2":
         from transformers import Gemma2Config
 
@@ -368,6 +383,12 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
+    if spec.arch == "olmoe":
+        # the whole-projection QK norms start at one: random gains make every channel count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)

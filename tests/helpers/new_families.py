@@ -108,6 +108,15 @@ CASES = {
             "no_softcap": {"attn_logit_softcapping": None, "final_logit_softcapping": None}
         },
     ),
+    # OLMoE: softmax top-2 of 4 experts without renormalisation, every layer MoE, no shared
+    # expert; one RMSNorm over the whole query (and key) projection, random gains, which TP2
+    # splits across ranks (the statistic all-reduced)
+    "olmoe": FamilyCase(
+        "olmoe",
+        dict(arch="olmoe", tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -124,6 +133,7 @@ RL_CASES = (
     "hy_v3",
     "nemotron",
     "gemma2",
+    "olmoe",
 )
 
 
