@@ -78,7 +78,8 @@ def test_provider_agrees_with_the_converters_facts(arch):
     assert gpt["position_embedding_type"] == "rope"
     if a.is_moe:
         assert f["num_moe_experts"] == a.num_experts and f["moe_router_topk"] == a.moe_topk
-        assert f["moe_ffn_hidden_size"] == a.moe_ffn_hidden_size
+        # megatron's default expert width is ffn_hidden_size (MiniMax-M2's provider relies on it)
+        assert f.get("moe_ffn_hidden_size", f["ffn_hidden_size"]) == a.moe_ffn_hidden_size
         assert list(f["moe_layer_freq"]) == list(a.moe_layer_pattern)
         assert f["moe_router_score_function"] == a.moe_score_function
         assert f.get("moe_router_enable_expert_bias", False) == a.moe_expert_bias
@@ -86,7 +87,7 @@ def test_provider_agrees_with_the_converters_facts(arch):
         if a.moe_score_function == "softmax":
             assert f["moe_router_pre_softmax"] == (not a.moe_norm_topk_prob)
         else:
-            assert f["moe_router_topk_scaling_factor"] == a.moe_routed_scaling_factor
+            assert f.get("moe_router_topk_scaling_factor") == a.moe_routed_scaling_factor
             assert f.get("moe_router_num_groups") == a.moe_num_groups
     else:
         assert not f.get("num_moe_experts")
@@ -173,6 +174,18 @@ def test_upstream_olmoe_provider_still_ignores_norm_topk_prob():
     )
     assert bp.provider_arch_fields(hf)[0]["moe_router_pre_softmax"] is False
     assert bp.provider_arch_fields(tiny_config("olmoe"))[0]["moe_router_pre_softmax"] is True
+
+
+def test_upstream_minimax_m2_provider_still_ignores_partial_rotary_factor():
+    hf = tiny_config("minimax_m2", head_dim=24)
+    assert "rotary_dim" not in hf and hf["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert bp.provider_for(hf).rotary_percent == 1.0, (
+        "the bridge now reads partial_rotary_factor: drop CORRECTIONS['minimax_m2']"
+    )
+    assert bp.provider_arch_fields(hf)[1]["rotary_percent"] == 0.5
+    # a hub config's rotary_dim, which the provider reads, gives the same share
+    hub = dict(hf, rotary_dim=12)
+    assert bp.provider_arch_fields(hub)[1]["rotary_percent"] == 0.5
 
 
 def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():

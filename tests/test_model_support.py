@@ -98,10 +98,10 @@ def test_list_bridge_models_command():
         "Qwen3MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
-    assert not rows["MiniMaxM2ForCausalLM"]["engine"]
+    assert not rows["Ernie4_5_MoeForCausalLM"]["engine"]
     for arch in ("GemmaForCausalLM", "Gemma3ForCausalLM"):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
-    assert rows["MiniMaxM2ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
+    assert rows["Ernie4_5_MoeForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
     # the families the engine does not build say why (read from their modelling code)
     from areal_mega.models.bridge_provider import NOT_BUILT
 
@@ -109,7 +109,7 @@ def test_list_bridge_models_command():
         if row["model_type"] in NOT_BUILT and not row["engine"]:
             assert row["status"] == ms.STATUS["no"]
             assert row["status_note"] == (row["note"] or NOT_BUILT[row["model_type"]]), row
-    assert "whole query / key projection" in rows["MiniMaxM2ForCausalLM"]["status_note"]
+    assert "expert bias to sigmoid scores only" in rows["Ernie4_5_MoeForCausalLM"]["status_note"]
     # docs/model_families.md holds the command's table as it prints it now
     table = ms.markdown_table(list(json.loads(p.stdout)))
     assert table in (ROOT / "docs" / "model_families.md").read_text()

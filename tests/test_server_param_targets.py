@@ -137,3 +137,39 @@ def test_hub_names_that_transformers_renames_resolve_to_the_model(tmp_path):
         assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
     finally:
         srv.engine.shutdown()
+
+
+def test_per_expert_names_of_another_spelling_resolve_to_the_fused_experts(tmp_path):
+    """MiniMax-M2 checkpoints keep ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``, which
+    transformers renames and fuses into ``mlp.experts.gate_up_proj`` / ``down_proj``: the
+    checkpoint loads into a server model to ``from_pretrained``'s logits."""
+    kw = dict(arch="minimax_m2", hidden_size=32, num_layers=2, head_dim=16)
+    a = make_tiny_model(tmp_path / "a", seed=1, **kw)
+    b = make_tiny_model(tmp_path / "b", seed=2, **kw)
+    ckpt = load_file(str(next(b.glob("*.safetensors"))))
+    assert "model.layers.0.block_sparse_moe.experts.1.w3.weight" in ckpt
+    model = AutoModelForCausalLM.from_pretrained(a)
+    t = ParamTargets(model.state_dict(), checkpoint_renames("minimax_m2"))
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    half = model.state_dict()[fused].shape[1] // 2
+    assert t.target("model.layers.0.block_sparse_moe.experts.1.w3.weight") == (
+        fused,
+        (1, slice(half, 2 * half)),
+    )
+    assert t.target("model.layers.0.block_sparse_moe.experts.1.w2.weight") == (
+        "model.layers.0.mlp.experts.down_proj",
+        (1,),
+    )
+    assert [n for n in ckpt if t.target(n) is None] == []
+    assert t.missing(ckpt, dict(model.named_parameters())) == []
+    srv = LocalRolloutServer(str(a))
+    try:
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(b).eval()(ids).logits
+        srv.load_from_disk(str(b), "1")
+        with torch.no_grad():
+            got = srv.model(ids).logits
+        assert (got - want).abs().max() < 1e-6, (got - want).abs().max()
+    finally:
+        srv.engine.shutdown()

@@ -63,10 +63,18 @@ BRIDGED_ARCHITECTURES = {
     "nemotron": "NemotronForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
-_KINDS = {"AutoMapping": "copy", "QKVMapping": "qkv", "GatedMLPMapping": "glu"}
+_KINDS = {
+    "AutoMapping": "copy",
+    "QKVMapping": "qkv",
+    "GatedMLPMapping": "glu",
+    # MiniMax-M2's whole-projection QK norm weight: one tensor as it is (its TP slices are the
+    # megatron module's own sharding, areal_mega/models/olmoe.py)
+    "_FullDimQKNormMapping": "copy",
+}
 _HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = "decoder.layers.*."

@@ -192,7 +192,8 @@ class Family:
 
 #: MoE families whose bridge registry maps no dense MLP (a Qwen3-MoE config may still make
 #: layers dense with ``mlp_only_layers`` / ``decoder_sparse_step``): the dense MLP rows come
-#: from the registry of the same vendor's dense family, whose HF names they share.
+#: from the registry of the same vendor's dense family, whose HF names they share. Others
+#: without dense MLP rows (MiniMax-M2) have MoE layers only.
 _DENSE_MLP_FROM = {"qwen3_moe": "qwen3"}
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 
@@ -214,9 +215,11 @@ def _families(tables: dict) -> Dict[str, Family]:
             out[mt] = Family(mt, (t["architecture"],), layer, (), glob)
             continue
         attn = tuple(m for m in layer if not m.mcore.startswith("mlp."))
-        dense_mlp = tuple(m for m in layer if m.mcore in _DENSE_MLP) or tuple(
-            m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"]) if m.mcore in _DENSE_MLP
-        )
+        dense_mlp = tuple(m for m in layer if m.mcore in _DENSE_MLP)
+        if not dense_mlp and mt in _DENSE_MLP_FROM:
+            dense_mlp = tuple(
+                m for m in _maps(fams[_DENSE_MLP_FROM[mt]]["layer"]) if m.mcore in _DENSE_MLP
+            )
         sparse_mlp = tuple(
             m for m in layer if m.mcore.startswith("mlp.") and m.mcore not in _DENSE_MLP
         )

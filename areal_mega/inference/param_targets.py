@@ -24,19 +24,37 @@ from typing import Optional, Sequence, Tuple
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+_FUSED_PARTS = {
+    ".experts.gate_up_proj": ("gate_proj", "up_proj"),
+    ".experts.down_proj": ("down_proj",),
+}
+_PER_EXPERT = re.compile(r"^\.experts\.\*\.(\w+)\.weight$")
+
+
 def checkpoint_renames(model_type: Optional[str]) -> Tuple[Tuple[str, str], ...]:
     """``(regex, replacement)`` pairs of transformers' checkpoint renamings for ``model_type``
-    (its conversion mapping's ``WeightRenaming`` entries; the expert fusions are
-    :class:`ParamTargets`' own)."""
+    (its conversion mapping's ``WeightRenaming`` entries), and the per-expert names its expert
+    fusions read under other names (MiniMax-M2's ``experts.<e>.w1`` / ``w3`` / ``w2`` fused
+    into ``gate_up_proj`` / ``down_proj``) renamed to ``gate_proj`` / ``up_proj`` /
+    ``down_proj``; the fusions themselves are :class:`ParamTargets`' own."""
     if not model_type:
         return ()
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
 
     out = []
     for t in get_checkpoint_conversion_mapping(model_type) or ():
         if type(t) is WeightRenaming:
             out.extend(zip(t.source_patterns, t.target_patterns))
+        elif type(t) is WeightConverter and len(t.target_patterns) == 1:
+            parts = _FUSED_PARTS.get(t.target_patterns[0], ())
+            sources = [_PER_EXPERT.match(p) for p in t.source_patterns]
+            if len(sources) == len(parts) and all(sources):
+                out.extend(
+                    (rf"\.experts\.(\d+)\.{m.group(1)}\.weight$", rf".experts.\1.{part}.weight")
+                    for m, part in zip(sources, parts)
+                    if m.group(1) != part
+                )
     return tuple(out)
 
 

@@ -2,7 +2,7 @@
 
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
-  OLMoE);
+  OLMoE, MiniMax-M2);
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
   Megatron-Bridge's model providers (and the defects we correct, the GPU-only families);
 - :mod:`.backend` — which attention implementation and GPU fusions a model is built with
@@ -13,8 +13,10 @@
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;
-- :mod:`.olmoe` — OLMoE's RMSNorm over the whole query / key projection, tensor-parallel;
-- :mod:`.moe_families` — config fields and options of the DeepSeek-style MoE families (and HY-V3);
+- :mod:`.olmoe` — OLMoE's (and MiniMax-M2's) RMSNorm over the whole query / key projection,
+  tensor-parallel;
+- :mod:`.moe_families` — config fields and options of the DeepSeek-style MoE families (and
+  HY-V3, MiniMax-M2);
 - :mod:`.sliding_window` — sliding-window attention (Mistral): the key, megatron's window, the
   masks;
 - :mod:`.varlen_attention` — packed attention for megatron's local spec, no work across

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from areal_mega.common.files import atomic_write
-from areal_mega.models.moe_families import moe_pattern_of_layer_types
+from areal_mega.models.moe_families import minimax_m2_fields, moe_pattern_of_layer_types
 
 __all__ = [
     "ARCH_FIELDS",
@@ -136,6 +136,7 @@ PROVIDER_FAMILIES = (
     "hy_v3",
     "nemotron",
     "olmoe",
+    "minimax_m2",
 )
 
 #: families that keep our translator, and why
@@ -203,6 +204,12 @@ def _olmoe(hf: dict, fields: dict, gpt: dict) -> None:
         fields["moe_router_pre_softmax"] = False
 
 
+def _minimax_m2_rotary(hf: dict, fields: dict, gpt: dict) -> None:
+    """MiniMax-M2's rotary share: ``rotary_dim`` (hub configs) or, in a config transformers
+    saved, ``rope_parameters.partial_rotary_factor``."""
+    gpt["rotary_percent"] = minimax_m2_fields(hf, int(hf["num_hidden_layers"]))["rotary_percent"]
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -230,6 +237,12 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "does not have: INPUT_CORRECTIONS fills it in); transformers reads mlp_layer_types, "
         "which may put dense layers anywhere",
         _dense_layers_of_layer_types,
+    ),
+    "minimax_m2": (
+        "the provider takes the rotary share from rotary_dim only (hub configs); a config "
+        "transformers saved has rope_parameters.partial_rotary_factor instead, which the "
+        "provider ignores (rotary_percent 1.0: rotary on every channel)",
+        _minimax_m2_rotary,
     ),
     "olmoe": (
         "the provider sets moe_router_pre_softmax=True whatever norm_topk_prob says "
@@ -306,12 +319,6 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
-    "minimax_m2": (
-        "not wired yet: its QK RMSNorm normalises the whole query / key projection (the "
-        "engine has that norm for OLMoE, areal_mega/models/olmoe.py) together with a partial "
-        "rotary dimension (rotary_dim) and a sigmoid router with an expert bias, a "
-        "combination no tiny-model check covers yet"
-    ),
     "exaone4": (
         "post-norm layers (RMSNorm on each sublayer's output before the residual add, no "
         "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL

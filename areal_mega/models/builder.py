@@ -94,7 +94,7 @@ from areal_mega.models.bridge_provider import (
     uses_provider,
 )
 from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
-from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields
+from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = [
@@ -125,7 +125,10 @@ SUPPORTED_MODEL_TYPES = (
     "nemotron",
     "gemma2",
     "olmoe",
+    "minimax_m2",
 )
+#: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
+WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -316,6 +319,8 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(glm4_moe_lite_fields(hf, n_layers))
     if mt == "hy_v3":
         kw.update(hy_v3_fields(hf, n_layers))
+    if mt == "minimax_m2":
+        kw.update(minimax_m2_fields(hf, n_layers))
     return HFArch(**kw, hf_json=_config_json(hf))
 
 
@@ -435,7 +440,7 @@ def transformer_config_from_hf(
     else:
         kw.update(_own_arch_fields(arch))
         is_mla = False
-    if arch.model_type == "olmoe":
+    if arch.model_type in WHOLE_QK_NORM_MODEL_TYPES:
         from areal_mega.models.olmoe import CONFIG_OVERRIDES
 
         kw.update(CONFIG_OVERRIDES)
@@ -525,7 +530,7 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma_block_spec
 
         return gemma_block_spec(config, use_te=use_te, vp_stage=vp_stage)
-    if arch.model_type == "olmoe":
+    if arch.model_type in WHOLE_QK_NORM_MODEL_TYPES:
         from areal_mega.models.olmoe import olmoe_block_spec
 
         return olmoe_block_spec(config, use_te=use_te, vp_stage=vp_stage)

@@ -30,6 +30,10 @@ chosen weights always renormalised (``/ (sum + 1e-20)``, as megatron's) times
 ``router_scaling_factor``, shared experts of ``moe_intermediate_size · num_shared_experts``,
 and its dense layers from ``mlp_layer_types`` (:func:`hy_v3_fields`).
 
+MiniMax-M2 (``minimax_m2``) routes like HY-V3 without shared experts and without a scaling
+factor (every layer MoE), with OLMoE's whole-projection QK norms (:mod:`areal_mega.models.olmoe`)
+and rotary on part of each head (:func:`minimax_m2_fields`).
+
 Two differences between megatron and transformers are refused rather than approximated:
 megatron's sigmoid router renormalises the top-k weights whenever ``topk > 1`` (transformers
 only when ``norm_topk_prob``), and megatron scores an expert group by the sum of its top
@@ -42,12 +46,13 @@ __all__ = [
     "SIGMOID_ROUTER_MODEL_TYPES",
     "glm4_moe_fields",
     "hy_v3_fields",
+    "minimax_m2_fields",
     "moe_pattern_of_layer_types",
     "routed_moe_fields",
 ]
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
-SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "hy_v3")
+SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "hy_v3", "minimax_m2")
 
 
 def _partial_rotary_factor(hf: dict) -> float:
@@ -172,4 +177,43 @@ def hy_v3_fields(hf: dict, n_layers: int) -> dict:
         moe_expert_bias=True,
         moe_routed_scaling_factor=float(hf["router_scaling_factor"]),
         moe_shared_ffn_hidden_size=moe_ffn * n_shared,
+    )
+
+
+def minimax_m2_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``minimax_m2`` config (beyond
+    the common attention fields): the QK RMSNorm over the whole query / key projection (OLMoE's,
+    :mod:`areal_mega.models.olmoe`), rotary on ``partial_rotary_factor`` (or ``rotary_dim``) of
+    each head, a sigmoid router with the expert bias for the choice only and the chosen weights
+    always renormalised, no shared experts, every layer MoE. Raises ``ValueError`` for options
+    megatron cannot reproduce."""
+    topk = int(hf["num_experts_per_tok"])
+    if topk < 2:
+        raise ValueError(
+            f"num_experts_per_tok={topk}: transformers renormalises the chosen weight of a "
+            "top-1 sigmoid router to 1, megatron's sigmoid router renormalises only when "
+            "top-k > 1"
+        )
+    if hf.get("router_jitter_noise"):
+        raise ValueError(
+            f"router_jitter_noise={hf['router_jitter_noise']!r} is not supported (set it to 0)"
+        )
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    rp = hf.get("rope_parameters") or {}
+    if hf.get("rotary_dim"):
+        factor = int(hf["rotary_dim"]) / head_dim
+    else:
+        factor = float(rp.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return dict(
+        qk_norm=True,
+        qkv_bias=False,
+        rotary_percent=factor,
+        num_experts=int(hf.get("num_local_experts") or hf.get("num_experts")),
+        moe_topk=topk,
+        moe_ffn_hidden_size=int(hf["intermediate_size"]),
+        moe_norm_topk_prob=True,
+        moe_layer_pattern=(1,) * n_layers,
+        router_aux_loss_coef=0.0,
+        moe_score_function="sigmoid",
+        moe_expert_bias=True,
     )

@@ -13,7 +13,9 @@ is summed over the TP group with a differentiable all-reduce (each rank's gradie
 statistic reaches the others). :class:`WholeProjectionQKAttention` puts one on the queries and
 one on the keys of megatron's ``SelfAttention`` (Megatron-Bridge's own ``OLMoESelfAttention``
 sizes the norm by the whole projection on every rank, which holds at TP 1 only).
-The architecture fields (sizes, router, experts) come from the bridge's provider.
+The architecture fields (sizes, router, experts) come from the bridge's provider. MiniMax-M2
+(``minimax_m2``) has the same QK norms and uses this attention too (its router and rotary
+share: :func:`areal_mega.models.moe_families.minimax_m2_fields`).
 """
 
 from __future__ import annotations

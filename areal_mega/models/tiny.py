@@ -29,6 +29,7 @@ ARCHS = (
     "nemotron",
     "gemma2",
     "olmoe",
+    "minimax_m2",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -155,6 +156,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "gemma",
         "hy_v3",
         "gemma2",
+        "minimax_m2",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text", "gemma2"):
@@ -313,6 +315,20 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             output_router_logits=False,
             router_aux_loss_coef=0.0,
         )
+    if spec.arch == "minimax_m2":
+        from transformers import MiniMaxM2Config
+
+        common["intermediate_size"] = spec.moe_intermediate_size  # the expert width
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return MiniMaxM2Config(
+            **common,
+            head_dim=head_dim,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+            router_jitter_noise=0.0,
+        )
     if spec.arch == "gemma2":
         from transformers import Gemma2Config
 
@@ -383,7 +399,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
-    if spec.arch == "olmoe":
+    if spec.arch in ("olmoe", "minimax_m2"):
         # the whole-projection QK norms start at one: random gains make every channel count
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -117,6 +117,16 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # MiniMax-M2: OLMoE's whole-projection QK norms (head_dim 24, not hidden/heads = 16),
+    # rotary on half of each head, a sigmoid top-2 of 4 router with the expert bias for the
+    # choice, renormalised; checkpoint names of the hub (block_sparse_moe, w1 / w3 / w2),
+    # which the rollout server renames as transformers does
+    "minimax_m2": FamilyCase(
+        "minimax_m2",
+        dict(arch="minimax_m2", head_dim=24, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -134,6 +144,7 @@ RL_CASES = (
     "nemotron",
     "gemma2",
     "olmoe",
+    "minimax_m2",
 )
 
 
