@@ -26,10 +26,15 @@ from typing import Any
 
 import torch
 
-from areal_mega.models.gemma3 import FULL, SLIDING
+from areal_mega.models.gemma3 import (
+    FULL,
+    SLIDING,
+    check_gemma_config,
+    default_rope,
+    layer_types_and_window,
+)
 
 GEMMA2_MODEL_TYPE = "gemma2"
-_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 def _cap(hf: dict, key: str):
@@ -44,37 +49,13 @@ def _cap(hf: dict, key: str):
 def gemma2_arch_fields(hf: dict) -> dict[str, Any]:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``gemma2`` config dict.
     Raises ``ValueError`` naming the key of any feature this implementation lacks."""
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _GELU_TANH:
-        raise ValueError(f"hidden_activation={act!r} is not supported (gelu_pytorch_tanh only)")
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported for gemma2")
-    if not hf.get("tie_word_embeddings", True):
-        raise ValueError(
-            "tie_word_embeddings=False is not supported for gemma2 "
-            "(Megatron-Bridge's Gemma2ForCausalLM registry maps no lm_head)"
-        )
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
-        raise ValueError(f"rope type {rp.get('rope_type', rp.get('type'))!r} is not supported")
+    check_gemma_config(hf, GEMMA2_MODEL_TYPE, "Gemma2ForCausalLM", "hidden_activation")
+    rp = default_rope(hf)
     n_layers = int(hf["num_hidden_layers"])
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-    layer_types = hf.get("layer_types") or [
-        SLIDING if (i + 1) % 2 else FULL for i in range(n_layers)
-    ]
-    layer_types = tuple(layer_types)
-    if len(layer_types) != n_layers or set(layer_types) - {SLIDING, FULL}:
-        raise ValueError(
-            f"layer_types={list(layer_types)!r}: need {n_layers} entries, each "
-            f"{SLIDING!r} or {FULL!r}"
-        )
-    window = hf.get("sliding_window")
-    if SLIDING in layer_types and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"sliding_window={window!r}: must be a positive integer")
+    layer_types, window = layer_types_and_window(
+        hf, [SLIDING if (i + 1) % 2 else FULL for i in range(n_layers)]
+    )
     head_dim = int(hf.get("head_dim") or hidden // heads)
     theta = float(hf.get("rope_theta", rp.get("rope_theta", 10_000.0)))
     return dict(
@@ -93,7 +74,7 @@ def gemma2_arch_fields(hf: dict) -> dict[str, Any]:
         qkv_bias=False,
         qk_norm=False,
         initializer_range=float(hf.get("initializer_range", 0.02)),
-        sliding_window=int(window) if SLIDING in layer_types else None,
+        sliding_window=window,
         activation="gelu_tanh",
         layer_types=layer_types,
         rope_local_theta=theta,

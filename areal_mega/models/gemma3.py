@@ -61,6 +61,10 @@ __all__ = [
     "GEMMA_MODEL_TYPE",
     "gemma_arch_fields",
     "gemma_block_spec",
+    "block_spec_with_norm",
+    "check_gemma_config",
+    "default_rope",
+    "layer_types_and_window",
     "scale_embeddings",
 ]
 
@@ -87,6 +91,52 @@ def _rope_of(hf: dict, layer_type: str) -> dict:
     return out
 
 
+def check_gemma_config(hf: dict, model_type: str, architecture: str, act_key: str) -> None:
+    """What every Gemma (1, 2, 3) refuses, naming the key (``ValueError``): bidirectional
+    attention, an activation other than GELU-tanh (named ``act_key`` in the message), attention
+    biases, untied embeddings (``architecture``'s bridge registry maps no ``lm_head``)."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GELU_TANH:
+        raise ValueError(f"{act_key}={act!r} is not supported (gelu_pytorch_tanh only)")
+    if hf.get("attention_bias"):
+        raise ValueError(f"attention_bias=True is not supported for {model_type}")
+    if not hf.get("tie_word_embeddings", True):
+        raise ValueError(
+            f"tie_word_embeddings=False is not supported for {model_type} "
+            f"(Megatron-Bridge's {architecture} registry maps no lm_head)"
+        )
+
+
+def default_rope(hf: dict) -> dict:
+    """The RoPE parameters of a Gemma (1, 2) config, which must be the default type
+    (``ValueError`` naming it otherwise)."""
+    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
+        raise ValueError(f"rope type {rp.get('rope_type', rp.get('type'))!r} is not supported")
+    return rp
+
+
+def layer_types_and_window(hf: dict, default: list) -> tuple:
+    """``(layer_types, sliding window or None)`` of a config with per-layer attention
+    (``default``: the layer types when the config has none), validated (``ValueError``
+    naming the key)."""
+    n_layers = int(hf["num_hidden_layers"])
+    layer_types = tuple(hf.get("layer_types") or default)
+    if len(layer_types) != n_layers or set(layer_types) - {SLIDING, FULL}:
+        raise ValueError(
+            f"layer_types={list(layer_types)!r}: need {n_layers} entries, each "
+            f"{SLIDING!r} or {FULL!r}"
+        )
+    if SLIDING not in layer_types:
+        return layer_types, None
+    window = hf.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r}: must be a positive integer")
+    return layer_types, int(window)
+
+
 def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``gemma3_text`` config
     dict. Raises ``ValueError`` naming the key of any feature this implementation lacks."""
@@ -96,36 +146,14 @@ def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
                 f"{key}={hf[key]!r} is not supported (logit soft-capping; Gemma 3 "
                 "has none: set it to null)"
             )
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _GELU_TANH:
-        raise ValueError(f"hidden_activation={act!r} is not supported (gelu_pytorch_tanh only)")
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported for gemma3_text")
-    if not hf.get("tie_word_embeddings", True):
-        raise ValueError(
-            "tie_word_embeddings=False is not supported for gemma3_text "
-            "(Megatron-Bridge's Gemma3ForCausalLM registry maps no lm_head)"
-        )
+    check_gemma_config(hf, GEMMA3_MODEL_TYPE, "Gemma3ForCausalLM", "hidden_activation")
     n_layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
-        pattern = int(hf.get("sliding_window_pattern", 6))
-        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
-    layer_types = tuple(layer_types)
-    if len(layer_types) != n_layers or set(layer_types) - {SLIDING, FULL}:
-        raise ValueError(
-            f"layer_types={list(layer_types)!r}: need {n_layers} entries, each "
-            f"{SLIDING!r} or {FULL!r}"
-        )
-    window = hf.get("sliding_window")
-    if SLIDING in layer_types and (
-        isinstance(window, bool) or not isinstance(window, int) or window < 1
-    ):
-        raise ValueError(f"sliding_window={window!r}: must be a positive integer")
+    pattern = int(hf.get("sliding_window_pattern", 6))
+    layer_types, window = layer_types_and_window(
+        hf, [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+    )
     local, full = _rope_of(hf, SLIDING), _rope_of(hf, FULL)
     if local.get("rope_type", "default") != "default":
         raise ValueError(
@@ -156,7 +184,7 @@ def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
         qkv_bias=False,
         qk_norm=True,
         initializer_range=float(hf.get("initializer_range", 0.02)),
-        sliding_window=int(window) if SLIDING in layer_types else None,
+        sliding_window=window,
         activation="gelu_tanh",
         layer_types=layer_types,
         rope_local_theta=float(local["rope_theta"]),
@@ -356,21 +384,8 @@ def gemma_arch_fields(hf: dict) -> dict[str, Any]:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``gemma`` config dict
     (the converters' facts; the megatron config comes from the bridge's provider). Raises
     ``ValueError`` naming the key of any feature this implementation lacks."""
-    if hf.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in _GELU_TANH:
-        raise ValueError(f"hidden_act={act!r} is not supported (gelu_pytorch_tanh only)")
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=True is not supported for gemma")
-    if not hf.get("tie_word_embeddings", True):
-        raise ValueError(
-            "tie_word_embeddings=False is not supported for gemma "
-            "(Megatron-Bridge's GemmaForCausalLM registry maps no lm_head)"
-        )
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
-        raise ValueError(f"rope type {rp.get('rope_type', rp.get('type'))!r} is not supported")
+    check_gemma_config(hf, GEMMA_MODEL_TYPE, "GemmaForCausalLM", "hidden_act")
+    rp = default_rope(hf)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     return dict(
         model_type=GEMMA_MODEL_TYPE,
@@ -397,6 +412,19 @@ def gemma_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
     layer spec with :class:`Gemma3RMSNorm` (``(1 + w)``, fp32) as every norm, and our packed
     attention. The bridge's provider says ``layernorm_zero_centered_gamma``, which megatron's
     local (torch) norm does not implement; its TE spec does."""
+    return block_spec_with_norm(
+        config, Gemma3RMSNorm, "RMSNorm", GEMMA_MODEL_TYPE, use_te=use_te, vp_stage=vp_stage
+    )
+
+
+def block_spec_with_norm(
+    config, norm, normalization: str, model_type: str, *, use_te: bool, vp_stage=None
+):
+    """megatron's local layer spec (``normalization``) with ``norm`` (a module of megatron's
+    norm signature) as every norm of the block, input, pre-MLP and final, and our packed
+    attention: the dense families whose norm megatron's torch norm does not implement
+    (Gemma's ``(1 + w)`` RMSNorm, Nemotron's ``LayerNorm1P``). ``ValueError`` naming
+    ``model_type`` for TransformerEngine's spec, which is not wired."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -405,15 +433,15 @@ def gemma_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
 
     if use_te:
         raise ValueError(
-            "gemma runs on megatron's local layer spec only "
+            f"{model_type} runs on megatron's local layer spec only "
             "(model.attention_backend other than TransformerEngine)"
         )
     spec = specs.get_gpt_layer_local_spec(
-        num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, normalization="RMSNorm"
+        num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, normalization=normalization
     )
     layer = spec.submodules
-    layer.input_layernorm = Gemma3RMSNorm
-    layer.pre_mlp_layernorm = Gemma3RMSNorm
+    layer.input_layernorm = norm
+    layer.pre_mlp_layernorm = norm
     layer.self_attention.submodules.core_attention = VarlenDotProductAttention
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=Gemma3RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from areal_mega.models.varlen_attention import VarlenDotProductAttention
+from areal_mega.models.gemma3 import block_spec_with_norm
 
 NEMOTRON_MODEL_TYPE = "nemotron"
 _RELU2 = ("relu2",)
@@ -85,23 +85,6 @@ def nemotron_arch_fields(hf: dict) -> dict[str, Any]:
 def nemotron_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
     """The block spec of this pipeline stage (chunk) of a Nemotron model: megatron's local
     layer spec with :class:`LayerNorm1P` as every norm, and our packed attention."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
+    return block_spec_with_norm(
+        config, LayerNorm1P, "LayerNorm", NEMOTRON_MODEL_TYPE, use_te=use_te, vp_stage=vp_stage
     )
-
-    if use_te:
-        raise ValueError(
-            "nemotron runs on megatron's local layer spec only "
-            "(model.attention_backend other than TransformerEngine)"
-        )
-    spec = specs.get_gpt_layer_local_spec(
-        num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, normalization="LayerNorm"
-    )
-    layer = spec.submodules
-    layer.input_layernorm = LayerNorm1P
-    layer.pre_mlp_layernorm = LayerNorm1P
-    layer.self_attention.submodules.core_attention = VarlenDotProductAttention
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=LayerNorm1P)
