@@ -144,6 +144,65 @@ def test_softcapped_scores_equal_the_dense_softcapped_reference(bounds, total, w
     assert (plain - loose).abs().max().item() < TOL
 
 
+def _gpt_oss_slots(q, k, v, sink, bounds, total, scale, window):
+    """transformers' GPT-OSS eager attention (its sinks) of each slot alone: [T, h, d]."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = SimpleNamespace(
+        num_key_value_groups=q.shape[1] // k.shape[1], sinks=sink, training=False
+    )
+    outs = []
+    for s, e in zip(bounds[:-1] + [bounds[-1]], bounds[1:] + [total]):
+        if e <= s:
+            continue
+        pos = torch.arange(e - s)
+        hidden = pos.view(1, -1) > pos.view(-1, 1)
+        if window is not None:
+            hidden |= (pos.view(-1, 1) - pos.view(1, -1)) >= window
+        mask = torch.zeros(e - s, e - s).masked_fill(hidden, float("-inf"))
+        o, _ = eager_attention_forward(
+            module, *(x[s:e].transpose(0, 1)[None] for x in (q, k, v)), mask, scale
+        )
+        outs.append(o[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "bounds,total,window",
+    [
+        ([0, 7, 8, 30, 33], 33, None),  # one call per slot
+        ([0, 12, 20, 44], 50, None),  # trailing padding as its own slot
+        (GRPO_BOUNDS, 75, None),  # one padded call
+        ([0, 7, 8, 30, 33], 33, 4),  # windowed slots
+        (GRPO_BOUNDS, 75, 4),
+    ],
+)
+def test_attention_sinks_equal_transformers_gpt_oss_attention(bounds, total, window):
+    """GPT-OSS's attention sinks (one learnt logit per head in every row's softmax, without a
+    value): each packed path equals transformers' eager GPT-OSS attention of each slot alone,
+    forward and backward (the sinks' gradient too); large negative sinks change nothing."""
+    g = torch.Generator().manual_seed(total + (window or 0))
+    q, k, v = (torch.randn(total, n, 16, generator=g).requires_grad_() for n in (4, 2, 2))
+    sink = torch.tensor([2.0, -1.0, 0.5, 3.0], requires_grad=True)
+    scale = 16**-0.5
+    out = varlen_causal_attention(q, k, v, bounds, scale=scale, window=window, sink=sink)
+    want = _gpt_oss_slots(q, k, v, sink, bounds, total, scale, window)
+    assert (out - want).abs().max().item() < TOL
+    w = torch.randn(out.shape, generator=g)
+    for a, b in zip(
+        torch.autograd.grad((out * w).sum(), (q, k, v, sink)),
+        torch.autograd.grad((want * w).sum(), (q, k, v, sink)),
+    ):
+        assert (a - b).abs().max().item() < TOL
+    plain = varlen_causal_attention(q, k, v, bounds, scale=scale, window=window)
+    assert (plain - out).abs().max().item() > 1e-2  # the sinks take weight at these logits
+    none = torch.full((4,), -1e4)
+    faint = varlen_causal_attention(q, k, v, bounds, scale=scale, window=window, sink=none)
+    assert (plain - faint).abs().max().item() < TOL
+
+
 def test_varlen_is_each_sequence_alone():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(20, 2, 8, generator=g) for _ in range(3))
@@ -251,9 +310,11 @@ def test_shared_prefix_attention_equals_the_packed_batch(groups, trailing, windo
         assert (a - summed).abs().max().item() < TOL
 
 
-def test_softcapped_shared_prefix_attention_equals_the_packed_batch():
+@pytest.mark.parametrize("softcap,sink", [(2.0, None), (None, (2.0, -1.0, 0.5, 3.0))])
+def test_softcapped_or_sunk_shared_prefix_attention_equals_the_packed_batch(softcap, sink):
     from areal_mega.models.varlen_attention import unit_attention
 
+    sink = None if sink is None else torch.tensor(sink)
     groups = [(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])]
     ids, bounds, layout = _tree_case(groups, 0, seed=5)
     g = torch.Generator().manual_seed(1)
@@ -261,8 +322,9 @@ def test_softcapped_shared_prefix_attention_equals_the_packed_batch():
     table = {n: 3 * torch.randn(80, 50, n, 8, generator=g) for n in (4, 2)}
     q, k, v = (table[n][pos, torch.tensor(ids)] for n in (4, 2, 2))
     keep, expand = torch.tensor(layout.keep), torch.tensor(layout.expand)
-    out = unit_attention(q[keep], k[keep], v[keep], layout.units, scale=8**-0.5, softcap=2.0)
-    want = varlen_causal_attention(q, k, v, bounds, scale=8**-0.5, softcap=2.0)
+    kw = dict(scale=8**-0.5, softcap=softcap, sink=sink)
+    out = unit_attention(q[keep], k[keep], v[keep], layout.units, **kw)
+    want = varlen_causal_attention(q, k, v, bounds, **kw)
     assert (out[expand] - want).abs().max().item() < TOL
 
 

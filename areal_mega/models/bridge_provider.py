@@ -335,9 +335,11 @@ NOT_BUILT = {
         "GPT layer options"
     ),
     "gpt_oss": (
-        "attention sinks (megatron-core's softmax_type='learnable'), which our packed CPU "
-        "attention does not implement yet, and the clamped SwiGLU (alpha 1.702, limit 7) "
-        "with biased experts, not wired yet"
+        "its checkpoints hold each layer's experts as one fused tensor (gate and up "
+        "interleaved), which our streaming converters and weight export, one megatron tensor "
+        "to its own HF tensors, do not assemble yet; its YaRN RoPE on a GPT model and the "
+        "clamped SwiGLU with biased experts are not wired yet (the attention sinks are: "
+        "areal_mega/models/varlen_attention.py)"
     ),
     "gemma3": _VLM,
     "gemma4": _VLM,

@@ -22,8 +22,10 @@ own torch softmax would instead *replace* a given mask by a window mask over the
 packed row (letting sequences see each other), so the window is taken out of it here.
 
 Attention-logit soft-capping (``softcap``: scores become ``c · tanh(scores / c)`` before the
-mask and softmax, Gemma 2) has no SDPA kernel: with a cap every path computes the scores
-explicitly (:func:`attention`), the given-mask path included.
+mask and softmax, Gemma 2) and attention sinks (``sink``: one learnt logit per head that joins
+each row's softmax without a value, GPT-OSS; megatron-core's ``softmax_offset``) have no SDPA
+kernel: with either every path computes the scores explicitly (:func:`attention`), the
+given-mask path included.
 """
 
 from __future__ import annotations
@@ -77,11 +79,14 @@ def attention(
     scale: float,
     enable_gqa: bool = False,
     softcap: Optional[float] = None,
+    sink: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of ``[b, h, Lq, d]`` tensors (``attn_mask``: True =
-    attend), or with ``softcap`` the same math with the scores capped at ``softcap`` by tanh
-    (computed explicitly, softmax in fp32)."""
-    if softcap is None:
+    attend), or with ``softcap`` / ``sink`` the same math computed explicitly (softmax in
+    fp32): scores capped at ``softcap`` by tanh; ``sink`` ([h], one logit per head) joins
+    every row's softmax as a key without a value (attention sinks, megatron-core's
+    ``softmax_offset``), so a row's weights sum to less than one."""
+    if softcap is None and sink is None:
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -95,7 +100,8 @@ def attention(
     if enable_gqa:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         lq, lk = q.shape[-2], k.shape[-2]
         attn_mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
@@ -103,7 +109,12 @@ def attention(
         # the lowest finite score, not -inf: a row with no visible key (padding past a window)
         # gets finite weights (its output is discarded) instead of NaN in the backward
         scores = scores.float().masked_fill(~attn_mask, torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if sink is None:
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    else:
+        column = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores.float(), column], -1), dim=-1)[..., :-1]
+        probs = probs.to(q.dtype)
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, v)
@@ -119,13 +130,15 @@ def varlen_causal_attention(
     dropout_p: float = 0.0,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sink: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
 
     ``query`` [T, nq, d], ``key`` / ``value`` [T, nkv, d] with ``nq`` a multiple of ``nkv``
     (grouped-query attention). Returns [T, nq, d]. Tokens past ``bounds[-1]`` (if any) form
     one more slot. ``window``: each query sees only the ``window`` most recent keys of its
-    slot (itself included); None: all earlier keys. ``softcap``: see :func:`attention`.
+    slot (itself included); None: all earlier keys. ``softcap``, ``sink``: see
+    :func:`attention`.
 
     Many short slots (a GRPO micro-batch: dozens of samples of a few dozen tokens) go through
     one padded SDPA call (:func:`pads_cheaply`); the per-slot calls and their gradients'
@@ -146,6 +159,7 @@ def varlen_causal_attention(
             window=window,
             gqa=gqa,
             softcap=softcap,
+            sink=sink,
         )
     outs = []
     # split, not slicing: the backward of one split is one concatenation, while each slice's
@@ -163,6 +177,7 @@ def varlen_causal_attention(
             scale=scale,
             enable_gqa=gqa,
             softcap=softcap,
+            sink=sink,
         )
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -186,7 +201,7 @@ def pads_cheaply(lengths: list[int]) -> bool:
 
 
 def _padded_causal_attention(
-    query, key, value, lengths, *, scale, dropout_p, window, gqa, softcap=None
+    query, key, value, lengths, *, scale, dropout_p, window, gqa, softcap=None, sink=None
 ):
     """One SDPA over the non-empty slots padded to the longest: [B, h, Lmax, d] gathered by
     index, a causal (and window) mask that also hides the padded keys, scattered back."""
@@ -208,6 +223,7 @@ def _padded_causal_attention(
         scale=scale,
         enable_gqa=gqa,
         softcap=softcap,
+        sink=sink,
     )
     return o.transpose(1, 2)[valid]  # [T, h, d]
 
@@ -222,6 +238,7 @@ def unit_attention(
     dropout_p: float = 0.0,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sink: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of a micro-batch with shared prompt prefixes
     (:mod:`areal_mega.scheduler.shared_prefix`): each unit ``(start, length, ctx_start,
@@ -235,7 +252,7 @@ def unit_attention(
     for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
         if group:
             parts.append(
-                _unit_group(query, key, value, group, scale, dropout_p, window, gqa, softcap)
+                _unit_group(query, key, value, group, scale, dropout_p, window, gqa, softcap, sink)
             )
             order += [u[0] + i for u in group for i in range(u[1])]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -246,7 +263,7 @@ def unit_attention(
     return out.index_select(0, inverse.to(out.device))
 
 
-def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap=None):
+def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap=None, sink=None):
     """Outputs of ``units`` ([sum of lengths, h, d], in their order)."""
     device = query.device
     lens = [u[1] for u in units]
@@ -276,6 +293,7 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap
                 scale=scale,
                 enable_gqa=gqa,
                 softcap=softcap,
+                sink=sink,
             )
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -306,6 +324,7 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap
         scale=scale,
         enable_gqa=gqa,
         softcap=softcap,
+        sink=sink,
     )
     return o.transpose(1, 2)[valid_q]
 
@@ -322,8 +341,9 @@ def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
 
 class VarlenDotProductAttention(DotProductAttention):
     """megatron ``DotProductAttention`` that accepts THD ``PackedSeqParams`` (see module
-    docstring). Plain softmax only (no learnable / off-by-one offsets); causal sliding windows
-    (``window_size = (W - 1, 0)``) are honoured."""
+    docstring). Causal sliding windows (``window_size = (W - 1, 0)``), soft-capping and
+    softmax offsets (``softmax_type`` ``learnable``: GPT-OSS's attention sinks, or
+    ``off-by-one``) are honoured on every path."""
 
     def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
         # MLA passes its query/key and value head dims (TE's attention takes them); megatron's
@@ -334,11 +354,6 @@ class VarlenDotProductAttention(DotProductAttention):
                 f"value head dim {v_channels} != config.kv_channels {config.kv_channels}"
             )
         super().__init__(config, *args, **kwargs)
-        if self.softmax_offset is not None:
-            raise ValueError(
-                f"softmax_type={config.softmax_type!r} is not supported by the "
-                "packed local attention (vanilla softmax only)"
-            )
         self.window: Optional[int] = None
         window_size = self.scale_mask_softmax.window_size
         if window_size is not None:
@@ -387,6 +402,7 @@ class VarlenDotProductAttention(DotProductAttention):
                     dropout_p=p,
                     window=self.window,
                     softcap=self.softcap,
+                    sink=self.softmax_offset,
                 )
             else:
                 out = varlen_causal_attention(
@@ -398,6 +414,7 @@ class VarlenDotProductAttention(DotProductAttention):
                     dropout_p=p,
                     window=self.window,
                     softcap=self.softcap,
+                    sink=self.softmax_offset,
                 )
             # heads x value dim; MLA pads its values to the query dim here and trims after
             return out.reshape(out.shape[0], -1)
@@ -410,8 +427,9 @@ class VarlenDotProductAttention(DotProductAttention):
                     self.window,
                 )
                 attention_mask = attention_mask | outside
-            if self.softcap is not None:  # megatron's softmax has no cap: the explicit path
-                return self._masked_softcapped(query, key, value, attention_mask, p)
+            if self.softcap is not None or self.softmax_offset is not None:
+                # megatron's softmax has no cap: the explicit path (sinks too: one implementation)
+                return self._masked_explicit(query, key, value, attention_mask, p)
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -424,13 +442,14 @@ class VarlenDotProductAttention(DotProductAttention):
             scale=self.sdpa_scale,
             enable_gqa=q.shape[1] != k.shape[1],
             softcap=self.softcap,
+            sink=self.softmax_offset,
         )
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
 
-    def _masked_softcapped(self, query, key, value, attention_mask, dropout_p):
+    def _masked_explicit(self, query, key, value, attention_mask, dropout_p):
         """sbhd ``query`` / ``key`` / ``value`` under megatron's mask ([b or 1, 1, sq, sk],
-        True = masked), scores soft-capped: [s, b, nq·d]."""
+        True = masked), scores soft-capped and / or with sinks: [s, b, nq·d]."""
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         o = attention(
             q,
@@ -441,6 +460,7 @@ class VarlenDotProductAttention(DotProductAttention):
             scale=self.sdpa_scale,
             enable_gqa=q.shape[1] != k.shape[1],
             softcap=self.softcap,
+            sink=self.softmax_offset,
         )
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
