@@ -4,20 +4,15 @@ reverse task's prompts learn a fixed answer, no sample is trained twice, and the
 broadcast through our worker extension keeps the server on the trainer's weights."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
+from tests.helpers.local_runs import _finish, _launch, _metrics, _trained
 from tests.helpers.vllm_env import vllm_python
 from tests.helpers.vllm_servers import TINY_VLLM
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -39,48 +34,23 @@ def assets(tmp_path_factory):
 
 
 def _run(run_dir, model, data, *extra, timeout=600):
-    args = [
-        sys.executable,
-        "-m",
-        "areal_mega.launch.local",
-        "--config",
-        str(ROOT / "recipes" / "tiny-cpu.yaml"),
-        "model_hparams=null",
-        f"model.path={model}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"data.test_path={data / 'test.jsonl'}",
-        f"logging.run_dir={run_dir}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
-        "rollout.backend=vllm",
-        "allocation=vllm:d1+megatron:d1",
-        f"rollout.vllm.python={vllm_python()}",
-        "cluster.server_ready_timeout_s=400",
-        "cluster.kill_grace_s=5",
-        "recover=off",
-        *extra,
-    ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    """``launch.local`` on the tiny-cpu recipe (tests/helpers/local_runs.py) with vLLM
+    serving the rollouts: (return code, output)."""
+    return _finish(
+        _launch(
+            run_dir,
+            model,
+            data,
+            "model_hparams=null",
+            "rollout.backend=vllm",
+            "allocation=vllm:d1+megatron:d1",
+            f"rollout.vllm.python={vllm_python()}",
+            "cluster.server_ready_timeout_s=400",
+            "recover=off",
+            *extra,
+        ),
+        timeout,
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail("launch.local did not finish:\n" + out.decode()[-4000:])
-    return proc.returncode, out.decode()
-
-
-def _rows(run_dir, name):
-    return [json.loads(x) for x in (Path(run_dir) / name).read_text().splitlines() if x.strip()]
 
 
 def test_grpo_with_vllm_rollouts_learns_with_broadcast_weights(assets, tmp_path):
@@ -106,7 +76,7 @@ def test_grpo_with_vllm_rollouts_learns_with_broadcast_weights(assets, tmp_path)
         "rollout.reward_fn=areal_mega.rewards:char_match_reward",
     )
     assert rc == 0, out[-4000:]
-    rows = _rows(run, "metrics.jsonl")
+    rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 11))
     rewards = [r["reward/mean"] for r in rows]
     print("reward per step:", [round(x, 3) for x in rewards])
@@ -117,7 +87,7 @@ def test_grpo_with_vllm_rollouts_learns_with_broadcast_weights(assets, tmp_path)
     assert checked == rows, [r.get("mismatch_tokens") for r in rows]
     for r in checked:
         assert r["mismatch"] <= 1e-5, (r["step"], r["mismatch"])
-    ids = [s for rec in _rows(run, "trained.jsonl") for s in rec["sample_ids"]]
+    ids = [s for rec in _trained(run) for s in rec["sample_ids"]]
     assert len(ids) == len(set(ids)) == 10 * 8 * 8
     assert max(r["staleness/max"] for r in rows) == 0
     log = (run / "logs" / "rollout0.log").read_text()

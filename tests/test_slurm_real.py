@@ -13,7 +13,6 @@ Skipped (with the reason) where the Slurm or munge programs are missing or we ar
 ``.ci/run`` installs them when it can.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from areal_mega.common.net import free_ports
+from tests.helpers.local_runs import _metrics, run_overrides
 from tests.helpers.slurm_cluster import SlurmCluster, job_processes, missing_binaries, poll
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,27 +78,15 @@ def _job_env(*pythonpath) -> dict:
 
 
 def _overrides(run_dir, model, data, *extra) -> list:
+    """The tiny-cpu recipe's end-to-end overrides (tests/helpers/local_runs.py), smaller
+    steps, a checkpoint every step."""
     return [
-        f"model.path={model}",
-        f"data.train_path={data / 'train.jsonl'}",
-        f"data.test_path={data / 'test.jsonl'}",
-        f"logging.run_dir={run_dir}",
-        "logging.progress_bar=false",
-        "logging.tensorboard=false",
-        "logging.plot=false",
+        *run_overrides(run_dir, model, data),
         "rollout.batch_size=2",
         "rollout.n_samples=2",
         "checkpoint.save_every=1",
-        "cluster.kill_grace_s=5",
         *extra,
     ]
-
-
-def _metrics(run_dir) -> list:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def _finished(cluster, job_id, out: Path) -> dict:
