@@ -6,7 +6,8 @@ of :data:`tests.helpers.new_families.CASES`:
 * the converted checkpoint in the engine gives transformers' logits (unpacked) and per-token
   logprobs (packed micro-batch) within 1e-5 (fp32) on one rank's layout (DP2) and on TP2 / PP2
   (EP2 for MoE), and on DP2 under config variants (Mistral: ``sliding_window: null``;
-  Gemma 3: linear RoPE scaling of the full-attention layers);
+  Gemma 3: linear RoPE scaling of the full-attention layers); in each, the live weight export
+  (what the rollout servers load) is the HF checkpoint bit for bit, every tensor of it;
 * those layouts' logprobs and gradients under the production PPO loss equal the single-rank
   reference (tests/helpers/family_worker.py reuses tests/helpers/engine_worker.py);
 * (:data:`tests.helpers.new_families.RL_CASES`) 5 RL steps through ``launch.local`` (CPU rollout
@@ -86,6 +87,7 @@ def test_engine_equals_transformers(family):
     for layout in ("dp2",) + case.layouts + tuple(f"dp2_{v}" for v in case.config_variants):
         for r in family["checks"]:
             assert r[f"{layout}.hf_packed"] < TOL, (layout, r)
+            assert r[f"{layout}.export"] == 0 and r[f"{layout}.export_missing"] == 0, (layout, r)
             if layout != "pp2":
                 assert r[f"{layout}.hf_logits"] < TOL, (layout, r)
 

@@ -215,7 +215,9 @@ def iter_hf_tensors(
             if getattr(p, "tensor_model_parallel", False):
                 tp_size = dist.get_world_size(tgroup) if tgroup is not None else 1
                 axis = gather_axis(name, t.shape, expected_full_shape(arch, suffix), tp_size)
-                glu = suffix.endswith("linear_fc1.weight")
+                # a gated MLP's fc1 shards are [gate_r; up_r] (Nemotron's squared-ReLU MLP
+                # has no gate: its fc1 shards concatenate as they are)
+                glu = arch.gated_mlp and suffix.endswith("linear_fc1.weight")
                 if glu and axis not in (None, 0):
                     raise ValueError(
                         f"{name}: GLU linear_fc1 shards must split dim 0 "

@@ -11,6 +11,8 @@ the family's case (:data:`tests.helpers.new_families.CASES`):
 
 * ``<layout>.hf_logits``: the converted checkpoint loaded into the engine in that layout, its
   logits (unpacked forward, TP-gathered; non-pipelined layouts) minus transformers' logits;
+* ``<layout>.export`` / ``.export_missing``: its live weight export (the rollout servers'
+  weights) against the HF checkpoint, bit for bit, and the checkpoint's tensors not exported;
 * ``<layout>.hf_packed``: its packed per-token logprobs (``forward_logprobs``, several
   sequences in one micro-batch) minus transformers' (each sequence alone);
 * ``dp2_<variant>.hf_logits`` / ``.hf_packed``: the same under each of the case's
@@ -62,6 +64,30 @@ def hf_reference(hf_dir, seqs, overrides=None):
     return logits, lps
 
 
+def exported_vs_checkpoint(res, tag, eng, hf_config, hf_dir):
+    """The live weight export (what rollout servers receive) of the loaded engine against the
+    HF checkpoint it was converted from: ``<tag>.export`` the largest difference of a tensor
+    this rank exports (bit-exact: 0), ``<tag>.export_missing`` the checkpoint's tensors no
+    rank exported."""
+    import torch.distributed as dist
+
+    from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.checkpoint.export import iter_hf_tensors
+    from tests.helpers.convert_worker import load_all
+
+    src = load_all(hf_dir)
+    exported = {
+        n: t.clone() for n, t in iter_hf_tensors(eng.model_chunks(), hm.read_arch(hf_config))
+    }
+    res[f"{tag}.export"] = max(
+        float("inf") if n not in src or t.shape != src[n].shape else (t - src[n]).abs().max().item()
+        for n, t in exported.items()
+    )
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(exported))
+    res[f"{tag}.export_missing"] = len(set(src) - {n for ns in names for n in ns})
+
+
 def converted_vs_hf(res, tag, hf_config, mcore_dir, hf_seqs, want_logits, want_lps):
     """The converted checkpoint in the current layout (an engine built from ``hf_config``)
     against transformers."""
@@ -78,6 +104,7 @@ def converted_vs_hf(res, tag, hf_config, mcore_dir, hf_seqs, want_logits, want_l
         ModelConfig(dtype="fp32"), hf_config=hf_config, role="ref", mesh=ew.MESH[0], seed=5
     )
     load_checkpoint(mcore_dir, eng.model_chunks(), load_optimizer=False, load_rng=False)
+    exported_vs_checkpoint(res, tag, eng, hf_config, Path(mcore_dir).parent / "hf")
     mb = pack_sequences([next_token_layout(s) for s in hf_seqs], pad_to_multiple=2)
     got = eng.forward_logprobs([mb, mb])[0]  # PP needs a micro-batch per stage in flight
     res[f"{tag}.hf_packed"] = max(
