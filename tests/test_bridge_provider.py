@@ -24,6 +24,7 @@ SPECS = {
     "mistral": dict(head_dim=24, sliding_window=8),
     "gemma3_text": dict(head_dim=24, sliding_window=8, rope_theta=1e6, query_pre_attn_scalar=32),
     "qwen3_moe": dict(tie_word_embeddings=False),
+    "gpt_oss": dict(head_dim=16, sliding_window=8, moe_intermediate_size=48),
 }
 
 
@@ -54,8 +55,9 @@ def test_provider_agrees_with_the_converters_facts(arch):
     )
     assert f["ffn_hidden_size"] == a.ffn_hidden_size
     assert f["layernorm_epsilon"] == a.rms_norm_eps and f["normalization"] == a.normalization
-    assert f["add_qkv_bias"] == a.qkv_bias and f["qk_layernorm"] == a.qk_norm
-    assert f["add_bias_linear"] is False and f["gated_linear_unit"] is a.gated_mlp
+    gpt_oss = a.model_type == "gpt_oss"  # biases on every linear layer (QKV's too), YaRN
+    assert (f["add_qkv_bias"] or gpt_oss) == a.qkv_bias and f["qk_layernorm"] == a.qk_norm
+    assert f["add_bias_linear"] is gpt_oss and f["gated_linear_unit"] is a.gated_mlp
     if a.is_mla:
         assert (f["q_lora_rank"], f["kv_lora_rank"], f["v_head_dim"]) == (
             a.mla_q_lora_rank,
@@ -75,7 +77,7 @@ def test_provider_agrees_with_the_converters_facts(arch):
     assert f.get("window_size") == want_window
     assert gpt["rotary_percent"] == a.rotary_percent
     assert gpt["share_embeddings_and_output_weights"] == a.tie_word_embeddings
-    assert gpt["position_embedding_type"] == "rope"
+    assert gpt["position_embedding_type"] == ("yarn" if gpt_oss else "rope")
     if a.is_moe:
         assert f["num_moe_experts"] == a.num_experts and f["moe_router_topk"] == a.moe_topk
         # megatron's default expert width is ffn_hidden_size (MiniMax-M2's provider relies on it)
@@ -135,7 +137,7 @@ def test_upstream_gemma3_provider_still_has_one_window_for_every_layer():
 
 
 @pytest.mark.parametrize(
-    "arch", ["glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "olmoe"]
+    "arch", ["glm4_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "olmoe", "gpt_oss"]
 )
 def test_upstream_providers_still_untie_every_embedding(arch):
     hf = tiny_config(arch, tie_word_embeddings=True)
@@ -186,6 +188,54 @@ def test_upstream_minimax_m2_provider_still_ignores_partial_rotary_factor():
     # a hub config's rotary_dim, which the provider reads, gives the same share
     hub = dict(hf, rotary_dim=12)
     assert bp.provider_arch_fields(hub)[1]["rotary_percent"] == 0.5
+
+
+def test_upstream_gpt_oss_provider_still_ignores_the_configs_yarn_and_layer_types():
+    """The provider writes the released models' YaRN constants and alternates windows from
+    layer 0; the corrected fields say what the config says."""
+    hf = dict(tiny_config("gpt_oss"), layer_types=["full_attention", "sliding_attention"])
+    p = bp.provider_for(hf)
+    assert (p.yarn_rotary_scaling_factor, p.yarn_original_max_position_embeddings) == (
+        32.0,
+        4096,
+    ), "the bridge now reads gpt_oss's rope_parameters: drop that part of CORRECTIONS"
+    assert p.window_attn_skip_freq == 2, "the bridge now reads layer_types: drop that part"
+    f = bp.provider_arch_fields(hf)[0]
+    assert (f["yarn_rotary_scaling_factor"], f["yarn_original_max_position_embeddings"]) == (
+        4.0,
+        16,
+    )
+    assert f["yarn_correction_range_round_to_int"] is False  # the tiny config's truncate
+    assert f["window_attn_skip_freq"] == [0, 1] and f["window_size"] == (7, 0)
+    assert f["softmax_type"] == "learnable" and f["activation_func_clamp_value"] == 7.0
+    assert f["glu_linear_offset"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "YaRN only"),
+        ({"attention_bias": False}, "attention_bias=false"),
+    ],
+)
+def test_gpt_oss_options_the_engine_does_not_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("gpt_oss"), **change))
+
+
+def test_gpt_oss_tensor_parallelism_is_refused_naming_why(tmp_path):
+    """megatron-core takes biased experts only at expert-TP 1: the engine and the converter
+    refuse TP > 1 for GPT-OSS with that reason."""
+    from areal_mega.checkpoint.convert import check_layout
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
+    from areal_mega.models.builder import transformer_config_from_hf
+
+    arch = parse_hf_config(tiny_config("gpt_oss"))
+    with pytest.raises(ValueError, match="expert tensor parallelism 1"):
+        transformer_config_from_hf(arch, tp=2)
+    with pytest.raises(UnsupportedModelError, match="expert tensor parallelism 1"):
+        check_layout(arch, tp=2, where="config.json")
+    check_layout(arch, ep=2, pp=2, where="config.json")
 
 
 def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():

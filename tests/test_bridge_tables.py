@@ -162,3 +162,52 @@ def test_our_qkv_transform_equals_the_bridge_functions(derived, heads, groups, h
         hf_mapping.qkv_to_mcore(qb, kb, vb, heads, groups, head_dim),
         merge_qkv_weights(cfg, qb, kb, vb),
     )
+
+
+def test_fused_expert_transforms_equal_the_bridges_gpt_oss_mappings(derived):
+    """One expert's slice of GPT-OSS's fused ``gate_up_proj`` [E, H, 2I] / ``down_proj``
+    [E, I, H] (and their biases) to megatron and back: our transform = the bridge's
+    ``GPTOSSMLPGateUpProjMapping`` (transpose, then its ``_interleave``) and the down
+    projection's transpose, bit for bit; the table addresses expert E as ``name[E]``."""
+    from megatron.bridge.models.gpt_oss.gpt_oss_bridge import GPTOSSMLPGateUpProjMapping
+
+    layer = {m.mcore: m for m in hf_mapping.FAMILIES["gpt_oss"].moe_layer}
+    fc1 = layer["mlp.experts.local_experts.{E}.linear_fc1.weight"]
+    assert fc1.kind == "fused_expert_glu"
+    assert fc1.hf == ("model.layers.{L}.mlp.experts.gate_up_proj[{E}]",)
+    assert hf_mapping.fused_expert_name("a.gate_up_proj[3]") == ("a.gate_up_proj", 3)
+    assert hf_mapping.fused_expert_name("a.gate_up_proj") is None
+    g = torch.Generator().manual_seed(0)
+    hidden, inter = 6, 4
+    gate_up = torch.randn(3, hidden, 2 * inter, generator=g)
+    down, bias = torch.randn(3, inter, hidden, generator=g), torch.randn(3, 2 * inter, generator=g)
+    mapping = GPTOSSMLPGateUpProjMapping("decoder.layers.*.mlp.experts.linear_fc1.weight*", "x")
+    for e in range(3):
+        ours = hf_mapping.expert_to_mcore("fused_expert_glu", gate_up[e])
+        assert torch.equal(ours, mapping._interleave(gate_up[e].t()))
+        assert torch.equal(ours[:inter], gate_up[e][:, 0::2].t())  # gate rows first
+        assert torch.equal(hf_mapping.expert_to_hf("fused_expert_glu", ours), gate_up[e])
+        b = hf_mapping.expert_to_mcore("fused_expert_glu", bias[e])
+        assert torch.equal(b, mapping._interleave(bias[e]))
+        assert torch.equal(hf_mapping.expert_to_hf("fused_expert_glu", b), bias[e])
+        fc2 = hf_mapping.expert_to_mcore("fused_expert", down[e])
+        assert fc2.shape == (hidden, inter) and torch.equal(fc2, down[e].t())
+        assert torch.equal(hf_mapping.expert_to_hf("fused_expert", fc2), down[e])
+
+
+def test_row_names_read_one_row_of_a_stored_tensor(tmp_path):
+    """``SafetensorsDir`` reads ``x[i]`` (one expert of a fused tensor) from the row's bytes
+    alone, and names a missing row or tensor."""
+    from safetensors.torch import save_file
+
+    from areal_mega.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
+
+    x = torch.arange(24, dtype=torch.float32).reshape(3, 2, 4)
+    save_file({"x": x, "y": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    d = SafetensorsDir(tmp_path)
+    assert "x[2]" in d and "x[3]" not in d and "z[0]" not in d
+    assert d.info("x[1]") == (torch.float32, (2, 4)) and d.info("y[0]") == (torch.float32, ())
+    for i in range(3):
+        assert torch.equal(d.get(f"x[{i}]"), x[i])
+    with pytest.raises(SafetensorsError, match="has no row 3"):
+        d.get("x[3]")

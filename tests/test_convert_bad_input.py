@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from areal_mega.checkpoint.convert import convert_hf_to_mcore
 from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
@@ -114,3 +115,23 @@ def test_cli_reports_error_and_exit_code(tiny, tmp_path):
     )
     assert p.returncode == 2
     assert "error:" in p.stderr and "gpt2" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_mxfp4_experts_are_named(tmp_path):
+    """The hub's GPT-OSS checkpoints store the experts MXFP4-quantized (``*_blocks`` /
+    ``*_scales``): refused naming the tensor and how to get a bf16 copy."""
+    from safetensors.torch import load_file, save_file
+
+    from areal_mega.models.tiny import make_tiny_model
+
+    src = make_tiny_model(
+        tmp_path / "gpt_oss", arch="gpt_oss", head_dim=16, tie_word_embeddings=False
+    )
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        t = tensors.pop(name)
+        tensors[name + "_blocks"] = t.to(torch.uint8)
+        tensors[name + "_scales"] = t[..., 0].to(torch.uint8)
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="MXFP4-quantized.*Mxfp4Config"):
+        convert_hf_to_mcore(src, tmp_path / "out", progress=False)

@@ -39,6 +39,7 @@ __all__ = [
     "BRIDGED_ARCHITECTURES",
     "SNAPSHOT",
     "UnsupportedMappingError",
+    "FUSED_EXPERT_KINDS",
     "bridge_rows",
     "table_from_rows",
     "derive_tables",
@@ -64,6 +65,7 @@ BRIDGED_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
@@ -74,7 +76,14 @@ _KINDS = {
     # MiniMax-M2's whole-projection QK norm weight: one tensor as it is (its TP slices are the
     # megatron module's own sharding, areal_mega/models/olmoe.py)
     "_FullDimQKNormMapping": "copy",
+    # GPT-OSS: each layer's experts in one HF tensor ([E, ...]); per expert its slice,
+    # transposed (weights) and, for gate / up, de-interleaved (gate on even, up on odd units)
+    "GPTOSSMLPGateUpProjMapping": "fused_expert_glu",
+    "GPTOSSMLPDownProjMapping": "fused_expert",
 }
+#: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
+#: slice as ``name[E]`` (:func:`areal_mega.checkpoint.hf_mapping.fused_expert_name`)
+FUSED_EXPERT_KINDS = ("fused_expert", "fused_expert_glu")
 _HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = "decoder.layers.*."
@@ -92,7 +101,7 @@ _TE_FUSED_LOCAL = {
 }
 #: TE grouped-GEMM expert weights (``mlp.experts.linear_fc1.weight*``): the local spec's
 #: ``local_experts.<E>.linear_fc1.weight`` (some registries list only these)
-_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight\*$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)\*$")
 #: modules the engine's builder never creates (multi-token-prediction layers)
 _NOT_BUILT = ("mtp.",)
 
@@ -132,7 +141,10 @@ def bridge_rows(architecture: str) -> List[dict]:
             raise UnsupportedMappingError(
                 f"{architecture}: {type(m).__name__} for {m.megatron_param!r} has no table form"
             )
-        hf = [m.hf_param] if kind == "copy" else [m.hf_param[p] for p in _HF_PARTS[kind]]
+        if kind in FUSED_EXPERT_KINDS:
+            hf = [m.hf_param + "[*]"]
+        else:
+            hf = [m.hf_param] if kind == "copy" else [m.hf_param[p] for p in _HF_PARTS[kind]]
         rows.append({"megatron": m.megatron_param, "hf": hf, "kind": kind})
     return rows
 
@@ -170,7 +182,7 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
                 suffix = local
             grouped = _GROUPED_EXPERT.match(suffix)
             if grouped:  # TE grouped GEMM: one weight<E> per expert of the layer
-                suffix = f"mlp.experts.local_experts.*.{grouped.group(1)}.weight"
+                suffix = f"mlp.experts.local_experts.*.{grouped.group(1)}.{grouped.group(2)}"
             if "*" in suffix:
                 if not suffix.startswith("mlp.experts.local_experts.*."):
                     raise UnsupportedMappingError(

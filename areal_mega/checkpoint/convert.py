@@ -26,6 +26,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.dist_ckpt import (
     HF_AUX_FILES,
     HF_SUBDIR,
@@ -110,6 +111,10 @@ def check_layout(
     for ok, rule in rules:
         if not ok:
             raise hm.UnsupportedModelError(f"{where}: layout does not fit: {rule} != 0")
+    if arch.model_type == "gpt_oss" and tp > 1:
+        from areal_mega.models.gpt_oss import TP_REFUSED
+
+        raise hm.UnsupportedModelError(f"{where}: {TP_REFUSED.format(tp=tp)}")
 
 
 def _single_process_mesh():
@@ -241,6 +246,12 @@ def convert_hf_to_mcore(
     weights = SafetensorsDir(hf_dir)
     expected = hm.hf_tensor_names(arch, with_head=not value_model)
     missing = [n for n in expected if n not in weights]
+    if missing and missing[0] + "_blocks" in weights:  # the hub's GPT-OSS experts
+        raise hm.UnsupportedModelError(
+            f"{hf_dir}: tensor {missing[0]!r} is stored MXFP4-quantized ({missing[0]}_blocks / "
+            "_scales); convert a bf16 copy (transformers: from_pretrained with "
+            "Mxfp4Config(dequantize=True), then save_pretrained)"
+        )
     if missing:
         raise hm.UnsupportedModelError(
             f"{hf_dir}: tensor {missing[0]!r} (and {len(missing) - 1} more) not in the "
@@ -388,6 +399,7 @@ def convert_mcore_to_hf(
 
     # plan: every HF tensor's name, dtype and shape, in the order they will be produced
     jobs, plan = [], []
+    fused: Dict[str, int] = {}  # fused expert tensor -> experts planned
     for name, entry in sd.items():
         if isinstance(entry, ShardedObject):
             continue
@@ -418,6 +430,12 @@ def convert_mcore_to_hf(
         ]
         ck_dtype = reader.dtype(key)
         jobs.append((key, offs, sizes, kind, hf_names, full_shape))
+        if kind in FUSED_EXPERT_KINDS:  # the fused tensor is written with its last expert
+            base, _ = hm.fused_expert_name(hf_names[0])
+            fused[base] = fused.get(base, 0) + 1
+            if fused[base] == arch.num_experts:
+                plan.append((base, out_dtype or ck_dtype, (arch.num_experts,) + shapes[0]))
+            continue
         plan += [(h, out_dtype or ck_dtype, s) for h, s in zip(hf_names, shapes)]
     largest = max(
         torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in plan
@@ -426,6 +444,7 @@ def convert_mcore_to_hf(
     if tmp_out.exists():
         shutil.rmtree(tmp_out)
     writer = ShardedSafetensorsWriter(tmp_out, plan, max_shard_bytes=max_shard_bytes)
+    pending: Dict[str, Dict[int, torch.Tensor]] = {}  # fused expert tensor -> rows so far
     for key, offs, sizes, kind, hf_names, full_shape in _tqdm(
         jobs, progress, desc="megatron -> HF", unit="tensor"
     ):
@@ -453,6 +472,15 @@ def convert_mcore_to_hf(
         else:
             full = rows(0, full_shape[0])
             per_hf = hm.to_hf_segments(arch, kind, full)
+        if kind in FUSED_EXPERT_KINDS:  # kept until the layer's last expert, then written
+            base, e = hm.fused_expert_name(hf_names[0])
+            (seg,) = per_hf[0]
+            pending.setdefault(base, {})[e] = seg.to(out_dtype) if out_dtype else seg
+            if len(pending[base]) == arch.num_experts:
+                slices = pending.pop(base)
+                writer.write(base, [slices[i][None] for i in range(arch.num_experts)])
+            del full, per_hf
+            continue
         for h, segs in zip(hf_names, per_hf):
             writer.write(h, [x.to(out_dtype) for x in segs] if out_dtype else segs)
         del full, per_hf

@@ -25,12 +25,13 @@ pipeline stage; see :func:`is_export_source`).
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.models.mla import mla_full_shapes
 
 __all__ = [
@@ -185,7 +186,8 @@ def iter_hf_tensors(
     etp_group=None,
     dtype: Optional[torch.dtype] = None,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` for this pipeline stage's share of the model.
+    """Yield ``(hf_name, full tensor)`` for this pipeline stage's share of the model (a fused
+    expert tensor, GPT-OSS's, once its layer's experts are all gathered).
 
     ``model``: this rank's chunks; ``arch``: :func:`hf_mapping.read_arch` of the model's HF
     config. Groups default to megatron's parallel state. ``dtype``: cast before yielding.
@@ -197,6 +199,7 @@ def iter_hf_tensors(
     ep_group = ep_group or (ps.get_expert_model_parallel_group() if arch.is_moe else None)
     etp_group = etp_group or (ps.get_expert_tensor_parallel_group() if arch.is_moe else None)
     ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+    fused: Dict[str, Dict[int, torch.Tensor]] = {}  # fused expert tensor -> experts so far
     for chunk in model:
         chunk = _unwrap(chunk)
         offsets = _layer_offsets(chunk)
@@ -217,7 +220,7 @@ def iter_hf_tensors(
                 axis = gather_axis(name, t.shape, expected_full_shape(arch, suffix), tp_size)
                 # a gated MLP's fc1 shards are [gate_r; up_r] (Nemotron's squared-ReLU MLP
                 # has no gate: its fc1 shards concatenate as they are)
-                glu = arch.gated_mlp and suffix.endswith("linear_fc1.weight")
+                glu = arch.gated_mlp and suffix.endswith(("linear_fc1.weight", "linear_fc1.bias"))
                 if glu and axis not in (None, 0):
                     raise ValueError(
                         f"{name}: GLU linear_fc1 shards must split dim 0 "
@@ -236,7 +239,15 @@ def iter_hf_tensors(
             for e, full in items:
                 hf_names, kind = hm.hf_names_for(arch, glayer, e, suffix)
                 for hn, ht in zip(hf_names, hm.to_hf(arch, kind, full)):
-                    yield hn, (ht.to(dtype) if dtype is not None else ht)
+                    ht = ht.to(dtype) if dtype is not None else ht
+                    if kind in FUSED_EXPERT_KINDS:  # yielded whole with the layer's last expert
+                        base, row = hm.fused_expert_name(hn)
+                        fused.setdefault(base, {})[row] = ht
+                        if len(fused[base]) < arch.num_experts:
+                            continue
+                        rows = fused.pop(base)
+                        hn, ht = base, torch.stack([rows[i] for i in range(arch.num_experts)])
+                    yield hn, ht
             del t, items
 
 

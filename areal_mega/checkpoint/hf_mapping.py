@@ -58,7 +58,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from areal_mega.checkpoint.bridge_tables import load_tables
+from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS, load_tables
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.bridge_provider import gpu_only_reason, not_built_reason
@@ -81,6 +81,9 @@ __all__ = [
     "qkv_to_hf",
     "glu_to_mcore",
     "glu_to_hf",
+    "expert_to_mcore",
+    "expert_to_hf",
+    "fused_expert_name",
     "pad_vocab",
     "unpad_vocab",
     "hf_tensor_names",
@@ -145,6 +148,36 @@ def glu_to_hf(fc1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return gate.contiguous(), up.contiguous()
 
 
+def expert_to_mcore(kind: str, t: torch.Tensor) -> torch.Tensor:
+    """One expert's slice of a fused HF expert tensor (GPT-OSS) → its megatron tensor:
+    weights transposed (HF stores ``x @ W``, [in, out]); ``fused_expert_glu``'s gate / up
+    units interleaved in HF (gate on even, up on odd) → megatron's [gate; up]."""
+    if t.dim() == 2:
+        t = t.t()
+    if kind == "fused_expert_glu":
+        t = torch.cat([t[0::2], t[1::2]], dim=0)
+    return t.contiguous()
+
+
+def expert_to_hf(kind: str, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`expert_to_mcore`."""
+    if kind == "fused_expert_glu":
+        gate, up = torch.chunk(t, 2, dim=0)
+        t = torch.stack([gate, up], dim=1).reshape(t.shape)
+    if t.dim() == 2:
+        t = t.t()
+    return t.contiguous()
+
+
+def fused_expert_name(name: str) -> Optional[Tuple[str, int]]:
+    """``"x[3]"`` (expert 3's slice of the fused HF tensor ``x``) → ``("x", 3)``; else None."""
+    m = _FUSED_NAME.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+_FUSED_NAME = re.compile(r"^(.+)\[(\d+)\]$")
+
+
 def pad_vocab(t: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
     """Append zero rows up to ``padded_vocab_size`` (embedding / output layer)."""
     if t.shape[0] > padded_vocab_size:
@@ -171,7 +204,8 @@ class TensorMap:
 
     ``mcore``: megatron name suffix (within a layer for layer tensors, else the full name);
     ``hf``: HF name templates (``{L}`` layer, ``{E}`` expert); ``kind``: ``copy``, ``qkv``,
-    ``glu`` or ``vocab``."""
+    ``glu``, ``vocab``, or for one expert's slice ``x[{E}]`` of a fused HF expert tensor ``x``
+    ``fused_expert`` / ``fused_expert_glu`` (:func:`expert_to_mcore`)."""
 
     mcore: str
     hf: Tuple[str, ...]
@@ -384,6 +418,8 @@ def to_mcore(
         return glu_to_mcore(*hf_tensors)
     if kind == "vocab":
         return pad_vocab(hf_tensors[0], padded_vocab_size or hf_tensors[0].shape[0])
+    if kind in FUSED_EXPERT_KINDS:
+        return expert_to_mcore(kind, hf_tensors[0])
     raise ValueError(kind)
 
 
@@ -397,6 +433,8 @@ def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return glu_to_hf(t)
     if kind == "vocab":
         return (unpad_vocab(t, arch.vocab_size),)
+    if kind in FUSED_EXPERT_KINDS:
+        return (expert_to_hf(kind, t),)
     raise ValueError(kind)
 
 
@@ -426,6 +464,8 @@ def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor]
             [t[a:b] for a, b in blocks]
             for blocks in qkv_row_blocks(arch.num_heads, arch.num_kv_heads, arch.head_dim)
         )
+    if kind in FUSED_EXPERT_KINDS:  # one expert's slice, transposed: a copy
+        return ([expert_to_hf(kind, t)],)
     raise ValueError(kind)
 
 
@@ -462,6 +502,8 @@ def to_mcore_segments(
             yield q[g * r * hd : (g + 1) * r * hd]
             yield k[g * hd : (g + 1) * hd]
             yield v[g * hd : (g + 1) * hd]
+    elif kind in FUSED_EXPERT_KINDS:
+        yield expert_to_mcore(kind, get(hf_names[0]))
     else:
         raise ValueError(kind)
 
@@ -471,10 +513,13 @@ _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
     """Every HF tensor name the model has (in HF save order: embeddings, layers, norm, head;
-    ``with_head=False``: the trunk only, no ``lm_head``)."""
+    ``with_head=False``: the trunk only, no ``lm_head``); a fused expert tensor once."""
     names = ["model.embed_tokens.weight"]
     for layer in range(arch.num_layers):
         for tm in maps_for(arch, layer):
+            if tm.kind in FUSED_EXPERT_KINDS:
+                names += [fused_expert_name(h.format(L=layer, E=0))[0] for h in tm.hf]
+                continue
             experts = range(arch.num_experts) if "{E}" in tm.mcore else [None]
             for e in experts:
                 names += [h.format(L=layer, E=e) for h in tm.hf]

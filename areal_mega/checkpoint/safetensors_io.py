@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -77,8 +78,15 @@ def read_header(path: Path) -> Tuple[dict, int]:
     return header, data_start
 
 
+#: ``name[i]``: row ``i`` (along dim 0) of tensor ``name`` (one expert of a fused expert tensor)
+_ROW_NAME = re.compile(r"^(.+)\[(\d+)\]$")
+
+
 class SafetensorsDir:
-    """The weights of an HF model directory, validated up front, read one tensor at a time."""
+    """The weights of an HF model directory, validated up front, read one tensor at a time.
+
+    A name ``x[i]`` addresses row ``i`` of tensor ``x`` (GPT-OSS keeps each layer's experts
+    in one tensor): only that row's bytes are read."""
 
     def __init__(self, model_dir):
         self.dir = Path(model_dir)
@@ -119,7 +127,11 @@ class SafetensorsDir:
         return list(self._where)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        try:
+            self._lookup(name)
+        except SafetensorsError:
+            return False
+        return True
 
     def info(self, name: str) -> Tuple[torch.dtype, Tuple[int, ...]]:
         """``(dtype, shape)`` of a tensor without reading it."""
@@ -127,12 +139,24 @@ class SafetensorsDir:
         return DTYPES[info["dtype"]], tuple(info["shape"])
 
     def _lookup(self, name):
-        try:
+        """``(file, header entry, data start)`` of ``name`` (a row name: the row's entry)."""
+        if name in self._where:
             return self._where[name]
-        except KeyError:
+        m = _ROW_NAME.match(name)
+        if m and m.group(1) in self._where:
+            path, info, start = self._where[m.group(1)]
+            shape, row = info["shape"], int(m.group(2))
+            if shape and row < shape[0]:
+                b, e = info["data_offsets"]
+                size = (e - b) // shape[0]
+                sub = dict(
+                    info, shape=shape[1:], data_offsets=[b + row * size, b + (row + 1) * size]
+                )
+                return path, sub, start
             raise SafetensorsError(
-                f"{self.dir}: tensor {name!r} not found in the safetensors files"
-            ) from None
+                f"{path}: tensor {m.group(1)!r} of shape {shape} has no row {row}"
+            )
+        raise SafetensorsError(f"{self.dir}: tensor {name!r} not found in the safetensors files")
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor (a fresh tensor; nothing stays mapped)."""

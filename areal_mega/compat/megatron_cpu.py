@@ -237,6 +237,14 @@ _TORCH_VIEW_MODULES = {
         ("torch.cuda.current_device()",),
         "RoPE inv_freq placed on torch.cuda.current_device()",
     ),
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": (
+        ("torch.cuda.current_device()",),
+        "YaRN's frequency tables moved to torch.cuda.current_device()",
+    ),
+    "megatron.core.transformer.dot_product_attention": (
+        ("device=torch.cuda.current_device()",),
+        "softmax offsets (attention sinks) allocated on the CUDA device",
+    ),
     "megatron.core.pipeline_parallel.schedules": (
         ('device="cuda"',),
         "schedules count tokens in a CUDA tensor",
@@ -380,6 +388,10 @@ _MLA_KV_GATHER_SUMMED_ROPE = (
 )
 
 
+_EXPERT_BIAS_INPLACE = "output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)"
+_EXPERT_BIAS_ADDED = "output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)"
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch(
@@ -464,6 +476,18 @@ def _build_patches() -> list[Patch]:
             "rotary key is used by every TP rank's heads but its gradient is not summed "
             "over TP (TE's duplicated projection sums it in the sequence-parallel "
             "gather's backward)",
+        ),
+        Patch(
+            "expert_bias_inplace",
+            "megatron.core.transformer.mlp",
+            "rewrite",
+            function="MLP.forward",
+            expect=(_EXPERT_BIAS_INPLACE,),
+            replace=((_EXPERT_BIAS_INPLACE, _EXPERT_BIAS_ADDED),),
+            why="local-spec experts with biases (GPT-OSS) add the fc2 bias in place to the "
+            "row-parallel output, which at expert-TP 1 is the reduce's own output returned as "
+            "a view: autograd refuses the in-place update in training (TE's grouped experts "
+            "take another path)",
         ),
         Patch(
             "clip_grads_type",

@@ -40,14 +40,16 @@ MAX_JOIN_TIMEOUT_S = 600.0
 
 def attention_implementation(model_path) -> dict:
     """``from_pretrained`` keywords for the attention a model needs: ``eager`` when its config
-    soft-caps the attention logits (Gemma 2), which transformers' SDPA path silently drops;
-    transformers' default otherwise (also when the config cannot be read here)."""
+    soft-caps the attention logits (Gemma 2), which transformers' SDPA path silently drops, or
+    has attention sinks (GPT-OSS); transformers' default otherwise (also when the config
+    cannot be read here)."""
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if (cfg.get("text_config") or cfg).get("attn_logit_softcapping") is not None:
-        return {"attn_implementation": "eager"}
+    cfg = cfg.get("text_config") or cfg
+    if cfg.get("attn_logit_softcapping") is not None or cfg.get("model_type") == "gpt_oss":
+        return {"attn_implementation": "eager"}  # GPT-OSS: its sinks (SDPA has none)
     return {}
 
 

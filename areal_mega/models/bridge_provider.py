@@ -111,6 +111,11 @@ ARCH_FIELDS = (
     "rotary_scaling_factor",
     "mscale",
     "mscale_all_dim",
+    # GPT-OSS: attention sinks, per-layer windows, the clamped GLU with an offset
+    "softmax_type",
+    "window_attn_skip_freq",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
 )
 #: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
 GPT_FIELDS = {
@@ -137,6 +142,7 @@ PROVIDER_FAMILIES = (
     "nemotron",
     "olmoe",
     "minimax_m2",
+    "gpt_oss",
 )
 
 #: families that keep our translator, and why
@@ -210,6 +216,13 @@ def _minimax_m2_rotary(hf: dict, fields: dict, gpt: dict) -> None:
     gpt["rotary_percent"] = minimax_m2_fields(hf, int(hf["num_hidden_layers"]))["rotary_percent"]
 
 
+def _gpt_oss(hf: dict, fields: dict, gpt: dict) -> None:
+    """GPT-OSS: YaRN, the sliding layers and tied embeddings as the config says."""
+    from areal_mega.models.gpt_oss import correct_provider_fields
+
+    correct_provider_fields(hf, fields, gpt)
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -248,6 +261,12 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "the provider sets moe_router_pre_softmax=True whatever norm_topk_prob says "
         "(transformers renormalises the chosen weights when it is true); " + _UNTIED,
         _olmoe,
+    ),
+    "gpt_oss": (
+        "the provider writes the released models' YaRN constants (factor 32 over 4096 "
+        "positions, betas 32 / 1) and alternates sliding / full layers from layer 0, whatever "
+        "rope_parameters and layer_types say; " + _UNTIED,
+        _gpt_oss,
     ),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
@@ -333,13 +352,6 @@ NOT_BUILT = {
         "key/value sharing across its last layers, per-layer input embeddings, a double-wide "
         "MLP in the shared layers and attention soft-capping: none of them are megatron-core "
         "GPT layer options"
-    ),
-    "gpt_oss": (
-        "its checkpoints hold each layer's experts as one fused tensor (gate and up "
-        "interleaved), which our streaming converters and weight export, one megatron tensor "
-        "to its own HF tensors, do not assemble yet; its YaRN RoPE on a GPT model and the "
-        "clamped SwiGLU with biased experts are not wired yet (the attention sinks are: "
-        "areal_mega/models/varlen_attention.py)"
     ),
     "gemma3": _VLM,
     "gemma4": _VLM,

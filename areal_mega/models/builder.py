@@ -126,6 +126,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma2",
     "olmoe",
     "minimax_m2",
+    "gpt_oss",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -262,6 +263,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.nemotron import nemotron_arch_fields
 
         return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "gpt_oss":
+        from areal_mega.models.gpt_oss import gpt_oss_arch_fields
+
+        return HFArch(**gpt_oss_arch_fields(hf), hf_json=_config_json(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rs_type not in ("default", None):
@@ -390,6 +395,10 @@ def transformer_config_from_hf(
 
     if arch.num_kv_heads % tp:
         raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
+    if arch.model_type == "gpt_oss" and tp > 1:
+        from areal_mega.models.gpt_oss import TP_REFUSED
+
+        raise ValueError(TP_REFUSED.format(tp=tp))
     if arch.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_hidden_layers={arch.num_layers} not divisible by PP·VPP={pp * (vpp or 1)}"
@@ -475,7 +484,12 @@ def transformer_config_from_hf(
         from areal_mega.models.gemma3 import gemma3_transformer_config
 
         return gemma3_transformer_config(arch, kw)
-    return TransformerConfig(**kw)
+    # YaRN's fields are attributes GPTModel and the attention read, not TransformerConfig fields
+    yarn = {k: kw.pop(k) for k in list(kw) if k.startswith("yarn_")}
+    config = TransformerConfig(**kw)
+    for k, v in yarn.items():
+        setattr(config, k, v)
+    return config
 
 
 def _own_arch_fields(arch: HFArch) -> dict:

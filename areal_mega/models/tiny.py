@@ -30,6 +30,7 @@ ARCHS = (
     "gemma2",
     "olmoe",
     "minimax_m2",
+    "gpt_oss",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -91,6 +92,9 @@ class TinyModelSpec:
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
+    # gpt_oss: YaRN over a short original context (so that it changes the tiny model's RoPE)
+    yarn_factor: float = 4.0
+    yarn_original_max_position_embeddings: int = 16
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -157,11 +161,17 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "hy_v3",
         "gemma2",
         "minimax_m2",
+        "gpt_oss",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text", "gemma2"):
+    if spec.sliding_window is not None and spec.arch not in (
+        "mistral",
+        "gemma3_text",
+        "gemma2",
+        "gpt_oss",
+    ):
         raise ValueError(
-            "sliding_window: only the mistral, gemma3_text and gemma2 tiny models have one"
+            "sliding_window: only the mistral, gemma3_text, gemma2 and gpt_oss tiny models have one"
         )
     if spec.arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
@@ -354,6 +364,34 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             attention_bias=False,
             mlp_bias=False,
         )
+    if spec.arch == "gpt_oss":
+        from transformers import GptOssConfig
+
+        common.pop("hidden_act")
+        common["intermediate_size"] = spec.moe_intermediate_size  # the expert width
+        common["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": spec.rope_theta,
+            "factor": spec.yarn_factor,
+            "original_max_position_embeddings": spec.yarn_original_max_position_embeddings,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        }
+        return GptOssConfig(
+            **common,
+            head_dim=head_dim,
+            num_local_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            sliding_window=spec.sliding_window or 128,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            attention_bias=True,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+        )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
@@ -405,6 +443,20 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.normal_(1.0, 0.3)
+    if spec.arch == "gpt_oss":
+        # sinks, router biases and expert weights large enough that the sinks take weight,
+        # the router bias changes choices and the GLU clamp at 7 bites (transformers' init
+        # draws them with initializer_range, where none of that happens)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("self_attn.sinks"):
+                    p.normal_(0.0, 1.0)
+                elif name.endswith("mlp.router.bias"):
+                    p.normal_(0.0, 0.5)
+                elif name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+                    p.normal_(0.0, 1.0)
+                elif name.endswith(("experts.down_proj", "experts.down_proj_bias")):
+                    p.normal_(0.0, 0.1)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)

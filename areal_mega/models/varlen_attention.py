@@ -354,6 +354,12 @@ class VarlenDotProductAttention(DotProductAttention):
                 f"value head dim {v_channels} != config.kv_channels {config.kv_channels}"
             )
         super().__init__(config, *args, **kwargs)
+        if isinstance(self.softmax_offset, torch.nn.Parameter):
+            # one logit per head of this rank's heads: a tensor-parallel slice (dim 0), so the
+            # weight export gathers it and the gradient norm counts every rank's slice
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         self.window: Optional[int] = None
         window_size = self.scale_mask_softmax.window_size
         if window_size is not None:

@@ -127,6 +127,25 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # GPT-OSS: attention sinks, biases on every projection, sliding (window 8) and full
+    # layers, YaRN (factor 4 over 16 positions), a softmax over the top-2 of 4 router logits
+    # with a router bias, biased experts (width 48, not square: the down projection's
+    # orientation counts) with the GLU clamp at 7; drawn so that each bites (transformers'
+    # logits move by: sinks off 0.46, router bias off 0.68, no clamp 0.37, plain RoPE 8.8e-3);
+    # each layer's experts in one checkpoint tensor, gate and up interleaved. No TP layout:
+    # megatron-core takes biased experts at expert-TP 1 only (refused, test_model_support)
+    "gpt_oss": FamilyCase(
+        "gpt_oss",
+        dict(
+            arch="gpt_oss",
+            head_dim=16,
+            sliding_window=8,
+            moe_intermediate_size=48,
+            tie_word_embeddings=False,
+        ),
+        layouts=("ep2", "pp2"),
+        convert=("--ep", "2", "--pp", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -145,6 +164,7 @@ RL_CASES = (
     "gemma2",
     "olmoe",
     "minimax_m2",
+    "gpt_oss",
 )
 
 
