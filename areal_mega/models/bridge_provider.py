@@ -215,11 +215,9 @@ def _ernie4_5_moe(hf: dict, fields: dict, gpt: dict) -> None:
     """Ernie 4.5 MoE: a softmax router whose expert bias and renormalisation are
     :class:`~areal_mega.models.ernie4_5_moe.ErnieTopKRouter`'s (megatron's config refuses an
     expert bias on softmax scores), the dense layers of transformers' start / end / interval
-    rule, the rotary base of the config, tied embeddings as the config says, no shared experts
-    when it has none."""
+    rule, the rotary base of the config, no shared experts when it has none."""
     from areal_mega.models.ernie4_5_moe import ernie_moe_layer_pattern
 
-    _tied(hf, fields, gpt)
     gpt["rotary_base"] = float(hf_config_object(hf).rope_parameters["rope_theta"])
     fields["moe_layer_freq"] = list(ernie_moe_layer_pattern(hf, int(hf["num_hidden_layers"])))
     fields.update(
@@ -252,7 +250,7 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "softmax scores, the bias added for the choice only, the chosen scores renormalised), "
         "a fixed rotary_base of 500000 whatever the config's rope_theta, MoE layers from "
         "moe_layer_start_index only (transformers also reads moe_layer_interval and "
-        "moe_layer_end_index), a shared-expert size of 0 when there are none; " + _UNTIED,
+        "moe_layer_end_index), a shared-expert size of 0 when there are none",
         _ernie4_5_moe,
     ),
     "glm4_moe": (_UNTIED, _tied),

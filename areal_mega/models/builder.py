@@ -10,11 +10,12 @@ attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a
 ``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer),
 ``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router), ``hy_v3`` (Hy3: GQA
 with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers from
-``mlp_layer_types``), ``ernie4_5_moe`` (Ernie 4.5: a softmax router with an expert bias for the
-choice, renormalised: :mod:`areal_mega.models.ernie4_5_moe`), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
+``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
 rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without QK norms, with
 attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
-MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`).
+MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`),
+``ernie4_5_moe`` (Ernie 4.5: a softmax router with an expert bias for the choice, the chosen
+weights renormalised: :mod:`areal_mega.models.ernie4_5_moe`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
