@@ -93,3 +93,9 @@ def test_route_capture_and_routing_replay_are_refused(tmp_path):
     assert arch.moe_score_function == "softmax" and arch.moe_expert_bias
     with pytest.raises(ValueError, match="expert bias.*routing_replay=off"):
         check_replay_target(True, "actor", arch)
+    from areal_mega.config import ConfigError, config_from_dict
+    from areal_mega.rollout.routes import replay_layout
+
+    cfg = config_from_dict({"model": {"path": str(d)}, "algorithm": {"routing_replay": "r3"}})
+    with pytest.raises(ConfigError, match="r3'.*'ernie4_5_moe' routes with an expert bias"):
+        replay_layout(cfg)

@@ -153,8 +153,8 @@ def check_replay_target(routing_replay: bool, role: str, arch) -> None:
         raise ValueError(
             f"algorithm.routing_replay='r3' is not supported for model_type "
             f"{arch.model_type!r}: the rollout servers' route capture covers the "
-            "softmax top-k router only, not a router with an expert bias "
-            "(set algorithm.routing_replay=off)"
+            "softmax top-k router only, not a router with an expert bias (the sigmoid "
+            "routers, Ernie 4.5's softmax router) (set algorithm.routing_replay=off)"
         )
 
 

@@ -62,9 +62,9 @@ def replay_layout(cfg) -> Optional[RouteLayout]:
     if model_type in EXPERT_BIAS_ROUTER_MODEL_TYPES:
         raise ConfigError(
             f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
-            f"model_type {model_type!r} routes with an expert bias, which the "
-            "rollout servers' route capture does not cover; set "
-            "algorithm.routing_replay=off"
+            f"model_type {model_type!r} routes with an expert bias (on sigmoid scores; "
+            "Ernie 4.5's on softmax scores), which the rollout servers' route capture does "
+            "not cover; set algorithm.routing_replay=off"
         )
     layout = RouteLayout.from_model_path(cfg.model.path)
     if layout is None:
