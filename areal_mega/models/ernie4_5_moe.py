@@ -106,22 +106,13 @@ def ernie_norm_min(hf: dict) -> float:
     return 1e-12 if v is None else float(v)
 
 
-def ernie_routing(
-    logits: torch.Tensor,
-    topk: int,
-    expert_bias: torch.Tensor,
-    norm_min: float,
-    compute_topk=None,
-):
+def ernie_routing(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor, norm_min: float):
     """Ernie 4.5's routing of ``logits`` [tokens, experts]: ``(probs, routing_map)``, both
     [tokens, experts] (the renormalised weights of the chosen experts, zero elsewhere; which
     experts are chosen), as megatron's routers return them. In fp32 throughout, the weights
-    cast back to ``logits``' dtype. ``compute_topk(scores, k)`` -> (values, indices) picks the
-    experts (default ``torch.topk``; megatron's router replay passes its own)."""
+    cast back to ``logits``' dtype."""
     scores = torch.softmax(logits.float(), dim=-1)
-    if compute_topk is None:
-        compute_topk = functools.partial(torch.topk, dim=-1)
-    _, top = compute_topk(scores + expert_bias.float(), topk)
+    top = torch.topk(scores + expert_bias.float(), topk, dim=-1).indices
     chosen = torch.gather(scores, dim=-1, index=top)
     chosen = chosen / torch.clamp(chosen.sum(dim=-1, keepdim=True), min=norm_min)
     probs = torch.zeros_like(scores).scatter(1, top, chosen).type_as(logits)
@@ -131,8 +122,11 @@ def ernie_routing(
 
 class ErnieTopKRouter(TopKRouter):
     """megatron's ``TopKRouter`` with Ernie 4.5's routing (:func:`ernie_routing`): the gate
-    (fp32 with ``moe_router_dtype="fp32"``), z-loss, router replay and the aux losses stay
-    megatron's; the expert choice and weights are transformers'."""
+    (fp32 with ``moe_router_dtype="fp32"``) and the z-loss stay megatron's; the expert choice
+    and weights are transformers' (unfused on every device: ``moe_router_fusion`` has no
+    kernel for this routing). Without the load-balancing losses (the family's coefficient is
+    0: :func:`ernie4_5_moe_fields`), token dropping and router replay (refused for this family:
+    :func:`~areal_mega.engine.routing_replay.check_replay_target`), which it refuses."""
 
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, *, norm_min):
         if config.moe_router_score_function != "softmax" or config.moe_router_enable_expert_bias:
@@ -140,10 +134,15 @@ class ErnieTopKRouter(TopKRouter):
                 "ErnieTopKRouter needs a softmax router config without megatron's expert "
                 "bias (it holds its own)"
             )
-        if config.moe_expert_capacity_factor is not None or config.moe_router_fusion:
+        unsupported = {
+            "moe_aux_loss_coeff": bool(config.moe_aux_loss_coeff),
+            "moe_expert_capacity_factor": config.moe_expert_capacity_factor is not None,
+            "moe_enable_routing_replay": config.moe_enable_routing_replay,
+        }
+        if any(unsupported.values()):
             raise ValueError(
-                "ernie4_5_moe: token dropping (moe_expert_capacity_factor) and the fused "
-                "router (moe_router_fusion) are not supported"
+                "ernie4_5_moe's router does not support "
+                + ", ".join(k for k, v in unsupported.items() if v)
             )
         super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         self.norm_min = float(norm_min)
@@ -157,39 +156,11 @@ class ErnieTopKRouter(TopKRouter):
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """``(probs, routing_map)`` of the gate's ``logits`` [seq, batch, experts]."""
-        seq_length, bsz = logits.shape[:2]
         logits = logits.view(-1, self.config.num_moe_experts)
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-        replay = None
-        if self.router_replay is not None:
-            replay = functools.partial(
-                self.router_replay.get_replay_topk,
-                default_compute_topk=lambda s, k, num_groups=None, group_topk=None: torch.topk(
-                    s, k, dim=-1
-                ),
-            )
-        probs, routing_map = ernie_routing(
-            logits, self.topk, self.expert_bias, self.norm_min, compute_topk=replay
-        )
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
-            from megatron.core.transformer.moe.moe_utils import (
-                compute_routing_scores_for_aux_loss,
-            )
-
-            aux_map, aux_scores = compute_routing_scores_for_aux_loss(
-                logits, self.topk, "softmax", fused=False, padding_mask=padding_mask
-            )
-            masked = padding_mask is not None
-            probs = self._apply_aux_loss(probs, aux_scores, aux_map, with_padding_mask=masked)
-            probs = self._apply_seq_aux_loss(
-                probs, aux_scores, aux_map, seq_length, bsz, with_padding_mask=masked
-            )
-            probs = self._apply_global_aux_loss(
-                probs, aux_scores, aux_map, with_padding_mask=masked
-            )
-        return probs, routing_map
+        return ernie_routing(logits, self.topk, self.expert_bias, self.norm_min)
 
 
 def _with_router(mlp, router):
