@@ -99,3 +99,45 @@ def test_route_capture_and_routing_replay_are_refused(tmp_path):
     cfg = config_from_dict({"model": {"path": str(d)}, "algorithm": {"routing_replay": "r3"}})
     with pytest.raises(ConfigError, match="r3'.*'ernie4_5_moe' routes with an expert bias"):
         replay_layout(cfg)
+
+
+def test_expert_bias_row_and_mtp_tensors_in_conversion(tmp_path):
+    """The expert bias is HF [1, experts] and megatron [experts] (table kind ``row``, both
+    ways and streamed); the hub's multi-token-prediction modules (``mtp_*``, which transformers
+    skips by name) are skipped by the converter, any other unknown tensor is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.checkpoint.convert import convert_hf_to_mcore
+    from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
+
+    d = make_tiny_model(tmp_path / "m", arch="ernie4_5_moe", hidden_size=32, num_layers=2)
+    arch = hm.read_arch(d)
+    names, kind = hm.hf_names_for(arch, 1, None, "mlp.router.expert_bias")
+    assert names == ("model.layers.1.mlp.moe_statics.e_score_correction_bias",)
+    assert kind == "row"
+    hf = torch.randn(1, 4)
+    mc = hm.to_mcore(arch, kind, [hf])
+    assert mc.shape == (4,) and torch.equal(mc, hf[0])
+    assert torch.equal(hm.to_hf(arch, kind, mc)[0], hf)
+    assert torch.equal(torch.cat(hm.to_hf_segments(arch, kind, mc)[0]), hf)
+    streamed = hm.to_mcore_segments(arch, kind, names, {names[0]: hf}.get)
+    assert torch.equal(torch.cat(list(streamed)), mc)
+    with pytest.raises(ValueError, match=r"\[1, n\]"):
+        hm.to_mcore(arch, kind, [torch.randn(4)])
+    assert is_mtp_tensor(arch, "model.mtp_block.0.self_attn.q_proj.weight")
+    assert is_mtp_tensor(arch, "model.mtp_linear_proj.0.weight")
+    assert not is_mtp_tensor(arch, "model.layers.1.mlp.gate.weight")
+
+    (path,) = d.glob("*.safetensors")
+    sd = load_file(str(path))
+    mtp = {
+        "model.mtp_block.0.mlp.up_proj.weight": torch.zeros(8, 32),
+        "model.mtp_linear_proj.0.weight": torch.zeros(32, 64),
+    }
+    save_file(dict(sd, **mtp), str(path), metadata={"format": "pt"})
+    convert_hf_to_mcore(d, tmp_path / "ok", progress=False)
+    extra = {"model.layers.0.mlp.extra.weight": torch.zeros(2)}
+    save_file(dict(sd, **extra), str(path), metadata={"format": "pt"})
+    with pytest.raises(hm.UnsupportedModelError, match="unexpected tensor"):
+        convert_hf_to_mcore(d, tmp_path / "bad", progress=False)
