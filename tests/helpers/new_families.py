@@ -134,8 +134,9 @@ CASES = {
     # gate (transformers starts it at zero: every expert tied). The expert bias (std 0.05)
     # changes the chosen pair of 13 / 60 tokens in layer 1 and 46 / 60 in layer 3 of the
     # checked sequences against the unbiased top-2 (counted with hooks on transformers' gates).
-    # Hub checkpoint names (mlp.moe_statics.e_score_correction_bias [1, 4], per-expert
-    # gate / up / down), which the rollout server renames as transformers does
+    # Tied embeddings, as the hub's models; hub checkpoint names
+    # (mlp.moe_statics.e_score_correction_bias [1, 4], per-expert gate / up / down), which the
+    # rollout server renames as transformers does
     "ernie4_5_moe": FamilyCase(
         "ernie4_5_moe",
         dict(
@@ -143,7 +144,6 @@ CASES = {
             num_layers=4,
             moe_layer_interval=2,
             expert_bias_std=0.05,
-            tie_word_embeddings=False,
         ),
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
