@@ -165,17 +165,17 @@ class ErnieTopKRouter(TopKRouter):
 
 def _with_router(mlp, router):
     """A layer's MLP builder with ``router`` in place of megatron's when it is an MoE layer
-    (megatron's MoE spec: ``partial(MoELayer, submodules=MoESubmodules(...))``, or a
-    ``ModuleSpec`` of it); a dense MLP's builder as it is."""
-    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+    (megatron's MoE spec, local or TransformerEngine: ``partial(MoELayer,
+    submodules=MoESubmodules(...))``); a dense MLP's builder as it is."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
     subs = mlp.keywords.get("submodules") if isinstance(mlp, functools.partial) else None
     if isinstance(subs, MoESubmodules):
         keywords = dict(mlp.keywords, submodules=dataclasses.replace(subs, router=router))
         return functools.partial(mlp.func, *mlp.args, **keywords)
-    subs = getattr(mlp, "submodules", None)
-    if isinstance(subs, MoESubmodules):
-        mlp.submodules = dataclasses.replace(subs, router=router)
+    module = getattr(mlp, "module", mlp)
+    if isinstance(module, type) and issubclass(module, MoELayer):
+        raise ValueError(f"ernie4_5_moe: an MoE layer spec of an unknown form: {mlp!r}")
     return mlp
 
 
