@@ -84,9 +84,15 @@ def test_provider_agrees_with_the_converters_facts(arch):
         assert f.get("moe_ffn_hidden_size", f["ffn_hidden_size"]) == a.moe_ffn_hidden_size
         assert list(f["moe_layer_freq"]) == list(a.moe_layer_pattern)
         assert f["moe_router_score_function"] == a.moe_score_function
-        assert f.get("moe_router_enable_expert_bias", False) == a.moe_expert_bias
+        # Ernie 4.5's expert bias is its router's own (megatron's config refuses a bias on
+        # softmax scores), and so is the renormalisation of its pre-softmax top-k
+        own_router = a.model_type == "ernie4_5_moe"
+        megatron_bias = a.moe_expert_bias and not own_router
+        assert f.get("moe_router_enable_expert_bias", False) == megatron_bias
         assert f.get("moe_shared_expert_intermediate_size") == a.moe_shared_ffn_hidden_size
-        if a.moe_score_function == "softmax":
+        if own_router:
+            assert f["moe_router_pre_softmax"] is True and a.moe_norm_topk_prob
+        elif a.moe_score_function == "softmax":
             assert f["moe_router_pre_softmax"] == (not a.moe_norm_topk_prob)
         else:
             assert f.get("moe_router_topk_scaling_factor") == a.moe_routed_scaling_factor
@@ -211,6 +217,36 @@ def test_upstream_gpt_oss_provider_still_ignores_the_configs_yarn_and_layer_type
     assert f["glu_linear_offset"] == 1.0
 
 
+def test_upstream_ernie4_5_moe_provider_still_misdescribes_router_rotary_and_layers():
+    """The bridge's Ernie 4.5 provider: a sigmoid router with megatron's expert bias, rotary
+    base 500000 whatever rope_theta says, MoE layers from moe_layer_start_index alone; the
+    corrected fields follow transformers (softmax scores, the config's base, every
+    moe_layer_interval-th layer from the start to moe_layer_end_index)."""
+    hf = dict(tiny_config("ernie4_5_moe", num_layers=6), moe_layer_interval=2)
+    hf["moe_layer_end_index"] = 4
+    assert hf["rope_parameters"]["rope_theta"] == 10000.0
+    raw = bp.provider_for(hf)
+    assert raw.moe_router_score_function == "sigmoid" and raw.moe_router_enable_expert_bias, (
+        "the bridge's Ernie router changed: check ErnieTopKRouter and CORRECTIONS"
+    )
+    assert raw.rotary_base == 500000.0, "the bridge now reads rope_theta for Ernie 4.5"
+    assert list(raw.moe_layer_freq) == [0, 1, 1, 1, 1, 1], (
+        "the bridge now reads moe_layer_interval / moe_layer_end_index: drop that part of "
+        "CORRECTIONS['ernie4_5_moe']"
+    )
+    f, gpt, _ = bp.provider_arch_fields(hf)
+    assert f["moe_router_score_function"] == "softmax" and f["moe_router_pre_softmax"]
+    assert not f["moe_router_enable_expert_bias"]
+    assert gpt["rotary_base"] == 10000.0
+    assert f["moe_layer_freq"] == [0, 1, 0, 1, 0, 0]
+    assert list(parse_hf_config(hf).moe_layer_pattern) == f["moe_layer_freq"]
+    # no shared experts: none in megatron (the provider says a size of 0)
+    hf = dict(tiny_config("ernie4_5_moe"), moe_num_shared_experts=0)
+    assert bp.provider_for(hf).moe_shared_expert_intermediate_size == 0
+    assert "moe_shared_expert_intermediate_size" not in bp.provider_arch_fields(hf)[0]
+    assert parse_hf_config(hf).moe_shared_ffn_hidden_size is None
+
+
 @pytest.mark.parametrize(
     "change,words",
     [
@@ -236,6 +272,21 @@ def test_gpt_oss_tensor_parallelism_is_refused_naming_why(tmp_path):
     with pytest.raises(UnsupportedModelError, match="expert tensor parallelism 1"):
         check_layout(arch, tp=2, where="config.json")
     check_layout(arch, ep=2, pp=2, where="config.json")
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(use_bias=True), "use_bias=True"),
+        (dict(moe_num_experts=[4, 4]), "moe_num_experts"),
+        (dict(moe_layer_start_index=[1, 1]), "moe_layer_start_index"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), "rope_scaling type"),
+    ],
+)
+def test_ernie4_5_moe_options_megatron_cannot_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("ernie4_5_moe"), **change))
 
 
 def test_upstream_glm4_moe_lite_provider_still_ignores_mlp_layer_types():

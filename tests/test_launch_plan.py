@@ -1,5 +1,6 @@
 """Recipes validate with --dry-run; memory arithmetic on hand-computed cases; node layouts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -234,6 +235,20 @@ def test_hparams_from_hf_config_and_names(tmp_path):
     assert not hp.gated_mlp and hp.norm_bias and not hp.tie_word_embeddings
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         assert count_params(hp).total == sum(f.get_tensor(k).numel() for k in f.keys())
+    # Ernie 4.5 MoE's names (moe_num_experts, moe_k, shared experts of moe_intermediate_size);
+    # every layer MoE here (the formula counts every layer of an MoE model as MoE), and the
+    # expert bias, [1, experts] per layer, is no weight of the formula's
+    d = make_tiny_model(tmp_path / "e", arch="ernie4_5_moe", hidden_size=32, num_layers=2)
+    cfg_path = d / "config.json"
+    cfg_path.write_text(json.dumps(dict(json.loads(cfg_path.read_text()), moe_layer_start_index=0)))
+    hp = hparams_from_hf_config(cfg_path)
+    assert (hp.num_experts, hp.moe_topk, hp.moe_ffn_hidden_size) == (4, 2, 64)
+    assert hp.shared_expert_ffn_hidden_size == 64
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))
+    n = sum(p.numel() for name, p in model.named_parameters() if "moe_statics" not in name)
+    assert count_params(hp).total == n
     assert known_model_key("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
     assert known_model_key("/m/Qwen3-30B-A3B-Base") == "qwen3-30b-a3b"
     assert known_model_key("/m/llama") is None

@@ -90,6 +90,7 @@ def test_config_checks_the_model_family(tmp_path):
 
     for name, hf in (
         ("moe", {"model_type": "qwen3_moe", "num_experts": 4}),
+        ("ernie", {"model_type": "ernie4_5_moe", "moe_num_experts": 4}),
         ("mla", {"model_type": "deepseek_v3", "kv_lora_rank": 32}),
     ):
         d = tmp_path / name

@@ -98,10 +98,10 @@ def test_list_bridge_models_command():
         "Qwen3MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
-    assert not rows["Ernie4_5_MoeForCausalLM"]["engine"]
-    for arch in ("GemmaForCausalLM", "Gemma3ForCausalLM"):
+    assert not rows["Exaone4ForCausalLM"]["engine"]
+    for arch in ("GemmaForCausalLM", "Gemma3ForCausalLM", "Ernie4_5_MoeForCausalLM"):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
-    assert rows["Ernie4_5_MoeForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
+    assert rows["Exaone4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
     # the families the engine does not build say why (read from their modelling code)
     from areal_mega.models.bridge_provider import NOT_BUILT
 
@@ -109,7 +109,7 @@ def test_list_bridge_models_command():
         if row["model_type"] in NOT_BUILT and not row["engine"]:
             assert row["status"] == ms.STATUS["no"]
             assert row["status_note"] == (row["note"] or NOT_BUILT[row["model_type"]]), row
-    assert "expert bias to sigmoid scores only" in rows["Ernie4_5_MoeForCausalLM"]["status_note"]
+    assert "post-norm layers" in rows["Exaone4ForCausalLM"]["status_note"]
     # docs/model_families.md holds the command's table as it prints it now
     table = ms.markdown_table(list(json.loads(p.stdout)))
     assert table in (ROOT / "docs" / "model_families.md").read_text()
@@ -128,17 +128,17 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
     with pytest.raises(ValueError, match="key/value sharing"):
         parse_hf_config({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]})
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "ernie4_5_moe", "architectures": ["Ernie4_5_MoeForCausalLM"]})
+        json.dumps({"model_type": "exaone4", "architectures": ["Exaone4ForCausalLM"]})
     )
-    with pytest.raises(UnsupportedModelError, match="expert bias to sigmoid scores only"):
+    with pytest.raises(UnsupportedModelError, match="post-norm layers"):
         read_arch(tmp_path)
 
 
 def test_upstream_still_lacks_what_the_not_built_reasons_name():
-    """Fails once megatron-core gains what a reason says it lacks (then revisit the family):
-    an expert bias on softmax router scores (Ernie 4.5 MoE); and once its torch LayerNorm
-    takes a zero-centred gamma, which Nemotron's LayerNorm1P (areal_mega/models/nemotron.py)
-    stands in for."""
+    """Fails once megatron-core gains what our own modules stand in for (then revisit them):
+    an expert bias on softmax router scores, which Ernie 4.5 MoE's ErnieTopKRouter
+    (areal_mega/models/ernie4_5_moe.py) adds; and once its torch LayerNorm takes a zero-centred
+    gamma, which Nemotron's LayerNorm1P (areal_mega/models/nemotron.py) stands in for."""
     import pytest
     import torch
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function

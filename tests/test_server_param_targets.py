@@ -2,7 +2,7 @@
 that stores its MoE experts fused (qwen3_moe): per-expert tensors land in the right slices,
 a whole checkpoint loads to the same logits as ``from_pretrained``, and bad names, shapes and
 missing experts are refused with the name; checkpoint names that transformers renames on load
-(HY-V3) resolve through the same renamings."""
+(HY-V3, MiniMax-M2, Ernie 4.5 MoE) resolve through the same renamings."""
 
 import pytest
 import torch
@@ -149,6 +149,28 @@ def test_per_expert_names_of_another_spelling_resolve_to_the_fused_experts(tmp_p
     assert t.target("model.layers.0.block_sparse_moe.experts.1.w2.weight") == (
         "model.layers.0.mlp.experts.down_proj",
         (1,),
+    )
+    assert [n for n in ckpt if t.target(n) is None] == []
+    assert t.missing(ckpt, dict(model.named_parameters())) == []
+    _loads_to_the_logits_of(a, b)
+
+
+def test_ernie_expert_bias_of_the_hub_resolves_into_the_gate(tmp_path):
+    """Ernie 4.5 MoE checkpoints keep the expert bias as ``mlp.moe_statics.
+    e_score_correction_bias`` ([1, experts]; transformers' router holds it as
+    ``mlp.gate.moe_statics``) and per-expert gate / up / down: the checkpoint loads into a
+    server model to ``from_pretrained``'s logits (the bias chooses experts there)."""
+    kw = dict(arch="ernie4_5_moe", hidden_size=32, num_layers=2, expert_bias_std=0.05)
+    a = make_tiny_model(tmp_path / "a", seed=1, **kw)
+    b = make_tiny_model(tmp_path / "b", seed=2, **kw)
+    ckpt = load_file(str(next(b.glob("*.safetensors"))))
+    hub = "model.layers.1.mlp.moe_statics.e_score_correction_bias"
+    assert tuple(ckpt[hub].shape) == (1, 4) and ckpt[hub].abs().min() > 0
+    model = AutoModelForCausalLM.from_pretrained(a)
+    t = ParamTargets(model.state_dict(), checkpoint_renames("ernie4_5_moe"))
+    assert t.target(hub) == ("model.layers.1.mlp.gate.moe_statics.e_score_correction_bias", ())
+    assert t.target("model.layers.1.mlp.experts.2.up_proj.weight")[0] == (
+        "model.layers.1.mlp.experts.gate_up_proj"
     )
     assert [n for n in ckpt if t.target(n) is None] == []
     assert t.missing(ckpt, dict(model.named_parameters())) == []

@@ -16,7 +16,8 @@ module takes the bridge's *tables*, not its converter:
   which :mod:`~areal_mega.checkpoint.hf_mapping` canonicalises to the local ones, and
   grouped-GEMM ``experts.linear_fc1.weight*``, which become ``local_experts.{E}`` names;
   some registries list only those), ``{L}``/``{E}`` for the layer/expert wildcards, and the
-  kinds ``copy``, ``qkv``, ``glu`` and ``vocab`` (embedding and output layer, padded rows);
+  kinds ``copy``, ``qkv``, ``glu``, ``vocab`` (embedding and output layer, padded rows) and
+  ``row`` (an HF tensor of one row, ``[1, n]``, that is megatron's ``[n]``);
 * the tables of the families we convert are kept in ``bridge_tables.json`` beside this module,
   written by ``python tools/sync_bridge_tables.py`` from the pinned bridge, because importing
   Megatron-Bridge takes about 10 s (it imports every model provider) and every trainer,
@@ -66,6 +67,7 @@ BRIDGED_ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
@@ -80,6 +82,14 @@ _KINDS = {
     # transposed (weights) and, for gate / up, de-interleaved (gate on even, up on odd units)
     "GPTOSSMLPGateUpProjMapping": "fused_expert_glu",
     "GPTOSSMLPDownProjMapping": "fused_expert",
+    # Ernie 4.5: the router weight is replicated (one tensor as it is); the bridge's variants
+    # that skip a dense layer's absent MoE tensors in its pipeline export (ours map dense and
+    # MoE layers apart); the expert bias, [1, experts] in HF and [experts] in megatron
+    "ReplicatedMapping": "copy",
+    "_PPSafeAutoMapping": "copy",
+    "_PPSafeReplicatedMapping": "copy",
+    "_PPSafeGatedMLPMapping": "glu",
+    "_SqueezeBiasMapping": "row",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.hf_mapping.fused_expert_name`)
@@ -144,7 +154,7 @@ def bridge_rows(architecture: str) -> List[dict]:
         if kind in FUSED_EXPERT_KINDS:
             hf = [m.hf_param + "[*]"]
         else:
-            hf = [m.hf_param] if kind == "copy" else [m.hf_param[p] for p in _HF_PARTS[kind]]
+            hf = [m.hf_param[p] for p in _HF_PARTS[kind]] if kind in _HF_PARTS else [m.hf_param]
         rows.append({"megatron": m.megatron_param, "hf": hf, "kind": kind})
     return rows
 

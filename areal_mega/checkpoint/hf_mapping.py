@@ -204,8 +204,9 @@ class TensorMap:
 
     ``mcore``: megatron name suffix (within a layer for layer tensors, else the full name);
     ``hf``: HF name templates (``{L}`` layer, ``{E}`` expert); ``kind``: ``copy``, ``qkv``,
-    ``glu``, ``vocab``, or for one expert's slice ``x[{E}]`` of a fused HF expert tensor ``x``
-    ``fused_expert`` / ``fused_expert_glu`` (:func:`expert_to_mcore`)."""
+    ``glu``, ``vocab``, ``row`` (HF ``[1, n]``, megatron ``[n]``: Ernie 4.5's expert bias), or
+    for one expert's slice ``x[{E}]`` of a fused HF expert tensor ``x`` ``fused_expert`` /
+    ``fused_expert_glu`` (:func:`expert_to_mcore`)."""
 
     mcore: str
     hf: Tuple[str, ...]
@@ -406,12 +407,21 @@ def hf_names_for(
     return tuple(h.format(L=layer, E=expert) for h in tm.hf), tm.kind
 
 
+def _unrow(t: torch.Tensor) -> torch.Tensor:
+    """An HF ``[1, n]`` tensor as megatron's ``[n]`` (kind ``row``)."""
+    if t.dim() != 2 or t.shape[0] != 1:
+        raise ValueError(f"expected a [1, n] tensor, got shape {tuple(t.shape)}")
+    return t[0]
+
+
 def to_mcore(
     arch, kind: str, hf_tensors: Sequence[torch.Tensor], *, padded_vocab_size: Optional[int] = None
 ) -> torch.Tensor:
     """HF tensors (in :func:`hf_names_for` order) → the full megatron tensor."""
     if kind == "copy":
         return hf_tensors[0]
+    if kind == "row":
+        return _unrow(hf_tensors[0])
     if kind == "qkv":
         return qkv_to_mcore(*hf_tensors, arch.num_heads, arch.num_kv_heads, arch.head_dim)
     if kind == "glu":
@@ -427,6 +437,8 @@ def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """The full megatron tensor → HF tensors (in :func:`hf_names_for` order)."""
     if kind == "copy":
         return (t,)
+    if kind == "row":
+        return (t.unsqueeze(0),)
     if kind == "qkv":
         return qkv_to_hf(t, arch.num_heads, arch.num_kv_heads, arch.head_dim)
     if kind == "glu":
@@ -455,6 +467,8 @@ def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor]
     ``t`` whose concatenation (dim 0) is that tensor."""
     if kind == "copy":
         return ([t],)
+    if kind == "row":
+        return ([t.unsqueeze(0)],)
     if kind == "vocab":
         return ([t[: arch.vocab_size]],)
     if kind == "glu":
@@ -482,6 +496,8 @@ def to_mcore_segments(
     vocabulary padding: zero rows generated, not concatenated)."""
     if kind == "copy":
         yield get(hf_names[0])
+    elif kind == "row":
+        yield _unrow(get(hf_names[0]))
     elif kind == "glu":
         for n in hf_names:
             yield get(n)

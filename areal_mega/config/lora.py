@@ -102,7 +102,10 @@ def check_lora_model(cfg) -> None:
         check_lora_support(
             model_type=str(hf.get("model_type")),
             is_moe=bool(
-                hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+                hf.get("num_experts")
+                or hf.get("num_local_experts")
+                or hf.get("n_routed_experts")
+                or hf.get("moe_num_experts")  # Ernie 4.5
             ),
             is_mla=hf.get("kv_lora_rank") is not None,
             targets=hf_targets(lo.target_modules),

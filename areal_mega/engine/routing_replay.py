@@ -147,14 +147,14 @@ def check_replay_target(routing_replay: bool, role: str, arch) -> None:
             f"model_type {arch.model_type!r} is dense (set "
             "algorithm.routing_replay=off)"
         )
-    if arch.moe_score_function != "softmax":
+    if arch.moe_score_function != "softmax" or arch.moe_expert_bias:
         # megatron would replay these routers' indices correctly, but no rollout server
         # reports them yet: the CPU server's capture recomputes a softmax top-k
         raise ValueError(
             f"algorithm.routing_replay='r3' is not supported for model_type "
             f"{arch.model_type!r}: the rollout servers' route capture covers the "
-            "softmax top-k router only, not a sigmoid router with an expert bias "
-            "(set algorithm.routing_replay=off)"
+            "softmax top-k router only, not a router with an expert bias (the sigmoid "
+            "routers, Ernie 4.5's softmax router) (set algorithm.routing_replay=off)"
         )
 
 

@@ -44,11 +44,17 @@ class RouteCapture:
                 f"(model_type={getattr(model.config, 'model_type', None)!r}) has "
                 "no mixture-of-experts layers to report"
             )
-        biased = [i for i, g in gates.items() if hasattr(g, "e_score_correction_bias")]
+        # an expert bias on the gate (DeepSeek-style sigmoid routers) or in its moe_statics
+        # (Ernie 4.5's softmax router, whose output tuple also puts the ids elsewhere)
+        biased = [
+            i
+            for i, g in gates.items()
+            if hasattr(g, "e_score_correction_bias") or hasattr(g, "moe_statics")
+        ]
         if biased:
             raise ValueError(
                 f"--enable-return-routed-experts: {type(model).__name__} routes "
-                "with a sigmoid score and an expert bias (layers "
+                "with an expert bias (layers "
                 f"{biased}); only the softmax top-k router is captured"
             )
         if tuple(sorted(gates)) != self.layout.moe_layers:

@@ -416,13 +416,20 @@ def rollout_memory(
 
 
 def hparams_from_hf_config(path: str | Path) -> ModelHParams:
-    """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields)."""
+    """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields; Ernie 4.5's
+    MoE names). Every layer of an MoE model is counted as MoE."""
     d = json.loads(Path(path).read_text())
     moe = int(
         d.get("num_experts")
         or d.get("num_local_experts")  # transformers 5 name
         or d.get("n_routed_experts")
+        or d.get("moe_num_experts")  # Ernie 4.5
         or 0
+    )
+    moe_ffn = d.get("moe_intermediate_size") or 0 if moe else 0
+    # Ernie 4.5: shared experts of moe_intermediate_size each
+    shared = d.get("shared_expert_intermediate_size") or moe_ffn * (
+        d.get("moe_num_shared_experts") or 0
     )
     return ModelHParams(
         hidden_size=d["hidden_size"],
@@ -438,9 +445,9 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
         qkv_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
         qk_norm=d.get("model_type", "").startswith("qwen3"),
         num_experts=moe,
-        moe_ffn_hidden_size=d.get("moe_intermediate_size") or 0 if moe else 0,
-        moe_topk=d.get("num_experts_per_tok") or 0 if moe else 0,
-        shared_expert_ffn_hidden_size=d.get("shared_expert_intermediate_size") or 0,
+        moe_ffn_hidden_size=moe_ffn,
+        moe_topk=d.get("num_experts_per_tok") or d.get("moe_k") or 0 if moe else 0,
+        shared_expert_ffn_hidden_size=shared,
     )
 
 

@@ -143,6 +143,7 @@ PROVIDER_FAMILIES = (
     "olmoe",
     "minimax_m2",
     "gpt_oss",
+    "ernie4_5_moe",
 )
 
 #: families that keep our translator, and why
@@ -223,6 +224,24 @@ def _gpt_oss(hf: dict, fields: dict, gpt: dict) -> None:
     correct_provider_fields(hf, fields, gpt)
 
 
+def _ernie4_5_moe(hf: dict, fields: dict, gpt: dict) -> None:
+    """Ernie 4.5 MoE: a softmax router whose expert bias and renormalisation are
+    :class:`~areal_mega.models.ernie4_5_moe.ErnieTopKRouter`'s (megatron's config refuses an
+    expert bias on softmax scores), the dense layers of transformers' start / end / interval
+    rule, the rotary base of the config, no shared experts when it has none."""
+    from areal_mega.models.ernie4_5_moe import ernie_moe_layer_pattern
+
+    gpt["rotary_base"] = float(hf_config_object(hf).rope_parameters["rope_theta"])
+    fields["moe_layer_freq"] = list(ernie_moe_layer_pattern(hf, int(hf["num_hidden_layers"])))
+    fields.update(
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=True,
+        moe_router_enable_expert_bias=False,
+    )
+    if not fields.get("moe_shared_expert_intermediate_size"):
+        fields.pop("moe_shared_expert_intermediate_size", None)
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -238,6 +257,14 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
     "deepseek_v2": (
         "as deepseek_v3 (default rope_type 'yarn' without rope_scaling; embeddings untied)",
         _deepseek_v3,
+    ),
+    "ernie4_5_moe": (
+        "the provider describes a sigmoid router with megatron's expert bias (transformers: "
+        "softmax scores, the bias added for the choice only, the chosen scores renormalised), "
+        "a fixed rotary_base of 500000 whatever the config's rope_theta, MoE layers from "
+        "moe_layer_start_index only (transformers also reads moe_layer_interval and "
+        "moe_layer_end_index), a shared-expert size of 0 when there are none",
+        _ernie4_5_moe,
     ),
     "glm4_moe": (_UNTIED, _tied),
     "glm4_moe_lite": (
@@ -343,11 +370,6 @@ NOT_BUILT = {
         "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL
     ),
     "exaone_moe": _NOPE_GLOBAL,
-    "ernie4_5_moe": (
-        "its softmax router picks experts by softmax score + expert bias and renormalises "
-        "the chosen weights; megatron-core adds an expert bias to sigmoid scores only and "
-        "does not renormalise a pre-softmax top-k"
-    ),
     "gemma4_text": (
         "key/value sharing across its last layers, per-layer input embeddings, a double-wide "
         "MLP in the shared layers and attention soft-capping: none of them are megatron-core "

@@ -13,7 +13,9 @@ with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers f
 ``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
 rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without QK norms, with
 attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
-MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`).
+MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`),
+``ernie4_5_moe`` (Ernie 4.5: a softmax router with an expert bias for the choice, the chosen
+weights renormalised: :mod:`areal_mega.models.ernie4_5_moe`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -127,6 +129,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "minimax_m2",
     "gpt_oss",
+    "ernie4_5_moe",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -326,6 +329,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(hy_v3_fields(hf, n_layers))
     if mt == "minimax_m2":
         kw.update(minimax_m2_fields(hf, n_layers))
+    if mt == "ernie4_5_moe":
+        from areal_mega.models.ernie4_5_moe import ernie4_5_moe_fields
+
+        kw.update(ernie4_5_moe_fields(hf, n_layers))
     return HFArch(**kw, hf_json=_config_json(hf))
 
 
@@ -548,6 +555,12 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.olmoe import olmoe_block_spec
 
         return olmoe_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "ernie4_5_moe":
+        from areal_mega.models.ernie4_5_moe import ernie_block_spec, ernie_norm_min
+
+        return ernie_block_spec(
+            config, use_te=use_te, vp_stage=vp_stage, norm_min=ernie_norm_min(arch.source_config())
+        )
     if arch.model_type == "nemotron":
         from areal_mega.models.nemotron import nemotron_block_spec
 

@@ -43,6 +43,7 @@ only when ``norm_topk_prob``), and megatron scores an expert group by the sum of
 from __future__ import annotations
 
 __all__ = [
+    "EXPERT_BIAS_ROUTER_MODEL_TYPES",
     "SIGMOID_ROUTER_MODEL_TYPES",
     "glm4_moe_fields",
     "hy_v3_fields",
@@ -53,6 +54,9 @@ __all__ = [
 
 #: families whose router is sigmoid + expert bias (DeepSeek-V3 style)
 SIGMOID_ROUTER_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "hy_v3", "minimax_m2")
+#: families whose router chooses experts with an expert bias: the sigmoid ones and Ernie 4.5's
+#: softmax router (:mod:`areal_mega.models.ernie4_5_moe`)
+EXPERT_BIAS_ROUTER_MODEL_TYPES = SIGMOID_ROUTER_MODEL_TYPES + ("ernie4_5_moe",)
 
 
 def _partial_rotary_factor(hf: dict) -> float:

@@ -31,6 +31,7 @@ ARCHS = (
     "olmoe",
     "minimax_m2",
     "gpt_oss",
+    "ernie4_5_moe",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -95,6 +96,9 @@ class TinyModelSpec:
     # gpt_oss: YaRN over a short original context (so that it changes the tiny model's RoPE)
     yarn_factor: float = 4.0
     yarn_original_max_position_embeddings: int = 16
+    # ernie4_5_moe: layer i is MoE when (i + 1) % moe_layer_interval == 0 and i >= 1 (the
+    # others dense MLPs of intermediate_size)
+    moe_layer_interval: int = 1
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -339,6 +343,22 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             router_aux_loss_coef=0.0,
             router_jitter_noise=0.0,
         )
+    if spec.arch == "ernie4_5_moe":
+        from transformers import Ernie4_5_MoeConfig
+
+        return Ernie4_5_MoeConfig(
+            **common,
+            use_bias=False,
+            moe_num_experts=spec.num_experts,
+            moe_k=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            moe_num_shared_experts=spec.n_shared_experts,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=spec.moe_layer_interval,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+        )
     if spec.arch == "gemma2":
         from transformers import Gemma2Config
 
@@ -427,7 +447,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # a non-zero expert bias, so that tests see it applied
-        for name, buf in model.named_buffers():
+        # (a buffer in most families, a frozen parameter in Ernie 4.5's moe_statics)
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, spec.expert_bias_std)
     if spec.arch in ("gemma3_text", "gemma", "gemma2", "nemotron"):
@@ -437,6 +458,15 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
+    if spec.arch == "ernie4_5_moe":
+        # RMSNorms start at one: random gains make every channel of every norm count; the
+        # router's gate starts at zero in transformers (every expert tied): a random one
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, spec.initializer_range)
     if spec.arch in ("olmoe", "minimax_m2"):
         # the whole-projection QK norms start at one: random gains make every channel count
         with torch.no_grad():

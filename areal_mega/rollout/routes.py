@@ -9,7 +9,7 @@ from typing import Optional
 
 from areal_mega.common.errors import ConfigError
 from areal_mega.common.moe_routes import RouteLayout, decode_sglang_routes
-from areal_mega.models.moe_families import SIGMOID_ROUTER_MODEL_TYPES
+from areal_mega.models.moe_families import EXPERT_BIAS_ROUTER_MODEL_TYPES
 from areal_mega.rollout.generate_result import GenerateResult, RolloutRequestError
 
 
@@ -59,12 +59,12 @@ def replay_layout(cfg) -> Optional[RouteLayout]:
     if cfg.algorithm.routing_replay == "off":
         return None
     model_type = _model_type(cfg.model.path)
-    if model_type in SIGMOID_ROUTER_MODEL_TYPES:
+    if model_type in EXPERT_BIAS_ROUTER_MODEL_TYPES:
         raise ConfigError(
             f"algorithm.routing_replay={cfg.algorithm.routing_replay!r}: "
-            f"model_type {model_type!r} routes with a sigmoid score and an expert "
-            "bias, which the rollout servers' route capture does not cover; set "
-            "algorithm.routing_replay=off"
+            f"model_type {model_type!r} routes with an expert bias (on sigmoid scores; "
+            "Ernie 4.5's on softmax scores), which the rollout servers' route capture does "
+            "not cover; set algorithm.routing_replay=off"
         )
     layout = RouteLayout.from_model_path(cfg.model.path)
     if layout is None:

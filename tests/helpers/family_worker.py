@@ -147,8 +147,9 @@ def run_family(name):
         from areal_mega.models.builder import normalize_hf_config
 
         hf = normalize_hf_config(dict(cfg, vocab_size=ew.VOCAB, router_aux_loss_coef=0.0))
-        if hf.get("n_routed_experts") and not hf.get("num_experts"):  # DeepSeek's spelling
-            hf["num_experts"] = hf["n_routed_experts"]
+        for key in ("n_routed_experts", "moe_num_experts"):  # DeepSeek's, Ernie's spellings
+            if hf.get(key) and not hf.get("num_experts"):
+                hf["num_experts"] = hf[key]
         mbs = ew.make_mbs(1, [[9, 14, 5], [20, 3], [6, 6, 6, 4], [17]])
         ew.set_mesh(MESHES["dp2"])
         converted_vs_hf(res, "dp2", cfg, mcore_dir, seqs, want_logits, want_lps)

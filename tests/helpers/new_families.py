@@ -146,6 +146,27 @@ CASES = {
         layouts=("ep2", "pp2"),
         convert=("--ep", "2", "--pp", "2"),
     ),
+    # Ernie 4.5 MoE: top-2 of 4 experts chosen by softmax score + expert bias, the chosen
+    # (unbiased) scores renormalised; a shared expert; four layers, MoE where (i + 1) % 2 == 0
+    # (layers 1 and 3; the provider alone would make layers 1-3 MoE); interleaved rotary with
+    # the config's base (10000; the provider fixes 500000); random RMSNorm gains and router
+    # gate (transformers starts it at zero: every expert tied). The expert bias (std 0.05)
+    # changes the chosen pair of 13 / 60 tokens in layer 1 and 46 / 60 in layer 3 of the
+    # checked sequences against the unbiased top-2 (counted with hooks on transformers' gates).
+    # Tied embeddings, as the hub's models; hub checkpoint names
+    # (mlp.moe_statics.e_score_correction_bias [1, 4], per-expert gate / up / down), which the
+    # rollout server renames as transformers does
+    "ernie4_5_moe": FamilyCase(
+        "ernie4_5_moe",
+        dict(
+            arch="ernie4_5_moe",
+            num_layers=4,
+            moe_layer_interval=2,
+            expert_bias_std=0.05,
+        ),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -165,6 +186,7 @@ RL_CASES = (
     "olmoe",
     "minimax_m2",
     "gpt_oss",
+    "ernie4_5_moe",
 )
 
 
