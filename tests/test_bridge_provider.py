@@ -24,6 +24,7 @@ SPECS = {
     "mistral": dict(head_dim=24, sliding_window=8),
     "gemma3_text": dict(head_dim=24, sliding_window=8, rope_theta=1e6, query_pre_attn_scalar=32),
     "qwen3_moe": dict(tie_word_embeddings=False),
+    "exaone_moe": dict(sliding_window=8, tie_word_embeddings=False),
 }
 
 
@@ -73,6 +74,14 @@ def test_provider_agrees_with_the_converters_facts(arch):
         assert gpt["rotary_base"] == a.rope_theta
     want_window = None if a.sliding_window is None else (a.sliding_window - 1, 0)
     assert f.get("window_size") == want_window
+    if a.model_type.startswith("exaone"):  # the window and the rotary per layer
+        from areal_mega.models.exaone import nope_layers, window_layers
+
+        assert list(f["window_attn_skip_freq"]) == list(window_layers(hf))
+        assert list(f["no_rope_freq"]) == list(nope_layers(hf))
+        assert any(window_layers(hf)) and any(nope_layers(hf))
+    else:
+        assert not f.get("window_attn_skip_freq") and not f.get("no_rope_freq")
     assert gpt["rotary_percent"] == a.rotary_percent
     assert gpt["share_embeddings_and_output_weights"] == a.tie_word_embeddings
     assert gpt["position_embedding_type"] == "rope"
@@ -238,6 +247,40 @@ def test_upstream_hy_v3_provider_still_ignores_mlp_layer_types():
 def test_hy_v3_options_megatron_cannot_reproduce_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
         parse_hf_config(dict(tiny_config("hy_v3"), **change))
+
+
+def test_exaone_moe_layer_pattern_as_transformers_reads_it():
+    """Without layer_types transformers makes every sliding_window_pattern-th layer full
+    attention (no rotary), the others sliding (rotary): the provider and our reading agree."""
+    from areal_mega.models.exaone import nope_layers, window_layers
+
+    hf = tiny_config("exaone_moe", num_layers=8)
+    del hf["layer_types"]
+    hf["mlp_layer_types"] = ["dense"] + ["sparse"] * 7
+    f = bp.provider_arch_fields(hf)[0]
+    assert window_layers(hf) == (1, 1, 1, 0) * 2 and nope_layers(hf) == (0, 0, 0, 1) * 2
+    assert list(f["window_attn_skip_freq"]) == list(window_layers(hf))
+    assert list(f["no_rope_freq"]) == list(nope_layers(hf))
+    assert parse_hf_config(hf).layer_types == ("sliding_attention",) * 3 + ("full_attention",) + (
+        "sliding_attention",
+    ) * 3 + ("full_attention",)
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(layer_types=None, sliding_window_pattern="LLLG"), "sliding_window_pattern"),
+        (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+        (dict(norm_topk_prob=False), "norm_topk_prob"),
+        (dict(mlp_layer_types=["dense"] * 3), "mlp_layer_types"),
+    ],
+)
+def test_exaone_moe_options_megatron_cannot_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("exaone_moe"), **change))
 
 
 def test_hy_v3_fp32_combine_is_the_dtype_add():

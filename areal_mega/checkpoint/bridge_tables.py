@@ -64,6 +64,7 @@ BRIDGED_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

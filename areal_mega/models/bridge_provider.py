@@ -85,6 +85,8 @@ ARCH_FIELDS = (
     "qk_layernorm",
     "init_method_std",
     "window_size",
+    "window_attn_skip_freq",  # per layer: 1 = the window applies (EXAONE's sliding layers)
+    "no_rope_freq",  # per layer: 1 = no rotary (NoPE; EXAONE's full-attention layers)
     "softmax_scale",
     "rotary_interleaved",
     # MoE
@@ -137,6 +139,7 @@ PROVIDER_FAMILIES = (
     "nemotron",
     "olmoe",
     "minimax_m2",
+    "exaone_moe",
 )
 
 #: families that keep our translator, and why
@@ -323,7 +326,6 @@ NOT_BUILT = {
         "post-norm layers (RMSNorm on each sublayer's output before the residual add, no "
         "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL
     ),
-    "exaone_moe": _NOPE_GLOBAL,
     "ernie4_5_moe": (
         "its softmax router picks experts by softmax score + expert bias and renormalises "
         "the chosen weights; megatron-core adds an expert bias to sigmoid scores only and "

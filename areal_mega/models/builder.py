@@ -13,7 +13,9 @@ with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers f
 ``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
 rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without QK norms, with
 attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
-MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`).
+MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`),
+``exaone_moe`` (K-EXAONE: sliding-window layers with rotary beside full-attention layers without,
+DeepSeek-V3's router: :mod:`areal_mega.models.exaone`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -126,6 +128,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma2",
     "olmoe",
     "minimax_m2",
+    "exaone_moe",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -258,6 +261,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.olmoe import olmoe_arch_fields
 
         return HFArch(**olmoe_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "exaone_moe":
+        from areal_mega.models.exaone import exaone_moe_arch_fields
+
+        return HFArch(**exaone_moe_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron":
         from areal_mega.models.nemotron import nemotron_arch_fields
 

@@ -30,6 +30,7 @@ ARCHS = (
     "gemma2",
     "olmoe",
     "minimax_m2",
+    "exaone_moe",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -157,12 +158,12 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "hy_v3",
         "gemma2",
         "minimax_m2",
+        "exaone_moe",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    if spec.sliding_window is not None and spec.arch not in ("mistral", "gemma3_text", "gemma2"):
-        raise ValueError(
-            "sliding_window: only the mistral, gemma3_text and gemma2 tiny models have one"
-        )
+    windowed = ("mistral", "gemma3_text", "gemma2", "exaone_moe")
+    if spec.sliding_window is not None and spec.arch not in windowed:
+        raise ValueError(f"sliding_window: only the {', '.join(windowed)} tiny models have one")
     if spec.arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if spec.arch == "mistral":
@@ -328,6 +329,29 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             output_router_logits=False,
             router_aux_loss_coef=0.0,
             router_jitter_noise=0.0,
+        )
+    if spec.arch == "exaone_moe":
+        from transformers import ExaoneMoeConfig
+
+        # layers alternate sliding (rotary) / full (no rotary), the first k dense
+        k = spec.first_k_dense_replace
+        return ExaoneMoeConfig(
+            **common,
+            head_dim=head_dim,
+            sliding_window=spec.sliding_window or 4096,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_shared_experts=spec.n_shared_experts,
+            n_group=spec.n_group,
+            topk_group=spec.topk_group,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            norm_topk_prob=True,
         )
     if spec.arch == "gemma2":
         from transformers import Gemma2Config

@@ -127,6 +127,16 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # EXAONE-MoE (K-EXAONE): layer 0 sliding window 8 with rotary and a dense MLP, layer 1 full
+    # attention without rotary (NoPE) and MoE; per-head QK norms; DeepSeek-V3's sigmoid
+    # router with the expert bias for the choice, 2 groups of which 1 is kept, top-2 of 4,
+    # renormalised times 2.5, one shared expert
+    "exaone_moe": FamilyCase(
+        "exaone_moe",
+        dict(arch="exaone_moe", sliding_window=8, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -145,6 +155,7 @@ RL_CASES = (
     "gemma2",
     "olmoe",
     "minimax_m2",
+    "exaone_moe",
 )
 
 
