@@ -25,6 +25,15 @@ SPECS = {
     "gemma3_text": dict(head_dim=24, sliding_window=8, rope_theta=1e6, query_pre_attn_scalar=32),
     "qwen3_moe": dict(tie_word_embeddings=False),
     "exaone_moe": dict(sliding_window=8, tie_word_embeddings=False),
+    "exaone4": dict(sliding_window=8),
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 1e6,
+    "factor": 16.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
 }
 
 
@@ -281,6 +290,47 @@ def test_exaone_moe_layer_pattern_as_transformers_reads_it():
 def test_exaone_moe_options_megatron_cannot_reproduce_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
         parse_hf_config(dict(tiny_config("exaone_moe"), **change))
+
+
+def test_upstream_exaone4_provider_still_sets_no_window_nor_nope():
+    """EXAONE 4 with sliding layers: the provider leaves every layer full attention with
+    rotary; the correction gives the sliding layers their window and the others no rotary."""
+    hf = tiny_config("exaone4")
+    raw = bp.provider_for(hf)
+    assert raw.window_size is None and not raw.no_rope_freq, (
+        "the bridge's EXAONE 4 provider now sets the window / NoPE layers: drop "
+        "CORRECTIONS['exaone4'] (test_provider_agrees_with_the_converters_facts checks them)"
+    )
+    f = bp.provider_arch_fields(hf)[0]
+    assert (f["window_size"], f["window_attn_skip_freq"], f["no_rope_freq"]) == ((7, 0), [1, 0], [0, 1])
+    # without a window (EXAONE-4.0-1.2B) every layer is full attention with rotary
+    f = bp.provider_arch_fields(dict(hf, sliding_window=None, layer_types=["full_attention"] * 2))[0]
+    assert f["window_size"] is None and not f["window_attn_skip_freq"] and not f["no_rope_freq"]
+
+
+@pytest.mark.parametrize("arch", ["exaone4", "exaone_moe"])
+def test_exaone_llama3_rope_reaches_the_gpt_model(arch):
+    """llama3 RoPE (megatron's constants): the providers' rope_scaling and factor are GPTModel
+    keywords; the default rope type scales nothing."""
+    gpt = bp.provider_arch_fields(dict(tiny_config(arch), rope_parameters=LLAMA3))[1]
+    assert gpt["rope_scaling"] is True and gpt["rope_scaling_factor"] == 16.0
+    assert gpt["rotary_base"] == 1e6
+    assert bp.provider_arch_fields(tiny_config(arch))[1]["rope_scaling"] is False
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(tie_word_embeddings=False), "lm_head"),
+        (dict(rope_parameters=dict(LLAMA3, low_freq_factor=2.0)), "low_freq_factor"),
+        (dict(rope_parameters=dict(LLAMA3, original_max_position_embeddings=4096)), "original_max"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "linear"),
+        (dict(attention_bias=True), "attention_bias"),
+    ],
+)
+def test_exaone4_options_megatron_cannot_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("exaone4"), **change))
 
 
 def test_hy_v3_fp32_combine_is_the_dtype_add():

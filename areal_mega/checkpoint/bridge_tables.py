@@ -65,6 +65,7 @@ BRIDGED_ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

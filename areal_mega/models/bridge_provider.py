@@ -121,6 +121,9 @@ GPT_FIELDS = {
     "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
     "seq_length": "max_sequence_length",
     "position_embedding_type": "position_embedding_type",
+    # llama3 RoPE scaling (EXAONE; megatron's fixed constants, areal_mega/models/exaone.py)
+    "rope_scaling": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
 }
 
 #: families whose architecture comes from the bridge's provider
@@ -140,6 +143,7 @@ PROVIDER_FAMILIES = (
     "olmoe",
     "minimax_m2",
     "exaone_moe",
+    "exaone4",
 )
 
 #: families that keep our translator, and why
@@ -213,6 +217,17 @@ def _minimax_m2_rotary(hf: dict, fields: dict, gpt: dict) -> None:
     gpt["rotary_percent"] = minimax_m2_fields(hf, int(hf["num_hidden_layers"]))["rotary_percent"]
 
 
+def _exaone4_layers(hf: dict, fields: dict, gpt: dict) -> None:
+    """EXAONE 4's window and rotary per layer, as transformers reads them: the sliding layers'
+    window, no rotary on the full-attention layers of a config with a window."""
+    from areal_mega.models.exaone import exaone_layer_types, nope_layers, window_layers
+
+    window = exaone_layer_types(hf)[1]
+    fields["window_size"] = None if window is None else (window - 1, 0)
+    fields["window_attn_skip_freq"] = list(window_layers(hf)) if window is not None else None
+    fields["no_rope_freq"] = list(nope_layers(hf)) if any(nope_layers(hf)) else None
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -228,6 +243,12 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
     "deepseek_v2": (
         "as deepseek_v3 (default rope_type 'yarn' without rope_scaling; embeddings untied)",
         _deepseek_v3,
+    ),
+    "exaone4": (
+        "the provider sets no window_size, window_attn_skip_freq nor no_rope_freq (its TE "
+        "layer spec is for the all-global-attention 1.2B model): a config with sliding "
+        "layers would get full attention with rotary everywhere",
+        _exaone4_layers,
     ),
     "glm4_moe": (_UNTIED, _tied),
     "glm4_moe_lite": (
@@ -310,10 +331,6 @@ GPU_ONLY = {
 }
 
 
-_NOPE_GLOBAL = (
-    "the full-attention layers of its sliding-window pattern take no RoPE (NoPE), which "
-    "megatron-core's GPT model applies to every layer or to none"
-)
 _VLM = (
     "a vision-language model: the engine builds text decoders only (vision-language RL is "
     "open work)"
@@ -322,10 +339,6 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
-    "exaone4": (
-        "post-norm layers (RMSNorm on each sublayer's output before the residual add, no "
-        "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL
-    ),
     "ernie4_5_moe": (
         "its softmax router picks experts by softmax score + expert bias and renormalises "
         "the chosen weights; megatron-core adds an expert bias to sigmoid scores only and "

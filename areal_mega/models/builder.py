@@ -15,7 +15,8 @@ rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without 
 attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
 MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`),
 ``exaone_moe`` (K-EXAONE: sliding-window layers with rotary beside full-attention layers without,
-DeepSeek-V3's router: :mod:`areal_mega.models.exaone`).
+DeepSeek-V3's router: :mod:`areal_mega.models.exaone`), ``exaone4`` (EXAONE 4: the same
+attention in post-norm-only dense layers, llama3 RoPE).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -129,6 +130,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "minimax_m2",
     "exaone_moe",
+    "exaone4",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -265,6 +267,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.exaone import exaone_moe_arch_fields
 
         return HFArch(**exaone_moe_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "exaone4":
+        from areal_mega.models.exaone import exaone4_arch_fields
+
+        return HFArch(**exaone4_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron":
         from areal_mega.models.nemotron import nemotron_arch_fields
 
@@ -541,6 +547,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.olmoe import olmoe_block_spec
 
         return olmoe_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "exaone4":
+        from areal_mega.models.exaone import exaone4_block_spec
+
+        return exaone4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.model_type == "nemotron":
         from areal_mega.models.nemotron import nemotron_block_spec
 

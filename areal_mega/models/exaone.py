@@ -1,4 +1,4 @@
-"""EXAONE (``exaone_moe``: K-EXAONE; ``exaone4``: EXAONE 4.0): HF config facts and refusals.
+"""EXAONE (``exaone_moe``: K-EXAONE; ``exaone4``: EXAONE 4.0) on megatron's local spec.
 
 Both families share transformers' ``Exaone4Attention``: grouped-query attention with a per-head
 QK RMSNorm, ``layer_types`` choosing per layer between sliding-window attention (window
@@ -19,16 +19,40 @@ EXAONE-MoE's layer is pre-norm with DeepSeek-V3's router (sigmoid scores, the ex
 ``e_score_correction_bias`` for the choice only, group-limited top-k, the chosen weights
 renormalised times ``routed_scaling_factor``), ``num_shared_experts`` shared experts and dense
 layers from ``mlp_layer_types`` (default: the first ``first_k_dense_replace``), every field of
-which comes from the bridge's provider. Refused (``ValueError`` naming the key): rope types
-other than default, attention biases (transformers' layers have none), activations other than
-SiLU, a string ``sliding_window_pattern`` without ``layer_types``.
+which comes from the bridge's provider.
+
+EXAONE 4's dense layer is post-norm only: no norm before attention or the MLP, and an RMSNorm
+of each sublayer's output before its residual add (``post_attention_layernorm``,
+``post_feedforward_layernorm``). That is Gemma 3's post-norm slot without its pre-norms:
+:func:`exaone4_block_spec` is :func:`~areal_mega.models.gemma3.post_norm_block_spec` with no
+pre-norm (megatron's ``IdentityOp``) and :class:`ExaoneRMSNorm` inside the output projections
+(parameter names ``self_attention.linear_proj.post_layernorm.weight`` and
+``mlp.linear_fc2.post_layernorm.weight``, the bridge's registry's). The bridge's EXAONE 4
+provider sets no window and no per-layer lists (its TE spec is for the all-global 1.2B model):
+:data:`~areal_mega.models.bridge_provider.CORRECTIONS` sets them from :func:`window_layers` /
+:func:`nope_layers`.
+
+RoPE: the default, or ``llama3`` (real EXAONE 4 configs) with megatron's fixed constants
+(``low_freq_factor`` 1, ``high_freq_factor`` 4, ``original_max_position_embeddings`` 8192:
+``RotaryEmbedding._apply_scaling``, given only the factor by ``GPTModel``). Refused
+(``ValueError`` naming the key): other rope types or constants, attention biases (transformers'
+layers have none), activations other than SiLU, a string ``sliding_window_pattern`` without
+``layer_types``; EXAONE 4 with untied embeddings (the bridge's registry maps no ``lm_head``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
-from areal_mega.models.gemma3 import FULL, SLIDING, layer_types_and_window
+import torch
+
+from areal_mega.models.gemma3 import (
+    FULL,
+    SLIDING,
+    RowParallelLinearWithPostNorm,
+    layer_types_and_window,
+    post_norm_block_spec,
+)
 from areal_mega.models.moe_families import routed_moe_fields
 
 __all__ = [
@@ -38,9 +62,21 @@ __all__ = [
     "window_layers",
     "exaone_rope",
     "exaone_moe_arch_fields",
+    "EXAONE4_MODEL_TYPE",
+    "exaone4_arch_fields",
+    "ExaoneRMSNorm",
+    "RowParallelLinearWithExaonePostNorm",
+    "exaone4_block_spec",
 ]
 
 EXAONE_MOE_MODEL_TYPE = "exaone_moe"
+EXAONE4_MODEL_TYPE = "exaone4"
+#: llama3 rope constants megatron's RotaryEmbedding applies (it takes only the factor)
+LLAMA3_CONSTANTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def exaone_layer_types(hf: dict) -> tuple:
@@ -76,17 +112,30 @@ def window_layers(hf: dict) -> tuple:
 
 def exaone_rope(hf: dict) -> dict:
     """The RoPE parameters of an EXAONE config (``rope_parameters``, or the hub's
-    ``rope_theta`` / ``rope_scaling``), which must be the default type (``ValueError`` naming
-    the key otherwise)."""
+    ``rope_theta`` / ``rope_scaling``): the default type, or ``llama3`` with megatron's
+    constants (:data:`LLAMA3_CONSTANTS`); ``ValueError`` naming the key otherwise."""
     rp = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     kind = rp.get("rope_type", rp.get("type", "default"))
-    if kind not in ("default", None):
+    if kind not in ("default", None, "llama3"):
         raise ValueError(
             f"rope_parameters.rope_type={kind!r} is not supported for {hf.get('model_type')} "
-            "(default only)"
+            "(default or llama3)"
         )
+    if kind == "llama3":
+        for key, want in LLAMA3_CONSTANTS.items():
+            if float(rp.get(key, want)) != want:
+                raise ValueError(
+                    f"rope_parameters.{key}={rp[key]!r} is not supported (llama3 rope: "
+                    f"megatron-core's RotaryEmbedding fixes it at {want})"
+                )
+        if not float(rp.get("factor", 0)) > 0:
+            raise ValueError(f"rope_parameters.factor={rp.get('factor')!r}: llama3 needs one")
     rp.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
     return rp
+
+
+def _is_llama3(rp: dict) -> bool:
+    return rp.get("rope_type", rp.get("type")) == "llama3"
 
 
 def _check_attention(hf: dict) -> None:
@@ -96,7 +145,7 @@ def _check_attention(hf: dict) -> None:
         raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
 
 
-def _attention_fields(hf: dict) -> dict[str, Any]:
+def _attention_fields(hf: dict) -> dict:
     _check_attention(hf)
     rp = exaone_rope(hf)
     layer_types, window = exaone_layer_types(hf)
@@ -119,10 +168,11 @@ def _attention_fields(hf: dict) -> dict[str, Any]:
         initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=window,
         layer_types=layer_types,
+        rope_scaling_factor=float(rp["factor"]) if _is_llama3(rp) else 1.0,
     )
 
 
-def exaone_moe_arch_fields(hf: dict) -> dict[str, Any]:
+def exaone_moe_arch_fields(hf: dict) -> dict:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of an ``exaone_moe`` config
     dict. Raises ``ValueError`` naming the key of any feature this implementation lacks."""
     n_layers = int(hf["num_hidden_layers"])
@@ -142,3 +192,60 @@ def exaone_moe_arch_fields(hf: dict) -> dict[str, Any]:
     )
     moe["moe_layer_pattern"] = tuple(int(t == "sparse") for t in types)
     return dict(fields, **moe)
+
+
+def exaone4_arch_fields(hf: dict) -> dict:
+    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of an ``exaone4`` config
+    dict. Raises ``ValueError`` naming the key of any feature this implementation lacks."""
+    if not hf.get("tie_word_embeddings", False):
+        raise ValueError(
+            "tie_word_embeddings=False is not supported for exaone4 (Megatron-Bridge's "
+            "Exaone4ForCausalLM registry maps no lm_head)"
+        )
+    return _attention_fields(hf)
+
+
+class ExaoneRMSNorm(torch.nn.Module):
+    """transformers' ``Exaone4RMSNorm`` with megatron's norm signature: normalised in fp32,
+    cast back to the input's dtype, then scaled by ``weight`` (starts at one)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # replicated across TP: with sequence parallelism its gradient is a partial sum
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x``."""
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * out.type_as(x)
+
+
+class RowParallelLinearWithExaonePostNorm(RowParallelLinearWithPostNorm):
+    """The row-parallel output projection followed by :class:`ExaoneRMSNorm` (EXAONE 4's
+    post-attention / post-feedforward norm)."""
+
+    post_norm = ExaoneRMSNorm
+
+
+def exaone4_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
+    """The block spec of this pipeline stage (chunk) of an EXAONE 4 model: megatron's local
+    layer without pre-norms, the post-norms in the output projections, per-head QK norms and
+    the final norm :class:`ExaoneRMSNorm`, our packed attention (which reads the layer's
+    window from ``config.window_attn_skip_freq``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from areal_mega.models.varlen_attention import VarlenDotProductAttention
+
+    return post_norm_block_spec(
+        config,
+        norm=ExaoneRMSNorm,
+        pre_norm=IdentityOp,
+        post_linear=RowParallelLinearWithExaonePostNorm,
+        core_attention=VarlenDotProductAttention,
+        model_type="exaone4 models",
+        use_te=use_te,
+        vp_stage=vp_stage,
+    )

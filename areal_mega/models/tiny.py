@@ -31,6 +31,7 @@ ARCHS = (
     "olmoe",
     "minimax_m2",
     "exaone_moe",
+    "exaone4",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -159,9 +160,10 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "gemma2",
         "minimax_m2",
         "exaone_moe",
+        "exaone4",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    windowed = ("mistral", "gemma3_text", "gemma2", "exaone_moe")
+    windowed = ("mistral", "gemma3_text", "gemma2", "exaone_moe", "exaone4")
     if spec.sliding_window is not None and spec.arch not in windowed:
         raise ValueError(f"sliding_window: only the {', '.join(windowed)} tiny models have one")
     if spec.arch == "llama":
@@ -330,19 +332,28 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             router_aux_loss_coef=0.0,
             router_jitter_noise=0.0,
         )
+    # EXAONE: layers alternate sliding (rotary) / full (no rotary)
+    exaone_layers = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+    ]
+    if spec.arch == "exaone4":
+        from transformers import Exaone4Config
+
+        return Exaone4Config(
+            **common,
+            head_dim=head_dim,
+            sliding_window=spec.sliding_window or 4096,
+            layer_types=exaone_layers,
+        )
     if spec.arch == "exaone_moe":
         from transformers import ExaoneMoeConfig
 
-        # layers alternate sliding (rotary) / full (no rotary), the first k dense
-        k = spec.first_k_dense_replace
+        k = spec.first_k_dense_replace  # the first k layers dense
         return ExaoneMoeConfig(
             **common,
             head_dim=head_dim,
             sliding_window=spec.sliding_window or 4096,
-            layer_types=[
-                "sliding_attention" if i % 2 == 0 else "full_attention"
-                for i in range(spec.num_layers)
-            ],
+            layer_types=exaone_layers,
             mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
             num_experts=spec.num_experts,
             num_experts_per_tok=spec.num_experts_per_tok,
@@ -423,6 +434,13 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
+    if spec.arch in ("exaone_moe", "exaone4"):
+        # every norm (input / post-attention / post-feedforward, QK, final) starts at one:
+        # random gains make each count, and a norm mapped to another's place show
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.3)
     if spec.arch in ("olmoe", "minimax_m2"):
         # the whole-projection QK norms start at one: random gains make every channel count
         with torch.no_grad():

@@ -137,6 +137,28 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # EXAONE 4: post-norm-only layers (no norm before attention or the MLP; random gains on
+    # the post-attention / post-feedforward, QK and final norms), layer 0 sliding window 8
+    # with rotary, layer 1 full attention without rotary (NoPE), tied embeddings; also with
+    # llama3 RoPE (EXAONE 4.0's configs) and without a window (EXAONE-4.0-1.2B: every layer
+    # full attention, rotary on all)
+    "exaone4": FamilyCase(
+        "exaone4",
+        dict(arch="exaone4", sliding_window=8),
+        config_variants={
+            "llama3_rope": {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 16.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "nowindow": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
+        },
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -156,6 +178,7 @@ RL_CASES = (
     "olmoe",
     "minimax_m2",
     "exaone_moe",
+    "exaone4",
 )
 
 
