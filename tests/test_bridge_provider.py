@@ -321,7 +321,6 @@ def test_exaone_llama3_rope_reaches_the_gpt_model(arch):
 @pytest.mark.parametrize(
     "change,words",
     [
-        (dict(tie_word_embeddings=False), "lm_head"),
         (dict(rope_parameters=dict(LLAMA3, low_freq_factor=2.0)), "low_freq_factor"),
         (dict(rope_parameters=dict(LLAMA3, original_max_position_embeddings=4096)), "original_max"),
         (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "linear"),

@@ -37,7 +37,9 @@ RoPE: the default, or ``llama3`` (real EXAONE 4 configs) with megatron's fixed c
 ``RotaryEmbedding._apply_scaling``, given only the factor by ``GPTModel``). Refused
 (``ValueError`` naming the key): other rope types or constants, attention biases (transformers'
 layers have none), activations other than SiLU, a string ``sliding_window_pattern`` without
-``layer_types``; EXAONE 4 with untied embeddings (the bridge's registry maps no ``lm_head``).
+``layer_types``. EXAONE 4's bridge registry maps no ``lm_head`` (its 1.2B model ties the
+embeddings); untied configs (32B) take Llama's output-layer row
+(:mod:`areal_mega.checkpoint.hf_mapping`).
 """
 
 from __future__ import annotations
@@ -197,11 +199,6 @@ def exaone_moe_arch_fields(hf: dict) -> dict:
 def exaone4_arch_fields(hf: dict) -> dict:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of an ``exaone4`` config
     dict. Raises ``ValueError`` naming the key of any feature this implementation lacks."""
-    if not hf.get("tie_word_embeddings", False):
-        raise ValueError(
-            "tie_word_embeddings=False is not supported for exaone4 (Megatron-Bridge's "
-            "Exaone4ForCausalLM registry maps no lm_head)"
-        )
     return _attention_fields(hf)
 
 

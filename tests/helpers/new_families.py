@@ -139,12 +139,13 @@ CASES = {
     ),
     # EXAONE 4: post-norm-only layers (no norm before attention or the MLP; random gains on
     # the post-attention / post-feedforward, QK and final norms), layer 0 sliding window 8
-    # with rotary, layer 1 full attention without rotary (NoPE), tied embeddings; also with
+    # with rotary, layer 1 full attention without rotary (NoPE), untied embeddings as
+    # EXAONE-4.0-32B (the bridge's registry maps no lm_head: Llama's row); also with
     # llama3 RoPE (EXAONE 4.0's configs) and without a window (EXAONE-4.0-1.2B: every layer
     # full attention, rotary on all)
     "exaone4": FamilyCase(
         "exaone4",
-        dict(arch="exaone4", sliding_window=8),
+        dict(arch="exaone4", sliding_window=8, tie_word_embeddings=False),
         config_variants={
             "llama3_rope": {
                 "rope_parameters": {
