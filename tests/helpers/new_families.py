@@ -19,8 +19,11 @@ class FamilyCase:
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
-    converted weights are also checked against transformers (on DP2). The checked sequences
-    (up to 21 tokens) and the RL samples are longer than a sliding window of 8."""
+    converted weights are also checked against transformers (on DP2); ``shared_prompts``: also
+    PP2 and TP2 on GRPO-like groups whose prompts the engine computes once (rotary at given
+    positions, the shared-prefix attention) against the single-rank reference (dense families
+    only: the engine shares no prompts for MoE). The checked sequences (up to 21 tokens), the
+    shared prompts (up to 17) and the RL samples are longer than a sliding window of 8."""
 
     name: str
     tiny: dict
@@ -28,6 +31,7 @@ class FamilyCase:
     convert: tuple = ("--tp", "2", "--pp", "2")
     rl_overrides: tuple = field(default_factory=tuple)
     config_variants: dict = field(default_factory=dict)
+    shared_prompts: bool = False
 
 
 CASES = {
@@ -142,7 +146,8 @@ CASES = {
     # with rotary, layer 1 full attention without rotary (NoPE), untied embeddings as
     # EXAONE-4.0-32B (the bridge's registry maps no lm_head: Llama's row); also with
     # llama3 RoPE (EXAONE 4.0's configs) and without a window (EXAONE-4.0-1.2B: every layer
-    # full attention, rotary on all)
+    # full attention, rotary on all); shared prompts: the NoPE layer and the window on the
+    # engine's shared-prefix path
     "exaone4": FamilyCase(
         "exaone4",
         dict(arch="exaone4", sliding_window=8, tie_word_embeddings=False),
@@ -159,6 +164,7 @@ CASES = {
             },
             "nowindow": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
         },
+        shared_prompts=True,
     ),
 }
 
