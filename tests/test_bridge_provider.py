@@ -302,9 +302,11 @@ def test_upstream_exaone4_provider_still_sets_no_window_nor_nope():
         "CORRECTIONS['exaone4'] (test_provider_agrees_with_the_converters_facts checks them)"
     )
     f = bp.provider_arch_fields(hf)[0]
-    assert (f["window_size"], f["window_attn_skip_freq"], f["no_rope_freq"]) == ((7, 0), [1, 0], [0, 1])
+    got = (f["window_size"], f["window_attn_skip_freq"], f["no_rope_freq"])
+    assert got == ((7, 0), [1, 0], [0, 1])
     # without a window (EXAONE-4.0-1.2B) every layer is full attention with rotary
-    f = bp.provider_arch_fields(dict(hf, sliding_window=None, layer_types=["full_attention"] * 2))[0]
+    no_window = dict(hf, sliding_window=None, layer_types=["full_attention"] * 2)
+    f = bp.provider_arch_fields(no_window)[0]
     assert f["window_size"] is None and not f["window_attn_skip_freq"] and not f["no_rope_freq"]
 
 
