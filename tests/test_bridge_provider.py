@@ -275,6 +275,15 @@ def test_exaone_moe_layer_pattern_as_transformers_reads_it():
     ) * 3 + ("full_attention",)
 
 
+def test_exaone_hub_pattern_string_beside_layer_types_is_accepted():
+    """Hub EXAONE configs carry ``sliding_window_pattern: "LLLG"`` beside ``layer_types``
+    (which transformers reads): the layer types decide."""
+    for arch in ("exaone4", "exaone_moe"):
+        hf = dict(tiny_config(arch), sliding_window_pattern="LLLG")
+        assert parse_hf_config(hf).layer_types == ("sliding_attention", "full_attention")
+        assert bp.provider_arch_fields(hf)[0]["no_rope_freq"] == [0, 1]
+
+
 @pytest.mark.parametrize(
     "change,words",
     [

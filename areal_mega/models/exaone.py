@@ -88,13 +88,15 @@ def exaone_layer_types(hf: dict) -> tuple:
     n_layers = int(hf["num_hidden_layers"])
     if hf.get("sliding_window") is None:
         return (FULL,) * n_layers, None
+    if hf.get("layer_types"):
+        return layer_types_and_window(hf, [])
     pattern = hf.get("sliding_window_pattern", 4)
-    if not hf.get("layer_types") and (isinstance(pattern, bool) or not isinstance(pattern, int)):
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise ValueError(
             f"sliding_window_pattern={pattern!r} without layer_types: give layer_types "
-            "(transformers computes them from an integer pattern only)"
+            "(transformers computes them from a positive integer pattern only)"
         )
-    default = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)] if pattern else []
+    default = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
     return layer_types_and_window(hf, default)
 
 
