@@ -25,6 +25,16 @@ SPECS = {
     "gemma3_text": dict(head_dim=24, sliding_window=8, rope_theta=1e6, query_pre_attn_scalar=32),
     "qwen3_moe": dict(tie_word_embeddings=False),
     "gpt_oss": dict(head_dim=16, sliding_window=8, moe_intermediate_size=48),
+    "exaone_moe": dict(sliding_window=8, tie_word_embeddings=False),
+    "exaone4": dict(sliding_window=8),
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 1e6,
+    "factor": 16.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
 }
 
 
@@ -75,6 +85,17 @@ def test_provider_agrees_with_the_converters_facts(arch):
         assert gpt["rotary_base"] == a.rope_theta
     want_window = None if a.sliding_window is None else (a.sliding_window - 1, 0)
     assert f.get("window_size") == want_window
+    if a.model_type.startswith("exaone"):  # the window and the rotary per layer
+        from areal_mega.models.exaone import nope_layers, window_layers
+
+        assert list(f["window_attn_skip_freq"]) == list(window_layers(hf))
+        assert list(f["no_rope_freq"]) == list(nope_layers(hf))
+        assert any(window_layers(hf)) and any(nope_layers(hf))
+    elif gpt_oss:  # the window per layer of layer_types, rotary on all
+        want = [1 if t == "sliding_attention" else 0 for t in a.layer_types]
+        assert f["window_attn_skip_freq"] == want and not f.get("no_rope_freq")
+    else:
+        assert not f.get("window_attn_skip_freq") and not f.get("no_rope_freq")
     assert gpt["rotary_percent"] == a.rotary_percent
     assert gpt["share_embeddings_and_output_weights"] == a.tie_word_embeddings
     assert gpt["position_embedding_type"] == ("yarn" if gpt_oss else "rope")
@@ -339,6 +360,91 @@ def test_upstream_hy_v3_provider_still_ignores_mlp_layer_types():
 def test_hy_v3_options_megatron_cannot_reproduce_are_refused(change, words):
     with pytest.raises(ValueError, match=words):
         parse_hf_config(dict(tiny_config("hy_v3"), **change))
+
+
+def test_exaone_moe_layer_pattern_as_transformers_reads_it():
+    """Without layer_types transformers makes every sliding_window_pattern-th layer full
+    attention (no rotary), the others sliding (rotary): the provider and our reading agree."""
+    from areal_mega.models.exaone import nope_layers, window_layers
+
+    hf = tiny_config("exaone_moe", num_layers=8)
+    del hf["layer_types"]
+    hf["mlp_layer_types"] = ["dense"] + ["sparse"] * 7
+    f = bp.provider_arch_fields(hf)[0]
+    assert window_layers(hf) == (1, 1, 1, 0) * 2 and nope_layers(hf) == (0, 0, 0, 1) * 2
+    assert list(f["window_attn_skip_freq"]) == list(window_layers(hf))
+    assert list(f["no_rope_freq"]) == list(nope_layers(hf))
+    assert parse_hf_config(hf).layer_types == ("sliding_attention",) * 3 + ("full_attention",) + (
+        "sliding_attention",
+    ) * 3 + ("full_attention",)
+
+
+def test_exaone_hub_pattern_string_beside_layer_types_is_accepted():
+    """Hub EXAONE configs carry ``sliding_window_pattern: "LLLG"`` beside ``layer_types``
+    (which transformers reads): the layer types decide."""
+    for arch in ("exaone4", "exaone_moe"):
+        hf = dict(tiny_config(arch), sliding_window_pattern="LLLG")
+        assert parse_hf_config(hf).layer_types == ("sliding_attention", "full_attention")
+        assert bp.provider_arch_fields(hf)[0]["no_rope_freq"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(layer_types=None, sliding_window_pattern="LLLG"), "sliding_window_pattern"),
+        (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+        (dict(norm_topk_prob=False), "norm_topk_prob"),
+        (dict(mlp_layer_types=["dense"] * 3), "mlp_layer_types"),
+    ],
+)
+def test_exaone_moe_options_megatron_cannot_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("exaone_moe"), **change))
+
+
+def test_upstream_exaone4_provider_still_sets_no_window_nor_nope():
+    """EXAONE 4 with sliding layers: the provider leaves every layer full attention with
+    rotary; the correction gives the sliding layers their window and the others no rotary."""
+    hf = tiny_config("exaone4")
+    raw = bp.provider_for(hf)
+    assert raw.window_size is None and not raw.no_rope_freq, (
+        "the bridge's EXAONE 4 provider now sets the window / NoPE layers: drop "
+        "CORRECTIONS['exaone4'] (test_provider_agrees_with_the_converters_facts checks them)"
+    )
+    f = bp.provider_arch_fields(hf)[0]
+    got = (f["window_size"], f["window_attn_skip_freq"], f["no_rope_freq"])
+    assert got == ((7, 0), [1, 0], [0, 1])
+    # without a window (EXAONE-4.0-1.2B) every layer is full attention with rotary
+    no_window = dict(hf, sliding_window=None, layer_types=["full_attention"] * 2)
+    f = bp.provider_arch_fields(no_window)[0]
+    assert f["window_size"] is None and not f["window_attn_skip_freq"] and not f["no_rope_freq"]
+
+
+@pytest.mark.parametrize("arch", ["exaone4", "exaone_moe"])
+def test_exaone_llama3_rope_reaches_the_gpt_model(arch):
+    """llama3 RoPE (megatron's constants): the providers' rope_scaling and factor are GPTModel
+    keywords; the default rope type scales nothing."""
+    gpt = bp.provider_arch_fields(dict(tiny_config(arch), rope_parameters=LLAMA3))[1]
+    assert gpt["rope_scaling"] is True and gpt["rope_scaling_factor"] == 16.0
+    assert gpt["rotary_base"] == 1e6
+    assert bp.provider_arch_fields(tiny_config(arch))[1]["rope_scaling"] is False
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(rope_parameters=dict(LLAMA3, low_freq_factor=2.0)), "low_freq_factor"),
+        (dict(rope_parameters=dict(LLAMA3, original_max_position_embeddings=4096)), "original_max"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "linear"),
+        (dict(attention_bias=True), "attention_bias"),
+    ],
+)
+def test_exaone4_options_megatron_cannot_reproduce_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        parse_hf_config(dict(tiny_config("exaone4"), **change))
 
 
 def test_hy_v3_fp32_combine_is_the_dtype_add():

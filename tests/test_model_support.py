@@ -98,10 +98,15 @@ def test_list_bridge_models_command():
         "Qwen3MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
-    assert not rows["Exaone4ForCausalLM"]["engine"]
-    for arch in ("GemmaForCausalLM", "Gemma3ForCausalLM", "Ernie4_5_MoeForCausalLM"):
+    assert not rows["Gemma4ForCausalLM"]["engine"]
+    for arch in (
+        "GemmaForCausalLM",
+        "Gemma3ForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
+        "Exaone4ForCausalLM",
+    ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
-    assert rows["Exaone4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
+    assert rows["Gemma4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
     # the families the engine does not build say why (read from their modelling code)
     from areal_mega.models.bridge_provider import NOT_BUILT
 
@@ -109,7 +114,7 @@ def test_list_bridge_models_command():
         if row["model_type"] in NOT_BUILT and not row["engine"]:
             assert row["status"] == ms.STATUS["no"]
             assert row["status_note"] == (row["note"] or NOT_BUILT[row["model_type"]]), row
-    assert "post-norm layers" in rows["Exaone4ForCausalLM"]["status_note"]
+    assert "key/value sharing" in rows["Gemma4ForCausalLM"]["status_note"]
     # docs/model_families.md holds the command's table as it prints it now
     table = ms.markdown_table(list(json.loads(p.stdout)))
     assert table in (ROOT / "docs" / "model_families.md").read_text()
@@ -128,9 +133,9 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
     with pytest.raises(ValueError, match="key/value sharing"):
         parse_hf_config({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]})
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "exaone4", "architectures": ["Exaone4ForCausalLM"]})
+        json.dumps({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]})
     )
-    with pytest.raises(UnsupportedModelError, match="post-norm layers"):
+    with pytest.raises(UnsupportedModelError, match="per-layer input embeddings"):
         read_arch(tmp_path)
 
 

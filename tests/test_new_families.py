@@ -93,10 +93,15 @@ def test_engine_equals_transformers(family):
 
 
 def test_layouts_equal_single_rank(family):
-    for layout in ("dp2",) + family["case"].layouts:
+    case = family["case"]
+    shared = ("pp2_shared_prompts", "tp2_shared_prompts") if case.shared_prompts else ()
+    for layout in ("dp2",) + case.layouts + shared:
         for what in ("logprobs", "grads", "loss", "n_tokens"):
             worst = max(r[f"{layout}.{what}"] for r in family["checks"])
             assert worst < TOL, (layout, what, family["checks"][0])
+    if shared:  # micro-batch 1 (a 17-token prompt, 4 samples: 89 tokens) ran its prompt once
+        rows = family["checks"][0]["pp2_shared_prompts.model_rows"]
+        assert rows[1] < 89 - 17, rows
 
 
 @pytest.mark.parametrize("name", RL_CASES)

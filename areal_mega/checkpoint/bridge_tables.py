@@ -68,6 +68,8 @@ BRIDGED_ARCHITECTURES = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

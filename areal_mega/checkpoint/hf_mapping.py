@@ -231,6 +231,10 @@ class Family:
 #: without dense MLP rows (MiniMax-M2) have MoE layers only.
 _DENSE_MLP_FROM = {"qwen3_moe": "qwen3"}
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
+#: families whose bridge registry maps no ``lm_head`` although their configs may untie it
+#: (EXAONE-4.0-32B): the output layer row (``output_layer.weight`` <-> ``lm_head.weight``)
+#: comes from the Llama registry, whose HF name it shares
+_OUTPUT_LAYER_FROM = {"exaone4": "llama"}
 
 
 def _maps(rows) -> Tuple[TensorMap, ...]:
@@ -246,6 +250,9 @@ def _families(tables: dict) -> Dict[str, Family]:
     out = {}
     for mt, t in fams.items():
         layer, glob = _maps(t["layer"]), _maps(t["global"])
+        if mt in _OUTPUT_LAYER_FROM and not any(m.mcore == "output_layer.weight" for m in glob):
+            src = _maps(fams[_OUTPUT_LAYER_FROM[mt]]["global"])
+            glob += tuple(m for m in src if m.mcore == "output_layer.weight")
         if not any(m.mcore.startswith("mlp.router.") for m in layer):
             out[mt] = Family(mt, (t["architecture"],), layer, (), glob)
             continue

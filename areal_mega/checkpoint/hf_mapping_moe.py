@@ -12,10 +12,10 @@ attention has ``linear_q_down_proj`` / ``q_layernorm`` / ``linear_q_up_proj`` <-
 :func:`optional_map_present` drops the rows a config lacks (QKV bias, QK norms, the query's
 low-rank pair or its single projection, shared experts, expert bias, a shared-expert gate,
 which the builder never makes). Multi-token-prediction layers (``num_nextn_predict_layers``: HF
-layers numbered from ``num_hidden_layers`` on) are not part of the trained model; transformers
-ignores them too. Ernie 4.5 MoE keeps its multi-token-prediction modules outside the layers
-(``mtp_block.<i>``, ``mtp_linear_proj``, ...), which transformers skips by the name ``mtp``
-whatever the config says; so do the converters.
+layers numbered from ``num_hidden_layers`` on; EXAONE-MoE: tensors under ``mtp.``) are not part
+of the trained model; transformers ignores them too. Ernie 4.5 MoE keeps its
+multi-token-prediction modules outside the layers (``mtp_block.<i>``, ``mtp_linear_proj``, ...),
+which transformers skips by the name ``mtp`` whatever the config says; so do the converters.
 """
 
 from __future__ import annotations
@@ -54,11 +54,16 @@ def optional_map_present(arch, mcore_suffix: str) -> bool:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 #: Ernie 4.5 MoE's multi-token-prediction modules (a name component starting with ``mtp``)
 _ERNIE_MTP = re.compile(r"(^|\.)mtp")
+#: families whose multi-token-prediction tensors live under ``mtp.`` (``mtp.layers.*``,
+#: ``mtp.fc``, ``mtp.norm``, ...), which transformers skips on load whatever the config says
+_MTP_PREFIX_MODEL_TYPES = ("exaone_moe",)
 
 
 def is_mtp_tensor(arch, hf_name: str) -> bool:
     """True for a tensor of a multi-token-prediction layer (not converted)."""
     if arch.model_type == "ernie4_5_moe":
         return bool(_ERNIE_MTP.search(hf_name))
+    if arch.model_type in _MTP_PREFIX_MODEL_TYPES:
+        return hf_name.startswith("mtp.")
     m = _LAYER.match(hf_name)
     return bool(arch.mtp_layers and m and int(m.group(1)) >= arch.num_layers)

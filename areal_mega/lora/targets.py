@@ -16,6 +16,7 @@ __all__ = [
     "CANONICAL_TO_HF",
     "ATTENTION_TARGETS",
     "MLP_TARGETS",
+    "POST_NORM_PROJECTION_MODEL_TYPES",
     "canonical_targets",
     "hf_targets",
     "check_lora_support",
@@ -36,6 +37,11 @@ HF_TO_CANONICAL = {
 CANONICAL_TO_HF = {v: k for k, v in HF_TO_CANONICAL.items()}
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+#: families whose attention output and MLP down projections end in the sublayer's post-norm
+#: (areal_mega/models/gemma3.py, RowParallelLinearWithPostNorm): the bridge's adapter wrapper
+#: adds the adapter's output to the wrapped module's, i.e. after the norm, where PEFT adds it
+#: inside o_proj / down_proj, before the norm
+POST_NORM_PROJECTION_MODEL_TYPES = ("exaone4",)
 
 
 class LoraSupportError(ValueError):
@@ -94,7 +100,9 @@ def check_lora_support(
     (DeepSeek-V3: its projections have no q/k/v/o LoRA mapping); MLP targets on MoE models (the
     routed experts' adapters have no PEFT naming SGLang loads); gate / up targets on an MLP
     without a gate (``gated_mlp`` False: Nemotron's squared ReLU, whose ``linear_fc1`` is the up
-    projection alone, not the ``[gate; up]`` the adapters split); context parallelism (its
+    projection alone, not the ``[gate; up]`` the adapters split); o_proj / down_proj targets
+    of :data:`POST_NORM_PROJECTION_MODEL_TYPES` (the post-norm sits inside those modules, the
+    adapter would add after it); context parallelism (its
     equality with one rank is not tested for adapters); a LoRA critic."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
@@ -121,6 +129,13 @@ def check_lora_support(
             f"LoRA on {model_type}: its MLP has no gate (one up projection), so "
             f"lora.target_modules {fc1} are not supported; target the attention and "
             "down_proj"
+        )
+    post = [t for t in targets if t in ("o_proj", "down_proj")]
+    if model_type in POST_NORM_PROJECTION_MODEL_TYPES and post:
+        raise LoraSupportError(
+            f"LoRA on {model_type}: its o_proj / down_proj end in the post-norm, after which "
+            f"the adapters would add (PEFT adds them before), so lora.target_modules {post} "
+            "are not supported; target q/k/v and gate/up"
         )
     if cp > 1:
         raise LoraSupportError(f"LoRA with context parallel size {cp}: not supported; use c=1")

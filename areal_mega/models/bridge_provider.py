@@ -85,6 +85,8 @@ ARCH_FIELDS = (
     "qk_layernorm",
     "init_method_std",
     "window_size",
+    "window_attn_skip_freq",  # per layer: 1 = the window applies (EXAONE's sliding layers)
+    "no_rope_freq",  # per layer: 1 = no rotary (NoPE; EXAONE's full-attention layers)
     "softmax_scale",
     "rotary_interleaved",
     # MoE
@@ -124,6 +126,9 @@ GPT_FIELDS = {
     "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
     "seq_length": "max_sequence_length",
     "position_embedding_type": "position_embedding_type",
+    # llama3 RoPE scaling (EXAONE; megatron's fixed constants, areal_mega/models/exaone.py)
+    "rope_scaling": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
 }
 
 #: families whose architecture comes from the bridge's provider
@@ -144,6 +149,8 @@ PROVIDER_FAMILIES = (
     "minimax_m2",
     "gpt_oss",
     "ernie4_5_moe",
+    "exaone_moe",
+    "exaone4",
 )
 
 #: families that keep our translator, and why
@@ -242,6 +249,17 @@ def _ernie4_5_moe(hf: dict, fields: dict, gpt: dict) -> None:
         fields.pop("moe_shared_expert_intermediate_size", None)
 
 
+def _exaone4_layers(hf: dict, fields: dict, gpt: dict) -> None:
+    """EXAONE 4's window and rotary per layer, as transformers reads them: the sliding layers'
+    window, no rotary on the full-attention layers of a config with a window."""
+    from areal_mega.models.exaone import exaone_layer_types, nope_layers, window_layers
+
+    window = exaone_layer_types(hf)[1]
+    fields["window_size"] = None if window is None else (window - 1, 0)
+    fields["window_attn_skip_freq"] = list(window_layers(hf)) if window is not None else None
+    fields["no_rope_freq"] = list(nope_layers(hf)) if any(nope_layers(hf)) else None
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -265,6 +283,12 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "moe_layer_start_index only (transformers also reads moe_layer_interval and "
         "moe_layer_end_index), a shared-expert size of 0 when there are none",
         _ernie4_5_moe,
+    ),
+    "exaone4": (
+        "the provider sets no window_size, window_attn_skip_freq nor no_rope_freq (its TE "
+        "layer spec is for the all-global-attention 1.2B model): a config with sliding "
+        "layers would get full attention with rotary everywhere",
+        _exaone4_layers,
     ),
     "glm4_moe": (_UNTIED, _tied),
     "glm4_moe_lite": (
@@ -353,10 +377,6 @@ GPU_ONLY = {
 }
 
 
-_NOPE_GLOBAL = (
-    "the full-attention layers of its sliding-window pattern take no RoPE (NoPE), which "
-    "megatron-core's GPT model applies to every layer or to none"
-)
 _VLM = (
     "a vision-language model: the engine builds text decoders only (vision-language RL is "
     "open work)"
@@ -365,11 +385,6 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
-    "exaone4": (
-        "post-norm layers (RMSNorm on each sublayer's output before the residual add, no "
-        "norm before it), which megatron-core's GPT layer does not express; also " + _NOPE_GLOBAL
-    ),
-    "exaone_moe": _NOPE_GLOBAL,
     "gemma4_text": (
         "key/value sharing across its last layers, per-layer input embeddings, a double-wide "
         "MLP in the shared layers and attention soft-capping: none of them are megatron-core "

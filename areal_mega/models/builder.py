@@ -15,7 +15,12 @@ rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without 
 attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
 MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`),
 ``ernie4_5_moe`` (Ernie 4.5: a softmax router with an expert bias for the choice, the chosen
-weights renormalised: :mod:`areal_mega.models.ernie4_5_moe`).
+weights renormalised: :mod:`areal_mega.models.ernie4_5_moe`), ``gpt_oss`` (attention sinks,
+YaRN, biased experts with a clamped GLU, fused expert checkpoint tensors:
+:mod:`areal_mega.models.gpt_oss`), ``exaone_moe`` (K-EXAONE: sliding-window layers with
+rotary beside full-attention layers without, DeepSeek-V3's router:
+:mod:`areal_mega.models.exaone`), ``exaone4`` (EXAONE 4: the same attention in post-norm-only
+dense layers, llama3 RoPE).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -130,6 +135,8 @@ SUPPORTED_MODEL_TYPES = (
     "minimax_m2",
     "gpt_oss",
     "ernie4_5_moe",
+    "exaone_moe",
+    "exaone4",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -262,6 +269,14 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.olmoe import olmoe_arch_fields
 
         return HFArch(**olmoe_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "exaone_moe":
+        from areal_mega.models.exaone import exaone_moe_arch_fields
+
+        return HFArch(**exaone_moe_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "exaone4":
+        from areal_mega.models.exaone import exaone4_arch_fields
+
+        return HFArch(**exaone4_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron":
         from areal_mega.models.nemotron import nemotron_arch_fields
 
@@ -561,6 +576,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         return ernie_block_spec(
             config, use_te=use_te, vp_stage=vp_stage, norm_min=ernie_norm_min(arch.source_config())
         )
+    if arch.model_type == "exaone4":
+        from areal_mega.models.exaone import exaone4_block_spec
+
+        return exaone4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.model_type == "nemotron":
         from areal_mega.models.nemotron import nemotron_block_spec
 

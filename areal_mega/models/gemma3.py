@@ -62,6 +62,7 @@ __all__ = [
     "gemma_arch_fields",
     "gemma_block_spec",
     "block_spec_with_norm",
+    "post_norm_block_spec",
     "check_gemma_config",
     "default_rope",
     "layer_types_and_window",
@@ -246,15 +247,18 @@ class Gemma3RMSNorm(torch.nn.Module):
 
 
 class RowParallelLinearWithPostNorm(RowParallelLinear):
-    """megatron's ``RowParallelLinear`` followed by a :class:`Gemma3RMSNorm` of its (reduced)
-    output, named ``post_layernorm``: Gemma 3's post-attention / post-feedforward norm."""
+    """megatron's ``RowParallelLinear`` followed by a norm of its (reduced) output, named
+    ``post_layernorm``: Gemma 3's post-attention / post-feedforward norm (:class:`Gemma3RMSNorm`;
+    a subclass sets another ``post_norm``, a module of megatron's norm signature)."""
+
+    post_norm = Gemma3RMSNorm
 
     def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
-        self.post_layernorm = Gemma3RMSNorm(config, output_size, eps=config.layernorm_epsilon)
+        self.post_layernorm = self.post_norm(config, output_size, eps=config.layernorm_epsilon)
 
     def forward(self, input_, *args, **kwargs):
-        """``(norm(output), bias)``; Gemma 3 has no bias (``skip_bias_add`` returns None)."""
+        """``(norm(output), bias)``; no bias (``skip_bias_add`` returns None)."""
         output, bias = super().forward(input_, *args, **kwargs)
         if bias is not None:
             raise ValueError("RowParallelLinearWithPostNorm: a bias would be added after the norm")
@@ -322,6 +326,38 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
     """The block spec of this pipeline stage (chunk): megatron's local layer spec with
     Gemma 3's norms, post-norm projections and per-layer attention, and its final norm (Gemma 2:
     the same without QK norms)."""
+    return post_norm_block_spec(
+        config,
+        norm=Gemma3RMSNorm,
+        pre_norm=Gemma3RMSNorm,
+        post_linear=RowParallelLinearWithPostNorm,
+        self_attention=Gemma3SelfAttention,
+        core_attention=Gemma3CoreAttention,
+        model_type="gemma3_text and gemma2",
+        use_te=use_te,
+        vp_stage=vp_stage,
+    )
+
+
+def post_norm_block_spec(
+    config,
+    *,
+    norm,
+    pre_norm,
+    post_linear,
+    core_attention,
+    model_type: str,
+    use_te: bool,
+    self_attention=None,
+    vp_stage: Optional[int] = None,
+):
+    """megatron's local layer spec (RMSNorm) whose attention output projection and MLP down
+    projection are ``post_linear`` (a :class:`RowParallelLinearWithPostNorm`: the sublayer's
+    output normalised before the residual add), ``pre_norm`` before each sublayer (IdentityOp:
+    none), ``norm`` as the QK norms (when ``config.qk_layernorm``) and the final norm, and
+    ``self_attention`` / ``core_attention`` as the attention modules (None: megatron's
+    ``SelfAttention``): Gemma 2 / 3 and EXAONE 4. ``ValueError`` naming ``model_type`` for
+    TransformerEngine's spec, which is not wired."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -330,7 +366,7 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
 
     if use_te:
         raise ValueError(
-            "gemma3_text and gemma2 run on megatron's local layer spec only "
+            f"{model_type} run on megatron's local layer spec only "
             "(model.attention_backend other than TransformerEngine)"
         )
     qk_norm = bool(config.qk_layernorm)
@@ -338,14 +374,15 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
         num_experts=None, moe_grouped_gemm=False, qk_layernorm=qk_norm, normalization="RMSNorm"
     )
     layer = spec.submodules
-    layer.input_layernorm = Gemma3RMSNorm
-    layer.pre_mlp_layernorm = Gemma3RMSNorm
-    layer.self_attention.module = Gemma3SelfAttention
+    layer.input_layernorm = pre_norm
+    layer.pre_mlp_layernorm = pre_norm
+    if self_attention is not None:
+        layer.self_attention.module = self_attention
     attn = layer.self_attention.submodules
-    attn.core_attention = Gemma3CoreAttention
+    attn.core_attention = core_attention
     if qk_norm:
-        attn.q_layernorm = attn.k_layernorm = Gemma3RMSNorm
-    attn.linear_proj = RowParallelLinearWithPostNorm
+        attn.q_layernorm = attn.k_layernorm = norm
+    attn.linear_proj = post_linear
     # the dense MLP spec is a partial of MLP.as_mlp_submodule over (frozen) MLPSubmodules
     mlp = layer.mlp
     layer.mlp = functools.partial(
@@ -353,13 +390,11 @@ def gemma3_block_spec(config: Gemma3Config, *, use_te: bool, vp_stage: Optional[
         *mlp.args,
         **dict(
             mlp.keywords,
-            submodules=dataclasses.replace(
-                mlp.keywords["submodules"], linear_fc2=RowParallelLinearWithPostNorm
-            ),
+            submodules=dataclasses.replace(mlp.keywords["submodules"], linear_fc2=post_linear),
         ),
     )
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=Gemma3RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=norm)
 
 
 def finish_gemma3_model(model, arch, config: Gemma3Config, cp_group=None) -> None:

@@ -32,6 +32,8 @@ ARCHS = (
     "minimax_m2",
     "gpt_oss",
     "ernie4_5_moe",
+    "exaone_moe",
+    "exaone4",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -166,17 +168,13 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "gemma2",
         "minimax_m2",
         "gpt_oss",
+        "exaone_moe",
+        "exaone4",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    if spec.sliding_window is not None and spec.arch not in (
-        "mistral",
-        "gemma3_text",
-        "gemma2",
-        "gpt_oss",
-    ):
-        raise ValueError(
-            "sliding_window: only the mistral, gemma3_text, gemma2 and gpt_oss tiny models have one"
-        )
+    windowed = ("mistral", "gemma3_text", "gemma2", "gpt_oss", "exaone_moe", "exaone4")
+    if spec.arch not in windowed and spec.sliding_window is not None:
+        raise ValueError(f"sliding_window: only the {', '.join(windowed)} tiny models have one")
     if spec.arch == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     if spec.arch == "mistral":
@@ -359,6 +357,38 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             output_router_logits=False,
             router_aux_loss_coef=0.0,
         )
+    # EXAONE: layers alternate sliding (rotary) / full (no rotary)
+    exaone_layers = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+    ]
+    if spec.arch == "exaone4":
+        from transformers import Exaone4Config
+
+        return Exaone4Config(
+            **common,
+            head_dim=head_dim,
+            sliding_window=spec.sliding_window or 4096,
+            layer_types=exaone_layers,
+        )
+    if spec.arch == "exaone_moe":
+        from transformers import ExaoneMoeConfig
+
+        k = spec.first_k_dense_replace  # the first k layers dense
+        return ExaoneMoeConfig(
+            **common,
+            head_dim=head_dim,
+            sliding_window=spec.sliding_window or 4096,
+            layer_types=exaone_layers,
+            mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            num_shared_experts=spec.n_shared_experts,
+            n_group=spec.n_group,
+            topk_group=spec.topk_group,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            norm_topk_prob=True,
+        )
     if spec.arch == "gemma2":
         from transformers import Gemma2Config
 
@@ -458,14 +488,16 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
-    if spec.arch == "ernie4_5_moe":
-        # RMSNorms start at one: random gains make every channel of every norm count; the
-        # router's gate starts at zero in transformers (every expert tied): a random one
+    if spec.arch in ("ernie4_5_moe", "exaone_moe", "exaone4"):
+        # RMSNorms start at one: random gains make every channel of every norm count (EXAONE:
+        # input / post-attention / post-feedforward, QK, final; a norm mapped to another's place
+        # shows); Ernie's router gate starts at zero in transformers (every expert tied): a
+        # random one
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(1.0, 0.3)
-                elif name.endswith("mlp.gate.weight"):
+                elif spec.arch == "ernie4_5_moe" and name.endswith("mlp.gate.weight"):
                     p.normal_(0.0, spec.initializer_range)
     if spec.arch in ("olmoe", "minimax_m2"):
         # the whole-projection QK norms start at one: random gains make every channel count

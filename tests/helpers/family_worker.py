@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tests.helpers import engine_worker as ew
+from tests.helpers import group_batches
 from tests.helpers.new_families import CASES
 
 #: layout name -> ParallelDims of the 2-rank mesh; EP2 runs inside DP2 (half the batch each)
@@ -179,6 +180,8 @@ def run_family(name):
                 my_mbs=mbs[rank::2] if half else None,
                 my_ref_lps=ref["lps"][rank::2] if half else None,
             )
+        if case.shared_prompts:
+            group_batches.shared_prompt_layouts(res, 2, ew, hf=hf)
 
     return scenario
 

@@ -32,22 +32,23 @@ def make_group_mbs(seed, groups_per_mb, pad=8, vocab=200):
     return mbs
 
 
-def shared_prompt_layouts(res, world, ew):
+def shared_prompt_layouts(res, world, ew, hf=None):
     """Shared prompts under PP2 and TP2 against the single-rank reference, with ``ew`` the
-    running engine worker module (its mesh, reference and layout check); records the rows the
-    pipeline ran per micro-batch."""
+    running engine worker module (its mesh, reference and layout check) and ``hf`` the model's
+    config (default: ``ew.TIED``); records the rows the pipeline ran per micro-batch."""
+    hf = ew.TIED if hf is None else hf
     mbs = make_group_mbs(
         4,
         [[(11, [3, 7, 1]), (5, [4])], [(17, [9, 2, 6, 4])], [(8, [2, 2])], [(3, [6, 1, 5])]],
         vocab=ew.VOCAB,
     )
     ew.set_mesh(dict(dp=world))
-    ref = ew.reference(ew.TIED, mbs, seed=8, loss=ew.POLICY)
+    ref = ew.reference(hf, mbs, seed=8, loss=ew.POLICY)
     ew.set_mesh(dict(pp=world))
-    eng = ew.check_layout(res, "pp2_shared_prompts", ew.TIED, ref, mbs)
+    eng = ew.check_layout(res, "pp2_shared_prompts", hf, ref, mbs)
     res["pp2_shared_prompts.model_rows"] = [
         int(eng._prepare(mb)["input_ids"].numel()) for mb in mbs
     ]
     del eng
     ew.set_mesh(dict(tp=world))
-    ew.check_layout(res, "tp2_shared_prompts", ew.TIED, ref, mbs)
+    ew.check_layout(res, "tp2_shared_prompts", hf, ref, mbs)

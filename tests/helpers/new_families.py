@@ -19,8 +19,11 @@ class FamilyCase:
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
-    converted weights are also checked against transformers (on DP2). The checked sequences
-    (up to 21 tokens) and the RL samples are longer than a sliding window of 8."""
+    converted weights are also checked against transformers (on DP2); ``shared_prompts``: also
+    PP2 and TP2 on GRPO-like groups whose prompts the engine computes once (rotary at given
+    positions, the shared-prefix attention) against the single-rank reference (dense families
+    only: the engine shares no prompts for MoE). The checked sequences (up to 21 tokens), the
+    shared prompts (up to 17) and the RL samples are longer than a sliding window of 8."""
 
     name: str
     tiny: dict
@@ -28,6 +31,7 @@ class FamilyCase:
     convert: tuple = ("--tp", "2", "--pp", "2")
     rl_overrides: tuple = field(default_factory=tuple)
     config_variants: dict = field(default_factory=dict)
+    shared_prompts: bool = False
 
 
 CASES = {
@@ -167,6 +171,41 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # EXAONE-MoE (K-EXAONE): layer 0 sliding window 8 with rotary and a dense MLP, layer 1 full
+    # attention without rotary (NoPE) and MoE; per-head QK norms; DeepSeek-V3's sigmoid
+    # router with the expert bias for the choice, 2 groups of which 1 is kept, top-2 of 4,
+    # renormalised times 2.5, one shared expert
+    "exaone_moe": FamilyCase(
+        "exaone_moe",
+        dict(arch="exaone_moe", sliding_window=8, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
+    # EXAONE 4: post-norm-only layers (no norm before attention or the MLP; random gains on
+    # the post-attention / post-feedforward, QK and final norms), layer 0 sliding window 8
+    # with rotary, layer 1 full attention without rotary (NoPE), untied embeddings as
+    # EXAONE-4.0-32B (the bridge's registry maps no lm_head: Llama's row); also with
+    # llama3 RoPE (EXAONE 4.0's configs) and without a window (EXAONE-4.0-1.2B: every layer
+    # full attention, rotary on all); shared prompts: the NoPE layer and the window on the
+    # engine's shared-prefix path
+    "exaone4": FamilyCase(
+        "exaone4",
+        dict(arch="exaone4", sliding_window=8, tie_word_embeddings=False),
+        config_variants={
+            "llama3_rope": {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 10000.0,
+                    "factor": 16.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                }
+            },
+            "nowindow": {"sliding_window": None, "layer_types": ["full_attention"] * 2},
+        },
+        shared_prompts=True,
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -187,6 +226,8 @@ RL_CASES = (
     "minimax_m2",
     "gpt_oss",
     "ernie4_5_moe",
+    "exaone_moe",
+    "exaone4",
 )
 
 
