@@ -386,9 +386,24 @@ _VLM = (
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
     "gemma4_text": (
-        "key/value sharing across its last layers, per-layer input embeddings, a double-wide "
-        "MLP in the shared layers and attention soft-capping: none of them are megatron-core "
-        "GPT layer options"
+        "key/value sharing across its last layers, per-layer input embeddings, per-layer-type "
+        "attention shapes (global_head_dim; K = V on full layers with attention_k_eq_v) and a "
+        "double-wide MLP in the shared layers are not megatron-core GPT layer options; "
+        "Megatron-Bridge's Gemma4DenseProvider builds them from its own modules (with our "
+        "packed attention they equal transformers at one rank on the CPU), but they are not "
+        "wired: its provider refuses pipeline parallelism (the shared layers read K/V kept on "
+        "an earlier layer's module, the per-layer inputs are made on the first stage), its "
+        "per-layer-input gate and projection are plain Linear layers not marked "
+        "sequence-parallel (partial gradients under TP with SP), full activation recompute "
+        "fails on its two rotary tables (a tuple megatron's checkpoint cannot save) and, with "
+        "them stacked, the shared layers' recomputation reads the K/V their source layer kept "
+        "from its no-grad forward (the source's K/V gradient is lost), its value norm's "
+        "epsilon is fixed at 1e-6, and its full-attention layers take "
+        "num_global_key_value_heads without attention_k_eq_v (transformers: only with it); "
+        "our conversion and weight export know "
+        "one QKV shape per model and no per-layer buffer (layer_scalar), while the checkpoint's "
+        "shared layers have no k/v projections and its k_eq_v layers no v_proj; the MoE "
+        "variant (enable_moe_block) is not examined"
     ),
     "gemma3": _VLM,
     "gemma4": _VLM,
