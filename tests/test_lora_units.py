@@ -48,6 +48,9 @@ def test_target_names_peft_canonical_and_all_linear():
             dict(model_type="exaone4", targets=["q_proj", "o_proj", "down_proj"]),
             r"post-norm.*\['o_proj', 'down_proj'\]",
         ),
+        # Gemma 2 / 3: the same post-norms inside linear_proj / linear_fc2 (gemma3.py)
+        (dict(model_type="gemma3_text", targets=["o_proj"]), r"post-norm.*\['o_proj'\]"),
+        (dict(model_type="gemma2", targets=["down_proj"]), r"post-norm.*\['down_proj'\]"),
         (dict(cp=2), "context parallel size 2"),
         (dict(critic=True), "critic"),
     ],

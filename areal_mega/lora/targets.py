@@ -41,7 +41,7 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 #: (areal_mega/models/gemma3.py, RowParallelLinearWithPostNorm): the bridge's adapter wrapper
 #: adds the adapter's output to the wrapped module's, i.e. after the norm, where PEFT adds it
 #: inside o_proj / down_proj, before the norm
-POST_NORM_PROJECTION_MODEL_TYPES = ("exaone4",)
+POST_NORM_PROJECTION_MODEL_TYPES = ("exaone4", "gemma2", "gemma3_text")
 
 
 class LoraSupportError(ValueError):
