@@ -2,7 +2,7 @@
 
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
-  OLMoE, MiniMax-M2, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4);
+  OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4);
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
   Megatron-Bridge's model providers (and the defects we correct, the GPU-only families);
 - :mod:`.backend` — which attention implementation and GPU fusions a model is built with
@@ -15,6 +15,8 @@
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;
 - :mod:`.olmoe` — OLMoE's (and MiniMax-M2's) RMSNorm over the whole query / key projection,
   tensor-parallel;
+- :mod:`.gpt_oss` — GPT-OSS: its config fields (sinks, windows, YaRN, biased experts with the
+  clamped GLU) and the provider's corrections;
 - :mod:`.ernie4_5_moe` — Ernie 4.5 MoE's router (softmax scores, an expert bias for the choice,
   the chosen weights renormalised) as a megatron ``TopKRouter``;
 - :mod:`.moe_families` — config fields and options of the DeepSeek-style MoE families (and
