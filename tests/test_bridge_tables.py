@@ -171,12 +171,14 @@ def test_fused_expert_transforms_equal_the_bridges_gpt_oss_mappings(derived):
     projection's transpose, bit for bit; the table addresses expert E as ``name[E]``."""
     from megatron.bridge.models.gpt_oss.gpt_oss_bridge import GPTOSSMLPGateUpProjMapping
 
+    from areal_mega.checkpoint.safetensors_io import split_row_name
+
     layer = {m.mcore: m for m in hf_mapping.FAMILIES["gpt_oss"].moe_layer}
     fc1 = layer["mlp.experts.local_experts.{E}.linear_fc1.weight"]
     assert fc1.kind == "fused_expert_glu"
     assert fc1.hf == ("model.layers.{L}.mlp.experts.gate_up_proj[{E}]",)
-    assert hf_mapping.fused_expert_name("a.gate_up_proj[3]") == ("a.gate_up_proj", 3)
-    assert hf_mapping.fused_expert_name("a.gate_up_proj") is None
+    assert split_row_name("a.gate_up_proj[3]") == ("a.gate_up_proj", 3)
+    assert split_row_name("a.gate_up_proj") is None
     g = torch.Generator().manual_seed(0)
     hidden, inter = 6, 4
     gate_up = torch.randn(3, hidden, 2 * inter, generator=g)

@@ -94,7 +94,7 @@ _KINDS = {
     "_SqueezeBiasMapping": "row",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
-#: slice as ``name[E]`` (:func:`areal_mega.checkpoint.hf_mapping.fused_expert_name`)
+#: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)
 FUSED_EXPERT_KINDS = ("fused_expert", "fused_expert_glu")
 _HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")

@@ -35,7 +35,11 @@ from areal_mega.checkpoint.dist_ckpt import (
     resolve_checkpoint,
 )
 from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
-from areal_mega.checkpoint.safetensors_io import SafetensorsDir, ShardedSafetensorsWriter
+from areal_mega.checkpoint.safetensors_io import (
+    SafetensorsDir,
+    ShardedSafetensorsWriter,
+    split_row_name,
+)
 from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
 from areal_mega.checkpoint.verify import read_meta
 from areal_mega.common.net import free_port
@@ -431,7 +435,7 @@ def convert_mcore_to_hf(
         ck_dtype = reader.dtype(key)
         jobs.append((key, offs, sizes, kind, hf_names, full_shape))
         if kind in FUSED_EXPERT_KINDS:  # the fused tensor is written with its last expert
-            base, _ = hm.fused_expert_name(hf_names[0])
+            base, _ = split_row_name(hf_names[0])
             fused[base] = fused.get(base, 0) + 1
             if fused[base] == arch.num_experts:
                 plan.append((base, out_dtype or ck_dtype, (arch.num_experts,) + shapes[0]))
@@ -473,7 +477,7 @@ def convert_mcore_to_hf(
             full = rows(0, full_shape[0])
             per_hf = hm.to_hf_segments(arch, kind, full)
         if kind in FUSED_EXPERT_KINDS:  # kept until the layer's last expert, then written
-            base, e = hm.fused_expert_name(hf_names[0])
+            base, e = split_row_name(hf_names[0])
             (seg,) = per_hf[0]
             pending.setdefault(base, {})[e] = seg.to(out_dtype) if out_dtype else seg
             if len(pending[base]) == arch.num_experts:

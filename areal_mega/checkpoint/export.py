@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
+from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.models.mla import mla_full_shapes
 
 __all__ = [
@@ -241,7 +242,7 @@ def iter_hf_tensors(
                 for hn, ht in zip(hf_names, hm.to_hf(arch, kind, full)):
                     ht = ht.to(dtype) if dtype is not None else ht
                     if kind in FUSED_EXPERT_KINDS:  # yielded whole with the layer's last expert
-                        base, row = hm.fused_expert_name(hn)
+                        base, row = split_row_name(hn)
                         fused.setdefault(base, {})[row] = ht
                         if len(fused[base]) < arch.num_experts:
                             continue

@@ -60,6 +60,7 @@ import torch
 
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS, load_tables
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
+from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.checkpoint.value_model import value_model_problem
 from areal_mega.models.bridge_provider import gpu_only_reason, not_built_reason
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
@@ -83,7 +84,6 @@ __all__ = [
     "glu_to_hf",
     "expert_to_mcore",
     "expert_to_hf",
-    "fused_expert_name",
     "pad_vocab",
     "unpad_vocab",
     "hf_tensor_names",
@@ -167,15 +167,6 @@ def expert_to_hf(kind: str, t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 2:
         t = t.t()
     return t.contiguous()
-
-
-def fused_expert_name(name: str) -> Optional[Tuple[str, int]]:
-    """``"x[3]"`` (expert 3's slice of the fused HF tensor ``x``) → ``("x", 3)``; else None."""
-    m = _FUSED_NAME.match(name)
-    return (m.group(1), int(m.group(2))) if m else None
-
-
-_FUSED_NAME = re.compile(r"^(.+)\[(\d+)\]$")
 
 
 def pad_vocab(t: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
@@ -541,7 +532,7 @@ def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
     for layer in range(arch.num_layers):
         for tm in maps_for(arch, layer):
             if tm.kind in FUSED_EXPERT_KINDS:
-                names += [fused_expert_name(h.format(L=layer, E=0))[0] for h in tm.hf]
+                names += [split_row_name(h.format(L=layer, E=0))[0] for h in tm.hf]
                 continue
             experts = range(arch.num_experts) if "{E}" in tm.mcore else [None]
             for e in experts:

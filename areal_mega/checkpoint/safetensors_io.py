@@ -26,6 +26,7 @@ __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "read_header",
+    "split_row_name",
 ]
 
 DTYPES = {
@@ -78,8 +79,14 @@ def read_header(path: Path) -> Tuple[dict, int]:
     return header, data_start
 
 
-#: ``name[i]``: row ``i`` (along dim 0) of tensor ``name`` (one expert of a fused expert tensor)
 _ROW_NAME = re.compile(r"^(.+)\[(\d+)\]$")
+
+
+def split_row_name(name: str) -> Optional[Tuple[str, int]]:
+    """``"x[3]"`` (row 3, along dim 0, of tensor ``x``: one expert of a fused expert tensor)
+    -> ``("x", 3)``; a plain tensor name -> None."""
+    m = _ROW_NAME.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 class SafetensorsDir:
@@ -142,10 +149,11 @@ class SafetensorsDir:
         """``(file, header entry, data start)`` of ``name`` (a row name: the row's entry)."""
         if name in self._where:
             return self._where[name]
-        m = _ROW_NAME.match(name)
-        if m and m.group(1) in self._where:
-            path, info, start = self._where[m.group(1)]
-            shape, row = info["shape"], int(m.group(2))
+        parts = split_row_name(name)
+        if parts and parts[0] in self._where:
+            base, row = parts
+            path, info, start = self._where[base]
+            shape = info["shape"]
             if shape and row < shape[0]:
                 b, e = info["data_offsets"]
                 size = (e - b) // shape[0]
@@ -153,9 +161,7 @@ class SafetensorsDir:
                     info, shape=shape[1:], data_offsets=[b + row * size, b + (row + 1) * size]
                 )
                 return path, sub, start
-            raise SafetensorsError(
-                f"{path}: tensor {m.group(1)!r} of shape {shape} has no row {row}"
-            )
+            raise SafetensorsError(f"{path}: tensor {base!r} of shape {shape} has no row {row}")
         raise SafetensorsError(f"{self.dir}: tensor {name!r} not found in the safetensors files")
 
     def get(self, name: str) -> torch.Tensor:
