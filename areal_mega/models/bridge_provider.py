@@ -228,6 +228,7 @@ def _gpt_oss(hf: dict, fields: dict, gpt: dict) -> None:
     """GPT-OSS: YaRN, the sliding layers and tied embeddings as the config says."""
     from areal_mega.models.gpt_oss import correct_provider_fields
 
+    _tied(hf, fields, gpt)
     correct_provider_fields(hf, fields, gpt)
 
 
@@ -253,11 +254,13 @@ def _exaone4_layers(hf: dict, fields: dict, gpt: dict) -> None:
     """EXAONE 4's window and rotary per layer, as transformers reads them: the sliding layers'
     window, no rotary on the full-attention layers of a config with a window."""
     from areal_mega.models.exaone import exaone_layer_types, nope_layers, window_layers
+    from areal_mega.models.sliding_window import mcore_window_size
 
     window = exaone_layer_types(hf)[1]
-    fields["window_size"] = None if window is None else (window - 1, 0)
+    nope = list(nope_layers(hf))
+    fields["window_size"] = mcore_window_size(window)
     fields["window_attn_skip_freq"] = list(window_layers(hf)) if window is not None else None
-    fields["no_rope_freq"] = list(nope_layers(hf)) if any(nope_layers(hf)) else None
+    fields["no_rope_freq"] = nope if any(nope) else None
 
 
 _UNTIED = (

@@ -18,6 +18,7 @@ provider alternates from layer 0; ``layer_types`` may say otherwise).
 from __future__ import annotations
 
 from areal_mega.models.gemma3 import FULL, SLIDING, layer_types_and_window
+from areal_mega.models.sliding_window import mcore_window_size
 
 GPT_OSS_MODEL_TYPE = "gpt_oss"
 #: why TP > 1 is refused: megatron-core takes expert biases only at expert-TP 1, and the
@@ -54,13 +55,18 @@ def yarn_parameters(hf: dict) -> dict:
     )
 
 
+def _layer_types_and_window(hf: dict) -> tuple:
+    """``(layer_types, window)``; without ``layer_types`` sliding and full layers alternate
+    from layer 0 (transformers' default)."""
+    n_layers = int(hf["num_hidden_layers"])
+    return layer_types_and_window(hf, [SLIDING if i % 2 == 0 else FULL for i in range(n_layers)])
+
+
 def gpt_oss_arch_fields(hf: dict) -> dict:
     """The :class:`~areal_mega.models.builder.HFArch` fields of a ``gpt_oss`` config; raises
     ``ValueError`` naming the key for options the engine does not reproduce."""
     n_layers = int(hf["num_hidden_layers"])
-    layer_types, window = layer_types_and_window(
-        hf, [SLIDING if i % 2 == 0 else FULL for i in range(n_layers)]
-    )
+    layer_types, window = _layer_types_and_window(hf)
     yarn = yarn_parameters(hf)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     if hf.get("attention_bias") is False:
@@ -103,10 +109,8 @@ def correct_provider_fields(hf: dict, fields: dict, gpt: dict) -> None:
     """The provider's fields made to say what the config says: YaRN from
     ``rope_parameters``, the sliding layers from ``layer_types`` (megatron's
     ``window_attn_skip_freq`` as a per-layer list: 1 = windowed), the window from
-    ``sliding_window``, embeddings tied as the config says."""
-    arch = gpt_oss_arch_fields(hf)
+    ``sliding_window``."""
+    layer_types, window = _layer_types_and_window(hf)
     fields.update(yarn_parameters(hf))
-    fields["window_attn_skip_freq"] = [1 if t == SLIDING else 0 for t in arch["layer_types"]]
-    w = arch["sliding_window"]
-    fields["window_size"] = None if w is None else (w - 1, 0)
-    gpt["share_embeddings_and_output_weights"] = arch["tie_word_embeddings"]
+    fields["window_attn_skip_freq"] = [1 if t == SLIDING else 0 for t in layer_types]
+    fields["window_size"] = mcore_window_size(window)
