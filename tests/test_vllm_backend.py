@@ -174,13 +174,15 @@ def tokens_generated(addr, settled: bool = False) -> float:
     return now
 
 
-def wait_running(addr, n: int, deadline: float) -> None:
+def wait_running(addr, n: int, deadline: float, wave_done=lambda: False) -> None:
     """Until vLLM itself reports >= ``n`` requests running. Its API server records that as it
     reads the engine's outputs, which on a loaded machine falls further behind the engine the
     longer the requests run: read at the wave's first steps the lag is short, so the pause
     that follows lands while the engine is still generating (the controller's own count of
-    requests in flight would include requests vLLM has not scheduled yet)."""
-    while vllm_metric(addr, "vllm:num_requests_running") < n:
+    requests in flight would include requests vLLM has not scheduled yet). Ends too once
+    ``wave_done()``: a wave that finished before any read saw ``n`` running (the pause then
+    finds nothing to interrupt, a missed wave the caller retries)."""
+    while vllm_metric(addr, "vllm:num_requests_running") < n and not wave_done():
         assert time.monotonic() < deadline, (
             f"in 300 s: vLLM runs {vllm_metric(addr, 'vllm:num_requests_running')} requests"
         )
@@ -234,8 +236,9 @@ def test_interrupted_generation_across_a_disk_update(server, models):
                 ignore_eos=True,
                 initial_version=version - 1,
             ).start()
+            answered = len(answers)
             try:
-                wait_running(server.addr, 8, deadline)
+                wait_running(server.addr, 8, deadline, lambda a=answered: len(answers) - a >= 16)
                 ctl.update_weights(version, path=str(models["b" if version % 2 else "a"]))
                 groups = sink.take(ctl, 8, timeout=300)
                 interruptions = ctl.stats()["interruptions"]
