@@ -100,6 +100,7 @@ from areal_mega.models.bridge_provider import (
     provider_arch_fields,
     uses_provider,
 )
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
 from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
@@ -293,26 +294,11 @@ def parse_hf_config(hf: dict) -> HFArch:
         raise ValueError(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
     if hf.get("use_sliding_window"):
         raise ValueError("sliding-window attention is not supported")
-    heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     n_layers = int(hf["num_hidden_layers"])
     kw: dict[str, Any] = dict(
-        model_type=mt,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rope_theta=float(theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        decoder_fields(hf, model_type=mt, max_position_embeddings=4096, rms_norm_eps=1e-6),
         qkv_bias=(mt == "qwen2") or bool(hf.get("attention_bias", False)),
         qk_norm=mt in ("qwen3", "qwen3_moe"),
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=hf_sliding_window(hf),
     )
     if mt in ("llama", "mistral") and hf.get("mlp_bias"):

@@ -48,6 +48,7 @@ from typing import Optional
 
 import torch
 
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.gemma3 import (
     FULL,
     SLIDING,
@@ -153,23 +154,13 @@ def _attention_fields(hf: dict) -> dict:
     _check_attention(hf)
     rp = exaone_rope(hf)
     layer_types, window = exaone_layer_types(hf)
-    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     return dict(
-        model_type=hf["model_type"],
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        decoder_fields(
+            hf, model_type=hf["model_type"], max_position_embeddings=2048, rms_norm_eps=1e-5
+        ),
         rope_theta=float(rp["rope_theta"]),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=False,
         qk_norm=True,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=window,
         layer_types=layer_types,
         rope_scaling_factor=float(rp["factor"]) if _is_llama3(rp) else 1.0,

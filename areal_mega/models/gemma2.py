@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.gemma3 import (
     FULL,
     SLIDING,
@@ -59,21 +60,13 @@ def gemma2_arch_fields(hf: dict) -> dict[str, Any]:
     head_dim = int(hf.get("head_dim") or hidden // heads)
     theta = float(hf.get("rope_theta", rp.get("rope_theta", 10_000.0)))
     return dict(
-        model_type=GEMMA2_MODEL_TYPE,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        decoder_fields(
+            hf, model_type=GEMMA2_MODEL_TYPE, max_position_embeddings=8192, rms_norm_eps=1e-6
+        ),
         rope_theta=theta,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=True,
         qkv_bias=False,
         qk_norm=False,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=window,
         activation="gelu_tanh",
         layer_types=layer_types,

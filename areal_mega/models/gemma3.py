@@ -42,6 +42,7 @@ from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
 
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.varlen_attention import VarlenDotProductAttention
 
 __all__ = [
@@ -170,21 +171,16 @@ def gemma3_arch_fields(hf: dict) -> dict[str, Any]:
     factor = float(full.get("factor", 1.0)) if full_type == "linear" else 1.0
     head_dim = int(hf.get("head_dim") or hidden // heads)
     return dict(
-        model_type=GEMMA3_MODEL_TYPE,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131_072)),
+        decoder_fields(
+            hf,
+            model_type=GEMMA3_MODEL_TYPE,
+            max_position_embeddings=131_072,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
         rope_theta=float(full["rope_theta"]),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         qkv_bias=False,
         qk_norm=True,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=window,
         activation="gelu_tanh",
         layer_types=layer_types,
@@ -420,24 +416,17 @@ def gemma_arch_fields(hf: dict) -> dict[str, Any]:
     (the converters' facts; the megatron config comes from the bridge's provider). Raises
     ``ValueError`` naming the key of any feature this implementation lacks."""
     check_gemma_config(hf, GEMMA_MODEL_TYPE, "GemmaForCausalLM", "hidden_act")
-    rp = default_rope(hf)
-    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    default_rope(hf)
     return dict(
-        model_type=GEMMA_MODEL_TYPE,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        rope_theta=float(hf.get("rope_theta", rp.get("rope_theta", 10_000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        decoder_fields(
+            hf,
+            model_type=GEMMA_MODEL_TYPE,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
         qkv_bias=False,
         qk_norm=False,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         activation="gelu_tanh",
     )
 

@@ -17,6 +17,7 @@ provider alternates from layer 0; ``layer_types`` may say otherwise).
 
 from __future__ import annotations
 
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.gemma3 import FULL, SLIDING, layer_types_and_window
 from areal_mega.models.sliding_window import mcore_window_size
 
@@ -68,29 +69,21 @@ def gpt_oss_arch_fields(hf: dict) -> dict:
     n_layers = int(hf["num_hidden_layers"])
     layer_types, window = _layer_types_and_window(hf)
     yarn = yarn_parameters(hf)
-    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     if hf.get("attention_bias") is False:
         raise ValueError("attention_bias=false: gpt_oss's attention projections have biases")
     if int(hf["num_experts_per_tok"]) < 1:
         raise ValueError(f"num_experts_per_tok={hf['num_experts_per_tok']!r} must be >= 1")
-    rp = hf.get("rope_parameters") or {}
     return dict(
-        model_type=GPT_OSS_MODEL_TYPE,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        rope_theta=float(hf.get("rope_theta", rp.get("rope_theta", 150000.0))),
+        decoder_fields(
+            hf,
+            model_type=GPT_OSS_MODEL_TYPE,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=150000.0,
+        ),
         rope_scaling_factor=yarn["yarn_rotary_scaling_factor"],
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True,
         qk_norm=False,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         sliding_window=window,
         layer_types=layer_types,
         num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),

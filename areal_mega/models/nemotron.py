@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.gemma3 import block_spec_with_norm
 
 NEMOTRON_MODEL_TYPE = "nemotron"
@@ -57,24 +58,18 @@ def nemotron_arch_fields(hf: dict) -> dict[str, Any]:
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
         raise ValueError(f"rope type {rp.get('rope_type', rp.get('type'))!r} is not supported")
-    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     partial = hf.get("partial_rotary_factor", rp.get("partial_rotary_factor", 0.5))
     return dict(
-        model_type=NEMOTRON_MODEL_TYPE,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rope_theta=float(hf.get("rope_theta", rp.get("rope_theta", 10_000.0))),
-        rms_norm_eps=float(hf.get("norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        decoder_fields(
+            hf,
+            model_type=NEMOTRON_MODEL_TYPE,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            eps_key="norm_eps",
+            initializer_range=0.0134,
+        ),
         qkv_bias=False,
         qk_norm=False,
-        initializer_range=float(hf.get("initializer_range", 0.0134)),
         rotary_percent=float(partial),
         activation="relu2",
         normalization="LayerNorm",

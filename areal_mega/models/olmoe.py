@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention
 
+from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.varlen_attention import VarlenDotProductAttention
 
 OLMOE_MODEL_TYPE = "olmoe"
@@ -113,21 +114,15 @@ def olmoe_arch_fields(hf: dict) -> dict[str, Any]:
     n_layers = int(hf["num_hidden_layers"])
     experts = int(hf.get("num_experts") or hf.get("num_local_experts"))
     return dict(
-        model_type=OLMOE_MODEL_TYPE,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=hidden // heads,
-        ffn_hidden_size=int(hf["intermediate_size"]),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-        rope_theta=float(hf.get("rope_theta", rp.get("rope_theta", 10_000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        decoder_fields(
+            hf,
+            model_type=OLMOE_MODEL_TYPE,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            head_dim=hidden // heads,
+        ),
         qkv_bias=False,
         qk_norm=True,
-        initializer_range=float(hf.get("initializer_range", 0.02)),
         num_experts=experts,
         moe_topk=int(hf["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(hf["intermediate_size"]),
