@@ -6,6 +6,10 @@
 - :mod:`.hf` — Hugging Face ``datasets`` as prompt sources (``hf:owner/name``, saved
   directories);
 - :mod:`.synthetic` — the CPU demo's verifiable tasks, written as JSONL files;
+- :mod:`.images` — images in prompt records (chat image parts, ``<image>`` markers), read
+  and checked where they enter;
+- :mod:`.synthetic_vision` — synthetic visual tasks (count the shapes, name the colour),
+  drawn here;
 - :mod:`.errors` — :class:`DataError`, the one error type of this layer.
 """
 

@@ -3,6 +3,8 @@
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
   OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4);
+- :mod:`.decoder_fields` — the decoder facts every HF config states the same way (sizes,
+  heads, RoPE base, norm epsilon), with each family's defaults;
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
   Megatron-Bridge's model providers (and the defects we correct, the GPU-only families);
 - :mod:`.backend` — which attention implementation and GPU fusions a model is built with
