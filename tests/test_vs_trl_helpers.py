@@ -338,6 +338,7 @@ def test_time_to_quality_points(vs):
         [
             {"step": 1, "time": 113.0, "time/step": 3.0},
             {"step": 2, "time": 120.0, "time/step": 4.0, "eval/seconds": 3.0},
+            {"step": 3, "time": 125.0, "time/step": 5.0},  # started after the evaluation
         ]
     )
-    assert [r["wall"] for r in steps] == [3.0, 4.0]
+    assert [r["wall"] for r in steps] == [3.0, 4.0, 5.0]

@@ -6,6 +6,15 @@
     python -m bench.vs_trl --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
     python -m bench.vs_trl --sft-steps 30    # 135M: SFT'd before RL, so both sides learn
     python -m bench.vs_trl --sft-steps 30 --rl-seed 2 --out runs/X   # X's warm start, seed 2
+    python -m bench.vs_trl --model HF_DIR --data DIR --reward pkg.mod:fn   # any checkpoint
+
+``--model``: any HF causal-LM directory (weights, ``config.json``, its own tokenizer and chat
+template) instead of the synthetic model below, with ``--data``: a directory of ``train.jsonl``
+and the held-out ``test.jsonl`` in our trainer's format (``prompt``: text, or chat messages
+that both sides render with the tokenizer's chat template; ``answer``), and the reward
+``--reward`` names (``fn(prompt, completion, answer, finish_reason=...)``, the same function on
+both sides: TRL's through an adapter that gives it the finish reason by our rollout's rule, so
+a completion cut at the token limit counts alike). ``--ours-only`` leaves TRL out.
 
 Model: the shape of a 135M Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536,
 vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it;
@@ -39,6 +48,29 @@ process may use), never together; ours with the launcher's thread split (one for
 server, the rest for the trainer; extra positional arguments are overrides of our side, e.g.
 ``cluster.cpu_threads_per_trainer_rank=2``), TRL with torch on all of them.
 
+Held-out quality against time: greedy pass@1 (a sample is correct at reward >= 1) and the mean
+reward on ``test.jsonl``, at most ``--eval-max-new`` new tokens, before training, every
+``--eval-every`` steps and after the last. Ours: the trainer's own evaluation (``eval.*``: it
+waits while the rollout worker runs the prompts on the rollout server at the weights just
+published); TRL: its model saved after those steps (:mod:`.trl_side` ``--snapshots``). After
+both runs our evaluation CLI (``python -m areal_mega.eval`` through :mod:`.evaluate`: one CPU
+server of ours, the same scorer for every set of weights) scores the initial model, our last
+published weights and every TRL snapshot. Each point's time counts from the side's launch,
+start-up included, with the evaluations (ours: every ``eval/seconds`` so far) and the snapshot
+saving (TRL) taken out; printed, plotted, and the time each side takes to reach the other's
+final pass@1. Ours' curve comes from the trainer's hook (the points of a run, no checkpoint
+to convert); the CLI's score of our last weights stands beside it as a check. One bias, in
+ours' favour and at most the evaluation seconds printed: the rollout worker goes on
+generating training samples while the trainer waits for an evaluation.
+
+Where the time goes (bench/vs_trl/flops.py): this machine's ``torch.matmul`` peak (fp32 and
+bf16, on the same cores, with each part's thread count), the model FLOPs per step (trainer
+forward + backward, the proximal forward where it runs, generation) from the model's
+``config.json`` and the steps' token counts, and the achieved FLOP/s against the fp32 peak:
+the trainer's ``time/train`` and ``time/logprobs`` (ours) and TRL's train part; generation from
+our rollout server's own forward timers and token counters (``/get_server_info``, polled
+during the run) and TRL's profiled ``model.generate``.
+
 Printed per side: the median wall time per step after the first (warm-up) step, from the
 steps' end times (so process start-up and model loading are left out), samples/s and tokens/s
 (prompt + completion tokens) at that pace, the time split (ours: the trainer's metrics; TRL:
@@ -46,8 +78,9 @@ its profiled ``model.generate`` and the rest of its rollout vs the rest of the s
 memory of all the side's processes (the sum of their proportional set sizes, sampled every
 second) and of its training process, and the reward per step. Then the ratio TRL s/step / ours
 s/step (> 1: ours faster) and whether the target "ours at least 2x TRL's steps per hour" is
-met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves, when
-matplotlib is there); another ``--eta`` or ``--rl-seed`` names its files after them
+met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves and
+the held-out pass@1 and reward against time, when matplotlib is there), and the evaluations'
+results in vs_trl-eval/; another ``--eta`` or ``--rl-seed`` names its files after them
 (:func:`run_names`): runs of several seeds and etas share one ``--out`` and its warm start.
 """
 
@@ -75,9 +108,11 @@ def median_after_warmup(values: list, warmup: int = 1) -> float:
     return statistics.median(rest) if rest else float("nan")
 
 
-def step_walls(ends: list, first: float) -> list:
-    """Wall seconds per step: ``first``, then the time between consecutive step ends."""
-    return [first] + [b - a for a, b in zip(ends, ends[1:])] if ends else []
+def step_walls(ends: list, first: float, pauses: list = None) -> list:
+    """Wall seconds per step: ``first``, then the time between consecutive step ends, less
+    the step's ``pauses`` (seconds before its end that are no step's; none by default)."""
+    pauses = pauses or [0.0] * len(ends)
+    return [first] + [b - a - p for a, b, p in zip(ends, ends[1:], pauses[1:])] if ends else []
 
 
 def speed_ratio(trl_s_per_step: float, ours_s_per_step: float) -> tuple:
@@ -95,9 +130,17 @@ def ours_steps(metrics_rows: list) -> list:
         (r for r in metrics_rows if r.get("step", 0) >= 1 and "time/step" in r),
         key=lambda r: r["step"],
     )
-    # a held-out evaluation after a step is logged in its row: its seconds are no step's
-    ends = [r["time"] - r.get("eval/seconds", 0.0) for r in rows]
-    walls = step_walls(ends, rows[0]["time/step"]) if rows else []
+    # a held-out evaluation after a step is logged in its row (the next step starts after
+    # it): its seconds are no step's
+    walls = (
+        step_walls(
+            [r["time"] for r in rows],
+            rows[0]["time/step"],
+            [r.get("eval/seconds", 0.0) for r in rows],
+        )
+        if rows
+        else []
+    )
     return [
         {
             "step": r["step"],
