@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_TRL = (ROOT / ".venv-trl" / "bin" / "python").exists()
 CHAT_TEMPLATE = (
@@ -84,6 +86,7 @@ def make_checkpoint(out: Path, texts: list) -> None:
     tok.save_pretrained(out)
 
 
+@pytest.mark.slow  # three process launches (ours, TRL, the evaluation server): ~1.5 min loaded
 def test_bench_runs_on_a_checkpoint_it_did_not_build(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -333,6 +333,7 @@ def test_time_to_quality_points(vs):
     assert vs.eval_steps(10, 4) == [4, 8, 10] and vs.eval_steps(2, 2) == [2]
     assert vs.time_to_reach(points, 0.5) == 15.0 and vs.time_to_reach(points, 0.0) == 8.0
     assert vs.time_to_reach(points, 0.6) is None
+    assert vs.time_to_reach(points, 0.6, key="reward") == 15.0
     # a step's wall leaves out the evaluation logged with it
     steps = vs.ours_steps(
         [
@@ -342,3 +343,19 @@ def test_time_to_quality_points(vs):
         ]
     )
     assert [r["wall"] for r in steps] == [3.0, 4.0, 5.0]
+
+
+def test_quality_summary_times_each_side_to_the_others_final(vs):
+    res = {
+        "ours": {"quality": [{"t": 10.0, "pass@1": 0.0, "reward": 0.1},
+                             {"t": 20.0, "pass@1": 0.5, "reward": 0.7}]},
+        "trl": {"quality": [{"t": 5.0, "pass@1": 0.0, "reward": 0.1},
+                            {"t": 30.0, "pass@1": 0.25, "reward": 0.8}]},
+    }
+    q = vs.quality_summary(res)
+    assert (q["ours_final"], q["trl_final"], q["ours_s_total"], q["trl_s_total"]) == (
+        0.5, 0.25, 20.0, 30.0
+    )
+    assert q["ours_s_to_trl_final"] == 20.0 and q["trl_s_to_ours_final"] is None
+    assert q["ours_s_to_trl_reward_final"] is None and q["trl_s_to_ours_reward_final"] == 30.0
+    assert vs.quality_summary({"ours": res["ours"]}) == {}  # no TRL side: nothing to compare

@@ -189,10 +189,10 @@ def trl_times(rows: list, begin: float, t0: float, steps: list) -> dict:
     return {s: begin - t0 if s == 0 else at[s] for s in steps}
 
 
-def time_to_reach(points: list, target: float) -> float:
-    """The first ``t`` of ``points`` (``t``, ``pass@1``, in time order) whose pass@1 reaches
-    ``target``; None when none does."""
-    return next((p["t"] for p in points if p["pass@1"] >= target), None)
+def time_to_reach(points: list, target: float, key: str = "pass@1") -> float:
+    """The first ``t`` of ``points`` (``t`` and ``key``: pass@1 or reward, in time order) whose
+    ``key`` reaches ``target``; None when none does."""
+    return next((p["t"] for p in points if p[key] >= target), None)
 
 
 def eval_steps(steps: int, every: int) -> list:
@@ -725,20 +725,23 @@ def run_evaluations(a, res: dict, model: Path, data: Path, out: Path) -> None:
 
 
 def quality_summary(res: dict) -> dict:
-    """Each side's final held-out pass@1 and the time the other side takes to reach it
-    (:func:`time_to_reach`; None: never within its run)."""
+    """For pass@1 and the mean held-out reward: each side's final score and the time the
+    other side takes to reach it (:func:`time_to_reach`; None: never within its run)."""
     o = res.get("ours", {}).get("quality") or []
     t = (res.get("trl") or {}).get("quality") or []
     if not o or not t or "pass@1" not in t[-1]:
         return {}
-    return {
-        "ours_final": o[-1]["pass@1"],
-        "trl_final": t[-1]["pass@1"],
-        "ours_s_to_trl_final": time_to_reach(o, t[-1]["pass@1"]),
-        "trl_s_to_ours_final": time_to_reach(t, o[-1]["pass@1"]),
-        "ours_s_total": o[-1]["t"],
-        "trl_s_total": t[-1]["t"],
-    }
+    out = {"ours_s_total": o[-1]["t"], "trl_s_total": t[-1]["t"]}
+    for key, name in (("pass@1", ""), ("reward", "reward_")):
+        out.update(
+            {
+                f"ours_{name}final": o[-1][key],
+                f"trl_{name}final": t[-1][key],
+                f"ours_s_to_trl_{name}final": time_to_reach(o, t[-1][key], key),
+                f"trl_s_to_ours_{name}final": time_to_reach(t, o[-1][key], key),
+            }
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------------- report
@@ -826,8 +829,7 @@ def report(res: dict) -> str:
     lines += [
         "reward per step:",
         "  ours " + " ".join(_fmt(r, "{:.3f}") for r in o["rewards"]),
-        "  TRL  " + " ".join(_fmt(r, "{:.3f}") for r in t.get("rewards", [])),
-    ]
+    ] + (["  TRL  " + " ".join(_fmt(r, "{:.3f}") for r in t["rewards"])] if t else [])
     lines += quality_lines(res, row) + flops_lines(res, row)
     if "ratio" in res:
         lines += [
@@ -844,19 +846,18 @@ def quality_lines(res: dict, row) -> list:
     ours, trl = res["ours"], res.get("trl") or NO_SIDE
     if "before" not in res:
         return []
+    both = res["before"] if trl is not NO_SIDE else {"pass@1": None, "reward": None}
     lines = [
         "",
         "held-out greedy pass@1 (python -m areal_mega.eval on the saved weights; reward >= 1):",
-        row("  before (the initial model)", res["before"]["pass@1"], None, "{:.3f}")[:-14]
-        + f"{_fmt(res['before']['pass@1'], '{:.3f}'):>14s}",
+        row("  before (the initial model)", res["before"]["pass@1"], both["pass@1"], "{:.3f}"),
         row(
             "  after",
             ours.get("after", {}).get("pass@1"),
             trl.get("after", {}).get("pass@1"),
             "{:.3f}",
         ),
-        row("  mean held-out reward before", res["before"]["reward"], None, "{:.3f}")[:-14]
-        + f"{_fmt(res['before']['reward'], '{:.3f}'):>14s}",
+        row("  mean held-out reward before", res["before"]["reward"], both["reward"], "{:.3f}"),
         row(
             "  mean held-out reward after",
             ours.get("after", {}).get("reward"),
@@ -868,6 +869,8 @@ def quality_lines(res: dict, row) -> list:
     ]
     for name, side in (("ours", ours), ("TRL", trl)):
         pts = side.get("quality") or []
+        if not pts:
+            continue
         lines.append(
             f"  {name:5s}"
             + "  ".join(
@@ -886,9 +889,11 @@ def quality_lines(res: dict, row) -> list:
             return "never" if v is None else f"{v:.1f} s"
 
         lines += [
-            f"  ours reaches TRL's final {q['trl_final']:.3f} at {at(q['ours_s_to_trl_final'])}"
-            f" (of {q['ours_s_total']:.1f} s); TRL reaches ours' final {q['ours_final']:.3f} at "
-            f"{at(q['trl_s_to_ours_final'])} (of {q['trl_s_total']:.1f} s)",
+            f"  {what}: ours reaches TRL's final {q[f'trl_{k}final']:.3f} at "
+            f"{at(q[f'ours_s_to_trl_{k}final'])} (of {q['ours_s_total']:.1f} s); TRL reaches "
+            f"ours' final {q[f'ours_{k}final']:.3f} at {at(q[f'trl_s_to_ours_{k}final'])} "
+            f"(of {q['trl_s_total']:.1f} s)"
+            for k, what in (("", "pass@1"), ("reward_", "reward"))
         ]
     return lines
 
