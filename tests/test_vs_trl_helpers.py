@@ -281,8 +281,8 @@ def test_model_flops_match_a_hand_count():
     assert model_dims(moe)["matmul_params"] == 48 + 72 + 32 + 40
 
 
-def test_side_flops_and_generation_rate(vs):
-    from bench.vs_trl.flops import model_dims, step_flops
+def test_side_flops_and_generation_rate():
+    from bench.vs_trl.flops import model_dims, server_generation_flop_s, side_flops, step_flops
 
     dims = model_dims(
         {
@@ -299,7 +299,7 @@ def test_side_flops_and_generation_rate(vs):
         {"tokens": 10, "response_len": 2, "n_samples": 2, "split": split},
         {"tokens": 10, "response_len": 2, "n_samples": 2, "split": split, "prox_recomputed": True},
     ]
-    f = vs.side_flops(steps, dims, 2, {"train": ("train", "train"), "prox": ("prox", "logprobs")})
+    f = side_flops(steps, dims, 2, {"train": ("train", "train"), "prox": ("prox", "logprobs")})
     one = step_flops(dims, 2, 3, 2)
     assert f["per_step"]["train"] == one["train"] and f["per_step"]["generate"] == one["generate"]
     assert f["per_step"]["prox"] == one["prox"] / 2  # one of the two steps ran it
@@ -308,17 +308,19 @@ def test_side_flops_and_generation_rate(vs):
     info = {"prefill_tokens": 3, "tokens_generated": 2, "forward_seconds": 2.0}
     # prefill tokens attend to (3 + 1) / 2 keys, generated ones to 3 + (2 + 1) / 2
     want = (3 * (2 * dims["matmul_params"] + 16 * 2) + 2 * (2 * dims["matmul_params"] + 16 * 4.5))
-    assert vs.server_generation_flop_s(dims, info, 3, 2) == want / 2.0
-    assert vs.server_generation_flop_s(dims, {}, 3, 2) is None
+    assert server_generation_flop_s(dims, info, 3, 2) == want / 2.0
+    assert server_generation_flop_s(dims, {}, 3, 2) is None
 
 
 def test_time_to_quality_points(vs):
+    from bench.vs_trl import quality
+
     rows = [
         {"step": 0, "time": 110.0, "eval/pass@1": 0.0, "eval/reward": 0.1, "eval/seconds": 2.0},
         {"step": 1, "time": 113.0, "time/step": 3.0},
         {"step": 2, "time": 120.0, "eval/pass@1": 0.5, "eval/reward": 0.6, "eval/seconds": 3.0},
     ]
-    points, spent = vs.ours_quality(rows, t0=100.0)
+    points, spent = quality.ours_quality(rows, t0=100.0)
     # each point's time less every evaluation up to and including its own
     assert spent == 5.0
     assert [(q["step"], q["t"], q["pass@1"], q["reward"]) for q in points] == [
@@ -329,11 +331,11 @@ def test_time_to_quality_points(vs):
         {"step": 1, "time": 205.0, "paused_s": 0.0},
         {"step": 2, "time": 209.0, "paused_s": 1.5},  # a snapshot saved after step 1
     ]
-    assert vs.trl_times(trl_rows, begin=203.0, t0=200.0, steps=[0, 2]) == {0: 3.0, 2: 7.5}
-    assert vs.eval_steps(10, 4) == [4, 8, 10] and vs.eval_steps(2, 2) == [2]
-    assert vs.time_to_reach(points, 0.5) == 15.0 and vs.time_to_reach(points, 0.0) == 8.0
-    assert vs.time_to_reach(points, 0.6) is None
-    assert vs.time_to_reach(points, 0.6, key="reward") == 15.0
+    assert quality.trl_times(trl_rows, begin=203.0, t0=200.0, steps=[0, 2]) == {0: 3.0, 2: 7.5}
+    assert quality.eval_steps(10, 4) == [4, 8, 10] and quality.eval_steps(2, 2) == [2]
+    assert quality.time_to_reach(points, 0.5) == 15.0 and quality.time_to_reach(points, 0.0) == 8.0
+    assert quality.time_to_reach(points, 0.6) is None
+    assert quality.time_to_reach(points, 0.6, key="reward") == 15.0
     # a step's wall leaves out the evaluation logged with it
     steps = vs.ours_steps(
         [
@@ -345,17 +347,19 @@ def test_time_to_quality_points(vs):
     assert [r["wall"] for r in steps] == [3.0, 4.0, 5.0]
 
 
-def test_quality_summary_times_each_side_to_the_others_final(vs):
+def test_quality_summary_times_each_side_to_the_others_final():
+    from bench.vs_trl.quality import quality_summary
+
     res = {
         "ours": {"quality": [{"t": 10.0, "pass@1": 0.0, "reward": 0.1},
                              {"t": 20.0, "pass@1": 0.5, "reward": 0.7}]},
         "trl": {"quality": [{"t": 5.0, "pass@1": 0.0, "reward": 0.1},
                             {"t": 30.0, "pass@1": 0.25, "reward": 0.8}]},
     }
-    q = vs.quality_summary(res)
+    q = quality_summary(res)
     assert (q["ours_final"], q["trl_final"], q["ours_s_total"], q["trl_s_total"]) == (
         0.5, 0.25, 20.0, 30.0
     )
     assert q["ours_s_to_trl_final"] == 20.0 and q["trl_s_to_ours_final"] is None
     assert q["ours_s_to_trl_reward_final"] is None and q["trl_s_to_ours_reward_final"] == 30.0
-    assert vs.quality_summary({"ours": res["ours"]}) == {}  # no TRL side: nothing to compare
+    assert quality_summary({"ours": res["ours"]}) == {}  # no TRL side: nothing to compare

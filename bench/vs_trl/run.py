@@ -85,20 +85,27 @@ results in vs_trl-eval/; another ``--eta`` or ``--rl-seed`` names its files afte
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.vs_trl.assets import ROOT, build_tokenizer, make_assets, warm_start  # noqa: F401
-from bench.vs_trl.flops import model_dims
+from bench.vs_trl.flops import achieved_flops, matmul_peaks, model_dims, server_counters
+from bench.vs_trl.machine import _env, cpu_info, run_pinned
+from bench.vs_trl.quality import (
+    data_shape,
+    eval_steps,
+    ours_quality,
+    quality_summary,
+    run_evaluations,
+    trl_times,
+)
+from bench.vs_trl.report import TARGET, plot, report
 
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
-TARGET = 2.0  # ours at least 2x TRL's steps per hour
 
 
 # ------------------------------------------------------------------------------------- pure
@@ -159,49 +166,6 @@ def ours_steps(metrics_rows: list) -> list:
     ]
 
 
-def ours_quality(metrics_rows: list, t0: float) -> tuple:
-    """Our held-out evaluations (the rows with ``eval/pass@1``) as ``(points, eval seconds)``:
-    one point per evaluation, ``step``, ``t`` (seconds from the launch at ``t0``, start-up
-    included, without the evaluations: the row's time less every ``eval/seconds`` up to and
-    including its own, since the trainer waits for each), ``pass@1`` and ``reward`` (the mean
-    held-out reward)."""
-    points, spent = [], 0.0
-    for r in sorted(metrics_rows, key=lambda r: r.get("step", 0)):
-        if "eval/pass@1" not in r:
-            continue
-        spent += r.get("eval/seconds", 0.0)
-        points.append(
-            {
-                "step": r["step"],
-                "t": r["time"] - t0 - spent,
-                "pass@1": r["eval/pass@1"],
-                "reward": r.get("eval/reward"),
-            }
-        )
-    return points, spent
-
-
-def trl_times(rows: list, begin: float, t0: float, steps: list) -> dict:
-    """The times (seconds from TRL's launch at ``t0``, start-up included, snapshot saving left
-    out) at which TRL's weights of each of ``steps`` existed: step 0 at ``on_train_begin``
-    (``begin``), step N at its row's ``time`` less the ``paused_s`` saving before it."""
-    at = {r["step"]: r["time"] - t0 - r.get("paused_s", 0.0) for r in rows}
-    return {s: begin - t0 if s == 0 else at[s] for s in steps}
-
-
-def time_to_reach(points: list, target: float, key: str = "pass@1") -> float:
-    """The first ``t`` of ``points`` (``t`` and ``key``: pass@1 or reward, in time order) whose
-    ``key`` reaches ``target``; None when none does."""
-    return next((p["t"] for p in points if p[key] >= target), None)
-
-
-def eval_steps(steps: int, every: int) -> list:
-    """The steps our trainer evaluates after with ``eval.every_steps=every``
-    (``train.evaluation.eval_due``): every multiple of ``every`` and the last; step 0 (before
-    training) is the initial model."""
-    return sorted({s for s in range(every, steps + 1, every)} | {steps})
-
-
 def trl_steps(rows: list) -> list:
     """bench/vs_trl/trl_side.py's steps.jsonl rows as the bench's step rows; tokens per step from
     TRL's cumulative ``num_tokens``; the split: ``generate`` (inside ``model.generate``),
@@ -255,144 +219,7 @@ def side_summary(steps: list, samples_per_step: int) -> dict:
     }
 
 
-def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict) -> dict:
-    """Model FLOPs per step (:func:`bench.vs_trl.flops.step_flops` at each step's mean prompt
-    and completion lengths; the mean over the steps after the warm-up step) and the achieved
-    FLOP/s of ``parts`` (``{name: (FLOPs kind, split key)}``: the kind's FLOPs summed over
-    those steps over the split timer's seconds). ``prox`` counts only where the step ran the
-    proximal forward (ours' ``prox/recomputed``; TRL never does at one iteration per batch)."""
-    from bench.vs_trl.flops import step_flops
-
-    per = []
-    for r in steps[1:] or steps:
-        n = r.get("n_samples") or samples_per_step
-        if r.get("tokens") is None or r.get("response_len") is None:
-            continue
-        f = step_flops(dims, n, r["tokens"] / n - r["response_len"], r["response_len"])
-        f["prox"] *= bool(r.get("prox_recomputed"))
-        per.append((r, f))
-    out = {
-        "per_step": {
-            k: sum(f[k] for _, f in per) / len(per) if per else None
-            for k in ("train", "prox", "generate")
-        },
-        "flop_s": {},
-    }
-    for name, (kind, key) in parts.items():
-        pairs = [
-            (f[kind], r["split"].get(key)) for r, f in per if f[kind] and r["split"].get(key)
-        ]
-        seconds = sum(t for _, t in pairs)
-        out["flop_s"][name] = sum(x for x, _ in pairs) / seconds if seconds > 0 else None
-    return out
-
-
-def server_generation_flop_s(dims: dict, info: dict, prompt_len: float, response_len: float):
-    """Our rollout server's achieved FLOP/s from its own counters (``/get_server_info``,
-    summed over the servers: ``prefill_tokens`` forwarded by prefills, ``tokens_generated``, the
-    ``forward_seconds`` of both): prefill tokens attend to half the mean prompt, decoded ones
-    to the prompt and half the completion (``prompt_len``/``response_len``: the training
-    steps' means; the counters include the held-out evaluations' requests). None without
-    forward time."""
-    from bench.vs_trl.flops import causal_context, forward_flops
-
-    seconds = info.get("forward_seconds", 0.0)
-    if not seconds:
-        return None
-    flops = forward_flops(dims, info["prefill_tokens"], causal_context(prompt_len))
-    flops += forward_flops(dims, info["tokens_generated"], prompt_len + (response_len + 1) / 2)
-    return flops / seconds
-
-
-# ---------------------------------------------------------------------------------- machine
-def cpu_info(cpus: list) -> dict:
-    """CPU model name, the widest x86 vector ISA (avx512f / avx2 / neither) and the cores."""
-    text = Path("/proc/cpuinfo").read_text()
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
-        "unknown",
-    )
-    flags = set(
-        next(
-            (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
-        )
-    )
-    isa = (
-        "avx512f"
-        if "avx512f" in flags
-        else "avx2 (no avx512f)"
-        if "avx2" in flags
-        else "neither avx2 nor avx512f"
-    )
-    return {"model": model, "isa": isa, "cpus": cpus}
-
-
-def _tree_pss_bytes(root: int) -> int:
-    """The summed proportional set size (RSS where PSS is unreadable) of ``root`` and every
-    process below it."""
-    children = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            fields = dict(
-                ln.split(":", 1)
-                for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
-            )
-            total += int(fields.get("Pss", fields.get("Rss", "0 kB")).split()[0]) * 1024
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> tuple:
-    """Run ``cmd`` pinned to ``cpus`` (output to ``log``); returns ``(exit code, wall s, peak
-    summed PSS bytes of its process tree)``, sampled every 5 s (each /proc scan costs CPU)."""
-    t0, peak = time.time(), 0
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [str(c) for c in cmd],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cpus),
-        )
-        while proc.poll() is None:
-            peak = max(peak, _tree_pss_bytes(proc.pid))
-            if time.time() - t0 > timeout:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                break
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5.0)
-    return proc.returncode, time.time() - t0, peak
-
-
 # ------------------------------------------------------------------------------------ sides
-def _env(threads: int) -> dict:
-    return dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS=str(threads),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-    )
-
-
 def thread_split(a) -> tuple:
     """Our side's ``(server threads, trainer threads)`` on ``a.cpus``: the launcher's split,
     or the ``cluster.*`` overrides given (the last one wins)."""
@@ -408,45 +235,6 @@ def thread_split(a) -> tuple:
         configured=int(given.get("cluster.cpu_threads_per_trainer_rank", 0)),
     )
     return server_t, trainer_t
-
-
-@contextlib.contextmanager
-def server_counters(run_dir: Path, period: float = 0.5):
-    """While the block runs, a thread asks the rollout servers ``run_dir/rollout_servers.json``
-    names for their ``/get_server_info`` every ``period`` seconds (a small JSON answer: the
-    servers' own forward timers and token counters, which die with them); yields a dict that
-    holds the latest answer with forward time, summed over the servers (empty before)."""
-    import threading
-    import urllib.request
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    last, stop = {}, threading.Event()
-
-    def poll():
-        while not stop.wait(period):
-            try:
-                addrs = json.loads((run_dir / "rollout_servers.json").read_text())["addrs"]
-                infos = [
-                    json.loads(opener.open(f"http://{x}/get_server_info", timeout=2).read())
-                    for x in addrs
-                ]
-            except (OSError, ValueError, KeyError):
-                continue  # not up yet, or going down
-            seconds = sum(sum(i["forward_seconds"].values()) for i in infos)
-            if seconds > 0:
-                last.update(
-                    forward_seconds=seconds,
-                    prefill_tokens=sum(i["prefill_tokens"] for i in infos),
-                    tokens_generated=sum(i["tokens_generated"] for i in infos),
-                )
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield last
-    finally:
-        stop.set()
-        thread.join()
 
 
 def run_ours(a, model: Path, data: Path, out: Path) -> dict:
@@ -647,395 +435,6 @@ def run_trl(a, model: Path, data: Path, out: Path) -> dict:
     }
 
 
-def data_shape(model: Path, data: Path) -> dict:
-    """What our trainer needs to know of a prompt directory for ``model``: ``chat`` (its
-    prompts are messages: rendered with the tokenizer's chat template, on both sides) and
-    ``max_prompt_len`` (the longest prompt of train.jsonl and test.jsonl in tokens, as our
-    dataset tokenizes it: no prompt is dropped)."""
-    from areal_mega.data.dataset import PromptDataset, load_tokenizer, read_jsonl
-
-    first = next(iter(read_jsonl(data / "train.jsonl")))
-    chat = isinstance(first.get("prompt"), list)
-    tok = load_tokenizer(str(model))
-    longest = max(
-        len(it.input_ids)
-        for name in ("train.jsonl", "test.jsonl")
-        for it in PromptDataset(
-            data / name, tok, apply_chat_template=chat, max_prompt_len=1 << 30
-        ).items
-    )
-    return {"chat": chat, "max_prompt_len": longest}
-
-
-def run_evaluations(a, res: dict, model: Path, data: Path, out: Path) -> None:
-    """After both runs, greedy pass@1 and the mean reward on the held-out ``test.jsonl`` with
-    our evaluation CLI (:mod:`bench.vs_trl.evaluate`: one CPU rollout server of ours loading
-    each weight directory in turn; ``a.reward``, a sample correct at reward >= 1, at most
-    ``a.eval_max_new`` new tokens, the chat template as in training), pinned to ``a.cpus``:
-    the initial model (``res["before"]``), our last published weights (``res["ours"]["after"]``,
-    beside the trainer's own last evaluation) and each TRL snapshot (its ``quality`` points,
-    the last one TRL's ``after``). Results and the log in ``out``."""
-    jobs = {"initial": model}
-    if "ours" in res:
-        jobs["ours-final"] = max((Path(res["ours"]["run_dir"]) / "weights").glob("v*"))
-    trl = res.get("trl")
-    todo = [q for q in (trl or {}).get("quality") or [] if "pass@1" not in q]
-    jobs.update({f"trl-step{q['step']}": Path(q["model"]) for q in todo if q["step"]})
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"[vs_trl] held-out evaluation of {', '.join(jobs)} (log {out}.log)", flush=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.vs_trl.evaluate",
-        "--out",
-        out,
-        "--threads",
-        len(a.cpus),
-        "--models",
-        *(f"{k}={v}" for k, v in jobs.items()),
-        "--",
-        "--data",
-        data / "test.jsonl",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        a.eval_max_new,
-        "--reward-fn",
-        a.reward,
-        "--chat-template",
-        "on" if a.chat else "off",
-        "--max-prompt-len",
-        a.max_prompt_len,
-    ]
-    rc, wall, _ = run_pinned(cmd, _env(len(a.cpus)), out.with_suffix(".log"), a.cpus, a.timeout)
-    if rc != 0:
-        raise SystemExit(f"the held-out evaluation failed (exit {rc}); see {out}.log")
-    score = {}
-    for name in jobs:
-        overall = json.loads((out / f"{name}.json").read_text())["summary"]["overall"]
-        score[name] = {"pass@1": overall["pass@1"], "reward": overall["reward"]}
-    res["before"] = score["initial"]
-    res["eval_wall"] = wall
-    if "ours" in res:
-        res["ours"]["after"] = score["ours-final"]
-    for q in todo:
-        q.update(score["initial"] if q["step"] == 0 else score[f"trl-step{q['step']}"])
-    if trl and trl.get("quality"):
-        trl["after"] = {k: trl["quality"][-1][k] for k in ("pass@1", "reward")}
-
-
-def quality_summary(res: dict) -> dict:
-    """For pass@1 and the mean held-out reward: each side's final score and the time the
-    other side takes to reach it (:func:`time_to_reach`; None: never within its run)."""
-    o = res.get("ours", {}).get("quality") or []
-    t = (res.get("trl") or {}).get("quality") or []
-    if not o or not t or "pass@1" not in t[-1]:
-        return {}
-    out = {"ours_s_total": o[-1]["t"], "trl_s_total": t[-1]["t"]}
-    for key, name in (("pass@1", ""), ("reward", "reward_")):
-        out.update(
-            {
-                f"ours_{name}final": o[-1][key],
-                f"trl_{name}final": t[-1][key],
-                f"ours_s_to_trl_{name}final": time_to_reach(o, t[-1][key], key),
-                f"trl_s_to_ours_{name}final": time_to_reach(t, o[-1][key], key),
-            }
-        )
-    return out
-
-
-# ----------------------------------------------------------------------------------- report
-NO_SIDE = {"summary": {}, "settings": {}, "wall": None, "peak_pss_gib": None}
-
-
-def _fmt(v, fmt="{:.2f}") -> str:
-    return "-" if v is None or v != v else fmt.format(v)
-
-
-def report(res: dict) -> str:
-    """The side-by-side table of :func:`main`'s results (TRL's column empty when only our side
-    ran)."""
-    ours, trl = res["ours"], res.get("trl") or NO_SIDE
-    o, t = ours["summary"], trl["summary"]
-    w = 40
-
-    def row(label, a, b, fmt="{:.2f}"):
-        return f"{label:{w}s}{_fmt(a, fmt):>14s}{_fmt(b, fmt):>14s}"
-
-    cpu, run = res["cpu"], res["run"]
-    if run.get("model"):
-        model = (
-            f"model: {run['model']} ({run.get('arch', '?')}, its own tokenizer"
-            + (", chat template" if run.get("chat") else "")
-            + f"), fp32; prompts {run['data']}; "
-        )
-    else:
-        model = f"model: {run.get('shape', '135m')} Llama shape, {run['layers']} layers, fp32, " + (
-            f"{run['sft_steps']} steps of our SFT (lr {run['sft_lr']}) from random weights; "
-            if run.get("sft_steps")
-            else "random weights; "
-        )
-    s_ = ours["settings"]
-    lines = [
-        f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
-        model
-        + f"{run['prompts']} prompts"
-        + (
-            ""
-            if run.get("model")
-            else f" (a {run.get('instruction', 0)}-token shared instruction + 6)"
-        )
-        + f" x {run['group']} samples/step, <= {run['max_new']} new "
-        f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)"
-        + (f", RL seed {run['rl_seed']}" if "rl_seed" in run else "")
-        + (f", reward {run['reward']}" if run.get("reward") else ""),
-        f"ours: launch.local, eta={s_['eta']}, weight update {s_['weight_update']}, server "
-        f"{s_['server_threads']} thread(s), trainer {s_['trainer_threads']}",
-    ]
-    if trl is NO_SIDE:
-        lines.append("TRL: not run (--ours-only)")
-    else:
-        lines.append(
-            (
-                "TRL side reused from " + trl["settings"]["reused_from"] + "; "
-                if trl["settings"].get("reused_from")
-                else ""
-            )
-            + f"TRL {trl['settings']['trl']} (torch {trl['settings']['torch']}, "
-            f"transformers {trl['settings']['transformers']}): GRPOConfig "
-            + ", ".join(f"{k}={v}" for k, v in trl["settings"]["config"].items())
-        )
-    lines += [
-        "",
-        f"{'':{w}s}{'ours':>14s}{'TRL':>14s}",
-        row("s/step (median after warm-up)", o["s_per_step"], t.get("s_per_step")),
-        row("samples/s", o["samples_per_s"], t.get("samples_per_s")),
-        row(
-            "tokens/s (prompt + completion)", o["tokens_per_s"], t.get("tokens_per_s"), "{:.1f}"
-        ),
-        row("tokens per step", o["tokens_per_step"], t.get("tokens_per_step"), "{:.0f}"),
-        row("warm-up step s", o["walls"][0], (t.get("walls") or [None])[0]),
-        row("process wall s (start-up included)", ours["wall"], trl["wall"], "{:.1f}"),
-        row("peak memory GiB, all processes (PSS)", ours["peak_pss_gib"], trl["peak_pss_gib"]),
-        row(
-            "peak RSS GiB, training process",
-            o["train_proc_peak_rss_gib"],
-            t.get("train_proc_peak_rss_gib"),
-        ),
-    ]
-    lines += ["time split, median s/step:"]
-    lines += [row(f"  ours {k}", v, None) for k, v in o["split"].items()]
-    lines += [row(f"  TRL {k}", None, v) for k, v in t.get("split", {}).items()]
-    lines += [
-        "reward per step:",
-        "  ours " + " ".join(_fmt(r, "{:.3f}") for r in o["rewards"]),
-    ] + (["  TRL  " + " ".join(_fmt(r, "{:.3f}") for r in t["rewards"])] if t else [])
-    lines += quality_lines(res, row) + flops_lines(res, row)
-    if "ratio" in res:
-        lines += [
-            "",
-            f"TRL s/step / ours s/step = {res['ratio']:.2f}x (> 1: ours faster); target "
-            f"ours >= {TARGET:.0f}x TRL's steps per hour: "
-            f"{'MET' if res['target_met'] else 'NOT met'}",
-        ]
-    return "\n".join(lines)
-
-
-def quality_lines(res: dict, row) -> list:
-    """The report's held-out part: before/after, the curves, the time to the other's score."""
-    ours, trl = res["ours"], res.get("trl") or NO_SIDE
-    if "before" not in res:
-        return []
-    both = res["before"] if trl is not NO_SIDE else {"pass@1": None, "reward": None}
-    lines = [
-        "",
-        "held-out greedy pass@1 (python -m areal_mega.eval on the saved weights; reward >= 1):",
-        row("  before (the initial model)", res["before"]["pass@1"], both["pass@1"], "{:.3f}"),
-        row(
-            "  after",
-            ours.get("after", {}).get("pass@1"),
-            trl.get("after", {}).get("pass@1"),
-            "{:.3f}",
-        ),
-        row("  mean held-out reward before", res["before"]["reward"], both["reward"], "{:.3f}"),
-        row(
-            "  mean held-out reward after",
-            ours.get("after", {}).get("reward"),
-            trl.get("after", {}).get("reward"),
-            "{:.3f}",
-        ),
-        "time to quality (s from launch, start-up included, evaluation and snapshot saving "
-        "left out):",
-    ]
-    for name, side in (("ours", ours), ("TRL", trl)):
-        pts = side.get("quality") or []
-        if not pts:
-            continue
-        lines.append(
-            f"  {name:5s}"
-            + "  ".join(
-                f"step {q['step']} @ {q['t']:.1f}s: {_fmt(q.get('pass@1'), '{:.3f}')}"
-                f" (r {_fmt(q.get('reward'), '{:.3f}')})"
-                for q in pts
-            )
-        )
-    lines.append(
-        f"  ours' in-training evaluations took {ours.get('eval_seconds', 0.0):.1f} s in all; "
-        f"TRL's snapshot saving {trl.get('snapshot_seconds', 0.0) or 0.0:.1f} s"
-    )
-    q = res.get("quality") or {}
-    if q:
-        def at(v):
-            return "never" if v is None else f"{v:.1f} s"
-
-        lines += [
-            f"  {what}: ours reaches TRL's final {q[f'trl_{k}final']:.3f} at "
-            f"{at(q[f'ours_s_to_trl_{k}final'])} (of {q['ours_s_total']:.1f} s); TRL reaches "
-            f"ours' final {q[f'ours_{k}final']:.3f} at {at(q[f'trl_s_to_ours_{k}final'])} "
-            f"(of {q['trl_s_total']:.1f} s)"
-            for k, what in (("", "pass@1"), ("reward_", "reward"))
-        ]
-    return lines
-
-
-def flops_lines(res: dict, row) -> list:
-    """The report's FLOPs part: the model FLOPs per step, the matmul peaks, the achieved
-    FLOP/s and their fraction of the fp32 peak on the part's threads."""
-    fl = res.get("flops")
-    if not fl:
-        return []
-    g = 1e9
-    peaks = fl["peak"]
-    lines = ["", "model FLOPs per step (GFLOP; mean after warm-up; bench/vs_trl/flops.py):"]
-    for kind, label in (
-        ("train", "  trainer forward + backward"),
-        ("prox", "  proximal forward (0: not run)"),
-        ("generate", "  generation (prefill + decode)"),
-    ):
-        lines.append(
-            row(
-                label,
-                (fl["ours"]["per_step"].get(kind) or 0) / g if fl.get("ours") else None,
-                (fl["trl"]["per_step"].get(kind) or 0) / g if fl.get("trl") else None,
-                "{:.3f}",
-            )
-        )
-    lines.append(
-        "matmul peak (torch.matmul 1024^2, same cores), GFLOP/s: "
-        + "; ".join(
-            f"{n} thread(s) fp32 {p['float32'] / g:.1f}, bf16 {p['bfloat16'] / g:.1f}"
-            for n, p in sorted(peaks.items(), key=lambda kv: int(kv[0]))
-        )
-    )
-    lines.append("achieved GFLOP/s (% of the fp32 peak on its threads):")
-    for name, label in (
-        ("train", "  trainer fwd+bwd (+optimizer)"),
-        ("prox", "  proximal forward"),
-        ("generate", "  generation"),
-    ):
-        cells = []
-        for side in ("ours", "trl"):
-            v = ((fl.get(side) or {}).get("flop_s") or {}).get(name)
-            threads = (fl.get(side) or {}).get("threads", {}).get(name)
-            if v is None or threads is None:
-                cells.append("-")
-                continue
-            peak = peaks[str(threads)]["float32"]
-            cells.append(f"{v / g:.1f} ({100 * v / peak:.0f}%)")
-        lines.append(f"{label:40s}{cells[0]:>14s}{cells[1]:>14s}")
-    return lines
-
-
-def plot(res: dict, path: Path) -> bool:
-    """Both reward curves (per step and against wall time) and the held-out pass@1 and mean
-    reward against seconds from launch, to ``path``; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    (ax1, ax2), (ax3, ax4) = axes
-    sides = [("ours", "ours")]
-    if res.get("trl"):
-        sides.append(("trl", f"TRL {res['trl']['settings'].get('trl', '')}"))
-    for side, label in sides:
-        s = res[side]["summary"]
-        steps = list(range(1, len(s["rewards"]) + 1))
-        t = [sum(s["walls"][:i]) for i in steps]
-        ax1.plot(steps, s["rewards"], marker="o", label=label)
-        ax2.plot(t, s["rewards"], marker="o", label=label)
-        pts = [q for q in res[side].get("quality") or [] if q.get("pass@1") is not None]
-        ax3.plot([q["t"] for q in pts], [q["pass@1"] for q in pts], marker="o", label=label)
-        ax4.plot([q["t"] for q in pts], [q["reward"] for q in pts], marker="o", label=label)
-    ax1.set(xlabel="step", ylabel="mean training reward", title="training reward per step")
-    ax2.set(xlabel="wall seconds from the first step's start", title="training reward over time")
-    ax3.set(
-        xlabel="seconds from launch (start-up included, evaluation left out)",
-        ylabel="held-out greedy pass@1",
-        title="time to quality: pass@1",
-    )
-    ax4.set(
-        xlabel="seconds from launch (start-up included, evaluation left out)",
-        ylabel="mean held-out reward",
-        title="time to quality: reward",
-    )
-    ax1.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def matmul_peaks(a) -> dict:
-    """The matmul peak (:func:`bench.vs_trl.flops.matmul_peak`, fp32 and bf16) on ``a.cpus``
-    with as many threads as each part of the runs uses: one (our server), our trainer's, all
-    (TRL); keyed by the thread count as text (the JSON's keys)."""
-    from bench.vs_trl.flops import matmul_peak
-
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, a.cpus)
-    try:
-        counts = sorted({*thread_split(a), len(a.cpus)})
-        return {
-            str(n): {dt: matmul_peak(dt, n) for dt in ("float32", "bfloat16")} for n in counts
-        }
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def achieved_flops(a, res: dict, dims: dict) -> dict:
-    """Each side's model FLOPs per step and achieved FLOP/s (:func:`side_flops`; ours'
-    generation from its server's counters, :func:`server_generation_flop_s`) and the threads
-    each part ran on."""
-    out = {}
-    n = a.prompts * a.group
-    if "ours" in res:
-        server_t, trainer_t = thread_split(a)
-        parts = {"train": ("train", "train"), "prox": ("prox", "logprobs")}
-        f = side_flops(res["ours"]["steps"], dims, n, parts)
-        s = res["ours"]["summary"]
-        prompt = s["tokens_per_step"] / n - s["response_len"]
-        f["flop_s"]["generate"] = server_generation_flop_s(
-            dims, res["ours"].get("server") or {}, prompt, s["response_len"]
-        )
-        f["threads"] = {"train": trainer_t, "prox": trainer_t, "generate": server_t}
-        out["ours"] = f
-    if res.get("trl") and res["trl"]["steps"] and "response_len" in res["trl"]["steps"][0]:
-        f = side_flops(
-            res["trl"]["steps"],
-            dims,
-            n,
-            {"train": ("train", "train"), "generate": ("generate", "generate")},
-        )
-        k = len(a.cpus)
-        f["threads"] = {"train": k, "generate": k}
-        out["trl"] = f
-    return out
-
-
 def run_names(a) -> dict:
     """This run's names in ``--out``: ``eta`` 1 and the RL seed ``--seed`` keep the plain
     ``ours``, ``trl``, ``vs_trl.*``; another adds ``-eta``/``-seed`` so that runs of several
@@ -1206,7 +605,7 @@ def main(argv=None) -> None:
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     names = run_names(a)
-    res["flops"] = {"peak": matmul_peaks(a)}
+    res["flops"] = {"peak": matmul_peaks(a.cpus, [*thread_split(a), len(a.cpus)])}
     for side, fn in (("ours", run_ours), ("trl", run_trl)):
         if side in res or (side == "trl" and a.ours_only):
             continue
@@ -1220,7 +619,9 @@ def main(argv=None) -> None:
         )
     run_evaluations(a, res, model, data, out / f"{names['result']}-eval")
     res["quality"] = quality_summary(res)
-    res["flops"].update(achieved_flops(a, res, model_dims(config)))
+    server_t, trainer_t = thread_split(a)
+    threads = {"server": server_t, "trainer": trainer_t, "trl": len(a.cpus)}
+    res["flops"].update(achieved_flops(res, model_dims(config), a.prompts * a.group, threads))
     text = report(res)
     print("\n" + text)
     result = out / names["result"]
