@@ -252,3 +252,114 @@ def test_runs_of_other_seeds_and_etas_get_their_own_names(vs):
         "trl": "trl-seed2",
         "result": "vs_trl-eta0-seed2",
     }
+
+
+def test_model_flops_match_a_hand_count():
+    from bench.vs_trl.flops import causal_context, forward_flops, model_dims, step_flops
+
+    cfg = {
+        "hidden_size": 4,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 6,
+        "vocab_size": 10,
+    }
+    dims = model_dims(cfg)
+    # q 4x4, k and v 4x2 each, o 4x4: 48; gate, up, down 4x6 each: 72; LM head 4x10: 40
+    assert dims == {"layers": 1, "heads": 2, "head_dim": 2, "matmul_params": 48 + 72 + 40}
+    # per token 2 x 160 matmul FLOPs, and per key attended 4 x 1 layer x 2 heads x 2 dims = 16
+    assert forward_flops(dims, tokens=3, context=2) == 3 * (320 + 16 * 2)
+    assert causal_context(5) == 3  # keys 1..5
+    f = step_flops(dims, n_samples=2, prompt_len=3, response_len=2)
+    # training: positions 1..5 attend to 1..5 keys (15 in all), forward + backward = 3 x
+    assert f["prox"] == 2 * (5 * 320 + 16 * 15) and f["train"] == 3 * f["prox"]
+    # generation: the 3 prompt tokens (1, 2, 3 keys) and the first new token fed back (4 keys)
+    assert f["generate"] == 2 * (4 * 320 + 16 * (1 + 2 + 3 + 4))
+    moe = dict(cfg, num_experts_per_tok=2, moe_intermediate_size=3, num_experts=8)
+    # 2 active experts of width 3 (3 x 4 x 6 = 72 like the dense MLP) and the 4 x 8 router
+    assert model_dims(moe)["matmul_params"] == 48 + 72 + 32 + 40
+
+
+def test_side_flops_and_generation_rate():
+    from bench.vs_trl.flops import model_dims, server_generation_flop_s, side_flops, step_flops
+
+    dims = model_dims(
+        {
+            "hidden_size": 4,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 6,
+            "vocab_size": 10,
+        }
+    )
+    split = {"train": 2.0, "logprobs": 0.5}
+    steps = [  # 2 samples of 3 prompt + 2 completion tokens; the warm-up step is left out
+        {"tokens": 10, "response_len": 2, "n_samples": 2, "split": {"train": 99.0}},
+        {"tokens": 10, "response_len": 2, "n_samples": 2, "split": split},
+        {"tokens": 10, "response_len": 2, "n_samples": 2, "split": split, "prox_recomputed": True},
+    ]
+    f = side_flops(steps, dims, 2, {"train": ("train", "train"), "prox": ("prox", "logprobs")})
+    one = step_flops(dims, 2, 3, 2)
+    assert f["per_step"]["train"] == one["train"] and f["per_step"]["generate"] == one["generate"]
+    assert f["per_step"]["prox"] == one["prox"] / 2  # one of the two steps ran it
+    assert f["flop_s"]["train"] == 2 * one["train"] / 4.0
+    assert f["flop_s"]["prox"] == one["prox"] / 0.5  # only the step that ran it counts
+    info = {"prefill_tokens": 3, "tokens_generated": 2, "forward_seconds": 2.0}
+    # prefill tokens attend to (3 + 1) / 2 keys, generated ones to 3 + (2 + 1) / 2
+    want = (3 * (2 * dims["matmul_params"] + 16 * 2) + 2 * (2 * dims["matmul_params"] + 16 * 4.5))
+    assert server_generation_flop_s(dims, info, 3, 2) == want / 2.0
+    assert server_generation_flop_s(dims, {}, 3, 2) is None
+
+
+def test_time_to_quality_points(vs):
+    from bench.vs_trl import quality
+
+    rows = [
+        {"step": 0, "time": 110.0, "eval/pass@1": 0.0, "eval/reward": 0.1, "eval/seconds": 2.0},
+        {"step": 1, "time": 113.0, "time/step": 3.0},
+        {"step": 2, "time": 120.0, "eval/pass@1": 0.5, "eval/reward": 0.6, "eval/seconds": 3.0},
+    ]
+    points, spent = quality.ours_quality(rows, t0=100.0)
+    # each point's time less every evaluation up to and including its own
+    assert spent == 5.0
+    assert [(q["step"], q["t"], q["pass@1"], q["reward"]) for q in points] == [
+        (0, 8.0, 0.0, 0.1),
+        (2, 15.0, 0.5, 0.6),
+    ]
+    trl_rows = [
+        {"step": 1, "time": 205.0, "paused_s": 0.0},
+        {"step": 2, "time": 209.0, "paused_s": 1.5},  # a snapshot saved after step 1
+    ]
+    assert quality.trl_times(trl_rows, begin=203.0, t0=200.0, steps=[0, 2]) == {0: 3.0, 2: 7.5}
+    assert quality.eval_steps(10, 4) == [4, 8, 10] and quality.eval_steps(2, 2) == [2]
+    assert quality.time_to_reach(points, 0.5) == 15.0 and quality.time_to_reach(points, 0.0) == 8.0
+    assert quality.time_to_reach(points, 0.6) is None
+    assert quality.time_to_reach(points, 0.6, key="reward") == 15.0
+    # a step's wall leaves out the evaluation logged with it
+    steps = vs.ours_steps(
+        [
+            {"step": 1, "time": 113.0, "time/step": 3.0},
+            {"step": 2, "time": 120.0, "time/step": 4.0, "eval/seconds": 3.0},
+            {"step": 3, "time": 125.0, "time/step": 5.0},  # started after the evaluation
+        ]
+    )
+    assert [r["wall"] for r in steps] == [3.0, 4.0, 5.0]
+
+
+def test_quality_summary_times_each_side_to_the_others_final():
+    from bench.vs_trl.quality import quality_summary
+
+    res = {
+        "ours": {"quality": [{"t": 10.0, "pass@1": 0.0, "reward": 0.1},
+                             {"t": 20.0, "pass@1": 0.5, "reward": 0.7}]},
+        "trl": {"quality": [{"t": 5.0, "pass@1": 0.0, "reward": 0.1},
+                            {"t": 30.0, "pass@1": 0.25, "reward": 0.8}]},
+    }
+    q = quality_summary(res)
+    assert (q["ours_final"], q["trl_final"], q["ours_s_total"], q["trl_s_total"]) == (
+        0.5, 0.25, 20.0, 30.0
+    )
+    assert q["ours_s_to_trl_final"] == 20.0 and q["trl_s_to_ours_final"] is None
+    assert q["ours_s_to_trl_reward_final"] is None and q["trl_s_to_ours_reward_final"] == 30.0
+    assert quality_summary({"ours": res["ours"]}) == {}  # no TRL side: nothing to compare

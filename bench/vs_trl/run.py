@@ -6,6 +6,15 @@
     python -m bench.vs_trl --shape tiny --layers 2 --lr 1e-3 --steps 20   # a learning curve
     python -m bench.vs_trl --sft-steps 30    # 135M: SFT'd before RL, so both sides learn
     python -m bench.vs_trl --sft-steps 30 --rl-seed 2 --out runs/X   # X's warm start, seed 2
+    python -m bench.vs_trl --model HF_DIR --data DIR --reward pkg.mod:fn   # any checkpoint
+
+``--model``: any HF causal-LM directory (weights, ``config.json``, its own tokenizer and chat
+template) instead of the synthetic model below, with ``--data``: a directory of ``train.jsonl``
+and the held-out ``test.jsonl`` in our trainer's format (``prompt``: text, or chat messages
+that both sides render with the tokenizer's chat template; ``answer``), and the reward
+``--reward`` names (``fn(prompt, completion, answer, finish_reason=...)``, the same function on
+both sides: TRL's through an adapter that gives it the finish reason by our rollout's rule, so
+a completion cut at the token limit counts alike). ``--ours-only`` leaves TRL out.
 
 Model: the shape of a 135M Llama (hidden 576, 30 layers, 9 heads, 3 KV heads, FFN 1536,
 vocabulary 49,152, tied embeddings; ``SHAPE`` of bench/engine.py; ``--layers`` shrinks it;
@@ -39,6 +48,29 @@ process may use), never together; ours with the launcher's thread split (one for
 server, the rest for the trainer; extra positional arguments are overrides of our side, e.g.
 ``cluster.cpu_threads_per_trainer_rank=2``), TRL with torch on all of them.
 
+Held-out quality against time: greedy pass@1 (a sample is correct at reward >= 1) and the mean
+reward on ``test.jsonl``, at most ``--eval-max-new`` new tokens, before training, every
+``--eval-every`` steps and after the last. Ours: the trainer's own evaluation (``eval.*``: it
+waits while the rollout worker runs the prompts on the rollout server at the weights just
+published); TRL: its model saved after those steps (:mod:`.trl_side` ``--snapshots``). After
+both runs our evaluation CLI (``python -m areal_mega.eval`` through :mod:`.evaluate`: one CPU
+server of ours, the same scorer for every set of weights) scores the initial model, our last
+published weights and every TRL snapshot. Each point's time counts from the side's launch,
+start-up included, with the evaluations (ours: every ``eval/seconds`` so far) and the snapshot
+saving (TRL) taken out; printed, plotted, and the time each side takes to reach the other's
+final pass@1. Ours' curve comes from the trainer's hook (the points of a run, no checkpoint
+to convert); the CLI's score of our last weights stands beside it as a check. One bias, in
+ours' favour and at most the evaluation seconds printed: the rollout worker goes on
+generating training samples while the trainer waits for an evaluation.
+
+Where the time goes (bench/vs_trl/flops.py): this machine's ``torch.matmul`` peak (fp32 and
+bf16, on the same cores, with each part's thread count), the model FLOPs per step (trainer
+forward + backward, the proximal forward where it runs, generation) from the model's
+``config.json`` and the steps' token counts, and the achieved FLOP/s against the fp32 peak:
+the trainer's ``time/train`` and ``time/logprobs`` (ours) and TRL's train part; generation from
+our rollout server's own forward timers and token counters (``/get_server_info``, polled
+during the run) and TRL's profiled ``model.generate``.
+
 Printed per side: the median wall time per step after the first (warm-up) step, from the
 steps' end times (so process start-up and model loading are left out), samples/s and tokens/s
 (prompt + completion tokens) at that pace, the time split (ours: the trainer's metrics; TRL:
@@ -46,25 +78,34 @@ its profiled ``model.generate`` and the rest of its rollout vs the rest of the s
 memory of all the side's processes (the sum of their proportional set sizes, sampled every
 second) and of its training process, and the reward per step. Then the ratio TRL s/step / ours
 s/step (> 1: ours faster) and whether the target "ours at least 2x TRL's steps per hour" is
-met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves, when
-matplotlib is there); another ``--eta`` or ``--rl-seed`` names its files after them
+met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves and
+the held-out pass@1 and reward against time, when matplotlib is there), and the evaluations'
+results in vs_trl-eval/; another ``--eta`` or ``--rl-seed`` names its files after them
 (:func:`run_names`): runs of several seeds and etas share one ``--out`` and its warm start.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.vs_trl.assets import ROOT, build_tokenizer, make_assets, warm_start  # noqa: F401
+from bench.vs_trl.flops import achieved_flops, matmul_peaks, model_dims, server_counters
+from bench.vs_trl.machine import _env, cpu_info, run_pinned
+from bench.vs_trl.quality import (
+    data_shape,
+    eval_steps,
+    ours_quality,
+    quality_summary,
+    run_evaluations,
+    trl_times,
+)
+from bench.vs_trl.report import TARGET, plot, report
 
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
-TARGET = 2.0  # ours at least 2x TRL's steps per hour
 
 
 # ------------------------------------------------------------------------------------- pure
@@ -74,9 +115,11 @@ def median_after_warmup(values: list, warmup: int = 1) -> float:
     return statistics.median(rest) if rest else float("nan")
 
 
-def step_walls(ends: list, first: float) -> list:
-    """Wall seconds per step: ``first``, then the time between consecutive step ends."""
-    return [first] + [b - a for a, b in zip(ends, ends[1:])] if ends else []
+def step_walls(ends: list, first: float, pauses: list = None) -> list:
+    """Wall seconds per step: ``first``, then the time between consecutive step ends, less
+    the step's ``pauses`` (seconds before its end that are no step's; none by default)."""
+    pauses = pauses or [0.0] * len(ends)
+    return [first] + [b - a - p for a, b, p in zip(ends, ends[1:], pauses[1:])] if ends else []
 
 
 def speed_ratio(trl_s_per_step: float, ours_s_per_step: float) -> tuple:
@@ -87,19 +130,33 @@ def speed_ratio(trl_s_per_step: float, ours_s_per_step: float) -> tuple:
 
 def ours_steps(metrics_rows: list) -> list:
     """Our metrics.jsonl rows as the bench's step rows (``step``, ``wall``, ``reward``,
-    ``tokens``, ``split``, ``peak_rss_gib``); rows without ``time/step`` (evaluations) are
-    left out."""
+    ``tokens``, ``n_samples``, ``response_len``, ``prox_recomputed``, ``split``,
+    ``peak_rss_gib``); rows without ``time/step`` (evaluations) are left out, and the
+    evaluation logged with a step is left out of its wall."""
     rows = sorted(
         (r for r in metrics_rows if r.get("step", 0) >= 1 and "time/step" in r),
         key=lambda r: r["step"],
     )
-    walls = step_walls([r["time"] for r in rows], rows[0]["time/step"]) if rows else []
+    # a held-out evaluation after a step is logged in its row (the next step starts after
+    # it): its seconds are no step's
+    walls = (
+        step_walls(
+            [r["time"] for r in rows],
+            rows[0]["time/step"],
+            [r.get("eval/seconds", 0.0) for r in rows],
+        )
+        if rows
+        else []
+    )
     return [
         {
             "step": r["step"],
             "wall": w,
             "reward": r.get("reward/mean"),
             "tokens": r.get("n_tokens_total"),
+            "n_samples": r.get("n_samples"),
+            "response_len": r.get("response_len/mean"),
+            "prox_recomputed": bool(r.get("prox/recomputed")),
             "peak_rss_gib": r.get("mem/trainer_peak_rss_gib"),
             "split": {
                 k: r.get(f"time/{k}") for k in ("wait_data", "logprobs", "train", "weight_sync")
@@ -124,6 +181,7 @@ def trl_steps(rows: list) -> list:
                 "wall": r["wall"],
                 "reward": r.get("reward"),
                 "tokens": tokens,
+                "response_len": r.get("completion_len"),
                 "peak_rss_gib": r.get("peak_rss_gib"),
                 "split": {
                     "generate": r["generate_s"],
@@ -136,8 +194,9 @@ def trl_steps(rows: list) -> list:
 
 
 def side_summary(steps: list, samples_per_step: int) -> dict:
-    """Median s/step after the warm-up step, samples/s and tokens/s at that pace (tokens: the
-    mean per step after the warm-up step), the median of each split part, peak RSS, rewards."""
+    """Median s/step after the warm-up step, samples/s and tokens/s at that pace (tokens and
+    completion lengths: the mean per step after the warm-up step), the median of each split
+    part, peak RSS, rewards."""
     s = median_after_warmup([r["wall"] for r in steps])
     tokens = [r["tokens"] for r in steps[1:] or steps if r["tokens"] is not None]
     split = {
@@ -145,12 +204,14 @@ def side_summary(steps: list, samples_per_step: int) -> dict:
         for k in (steps[0]["split"] if steps else {})
     }
     peaks = [r["peak_rss_gib"] for r in steps if r.get("peak_rss_gib") is not None]
+    lens = [r["response_len"] for r in steps[1:] or steps if r.get("response_len") is not None]
     return {
         "steps": len(steps),
         "s_per_step": s,
         "samples_per_s": samples_per_step / s,
         "tokens_per_step": sum(tokens) / len(tokens) if tokens else float("nan"),
         "tokens_per_s": (sum(tokens) / len(tokens)) / s if tokens else float("nan"),
+        "response_len": sum(lens) / len(lens) if lens else float("nan"),
         "split": split,
         "train_proc_peak_rss_gib": max(peaks) if peaks else float("nan"),
         "rewards": [r["reward"] for r in steps],
@@ -158,109 +219,31 @@ def side_summary(steps: list, samples_per_step: int) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------------- machine
-def cpu_info(cpus: list) -> dict:
-    """CPU model name, the widest x86 vector ISA (avx512f / avx2 / neither) and the cores."""
-    text = Path("/proc/cpuinfo").read_text()
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
-        "unknown",
-    )
-    flags = set(
-        next(
-            (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
-        )
-    )
-    isa = (
-        "avx512f"
-        if "avx512f" in flags
-        else "avx2 (no avx512f)"
-        if "avx2" in flags
-        else "neither avx2 nor avx512f"
-    )
-    return {"model": model, "isa": isa, "cpus": cpus}
-
-
-def _tree_pss_bytes(root: int) -> int:
-    """The summed proportional set size (RSS where PSS is unreadable) of ``root`` and every
-    process below it."""
-    children = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            fields = dict(
-                ln.split(":", 1)
-                for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]
-            )
-            total += int(fields.get("Pss", fields.get("Rss", "0 kB")).split()[0]) * 1024
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def run_pinned(cmd: list, env: dict, log: Path, cpus: list, timeout: float) -> tuple:
-    """Run ``cmd`` pinned to ``cpus`` (output to ``log``); returns ``(exit code, wall s, peak
-    summed PSS bytes of its process tree)``, sampled every 5 s (each /proc scan costs CPU)."""
-    t0, peak = time.time(), 0
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [str(c) for c in cmd],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cpus),
-        )
-        while proc.poll() is None:
-            peak = max(peak, _tree_pss_bytes(proc.pid))
-            if time.time() - t0 > timeout:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                break
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5.0)
-    return proc.returncode, time.time() - t0, peak
-
-
 # ------------------------------------------------------------------------------------ sides
-def _env(threads: int) -> dict:
-    return dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS=str(threads),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-    )
-
-
-def run_ours(a, model: Path, data: Path, out: Path) -> dict:
-    """Our GRPO run through launch.local; returns its step rows, wall and peak memory."""
-    n = len(a.cpus)
-    given = dict(o.split("=", 1) for o in a.ours_overrides if "=" in o)  # the last one wins
+def thread_split(a) -> tuple:
+    """Our side's ``(server threads, trainer threads)`` on ``a.cpus``: the launcher's split,
+    or the ``cluster.*`` overrides given (the last one wins)."""
     from areal_mega.launch.local import cpu_threads_per_trainer_rank
 
+    given = dict(o.split("=", 1) for o in a.ours_overrides if "=" in o)
     server_t = int(given.get("cluster.cpu_threads_per_server", 1))
     trainer_t = cpu_threads_per_trainer_rank(
-        n,
+        len(a.cpus),
         n_servers=1,
         nproc=1,
         server_threads=server_t,
         configured=int(given.get("cluster.cpu_threads_per_trainer_rank", 0)),
     )
+    return server_t, trainer_t
+
+
+def run_ours(a, model: Path, data: Path, out: Path) -> dict:
+    """Our GRPO run through launch.local, evaluating the held-out prompts greedily before
+    training, every ``a.eval_every`` steps and after the last (the trainer's ``eval.*``
+    evaluation, on the rollout server); returns its step rows, evaluation points, wall, peak
+    memory and the rollout server's counters."""
+    server_t, trainer_t = thread_split(a)
+    n = len(a.cpus)
     cmd = [
         sys.executable,
         "-m",
@@ -272,8 +255,9 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
         "model.dtype=fp32",
         f"data.train_path={data / 'train.jsonl'}",
         f"data.test_path={data / 'test.jsonl'}",
+        f"data.apply_chat_template={str(a.chat).lower()}",
         f"logging.run_dir={out}",
-        f"data.max_prompt_len={a.instruction + 16}",
+        f"data.max_prompt_len={a.max_prompt_len}",
         f"total_steps={a.steps}",
         f"rollout.batch_size={a.prompts}",
         f"rollout.n_samples={a.group}",
@@ -287,6 +271,10 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
         f"rollout.max_head_offpolicyness={a.eta}",
         f"rollout.reward_fn={a.reward}",
         f"rollout.weight_update={a.weight_update}",
+        f"eval.data=[{data / 'test.jsonl'}]",
+        f"eval.every_steps={a.eval_every}",
+        "eval.temperature=0.0",
+        f"eval.max_new_tokens={a.eval_max_new}",
         f"seed={a.rl_seed}",
         "recover=off",
         "checkpoint.save_every=0",
@@ -297,15 +285,22 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
         f"cluster.cpu_threads_per_trainer_rank={trainer_t}",
         *a.ours_overrides,
     ]
-    rc, wall, peak = run_pinned(cmd, _env(n), out.with_suffix(".log"), a.cpus, a.timeout)
+    t0 = time.time()
+    with server_counters(out) as server:
+        rc, wall, peak = run_pinned(cmd, _env(n), out.with_suffix(".log"), a.cpus, a.timeout)
     metrics = out / "metrics.jsonl"
     if rc != 0 or not metrics.exists():
         raise SystemExit(
             f"ours failed (exit {rc}); see {out.with_suffix('.log')} and {out / 'logs'}"
         )
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    points, eval_s = ours_quality(rows, t0)
     return {
         "steps": ours_steps(rows),
+        "quality": points,
+        "eval_seconds": eval_s,
+        "run_dir": str(out),
+        "server": dict(server),
         "wall": wall,
         "peak_pss_gib": peak / 2**30,
         "settings": {
@@ -335,9 +330,18 @@ SAME_WORK = (
     "shape",
     "sft_steps",
     "sft_lr",
+    "model",
+    "data",
 )
 # the work of runs older than these keys
-BEFORE_KEY = {"instruction": 0, "shape": "135m", "sft_steps": 0, "sft_lr": 3e-4}
+BEFORE_KEY = {
+    "instruction": 0,
+    "shape": "135m",
+    "sft_steps": 0,
+    "sft_lr": 3e-4,
+    "model": None,
+    "data": None,
+}
 
 
 def work_of(run: dict) -> dict:
@@ -405,118 +409,30 @@ def run_trl(a, model: Path, data: Path, out: Path) -> dict:
         a.trl_micro_batch,
         "--reward",
         a.reward,
+        "--snapshots",
+        ",".join(str(x) for x in eval_steps(a.steps, a.eval_every)),
     ] + (["--grad-ckpt"] if a.trl_grad_ckpt else [])
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
     rc, wall, peak = run_pinned(cmd, _env(len(a.cpus)), out.with_suffix(".log"), a.cpus, a.timeout)
     steps = out / "steps.jsonl"
     if rc != 0 or not steps.exists():
         raise SystemExit(f"TRL failed (exit {rc}); see {out.with_suffix('.log')}")
     rows = [json.loads(x) for x in steps.read_text().splitlines() if x.strip()]
+    timing = json.loads((out / "timing.json").read_text())
+    times = trl_times(rows, timing["begin"], t0, [0] + eval_steps(a.steps, a.eval_every))
     return {
         "steps": trl_steps(rows),
+        # the weights of each evaluated step, scored after both runs (run_evaluations)
+        "quality": [
+            {"step": k, "t": t, "model": str(model if k == 0 else out / "snapshots" / f"step{k}")}
+            for k, t in sorted(times.items())
+        ],
+        "snapshot_seconds": timing["paused_s"],
         "wall": wall,
         "peak_pss_gib": peak / 2**30,
         "settings": json.loads((out / "meta.json").read_text()),
     }
-
-
-# ----------------------------------------------------------------------------------- report
-def report(res: dict) -> str:
-    """The side-by-side table of :func:`main`'s results."""
-    o, t = res["ours"]["summary"], res["trl"]["summary"]
-    w = 40
-
-    def row(label, a, b, fmt="{:.2f}"):
-        def f(v):
-            return "-" if v is None or v != v else fmt.format(v)
-
-        return f"{label:{w}s}{f(a):>14s}{f(b):>14s}"
-
-    cpu, run = res["cpu"], res["run"]
-    lines = [
-        f"CPU: {cpu['model']}, {cpu['isa']}; both sides pinned to cores {cpu['cpus']}",
-        f"model: {run.get('shape', '135m')} Llama shape, {run['layers']} layers, fp32, "
-        + (
-            f"{run['sft_steps']} steps of our SFT (lr {run['sft_lr']}) from random weights; "
-            if run.get("sft_steps")
-            else "random weights; "
-        )
-        + f"{run['prompts']} prompts (a {run.get('instruction', 0)}-token shared instruction"
-        f" + 6) x {run['group']} samples/step, <= {run['max_new']} new "
-        f"tokens, lr {run['lr']}, {run['steps']} steps (median over steps 2..)"
-        + (f", RL seed {run['rl_seed']}" if "rl_seed" in run else ""),
-        f"ours: launch.local, eta={res['ours']['settings']['eta']}, weight update "
-        f"{res['ours']['settings']['weight_update']}, server "
-        f"{res['ours']['settings']['server_threads']} thread(s), trainer "
-        f"{res['ours']['settings']['trainer_threads']}",
-        (
-            "TRL side reused from " + res["trl"]["settings"]["reused_from"] + "; "
-            if res["trl"]["settings"].get("reused_from")
-            else ""
-        )
-        + f"TRL {res['trl']['settings']['trl']} (torch {res['trl']['settings']['torch']}, "
-        f"transformers {res['trl']['settings']['transformers']}): GRPOConfig "
-        + ", ".join(f"{k}={v}" for k, v in res["trl"]["settings"]["config"].items()),
-        "",
-        f"{'':{w}s}{'ours':>14s}{'TRL':>14s}",
-        row("s/step (median after warm-up)", o["s_per_step"], t["s_per_step"]),
-        row("samples/s", o["samples_per_s"], t["samples_per_s"]),
-        row("tokens/s (prompt + completion)", o["tokens_per_s"], t["tokens_per_s"], "{:.1f}"),
-        row("tokens per step", o["tokens_per_step"], t["tokens_per_step"], "{:.0f}"),
-        row("warm-up step s", o["walls"][0], t["walls"][0]),
-        row(
-            "process wall s (start-up included)", res["ours"]["wall"], res["trl"]["wall"], "{:.1f}"
-        ),
-        row(
-            "peak memory GiB, all processes (PSS)",
-            res["ours"]["peak_pss_gib"],
-            res["trl"]["peak_pss_gib"],
-        ),
-        row(
-            "peak RSS GiB, training process",
-            o["train_proc_peak_rss_gib"],
-            t["train_proc_peak_rss_gib"],
-        ),
-    ]
-    lines += ["time split, median s/step:"]
-    lines += [row(f"  ours {k}", v, None) for k, v in o["split"].items()]
-    lines += [row(f"  TRL {k}", None, v) for k, v in t["split"].items()]
-    lines += [
-        "reward per step:",
-        "  ours " + " ".join(f"{r:.3f}" if r is not None else "-" for r in o["rewards"]),
-        "  TRL  " + " ".join(f"{r:.3f}" if r is not None else "-" for r in t["rewards"]),
-        "",
-        f"TRL s/step / ours s/step = {res['ratio']:.2f}x (> 1: ours faster); target "
-        f"ours >= {TARGET:.0f}x TRL's steps per hour: "
-        f"{'MET' if res['target_met'] else 'NOT met'}",
-    ]
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: Path) -> bool:
-    """Both reward curves, per step and against wall time, to ``path``; False without
-    matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for side, label in (("ours", "ours"), ("trl", f"TRL {res['trl']['settings']['trl']}")):
-        s = res[side]["summary"]
-        steps = list(range(1, len(s["rewards"]) + 1))
-        t = [sum(s["walls"][:i]) for i in steps]
-        ax1.plot(steps, s["rewards"], marker="o", label=label)
-        ax2.plot(t, s["rewards"], marker="o", label=label)
-    ax1.set(xlabel="step", ylabel="mean reward", title="reward per step")
-    ax2.set(xlabel="wall seconds from the first step's start", title="reward over time")
-    ax1.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
 
 
 def run_names(a) -> dict:
@@ -569,7 +485,39 @@ def main(argv=None) -> None:
         "the reverse task's answers before both sides' RL (0: the random weights)",
     )
     p.add_argument("--sft-lr", type=float, default=3e-4)
-    p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
+    p.add_argument(
+        "--reward",
+        default="areal_mega.rewards:char_match_reward",
+        help="module:function(prompt, completion, answer, finish_reason=...) -> float, for "
+        "both sides (TRL's through an adapter) and the held-out evaluation",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="an HF causal-LM directory (weights, config, its tokenizer and chat template) "
+        "for both sides, instead of the synthetic model (--shape/--layers/--instruction and "
+        "--sft-steps then do not apply); needs --data",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="with --model: a directory of train.jsonl and the held-out test.jsonl in our "
+        "trainer's format (prompt: text or chat messages, answer)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="held-out evaluations every N steps, besides before the first and after the last "
+        "(0: a quarter of --steps)",
+    )
+    p.add_argument(
+        "--eval-max-new",
+        type=int,
+        default=0,
+        help="max new tokens of the held-out evaluation (0: --max-new)",
+    )
+    p.add_argument("--ours-only", action="store_true", help="run our side only (no TRL)")
     p.add_argument(
         "--cpus",
         default=None,
@@ -592,14 +540,25 @@ def main(argv=None) -> None:
     )
     p.add_argument("ours_overrides", nargs="*", help="extra overrides for our side")
     a = p.parse_args(argv)
+    if bool(a.model) != bool(a.data):
+        p.error("--model and --data go together")
+    if a.model and a.sft_steps:
+        p.error("--sft-steps warms up the synthetic model only (not --model)")
+    a.eval_every = a.eval_every or max(1, a.steps // 4)
+    a.eval_max_new = a.eval_max_new or a.max_new
     a.rl_seed = a.seed if a.rl_seed is None else a.rl_seed
     a.cpus = [int(c) for c in a.cpus.split(",")] if a.cpus else sorted(os.sched_getaffinity(0))[:2]
-    if not a.trl_from:
+    if not (a.trl_from or a.ours_only):
         require_trl_env()  # before any work
     out = Path(a.out or ROOT / "runs" / f"vs-trl-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"[vs_trl] run directory {out}", flush=True)
-    model, data = make_assets(out, a.layers, a.seed, a.instruction, a.shape)
+    if a.model:
+        model, data = Path(a.model).resolve(), Path(a.data).resolve()
+        a.chat, a.max_prompt_len = data_shape(model, data).values()
+    else:
+        model, data = make_assets(out, a.layers, a.seed, a.instruction, a.shape)
+        a.chat, a.max_prompt_len = False, a.instruction + 16
     if a.sft_steps:
         print(f"[vs_trl] SFT warm start: {a.sft_steps} steps (log {out / 'sft.log'})", flush=True)
         model = warm_start(
@@ -632,22 +591,37 @@ def main(argv=None) -> None:
                 "shape",
                 "sft_steps",
                 "sft_lr",
+                "model",
+                "data",
+                "chat",
+                "max_prompt_len",
+                "eval_every",
+                "eval_max_new",
             )
         },
     }
+    config = json.loads((model / "config.json").read_text())
+    res["run"]["arch"] = (config.get("architectures") or [config.get("model_type")])[0]
     if a.trl_from:
         res["trl"] = earlier_trl_side(Path(a.trl_from), res)
     names = run_names(a)
+    res["flops"] = {"peak": matmul_peaks(a.cpus, [*thread_split(a), len(a.cpus)])}
     for side, fn in (("ours", run_ours), ("trl", run_trl)):
-        if side in res:
+        if side in res or (side == "trl" and a.ours_only):
             continue
         print(f"[vs_trl] {side}: running (log {out / names[side]}.log)", flush=True)
         res[side] = fn(a, model, data, out / names[side])
         res[side]["summary"] = side_summary(res[side]["steps"], a.prompts * a.group)
         print(f"[vs_trl] {side}: {res[side]['summary']['s_per_step']:.2f} s/step", flush=True)
-    res["ratio"], res["target_met"] = speed_ratio(
-        res["trl"]["summary"]["s_per_step"], res["ours"]["summary"]["s_per_step"]
-    )
+    if "trl" in res:
+        res["ratio"], res["target_met"] = speed_ratio(
+            res["trl"]["summary"]["s_per_step"], res["ours"]["summary"]["s_per_step"]
+        )
+    run_evaluations(a, res, model, data, out / f"{names['result']}-eval")
+    res["quality"] = quality_summary(res)
+    server_t, trainer_t = thread_split(a)
+    threads = {"server": server_t, "trainer": trainer_t, "trl": len(a.cpus)}
+    res["flops"].update(achieved_flops(res, model_dims(config), a.prompts * a.group, threads))
     text = report(res)
     print("\n" + text)
     result = out / names["result"]

@@ -2,17 +2,23 @@
 
     .venv-trl/bin/python -m bench.vs_trl.trl_side --model DIR --train FILE --out DIR [--steps N ...]
 
-TRL's ``GRPOTrainer`` on the bench's model directory and prompt file, with the reward function
-our side names (``module:function``, imported from this repository: the parent puts its root on
-PYTHONPATH). Writes into ``--out``:
+TRL's ``GRPOTrainer`` on the bench's model directory (any HF causal LM with its tokenizer) and
+prompt file (plain-text prompts, or chat-form ones rendered with the tokenizer's chat template),
+with the reward function our side names (``module:function``, imported from this repository:
+the parent puts its root on PYTHONPATH). Writes into ``--out``:
 
 * ``steps.jsonl``: one line per optimizer step: ``step``, ``time`` (the step's end, from a
   ``TrainerCallback``'s ``on_step_end``), ``wall`` (seconds since the previous step's end, or
   since ``on_train_begin`` for the first), ``reward`` (TRL's logged mean reward),
   ``num_tokens`` (TRL's cumulative prompt + completion tokens), ``generate_s`` (inside
   ``model.generate``), ``rollout_s`` (TRL's whole ``_prepare_inputs``: generation, rewards,
-  advantages), ``step_time`` (TRL's own ``step_time`` metric), ``completion_len`` and
-  ``peak_rss_gib`` (this process's ``VmHWM``);
+  advantages), ``step_time`` (TRL's own ``step_time`` metric), ``completion_len``,
+  ``peak_rss_gib`` (this process's ``VmHWM``) and ``paused_s`` (seconds spent saving
+  snapshots before this step's end, left out of ``wall``);
+* ``timing.json``: ``on_train_begin``'s time (``begin``) and the seconds spent saving
+  snapshots (``paused_s``);
+* ``snapshots/step<N>``: the model and tokenizer after each step of ``--snapshots`` (the bench
+  evaluates them on the held-out prompts afterwards, with our evaluation CLI);
 * ``meta.json``: versions, threads and the effective ``GRPOConfig`` fields that define the work.
 
 The two timings come from TRL's own profiling contexts (``trl.extras.profiling``), which only
@@ -38,20 +44,45 @@ def load_reward(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def trl_reward(fn, eos_id: int):
+def trl_reward(fn, eos_ids, render=None):
     """``fn(prompt, completion, answer, finish_reason=...)`` (our reward signature) as a TRL
     reward function: ``(prompts, completions, completion_ids, answer, **kw) -> [float]``. The
-    finish reason is ``stop`` where the completion's ids end with EOS (TRL keeps the EOS in
-    ``completion_ids``), else ``length``; TRL decodes completions without special tokens."""
+    finish reason is ``stop`` where the completion's ids end with one of ``eos_ids`` (TRL keeps
+    the EOS in ``completion_ids`` and calls a completion truncated when its last id is no EOS,
+    ``GRPOTrainer.eos_token_ids``), else ``length``: our rollout's rule
+    (``rollout.controller.model_finish``). TRL decodes completions without special tokens, as
+    our rollout does. Chat-form (conversational) samples: the completion is the assistant
+    message's text and the prompt the chat template's rendering ``render(messages)`` (what our
+    reward functions receive as the prompt)."""
+    ends = set(eos_ids)
+
+    def text(x):
+        return x[-1]["content"] if isinstance(x, list) else x
 
     def reward(prompts, completions, completion_ids, answer, **kw):
         return [
-            float(fn(p, c, a, finish_reason="stop" if ids and ids[-1] == eos_id else "length"))
+            float(
+                fn(
+                    render(p) if isinstance(p, list) and render else text(p),
+                    text(c),
+                    a,
+                    finish_reason="stop" if ids and ids[-1] in ends else "length",
+                )
+            )
             for p, c, ids, a in zip(prompts, completions, completion_ids, answer)
         ]
 
     reward.__name__ = fn.__name__
     return reward
+
+
+def eos_token_ids(tok, model) -> list:
+    """The ids that end a sample: the tokenizer's EOS and the generation config's (one or a
+    list), as ``GRPOTrainer`` collects them."""
+    ids = [tok.eos_token_id]
+    gen = getattr(model.generation_config, "eos_token_id", None)
+    ids += gen if isinstance(gen, (list, tuple)) else [gen]
+    return sorted({i for i in ids if i is not None})
 
 
 def vmhwm_gib() -> float:
@@ -72,29 +103,41 @@ def patch_profiling() -> None:
     profiling.ProfilingContext._log_metrics = _log_metrics
 
 
-def step_logger(path: Path):
-    """A ``TrainerCallback`` writing one JSON line per optimizer step to ``path``."""
+def step_logger(path: Path, snapshots=(), snapshot_dir: Path = None, tok=None):
+    """A ``TrainerCallback`` writing one JSON line per optimizer step to ``path``; after the
+    steps in ``snapshots`` it saves the model (and ``tok``) to ``snapshot_dir/step<N>`` for the
+    held-out evaluation the bench runs afterwards. Saving is no training: its seconds are left
+    out of the next step's ``wall`` and summed in each row's ``paused_s`` (the saves before this
+    row's ``time``); ``path``'s sibling ``timing.json`` holds ``on_train_begin``'s time
+    (``begin``) and, at the end, all the saving's seconds (``paused_s``)."""
     from transformers import TrainerCallback
 
     class StepLog(TrainerCallback):
         def __init__(self):
-            self.t_prev, self.row = None, None
+            self.t_prev, self.row, self.paused = None, None, 0.0
             self.f = open(path, "w")
 
         def on_train_begin(self, args, state, control, **kw):
-            self.t_prev = time.time()
+            self.t_prev = self.begin = time.time()
 
-        def on_step_end(self, args, state, control, **kw):
+        def on_step_end(self, args, state, control, model=None, **kw):
             now = time.time()
             self.row = {
                 "step": state.global_step,
                 "time": now,
                 "wall": now - self.t_prev,
+                "paused_s": self.paused,
                 "generate_s": PROFILED.get("GRPOTrainer.transformers.generate", 0.0),
                 "rollout_s": PROFILED.get("GRPOTrainer._prepare_inputs", 0.0),
             }
             PROFILED.clear()
-            self.t_prev = now
+            if state.global_step in snapshots:
+                out = snapshot_dir / f"step{state.global_step}"
+                model.save_pretrained(out)
+                if tok is not None:
+                    tok.save_pretrained(out)
+                self.paused += time.time() - now
+            self.t_prev = time.time()
 
         def on_log(self, args, state, control, logs=None, **kw):
             if not logs or "reward" not in logs or self.row is None:
@@ -112,6 +155,8 @@ def step_logger(path: Path):
 
         def on_train_end(self, args, state, control, **kw):
             self.f.close()
+            timing = {"begin": self.begin, "paused_s": self.paused}
+            (path.parent / "timing.json").write_text(json.dumps(timing))
 
     return StepLog()
 
@@ -141,15 +186,23 @@ def arguments(argv=None, *, description: str):
         help="gradient checkpointing (GRPOConfig's default; off unless given)",
     )
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
+    p.add_argument(
+        "--snapshots",
+        default="",
+        help="steps after which the model is saved to OUT/snapshots/step<N> (comma-separated)",
+    )
     return p.parse_args(argv)
 
 
 def build_trainer(a, callbacks=()):
     """TRL's ``GRPOTrainer`` as the bench asks (see the module docstring): ``(trainer, cfg,
-    tokenizer)`` with torch's threads set; ``callbacks``: ``TrainerCallback`` objects."""
+    tokenizer)`` with torch's threads set; ``callbacks``: ``TrainerCallback`` objects, or
+    functions of the tokenizer that return one. Prompts in chat form (lists of messages) make
+    TRL apply the tokenizer's chat template (``add_generation_prompt``), as our trainer does
+    with ``data.apply_chat_template``."""
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(a.threads)
@@ -165,6 +218,10 @@ def build_trainer(a, callbacks=()):
     data = datasets.Dataset.from_list(
         [{"prompt": r["prompt"], "answer": str(r["answer"])} for r in rows]
     )
+
+    def render(messages):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     # one optimizer step = gradient_accumulation_steps micro-batches of per_device_train_batch
     # samples = one generation batch of prompts x group samples (steps_per_generation defaults
     # to gradient_accumulation_steps); num_iterations 1: each batch is trained once
@@ -199,11 +256,11 @@ def build_trainer(a, callbacks=()):
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[trl_reward(load_reward(a.reward), tok.eos_token_id)],
+        reward_funcs=[trl_reward(load_reward(a.reward), eos_token_ids(tok, model), render)],
         args=cfg,
         train_dataset=data,
         processing_class=tok,
-        callbacks=list(callbacks),
+        callbacks=[c if isinstance(c, TrainerCallback) else c(tok) for c in callbacks],
     )
     return trainer, cfg, tok
 
@@ -218,7 +275,10 @@ def main(argv=None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     patch_profiling()
-    trainer, cfg, tok = build_trainer(a, [step_logger(out / "steps.jsonl")])
+    snapshots = {int(x) for x in a.snapshots.split(",") if x.strip()}
+    trainer, cfg, tok = build_trainer(
+        a, [lambda tok: step_logger(out / "steps.jsonl", snapshots, out / "snapshots", tok)]
+    )
     meta = {
         "trl": trl.__version__,
         "torch": torch.__version__,
