@@ -307,7 +307,7 @@ def test_side_flops_and_generation_rate():
     assert f["flop_s"]["prox"] == one["prox"] / 0.5  # only the step that ran it counts
     info = {"prefill_tokens": 3, "tokens_generated": 2, "forward_seconds": 2.0}
     # prefill tokens attend to (3 + 1) / 2 keys, generated ones to 3 + (2 + 1) / 2
-    want = (3 * (2 * dims["matmul_params"] + 16 * 2) + 2 * (2 * dims["matmul_params"] + 16 * 4.5))
+    want = 3 * (2 * dims["matmul_params"] + 16 * 2) + 2 * (2 * dims["matmul_params"] + 16 * 4.5)
     assert server_generation_flop_s(dims, info, 3, 2) == want / 2.0
     assert server_generation_flop_s(dims, {}, 3, 2) is None
 
@@ -351,14 +351,25 @@ def test_quality_summary_times_each_side_to_the_others_final():
     from bench.vs_trl.quality import quality_summary
 
     res = {
-        "ours": {"quality": [{"t": 10.0, "pass@1": 0.0, "reward": 0.1},
-                             {"t": 20.0, "pass@1": 0.5, "reward": 0.7}]},
-        "trl": {"quality": [{"t": 5.0, "pass@1": 0.0, "reward": 0.1},
-                            {"t": 30.0, "pass@1": 0.25, "reward": 0.8}]},
+        "ours": {
+            "quality": [
+                {"t": 10.0, "pass@1": 0.0, "reward": 0.1},
+                {"t": 20.0, "pass@1": 0.5, "reward": 0.7},
+            ]
+        },
+        "trl": {
+            "quality": [
+                {"t": 5.0, "pass@1": 0.0, "reward": 0.1},
+                {"t": 30.0, "pass@1": 0.25, "reward": 0.8},
+            ]
+        },
     }
     q = quality_summary(res)
     assert (q["ours_final"], q["trl_final"], q["ours_s_total"], q["trl_s_total"]) == (
-        0.5, 0.25, 20.0, 30.0
+        0.5,
+        0.25,
+        20.0,
+        30.0,
     )
     assert q["ours_s_to_trl_final"] == 20.0 and q["trl_s_to_ours_final"] is None
     assert q["ours_s_to_trl_reward_final"] is None and q["trl_s_to_ours_reward_final"] == 30.0

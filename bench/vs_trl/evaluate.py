@@ -32,9 +32,13 @@ def load_weights(addr: str, model_dir: str, timeout: float = 600.0) -> None:
 def main(argv=None) -> None:
     """Evaluate every ``--models`` directory (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else argv
-    ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (
-        argv,
-        [],
+    ours, rest = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :])
+        if "--" in argv
+        else (
+            argv,
+            [],
+        )
     )
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)

@@ -128,9 +128,7 @@ def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict) -> d
         "flop_s": {},
     }
     for name, (kind, key) in parts.items():
-        pairs = [
-            (f[kind], r["split"].get(key)) for r, f in per if f[kind] and r["split"].get(key)
-        ]
+        pairs = [(f[kind], r["split"].get(key)) for r, f in per if f[kind] and r["split"].get(key)]
         seconds = sum(t for _, t in pairs)
         out["flop_s"][name] = sum(x for x, _ in pairs) / seconds if seconds > 0 else None
     return out

@@ -71,9 +71,7 @@ def report(res: dict) -> str:
         f"{'':{w}s}{'ours':>14s}{'TRL':>14s}",
         row("s/step (median after warm-up)", o["s_per_step"], t.get("s_per_step")),
         row("samples/s", o["samples_per_s"], t.get("samples_per_s")),
-        row(
-            "tokens/s (prompt + completion)", o["tokens_per_s"], t.get("tokens_per_s"), "{:.1f}"
-        ),
+        row("tokens/s (prompt + completion)", o["tokens_per_s"], t.get("tokens_per_s"), "{:.1f}"),
         row("tokens per step", o["tokens_per_step"], t.get("tokens_per_step"), "{:.0f}"),
         row("warm-up step s", o["walls"][0], (t.get("walls") or [None])[0]),
         row("process wall s (start-up included)", ours["wall"], trl["wall"], "{:.1f}"),
@@ -146,6 +144,7 @@ def quality_lines(res: dict, row) -> list:
     )
     q = res.get("quality") or {}
     if q:
+
         def at(v):
             return "never" if v is None else f"{v:.1f} s"
 
