@@ -477,6 +477,7 @@ def build_app(
                 "receiving_buckets": srv.receiving,
                 **lora_server_info(srv),
                 "weight_version": e.weight_version,
+                "dtype": srv.dtype_name,
                 "uptime_s": time.time() - srv.started_at,
             }
         )
@@ -597,7 +598,11 @@ def main(argv: Optional[list] = None) -> None:
         lora=lora,
         dtype=args.dtype,
     )
-    print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"local rollout server: {args.model_path} ({srv.dtype_name}) on "
+        f"http://{args.host}:{args.port}",
+        flush=True,
+    )
     run_app_guarded(
         build_app(srv, body_timeout_s=args.idle_timeout),
         args.host,

@@ -86,6 +86,7 @@ class LocalRolloutServer:
             model_path, dtype=MODEL_DTYPES[dtype], **attention_implementation(model_path)
         )
         self.model.eval()
+        self.dtype_name = str(self.model.dtype).replace("torch.", "")  # e.g. "bfloat16"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except Exception:  # noqa: BLE001 - a model dir without a tokenizer still serves ids
