@@ -39,12 +39,17 @@ def _hf_tensors(directory) -> dict:
     return out
 
 
-def test_bf16_run_keeps_fp32_main_params_and_matches_its_bf16_server(assets, tmp_path):
+@pytest.mark.parametrize("weight_update", ["disk", "distributed"])
+def test_bf16_run_keeps_fp32_main_params_and_matches_its_bf16_server(
+    assets, tmp_path, weight_update
+):
     """A 5-step on-policy (eta = 0) bf16 run: every step's training/inference ``mismatch`` is
-    within :data:`BF16_MISMATCH`; the server ran in bf16; the checkpoint holds bf16 weights
-    and, in the optimizer, an fp32 main copy of each that they are the rounding of; the
-    published weights moved from the HF model's by at most what Adam's learning rates allow
-    (so training started from the HF weights, not from a random initialisation)."""
+    within :data:`BF16_MISMATCH` (the server generating with the weights of the step before,
+    received as bf16 files or as bf16 buckets of the broadcast); the server ran in bf16; the
+    checkpoint holds bf16 weights and, in the optimizer, an fp32 main copy of each that they
+    are the rounding of. With disk updates the published weights (bf16, config saying so)
+    moved from the HF model's by at most what Adam's learning rates allow (so training
+    started from the HF weights, not from a random initialisation)."""
     model, data = assets
     run = tmp_path / "run"
     rc, out = _finish(
@@ -57,6 +62,8 @@ def test_bf16_run_keeps_fp32_main_params_and_matches_its_bf16_server(assets, tmp
             "model.dtype=bf16",
             "rollout.max_head_offpolicyness=0",
             "rollout.reward_fn=areal_mega.rewards:char_match_reward",
+            f"rollout.weight_update={weight_update}",
+            "rollout.weight_bucket_mb=1",
         ),
         timeout=300,
     )
@@ -83,6 +90,8 @@ def test_bf16_run_keeps_fp32_main_params_and_matches_its_bf16_server(assets, tmp
         finer += int((main != w.float()).sum())
     assert finer > 0  # updates below a bf16 step live on in the main params
 
+    if weight_update != "disk":
+        return  # no weight files: the broadcast's bf16 buckets are checked by the mismatch
     lr_sum = sum(r["lr"] for r in rows)
     assert lr_sum > 0
     start, end = _hf_tensors(model), _hf_tensors(run / "weights" / f"v{STEPS:07d}")
