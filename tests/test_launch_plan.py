@@ -331,6 +331,9 @@ def test_server_commands(tmp_path):
     ]
     cpu3 = load_config(ROOT / "recipes/tiny-cpu.yaml", ["cluster.cpu_threads_per_server=3"])
     assert local.server_command(cpu3, slot)[-2:] == ["--num-threads", "3"]
+    # a bf16 run's server loads and generates in bf16, as the trainer computes
+    cpu_bf16 = load_config(ROOT / "recipes/tiny-cpu.yaml", ["model.dtype=bf16"])
+    assert local.server_command(cpu_bf16, slot)[-2:] == ["--dtype", "bf16"]
     # a LoRA run's servers load adapters only from the run directory (where they are published)
     lora = load_config(
         ROOT / "recipes/tiny-cpu.yaml", ["lora.enabled=true", f"logging.run_dir={tmp_path}"]

@@ -478,7 +478,9 @@ def load_checkpoint(
     :func:`latest_verified` just returned). Raises :class:`CheckpointError` for a missing,
     incomplete or corrupt checkpoint, naming the file. ``model_keys``: load only the model keys
     it accepts (a LoRA model: the base weights from a converted checkpoint, or the adapters from
-    a LoRA checkpoint); the other parameters keep their values."""
+    a LoRA checkpoint); the other parameters keep their values. An ``optimizer`` whose state is
+    not loaded (``load_optimizer=False``, or none saved) takes the loaded weights as its main
+    parameters (megatron's ``reload_model_params``)."""
     from megatron.core import dist_checkpointing
 
     path = _resolve(path)
@@ -529,6 +531,10 @@ def load_checkpoint(
         distopt_load_state(optimizer, model, ld, {i: v["step"] for i, v in ld.items()})
     elif want_opt:
         optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
+        # weights loaded without optimizer state: a bf16/fp16 model's fp32 main parameters
+        # copy them (else the first step writes the main params of before the load back)
+        optimizer.reload_model_params()
     if lr_scheduler is not None and load_optimizer and meta.get("has_lr_scheduler"):
         common = dist_checkpointing.load_common_state_dict(str(path))
         lr_scheduler.load_state_dict(common["lr_scheduler"])

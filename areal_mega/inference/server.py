@@ -91,7 +91,11 @@ from areal_mega.inference.lora_api import (
     resolve_adapters,
 )
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
-from areal_mega.inference.server_state import MAX_JOIN_TIMEOUT_S, LocalRolloutServer
+from areal_mega.inference.server_state import (
+    MAX_JOIN_TIMEOUT_S,
+    MODEL_DTYPES,
+    LocalRolloutServer,
+)
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
@@ -473,6 +477,7 @@ def build_app(
                 "receiving_buckets": srv.receiving,
                 **lora_server_info(srv),
                 "weight_version": e.weight_version,
+                "dtype": srv.dtype_name,
                 "uptime_s": time.time() - srv.started_at,
             }
         )
@@ -554,6 +559,12 @@ def main(argv: Optional[list] = None) -> None:
         help="memory budget of the prefix cache (keys/values of prompts and "
         "finished sequences reused by later requests); 0 disables it",
     )
+    ap.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=sorted(MODEL_DTYPES),
+        help="dtype the model is loaded and generates in (the trainer's model.dtype)",
+    )
     ap.add_argument("--log-level", default="WARNING")
     add_lora_flags(ap)
     args = ap.parse_args(argv)
@@ -585,8 +596,13 @@ def main(argv: Optional[list] = None) -> None:
         enable_return_routed_experts=args.enable_return_routed_experts,
         prefix_cache_mb=args.prefix_cache_mb,
         lora=lora,
+        dtype=args.dtype,
     )
-    print(f"local rollout server: {args.model_path} on http://{args.host}:{args.port}", flush=True)
+    print(
+        f"local rollout server: {args.model_path} ({srv.dtype_name}) on "
+        f"http://{args.host}:{args.port}",
+        flush=True,
+    )
     run_app_guarded(
         build_app(srv, body_timeout_s=args.idle_timeout),
         args.host,

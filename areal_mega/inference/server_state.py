@@ -36,6 +36,8 @@ from areal_mega.parallel.weight_group import (
 
 # the longest rendezvous /init_weights_update_group may ask for; a longer timeout_s is refused
 MAX_JOIN_TIMEOUT_S = 600.0
+#: ``--dtype`` (the names of ``model.dtype``): the dtype the model is loaded and generates in
+MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def attention_implementation(model_path) -> dict:
@@ -65,8 +67,11 @@ class LocalRolloutServer:
         enable_return_routed_experts: bool = False,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         lora: Optional[LoraSettings] = None,
+        dtype: str = "fp32",
     ):
-        """``enable_return_routed_experts``: capture MoE routes for requests asking for them
+        """``dtype``: a key of :data:`MODEL_DTYPES`, the dtype of the weights and of every
+        matmul (the trainer's ``model.dtype``; the sampled tokens' log-probabilities are
+        computed in fp32 from the logits either way). ``enable_return_routed_experts``: capture MoE routes for requests asking for them
         (ValueError for a dense model). ``prefix_cache_mb``: memory budget of the prefix
         cache (0: none; :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
         (:mod:`areal_mega.inference.lora_api`); its ``--lora-paths`` are loaded here
@@ -75,10 +80,13 @@ class LocalRolloutServer:
 
         self.model_path = model_path
         self.api_key = api_key
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype {dtype!r}: must be one of {sorted(MODEL_DTYPES)}")
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, **attention_implementation(model_path)
+            model_path, dtype=MODEL_DTYPES[dtype], **attention_implementation(model_path)
         )
         self.model.eval()
+        self.dtype_name = str(self.model.dtype).replace("torch.", "")  # e.g. "bfloat16"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except Exception:  # noqa: BLE001 - a model dir without a tokenizer still serves ids

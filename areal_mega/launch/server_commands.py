@@ -87,6 +87,8 @@ def server_command(cfg, slot, host: str = "127.0.0.1") -> list:
                 "--num-threads",
                 str(cfg.cluster.cpu_threads_per_server),
             ]
+            # the server loads and generates in the trainer's dtype (fp32 is its default)
+            + ([] if cfg.model.dtype == "fp32" else ["--dtype", cfg.model.dtype])
             + replay_server_flags(cfg)
             + lora_server_flags(cfg)
             + (

@@ -673,7 +673,21 @@ def build_model_chunks(
             from areal_mega.models.gemma3 import scale_embeddings
 
             scale_embeddings(model, arch)
+        cast_params_to(model, config.params_dtype)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks, config
+
+
+def cast_params_to(model, dtype) -> None:
+    """Every floating-point parameter of ``model`` in ``dtype`` (the model's ``params_dtype``),
+    as megatron's ``Float16Module`` casts a bf16/fp16 model: modules built without TE (torch's
+    norms, ours) create fp32 weights whatever ``params_dtype`` says. Megatron's optimizer keeps
+    an fp32 main copy of each bf16 parameter, and its checkpoint maps only those; an fp32
+    norm weight among bf16 layers would also send every norm through torch's mixed-dtype
+    fallback. Buffers keep their dtype (megatron keeps e.g. a router's expert bias in fp32)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+

@@ -267,6 +267,7 @@ class TrainerSession:
         load_checkpoint(
             src,
             chunks,
+            getattr(engine, "optimizer", None),  # its fp32 main params copy the weights
             load_optimizer=False,
             load_rng=False,
             model_keys=base_keys if lora is not None else None,

@@ -60,16 +60,18 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
             "shard": shard,
             "names": sorted(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "dtypes": sorted({str(t.dtype) for t in tensors.values() if t.is_floating_point()}),
         }
         (tmp / f".manifest-{stage}.json").write_text(json.dumps(manifest))
     del tensors
     _barrier()
     if is_writer:
-        weight_map, total = {}, 0
+        weight_map, total, dtypes = {}, 0, set()
         for m in sorted(tmp.glob(".manifest-*.json")):
             info = json.loads(m.read_text())
             weight_map.update({n: info["shard"] for n in info["names"]})
             total += info["bytes"]
+            dtypes.update(info["dtypes"])
             m.unlink()
         expected = set(hm.hf_tensor_names(arch))
         missing = sorted(expected - set(weight_map))
@@ -86,10 +88,27 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
         for f in HF_AUX_FILES:
             if (hf_src_dir / f).exists():
                 shutil.copy2(hf_src_dir / f, tmp / f)
+        if len(dtypes) == 1:
+            _set_config_dtype(tmp / "config.json", dtypes.pop())
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     _barrier()
     return out
+
+
+def _set_config_dtype(config_file: Path, dtype: str) -> None:
+    """``config.json``'s dtype (``dtype``, or the older ``torch_dtype`` where the source has
+    that key) set to that of the exported tensors (``"torch.bfloat16"`` -> ``"bfloat16"``): a
+    bf16 model exported from an fp32 HF directory is no longer fp32, and ``dtype="auto"``
+    loaders read it there."""
+    if not config_file.exists():
+        return
+    cfg = json.loads(config_file.read_text())
+    key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+    name = dtype.replace("torch.", "")
+    if cfg.get(key) != name:
+        cfg[key] = name
+        config_file.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def resolve_weight_update(mode: str, *, cuda: bool, pp: int, lora: bool = False) -> str:
