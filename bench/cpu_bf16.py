@@ -77,8 +77,10 @@ def cpu_description() -> str:
 
 def gemm_shapes(tokens: int) -> list:
     """``(layer, M, K, N)`` of the 135M shape's linear layers (fused q/k/v and gate/up)."""
-    h, ffn, heads, kv = (SHAPE[k] for k in ("hidden_size", "intermediate_size",
-                                             "num_attention_heads", "num_key_value_heads"))
+    h, ffn, heads, kv = (
+        SHAPE[k]
+        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    )
     d = h // heads
     return [
         ("qkv", tokens, h, (heads + 2 * kv) * d),
@@ -110,8 +112,7 @@ def bench_gemms(tokens: int, repeats: int) -> None:
         f"M = {tokens} tokens; GFLOP/s, best of {repeats})"
     )
     print(
-        f"  {'layer':8s}{'M x K x N':>20s}{'product':>9s}{'fp32':>9s}{'bf16':>9s}"
-        f"{'bf16/fp32':>11s}"
+        f"  {'layer':8s}{'M x K x N':>20s}{'product':>9s}{'fp32':>9s}{'bf16':>9s}{'bf16/fp32':>11s}"
     )
     totals = {torch.float32: 0.0, torch.bfloat16: 0.0}
     flops_all = 0
@@ -128,9 +129,9 @@ def bench_gemms(tokens: int, repeats: int) -> None:
             for dt in (torch.float32, torch.bfloat16):
                 x, w, dy = (t.to(dt) for t in base.values())
                 fn = {
-                    "fwd": lambda: cpu_gemm.linear(x, w),
-                    "dgrad": lambda: cpu_gemm.grad_input(dy, w),
-                    "wgrad": lambda: cpu_gemm.grad_weight(dy, x),
+                    "fwd": lambda x=x, w=w: cpu_gemm.linear(x, w),
+                    "dgrad": lambda dy=dy, w=w: cpu_gemm.grad_input(dy, w),
+                    "wgrad": lambda dy=dy, x=x: cpu_gemm.grad_weight(dy, x),
                 }[prod]
                 s = _best(fn, repeats)
                 totals[dt] += s
@@ -186,8 +187,9 @@ def child(args, hf_dir, dtype, out) -> None:
     )
     load_hf_weights(actor, hf_dir)
     actor.optimizer.reload_model_params()  # bf16: the fp32 main params copy the loaded weights
-    targs = argparse.Namespace(prompts=args.prompts, group=args.group, max_new=args.max_new,
-                               prompt_len=args.prompt_len)
+    targs = argparse.Namespace(
+        prompts=args.prompts, group=args.group, max_new=args.max_new, prompt_len=args.prompt_len
+    )
     grpo_step(actor, mesh, cfg, make_trajectories(targs, vocab, 0, 0), 0)  # warm-up
     steps = [
         grpo_step(actor, mesh, cfg, make_trajectories(targs, vocab, i, i), i)
@@ -207,9 +209,18 @@ def child(args, hf_dir, dtype, out) -> None:
 def run_step_variant(args, hf_dir, dtype, tmp, profile=False) -> dict:
     out = Path(tmp) / f"{Path(hf_dir).name}-{dtype}.json"
     cmd = [
-        sys.executable, __file__, "--child", str(hf_dir), dtype, str(out),
-        f"--threads={args.threads}", f"--steps={args.steps}", f"--prompts={args.prompts}",
-        f"--group={args.group}", f"--max-new={args.max_new}", f"--prompt-len={args.prompt_len}",
+        sys.executable,
+        __file__,
+        "--child",
+        str(hf_dir),
+        dtype,
+        str(out),
+        f"--threads={args.threads}",
+        f"--steps={args.steps}",
+        f"--prompts={args.prompts}",
+        f"--group={args.group}",
+        f"--max-new={args.max_new}",
+        f"--prompt-len={args.prompt_len}",
     ] + (["--profile-child"] if profile else [])
     env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -269,9 +280,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="+ one profiled bf16 step")
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--child", nargs=3, metavar=("HF_DIR", "DTYPE", "OUT"), help=argparse.SUPPRESS
-    )
+    ap.add_argument("--child", nargs=3, metavar=("HF_DIR", "DTYPE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args, *args.child)

@@ -71,9 +71,10 @@ class LocalRolloutServer:
     ):
         """``dtype``: a key of :data:`MODEL_DTYPES`, the dtype of the weights and of every
         matmul (the trainer's ``model.dtype``; the sampled tokens' log-probabilities are
-        computed in fp32 from the logits either way). ``enable_return_routed_experts``: capture MoE routes for requests asking for them
-        (ValueError for a dense model). ``prefix_cache_mb``: memory budget of the prefix
-        cache (0: none; :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
+        computed in fp32 from the logits either way). ``enable_return_routed_experts``: capture
+        MoE routes for requests asking for them (ValueError for a dense model).
+        ``prefix_cache_mb``: memory budget of the prefix cache (0: none;
+        :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
         (:mod:`areal_mega.inference.lora_api`); its ``--lora-paths`` are loaded here
         (ValueError naming a bad one)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer

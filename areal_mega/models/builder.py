@@ -690,4 +690,3 @@ def cast_params_to(model, dtype) -> None:
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
-
