@@ -1,0 +1,178 @@
+"""The CPU Mamba-2 kernels (areal_mega/compat/mamba_cpu.py) against transformers' torch
+implementation of the Nemotron-H mixer, packed sequences included, forward and backward; and
+megatron-core's MambaMixer, built with the CPU patches, against the same layer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from areal_mega.compat import mamba_cpu
+
+nemotron_h = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig  # noqa: E402
+
+LENGTHS = [70, 5, 130, 1]  # across chunk boundaries (32), a sequence starting mid-chunk, one token
+CHUNK = 32
+
+
+def _mixer(seed=0, groups=2, chunk_size=256):
+    """transformers' Nemotron-H mixer with every parameter random (dt_bias, A_log, D, the
+    norm's gain, the conv bias), so that each one changes the output. Its chunk size is one
+    chunk per test sequence: its state passing between chunks is wrong (see
+    test_transformers_nemotron_h_multi_chunk_defect); the kernels run several (CHUNK)."""
+    cfg = NemotronHConfig(
+        hidden_size=24,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=groups,
+        ssm_state_size=6,
+        conv_kernel=4,
+        chunk_size=chunk_size,
+        use_conv_bias=True,
+        use_bias=False,
+        use_mamba_kernels=False,
+        layer_norm_epsilon=1e-5,
+        # transformers' torch path clamps dt at time_step_min; its CUDA path and mamba-ssm's
+        # kernels (megatron) use time_step_limit = (0, inf): no clamp on either side here
+        time_step_min=0.0,
+    )
+    torch.manual_seed(seed)
+    mixer = nemotron_h.NemotronHMamba2Mixer(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+        mixer.norm.weight.add_(1.0)
+        mixer.A_log.copy_(torch.rand_like(mixer.A_log) * 2 - 1)
+    return mixer
+
+
+def _bounds():
+    cu = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))[None]
+    return list(zip(cu[:-1], cu[1:])), seq_idx.to(torch.int32)
+
+
+def _ours(mixer, h, seq_idx, gated_norm_inside=False):
+    """The mixer's forward through the fused kernel, as megatron's MambaMixer calls it (gate
+    inside the scan, then the group RMSNorm) or with the gated norm inside the kernel."""
+    zxbcdt = mixer.in_proj(h)
+    kwargs = dict(
+        chunk_size=CHUNK,
+        seq_idx=seq_idx,
+        activation="silu",
+        headdim=mixer.head_dim,
+        ngroups=mixer.n_groups,
+        norm_before_gate=False,
+    )
+    args = (
+        zxbcdt,
+        mixer.conv1d.weight[:, 0],
+        mixer.conv1d.bias,
+        mixer.dt_bias,
+        -torch.exp(mixer.A_log.float()),
+        mixer.D,
+    )
+    if gated_norm_inside:
+        y = mamba_cpu.mamba_split_conv1d_scan_combined(
+            *args, rmsnorm_weight=mixer.norm.weight, rmsnorm_eps=mixer.norm.variance_epsilon,
+            **kwargs,
+        )
+    else:
+        y = mamba_cpu.mamba_split_conv1d_scan_combined(*args, **kwargs)
+        norm = mamba_cpu.RMSNormGated(
+            y.shape[-1], eps=mixer.norm.variance_epsilon, group_size=mixer.norm.group_size,
+            norm_before_gate=False,
+        )
+        norm.weight = mixer.norm.weight  # shared: its gradient is compared too
+        y = norm(y)
+    return mixer.out_proj(y)
+
+
+def _close(got, want, rel=1e-5):
+    got, want = got.detach(), want.detach()
+    assert float((got - want).abs().max()) <= rel * float(want.abs().max()), (
+        float((got - want).abs().max()),
+        float(want.abs().max()),
+    )
+
+
+@pytest.mark.parametrize("gated_norm_inside", [False, True])
+def test_packed_mixer_equals_transformers_per_sequence(gated_norm_inside):
+    mixer = _mixer()
+    bounds, seq_idx = _bounds()
+    h = torch.randn(1, sum(LENGTHS), 24, requires_grad=True)
+    got = _ours(mixer, h, seq_idx, gated_norm_inside)
+    params = list(mixer.parameters())
+    dy = torch.randn_like(got)
+    got_grads = torch.autograd.grad((got * dy).sum(), [h, *params])
+    want = torch.cat([mixer.torch_forward(h[:, s:e]) for s, e in bounds], dim=1)
+    want_grads = torch.autograd.grad((want * dy).sum(), [h, *params])
+    _close(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.isfinite(a).all()
+        _close(a, b)
+
+
+def test_packing_changes_the_result():
+    """Without seq_idx the state runs on from one sequence into the next: the packed case
+    above is not passing by accident."""
+    mixer = _mixer(seed=1)
+    bounds, seq_idx = _bounds()
+    h = torch.randn(1, sum(LENGTHS), 24)
+    with torch.no_grad():
+        packed, joined = _ours(mixer, h, seq_idx), _ours(mixer, h, None)
+        s, e = bounds[1]
+        assert float((packed[:, s:e] - joined[:, s:e]).abs().max()) > 1e-2
+        _close(joined, mixer.torch_forward(h))
+
+
+def test_scan_final_state_and_batch():
+    torch.manual_seed(2)
+    b, length, h, p, g, n = 2, 45, 4, 3, 1, 5
+    x, z = torch.randn(b, length, h, p), torch.randn(b, length, h, p)
+    dt, A, dt_bias = torch.randn(b, length, h), -torch.rand(h) - 0.1, torch.randn(h)
+    B, C = torch.randn(b, length, g, n), torch.randn(b, length, g, n)
+    D = torch.randn(h, p)
+    y, final = mamba_cpu.mamba_chunk_scan_combined(
+        x, dt, A, B, C, 16, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
+        dt_limit=(0.05, 2.0), return_final_states=True,
+    )
+    # the plain recurrence, one position at a time
+    dtf = F.softplus(dt + dt_bias).clamp(0.05, 2.0)
+    state, ys = torch.zeros(b, h, p, n), []
+    for t in range(length):
+        decay = torch.exp(dtf[:, t] * A)[..., None, None]
+        state = state * decay + dtf[:, t, :, None, None] * x[:, t, :, :, None] * B[:, t, :1, None]
+        ys.append((state * C[:, t, :1, None]).sum(-1) + D * x[:, t])
+    want = torch.stack(ys, 1) * F.silu(z)
+    _close(y, want)
+    _close(final, state)
+
+
+def test_packed_causal_conv_restarts_each_sequence():
+    bounds, seq_idx = _bounds()
+    x = torch.randn(1, 12, sum(LENGTHS))
+    w, bias = torch.randn(12, 4), torch.randn(12)
+    got = mamba_cpu.causal_conv1d_fn(x, w, bias, seq_idx=seq_idx, activation="silu")
+    want = torch.cat(
+        [F.silu(F.conv1d(x[..., s:e], w[:, None], bias, padding=3, groups=12))[..., : e - s]
+         for s, e in bounds],
+        dim=-1,
+    )
+    _close(got, want)
+    with pytest.raises(NotImplementedError, match="states"):
+        mamba_cpu.causal_conv1d_fn(x, w, return_final_states=True)
+
+
+def test_transformers_nemotron_h_multi_chunk_defect():
+    """transformers 5.12.1's Nemotron-H torch path passes the SSM state between chunks summed
+    over the wrong axis (its Mamba-2 and Falcon-H1 copies are right): past its first chunk it
+    is not the recurrence. The kernels here are (test_scan_final_state_and_batch). When this
+    fails, upstream fixed it: compare with a multi-chunk reference in the tests above."""
+    mixer, one_chunk = _mixer(chunk_size=16), _mixer(chunk_size=64)
+    h = torch.randn(1, 40, 24)
+    with torch.no_grad():
+        right, multi = one_chunk.torch_forward(h), mixer.torch_forward(h)
+        _close(multi[:, :16], right[:, :16])
+        _close(_ours(mixer, h, None), right)
+        assert float((multi[:, 16:] - right[:, 16:]).abs().max()) > 1e-2
