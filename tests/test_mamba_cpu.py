@@ -2,11 +2,16 @@
 implementation of the Nemotron-H mixer, packed sequences included, forward and backward; and
 megatron-core's MambaMixer, built with the CPU patches, against the same layer."""
 
+import json
+import os
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from areal_mega.compat import mamba_cpu
+from tests.helpers.workers import ROOT, worker_cmd, worker_env
 
 nemotron_h = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
 from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig  # noqa: E402
@@ -176,3 +181,26 @@ def test_transformers_nemotron_h_multi_chunk_defect():
         _close(multi[:, :16], right[:, :16])
         _close(_ours(mixer, h, None), right)
         assert float((multi[:, 16:] - right[:, 16:]).abs().max()) > 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_megatron_mixer_with_the_patch_equals_transformers():
+    """tests/helpers/mamba_probe_worker.py (a fresh process): megatron-core's MambaMixer lacks
+    its kernels here without the patch (when it has them, the patch is no longer needed), and
+    with it, on three packed sequences, equals transformers' mixer per sequence (output and
+    the gradients of the input and of every parameter)."""
+    out = subprocess.run(
+        worker_cmd("mamba_probe_worker"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=worker_env(dict(os.environ, PYTHONWARNINGS="ignore")),
+    )
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("MAMBA_PROBE ")]
+    assert line, out.stdout[-2000:] + out.stderr[-2000:]
+    res = json.loads(line[0][len("MAMBA_PROBE ") :])
+    assert not any(res["unpatched"].values()), res["unpatched"]
+    patched = res["patched"]
+    assert patched.pop("bias_is_none") is True
+    assert len(patched) == 8 and max(patched.values()) <= 1e-5, patched

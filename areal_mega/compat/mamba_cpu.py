@@ -21,6 +21,8 @@ calls it when it applies the CPU patches.
 
 from __future__ import annotations
 
+import ast
+import inspect
 from typing import Optional
 
 import torch
@@ -275,23 +277,24 @@ def _packing_supported(for_inference_not_training: bool = True):
     return True, None
 
 
+def _redefine_class(mod, name: str) -> None:
+    """Run the source of class ``name`` of ``mod`` again in ``mod``'s namespace: a class defined
+    on the placeholder megatron falls back to (a ``MagicMock`` instance: subclassing it gives
+    another mock, the class body lost) is then defined on what ``mod`` holds now."""
+    tree = ast.parse(inspect.getsource(mod))
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    code = compile(ast.Module(body=[node], type_ignores=[]), inspect.getsourcefile(mod), "exec")
+    exec(code, mod.__dict__)
+
+
 def install(mixer_mod) -> None:
     """Serve these functions to megatron-core's Mamba mixer module in place of causal-conv1d's
     and mamba-ssm's: the module-level names, ``HAVE_MAMBA_SSM``, its packing-support check,
-    and ``ExtendedRMSNorm`` rebuilt on :class:`RMSNormGated` (it subclassed a placeholder)."""
+    and ``ExtendedRMSNorm`` defined again on :class:`RMSNormGated` (it subclassed a placeholder)."""
     mixer_mod.causal_conv1d_fn = causal_conv1d_fn
     mixer_mod.mamba_chunk_scan_combined = mamba_chunk_scan_combined
     mixer_mod.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined
     mixer_mod.RMSNormGated = RMSNormGated
-    old = mixer_mod.ExtendedRMSNorm
-    mixer_mod.ExtendedRMSNorm = type(
-        old.__name__,
-        (RMSNormGated,),
-        {
-            "__doc__": old.__doc__,
-            "__module__": old.__module__,
-            "sharded_state_dict": old.__dict__["sharded_state_dict"],
-        },
-    )
+    _redefine_class(mixer_mod, "ExtendedRMSNorm")
     mixer_mod._check_mamba_sequence_packing_support = _packing_supported
     mixer_mod.HAVE_MAMBA_SSM = True
