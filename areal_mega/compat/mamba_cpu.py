@@ -108,17 +108,19 @@ def _ssd(x, dt, A, B, C, chunk_size: int, seq_idx):
     loga = loga.reshape(b, nc, chunk_size, h).permute(0, 3, 1, 2)  # [b, h, c, l]
     seg = _segsum(loga)  # [b, h, c, l, l]
     # inside each chunk: y_i = sum_(j<=i) (C_i . B_j) exp(sum a_(j+1..i)) xdt_j
-    y = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, seg.exp(), xdt)
+    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * seg.exp()
+    y = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)
     # each chunk's own contribution to the state at its end, then the states passed along
     to_end = seg[..., -1, :].exp()  # exp(sum a_(j+1..end)), [b, h, c, l]
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end, xdt)
+    states = torch.einsum("bclhn,bclhp->bchpn", B * to_end.permute(0, 2, 3, 1)[..., None], xdt)
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
     whole = seg[..., -1, :1] + loga[..., :1]  # the chunk's total log decay, [b, h, c, 1]
     passed = _segsum(F.pad(whole[..., 0], (1, 0))).exp()  # [b, h, c+1, c+1]
     states = torch.einsum("bhzc,bchpn->bzhpn", passed, states)
     # the state entering each chunk, decayed to each position: exp(sum a_(start..i))
     from_start = (seg[..., :, :1] + loga[..., None, :1])[..., 0].exp()  # [b, h, c, l]
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states[:, :-1], from_start)
+    y = y + torch.einsum("bclhn,bchpn->bclhp", C * from_start.permute(0, 2, 3, 1)[..., None],
+                         states[:, :-1])
     return y.reshape(b, -1, h, p)[:, :length], states[:, -1]
 
 
