@@ -3,8 +3,8 @@
     python -m tests.helpers.mamba_probe_worker
         -> prints MAMBA_PROBE {"unpatched": {kernel: present}, "patched": {what: difference}}
 
-The patched run builds the mixer, runs three packed sequences (``PackedSeqParams`` with
-``total_tokens``, which gives megatron's ``seq_idx``) and compares output and gradients with
+The patched run builds the mixer, runs three packed sequences (``PackedSeqParams`` as the
+engine builds them, engine/packed_params.py, whose ``seq_idx`` separates them) and compares output and gradients with
 transformers' Nemotron-H mixer run on each sequence alone with the same weights. Run in a fresh
 process: the patches are process-global once applied.
 """
@@ -62,6 +62,7 @@ def mixer_matches_transformers() -> dict:
     """Worst output / gradient differences (relative to the reference's largest entry) of
     megatron's mixer on the packed sequences against transformers' per sequence."""
     from megatron.core.packed_seq_params import PackedSeqParams
+    from areal_mega.engine.packed_params import packed_seq_kwargs
     from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
@@ -99,14 +100,7 @@ def mixer_matches_transformers() -> dict:
         mixer.out_proj.weight.copy_(ref.out_proj.weight)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     total = int(cu[-1])
-    packed = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=max(LENGTHS),
-        max_seqlen_kv=max(LENGTHS),
-        total_tokens=total,
-    )
+    packed = PackedSeqParams(**packed_seq_kwargs(cu, None, total))  # the engine's, as it packs
     x = torch.randn(total, 1, 24, requires_grad=True)
     out, bias = mixer(x, packed_seq_params=packed)
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
