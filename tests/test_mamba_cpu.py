@@ -173,7 +173,8 @@ def test_transformers_nemotron_h_multi_chunk_defect():
     """transformers 5.12.1's Nemotron-H torch path passes the SSM state between chunks summed
     over the wrong axis (its Mamba-2 and Falcon-H1 copies are right): past its first chunk it
     is not the recurrence. The kernels here are (test_scan_final_state_and_batch). When this
-    fails, upstream fixed it: compare with a multi-chunk reference in the tests above."""
+    fails, upstream fixed it: compare with a multi-chunk reference in the tests above, and drop
+    the correction in areal_mega/inference/hf_corrections.py."""
     mixer, one_chunk = _mixer(chunk_size=16), _mixer(chunk_size=64)
     h = torch.randn(1, 40, 24)
     with torch.no_grad():
@@ -204,3 +205,63 @@ def test_megatron_mixer_with_the_patch_equals_transformers():
     patched = res["patched"]
     assert patched.pop("bias_is_none") is True
     assert len(patched) == 8 and max(patched.values()) <= 1e-5, patched
+
+
+def _causal_lm(chunk_size, time_step_min=0.001):
+    """transformers' Nemotron-H causal LM (Mamba, attention and MLP layers) in fp32 with every
+    weight random; some heads' dt_bias so low that dt falls under time_step_min (the clamp
+    bites)."""
+    cfg = NemotronHConfig(
+        vocab_size=40, hidden_size=24, hybrid_override_pattern="M*M-", num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=6, intermediate_size=32,
+        mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=6, conv_kernel=4,
+        chunk_size=chunk_size, use_mamba_kernels=False, time_step_min=time_step_min,
+    )
+    torch.manual_seed(0)
+    model = nemotron_h.NemotronHForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if n.endswith("norm.weight")
+                    else torch.rand_like(p) * 2 - 1 if "A_log" in n else torch.randn_like(p) * 0.3)
+            if n.endswith("dt_bias"):
+                p[:2] = -9.0  # softplus(-9 + small) < 0.001
+    return model
+
+
+def test_corrected_torch_path_past_the_first_chunk():
+    """areal_mega/inference/hf_corrections.py (the CPU rollout server applies it when it loads
+    a Nemotron-H model): transformers' torch path with the multi-chunk scan corrected equals
+    the same weights scanned as one chunk (where transformers is right), dt clamped at
+    time_step_min on both; the prompt's cache (conv window, SSM state) continues into
+    one-token decoding steps, which stay transformers' own, as a one-chunk forward of the
+    whole sequence does. Uncorrected, the same model differs (the test bites)."""
+    from areal_mega.inference.hf_corrections import correct_loaded_model
+
+    model, one_chunk = _causal_lm(chunk_size=16), _causal_lm(chunk_size=64)
+    ids = torch.randint(0, 40, (2, 43), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = one_chunk(ids, use_cache=False).logits
+        wrong = model(ids[:, :40], use_cache=False).logits
+        assert float((wrong - want[:, :40]).abs().max()) > 1e-2
+        correct_loaded_model(model)
+        _close(model(ids[:, :40], use_cache=False).logits, want[:, :40])
+        out = model(ids[:, :40], use_cache=True)
+        steps, cache = [out.logits[:, -1]], out.past_key_values
+        for t in range(40, 43):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+            cache = out.past_key_values
+    _close(torch.stack(steps, 1), want[:, 39:])
+
+
+def test_the_cpu_rollout_server_loads_nemotron_h_corrected(tmp_path):
+    """The CPU rollout server's model (areal_mega/inference/server_state.py) scans a prompt
+    past the first chunk as one chunk would (the correction applied at loading)."""
+    from areal_mega.inference.server_state import LocalRolloutServer
+
+    _causal_lm(chunk_size=16).save_pretrained(tmp_path)
+    server = LocalRolloutServer(str(tmp_path), max_running=2)
+    ids = torch.randint(0, 40, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _close(server.model(ids, use_cache=False).logits,
+               _causal_lm(chunk_size=64)(ids, use_cache=False).logits)
