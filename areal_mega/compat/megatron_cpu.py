@@ -403,6 +403,14 @@ def _patch_mamba_mixer(mod) -> None:
     mod.torch = torch_view()
 
 
+def _patch_hybrid_final_norm(mod) -> None:
+    """The hybrid stack's final norm (hard-coded to TransformerEngine's ``TENorm``) as torch's
+    norm, the one the local hybrid spec's layers use (areal_mega/models/nemotron_h.py)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mod.TENorm = WrappedTorchNorm
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch(
@@ -558,6 +566,14 @@ def _build_patches() -> list[Patch]:
             fn=_patch_mamba_mixer,
             why="MambaMixer (Nemotron-H, Falcon-H1) needs causal-conv1d's CUDA and mamba-ssm's "
             "Triton kernels (compat/mamba_cpu.py)",
+        ),
+        Patch(
+            "hybrid_final_norm",
+            "megatron.core.models.hybrid.hybrid_block",
+            "custom",
+            expect=("self.final_norm = TENorm(",),
+            fn=_patch_hybrid_final_norm,
+            why="HybridStack's final norm is TransformerEngine's TENorm whatever the spec",
         ),
         Patch(
             "packed_thd_rope",
