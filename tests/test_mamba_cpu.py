@@ -265,3 +265,38 @@ def test_the_cpu_rollout_server_loads_nemotron_h_corrected(tmp_path):
     with torch.no_grad():
         _close(server.model(ids, use_cache=False).logits,
                _causal_lm(chunk_size=64)(ids, use_cache=False).logits)
+
+
+def test_the_server_batch_keeps_mamba_states_per_row():
+    """The CPU rollout server's HFCacheBatch (areal_mega/inference/kv_cache.py) on Nemotron-H:
+    two prompts past the first chunk and a shorter one joined later (attention keys/values
+    left-padded, Mamba states row by row), three decoding steps, then rows dropped and
+    reordered: every row's logits equal a forward of its whole sequence without a cache."""
+    from areal_mega.inference.hf_corrections import correct_loaded_model
+    from areal_mega.inference.kv_cache import HFCacheBatch, make_kv_batch
+
+    model = _causal_lm(chunk_size=16)
+    correct_loaded_model(model)
+    batch = make_kv_batch(model)
+    assert isinstance(batch, HFCacheBatch)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 40, (2, 20), generator=g), torch.randint(0, 40, (1, 7), generator=g)
+    seqs = [a[0].tolist(), a[1].tolist(), b[0].tolist()]
+
+    def check(logits, rows):
+        want = [model(torch.tensor([s]), use_cache=False).logits[0, -1] for s in rows]
+        _close(logits, torch.stack(want))
+
+    with torch.no_grad():
+        logits, kv = batch.prefill(a)
+        batch.append(kv, [0, 1])
+        check(logits, seqs[:2])
+        logits, kv = batch.prefill(b)
+        batch.append(kv, [0])
+        for _ in range(3):
+            toks = torch.randint(0, 40, (len(seqs),), generator=g).tolist()
+            seqs = [s + [t] for s, t in zip(seqs, toks)]
+            check(batch.decode(toks), seqs)
+        batch.select([2, 0])
+        seqs = [seqs[2] + [1], seqs[0] + [2]]
+        check(batch.decode([1, 2]), seqs)

@@ -142,7 +142,7 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
     with pytest.raises(ValueError, match="HybridModel .* not wired"):
         parse_hf_config(nemotron_h)
     (tmp_path / "config.json").write_text(json.dumps(nemotron_h))
-    with pytest.raises(UnsupportedModelError, match="Mamba states"):
+    with pytest.raises(UnsupportedModelError, match="no pipeline stages"):
         read_arch(tmp_path)
 
 
