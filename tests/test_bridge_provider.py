@@ -179,7 +179,6 @@ def test_upstream_providers_still_untie_every_embedding(arch):
     [
         ("qwen3_next", "linear-attention"),
         ("qwen3_5_moe_text", "linear-attention"),
-        ("nemotron_h", "Mamba"),
         ("falcon_h1", "Mamba"),
         ("glm_moe_dsa", "sparse attention"),
         ("deepseek_v4", "sparse attention"),

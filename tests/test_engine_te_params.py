@@ -72,3 +72,22 @@ def test_engine_prepare_passes_no_padded_offsets_at_cp1():
     assert p.qkv_format == "thd" and batch["attention_mask"] is None
     assert p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None
     assert p.cu_seqlens_q.tolist() == [0, 3, 4, 6, 8] and p.max_seqlen_q == 3
+
+
+def test_seq_idx_numbers_each_slot_as_megatron_derives_it():
+    """Mamba layers read ``seq_idx`` (without it a pack is scanned as one sequence): built on
+    the host, equal to what ``PackedSeqParams`` derives on the device from ``total_tokens``;
+    trailing padding is one more sequence, CP padding belongs to its sequence's slot."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    for lens, cp, pad, total in (([3, 1, 2], 1, 8, 8), ([5, 3], 2, 4, 12), ([4, 8], 2, 4, 12)):
+        mb = _mb(lens, cp=cp, pad=pad)
+        kw = packed_seq_kwargs(mb["cu_seqlens"], mb["cu_seqlens_padded"], total, cp=cp)
+        params = PackedSeqParams(**kw)
+        ref = PackedSeqParams(**dict(kw, seq_idx=None, total_tokens=total))
+        assert params.total_tokens is None and params.seq_idx.dtype == torch.int32
+        assert torch.equal(params.seq_idx, ref.seq_idx), (lens, params.seq_idx, ref.seq_idx)
+    kw = packed_seq_kwargs(torch.tensor([0, 3, 4, 6]), None, 8)
+    assert kw["seq_idx"].tolist() == [[0, 0, 0, 1, 2, 2, 3, 3]]
+    kw = packed_seq_kwargs(torch.tensor([0, 5, 8]), torch.tensor([0, 8, 12]), 12, cp=2)
+    assert kw["seq_idx"].tolist() == [[0] * 8 + [1] * 4]

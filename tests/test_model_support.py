@@ -137,6 +137,13 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match="per-layer input embeddings"):
         read_arch(tmp_path)
+    # Nemotron-H: built at one rank (areal_mega/models/nemotron_h.py), not wired
+    nemotron_h = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]}
+    with pytest.raises(ValueError, match="HybridModel .* not wired"):
+        parse_hf_config(nemotron_h)
+    (tmp_path / "config.json").write_text(json.dumps(nemotron_h))
+    with pytest.raises(UnsupportedModelError, match="no pipeline stages"):
+        read_arch(tmp_path)
 
 
 def test_upstream_still_lacks_what_the_not_built_reasons_name():

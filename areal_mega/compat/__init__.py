@@ -6,6 +6,8 @@
   modules;
 - :mod:`.cpu_gemm` — the tensor-parallel linears' three GEMMs through oneDNN (a speed patch);
 - :mod:`.packed_rope` — RoPE over packed sequences in one call (a speed patch);
+- :mod:`.mamba_cpu` — torch versions of the Mamba-2 kernels megatron-core's ``MambaMixer``
+  calls (causal-conv1d, mamba-ssm), packed sequences included;
 - :mod:`.megatron_import` — megatron-core's first import without wandb (every device);
 - :mod:`.te_placeholder` — a TransformerEngine placeholder seen only by Megatron-Bridge's one
   unconditional import.

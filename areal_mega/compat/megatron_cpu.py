@@ -392,6 +392,25 @@ _EXPERT_BIAS_INPLACE = "output += output_bias.unsqueeze(0) * per_token_scale.uns
 _EXPERT_BIAS_ADDED = "output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)"
 
 
+def _patch_mamba_mixer(mod) -> None:
+    """Mamba-2 layers on the CPU: causal-conv1d's and mamba-ssm's kernels served by
+    :mod:`areal_mega.compat.mamba_cpu` (packed sequences through ``seq_idx``), the gated
+    RMSNorm class megatron's ``ExtendedRMSNorm`` subclasses, and ``torch.cuda.current_device()``
+    mapped to the CPU."""
+    from areal_mega.compat import mamba_cpu
+
+    mamba_cpu.install(mod)
+    mod.torch = torch_view()
+
+
+def _patch_hybrid_final_norm(mod) -> None:
+    """The hybrid stack's final norm (hard-coded to TransformerEngine's ``TENorm``) as torch's
+    norm, the one the local hybrid spec's layers use (areal_mega/models/nemotron_h.py)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mod.TENorm = WrappedTorchNorm
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch(
@@ -528,6 +547,33 @@ def _build_patches() -> list[Patch]:
             fn=_patch_tp_gemms,
             why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
             "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)",
+        ),
+        Patch(
+            "mamba_mixer_kernels",
+            "megatron.core.ssm.mamba_mixer",
+            "custom",
+            expect=(
+                "from causal_conv1d import causal_conv1d_fn",
+                "from mamba_ssm.ops.triton.layernorm_gated import RMSNorm as RMSNormGated",
+                "mamba_split_conv1d_scan_combined,",
+                "class ExtendedRMSNorm(RMSNormGated):",
+                "if not HAVE_MAMBA_SSM:",
+                "y = mamba_split_conv1d_scan_combined(",
+                "seq_idx = packed_seq_params.seq_idx",
+                "_check_mamba_sequence_packing_support(for_inference_not_training=False)",
+                "device=torch.cuda.current_device()",
+            ),
+            fn=_patch_mamba_mixer,
+            why="MambaMixer (Nemotron-H, Falcon-H1) needs causal-conv1d's CUDA and mamba-ssm's "
+            "Triton kernels (compat/mamba_cpu.py)",
+        ),
+        Patch(
+            "hybrid_final_norm",
+            "megatron.core.models.hybrid.hybrid_block",
+            "custom",
+            expect=("self.final_norm = TENorm(",),
+            fn=_patch_hybrid_final_norm,
+            why="HybridStack's final norm is TransformerEngine's TENorm whatever the spec",
         ),
         Patch(
             "packed_thd_rope",

@@ -18,6 +18,13 @@ pads each sequence to a multiple of 2·CP); otherwise they are None, which both 
 "no padding between sequences" without touching the device. Exception: TE's context-parallel
 THD path divides the padded offsets by CP and needs them, so with CP > 1 and no padding the
 unpadded tensor itself is passed (the same object: TE >= 2.18 then sees no padding).
+
+Mamba layers (megatron-core's ``MambaMixer``) read ``seq_idx``, each token's sequence number;
+without it they scan the whole pack as one sequence, each sequence's state carried into the
+next. ``PackedSeqParams`` derives it on the device from ``total_tokens`` (a
+``repeat_interleave`` whose output size the host must first read back); here it is built from
+the host offsets and moved, and ``total_tokens`` stays None. Attention reads neither (megatron's
+TE attention drops both fields).
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ def packed_seq_kwargs(
     belongs to a sequence. The padded offsets are returned only when some sequence is padded;
     otherwise ``cu_seqlens_q_padded`` / ``cu_seqlens_kv_padded`` are None, or with ``cp`` > 1
     the very tensor passed as ``cu_seqlens_q``. ``max_seqlen_*`` are host ints (no device
-    sync)."""
+    sync). ``seq_idx`` [1, T] int32 numbers each token's sequence (its slot, padding included),
+    as megatron's Mamba mixer reads it."""
     cu = torch.as_tensor(cu_seqlens).to(torch.int32).cpu()
     pad = (
         cu
@@ -61,6 +69,9 @@ def packed_seq_kwargs(
     padded = not torch.equal(cu, pad)  # host tensors: no device sync
     lens = (pad if padded else cu).diff()
     max_len = int(lens.max()) if lens.numel() else 0
+    seq_idx = torch.repeat_interleave(
+        torch.arange(lens.numel(), dtype=torch.int32), lens.to(torch.int64), output_size=total
+    )[None]
     cu_dev = cu.to(device) if device is not None else cu
     if padded:
         pad_dev = pad.to(device) if device is not None else pad
@@ -74,4 +85,5 @@ def packed_seq_kwargs(
         cu_seqlens_kv_padded=pad_dev,
         max_seqlen_q=max_len,
         max_seqlen_kv=max_len,
+        seq_idx=seq_idx.to(device) if device is not None else seq_idx,
     )

@@ -16,7 +16,9 @@ as rows ``0..B-1`` of one of these:
   copied into the model are used at the next step.
 * :class:`HFCacheBatch` (any other causal LM, e.g. Gemma 3 with its per-layer windows):
   transformers' ``DynamicCache``, rows merged by left-padding every layer's keys/values to the
-  common length (sliding-window layers keep every key; the mask applies the window).
+  common length (sliding-window layers keep every key; the mask applies the window). Mamba /
+  linear-attention layers (Nemotron-H) keep per-row states instead (:class:`RowStates`: a
+  convolution window and a recurrent state, no sequence axis), joined row by row.
 
 Both answer :meth:`prefill` (equal-length prompts, logits of the last position; the static
 batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reuse`),
@@ -25,6 +27,8 @@ batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reus
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -302,7 +306,8 @@ class HFCacheBatch:
 
     def reset(self) -> None:
         """Drop every row."""
-        self._kv: list = []  # per layer (keys [B,H,L,D], values [B,H,L,D])
+        self._kv: list = []  # per layer (keys [B,H,L,D], values [B,H,L,D]) or RowStates
+        self._prefill_len = 0  # the prompt length of the last prefill (its rows' length)
         self._mask = None  # [B, L] long, 1 = real token
         self._next_pos: list = []
 
@@ -320,7 +325,7 @@ class HFCacheBatch:
             position_ids=position_ids,
             logits_to_keep=1,
         )
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        kv = [_layer_entry(layer) for layer in out.past_key_values.layers]
         return out.logits[:, -1, :].float(), kv
 
     def prefill(self, ids: torch.Tensor, prefix=None):
@@ -328,22 +333,20 @@ class HFCacheBatch:
         cache)."""
         if prefix is not None:
             raise ValueError("HFCacheBatch has no prefix cache")
+        self._prefill_len = ids.shape[1]
         return self._forward(ids, None)
 
     def append(self, kv: list, keep: list) -> None:
-        """See :meth:`StaticKVBatch.append`."""
+        """See :meth:`StaticKVBatch.append` (``kv``: the last :meth:`prefill`'s)."""
         idx = torch.tensor(keep, dtype=torch.long)
-        kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-        n, L = len(keep), kv[0][0].shape[2]
+        kv = [_take(e, idx) for e in kv]
+        n, L = len(keep), self._prefill_len
         if not self.rows:
             self._kv, self._mask = kv, torch.ones(n, L, dtype=torch.long)
         else:
             Lb = self._mask.shape[1]
             Lm = max(Lb, L)
-            self._kv = [
-                (torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]), torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
-                for (kb, vb), (k, v) in zip(self._kv, kv)
-            ]
+            self._kv = [_join(old, new, Lm) for old, new in zip(self._kv, kv)]
             mb = F.pad(self._mask, (Lm - Lb, 0))
             mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
             self._mask = torch.cat([mb, mn])
@@ -369,10 +372,7 @@ class HFCacheBatch:
         mask = self._mask.index_select(0, idx)
         first = int((mask.sum(0) > 0).nonzero()[0]) if mask.numel() else 0
         self._mask = mask[:, first:]
-        self._kv = [
-            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-            for k, v in self._kv
-        ]
+        self._kv = [_take(e, idx, first) for e in self._kv]
         self._next_pos = [self._next_pos[i] for i in keep]
 
 
@@ -391,9 +391,52 @@ def _cache_keeping_every_key(config, past):
         DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
         for layer in cache.layers
     ]
-    for layer, (k, v) in zip(cache.layers, past or ()):
-        layer.update(k, v)
+    for layer, entry in zip(cache.layers, past or ()):
+        if isinstance(entry, RowStates):  # sets has_previous_state: the model decodes a step
+            if entry.conv is not None:
+                layer.update_conv_state(entry.conv)
+            if entry.recurrent is not None:
+                layer.update_recurrent_state(entry.recurrent)
+        elif entry[0] is not None:
+            layer.update(*entry)
     return cache
+
+
+class RowStates(NamedTuple):
+    """A Mamba / linear-attention layer's cache entry: each row's convolution window and
+    recurrent state (leading axis: rows; None where the layer keeps none)."""
+
+    conv: Optional[torch.Tensor]
+    recurrent: Optional[torch.Tensor]
+
+
+def _layer_entry(layer):
+    """One layer of transformers' cache as this batch keeps it: :class:`RowStates` for a
+    linear-attention layer, else ``(keys, values)`` (None, None for a layer without
+    attention, e.g. Nemotron-H's MLP layers)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return RowStates(layer.conv_states, layer.recurrent_states)
+    return (getattr(layer, "keys", None), getattr(layer, "values", None))
+
+
+def _take(entry, idx: torch.Tensor, first: int = 0):
+    """Rows ``idx`` of a layer entry (keys / values from column ``first`` on)."""
+    if isinstance(entry, RowStates):
+        return RowStates(*(None if t is None else t.index_select(0, idx) for t in entry))
+    return tuple(None if t is None else t.index_select(0, idx)[:, :, first:] for t in entry)
+
+
+def _join(old, new, length: int):
+    """A layer entry of the batch's rows followed by another's, keys / values left-padded to
+    ``length``."""
+    if isinstance(old, RowStates):
+        return RowStates(*(None if a is None else torch.cat([a, b]) for a, b in zip(old, new)))
+    return tuple(
+        None if a is None else torch.cat([_lpad(a, length), _lpad(b, length)])
+        for a, b in zip(old, new)
+    )
 
 
 def _lpad(t: torch.Tensor, length: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from areal_mega.inference.decoding import BatchedEngine
+from areal_mega.inference.hf_corrections import correct_loaded_model
 from areal_mega.inference.http_api import BadRequest, Conflict, parse_dtype
 from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_adapter
 from areal_mega.inference.lora_layers import LoraLayers
@@ -86,6 +87,7 @@ class LocalRolloutServer:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=MODEL_DTYPES[dtype], **attention_implementation(model_path)
         )
+        correct_loaded_model(self.model)
         self.model.eval()
         self.dtype_name = str(self.model.dtype).replace("torch.", "")  # e.g. "bfloat16"
         try:

@@ -358,8 +358,9 @@ _LINEAR_ATTN = (
     "fla / causal-conv1d CUDA kernels (no CPU path)"
 )
 _MAMBA = (
-    "Mamba-2 SSM layers: megatron-core's MambaMixer needs the mamba-ssm / causal-conv1d CUDA "
-    "kernels and a HybridModel with TransformerEngine specs"
+    "Mamba-2 and attention side by side in every layer: Megatron-Bridge builds it as its own "
+    "FalconH1Model, whose layer specs are TransformerEngine's only (fused norm + linear, TE "
+    "attention; the Mamba-2 kernels themselves have a CPU version, compat/mamba_cpu.py)"
 )
 _SPARSE = (
     "DeepSeek sparse attention (lightning indexer, top-k key selection): megatron-core "
@@ -373,7 +374,6 @@ GPU_ONLY = {
     "qwen3_5_text": _LINEAR_ATTN,
     "qwen3_5_moe": _LINEAR_ATTN,
     "qwen3_5_moe_text": _LINEAR_ATTN,
-    "nemotron_h": _MAMBA,
     "falcon_h1": _MAMBA,
     "glm_moe_dsa": _SPARSE,
     "deepseek_v4": _SPARSE,
@@ -407,6 +407,13 @@ NOT_BUILT = {
         "one QKV shape per model and no per-layer buffer (layer_scalar), while the checkpoint's "
         "shared layers have no k/v projections and its k_eq_v layers no v_proj; the MoE "
         "variant (enable_moe_block) is not examined"
+    ),
+    "nemotron_h": (
+        "megatron-core's HybridModel (Mamba-2, attention, MLP layers) is built on the CPU and "
+        "equals transformers at one rank (areal_mega/models/nemotron_h.py), but it is not wired: "
+        "no conversion or export rules (per-layer-type names, the Mamba in_proj / conv1d "
+        "tensor-parallel splits), no pipeline stages (the layer pattern's stage separators), "
+        "no tiny model or family checks"
     ),
     "gemma3": _VLM,
     "gemma4": _VLM,
