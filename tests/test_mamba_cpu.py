@@ -79,13 +79,17 @@ def _ours(mixer, h, seq_idx, gated_norm_inside=False):
     )
     if gated_norm_inside:
         y = mamba_cpu.mamba_split_conv1d_scan_combined(
-            *args, rmsnorm_weight=mixer.norm.weight, rmsnorm_eps=mixer.norm.variance_epsilon,
+            *args,
+            rmsnorm_weight=mixer.norm.weight,
+            rmsnorm_eps=mixer.norm.variance_epsilon,
             **kwargs,
         )
     else:
         y = mamba_cpu.mamba_split_conv1d_scan_combined(*args, **kwargs)
         norm = mamba_cpu.RMSNormGated(
-            y.shape[-1], eps=mixer.norm.variance_epsilon, group_size=mixer.norm.group_size,
+            y.shape[-1],
+            eps=mixer.norm.variance_epsilon,
+            group_size=mixer.norm.group_size,
             norm_before_gate=False,
         )
         norm.weight = mixer.norm.weight  # shared: its gradient is compared too
@@ -139,8 +143,18 @@ def test_scan_final_state_and_batch():
     B, C = torch.randn(b, length, g, n), torch.randn(b, length, g, n)
     D = torch.randn(h, p)
     y, final = mamba_cpu.mamba_chunk_scan_combined(
-        x, dt, A, B, C, 16, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
-        dt_limit=(0.05, 2.0), return_final_states=True,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        16,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        dt_limit=(0.05, 2.0),
+        return_final_states=True,
     )
     # the plain recurrence, one position at a time
     dtf = F.softplus(dt + dt_bias).clamp(0.05, 2.0)
@@ -160,8 +174,10 @@ def test_packed_causal_conv_restarts_each_sequence():
     w, bias = torch.randn(12, 4), torch.randn(12)
     got = mamba_cpu.causal_conv1d_fn(x, w, bias, seq_idx=seq_idx, activation="silu")
     want = torch.cat(
-        [F.silu(F.conv1d(x[..., s:e], w[:, None], bias, padding=3, groups=12))[..., : e - s]
-         for s, e in bounds],
+        [
+            F.silu(F.conv1d(x[..., s:e], w[:, None], bias, padding=3, groups=12))[..., : e - s]
+            for s, e in bounds
+        ],
         dim=-1,
     )
     _close(got, want)
@@ -212,17 +228,34 @@ def _causal_lm(chunk_size, time_step_min=0.001):
     weight random; some heads' dt_bias so low that dt falls under time_step_min (the clamp
     bites)."""
     cfg = NemotronHConfig(
-        vocab_size=40, hidden_size=24, hybrid_override_pattern="M*M-", num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=6, intermediate_size=32,
-        mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=6, conv_kernel=4,
-        chunk_size=chunk_size, use_mamba_kernels=False, time_step_min=time_step_min,
+        vocab_size=40,
+        hidden_size=24,
+        hybrid_override_pattern="M*M-",
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=6,
+        intermediate_size=32,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=2,
+        ssm_state_size=6,
+        conv_kernel=4,
+        chunk_size=chunk_size,
+        use_mamba_kernels=False,
+        time_step_min=time_step_min,
     )
     torch.manual_seed(0)
     model = nemotron_h.NemotronHForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if n.endswith("norm.weight")
-                    else torch.rand_like(p) * 2 - 1 if "A_log" in n else torch.randn_like(p) * 0.3)
+            p.copy_(
+                1 + 0.3 * torch.randn_like(p)
+                if n.endswith("norm.weight")
+                else torch.rand_like(p) * 2 - 1
+                if "A_log" in n
+                else torch.randn_like(p) * 0.3
+            )
             if n.endswith("dt_bias"):
                 p[:2] = -9.0  # softplus(-9 + small) < 0.001
     return model
@@ -263,8 +296,10 @@ def test_the_cpu_rollout_server_loads_nemotron_h_corrected(tmp_path):
     server = LocalRolloutServer(str(tmp_path), max_running=2)
     ids = torch.randint(0, 40, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        _close(server.model(ids, use_cache=False).logits,
-               _causal_lm(chunk_size=64)(ids, use_cache=False).logits)
+        _close(
+            server.model(ids, use_cache=False).logits,
+            _causal_lm(chunk_size=64)(ids, use_cache=False).logits,
+        )
 
 
 def test_the_server_batch_keeps_mamba_states_per_row():

@@ -35,14 +35,24 @@ def test_hybrid_model_at_one_rank_equals_transformers():
 
 
 def test_configs_it_cannot_build_are_refused_naming_the_key():
-    base = {"model_type": "nemotron_h", "hybrid_override_pattern": "M*M-",
-            "time_step_limit": [0.0, {"__float__": "Infinity"}], "num_nextn_predict_layers": None}
+    base = {
+        "model_type": "nemotron_h",
+        "hybrid_override_pattern": "M*M-",
+        "time_step_limit": [0.0, {"__float__": "Infinity"}],
+        "num_nextn_predict_layers": None,
+    }
     assert nemotron_h_refusals(base) == []
     for key, value in (
-        ("mamba_hidden_act", "relu"), ("use_conv_bias", False), ("conv_kernel", 3),
-        ("use_bias", True), ("attention_bias", True), ("mlp_bias", True),
-        ("residual_in_fp32", True), ("num_nextn_predict_layers", 1),
-        ("time_step_limit", [0.0, 2.0]), ("hybrid_override_pattern", "ME*-"),
+        ("mamba_hidden_act", "relu"),
+        ("use_conv_bias", False),
+        ("conv_kernel", 3),
+        ("use_bias", True),
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("residual_in_fp32", True),
+        ("num_nextn_predict_layers", 1),
+        ("time_step_limit", [0.0, 2.0]),
+        ("hybrid_override_pattern", "ME*-"),
     ):
         (why,) = nemotron_h_refusals(dict(base, **{key: value}))
         assert why.startswith(f"{key}="), why

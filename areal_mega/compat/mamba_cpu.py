@@ -80,8 +80,9 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     n = a.shape[-1]
     below = torch.ones(n, n, dtype=torch.bool, device=a.device).tril(-1)
     out = a[..., :, None].expand(*a.shape, n).masked_fill(~below, 0.0).cumsum(-2)
-    return out.masked_fill(~below.logical_or(torch.eye(n, dtype=torch.bool, device=a.device)),
-                           -torch.inf)
+    return out.masked_fill(
+        ~below.logical_or(torch.eye(n, dtype=torch.bool, device=a.device)), -torch.inf
+    )
 
 
 def _heads(t: torch.Tensor, nheads: int) -> torch.Tensor:
@@ -119,8 +120,9 @@ def _ssd(x, dt, A, B, C, chunk_size: int, seq_idx):
     states = torch.einsum("bhzc,bchpn->bzhpn", passed, states)
     # the state entering each chunk, decayed to each position: exp(sum a_(start..i))
     from_start = (seg[..., :, :1] + loga[..., None, :1])[..., 0].exp()  # [b, h, c, l]
-    y = y + torch.einsum("bclhn,bchpn->bclhp", C * from_start.permute(0, 2, 3, 1)[..., None],
-                         states[:, :-1])
+    y = y + torch.einsum(
+        "bclhn,bchpn->bclhp", C * from_start.permute(0, 2, 3, 1)[..., None], states[:, :-1]
+    )
     return y.reshape(b, -1, h, p)[:, :length], states[:, -1]
 
 

@@ -24,8 +24,12 @@ from typing import Any, Optional
 
 from areal_mega.models.bridge_provider import ARCH_FIELDS, provider_for
 
-__all__ = ["nemotron_h_refusals", "nemotron_h_stack_spec", "nemotron_h_config_fields",
-           "nemotron_h_model"]
+__all__ = [
+    "nemotron_h_refusals",
+    "nemotron_h_stack_spec",
+    "nemotron_h_config_fields",
+    "nemotron_h_model",
+]
 
 #: HF config key -> (value megatron-core's mixer / our spec assumes, why a different one is refused)
 _REQUIRED = {
@@ -54,9 +58,7 @@ def nemotron_h_refusals(hf: dict) -> list:
         out.append(f"hybrid_override_pattern={pattern!r}: MoE layers (E) are not built yet")
     limit = [_float(v) for v in hf.get("time_step_limit") or (0.0, float("inf"))]
     if limit != [0.0, float("inf")]:
-        out.append(
-            f"time_step_limit={list(limit)!r} (megatron's mixer does not limit dt)"
-        )
+        out.append(f"time_step_limit={list(limit)!r} (megatron's mixer does not limit dt)")
     return out
 
 

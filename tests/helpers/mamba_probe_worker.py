@@ -4,9 +4,9 @@
         -> prints MAMBA_PROBE {"unpatched": {kernel: present}, "patched": {what: difference}}
 
 The patched run builds the mixer, runs three packed sequences (``PackedSeqParams`` as the
-engine builds them, engine/packed_params.py, whose ``seq_idx`` separates them) and compares output and gradients with
-transformers' Nemotron-H mixer run on each sequence alone with the same weights. Run in a fresh
-process: the patches are process-global once applied.
+engine builds them, engine/packed_params.py, whose ``seq_idx`` separates them) and compares
+output and gradients with transformers' Nemotron-H mixer run on each sequence alone with the
+same weights. Run in a fresh process: the patches are process-global once applied.
 """
 
 import json
@@ -25,8 +25,11 @@ def _build():
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        model_parallel_cuda_manual_seed,
+    )
     from megatron.core.transformer import TransformerConfig
 
     from areal_mega.parallel.mesh import init_distributed
@@ -62,9 +65,10 @@ def mixer_matches_transformers() -> dict:
     """Worst output / gradient differences (relative to the reference's largest entry) of
     megatron's mixer on the packed sequences against transformers' per sequence."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    from areal_mega.engine.packed_params import packed_seq_kwargs
     from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    from areal_mega.engine.packed_params import packed_seq_kwargs
 
     mixer = _build()
     torch.manual_seed(0)
@@ -107,8 +111,15 @@ def mixer_matches_transformers() -> dict:
     want = torch.cat([ref(x[s:e].transpose(0, 1)) for s, e in bounds], 1).transpose(0, 1)
     dy = torch.randn_like(out)
     names = ["in_proj.weight", "conv1d.weight", "dt_bias", "A_log", "D", "norm.weight"]
-    mine = [x, mixer.in_proj.weight, mixer.conv1d_weight, mixer.dt_bias, mixer.A_log, mixer.D,
-            mixer.norm.weight]
+    mine = [
+        x,
+        mixer.in_proj.weight,
+        mixer.conv1d_weight,
+        mixer.dt_bias,
+        mixer.A_log,
+        mixer.D,
+        mixer.norm.weight,
+    ]
     theirs = [x, *(dict(ref.named_parameters())[n] for n in names)]
     got = torch.autograd.grad((out * dy).sum(), mine)
     exp = torch.autograd.grad((want * dy).sum(), theirs)

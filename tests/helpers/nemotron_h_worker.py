@@ -31,11 +31,24 @@ def _hf_model():
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHForCausalLM
 
     cfg = NemotronHConfig(
-        vocab_size=40, hidden_size=32, hybrid_override_pattern=PATTERN,
-        num_hidden_layers=len(PATTERN), num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-        ssm_state_size=8, conv_kernel=4, chunk_size=16, use_mamba_kernels=False,
-        tie_word_embeddings=False, layer_norm_epsilon=1e-5, max_position_embeddings=256,
+        vocab_size=40,
+        hidden_size=32,
+        hybrid_override_pattern=PATTERN,
+        num_hidden_layers=len(PATTERN),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=16,
+        use_mamba_kernels=False,
+        tie_word_embeddings=False,
+        layer_norm_epsilon=1e-5,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     hf = NemotronHForCausalLM(cfg).float().eval()
@@ -92,7 +105,9 @@ def main():
         moe_token_dispatcher_type="alltoall",
     )
     model = nemotron_h_model(
-        config, dict(model_kw, chunk_size=16), 40,
+        config,
+        dict(model_kw, chunk_size=16),
+        40,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
     ).float()
     bridge = _import_auto_bridge().from_hf_pretrained(d)
@@ -133,8 +148,10 @@ def main():
     def rel(a, b):
         return float((a.reshape(b.shape) - b).abs().max()) / float(b.abs().max())
 
-    res = {"logits": rel(got.detach(), want.detach()),
-           "grads": {a: rel(mine[a].grad, theirs[b].grad) for a, b in pairs.items()}}
+    res = {
+        "logits": rel(got.detach(), want.detach()),
+        "grads": {a: rel(mine[a].grad, theirs[b].grad) for a, b in pairs.items()},
+    }
     print("NEMOTRON_H " + json.dumps(res))
     dist.destroy_process_group()
 
