@@ -1,0 +1,119 @@
+"""Qwen2.5-VL built by the engine from Megatron-Bridge's provider (areal_mega/models/vlm): the
+tiny model with its image processor, the packed forward with images = transformers', the
+checkpoint's tensors in and out bit for bit, the vision freeze switch, and the config keys
+refused.
+
+The model checks run once in a subprocess (tests/helpers/vlm_worker.py: megatron's process
+state stays out of the test process); the tiny model is written once per module."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from areal_mega.models.tiny import make_tiny_model
+from tests.helpers.conversions import ROOT
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("vlm") / "hf", arch="qwen2_5_vl", charset="digits"
+    )
+
+
+@pytest.fixture(scope="module")
+def worker(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vlm_out") / "res.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.vlm_worker", str(hf_dir), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_tiny_model_has_an_image_processor_and_a_chat_template_with_the_placeholder(hf_dir):
+    from transformers import AutoTokenizer
+
+    from areal_mega.models.vlm.inputs import encode_sample, load_image_processor
+    from areal_mega.models.vlm.tiny import VISION_TOKENS
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    assert [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS] == [
+        cfg["vision_start_token_id"],
+        cfg["vision_end_token_id"],
+        cfg["image_token_id"],
+        cfg["video_token_id"],
+    ]
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "1+2="}]}]
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert text == "<|vision_start|><|image_pad|><|vision_end|>1+2="
+    proc = load_image_processor(hf_dir)
+    rng = np.random.default_rng(0)
+    counts = []
+    for h, w in [(28, 28), (56, 28), (56, 56)]:
+        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        s = encode_sample(text, [img], tok, proc)
+        n = int(s.mm_token_type_ids.sum())
+        assert int((s.input_ids == cfg["image_token_id"]).sum()) == n
+        assert s.image_grid_thw.tolist() == [[1, h // 14, w // 14]]
+        assert s.pixel_values.shape[0] == 4 * n  # 2x2 patches merged into each token
+        counts.append(n)
+    assert counts == [1, 2, 4]
+    with pytest.raises(ValueError, match="1 <\\|image_pad\\|> placeholders for 2 images"):
+        encode_sample(text, [img, img], tok, proc)
+
+
+def test_packed_forward_with_images_equals_transformers(worker):
+    assert worker["image_tokens"] == [2, 5, 0, 4]
+    assert worker["mrope_section"] == [2, 3, 3]
+    assert max(worker["hf_logits"]) < TOL, worker["hf_logits"]
+    assert max(worker["hf_logprobs"]) < TOL, worker["hf_logprobs"]
+    # the multimodal positions matter: text positions for the image tokens are far off
+    assert min(worker["text_positions_diff"]) > 100 * TOL, worker["text_positions_diff"]
+
+
+def test_checkpoint_tensors_in_and_out_bit_exact(worker):
+    assert worker["roundtrip_same_names"] is True
+    assert worker["roundtrip_max_diff"] == 0.0
+
+
+def test_freeze_vision_freezes_the_tower_only(worker):
+    frozen = worker["frozen"]
+    assert frozen and all(n.startswith(("visual.patch_embed.", "visual.blocks.")) for n in frozen)
+    assert any(n.startswith("visual.patch_embed.") for n in frozen)
+    assert worker["trainable_vision"] and all(
+        n.startswith("visual.merger.") for n in worker["trainable_vision"]
+    )
+    assert worker["trainable_without_grad"] == []
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda t: t.update(use_sliding_window=True), "use_sliding_window"),
+        (lambda t: t.update(hidden_act="gelu"), "hidden_act"),
+        (
+            lambda t: t["rope_parameters"].update(rope_type="linear", factor=2.0),
+            "rope_type='linear'",
+        ),
+        (lambda t: t["rope_parameters"].update(mrope_section=[2, 2, 2]), "mrope_section"),
+    ],
+)
+def test_unsupported_config_keys_are_refused(hf_dir, change, match):
+    from areal_mega.models.vlm.config import check_vl_config
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    check_vl_config(cfg)
+    change(cfg["text_config"])
+    with pytest.raises(ValueError, match=match):
+        check_vl_config(cfg)
