@@ -125,17 +125,23 @@ def _tool(*args):
     )
 
 
-def test_conversion_round_trip_with_our_tools_is_bit_exact(hf_dir, tmp_path):
+@pytest.fixture(scope="module")
+def mcore_dir(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vlm_mcore") / "mcore"
+    p = _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf_dir), "--out", str(out))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return out
+
+
+def test_conversion_round_trip_with_our_tools_is_bit_exact(hf_dir, mcore_dir, tmp_path):
     """tools/convert_hf_to_mcore.py then tools/convert_mcore_to_hf.py: every tensor bit for
     bit, the image processor and chat template kept; a multi-rank layout is refused."""
     from safetensors.torch import load_file
 
     from areal_mega.checkpoint.safetensors_io import SafetensorsDir
 
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    p = _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf_dir), "--out", str(mcore))
-    assert p.returncode == 0, p.stderr[-4000:]
-    p = _tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out", str(back))
+    back = tmp_path / "back"
+    p = _tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore_dir), "--out", str(back))
     assert p.returncode == 0, p.stderr[-4000:]
     src = load_file(hf_dir / "model.safetensors")
     out = SafetensorsDir(back)
@@ -155,3 +161,25 @@ def test_conversion_round_trip_with_our_tools_is_bit_exact(hf_dir, tmp_path):
         "2",
     )
     assert p.returncode == 2 and "single-rank layout only" in p.stderr, p.stderr[-2000:]
+
+
+def test_tensor_parallel_packed_forward_equals_transformers(hf_dir, mcore_dir, tmp_path):
+    """TP2: the converted checkpoint resharded into the engine's model on two ranks; the
+    gathered logits and the packed logprobs over the vocabulary shards = transformers'."""
+    from areal_mega.common.net import free_port
+    from tests.helpers.multirank import run_ranks
+    from tests.helpers.workers import worker_cmd
+
+    port = free_port()
+    args = (hf_dir, mcore_dir)
+    ranks = run_ranks(
+        [worker_cmd("vlm_tp_worker", *args, r, 2, port, tmp_path) for r in range(2)],
+        timeout=400,
+    )
+    for r, (rc, out) in enumerate(ranks):
+        assert rc == 0, f"rank {r} failed:\n" + out[-6000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"tp2.{r}.json").read_text())
+        assert res["tp_local_vocab"] == 64  # the padded vocabulary (128) split in two
+        assert max(res["hf_logits"]) < TOL, res
+        assert max(res["hf_logprobs"]) < TOL, res

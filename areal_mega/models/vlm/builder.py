@@ -11,8 +11,9 @@ ours builds the same megatron-core ``GPTModel`` on our layer spec: the provider'
 micro-batches) where ours has :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`.
 
-Layouts: data parallel only for now (the weights load as full tensors,
-:mod:`areal_mega.checkpoint.vl_mapping`); tensor, pipeline and context parallelism are refused.
+Layouts: data and tensor parallel for now (the vision tower is replicated on the tensor-parallel
+ranks, as the bridge builds it; a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads
+into any of them); pipeline and context parallelism and sequence parallelism are refused.
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ def vl_provider(
     architecture fields and our language model build, finalised."""
     check_vl_config(hf)
     d = mesh.dims
-    if d.tp > 1 or d.pp > 1 or d.cp > 1 or mesh.vpp:
+    if d.pp > 1 or d.cp > 1 or mesh.vpp or mesh.sequence_parallel:
         raise NotImplementedError(
-            f"vision-language models run data parallel only for now (got {d.short()}"
-            f"{f', vpp={mesh.vpp}' if mesh.vpp else ''})"
+            "vision-language models run data and tensor parallel (without sequence "
+            f"parallelism) only for now (got {d.short()}"
+            f"{f', vpp={mesh.vpp}' if mesh.vpp else ''}"
+            f"{', sequence parallel' if mesh.sequence_parallel else ''})"
         )
     fields, gpt_kw, _ = provider_arch_fields(hf)
     p = copy.deepcopy(provider_for(hf))
