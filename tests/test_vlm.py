@@ -1,7 +1,7 @@
 """Qwen2.5-VL built by the engine from Megatron-Bridge's provider (areal_mega/models/vlm): the
-tiny model with its image processor, the packed forward with images = transformers', the
-checkpoint's tensors in and out bit for bit, the vision freeze switch, and the config keys
-refused.
+tiny model with its image processor, the packed forward with images = transformers' (one rank
+and TP2), MegatronEngine's logprobs and a train step, the checkpoint through our conversion
+tools bit for bit, the vision freeze switch, and the config keys refused.
 
 The model checks run once in a subprocess (tests/helpers/vlm_worker.py: megatron's process
 state stays out of the test process); the tiny model is written once per module."""
@@ -27,10 +27,10 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker(hf_dir, tmp_path_factory):
+def worker(hf_dir, mcore_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("vlm_out") / "res.json"
     p = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.vlm_worker", str(hf_dir), str(out)],
+        [sys.executable, "-m", "tests.helpers.vlm_worker", str(hf_dir), str(mcore_dir), str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -95,6 +95,20 @@ def test_freeze_vision_freezes_the_tower_only(worker):
         n.startswith("visual.merger.") for n in worker["trainable_vision"]
     )
     assert worker["trainable_without_grad"] == []
+
+
+def test_engine_logprobs_and_a_train_step_with_the_vision_tower_frozen(worker):
+    """MegatronEngine on the converted checkpoint: forward_logprobs of the packed micro-batch
+    with its images = transformers'; an actor with model.freeze_vision takes an SFT step that
+    moves the language model and the projector, not the tower."""
+    assert max(worker["engine_logprobs"]) < TOL, worker["engine_logprobs"]
+    assert np.isfinite(worker["train_loss"]) and worker["train_loss"] > 0
+    assert worker["train_moved"] == [
+        "language_model.decoder",
+        "language_model.embedding",
+        "visual.merger",
+    ]
+    assert worker["train_frozen_moved"] == []
 
 
 @pytest.mark.parametrize(

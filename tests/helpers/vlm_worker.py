@@ -1,7 +1,9 @@
 """One process of tests/test_vlm.py: the tiny Qwen2.5-VL built by the engine from the bridge's
 provider (areal_mega/models/vlm), against transformers.
 
-    python -m tests.helpers.vlm_worker <hf_dir> <out.json>
+    python -m tests.helpers.vlm_worker <hf_dir> <mcore_dir> <out.json>
+
+(``<mcore_dir>``: the tiny model converted by tools/convert_hf_to_mcore.py.)
 
 Writes ``{check: value}``:
 
@@ -17,7 +19,13 @@ Writes ``{check: value}``:
   written back as HF tensors, against the checkpoint (bit-exact: 0.0, True);
 * ``mrope_section``: the built language model's sections;
 * ``frozen`` / ``trainable_vision``: with ``freeze_vision``, the parameters that do not train,
-  and the vision ones that do and got a gradient from a backward pass.
+  and the vision ones that do and got a gradient from a backward pass;
+* ``engine_logprobs``: per sample, the largest |engine - transformers| packed logprob of
+  ``MegatronEngine.forward_logprobs`` (a reference engine on the converted checkpoint, the
+  micro-batch in next-token layout with its images);
+* ``train_*``: an actor engine with ``model.freeze_vision`` after one SFT ``train_batch`` on
+  that micro-batch: the loss, which parameters moved (``train_moved`` prefixes) and which did
+  not (``train_frozen_moved``: the frozen tower's that moved, none).
 """
 
 import json
@@ -46,7 +54,52 @@ SAMPLES = [
 ]
 
 
-def main(hf_dir, out_path):
+def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps):
+    """The engine on the converted checkpoint: reference logprobs, one actor SFT step."""
+    from areal_mega.config import ModelConfig, OptimizerConfig
+    from areal_mega.engine import default_denominator
+    from areal_mega.engine.megatron_engine import MegatronEngine
+    from areal_mega.models.vlm.inputs import pack_samples
+    from areal_mega.train.batches import next_token_layout
+    from areal_mega.train.sft import sft_loss
+
+    mb = pack_samples(samples)
+    cu = mb["cu_seqlens"]
+    layouts = [next_token_layout(s.input_ids.numpy()) for s in samples]
+    mb = dict(
+        input_ids=mb["input_ids"][0],
+        labels=torch.as_tensor(np.concatenate([x["labels"] for x in layouts])),
+        cu_seqlens=cu,
+        pixel_values=mb["pixel_values"],
+        image_grid_thw=mb["image_grid_thw"],
+    )
+    ref = MegatronEngine(ModelConfig(path=str(hf_dir), dtype="fp32"), role="ref", mesh=mesh, seed=1)
+    ref.load(mcore_dir)
+    (lp,) = ref.forward_logprobs([mb])
+    res["engine_logprobs"] = [
+        (lp[int(cu[i]) : int(cu[i + 1]) - 1] - r).abs().max().item() for i, r in enumerate(ref_lps)
+    ]
+    actor = MegatronEngine(
+        ModelConfig(path=str(hf_dir), dtype="fp32", freeze_vision=True),
+        role="actor",
+        mesh=mesh,
+        optimizer_cfg=OptimizerConfig(lr=1e-2, clip_grad=0.0),
+        seed=1,
+    )
+    actor.load(mcore_dir)
+    (model,) = actor.model_chunks()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    mb["loss_mask"] = (mb["labels"] >= 0).to(torch.uint8)
+    stats = actor.train_batch([mb], sft_loss, default_denominator)
+    res["train_loss"] = float(stats["loss"])
+    moved = {n for n, p in model.named_parameters() if not p.detach().equal(before[n])}
+    res["train_moved"] = sorted({".".join(n.split(".")[:2]) for n in moved})
+    res["train_frozen_moved"] = sorted(
+        n for n in moved if n.startswith(("visual.patch_embed.", "visual.blocks."))
+    )
+
+
+def main(hf_dir, mcore_dir, out_path):
     from megatron.core.packed_seq_params import PackedSeqParams
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -104,6 +157,7 @@ def main(hf_dir, out_path):
             labels[cu[i] : cu[i + 1] - 1] = ids[cu[i] + 1 : cu[i + 1]]
         lp = packed_logprobs(logits, labels)
         res["hf_logits"], res["hf_logprobs"] = [], []
+        ref_lps = []
         for i, s in enumerate(samples):
             kw = {}
             if s.pixel_values is not None:
@@ -116,6 +170,7 @@ def main(hf_dir, out_path):
             a, b = int(cu[i]), int(cu[i + 1])
             res["hf_logits"].append((logits[a:b] - r).abs().max().item())
             r_lp = torch.log_softmax(r, -1)[:-1].gather(1, s.input_ids[1:, None])[:, 0]
+            ref_lps.append(r_lp)
             res["hf_logprobs"].append((lp[a : b - 1] - r_lp).abs().max().item())
             if kw:  # transformers without mm_token_type_ids: text positions for image tokens
                 del kw["mm_token_type_ids"]
@@ -144,10 +199,11 @@ def main(hf_dir, out_path):
     res["trainable_without_grad"] = sorted(
         n for n, p in named.items() if p.requires_grad and p.grad is None
     )
+    engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps)
     mesh.destroy(process_group=True)
     with open(out_path, "w") as f:
         json.dump(res, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -56,6 +56,7 @@ def vl_provider(
     use_te: bool = False,
     attention_backend: Optional[str] = None,
     freeze_vision: bool = False,
+    recompute_granularity: Optional[str] = None,
 ):
     """The bridge's provider of ``hf`` (a copy) with our runtime fields, corrected
     architecture fields and our language model build, finalised."""
@@ -81,6 +82,10 @@ def vl_provider(
         use_te=use_te,
         attention_backend=attention_backend,
     )
+    if recompute_granularity:  # as transformer_config_from_hf sets it
+        runtime["recompute_granularity"] = recompute_granularity
+        if recompute_granularity == "full":
+            runtime.update(recompute_method="uniform", recompute_num_layers=1)
     for k, v in {**fields, **runtime}.items():
         setattr(p, k, v)
     p._pg_collection = mesh.pg_collection
@@ -120,11 +125,13 @@ def build_vl_model_chunks(
     seed: int = 1234,
     attention_backend: Optional[str] = None,
     freeze_vision: bool = False,
+    recompute_granularity: Optional[str] = None,
 ):
     """This rank's model chunks (one: no virtual pipeline) and the provider (the
     ``TransformerConfig``), as :func:`~areal_mega.models.builder.build_model_chunks` returns
     them. ``freeze_vision``: the vision tower's parameters do not train
     (``model.freeze_vision``)."""
+    from megatron.core.enums import ModelType
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if use_te is None:
@@ -137,10 +144,13 @@ def build_vl_model_chunks(
         use_te=use_te,
         attention_backend=attention_backend,
         freeze_vision=freeze_vision,
+        recompute_granularity=recompute_granularity,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     model = p.provide(pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
+    # megatron's schedules read it (the bridge's own model construction sets it too)
+    model.model_type = ModelType.encoder_or_decoder
     if mesh.device.type == "cuda":
         model.cuda(torch.cuda.current_device())
     return [model], p

@@ -9,9 +9,12 @@ activation other than SiLU.
 
 from __future__ import annotations
 
-from areal_mega.models.bridge_provider import VL_PROVIDER_FAMILIES, hf_config_object
+import json
 
-__all__ = ["VL_MODEL_TYPES", "is_vl_config", "check_vl_config"]
+from areal_mega.models.bridge_provider import VL_PROVIDER_FAMILIES, hf_config_object
+from areal_mega.models.builder import HFArch
+
+__all__ = ["VL_MODEL_TYPES", "is_vl_config", "check_vl_config", "vl_text_arch"]
 
 VL_MODEL_TYPES = VL_PROVIDER_FAMILIES
 
@@ -46,3 +49,30 @@ def check_vl_config(hf: dict):
     if text.hidden_act != "silu":
         raise ValueError(f"text_config.hidden_act={text.hidden_act!r} is not supported (silu)")
     return cfg
+
+
+def vl_text_arch(hf: dict) -> HFArch:
+    """The language model's :class:`~areal_mega.models.builder.HFArch` (what the engine reads
+    around the model: vocabulary, sizes, tied embeddings), ``model_type`` the vision-language
+    one; the model itself is built from the whole config (:mod:`areal_mega.models.vlm.builder`)."""
+    cfg = check_vl_config(hf)
+    text = cfg.text_config
+    heads = int(text.num_attention_heads)
+    return HFArch(
+        model_type=hf["model_type"],
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(text.num_key_value_heads or heads),
+        head_dim=int(text.hidden_size) // heads,
+        ffn_hidden_size=int(text.intermediate_size),
+        max_position_embeddings=int(text.max_position_embeddings),
+        rope_theta=float(text.rope_parameters["rope_theta"]),
+        rms_norm_eps=float(text.rms_norm_eps),
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        qkv_bias=True,
+        qk_norm=False,
+        initializer_range=float(text.initializer_range),
+        hf_json=json.dumps(hf, sort_keys=True, default=str),
+    )
