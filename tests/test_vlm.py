@@ -27,8 +27,13 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def worker(hf_dir, mcore_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("vlm_out") / "res.json"
+def worker_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("vlm_out") / "res.json"
+
+
+@pytest.fixture(scope="module")
+def worker(hf_dir, mcore_dir, worker_out):
+    out = worker_out
     p = subprocess.run(
         [sys.executable, "-m", "tests.helpers.vlm_worker", str(hf_dir), str(mcore_dir), str(out)],
         cwd=ROOT,
@@ -197,3 +202,30 @@ def test_tensor_parallel_packed_forward_equals_transformers(hf_dir, mcore_dir, t
         assert res["tp_local_vocab"] == 64  # the padded vocabulary (128) split in two
         assert max(res["hf_logits"]) < TOL, res
         assert max(res["hf_logprobs"]) < TOL, res
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_two_rank_layouts_equal_the_single_rank(
+    layout, worker, worker_out, hf_dir, mcore_dir, tmp_path
+):
+    """DP2 (a micro-batch per rank) and TP2 (the vision tower replicated, its gradients
+    averaged over TP as the engine finalises them) against the single rank on the same two
+    micro-batches: logprobs, loss, vision-tower gradients, the language model's gradient norm."""
+    from areal_mega.common.net import free_port
+    from tests.helpers.multirank import run_ranks
+    from tests.helpers.workers import worker_cmd
+
+    port = free_port()
+    ref = f"{worker_out}.layout_ref.pt"
+    args = (layout, hf_dir, mcore_dir, ref)
+    ranks = run_ranks(
+        [worker_cmd("vlm_layout_worker", *args, r, 2, port, tmp_path) for r in range(2)],
+        timeout=400,
+    )
+    for r, (rc, out) in enumerate(ranks):
+        assert rc == 0, f"rank {r} failed:\n" + out[-6000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"{layout}.{r}.json").read_text())
+        assert res["vision_grad_scale"] > 1e-3, res  # the tower's gradients are not zero
+        assert res["logprobs"] < TOL and res["loss"] < 1e-6, res
+        assert res["vision_grads"] < 1e-6 and res["lm_grad_norm"] < 1e-6, res

@@ -26,6 +26,9 @@ Writes ``{check: value}``:
 * ``train_*``: an actor engine with ``model.freeze_vision`` after one SFT ``train_batch`` on
   that micro-batch: the loss, which parameters moved (``train_moved`` prefixes) and which did
   not (``train_frozen_moved``: the frozen tower's that moved, none).
+
+It also writes ``<out.json>.layout_ref.pt``, the single-rank reference of
+tests/helpers/vlm_layout_worker.py (:func:`layout_pass` on two micro-batches).
 """
 
 import json
@@ -54,25 +57,70 @@ SAMPLES = [
 ]
 
 
+def engine_micro_batch(samples) -> dict:
+    """The engine's micro-batch of ``samples``: packed tokens, next-token labels, every label a
+    loss token, the samples' images in packed order."""
+    from areal_mega.models.vlm.inputs import pack_samples
+    from areal_mega.train.batches import next_token_layout
+
+    mb = pack_samples(samples)
+    labels = torch.as_tensor(
+        np.concatenate([next_token_layout(s.input_ids.numpy())["labels"] for s in samples])
+    )
+    return dict(
+        input_ids=mb["input_ids"][0],
+        labels=labels,
+        loss_mask=(labels >= 0).to(torch.uint8),
+        cu_seqlens=mb["cu_seqlens"],
+        pixel_values=mb["pixel_values"],
+        image_grid_thw=mb["image_grid_thw"],
+    )
+
+
+def layout_pass(hf_dir, mcore_dir, mesh, mbs) -> dict:
+    """An actor (every parameter trains) on the converted checkpoint: ``forward_logprobs`` of
+    ``mbs`` and one ``forward_backward`` with the SFT loss; the loss, the vision tower's
+    gradients (replicated on every rank: full tensors) and the language model's gradient norm
+    (its TP shards' squares summed over the TP group)."""
+    import torch.distributed as dist
+
+    from areal_mega.config import ModelConfig, OptimizerConfig
+    from areal_mega.engine import default_denominator
+    from areal_mega.engine.megatron_engine import MegatronEngine
+    from areal_mega.train.sft import sft_loss
+
+    eng = MegatronEngine(
+        ModelConfig(path=str(hf_dir), dtype="fp32"),
+        role="actor",
+        mesh=mesh,
+        optimizer_cfg=OptimizerConfig(lr=1e-3, clip_grad=0.0),
+        seed=1,
+        use_distributed_optimizer=False,
+    )
+    eng.load(mcore_dir)
+    lps = eng.forward_logprobs(mbs)
+    stats = eng.forward_backward(mbs, sft_loss, default_denominator)
+    vision, lm_sq = {}, torch.zeros(())
+    for n, p in eng.model[0].module.named_parameters():
+        g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        if n.startswith("visual."):
+            vision[n] = g.detach().float().clone()
+        elif getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
+            lm_sq += g.detach().double().pow(2).sum()
+    if mesh.dims.tp > 1:
+        dist.all_reduce(lm_sq, group=mesh.tp_group)
+    return dict(loss=float(stats["loss"]), lps=lps, vision=vision, lm_grad_norm=float(lm_sq.sqrt()))
+
+
 def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps):
     """The engine on the converted checkpoint: reference logprobs, one actor SFT step."""
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import default_denominator
     from areal_mega.engine.megatron_engine import MegatronEngine
-    from areal_mega.models.vlm.inputs import pack_samples
-    from areal_mega.train.batches import next_token_layout
     from areal_mega.train.sft import sft_loss
 
-    mb = pack_samples(samples)
+    mb = engine_micro_batch(samples)
     cu = mb["cu_seqlens"]
-    layouts = [next_token_layout(s.input_ids.numpy()) for s in samples]
-    mb = dict(
-        input_ids=mb["input_ids"][0],
-        labels=torch.as_tensor(np.concatenate([x["labels"] for x in layouts])),
-        cu_seqlens=cu,
-        pixel_values=mb["pixel_values"],
-        image_grid_thw=mb["image_grid_thw"],
-    )
     ref = MegatronEngine(ModelConfig(path=str(hf_dir), dtype="fp32"), role="ref", mesh=mesh, seed=1)
     ref.load(mcore_dir)
     (lp,) = ref.forward_logprobs([mb])
@@ -89,7 +137,6 @@ def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps):
     actor.load(mcore_dir)
     (model,) = actor.model_chunks()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    mb["loss_mask"] = (mb["labels"] >= 0).to(torch.uint8)
     stats = actor.train_batch([mb], sft_loss, default_denominator)
     res["train_loss"] = float(stats["loss"])
     moved = {n for n, p in model.named_parameters() if not p.detach().equal(before[n])}
@@ -200,6 +247,9 @@ def main(hf_dir, mcore_dir, out_path):
         n for n, p in named.items() if p.requires_grad and p.grad is None
     )
     engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps)
+    # the single-rank reference of tests/helpers/vlm_layout_worker.py: two micro-batches
+    mbs = [engine_micro_batch(samples[:2]), engine_micro_batch(samples[2:])]
+    torch.save(layout_pass(hf_dir, mcore_dir, mesh, mbs), out_path + ".layout_ref.pt")
     mesh.destroy(process_group=True)
     with open(out_path, "w") as f:
         json.dump(res, f)
