@@ -204,13 +204,14 @@ def test_tensor_parallel_packed_forward_equals_transformers(hf_dir, mcore_dir, t
         assert max(res["hf_logprobs"]) < TOL, res
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_two_rank_layouts_equal_the_single_rank(
     layout, worker, worker_out, hf_dir, mcore_dir, tmp_path
 ):
-    """DP2 (a micro-batch per rank) and TP2 (the vision tower replicated, its gradients
-    averaged over TP as the engine finalises them) against the single rank on the same two
-    micro-batches: logprobs, loss, vision-tower gradients, the language model's gradient norm."""
+    """DP2 (a micro-batch per rank), TP2 (the vision tower replicated, its gradients averaged
+    over TP as the engine finalises them) and PP2 (the tower on the first stage, the multimodal
+    positions computed on both) against the single rank on the same two micro-batches:
+    logprobs, loss, vision-tower gradients, the language model's gradient norm."""
     from areal_mega.common.net import free_port
     from tests.helpers.multirank import run_ranks
     from tests.helpers.workers import worker_cmd
@@ -228,4 +229,7 @@ def test_two_rank_layouts_equal_the_single_rank(
         res = json.loads((tmp_path / f"{layout}.{r}.json").read_text())
         assert res["vision_grad_scale"] > 1e-3, res  # the tower's gradients are not zero
         assert res["logprobs"] < TOL and res["loss"] < 1e-6, res
-        assert res["vision_grads"] < 1e-6 and res["lm_grad_norm"] < 1e-6, res
+        assert res["lm_grad_norm"] < 1e-6, res
+        # the vision tower: on every rank, except on the second pipeline stage
+        assert res["has_vision"] == (layout != "pp2" or r == 0), res
+        assert not res["has_vision"] or res["vision_grads"] < 1e-6, res

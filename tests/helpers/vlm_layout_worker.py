@@ -4,10 +4,11 @@ rank (tests/helpers/vlm_worker.py's ``layout_ref.pt``: the same two micro-batche
     python -m tests.helpers.vlm_layout_worker <layout> <hf_dir> <mcore_dir> <ref.pt> <rank> \\
         <world> <port> <out_dir>
 
-``dp2``: rank r takes micro-batch r; ``tp2``: both ranks take both. Writes
+``dp2``: rank r takes micro-batch r; ``tp2``, ``pp2``: both ranks take both. Writes
 ``<out_dir>/<layout>.<rank>.json``: the largest |layout - single rank| of the packed logprobs
-(``logprobs``), of the vision tower's gradients (``vision_grads``, full tensors on every rank,
-reduced over DP and averaged over TP as the engine finalises them), and the differences of the
+(``logprobs``), of the vision tower's gradients (``vision_grads``, full tensors on every rank
+that has the tower, ``has_vision``: not PP2's second stage; reduced over DP and averaged over
+TP as the engine finalises them), and the differences of the
 language model's gradient norm (``lm_grad_norm``, relative) and of the loss (``loss``).
 """
 
@@ -36,16 +37,20 @@ def main(layout, hf_dir, mcore_dir, ref_path, rank, world, port, out_dir):
     rng = np.random.default_rng(0)
     samples = [encode_sample(t, images(rng, s), tok, proc) for t, s in SAMPLES]
     mbs = [engine_micro_batch(samples[:2]), engine_micro_batch(samples[2:])]
-    dims = {"dp2": dict(dp=2), "tp2": dict(tp=2)}[layout]
+    dims = {"dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}[layout]
     mesh = ParallelMesh.create(ParallelDims(**dims), timeout_s=90)
     mine = [int(rank)] if layout == "dp2" else [0, 1]
     got = layout_pass(hf_dir, mcore_dir, mesh, [mbs[i] for i in mine])
     ref = torch.load(ref_path)
     res = {
         "logprobs": max((a - ref["lps"][i]).abs().max().item() for a, i in zip(got["lps"], mine)),
+        # the vision tower lives on the first pipeline stage only
         "vision_grads": max(
             (got["vision"][n] - g).abs().max().item() for n, g in ref["vision"].items()
-        ),
+        )
+        if got["vision"]
+        else None,
+        "has_vision": bool(got["vision"]),
         "vision_grad_scale": max(g.abs().max().item() for g in ref["vision"].values()),
         "lm_grad_norm": abs(got["lm_grad_norm"] - ref["lm_grad_norm"]) / ref["lm_grad_norm"],
         "loss": abs(got["loss"] - ref["loss"]),

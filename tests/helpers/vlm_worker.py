@@ -100,15 +100,21 @@ def layout_pass(hf_dir, mcore_dir, mesh, mbs) -> dict:
     eng.load(mcore_dir)
     lps = eng.forward_logprobs(mbs)
     stats = eng.forward_backward(mbs, sft_loss, default_denominator)
-    vision, lm_sq = {}, torch.zeros(())
-    for n, p in eng.model[0].module.named_parameters():
+    vision, lm_sq = {}, torch.zeros((), dtype=torch.float64)
+    inner = eng.model[0].module
+    tied_copy = not mesh.is_first_stage and inner.share_embeddings_and_output_weights
+    for n, p in inner.named_parameters():
         g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
         if n.startswith("visual."):
             vision[n] = g.detach().float().clone()
+        elif tied_copy and n.endswith("output_layer.weight"):
+            continue  # the last stage's copy of the tied embedding (the first stage's counts)
         elif getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
             lm_sq += g.detach().double().pow(2).sum()
     if mesh.dims.tp > 1:
         dist.all_reduce(lm_sq, group=mesh.tp_group)
+    if mesh.dims.pp > 1:
+        dist.all_reduce(lm_sq, group=mesh.pp_group)
     return dict(loss=float(stats["loss"]), lps=lps, vision=vision, lm_grad_norm=float(lm_sq.sqrt()))
 
 

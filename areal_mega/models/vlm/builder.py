@@ -11,9 +11,11 @@ ours builds the same megatron-core ``GPTModel`` on our layer spec: the provider'
 micro-batches) where ours has :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`.
 
-Layouts: data and tensor parallel for now (the vision tower is replicated on the tensor-parallel
-ranks, as the bridge builds it; a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads
-into any of them); pipeline and context parallelism and sequence parallelism are refused.
+Layouts: data, tensor and pipeline parallel for now (the vision tower is replicated on the
+tensor-parallel ranks and lives on the first pipeline stage, as the bridge builds it; every
+stage computes the multimodal positions from the tokens; a checkpoint from
+:mod:`areal_mega.checkpoint.vl_convert` loads into any of them); context parallelism, sequence
+parallelism and virtual pipeline stages are refused.
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ def vl_provider(
     architecture fields and our language model build, finalised."""
     check_vl_config(hf)
     d = mesh.dims
-    if d.pp > 1 or d.cp > 1 or mesh.vpp or mesh.sequence_parallel:
+    if d.cp > 1 or mesh.vpp or mesh.sequence_parallel:
         raise NotImplementedError(
-            "vision-language models run data and tensor parallel (without sequence "
-            f"parallelism) only for now (got {d.short()}"
+            "vision-language models run data, tensor and pipeline parallel (without sequence "
+            f"parallelism nor virtual pipeline stages) only for now (got {d.short()}"
             f"{f', vpp={mesh.vpp}' if mesh.vpp else ''}"
             f"{', sequence parallel' if mesh.sequence_parallel else ''})"
         )
