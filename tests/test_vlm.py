@@ -233,3 +233,27 @@ def test_two_rank_layouts_equal_the_single_rank(
         # the vision tower: on every rank, except on the second pipeline stage
         assert res["has_vision"] == (layout != "pp2" or r == 0), res
         assert not res["has_vision"] or res["vision_grads"] < 1e-6, res
+
+
+def test_untied_output_layer_round_trips_bit_exact(tmp_path):
+    """A config with tie_word_embeddings=False: lm_head.weight goes to the output layer (the
+    table's vocab row) and back bit for bit."""
+    from safetensors.torch import load_file
+
+    from areal_mega.checkpoint.safetensors_io import SafetensorsDir
+
+    hf = make_tiny_model(
+        tmp_path / "hf", arch="qwen2_5_vl", charset="digits", tie_word_embeddings=False
+    )
+    src = load_file(hf / "model.safetensors")
+    assert "lm_head.weight" in src
+    p = _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(tmp_path / "m"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    back = tmp_path / "back"
+    p = _tool(
+        "tools/convert_mcore_to_hf.py", "--mcore-dir", str(tmp_path / "m"), "--out", str(back)
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = SafetensorsDir(back)
+    assert sorted(out.keys()) == sorted(src)
+    assert all(out.get(k).equal(t) for k, t in src.items())
