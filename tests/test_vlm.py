@@ -107,6 +107,7 @@ def test_engine_logprobs_and_a_train_step_with_the_vision_tower_frozen(worker):
     with its images = transformers'; an actor with model.freeze_vision takes an SFT step that
     moves the language model and the projector, not the tower."""
     assert max(worker["engine_logprobs"]) < TOL, worker["engine_logprobs"]
+    assert worker["engine_trailing_padding"] < TOL and worker["engine_padding_logprobs"] == 0
     assert np.isfinite(worker["train_loss"]) and worker["train_loss"] > 0
     assert worker["train_moved"] == [
         "language_model.decoder",

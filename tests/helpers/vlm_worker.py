@@ -23,6 +23,9 @@ Writes ``{check: value}``:
 * ``engine_logprobs``: per sample, the largest |engine - transformers| packed logprob of
   ``MegatronEngine.forward_logprobs`` (a reference engine on the converted checkpoint, the
   micro-batch in next-token layout with its images);
+* ``engine_trailing_padding``: the same micro-batch with trailing pad tokens (one more packed
+  "sequence"), its logprobs against the unpadded ones (``engine_padding_logprobs``: the pads',
+  0);
 * ``train_*``: an actor engine with ``model.freeze_vision`` after one SFT ``train_batch`` on
   that micro-batch: the loss, which parameters moved (``train_moved`` prefixes) and which did
   not (``train_frozen_moved``: the frozen tower's that moved, none).
@@ -133,6 +136,16 @@ def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps):
     res["engine_logprobs"] = [
         (lp[int(cu[i]) : int(cu[i + 1]) - 1] - r).abs().max().item() for i, r in enumerate(ref_lps)
     ]
+    # trailing padding (the packer's pad_to_multiple): one more packed "sequence" of pad tokens
+    pad = 5
+    padded = dict(
+        mb,
+        input_ids=torch.cat([mb["input_ids"], torch.zeros(pad, dtype=mb["input_ids"].dtype)]),
+        labels=torch.cat([mb["labels"], torch.full((pad,), -1, dtype=mb["labels"].dtype)]),
+    )
+    (lp_pad,) = ref.forward_logprobs([padded])
+    res["engine_trailing_padding"] = (lp_pad[: len(lp)] - lp).abs().max().item()
+    res["engine_padding_logprobs"] = lp_pad[len(lp) :].abs().max().item()
     actor = MegatronEngine(
         ModelConfig(path=str(hf_dir), dtype="fp32", freeze_vision=True),
         role="actor",
