@@ -205,14 +205,15 @@ def test_tensor_parallel_packed_forward_equals_transformers(hf_dir, mcore_dir, t
         assert max(res["hf_logprobs"]) < TOL, res
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "tp2sp", "pp2"])
 def test_two_rank_layouts_equal_the_single_rank(
     layout, worker, worker_out, hf_dir, mcore_dir, tmp_path
 ):
     """DP2 (a micro-batch per rank), TP2 (the vision tower replicated, its gradients averaged
-    over TP as the engine finalises them) and PP2 (the tower on the first stage, the multimodal
-    positions computed on both) against the single rank on the same two micro-batches:
-    logprobs, loss, vision-tower gradients, the language model's gradient norm."""
+    over TP as the engine finalises them), TP2 with sequence parallelism and PP2 (the tower on
+    the first stage, the multimodal positions computed on both) against the single rank on the
+    same two micro-batches: logprobs, loss, vision-tower gradients, the language model's
+    gradient norm."""
     from areal_mega.common.net import free_port
     from tests.helpers.multirank import run_ranks
     from tests.helpers.workers import worker_cmd

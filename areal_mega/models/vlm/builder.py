@@ -11,10 +11,11 @@ ours builds the same megatron-core ``GPTModel`` on our layer spec: the provider'
 micro-batches) where ours has :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`.
 
-Layouts: data, tensor and pipeline parallel for now (the vision tower is replicated on the
-tensor-parallel ranks and lives on the first pipeline stage, as the bridge builds it; every
-stage computes the multimodal positions from the tokens; a checkpoint from
-:mod:`areal_mega.checkpoint.vl_convert` loads into any of them); context parallelism, sequence
+Layouts: data, tensor (with or without sequence parallelism) and pipeline parallel for now (the
+vision tower is replicated on the tensor-parallel ranks and lives on the first pipeline stage, as
+the bridge builds it; the image features go into the embeddings before the bridge scatters them
+over the sequence-parallel ranks; every stage computes the multimodal positions from the tokens;
+a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads into any of them); context
 parallelism and virtual pipeline stages are refused.
 """
 
@@ -64,12 +65,11 @@ def vl_provider(
     architecture fields and our language model build, finalised."""
     check_vl_config(hf)
     d = mesh.dims
-    if d.cp > 1 or mesh.vpp or mesh.sequence_parallel:
+    if d.cp > 1 or mesh.vpp:
         raise NotImplementedError(
-            "vision-language models run data, tensor and pipeline parallel (without sequence "
-            f"parallelism nor virtual pipeline stages) only for now (got {d.short()}"
-            f"{f', vpp={mesh.vpp}' if mesh.vpp else ''}"
-            f"{', sequence parallel' if mesh.sequence_parallel else ''})"
+            "vision-language models run data, tensor (with or without sequence parallelism) "
+            "and pipeline parallel only for now, without context parallelism nor virtual "
+            f"pipeline stages (got {d.short()}{f', vpp={mesh.vpp}' if mesh.vpp else ''})"
         )
     fields, gpt_kw, _ = provider_arch_fields(hf)
     p = copy.deepcopy(provider_for(hf))
