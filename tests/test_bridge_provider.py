@@ -47,7 +47,7 @@ def test_every_engine_family_is_provided_or_translated_with_a_reason():
     assert set(ARCHS) == set(bp.PROVIDER_FAMILIES) | set(bp.OWN_TRANSLATOR)
     assert not set(bp.PROVIDER_FAMILIES) & set(bp.OWN_TRANSLATOR)
     assert all(len(why) > 40 for why in bp.OWN_TRANSLATOR.values())
-    assert set(bp.CORRECTIONS) <= set(bp.PROVIDER_FAMILIES)
+    assert set(bp.CORRECTIONS) <= set(bp.PROVIDER_FAMILIES) | set(bp.VL_PROVIDER_FAMILIES)
 
 
 @pytest.mark.parametrize("arch", bp.PROVIDER_FAMILIES)
@@ -141,6 +141,21 @@ def test_upstream_mla_providers_still_default_to_yarn(arch):
         "the bridge now gives plain RoPE for a config without rope_scaling: drop the RoPE "
         f"part of CORRECTIONS[{arch!r}]"
     )
+
+
+def test_upstream_qwen25_vl_provider_still_keeps_its_default_mrope_section():
+    """The tiny Qwen2.5-VL's head dim is 16 (mrope_section [2, 3, 3]); the provider keeps the
+    released models' [16, 24, 24], which fails in the rotary embedding's split."""
+    from areal_mega.models.vlm.tiny import tiny_qwen25_vl_config
+
+    spec = TinyModelSpec(arch="qwen2_5_vl")
+    hf = normalize_hf_config(tiny_qwen25_vl_config(spec, 26, 0, 1).to_dict())
+    want = hf["text_config"]["rope_parameters"]["mrope_section"]
+    assert want == [2, 3, 3]
+    assert list(bp.provider_for(hf).mrope_section) == [16, 24, 24], (
+        "the bridge now reads the config's mrope_section: drop CORRECTIONS['qwen2_5_vl']"
+    )
+    assert bp.provider_arch_fields(hf)[0]["mrope_section"] == want
 
 
 def test_upstream_qwen3_moe_provider_still_ignores_dense_layers():

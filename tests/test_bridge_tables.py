@@ -8,10 +8,12 @@ import torch
 from areal_mega.checkpoint import hf_mapping
 from areal_mega.checkpoint.bridge_tables import (
     BRIDGED_ARCHITECTURES,
+    VL_BRIDGED_ARCHITECTURES,
     UnsupportedMappingError,
     derive_tables,
     load_tables,
     table_from_rows,
+    vl_table_from_rows,
 )
 
 
@@ -24,6 +26,7 @@ def test_stored_tables_equal_the_installed_bridge(derived):
     stored = load_tables()
     assert stored == derived, "run: python tools/sync_bridge_tables.py"
     assert set(stored["families"]) == set(BRIDGED_ARCHITECTURES)
+    assert set(stored["vl_families"]) == set(VL_BRIDGED_ARCHITECTURES)
 
 
 def test_families_are_the_bridge_tables():
@@ -49,6 +52,42 @@ def test_families_are_the_bridge_tables():
         "output_layer.weight": "vocab",
         "decoder.final_layernorm.weight": "copy",
     }
+
+
+def test_vl_table_from_rows_splits_the_language_model_and_whole_modules():
+    rows = [
+        {
+            "megatron": "language_model.embedding.word_embeddings.weight",
+            "hf": ["model.embed_tokens.weight"],
+            "kind": "copy",
+        },
+        {
+            "megatron": "language_model.decoder.layers.*.mlp.linear_fc1.weight",
+            "hf": ["model.layers.*.mlp.gate_proj.weight", "model.layers.*.mlp.up_proj.weight"],
+            "kind": "glu",
+        },
+        {"megatron": "visual.**", "hf": ["visual.**"], "kind": "copy"},
+    ]
+    table = vl_table_from_rows(rows)
+    assert table["subtrees"] == [{"mcore": "visual.", "hf": "visual."}]
+    assert table["language"]["global"] == [
+        {
+            "mcore": "embedding.word_embeddings.weight",
+            "hf": ["model.embed_tokens.weight"],
+            "kind": "vocab",
+        }
+    ]
+    assert table["language"]["layer"][0]["hf"] == [
+        "model.layers.{L}.mlp.gate_proj.weight",
+        "model.layers.{L}.mlp.up_proj.weight",
+    ]
+    for bad in (
+        {"megatron": "vision_model.x.weight", "hf": ["v.x.weight"], "kind": "copy"},
+        {"megatron": "visual.**", "hf": ["visual.**"], "kind": "qkv"},
+        {"megatron": "visual.*.x.**", "hf": ["visual.*.x.**"], "kind": "copy"},
+    ):
+        with pytest.raises(UnsupportedMappingError, match="neither the language model"):
+            vl_table_from_rows([bad])
 
 
 def test_table_from_rows_forms_and_refusals():

@@ -6,7 +6,9 @@
 
 OUT gets iter_0000000/ (torch_dist files, hf/ config + tokenizer, areal_meta.json) and a
 `latest` pointer. Any TP/PP/VPP/EP layout loads it (dist_checkpointing reshards); the layout
-given here is validated against the model and sets the vocabulary padding.
+given here is validated against the model and sets the vocabulary padding. A vision-language
+model (Qwen2.5-VL: areal_mega/checkpoint/vl_convert.py) converts for the single-rank layout
+only, its image processor's preprocessor_config.json kept in hf/.
 """
 
 import argparse
@@ -38,19 +40,22 @@ def main(argv=None):
     from areal_mega.checkpoint.dist_ckpt import CheckpointError
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
     from areal_mega.checkpoint.safetensors_io import SafetensorsError
+    from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore, is_vl_model_dir
 
     try:
-        rep = convert_hf_to_mcore(
-            a.hf_dir,
-            a.out,
+        kw = dict(
             tp=a.tp,
             pp=a.pp,
             ep=a.ep,
             vpp=a.vpp,
             dtype=a.dtype,
             make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-            progress=not a.no_progress,
         )
+        # a vision-language model: the whole model at once (areal_mega/checkpoint/vl_convert.py)
+        if is_vl_model_dir(a.hf_dir):
+            rep = convert_vl_hf_to_mcore(a.hf_dir, a.out, **kw)
+        else:
+            rep = convert_hf_to_mcore(a.hf_dir, a.out, **kw, progress=not a.no_progress)
     except (UnsupportedModelError, SafetensorsError, CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

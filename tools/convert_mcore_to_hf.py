@@ -5,7 +5,8 @@
 
 --mcore-dir is a checkpoint root (its `latest` is used) or one iter_XXXXXXX directory, written
 by convert_hf_to_mcore.py or by training. DIR2 gets config.json, tokenizer files and
-model-0000i-of-0000N.safetensors with model.safetensors.index.json.
+model-0000i-of-0000N.safetensors with model.safetensors.index.json (a vision-language model:
+also its image processor's preprocessor_config.json; areal_mega/checkpoint/vl_convert.py).
 """
 
 import argparse
@@ -45,16 +46,22 @@ def main(argv=None):
     from areal_mega.checkpoint.convert import convert_mcore_to_hf
     from areal_mega.checkpoint.dist_ckpt import CheckpointError
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
+    from areal_mega.checkpoint.vl_convert import (
+        checkpoint_config_dir,
+        convert_vl_mcore_to_hf,
+        is_vl_model_dir,
+    )
 
     try:
-        rep = convert_mcore_to_hf(
-            a.mcore_dir,
-            a.out,
+        kw = dict(
             dtype=a.dtype,
             hf_config_dir=a.hf_config,
             max_shard_bytes=int(a.max_shard_size * 1024**3),
-            progress=not a.no_progress,
         )
+        if is_vl_model_dir(checkpoint_config_dir(a.mcore_dir, a.hf_config)):
+            rep = convert_vl_mcore_to_hf(a.mcore_dir, a.out, **kw)
+        else:
+            rep = convert_mcore_to_hf(a.mcore_dir, a.out, **kw, progress=not a.no_progress)
     except (UnsupportedModelError, CheckpointError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Write a tiny HF-format causal LM with random weights and a local character tokenizer.
+"""Write a tiny HF-format causal LM with random weights and a local character tokenizer (or a
+tiny Qwen2.5-VL with its image processor: --arch qwen2_5_vl).
 
     python tools/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-moe --hidden-size 64
 
@@ -15,7 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _argtypes import float_range, int_range  # noqa: E402  (tools/ is sys.path[0])
 
-from areal_mega.models.tiny import ARCHS, CHARSETS, TinyModelSpec, make_tiny_model  # noqa: E402
+from areal_mega.models.tiny import (  # noqa: E402
+    ARCHS,
+    CHARSETS,
+    VL_ARCHS,
+    TinyModelSpec,
+    make_tiny_model,
+)
 
 # lower bounds of the numeric fields: sizes and counts >= 1, seed >= 0, floats finite and > 0
 INT_LO = {"seed": 0}
@@ -23,7 +30,7 @@ INT_LO = {"seed": 0}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--arch", choices=ARCHS, required=True)
+    p.add_argument("--arch", choices=ARCHS + VL_ARCHS, required=True)
     p.add_argument("--out", required=True, help="output directory")
     for f in dataclasses.fields(TinyModelSpec):
         if f.name in ("arch",):

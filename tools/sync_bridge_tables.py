@@ -18,11 +18,12 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="compare only, write nothing")
     args = ap.parse_args(argv)
     new = derive_tables()
-    old = json.loads(SNAPSHOT.read_text()) if SNAPSHOT.exists() else {"families": {}}
+    old = json.loads(SNAPSHOT.read_text()) if SNAPSHOT.exists() else {}
     changed = [
         mt
-        for mt in sorted(set(new["families"]) | set(old["families"]))
-        if new["families"].get(mt) != old["families"].get(mt)
+        for key in ("families", "vl_families")
+        for mt in sorted(set(new[key]) | set(old.get(key, {})))
+        if new[key].get(mt) != old.get(key, {}).get(mt)
     ]
     if old.get("megatron_bridge") != new["megatron_bridge"]:
         print(f"megatron-bridge {old.get('megatron_bridge')} -> {new['megatron_bridge']}")
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
     if args.check:
         return 1 if changed or old.get("megatron_bridge") != new["megatron_bridge"] else 0
     SNAPSHOT.write_text(json.dumps(new, indent=1) + "\n")
-    print(f"wrote {SNAPSHOT} ({len(new['families'])} families: {', '.join(new['families'])})")
+    names = [*new["families"], *new["vl_families"]]
+    print(f"wrote {SNAPSHOT} ({len(names)} families: {', '.join(names)})")
     return 0
 
 

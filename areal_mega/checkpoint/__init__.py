@@ -19,6 +19,9 @@
 * :mod:`.value_model` — HF ``*ForSequenceClassification`` models as the critic's start.
 * :mod:`.export` — live export of model chunks as HF-named tensors in buckets.
 * :mod:`.convert` — offline HF <-> megatron converters (``tools/convert_*.py``).
+* :mod:`.vl_mapping` — a vision-language model's tensors (Qwen2.5-VL) in and out through the
+  bridge's table.
+* :mod:`.vl_convert` — the converters for vision-language models (whole model, one rank).
 
 Import the submodules; nothing heavy is imported here.
 """

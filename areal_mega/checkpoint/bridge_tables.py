@@ -38,11 +38,13 @@ from typing import Dict, List
 
 __all__ = [
     "BRIDGED_ARCHITECTURES",
+    "VL_BRIDGED_ARCHITECTURES",
     "SNAPSHOT",
     "UnsupportedMappingError",
     "FUSED_EXPERT_KINDS",
     "bridge_rows",
     "table_from_rows",
+    "vl_table_from_rows",
     "derive_tables",
     "load_tables",
     "import_bridge",
@@ -71,6 +73,11 @@ BRIDGED_ARCHITECTURES = {
     "exaone_moe": "ExaoneMoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
 }
+#: vision-language model_type -> the HF architecture whose bridge registry gives its table
+#: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
+VL_BRIDGED_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+#: the language model's module in a vision-language model's megatron names
+VL_LANGUAGE_PREFIX = "language_model."
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
 _KINDS = {
@@ -217,6 +224,32 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
     return table
 
 
+def vl_table_from_rows(rows: List[dict]) -> dict:
+    """Pure: a vision-language registry's rows -> ``{"language": table, "subtrees": [...]}``:
+    the language model's rows (``language_model.`` names) in :func:`table_from_rows`' form,
+    names relative to the language model; a whole-module row (``visual.**`` <-> ``visual.**``,
+    every tensor of the module under the same relative name, unchanged) as a subtree
+    ``{"mcore": "visual.", "hf": "visual."}``. Any other row is refused."""
+    language, subtrees = [], []
+    for row in rows:
+        name, hf = row["megatron"], row["hf"]
+        if name.startswith(VL_LANGUAGE_PREFIX):
+            language.append(dict(row, megatron=name[len(VL_LANGUAGE_PREFIX) :]))
+        elif (
+            name.endswith(".**")
+            and len(hf) == 1
+            and hf[0].endswith(".**")
+            and row["kind"] == "copy"
+            and "*" not in name[:-3] + hf[0][:-3]
+        ):
+            subtrees.append({"mcore": name[:-2], "hf": hf[0][:-2]})
+        else:
+            raise UnsupportedMappingError(
+                f"megatron pattern {name!r}: neither the language model's nor a whole module"
+            )
+    return {"language": table_from_rows(language), "subtrees": subtrees}
+
+
 def derive_tables() -> dict:
     """Every bridged family's table from the installed bridge, with its version."""
     from importlib.metadata import version
@@ -227,10 +260,15 @@ def derive_tables() -> dict:
             mt: dict(architecture=arch, **table_from_rows(bridge_rows(arch)))
             for mt, arch in BRIDGED_ARCHITECTURES.items()
         },
+        "vl_families": {
+            mt: dict(architecture=arch, **vl_table_from_rows(bridge_rows(arch)))
+            for mt, arch in VL_BRIDGED_ARCHITECTURES.items()
+        },
     }
 
 
 def load_tables() -> dict:
     """The stored tables (``bridge_tables.json``): ``{"megatron_bridge": version,
-    "families": {model_type: {"architecture", "global", "layer"}}}``."""
+    "families": {model_type: {"architecture", "global", "layer"}}, "vl_families":
+    {model_type: {"architecture", "language": {"global", "layer"}, "subtrees"}}}``."""
     return json.loads(SNAPSHOT.read_text())

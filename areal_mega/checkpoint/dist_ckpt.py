@@ -87,6 +87,7 @@ HF_AUX_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "preprocessor_config.json",  # a vision-language model's image processor
 )
 
 

@@ -74,6 +74,11 @@ class ModelConfig:
         "with per-sequence torch SDPA on the packed batch (the only choice on GPU without "
         "TE; no CP)",
     )
+    freeze_vision: bool = _f(
+        False,
+        doc="vision-language models (areal_mega/models/vlm): the vision tower (patch embedding "
+        "and blocks) does not train; its projector and the language model do",
+    )
 
 
 @dataclass

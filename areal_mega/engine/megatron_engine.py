@@ -19,6 +19,11 @@ averages over DP × CP), so gradients do not depend on the micro-batch split nor
 A loss marked :func:`~areal_mega.algo.policy_loss.reads_loss_mask_only` (the policy and SFT
 losses) gets logits computed at its ``loss_mask`` rows only (:mod:`areal_mega.engine.loss_rows`;
 its log-probabilities and entropies are 0 elsewhere).
+
+A vision-language model (``model_type`` ``qwen2_5_vl``: :mod:`areal_mega.models.vlm`) is the
+bridge's whole model; each micro-batch carries its samples' images (``pixel_values``,
+``image_grid_thw``, in packed order), the model computes the multimodal positions itself, and
+logits are computed at every row.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from areal_mega.engine.routing_replay import (
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
 from areal_mega.models.rope_positions import positions_supported, rope_at_positions
+from areal_mega.models.vlm.builder import build_vl_model_chunks
+from areal_mega.models.vlm.config import is_vl_config, vl_text_arch
 
 __all__ = ["MegatronEngine", "default_denominator"]
 
@@ -110,26 +117,40 @@ class MegatronEngine:
         self.actor_cfg = actor_cfg
         self.optimizer_cfg = optimizer_cfg
         self.hf_config = load_hf_config(hf_config if hf_config is not None else model_cfg.path)
-        self.arch = parse_hf_config(self.hf_config)
+        # a vision-language model (areal_mega/models/vlm): the bridge's whole model, whose
+        # forward takes each micro-batch's images; self.arch describes its language model
+        self.is_vl = is_vl_config(self.hf_config)
+        self.arch = vl_text_arch(self.hf_config) if self.is_vl else parse_hf_config(self.hf_config)
         check_replay_target(routing_replay, role, self.arch)
         attn = resolve_attention(getattr(model_cfg, "attention_backend", "auto"))
         self.use_te = attn.use_te
-        chunks, self.config = build_model_chunks(
-            self.arch,
-            mesh,
+        build = dict(
             dtype=model_cfg.dtype,
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             recompute_granularity=model_cfg.recompute_granularity if role == "actor" else None,
             use_te=self.use_te,
             attention_backend=attn.backend,
             seed=seed,
-            moe_enable_routing_replay=routing_replay,
         )
+        if self.is_vl:
+            if lora is not None and getattr(lora, "enabled", False):
+                raise ValueError("LoRA is not supported for vision-language models yet")
+            chunks, self.config = build_vl_model_chunks(
+                self.hf_config,
+                mesh,
+                **build,
+                freeze_vision=bool(getattr(model_cfg, "freeze_vision", False)),
+            )
+        else:
+            chunks, self.config = build_model_chunks(
+                self.arch, mesh, **build, moe_enable_routing_replay=routing_replay
+            )
         from areal_mega.lora.actor import attach_lora
 
         self.lora = attach_lora(self, chunks, lora if role == "actor" else None)
         self.vocab_size = self.arch.vocab_size
-        self.padded_vocab_size = chunks[0].vocab_size
+        lm = chunks[0].language_model if self.is_vl else chunks[0]
+        self.padded_vocab_size = lm.vocab_size
         self.config.calculate_per_token_loss = True
         self.optimizer = None
         self.lr_scheduler = None
@@ -144,6 +165,7 @@ class MegatronEngine:
             and mesh.dims.cp == 1
             and not mesh.sequence_parallel
             and not self.arch.is_moe  # its router's load statistics count every copy
+            and not self.is_vl  # the bridge's forward computes the positions itself
             and self.replay is None
             and all(positions_supported(c) for c in chunks)
         )
@@ -226,6 +248,16 @@ class MegatronEngine:
         )
 
     # ------------------------------------------------------------------ model pieces
+    def _images(self, mb: dict) -> dict:
+        """A vision-language micro-batch's images, on the device: ``pixel_values`` [patches,
+        C·t·p·p] and ``image_grid_thw`` [images, 3] of its samples' images in packed order (None
+        without images; :func:`areal_mega.models.vlm.inputs.pack_samples`)."""
+        out = {}
+        for key in ("pixel_values", "image_grid_thw"):
+            x = mb.get(key)
+            out[key] = None if x is None else torch.as_tensor(x).to(self.mesh.device)
+        return out
+
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Exclude padded vocabulary ids (>= HF vocab size) from the softmax."""
         v_local = logits.shape[-1]
@@ -282,7 +314,7 @@ class MegatronEngine:
         armed = self.replay and self.replay.arm(self.model.index(model), batch["routes"])
         batch["rows"] = (
             None
-            if collect
+            if collect or self.is_vl  # the bridge's VL forward has no output processor
             else loss_rows(
                 loss_fn,
                 mb,
@@ -305,13 +337,22 @@ class MegatronEngine:
             if batch["expand"] is not None
             else nullcontext(),
         ):
-            output = model(
-                batch["input_ids"],
-                batch["position_ids"],
-                batch["attention_mask"],
-                packed_seq_params=batch["packed_seq_params"],
-                **trim,
-            )
+            if self.is_vl:  # its own multimodal positions; the micro-batch's images
+                output = model(
+                    input_ids=batch["input_ids"],
+                    position_ids=None,
+                    attention_mask=None,
+                    **self._images(mb),
+                    packed_seq_params=batch["packed_seq_params"],
+                )
+            else:
+                output = model(
+                    batch["input_ids"],
+                    batch["position_ids"],
+                    batch["attention_mask"],
+                    packed_seq_params=batch["packed_seq_params"],
+                    **trim,
+                )
         if armed:
             armed(output)
         return output, partial(

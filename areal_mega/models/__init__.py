@@ -30,5 +30,7 @@
 - :mod:`.varlen_attention` — packed attention for megatron's local spec, no work across
   sequences;
 - :mod:`.rope_positions` — rotary embeddings at given positions (shared prompt prefixes);
-- :mod:`.tiny` — tiny random-weight HF models and a character tokenizer, no network.
+- :mod:`.tiny` — tiny random-weight HF models and a character tokenizer, no network;
+- :mod:`.vlm` — vision-language models (Qwen2.5-VL) built from the bridge's provider: its
+  vision tower, projector and multimodal RoPE, our runtime fields and packed attention.
 """

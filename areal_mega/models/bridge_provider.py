@@ -51,6 +51,7 @@ __all__ = [
     "ARCH_FIELDS",
     "GPT_FIELDS",
     "PROVIDER_FAMILIES",
+    "VL_PROVIDER_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
     "INPUT_CORRECTIONS",
@@ -118,6 +119,8 @@ ARCH_FIELDS = (
     "window_attn_skip_freq",
     "glu_linear_offset",
     "activation_func_clamp_value",
+    # multimodal RoPE (Qwen2.5-VL): rotary channels per axis (temporal, height, width)
+    "mrope_section",
 )
 #: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
 GPT_FIELDS = {
@@ -152,6 +155,10 @@ PROVIDER_FAMILIES = (
     "exaone_moe",
     "exaone4",
 )
+
+#: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
+#: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`)
+VL_PROVIDER_FAMILIES = ("qwen2_5_vl",)
 
 #: families that keep our translator, and why
 OWN_TRANSLATOR = {
@@ -263,6 +270,13 @@ def _exaone4_layers(hf: dict, fields: dict, gpt: dict) -> None:
     fields["no_rope_freq"] = nope if any(nope) else None
 
 
+def _qwen25_vl_mrope(hf: dict, fields: dict, gpt: dict) -> None:
+    """Qwen2.5-VL: the multimodal RoPE sections of the config (its text config's
+    ``rope_parameters``, where transformers reads them)."""
+    text = hf_config_object(hf).text_config
+    fields["mrope_section"] = [int(x) for x in text.rope_parameters["mrope_section"]]
+
+
 _UNTIED = (
     "the provider sets share_embeddings_and_output_weights=False whatever tie_word_embeddings says"
 )
@@ -321,6 +335,12 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "positions, betas 32 / 1) and alternates sliding / full layers from layer 0, whatever "
         "rope_parameters and layer_types say; " + _UNTIED,
         _gpt_oss,
+    ),
+    "qwen2_5_vl": (
+        "the provider keeps its default mrope_section [16, 24, 24] (the released models' "
+        "head dim 128) whatever the config's rope_parameters say: another head dim fails in "
+        "the rotary embedding's split (or rotates the wrong channels per axis)",
+        _qwen25_vl_mrope,
     ),
     "qwen3_moe": (
         "the provider sets decoder_sparse_step=1 and ignores mlp_only_layers: every layer "
@@ -438,17 +458,25 @@ def uses_provider(model_type: str) -> bool:
 
 def hf_config_object(hf: dict):
     """transformers' ``PretrainedConfig`` of a config dict, its ``architectures`` the family's
-    causal-LM class when absent or not a causal LM (a critic's or reward model's
+    causal-LM class (a vision-language family's image-text-to-text class) when absent or not a
+    causal LM (a critic's or reward model's
     ``*ForSequenceClassification``: the decoder is the same, and the bridge dispatches on
     causal-LM classes only)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     hf = dict(hf)
     mt = hf.pop("model_type")
     archs = hf.get("architectures") or []
     if not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs):
-        hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]]
+        hf["architectures"] = [
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]
+            if mt in VL_PROVIDER_FAMILIES
+            else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]
+        ]
     return AutoConfig.for_model(mt, **hf)
 
 

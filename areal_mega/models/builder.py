@@ -112,6 +112,7 @@ __all__ = [
     "parse_hf_config",
     "padded_vocab_size",
     "transformer_config_from_hf",
+    "runtime_config_fields",
     "layer_spec_for",
     "build_model_chunks",
     "have_te",
@@ -367,6 +368,66 @@ def interleaved_p2p_settings(pp: int, vpp: Optional[int]) -> dict:
     return {}
 
 
+def runtime_config_fields(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    vpp: Optional[int] = None,
+    sequence_parallel: bool = False,
+    dtype: str = "fp32",
+    variable_seq_lengths: bool = True,
+    use_te: bool = False,
+    deterministic: bool = False,
+    attention_backend: Optional[str] = None,
+    fusions: Optional[dict] = None,
+    activation: str = "silu",
+) -> dict:
+    """The ``TransformerConfig`` fields the engine decides, whatever the architecture: parallel
+    sizes of our mesh, dtype, CPU/GPU fusions (:func:`~areal_mega.models.backend.decide_fusions`
+    unless ``fusions`` is given), the MoE dispatcher, initialisation on CPU, attention backend
+    (see :func:`transformer_config_from_hf`)."""
+    params_dtype = _DTYPES[dtype]
+    on_gpu = torch.cuda.is_available()
+    if fusions is None:
+        te = probe_te() if on_gpu and use_te else None
+        fusions = decide_fusions(
+            cuda=on_gpu,
+            use_te=use_te,
+            te_version=te.version if te is not None else None,
+            apex_grad_accum=on_gpu and apex_grad_accum_available(),
+            activation=activation,
+            gated_linear_unit=True,
+            cp=cp,
+        )
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        variable_seq_lengths=variable_seq_lengths,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        masked_softmax_fusion=on_gpu and use_te,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=deterministic,
+        attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
+        **fusions,
+    )
+
+
 def transformer_config_from_hf(
     arch: HFArch,
     *,
@@ -411,44 +472,20 @@ def transformer_config_from_hf(
         raise ValueError(
             f"num_hidden_layers={arch.num_layers} not divisible by PP·VPP={pp * (vpp or 1)}"
         )
-    params_dtype = _DTYPES[dtype]
-    on_gpu = torch.cuda.is_available()
-    if fusions is None:
-        te = probe_te() if on_gpu and use_te else None
-        fusions = decide_fusions(
-            cuda=on_gpu,
-            use_te=use_te,
-            te_version=te.version if te is not None else None,
-            apex_grad_accum=on_gpu and apex_grad_accum_available(),
-            activation=arch.activation,
-            gated_linear_unit=True,
-            cp=cp,
-        )
-    # runtime fields: ours (mesh, dtype, CPU/GPU fusions, dispatcher, initialisation)
-    kw: dict[str, Any] = dict(
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp,
-        sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=dtype == "bf16",
-        fp16=dtype == "fp16",
+    kw = runtime_config_fields(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        vpp=vpp,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
         variable_seq_lengths=variable_seq_lengths,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
-        masked_softmax_fusion=on_gpu and use_te,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        deterministic_mode=deterministic,
-        attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
-        **fusions,
+        use_te=use_te,
+        deterministic=deterministic,
+        attention_backend=attention_backend,
+        fusions=fusions,
+        activation=arch.activation,
     )
     # architecture fields: the bridge's provider, or our translator where it is kept
     if uses_provider(arch.model_type):

@@ -1,4 +1,5 @@
-"""Tiny HF-format causal LMs with random weights and a locally built character tokenizer.
+"""Tiny HF-format causal LMs with random weights and a locally built character tokenizer
+(and a vision-language model, Qwen2.5-VL, with its image processor: :data:`VL_ARCHS`).
 
 Used by the tests, the CPU demo and anyone who wants a smoke run without downloading weights.
 Nothing here touches the network: the tokenizer is built with `tokenizers`, the model with
@@ -12,6 +13,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from areal_mega.models.vlm.tiny import make_tiny_qwen25_vl
 
 ARCHS = (
     "llama",
@@ -35,6 +38,9 @@ ARCHS = (
     "exaone_moe",
     "exaone4",
 )
+#: vision-language models (:mod:`areal_mega.models.vlm.tiny`): the text model's sizes from
+#: the spec, the vision tower's from its ``vision_*`` fields
+VL_ARCHS = ("qwen2_5_vl",)
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -101,6 +107,13 @@ class TinyModelSpec:
     # ernie4_5_moe: layer i is MoE when (i + 1) % moe_layer_interval == 0 and i >= 1 (the
     # others dense MLPs of intermediate_size)
     moe_layer_interval: int = 1
+    # qwen2_5_vl: the vision tower, and the multimodal RoPE's channels per axis (temporal,
+    # height, width; None: 1 : 1.5 : 1.5 of head_dim / 2)
+    vision_depth: int = 2
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64
+    vision_num_heads: int = 2
+    mrope_section: Optional[tuple] = None
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -446,7 +459,8 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
 
 
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **overrides) -> Path:
-    """Write a tiny HF model directory (config.json, safetensors, tokenizer files) to ``out_dir``.
+    """Write a tiny HF model directory (config.json, safetensors, tokenizer files; for
+    :data:`VL_ARCHS` also the image processor's ``preprocessor_config.json``) to ``out_dir``.
 
     ``overrides`` set fields of :class:`TinyModelSpec`. Deterministic for a given spec.
     """
@@ -461,8 +475,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                 f"{sorted(TinyModelSpec.__dataclass_fields__)}"
             )
         setattr(spec, k, v)
-    if spec.arch not in ARCHS:
-        raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
+    if spec.arch not in ARCHS + VL_ARCHS:
+        raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS + VL_ARCHS}")
     if (
         spec.head_dim is None and spec.hidden_size % spec.num_heads
     ) or spec.num_heads % spec.num_kv_heads:
@@ -473,6 +487,8 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(spec.charset)
+    if spec.arch in VL_ARCHS:
+        return make_tiny_qwen25_vl(out, spec, tok)
     cfg = _hf_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -1,0 +1,140 @@
+"""An HF vision-language checkpoint's tensors into the model that
+:mod:`areal_mega.models.vlm.builder` built (and back), through the bridge's table
+(``bridge_tables.json``'s ``vl_families``, from Megatron-Bridge's registry:
+:func:`areal_mega.checkpoint.bridge_tables.vl_table_from_rows`).
+
+The language model's tensors take the text families' transforms
+(:mod:`areal_mega.checkpoint.hf_mapping`: fused QKV per KV group, ``[gate; up]``, padded
+vocabulary); a whole-module subtree (the vision tower and projector, transformers' own modules
+in the bridge's model) is copied name for name. Every parameter of the model must be found in
+the checkpoint and every checkpoint tensor must be used (a tied model has no ``lm_head``).
+Single rank for now: the full tensors are copied, so the model must not be tensor-parallel.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from areal_mega.checkpoint.bridge_tables import VL_LANGUAGE_PREFIX, load_tables
+from areal_mega.checkpoint.hf_mapping import (
+    UnsupportedModelError,
+    glu_to_hf,
+    glu_to_mcore,
+    pad_vocab,
+    qkv_to_hf,
+    qkv_to_mcore,
+    unpad_vocab,
+)
+
+__all__ = ["vl_table", "hf_sources", "load_hf_weights", "to_hf_state_dict"]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def vl_table(model_type: str) -> dict:
+    """The stored table of a vision-language ``model_type``: ``{"language": {"global",
+    "layer"}, "subtrees"}``."""
+    fams = load_tables().get("vl_families", {})
+    if model_type not in fams:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} has no vision-language table; known: {sorted(fams)}"
+        )
+    return fams[model_type]
+
+
+def hf_sources(table: dict, name: str) -> Tuple[List[str], str]:
+    """The HF names and transform kind of one megatron parameter ``name`` of the model."""
+    for sub in table["subtrees"]:
+        if name.startswith(sub["mcore"]):
+            return [sub["hf"] + name[len(sub["mcore"]) :]], "copy"
+    if not name.startswith(VL_LANGUAGE_PREFIX):
+        raise UnsupportedModelError(f"{name}: neither the language model's nor a subtree's")
+    rest = name[len(VL_LANGUAGE_PREFIX) :]
+    m = _LAYER.match(rest)
+    layer, suffix = (int(m.group(1)), m.group(2)) if m else (None, rest)
+    for row in table["language"]["layer" if m else "global"]:
+        if row["mcore"] == suffix:
+            return [h.format(L=layer) for h in row["hf"]], row["kind"]
+    raise UnsupportedModelError(f"{name}: no HF mapping in the bridge's table")
+
+
+def _language_config(model):
+    c = model.language_model.config
+    return c.num_attention_heads, c.num_query_groups, c.kv_channels
+
+
+def _single_rank(model) -> None:
+    if model.language_model.config.tensor_model_parallel_size != 1:
+        raise NotImplementedError(
+            "vision-language weights load and save at TP=1 only (the full tensors are copied)"
+        )
+
+
+def load_hf_weights(model, weights, *, table: Optional[dict] = None, model_type="qwen2_5_vl"):
+    """Copy an HF checkpoint (``weights``: a :class:`~areal_mega.checkpoint.safetensors_io.
+    SafetensorsDir` or a name -> tensor dict) into ``model`` (a rank's whole
+    ``Qwen25VLModel``); returns the HF names used."""
+    _single_rank(model)
+    table = table or vl_table(model_type)
+    heads, groups, head_dim = _language_config(model)
+    get = weights.get if hasattr(weights, "get") else weights.__getitem__
+    names = set(weights.keys())
+    used = set()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            hf, kind = hf_sources(table, name)
+            missing = [h for h in hf if h not in names]
+            if missing:
+                raise UnsupportedModelError(f"{name}: the checkpoint has no {missing}")
+            ts = [get(h) for h in hf]
+            used.update(hf)
+            if kind == "copy":
+                t = ts[0]
+            elif kind == "qkv":
+                t = qkv_to_mcore(*ts, heads, groups, head_dim)
+            elif kind == "glu":
+                t = glu_to_mcore(*ts)
+            elif kind == "vocab":
+                t = pad_vocab(ts[0], param.shape[0])
+            else:
+                raise UnsupportedModelError(f"{name}: transform {kind!r} is not supported here")
+            if tuple(t.shape) != tuple(param.shape):
+                raise UnsupportedModelError(
+                    f"{name}: shape {tuple(param.shape)}, the checkpoint's {tuple(t.shape)}"
+                )
+            param.copy_(t)
+    unused = names - used
+    if unused:
+        raise UnsupportedModelError(
+            f"checkpoint tensors the model has no place for: {sorted(unused)}"
+        )
+    return used
+
+
+def to_hf_state_dict(
+    model, vocab_size: int, *, table: Optional[dict] = None, model_type="qwen2_5_vl"
+) -> Dict[str, torch.Tensor]:
+    """The inverse of :func:`load_hf_weights`: the model's parameters as HF tensors."""
+    _single_rank(model)
+    table = table or vl_table(model_type)
+    heads, groups, head_dim = _language_config(model)
+    out: Dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        hf, kind = hf_sources(table, name)
+        t = param.detach()
+        if kind == "copy":
+            ts = (t,)
+        elif kind == "qkv":
+            ts = qkv_to_hf(t, heads, groups, head_dim)
+        elif kind == "glu":
+            ts = glu_to_hf(t)
+        elif kind == "vocab":
+            ts = (unpad_vocab(t, vocab_size),)
+        else:
+            raise UnsupportedModelError(f"{name}: transform {kind!r} is not supported here")
+        for h, x in zip(hf, ts):
+            out[h] = x.contiguous().clone()
+    return out

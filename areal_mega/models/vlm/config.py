@@ -1,0 +1,78 @@
+"""Which vision-language configs the engine builds, and the keys it refuses.
+
+Qwen2.5-VL (``model_type`` ``qwen2_5_vl``, transformers' ``Qwen2_5_VLForConditionalGeneration``):
+its language model is Qwen2's (QKV bias, RMSNorm, SwiGLU) with multimodal RoPE. A config key
+whose value our build does not reproduce is refused naming it (transformers would apply it):
+the text model's sliding window, a RoPE scaling other than the multimodal sections, an
+activation other than SiLU.
+"""
+
+from __future__ import annotations
+
+import json
+
+from areal_mega.models.bridge_provider import VL_PROVIDER_FAMILIES, hf_config_object
+from areal_mega.models.builder import HFArch
+
+__all__ = ["VL_MODEL_TYPES", "is_vl_config", "check_vl_config", "vl_text_arch"]
+
+VL_MODEL_TYPES = VL_PROVIDER_FAMILIES
+
+
+def is_vl_config(hf: dict) -> bool:
+    """Whether ``hf`` is a vision-language config this package builds."""
+    return hf.get("model_type") in VL_MODEL_TYPES
+
+
+def check_vl_config(hf: dict):
+    """transformers' config object of ``hf`` after refusing what the build does not reproduce
+    (``ValueError`` naming the key)."""
+    mt = hf.get("model_type")
+    if mt not in VL_MODEL_TYPES:
+        raise ValueError(f"model_type {mt!r} is not a vision-language family we build")
+    cfg = hf_config_object(hf)
+    text = cfg.text_config
+    if getattr(text, "use_sliding_window", False):
+        raise ValueError("text_config.use_sliding_window=True is not supported (full attention)")
+    rope = dict(text.rope_parameters or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"text_config.rope_parameters.rope_type={kind!r} is not supported")
+    if "mrope_section" not in rope:
+        raise ValueError("text_config.rope_parameters has no mrope_section")
+    head_dim = text.hidden_size // text.num_attention_heads
+    if sum(rope["mrope_section"]) != head_dim // 2:
+        raise ValueError(
+            f"text_config.rope_parameters.mrope_section={rope['mrope_section']} does not sum to "
+            f"head_dim/2={head_dim // 2}"
+        )
+    if text.hidden_act != "silu":
+        raise ValueError(f"text_config.hidden_act={text.hidden_act!r} is not supported (silu)")
+    return cfg
+
+
+def vl_text_arch(hf: dict) -> HFArch:
+    """The language model's :class:`~areal_mega.models.builder.HFArch` (what the engine reads
+    around the model: vocabulary, sizes, tied embeddings), ``model_type`` the vision-language
+    one; the model itself is built from the whole config (:mod:`areal_mega.models.vlm.builder`)."""
+    cfg = check_vl_config(hf)
+    text = cfg.text_config
+    heads = int(text.num_attention_heads)
+    return HFArch(
+        model_type=hf["model_type"],
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(text.num_key_value_heads or heads),
+        head_dim=int(text.hidden_size) // heads,
+        ffn_hidden_size=int(text.intermediate_size),
+        max_position_embeddings=int(text.max_position_embeddings),
+        rope_theta=float(text.rope_parameters["rope_theta"]),
+        rms_norm_eps=float(text.rms_norm_eps),
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        qkv_bias=True,
+        qk_norm=False,
+        initializer_range=float(text.initializer_range),
+        hf_json=json.dumps(hf, sort_keys=True, default=str),
+    )
