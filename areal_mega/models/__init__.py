@@ -15,6 +15,8 @@
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;
+- :mod:`.nemotron_h` — Nemotron-H: megatron's HybridModel (Mamba-2, attention and MLP
+  layers) from the bridge's provider on the local hybrid spec;
 - :mod:`.olmoe` — OLMoE's (and MiniMax-M2's) RMSNorm over the whole query / key projection,
   tensor-parallel;
 - :mod:`.gpt_oss` — GPT-OSS: its config fields (sinks, windows, YaRN, biased experts with the
