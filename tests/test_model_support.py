@@ -104,6 +104,7 @@ def test_list_bridge_models_command():
         "Gemma3ForCausalLM",
         "Ernie4_5_MoeForCausalLM",
         "Exaone4ForCausalLM",
+        "Qwen3NextForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
     assert rows["Gemma4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]

@@ -70,6 +70,7 @@ BRIDGED_ARCHITECTURES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
@@ -92,11 +93,17 @@ _KINDS = {
     "_PPSafeReplicatedMapping": "copy",
     "_PPSafeGatedMLPMapping": "glu",
     "_SqueezeBiasMapping": "row",
+    # Qwen3-Next's gated delta-net (areal_mega/checkpoint/hf_mapping_gdn.py): the input
+    # projection regrouped from per key head to per section; the convolution's channels are
+    # [q; k; v] on both sides; the output norm's gain w is megatron's zero-centred w - 1
+    "GDNLinearMapping": "gdn_in_proj",
+    "GDNConv1dMapping": "copy",
+    "RMSNorm2ZeroCenteredRMSNormMapping": "minus_one",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)
 FUSED_EXPERT_KINDS = ("fused_expert", "fused_expert_glu")
-_HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
+_HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up"), "gdn_in_proj": ("qkvz", "ba")}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = "decoder.layers.*."
 #: TransformerEngine's norms fused into the next linear (``LayerNormLinear``), e.g.

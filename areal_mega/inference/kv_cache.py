@@ -16,7 +16,9 @@ as rows ``0..B-1`` of one of these:
   copied into the model are used at the next step.
 * :class:`HFCacheBatch` (any other causal LM, e.g. Gemma 3 with its per-layer windows):
   transformers' ``DynamicCache``, rows merged by left-padding every layer's keys/values to the
-  common length (sliding-window layers keep every key; the mask applies the window).
+  common length (sliding-window layers keep every key; the mask applies the window). Linear-
+  attention layers (Qwen3-Next's gated delta-net) hold a fixed-size state per row instead (the
+  convolution's window and the recurrent state), merged and selected by row, never padded.
 
 Both answer :meth:`prefill` (equal-length prompts, logits of the last position; the static
 batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reuse`),
@@ -298,11 +300,14 @@ class HFCacheBatch:
     def __init__(self, model):
         self.model = model
         self.config = model.config
+        # layers whose state is (conv_states [B,C,W], recurrent_states [B,H,Dk,Dv])
+        self._linear = linear_attention_layers(self.config)
+        self._attn = next(i for i in range(self.config.num_hidden_layers) if i not in self._linear)
         self.reset()
 
     def reset(self) -> None:
         """Drop every row."""
-        self._kv: list = []  # per layer (keys [B,H,L,D], values [B,H,L,D])
+        self._kv: list = []  # per layer (keys [B,H,L,D], values [B,H,L,D]) or linear state
         self._mask = None  # [B, L] long, 1 = real token
         self._next_pos: list = []
 
@@ -320,7 +325,12 @@ class HFCacheBatch:
             position_ids=position_ids,
             logits_to_keep=1,
         )
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        kv = [
+            (layer.conv_states, layer.recurrent_states)
+            if i in self._linear
+            else (layer.keys, layer.values)
+            for i, layer in enumerate(out.past_key_values.layers)
+        ]
         return out.logits[:, -1, :].float(), kv
 
     def prefill(self, ids: torch.Tensor, prefix=None):
@@ -334,15 +344,20 @@ class HFCacheBatch:
         """See :meth:`StaticKVBatch.append`."""
         idx = torch.tensor(keep, dtype=torch.long)
         kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
-        n, L = len(keep), kv[0][0].shape[2]
+        n, L = len(keep), kv[self._attn][0].shape[2]
         if not self.rows:
             self._kv, self._mask = kv, torch.ones(n, L, dtype=torch.long)
         else:
             Lb = self._mask.shape[1]
             Lm = max(Lb, L)
             self._kv = [
-                (torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]), torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]))
-                for (kb, vb), (k, v) in zip(self._kv, kv)
+                (torch.cat([kb, k]), torch.cat([vb, v]))
+                if i in self._linear
+                else (
+                    torch.cat([_lpad(kb, Lm), _lpad(k, Lm)]),
+                    torch.cat([_lpad(vb, Lm), _lpad(v, Lm)]),
+                )
+                for i, ((kb, vb), (k, v)) in enumerate(zip(self._kv, kv))
             ]
             mb = F.pad(self._mask, (Lm - Lb, 0))
             mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
@@ -370,21 +385,40 @@ class HFCacheBatch:
         first = int((mask.sum(0) > 0).nonzero()[0]) if mask.numel() else 0
         self._mask = mask[:, first:]
         self._kv = [
-            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-            for k, v in self._kv
+            (k.index_select(0, idx), v.index_select(0, idx))
+            if i in self._linear
+            else (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+            for i, (k, v) in enumerate(self._kv)
         ]
         self._next_pos = [self._next_pos[i] for i in keep]
 
 
+def linear_attention_layers(config) -> frozenset:
+    """The layers transformers' cache gives a linear-attention state (Qwen3-Next's gated
+    delta-net layers)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    layers = DynamicCache(config=config).layers
+    return frozenset(
+        i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)
+    )
+
+
 def _cache_keeping_every_key(config, past):
     """transformers' ``DynamicCache`` for a model of ``config`` holding ``past`` (per layer
-    ``(keys, values)``; None: empty), except that sliding-window layers keep every key like
-    full-attention ones. The rows are merged by left padding every layer to one common length
-    (the attention mask's), which a sliding layer's cache (its last ``window - 1`` keys only,
-    e.g. Gemma 3's) breaks; the window itself is applied by transformers' sliding mask, which
-    counts cache columns, and left padding leaves a row's real tokens contiguous."""
+    ``(keys, values)``, or a linear-attention layer's ``(conv_states, recurrent_states)``;
+    None: empty), except that sliding-window layers keep every key like full-attention ones.
+    The rows are merged by left padding every layer to one common length (the attention
+    mask's), which a sliding layer's cache (its last ``window - 1`` keys only, e.g. Gemma 3's)
+    breaks; the window itself is applied by transformers' sliding mask, which counts cache
+    columns, and left padding leaves a row's real tokens contiguous."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    from transformers.cache_utils import (
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionCacheLayerMixin,
+    )
 
     cache = DynamicCache(config=config)
     cache.layers = [
@@ -392,7 +426,11 @@ def _cache_keeping_every_key(config, past):
         for layer in cache.layers
     ]
     for layer, (k, v) in zip(cache.layers, past or ()):
-        layer.update(k, v)
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.update_conv_state(k)  # the first update stores the state as it is
+            layer.update_recurrent_state(v)
+        else:
+            layer.update(k, v)
     return cache
 
 

@@ -2,7 +2,7 @@
 
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
-  OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4);
+  OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4, Qwen3-Next);
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
   Megatron-Bridge's model providers (and the defects we correct, the GPU-only families);
 - :mod:`.backend` — which attention implementation and GPU fusions a model is built with
@@ -23,6 +23,8 @@
   HY-V3, MiniMax-M2);
 - :mod:`.exaone` — EXAONE-MoE and EXAONE 4: per-layer window and rotary (NoPE full-attention
   layers), EXAONE 4's post-norm-only layer, refusals;
+- :mod:`.qwen3_next` — Qwen3-Next: gated delta-net layers beside gated full attention on
+  megatron's local spec, its config fields and refusals;
 - :mod:`.sliding_window` — sliding-window attention (Mistral): the key, megatron's window, the
   masks;
 - :mod:`.varlen_attention` — packed attention for megatron's local spec, no work across

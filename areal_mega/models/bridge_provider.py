@@ -118,6 +118,16 @@ ARCH_FIELDS = (
     "window_attn_skip_freq",
     "glu_linear_offset",
     "activation_func_clamp_value",
+    # Qwen3-Next: gated delta-net layers, the attention output gate, the shared expert's gate
+    "experimental_attention_variant",
+    "linear_attention_freq",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "attention_output_gate",
+    "moe_shared_expert_gate",
 )
 #: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
 GPT_FIELDS = {
@@ -151,6 +161,7 @@ PROVIDER_FAMILIES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "qwen3_next",
 )
 
 #: families that keep our translator, and why
@@ -222,6 +233,15 @@ def _minimax_m2_rotary(hf: dict, fields: dict, gpt: dict) -> None:
     """MiniMax-M2's rotary share: ``rotary_dim`` (hub configs) or, in a config transformers
     saved, ``rope_parameters.partial_rotary_factor``."""
     gpt["rotary_percent"] = minimax_m2_fields(hf, int(hf["num_hidden_layers"]))["rotary_percent"]
+
+
+def _qwen3_next(hf: dict, fields: dict, gpt: dict) -> None:
+    """Qwen3-Next: the dense layers as transformers reads them (as Qwen3-MoE), the rotary
+    share of ``rope_parameters``."""
+    from areal_mega.models.qwen3_next import rotary_share
+
+    _qwen3_moe_dense_layers(hf, fields, gpt)
+    gpt["rotary_percent"] = rotary_share(hf)
 
 
 def _gpt_oss(hf: dict, fields: dict, gpt: dict) -> None:
@@ -327,6 +347,13 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "becomes MoE where transformers builds dense MLP layers",
         _qwen3_moe_dense_layers,
     ),
+    "qwen3_next": (
+        "as qwen3_moe (the provider makes every layer MoE; transformers reads "
+        "decoder_sparse_step and mlp_only_layers); the provider takes the rotary share from "
+        "the top-level partial_rotary_factor, transformers from "
+        "rope_parameters.partial_rotary_factor when the config has it",
+        _qwen3_next,
+    ),
 }
 
 
@@ -368,7 +395,6 @@ _SPARSE = (
 #: model types whose layers need megatron-core kernels that exist for CUDA only: the CPU
 #: refuses them naming why (the engine does not build them yet on any device)
 GPU_ONLY = {
-    "qwen3_next": _LINEAR_ATTN,
     "qwen3_5": _LINEAR_ATTN,
     "qwen3_5_text": _LINEAR_ATTN,
     "qwen3_5_moe": _LINEAR_ATTN,

@@ -206,6 +206,17 @@ CASES = {
         },
         shared_prompts=True,
     ),
+    # Qwen3-Next: a gated delta-net layer (2 key / 4 value heads, widths 8 / 12, convolution
+    # of 4) then a full-attention layer with the output gate, QK norms and partial rotary
+    # (rope_parameters' 0.5; the config's top-level 0.25 is what the provider reads); softmax
+    # top-2 of 4 experts renormalised, a shared expert behind a sigmoid gate; random (1 + w)
+    # norms, output-norm gains and dt_bias (transformers starts them at zero / one)
+    "qwen3_next": FamilyCase(
+        "qwen3_next",
+        dict(arch="qwen3_next", head_dim=16, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -228,6 +239,7 @@ RL_CASES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "qwen3_next",
 )
 
 
