@@ -8,8 +8,9 @@ RMSNorm, zero-centred RMSNorms (``(1 + w)``), partial rotary, and a softmax top-
 a gated shared expert. The provider's layer spec is TransformerEngine's; here megatron's local
 spec is assembled per layer the same way, with :class:`~areal_mega.models.gemma3.Gemma3RMSNorm`
 (transformers' ``Qwen3NextRMSNorm`` is the same ``(1 + w)`` fp32 norm) as every norm, the
-gated delta-net's output norm included (transformers' ``Qwen3NextRMSNormGated`` has a plain
-gain ``w``: the converters store ``w - 1``), and our packed attention. On the CPU the
+gated delta-net's output norm too (:class:`GatedDeltaNetOutputNorm`, its gradient summed over
+the TP ranks' heads; transformers' ``Qwen3NextRMSNormGated`` has a plain gain ``w``: the
+converters store ``w - 1``), and our packed attention. On the CPU the
 gated delta-net runs on :mod:`areal_mega.compat.gdn_cpu`.
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import copy
 from typing import Any, Optional
+
+import torch
 
 from areal_mega.models.gemma3 import Gemma3RMSNorm
 from areal_mega.models.varlen_attention import VarlenDotProductAttention
@@ -39,6 +42,31 @@ def linear_attention_layers(hf: dict) -> tuple:
             f"{len(types)} ({bad or 'lengths differ'})"
         )
     return tuple(1 if t == "linear_attention" else 0 for t in types)
+
+
+class GatedDeltaNetOutputNorm(Gemma3RMSNorm):
+    """The gated delta-net's output norm (``(1 + w)`` RMSNorm over one value head): its weight
+    is shared by every head, and a tensor-parallel rank holds some of the heads, so each rank's
+    gradient is a partial sum over its heads; the forward passes the weight through megatron's
+    copy to the TP region (identity forward, all-reduce backward), with or without sequence
+    parallelism (megatron's ``finalize_model_grads`` sums replicated norms over TP under
+    sequence parallelism only: the weight is not tagged for it)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__(config, hidden_size, eps)
+        self.weight.sequence_parallel = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x``."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        weight = self.weight
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            weight = copy_to_tensor_model_parallel_region(weight)
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + weight.float())).type_as(x)
 
 
 def rotary_share(hf: dict) -> float:
@@ -78,7 +106,9 @@ def qwen3_next_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = Non
     gdn = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
-            in_proj=ColumnParallelLinear, out_norm=Gemma3RMSNorm, out_proj=RowParallelLinear
+            in_proj=ColumnParallelLinear,
+            out_norm=GatedDeltaNetOutputNorm,
+            out_proj=RowParallelLinear,
         ),
     )
     layers = []
