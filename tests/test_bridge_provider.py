@@ -28,6 +28,7 @@ SPECS = {
     "exaone_moe": dict(sliding_window=8, tie_word_embeddings=False),
     "exaone4": dict(sliding_window=8),
     "qwen3_next": dict(head_dim=16, tie_word_embeddings=False),
+    "qwen3_5_text": dict(head_dim=16, tie_word_embeddings=False),
 }
 LLAMA3 = {
     "rope_type": "llama3",
@@ -149,9 +150,14 @@ def test_qwen3_moe_dense_layers_are_kept():
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
     ],
 )
-def test_qwen3_next_refuses_what_it_does_not_build_naming_the_key(change, key):
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text"])
+def test_gated_delta_net_families_refuse_what_they_do_not_build_naming_the_key(
+    arch, change, key
+):
+    if key == "norm_topk_prob" and arch == "qwen3_5_text":
+        change = dict(change, num_experts=4)  # a router's option: MoE configs only
     with pytest.raises(ValueError, match=key):
-        parse_hf_config(dict(tiny_config("qwen3_next"), **change))
+        parse_hf_config(dict(tiny_config(arch), **change))
 
 
 # ---- upstream defects: each test fails once the bridge is fixed (then drop the workaround)
@@ -218,8 +224,6 @@ def test_upstream_providers_still_untie_every_embedding(arch):
 @pytest.mark.parametrize(
     "model_type,words",
     [
-        ("qwen3_5", "linear-attention"),
-        ("qwen3_5_moe_text", "linear-attention"),
         ("nemotron_h", "Mamba"),
         ("falcon_h1", "Mamba"),
         ("glm_moe_dsa", "sparse attention"),
@@ -234,6 +238,17 @@ def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, 
         parse_hf_config(hf)
     assert words in str(e.value)
     with pytest.raises(UnsupportedModelError, match=words):
+        read_arch(hf)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_moe"])
+def test_qwen3_5_moe_is_refused_naming_why(model_type, tmp_path):
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
+
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64}
+    with pytest.raises(ValueError, match="MoE variant is not wired"):
+        parse_hf_config(hf)
+    with pytest.raises(UnsupportedModelError, match="MoE variant is not wired"):
         read_arch(hf)
 
 

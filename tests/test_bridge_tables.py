@@ -217,7 +217,7 @@ def test_row_names_read_one_row_of_a_stored_tensor(tmp_path):
 
 
 def test_qwen3_next_transforms_equal_the_bridge_functions(derived):
-    """Qwen3-Next's gated delta-net input projection and gated QKV (our row blocks,
+    """Qwen3-Next's (and Qwen3.5's) gated delta-net input projection and gated QKV (our row blocks,
     areal_mega/checkpoint/hf_mapping_gdn.py) bit for bit against the bridge's merge / split
     functions, whole and streamed; the output norm's offset there and back."""
     from megatron.bridge.models.conversion.param_mapping import (
@@ -265,6 +265,16 @@ def test_qwen3_next_transforms_equal_the_bridge_functions(derived):
     assert torch.equal(fused, merge_qkv_weights(cfg, q, k, v))
     for a, b in zip(gdn.to_hf(arch, "gated_qkv", fused), split_qkv_weights(cfg, fused)):
         assert torch.equal(a, b)
+    # Qwen3.5: the same projection in four flat tensors (the bridge's separate mapping goes
+    # through the grouped form)
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    qkv_z_b_a = gdn.to_hf(arch, "gdn_in_proj_split", ours)
+    grouped = pm._fuse_gdn_separate_to_grouped(cfg, *qkv_z_b_a)
+    assert torch.equal(merge_gdn_linear_weights(cfg, *grouped), ours)
+    for a, b in zip(qkv_z_b_a, pm._split_gdn_grouped_to_separate(cfg, qkvz, ba)):
+        assert torch.equal(a, b)
+    assert torch.equal(gdn.to_mcore(arch, "gdn_in_proj_split", qkv_z_b_a), ours)
     w = torch.rand(8, generator=g) * 1.5 + 0.5  # [0.5, 2]: w - 1 and back is exact
     zero_centred = torch.cat(list(gdn.to_mcore_segments(arch, "minus_one", ["w"], {"w": w}.get)))
     assert torch.equal(zero_centred, w - 1)

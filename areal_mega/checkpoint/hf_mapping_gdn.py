@@ -7,6 +7,9 @@
   ``[q; k; v group; z group]`` and ``in_proj_ba`` per key head ``[b group; a group]`` (a group:
   the value heads of that key head); megatron's ``in_proj`` holds ``[q; k; v; z; b; a]``, each
   over all heads in head order;
+* ``gdn_in_proj_split`` (``GDNLinearMappingSeparate``, Qwen3.5): HF's ``in_proj_qkv``,
+  ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, each over all heads in head order: megatron's
+  ``in_proj`` is their concatenation;
 * ``minus_one`` (``RMSNorm2ZeroCenteredRMSNormMapping``): the gated delta-net's output norm,
   a plain gain ``w`` in HF, ``w - 1`` in megatron's zero-centred norm.
 
@@ -34,7 +37,7 @@ __all__ = [
 ]
 
 #: kinds whose HF tensors are row blocks of the megatron tensor
-ROW_PERMUTATION_KINDS = ("gated_qkv", "gdn_in_proj")
+ROW_PERMUTATION_KINDS = ("gated_qkv", "gdn_in_proj", "gdn_in_proj_split")
 #: every kind of this module
 GDN_KINDS = ROW_PERMUTATION_KINDS + ("minus_one",)
 
@@ -68,6 +71,13 @@ def _gdn_in_proj_blocks(arch) -> Blocks:
     return [qkvz, ba]
 
 
+def _gdn_in_proj_split_blocks(arch) -> Blocks:
+    nk, nv, dk, dv = arch.gdn_heads
+    qkv, z, b = 2 * nk * dk + nv * dv, nv * dv, nv
+    ends = (qkv, qkv + z, qkv + z + b, qkv + z + 2 * b)
+    return [[(0 if i == 0 else ends[i - 1], e)] for i, e in enumerate(ends)]
+
+
 def row_blocks(arch, kind: str) -> Blocks:
     """Per HF tensor (in the table's order), the megatron row ranges ``[a, b)`` whose
     concatenation is that HF tensor."""
@@ -75,6 +85,8 @@ def row_blocks(arch, kind: str) -> Blocks:
         return _gated_qkv_blocks(arch)
     if kind == "gdn_in_proj":
         return _gdn_in_proj_blocks(arch)
+    if kind == "gdn_in_proj_split":
+        return _gdn_in_proj_split_blocks(arch)
     raise ValueError(kind)
 
 

@@ -22,7 +22,8 @@ rotary beside full-attention layers without, DeepSeek-V3's router:
 :mod:`areal_mega.models.exaone`), ``exaone4`` (EXAONE 4: the same attention in post-norm-only
 dense layers, llama3 RoPE), ``qwen3_next`` (Qwen3-Next: gated delta-net layers beside full
 attention with an output gate, a softmax router with a gated shared expert:
-:mod:`areal_mega.models.qwen3_next`).
+:mod:`areal_mega.models.qwen3_next`), ``qwen3_5_text`` (Qwen3.5's dense text model: the same
+layers, dense MLPs).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -140,6 +141,7 @@ SUPPORTED_MODEL_TYPES = (
     "exaone_moe",
     "exaone4",
     "qwen3_next",
+    "qwen3_5_text",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -290,7 +292,7 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.nemotron import nemotron_arch_fields
 
         return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "qwen3_next":
+    if mt in ("qwen3_next", "qwen3_5_text"):
         from areal_mega.models.qwen3_next import qwen3_next_arch_fields
 
         return HFArch(**qwen3_next_arch_fields(hf), hf_json=_config_json(hf))
@@ -593,7 +595,7 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.exaone import exaone4_block_spec
 
         return exaone4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
-    if arch.model_type == "qwen3_next":
+    if arch.linear_attention_layers is not None:
         from areal_mega.models.qwen3_next import qwen3_next_block_spec
 
         return qwen3_next_block_spec(config, use_te=use_te, vp_stage=vp_stage)

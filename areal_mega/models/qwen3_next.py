@@ -25,6 +25,9 @@ from areal_mega.models.gemma3 import Gemma3RMSNorm
 from areal_mega.models.varlen_attention import VarlenDotProductAttention
 
 QWEN3_NEXT_MODEL_TYPE = "qwen3_next"
+#: the families built here: Qwen3-Next, and Qwen3.5's dense text model (the same layers with
+#: the delta-net's input projection in four checkpoint tensors, dense MLPs)
+GATED_DELTA_NET_MODEL_TYPES = (QWEN3_NEXT_MODEL_TYPE, "qwen3_5_text")
 
 
 def linear_attention_layers(hf: dict) -> tuple:
@@ -93,7 +96,7 @@ def qwen3_next_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = Non
 
     if use_te:
         raise ValueError(
-            f"{QWEN3_NEXT_MODEL_TYPE} runs on megatron's local layer spec only "
+            f"{', '.join(GATED_DELTA_NET_MODEL_TYPES)} run on megatron's local layer spec only "
             "(model.attention_backend other than TransformerEngine)"
         )
     plain = copy.copy(config)  # megatron's GPT block spec refuses the variant it does not build
@@ -129,32 +132,36 @@ def qwen3_next_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = Non
 
 
 def qwen3_next_arch_fields(hf: dict) -> dict[str, Any]:
-    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``qwen3_next`` config
-    (the converters' facts; the megatron config comes from the bridge's provider). Raises
-    ``ValueError`` naming the key of any feature this implementation lacks."""
+    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``qwen3_next`` or
+    ``qwen3_5_text`` config (the converters' facts; the megatron config comes from the bridge's
+    provider). Raises ``ValueError`` naming the key of any feature this implementation lacks.
+    Qwen3.5's multimodal rotary (``mrope_section``) is plain rotary on text, whose three
+    position ids are equal."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rp.get("rope_type", rp.get("type", "default"))
     if kind not in ("default", None):
-        raise ValueError(f"rope_parameters.rope_type={kind!r} is not supported for qwen3_next")
+        raise ValueError(
+            f"rope_parameters.rope_type={kind!r} is not supported for {hf['model_type']}"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf.get('hidden_act')!r} is not supported (silu only)")
     if hf.get("attention_bias"):
         raise ValueError(
-            "attention_bias=True is not supported for qwen3_next (Megatron-Bridge's registry "
-            "maps no attention bias)"
+            f"attention_bias=True is not supported for {hf['model_type']} (Megatron-Bridge's "
+            "registry maps no attention bias)"
         )
-    if not hf.get("norm_topk_prob", True):
+    experts = int(hf.get("num_experts") or 0)
+    if experts and not hf.get("norm_topk_prob", True):
         raise ValueError(
-            "norm_topk_prob=False is not supported for qwen3_next (the bridge's provider "
-            "renormalises the chosen experts' weights: moe_router_pre_softmax=False)"
+            f"norm_topk_prob=False is not supported for {hf['model_type']} (the bridge's "
+            "provider renormalises the chosen experts' weights: moe_router_pre_softmax=False)"
         )
     n = int(hf["num_hidden_layers"])
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or [])
-    experts = int(hf.get("num_experts") or 0)
     return dict(
-        model_type=QWEN3_NEXT_MODEL_TYPE,
+        model_type=hf["model_type"],
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
         num_layers=n,
@@ -174,8 +181,10 @@ def qwen3_next_arch_fields(hf: dict) -> dict[str, Any]:
         moe_topk=int(hf.get("num_experts_per_tok") or 0),
         moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or 0) or None,
         moe_norm_topk_prob=True,
-        moe_layer_pattern=tuple(
-            0 if (i in dense or (i + 1) % step) else 1 for i in range(n)
+        moe_layer_pattern=(
+            tuple(0 if (i in dense or (i + 1) % step) else 1 for i in range(n))
+            if experts
+            else None
         ),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
         moe_shared_ffn_hidden_size=int(hf.get("shared_expert_intermediate_size") or 0) or None,

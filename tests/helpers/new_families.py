@@ -217,6 +217,12 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # Qwen3.5 (dense text model): Qwen3-Next's layers with the delta-net's input projection
+    # in four checkpoint tensors and dense MLPs; TP2 without sequence parallelism (the
+    # delta-net's output-norm gradient summed over the ranks' heads in the graph)
+    "qwen3_5_text": FamilyCase(
+        "qwen3_5_text", dict(arch="qwen3_5_text", head_dim=16, tie_word_embeddings=False)
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -240,6 +246,7 @@ RL_CASES = (
     "exaone_moe",
     "exaone4",
     "qwen3_next",
+    "qwen3_5_text",
 )
 
 
