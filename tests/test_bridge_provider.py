@@ -29,6 +29,7 @@ SPECS = {
     "exaone4": dict(sliding_window=8),
     "qwen3_next": dict(head_dim=16, tie_word_embeddings=False),
     "qwen3_5_text": dict(head_dim=16, tie_word_embeddings=False),
+    "qwen3_5_moe_text": dict(head_dim=16, tie_word_embeddings=False),
 }
 LLAMA3 = {
     "rope_type": "llama3",
@@ -150,7 +151,7 @@ def test_qwen3_moe_dense_layers_are_kept():
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
     ],
 )
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
 def test_gated_delta_net_families_refuse_what_they_do_not_build_naming_the_key(
     arch, change, key
 ):
@@ -241,14 +242,16 @@ def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, 
         read_arch(hf)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_5_moe"])
-def test_qwen3_5_moe_is_refused_naming_why(model_type, tmp_path):
+@pytest.mark.parametrize(
+    "model_type,text", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")]
+)
+def test_qwen3_5_vision_language_checkpoints_are_refused_naming_the_text_model(model_type, text):
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
 
     hf = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64}
-    with pytest.raises(ValueError, match="MoE variant is not wired"):
+    with pytest.raises(ValueError, match=f"vision-language.*{text}"):
         parse_hf_config(hf)
-    with pytest.raises(UnsupportedModelError, match="MoE variant is not wired"):
+    with pytest.raises(UnsupportedModelError, match=f"vision-language.*{text}"):
         read_arch(hf)
 
 

@@ -106,6 +106,7 @@ def test_list_bridge_models_command():
         "Exaone4ForCausalLM",
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
     assert rows["Gemma4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]

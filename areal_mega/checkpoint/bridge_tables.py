@@ -72,6 +72,7 @@ BRIDGED_ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 

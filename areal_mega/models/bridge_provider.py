@@ -163,6 +163,7 @@ PROVIDER_FAMILIES = (
     "exaone4",
     "qwen3_next",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 
 #: families that keep our translator, and why
@@ -403,12 +404,6 @@ _VLM = (
     "a vision-language model: the engine builds text decoders only (vision-language RL is "
     "open work)"
 )
-_QWEN35_MOE = (
-    "Qwen3.5-MoE: its gated delta-net and gated-attention layers are Qwen3.5's (built, on the "
-    "CPU too, for qwen3_5_text and qwen3_next), but the MoE variant is not wired yet: its "
-    "expert tensors' checkpoint layout, its router and the family's end-to-end checks are not "
-    "examined"
-)
 #: causal LMs (or their vision-language wrappers) that transformers runs and the bridge maps
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
@@ -433,8 +428,10 @@ NOT_BUILT = {
         "shared layers have no k/v projections and its k_eq_v layers no v_proj; the MoE "
         "variant (enable_moe_block) is not examined"
     ),
-    "qwen3_5_moe_text": _QWEN35_MOE,
-    "qwen3_5_moe": _QWEN35_MOE,
+    "qwen3_5_moe": (
+        _VLM + "; its text model (model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: what "
+        "AutoModelForCausalLM saves from it) is built"
+    ),
     "gemma3": _VLM,
     "qwen3_5": (
         _VLM + "; its text model (model_type qwen3_5_text, Qwen3_5ForCausalLM: what "

@@ -23,7 +23,7 @@ rotary beside full-attention layers without, DeepSeek-V3's router:
 dense layers, llama3 RoPE), ``qwen3_next`` (Qwen3-Next: gated delta-net layers beside full
 attention with an output gate, a softmax router with a gated shared expert:
 :mod:`areal_mega.models.qwen3_next`), ``qwen3_5_text`` (Qwen3.5's dense text model: the same
-layers, dense MLPs).
+layers, dense MLPs), ``qwen3_5_moe_text`` (Qwen3.5-MoE's text model: the same layers and MoE).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -142,6 +142,7 @@ SUPPORTED_MODEL_TYPES = (
     "exaone4",
     "qwen3_next",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -292,7 +293,7 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.nemotron import nemotron_arch_fields
 
         return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
-    if mt in ("qwen3_next", "qwen3_5_text"):
+    if mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         from areal_mega.models.qwen3_next import qwen3_next_arch_fields
 
         return HFArch(**qwen3_next_arch_fields(hf), hf_json=_config_json(hf))

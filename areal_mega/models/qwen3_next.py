@@ -25,9 +25,9 @@ from areal_mega.models.gemma3 import Gemma3RMSNorm
 from areal_mega.models.varlen_attention import VarlenDotProductAttention
 
 QWEN3_NEXT_MODEL_TYPE = "qwen3_next"
-#: the families built here: Qwen3-Next, and Qwen3.5's dense text model (the same layers with
-#: the delta-net's input projection in four checkpoint tensors, dense MLPs)
-GATED_DELTA_NET_MODEL_TYPES = (QWEN3_NEXT_MODEL_TYPE, "qwen3_5_text")
+#: the families built here: Qwen3-Next, and Qwen3.5's text models (the same layers with the
+#: delta-net's input projection in four checkpoint tensors; dense MLPs, or Qwen3-Next's MoE)
+GATED_DELTA_NET_MODEL_TYPES = (QWEN3_NEXT_MODEL_TYPE, "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def linear_attention_layers(hf: dict) -> tuple:
@@ -132,8 +132,8 @@ def qwen3_next_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = Non
 
 
 def qwen3_next_arch_fields(hf: dict) -> dict[str, Any]:
-    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``qwen3_next`` or
-    ``qwen3_5_text`` config (the converters' facts; the megatron config comes from the bridge's
+    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``qwen3_next``,
+    ``qwen3_5_text`` or ``qwen3_5_moe_text`` config (the converters' facts; the megatron config comes from the bridge's
     provider). Raises ``ValueError`` naming the key of any feature this implementation lacks.
     Qwen3.5's multimodal rotary (``mrope_section``) is plain rotary on text, whose three
     position ids are equal."""

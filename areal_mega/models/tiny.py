@@ -36,6 +36,7 @@ ARCHS = (
     "exaone4",
     "qwen3_next",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
@@ -181,6 +182,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "exaone4",
         "qwen3_next",
         "qwen3_5_text",
+        "qwen3_5_moe_text",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     windowed = ("mistral", "gemma3_text", "gemma2", "gpt_oss", "exaone_moe", "exaone4")
@@ -354,6 +356,29 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             linear_key_head_dim=spec.linear_key_head_dim,
             linear_value_head_dim=spec.linear_value_head_dim,
             linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        )
+    if spec.arch == "qwen3_5_moe_text":
+        from transformers import Qwen3_5MoeTextConfig
+
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return Qwen3_5MoeTextConfig(
+            **common,
+            head_dim=head_dim,
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            linear_num_key_heads=spec.linear_num_key_heads,
+            linear_num_value_heads=spec.linear_num_value_heads,
+            linear_key_head_dim=spec.linear_key_head_dim,
+            linear_value_head_dim=spec.linear_value_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.moe_intermediate_size,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
         )
     if spec.arch == "qwen3_next":
         from transformers import Qwen3NextConfig
@@ -553,7 +578,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                     p.normal_(1.0, 0.3)
                 elif spec.arch == "ernie4_5_moe" and name.endswith("mlp.gate.weight"):
                     p.normal_(0.0, spec.initializer_range)
-    if spec.arch in ("qwen3_next", "qwen3_5_text"):
+    if spec.arch in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
         # (1 + w) norms start at zero and the gated delta-net's output norm (gain w) at one,
         # its dt_bias at one: random ones make each count; the output norm's gains in
         # [0.5, 1.5], where megatron's w - 1 and back is exact

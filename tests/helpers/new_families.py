@@ -223,6 +223,14 @@ CASES = {
     "qwen3_5_text": FamilyCase(
         "qwen3_5_text", dict(arch="qwen3_5_text", head_dim=16, tie_word_embeddings=False)
     ),
+    # Qwen3.5-MoE (text model): Qwen3.5's layers with Qwen3-Next's MoE (softmax top-2 of 4
+    # renormalised, a shared expert behind a sigmoid gate)
+    "qwen3_5_moe_text": FamilyCase(
+        "qwen3_5_moe_text",
+        dict(arch="qwen3_5_moe_text", head_dim=16, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -247,6 +255,7 @@ RL_CASES = (
     "exaone4",
     "qwen3_next",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 
 
