@@ -88,8 +88,8 @@ def check_lora(cfg) -> None:
 
 def check_lora_model(cfg) -> None:
     """With ``lora.enabled``, refuse a ``model.path`` family the adapters do not serve (MoE
-    expert targets, multi-latent attention, gated delta-net layers), reading its config.json; does nothing when it
-    cannot be read (the engine checks again)."""
+    expert targets, multi-latent attention, gated delta-net layers), reading its config.json;
+    does nothing when it cannot be read (the engine checks again)."""
     lo = cfg.lora
     if not lo.enabled or not cfg.model.path:
         return

@@ -133,8 +133,9 @@ def qwen3_next_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = Non
 
 def qwen3_next_arch_fields(hf: dict) -> dict[str, Any]:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``qwen3_next``,
-    ``qwen3_5_text`` or ``qwen3_5_moe_text`` config (the converters' facts; the megatron config comes from the bridge's
-    provider). Raises ``ValueError`` naming the key of any feature this implementation lacks.
+    ``qwen3_5_text`` or ``qwen3_5_moe_text`` config (the converters' facts; the megatron config
+    comes from the bridge's provider). Raises ``ValueError`` naming the key of any feature this
+    implementation lacks.
     Qwen3.5's multimodal rotary (``mrope_section``) is plain rotary on text, whose three
     position ids are equal."""
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
