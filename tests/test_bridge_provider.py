@@ -27,6 +27,9 @@ SPECS = {
     "gpt_oss": dict(head_dim=16, sliding_window=8, moe_intermediate_size=48),
     "exaone_moe": dict(sliding_window=8, tie_word_embeddings=False),
     "exaone4": dict(sliding_window=8),
+    "qwen3_next": dict(head_dim=16, tie_word_embeddings=False),
+    "qwen3_5_text": dict(head_dim=16, tie_word_embeddings=False),
+    "qwen3_5_moe_text": dict(head_dim=16, tie_word_embeddings=False),
 }
 LLAMA3 = {
     "rope_type": "llama3",
@@ -96,6 +99,13 @@ def test_provider_agrees_with_the_converters_facts(arch):
         assert f["window_attn_skip_freq"] == want and not f.get("no_rope_freq")
     else:
         assert not f.get("window_attn_skip_freq") and not f.get("no_rope_freq")
+    if a.linear_attention_layers is not None:  # Qwen3-Next: gated delta-net layers
+        assert f["experimental_attention_variant"] == "gated_delta_net"
+        assert list(f["linear_attention_freq"]) == list(a.linear_attention_layers)
+        assert 0 in a.linear_attention_layers and 1 in a.linear_attention_layers
+        heads = ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim")
+        assert tuple(f["linear_" + k] for k in heads) == a.gdn_heads
+    assert f.get("attention_output_gate", False) == a.attention_output_gate
     assert gpt["rotary_percent"] == a.rotary_percent
     assert gpt["share_embeddings_and_output_weights"] == a.tie_word_embeddings
     assert gpt["position_embedding_type"] == ("yarn" if gpt_oss else "rope")
@@ -129,6 +139,24 @@ def test_qwen3_moe_dense_layers_are_kept():
     assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 1, 1, 1]
     hf = dict(tiny_config("qwen3_moe", num_layers=4), decoder_sparse_step=2)
     assert bp.provider_arch_fields(hf)[0]["moe_layer_freq"] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "change,key",
+    [
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ],
+)
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"])
+def test_gated_delta_net_families_refuse_what_they_do_not_build_naming_the_key(arch, change, key):
+    if key == "norm_topk_prob" and arch == "qwen3_5_text":
+        change = dict(change, num_experts=4)  # a router's option: MoE configs only
+    with pytest.raises(ValueError, match=key):
+        parse_hf_config(dict(tiny_config(arch), **change))
 
 
 # ---- upstream defects: each test fails once the bridge is fixed (then drop the workaround)
@@ -166,6 +194,24 @@ def test_upstream_qwen3_moe_provider_still_ignores_dense_layers():
     )
 
 
+def test_upstream_qwen3_next_provider_still_reads_the_top_level_rotary_share():
+    """transformers reads rope_parameters.partial_rotary_factor (0.5 in the tiny config, whose
+    top level keeps Qwen3NextConfig's default 0.25); the provider reads the top level, and
+    makes every layer MoE whatever mlp_only_layers says."""
+    hf = dict(tiny_config("qwen3_next", num_layers=4), mlp_only_layers=[0])
+    assert hf["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert hf["partial_rotary_factor"] == 0.25
+    raw = bp.provider_for(hf)
+    assert raw.rotary_percent == 0.25, (
+        "the bridge now reads rope_parameters: drop the rotary part of CORRECTIONS['qwen3_next']"
+    )
+    assert raw.moe_layer_freq in (1, [1, 1, 1, 1]), (
+        "the bridge now reads mlp_only_layers: drop that part of CORRECTIONS['qwen3_next']"
+    )
+    f, gpt, _ = bp.provider_arch_fields(hf)
+    assert gpt["rotary_percent"] == 0.5 and f["moe_layer_freq"] == [0, 1, 1, 1]
+
+
 def test_upstream_gemma3_provider_still_has_one_window_for_every_layer():
     """Gemma 3 alternates sliding and full layers; the provider's config has one window (its
     TE layer spec picks per layer), so the config alone cannot drive the local spec."""
@@ -192,8 +238,6 @@ def test_upstream_providers_still_untie_every_embedding(arch):
 @pytest.mark.parametrize(
     "model_type,words",
     [
-        ("qwen3_next", "linear-attention"),
-        ("qwen3_5_moe_text", "linear-attention"),
         ("falcon_h1", "Mamba"),
         ("glm_moe_dsa", "sparse attention"),
         ("deepseek_v4", "sparse attention"),
@@ -207,6 +251,19 @@ def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, 
         parse_hf_config(hf)
     assert words in str(e.value)
     with pytest.raises(UnsupportedModelError, match=words):
+        read_arch(hf)
+
+
+@pytest.mark.parametrize(
+    "model_type,text", [("qwen3_5", "qwen3_5_text"), ("qwen3_5_moe", "qwen3_5_moe_text")]
+)
+def test_qwen3_5_vision_language_checkpoints_are_refused_naming_the_text_model(model_type, text):
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
+
+    hf = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64}
+    with pytest.raises(ValueError, match=f"vision-language.*{text}"):
+        parse_hf_config(hf)
+    with pytest.raises(UnsupportedModelError, match=f"vision-language.*{text}"):
         read_arch(hf)
 
 

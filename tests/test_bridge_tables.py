@@ -1,6 +1,7 @@
 """The HF <-> megatron name tables come from Megatron-Bridge: the stored file equals what the
 installed bridge's registries give, the table form handles every row kind, and our streamed
-QKV transform equals the bridge's own merge/split functions bit for bit."""
+QKV transform (and Qwen3-Next's gated QKV and delta-net input projection) equals the bridge's
+own merge/split functions bit for bit."""
 
 import pytest
 import torch
@@ -252,3 +253,68 @@ def test_row_names_read_one_row_of_a_stored_tensor(tmp_path):
         assert torch.equal(d.get(f"x[{i}]"), x[i])
     with pytest.raises(SafetensorsError, match="has no row 3"):
         d.get("x[3]")
+
+
+def test_qwen3_next_transforms_equal_the_bridge_functions(derived):
+    """Qwen3-Next's (and Qwen3.5's) gated delta-net input projection and gated QKV (our row blocks,
+    areal_mega/checkpoint/hf_mapping_gdn.py) bit for bit against the bridge's merge / split
+    functions, whole and streamed; the output norm's offset there and back."""
+    from megatron.bridge.models.conversion.param_mapping import (
+        merge_gdn_linear_weights,
+        merge_qkv_weights,
+        split_gdn_linear_weights,
+        split_qkv_weights,
+    )
+    from megatron.core.transformer import TransformerConfig
+
+    from areal_mega.checkpoint import hf_mapping_gdn as gdn
+    from areal_mega.models.builder import HFArch
+
+    nk, nv, dk, dv, heads, groups, hd, hidden = 2, 6, 4, 5, 4, 2, 8, 16
+    arch = HFArch(
+        "qwen3_next",
+        *(32, hidden, 1, heads, groups, hd, 32, 64, 1e4, 1e-6, False, False, True),
+        gdn_heads=(nk, nv, dk, dv),
+        attention_output_gate=True,
+    )
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=hd,
+        attention_output_gate=True,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+    )
+    g = torch.Generator().manual_seed(5)
+    qkvz = torch.randn(nk * (2 * dk + 2 * dv * nv // nk), hidden, generator=g)
+    ba = torch.randn(2 * nv, hidden, generator=g)
+    ours = gdn.to_mcore(arch, "gdn_in_proj", [qkvz, ba])
+    assert torch.equal(ours, merge_gdn_linear_weights(cfg, qkvz, ba))
+    streamed = gdn.to_mcore_segments(arch, "gdn_in_proj", ["a", "b"], {"a": qkvz, "b": ba}.get)
+    assert torch.equal(torch.cat(list(streamed)), ours)
+    for a, b in zip(gdn.to_hf(arch, "gdn_in_proj", ours), split_gdn_linear_weights(cfg, ours)):
+        assert torch.equal(a, b)
+    q = torch.randn(2 * heads * hd, hidden, generator=g)  # per head [q; gate]
+    k, v = (torch.randn(groups * hd, hidden, generator=g) for _ in range(2))
+    fused = gdn.to_mcore(arch, "gated_qkv", [q, k, v])
+    assert torch.equal(fused, merge_qkv_weights(cfg, q, k, v))
+    for a, b in zip(gdn.to_hf(arch, "gated_qkv", fused), split_qkv_weights(cfg, fused)):
+        assert torch.equal(a, b)
+    # Qwen3.5: the same projection in four flat tensors (the bridge's separate mapping goes
+    # through the grouped form)
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    qkv_z_b_a = gdn.to_hf(arch, "gdn_in_proj_split", ours)
+    grouped = pm._fuse_gdn_separate_to_grouped(cfg, *qkv_z_b_a)
+    assert torch.equal(merge_gdn_linear_weights(cfg, *grouped), ours)
+    for a, b in zip(qkv_z_b_a, pm._split_gdn_grouped_to_separate(cfg, qkvz, ba)):
+        assert torch.equal(a, b)
+    assert torch.equal(gdn.to_mcore(arch, "gdn_in_proj_split", qkv_z_b_a), ours)
+    w = torch.rand(8, generator=g) * 1.5 + 0.5  # [0.5, 2]: w - 1 and back is exact
+    zero_centred = torch.cat(list(gdn.to_mcore_segments(arch, "minus_one", ["w"], {"w": w}.get)))
+    assert torch.equal(zero_centred, w - 1)
+    assert torch.equal(gdn.to_hf(arch, "minus_one", zero_centred)[0], w)

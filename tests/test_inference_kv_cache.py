@@ -8,10 +8,14 @@ from areal_mega.inference.kv_cache import HFCacheBatch, StaticKVBatch, make_kv_b
 from areal_mega.models.tiny import make_tiny_model
 
 #: mistral: an explicit head_dim and a sliding window shorter than most rows; gemma3_text:
-#: the same window on its sliding layers only (transformers' cache, HFCacheBatch)
+#: the same window on its sliding layers only (transformers' cache, HFCacheBatch); qwen3_next,
+#: qwen3_5_text: a gated delta-net layer (a recurrent state per row, never padded) before a
+#: full-attention one
 EXTRA = {
     "mistral": dict(head_dim=24, sliding_window=6),
     "gemma3_text": dict(head_dim=24, sliding_window=6, rope_theta=1e6, query_pre_attn_scalar=32),
+    "qwen3_next": dict(head_dim=16),
+    "qwen3_5_text": dict(head_dim=16),
 }
 
 
@@ -45,11 +49,13 @@ def _reference(model, seq):
         ("mistral", StaticKVBatch),
         ("llama", HFCacheBatch),
         ("gemma3_text", HFCacheBatch),
+        ("qwen3_next", HFCacheBatch),
+        ("qwen3_5_text", HFCacheBatch),
     ],
 )
 def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     model = _model(tmp_path, arch)
-    if kind is StaticKVBatch or arch == "gemma3_text":
+    if kind is StaticKVBatch or arch in ("gemma3_text", "qwen3_next", "qwen3_5_text"):
         assert isinstance(make_kv_batch(model), kind)
     batch = kind(model)
     g = torch.Generator().manual_seed(0)

@@ -51,6 +51,7 @@ def test_target_names_peft_canonical_and_all_linear():
         # Gemma 2 / 3: the same post-norms inside linear_proj / linear_fc2 (gemma3.py)
         (dict(model_type="gemma3_text", targets=["o_proj"]), r"post-norm.*\['o_proj'\]"),
         (dict(model_type="gemma2", targets=["down_proj"]), r"post-norm.*\['down_proj'\]"),
+        (dict(model_type="qwen3_next", linear_attention=True), "gated delta-net"),
         (dict(cp=2), "context parallel size 2"),
         (dict(critic=True), "critic"),
     ],
@@ -99,6 +100,7 @@ def test_config_checks_the_model_family(tmp_path):
         ("moe", {"model_type": "qwen3_moe", "num_experts": 4}),
         ("ernie", {"model_type": "ernie4_5_moe", "moe_num_experts": 4}),
         ("mla", {"model_type": "deepseek_v3", "kv_lora_rank": 32}),
+        ("gdn", {"model_type": "qwen3_5_text", "layer_types": ["linear_attention"]}),
     ):
         d = tmp_path / name
         d.mkdir()

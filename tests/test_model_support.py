@@ -104,6 +104,9 @@ def test_list_bridge_models_command():
         "Gemma3ForCausalLM",
         "Ernie4_5_MoeForCausalLM",
         "Exaone4ForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
     assert rows["Gemma4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]

@@ -72,6 +72,9 @@ BRIDGED_ARCHITECTURES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
@@ -99,11 +102,24 @@ _KINDS = {
     "_PPSafeReplicatedMapping": "copy",
     "_PPSafeGatedMLPMapping": "glu",
     "_SqueezeBiasMapping": "row",
+    # Qwen3-Next's gated delta-net (areal_mega/checkpoint/hf_mapping_gdn.py): the input
+    # projection regrouped from per key head to per section; the convolution's channels are
+    # [q; k; v] on both sides; the output norm's gain w is megatron's zero-centred w - 1
+    "GDNLinearMapping": "gdn_in_proj",
+    # Qwen3.5: the same input projection in four tensors ([q; k; v], z, b, a), each flat
+    "GDNLinearMappingSeparate": "gdn_in_proj_split",
+    "GDNConv1dMapping": "copy",
+    "RMSNorm2ZeroCenteredRMSNormMapping": "minus_one",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)
 FUSED_EXPERT_KINDS = ("fused_expert", "fused_expert_glu")
-_HF_PARTS = {"qkv": ("q", "k", "v"), "glu": ("gate", "up")}
+_HF_PARTS = {
+    "qkv": ("q", "k", "v"),
+    "glu": ("gate", "up"),
+    "gdn_in_proj": ("qkvz", "ba"),
+    "gdn_in_proj_split": ("qkv", "z", "b", "a"),
+}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = "decoder.layers.*."
 #: TransformerEngine's norms fused into the next linear (``LayerNormLinear``), e.g.

@@ -410,8 +410,12 @@ def convert_mcore_to_hf(
         pieces = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
         pieces = list(pieces.values()) if isinstance(pieces, dict) else list(pieces)
         key = pieces[0].key
-        if key not in reader.meta:
-            raise CheckpointError(f"{path}: tensor {key!r} (for {name}) is not in the checkpoint")
+        # a factory of several keys (the gated delta-net's input projection and convolution:
+        # one per section, each split across TP on its own) is read key by key, whole
+        sections = [p.key for p in pieces] if len({p.key for p in pieces}) > 1 else None
+        for k in sections or [key]:
+            if k not in reader.meta:
+                raise CheckpointError(f"{path}: tensor {k!r} (for {name}) is not in the checkpoint")
         layer, expert, suffix = hm.parse_mcore_name(name)
         hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
         # the region of the global tensor this (world-size-1) parameter covers
@@ -433,7 +437,7 @@ def convert_mcore_to_hf(
             tuple(x.shape) for x in hm.to_hf(arch, kind, torch.empty(full_shape, device="meta"))
         ]
         ck_dtype = reader.dtype(key)
-        jobs.append((key, offs, sizes, kind, hf_names, full_shape))
+        jobs.append((sections or key, offs, sizes, kind, hf_names, full_shape))
         if kind in FUSED_EXPERT_KINDS:  # the fused tensor is written with its last expert
             base, _ = split_row_name(hf_names[0])
             fused[base] = fused.get(base, 0) + 1
@@ -473,6 +477,15 @@ def convert_mcore_to_hf(
         if kind == "vocab":
             full = rows(0, arch.vocab_size)
             per_hf = ([full],)
+        elif isinstance(key, list):
+            try:
+                parts = [
+                    reader.read(k, [0] * len(reader.size(k)), list(reader.size(k))) for k in key
+                ]
+            except (KeyError, OSError, RuntimeError) as e:
+                raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e
+            full = torch.cat(parts).view(full_shape)
+            per_hf = hm.to_hf_segments(arch, kind, full)
         else:
             full = rows(0, full_shape[0])
             per_hf = hm.to_hf_segments(arch, kind, full)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.checkpoint import hf_mapping_gdn
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.models.mla import mla_full_shapes
@@ -53,7 +54,8 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
     are sizes the config does not fix (the padded vocabulary rows); an unknown name gives
     ``None`` (no expectation: only a 1-D shard then has a unique gather axis)."""
     h, hd = arch.hidden_size, arch.head_dim
-    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd
+    gate_rows = arch.num_heads * hd if arch.attention_output_gate else 0
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd + gate_rows
     moe_ffn = arch.moe_ffn_hidden_size
     shapes = {
         "embedding.word_embeddings.weight": (None, h),
@@ -69,6 +71,12 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
         shapes["mlp.experts.local_experts.{E}.linear_fc2.weight"] = (h, moe_ffn)
     if arch.is_mla:
         shapes.update(mla_full_shapes(arch))
+    if arch.gdn_heads is not None:
+        nk, nv, dk, dv = arch.gdn_heads
+        shapes["self_attention.in_proj.weight"] = (2 * nk * dk + 2 * nv * dv + 2 * nv, h)
+        shapes["self_attention.conv1d.weight"] = (2 * nk * dk + nv * dv, 1, None)
+        shapes["self_attention.A_log"] = shapes["self_attention.dt_bias"] = (nv,)
+        shapes["self_attention.out_proj.weight"] = (h, nv * dv)
     shared = arch.moe_shared_ffn_hidden_size
     if shared:
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
@@ -139,6 +147,18 @@ def _gather_glu(t: torch.Tensor, group) -> torch.Tensor:
     dist.all_gather(parts, t.contiguous(), group=group)
     halves = [torch.chunk(p, 2, dim=0) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def _gather_sections(t: torch.Tensor, group, sections: Sequence[int]) -> torch.Tensor:
+    """Gather dim-0 shards that hold each rank's share of every section in order (the gated
+    delta-net's input projection and convolution): section by section."""
+    n = dist.get_world_size(group) if group is not None else 1
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    split = [torch.split(p, [s // n for s in sections], dim=0) for p in parts]
+    return torch.cat([x[i] for i in range(len(sections)) for x in split], dim=0)
 
 
 def _layer_offsets(chunk) -> List[int]:
@@ -227,7 +247,10 @@ def iter_hf_tensors(
                         f"{name}: GLU linear_fc1 shards must split dim 0 "
                         f"([gate_r; up_r]), the shapes say dim {axis}"
                     )
-                if axis is not None:
+                sections = hf_mapping_gdn.tp_sections(arch, suffix)
+                if axis is not None and sections is not None:
+                    t = _gather_sections(t, tgroup, sections)
+                elif axis is not None:
                     t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, axis)
             glayer = offsets[layer] if layer is not None else None
             if is_expert and ep_size > 1:

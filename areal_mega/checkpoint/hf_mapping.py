@@ -58,7 +58,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from areal_mega.checkpoint import hf_mapping_gdn
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS, load_tables
+from areal_mega.checkpoint.hf_mapping_gdn import GDN_KINDS
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.checkpoint.value_model import value_model_problem
@@ -339,7 +341,40 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     table = (
         fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else fam.dense_layer
     )
-    return tuple(m for m in table if optional_map_present(arch, m.mcore))
+    return tuple(
+        _gated(arch, m)
+        for m in table
+        if optional_map_present(arch, m.mcore) and _attention_kind_present(arch, layer, m.mcore)
+    )
+
+
+def _gated(arch, m: TensorMap) -> TensorMap:
+    """The fused QKV of a model with an attention output gate (Qwen3-Next: the bridge's
+    ``QKVMapping`` reads the gate from the config) as kind ``gated_qkv``."""
+    if m.kind == "qkv" and arch.attention_output_gate:
+        return TensorMap(m.mcore, m.hf, "gated_qkv")
+    return m
+
+
+#: the gated delta-net's tensors (linear-attention layers); other ``self_attention.`` tensors
+#: belong to the full-attention layers
+_GDN_TENSORS = (
+    "self_attention.in_proj.weight",
+    "self_attention.conv1d.weight",
+    "self_attention.A_log",
+    "self_attention.dt_bias",
+    "self_attention.out_norm.weight",
+    "self_attention.out_proj.weight",
+)
+
+
+def _attention_kind_present(arch, layer: int, suffix: str) -> bool:
+    """In a model with gated delta-net layers (Qwen3-Next), whether layer ``layer`` has the
+    attention tensor ``suffix``: its tensors on linear-attention layers, the others on the
+    full-attention ones."""
+    if arch.linear_attention_layers is None or not suffix.startswith("self_attention."):
+        return True
+    return (suffix in _GDN_TENSORS) == bool(arch.linear_attention_layers[layer])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,6 +463,8 @@ def to_mcore(
         return pad_vocab(hf_tensors[0], padded_vocab_size or hf_tensors[0].shape[0])
     if kind in FUSED_EXPERT_KINDS:
         return expert_to_mcore(kind, hf_tensors[0])
+    if kind in GDN_KINDS:
+        return hf_mapping_gdn.to_mcore(arch, kind, hf_tensors)
     raise ValueError(kind)
 
 
@@ -445,6 +482,8 @@ def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return (unpad_vocab(t, arch.vocab_size),)
     if kind in FUSED_EXPERT_KINDS:
         return (expert_to_hf(kind, t),)
+    if kind in GDN_KINDS:
+        return hf_mapping_gdn.to_hf(arch, kind, t)
     raise ValueError(kind)
 
 
@@ -478,6 +517,8 @@ def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor]
         )
     if kind in FUSED_EXPERT_KINDS:  # one expert's slice, transposed: a copy
         return ([expert_to_hf(kind, t)],)
+    if kind in GDN_KINDS:
+        return hf_mapping_gdn.to_hf_segments(arch, kind, t)
     raise ValueError(kind)
 
 
@@ -518,6 +559,8 @@ def to_mcore_segments(
             yield v[g * hd : (g + 1) * hd]
     elif kind in FUSED_EXPERT_KINDS:
         yield expert_to_mcore(kind, get(hf_names[0]))
+    elif kind in GDN_KINDS:
+        yield from hf_mapping_gdn.to_mcore_segments(arch, kind, hf_names, get)
     else:
         raise ValueError(kind)
 

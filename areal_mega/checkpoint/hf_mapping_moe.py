@@ -56,7 +56,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _ERNIE_MTP = re.compile(r"(^|\.)mtp")
 #: families whose multi-token-prediction tensors live under ``mtp.`` (``mtp.layers.*``,
 #: ``mtp.fc``, ``mtp.norm``, ...), which transformers skips on load whatever the config says
-_MTP_PREFIX_MODEL_TYPES = ("exaone_moe",)
+_MTP_PREFIX_MODEL_TYPES = ("exaone_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def is_mtp_tensor(arch, hf_name: str) -> bool:

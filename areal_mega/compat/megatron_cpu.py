@@ -8,8 +8,10 @@ when CUDA is absent, plus three patches for speed: the tensor-parallel linear la
 through oneDNN (:mod:`areal_mega.compat.cpu_gemm`; on AMD CPUs MKL's fp32 GEMM runs at less
 than half the rate), RoPE over packed sequences runs as one call, not one per sequence
 (:mod:`areal_mega.compat.packed_rope`), and the Adam megatron falls back to is torch's fused
-CPU kernel. Where TransformerEngine is absent, :func:`apply` also installs the scoped
-TE placeholder of :mod:`areal_mega.compat.te_placeholder` (``import megatron.bridge`` needs it).
+CPU kernel. Gated delta-net layers (Qwen3-Next, Qwen3.5) get torch versions of fla's kernels
+(:mod:`areal_mega.compat.gdn_cpu`). Where TransformerEngine is absent, :func:`apply` also
+installs the scoped TE placeholder of :mod:`areal_mega.compat.te_placeholder` (``import
+megatron.bridge`` needs it).
 
 Every patch names the module (and function) it patches and the source text it expects to find
 there. :func:`apply` checks all of them *before* changing anything and raises
@@ -376,6 +378,30 @@ def _patch_packed_rope(mod) -> None:
     packed_rope.install(mod)
 
 
+#: GatedDeltaNet's helpers megatron decorates with ``jit_fuser`` (``torch.compile``)
+_GDN_COMPILED = (
+    "_apply_gated_norm",
+    "_prepare_input_for_gated_delta_rule",
+    "_compute_g_and_beta",
+)
+
+
+def _patch_gated_delta_net(mod) -> None:
+    """Gated delta-net layers on the CPU: fla's kernels served by :mod:`areal_mega.compat.
+    gdn_cpu` (packed sequences included), ``torch.cuda.current_device()`` mapped to the CPU,
+    and the ``jit_fuser`` helpers run as plain functions (``torch.compile`` would compile them
+    with inductor's C++ backend, again for every new packed length)."""
+    from areal_mega.compat import gdn_cpu
+
+    gdn_mod = importlib.import_module("megatron.core.ssm.gated_delta_net.gdn")
+    gdn_cpu.install(mod, gdn_mod)
+    mod.torch = torch_view()
+    gdn_mod.torch = torch_view()
+    for name in _GDN_COMPILED:
+        fn = mod._GDNBase.__dict__[name]
+        setattr(mod._GDNBase, name, getattr(fn, "_torchdynamo_orig_callable", fn))
+
+
 # MLA's column-parallel kv-down branch (local spec): after the TP gather, the rotary key columns
 # (full sequence, read by this rank's heads only) get an all-reduce in backward (forward:
 # identity), so that the rank owning those columns receives every head's gradient. One line,
@@ -589,6 +615,22 @@ def _build_patches() -> list[Patch]:
             fn=_patch_packed_rope,
             why="speed, not correctness: 0.19's unfused THD RoPE loops over the packed "
             "sequences; one call over the packed tensor (compat/packed_rope.py)",
+        ),
+        Patch(
+            "gated_delta_net_fla",
+            "megatron.core.ssm.gated_delta_net.common",
+            "custom",
+            expect=(
+                "from fla.modules.convolution import causal_conv1d",
+                "from fla.ops.gated_delta_rule import chunk_gated_delta_rule",
+                "HAVE_FLA = False",
+                "query_key = l2norm(query_key.contiguous())",
+                "device=torch.cuda.current_device()",
+            )
+            + tuple(f"def {name}(" for name in _GDN_COMPILED),
+            fn=_patch_gated_delta_net,
+            why="GatedDeltaNet (Qwen3-Next, Qwen3.5) needs fla's Triton kernels, and its torch "
+            "fallback (deterministic mode) refuses packed sequences",
         ),
     ]
     for module, (snips, why) in _TORCH_VIEW_MODULES.items():

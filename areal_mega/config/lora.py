@@ -88,8 +88,8 @@ def check_lora(cfg) -> None:
 
 def check_lora_model(cfg) -> None:
     """With ``lora.enabled``, refuse a ``model.path`` family the adapters do not serve (MoE
-    expert targets, multi-latent attention), reading its config.json; does nothing when it
-    cannot be read (the engine checks again)."""
+    expert targets, multi-latent attention, gated delta-net layers), reading its config.json;
+    does nothing when it cannot be read (the engine checks again)."""
     lo = cfg.lora
     if not lo.enabled or not cfg.model.path:
         return
@@ -113,6 +113,7 @@ def check_lora_model(cfg) -> None:
             tp=dims.tp,
             cp=dims.cp,
             gated_mlp=hf.get("hidden_act") != "relu2",
+            linear_attention="linear_attention" in (hf.get("layer_types") or ()),
         )
     except LoraSupportError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None

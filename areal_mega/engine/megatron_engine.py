@@ -87,7 +87,7 @@ class MegatronEngine:
 
     ``shares_prompt_prefix``: micro-batches whose samples share a prompt run it once
     (``actor.share_prompt_prefix``, on by default; dense models on the local attention only,
-    no CP nor SP); results are the same as without.
+    without linear-attention layers, no CP nor SP); results are the same as without.
     """
 
     SHARES_PROMPT_PREFIX = True  # False where outputs are read per packed row (the critic)
@@ -166,6 +166,9 @@ class MegatronEngine:
             and not mesh.sequence_parallel
             and not self.arch.is_moe  # its router's load statistics count every copy
             and not self.is_vl  # the bridge's forward computes the positions itself
+            # a linear-attention layer's answers continue the prompt's recurrent state, which
+            # the shared prompt's attention-only layout does not carry
+            and self.arch.linear_attention_layers is None
             and self.replay is None
             and all(positions_supported(c) for c in chunks)
         )

@@ -91,6 +91,7 @@ def check_lora_support(
     cp: int,
     critic: bool = False,
     gated_mlp: bool = True,
+    linear_attention: bool = False,
 ) -> None:
     """Refuse LoRA settings this implementation does not serve (pure; raises
     :class:`LoraSupportError` with the reason and what to do instead).
@@ -102,7 +103,8 @@ def check_lora_support(
     without a gate (``gated_mlp`` False: Nemotron's squared ReLU, whose ``linear_fc1`` is the up
     projection alone, not the ``[gate; up]`` the adapters split); o_proj / down_proj targets
     of :data:`POST_NORM_PROJECTION_MODEL_TYPES` (the post-norm sits inside those modules, the
-    adapter would add after it); context parallelism (its
+    adapter would add after it); models with gated delta-net layers (``linear_attention``:
+    Qwen3-Next, Qwen3.5); context parallelism (its
     equality with one rank is not tested for adapters); a LoRA critic."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
@@ -110,6 +112,12 @@ def check_lora_support(
         raise LoraSupportError(
             f"lora.rank={rank} with tensor parallel size {tp}: the rank must "
             "be a multiple of TP (the adapters' A matrices are split on it)"
+        )
+    if linear_attention:
+        raise LoraSupportError(
+            f"LoRA on {model_type}: its gated delta-net (linear-attention) layers have no "
+            "q/k/v/o projections to adapt and its attention's fused QKV holds an output gate "
+            "the adapters' layout lacks; not supported"
         )
     if is_mla:
         raise LoraSupportError(

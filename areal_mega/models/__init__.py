@@ -2,7 +2,8 @@
 
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
-  OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4);
+  OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4, Qwen3-Next,
+  Qwen3.5, Qwen3.5-MoE);
 - :mod:`.decoder_fields` — the decoder facts every HF config states the same way (sizes,
   heads, RoPE base, norm epsilon), with each family's defaults;
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
@@ -27,6 +28,8 @@
   HY-V3, MiniMax-M2);
 - :mod:`.exaone` — EXAONE-MoE and EXAONE 4: per-layer window and rotary (NoPE full-attention
   layers), EXAONE 4's post-norm-only layer, refusals;
+- :mod:`.qwen3_next` — Qwen3-Next: gated delta-net layers beside gated full attention on
+  megatron's local spec, its config fields and refusals;
 - :mod:`.sliding_window` — sliding-window attention (Mistral): the key, megatron's window, the
   masks;
 - :mod:`.varlen_attention` — packed attention for megatron's local spec, no work across

@@ -121,6 +121,16 @@ ARCH_FIELDS = (
     "activation_func_clamp_value",
     # multimodal RoPE (Qwen2.5-VL): rotary channels per axis (temporal, height, width)
     "mrope_section",
+    # Qwen3-Next: gated delta-net layers, the attention output gate, the shared expert's gate
+    "experimental_attention_variant",
+    "linear_attention_freq",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "attention_output_gate",
+    "moe_shared_expert_gate",
 )
 #: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
 GPT_FIELDS = {
@@ -154,6 +164,9 @@ PROVIDER_FAMILIES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
@@ -229,6 +242,15 @@ def _minimax_m2_rotary(hf: dict, fields: dict, gpt: dict) -> None:
     """MiniMax-M2's rotary share: ``rotary_dim`` (hub configs) or, in a config transformers
     saved, ``rope_parameters.partial_rotary_factor``."""
     gpt["rotary_percent"] = minimax_m2_fields(hf, int(hf["num_hidden_layers"]))["rotary_percent"]
+
+
+def _qwen3_next(hf: dict, fields: dict, gpt: dict) -> None:
+    """Qwen3-Next: the dense layers as transformers reads them (as Qwen3-MoE), the rotary
+    share of ``rope_parameters``."""
+    from areal_mega.models.qwen3_next import rotary_share
+
+    _qwen3_moe_dense_layers(hf, fields, gpt)
+    gpt["rotary_percent"] = rotary_share(hf)
 
 
 def _gpt_oss(hf: dict, fields: dict, gpt: dict) -> None:
@@ -347,6 +369,13 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "becomes MoE where transformers builds dense MLP layers",
         _qwen3_moe_dense_layers,
     ),
+    "qwen3_next": (
+        "as qwen3_moe (the provider makes every layer MoE; transformers reads "
+        "decoder_sparse_step and mlp_only_layers); the provider takes the rotary share from "
+        "the top-level partial_rotary_factor, transformers from "
+        "rope_parameters.partial_rotary_factor when the config has it",
+        _qwen3_next,
+    ),
 }
 
 
@@ -373,10 +402,6 @@ INPUT_CORRECTIONS: Dict[str, Tuple[str, Callable[[dict], dict]]] = {
 }
 
 
-_LINEAR_ATTN = (
-    "gated delta-net linear-attention layers: megatron-core runs them with the "
-    "fla / causal-conv1d CUDA kernels (no CPU path)"
-)
 _MAMBA = (
     "Mamba-2 and attention side by side in every layer: Megatron-Bridge builds it as its own "
     "FalconH1Model, whose layer specs are TransformerEngine's only (fused norm + linear, TE "
@@ -389,11 +414,6 @@ _SPARSE = (
 #: model types whose layers need megatron-core kernels that exist for CUDA only: the CPU
 #: refuses them naming why (the engine does not build them yet on any device)
 GPU_ONLY = {
-    "qwen3_next": _LINEAR_ATTN,
-    "qwen3_5": _LINEAR_ATTN,
-    "qwen3_5_text": _LINEAR_ATTN,
-    "qwen3_5_moe": _LINEAR_ATTN,
-    "qwen3_5_moe_text": _LINEAR_ATTN,
     "falcon_h1": _MAMBA,
     "glm_moe_dsa": _SPARSE,
     "deepseek_v4": _SPARSE,
@@ -435,7 +455,15 @@ NOT_BUILT = {
         "tensor-parallel splits), no pipeline stages (the layer pattern's stage separators), "
         "no tiny model or family checks"
     ),
+    "qwen3_5_moe": (
+        _VLM + "; its text model (model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: what "
+        "AutoModelForCausalLM saves from it) is built"
+    ),
     "gemma3": _VLM,
+    "qwen3_5": (
+        _VLM + "; its text model (model_type qwen3_5_text, Qwen3_5ForCausalLM: what "
+        "AutoModelForCausalLM saves from it) is built"
+    ),
     "gemma4": _VLM,
 }
 

@@ -20,7 +20,10 @@ YaRN, biased experts with a clamped GLU, fused expert checkpoint tensors:
 :mod:`areal_mega.models.gpt_oss`), ``exaone_moe`` (K-EXAONE: sliding-window layers with
 rotary beside full-attention layers without, DeepSeek-V3's router:
 :mod:`areal_mega.models.exaone`), ``exaone4`` (EXAONE 4: the same attention in post-norm-only
-dense layers, llama3 RoPE).
+dense layers, llama3 RoPE), ``qwen3_next`` (Qwen3-Next: gated delta-net layers beside full
+attention with an output gate, a softmax router with a gated shared expert:
+:mod:`areal_mega.models.qwen3_next`), ``qwen3_5_text`` (Qwen3.5's dense text model: the same
+layers, dense MLPs), ``qwen3_5_moe_text`` (Qwen3.5-MoE's text model: the same layers and MoE).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -139,6 +142,9 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -198,6 +204,12 @@ class HFArch:
     # Gemma 2 (:mod:`areal_mega.models.gemma2`): tanh soft-caps (None: none)
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    # Qwen3-Next (:mod:`areal_mega.models.qwen3_next`): per layer 1 = gated delta-net (linear
+    # attention), 0 = full attention (None: no linear attention); the delta-net's key heads,
+    # value heads, key and value head dims; the full attention's output gate
+    linear_attention_layers: Optional[tuple] = None
+    gdn_heads: Optional[tuple] = None
+    attention_output_gate: bool = False
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -283,6 +295,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.nemotron import nemotron_arch_fields
 
         return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
+    if mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        from areal_mega.models.qwen3_next import qwen3_next_arch_fields
+
+        return HFArch(**qwen3_next_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "gpt_oss":
         from areal_mega.models.gpt_oss import gpt_oss_arch_fields
 
@@ -603,6 +619,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.exaone import exaone4_block_spec
 
         return exaone4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.linear_attention_layers is not None:
+        from areal_mega.models.qwen3_next import qwen3_next_block_spec
+
+        return qwen3_next_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.model_type == "nemotron":
         from areal_mega.models.nemotron import nemotron_block_spec
 

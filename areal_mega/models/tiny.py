@@ -37,6 +37,9 @@ ARCHS = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 #: vision-language models (:mod:`areal_mega.models.vlm.tiny`): the text model's sizes from
 #: the spec, the vision tower's from its ``vision_*`` fields
@@ -104,6 +107,13 @@ class TinyModelSpec:
     # gpt_oss: YaRN over a short original context (so that it changes the tiny model's RoPE)
     yarn_factor: float = 4.0
     yarn_original_max_position_embeddings: int = 16
+    # qwen3_next: gated delta-net layers (linear attention) before every full-attention layer
+    # (layer_types alternate, linear first); their key / value heads and widths
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 8
+    linear_value_head_dim: int = 12
+    linear_conv_kernel_dim: int = 4
     # ernie4_5_moe: layer i is MoE when (i + 1) % moe_layer_interval == 0 and i >= 1 (the
     # others dense MLPs of intermediate_size)
     moe_layer_interval: int = 1
@@ -183,6 +193,9 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "gpt_oss",
         "exaone_moe",
         "exaone4",
+        "qwen3_next",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     windowed = ("mistral", "gemma3_text", "gemma2", "gpt_oss", "exaone_moe", "exaone4")
@@ -337,6 +350,72 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             norm_topk_prob=False,
             clip_qkv=None,
             attention_bias=False,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+        )
+    if spec.arch == "qwen3_5_text":
+        from transformers import Qwen3_5TextConfig
+
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return Qwen3_5TextConfig(
+            **common,
+            head_dim=head_dim,
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            linear_num_key_heads=spec.linear_num_key_heads,
+            linear_num_value_heads=spec.linear_num_value_heads,
+            linear_key_head_dim=spec.linear_key_head_dim,
+            linear_value_head_dim=spec.linear_value_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        )
+    if spec.arch == "qwen3_5_moe_text":
+        from transformers import Qwen3_5MoeTextConfig
+
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return Qwen3_5MoeTextConfig(
+            **common,
+            head_dim=head_dim,
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            linear_num_key_heads=spec.linear_num_key_heads,
+            linear_num_value_heads=spec.linear_num_value_heads,
+            linear_key_head_dim=spec.linear_key_head_dim,
+            linear_value_head_dim=spec.linear_value_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.moe_intermediate_size,
+            output_router_logits=False,
+            router_aux_loss_coef=0.0,
+        )
+    if spec.arch == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+        return Qwen3NextConfig(
+            **common,
+            head_dim=head_dim,
+            layer_types=[
+                "linear_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            linear_num_key_heads=spec.linear_num_key_heads,
+            linear_num_value_heads=spec.linear_num_value_heads,
+            linear_key_head_dim=spec.linear_key_head_dim,
+            linear_value_head_dim=spec.linear_value_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            shared_expert_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
             output_router_logits=False,
             router_aux_loss_coef=0.0,
         )
@@ -515,6 +594,18 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                     p.normal_(1.0, 0.3)
                 elif spec.arch == "ernie4_5_moe" and name.endswith("mlp.gate.weight"):
                     p.normal_(0.0, spec.initializer_range)
+    if spec.arch in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
+        # (1 + w) norms start at zero and the gated delta-net's output norm (gain w) at one,
+        # its dt_bias at one: random ones make each count; the output norm's gains in
+        # [0.5, 1.5], where megatron's w - 1 and back is exact
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("linear_attn.norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.2)
+                elif name.endswith("linear_attn.dt_bias"):
+                    p.normal_(1.0, 0.5)
     if spec.arch in ("olmoe", "minimax_m2"):
         # the whole-projection QK norms start at one: random gains make every channel count
         with torch.no_grad():

@@ -52,6 +52,105 @@ def _ok(fn):
         return False
 
 
+def gated_delta_net_matches_transformers() -> bool:
+    """megatron-core's ``GatedDeltaNet`` (local linears, the zero-centred norm Qwen3-Next's
+    provider asks for) on three packed sequences, against transformers'
+    ``Qwen3NextGatedDeltaNet`` run on each sequence alone with the same weights: output and
+    input gradient within 1e-5 of the reference's scale. Raises (the probe: False) without
+    fla and without the CPU patch."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        model_parallel_cuda_manual_seed,
+    )
+    from megatron.core.transformer import TransformerConfig
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from areal_mega.models.gemma3 import Gemma3RMSNorm
+    from areal_mega.parallel.mesh import init_distributed
+
+    if not dist.is_initialized():
+        init_distributed()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(0)
+    nk, nv, dk, dv, hidden, width = 2, 4, 8, 6, 32, 4
+    ref = Qwen3NextGatedDeltaNet(
+        Qwen3NextConfig(
+            hidden_size=hidden,
+            linear_num_key_heads=nk,
+            linear_num_value_heads=nv,
+            linear_key_head_dim=dk,
+            linear_value_head_dim=dv,
+            linear_conv_kernel_dim=width,
+        ),
+        0,
+    ).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=2,
+        linear_conv_kernel_dim=width,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=1,
+    )
+    gdn = GatedDeltaNet(
+        config,
+        GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=Gemma3RMSNorm, out_proj=RowParallelLinear
+        ),
+        layer_number=1,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    r = nv // nk
+    with torch.no_grad():  # transformers' per-key-head groups -> megatron's [q k v z b a]
+        q, k, v, z = ref.in_proj_qkvz.weight.view(nk, -1, hidden).split(
+            [dk, dk, r * dv, r * dv], dim=1
+        )
+        b, a = ref.in_proj_ba.weight.view(nk, 2 * r, hidden).split([r, r], dim=1)
+        gdn.in_proj.weight.copy_(torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)]))
+        gdn.conv1d.weight.copy_(ref.conv1d.weight)
+        gdn.A_log.copy_(ref.A_log)
+        gdn.dt_bias.copy_(ref.dt_bias)
+        gdn.out_norm.weight.copy_(ref.norm.weight - 1)
+        gdn.out_proj.weight.copy_(ref.out_proj.weight)
+    cu = torch.tensor([0, 70, 73, 163], dtype=torch.int32)  # 70 > one chunk of 64
+    x = torch.randn(int(cu[-1]), 1, hidden, requires_grad=True)
+    packed = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=90, max_seqlen_kv=90
+    )
+    out, _ = gdn(x, None, packed_seq_params=packed)
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    want = torch.cat([ref(x[s:e].transpose(0, 1)) for s, e in bounds], 1).transpose(0, 1)
+    dy = torch.randn_like(out)
+    (got_dx,) = torch.autograd.grad((out * dy).sum(), x)
+    (want_dx,) = torch.autograd.grad((want * dy).sum(), x)
+    return all(
+        float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+        for g, w in ((out, want), (got_dx, want_dx))
+    )
+
+
 def probes():
     import numpy as np
     from megatron.core import utils as cutils
@@ -129,6 +228,7 @@ def probes():
             moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), np.ndarray
         ),
         "clip_grads_type": clip,
+        "gated_delta_net_fla": gated_delta_net_matches_transformers,
     }
 
 

@@ -108,6 +108,21 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
 
 
 # ----------------------------------------------------------------------------- reference
+def linear_attention_slots(hf, mb, total):
+    """The packed slots as ``PackedSeqParams`` for a model with linear-attention layers
+    (Qwen3-Next's gated delta-net: a recurrence over the packed row, which no attention mask
+    confines to a sequence); nothing for the others, whose reference is the block-causal
+    mask."""
+    if "linear_attention" not in (hf.get("layer_types") or ()):
+        return {}
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from areal_mega.engine.packed_params import packed_seq_kwargs
+
+    kw = packed_seq_kwargs(mb["cu_seqlens"], mb.get("cu_seqlens_padded"), total)
+    return {"packed_seq_params": PackedSeqParams(**kw)}
+
+
 def reference(hf, mbs, seed, loss="sft", prepare=None):
     """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd,
     the production ``loss`` (see :func:`losses`) called on each whole micro-batch. A policy
@@ -137,7 +152,10 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         labels = micro_batch_labels(mb, ids.numel())
         valid = labels >= 0
         logits = model(
-            ids[None], mb["position_ids"][None], block_causal_mask(mb["segment_ids"].long())
+            ids[None],
+            mb["position_ids"][None],
+            block_causal_mask(mb["segment_ids"].long()),
+            **linear_attention_slots(hf, mb, ids.numel()),
         )[0]
         logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
         lp, ent = packed_logprobs(logits, labels, temperature=TEMP, return_entropy=True)
@@ -184,15 +202,31 @@ def global_name(name, chunk, mesh, hf):
     return name
 
 
-def shard_of(full, param, name, mesh, gated=True):
-    """This rank's TP shard of a reference tensor (``gated``: the model's MLPs are gated)."""
+def shard_of(full, param, name, mesh, gated=True, hf=None):
+    """This rank's TP shard of a reference tensor (``gated``: the model's MLPs are gated;
+    ``hf``: the config, for the gated delta-net's tensors split section by section)."""
     if not getattr(param, "tensor_model_parallel", False) or mesh.dims.tp == 1:
         return full
     tp, r, dim = mesh.dims.tp, mesh.tp_rank, param.partition_dim
     if gated and name.endswith("linear_fc1.weight"):  # [gate; up] split separately
         two = full.view(2, full.shape[0] // 2, -1)
         return two.chunk(tp, dim=1)[r].reshape(-1, full.shape[1])
+    sections = gdn_sections(hf, name)
+    if sections is not None:
+        return torch.cat([x.chunk(tp, dim=0)[r] for x in full.split(list(sections))])
     return full.chunk(tp, dim=dim)[r]
+
+
+def gdn_sections(hf, name):
+    """The sections of a gated delta-net tensor megatron splits across TP one by one
+    (:func:`areal_mega.checkpoint.hf_mapping_gdn.tp_sections`); None for other tensors."""
+    if hf is None or "linear_attention" not in (hf.get("layer_types") or ()):
+        return None
+    from areal_mega.checkpoint.hf_mapping import parse_mcore_name
+    from areal_mega.checkpoint.hf_mapping_gdn import tp_sections
+    from areal_mega.models.builder import parse_hf_config
+
+    return tp_sections(parse_hf_config(hf), parse_mcore_name(name)[2])
 
 
 def load_reference(eng, ref, hf):
@@ -200,7 +234,7 @@ def load_reference(eng, ref, hf):
         inner = chunk.module if hasattr(chunk, "module") else chunk
         for n, p in inner.named_parameters():
             full = ref["state"][global_name(n, inner, eng.mesh, hf)]
-            p.data.copy_(shard_of(full, p, n, eng.mesh, inner.config.gated_linear_unit))
+            p.data.copy_(shard_of(full, p, n, eng.mesh, inner.config.gated_linear_unit, hf))
         for n, b in inner.named_buffers():  # routers' expert biases (replicated)
             if n.endswith("router.expert_bias"):
                 b.copy_(ref["state"][global_name(n, inner, eng.mesh, hf)])
@@ -214,7 +248,7 @@ def compare_grads(eng, ref, hf):
         for n, p in inner.named_parameters():
             g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
             full = ref["grads"][global_name(n, inner, eng.mesh, hf)]
-            want = shard_of(full, p, n, eng.mesh, inner.config.gated_linear_unit)
+            want = shard_of(full, p, n, eng.mesh, inner.config.gated_linear_unit, hf)
             diff = g.float() - want.float().to(g.device)
             worst = max(worst, diff.abs().max().item())
             d2 += float((diff * diff).sum())

@@ -206,6 +206,31 @@ CASES = {
         },
         shared_prompts=True,
     ),
+    # Qwen3-Next: a gated delta-net layer (2 key / 4 value heads, widths 8 / 12, convolution
+    # of 4) then a full-attention layer with the output gate, QK norms and partial rotary
+    # (rope_parameters' 0.5; the config's top-level 0.25 is what the provider reads); softmax
+    # top-2 of 4 experts renormalised, a shared expert behind a sigmoid gate; random (1 + w)
+    # norms, output-norm gains and dt_bias (transformers starts them at zero / one)
+    "qwen3_next": FamilyCase(
+        "qwen3_next",
+        dict(arch="qwen3_next", head_dim=16, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
+    # Qwen3.5 (dense text model): Qwen3-Next's layers with the delta-net's input projection
+    # in four checkpoint tensors and dense MLPs; TP2 without sequence parallelism (the
+    # delta-net's output-norm gradient summed over the ranks' heads in the graph)
+    "qwen3_5_text": FamilyCase(
+        "qwen3_5_text", dict(arch="qwen3_5_text", head_dim=16, tie_word_embeddings=False)
+    ),
+    # Qwen3.5-MoE (text model): Qwen3.5's layers with Qwen3-Next's MoE (softmax top-2 of 4
+    # renormalised, a shared expert behind a sigmoid gate)
+    "qwen3_5_moe_text": FamilyCase(
+        "qwen3_5_moe_text",
+        dict(arch="qwen3_5_moe_text", head_dim=16, tie_word_embeddings=False),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -228,6 +253,9 @@ RL_CASES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 
 
