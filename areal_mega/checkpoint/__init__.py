@@ -12,6 +12,8 @@
 * :mod:`.hf_mapping` — the HF <-> megatron name/layout tables, one per family.
 * :mod:`.hf_mapping_moe` — which rows of a family's table a config has (DeepSeek-style MoE
   families, optional parts of the others).
+* :mod:`.hf_mapping_gdn` — Qwen3-Next's and Qwen3.5's tensors that are row permutations
+  (gated QKV, the delta-net input projection) and its norm's offset.
 * :mod:`.bridge_tables` — those tables read from Megatron-Bridge's mapping registries (kept in
   ``bridge_tables.json``).
 * :mod:`.safetensors_io` — memory-bounded safetensors reading and writing, errors naming the

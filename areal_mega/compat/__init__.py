@@ -8,6 +8,8 @@
 - :mod:`.packed_rope` — RoPE over packed sequences in one call (a speed patch);
 - :mod:`.mamba_cpu` — torch versions of the Mamba-2 kernels megatron-core's ``MambaMixer``
   calls (causal-conv1d, mamba-ssm), packed sequences included;
+- :mod:`.gdn_cpu` — torch versions of the fla kernels megatron-core's ``GatedDeltaNet``
+  calls (causal convolution, L2 norm, chunked gated delta rule), packed sequences included;
 - :mod:`.megatron_import` — megatron-core's first import without wandb (every device);
 - :mod:`.te_placeholder` — a TransformerEngine placeholder seen only by Megatron-Bridge's one
   unconditional import.
