@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from areal_mega.inference import model_support as ms
+from areal_mega.models.bridge_provider import VL_NOT_RL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +62,16 @@ def test_support_rows_edge_cases():
         and by["KimiK2ForCausalLM"]["model_type"] is None
     )
     assert "not a causal LM" in by["Qwen2_5_VLForConditionalGeneration"]["note"]
+    vl_rows = ms.support_rows(
+        ["Qwen2_5_VLForConditionalGeneration"],
+        engine=engine,
+        causal_lm=causal_lm,
+        kv_paths=kv,
+        vl_trainer={"Qwen2_5_VLForConditionalGeneration": "trainer only"},
+    )
+    assert vl_rows[0]["status"] == ms.STATUS["no"]
+    assert vl_rows[0]["status_note"] == "trainer only"
+    assert ms.vl_trainer_architectures() == {"Qwen2_5_VLForConditionalGeneration": VL_NOT_RL}
     assert by["Gemma3ForConditionalGeneration"]["server"] == ms.SERVER_PATHS["hf_cache"]
     # an engine family on transformers' cache is served end to end by its family test
     assert (

@@ -51,6 +51,7 @@ def main(argv=None):
         transformers_classes=set(dir(transformers)),
         gpu_only=GPU_ONLY,
         not_built=NOT_BUILT,
+        vl_trainer=ms.vl_trainer_architectures(),
     )
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -34,6 +34,7 @@ __all__ = [
     "causal_lm_model_types",
     "server_kv_paths",
     "support_rows",
+    "vl_trainer_architectures",
     "markdown_table",
     "SERVER_PATHS",
     "ENGINE_HF_CACHE",
@@ -76,6 +77,19 @@ def causal_lm_model_types() -> dict:
     return out
 
 
+def vl_trainer_architectures() -> dict:
+    """``{architecture: why}`` of the vision-language models the trainer engine builds
+    (:data:`~areal_mega.models.bridge_provider.VL_PROVIDER_FAMILIES`, by transformers'
+    image-text-to-text class) and why they are not an RL family yet."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from areal_mega.models.bridge_provider import VL_NOT_RL, VL_PROVIDER_FAMILIES
+
+    return {
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_NOT_RL for mt in VL_PROVIDER_FAMILIES
+    }
+
+
 def server_kv_paths(model_types: Iterable[str]) -> dict:
     """``{model_type: "static" | "hf_cache"}``: the server's running batch for each model
     type's default transformers config."""
@@ -93,6 +107,7 @@ def support_rows(
     transformers_classes: Optional[set] = None,
     gpu_only: Optional[dict] = None,
     not_built: Optional[dict] = None,
+    vl_trainer: Optional[dict] = None,
 ) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
@@ -103,7 +118,8 @@ def support_rows(
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
     exports (tells "not a causal LM" from "not in transformers"); ``gpu_only``:
     ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
-    why}`` of the others the engine does not build. ``status`` is a
+    why}`` of the others the engine does not build; ``vl_trainer``: ``{architecture: why}`` of
+    the vision-language models the trainer builds but RL does not run yet. ``status`` is a
     :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
     rows, seen = [], set()
     for arch in architectures:
@@ -126,6 +142,8 @@ def support_rows(
             status, why = STATUS["cpu"], ""
         elif model_type is not None and (gpu_only or {}).get(model_type):
             status, why = STATUS["gpu"], gpu_only[model_type]
+        elif arch in (vl_trainer or {}):
+            status, why = STATUS["no"], vl_trainer[arch]
         else:
             status = STATUS["no"]
             why = note or (not_built or {}).get(model_type) or NO_ENGINE_FAMILY

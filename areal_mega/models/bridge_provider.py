@@ -51,6 +51,7 @@ __all__ = [
     "ARCH_FIELDS",
     "GPT_FIELDS",
     "PROVIDER_FAMILIES",
+    "VL_NOT_RL",
     "VL_PROVIDER_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
@@ -172,6 +173,12 @@ PROVIDER_FAMILIES = (
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
 #: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`)
 VL_PROVIDER_FAMILIES = ("qwen2_5_vl",)
+#: why a vision-language family the trainer builds is not an RL family yet
+VL_NOT_RL = (
+    "vision-language: the trainer engine builds it from the bridge's provider, converts it bit "
+    "for bit and trains it (DP, TP with SP, PP; forward equal to transformers with images), but "
+    "RL with images is not wired yet (rollout servers with images, images on the data plane)"
+)
 
 #: families that keep our translator, and why
 OWN_TRANSLATOR = {
