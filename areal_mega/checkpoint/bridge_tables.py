@@ -70,6 +70,7 @@ BRIDGED_ARCHITECTURES = {
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
 
@@ -92,6 +93,13 @@ _KINDS = {
     "_PPSafeReplicatedMapping": "copy",
     "_PPSafeGatedMLPMapping": "glu",
     "_SqueezeBiasMapping": "row",
+    # Nemotron-H's Mamba mixer: whole tensors as they are; their tensor-parallel shards
+    # (column / row parallel, in_proj and conv1d section by section) are the megatron module's
+    # own sharding, which the distributed checkpoint and the weight export follow
+    "ColumnParallelMapping": "copy",
+    "RowParallelMapping": "copy",
+    "MambaInProjMapping": "copy",
+    "MambaConv1dMapping": "copy",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)

@@ -9,7 +9,8 @@ trainer. Per parameter, in model order:
   from the ``partition_dim`` attribute: TE's ``GroupedLinear`` built with megatron's explicit
   expert communication marks the row-parallel ``linear_fc2`` with ``partition_dim=0`` although
   it is split on dim 1. GLU ``linear_fc1`` shards are ``[gate_r; up_r]`` so gates and ups are
-  gathered separately;
+  gathered separately, as are the sections megatron marks with ``partition_sizes`` (the Mamba
+  mixer's in_proj and convolution);
 * expert weights are all-gathered over the expert-parallel group (local expert ``e`` of EP rank
   ``r`` is global expert ``r·E/EP + e``);
 * pipeline stages export only their own layers, under *global* layer indices (the layer's
@@ -69,6 +70,10 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
         shapes["mlp.experts.local_experts.{E}.linear_fc2.weight"] = (h, moe_ffn)
     if arch.is_mla:
         shapes.update(mla_full_shapes(arch))
+    if arch.hybrid_layer_pattern is not None:
+        from areal_mega.models.nemotron_h import nemotron_h_full_shapes
+
+        shapes.update(nemotron_h_full_shapes(arch.source_config(), h))
     shared = arch.moe_shared_ffn_hidden_size
     if shared:
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
@@ -139,6 +144,19 @@ def _gather_glu(t: torch.Tensor, group) -> torch.Tensor:
     dist.all_gather(parts, t.contiguous(), group=group)
     halves = [torch.chunk(p, 2, dim=0) for p in parts]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def _gather_sections(t: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
+    """Shards whose rows are sections each split across the ranks (megatron's
+    ``partition_sizes``: the Mamba mixer's in_proj [z; x; B; C; dt] and convolution [x; B; C],
+    each rank holding its slice of every section): gathered section by section."""
+    n = dist.get_world_size(group) if group is not None else 1
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    split = [torch.split(x, list(sizes), dim=0) for x in parts]
+    return torch.cat([sec[i] for i in range(len(sizes)) for sec in split], dim=0)
 
 
 def _layer_offsets(chunk) -> List[int]:
@@ -227,7 +245,12 @@ def iter_hf_tensors(
                         f"{name}: GLU linear_fc1 shards must split dim 0 "
                         f"([gate_r; up_r]), the shapes say dim {axis}"
                     )
-                if axis is not None:
+                sections = getattr(p, "partition_sizes", None)
+                if sections is not None and axis not in (None, 0):
+                    raise ValueError(f"{name}: sectioned shards must split dim 0, not {axis}")
+                if axis is not None and sections is not None:
+                    t = _gather_sections(t, tgroup, sections)
+                elif axis is not None:
                     t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, axis)
             glayer = offsets[layer] if layer is not None else None
             if is_expert and ep_size > 1:

@@ -80,7 +80,7 @@ class MegatronEngine:
 
     ``shares_prompt_prefix``: micro-batches whose samples share a prompt run it once
     (``actor.share_prompt_prefix``, on by default; dense models on the local attention only,
-    no CP nor SP); results are the same as without.
+    not hybrid (Mamba) models, no CP nor SP); results are the same as without.
     """
 
     SHARES_PROMPT_PREFIX = True  # False where outputs are read per packed row (the critic)
@@ -144,6 +144,8 @@ class MegatronEngine:
             and mesh.dims.cp == 1
             and not mesh.sequence_parallel
             and not self.arch.is_moe  # its router's load statistics count every copy
+            # a Mamba layer's state runs through the whole sequence: no prefix computed apart
+            and self.arch.hybrid_layer_pattern is None
             and self.replay is None
             and all(positions_supported(c) for c in chunks)
         )
@@ -282,7 +284,8 @@ class MegatronEngine:
         armed = self.replay and self.replay.arm(self.model.index(model), batch["routes"])
         batch["rows"] = (
             None
-            if collect
+            # HybridModel (Nemotron-H) takes no output processor: the logits of every row
+            if collect or self.arch.hybrid_layer_pattern is not None
             else loss_rows(
                 loss_fn,
                 mb,

@@ -70,6 +70,7 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         tp=dims.tp,
         cp=dims.cp,
         gated_mlp=arch.gated_mlp,
+        hybrid=arch.hybrid_layer_pattern is not None,
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
     n = apply_lora(

@@ -408,13 +408,6 @@ NOT_BUILT = {
         "shared layers have no k/v projections and its k_eq_v layers no v_proj; the MoE "
         "variant (enable_moe_block) is not examined"
     ),
-    "nemotron_h": (
-        "megatron-core's HybridModel (Mamba-2, attention, MLP layers) is built on the CPU and "
-        "equals transformers at one rank (areal_mega/models/nemotron_h.py), but it is not wired: "
-        "no conversion or export rules (per-layer-type names, the Mamba in_proj / conv1d "
-        "tensor-parallel splits), no pipeline stages (the layer pattern's stage separators), "
-        "no tiny model or family checks"
-    ),
     "gemma3": _VLM,
     "gemma4": _VLM,
 }

@@ -138,6 +138,7 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "nemotron_h",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -197,6 +198,9 @@ class HFArch:
     # Gemma 2 (:mod:`areal_mega.models.gemma2`): tanh soft-caps (None: none)
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    # Nemotron-H (:mod:`areal_mega.models.nemotron_h`): one letter per layer (M Mamba,
+    # * attention, - MLP); None: every layer is an attention + MLP decoder layer
+    hybrid_layer_pattern: Optional[str] = None
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -282,6 +286,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.nemotron import nemotron_arch_fields
 
         return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "nemotron_h":
+        from areal_mega.models.nemotron_h import nemotron_h_arch_fields
+
+        return HFArch(**nemotron_h_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "gpt_oss":
         from areal_mega.models.gpt_oss import gpt_oss_arch_fields
 
@@ -451,7 +459,12 @@ def transformer_config_from_hf(
         **fusions,
     )
     # architecture fields: the bridge's provider, or our translator where it is kept
-    if uses_provider(arch.model_type):
+    if arch.model_type == "nemotron_h":
+        from areal_mega.models.nemotron_h import nemotron_h_config_fields
+
+        kw.update(nemotron_h_config_fields(arch.source_config())[0])
+        is_mla = False
+    elif uses_provider(arch.model_type):
         fields, _, is_mla = provider_arch_fields(arch.source_config())
         kw.update(fields)
     else:
@@ -650,6 +663,9 @@ def build_model_chunks(
         vp_stage = vp if mesh.vpp else None
         pre = mesh.is_first_stage and vp == 0
         post = mesh.is_last_stage and vp == n_chunks - 1
+        if arch.model_type == "nemotron_h":
+            chunks.append(_hybrid_chunk(arch, config, mesh, vocab, pre, post, vp_stage))
+            continue
         spec = layer_spec_for(arch, config, use_te=use_te, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
@@ -678,6 +694,26 @@ def build_model_chunks(
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks, config
+
+
+def _hybrid_chunk(arch: HFArch, config, mesh, vocab: int, pre: bool, post: bool, vp_stage):
+    """One model chunk of a hybrid family (Nemotron-H): megatron-core's ``HybridModel`` with the
+    local stack spec (:mod:`areal_mega.models.nemotron_h`)."""
+    from areal_mega.models.nemotron_h import nemotron_h_config_fields, nemotron_h_model
+
+    model = nemotron_h_model(
+        config,
+        nemotron_h_config_fields(arch.source_config())[1],
+        vocab,
+        pre_process=pre,
+        post_process=post,
+        pg_collection=mesh.pg_collection,
+        vp_stage=vp_stage,
+    )
+    cast_params_to(model, config.params_dtype)
+    if mesh.device.type == "cuda":
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def cast_params_to(model, dtype) -> None:

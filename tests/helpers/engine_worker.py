@@ -108,13 +108,31 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
 
 
 # ----------------------------------------------------------------------------- reference
+def _reference_masking(eng, mb) -> tuple:
+    """The reference forward's ``(attention_mask, packed_seq_params)`` for one micro-batch: the
+    block-causal mask, or for a hybrid model (Nemotron-H), whose Mamba layers keep packed
+    sequences apart only through ``PackedSeqParams.seq_idx``, the packed parameters the engine
+    builds (``packed_seq_kwargs``) from the segment lengths."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from areal_mega.engine.packed import block_causal_mask
+    from areal_mega.engine.packed_params import packed_seq_kwargs
+
+    seg = mb["segment_ids"].long()
+    if eng.arch.hybrid_layer_pattern is None:
+        return block_causal_mask(seg), None
+    lens = torch.unique_consecutive(seg, return_counts=True)[1]
+    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    return None, PackedSeqParams(**packed_seq_kwargs(cu, None, int(cu[-1])))
+
+
 def reference(hf, mbs, seed, loss="sft", prepare=None):
     """TP1/PP1 model on the current (d=world) mesh: weights, logprobs, grads, plain autograd,
     the production ``loss`` (see :func:`losses`) called on each whole micro-batch. A policy
     loss's inputs are attached to ``mbs`` from the logprobs computed here. ``prepare(model)``
     may set non-trained state first (e.g. routers' expert biases)."""
     from areal_mega.engine import MegatronEngine
-    from areal_mega.engine.packed import block_causal_mask, micro_batch_labels
+    from areal_mega.engine.packed import micro_batch_labels
     from areal_mega.ops import packed_logprobs
 
     eng = MegatronEngine(
@@ -136,9 +154,8 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         ids = mb["input_ids"].long()
         labels = micro_batch_labels(mb, ids.numel())
         valid = labels >= 0
-        logits = model(
-            ids[None], mb["position_ids"][None], block_causal_mask(mb["segment_ids"].long())
-        )[0]
+        mask, packed = _reference_masking(eng, mb)
+        logits = model(ids[None], mb["position_ids"][None], mask, packed_seq_params=packed)[0]
         logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
         lp, ent = packed_logprobs(logits, labels, temperature=TEMP, return_entropy=True)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
@@ -189,6 +206,10 @@ def shard_of(full, param, name, mesh, gated=True):
     if not getattr(param, "tensor_model_parallel", False) or mesh.dims.tp == 1:
         return full
     tp, r, dim = mesh.dims.tp, mesh.tp_rank, param.partition_dim
+    sizes = getattr(param, "partition_sizes", None)  # per-rank rows of each section (Mamba)
+    if sizes is not None:
+        sections = full.split([n * tp for n in sizes], dim=0)
+        return torch.cat([sec.chunk(tp, dim=0)[r] for sec in sections], dim=0)
     if gated and name.endswith("linear_fc1.weight"):  # [gate; up] split separately
         two = full.view(2, full.shape[0] // 2, -1)
         return two.chunk(tp, dim=1)[r].reshape(-1, full.shape[1])

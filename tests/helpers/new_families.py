@@ -99,6 +99,24 @@ CASES = {
     # base), attention scores capped at 1.0 and final logits at 2.0 by tanh, softmax scale
     # 32^-0.5; weights drawn with std 0.1, so that both caps bite (at 0.02 the attention
     # cap moved the logits by 8e-6, under the tolerance; at 0.1 by 0.33); also with no caps
+    # Nemotron-H: megatron-core's HybridModel, layers Mamba-2, attention, Mamba-2, MLP (squared
+    # ReLU, no gate); the Mamba scan's chunk (32) above the checked sequences' lengths, since
+    # transformers' torch path is wrong past its first chunk (megatron's scan across chunks
+    # is checked against it in tests/test_nemotron_h.py, one chunk per sequence there); every norm with random gains, A_log in [-1, 1], the mixers'
+    # projections, convolution, D and dt bias drawn large enough that the Mamba branches move
+    # the logits (make_tiny_model); transformers' dt clamp at time_step_min does not bite
+    # (time_step_min 1e-9; see TinyModelSpec)
+    "nemotron_h": FamilyCase(
+        "nemotron_h",
+        dict(
+            arch="nemotron_h",
+            hidden_size=32,
+            intermediate_size=48,
+            mamba_chunk_size=32,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
     "gemma2": FamilyCase(
         "gemma2",
         dict(
@@ -228,6 +246,7 @@ RL_CASES = (
     "ernie4_5_moe",
     "exaone_moe",
     "exaone4",
+    "nemotron_h",
 )
 
 
