@@ -54,6 +54,7 @@ def test_configs_it_cannot_build_are_refused_naming_the_key():
         ("time_step_limit", [0.0, 2.0]),
         ("hybrid_override_pattern", "ME*-"),
         ("layer_norm_epsilon", 1e-6),
+        ("tie_word_embeddings", True),
     ):
         (why,) = nemotron_h_refusals(dict(base, **{key: value}))
         assert why.startswith(f"{key}="), why

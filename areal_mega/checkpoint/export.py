@@ -35,6 +35,7 @@ from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.models.mla import mla_full_shapes
+from areal_mega.models.nemotron_h import nemotron_h_full_shapes
 
 __all__ = [
     "iter_hf_tensors",
@@ -71,8 +72,6 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
     if arch.is_mla:
         shapes.update(mla_full_shapes(arch))
     if arch.hybrid_layer_pattern is not None:
-        from areal_mega.models.nemotron_h import nemotron_h_full_shapes
-
         shapes.update(nemotron_h_full_shapes(arch.source_config(), h))
     shared = arch.moe_shared_ffn_hidden_size
     if shared:

@@ -103,6 +103,11 @@ from areal_mega.models.bridge_provider import (
 from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
 from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
+from areal_mega.models.nemotron_h import (
+    nemotron_h_arch_fields,
+    nemotron_h_config_fields,
+    nemotron_h_model,
+)
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = [
@@ -287,8 +292,6 @@ def parse_hf_config(hf: dict) -> HFArch:
 
         return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron_h":
-        from areal_mega.models.nemotron_h import nemotron_h_arch_fields
-
         return HFArch(**nemotron_h_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "gpt_oss":
         from areal_mega.models.gpt_oss import gpt_oss_arch_fields
@@ -460,8 +463,6 @@ def transformer_config_from_hf(
     )
     # architecture fields: the bridge's provider, or our translator where it is kept
     if arch.model_type == "nemotron_h":
-        from areal_mega.models.nemotron_h import nemotron_h_config_fields
-
         kw.update(nemotron_h_config_fields(arch.source_config())[0])
         is_mla = False
     elif uses_provider(arch.model_type):
@@ -699,8 +700,6 @@ def build_model_chunks(
 def _hybrid_chunk(arch: HFArch, config, mesh, vocab: int, pre: bool, post: bool, vp_stage):
     """One model chunk of a hybrid family (Nemotron-H): megatron-core's ``HybridModel`` with the
     local stack spec (:mod:`areal_mega.models.nemotron_h`)."""
-    from areal_mega.models.nemotron_h import nemotron_h_config_fields, nemotron_h_model
-
     model = nemotron_h_model(
         config,
         nemotron_h_config_fields(arch.source_config())[1],

@@ -10,11 +10,13 @@ Mamba layers run the CPU kernels of :mod:`areal_mega.compat.mamba_cpu` and the s
 norm is torch's (both compat patches). Packed sequences stay apart in the Mamba layers through
 ``PackedSeqParams.seq_idx`` (:func:`areal_mega.engine.packed_params.packed_seq_kwargs`).
 
-Not wired into the builder yet (``nemotron_h`` stays in ``GPU_ONLY``): the conversion and
-export rules, pipeline stages and the CPU rollout server's running batch for Mamba states are
-missing. Refused here, naming the key: MoE layers (``E`` in the pattern), multi-token
-prediction, biases, a Mamba activation other than SiLU, no convolution bias, a convolution
-width other than megatron's 4, fp32 residuals, a finite ``time_step_limit``.
+Built by :func:`areal_mega.models.builder.build_model_chunks` (``HFArch.hybrid_layer_pattern``
+from :func:`nemotron_h_arch_fields`); conversion and export take each layer's rows by its type
+(:data:`areal_mega.checkpoint.hf_mapping.HYBRID_LAYER_ROWS`). Refused here, naming the key: MoE
+layers (``E`` in the pattern), multi-token prediction, biases, a Mamba activation other than
+SiLU, no convolution bias, a convolution width other than megatron's 4, fp32 residuals, a
+finite ``time_step_limit``, a ``layer_norm_epsilon`` other than 1e-5 (megatron's gated Mamba
+norm has it fixed), tied embeddings (transformers' Nemotron-H ties no weights).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 from typing import Any, Optional
 
 from areal_mega.models.bridge_provider import ARCH_FIELDS, provider_for
+from areal_mega.models.decoder_fields import decoder_fields
 
 __all__ = [
     "nemotron_h_refusals",
@@ -44,7 +47,14 @@ _REQUIRED = {
     "mlp_bias": (False, "MLP biases are not mapped by the conversion"),
     "residual_in_fp32": (False, "fp32 residuals are not built"),
     "num_nextn_predict_layers": (0, "multi-token prediction layers are not built"),
-    "layer_norm_epsilon": (1e-5, "megatron's Mamba mixer's gated norm has its epsilon fixed at 1e-5"),
+    "tie_word_embeddings": (
+        False,
+        "transformers' Nemotron-H ties no weights: its lm_head stays apart",
+    ),
+    "layer_norm_epsilon": (
+        1e-5,
+        "megatron's Mamba mixer's gated norm has its epsilon fixed at 1e-5",
+    ),
 }
 
 
@@ -89,8 +99,6 @@ def nemotron_h_arch_fields(hf: dict) -> dict:
     transformers defaults for omitted keys): the decoder fields, the MLP's squared ReLU without
     a gate and the layer pattern (stage separators removed). ValueError naming the keys it
     refuses (:func:`nemotron_h_refusals`)."""
-    from areal_mega.models.decoder_fields import decoder_fields
-
     bad = nemotron_h_refusals(hf)
     if bad:
         raise ValueError("nemotron_h: " + "; ".join(bad))

@@ -462,11 +462,14 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
 
         for key in ("rms_norm_eps", "rope_parameters", "hidden_act", "num_hidden_layers"):
             common.pop(key)
+        # transformers' Nemotron-H ties no weights (lm_head stays apart whatever the config
+        # says): untied always, as the engine requires
+        common["tie_word_embeddings"] = False
         return NemotronHConfig(
             **common,
             hybrid_override_pattern=spec.hybrid_pattern,
             head_dim=head_dim,
-            layer_norm_epsilon=spec.rms_norm_eps,
+            layer_norm_epsilon=1e-5,  # megatron's gated Mamba norm fixes it (not rms_norm_eps)
             mlp_hidden_act="relu2",
             mamba_num_heads=spec.mamba_num_heads,
             mamba_head_dim=spec.mamba_head_dim,
