@@ -62,7 +62,7 @@ from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS, load_tables
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.checkpoint.value_model import value_model_problem
-from areal_mega.models.bridge_provider import gpu_only_reason, not_built_reason
+from areal_mega.models.bridge_provider import HYBRID_FAMILIES, gpu_only_reason, not_built_reason
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -228,9 +228,9 @@ _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 _OUTPUT_LAYER_FROM = {"exaone4": "llama"}
 
 
-#: hybrid families (a layer pattern, one layer type per layer: Nemotron-H): their layer rows
-#: are kept together and each layer takes the rows of its type (:data:`HYBRID_LAYER_ROWS`)
-_HYBRID = ("nemotron_h",)
+#: hybrid families (a layer pattern, one layer type per layer: Nemotron-H; ``HYBRID_FAMILIES``):
+#: their layer rows are kept together and each layer takes the rows of its type
+#: (:data:`HYBRID_LAYER_ROWS`)
 #: layer-pattern letter -> the megatron name prefixes of that layer type's rows: Mamba (its
 #: mixer and its norm), attention (with its input norm), MLP (with its pre-MLP norm)
 HYBRID_LAYER_ROWS = {
@@ -265,7 +265,7 @@ def _families(tables: dict) -> Dict[str, Family]:
         if mt in _OUTPUT_LAYER_FROM and not any(m.mcore == "output_layer.weight" for m in glob):
             src = _maps(fams[_OUTPUT_LAYER_FROM[mt]]["global"])
             glob += tuple(m for m in src if m.mcore == "output_layer.weight")
-        if mt in _HYBRID or not any(m.mcore.startswith("mlp.router.") for m in layer):
+        if mt in HYBRID_FAMILIES or not any(m.mcore.startswith("mlp.router.") for m in layer):
             out[mt] = Family(mt, (t["architecture"],), layer, (), glob)
             continue
         attn = tuple(m for m in layer if not m.mcore.startswith("mlp."))

@@ -15,6 +15,8 @@ packed attention, :mod:`areal_mega.models.varlen_attention`, runs on both).
 Families (``model_type``):
 
 * :data:`PROVIDER_FAMILIES`: architecture from the bridge's provider;
+* :data:`HYBRID_FAMILIES`: megatron-core's ``HybridModel``, architecture from the bridge's
+  provider read by the family's own module;
 * :data:`OWN_TRANSLATOR`: our translator kept, the reason given per family;
 * :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
   here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry);
@@ -51,6 +53,7 @@ __all__ = [
     "ARCH_FIELDS",
     "GPT_FIELDS",
     "PROVIDER_FAMILIES",
+    "HYBRID_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
     "INPUT_CORRECTIONS",
@@ -152,6 +155,10 @@ PROVIDER_FAMILIES = (
     "exaone_moe",
     "exaone4",
 )
+
+#: hybrid families (megatron-core's HybridModel): their architecture comes from the bridge's
+#: provider too, read with the hybrid fields by their own module (areal_mega/models/nemotron_h.py)
+HYBRID_FAMILIES = ("nemotron_h",)
 
 #: families that keep our translator, and why
 OWN_TRANSLATOR = {

@@ -107,6 +107,7 @@ from areal_mega.models.nemotron_h import (
     nemotron_h_arch_fields,
     nemotron_h_config_fields,
     nemotron_h_model,
+    nemotron_h_stage_refusal,
 )
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
@@ -418,6 +419,10 @@ def transformer_config_from_hf(
         from areal_mega.models.gpt_oss import TP_REFUSED
 
         raise ValueError(TP_REFUSED.format(tp=tp))
+    if arch.hybrid_layer_pattern is not None:
+        why = nemotron_h_stage_refusal(arch.source_config(), pp, vpp)
+        if why:
+            raise ValueError(f"{arch.model_type}: {why}")
     if arch.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_hidden_layers={arch.num_layers} not divisible by PP·VPP={pp * (vpp or 1)}"

@@ -32,6 +32,7 @@ __all__ = [
     "nemotron_h_pattern",
     "nemotron_h_arch_fields",
     "nemotron_h_full_shapes",
+    "nemotron_h_stage_refusal",
     "nemotron_h_stack_spec",
     "nemotron_h_config_fields",
     "nemotron_h_model",
@@ -124,6 +125,25 @@ def nemotron_h_arch_fields(hf: dict) -> dict:
         gated_mlp=False,
         hybrid_layer_pattern=pattern,
     )
+
+
+def nemotron_h_stage_refusal(hf: dict, pp: int, vpp: Optional[int]) -> Optional[str]:
+    """Why the layer pattern cannot be cut into ``pp`` x ``vpp`` pipeline stages (None: it can).
+    megatron-core's HybridModel gives each stage one ``|``-separated segment of the pattern,
+    or, without separators, an even slice per PP stage (no virtual stages then)."""
+    segments = nemotron_h_pattern(hf).count("|") + 1
+    stages = pp * (vpp or 1)
+    if segments > 1 and segments != stages:
+        return (
+            f"hybrid_override_pattern has {segments} pipeline segments ('|'), "
+            f"the layout PP x VPP = {stages} stages"
+        )
+    if segments == 1 and (vpp or 1) > 1:
+        return (
+            "virtual pipeline stages need '|' stage separators in hybrid_override_pattern "
+            "(megatron slices a pattern without them per PP stage only)"
+        )
+    return None
 
 
 def nemotron_h_full_shapes(hf: dict, hidden: int) -> dict:
