@@ -47,8 +47,11 @@ def tiny_config(arch, **kw):
 
 
 def test_every_engine_family_is_provided_or_translated_with_a_reason():
-    assert set(ARCHS) == set(bp.PROVIDER_FAMILIES) | set(bp.OWN_TRANSLATOR)
+    assert set(ARCHS) == (
+        set(bp.PROVIDER_FAMILIES) | set(bp.OWN_TRANSLATOR) | set(bp.HYBRID_FAMILIES)
+    )
     assert not set(bp.PROVIDER_FAMILIES) & set(bp.OWN_TRANSLATOR)
+    assert not set(bp.HYBRID_FAMILIES) & (set(bp.PROVIDER_FAMILIES) | set(bp.OWN_TRANSLATOR))
     assert all(len(why) > 40 for why in bp.OWN_TRANSLATOR.values())
     assert set(bp.CORRECTIONS) <= set(bp.PROVIDER_FAMILIES) | set(bp.VL_PROVIDER_FAMILIES)
 

@@ -318,3 +318,25 @@ def test_qwen3_next_transforms_equal_the_bridge_functions(derived):
     zero_centred = torch.cat(list(gdn.to_mcore_segments(arch, "minus_one", ["w"], {"w": w}.get)))
     assert torch.equal(zero_centred, w - 1)
     assert torch.equal(gdn.to_hf(arch, "minus_one", zero_centred)[0], w)
+
+
+def test_nemotron_h_embedding_name_and_layer_rows(derived, tmp_path):
+    """The bridge's Nemotron-H registry names the embedding ``backbone.embeddings.weight``,
+    transformers 5.12.1 saves ``backbone.embedding.weight``: our table takes transformers' name
+    (``hf_mapping._HF_NAME_FIXES``; fails once the bridge agrees, then drop the fix). Every HF
+    tensor of a saved tiny Nemotron-H is one our per-layer-type rows name, and no other."""
+    from safetensors import safe_open
+
+    from areal_mega.models.builder import load_hf_config, parse_hf_config
+    from areal_mega.models.tiny import make_tiny_model
+
+    glob = {r["mcore"]: r["hf"] for r in derived["families"]["nemotron_h"]["global"]}
+    assert glob["embedding.word_embeddings.weight"] == ["backbone.embeddings.weight"]
+    d = make_tiny_model(tmp_path, arch="nemotron_h", hybrid_pattern="M*-M")
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    assert "backbone.embedding.weight" in saved
+    arch = parse_hf_config(load_hf_config(d))
+    assert arch.hybrid_layer_pattern == "M*-M"
+    names = hf_mapping.hf_tensor_names(arch)
+    assert len(names) == len(set(names)) and set(names) == saved

@@ -235,6 +235,10 @@ def test_hparams_from_hf_config_and_names(tmp_path):
     assert not hp.gated_mlp and hp.norm_bias and not hp.tie_word_embeddings
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         assert count_params(hp).total == sum(f.get_tensor(k).numel() for k in f.keys())
+    # Nemotron-H: Mamba layers are not modelled, refused naming the way out
+    d = make_tiny_model(tmp_path / "nh", arch="nemotron_h")
+    with pytest.raises(ValueError, match="hybrid.*model_hparams"):
+        hparams_from_hf_config(d / "config.json")
     # Ernie 4.5 MoE's names (moe_num_experts, moe_k, shared experts of moe_intermediate_size);
     # every layer MoE here (the formula counts every layer of an MoE model as MoE), and the
     # expert bias, [1, experts] per layer, is no weight of the formula's

@@ -44,6 +44,7 @@ def test_target_names_peft_canonical_and_all_linear():
         (dict(is_mla=True), "multi-latent attention"),
         (dict(is_moe=True, targets=["q_proj", "gate_proj"]), r"MoE.*\['gate_proj'\]"),
         (dict(gated_mlp=False, targets=["q_proj", "up_proj"]), r"no gate.*\['up_proj'\]"),
+        (dict(hybrid=True), "hybrid"),
         (
             dict(model_type="exaone4", targets=["q_proj", "o_proj", "down_proj"]),
             r"post-norm.*\['o_proj', 'down_proj'\]",

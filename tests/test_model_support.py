@@ -151,12 +151,17 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match="per-layer input embeddings"):
         read_arch(tmp_path)
-    # Nemotron-H: built at one rank (areal_mega/models/nemotron_h.py), not wired
-    nemotron_h = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"]}
-    with pytest.raises(ValueError, match="HybridModel .* not wired"):
+    # Nemotron-H (built): a config with what the engine does not build (MoE layers) is refused
+    # naming the key, by the builder and the converters
+    nemotron_h = {
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        "layers_block_type": ["mamba", "moe"],
+    }
+    with pytest.raises(ValueError, match="hybrid_override_pattern='ME'.*MoE"):
         parse_hf_config(nemotron_h)
     (tmp_path / "config.json").write_text(json.dumps(nemotron_h))
-    with pytest.raises(UnsupportedModelError, match="no pipeline stages"):
+    with pytest.raises(UnsupportedModelError, match="MoE layers"):
         read_arch(tmp_path)
 
 

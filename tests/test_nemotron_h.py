@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from areal_mega.models.nemotron_h import nemotron_h_refusals
+from areal_mega.models.nemotron_h import nemotron_h_refusals, nemotron_h_stage_refusal
 from tests.helpers.workers import ROOT, worker_cmd, worker_env
 
 pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -53,6 +53,20 @@ def test_configs_it_cannot_build_are_refused_naming_the_key():
         ("num_nextn_predict_layers", 1),
         ("time_step_limit", [0.0, 2.0]),
         ("hybrid_override_pattern", "ME*-"),
+        ("layer_norm_epsilon", 1e-6),
+        ("tie_word_embeddings", True),
     ):
         (why,) = nemotron_h_refusals(dict(base, **{key: value}))
         assert why.startswith(f"{key}="), why
+
+
+def test_pipeline_stages_of_the_layer_pattern():
+    """Without '|' separators megatron slices the pattern evenly per PP stage (no VPP); with
+    them, one segment per PP x VPP stage; anything else is refused naming the key."""
+    plain, piped = {"hybrid_override_pattern": "M*M-"}, {"hybrid_override_pattern": "M*|M-"}
+    assert nemotron_h_stage_refusal(plain, 1, None) is None
+    assert nemotron_h_stage_refusal(plain, 2, None) is None
+    assert nemotron_h_stage_refusal(piped, 2, None) is None
+    assert nemotron_h_stage_refusal(piped, 1, 2) is None
+    assert "2 pipeline segments" in nemotron_h_stage_refusal(piped, 1, None)
+    assert "stage separators" in nemotron_h_stage_refusal(plain, 1, 2)

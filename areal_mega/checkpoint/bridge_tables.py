@@ -75,6 +75,7 @@ BRIDGED_ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
@@ -110,6 +111,13 @@ _KINDS = {
     "GDNLinearMappingSeparate": "gdn_in_proj_split",
     "GDNConv1dMapping": "copy",
     "RMSNorm2ZeroCenteredRMSNormMapping": "minus_one",
+    # Nemotron-H's Mamba mixer: whole tensors as they are; their tensor-parallel shards
+    # (column / row parallel, in_proj and conv1d section by section) are the megatron module's
+    # own sharding, which the distributed checkpoint and the weight export follow
+    "ColumnParallelMapping": "copy",
+    "RowParallelMapping": "copy",
+    "MambaInProjMapping": "copy",
+    "MambaConv1dMapping": "copy",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)

@@ -364,6 +364,25 @@ def convert_hf_to_mcore(
 # ----------------------------------------------------------------------------------------------
 
 
+def _section_regions(name: str, entry, pieces) -> list:
+    """A world-size-1 parameter that megatron's checkpoint stores as several tensors, one per
+    section of its rows (the Mamba mixer's ``in_proj`` as z, x, B, C, dt; its convolution as
+    x, B, C): ``[(key, offsets, sizes, section shape)]`` in row order. Each section's global
+    tensor stacks every TP rank's slice of it, so the sections are read apart and stacked here.
+    RuntimeError when the pieces do not tile the parameter's rows."""
+    full = tuple(entry.data.shape)
+    out, rows = [], 0
+    for p in sorted(pieces, key=lambda p: p.data.storage_offset()):
+        shape = tuple(p.local_shape)
+        if shape[1:] != full[1:] or p.prepend_axis_num:
+            raise RuntimeError(f"{name}: section {p.key!r} of shape {shape} is not a row block")
+        rows += shape[0]
+        out.append((p.key, list(p.global_offset), list(shape), shape))
+    if rows != full[0]:
+        raise RuntimeError(f"{name}: its sections hold {rows} of {full[0]} rows")
+    return out
+
+
 def convert_mcore_to_hf(
     mcore_dir,
     out,
@@ -410,14 +429,19 @@ def convert_mcore_to_hf(
         pieces = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
         pieces = list(pieces.values()) if isinstance(pieces, dict) else list(pieces)
         key = pieces[0].key
-        # a factory of several keys (the gated delta-net's input projection and convolution:
-        # one per section, each split across TP on its own) is read key by key, whole
-        sections = [p.key for p in pieces] if len({p.key for p in pieces}) > 1 else None
-        for k in sections or [key]:
-            if k not in reader.meta:
-                raise CheckpointError(f"{path}: tensor {k!r} (for {name}) is not in the checkpoint")
+        for piece in pieces:
+            if piece.key not in reader.meta:
+                raise CheckpointError(
+                    f"{path}: tensor {piece.key!r} (for {name}) is not in the checkpoint"
+                )
         layer, expert, suffix = hm.parse_mcore_name(name)
         hf_names, kind = hm.hf_names_for(arch, layer, expert, suffix)
+        # sections stored apart (the Mamba mixer's and the gated delta-net's input projection and
+        # convolution: one tensor per section, each split across TP on its own)
+        if len({piece.key for piece in pieces}) > 1:
+            jobs.append((name, _section_regions(name, entry, pieces), None, kind, hf_names, None))
+            plan += [(h, out_dtype or reader.dtype(key), tuple(entry.data.shape)) for h in hf_names]
+            continue
         # the region of the global tensor this (world-size-1) parameter covers
         ndim = len(pieces[0].global_offset)
         offs = [min(p.global_offset[d] for p in pieces) for d in range(ndim)]
@@ -437,7 +461,7 @@ def convert_mcore_to_hf(
             tuple(x.shape) for x in hm.to_hf(arch, kind, torch.empty(full_shape, device="meta"))
         ]
         ck_dtype = reader.dtype(key)
-        jobs.append((sections or key, offs, sizes, kind, hf_names, full_shape))
+        jobs.append((key, offs, sizes, kind, hf_names, full_shape))
         if kind in FUSED_EXPERT_KINDS:  # the fused tensor is written with its last expert
             base, _ = split_row_name(hf_names[0])
             fused[base] = fused.get(base, 0) + 1
@@ -456,6 +480,15 @@ def convert_mcore_to_hf(
     for key, offs, sizes, kind, hf_names, full_shape in _tqdm(
         jobs, progress, desc="megatron -> HF", unit="tensor"
     ):
+        if full_shape is None:  # ``offs``: the sections' regions (_section_regions)
+            try:
+                full = torch.cat([reader.read(k, o, z).view(shape) for k, o, z, shape in offs])
+            except (KeyError, OSError, RuntimeError) as e:
+                raise CheckpointError(f"{path}: cannot read the sections of {key!r}: {e}") from e
+            for h, segs in zip(hf_names, hm.to_hf_segments(arch, kind, full)):
+                writer.write(h, [x.to(out_dtype) for x in segs] if out_dtype else segs)
+            del full
+            continue
         row_axis = len(offs) - len(full_shape)
 
         def rows(r0: int, r1: int) -> torch.Tensor:
@@ -477,15 +510,6 @@ def convert_mcore_to_hf(
         if kind == "vocab":
             full = rows(0, arch.vocab_size)
             per_hf = ([full],)
-        elif isinstance(key, list):
-            try:
-                parts = [
-                    reader.read(k, [0] * len(reader.size(k)), list(reader.size(k))) for k in key
-                ]
-            except (KeyError, OSError, RuntimeError) as e:
-                raise CheckpointError(f"{path}: cannot read {key!r}: {e}") from e
-            full = torch.cat(parts).view(full_shape)
-            per_hf = hm.to_hf_segments(arch, kind, full)
         else:
             full = rows(0, full_shape[0])
             per_hf = hm.to_hf_segments(arch, kind, full)

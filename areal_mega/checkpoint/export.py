@@ -9,7 +9,8 @@ trainer. Per parameter, in model order:
   from the ``partition_dim`` attribute: TE's ``GroupedLinear`` built with megatron's explicit
   expert communication marks the row-parallel ``linear_fc2`` with ``partition_dim=0`` although
   it is split on dim 1. GLU ``linear_fc1`` shards are ``[gate_r; up_r]`` so gates and ups are
-  gathered separately;
+  gathered separately, as are the sections megatron marks with ``partition_sizes`` (the Mamba
+  mixer's in_proj and convolution);
 * expert weights are all-gathered over the expert-parallel group (local expert ``e`` of EP rank
   ``r`` is global expert ``r·E/EP + e``);
 * pipeline stages export only their own layers, under *global* layer indices (the layer's
@@ -35,6 +36,7 @@ from areal_mega.checkpoint import hf_mapping_gdn
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.models.mla import mla_full_shapes
+from areal_mega.models.nemotron_h import nemotron_h_full_shapes
 
 __all__ = [
     "iter_hf_tensors",
@@ -77,6 +79,8 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
         shapes["self_attention.conv1d.weight"] = (2 * nk * dk + nv * dv, 1, None)
         shapes["self_attention.A_log"] = shapes["self_attention.dt_bias"] = (nv,)
         shapes["self_attention.out_proj.weight"] = (h, nv * dv)
+    if arch.hybrid_layer_pattern is not None:
+        shapes.update(nemotron_h_full_shapes(arch.source_config(), h))
     shared = arch.moe_shared_ffn_hidden_size
     if shared:
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
@@ -149,16 +153,18 @@ def _gather_glu(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
-def _gather_sections(t: torch.Tensor, group, sections: Sequence[int]) -> torch.Tensor:
-    """Gather dim-0 shards that hold each rank's share of every section in order (the gated
-    delta-net's input projection and convolution): section by section."""
+def _gather_sections(t: torch.Tensor, group, sizes: Sequence[int]) -> torch.Tensor:
+    """Shards whose rows are sections each split across the ranks, each rank holding its slice
+    of every section in order (``sizes``: one rank's rows per section; megatron's
+    ``partition_sizes`` of the Mamba mixer's in_proj [z; x; B; C; dt] and convolution [x; B; C],
+    the gated delta-net's input projection and convolution): gathered section by section."""
     n = dist.get_world_size(group) if group is not None else 1
     if n == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t.contiguous(), group=group)
-    split = [torch.split(p, [s // n for s in sections], dim=0) for p in parts]
-    return torch.cat([x[i] for i in range(len(sections)) for x in split], dim=0)
+    split = [torch.split(x, list(sizes), dim=0) for x in parts]
+    return torch.cat([sec[i] for i in range(len(sizes)) for sec in split], dim=0)
 
 
 def _layer_offsets(chunk) -> List[int]:
@@ -247,7 +253,15 @@ def iter_hf_tensors(
                         f"{name}: GLU linear_fc1 shards must split dim 0 "
                         f"([gate_r; up_r]), the shapes say dim {axis}"
                     )
-                sections = hf_mapping_gdn.tp_sections(arch, suffix)
+                # sectioned shards: megatron's per-rank partition_sizes (Mamba), or the gated
+                # delta-net's sections (full sizes, split evenly)
+                sections = getattr(p, "partition_sizes", None)
+                full_sections = hf_mapping_gdn.tp_sections(arch, suffix)
+                if sections is None and full_sections is not None:
+                    n_tp = dist.get_world_size(tgroup) if tgroup is not None else 1
+                    sections = [s // n_tp for s in full_sections]
+                if sections is not None and axis not in (None, 0):
+                    raise ValueError(f"{name}: sectioned shards must split dim 0, not {axis}")
                 if axis is not None and sections is not None:
                     t = _gather_sections(t, tgroup, sections)
                 elif axis is not None:

@@ -64,7 +64,7 @@ from areal_mega.checkpoint.hf_mapping_gdn import GDN_KINDS
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.checkpoint.value_model import value_model_problem
-from areal_mega.models.bridge_provider import gpu_only_reason, not_built_reason
+from areal_mega.models.bridge_provider import HYBRID_FAMILIES, gpu_only_reason, not_built_reason
 from areal_mega.models.builder import normalize_hf_config  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -230,6 +230,25 @@ _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 _OUTPUT_LAYER_FROM = {"exaone4": "llama"}
 
 
+#: hybrid families (a layer pattern, one layer type per layer: Nemotron-H; ``HYBRID_FAMILIES``):
+#: their layer rows are kept together and each layer takes the rows of its type
+#: (:data:`HYBRID_LAYER_ROWS`)
+#: layer-pattern letter -> the megatron name prefixes of that layer type's rows: Mamba (its
+#: mixer and its norm), attention (with its input norm), MLP (with its pre-MLP norm)
+HYBRID_LAYER_ROWS = {
+    "M": ("mixer.", "norm."),
+    "*": ("self_attention.", "input_layernorm."),
+    "-": ("mlp.linear_fc1.", "mlp.linear_fc2.", "pre_mlp_layernorm."),
+}
+#: HF names the bridge's registry gives that the pinned transformers does not write: Nemotron-H's
+#: embedding, which transformers 5.12.1 saves as ``backbone.embedding.weight`` (the bridge
+#: reads ``backbone.embeddings.weight``); ``tests/test_bridge_tables.py`` fails once the
+#: bridge agrees with transformers
+_HF_NAME_FIXES = {
+    "nemotron_h": {"embedding.word_embeddings.weight": ("backbone.embedding.weight",)},
+}
+
+
 def _maps(rows) -> Tuple[TensorMap, ...]:
     return tuple(TensorMap(r["mcore"], tuple(r["hf"]), r["kind"]) for r in rows)
 
@@ -243,10 +262,12 @@ def _families(tables: dict) -> Dict[str, Family]:
     out = {}
     for mt, t in fams.items():
         layer, glob = _maps(t["layer"]), _maps(t["global"])
+        fixes = _HF_NAME_FIXES.get(mt, {})
+        glob = tuple(TensorMap(m.mcore, fixes.get(m.mcore, m.hf), m.kind) for m in glob)
         if mt in _OUTPUT_LAYER_FROM and not any(m.mcore == "output_layer.weight" for m in glob):
             src = _maps(fams[_OUTPUT_LAYER_FROM[mt]]["global"])
             glob += tuple(m for m in src if m.mcore == "output_layer.weight")
-        if not any(m.mcore.startswith("mlp.router.") for m in layer):
+        if mt in HYBRID_FAMILIES or not any(m.mcore.startswith("mlp.router.") for m in layer):
             out[mt] = Family(mt, (t["architecture"],), layer, (), glob)
             continue
         attn = tuple(m for m in layer if not m.mcore.startswith("mlp."))
@@ -337,6 +358,13 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
             for m in fam.global_maps
             if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings)
         )
+    if arch.hybrid_layer_pattern is not None:
+        letter = arch.hybrid_layer_pattern[layer]
+        if letter not in HYBRID_LAYER_ROWS:
+            raise UnsupportedModelError(
+                f"{arch.model_type}: layer {layer} of type {letter!r} has no tensor mapping"
+            )
+        return tuple(m for m in fam.dense_layer if m.mcore.startswith(HYBRID_LAYER_ROWS[letter]))
     pattern = arch.moe_layer_pattern
     table = (
         fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else fam.dense_layer
@@ -570,8 +598,9 @@ _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
     """Every HF tensor name the model has (in HF save order: embeddings, layers, norm, head;
-    ``with_head=False``: the trunk only, no ``lm_head``); a fused expert tensor once."""
-    names = ["model.embed_tokens.weight"]
+    ``with_head=False``: the trunk only, no ``lm_head``); a fused expert tensor once, an HF
+    tensor that several megatron names map to (a module's old and new name) once."""
+    names = [h for tm in maps_for(arch) if tm.mcore == _VOCAB_TENSORS[0] for h in tm.hf]
     for layer in range(arch.num_layers):
         for tm in maps_for(arch, layer):
             if tm.kind in FUSED_EXPERT_KINDS:
@@ -583,4 +612,4 @@ def hf_tensor_names(arch, *, with_head: bool = True) -> List[str]:
     names += [h for tm in maps_for(arch) if tm.mcore not in _VOCAB_TENSORS for h in tm.hf]
     if with_head and not arch.tie_word_embeddings:
         names.append("lm_head.weight")
-    return names
+    return list(dict.fromkeys(names))

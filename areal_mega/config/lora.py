@@ -114,6 +114,7 @@ def check_lora_model(cfg) -> None:
             cp=dims.cp,
             gated_mlp=hf.get("hidden_act") != "relu2",
             linear_attention="linear_attention" in (hf.get("layer_types") or ()),
+            hybrid=bool(hf.get("layers_block_type") or hf.get("hybrid_override_pattern")),
         )
     except LoraSupportError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None

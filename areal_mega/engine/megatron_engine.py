@@ -87,7 +87,8 @@ class MegatronEngine:
 
     ``shares_prompt_prefix``: micro-batches whose samples share a prompt run it once
     (``actor.share_prompt_prefix``, on by default; dense models on the local attention only,
-    without linear-attention layers, no CP nor SP); results are the same as without.
+    without linear-attention layers, not hybrid (Mamba) models, no CP nor SP); results are the
+    same as without.
     """
 
     SHARES_PROMPT_PREFIX = True  # False where outputs are read per packed row (the critic)
@@ -169,6 +170,8 @@ class MegatronEngine:
             # a linear-attention layer's answers continue the prompt's recurrent state, which
             # the shared prompt's attention-only layout does not carry
             and self.arch.linear_attention_layers is None
+            # a Mamba layer's state runs through the whole sequence: no prefix computed apart
+            and self.arch.hybrid_layer_pattern is None
             and self.replay is None
             and all(positions_supported(c) for c in chunks)
         )
@@ -317,7 +320,9 @@ class MegatronEngine:
         armed = self.replay and self.replay.arm(self.model.index(model), batch["routes"])
         batch["rows"] = (
             None
-            if collect or self.is_vl  # the bridge's VL forward has no output processor
+            # the bridge's VL forward and HybridModel (Nemotron-H) take no output processor:
+            # the logits of every row
+            if collect or self.is_vl or self.arch.hybrid_layer_pattern is not None
             else loss_rows(
                 loss_fn,
                 mb,

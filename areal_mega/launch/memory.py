@@ -419,6 +419,12 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
     """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields; Ernie 4.5's
     MoE names). Every layer of an MoE model is counted as MoE."""
     d = json.loads(Path(path).read_text())
+    if d.get("layers_block_type") or d.get("hybrid_override_pattern"):
+        raise ValueError(
+            f"model_type {d.get('model_type')!r} is a hybrid (Mamba) model: the estimate "
+            "counts attention + MLP decoder layers only; give the recipe a model_hparams "
+            "section"
+        )
     moe = int(
         d.get("num_experts")
         or d.get("num_local_experts")  # transformers 5 name

@@ -71,6 +71,7 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         cp=dims.cp,
         gated_mlp=arch.gated_mlp,
         linear_attention=arch.linear_attention_layers is not None,
+        hybrid=arch.hybrid_layer_pattern is not None,
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
     n = apply_lora(

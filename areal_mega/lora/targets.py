@@ -92,6 +92,7 @@ def check_lora_support(
     critic: bool = False,
     gated_mlp: bool = True,
     linear_attention: bool = False,
+    hybrid: bool = False,
 ) -> None:
     """Refuse LoRA settings this implementation does not serve (pure; raises
     :class:`LoraSupportError` with the reason and what to do instead).
@@ -105,9 +106,16 @@ def check_lora_support(
     of :data:`POST_NORM_PROJECTION_MODEL_TYPES` (the post-norm sits inside those modules, the
     adapter would add after it); models with gated delta-net layers (``linear_attention``:
     Qwen3-Next, Qwen3.5); context parallelism (its
-    equality with one rank is not tested for adapters); a LoRA critic."""
+    equality with one rank is not tested for adapters); a LoRA critic; a hybrid model
+    (``hybrid``: Nemotron-H's Mamba layers, whose mixer projections have no adapters and whose
+    attention / MLP layers' adapters are not tested there)."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
+    if hybrid:
+        raise LoraSupportError(
+            f"LoRA on {model_type}: hybrid (Mamba) models are not supported (the Mamba "
+            "mixers' projections have no adapters); train without LoRA"
+        )
     if rank % tp:
         raise LoraSupportError(
             f"lora.rank={rank} with tensor parallel size {tp}: the rank must "

@@ -15,6 +15,8 @@ packed attention, :mod:`areal_mega.models.varlen_attention`, runs on both).
 Families (``model_type``):
 
 * :data:`PROVIDER_FAMILIES`: architecture from the bridge's provider;
+* :data:`HYBRID_FAMILIES`: megatron-core's ``HybridModel``, architecture from the bridge's
+  provider read by the family's own module;
 * :data:`OWN_TRANSLATOR`: our translator kept, the reason given per family;
 * :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
   here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry);
@@ -53,6 +55,7 @@ __all__ = [
     "PROVIDER_FAMILIES",
     "VL_NOT_RL",
     "VL_PROVIDER_FAMILIES",
+    "HYBRID_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
     "INPUT_CORRECTIONS",
@@ -179,6 +182,10 @@ VL_NOT_RL = (
     "for bit and trains it (DP, TP with SP, PP; forward equal to transformers with images), but "
     "RL with images is not wired yet (rollout servers with images, images on the data plane)"
 )
+
+#: hybrid families (megatron-core's HybridModel): their architecture comes from the bridge's
+#: provider too, read with the hybrid fields by their own module (areal_mega/models/nemotron_h.py)
+HYBRID_FAMILIES = ("nemotron_h",)
 
 #: families that keep our translator, and why
 OWN_TRANSLATOR = {
@@ -454,13 +461,6 @@ NOT_BUILT = {
         "one QKV shape per model and no per-layer buffer (layer_scalar), while the checkpoint's "
         "shared layers have no k/v projections and its k_eq_v layers no v_proj; the MoE "
         "variant (enable_moe_block) is not examined"
-    ),
-    "nemotron_h": (
-        "megatron-core's HybridModel (Mamba-2, attention, MLP layers) is built on the CPU and "
-        "equals transformers at one rank (areal_mega/models/nemotron_h.py), but it is not wired: "
-        "no conversion or export rules (per-layer-type names, the Mamba in_proj / conv1d "
-        "tensor-parallel splits), no pipeline stages (the layer pattern's stage separators), "
-        "no tiny model or family checks"
     ),
     "qwen3_5_moe": (
         _VLM + "; its text model (model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: what "

@@ -106,6 +106,12 @@ from areal_mega.models.bridge_provider import (
 from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
 from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
+from areal_mega.models.nemotron_h import (
+    nemotron_h_arch_fields,
+    nemotron_h_config_fields,
+    nemotron_h_model,
+    nemotron_h_stage_refusal,
+)
 from areal_mega.models.sliding_window import hf_sliding_window, mcore_window_size
 
 __all__ = [
@@ -145,6 +151,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "nemotron_h",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -210,6 +217,9 @@ class HFArch:
     linear_attention_layers: Optional[tuple] = None
     gdn_heads: Optional[tuple] = None
     attention_output_gate: bool = False
+    # Nemotron-H (:mod:`areal_mega.models.nemotron_h`): one letter per layer (M Mamba,
+    # * attention, - MLP); None: every layer is an attention + MLP decoder layer
+    hybrid_layer_pattern: Optional[str] = None
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -299,6 +309,8 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.qwen3_next import qwen3_next_arch_fields
 
         return HFArch(**qwen3_next_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "nemotron_h":
+        return HFArch(**nemotron_h_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "gpt_oss":
         from areal_mega.models.gpt_oss import gpt_oss_arch_fields
 
@@ -484,6 +496,10 @@ def transformer_config_from_hf(
         from areal_mega.models.gpt_oss import TP_REFUSED
 
         raise ValueError(TP_REFUSED.format(tp=tp))
+    if arch.hybrid_layer_pattern is not None:
+        why = nemotron_h_stage_refusal(arch.source_config(), pp, vpp)
+        if why:
+            raise ValueError(f"{arch.model_type}: {why}")
     if arch.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_hidden_layers={arch.num_layers} not divisible by PP·VPP={pp * (vpp or 1)}"
@@ -504,7 +520,10 @@ def transformer_config_from_hf(
         activation=arch.activation,
     )
     # architecture fields: the bridge's provider, or our translator where it is kept
-    if uses_provider(arch.model_type):
+    if arch.model_type == "nemotron_h":
+        kw.update(nemotron_h_config_fields(arch.source_config())[0])
+        is_mla = False
+    elif uses_provider(arch.model_type):
         fields, _, is_mla = provider_arch_fields(arch.source_config())
         kw.update(fields)
     else:
@@ -707,6 +726,9 @@ def build_model_chunks(
         vp_stage = vp if mesh.vpp else None
         pre = mesh.is_first_stage and vp == 0
         post = mesh.is_last_stage and vp == n_chunks - 1
+        if arch.model_type == "nemotron_h":
+            chunks.append(_hybrid_chunk(arch, config, mesh, vocab, pre, post, vp_stage))
+            continue
         spec = layer_spec_for(arch, config, use_te=use_te, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
@@ -735,6 +757,24 @@ def build_model_chunks(
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks, config
+
+
+def _hybrid_chunk(arch: HFArch, config, mesh, vocab: int, pre: bool, post: bool, vp_stage):
+    """One model chunk of a hybrid family (Nemotron-H): megatron-core's ``HybridModel`` with the
+    local stack spec (:mod:`areal_mega.models.nemotron_h`)."""
+    model = nemotron_h_model(
+        config,
+        nemotron_h_config_fields(arch.source_config())[1],
+        vocab,
+        pre_process=pre,
+        post_process=post,
+        pg_collection=mesh.pg_collection,
+        vp_stage=vp_stage,
+    )
+    cast_params_to(model, config.params_dtype)
+    if mesh.device.type == "cuda":
+        model.cuda(torch.cuda.current_device())
+    return model
 
 
 def cast_params_to(model, dtype) -> None:

@@ -10,11 +10,13 @@ Mamba layers run the CPU kernels of :mod:`areal_mega.compat.mamba_cpu` and the s
 norm is torch's (both compat patches). Packed sequences stay apart in the Mamba layers through
 ``PackedSeqParams.seq_idx`` (:func:`areal_mega.engine.packed_params.packed_seq_kwargs`).
 
-Not wired into the builder yet (``nemotron_h`` stays in ``GPU_ONLY``): the conversion and
-export rules, pipeline stages and the CPU rollout server's running batch for Mamba states are
-missing. Refused here, naming the key: MoE layers (``E`` in the pattern), multi-token
-prediction, biases, a Mamba activation other than SiLU, no convolution bias, a convolution
-width other than megatron's 4, fp32 residuals, a finite ``time_step_limit``.
+Built by :func:`areal_mega.models.builder.build_model_chunks` (``HFArch.hybrid_layer_pattern``
+from :func:`nemotron_h_arch_fields`); conversion and export take each layer's rows by its type
+(:data:`areal_mega.checkpoint.hf_mapping.HYBRID_LAYER_ROWS`). Refused here, naming the key: MoE
+layers (``E`` in the pattern), multi-token prediction, biases, a Mamba activation other than
+SiLU, no convolution bias, a convolution width other than megatron's 4, fp32 residuals, a
+finite ``time_step_limit``, a ``layer_norm_epsilon`` other than 1e-5 (megatron's gated Mamba
+norm has it fixed), tied embeddings (transformers' Nemotron-H ties no weights).
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ import dataclasses
 from typing import Any, Optional
 
 from areal_mega.models.bridge_provider import ARCH_FIELDS, provider_for
+from areal_mega.models.decoder_fields import decoder_fields
 
 __all__ = [
     "nemotron_h_refusals",
+    "nemotron_h_pattern",
+    "nemotron_h_arch_fields",
+    "nemotron_h_full_shapes",
+    "nemotron_h_stage_refusal",
     "nemotron_h_stack_spec",
     "nemotron_h_config_fields",
     "nemotron_h_model",
@@ -41,6 +48,14 @@ _REQUIRED = {
     "mlp_bias": (False, "MLP biases are not mapped by the conversion"),
     "residual_in_fp32": (False, "fp32 residuals are not built"),
     "num_nextn_predict_layers": (0, "multi-token prediction layers are not built"),
+    "tie_word_embeddings": (
+        False,
+        "transformers' Nemotron-H ties no weights: its lm_head stays apart",
+    ),
+    "layer_norm_epsilon": (
+        1e-5,
+        "megatron's Mamba mixer's gated norm has its epsilon fixed at 1e-5",
+    ),
 }
 
 
@@ -53,13 +68,101 @@ def nemotron_h_refusals(hf: dict) -> list:
             got = got or 0  # None in configs without MTP
         if got != want:
             out.append(f"{key}={got!r} ({why})")
-    pattern = str(hf.get("hybrid_override_pattern") or "")
+    pattern = nemotron_h_pattern(hf)
     if "E" in pattern:
         out.append(f"hybrid_override_pattern={pattern!r}: MoE layers (E) are not built yet")
     limit = [_float(v) for v in hf.get("time_step_limit") or (0.0, float("inf"))]
     if limit != [0.0, float("inf")]:
         out.append(f"time_step_limit={list(limit)!r} (megatron's mixer does not limit dt)")
     return out
+
+
+#: transformers' ``layers_block_type`` entries -> the hybrid pattern's layer letters
+_LETTERS = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+
+
+def nemotron_h_pattern(hf: dict) -> str:
+    """The config's layer pattern (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE; ``|``
+    pipeline-stage separators kept): ``hybrid_override_pattern`` (hub checkpoints), else
+    transformers 5's ``layers_block_type`` list, which is all its ``save_pretrained`` writes."""
+    pattern = hf.get("hybrid_override_pattern")
+    if pattern:
+        return str(pattern)
+    types = hf.get("layers_block_type") or hf.get("layer_types") or []
+    unknown = sorted({t for t in types if t not in _LETTERS})
+    if unknown:
+        raise ValueError(f"nemotron_h: layers_block_type has unknown layer types {unknown}")
+    return "".join(_LETTERS[t] for t in types)
+
+
+def nemotron_h_arch_fields(hf: dict) -> dict:
+    """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a Nemotron-H config (its
+    transformers defaults for omitted keys): the decoder fields, the MLP's squared ReLU without
+    a gate and the layer pattern (stage separators removed). ValueError naming the keys it
+    refuses (:func:`nemotron_h_refusals`)."""
+    bad = nemotron_h_refusals(hf)
+    if bad:
+        raise ValueError("nemotron_h: " + "; ".join(bad))
+    if hf.get("mlp_hidden_act", "relu2") != "relu2":
+        raise ValueError(
+            f"nemotron_h: mlp_hidden_act={hf.get('mlp_hidden_act')!r} (megatron's MLP is "
+            "built with the squared ReLU)"
+        )
+    pattern = nemotron_h_pattern(hf).replace("|", "")
+    fields = decoder_fields(
+        dict(hf, num_hidden_layers=len(pattern)),
+        model_type="nemotron_h",
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        eps_key="layer_norm_epsilon",
+        head_dim=int(hf.get("head_dim") or 128),
+    )
+    return dict(
+        fields,
+        qkv_bias=False,
+        qk_norm=False,
+        activation="relu2",
+        gated_mlp=False,
+        hybrid_layer_pattern=pattern,
+    )
+
+
+def nemotron_h_stage_refusal(hf: dict, pp: int, vpp: Optional[int]) -> Optional[str]:
+    """Why the layer pattern cannot be cut into ``pp`` x ``vpp`` pipeline stages (None: it can).
+    megatron-core's HybridModel gives each stage one ``|``-separated segment of the pattern,
+    or, without separators, an even slice per PP stage (no virtual stages then)."""
+    segments = nemotron_h_pattern(hf).count("|") + 1
+    stages = pp * (vpp or 1)
+    if segments > 1 and segments != stages:
+        return (
+            f"hybrid_override_pattern has {segments} pipeline segments ('|'), "
+            f"the layout PP x VPP = {stages} stages"
+        )
+    if segments == 1 and (vpp or 1) > 1:
+        return (
+            "virtual pipeline stages need '|' stage separators in hybrid_override_pattern "
+            "(megatron slices a pattern without them per PP stage only)"
+        )
+    return None
+
+
+def nemotron_h_full_shapes(hf: dict, hidden: int) -> dict:
+    """Pure: the full (un-split) megatron shapes of a Nemotron-H config's tensor-parallel Mamba
+    mixer tensors (canonical layer suffixes; the weight export's gather checks them)."""
+    heads, head_dim = int(hf["mamba_num_heads"]), int(hf["mamba_head_dim"])
+    groups, state = int(hf.get("n_groups", 8)), int(hf.get("ssm_state_size", 128))
+    inner = heads * head_dim
+    conv = inner + 2 * groups * state
+    return {
+        "mixer.in_proj.weight": (2 * inner + 2 * groups * state + heads, hidden),
+        "mixer.conv1d_weight": (conv, 1, int(hf.get("conv_kernel", 4))),
+        "mixer.conv1d_bias": (conv,),
+        "mixer.out_proj.weight": (hidden, inner),
+        "mixer.A_log": (heads,),
+        "mixer.D": (heads,),
+        "mixer.dt_bias": (heads,),
+        "mixer.norm.weight": (inner,),
+    }
 
 
 def _float(v) -> float:

@@ -40,6 +40,7 @@ ARCHS = (
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "nemotron_h",
 )
 #: vision-language models (:mod:`areal_mega.models.vlm.tiny`): the text model's sizes from
 #: the spec, the vision tower's from its ``vision_*`` fields
@@ -124,6 +125,20 @@ class TinyModelSpec:
     vision_intermediate_size: int = 64
     vision_num_heads: int = 2
     mrope_section: Optional[tuple] = None
+    # nemotron_h: one letter per layer (M Mamba-2, * attention, - MLP; the layer count is its
+    # length, num_layers is not read) and the Mamba mixers' sizes; the scan chunk below the
+    # sequence lengths the tests
+    # pack, so that states pass between chunks. dt: transformers' torch path clamps it below
+    # at time_step_min, megatron-core and transformers' CUDA path do not; the tiny model's
+    # time_step_min is so small that no dt reaches it (a real checkpoint's 1e-3 may be reached,
+    # and there the CPU rollout server differs from the trainer)
+    hybrid_pattern: str = "M*M-"
+    mamba_num_heads: int = 4
+    mamba_head_dim: int = 8
+    mamba_n_groups: int = 2
+    ssm_state_size: int = 8
+    mamba_chunk_size: int = 8
+    time_step_min: float = 1e-9
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -534,6 +549,28 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             output_router_logits=False,
             router_aux_loss_coef=0.0,
         )
+    if spec.arch == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        for key in ("rms_norm_eps", "rope_parameters", "hidden_act", "num_hidden_layers"):
+            common.pop(key)
+        # transformers' Nemotron-H ties no weights (lm_head stays apart whatever the config
+        # says): untied always, as the engine requires
+        common["tie_word_embeddings"] = False
+        return NemotronHConfig(
+            **common,
+            hybrid_override_pattern=spec.hybrid_pattern,
+            head_dim=head_dim,
+            layer_norm_epsilon=1e-5,  # megatron's gated Mamba norm fixes it (not rms_norm_eps)
+            mlp_hidden_act="relu2",
+            mamba_num_heads=spec.mamba_num_heads,
+            mamba_head_dim=spec.mamba_head_dim,
+            n_groups=spec.mamba_n_groups,
+            ssm_state_size=spec.ssm_state_size,
+            chunk_size=spec.mamba_chunk_size,
+            time_step_min=spec.time_step_min,
+            use_mamba_kernels=False,
+        )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
@@ -606,6 +643,21 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                     p.normal_(0.0, 0.2)
                 elif name.endswith("linear_attn.dt_bias"):
                     p.normal_(1.0, 0.5)
+    if spec.arch == "nemotron_h":
+        # every norm (layer, gated Mamba, final) with random gains around one; A_log in
+        # [-1, 1] so that the states decay at visibly different rates per head; the other
+        # weights (transformers' init leaves out_proj and the convolution small) large enough
+        # that the Mamba branch moves the residual stream
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("A_log"):
+                    p.uniform_(-1.0, 1.0)
+                elif ".mixer." in name and name.endswith(("in_proj.weight", "out_proj.weight")):
+                    p.normal_(0.0, 0.15)
+                elif name.endswith(("conv1d.weight", "conv1d.bias", ".D", "dt_bias")):
+                    p.normal_(0.0, 0.3)
     if spec.arch in ("olmoe", "minimax_m2"):
         # the whole-projection QK norms start at one: random gains make every channel count
         with torch.no_grad():

@@ -108,19 +108,27 @@ def make_mbs(seed, lens_per_mb, pad=2, cp=1):
 
 
 # ----------------------------------------------------------------------------- reference
-def linear_attention_slots(hf, mb, total):
-    """The packed slots as ``PackedSeqParams`` for a model with linear-attention layers
-    (Qwen3-Next's gated delta-net: a recurrence over the packed row, which no attention mask
-    confines to a sequence); nothing for the others, whose reference is the block-causal
-    mask."""
-    if "linear_attention" not in (hf.get("layer_types") or ()):
-        return {}
+def _reference_masking(eng, hf, mb) -> tuple:
+    """The reference forward's ``(attention_mask, packed_seq_params)`` for one micro-batch: the
+    block-causal mask; with it, for a model with linear-attention layers (Qwen3-Next's gated
+    delta-net: a recurrence over the packed row, which no attention mask confines to a
+    sequence), the packed slots as the engine builds them; for a hybrid model (Nemotron-H),
+    whose Mamba layers keep packed sequences apart only through ``PackedSeqParams.seq_idx``,
+    the packed parameters from the segment lengths and no mask."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from areal_mega.engine.packed import block_causal_mask
     from areal_mega.engine.packed_params import packed_seq_kwargs
 
-    kw = packed_seq_kwargs(mb["cu_seqlens"], mb.get("cu_seqlens_padded"), total)
-    return {"packed_seq_params": PackedSeqParams(**kw)}
+    seg = mb["segment_ids"].long()
+    if eng.arch.hybrid_layer_pattern is not None:
+        lens = torch.unique_consecutive(seg, return_counts=True)[1]
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        return None, PackedSeqParams(**packed_seq_kwargs(cu, None, int(cu[-1])))
+    if "linear_attention" in (hf.get("layer_types") or ()):
+        kw = packed_seq_kwargs(mb["cu_seqlens"], mb.get("cu_seqlens_padded"), seg.numel())
+        return block_causal_mask(seg), PackedSeqParams(**kw)
+    return block_causal_mask(seg), None
 
 
 def reference(hf, mbs, seed, loss="sft", prepare=None):
@@ -129,7 +137,7 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
     loss's inputs are attached to ``mbs`` from the logprobs computed here. ``prepare(model)``
     may set non-trained state first (e.g. routers' expert biases)."""
     from areal_mega.engine import MegatronEngine
-    from areal_mega.engine.packed import block_causal_mask, micro_batch_labels
+    from areal_mega.engine.packed import micro_batch_labels
     from areal_mega.ops import packed_logprobs
 
     eng = MegatronEngine(
@@ -151,12 +159,8 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         ids = mb["input_ids"].long()
         labels = micro_batch_labels(mb, ids.numel())
         valid = labels >= 0
-        logits = model(
-            ids[None],
-            mb["position_ids"][None],
-            block_causal_mask(mb["segment_ids"].long()),
-            **linear_attention_slots(hf, mb, ids.numel()),
-        )[0]
+        mask, packed = _reference_masking(eng, hf, mb)
+        logits = model(ids[None], mb["position_ids"][None], mask, packed_seq_params=packed)[0]
         logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
         lp, ent = packed_logprobs(logits, labels, temperature=TEMP, return_entropy=True)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
@@ -208,6 +212,10 @@ def shard_of(full, param, name, mesh, gated=True, hf=None):
     if not getattr(param, "tensor_model_parallel", False) or mesh.dims.tp == 1:
         return full
     tp, r, dim = mesh.dims.tp, mesh.tp_rank, param.partition_dim
+    sizes = getattr(param, "partition_sizes", None)  # per-rank rows of each section (Mamba)
+    if sizes is not None:
+        sections = full.split([n * tp for n in sizes], dim=0)
+        return torch.cat([sec.chunk(tp, dim=0)[r] for sec in sections], dim=0)
     if gated and name.endswith("linear_fc1.weight"):  # [gate; up] split separately
         two = full.view(2, full.shape[0] // 2, -1)
         return two.chunk(tp, dim=1)[r].reshape(-1, full.shape[1])

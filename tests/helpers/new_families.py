@@ -95,6 +95,26 @@ CASES = {
     # Nemotron: LayerNorm with a (1 + w) gain and a bias (random, so every norm counts),
     # squared-ReLU MLP without a gate, rotary on half of each head's channels, untied
     "nemotron": FamilyCase("nemotron", dict(arch="nemotron", tie_word_embeddings=False)),
+    # Nemotron-H: megatron-core's HybridModel, layers Mamba-2, attention, Mamba-2, MLP (squared
+    # ReLU, no gate), untied (transformers ties no weights); the Mamba scan's chunk (32) above
+    # the checked sequences' lengths, since transformers' torch path is wrong past its first
+    # chunk (megatron's scan across chunks is checked against transformers in
+    # tests/test_nemotron_h.py, one chunk per sequence there); every norm with random gains,
+    # A_log in [-1, 1], the mixers' projections, convolution, D and dt bias drawn large enough
+    # that the Mamba branches move the logits (make_tiny_model; on 21 tokens, largest logit
+    # 0.45: zeroing the mixers' out_proj moves the logits by 0.55, their D by 0.62, unit gains
+    # on their gated norms by 0.16); transformers' dt clamp at time_step_min does not bite
+    # (time_step_min 1e-9, the smallest dt there 0.057; see TinyModelSpec)
+    "nemotron_h": FamilyCase(
+        "nemotron_h",
+        dict(
+            arch="nemotron_h",
+            hidden_size=32,
+            intermediate_size=48,
+            mamba_chunk_size=32,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Gemma 2: Gemma 3's layer without QK norms (sliding window 8 on even layers, one RoPE
     # base), attention scores capped at 1.0 and final logits at 2.0 by tanh, softmax scale
     # 32^-0.5; weights drawn with std 0.1, so that both caps bite (at 0.02 the attention
@@ -256,6 +276,7 @@ RL_CASES = (
     "qwen3_next",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "nemotron_h",
 )
 
 
