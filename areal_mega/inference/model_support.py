@@ -27,6 +27,7 @@ from typing import Iterable, Optional
 
 from areal_mega.checkpoint.hf_mapping import FAMILIES
 from areal_mega.inference.kv_cache import kv_path_of
+from areal_mega.models.bridge_provider import VL_NOT_RL, VL_PROVIDER_FAMILIES
 from areal_mega.models.builder import SUPPORTED_MODEL_TYPES
 
 __all__ = [
@@ -82,8 +83,6 @@ def vl_trainer_architectures() -> dict:
     (:data:`~areal_mega.models.bridge_provider.VL_PROVIDER_FAMILIES`, by transformers'
     image-text-to-text class) and why they are not an RL family yet."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    from areal_mega.models.bridge_provider import VL_NOT_RL, VL_PROVIDER_FAMILIES
 
     return {
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_NOT_RL for mt in VL_PROVIDER_FAMILIES
