@@ -440,7 +440,11 @@ def convert_mcore_to_hf(
         # convolution: one tensor per section, each split across TP on its own)
         if len({piece.key for piece in pieces}) > 1:
             jobs.append((name, _section_regions(name, entry, pieces), None, kind, hf_names, None))
-            plan += [(h, out_dtype or reader.dtype(key), tuple(entry.data.shape)) for h in hf_names]
+            whole = torch.empty(tuple(entry.data.shape), device="meta")
+            plan += [
+                (h, out_dtype or reader.dtype(key), tuple(x.shape))
+                for h, x in zip(hf_names, hm.to_hf(arch, kind, whole))
+            ]
             continue
         # the region of the global tensor this (world-size-1) parameter covers
         ndim = len(pieces[0].global_offset)
