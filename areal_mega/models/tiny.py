@@ -368,12 +368,9 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             output_router_logits=False,
             router_aux_loss_coef=0.0,
         )
-    if spec.arch == "qwen3_5_text":
-        from transformers import Qwen3_5TextConfig
-
-        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
-        return Qwen3_5TextConfig(
-            **common,
+    if spec.arch in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+        # the gated delta-net families: linear-attention layers first, then alternating
+        gdn = dict(
             head_dim=head_dim,
             layer_types=[
                 "linear_attention" if i % 2 == 0 else "full_attention"
@@ -385,22 +382,20 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             linear_value_head_dim=spec.linear_value_head_dim,
             linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
         )
+        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
+    if spec.arch == "qwen3_5_text":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(
+            **common,
+            **gdn,
+        )
     if spec.arch == "qwen3_5_moe_text":
         from transformers import Qwen3_5MoeTextConfig
 
-        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
         return Qwen3_5MoeTextConfig(
             **common,
-            head_dim=head_dim,
-            layer_types=[
-                "linear_attention" if i % 2 == 0 else "full_attention"
-                for i in range(spec.num_layers)
-            ],
-            linear_num_key_heads=spec.linear_num_key_heads,
-            linear_num_value_heads=spec.linear_num_value_heads,
-            linear_key_head_dim=spec.linear_key_head_dim,
-            linear_value_head_dim=spec.linear_value_head_dim,
-            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+            **gdn,
             num_experts=spec.num_experts,
             num_experts_per_tok=spec.num_experts_per_tok,
             moe_intermediate_size=spec.moe_intermediate_size,
@@ -411,19 +406,9 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
     if spec.arch == "qwen3_next":
         from transformers import Qwen3NextConfig
 
-        common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
         return Qwen3NextConfig(
             **common,
-            head_dim=head_dim,
-            layer_types=[
-                "linear_attention" if i % 2 == 0 else "full_attention"
-                for i in range(spec.num_layers)
-            ],
-            linear_num_key_heads=spec.linear_num_key_heads,
-            linear_num_value_heads=spec.linear_num_value_heads,
-            linear_key_head_dim=spec.linear_key_head_dim,
-            linear_value_head_dim=spec.linear_value_head_dim,
-            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+            **gdn,
             num_experts=spec.num_experts,
             num_experts_per_tok=spec.num_experts_per_tok,
             moe_intermediate_size=spec.moe_intermediate_size,
