@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -61,6 +62,30 @@ def weight_group_for(cfg: ExperimentConfig):
     return weight_update_group(
         parse_allocation(cfg.allocation), cfg.rollout.backend, len(cfg.rollout.server_addrs)
     )
+
+
+def _convert_vl_apart(hf_dir, out, dtype: str, make_vocab_size_divisible_by: int) -> None:
+    """:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore` in a child process:
+    it builds the whole model on a world-size-1 mesh of its own, which must not replace this
+    trainer's process groups."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore; "
+        "convert_vl_hf_to_mcore(sys.argv[1], sys.argv[2], dtype=sys.argv[3], "
+        "make_vocab_size_divisible_by=int(sys.argv[4]))"
+    )
+    dist_env = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_env}
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(hf_dir), str(out), dtype, str(make_vocab_size_divisible_by)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"converting {hf_dir} to {out} failed:\n{p.stderr[-3000:]}")
 
 
 class TrainerSession:
@@ -258,7 +283,14 @@ class TrainerSession:
                             flush=True,
                         )
                         shutil.rmtree(src)
-                    convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
+                    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
+
+                    if is_vl_model_dir(hf_dir):  # converted for one rank; any layout loads it
+                        _convert_vl_apart(
+                            hf_dir, src, conversion["dtype"], m.make_vocab_size_divisible_by
+                        )
+                    else:
+                        convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
                     (src / SOURCE_FILE).write_text(json.dumps(identity))
                 if dist.is_initialized():
                     dist.barrier()

@@ -5,20 +5,42 @@ Used to warm-start the CPU demo before RL, and by users (``mode=sft``). Each ste
 micro-batches over the DP ranks, and minimises the mean negative log-likelihood of the answer
 tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_model`` (with
 ``lora.enabled``: the adapters merged in, and the adapter alone in ``<run_dir>/adapter``).
+
+A vision-language model (Qwen2.5-VL) trains on records with images (the formats of
+:mod:`areal_mega.data.images`): each record's images are decoded once, its prompt rendered with
+the chat template and expanded by the model's image processor
+(:func:`~areal_mega.models.vlm.inputs.encode_sample`: one ``<|image_pad|>`` per merged patch);
+each packed micro-batch carries the ``pixel_values`` / ``image_grid_thw`` of its samples in
+packed order, as the engine reads them. ``data.max_prompt_len`` counts the expanded prompt.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
 from areal_mega.algo.policy_loss import check_devices, reads_loss_mask_only
-from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
+from areal_mega.data.dataset import (
+    PromptDataset,
+    PromptSampler,
+    detect_format,
+    field_keys,
+    load_tokenizer,
+    read_records,
+    render_prompt,
+)
+from areal_mega.data.errors import DataError
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
+
+log = logging.getLogger(__name__)
 
 
 @reads_loss_mask_only
@@ -45,6 +67,76 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
+def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple[list, list]:
+    """A vision-language model's SFT samples of ``data_cfg.train_path``: ``(samples, images)``
+    where ``samples[i]`` is :func:`sft_sample` of the record's expanded prompt and
+    ``images[i]`` its ``(pixel_values, image_grid_thw)`` (``(None, None)`` without images).
+    ``policy``: an :class:`~areal_mega.data.images.ImagePolicy` (default: stop on a bad image);
+    a skipped record and a prompt longer than ``data.max_prompt_len`` tokens are left out."""
+    from areal_mega.data.images import ImagePolicy
+    from areal_mega.models.vlm.inputs import encode_sample
+
+    path = data_cfg.train_path
+    if not path:
+        raise DataError("data.train_path is empty; point it at a JSONL or parquet file")
+    policy = policy or ImagePolicy()
+    kind = detect_format(path, data_cfg.format)
+    prompt_key, answer_key = field_keys(data_cfg, {})
+    base_dir = Path(path).parent
+    samples, images, too_long = [], [], 0
+    for i, row in enumerate(read_records(path, kind)):
+        where = f"{path}: record {row.get('__line__', i)}"
+        for key in (prompt_key, answer_key):
+            if key not in row:
+                raise DataError(f"{where}: missing field {key!r}")
+        admitted = policy.admit(
+            row[prompt_key], base_dir=base_dir, where=where, images=row.get("images")
+        )
+        if admitted is None:
+            continue
+        messages, imgs = admitted
+        text = render_prompt(tokenizer, messages, data_cfg.apply_chat_template, where)
+        enc = encode_sample(text, imgs, tokenizer, image_processor)
+        if len(enc.input_ids) > data_cfg.max_prompt_len:
+            too_long += 1
+            continue
+        answer = tokenizer(str(row[answer_key]), add_special_tokens=False)["input_ids"]
+        samples.append(sft_sample(enc.input_ids.tolist(), answer, tokenizer.eos_token_id))
+        images.append((enc.pixel_values, enc.image_grid_thw))
+    if policy.skipped or too_long:
+        log.warning(
+            "%s: left out %d records with a bad image (%s) and %d prompts longer than "
+            "data.max_prompt_len=%d tokens (images expanded)",
+            path,
+            policy.skipped,
+            "; ".join(policy.reasons[:2]) or "-",
+            too_long,
+            data_cfg.max_prompt_len,
+        )
+    if not samples:
+        raise DataError(f"dataset file {path!r}: no usable records for SFT")
+    return samples, images
+
+
+def with_images(packed: dict, images: list) -> dict:
+    """A packed micro-batch with the ``pixel_values`` / ``image_grid_thw`` of its samples
+    (``images``: each sample's pair, in packed order; None when no sample has an image)."""
+    pv = [p for p, _ in images if p is not None]
+    grid = [g for p, g in images if p is not None]
+    return dict(
+        packed,
+        pixel_values=torch.cat(pv) if pv else None,
+        image_grid_thw=torch.cat(grid) if grid else None,
+    )
+
+
+def _is_vl_model(model_path: str) -> bool:
+    from areal_mega.models.vlm.config import is_vl_config
+
+    cfg = Path(model_path) / "config.json"
+    return cfg.is_file() and is_vl_config(json.loads(cfg.read_text()))
+
+
 def run_sft(s) -> None:
     """Train ``cfg.total_steps`` SFT steps on ``data.train_path``; export the HF model."""
     from areal_mega.lora.actor import merged_deltas, publish_adapter
@@ -52,9 +144,19 @@ def run_sft(s) -> None:
 
     cfg = s.cfg
     tok = load_tokenizer(cfg.model.path)
-    data = PromptDataset.from_config(cfg.data, tok)
-    answers = tok([str(it.answer) for it in data.items], add_special_tokens=False)["input_ids"]
-    samples = [sft_sample(it.input_ids, a, tok.eos_token_id) for it, a in zip(data.items, answers)]
+    images: Optional[list] = None  # per sample (pixel_values, image_grid_thw): a VL model
+    if _is_vl_model(cfg.model.path):
+        from areal_mega.models.vlm.inputs import load_image_processor
+
+        processor = load_image_processor(cfg.model.path)
+        samples, images = vl_sft_samples(cfg.data, tok, processor)
+    else:
+        data = PromptDataset.from_config(cfg.data, tok)
+        answers = tok([str(it.answer) for it in data.items], add_special_tokens=False)
+        samples = [
+            sft_sample(it.input_ids, a, tok.eos_token_id)
+            for it, a in zip(data.items, answers["input_ids"])
+        ]
     sampler = PromptSampler(
         len(samples),
         cfg.data.sft_batch_size,
@@ -81,6 +183,15 @@ def run_sft(s) -> None:
                 [
                     pack_sequences(
                         [chosen[i] for i in mb], pad_to_multiple=pad_to, cp_size=s.layout["cp_size"]
+                    )
+                    if images is None
+                    else with_images(
+                        pack_sequences(
+                            [chosen[i] for i in mb],
+                            pad_to_multiple=pad_to,
+                            cp_size=s.layout["cp_size"],
+                        ),
+                        [images[idx[i]] for i in mb],
                     )
                     for mb in rank
                 ]

@@ -37,6 +37,10 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     from areal_mega.checkpoint.export import is_export_source, iter_hf_tensors
 
     hf_src_dir, out = Path(hf_src_dir), Path(out)
+    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
+
+    if is_vl_model_dir(hf_src_dir):
+        return _export_vl_hf_dir(engine, hf_src_dir, out, is_writer=is_writer, dtype=dtype)
     tmp = out.with_name(out.name + ".tmp")
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +98,54 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
         tmp.rename(out)
     _barrier()
     return out
+
+
+def _export_vl_hf_dir(engine, hf_src_dir: Path, out: Path, *, is_writer: bool, dtype=None):
+    """:func:`export_hf_dir` of a vision-language model (the bridge's table,
+    :func:`areal_mega.checkpoint.vl_mapping.to_hf_state_dict`): whole tensors, so the model
+    must not be split by tensor or pipeline parallelism (data parallel ranks hold it whole;
+    rank 0 writes)."""
+    from safetensors.torch import save_file
+
+    from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
+    from areal_mega.checkpoint.vl_mapping import to_hf_state_dict
+    from areal_mega.models.builder import load_hf_config
+
+    d = engine.mesh.dims
+    if d.tp > 1 or d.pp > 1:
+        raise NotImplementedError(
+            f"HF export of a vision-language model runs with whole tensors only (got tp={d.tp}"
+            f" pp={d.pp}); save a checkpoint and convert it with tools/convert_mcore_to_hf.py"
+        )
+    tmp = out.with_name(out.name + ".tmp")
+    if is_writer:
+        hf = load_hf_config(hf_src_dir)
+        (model,) = engine.model_chunks()
+        tensors = to_hf_state_dict(_unwrapped(model), int(hf["text_config"]["vocab_size"]))
+        tensors = {
+            n: (t if dtype is None else t.to(dtype)).to("cpu").contiguous()
+            for n, t in tensors.items()
+        }
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in HF_AUX_FILES:
+            if (hf_src_dir / f).exists():
+                shutil.copy2(hf_src_dir / f, tmp / f)
+        dtypes = {str(t.dtype) for t in tensors.values() if t.is_floating_point()}
+        if len(dtypes) == 1:
+            _set_config_dtype(tmp / "config.json", dtypes.pop())
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    _barrier()
+    return out
+
+
+def _unwrapped(model):
+    """The model inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def _set_config_dtype(config_file: Path, dtype: str) -> None:
