@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from areal_mega.common.net import free_port
 from areal_mega.config import load_config
 from areal_mega.data.errors import DataError
 from areal_mega.data.images import ImagePolicy
@@ -156,7 +157,13 @@ def test_trainer_sft_trains_on_the_images_and_exports_an_hf_model(model, data, t
             "checkpoint.save_every=0",
         ],
         cwd=ROOT,
-        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1"),
+        # a free port: another test's trainer may hold the default one at the same time
+        env=dict(
+            os.environ,
+            CUDA_VISIBLE_DEVICES="",
+            PYTHONUNBUFFERED="1",
+            MASTER_PORT=str(free_port()),
+        ),
         capture_output=True,
         text=True,
         timeout=600,
