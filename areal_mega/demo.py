@@ -34,6 +34,7 @@ from typing import Callable
 
 from areal_mega.common.net import free_port
 from areal_mega.config import ConfigError, check_against_model, load_config
+from areal_mega.data.images import prompt_images
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.data.synthetic_vision import write_task as write_vision_task
 from areal_mega.models.tiny import make_tiny_model
@@ -177,7 +178,6 @@ def vl_greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    from areal_mega.data.images import prompt_images
     from areal_mega.models.vlm.inputs import encode_sample, load_image_processor
 
     tok = AutoTokenizer.from_pretrained(model_dir)

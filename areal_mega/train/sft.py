@@ -36,6 +36,7 @@ from areal_mega.data.dataset import (
     render_prompt,
 )
 from areal_mega.data.errors import DataError
+from areal_mega.data.images import ImagePolicy
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
@@ -73,7 +74,6 @@ def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple[l
     ``images[i]`` its ``(pixel_values, image_grid_thw)`` (``(None, None)`` without images).
     ``policy``: an :class:`~areal_mega.data.images.ImagePolicy` (default: stop on a bad image);
     a skipped record and a prompt longer than ``data.max_prompt_len`` tokens are left out."""
-    from areal_mega.data.images import ImagePolicy
     from areal_mega.models.vlm.inputs import encode_sample
 
     path = data_cfg.train_path
