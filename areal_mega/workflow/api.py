@@ -141,9 +141,11 @@ class SampleContext:
         suffix: str = "",
         server_id: str = "",
         meta: Optional[dict] = None,
+        multimodal: Optional[dict] = None,
     ):
         """Freeze ``seq`` into this sample's :class:`Trajectory` (``suffix`` makes the id
-        unique when one sample yields several trajectories)."""
+        unique when one sample yields several trajectories); ``multimodal``: the prompt's
+        images (``pixel_values`` / ``image_grid_thw``, :mod:`areal_mega.dataplane.multimodal`)."""
         return seq.to_trajectory(
             reward=reward,
             sample_id=self.sample_id + suffix,
@@ -152,6 +154,7 @@ class SampleContext:
             finish_reason=finish_reason,
             server_id=server_id,
             meta=meta,
+            multimodal=multimodal,
         )
 
     async def reward(self, fn, *args, **kw) -> float:
