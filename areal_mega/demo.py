@@ -169,12 +169,14 @@ def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
     return correct / len(rows)
 
 
-def vl_greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
-    """Exact-match accuracy of greedy decoding on held-out image prompts (transformers'
-    Qwen2.5-VL, CPU): each record's images decoded (:mod:`areal_mega.data.images`), its
-    prompt rendered with the chat template and expanded by the image processor
-    (:func:`~areal_mega.models.vlm.inputs.encode_sample`), as the trainer and the workflow
-    do; the answer must be followed by EOS."""
+def vl_greedy_tokens(
+    model_dir: Path, test_file: Path, max_new_tokens: int, n: int = 256, batch_size: int = 64
+) -> list:
+    """Greedy continuations (token ids) of the first ``n`` held-out image prompts with
+    transformers' Qwen2.5-VL (CPU): each record's images decoded (:mod:`areal_mega.data.
+    images`), its prompt rendered with the chat template and expanded by the image processor
+    (:func:`~areal_mega.models.vlm.inputs.encode_sample`), as the trainer and the workflow do;
+    prompts of one width, ``batch_size`` at a time."""
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -195,28 +197,38 @@ def vl_greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
         samples.append(encode_sample(text, images, tok, proc))
     width = len(samples[0].input_ids)
     assert all(len(x.input_ids) == width for x in samples), "the demo task has fixed-width prompts"
-    wants = [
-        tok(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        for r in rows
-    ]
-    correct = 0
-    for lo in range(0, len(samples), 64):  # batches of the same prompt width
-        chunk = samples[lo : lo + 64]
+    out = []
+    for lo in range(0, len(samples), batch_size):
+        chunk = samples[lo : lo + batch_size]
         with torch.no_grad():
-            out = model.generate(
+            ids = model.generate(
                 input_ids=torch.stack([x.input_ids for x in chunk]),
                 attention_mask=torch.ones(len(chunk), width, dtype=torch.long),
                 mm_token_type_ids=torch.stack([x.mm_token_type_ids for x in chunk]),
                 pixel_values=torch.cat([x.pixel_values for x in chunk]),
                 image_grid_thw=torch.cat([x.image_grid_thw for x in chunk]),
-                max_new_tokens=max(len(w) for w in wants),
+                max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )
-        for got, want in zip(out[:, width:].tolist(), wants[lo : lo + 64]):
-            correct += got[: len(want)] == want
-    return correct / len(rows)
+        out += ids[:, width:].tolist()
+    return out
+
+
+def vl_greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
+    """Exact-match accuracy of greedy decoding on held-out image prompts
+    (:func:`vl_greedy_tokens`); the answer must be followed by EOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in test_file.read_text().splitlines()[:n]]
+    wants = [
+        tok(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        for r in rows
+    ]
+    got = vl_greedy_tokens(model_dir, test_file, max(len(w) for w in wants), n=n)
+    return sum(g[: len(w)] == w for g, w in zip(got, wants)) / len(rows)
 
 
 def summarize(metrics_file: Path) -> dict:
