@@ -11,10 +11,12 @@ whose behaviour logprobs are transformers' with the images (version 0). Rank 0 p
 (``train.batches.plan_step`` with the model's VisionSpec), ``distribute`` hands each rank its
 share; then as ``trainer.rl_step`` does: ``policy_version`` attached, ``prox_logprobs`` from
 the actor's forward, ``ref_logprobs`` from a reference engine, the policy loss of
-``make_policy_loss`` (GRPO with a KL term) in one ``train_batch``.
+``make_policy_loss`` (GRPO with a KL term) in one ``train_batch``; OPD's teacher logprobs
+(``opd_step``, an in-trainer teacher on the same checkpoint) on the side.
 
 Writes ``<out_dir>/<layout>.<rank>.json``: per sample id the logprobs on its loss tokens
-(``prox``, ``ref``, ``behav``: transformers'), the step's ``loss`` / ``grad_norm`` /
+(``prox``, ``ref``, ``teacher``: OPD's in-trainer teacher through ``opd_step``, ``behav``:
+transformers'), ``opd_abs_log_ratio``, the step's ``loss`` / ``grad_norm`` /
 ``mismatch`` / ``mismatch_tokens`` (finalised like the trainer's), the vision tower's
 per-parameter gradient norms (``vision``; empty off the first pipeline stage), the language
 model's gradient norm (``lm_grad_norm``) and per micro-batch ``[images, image grid rows]``.
@@ -23,6 +25,7 @@ model's gradient norm (``lm_grad_norm``) and per micro-batch ``[images, image gr
 import json
 import os
 import sys
+import types
 
 import numpy as np
 import torch
@@ -138,19 +141,19 @@ def main(layout, hf_dir, mcore_dir, rank, world, port, out_dir):
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
     from areal_mega.train import batches
+    from areal_mega.train.teacher import build_teacher, opd_step
 
     trajs, spec = trajectories(hf_dir)
     dims = {"single": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}[layout]
     mesh = ParallelMesh.create(ParallelDims(**dims), timeout_s=120)
-    cfg = load_config(
-        None,
-        [
-            f"rollout.n_samples={N}",
-            "scheduler.max_tokens_per_mb=48",
-            "algorithm.kl_coef=0.05",
-            "ref.enabled=true",
-        ],
-    )
+    overrides = [
+        f"rollout.n_samples={N}",
+        "scheduler.max_tokens_per_mb=48",
+        "algorithm.kl_coef=0.05",
+        "ref.enabled=true",
+        "model.dtype=fp32",
+    ]
+    cfg = load_config(None, overrides)
     d = mesh.dims
     plan = (
         batches.plan_step(
@@ -176,6 +179,14 @@ def main(layout, hf_dir, mcore_dir, rank, world, port, out_dir):
     mbs = batches.attach(mbs, policy_version=[0] * len(mbs))
     mbs = batches.attach(mbs, prox_logprobs=actor.forward_logprobs(mbs, temperature=temp))
     mbs = batches.attach(mbs, ref_logprobs=ref.forward_logprobs(mbs, temperature=temp))
+    # on-policy distillation's in-trainer teacher (a VL model: the same checkpoint) through
+    # opd_step, which reads the session's cfg, teacher and mesh only; its advantages are not
+    # trained on here
+    opd_cfg = load_config(None, [*overrides, "algorithm.opd=pure", f"teacher.path={hf_dir}"])
+    teacher = build_teacher(opd_cfg, mesh)
+    teacher.load(mcore_dir)
+    session = types.SimpleNamespace(cfg=opd_cfg, teacher=teacher, teacher_scorer=None, mesh=mesh)
+    opd_mbs, opd_stats = opd_step(session, mbs)
     loss_fn, den_fn = make_policy_loss(
         cfg.algorithm, max_response_len=cfg.rollout.max_new_tokens, prox_from_forward=False
     )
@@ -185,6 +196,8 @@ def main(layout, hf_dir, mcore_dir, rank, world, port, out_dir):
     res = {
         "prox": per_sample(mbs, [mb["prox_logprobs"] for mb in mbs]),
         "ref": per_sample(mbs, [mb["ref_logprobs"] for mb in mbs]),
+        "teacher": per_sample(opd_mbs, [mb["teacher_logprobs"] for mb in opd_mbs]),
+        "opd_abs_log_ratio": opd_stats["opd/abs_log_ratio"],
         "behav": per_sample(mbs, [mb["logprobs"] for mb in mbs]),
         "loss": merged["loss"],
         "grad_norm": merged["grad_norm"],
@@ -197,7 +210,6 @@ def main(layout, hf_dir, mcore_dir, rank, world, port, out_dir):
              len(mb["image_grid_thw"]) if "image_grid_thw" in mb else 0]
             for mb in mbs
         ],
-        "kl": merged.get("kl"),
     }
     mesh.destroy(process_group=True)
     with open(os.path.join(out_dir, f"{layout}.{rank}.json"), "w") as f:
