@@ -15,6 +15,7 @@ import torch
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.packing import select_sequences, split_micro_batches
 from areal_mega.config import ConfigError, load_config
+from areal_mega.scheduler import PlanError
 from areal_mega.scheduler.packing import pack_sequences
 from areal_mega.train import batches
 from areal_mega.train.teacher import vision_of
@@ -129,6 +130,12 @@ def test_plan_step_balances_images_with_their_samples_and_budgets_vision_work():
     assert batches.budget_lengths(trajs, SPEC) == [_cost(t) for t in trajs]
     assert [_cost(t) - t.length for t in trajs[:12]] == [2] * 4 + [5] * 4 + [0] * 4
     assert batches.budget_lengths(trajs[:3]) == [t.length for t in trajs[:3]]
+    big = make_vl_traj(99, ((1, 8, 8),), n_completion=2)  # 24 tokens + 16 for the tower
+    assert big.length == 24
+    small = load_config(None, ["scheduler.max_tokens_per_mb=32"])
+    batches.plan_step([big], small, dp_size=1, tp_size=1, pp_size=1, cp_size=1)  # text budget
+    with pytest.raises(PlanError, match="length 40 exceeds max_tokens_per_mb=32.*vision tower"):
+        batches.plan_step([big], small, dp_size=1, tp_size=1, pp_size=1, cp_size=1, vision=SPEC)
     # the same trajectories without the vision budget fit in fewer micro-batches
     fewer = batches.plan_step(trajs, cfg, dp_size=2, tp_size=2, pp_size=1, cp_size=1)
     assert len(fewer.micro_batches[0]) < len(plan.micro_batches[0])
