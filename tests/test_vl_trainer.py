@@ -177,3 +177,46 @@ def test_engines_that_cannot_see_the_images_are_refused_by_name(tmp_path):
         vision_of(_cfg("algorithm.opd=pure", "teacher.server_addrs=[http://x:1]"), vl)
     with pytest.raises(ConfigError, match="critic.enabled"):
         vision_of(_cfg("critic.enabled=true", "algorithm.adv_estimator=gae"), vl)
+
+
+def test_intake_journals_images_and_a_resume_replays_them(tmp_path):
+    """The trainer intake of a VL student (vision=SPEC): groups with images arrive over the
+    socket, a sample whose placeholders do not match its images is refused (invalid_field),
+    the accepted ones are journaled; a resumed intake replays them bit for bit. A text
+    student's intake refuses every sample with images and takes the text ones."""
+    from areal_mega.dataplane import TrajectorySender
+    from areal_mega.train.intake import TrajectoryIntake
+
+    trajs = _groups(n=3, n_groups=3)  # g0, g1 with images, g2 text
+    bad = make_vl_traj(50, sample_id="bad", group_id="g9")
+    bad.input_ids[1] = SPEC.image_token_id  # one placeholder too many
+    run = tmp_path / "run"
+    intake = TrajectoryIntake(f"ipc://{tmp_path}/a.sock", run, group_size=3, vision=SPEC).start()
+    try:
+        with TrajectorySender(intake.receiver.endpoint) as tx:
+            for t in [bad, *trajs]:
+                tx.send(t)
+        got = intake.next_groups(3, timeout=60)
+        assert sorted(t.sample_id for t in got) == sorted(t.sample_id for t in trajs)
+        assert intake.stats()["dataplane/rejected_total"] == 1.0
+        assert intake.receiver.rejected == {"invalid_field": 1}
+    finally:
+        intake.close()
+    resumed = TrajectoryIntake(f"ipc://{tmp_path}/b.sock", run, group_size=3, vision=SPEC)
+    try:
+        assert resumed.restore(None, 0) == len(trajs)
+        by_id = {t.sample_id: t for t in trajs}
+        back = resumed.buffer.pending()
+        assert len(back) == len(trajs) and all(t.equals(by_id[t.sample_id]) for t in back)
+    finally:
+        resumed.close()
+    text = TrajectoryIntake(f"ipc://{tmp_path}/c.sock", tmp_path / "run2", group_size=3).start()
+    try:
+        with TrajectorySender(text.receiver.endpoint) as tx:
+            for t in trajs:
+                tx.send(t)
+        got = text.next_groups(1, timeout=60)  # the text group only
+        assert {t.group_id for t in got} == {"g2"}
+        assert text.receiver.rejected == {"invalid_field": 6}
+    finally:
+        text.close()
