@@ -7,11 +7,12 @@ tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_mo
 ``lora.enabled``: the adapters merged in, and the adapter alone in ``<run_dir>/adapter``).
 
 A vision-language model (Qwen2.5-VL) trains on records with images (the formats of
-:mod:`areal_mega.data.images`): each record's images are decoded once, its prompt rendered with
-the chat template and expanded by the model's image processor
-(:func:`~areal_mega.models.vlm.inputs.encode_sample`: one ``<|image_pad|>`` per merged patch);
-each packed micro-batch carries the ``pixel_values`` / ``image_grid_thw`` of its samples in
-packed order, as the engine reads them. ``data.max_prompt_len`` counts the expanded prompt.
+:mod:`areal_mega.data.images`): at start each record's images are decoded and checked, its
+prompt rendered with the chat template and expanded by the model's image processor
+(:func:`~areal_mega.models.vlm.inputs.encode_sample`: one ``<|image_pad|>`` per merged patch;
+``data.max_prompt_len`` counts the expanded prompt); the pixels are not kept but decoded again
+when a step draws the record, and each packed micro-batch carries the ``pixel_values`` /
+``image_grid_thw`` of its samples in packed order, as the engine reads them.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from areal_mega.data.dataset import (
     render_prompt,
 )
 from areal_mega.data.errors import DataError
-from areal_mega.data.images import ImagePolicy
+from areal_mega.data.images import ImagePolicy, prompt_images
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
@@ -68,12 +69,46 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
-def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple[list, list]:
+class RecordImages:
+    """The images of each kept SFT record, decoded and run through the image processor when
+    asked (``images[i]`` -> ``(pixel_values, image_grid_thw)``, ``(None, None)`` for a record
+    without images): a dataset's pixels are never all in memory at once."""
+
+    def __init__(self, image_processor, policy: ImagePolicy):
+        self.processor = image_processor
+        self.policy = policy  # its size limits (the records were admitted under it)
+        self.sources: list = []  # (prompt, the record's images, base_dir, where) or None
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i: int) -> tuple:
+        src = self.sources[i]
+        if src is None:
+            return None, None
+        prompt, record_images, base_dir, where = src
+        _, imgs = prompt_images(
+            prompt,
+            base_dir=base_dir,
+            where=where,
+            images=record_images,
+            max_source_pixels=self.policy.max_source_pixels,
+            max_images=self.policy.max_images,
+        )
+        enc = self.processor(images=imgs, return_tensors="pt")
+        return enc["pixel_values"], enc["image_grid_thw"]
+
+
+def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple:
     """A vision-language model's SFT samples of ``data_cfg.train_path``: ``(samples, images)``
     where ``samples[i]`` is :func:`sft_sample` of the record's expanded prompt and
-    ``images[i]`` its ``(pixel_values, image_grid_thw)`` (``(None, None)`` without images).
-    ``policy``: an :class:`~areal_mega.data.images.ImagePolicy` (default: stop on a bad image);
-    a skipped record and a prompt longer than ``data.max_prompt_len`` tokens are left out."""
+    ``images[i]`` its ``(pixel_values, image_grid_thw)`` (:class:`RecordImages`: decoded
+    again when asked; ``(None, None)`` without images). ``policy``: an
+    :class:`~areal_mega.data.images.ImagePolicy` (default: stop on a bad image); a skipped
+    record and a prompt longer than ``data.max_prompt_len`` tokens are left out."""
     from areal_mega.models.vlm.inputs import encode_sample
 
     path = data_cfg.train_path
@@ -83,7 +118,7 @@ def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple[l
     kind = detect_format(path, data_cfg.format)
     prompt_key, answer_key = field_keys(data_cfg, {})
     base_dir = Path(path).parent
-    samples, images, too_long = [], [], 0
+    samples, images, too_long = [], RecordImages(image_processor, policy), 0
     for i, row in enumerate(read_records(path, kind)):
         where = f"{path}: record {row.get('__line__', i)}"
         for key in (prompt_key, answer_key):
@@ -102,7 +137,9 @@ def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple[l
             continue
         answer = tokenizer(str(row[answer_key]), add_special_tokens=False)["input_ids"]
         samples.append(sft_sample(enc.input_ids.tolist(), answer, tokenizer.eos_token_id))
-        images.append((enc.pixel_values, enc.image_grid_thw))
+        images.sources.append(
+            (row[prompt_key], row.get("images"), base_dir, where) if imgs else None
+        )
     if policy.skipped or too_long:
         log.warning(
             "%s: left out %d records with a bad image (%s) and %d prompts longer than "
@@ -144,7 +181,7 @@ def run_sft(s) -> None:
 
     cfg = s.cfg
     tok = load_tokenizer(cfg.model.path)
-    images: Optional[list] = None  # per sample (pixel_values, image_grid_thw): a VL model
+    images: Optional[RecordImages] = None  # a VL model: each sample's images
     if _is_vl_model(cfg.model.path):
         from areal_mega.models.vlm.inputs import load_image_processor
 
