@@ -199,6 +199,44 @@ def test_vision_tokens_are_never_sampled(server, ref):
         assert all(np.isfinite(x[0]) for x in o["meta_info"]["output_token_logprobs"])
 
 
+def test_input_token_logprobs_with_images_equal_transformers(server, ref):
+    """``max_new_tokens: 0`` with ``logprob_start_len: 0`` scores a prompt with images (two
+    prompts of one length in one forward): SGLang's input logprobs (raw, temperature 1, no
+    vision mask) equal transformers' forward with the images."""
+    images = [
+        [picture(56, 28, 11), picture(28, 56, 12)],
+        [picture(28, 56, 13), picture(56, 28, 14)],
+    ]
+    cases = [prompt(ref, f"ab{VISION}cd{VISION}", ims) for ims in images]
+    status, out = http(
+        server,
+        "/generate",
+        {
+            "input_ids": [ids for ids, _ in cases],
+            "image_data": [[png_url(im) for im in ims] for ims in images],
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
+    assert status == 200, out
+    model = ref["models"][0]
+    for (ids, s), o in zip(cases, out):
+        got = o["meta_info"]["input_token_logprobs"]
+        assert got[0][0] is None and [x[1] for x in got] == ids
+        with torch.no_grad():
+            model.model.rope_deltas = None
+            logits = model(
+                input_ids=s.input_ids[None],
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+                mm_token_type_ids=s.mm_token_type_ids[None],
+            ).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        want = [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
+        assert max(abs(a - b[0]) for a, b in zip(want, got[1:])) <= TOL
+
+
 def big_png_url(w: int, h: int) -> str:
     """A one-bit black PNG of ``w`` x ``h`` pixels (small on the wire)."""
     from PIL import Image

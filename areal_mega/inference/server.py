@@ -15,6 +15,9 @@ loaded and unloaded by name, and ``/generate``'s ``lora_path`` picks one per pro
 batch mixes rows of several adapters and of the base model (:mod:`areal_mega.inference.lora_api`).
 ``--enable-return-routed-experts`` (MoE models): ``/generate`` with ``return_routed_experts``
 answers the tokens' routed experts as SGLang does (:mod:`areal_mega.inference.route_capture`).
+A vision-language checkpoint (Qwen2.5-VL) is served with SGLang's ``image_data`` on
+``/generate`` (processor-expanded ``input_ids``; images checked against the placeholders,
+vision tokens never sampled; :mod:`areal_mega.inference.vision`).
 ``--prefix-cache-mb`` (default 512, 0: off): prompt prefixes already forwarded are served from
 a radix cache, ``meta_info.cached_tokens`` counting them as SGLang does; ``/flush_cache``
 empties it when idle, a weight update always (:mod:`areal_mega.inference.prefix_reuse`).
