@@ -380,3 +380,39 @@ def test_interrupted_image_generation_resumes_with_its_images(server, ref, vl_mo
         lp_b = reference_logprobs(ref["models"][1], sample, out, ref["banned"])[k:]
         assert np.abs(np.array(lp_a + lp_b) - t.logprobs[P:]).max() <= TOL
     assert n_interrupted >= 4
+
+
+def test_forbidden_tokens_and_prompt_length_check(vl_models, ref, tmp_path):
+    """The vision tokens the worker forbids are the checkpoint's (none for a text model); they
+    join a request's own logit_bias at FORBIDDEN_BIAS; an answer whose prompt length differs
+    from the expanded ids sent is refused; the vllm backend refuses images naming why."""
+    from areal_mega.backends.vllm.client import vllm_generate_body
+    from areal_mega.inference.vl_model import checkpoint_vision_token_ids
+    from areal_mega.rollout.generate_result import (
+        FORBIDDEN_BIAS,
+        GenerateResult,
+        RolloutRequestError,
+        check_prompt_tokens,
+        forbid_tokens,
+        generate_body,
+    )
+
+    ids = checkpoint_vision_token_ids(vl_models[0], ref["tok"])
+    assert ids == sorted(ref["banned"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert checkpoint_vision_token_ids(tmp_path) == []
+    sp = forbid_tokens({"temperature": 1.0, "logit_bias": {"3": 2.0}}, ids)
+    assert sp["logit_bias"] == {"3": 2.0, **{str(t): FORBIDDEN_BIAS for t in ids}}
+    assert forbid_tokens({"temperature": 1.0}, ()) == {"temperature": 1.0}
+
+    def answer(n):
+        meta = {"meta_info": {"prompt_tokens": n}}
+        return GenerateResult([1], [0.0], {"type": "length"}, "0", "s", meta)
+
+    check_prompt_tokens(answer(12), 12)
+    with pytest.raises(RolloutRequestError, match="expanded the prompt with its images to 13"):
+        check_prompt_tokens(answer(13), 12)
+    body = generate_body([1, 2], {"max_new_tokens": 2}, image_data=["data:image/png;base64,AA=="])
+    assert body["image_data"] == ["data:image/png;base64,AA=="]
+    with pytest.raises(RolloutRequestError, match="images are not sent to the vllm backend"):
+        vllm_generate_body(body)

@@ -19,12 +19,21 @@ from the full-vocabulary one by ``log(1 - p(vision tokens))``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["PromptImages", "is_vision_config", "vision_token_ids", "vl_forward_inputs"]
+__all__ = [
+    "PromptImages",
+    "checkpoint_vision_token_ids",
+    "is_vision_config",
+    "vision_token_ids",
+    "vl_forward_inputs",
+]
 
 #: the config fields naming vision special tokens (Qwen2-VL / Qwen2.5-VL spelling)
 VISION_TOKEN_FIELDS = (
@@ -95,3 +104,15 @@ def vl_forward_inputs(model, ids: torch.Tensor, images: Sequence[Optional[Prompt
         "mm_token_type_ids": mm,
     }
     return kwargs, [S + int(d) for d in delta.view(-1)]
+
+
+def checkpoint_vision_token_ids(model_dir, tokenizer=None) -> list:
+    """:func:`vision_token_ids` of the checkpoint in ``model_dir`` (its ``config.json``), or
+    ``[]`` for a text-only model (no ``vision_config``) or a directory without a config."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(cfg, dict) or cfg.get("vision_config") is None:
+        return []
+    return vision_token_ids(SimpleNamespace(**cfg), tokenizer)

@@ -41,7 +41,7 @@ import numpy as np
 from areal_mega.common.moe_routes import RouteLayout, RouteTable
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
 from areal_mega.rollout.failures import EpisodeFailures, FailureRate
-from areal_mega.rollout.generate_result import token_versions
+from areal_mega.rollout.generate_result import forbid_tokens, token_versions
 from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.routes import call_routes
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
@@ -163,8 +163,13 @@ class RolloutController:
         reward_threads: int = 4,
         route_layout: Optional[RouteLayout] = None,
         sampling_seed: Optional[int] = None,
+        forbidden_token_ids: Iterable[int] = (),
         **extra_sampling,
     ):
+        """``forbidden_token_ids``: tokens no request may sample (a vision-language model's
+        vision special tokens, :func:`~areal_mega.inference.vl_model.vision_token_ids`): each
+        request's ``logit_bias`` gives them
+        :data:`~areal_mega.rollout.generate_result.FORBIDDEN_BIAS`."""
         # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
         self.failures = EpisodeFailures(on_episode_failure, max_episode_retries, failure_rate)
         self.client = client
@@ -179,6 +184,7 @@ class RolloutController:
             "top_k": top_k,
             **extra_sampling,
         }
+        self.forbidden_token_ids = tuple(int(t) for t in forbidden_token_ids)
         self.tokenizer = tokenizer
         self.route_layout = route_layout  # set: ask the servers for MoE routes (R3)
         self.sink = sink
@@ -417,7 +423,7 @@ class RolloutController:
                 )
             remaining = max_new_tokens - len(out)
             submit_version = self.counter.version
-            params = dict(sp, max_new_tokens=remaining)
+            params = forbid_tokens(dict(sp, max_new_tokens=remaining), self.forbidden_token_ids)
             if self.sampling_seed is not None and sp.get("sampling_seed") is None:
                 params["sampling_seed"] = request_seed(
                     self.sampling_seed, key.removeprefix(f"{self.run_id}-"), seg
