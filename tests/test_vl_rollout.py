@@ -295,7 +295,9 @@ class ImagePromptWorkflow(EpisodeWorkflow):
         seq = ctx.new_sequence(ids)
         seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
         meta = {"n_interruptions": gen.n_interruptions, "item": item["k"]}
-        return [ctx.trajectory(seq, 0.0, len(ids), gen.finish_reason, server_id=gen.server, meta=meta)]
+        return [
+            ctx.trajectory(seq, 0.0, len(ids), gen.finish_reason, server_id=gen.server, meta=meta)
+        ]
 
 
 def tokens_generated(addr) -> int:
@@ -416,3 +418,79 @@ def test_forbidden_tokens_and_prompt_length_check(vl_models, ref, tmp_path):
     assert body["image_data"] == ["data:image/png;base64,AA=="]
     with pytest.raises(RolloutRequestError, match="images are not sent to the vllm backend"):
         vllm_generate_body(body)
+
+
+class ChatImageWorkflow(EpisodeWorkflow):
+    """One chat completion through the in-process OpenAI client; keeps its records."""
+
+    def __init__(self):
+        self.records = []
+
+    async def episode(self, ctx, item: dict):
+        out = await ctx.client.chat.completions.create(
+            messages=item["messages"], max_tokens=12, temperature=1.0
+        )
+        assert out.choices[0].finish_reason == "length"
+        self.records.extend(ctx.client.records)
+        return 0.0
+
+
+def test_openai_chat_with_image_url_parts(server, ref):
+    """Chat messages with data-URL image_url parts render through the chat template, expand
+    through the image processor and generate with the images: the recorded prompt is
+    encode_sample's, the decoded images stay on the record, each logprob is transformers'. A
+    remote URL, or images for a text policy, are refused with a clear message."""
+    from areal_mega.workflow.openai_client import OpenAIRequestError, chat_request
+
+    ims = [[picture(56, 56, 30)], [picture(28, 56, 31), picture(56, 28, 32)]]
+    items = []
+    for k, group in enumerate(ims):
+        parts = [{"type": "text", "text": f"{k} look"}]
+        parts += [{"type": "image_url", "image_url": {"url": png_url(im)}} for im in group]
+        parts.append({"type": "text", "text": "?"})
+        items.append({"k": k, "messages": [{"role": "user", "content": parts}]})
+    wf = ChatImageWorkflow()
+    sink = GroupSink()
+    client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=2)
+    ctl = RolloutController(
+        client,
+        wf,
+        items,
+        batch_size=2,
+        n_samples=1,
+        eta=1,
+        sink=sink,
+        tokenizer=ref["tok"],
+        image_processor=ref["proc"],
+        ignore_eos=True,
+    ).start()
+    try:
+        sink.take(ctl, 2, timeout=120)
+    finally:
+        ctl.stop()
+    assert len(wf.records) == 2
+    for rec in wf.records:
+        k = int(ref["tok"].decode(rec.prompt_ids[:1]))
+        text = f"{k} look" + VISION * len(ims[k]) + "?"
+        ids, sample = prompt(ref, text, ims[k])
+        assert rec.prompt_ids == ids and len(rec.images) == len(ims[k])
+        assert [np.asarray(a).tolist() for a in rec.images] == [
+            np.asarray(b).tolist() for b in ims[k]
+        ]
+        want = reference_logprobs(ref["models"][0], sample, rec.output_ids, ref["banned"])
+        assert max(abs(a - b) for a, b in zip(want, rec.logprobs)) <= TOL
+
+    async def never(*a, **kw):
+        raise AssertionError("nothing is generated for a refused request")
+
+    def image_message(url):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    remote = image_message("https://example.com/a.png")
+    local = image_message(png_url(ims[0][0]))
+    for msgs, proc, message in [
+        (remote, ref["proc"], "remote images are not fetched"),
+        (local, None, "need a vision-language policy"),
+    ]:
+        with pytest.raises(OpenAIRequestError, match=message):
+            run(chat_request({"messages": msgs}, never, ref["tok"], [], 8, image_processor=proc))

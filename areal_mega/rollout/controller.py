@@ -96,6 +96,7 @@ class GroupContext:
         self.group_index = group_index
         self.group_id = f"{ctl.run_id}-g{group_index}"
         self.tokenizer = ctl.tokenizer
+        self.image_processor = getattr(ctl, "image_processor", None)  # a VL policy's, else None
 
     def sample_id(self, j: int) -> str:
         """Unique id of sample ``j`` of this group."""
@@ -164,12 +165,15 @@ class RolloutController:
         route_layout: Optional[RouteLayout] = None,
         sampling_seed: Optional[int] = None,
         forbidden_token_ids: Iterable[int] = (),
+        image_processor=None,
         **extra_sampling,
     ):
         """``forbidden_token_ids``: tokens no request may sample (a vision-language model's
         vision special tokens, :func:`~areal_mega.inference.vl_model.vision_token_ids`): each
         request's ``logit_bias`` gives them
-        :data:`~areal_mega.rollout.generate_result.FORBIDDEN_BIAS`."""
+        :data:`~areal_mega.rollout.generate_result.FORBIDDEN_BIAS`. ``image_processor``: a
+        vision-language policy's image processor, which workflows see as
+        ``ctx.image_processor`` (None: a text policy)."""
         # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
         self.failures = EpisodeFailures(on_episode_failure, max_episode_retries, failure_rate)
         self.client = client
@@ -185,6 +189,7 @@ class RolloutController:
             **extra_sampling,
         }
         self.forbidden_token_ids = tuple(int(t) for t in forbidden_token_ids)
+        self.image_processor = image_processor
         self.tokenizer = tokenizer
         self.route_layout = route_layout  # set: ask the servers for MoE routes (R3)
         self.sink = sink
@@ -407,10 +412,10 @@ class RolloutController:
         (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
         output with the remaining budget (and the prompt's ``image_data``, the images of a
         processor-expanded ``input_ids``: SGLang's field, see
-        :func:`~areal_mega.rollout.generate_result.generate_body`). Tokens carry the version that produced them; with a
-        ``route_layout`` each call returns the routes of its whole input and output, and each
-        token's route is the one of the call that last forwarded it
-        (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
+        :func:`~areal_mega.rollout.generate_result.generate_body`). Tokens carry the version
+        that produced them; with a ``route_layout`` each call returns the routes of its whole
+        input and output, and each token's route is the one of the call that last forwarded
+        it (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
         out, lps, vers = [], [], []
         seg, server = 0, ""
         routes = RouteTable(self.route_layout) if self.route_layout else None
