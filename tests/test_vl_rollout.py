@@ -169,6 +169,10 @@ def test_logprobs_with_images_equal_transformers(server, ref):
     # the same tokens under the other image of the same length: clearly other logprobs
     other = reference_logprobs(model, cases[5][1], results[0].output_ids, ref["banned"])
     assert max(abs(a - b) for a, b in zip(other, results[0].logprobs)) > 1e-3
+    # no prefix cache for a VL model (the server's default budget is not 0): keys/values
+    # computed with one prompt's images never serve another
+    status, info = http(server, "/get_server_info")
+    assert status == 200 and info["prefix_cache"] is None and info["cached_tokens"] == 0
 
 
 def test_vision_tokens_are_never_sampled(server, ref):

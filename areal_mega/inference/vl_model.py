@@ -73,12 +73,12 @@ def vision_token_ids(cfg, tokenizer=None) -> list:
 @dataclass
 class PromptImages:
     """The images of one prompt as the model takes them: ``pixel_values`` ``[patches,
-    C·t·p·p]``, ``image_grid_thw`` ``[images, 3]``; ``key``: a digest of both (what a cache of
-    anything computed from this prompt must include); ``images``: the decoded PIL images."""
+    C·t·p·p]``, ``image_grid_thw`` ``[images, 3]``; ``images``: the decoded PIL images. Keys
+    and values computed with them are never cached beyond their own request (no prefix cache
+    serves a vision-language model)."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    key: str
     images: list
 
 
