@@ -425,25 +425,37 @@ def test_forbidden_tokens_and_prompt_length_check(vl_models, ref, tmp_path):
 
 
 class ChatImageWorkflow(EpisodeWorkflow):
-    """One chat completion through the in-process OpenAI client; keeps its records."""
+    """The item's chat once through the in-process OpenAI client and once through the HTTP
+    endpoint; keeps the records."""
 
     def __init__(self):
         self.records = []
 
     async def episode(self, ctx, item: dict):
+        import aiohttp
+
         out = await ctx.client.chat.completions.create(
             messages=item["messages"], max_tokens=12, temperature=1.0
         )
         assert out.choices[0].finish_reason == "length"
+        url, key = await ctx.openai_endpoint()
+        body = {"messages": item["messages"], "max_tokens": 12, "temperature": 1.0}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(
+                url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as r:
+                assert r.status == 200, await r.text()
+        ctx.close_endpoint(key)
         self.records.extend(ctx.client.records)
         return 0.0
 
 
 def test_openai_chat_with_image_url_parts(server, ref):
-    """Chat messages with data-URL image_url parts render through the chat template, expand
-    through the image processor and generate with the images: the recorded prompt is
-    encode_sample's, the decoded images stay on the record, each logprob is transformers'. A
-    remote URL, or images for a text policy, are refused with a clear message."""
+    """Chat messages with data-URL image_url parts (in process and over HTTP) render through
+    the chat template, expand through the image processor and generate with the images: the
+    recorded prompt is encode_sample's, the decoded images stay on the record, each logprob is
+    transformers'. A remote URL, or images for a text policy, are refused with a clear
+    message."""
     from areal_mega.workflow.openai_client import OpenAIRequestError, chat_request
 
     ims = [[picture(56, 56, 30)], [picture(28, 56, 31), picture(56, 28, 32)]]
@@ -472,7 +484,7 @@ def test_openai_chat_with_image_url_parts(server, ref):
         sink.take(ctl, 2, timeout=120)
     finally:
         ctl.stop()
-    assert len(wf.records) == 2
+    assert len(wf.records) == 4
     for rec in wf.records:
         k = int(ref["tok"].decode(rec.prompt_ids[:1]))
         text = f"{k} look" + VISION * len(ims[k]) + "?"
