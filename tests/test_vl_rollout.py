@@ -120,9 +120,9 @@ def client_for(server):
 
 
 def test_logprobs_with_images_equal_transformers(server, ref):
-    """Six prompts decoded together: one image of 1, 4 and 2 merged patches, two images in
-    one prompt, none, and a prompt of the same length as the first with another image (the
-    two share a prefill forward). Every logprob equals transformers' within 1e-5, no vision
+    """Seven prompts decoded together: one image of 1, 4 and 2 merged patches, two images in
+    one prompt, none, and two prompts of the same length as the first, one with another image
+    and one without (the three may share a prefill forward). Every logprob equals transformers' within 1e-5, no vision
     token is sampled, and the images matter (the other image's reference is far off)."""
     imgs = [
         picture(28, 28, 1),
@@ -139,9 +139,10 @@ def test_logprobs_with_images_equal_transformers(server, ref):
         prompt(ref, f"a{VISION}b{VISION}c", [imgs[3], imgs[4]]),
         prompt(ref, "no image at all", []),
         prompt(ref, f"12{VISION}34", [imgs[5]]),
+        prompt(ref, "12xyz34", []),
     ]
-    images = [[imgs[0]], [imgs[1]], [imgs[2]], [imgs[3], imgs[4]], [], [imgs[5]]]
-    assert len(cases[0][0]) == len(cases[5][0])
+    images = [[imgs[0]], [imgs[1]], [imgs[2]], [imgs[3], imgs[4]], [], [imgs[5]], []]
+    assert len(cases[0][0]) == len(cases[5][0]) == len(cases[6][0])
 
     async def go():
         c = client_for(server)
@@ -510,3 +511,53 @@ def test_openai_chat_with_image_url_parts(server, ref):
     ]:
         with pytest.raises(OpenAIRequestError, match=message):
             run(chat_request({"messages": msgs}, never, ref["tok"], [], 8, image_processor=proc))
+
+
+def test_one_prefill_of_rows_with_other_images_or_none_equals_each_alone(ref):
+    """The running batch's prefill of equal-length rows with different images and a row
+    without, then two decode steps, gives each row what it gets alone (positions per row) and
+    what transformers' forward over the whole sequence with the images gives."""
+    from areal_mega.inference.kv_cache import HFCacheBatch
+    from areal_mega.inference.vl_model import PromptImages
+
+    model = ref["models"][0]
+    # 4 image tokens on a 2x2 grid of merged patches: 2 positions, a rope delta of -2
+    first = prompt(ref, f"1{VISION}4", [picture(56, 56, 40)])
+    rows = [
+        first,
+        prompt(ref, "x" * len(first[0]), []),
+        prompt(ref, f"1{VISION}4", [picture(56, 56, 41)]),
+    ]
+    assert len({len(ids) for ids, _ in rows}) == 1
+
+    def images_of(s):
+        if s.pixel_values is None:
+            return None
+        return PromptImages(s.pixel_values, s.image_grid_thw, [])
+
+    def run_rows(chosen):
+        batch = HFCacheBatch(model)
+        ids = torch.tensor([rows[i][0] for i in chosen])
+        with torch.no_grad():
+            logits, kv = batch.prefill(ids, images=[images_of(rows[i][1]) for i in chosen])
+            batch.append(kv, list(range(len(chosen))))
+            out = [logits]
+            for tok in (3, 5):
+                out.append(batch.decode([tok] * len(chosen)))
+        return torch.stack(out, 1)  # [rows, steps, vocab]
+
+    together = run_rows([0, 1, 2])
+    for i, (ids, s) in enumerate(rows):
+        assert (together[i] - run_rows([i])[0]).abs().max() <= TOL
+        full = torch.tensor([ids + [3, 5]])
+        kw = {}
+        if s.pixel_values is not None:
+            kw = dict(
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+                mm_token_type_ids=(full == model.config.image_token_id).to(torch.int),
+            )
+        with torch.no_grad():
+            model.model.rope_deltas = None
+            want = model(input_ids=full, use_cache=False, **kw).logits[0, len(ids) - 1 :].float()
+        assert (together[i] - want).abs().max() <= TOL
