@@ -122,8 +122,9 @@ def client_for(server):
 def test_logprobs_with_images_equal_transformers(server, ref):
     """Seven prompts decoded together: one image of 1, 4 and 2 merged patches, two images in
     one prompt, none, and two prompts of the same length as the first, one with another image
-    and one without (the three may share a prefill forward). Every logprob equals transformers' within 1e-5, no vision
-    token is sampled, and the images matter (the other image's reference is far off)."""
+    and one without (the three may share a prefill forward). Every logprob equals
+    transformers' within 1e-5, no vision token is sampled, and the images matter (the other
+    image's reference is far off)."""
     imgs = [
         picture(28, 28, 1),
         picture(56, 56, 2),
@@ -162,7 +163,7 @@ def test_logprobs_with_images_equal_transformers(server, ref):
 
     results = run(go())
     model = ref["models"][0]
-    for (ids, sample), res in zip(cases, results):
+    for (_, sample), res in zip(cases, results):
         assert res.finish_type == "length" and len(res.output_ids) == 24
         assert not set(res.output_ids) & set(ref["banned"])
         want = reference_logprobs(model, sample, res.output_ids, ref["banned"])

@@ -94,12 +94,12 @@ from areal_mega.inference.lora_api import (
     resolve_adapters,
 )
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
-from areal_mega.inference.vision import parse_image_data
 from areal_mega.inference.server_state import (
     MAX_JOIN_TIMEOUT_S,
     MODEL_DTYPES,
     LocalRolloutServer,
 )
+from areal_mega.inference.vision import parse_image_data
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]

@@ -143,8 +143,6 @@ class VisionInputs:
         return PromptImages(pv, grid, images)
 
 
-
-
 def parse_image_data(body: dict, prompts: list, batched: bool) -> Optional[list]:
     """``/generate``'s ``image_data`` as one list of image strings (or None) per prompt, in
     SGLang's shapes: for one prompt a string or a list of strings; for a batch a list with
