@@ -562,3 +562,33 @@ def test_one_prefill_of_rows_with_other_images_or_none_equals_each_alone(ref):
             model.model.rope_deltas = None
             want = model(input_ids=full, use_cache=False, **kw).logits[0, len(ids) - 1 :].float()
         assert (together[i] - want).abs().max() <= TOL
+
+
+def test_teacher_scoring_with_images_equals_transformers(server, ref):
+    """On-policy distillation's teacher scoring sends each sequence's images: the scores of
+    two sequences with other images (and one without) equal transformers' raw logprobs."""
+    from areal_mega.rollout.scoring import TeacherServerScorer
+
+    ims = [[picture(56, 56, 50)], None, [picture(28, 56, 51), picture(56, 28, 52)]]
+    texts = [f"a{VISION}bcd", "abcdefg", f"{VISION}x{VISION}yz"]
+    cases = [prompt(ref, t, im or []) for t, im in zip(texts, ims)]
+    seqs = [ids for ids, _ in cases]
+    starts = [2, 3, 1]
+    data = [[png_url(i) for i in im] if im else None for im in ims]
+    with TeacherServerScorer([server.addr], api_key=API_KEY, timeout_s=120) as scorer:
+        got = scorer.score(seqs, starts, image_data=data)
+    model = ref["models"][0]
+    for (ids, s), k, values in zip(cases, starts, got):
+        kw = {}
+        if s.pixel_values is not None:
+            kw = dict(
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+                mm_token_type_ids=s.mm_token_type_ids[None],
+            )
+        with torch.no_grad():
+            model.model.rope_deltas = None
+            logits = model(input_ids=s.input_ids[None], **kw).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        want = [float(lp[t - 1, ids[t]]) for t in range(k, len(ids))]
+        assert len(values) == len(want) and np.abs(np.asarray(want) - values).max() <= TOL
