@@ -8,6 +8,14 @@ positions ``start - 1 .. len - 1``; the first entry's logprob is always ``None``
 :mod:`areal_mega.inference.input_logprobs`), so the values of positions ``start ..`` follow
 it. They are at temperature 1 (raw ``log_softmax``), whatever the request's temperature.
 
+A sequence with images (a vision-language teacher) is sent as the rollout sent its prompt:
+``input_ids`` are the processor-expanded ids (one ``<|image_pad|>`` per merged patch) and the
+batch's ``image_data`` is SGLang's batched form, one entry per sequence: the list of that
+sequence's image strings (``data:image/...;base64,`` URLs or raw base64), or None for a text
+sequence; the key is left out when no sequence of the batch has images. The answer must count
+the ids sent (``meta_info.prompt_tokens``, where given, is ``len(input_ids)``): a server that
+expanded the placeholders differently is named.
+
 :func:`score_sequences` spreads batched requests over the client's dispatchable servers; a
 server that cannot be reached (or answers 5xx) is marked down and the batch goes to another.
 A server marked down is probed again (``/health``) at the next call, and when every server
@@ -41,21 +49,39 @@ class ScoringError(RuntimeError):
     """A scoring request failed or its answer did not fit the sequence it was for."""
 
 
-def scoring_body(seqs: list, starts: list) -> dict:
+def scoring_body(seqs: list, starts: list, image_data: Optional[list] = None) -> dict:
     """The SGLang ``/generate`` body asking for ``log p(seq[t] | seq[:t])`` from ``t = start``
-    on, for each sequence (one batched request)."""
-    return {
+    on, for each sequence (one batched request). ``image_data``: per sequence its images'
+    strings (None or empty: a text sequence), sent as SGLang's batched ``image_data``."""
+    body = {
         "input_ids": [list(s) for s in seqs],
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         "return_logprob": True,
         "logprob_start_len": [int(k) - 1 for k in starts],
     }
+    if image_data is not None and any(image_data):
+        body["image_data"] = [list(x) if x else None for x in image_data]
+    return body
 
 
-def check_inputs(seqs: list, starts: list) -> None:
-    """``ValueError`` naming the sequence index unless every ``1 <= start <= len(seq)``."""
+def check_inputs(seqs: list, starts: list, image_data: Optional[list] = None) -> None:
+    """``ValueError`` naming the sequence index unless every ``1 <= start <= len(seq)`` and
+    ``image_data`` (when given) has one entry (None or a list of strings) per sequence."""
     if len(seqs) != len(starts):
         raise ValueError(f"score_sequences: {len(seqs)} sequences but {len(starts)} starts")
+    if image_data is not None:
+        if len(image_data) != len(seqs):
+            raise ValueError(
+                f"score_sequences: {len(seqs)} sequences but {len(image_data)} image_data entries"
+            )
+        for i, x in enumerate(image_data):
+            if x is not None and not (
+                isinstance(x, (list, tuple)) and all(isinstance(v, str) and v for v in x)
+            ):
+                raise ValueError(
+                    f"score_sequences: sequence {i}: image_data must be None or a list of "
+                    "non-empty strings"
+                )
     for i, (s, k) in enumerate(zip(seqs, starts)):
         if not 1 <= int(k) <= len(s):
             raise ValueError(
@@ -71,6 +97,12 @@ def values_of(answer: dict, seq: list, start: int, addr: str, index: int) -> lis
         entries = answer["meta_info"]["input_token_logprobs"]
     except (KeyError, TypeError):
         raise ScoringError(f"{where}: answer has no meta_info.input_token_logprobs") from None
+    counted = answer["meta_info"].get("prompt_tokens")
+    if counted is not None and counted != len(seq):
+        raise ScoringError(
+            f"{where}: the server counts {counted} prompt tokens, {len(seq)} ids were sent (a "
+            "sequence with images must be scored by a server of the same image processor)"
+        )
     want = len(seq) - start + 1
     if not isinstance(entries, list) or len(entries) != want:
         got = len(entries) if isinstance(entries, list) else type(entries).__name__
@@ -92,6 +124,7 @@ async def _score_chunk(
     starts: list,
     offset: int,
     timeout: Optional[float],
+    image_data: Optional[list] = None,
 ) -> list:
     """Score one chunk, trying ``servers`` from index ``first`` on; a connection error,
     timeout or 5xx marks that server down and moves on, a 4xx raises at once."""
@@ -106,7 +139,7 @@ async def _score_chunk(
             addr = servers[(first + j) % len(servers)]
             try:
                 out = await client.request(
-                    addr, "POST", "/generate", scoring_body(seqs, starts), timeout
+                    addr, "POST", "/generate", scoring_body(seqs, starts, image_data), timeout
                 )
             except RolloutRequestError as e:
                 raise ScoringError(f"teacher server {addr} refused {span}: {e}") from e
@@ -134,13 +167,16 @@ async def score_sequences(
     starts: list,
     batch: int = DEFAULT_BATCH,
     timeout: Optional[float] = None,
+    image_data: Optional[list] = None,
 ) -> list:
     """For each sequence, ``[log p(seq[t] | seq[:t]) for t in range(start, len(seq))]`` as
     scored by the client's servers (at temperature 1). Batches of ``batch`` sequences go
-    round-robin to the dispatchable servers, concurrently. Raises ``ValueError`` for a start
-    outside ``[1, len(seq)]`` and :class:`ScoringError` (naming the server and the sequence)
-    for a refused request or an answer that does not fit."""
-    check_inputs(seqs, starts)
+    round-robin to the dispatchable servers, concurrently. ``image_data``: one entry per
+    sequence, the images of a sequence whose ids are a processor-expanded prompt (None: a
+    text sequence). Raises ``ValueError`` for a start outside ``[1, len(seq)]`` (or
+    ``image_data`` that is not one entry per sequence) and :class:`ScoringError` (naming the
+    server and the sequence) for a refused request or an answer that does not fit."""
+    check_inputs(seqs, starts, image_data)
     if not seqs:
         return []
     if len(client.live_servers()) < len(client.addrs):  # one marked down earlier: probe it
@@ -160,6 +196,7 @@ async def score_sequences(
                 [int(k) for k in starts[lo:hi]],
                 lo,
                 timeout,
+                None if image_data is None else image_data[lo:hi],
             )
         )
     parts = await asyncio.gather(*jobs)
@@ -189,13 +226,17 @@ class TeacherServerScorer:
         self._thread.start()
         self._closed = False
 
-    def score(self, seqs: list, starts: list) -> list:
-        """``[np.float32 array of log p(seq[t] | seq[:t]) for t >= start]`` per sequence;
-        raises what :func:`score_sequences` raises."""
+    def score(self, seqs: list, starts: list, image_data: Optional[list] = None) -> list:
+        """``[np.float32 array of log p(seq[t] | seq[:t]) for t >= start]`` per sequence
+        (``image_data``: per sequence its images, None for text); raises what
+        :func:`score_sequences` raises."""
         if self._closed:
             raise RuntimeError("TeacherServerScorer is closed")
         fut = asyncio.run_coroutine_threadsafe(
-            score_sequences(self.client, seqs, starts, self.batch, self.timeout_s), self._loop
+            score_sequences(
+                self.client, seqs, starts, self.batch, self.timeout_s, image_data=image_data
+            ),
+            self._loop,
         )
         return [np.asarray(v, dtype=np.float32) for v in fut.result()]
 
