@@ -120,9 +120,9 @@ def build_teacher_scorer(cfg, vision=None):
     scorer = TeacherServerScorer(t.server_addrs, api_key=t.api_key, timeout_s=t.request_timeout_s)
     try:
         for addr, info in scorer.model_info().items():
-            check_served_tokenizer(addr, info, cfg.model.path)
             if vision is not None:
                 check_served_vision(addr, info, cfg.model.path)
+            check_served_tokenizer(addr, info, cfg.model.path)
     except BaseException:
         scorer.close()
         raise
