@@ -5,7 +5,8 @@ the packed micro-batches carry them and the teacher scorer sends them with the e
 The end-to-end test (tests/helpers/vl_teacher_worker.py) runs the rollout against a CPU
 server serving the tiny Qwen2.5-VL, the trainer intake, the step's planning and ``opd_step``
 with the served teacher (the same server) and with the in-trainer teacher (the same
-checkpoint): the teacher logprobs agree within 1e-5 on the image samples and the text ones.
+checkpoint): the teacher logprobs agree within 1e-5 on the image samples and the text ones,
+and other pictures of the same sizes change an image sample's (the images are scored).
 A text teacher server and one of another image processor are refused by name; malformed
 ``image_data`` is refused by the receiver naming the sample while the rest goes on."""
 
@@ -106,6 +107,9 @@ def test_served_vl_teacher_equals_the_in_trainer_teacher(hf_dir, mcore_dir, vl_s
         a, b = np.asarray(served[sid]), np.asarray(engine[sid])
         assert len(a) == len(b) == 4 and (a < 0).all()
         assert np.abs(a - b).max() <= TOL, (sid, images[sid], np.abs(a - b).max())
+        # control: other pictures of the same sizes change an image sample's logprobs only
+        c = np.asarray(res["other_images"][sid])
+        assert (np.abs(c - b).max() > 1e-3) == bool(images[sid]), (sid, np.abs(c - b).max())
     # teacher = student (one checkpoint): no reverse KL either way
     assert res["served_abs_log_ratio"] < TOL and res["engine_abs_log_ratio"] < TOL
 

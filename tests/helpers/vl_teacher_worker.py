@@ -18,12 +18,15 @@ rollout server and the served teacher at once. Steps:
    ``prox_logprobs`` (the student's, the same weights);
 4. ``opd_step`` twice: with the served teacher (``build_teacher_scorer`` with the VisionSpec:
    the server's /get_model_info and image processor checked; the scorer sends each image
-   sequence's ``image_data``) and with the in-trainer teacher (``teacher.path``).
+   sequence's ``image_data``) and with the in-trainer teacher (``teacher.path``);
+5. a control: the served teacher's logprobs of the same micro-batches whose ``image_data``
+   holds other pictures of the same sizes (colours inverted), which must differ.
 
 Writes ``<out_dir>/result.json``: per sample id the teacher logprobs on its loss tokens
 (``served``, ``engine``), the number of images of each sample (``images``), the image_data
 each micro-batch carried (``mb_image_data``: per sequence the count of strings), both
-``opd/abs_log_ratio`` and the intake's accepted count.
+``opd/abs_log_ratio``, the intake's accepted count and the control's logprobs
+(``other_images``).
 """
 
 import json
@@ -153,6 +156,27 @@ def through_intake(trajs: list, spec, out_dir: Path) -> tuple:
         intake.close()
 
 
+def inverted(mbs) -> list:
+    """``mbs`` whose ``image_data`` holds each picture with its colours inverted (same sizes,
+    so the same placeholder counts)."""
+    import dataclasses
+
+    from PIL import ImageOps
+
+    from areal_mega.data.images import load_image
+
+    def flip(url: str) -> str:
+        img = load_image(url, base_dir=Path("/"), what="image", max_source_pixels=1 << 20)
+        return png_url(ImageOps.invert(img))
+
+    return [
+        dataclasses.replace(mb, image_data=[[flip(u) for u in x] for x in mb.image_data])
+        if mb.image_data is not None
+        else mb
+        for mb in mbs
+    ]
+
+
 def per_sample(mbs, values) -> dict:
     """Sample id -> the values at its loss tokens (next-token layout)."""
     out = {}
@@ -179,7 +203,12 @@ def main(hf_dir, mcore_dir, addr, out_dir):
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
     from areal_mega.train import batches
-    from areal_mega.train.teacher import build_teacher, build_teacher_scorer, opd_step
+    from areal_mega.train.teacher import (
+        build_teacher,
+        build_teacher_scorer,
+        opd_step,
+        served_logprobs,
+    )
 
     out_dir = Path(out_dir)
     spec = vision_spec(load_hf_config(hf_dir))
@@ -215,6 +244,7 @@ def main(hf_dir, mcore_dir, addr, out_dir):
             cfg=served_cfg, teacher=None, teacher_scorer=scorer, mesh=mesh
         )
         served_mbs, served_stats = opd_step(served, mbs)
+        other = served_logprobs(scorer, inverted(mbs))
     finally:
         scorer.close()
     res = {
@@ -231,6 +261,7 @@ def main(hf_dir, mcore_dir, addr, out_dir):
         "served_abs_log_ratio": served_stats["opd/abs_log_ratio"],
         "engine_abs_log_ratio": engine_stats["opd/abs_log_ratio"],
         "accepted": accepted,
+        "other_images": per_sample(mbs, other),
     }
     mesh.destroy(process_group=True)
     (out_dir / "result.json").write_text(json.dumps(res))
