@@ -12,7 +12,8 @@ Everything is read from the code that decides it, not written down here:
   is :class:`~areal_mega.inference.kv_cache.StaticKVBatch` or transformers' cache
   (:class:`~areal_mega.inference.kv_cache.HFCacheBatch`) as
   :func:`~areal_mega.inference.kv_cache.kv_path_of` decides for that model type's default
-  config;
+  config; a vision-language model the trainer builds is loaded as its image-text-to-text class
+  and served with images (:data:`SERVER_VL`, :mod:`areal_mega.inference.vision`);
 * status: ``CPU end to end`` (an engine family: every one is checked end to end on the CPU by
   its family test), ``GPU only, not built yet`` (its layers need megatron-core kernels that
   exist for CUDA only: :data:`areal_mega.models.bridge_provider.GPU_ONLY`, which names why;
@@ -39,6 +40,7 @@ __all__ = [
     "markdown_table",
     "SERVER_PATHS",
     "ENGINE_HF_CACHE",
+    "SERVER_VL",
     "STATUS",
 ]
 
@@ -49,6 +51,9 @@ SERVER_PATHS = {"static": "yes (StaticKV)", "hf_cache": "loads (HF cache, not te
 #: an engine family on the HF-cache path (Gemma 3): every engine family is served end to end
 #: by its family test (tests/test_new_families.py), whichever running batch it gets
 ENGINE_HF_CACHE = "yes (HF cache)"
+#: a vision-language model the trainer builds: the server loads its image-text-to-text class
+#: and serves ``image_data`` (:mod:`areal_mega.inference.vision`; tests/test_vl_rollout.py)
+SERVER_VL = "yes (HF cache, with images)"
 
 
 #: the status column's three values
@@ -111,14 +116,15 @@ def support_rows(
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
     class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value,
-    :data:`ENGINE_HF_CACHE` or ``"no"``) and ``note`` (why the server does not run it). ``engine`` /
-    ``causal_lm`` /
+    :data:`ENGINE_HF_CACHE`, :data:`SERVER_VL` for a ``vl_trainer`` architecture, or ``"no"``)
+    and ``note`` (why the server does not run it). ``engine`` / ``causal_lm`` /
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
     exports (tells "not a causal LM" from "not in transformers"); ``gpu_only``:
     ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
     why}`` of the others the engine does not build; ``vl_trainer``: ``{architecture: why}`` of
-    the vision-language models the trainer builds but RL does not run yet. ``status`` is a
+    the vision-language models the trainer builds (served with images by the CPU server) but
+    RL does not run end to end yet. ``status`` is a
     :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
     rows, seen = [], set()
     for arch in architectures:
@@ -127,7 +133,9 @@ def support_rows(
         seen.add(arch)
         types = causal_lm.get(arch) or []
         model_type = engine.get(arch) or (types[0] if types else None)
-        if model_type is not None and model_type in types:
+        if arch in (vl_trainer or {}):
+            server, note = SERVER_VL, ""
+        elif model_type is not None and model_type in types:
             path = kv_paths[model_type]
             server = (
                 ENGINE_HF_CACHE if arch in engine and path == "hf_cache" else SERVER_PATHS[path]
