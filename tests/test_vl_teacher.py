@@ -32,6 +32,7 @@ from tests.helpers.vl_trajectories import SPEC, make_vl_traj
 
 TOL = 1e-5
 PNG = "data:image/png;base64,iVBORw0KGgo="
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,59 @@ def test_receiver_refuses_bad_image_data_naming_the_sample_and_goes_on(tmp_path,
         assert any("meta.image_data" in m and "sample_id='bad'" in m for m in logged)
     finally:
         intake.close()
+
+
+def test_openai_client_samples_carry_their_images_and_image_data(hf_dir, vl_server):
+    """An episode through the in-process OpenAI client with image_url parts: its exported
+    trajectory carries the prompt's processed images (encode_sample's) and, in
+    ``meta["image_data"]``, the data URLs as sent, and passes the receiver's checks."""
+    from transformers import AutoTokenizer
+
+    from areal_mega.models.builder import load_hf_config
+    from areal_mega.models.vlm.config import vision_spec
+    from areal_mega.models.vlm.inputs import encode_sample, load_image_processor
+    from areal_mega.rollout.client import RolloutClient
+    from areal_mega.rollout.controller import RolloutController
+    from areal_mega.workflow.api import EpisodeWorkflow
+    from tests.helpers.rollout import GroupSink
+    from tests.helpers.vl_teacher_worker import png_url
+
+    class ChatWorkflow(EpisodeWorkflow):
+        async def episode(self, ctx, item):
+            await ctx.client.chat.completions.create(messages=item["messages"], max_tokens=3)
+            return 1.0
+
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    sizes = ((28, 56), (56, 28))
+    imgs = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    urls = [png_url(im) for im in imgs]
+    parts = [{"type": "text", "text": "look"}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    tok, proc = AutoTokenizer.from_pretrained(hf_dir), load_image_processor(hf_dir)
+    sink = GroupSink()
+    ctl = RolloutController(
+        RolloutClient([vl_server.addr], api_key=API_KEY, timeout_s=120, retries=2),
+        ChatWorkflow(),
+        [{"messages": [{"role": "user", "content": parts}]}],
+        batch_size=1,
+        n_samples=2,
+        eta=1,
+        sink=sink,
+        tokenizer=tok,
+        image_processor=proc,
+        ignore_eos=True,
+    ).start()
+    try:
+        (group,) = sink.take(ctl, 1, timeout=120)
+    finally:
+        ctl.stop()
+    want = encode_sample("x" + VISION * 2, imgs, tok, proc)
+    spec = vision_spec(load_hf_config(hf_dir))
+    assert len(group) == 2
+    for t in group:
+        assert t.meta["image_data"] == urls
+        assert np.array_equal(t.multimodal["pixel_values"], want.pixel_values.numpy())
+        assert t.multimodal["image_grid_thw"].tolist() == want.image_grid_thw.tolist()
+        assert vision_problem(t, spec) is None
