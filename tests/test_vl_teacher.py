@@ -111,6 +111,14 @@ def test_served_vl_teacher_equals_the_in_trainer_teacher(hf_dir, mcore_dir, vl_s
         # control: other pictures of the same sizes change an image sample's logprobs only
         c = np.asarray(res["other_images"][sid])
         assert (np.abs(c - b).max() > 1e-3) == bool(images[sid]), (sid, np.abs(c - b).max())
+    # an image sample whose image_data is missing is dropped from the loss, the rest scored
+    stripped = res["stripped"]
+    assert stripped["refused"] == 1.0
+    for sid, lp in stripped["teacher"].items():
+        if sid == stripped["victim"]:
+            assert lp == []  # its loss tokens masked out
+        else:
+            assert np.abs(np.asarray(lp) - np.asarray(served[sid])).max() <= TOL
     # teacher = student (one checkpoint): no reverse KL either way
     assert res["served_abs_log_ratio"] < TOL and res["engine_abs_log_ratio"] < TOL
 

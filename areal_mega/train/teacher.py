@@ -41,7 +41,7 @@ import torch.distributed as dist
 from areal_mega.algo.distill import opd_advantages, reverse_kl_sums
 from areal_mega.config import ConfigError, check_same_tokenizer
 from areal_mega.models.vlm.config import is_vl_config, vision_spec
-from areal_mega.rollout.scoring import ScoringError, TeacherServerScorer
+from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
 from areal_mega.train.screen import refuse_bad_teacher_rows
 
@@ -209,7 +209,9 @@ def served_logprobs(scorer, micro_batches: list) -> list:
     every sequence is scored from its first loss token on, all of them in one scorer call (so
     the requests spread over the servers together); earlier positions and padding are 0. A
     sequence with images is sent with them as its prompt sent them to the rollout servers
-    (the micro-batch's ``image_data``); one without them is a ScoringError naming it."""
+    (the micro-batch's ``image_data``); one whose images came without them (a workflow that
+    built the trajectory without ``SampleContext.trajectory``) cannot be scored: it is logged
+    by name and gets NaN, so the step's screen drops it from the loss (``refused/teacher``)."""
     outs = [torch.zeros(mb["input_ids"].shape[0], dtype=torch.float32) for mb in micro_batches]
     seqs, starts, spans, images = [], [], [], []
     for out, mb in zip(outs, micro_batches):
@@ -221,15 +223,20 @@ def served_logprobs(scorer, micro_batches: list) -> list:
             first = torch.nonzero(mask[start : start + n - 1]).flatten()
             if first.numel() == 0:
                 continue
+            t0 = int(first[0])  # layout position t0 describes token t0 + 1
             n_images = 0 if counts is None else int(counts[b])
             items = list(sent[b]) if sent is not None and sent[b] else []
             if len(items) != n_images:
-                raise ScoringError(
-                    f"sample {mb['sample_ids'][b]!r}: {n_images} image(s) but {len(items)} "
-                    "image_data strings to send the served teacher (the worker keeps them in "
-                    "the trajectory's meta['image_data'], see SampleContext.trajectory)"
+                log.warning(
+                    "sample %r: %d image(s) but %d image_data strings to send the served "
+                    "teacher (SampleContext.trajectory keeps them in meta['image_data']); "
+                    "dropped from this step's loss",
+                    mb["sample_ids"][b],
+                    n_images,
+                    len(items),
                 )
-            t0 = int(first[0])  # layout position t0 describes token t0 + 1
+                out[start + t0 : start + n - 1] = float("nan")
+                continue
             seqs.append(ids[start : start + n].tolist())
             starts.append(t0 + 1)
             spans.append((out, start + t0, start + n - 1))

@@ -20,15 +20,18 @@ rollout server and the served teacher at once. Steps:
    the server's /get_model_info and image processor checked; the scorer sends each image
    sequence's ``image_data``) and with the in-trainer teacher (``teacher.path``);
 5. a control: the served teacher's logprobs of the same micro-batches whose ``image_data``
-   holds other pictures of the same sizes (colours inverted), which must differ.
+   holds other pictures of the same sizes (colours inverted), which must differ;
+6. one image sample's ``image_data`` taken out of the micro-batches: ``opd_step`` with the
+   served teacher drops that sample (``refused/teacher``) and scores the others.
 
 Writes ``<out_dir>/result.json``: per sample id the teacher logprobs on its loss tokens
 (``served``, ``engine``), the number of images of each sample (``images``), the image_data
 each micro-batch carried (``mb_image_data``: per sequence the count of strings), both
 ``opd/abs_log_ratio``, the intake's accepted count and the control's logprobs
-(``other_images``).
+(``other_images``), and the dropped sample with the stats of step 6 (``stripped``).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -159,8 +162,6 @@ def through_intake(trajs: list, spec, out_dir: Path) -> tuple:
 def inverted(mbs) -> list:
     """``mbs`` whose ``image_data`` holds each picture with its colours inverted (same sizes,
     so the same placeholder counts)."""
-    import dataclasses
-
     from PIL import ImageOps
 
     from areal_mega.data.images import load_image
@@ -245,6 +246,19 @@ def main(hf_dir, mcore_dir, addr, out_dir):
         )
         served_mbs, served_stats = opd_step(served, mbs)
         other = served_logprobs(scorer, inverted(mbs))
+        victim = next(t.sample_id for t in trajs if t.multimodal)
+        stripped = [
+            dataclasses.replace(
+                mb,
+                image_data=[
+                    None if i == victim else x for i, x in zip(mb.sample_ids, mb.image_data)
+                ],
+            )
+            if mb.image_data is not None
+            else mb
+            for mb in mbs
+        ]
+        stripped_mbs, stripped_stats = opd_step(served, stripped)
     finally:
         scorer.close()
     res = {
@@ -262,6 +276,13 @@ def main(hf_dir, mcore_dir, addr, out_dir):
         "engine_abs_log_ratio": engine_stats["opd/abs_log_ratio"],
         "accepted": accepted,
         "other_images": per_sample(mbs, other),
+        "stripped": {
+            "victim": victim,
+            "refused": stripped_stats.get("refused/teacher", 0.0),
+            "teacher": per_sample(
+                stripped_mbs, [mb["teacher_logprobs"] for mb in stripped_mbs]
+            ),
+        },
     }
     mesh.destroy(process_group=True)
     (out_dir / "result.json").write_text(json.dumps(res))
