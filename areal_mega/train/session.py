@@ -169,7 +169,7 @@ class TrainerSession:
             getattr(self.ref, "hf_config", None),
             getattr(self.teacher, "hf_config", None),
         )
-        self.teacher_scorer = build_teacher_scorer(cfg)  # OPD's served teacher, or None
+        self.teacher_scorer = build_teacher_scorer(cfg, self.vision)  # OPD: a served teacher
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
             from areal_mega.train.critic_step import build_critic
