@@ -55,6 +55,7 @@ __all__ = [
     "PROVIDER_FAMILIES",
     "VL_NOT_RL",
     "VL_PROVIDER_FAMILIES",
+    "VL_NOT_BUILT",
     "HYBRID_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
@@ -438,6 +439,18 @@ _VLM = (
     "a vision-language model: the engine builds text decoders only (vision-language RL is "
     "open work)"
 )
+_QWEN3_VL = (
+    "vision-language: Megatron-Bridge builds it as its own Qwen3VLModel with TransformerEngine "
+    "layers only: its provider's provide() passes TE's GPT layer spec to the model directly "
+    "(no provide_language_model hook where our local spec could go, as for Qwen2.5-VL), the "
+    "model's constructor builds the vision tower from TE's ViT layer spec and its patch "
+    "mergers (the deepstack ones included) from TENorm / TEColumnParallelLinear / "
+    "TERowParallelLinear (use_hf_vision_model is refused), its multimodal rotary embedding "
+    "allocates on torch.cuda.current_device(); on the local spec its vision attention would "
+    "need a bidirectional packed (per image) attention, where ours is causal, and its weights "
+    "the bridge's vision rows (TE's fused layer-norm names, a concatenated [q; k; v] "
+    "projection), which our vision-language conversion (whole-module copies) lacks"
+)
 #: causal LMs (or their vision-language wrappers) that transformers runs and the bridge maps
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
@@ -472,7 +485,15 @@ NOT_BUILT = {
         "AutoModelForCausalLM saves from it) is built"
     ),
     "gemma4": _VLM,
+    "qwen3_vl": _QWEN3_VL,
+    "qwen3_vl_moe": (
+        _QWEN3_VL + "; its MoE language model takes TE's spec with grouped-GEMM experts"
+    ),
 }
+
+#: vision-language families of :data:`NOT_BUILT` (the family table names them by transformers'
+#: image-text-to-text class: they have no causal-LM class)
+VL_NOT_BUILT = ("qwen3_vl", "qwen3_vl_moe")
 
 
 def not_built_reason(model_type: str):
