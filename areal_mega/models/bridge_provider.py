@@ -175,8 +175,10 @@ PROVIDER_FAMILIES = (
 )
 
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
-#: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`)
-VL_PROVIDER_FAMILIES = ("qwen2_5_vl",)
+#: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`;
+#: Qwen3-VL's model classes built on megatron-core's local layers, the bridge's provider
+#: building them from TransformerEngine's only: :mod:`areal_mega.models.vlm.qwen3_vl`)
+VL_PROVIDER_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 #: why a vision-language family the trainer builds is not an RL family yet
 VL_NOT_RL = (
     "vision-language: the trainer engine builds it from the bridge's provider, converts it bit "
@@ -439,18 +441,6 @@ _VLM = (
     "a vision-language model: the engine builds text decoders only (vision-language RL is "
     "open work)"
 )
-_QWEN3_VL = (
-    "vision-language: Megatron-Bridge builds it as its own Qwen3VLModel with TransformerEngine "
-    "layers only: its provider's provide() passes TE's GPT layer spec to the model directly "
-    "(no provide_language_model hook where our local spec could go, as for Qwen2.5-VL), the "
-    "model's constructor builds the vision tower from TE's ViT layer spec and its patch "
-    "mergers (the deepstack ones included) from TENorm / TEColumnParallelLinear / "
-    "TERowParallelLinear (use_hf_vision_model is refused), its multimodal rotary embedding "
-    "allocates on torch.cuda.current_device(); on the local spec its vision attention would "
-    "need a bidirectional packed (per image) attention, where ours is causal, and its weights "
-    "the bridge's vision rows (TE's fused layer-norm names, a concatenated [q; k; v] "
-    "projection), which our vision-language conversion (whole-module copies) lacks"
-)
 #: causal LMs (or their vision-language wrappers) that transformers runs and the bridge maps
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
@@ -485,15 +475,19 @@ NOT_BUILT = {
         "AutoModelForCausalLM saves from it) is built"
     ),
     "gemma4": _VLM,
-    "qwen3_vl": _QWEN3_VL,
     "qwen3_vl_moe": (
-        _QWEN3_VL + "; its MoE language model takes TE's spec with grouped-GEMM experts"
+        "vision-language MoE: the engine builds the dense Qwen3-VL (qwen3_vl: the bridge's "
+        "Qwen3VLModel on megatron-core's local layers, areal_mega/models/vlm/qwen3_vl.py), not "
+        "its MoE language model: the bridge's provider gives it TransformerEngine's grouped-GEMM "
+        "expert spec, and transformers stores each layer's experts packed in one tensor "
+        "(mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden], down_proj), which our "
+        "vision-language conversion has no rows for"
     ),
 }
 
 #: vision-language families of :data:`NOT_BUILT` (the family table names them by transformers'
 #: image-text-to-text class: they have no causal-LM class)
-VL_NOT_BUILT = ("qwen3_vl", "qwen3_vl_moe")
+VL_NOT_BUILT = ("qwen3_vl_moe",)
 
 
 def not_built_reason(model_type: str):
