@@ -297,7 +297,8 @@ def test_upstream_still_builds_qwen3_vl_from_transformer_engine_layers_only():
     provider's provide() passes TE's GPT layer spec to the model (no provide_language_model
     hook), the model's constructor builds the vision tower from TE's ViT spec and TE patch
     mergers, the rotary embeddings allocate on the CUDA device (compat's bridge patches), the
-    mergers take the blocks' activation."""
+    mergers take the blocks' activation, the deepstack features are sliced per
+    sequence-parallel rank without summing their gradient."""
     provider = _bridge_source("megatron.bridge.models.qwen_vl.qwen3_vl_provider")
     for cls in ("class Qwen3VLModelProvider", "class Qwen3VLMoEModelProvider"):
         provide = _function_source(provider[provider.index(cls) :], "def provide(")
@@ -311,6 +312,11 @@ def test_upstream_still_builds_qwen3_vl_from_transformer_engine_layers_only():
     assert "if self.pre_process and self.add_encoder:" in init
     utils = _bridge_source("megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils")
     assert "self.activation_func = self.config.activation_func" in utils
+    # the deepstack features sliced per sequence-parallel rank with no gradient reduction
+    # (our forward hook sums it: qwen3_vl._deepstack_grads_summed_over_tp)
+    split = _function_source(utils, "def split_deepstack_embs(")
+    assert "deepstack_visual_embed[tp_slice]" in split
+    assert not any(c in split for c in ("all_reduce", "_region", "autograd"))
     from areal_mega.compat.megatron_cpu import bridge_patches
 
     names = {p.module for p in bridge_patches("megatron.bridge.models.qwen_vl.modelling_qwen3_vl")}

@@ -13,6 +13,9 @@ tower only from TE's spec, so the model is made without it (``add_encoder=False`
 :func:`qwen3_vl_vision_model` is set as its ``vision_model``, built as the constructor builds it
 with the local spec, its patch mergers' activation the exact GELU transformers' have (the
 bridge gives them the blocks' tanh approximation: about 1e-5 on the logits of the tiny model).
+Under sequence parallelism the deepstack features' gradient is summed over the
+tensor-parallel ranks (:func:`_deepstack_grads_summed_over_tp`): the bridge's forward slices
+them per rank without it, and the tower's gradients were each rank's part only.
 """
 
 from __future__ import annotations
@@ -108,6 +111,20 @@ def merger_modules(vision_model) -> list:
     return [vision_model.merger, *vision_model.decoder.deepstack_merger_list]
 
 
+def _deepstack_grads_summed_over_tp(module, args, output):
+    """Forward hook of the vision tower under sequence parallelism: its deepstack features
+    as they are, their gradient summed over the tensor-parallel ranks. The bridge's forward
+    gives each rank the slice of the features its sequence part holds (``split_deepstack_embs``,
+    a plain slice), so each rank's backward reaches the tower (computed whole on every rank)
+    with its slice's gradient only: summed, it is the whole gradient (as the image features'
+    gradient is, gathered by the sequence-parallel scatter's backward)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    hidden, deepstack = output
+    group = module.tp_group
+    return hidden, [copy_to_tensor_model_parallel_region(x, group=group) for x in deepstack]
+
+
 def build_qwen3_vl_model(provider, language_spec, *, pre_process: bool, post_process: bool):
     """The bridge's ``Qwen3VLModel`` of a (finalised) provider with ``language_spec`` (a local
     GPT layer spec; the bridge sets its attention module to ``Qwen3VLSelfAttention``) and the
@@ -128,6 +145,8 @@ def build_qwen3_vl_model(provider, language_spec, *, pre_process: bool, post_pro
     if pre_process:
         model.vision_model = qwen3_vl_vision_model(provider)
         model.add_encoder = True
+        if provider.sequence_parallel and provider.tensor_model_parallel_size > 1:
+            model.vision_model.register_forward_hook(_deepstack_grads_summed_over_tp)
     if (
         provider.freeze_language_model
         or provider.freeze_vision_model
