@@ -135,7 +135,9 @@ class MegatronEngine:
         )
         if self.is_vl:
             if lora is not None and getattr(lora, "enabled", False):
-                raise ValueError("LoRA is not supported for vision-language models yet")
+                from areal_mega.lora.targets import refuse_vision_language_lora
+
+                refuse_vision_language_lora(self.hf_config["model_type"])  # before building
             chunks, self.config = build_vl_model_chunks(
                 self.hf_config,
                 mesh,

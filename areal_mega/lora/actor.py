@@ -72,6 +72,7 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         gated_mlp=arch.gated_mlp,
         linear_attention=arch.linear_attention_layers is not None,
         hybrid=arch.hybrid_layer_pattern is not None,
+        vision_language=bool(getattr(engine, "is_vl", False)),
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
     n = apply_lora(

@@ -20,6 +20,7 @@ __all__ = [
     "canonical_targets",
     "hf_targets",
     "check_lora_support",
+    "refuse_vision_language_lora",
     "LoraSupportError",
     "lora_server_flags",
 ]
@@ -93,6 +94,7 @@ def check_lora_support(
     gated_mlp: bool = True,
     linear_attention: bool = False,
     hybrid: bool = False,
+    vision_language: bool = False,
 ) -> None:
     """Refuse LoRA settings this implementation does not serve (pure; raises
     :class:`LoraSupportError` with the reason and what to do instead).
@@ -108,9 +110,12 @@ def check_lora_support(
     Qwen3-Next, Qwen3.5); context parallelism (its
     equality with one rank is not tested for adapters); a LoRA critic; a hybrid model
     (``hybrid``: Nemotron-H's Mamba layers, whose mixer projections have no adapters and whose
-    attention / MLP layers' adapters are not tested there)."""
+    attention / MLP layers' adapters are not tested there); a vision-language model
+    (``vision_language``: :func:`refuse_vision_language_lora`)."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
+    if vision_language:
+        refuse_vision_language_lora(model_type)
     if hybrid:
         raise LoraSupportError(
             f"LoRA on {model_type}: hybrid (Mamba) models are not supported (the Mamba "
@@ -160,6 +165,21 @@ def check_lora_support(
             "LoRA with critic.enabled: the critic trains all its weights; "
             "not supported with lora.enabled"
         )
+
+
+def refuse_vision_language_lora(model_type: str) -> None:
+    """Raise :class:`LoraSupportError` for LoRA on a vision-language model (Qwen2.5-VL,
+    Qwen3-VL), naming why."""
+    raise LoraSupportError(
+        f"LoRA on {model_type} (vision-language): not supported yet. The adapters' PEFT "
+        "export and merge name the text decoders' modules through the text families' tables "
+        "(model.layers.N.self_attn.q_proj), which have no vision-language family, while "
+        "transformers' vision-language model keeps its language model under "
+        "model.language_model; and the bridge's adapter walk matches projections by module "
+        "name, so it would also adapt the vision tower's linears (Qwen3-VL's megatron tower) "
+        "that must stay frozen. Train without LoRA (model.freeze_vision trains the language "
+        "model and the projector)"
+    )
 
 
 def lora_server_flags(cfg) -> list:
