@@ -1,23 +1,28 @@
-"""LoRA on a vision-language model (Qwen2.5-VL, Qwen3-VL) is refused naming why: by the pure
-support check, by the config check against model.path (before anything starts) and by
-MegatronEngine before it builds the model; what the reason names is checked in our code (the
-adapters' PEFT names come from the text families' tables, which have no vision-language
-family; transformers' vision-language models keep the language model under
-model.language_model; the Qwen3-VL tower's linears carry the names the adapter walk matches)."""
+"""LoRA on a vision-language model: Qwen3-VL's language model takes adapters (the vision tower
+and everything else frozen), trained by MegatronEngine on micro-batches with images, published
+as a PEFT directory that ``peft.PeftModel`` loads onto transformers' Qwen3-VL with the same
+logprobs (tests/helpers/vl_lora_worker.py); Qwen2.5-VL is refused naming why (its adapters
+would be named after the checkpoint, not after transformers' modules), by the support check,
+the config check against model.path and the engine before it builds the model."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from areal_mega.config import ConfigError, LoraConfig, ModelConfig, load_config
-from areal_mega.lora.targets import LoraSupportError, check_lora_support
+from areal_mega.lora.targets import VL_LORA_FAMILIES, LoraSupportError, check_lora_support
+from tests.helpers.conversions import ROOT
+from tests.test_qwen3_vl import hf_dir, mcore_dir  # noqa: F401 (module fixtures)
 
-REASON = "LoRA on {} \\(vision-language\\): not supported yet"
+TOL = 1e-5
+REASON = "LoRA on qwen2_5_vl \\(vision-language\\): not supported"
 
 
 @pytest.fixture(scope="module")
 def vl_dirs(tmp_path_factory):
-    """Tiny Qwen2.5-VL and Qwen3-VL configs (config.json only: the refusals read no weights)."""
+    """Qwen2.5-VL and Qwen3-VL configs (config.json only: the checks read no weights)."""
     from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
     out = {}
@@ -32,38 +37,68 @@ def vl_dirs(tmp_path_factory):
     return out
 
 
-def test_support_check_refuses_vision_language_models():
-    args = dict(
-        model_type="qwen3_vl", is_moe=False, is_mla=False, targets=["q_proj"], rank=8, tp=1, cp=1
+@pytest.fixture(scope="module")
+def worker(hf_dir, mcore_dir, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("vl_lora")
+    p = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.vl_lora_worker", str(hf_dir), str(mcore_dir), out],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    check_lora_support(**args)  # as a text model it would pass
-    with pytest.raises(LoraSupportError, match=REASON.format("qwen3_vl")) as e:
-        check_lora_support(**args, vision_language=True)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((out / "res.json").read_text())
+
+
+def test_adapters_on_the_language_model_only_train_with_images(worker):
+    assert worker["trainable"] == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]
+    assert worker["trainable_outside_adapters"] == []
+    assert worker["trainable_outside_language_model"] == []
+    assert worker["losses"][1] < worker["losses"][0], worker["losses"]
+    assert worker["moved_base"] == [] and worker["adapters_moved"] > 0
+
+
+def test_published_adapter_loads_in_peft_onto_transformers_qwen3_vl(worker):
+    """The PEFT directory on transformers' Qwen3-VL = the engine's logprobs (images included);
+    the adapters off = the base model; PEFT adapted the language model's modules only."""
+    assert worker["ours_in_peft"] < TOL, worker
+    assert worker["adapters_off_vs_base"] < TOL, worker
+    assert worker["adapters_change_output"] > 1e-3, worker
+    assert worker["peft_modules"] == ["base_model.model.model.language_model"], worker
+
+
+def test_support_check_takes_qwen3_vl_and_refuses_qwen2_5_vl():
+    args = dict(is_moe=False, is_mla=False, targets=["q_proj"], rank=8, tp=1, cp=1)
+    assert VL_LORA_FAMILIES == ("qwen3_vl",)
+    check_lora_support(model_type="qwen3_vl", vision_language=True, **args)
+    with pytest.raises(LoraSupportError, match=REASON) as e:
+        check_lora_support(model_type="qwen2_5_vl", vision_language=True, **args)
     why = str(e.value)
-    assert "model.language_model" in why and "vision tower" in why and "freeze_vision" in why
+    assert "model.language_model.layers.N" in why and "freeze_vision" in why
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
-def test_config_check_refuses_it_against_model_path(vl_dirs, model_type):
+def test_config_check_against_model_path(vl_dirs):
     from areal_mega.config import check_against_model
 
-    d = vl_dirs[model_type]
-    cfg = load_config(None, ["lora.enabled=true", f"model.path={d}"])
-    with pytest.raises(ConfigError, match=REASON.format(model_type)):
+    cfg = load_config(None, ["lora.enabled=true", f"model.path={vl_dirs['qwen2_5_vl']}"])
+    with pytest.raises(ConfigError, match=REASON):
         check_against_model(cfg)
-    check_against_model(load_config(None, [f"model.path={d}"]))  # without LoRA: accepted
+    check_against_model(load_config(None, [f"model.path={vl_dirs['qwen2_5_vl']}"]))
+    check_against_model(
+        load_config(None, ["lora.enabled=true", f"model.path={vl_dirs['qwen3_vl']}"])
+    )
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
-def test_engine_refuses_it_before_building_the_model(vl_dirs, model_type):
+def test_engine_refuses_qwen2_5_vl_lora_before_building_the_model(vl_dirs):
     """MegatronEngine raises while reading the config: the refusal needs no mesh nor model
     (none is passed; the model would be built on it after this check)."""
     from areal_mega.config import OptimizerConfig
     from areal_mega.engine.megatron_engine import MegatronEngine
 
-    with pytest.raises(LoraSupportError, match=REASON.format(model_type)):
+    with pytest.raises(LoraSupportError, match=REASON):
         MegatronEngine(
-            ModelConfig(path=str(vl_dirs[model_type]), dtype="fp32"),
+            ModelConfig(path=str(vl_dirs["qwen2_5_vl"]), dtype="fp32"),
             role="actor",
             mesh=None,
             optimizer_cfg=OptimizerConfig(lr=1e-3),
@@ -71,21 +106,21 @@ def test_engine_refuses_it_before_building_the_model(vl_dirs, model_type):
         )
 
 
-def test_what_the_reason_names():
-    """The PEFT export's names come from the text families' tables (no vision-language family
-    there); transformers' Qwen3-VL keeps its decoder layers under model.language_model; the
-    stored Qwen3-VL table's vision tower has the linears (linear_qkv, linear_proj, linear_fc1,
-    linear_fc2) the adapter walk targets by module name."""
-    import inspect
+def test_what_the_qwen2_5_vl_reason_names(vl_dirs):
+    """Qwen2.5-VL's checkpoint table names the language model model.layers.N, transformers'
+    model has it at model.language_model.layers.N; Qwen3-VL's table names the modules."""
+    import torch
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.vl_mapping import vl_table
-    from areal_mega.lora import peft_io
-    from areal_mega.models.bridge_provider import VL_PROVIDER_FAMILIES
 
-    assert "hm.hf_names_for(arch" in inspect.getsource(peft_io._adapters)
-    assert not set(VL_PROVIDER_FAMILIES) & set(hm.FAMILIES)
-    table = vl_table("qwen3_vl")
-    assert table["language"]["layer"][0]["hf"][0].startswith("model.language_model.layers.{L}.")
-    tower = {r["mcore"].rsplit(".", 2)[-2] for r in table["vision"]}
-    assert {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"} <= tower
+    q25 = vl_table("qwen2_5_vl")["language"]["layer"]
+    assert all(h.startswith("model.layers.{L}.") for row in q25 for h in row["hf"])
+    q3 = vl_table("qwen3_vl")["language"]["layer"]
+    assert all(h.startswith("model.language_model.layers.{L}.") for row in q3 for h in row["hf"])
+    with torch.device("meta"):
+        cfg = AutoConfig.from_pretrained(vl_dirs["qwen2_5_vl"])
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
+    names = {n for n, _ in model.named_modules()}
+    assert "model.language_model.layers.0.self_attn.q_proj" in names
+    assert "model.layers.0.self_attn.q_proj" not in names

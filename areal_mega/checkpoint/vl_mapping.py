@@ -66,8 +66,8 @@ def _vision_source(table: dict, name: str) -> Optional[Tuple[List[str], str]]:
         m = _vision_regex(row["mcore"]).match(name)
         if m is None:
             continue
-        values = iter(m.groups())
-        hf = re.sub(r"\*\*|\*", lambda _: next(values), row["hf"][0])
+        pieces = re.split(r"\*\*|\*", row["hf"][0])
+        hf = pieces[0] + "".join(v + p for v, p in zip(m.groups(), pieces[1:]))
         return [hf], row["kind"]
     return None
 

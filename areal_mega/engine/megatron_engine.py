@@ -47,6 +47,7 @@ from areal_mega.engine.routing_replay import (
     cleared_after,
     free_routing_if,
 )
+from areal_mega.lora.targets import check_vision_language_lora
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
 from areal_mega.models.rope_positions import positions_supported, rope_at_positions
@@ -135,9 +136,7 @@ class MegatronEngine:
         )
         if self.is_vl:
             if lora is not None and getattr(lora, "enabled", False):
-                from areal_mega.lora.targets import refuse_vision_language_lora
-
-                refuse_vision_language_lora(self.hf_config["model_type"])  # before building
+                check_vision_language_lora(self.hf_config["model_type"])  # before building
             chunks, self.config = build_vl_model_chunks(
                 self.hf_config,
                 mesh,

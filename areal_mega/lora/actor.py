@@ -75,13 +75,23 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         vision_language=bool(getattr(engine, "is_vl", False)),
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
+    vl = bool(getattr(engine, "is_vl", False))
     n = apply_lora(
-        chunks,
+        # a vision-language model: adapters on its language model; everything else frozen
+        [c.language_model for c in chunks] if vl else chunks,
         rank=lora_cfg.rank,
         alpha=lora_cfg.alpha,
         dropout=lora_cfg.dropout,
         targets=canonical_targets(targets),
     )
+    if vl:
+        from areal_mega.lora.layers import trainable_parameter_count
+
+        for c in chunks:
+            for name, p in c.named_parameters():
+                if ".adapter." not in name:
+                    p.requires_grad_(False)
+        n = trainable_parameter_count(chunks)
     return LoraState(
         rank=lora_cfg.rank,
         alpha=float(lora_cfg.alpha),

@@ -20,7 +20,8 @@ __all__ = [
     "canonical_targets",
     "hf_targets",
     "check_lora_support",
-    "refuse_vision_language_lora",
+    "VL_LORA_FAMILIES",
+    "check_vision_language_lora",
     "LoraSupportError",
     "lora_server_flags",
 ]
@@ -110,12 +111,12 @@ def check_lora_support(
     Qwen3-Next, Qwen3.5); context parallelism (its
     equality with one rank is not tested for adapters); a LoRA critic; a hybrid model
     (``hybrid``: Nemotron-H's Mamba layers, whose mixer projections have no adapters and whose
-    attention / MLP layers' adapters are not tested there); a vision-language model
-    (``vision_language``: :func:`refuse_vision_language_lora`)."""
+    attention / MLP layers' adapters are not tested there); a vision-language model other than
+    :data:`VL_LORA_FAMILIES` (``vision_language``: :func:`check_vision_language_lora`)."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
     if vision_language:
-        refuse_vision_language_lora(model_type)
+        check_vision_language_lora(model_type)
     if hybrid:
         raise LoraSupportError(
             f"LoRA on {model_type}: hybrid (Mamba) models are not supported (the Mamba "
@@ -167,18 +168,26 @@ def check_lora_support(
         )
 
 
-def refuse_vision_language_lora(model_type: str) -> None:
-    """Raise :class:`LoraSupportError` for LoRA on a vision-language model (Qwen2.5-VL,
-    Qwen3-VL), naming why."""
+#: vision-language families whose language model takes adapters (the vision tower frozen)
+VL_LORA_FAMILIES = ("qwen3_vl",)
+
+
+def check_vision_language_lora(model_type: str) -> None:
+    """Refuse LoRA on a vision-language ``model_type`` other than :data:`VL_LORA_FAMILIES`
+    (:class:`LoraSupportError` naming why). Qwen2.5-VL's adapters would be named after its
+    checkpoint (the bridge's table: ``model.layers.N.self_attn.q_proj``, which transformers
+    renames on load), not after the modules PEFT adapts in transformers' model
+    (``model.language_model.layers.N.self_attn.q_proj``)."""
+    if model_type in VL_LORA_FAMILIES:
+        return
     raise LoraSupportError(
-        f"LoRA on {model_type} (vision-language): not supported yet. The adapters' PEFT "
-        "export and merge name the text decoders' modules through the text families' tables "
-        "(model.layers.N.self_attn.q_proj), which have no vision-language family, while "
-        "transformers' vision-language model keeps its language model under "
-        "model.language_model; and the bridge's adapter walk matches projections by module "
-        "name, so it would also adapt the vision tower's linears (Qwen3-VL's megatron tower) "
-        "that must stay frozen. Train without LoRA (model.freeze_vision trains the language "
-        "model and the projector)"
+        f"LoRA on {model_type} (vision-language): not supported. The adapters' PEFT names "
+        "come from the bridge's checkpoint table, which names the language model's tensors "
+        "as the checkpoint stores them (model.layers.N.self_attn.q_proj; transformers renames "
+        "them on load), not as the modules PEFT adapts in transformers' model "
+        "(model.language_model.layers.N.self_attn.q_proj): PEFT would load none of them. "
+        f"LoRA on vision-language models: {', '.join(VL_LORA_FAMILIES)}; or train without "
+        "LoRA (model.freeze_vision trains the language model and the projector)"
     )
 
 
