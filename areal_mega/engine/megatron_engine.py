@@ -20,10 +20,10 @@ A loss marked :func:`~areal_mega.algo.policy_loss.reads_loss_mask_only` (the pol
 losses) gets logits computed at its ``loss_mask`` rows only (:mod:`areal_mega.engine.loss_rows`;
 its log-probabilities and entropies are 0 elsewhere).
 
-A vision-language model (``model_type`` ``qwen2_5_vl``: :mod:`areal_mega.models.vlm`) is the
-bridge's whole model; each micro-batch carries its samples' images (``pixel_values``,
-``image_grid_thw``, in packed order), the model computes the multimodal positions itself, and
-logits are computed at every row.
+A vision-language model (``model_type`` ``qwen2_5_vl``, ``qwen3_vl``:
+:mod:`areal_mega.models.vlm`) is the bridge's whole model; each micro-batch carries its
+samples' images (``pixel_values``, ``image_grid_thw``, in packed order), the model computes the
+multimodal positions itself, and logits are computed at every row.
 """
 
 from __future__ import annotations
