@@ -1,9 +1,10 @@
 """LoRA on a vision-language model: Qwen3-VL's language model takes adapters (the vision tower
 and everything else frozen), trained by MegatronEngine on micro-batches with images, published
 as a PEFT directory that ``peft.PeftModel`` loads onto transformers' Qwen3-VL with the same
-logprobs (tests/helpers/vl_lora_worker.py); Qwen2.5-VL is refused naming why (its adapters
-would be named after the checkpoint, not after transformers' modules), by the support check,
-the config check against model.path and the engine before it builds the model."""
+logprobs (tests/helpers/vl_lora_worker.py), DP2 and TP2 equal to one rank; Qwen2.5-VL is
+refused naming why (its adapters would be named after the checkpoint, not after transformers'
+modules), by the support check, the config check against model.path and the engine before it
+builds the model."""
 
 import json
 import subprocess
@@ -48,7 +49,7 @@ def worker(hf_dir, mcore_dir, tmp_path_factory):  # noqa: F811
         timeout=600,
     )
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((out / "res.json").read_text())
+    return dict(json.loads((out / "res.json").read_text()), out_dir=str(out))
 
 
 def test_adapters_on_the_language_model_only_train_with_images(worker):
@@ -66,6 +67,31 @@ def test_published_adapter_loads_in_peft_onto_transformers_qwen3_vl(worker):
     assert worker["adapters_off_vs_base"] < TOL, worker
     assert worker["adapters_change_output"] > 1e-3, worker
     assert worker["peft_modules"] == ["base_model.model.model.language_model"], worker
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_two_rank_layouts_equal_the_single_rank(
+    layout, worker, hf_dir, mcore_dir, tmp_path  # noqa: F811
+):
+    """DP2 (a micro-batch per rank) and TP2 (adapters split over TP, gathered under their PEFT
+    names) against the single rank, from the same random adapters (a PEFT directory): the
+    logprobs, the loss and the adapters' gradients of one forward-backward with images."""
+    from areal_mega.common.net import free_port
+    from tests.helpers.multirank import run_ranks
+    from tests.helpers.workers import worker_cmd
+
+    port = free_port()
+    args = (layout, hf_dir, mcore_dir, worker["out_dir"])
+    ranks = run_ranks(
+        [worker_cmd("vl_lora_worker", *args, r, 2, port, tmp_path) for r in range(2)],
+        timeout=400,
+    )
+    for r, (rc, out) in enumerate(ranks):
+        assert rc == 0, f"rank {r} failed:\n" + out[-6000:]
+    for r in range(2):
+        res = json.loads((tmp_path / f"{layout}.{r}.json").read_text())
+        assert res["same_names"] and res["grad_scale"] > 1e-3, res
+        assert res["logprobs"] < TOL and res["loss"] < 1e-6 and res["grads"] < 1e-6, res
 
 
 def test_support_check_takes_qwen3_vl_and_refuses_qwen2_5_vl():
