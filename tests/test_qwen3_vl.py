@@ -366,3 +366,27 @@ def test_vl_table_vision_rows():
     assert hf_sources(stored, "language_model.decoder.layers.3.self_attention.q_layernorm.weight")[
         0
     ] == ["model.language_model.layers.3.self_attn.q_norm.weight"]
+
+
+def test_untied_output_layer_round_trips_bit_exact(tmp_path):
+    """tie_word_embeddings=False (the larger released models): lm_head.weight goes to the
+    output layer and back bit for bit."""
+    from safetensors.torch import load_file
+
+    from areal_mega.checkpoint.safetensors_io import SafetensorsDir
+
+    hf = make_tiny_model(
+        tmp_path / "hf", arch="qwen3_vl", charset="digits", tie_word_embeddings=False
+    )
+    src = load_file(hf / "model.safetensors")
+    assert "lm_head.weight" in src
+    p = _tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(hf), "--out", str(tmp_path / "m"))
+    assert p.returncode == 0, p.stderr[-4000:]
+    back = tmp_path / "back"
+    p = _tool(
+        "tools/convert_mcore_to_hf.py", "--mcore-dir", str(tmp_path / "m"), "--out", str(back)
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = SafetensorsDir(back)
+    assert sorted(out.keys()) == sorted(src)
+    assert all(out.get(k).equal(t) for k, t in src.items())
