@@ -72,7 +72,10 @@ def test_support_rows_edge_cases():
     assert vl_rows[0]["status"] == ms.STATUS["no"]
     assert vl_rows[0]["status_note"] == "trainer only"
     assert vl_rows[0]["server"] == ms.SERVER_VL and vl_rows[0]["note"] == ""
-    assert ms.vl_trainer_architectures() == {"Qwen2_5_VLForConditionalGeneration": VL_NOT_RL}
+    assert ms.vl_trainer_architectures() == {
+        "Qwen2_5_VLForConditionalGeneration": VL_NOT_RL,
+        "Qwen3VLForConditionalGeneration": VL_NOT_RL,
+    }
     assert by["Gemma3ForConditionalGeneration"]["server"] == ms.SERVER_PATHS["hf_cache"]
     # an engine family on transformers' cache is served end to end by its family test
     assert (

@@ -52,6 +52,7 @@ def main(argv=None):
         gpu_only=GPU_ONLY,
         not_built=NOT_BUILT,
         vl_trainer=ms.vl_trainer_architectures(),
+        vl_not_built=ms.vl_not_built_architectures(),
     )
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -34,11 +34,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 __all__ = [
     "BRIDGED_ARCHITECTURES",
     "VL_BRIDGED_ARCHITECTURES",
+    "VL_VISION_PREFIX",
     "SNAPSHOT",
     "UnsupportedMappingError",
     "FUSED_EXPERT_KINDS",
@@ -79,7 +80,13 @@ BRIDGED_ARCHITECTURES = {
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
-VL_BRIDGED_ARCHITECTURES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+VL_BRIDGED_ARCHITECTURES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
+#: the vision tower's module in the megatron names of the vision-language families whose tower
+#: is built from megatron-core layers (per-tensor rows, :func:`vl_table_from_rows`)
+VL_VISION_PREFIX = {"qwen3_vl": "vision_model."}
 #: the language model's module in a vision-language model's megatron names
 VL_LANGUAGE_PREFIX = "language_model."
 SNAPSHOT = Path(__file__).with_name("bridge_tables.json")
@@ -118,6 +125,9 @@ _KINDS = {
     "RowParallelMapping": "copy",
     "MambaInProjMapping": "copy",
     "MambaConv1dMapping": "copy",
+    # Qwen3-VL's vision attention: q, k and v stacked in one HF tensor ([q; k; v]); megatron's
+    # fused QKV groups them per head
+    "ConcatenatedQKVMapping": "qkv_concat",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)
@@ -248,17 +258,32 @@ def table_from_rows(rows: List[dict]) -> Dict[str, List[dict]]:
     return table
 
 
-def vl_table_from_rows(rows: List[dict]) -> dict:
+def vl_table_from_rows(rows: List[dict], vision_prefix: Optional[str] = None) -> dict:
     """Pure: a vision-language registry's rows -> ``{"language": table, "subtrees": [...]}``:
     the language model's rows (``language_model.`` names) in :func:`table_from_rows`' form,
     names relative to the language model; a whole-module row (``visual.**`` <-> ``visual.**``,
     every tensor of the module under the same relative name, unchanged) as a subtree
-    ``{"mcore": "visual.", "hf": "visual."}``. Any other row is refused."""
-    language, subtrees = [], []
+    ``{"mcore": "visual.", "hf": "visual."}``. With ``vision_prefix`` (a tower of megatron-core
+    layers, :data:`VL_VISION_PREFIX`), the rows under it go to ``"vision"`` as patterns
+    ``{"mcore", "hf", "kind"}`` (``*``: an index, ``**``: the rest of the name, filled into the
+    HF patterns in order; TransformerEngine's fused norm names made the local norms'; kinds
+    ``copy`` and ``qkv_concat``). Any other row is refused."""
+    language, subtrees, vision, seen = [], [], [], set()
     for row in rows:
         name, hf = row["megatron"], row["hf"]
         if name.startswith(VL_LANGUAGE_PREFIX):
             language.append(dict(row, megatron=name[len(VL_LANGUAGE_PREFIX) :]))
+        elif vision_prefix and name.startswith(vision_prefix):
+            if row["kind"] not in ("copy", "qkv_concat") or len(hf) != 1:
+                raise UnsupportedMappingError(
+                    f"megatron pattern {name!r}: a vision row of kind {row['kind']!r}"
+                )
+            for fused, local in _TE_FUSED_LOCAL.items():
+                if name.endswith("." + fused):
+                    name = name[: -len(fused)] + local
+            if name not in seen:
+                seen.add(name)
+                vision.append({"mcore": name, "hf": list(hf), "kind": row["kind"]})
         elif (
             name.endswith(".**")
             and len(hf) == 1
@@ -271,7 +296,10 @@ def vl_table_from_rows(rows: List[dict]) -> dict:
             raise UnsupportedMappingError(
                 f"megatron pattern {name!r}: neither the language model's nor a whole module"
             )
-    return {"language": table_from_rows(language), "subtrees": subtrees}
+    out = {"language": table_from_rows(language), "subtrees": subtrees}
+    if vision_prefix:
+        out["vision"] = vision
+    return out
 
 
 def derive_tables() -> dict:
@@ -285,7 +313,10 @@ def derive_tables() -> dict:
             for mt, arch in BRIDGED_ARCHITECTURES.items()
         },
         "vl_families": {
-            mt: dict(architecture=arch, **vl_table_from_rows(bridge_rows(arch)))
+            mt: dict(
+                architecture=arch,
+                **vl_table_from_rows(bridge_rows(arch), VL_VISION_PREFIX.get(mt)),
+            )
             for mt, arch in VL_BRIDGED_ARCHITECTURES.items()
         },
     }

@@ -111,7 +111,7 @@ def convert_vl_hf_to_mcore(
     out_dtype = _DT[dtype] if dtype else src_dtype
     mesh, model = _build(hf, make_vocab_size_divisible_by)
     try:
-        used = load_hf_weights(model, weights)
+        used = load_hf_weights(model, weights, model_type=hf["model_type"])
         model.to(out_dtype)
         padded = model.language_model.embedding.word_embeddings.weight.shape[0]
         meta = {
@@ -166,7 +166,9 @@ def convert_vl_mcore_to_hf(
     try:
         model.to(ck_dtype)
         load_checkpoint(path, [model], load_optimizer=False, load_rng=False)
-        tensors = to_hf_state_dict(model, int(hf["text_config"]["vocab_size"]))
+        tensors = to_hf_state_dict(
+            model, int(hf["text_config"]["vocab_size"]), model_type=hf["model_type"]
+        )
     finally:
         mesh.destroy()
     plan = [(n, out_dtype, tuple(t.shape)) for n, t in tensors.items()]

@@ -6,7 +6,9 @@
 The language model's tensors take the text families' transforms
 (:mod:`areal_mega.checkpoint.hf_mapping`: fused QKV per KV group, ``[gate; up]``, padded
 vocabulary); a whole-module subtree (the vision tower and projector, transformers' own modules
-in the bridge's model) is copied name for name. Every parameter of the model must be found in
+in the bridge's model) is copied name for name; a tower of megatron-core layers (Qwen3-VL's)
+goes tensor by tensor through the table's ``"vision"`` patterns, its attention's ``[q; k; v]``
+regrouped per head as megatron fuses it. Every parameter of the model must be found in
 the checkpoint and every checkpoint tensor must be used (a tied model has no ``lm_head``).
 Single rank for now: the full tensors are copied, so the model must not be tensor-parallel.
 """
@@ -45,8 +47,41 @@ def vl_table(model_type: str) -> dict:
     return fams[model_type]
 
 
+def _vision_regex(pattern: str) -> "re.Pattern":
+    """A vision row's megatron pattern as a regex: ``*`` an index, ``**`` the rest."""
+    parts = re.split(r"(\*\*|\*)", pattern)
+    return re.compile(
+        "^"
+        + "".join(
+            "(.+)" if p == "**" else r"(\d+)" if p == "*" else re.escape(p) for p in parts
+        )
+        + "$"
+    )
+
+
+def _vision_source(table: dict, name: str) -> Optional[Tuple[List[str], str]]:
+    """The HF name and kind of a vision-tower parameter by the table's ``"vision"`` patterns
+    (the wildcards' values filled into the HF pattern in order), or None."""
+    for row in table.get("vision", ()):
+        m = _vision_regex(row["mcore"]).match(name)
+        if m is None:
+            continue
+        pieces = re.split(r"\*\*|\*", row["hf"][0])
+        hf = pieces[0] + "".join(v + p for v, p in zip(m.groups(), pieces[1:]))
+        return [hf], row["kind"]
+    return None
+
+
+def _vision_config(model):
+    c = model.vision_model.config
+    return c.num_attention_heads, c.kv_channels
+
+
 def hf_sources(table: dict, name: str) -> Tuple[List[str], str]:
     """The HF names and transform kind of one megatron parameter ``name`` of the model."""
+    vision = _vision_source(table, name)
+    if vision is not None:
+        return vision
     for sub in table["subtrees"]:
         if name.startswith(sub["mcore"]):
             return [sub["hf"] + name[len(sub["mcore"]) :]], "copy"
@@ -99,6 +134,9 @@ def load_hf_weights(model, weights, *, table: Optional[dict] = None, model_type=
                 t = glu_to_mcore(*ts)
             elif kind == "vocab":
                 t = pad_vocab(ts[0], param.shape[0])
+            elif kind == "qkv_concat":  # [q; k; v] in one tensor, the tower's heads
+                v_heads, v_dim = _vision_config(model)
+                t = qkv_to_mcore(*ts[0].chunk(3, dim=0), v_heads, v_heads, v_dim)
             else:
                 raise UnsupportedModelError(f"{name}: transform {kind!r} is not supported here")
             if tuple(t.shape) != tuple(param.shape):
@@ -133,6 +171,9 @@ def to_hf_state_dict(
             ts = glu_to_hf(t)
         elif kind == "vocab":
             ts = (unpad_vocab(t, vocab_size),)
+        elif kind == "qkv_concat":
+            v_heads, v_dim = _vision_config(model)
+            ts = (torch.cat(qkv_to_hf(t, v_heads, v_heads, v_dim)),)
         else:
             raise UnsupportedModelError(f"{name}: transform {kind!r} is not supported here")
         for h, x in zip(hf, ts):

@@ -59,6 +59,9 @@ __all__ = [
     "PATCHES",
     "check_targets",
     "install_te_placeholder",
+    "BRIDGE_TORCH_VIEW_MODULES",
+    "bridge_patches",
+    "apply_bridge_patches",
     "MEGATRON_CORE_VERSION",
 ]
 
@@ -675,6 +678,48 @@ def check_targets(patches: Optional[list[Patch]] = None) -> list[str]:
     for p in patches or PATCHES:
         probs.extend(p.check())
     return probs
+
+
+#: Megatron-Bridge modules that place tensors on ``torch.cuda.current_device()``: patched
+#: on demand by :func:`apply_bridge_patches` (importing the bridge takes ~20 s, so they are not
+#: part of :data:`PATCHES`, which every CPU process applies)
+BRIDGE_TORCH_VIEW_MODULES = {
+    "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.rope": (
+        ("device=torch.cuda.current_device()",),
+        "Qwen3-VL's multimodal RoPE inv_freq placed on torch.cuda.current_device()",
+    ),
+    "megatron.bridge.models.qwen_vl.modelling_qwen3_vl.utils": (
+        ("device=torch.cuda.current_device()",),
+        "Qwen3-VL's vision RoPE inv_freq placed on torch.cuda.current_device()",
+    ),
+}
+_BRIDGE_APPLIED: set = set()
+
+
+def bridge_patches(prefix: str) -> list:
+    """The :class:`Patch` es of :data:`BRIDGE_TORCH_VIEW_MODULES` whose module starts with
+    ``prefix``."""
+    return [
+        Patch("torch_view:" + module.rsplit(".", 1)[-1], module, "torch_view", expect=s, why=w)
+        for module, (s, w) in BRIDGE_TORCH_VIEW_MODULES.items()
+        if module.startswith(prefix)
+    ]
+
+
+def apply_bridge_patches(prefix: str) -> bool:
+    """Check and apply (once per module) the CPU patches of the Megatron-Bridge modules under
+    ``prefix`` (e.g. ``"megatron.bridge.models.qwen_vl.modelling_qwen3_vl"``), when the CPU
+    patches are needed; :func:`apply` first. Returns whether they are in effect."""
+    if not apply():
+        return False
+    patches = [p for p in bridge_patches(prefix) if p.module not in _BRIDGE_APPLIED]
+    probs = check_targets(patches) if patches else []
+    if probs:
+        raise CompatError("Megatron-Bridge CPU patches no longer match:\n  " + "\n  ".join(probs))
+    for p in patches:
+        p.apply()
+        _BRIDGE_APPLIED.add(p.module)
+    return True
 
 
 def install_te_placeholder() -> bool:

@@ -88,8 +88,8 @@ def check_lora(cfg) -> None:
 
 def check_lora_model(cfg) -> None:
     """With ``lora.enabled``, refuse a ``model.path`` family the adapters do not serve (MoE
-    expert targets, multi-latent attention, gated delta-net layers), reading its config.json;
-    does nothing when it cannot be read (the engine checks again)."""
+    expert targets, multi-latent attention, gated delta-net layers, vision-language models),
+    reading its config.json; does nothing when it cannot be read (the engine checks again)."""
     lo = cfg.lora
     if not lo.enabled or not cfg.model.path:
         return
@@ -115,6 +115,7 @@ def check_lora_model(cfg) -> None:
             gated_mlp=hf.get("hidden_act") != "relu2",
             linear_attention="linear_attention" in (hf.get("layer_types") or ()),
             hybrid=bool(hf.get("layers_block_type") or hf.get("hybrid_override_pattern")),
+            vision_language=hf.get("vision_config") is not None,
         )
     except LoraSupportError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None

@@ -20,10 +20,10 @@ A loss marked :func:`~areal_mega.algo.policy_loss.reads_loss_mask_only` (the pol
 losses) gets logits computed at its ``loss_mask`` rows only (:mod:`areal_mega.engine.loss_rows`;
 its log-probabilities and entropies are 0 elsewhere).
 
-A vision-language model (``model_type`` ``qwen2_5_vl``: :mod:`areal_mega.models.vlm`) is the
-bridge's whole model; each micro-batch carries its samples' images (``pixel_values``,
-``image_grid_thw``, in packed order), the model computes the multimodal positions itself, and
-logits are computed at every row.
+A vision-language model (``model_type`` ``qwen2_5_vl``, ``qwen3_vl``:
+:mod:`areal_mega.models.vlm`) is the bridge's whole model; each micro-batch carries its
+samples' images (``pixel_values``, ``image_grid_thw``, in packed order), the model computes the
+multimodal positions itself, and logits are computed at every row.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from areal_mega.engine.routing_replay import (
     cleared_after,
     free_routing_if,
 )
+from areal_mega.lora.targets import check_vision_language_lora
 from areal_mega.models.backend import resolve_attention
 from areal_mega.models.builder import build_model_chunks, load_hf_config, parse_hf_config
 from areal_mega.models.rope_positions import positions_supported, rope_at_positions
@@ -135,7 +136,7 @@ class MegatronEngine:
         )
         if self.is_vl:
             if lora is not None and getattr(lora, "enabled", False):
-                raise ValueError("LoRA is not supported for vision-language models yet")
+                check_vision_language_lora(self.hf_config["model_type"])  # before building
             chunks, self.config = build_vl_model_chunks(
                 self.hf_config,
                 mesh,

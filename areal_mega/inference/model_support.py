@@ -28,7 +28,12 @@ from typing import Iterable, Optional
 
 from areal_mega.checkpoint.hf_mapping import FAMILIES
 from areal_mega.inference.kv_cache import kv_path_of
-from areal_mega.models.bridge_provider import VL_NOT_RL, VL_PROVIDER_FAMILIES
+from areal_mega.models.bridge_provider import (
+    NOT_BUILT,
+    VL_NOT_BUILT,
+    VL_NOT_RL,
+    VL_PROVIDER_FAMILIES,
+)
 from areal_mega.models.builder import SUPPORTED_MODEL_TYPES
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "server_kv_paths",
     "support_rows",
     "vl_trainer_architectures",
+    "vl_not_built_architectures",
     "markdown_table",
     "SERVER_PATHS",
     "ENGINE_HF_CACHE",
@@ -94,6 +100,16 @@ def vl_trainer_architectures() -> dict:
     }
 
 
+def vl_not_built_architectures() -> dict:
+    """``{architecture: why}`` of the vision-language models the engine does not build
+    (:data:`~areal_mega.models.bridge_provider.VL_NOT_BUILT`, by transformers'
+    image-text-to-text class; the reason is :data:`~areal_mega.models.bridge_provider.
+    NOT_BUILT`'s)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: NOT_BUILT[mt] for mt in VL_NOT_BUILT}
+
+
 def server_kv_paths(model_types: Iterable[str]) -> dict:
     """``{model_type: "static" | "hf_cache"}``: the server's running batch for each model
     type's default transformers config."""
@@ -112,6 +128,7 @@ def support_rows(
     gpu_only: Optional[dict] = None,
     not_built: Optional[dict] = None,
     vl_trainer: Optional[dict] = None,
+    vl_not_built: Optional[dict] = None,
 ) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
@@ -124,7 +141,8 @@ def support_rows(
     ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
     why}`` of the others the engine does not build; ``vl_trainer``: ``{architecture: why}`` of
     the vision-language models the trainer builds (served with images by the CPU server) but
-    RL does not run end to end yet. ``status`` is a
+    RL does not run end to end yet; ``vl_not_built``: ``{architecture: why}`` of those it does
+    not build. ``status`` is a
     :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
     rows, seen = [], set()
     for arch in architectures:
@@ -151,6 +169,8 @@ def support_rows(
             status, why = STATUS["gpu"], gpu_only[model_type]
         elif arch in (vl_trainer or {}):
             status, why = STATUS["no"], vl_trainer[arch]
+        elif arch in (vl_not_built or {}):
+            status, why = STATUS["no"], vl_not_built[arch]
         else:
             status = STATUS["no"]
             why = note or (not_built or {}).get(model_type) or NO_ENGINE_FAMILY

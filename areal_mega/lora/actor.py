@@ -57,9 +57,10 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
     :class:`~areal_mega.lora.targets.LoraSupportError` for a family or layout not served."""
     if lora_cfg is None or not getattr(lora_cfg, "enabled", False):
         return None
-    from areal_mega.lora.layers import apply_lora
+    from areal_mega.lora.layers import apply_lora, trainable_parameter_count
 
     arch, dims = engine.arch, engine.mesh.dims
+    vl = bool(getattr(engine, "is_vl", False))  # a vision-language model (its tower frozen)
     targets = hf_targets(lora_cfg.target_modules)
     check_lora_support(
         model_type=arch.model_type,
@@ -72,15 +73,23 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         gated_mlp=arch.gated_mlp,
         linear_attention=arch.linear_attention_layers is not None,
         hybrid=arch.hybrid_layer_pattern is not None,
+        vision_language=vl,
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())
     n = apply_lora(
-        chunks,
+        # a vision-language model: adapters on its language model; everything else frozen
+        [c.language_model for c in chunks] if vl else chunks,
         rank=lora_cfg.rank,
         alpha=lora_cfg.alpha,
         dropout=lora_cfg.dropout,
         targets=canonical_targets(targets),
     )
+    if vl:
+        for c in chunks:
+            for name, p in c.named_parameters():
+                if ".adapter." not in name:
+                    p.requires_grad_(False)
+        n = trainable_parameter_count(chunks)
     return LoraState(
         rank=lora_cfg.rank,
         alpha=float(lora_cfg.alpha),

@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
+from areal_mega.checkpoint.bridge_tables import VL_LANGUAGE_PREFIX
+from areal_mega.checkpoint.vl_mapping import hf_sources, vl_table
+from areal_mega.models.bridge_provider import VL_PROVIDER_FAMILIES
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -98,19 +101,34 @@ def _full_shapes(arch, slot_hf: str, rank: int) -> Tuple[tuple, tuple]:
     return (rank, out_in[1]), (out_in[0], rank)
 
 
+def _vl_language_table(arch) -> Optional[dict]:
+    """The checkpoint table of a vision-language ``arch`` (its language model's HF names are
+    the modules' names in transformers' model: ``model.language_model.layers.N``), or None."""
+    return vl_table(arch.model_type) if arch.model_type in VL_PROVIDER_FAMILIES else None
+
+
 def _adapters(chunk, arch) -> Iterator[Tuple[str, torch.nn.Module, str]]:
     """``(PEFT module prefix, ParallelLinearAdapter, PEFT projection name)`` of a bare chunk."""
     from areal_mega.checkpoint.export import _layer_offsets
     from areal_mega.lora.layers import adapter_wrappers
 
     offsets = _layer_offsets(chunk)
+    vl = _vl_language_table(arch)
     for name, w in adapter_wrappers(chunk):
         parts = name.split(".")
+        if vl is not None:  # a vision-language model: adapters on its language model only
+            if parts[0] != VL_LANGUAGE_PREFIX[:-1]:
+                raise PeftFormatError(f"LoRA on {name}: not the language model's")
+            parts = parts[1:]
         if parts[:2] != ["decoder", "layers"] or ".".join(parts[3:]) not in _WRAPPED:
             raise PeftFormatError(f"LoRA on {name}: no PEFT mapping for this module")
         layer = offsets[int(parts[2])]
         base_suffix, slots = _WRAPPED[".".join(parts[3:])]
-        hf_names, _ = hm.hf_names_for(arch, layer, None, base_suffix)
+        if vl is not None:
+            base = f"{VL_LANGUAGE_PREFIX}decoder.layers.{layer}.{base_suffix}"
+            hf_names, _ = hf_sources(vl, base)
+        else:
+            hf_names, _ = hm.hf_names_for(arch, layer, None, base_suffix)
         for slot, hf_name in zip(slots, hf_names):
             if slot is not None and slot not in w.adapter:
                 continue  # an untargeted projection of a fused linear

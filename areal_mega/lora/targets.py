@@ -20,6 +20,8 @@ __all__ = [
     "canonical_targets",
     "hf_targets",
     "check_lora_support",
+    "VL_LORA_FAMILIES",
+    "check_vision_language_lora",
     "LoraSupportError",
     "lora_server_flags",
 ]
@@ -93,6 +95,7 @@ def check_lora_support(
     gated_mlp: bool = True,
     linear_attention: bool = False,
     hybrid: bool = False,
+    vision_language: bool = False,
 ) -> None:
     """Refuse LoRA settings this implementation does not serve (pure; raises
     :class:`LoraSupportError` with the reason and what to do instead).
@@ -108,9 +111,12 @@ def check_lora_support(
     Qwen3-Next, Qwen3.5); context parallelism (its
     equality with one rank is not tested for adapters); a LoRA critic; a hybrid model
     (``hybrid``: Nemotron-H's Mamba layers, whose mixer projections have no adapters and whose
-    attention / MLP layers' adapters are not tested there)."""
+    attention / MLP layers' adapters are not tested there); a vision-language model other than
+    :data:`VL_LORA_FAMILIES` (``vision_language``: :func:`check_vision_language_lora`)."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
+    if vision_language:
+        check_vision_language_lora(model_type)
     if hybrid:
         raise LoraSupportError(
             f"LoRA on {model_type}: hybrid (Mamba) models are not supported (the Mamba "
@@ -160,6 +166,29 @@ def check_lora_support(
             "LoRA with critic.enabled: the critic trains all its weights; "
             "not supported with lora.enabled"
         )
+
+
+#: vision-language families whose language model takes adapters (the vision tower frozen)
+VL_LORA_FAMILIES = ("qwen3_vl",)
+
+
+def check_vision_language_lora(model_type: str) -> None:
+    """Refuse LoRA on a vision-language ``model_type`` other than :data:`VL_LORA_FAMILIES`
+    (:class:`LoraSupportError` naming why). Qwen2.5-VL's adapters would be named after its
+    checkpoint (the bridge's table: ``model.layers.N.self_attn.q_proj``, which transformers
+    renames on load), not after the modules PEFT adapts in transformers' model
+    (``model.language_model.layers.N.self_attn.q_proj``)."""
+    if model_type in VL_LORA_FAMILIES:
+        return
+    raise LoraSupportError(
+        f"LoRA on {model_type} (vision-language): not supported. The adapters' PEFT names "
+        "come from the bridge's checkpoint table, which names the language model's tensors "
+        "as the checkpoint stores them (model.layers.N.self_attn.q_proj; transformers renames "
+        "them on load), not as the modules PEFT adapts in transformers' model "
+        "(model.language_model.layers.N.self_attn.q_proj): PEFT would load none of them. "
+        f"LoRA on vision-language models: {', '.join(VL_LORA_FAMILIES)}; or train without "
+        "LoRA (model.freeze_vision trains the language model and the projector)"
+    )
 
 
 def lora_server_flags(cfg) -> list:

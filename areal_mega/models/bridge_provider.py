@@ -55,6 +55,7 @@ __all__ = [
     "PROVIDER_FAMILIES",
     "VL_NOT_RL",
     "VL_PROVIDER_FAMILIES",
+    "VL_NOT_BUILT",
     "HYBRID_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
@@ -174,8 +175,10 @@ PROVIDER_FAMILIES = (
 )
 
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
-#: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`)
-VL_PROVIDER_FAMILIES = ("qwen2_5_vl",)
+#: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`;
+#: Qwen3-VL's model classes built on megatron-core's local layers, the bridge's provider
+#: building them from TransformerEngine's only: :mod:`areal_mega.models.vlm.qwen3_vl`)
+VL_PROVIDER_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 #: why a vision-language family the trainer builds is not an RL family yet
 VL_NOT_RL = (
     "vision-language: the trainer engine builds it from the bridge's provider, converts it bit "
@@ -472,7 +475,19 @@ NOT_BUILT = {
         "AutoModelForCausalLM saves from it) is built"
     ),
     "gemma4": _VLM,
+    "qwen3_vl_moe": (
+        "vision-language MoE: the engine builds the dense Qwen3-VL (qwen3_vl: the bridge's "
+        "Qwen3VLModel on megatron-core's local layers, areal_mega/models/vlm/qwen3_vl.py), not "
+        "its MoE language model: the bridge's provider gives it TransformerEngine's grouped-GEMM "
+        "expert spec, and transformers stores each layer's experts packed in one tensor "
+        "(mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden], down_proj), which our "
+        "vision-language conversion has no rows for"
+    ),
 }
+
+#: vision-language families of :data:`NOT_BUILT` (the family table names them by transformers'
+#: image-text-to-text class: they have no causal-LM class)
+VL_NOT_BUILT = ("qwen3_vl_moe",)
 
 
 def not_built_reason(model_type: str):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from areal_mega.models.vlm.tiny import make_tiny_qwen25_vl
+from areal_mega.models.vlm.tiny import make_tiny_vl
 
 ARCHS = (
     "llama",
@@ -44,7 +44,7 @@ ARCHS = (
 )
 #: vision-language models (:mod:`areal_mega.models.vlm.tiny`): the text model's sizes from
 #: the spec, the vision tower's from its ``vision_*`` fields
-VL_ARCHS = ("qwen2_5_vl",)
+VL_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARSETS = {
     # the demo's vocabulary: digits, arithmetic and separators
@@ -589,7 +589,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
     out.mkdir(parents=True, exist_ok=True)
     tok = build_char_tokenizer(spec.charset)
     if spec.arch in VL_ARCHS:
-        return make_tiny_qwen25_vl(out, spec, tok)
+        return make_tiny_vl(out, spec, tok)
     cfg = _hf_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

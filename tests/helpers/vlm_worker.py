@@ -60,6 +60,13 @@ SAMPLES = [
 ]
 
 
+#: the vision tower's parameter names: transformers' modules (Qwen2.5-VL) or megatron's
+#: (Qwen3-VL)
+VISION_PREFIXES = ("visual.", "vision_model.")
+#: the parameters model.freeze_vision freezes (the tower without its projector)
+FROZEN_TOWER = ("visual.patch_embed.", "visual.blocks.")
+
+
 def engine_micro_batch(samples) -> dict:
     """The engine's micro-batch of ``samples``: packed tokens, next-token labels, every label a
     loss token, the samples' images in packed order."""
@@ -108,8 +115,14 @@ def layout_pass(hf_dir, mcore_dir, mesh, mbs) -> dict:
     tied_copy = not mesh.is_first_stage and inner.share_embeddings_and_output_weights
     for n, p in inner.named_parameters():
         g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-        if n.startswith("visual."):
-            vision[n] = g.detach().float().clone()
+        if n.startswith(VISION_PREFIXES):
+            g = g.detach().float()
+            if getattr(p, "tensor_model_parallel", False) and mesh.dims.tp > 1:
+                # a tower of megatron layers (Qwen3-VL) is tensor-parallel: the full gradient
+                parts = [torch.empty_like(g) for _ in range(mesh.dims.tp)]
+                dist.all_gather(parts, g.contiguous(), group=mesh.tp_group)
+                g = torch.cat(parts, dim=p.partition_dim)
+            vision[n] = g.clone()
         elif tied_copy and n.endswith("output_layer.weight"):
             continue  # the last stage's copy of the tied embedding (the first stage's counts)
         elif getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
@@ -121,8 +134,9 @@ def layout_pass(hf_dir, mcore_dir, mesh, mbs) -> dict:
     return dict(loss=float(stats["loss"]), lps=lps, vision=vision, lm_grad_norm=float(lm_sq.sqrt()))
 
 
-def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps):
-    """The engine on the converted checkpoint: reference logprobs, one actor SFT step."""
+def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps, frozen_tower=FROZEN_TOWER):
+    """The engine on the converted checkpoint: reference logprobs, one actor SFT step
+    (``frozen_tower``: the parameter names ``model.freeze_vision`` freezes)."""
     from areal_mega.config import ModelConfig, OptimizerConfig
     from areal_mega.engine import default_denominator
     from areal_mega.engine.megatron_engine import MegatronEngine
@@ -160,9 +174,7 @@ def engine_checks(res, hf_dir, mcore_dir, mesh, samples, ref_lps):
     res["train_loss"] = float(stats["loss"])
     moved = {n for n, p in model.named_parameters() if not p.detach().equal(before[n])}
     res["train_moved"] = sorted({".".join(n.split(".")[:2]) for n in moved})
-    res["train_frozen_moved"] = sorted(
-        n for n in moved if n.startswith(("visual.patch_embed.", "visual.blocks."))
-    )
+    res["train_frozen_moved"] = sorted(n for n in moved if n.startswith(frozen_tower))
 
 
 def main(hf_dir, mcore_dir, out_path):

@@ -34,18 +34,21 @@ from areal_mega.models.vlm.config import check_vl_config
 __all__ = ["build_vl_model_chunks", "vl_provider"]
 
 
-def _language_layer_spec(use_te: bool):
+def _language_layer_spec(use_te: bool, qk_layernorm: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     from areal_mega.models.builder import _with_varlen_attention
 
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=None, moe_grouped_gemm=False, qk_layernorm=False
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
         )
     return _with_varlen_attention(
         specs.get_gpt_layer_local_spec(
-            num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, normalization="RMSNorm"
+            num_experts=None,
+            moe_grouped_gemm=False,
+            qk_layernorm=qk_layernorm,
+            normalization="RMSNorm",
         )
     )
 
@@ -113,6 +116,9 @@ def vl_provider(
         )
 
     p.provide_language_model = provide_language_model
+    if hf["model_type"] == "qwen3_vl":
+        # the bridge's Qwen3VLModel pads the vocabulary its own way: it gets ours, padded
+        p.vocab_size, p.should_pad_vocab = vocab, False
     p.finalize()
     return p
 
@@ -150,7 +156,19 @@ def build_vl_model_chunks(
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    model = p.provide(pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
+    if hf["model_type"] == "qwen3_vl":
+        from areal_mega.compat.megatron_cpu import apply_bridge_patches
+        from areal_mega.models.vlm.qwen3_vl import build_qwen3_vl_model
+
+        apply_bridge_patches("megatron.bridge.models.qwen_vl.modelling_qwen3_vl")
+        model = build_qwen3_vl_model(
+            p,
+            _language_layer_spec(use_te, qk_layernorm=True),
+            pre_process=mesh.is_first_stage,
+            post_process=mesh.is_last_stage,
+        )
+    else:
+        model = p.provide(pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
     # megatron's schedules read it (the bridge's own model construction sets it too)
     model.model_type = ModelType.encoder_or_decoder
     if mesh.device.type == "cuda":

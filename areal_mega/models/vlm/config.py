@@ -23,6 +23,8 @@ __all__ = [
     "vision_spec",
     "DEFAULT_MAX_PATCHES",
     "DEFAULT_MAX_IMAGES",
+    "check_qwen3_vl_config",
+    "qwen3_vl_text_arch",
 ]
 
 DEFAULT_MAX_PATCHES = 1 << 16
@@ -45,6 +47,8 @@ def check_vl_config(hf: dict):
     mt = hf.get("model_type")
     if mt not in VL_MODEL_TYPES:
         raise ValueError(f"model_type {mt!r} is not a vision-language family we build")
+    if mt == "qwen3_vl":
+        return check_qwen3_vl_config(hf)
     cfg = hf_config_object(hf)
     text = cfg.text_config
     if getattr(text, "use_sliding_window", False):
@@ -71,6 +75,8 @@ def vl_text_arch(hf: dict) -> HFArch:
     around the model: vocabulary, sizes, tied embeddings), ``model_type`` the vision-language
     one; the model itself is built from the whole config (:mod:`areal_mega.models.vlm.builder`)."""
     cfg = check_vl_config(hf)
+    if hf["model_type"] == "qwen3_vl":
+        return qwen3_vl_text_arch(hf, cfg)
     text = cfg.text_config
     heads = int(text.num_attention_heads)
     return HFArch(
@@ -109,4 +115,69 @@ def vision_spec(
         patch_dim=channels * int(v.temporal_patch_size) * int(v.patch_size) ** 2,
         max_patches=int(max_patches),
         max_images=int(max_images),
+    )
+
+
+def check_qwen3_vl_config(hf: dict):
+    """Qwen3-VL (``qwen3_vl``): transformers' config object after refusing what the build does
+    not reproduce (``ValueError`` naming the key): an attention bias (transformers puts one on
+    the output projection too, megatron's ``add_qkv_bias`` on the QKV only), a RoPE scaling
+    other than the multimodal sections, multimodal sections not summing to half the head dim,
+    a text activation other than SiLU, a vision activation other than tanh-approximated GELU
+    (the bridge's vision config fixes it) or a vision position grid that is not square."""
+    cfg = hf_config_object(hf)
+    text, vision = cfg.text_config, cfg.vision_config
+    if getattr(text, "attention_bias", False):
+        raise ValueError(
+            "text_config.attention_bias=True is not supported (transformers adds an output "
+            "projection bias that the bridge's model lacks)"
+        )
+    rope = dict(text.rope_parameters or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"text_config.rope_parameters.rope_type={kind!r} is not supported")
+    section = rope.get("mrope_section", [24, 20, 20])  # transformers' and the bridge's default
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    if sum(section) != head_dim // 2:
+        raise ValueError(
+            f"text_config.rope_parameters.mrope_section={section} does not sum to "
+            f"head_dim/2={head_dim // 2}"
+        )
+    if text.hidden_act != "silu":
+        raise ValueError(f"text_config.hidden_act={text.hidden_act!r} is not supported (silu)")
+    if vision.hidden_act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"vision_config.hidden_act={vision.hidden_act!r} is not supported (gelu_pytorch_tanh)"
+        )
+    side = int(vision.num_position_embeddings**0.5)
+    if side * side != vision.num_position_embeddings:
+        raise ValueError(
+            f"vision_config.num_position_embeddings={vision.num_position_embeddings} is not a "
+            "square grid"
+        )
+    return cfg
+
+
+def qwen3_vl_text_arch(hf: dict, cfg) -> HFArch:
+    """:func:`vl_text_arch` of a Qwen3-VL config (``cfg``: its checked config object): Qwen3's
+    language model (QK norms, no QKV bias, its own head dim)."""
+    text = cfg.text_config
+    heads = int(text.num_attention_heads)
+    return HFArch(
+        model_type=hf["model_type"],
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        num_layers=int(text.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(text.num_key_value_heads or heads),
+        head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads),
+        ffn_hidden_size=int(text.intermediate_size),
+        max_position_embeddings=int(text.max_position_embeddings),
+        rope_theta=float(text.rope_parameters["rope_theta"]),
+        rms_norm_eps=float(text.rms_norm_eps),
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        qkv_bias=False,
+        qk_norm=True,
+        initializer_range=float(text.initializer_range),
+        hf_json=json.dumps(hf, sort_keys=True, default=str),
     )

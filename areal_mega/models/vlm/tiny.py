@@ -22,6 +22,9 @@ __all__ = [
     "add_vision_tokens",
     "make_tiny_qwen25_vl",
     "tiny_qwen25_vl_config",
+    "make_tiny_qwen3_vl",
+    "tiny_qwen3_vl_config",
+    "make_tiny_vl",
 ]
 
 #: Qwen2.5-VL's vision tokens, in the order they are added to the tiny tokenizer
@@ -170,3 +173,130 @@ def make_tiny_qwen25_vl(out: Path, spec, tok) -> Path:
     image_processor().save_pretrained(out)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
+
+
+#: Qwen3-VL's patches are 16 pixels wide: one to four merged patches are 32..64-pixel images
+QWEN3_VL_MIN_PIXELS = 32 * 32
+QWEN3_VL_MAX_PIXELS = 64 * 64
+
+
+def tiny_qwen3_vl_config(spec, vocab_size: int, pad_id: int, eos_id: int):
+    """transformers' ``Qwen3VLConfig`` of a :class:`~areal_mega.models.tiny.TinyModelSpec`: the
+    language model Qwen3's (QK norms, no QKV bias) with interleaved multimodal RoPE; a vision
+    tower of ``spec.vision_depth`` blocks whose first block's features go into the first
+    language layer (deepstack), a 4x4 grid of learnt position embeddings (interpolated to each
+    image's grid); the vision token ids are the last four of the vocabulary."""
+    from transformers import Qwen3VLConfig
+
+    if spec.sliding_window is not None:
+        raise ValueError("sliding_window: the tiny qwen3_vl has none")
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    ids = {t: vocab_size - len(VISION_TOKENS) + i for i, t in enumerate(VISION_TOKENS)}
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        initializer_range=spec.initializer_range,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "mrope_section": _mrope_section(head_dim, spec.mrope_section),
+        },
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+    vision = dict(
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=spec.vision_intermediate_size,
+        num_heads=spec.vision_num_heads,
+        hidden_act="gelu_pytorch_tanh",
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=spec.hidden_size,
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+        initializer_range=spec.initializer_range,
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+
+
+def qwen3_vl_image_processor():
+    """transformers' PIL image processor of the tiny Qwen3-VL (the one ``AutoImageProcessor``
+    picks for ``qwen3_vl`` without torchvision): 16-pixel patches, images of 32..64 pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=QWEN3_VL_MIN_PIXELS,
+        max_pixels=QWEN3_VL_MAX_PIXELS,
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+
+
+def _qwen3_vl_features_bite(model, seed: int) -> None:
+    """As :func:`_make_features_bite`, and the learnt vision position embeddings scaled up
+    (transformers starts them at the initializer's small scale): a wrong interpolation of the
+    grid changes the logits."""
+    import torch
+
+    _make_features_bite(model, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("visual.pos_embed.weight"):
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
+def make_tiny_qwen3_vl(out: Path, spec, tok) -> Path:
+    """Write the tiny Qwen3-VL (config, safetensors, tokenizer with chat template, image
+    processor) to ``out``, as :func:`make_tiny_qwen25_vl` does."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tok = add_vision_tokens(tok)
+    cfg = tiny_qwen3_vl_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
+    for i, t in enumerate(VISION_TOKENS):
+        if tok.convert_tokens_to_ids(t) != len(tok) - len(VISION_TOKENS) + i:
+            raise RuntimeError(f"{t}: not at its id in the tiny tokenizer")
+    torch.manual_seed(spec.seed)
+    model = Qwen3VLForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+    _qwen3_vl_features_bite(model, spec.seed)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    qwen3_vl_image_processor().save_pretrained(out)
+    (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
+    return out
+
+
+def make_tiny_vl(out: Path, spec, tok) -> Path:
+    """The tiny vision-language model of ``spec.arch`` (``qwen2_5_vl`` or ``qwen3_vl``)."""
+    if spec.arch == "qwen3_vl":
+        return make_tiny_qwen3_vl(out, spec, tok)
+    return make_tiny_qwen25_vl(out, spec, tok)
