@@ -40,6 +40,11 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
     if is_vl_model_dir(hf_src_dir):
+        if deltas:
+            raise NotImplementedError(
+                "HF export of a vision-language model with LoRA adapters merged in is not "
+                "supported; export the adapter (PEFT) instead"
+            )
         return _export_vl_hf_dir(engine, hf_src_dir, out, is_writer=is_writer, dtype=dtype)
     tmp = out.with_name(out.name + ".tmp")
     if is_writer:
@@ -121,7 +126,9 @@ def _export_vl_hf_dir(engine, hf_src_dir: Path, out: Path, *, is_writer: bool, d
     if is_writer:
         hf = load_hf_config(hf_src_dir)
         (model,) = engine.model_chunks()
-        tensors = to_hf_state_dict(_unwrapped(model), int(hf["text_config"]["vocab_size"]))
+        tensors = to_hf_state_dict(
+            _unwrapped(model), int(hf["text_config"]["vocab_size"]), model_type=hf["model_type"]
+        )
         tensors = {
             n: (t if dtype is None else t.to(dtype)).to("cpu").contiguous()
             for n, t in tensors.items()
