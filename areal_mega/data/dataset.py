@@ -186,6 +186,7 @@ class PromptDataset:
         kind = detect_format(path, fmt)
         rows = read_records(path, kind)
         base_dir = Path(path).parent
+        skipped_before = self.vision.policy.skipped  # a policy may serve several files
         texts, kept, ids, sources = [], [], [], []
         for row in rows:
             where = _where(path, kind, row)
@@ -225,7 +226,7 @@ class PromptDataset:
             for i, tok_ids in zip(plain, enc):
                 ids[i] = tok_ids
         self.items: list[PromptItem] = []
-        self.n_bad_images = self.vision.policy.skipped
+        self.n_bad_images = self.vision.policy.skipped - skipped_before
         self.n_total = len(kept) + self.n_bad_images
         self.n_dropped = 0
         for row, text, tok_ids, source in zip(kept, texts, ids, sources):
