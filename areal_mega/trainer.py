@@ -76,7 +76,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
     trajs = s.intake.next_groups(cfg.rollout.batch_size) if s.is_rank0 else None  # start order
     if s.is_rank0:  # bad rewards / logprobs / routes: the sample is dropped and counted
         trajs, refused, dropped = screen_samples(trajs, s.intake.route_layout, s.intake.quarantine)
-        plan = batches.plan_step(trajs, cfg, **s.layout, template=dropped[0] if dropped else None)
+        plan = batches.plan_step(
+            trajs, cfg, **s.layout, template=dropped[0] if dropped else None, vision=s.vision
+        )
         plan.stats.update(refused)
     else:
         plan = None

@@ -36,6 +36,10 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
   ``min_versions``, ``finish_codes``, ``seq_no_eos``, ``group_index`` (derived from
   ``group_ids``); ``sample_ids`` / ``group_ids`` (lists of str);
 * ``policy_version``: the weight version that computed ``prox_logprobs`` (attached);
+* images (vision-language models), in packed order, the engine's model input:
+  ``pixel_values`` [patches, patch_dim] and ``image_grid_thw`` [images, 3] of every sequence's
+  images one sequence after the other, ``image_counts`` [B] how many each sequence has (the
+  trajectory's ``multimodal``; all None without images);
 * ``routed_experts`` [T, MoE layers, topk] (with routing replay): the expert ids the rollout
   routed each token to when it was a model *input* — so in the input layout of ``input_ids``,
   not shifted — and -1 where none (each sequence's last token, padding).
@@ -54,7 +58,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS"]
+__all__ = ["PackedBatch", "TOKEN_FIELDS", "ATTACHABLE_FIELDS", "check_images"]
 
 #: Per-token [T] fields (next-token layout).
 TOKEN_FIELDS = (
@@ -82,6 +86,25 @@ ATTACHABLE_FIELDS = (
     "returns",
     "advantages",
 )
+
+
+def check_images(pixel_values, image_grid_thw, image_counts, n_seqs: int) -> None:
+    """A packed batch's images are consistent: all three set, ``image_counts`` [B] summing to
+    the grid's rows, ``pixel_values`` rows = ``sum(t·h·w)`` (ValueError naming the field)."""
+    if pixel_values is None or image_grid_thw is None or image_counts is None:
+        raise ValueError(
+            "PackedBatch: 'pixel_values', 'image_grid_thw' and 'image_counts' go together"
+        )
+    if tuple(image_counts.shape) != (n_seqs,) or int(image_counts.sum()) != len(image_grid_thw):
+        raise ValueError(
+            f"PackedBatch: 'image_counts' {image_counts.tolist()} does not give the "
+            f"{len(image_grid_thw)} images of 'image_grid_thw' to B={n_seqs} sequences"
+        )
+    if pixel_values.dim() != 2 or int(image_grid_thw.prod(-1).sum()) != len(pixel_values):
+        raise ValueError(
+            f"PackedBatch: 'pixel_values' of shape {tuple(pixel_values.shape)} do not hold the "
+            "sum(t*h*w) patches of 'image_grid_thw'"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,6 +140,9 @@ class PackedBatch(Mapping):
     values: Optional[Tensor] = None  # the critic's, with a critic (GAE)
     returns: Optional[Tensor] = None  # GAE returns, the value loss's targets
     routed_experts: Optional[Tensor] = None  # rollout MoE routes [T, layers, topk] (R3)
+    pixel_values: Optional[Tensor] = None  # images of the sequences in packed order
+    image_grid_thw: Optional[Tensor] = None  # [images, 3]
+    image_counts: Optional[Tensor] = None  # [B] images per sequence
 
     def __post_init__(self):
         t = int(self.input_ids.shape[0])
@@ -151,6 +177,9 @@ class PackedBatch(Mapping):
                     f"PackedBatch: per-sequence field {name!r} has "
                     f"{len(getattr(self, name))} entries, expected B={b}"
                 )
+        images = (self.pixel_values, self.image_grid_thw, self.image_counts)
+        if any(x is not None for x in images):
+            check_images(*images, b)
         if tuple(self.cu_seqlens_padded.shape) != (b + 1,):
             raise ValueError("PackedBatch: cu_seqlens_padded must have B+1 entries like cu_seqlens")
 

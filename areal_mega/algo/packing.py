@@ -29,8 +29,12 @@ PER_SEQUENCE_KEYS = frozenset(
         "min_versions",
         "finish_codes",
         "shaped_rewards",
+        "image_counts",
     }
 )
+IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})
+"""A packed batch's images (all its sequences' in packed order; ``image_counts`` [B] says how
+many each sequence has): model inputs, neither per-token nor per-sequence."""
 
 
 def token_seq_ids(cu_seqlens: Tensor, n_tokens: int) -> Tensor:
@@ -102,7 +106,11 @@ def select_sequences(batch: dict, index: Sequence[int] | Tensor) -> dict:
             "not supported; select before CP padding"
         )
     out: dict = {}
+    if batch.get("pixel_values") is not None:
+        out.update(select_images(batch, idx))
     for key, value in batch.items():
+        if key in IMAGE_KEYS:
+            continue
         if key in ("cu_seqlens", "cu_seqlens_padded"):
             out[key] = new_cu.to(value.dtype)
         elif key in ("max_seqlen", "max_seqlen_padded"):
@@ -123,6 +131,31 @@ def select_sequences(batch: dict, index: Sequence[int] | Tensor) -> dict:
                 f"{value.shape[0]}, neither T={n_tokens} nor a per-sequence key"
             )
     return out
+
+
+def select_images(batch: dict, idx: Tensor) -> dict:
+    """``pixel_values`` / ``image_grid_thw`` of sequences ``idx`` (in that order) of a packed
+    batch with images (``image_counts`` [B]); ``image_counts`` itself is indexed with the other
+    per-sequence fields."""
+    counts = batch["image_counts"].to(torch.long).cpu()
+    grid = batch["image_grid_thw"]
+    patches = grid.to(torch.long).prod(-1).cpu()
+    first_image = torch.zeros(counts.numel() + 1, dtype=torch.long)
+    first_image[1:] = counts.cumsum(0)
+    first_patch = torch.zeros(patches.numel() + 1, dtype=torch.long)
+    first_patch[1:] = patches.cumsum(0)
+    images, rows = [], []
+    for b in idx.cpu().tolist():
+        lo, hi = int(first_image[b]), int(first_image[b + 1])
+        images.append(torch.arange(lo, hi))
+        rows.append(torch.arange(int(first_patch[lo]), int(first_patch[hi])))
+    images = torch.cat(images) if images else torch.zeros(0, dtype=torch.long)
+    rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    pixels = batch["pixel_values"]
+    return {
+        "pixel_values": pixels.index_select(0, rows.to(pixels.device)),
+        "image_grid_thw": grid.index_select(0, images.to(grid.device)),
+    }
 
 
 def split_micro_batches(batch: dict, n: int) -> list[dict]:

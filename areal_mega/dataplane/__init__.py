@@ -2,6 +2,8 @@
 
 * :mod:`.trajectory` — :class:`Trajectory`, the unit (numpy arrays + metadata);
   ``validate()`` names bad fields.
+* :mod:`.multimodal` — a trajectory's images (``Trajectory.multimodal``), :class:`VisionSpec`
+  and the checks of the images against the tokens and the receiving model.
 * :mod:`.wire` — :func:`encode_trajectory` / :func:`decode_trajectory`, the wire format
   (msgpack header, small tensors packed in one frame, one zero-copy frame per large tensor,
   schema version, optional HMAC), :class:`WireError` with a reason.
@@ -18,6 +20,7 @@
 """
 
 from areal_mega.dataplane.buffer import BufferFileError, TrajectoryBuffer
+from areal_mega.dataplane.multimodal import VisionSpec
 from areal_mega.dataplane.trajectory import (
     FINISH_REASONS,
     Trajectory,
@@ -42,6 +45,7 @@ __all__ = [
     "BufferFileError",
     "TrajectoryBuffer",
     "FINISH_REASONS",
+    "VisionSpec",
     "Trajectory",
     "TrajectoryError",
     "DataplaneError",

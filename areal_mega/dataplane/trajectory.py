@@ -16,7 +16,9 @@ Metadata: ``sample_id`` (unique), ``group_id`` (same prompt), ``prompt_len``, ``
 (``stop`` | ``length`` | ``abort``), ``created_at`` (unix seconds), ``server_id`` (rollout
 server), ``meta`` (free-form JSON-able extras) and ``token_extras`` (extra per-token arrays of
 length L, e.g. ``ref_logprobs`` or ``values``; ``routed_experts`` alone is ``(L, layers, topk)``
-of an integer dtype, see :mod:`areal_mega.common.moe_routes`).
+of an integer dtype, see :mod:`areal_mega.common.moe_routes`) and ``multimodal`` (the images of
+the prompt: ``pixel_values`` / ``image_grid_thw``, empty for text, see
+:mod:`areal_mega.dataplane.multimodal`).
 
 :meth:`Trajectory.validate` checks every field and raises :class:`TrajectoryError` naming the
 offending field; the data plane runs it on every received message.
@@ -33,6 +35,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from areal_mega.common.moe_routes import ROUTED_EXPERTS
+from areal_mega.dataplane.multimodal import MULTIMODAL_KEYS, WIRE_PREFIX, multimodal_problem
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Allowed values of ``finish_reason``; packed batches encode them as their index here."""
@@ -175,6 +178,7 @@ class Trajectory:
     server_id: str = ""
     meta: dict = field(default_factory=dict)
     token_extras: dict = field(default_factory=dict)
+    multimodal: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sid = self.sample_id or None
@@ -190,6 +194,16 @@ class Trajectory:
             )
             extras[name] = arr
         self.token_extras = extras
+        mm = self.multimodal
+        if mm is None:
+            self.multimodal = {}
+        elif isinstance(mm, Mapping):
+            self.multimodal = {
+                k: _as_array(f"multimodal.{k}", v, MULTIMODAL_KEYS[k], sid)
+                if k in MULTIMODAL_KEYS
+                else v
+                for k, v in mm.items()
+            }
         if self.meta is None:
             self.meta = {}
         elif isinstance(self.meta, dict):
@@ -198,7 +212,7 @@ class Trajectory:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def _from_arrays(
-        cls, arrays: dict, extras: dict, sample_id: Any, meta: Mapping
+        cls, arrays: dict, extras: dict, sample_id: Any, meta: Mapping, multimodal=None
     ) -> "Trajectory":
         """Build without ``__post_init__`` conversions, for :func:`decode_trajectory`.
 
@@ -223,6 +237,7 @@ class Trajectory:
         d["server_id"] = meta.get("server_id", "")
         d["meta"] = {} if m is None else m
         d["token_extras"] = extras
+        d["multimodal"] = {} if multimodal is None else multimodal
         return self
 
     @classmethod
@@ -241,12 +256,14 @@ class Trajectory:
         created_at: Optional[float] = None,
         meta: Optional[dict] = None,
         token_extras: Optional[dict] = None,
+        multimodal: Optional[dict] = None,
     ) -> "Trajectory":
         """Build a trajectory from a prompt and its generated completion.
 
         Prompt tokens get ``loss_mask`` 0, ``logprobs`` 0 and ``versions`` -1; completion tokens
         get ``loss_mask`` 1 with the given logprobs and versions. ``sample_id`` defaults to a
-        random UUID and ``created_at`` to now.
+        random UUID and ``created_at`` to now. ``multimodal``: the prompt's images (module
+        docstring).
         """
         p = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
         c = np.asarray(completion_ids, dtype=np.int32).reshape(-1)
@@ -273,6 +290,7 @@ class Trajectory:
             created_at=time.time() if created_at is None else float(created_at),
             meta=dict(meta or {}),
             token_extras=dict(token_extras or {}),
+            multimodal=dict(multimodal or {}),
         )
 
     # ------------------------------------------------------------------ properties
@@ -313,12 +331,20 @@ class Trajectory:
         """Bytes held by the arrays."""
         return sum(a.nbytes for a in self.arrays().values())
 
+    @property
+    def n_images(self) -> int:
+        """Images of the prompt (0 for a text sample)."""
+        return int(self.multimodal["image_grid_thw"].shape[0]) if self.multimodal else 0
+
     def arrays(self) -> dict[str, np.ndarray]:
-        """All arrays in wire order: core fields, ``reward``, then ``token_extras`` by name."""
+        """All arrays in wire order: core fields, ``reward``, ``token_extras`` by name, then
+        the ``multimodal`` arrays as ``multimodal.<key>``."""
         out = {name: getattr(self, name) for name in CORE_FIELDS}
         out["reward"] = self.reward
         for name in sorted(self.token_extras):
             out[name] = self.token_extras[name]
+        for name in sorted(self.multimodal):
+            out[WIRE_PREFIX + name] = self.multimodal[name]
         return out
 
     def metadata(self) -> dict:
@@ -342,8 +368,10 @@ class Trajectory:
         <= 0 where ``loss_mask`` is 1; ``reward`` finite, shape ``()`` or ``[L]``;
         ``0 <= prompt_len <= L``; ``finish_reason`` in :data:`FINISH_REASONS`; ``sample_id``
         non-empty; ``created_at`` finite; ``meta`` a dict; extras of allowed dtypes, length L,
-        names not reserved (``routed_experts``: shape ``(L, layers, topk)``, integer, >= -1).
-        Returns ``self`` so it can be chained.
+        names not reserved nor starting with ``multimodal.`` (``routed_experts``: shape
+        ``(L, layers, topk)``, integer, >= -1); ``multimodal`` empty or its two arrays
+        consistent (:func:`~areal_mega.dataplane.multimodal.multimodal_problem`; the checks
+        against a model's vision are the receiver's). Returns ``self`` so it can be chained.
         """
         sid = self.sample_id or None
         if type(sid) is not str and not isinstance(sid, str):
@@ -417,11 +445,20 @@ class Trajectory:
             raise TrajectoryError("created_at", f"{ca!r} must be a finite number", sid)
         if type(self.meta) is not dict and not isinstance(self.meta, dict):
             raise TrajectoryError("meta", f"must be a dict, got {type(self.meta).__name__}", sid)
+        if self.multimodal or type(self.multimodal) is not dict:
+            problem = multimodal_problem(self.multimodal)
+            if problem is not None:
+                raise TrajectoryError(*problem, sid)
         if not self.token_extras:
             return self
         for name, arr in self.token_extras.items():
             key = f"token_extras.{name}"
-            if not isinstance(name, str) or not name or name in RESERVED_NAMES:
+            if (
+                not isinstance(name, str)
+                or not name
+                or name in RESERVED_NAMES
+                or name.startswith(WIRE_PREFIX)
+            ):
                 raise TrajectoryError(
                     key, f"name must be a non-empty str, not one of {sorted(RESERVED_NAMES)}", sid
                 )
@@ -470,7 +507,12 @@ class Trajectory:
         missing = [k for k in CORE_FIELDS if k not in d]
         if missing:
             raise TrajectoryError(missing[0], "missing", d.get("sample_id"))
-        extras = {k: v for k, v in d.items() if k not in known and k != "token_extras"}
+        extras = {
+            k: v for k, v in d.items() if k not in known and k not in ("token_extras", "multimodal")
+        }
         extras.update(d.get("token_extras") or {})
         kwargs = {k: d[k] for k in known if k in d}
-        return cls(token_extras=extras, **kwargs)
+        mm = dict(d.get("multimodal") or {})
+        for k in [k for k in extras if k.startswith(WIRE_PREFIX)]:
+            mm[k[len(WIRE_PREFIX) :]] = extras.pop(k)
+        return cls(token_extras=extras, multimodal=mm, **kwargs)

@@ -37,7 +37,8 @@ from typing import Optional
 
 import zmq
 
-from areal_mega.dataplane.trajectory import Trajectory
+from areal_mega.dataplane.multimodal import VisionSpec, vision_problem
+from areal_mega.dataplane.trajectory import Trajectory, TrajectoryError
 from areal_mega.dataplane.wire import (
     Secret,
     WireError,
@@ -312,6 +313,11 @@ class TrajectoryReceiver:
     quarter of the window, so holding one back never blocks a sender. Counters: :attr:`accepted`,
     :attr:`bytes_accepted`, :attr:`rejected` (a ``collections.Counter`` by reason, see
     :data:`~areal_mega.dataplane.wire.REJECT_REASONS`).
+
+    ``vision``: the receiving model's :class:`~areal_mega.dataplane.multimodal.VisionSpec`, or
+    None for a text model; with ``validate`` every trajectory is checked against it
+    (:func:`~areal_mega.dataplane.multimodal.vision_problem`: a text model refuses images, a
+    vision-language one checks them against the tokens) and refused as ``invalid_field``.
     """
 
     def __init__(
@@ -325,12 +331,14 @@ class TrajectoryReceiver:
         validate: bool = True,
         ack_every: Optional[int] = None,
         context: Optional[zmq.Context] = None,
+        vision: Optional[VisionSpec] = None,
     ):
         ep = check_endpoint(endpoint, bind=True, allow_remote=allow_remote)
         check_bind_secret(ep, secret, "trajectory receiver endpoint")
         self._secret = secret_bytes(secret)
         self._max_bytes = int(max_message_bytes)
         self._validate = validate
+        self._vision = vision
         self._ack_cap = 1 << 30 if ack_every is None else max(1, int(ack_every))
         self._unacked: dict[bytes, int] = {}
         self._batch: dict[bytes, int] = {}  # ack batch size per peer (from its routing id)
@@ -422,6 +430,13 @@ class TrajectoryReceiver:
             except WireError as e:
                 self.reject(e)
                 continue
+            if self._validate and (traj.multimodal or self._vision is not None):
+                problem = vision_problem(traj, self._vision)
+                if problem is not None:
+                    self.reject(
+                        WireError("invalid_field", str(TrajectoryError(*problem, traj.sample_id)))
+                    )
+                    continue
             self.accepted += 1
             self.bytes_accepted += sum(map(len, frames))
             if unacked:

@@ -6,6 +6,11 @@ Frame 0 is a msgpack map (the header)::
      "fields": [[name: str, dtype: "<i4", shape: [L], packed: bool], ...],
      "meta": {"group_id", "prompt_len", "finish_reason", "created_at", "server_id", "meta"}}
 
+A trajectory's images (``Trajectory.multimodal``) are two more fields,
+``multimodal.pixel_values`` (float32 [patches, patch_dim]) and ``multimodal.image_grid_thw``
+(int32 [images, 3]), packed or in frames of their own like any field (pixels of more than
+:data:`PACK_THRESHOLD` bytes travel zero-copy).
+
 Frame 1 is the *pack*: the raw bytes of every field with ``packed`` true, in field order, each
 starting at the next multiple of 8 bytes (zero padding between, none after the last); it is
 empty when no field is packed. Frames ``2, 3, ...`` are the raw bytes of the other fields, one
@@ -34,6 +39,7 @@ import msgpack
 import numpy as np
 from zmq import Frame as _Frame
 
+from areal_mega.dataplane.multimodal import MULTIMODAL_KEYS, WIRE_PREFIX
 from areal_mega.dataplane.trajectory import (
     ALLOWED_EXTRA_DTYPES,
     CORE_FIELDS,
@@ -356,9 +362,23 @@ def decode_trajectory(
         if len(arrays) > len(required)
         else {}
     )
+    mm = None
+    if extras and any(n.startswith(WIRE_PREFIX) for n in extras):
+        mm = {}
+        for name in [n for n in extras if n.startswith(WIRE_PREFIX)]:
+            arr = extras.pop(name)
+            key = name[len(WIRE_PREFIX) :]
+            want = MULTIMODAL_KEYS.get(key)
+            if want is not None and arr.dtype != want:
+                raise WireError(
+                    "bad_dtype",
+                    f"field {name!r}: dtype {arr.dtype}, expected {want} "
+                    f"(sample_id={sample_id[:64]!r})",
+                )
+            mm[key] = arr
     # Every core array has its contract dtype (checked above), so the checked constructor
     # would neither convert nor copy: build directly, then run the full validation.
-    traj = Trajectory._from_arrays(arrays, extras, sample_id, meta)
+    traj = Trajectory._from_arrays(arrays, extras, sample_id, meta, mm)
     if validate:
         try:
             traj.validate()

@@ -102,7 +102,8 @@ def loss_view(
         index = index.cpu()
     out = {}
     for k, v in mb.items():
-        if k in LAYOUT_KEYS or k == "routed_experts":  # routes are model input, not loss input
+        # routes and images are model input, not loss input
+        if k in LAYOUT_KEYS or k in ("routed_experts", "pixel_values", "image_grid_thw"):
             continue
         if isinstance(v, torch.Tensor):
             if (

@@ -257,11 +257,15 @@ class MegatronEngine:
     def _images(self, mb: dict) -> dict:
         """A vision-language micro-batch's images, on the device: ``pixel_values`` [patches,
         C·t·p·p] and ``image_grid_thw`` [images, 3] of its samples' images in packed order (None
-        without images; :func:`areal_mega.models.vlm.inputs.pack_samples`)."""
+        without images, also when the micro-batch's samples have none;
+        :func:`areal_mega.models.vlm.inputs.pack_samples`,
+        :func:`areal_mega.scheduler.packing.pack_images`)."""
         out = {}
+        grid = mb.get("image_grid_thw")
+        none = grid is None or len(grid) == 0  # a micro-batch of text samples only
         for key in ("pixel_values", "image_grid_thw"):
             x = mb.get(key)
-            out[key] = None if x is None else torch.as_tensor(x).to(self.mesh.device)
+            out[key] = None if none or x is None else torch.as_tensor(x).to(self.mesh.device)
         return out
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:

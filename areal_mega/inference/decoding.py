@@ -38,6 +38,7 @@ from areal_mega.inference.lora_layers import take_admissible
 from areal_mega.inference.prefix_reuse import PrefixReuse
 from areal_mega.inference.route_capture import RouteCapture
 from areal_mega.inference.sampling import SamplingParams, choose_tokens_isolated
+from areal_mega.inference.vl_model import is_vision_config
 
 __all__ = ["BatchedEngine", "GenRequest", "SamplingParams"]
 
@@ -72,6 +73,8 @@ class GenRequest:
     cached_tokens: int = 0
     kv_epoch: int = -1
     lora: Optional[object] = None  # the LoraAdapter it runs with (None: the base model)
+    # the prompt's images (areal_mega.inference.vl_model.PromptImages; None: a text prompt)
+    images: Optional[object] = None
 
     def _finish(self, reason: dict) -> None:
         if self.finish_reason is None:
@@ -100,6 +103,7 @@ class BatchedEngine:
         capture_routes: bool = False,
         prefix_cache_mb: float = 0.0,
         lora=None,
+        banned_token_ids=(),
     ):
         """``eos_token_id``: one id, a list of ids or None. ``decode(ids) -> str`` is needed
         only for stop strings. ``prepack_linears``: run the model's linear layers through
@@ -108,7 +112,11 @@ class BatchedEngine:
         (:mod:`areal_mega.inference.route_capture`; ValueError for a dense model).
         ``prefix_cache_mb``: memory budget of the prefix cache (0: no cache; only for the
         models :class:`~areal_mega.inference.kv_cache.StaticKVBatch` serves). ``lora``: the
-        model's :class:`~areal_mega.inference.lora_layers.LoraLayers` (None: no LoRA)."""
+        model's :class:`~areal_mega.inference.lora_layers.LoraLayers` (None: no LoRA).
+        ``banned_token_ids``: tokens never sampled (a VL model's vision special tokens): their
+        logits are ``-inf`` before sampling, as a ``logit_bias`` of ``-inf`` would make them.
+        Requests with images are prefilled with them; the prefix cache never serves or keeps
+        their keys/values (a VL model runs on the HF-cache batch, which has no prefix cache)."""
         self.model = model
         self.routes = RouteCapture(model) if capture_routes else None
         self.lora = lora
@@ -132,8 +140,13 @@ class BatchedEngine:
         # batch state (engine thread only)
         self._active: list[GenRequest] = []
         self._batch = make_kv_batch(model)  # row i = self._active[i]
+        self.banned = torch.tensor(sorted(set(banned_token_ids)), dtype=torch.long)
         self.prefix = None
-        if prefix_cache_mb > 0 and isinstance(self._batch, StaticKVBatch):
+        if (
+            prefix_cache_mb > 0
+            and isinstance(self._batch, StaticKVBatch)
+            and not is_vision_config(self.config)
+        ):
             self.prefix = PrefixReuse(self._batch, prefix_cache_mb, self.routes is not None)
         self.prefill_tokens = 0  # prompt tokens forwarded by prefills
         self.cached_tokens = 0  # prompt tokens served by the prefix cache instead
@@ -357,7 +370,12 @@ class BatchedEngine:
         if self.lora is not None:
             self.lora.set_rows([r.lora for r in reqs])
         t0 = time.perf_counter()
-        logits, kv = self._batch.prefill(ids, prefix)
+        if any(r.images is not None for r in reqs):
+            if prefix is not None:  # never: a keys/values cache computed with other images
+                raise RuntimeError("a prompt with images was planned on the prefix cache")
+            logits, kv = self._batch.prefill(ids, images=[r.images for r in reqs])
+        else:
+            logits, kv = self._batch.prefill(ids, prefix)
         self.forward_s["prefill"] += time.perf_counter() - t0
         self.prefill_tokens += n * S
         self.cached_tokens += n * cached
@@ -441,6 +459,8 @@ class BatchedEngine:
         """Choose one token per row (:func:`~areal_mega.inference.sampling.choose_tokens_isolated`)
         and record token, logprob and top logprobs on each request. A row that fails to
         sample is finished with an abort naming the error and gets None as its token."""
+        if self.banned.numel():
+            logits[:, self.banned] = float("-inf")
         tok_list, lps, tops, errors = choose_tokens_isolated(reqs, logits, self.eos_ids)
         for r, tok, lp, top, err in zip(reqs, tok_list, lps, tops, errors):
             if err is not None:

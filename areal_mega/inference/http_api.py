@@ -4,8 +4,9 @@ What SGLang does, and so what this module does:
 - ``/generate`` ignores top-level keys it does not know (SGLang parses the body into a
   dataclass that drops extras), so unmodified clients such as AReaL (which sends
   ``"image_data": null``) are served. Known keys asking for something this server cannot do
-  (multimodal data, LoRA, streaming, hidden states, grammars, ...) are refused with 400 naming
-  the key rather than silently ignored;
+  (videos, audio, LoRA, streaming, hidden states, grammars, ...) are refused with 400 naming
+  the key rather than silently ignored; ``image_data`` is served on a vision-language
+  checkpoint (:mod:`areal_mega.inference.vision`) and refused on a text-only one;
 - ``sampling_params`` keys SGLang does not know are refused (SGLang passes them to
   ``SamplingParams(**...)``, which raises); a key set to ``null`` means its default; ranges are
   SGLang's ``SamplingParams.verify``;
@@ -87,7 +88,6 @@ UNSUPPORTED_SAMPLING = ("stop_regex", "json_schema", "regex", "ebnf", "structura
 # top-level /generate keys that must keep their "off" value here
 UNSUPPORTED_GENERATE = (
     "input_embeds",
-    "image_data",
     "video_data",
     "audio_data",
     "custom_logit_processor",

@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from areal_mega.inference.vl_model import is_vision_config, vl_forward_inputs
+
 
 def resolve_start(start: int, length: int) -> int:
     """SGLang's reading of ``logprob_start_len`` for a prompt of ``length`` tokens: ``-1`` is
@@ -40,12 +42,16 @@ def needs_forward(start: int, length: int) -> bool:
 
 
 @torch.no_grad()
-def input_token_logprobs(model, prompts: list, starts: list, adapters=None, lora=None) -> list:
+def input_token_logprobs(
+    model, prompts: list, starts: list, adapters=None, lora=None, images=None
+) -> list:
     """For each prompt and its resolved start ``k``: ``[None] + [log p(ids[t] | ids[:t]) for t
     in k+1 .. L-1]`` (floats). Prompts of equal length that need values share one forward;
     no padding is ever used, so each row is what a forward of that prompt alone gives.
     ``lora``: the model's :class:`~areal_mega.inference.lora_layers.LoraLayers`, each prompt
-    forwarded with its adapter of ``adapters`` (None: the base model)."""
+    forwarded with its adapter of ``adapters`` (None: the base model). ``images``: a
+    vision-language model's :class:`~areal_mega.inference.vl_model.PromptImages` per prompt
+    (None: none), forwarded with the prompt and its multimodal positions."""
     out: list = [None] * len(prompts)
     by_len: dict = {}
     for i, (ids, k) in enumerate(zip(prompts, starts)):
@@ -57,7 +63,13 @@ def input_token_logprobs(model, prompts: list, starts: list, adapters=None, lora
         ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long)
         if lora is not None:
             lora.set_rows([None if adapters is None else adapters[i] for i in rows])
-        logits = model(input_ids=ids).logits.float()
+        if is_vision_config(model.config):
+            kwargs, _ = vl_forward_inputs(
+                model, ids, [None if images is None else images[i] for i in rows]
+            )
+            logits = model(**kwargs).logits.float()
+        else:
+            logits = model(input_ids=ids).logits.float()
         lp = torch.log_softmax(logits[:, :-1], dim=-1)
         picked = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]: p(ids[t+1])
         for b, i in enumerate(rows):

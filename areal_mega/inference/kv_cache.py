@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.inference.cpu_linear import fused_linear
+from areal_mega.inference.vl_model import is_vision_config, vl_forward_inputs
 from areal_mega.models.sliding_window import (
     SLIDING_WINDOW_MODEL_TYPES,
     hf_sliding_window,
@@ -302,12 +303,16 @@ class HFCacheBatch:
     def __init__(self, model):
         self.model = model
         self.config = model.config
+        # a vision-language model: prompts may carry images, and every forward gets explicit
+        # (multimodal) positions, see areal_mega.inference.vl_model
+        self.vision = is_vision_config(model.config)
         self.reset()
 
     def reset(self) -> None:
         """Drop every row."""
         self._kv: list = []  # per layer (keys [B,H,L,D], values [B,H,L,D]) or RowStates
         self._prefill_len = 0  # the prompt length of the last prefill (its rows' length)
+        self._prefill_next: list = []  # the next position of each row of the last prefill
         self._mask = None  # [B, L] long, 1 = real token
         self._next_pos: list = []
 
@@ -315,7 +320,7 @@ class HFCacheBatch:
     def rows(self) -> int:
         return len(self._next_pos)
 
-    def _forward(self, input_ids, past, attention_mask=None, position_ids=None):
+    def _forward(self, input_ids, past, attention_mask=None, position_ids=None, **extra):
         cache = _cache_keeping_every_key(self.config, past)
         out = self.model(
             input_ids=input_ids,
@@ -324,17 +329,27 @@ class HFCacheBatch:
             attention_mask=attention_mask,
             position_ids=position_ids,
             logits_to_keep=1,
+            **extra,
         )
         kv = [_layer_entry(layer) for layer in out.past_key_values.layers]
         return out.logits[:, -1, :].float(), kv
 
-    def prefill(self, ids: torch.Tensor, prefix=None):
+    def prefill(self, ids: torch.Tensor, prefix=None, images=None):
         """See :meth:`StaticKVBatch.prefill` (no ``prefix``: this batch keeps no prefix
-        cache)."""
+        cache). ``images``: a vision-language model's
+        :class:`~areal_mega.inference.vl_model.PromptImages` per row (None: a row without)."""
         if prefix is not None:
             raise ValueError("HFCacheBatch has no prefix cache")
         self._prefill_len = ids.shape[1]
-        return self._forward(ids, None)
+        if not self.vision:
+            if images is not None and any(im is not None for im in images):
+                raise ValueError("images given to a model without a vision encoder")
+            self._prefill_next = [ids.shape[1]] * ids.shape[0]
+            return self._forward(ids, None)
+        kwargs, self._prefill_next = vl_forward_inputs(
+            self.model, ids, images or [None] * ids.shape[0]
+        )
+        return self._forward(past=None, **kwargs)
 
     def append(self, kv: list, keep: list) -> None:
         """See :meth:`StaticKVBatch.append` (``kv``: the last :meth:`prefill`'s)."""
@@ -350,7 +365,7 @@ class HFCacheBatch:
             mb = F.pad(self._mask, (Lm - Lb, 0))
             mn = F.pad(torch.ones(n, L, dtype=torch.long), (Lm - L, 0))
             self._mask = torch.cat([mb, mn])
-        self._next_pos += [L] * n
+        self._next_pos += [self._prefill_next[i] for i in keep]
 
     def decode(self, last_tokens: list) -> torch.Tensor:
         """See :meth:`StaticKVBatch.decode`."""

@@ -33,7 +33,8 @@ _PER_EXPERT = re.compile(r"^\.experts\.\*\.(\w+)\.weight$")
 
 def checkpoint_renames(model_type: Optional[str]) -> Tuple[Tuple[str, str], ...]:
     """``(regex, replacement)`` pairs of transformers' checkpoint renamings for ``model_type``
-    (its conversion mapping's ``WeightRenaming`` entries), and the per-expert names its expert
+    (a model type or, as transformers looks them up first, a model class name; its conversion
+    mapping's ``WeightRenaming`` entries), and the per-expert names its expert
     fusions read under other names (MiniMax-M2's ``experts.<e>.w1`` / ``w3`` / ``w2`` fused
     into ``gate_up_proj`` / ``down_proj``) renamed to ``gate_proj`` / ``up_proj`` /
     ``down_proj``; the fusions themselves are :class:`ParamTargets`' own."""

@@ -91,6 +91,7 @@ from areal_mega.inference.lora_api import (
     resolve_adapters,
 )
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
+from areal_mega.inference.vision import parse_image_data
 from areal_mega.inference.server_state import (
     MAX_JOIN_TIMEOUT_S,
     MODEL_DTYPES,
@@ -177,16 +178,36 @@ def build_app(
             and srv.engine.routes is not None
         )
         routes_start = parse_routes_start(body, prompts) if routes else 0
+        images = await images_of(body, prompts)
         adapters = await resolve_adapters(srv, body, len(prompts))
         try:
             return await generate_with(
-                body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters
+                body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters,
+                images,
             )
         finally:
             await release_adapters(srv, adapters)
 
+    async def images_of(body: dict, prompts: list) -> list:
+        """Each prompt's decoded and checked images (None: none), see
+        :mod:`areal_mega.inference.vision`; 400 naming the problem."""
+        src = body.get("input_ids")
+        batched = isinstance(src if src is not None else body.get("text"), list) and (
+            src is None or isinstance(src[0], list)
+        )
+        items = parse_image_data(body, prompts, batched)
+        if srv.vision is None:
+            if items is not None and any(items):
+                raise BadRequest("generate.image_data: this model has no vision encoder")
+            return [None] * len(prompts)
+        items = items or [None] * len(prompts)
+        where = ["generate.image_data" + (f"[{i}]" if batched else "") for i in range(len(items))]
+        return await run_blocking(
+            lambda: [srv.vision.encode(p, it, w) for p, it, w in zip(prompts, items, where)]
+        )
+
     async def generate_with(
-        body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters
+        body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters, images
     ):
         version, values = None, [[None]] * len(prompts)
         if starts is not None and any(needs_forward(k, len(p)) for k, p in zip(starts, prompts)):
@@ -195,7 +216,7 @@ def build_app(
             def score():
                 return (
                     input_token_logprobs(
-                        srv.engine.model, prompts, starts, adapters, srv.engine.lora
+                        srv.engine.model, prompts, starts, adapters, srv.engine.lora, images
                     ),
                     srv.engine.weight_version,
                 )
@@ -222,6 +243,7 @@ def build_app(
                     return_routed_experts=routes,
                     routes_start=routes_start,
                     lora=adapters[i // n],
+                    images=images[i // n],
                     # SGLang: with return_logprob no prefix past its start
                     prefix_limit=None if starts is None else starts[i // n],
                 )

@@ -29,6 +29,8 @@ from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_
 from areal_mega.inference.lora_layers import LoraLayers
 from areal_mega.inference.param_targets import ParamTargets, checkpoint_renames
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
+from areal_mega.inference.vision import VisionInputs
+from areal_mega.inference.vl_model import is_vision_config, vision_token_ids
 from areal_mega.parallel.weight_group import (
     broadcast_from_rank0,
     destroy_update_group,
@@ -78,13 +80,18 @@ class LocalRolloutServer:
         :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
         (:mod:`areal_mega.inference.lora_api`); its ``--lora-paths`` are loaded here
         (ValueError naming a bad one)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
         self.api_key = api_key
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype {dtype!r}: must be one of {sorted(MODEL_DTYPES)}")
-        self.model = AutoModelForCausalLM.from_pretrained(
+        vision = is_vision_config(AutoConfig.from_pretrained(model_path))
+        if vision:  # a VL checkpoint: its image-text-to-text class (vision tower included)
+            from transformers import AutoModelForImageTextToText as model_class
+        else:
+            model_class = AutoModelForCausalLM
+        self.model = model_class.from_pretrained(
             model_path, dtype=MODEL_DTYPES[dtype], **attention_implementation(model_path)
         )
         correct_loaded_model(self.model)
@@ -98,6 +105,12 @@ class LocalRolloutServer:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
+        # the images of /generate requests (None: a text-only model refuses image_data)
+        self.vision = VisionInputs(model_path, cfg) if vision else None
+        if vision:
+            if lora is not None and lora.enabled:
+                raise ValueError("LoRA is not served for vision-language checkpoints")
+            cfg = cfg.get_text_config()
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 4096))
         self.decode = None
@@ -124,13 +137,20 @@ class LocalRolloutServer:
             capture_routes=enable_return_routed_experts,
             prefix_cache_mb=prefix_cache_mb,
             lora=layers,
+            banned_token_ids=(
+                vision_token_ids(self.model.config, self.tokenizer) if vision else ()
+            ),
         )
         self.groups: dict = {}  # group name -> process group
         self.joining: set = set()  # group names whose rendezvous is in progress
         self.receiving = 0  # buckets of a distributed weight update being received
         self._groups_lock = threading.Lock()
         self._params = dict(self.model.named_parameters())
-        self._renames = checkpoint_renames(getattr(self.model.config, "model_type", None))
+        # transformers looks a model's checkpoint renamings up by class name first (Qwen2.5-VL's
+        # checkpoint names its text layers model.layers.*, its model model.language_model.*)
+        self._renames = checkpoint_renames(type(self.model).__name__) + checkpoint_renames(
+            getattr(self.model.config, "model_type", None)
+        )
         self._targets = ParamTargets(self.model.state_dict(), self._renames)
         self.started_at = time.time()
 

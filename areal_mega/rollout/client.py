@@ -264,6 +264,7 @@ class RolloutClient:
         return_routed_experts: bool = False,
         routes_from: int = 0,
         lora_path: Optional[str] = None,
+        image_data: Optional[list] = None,
     ) -> GenerateResult:
         """``POST /generate`` with logprobs on the least-loaded server, retrying elsewhere on
         failure. Returns the parsed result (``finish_type`` is stop/length/abort). When every
@@ -272,7 +273,10 @@ class RolloutClient:
         ``return_routed_experts``: ask for SGLang's routes (``GenerateResult.routed_experts``,
         still encoded), from position ``routes_from`` on (``routed_experts_start_len``).
         ``lora_path``: the name of a loaded LoRA adapter to generate with (default
-        :attr:`lora_name`; None there too: the base model)."""
+        :attr:`lora_name`; None there too: the base model). ``image_data``: the prompt's
+        images, one string each in order (see
+        :func:`~areal_mega.rollout.generate_result.generate_body`), with ``input_ids`` the
+        processor-expanded prompt."""
         body = generate_body(
             input_ids,
             sampling_params,
@@ -280,6 +284,7 @@ class RolloutClient:
             return_routed_experts,
             routes_from,
             lora_path if lora_path is not None else self.lora_name,
+            image_data,
         )
         wait_s = self.hooks.down_wait_s
         deadline = time.monotonic() + (wait_s or 0.0)

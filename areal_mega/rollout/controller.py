@@ -102,11 +102,19 @@ class GroupContext:
         return f"{self.group_id}-s{j}"
 
     async def generate(
-        self, input_ids: list, max_new_tokens: int, sample_index: int = 0, turn: int = 0, **sampling
+        self,
+        input_ids: list,
+        max_new_tokens: int,
+        sample_index: int = 0,
+        turn: int = 0,
+        image_data: Optional[list] = None,
+        **sampling,
     ) -> GenerationOutput:
         """Interruptible generation (see :meth:`RolloutController.generate`)."""
         key = f"{self.sample_id(sample_index)}-t{turn}"
-        return await self.ctl.generate(input_ids, max_new_tokens, key=key, **sampling)
+        return await self.ctl.generate(
+            input_ids, max_new_tokens, key=key, image_data=image_data, **sampling
+        )
 
     async def reward(self, fn, *args, **kw) -> float:
         """Run a (blocking) reward function off the event loop; errors give 0 and a log line."""
@@ -382,11 +390,18 @@ class RolloutController:
                     return
 
     async def generate(
-        self, input_ids: list, max_new_tokens: int, key: str, **sampling
+        self,
+        input_ids: list,
+        max_new_tokens: int,
+        key: str,
+        image_data: Optional[list] = None,
+        **sampling,
     ) -> GenerationOutput:
         """Generate ``max_new_tokens`` at most; when a weight update interrupts the request
         (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
-        output with the remaining budget. Tokens carry the version that produced them; with a
+        output with the remaining budget (and the prompt's ``image_data``, the images of a
+        processor-expanded ``input_ids``: SGLang's field, see
+        :func:`~areal_mega.rollout.generate_result.generate_body`). Tokens carry the version that produced them; with a
         ``route_layout`` each call returns the routes of its whole input and output, and each
         token's route is the one of the call that last forwarded it
         (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
@@ -417,7 +432,12 @@ class RolloutController:
                     )
                 )
                 res = await self.client.generate(
-                    list(input_ids) + out, params, rid=f"{key}-r{seg}", sticky_key=key, **route_kw
+                    list(input_ids) + out,
+                    params,
+                    rid=f"{key}-r{seg}",
+                    sticky_key=key,
+                    image_data=image_data,
+                    **route_kw,
                 )
             finally:
                 self.n_inflight_requests -= 1

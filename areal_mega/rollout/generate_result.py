@@ -49,11 +49,15 @@ def generate_body(
     return_routed_experts: bool = False,
     routes_from: int = 0,
     lora_path: Optional[str] = None,
+    image_data: Optional[list] = None,
 ) -> dict:
     """The JSON body of one ``/generate`` call (token ids in, logprobs out, no streaming);
     routes only from position ``routes_from`` (SGLang's ``routed_experts_start_len``: a
     resumed call needs none of the positions routed before); ``lora_path``: the LoRA adapter
-    name (SGLang's field; None: the base model)."""
+    name (SGLang's field; None: the base model). ``image_data``: SGLang's native field, one
+    string per image of the prompt in order (a ``data:image/...;base64,`` URL, raw base64 or a
+    path the server can read); ``input_ids`` are then the processor-expanded prompt (one
+    ``<|image_pad|>`` per merged patch). None or empty: a text prompt."""
     body = {
         "input_ids": list(input_ids),
         "sampling_params": sampling_params,
@@ -64,6 +68,8 @@ def generate_body(
         body["rid"] = rid
     if lora_path is not None:
         body["lora_path"] = lora_path
+    if image_data:
+        body["image_data"] = list(image_data)
     if return_routed_experts:
         body["return_routed_experts"] = True
         if routes_from:

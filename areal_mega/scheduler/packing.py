@@ -24,6 +24,10 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
   ``segment_ids == b``; its loss_mask is 0 and its labels -1.
 * ``labels`` (the engine's next-token targets) are packed like any per-token field; they come
   from the samples (``train.batches.next_token_layout``), nothing here shifts tokens.
+* Images (``Trajectory.multimodal``, or a dict sample's ``multimodal``) are not per-token:
+  ``pixel_values`` [patches, patch_dim] and ``image_grid_thw`` [images, 3] hold the images of
+  all sequences in packed order (what the vision-language engine reads), and ``image_counts``
+  int32 [B] how many each sequence has; all three only when a sequence has images.
 * An empty list packs to a padding-only batch of ``max(pad_to_multiple, 2 * cp_size)``
   tokens (B = 0, ``labels`` all -1), so a rank with an empty micro-batch still runs a
   forward/backward pass with
@@ -67,6 +71,7 @@ _SCALAR_KEYS = {
     "created_at",
     "prompt_len",
     "reward",
+    "multimodal",
 }
 _OUTPUT_KEYS = {
     "input_ids",
@@ -85,6 +90,9 @@ _OUTPUT_KEYS = {
     "sample_ids",
     "group_ids",
     "token_keys",
+    "pixel_values",
+    "image_grid_thw",
+    "image_counts",
 }
 
 
@@ -110,6 +118,7 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
             "sample_id": item.sample_id,
             "group_id": item.group_id,
             "finish_reason": item.finish_reason,
+            "multimodal": item.multimodal,
         }
     if not isinstance(item, Mapping):
         raise PackingError(
@@ -171,6 +180,7 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
         "sample_id": str(item.get("sample_id", "")),
         "group_id": str(item.get("group_id", "")),
         "finish_reason": str(item.get("finish_reason", "stop")),
+        "multimodal": item.get("multimodal") or {},
     }
 
 
@@ -325,7 +335,41 @@ def pack_sequences(
     )
     out["sample_ids"] = [s["sample_id"] for s in seqs]
     out["group_ids"] = [s["group_id"] for s in seqs]
+    out.update(pack_images([s["multimodal"] for s in seqs]))
     return out
+
+
+def pack_images(per_seq: Sequence[Mapping]) -> dict:
+    """The images of packed sequences (each one's ``multimodal``, empty for text), in packed
+    order: ``pixel_values`` / ``image_grid_thw`` (concatenated) and ``image_counts`` int32
+    [B]; an empty dict when no sequence has images."""
+    with_images = [(i, mm) for i, mm in enumerate(per_seq) if mm]
+    if not with_images:
+        return {}
+    pixels, grids = [], []
+    for i, mm in with_images:
+        p, g = (np.asarray(mm[k]) for k in ("pixel_values", "image_grid_thw"))
+        if p.ndim != 2 or g.ndim != 2 or g.shape[1] != 3:
+            raise PackingError(
+                f"sequence {i}: images of shape {tuple(p.shape)} / grid {tuple(g.shape)}, "
+                "expected [patches, patch_dim] / [images, 3]"
+            )
+        if pixels and (p.shape[1] != pixels[0].shape[1] or p.dtype != pixels[0].dtype):
+            raise PackingError(
+                f"sequence {i}: field 'pixel_values' is {p.dtype} {tuple(p.shape)}, the "
+                f"first sequence with images has {pixels[0].dtype} [*, {pixels[0].shape[1]}]"
+            )
+        pixels.append(p)
+        grids.append(g)
+    counts = np.zeros(len(per_seq), np.int32)
+    for (i, _), g in zip(with_images, grids):
+        counts[i] = g.shape[0]
+    return {
+        "pixel_values": torch.from_numpy(np.concatenate(pixels)),
+        # int64 like the image processor's grids (what the vision tower was checked with)
+        "image_grid_thw": torch.from_numpy(np.concatenate(grids).astype(np.int64)),
+        "image_counts": torch.from_numpy(counts),
+    }
 
 
 def zigzag_index(bounds: Sequence[int], total: int, cp_size: int, cp_rank: int) -> torch.Tensor:

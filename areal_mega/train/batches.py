@@ -24,6 +24,7 @@ import numpy as np
 
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.trajectories import filter_trajectories, trajectory_advantages
+from areal_mega.dataplane.multimodal import image_tokens
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.rollout.counts import carried_counts
 from areal_mega.scheduler import plan_micro_batches
@@ -95,7 +96,8 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
     """A packable dict for ``traj``: its per-token fields in next-token layout
     (:func:`next_token_layout`) and its per-sequence data. The MoE routes
     (``token_extras["routed_experts"]`` [L, layers, topk], routing replay) describe each token
-    as a model input, so they stay in the layout of ``input_ids``, unshifted."""
+    as a model input, so they stay in the layout of ``input_ids``, unshifted; so do the
+    prompt's images (``multimodal``), which the packed micro-batch carries in packed order."""
     routes = traj.token_extras.get("routed_experts")
     return {
         **next_token_layout(
@@ -106,12 +108,26 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
             advantages=advantages.astype(np.float32),
         ),
         **({} if routes is None else {"routed_experts": np.asarray(routes)}),
+        "multimodal": traj.multimodal,  # the prompt's images (packed apart: pack_images)
         "prompt_len": traj.prompt_len,
         "reward": traj.total_reward,
         "sample_id": traj.sample_id,
         "group_id": traj.group_id,
         "finish_reason": traj.finish_reason,
     }
+
+
+def budget_lengths(trajs: Sequence[Trajectory], vision=None) -> list:
+    """Each sample's cost against ``scheduler.max_tokens_per_mb`` (and in DP balancing): its
+    tokens, plus for a sample with images its vision tower's work counted as one token per
+    merged patch, ``sum(t·h·w) / merge_size²`` (``vision``: the model's
+    :class:`~areal_mega.dataplane.multimodal.VisionSpec`). So an image token counts twice:
+    once in the language model and once for the ``merge_size²`` patches the vision tower runs
+    on it, whose cost per patch is a few times lower (a narrower, but as deep, transformer:
+    Qwen2.5-VL-7B's tower has width 1280 for the language model's 3584)."""
+    if vision is None:
+        return [t.length for t in trajs]
+    return [t.length + image_tokens(t.multimodal, vision.merge_size) for t in trajs]
 
 
 def group_advantages(
@@ -153,8 +169,12 @@ def plan_step(
     cp_size: int,
     share_prefix: bool = False,
     template: Optional[Trajectory] = None,
+    vision=None,
 ) -> StepPlan:
     """Rank-0 planning of one step: micro-batches per DP rank, sample ids and statistics.
+    ``vision``: a vision-language model's :class:`~areal_mega.dataplane.multimodal.VisionSpec`
+    (the token budget counts the vision tower's work, :func:`budget_lengths`; every
+    micro-batch carries its samples' images in packed order).
     ``share_prefix``: the engines compute shared prompts once (the samples of a prompt group
     are planned together and the budget counts the tokens computed). ``template``: a
     trajectory whose fields the padding micro-batches carry when ``trajs`` is empty (every
@@ -174,6 +194,7 @@ def plan_step(
         stats["response_len/mean"] = float(np.mean(resp))
     samples = [next_token_sample(t, a) for t, a in zip(kept, advs)]
     seqlens = [len(s["input_ids"]) for s in samples]
+    budget = budget_lengths(kept, vision)
     plan_kw = dict(
         dp_size=dp_size,
         max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
@@ -190,7 +211,7 @@ def plan_step(
             **plan_kw,
         )
         if share_prefix
-        else plan_micro_batches(seqlens, **plan_kw)
+        else plan_micro_batches(budget, **plan_kw)
     )
     pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
     # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
@@ -221,6 +242,8 @@ def plan_step(
         stats["versions/max"] = float(max(t.max_version for t in generated))
     stats["n_samples"] = float(len(kept))
     stats["n_tokens_total"] = float(sum(seqlens))
+    if vision is not None:
+        stats["n_images"] = float(sum(t.n_images for t in kept))
     stats["n_micro_batches"] = float(len(plan[0]) if plan else 0)
     return StepPlan(
         micro_batches=per_rank,

@@ -20,6 +20,9 @@ With routing replay (``route_layout``) a trajectory whose ``token_extras.routed_
 not fit the model (shape ``(L, MoE layers, topk)``, ids in ``[-1, num_experts)``) is refused on
 arrival like a message that fails its wire checks: counted under ``invalid_field``
 (``dataplane/rejected``), logged with the sample id and expected vs got, never journaled.
+A trajectory with images is checked against the model's
+:class:`~areal_mega.dataplane.multimodal.VisionSpec` on arrival (a text model refuses images),
+refused under ``invalid_field`` likewise; journal and buffer files keep the images.
 Samples the trainer died on twice are quarantined (:mod:`areal_mega.train.quarantine`,
 ``quarantine`` here: loaded at start, applied by the step's entry screen).
 ``trained.jsonl`` records which samples each step trained on (truncated on resume to the
@@ -44,6 +47,7 @@ from areal_mega.dataplane.journal import (
     segment_number,
     segments_to_retire,
 )
+from areal_mega.dataplane.multimodal import VisionSpec
 from areal_mega.dataplane.prompt_ledger import PromptLedger
 from areal_mega.dataplane.transport import TrajectoryReceiver
 from areal_mega.dataplane.wire import WireError
@@ -67,9 +71,12 @@ class TrajectoryIntake:
         max_message_bytes: int = 1 << 30,
         allow_remote: bool = False,
         route_layout: Optional[RouteLayout] = None,
+        vision: Optional[VisionSpec] = None,
     ):
         """``route_layout``: the model's MoE route layout when routing replay is on (arriving
-        routes are checked against it), else None."""
+        routes are checked against it), else None. ``vision``: a vision-language model's
+        :class:`~areal_mega.dataplane.multimodal.VisionSpec` (arriving images are checked
+        against it and the tokens), None for a text model (a sample with images is refused)."""
         self.run_dir = Path(run_dir)
         self.route_layout = route_layout
         # no sample cap here: journaled samples are accepted (see _pump); memory is bounded by
@@ -83,6 +90,7 @@ class TrajectoryIntake:
             max_queue=max_queue,
             max_message_bytes=max_message_bytes,
             allow_remote=allow_remote,
+            vision=vision,
         )
         self.journal = TrajectoryJournal(self.journal_dir)
         self.quarantine = Quarantine(self.run_dir)  # samples the trainer died on, twice

@@ -41,7 +41,7 @@ from areal_mega.tracking import RunLog
 from areal_mega.tracking.metrics import ProgressBar, plot_metrics
 from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.nonfinite import SkipGuard
-from areal_mega.train.teacher import build_teacher, build_teacher_scorer
+from areal_mega.train.teacher import build_teacher, build_teacher_scorer, vision_of
 from areal_mega.train.weight_sender import broadcast_version, connect_weight_sender
 from areal_mega.train.weights import export_hf_dir, resolve_weight_update
 
@@ -135,6 +135,13 @@ class TrainerSession:
                 seed=cfg.seed,
             )
         self.teacher = build_teacher(cfg, self.mesh)  # OPD's in-trainer teacher, or None
+        # images reach every engine that runs the micro-batches, or the run is refused
+        self.vision = vision_of(
+            cfg,
+            self.actor.hf_config,
+            getattr(self.ref, "hf_config", None),
+            getattr(self.teacher, "hf_config", None),
+        )
         self.teacher_scorer = build_teacher_scorer(cfg)  # OPD's served teacher, or None
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
@@ -308,6 +315,7 @@ class TrainerSession:
             max_message_bytes=cfg.dataplane.max_message_bytes,
             allow_remote=cfg.dataplane.allow_remote,
             route_layout=replay_layout(cfg),
+            vision=self.vision,
         )
         if resumed is not None:
             buf = resumed.get("buffer_file")

@@ -10,6 +10,9 @@
   (``teacher.server_addrs``): a :class:`~areal_mega.rollout.scoring.TeacherServerScorer`, which
   scores given tokens with SGLang's prompt-logprob request (at temperature 1, so
   ``actor.temperature`` must be 1 with a served teacher; the config check says so).
+* :func:`vision_of` — a vision-language student's
+  :class:`~areal_mega.dataplane.multimodal.VisionSpec`, after refusing the engines that could
+  not see its images (a text teacher or reference model, a served teacher, a critic).
 * :func:`teacher_logprobs` — the ONE place teacher logprobs come from: the in-trainer engine's
   forward at ``actor.temperature`` (as the proximal and reference logprobs), or the servers'
   scores of each packed sequence from its first loss token on.
@@ -31,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.algo.distill import opd_advantages, reverse_kl_sums
-from areal_mega.config import check_same_tokenizer
+from areal_mega.config import ConfigError, check_same_tokenizer
+from areal_mega.models.vlm.config import is_vl_config, vision_spec
 from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
 from areal_mega.train.screen import refuse_bad_teacher_rows
@@ -42,6 +46,7 @@ __all__ = [
     "teacher_model_config",
     "teacher_logprobs",
     "opd_step",
+    "vision_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,39 @@ def build_teacher(cfg, mesh):
     return MegatronEngine(
         teacher_model_config(cfg), hf_config=cfg.teacher.path, role="ref", mesh=mesh, seed=cfg.seed
     )
+
+
+def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
+    """The student's :class:`~areal_mega.dataplane.multimodal.VisionSpec` when its HF config
+    ``actor_hf`` is a vision-language model's (its receiver checks arriving images against it),
+    else None.
+
+    Every engine that runs a VL student's micro-batches gets their images, so each must be a
+    vision-language model too: a text reference model (``ref_hf``, from ``ref.path``) or
+    in-trainer teacher (``teacher_hf``, from ``teacher.path``) is refused naming the key
+    (ConfigError), as are a served teacher (``teacher.server_addrs``: its scoring request
+    carries no images) and a critic (``critic.enabled``: the value model has no vision
+    tower)."""
+    if not is_vl_config(actor_hf):
+        return None
+    for key, hf in (("ref.path", ref_hf), ("teacher.path", teacher_hf)):
+        if hf is not None and not is_vl_config(hf):
+            raise ConfigError(
+                f"{key}: a text model ({hf.get('model_type')!r}) cannot see the images of the "
+                f"vision-language student {cfg.model.path!r}; use a vision-language model of "
+                "the same family"
+            )
+    if cfg.mode == "rl" and cfg.algorithm.opd != "off" and cfg.teacher.server_addrs:
+        raise ConfigError(
+            "teacher.server_addrs: a served teacher scores tokens without their images; a "
+            "vision-language student needs an in-trainer teacher (teacher.path)"
+        )
+    if cfg.mode == "rl" and cfg.critic.enabled:
+        raise ConfigError(
+            "critic.enabled: the critic has no vision tower, so it cannot value a "
+            "vision-language student's samples; use a critic-free estimator (e.g. grpo)"
+        )
+    return vision_spec(actor_hf)
 
 
 def build_teacher_scorer(cfg):

@@ -69,17 +69,32 @@ class SampleContext:
         self._client = None
         self.failed: Optional[str] = None  # set by a workflow: why this sample failed
 
-    async def generate(self, input_ids: list, max_new_tokens: Optional[int] = None, **sampling):
+    async def generate(
+        self,
+        input_ids: list,
+        max_new_tokens: Optional[int] = None,
+        image_data: Optional[list] = None,
+        **sampling,
+    ):
         """Interruptible generation of up to ``max_new_tokens`` (default
         ``rollout.max_new_tokens``) after ``input_ids``. Returns a
         :class:`~areal_mega.rollout.controller.GenerationOutput`: ``output_ids``,
         ``logprobs``, ``versions`` (per token, exact across weight updates), ``finish_reason``
         (stop | length | abort), ``n_interruptions``, ``server``. ``sampling``: SGLang
-        sampling parameters (``temperature``, ``top_p``, ``stop``, ``sampling_seed``...)."""
+        sampling parameters (``temperature``, ``top_p``, ``stop``, ``sampling_seed``...).
+        ``image_data``: the prompt's images (one string each, in order: a
+        ``data:image/png;base64,`` URL, raw base64 or a path the servers can read) when
+        ``input_ids`` is a processor-expanded prompt with image placeholders; sent again with
+        the partial output when a weight update interrupts the request."""
         turn, self._turns = self._turns, self._turns + 1
         n = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         return await self.group.generate(
-            list(input_ids), n, sample_index=self.sample_index, turn=turn, **sampling
+            list(input_ids),
+            n,
+            sample_index=self.sample_index,
+            turn=turn,
+            image_data=image_data,
+            **sampling,
         )
 
     @property
@@ -126,9 +141,11 @@ class SampleContext:
         suffix: str = "",
         server_id: str = "",
         meta: Optional[dict] = None,
+        multimodal: Optional[dict] = None,
     ):
         """Freeze ``seq`` into this sample's :class:`Trajectory` (``suffix`` makes the id
-        unique when one sample yields several trajectories)."""
+        unique when one sample yields several trajectories); ``multimodal``: the prompt's
+        images (``pixel_values`` / ``image_grid_thw``, :mod:`areal_mega.dataplane.multimodal`)."""
         return seq.to_trajectory(
             reward=reward,
             sample_id=self.sample_id + suffix,
@@ -137,6 +154,7 @@ class SampleContext:
             finish_reason=finish_reason,
             server_id=server_id,
             meta=meta,
+            multimodal=multimodal,
         )
 
     async def reward(self, fn, *args, **kw) -> float:

@@ -70,9 +70,13 @@ class TokenSeq:
         finish_reason: str,
         server_id: str = "",
         meta: Optional[dict] = None,
+        multimodal: Optional[dict] = None,
     ):
         """Freeze into a :class:`Trajectory` with the data-plane dtypes (routes, when kept, as
-        ``token_extras.routed_experts`` with -1 rows for tokens no server forwarded)."""
+        ``token_extras.routed_experts`` with -1 rows for tokens no server forwarded).
+        ``multimodal``: the prompt's images, ``pixel_values`` / ``image_grid_thw``
+        (:mod:`areal_mega.dataplane.multimodal`; numpy or CPU tensors, converted to float32 /
+        int32)."""
         extras = {}
         if self.routed_experts is not None:
             r, n = self.routed_experts, len(self.input_ids)
@@ -93,6 +97,7 @@ class TokenSeq:
             server_id=server_id,
             meta=dict(meta or {}),
             token_extras=extras,
+            multimodal=dict(multimodal or {}),
         )
 
 

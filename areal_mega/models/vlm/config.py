@@ -11,10 +11,25 @@ from __future__ import annotations
 
 import json
 
+from areal_mega.dataplane.multimodal import VisionSpec
 from areal_mega.models.bridge_provider import VL_PROVIDER_FAMILIES, hf_config_object
 from areal_mega.models.builder import HFArch
 
-__all__ = ["VL_MODEL_TYPES", "is_vl_config", "check_vl_config", "vl_text_arch"]
+__all__ = [
+    "VL_MODEL_TYPES",
+    "is_vl_config",
+    "check_vl_config",
+    "vl_text_arch",
+    "vision_spec",
+    "DEFAULT_MAX_PATCHES",
+    "DEFAULT_MAX_IMAGES",
+]
+
+DEFAULT_MAX_PATCHES = 1 << 16
+"""Patches one sample may carry by default: one image at the Qwen2-VL processors' default
+``max_pixels`` (12,845,056 = 65,536 patches of 14²), about 300 MB of float32 pixels."""
+DEFAULT_MAX_IMAGES = 64
+"""Images one sample may carry by default."""
 
 VL_MODEL_TYPES = VL_PROVIDER_FAMILIES
 
@@ -75,4 +90,23 @@ def vl_text_arch(hf: dict) -> HFArch:
         qk_norm=False,
         initializer_range=float(text.initializer_range),
         hf_json=json.dumps(hf, sort_keys=True, default=str),
+    )
+
+
+def vision_spec(
+    hf: dict, *, max_patches: int = DEFAULT_MAX_PATCHES, max_images: int = DEFAULT_MAX_IMAGES
+) -> VisionSpec:
+    """What the model of the vision-language config ``hf`` accepts on the data plane
+    (:class:`~areal_mega.dataplane.multimodal.VisionSpec`): its ``image_token_id``, the
+    vision tower's ``spatial_merge_size`` and patch size ``in_channels · temporal_patch_size ·
+    patch_size²`` (the image processor's ``pixel_values`` rows), and the bounds."""
+    cfg = check_vl_config(hf)
+    v = cfg.vision_config
+    channels = int(getattr(v, "in_channels", getattr(v, "in_chans", 3)))
+    return VisionSpec(
+        image_token_id=int(cfg.image_token_id),
+        merge_size=int(v.spatial_merge_size),
+        patch_dim=channels * int(v.temporal_patch_size) * int(v.patch_size) ** 2,
+        max_patches=int(max_patches),
+        max_images=int(max_images),
     )
