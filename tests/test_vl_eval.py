@@ -62,7 +62,8 @@ def _images_of(record: dict, base) -> tuple:
 
 @torch.no_grad()
 def hf_greedy(model_dir, data_files):
-    """transformers' greedy decoding of every prompt with its images (the chat template on)."""
+    """transformers' greedy decoding of every prompt with its images (the chat template on),
+    the vision special tokens suppressed: a rollout server never samples them."""
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -71,6 +72,10 @@ def hf_greedy(model_dir, data_files):
         model_dir, dtype=torch.float32
     ).eval()
     reward = load_reward_fn(REWARD)
+    c = model.config
+    vision_ids = [
+        c.vision_start_token_id, c.vision_end_token_id, c.image_token_id, c.video_token_id
+    ]
     out = []
     for f in data_files:
         for line in f.read_text().splitlines():
@@ -86,6 +91,7 @@ def hf_greedy(model_dir, data_files):
                 mm_token_type_ids=s.mm_token_type_ids[None],
                 max_new_tokens=MAX_NEW,
                 do_sample=False,
+                suppress_tokens=vision_ids,
                 eos_token_id=tok.eos_token_id,
                 pad_token_id=tok.pad_token_id,
             )
