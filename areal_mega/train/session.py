@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -47,6 +50,39 @@ from areal_mega.train.weights import export_hf_dir, resolve_weight_update
 
 log = logging.getLogger(__name__)
 
+
+
+_VL_CONVERT = (
+    "import json, sys\n"
+    "from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore\n"
+    "convert_vl_hf_to_mcore(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3]))\n"
+)
+
+
+def convert_vl_in_child(hf_dir, out, conversion: dict) -> None:
+    """A vision-language HF directory converted into ``out``
+    (:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore`) in a child process: that
+    converter builds the whole model under a one-process mesh of its own and tears it down,
+    which must not replace this trainer rank's. Raises ``RuntimeError`` with the child's last
+    output when it fails."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        and not k.startswith(("TORCHELASTIC_", "MASTER_"))
+    }
+    kw = {k: conversion[k] for k in ("tp", "pp", "dtype", "make_vocab_size_divisible_by")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _VL_CONVERT, str(hf_dir), str(out), json.dumps(kw)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"converting the vision-language model {hf_dir} failed:\n"
+            + (proc.stderr or proc.stdout)[-2000:]
+        )
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be saved for a reason no relaunch cures (a full disk); the
@@ -90,7 +126,7 @@ class TrainerSession:
         returning, so the rollout servers generate with the trained weights. Raises
         :class:`~areal_mega.config.ConfigError` for an unusable ``rollout.weight_update``.
         """
-        from areal_mega.engine.megatron_engine import MegatronEngine
+        from areal_mega.engine.megatron_engine import MegatronEngine, vision_special_token_ids
         from areal_mega.parallel.mesh import ParallelMesh
 
         self.cfg = cfg
@@ -142,6 +178,13 @@ class TrainerSession:
             getattr(self.ref, "hf_config", None),
             getattr(self.teacher, "hf_config", None),
         )
+        if self.vision is not None and cfg.mode == "rl":
+            # the servers never sample the vision special tokens: the policy, and the
+            # distributions it is compared with, leave them out
+            banned = vision_special_token_ids(self.actor.hf_config)
+            for eng in (self.actor, self.ref, self.teacher):
+                if isinstance(eng, MegatronEngine):
+                    eng.banned_token_ids = banned
         self.teacher_scorer = build_teacher_scorer(cfg)  # OPD's served teacher, or None
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
@@ -257,6 +300,7 @@ class TrainerSession:
             if not current:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
+                    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
                     if src.exists():
                         print(
@@ -265,7 +309,10 @@ class TrainerSession:
                             flush=True,
                         )
                         shutil.rmtree(src)
-                    convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
+                    if is_vl_model_dir(hf_dir):
+                        convert_vl_in_child(hf_dir, src, conversion)
+                    else:
+                        convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
                     (src / SOURCE_FILE).write_text(json.dumps(identity))
                 if dist.is_initialized():
                     dist.barrier()
