@@ -52,6 +52,7 @@ def main(argv=None):
         gpu_only=GPU_ONLY,
         not_built=NOT_BUILT,
         vl_trainer=ms.vl_trainer_architectures(),
+        vl_rl=ms.vl_rl_architectures(),
     )
     if args.json:
         print(json.dumps(rows, indent=1))

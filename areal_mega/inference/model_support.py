@@ -27,7 +27,12 @@ from typing import Iterable, Optional
 
 from areal_mega.checkpoint.hf_mapping import FAMILIES
 from areal_mega.inference.kv_cache import kv_path_of
-from areal_mega.models.bridge_provider import VL_NOT_RL, VL_PROVIDER_FAMILIES
+from areal_mega.models.bridge_provider import (
+    VL_END_TO_END,
+    VL_NOT_RL,
+    VL_PROVIDER_FAMILIES,
+    VL_RL_FAMILIES,
+)
 from areal_mega.models.builder import SUPPORTED_MODEL_TYPES
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "causal_lm_model_types",
     "server_kv_paths",
     "support_rows",
+    "vl_rl_architectures",
     "vl_trainer_architectures",
     "markdown_table",
     "SERVER_PATHS",
@@ -81,12 +87,23 @@ def causal_lm_model_types() -> dict:
 def vl_trainer_architectures() -> dict:
     """``{architecture: why}`` of the vision-language models the trainer engine builds
     (:data:`~areal_mega.models.bridge_provider.VL_PROVIDER_FAMILIES`, by transformers'
-    image-text-to-text class) and why they are not an RL family yet."""
+    image-text-to-text class) but RL does not run yet, and why."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return {
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_NOT_RL for mt in VL_PROVIDER_FAMILIES
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_NOT_RL
+        for mt in VL_PROVIDER_FAMILIES
+        if mt not in VL_RL_FAMILIES
     }
+
+
+def vl_rl_architectures() -> dict:
+    """``{architecture: note}`` of the vision-language models RL runs end to end on the CPU
+    (:data:`~areal_mega.models.bridge_provider.VL_RL_FAMILIES`, by transformers'
+    image-text-to-text class)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_END_TO_END for mt in VL_RL_FAMILIES}
 
 
 def server_kv_paths(model_types: Iterable[str]) -> dict:
@@ -107,6 +124,7 @@ def support_rows(
     gpu_only: Optional[dict] = None,
     not_built: Optional[dict] = None,
     vl_trainer: Optional[dict] = None,
+    vl_rl: Optional[dict] = None,
 ) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
@@ -118,8 +136,11 @@ def support_rows(
     exports (tells "not a causal LM" from "not in transformers"); ``gpu_only``:
     ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
     why}`` of the others the engine does not build; ``vl_trainer``: ``{architecture: why}`` of
-    the vision-language models the trainer builds but RL does not run yet. ``status`` is a
-    :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
+    the vision-language models the trainer builds but RL does not run yet; ``vl_rl``:
+    ``{architecture: note}`` of those RL runs end to end (the engine builds them, the CPU server
+    runs them through transformers' cache). ``status`` is a :data:`STATUS` value and
+    ``status_note`` its reason (GPU only / not supported) or, for a vision-language model, its
+    note."""
     rows, seen = [], set()
     for arch in architectures:
         if arch in seen:
@@ -127,7 +148,9 @@ def support_rows(
         seen.add(arch)
         types = causal_lm.get(arch) or []
         model_type = engine.get(arch) or (types[0] if types else None)
-        if model_type is not None and model_type in types:
+        if arch in (vl_rl or {}):  # transformers' VL class on the server's HF-cache batch
+            server, note = ENGINE_HF_CACHE, ""
+        elif model_type is not None and model_type in types:
             path = kv_paths[model_type]
             server = (
                 ENGINE_HF_CACHE if arch in engine and path == "hf_cache" else SERVER_PATHS[path]
@@ -139,6 +162,8 @@ def support_rows(
             server, note = "no", "not a causal LM for AutoModelForCausalLM"
         if arch in engine:
             status, why = STATUS["cpu"], ""
+        elif arch in (vl_rl or {}):
+            status, why = STATUS["cpu"], vl_rl[arch]
         elif model_type is not None and (gpu_only or {}).get(model_type):
             status, why = STATUS["gpu"], gpu_only[model_type]
         elif arch in (vl_trainer or {}):
@@ -150,7 +175,7 @@ def support_rows(
             {
                 "architecture": arch,
                 "model_type": model_type,
-                "engine": arch in engine,
+                "engine": arch in engine or arch in (vl_rl or {}),
                 "server": server,
                 "note": note,
                 "status": status,

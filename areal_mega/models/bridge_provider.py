@@ -53,8 +53,10 @@ __all__ = [
     "ARCH_FIELDS",
     "GPT_FIELDS",
     "PROVIDER_FAMILIES",
+    "VL_END_TO_END",
     "VL_NOT_RL",
     "VL_PROVIDER_FAMILIES",
+    "VL_RL_FAMILIES",
     "HYBRID_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
@@ -176,6 +178,15 @@ PROVIDER_FAMILIES = (
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
 #: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`)
 VL_PROVIDER_FAMILIES = ("qwen2_5_vl",)
+#: the vision-language families RL runs end to end on the CPU (images through the rollout
+#: server, the workflow, the data plane and the trainer), and what the family table says of them
+VL_RL_FAMILIES = ("qwen2_5_vl",)
+VL_END_TO_END = (
+    "vision-language: the engine builds it from the bridge's provider and trains it (DP, TP "
+    "with SP, PP), the CPU server runs transformers' model with SGLang's image_data, and RL "
+    "with images runs end to end with server logprobs equal to the trainer's; RL's weight "
+    "export to the servers needs trainer TP 1 and PP 1 for now (tested at one rank)"
+)
 #: why a vision-language family the trainer builds is not an RL family yet
 VL_NOT_RL = (
     "vision-language: the trainer engine builds it from the bridge's provider, converts it bit "
