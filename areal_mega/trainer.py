@@ -51,6 +51,9 @@ def rl_step(s: TrainerSession, step: int) -> dict:
        does not train.
     With ``algorithm.opd`` (on-policy distillation, ``train.teacher.opd_step``): the teacher's
        logprobs are attached and the OPD term replaces or joins the advantages (after GAE).
+    With a vision-language student (``s.vision``) every micro-batch carries its samples'
+       images in packed order, so the proximal, reference, teacher and training forwards all
+       see them; the token budget counts the vision tower's work (``batches.budget_lengths``).
     3. The loss is built from ``cfg.algorithm`` by ``make_policy_loss`` (so every algorithm key,
        e.g. ``kl_clamp``, reaches it here) and the actor takes ``actor.ppo_n_minibatches``
        optimizer steps (``train_batch``, collective over the trainer ranks). A step the

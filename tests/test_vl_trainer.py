@@ -15,6 +15,7 @@ import torch
 from areal_mega.algo.batch import PackedBatch
 from areal_mega.algo.packing import select_sequences, split_micro_batches
 from areal_mega.config import ConfigError, load_config
+from areal_mega.scheduler import PlanError
 from areal_mega.scheduler.packing import pack_sequences
 from areal_mega.train import batches
 from areal_mega.train.teacher import vision_of
@@ -129,6 +130,12 @@ def test_plan_step_balances_images_with_their_samples_and_budgets_vision_work():
     assert batches.budget_lengths(trajs, SPEC) == [_cost(t) for t in trajs]
     assert [_cost(t) - t.length for t in trajs[:12]] == [2] * 4 + [5] * 4 + [0] * 4
     assert batches.budget_lengths(trajs[:3]) == [t.length for t in trajs[:3]]
+    big = make_vl_traj(99, ((1, 8, 8),), n_completion=2)  # 24 tokens + 16 for the tower
+    assert big.length == 24
+    small = load_config(None, ["scheduler.max_tokens_per_mb=32"])
+    batches.plan_step([big], small, dp_size=1, tp_size=1, pp_size=1, cp_size=1)  # text budget
+    with pytest.raises(PlanError, match="length 40 exceeds max_tokens_per_mb=32.*vision tower"):
+        batches.plan_step([big], small, dp_size=1, tp_size=1, pp_size=1, cp_size=1, vision=SPEC)
     # the same trajectories without the vision budget fit in fewer micro-batches
     fewer = batches.plan_step(trajs, cfg, dp_size=2, tp_size=2, pp_size=1, cp_size=1)
     assert len(fewer.micro_batches[0]) < len(plan.micro_batches[0])
@@ -170,3 +177,46 @@ def test_engines_that_cannot_see_the_images_are_refused_by_name(tmp_path):
         vision_of(_cfg("algorithm.opd=pure", "teacher.server_addrs=[http://x:1]"), vl)
     with pytest.raises(ConfigError, match="critic.enabled"):
         vision_of(_cfg("critic.enabled=true", "algorithm.adv_estimator=gae"), vl)
+
+
+def test_intake_journals_images_and_a_resume_replays_them(tmp_path):
+    """The trainer intake of a VL student (vision=SPEC): groups with images arrive over the
+    socket, a sample whose placeholders do not match its images is refused (invalid_field),
+    the accepted ones are journaled; a resumed intake replays them bit for bit. A text
+    student's intake refuses every sample with images and takes the text ones."""
+    from areal_mega.dataplane import TrajectorySender
+    from areal_mega.train.intake import TrajectoryIntake
+
+    trajs = _groups(n=3, n_groups=3)  # g0, g1 with images, g2 text
+    bad = make_vl_traj(50, sample_id="bad", group_id="g9")
+    bad.input_ids[1] = SPEC.image_token_id  # one placeholder too many
+    run = tmp_path / "run"
+    intake = TrajectoryIntake(f"ipc://{tmp_path}/a.sock", run, group_size=3, vision=SPEC).start()
+    try:
+        with TrajectorySender(intake.receiver.endpoint) as tx:
+            for t in [bad, *trajs]:
+                tx.send(t)
+        got = intake.next_groups(3, timeout=60)
+        assert sorted(t.sample_id for t in got) == sorted(t.sample_id for t in trajs)
+        assert intake.stats()["dataplane/rejected_total"] == 1.0
+        assert intake.receiver.rejected == {"invalid_field": 1}
+    finally:
+        intake.close()
+    resumed = TrajectoryIntake(f"ipc://{tmp_path}/b.sock", run, group_size=3, vision=SPEC)
+    try:
+        assert resumed.restore(None, 0) == len(trajs)
+        by_id = {t.sample_id: t for t in trajs}
+        back = resumed.buffer.pending()
+        assert len(back) == len(trajs) and all(t.equals(by_id[t.sample_id]) for t in back)
+    finally:
+        resumed.close()
+    text = TrajectoryIntake(f"ipc://{tmp_path}/c.sock", tmp_path / "run2", group_size=3).start()
+    try:
+        with TrajectorySender(text.receiver.endpoint) as tx:
+            for t in trajs:
+                tx.send(t)
+        got = text.next_groups(1, timeout=60)  # the text group only
+        assert {t.group_id for t in got} == {"g2"}
+        assert text.receiver.rejected == {"invalid_field": 6}
+    finally:
+        text.close()

@@ -27,7 +27,7 @@ from areal_mega.algo.trajectories import filter_trajectories, trajectory_advanta
 from areal_mega.dataplane.multimodal import image_tokens
 from areal_mega.dataplane.trajectory import Trajectory
 from areal_mega.rollout.counts import carried_counts
-from areal_mega.scheduler import plan_micro_batches
+from areal_mega.scheduler import PlanError, plan_micro_batches
 from areal_mega.scheduler.packing import PER_TOKEN_FILL, pack_sequences
 from areal_mega.scheduler.shared_prefix import plan_grouped_micro_batches
 
@@ -203,16 +203,24 @@ def plan_step(
         balance_by=cfg.scheduler.balance_by,
         flops_linear_coef=cfg.scheduler.flops_linear_coef,
     )
-    plan = (
-        plan_grouped_micro_batches(
-            [s["input_ids"] for s in samples],
-            [s["labels"] for s in samples],
-            [s["loss_mask"] for s in samples],
-            **plan_kw,
+    try:
+        plan = (
+            plan_grouped_micro_batches(
+                [s["input_ids"] for s in samples],
+                [s["labels"] for s in samples],
+                [s["loss_mask"] for s in samples],
+                **plan_kw,
+            )
+            if share_prefix
+            else plan_micro_batches(budget, **plan_kw)
         )
-        if share_prefix
-        else plan_micro_batches(budget, **plan_kw)
-    )
+    except PlanError as e:
+        if vision is None:
+            raise
+        raise PlanError(
+            f"{e} (with images a sample's length is its tokens plus sum(t*h*w)/merge_size^2 "
+            "for its vision tower's work: train.batches.budget_lengths)"
+        ) from None
     pad_to = tp_size * (2 * cp_size if cp_size > 1 else 1)
     # an empty micro-batch (a DP rank with fewer samples than micro-batches, or a step whose
     # every group the dynamic filter dropped) is padding carrying every field of the step's

@@ -109,7 +109,9 @@ class TrainerSession:
     ``rollout.weight_update=distributed``, ``weight_sender``; these are None on other ranks.
     Other attributes: ``cfg``, ``run_dir``, ``mesh``, ``layout`` (dp/tp/pp/cp sizes for
     planning), ``actor``, ``ref`` (None without ``ref.enabled``), ``teacher`` (OPD's
-    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``skips``
+    in-trainer teacher, :func:`~areal_mega.train.teacher.build_teacher`, or None), ``vision``
+    (a vision-language student's :class:`~areal_mega.dataplane.multimodal.VisionSpec`, or
+    None: :func:`~areal_mega.train.teacher.vision_of`), ``skips``
     (the :class:`~areal_mega.train.nonfinite.SkipGuard` of non-finite steps), ``ckpt_root``,
     ``start_step`` (last completed step; 0 on a fresh run), ``weight_update``.
     """
