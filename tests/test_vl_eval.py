@@ -149,6 +149,22 @@ def test_greedy_eval_with_images_equals_transformers_generate(assets, tmp_path):
     assert res["settings"]["on_bad_image"] == "error"
 
 
+def test_eval_of_a_vl_checkpoint_equals_its_hf_model(assets, tmp_path):
+    """--checkpoint with one of our vision-language checkpoints: converted back to HF (with its
+    image processor) first; the evaluation equals the HF model's."""
+    from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore
+
+    model, test, extra = assets
+    ckpt = tmp_path / "mcore"
+    convert_vl_hf_to_mcore(model, ckpt, dtype="fp32", make_vocab_size_divisible_by=1)
+    hf = eval_main(_args(model, [test], tmp_path / "hf.json"))
+    args = _args(model, [test], tmp_path / "ck.json")
+    args[:2] = ["--checkpoint", str(ckpt)]
+    ours = eval_main(args)
+    assert [r["output_ids"] for r in ours["records"]] == [r["output_ids"] for r in hf["records"]]
+    assert ours["summary"] == hf["summary"]
+
+
 def test_bad_image_in_eval_data_is_named_or_skipped(assets, tmp_path, capsys):
     model, test, extra = assets
     bad = extra.parent / "bad.jsonl"

@@ -77,11 +77,19 @@ def resolve_model_dir(args, workdir: Path) -> Path:
             )
         return hf
     from areal_mega.checkpoint.convert import convert_mcore_to_hf
+    from areal_mega.checkpoint.vl_convert import (
+        checkpoint_config_dir,
+        convert_vl_mcore_to_hf,
+        is_vl_model_dir,
+    )
 
     out = workdir / "hf"
     ckpt = resolve_checkpoint(ckpt)  # the latest iter_* of a root; a clear error if none
     print(f"[eval] converting checkpoint {ckpt} to HF format", file=sys.stderr)
-    convert_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config, progress=False)
+    if is_vl_model_dir(checkpoint_config_dir(ckpt, args.hf_config)):  # with its image processor
+        convert_vl_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config)
+    else:
+        convert_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config, progress=False)
     return out
 
 
