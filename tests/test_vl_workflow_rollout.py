@@ -25,31 +25,42 @@ from areal_mega.rewards import load_reward_fn
 from areal_mega.rollout.client import RolloutClient
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.worker import PromptCursor, StampedWorkflow
-from areal_mega.workflow.builtin import RLVRWorkflow
+from areal_mega.workflow.builtin import MultiTurnWorkflow, RetryEnvironment, RLVRWorkflow
 from tests.helpers.rollout import API_KEY, GroupSink
 
 pytestmark = pytest.mark.timeout(300)
 N_SAMPLES = 3
 
 
-def test_rlvr_groups_share_one_encoding_of_their_images(tmp_path):
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny Qwen2.5-VL, a dataset of three image records with the same text, its tokenizer
+    and a CPU rollout server."""
+    d = tmp_path_factory.mktemp("vl_workflow")
     # initializer_range 0.2: greedy completions that differ with the image (0.02's do not)
     model = make_tiny_model(
-        tmp_path / "model", arch="qwen2_5_vl", charset="digits", seed=5, initializer_range=0.2
+        d / "model", arch="qwen2_5_vl", charset="digits", seed=5, initializer_range=0.2
     )
-    data = write_task(tmp_path / "data", "count", n_train=3, n_test=1, seed=5, question="=")
-    tok = load_tokenizer(str(model))
-    ds = PromptDataset(data / "train.jsonl", tok, vision=VisionPrompts(str(model)))
-    cursor = PromptCursor(ds, seed=0, shuffle=False)
-    wf = StampedWorkflow(RLVRWorkflow(load_reward_fn("areal_mega.rewards:char_match_reward"), 5))
+    data = write_task(d / "data", "count", n_train=3, n_test=1, seed=5, question="=")
     (proc,) = launch_local_servers(str(model), 1, api_key=API_KEY)
+    try:
+        yield model, data, load_tokenizer(str(model)), proc
+    finally:
+        proc.stop()
+
+
+def _groups(setup, workflow, n_groups=3):
+    """``n_groups`` groups of the dataset's prompts (in order) run by ``workflow`` as the
+    rollout worker runs it: its prompt cursor, the controller, greedy decoding."""
+    model, data, tok, proc = setup
+    ds = PromptDataset(data / "train.jsonl", tok, vision=VisionPrompts(str(model)))
     sink = GroupSink()
     client = RolloutClient([proc.addr], api_key=API_KEY, timeout_s=120, retries=4)
     ctl = RolloutController(
         client,
-        wf,
-        cursor,
-        batch_size=3,
+        StampedWorkflow(workflow),
+        PromptCursor(ds, seed=0, shuffle=False),
+        batch_size=n_groups,
         n_samples=N_SAMPLES,
         eta=1,
         sink=sink,
@@ -58,10 +69,15 @@ def test_rlvr_groups_share_one_encoding_of_their_images(tmp_path):
         ignore_eos=True,
     ).start()
     try:
-        groups = sink.take(ctl, 3, timeout=240)
+        return ds, sink.take(ctl, n_groups, timeout=240)
     finally:
         ctl.stop()
-        proc.stop()
+
+
+def test_rlvr_groups_share_one_encoding_of_their_images(setup):
+    model, data, tok, _ = setup
+    reward = load_reward_fn("areal_mega.rewards:char_match_reward")
+    ds, groups = _groups(setup, RLVRWorkflow(reward, 5))
     records = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
     proc_ = load_image_processor(model)
     spec = vision_spec(load_hf_config(model))
@@ -93,3 +109,29 @@ def test_rlvr_groups_share_one_encoding_of_their_images(tmp_path):
     # the prompts' texts are equal: different completions come from the images the server got
     assert len({ds[i].prompt for i in range(3)}) == 1
     assert len(set(outputs)) >= 2, outputs
+
+
+def test_multi_turn_sends_the_images_with_every_turn(setup):
+    """Two policy turns with an environment turn between: the second generation's input is the
+    whole sequence so far, sent with the prompt's images again (the server refuses image
+    placeholders without their images); the trajectory carries the group's encoding."""
+    model, data, tok, _ = setup
+    never = lambda prompt, completion, answer, **kw: 0.0  # noqa: E731 - always another turn
+    wf = MultiTurnWorkflow(
+        lambda: RetryEnvironment(never, feedback="="), 3, max_turns=2, max_total_tokens=200
+    )
+    ds, groups = _groups(setup, wf, n_groups=2)
+    eq = tok("=", add_special_tokens=False)["input_ids"]
+    for group in groups:
+        k = int(group[0].meta["prompt_index"])
+        for t in group:
+            P = t.prompt_len
+            assert t.meta["turns"] == 2 and t.input_ids[:P].tolist() == ds[k].input_ids
+            # policy 3 tokens, environment "=", policy 3 tokens
+            assert t.loss_mask[P:].tolist() == [1] * 3 + [0] * len(eq) + [1] * 3
+            assert t.input_ids[P + 3 : P + 3 + len(eq)].tolist() == eq
+            first = group[0].multimodal["pixel_values"]
+            assert np.shares_memory(t.multimodal["pixel_values"], first)
+            assert t.multimodal["pixel_values"].shape[0] == int(
+                t.multimodal["image_grid_thw"].prod(-1).sum()
+            )
