@@ -120,10 +120,11 @@ def client_for(server):
 
 
 def test_logprobs_with_images_equal_transformers(server, ref):
-    """Six prompts decoded together: one image of 1, 4 and 2 merged patches, two images in
-    one prompt, none, and a prompt of the same length as the first with another image (the
-    two share a prefill forward). Every logprob equals transformers' within 1e-5, no vision
-    token is sampled, and the images matter (the other image's reference is far off)."""
+    """Seven prompts decoded together: one image of 1, 4 and 2 merged patches, two images in
+    one prompt, none, and two prompts of the same length as the first, one with another image
+    and one without (the three may share a prefill forward). Every logprob equals
+    transformers' within 1e-5, no vision token is sampled, and the images matter (the other
+    image's reference is far off)."""
     imgs = [
         picture(28, 28, 1),
         picture(56, 56, 2),
@@ -139,9 +140,10 @@ def test_logprobs_with_images_equal_transformers(server, ref):
         prompt(ref, f"a{VISION}b{VISION}c", [imgs[3], imgs[4]]),
         prompt(ref, "no image at all", []),
         prompt(ref, f"12{VISION}34", [imgs[5]]),
+        prompt(ref, "12xyz34", []),
     ]
-    images = [[imgs[0]], [imgs[1]], [imgs[2]], [imgs[3], imgs[4]], [], [imgs[5]]]
-    assert len(cases[0][0]) == len(cases[5][0])
+    images = [[imgs[0]], [imgs[1]], [imgs[2]], [imgs[3], imgs[4]], [], [imgs[5]], []]
+    assert len(cases[0][0]) == len(cases[5][0]) == len(cases[6][0])
 
     async def go():
         c = client_for(server)
@@ -161,7 +163,7 @@ def test_logprobs_with_images_equal_transformers(server, ref):
 
     results = run(go())
     model = ref["models"][0]
-    for (ids, sample), res in zip(cases, results):
+    for (_, sample), res in zip(cases, results):
         assert res.finish_type == "length" and len(res.output_ids) == 24
         assert not set(res.output_ids) & set(ref["banned"])
         want = reference_logprobs(model, sample, res.output_ids, ref["banned"])
@@ -169,6 +171,10 @@ def test_logprobs_with_images_equal_transformers(server, ref):
     # the same tokens under the other image of the same length: clearly other logprobs
     other = reference_logprobs(model, cases[5][1], results[0].output_ids, ref["banned"])
     assert max(abs(a - b) for a, b in zip(other, results[0].logprobs)) > 1e-3
+    # no prefix cache for a VL model (the server's default budget is not 0): keys/values
+    # computed with one prompt's images never serve another
+    status, info = http(server, "/get_server_info")
+    assert status == 200 and info["prefix_cache"] is None and info["cached_tokens"] == 0
 
 
 def test_vision_tokens_are_never_sampled(server, ref):
@@ -197,6 +203,44 @@ def test_vision_tokens_are_never_sampled(server, ref):
         assert len(o["output_ids"]) == 40
         assert not set(o["output_ids"]) & set(ref["banned"])
         assert all(np.isfinite(x[0]) for x in o["meta_info"]["output_token_logprobs"])
+
+
+def test_input_token_logprobs_with_images_equal_transformers(server, ref):
+    """``max_new_tokens: 0`` with ``logprob_start_len: 0`` scores a prompt with images (two
+    prompts of one length in one forward): SGLang's input logprobs (raw, temperature 1, no
+    vision mask) equal transformers' forward with the images."""
+    images = [
+        [picture(56, 28, 11), picture(28, 56, 12)],
+        [picture(28, 56, 13), picture(56, 28, 14)],
+    ]
+    cases = [prompt(ref, f"ab{VISION}cd{VISION}", ims) for ims in images]
+    status, out = http(
+        server,
+        "/generate",
+        {
+            "input_ids": [ids for ids, _ in cases],
+            "image_data": [[png_url(im) for im in ims] for ims in images],
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
+    assert status == 200, out
+    model = ref["models"][0]
+    for (ids, s), o in zip(cases, out):
+        got = o["meta_info"]["input_token_logprobs"]
+        assert got[0][0] is None and [x[1] for x in got] == ids
+        with torch.no_grad():
+            model.model.rope_deltas = None
+            logits = model(
+                input_ids=s.input_ids[None],
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+                mm_token_type_ids=s.mm_token_type_ids[None],
+            ).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        want = [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
+        assert max(abs(a - b[0]) for a, b in zip(want, got[1:])) <= TOL
 
 
 def big_png_url(w: int, h: int) -> str:
@@ -257,7 +301,9 @@ class ImagePromptWorkflow(EpisodeWorkflow):
         seq = ctx.new_sequence(ids)
         seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
         meta = {"n_interruptions": gen.n_interruptions, "item": item["k"]}
-        return [ctx.trajectory(seq, 0.0, len(ids), gen.finish_reason, server_id=gen.server, meta=meta)]
+        return [
+            ctx.trajectory(seq, 0.0, len(ids), gen.finish_reason, server_id=gen.server, meta=meta)
+        ]
 
 
 def tokens_generated(addr) -> int:
@@ -286,7 +332,7 @@ def restore_model_a(server, path):
     run(go())
 
 
-N_NEW = 160
+N_NEW = 400  # a prompt (< 20 tokens) + 400 fits the tiny model's 512 positions
 
 
 def test_interrupted_image_generation_resumes_with_its_images(server, ref, vl_models):
@@ -342,3 +388,207 @@ def test_interrupted_image_generation_resumes_with_its_images(server, ref, vl_mo
         lp_b = reference_logprobs(ref["models"][1], sample, out, ref["banned"])[k:]
         assert np.abs(np.array(lp_a + lp_b) - t.logprobs[P:]).max() <= TOL
     assert n_interrupted >= 4
+
+
+def test_forbidden_tokens_and_prompt_length_check(vl_models, ref, tmp_path):
+    """The vision tokens the worker forbids are the checkpoint's (none for a text model); they
+    join a request's own logit_bias at FORBIDDEN_BIAS; an answer whose prompt length differs
+    from the expanded ids sent is refused; the vllm backend refuses images naming why."""
+    from areal_mega.backends.vllm.client import vllm_generate_body
+    from areal_mega.inference.vl_model import checkpoint_vision_token_ids
+    from areal_mega.rollout.generate_result import (
+        FORBIDDEN_BIAS,
+        GenerateResult,
+        RolloutRequestError,
+        check_prompt_tokens,
+        forbid_tokens,
+        generate_body,
+    )
+
+    ids = checkpoint_vision_token_ids(vl_models[0], ref["tok"])
+    assert ids == sorted(ref["banned"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert checkpoint_vision_token_ids(tmp_path) == []
+    sp = forbid_tokens({"temperature": 1.0, "logit_bias": {"3": 2.0}}, ids)
+    assert sp["logit_bias"] == {"3": 2.0, **{str(t): FORBIDDEN_BIAS for t in ids}}
+    assert forbid_tokens({"temperature": 1.0}, ()) == {"temperature": 1.0}
+
+    def answer(n):
+        meta = {"meta_info": {"prompt_tokens": n}}
+        return GenerateResult([1], [0.0], {"type": "length"}, "0", "s", meta)
+
+    check_prompt_tokens(answer(12), 12)
+    with pytest.raises(RolloutRequestError, match="expanded the prompt with its images to 13"):
+        check_prompt_tokens(answer(13), 12)
+    body = generate_body([1, 2], {"max_new_tokens": 2}, image_data=["data:image/png;base64,AA=="])
+    assert body["image_data"] == ["data:image/png;base64,AA=="]
+    with pytest.raises(RolloutRequestError, match="images are not sent to the vllm backend"):
+        vllm_generate_body(body)
+
+
+class ChatImageWorkflow(EpisodeWorkflow):
+    """The item's chat once through the in-process OpenAI client and once through the HTTP
+    endpoint; keeps the records."""
+
+    def __init__(self):
+        self.records = []
+
+    async def episode(self, ctx, item: dict):
+        import aiohttp
+
+        out = await ctx.client.chat.completions.create(
+            messages=item["messages"], max_tokens=12, temperature=1.0
+        )
+        assert out.choices[0].finish_reason == "length"
+        url, key = await ctx.openai_endpoint()
+        body = {"messages": item["messages"], "max_tokens": 12, "temperature": 1.0}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(
+                url + "/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as r:
+                assert r.status == 200, await r.text()
+        ctx.close_endpoint(key)
+        self.records.extend(ctx.client.records)
+        return 0.0
+
+
+def test_openai_chat_with_image_url_parts(server, ref):
+    """Chat messages with data-URL image_url parts (in process and over HTTP) render through
+    the chat template, expand through the image processor and generate with the images: the
+    recorded prompt is encode_sample's, the decoded images stay on the record, each logprob is
+    transformers'. A remote URL, or images for a text policy, are refused with a clear
+    message."""
+    from areal_mega.workflow.openai_client import OpenAIRequestError, chat_request
+
+    ims = [[picture(56, 56, 30)], [picture(28, 56, 31), picture(56, 28, 32)]]
+    items = []
+    for k, group in enumerate(ims):
+        parts = [{"type": "text", "text": f"{k} look"}]
+        parts += [{"type": "image_url", "image_url": {"url": png_url(im)}} for im in group]
+        parts.append({"type": "text", "text": "?"})
+        items.append({"k": k, "messages": [{"role": "user", "content": parts}]})
+    wf = ChatImageWorkflow()
+    sink = GroupSink()
+    client = RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=2)
+    ctl = RolloutController(
+        client,
+        wf,
+        items,
+        batch_size=2,
+        n_samples=1,
+        eta=1,
+        sink=sink,
+        tokenizer=ref["tok"],
+        image_processor=ref["proc"],
+        ignore_eos=True,
+    ).start()
+    try:
+        sink.take(ctl, 2, timeout=120)
+    finally:
+        ctl.stop()
+    assert len(wf.records) == 4
+    for rec in wf.records:
+        k = int(ref["tok"].decode(rec.prompt_ids[:1]))
+        text = f"{k} look" + VISION * len(ims[k]) + "?"
+        ids, sample = prompt(ref, text, ims[k])
+        assert rec.prompt_ids == ids and len(rec.images) == len(ims[k])
+        assert [np.asarray(a).tolist() for a in rec.images] == [
+            np.asarray(b).tolist() for b in ims[k]
+        ]
+        want = reference_logprobs(ref["models"][0], sample, rec.output_ids, ref["banned"])
+        assert max(abs(a - b) for a, b in zip(want, rec.logprobs)) <= TOL
+
+    async def never(*a, **kw):
+        raise AssertionError("nothing is generated for a refused request")
+
+    def image_message(url):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    remote = image_message("https://example.com/a.png")
+    local = image_message(png_url(ims[0][0]))
+    for msgs, proc, message in [
+        (remote, ref["proc"], "remote images are not fetched"),
+        (local, None, "need a vision-language policy"),
+    ]:
+        with pytest.raises(OpenAIRequestError, match=message):
+            run(chat_request({"messages": msgs}, never, ref["tok"], [], 8, image_processor=proc))
+
+
+def test_one_prefill_of_rows_with_other_images_or_none_equals_each_alone(ref):
+    """The running batch's prefill of equal-length rows with different images and a row
+    without, then two decode steps, gives each row what it gets alone (positions per row) and
+    what transformers' forward over the whole sequence with the images gives."""
+    from areal_mega.inference.kv_cache import HFCacheBatch
+    from areal_mega.inference.vl_model import PromptImages
+
+    model = ref["models"][0]
+    # 4 image tokens on a 2x2 grid of merged patches: 2 positions, a rope delta of -2
+    first = prompt(ref, f"1{VISION}4", [picture(56, 56, 40)])
+    rows = [
+        first,
+        prompt(ref, "x" * len(first[0]), []),
+        prompt(ref, f"1{VISION}4", [picture(56, 56, 41)]),
+    ]
+    assert len({len(ids) for ids, _ in rows}) == 1
+
+    def images_of(s):
+        if s.pixel_values is None:
+            return None
+        return PromptImages(s.pixel_values, s.image_grid_thw, [])
+
+    def run_rows(chosen):
+        batch = HFCacheBatch(model)
+        ids = torch.tensor([rows[i][0] for i in chosen])
+        with torch.no_grad():
+            logits, kv = batch.prefill(ids, images=[images_of(rows[i][1]) for i in chosen])
+            batch.append(kv, list(range(len(chosen))))
+            out = [logits]
+            for tok in (3, 5):
+                out.append(batch.decode([tok] * len(chosen)))
+        return torch.stack(out, 1)  # [rows, steps, vocab]
+
+    together = run_rows([0, 1, 2])
+    for i, (ids, s) in enumerate(rows):
+        assert (together[i] - run_rows([i])[0]).abs().max() <= TOL
+        full = torch.tensor([ids + [3, 5]])
+        kw = {}
+        if s.pixel_values is not None:
+            kw = dict(
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+                mm_token_type_ids=(full == model.config.image_token_id).to(torch.int),
+            )
+        with torch.no_grad():
+            model.model.rope_deltas = None
+            want = model(input_ids=full, use_cache=False, **kw).logits[0, len(ids) - 1 :].float()
+        assert (together[i] - want).abs().max() <= TOL
+
+
+def test_teacher_scoring_with_images_equals_transformers(server, ref):
+    """On-policy distillation's teacher scoring sends each sequence's images: the scores of
+    two sequences with other images (and one without) equal transformers' raw logprobs."""
+    from areal_mega.rollout.scoring import TeacherServerScorer
+
+    ims = [[picture(56, 56, 50)], None, [picture(28, 56, 51), picture(56, 28, 52)]]
+    texts = [f"a{VISION}bcd", "abcdefg", f"{VISION}x{VISION}yz"]
+    cases = [prompt(ref, t, im or []) for t, im in zip(texts, ims)]
+    seqs = [ids for ids, _ in cases]
+    starts = [2, 3, 1]
+    data = [[png_url(i) for i in im] if im else None for im in ims]
+    with TeacherServerScorer([server.addr], api_key=API_KEY, timeout_s=120) as scorer:
+        got = scorer.score(seqs, starts, image_data=data)
+    model = ref["models"][0]
+    for (ids, s), k, values in zip(cases, starts, got):
+        kw = {}
+        if s.pixel_values is not None:
+            kw = dict(
+                pixel_values=s.pixel_values,
+                image_grid_thw=s.image_grid_thw,
+                mm_token_type_ids=s.mm_token_type_ids[None],
+            )
+        with torch.no_grad():
+            model.model.rope_deltas = None
+            logits = model(input_ids=s.input_ids[None], **kw).logits[0].float()
+        lp = torch.log_softmax(logits, -1)
+        want = [float(lp[t - 1, ids[t]]) for t in range(k, len(ids))]
+        assert len(values) == len(want) and np.abs(np.asarray(want) - values).max() <= TOL

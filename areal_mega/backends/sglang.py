@@ -5,6 +5,14 @@ string. SGLang speaks the native HTTP API that :class:`~areal_mega.rollout.clien
 is written against (so does our CPU server, :mod:`areal_mega.inference`), and its servers join
 the trainer's weight-update group with ``handshake="sglang"``
 (:func:`areal_mega.parallel.weight_group.init_update_group`).
+
+A vision-language checkpoint needs no flag: SGLang serves a multimodal architecture with its
+multimodal processor, and a prompt's images travel as its native ``image_data`` next to the
+processor-expanded ``input_ids`` (what SGLang does with them, and how the vision tokens are kept
+from being sampled through ``logit_bias``: :mod:`areal_mega.rollout.generate_result`). SGLang
+resizes each image into its own pixel bounds before the checkpoint's processor; an image already
+at the processor's resized size (both dimensions multiples of 28, within both bounds) passes
+that step unchanged, so the server's pixels equal the trainer's.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Everything is read from the code that decides it, not written down here:
   is :class:`~areal_mega.inference.kv_cache.StaticKVBatch` or transformers' cache
   (:class:`~areal_mega.inference.kv_cache.HFCacheBatch`) as
   :func:`~areal_mega.inference.kv_cache.kv_path_of` decides for that model type's default
-  config;
+  config; a vision-language model the trainer builds is loaded as its image-text-to-text class
+  and served with images (:data:`SERVER_VL`, :mod:`areal_mega.inference.vision`);
 * status: ``CPU end to end`` (an engine family: every one is checked end to end on the CPU by
   its family test), ``GPU only, not built yet`` (its layers need megatron-core kernels that
   exist for CUDA only: :data:`areal_mega.models.bridge_provider.GPU_ONLY`, which names why;
@@ -45,6 +46,7 @@ __all__ = [
     "markdown_table",
     "SERVER_PATHS",
     "ENGINE_HF_CACHE",
+    "SERVER_VL",
     "STATUS",
 ]
 
@@ -55,6 +57,9 @@ SERVER_PATHS = {"static": "yes (StaticKV)", "hf_cache": "loads (HF cache, not te
 #: an engine family on the HF-cache path (Gemma 3): every engine family is served end to end
 #: by its family test (tests/test_new_families.py), whichever running batch it gets
 ENGINE_HF_CACHE = "yes (HF cache)"
+#: a vision-language model the trainer builds: the server loads its image-text-to-text class
+#: and serves ``image_data`` (:mod:`areal_mega.inference.vision`; tests/test_vl_rollout.py)
+SERVER_VL = "yes (HF cache, with images)"
 
 
 #: the status column's three values
@@ -129,18 +134,18 @@ def support_rows(
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
     class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value,
-    :data:`ENGINE_HF_CACHE` or ``"no"``) and ``note`` (why the server does not run it). ``engine`` /
-    ``causal_lm`` /
+    :data:`ENGINE_HF_CACHE`, :data:`SERVER_VL` for a ``vl_trainer`` / ``vl_rl`` architecture,
+    or ``"no"``)
+    and ``note`` (why the server does not run it). ``engine`` / ``causal_lm`` /
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
     exports (tells "not a causal LM" from "not in transformers"); ``gpu_only``:
     ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
     why}`` of the others the engine does not build; ``vl_trainer``: ``{architecture: why}`` of
-    the vision-language models the trainer builds but RL does not run yet; ``vl_rl``:
-    ``{architecture: note}`` of those RL runs end to end (the engine builds them, the CPU server
-    runs them through transformers' cache). ``status`` is a :data:`STATUS` value and
-    ``status_note`` its reason (GPU only / not supported) or, for a vision-language model, its
-    note."""
+    the vision-language models the trainer builds (served with images by the CPU server) but
+    RL does not run end to end yet; ``vl_rl``: ``{architecture: note}`` of those RL runs end
+    to end (served with images too). ``status`` is a :data:`STATUS` value and ``status_note``
+    its reason (GPU only / not supported) or, for a vision-language model RL runs, its note."""
     rows, seen = [], set()
     for arch in architectures:
         if arch in seen:
@@ -148,8 +153,8 @@ def support_rows(
         seen.add(arch)
         types = causal_lm.get(arch) or []
         model_type = engine.get(arch) or (types[0] if types else None)
-        if arch in (vl_rl or {}):  # transformers' VL class on the server's HF-cache batch
-            server, note = ENGINE_HF_CACHE, ""
+        if arch in (vl_trainer or {}) or arch in (vl_rl or {}):
+            server, note = SERVER_VL, ""
         elif model_type is not None and model_type in types:
             path = kv_paths[model_type]
             server = (

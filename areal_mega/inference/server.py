@@ -15,6 +15,9 @@ loaded and unloaded by name, and ``/generate``'s ``lora_path`` picks one per pro
 batch mixes rows of several adapters and of the base model (:mod:`areal_mega.inference.lora_api`).
 ``--enable-return-routed-experts`` (MoE models): ``/generate`` with ``return_routed_experts``
 answers the tokens' routed experts as SGLang does (:mod:`areal_mega.inference.route_capture`).
+A vision-language checkpoint (Qwen2.5-VL) is served with SGLang's ``image_data`` on
+``/generate`` (processor-expanded ``input_ids``; images checked against the placeholders,
+vision tokens never sampled; :mod:`areal_mega.inference.vision`).
 ``--prefix-cache-mb`` (default 512, 0: off): prompt prefixes already forwarded are served from
 a radix cache, ``meta_info.cached_tokens`` counting them as SGLang does; ``/flush_cache``
 empties it when idle, a weight update always (:mod:`areal_mega.inference.prefix_reuse`).
@@ -91,12 +94,12 @@ from areal_mega.inference.lora_api import (
     resolve_adapters,
 )
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
-from areal_mega.inference.vision import parse_image_data
 from areal_mega.inference.server_state import (
     MAX_JOIN_TIMEOUT_S,
     MODEL_DTYPES,
     LocalRolloutServer,
 )
+from areal_mega.inference.vision import parse_image_data
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]

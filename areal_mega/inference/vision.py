@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -141,12 +140,7 @@ class VisionInputs:
         enc = self.processor(images=images, return_tensors="pt")
         pv, grid = enc["pixel_values"], enc["image_grid_thw"].to(torch.long)
         self.check_placeholders(ids, grid, where)
-        h = hashlib.sha256()
-        h.update(grid.numpy().tobytes())
-        h.update(pv.to(torch.float32).contiguous().numpy().tobytes())
-        return PromptImages(pv, grid, h.hexdigest(), images)
-
-
+        return PromptImages(pv, grid, images)
 
 
 def parse_image_data(body: dict, prompts: list, batched: bool) -> Optional[list]:

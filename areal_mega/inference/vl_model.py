@@ -19,12 +19,21 @@ from the full-vocabulary one by ``log(1 - p(vision tokens))``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["PromptImages", "is_vision_config", "vision_token_ids", "vl_forward_inputs"]
+__all__ = [
+    "PromptImages",
+    "checkpoint_vision_token_ids",
+    "is_vision_config",
+    "vision_token_ids",
+    "vl_forward_inputs",
+]
 
 #: the config fields naming vision special tokens (Qwen2-VL / Qwen2.5-VL spelling)
 VISION_TOKEN_FIELDS = (
@@ -64,12 +73,12 @@ def vision_token_ids(cfg, tokenizer=None) -> list:
 @dataclass
 class PromptImages:
     """The images of one prompt as the model takes them: ``pixel_values`` ``[patches,
-    C·t·p·p]``, ``image_grid_thw`` ``[images, 3]``; ``key``: a digest of both (what a cache of
-    anything computed from this prompt must include); ``images``: the decoded PIL images."""
+    C·t·p·p]``, ``image_grid_thw`` ``[images, 3]``; ``images``: the decoded PIL images. Keys
+    and values computed with them are never cached beyond their own request (no prefix cache
+    serves a vision-language model)."""
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
-    key: str
     images: list
 
 
@@ -95,3 +104,15 @@ def vl_forward_inputs(model, ids: torch.Tensor, images: Sequence[Optional[Prompt
         "mm_token_type_ids": mm,
     }
     return kwargs, [S + int(d) for d in delta.view(-1)]
+
+
+def checkpoint_vision_token_ids(model_dir, tokenizer=None) -> list:
+    """:func:`vision_token_ids` of the checkpoint in ``model_dir`` (its ``config.json``), or
+    ``[]`` for a text-only model (no ``vision_config``) or a directory without a config."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(cfg, dict) or cfg.get("vision_config") is None:
+        return []
+    return vision_token_ids(SimpleNamespace(**cfg), tokenizer)

@@ -34,6 +34,7 @@ from areal_mega.rollout.generate_result import (
     GenerateResult,
     RolloutRequestError,
     RolloutServerError,
+    check_prompt_tokens,
     generate_body,
     parse_generate_answer,
     sampling_dict,
@@ -290,7 +291,10 @@ class RolloutClient:
         deadline = time.monotonic() + (wait_s or 0.0)
         while True:
             try:
-                return await self._generate(body, sticky_key or rid)
+                res = await self._generate(body, sticky_key or rid)
+                if image_data:
+                    check_prompt_tokens(res, len(input_ids))
+                return res
             except RolloutServerError:
                 if wait_s is None or not await self.wait_for_server(deadline):
                     raise

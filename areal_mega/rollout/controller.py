@@ -41,7 +41,7 @@ import numpy as np
 from areal_mega.common.moe_routes import RouteLayout, RouteTable
 from areal_mega.rollout.client import RolloutClient, RolloutRequestError, RolloutServerError
 from areal_mega.rollout.failures import EpisodeFailures, FailureRate
-from areal_mega.rollout.generate_result import token_versions
+from areal_mega.rollout.generate_result import forbid_tokens, token_versions
 from areal_mega.rollout.lora_sync import load_published
 from areal_mega.rollout.routes import call_routes
 from areal_mega.rollout.staleness import StalenessCounter, sample_version
@@ -96,6 +96,7 @@ class GroupContext:
         self.group_index = group_index
         self.group_id = f"{ctl.run_id}-g{group_index}"
         self.tokenizer = ctl.tokenizer
+        self.image_processor = getattr(ctl, "image_processor", None)  # a VL policy's, else None
 
     def sample_id(self, j: int) -> str:
         """Unique id of sample ``j`` of this group."""
@@ -163,8 +164,16 @@ class RolloutController:
         reward_threads: int = 4,
         route_layout: Optional[RouteLayout] = None,
         sampling_seed: Optional[int] = None,
+        forbidden_token_ids: Iterable[int] = (),
+        image_processor=None,
         **extra_sampling,
     ):
+        """``forbidden_token_ids``: tokens no request may sample (a vision-language model's
+        vision special tokens, :func:`~areal_mega.inference.vl_model.vision_token_ids`): each
+        request's ``logit_bias`` gives them
+        :data:`~areal_mega.rollout.generate_result.FORBIDDEN_BIAS`. ``image_processor``: a
+        vision-language policy's image processor, which workflows see as
+        ``ctx.image_processor`` (None: a text policy)."""
         # retries, drops and the failure-rate ceiling (areal_mega.rollout.failures)
         self.failures = EpisodeFailures(on_episode_failure, max_episode_retries, failure_rate)
         self.client = client
@@ -179,6 +188,8 @@ class RolloutController:
             "top_k": top_k,
             **extra_sampling,
         }
+        self.forbidden_token_ids = tuple(int(t) for t in forbidden_token_ids)
+        self.image_processor = image_processor
         self.tokenizer = tokenizer
         self.route_layout = route_layout  # set: ask the servers for MoE routes (R3)
         self.sink = sink
@@ -401,10 +412,10 @@ class RolloutController:
         (``finish_reason == abort``) it waits for the update and resubmits prompt + partial
         output with the remaining budget (and the prompt's ``image_data``, the images of a
         processor-expanded ``input_ids``: SGLang's field, see
-        :func:`~areal_mega.rollout.generate_result.generate_body`). Tokens carry the version that produced them; with a
-        ``route_layout`` each call returns the routes of its whole input and output, and each
-        token's route is the one of the call that last forwarded it
-        (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
+        :func:`~areal_mega.rollout.generate_result.generate_body`). Tokens carry the version
+        that produced them; with a ``route_layout`` each call returns the routes of its whole
+        input and output, and each token's route is the one of the call that last forwarded
+        it (:class:`~areal_mega.common.moe_routes.RouteTable`)."""
         out, lps, vers = [], [], []
         seg, server = 0, ""
         routes = RouteTable(self.route_layout) if self.route_layout else None
@@ -417,7 +428,7 @@ class RolloutController:
                 )
             remaining = max_new_tokens - len(out)
             submit_version = self.counter.version
-            params = dict(sp, max_new_tokens=remaining)
+            params = forbid_tokens(dict(sp, max_new_tokens=remaining), self.forbidden_token_ids)
             if self.sampling_seed is not None and sp.get("sampling_seed") is None:
                 params["sampling_seed"] = request_seed(
                     self.sampling_seed, key.removeprefix(f"{self.run_id}-"), seg

@@ -1,5 +1,24 @@
 """The ``/generate`` exchange of :class:`~areal_mega.rollout.client.RolloutClient`: the request
-body, the parsed answer and the client's errors (SGLang's native API)."""
+body, the parsed answer and the client's errors (SGLang's native API).
+
+Images (contract C1): a prompt's images travel as SGLang's native ``image_data`` (one string per
+image, in order: a ``data:image/...;base64,`` URL, raw base64 or a path the server reads) next
+to ``input_ids`` that are the processor-expanded prompt (each image a run of ``<|image_pad|>``,
+one per merged patch, between ``<|vision_start|>`` and ``<|vision_end|>``). What SGLang does
+with such a request: when ``input_ids`` come with ``image_data``, its tokenizer manager hands the
+ids to the model's multimodal processor, which decodes them back to text, finds each image by a
+pattern matching ``<|vision_start|>`` + one or more ``<|image_pad|>`` + ``<|vision_end|>`` (so
+expanded and unexpanded placeholders are both accepted), resizes each image into its own pixel
+bounds (Qwen-VL: at least 4·28·28 pixels, at most ``SGLANG_IMAGE_MAX_PIXELS``), runs the HF
+processor and re-tokenizes: the prompt it generates from is its own expansion. It equals ours
+when the images already lie within both its bounds and the checkpoint processor's, and the
+decoded text re-tokenizes to the same ids; :func:`check_prompt_tokens` compares the answer's
+``meta_info.prompt_tokens`` with the ids sent and refuses a difference (the trainer would score
+another sequence than the one sampled). SGLang has no switch to ban tokens per server; its
+``sampling_params.logit_bias`` (``{token id string: bias}``, added to the logits before
+sampling and before the reported logprob) with :data:`FORBIDDEN_BIAS` is how the vision special
+tokens are never sampled (:func:`forbid_tokens`; the CPU server also masks them itself).
+"""
 
 from __future__ import annotations
 
@@ -75,6 +94,35 @@ def generate_body(
         if routes_from:
             body["routed_experts_start_len"] = int(routes_from)
     return body
+
+
+#: the ``logit_bias`` that keeps a token from being sampled: far below any logit, and finite
+#: (JSON has no infinity); its probability is exactly 0 in float32
+FORBIDDEN_BIAS = -1.0e4
+
+
+def forbid_tokens(sampling_params: dict, token_ids) -> dict:
+    """``sampling_params`` with ``token_ids`` given :data:`FORBIDDEN_BIAS` in its
+    ``logit_bias`` (merged with the caller's own; a copy)."""
+    if not token_ids:
+        return sampling_params
+    bias = dict(sampling_params.get("logit_bias") or {})
+    bias.update({str(int(t)): FORBIDDEN_BIAS for t in token_ids})
+    return dict(sampling_params, logit_bias=bias)
+
+
+def check_prompt_tokens(res: "GenerateResult", sent: int) -> None:
+    """Raise :class:`RolloutRequestError` when a prompt with images came back with another
+    prompt length (``meta_info.prompt_tokens``) than the ``sent`` expanded ids: the server
+    expanded the images otherwise (see the module docstring)."""
+    got = (res.raw.get("meta_info") or {}).get("prompt_tokens")
+    if got is not None and int(got) != sent:
+        raise RolloutRequestError(
+            f"{res.server}/generate: the server expanded the prompt with its images to {got} "
+            f"tokens, the request had {sent}: its image processor sizes the images otherwise "
+            "(keep images within both the server's and the checkpoint processor's pixel bounds)",
+            status=400,
+        )
 
 
 def parse_generate_answer(out: dict, server: str) -> GenerateResult:

@@ -7,6 +7,9 @@ answer's ``meta_info.input_token_logprobs`` holds ``[logprob, token_id, text]`` 
 positions ``start - 1 .. len - 1``; the first entry's logprob is always ``None`` (see
 :mod:`areal_mega.inference.input_logprobs`), so the values of positions ``start ..`` follow
 it. They are at temperature 1 (raw ``log_softmax``), whatever the request's temperature.
+A sequence of a vision-language policy carries its prompt's images as SGLang's ``image_data``
+(one list of image strings per sequence, None for one without; the ``input_ids`` are then the
+processor-expanded sequence, contract C1), scored with the images.
 
 :func:`score_sequences` spreads batched requests over the client's dispatchable servers; a
 server that cannot be reached (or answers 5xx) is marked down and the batch goes to another.
@@ -41,21 +44,30 @@ class ScoringError(RuntimeError):
     """A scoring request failed or its answer did not fit the sequence it was for."""
 
 
-def scoring_body(seqs: list, starts: list) -> dict:
+def scoring_body(seqs: list, starts: list, image_data: Optional[list] = None) -> dict:
     """The SGLang ``/generate`` body asking for ``log p(seq[t] | seq[:t])`` from ``t = start``
-    on, for each sequence (one batched request)."""
-    return {
+    on, for each sequence (one batched request); ``image_data``: each sequence's images (a
+    list of image strings, or None), sent only when some sequence has images."""
+    body = {
         "input_ids": [list(s) for s in seqs],
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         "return_logprob": True,
         "logprob_start_len": [int(k) - 1 for k in starts],
     }
+    if image_data is not None and any(image_data):
+        body["image_data"] = [list(im) if im else None for im in image_data]
+    return body
 
 
-def check_inputs(seqs: list, starts: list) -> None:
-    """``ValueError`` naming the sequence index unless every ``1 <= start <= len(seq)``."""
+def check_inputs(seqs: list, starts: list, image_data: Optional[list] = None) -> None:
+    """``ValueError`` naming the sequence index unless every ``1 <= start <= len(seq)`` (and
+    ``image_data``, when given, has one entry per sequence)."""
     if len(seqs) != len(starts):
         raise ValueError(f"score_sequences: {len(seqs)} sequences but {len(starts)} starts")
+    if image_data is not None and len(image_data) != len(seqs):
+        raise ValueError(
+            f"score_sequences: {len(seqs)} sequences but {len(image_data)} image_data entries"
+        )
     for i, (s, k) in enumerate(zip(seqs, starts)):
         if not 1 <= int(k) <= len(s):
             raise ValueError(
@@ -92,6 +104,7 @@ async def _score_chunk(
     starts: list,
     offset: int,
     timeout: Optional[float],
+    image_data: Optional[list] = None,
 ) -> list:
     """Score one chunk, trying ``servers`` from index ``first`` on; a connection error,
     timeout or 5xx marks that server down and moves on, a 4xx raises at once."""
@@ -106,7 +119,7 @@ async def _score_chunk(
             addr = servers[(first + j) % len(servers)]
             try:
                 out = await client.request(
-                    addr, "POST", "/generate", scoring_body(seqs, starts), timeout
+                    addr, "POST", "/generate", scoring_body(seqs, starts, image_data), timeout
                 )
             except RolloutRequestError as e:
                 raise ScoringError(f"teacher server {addr} refused {span}: {e}") from e
@@ -134,13 +147,15 @@ async def score_sequences(
     starts: list,
     batch: int = DEFAULT_BATCH,
     timeout: Optional[float] = None,
+    image_data: Optional[list] = None,
 ) -> list:
     """For each sequence, ``[log p(seq[t] | seq[:t]) for t in range(start, len(seq))]`` as
-    scored by the client's servers (at temperature 1). Batches of ``batch`` sequences go
+    scored by the client's servers (at temperature 1); ``image_data``: each sequence's images
+    (see the module docstring). Batches of ``batch`` sequences go
     round-robin to the dispatchable servers, concurrently. Raises ``ValueError`` for a start
     outside ``[1, len(seq)]`` and :class:`ScoringError` (naming the server and the sequence)
     for a refused request or an answer that does not fit."""
-    check_inputs(seqs, starts)
+    check_inputs(seqs, starts, image_data)
     if not seqs:
         return []
     if len(client.live_servers()) < len(client.addrs):  # one marked down earlier: probe it
@@ -160,6 +175,7 @@ async def score_sequences(
                 [int(k) for k in starts[lo:hi]],
                 lo,
                 timeout,
+                None if image_data is None else image_data[lo:hi],
             )
         )
     parts = await asyncio.gather(*jobs)
@@ -189,13 +205,17 @@ class TeacherServerScorer:
         self._thread.start()
         self._closed = False
 
-    def score(self, seqs: list, starts: list) -> list:
-        """``[np.float32 array of log p(seq[t] | seq[:t]) for t >= start]`` per sequence;
-        raises what :func:`score_sequences` raises."""
+    def score(self, seqs: list, starts: list, image_data: Optional[list] = None) -> list:
+        """``[np.float32 array of log p(seq[t] | seq[:t]) for t >= start]`` per sequence
+        (``image_data``: each sequence's images, see the module docstring); raises what
+        :func:`score_sequences` raises."""
         if self._closed:
             raise RuntimeError("TeacherServerScorer is closed")
         fut = asyncio.run_coroutine_threadsafe(
-            score_sequences(self.client, seqs, starts, self.batch, self.timeout_s), self._loop
+            score_sequences(
+                self.client, seqs, starts, self.batch, self.timeout_s, image_data=image_data
+            ),
+            self._loop,
         )
         return [np.asarray(v, dtype=np.float32) for v in fut.result()]
 

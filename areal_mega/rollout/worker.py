@@ -47,6 +47,8 @@ from areal_mega.dataplane.control import ControlServer
 from areal_mega.dataplane.prompt_ledger import PromptLedger
 from areal_mega.dataplane.transport import TrajectorySender
 from areal_mega.eval.worker_hook import WorkerEvaluator
+from areal_mega.inference.vl_model import checkpoint_vision_token_ids
+from areal_mega.models.vlm.inputs import load_image_processor
 from areal_mega.rollout.controller import RolloutController
 from areal_mega.rollout.counts import CountCarrier, counts_of
 from areal_mega.rollout.failures import FailureRate, FailureRateExceeded, episode_failure_policy
@@ -256,6 +258,7 @@ class RolloutWorker:
             retire = getattr(self.workflow.inner, "retire_accepted", None)
             if retire is not None:  # online: sessions the trainer holds leave the journal
                 retire(ledger.accepted_prompts())
+        forbidden = checkpoint_vision_token_ids(self.cfg.model.path, self.tokenizer)
         ctl = RolloutController(
             self.client,
             self.workflow,
@@ -272,6 +275,9 @@ class RolloutWorker:
             initial_version=version,
             route_layout=replay_layout(self.cfg),
             sampling_seed=self.cfg.seed if r.seeded_sampling else None,
+            # a vision-language checkpoint's vision special tokens are never sampled
+            forbidden_token_ids=forbidden,
+            image_processor=load_image_processor(self.cfg.model.path) if forbidden else None,
             on_episode_failure=episode_failure_policy(r.on_episode_failure, r.workflow),
             failure_rate=FailureRate(
                 r.failure_rate_ceiling, r.failure_window, r.failure_min_prompts

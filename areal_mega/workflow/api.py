@@ -63,6 +63,8 @@ class SampleContext:
         self.sample_id = group.sample_id(index)
         self.group_id = group.group_id
         self.tokenizer = group.tokenizer
+        # a vision-language policy's image processor (None: a text policy)
+        self.image_processor = getattr(group, "image_processor", None)
         self.settings = settings
         self.max_new_tokens = settings.max_new_tokens
         self._turns = 0
@@ -104,7 +106,10 @@ class SampleContext:
         returns is recorded with its exact tokens for the trajectory."""
         if self._client is None:
             self._client = OpenAICompatClient(
-                self.generate, self.tokenizer, default_max_tokens=self.max_new_tokens
+                self.generate,
+                self.tokenizer,
+                default_max_tokens=self.max_new_tokens,
+                image_processor=self.image_processor,
             )
         return self._client
 

@@ -13,6 +13,14 @@ completion tokens, logprobs and per-token weight versions are those the servers 
 from text. Tool calls in the output (``<tool_call>{json}</tool_call>``) come back as OpenAI
 ``tool_calls`` (:mod:`areal_mega.workflow.tool_calls`).
 
+Images (a vision-language policy): a chat message's content may carry OpenAI ``image_url``
+parts whose ``url`` is a ``data:image/...;base64,`` URL (remote URLs are refused, nothing is
+fetched). Each becomes the chat template's image item (``{"type": "image"}``, which renders the
+model's placeholder), the decoded images expand the placeholders through the checkpoint's image
+processor (:func:`areal_mega.models.vlm.inputs.encode_sample`), and the expanded ids are
+generated with the images as ``image_data`` (contract C1). The decoded images stay on the
+recorded completion (``CompletionRecord.images``) for the trajectory.
+
 The request handling is :func:`chat_request` / :func:`completion_request` on plain dicts; the
 HTTP endpoint (:mod:`areal_mega.workflow.openai_server`) serves the same functions.
 """
@@ -24,8 +32,11 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
+from areal_mega.data.images import BadImage, load_image
+from areal_mega.models.vlm.inputs import IMAGE_TOKEN, encode_sample
 from areal_mega.workflow.tool_calls import messages_for_template, parse_tool_calls
 
 MODEL_NAME = "areal-mega-policy"
@@ -66,6 +77,10 @@ CHAT_KEYS = SAMPLING_KEYS | {
     "response_format",
 }
 COMPLETION_KEYS = SAMPLING_KEYS | {"prompt", "echo"}
+# an image part's place in a message while its text parts are joined (never in real text)
+_IMAGE_SLOT = "\x00areal-image\x00"
+MAX_IMAGES = 16
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
 class OpenAIRequestError(ValueError):
@@ -107,6 +122,9 @@ class CompletionRecord:
     completion_id: str = ""
     created_at: float = field(default_factory=time.time)
     routed_experts: Any = None  # routing replay: routes by position from the prompt's start
+    # the prompt's images in order (decoded RGB PIL images) and as sent (``image_data``)
+    images: list = field(default_factory=list)
+    image_data: list = field(default_factory=list)
 
 
 def _num(body: dict, key: str, lo: float, hi: float, default, integer: bool = False):
@@ -173,18 +191,98 @@ def sampling_of(body: dict, default_max_tokens: int) -> tuple:
     return n, max_new, {k: v for k, v in sp.items() if v is not None}, seed
 
 
+def _take_images(messages: list) -> tuple:
+    """OpenAI messages -> (the messages with each ``image_url`` part a text slot, the image
+    URLs in order). Only ``data:image/`` URLs are accepted (nothing is fetched)."""
+    out, urls = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            if not (isinstance(p, dict) and p.get("type") == "image_url"):
+                parts.append(p)
+                continue
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.startswith("data:image/"):
+                raise OpenAIRequestError(
+                    f"messages[{i}].content[{j}].image_url.url: only data:image/...;base64 URLs "
+                    "are accepted (remote images are not fetched; send the image inline)",
+                    param="messages",
+                )
+            urls.append(url)
+            parts.append({"type": "text", "text": _IMAGE_SLOT})
+        out.append(dict(m, content=parts))
+    if len(urls) > MAX_IMAGES:
+        raise OpenAIRequestError(
+            f"messages: {len(urls)} images, at most {MAX_IMAGES}", param="messages"
+        )
+    return out, urls
+
+
+def _with_image_items(msgs: list) -> list:
+    """Template messages whose joined text holds image slots -> content lists with the
+    template's image items (``{"type": "image"}``) in their places."""
+    for m in msgs:
+        c = m.get("content")
+        if isinstance(c, str) and _IMAGE_SLOT in c:
+            parts = []
+            for k, piece in enumerate(c.split(_IMAGE_SLOT)):
+                if k:
+                    parts.append({"type": "image"})
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+            m["content"] = parts
+    return msgs
+
+
+def _image_prompt(msgs: list, urls: list, tokenizer, image_processor, tools) -> tuple:
+    """The expanded prompt ids and decoded images of a chat with images (see the module
+    docstring); :class:`OpenAIRequestError` for an image that does not decode or a text that
+    holds image placeholders of its own."""
+    images = []
+    for k, url in enumerate(urls):
+        try:
+            images.append(
+                load_image(
+                    url, base_dir=Path("/"), what=f"image {k}", max_source_pixels=MAX_IMAGE_PIXELS
+                )
+            )
+        except BadImage as e:
+            raise OpenAIRequestError(f"messages: {e}", param="messages") from None
+    text = tokenizer.apply_chat_template(
+        _with_image_items(msgs), tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    if text.count(IMAGE_TOKEN) != len(images):
+        raise OpenAIRequestError(
+            f"messages: the rendered chat has {text.count(IMAGE_TOKEN)} {IMAGE_TOKEN} "
+            f"placeholders for {len(images)} images (is {IMAGE_TOKEN} in the text, or does the "
+            "chat template drop image items?)",
+            param="messages",
+        )
+    sample = encode_sample(text, images, tokenizer, image_processor)
+    return sample.input_ids.tolist(), images
+
+
 def _cut_at_stop(text: str, stop) -> str:
     cuts = [text.find(s) for s in (stop or []) if s and s in text]
     return text[: min(cuts)] if cuts else text
 
 
 async def _generate_choices(
-    generate: Callable, prompt_ids: list, n: int, max_new: int, sp: dict, seed
+    generate: Callable, prompt_ids: list, n: int, max_new: int, sp: dict, seed, images=None
 ) -> list:
+    """``images``: ``(decoded images, image_data)`` of the prompt, or None."""
+
     async def one(i: int):
         extra = dict(sp)
         if seed is not None:
             extra["sampling_seed"] = int(seed) + i
+        if images:
+            extra["image_data"] = list(images[1])
         gen = await generate(prompt_ids, max_new, **extra)
         if gen.finish_reason == "abort":
             raise OpenAIRequestError(
@@ -201,6 +299,8 @@ async def _generate_choices(
             gen.n_interruptions,
             gen.server,
             routed_experts=gen.routed_experts,
+            images=list(images[0]) if images else [],
+            image_data=list(images[1]) if images else [],
         )
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
@@ -227,15 +327,28 @@ def _decode(tokenizer, ids) -> str:
 
 
 async def chat_request(
-    body: dict, generate: Callable, tokenizer, records: list, default_max_tokens: int
+    body: dict,
+    generate: Callable,
+    tokenizer,
+    records: list,
+    default_max_tokens: int,
+    image_processor=None,
 ) -> dict:
     """Answer one ``/v1/chat/completions`` body (a dict) with a ``chat.completion`` dict;
     appends one :class:`CompletionRecord` per choice to ``records``. Raises
-    :class:`OpenAIRequestError` for a request the OpenAI API would refuse."""
+    :class:`OpenAIRequestError` for a request the OpenAI API would refuse. ``image_processor``:
+    a vision-language policy's (None: ``image_url`` parts are refused)."""
     _check_keys(body, CHAT_KEYS)
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise OpenAIRequestError("messages: required, a list of message objects", param="messages")
+    messages, urls = _take_images(messages)
+    if urls and image_processor is None:
+        raise OpenAIRequestError(
+            "messages: image_url parts need a vision-language policy (this model has no image "
+            "processor)",
+            param="messages",
+        )
     try:
         msgs = messages_for_template(messages)
     except ValueError as e:
@@ -252,12 +365,19 @@ async def chat_request(
         raise OpenAIRequestError("this model has no chat template; use /v1/completions")
     # tool_choice "none": the model is not offered the tools
     offer = tools if body.get("tool_choice") != "none" else None
-    prompt_ids = list(
-        tokenizer.apply_chat_template(
-            msgs, tools=offer, tokenize=True, add_generation_prompt=True, return_dict=False
+    images = None
+    if urls:
+        prompt_ids, decoded = await asyncio.to_thread(
+            _image_prompt, msgs, urls, tokenizer, image_processor, offer
         )
-    )
-    recs = await _generate_choices(generate, prompt_ids, n, max_new, sp, seed)
+        images = (decoded, urls)
+    else:
+        prompt_ids = list(
+            tokenizer.apply_chat_template(
+                msgs, tools=offer, tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+        )
+    recs = await _generate_choices(generate, prompt_ids, n, max_new, sp, seed, images)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     choices = []
     for i, rec in enumerate(recs):
@@ -290,10 +410,16 @@ async def chat_request(
 
 
 async def completion_request(
-    body: dict, generate: Callable, tokenizer, records: list, default_max_tokens: int
+    body: dict,
+    generate: Callable,
+    tokenizer,
+    records: list,
+    default_max_tokens: int,
+    image_processor=None,
 ) -> dict:
     """Answer one ``/v1/completions`` body with a ``text_completion`` dict (prompt: a string
-    or a list of token ids); records like :func:`chat_request`."""
+    or a list of token ids); records like :func:`chat_request` (no images here:
+    ``image_processor`` is accepted for a uniform handler signature and unused)."""
     _check_keys(body, COMPLETION_KEYS)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -353,7 +479,14 @@ class _Endpoint:
     async def create(self, **kwargs):
         """Same arguments as the ``openai`` SDK's ``create``; returns the SDK's type."""
         c = self._client
-        body = await self._handler(kwargs, c.generate, c.tokenizer, c.records, c.default_max_tokens)
+        body = await self._handler(
+            kwargs,
+            c.generate,
+            c.tokenizer,
+            c.records,
+            c.default_max_tokens,
+            image_processor=c.image_processor,
+        )
         if self._sdk_type == "chat":
             from openai.types.chat import ChatCompletion
 
@@ -372,11 +505,16 @@ class OpenAICompatClient:
     """``client.chat.completions.create`` / ``client.completions.create`` in process.
     ``generate(input_ids, max_new_tokens, **sampling)`` is an interruptible generate (e.g.
     :meth:`~areal_mega.workflow.api.SampleContext.generate`); ``records`` holds one
-    :class:`CompletionRecord` per returned choice, in call order."""
+    :class:`CompletionRecord` per returned choice, in call order. ``image_processor``: a
+    vision-language policy's image processor (chat messages may then carry ``image_url``
+    parts, see the module docstring)."""
 
-    def __init__(self, generate: Callable, tokenizer, default_max_tokens: int = 512):
+    def __init__(
+        self, generate: Callable, tokenizer, default_max_tokens: int = 512, image_processor=None
+    ):
         self.generate = generate
         self.tokenizer = tokenizer
+        self.image_processor = image_processor
         self.default_max_tokens = int(default_max_tokens)
         self.records: list = []
         self.chat = _Chat(self)

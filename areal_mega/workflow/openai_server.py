@@ -124,7 +124,12 @@ class OpenAIHTTPServer:
             client = self._session(request)
             body = await json_object_body(request)
             out = await handler(
-                body, client.generate, client.tokenizer, client.records, client.default_max_tokens
+                body,
+                client.generate,
+                client.tokenizer,
+                client.records,
+                client.default_max_tokens,
+                image_processor=getattr(client, "image_processor", None),
             )
             return web.json_response(out)
         except OpenAIRequestError as e:

@@ -90,7 +90,21 @@ _BODY_FIELDS = {
 
 def vllm_generate_body(body: dict) -> dict:
     """An SGLang ``/generate`` body -> vLLM's ``/inference/v1/generate`` body. Raises
-    :class:`RolloutRequestError` naming a field vLLM cannot honour here."""
+    :class:`RolloutRequestError` naming a field vLLM cannot honour here.
+
+    Images (``image_data``) are refused: vLLM's token-in endpoint takes a prompt's images
+    only as ``features``, the multimodal processor outputs that vLLM's own render step made
+    (per image a msgpack-serialized ``MultiModalKwargsItem`` in base64, its hash and its
+    placeholder range), not as image files or URLs; producing those needs vLLM's processor
+    code in the client, in vLLM's internal serialization of the pinned release. Serve a
+    vision-language checkpoint with the sglang or local backend."""
+    if body.get("image_data"):
+        raise RolloutRequestError(
+            "generate: image_data: images are not sent to the vllm backend (its token-in "
+            "/inference/v1/generate takes images only as features made by vLLM's own render "
+            "step); use rollout.backend=sglang or local for a vision-language model",
+            status=400,
+        )
     unknown = sorted(set(body) - _BODY_FIELDS)
     if unknown or body.get("stream") or body.get("return_logprob") is False:
         what = ", ".join(unknown) or ("stream" if body.get("stream") else "return_logprob")
