@@ -49,3 +49,26 @@ def test_rl_steps_with_images_on_policy_through_the_cpu_server(tmp_path):
     published = sorted((run / "weights").glob("v*"))
     assert published, "no weights published"
     assert compare(load_all(model), load_all(published[-1])), "the weights did not move"
+
+
+def test_rl_with_images_refuses_a_layout_it_cannot_publish(tmp_path):
+    """The weights of a vision-language policy reach the servers by disk from trainer TP 1 /
+    PP 1 for now: a TP 2 trainer stops at start naming the keys (before any step)."""
+    model = make_tiny_model(tmp_path / "model", arch="qwen2_5_vl", charset="digits", seed=3)
+    data = write_task(tmp_path / "data", "count", n_train=8, n_test=2, seed=0, question="=")
+    run = tmp_path / "run"
+    rc, out = _finish(
+        _launch(
+            run,
+            model,
+            data,
+            "total_steps=1",
+            "recover=off",
+            "allocation=local:d1+megatron:t2",
+            "data.apply_chat_template=true",
+        ),
+        timeout=300,
+    )
+    assert rc != 0
+    assert "TP 1 / PP 1" in out and "tp=2" in out, out[-3000:]
+    assert _metrics(run) == []

@@ -51,7 +51,6 @@ from areal_mega.train.weights import export_hf_dir, resolve_weight_update
 log = logging.getLogger(__name__)
 
 
-
 _VL_CONVERT = (
     "import json, sys\n"
     "from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore\n"
@@ -63,15 +62,15 @@ def convert_vl_in_child(hf_dir, out, conversion: dict) -> None:
     """A vision-language HF directory converted into ``out``
     (:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore`) in a child process: that
     converter builds the whole model under a one-process mesh of its own and tears it down,
-    which must not replace this trainer rank's. Raises ``RuntimeError`` with the child's last
-    output when it fails."""
+    which must not replace this trainer rank's. Written for one rank; any layout loads it.
+    Raises ``RuntimeError`` with the child's last output when it fails."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
         and not k.startswith(("TORCHELASTIC_", "MASTER_"))
     }
-    kw = {k: conversion[k] for k in ("tp", "pp", "dtype", "make_vocab_size_divisible_by")}
+    kw = {k: conversion[k] for k in ("dtype", "make_vocab_size_divisible_by")}
     proc = subprocess.run(
         [sys.executable, "-c", _VL_CONVERT, str(hf_dir), str(out), json.dumps(kw)],
         env=env,
@@ -83,6 +82,7 @@ def convert_vl_in_child(hf_dir, out, conversion: dict) -> None:
             f"converting the vision-language model {hf_dir} failed:\n"
             + (proc.stderr or proc.stdout)[-2000:]
         )
+
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be saved for a reason no relaunch cures (a full disk); the
@@ -214,6 +214,15 @@ class TrainerSession:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.vision is not None and cfg.mode == "rl" and (
+            self.weight_update != "disk" or d.tp > 1 or d.pp > 1
+        ):
+            raise ConfigError(
+                "a vision-language policy's weights reach the rollout servers by disk from "
+                f"trainer TP 1 / PP 1 for now: rollout.weight_update={cfg.rollout.weight_update!r}"
+                f" (resolved: {self.weight_update}), allocation={cfg.allocation!r} (tp={d.tp}, "
+                f"pp={d.pp})"
+            )
         if self.is_rank0:
             self._write_resolved_config()
             self._open_rank0_io(resumed)

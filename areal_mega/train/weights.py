@@ -35,7 +35,6 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
     from areal_mega.checkpoint.export import is_export_source, iter_hf_tensors
-
     from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
     hf_src_dir, out = Path(hf_src_dir), Path(out)
@@ -112,9 +111,9 @@ def _export_vl(engine, hf_src_dir: Path, out: Path, tmp: Path, *, is_writer: boo
     from areal_mega.checkpoint.vl_mapping import to_hf_state_dict
     from areal_mega.models.builder import load_hf_config
 
-    if engine.mesh.dims.pp != 1:
+    if engine.mesh.dims.pp != 1 or engine.mesh.dims.tp != 1:  # on every rank, before a barrier
         raise NotImplementedError(
-            "vision-language weights are exported from one pipeline stage (pp=1) for now"
+            "vision-language weights are exported from trainer TP 1 / PP 1 for now"
         )
     if is_writer:
         (chunk,) = engine.model_chunks()
