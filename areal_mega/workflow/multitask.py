@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 
 from areal_mega.data.dataset import PromptDataset
-from areal_mega.data.vision_prompts import VisionPrompts
 from areal_mega.data.sources import MultiSourceCursor, resolve_sources
+from areal_mega.data.vision_prompts import VisionPrompts
 from areal_mega.rewards import load_reward_fn
 from areal_mega.workflow.builtin import workflow_from_config
 
