@@ -3,7 +3,8 @@ counting task (:mod:`areal_mega.data.synthetic_vision`) through ``launch.local``
 server sent each prompt's images, rollout worker encoding each drawn prompt once, trainer
 packing the images with the samples). Every step's server logprobs equal the trainer's
 (``mismatch`` <= 1e-5 on the tokens of the weights the trainer holds: the trainer's forward saw
-the very images the server saw) and the weights moved."""
+the very images the server saw), the weights moved, and the held-out images were evaluated at
+steps 0 and 5 (``eval/*``)."""
 
 import pytest
 
@@ -37,12 +38,21 @@ def test_rl_steps_with_images_on_policy_through_the_cpu_server(tmp_path):
             "data.max_prompt_len=64",
             "optimizer.lr=1e-2",
             "optimizer.warmup_steps=0",
+            f"eval.data={data / 'test.jsonl'}",  # evaluation with images during training
+            "eval.every_steps=5",
+            "eval.n_samples=2",
         ),
         timeout=600,
     )
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in evals] == [0, 5]
+    for r in evals:
+        assert r["eval/version"] == r["step"] and r["eval/n_prompts"] == 4
+        assert r["eval/n_samples"] == 2 and 0 < r["eval/response_len"] <= 6
+    rows = rows[1:]
     for r in rows:
         assert r["mismatch_tokens"] > 0 and r["mismatch"] <= TOL, (r["step"], r["mismatch"])
     assert any(r.get("grad_norm", 0) > 0 for r in rows)
