@@ -39,7 +39,10 @@ the data of token t+1, matching the engine's logprob of token t+1 at position t)
 * images (vision-language models), in packed order, the engine's model input:
   ``pixel_values`` [patches, patch_dim] and ``image_grid_thw`` [images, 3] of every sequence's
   images one sequence after the other, ``image_counts`` [B] how many each sequence has (the
-  trajectory's ``multimodal``; all None without images);
+  trajectory's ``multimodal``; all None without images); ``image_data`` [B] (list of lists
+  of str, None when no sequence has any): each sequence's images as its prompt sent them to
+  the rollout servers (the trajectory's ``meta["image_data"]``), what a served teacher
+  scores it with;
 * ``routed_experts`` [T, MoE layers, topk] (with routing replay): the expert ids the rollout
   routed each token to when it was a model *input* — so in the input layout of ``input_ids``,
   not shifted — and -1 where none (each sequence's last token, padding).
@@ -143,6 +146,7 @@ class PackedBatch(Mapping):
     pixel_values: Optional[Tensor] = None  # images of the sequences in packed order
     image_grid_thw: Optional[Tensor] = None  # [images, 3]
     image_counts: Optional[Tensor] = None  # [B] images per sequence
+    image_data: Optional[list] = None  # [B] the images as sent to the servers (str lists)
 
     def __post_init__(self):
         t = int(self.input_ids.shape[0])
@@ -171,7 +175,10 @@ class PackedBatch(Mapping):
             "group_index",
             "sample_ids",
             "group_ids",
+            "image_data",
         ):
+            if name == "image_data" and self.image_data is None:
+                continue
             if len(getattr(self, name)) != b:
                 raise ValueError(
                     f"PackedBatch: per-sequence field {name!r} has "

@@ -30,6 +30,7 @@ PER_SEQUENCE_KEYS = frozenset(
         "finish_codes",
         "shaped_rewards",
         "image_counts",
+        "image_data",
     }
 )
 IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw"})

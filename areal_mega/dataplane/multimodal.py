@@ -24,12 +24,22 @@ naming ``multimodal.<key>`` and the sample:
   patch size, the bounds, and the tokens: ``input_ids`` hold exactly ``sum(t·h·w) / merge²``
   image placeholders, all of them on the prompt (``loss_mask`` 0, ``versions`` -1 there). A
   vision-language model accepts text samples (no images, no placeholder).
+
+The worker also keeps the images as its prompt sent them to the rollout servers, in
+``Trajectory.meta["image_data"]`` (a list of strings, one per image of ``image_grid_thw`` in
+order: ``data:image/...;base64,`` URLs or raw base64), what a served teacher scores the sample
+with (:mod:`areal_mega.rollout.scoring`). It is optional; where present
+:func:`image_data_problem` (run by :func:`vision_problem`) checks it: a list of one bounded
+base64 string (or data URL) per image, and no such list on a sample without images.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+import base64
+import binascii
 
 import numpy as np
 
@@ -41,6 +51,8 @@ __all__ = [
     "vision_problem",
     "image_patches",
     "image_tokens",
+    "image_data_problem",
+    "MAX_IMAGE_DATA_CHARS",
 ]
 
 MULTIMODAL_KEYS = {"pixel_values": np.dtype(np.float32), "image_grid_thw": np.dtype(np.int32)}
@@ -72,6 +84,10 @@ class VisionSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if "id" in name else 1):
                 raise ValueError(f"VisionSpec.{name}={v!r} must be an int >= 1 (ids >= 0)")
+
+
+MAX_IMAGE_DATA_CHARS = 32 * 1024 * 1024
+"""The longest one ``meta["image_data"]`` string may be (a data URL of a ~24 MB image file)."""
 
 
 def _error(key: str, problem: str) -> tuple:
@@ -127,17 +143,59 @@ def multimodal_problem(mm) -> Optional[tuple]:
     return None
 
 
+def image_data_problem(meta: dict, n_images: int) -> Optional[tuple]:
+    """``("meta.image_data", problem)`` unless ``meta``'s ``image_data`` (optional) is a list
+    of ``n_images`` strings, each a ``data:image/...;base64,`` URL or raw base64 of at most
+    :data:`MAX_IMAGE_DATA_CHARS` characters; None when it holds (or is absent)."""
+    if "image_data" not in meta:
+        return None
+    items = meta["image_data"]
+    if type(items) is not list:
+        return ("meta.image_data", f"must be a list of strings, got {type(items).__name__}")
+    if len(items) != n_images:
+        return (
+            "meta.image_data",
+            f"{len(items)} entries for the {n_images} image(s) of image_grid_thw",
+        )
+    for i, item in enumerate(items):
+        if type(item) is not str or not item:
+            return ("meta.image_data", f"entry {i} is not a non-empty string")
+        if len(item) > MAX_IMAGE_DATA_CHARS:
+            return (
+                "meta.image_data",
+                f"entry {i} has {len(item)} characters > {MAX_IMAGE_DATA_CHARS}",
+            )
+        payload = item
+        if item.startswith("data:"):
+            head, sep, payload = item.partition(",")
+            if not sep or not head.startswith("data:image/") or not head.endswith(";base64"):
+                return (
+                    "meta.image_data",
+                    f"entry {i} is a data URL but not data:image/<type>;base64,<data>",
+                )
+        try:
+            base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            return ("meta.image_data", f"entry {i} is neither a data URL nor base64")
+        if not payload:
+            return ("meta.image_data", f"entry {i} holds no image bytes")
+    return None
+
+
 def vision_problem(traj, vision: Optional[VisionSpec]) -> Optional[tuple]:
     """``(field, problem)`` for ``traj`` (already validated) against the receiving model's
     ``vision`` (None: a text model, which refuses images), or None; see the module
     docstring."""
     mm = traj.multimodal
     if vision is None:
-        if mm:
+        if mm or traj.meta.get("image_data"):
             return _error(
                 "", "the sample carries images but the model is text-only (no vision tower)"
             )
         return None
+    problem = image_data_problem(traj.meta, int(mm["image_grid_thw"].shape[0]) if mm else 0)
+    if problem is not None:
+        return problem
     ids = traj.input_ids
     at = np.flatnonzero(ids == vision.image_token_id)
     if not mm:

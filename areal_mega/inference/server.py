@@ -473,6 +473,10 @@ def build_app(
                 "model_path": srv.model_path,
                 "tokenizer_path": srv.model_path,
                 "is_generation": True,
+                # SGLang's keys: whether /generate takes image_data, and the HF config's names
+                "has_image_understanding": srv.vision is not None,
+                "model_type": getattr(srv.model.config, "model_type", None),
+                "architectures": getattr(srv.model.config, "architectures", None),
                 "weight_version": srv.engine.weight_version,
                 "vocab_size": srv.vocab_size,
                 "max_context": srv.max_context,

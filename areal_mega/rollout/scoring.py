@@ -7,9 +7,14 @@ answer's ``meta_info.input_token_logprobs`` holds ``[logprob, token_id, text]`` 
 positions ``start - 1 .. len - 1``; the first entry's logprob is always ``None`` (see
 :mod:`areal_mega.inference.input_logprobs`), so the values of positions ``start ..`` follow
 it. They are at temperature 1 (raw ``log_softmax``), whatever the request's temperature.
-A sequence of a vision-language policy carries its prompt's images as SGLang's ``image_data``
-(one list of image strings per sequence, None for one without; the ``input_ids`` are then the
-processor-expanded sequence, contract C1), scored with the images.
+
+A sequence with images (a vision-language teacher) is sent as the rollout sent its prompt:
+``input_ids`` are the processor-expanded ids (one ``<|image_pad|>`` per merged patch) and the
+batch's ``image_data`` is SGLang's batched form, one entry per sequence: the list of that
+sequence's image strings (``data:image/...;base64,`` URLs or raw base64), or None for a text
+sequence; the key is left out when no sequence of the batch has images. The answer must count
+the ids sent (``meta_info.prompt_tokens``, where given, is ``len(input_ids)``): a server that
+expanded the placeholders differently is named.
 
 :func:`score_sequences` spreads batched requests over the client's dispatchable servers; a
 server that cannot be reached (or answers 5xx) is marked down and the batch goes to another.
@@ -46,8 +51,8 @@ class ScoringError(RuntimeError):
 
 def scoring_body(seqs: list, starts: list, image_data: Optional[list] = None) -> dict:
     """The SGLang ``/generate`` body asking for ``log p(seq[t] | seq[:t])`` from ``t = start``
-    on, for each sequence (one batched request); ``image_data``: each sequence's images (a
-    list of image strings, or None), sent only when some sequence has images."""
+    on, for each sequence (one batched request). ``image_data``: per sequence its images'
+    strings (None or empty: a text sequence), sent as SGLang's batched ``image_data``."""
     body = {
         "input_ids": [list(s) for s in seqs],
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
@@ -55,19 +60,28 @@ def scoring_body(seqs: list, starts: list, image_data: Optional[list] = None) ->
         "logprob_start_len": [int(k) - 1 for k in starts],
     }
     if image_data is not None and any(image_data):
-        body["image_data"] = [list(im) if im else None for im in image_data]
+        body["image_data"] = [list(x) if x else None for x in image_data]
     return body
 
 
 def check_inputs(seqs: list, starts: list, image_data: Optional[list] = None) -> None:
-    """``ValueError`` naming the sequence index unless every ``1 <= start <= len(seq)`` (and
-    ``image_data``, when given, has one entry per sequence)."""
+    """``ValueError`` naming the sequence index unless every ``1 <= start <= len(seq)`` and
+    ``image_data`` (when given) has one entry (None or a list of strings) per sequence."""
     if len(seqs) != len(starts):
         raise ValueError(f"score_sequences: {len(seqs)} sequences but {len(starts)} starts")
-    if image_data is not None and len(image_data) != len(seqs):
-        raise ValueError(
-            f"score_sequences: {len(seqs)} sequences but {len(image_data)} image_data entries"
-        )
+    if image_data is not None:
+        if len(image_data) != len(seqs):
+            raise ValueError(
+                f"score_sequences: {len(seqs)} sequences but {len(image_data)} image_data entries"
+            )
+        for i, x in enumerate(image_data):
+            if x is not None and not (
+                isinstance(x, (list, tuple)) and all(isinstance(v, str) and v for v in x)
+            ):
+                raise ValueError(
+                    f"score_sequences: sequence {i}: image_data must be None or a list of "
+                    "non-empty strings"
+                )
     for i, (s, k) in enumerate(zip(seqs, starts)):
         if not 1 <= int(k) <= len(s):
             raise ValueError(
@@ -83,6 +97,12 @@ def values_of(answer: dict, seq: list, start: int, addr: str, index: int) -> lis
         entries = answer["meta_info"]["input_token_logprobs"]
     except (KeyError, TypeError):
         raise ScoringError(f"{where}: answer has no meta_info.input_token_logprobs") from None
+    counted = answer["meta_info"].get("prompt_tokens")
+    if counted is not None and counted != len(seq):
+        raise ScoringError(
+            f"{where}: the server counts {counted} prompt tokens, {len(seq)} ids were sent (a "
+            "sequence with images must be scored by a server of the same image processor)"
+        )
     want = len(seq) - start + 1
     if not isinstance(entries, list) or len(entries) != want:
         got = len(entries) if isinstance(entries, list) else type(entries).__name__
@@ -150,11 +170,12 @@ async def score_sequences(
     image_data: Optional[list] = None,
 ) -> list:
     """For each sequence, ``[log p(seq[t] | seq[:t]) for t in range(start, len(seq))]`` as
-    scored by the client's servers (at temperature 1); ``image_data``: each sequence's images
-    (see the module docstring). Batches of ``batch`` sequences go
-    round-robin to the dispatchable servers, concurrently. Raises ``ValueError`` for a start
-    outside ``[1, len(seq)]`` and :class:`ScoringError` (naming the server and the sequence)
-    for a refused request or an answer that does not fit."""
+    scored by the client's servers (at temperature 1). Batches of ``batch`` sequences go
+    round-robin to the dispatchable servers, concurrently. ``image_data``: one entry per
+    sequence, the images of a sequence whose ids are a processor-expanded prompt (None: a
+    text sequence). Raises ``ValueError`` for a start outside ``[1, len(seq)]`` (or
+    ``image_data`` that is not one entry per sequence) and :class:`ScoringError` (naming the
+    server and the sequence) for a refused request or an answer that does not fit."""
     check_inputs(seqs, starts, image_data)
     if not seqs:
         return []
@@ -207,7 +228,7 @@ class TeacherServerScorer:
 
     def score(self, seqs: list, starts: list, image_data: Optional[list] = None) -> list:
         """``[np.float32 array of log p(seq[t] | seq[:t]) for t >= start]`` per sequence
-        (``image_data``: each sequence's images, see the module docstring); raises what
+        (``image_data``: per sequence its images, None for text); raises what
         :func:`score_sequences` raises."""
         if self._closed:
             raise RuntimeError("TeacherServerScorer is closed")

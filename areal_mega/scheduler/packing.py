@@ -28,6 +28,9 @@ Layout of a packed batch of B sequences with real lengths ``L_0 .. L_{B-1}``::
   ``pixel_values`` [patches, patch_dim] and ``image_grid_thw`` [images, 3] hold the images of
   all sequences in packed order (what the vision-language engine reads), and ``image_counts``
   int32 [B] how many each sequence has; all three only when a sequence has images.
+  ``image_data`` (list [B] of lists of str; only when a sequence has some): each sequence's
+  images as its prompt sent them to the servers (a trajectory's ``meta["image_data"]``, a dict
+  sample's ``image_data``), what a served teacher scores the sequence with.
 * An empty list packs to a padding-only batch of ``max(pad_to_multiple, 2 * cp_size)``
   tokens (B = 0, ``labels`` all -1), so a rank with an empty micro-batch still runs a
   forward/backward pass with
@@ -72,6 +75,7 @@ _SCALAR_KEYS = {
     "prompt_len",
     "reward",
     "multimodal",
+    "image_data",
 }
 _OUTPUT_KEYS = {
     "input_ids",
@@ -93,6 +97,7 @@ _OUTPUT_KEYS = {
     "pixel_values",
     "image_grid_thw",
     "image_counts",
+    "image_data",
 }
 
 
@@ -119,6 +124,7 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
             "group_id": item.group_id,
             "finish_reason": item.finish_reason,
             "multimodal": item.multimodal,
+            "image_data": list(item.meta.get("image_data") or ()) if item.multimodal else [],
         }
     if not isinstance(item, Mapping):
         raise PackingError(
@@ -181,6 +187,7 @@ def _normalize(i: int, item: Union[Trajectory, Mapping[str, Any]]) -> dict:
         "group_id": str(item.get("group_id", "")),
         "finish_reason": str(item.get("finish_reason", "stop")),
         "multimodal": item.get("multimodal") or {},
+        "image_data": list(item.get("image_data") or ()),
     }
 
 
@@ -336,6 +343,8 @@ def pack_sequences(
     out["sample_ids"] = [s["sample_id"] for s in seqs]
     out["group_ids"] = [s["group_id"] for s in seqs]
     out.update(pack_images([s["multimodal"] for s in seqs]))
+    if any(s["image_data"] for s in seqs):  # the prompts' images as sent to the servers
+        out["image_data"] = [s["image_data"] for s in seqs]
     return out
 
 

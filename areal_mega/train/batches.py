@@ -97,7 +97,8 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
     (:func:`next_token_layout`) and its per-sequence data. The MoE routes
     (``token_extras["routed_experts"]`` [L, layers, topk], routing replay) describe each token
     as a model input, so they stay in the layout of ``input_ids``, unshifted; so do the
-    prompt's images (``multimodal``), which the packed micro-batch carries in packed order."""
+    prompt's images (``multimodal``, and ``meta["image_data"]``: the same images as sent to
+    the servers), which the packed micro-batch carries in packed order."""
     routes = traj.token_extras.get("routed_experts")
     return {
         **next_token_layout(
@@ -109,6 +110,8 @@ def next_token_sample(traj: Trajectory, advantages: np.ndarray) -> dict:
         ),
         **({} if routes is None else {"routed_experts": np.asarray(routes)}),
         "multimodal": traj.multimodal,  # the prompt's images (packed apart: pack_images)
+        # and as the prompt sent them to the servers (a served teacher scores with them)
+        "image_data": traj.meta.get("image_data") if traj.multimodal else None,
         "prompt_len": traj.prompt_len,
         "reward": traj.total_reward,
         "sample_id": traj.sample_id,

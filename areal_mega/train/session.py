@@ -187,7 +187,7 @@ class TrainerSession:
             for eng in (self.actor, self.ref, self.teacher):
                 if isinstance(eng, MegatronEngine):
                     eng.banned_token_ids = banned
-        self.teacher_scorer = build_teacher_scorer(cfg)  # OPD's served teacher, or None
+        self.teacher_scorer = build_teacher_scorer(cfg, self.vision)  # OPD: a served teacher
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
             from areal_mega.train.critic_step import build_critic

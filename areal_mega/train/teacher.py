@@ -9,10 +9,14 @@
 * :func:`build_teacher_scorer` — a teacher served by SGLang-compatible servers
   (``teacher.server_addrs``): a :class:`~areal_mega.rollout.scoring.TeacherServerScorer`, which
   scores given tokens with SGLang's prompt-logprob request (at temperature 1, so
-  ``actor.temperature`` must be 1 with a served teacher; the config check says so).
+  ``actor.temperature`` must be 1 with a served teacher; the config check says so). For a
+  vision-language student every server must serve a vision-language model
+  (``/get_model_info``'s ``has_image_understanding``) of the student's image processor; each
+  sequence with images is scored with the images its prompt sent to the rollout servers
+  (``image_data`` of the micro-batch, from the trajectory's ``meta["image_data"]``).
 * :func:`vision_of` — a vision-language student's
   :class:`~areal_mega.dataplane.multimodal.VisionSpec`, after refusing the engines that could
-  not see its images (a text teacher or reference model, a served teacher, a critic).
+  not see its images (a text teacher or reference model, a critic).
 * :func:`teacher_logprobs` — the ONE place teacher logprobs come from: the in-trainer engine's
   forward at ``actor.temperature`` (as the proximal and reference logprobs), or the servers'
   scores of each packed sequence from its first loss token on.
@@ -26,6 +30,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -83,9 +88,9 @@ def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
     Every engine that runs a VL student's micro-batches gets their images, so each must be a
     vision-language model too: a text reference model (``ref_hf``, from ``ref.path``) or
     in-trainer teacher (``teacher_hf``, from ``teacher.path``) is refused naming the key
-    (ConfigError), as are a served teacher (``teacher.server_addrs``: its scoring request
-    carries no images) and a critic (``critic.enabled``: the value model has no vision
-    tower)."""
+    (ConfigError), as is a critic (``critic.enabled``: the value model has no vision tower).
+    A served teacher (``teacher.server_addrs``) is checked when it is reached
+    (:func:`build_teacher_scorer`: a vision-language model of the same image processor)."""
     if not is_vl_config(actor_hf):
         return None
     for key, hf in (("ref.path", ref_hf), ("teacher.path", teacher_hf)):
@@ -95,11 +100,6 @@ def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
                 f"vision-language student {cfg.model.path!r}; use a vision-language model of "
                 "the same family"
             )
-    if cfg.mode == "rl" and cfg.algorithm.opd != "off" and cfg.teacher.server_addrs:
-        raise ConfigError(
-            "teacher.server_addrs: a served teacher scores tokens without their images; a "
-            "vision-language student needs an in-trainer teacher (teacher.path)"
-        )
     if cfg.mode == "rl" and cfg.critic.enabled:
         raise ConfigError(
             "critic.enabled: the critic has no vision tower, so it cannot value a "
@@ -108,15 +108,20 @@ def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
     return vision_spec(actor_hf)
 
 
-def build_teacher_scorer(cfg):
+def build_teacher_scorer(cfg, vision=None):
     """The scorer of a served teacher (RL, ``algorithm.opd`` on, ``teacher.server_addrs``
-    set), or None. The session closes it."""
+    set), or None. ``vision``: the student's
+    :class:`~areal_mega.dataplane.multimodal.VisionSpec` (a vision-language student): every
+    server must then serve a vision-language model of the student's image processor
+    (:func:`check_served_vision`). The session closes it."""
     t = cfg.teacher
     if cfg.mode != "rl" or cfg.algorithm.opd == "off" or not t.server_addrs:
         return None
     scorer = TeacherServerScorer(t.server_addrs, api_key=t.api_key, timeout_s=t.request_timeout_s)
     try:
         for addr, info in scorer.model_info().items():
+            if vision is not None:
+                check_served_vision(addr, info, cfg.model.path)
             check_served_tokenizer(addr, info, cfg.model.path)
     except BaseException:
         scorer.close()
@@ -142,24 +147,102 @@ def check_served_tokenizer(addr: str, info: dict, model_path: str) -> None:
         )
 
 
+IMAGE_PROCESSOR_KEYS = (
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "min_pixels",
+    "max_pixels",
+    "size",
+    "image_mean",
+    "image_std",
+    "rescale_factor",
+    "do_rescale",
+    "do_normalize",
+    "do_resize",
+    "do_convert_rgb",
+    "resample",
+)
+"""``preprocessor_config.json`` keys that decide the pixels and the placeholder count of an
+image; a served teacher's must equal the student's."""
+
+
+def check_served_vision(addr: str, info: dict, model_path: str) -> None:
+    """A teacher server for a vision-language student: its ``/get_model_info`` must say it
+    understands images (SGLang's ``has_image_understanding``; a text model is refused naming
+    the server and its ``model_type``, ConfigError), and where its model directory is readable
+    here, its image processor (``preprocessor_config.json``, :data:`IMAGE_PROCESSOR_KEYS`)
+    must be the student's, or the expanded prompt ids would not fit its images."""
+    if info.get("has_image_understanding") is not True:
+        raise ConfigError(
+            f"teacher.server_addrs: server {addr} serves {info.get('model_path')!r} "
+            f"(model_type {info.get('model_type')!r}), which does not understand images "
+            f"(has_image_understanding={info.get('has_image_understanding')!r}); the "
+            f"vision-language student {model_path!r} needs a vision-language teacher of the "
+            "same image processor"
+        )
+    path = info.get("model_path") or ""
+    mine = Path(model_path) / "preprocessor_config.json"
+    theirs = Path(path) / "preprocessor_config.json" if path else None
+    if theirs is None or not theirs.is_file() or not mine.is_file():
+        log.warning(
+            "teacher server %s: image processor of %r is not readable here; make sure it is "
+            "the student's (%s)",
+            addr,
+            path,
+            model_path,
+        )
+        return
+    a, b = (json.loads(p.read_text()) for p in (mine, theirs))
+    diff = [k for k in IMAGE_PROCESSOR_KEYS if a.get(k) != b.get(k)]
+    if diff:
+        what = ", ".join(f"{k}={b.get(k)!r} (student: {a.get(k)!r})" for k in diff)
+        raise ConfigError(
+            f"teacher.server_addrs: server {addr} ({path!r}) has another image processor than "
+            f"the student {model_path!r}: {what}"
+        )
+
+
 def served_logprobs(scorer, micro_batches: list) -> list:
     """The served teacher's logprobs for packed ``micro_batches`` in their next-token layout
     (position t of a sequence: log p(ids[t+1] | ids[:t+1])), one fp32 ``[T]`` tensor each:
     every sequence is scored from its first loss token on, all of them in one scorer call (so
-    the requests spread over the servers together); earlier positions and padding are 0."""
+    the requests spread over the servers together); earlier positions and padding are 0. A
+    sequence with images is sent with them as its prompt sent them to the rollout servers
+    (the micro-batch's ``image_data``); one whose images came without them (a workflow that
+    built the trajectory without ``SampleContext.trajectory``) cannot be scored: it is logged
+    by name and gets NaN, so the step's screen drops it from the loss (``refused/teacher``)."""
     outs = [torch.zeros(mb["input_ids"].shape[0], dtype=torch.float32) for mb in micro_batches]
-    seqs, starts, spans = [], [], []
+    seqs, starts, spans, images = [], [], [], []
     for out, mb in zip(outs, micro_batches):
         ids, mask = mb["input_ids"], mb["loss_mask"]
-        for start, n in zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist()):
+        counts = mb.get("image_counts")
+        sent = mb.get("image_data")
+        bounds = zip(mb["cu_seqlens_padded"].tolist(), mb["seqlens"].tolist())
+        for b, (start, n) in enumerate(bounds):
             first = torch.nonzero(mask[start : start + n - 1]).flatten()
             if first.numel() == 0:
                 continue
             t0 = int(first[0])  # layout position t0 describes token t0 + 1
+            n_images = 0 if counts is None else int(counts[b])
+            items = list(sent[b]) if sent is not None and sent[b] else []
+            if len(items) != n_images:
+                log.warning(
+                    "sample %r: %d image(s) but %d image_data strings to send the served "
+                    "teacher (SampleContext.trajectory keeps them in meta['image_data']); "
+                    "dropped from this step's loss",
+                    mb["sample_ids"][b],
+                    n_images,
+                    len(items),
+                )
+                out[start + t0 : start + n - 1] = float("nan")
+                continue
             seqs.append(ids[start : start + n].tolist())
             starts.append(t0 + 1)
             spans.append((out, start + t0, start + n - 1))
-    for (out, lo, hi), lp in zip(spans, scorer.score(seqs, starts) if seqs else []):
+            images.append(items or None)
+    scores = scorer.score(seqs, starts, images if any(images) else None) if seqs else []
+    for (out, lo, hi), lp in zip(spans, scores):
         out[lo:hi] = torch.from_numpy(lp)
     return outs
 

@@ -70,6 +70,7 @@ class SampleContext:
         self._turns = 0
         self._client = None
         self.failed: Optional[str] = None  # set by a workflow: why this sample failed
+        self.image_data: Optional[list] = None  # the latest generate call's images, as sent
 
     async def generate(
         self,
@@ -87,8 +88,11 @@ class SampleContext:
         ``image_data``: the prompt's images (one string each, in order: a
         ``data:image/png;base64,`` URL, raw base64 or a path the servers can read) when
         ``input_ids`` is a processor-expanded prompt with image placeholders; sent again with
-        the partial output when a weight update interrupts the request."""
+        the partial output when a weight update interrupts the request; kept as
+        :attr:`image_data` for the sample's trajectory (:meth:`trajectory`)."""
         turn, self._turns = self._turns, self._turns + 1
+        if image_data:
+            self.image_data = list(image_data)
         n = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         return await self.group.generate(
             list(input_ids),
@@ -150,7 +154,12 @@ class SampleContext:
     ):
         """Freeze ``seq`` into this sample's :class:`Trajectory` (``suffix`` makes the id
         unique when one sample yields several trajectories); ``multimodal``: the prompt's
-        images (``pixel_values`` / ``image_grid_thw``, :mod:`areal_mega.dataplane.multimodal`)."""
+        images (``pixel_values`` / ``image_grid_thw``, :mod:`areal_mega.dataplane.multimodal`).
+        With images, ``meta["image_data"]`` is set (unless given) to the same images as the
+        sample's latest ``generate`` call with images sent them (:attr:`image_data`), what a
+        served teacher scores the trajectory with."""
+        if multimodal and self.image_data and "image_data" not in (meta or {}):
+            meta = {**(meta or {}), "image_data": list(self.image_data)}
         return seq.to_trajectory(
             reward=reward,
             sample_id=self.sample_id + suffix,

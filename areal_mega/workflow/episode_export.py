@@ -8,9 +8,17 @@ logprob 0, version -1). Otherwise each completion is its own sample, all sharing
 episode's reward, discounted by ``discount ** (K-1-k)`` for completion k of K (the last
 completion gets the full reward). Tokens and logprobs are copied from the records, which hold
 what the servers generated; nothing is re-tokenised.
+
+A sample whose (last) call had images (a vision-language policy, ``image_url`` parts) carries
+them: ``multimodal`` from the sample context's image processor over the record's decoded
+images (what ``encode_sample`` gives the same images), and ``meta["image_data"]`` the images
+as the call sent them to the servers (what a served teacher scores it with). A chained
+episode's last call holds every image of the conversation.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from areal_mega.workflow.tokens import TokenSeq
 
@@ -46,6 +54,20 @@ def plan_samples(records: list, reward: float, discount: float = 1.0) -> list:
     return out
 
 
+def record_images(ctx, rec) -> tuple:
+    """``(multimodal, meta)`` of record ``rec``'s prompt images: the processed images (the
+    sample context's ``image_processor``) and ``{"image_data": [...]}`` as sent; ``(None,
+    {})`` for a prompt without images."""
+    if not rec.images:
+        return None, {}
+    enc = ctx.image_processor(images=list(rec.images), return_tensors="pt")  # encode_sample's
+    mm = {
+        "pixel_values": enc["pixel_values"].float().numpy(),
+        "image_grid_thw": enc["image_grid_thw"].numpy().astype(np.int32),
+    }
+    return mm, {"image_data": list(rec.image_data)}
+
+
 def export_completions(ctx, reward: float, records: list, discount: float = 1.0) -> list:
     """Trajectories of one sample (``ctx``: a
     :class:`~areal_mega.workflow.api.SampleContext`) from its records."""
@@ -53,6 +75,7 @@ def export_completions(ctx, reward: float, records: list, discount: float = 1.0)
     out = []
     for i, (seq, r, plen, idx) in enumerate(plans):
         last = records[idx[-1]]
+        mm, image_meta = record_images(ctx, last)
         out.append(
             ctx.trajectory(
                 seq,
@@ -65,7 +88,9 @@ def export_completions(ctx, reward: float, records: list, discount: float = 1.0)
                     "n_calls": len(idx),
                     "chained": len(plans) == 1 and len(records) > 1,
                     "n_interruptions": sum(records[j].n_interruptions for j in idx),
+                    **image_meta,
                 },
+                multimodal=mm,
             )
         )
     return out
