@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -46,6 +49,39 @@ from areal_mega.train.weight_sender import broadcast_version, connect_weight_sen
 from areal_mega.train.weights import export_hf_dir, resolve_weight_update
 
 log = logging.getLogger(__name__)
+
+
+_VL_CONVERT = (
+    "import json, sys\n"
+    "from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore\n"
+    "convert_vl_hf_to_mcore(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3]))\n"
+)
+
+
+def convert_vl_in_child(hf_dir, out, conversion: dict) -> None:
+    """A vision-language HF directory converted into ``out``
+    (:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore`) in a child process: that
+    converter builds the whole model under a one-process mesh of its own and tears it down,
+    which must not replace this trainer rank's. Written for one rank; any layout loads it.
+    Raises ``RuntimeError`` with the child's last output when it fails."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        and not k.startswith(("TORCHELASTIC_", "MASTER_"))
+    }
+    kw = {k: conversion[k] for k in ("dtype", "make_vocab_size_divisible_by")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _VL_CONVERT, str(hf_dir), str(out), json.dumps(kw)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"converting the vision-language model {hf_dir} failed:\n"
+            + (proc.stderr or proc.stdout)[-2000:]
+        )
 
 
 class CheckpointSaveError(RuntimeError):
@@ -92,7 +128,7 @@ class TrainerSession:
         returning, so the rollout servers generate with the trained weights. Raises
         :class:`~areal_mega.config.ConfigError` for an unusable ``rollout.weight_update``.
         """
-        from areal_mega.engine.megatron_engine import MegatronEngine
+        from areal_mega.engine.megatron_engine import MegatronEngine, vision_special_token_ids
         from areal_mega.parallel.mesh import ParallelMesh
 
         self.cfg = cfg
@@ -144,6 +180,13 @@ class TrainerSession:
             getattr(self.ref, "hf_config", None),
             getattr(self.teacher, "hf_config", None),
         )
+        if self.vision is not None and cfg.mode == "rl":
+            # the servers never sample the vision special tokens: the policy, and the
+            # distributions it is compared with, leave them out
+            banned = vision_special_token_ids(self.actor.hf_config)
+            for eng in (self.actor, self.ref, self.teacher):
+                if isinstance(eng, MegatronEngine):
+                    eng.banned_token_ids = banned
         self.teacher_scorer = build_teacher_scorer(cfg, self.vision)  # OPD: a served teacher
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
@@ -171,6 +214,15 @@ class TrainerSession:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.vision is not None and cfg.mode == "rl" and (
+            self.weight_update != "disk" or d.tp > 1 or d.pp > 1
+        ):
+            raise ConfigError(
+                "a vision-language policy's weights reach the rollout servers by disk from "
+                f"trainer TP 1 / PP 1 for now: rollout.weight_update={cfg.rollout.weight_update!r}"
+                f" (resolved: {self.weight_update}), allocation={cfg.allocation!r} (tp={d.tp}, "
+                f"pp={d.pp})"
+            )
         if self.is_rank0:
             self._write_resolved_config()
             self._open_rank0_io(resumed)
@@ -259,6 +311,7 @@ class TrainerSession:
             if not current:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
+                    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
                     if src.exists():
                         print(
@@ -267,7 +320,10 @@ class TrainerSession:
                             flush=True,
                         )
                         shutil.rmtree(src)
-                    convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
+                    if is_vl_model_dir(hf_dir):
+                        convert_vl_in_child(hf_dir, src, conversion)
+                    else:
+                        convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
                     (src / SOURCE_FILE).write_text(json.dumps(identity))
                 if dist.is_initialized():
                     dist.barrier()

@@ -35,6 +35,7 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
     from areal_mega.checkpoint.export import is_export_source, iter_hf_tensors
+    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
     hf_src_dir, out = Path(hf_src_dir), Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -42,6 +43,10 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    if is_vl_model_dir(hf_src_dir):
+        if deltas:
+            raise NotImplementedError("LoRA adapters of a vision-language model are not merged")
+        return _export_vl(engine, hf_src_dir, out, tmp, is_writer=is_writer, dtype=dtype)
     arch = hm.read_arch(hf_src_dir)
     mesh = engine.mesh
     pp, stage = mesh.dims.pp, mesh.pp_rank
@@ -88,6 +93,42 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
         for f in HF_AUX_FILES:
             if (hf_src_dir / f).exists():
                 shutil.copy2(hf_src_dir / f, tmp / f)
+        if len(dtypes) == 1:
+            _set_config_dtype(tmp / "config.json", dtypes.pop())
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    _barrier()
+    return out
+
+
+def _export_vl(engine, hf_src_dir: Path, out: Path, tmp: Path, *, is_writer: bool, dtype) -> Path:
+    """:func:`export_hf_dir` of a vision-language model (the bridge's table,
+    :func:`~areal_mega.checkpoint.vl_mapping.to_hf_state_dict`): one pipeline stage at TP 1,
+    so every rank holds the whole model and rank 0 writes it alone."""
+    from safetensors.torch import save_file
+
+    from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
+    from areal_mega.checkpoint.vl_mapping import to_hf_state_dict
+    from areal_mega.models.builder import load_hf_config
+
+    if engine.mesh.dims.pp != 1 or engine.mesh.dims.tp != 1:  # on every rank, before a barrier
+        raise NotImplementedError(
+            "vision-language weights are exported from trainer TP 1 / PP 1 for now"
+        )
+    if is_writer:
+        (chunk,) = engine.model_chunks()
+        while hasattr(chunk, "module") and not hasattr(chunk, "language_model"):
+            chunk = chunk.module  # a mixed-precision wrapper
+        vocab = int(load_hf_config(hf_src_dir)["text_config"]["vocab_size"])
+        tensors = {
+            n: (t if dtype is None else t.to(dtype)).to("cpu").contiguous()
+            for n, t in to_hf_state_dict(chunk, vocab).items()
+        }
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for f in HF_AUX_FILES:
+            if (hf_src_dir / f).exists():
+                shutil.copy2(hf_src_dir / f, tmp / f)
+        dtypes = {str(t.dtype) for t in tensors.values() if t.is_floating_point()}
         if len(dtypes) == 1:
             _set_config_dtype(tmp / "config.json", dtypes.pop())
         shutil.rmtree(out, ignore_errors=True)
