@@ -90,26 +90,3 @@ def test_env_switch_selects_torch_matmul_or_rejects_unknown_values():
     bad = run("mkl")
     assert bad.returncode != 0
     assert "AREAL_MEGA_CPU_GEMM" in bad.stderr and "onednn, torch" in bad.stderr, bad.stderr
-
-
-def test_accumulate_grad_equals_add_bit_for_bit(monkeypatch):
-    """DDP's bf16 -> fp32 gradient accumulation in chunks equals ``main_grad.add_(grad)`` bit
-    for bit (a tensor of several chunks and a partial one, one below the chunk size, equal
-    dtypes); the patched DDP hook calls it."""
-    import types
-
-    monkeypatch.setattr(cpu_gemm, "ACCUMULATE_CHUNK", 1000)
-    g = torch.Generator().manual_seed(0)
-    for n, dtype in ((4321, torch.bfloat16), (999, torch.bfloat16), (4321, torch.float32)):
-        main = torch.randn(n // 3 + 1, 3, generator=g)[: n // 3]  # [rows, 3], contiguous
-        grad = (torch.randn(main.shape, generator=g) * 1e3).to(dtype)
-        want = main.clone().add_(grad)
-        cpu_gemm.accumulate_grad(main, grad)
-        assert torch.equal(main, want)
-    megatron_cpu.apply()
-    from megatron.core.distributed import distributed_data_parallel as ddp
-
-    hook = ddp.DistributedDataParallel._make_backward_post_hook.__code__
-    (inner,) = [c for c in hook.co_consts if isinstance(c, types.CodeType)]
-    assert "_areal_accumulate_grad" in inner.co_names
-    assert ddp._areal_accumulate_grad is cpu_gemm.accumulate_grad

@@ -12,10 +12,6 @@ these functions. Each computes exactly the expression it replaces (fp32 accumula
 different summation order) and falls back to that expression for other dtypes, empty inputs
 or a torch without oneDNN.
 
-The weight gradients land in megatron's fp32 ``main_grad`` buffers; in bf16 the layer hands
-DDP a bf16 ``param.grad`` that DDP's backward hook adds into ``main_grad``
-(:func:`accumulate_grad`, patched in by :mod:`areal_mega.compat.megatron_cpu`).
-
 Environment switch ``AREAL_MEGA_CPU_GEMM`` (read once, at import): ``onednn`` (the default)
 routes the products as above; ``torch`` keeps torch's own ``matmul`` (MKL) everywhere, e.g.
 to A/B the two (``bench/grpo_step.py --gemm``). Any other value raises ``ValueError``.
@@ -94,29 +90,3 @@ def grad_weight(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.T
     if grad_output.dim() == 2 and total_input.dim() == 2 and _onednn_ok(grad_output, total_input):
         return _mm(grad_output.t(), total_input.t())
     return grad_output.t().matmul(total_input)
-
-
-# elements per mixed-dtype add in accumulate_grad: its fp32 temporary (16 MiB) stays in cache
-# while one add_ per chunk keeps the parallel regions few
-ACCUMULATE_CHUNK = 1 << 22
-
-
-def accumulate_grad(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
-    """``main_grad.add_(grad)`` (DDP's backward hook), in chunks when ``grad`` has another
-    dtype on the CPU (bf16 into fp32): torch's CPU kernels cast such an operand into a
-    temporary of the whole tensor first, for the tied 49,152 x 576 embedding of a 135M model
-    113 MB written and read back per micro-batch; chunk by chunk the temporaries stay in
-    cache (one thread: 61 -> 22 ms, the same bits: each element's cast and add are unchanged)."""
-    if (
-        grad.dtype == main_grad.dtype
-        or main_grad.device.type != "cpu"
-        or main_grad.numel() <= ACCUMULATE_CHUNK
-        or grad.shape != main_grad.shape
-        or not (main_grad.is_contiguous() and grad.is_contiguous())
-    ):
-        main_grad.add_(grad)
-        return
-    for dst, src in zip(
-        main_grad.view(-1).split(ACCUMULATE_CHUNK), grad.reshape(-1).split(ACCUMULATE_CHUNK)
-    ):
-        dst.add_(src)

@@ -374,24 +374,6 @@ def _patch_tp_gemms(mod) -> None:
         setattr(cls, meth, ns[meth])
 
 
-#: DDP's backward hook: its gradient accumulation, the line the ddp_grad_accumulation patch
-#: replaces
-_DDP_HOOK = "DistributedDataParallel._make_backward_post_hook"
-_DDP_ADD = (
-    "param.main_grad.add_(param.grad.data)",
-    "_areal_accumulate_grad(param.main_grad, param.grad.data)",
-)
-
-
-def _patch_ddp_grad_accumulation(mod) -> None:
-    """DDP's backward hook adds ``param.grad`` into ``main_grad`` through
-    :func:`areal_mega.compat.cpu_gemm.accumulate_grad` (bf16 into fp32 in chunks)."""
-    from areal_mega.compat import cpu_gemm
-
-    mod._areal_accumulate_grad = cpu_gemm.accumulate_grad
-    _rewrite(mod, _DDP_HOOK, (_DDP_ADD,))
-
-
 def _patch_packed_rope(mod) -> None:
     packed_rope.install(mod)
 
@@ -591,17 +573,6 @@ def _build_patches() -> list[Patch]:
             fn=_patch_tp_gemms,
             why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
             "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)",
-        ),
-        Patch(
-            "ddp_grad_accumulation",
-            "megatron.core.distributed.distributed_data_parallel",
-            "custom",
-            function=_DDP_HOOK,
-            expect=(_DDP_ADD[0],),
-            fn=_patch_ddp_grad_accumulation,
-            why="speed, not correctness: in bf16 the hook adds each bf16 weight gradient into "
-            "its fp32 main_grad, which torch's CPU add_ does through a cast copy of the whole "
-            "gradient (compat/cpu_gemm.py accumulate_grad: in chunks, the same bits)",
         ),
         Patch(
             "mamba_mixer_kernels",
