@@ -22,9 +22,6 @@ step):
 * ``attention_fp32``: bf16 attention of short queries on fp32 copies
   (:data:`areal_mega.models.varlen_attention.CPU_FP32_ATTENTION_MAX_QUERY`) against torch's bf16
   kernel (no-op in fp32);
-* ``grad_accumulation``: DDP's backward hook adding bf16 weight gradients into the fp32
-  ``main_grad`` in chunks (:func:`areal_mega.compat.cpu_gemm.accumulate_grad`) against one
-  ``add_`` (no-op in fp32);
 * ``all``: every change at once.
 """
 
@@ -43,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import SHAPE  # noqa: E402  (bench/ is a namespace package)
 
-CHANGES = ("finite", "attention_fp32", "grad_accumulation")
+CHANGES = ("finite", "attention_fp32")
 
 
 @contextlib.contextmanager
@@ -51,7 +48,6 @@ def former(change: str):
     """The code ``change`` replaced, for the duration of the block."""
     import torch
 
-    from areal_mega.compat import cpu_gemm
     from areal_mega.engine import finite
     from areal_mega.models import varlen_attention
 
@@ -69,13 +65,6 @@ def former(change: str):
             yield
         finally:
             varlen_attention.CPU_FP32_ATTENTION_MAX_QUERY = saved
-    elif change == "grad_accumulation":
-        saved = cpu_gemm.ACCUMULATE_CHUNK
-        cpu_gemm.ACCUMULATE_CHUNK = 1 << 62
-        try:
-            yield
-        finally:
-            cpu_gemm.ACCUMULATE_CHUNK = saved
     elif change == "all":
         with contextlib.ExitStack() as stack:
             for c in CHANGES:
