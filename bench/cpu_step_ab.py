@@ -8,10 +8,12 @@ Usage (from the repository root; a few minutes on 2 cores)::
 One process per dtype builds the actor the way :mod:`bench.cpu_bf16` does (``recipes/tiny-cpu
 .yaml``, the 135M Llama shape with ``--layers`` layers, random weights) and runs
 :func:`bench.grpo_step.grpo_step` in pairs: the step with the change (B) and the step with the
-former code restored (A), in alternating order, each pair on the same fresh batch. On a machine
-shared with other jobs single step times are noisy; the ratio A/B of each pair is not (both
-halves see about the same load), so the median of the ratios is the figure to read (> 1: the
-change is faster). Wall seconds and process CPU seconds are both reported.
+former code restored (A), in alternating order, each pair on the same fresh batch; the median
+over pairs of A/B is the figure to read (> 1: the change is faster). Wall seconds and process
+CPU seconds are both reported. On a machine shared with other jobs even these ratios swing by
+tens of percent with 2 threads (a thread waiting for its descheduled partner at every parallel
+region); ``--threads 1`` and the CPU seconds are the steadiest measure of the work a change
+saves (a no-op change, e.g. ``attention_fp32`` in fp32, shows the noise left).
 
 Changes (``--change``; each B is the code as it is, each A puts the former code back for the
 step):
