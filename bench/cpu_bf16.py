@@ -4,7 +4,7 @@ Usage (from the repository root; a couple of minutes on 2 cores)::
 
     python bench/cpu_bf16.py                  # matmuls, tiny step, 135M shape with 4 layers
     python bench/cpu_bf16.py --layers 30      # the whole 135M model (much longer)
-    python bench/cpu_bf16.py --profile        # + the top ops of one bf16 135M-shape step
+    python bench/cpu_bf16.py --profile        # + the top ops of one 135M-shape step per dtype
 
 Printed first: the CPU's model name, its bf16 ISA (``avx512_bf16``, ``amx_bf16`` from
 ``/proc/cpuinfo``), torch's CPU capability and the thread count.
@@ -15,6 +15,12 @@ weight gradient ``dY^T @ X``) at the 135M Llama shape's layers (:data:`bench.eng
 hidden 576, q/k/v 960, gate+up 3,072, down 1,536 -> 576, the tied output layer 49,152) for
 ``--tokens`` tokens (the recipe's micro-batch, 512), GFLOP/s of fp32 and of bf16 and their
 ratio. Best of ``--repeats`` after one warm-up.
+
+Attention: forward+backward of ``F.scaled_dot_product_attention`` on bf16 inputs at the shapes
+of a GRPO micro-batch's shared-prefix units and of longer sequences, torch's bf16 CPU kernel
+against the same call on fp32 copies (what :func:`areal_mega.models.varlen_attention.attention`
+does for queries up to ``CPU_FP32_ATTENTION_MAX_QUERY``): process CPU milliseconds, medians of
+interleaved runs (CPU time, not wall: robust to other jobs on a shared machine).
 
 Trainer step: :func:`bench.grpo_step.grpo_step` (the compute of one ``trainer.rl_step`` on one
 rank: planning, forward/backward, the megatron optimizer step) with ``model.dtype`` fp32 and
@@ -148,6 +154,77 @@ def bench_gemms(tokens: int, repeats: int) -> None:
     )
 
 
+# [b, heads, queries, keys] of SDPA calls: a GRPO micro-batch's padded shared-prefix units
+# (16 and 8 answers of ~50 tokens seeing a 30-token prompt, 9 query / 3 KV heads), around
+# the fp32 cut-off (areal_mega.models.varlen_attention.CPU_FP32_ATTENTION_MAX_QUERY) and a
+# long causal sequence
+ATTENTION_SHAPES = (
+    (16, 51, 80, "mask"),
+    (8, 53, 82, "mask"),
+    (4, 128, 128, "mask"),
+    (1, 160, 160, "causal"),
+    (1, 256, 256, "causal"),
+    (1, 2048, 2048, "causal"),
+)
+
+
+def bench_attention(repeats: int, threads: int) -> None:
+    """Print the CPU time of SDPA forward+backward on bf16 inputs: torch's bf16 kernel against
+    the same call on fp32 copies (casts included), interleaved, medians; with 1 thread and
+    with ``threads``."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from areal_mega.models.varlen_attention import CPU_FP32_ATTENTION_MAX_QUERY
+
+    print(
+        f"\nattention (SDPA forward+backward of bf16 q, k, v: 9 query / 3 KV heads of 64; "
+        f"process CPU ms, median of {repeats} interleaved; the trainer takes fp32 copies up "
+        f"to {CPU_FP32_ATTENTION_MAX_QUERY} queries)"
+    )
+    print(
+        f"  {'b x queries x keys':26s}{'threads':>8s}{'bf16 kernel':>12s}{'fp32 copies':>12s}"
+        f"{'bf16/fp32':>11s}"
+    )
+    g = torch.Generator().manual_seed(0)
+    for b, lq, lk, kind in ATTENTION_SHAPES:
+        q0, k0, v0 = (torch.randn(b, h, n, 64, generator=g) for h, n in ((9, lq), (3, lk), (3, lk)))
+        mask = None
+        if kind == "mask":  # the units' mask: the prompt, then causal
+            mask = (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + lk - lq)[None, None]
+        dout = torch.randn(b, 9, lq, 64, generator=g).bfloat16()
+
+        def run(up):
+            q, k, v = (x.bfloat16().requires_grad_() for x in (q0, k0, v0))
+            a = (q.float(), k.float(), v.float()) if up else (q, k, v)
+            o = F.scaled_dot_product_attention(
+                *a, attn_mask=mask, is_causal=mask is None, scale=0.125, enable_gqa=True
+            )
+            o.to(torch.bfloat16).backward(dout)
+
+        for n_threads in sorted({1, threads}):
+            torch.set_num_threads(n_threads)
+            times = {False: [], True: []}
+            run(False), run(True)
+            for i in range(repeats):
+                for up in (False, True) if i % 2 else (True, False):
+                    c0 = time.process_time()
+                    run(up)
+                    times[up].append(time.process_time() - c0)
+            bf, fp = (statistics.median(times[up]) * 1e3 for up in (False, True))
+            print(
+                f"  {f'{b} x {lq} x {lk} ({kind})':26s}{n_threads:8d}{bf:12.2f}{fp:12.2f}"
+                f"{bf / fp:10.2f}x"
+            )
+    torch.set_num_threads(threads)
+    print(
+        "  (> 1: the fp32 copies are cheaper; on a loaded machine the CPU time of more than "
+        "one thread includes their waits for each other, the 1-thread figure is the work)"
+    )
+
+
 def child(args, hf_dir, dtype, out) -> None:
     """One trainer-step variant in this process: build the actor at ``dtype``, load the
     weights of ``hf_dir``, one warm-up step, ``--steps`` timed steps."""
@@ -263,8 +340,9 @@ def bench_steps(args, tmp) -> None:
         "wall times, > 1: bf16 is faster)"
     )
     if args.profile:
-        res = run_step_variant(args, Path(tmp) / "135M", "bf16", tmp, profile=True)
-        print(f"\n  bf16 135M-shape step, top ops by self CPU time:\n{res['table']}")
+        for dtype in ("fp32", "bf16"):
+            res = run_step_variant(args, Path(tmp) / "135M", dtype, tmp, profile=True)
+            print(f"\n  {dtype} 135M-shape step, top ops by self CPU time:\n{res['table']}")
 
 
 def main():
@@ -278,7 +356,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=30)
     ap.add_argument("--max-new", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--profile", action="store_true", help="+ one profiled bf16 step")
+    ap.add_argument("--profile", action="store_true", help="+ one profiled step per dtype")
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=3, metavar=("HF_DIR", "DTYPE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -290,6 +368,7 @@ def main():
     print(f"CPU: {cpu_description()}; {args.threads} threads")
     print(f"load average (1, 5, 15 min): {os.getloadavg()} on {os.cpu_count()} CPUs")
     bench_gemms(args.tokens, args.repeats)
+    bench_attention(max(args.repeats, 5), args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_bf16_") as tmp:
         bench_steps(args, tmp)
 

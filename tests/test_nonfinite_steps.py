@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from areal_mega.common.net import free_port
+from areal_mega.engine.finite import all_finite, nonfinite_flags
 from areal_mega.train.batches import merge_train_stats
 from areal_mega.train.nonfinite import SkipGuard, likely_source, nonfinite_fields
 from tests.helpers.multirank import rank_results, run_ranks
@@ -87,6 +88,28 @@ def test_nonfinite_fields_and_likely_source():
     assert likely_source([], lr=math.inf) == "learning rate"
     assert likely_source([], lr=1e-3, routing_replay=True) == "routes"
     assert likely_source([], lr=1e-3) == "learning rate"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_agrees_with_isfinite(dtype):
+    """The one-pass check of the gradients equals ``torch.isfinite(t).all()``: a NaN or inf
+    anywhere (first, last, a vectorised block's tail, every size around the vector widths),
+    on contiguous and strided tensors, empty tensors finite."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 15, 16, 17, 31, 33, 64, 65, 1000, 4099):
+        base = (torch.randn(n, generator=g) * 100).to(dtype)
+        assert all_finite(base) and bool(torch.isfinite(base).all())
+        for bad in (math.nan, math.inf, -math.inf):
+            for pos in sorted({0, n // 2, n - 1, max(n - 17, 0)}):
+                t = base.clone()
+                t[pos] = bad
+                assert not all_finite(t), (n, bad, pos)
+                assert not all_finite(torch.stack([base, t], 1)[:, 1])  # strided view
+    big = torch.full((2048, 64), torch.finfo(dtype).max, dtype=dtype)  # finite extremes
+    assert all_finite(big) and all_finite(-big)
+    assert all_finite(torch.empty(0, 3, dtype=dtype))
+    assert nonfinite_flags(None, [base, big]) == (False, False)
+    assert nonfinite_flags(math.nan, [base, t]) == (True, True)
 
 
 def test_merge_train_stats_leaves_skipped_minibatches_out():

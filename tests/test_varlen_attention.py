@@ -355,3 +355,36 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
             scale=0.3,
         )
         assert calls == want
+
+
+def test_short_bf16_attention_runs_in_fp32_on_the_cpu(monkeypatch):
+    """bf16 queries up to CPU_FP32_ATTENTION_MAX_QUERY long attend on fp32 copies (torch's bf16
+    CPU kernel is slow there): the fp32 result rounded to bf16, gradients in bf16 close to the
+    bf16 kernel's; longer queries keep the bf16 kernel."""
+    import areal_mega.models.varlen_attention as va
+
+    seen = []
+    sdpa = va.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        va.F,
+        "scaled_dot_product_attention",
+        lambda q, *a, **kw: seen.append(q.dtype) or sdpa(q, *a, **kw),
+    )
+    g = torch.Generator().manual_seed(0)
+    for lq, want in ((va.CPU_FP32_ATTENTION_MAX_QUERY, torch.float32), (200, torch.bfloat16)):
+        q, k, v = (
+            torch.randn(2, n, lq, 16, generator=g).bfloat16().requires_grad_() for n in (4, 2, 2)
+        )
+        seen.clear()
+        out = va.attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+        assert seen == [want] and out.dtype == torch.bfloat16
+        ref = sdpa(q.float(), k.float(), v.float(), is_causal=True, scale=0.25, enable_gqa=True)
+        if want == torch.float32:
+            assert torch.equal(out, ref.bfloat16())
+        assert (out.float() - ref).abs().max() < 0.02
+        w = torch.randn(out.shape, generator=g).bfloat16()
+        grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+        ref_grads = torch.autograd.grad((ref * w.float()).sum(), (q, k, v))
+        for a, b in zip(grads, ref_grads):
+            assert a.dtype == torch.bfloat16
+            assert (a.float() - b.float()).abs().max() < 0.05 * b.float().abs().max()

@@ -53,6 +53,7 @@ def main(argv=None):
         not_built=NOT_BUILT,
         vl_trainer=ms.vl_trainer_architectures(),
         vl_not_built=ms.vl_not_built_architectures(),
+        vl_rl=ms.vl_rl_architectures(),
     )
     if args.json:
         print(json.dumps(rows, indent=1))

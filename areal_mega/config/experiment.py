@@ -154,6 +154,12 @@ def validate(cfg) -> None:
         check_sources(cfg.data)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    im = cfg.data.images
+    if im.min_pixels and im.max_pixels and im.min_pixels > im.max_pixels:
+        raise ConfigError(
+            f"data.images.min_pixels={im.min_pixels}: must be <= data.images.max_pixels "
+            f"({im.max_pixels})"
+        )
     if cfg.optimizer.min_lr > cfg.optimizer.lr:
         raise ConfigError(
             f"optimizer.min_lr={cfg.optimizer.min_lr!r}: must be <= optimizer.lr "

@@ -16,6 +16,7 @@ __all__ = [
     "ClusterConfig",
     "DataConfig",
     "DataSourceConfig",
+    "DataImagesConfig",
     "DataplaneConfig",
     "EvalConfig",
     "ModelConfig",
@@ -176,6 +177,31 @@ class DataSourceConfig:
 
 
 @dataclass
+class DataImagesConfig:
+    """Images in prompt records (``data.images``; record formats: :mod:`areal_mega.data.images`).
+    Each image is resized, aspect kept, to sides that are multiples of the model's patch x
+    merge size with an area in [``min_pixels``, ``max_pixels``] before the model's image
+    processor sees it; the rollout server is sent that resized image, so both compute the same
+    patches."""
+
+    min_pixels: int = _f(0, lo=0, doc="smallest image area in pixels; 0 = the processor's own")
+    max_pixels: int = _f(0, lo=0, doc="largest image area in pixels; 0 = the processor's own")
+    max_source_pixels: int = _f(
+        64 * 1024 * 1024, lo=1, doc="an image file with more pixels is a bad image"
+    )
+    max_images: int = _f(16, lo=1, doc="a prompt with more images is a bad record")
+    on_bad: str = _f(
+        "error",
+        choices=["error", "skip"],
+        doc="a bad image (missing, undecodable, too large): stop naming the record, or skip "
+        "the record and count it",
+    )
+    images_key: str = _f(
+        "images", doc="record field of the images of a prompt with <image> markers"
+    )
+
+
+@dataclass
 class DataConfig:
     train_path: str = _f(
         "",
@@ -205,6 +231,9 @@ class DataConfig:
     )
     drop_last: bool = _f(True, doc="drop an epoch's incomplete final batch")
     sft_batch_size: int = _f(64, lo=1, doc="examples per SFT step (mode=sft)")
+    images: DataImagesConfig = _f(
+        factory=DataImagesConfig, doc="images in prompts (vision-language models)"
+    )
 
 
 @dataclass

@@ -8,6 +8,8 @@
 - :mod:`.synthetic` — the CPU demo's verifiable tasks, written as JSONL files;
 - :mod:`.images` — images in prompt records (chat image parts, ``<image>`` markers), read
   and checked where they enter;
+- :mod:`.vision_prompts` — image records rendered and image-expanded at load, their images
+  encoded when a prompt is drawn (pixels for the trainer, PNG data URLs for the server);
 - :mod:`.synthetic_vision` — synthetic visual tasks (count the shapes, name the colour),
   drawn here;
 - :mod:`.errors` — :class:`DataError`, the one error type of this layer.

@@ -11,7 +11,10 @@ Each record holds a prompt under ``prompt_key`` (a string, or a list of chat mes
 ``[{"role": ..., "content": ...}]``) and a reference answer under ``answer_key`` (any JSON
 value; it is handed to the reward function unchanged). The prompt is rendered with the model
 tokenizer's chat template when ``apply_chat_template`` is set, else used as raw text, then
-tokenized; prompts longer than ``max_prompt_len`` tokens are dropped and counted.
+tokenized; prompts longer than ``max_prompt_len`` tokens are dropped and counted. A prompt with
+images (vision-language models, :mod:`areal_mega.data.vision_prompts`) is tokenized with each
+image's placeholder expanded to its image tokens; its images are encoded when it is drawn
+(:meth:`PromptDataset.prompt_fields`).
 
 Shuffling is a pure function of ``(seed, epoch)``, so a resumed run replays the same order.
 """
@@ -28,6 +31,7 @@ import numpy as np
 
 from areal_mega.data.errors import DataError
 from areal_mega.data.hf import is_hf_source, read_hf
+from areal_mega.data.vision_prompts import VisionPrompts, has_images, raw_text
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,9 @@ class PromptItem:
     input_ids: list[int]  # tokenized prompt
     answer: Any  # the reference answer, unchanged
     meta: dict = field(default_factory=dict)  # the record's other fields
+    # a prompt with images: what VisionPrompts.inputs needs to encode them (record prompt,
+    # images, folder, where, rendered text); None for a text prompt
+    vision: Optional[dict] = None
 
 
 def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool, where: str = "") -> str:
@@ -156,6 +163,8 @@ class PromptDataset:
         tokenizer: a HF tokenizer (its chat template is used when ``apply_chat_template``).
         prompt_key / answer_key: field names (``data.prompt_key`` / ``data.answer_key``).
         max_prompt_len: longer prompts (in tokens) are dropped; ``n_dropped`` counts them.
+        vision: the image side (model's image processor, ``data.images.*``); a record with
+            images skipped by its policy is counted in ``n_bad_images``.
     """
 
     def __init__(
@@ -168,12 +177,17 @@ class PromptDataset:
         apply_chat_template: bool = True,
         max_prompt_len: int = 1024,
         fmt: str = "auto",
+        vision: Optional[VisionPrompts] = None,
     ):
         self.path = str(path)
         self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.tokenizer = tokenizer
+        self.vision = vision or VisionPrompts()
         kind = detect_format(path, fmt)
         rows = read_records(path, kind)
-        texts, kept = [], []
+        base_dir = Path(path).parent
+        skipped_before = self.vision.policy.skipped  # a policy may serve several files
+        texts, kept, ids, sources = [], [], [], []
         for row in rows:
             where = _where(path, kind, row)
             for key, cfg_key in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
@@ -182,19 +196,55 @@ class PromptDataset:
                     raise DataError(
                         f"{where}: missing field {key!r} ({cfg_key}); the record has {fields}"
                     )
-            texts.append(render_prompt(tokenizer, row[prompt_key], apply_chat_template, where))
+            prompt, source, tok_ids = row[prompt_key], None, None
+            if has_images(prompt, self.vision.record_images(row)):
+                got = self.vision.admit(row, prompt, base_dir=base_dir, where=where)
+                if got is None:  # a bad image, skipped by data.images.on_bad=skip
+                    continue
+                messages, images = got
+                if apply_chat_template or not isinstance(prompt, str):
+                    text = render_prompt(tokenizer, messages, apply_chat_template, where)
+                else:
+                    text = raw_text(messages)
+                tok_ids = self.vision.encode(text, images, tokenizer, where).input_ids.tolist()
+                source = {
+                    "prompt": prompt,
+                    "images": self.vision.record_images(row),
+                    "base_dir": str(base_dir),
+                    "where": where,
+                    "text": text,
+                }
+            else:
+                text = render_prompt(tokenizer, prompt, apply_chat_template, where)
+            texts.append(text)
+            ids.append(tok_ids)
+            sources.append(source)
             kept.append(row)
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        plain = [i for i, t in enumerate(ids) if t is None]
+        if plain:
+            enc = tokenizer([texts[i] for i in plain], add_special_tokens=False)["input_ids"]
+            for i, tok_ids in zip(plain, enc):
+                ids[i] = tok_ids
         self.items: list[PromptItem] = []
-        self.n_total = len(kept)
+        self.n_bad_images = self.vision.policy.skipped - skipped_before
+        self.n_total = len(kept) + self.n_bad_images
         self.n_dropped = 0
-        for row, text, tok_ids in zip(kept, texts, ids):
+        for row, text, tok_ids, source in zip(kept, texts, ids, sources):
             if len(tok_ids) > max_prompt_len:
                 self.n_dropped += 1
                 continue
             meta = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
             self.items.append(
-                PromptItem(len(self.items), text, list(tok_ids), row[answer_key], meta)
+                PromptItem(len(self.items), text, list(tok_ids), row[answer_key], meta, source)
+            )
+        if self.n_bad_images:
+            log.warning(
+                "%s: skipped %d of %d records with a bad image (data.images.on_bad=skip); "
+                "first: %s",
+                self.path,
+                self.n_bad_images,
+                self.n_total,
+                "; ".join(self.vision.policy.reasons),
             )
         if self.n_dropped:
             log.warning(
@@ -208,12 +258,15 @@ class PromptDataset:
             raise DataError(
                 f"dataset file {self.path!r}: no usable prompts ({self.n_total} "
                 f"records, {self.n_dropped} longer than max_prompt_len="
-                f"{max_prompt_len})"
+                f"{max_prompt_len}, {self.n_bad_images} with a bad image)"
             )
 
     @classmethod
-    def from_config(cls, data_cfg, tokenizer, split: str = "train") -> "PromptDataset":
-        """Build from a ``DataConfig``; ``split`` is ``train`` (train_path) or ``test``."""
+    def from_config(
+        cls, data_cfg, tokenizer, split: str = "train", model_dir: Optional[str] = None
+    ) -> "PromptDataset":
+        """Build from a ``DataConfig``; ``split`` is ``train`` (train_path) or ``test``;
+        ``model_dir``: the model whose image processor encodes images (``data.images.*``)."""
         key = {"train": "train_path", "test": "test_path"}.get(split)
         if key is None:
             raise DataError(f"split={split!r}: must be 'train' or 'test'")
@@ -229,6 +282,7 @@ class PromptDataset:
             apply_chat_template=data_cfg.apply_chat_template,
             max_prompt_len=data_cfg.max_prompt_len,
             fmt=data_cfg.format,
+            vision=VisionPrompts.from_config(data_cfg, model_dir),
         )
 
     def __len__(self) -> int:
@@ -236,6 +290,22 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> PromptItem:
         return self.items[i]
+
+    def prompt_fields(self, i: int) -> dict:
+        """Prompt ``i`` as a workflow's item: ``input_ids``, ``prompt`` (rendered text),
+        ``answer``, the record's scalar fields and, for a prompt with images, ``multimodal``
+        and ``image_data`` (:meth:`VisionPrompts.inputs`: the images decoded and encoded
+        now, once for every sample of the prompt's group)."""
+        it = self.items[i]
+        out = {
+            "input_ids": it.input_ids,
+            "prompt": it.prompt,
+            "answer": it.answer,
+            **{k: v for k, v in it.meta.items() if isinstance(v, (str, int, float, bool))},
+        }
+        if it.vision is not None:
+            out.update(self.vision.inputs(it.vision, self.tokenizer))
+        return out
 
 
 def field_keys(data_cfg, fields: dict, where: str = "data.fields") -> tuple[str, str]:

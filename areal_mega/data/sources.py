@@ -183,18 +183,11 @@ class MultiSourceCursor:
             idx = self.samplers[s].next_indices()[0]
             self.drawn += 1
             self.outstanding.add(k)
-        it = self.datasets[s][idx]
+        # a record's own "source" field gives way to the source's name
         return {
-            "input_ids": it.input_ids,
-            "prompt": it.prompt,
-            "answer": it.answer,
+            **self.datasets[s].prompt_fields(idx),
             "prompt_index": k,
             "source": self.specs[s].name,
-            **{
-                kk: v
-                for kk, v in it.meta.items()
-                if isinstance(v, (str, int, float, bool)) and kk != "source"
-            },
         }
 
     def __iter__(self):

@@ -64,6 +64,27 @@ def default_denominator(mb: dict) -> torch.Tensor:
     return torch.as_tensor(mb["loss_mask"]).sum()
 
 
+#: the HF config fields naming a vision-language model's vision special tokens (Qwen2-VL /
+#: Qwen2.5-VL spelling), which the rollout servers never sample
+VISION_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "vision_token_id",
+)
+
+
+def vision_special_token_ids(hf_config: dict) -> list:
+    """The vision special token ids of a vision-language HF config (sorted; empty for a text
+    model). The rollout servers never sample them: their logits are ``-inf`` before the
+    reported logprob is taken, so an RL policy's distribution leaves them out too
+    (:attr:`MegatronEngine.banned_token_ids`)."""
+    if not is_vl_config(hf_config):
+        return []
+    return sorted({int(hf_config[f]) for f in VISION_TOKEN_FIELDS if hf_config.get(f) is not None})
+
+
 class MegatronEngine:
     """A megatron-core GPT model (actor: trainable; ref: forward only) on a ParallelMesh.
 
@@ -151,6 +172,9 @@ class MegatronEngine:
 
         self.lora = attach_lora(self, chunks, lora if role == "actor" else None)
         self.vocab_size = self.arch.vocab_size
+        # token ids left out of every softmax (RL with a VL model: its vision special tokens,
+        # which the rollout servers never sample; see vision_special_token_ids)
+        self.banned_token_ids: list = []
         lm = chunks[0].language_model if self.is_vl else chunks[0]
         self.padded_vocab_size = lm.vocab_size
         self.config.calculate_per_token_loss = True
@@ -270,14 +294,18 @@ class MegatronEngine:
         return out
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Exclude padded vocabulary ids (>= HF vocab size) from the softmax."""
+        """Exclude padded vocabulary ids (>= HF vocab size) and a VL model's vision special
+        tokens (:attr:`banned_token_ids`) from the softmax."""
         v_local = logits.shape[-1]
         start = self.mesh.tp_rank * v_local
         n_valid = self.vocab_size - start
-        if n_valid >= v_local:
+        banned = [t - start for t in self.banned_token_ids if start <= t < start + v_local]
+        if n_valid >= v_local and not banned:
             return logits
         neg = -1e4 if logits.dtype == torch.float16 else -1e9
         keep = torch.arange(v_local, device=logits.device) < max(n_valid, 0)
+        if banned:
+            keep[torch.tensor(banned, device=logits.device)] = False
         return logits.masked_fill(~keep, neg)
 
     def _token_logprobs(

@@ -13,6 +13,12 @@ the weights they hold; the model directory then only gives the tokenizer); witho
 ``--num-servers`` CPU rollout servers (:mod:`areal_mega.inference.server`) are started for
 the run and stopped at the end.
 
+Prompts with images (vision-language models; the record formats of
+:mod:`areal_mega.data.images`, e.g. ``python -m areal_mega.data.synthetic_vision``) are
+tokenized with the model's image processor (``--min-pixels`` / ``--max-pixels`` bound the image
+sizes, ``--on-bad-image`` stops on or skips a record with a bad image) and sent to the servers
+with their images.
+
 Temperature 0 is greedy decoding (deterministic). pass@1 is the fraction of correct samples
 averaged over prompts; pass@k (k = 1, 2, 4, ..., n) is the unbiased estimator of Chen et al.
 (2021); a sample is correct when its reward is >= ``--pass-threshold``. The summary is printed
@@ -34,6 +40,8 @@ from pathlib import Path
 from areal_mega.backends.clients import client_class
 from areal_mega.common.files import atomic_write
 from areal_mega.data.dataset import load_tokenizer
+from areal_mega.data.images import BAD_IMAGE_ACTIONS, ImagePolicy
+from areal_mega.data.vision_prompts import VisionPrompts
 from areal_mega.eval.runner import evaluate, load_eval_items
 from areal_mega.eval.scores import format_table, summarize
 from areal_mega.inference.process import launch_local_servers
@@ -69,11 +77,19 @@ def resolve_model_dir(args, workdir: Path) -> Path:
             )
         return hf
     from areal_mega.checkpoint.convert import convert_mcore_to_hf
+    from areal_mega.checkpoint.vl_convert import (
+        checkpoint_config_dir,
+        convert_vl_mcore_to_hf,
+        is_vl_model_dir,
+    )
 
     out = workdir / "hf"
     ckpt = resolve_checkpoint(ckpt)  # the latest iter_* of a root; a clear error if none
     print(f"[eval] converting checkpoint {ckpt} to HF format", file=sys.stderr)
-    convert_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config, progress=False)
+    if is_vl_model_dir(checkpoint_config_dir(ckpt, args.hf_config)):  # with its image processor
+        convert_vl_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config)
+    else:
+        convert_mcore_to_hf(ckpt, out, hf_config_dir=args.hf_config, progress=False)
     return out
 
 
@@ -115,6 +131,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-prompt-len", type=int, default=4096)
     p.add_argument(
+        "--min-pixels", type=int, default=0, help="smallest image area; 0 = the processor's own"
+    )
+    p.add_argument(
+        "--max-pixels", type=int, default=0, help="largest image area; 0 = the processor's own"
+    )
+    p.add_argument(
+        "--on-bad-image",
+        choices=list(BAD_IMAGE_ACTIONS),
+        default="error",
+        help="a record with a bad image: stop, or skip it (counted)",
+    )
+    p.add_argument("--images-key", default="images", help="record field of <image> images")
+    p.add_argument(
         "--server-addrs",
         nargs="+",
         default=None,
@@ -144,9 +173,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ("server_threads", 1),
         ("max_concurrent", 1),
         ("max_prompt_len", 1),
+        ("min_pixels", 0),
+        ("max_pixels", 0),
     ):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= {lo}")
+    if args.min_pixels and args.max_pixels and args.min_pixels > args.max_pixels:
+        p.error(f"--min-pixels={args.min_pixels}: must be <= --max-pixels ({args.max_pixels})")
     if args.temperature < 0:
         p.error(f"--temperature={args.temperature}: must be >= 0")
     if not 0 < args.top_p <= 1:
@@ -197,6 +230,13 @@ def main(argv=None) -> dict:
             answer_key=args.answer_key,
             apply_chat_template=chat,
             max_prompt_len=args.max_prompt_len,
+            vision=VisionPrompts(
+                str(model_dir),
+                min_pixels=args.min_pixels,
+                max_pixels=args.max_pixels,
+                policy=ImagePolicy(on_bad=args.on_bad_image),
+                images_key=args.images_key,
+            ),
         )
         addrs = args.server_addrs
         if not addrs:
@@ -231,6 +271,9 @@ def main(argv=None) -> dict:
             "reward_fn",
             "pass_threshold",
             "server_addrs",
+            "min_pixels",
+            "max_pixels",
+            "on_bad_image",
         )
     }
     settings["chat_template"] = chat

@@ -3,7 +3,9 @@
 :func:`load_eval_items` reads prompt files (JSONL / parquet, as training reads them);
 :func:`evaluate` sends ``n_samples`` requests per prompt through a
 :class:`~areal_mega.rollout.client.RolloutClient`, scores each completion with the reward
-function and returns one record per prompt (see :mod:`areal_mega.eval.scores`). Used by the
+function and returns one record per prompt (see :mod:`areal_mega.eval.scores`). A prompt with
+images (:mod:`areal_mega.data.vision_prompts`) is sent with its image-expanded ids and the
+images as ``image_data``. Used by the
 command line (``python -m areal_mega.eval``) and by the rollout worker for evaluation during
 training (:mod:`areal_mega.eval.worker_hook`).
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from areal_mega.data.dataset import DataError, PromptDataset
+from areal_mega.data.vision_prompts import VisionPrompts
 from areal_mega.rollout.client import RolloutRequestError, sampling_dict
 from areal_mega.rollout.controller import model_finish
 
@@ -29,8 +32,11 @@ def load_eval_items(
     apply_chat_template: bool = True,
     max_prompt_len: int = 1024,
     fmt: str = "auto",
+    vision: Optional[VisionPrompts] = None,
 ) -> list:
-    """Every prompt of every file as ``{"source", "prompt", "input_ids", "answer", "index"}``.
+    """Every prompt of every file as ``{"source", "prompt", "input_ids", "answer", "index"}``,
+    with ``image_data`` (the images as PNG data URLs, encoded here once) for a prompt with
+    images (``vision``: the model's image processor and ``data.images.*``).
     ``source`` is the record's ``source`` field when it has one, else the file's stem. Errors
     (a missing file or field) are :class:`~areal_mega.data.dataset.DataError` naming the file
     and line."""
@@ -47,31 +53,39 @@ def load_eval_items(
             apply_chat_template=apply_chat_template,
             max_prompt_len=max_prompt_len,
             fmt=fmt,
+            vision=vision,
         )
-        for it in ds.items:
+        for i, it in enumerate(ds.items):
             source = it.meta.get("source")
-            items.append(
-                {
-                    "source": str(source) if source not in (None, "") else Path(path).stem,
-                    "prompt": it.prompt,
-                    "input_ids": list(it.input_ids),
-                    "answer": it.answer,
-                    "index": len(items),
-                }
-            )
+            item = {
+                "source": str(source) if source not in (None, "") else Path(path).stem,
+                "prompt": it.prompt,
+                "input_ids": list(it.input_ids),
+                "answer": it.answer,
+                "index": len(items),
+            }
+            if it.vision is not None:  # the server gets the images; the patches are not kept
+                fields = ds.prompt_fields(i)
+                item.update(input_ids=fields["input_ids"], image_data=fields["image_data"])
+            items.append(item)
     return items
 
 
-async def generate_to_end(client, input_ids: list, params: dict, rid: str) -> tuple:
+async def generate_to_end(
+    client, input_ids: list, params: dict, rid: str, image_data: Optional[list] = None
+) -> tuple:
     """``(output_ids, finish_type, server)`` of one request. A request interrupted by a weight
     update (``abort`` without an error status) is resubmitted with its partial output and the
-    remaining budget, as the training controller does; an abort with an error status raises
-    :class:`~areal_mega.rollout.client.RolloutRequestError`."""
+    remaining budget (and the same ``image_data``), as the training controller does; an abort
+    with an error status raises :class:`~areal_mega.rollout.client.RolloutRequestError`."""
     out: list = []
     seg = 0
+    images = {"image_data": list(image_data)} if image_data else {}
     while True:
         p = dict(params, max_new_tokens=params["max_new_tokens"] - len(out))
-        res = await client.generate(list(input_ids) + out, p, rid=f"{rid}-r{seg}", sticky_key=rid)
+        res = await client.generate(
+            list(input_ids) + out, p, rid=f"{rid}-r{seg}", sticky_key=rid, **images
+        )
         status = (res.finish_reason or {}).get("status_code")
         if res.finish_type == "abort" and status:
             client.release(rid)
@@ -157,7 +171,11 @@ async def evaluate(
             p["sampling_seed"] = int(seed) + i * n_samples + j
         async with sem:
             ids, finish, _ = await generate_to_end(
-                client, item["input_ids"], p, rid=f"{rid_prefix}-{i}-{j}"
+                client,
+                item["input_ids"],
+                p,
+                rid=f"{rid_prefix}-{i}-{j}",
+                image_data=item.get("image_data"),
             )
         finish = model_finish(finish, ids, p, tokenizer)
         text = tokenizer.decode(ids, skip_special_tokens=True)

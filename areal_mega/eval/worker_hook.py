@@ -18,6 +18,7 @@ import uuid
 from typing import Callable, Optional
 
 from areal_mega.data.sources import resolve_sources
+from areal_mega.data.vision_prompts import VisionPrompts
 from areal_mega.eval.runner import evaluate, load_eval_items
 from areal_mega.eval.scores import flat_metrics, summarize
 from areal_mega.rewards import load_reward_fn
@@ -78,6 +79,7 @@ class WorkerEvaluator:
             apply_chat_template=d.apply_chat_template,
             max_prompt_len=d.max_prompt_len,
             fmt=d.format,
+            vision=VisionPrompts.from_config(d, cfg.model.path),
         )
         log.info("evaluation set: %d prompts from %s", len(items), e.data)
         per_source = {}

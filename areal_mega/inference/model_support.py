@@ -30,9 +30,11 @@ from areal_mega.checkpoint.hf_mapping import FAMILIES
 from areal_mega.inference.kv_cache import kv_path_of
 from areal_mega.models.bridge_provider import (
     NOT_BUILT,
+    VL_END_TO_END,
     VL_NOT_BUILT,
     VL_NOT_RL,
     VL_PROVIDER_FAMILIES,
+    VL_RL_FAMILIES,
 )
 from areal_mega.models.builder import SUPPORTED_MODEL_TYPES
 
@@ -41,6 +43,7 @@ __all__ = [
     "causal_lm_model_types",
     "server_kv_paths",
     "support_rows",
+    "vl_rl_architectures",
     "vl_trainer_architectures",
     "vl_not_built_architectures",
     "markdown_table",
@@ -57,7 +60,7 @@ SERVER_PATHS = {"static": "yes (StaticKV)", "hf_cache": "loads (HF cache, not te
 #: an engine family on the HF-cache path (Gemma 3): every engine family is served end to end
 #: by its family test (tests/test_new_families.py), whichever running batch it gets
 ENGINE_HF_CACHE = "yes (HF cache)"
-#: a vision-language model the trainer builds: the server loads its image-text-to-text class
+#: a vision-language model RL runs end to end: the server loads its image-text-to-text class
 #: and serves ``image_data`` (:mod:`areal_mega.inference.vision`; tests/test_vl_rollout.py)
 SERVER_VL = "yes (HF cache, with images)"
 
@@ -92,11 +95,13 @@ def causal_lm_model_types() -> dict:
 def vl_trainer_architectures() -> dict:
     """``{architecture: why}`` of the vision-language models the trainer engine builds
     (:data:`~areal_mega.models.bridge_provider.VL_PROVIDER_FAMILIES`, by transformers'
-    image-text-to-text class) and why they are not an RL family yet."""
+    image-text-to-text class) but RL does not run yet, and why."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return {
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_NOT_RL for mt in VL_PROVIDER_FAMILIES
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_NOT_RL
+        for mt in VL_PROVIDER_FAMILIES
+        if mt not in VL_RL_FAMILIES
     }
 
 
@@ -108,6 +113,15 @@ def vl_not_built_architectures() -> dict:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: NOT_BUILT[mt] for mt in VL_NOT_BUILT}
+
+
+def vl_rl_architectures() -> dict:
+    """``{architecture: note}`` of the vision-language models RL runs end to end on the CPU
+    (:data:`~areal_mega.models.bridge_provider.VL_RL_FAMILIES`, by transformers'
+    image-text-to-text class)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]: VL_END_TO_END for mt in VL_RL_FAMILIES}
 
 
 def server_kv_paths(model_types: Iterable[str]) -> dict:
@@ -129,11 +143,13 @@ def support_rows(
     not_built: Optional[dict] = None,
     vl_trainer: Optional[dict] = None,
     vl_not_built: Optional[dict] = None,
+    vl_rl: Optional[dict] = None,
 ) -> list:
     """One row per architecture (in the given order, duplicates dropped): ``architecture``,
     ``model_type`` (ours, else transformers' first; None when transformers has no causal-LM
     class of that name), ``engine`` (bool), ``server`` (a :data:`SERVER_PATHS` value,
-    :data:`ENGINE_HF_CACHE`, :data:`SERVER_VL` for a ``vl_trainer`` architecture, or ``"no"``)
+    :data:`ENGINE_HF_CACHE`, :data:`SERVER_VL` for a ``vl_trainer`` / ``vl_rl`` architecture,
+    or ``"no"``)
     and ``note`` (why the server does not run it). ``engine`` / ``causal_lm`` /
     ``kv_paths`` are :func:`engine_architectures`, :func:`causal_lm_model_types` and
     :func:`server_kv_paths`; ``transformers_classes``: names the installed transformers
@@ -141,9 +157,10 @@ def support_rows(
     ``{model_type: why}`` of the families needing GPU-only kernels; ``not_built``: ``{model_type:
     why}`` of the others the engine does not build; ``vl_trainer``: ``{architecture: why}`` of
     the vision-language models the trainer builds (served with images by the CPU server) but
-    RL does not run end to end yet; ``vl_not_built``: ``{architecture: why}`` of those it does
-    not build. ``status`` is a
-    :data:`STATUS` value and ``status_note`` its reason (GPU only / not supported)."""
+    RL does not run end to end yet; ``vl_not_built``: ``{architecture: why}`` of those it
+    does not build; ``vl_rl``: ``{architecture: note}`` of those RL runs end to end (served
+    with images too). ``status`` is a :data:`STATUS` value and ``status_note`` its reason
+    (GPU only / not supported) or, for a vision-language model RL runs, its note."""
     rows, seen = [], set()
     for arch in architectures:
         if arch in seen:
@@ -151,8 +168,10 @@ def support_rows(
         seen.add(arch)
         types = causal_lm.get(arch) or []
         model_type = engine.get(arch) or (types[0] if types else None)
-        if arch in (vl_trainer or {}):
+        if arch in (vl_rl or {}):
             server, note = SERVER_VL, ""
+        elif arch in (vl_trainer or {}):  # loaded with images, no RL test serves it
+            server, note = SERVER_PATHS["hf_cache"], ""
         elif model_type is not None and model_type in types:
             path = kv_paths[model_type]
             server = (
@@ -165,6 +184,8 @@ def support_rows(
             server, note = "no", "not a causal LM for AutoModelForCausalLM"
         if arch in engine:
             status, why = STATUS["cpu"], ""
+        elif arch in (vl_rl or {}):
+            status, why = STATUS["cpu"], vl_rl[arch]
         elif model_type is not None and (gpu_only or {}).get(model_type):
             status, why = STATUS["gpu"], gpu_only[model_type]
         elif arch in (vl_trainer or {}):
@@ -178,7 +199,7 @@ def support_rows(
             {
                 "architecture": arch,
                 "model_type": model_type,
-                "engine": arch in engine,
+                "engine": arch in engine or arch in (vl_rl or {}),
                 "server": server,
                 "note": note,
                 "status": status,

@@ -53,9 +53,11 @@ __all__ = [
     "ARCH_FIELDS",
     "GPT_FIELDS",
     "PROVIDER_FAMILIES",
+    "VL_END_TO_END",
     "VL_NOT_RL",
     "VL_PROVIDER_FAMILIES",
     "VL_NOT_BUILT",
+    "VL_RL_FAMILIES",
     "HYBRID_FAMILIES",
     "OWN_TRANSLATOR",
     "CORRECTIONS",
@@ -179,11 +181,21 @@ PROVIDER_FAMILIES = (
 #: Qwen3-VL's model classes built on megatron-core's local layers, the bridge's provider
 #: building them from TransformerEngine's only: :mod:`areal_mega.models.vlm.qwen3_vl`)
 VL_PROVIDER_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+#: the vision-language families RL runs end to end on the CPU (images through the rollout
+#: server, the workflow, the data plane and the trainer), and what the family table says of them
+VL_RL_FAMILIES = ("qwen2_5_vl",)
+VL_END_TO_END = (
+    "vision-language: the engine builds it from the bridge's provider and trains it (DP, TP "
+    "with SP, PP), the CPU server runs transformers' model with SGLang's image_data, and RL "
+    "with images runs end to end with server logprobs equal to the trainer's; RL's weight "
+    "export to the servers needs trainer TP 1 and PP 1 for now (tested at one rank and DP2)"
+)
 #: why a vision-language family the trainer builds is not an RL family yet
 VL_NOT_RL = (
     "vision-language: the trainer engine builds it from the bridge's provider, converts it bit "
     "for bit and trains it (DP, TP with SP, PP; forward equal to transformers with images), but "
-    "RL with images is not wired yet (rollout servers with images, images on the data plane)"
+    "RL with images is tested on Qwen2.5-VL only (its CPU serving with images and an RL run are "
+    "not checked for this family)"
 )
 
 #: hybrid families (megatron-core's HybridModel): their architecture comes from the bridge's
@@ -419,11 +431,6 @@ INPUT_CORRECTIONS: Dict[str, Tuple[str, Callable[[dict], dict]]] = {
 }
 
 
-_MAMBA = (
-    "Mamba-2 and attention side by side in every layer: Megatron-Bridge builds it as its own "
-    "FalconH1Model, whose layer specs are TransformerEngine's only (fused norm + linear, TE "
-    "attention; the Mamba-2 kernels themselves have a CPU version, compat/mamba_cpu.py)"
-)
 _SPARSE = (
     "DeepSeek sparse attention (lightning indexer, top-k key selection): megatron-core "
     "implements it with TransformerEngine / CUDA kernels only"
@@ -431,7 +438,6 @@ _SPARSE = (
 #: model types whose layers need megatron-core kernels that exist for CUDA only: the CPU
 #: refuses them naming why (the engine does not build them yet on any device)
 GPU_ONLY = {
-    "falcon_h1": _MAMBA,
     "glm_moe_dsa": _SPARSE,
     "deepseek_v4": _SPARSE,
 }
@@ -445,6 +451,21 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
+    "falcon_h1": (
+        "Mamba-2 and attention side by side in every layer, then the MLP, with muP multipliers "
+        "inside the layers: Megatron-Bridge builds it as its own FalconH1Model, not a "
+        "megatron-core model. None of its layers needs CUDA (local linears and norms, our "
+        "packed attention and the Mamba-2 kernels' CPU version stand in for its "
+        "TransformerEngine-only specs), but its forward takes no packed sequences: "
+        "FalconH1Model.forward and FalconH1Stack.forward have no packed_seq_params and "
+        "FalconH1Layer passes none to its Mamba mixer, so packed samples would share SSM "
+        "state and attention; its stack's final norm is TransformerEngine's TENorm whatever "
+        "the spec, its MLP's input norm exists only inside TE's fused norm + linear (the layer "
+        "has no pre-MLP norm of its own), and megatron's Mamba mixer refuses norm_before_gate, "
+        "which the bridge copies from mamba_norm_before_gate (transformers' default True, "
+        "unused there without mamba_rms_norm); our conversion and weight export have no rows "
+        "for its layers"
+    ),
     "gemma4_text": (
         "key/value sharing across its last layers, per-layer input embeddings, per-layer-type "
         "attention shapes (global_head_dim; K = V on full layers with attention_k_eq_v) and a "

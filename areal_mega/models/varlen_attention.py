@@ -26,6 +26,9 @@ mask and softmax, Gemma 2) and attention sinks (``sink``: one learnt logit per h
 each row's softmax without a value, GPT-OSS; megatron-core's ``softmax_offset``) have no SDPA
 kernel: with either every path computes the scores explicitly (:func:`attention`), the
 given-mask path included.
+
+bf16 attention of short queries on a CPU runs in fp32 (:data:`CPU_FP32_ATTENTION_MAX_QUERY`):
+torch's bf16 CPU kernel is several times slower there than the fp32 one.
 """
 
 from __future__ import annotations
@@ -87,6 +90,18 @@ def attention(
     every row's softmax as a key without a value (attention sinks, megatron-core's
     ``softmax_offset``), so a row's weights sum to less than one."""
     if softcap is None and sink is None:
+        if _short_bf16_on_cpu(q):
+            out = F.scaled_dot_product_attention(
+                q.float(),
+                k.float(),
+                v.float(),
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                dropout_p=dropout_p,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            return out.to(q.dtype)
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -118,6 +133,25 @@ def attention(
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, v)
+
+
+# bf16 queries at most this long attend in fp32 on a CPU (see _short_bf16_on_cpu)
+CPU_FP32_ATTENTION_MAX_QUERY = 160
+
+
+def _short_bf16_on_cpu(q: torch.Tensor) -> bool:
+    """Whether SDPA of bf16 ``q`` [b, h, Lq, d] runs on fp32 copies of q, k, v (the output
+    rounded back to bf16): on a CPU, for short queries. torch's bf16 flash-attention kernel
+    for the CPU is slow on short queries: up to CPU_FP32_ATTENTION_MAX_QUERY queries the
+    forward+backward on fp32 copies, casts included, took 0.3-0.6x the bf16 kernel's CPU time
+    (a GRPO micro-batch's padded units, 16 x 9 heads x 51 queries x 80 keys: 0.44x), about
+    the same from 192 to 256 queries, and more beyond (2,048 causal: 1.5x); see
+    bench/cpu_bf16.py. fp32 scores rounded once are no less accurate than the bf16 kernel's."""
+    return (
+        q.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and q.shape[-2] <= CPU_FP32_ATTENTION_MAX_QUERY
+    )
 
 
 def varlen_causal_attention(

@@ -84,14 +84,8 @@ class PromptCursor:
                 idx = self.sampler.next_indices()[0]
                 self.drawn += 1
                 self.outstanding.add(k)
-            it = self.dataset[idx]
-            yield {
-                "input_ids": it.input_ids,
-                "prompt": it.prompt,
-                "answer": it.answer,
-                "prompt_index": k,
-                **{kk: v for kk, v in it.meta.items() if isinstance(v, (str, int, float, bool))},
-            }
+            # a prompt with images is encoded here, once for its whole group
+            yield {**self.dataset.prompt_fields(idx), "prompt_index": k}
 
     def delivered(self, k: int) -> int:
         """Mark prompt ``k`` delivered; returns the resume position (oldest outstanding)."""
@@ -164,7 +158,9 @@ class RolloutWorker:
         if cfg.data.sources:  # multi-task: per-source datasets, weights and rewards
             self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
         else:
-            dataset = PromptDataset.from_config(cfg.data, self.tokenizer)
+            dataset = PromptDataset.from_config(
+                cfg.data, self.tokenizer, model_dir=cfg.model.path
+            )
             self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
             inner_workflow = workflow_from_config(
                 cfg.rollout, run_dir=str(self.run_dir), resume=cfg.recover == "auto" or relaunched

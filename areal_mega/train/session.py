@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -49,6 +51,39 @@ from areal_mega.train.weights import export_hf_dir, resolve_weight_update
 log = logging.getLogger(__name__)
 
 
+_VL_CONVERT = (
+    "import json, sys\n"
+    "from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore\n"
+    "convert_vl_hf_to_mcore(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3]))\n"
+)
+
+
+def convert_vl_in_child(hf_dir, out, conversion: dict) -> None:
+    """A vision-language HF directory converted into ``out``
+    (:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore`) in a child process: that
+    converter builds the whole model under a one-process mesh of its own and tears it down,
+    which must not replace this trainer rank's. Written for one rank; any layout loads it.
+    Raises ``RuntimeError`` with the child's last output when it fails."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+        and not k.startswith(("TORCHELASTIC_", "MASTER_"))
+    }
+    kw = {k: conversion[k] for k in ("dtype", "make_vocab_size_divisible_by")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _VL_CONVERT, str(hf_dir), str(out), json.dumps(kw)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"converting the vision-language model {hf_dir} failed:\n"
+            + (proc.stderr or proc.stdout)[-2000:]
+        )
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be saved for a reason no relaunch cures (a full disk); the
     message says which iteration and where. The previous checkpoint is intact."""
@@ -62,30 +97,6 @@ def weight_group_for(cfg: ExperimentConfig):
     return weight_update_group(
         parse_allocation(cfg.allocation), cfg.rollout.backend, len(cfg.rollout.server_addrs)
     )
-
-
-def _convert_vl_apart(hf_dir, out, dtype: str, make_vocab_size_divisible_by: int) -> None:
-    """:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore` in a child process:
-    it builds the whole model on a world-size-1 mesh of its own, which must not replace this
-    trainer's process groups."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore; "
-        "convert_vl_hf_to_mcore(sys.argv[1], sys.argv[2], dtype=sys.argv[3], "
-        "make_vocab_size_divisible_by=int(sys.argv[4]))"
-    )
-    dist_env = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in dist_env}
-    p = subprocess.run(
-        [sys.executable, "-c", code, str(hf_dir), str(out), dtype, str(make_vocab_size_divisible_by)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if p.returncode != 0:
-        raise RuntimeError(f"converting {hf_dir} to {out} failed:\n{p.stderr[-3000:]}")
 
 
 class TrainerSession:
@@ -117,7 +128,7 @@ class TrainerSession:
         returning, so the rollout servers generate with the trained weights. Raises
         :class:`~areal_mega.config.ConfigError` for an unusable ``rollout.weight_update``.
         """
-        from areal_mega.engine.megatron_engine import MegatronEngine
+        from areal_mega.engine.megatron_engine import MegatronEngine, vision_special_token_ids
         from areal_mega.parallel.mesh import ParallelMesh
 
         self.cfg = cfg
@@ -169,6 +180,13 @@ class TrainerSession:
             getattr(self.ref, "hf_config", None),
             getattr(self.teacher, "hf_config", None),
         )
+        if self.vision is not None and cfg.mode == "rl":
+            # the servers never sample the vision special tokens: the policy, and the
+            # distributions it is compared with, leave them out
+            banned = vision_special_token_ids(self.actor.hf_config)
+            for eng in (self.actor, self.ref, self.teacher):
+                if isinstance(eng, MegatronEngine):
+                    eng.banned_token_ids = banned
         self.teacher_scorer = build_teacher_scorer(cfg, self.vision)  # OPD: a served teacher
         self.critic = None
         if cfg.critic.enabled and cfg.mode == "rl":
@@ -196,6 +214,15 @@ class TrainerSession:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.vision is not None and cfg.mode == "rl" and (
+            self.weight_update != "disk" or d.tp > 1 or d.pp > 1
+        ):
+            raise ConfigError(
+                "a vision-language policy's weights reach the rollout servers by disk from "
+                f"trainer TP 1 / PP 1 for now: rollout.weight_update={cfg.rollout.weight_update!r}"
+                f" (resolved: {self.weight_update}), allocation={cfg.allocation!r} (tp={d.tp}, "
+                f"pp={d.pp})"
+            )
         if self.is_rank0:
             self._write_resolved_config()
             self._open_rank0_io(resumed)
@@ -284,6 +311,7 @@ class TrainerSession:
             if not current:
                 if self.is_rank0:
                     from areal_mega.checkpoint.convert import convert_hf_to_mcore
+                    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
                     if src.exists():
                         print(
@@ -292,12 +320,8 @@ class TrainerSession:
                             flush=True,
                         )
                         shutil.rmtree(src)
-                    from areal_mega.checkpoint.vl_convert import is_vl_model_dir
-
-                    if is_vl_model_dir(hf_dir):  # converted for one rank; any layout loads it
-                        _convert_vl_apart(
-                            hf_dir, src, conversion["dtype"], m.make_vocab_size_divisible_by
-                        )
+                    if is_vl_model_dir(hf_dir):
+                        convert_vl_in_child(hf_dir, src, conversion)
                     else:
                         convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
                     (src / SOURCE_FILE).write_text(json.dumps(identity))

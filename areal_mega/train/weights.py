@@ -35,22 +35,18 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
     from areal_mega.checkpoint.export import is_export_source, iter_hf_tensors
-
-    hf_src_dir, out = Path(hf_src_dir), Path(out)
     from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
-    if is_vl_model_dir(hf_src_dir):
-        if deltas:
-            raise NotImplementedError(
-                "HF export of a vision-language model with LoRA adapters merged in is not "
-                "supported; export the adapter (PEFT) instead"
-            )
-        return _export_vl_hf_dir(engine, hf_src_dir, out, is_writer=is_writer, dtype=dtype)
+    hf_src_dir, out = Path(hf_src_dir), Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    if is_vl_model_dir(hf_src_dir):
+        if deltas:
+            raise NotImplementedError("LoRA adapters of a vision-language model are not merged")
+        return _export_vl(engine, hf_src_dir, out, tmp, is_writer=is_writer, dtype=dtype)
     arch = hm.read_arch(hf_src_dir)
     mesh = engine.mesh
     pp, stage = mesh.dims.pp, mesh.pp_rank
@@ -105,36 +101,30 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     return out
 
 
-def _export_vl_hf_dir(engine, hf_src_dir: Path, out: Path, *, is_writer: bool, dtype=None):
+def _export_vl(engine, hf_src_dir: Path, out: Path, tmp: Path, *, is_writer: bool, dtype) -> Path:
     """:func:`export_hf_dir` of a vision-language model (the bridge's table,
-    :func:`areal_mega.checkpoint.vl_mapping.to_hf_state_dict`): whole tensors, so the model
-    must not be split by tensor or pipeline parallelism (data parallel ranks hold it whole;
-    rank 0 writes)."""
+    :func:`~areal_mega.checkpoint.vl_mapping.to_hf_state_dict`): one pipeline stage at TP 1,
+    so every rank holds the whole model and rank 0 writes it alone."""
     from safetensors.torch import save_file
 
     from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
     from areal_mega.checkpoint.vl_mapping import to_hf_state_dict
     from areal_mega.models.builder import load_hf_config
 
-    d = engine.mesh.dims
-    if d.tp > 1 or d.pp > 1:
+    if engine.mesh.dims.pp != 1 or engine.mesh.dims.tp != 1:  # on every rank, before a barrier
         raise NotImplementedError(
-            f"HF export of a vision-language model runs with whole tensors only (got tp={d.tp}"
-            f" pp={d.pp}); save a checkpoint and convert it with tools/convert_mcore_to_hf.py"
+            "vision-language weights are exported from trainer TP 1 / PP 1 for now"
         )
-    tmp = out.with_name(out.name + ".tmp")
     if is_writer:
+        (chunk,) = engine.model_chunks()
+        while hasattr(chunk, "module") and not hasattr(chunk, "language_model"):
+            chunk = chunk.module  # a mixed-precision wrapper
         hf = load_hf_config(hf_src_dir)
-        (model,) = engine.model_chunks()
-        tensors = to_hf_state_dict(
-            _unwrapped(model), int(hf["text_config"]["vocab_size"]), model_type=hf["model_type"]
-        )
+        vocab = int(hf["text_config"]["vocab_size"])
         tensors = {
             n: (t if dtype is None else t.to(dtype)).to("cpu").contiguous()
-            for n, t in tensors.items()
+            for n, t in to_hf_state_dict(chunk, vocab, model_type=hf["model_type"]).items()
         }
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for f in HF_AUX_FILES:
             if (hf_src_dir / f).exists():
@@ -146,13 +136,6 @@ def _export_vl_hf_dir(engine, hf_src_dir: Path, out: Path, *, is_writer: bool, d
         tmp.rename(out)
     _barrier()
     return out
-
-
-def _unwrapped(model):
-    """The model inside megatron's DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def _set_config_dtype(config_file: Path, dtype: str) -> None:

@@ -4,6 +4,11 @@ turns. ``rollout.workflow`` picks one by name (``rlvr`` | ``multi_turn``) or loa
 (``package.module:Name`` | ``path/to/file.py:Name``) with ``rollout.workflow_kwargs``.
 
 Prompt items are dicts with ``prompt`` (text) or ``input_ids``, and ``answer`` (for the reward).
+A prompt with images (:meth:`~areal_mega.data.dataset.PromptDataset.prompt_fields`) also has
+``multimodal`` (its images' patches and grids, for the trainer) and ``image_data`` (the same
+images for the rollout server); its ``input_ids`` are image-expanded. Both are encoded once per
+prompt, shared by the samples of its group: every generation of a sample sends ``image_data``
+and every trajectory carries ``multimodal``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ __all__ = [
     "MultiTurnWorkflow",
     "RetryEnvironment",
     "TokenSeq",
+    "image_inputs",
     "prompt_ids",
     "workflow_from_config",
 ]
@@ -28,6 +34,20 @@ __all__ = [
 
 def _decode(tokenizer, ids) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+
+def image_inputs(item: dict) -> tuple:
+    """``(generate kwargs, trajectory kwargs)`` of a prompt item's images: ``image_data`` for
+    :meth:`SampleContext.generate`, ``multimodal`` for :meth:`SampleContext.trajectory`; both
+    empty for a text prompt."""
+    if not item.get("image_data"):
+        return {}, {}
+    if not item.get("multimodal"):
+        raise ValueError(
+            "a prompt item with image_data needs its multimodal (pixel_values, "
+            "image_grid_thw) for the trainer; build items with PromptDataset.prompt_fields"
+        )
+    return {"image_data": list(item["image_data"])}, {"multimodal": item["multimodal"]}
 
 
 class RLVRWorkflow(EpisodeWorkflow):
@@ -48,7 +68,10 @@ class RLVRWorkflow(EpisodeWorkflow):
 
     async def episode(self, ctx: SampleContext, item: dict) -> list:
         ids = ctx.prompt_ids(item, self.apply_chat_template)
-        gen = await ctx.generate(ids, self.max_new_tokens, stop_token_ids=self.stop_token_ids)
+        gen_images, traj_images = image_inputs(item)
+        gen = await ctx.generate(
+            ids, self.max_new_tokens, stop_token_ids=self.stop_token_ids, **gen_images
+        )
         seq = ctx.new_sequence(ids)
         seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
         text = _decode(ctx.tokenizer, gen.output_ids)
@@ -67,6 +90,7 @@ class RLVRWorkflow(EpisodeWorkflow):
                 gen.finish_reason,
                 server_id=gen.server,
                 meta={"n_interruptions": gen.n_interruptions, "completion": text},
+                **traj_images,
             )
         ]
 
@@ -130,6 +154,7 @@ class MultiTurnWorkflow(EpisodeWorkflow):
 
     async def episode(self, ctx: SampleContext, item: dict) -> list:
         ids = ctx.prompt_ids(item, self.apply_chat_template)
+        gen_images, traj_images = image_inputs(item)
         env = self.env_factory()
         env.reset(item)
         seq = ctx.new_sequence(ids)
@@ -138,7 +163,7 @@ class MultiTurnWorkflow(EpisodeWorkflow):
             budget = min(self.max_new_tokens, self.max_total_tokens - len(seq.input_ids))
             if budget <= 0:
                 break
-            gen = await ctx.generate(seq.input_ids, budget)
+            gen = await ctx.generate(seq.input_ids, budget, **gen_images)
             seq.add_generated(gen.output_ids, gen.logprobs, gen.versions, gen.routed_experts)
             finish, interrupts = gen.finish_reason, interrupts + gen.n_interruptions
             servers.append(gen.server)
@@ -155,6 +180,7 @@ class MultiTurnWorkflow(EpisodeWorkflow):
                 finish,
                 server_id=servers[-1] if servers else "",
                 meta={"turns": len(servers), "n_interruptions": interrupts},
+                **traj_images,
             )
         ]
 

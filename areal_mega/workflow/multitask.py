@@ -13,6 +13,7 @@ import functools
 
 from areal_mega.data.dataset import PromptDataset
 from areal_mega.data.sources import MultiSourceCursor, resolve_sources
+from areal_mega.data.vision_prompts import VisionPrompts
 from areal_mega.rewards import load_reward_fn
 from areal_mega.workflow.builtin import workflow_from_config
 
@@ -49,6 +50,7 @@ def build_multitask(cfg, tokenizer, start: int = 0, env_factory=None):
                 apply_chat_template=d.apply_chat_template,
                 max_prompt_len=d.max_prompt_len,
                 fmt=d.format,
+                vision=VisionPrompts.from_config(d, cfg.model.path),
             )
         )
         fn = load_reward_fn(spec.reward_fn)

@@ -105,6 +105,11 @@ def prompt_ids(tokenizer, item: dict, apply_chat_template: bool = True) -> list:
     """Token ids of a prompt item (``input_ids`` as given, else the chat-templated ``prompt``)."""
     if item.get("input_ids") is not None:
         return [int(i) for i in item["input_ids"]]
+    if item.get("image_data") or item.get("multimodal"):
+        raise ValueError(
+            "a prompt item with images needs its image-expanded input_ids (one <|image_pad|> "
+            "per merged patch; PromptDataset.prompt_fields makes them)"
+        )
     if tokenizer is None:
         raise ValueError("prompt item has no input_ids and no tokenizer was given")
     text = item.get("prompt")
