@@ -16,7 +16,6 @@ import torch
 from areal_mega.common.net import free_port
 from areal_mega.config import load_config
 from areal_mega.data.errors import DataError
-from areal_mega.data.images import ImagePolicy
 from areal_mega.data.synthetic_vision import write_task
 from areal_mega.models.tiny import make_tiny_model
 from tests.helpers.workers import ROOT
@@ -43,22 +42,18 @@ def data(tmp_path_factory):
     return write_task(tmp_path_factory.mktemp("vlsft_data"), "count", n_train=24, n_test=4)
 
 
-def _data_cfg(data, **over):
-    cfg = load_config(RECIPE, [f"data.train_path={data / 'train.jsonl'}"])
-    for k, v in over.items():
-        setattr(cfg.data, k, v)
-    return cfg.data
+def _data_cfg(data, *over):
+    return load_config(RECIPE, [f"data.train_path={data / 'train.jsonl'}", *over]).data
 
 
 def test_samples_have_expanded_prompts_and_their_own_images(model, data):
     from transformers import AutoTokenizer
 
-    from areal_mega.models.vlm.inputs import load_image_processor
-    from areal_mega.train.sft import vl_sft_samples
+    from areal_mega.train.sft import sft_samples
 
     tok = AutoTokenizer.from_pretrained(model)
     cfg = json.loads((model / "config.json").read_text())
-    samples, images = vl_sft_samples(_data_cfg(data), tok, load_image_processor(model))
+    samples, images = sft_samples(_data_cfg(data), tok, str(model))
     rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
     assert len(samples) == len(images) == len(rows) == 24
     question = tok("How many shapes?", add_special_tokens=False)["input_ids"]
@@ -83,12 +78,11 @@ def test_samples_have_expanded_prompts_and_their_own_images(model, data):
 def test_micro_batches_carry_their_samples_images_in_packed_order(model, data):
     from transformers import AutoTokenizer
 
-    from areal_mega.models.vlm.inputs import load_image_processor
     from areal_mega.scheduler.packing import pack_sequences
-    from areal_mega.train.sft import vl_sft_samples, with_images
+    from areal_mega.train.sft import sft_samples, with_images
 
     tok = AutoTokenizer.from_pretrained(model)
-    samples, images = vl_sft_samples(_data_cfg(data), tok, load_image_processor(model))
+    samples, images = sft_samples(_data_cfg(data), tok, str(model))
     order = [5, 2, 9]
     mb = with_images(pack_sequences([samples[i] for i in order]), [images[i] for i in order])
     assert torch.equal(mb["pixel_values"], torch.cat([images[i][0] for i in order]))
@@ -101,8 +95,7 @@ def test_micro_batches_carry_their_samples_images_in_packed_order(model, data):
 def test_bad_image_stops_by_name_or_is_skipped_and_counted(model, data, tmp_path):
     from transformers import AutoTokenizer
 
-    from areal_mega.models.vlm.inputs import load_image_processor
-    from areal_mega.train.sft import vl_sft_samples
+    from areal_mega.train.sft import sft_samples
 
     rows = (data / "train.jsonl").read_text().splitlines()[:3]
     bad = json.loads(rows[1])
@@ -110,17 +103,16 @@ def test_bad_image_stops_by_name_or_is_skipped_and_counted(model, data, tmp_path
     (tmp_path / "images").symlink_to(data / "images")
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join([rows[0], json.dumps(bad), rows[2]]) + "\n")
-    cfg = _data_cfg(data, train_path=str(path))
     tok = AutoTokenizer.from_pretrained(model)
-    proc = load_image_processor(model)
     with pytest.raises(DataError, match="missing.png"):
-        vl_sft_samples(cfg, tok, proc)
-    policy = ImagePolicy(on_bad="skip")
-    samples, _ = vl_sft_samples(cfg, tok, proc, policy)
-    assert len(samples) == 2 and policy.skipped == 1 and "missing.png" in policy.reasons[0]
+        sft_samples(_data_cfg(data, f"data.train_path={path}"), tok, str(model))
+    cfg = _data_cfg(data, f"data.train_path={path}", "data.images.on_bad=skip")
+    samples, images = sft_samples(cfg, tok, str(model))
+    assert len(samples) == len(images) == 2
+    assert images.data.n_bad_images == 1
     # the expanded prompt (22 tokens: 6 vision, 16 text) counts against data.max_prompt_len
-    with pytest.raises(DataError, match="no usable records"):
-        vl_sft_samples(_data_cfg(data, max_prompt_len=21), tok, proc)
+    with pytest.raises(DataError, match="no usable prompts"):
+        sft_samples(_data_cfg(data, "data.max_prompt_len=21"), tok, str(model))
 
 
 def test_trainer_sft_trains_on_the_images_and_exports_an_hf_model(model, data, tmp_path):

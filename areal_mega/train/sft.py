@@ -7,42 +7,26 @@ tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_mo
 ``lora.enabled``: the adapters merged in, and the adapter alone in ``<run_dir>/adapter``).
 
 A vision-language model (Qwen2.5-VL) trains on records with images (the formats of
-:mod:`areal_mega.data.images`): at start each record's images are decoded and checked, its
-prompt rendered with the chat template and expanded by the model's image processor
-(:func:`~areal_mega.models.vlm.inputs.encode_sample`: one ``<|image_pad|>`` per merged patch;
-``data.max_prompt_len`` counts the expanded prompt); the pixels are not kept but decoded again
-when a step draws the record, and each packed micro-batch carries the ``pixel_values`` /
-``image_grid_thw`` of its samples in packed order, as the engine reads them.
+:mod:`areal_mega.data.images`, ``data.images.*``) read as the RL workflow reads them
+(:class:`~areal_mega.data.dataset.PromptDataset`): at start each record's images are checked
+and its prompt expanded (one ``<|image_pad|>`` per merged patch; ``data.max_prompt_len`` counts
+the expanded prompt); the pixels are decoded again when a step draws the record, and each
+packed micro-batch carries the ``pixel_values`` / ``image_grid_thw`` of its samples in packed
+order, as the engine reads them.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
-from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
 
 from areal_mega.algo.policy_loss import check_devices, reads_loss_mask_only
-from areal_mega.data.dataset import (
-    PromptDataset,
-    PromptSampler,
-    detect_format,
-    field_keys,
-    load_tokenizer,
-    read_records,
-    render_prompt,
-)
-from areal_mega.data.errors import DataError
-from areal_mega.data.images import ImagePolicy, prompt_images
+from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
-
-log = logging.getLogger(__name__)
 
 
 @reads_loss_mask_only
@@ -69,90 +53,43 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
-class RecordImages:
-    """The images of each kept SFT record, decoded and run through the image processor when
-    asked (``images[i]`` -> ``(pixel_values, image_grid_thw)``, ``(None, None)`` for a record
-    without images): a dataset's pixels are never all in memory at once."""
+class DatasetImages:
+    """Each SFT sample's images (``images[i]`` -> ``(pixel_values, image_grid_thw)``,
+    ``(None, None)`` for a text prompt), decoded and encoded when a step draws the record
+    (:meth:`~areal_mega.data.vision_prompts.VisionPrompts.inputs`, as the RL workflow does:
+    the same ``data.images.*`` resize), so a dataset's pixels are never all in memory."""
 
-    def __init__(self, image_processor, policy: ImagePolicy):
-        self.processor = image_processor
-        self.policy = policy  # its size limits (the records were admitted under it)
-        self.sources: list = []  # (prompt, the record's images, base_dir, where) or None
+    def __init__(self, data: PromptDataset, tokenizer):
+        self.data, self.tokenizer = data, tokenizer
 
     def __len__(self) -> int:
-        return len(self.sources)
+        return len(self.data)
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
     def __getitem__(self, i: int) -> tuple:
-        src = self.sources[i]
-        if src is None:
+        source = self.data.items[i].vision
+        if source is None:
             return None, None
-        prompt, record_images, base_dir, where = src
-        _, imgs = prompt_images(
-            prompt,
-            base_dir=base_dir,
-            where=where,
-            images=record_images,
-            max_source_pixels=self.policy.max_source_pixels,
-            max_images=self.policy.max_images,
-        )
-        enc = self.processor(images=imgs, return_tensors="pt")
-        return enc["pixel_values"], enc["image_grid_thw"]
+        mm = self.data.vision.inputs(source, self.tokenizer)["multimodal"]
+        return torch.from_numpy(mm["pixel_values"]), torch.from_numpy(mm["image_grid_thw"])
 
 
-def vl_sft_samples(data_cfg, tokenizer, image_processor, policy=None) -> tuple:
-    """A vision-language model's SFT samples of ``data_cfg.train_path``: ``(samples, images)``
-    where ``samples[i]`` is :func:`sft_sample` of the record's expanded prompt and
-    ``images[i]`` its ``(pixel_values, image_grid_thw)`` (:class:`RecordImages`: decoded
-    again when asked; ``(None, None)`` without images). ``policy``: an
-    :class:`~areal_mega.data.images.ImagePolicy` (default: stop on a bad image); a skipped
-    record and a prompt longer than ``data.max_prompt_len`` tokens are left out."""
-    from areal_mega.models.vlm.inputs import encode_sample
-
-    path = data_cfg.train_path
-    if not path:
-        raise DataError("data.train_path is empty; point it at a JSONL or parquet file")
-    policy = policy or ImagePolicy()
-    kind = detect_format(path, data_cfg.format)
-    prompt_key, answer_key = field_keys(data_cfg, {})
-    base_dir = Path(path).parent
-    samples, images, too_long = [], RecordImages(image_processor, policy), 0
-    for i, row in enumerate(read_records(path, kind)):
-        where = f"{path}: record {row.get('__line__', i)}"
-        for key in (prompt_key, answer_key):
-            if key not in row:
-                raise DataError(f"{where}: missing field {key!r}")
-        admitted = policy.admit(
-            row[prompt_key], base_dir=base_dir, where=where, images=row.get("images")
-        )
-        if admitted is None:
-            continue
-        messages, imgs = admitted
-        text = render_prompt(tokenizer, messages, data_cfg.apply_chat_template, where)
-        enc = encode_sample(text, imgs, tokenizer, image_processor)
-        if len(enc.input_ids) > data_cfg.max_prompt_len:
-            too_long += 1
-            continue
-        answer = tokenizer(str(row[answer_key]), add_special_tokens=False)["input_ids"]
-        samples.append(sft_sample(enc.input_ids.tolist(), answer, tokenizer.eos_token_id))
-        images.sources.append(
-            (row[prompt_key], row.get("images"), base_dir, where) if imgs else None
-        )
-    if policy.skipped or too_long:
-        log.warning(
-            "%s: left out %d records with a bad image (%s) and %d prompts longer than "
-            "data.max_prompt_len=%d tokens (images expanded)",
-            path,
-            policy.skipped,
-            "; ".join(policy.reasons[:2]) or "-",
-            too_long,
-            data_cfg.max_prompt_len,
-        )
-    if not samples:
-        raise DataError(f"dataset file {path!r}: no usable records for SFT")
-    return samples, images
+def sft_samples(data_cfg, tokenizer, model_dir: str) -> tuple:
+    """The SFT samples of ``data_cfg.train_path``: ``(samples, images)``, ``samples[i]`` the
+    :func:`sft_sample` of record i's prompt (a prompt with images: expanded, one
+    ``<|image_pad|>`` per merged patch, :class:`~areal_mega.data.dataset.PromptDataset`) and
+    answer; ``images`` a :class:`DatasetImages`, or None when no prompt has images.
+    ``model_dir``: the model whose image processor encodes the images."""
+    data = PromptDataset.from_config(data_cfg, tokenizer, model_dir=model_dir)
+    answers = tokenizer([str(it.answer) for it in data.items], add_special_tokens=False)
+    samples = [
+        sft_sample(it.input_ids, a, tokenizer.eos_token_id)
+        for it, a in zip(data.items, answers["input_ids"])
+    ]
+    with_vision = any(it.vision is not None for it in data.items)
+    return samples, DatasetImages(data, tokenizer) if with_vision else None
 
 
 def with_images(packed: dict, images: list) -> dict:
@@ -167,13 +104,6 @@ def with_images(packed: dict, images: list) -> dict:
     )
 
 
-def _is_vl_model(model_path: str) -> bool:
-    from areal_mega.models.vlm.config import is_vl_config
-
-    cfg = Path(model_path) / "config.json"
-    return cfg.is_file() and is_vl_config(json.loads(cfg.read_text()))
-
-
 def run_sft(s) -> None:
     """Train ``cfg.total_steps`` SFT steps on ``data.train_path``; export the HF model."""
     from areal_mega.lora.actor import merged_deltas, publish_adapter
@@ -181,19 +111,7 @@ def run_sft(s) -> None:
 
     cfg = s.cfg
     tok = load_tokenizer(cfg.model.path)
-    images: Optional[RecordImages] = None  # a VL model: each sample's images
-    if _is_vl_model(cfg.model.path):
-        from areal_mega.models.vlm.inputs import load_image_processor
-
-        processor = load_image_processor(cfg.model.path)
-        samples, images = vl_sft_samples(cfg.data, tok, processor)
-    else:
-        data = PromptDataset.from_config(cfg.data, tok)
-        answers = tok([str(it.answer) for it in data.items], add_special_tokens=False)
-        samples = [
-            sft_sample(it.input_ids, a, tok.eos_token_id)
-            for it, a in zip(data.items, answers["input_ids"])
-        ]
+    samples, images = sft_samples(cfg.data, tok, cfg.model.path)
     sampler = PromptSampler(
         len(samples),
         cfg.data.sft_batch_size,
