@@ -73,6 +73,8 @@ def test_samples_have_expanded_prompts_and_their_own_images(model, data):
         ]
     # every record's own pixels (the pictures differ)
     assert not torch.equal(images[0][0], images[1][0])
+    # the micro-batch budget counts the vision tower's work: one token per merged patch
+    assert images.image_tokens == [4] * 24
 
 
 def test_micro_batches_carry_their_samples_images_in_packed_order(model, data):

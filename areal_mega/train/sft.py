@@ -12,7 +12,8 @@ A vision-language model (Qwen2.5-VL) trains on records with images (the formats 
 and its prompt expanded (one ``<|image_pad|>`` per merged patch; ``data.max_prompt_len`` counts
 the expanded prompt); the pixels are decoded again when a step draws the record, and each
 packed micro-batch carries the ``pixel_values`` / ``image_grid_thw`` of its samples in packed
-order, as the engine reads them.
+order, as the engine reads them. Against ``scheduler.max_tokens_per_mb`` a sample with images
+costs its tokens plus one per merged patch (the vision tower's work), as in the RL step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from areal_mega.algo.policy_loss import check_devices, reads_loss_mask_only
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
+from areal_mega.data.vision_prompts import IMAGE_PAD
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
@@ -61,6 +63,11 @@ class DatasetImages:
 
     def __init__(self, data: PromptDataset, tokenizer):
         self.data, self.tokenizer = data, tokenizer
+        pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        #: each sample's image tokens (one per merged patch), without decoding an image
+        self.image_tokens = [
+            it.input_ids.count(pad) if it.vision is not None else 0 for it in data.items
+        ]
 
     def __len__(self) -> int:
         return len(self.data)
@@ -128,8 +135,13 @@ def run_sft(s) -> None:
         if s.is_rank0:
             idx = sampler.next_indices()
             chosen = [samples[i] for i in idx]
+            # a sample with images also costs its vision tower's work, one token per merged
+            # patch (as the RL step counts it: train/batches.py budget_lengths)
             mb_plan = plan_micro_batches(
-                [len(x["input_ids"]) for x in chosen],
+                [
+                    len(x["input_ids"]) + (0 if images is None else images.image_tokens[i])
+                    for x, i in zip(chosen, idx)
+                ],
                 dp_size=s.layout["dp_size"],
                 max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
                 pp_size=s.layout["pp_size"],
