@@ -643,3 +643,52 @@ def test_teacher_scoring_with_images_equals_transformers(server, ref):
         lp = torch.log_softmax(logits, -1)
         want = [float(lp[t - 1, ids[t]]) for t in range(k, len(ids))]
         assert len(values) == len(want) and np.abs(np.asarray(want) - values).max() <= TOL
+
+
+def test_qwen3_vl_prompt_records_fit_its_vision_spec(qwen3_vl_model, qwen3_vl_ref, tmp_path):
+    """The data path of a Qwen3-VL policy: a dataset record's image is encoded by its own
+    processor (16-pixel patches: ``3·2·16² = 1536`` values each, merged 2x2), its placeholder
+    expanded to the image's merged patches, and the trainer's receiver takes the sample under the
+    model's :class:`VisionSpec` (read from the Qwen3-VL config), which refuses Qwen2.5-VL's
+    14-pixel patches."""
+    from areal_mega.data.dataset import PromptDataset, load_tokenizer
+    from areal_mega.data.synthetic_vision import write_task
+    from areal_mega.data.vision_prompts import VisionPrompts
+    from areal_mega.dataplane.multimodal import vision_problem
+    from areal_mega.dataplane.trajectory import Trajectory
+    from areal_mega.models.builder import load_hf_config
+    from areal_mega.models.vlm.config import vision_spec
+
+    hf = load_hf_config(qwen3_vl_model)
+    spec = vision_spec(hf)
+    tok = load_tokenizer(str(qwen3_vl_model))
+    proc = qwen3_vl_ref["proc"]
+    assert spec.image_token_id == hf["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert spec.merge_size == proc.merge_size == 2 and proc.patch_size == 16
+    assert spec.patch_dim == 3 * 2 * 16 * 16
+    data = write_task(tmp_path, "count", n_train=3, n_test=1, seed=1, question="=")
+    ds = PromptDataset(data / "train.jsonl", tok, vision=VisionPrompts(str(qwen3_vl_model)))
+    for i in range(len(ds)):
+        f = ds.prompt_fields(i)
+        mm = f["multimodal"]
+        (grid,) = mm["image_grid_thw"]
+        assert mm["pixel_values"].shape == (int(np.prod(grid)), spec.patch_dim)
+        ids = np.asarray(f["input_ids"] + [3, 4])
+        assert int((ids == spec.image_token_id).sum()) == int(np.prod(grid)) // 4
+        n = len(ids)
+        traj = Trajectory(
+            input_ids=ids,
+            loss_mask=np.r_[np.zeros(n - 2), np.ones(2)].astype(np.int32),
+            logprobs=np.zeros(n, np.float32),
+            versions=np.r_[-np.ones(n - 2), np.zeros(2)].astype(np.int32),
+            sample_id=f"s{i}",
+            group_id=f"g{i}",
+            prompt_len=n - 2,
+            meta={"image_data": f["image_data"]},
+            multimodal=mm,
+        )
+        assert traj.validate() is traj and vision_problem(traj, spec) is None
+        narrow = np.zeros((len(mm["pixel_values"]), 3 * 2 * 14 * 14), np.float32)
+        traj.multimodal = dict(mm, pixel_values=narrow)
+        field, problem = vision_problem(traj, spec)
+        assert field == "multimodal.pixel_values" and "patch_dim 1176" in problem, problem
