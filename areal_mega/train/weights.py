@@ -119,10 +119,11 @@ def _export_vl(engine, hf_src_dir: Path, out: Path, tmp: Path, *, is_writer: boo
         (chunk,) = engine.model_chunks()
         while hasattr(chunk, "module") and not hasattr(chunk, "language_model"):
             chunk = chunk.module  # a mixed-precision wrapper
-        vocab = int(load_hf_config(hf_src_dir)["text_config"]["vocab_size"])
+        hf = load_hf_config(hf_src_dir)
+        vocab = int(hf["text_config"]["vocab_size"])
         tensors = {
             n: (t if dtype is None else t.to(dtype)).to("cpu").contiguous()
-            for n, t in to_hf_state_dict(chunk, vocab).items()
+            for n, t in to_hf_state_dict(chunk, vocab, model_type=hf["model_type"]).items()
         }
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for f in HF_AUX_FILES:
