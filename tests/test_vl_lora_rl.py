@@ -47,6 +47,25 @@ def test_server_lora_layers_skip_the_vision_tower():
     assert all(n.startswith("model.language_model.layers.") for n in hooked), hooked
 
 
+def test_merging_a_vl_models_adapters_is_refused_at_config_load(tmp_path):
+    """The vision-language HF export takes no merged LoRA deltas: ``lora.sync=merged`` in RL and
+    LoRA SFT (whose ``hf_model`` is the merged model) stop at config load naming why; RL with
+    ``lora.sync=adapter`` passes."""
+    from transformers import Qwen3VLConfig
+
+    from areal_mega.config import ConfigError, check_against_model, load_config
+
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}
+    cfg = Qwen3VLConfig(text_config=dict(num_hidden_layers=2, rope_parameters=rope))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    base = ["lora.enabled=true", f"model.path={tmp_path}"]
+    check_against_model(load_config(None, base))
+    for extra, named in (("lora.sync=merged", "lora.sync=merged"), ("mode=sft", "mode=sft")):
+        with pytest.raises(ConfigError, match="not merged into its weights") as e:
+            check_against_model(load_config(None, [*base, extra]))
+        assert named in str(e.value) and "qwen3_vl (vision-language)" in str(e.value)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_qwen3_vl_lora_rl_steps_with_images_on_policy(tmp_path):
