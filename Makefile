@@ -27,7 +27,7 @@ QUICK_ARGS  ?= -m "not gpu and not slow and not vllm" --quick -q $(XDIST_ARGS)
 # Every run writes each test's durations here; `make test-times` (tools/test_times.py) reports.
 TIMES_RECORD ?= build/test-times.json
 
-.PHONY: install lint test test-quick test-times demo doctor build clean-venv gpu-check gpu-wheels \
+.PHONY: install lint test test-quick test-times demo demo-vlm doctor build clean-venv gpu-check gpu-wheels \
 	vllm-env clean-vllm-env trl-env clean-trl-env
 
 # Installs go through uv (pip installs it, pinned, into each venv first): the same requirement
@@ -162,6 +162,11 @@ test-times:
 
 demo: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -m areal_mega.demo
+
+# The vision-language demo: a tiny Qwen2.5-VL counts the shapes of synthetic pictures
+# (SFT warm-up on the images, then asynchronous GRPO; recipes/tiny-vl-cpu.yaml, docs/vlm.md).
+demo-vlm: $(STAMP) $(KERNEL_STAMP)
+	$(PY) -m areal_mega.demo task=vlm
 
 # Checks this machine row by row (versions, kernels, megatron patches, then numbers on a tiny
 # model: conversion, a rollout server, two RL steps, the weight update); exit 1 on a failure.

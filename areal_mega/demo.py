@@ -1,6 +1,13 @@
 """The CPU demo: a tiny model learns to reverse digit strings with asynchronous GRPO.
 
     make demo                      # or: python -m areal_mega.demo [--rl-steps 300] [--eta 1]
+    make demo-vlm                  # or: python -m areal_mega.demo task=vlm
+
+``task=vlm`` (or ``--task vlm``) runs the same steps on a vision-language task: a tiny
+Qwen2.5-VL (a two-block vision tower, printable-ASCII vocabulary) counts the shapes of a
+synthetic 56x56 picture (:mod:`areal_mega.data.synthetic_vision`, ``How many shapes?`` ->
+``3``); the SFT warm-up and GRPO train on the images (``recipes/tiny-vl-cpu.yaml``).
+The steps (``task=reverse``, the default):
 
 1. builds a tiny Llama-like HF model (hidden 128, 2 layers, digits vocabulary) and the
    synthetic task (``48312=`` -> ``21384<eos>``, reward 1 for an exact match);
@@ -22,12 +29,18 @@ import sys
 import time
 from pathlib import Path
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 from areal_mega.common.net import free_port
 from areal_mega.config import ConfigError, check_against_model, load_config
+from areal_mega.data.images import prompt_images
 from areal_mega.data.synthetic import write_task_files
+from areal_mega.data.synthetic_vision import write_task as write_vision_task
 from areal_mega.models.tiny import make_tiny_model
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPE = RECIPES / "tiny-cpu.yaml"
 MODEL = dict(
     arch="llama",
     charset="digits",
@@ -38,6 +51,42 @@ MODEL = dict(
     intermediate_size=256,
     tie_word_embeddings=True,
 )
+#: the vision-language task's tiny Qwen2.5-VL (printable ASCII: the question's letters)
+VL_MODEL = dict(
+    arch="qwen2_5_vl",
+    charset="ascii",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    tie_word_embeddings=True,
+)
+
+
+def write_reverse_data(out: Path, seed: int) -> None:
+    """The text task's files: reverse 5-digit strings."""
+    write_task_files(out, task="reverse", seed=seed)
+
+
+def write_count_data(out: Path, seed: int) -> None:
+    """The vision-language task's files: count 1..4 shapes in a 56x56 picture."""
+    write_vision_task(out, "count", n_train=2048, n_test=256, seed=seed)
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What differs between the demo's tasks: the recipe, the tiny model, the data, how the
+    held-out accuracy is measured, and the defaults of the command line."""
+
+    recipe: Path
+    model: dict
+    write_data: Callable[[Path, int], None]
+    accuracy: Callable[[Path, Path], float]
+    sft_steps: int
+    rl_steps: int
+    sft_lr: float = 1e-3
+    rl_overrides: tuple = field(default_factory=tuple)
 
 
 def _run(
@@ -120,6 +169,68 @@ def greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
     return correct / len(rows)
 
 
+def vl_greedy_tokens(
+    model_dir: Path, test_file: Path, max_new_tokens: int, n: int = 256, batch_size: int = 64
+) -> list:
+    """Greedy continuations (token ids) of the first ``n`` held-out image prompts with
+    transformers' Qwen2.5-VL (CPU): each record's images decoded (:mod:`areal_mega.data.
+    images`), its prompt rendered with the chat template and expanded by the image processor
+    (:func:`~areal_mega.models.vlm.inputs.encode_sample`), as the trainer and the workflow do;
+    prompts of one width, ``batch_size`` at a time."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from areal_mega.models.vlm.inputs import encode_sample, load_image_processor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = load_image_processor(model_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
+    rows = [json.loads(line) for line in test_file.read_text().splitlines()[:n]]
+    samples = []
+    for i, r in enumerate(rows):
+        messages, images = prompt_images(
+            r["prompt"], base_dir=test_file.parent, where=f"{test_file}: record {i}"
+        )
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        samples.append(encode_sample(text, images, tok, proc))
+    width = len(samples[0].input_ids)
+    assert all(len(x.input_ids) == width for x in samples), "the demo task has fixed-width prompts"
+    out = []
+    for lo in range(0, len(samples), batch_size):
+        chunk = samples[lo : lo + batch_size]
+        with torch.no_grad():
+            ids = model.generate(
+                input_ids=torch.stack([x.input_ids for x in chunk]),
+                attention_mask=torch.ones(len(chunk), width, dtype=torch.long),
+                mm_token_type_ids=torch.stack([x.mm_token_type_ids for x in chunk]),
+                pixel_values=torch.cat([x.pixel_values for x in chunk]),
+                image_grid_thw=torch.cat([x.image_grid_thw for x in chunk]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        out += ids[:, width:].tolist()
+    return out
+
+
+def vl_greedy_accuracy(model_dir: Path, test_file: Path, n: int = 256) -> float:
+    """Exact-match accuracy of greedy decoding on held-out image prompts
+    (:func:`vl_greedy_tokens`); the answer must be followed by EOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in test_file.read_text().splitlines()[:n]]
+    wants = [
+        tok(str(r["answer"]), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        for r in rows
+    ]
+    got = vl_greedy_tokens(model_dir, test_file, max(len(w) for w in wants), n=n)
+    return sum(g[: len(w)] == w for g, w in zip(got, wants)) / len(rows)
+
+
 def summarize(metrics_file: Path) -> dict:
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["step"] >= 1]  # step 0: the evaluation before training
@@ -177,16 +288,23 @@ def mismatch_text(s: dict) -> str:
 
 
 def prepare(
-    run: Path, seed: int, sft_steps: int, env: dict, check=None, model: dict = MODEL
+    run: Path,
+    seed: int,
+    sft_steps: int,
+    env: dict,
+    check=None,
+    model: dict = None,
+    task: str = "reverse",
 ) -> tuple:
     """Tiny model + task files + SFT warm-up; returns (sft model dir, data overrides, sft s).
     ``check(base model dir)`` runs before the SFT (the RL config against the model);
-    ``model``: the tiny model's spec (:func:`~areal_mega.models.tiny.make_tiny_model`)."""
-
-    base = make_tiny_model(run / "base_model", seed=seed, **model)
+    ``model``: the tiny model's spec (:func:`~areal_mega.models.tiny.make_tiny_model`;
+    default: the task's); ``task``: a key of :data:`TASKS`."""
+    t = TASKS[task]
+    base = make_tiny_model(run / "base_model", seed=seed, **(t.model if model is None else model))
     if check is not None:
         check(base)
-    write_task_files(run / "data", task="reverse", seed=seed)
+    t.write_data(run / "data", seed)
     data = [
         f"data.train_path={run / 'data' / 'train.jsonl'}",
         f"data.test_path={run / 'data' / 'test.jsonl'}",
@@ -199,12 +317,12 @@ def prepare(
             "-m",
             "areal_mega.trainer",
             "--config",
-            RECIPE,
+            t.recipe,
             "mode=sft",
             f"model.path={base}",
             f"logging.run_dir={run / 'sft'}",
             f"total_steps={sft_steps}",
-            "optimizer.lr=1e-3",
+            f"optimizer.lr={t.sft_lr}",
             "optimizer.warmup_steps=0",
             "recover=off",
             "logging.progress_bar=false",
@@ -222,9 +340,17 @@ def prepare(
 
 
 def rl_overrides(
-    run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, extra=()
+    run_dir: Path,
+    model: Path,
+    data: list,
+    steps: int,
+    eta: int,
+    seed: int,
+    extra=(),
+    task: str = "reverse",
 ) -> list:
-    """The overrides of the RL run (the user's ``extra`` last, so they win)."""
+    """The overrides of the RL run (the task's, then the user's ``extra`` last, so they
+    win)."""
     return [
         f"model.path={model}",
         f"logging.run_dir={run_dir}",
@@ -233,6 +359,7 @@ def rl_overrides(
         f"seed={seed}",
         "logging.progress_bar=false",
         *data,
+        *TASKS[task].rl_overrides,
         *extra,
     ]
 
@@ -243,19 +370,35 @@ def check_rl_config(model: Path, args) -> None:
     or a path that does not exist yet: then only the config itself is checked); raises
     :class:`~areal_mega.config.ConfigError` naming the bad key."""
 
+    task = getattr(args, "task", "reverse")
     data = ["data.train_path=train.jsonl", "data.test_path=test.jsonl"]
     check_against_model(
         load_config(
-            RECIPE,
+            TASKS[task].recipe,
             rl_overrides(
-                Path("rl"), model, data, args.rl_steps, args.eta, args.seed, args.overrides
+                Path("rl"),
+                model,
+                data,
+                args.rl_steps,
+                args.eta,
+                args.seed,
+                args.overrides,
+                task=task,
             ),
         )
     )
 
 
 def run_rl(
-    run_dir: Path, model: Path, data: list, steps: int, eta: int, seed: int, env: dict, extra=()
+    run_dir: Path,
+    model: Path,
+    data: list,
+    steps: int,
+    eta: int,
+    seed: int,
+    env: dict,
+    extra=(),
+    task: str = "reverse",
 ) -> float:
     """Asynchronous GRPO through launch.local; returns the wall time in seconds."""
     t0 = time.time()
@@ -265,8 +408,8 @@ def run_rl(
             "-m",
             "areal_mega.launch.local",
             "--config",
-            RECIPE,
-            *rl_overrides(run_dir, model, data, steps, eta, seed, extra),
+            TASKS[task].recipe,
+            *rl_overrides(run_dir, model, data, steps, eta, seed, extra, task=task),
         ],
         run_dir.with_suffix(".log"),
         env,
@@ -283,17 +426,61 @@ def cpu_env() -> dict:
     )
 
 
-def main(argv=None) -> None:
+TASKS = {
+    "reverse": DemoTask(
+        recipe=RECIPE,
+        model=MODEL,
+        write_data=write_reverse_data,
+        accuracy=greedy_accuracy,
+        sft_steps=120,
+        rl_steps=300,
+    ),
+    "vlm": DemoTask(
+        recipe=RECIPES / "tiny-vl-cpu.yaml",
+        model=VL_MODEL,
+        write_data=write_count_data,
+        accuracy=vl_greedy_accuracy,
+        sft_steps=40,
+        rl_steps=150,
+    ),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line; ``task=NAME`` among the overrides selects the task like ``--task``."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--task", choices=sorted(TASKS), default=None, help="default: reverse")
     p.add_argument("--run-dir", default=None, help="default: runs/demo-<time>")
-    p.add_argument("--sft-steps", type=int, default=120)
-    p.add_argument("--rl-steps", type=int, default=300)
+    p.add_argument("--sft-steps", type=int, default=None, help="default: the task's")
+    p.add_argument("--rl-steps", type=int, default=None, help="default: the task's")
     p.add_argument("--eta", type=int, default=1, help="max_head_offpolicyness")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("overrides", nargs="*", help="extra RL overrides, e.g. optimizer.lr=3e-4")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="task=NAME, then extra RL overrides, e.g. optimizer.lr=3e-4",
+    )
     args = p.parse_args(argv)
+    named = [o.split("=", 1)[1] for o in args.overrides if o.startswith("task=")]
+    args.overrides = [o for o in args.overrides if not o.startswith("task=")]
+    if named:
+        if len(set(named + [args.task or named[0]])) != 1:
+            p.error(f"two tasks named: {sorted(set(named + [args.task]))}")
+        if named[0] not in TASKS:
+            p.error(f"task={named[0]!r}: must be one of {sorted(TASKS)}")
+        args.task = named[0]
+    args.task = args.task or "reverse"
+    t = TASKS[args.task]
+    args.sft_steps = t.sft_steps if args.sft_steps is None else args.sft_steps
+    args.rl_steps = t.rl_steps if args.rl_steps is None else args.rl_steps
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    task = TASKS[args.task]
 
     def check(model: Path) -> None:
         try:
@@ -303,18 +490,30 @@ def main(argv=None) -> None:
 
     check(Path("model-not-built-yet"))  # every override, before any work
     t_start = time.time()
-    run = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    default_dir = f"runs/demo-{stamp}" if args.task == "reverse" else f"runs/demo-{args.task}-{stamp}"
+    run = Path(args.run_dir or default_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     env = cpu_env()
     print(f"[demo] run directory: {run}", flush=True)
-    sft_model, data, t_sft = prepare(run, args.seed, args.sft_steps, env, check=check)
-    acc_before = greedy_accuracy(sft_model, run / "data" / "test.jsonl")
+    sft_model, data, t_sft = prepare(
+        run, args.seed, args.sft_steps, env, check=check, task=args.task
+    )
+    acc_before = task.accuracy(sft_model, run / "data" / "test.jsonl")
     print(f"[demo] SFT done in {t_sft:.0f}s; held-out greedy accuracy {acc_before:.3f}", flush=True)
     t_rl = run_rl(
-        run / "rl", sft_model, data, args.rl_steps, args.eta, args.seed, env, args.overrides
+        run / "rl",
+        sft_model,
+        data,
+        args.rl_steps,
+        args.eta,
+        args.seed,
+        env,
+        args.overrides,
+        task=args.task,
     )
     final = sorted((run / "rl" / "weights").glob("v*"))[-1]
-    acc_after = greedy_accuracy(final, run / "data" / "test.jsonl")
+    acc_after = task.accuracy(final, run / "data" / "test.jsonl")
     s = summarize(run / "rl" / "metrics.jsonl")
     s.update(
         acc_before=acc_before,

@@ -199,6 +199,7 @@ def describe(cfg: ExperimentConfig, device: Optional[str] = None) -> str:
         overhead_bytes=0 if layout.device == "cpu" else DEFAULT_OVERHEAD_BYTES,
         reference=cfg.ref.enabled,
         **lora_estimate_args(cfg.lora),
+        freeze_vision=cfg.model.freeze_vision,
     )
     cap = None if layout.device == "cpu" else cfg.cluster.gpu_memory_gb
     where = "process" if layout.device == "cpu" else "GPU"

@@ -30,6 +30,14 @@ The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
   optimizer hold the adapters alone (same bytes per parameter as above); the adapters add their
   weights; the reference is the actor with its adapters off (free). Activations are unchanged
   (the backward still runs through every layer; the adapters' ``[tokens, r]`` are negligible).
+- a vision tower (``vision_depth`` > 0, Qwen2.5-VL's; :func:`vision_param_counts`): whole on
+  every tensor-parallel rank of the first pipeline stage (the bridge builds transformers'
+  modules, not split); its image tokens are among the micro-batch's tokens, each one
+  ``merge²`` patches through the tower (``image_tokens_per_mb``, default every token of the
+  micro-batch: an upper bound). A training tower keeps every block's activations (4·vh + 4·vh
+  + 4·vi per patch; megatron's recompute does not reach transformers' modules; flash
+  attention); ``freeze_vision`` keeps none of them (no gradients, no optimizer state), only
+  one block's working set and the projector's input (which trains).
 
 It is an upper-bound planning number, not a measurement: compare with ``cluster.gpu_memory_gb``.
 """
@@ -79,6 +87,21 @@ KNOWN_MODELS: dict[str, ModelHParams] = {
         vocab_size=152064,
         qkv_bias=True,
     ),
+    # the language model of Qwen2.5-7B + the vision tower (vision_config of the model card)
+    "qwen2.5-vl-7b": ModelHParams(
+        hidden_size=3584,
+        num_layers=28,
+        num_attention_heads=28,
+        num_kv_heads=4,
+        ffn_hidden_size=18944,
+        vocab_size=152064,
+        qkv_bias=True,
+        vision_depth=32,
+        vision_hidden_size=1280,
+        vision_intermediate_size=3420,
+        vision_patch_dim=3 * 2 * 14 * 14,
+        vision_merge_size=2,
+    ),
     "qwen3-30b-a3b": ModelHParams(
         hidden_size=2048,
         num_layers=48,
@@ -121,21 +144,60 @@ class ParamCounts:
     moe_topk: int
     num_experts: int
     final_norm: int = 0
+    vision_tower: int = 0  # patch embedding + blocks (what model.freeze_vision freezes)
+    vision_merger: int = 0  # the projector into the language model
 
     @property
     def per_layer(self) -> int:
         return self.attention + self.dense_mlp + self.experts + self.shared_expert + self.replicated
 
     @property
+    def vision(self) -> int:
+        return self.vision_tower + self.vision_merger
+
+    @property
     def total(self) -> int:
-        return self.embedding + self.output + self.num_layers * self.per_layer + self.final_norm
+        return (
+            self.embedding
+            + self.output
+            + self.num_layers * self.per_layer
+            + self.final_norm
+            + self.vision
+        )
 
     @property
     def active(self) -> int:
         """Parameters used per token (MoE: ``topk`` of the experts)."""
         per_expert = self.experts // self.num_experts if self.num_experts else 0
         dense_layer = self.per_layer - self.experts + per_expert * self.moe_topk
-        return self.embedding + self.output + self.num_layers * dense_layer + self.final_norm
+        return (
+            self.embedding
+            + self.output
+            + self.num_layers * dense_layer
+            + self.final_norm
+            + self.vision
+        )
+
+
+def vision_param_counts(hp: ModelHParams) -> tuple[int, int]:
+    """``(tower, merger)`` parameters of a Qwen2.5-VL vision tower (0, 0 for a text model):
+    the patch embedding (a bias-free convolution, ``patch_dim · vh``); per block QKV and the
+    output projection with biases, a SwiGLU MLP with biases and two RMSNorms; the merger's
+    RMSNorm and its two-layer MLP over ``merge²`` concatenated patches into the language
+    model's width."""
+    if not hp.vision_depth:
+        return 0, 0
+    vh, vi, h = hp.vision_hidden_size, hp.vision_intermediate_size, hp.hidden_size
+    if not (vh and vi and hp.vision_patch_dim):
+        raise ConfigError(
+            "model_hparams.vision_depth > 0 needs vision_hidden_size, vision_intermediate_size "
+            "and vision_patch_dim"
+        )
+    block = (3 * vh * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh) + 2 * vh
+    tower = hp.vision_patch_dim * vh + hp.vision_depth * block
+    m = vh * hp.vision_merge_size**2
+    merger = vh + (m * m + m) + (m * h + h)
+    return tower, merger
 
 
 def count_params(hp: ModelHParams) -> ParamCounts:
@@ -157,6 +219,7 @@ def count_params(hp: ModelHParams) -> ParamCounts:
     else:
         dense_mlp, experts, shared = (3 if hp.gated_mlp else 2) * h * hp.ffn_hidden_size, 0, 0
     emb = hp.vocab_size * h
+    tower, merger = vision_param_counts(hp)
     return ParamCounts(
         embedding=emb,
         output=0 if hp.tie_word_embeddings else emb,
@@ -169,6 +232,8 @@ def count_params(hp: ModelHParams) -> ParamCounts:
         moe_topk=hp.moe_topk,
         num_experts=hp.num_experts,
         final_norm=norm,
+        vision_tower=tower,
+        vision_merger=merger,
     )
 
 
@@ -309,10 +374,15 @@ def estimate_memory(
     reference: bool = False,
     lora_rank: int = 0,
     lora_targets=(),
+    freeze_vision: bool = False,
+    image_tokens_per_mb: Optional[int] = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of the most loaded trainer GPU (see the module docstring).
     ``reference``: a separate reference model shares the GPUs (ignored with LoRA, whose
-    reference is free); ``lora_rank`` > 0: LoRA on the PEFT ``lora_targets``."""
+    reference is free); ``lora_rank`` > 0: LoRA on the PEFT ``lora_targets``.
+    A vision-language model: ``freeze_vision`` (``model.freeze_vision``: the tower trains
+    not, the projector does); ``image_tokens_per_mb``: image tokens of a micro-batch (None:
+    all ``tokens_per_mb``, the upper bound)."""
     if dtype not in _BYTES:
         raise ValueError(f"dtype={dtype!r}: must be one of {sorted(_BYTES)}")
     if recompute not in (None, "full", "selective"):
@@ -325,7 +395,10 @@ def estimate_memory(
     dense = lps * (c.attention + c.dense_mlp + c.shared_expert) + vocab_on_stage
     dense_gpu = dense / tp + lps * c.replicated
     expert_gpu = lps * c.experts / (ep * tp)
-    params_gpu = dense_gpu + expert_gpu
+    # the vision tower and projector: whole on each TP rank of the first stage
+    vision_gpu = c.vision
+    vision_trained = c.vision_merger if freeze_vision else c.vision
+    params_gpu = dense_gpu + expert_gpu + vision_gpu
 
     w = _BYTES[dtype]
     if dtype == "fp32":
@@ -334,8 +407,10 @@ def estimate_memory(
         grad_b, opt_b = 4, 12  # fp32 main grads; fp32 master + m + v
     dense_shard = dims.dp * cp if use_distributed_optimizer else 1
     expert_shard = max(1, dims.dp * cp // ep) if use_distributed_optimizer else 1
-    optimizer = opt_b * (dense_gpu / dense_shard + expert_gpu / expert_shard)
-    grads = grad_b * params_gpu
+    optimizer = opt_b * (
+        (dense_gpu + vision_trained) / dense_shard + expert_gpu / expert_shard
+    )
+    grads = grad_b * (params_gpu - vision_gpu + vision_trained)
     ref_bytes = w * params_gpu if reference and not lora_rank else 0.0
     lora_full = lora_gpu = 0
     if lora_rank:
@@ -371,6 +446,32 @@ def estimate_memory(
         activations = lps * pp * layer_bytes
         if recompute == "selective":
             notes.append("selective recompute saves little beyond flash attention here")
+    if c.vision:
+        vh, vi = hp.vision_hidden_size, hp.vision_intermediate_size
+        image_tokens = tokens_per_mb if image_tokens_per_mb is None else image_tokens_per_mb
+        patches = image_tokens / cp * hp.vision_merge_size**2
+        block_bytes = patches * act_b * (4 * vh + 4 * vh + 4 * vi)
+        merger_bytes = image_tokens / cp * act_b * (2 * vh * hp.vision_merge_size**2 + h)
+        kept_blocks = 0 if freeze_vision else hp.vision_depth
+        # 1F1B: the first stage holds pp micro-batches' images in flight
+        activations += pp * (kept_blocks * block_bytes + merger_bytes) + block_bytes
+        notes.append(
+            f"vision tower: {fmt_count(c.vision_tower)} params "
+            f"({'frozen' if freeze_vision else 'trained'}) + projector "
+            f"{fmt_count(c.vision_merger)}, whole on every TP rank of the first stage; "
+            f"{fmt_count(patches)} patches per micro-batch "
+            + (
+                "(every token an image token: the upper bound)"
+                if image_tokens_per_mb is None
+                else f"({image_tokens} image tokens)"
+            )
+            + (
+                ""
+                if freeze_vision
+                else f"; its activations {fmt_bytes(pp * kept_blocks * block_bytes)} "
+                "(model.freeze_vision=true keeps none)"
+            )
+        )
     logits = tokens * hp.vocab_size / tp * 2 * act_b
     if hp.num_layers % pp:
         notes.append(f"num_layers={hp.num_layers} is not divisible by pp={pp}")
@@ -417,8 +518,19 @@ def rollout_memory(
 
 def hparams_from_hf_config(path: str | Path) -> ModelHParams:
     """Read a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE fields; Ernie 4.5's
-    MoE names). Every layer of an MoE model is counted as MoE."""
+    MoE names; Qwen2.5-VL: its ``text_config`` and ``vision_config``). Every layer of an MoE
+    model is counted as MoE."""
     d = json.loads(Path(path).read_text())
+    vision = d.get("vision_config")
+    if vision is not None:
+        if d.get("model_type") != "qwen2_5_vl":
+            raise ValueError(
+                f"model_type {d.get('model_type')!r} is a vision-language model whose vision "
+                "tower the estimate does not count (it counts Qwen2.5-VL's); give the recipe "
+                "a model_hparams section with the vision_* fields"
+            )
+        # the language model's fields: top level in older files, text_config in newer ones
+        d = {**d, **(d.get("text_config") or {}), "model_type": "qwen2_5_vl"}
     if d.get("layers_block_type") or d.get("hybrid_override_pattern"):
         raise ValueError(
             f"model_type {d.get('model_type')!r} is a hybrid (Mamba) model: the estimate "
@@ -448,12 +560,29 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
         norm_bias=d.get("model_type") == "nemotron",
         vocab_size=d["vocab_size"],
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qkv_bias=bool(d.get("attention_bias", d.get("model_type") == "qwen2")),
+        qkv_bias=bool(d.get("attention_bias", d.get("model_type") in ("qwen2", "qwen2_5_vl"))),
         qk_norm=d.get("model_type", "").startswith("qwen3"),
         num_experts=moe,
         moe_ffn_hidden_size=moe_ffn,
         moe_topk=d.get("num_experts_per_tok") or d.get("moe_k") or 0 if moe else 0,
         shared_expert_ffn_hidden_size=shared,
+        **(_vision_hparams(vision) if vision is not None else {}),
+    )
+
+
+def _vision_hparams(v: dict) -> dict:
+    """The ``vision_*`` fields of a Qwen2.5-VL ``vision_config`` (transformers' defaults where
+    a key is absent)."""
+    patch = int(v.get("patch_size", 14))
+    return dict(
+        vision_depth=int(v.get("depth", 32)),
+        vision_hidden_size=int(v.get("hidden_size", 1280)),
+        vision_intermediate_size=int(v.get("intermediate_size", 3420)),
+        vision_patch_dim=int(v.get("in_channels", v.get("in_chans", 3)))
+        * int(v.get("temporal_patch_size", 2))
+        * patch
+        * patch,
+        vision_merge_size=int(v.get("spatial_merge_size", 2)),
     )
 
 

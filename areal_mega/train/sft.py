@@ -5,6 +5,15 @@ Used to warm-start the CPU demo before RL, and by users (``mode=sft``). Each ste
 micro-batches over the DP ranks, and minimises the mean negative log-likelihood of the answer
 tokens. At the end the weights are exported as an HF directory ``<run_dir>/hf_model`` (with
 ``lora.enabled``: the adapters merged in, and the adapter alone in ``<run_dir>/adapter``).
+
+A vision-language model (Qwen2.5-VL) trains on records with images (the formats of
+:mod:`areal_mega.data.images`, ``data.images.*``) read as the RL workflow reads them
+(:class:`~areal_mega.data.dataset.PromptDataset`): at start each record's images are checked
+and its prompt expanded (one ``<|image_pad|>`` per merged patch; ``data.max_prompt_len`` counts
+the expanded prompt); the pixels are decoded again when a step draws the record, and each
+packed micro-batch carries the ``pixel_values`` / ``image_grid_thw`` of its samples in packed
+order, as the engine reads them. Against ``scheduler.max_tokens_per_mb`` a sample with images
+costs its tokens plus one per merged patch (the vision tower's work), as in the RL step.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import torch
 
 from areal_mega.algo.policy_loss import check_devices, reads_loss_mask_only
 from areal_mega.data.dataset import PromptDataset, PromptSampler, load_tokenizer
+from areal_mega.data.vision_prompts import IMAGE_PAD
 from areal_mega.scheduler import plan_micro_batches
 from areal_mega.train import batches
 from areal_mega.train.weights import export_hf_dir
@@ -45,6 +55,62 @@ def sft_sample(prompt_ids: list, answer_ids: list, eos_id: int) -> dict:
     return {**batches.next_token_layout(ids, loss_mask=mask), "prompt_len": len(prompt_ids)}
 
 
+class DatasetImages:
+    """Each SFT sample's images (``images[i]`` -> ``(pixel_values, image_grid_thw)``,
+    ``(None, None)`` for a text prompt), decoded and encoded when a step draws the record
+    (:meth:`~areal_mega.data.vision_prompts.VisionPrompts.inputs`, as the RL workflow does:
+    the same ``data.images.*`` resize), so a dataset's pixels are never all in memory."""
+
+    def __init__(self, data: PromptDataset, tokenizer):
+        self.data, self.tokenizer = data, tokenizer
+        pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        #: each sample's image tokens (one per merged patch), without decoding an image
+        self.image_tokens = [
+            it.input_ids.count(pad) if it.vision is not None else 0 for it in data.items
+        ]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __getitem__(self, i: int) -> tuple:
+        source = self.data.items[i].vision
+        if source is None:
+            return None, None
+        mm = self.data.vision.inputs(source, self.tokenizer)["multimodal"]
+        return torch.from_numpy(mm["pixel_values"]), torch.from_numpy(mm["image_grid_thw"])
+
+
+def sft_samples(data_cfg, tokenizer, model_dir: str) -> tuple:
+    """The SFT samples of ``data_cfg.train_path``: ``(samples, images)``, ``samples[i]`` the
+    :func:`sft_sample` of record i's prompt (a prompt with images: expanded, one
+    ``<|image_pad|>`` per merged patch, :class:`~areal_mega.data.dataset.PromptDataset`) and
+    answer; ``images`` a :class:`DatasetImages`, or None when no prompt has images.
+    ``model_dir``: the model whose image processor encodes the images."""
+    data = PromptDataset.from_config(data_cfg, tokenizer, model_dir=model_dir)
+    answers = tokenizer([str(it.answer) for it in data.items], add_special_tokens=False)
+    samples = [
+        sft_sample(it.input_ids, a, tokenizer.eos_token_id)
+        for it, a in zip(data.items, answers["input_ids"])
+    ]
+    with_vision = any(it.vision is not None for it in data.items)
+    return samples, DatasetImages(data, tokenizer) if with_vision else None
+
+
+def with_images(packed: dict, images: list) -> dict:
+    """A packed micro-batch with the ``pixel_values`` / ``image_grid_thw`` of its samples
+    (``images``: each sample's pair, in packed order; None when no sample has an image)."""
+    pv = [p for p, _ in images if p is not None]
+    grid = [g for p, g in images if p is not None]
+    return dict(
+        packed,
+        pixel_values=torch.cat(pv) if pv else None,
+        image_grid_thw=torch.cat(grid) if grid else None,
+    )
+
+
 def run_sft(s) -> None:
     """Train ``cfg.total_steps`` SFT steps on ``data.train_path``; export the HF model."""
     from areal_mega.lora.actor import merged_deltas, publish_adapter
@@ -52,9 +118,7 @@ def run_sft(s) -> None:
 
     cfg = s.cfg
     tok = load_tokenizer(cfg.model.path)
-    data = PromptDataset.from_config(cfg.data, tok)
-    answers = tok([str(it.answer) for it in data.items], add_special_tokens=False)["input_ids"]
-    samples = [sft_sample(it.input_ids, a, tok.eos_token_id) for it, a in zip(data.items, answers)]
+    samples, images = sft_samples(cfg.data, tok, cfg.model.path)
     sampler = PromptSampler(
         len(samples),
         cfg.data.sft_batch_size,
@@ -71,8 +135,13 @@ def run_sft(s) -> None:
         if s.is_rank0:
             idx = sampler.next_indices()
             chosen = [samples[i] for i in idx]
+            # a sample with images also costs its vision tower's work, one token per merged
+            # patch (as the RL step counts it: train/batches.py budget_lengths)
             mb_plan = plan_micro_batches(
-                [len(x["input_ids"]) for x in chosen],
+                [
+                    len(x["input_ids"]) + (0 if images is None else images.image_tokens[i])
+                    for x, i in zip(chosen, idx)
+                ],
                 dp_size=s.layout["dp_size"],
                 max_tokens_per_mb=cfg.scheduler.max_tokens_per_mb,
                 pp_size=s.layout["pp_size"],
@@ -81,6 +150,15 @@ def run_sft(s) -> None:
                 [
                     pack_sequences(
                         [chosen[i] for i in mb], pad_to_multiple=pad_to, cp_size=s.layout["cp_size"]
+                    )
+                    if images is None
+                    else with_images(
+                        pack_sequences(
+                            [chosen[i] for i in mb],
+                            pad_to_multiple=pad_to,
+                            cp_size=s.layout["cp_size"],
+                        ),
+                        [images[idx[i]] for i in mb],
                     )
                     for mb in rank
                 ]
