@@ -88,7 +88,8 @@ def check_lora(cfg) -> None:
 
 def check_lora_model(cfg) -> None:
     """With ``lora.enabled``, refuse a ``model.path`` family the adapters do not serve (MoE
-    expert targets, multi-latent attention, gated delta-net layers, vision-language models),
+    expert targets, multi-latent attention, gated delta-net layers, vision-language models
+    other than Qwen3-VL, and a vision-language model's adapters merged into its weights),
     reading its config.json; does nothing when it cannot be read (the engine checks again)."""
     lo = cfg.lora
     if not lo.enabled or not cfg.model.path:
@@ -119,3 +120,13 @@ def check_lora_model(cfg) -> None:
         )
     except LoraSupportError as e:
         raise ConfigError(f"{e} (model.path={cfg.model.path!r})") from None
+    merged = "mode=sft (its hf_model)" if cfg.mode == "sft" else None
+    if cfg.mode == "rl" and lo.sync == "merged":
+        merged = "lora.sync=merged"
+    if hf.get("vision_config") is not None and merged:
+        raise ConfigError(
+            f"{merged} with lora.enabled on {hf.get('model_type')} (vision-language): the "
+            "adapters of a vision-language model are not merged into its weights (the "
+            "vision-language HF export takes no LoRA deltas); in RL use lora.sync=adapter, "
+            f"whose PEFT adapters the rollout servers load (model.path={cfg.model.path!r})"
+        )

@@ -27,8 +27,10 @@ class LoraLayers:
 
     def __init__(self, model: torch.nn.Module, targets: tuple, max_per_batch: Optional[int] = None):
         """Hook the ``nn.Linear`` modules of ``model`` whose last name is in ``targets``
-        (MoE expert projections excepted: their rows are tokens routed together, not
-        requests). ``max_per_batch``: the engine's ``--max-loras-per-batch``."""
+        (MoE expert projections and a vision tower's layers excepted: their rows are tokens
+        routed together or image patches, not requests; a vision-language model's adapters
+        are on its language model). ``max_per_batch``: the engine's
+        ``--max-loras-per-batch``."""
         self.max_per_batch = max_per_batch
         self.modules: dict = {}
         self._groups: Optional[list] = None  # [(adapter, row index tensor)] or None
@@ -39,6 +41,7 @@ class LoraLayers:
                 isinstance(mod, torch.nn.Linear)
                 and name.split(".")[-1] in targets
                 and ".experts." not in f".{name}."
+                and ".visual." not in f".{name}."
             ):
                 self.modules[name] = mod
 

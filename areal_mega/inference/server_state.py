@@ -108,8 +108,6 @@ class LocalRolloutServer:
         # the images of /generate requests (None: a text-only model refuses image_data)
         self.vision = VisionInputs(model_path, cfg) if vision else None
         if vision:
-            if lora is not None and lora.enabled:
-                raise ValueError("LoRA is not served for vision-language checkpoints")
             cfg = cfg.get_text_config()
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(max_context or getattr(cfg, "max_position_embeddings", 4096))
