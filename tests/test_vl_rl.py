@@ -98,13 +98,19 @@ def test_rl_steps_with_images_at_trainer_tp2_and_pp2(tmp_path, layout):
     assert compare(load_all(model), load_all(published[-1])), "the weights did not move"
 
 
-def test_rl_steps_with_images_by_the_distributed_weight_update(tmp_path):
-    """The distributed weight update (gloo on the CPU): the trainer broadcasts the vision tower,
-    projector and language model by HF name in buckets, the server loads them under its own
-    names; on policy every step (the server's logprobs are the trainer's weights'), no weight
-    directory written."""
+@pytest.mark.parametrize("layout", ["d1", "t2"])
+def test_rl_steps_with_images_by_the_distributed_weight_update(tmp_path, layout):
+    """The distributed weight update (gloo on the CPU), from one trainer rank and from TP2 (both
+    ranks gather, rank 0 sends): the trainer broadcasts the vision tower, projector and
+    language model by HF name in buckets, the server loads them under its own names; on policy
+    every step (the server's logprobs are the trainer's weights'), no weight directory
+    written."""
     _, _, run, rows = _vl_run(
-        tmp_path, 3, "rollout.weight_bucket_mb=1", weight_update="distributed"
+        tmp_path,
+        3,
+        f"allocation=local:d1+megatron:{layout}",
+        "rollout.weight_bucket_mb=1",
+        weight_update="distributed",
     )
     assert [r["step"] for r in rows] == [1, 2, 3]
     _check_on_policy(rows)
