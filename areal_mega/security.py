@@ -99,6 +99,7 @@ NOT_SECRET_NAMES = frozenset(
         "reward_key",
         "id_key",
         "image_key",
+        "images_key",
         "dataset_key",
     }
 )

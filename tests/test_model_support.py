@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from areal_mega.inference import model_support as ms
-from areal_mega.models.bridge_provider import VL_END_TO_END, VL_NOT_RL
+from areal_mega.models.bridge_provider import VL_END_TO_END
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_support_rows_edge_cases():
     assert vl_rows[0]["status"] == ms.STATUS["no"]
     assert vl_rows[0]["status_note"] == "trainer only"
     assert vl_rows[0]["server"] == ms.SERVER_PATHS["hf_cache"] and vl_rows[0]["note"] == ""
-    assert ms.vl_trainer_architectures() == {"Qwen3VLForConditionalGeneration": VL_NOT_RL}
+    assert ms.vl_trainer_architectures() == {}  # every family the trainer builds runs RL
     # a vision-language model RL runs end to end: engine, served with images, CPU
     (vl_rl,) = ms.support_rows(
         ["Qwen2_5_VLForConditionalGeneration"],
@@ -83,7 +83,10 @@ def test_support_rows_edge_cases():
     )
     assert vl_rl["engine"] and vl_rl["server"] == ms.SERVER_VL and not vl_rl["note"]
     assert vl_rl["status"] == ms.STATUS["cpu"] and vl_rl["status_note"] == "images end to end"
-    assert ms.vl_rl_architectures() == {"Qwen2_5_VLForConditionalGeneration": VL_END_TO_END}
+    assert ms.vl_rl_architectures() == {
+        "Qwen2_5_VLForConditionalGeneration": VL_END_TO_END,
+        "Qwen3VLForConditionalGeneration": VL_END_TO_END,
+    }
     assert by["Gemma3ForConditionalGeneration"]["server"] == ms.SERVER_PATHS["hf_cache"]
     # an engine family on transformers' cache is served end to end by its family test
     assert (
@@ -133,9 +136,10 @@ def test_list_bridge_models_command():
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
     assert rows["Gemma4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
-    vl = rows["Qwen2_5_VLForConditionalGeneration"]  # RL with images (tests/test_vl_rl.py)
-    assert vl["engine"] and vl["server"] == ms.SERVER_VL
-    assert vl["status"] == ms.STATUS["cpu"] and vl["status_note"] == VL_END_TO_END
+    for arch in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
+        vl = rows[arch]  # RL with images (tests/test_vl_rl.py)
+        assert vl["engine"] and vl["server"] == ms.SERVER_VL
+        assert vl["status"] == ms.STATUS["cpu"] and vl["status_note"] == VL_END_TO_END
     # the families the engine does not build say why (read from their modelling code)
     from areal_mega.models.bridge_provider import NOT_BUILT
 

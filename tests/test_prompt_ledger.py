@@ -7,11 +7,13 @@ from collections import deque
 
 import pytest
 
+from areal_mega.data.dataset import PromptDataset
 from areal_mega.dataplane import Trajectory
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.prompt_ledger import PromptLedger, resume_plan
 from areal_mega.rollout.counts import CountCarrier, carried_counts
 from areal_mega.rollout.resume import ResumingCursor, accepted_ledger
+from areal_mega.models.tiny import build_char_tokenizer
 from areal_mega.rollout.worker import PromptCursor
 from areal_mega.run_dir import META_NAME, RunDir
 
@@ -132,22 +134,15 @@ def test_resume_plan_edge_cases():
         resume_plan(set(), drawn=-1)
 
 
-class _Items:
-    """A dataset of numbered prompts (PromptCursor's interface: len and items)."""
-
-    class _It:
-        def __init__(self, i):
-            self.input_ids, self.prompt, self.answer, self.meta = [i], str(i), str(i), {}
-
-    def __len__(self):
-        return 5
-
-    def __getitem__(self, i):
-        return self._It(i)
+def _numbered_prompts(tmp_path) -> PromptDataset:
+    """A real dataset of five numbered prompts (text, no chat template)."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(5)))
+    return PromptDataset(path, build_char_tokenizer("digits"), apply_chat_template=False)
 
 
-def test_resuming_cursor_regenerates_exactly_the_missing_prompts():
-    base = PromptCursor(_Items(), seed=3, shuffle=True)
+def test_resuming_cursor_regenerates_exactly_the_missing_prompts(tmp_path):
+    base = PromptCursor(_numbered_prompts(tmp_path), seed=3, shuffle=True)
     order = [next(iter(base))["prompt"] for _ in range(12)]  # the uninterrupted stream
     cur = ResumingCursor(base.at, redo=[1, 4], start=6)
     it = iter(cur)

@@ -257,7 +257,7 @@ def test_qwen3_vl_moe_is_refused_naming_why(tmp_path):
         vl_not_built=archs,
     )
     assert row["status"] == ms.STATUS["no"] and row["status_note"] == NOT_BUILT["qwen3_vl_moe"]
-    assert "Qwen3VLForConditionalGeneration" in ms.vl_trainer_architectures()
+    assert "Qwen3VLForConditionalGeneration" in ms.vl_rl_architectures()
     doc = (Path(ROOT) / "docs" / "model_families.md").read_text()
     assert NOT_BUILT["qwen3_vl_moe"] in doc
 

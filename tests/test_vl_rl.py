@@ -19,13 +19,13 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def _vl_run(tmp_path, steps: int, *extra, weight_update: str = "disk"):
-    """``steps`` GRPO steps of a tiny Qwen2.5-VL on the counting task, weights published
-    (``weight_update``) after every step, no staleness; returns (model, data, run_dir,
-    metrics rows)."""
+def _vl_run(tmp_path, steps: int, *extra, arch: str = "qwen2_5_vl", weight_update="disk"):
+    """``steps`` GRPO steps of a tiny VL model (``arch``, Qwen2.5-VL by default) on the counting
+    task, weights published (``weight_update``) after every step, no staleness; returns
+    (model, data, run_dir, metrics rows)."""
     # digits and "=" only, as the text families' RL check: an untrained model's first digit is
     # the count now and then, so char_match_reward gives the groups a learning signal
-    model = make_tiny_model(tmp_path / "model", arch="qwen2_5_vl", charset="digits", seed=3)
+    model = make_tiny_model(tmp_path / "model", arch=arch, charset="digits", seed=3)
     data = write_task(tmp_path / "data", "count", n_train=32, n_test=4, seed=0, question="=")
     run = tmp_path / "run"
     rc, out = _finish(
@@ -115,3 +115,18 @@ def test_rl_steps_with_images_by_the_distributed_weight_update(tmp_path, layout)
     assert [r["step"] for r in rows] == [1, 2, 3]
     _check_on_policy(rows)
     assert not sorted((run / "weights").glob("v*")), "published by disk"
+
+
+def test_qwen3_vl_rl_steps_with_images_on_policy(tmp_path):
+    """Qwen3-VL (16-pixel patches, deepstack, interleaved multimodal RoPE): 5 GRPO steps with
+    images through the CPU server, on policy every step (the server's positions and vision
+    features equal the trainer's), and the weights published through the bridge's Qwen3-VL
+    table moved."""
+    model, _, run, rows = _vl_run(tmp_path, 5, arch="qwen3_vl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    _check_on_policy(rows)
+    published = sorted((run / "weights").glob("v*"))
+    assert published, "no weights published"
+    start, last = load_all(model), load_all(published[-1])
+    assert set(start) == set(last)  # the HF names of every tensor
+    assert compare(start, last), "the weights did not move"

@@ -3,7 +3,10 @@ process driven by the real client and controller: each sampled token's logprob e
 transformers' own forward over prompt + output with the images (its own multimodal positions),
 for prompts with different images, several images and none, prefilled in one batch; the vision
 special tokens are never sampled; bad image requests are answered 400 naming the problem; a
-pause / weight update / continue cycle resends the images with the partial output."""
+pause / weight update / continue cycle resends the images with the partial output. The checks of
+the logprobs, the vision tokens and the running batch's prefill run on the tiny Qwen3-VL too
+(16-pixel patches, deepstack features, its own multimodal positions): the same images are one to
+four merged patches for either processor."""
 
 import asyncio
 import base64
@@ -49,15 +52,14 @@ def server(vl_models):
         proc.stop()
 
 
-@pytest.fixture(scope="module")
-def ref(vl_models):
-    """transformers' models a and b, the tokenizer, the image processor and the vision ids."""
+def reference(paths) -> dict:
+    """transformers' models of ``paths``, the tokenizer, the image processor and the vision
+    ids."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     torch.set_num_threads(1)
     models = [
-        AutoModelForImageTextToText.from_pretrained(p, dtype=torch.float32).eval()
-        for p in vl_models
+        AutoModelForImageTextToText.from_pretrained(p, dtype=torch.float32).eval() for p in paths
     ]
     cfg = models[0].config
     banned = [
@@ -68,10 +70,55 @@ def ref(vl_models):
     ]
     return {
         "models": models,
-        "tok": AutoTokenizer.from_pretrained(vl_models[0]),
-        "proc": load_image_processor(vl_models[0]),
+        "tok": AutoTokenizer.from_pretrained(paths[0]),
+        "proc": load_image_processor(paths[0]),
         "banned": banned,
     }
+
+
+@pytest.fixture(scope="module")
+def ref(vl_models):
+    """transformers' models a and b, the tokenizer, the image processor and the vision ids."""
+    return reference(vl_models)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_model(tmp_path_factory):
+    """A tiny Qwen3-VL checkpoint."""
+    return make_tiny_model(tmp_path_factory.mktemp("vl_rollout_q3") / "a", arch="qwen3_vl", seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_server(qwen3_vl_model):
+    (proc,) = launch_local_servers(str(qwen3_vl_model), 1, api_key=API_KEY)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_ref(qwen3_vl_model):
+    """:func:`reference` of the tiny Qwen3-VL."""
+    return reference([qwen3_vl_model])
+
+
+#: the families whose serving checks run here (each its own server and reference)
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+
+
+@pytest.fixture(params=FAMILIES)
+def family_ref(request):
+    """The reference of each family."""
+    return request.getfixturevalue("ref" if request.param == "qwen2_5_vl" else "qwen3_vl_ref")
+
+
+@pytest.fixture(params=FAMILIES)
+def served(request):
+    """(server, reference) of each family."""
+    if request.param == "qwen2_5_vl":
+        return request.getfixturevalue("server"), request.getfixturevalue("ref")
+    return request.getfixturevalue("qwen3_vl_server"), request.getfixturevalue("qwen3_vl_ref")
 
 
 def picture(w: int, h: int, seed: int):
@@ -119,12 +166,13 @@ def client_for(server):
     return RolloutClient([server.addr], api_key=API_KEY, timeout_s=120, retries=1)
 
 
-def test_logprobs_with_images_equal_transformers(server, ref):
+def test_logprobs_with_images_equal_transformers(served):
     """Seven prompts decoded together: one image of 1, 4 and 2 merged patches, two images in
     one prompt, none, and two prompts of the same length as the first, one with another image
     and one without (the three may share a prefill forward). Every logprob equals
     transformers' within 1e-5, no vision token is sampled, and the images matter (the other
     image's reference is far off)."""
+    server, ref = served
     imgs = [
         picture(28, 28, 1),
         picture(56, 56, 2),
@@ -177,9 +225,10 @@ def test_logprobs_with_images_equal_transformers(server, ref):
     assert status == 200 and info["prefix_cache"] is None and info["cached_tokens"] == 0
 
 
-def test_vision_tokens_are_never_sampled(server, ref):
+def test_vision_tokens_are_never_sampled(served):
     """Even a logit_bias of +50 on every vision token never makes one sampled: they are -inf
     before the bias; the reported logprobs stay finite."""
+    server, ref = served
     ids, _ = prompt(ref, f"x{VISION}y", [picture(56, 56, 7)])
     bias = {str(t): 50.0 for t in ref["banned"]}
     status, out = http(
@@ -205,10 +254,11 @@ def test_vision_tokens_are_never_sampled(server, ref):
         assert all(np.isfinite(x[0]) for x in o["meta_info"]["output_token_logprobs"])
 
 
-def test_input_token_logprobs_with_images_equal_transformers(server, ref):
+def test_input_token_logprobs_with_images_equal_transformers(served):
     """``max_new_tokens: 0`` with ``logprob_start_len: 0`` scores a prompt with images (two
     prompts of one length in one forward): SGLang's input logprobs (raw, temperature 1, no
     vision mask) equal transformers' forward with the images."""
+    server, ref = served
     images = [
         [picture(56, 28, 11), picture(28, 56, 12)],
         [picture(28, 56, 13), picture(56, 28, 14)],
@@ -514,10 +564,11 @@ def test_openai_chat_with_image_url_parts(server, ref):
             run(chat_request({"messages": msgs}, never, ref["tok"], [], 8, image_processor=proc))
 
 
-def test_one_prefill_of_rows_with_other_images_or_none_equals_each_alone(ref):
+def test_one_prefill_of_rows_with_other_images_or_none_equals_each_alone(family_ref):
     """The running batch's prefill of equal-length rows with different images and a row
     without, then two decode steps, gives each row what it gets alone (positions per row) and
     what transformers' forward over the whole sequence with the images gives."""
+    ref = family_ref
     from areal_mega.inference.kv_cache import HFCacheBatch
     from areal_mega.inference.vl_model import PromptImages
 
@@ -592,3 +643,52 @@ def test_teacher_scoring_with_images_equals_transformers(server, ref):
         lp = torch.log_softmax(logits, -1)
         want = [float(lp[t - 1, ids[t]]) for t in range(k, len(ids))]
         assert len(values) == len(want) and np.abs(np.asarray(want) - values).max() <= TOL
+
+
+def test_qwen3_vl_prompt_records_fit_its_vision_spec(qwen3_vl_model, qwen3_vl_ref, tmp_path):
+    """The data path of a Qwen3-VL policy: a dataset record's image is encoded by its own
+    processor (16-pixel patches: ``3·2·16² = 1536`` values each, merged 2x2), its placeholder
+    expanded to the image's merged patches, and the trainer's receiver takes the sample under the
+    model's :class:`VisionSpec` (read from the Qwen3-VL config), which refuses Qwen2.5-VL's
+    14-pixel patches."""
+    from areal_mega.data.dataset import PromptDataset, load_tokenizer
+    from areal_mega.data.synthetic_vision import write_task
+    from areal_mega.data.vision_prompts import VisionPrompts
+    from areal_mega.dataplane.multimodal import vision_problem
+    from areal_mega.dataplane.trajectory import Trajectory
+    from areal_mega.models.builder import load_hf_config
+    from areal_mega.models.vlm.config import vision_spec
+
+    hf = load_hf_config(qwen3_vl_model)
+    spec = vision_spec(hf)
+    tok = load_tokenizer(str(qwen3_vl_model))
+    proc = qwen3_vl_ref["proc"]
+    assert spec.image_token_id == hf["image_token_id"] == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert spec.merge_size == proc.merge_size == 2 and proc.patch_size == 16
+    assert spec.patch_dim == 3 * 2 * 16 * 16
+    data = write_task(tmp_path, "count", n_train=3, n_test=1, seed=1, question="=")
+    ds = PromptDataset(data / "train.jsonl", tok, vision=VisionPrompts(str(qwen3_vl_model)))
+    for i in range(len(ds)):
+        f = ds.prompt_fields(i)
+        mm = f["multimodal"]
+        (grid,) = mm["image_grid_thw"]
+        assert mm["pixel_values"].shape == (int(np.prod(grid)), spec.patch_dim)
+        ids = np.asarray(f["input_ids"] + [3, 4])
+        assert int((ids == spec.image_token_id).sum()) == int(np.prod(grid)) // 4
+        n = len(ids)
+        traj = Trajectory(
+            input_ids=ids,
+            loss_mask=np.r_[np.zeros(n - 2), np.ones(2)].astype(np.int32),
+            logprobs=np.zeros(n, np.float32),
+            versions=np.r_[-np.ones(n - 2), np.zeros(2)].astype(np.int32),
+            sample_id=f"s{i}",
+            group_id=f"g{i}",
+            prompt_len=n - 2,
+            meta={"image_data": f["image_data"]},
+            multimodal=mm,
+        )
+        assert traj.validate() is traj and vision_problem(traj, spec) is None
+        narrow = np.zeros((len(mm["pixel_values"]), 3 * 2 * 14 * 14), np.float32)
+        traj.multimodal = dict(mm, pixel_values=narrow)
+        field, problem = vision_problem(traj, spec)
+        assert field == "multimodal.pixel_values" and "patch_dim 1176" in problem, problem

@@ -1,4 +1,6 @@
-"""Images of ``/generate`` requests on the CPU rollout server (Qwen2.5-VL checkpoints).
+"""Images of ``/generate`` requests on the CPU rollout server (Qwen2.5-VL and Qwen3-VL
+checkpoints; both through transformers' PIL Qwen2-VL image processor, the one transformers picks
+for either without torchvision: 14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL).
 
 A request carries SGLang's native ``image_data``: one string per image of the prompt, in order
 (a ``data:image/...;base64,`` URL, raw base64, or a path readable by the server), and its

@@ -1,15 +1,16 @@
-"""The model side of images on the CPU rollout server (Qwen2.5-VL checkpoints): which
-configs are vision-language, their vision special tokens, a prompt's images as the model takes
-them, and the keyword arguments of a forward over prompts with images.
+"""The model side of images on the CPU rollout server (Qwen2.5-VL and Qwen3-VL checkpoints):
+which configs are vision-language, their vision special tokens, a prompt's images as the model
+takes them, and the keyword arguments of a forward over prompts with images.
 
-transformers' Qwen2.5-VL keeps the multimodal rope offset of the last prompt it saw on the
-model object (``model.model.rope_deltas``), which is one value for a whole ``generate`` call;
-the rollout engine batches rows of different prompts continuously, so it never lets the model
-compute positions. :func:`vl_forward_inputs` computes each prompt row's 3-D positions with the
-model's ``get_rope_index`` (its ``mm_token_type_ids`` marking the image tokens) and returns each
-row's next text position (the largest position + 1, i.e. the prompt length plus the row's rope
-delta); decode steps continue from there, one position per token, the same on the three axes
-(what transformers' ``generate`` does with its ``rope_deltas``).
+transformers' Qwen2.5-VL and Qwen3-VL keep the multimodal rope offset of the last prompt they
+saw on the model object (``model.model.rope_deltas``), which is one value for a whole
+``generate`` call; the rollout engine batches rows of different prompts continuously, so it
+never lets the model compute positions. :func:`vl_forward_inputs` computes each prompt row's
+3-D positions with the model's ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw)``
+(the same signature in both families; an image advances the text position by ``max(h, w) /
+merge``) and returns each row's next text position (the largest position + 1, i.e. the prompt
+length plus the row's rope delta); decode steps continue from there, one position per token,
+the same on the three axes (what transformers' ``generate`` does with its ``rope_deltas``).
 
 :func:`vision_token_ids` are the vision special tokens a rollout must never produce; the engine
 gives them ``-inf`` before sampling, as a ``logit_bias`` of ``-inf`` would, so the reported
@@ -83,9 +84,9 @@ class PromptImages:
 
 
 def vl_forward_inputs(model, ids: torch.Tensor, images: Sequence[Optional[PromptImages]]):
-    """Keyword arguments of a Qwen2.5-VL forward over prompt rows ``ids`` ``[n, S]`` (equal
-    lengths, no padding) whose images are ``images`` (one entry per row, None for a row
-    without), and each row's next text position (a list): ``input_ids``, ``position_ids``
+    """Keyword arguments of a Qwen2.5-VL / Qwen3-VL forward over prompt rows ``ids`` ``[n,
+    S]`` (equal lengths, no padding) whose images are ``images`` (one entry per row, None for a
+    row without), and each row's next text position (a list): ``input_ids``, ``position_ids``
     ``[3, n, S]`` from the model's ``get_rope_index``, and with images ``pixel_values``,
     ``image_grid_thw`` (the rows' images in row order) and ``mm_token_type_ids``."""
     n, S = ids.shape

@@ -183,20 +183,19 @@ PROVIDER_FAMILIES = (
 VL_PROVIDER_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 #: the vision-language families RL runs end to end on the CPU (images through the rollout
 #: server, the workflow, the data plane and the trainer), and what the family table says of them
-VL_RL_FAMILIES = ("qwen2_5_vl",)
+VL_RL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 VL_END_TO_END = (
     "vision-language: the engine builds it from the bridge's provider and trains it (DP, TP "
     "with SP, PP), the CPU server runs transformers' model with SGLang's image_data, and RL "
     "with images runs end to end with server logprobs equal to the trainer's (tested at one "
-    "rank, DP2, trainer TP2 and PP2, weights to the servers by disk or by the distributed "
-    "update)"
+    "rank; DP2, trainer TP2 and PP2 and the distributed weight update on Qwen2.5-VL; the "
+    "weight export at TP2 and PP2 bit for bit on both)"
 )
 #: why a vision-language family the trainer builds is not an RL family yet
 VL_NOT_RL = (
     "vision-language: the trainer engine builds it from the bridge's provider, converts it bit "
     "for bit and trains it (DP, TP with SP, PP; forward equal to transformers with images), but "
-    "RL with images is tested on Qwen2.5-VL only (its CPU serving with images and an RL run are "
-    "not checked for this family)"
+    "its CPU serving with images and an RL run are not checked for this family"
 )
 
 #: hybrid families (megatron-core's HybridModel): their architecture comes from the bridge's

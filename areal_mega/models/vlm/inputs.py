@@ -1,4 +1,4 @@
-"""Images and text to Qwen2.5-VL model inputs, one sample or a packed micro-batch.
+"""Images and text to Qwen2.5-VL / Qwen3-VL model inputs, one sample or a packed micro-batch.
 
 transformers' ``Qwen2_5_VLProcessor`` does this for a batch, but it cannot be built without
 torchvision (it requires a video processor, and transformers' Qwen2-VL video processor imports
@@ -7,7 +7,8 @@ here the same way: the image processor gives each image's patches (``pixel_value
 (``image_grid_thw``: temporal, height, width in patches); each ``<|image_pad|>`` placeholder of
 the text becomes ``t·h·w / merge_size²`` of them (one per merged patch), in image order; and
 ``mm_token_type_ids`` marks those tokens (1; text 0), which transformers' model needs to compute
-the multimodal positions (without it, it silently uses text positions).
+the multimodal positions (without it, it silently uses text positions). transformers'
+``Qwen3VLProcessor`` expands images the same way (its videos, with timestamps, are not served).
 """
 
 from __future__ import annotations
