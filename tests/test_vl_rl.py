@@ -98,18 +98,21 @@ def test_rl_steps_with_images_at_trainer_tp2_and_pp2(tmp_path, layout):
     assert compare(load_all(model), load_all(published[-1])), "the weights did not move"
 
 
-@pytest.mark.parametrize("layout", ["d1", "t2"])
-def test_rl_steps_with_images_by_the_distributed_weight_update(tmp_path, layout):
+@pytest.mark.parametrize(
+    "arch,layout", [("qwen2_5_vl", "d1"), ("qwen2_5_vl", "t2"), ("qwen3_vl", "t2")]
+)
+def test_rl_steps_with_images_by_the_distributed_weight_update(tmp_path, arch, layout):
     """The distributed weight update (gloo on the CPU), from one trainer rank and from TP2 (both
-    ranks gather, rank 0 sends): the trainer broadcasts the vision tower, projector and
-    language model by HF name in buckets, the server loads them under its own names; on policy
-    every step (the server's logprobs are the trainer's weights'), no weight directory
-    written."""
+    ranks gather, rank 0 sends; Qwen3-VL's tower is split over TP too): the trainer broadcasts
+    the vision tower, projector and language model by HF name in buckets, the server loads
+    them under its own names; on policy every step (the server's logprobs are the trainer's
+    weights'), no weight directory written."""
     _, _, run, rows = _vl_run(
         tmp_path,
         3,
         f"allocation=local:d1+megatron:{layout}",
         "rollout.weight_bucket_mb=1",
+        arch=arch,
         weight_update="distributed",
     )
     assert [r["step"] for r in rows] == [1, 2, 3]
