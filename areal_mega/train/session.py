@@ -428,14 +428,19 @@ class TrainerSession:
     def _publish_distributed(self, version: int) -> None:
         from areal_mega.checkpoint import hf_mapping as hm
         from areal_mega.checkpoint.export import iter_hf_tensors
-
         from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
         if is_vl_model_dir(self.cfg.model.path):  # vision tower, projector, language model
-            stream = lambda: vl_hf_tensors(self.actor, self.cfg.model.path)[0]  # noqa: E731
+
+            def stream():
+                return vl_hf_tensors(self.actor, self.cfg.model.path)[0]
+
         else:
             arch = hm.read_arch(self.cfg.model.path)
-            stream = lambda: iter_hf_tensors(self.actor.model, arch)  # noqa: E731
+
+            def stream():
+                return iter_hf_tensors(self.actor.model, arch)
+
         # a server dying before or during the broadcast is left out and the version sent
         # again to the survivors; only a broadcast that keeps failing ends the trainer
         reply = broadcast_version(
