@@ -4,8 +4,9 @@ server sent each prompt's images, rollout worker encoding each drawn prompt once
 packing the images with the samples). Every step's server logprobs equal the trainer's
 (``mismatch`` <= 1e-5 on the tokens of the weights the trainer holds: the trainer's forward saw
 the very images the server saw), the weights moved, and the held-out images were evaluated at
-steps 0 and 5 (``eval/*``); on policy at DP2 too; a layout whose weights cannot be published
-yet is refused at start."""
+steps 0 and 5 (``eval/*``); on policy at DP2, at trainer TP2 and PP2 (the weights gathered from
+their TP shards and pipeline stages) and with the distributed weight update (the vision and
+language tensors broadcast to the server by name) too."""
 
 import pytest
 
@@ -18,10 +19,10 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def _vl_run(tmp_path, steps: int, *extra, arch: str = "qwen2_5_vl"):
+def _vl_run(tmp_path, steps: int, *extra, arch: str = "qwen2_5_vl", weight_update="disk"):
     """``steps`` GRPO steps of a tiny VL model (``arch``, Qwen2.5-VL by default) on the counting
-    task, weights published by disk after every step, no staleness; returns (model, data,
-    run_dir, metrics rows)."""
+    task, weights published (``weight_update``) after every step, no staleness; returns
+    (model, data, run_dir, metrics rows)."""
     # digits and "=" only, as the text families' RL check: an untrained model's first digit is
     # the count now and then, so char_match_reward gives the groups a learning signal
     model = make_tiny_model(tmp_path / "model", arch=arch, charset="digits", seed=3)
@@ -35,7 +36,7 @@ def _vl_run(tmp_path, steps: int, *extra, arch: str = "qwen2_5_vl"):
             f"total_steps={steps}",
             "recover=off",
             "rollout.max_head_offpolicyness=0",
-            "rollout.weight_update=disk",
+            f"rollout.weight_update={weight_update}",
             "rollout.reward_fn=areal_mega.rewards:char_match_reward",
             "rollout.seeded_sampling=true",
             "data.apply_chat_template=true",
@@ -84,27 +85,39 @@ def test_rl_steps_with_images_at_dp2(tmp_path):
     _check_on_policy(rows)
 
 
-def test_rl_with_images_refuses_a_layout_it_cannot_publish(tmp_path):
-    """The weights of a vision-language policy reach the servers by disk from trainer TP 1 /
-    PP 1 for now: a TP 2 trainer stops at start naming the keys (before any step)."""
-    model = make_tiny_model(tmp_path / "model", arch="qwen2_5_vl", charset="digits", seed=3)
-    data = write_task(tmp_path / "data", "count", n_train=8, n_test=2, seed=0, question="=")
-    run = tmp_path / "run"
-    rc, out = _finish(
-        _launch(
-            run,
-            model,
-            data,
-            "total_steps=1",
-            "recover=off",
-            "allocation=local:d1+megatron:t2",
-            "data.apply_chat_template=true",
-        ),
-        timeout=300,
+@pytest.mark.parametrize("layout", ["t2", "p2"])
+def test_rl_steps_with_images_at_trainer_tp2_and_pp2(tmp_path, layout):
+    """Trainer TP2 / PP2: the one-rank start checkpoint resharded, the published weights
+    gathered from the TP shards / written by each pipeline stage (the vision tower from the
+    first); on policy every step, and the weights moved."""
+    model, _, run, rows = _vl_run(tmp_path, 3, f"allocation=local:d1+megatron:{layout}")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_on_policy(rows)
+    published = sorted((run / "weights").glob("v*"))
+    assert published, "no weights published"
+    assert compare(load_all(model), load_all(published[-1])), "the weights did not move"
+
+
+@pytest.mark.parametrize(
+    "arch,layout", [("qwen2_5_vl", "d1"), ("qwen2_5_vl", "t2"), ("qwen3_vl", "t2")]
+)
+def test_rl_steps_with_images_by_the_distributed_weight_update(tmp_path, arch, layout):
+    """The distributed weight update (gloo on the CPU), from one trainer rank and from TP2 (both
+    ranks gather, rank 0 sends; Qwen3-VL's tower is split over TP too): the trainer broadcasts
+    the vision tower, projector and language model by HF name in buckets, the server loads
+    them under its own names; on policy every step (the server's logprobs are the trainer's
+    weights'), no weight directory written."""
+    _, _, run, rows = _vl_run(
+        tmp_path,
+        3,
+        f"allocation=local:d1+megatron:{layout}",
+        "rollout.weight_bucket_mb=1",
+        arch=arch,
+        weight_update="distributed",
     )
-    assert rc != 0
-    assert "TP 1 / PP 1" in out and "tp=2" in out, out[-3000:]
-    assert _metrics(run) == []
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_on_policy(rows)
+    assert not sorted((run / "weights").glob("v*")), "published by disk"
 
 
 def test_qwen3_vl_rl_steps_with_images_on_policy(tmp_path):

@@ -10,13 +10,16 @@ in the bridge's model) is copied name for name; a tower of megatron-core layers 
 goes tensor by tensor through the table's ``"vision"`` patterns, its attention's ``[q; k; v]``
 regrouped per head as megatron fuses it. Every parameter of the model must be found in
 the checkpoint and every checkpoint tensor must be used (a tied model has no ``lm_head``).
-Single rank for now: the full tensors are copied, so the model must not be tensor-parallel.
+Loading copies the full tensors, so the model must not be tensor-parallel there (a TP or PP
+trainer loads the converted megatron checkpoint, resharded); the export
+(:func:`iter_vl_hf_tensors`) gathers each tensor-parallel parameter from its TP shards and
+gives a pipeline stage's layers their global indices, at any TP / PP layout.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -31,7 +34,13 @@ from areal_mega.checkpoint.hf_mapping import (
     unpad_vocab,
 )
 
-__all__ = ["vl_table", "hf_sources", "load_hf_weights", "to_hf_state_dict"]
+__all__ = [
+    "vl_table",
+    "hf_sources",
+    "load_hf_weights",
+    "to_hf_state_dict",
+    "iter_vl_hf_tensors",
+]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -152,30 +161,89 @@ def load_hf_weights(model, weights, *, table: Optional[dict] = None, model_type=
     return used
 
 
+def _to_hf(model, kind: str, name: str, t: torch.Tensor, vocab_size: int) -> tuple:
+    """One full megatron tensor of ``model`` as its HF tensors (the table's ``kind``)."""
+    if kind == "copy":
+        return (t,)
+    if kind == "qkv":
+        heads, groups, head_dim = _language_config(model)
+        return qkv_to_hf(t, heads, groups, head_dim)
+    if kind == "glu":
+        return glu_to_hf(t)
+    if kind == "vocab":
+        return (unpad_vocab(t, vocab_size),)
+    if kind == "qkv_concat":
+        v_heads, v_dim = _vision_config(model)
+        return (torch.cat(qkv_to_hf(t, v_heads, v_heads, v_dim)),)
+    raise UnsupportedModelError(f"{name}: transform {kind!r} is not supported here")
+
+
 def to_hf_state_dict(
     model, vocab_size: int, *, table: Optional[dict] = None, model_type="qwen2_5_vl"
 ) -> Dict[str, torch.Tensor]:
     """The inverse of :func:`load_hf_weights`: the model's parameters as HF tensors."""
     _single_rank(model)
     table = table or vl_table(model_type)
-    heads, groups, head_dim = _language_config(model)
     out: Dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         hf, kind = hf_sources(table, name)
-        t = param.detach()
-        if kind == "copy":
-            ts = (t,)
-        elif kind == "qkv":
-            ts = qkv_to_hf(t, heads, groups, head_dim)
-        elif kind == "glu":
-            ts = glu_to_hf(t)
-        elif kind == "vocab":
-            ts = (unpad_vocab(t, vocab_size),)
-        elif kind == "qkv_concat":
-            v_heads, v_dim = _vision_config(model)
-            ts = (torch.cat(qkv_to_hf(t, v_heads, v_heads, v_dim)),)
-        else:
-            raise UnsupportedModelError(f"{name}: transform {kind!r} is not supported here")
-        for h, x in zip(hf, ts):
+        for h, x in zip(hf, _to_hf(model, kind, name, param.detach(), vocab_size)):
             out[h] = x.contiguous().clone()
     return out
+
+
+def _global_layer_name(model, name: str) -> str:
+    """``name`` with a language-model layer's stage-local index replaced by its global one
+    (megatron's 1-based ``layer_number``): a later pipeline stage's layers start at 0."""
+    if not name.startswith(VL_LANGUAGE_PREFIX):
+        return name
+    m = _LAYER.match(name[len(VL_LANGUAGE_PREFIX) :])
+    if m is None:
+        return name
+    layer = model.language_model.decoder.layers[int(m.group(1))]
+    return f"{VL_LANGUAGE_PREFIX}decoder.layers.{int(layer.layer_number) - 1}.{m.group(2)}"
+
+
+def iter_vl_hf_tensors(
+    model,
+    vocab_size: int,
+    *,
+    table: Optional[dict] = None,
+    model_type: str = "qwen2_5_vl",
+    tp_group=None,
+    dtype: Optional[torch.dtype] = None,
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for this pipeline stage's share of a vision-language
+    ``model`` (one rank's chunk: the vision tower and projector on the first stage only).
+
+    A tensor-parallel parameter is all-gathered over ``tp_group`` (default: megatron's) along
+    its ``partition_dim`` (a GLU ``linear_fc1``'s ``[gate_r; up_r]`` shards gate by gate and up
+    by up, :mod:`~areal_mega.checkpoint.export`'s gathers), so every rank of a TP group must
+    iterate together and each gets the full tensors; layers take their global indices; a
+    later stage's copy of tied embeddings is skipped. The union over the stages is
+    :func:`to_hf_state_dict` of the one-rank model."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from areal_mega.checkpoint.export import _gather, _gather_glu
+
+    table = table or vl_table(model_type)
+    if tp_group is None and dist.is_initialized():
+        tp_group = ps.get_tensor_model_parallel_group()
+    lm = model.language_model
+    tied_copy = bool(getattr(lm, "share_embeddings_and_output_weights", False)) and not getattr(
+        lm, "pre_process", True
+    )
+    for name, param in model.named_parameters():
+        if tied_copy and name == f"{VL_LANGUAGE_PREFIX}output_layer.weight":
+            continue  # HF ties lm_head to the embedding (the first stage's)
+        hf, kind = hf_sources(table, _global_layer_name(model, name))
+        t = param.detach()
+        if getattr(param, "tensor_model_parallel", False):
+            if kind == "glu":
+                t = _gather_glu(t, tp_group)
+            else:
+                t = _gather(t, tp_group, int(param.partition_dim))
+        for h, x in zip(hf, _to_hf(model, kind, name, t, vocab_size)):
+            yield h, (x if dtype is None else x.to(dtype))
+        del t

@@ -187,9 +187,9 @@ VL_RL_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 VL_END_TO_END = (
     "vision-language: the engine builds it from the bridge's provider and trains it (DP, TP "
     "with SP, PP), the CPU server runs transformers' model with SGLang's image_data, and RL "
-    "with images runs end to end with server logprobs equal to the trainer's; RL's weight "
-    "export to the servers needs trainer TP 1 and PP 1 for now (tested at one rank; DP2 on "
-    "Qwen2.5-VL)"
+    "with images runs end to end with server logprobs equal to the trainer's (tested at one "
+    "rank; DP2, trainer TP2 and PP2 and the distributed weight update on Qwen2.5-VL; the "
+    "weight export at TP2 and PP2 bit for bit on both)"
 )
 #: why a vision-language family the trainer builds is not an RL family yet
 VL_NOT_RL = (

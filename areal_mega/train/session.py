@@ -46,7 +46,7 @@ from areal_mega.train.intake import TrajectoryIntake
 from areal_mega.train.nonfinite import SkipGuard
 from areal_mega.train.teacher import build_teacher, build_teacher_scorer, vision_of
 from areal_mega.train.weight_sender import broadcast_version, connect_weight_sender
-from areal_mega.train.weights import export_hf_dir, resolve_weight_update
+from areal_mega.train.weights import export_hf_dir, resolve_weight_update, vl_hf_tensors
 
 log = logging.getLogger(__name__)
 
@@ -214,15 +214,6 @@ class TrainerSession:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if self.vision is not None and cfg.mode == "rl" and (
-            self.weight_update != "disk" or d.tp > 1 or d.pp > 1
-        ):
-            raise ConfigError(
-                "a vision-language policy's weights reach the rollout servers by disk from "
-                f"trainer TP 1 / PP 1 for now: rollout.weight_update={cfg.rollout.weight_update!r}"
-                f" (resolved: {self.weight_update}), allocation={cfg.allocation!r} (tp={d.tp}, "
-                f"pp={d.pp})"
-            )
         if self.is_rank0:
             self._write_resolved_config()
             self._open_rank0_io(resumed)
@@ -437,14 +428,25 @@ class TrainerSession:
     def _publish_distributed(self, version: int) -> None:
         from areal_mega.checkpoint import hf_mapping as hm
         from areal_mega.checkpoint.export import iter_hf_tensors
+        from areal_mega.checkpoint.vl_convert import is_vl_model_dir
 
-        arch = hm.read_arch(self.cfg.model.path)
+        if is_vl_model_dir(self.cfg.model.path):  # vision tower, projector, language model
+
+            def stream():
+                return vl_hf_tensors(self.actor, self.cfg.model.path)[0]
+
+        else:
+            arch = hm.read_arch(self.cfg.model.path)
+
+            def stream():
+                return iter_hf_tensors(self.actor.model, arch)
+
         # a server dying before or during the broadcast is left out and the version sent
         # again to the survivors; only a broadcast that keeps failing ends the trainer
         reply = broadcast_version(
             self.weight_sender,
             self.link,
-            lambda: iter_hf_tensors(self.actor.model, arch),
+            stream,
             version,
             agree=lambda failed: bool(self._from_rank0(int(failed))),
         )

@@ -43,16 +43,19 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    if is_vl_model_dir(hf_src_dir):
-        if deltas:
-            raise NotImplementedError("LoRA adapters of a vision-language model are not merged")
-        return _export_vl(engine, hf_src_dir, out, tmp, is_writer=is_writer, dtype=dtype)
-    arch = hm.read_arch(hf_src_dir)
+    vl = is_vl_model_dir(hf_src_dir)
+    if vl and deltas:
+        raise NotImplementedError("LoRA adapters of a vision-language model are not merged")
     mesh = engine.mesh
     pp, stage = mesh.dims.pp, mesh.pp_rank
     source = is_export_source()
     tensors = {}
-    for name, t in iter_hf_tensors(engine.model, arch, dtype=dtype):
+    if vl:
+        stream, expected = vl_hf_tensors(engine, hf_src_dir, dtype=dtype)
+    else:
+        arch = hm.read_arch(hf_src_dir)
+        stream, expected = iter_hf_tensors(engine.model, arch, dtype=dtype), None
+    for name, t in stream:
         if source:
             t = t.detach().to("cpu", copy=True)
             if deltas and name in deltas:
@@ -78,7 +81,7 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
             total += info["bytes"]
             dtypes.update(info["dtypes"])
             m.unlink()
-        expected = set(hm.hf_tensor_names(arch))
+        expected = set(hm.hf_tensor_names(arch) if expected is None else expected)
         missing = sorted(expected - set(weight_map))
         if missing:
             raise RuntimeError(
@@ -101,41 +104,23 @@ def export_hf_dir(engine, hf_src_dir, out, *, is_writer: bool, dtype=None, delta
     return out
 
 
-def _export_vl(engine, hf_src_dir: Path, out: Path, tmp: Path, *, is_writer: bool, dtype) -> Path:
-    """:func:`export_hf_dir` of a vision-language model (the bridge's table,
-    :func:`~areal_mega.checkpoint.vl_mapping.to_hf_state_dict`): one pipeline stage at TP 1,
-    so every rank holds the whole model and rank 0 writes it alone."""
-    from safetensors.torch import save_file
-
-    from areal_mega.checkpoint.dist_ckpt import HF_AUX_FILES
-    from areal_mega.checkpoint.vl_mapping import to_hf_state_dict
+def vl_hf_tensors(engine, hf_src_dir, *, dtype=None):
+    """``(stream, names)``: this rank's stream of ``(HF name, full tensor)`` of a
+    vision-language ``engine``'s model (:func:`~areal_mega.checkpoint.vl_mapping.
+    iter_vl_hf_tensors`: collective over the TP group, this pipeline stage's share) and the HF
+    names the whole model exports (those of the source checkpoint ``hf_src_dir``)."""
+    from areal_mega.checkpoint.safetensors_io import SafetensorsDir
+    from areal_mega.checkpoint.vl_mapping import iter_vl_hf_tensors
     from areal_mega.models.builder import load_hf_config
 
-    if engine.mesh.dims.pp != 1 or engine.mesh.dims.tp != 1:  # on every rank, before a barrier
-        raise NotImplementedError(
-            "vision-language weights are exported from trainer TP 1 / PP 1 for now"
-        )
-    if is_writer:
-        (chunk,) = engine.model_chunks()
-        while hasattr(chunk, "module") and not hasattr(chunk, "language_model"):
-            chunk = chunk.module  # a mixed-precision wrapper
-        hf = load_hf_config(hf_src_dir)
-        vocab = int(hf["text_config"]["vocab_size"])
-        tensors = {
-            n: (t if dtype is None else t.to(dtype)).to("cpu").contiguous()
-            for n, t in to_hf_state_dict(chunk, vocab, model_type=hf["model_type"]).items()
-        }
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for f in HF_AUX_FILES:
-            if (hf_src_dir / f).exists():
-                shutil.copy2(hf_src_dir / f, tmp / f)
-        dtypes = {str(t.dtype) for t in tensors.values() if t.is_floating_point()}
-        if len(dtypes) == 1:
-            _set_config_dtype(tmp / "config.json", dtypes.pop())
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    _barrier()
-    return out
+    hf = load_hf_config(hf_src_dir)
+    (chunk,) = engine.model_chunks()
+    while hasattr(chunk, "module") and not hasattr(chunk, "language_model"):
+        chunk = chunk.module  # a mixed-precision wrapper
+    stream = iter_vl_hf_tensors(
+        chunk, int(hf["text_config"]["vocab_size"]), model_type=hf["model_type"], dtype=dtype
+    )
+    return stream, set(SafetensorsDir(hf_src_dir).keys())
 
 
 def _set_config_dtype(config_file: Path, dtype: str) -> None:
@@ -181,4 +166,4 @@ def resolve_weight_update(mode: str, *, cuda: bool, pp: int, lora: bool = False)
     return mode
 
 
-__all__ = ["export_hf_dir", "resolve_weight_update"]
+__all__ = ["export_hf_dir", "resolve_weight_update", "vl_hf_tensors"]
