@@ -27,9 +27,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from areal_mega.common.net import free_port
@@ -491,7 +490,9 @@ def main(argv=None) -> None:
     check(Path("model-not-built-yet"))  # every override, before any work
     t_start = time.time()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    default_dir = f"runs/demo-{stamp}" if args.task == "reverse" else f"runs/demo-{args.task}-{stamp}"
+    default_dir = (
+        f"runs/demo-{stamp}" if args.task == "reverse" else f"runs/demo-{args.task}-{stamp}"
+    )
     run = Path(args.run_dir or default_dir).resolve()
     run.mkdir(parents=True, exist_ok=True)
     env = cpu_env()

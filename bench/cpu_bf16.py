@@ -196,7 +196,7 @@ def bench_attention(repeats: int, threads: int) -> None:
             mask = (torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + lk - lq)[None, None]
         dout = torch.randn(b, 9, lq, 64, generator=g).bfloat16()
 
-        def run(up):
+        def run(up, q0=q0, k0=k0, v0=v0, mask=mask, dout=dout):
             q, k, v = (x.bfloat16().requires_grad_() for x in (q0, k0, v0))
             a = (q.float(), k.float(), v.float()) if up else (q, k, v)
             o = F.scaled_dot_product_attention(

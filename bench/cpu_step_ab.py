@@ -154,7 +154,7 @@ def report(dtype, results) -> None:
         f"{'A CPU s':>9s}{'B CPU s':>9s}{'A/B CPU':>9s}"
     )
     for change, rows in results.items():
-        med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+        med = lambda f, rows=rows: statistics.median(f(r) for r in rows)  # noqa: E731
         print(
             f"  {change:16s}{len(rows):6d}{med(lambda r: r['old'][0]):10.3f}"
             f"{med(lambda r: r['new'][0]):10.3f}{med(lambda r: r['old'][0] / r['new'][0]):9.2f}x"

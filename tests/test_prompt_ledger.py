@@ -11,9 +11,9 @@ from areal_mega.data.dataset import PromptDataset
 from areal_mega.dataplane import Trajectory
 from areal_mega.dataplane.journal import TrajectoryJournal
 from areal_mega.dataplane.prompt_ledger import PromptLedger, resume_plan
+from areal_mega.models.tiny import build_char_tokenizer
 from areal_mega.rollout.counts import CountCarrier, carried_counts
 from areal_mega.rollout.resume import ResumingCursor, accepted_ledger
-from areal_mega.models.tiny import build_char_tokenizer
 from areal_mega.rollout.worker import PromptCursor
 from areal_mega.run_dir import META_NAME, RunDir
 
@@ -137,7 +137,9 @@ def test_resume_plan_edge_cases():
 def _numbered_prompts(tmp_path) -> PromptDataset:
     """A real dataset of five numbered prompts (text, no chat template)."""
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(5)))
+    path.write_text(
+        "".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(5))
+    )
     return PromptDataset(path, build_char_tokenizer("digits"), apply_chat_template=False)
 
 

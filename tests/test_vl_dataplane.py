@@ -41,15 +41,27 @@ def _set(key, value):
         (_set("pixel_values", np.ones(96, np.float32)), "multimodal.pixel_values", "2-D"),
         (_set("image_grid_thw", np.ones((1, 3), np.int64)), "multimodal.image_grid_thw", "int64"),
         (_set("image_grid_thw", np.array([[1, 8]], np.int32)), "multimodal.image_grid_thw", "3"),
-        (_set("image_grid_thw", np.array([[1, 0, 4]], np.int32)), "multimodal.image_grid_thw", "< 1"),
+        (
+            _set("image_grid_thw", np.array([[1, 0, 4]], np.int32)),
+            "multimodal.image_grid_thw",
+            "< 1",
+        ),
         (_set("image_grid_thw", np.array([[1, 2, 2]], np.int32)), "multimodal.pixel_values", "= 4"),
         (
             _set("image_grid_thw", np.array([[2**20, 2**20, 2**20]], np.int32)),
             "multimodal.pixel_values",
             "8 patch rows",
         ),
-        (lambda t: t.multimodal["pixel_values"].__setitem__((3, 1), np.nan), "multimodal.pixel_values", "finite"),
-        (lambda t: t.multimodal["pixel_values"].__setitem__((0, 0), np.inf), "multimodal.pixel_values", "finite"),
+        (
+            lambda t: t.multimodal["pixel_values"].__setitem__((3, 1), np.nan),
+            "multimodal.pixel_values",
+            "finite",
+        ),
+        (
+            lambda t: t.multimodal["pixel_values"].__setitem__((0, 0), np.inf),
+            "multimodal.pixel_values",
+            "finite",
+        ),
         (lambda t: t.multimodal.pop("image_grid_thw"), "multimodal", "exactly"),
         (_set("video_grid_thw", np.ones((1, 3), np.int32)), "multimodal", "exactly"),
         (lambda t: setattr(t, "multimodal", [1]), "multimodal", "dict"),
@@ -93,7 +105,13 @@ def _moved_placeholder(t):
     "spec, change, match",
     [
         (None, None, "text-only"),
-        (SPEC, lambda t: setattr(t, "input_ids", np.where(t.input_ids == 7, 11, t.input_ids).astype(np.int32)), "hold 0 image placeholders"),
+        (
+            SPEC,
+            lambda t: setattr(
+                t, "input_ids", np.where(t.input_ids == 7, 11, t.input_ids).astype(np.int32)
+            ),
+            "hold 0 image placeholders",
+        ),
         (VisionSpec(7, 2, 24, 4096, 8), None, "patch_dim 12"),
         (VisionSpec(7, 2, 12, 4, 8), None, "max_patches=4"),
         (VisionSpec(7, 2, 12, 4096, 1), lambda t: None, "max_images=1"),
@@ -102,7 +120,9 @@ def _moved_placeholder(t):
     ],
 )
 def test_checks_against_the_model(spec, change, match):
-    t = make_vl_traj(2, grids=((1, 2, 4), (1, 2, 2)) if spec and spec.max_images == 1 else ((1, 2, 4),))
+    t = make_vl_traj(
+        2, grids=((1, 2, 4), (1, 2, 2)) if spec and spec.max_images == 1 else ((1, 2, 4),)
+    )
     if change is not None:
         change(t)
     t.validate()
@@ -139,9 +159,7 @@ def test_wire_round_trip_is_zero_copy_for_big_pixels():
     pv = back.multimodal["pixel_values"]
     assert not pv.flags.writeable and pv.base is not None  # a view on the received frame
     small = make_vl_traj(8)
-    assert decode_trajectory([bytes(memoryview(f)) for f in encode_trajectory(small)]).equals(
-        small
-    )
+    assert decode_trajectory([bytes(memoryview(f)) for f in encode_trajectory(small)]).equals(small)
 
 
 def _vl_garbage():
@@ -171,8 +189,10 @@ def _vl_garbage():
         (
             "bad_dtype",
             with_header(
-                lambda hh: hh["fields"][i_pix].__setitem__(1, "<f8")
-                or hh["fields"][i_pix].__setitem__(2, [8, 12])
+                lambda hh: (
+                    hh["fields"][i_pix].__setitem__(1, "<f8")
+                    or hh["fields"][i_pix].__setitem__(2, [8, 12])
+                )
             ),
         ),
         ("invalid_field", with_header(lambda hh: hh["fields"][i_pix].__setitem__(2, [12, 16]))),

@@ -29,8 +29,15 @@ def test_task_switch_on_the_command_line():
 
 def test_vlm_demo_rejects_a_bad_override_before_any_work(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "areal_mega.demo", "--run-dir", str(tmp_path / "d"), "task=vlm",
-         "no_such.key=1"],
+        [
+            sys.executable,
+            "-m",
+            "areal_mega.demo",
+            "--run-dir",
+            str(tmp_path / "d"),
+            "task=vlm",
+            "no_such.key=1",
+        ],
         cwd=tmp_path,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,

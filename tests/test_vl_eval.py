@@ -74,7 +74,10 @@ def hf_greedy(model_dir, data_files):
     reward = load_reward_fn(REWARD)
     c = model.config
     vision_ids = [
-        c.vision_start_token_id, c.vision_end_token_id, c.image_token_id, c.video_token_id
+        c.vision_start_token_id,
+        c.vision_end_token_id,
+        c.image_token_id,
+        c.video_token_id,
     ]
     out = []
     for f in data_files:
@@ -180,6 +183,4 @@ def test_bad_image_in_eval_data_is_named_or_skipped(assets, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "bad.jsonl:2" in err and "nowhere.png" in err and "not found" in err
     res = eval_main(_args(model, [bad], tmp_path / "r.json", "--on-bad-image", "skip"))
-    assert [r["prompt"] for r in res["records"]] == [
-        "<|vision_start|><|image_pad|><|vision_end|>x"
-    ]
+    assert [r["prompt"] for r in res["records"]] == ["<|vision_start|><|image_pad|><|vision_end|>x"]

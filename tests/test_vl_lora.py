@@ -71,7 +71,11 @@ def test_published_adapter_loads_in_peft_onto_transformers_qwen3_vl(worker):
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
 def test_two_rank_layouts_equal_the_single_rank(
-    layout, worker, hf_dir, mcore_dir, tmp_path  # noqa: F811
+    layout,
+    worker,
+    hf_dir,  # noqa: F811
+    mcore_dir,  # noqa: F811
+    tmp_path,
 ):
     """DP2 (a micro-batch per rank) and TP2 (adapters split over TP, gathered under their PEFT
     names) against the single rank, from the same random adapters (a PEFT directory): the

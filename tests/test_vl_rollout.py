@@ -282,12 +282,16 @@ def test_input_token_logprobs_with_images_equal_transformers(served):
         assert got[0][0] is None and [x[1] for x in got] == ids
         with torch.no_grad():
             model.model.rope_deltas = None
-            logits = model(
-                input_ids=s.input_ids[None],
-                pixel_values=s.pixel_values,
-                image_grid_thw=s.image_grid_thw,
-                mm_token_type_ids=s.mm_token_type_ids[None],
-            ).logits[0].float()
+            logits = (
+                model(
+                    input_ids=s.input_ids[None],
+                    pixel_values=s.pixel_values,
+                    image_grid_thw=s.image_grid_thw,
+                    mm_token_type_ids=s.mm_token_type_ids[None],
+                )
+                .logits[0]
+                .float()
+            )
         lp = torch.log_softmax(logits, -1)
         want = [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
         assert max(abs(a - b[0]) for a, b in zip(want, got[1:])) <= TOL

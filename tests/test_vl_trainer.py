@@ -145,10 +145,22 @@ def test_token_seq_and_context_carry_the_images():
     t = make_vl_traj(3)
     seq = TokenSeq()
     seq.add_context(t.input_ids[: t.prompt_len].tolist())
-    seq.add_generated(t.input_ids[t.prompt_len :].tolist(), t.logprobs[t.prompt_len :].tolist(), [0] * t.completion_len)
-    mm = {k: torch.from_numpy(v.astype(np.float64 if k == "pixel_values" else np.int64)) for k, v in t.multimodal.items()}
+    seq.add_generated(
+        t.input_ids[t.prompt_len :].tolist(),
+        t.logprobs[t.prompt_len :].tolist(),
+        [0] * t.completion_len,
+    )
+    mm = {
+        k: torch.from_numpy(v.astype(np.float64 if k == "pixel_values" else np.int64))
+        for k, v in t.multimodal.items()
+    }
     out = seq.to_trajectory(
-        reward=1.0, sample_id="x", group_id="g", prompt_len=t.prompt_len, finish_reason="stop", multimodal=mm
+        reward=1.0,
+        sample_id="x",
+        group_id="g",
+        prompt_len=t.prompt_len,
+        finish_reason="stop",
+        multimodal=mm,
     ).validate()
     assert out.multimodal["pixel_values"].dtype == np.float32
     assert out.multimodal["image_grid_thw"].tolist() == [[1, 2, 4]]

@@ -1,11 +1,11 @@
 """A real RL step's data path with images on the tiny Qwen2.5-VL (tests/helpers/
 vl_trainer_worker.py): trajectories with images -> plan_step -> distribute -> the actor's
 proximal logprobs, the reference model's and OPD's in-trainer teacher's logprobs, the
-policy loss's train step and its ``mismatch``. At one rank the proximal logprobs equal transformers' with the images (the
-behaviour logprobs the trajectories carry), so the mismatch over the same-version tokens is
+policy loss's train step and its ``mismatch``. At one rank the proximal logprobs equal
+transformers' with the images (the behaviour logprobs the trajectories carry), so the mismatch
+over the same-version tokens is
 ~0; at DP2, TP2 and PP2 the logprobs, loss and gradients equal the single rank's."""
 
-import json
 import subprocess
 import sys
 
@@ -28,7 +28,14 @@ def hf_dir(tmp_path_factory):
 def mcore_dir(hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("vl_trainer_mcore") / "mcore"
     p = subprocess.run(
-        [sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(hf_dir), "--out", str(out)],
+        [
+            sys.executable,
+            "tools/convert_hf_to_mcore.py",
+            "--hf-dir",
+            str(hf_dir),
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -52,9 +52,7 @@ CASES = [("qwen2_5_vl", layout) for layout in LAYOUTS] + [
 
 
 @pytest.mark.parametrize("arch,layout", CASES)
-def test_export_at_every_layout_is_the_checkpoint_bit_for_bit(
-    arch, layout, checkpoints, tmp_path
-):
+def test_export_at_every_layout_is_the_checkpoint_bit_for_bit(arch, layout, checkpoints, tmp_path):
     """The layout's export: the source checkpoint's names, each tensor bit for bit (the
     one-rank export included), one safetensors shard per pipeline stage."""
     from safetensors.torch import load_file
@@ -68,10 +66,7 @@ def test_export_at_every_layout_is_the_checkpoint_bit_for_bit(
     world, port = LAYOUTS[layout], free_port()
     args = (layout, hf_dir, mcore_dir)
     ranks = run_ranks(
-        [
-            worker_cmd("vl_weights_worker", *args, r, world, port, tmp_path)
-            for r in range(world)
-        ],
+        [worker_cmd("vl_weights_worker", *args, r, world, port, tmp_path) for r in range(world)],
         timeout=400,
     )
     for r, (rc, out) in enumerate(ranks):

@@ -122,8 +122,12 @@ def test_pixel_bounds_resize_before_the_processor(vl_dir, tok, tmp_path):
     (tmp_path / "big.png").write_bytes(_png((10, 200, 10), (112, 56)))
     path = _write(
         tmp_path / "one.jsonl",
-        [{"prompt": [{"role": "user", "content": [{"type": "image", "image": "big.png"}]}],
-          "answer": "green"}],
+        [
+            {
+                "prompt": [{"role": "user", "content": [{"type": "image", "image": "big.png"}]}],
+                "answer": "green",
+            }
+        ],
     )
     own = PromptDataset(path, tok, vision=VisionPrompts(str(vl_dir))).prompt_fields(0)
     # the tiny processor keeps at most 56*56 pixels: the 112x56 image becomes 56x28 (2x4 patches)
@@ -138,9 +142,10 @@ def test_pixel_bounds_resize_before_the_processor(vl_dir, tok, tmp_path):
     # the model's processor leaves the resized image as it is: the server sees the same patches
     ref = encode_sample(VISION_PLACEHOLDER, [sent], tok, load_image_processor(vl_dir))
     np.testing.assert_array_equal(small["multimodal"]["pixel_values"], ref.pixel_values.numpy())
-    assert small["input_ids"].count(tok.convert_tokens_to_ids("<|image_pad|>")) == int(
-        grid.prod()
-    ) // 4
+    assert (
+        small["input_ids"].count(tok.convert_tokens_to_ids("<|image_pad|>"))
+        == int(grid.prod()) // 4
+    )
 
 
 def test_bad_images_follow_the_policy(vl_dir, tok, tmp_path):

@@ -61,9 +61,7 @@ def _vision_regex(pattern: str) -> "re.Pattern":
     parts = re.split(r"(\*\*|\*)", pattern)
     return re.compile(
         "^"
-        + "".join(
-            "(.+)" if p == "**" else r"(\d+)" if p == "*" else re.escape(p) for p in parts
-        )
+        + "".join("(.+)" if p == "**" else r"(\d+)" if p == "*" else re.escape(p) for p in parts)
         + "$"
     )
 

@@ -205,9 +205,7 @@ class VisionPrompts:
             "input_ids": [int(i) for i in vl.input_ids],
             "multimodal": {
                 "pixel_values": np.ascontiguousarray(vl.pixel_values.numpy(), dtype=np.float32),
-                "image_grid_thw": np.ascontiguousarray(
-                    vl.image_grid_thw.numpy(), dtype=np.int32
-                ),
+                "image_grid_thw": np.ascontiguousarray(vl.image_grid_thw.numpy(), dtype=np.int32),
             },
             "image_data": [png_data_url(img) for img in images],
         }

@@ -35,11 +35,10 @@ base64 string (or data URL) per image, and no such list on a sample without imag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import base64
 import binascii
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 

@@ -185,7 +185,16 @@ def build_app(
         adapters = await resolve_adapters(srv, body, len(prompts))
         try:
             return await generate_with(
-                body, prompts, params, n, rids, as_list, starts, routes, routes_start, adapters,
+                body,
+                prompts,
+                params,
+                n,
+                rids,
+                as_list,
+                starts,
+                routes,
+                routes_start,
+                adapters,
                 images,
             )
         finally:

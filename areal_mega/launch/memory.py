@@ -407,9 +407,7 @@ def estimate_memory(
         grad_b, opt_b = 4, 12  # fp32 main grads; fp32 master + m + v
     dense_shard = dims.dp * cp if use_distributed_optimizer else 1
     expert_shard = max(1, dims.dp * cp // ep) if use_distributed_optimizer else 1
-    optimizer = opt_b * (
-        (dense_gpu + vision_trained) / dense_shard + expert_gpu / expert_shard
-    )
+    optimizer = opt_b * ((dense_gpu + vision_trained) / dense_shard + expert_gpu / expert_shard)
     grads = grad_b * (params_gpu - vision_gpu + vision_trained)
     ref_bytes = w * params_gpu if reference and not lora_rank else 0.0
     lora_full = lora_gpu = 0

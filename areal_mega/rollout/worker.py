@@ -158,9 +158,7 @@ class RolloutWorker:
         if cfg.data.sources:  # multi-task: per-source datasets, weights and rewards
             self.cursor, inner_workflow = build_multitask(cfg, self.tokenizer, start)
         else:
-            dataset = PromptDataset.from_config(
-                cfg.data, self.tokenizer, model_dir=cfg.model.path
-            )
+            dataset = PromptDataset.from_config(cfg.data, self.tokenizer, model_dir=cfg.model.path)
             self.cursor = PromptCursor(dataset, cfg.seed, cfg.data.shuffle, start=start)
             inner_workflow = workflow_from_config(
                 cfg.rollout, run_dir=str(self.run_dir), resume=cfg.recover == "auto" or relaunched

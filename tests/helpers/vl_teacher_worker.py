@@ -194,7 +194,10 @@ def main(hf_dir, mcore_dir, addr, out_dir):
     from areal_mega.common.net import free_port
 
     os.environ.update(
-        RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
         LOCAL_RANK="0",
     )
     torch.set_num_threads(1)
@@ -265,8 +268,7 @@ def main(hf_dir, mcore_dir, addr, out_dir):
         "served": per_sample(served_mbs, [mb["teacher_logprobs"] for mb in served_mbs]),
         "engine": per_sample(engine_mbs, [mb["teacher_logprobs"] for mb in engine_mbs]),
         "images": {
-            t.sample_id: len(t.multimodal["image_grid_thw"]) if t.multimodal else 0
-            for t in trajs
+            t.sample_id: len(t.multimodal["image_grid_thw"]) if t.multimodal else 0 for t in trajs
         },
         "image_data": {t.sample_id: t.meta.get("image_data") for t in trajs},
         "mb_image_data": [
@@ -279,9 +281,7 @@ def main(hf_dir, mcore_dir, addr, out_dir):
         "stripped": {
             "victim": victim,
             "refused": stripped_stats.get("refused/teacher", 0.0),
-            "teacher": per_sample(
-                stripped_mbs, [mb["teacher_logprobs"] for mb in stripped_mbs]
-            ),
+            "teacher": per_sample(stripped_mbs, [mb["teacher_logprobs"] for mb in stripped_mbs]),
         },
     }
     mesh.destroy(process_group=True)

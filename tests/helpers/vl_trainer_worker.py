@@ -34,7 +34,10 @@ N = 3  # samples per prompt group
 #: per prompt group: text with one <|image_pad|> per image, image sizes (height, width)
 PROMPTS = [
     ("<|vision_start|><|image_pad|><|vision_end|>1+2=", [(56, 28)]),
-    ("<|vision_start|><|image_pad|><|vision_end|>3*<|vision_start|><|image_pad|><|vision_end|>=", [(28, 28), (56, 56)]),
+    (
+        "<|vision_start|><|image_pad|><|vision_end|>3*<|vision_start|><|image_pad|><|vision_end|>=",
+        [(28, 28), (56, 56)],
+    ),
     ("7-3=", []),
     ("<|vision_start|><|image_pad|><|vision_end|>9?", [(28, 56)]),
 ]
@@ -206,8 +209,10 @@ def main(layout, hf_dir, mcore_dir, rank, world, port, out_dir):
         "vision": vision,
         "lm_grad_norm": lm_norm,
         "images": [
-            [int(mb["image_counts"].sum()) if "image_counts" in mb else 0,
-             len(mb["image_grid_thw"]) if "image_grid_thw" in mb else 0]
+            [
+                int(mb["image_counts"].sum()) if "image_counts" in mb else 0,
+                len(mb["image_grid_thw"]) if "image_grid_thw" in mb else 0,
+            ]
             for mb in mbs
         ],
     }
