@@ -188,8 +188,9 @@ def test_engines_that_cannot_see_the_images_are_refused_by_name(tmp_path):
     # a served teacher is checked when reached (a VL model of the same image processor)
     served = _cfg("algorithm.opd=pure", "teacher.server_addrs=[http://x:1]")
     assert vision_of(served, vl) == vision_spec(vl)
-    with pytest.raises(ConfigError, match="critic.enabled"):
-        vision_of(_cfg("critic.enabled=true", "algorithm.adv_estimator=gae"), vl)
+    # the critic is the student's VL model with a value head (tests/test_vl_critic.py)
+    critic = _cfg("critic.enabled=true", "algorithm.adv_estimator=gae")
+    assert vision_of(critic, vl) == vision_spec(vl)
 
 
 def test_intake_journals_images_and_a_resume_replays_them(tmp_path):

@@ -9,6 +9,11 @@ actor's logprobs and every per-token RL field. The engine's forward/backward, lo
 optimizer, LR schedule and checkpoints are the actor's; only the head and the per-position
 output (values instead of logprobs) differ.
 
+A vision-language model's critic (``model_type`` ``qwen2_5_vl``, ``qwen3_vl``) is the whole VL
+model MegatronEngine builds (vision tower included, ``model.freeze_vision`` honoured) whose
+language model's output layer is the value head: its micro-batches carry their images as the
+actor's do, so the values of image samples see the images.
+
 Initial weights: an LM checkpoint loads into the trunk (:class:`TrunkView` leaves the head
 out) and the head starts fresh from ``seed``; an HF reward/value model directory whose
 safetensors hold a ``score.weight`` of shape ``[1, H]`` also sets the head
@@ -34,10 +39,18 @@ __all__ = [
     "critic_optimizer_config",
     "load_score_head",
     "HEAD_PREFIX",
+    "is_head_key",
 ]
 
 #: State-dict prefix of the value head inside a ``GPTModel`` (it takes the output layer's place).
 HEAD_PREFIX = "output_layer."
+#: ... and inside a vision-language model, whose language model is the ``GPTModel``.
+VL_HEAD_PREFIX = "language_model." + HEAD_PREFIX
+
+
+def is_head_key(key: str) -> bool:
+    """Whether a model chunk's state-dict key is the value head's (text or VL model)."""
+    return key.startswith(HEAD_PREFIX) or key.startswith(VL_HEAD_PREFIX)
 
 
 class ValueHead(torch.nn.Module):
@@ -89,11 +102,11 @@ class TrunkView:
 
     def sharded_state_dict(self, *args, **kwargs) -> dict:
         sd = self.chunk.sharded_state_dict(*args, **kwargs)
-        return {k: v for k, v in sd.items() if not k.startswith(HEAD_PREFIX)}
+        return {k: v for k, v in sd.items() if not is_head_key(k)}
 
     def load_state_dict(self, state_dict, strict: bool = True):
         res = self.chunk.load_state_dict(state_dict, strict=False)
-        missing = [k for k in res.missing_keys if not k.startswith(HEAD_PREFIX)]
+        missing = [k for k in res.missing_keys if not is_head_key(k)]
         if strict and (missing or res.unexpected_keys):
             raise RuntimeError(
                 f"critic trunk: missing {missing[:3]}, unexpected {res.unexpected_keys[:3]}"
@@ -117,8 +130,20 @@ def critic_optimizer_config(optimizer_cfg, critic_cfg):
 
 def _untied(hf_config) -> dict:
     """The HF config with untied embeddings: the critic's last stage must own its head, not
-    share the input embedding as the LM head does."""
-    return dict(load_hf_config(hf_config), tie_word_embeddings=False)
+    share the input embedding as the LM head does (a VL config's ``text_config`` too)."""
+    cfg = dict(load_hf_config(hf_config), tie_word_embeddings=False)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"] = dict(cfg["text_config"], tie_word_embeddings=False)
+    return cfg
+
+
+def _head_owner(chunk):
+    """The module whose ``output_layer`` the value head replaces: the chunk (a ``GPTModel``)
+    or a vision-language model's language model; None off the last pipeline stage."""
+    if not getattr(chunk, "post_process", False):
+        return None
+    lm = getattr(chunk, "language_model", None)
+    return chunk if lm is None else lm
 
 
 class CriticEngine(MegatronEngine):
@@ -158,8 +183,9 @@ class CriticEngine(MegatronEngine):
         """Swap the last stage's output layer for the value head before DDP and the optimizer
         see the parameters."""
         for c in chunks:
-            if getattr(c, "post_process", False):
-                c.output_layer = ValueHead(
+            owner = _head_owner(c)
+            if owner is not None:
+                owner.output_layer = ValueHead(
                     self.config.hidden_size,
                     dtype=self.config.params_dtype,
                     seed=self._head_seed,
@@ -224,7 +250,8 @@ class CriticEngine(MegatronEngine):
     def head_parameter(self):
         """The value head's weight on the last stage (None elsewhere)."""
         for c in self.model_chunks():
-            head = getattr(c, "output_layer", None)
+            owner = _head_owner(c)
+            head = None if owner is None else getattr(owner, "output_layer", None)
             if isinstance(head, ValueHead):
                 return head.weight
         return None

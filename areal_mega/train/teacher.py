@@ -16,7 +16,7 @@
   (``image_data`` of the micro-batch, from the trajectory's ``meta["image_data"]``).
 * :func:`vision_of` — a vision-language student's
   :class:`~areal_mega.dataplane.multimodal.VisionSpec`, after refusing the engines that could
-  not see its images (a text teacher or reference model, a critic).
+  not see its images (a text teacher or reference model).
 * :func:`teacher_logprobs` — the ONE place teacher logprobs come from: the in-trainer engine's
   forward at ``actor.temperature`` (as the proximal and reference logprobs), or the servers'
   scores of each packed sequence from its first loss token on.
@@ -88,7 +88,8 @@ def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
     Every engine that runs a VL student's micro-batches gets their images, so each must be a
     vision-language model too: a text reference model (``ref_hf``, from ``ref.path``) or
     in-trainer teacher (``teacher_hf``, from ``teacher.path``) is refused naming the key
-    (ConfigError), as is a critic (``critic.enabled``: the value model has no vision tower).
+    (ConfigError). A critic (``critic.enabled``) is the student's VL model with a value head
+    (:class:`~areal_mega.engine.critic.CriticEngine`), so it sees them.
     A served teacher (``teacher.server_addrs``) is checked when it is reached
     (:func:`build_teacher_scorer`: a vision-language model of the same image processor)."""
     if not is_vl_config(actor_hf):
@@ -100,11 +101,6 @@ def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
                 f"vision-language student {cfg.model.path!r}; use a vision-language model of "
                 "the same family"
             )
-    if cfg.mode == "rl" and cfg.critic.enabled:
-        raise ConfigError(
-            "critic.enabled: the critic has no vision tower, so it cannot value a "
-            "vision-language student's samples; use a critic-free estimator (e.g. grpo)"
-        )
     return vision_spec(actor_hf)
 
 
