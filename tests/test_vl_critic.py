@@ -7,7 +7,6 @@ step's trajectories with images. At one rank its values are transformers' final 
 prompt), a PPO step moves them and the vision tower, and a saved critic restores to the same
 values; ``model.freeze_vision`` keeps the tower fixed; DP2 and TP2 equal the single rank."""
 
-import json
 import subprocess
 import sys
 
@@ -31,7 +30,14 @@ def hf_dir(tmp_path_factory):
 def mcore_dir(hf_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("vl_critic_mcore") / "mcore"
     p = subprocess.run(
-        [sys.executable, "tools/convert_hf_to_mcore.py", "--hf-dir", str(hf_dir), "--out", str(out)],
+        [
+            sys.executable,
+            "tools/convert_hf_to_mcore.py",
+            "--hf-dir",
+            str(hf_dir),
+            "--out",
+            str(out),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -83,7 +83,7 @@ def hf_values(hf_dir, trajs, mbs, head: torch.Tensor) -> dict:
             )
         with torch.no_grad():
             h = model.model(input_ids=ids[None], **kw).last_hidden_state[0]
-        v = (h.double() @ head.detach().double().reshape(-1))
+        v = h.double() @ head.detach().double().reshape(-1)
         out[t.sample_id] = v[keep[t.sample_id]].tolist()
     return out
 
