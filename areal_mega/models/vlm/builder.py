@@ -11,12 +11,14 @@ ours builds the same megatron-core ``GPTModel`` on our layer spec: the provider'
 micro-batches) where ours has :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`.
 
-Layouts: data, tensor (with or without sequence parallelism) and pipeline parallel for now (the
-vision tower is replicated on the tensor-parallel ranks and lives on the first pipeline stage, as
-the bridge builds it; the image features go into the embeddings before the bridge scatters them
-over the sequence-parallel ranks; every stage computes the multimodal positions from the tokens;
-a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads into any of them); context
-parallelism and virtual pipeline stages are refused.
+Layouts: data, tensor (with or without sequence parallelism) and pipeline parallel, for
+Qwen2.5-VL also with virtual pipeline stages (one chunk per virtual stage; the vision tower is
+replicated on the tensor-parallel ranks and lives on the first chunk of the first pipeline
+stage, as the bridge builds it; the image features go into the embeddings before the bridge
+scatters them over the sequence-parallel ranks; every chunk computes the multimodal positions
+from the tokens; a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads into any of
+them). Context parallelism is refused (:func:`vl_provider` says why), and so are Qwen3-VL's
+virtual stages (its build makes one chunk per stage).
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def vl_provider(
             "Qwen2.5-VL forward scatters the image features into the embeddings and computes "
             "the multimodal positions from the whole packed sequence it is given, and hands "
             "both to the language model unsplit, while the engine gives each context-parallel "
+            "rank its zigzag shard of the tokens (the bridge's Qwen3-VL forward splits packed "
+            "sequences over CP its own way, which the engine's split is not wired to) "
             f"rank its zigzag shard of the tokens (got {d.short()})"
         )
     if mesh.vpp and hf["model_type"] != "qwen2_5_vl":
