@@ -21,8 +21,9 @@ Writes ``<out_dir>/<layout>.<rank>.json``: per sample id the values at its loss 
 ``restored``: of the restored critic; ``hf``: transformers' final hidden states with the
 images times the fresh head, ``single`` only), its ``advantages`` and ``returns``, the step's
 ``critic/*`` and ``adv/*`` stats, ``vision_moved`` (the largest change of a vision tower
-parameter in the step, its projector left out), ``merger_moved`` (the projector's), ``n_vision`` (vision tower parameters seen) and ``head_shape`` (the
-value head's weight: [1, H]).
+parameter in the step, its projector left out), ``merger_moved`` (the projector's),
+``n_vision`` (vision tower parameters seen) and ``head_shape`` (the value head's weight:
+[1, H]).
 """
 
 import json

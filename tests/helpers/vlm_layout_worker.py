@@ -5,7 +5,9 @@ rank (tests/helpers/vlm_worker.py's ``layout_ref.pt``: the same two micro-batche
         <world> <port> <out_dir>
 
 ``dp2``: rank r takes micro-batch r; ``tp2``, ``tp2sp`` (with sequence parallelism: the
-micro-batches padded to an even length), ``pp2``: both ranks take both. Writes
+micro-batches padded to an even length), ``pp2``, ``pp2vpp2`` (two virtual stages per rank: a
+model of 4 layers): both ranks take both. ``single`` (world 1) writes the single-rank reference
+``<ref.pt>`` of a model other than tests/helpers/vlm_worker.py's (its ``layout_ref.pt``). Writes
 ``<out_dir>/<layout>.<rank>.json``: the largest |layout - single rank| of the packed logprobs
 (``logprobs``), of the vision tower's gradients (``vision_grads``, full tensors on every rank
 that has the tower, ``has_vision``: not PP2's second stage; reduced over DP and averaged over
@@ -48,9 +50,25 @@ def main(layout, hf_dir, mcore_dir, ref_path, rank, world, port, out_dir):
     rng = np.random.default_rng(0)
     samples = [encode_sample(t, images(rng, s), tok, proc) for t, s in SAMPLES]
     mbs = [engine_micro_batch(samples[:2]), engine_micro_batch(samples[2:])]
-    dims = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2sp": dict(tp=2), "pp2": dict(pp=2)}
+    dims = {
+        "single": {},
+        "dp2": dict(dp=2),
+        "tp2": dict(tp=2),
+        "tp2sp": dict(tp=2),
+        "pp2": dict(pp=2),
+        "pp2vpp2": dict(pp=2),
+    }
     sp = layout == "tp2sp"
-    mesh = ParallelMesh.create(ParallelDims(**dims[layout]), sequence_parallel=sp, timeout_s=90)
+    mesh = ParallelMesh.create(
+        ParallelDims(**dims[layout]),
+        vpp=2 if layout == "pp2vpp2" else None,
+        sequence_parallel=sp,
+        timeout_s=90,
+    )
+    if layout == "single":
+        torch.save(layout_pass(hf_dir, mcore_dir, mesh, mbs), ref_path)
+        mesh.destroy(process_group=True)
+        return
     mine = [int(rank)] if layout == "dp2" else [0, 1]
     if sp:  # the packed length a multiple of TP: trailing padding (no loss tokens)
         mbs = [pad_to_even(mb) for mb in mbs]

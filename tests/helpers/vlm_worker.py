@@ -111,22 +111,24 @@ def layout_pass(hf_dir, mcore_dir, mesh, mbs) -> dict:
     lps = eng.forward_logprobs(mbs)
     stats = eng.forward_backward(mbs, sft_loss, default_denominator)
     vision, lm_sq = {}, torch.zeros((), dtype=torch.float64)
-    inner = eng.model[0].module
-    tied_copy = not mesh.is_first_stage and inner.share_embeddings_and_output_weights
-    for n, p in inner.named_parameters():
-        g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
-        if n.startswith(VISION_PREFIXES):
-            g = g.detach().float()
-            if getattr(p, "tensor_model_parallel", False) and mesh.dims.tp > 1:
-                # a tower of megatron layers (Qwen3-VL) is tensor-parallel: the full gradient
-                parts = [torch.empty_like(g) for _ in range(mesh.dims.tp)]
-                dist.all_gather(parts, g.contiguous(), group=mesh.tp_group)
-                g = torch.cat(parts, dim=p.partition_dim)
-            vision[n] = g.clone()
-        elif tied_copy and n.endswith("output_layer.weight"):
-            continue  # the last stage's copy of the tied embedding (the first stage's counts)
-        elif getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
-            lm_sq += g.detach().double().pow(2).sum()
+    for chunk in eng.model:  # virtual pipeline stages: several chunks per rank
+        inner = chunk.module
+        # the last stage's copy of the tied embedding (the first stage's counts)
+        tied_copy = not inner.pre_process and inner.share_embeddings_and_output_weights
+        for n, p in inner.named_parameters():
+            g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+            if n.startswith(VISION_PREFIXES):
+                g = g.detach().float()
+                if getattr(p, "tensor_model_parallel", False) and mesh.dims.tp > 1:
+                    # a tower of megatron layers (Qwen3-VL) is tensor-parallel: the full gradient
+                    parts = [torch.empty_like(g) for _ in range(mesh.dims.tp)]
+                    dist.all_gather(parts, g.contiguous(), group=mesh.tp_group)
+                    g = torch.cat(parts, dim=p.partition_dim)
+                vision[n] = g.clone()
+            elif tied_copy and n.endswith("output_layer.weight"):
+                continue
+            elif getattr(p, "tensor_model_parallel", False) or mesh.tp_rank == 0:
+                lm_sq += g.detach().double().pow(2).sum()
     if mesh.dims.tp > 1:
         dist.all_reduce(lm_sq, group=mesh.tp_group)
     if mesh.dims.pp > 1:

@@ -11,12 +11,14 @@ ours builds the same megatron-core ``GPTModel`` on our layer spec: the provider'
 micro-batches) where ours has :class:`~areal_mega.models.varlen_attention.
 VarlenDotProductAttention`.
 
-Layouts: data, tensor (with or without sequence parallelism) and pipeline parallel for now (the
-vision tower is replicated on the tensor-parallel ranks and lives on the first pipeline stage, as
-the bridge builds it; the image features go into the embeddings before the bridge scatters them
-over the sequence-parallel ranks; every stage computes the multimodal positions from the tokens;
-a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads into any of them); context
-parallelism and virtual pipeline stages are refused.
+Layouts: data, tensor (with or without sequence parallelism) and pipeline parallel, for
+Qwen2.5-VL also with virtual pipeline stages (one chunk per virtual stage; the vision tower is
+replicated on the tensor-parallel ranks and lives on the first chunk of the first pipeline
+stage, as the bridge builds it; the image features go into the embeddings before the bridge
+scatters them over the sequence-parallel ranks; every chunk computes the multimodal positions
+from the tokens; a checkpoint from :mod:`areal_mega.checkpoint.vl_convert` loads into any of
+them). Context parallelism is refused (:func:`vl_provider` says why), and so are Qwen3-VL's
+virtual stages (its build makes one chunk per stage).
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ import torch
 
 from areal_mega.models.backend import have_te
 from areal_mega.models.bridge_provider import provider_arch_fields, provider_for
-from areal_mega.models.builder import padded_vocab_size, runtime_config_fields
+from areal_mega.models.builder import (
+    interleaved_p2p_settings,
+    padded_vocab_size,
+    runtime_config_fields,
+)
 from areal_mega.models.vlm.config import check_vl_config
 
 __all__ = ["build_vl_model_chunks", "vl_provider"]
@@ -68,11 +74,20 @@ def vl_provider(
     architecture fields and our language model build, finalised."""
     check_vl_config(hf)
     d = mesh.dims
-    if d.cp > 1 or mesh.vpp:
+    if d.cp > 1:
         raise NotImplementedError(
-            "vision-language models run data, tensor (with or without sequence parallelism) "
-            "and pipeline parallel only for now, without context parallelism nor virtual "
-            f"pipeline stages (got {d.short()}{f', vpp={mesh.vpp}' if mesh.vpp else ''})"
+            "vision-language models run without context parallelism: the bridge's "
+            "Qwen2.5-VL forward scatters the image features into the embeddings and computes "
+            "the multimodal positions from the whole packed sequence it is given, and hands "
+            "both to the language model unsplit, while the engine gives each context-parallel "
+            "rank its zigzag shard of the tokens (the bridge's Qwen3-VL forward splits packed "
+            "sequences over CP its own way, which the engine's split is not wired to) "
+            f"rank its zigzag shard of the tokens (got {d.short()})"
+        )
+    if mesh.vpp and hf["model_type"] != "qwen2_5_vl":
+        raise NotImplementedError(
+            f"virtual pipeline stages are built for Qwen2.5-VL only (got {hf['model_type']}): "
+            "the Qwen3-VL build makes one chunk per stage"
         )
     fields, gpt_kw, _ = provider_arch_fields(hf)
     p = copy.deepcopy(provider_for(hf))
@@ -87,12 +102,17 @@ def vl_provider(
         use_te=use_te,
         attention_backend=attention_backend,
     )
+    runtime.update(interleaved_p2p_settings(d.pp, mesh.vpp))  # as transformer_config_from_hf
     if recompute_granularity:  # as transformer_config_from_hf sets it
         runtime["recompute_granularity"] = recompute_granularity
         if recompute_granularity == "full":
             runtime.update(recompute_method="uniform", recompute_num_layers=1)
     for k, v in {**fields, **runtime}.items():
         setattr(p, k, v)
+    if p.num_layers % (d.pp * (mesh.vpp or 1)):
+        raise ValueError(
+            f"num_hidden_layers={p.num_layers} not divisible by PP·VPP={d.pp * (mesh.vpp or 1)}"
+        )
     p._pg_collection = mesh.pg_collection
     # the bridge's switch: the vision tower (patch embedding and blocks); its projector
     # (merger) and the language model train
@@ -161,16 +181,28 @@ def build_vl_model_chunks(
         from areal_mega.models.vlm.qwen3_vl import build_qwen3_vl_model
 
         apply_bridge_patches("megatron.bridge.models.qwen_vl.modelling_qwen3_vl")
-        model = build_qwen3_vl_model(
-            p,
-            _language_layer_spec(use_te, qk_layernorm=True),
-            pre_process=mesh.is_first_stage,
-            post_process=mesh.is_last_stage,
-        )
+        chunks = [
+            build_qwen3_vl_model(
+                p,
+                _language_layer_spec(use_te, qk_layernorm=True),
+                pre_process=mesh.is_first_stage,
+                post_process=mesh.is_last_stage,
+            )
+        ]
     else:
-        model = p.provide(pre_process=mesh.is_first_stage, post_process=mesh.is_last_stage)
-    # megatron's schedules read it (the bridge's own model construction sets it too)
-    model.model_type = ModelType.encoder_or_decoder
-    if mesh.device.type == "cuda":
-        model.cuda(torch.cuda.current_device())
-    return [model], p
+        # one chunk per virtual stage: the vision tower on the first chunk of the first stage
+        n_chunks = mesh.vpp or 1
+        chunks = [
+            p.provide(
+                pre_process=mesh.is_first_stage and vp == 0,
+                post_process=mesh.is_last_stage and vp == n_chunks - 1,
+                vp_stage=vp if mesh.vpp else None,
+            )
+            for vp in range(n_chunks)
+        ]
+    for model in chunks:
+        # megatron's schedules read it (the bridge's own model construction sets it too)
+        model.model_type = ModelType.encoder_or_decoder
+        if mesh.device.type == "cuda":
+            model.cuda(torch.cuda.current_device())
+    return chunks, p
