@@ -263,3 +263,55 @@ def test_an_ended_sessions_journal_record_round_trips_exactly():
     assert [t.sample_id for t in trajs] == ["run-g3-s1-c0", "run-g3-s1-c1"]
     assert [t.reward for t in trajs] == [0.5, 1.0] and trajs[0].group_id == "run-g3"
     assert trajs[1].meta["prompt_index"] == 7 and trajs[1].meta["restored"]
+
+
+def test_an_ended_session_with_images_round_trips_through_the_journal():
+    """A completion whose prompt held images is journaled with the images as the agent sent
+    them (data URLs, never the decoded pictures, which JSON cannot hold); restored after a
+    restart, its trajectory carries the same pixels and grid as the live session's would
+    (the policy's image processor), and the URLs for a served teacher."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from areal_mega.data.vision_prompts import png_data_url
+    from areal_mega.models.vlm.tiny import image_processor
+    from areal_mega.workflow.episode_export import record_images
+    from areal_mega.workflow.online_restore import ended_record, restored_sessions
+    from areal_mega.workflow.openai_client import CompletionRecord
+
+    rng = np.random.default_rng(0)
+    pics = [Image.fromarray(rng.integers(0, 255, (28 * k, 56, 3), dtype=np.uint8)) for k in (1, 2)]
+    urls = [png_data_url(p) for p in pics]
+    rec = CompletionRecord(
+        [1, 2, 3],
+        [4, 5],
+        [-0.5, -0.25],
+        [0, 0],
+        "stop",
+        completion_id="chatcmpl-i-0",
+        images=pics,
+        image_data=urls,
+    )
+    sample = SimpleNamespace(
+        item={"prompt_index": 3},
+        sample_id="run-g1-s0",
+        group_id="run-g1",
+        client=SimpleNamespace(records=[rec]),
+    )
+    session = SimpleNamespace(session_id="s-img", task_id="T", reward=None, completion_rewards={})
+    text = json.dumps(ended_record(session, sample, "sk-img"))
+    assert "base64" in text and len(json.loads(text)["records"][0]["image_data"]) == 2
+    r = restored_sessions([json.loads(text)], reward_timeout_s=5.0, now=0.0)["s-img"]
+    assert [np.asarray(p).tolist() for p in r.records[0].images] == [
+        np.asarray(p).tolist() for p in pics
+    ]
+    r.set_reward(1.0, None, max_abs=10.0)
+    with pytest.raises(ValueError, match="no image processor"):
+        r.trajectories(turn_discount=1.0)
+    proc = image_processor()
+    [t] = r.trajectories(turn_discount=1.0, image_processor=proc)
+    live, meta = record_images(SimpleNamespace(image_processor=proc), rec)
+    assert np.array_equal(t.multimodal["pixel_values"], live["pixel_values"])
+    assert np.array_equal(t.multimodal["image_grid_thw"], live["image_grid_thw"])
+    assert t.meta["image_data"] == urls == meta["image_data"] and t.reward == 1.0

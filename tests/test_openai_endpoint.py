@@ -236,7 +236,8 @@ def test_docs_example_runs(server, models, tmp_path):
     from areal_mega.common.loading import load_object
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "workflows.md").read_text()
-    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    example = doc.split("## A complete example\n", 1)[1]
+    code = example.split("```python\n", 1)[1].split("```", 1)[0]
     assert 30 <= len(code.splitlines()) <= 45
     (tmp_path / "my_agent.py").write_text(code)
     tok = AutoTokenizer.from_pretrained(models["a"])

@@ -159,6 +159,7 @@ class OnlineWorkflow(EpisodeWorkflow):
         self.guard: Optional[ConnectionGuard] = None
         self._ticker: Optional[asyncio.Task] = None
         self._to_retire: Optional[set] = None  # accepted prompts, from the worker's thread
+        self.image_processor = None  # the policy's (set by the first episode), or None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -257,6 +258,9 @@ class OnlineWorkflow(EpisodeWorkflow):
         """One slot: wait until sessions of some task fill it and are done, then return their
         trajectories."""
         ctx.at_close(self.close)
+        self.image_processor = getattr(
+            ctx, "image_processor", None
+        )  # restored sessions' images (the policy's)
         await self.start()
         k = item.get("prompt_index")
         while any(r.prompt_index == k for r in self.restored.values()):
@@ -365,7 +369,8 @@ class OnlineWorkflow(EpisodeWorkflow):
         r.set_reward(body["reward"], body.get("completion_id"), self.cfg.max_abs_reward)
         if r.has_reward():  # (again: a changed reward replaces the journaled one)
             if self.journal is not None:
-                self.journal.done(r.trajectories(self.settings.turn_discount), restorable=True)
+                trajs = r.trajectories(self.settings.turn_discount, self.image_processor)
+                self.journal.done(trajs, restorable=True)
             self.restored.pop(r.session_id, None)
             self.restored_done[r.session_id] = r
             r.state = DONE

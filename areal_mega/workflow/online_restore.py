@@ -7,6 +7,11 @@ worker is killed and relaunched, each such session comes back as a :class:`Resto
 its reward may still be posted (with the admin key or the session's own key), within
 ``reward_timeout_s`` counted from the restart; it then becomes a done session of its prompt,
 delivered with its original ids when the controller generates that prompt again.
+
+A completion with images is journaled with its images as sent (``image_data``: the agent's
+data URLs, JSON strings), never the decoded pictures; a restored session decodes them again
+and the gateway's image processor (the policy's) encodes them for the trainer, as for a live
+session.
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
+from areal_mega.data.images import load_image
 from areal_mega.workflow.episode_export import export_completions
 from areal_mega.workflow.online_sessions import check_reward, fully_rewarded, matching_completions
-from areal_mega.workflow.openai_client import CompletionRecord
+from areal_mega.workflow.openai_client import MAX_IMAGE_PIXELS, CompletionRecord
 from areal_mega.workflow.tokens import TokenSeq
 
 
@@ -80,6 +87,7 @@ def ended_record(session, sample, key: str) -> dict:
 
 def _record_json(rec: CompletionRecord) -> dict:
     d = asdict(rec)
+    d.pop("images")  # decoded pictures: restored from image_data (the URLs as sent)
     routes = d.pop("routed_experts")
     if routes is not None:  # routing replay: an integer array, kept with its dtype
         routes = np.asarray(routes)
@@ -98,6 +106,10 @@ def _record_of(d: dict) -> CompletionRecord:
         d["routed_experts"] = np.asarray(routes["ids"], dtype=np.dtype(routes["dtype"])).reshape(
             routes["shape"]
         )
+    d["images"] = [
+        load_image(u, base_dir=Path("/"), what=f"image {k}", max_source_pixels=MAX_IMAGE_PIXELS)
+        for k, u in enumerate(d.get("image_data") or [])
+    ]
     return CompletionRecord(**d)
 
 
@@ -117,6 +129,7 @@ class RestoredSession:
         self.records = [_record_of(r) for r in record["records"]]
         self.deadline = deadline
         self.state = "ended"
+        self.image_processor = None  # the policy's, for completions with images
 
     def trajectory(
         self,
@@ -127,6 +140,7 @@ class RestoredSession:
         suffix: str = "",
         server_id: str = "",
         meta=None,
+        multimodal=None,
     ):
         """Like :meth:`SampleContext.trajectory <areal_mega.workflow.api.SampleContext.
         trajectory>`, with the session's original ids."""
@@ -138,6 +152,7 @@ class RestoredSession:
             finish_reason=finish_reason,
             server_id=server_id,
             meta=meta,
+            multimodal=multimodal,
         )
 
     def set_reward(self, value, completion_id, max_abs: float) -> None:
@@ -158,8 +173,16 @@ class RestoredSession:
             self.reward, self.completion_rewards, [r.completion_id for r in self.records]
         )
 
-    def trajectories(self, turn_discount: float) -> list:
-        """Its trajectories, once it has its reward."""
+    def trajectories(self, turn_discount: float, image_processor=None) -> list:
+        """Its trajectories, once it has its reward; ``image_processor`` (the policy's)
+        encodes the images of completions that have them."""
+        if image_processor is not None:
+            self.image_processor = image_processor
+        if any(r.images for r in self.records) and self.image_processor is None:
+            raise ValueError(
+                f"online session {self.session_id}: its completions hold images and the "
+                "gateway has no image processor (a text policy cannot train them)"
+            )
         return session_trajectories(
             self,
             self.records,

@@ -339,6 +339,7 @@ def rl_step_with_replay(res, hf_dir, trajs, state):
         actor=actor(hf_dir, state=state),
         ref=None,
         critic=None,
+        vision=None,
         mesh=ew.MESH[0],
         is_rank0=True,
         layout=dict(dp_size=1, tp_size=1, pp_size=1, cp_size=1),
