@@ -301,3 +301,24 @@ def test_vision_spec_of_the_tiny_qwen25_vl(tmp_path):
     assert t.multimodal["image_grid_thw"].dtype == np.int32
     assert vision_problem(t, spec) is None
     assert "max_patches=4" in vision_problem(t, vision_spec(hf, max_patches=4))[1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_language_model_arch_of_each_vl_family(arch):
+    """What the engine reads around a VL model (its language model's sizes): Qwen2.5-VL's has
+    a QKV bias and hidden/heads heads; Qwen3-VL's is Qwen3's (QK norms, no QKV bias) with its
+    own head_dim (24 here, not hidden/heads = 16)."""
+    from areal_mega.models.tiny import TinyModelSpec
+    from areal_mega.models.vlm.config import vl_text_arch
+    from areal_mega.models.vlm.tiny import tiny_qwen3_vl_config, tiny_qwen25_vl_config
+
+    qwen3 = arch == "qwen3_vl"
+    spec = TinyModelSpec(arch=arch, head_dim=24 if qwen3 else None)
+    make = tiny_qwen3_vl_config if qwen3 else tiny_qwen25_vl_config
+    hf = make(spec, 107, 0, 1).to_dict()
+    a = vl_text_arch(hf)
+    assert (a.model_type, a.vocab_size, a.hidden_size, a.num_layers) == (arch, 107, 64, 2)
+    assert (a.head_dim, a.qkv_bias, a.qk_norm) == (
+        (24, False, True) if qwen3 else (16, True, False)
+    )
+    assert json.loads(a.hf_json)["model_type"] == arch

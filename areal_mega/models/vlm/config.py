@@ -24,7 +24,6 @@ __all__ = [
     "DEFAULT_MAX_PATCHES",
     "DEFAULT_MAX_IMAGES",
     "check_qwen3_vl_config",
-    "qwen3_vl_text_arch",
 ]
 
 DEFAULT_MAX_PATCHES = 1 << 16
@@ -73,12 +72,13 @@ def check_vl_config(hf: dict):
 def vl_text_arch(hf: dict) -> HFArch:
     """The language model's :class:`~areal_mega.models.builder.HFArch` (what the engine reads
     around the model: vocabulary, sizes, tied embeddings), ``model_type`` the vision-language
-    one; the model itself is built from the whole config (:mod:`areal_mega.models.vlm.builder`)."""
+    one; the model itself is built from the whole config (:mod:`areal_mega.models.vlm.builder`).
+    Qwen2.5-VL's language model has a QKV bias and ``hidden / heads`` heads; Qwen3-VL's is
+    Qwen3's (QK norms, no QKV bias, its own ``head_dim``)."""
     cfg = check_vl_config(hf)
-    if hf["model_type"] == "qwen3_vl":
-        return qwen3_vl_text_arch(hf, cfg)
     text = cfg.text_config
     heads = int(text.num_attention_heads)
+    qwen3 = hf["model_type"] == "qwen3_vl"
     return HFArch(
         model_type=hf["model_type"],
         vocab_size=int(text.vocab_size),
@@ -86,14 +86,14 @@ def vl_text_arch(hf: dict) -> HFArch:
         num_layers=int(text.num_hidden_layers),
         num_heads=heads,
         num_kv_heads=int(text.num_key_value_heads or heads),
-        head_dim=int(text.hidden_size) // heads,
+        head_dim=int((qwen3 and getattr(text, "head_dim", None)) or int(text.hidden_size) // heads),
         ffn_hidden_size=int(text.intermediate_size),
         max_position_embeddings=int(text.max_position_embeddings),
         rope_theta=float(text.rope_parameters["rope_theta"]),
         rms_norm_eps=float(text.rms_norm_eps),
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
-        qkv_bias=True,
-        qk_norm=False,
+        qkv_bias=not qwen3,
+        qk_norm=qwen3,
         initializer_range=float(text.initializer_range),
         hf_json=json.dumps(hf, sort_keys=True, default=str),
     )
@@ -156,28 +156,3 @@ def check_qwen3_vl_config(hf: dict):
             "square grid"
         )
     return cfg
-
-
-def qwen3_vl_text_arch(hf: dict, cfg) -> HFArch:
-    """:func:`vl_text_arch` of a Qwen3-VL config (``cfg``: its checked config object): Qwen3's
-    language model (QK norms, no QKV bias, its own head dim)."""
-    text = cfg.text_config
-    heads = int(text.num_attention_heads)
-    return HFArch(
-        model_type=hf["model_type"],
-        vocab_size=int(text.vocab_size),
-        hidden_size=int(text.hidden_size),
-        num_layers=int(text.num_hidden_layers),
-        num_heads=heads,
-        num_kv_heads=int(text.num_key_value_heads or heads),
-        head_dim=int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads),
-        ffn_hidden_size=int(text.intermediate_size),
-        max_position_embeddings=int(text.max_position_embeddings),
-        rope_theta=float(text.rope_parameters["rope_theta"]),
-        rms_norm_eps=float(text.rms_norm_eps),
-        tie_word_embeddings=bool(cfg.tie_word_embeddings),
-        qkv_bias=False,
-        qk_norm=True,
-        initializer_range=float(text.initializer_range),
-        hf_json=json.dumps(hf, sort_keys=True, default=str),
-    )

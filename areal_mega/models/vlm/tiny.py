@@ -1,7 +1,8 @@
-"""A tiny random-weight Qwen2.5-VL with its image processor and our character tokenizer.
+"""A tiny random-weight Qwen2.5-VL or Qwen3-VL with its image processor and our character
+tokenizer.
 
-:func:`areal_mega.models.tiny.make_tiny_model` with ``arch="qwen2_5_vl"`` calls
-:func:`make_tiny_qwen25_vl`. The tokenizer is the tiny models' character tokenizer with
+:func:`areal_mega.models.tiny.make_tiny_model` with ``arch="qwen2_5_vl"`` or ``"qwen3_vl"``
+calls :func:`make_tiny_vl`. The tokenizer is the tiny models' character tokenizer with
 Qwen2.5-VL's four vision tokens added last (``<|vision_start|>``, ``<|vision_end|>``,
 ``<|image_pad|>``, ``<|video_pad|>``) and a chat template that renders an ``{"type": "image"}``
 item of a message as ``<|vision_start|><|image_pad|><|vision_end|>``
@@ -20,9 +21,7 @@ __all__ = [
     "VISION_TOKENS",
     "IMAGE_CHAT_TEMPLATE",
     "add_vision_tokens",
-    "make_tiny_qwen25_vl",
     "tiny_qwen25_vl_config",
-    "make_tiny_qwen3_vl",
     "tiny_qwen3_vl_config",
     "make_tiny_vl",
 ]
@@ -151,30 +150,6 @@ def image_processor():
     )
 
 
-def make_tiny_qwen25_vl(out: Path, spec, tok) -> Path:
-    """Write the tiny Qwen2.5-VL (config, safetensors, tokenizer with chat template, image
-    processor) to ``out``; ``tok``: the tiny models' character tokenizer
-    (:func:`areal_mega.models.tiny.build_char_tokenizer`), which gets the vision tokens."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    tok = add_vision_tokens(tok)
-    cfg = tiny_qwen25_vl_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
-    for i, t in enumerate(VISION_TOKENS):
-        if tok.convert_tokens_to_ids(t) != len(tok) - len(VISION_TOKENS) + i:
-            raise RuntimeError(f"{t}: not at its id in the tiny tokenizer")
-    torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=torch.float32)
-    _make_features_bite(model, spec.seed)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    image_processor().save_pretrained(out)
-    (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
-    return out
-
-
 #: Qwen3-VL's patches are 16 pixels wide: one to four merged patches are 32..64-pixel images
 QWEN3_VL_MIN_PIXELS = 32 * 32
 QWEN3_VL_MAX_PIXELS = 64 * 64
@@ -272,31 +247,29 @@ def _qwen3_vl_features_bite(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g))
 
 
-def make_tiny_qwen3_vl(out: Path, spec, tok) -> Path:
-    """Write the tiny Qwen3-VL (config, safetensors, tokenizer with chat template, image
-    processor) to ``out``, as :func:`make_tiny_qwen25_vl` does."""
+def make_tiny_vl(out: Path, spec, tok) -> Path:
+    """Write the tiny vision-language model of ``spec.arch`` (``qwen2_5_vl`` or ``qwen3_vl``:
+    config, safetensors, tokenizer with chat template, image processor) to ``out``; ``tok``:
+    the tiny models' character tokenizer (:func:`areal_mega.models.tiny.build_char_tokenizer`),
+    which gets the vision tokens (the last ids)."""
     import torch
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
+    qwen3 = spec.arch == "qwen3_vl"
     tok = add_vision_tokens(tok)
-    cfg = tiny_qwen3_vl_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
+    make_config = tiny_qwen3_vl_config if qwen3 else tiny_qwen25_vl_config
+    cfg = make_config(spec, len(tok), tok.pad_token_id, tok.eos_token_id)
     for i, t in enumerate(VISION_TOKENS):
         if tok.convert_tokens_to_ids(t) != len(tok) - len(VISION_TOKENS) + i:
             raise RuntimeError(f"{t}: not at its id in the tiny tokenizer")
     torch.manual_seed(spec.seed)
-    model = Qwen3VLForConditionalGeneration._from_config(cfg, dtype=torch.float32)
-    _qwen3_vl_features_bite(model, spec.seed)
+    model_cls = Qwen3VLForConditionalGeneration if qwen3 else Qwen2_5_VLForConditionalGeneration
+    model = model_cls._from_config(cfg, dtype=torch.float32)
+    (_qwen3_vl_features_bite if qwen3 else _make_features_bite)(model, spec.seed)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    qwen3_vl_image_processor().save_pretrained(out)
+    (qwen3_vl_image_processor if qwen3 else image_processor)().save_pretrained(out)
     (out / "tiny_model_spec.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out
-
-
-def make_tiny_vl(out: Path, spec, tok) -> Path:
-    """The tiny vision-language model of ``spec.arch`` (``qwen2_5_vl`` or ``qwen3_vl``)."""
-    if spec.arch == "qwen3_vl":
-        return make_tiny_qwen3_vl(out, spec, tok)
-    return make_tiny_qwen25_vl(out, spec, tok)
