@@ -1,8 +1,9 @@
 """The memory estimate of a vision-language model (areal_mega/launch/memory.py): the vision
-tower and projector counted exactly (the tiny Qwen2.5-VL's checkpoint, the published 8.29B of
-Qwen2.5-VL-7B), whole on each trainer GPU, the frozen tower without gradients, optimizer state
-or kept activations, the image patches of a micro-batch in the activations; another
-vision-language family refused by name; the demo and 7B recipes' dry runs."""
+tower and projector counted exactly (the tiny Qwen2.5-VL's and Qwen3-VL's checkpoints, the
+published 8.29B of Qwen2.5-VL-7B and 8.77B of Qwen3-VL-8B), whole on each trainer GPU, the
+frozen tower without gradients, optimizer state or kept activations, the image patches of a
+micro-batch in the activations; another vision-language family refused by name; the demo and
+7B recipes' dry runs."""
 
 import json
 
@@ -54,6 +55,42 @@ def test_tiny_checkpoint_counted_exactly_tower_and_projector_apart(tmp_path):
     )
 
 
+def test_tiny_qwen3_vl_checkpoint_counted_exactly_tower_and_mergers_apart(tmp_path):
+    """Qwen3-VL's tower (patch embedding with a bias, learnt position grid, LayerNorm blocks
+    with a GELU MLP) and its mergers (the projector and one deepstack merger per deepstack
+    block, which model.freeze_vision keeps training) equal the checkpoint's tensors."""
+    d = make_tiny_model(tmp_path / "m", arch="qwen3_vl", charset="ascii", hidden_size=64)
+    hp = hparams_from_hf_config(d / "config.json")
+    assert (hp.vision_family, hp.vision_patch_dim, hp.vision_position_embeddings) == (
+        "qwen3_vl",
+        3 * 2 * 16 * 16,
+        16,
+    )
+    assert (hp.vision_deepstack_layers, hp.qk_norm, hp.qkv_bias) == (1, True, False)
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        sizes = {k: f.get_tensor(k).numel() for k in f.keys()}
+    c = count_params(hp)
+    assert c.total == sum(sizes.values())
+    assert c.vision_merger == sum(
+        n
+        for k, n in sizes.items()
+        if k.startswith(("model.visual.merger.", "model.visual.deepstack_merger_list."))
+    )
+    assert c.vision_tower == sum(
+        n
+        for k, n in sizes.items()
+        if k.startswith(
+            ("model.visual.patch_embed.", "model.visual.pos_embed.", "model.visual.blocks.")
+        )
+    )
+
+
+def test_qwen3_vl_8b_published_size_and_name():
+    c = count_params(KNOWN_MODELS["qwen3-vl-8b"])
+    assert c.total == pytest.approx(8.77e9, rel=0.002)
+    assert known_model_key("Qwen/Qwen3-VL-8B-Instruct") == "qwen3-vl-8b"
+
+
 def test_qwen25_vl_7b_published_size_and_name():
     c = count_params(KNOWN_MODELS["qwen2.5-vl-7b"])
     assert c.total == pytest.approx(8.29e9, rel=0.005)
@@ -92,9 +129,9 @@ def test_vision_tower_whole_on_each_gpu_and_frozen_without_state():
 def test_other_vision_language_configs_are_refused_by_name(tmp_path):
     d = make_tiny_model(tmp_path / "m", arch="qwen2_5_vl", charset="ascii")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "qwen3_vl"
+    cfg["model_type"] = "glm4v"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="qwen3_vl.*vision tower.*model_hparams"):
+    with pytest.raises(ValueError, match="glm4v.*vision tower.*model_hparams"):
         hparams_from_hf_config(d / "config.json")
     with pytest.raises(Exception, match="vision_hidden_size"):
         count_params(ModelHParams(**{**VL.__dict__, "vision_hidden_size": 0}))

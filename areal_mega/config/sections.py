@@ -286,13 +286,25 @@ class ModelHParams:
     moe_ffn_hidden_size: int = _f(0, lo=0)
     moe_topk: int = _f(0, lo=0)
     shared_expert_ffn_hidden_size: int = _f(0, lo=0)
-    # a vision-language model's vision tower (Qwen2.5-VL's: patch embedding, blocks, merger)
+    # a vision-language model's vision tower (patch embedding, blocks, merger)
+    vision_family: str = _f(
+        "qwen2_5_vl",
+        choices=["qwen2_5_vl", "qwen3_vl"],
+        doc="the tower's layout: Qwen2.5-VL's (RMSNorm, SwiGLU) or Qwen3-VL's (LayerNorm, GELU "
+        "MLP, learnt position grid, deepstack mergers)",
+    )
     vision_depth: int = _f(0, lo=0, doc="vision tower blocks; 0 = a text model")
     vision_hidden_size: int = _f(0, lo=0)
-    vision_intermediate_size: int = _f(0, lo=0, doc="the blocks' SwiGLU width")
+    vision_intermediate_size: int = _f(0, lo=0, doc="the blocks' MLP width")
     vision_patch_dim: int = _f(
         0, lo=0, doc="one patch's inputs: channels x temporal patch x patch x patch (1176)"
     )
     vision_merge_size: int = _f(
         2, lo=1, doc="spatial merge: merge^2 patches per image token of the language model"
+    )
+    vision_position_embeddings: int = _f(
+        0, lo=0, doc="Qwen3-VL: the learnt position grid's entries (2304 = 48 x 48)"
+    )
+    vision_deepstack_layers: int = _f(
+        0, lo=0, doc="Qwen3-VL: blocks whose features also feed the language model (3)"
     )

@@ -30,14 +30,15 @@ The model (Megatron mixed precision, Korthikanti et al. 2022 style accounting):
   optimizer hold the adapters alone (same bytes per parameter as above); the adapters add their
   weights; the reference is the actor with its adapters off (free). Activations are unchanged
   (the backward still runs through every layer; the adapters' ``[tokens, r]`` are negligible).
-- a vision tower (``vision_depth`` > 0, Qwen2.5-VL's; :func:`vision_param_counts`): whole on
-  every tensor-parallel rank of the first pipeline stage (the bridge builds transformers'
-  modules, not split); its image tokens are among the micro-batch's tokens, each one
-  ``merge²`` patches through the tower (``image_tokens_per_mb``, default every token of the
-  micro-batch: an upper bound). A training tower keeps every block's activations (4·vh + 4·vh
-  + 4·vi per patch; megatron's recompute does not reach transformers' modules; flash
-  attention); ``freeze_vision`` keeps none of them (no gradients, no optimizer state), only
-  one block's working set and the projector's input (which trains).
+- a vision tower (``vision_depth`` > 0, Qwen2.5-VL's or Qwen3-VL's;
+  :func:`vision_param_counts`): whole on every tensor-parallel rank of the first pipeline
+  stage (the bridge builds transformers' modules, not split); its image tokens are among the
+  micro-batch's tokens, each one ``merge²`` patches through the tower
+  (``image_tokens_per_mb``, default every token of the micro-batch: an upper bound). A
+  training tower keeps every block's activations (4·vh + 4·vh + 4·vi per patch; megatron's
+  recompute does not reach transformers' modules; flash attention); ``freeze_vision`` keeps
+  none of them (no gradients, no optimizer state), only one block's working set and the
+  projector's input (which trains; Qwen3-VL's deepstack mergers too).
 
 It is an upper-bound planning number, not a measurement: compare with ``cluster.gpu_memory_gb``.
 """
@@ -101,6 +102,25 @@ KNOWN_MODELS: dict[str, ModelHParams] = {
         vision_intermediate_size=3420,
         vision_patch_dim=3 * 2 * 14 * 14,
         vision_merge_size=2,
+    ),
+    # the language model of Qwen3-8B + Qwen3-VL's vision tower (config.json of the model card)
+    "qwen3-vl-8b": ModelHParams(
+        hidden_size=4096,
+        num_layers=36,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=12288,
+        vocab_size=151936,
+        qk_norm=True,
+        vision_family="qwen3_vl",
+        vision_depth=27,
+        vision_hidden_size=1152,
+        vision_intermediate_size=4304,
+        vision_patch_dim=3 * 2 * 16 * 16,
+        vision_merge_size=2,
+        vision_position_embeddings=2304,
+        vision_deepstack_layers=3,
     ),
     "qwen3-30b-a3b": ModelHParams(
         hidden_size=2048,
@@ -180,11 +200,18 @@ class ParamCounts:
 
 
 def vision_param_counts(hp: ModelHParams) -> tuple[int, int]:
-    """``(tower, merger)`` parameters of a Qwen2.5-VL vision tower (0, 0 for a text model):
-    the patch embedding (a bias-free convolution, ``patch_dim · vh``); per block QKV and the
-    output projection with biases, a SwiGLU MLP with biases and two RMSNorms; the merger's
-    RMSNorm and its two-layer MLP over ``merge²`` concatenated patches into the language
-    model's width."""
+    """``(tower, merger)`` parameters of a vision tower (0, 0 for a text model).
+
+    Qwen2.5-VL (``vision_family``): the patch embedding (a bias-free convolution,
+    ``patch_dim · vh``); per block QKV and the output projection with biases, a SwiGLU MLP
+    with biases and two RMSNorms; the merger's RMSNorm and its two-layer MLP over ``merge²``
+    concatenated patches into the language model's width.
+
+    Qwen3-VL: the patch embedding with a bias and the learnt position grid
+    (``vision_position_embeddings · vh``); per block QKV and output projection with biases, a
+    two-layer GELU MLP with biases and two LayerNorms (weight and bias); the merger (LayerNorm
+    over ``vh``) and one deepstack merger per ``vision_deepstack_layers`` (LayerNorm over the
+    ``merge² · vh`` concatenation), each a two-layer MLP into the language model's width."""
     if not hp.vision_depth:
         return 0, 0
     vh, vi, h = hp.vision_hidden_size, hp.vision_intermediate_size, hp.hidden_size
@@ -193,10 +220,22 @@ def vision_param_counts(hp: ModelHParams) -> tuple[int, int]:
             "model_hparams.vision_depth > 0 needs vision_hidden_size, vision_intermediate_size "
             "and vision_patch_dim"
         )
-    block = (3 * vh * vh + 3 * vh) + (vh * vh + vh) + 2 * (vh * vi + vi) + (vi * vh + vh) + 2 * vh
-    tower = hp.vision_patch_dim * vh + hp.vision_depth * block
+    attention = (3 * vh * vh + 3 * vh) + (vh * vh + vh)
     m = vh * hp.vision_merge_size**2
-    merger = vh + (m * m + m) + (m * h + h)
+    projector = (m * m + m) + (m * h + h)
+    if hp.vision_family == "qwen3_vl":
+        block = attention + (vh * vi + vi) + (vi * vh + vh) + 2 * 2 * vh
+        tower = (
+            hp.vision_patch_dim * vh
+            + vh
+            + hp.vision_position_embeddings * vh
+            + hp.vision_depth * block
+        )
+        merger = (2 * vh + projector) + hp.vision_deepstack_layers * (2 * m + projector)
+        return tower, merger
+    block = attention + 2 * (vh * vi + vi) + (vi * vh + vh) + 2 * vh
+    tower = hp.vision_patch_dim * vh + hp.vision_depth * block
+    merger = vh + projector
     return tower, merger
 
 
@@ -449,7 +488,9 @@ def estimate_memory(
         image_tokens = tokens_per_mb if image_tokens_per_mb is None else image_tokens_per_mb
         patches = image_tokens / cp * hp.vision_merge_size**2
         block_bytes = patches * act_b * (4 * vh + 4 * vh + 4 * vi)
-        merger_bytes = image_tokens / cp * act_b * (2 * vh * hp.vision_merge_size**2 + h)
+        # each merger (Qwen3-VL: and its deepstack mergers) keeps its input and its output
+        mergers = 1 + (hp.vision_deepstack_layers if hp.vision_family == "qwen3_vl" else 0)
+        merger_bytes = mergers * image_tokens / cp * act_b * (2 * vh * hp.vision_merge_size**2 + h)
         kept_blocks = 0 if freeze_vision else hp.vision_depth
         # 1F1B: the first stage holds pp micro-batches' images in flight
         activations += pp * (kept_blocks * block_bytes + merger_bytes) + block_bytes
@@ -521,14 +562,15 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
     d = json.loads(Path(path).read_text())
     vision = d.get("vision_config")
     if vision is not None:
-        if d.get("model_type") != "qwen2_5_vl":
+        family = d.get("model_type")
+        if family not in ("qwen2_5_vl", "qwen3_vl"):
             raise ValueError(
-                f"model_type {d.get('model_type')!r} is a vision-language model whose vision "
-                "tower the estimate does not count (it counts Qwen2.5-VL's); give the recipe "
-                "a model_hparams section with the vision_* fields"
+                f"model_type {family!r} is a vision-language model whose vision tower the "
+                "estimate does not count (it counts Qwen2.5-VL's and Qwen3-VL's); give the "
+                "recipe a model_hparams section with the vision_* fields"
             )
         # the language model's fields: top level in older files, text_config in newer ones
-        d = {**d, **(d.get("text_config") or {}), "model_type": "qwen2_5_vl"}
+        d = {**d, **(d.get("text_config") or {}), "model_type": family}
     if d.get("layers_block_type") or d.get("hybrid_override_pattern"):
         raise ValueError(
             f"model_type {d.get('model_type')!r} is a hybrid (Mamba) model: the estimate "
@@ -564,24 +606,30 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
         moe_ffn_hidden_size=moe_ffn,
         moe_topk=d.get("num_experts_per_tok") or d.get("moe_k") or 0 if moe else 0,
         shared_expert_ffn_hidden_size=shared,
-        **(_vision_hparams(vision) if vision is not None else {}),
+        **(_vision_hparams(vision, d["model_type"]) if vision is not None else {}),
     )
 
 
-def _vision_hparams(v: dict) -> dict:
-    """The ``vision_*`` fields of a Qwen2.5-VL ``vision_config`` (transformers' defaults where
-    a key is absent)."""
-    patch = int(v.get("patch_size", 14))
-    return dict(
-        vision_depth=int(v.get("depth", 32)),
-        vision_hidden_size=int(v.get("hidden_size", 1280)),
-        vision_intermediate_size=int(v.get("intermediate_size", 3420)),
+def _vision_hparams(v: dict, family: str) -> dict:
+    """The ``vision_*`` fields of a Qwen2.5-VL or Qwen3-VL ``vision_config`` (transformers'
+    defaults where a key is absent)."""
+    qwen3 = family == "qwen3_vl"
+    patch = int(v.get("patch_size", 16 if qwen3 else 14))
+    out = dict(
+        vision_family=family,
+        vision_depth=int(v.get("depth", 27 if qwen3 else 32)),
+        vision_hidden_size=int(v.get("hidden_size", 1152 if qwen3 else 1280)),
+        vision_intermediate_size=int(v.get("intermediate_size", 4304 if qwen3 else 3420)),
         vision_patch_dim=int(v.get("in_channels", v.get("in_chans", 3)))
         * int(v.get("temporal_patch_size", 2))
         * patch
         * patch,
         vision_merge_size=int(v.get("spatial_merge_size", 2)),
     )
+    if qwen3:
+        out["vision_position_embeddings"] = int(v.get("num_position_embeddings", 2304))
+        out["vision_deepstack_layers"] = len(v.get("deepstack_visual_indexes", [8, 16, 24]))
+    return out
 
 
 def known_model_key(model_path: str) -> Optional[str]:
