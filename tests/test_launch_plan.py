@@ -10,6 +10,8 @@ import pytest
 
 from areal_mega.common.net import free_ports
 from areal_mega.config import ConfigError, ModelHParams, load_config
+from areal_mega.config.sections import DataImagesConfig
+from areal_mega.data.images import DEFAULT_MAX_IMAGES
 from areal_mega.launch import local, server_commands
 from areal_mega.launch.memory import (
     KNOWN_MODELS,
@@ -344,6 +346,10 @@ def test_server_commands(tmp_path):
     )
     argv = local.server_command(lora, slot)
     assert argv[argv.index("--lora-allowed-dirs") + 1] == str(tmp_path.resolve())
+    # the dataset's image limit is the server's (the default is the server's own)
+    many = load_config(ROOT / "recipes/tiny-cpu.yaml", ["data.images.max_images=24"])
+    assert local.server_command(many, slot)[-2:] == ["--max-images", "24"]
+    assert DataImagesConfig().max_images == DEFAULT_MAX_IMAGES
 
 
 def test_cpu_threads_per_trainer_rank():

@@ -322,3 +322,20 @@ def test_the_language_model_arch_of_each_vl_family(arch):
         (24, False, True) if qwen3 else (16, True, False)
     )
     assert json.loads(a.hf_json)["model_type"] == arch
+
+
+def test_the_trainer_takes_as_many_images_as_the_dataset_allows():
+    """``data.images.max_images`` above the receiver's default raises the trainer's limit too
+    (the CPU server gets it as --max-images: tests/test_launch_plan.py)."""
+    from areal_mega.config import load_config
+    from areal_mega.models.tiny import TinyModelSpec
+    from areal_mega.models.vlm.config import DEFAULT_MAX_IMAGES
+    from areal_mega.models.vlm.tiny import tiny_qwen25_vl_config
+    from areal_mega.train.teacher import vision_of
+    from tests.helpers.workers import ROOT
+
+    hf = tiny_qwen25_vl_config(TinyModelSpec(arch="qwen2_5_vl"), 107, 0, 1).to_dict()
+    recipe = ROOT / "recipes" / "tiny-vl-cpu.yaml"
+    assert vision_of(load_config(recipe), hf).max_images == DEFAULT_MAX_IMAGES
+    many = load_config(recipe, [f"data.images.max_images={DEFAULT_MAX_IMAGES + 36}"])
+    assert vision_of(many, hf).max_images == DEFAULT_MAX_IMAGES + 36

@@ -308,8 +308,8 @@ def big_png_url(w: int, h: int) -> str:
 
 def test_bad_image_requests_are_400_naming_the_problem(server, ref):
     """Placeholder count vs the images' token count, image count vs placeholder runs, an
-    undecodable image, too many pixels, a remote URL, placeholders without images, videos:
-    each a 400 naming it; the server keeps serving."""
+    undecodable image, too many pixels, a remote URL, placeholders without images, videos,
+    more images than the server's limit: each a 400 naming it; the server keeps serving."""
     four = picture(56, 56, 8)  # 4 merged patches
     ids4, _ = prompt(ref, f"a{VISION}b", [four])
     pad = ref["tok"].convert_tokens_to_ids("<|image_pad|>")
@@ -325,6 +325,7 @@ def test_bad_image_requests_are_400_naming_the_problem(server, ref):
         (ids4, None, "4 <|image_pad|> tokens but no image_data"),
         (ids4 + [video], [png_url(four)], "videos are not served"),
         (ids4, ["@@not base64@@"], "neither a data URL, a file on this server nor base64"),
+        (ids4, [png_url(four)] * 17, "17 images, more than 16 (the server's --max-images"),
     ]
     for ids, data, message in cases:
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}

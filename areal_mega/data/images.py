@@ -34,6 +34,8 @@ from typing import Any, Optional
 from areal_mega.data.errors import DataError
 
 IMAGE_MARKER = "<image>"
+#: images one prompt may hold by default (``data.images.max_images``; the CPU server's limit)
+DEFAULT_MAX_IMAGES = 16
 BAD_IMAGE_ACTIONS = ("error", "skip")
 
 

@@ -99,7 +99,7 @@ from areal_mega.inference.server_state import (
     MODEL_DTYPES,
     LocalRolloutServer,
 )
-from areal_mega.inference.vision import parse_image_data
+from areal_mega.inference.vision import DEFAULT_MAX_IMAGES, parse_image_data
 from areal_mega.security import API_KEY_ENV, ConfigError, check_bind
 
 __all__ = ["LocalRolloutServer", "MAX_JOIN_TIMEOUT_S", "build_app", "main"]
@@ -603,12 +603,21 @@ def main(argv: Optional[list] = None) -> None:
         choices=sorted(MODEL_DTYPES),
         help="dtype the model is loaded and generates in (the trainer's model.dtype)",
     )
+    ap.add_argument(
+        "--max-images",
+        type=int,
+        default=DEFAULT_MAX_IMAGES,
+        help="a vision-language model's limit of images per prompt (more is a 400; "
+        "data.images.max_images)",
+    )
     ap.add_argument("--log-level", default="WARNING")
     add_lora_flags(ap)
     args = ap.parse_args(argv)
     lora = lora_settings_of(args, ap)
     if not args.idle_timeout > 0:
         ap.error(f"--idle-timeout={args.idle_timeout}: must be > 0")
+    if args.max_images < 1:
+        ap.error(f"--max-images={args.max_images}: must be >= 1")
     if not args.prefix_cache_mb >= 0:
         ap.error(f"--prefix-cache-mb={args.prefix_cache_mb}: must be >= 0")
     try:
@@ -635,6 +644,7 @@ def main(argv: Optional[list] = None) -> None:
         prefix_cache_mb=args.prefix_cache_mb,
         lora=lora,
         dtype=args.dtype,
+        max_images=args.max_images,
     )
     print(
         f"local rollout server: {args.model_path} ({srv.dtype_name}) on "

@@ -29,7 +29,7 @@ from areal_mega.inference.lora_adapters import LoraRegistry, LoraSettings, read_
 from areal_mega.inference.lora_layers import LoraLayers
 from areal_mega.inference.param_targets import ParamTargets, checkpoint_renames
 from areal_mega.inference.prefix_reuse import DEFAULT_PREFIX_CACHE_MB
-from areal_mega.inference.vision import VisionInputs
+from areal_mega.inference.vision import DEFAULT_MAX_IMAGES, VisionInputs
 from areal_mega.inference.vl_model import is_vision_config, vision_token_ids
 from areal_mega.parallel.weight_group import (
     broadcast_from_rank0,
@@ -71,6 +71,7 @@ class LocalRolloutServer:
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         lora: Optional[LoraSettings] = None,
         dtype: str = "fp32",
+        max_images: int = DEFAULT_MAX_IMAGES,
     ):
         """``dtype``: a key of :data:`MODEL_DTYPES`, the dtype of the weights and of every
         matmul (the trainer's ``model.dtype``; the sampled tokens' log-probabilities are
@@ -79,7 +80,8 @@ class LocalRolloutServer:
         ``prefix_cache_mb``: memory budget of the prefix cache (0: none;
         :mod:`areal_mega.inference.prefix_reuse`). ``lora``: the LoRA flags
         (:mod:`areal_mega.inference.lora_api`); its ``--lora-paths`` are loaded here
-        (ValueError naming a bad one)."""
+        (ValueError naming a bad one). ``max_images``: a VL model's limit of images per
+        prompt (more is a 400)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -106,7 +108,7 @@ class LocalRolloutServer:
         if eos is None:
             eos = getattr(cfg, "eos_token_id", None)
         # the images of /generate requests (None: a text-only model refuses image_data)
-        self.vision = VisionInputs(model_path, cfg) if vision else None
+        self.vision = VisionInputs(model_path, cfg, max_images=max_images) if vision else None
         if vision:
             cfg = cfg.get_text_config()
         self.vocab_size = int(cfg.vocab_size)

@@ -26,13 +26,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from areal_mega.data.images import BadImage, load_image
+from areal_mega.data.images import DEFAULT_MAX_IMAGES, BadImage, load_image
 from areal_mega.inference.http_api import BadRequest
 from areal_mega.inference.vl_model import PromptImages
 
 __all__ = ["VisionInputs", "decode_image_item", "parse_image_data", "placeholder_runs"]
 
-DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_SOURCE_PIXELS = 64 * 1024 * 1024
 
 
@@ -134,7 +133,10 @@ class VisionInputs:
             self.check_placeholders(ids, None, where)
             return None
         if len(items) > self.max_images:
-            raise BadRequest(f"{where}: {len(items)} images, more than {self.max_images}")
+            raise BadRequest(
+                f"{where}: {len(items)} images, more than {self.max_images} (the server's "
+                "--max-images: data.images.max_images)"
+            )
         images = [
             decode_image_item(it, f"{where}[{i}]", self.max_source_pixels)
             for i, it in enumerate(items)

@@ -26,6 +26,7 @@ from areal_mega.backends.vllm.launch import (
     resolve_vllm_python,
     vllm_env,
 )
+from areal_mega.data.images import DEFAULT_MAX_IMAGES
 from areal_mega.lora.targets import lora_server_flags
 from areal_mega.parallel.allocation import parse_allocation
 from areal_mega.rollout.routes import replay_server_flags
@@ -97,6 +98,12 @@ def server_command(cfg, slot, host: str = "127.0.0.1") -> list:
                 else []
             )
             + (["--allow-unauthenticated"] if cfg.rollout.allow_unauthenticated else [])
+            # a vision-language prompt's images: the dataset's limit is the server's
+            + (
+                ["--max-images", str(cfg.data.images.max_images)]
+                if cfg.data.images.max_images != DEFAULT_MAX_IMAGES
+                else []
+            )
         )
     # each server sees only its own GPUs (CUDA_VISIBLE_DEVICES), so base_gpu_id is 0
     rollout = parse_allocation(cfg.allocation).rollout

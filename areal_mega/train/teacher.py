@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from areal_mega.algo.distill import opd_advantages, reverse_kl_sums
 from areal_mega.config import ConfigError, check_same_tokenizer
-from areal_mega.models.vlm.config import is_vl_config, vision_spec
+from areal_mega.models.vlm.config import DEFAULT_MAX_IMAGES, is_vl_config, vision_spec
 from areal_mega.rollout.scoring import TeacherServerScorer
 from areal_mega.train import batches
 from areal_mega.train.screen import refuse_bad_teacher_rows
@@ -101,7 +101,8 @@ def vision_of(cfg, actor_hf: dict, ref_hf=None, teacher_hf=None):
                 f"vision-language student {cfg.model.path!r}; use a vision-language model of "
                 "the same family"
             )
-    return vision_spec(actor_hf)
+    # the receiver takes every prompt the dataset may hold (data.images.max_images)
+    return vision_spec(actor_hf, max_images=max(DEFAULT_MAX_IMAGES, cfg.data.images.max_images))
 
 
 def build_teacher_scorer(cfg, vision=None):
