@@ -40,6 +40,7 @@ Workers (programs)
     gateway_fd_limit_worker the online gateway alone under a low file descriptor limit
     lora_export_worker     a LoRA run's checkpoint for the export tool
     lora_worker            LoRA on every layout, PEFT interop
+    mesh_worker            meshes built one after another (threads per process)
     moe_aux_worker         the MoE load-balancing loss gradient
     moe_family_worker      layouts of the DeepSeek-style MoE families
     mp_checkpoint_worker   2-rank checkpoint load, export, resume and reshard

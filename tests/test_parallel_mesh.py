@@ -1,0 +1,27 @@
+"""The trainer mesh (areal_mega/parallel/mesh.py) gives back what it takes: a process that
+builds mesh after mesh (a re-mesh, a test of layouts) keeps a constant number of threads,
+because destroying a mesh destroys megatron's process groups, not only its references to them
+(each gloo group keeps threads alive, some busy in their TCP loops)."""
+
+import json
+
+import pytest
+
+from areal_mega.common.net import free_port
+from tests.helpers.multirank import run_ranks
+from tests.helpers.workers import worker_cmd
+
+
+@pytest.mark.timeout(300)
+def test_meshes_built_one_after_another_do_not_accumulate_threads(tmp_path):
+    port, n = free_port(), 5
+    outs = [tmp_path / f"r{r}.json" for r in range(2)]
+    ranks = run_ranks(
+        [worker_cmd("mesh_worker", r, 2, port, outs[r], n) for r in range(2)], timeout=240
+    )
+    for (code, log), out in zip(ranks, outs):
+        assert code == 0, log[-3000:]
+        threads = json.loads(out.read_text())["threads"]
+        assert len(threads) == n
+        # without the groups destroyed: about 60 more threads with every mesh
+        assert max(threads[1:]) - threads[1] <= 4, threads
