@@ -68,14 +68,9 @@ def init_distributed(
     )
 
 
-def release_model_parallel() -> None:
-    """Destroy megatron's parallel state and every process group it created.
-
-    ``parallel_state.destroy_model_parallel`` only forgets its groups: each stays registered
-    with torch.distributed, its gloo threads alive (about 60 threads per mesh, some of them
-    busy in their TCP loops), so a process that builds mesh after mesh (a re-mesh, a test of
-    layouts) would accumulate them. The groups are read from megatron's module state before
-    it is reset, then destroyed here; the default group is kept."""
+def megatron_groups() -> list:
+    """The process groups megatron's parallel state holds now (each once; not the default
+    group)."""
     from megatron.core import parallel_state as ps
 
     groups = []
@@ -83,15 +78,13 @@ def release_model_parallel() -> None:
         if not name.startswith("_"):
             continue
         for g in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(g, dist.ProcessGroup) and not any(g is h for h in groups):
+            if (
+                isinstance(g, dist.ProcessGroup)
+                and g is not dist.group.WORLD
+                and not any(g is h for h in groups)
+            ):
                 groups.append(g)
-    ps.destroy_model_parallel()
-    if not dist.is_initialized():
-        return
-    world = dist.group.WORLD
-    for g in groups:
-        if g is not world and g is not dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(g)
+    return groups
 
 
 @dataclass
@@ -108,6 +101,7 @@ class ParallelMesh:
     pg_collection: object = field(repr=False)
     rank: int = 0
     world_size: int = 1
+    groups: list = field(default_factory=list, repr=False)  # megatron's, made for this mesh
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -159,7 +153,9 @@ class ParallelMesh:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         if ps.model_parallel_is_initialized():
-            release_model_parallel()
+            # another mesh's state (e.g. a converter's mesh inside a trainer): forgotten here,
+            # its groups stay alive for their owner, which destroys them
+            ps.destroy_model_parallel()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
@@ -172,6 +168,7 @@ class ParallelMesh:
             order=RANK_ORDER,
         )
         pgc = ProcessGroupCollection.use_mpu_process_groups()
+        groups = megatron_groups()
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
@@ -185,12 +182,27 @@ class ParallelMesh:
             pg_collection=pgc,
             rank=dist.get_rank(),
             world_size=ws,
+            groups=groups,
         )
 
     def destroy(self, *, process_group: bool = False) -> None:
-        """Destroy megatron's parallel state and its process groups (and the default group
-        when asked)."""
-        release_model_parallel()
+        """Destroy this mesh: megatron's parallel state when it is this mesh's, and the
+        process groups made for it (and the default group when asked).
+
+        ``parallel_state.destroy_model_parallel`` alone only forgets the groups: each would
+        stay registered with torch.distributed with its gloo threads alive (about 60 threads
+        per mesh, some busy in their TCP loops), and a process that builds mesh after mesh
+        (a test of layouts, a re-mesh) would accumulate them."""
+        from megatron.core import parallel_state as ps
+
+        current = megatron_groups()
+        if not self.groups or any(g is h for g in current for h in self.groups):
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            for g in self.groups:
+                if g is not dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+        self.groups = []
         if process_group and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,5 +1,7 @@
 """One rank of tests/test_parallel_mesh.py: build meshes one after the other (DP2, TP2, ...)
-and write this process's thread count after each.
+and write this process's thread count after each; then a DP2 mesh that outlives a TP2 mesh
+built and destroyed inside it (as a converter's inside a trainer) and the sum of an
+all-reduce over its data-parallel group afterwards.
 
     python -m tests.helpers.mesh_worker <rank> <world> <port> <out.json> <n_meshes>
 """
@@ -8,6 +10,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 from areal_mega.parallel.allocation import ParallelDims
 from areal_mega.parallel.mesh import ParallelMesh
@@ -27,8 +31,14 @@ def main(rank: int, world: int, port: int, out: Path, n: int) -> None:
             timeout_s=120,
         )
         threads.append(len(os.listdir(f"/proc/{os.getpid()}/task")))
-    mesh.destroy(process_group=True)
-    out.write_text(json.dumps({"threads": threads}))
+    mesh.destroy()
+    outer = ParallelMesh.create(ParallelDims(dp=2), rank=rank, world_size=world)
+    inner = ParallelMesh.create(ParallelDims(tp=2), rank=rank, world_size=world)
+    inner.destroy()
+    x = torch.ones(1)
+    torch.distributed.all_reduce(x, group=outer.dp_group)
+    outer.destroy(process_group=True)
+    out.write_text(json.dumps({"threads": threads, "outer_sum": x.item()}))
 
 
 if __name__ == "__main__":
