@@ -152,6 +152,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "nemotron_h",
+    "gemma4_text",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -220,6 +221,16 @@ class HFArch:
     # Nemotron-H (:mod:`areal_mega.models.nemotron_h`): one letter per layer (M Mamba,
     # * attention, - MLP); None: every layer is an attention + MLP decoder layer
     hybrid_layer_pattern: Optional[str] = None
+    # Gemma 4 (:mod:`areal_mega.models.gemma4`): the full-attention layers' head size and KV
+    # heads, K = V on them, the last layers sharing keys / values (their MLP double-wide or
+    # not), the per-layer inputs' width and vocabulary (0: none)
+    global_head_dim: Optional[int] = None
+    global_kv_heads: Optional[int] = None
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -281,6 +292,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         from areal_mega.models.gemma3 import gemma3_arch_fields
 
         return HFArch(**gemma3_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == "gemma4_text":
+        from areal_mega.models.gemma4 import gemma4_arch_fields
+
+        return HFArch(**gemma4_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "gemma":
         from areal_mega.models.gemma3 import gemma_arch_fields
 
@@ -564,6 +579,10 @@ def transformer_config_from_hf(
         from areal_mega.models.gemma3 import gemma3_transformer_config
 
         return gemma3_transformer_config(arch, kw)
+    if arch.model_type == "gemma4_text":
+        from areal_mega.models.gemma4 import gemma4_transformer_config
+
+        return gemma4_transformer_config(arch, kw)
     # YaRN's fields are attributes GPTModel and the attention read, not TransformerConfig fields
     yarn = {k: kw.pop(k) for k in list(kw) if k.startswith("yarn_")}
     config = TransformerConfig(**kw)
@@ -620,6 +639,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma3_block_spec
 
         return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "gemma4_text":
+        from areal_mega.models.gemma4 import gemma4_block_spec
+
+        return gemma4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.model_type == "gemma":
         from areal_mega.models.gemma3 import gemma_block_spec
 
@@ -744,6 +767,10 @@ def build_model_chunks(
             from areal_mega.models.gemma3 import finish_gemma3_model
 
             finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
+        if arch.model_type == "gemma4_text":
+            from areal_mega.models.gemma4 import finish_gemma4_model
+
+            finish_gemma4_model(model, arch, config, cp_group=mesh.pg_collection.cp)
         if arch.final_logit_softcapping is not None:
             from areal_mega.models.gemma2 import softcap_logits
 

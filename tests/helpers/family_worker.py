@@ -148,6 +148,8 @@ def run_family(name):
         from areal_mega.models.builder import normalize_hf_config
 
         hf = normalize_hf_config(dict(cfg, vocab_size=ew.VOCAB, router_aux_loss_coef=0.0))
+        if hf.get("vocab_size_per_layer_input"):  # Gemma 4's per-layer inputs: same vocabulary
+            hf["vocab_size_per_layer_input"] = ew.VOCAB
         for key in ("n_routed_experts", "moe_num_experts"):  # DeepSeek's, Ernie's spellings
             if hf.get(key) and not hf.get("num_experts"):
                 hf["num_experts"] = hf[key]

@@ -251,6 +251,18 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # Gemma 4 (dense text model): layers sliding (window 8, head_dim 16, 2 KV heads, RoPE base
+    # 1e4) / full (global_head_dim 32, K = V with 2 global KV heads, no v_proj, proportional
+    # RoPE on a quarter of the channels, base 1e4 here); layers 2 and 3 share the keys /
+    # values of layers 0 and 1 (no k / v projections, double-wide MLPs); per-layer inputs of
+    # width 8; random norm gains and layer scalars; final logits capped at 2.0. No PP (refused:
+    # the shared layers read an earlier layer's keys / values); TP2 with and without SP
+    "gemma4_text": FamilyCase(
+        "gemma4_text",
+        dict(arch="gemma4_text", num_layers=4, head_dim=16, sliding_window=8),
+        layouts=("tp2", "tp2sp"),
+        convert=("--tp", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -277,6 +289,7 @@ RL_CASES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "nemotron_h",
+    "gemma4_text",
 )
 
 
