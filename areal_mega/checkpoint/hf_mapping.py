@@ -354,11 +354,14 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     """The tensor maps of one layer (``layer`` given) or of the non-layer tensors."""
     fam = FAMILIES[arch.model_type]
     if layer is None:
-        return tuple(
+        rows = tuple(
             m
             for m in fam.global_maps
             if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings)
         )
+        if arch.model_type == "gemma4_text":
+            rows = hf_mapping_gemma4.global_rows(arch, rows)
+        return rows
     if arch.hybrid_layer_pattern is not None:
         letter = arch.hybrid_layer_pattern[layer]
         if letter not in HYBRID_LAYER_ROWS:

@@ -25,6 +25,7 @@ __all__ = [
     "GEMMA4_KINDS",
     "attention_rows",
     "layer_rows",
+    "global_rows",
     "full_shapes",
     "to_mcore",
     "to_hf",
@@ -49,14 +50,29 @@ def attention_rows(arch, layer: int) -> tuple:
     return ("qk" if k_eq_v else "qkv"), arch.num_heads, kv, hd
 
 
+def _per_layer_input_row(arch, m) -> bool:
+    """Whether ``m`` is a per-layer-input tensor of a model without per-layer inputs."""
+    return not arch.per_layer_input_size and (
+        m.mcore.startswith("per_layer_") or m.mcore.startswith("post_per_layer_")
+    )
+
+
+def global_rows(arch, rows: Sequence) -> tuple:
+    """The non-layer rows, without the per-layer-input tensors when the model has none."""
+    return tuple(m for m in rows if not _per_layer_input_row(arch, m))
+
+
 def layer_rows(arch, layer: int, rows: Sequence) -> tuple:
-    """Layer ``layer``'s table rows (``TensorMap``) with its QKV kind and HF names, and
-    without ``k_norm`` on key/value-shared layers."""
+    """Layer ``layer``'s table rows (``TensorMap``) with its QKV kind and HF names, without
+    ``k_norm`` on key/value-shared layers and without the per-layer-input tensors when the
+    model has none."""
     kind = attention_rows(arch, layer)[0]
     full = arch.layer_types[layer] == "full_attention"
     out = []
     for m in rows:
-        if m.mcore == "self_attention.k_layernorm.weight" and kind == "q":
+        if (m.mcore == "self_attention.k_layernorm.weight" and kind == "q") or (
+            _per_layer_input_row(arch, m)
+        ):
             continue
         if m.mcore == _QKV:
             if kind == "q":

@@ -36,7 +36,8 @@ sums under TP with SP), the value norm takes the config's epsilon and full layer
 global KV heads only with ``attention_k_eq_v``, as transformers does.
 
 Refused (``ValueError`` naming why): the MoE block (``enable_moe_block``), pipeline
-parallelism (:data:`PP_REFUSED`), full activation recompute (:data:`RECOMPUTE_REFUSED`),
+parallelism with key/value-shared layers or per-layer inputs (:data:`PP_REFUSED`; a model
+without both, as Gemma 4 31B, runs with PP), full activation recompute (:data:`RECOMPUTE_REFUSED`),
 TP above a layer type's KV heads, bidirectional attention, attention biases, untied
 embeddings, RoPE other than default (sliding) / proportional (full).
 """
@@ -86,10 +87,11 @@ __all__ = [
 
 GEMMA4_MODEL_TYPE = "gemma4_text"
 PP_REFUSED = (
-    "gemma4_text: pipeline parallelism is not supported: the key/value-shared layers attend to "
-    "keys and values an earlier layer computes in the same forward (on an earlier stage under "
-    "PP), and the per-layer inputs are made from the word embeddings, which only the first "
-    "stage holds"
+    "gemma4_text: pipeline parallelism is not supported with key/value-shared layers "
+    "(num_kv_shared_layers > 0: they attend to keys and values an earlier layer computes in "
+    "the same forward, on an earlier stage under PP) or per-layer inputs "
+    "(hidden_size_per_layer_input > 0: made from the word embeddings, which only the first "
+    "stage holds)"
 )
 RECOMPUTE_REFUSED = (
     "gemma4_text: full activation recompute is not supported: a key/value-shared layer's "
@@ -219,7 +221,9 @@ def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
     """The :class:`Gemma4Config` of ``arch`` from the builder's generic keyword arguments
     (``ValueError`` for pipeline parallelism, full recompute, TP above a layer type's KV
     heads)."""
-    if kw.get("pipeline_model_parallel_size", 1) > 1:
+    if kw.get("pipeline_model_parallel_size", 1) > 1 and (
+        arch.num_kv_shared_layers or arch.per_layer_input_size
+    ):
         raise ValueError(PP_REFUSED)
     if kw.get("recompute_granularity") == "full":
         raise ValueError(RECOMPUTE_REFUSED)
@@ -365,8 +369,8 @@ class Gemma4TransformerLayer(TransformerLayer):
     MLP twice as wide with ``double_wide_mlp``."""
 
     def __init__(self, config: Gemma4Config, submodules, layer_number: int = 1, **kwargs):
-        offset = kwargs.get("pp_layer_offset") or 0
-        if config.double_wide_mlp and config.is_shared(layer_number + offset):
+        # layer_number is the stage's; shared layers exist only without PP (PP_REFUSED)
+        if config.double_wide_mlp and config.is_shared(layer_number):
             config = copy.copy(config)
             config.ffn_hidden_size = 2 * config.ffn_hidden_size
         super().__init__(config, submodules, layer_number=layer_number, **kwargs)

@@ -263,6 +263,22 @@ CASES = {
         layouts=("tp2", "tp2sp"),
         convert=("--tp", "2"),
     ),
+    # Gemma 4 as its 31B is built: no key/value sharing and no per-layer inputs, so PP runs;
+    # full layers with v_proj (attention_k_eq_v off) and the sliding layers' 2 KV heads,
+    # although the config says num_global_key_value_heads 1 (transformers reads it only with
+    # K = V; the bridge's provider would give the full layers 1)
+    "gemma4_text_plain": FamilyCase(
+        "gemma4_text_plain",
+        dict(
+            arch="gemma4_text",
+            head_dim=16,
+            sliding_window=8,
+            attention_k_eq_v=False,
+            num_global_kv_heads=1,
+            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=0,
+        ),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
