@@ -96,7 +96,8 @@ PP_REFUSED = (
 RECOMPUTE_REFUSED = (
     "gemma4_text: full activation recompute is not supported: a key/value-shared layer's "
     "recomputation would read the keys and values its source layer kept from its no-grad "
-    "forward, so the source's key/value gradient would be lost (selective recompute is fine)"
+    "forward (the source's key/value gradient lost), and the per-layer inputs reach the "
+    "layers outside megatron's checkpoint (selective recompute is supported)"
 )
 MOE_REFUSED = (
     "enable_moe_block=True is not supported (Gemma 4's MoE variant is not built; the dense "

@@ -255,11 +255,12 @@ CASES = {
     # 1e4) / full (global_head_dim 32, K = V with 2 global KV heads, no v_proj, proportional
     # RoPE on a quarter of the channels, base 1e4 here); layers 2 and 3 share the keys /
     # values of layers 0 and 1 (no k / v projections, double-wide MLPs); per-layer inputs of
-    # width 8; random norm gains and layer scalars; final logits capped at 2.0. No PP (refused:
-    # the shared layers read an earlier layer's keys / values); TP2 with and without SP
+    # width 8; random norm gains and layer scalars; final logits capped at 2.0; norm epsilon
+    # 1e-2 (the values' scale-less norm takes it too). No PP (refused: the shared layers read
+    # an earlier layer's keys / values); TP2 with and without SP
     "gemma4_text": FamilyCase(
         "gemma4_text",
-        dict(arch="gemma4_text", num_layers=4, head_dim=16, sliding_window=8),
+        dict(arch="gemma4_text", num_layers=4, head_dim=16, sliding_window=8, rms_norm_eps=1e-2),
         layouts=("tp2", "tp2sp"),
         convert=("--tp", "2"),
     ),
