@@ -140,12 +140,12 @@ class TinyModelSpec:
     ssm_state_size: int = 8
     mamba_chunk_size: int = 8
     # gemma4_text: layers alternate sliding / full (sliding first); the full layers' head size
-    # and (K = V) KV heads, the last layers sharing keys / values (double-wide MLP), the
+    # and (K = V) KV heads, the last layers sharing keys / values (none by default; double-wide MLP), the
     # per-layer inputs' width; the full layers rotate partial_rotary_factor of their channels
     global_head_dim: int = 32
     num_global_kv_heads: int = 2
     attention_k_eq_v: bool = True
-    num_kv_shared_layers: int = 2
+    num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = True
     hidden_size_per_layer_input: int = 8
     time_step_min: float = 1e-9

@@ -260,7 +260,14 @@ CASES = {
     # an earlier layer's keys / values); TP2 with and without SP
     "gemma4_text": FamilyCase(
         "gemma4_text",
-        dict(arch="gemma4_text", num_layers=4, head_dim=16, sliding_window=8, rms_norm_eps=1e-2),
+        dict(
+            arch="gemma4_text",
+            num_layers=4,
+            num_kv_shared_layers=2,
+            head_dim=16,
+            sliding_window=8,
+            rms_norm_eps=1e-2,
+        ),
         layouts=("tp2", "tp2sp"),
         convert=("--tp", "2"),
     ),
@@ -276,7 +283,6 @@ CASES = {
             sliding_window=8,
             attention_k_eq_v=False,
             num_global_kv_heads=1,
-            num_kv_shared_layers=0,
             hidden_size_per_layer_input=0,
         ),
     ),
