@@ -140,8 +140,9 @@ class TinyModelSpec:
     ssm_state_size: int = 8
     mamba_chunk_size: int = 8
     # gemma4_text: layers alternate sliding / full (sliding first); the full layers' head size
-    # and (K = V) KV heads, the last layers sharing keys / values (none by default; double-wide MLP), the
-    # per-layer inputs' width; the full layers rotate partial_rotary_factor of their channels
+    # and (K = V) KV heads, the last layers sharing keys / values (none by default; their MLP
+    # double-wide), the per-layer inputs' width; the full layers rotate partial_rotary_factor
+    # of their channels
     global_head_dim: int = 32
     num_global_kv_heads: int = 2
     attention_k_eq_v: bool = True
