@@ -97,7 +97,8 @@ RECOMPUTE_REFUSED = (
     "gemma4_text: full activation recompute is not supported: a key/value-shared layer's "
     "recomputation would read the keys and values its source layer kept from its no-grad "
     "forward (the source's key/value gradient lost), and the per-layer inputs reach the "
-    "layers outside megatron's checkpoint (selective recompute is supported)"
+    "layers outside megatron's checkpoint (a model with neither, as 31B's shape, is not "
+    "checked with it either); selective recompute is supported"
 )
 MOE_REFUSED = (
     "enable_moe_block=True is not supported (Gemma 4's MoE variant is not built; the dense "
