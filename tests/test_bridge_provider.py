@@ -497,6 +497,14 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
         transformer_config_from_hf(k_eq_v, tp=2)
     with pytest.raises(ValueError, match="enable_moe_block=True"):
         parse_hf_config(dict(GEMMA4, enable_moe_block=True))
+    # the converters refuse the same layouts
+    from areal_mega.checkpoint.convert import check_layout
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="pipeline parallelism is not supported"):
+        check_layout(arch, pp=2)
+    neither = dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0)
+    assert gemma4.layout_refusal(parse_hf_config(neither), 2, 2) is None
 
 
 def test_upstream_falcon_h1_model_still_lacks_what_its_not_built_reason_names(tmp_path):

@@ -73,6 +73,7 @@ __all__ = [
     "PP_REFUSED",
     "RECOMPUTE_REFUSED",
     "MOE_REFUSED",
+    "layout_refusal",
     "gemma4_arch_fields",
     "Gemma4Config",
     "gemma4_transformer_config",
@@ -219,22 +220,30 @@ class Gemma4Config(TransformerConfig):
         return kind not in self.layer_types[layer_number:first_shared]
 
 
+def layout_refusal(arch, tp: int, pp: int) -> Optional[str]:
+    """Why ``arch`` cannot run at this TP / PP (None when it can): PP with key/value-shared
+    layers or per-layer inputs (:data:`PP_REFUSED`), TP above the full layers' KV heads."""
+    if pp > 1 and (arch.num_kv_shared_layers or arch.per_layer_input_size):
+        return PP_REFUSED
+    if arch.global_kv_heads % tp:
+        return (
+            f"gemma4_text: num_global_key_value_heads={arch.global_kv_heads} is not divisible "
+            f"by TP={tp}"
+        )
+    return None
+
+
 def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
     """The :class:`Gemma4Config` of ``arch`` from the builder's generic keyword arguments
     (``ValueError`` for pipeline parallelism, full recompute, TP above a layer type's KV
     heads)."""
-    if kw.get("pipeline_model_parallel_size", 1) > 1 and (
-        arch.num_kv_shared_layers or arch.per_layer_input_size
-    ):
-        raise ValueError(PP_REFUSED)
+    why = layout_refusal(
+        arch, kw.get("tensor_model_parallel_size", 1), kw.get("pipeline_model_parallel_size", 1)
+    )
+    if why:
+        raise ValueError(why)
     if kw.get("recompute_granularity") == "full":
         raise ValueError(RECOMPUTE_REFUSED)
-    tp = kw.get("tensor_model_parallel_size", 1)
-    if arch.global_kv_heads % tp:
-        raise ValueError(
-            f"gemma4_text: num_global_key_value_heads={arch.global_kv_heads} is not divisible "
-            f"by TP={tp}"
-        )
     kw = dict(
         kw,
         activation_func=_gelu_tanh,
