@@ -225,8 +225,9 @@ OWN_TRANSLATOR = {
         "projection are not marked sequence-parallel (partial gradients under TP with SP), "
         "its checkpoint keeps dead k/v rows on the key/value-shared layers, and it threads "
         "the per-layer inputs by replacing the model's and the decoder's forward per instance; "
-        "ours builds each layer with its own QKV shape (areal_mega/models/gemma4.py). Pipeline "
-        "parallelism and full activation recompute are refused there (key/value sharing)"
+        "ours builds each layer with its own QKV shape (areal_mega/models/gemma4.py), which "
+        "refuses pipeline parallelism with key/value-shared layers or per-layer inputs and "
+        "full activation recompute, naming why"
     ),
 }
 

@@ -37,9 +37,9 @@ global KV heads only with ``attention_k_eq_v``, as transformers does.
 
 Refused (``ValueError`` naming why): the MoE block (``enable_moe_block``), pipeline
 parallelism with key/value-shared layers or per-layer inputs (:data:`PP_REFUSED`; a model
-without both, as Gemma 4 31B, runs with PP), full activation recompute (:data:`RECOMPUTE_REFUSED`),
-TP above a layer type's KV heads, bidirectional attention, attention biases, untied
-embeddings, RoPE other than default (sliding) / proportional (full).
+without either runs with PP), full activation recompute (:data:`RECOMPUTE_REFUSED`), TP above
+a layer type's KV heads, bidirectional attention, attention biases, untied embeddings, RoPE
+other than default (sliding) / proportional (full).
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ RECOMPUTE_REFUSED = (
     "gemma4_text: full activation recompute is not supported: a key/value-shared layer's "
     "recomputation would read the keys and values its source layer kept from its no-grad "
     "forward (the source's key/value gradient lost), and the per-layer inputs reach the "
-    "layers outside megatron's checkpoint (a model with neither, as 31B's shape, is not "
-    "checked with it either); selective recompute is supported"
+    "layers outside megatron's checkpoint (a model with neither is not checked with it "
+    "either); selective recompute is supported"
 )
 MOE_REFUSED = (
     "enable_moe_block=True is not supported (Gemma 4's MoE variant is not built; the dense "

@@ -271,7 +271,7 @@ CASES = {
         layouts=("tp2", "tp2sp"),
         convert=("--tp", "2"),
     ),
-    # Gemma 4 as its 31B is built: no key/value sharing and no per-layer inputs, so PP runs;
+    # Gemma 4 without key/value sharing and without per-layer inputs, so PP runs;
     # full layers with v_proj (attention_k_eq_v off) and the sliding layers' 2 KV heads,
     # although the config says num_global_key_value_heads 1 (transformers reads it only with
     # K = V; the bridge's provider would give the full layers 1)
