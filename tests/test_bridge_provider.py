@@ -406,54 +406,105 @@ def test_upstream_hy_v3_provider_still_needs_first_k_dense_replace():
     assert bp.provider_for(hf).moe_layer_freq == [0, 1, 1, 1]
 
 
-def test_upstream_gemma4_dense_provider_still_lacks_what_its_not_built_reason_names():
-    """Gemma 4 text stays in NOT_BUILT (areal_mega/models/bridge_provider.py) partly for what
-    the bridge's dense provider and modules do differently; this fails once upstream changes
-    one of them (then revisit the reason and the family)."""
+GEMMA4 = dict(
+    model_type="gemma4_text",
+    architectures=["Gemma4ForCausalLM"],
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_global_key_value_heads=1,
+    head_dim=8,
+    global_head_dim=16,
+    attention_k_eq_v=False,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=64,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=8,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1e6,
+        },
+    },
+    rms_norm_eps=1e-2,
+)
+
+
+def test_upstream_gemma4_dense_provider_still_differs_where_we_translate_it():
+    """Gemma 4 text keeps our translator (OWN_TRANSLATOR, areal_mega/models/gemma4.py) for
+    what the bridge's dense provider and modules do differently from transformers; this fails
+    once upstream changes one of them (then revisit the reason and the family)."""
     import copy
+    import inspect
     import types
 
     import torch
 
-    hf = dict(
-        model_type="gemma4_text",
-        architectures=["Gemma4ForCausalLM"],
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_global_key_value_heads=1,
-        head_dim=8,
-        global_head_dim=16,
-        attention_k_eq_v=False,
-        num_kv_shared_layers=2,
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=64,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        rms_norm_eps=1e-2,
-    )
-    p = bp.provider_for(hf)
+    p = bp.provider_for(GEMMA4)
     assert type(p).__name__ == "Gemma4DenseProvider"
     # full-attention layers get the global KV heads although attention_k_eq_v is off
-    # (transformers' full layers then keep num_key_value_heads)
+    # (transformers' full layers then keep num_key_value_heads; ours: parse_hf_config)
     assert (p.num_global_query_groups, p.num_query_groups, p.attention_k_eq_v) == (1, 2, False)
+    assert parse_hf_config(GEMMA4).global_kv_heads == 2
     staged = copy.copy(p)
     staged.pipeline_model_parallel_size = 2
     with pytest.raises(NotImplementedError, match="PP=1"):
         staged.provide()
     # the value norm ignores the config's epsilon (1e-2 here): it divides by sqrt(ms + 1e-6)
-    from megatron.bridge.models.gemma.modeling_gemma4 import Gemma4DenseSelfAttention
+    from megatron.bridge.models.gemma.modeling_gemma4 import (
+        Gemma4DenseSelfAttention,
+        Gemma4DenseTransformerLayer,
+    )
 
     v = torch.full((1, 8), 0.01)
     attn = types.SimpleNamespace(config=p)
     fixed = v * torch.pow(v.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
     assert torch.equal(Gemma4DenseSelfAttention._v_norm(attn, v), fixed), (
-        "the bridge's Gemma 4 value norm now reads an epsilon: revisit NOT_BUILT['gemma4_text']"
+        "the bridge's Gemma 4 value norm now reads an epsilon: revisit OWN_TRANSLATOR"
     )
-    with pytest.raises(ValueError, match="key/value sharing"):
-        parse_hf_config(hf)
+    # the per-layer-input gate and projection are plain Linear layers, never marked
+    # sequence-parallel (their gradients are partial sums under TP with SP)
+    src = inspect.getsource(Gemma4DenseTransformerLayer.__init__)
+    assert "nn.Linear(config.hidden_size, _ple_dim" in src
+    assert "sequence_parallel" not in src, "the bridge now marks the per-layer-input linears"
+
+
+def test_gemma4_refuses_what_it_does_not_build_naming_why():
+    """PP with key/value-shared layers or per-layer inputs, full activation recompute, TP
+    above the full layers' KV heads and the MoE block are refused naming why; PP without
+    either is built (tests/test_new_families.py, gemma4_text_plain)."""
+    from areal_mega.models import gemma4
+    from areal_mega.models.builder import transformer_config_from_hf
+
+    arch = parse_hf_config(GEMMA4)
+    with pytest.raises(ValueError, match="num_kv_shared_layers > 0"):
+        transformer_config_from_hf(arch, pp=2)
+    plain = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0))
+    with pytest.raises(ValueError, match="hidden_size_per_layer_input > 0"):
+        transformer_config_from_hf(plain, pp=2)
+    with pytest.raises(ValueError) as e:
+        transformer_config_from_hf(arch, recompute_granularity="full")
+    assert str(e.value) == gemma4.RECOMPUTE_REFUSED
+    transformer_config_from_hf(arch, recompute_granularity="selective")
+    k_eq_v = parse_hf_config(dict(GEMMA4, attention_k_eq_v=True))
+    with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by TP=2"):
+        transformer_config_from_hf(k_eq_v, tp=2)
+    with pytest.raises(ValueError, match="enable_moe_block=True"):
+        parse_hf_config(dict(GEMMA4, enable_moe_block=True))
+    # the converters refuse the same layouts
+    from areal_mega.checkpoint.convert import check_layout
+    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="pipeline parallelism is not supported"):
+        check_layout(arch, pp=2)
+    neither = dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0)
+    assert gemma4.layout_refusal(parse_hf_config(neither), 2, 2) is None
 
 
 def test_upstream_falcon_h1_model_still_lacks_what_its_not_built_reason_names(tmp_path):

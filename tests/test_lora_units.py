@@ -53,6 +53,8 @@ def test_target_names_peft_canonical_and_all_linear():
         (dict(model_type="gemma3_text", targets=["o_proj"]), r"post-norm.*\['o_proj'\]"),
         (dict(model_type="gemma2", targets=["down_proj"]), r"post-norm.*\['down_proj'\]"),
         (dict(model_type="qwen3_next", linear_attention=True), "gated delta-net"),
+        # Gemma 4: the fused QKV differs by layer (gemma4.py)
+        (dict(model_type="gemma4_text"), "fused QKV differs by layer"),
         (dict(cp=2), "context parallel size 2"),
         (dict(critic=True), "critic"),
     ],

@@ -124,7 +124,7 @@ def test_list_bridge_models_command():
         "Qwen3MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
-    assert not rows["Gemma4ForCausalLM"]["engine"]
+    assert not rows["FalconH1ForCausalLM"]["engine"]
     for arch in (
         "GemmaForCausalLM",
         "Gemma3ForCausalLM",
@@ -133,9 +133,9 @@ def test_list_bridge_models_command():
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
+        "Gemma4ForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
-    assert rows["Gemma4ForCausalLM"]["server"] == ms.SERVER_PATHS["hf_cache"]
     for arch in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
         vl = rows[arch]  # RL with images (tests/test_vl_rl.py)
         assert vl["engine"] and vl["server"] == ms.SERVER_VL
@@ -147,7 +147,7 @@ def test_list_bridge_models_command():
         if row["model_type"] in NOT_BUILT and not row["engine"]:
             assert row["status"] == ms.STATUS["no"]
             assert row["status_note"] == (row["note"] or NOT_BUILT[row["model_type"]]), row
-    assert "key/value sharing" in rows["Gemma4ForCausalLM"]["status_note"]
+    assert "packed sequences" in rows["FalconH1ForCausalLM"]["status_note"]
     # docs/model_families.md holds the command's table as it prints it now
     table = ms.markdown_table(list(json.loads(p.stdout)))
     assert table in (ROOT / "docs" / "model_families.md").read_text()
@@ -163,12 +163,23 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
 
     assert not set(NOT_BUILT) & (set(SUPPORTED_MODEL_TYPES) | set(GPU_ONLY))
     assert all(len(why) > 40 for why in NOT_BUILT.values())
-    with pytest.raises(ValueError, match="key/value sharing"):
-        parse_hf_config({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]})
+    with pytest.raises(ValueError, match="packed sequences"):
+        parse_hf_config({"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]})
     (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"]})
+        json.dumps({"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]})
     )
-    with pytest.raises(UnsupportedModelError, match="per-layer input embeddings"):
+    with pytest.raises(UnsupportedModelError, match="packed sequences"):
+        read_arch(tmp_path)
+    # Gemma 4 (built dense): its MoE variant is refused naming the key
+    gemma4_moe = {
+        "model_type": "gemma4_text",
+        "architectures": ["Gemma4ForCausalLM"],
+        "enable_moe_block": True,
+    }
+    with pytest.raises(ValueError, match="enable_moe_block=True"):
+        parse_hf_config(gemma4_moe)
+    (tmp_path / "config.json").write_text(json.dumps(gemma4_moe))
+    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True"):
         read_arch(tmp_path)
     # Nemotron-H (built): a config with what the engine does not build (MoE layers) is refused
     # naming the key, by the builder and the converters

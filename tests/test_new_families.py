@@ -26,6 +26,7 @@ from areal_mega.common.net import free_port
 from areal_mega.data.synthetic import write_task_files
 from areal_mega.models.tiny import make_tiny_model
 from tests.helpers.convert_worker import compare, load_all
+from tests.helpers.family_worker import FAMILIES_ENV
 from tests.helpers.local_runs import _finish, _launch, _metrics
 from tests.helpers.multirank import rank_results, run_ranks
 from tests.helpers.new_families import CASES, RL_CASES, tiny_spec
@@ -38,13 +39,26 @@ WORKER = "family_worker"  # tests.helpers.family_worker
 TOL = 1e-5
 
 
+def selected_families(session) -> list:
+    """The families whose parametrised tests this session runs (``-k`` deselects the others;
+    every family when none is selected)."""
+    names = {
+        item.callspec.params["family"]
+        for item in session.items
+        if "family" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+    return sorted(names) or sorted(CASES)
+
+
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    """Every family's tiny model, converted there and back by our tools, and the 2-rank checks
-    of all families (one launch): ``{name: {"case", "hf", "hf2", "checks"}}``."""
+def families(request, tmp_path_factory):
+    """The selected families' tiny models, converted there and back by our tools, and their
+    2-rank checks (one launch): ``{name: {"case", "hf", "hf2", "checks"}}``."""
     work = tmp_path_factory.mktemp("families")
     out, conversions = {}, []
-    for name, case in sorted(CASES.items()):
+    names = selected_families(request.session)
+    for name in names:
+        case = CASES[name]
         hf = make_tiny_model(work / name / "hf", **tiny_spec(case))
         mcore, hf2 = work / name / "mcore", work / name / "hf2"
         conversions += [
@@ -52,8 +66,9 @@ def families(tmp_path_factory):
             ["tools/convert_mcore_to_hf.py", "--mcore-dir", mcore, "--out", hf2],
         ]
         out[name] = {"case": case, "hf": hf, "hf2": hf2}
-    run_tools([[*c, "--no-progress"] for c in conversions])  # one interpreter, 12 conversions
+    run_tools([[*c, "--no-progress"] for c in conversions])  # one interpreter, all conversions
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env[FAMILIES_ENV] = ",".join(names)
     port = str(free_port())
     ranks = run_ranks(
         [worker_cmd(WORKER, "all", r, 2, port, work) for r in range(2)],

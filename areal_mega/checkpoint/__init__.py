@@ -14,6 +14,8 @@
   families, optional parts of the others).
 * :mod:`.hf_mapping_gdn` — Qwen3-Next's and Qwen3.5's tensors that are row permutations
   (gated QKV, the delta-net input projection) and its norm's offset.
+* :mod:`.hf_mapping_gemma4` — Gemma 4's per-layer rows (QKV shapes per layer type, no k / v on
+  key/value-shared layers, no v on K = V layers) and shapes for the live export.
 * :mod:`.bridge_tables` — those tables read from Megatron-Bridge's mapping registries (kept in
   ``bridge_tables.json``).
 * :mod:`.safetensors_io` — memory-bounded safetensors reading and writing, errors naming the

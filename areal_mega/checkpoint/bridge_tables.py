@@ -77,6 +77,7 @@ BRIDGED_ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
@@ -128,6 +129,9 @@ _KINDS = {
     # Qwen3-VL's vision attention: q, k and v stacked in one HF tensor ([q; k; v]); megatron's
     # fused QKV groups them per head
     "ConcatenatedQKVMapping": "qkv_concat",
+    # Gemma 4's QKV, which tolerates the absent k / v projections of the key/value-shared
+    # layers and v of the K = V layers (our rows per layer: areal_mega/checkpoint/hf_mapping.py)
+    "_Gemma4DenseQKVMapping": "qkv",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
 #: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)

@@ -119,6 +119,12 @@ def check_layout(
         from areal_mega.models.gpt_oss import TP_REFUSED
 
         raise hm.UnsupportedModelError(f"{where}: {TP_REFUSED.format(tp=tp)}")
+    if arch.model_type == "gemma4_text":
+        from areal_mega.models.gemma4 import layout_refusal
+
+        why = layout_refusal(arch, tp, pp)
+        if why:
+            raise hm.UnsupportedModelError(f"{where}: {why}")
 
 
 def _single_process_mesh():

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from areal_mega.checkpoint import hf_mapping as hm
-from areal_mega.checkpoint import hf_mapping_gdn
+from areal_mega.checkpoint import hf_mapping_gdn, hf_mapping_gemma4
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.models.mla import mla_full_shapes
@@ -49,12 +49,13 @@ __all__ = [
 Shape = Tuple[Optional[int], ...]
 
 
-def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
+def expected_full_shape(arch, suffix: str, layer: Optional[int] = None) -> Optional[Shape]:
     """The full (un-split) megatron shape of a tensor-parallel parameter, from the HF config.
 
     ``suffix``: the canonical name from :func:`hf_mapping.parse_mcore_name`. ``None`` entries
     are sizes the config does not fix (the padded vocabulary rows); an unknown name gives
-    ``None`` (no expectation: only a 1-D shard then has a unique gather axis)."""
+    ``None`` (no expectation: only a 1-D shard then has a unique gather axis). ``layer``: the
+    global layer index, for families whose layers differ in shape (Gemma 4)."""
     h, hd = arch.hidden_size, arch.head_dim
     gate_rows = arch.num_heads * hd if arch.attention_output_gate else 0
     qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * hd + gate_rows
@@ -85,6 +86,8 @@ def expected_full_shape(arch, suffix: str) -> Optional[Shape]:
     if shared:
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)
         shapes["mlp.shared_experts.linear_fc2.weight"] = (h, shared)
+    if arch.model_type == "gemma4_text":
+        shapes.update(hf_mapping_gemma4.full_shapes(arch, layer))
     return shapes.get(suffix)
 
 
@@ -188,7 +191,7 @@ def _exported_tensors(chunk):
         if ".adapter." not in name:
             yield name.replace(".to_wrap.", "."), p
     for name, buf in chunk.named_buffers():
-        if name.endswith("router.expert_bias"):
+        if name.endswith(("router.expert_bias", ".layer_scalar")):
             yield name, buf
 
 
@@ -242,9 +245,11 @@ def iter_hf_tensors(
             is_expert = expert is not None
             tgroup = etp_group if is_expert else tp_group
             t = p.detach()
+            glayer = offsets[layer] if layer is not None else None
             if getattr(p, "tensor_model_parallel", False):
                 tp_size = dist.get_world_size(tgroup) if tgroup is not None else 1
-                axis = gather_axis(name, t.shape, expected_full_shape(arch, suffix), tp_size)
+                full_shape = expected_full_shape(arch, suffix, glayer)
+                axis = gather_axis(name, t.shape, full_shape, tp_size)
                 # a gated MLP's fc1 shards are [gate_r; up_r] (Nemotron's squared-ReLU MLP
                 # has no gate: its fc1 shards concatenate as they are)
                 glu = arch.gated_mlp and suffix.endswith(("linear_fc1.weight", "linear_fc1.bias"))
@@ -266,7 +271,6 @@ def iter_hf_tensors(
                     t = _gather_sections(t, tgroup, sections)
                 elif axis is not None:
                     t = _gather_glu(t, tgroup) if glu else _gather(t, tgroup, axis)
-            glayer = offsets[layer] if layer is not None else None
             if is_expert and ep_size > 1:
                 parts = [torch.empty_like(t) for _ in range(ep_size)]
                 dist.all_gather(parts, t.contiguous(), group=ep_group)

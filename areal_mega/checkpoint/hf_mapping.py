@@ -58,9 +58,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from areal_mega.checkpoint import hf_mapping_gdn
+from areal_mega.checkpoint import hf_mapping_gdn, hf_mapping_gemma4
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS, load_tables
 from areal_mega.checkpoint.hf_mapping_gdn import GDN_KINDS
+from areal_mega.checkpoint.hf_mapping_gemma4 import GEMMA4_KINDS
 from areal_mega.checkpoint.hf_mapping_moe import optional_map_present
 from areal_mega.checkpoint.safetensors_io import split_row_name
 from areal_mega.checkpoint.value_model import value_model_problem
@@ -353,11 +354,14 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     """The tensor maps of one layer (``layer`` given) or of the non-layer tensors."""
     fam = FAMILIES[arch.model_type]
     if layer is None:
-        return tuple(
+        rows = tuple(
             m
             for m in fam.global_maps
             if not (m.mcore == "output_layer.weight" and arch.tie_word_embeddings)
         )
+        if arch.model_type == "gemma4_text":
+            rows = hf_mapping_gemma4.global_rows(arch, rows)
+        return rows
     if arch.hybrid_layer_pattern is not None:
         letter = arch.hybrid_layer_pattern[layer]
         if letter not in HYBRID_LAYER_ROWS:
@@ -369,6 +373,8 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     table = (
         fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else fam.dense_layer
     )
+    if arch.model_type == "gemma4_text":
+        table = hf_mapping_gemma4.layer_rows(arch, layer, table)
     return tuple(
         _gated(arch, m)
         for m in table
@@ -493,6 +499,8 @@ def to_mcore(
         return expert_to_mcore(kind, hf_tensors[0])
     if kind in GDN_KINDS:
         return hf_mapping_gdn.to_mcore(arch, kind, hf_tensors)
+    if kind in GEMMA4_KINDS:
+        return hf_mapping_gemma4.to_mcore(arch, kind, hf_tensors)
     raise ValueError(kind)
 
 
@@ -512,6 +520,8 @@ def to_hf(arch, kind: str, t: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return (expert_to_hf(kind, t),)
     if kind in GDN_KINDS:
         return hf_mapping_gdn.to_hf(arch, kind, t)
+    if kind in GEMMA4_KINDS:
+        return hf_mapping_gemma4.to_hf(arch, kind, t)
     raise ValueError(kind)
 
 
@@ -547,6 +557,8 @@ def to_hf_segments(arch, kind: str, t: torch.Tensor) -> Tuple[List[torch.Tensor]
         return ([expert_to_hf(kind, t)],)
     if kind in GDN_KINDS:
         return hf_mapping_gdn.to_hf_segments(arch, kind, t)
+    if kind in GEMMA4_KINDS:
+        return hf_mapping_gemma4.to_hf_segments(arch, kind, t)
     raise ValueError(kind)
 
 
@@ -589,6 +601,8 @@ def to_mcore_segments(
         yield expert_to_mcore(kind, get(hf_names[0]))
     elif kind in GDN_KINDS:
         yield from hf_mapping_gdn.to_mcore_segments(arch, kind, hf_names, get)
+    elif kind in GEMMA4_KINDS:
+        yield from hf_mapping_gemma4.to_mcore_segments(arch, kind, hf_names, get)
     else:
         raise ValueError(kind)
 

@@ -17,6 +17,7 @@ __all__ = [
     "ATTENTION_TARGETS",
     "MLP_TARGETS",
     "POST_NORM_PROJECTION_MODEL_TYPES",
+    "NO_LORA",
     "canonical_targets",
     "hf_targets",
     "check_lora_support",
@@ -44,6 +45,15 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 #: adds the adapter's output to the wrapped module's, i.e. after the norm, where PEFT adds it
 #: inside o_proj / down_proj, before the norm
 POST_NORM_PROJECTION_MODEL_TYPES = ("exaone4", "gemma2", "gemma3_text")
+#: families LoRA does not serve at all, and why
+NO_LORA = {
+    "gemma4_text": (
+        "its layers' fused QKV differs by layer (a full layer's global head size, K = V "
+        "layers without v rows, key/value-shared layers with the queries alone), which the "
+        "adapters' one q/k/v split of linear_qkv does not follow, and the per-layer-input "
+        "linears have no adapters; train without LoRA"
+    ),
+}
 
 
 class LoraSupportError(ValueError):
@@ -112,9 +122,12 @@ def check_lora_support(
     equality with one rank is not tested for adapters); a LoRA critic; a hybrid model
     (``hybrid``: Nemotron-H's Mamba layers, whose mixer projections have no adapters and whose
     attention / MLP layers' adapters are not tested there); a vision-language model other than
-    :data:`VL_LORA_FAMILIES` (``vision_language``: :func:`check_vision_language_lora`)."""
+    :data:`VL_LORA_FAMILIES` (``vision_language``: :func:`check_vision_language_lora`); the
+    families of :data:`NO_LORA` (Gemma 4 text), naming why."""
     if rank < 1:
         raise LoraSupportError(f"lora.rank={rank}: must be >= 1")
+    if model_type in NO_LORA:
+        raise LoraSupportError(f"LoRA on {model_type}: not supported: {NO_LORA[model_type]}")
     if vision_language:
         check_vision_language_lora(model_type)
     if hybrid:

@@ -3,7 +3,7 @@
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
   OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4, Qwen3-Next,
-  Qwen3.5, Qwen3.5-MoE);
+  Qwen3.5, Qwen3.5-MoE, Gemma 4 text);
 - :mod:`.decoder_fields` — the decoder facts every HF config states the same way (sizes,
   heads, RoPE base, norm epsilon), with each family's defaults;
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
@@ -13,6 +13,8 @@
 - :mod:`.gemma3` — what Gemma 3 (and Gemma 1) change against the Llama math, on megatron's
   local spec;
 - :mod:`.gemma2` — Gemma 2: Gemma 3's layer with attention and final-logit soft-caps;
+- :mod:`.gemma4` — Gemma 4 text (dense): per-layer-type attention shapes, K = V, key/value
+  sharing, per-layer inputs and layer scalars on megatron's local spec;
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;

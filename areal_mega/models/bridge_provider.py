@@ -217,6 +217,18 @@ OWN_TRANSLATOR = {
         "field megatron-core's attention reads; our Gemma3Config carries the per-layer window "
         "and the cap (areal_mega/models/gemma2.py)"
     ),
+    "gemma4_text": (
+        "Megatron-Bridge's Gemma4DenseProvider builds the dense model from its own modules, "
+        "which differ from transformers where our Gemma4Config does not: its full-attention "
+        "layers take num_global_key_value_heads without attention_k_eq_v (transformers: only "
+        "with it), its value norm's epsilon is fixed at 1e-6, its per-layer-input gate and "
+        "projection are not marked sequence-parallel (partial gradients under TP with SP), "
+        "its checkpoint keeps dead k/v rows on the key/value-shared layers, and it threads "
+        "the per-layer inputs by replacing the model's and the decoder's forward per instance; "
+        "ours builds each layer with its own QKV shape (areal_mega/models/gemma4.py), which "
+        "refuses pipeline parallelism with key/value-shared layers or per-layer inputs and "
+        "full activation recompute, naming why"
+    ),
 }
 
 
@@ -465,26 +477,6 @@ NOT_BUILT = {
         "which the bridge copies from mamba_norm_before_gate (transformers' default True, "
         "unused there without mamba_rms_norm); our conversion and weight export have no rows "
         "for its layers"
-    ),
-    "gemma4_text": (
-        "key/value sharing across its last layers, per-layer input embeddings, per-layer-type "
-        "attention shapes (global_head_dim; K = V on full layers with attention_k_eq_v) and a "
-        "double-wide MLP in the shared layers are not megatron-core GPT layer options; "
-        "Megatron-Bridge's Gemma4DenseProvider builds them from its own modules (with our "
-        "packed attention they equal transformers at one rank on the CPU), but they are not "
-        "wired: its provider refuses pipeline parallelism (the shared layers read K/V kept on "
-        "an earlier layer's module, the per-layer inputs are made on the first stage), its "
-        "per-layer-input gate and projection are plain Linear layers not marked "
-        "sequence-parallel (partial gradients under TP with SP), full activation recompute "
-        "fails on its two rotary tables (a tuple megatron's checkpoint cannot save) and, with "
-        "them stacked, the shared layers' recomputation reads the K/V their source layer kept "
-        "from its no-grad forward (the source's K/V gradient is lost), its value norm's "
-        "epsilon is fixed at 1e-6, and its full-attention layers take "
-        "num_global_key_value_heads without attention_k_eq_v (transformers: only with it); "
-        "our conversion and weight export know "
-        "one QKV shape per model and no per-layer buffer (layer_scalar), while the checkpoint's "
-        "shared layers have no k/v projections and its k_eq_v layers no v_proj; the MoE "
-        "variant (enable_moe_block) is not examined"
     ),
     "qwen3_5_moe": (
         _VLM + "; its text model (model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: what "

@@ -79,6 +79,7 @@ before any softmax (the engine does it).
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -152,6 +153,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "nemotron_h",
+    "gemma4_text",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -220,6 +222,16 @@ class HFArch:
     # Nemotron-H (:mod:`areal_mega.models.nemotron_h`): one letter per layer (M Mamba,
     # * attention, - MLP); None: every layer is an attention + MLP decoder layer
     hybrid_layer_pattern: Optional[str] = None
+    # Gemma 4 (:mod:`areal_mega.models.gemma4`): the full-attention layers' head size and KV
+    # heads, K = V on them, the last layers sharing keys / values (their MLP double-wide or
+    # not), the per-layer inputs' width and vocabulary (0: none)
+    global_head_dim: Optional[int] = None
+    global_kv_heads: Optional[int] = None
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -262,6 +274,23 @@ def normalize_hf_config(cfg: dict) -> dict:
     return cfg
 
 
+#: model_type -> ``module:function`` of :mod:`areal_mega.models` giving its HFArch fields
+_OWN_ARCH_FIELDS = {
+    "gemma3_text": "gemma3:gemma3_arch_fields",
+    "gemma4_text": "gemma4:gemma4_arch_fields",
+    "gemma": "gemma3:gemma_arch_fields",
+    "gemma2": "gemma2:gemma2_arch_fields",
+    "olmoe": "olmoe:olmoe_arch_fields",
+    "exaone_moe": "exaone:exaone_moe_arch_fields",
+    "exaone4": "exaone:exaone4_arch_fields",
+    "nemotron": "nemotron:nemotron_arch_fields",
+    "qwen3_next": "qwen3_next:qwen3_next_arch_fields",
+    "qwen3_5_text": "qwen3_next:qwen3_next_arch_fields",
+    "qwen3_5_moe_text": "qwen3_next:qwen3_next_arch_fields",
+    "gpt_oss": "gpt_oss:gpt_oss_arch_fields",
+}
+
+
 def parse_hf_config(hf: dict) -> HFArch:
     """Validate an HF config dict and extract an :class:`HFArch`. Raises ``ValueError`` for
     unsupported architectures or features (e.g. rope scaling other than none)."""
@@ -277,44 +306,12 @@ def parse_hf_config(hf: dict) -> HFArch:
             f"model_type {mt!r} is not supported{why}; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if mt == "gemma3_text":
-        from areal_mega.models.gemma3 import gemma3_arch_fields
-
-        return HFArch(**gemma3_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "gemma":
-        from areal_mega.models.gemma3 import gemma_arch_fields
-
-        return HFArch(**gemma_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "gemma2":
-        from areal_mega.models.gemma2 import gemma2_arch_fields
-
-        return HFArch(**gemma2_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "olmoe":
-        from areal_mega.models.olmoe import olmoe_arch_fields
-
-        return HFArch(**olmoe_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "exaone_moe":
-        from areal_mega.models.exaone import exaone_moe_arch_fields
-
-        return HFArch(**exaone_moe_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "exaone4":
-        from areal_mega.models.exaone import exaone4_arch_fields
-
-        return HFArch(**exaone4_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "nemotron":
-        from areal_mega.models.nemotron import nemotron_arch_fields
-
-        return HFArch(**nemotron_arch_fields(hf), hf_json=_config_json(hf))
-    if mt in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"):
-        from areal_mega.models.qwen3_next import qwen3_next_arch_fields
-
-        return HFArch(**qwen3_next_arch_fields(hf), hf_json=_config_json(hf))
     if mt == "nemotron_h":
         return HFArch(**nemotron_h_arch_fields(hf), hf_json=_config_json(hf))
-    if mt == "gpt_oss":
-        from areal_mega.models.gpt_oss import gpt_oss_arch_fields
-
-        return HFArch(**gpt_oss_arch_fields(hf), hf_json=_config_json(hf))
+    if mt in _OWN_ARCH_FIELDS:  # modules that import megatron-core: imported when needed
+        module, fn = _OWN_ARCH_FIELDS[mt].split(":")
+        fields = getattr(importlib.import_module(f"areal_mega.models.{module}"), fn)(hf)
+        return HFArch(**fields, hf_json=_config_json(hf))
     rs = hf.get("rope_scaling") or (hf.get("rope_parameters") or {})
     rs_type = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     if rs_type not in ("default", None):
@@ -564,6 +561,10 @@ def transformer_config_from_hf(
         from areal_mega.models.gemma3 import gemma3_transformer_config
 
         return gemma3_transformer_config(arch, kw)
+    if arch.model_type == "gemma4_text":
+        from areal_mega.models.gemma4 import gemma4_transformer_config
+
+        return gemma4_transformer_config(arch, kw)
     # YaRN's fields are attributes GPTModel and the attention read, not TransformerConfig fields
     yarn = {k: kw.pop(k) for k in list(kw) if k.startswith("yarn_")}
     config = TransformerConfig(**kw)
@@ -620,6 +621,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.gemma3 import gemma3_block_spec
 
         return gemma3_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == "gemma4_text":
+        from areal_mega.models.gemma4 import gemma4_block_spec
+
+        return gemma4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.model_type == "gemma":
         from areal_mega.models.gemma3 import gemma_block_spec
 
@@ -744,6 +749,10 @@ def build_model_chunks(
             from areal_mega.models.gemma3 import finish_gemma3_model
 
             finish_gemma3_model(model, arch, config, cp_group=mesh.pg_collection.cp)
+        if arch.model_type == "gemma4_text":
+            from areal_mega.models.gemma4 import finish_gemma4_model
+
+            finish_gemma4_model(model, arch, config, cp_group=mesh.pg_collection.cp)
         if arch.final_logit_softcapping is not None:
             from areal_mega.models.gemma2 import softcap_logits
 

@@ -41,6 +41,7 @@ ARCHS = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "nemotron_h",
+    "gemma4_text",
 )
 #: vision-language models (:mod:`areal_mega.models.vlm.tiny`): the text model's sizes from
 #: the spec, the vision tower's from its ``vision_*`` fields
@@ -138,6 +139,16 @@ class TinyModelSpec:
     mamba_n_groups: int = 2
     ssm_state_size: int = 8
     mamba_chunk_size: int = 8
+    # gemma4_text: layers alternate sliding / full (sliding first); the full layers' head size
+    # and (K = V) KV heads, the last layers sharing keys / values (none by default; their MLP
+    # double-wide), the per-layer inputs' width; the full layers rotate partial_rotary_factor
+    # of their channels
+    global_head_dim: int = 32
+    num_global_kv_heads: int = 2
+    attention_k_eq_v: bool = True
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = True
+    hidden_size_per_layer_input: int = 8
     time_step_min: float = 1e-9
 
 
@@ -211,9 +222,18 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "qwen3_next",
         "qwen3_5_text",
         "qwen3_5_moe_text",
+        "gemma4_text",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
-    windowed = ("mistral", "gemma3_text", "gemma2", "gpt_oss", "exaone_moe", "exaone4")
+    windowed = (
+        "mistral",
+        "gemma3_text",
+        "gemma2",
+        "gpt_oss",
+        "exaone_moe",
+        "exaone4",
+        "gemma4_text",
+    )
     if spec.arch not in windowed and spec.sliding_window is not None:
         raise ValueError(f"sliding_window: only the {', '.join(windowed)} tiny models have one")
     if spec.arch == "llama":
@@ -481,6 +501,43 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             routed_scaling_factor=spec.routed_scaling_factor,
             norm_topk_prob=True,
         )
+    if spec.arch == "gemma4_text":
+        from transformers import Gemma4TextConfig
+
+        common.pop("hidden_act")
+        full_rope = {
+            "rope_type": "proportional",
+            "partial_rotary_factor": spec.partial_rotary_factor,
+            "rope_theta": spec.rope_theta,
+        }
+        return Gemma4TextConfig(
+            **dict(
+                common,
+                rope_parameters={
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": spec.rope_local_theta,
+                    },
+                    "full_attention": full_rope,
+                },
+            ),
+            head_dim=head_dim,
+            global_head_dim=spec.global_head_dim,
+            num_global_key_value_heads=spec.num_global_kv_heads,
+            attention_k_eq_v=spec.attention_k_eq_v,
+            num_kv_shared_layers=spec.num_kv_shared_layers,
+            use_double_wide_mlp=spec.use_double_wide_mlp,
+            hidden_size_per_layer_input=spec.hidden_size_per_layer_input,
+            vocab_size_per_layer_input=vocab_size,
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=spec.sliding_window or 4096,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(spec.num_layers)
+            ],
+            final_logit_softcapping=spec.final_logit_softcapping,
+            attention_bias=False,
+        )
     if spec.arch == "gemma2":
         from transformers import Gemma2Config
 
@@ -605,6 +662,14 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
             for name, p in model.named_parameters():
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
+    if spec.arch == "gemma4_text":
+        # norms start at one and every layer_scalar at one: random ones make each count
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("norm.weight"):
+                    t.normal_(1.0, 0.3)
+                elif name.endswith("layer_scalar"):
+                    t.uniform_(0.5, 1.5)
     if spec.arch in ("ernie4_5_moe", "exaone_moe", "exaone4"):
         # RMSNorms start at one: random gains make every channel of every norm count (EXAONE:
         # input / post-attention / post-feedforward, QK, final; a norm mapped to another's place

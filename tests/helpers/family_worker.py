@@ -2,8 +2,8 @@
 
     python -m tests.helpers.family_worker <family> <rank> <world> <port> <work_dir>
 
-(``all`` for ``<family>``: every family in turn, each family's checks under its name, as
-tests/test_new_families.py runs them.)
+(``all`` for ``<family>``: every family in turn, or those named in ``$AREAL_TEST_FAMILIES``,
+each family's checks under its name, as tests/test_new_families.py runs them.)
 
 ``<work_dir>/<family>/hf`` is the tiny HF model and ``<work_dir>/<family>/mcore`` its
 checkpoint converted by ``tools/convert_hf_to_mcore.py``. On the DP2 mesh and on each layout of
@@ -44,6 +44,9 @@ MESHES = {
     "ep2": dict(dp=2, ep=2),
 }
 HALF_BATCH = ("dp2", "ep2")
+#: the environment variable naming the families ``all`` runs (tests/test_new_families.py sets
+#: it to the families its selected tests check)
+FAMILIES_ENV = "AREAL_TEST_FAMILIES"
 SEQUENCE_PARALLEL = ("tp2sp",)
 
 
@@ -148,6 +151,8 @@ def run_family(name):
         from areal_mega.models.builder import normalize_hf_config
 
         hf = normalize_hf_config(dict(cfg, vocab_size=ew.VOCAB, router_aux_loss_coef=0.0))
+        if hf.get("vocab_size_per_layer_input"):  # Gemma 4's per-layer inputs: same vocabulary
+            hf["vocab_size_per_layer_input"] = ew.VOCAB
         for key in ("n_routed_experts", "moe_num_experts"):  # DeepSeek's, Ernie's spellings
             if hf.get(key) and not hf.get("num_experts"):
                 hf["num_experts"] = hf[key]
@@ -187,9 +192,11 @@ def run_family(name):
 
 
 def run_all(res, out_dir):
-    """Every family's scenario one after the other (one pair of processes): ``res[family]``
-    holds each family's checks."""
-    for name in CASES:
+    """Every family's scenario one after the other (one pair of processes; only those named in
+    ``$AREAL_TEST_FAMILIES``, comma-separated, when set): ``res[family]`` holds each family's
+    checks."""
+    names = os.environ.get(FAMILIES_ENV)
+    for name in names.split(",") if names else CASES:
         res[name] = {}
         run_family(name)(res[name], out_dir)
 

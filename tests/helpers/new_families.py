@@ -251,6 +251,41 @@ CASES = {
         layouts=("ep2", "tp2sp", "pp2"),
         convert=("--tp", "2", "--ep", "2"),
     ),
+    # Gemma 4 (dense text model): layers sliding (window 8, head_dim 16, 2 KV heads, RoPE base
+    # 1e4) / full (global_head_dim 32, K = V with 2 global KV heads, no v_proj, proportional
+    # RoPE on a quarter of the channels, base 1e4 here); layers 2 and 3 share the keys /
+    # values of layers 0 and 1 (no k / v projections, double-wide MLPs); per-layer inputs of
+    # width 8; random norm gains and layer scalars; final logits capped at 2.0; norm epsilon
+    # 1e-2 (the values' scale-less norm takes it too). No PP (refused: the shared layers read
+    # an earlier layer's keys / values); TP2 with and without SP
+    "gemma4_text": FamilyCase(
+        "gemma4_text",
+        dict(
+            arch="gemma4_text",
+            num_layers=4,
+            num_kv_shared_layers=2,
+            head_dim=16,
+            sliding_window=8,
+            rms_norm_eps=1e-2,
+        ),
+        layouts=("tp2", "tp2sp"),
+        convert=("--tp", "2"),
+    ),
+    # Gemma 4 without key/value sharing and without per-layer inputs, so PP runs;
+    # full layers with v_proj (attention_k_eq_v off) and the sliding layers' 2 KV heads,
+    # although the config says num_global_key_value_heads 1 (transformers reads it only with
+    # K = V; the bridge's provider would give the full layers 1)
+    "gemma4_text_plain": FamilyCase(
+        "gemma4_text_plain",
+        dict(
+            arch="gemma4_text",
+            head_dim=16,
+            sliding_window=8,
+            attention_k_eq_v=False,
+            num_global_kv_heads=1,
+            hidden_size_per_layer_input=0,
+        ),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -277,6 +312,7 @@ RL_CASES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "nemotron_h",
+    "gemma4_text",
 )
 
 
