@@ -77,6 +77,8 @@ def megatron_groups() -> list:
     for name, value in vars(ps).items():
         if not name.startswith("_"):
             continue
+        if isinstance(value, dict):
+            value = list(value.values())
         for g in value if isinstance(value, (list, tuple)) else (value,):
             if (
                 isinstance(g, dist.ProcessGroup)
