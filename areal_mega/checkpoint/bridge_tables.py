@@ -77,6 +77,7 @@ BRIDGED_ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
@@ -118,7 +119,7 @@ _KINDS = {
     "GDNLinearMappingSeparate": "gdn_in_proj_split",
     "GDNConv1dMapping": "copy",
     "RMSNorm2ZeroCenteredRMSNormMapping": "minus_one",
-    # Nemotron-H's Mamba mixer: whole tensors as they are; their tensor-parallel shards
+    # Nemotron-H's and Falcon-H1's Mamba mixers: whole tensors as they are; their tensor-parallel shards
     # (column / row parallel, in_proj and conv1d section by section) are the megatron module's
     # own sharding, which the distributed checkpoint and the weight export follow
     "ColumnParallelMapping": "copy",
