@@ -5,6 +5,7 @@ and why the engine builds its own Falcon-H1 is :mod:`areal_mega.models.falcon_h1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any
 
@@ -144,7 +145,10 @@ def falcon_h1_layer_spec(mixer_params: dict):
         ),
     )
     attn.submodules.core_attention = VarlenDotProductAttention
-    spec.submodules.mlp.module = FalconH1MLP
+    # the local spec's MLP is a builder (``MLP.as_mlp_submodule`` with its submodules)
+    spec.submodules.mlp = functools.partial(
+        FalconH1MLP.as_mlp_submodule, **spec.submodules.mlp.keywords
+    )
     return spec
 
 
