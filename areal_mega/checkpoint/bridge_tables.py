@@ -119,9 +119,10 @@ _KINDS = {
     "GDNLinearMappingSeparate": "gdn_in_proj_split",
     "GDNConv1dMapping": "copy",
     "RMSNorm2ZeroCenteredRMSNormMapping": "minus_one",
-    # Nemotron-H's and Falcon-H1's Mamba mixers: whole tensors as they are; their tensor-parallel shards
-    # (column / row parallel, in_proj and conv1d section by section) are the megatron module's
-    # own sharding, which the distributed checkpoint and the weight export follow
+    # Nemotron-H's and Falcon-H1's Mamba mixers: whole tensors as they are; their
+    # tensor-parallel shards (column / row parallel, in_proj and conv1d section by section) are
+    # the megatron module's own sharding, which the distributed checkpoint and the weight
+    # export follow
     "ColumnParallelMapping": "copy",
     "RowParallelMapping": "copy",
     "MambaInProjMapping": "copy",

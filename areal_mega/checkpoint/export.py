@@ -35,8 +35,8 @@ from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint import hf_mapping_gdn
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.safetensors_io import split_row_name
-from areal_mega.models.mla import mla_full_shapes
 from areal_mega.models.falcon_h1 import falcon_h1_full_shapes
+from areal_mega.models.mla import mla_full_shapes
 from areal_mega.models.nemotron_h import nemotron_h_full_shapes
 
 __all__ = [

@@ -106,8 +106,6 @@ from areal_mega.models.bridge_provider import (
     uses_provider,
 )
 from areal_mega.models.decoder_fields import decoder_fields
-from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
-from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
 from areal_mega.models.falcon_h1 import (
     FALCON_H1_MODEL_TYPE,
     falcon_h1_arch_fields,
@@ -116,6 +114,8 @@ from areal_mega.models.falcon_h1 import (
     falcon_h1_normalized,
 )
 from areal_mega.models.falcon_h1 import MULTIPLIERS_ATTR as FALCON_H1_MULTIPLIERS
+from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
+from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
 from areal_mega.models.nemotron_h import (
     nemotron_h_arch_fields,
     nemotron_h_config_fields,

@@ -36,7 +36,7 @@ before its norm) or with an epsilon other than megatron's fixed 1e-5; context pa
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from areal_mega.models.bridge_provider import ARCH_FIELDS, provider_for
 from areal_mega.models.decoder_fields import decoder_fields

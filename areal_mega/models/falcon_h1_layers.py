@@ -173,4 +173,3 @@ def finish_falcon_h1_model(model, multipliers: FalconH1Multipliers) -> None:
 def attach_multipliers(config, multipliers: FalconH1Multipliers) -> None:
     """Give ``config`` (a ``TransformerConfig``) the multipliers the modules read."""
     setattr(config, MULTIPLIERS_ATTR, multipliers)
-
