@@ -140,17 +140,18 @@ class TinyModelSpec:
     ssm_state_size: int = 8
     mamba_chunk_size: int = 8
     time_step_min: float = 1e-9
-    # falcon_h1: Mamba-2 beside attention in every layer (the nemotron_h Mamba sizes above;
-    # no gated norm: transformers' default mamba_rms_norm=False); muP multipliers away from
-    # one so that each shows: embedding, lm_head, attention in / out, key, SSM in / out, the
-    # five sections of the Mamba input projection (z, x, B, C, dt) and the MLP's gate / down
-    falcon_multipliers: dict = field(
+    # falcon_h1: Mamba-2 beside attention in every layer (the nemotron_h Mamba sizes above);
+    # FalconH1Config keys: the muP multipliers away from one so that each shows (embedding,
+    # lm_head, attention in / out, key, SSM in / out, the five sections of the Mamba input
+    # projection z, x, B, C, dt, the MLP's gate / down); no gated Mamba norm unless this sets
+    # mamba_rms_norm (transformers' default False)
+    falcon_h1_config: dict = field(
         default_factory=lambda: dict(
             embedding_multiplier=1.5,
             lm_head_multiplier=0.75,
             attention_in_multiplier=0.8,
             attention_out_multiplier=1.25,
-            key_multiplier=0.9,
+            key_multiplier=0.5,
             ssm_in_multiplier=1.1,
             ssm_out_multiplier=0.7,
             ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.3],
@@ -591,8 +592,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             mamba_n_groups=spec.mamba_n_groups,
             mamba_d_state=spec.ssm_state_size,
             mamba_chunk_size=spec.mamba_chunk_size,
-            mamba_rms_norm=False,
-            **spec.falcon_multipliers,
+            **dict(dict(mamba_rms_norm=False), **spec.falcon_h1_config),
         )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
