@@ -68,32 +68,6 @@ def init_distributed(
     )
 
 
-def release_model_parallel() -> None:
-    """Destroy megatron's parallel state and every process group it created.
-
-    ``parallel_state.destroy_model_parallel`` only forgets its groups: each stays registered
-    with torch.distributed, its gloo threads alive (about 60 threads per mesh, some of them
-    busy in their TCP loops), so a process that builds mesh after mesh (a re-mesh, a test of
-    layouts) would accumulate them. The groups are read from megatron's module state before
-    it is reset, then destroyed here; the default group is kept."""
-    from megatron.core import parallel_state as ps
-
-    groups = []
-    for name, value in vars(ps).items():
-        if not name.startswith("_"):
-            continue
-        for g in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(g, dist.ProcessGroup) and not any(g is h for h in groups):
-                groups.append(g)
-    ps.destroy_model_parallel()
-    if not dist.is_initialized():
-        return
-    world = dist.group.WORLD
-    for g in groups:
-        if g is not world and g is not dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(g)
-
-
 @dataclass
 class ParallelMesh:
     """Process groups and coordinates of this rank in the 5-D trainer mesh.
@@ -159,7 +133,7 @@ class ParallelMesh:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         if ps.model_parallel_is_initialized():
-            release_model_parallel()
+            ps.destroy_model_parallel()
         ps.initialize_model_parallel(
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
@@ -188,9 +162,10 @@ class ParallelMesh:
         )
 
     def destroy(self, *, process_group: bool = False) -> None:
-        """Destroy megatron's parallel state and its process groups (and the default group
-        when asked)."""
-        release_model_parallel()
+        """Destroy megatron's parallel state (and the default group when asked)."""
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
         if process_group and dist.is_initialized():
             dist.destroy_process_group()
 
