@@ -508,15 +508,16 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
 
 
 def test_upstream_falcon_h1_model_still_lacks_what_its_not_built_reason_names(tmp_path):
-    """Falcon-H1 stays in NOT_BUILT (areal_mega/models/bridge_provider.py) for what the
-    bridge's own FalconH1Model lacks on the engine's path; this fails once upstream changes
-    one of them (then revisit the reason and the family). The CPU refuses it naming why."""
+    """The engine builds Falcon-H1 as its own GPTModel layers (areal_mega/models/falcon_h1.py)
+    for what the bridge's own FalconH1Model lacks on the engine's path; this fails once
+    upstream changes one of them (then revisit whether the bridge's model would do). The same
+    config the bridge's model cannot take (norm_before_gate) builds and converts here."""
     import dataclasses
     import inspect
 
     from megatron.core.ssm.mamba_mixer import MambaMixer
 
-    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
+    from areal_mega.checkpoint.hf_mapping import read_arch
 
     bp._import_auto_bridge()  # installs the TransformerEngine placeholder the specs import
     from megatron.bridge.models.falcon_h1.modeling_falconh1 import (
@@ -559,11 +560,10 @@ def test_upstream_falcon_h1_model_still_lacks_what_its_not_built_reason_names(tm
     )
     assert bp.provider_for(hf).norm_before_gate is True
     assert "assert not self.norm_before_gate" in inspect.getsource(MambaMixer.__init__)
-    with pytest.raises(ValueError, match="not supported.*packed_seq_params"):
-        parse_hf_config(hf)
+    assert "falcon_h1" not in bp.NOT_BUILT
+    assert parse_hf_config(hf).mamba_beside_attention
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(UnsupportedModelError, match="packed_seq_params"):
-        read_arch(tmp_path)
+    assert read_arch(tmp_path).has_mamba
 
 
 def test_upstream_hy_v3_provider_still_ignores_mlp_layer_types():

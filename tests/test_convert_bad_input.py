@@ -36,7 +36,10 @@ def _copy(src, dst, **cfg_changes):
     "changes, needle",
     [
         (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "model_type='gpt2'"),
-        (dict(model_type="falcon_h1"), "not supported"),
+        (
+            dict(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"]),
+            "not supported",
+        ),
         # a mistral config.json naming a llama class: the model type and the class disagree
         (dict(model_type="mistral"), "is not a causal LM of model_type 'mistral'"),
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "llama3"),

@@ -124,7 +124,7 @@ def test_list_bridge_models_command():
         "Qwen3MoeForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.SERVER_PATHS["static"]
-    assert not rows["FalconH1ForCausalLM"]["engine"]
+    assert not rows["Qwen3VLMoeForConditionalGeneration"]["engine"]
     for arch in (
         "GemmaForCausalLM",
         "Gemma3ForCausalLM",
@@ -134,6 +134,7 @@ def test_list_bridge_models_command():
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",
         "Gemma4ForCausalLM",
+        "FalconH1ForCausalLM",
     ):
         assert rows[arch]["engine"] and rows[arch]["server"] == ms.ENGINE_HF_CACHE
     for arch in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
@@ -147,7 +148,7 @@ def test_list_bridge_models_command():
         if row["model_type"] in NOT_BUILT and not row["engine"]:
             assert row["status"] == ms.STATUS["no"]
             assert row["status_note"] == (row["note"] or NOT_BUILT[row["model_type"]]), row
-    assert "packed sequences" in rows["FalconH1ForCausalLM"]["status_note"]
+    assert "grouped-GEMM" in rows["Qwen3VLMoeForConditionalGeneration"]["status_note"]
     # docs/model_families.md holds the command's table as it prints it now
     table = ms.markdown_table(list(json.loads(p.stdout)))
     assert table in (ROOT / "docs" / "model_families.md").read_text()
@@ -163,12 +164,11 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
 
     assert not set(NOT_BUILT) & (set(SUPPORTED_MODEL_TYPES) | set(GPU_ONLY))
     assert all(len(why) > 40 for why in NOT_BUILT.values())
-    with pytest.raises(ValueError, match="packed sequences"):
-        parse_hf_config({"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]})
-    (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]})
-    )
-    with pytest.raises(UnsupportedModelError, match="packed sequences"):
+    vl_moe = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"]}
+    with pytest.raises(ValueError, match="grouped-GEMM"):
+        parse_hf_config(vl_moe)
+    (tmp_path / "config.json").write_text(json.dumps(vl_moe))
+    with pytest.raises(UnsupportedModelError, match="grouped-GEMM"):
         read_arch(tmp_path)
     # Gemma 4 (built dense): its MoE variant is refused naming the key
     gemma4_moe = {

@@ -78,6 +78,7 @@ BRIDGED_ARCHITECTURES = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)
@@ -119,9 +120,10 @@ _KINDS = {
     "GDNLinearMappingSeparate": "gdn_in_proj_split",
     "GDNConv1dMapping": "copy",
     "RMSNorm2ZeroCenteredRMSNormMapping": "minus_one",
-    # Nemotron-H's Mamba mixer: whole tensors as they are; their tensor-parallel shards
-    # (column / row parallel, in_proj and conv1d section by section) are the megatron module's
-    # own sharding, which the distributed checkpoint and the weight export follow
+    # Nemotron-H's and Falcon-H1's Mamba mixers: whole tensors as they are; their
+    # tensor-parallel shards (column / row parallel, in_proj and conv1d section by section) are
+    # the megatron module's own sharding, which the distributed checkpoint and the weight
+    # export follow
     "ColumnParallelMapping": "copy",
     "RowParallelMapping": "copy",
     "MambaInProjMapping": "copy",

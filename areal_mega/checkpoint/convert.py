@@ -373,17 +373,20 @@ def convert_hf_to_mcore(
 def _section_regions(name: str, entry, pieces) -> list:
     """A world-size-1 parameter that megatron's checkpoint stores as several tensors, one per
     section of its rows (the Mamba mixer's ``in_proj`` as z, x, B, C, dt; its convolution as
-    x, B, C): ``[(key, offsets, sizes, section shape)]`` in row order. Each section's global
+    x, B, C): ``[(key, offsets, sizes, section shape)]`` in row order (``offsets`` / ``sizes``
+    with the layer axes megatron prepends to a ``GPTModel`` layer's tensors). Each section's global
     tensor stacks every TP rank's slice of it, so the sections are read apart and stacked here.
     RuntimeError when the pieces do not tile the parameter's rows."""
     full = tuple(entry.data.shape)
     out, rows = [], 0
     for p in sorted(pieces, key=lambda p: p.data.storage_offset()):
         shape = tuple(p.local_shape)
-        if shape[1:] != full[1:] or p.prepend_axis_num:
+        if shape[1:] != full[1:]:
             raise RuntimeError(f"{name}: section {p.key!r} of shape {shape} is not a row block")
         rows += shape[0]
-        out.append((p.key, list(p.global_offset), list(shape), shape))
+        # a GPTModel layer's tensors are stacked over the layers (prepended axes of one)
+        sizes = [1] * p.prepend_axis_num + list(shape)
+        out.append((p.key, list(p.global_offset), sizes, shape))
     if rows != full[0]:
         raise RuntimeError(f"{name}: its sections hold {rows} of {full[0]} rows")
     return out

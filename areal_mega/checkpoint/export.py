@@ -35,6 +35,7 @@ from areal_mega.checkpoint import hf_mapping as hm
 from areal_mega.checkpoint import hf_mapping_gdn, hf_mapping_gemma4
 from areal_mega.checkpoint.bridge_tables import FUSED_EXPERT_KINDS
 from areal_mega.checkpoint.safetensors_io import split_row_name
+from areal_mega.models.falcon_h1 import falcon_h1_full_shapes
 from areal_mega.models.mla import mla_full_shapes
 from areal_mega.models.nemotron_h import nemotron_h_full_shapes
 
@@ -82,6 +83,8 @@ def expected_full_shape(arch, suffix: str, layer: Optional[int] = None) -> Optio
         shapes["self_attention.out_proj.weight"] = (h, nv * dv)
     if arch.hybrid_layer_pattern is not None:
         shapes.update(nemotron_h_full_shapes(arch.source_config(), h))
+    if arch.mamba_beside_attention:
+        shapes.update(falcon_h1_full_shapes(arch.source_config(), h))
     shared = arch.moe_shared_ffn_hidden_size
     if shared:
         shapes["mlp.shared_experts.linear_fc1.weight"] = (2 * shared, h)

@@ -250,6 +250,41 @@ _HF_NAME_FIXES = {
 }
 
 
+#: Falcon-H1: the bridge's registry names the tensors of its own FalconH1Model; ours is a
+#: GPTModel whose layers hold the Mamba mixer inside their ``self_attention``
+#: (:mod:`areal_mega.models.falcon_h1`): the registry's name -> ours, None for a name our
+#: model does not have (the convolution's names of older megatron-core pins, a split up
+#: projection the bridge's model never builds)
+_MCORE_RENAMES = {
+    "falcon_h1": {
+        "decoder.final_norm.weight": "decoder.final_layernorm.weight",
+        "norm.weight": "input_layernorm.weight",
+        "mamba_mixer.conv1d.weight": None,
+        "mamba_mixer.conv1d.bias": None,
+        "mlp.linear_fc1_up.weight": None,
+    }
+}
+#: the registry's Mamba mixer prefix -> ours (Falcon-H1)
+_MCORE_PREFIX_RENAMES = {"falcon_h1": ("mamba_mixer.", "self_attention.mamba_mixer.")}
+
+
+def _renamed(mt: str, maps: Tuple[TensorMap, ...]) -> Tuple[TensorMap, ...]:
+    """``maps`` with the registry's megatron names made our model's (:data:`_MCORE_RENAMES`)."""
+    names = _MCORE_RENAMES.get(mt)
+    if names is None:
+        return maps
+    old, new = _MCORE_PREFIX_RENAMES[mt]
+    out = []
+    for m in maps:
+        mcore = names.get(m.mcore, m.mcore)
+        if mcore is None:
+            continue
+        if mcore.startswith(old):
+            mcore = new + mcore[len(old) :]
+        out.append(TensorMap(mcore, m.hf, m.kind))
+    return tuple(out)
+
+
 def _maps(rows) -> Tuple[TensorMap, ...]:
     return tuple(TensorMap(r["mcore"], tuple(r["hf"]), r["kind"]) for r in rows)
 
@@ -262,7 +297,7 @@ def _families(tables: dict) -> Dict[str, Family]:
     fams = tables["families"]
     out = {}
     for mt, t in fams.items():
-        layer, glob = _maps(t["layer"]), _maps(t["global"])
+        layer, glob = _renamed(mt, _maps(t["layer"])), _renamed(mt, _maps(t["global"]))
         fixes = _HF_NAME_FIXES.get(mt, {})
         glob = tuple(TensorMap(m.mcore, fixes.get(m.mcore, m.hf), m.kind) for m in glob)
         if mt in _OUTPUT_LAYER_FROM and not any(m.mcore == "output_layer.weight" for m in glob):
@@ -369,6 +404,8 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
                 f"{arch.model_type}: layer {layer} of type {letter!r} has no tensor mapping"
             )
         return tuple(m for m in fam.dense_layer if m.mcore.startswith(HYBRID_LAYER_ROWS[letter]))
+    if arch.mamba_beside_attention and not arch.source_config().get("mamba_rms_norm"):
+        return tuple(m for m in fam.dense_layer if m.mcore != _MAMBA_GATED_NORM)
     pattern = arch.moe_layer_pattern
     table = (
         fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else fam.dense_layer
@@ -390,6 +427,8 @@ def _gated(arch, m: TensorMap) -> TensorMap:
     return m
 
 
+#: Falcon-H1's gated Mamba norm, which a config without ``mamba_rms_norm`` does not have
+_MAMBA_GATED_NORM = "self_attention.mamba_mixer.norm.weight"
 #: the gated delta-net's tensors (linear-attention layers); other ``self_attention.`` tensors
 #: belong to the full-attention layers
 _GDN_TENSORS = (

@@ -115,7 +115,11 @@ def check_lora_model(cfg) -> None:
             cp=dims.cp,
             gated_mlp=hf.get("hidden_act") != "relu2",
             linear_attention="linear_attention" in (hf.get("layer_types") or ()),
-            hybrid=bool(hf.get("layers_block_type") or hf.get("hybrid_override_pattern")),
+            hybrid=bool(
+                hf.get("layers_block_type")
+                or hf.get("hybrid_override_pattern")
+                or hf.get("mamba_n_heads")  # Falcon-H1
+            ),
             vision_language=hf.get("vision_config") is not None,
         )
     except LoraSupportError as e:

@@ -196,7 +196,7 @@ class MegatronEngine:
             # the shared prompt's attention-only layout does not carry
             and self.arch.linear_attention_layers is None
             # a Mamba layer's state runs through the whole sequence: no prefix computed apart
-            and self.arch.hybrid_layer_pattern is None
+            and not self.arch.has_mamba
             and self.replay is None
             and all(positions_supported(c) for c in chunks)
         )

@@ -18,7 +18,8 @@ as rows ``0..B-1`` of one of these:
   transformers' ``DynamicCache``, rows merged by left-padding every layer's keys/values to the
   common length (sliding-window layers keep every key; the mask applies the window). Mamba /
   linear-attention layers (Nemotron-H) keep per-row states instead (:class:`RowStates`: a
-  convolution window and a recurrent state, no sequence axis), joined row by row.
+  convolution window and a recurrent state, no sequence axis), joined row by row; a layer with
+  both (Falcon-H1: a Mamba mixer beside the attention) keeps both (:class:`StatesAndKV`).
 
 Both answer :meth:`prefill` (equal-length prompts, logits of the last position; the static
 batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reuse`),
@@ -407,14 +408,24 @@ def _cache_keeping_every_key(config, past):
         for layer in cache.layers
     ]
     for layer, entry in zip(cache.layers, past or ()):
-        if isinstance(entry, RowStates):  # sets has_previous_state: the model decodes a step
-            if entry.conv is not None:
-                layer.update_conv_state(entry.conv)
-            if entry.recurrent is not None:
-                layer.update_recurrent_state(entry.recurrent)
+        if isinstance(entry, StatesAndKV):
+            _restore(layer, entry.states)
+            if entry.kv[0] is not None:
+                layer.update(*entry.kv)
+        elif isinstance(entry, RowStates):
+            _restore(layer, entry)
         elif entry[0] is not None:
             layer.update(*entry)
     return cache
+
+
+def _restore(layer, entry) -> None:
+    """A cache layer's convolution / recurrent states from ``entry`` (:class:`RowStates`;
+    sets ``has_previous_state``: the model then decodes a step)."""
+    if entry.conv is not None:
+        layer.update_conv_state(entry.conv)
+    if entry.recurrent is not None:
+        layer.update_recurrent_state(entry.recurrent)
 
 
 class RowStates(NamedTuple):
@@ -425,19 +436,31 @@ class RowStates(NamedTuple):
     recurrent: Optional[torch.Tensor]
 
 
+class StatesAndKV(NamedTuple):
+    """The cache entry of a layer with a Mamba mixer beside its attention (Falcon-H1): the
+    mixer's :class:`RowStates` and the attention's ``(keys, values)``."""
+
+    states: RowStates
+    kv: tuple
+
+
 def _layer_entry(layer):
     """One layer of transformers' cache as this batch keeps it: :class:`RowStates` for a
-    linear-attention layer, else ``(keys, values)`` (None, None for a layer without
-    attention, e.g. Nemotron-H's MLP layers)."""
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+    linear-attention layer, :class:`StatesAndKV` for a layer with both, else ``(keys,
+    values)`` (None, None for a layer without attention, e.g. Nemotron-H's MLP layers)."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+    kv = (getattr(layer, "keys", None), getattr(layer, "values", None))
     if isinstance(layer, LinearAttentionCacheLayerMixin):
-        return RowStates(layer.conv_states, layer.recurrent_states)
-    return (getattr(layer, "keys", None), getattr(layer, "values", None))
+        states = RowStates(layer.conv_states, layer.recurrent_states)
+        return StatesAndKV(states, kv) if isinstance(layer, DynamicLayer) else states
+    return kv
 
 
 def _take(entry, idx: torch.Tensor, first: int = 0):
     """Rows ``idx`` of a layer entry (keys / values from column ``first`` on)."""
+    if isinstance(entry, StatesAndKV):
+        return StatesAndKV(_take(entry.states, idx), _take(entry.kv, idx, first))
     if isinstance(entry, RowStates):
         return RowStates(*(None if t is None else t.index_select(0, idx) for t in entry))
     return tuple(None if t is None else t.index_select(0, idx)[:, :, first:] for t in entry)
@@ -446,6 +469,8 @@ def _take(entry, idx: torch.Tensor, first: int = 0):
 def _join(old, new, length: int):
     """A layer entry of the batch's rows followed by another's, keys / values left-padded to
     ``length``."""
+    if isinstance(old, StatesAndKV):
+        return StatesAndKV(_join(old.states, new.states, length), _join(old.kv, new.kv, length))
     if isinstance(old, RowStates):
         return RowStates(*(None if a is None else torch.cat([a, b]) for a, b in zip(old, new)))
     return tuple(

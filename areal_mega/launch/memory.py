@@ -571,7 +571,8 @@ def hparams_from_hf_config(path: str | Path) -> ModelHParams:
             )
         # the language model's fields: top level in older files, text_config in newer ones
         d = {**d, **(d.get("text_config") or {}), "model_type": family}
-    if d.get("layers_block_type") or d.get("hybrid_override_pattern"):
+    # Nemotron-H's layer pattern, Falcon-H1's Mamba mixers beside the attention
+    if d.get("layers_block_type") or d.get("hybrid_override_pattern") or d.get("mamba_n_heads"):
         raise ValueError(
             f"model_type {d.get('model_type')!r} is a hybrid (Mamba) model: the estimate "
             "counts attention + MLP decoder layers only; give the recipe a model_hparams "

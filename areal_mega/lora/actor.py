@@ -72,7 +72,7 @@ def attach_lora(engine, chunks, lora_cfg) -> Optional[LoraState]:
         cp=dims.cp,
         gated_mlp=arch.gated_mlp,
         linear_attention=arch.linear_attention_layers is not None,
-        hybrid=arch.hybrid_layer_pattern is not None,
+        hybrid=arch.has_mamba,
         vision_language=vl,
     )
     n_all = sum(p.numel() for c in chunks for p in c.parameters())

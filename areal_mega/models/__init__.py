@@ -3,7 +3,7 @@
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
   OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4, Qwen3-Next,
-  Qwen3.5, Qwen3.5-MoE, Gemma 4 text);
+  Qwen3.5, Qwen3.5-MoE, Gemma 4 text, Falcon-H1);
 - :mod:`.decoder_fields` — the decoder facts every HF config states the same way (sizes,
   heads, RoPE base, norm epsilon), with each family's defaults;
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
@@ -20,6 +20,11 @@
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;
 - :mod:`.nemotron_h` — Nemotron-H: megatron's HybridModel (Mamba-2, attention and MLP
   layers) from the bridge's provider on the local hybrid spec;
+- :mod:`.falcon_h1` — Falcon-H1: its config fields from the bridge's provider, muP
+  multipliers, refusals, and why the engine builds its own layers (a Mamba-2 mixer beside the
+  attention) rather than the bridge's FalconH1Model;
+- :mod:`.falcon_h1_layers` — Falcon-H1's megatron-core modules: the layer spec, the parallel
+  Mamba / attention mixer, the muP-scaled Mamba input projection and MLP;
 - :mod:`.olmoe` — OLMoE's (and MiniMax-M2's) RMSNorm over the whole query / key projection,
   tensor-parallel;
 - :mod:`.gpt_oss` — GPT-OSS: its config fields (sinks, windows, YaRN, biased experts with the

@@ -40,6 +40,7 @@ __all__ = [
     "committed_attention_backend",
     "config_attention_backend",
     "decide_fusions",
+    "runtime_config_fields",
     "apex_grad_accum_available",
 ]
 
@@ -276,4 +277,68 @@ def decide_fusions(
         apply_rope_fusion=bool(rope),
         bias_activation_fusion=activation == "silu" and gated_linear_unit,
         gradient_accumulation_fusion=bool(apex_grad_accum),
+    )
+
+
+#: the engine's dtype names -> torch dtypes
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def runtime_config_fields(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    vpp: Optional[int] = None,
+    sequence_parallel: bool = False,
+    dtype: str = "fp32",
+    variable_seq_lengths: bool = True,
+    use_te: bool = False,
+    deterministic: bool = False,
+    attention_backend: Optional[str] = None,
+    fusions: Optional[dict] = None,
+    activation: str = "silu",
+) -> dict:
+    """The ``TransformerConfig`` fields the engine decides, whatever the architecture: parallel
+    sizes of our mesh, dtype, CPU/GPU fusions (:func:`~areal_mega.models.backend.decide_fusions`
+    unless ``fusions`` is given), the MoE dispatcher, initialisation on CPU, attention backend
+    (see :func:`~areal_mega.models.builder.transformer_config_from_hf`)."""
+    params_dtype = _DTYPES[dtype]
+    on_gpu = torch.cuda.is_available()
+    if fusions is None:
+        te = probe_te() if on_gpu and use_te else None
+        fusions = decide_fusions(
+            cuda=on_gpu,
+            use_te=use_te,
+            te_version=te.version if te is not None else None,
+            apex_grad_accum=on_gpu and apex_grad_accum_available(),
+            activation=activation,
+            gated_linear_unit=True,
+            cp=cp,
+        )
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        variable_seq_lengths=variable_seq_lengths,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        masked_softmax_fusion=on_gpu and use_te,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=deterministic,
+        attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
+        **fusions,
     )

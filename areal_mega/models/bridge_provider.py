@@ -15,8 +15,9 @@ packed attention, :mod:`areal_mega.models.varlen_attention`, runs on both).
 Families (``model_type``):
 
 * :data:`PROVIDER_FAMILIES`: architecture from the bridge's provider;
-* :data:`HYBRID_FAMILIES`: megatron-core's ``HybridModel``, architecture from the bridge's
-  provider read by the family's own module;
+* :data:`HYBRID_FAMILIES`: Mamba hybrids (megatron-core's ``HybridModel``; Falcon-H1's
+  parallel Mamba / attention layers), architecture from the bridge's provider read by the
+  family's own module;
 * :data:`OWN_TRANSLATOR`: our translator kept, the reason given per family;
 * :data:`CORRECTIONS`: a provider field the bridge gets wrong for some configs, corrected
   here; ``tests/test_bridge_provider.py`` fails once upstream fixes it (then drop the entry);
@@ -198,9 +199,11 @@ VL_NOT_RL = (
     "its CPU serving with images and an RL run are not checked for this family"
 )
 
-#: hybrid families (megatron-core's HybridModel): their architecture comes from the bridge's
-#: provider too, read with the hybrid fields by their own module (areal_mega/models/nemotron_h.py)
-HYBRID_FAMILIES = ("nemotron_h",)
+#: hybrid (Mamba) families: their architecture comes from the bridge's provider too, read with
+#: the Mamba fields by their own module: Nemotron-H, megatron-core's HybridModel
+#: (areal_mega/models/nemotron_h.py); Falcon-H1, GPTModel layers with a Mamba mixer beside the
+#: attention (areal_mega/models/falcon_h1.py says why not the bridge's own FalconH1Model)
+HYBRID_FAMILIES = ("nemotron_h", "falcon_h1")
 
 #: families that keep our translator, and why
 OWN_TRANSLATOR = {
@@ -463,21 +466,6 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
-    "falcon_h1": (
-        "Mamba-2 and attention side by side in every layer, then the MLP, with muP multipliers "
-        "inside the layers: Megatron-Bridge builds it as its own FalconH1Model, not a "
-        "megatron-core model. None of its layers needs CUDA (local linears and norms, our "
-        "packed attention and the Mamba-2 kernels' CPU version stand in for its "
-        "TransformerEngine-only specs), but its forward takes no packed sequences: "
-        "FalconH1Model.forward and FalconH1Stack.forward have no packed_seq_params and "
-        "FalconH1Layer passes none to its Mamba mixer, so packed samples would share SSM "
-        "state and attention; its stack's final norm is TransformerEngine's TENorm whatever "
-        "the spec, its MLP's input norm exists only inside TE's fused norm + linear (the layer "
-        "has no pre-MLP norm of its own), and megatron's Mamba mixer refuses norm_before_gate, "
-        "which the bridge copies from mamba_norm_before_gate (transformers' default True, "
-        "unused there without mamba_rms_norm); our conversion and weight export have no rows "
-        "for its layers"
-    ),
     "qwen3_5_moe": (
         _VLM + "; its text model (model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: what "
         "AutoModelForCausalLM saves from it) is built"

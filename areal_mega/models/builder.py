@@ -23,7 +23,9 @@ rotary beside full-attention layers without, DeepSeek-V3's router:
 dense layers, llama3 RoPE), ``qwen3_next`` (Qwen3-Next: gated delta-net layers beside full
 attention with an output gate, a softmax router with a gated shared expert:
 :mod:`areal_mega.models.qwen3_next`), ``qwen3_5_text`` (Qwen3.5's dense text model: the same
-layers, dense MLPs), ``qwen3_5_moe_text`` (Qwen3.5-MoE's text model: the same layers and MoE).
+layers, dense MLPs), ``qwen3_5_moe_text`` (Qwen3.5-MoE's text model: the same layers and MoE),
+``falcon_h1`` (Falcon-H1: a Mamba-2 mixer beside the attention in every layer, muP multipliers:
+:mod:`areal_mega.models.falcon_h1`).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -90,12 +92,8 @@ import torch
 import torch.nn.functional as F
 
 from areal_mega.models.backend import (
-    apex_grad_accum_available,
-    attn_backend_enum,
-    config_attention_backend,
-    decide_fusions,
     have_te,
-    probe_te,
+    runtime_config_fields,
 )
 from areal_mega.models.bridge_provider import (
     OWN_TRANSLATOR,
@@ -105,6 +103,14 @@ from areal_mega.models.bridge_provider import (
     uses_provider,
 )
 from areal_mega.models.decoder_fields import decoder_fields
+from areal_mega.models.falcon_h1 import (
+    FALCON_H1_MODEL_TYPE,
+    falcon_h1_arch_fields,
+    falcon_h1_config_fields,
+    falcon_h1_gpt_kwargs,
+    falcon_h1_normalized,
+)
+from areal_mega.models.falcon_h1 import MULTIPLIERS_ATTR as FALCON_H1_MULTIPLIERS
 from areal_mega.models.mla import deepseek_v2_fields, deepseek_v3_fields, glm4_moe_lite_fields
 from areal_mega.models.moe_families import glm4_moe_fields, hy_v3_fields, minimax_m2_fields
 from areal_mega.models.nemotron_h import (
@@ -154,6 +160,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_moe_text",
     "nemotron_h",
     "gemma4_text",
+    "falcon_h1",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -232,6 +239,9 @@ class HFArch:
     double_wide_mlp: bool = False
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # Falcon-H1 (:mod:`areal_mega.models.falcon_h1`): a Mamba-2 mixer beside the attention in
+    # every layer
+    mamba_beside_attention: bool = False
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -242,6 +252,11 @@ class HFArch:
     @property
     def is_mla(self) -> bool:
         return self.mla_kv_lora_rank is not None
+
+    @property
+    def has_mamba(self) -> bool:
+        """Whether some layer runs a Mamba mixer (its state runs through the whole sequence)."""
+        return self.hybrid_layer_pattern is not None or self.mamba_beside_attention
 
     def source_config(self) -> dict:
         """The HF config dict this was parsed from (:func:`parse_hf_config`)."""
@@ -308,6 +323,9 @@ def parse_hf_config(hf: dict) -> HFArch:
         )
     if mt == "nemotron_h":
         return HFArch(**nemotron_h_arch_fields(hf), hf_json=_config_json(hf))
+    if mt == FALCON_H1_MODEL_TYPE:  # its config completed as the bridge's provider reads it
+        hf = falcon_h1_normalized(hf)
+        return HFArch(**falcon_h1_arch_fields(hf), hf_json=_config_json(hf))
     if mt in _OWN_ARCH_FIELDS:  # modules that import megatron-core: imported when needed
         module, fn = _OWN_ARCH_FIELDS[mt].split(":")
         fields = getattr(importlib.import_module(f"areal_mega.models.{module}"), fn)(hf)
@@ -393,66 +411,6 @@ def interleaved_p2p_settings(pp: int, vpp: Optional[int]) -> dict:
     return {}
 
 
-def runtime_config_fields(
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    ep: int = 1,
-    vpp: Optional[int] = None,
-    sequence_parallel: bool = False,
-    dtype: str = "fp32",
-    variable_seq_lengths: bool = True,
-    use_te: bool = False,
-    deterministic: bool = False,
-    attention_backend: Optional[str] = None,
-    fusions: Optional[dict] = None,
-    activation: str = "silu",
-) -> dict:
-    """The ``TransformerConfig`` fields the engine decides, whatever the architecture: parallel
-    sizes of our mesh, dtype, CPU/GPU fusions (:func:`~areal_mega.models.backend.decide_fusions`
-    unless ``fusions`` is given), the MoE dispatcher, initialisation on CPU, attention backend
-    (see :func:`transformer_config_from_hf`)."""
-    params_dtype = _DTYPES[dtype]
-    on_gpu = torch.cuda.is_available()
-    if fusions is None:
-        te = probe_te() if on_gpu and use_te else None
-        fusions = decide_fusions(
-            cuda=on_gpu,
-            use_te=use_te,
-            te_version=te.version if te is not None else None,
-            apex_grad_accum=on_gpu and apex_grad_accum_available(),
-            activation=activation,
-            gated_linear_unit=True,
-            cp=cp,
-        )
-    return dict(
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp,
-        sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=dtype == "bf16",
-        fp16=dtype == "fp16",
-        variable_seq_lengths=variable_seq_lengths,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
-        masked_softmax_fusion=on_gpu and use_te,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        deterministic_mode=deterministic,
-        attention_backend=attn_backend_enum(config_attention_backend(attention_backend, use_te)),
-        **fusions,
-    )
-
-
 def transformer_config_from_hf(
     arch: HFArch,
     *,
@@ -497,6 +455,11 @@ def transformer_config_from_hf(
         why = nemotron_h_stage_refusal(arch.source_config(), pp, vpp)
         if why:
             raise ValueError(f"{arch.model_type}: {why}")
+    if arch.mamba_beside_attention and cp > 1:
+        raise ValueError(
+            f"{arch.model_type}: context parallelism is not built for its Mamba mixers "
+            "(megatron's Mamba context parallelism with packed sequences is not checked)"
+        )
     if arch.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_hidden_layers={arch.num_layers} not divisible by PP·VPP={pp * (vpp or 1)}"
@@ -517,8 +480,13 @@ def transformer_config_from_hf(
         activation=arch.activation,
     )
     # architecture fields: the bridge's provider, or our translator where it is kept
+    multipliers = None
     if arch.model_type == "nemotron_h":
         kw.update(nemotron_h_config_fields(arch.source_config())[0])
+        is_mla = False
+    elif arch.model_type == FALCON_H1_MODEL_TYPE:
+        fields, multipliers, _ = falcon_h1_config_fields(arch.source_config())
+        kw.update(fields)
         is_mla = False
     elif uses_provider(arch.model_type):
         fields, _, is_mla = provider_arch_fields(arch.source_config())
@@ -570,6 +538,8 @@ def transformer_config_from_hf(
     config = TransformerConfig(**kw)
     for k, v in yarn.items():
         setattr(config, k, v)
+    if multipliers is not None:
+        setattr(config, FALCON_H1_MULTIPLIERS, multipliers)
     return config
 
 
@@ -604,6 +574,8 @@ def gpt_model_kwargs(arch: HFArch) -> dict:
     length, tied embeddings): the bridge's provider's, or ours where our translator is kept."""
     if uses_provider(arch.model_type):
         return provider_arch_fields(arch.source_config())[1]
+    if arch.model_type == FALCON_H1_MODEL_TYPE:
+        return falcon_h1_gpt_kwargs(arch.source_config(), arch)
     return dict(
         rotary_base=arch.rope_theta,
         rotary_percent=arch.rotary_percent,
@@ -647,6 +619,15 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.qwen3_next import qwen3_next_block_spec
 
         return qwen3_next_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.model_type == FALCON_H1_MODEL_TYPE:
+        from areal_mega.models.falcon_h1_layers import falcon_h1_layer_spec
+
+        if use_te:
+            raise ValueError(
+                "falcon_h1 runs on megatron's local layer spec only (model.attention_backend "
+                "other than TransformerEngine)"
+            )
+        return falcon_h1_layer_spec(falcon_h1_config_fields(arch.source_config())[2])
     if arch.model_type == "nemotron":
         from areal_mega.models.nemotron import nemotron_block_spec
 
@@ -761,6 +742,10 @@ def build_model_chunks(
             from areal_mega.models.gemma3 import scale_embeddings
 
             scale_embeddings(model, arch)
+        if arch.model_type == FALCON_H1_MODEL_TYPE:
+            from areal_mega.models.falcon_h1_layers import finish_falcon_h1_model
+
+            finish_falcon_h1_model(model, getattr(config, FALCON_H1_MULTIPLIERS))
         cast_params_to(model, config.params_dtype)
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())

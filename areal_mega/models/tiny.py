@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +42,7 @@ ARCHS = (
     "qwen3_5_moe_text",
     "nemotron_h",
     "gemma4_text",
+    "falcon_h1",
 )
 #: vision-language models (:mod:`areal_mega.models.vlm.tiny`): the text model's sizes from
 #: the spec, the vision tower's from its ``vision_*`` fields
@@ -150,6 +151,24 @@ class TinyModelSpec:
     use_double_wide_mlp: bool = True
     hidden_size_per_layer_input: int = 8
     time_step_min: float = 1e-9
+    # falcon_h1: Mamba-2 beside attention in every layer (the nemotron_h Mamba sizes above);
+    # FalconH1Config keys: the muP multipliers away from one so that each shows (embedding,
+    # lm_head, attention in / out, key, SSM in / out, the five sections of the Mamba input
+    # projection z, x, B, C, dt, the MLP's gate / down); no gated Mamba norm unless this sets
+    # mamba_rms_norm (transformers' default False)
+    falcon_h1_config: dict = field(
+        default_factory=lambda: dict(
+            embedding_multiplier=1.5,
+            lm_head_multiplier=0.75,
+            attention_in_multiplier=0.8,
+            attention_out_multiplier=1.25,
+            key_multiplier=0.5,
+            ssm_in_multiplier=1.1,
+            ssm_out_multiplier=0.7,
+            ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 1.3],
+            mlp_multipliers=[1.3, 0.6],
+        )
+    )
 
 
 def build_char_tokenizer(charset: str = "ascii"):
@@ -223,6 +242,7 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
         "qwen3_5_text",
         "qwen3_5_moe_text",
         "gemma4_text",
+        "falcon_h1",
     ):
         raise ValueError(f"head_dim: arch={spec.arch!r} derives it from hidden_size/num_heads")
     windowed = (
@@ -613,6 +633,24 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             time_step_min=spec.time_step_min,
             use_mamba_kernels=False,
         )
+    if spec.arch == "falcon_h1":
+        from transformers import FalconH1Config
+
+        for key in ("rms_norm_eps", "rope_parameters"):
+            common.pop(key)
+        return FalconH1Config(
+            **common,
+            head_dim=head_dim,
+            rms_norm_eps=1e-5,  # megatron's gated Mamba norm fixes it (with mamba_rms_norm)
+            rope_theta=spec.rope_theta,
+            mamba_d_ssm=spec.mamba_num_heads * spec.mamba_head_dim,
+            mamba_n_heads=spec.mamba_num_heads,
+            mamba_d_head=spec.mamba_head_dim,
+            mamba_n_groups=spec.mamba_n_groups,
+            mamba_d_state=spec.ssm_state_size,
+            mamba_chunk_size=spec.mamba_chunk_size,
+            **dict(dict(mamba_rms_norm=False), **spec.falcon_h1_config),
+        )
     raise ValueError(f"arch={spec.arch!r}: must be one of {ARCHS}")
 
 
@@ -705,6 +743,19 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                 elif name.endswith("A_log"):
                     p.uniform_(-1.0, 1.0)
                 elif ".mixer." in name and name.endswith(("in_proj.weight", "out_proj.weight")):
+                    p.normal_(0.0, 0.15)
+                elif name.endswith(("conv1d.weight", "conv1d.bias", ".D", "dt_bias")):
+                    p.normal_(0.0, 0.3)
+    if spec.arch == "falcon_h1":
+        # as nemotron_h: random norm gains, A_log in [-1, 1], the Mamba projections,
+        # convolution, D and dt bias large enough that the Mamba branch moves the logits
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("A_log"):
+                    p.uniform_(-1.0, 1.0)
+                elif ".mamba." in name and name.endswith(("in_proj.weight", "out_proj.weight")):
                     p.normal_(0.0, 0.15)
                 elif name.endswith(("conv1d.weight", "conv1d.bias", ".D", "dt_bias")):
                     p.normal_(0.0, 0.3)

@@ -112,16 +112,16 @@ def _reference_masking(eng, hf, mb) -> tuple:
     """The reference forward's ``(attention_mask, packed_seq_params)`` for one micro-batch: the
     block-causal mask; with it, for a model with linear-attention layers (Qwen3-Next's gated
     delta-net: a recurrence over the packed row, which no attention mask confines to a
-    sequence), the packed slots as the engine builds them; for a hybrid model (Nemotron-H),
-    whose Mamba layers keep packed sequences apart only through ``PackedSeqParams.seq_idx``,
-    the packed parameters from the segment lengths and no mask."""
+    sequence), the packed slots as the engine builds them; for a Mamba hybrid (Nemotron-H,
+    Falcon-H1), whose Mamba layers keep packed sequences apart only through
+    ``PackedSeqParams.seq_idx``, the packed parameters from the segment lengths and no mask."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from areal_mega.engine.packed import block_causal_mask
     from areal_mega.engine.packed_params import packed_seq_kwargs
 
     seg = mb["segment_ids"].long()
-    if eng.arch.hybrid_layer_pattern is not None:
+    if eng.arch.has_mamba:
         lens = torch.unique_consecutive(seg, return_counts=True)[1]
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
         return None, PackedSeqParams(**packed_seq_kwargs(cu, None, int(cu[-1])))

@@ -115,6 +115,21 @@ CASES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Falcon-H1: a Mamba-2 mixer beside the attention in every layer, then the gated MLP, with
+    # every muP multiplier away from one (embedding, lm_head, key, attention in / out, SSM in /
+    # out, the five sections of the Mamba input projection, the MLP's gate / down; TinyModelSpec)
+    # and the Mamba sizes and weights of nemotron_h's case (one scan chunk per checked
+    # sequence); TP2 splits the Mamba heads and groups; untied
+    "falcon_h1": FamilyCase(
+        "falcon_h1",
+        dict(
+            arch="falcon_h1",
+            hidden_size=32,
+            intermediate_size=48,
+            mamba_chunk_size=32,
+            tie_word_embeddings=False,
+        ),
+    ),
     # Gemma 2: Gemma 3's layer without QK norms (sliding window 8 on even layers, one RoPE
     # base), attention scores capped at 1.0 and final logits at 2.0 by tanh, softmax scale
     # 32^-0.5; weights drawn with std 0.1, so that both caps bite (at 0.02 the attention
@@ -313,6 +328,7 @@ RL_CASES = (
     "qwen3_5_moe_text",
     "nemotron_h",
     "gemma4_text",
+    "falcon_h1",
 )
 
 
