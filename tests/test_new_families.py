@@ -40,14 +40,16 @@ TOL = 1e-5
 
 
 def selected_families(session) -> list:
-    """The families whose parametrised tests this session runs (``-k`` deselects the others;
-    every family when none is selected)."""
+    """The families of this module whose parametrised tests this session runs (``-k``
+    deselects the others; every family when none is selected). Other modules' ``family``
+    parameters (tests/test_moe_families.py's, collected in the same session) are not ours."""
     names = {
         item.callspec.params["family"]
         for item in session.items
-        if "family" in getattr(getattr(item, "callspec", None), "params", {})
+        if item.path == Path(__file__)
+        and "family" in getattr(getattr(item, "callspec", None), "params", {})
     }
-    return sorted(names) or sorted(CASES)
+    return sorted(names & set(CASES)) or sorted(CASES)
 
 
 @pytest.fixture(scope="module")
