@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from areal_mega.run_dir import find_latest
 from tests.helpers.bit_flips import flip
 from tests.helpers.local_runs import (
     _accepted_ids,
@@ -45,7 +46,9 @@ def test_corrupt_newest_checkpoint_falls_back_and_trains_every_sample_once(asset
         time.sleep(0.2)
     trainer = psutil.Process(_trainer_pid(run))
     trainer.suspend()  # no save can complete while we pick the victim
-    newest = ckpts / latest.read_text().strip()
+    # the save a resume takes: the newest complete one (one ahead of ``latest`` when the
+    # trainer stopped between a save's rename and its pointer's move)
+    newest = find_latest(ckpts)
     step = int(newest.name.split("_")[1])
     previous = ckpts / f"iter_{step - 2:07d}"
     assert step < total and previous.is_dir(), sorted(p.name for p in ckpts.iterdir())
