@@ -731,31 +731,20 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                     p.normal_(0.0, 0.2)
                 elif name.endswith("linear_attn.dt_bias"):
                     p.normal_(1.0, 0.5)
-    if spec.arch == "nemotron_h":
+    if spec.arch in ("nemotron_h", "falcon_h1"):
         # every norm (layer, gated Mamba, final) with random gains around one; A_log in
         # [-1, 1] so that the states decay at visibly different rates per head; the other
         # weights (transformers' init leaves out_proj and the convolution small) large enough
-        # that the Mamba branch moves the residual stream
+        # that the Mamba branch (Nemotron-H's ``mixer``, Falcon-H1's ``mamba``) moves the
+        # residual stream
+        mixer = ".mixer." if spec.arch == "nemotron_h" else ".mamba."
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                if name.endswith(("norm.weight", "norm_f.weight")):
                     p.normal_(1.0, 0.3)
                 elif name.endswith("A_log"):
                     p.uniform_(-1.0, 1.0)
-                elif ".mixer." in name and name.endswith(("in_proj.weight", "out_proj.weight")):
-                    p.normal_(0.0, 0.15)
-                elif name.endswith(("conv1d.weight", "conv1d.bias", ".D", "dt_bias")):
-                    p.normal_(0.0, 0.3)
-    if spec.arch == "falcon_h1":
-        # as nemotron_h: random norm gains, A_log in [-1, 1], the Mamba projections,
-        # convolution, D and dt bias large enough that the Mamba branch moves the logits
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                    p.normal_(1.0, 0.3)
-                elif name.endswith("A_log"):
-                    p.uniform_(-1.0, 1.0)
-                elif ".mamba." in name and name.endswith(("in_proj.weight", "out_proj.weight")):
+                elif mixer in name and name.endswith(("in_proj.weight", "out_proj.weight")):
                     p.normal_(0.0, 0.15)
                 elif name.endswith(("conv1d.weight", "conv1d.bias", ".D", "dt_bias")):
                     p.normal_(0.0, 0.3)
