@@ -40,6 +40,7 @@ from typing import Any
 
 from areal_mega.models.bridge_provider import ARCH_FIELDS, provider_for
 from areal_mega.models.decoder_fields import decoder_fields
+from areal_mega.models.nemotron_h import mamba_mixer_shapes
 
 __all__ = [
     "FALCON_H1_MODEL_TYPE",
@@ -215,17 +216,12 @@ _MIXER = "self_attention.mamba_mixer."
 def falcon_h1_full_shapes(hf: dict, hidden: int) -> dict:
     """Pure: the full (un-split) megatron shapes of a Falcon-H1 config's tensor-parallel Mamba
     mixer tensors (canonical layer suffixes; the weight export's gather checks them)."""
-    heads, head_dim = int(hf["mamba_n_heads"]), int(hf["mamba_d_head"])
-    groups, state = int(hf.get("mamba_n_groups", 1)), int(hf.get("mamba_d_state", 256))
-    inner = heads * head_dim
-    conv = inner + 2 * groups * state
-    return {
-        _MIXER + "in_proj.weight": (2 * inner + 2 * groups * state + heads, hidden),
-        _MIXER + "conv1d_weight": (conv, 1, int(hf.get("mamba_d_conv", 4))),
-        _MIXER + "conv1d_bias": (conv,),
-        _MIXER + "out_proj.weight": (hidden, inner),
-        _MIXER + "A_log": (heads,),
-        _MIXER + "D": (heads,),
-        _MIXER + "dt_bias": (heads,),
-        _MIXER + "norm.weight": (inner,),
-    }
+    return mamba_mixer_shapes(
+        _MIXER,
+        heads=int(hf["mamba_n_heads"]),
+        head_dim=int(hf["mamba_d_head"]),
+        groups=int(hf.get("mamba_n_groups", 1)),
+        state=int(hf.get("mamba_d_state", 256)),
+        conv_kernel=int(hf.get("mamba_d_conv", 4)),
+        hidden=hidden,
+    )

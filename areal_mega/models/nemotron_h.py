@@ -146,23 +146,45 @@ def nemotron_h_stage_refusal(hf: dict, pp: int, vpp: Optional[int]) -> Optional[
     return None
 
 
-def nemotron_h_full_shapes(hf: dict, hidden: int) -> dict:
-    """Pure: the full (un-split) megatron shapes of a Nemotron-H config's tensor-parallel Mamba
-    mixer tensors (canonical layer suffixes; the weight export's gather checks them)."""
-    heads, head_dim = int(hf["mamba_num_heads"]), int(hf["mamba_head_dim"])
-    groups, state = int(hf.get("n_groups", 8)), int(hf.get("ssm_state_size", 128))
+def mamba_mixer_shapes(
+    prefix: str,
+    *,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state: int,
+    conv_kernel: int,
+    hidden: int,
+) -> dict:
+    """Pure: the full (un-split) shapes of megatron's Mamba-2 mixer tensors, each name
+    ``prefix`` + the mixer's own (the in-projection holds z, x, B, C and dt; the convolution
+    runs over x, B and C)."""
     inner = heads * head_dim
     conv = inner + 2 * groups * state
     return {
-        "mixer.in_proj.weight": (2 * inner + 2 * groups * state + heads, hidden),
-        "mixer.conv1d_weight": (conv, 1, int(hf.get("conv_kernel", 4))),
-        "mixer.conv1d_bias": (conv,),
-        "mixer.out_proj.weight": (hidden, inner),
-        "mixer.A_log": (heads,),
-        "mixer.D": (heads,),
-        "mixer.dt_bias": (heads,),
-        "mixer.norm.weight": (inner,),
+        prefix + "in_proj.weight": (2 * inner + 2 * groups * state + heads, hidden),
+        prefix + "conv1d_weight": (conv, 1, conv_kernel),
+        prefix + "conv1d_bias": (conv,),
+        prefix + "out_proj.weight": (hidden, inner),
+        prefix + "A_log": (heads,),
+        prefix + "D": (heads,),
+        prefix + "dt_bias": (heads,),
+        prefix + "norm.weight": (inner,),
     }
+
+
+def nemotron_h_full_shapes(hf: dict, hidden: int) -> dict:
+    """Pure: the full (un-split) megatron shapes of a Nemotron-H config's tensor-parallel Mamba
+    mixer tensors (canonical layer suffixes; the weight export's gather checks them)."""
+    return mamba_mixer_shapes(
+        "mixer.",
+        heads=int(hf["mamba_num_heads"]),
+        head_dim=int(hf["mamba_head_dim"]),
+        groups=int(hf.get("n_groups", 8)),
+        state=int(hf.get("ssm_state_size", 128)),
+        conv_kernel=int(hf.get("conv_kernel", 4)),
+        hidden=hidden,
+    )
 
 
 def _float(v) -> float:
