@@ -1,11 +1,12 @@
 """bench/vs_trl/run.py's pure helpers (no TRL needed): step walls from end times, the median after
 the warm-up step, the speed ratio and target, the parsing of both sides' step logs, the table,
 the tokenizer every id of the 135M vocabulary decodes with, the assets (RL and SFT files),
-and the missing-env message."""
+the missing-env message, the model FLOPs, the matmul peaks and the grid's table."""
 
 import importlib
 import json
 import math
+import os
 
 import pytest
 
@@ -24,8 +25,8 @@ def test_step_walls_and_median_after_warmup(vs):
 
 
 def test_speed_ratio_and_target(vs):
-    assert vs.speed_ratio(10.0, 4.0) == (2.5, True)
-    assert vs.speed_ratio(10.0, 5.0) == (2.0, True)
+    assert vs.speed_ratio(12.0, 4.0) == (3.0, True)  # the target is 3x
+    assert vs.speed_ratio(10.0, 4.0) == (2.5, False)
     assert vs.speed_ratio(3.0, 2.0) == (1.5, False)
     assert math.isnan(vs.speed_ratio(3.0, 0.0)[0])
 
@@ -175,6 +176,7 @@ def test_cpu_info_names_an_isa(vs):
     info = vs.cpu_info([0])
     assert info["cpus"] == [0] and info["model"]
     assert info["isa"].split()[0] in ("avx512f", "avx2", "neither")
+    assert info["bf16"] in ("amx_bf16", "avx512_bf16", "none")
 
 
 def test_tokenizer_decodes_every_id_of_the_vocabulary(vs):
@@ -227,6 +229,8 @@ def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
         json.dumps({"run": run, "cpu": cpu, "trl": {"settings": {"trl": "1.16.0"}, "steps": []}})
     )
     trl = vs.earlier_trl_side(prev, {"run": dict(run, eta=0), "cpu": cpu})  # ours-only: ok
+    # a run that also records the bf16 instructions reuses a side recorded without them
+    assert vs.earlier_trl_side(prev, {"run": dict(run, eta=0), "cpu": dict(cpu, bf16="none")})
     assert trl["settings"] == {"trl": "1.16.0", "reused_from": str(prev)}
     with pytest.raises(SystemExit, match="max_new, cpu"):
         vs.earlier_trl_side(prev, {"run": dict(run, max_new=8), "cpu": dict(cpu, cpus=[2])})
@@ -235,6 +239,9 @@ def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
     with pytest.raises(SystemExit, match="work .rl_seed."):  # another RL seed
         vs.earlier_trl_side(prev, {"run": dict(run, rl_seed=2), "cpu": cpu})
     assert vs.earlier_trl_side(prev, {"run": dict(run, rl_seed=1), "cpu": cpu})  # = seed then
+    with pytest.raises(SystemExit, match="work .dtype."):  # an fp32 TRL side for a bf16 run
+        vs.earlier_trl_side(prev, {"run": dict(run, dtype="bf16"), "cpu": cpu})
+    assert vs.earlier_trl_side(prev, {"run": dict(run, dtype="fp32"), "cpu": cpu})  # = then
     with pytest.raises(SystemExit, match="not a vs_trl.json"):
         vs.earlier_trl_side(tmp_path / "missing.json", {"run": run, "cpu": cpu})
 
@@ -242,15 +249,21 @@ def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
 def test_runs_of_other_seeds_and_etas_get_their_own_names(vs):
     from types import SimpleNamespace as NS
 
-    assert vs.run_names(NS(eta=1, seed=1, rl_seed=1)) == {
+    assert vs.run_names(NS(eta=1, seed=1, rl_seed=1, dtype="fp32")) == {
         "ours": "ours",
         "trl": "trl",
         "result": "vs_trl",
     }
-    assert vs.run_names(NS(eta=0, seed=1, rl_seed=2)) == {
+    assert vs.run_names(NS(eta=0, seed=1, rl_seed=2, dtype="fp32")) == {
         "ours": "ours-eta0-seed2",
         "trl": "trl-seed2",
         "result": "vs_trl-eta0-seed2",
+    }
+    # bf16 runs share the fp32 runs' directory and warm start; TRL's side is its own
+    assert vs.run_names(NS(eta=0, seed=1, rl_seed=1, dtype="bf16")) == {
+        "ours": "ours-bf16-eta0",
+        "trl": "trl-bf16",
+        "result": "vs_trl-bf16-eta0",
     }
 
 
@@ -267,15 +280,29 @@ def test_model_flops_match_a_hand_count():
     }
     dims = model_dims(cfg)
     # q 4x4, k and v 4x2 each, o 4x4: 48; gate, up, down 4x6 each: 72; LM head 4x10: 40
-    assert dims == {"layers": 1, "heads": 2, "head_dim": 2, "matmul_params": 48 + 72 + 40}
-    # per token 2 x 160 matmul FLOPs, and per key attended 4 x 1 layer x 2 heads x 2 dims = 16
-    assert forward_flops(dims, tokens=3, context=2) == 3 * (320 + 16 * 2)
+    assert dims == {
+        "layers": 1,
+        "heads": 2,
+        "head_dim": 2,
+        "matmul_params": 48 + 72 + 40,
+        "head_params": 40,
+    }
+    # per token 2 x 120 layer FLOPs + 2 x 40 head FLOPs, per key 4 x 1 layer x 2 heads x 2 = 16
+    assert forward_flops(dims, tokens=3, context=2) == 3 * (240 + 80 + 16 * 2)
+    assert forward_flops(dims, tokens=3, context=2, head_tokens=1) == 3 * (240 + 32) + 80
     assert causal_context(5) == 3  # keys 1..5
     f = step_flops(dims, n_samples=2, prompt_len=3, response_len=2)
-    # training: positions 1..5 attend to 1..5 keys (15 in all), forward + backward = 3 x
-    assert f["prox"] == 2 * (5 * 320 + 16 * 15) and f["train"] == 3 * f["prox"]
-    # generation: the 3 prompt tokens (1, 2, 3 keys) and the first new token fed back (4 keys)
-    assert f["generate"] == 2 * (4 * 320 + 16 * (1 + 2 + 3 + 4))
+    # training, one sample per prompt: prompt positions 1..3 attend to 1..3 keys, without the
+    # head; completion positions 4, 5 attend to 4, 5 keys, with the head
+    per_sample = 3 * 240 + 16 * 6 + 2 * (240 + 80) + 16 * 9
+    assert f["prox"] == 2 * per_sample and f["train"] == 3 * f["prox"]
+    # generation: the 3 prompt tokens (1, 2, 3 keys) and the first new token fed back (4
+    # keys), the head read after the prompt and after the fed-back token
+    assert f["generate"] == 2 * (3 * 240 + 16 * 6 + 240 + 16 * 4 + 2 * 80)
+    # a group of 2 samples shares its prompt: counted once
+    g = step_flops(dims, n_samples=2, prompt_len=3, response_len=2, group=2)
+    assert f["prox"] - g["prox"] == 3 * 240 + 16 * 6
+    assert f["generate"] - g["generate"] == 3 * 240 + 16 * 6
     moe = dict(cfg, num_experts_per_tok=2, moe_intermediate_size=3, num_experts=8)
     # 2 active experts of width 3 (3 x 4 x 6 = 72 like the dense MLP) and the 4 x 8 router
     assert model_dims(moe)["matmul_params"] == 48 + 72 + 32 + 40
@@ -307,7 +334,8 @@ def test_side_flops_and_generation_rate():
     assert f["flop_s"]["prox"] == one["prox"] / 0.5  # only the step that ran it counts
     info = {"prefill_tokens": 3, "tokens_generated": 2, "forward_seconds": 2.0}
     # prefill tokens attend to (3 + 1) / 2 keys, generated ones to 3 + (2 + 1) / 2
-    want = 3 * (2 * dims["matmul_params"] + 16 * 2) + 2 * (2 * dims["matmul_params"] + 16 * 4.5)
+    layers = 2 * (dims["matmul_params"] - dims["head_params"])
+    want = 3 * (layers + 16 * 2) + 2 * (layers + 2 * dims["head_params"] + 16 * 4.5)
     assert server_generation_flop_s(dims, info, 3, 2) == want / 2.0
     assert server_generation_flop_s(dims, {}, 3, 2) is None
 
@@ -374,3 +402,99 @@ def test_quality_summary_times_each_side_to_the_others_final():
     assert q["ours_s_to_trl_final"] == 20.0 and q["trl_s_to_ours_final"] is None
     assert q["ours_s_to_trl_reward_final"] is None and q["trl_s_to_ours_reward_final"] == 30.0
     assert quality_summary({"ours": res["ours"]}) == {}  # no TRL side: nothing to compare
+
+
+def test_grid_table_rows_ratio_peak_fraction_and_order():
+    from bench.vs_trl.table import markdown, table_row
+
+    def res(dtype, max_new, eta, ours_s, trl_s):
+        peak = {
+            "1": {"float32": 100e9, "bfloat16": 200e9},
+            "2": {"float32": 190e9, "bfloat16": 380e9},
+        }
+        return {
+            "run": {"dtype": dtype, "max_new": max_new, "seed": 1, "rl_seed": 1},
+            "flops": {
+                "peak": peak,
+                "ours": {"flop_s": {"train": 50e9}, "threads": {"train": 1}},
+                "trl": {"flop_s": {"train": 19e9}, "threads": {"train": 2}},
+            },
+            "ours": {
+                "summary": {"s_per_step": ours_s},
+                "settings": {"eta": eta},
+                "after": {"pass@1": 0.5, "reward": 0.75},
+                "peak_pss_gib": 3.0,
+            },
+            "trl": {
+                "summary": {"s_per_step": trl_s},
+                "after": {"pass@1": 0.25, "reward": 0.5},
+                "peak_pss_gib": 2.0,
+            },
+        }
+
+    row = table_row(res("bf16", 128, 0, 4.0, 12.0))
+    assert row["ratio"] == 3.0 and row["peak_ours"] == 0.25  # of the bf16 peak on 1 thread
+    assert row["mem_ours"] / row["mem_trl"] == 1.5
+    fp32 = table_row(res("fp32", 16, 1, 2.0, 5.0))
+    assert fp32["peak_ours"] == 0.5 and fp32["peak_trl"] == 0.1  # the fp32 peaks
+    ours_only = res("fp32", 16, 0, 2.0, 5.0)
+    del ours_only["trl"], ours_only["flops"]["trl"]
+    bare = table_row(ours_only)
+    assert math.isnan(bare["ratio"]) and math.isnan(bare["peak_trl"])
+    text = markdown([row, bare, fp32]).splitlines()
+    assert [ln.split(" | ")[:3] for ln in text[2:]] == [
+        ["| fp32", "16", "0"],
+        ["| fp32", "16", "1"],
+        ["| bf16", "128", "0"],
+    ]
+    assert "| 3.00x |" in text[4] and "25% / 5%" in text[4] and text[2].count(" - ") >= 3
+
+
+def test_matmul_peaks_take_the_better_backend():
+    import torch
+
+    from bench.vs_trl.flops import matmul_peak, matmul_peaks
+
+    cpu = sorted(os.sched_getaffinity(0))[:1]
+    peaks = matmul_peaks(cpu, [1, 1])["1"]  # one entry per thread count
+    for dt in ("float32", "bfloat16"):
+        by = peaks[f"{dt}_by_backend"]
+        assert "matmul" in by and all(v > 0 for v in by.values())
+        assert peaks[dt] == max(by.values())
+    if torch.backends.mkldnn.is_available():
+        assert "onednn" in peaks["float32_by_backend"]
+    assert matmul_peak("float32", 1, n=32, seconds=0.01, backend="onednn") > 0
+    with pytest.raises(ValueError, match="backend='mkl'"):
+        matmul_peak("float32", 1, n=32, backend="mkl")
+
+
+def test_grid_table_recount_uses_the_run_model_and_one_peak(tmp_path):
+    from bench.vs_trl.flops import model_dims, step_flops
+    from bench.vs_trl.table import recount, table_row
+
+    cfg = {
+        "hidden_size": 4,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 6,
+        "vocab_size": 10,
+    }
+    (tmp_path / "sft" / "hf_model").mkdir(parents=True)
+    (tmp_path / "sft" / "hf_model" / "config.json").write_text(json.dumps(cfg))
+    step = {"tokens": 10, "response_len": 2, "n_samples": 2, "split": {"train": 2.0}}
+    res = {
+        "run": {"prompts": 1, "group": 2, "sft_steps": 3, "max_new": 4, "seed": 1},
+        "cpu": {"cpus": [0, 1]},
+        "ours": {
+            "run_dir": str(tmp_path / "ours"),
+            "settings": {"server_threads": 1, "trainer_threads": 1, "eta": 1},
+            "steps": [step, step],
+            "summary": {"s_per_step": 2.0, "tokens_per_step": 10, "response_len": 2},
+            "flops": "stale",
+        },
+        "flops": {"peak": {"1": {"float32": 1.0}}, "ours": {"flop_s": {"train": 99.0}}},
+    }
+    recount(res, {"1": {"float32": 40.0}, "2": {"float32": 80.0}})
+    train = step_flops(model_dims(cfg), 2, 3, 2, group=2)["train"]  # the prompt counted once
+    assert res["flops"]["ours"]["flop_s"]["train"] == train / 2.0
+    assert table_row(res)["peak_ours"] == train / 2.0 / 40.0

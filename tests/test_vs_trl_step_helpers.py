@@ -120,3 +120,25 @@ def test_seeds_pool_curves_per_label_and_seed():
     text = seeds.report({"TRL": seeds.pooled(c["TRL"])})
     assert "TRL (2 seeds, median 30.00 s/step): mean reward 0.200" in text
     assert "seed 1: 0.300, seed 2: 0.100" in text and "per step 0.100 0.300" in text
+
+
+def test_seeds_lag_check_compares_eta1_one_step_later_with_eta0():
+    seeds = importlib.import_module("bench.vs_trl.seeds")
+
+    def band(mean, half):
+        return {
+            "mean": mean,
+            "low": [None if v is None else v - half for v in mean],
+            "high": [None if v is None else v + half for v in mean],
+        }
+
+    eta0 = band([0.1, 0.3, 0.5, 0.7], 0.1)
+    # eta 1 is eta 0 one step later, and a step that lacks a reward is left out
+    eta1 = band([None, 0.1, 0.3, 0.5], 0.05)
+    check = seeds.lag_check({"ours eta=0": eta0, "ours eta=1": eta1})
+    assert check["shifted"] == pytest.approx(0.0)
+    assert check["same_step"] == pytest.approx(-0.2)  # steps 2..4: 0.1-0.3, 0.3-0.5, 0.5-0.7
+    assert check["spread"] == pytest.approx((4 * 0.1 + 3 * 0.05) / 7)
+    (line,) = seeds.lag_lines(check)
+    assert "one step later +0.000" in line and "same step -0.200" in line
+    assert seeds.lag_check({"ours eta=0": eta0}) == {} and seeds.lag_lines({}) == []

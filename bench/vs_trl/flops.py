@@ -3,22 +3,29 @@ our rollout server's from its own counters, :func:`server_counters`), and this m
 peak to hold them against.
 
 Counted like the usual model-FLOPs utilisation (the work the model needs, not what an
-implementation happens to do: no padding, no recomputation, no prefix-cache savings), from the
-HF ``config.json`` and the token counts:
+implementation happens to do: no padding, no recomputation), from the HF ``config.json`` and
+the token counts. The model needs each group's prompt once (its ``group`` samples share it:
+the keys and values of its tokens are the same for all of them) and the LM head only where a
+log-probability or a next token is read, so:
 
-* a token's forward costs ``2 x`` the matmul weights it meets (:func:`model_dims`:
-  ``matmul_params``: the attention projections, the (gated) MLP -- the active experts' for an
-  MoE -- and the LM head, tied or not) plus the attention itself, ``4 x layers x heads x
-  head_dim`` per key it attends to (``QK^T`` and ``AV``, a multiply-add each);
+* a token's pass through the layers costs ``2 x`` the layers' matmul weights
+  (:func:`model_dims`: ``matmul_params`` less ``head_params``: the attention projections, the
+  (gated) MLP -- the active experts' for an MoE) plus the attention itself, ``4 x layers x
+  heads x head_dim`` per key it attends to (``QK^T`` and ``AV``, a multiply-add each); a
+  position whose logits are read adds ``2 x head_params`` (the LM head, tied or not);
 * a causal sequence of ``L`` tokens: token ``i`` attends to ``i`` keys, ``(L + 1) / 2`` on
-  average (:func:`causal_context`);
-* training (forward + backward): ``3 x`` the forward over prompt + completion; the proximal
-  forward (a separate ``prox_logprobs`` pass): ``1 x``; generation: a forward over the prompt
-  (prefill) and one per generated token but the last, each attending to the tokens before it.
+  average (:func:`causal_context`); a completion's tokens attend to the whole prompt too;
+* training (forward + backward): ``3 x`` the forward of each group's prompt once and of every
+  completion, the head at the completion's positions; the proximal forward (a separate
+  ``prox_logprobs`` pass): ``1 x`` that forward; generation: each group's prompt once
+  (prefill), then one pass per generated token but the last, the head once per generated
+  token.
 
-Norms, rotary embeddings, activations, softmax and the optimizer are left out (a few per cent
-at these shapes and less for wide models). Sliding windows are not modelled (every layer
-attends to the whole context)."""
+An implementation that computes a group's prompt once per sample (TRL) or the head at every
+position does more than this and shows it as a lower fraction of the peak. Norms, rotary
+embeddings, activations, softmax and the optimizer are left out (a few per cent at these
+shapes and less for wide models). Sliding windows are not modelled (every layer attends to the
+whole context).attends to the whole context)."""
 
 from __future__ import annotations
 
@@ -31,10 +38,11 @@ from pathlib import Path
 
 def model_dims(config: dict) -> dict:
     """The numbers of an HF causal-LM ``config.json`` that :func:`forward_flops` needs:
-    ``layers``, ``heads``, ``head_dim`` and ``matmul_params`` (the weights one token's forward
-    multiplies with; see the module docstring). An MoE (``num_experts_per_tok`` with
-    ``moe_intermediate_size``) counts its active experts, its shared expert
-    (``shared_expert_intermediate_size``) and its router."""
+    ``layers``, ``heads``, ``head_dim``, ``matmul_params`` (the weights one token's forward
+    multiplies with, the LM head's included; see the module docstring) and ``head_params``
+    (the LM head's). An MoE (``num_experts_per_tok`` with ``moe_intermediate_size``) counts
+    its active experts, its shared expert (``shared_expert_intermediate_size``) and its
+    router."""
     c = config.get("text_config") or config
     h, layers, heads = c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
@@ -51,6 +59,7 @@ def model_dims(config: dict) -> dict:
         "heads": heads,
         "head_dim": hd,
         "matmul_params": layers * (attn + mlp) + h * c["vocab_size"],
+        "head_params": h * c["vocab_size"],
     }
 
 
@@ -59,46 +68,71 @@ def causal_context(length: float) -> float:
     return (length + 1) / 2
 
 
-def forward_flops(dims: dict, tokens: float, context: float) -> float:
-    """FLOPs of the forward of ``tokens`` tokens that attend to ``context`` keys on average."""
+def forward_flops(dims: dict, tokens: float, context: float, head_tokens: float = None) -> float:
+    """FLOPs of the forward of ``tokens`` tokens through the layers, attending to ``context``
+    keys on average, and of the LM head at ``head_tokens`` positions (default: every token)."""
+    head_tokens = tokens if head_tokens is None else head_tokens
+    layer_params = dims["matmul_params"] - dims["head_params"]
     attention = 4 * dims["layers"] * dims["heads"] * dims["head_dim"] * context
-    return tokens * (2 * dims["matmul_params"] + attention)
+    return tokens * (2 * layer_params + attention) + head_tokens * 2 * dims["head_params"]
 
 
-def step_flops(dims: dict, n_samples: float, prompt_len: float, response_len: float) -> dict:
+def step_flops(
+    dims: dict, n_samples: float, prompt_len: float, response_len: float, group: int = 1
+) -> dict:
     """One RL step's FLOPs for ``n_samples`` samples of (mean) ``prompt_len`` prompt and
-    ``response_len`` completion tokens: ``train`` (forward + backward), ``prox`` (one forward,
-    where the proximal log-probabilities get a pass of their own) and ``generate`` (prefill and
-    decoding). Sequences are counted at the mean lengths (the attention term is quadratic in
+    ``response_len`` completion tokens, ``group`` samples per prompt: ``train`` (forward +
+    backward), ``prox`` (one forward, where the proximal log-probabilities get a pass of their
+    own) and ``generate`` (prefill and decoding), each group's prompt counted once (module
+    docstring). Sequences are counted at the mean lengths (the attention term is quadratic in
     the length, so a spread of lengths adds a little that this leaves out)."""
-    length = prompt_len + response_len
-    fwd = n_samples * forward_flops(dims, length, causal_context(length))
-    prefill = forward_flops(dims, prompt_len, causal_context(prompt_len))
-    # the decoded tokens: all but the last generated one, the k-th attending to prompt + k keys
+    prompts = n_samples / group
+    prompt = forward_flops(dims, prompts * prompt_len, causal_context(prompt_len), 0)
+    completions = forward_flops(
+        dims, n_samples * response_len, prompt_len + causal_context(response_len)
+    )
+    fwd = prompt + completions
+    # the decoded tokens: all but the last generated one, the k-th attending to prompt + k
+    # keys; the head reads the prefill's last position and each decoded one
     decoded = max(response_len - 1, 0)
-    decode = forward_flops(dims, decoded, prompt_len + (decoded + 1) / 2)
-    return {"train": 3 * fwd, "prox": fwd, "generate": n_samples * (prefill + decode)}
+    decode = forward_flops(
+        dims, n_samples * decoded, prompt_len + (decoded + 1) / 2, n_samples * response_len
+    )
+    return {"train": 3 * fwd, "prox": fwd, "generate": prompt + decode}
 
 
-def matmul_peak(dtype_name: str, threads: int, n: int = 1024, seconds: float = 0.5) -> float:
-    """This machine's matmul FLOP/s: ``torch.matmul`` of two ``n x n`` matrices of
-    ``dtype_name`` (``float32`` / ``bfloat16``) on ``threads`` torch threads, repeated for at
-    least ``seconds`` after one warm-up product (best of three rounds: the machine is shared).
-    Runs on the calling process's CPUs; its thread count is restored afterwards."""
+def matmul_peak(
+    dtype_name: str, threads: int, n: int = 1024, seconds: float = 0.5, backend: str = "matmul"
+) -> float:
+    """This machine's matmul FLOP/s: a product of two ``n x n`` matrices of ``dtype_name``
+    (``float32`` / ``bfloat16``) on ``threads`` torch threads, repeated for at least
+    ``seconds`` after one warm-up product (best of three rounds: the machine is shared).
+    ``backend``: ``matmul`` (``torch.matmul``: MKL's sgemm for fp32, which takes only its AVX2
+    path on AMD CPUs) or ``onednn`` (``torch.ops.mkldnn._linear_pointwise``, the product our
+    trainer's linear layers call on a CPU, :mod:`areal_mega.compat.cpu_gemm`). Runs on the
+    calling process's CPUs; its thread count is restored afterwards."""
     import torch
 
     dtype = getattr(torch, dtype_name)
+    if backend == "matmul":
+        product = torch.matmul
+    elif backend == "onednn":
+
+        def product(a, b):
+            return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    else:
+        raise ValueError(f"backend={backend!r}: expected matmul or onednn")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
-        torch.matmul(a, b)
+        product(a, b)
         best = 0.0
         for _ in range(3):
             reps, t0 = 0, time.perf_counter()
             while (elapsed := time.perf_counter() - t0) < seconds / 3 or reps == 0:
-                torch.matmul(a, b)
+                product(a, b)
                 reps += 1
             best = max(best, 2 * n**3 * reps / elapsed)
         return best
@@ -106,9 +140,10 @@ def matmul_peak(dtype_name: str, threads: int, n: int = 1024, seconds: float = 0
         torch.set_num_threads(before)
 
 
-def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict) -> dict:
+def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict, group: int = 1) -> dict:
     """Model FLOPs per step (:func:`bench.vs_trl.flops.step_flops` at each step's mean prompt
-    and completion lengths; the mean over the steps after the warm-up step) and the achieved
+    and completion lengths, ``group`` samples per prompt; the mean over the steps after the
+    warm-up step) and the achieved
     FLOP/s of ``parts`` (``{name: (FLOPs kind, split key)}``: the kind's FLOPs summed over
     those steps over the split timer's seconds). ``prox`` counts only where the step ran the
     proximal forward (ours' ``prox/recomputed``; TRL never does at one iteration per batch)."""
@@ -117,7 +152,7 @@ def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict) -> d
         n = r.get("n_samples") or samples_per_step
         if r.get("tokens") is None or r.get("response_len") is None:
             continue
-        f = step_flops(dims, n, r["tokens"] / n - r["response_len"], r["response_len"])
+        f = step_flops(dims, n, r["tokens"] / n - r["response_len"], r["response_len"], group)
         f["prox"] *= bool(r.get("prox_recomputed"))
         per.append((r, f))
     out = {
@@ -137,14 +172,16 @@ def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict) -> d
 def server_generation_flop_s(dims: dict, info: dict, prompt_len: float, response_len: float):
     """Our rollout server's achieved FLOP/s from its own counters (``/get_server_info``,
     summed over the servers: ``prefill_tokens`` forwarded by prefills, ``tokens_generated``, the
-    ``forward_seconds`` of both): prefill tokens attend to half the mean prompt, decoded ones
-    to the prompt and half the completion (``prompt_len``/``response_len``: the training
-    steps' means; the counters include the held-out evaluations' requests). None without
-    forward time."""
+    ``forward_seconds`` of both): prefill tokens pass the layers attending to half the mean
+    prompt; generated ones pass the layers and the head, attending to the prompt and half the
+    completion (``prompt_len``/``response_len``: the training steps' means; the counters
+    include the held-out evaluations' requests; a request's first token, whose logits come
+    from its prefill, is counted as a decoded token's layers once too). None without forward
+    time."""
     seconds = info.get("forward_seconds", 0.0)
     if not seconds:
         return None
-    flops = forward_flops(dims, info["prefill_tokens"], causal_context(prompt_len))
+    flops = forward_flops(dims, info["prefill_tokens"], causal_context(prompt_len), 0)
     flops += forward_flops(dims, info["tokens_generated"], prompt_len + (response_len + 1) / 2)
     return flops / seconds
 
@@ -189,29 +226,43 @@ def server_counters(run_dir: Path, period: float = 0.5):
 
 
 def matmul_peaks(cpus: list, thread_counts) -> dict:
-    """The matmul peak (:func:`matmul_peak`, fp32 and bf16) on ``cpus`` with each of
-    ``thread_counts`` threads (those the parts of the runs use); keyed by the thread count as
-    text (the JSON's keys). The calling process runs on ``cpus`` meanwhile."""
+    """This machine's matmul peak on ``cpus`` with each of ``thread_counts`` threads (those the
+    parts of the runs use), keyed by the thread count as text (the JSON's keys): for fp32 and
+    bf16 the better of :func:`matmul_peak`'s backends (``float32``, ``bfloat16``) and each
+    backend's (``float32_by_backend``, ...; oneDNN's left out where this torch lacks it). The
+    calling process runs on ``cpus`` meanwhile."""
+    import torch
+
+    backends = ["matmul"]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        backends.append("onednn")
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     try:
-        return {
-            str(n): {dt: matmul_peak(dt, n) for dt in ("float32", "bfloat16")}
-            for n in sorted(set(thread_counts))
-        }
+        out = {}
+        for n in sorted(set(thread_counts)):
+            peaks = {}
+            for dt in ("float32", "bfloat16"):
+                by = {b: matmul_peak(dt, n, backend=b) for b in backends}
+                peaks[dt], peaks[f"{dt}_by_backend"] = max(by.values()), by
+            out[str(n)] = peaks
+        return out
     finally:
         os.sched_setaffinity(0, before)
 
 
-def achieved_flops(res: dict, dims: dict, samples_per_step: int, threads: dict) -> dict:
-    """Each side's model FLOPs per step and achieved FLOP/s (:func:`side_flops`; ours'
-    generation from its server's counters, :func:`server_generation_flop_s`) and the threads
-    each part ran on (``threads``: ours' ``server`` and ``trainer``, TRL's ``trl``)."""
+def achieved_flops(
+    res: dict, dims: dict, samples_per_step: int, threads: dict, group: int = 1
+) -> dict:
+    """Each side's model FLOPs per step and achieved FLOP/s (:func:`side_flops`, ``group``
+    samples per prompt; ours' generation from its server's counters,
+    :func:`server_generation_flop_s`) and the threads each part ran on (``threads``: ours'
+    ``server`` and ``trainer``, TRL's ``trl``)."""
     out = {}
     n = samples_per_step
     if "ours" in res:
         parts = {"train": ("train", "train"), "prox": ("prox", "logprobs")}
-        f = side_flops(res["ours"]["steps"], dims, n, parts)
+        f = side_flops(res["ours"]["steps"], dims, n, parts, group)
         s = res["ours"]["summary"]
         prompt = s["tokens_per_step"] / n - s["response_len"]
         f["flop_s"]["generate"] = server_generation_flop_s(
@@ -222,7 +273,7 @@ def achieved_flops(res: dict, dims: dict, samples_per_step: int, threads: dict) 
         out["ours"] = f
     if res.get("trl") and res["trl"]["steps"] and "response_len" in res["trl"]["steps"][0]:
         parts = {"train": ("train", "train"), "generate": ("generate", "generate")}
-        f = side_flops(res["trl"]["steps"], dims, n, parts)
+        f = side_flops(res["trl"]["steps"], dims, n, parts, group)
         f["threads"] = {"train": threads["trl"], "generate": threads["trl"]}
         out["trl"] = f
     return out

@@ -11,7 +11,9 @@ from bench.vs_trl.assets import ROOT
 
 
 def cpu_info(cpus: list) -> dict:
-    """CPU model name, the widest x86 vector ISA (avx512f / avx2 / neither) and the cores."""
+    """CPU model name, the widest x86 vector ISA (avx512f / avx2 / neither), the bf16 matrix
+    instructions (``bf16``: amx_bf16 / avx512_bf16 / none: what a bf16 matmul can use) and the
+    cores."""
     text = Path("/proc/cpuinfo").read_text()
     model = next(
         (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
@@ -29,7 +31,8 @@ def cpu_info(cpus: list) -> dict:
         if "avx2" in flags
         else "neither avx2 nor avx512f"
     )
-    return {"model": model, "isa": isa, "cpus": cpus}
+    bf16 = next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), "none")
+    return {"model": model, "isa": isa, "bf16": bf16, "cpus": cpus}
 
 
 def _tree_pss_bytes(root: int) -> int:

@@ -63,10 +63,17 @@ to convert); the CLI's score of our last weights stands beside it as a check. On
 ours' favour and at most the evaluation seconds printed: the rollout worker goes on
 generating training samples while the trainer waits for an evaluation.
 
-Where the time goes (bench/vs_trl/flops.py): this machine's ``torch.matmul`` peak (fp32 and
-bf16, on the same cores, with each part's thread count), the model FLOPs per step (trainer
-forward + backward, the proximal forward where it runs, generation) from the model's
-``config.json`` and the steps' token counts, and the achieved FLOP/s against the fp32 peak:
+``--dtype bf16``: both sides compute in bf16 (ours ``model.dtype=bf16``: bf16 weights and
+matmuls with fp32 main parameters, gradients, log-probabilities and loss, the server generating
+in bf16; TRL ``bf16=True``, the Trainer's autocast over its fp32 model); the held-out scores
+come from one fp32 server of ours for every set of weights, as for fp32 runs.
+
+Where the time goes (bench/vs_trl/flops.py): this machine's matmul peak (fp32 and bf16, the
+better of ``torch.matmul`` and oneDNN's product, on the same cores, with each part's thread
+count), the model FLOPs per step (trainer forward + backward, the proximal forward where it
+runs, generation; each group's prompt once, the LM head where it is read) from the model's
+``config.json`` and the steps' token counts, and the achieved FLOP/s against the peak of the
+run's dtype:
 the trainer's ``time/train`` and ``time/logprobs`` (ours) and TRL's train part; generation from
 our rollout server's own forward timers and token counters (``/get_server_info``, polled
 during the run) and TRL's profiled ``model.generate``.
@@ -77,11 +84,12 @@ steps' end times (so process start-up and model loading are left out), samples/s
 its profiled ``model.generate`` and the rest of its rollout vs the rest of the step), the peak
 memory of all the side's processes (the sum of their proportional set sizes, sampled every
 second) and of its training process, and the reward per step. Then the ratio TRL s/step / ours
-s/step (> 1: ours faster) and whether the target "ours at least 2x TRL's steps per hour" is
+s/step (> 1: ours faster) and whether the target "ours at least 3x TRL's steps per hour" is
 met. Written beside: vs_trl.json (everything printed) and vs_trl.png (both reward curves and
 the held-out pass@1 and reward against time, when matplotlib is there), and the evaluations'
 results in vs_trl-eval/; another ``--eta`` or ``--rl-seed`` names its files after them
 (:func:`run_names`): runs of several seeds and etas share one ``--out`` and its warm start.
+bench/vs_trl/table.py prints several runs (dtypes, new tokens, etas) as one table.
 """
 
 import argparse
@@ -252,7 +260,7 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
         ROOT / "recipes" / "tiny-cpu.yaml",
         "model_hparams=null",
         f"model.path={model}",
-        "model.dtype=fp32",
+        f"model.dtype={a.dtype}",
         f"data.train_path={data / 'train.jsonl'}",
         f"data.test_path={data / 'test.jsonl'}",
         f"data.apply_chat_template={str(a.chat).lower()}",
@@ -332,6 +340,7 @@ SAME_WORK = (
     "sft_lr",
     "model",
     "data",
+    "dtype",
 )
 # the work of runs older than these keys
 BEFORE_KEY = {
@@ -341,6 +350,7 @@ BEFORE_KEY = {
     "sft_lr": 3e-4,
     "model": None,
     "data": None,
+    "dtype": "fp32",
 }
 
 
@@ -356,9 +366,8 @@ def earlier_trl_side(path: Path, res: dict) -> dict:
     try:
         prev = json.loads(path.read_text())
         old, new = work_of(prev["run"]), work_of(res["run"])
-        differ = [k for k in SAME_WORK if old[k] != new[k]] + (
-            ["cpu"] if prev["cpu"] != res["cpu"] else []
-        )
+        same_cpu = all(prev["cpu"].get(k) == res["cpu"].get(k) for k in ("model", "isa", "cpus"))
+        differ = [k for k in SAME_WORK if old[k] != new[k]] + ([] if same_cpu else ["cpu"])
         trl = prev["trl"]
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"--trl-from {path}: not a vs_trl.json with a TRL side ({e!r})") from e
@@ -409,6 +418,8 @@ def run_trl(a, model: Path, data: Path, out: Path) -> dict:
         a.trl_micro_batch,
         "--reward",
         a.reward,
+        "--dtype",
+        a.dtype,
         "--snapshots",
         ",".join(str(x) for x in eval_steps(a.steps, a.eval_every)),
     ] + (["--grad-ckpt"] if a.trl_grad_ckpt else [])
@@ -441,7 +452,12 @@ def run_names(a) -> dict:
     seeds and etas share one ``--out`` and its warm start."""
     eta = f"-eta{a.eta}" if a.eta != 1 else ""
     seed = f"-seed{a.rl_seed}" if a.rl_seed != a.seed else ""
-    return {"ours": f"ours{eta}{seed}", "trl": f"trl{seed}", "result": f"vs_trl{eta}{seed}"}
+    dtype = f"-{a.dtype}" if a.dtype != "fp32" else ""
+    return {
+        "ours": f"ours{dtype}{eta}{seed}",
+        "trl": f"trl{dtype}{seed}",
+        "result": f"vs_trl{dtype}{eta}{seed}",
+    }
 
 
 def main(argv=None) -> None:
@@ -464,6 +480,14 @@ def main(argv=None) -> None:
         "instruction every prompt starts with (0: the bare 6-token prompts)",
     )
     p.add_argument("--eta", type=int, default=1, help="ours: rollout.max_head_offpolicyness")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="both sides' compute: ours model.dtype (bf16 weights and matmuls, fp32 main "
+        "parameters, gradients and loss; the server generates in bf16), TRL bf16=True "
+        "(autocast over its fp32 model)",
+    )
     p.add_argument(
         "--weight-update",
         default="disk",
@@ -593,6 +617,7 @@ def main(argv=None) -> None:
                 "sft_lr",
                 "model",
                 "data",
+                "dtype",
                 "chat",
                 "max_prompt_len",
                 "eval_every",
@@ -621,7 +646,9 @@ def main(argv=None) -> None:
     res["quality"] = quality_summary(res)
     server_t, trainer_t = thread_split(a)
     threads = {"server": server_t, "trainer": trainer_t, "trl": len(a.cpus)}
-    res["flops"].update(achieved_flops(res, model_dims(config), a.prompts * a.group, threads))
+    res["flops"].update(
+        achieved_flops(res, model_dims(config), a.prompts * a.group, threads, a.group)
+    )
     text = report(res)
     print("\n" + text)
     result = out / names["result"]

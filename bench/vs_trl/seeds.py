@@ -7,7 +7,8 @@ pooled: one seed's curve says little, sampling noise moves it by a step or two.
 Each file adds its TRL curve (once per RL seed: a TRL side reused with ``--trl-from`` counts
 once) and its curve of ours under the label ``ours eta=N``. Printed per label: the number of
 seeds, the mean reward per step over the seeds, the mean over all steps with each seed's in
-brackets, and the median s/step. With ``--out``: the mean curves with each label's band
+brackets, and the median s/step; then whether eta 1 trails eta 0 by its one step of lag and no
+more (:func:`lag_check`). With ``--out``: the mean curves with each label's band
 (lowest to highest seed) per step.
 """
 
@@ -74,6 +75,48 @@ def report(pools: dict) -> str:
     return "\n".join(lines)
 
 
+def lag_check(pools: dict, lead: str = "ours eta=0", lagged: str = "ours eta=1") -> dict:
+    """Whether ``lagged`` trails ``lead`` by one step and nothing more: at eta 1 the batch a
+    step trains on comes from the weights one step older than at eta 0, so if nothing else
+    differs, eta 1's mean reward at step ``k + 1`` equals eta 0's at step ``k``. Returns the
+    mean difference (lagged - lead) at the same step and with ``lagged`` shifted one step
+    earlier, each over the steps both have, and the seeds' spread to hold them against (the
+    mean over steps and both labels of half the lowest-to-highest band); empty without both
+    labels."""
+    if lead not in pools or lagged not in pools:
+        return {}
+    a, b = pools[lead], pools[lagged]
+
+    def mean_diff(shift: int) -> float:
+        pairs = [
+            (x, y) for x, y in zip(a["mean"], b["mean"][shift:]) if x is not None and y is not None
+        ]
+        return statistics.fmean(y - x for x, y in pairs) if pairs else float("nan")
+
+    halves = [
+        (hi - lo) / 2
+        for p in (a, b)
+        for lo, hi in zip(p["low"], p["high"])
+        if lo is not None and hi is not None
+    ]
+    return {
+        "same_step": mean_diff(0),
+        "shifted": mean_diff(1),
+        "spread": statistics.fmean(halves) if halves else float("nan"),
+    }
+
+
+def lag_lines(check: dict) -> list:
+    """:func:`lag_check`'s result as the report's lines."""
+    if not check:
+        return []
+    return [
+        "ours eta=1 against eta=0, mean reward difference per step: at the same step "
+        f"{check['same_step']:+.3f}; eta=1 one step later {check['shifted']:+.3f}; the seeds' "
+        f"spread (half the band, mean over steps) {check['spread']:.3f}"
+    ]
+
+
 def plot(pools: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -124,6 +167,7 @@ def main(argv=None) -> None:
     except KeyError as e:
         sys.exit(f"a run lacks {e}: not a finished vs_trl.json")
     print(report(pools))
+    print("\n".join(lag_lines(lag_check(pools))))
     if a.out:
         print(f"plot: {a.out}" if plot(pools, Path(a.out)) else "no matplotlib: no plot")
 

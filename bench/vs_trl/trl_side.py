@@ -187,6 +187,12 @@ def arguments(argv=None, *, description: str):
     )
     p.add_argument("--reward", default="areal_mega.rewards:char_match_reward")
     p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: GRPOConfig(bf16=True), the Trainer's autocast over the fp32 model",
+    )
+    p.add_argument(
         "--snapshots",
         default="",
         help="steps after which the model is saved to OUT/snapshots/step<N> (comma-separated)",
@@ -228,7 +234,7 @@ def build_trainer(a, callbacks=()):
     cfg = GRPOConfig(
         output_dir=str(out / "trainer"),
         use_cpu=True,
-        bf16=False,
+        bf16=a.dtype == "bf16",
         fp16=False,
         beta=0.0,
         num_generations=a.group,
