@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_mega.models.tiny import TinyModelSpec
+
 
 @dataclass(frozen=True)
 class FamilyCase:
@@ -128,6 +130,26 @@ CASES = {
             intermediate_size=48,
             mamba_chunk_size=32,
             tie_word_embeddings=False,
+        ),
+    ),
+    # Falcon-H1 with the gated Mamba norm (mamba_rms_norm, gating before normalising as
+    # megatron's mixer does; the other order is refused), its gains random around one (unit
+    # gains would move the logits by 0.16, nemotron_h's case); the falcon_h1 case's sizes and
+    # multipliers; no RL run of its own (falcon_h1's covers the server's Mamba cache; the
+    # server runs transformers' model, gated norm included)
+    "falcon_h1_gated": FamilyCase(
+        "falcon_h1_gated",
+        dict(
+            arch="falcon_h1",
+            hidden_size=32,
+            intermediate_size=48,
+            mamba_chunk_size=32,
+            tie_word_embeddings=False,
+            falcon_h1_config=dict(
+                TinyModelSpec().falcon_h1_config,
+                mamba_rms_norm=True,
+                mamba_norm_before_gate=False,
+            ),
         ),
     ),
     # Gemma 2: Gemma 3's layer without QK norms (sliding window 8 on even layers, one RoPE
