@@ -36,6 +36,7 @@ Workers (programs)
     distribute_worker      the trainer's batch distribution over DP / TP ranks
     engine_worker          engine layouts against a single-rank reference
     faulty_teacher_worker  a teacher server that answers 503 once, then NaN, then recovers
+    family_bf16_worker     a family's bf16 engine against transformers in fp32 and bf16
     family_worker          a new model family's layouts and HF agreement
     gateway_fd_limit_worker the online gateway alone under a low file descriptor limit
     lora_export_worker     a LoRA run's checkpoint for the export tool
