@@ -25,7 +25,7 @@ An implementation that computes a group's prompt once per sample (TRL) or the he
 position does more than this and shows it as a lower fraction of the peak. Norms, rotary
 embeddings, activations, softmax and the optimizer are left out (a few per cent at these
 shapes and less for wide models). Sliding windows are not modelled (every layer attends to the
-whole context).attends to the whole context)."""
+whole context)."""
 
 from __future__ import annotations
 
@@ -143,10 +143,10 @@ def matmul_peak(
 def side_flops(steps: list, dims: dict, samples_per_step: int, parts: dict, group: int = 1) -> dict:
     """Model FLOPs per step (:func:`bench.vs_trl.flops.step_flops` at each step's mean prompt
     and completion lengths, ``group`` samples per prompt; the mean over the steps after the
-    warm-up step) and the achieved
-    FLOP/s of ``parts`` (``{name: (FLOPs kind, split key)}``: the kind's FLOPs summed over
-    those steps over the split timer's seconds). ``prox`` counts only where the step ran the
-    proximal forward (ours' ``prox/recomputed``; TRL never does at one iteration per batch)."""
+    warm-up step) and the achieved FLOP/s of ``parts`` (``{name: (FLOPs kind, split key)}``:
+    the kind's FLOPs summed over those steps over the split timer's seconds). ``prox`` counts
+    only where the step ran the proximal forward (ours' ``prox/recomputed``; TRL never does at
+    one iteration per batch)."""
     per = []
     for r in steps[1:] or steps:
         n = r.get("n_samples") or samples_per_step
@@ -249,6 +249,13 @@ def matmul_peaks(cpus: list, thread_counts) -> dict:
         return out
     finally:
         os.sched_setaffinity(0, before)
+
+
+def dtype_peak(peaks: dict, threads: int, dtype: str) -> float:
+    """The peak (:func:`matmul_peaks`' result) on ``threads`` threads for a run of ``dtype``
+    (``model.dtype``: ``bf16`` holds against the bfloat16 peak, anything else the float32
+    one)."""
+    return peaks[str(threads)]["bfloat16" if dtype == "bf16" else "float32"]
 
 
 def achieved_flops(

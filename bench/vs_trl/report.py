@@ -3,6 +3,8 @@ held-out quality against time, FLOPs) and the plot."""
 
 from pathlib import Path
 
+from bench.vs_trl.flops import dtype_peak
+
 TARGET = 3.0  # ours at least 3x TRL's steps per hour
 
 
@@ -162,6 +164,14 @@ def quality_lines(res: dict, row) -> list:
     return lines
 
 
+def peaks_text(peaks: dict) -> str:
+    """:func:`bench.vs_trl.flops.matmul_peaks`' result in GFLOP/s, one part per thread count."""
+    return "; ".join(
+        f"{n} thread(s) fp32 {p['float32'] / 1e9:.1f}, bf16 {p['bfloat16'] / 1e9:.1f}"
+        for n, p in sorted(peaks.items(), key=lambda kv: int(kv[0]))
+    )
+
+
 def flops_lines(res: dict, row) -> list:
     """The report's FLOPs part: the model FLOPs per step, the matmul peaks, the achieved
     FLOP/s and their fraction of the peak of the run's dtype on the part's threads."""
@@ -186,15 +196,10 @@ def flops_lines(res: dict, row) -> list:
         )
     lines.append(
         "matmul peak (1024^2, same cores; the better of torch.matmul and oneDNN), GFLOP/s: "
-        + "; ".join(
-            f"{n} thread(s) fp32 {p['float32'] / g:.1f}, bf16 {p['bfloat16'] / g:.1f}"
-            for n, p in sorted(peaks.items(), key=lambda kv: int(kv[0]))
-        )
+        + peaks_text(peaks)
     )
-    dtype = {"bf16": "bfloat16"}.get(res["run"].get("dtype"), "float32")
-    lines.append(
-        f"achieved GFLOP/s (% of the {res['run'].get('dtype', 'fp32')} peak on its threads):"
-    )
+    dtype = res["run"].get("dtype", "fp32")
+    lines.append(f"achieved GFLOP/s (% of the {dtype} peak on its threads):")
     for name, label in (
         ("train", "  trainer fwd+bwd (+optimizer)"),
         ("prox", "  proximal forward"),
@@ -207,7 +212,7 @@ def flops_lines(res: dict, row) -> list:
             if v is None or threads is None:
                 cells.append("-")
                 continue
-            peak = peaks[str(threads)][dtype]
+            peak = dtype_peak(peaks, threads, dtype)
             cells.append(f"{v / g:.1f} ({100 * v / peak:.0f}%)")
         lines.append(f"{label:40s}{cells[0]:>14s}{cells[1]:>14s}")
     return lines

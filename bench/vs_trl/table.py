@@ -23,7 +23,8 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.vs_trl.flops import achieved_flops, matmul_peaks, model_dims
+from bench.vs_trl.flops import achieved_flops, dtype_peak, matmul_peaks, model_dims
+from bench.vs_trl.report import peaks_text
 
 COLUMNS = (
     "dtype",
@@ -49,8 +50,7 @@ def peak_fraction(res: dict, side: str) -> float:
     threads = (part.get("threads") or {}).get("train")
     if v is None or threads is None:
         return float("nan")
-    dtype = {"bf16": "bfloat16"}.get(res["run"].get("dtype"), "float32")
-    return v / fl["peak"][str(threads)][dtype]
+    return v / dtype_peak(fl["peak"], threads, res["run"].get("dtype", "fp32"))
 
 
 def model_config(res: dict) -> dict:
@@ -153,14 +153,7 @@ def main(argv=None) -> None:
     if a.recount:
         cpus = results[0]["cpu"]["cpus"]
         peaks = matmul_peaks(cpus, [1, len(cpus)])
-        g = 1e9
-        print(
-            "matmul peaks now, GFLOP/s: "
-            + "; ".join(
-                f"{n} thread(s) fp32 {v['float32'] / g:.1f}, bf16 {v['bfloat16'] / g:.1f}"
-                for n, v in peaks.items()
-            )
-        )
+        print(f"matmul peaks now, GFLOP/s: {peaks_text(peaks)}")
         for res in results:
             recount(res, peaks)
     rows = [table_row(r) for r in results]
