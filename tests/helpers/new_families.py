@@ -36,6 +36,16 @@ class FamilyCase:
     shared_prompts: bool = False
 
 
+#: the Falcon-H1 cases' tiny model (both, the gated norm aside): the Mamba sizes of
+#: nemotron_h's case, untied
+FALCON_H1_TINY = dict(
+    arch="falcon_h1",
+    hidden_size=32,
+    intermediate_size=48,
+    mamba_chunk_size=32,
+    tie_word_embeddings=False,
+)
+
 CASES = {
     # explicit head_dim (24, not hidden/heads = 16) and a window (8) shorter than the
     # sequences; also with sliding_window: null (many Mistral checkpoints)
@@ -122,16 +132,7 @@ CASES = {
     # out, the five sections of the Mamba input projection, the MLP's gate / down; TinyModelSpec)
     # and the Mamba sizes and weights of nemotron_h's case (one scan chunk per checked
     # sequence); TP2 splits the Mamba heads and groups; untied
-    "falcon_h1": FamilyCase(
-        "falcon_h1",
-        dict(
-            arch="falcon_h1",
-            hidden_size=32,
-            intermediate_size=48,
-            mamba_chunk_size=32,
-            tie_word_embeddings=False,
-        ),
-    ),
+    "falcon_h1": FamilyCase("falcon_h1", FALCON_H1_TINY),
     # Falcon-H1 with the gated Mamba norm (mamba_rms_norm, gating before normalising as
     # megatron's mixer does; the other order is refused), its gains random around one (unit
     # gains would move the logits by 0.16, nemotron_h's case); the falcon_h1 case's sizes and
@@ -140,11 +141,7 @@ CASES = {
     "falcon_h1_gated": FamilyCase(
         "falcon_h1_gated",
         dict(
-            arch="falcon_h1",
-            hidden_size=32,
-            intermediate_size=48,
-            mamba_chunk_size=32,
-            tie_word_embeddings=False,
+            FALCON_H1_TINY,
             falcon_h1_config=dict(
                 TinyModelSpec().falcon_h1_config,
                 mamba_rms_norm=True,
