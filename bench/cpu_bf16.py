@@ -230,13 +230,14 @@ def child(args, hf_dir, dtype, out) -> None:
     weights of ``hf_dir``, one warm-up step, ``--steps`` timed steps."""
     import torch
 
-    from areal_mega.checkpoint.convert import _large_allocations_via_mmap, _single_process_mesh
+    from areal_mega.checkpoint.convert import _single_process_mesh
+    from areal_mega.common.malloc import set_training_policy
     from areal_mega.config import load_config
     from areal_mega.engine import MegatronEngine
     from bench.engine import load_hf_weights
     from bench.grpo_step import grpo_step, make_trajectories
 
-    _large_allocations_via_mmap()
+    set_training_policy()  # the trainer's malloc policy on CPU
     torch.set_num_threads(args.threads)
     vocab = json.loads((Path(hf_dir) / "config.json").read_text())["vocab_size"]
     with tempfile.TemporaryDirectory(prefix="bench_bf16_run_") as run_dir:

@@ -83,13 +83,14 @@ def child(args, hf_dir, dtype, out) -> None:
 
     import torch
 
-    from areal_mega.checkpoint.convert import _large_allocations_via_mmap, _single_process_mesh
+    from areal_mega.checkpoint.convert import _single_process_mesh
+    from areal_mega.common.malloc import set_training_policy
     from areal_mega.config import load_config
     from areal_mega.engine import MegatronEngine
     from bench.engine import load_hf_weights
     from bench.grpo_step import grpo_step, make_trajectories
 
-    _large_allocations_via_mmap()
+    set_training_policy()  # the trainer's malloc policy on CPU
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_ab_run_") as run_dir:
         cfg = load_config(

@@ -223,9 +223,9 @@ REPEATS = [1]
 def child(side, hf_dir, args, out):
     import torch
 
-    from areal_mega.checkpoint.convert import _large_allocations_via_mmap
+    from areal_mega.common.malloc import set_training_policy
 
-    _large_allocations_via_mmap()
+    set_training_policy()  # the trainer's malloc policy on CPU, for both sides
     torch.set_num_threads(args.threads)
     REPEATS[0] = args.repeats
     groups = make_batch(args.seqs, args.mb_tokens, SHAPE["vocab_size"], args.seed)

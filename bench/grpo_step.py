@@ -179,11 +179,12 @@ def child(args, hf_dir, out):
     """One variant (``AREAL_MEGA_CPU_GEMM`` already set by the parent): build, warm up, time."""
     import torch
 
-    from areal_mega.checkpoint.convert import _large_allocations_via_mmap, _single_process_mesh
+    from areal_mega.checkpoint.convert import _single_process_mesh
+    from areal_mega.common.malloc import set_training_policy
     from areal_mega.compat import cpu_gemm
     from areal_mega.engine import MegatronEngine
 
-    _large_allocations_via_mmap()
+    set_training_policy()  # the trainer's malloc policy on CPU
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_grpo_run_") as run_dir:
         cfg = load_cfg(args, hf_dir, run_dir)

@@ -42,6 +42,7 @@ from areal_mega.checkpoint.safetensors_io import (
 )
 from areal_mega.checkpoint.value_model import SCORE_TENSOR, is_sequence_classification
 from areal_mega.checkpoint.verify import read_meta
+from areal_mega.common.malloc import release_large_buffers
 from areal_mega.common.net import free_port
 from areal_mega.common.proc_memory import AnonPeak, proc_status_bytes
 from areal_mega.parallel.allocation import ParallelDims
@@ -81,18 +82,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def _large_allocations_via_mmap(threshold: int = 1 << 20) -> None:
-    """Pin glibc's mmap threshold so every large tensor buffer is its own mapping, returned to
-    the OS when freed. (By default glibc raises the threshold after the first large free, and
-    later tensors of that size come from the heap, whose freed space stays resident.)"""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
-        pass
 
 
 def check_layout(
@@ -287,7 +276,7 @@ def convert_hf_to_mcore(
     sd = _meta_sharded_state_dict(arch)
     if value_model:
         sd = {k: v for k, v in sd.items() if not k.startswith("output_layer.")}
-    _large_allocations_via_mmap()
+    release_large_buffers()  # each streamed tensor's buffer goes back when freed
     reset_peak_rss()
     baseline = rss_bytes()
     largest = max(
@@ -424,7 +413,7 @@ def convert_mcore_to_hf(
         raise FileExistsError(f"{out}: exists and is not empty; refusing to overwrite")
     reader = DcpReader(path)
     sd = _meta_sharded_state_dict(arch)
-    _large_allocations_via_mmap()
+    release_large_buffers()  # each streamed tensor's buffer goes back when freed
     reset_peak_rss()
     baseline = rss_bytes()
     out_dtype = _DT[dtype] if dtype else None

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from areal_mega.common.malloc import set_training_policy
 from areal_mega.config import ConfigError, ExperimentConfig, config_to_dict
 from areal_mega.dataplane.control import RolloutLink
 from areal_mega.lora.actor import (
@@ -122,7 +123,8 @@ class TrainerSession:
         with ``ref.enabled``); resume from the latest checkpoint under ``ckpt_root`` when
         ``recover=auto`` finds one, else the initial weights (``checkpoint.load`` or
         ``model.path``, converted once to ``<run_dir>/init_mcore``); the weight-update
-        method. Rank 0 then writes ``config.resolved.json``, opens the metrics logger and, in
+        method; on CPU the malloc policy of training (:mod:`areal_mega.common.malloc`). Rank 0
+        then writes ``config.resolved.json``, opens the metrics logger and, in
         RL mode, starts the trajectory intake (replaying its journal when resuming) and the
         control link. A resumed RL run publishes its weights at ``start_step`` before
         returning, so the rollout servers generate with the trained weights. Raises
@@ -202,7 +204,9 @@ class TrainerSession:
         self.ckpt_root = self.paths.checkpoint_root
         self.start_step = 0
         self.skips = SkipGuard(cfg.actor.max_consecutive_skips, cfg.algorithm.routing_replay)
-        resumed = self._restore_or_init()
+        resumed = self._restore_or_init()  # the initial conversion releases its buffers
+        if not torch.cuda.is_available():  # each step's large buffers are kept for the next
+            set_training_policy()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
         self.rollout_metrics: dict = {}  # the worker's rollout/* server metrics (elastic)
         try:

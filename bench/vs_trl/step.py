@@ -110,14 +110,15 @@ def trajectories(trl: dict) -> list:
 def our_step(a, model: Path, trl: dict) -> dict:
     """Our trainer's step on TRL's batch: loss, grad norm (and the clip), HF-named gradients
     and weights."""
-    from areal_mega.checkpoint.convert import _large_allocations_via_mmap, _single_process_mesh
+    from areal_mega.checkpoint.convert import _single_process_mesh
     from areal_mega.checkpoint.export import iter_hf_tensors
+    from areal_mega.common.malloc import set_training_policy
     from areal_mega.config import load_config
     from areal_mega.engine import MegatronEngine
     from bench.engine import load_hf_weights
     from bench.grpo_step import grpo_step
 
-    _large_allocations_via_mmap()
+    set_training_policy()  # the trainer's malloc policy on CPU
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory(prefix="vs_trl_step_") as run_dir:
         cfg = load_config(
