@@ -2,10 +2,13 @@
 
 - :mod:`.megatron_cpu` — the patches that make megatron-core 0.19.2 run on CPU with gloo
   (applied only without CUDA; each checks the upstream source it replaces);
+- :mod:`.patching` — one patch of megatron-core's source: described, checked, applied;
 - :mod:`.cuda_shim` — the CPU stand-ins for ``torch.cuda`` those patches hand megatron's
   modules;
 - :mod:`.cpu_gemm` — the tensor-parallel linears' three GEMMs through oneDNN (a speed patch);
 - :mod:`.packed_rope` — RoPE over packed sequences in one call (a speed patch);
+- :mod:`.multi_tensor` — the optimizer's tensor-list scale and copy as ``_foreach`` ops (a
+  speed patch);
 - :mod:`.mamba_cpu` — torch versions of the Mamba-2 kernels megatron-core's ``MambaMixer``
   calls (causal-conv1d, mamba-ssm), packed sequences included;
 - :mod:`.gdn_cpu` — torch versions of the fla kernels megatron-core's ``GatedDeltaNet``

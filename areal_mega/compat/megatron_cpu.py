@@ -4,11 +4,17 @@ megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG track
 generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
 ``Stream()`` or build tensors with ``device="cuda"``, and the optimizers compare
 ``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places
-when CUDA is absent, plus three patches for speed: the tensor-parallel linear layers' GEMMs go
-through oneDNN (:mod:`areal_mega.compat.cpu_gemm`; on AMD CPUs MKL's fp32 GEMM runs at less
-than half the rate), RoPE over packed sequences runs as one call, not one per sequence
-(:mod:`areal_mega.compat.packed_rope`), and the Adam megatron falls back to is torch's fused
-CPU kernel. Gated delta-net layers (Qwen3-Next, Qwen3.5) get torch versions of fla's kernels
+when CUDA is absent, plus four patches for speed:
+
+- the tensor-parallel linear layers' GEMMs go through oneDNN (:mod:`areal_mega.compat.cpu_gemm`;
+  on AMD CPUs MKL's fp32 GEMM runs at less than half the rate);
+- RoPE over packed sequences runs as one call, not one per sequence
+  (:mod:`areal_mega.compat.packed_rope`);
+- the Adam megatron falls back to is torch's fused CPU kernel;
+- its fallback tensor-list scale and copy (the gradient clip, the bf16 parameters' update) are
+  torch's ``_foreach`` ops (:mod:`areal_mega.compat.multi_tensor`).
+
+Gated delta-net layers (Qwen3-Next, Qwen3.5) get torch versions of fla's kernels
 (:mod:`areal_mega.compat.gdn_cpu`). Where TransformerEngine is absent, :func:`apply` also
 installs the scoped TE placeholder of :mod:`areal_mega.compat.te_placeholder` (``import
 megatron.bridge`` needs it).
@@ -19,7 +25,7 @@ there. :func:`apply` checks all of them *before* changing anything and raises
 code fails loudly instead of silently running unpatched. ``tests/test_engine_compat.py`` also
 re-checks, in a fresh process without the patches, that upstream still fails without them.
 
-Two kinds of patch are used:
+Three kinds of patch are used (and ``custom`` ones, a function of this module each):
 
 * **module torch view** — inside one megatron module, the name ``torch`` is rebound to a thin
   view of the real ``torch`` whose ``torch.cuda`` is a CPU stand-in (``current_device()`` is
@@ -31,7 +37,8 @@ Two kinds of patch are used:
 * **TE placeholder** — the module's import of ``transformer_engine`` is served a placeholder
   while (only while) that module's body runs; its source is read from disk, not imported.
 
-The CPU stand-ins themselves live in :mod:`areal_mega.compat.cuda_shim`; this module holds the
+The CPU stand-ins themselves live in :mod:`areal_mega.compat.cuda_shim`, and how one patch is
+described, checked and applied in :mod:`areal_mega.compat.patching`; this module holds the
 patch list and the one entry point. Usage: ``from areal_mega.compat import megatron_cpu;
 megatron_cpu.apply()`` before building models (idempotent; a no-op when CUDA is available
 unless ``force=True``).
@@ -42,20 +49,20 @@ from __future__ import annotations
 import importlib
 import inspect
 import textwrap
-import types
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from areal_mega.compat import packed_rope, te_placeholder
 from areal_mega.compat.cuda_shim import torch_view
+from areal_mega.compat.patching import Patch
 
 __all__ = [
     "apply",
     "is_applied",
     "needed",
     "CompatError",
+    "Patch",
     "PATCHES",
     "check_targets",
     "install_te_placeholder",
@@ -71,119 +78,6 @@ MEGATRON_CORE_VERSION = "0.19.2"
 
 class CompatError(RuntimeError):
     """The megatron-core source no longer matches what a CPU patch expects."""
-
-
-# --------------------------------------------------------------------------------------------
-# Patch descriptions
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Patch:
-    """One patch: ``module`` (dotted), what source it expects (``expect``: snippets that must
-    appear in the module, or in ``function`` when given), and how it is applied (``kind``:
-    ``"torch_view"``, ``"rewrite"`` with ``replace`` pairs, or ``"custom"`` with ``fn``)."""
-
-    name: str
-    module: str
-    kind: str
-    expect: tuple = ()
-    function: Optional[str] = None  # qualname inside module, e.g. "Class.method"
-    replace: tuple = ()  # (old, new) pairs for "rewrite"
-    fn: Optional[Callable[[types.ModuleType], None]] = None
-    why: str = ""
-    extra: dict = field(default_factory=dict)
-
-    def target_source(self) -> str:
-        if self.kind == "te_placeholder":  # importing it is what fails: read it from disk
-            src = te_placeholder.importer_source(self.module)
-            if src is None:
-                raise ModuleNotFoundError(self.module)
-            return src
-        mod = importlib.import_module(self.module)
-        if self.function is None:
-            return inspect.getsource(mod)
-        fn = _resolve(mod, self.function)
-        fn = getattr(fn, "__func__", fn)
-        # after a rewrite, read the source of the original function that was replaced
-        return inspect.getsource(getattr(fn, "__wrapped_original__", fn))
-
-    def check(self) -> list[str]:
-        """Return the problems found (empty when the expected source is all there; a TE
-        placeholder whose importer is not installed has nothing to check)."""
-        if self.kind == "te_placeholder" and te_placeholder.importer_source(self.module) is None:
-            return []
-        try:
-            src = self.target_source()
-        except Exception as exc:  # module or function gone
-            return [f"{self.name}: cannot read {self.module}:{self.function}: {exc!r}"]
-        probs = [
-            f"{self.name}: {self.module}{':' + self.function if self.function else ''} "
-            f"no longer contains {s!r}"
-            for s in self.expect
-            if s not in src
-        ]
-        for old, _ in self.replace:
-            if old not in src:
-                probs.append(
-                    f"{self.name}: {self.module}:{self.function} no longer contains {old!r}"
-                )
-        return probs
-
-    def apply(self) -> None:
-        mod = None if self.kind == "te_placeholder" else importlib.import_module(self.module)
-        if self.kind == "torch_view":
-            mod.torch = torch_view()
-        elif self.kind == "rewrite":
-            _rewrite(mod, self.function, self.replace)
-        elif self.kind == "custom":
-            self.fn(mod)
-        elif self.kind == "te_placeholder":
-            te_placeholder.install()
-        else:  # pragma: no cover
-            raise ValueError(self.kind)
-
-
-def _resolve(mod, qualname: str):
-    obj = mod
-    for part in qualname.split("."):
-        obj = obj.__dict__[part] if isinstance(obj, type) else getattr(obj, part)
-    return obj
-
-
-def _rewrite(mod, qualname: str, replace: tuple) -> None:
-    """Recompile ``mod.qualname`` from its source with ``replace`` applied, in the module's
-    globals. Methods get a ``__class__`` cell so zero-argument ``super()`` keeps working."""
-    parts = qualname.split(".")
-    owner = mod if len(parts) == 1 else _resolve(mod, ".".join(parts[:-1]))
-    orig = owner.__dict__[parts[-1]] if isinstance(owner, type) else getattr(owner, parts[-1])
-    wrapper = None
-    if isinstance(orig, (staticmethod, classmethod)):
-        wrapper, orig = type(orig), orig.__func__
-    src = textwrap.dedent(inspect.getsource(orig))
-    for old, new in replace:
-        src = src.replace(old, new)
-    factory_src = (
-        "def __areal_factory(__class__):\n"
-        + textwrap.indent(src, "    ")
-        + f"\n    return {parts[-1]}\n"
-    )
-    code = compile(factory_src, inspect.getsourcefile(orig) or "<rewrite>", "exec")
-    ns: dict = {}
-    exec(code, mod.__dict__, ns)
-    cls = owner if isinstance(owner, type) else None
-    new_fn = ns["__areal_factory"](cls)
-    new_fn.__wrapped_original__ = orig
-    if wrapper is not None:
-        new_fn = wrapper(new_fn)
-    setattr(owner, parts[-1], new_fn)
-    if cls is None:  # module-level function: rebind copies imported by name elsewhere
-        import sys
-
-        for name, other in list(sys.modules.items()):
-            if name.startswith("megatron.") and other is not None and other is not mod:
-                if other.__dict__.get(parts[-1]) is orig:
-                    setattr(other, parts[-1], new_fn)
 
 
 # ---- custom patches ------------------------------------------------------------------------
@@ -381,6 +275,18 @@ def _patch_packed_rope(mod) -> None:
     packed_rope.install(mod)
 
 
+def _patch_multi_tensor_scale(mod) -> None:
+    """The module's fallback ``multi_tensor_scale_impl`` (megatron's local one, bound at its
+    import when TE and apex are absent) becomes :func:`areal_mega.compat.multi_tensor.
+    multi_tensor_scale`. A TE or apex kernel found at import is left in place."""
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from areal_mega.compat import multi_tensor
+
+    if mod.multi_tensor_scale_impl is local_multi_tensor_scale:
+        mod.multi_tensor_scale_impl = multi_tensor.multi_tensor_scale
+
+
 #: GatedDeltaNet's helpers megatron decorates with ``jit_fuser`` (``torch.compile``)
 _GDN_COMPILED = (
     "_apply_gated_norm",
@@ -567,6 +473,31 @@ def _build_patches() -> list[Patch]:
             "with its defaults, the per-parameter loop on CPU tensors (~10 passes over "
             "the weights); torch's fused CPU kernel makes one (135M params, 2 threads: "
             "0.42 s -> 0.07 s a step)",
+        ),
+        Patch(
+            "clip_grads_multi_tensor_scale",
+            "megatron.core.optimizer.clip_grads",
+            "custom",
+            expect=(
+                "multi_tensor_scale_impl = local_multi_tensor_scale",
+                "multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff",
+            ),
+            fn=_patch_multi_tensor_scale,
+            why="speed, not correctness: megatron's fallback scales the clipped gradients "
+            "through a full-size temporary per parameter (compat/multi_tensor.py)",
+        ),
+        Patch(
+            "optimizer_multi_tensor_scale",
+            "megatron.core.optimizer.optimizer",
+            "custom",
+            expect=(
+                "multi_tensor_scale_impl = local_multi_tensor_scale",
+                "multi_tensor_applier(multi_tensor_scale_impl, overflow_buf, [this, that], 1.0)",
+            ),
+            fn=_patch_multi_tensor_scale,
+            why="speed, not correctness: megatron's fallback copies the fp32 main parameters "
+            "into the bf16 model ones through an fp32 temporary per parameter "
+            "(compat/multi_tensor.py)",
         ),
         Patch(
             "tp_linear_gemms",
