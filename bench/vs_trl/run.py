@@ -291,6 +291,7 @@ def run_ours(a, model: Path, data: Path, out: Path) -> dict:
         "logging.plot=false",
         f"cluster.cpu_threads_per_server={server_t}",
         f"cluster.cpu_threads_per_trainer_rank={trainer_t}",
+        f"scheduler.max_tokens_per_mb={a.mb_tokens}",
         *a.ours_overrides,
     ]
     t0 = time.time()
@@ -554,6 +555,14 @@ def main(argv=None) -> None:
         help="TRL's per_device_train_batch_size (0: a step's samples at once)",
     )
     p.add_argument("--trl-grad-ckpt", action="store_true", help="TRL: gradient checkpointing")
+    p.add_argument(
+        "--mb-tokens",
+        type=int,
+        default=2048,
+        help="ours: scheduler.max_tokens_per_mb, the tokens the model computes per micro-batch "
+        "(each group's prompt once; the recipe's 512 splits an 8x8 step in two); 2048: a "
+        "step in one micro-batch, as TRL's --trl-micro-batch 0 takes it",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per side")
     p.add_argument("--out", default=None, help="default: runs/vs-trl-<time>")
     p.add_argument(
@@ -622,6 +631,7 @@ def main(argv=None) -> None:
                 "max_prompt_len",
                 "eval_every",
                 "eval_max_new",
+                "mb_tokens",
             )
         },
     }
