@@ -25,8 +25,8 @@ def heap_range():
             return int(lo, 16), int(hi, 16)
     return 0, 0
 
-def alloc_and_touch():
-    t = torch.empty(64 << 18, dtype=torch.float32)  # 64 MiB, above glibc's 32 MiB cap
+def alloc_and_touch(mib):
+    t = torch.empty(mib << 18, dtype=torch.float32)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t.fill_(1.0)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
@@ -35,36 +35,42 @@ def alloc_and_touch():
 
 rounds = []
 for _ in range(ROUNDS):
-    t, faults, in_heap = alloc_and_touch()
+    t, faults, in_heap = alloc_and_touch(int(sys.argv[2]))
     rounds.append(dict(faults=faults, in_heap=in_heap))
     del t
 print(json.dumps(dict(took=took, rounds=rounds)))
 """
 
 
-def _probe(policy: str) -> dict:
+def _probe(policy: str, mib: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, policy], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", PROBE, policy, str(mib)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_keep_reuses_freed_buffers_without_faults():
-    res = _probe("keep")
+def test_reuse_keeps_buffers_up_to_32_mib_without_faults():
+    res = _probe("reuse", 16)
     rounds = res["rounds"]
     assert res["took"] is True and all(r["in_heap"] for r in rounds)
-    # the first allocation faults its 16,384 pages in (fewer with huge pages). torch asks for
+    # the first allocation faults its 4,096 pages in (fewer with huge pages). torch asks for
     # 64-byte aligned buffers, which a freed chunk of exactly that size cannot serve, so the
-    # heap grows for a few rounds (up to ten measured) until freed neighbours have merged;
-    # from then on every buffer reuses resident pages
+    # heap grows for a few rounds until freed neighbours have merged; from then on every
+    # buffer reuses resident pages
     assert rounds[0]["faults"] > 0
     assert [r["faults"] < 64 for r in rounds[-6:]] == [True] * 6, rounds
 
 
-@pytest.mark.parametrize("policy", ["release", "default", "untouched"])
-def test_release_and_glibc_map_each_large_buffer(policy):
-    res = _probe(policy)
+@pytest.mark.parametrize(
+    "policy,mib",
+    [("reuse", 64), ("release", 16), ("release", 64), ("untouched", 64)],
+)
+def test_larger_buffers_are_mappings_of_their_own(policy, mib):
+    res = _probe(policy, mib)
     assert res["took"] in (True, None)
     # a mapping of its own, unmapped when freed: every round faults its pages in again
     assert not any(r["in_heap"] for r in res["rounds"])
@@ -73,11 +79,11 @@ def test_release_and_glibc_map_each_large_buffer(policy):
 
 def test_training_policy_reads_the_environment(monkeypatch):
     monkeypatch.delenv(malloc.POLICY_ENV, raising=False)
-    assert malloc.training_policy() == "keep"
+    assert malloc.training_policy() == "reuse"
     monkeypatch.setenv(malloc.POLICY_ENV, " Release ")
     assert malloc.training_policy() == "release"
     monkeypatch.setenv(malloc.POLICY_ENV, "jemalloc")
-    with pytest.raises(ValueError, match="AREAL_MEGA_MALLOC='jemalloc'.*keep, release, default"):
+    with pytest.raises(ValueError, match="AREAL_MEGA_MALLOC='jemalloc'.*reuse, release"):
         malloc.training_policy()
     with pytest.raises(ValueError, match="malloc policy 'fast'"):
         malloc.set_policy("fast")

@@ -12,7 +12,7 @@
 - :mod:`.proc_memory` — this process's memory from ``/proc/self/status`` (peak RSS, the
   anonymous peak over a block);
 - :mod:`.malloc` — glibc's policy for large tensor buffers: returned when freed (a conversion)
-  or kept for the next step (a CPU trainer);
+  or reused step after step (a CPU trainer);
 - :mod:`.http_guard` — what every HTTP endpoint of ours does against hostile clients: strict
   JSON, body limits and timeouts, a connection cap that refuses cheaply;
 - :mod:`.errors` — ``ConfigError``, the config error every layer raises;

@@ -7,6 +7,8 @@
   modules;
 - :mod:`.cpu_gemm` — the tensor-parallel linears' three GEMMs through oneDNN (a speed patch);
 - :mod:`.packed_rope` — RoPE over packed sequences in one call (a speed patch);
+- :mod:`.main_grad` — a bf16 gradient added into its fp32 main gradient in cache-sized pieces
+  (a speed patch);
 - :mod:`.multi_tensor` — the optimizer's tensor-list scale and copy as ``_foreach`` ops (a
   speed patch);
 - :mod:`.mamba_cpu` — torch versions of the Mamba-2 kernels megatron-core's ``MambaMixer``

@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places: the tensor-parallel RNG track
 generator states, several modules call ``torch.cuda.current_device()`` / ``synchronize()`` /
 ``Stream()`` or build tensors with ``device="cuda"``, and the optimizers compare
 ``param.type()`` with ``"torch.cuda.FloatTensor"``. This module patches exactly those places
-when CUDA is absent, plus four patches for speed:
+when CUDA is absent, plus five patches for speed:
 
 - the tensor-parallel linear layers' GEMMs go through oneDNN (:mod:`areal_mega.compat.cpu_gemm`;
   on AMD CPUs MKL's fp32 GEMM runs at less than half the rate);
@@ -12,7 +12,9 @@ when CUDA is absent, plus four patches for speed:
   (:mod:`areal_mega.compat.packed_rope`);
 - the Adam megatron falls back to is torch's fused CPU kernel;
 - its fallback tensor-list scale and copy (the gradient clip, the bf16 parameters' update) are
-  torch's ``_foreach`` ops (:mod:`areal_mega.compat.multi_tensor`).
+  torch's ``_foreach`` ops (:mod:`areal_mega.compat.multi_tensor`);
+- DDP adds a bf16 gradient into its fp32 main gradient in cache-sized pieces
+  (:mod:`areal_mega.compat.main_grad`).
 
 Gated delta-net layers (Qwen3-Next, Qwen3.5) get torch versions of fla's kernels
 (:mod:`areal_mega.compat.gdn_cpu`). Where TransformerEngine is absent, :func:`apply` also
@@ -55,7 +57,7 @@ import torch
 
 from areal_mega.compat import packed_rope, te_placeholder
 from areal_mega.compat.cuda_shim import torch_view
-from areal_mega.compat.patching import Patch
+from areal_mega.compat.patching import Patch, rewrite_function
 
 __all__ = [
     "apply",
@@ -275,6 +277,22 @@ def _patch_packed_rope(mod) -> None:
     packed_rope.install(mod)
 
 
+_DDP_GRAD_ADD = "param.main_grad.add_(param.grad.data)"
+
+
+def _patch_ddp_grad_add(mod) -> None:
+    """DDP's backward hook adds a parameter's gradient into its main gradient through
+    :func:`areal_mega.compat.main_grad.accumulate`."""
+    from areal_mega.compat import main_grad
+
+    mod._areal_accumulate_grad = main_grad.accumulate
+    rewrite_function(
+        mod,
+        "DistributedDataParallel._make_backward_post_hook",
+        ((_DDP_GRAD_ADD, "_areal_accumulate_grad(param.main_grad, param.grad.data)"),),
+    )
+
+
 def _patch_multi_tensor_scale(mod) -> None:
     """The module's fallback ``multi_tensor_scale_impl`` (megatron's local one, bound at its
     import when TE and apex are absent) becomes :func:`areal_mega.compat.multi_tensor.
@@ -473,6 +491,16 @@ def _build_patches() -> list[Patch]:
             "with its defaults, the per-parameter loop on CPU tensors (~10 passes over "
             "the weights); torch's fused CPU kernel makes one (135M params, 2 threads: "
             "0.42 s -> 0.07 s a step)",
+        ),
+        Patch(
+            "ddp_grad_add",
+            "megatron.core.distributed.distributed_data_parallel",
+            "custom",
+            function="DistributedDataParallel._make_backward_post_hook",
+            expect=(_DDP_GRAD_ADD,),
+            fn=_patch_ddp_grad_add,
+            why="speed, not correctness: a bf16 gradient is cast into a full-size fp32 "
+            "temporary before its add into the fp32 main gradient (compat/main_grad.py)",
         ),
         Patch(
             "clip_grads_multi_tensor_scale",

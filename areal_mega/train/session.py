@@ -205,7 +205,7 @@ class TrainerSession:
         self.start_step = 0
         self.skips = SkipGuard(cfg.actor.max_consecutive_skips, cfg.algorithm.routing_replay)
         resumed = self._restore_or_init()  # the initial conversion releases its buffers
-        if not torch.cuda.is_available():  # each step's large buffers are kept for the next
+        if not torch.cuda.is_available():  # buffers up to 32 MiB are reused step after step
             set_training_policy()
         self.intake = self.link = self.logger = self.progress = self.weight_sender = None
         self.rollout_metrics: dict = {}  # the worker's rollout/* server metrics (elastic)
