@@ -11,6 +11,7 @@
 - :mod:`.log_tail` — the error a dead process left in its log, for one-line death notices;
 - :mod:`.proc_memory` — this process's memory from ``/proc/self/status`` (peak RSS, the
   anonymous peak over a block);
+- :mod:`.env_switch` — an environment variable that takes one of a fixed set of names;
 - :mod:`.malloc` — glibc's policy for large tensor buffers: returned when freed (a conversion)
   or reused step after step (a CPU trainer);
 - :mod:`.http_guard` — what every HTTP endpoint of ours does against hostile clients: strict

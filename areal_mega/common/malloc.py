@@ -43,7 +43,8 @@ glibc.
 from __future__ import annotations
 
 import ctypes
-import os
+
+from areal_mega.common.env_switch import env_choice
 
 __all__ = [
     "POLICY_ENV",
@@ -104,12 +105,7 @@ def set_policy(policy: str) -> bool:
 
 def training_policy() -> str:
     """The policy a CPU trainer runs under: ``$AREAL_MEGA_MALLOC``, ``reuse`` when unset."""
-    value = os.environ.get(POLICY_ENV, "").strip().lower() or "reuse"
-    if value not in POLICIES:
-        raise ValueError(
-            f"{POLICY_ENV}={os.environ[POLICY_ENV]!r}: expected one of {', '.join(POLICIES)}"
-        )
-    return value
+    return env_choice(POLICY_ENV, POLICIES, "reuse")
 
 
 def set_training_policy() -> str:

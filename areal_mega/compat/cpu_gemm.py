@@ -19,9 +19,9 @@ to A/B the two (``bench/grpo_step.py --gemm``). Any other value raises ``ValueEr
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from areal_mega.common.env_switch import env_choice
 
 GEMM_ENV = "AREAL_MEGA_CPU_GEMM"
 GEMM_CHOICES = ("onednn", "torch")
@@ -42,16 +42,7 @@ def _available() -> bool:
         return False
 
 
-def _requested_backend() -> str:
-    value = os.environ.get(GEMM_ENV, "onednn").strip().lower() or "onednn"
-    if value not in GEMM_CHOICES:
-        raise ValueError(
-            f"{GEMM_ENV}={os.environ[GEMM_ENV]!r}: expected one of {', '.join(GEMM_CHOICES)}"
-        )
-    return value
-
-
-_AVAILABLE = _requested_backend() == "onednn" and _available()
+_AVAILABLE = env_choice(GEMM_ENV, GEMM_CHOICES, "onednn") == "onednn" and _available()
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
