@@ -4,28 +4,18 @@ starts as the loaded weights, fp32 gradient buffers, fp32 log-probabilities from
 and an fp32 loss; its steps move the weights (tests/helpers/bf16_worker.py, one gloo process).
 The end-to-end bf16 run is tests/test_e2e_bf16.py."""
 
-import json
 import os
-import subprocess
 
 import pytest
 
-from tests.helpers.workers import ROOT, worker_cmd, worker_env
+from tests.helpers.workers import run_worker
 
 
 @pytest.mark.timeout(600)
 def test_bf16_actor_keeps_fp32_main_params_logprobs_and_loss(assets, tmp_path):
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        worker_cmd("bf16_worker", assets[0], tmp_path, out),
-        cwd=ROOT,
-        env=worker_env(dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")),
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    f = json.loads(out.read_text())
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    f = run_worker("bf16_worker", assets[0], tmp_path, out, out=out, timeout=540, env=env)
     assert f["param_dtypes"] == ["torch.bfloat16"]
     assert f["n_main"] == f["n_params"] > 0  # every parameter has a main copy ...
     assert f["main_dtypes"] == ["torch.float32"]  # ... in fp32

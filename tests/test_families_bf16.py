@@ -4,15 +4,13 @@ returns fp32 logprobs, and its logprobs are as close to transformers' fp32 ones 
 transformers' own bf16 run is (bf16 rounds differently on every CPU, so the bound is that run's
 distance, not a fixed number); the same weights in fp32 agree with transformers to 1e-5."""
 
-import json
 import os
-import subprocess
 
 import pytest
 
 from areal_mega.models.tiny import make_tiny_model
 from tests.helpers.new_families import CASES, tiny_spec
-from tests.helpers.workers import ROOT, worker_cmd, worker_env
+from tests.helpers.workers import run_worker
 
 
 @pytest.mark.timeout(600)
@@ -20,16 +18,8 @@ from tests.helpers.workers import ROOT, worker_cmd, worker_env
 def test_bf16_engine_is_as_close_to_transformers_as_its_own_bf16(tmp_path, name):
     model = make_tiny_model(tmp_path / "hf", **tiny_spec(CASES[name]))
     out = tmp_path / "out.json"
-    proc = subprocess.run(
-        worker_cmd("family_bf16_worker", model, tmp_path, out),
-        cwd=ROOT,
-        env=worker_env(dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")),
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    f = json.loads(out.read_text())
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    f = run_worker("family_bf16_worker", model, tmp_path, out, out=out, timeout=540, env=env)
     assert f["bf16.param_dtypes"] == ["torch.bfloat16"] and f["bf16.logprob_dtype"] == (
         "torch.float32"
     )

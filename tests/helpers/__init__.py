@@ -25,7 +25,7 @@ Libraries
     trajectories       deterministic data-plane trajectories
     vllm_env           the vLLM interpreter (skip or fail without one)
     vllm_servers       real vLLM servers on tiny models
-    workers            ``python -m tests.helpers.<name>`` argv and environment for a spawner
+    workers            ``python -m tests.helpers.<name>``: argv, environment, one run read back
 
 Workers (programs)
     ckpt_fault_worker      checkpoint saves and resumes for the integrity tests

@@ -5,7 +5,9 @@ spawner runs it in (no program patches ``sys.path`` itself)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,3 +26,19 @@ def worker_env(env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+def run_worker(name: str, *args, out: Path, timeout: float, env: dict | None = None) -> dict:
+    """Run ``tests.helpers.<name>`` with ``args`` as one process from the repository root
+    (:func:`worker_cmd`, ``env`` through :func:`worker_env`) and return the JSON it wrote to
+    ``out``; a non-zero exit fails the calling test with the tail of its stderr."""
+    proc = subprocess.run(
+        worker_cmd(name, *args),
+        cwd=ROOT,
+        env=worker_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
