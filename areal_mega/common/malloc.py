@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import ctypes
 
-from areal_mega.common.env_switch import env_choice
+from .env_switch import env_choice
 
 __all__ = [
     "POLICY_ENV",
