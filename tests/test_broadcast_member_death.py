@@ -69,6 +69,9 @@ def test_server_killed_mid_broadcast_is_left_out_without_a_trainer_restart(asset
         "allocation=local:d2+megatron:d1",
         "rollout.weight_update=distributed",
         "rollout.weight_bucket_mb=1",
+        # on-policy, so that every step after the kill checks the survivor's logprobs against
+        # the trainer's (at η=1 a loaded machine can train only one-version-stale tokens)
+        "rollout.max_head_offpolicyness=0",
         "cluster.max_restarts=2",
         "logging.plot=false",
         "rollout.reward_fn=areal_mega.rewards:char_match_reward",
