@@ -54,7 +54,17 @@ def _worst(results, key):
 
 @pytest.mark.parametrize(
     "layout",
-    ["dp2", "tp2", "tp2sp", "qwen2_tp2sp", "pp2_tied", "pp2_shared_prompts", "tp2_shared_prompts"],
+    [
+        "dp2",
+        "dp2_big_untied",
+        "dp2_big_tied",
+        "tp2",
+        "tp2sp",
+        "qwen2_tp2sp",
+        "pp2_tied",
+        "pp2_shared_prompts",
+        "tp2_shared_prompts",
+    ],
 )
 def test_dense_layouts_match_single_rank(dense, layout):
     for what in ("logprobs", "grads", "loss", "n_tokens"):

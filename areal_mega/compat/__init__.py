@@ -7,8 +7,10 @@
   modules;
 - :mod:`.cpu_gemm` — the tensor-parallel linears' three GEMMs through oneDNN (a speed patch);
 - :mod:`.packed_rope` — RoPE over packed sequences in one call (a speed patch);
-- :mod:`.main_grad` — a bf16 gradient added into its fp32 main gradient in cache-sized pieces
-  (a speed patch);
+- :mod:`.main_grad` — a bf16 gradient added into its fp32 main gradient in cache-sized pieces,
+  and a large weight's gradient added there as it is computed (speed patches);
+- :mod:`.embedding_grad` — the word embedding's backward adding its rows straight into the
+  main gradient (a speed patch);
 - :mod:`.multi_tensor` — the optimizer's tensor-list scale and copy as ``_foreach`` ops (a
   speed patch);
 - :mod:`.mamba_cpu` — torch versions of the Mamba-2 kernels megatron-core's ``MambaMixer``

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulate", "PIECE", "MIN_SPLIT"]
+from areal_mega.compat import cpu_gemm
+
+__all__ = ["accumulate", "accumulate_weight_grad", "weight_grad", "PIECE", "MIN_SPLIT"]
 
 #: Elements per piece of a split add (4 MiB of fp32).
 PIECE = 1 << 20
@@ -42,3 +44,40 @@ def accumulate(main_grad: torch.Tensor, grad: torch.Tensor) -> None:
     dst, src = main_grad.view(-1), grad.view(-1)
     for start in range(0, dst.numel(), PIECE):
         dst[start : start + PIECE].add_(src[start : start + PIECE])
+
+
+def accumulate_weight_grad(
+    main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor
+) -> None:
+    """``main_grad += grad_output.t() @ total_input`` for 2-D ``[tokens, N]`` / ``[tokens, K]``
+    and a contiguous ``[N, K]`` ``main_grad``. Of another dtype than ``main_grad``: the product
+    in that dtype, :data:`PIECE` elements of rows at a time, each added in ``main_grad``'s."""
+    if grad_output.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+        return
+    rows = max(1, PIECE // main_grad.shape[1])
+    for start in range(0, main_grad.shape[0], rows):
+        piece = cpu_gemm.grad_weight(grad_output[:, start : start + rows], total_input)
+        main_grad[start : start + rows].add_(piece)
+
+
+def weight_grad(
+    grad_output: torch.Tensor, total_input: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor | None:
+    """The weight gradient of a linear layer's backward (``grad_output.t() @ total_input``).
+    For a weight with a contiguous ``main_grad`` of at least :data:`MIN_SPLIT` elements it is
+    added there instead (:func:`accumulate_weight_grad`) and ``None`` is returned: autograd
+    then hands DDP's hook no ``param.grad`` to add (megatron allows that while
+    ``overlap_grad_reduce`` is off, as the engine keeps it). Else the product is returned."""
+    main_grad = getattr(weight, "main_grad", None)
+    if (
+        main_grad is None
+        or main_grad.numel() < MIN_SPLIT
+        or grad_output.dim() != 2
+        or total_input.dim() != 2
+        or main_grad.shape != (grad_output.shape[1], total_input.shape[1])
+        or not main_grad.is_contiguous()
+    ):
+        return cpu_gemm.grad_weight(grad_output, total_input)
+    accumulate_weight_grad(main_grad, grad_output, total_input)
+    return None

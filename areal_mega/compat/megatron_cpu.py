@@ -230,7 +230,7 @@ _TP_GEMM_REWRITES = {
         ),
         (
             "grad_weight = grad_output.t().matmul(total_input)",
-            "grad_weight = _areal_cpu_gemm.grad_weight(grad_output, total_input)",
+            "grad_weight = _areal_weight_grad(grad_output, total_input, weight)",
         ),
     ),
     "LinearWithFrozenWeight.forward": (
@@ -256,10 +256,13 @@ _TP_GEMM_REWRITES = {
 def _patch_tp_gemms(mod) -> None:
     """Recompile the autograd functions' ``forward`` / ``backward`` (decorators included:
     ``@staticmethod`` and megatron's ``custom_fwd`` / ``custom_bwd`` are re-applied from the
-    source) with their matmuls calling :mod:`areal_mega.compat.cpu_gemm`."""
-    from areal_mega.compat import cpu_gemm
+    source) with their matmuls calling :mod:`areal_mega.compat.cpu_gemm`, and a large trained
+    weight's gradient added into its main gradient (:func:`areal_mega.compat.main_grad.
+    weight_grad`)."""
+    from areal_mega.compat import cpu_gemm, main_grad
 
     mod._areal_cpu_gemm = cpu_gemm
+    mod._areal_weight_grad = main_grad.weight_grad
     for qualname, pairs in _TP_GEMM_REWRITES.items():
         cls_name, meth = qualname.split(".")
         cls = getattr(mod, cls_name)
@@ -290,6 +293,22 @@ def _patch_ddp_grad_add(mod) -> None:
         mod,
         "DistributedDataParallel._make_backward_post_hook",
         ((_DDP_GRAD_ADD, "_areal_accumulate_grad(param.main_grad, param.grad.data)"),),
+    )
+
+
+_EMBEDDING_LOOKUP = "output_parallel = F.embedding(masked_input, weight)"
+
+
+def _patch_embedding_grad(mod) -> None:
+    """``VocabParallelEmbedding`` looks its rows up through :func:`areal_mega.compat.
+    embedding_grad.embedding`, whose backward adds them into the weight's main gradient."""
+    from areal_mega.compat import embedding_grad
+
+    mod._areal_embedding = embedding_grad.embedding
+    rewrite_function(
+        mod,
+        "VocabParallelEmbedding.forward",
+        ((_EMBEDDING_LOOKUP, "output_parallel = _areal_embedding(masked_input, weight)"),),
     )
 
 
@@ -503,6 +522,16 @@ def _build_patches() -> list[Patch]:
             "temporary before its add into the fp32 main gradient (compat/main_grad.py)",
         ),
         Patch(
+            "embedding_grad_into_main_grad",
+            "megatron.core.tensor_parallel.layers",
+            "custom",
+            function="VocabParallelEmbedding.forward",
+            expect=(_EMBEDDING_LOOKUP,),
+            fn=_patch_embedding_grad,
+            why="speed, not correctness: the lookup's backward builds a dense gradient of the "
+            "whole vocabulary table to move the batch's rows (compat/embedding_grad.py)",
+        ),
+        Patch(
             "clip_grads_multi_tensor_scale",
             "megatron.core.optimizer.clip_grads",
             "custom",
@@ -534,7 +563,8 @@ def _build_patches() -> list[Patch]:
             expect=tuple(old for pairs in _TP_GEMM_REWRITES.values() for old, _ in pairs),
             fn=_patch_tp_gemms,
             why="speed, not correctness: torch's fp32 matmul on CPU is MKL's sgemm, which "
-            "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py)",
+            "on AMD CPUs runs at under half of oneDNN's rate (compat/cpu_gemm.py); a large "
+            "weight's full-size gradient faults in fresh pages every step (compat/main_grad.py)",
         ),
         Patch(
             "mamba_mixer_kernels",

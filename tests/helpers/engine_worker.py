@@ -49,6 +49,10 @@ TIED = dict(
     rms_norm_eps=1e-5,
 )
 BIAS = dict(DENSE, model_type="qwen2", head_dim=None)
+#: a vocabulary table of main_grad.MIN_SPLIT elements (65,536 × 64): the output layer's weight
+#: gradient is added into its main gradient in the backward (areal_mega/compat/main_grad.py);
+#: the batches' ids stay below VOCAB
+BIG_VOCAB = 65536
 MOE = dict(
     DENSE,
     model_type="qwen3_moe",
@@ -161,7 +165,7 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         valid = labels >= 0
         mask, packed = _reference_masking(eng, hf, mb)
         logits = model(ids[None], mb["position_ids"][None], mask, packed_seq_params=packed)[0]
-        logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= VOCAB, -1e9)
+        logits = logits.masked_fill(torch.arange(logits.shape[-1]) >= hf["vocab_size"], -1e9)
         lp, ent = packed_logprobs(logits, labels, temperature=TEMP, return_entropy=True)
         lp = torch.where(valid, lp, torch.zeros_like(lp))
         ent = torch.where(valid, ent, torch.zeros_like(ent))
@@ -381,6 +385,15 @@ def scenario_dense(res, out_dir):
     del eng, fresh
     set_mesh(dict(tp=world), sp=True)
     check_layout(res, "tp2sp", DENSE, ref, mbs)
+    # ---- a large vocabulary, untied and tied, DP2: embedding and output layer gradients added
+    # into their main gradients in the backward
+    for name, hf in (("big_untied", DENSE), ("big_tied", TIED)):
+        hf = dict(hf, vocab_size=BIG_VOCAB)
+        set_mesh(dict(dp=world))
+        ref_v = reference(hf, mbs, seed=13, loss=POLICY)
+        check_layout(
+            res, f"dp2_{name}", hf, ref_v, mbs, my_mbs=half, my_ref_lps=ref_v["lps"][rank::world]
+        )
     # ---- Qwen2 (QKV bias) under TP2 + SP
     set_mesh(dict(dp=world))
     ref_b = reference(BIAS, mbs, seed=5, loss=POLICY)
