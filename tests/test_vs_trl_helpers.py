@@ -441,11 +441,16 @@ def test_grid_table_rows_ratio_peak_fraction_and_order():
     del ours_only["trl"], ours_only["flops"]["trl"]
     bare = table_row(ours_only)
     assert math.isnan(bare["ratio"]) and math.isnan(bare["peak_trl"])
-    text = markdown([row, bare, fp32]).splitlines()
-    assert [ln.split(" | ")[:3] for ln in text[2:]] == [
-        ["| fp32", "16", "0"],
-        ["| fp32", "16", "1"],
-        ["| bf16", "128", "0"],
+    # the same grid cell from a shorter SFT warm start (issue 54's "128u") is a row of its own
+    short = res("bf16", 128, 0, 4.0, 12.0)
+    short["run"]["sft_steps"] = 12
+    row["sft_steps"] = 30
+    text = markdown([table_row(short), row, bare, fp32]).splitlines()
+    assert [ln.split(" | ")[:4] for ln in text[2:]] == [
+        ["| fp32", "16", "0", "0"],
+        ["| fp32", "16", "0", "1"],
+        ["| bf16", "128", "30", "0"],
+        ["| bf16", "128", "12", "0"],
     ]
     assert "| 3.00x |" in text[4] and "25% / 5%" in text[4] and text[2].count(" - ") >= 3
 

@@ -1,5 +1,5 @@
 """One markdown table of several bench/vs_trl/run.py runs: one row per dtype x max new tokens x
-eta, ours against TRL (issue 54's grid).
+SFT warm-start steps x eta, ours against TRL (issue 54's grid).
 
     d=runs/grid; for mn in 16 128; do for dt in fp32 bf16; do
         python -m bench.vs_trl --sft-steps 30 --max-new $mn --dtype $dt --out $d/mn$mn
@@ -29,6 +29,7 @@ from bench.vs_trl.report import peaks_text
 COLUMNS = (
     "dtype",
     "new tokens",
+    "SFT steps",
     "eta",
     "ours s/step",
     "TRL s/step",
@@ -90,6 +91,7 @@ def table_row(res: dict) -> dict:
     return {
         "dtype": res["run"].get("dtype", "fp32"),
         "max_new": res["run"]["max_new"],
+        "sft_steps": int(res["run"].get("sft_steps") or 0),
         "eta": res["ours"]["settings"]["eta"],
         "rl_seed": res["run"].get("rl_seed", res["run"]["seed"]),
         "ours_s": ours_s,
@@ -111,13 +113,18 @@ def _f(v: float, fmt: str) -> str:
 
 
 def markdown(rows: list) -> str:
-    """The rows as a markdown table, ordered by dtype (fp32 first), new tokens, eta, seed."""
-    order = sorted(rows, key=lambda r: (r["dtype"] != "fp32", r["max_new"], r["eta"], r["rl_seed"]))
+    """The rows as a markdown table, ordered by dtype (fp32 first), new tokens, SFT warm-start
+    steps (most first), eta, seed."""
+    order = sorted(
+        rows,
+        key=lambda r: (r["dtype"] != "fp32", r["max_new"], -r["sft_steps"], r["eta"], r["rl_seed"]),
+    )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in order:
         cells = [
             r["dtype"],
             str(r["max_new"]),
+            str(r["sft_steps"]),
             str(r["eta"]),
             _f(r["ours_s"], "{:.2f}"),
             _f(r["trl_s"], "{:.2f}"),
