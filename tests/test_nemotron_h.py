@@ -2,7 +2,6 @@
 provider fields, the local hybrid stack spec and the compat patches give transformers' logits
 and gradients on packed sequences; the configs it cannot build are refused naming the key."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +9,9 @@ import subprocess
 import pytest
 import torch
 
+from areal_mega.models.backend import have_te
 from areal_mega.models.nemotron_h import nemotron_h_refusals, nemotron_h_stage_refusal
+from tests.helpers.nemotron_h_worker import tiny_config
 from tests.helpers.workers import ROOT, worker_cmd, worker_env
 
 pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -73,34 +74,14 @@ def test_pipeline_stages_of_the_layer_pattern():
     assert "stage separators" in nemotron_h_stage_refusal(plain, 1, 2)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("transformer_engine_torch") is not None,
-    reason="refused only without TransformerEngine",
-)
+@pytest.mark.skipif(have_te(), reason="refused only where TransformerEngine is not used")
 def test_context_parallelism_without_transformer_engine_is_refused_naming_why():
     """megatron's Mamba context parallelism splits packed sequences with TransformerEngine's
     thd_get_partitioned_indices: without it the build refuses, where the forward would fail on
     megatron's 'update Transformer Engine' assertion."""
-    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
-
     from areal_mega.models.builder import parse_hf_config, transformer_config_from_hf
 
-    cfg = NemotronHConfig(
-        vocab_size=40,
-        hidden_size=32,
-        hybrid_override_pattern="M*M-",
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=48,
-        mamba_num_heads=4,
-        mamba_head_dim=8,
-        n_groups=2,
-        ssm_state_size=8,
-        tie_word_embeddings=False,
-    ).to_dict()
-    arch = parse_hf_config(cfg)
+    arch = parse_hf_config(tiny_config().to_dict())
     with pytest.raises(ValueError, match="context parallelism needs TransformerEngine"):
         transformer_config_from_hf(arch, cp=2)
     assert transformer_config_from_hf(arch, cp=1).context_parallel_size == 1

@@ -82,7 +82,6 @@ before any softmax (the engine does it).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -412,15 +411,6 @@ def interleaved_p2p_settings(pp: int, vpp: Optional[int]) -> dict:
     return {}
 
 
-def _te_thd_partitioning() -> bool:
-    """Whether TransformerEngine's torch extension (``transformer_engine_torch``, whose
-    ``thd_get_partitioned_indices`` megatron's Mamba context parallelism calls) is installed."""
-    try:
-        return importlib.util.find_spec("transformer_engine_torch") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def transformer_config_from_hf(
     arch: HFArch,
     *,
@@ -470,11 +460,12 @@ def transformer_config_from_hf(
             f"{arch.model_type}: context parallelism is not built for its Mamba mixers "
             "(megatron's Mamba context parallelism with packed sequences is not checked)"
         )
-    if arch.hybrid_layer_pattern is not None and cp > 1 and not _te_thd_partitioning():
+    if arch.hybrid_layer_pattern is not None and cp > 1 and not have_te():
         raise ValueError(
-            f"{arch.model_type}: context parallelism needs TransformerEngine, which is not "
-            "installed: megatron's Mamba mixers split packed sequences across CP ranks with its "
-            "thd_get_partitioned_indices (transformer_engine_torch), which has no CPU stand-in"
+            f"{arch.model_type}: context parallelism needs TransformerEngine, which is not in "
+            "use here (no CUDA, or not installed): megatron's Mamba mixers split packed "
+            "sequences across CP ranks with its thd_get_partitioned_indices, which has no CPU "
+            "stand-in"
         )
     if arch.num_layers % (pp * (vpp or 1)):
         raise ValueError(

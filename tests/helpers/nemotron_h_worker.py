@@ -26,11 +26,12 @@ LENGTHS = (40, 3, 29)
 PATTERN = "M*M-"
 
 
-def _hf_model():
+def tiny_config():
+    """The tiny transformers ``NemotronHConfig`` (pattern :data:`PATTERN`) of this worker's
+    model; tests/test_nemotron_h.py builds its refusal checks on it too."""
     from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHForCausalLM
 
-    cfg = NemotronHConfig(
+    return NemotronHConfig(
         vocab_size=40,
         hidden_size=32,
         hybrid_override_pattern=PATTERN,
@@ -50,8 +51,13 @@ def _hf_model():
         layer_norm_epsilon=1e-5,
         max_position_embeddings=256,
     )
+
+
+def _hf_model():
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHForCausalLM
+
     torch.manual_seed(0)
-    hf = NemotronHForCausalLM(cfg).float().eval()
+    hf = NemotronHForCausalLM(tiny_config()).float().eval()
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if n.endswith("norm.weight") or n.endswith("norm_f.weight"):
