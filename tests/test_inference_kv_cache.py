@@ -10,12 +10,14 @@ from areal_mega.models.tiny import make_tiny_model
 #: mistral: an explicit head_dim and a sliding window shorter than most rows; gemma3_text:
 #: the same window on its sliding layers only (transformers' cache, HFCacheBatch); qwen3_next,
 #: qwen3_5_text: a gated delta-net layer (a recurrent state per row, never padded) before a
-#: full-attention one
+#: full-attention one; gemma4_text: no key/value-shared layers (transformers 5.12's
+#: DynamicCache(config=...) then has no layers of its own: HFCacheBatch adds them)
 EXTRA = {
     "mistral": dict(head_dim=24, sliding_window=6),
     "gemma3_text": dict(head_dim=24, sliding_window=6, rope_theta=1e6, query_pre_attn_scalar=32),
     "qwen3_next": dict(head_dim=16),
     "qwen3_5_text": dict(head_dim=16),
+    "gemma4_text": dict(head_dim=16, sliding_window=6),
 }
 
 
@@ -51,11 +53,17 @@ def _reference(model, seq):
         ("gemma3_text", HFCacheBatch),
         ("qwen3_next", HFCacheBatch),
         ("qwen3_5_text", HFCacheBatch),
+        ("gemma4_text", HFCacheBatch),
     ],
 )
 def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     model = _model(tmp_path, arch)
-    if kind is StaticKVBatch or arch in ("gemma3_text", "qwen3_next", "qwen3_5_text"):
+    if kind is StaticKVBatch or arch in (
+        "gemma3_text",
+        "qwen3_next",
+        "qwen3_5_text",
+        "gemma4_text",
+    ):
         assert isinstance(make_kv_batch(model), kind)
     batch = kind(model)
     g = torch.Generator().manual_seed(0)

@@ -407,7 +407,15 @@ def _cache_keeping_every_key(config, past):
         DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
         for layer in cache.layers
     ]
-    for layer, entry in zip(cache.layers, past or ()):
+    past = past or ()
+    if len(cache.layers) < len(past) and cache.layer_class_to_replicate is not None:
+        # a cache of lazily made layers, which zip() below would not fill: transformers
+        # 5.12 makes one for Gemma 4 without key/value-shared layers (its layer list cut at
+        # [:-num_kv_shared_layers], i.e. [:-0], is empty)
+        cache.layers += [
+            cache.layer_class_to_replicate() for _ in range(len(past) - len(cache.layers))
+        ]
+    for layer, entry in zip(cache.layers, past):
         if isinstance(entry, StatesAndKV):
             _restore(layer, entry.states)
             if entry.kv[0] is not None:
