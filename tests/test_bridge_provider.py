@@ -477,8 +477,9 @@ def test_upstream_gemma4_dense_provider_still_differs_where_we_translate_it():
 
 def test_gemma4_refuses_what_it_does_not_build_naming_why():
     """PP with key/value-shared layers or per-layer inputs, full activation recompute, TP
-    above the full layers' KV heads and the MoE block are refused naming why; PP without
-    either is built (tests/test_new_families.py, gemma4_text_plain)."""
+    above the full layers' KV heads, the MoE block without its keys or with double-wide
+    shared layers and router replay are refused naming why; PP without either is built
+    (tests/test_new_families.py, gemma4_text_plain and gemma4_text_moe)."""
     from areal_mega.models import gemma4
     from areal_mega.models.builder import transformer_config_from_hf
 
@@ -495,8 +496,26 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
     k_eq_v = parse_hf_config(dict(GEMMA4, attention_k_eq_v=True))
     with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by TP=2"):
         transformer_config_from_hf(k_eq_v, tp=2)
-    with pytest.raises(ValueError, match="enable_moe_block=True"):
-        parse_hf_config(dict(GEMMA4, enable_moe_block=True))
+    # the MoE block: its keys are needed, double-wide shared layers are refused, router
+    # replay is refused (its own router), and the layer's MLP is Gemma 4's MoE layer
+    moe = dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2)
+    with pytest.raises(ValueError, match="needs moe_intermediate_size"):
+        parse_hf_config(moe)
+    moe["moe_intermediate_size"] = 16
+    with pytest.raises(ValueError) as e:
+        parse_hf_config(dict(moe, use_double_wide_mlp=True))
+    assert str(e.value) == gemma4.MOE_DOUBLE_WIDE_REFUSED
+    with pytest.raises(ValueError, match=r"top_k_experts=5 not in \[1, num_experts=4\]"):
+        parse_hf_config(dict(moe, top_k_experts=5))
+    moe_arch = parse_hf_config(moe)
+    assert (moe_arch.num_experts, moe_arch.moe_topk, moe_arch.moe_ffn_hidden_size) == (4, 2, 16)
+    assert moe_arch.moe_shared_ffn_hidden_size == 48  # the dense branch: intermediate_size
+    config = transformer_config_from_hf(moe_arch, ep=2)
+    assert (config.num_moe_experts, config.moe_shared_expert_intermediate_size) == (4, 48)
+    from areal_mega.engine.routing_replay import check_replay_target
+
+    with pytest.raises(ValueError, match="gemma4_text.*its own module"):
+        check_replay_target(True, "actor", moe_arch)
     # the converters refuse the same layouts
     from areal_mega.checkpoint.convert import check_layout
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError

@@ -14,7 +14,7 @@ from tests.helpers.workers import run_worker
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["gemma4_text", "falcon_h1_gated"])
+@pytest.mark.parametrize("name", ["gemma4_text", "gemma4_text_moe", "falcon_h1_gated"])
 def test_bf16_engine_is_as_close_to_transformers_as_its_own_bf16(tmp_path, name):
     model = make_tiny_model(tmp_path / "hf", **tiny_spec(CASES[name]))
     out = tmp_path / "out.json"

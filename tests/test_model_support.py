@@ -170,16 +170,16 @@ def test_families_not_built_are_refused_naming_why(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(vl_moe))
     with pytest.raises(UnsupportedModelError, match="grouped-GEMM"):
         read_arch(tmp_path)
-    # Gemma 4 (built dense): its MoE variant is refused naming the key
+    # Gemma 4's MoE variant without its expert keys is refused naming the first missing one
     gemma4_moe = {
         "model_type": "gemma4_text",
         "architectures": ["Gemma4ForCausalLM"],
         "enable_moe_block": True,
     }
-    with pytest.raises(ValueError, match="enable_moe_block=True"):
+    with pytest.raises(ValueError, match="enable_moe_block=True needs num_experts"):
         parse_hf_config(gemma4_moe)
     (tmp_path / "config.json").write_text(json.dumps(gemma4_moe))
-    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True"):
+    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True needs num_experts"):
         read_arch(tmp_path)
     # Nemotron-H (built): a config with what the engine does not build (MoE layers) is refused
     # naming the key, by the builder and the converters

@@ -136,8 +136,10 @@ _KINDS = {
     "_Gemma4DenseQKVMapping": "qkv",
 }
 #: kinds whose HF tensor holds every expert of the layer: the template addresses expert E's
-#: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`)
-FUSED_EXPERT_KINDS = ("fused_expert", "fused_expert_glu")
+#: slice as ``name[E]`` (:func:`areal_mega.checkpoint.safetensors_io.split_row_name`);
+#: ``fused_expert_rows`` (Gemma 4's MoE, rows of areal_mega/checkpoint/hf_mapping_gemma4.py):
+#: each slice as it is
+FUSED_EXPERT_KINDS = ("fused_expert", "fused_expert_glu", "fused_expert_rows")
 _HF_PARTS = {
     "qkv": ("q", "k", "v"),
     "glu": ("gate", "up"),

@@ -152,9 +152,13 @@ def glu_to_hf(fc1: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def expert_to_mcore(kind: str, t: torch.Tensor) -> torch.Tensor:
-    """One expert's slice of a fused HF expert tensor (GPT-OSS) → its megatron tensor:
-    weights transposed (HF stores ``x @ W``, [in, out]); ``fused_expert_glu``'s gate / up
-    units interleaved in HF (gate on even, up on odd) → megatron's [gate; up]."""
+    """One expert's slice of a fused HF expert tensor → its megatron tensor. GPT-OSS
+    (``fused_expert`` / ``fused_expert_glu``): weights transposed (HF stores ``x @ W``, [in,
+    out]); ``fused_expert_glu``'s gate / up units interleaved in HF (gate on even, up on odd)
+    → megatron's [gate; up]. Gemma 4 (``fused_expert_rows``): the slice as it is ([out, in],
+    gate then up)."""
+    if kind == "fused_expert_rows":
+        return t.contiguous()
     if t.dim() == 2:
         t = t.t()
     if kind == "fused_expert_glu":
@@ -164,6 +168,8 @@ def expert_to_mcore(kind: str, t: torch.Tensor) -> torch.Tensor:
 
 def expert_to_hf(kind: str, t: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`expert_to_mcore`."""
+    if kind == "fused_expert_rows":
+        return t.contiguous()
     if kind == "fused_expert_glu":
         gate, up = torch.chunk(t, 2, dim=0)
         t = torch.stack([gate, up], dim=1).reshape(t.shape)
@@ -200,7 +206,7 @@ class TensorMap:
     ``hf``: HF name templates (``{L}`` layer, ``{E}`` expert); ``kind``: ``copy``, ``qkv``,
     ``glu``, ``vocab``, ``row`` (HF ``[1, n]``, megatron ``[n]``: Ernie 4.5's expert bias), or
     for one expert's slice ``x[{E}]`` of a fused HF expert tensor ``x`` ``fused_expert`` /
-    ``fused_expert_glu`` (:func:`expert_to_mcore`)."""
+    ``fused_expert_glu`` / ``fused_expert_rows`` (:func:`expert_to_mcore`)."""
 
     mcore: str
     hf: Tuple[str, ...]
@@ -410,8 +416,8 @@ def maps_for(arch, layer: Optional[int] = None) -> Tuple[TensorMap, ...]:
     table = (
         fam.moe_layer if arch.is_moe and (pattern is None or pattern[layer]) else fam.dense_layer
     )
-    if arch.model_type == "gemma4_text":
-        table = hf_mapping_gemma4.layer_rows(arch, layer, table)
+    if arch.model_type == "gemma4_text":  # its MoE rows are its dense ones rewritten
+        table = hf_mapping_gemma4.layer_rows(arch, layer, fam.dense_layer)
     return tuple(
         _gated(arch, m)
         for m in table

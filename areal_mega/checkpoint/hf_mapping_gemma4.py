@@ -10,6 +10,13 @@ tolerates the absent projections); the checkpoint's layers differ by type:
 * key/value-shared layers (the last ``num_kv_shared_layers``): ``q_proj`` alone, which is the
   whole ``linear_qkv`` (kind ``copy``), and no ``k_norm``.
 
+With ``enable_moe_block`` every layer's MLP rows become those of
+:class:`~areal_mega.models.gemma4.Gemma4MoELayer` (:data:`MOE_ROWS`): the dense MLP as the
+shared expert, the router's gate, scale and per-expert scale, each expert's slice of the
+checkpoint's ``experts.gate_up_proj`` / ``experts.down_proj`` (``[experts, out, in]``, kind
+``fused_expert_rows``) and the four branch norms, which replace the layer's
+``pre_mlp_layernorm``.
+
 :func:`layer_rows` rewrites a layer's table rows accordingly; :func:`full_shapes` gives the
 full (un-split) megatron shapes of the tensor-parallel tensors of a layer (and the per-layer
 input tensors) for the live export's gathers.
@@ -23,6 +30,7 @@ import torch
 
 __all__ = [
     "GEMMA4_KINDS",
+    "MOE_ROWS",
     "attention_rows",
     "layer_rows",
     "global_rows",
@@ -35,6 +43,31 @@ __all__ = [
 
 GEMMA4_KINDS = ("qkv_full", "qk_full")
 _QKV = "self_attention.linear_qkv.weight"
+_HF = "model.layers.{L}."
+#: a layer's MLP rows with the MoE block: (megatron suffix, HF names, kind)
+MOE_ROWS = (
+    ("mlp.shared_experts.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "glu"),
+    ("mlp.shared_experts.linear_fc2.weight", ("mlp.down_proj.weight",), "copy"),
+    ("mlp.router.weight", ("router.proj.weight",), "copy"),
+    ("mlp.router.scale", ("router.scale",), "copy"),
+    ("mlp.router.per_expert_scale", ("router.per_expert_scale",), "copy"),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc1.weight",
+        ("experts.gate_up_proj[{E}]",),
+        "fused_expert_rows",
+    ),
+    (
+        "mlp.experts.local_experts.{E}.linear_fc2.weight",
+        ("experts.down_proj[{E}]",),
+        "fused_expert_rows",
+    ),
+    ("mlp.pre_shared_expert_layernorm.weight", ("pre_feedforward_layernorm.weight",), "copy"),
+    ("mlp.pre_moe_layernorm.weight", ("pre_feedforward_layernorm_2.weight",), "copy"),
+    ("mlp.post_shared_expert_layernorm.weight", ("post_feedforward_layernorm_1.weight",), "copy"),
+    ("mlp.post_moe_layernorm.weight", ("post_feedforward_layernorm_2.weight",), "copy"),
+)
+#: the dense layer's rows that the MoE block's replace
+_DENSE_MLP_ROWS = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 
 
 def attention_rows(arch, layer: int) -> tuple:
@@ -65,13 +98,16 @@ def global_rows(arch, rows: Sequence) -> tuple:
 def layer_rows(arch, layer: int, rows: Sequence) -> tuple:
     """Layer ``layer``'s table rows (``TensorMap``) with its QKV kind and HF names, without
     ``k_norm`` on key/value-shared layers and without the per-layer-input tensors when the
-    model has none."""
+    model has none; with the MoE block, its rows (:data:`MOE_ROWS`) in place of the dense
+    MLP's."""
     kind = attention_rows(arch, layer)[0]
     full = arch.layer_types[layer] == "full_attention"
     out = []
     for m in rows:
-        if (m.mcore == "self_attention.k_layernorm.weight" and kind == "q") or (
-            _per_layer_input_row(arch, m)
+        if (
+            (m.mcore == "self_attention.k_layernorm.weight" and kind == "q")
+            or _per_layer_input_row(arch, m)
+            or (arch.is_moe and m.mcore in _DENSE_MLP_ROWS)
         ):
             continue
         if m.mcore == _QKV:
@@ -82,6 +118,9 @@ def layer_rows(arch, layer: int, rows: Sequence) -> tuple:
             elif full:
                 m = type(m)(m.mcore, m.hf, "qkv_full")
         out.append(m)
+    if arch.is_moe:
+        row = type(rows[0])
+        out += [row(mcore, tuple(_HF + h for h in hf), k) for mcore, hf, k in MOE_ROWS]
     return tuple(out)
 
 

@@ -147,6 +147,13 @@ def check_replay_target(routing_replay: bool, role: str, arch) -> None:
             f"model_type {arch.model_type!r} is dense (set "
             "algorithm.routing_replay=off)"
         )
+    if arch.model_type == "gemma4_text":
+        raise ValueError(
+            "algorithm.routing_replay='r3' is not supported for model_type 'gemma4_text': its "
+            "router (a normalised, scaled input; per-expert weight scales) is its own module, "
+            "which neither megatron's route replay nor the rollout servers' route capture "
+            "covers (set algorithm.routing_replay=off)"
+        )
     if arch.moe_score_function != "softmax" or arch.moe_expert_bias:
         # megatron would replay these routers' indices correctly, but no rollout server
         # reports them yet: the CPU server's capture recomputes a softmax top-k

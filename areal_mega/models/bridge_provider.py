@@ -230,7 +230,9 @@ OWN_TRANSLATOR = {
         "the per-layer inputs by replacing the model's and the decoder's forward per instance; "
         "ours builds each layer with its own QKV shape (areal_mega/models/gemma4.py), which "
         "refuses pipeline parallelism with key/value-shared layers or per-layer inputs and "
-        "full activation recompute, naming why"
+        "full activation recompute, naming why. The MoE variant's provider "
+        "(Gemma4ModelProvider) builds on TransformerEngine's layer spec (its registry names "
+        "TE's fused norms); ours adds the MoE block to the same layers (Gemma4MoELayer)"
     ),
 }
 

@@ -27,7 +27,13 @@ What Gemma 4 changes against Gemma 3 (:mod:`areal_mega.models.gemma3`):
   buffer (a checkpoint tensor);
 * the post-attention and post-feedforward norms (``post_self_attn_layernorm``,
   ``post_mlp_layernorm``, the bridge's names) normalise each sublayer's output before its
-  residual add (:class:`Gemma4TransformerLayer`).
+  residual add (:class:`Gemma4TransformerLayer`);
+* with ``enable_moe_block`` (26B-A4B) every layer's MLP block is the dense MLP and routed
+  experts side by side (:class:`Gemma4MoELayer`: megatron's ``MoELayer``, the dense MLP as its
+  shared expert), each branch with its own norms before and after; the router
+  (:class:`Gemma4TopKRouter`) reads the block's un-normalised input through a scale-less norm
+  and a learnt scale, and scales each chosen expert's renormalised weight by its
+  ``per_expert_scale``.
 
 Megatron-Bridge's ``Gemma4DenseProvider`` builds the same math from its own modules, but it is
 not used (see ``OWN_TRANSLATOR`` in :mod:`areal_mega.models.bridge_provider`). Here the
@@ -35,7 +41,8 @@ per-layer-input gate and projection are marked sequence-parallel (their gradient
 sums under TP with SP), the value norm takes the config's epsilon and full layers take the
 global KV heads only with ``attention_k_eq_v``, as transformers does.
 
-Refused (``ValueError`` naming why): the MoE block (``enable_moe_block``), pipeline
+Refused (``ValueError`` naming why): the MoE block with double-wide key/value-shared layers
+(:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline
 parallelism with key/value-shared layers or per-layer inputs (:data:`PP_REFUSED`; a model
 without either runs with PP), full activation recompute (:data:`RECOMPUTE_REFUSED`), TP above
 a layer type's KV heads, bidirectional attention, attention biases, untied embeddings, RoPE
@@ -56,6 +63,9 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from areal_mega.models.decoder_fields import decoder_fields
@@ -72,7 +82,11 @@ __all__ = [
     "GEMMA4_MODEL_TYPE",
     "PP_REFUSED",
     "RECOMPUTE_REFUSED",
-    "MOE_REFUSED",
+    "MOE_DOUBLE_WIDE_REFUSED",
+    "gemma4_moe_fields",
+    "Gemma4TopKRouter",
+    "Gemma4MoELayer",
+    "gemma4_routing",
     "layout_refusal",
     "gemma4_arch_fields",
     "Gemma4Config",
@@ -101,9 +115,10 @@ RECOMPUTE_REFUSED = (
     "layers outside megatron's checkpoint (a model with neither is not checked with it "
     "either); selective recompute is supported"
 )
-MOE_REFUSED = (
-    "enable_moe_block=True is not supported (Gemma 4's MoE variant is not built; the dense "
-    "model is)"
+MOE_DOUBLE_WIDE_REFUSED = (
+    "gemma4_text: enable_moe_block with use_double_wide_mlp and key/value-shared layers is not "
+    "supported (the shared layers' dense branch would be twice as wide; no released MoE "
+    "model has them)"
 )
 
 
@@ -118,8 +133,7 @@ def _rope_of(hf: dict, layer_type: str) -> dict:
 def gemma4_arch_fields(hf: dict) -> dict[str, Any]:
     """Pure: the :class:`~areal_mega.models.builder.HFArch` fields of a ``gemma4_text`` config
     dict. Raises ``ValueError`` naming the key of any feature this implementation lacks."""
-    if hf.get("enable_moe_block"):
-        raise ValueError(MOE_REFUSED)
+    moe = gemma4_moe_fields(hf) if hf.get("enable_moe_block") else {}
     check_gemma_config(hf, GEMMA4_MODEL_TYPE, "Gemma4ForCausalLM", "hidden_activation")
     n_layers = int(hf["num_hidden_layers"])
     layer_types, window = layer_types_and_window(
@@ -156,6 +170,8 @@ def gemma4_arch_fields(hf: dict) -> dict[str, Any]:
         )
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
     ple_dim = int(hf.get("hidden_size_per_layer_input") or 0)
+    if moe and shared and hf.get("use_double_wide_mlp"):
+        raise ValueError(MOE_DOUBLE_WIDE_REFUSED)
     return dict(
         decoder_fields(
             hf,
@@ -164,6 +180,7 @@ def gemma4_arch_fields(hf: dict) -> dict[str, Any]:
             rms_norm_eps=1e-6,
             tie_word_embeddings=True,
         ),
+        **moe,
         rope_theta=float(full["rope_theta"]),
         qkv_bias=False,
         qk_norm=True,
@@ -184,6 +201,28 @@ def gemma4_arch_fields(hf: dict) -> dict[str, Any]:
         per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input") or hf["vocab_size"])
         if ple_dim
         else 0,
+    )
+
+
+def gemma4_moe_fields(hf: dict) -> dict[str, Any]:
+    """Pure: the MoE fields of a ``gemma4_text`` config with ``enable_moe_block`` (every layer
+    has the block): ``num_experts`` experts of width ``moe_intermediate_size``, ``top_k_experts``
+    chosen per token, the layer's dense MLP (``intermediate_size``) as megatron's shared expert,
+    no balancing loss (transformers computes none). ``ValueError`` naming a missing key."""
+    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if not hf.get(key):
+            raise ValueError(f"gemma4_text: enable_moe_block=True needs {key}, got {hf.get(key)!r}")
+    experts, topk = int(hf["num_experts"]), int(hf["top_k_experts"])
+    if not 0 < topk <= experts:
+        raise ValueError(f"gemma4_text: top_k_experts={topk} not in [1, num_experts={experts}]")
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+        moe_norm_topk_prob=True,
+        moe_score_function="softmax",
+        router_aux_loss_coef=0.0,
+        moe_shared_ffn_hidden_size=int(hf["intermediate_size"]),
     )
 
 
@@ -261,6 +300,15 @@ def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
         # layers of different shapes: one checkpoint tensor per layer, not stacked
         hetereogenous_dist_checkpoint=True,
     )
+    if arch.is_moe:
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=arch.moe_shared_ffn_hidden_size,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=True,
+        )
     kw.pop("cp_comm_type", None)
     return Gemma4Config(**kw)
 
@@ -408,6 +456,93 @@ class Gemma4TransformerLayer(TransformerLayer):
         return hidden * self.layer_scalar, context
 
 
+def gemma4_routing(logits: torch.Tensor, topk: int, per_expert_scale: torch.Tensor):
+    """transformers' ``Gemma4TextRouter`` choice of ``logits`` [tokens, experts]: ``(probs,
+    routing_map)``, both [tokens, experts] as megatron's routers return them. A softmax over
+    every expert, its top-k renormalised to sum to one, each chosen weight times its
+    expert's ``per_expert_scale``; in fp32, the weights cast back to ``logits``' dtype."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    chosen, top = torch.topk(scores, topk, dim=-1)
+    chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+    chosen = chosen * per_expert_scale.float()[top]
+    probs = torch.zeros_like(scores).scatter(1, top, chosen).type_as(logits)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
+    return probs, routing_map
+
+
+class Gemma4TopKRouter(TopKRouter):
+    """megatron's ``TopKRouter`` with Gemma 4's router: the gate reads the scale-less RMS norm of
+    the layer's input times the learnt ``scale`` and ``hidden_size ** -0.5``; the choice and
+    weights are :func:`gemma4_routing`. Without load-balancing losses (transformers computes
+    none), token dropping and router replay, which it refuses."""
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
+        unsupported = {
+            "moe_aux_loss_coeff": bool(config.moe_aux_loss_coeff),
+            "moe_expert_capacity_factor": config.moe_expert_capacity_factor is not None,
+            "moe_enable_routing_replay": config.moe_enable_routing_replay,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                "gemma4_text's router does not support "
+                + ", ".join(k for k, v in unsupported.items() if v)
+            )
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        dtype, device = config.params_dtype, self.weight.device
+        self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=dtype, device=device))
+        self.per_expert_scale = torch.nn.Parameter(
+            torch.ones(config.num_moe_experts, dtype=dtype, device=device)
+        )
+        for p in (self.scale, self.per_expert_scale):
+            # replicated across TP: with sequence parallelism each rank routes its own tokens
+            p.sequence_parallel = bool(config.sequence_parallel)
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """The gate's logits of the norm of ``input`` (transformers' order of operations)."""
+        x = _rms(input, self.config.layernorm_epsilon).type_as(input)
+        x = x * self.scale * self.config.hidden_size**-0.5
+        return super().gating(x)
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """``(probs, routing_map)`` of the gate's ``logits`` [seq, batch, experts]."""
+        logits = logits.view(-1, self.config.num_moe_experts)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        return gemma4_routing(logits, self.topk, self.per_expert_scale)
+
+
+class Gemma4MoELayer(MoELayer):
+    """megatron's ``MoELayer`` as Gemma 4's MLP block with ``enable_moe_block``: the dense MLP
+    (megatron's shared expert) and the routed experts side by side, each with its own norm
+    before and after, summed. The layer gives it its un-normalised input (its
+    ``pre_mlp_layernorm`` is an identity): the router normalises it itself, the dense branch
+    through ``pre_shared_expert_layernorm`` (transformers' ``pre_feedforward_layernorm``), the
+    experts through ``pre_moe_layernorm`` (``pre_feedforward_layernorm_2``)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, **kw):
+        super().__init__(config, submodules, layer_number, pg_collection, **kw)
+        h, eps = config.hidden_size, config.layernorm_epsilon
+        self.pre_shared_expert_layernorm = Gemma4RMSNorm(config, h, eps)
+        self.pre_moe_layernorm = Gemma4RMSNorm(config, h, eps)
+        self.post_shared_expert_layernorm = Gemma4RMSNorm(config, h, eps)
+        self.post_moe_layernorm = Gemma4RMSNorm(config, h, eps)
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor):
+        """The dense branch, normalised before and after."""
+        out = super().shared_experts_compute(self.pre_shared_expert_layernorm(hidden_states))
+        return self.post_shared_expert_layernorm(out)
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        """The experts' input is normalised by their own norm (the router's is not)."""
+        return super().preprocess(self.pre_moe_layernorm(hidden_states), probs, routing_map)
+
+    def postprocess(self, output, shared_expert_output):
+        """The experts' combined output normalised, plus the dense branch's."""
+        output = self.post_moe_layernorm(self.token_dispatcher.combine_postprocess(output))
+        return output + shared_expert_output
+
+
 def _replicated_linear(config, n_in: int, n_out: int) -> torch.nn.Linear:
     """A bias-free linear replicated across TP (its weight marked sequence-parallel: under SP
     each rank sees its own tokens, so its gradient is a partial sum over TP)."""
@@ -449,12 +584,20 @@ def gemma4_block_spec(config: Gemma4Config, *, use_te: bool, vp_stage: Optional[
             "gemma4_text runs on megatron's local layer spec only "
             "(model.attention_backend other than TransformerEngine)"
         )
+    experts = config.num_moe_experts
     spec = specs.get_gpt_layer_local_spec(
-        num_experts=None, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
     )
     spec.module = Gemma4TransformerLayer
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = Gemma4RMSNorm
+    if experts:
+        mlp = layer.mlp
+        if not (isinstance(mlp, functools.partial) and mlp.func is MoELayer):
+            raise ValueError(f"gemma4_text: an MoE layer spec of an unknown form: {mlp!r}")
+        subs = dataclasses.replace(mlp.keywords["submodules"], router=Gemma4TopKRouter)
+        layer.mlp = functools.partial(Gemma4MoELayer, **dict(mlp.keywords, submodules=subs))
+        layer.pre_mlp_layernorm = IdentityOp  # Gemma4MoELayer normalises each branch itself
     layer.self_attention.module = Gemma4SelfAttention
     attn = layer.self_attention.submodules
     attn.core_attention = Gemma3CoreAttention

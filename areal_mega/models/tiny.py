@@ -150,6 +150,9 @@ class TinyModelSpec:
     num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = True
     hidden_size_per_layer_input: int = 8
+    # gemma4_text with the MoE block in every layer (num_experts, num_experts_per_tok and
+    # moe_intermediate_size above; the dense branch keeps intermediate_size)
+    enable_moe_block: bool = False
     time_step_min: float = 1e-9
     # falcon_h1: Mamba-2 beside attention in every layer (the nemotron_h Mamba sizes above);
     # FalconH1Config keys: the muP multipliers away from one so that each shows (embedding,
@@ -549,6 +552,16 @@ def _hf_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
             use_double_wide_mlp=spec.use_double_wide_mlp,
             hidden_size_per_layer_input=spec.hidden_size_per_layer_input,
             vocab_size_per_layer_input=vocab_size,
+            enable_moe_block=spec.enable_moe_block,
+            **(
+                dict(
+                    num_experts=spec.num_experts,
+                    top_k_experts=spec.num_experts_per_tok,
+                    moe_intermediate_size=spec.moe_intermediate_size,
+                )
+                if spec.enable_moe_block
+                else {}
+            ),
             hidden_activation="gelu_pytorch_tanh",
             sliding_window=spec.sliding_window or 4096,
             layer_types=[
@@ -701,10 +714,10 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, **ov
                 if name.endswith(("norm.weight", "norm.bias")):
                     p.normal_(0.0, 0.2)
     if spec.arch == "gemma4_text":
-        # norms start at one and every layer_scalar at one: random ones make each count
+        # norms, router scales and layer_scalar start at one: random ones make each count
         with torch.no_grad():
             for name, t in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("norm.weight"):
+                if name.endswith(("norm.weight", "router.scale", "router.per_expert_scale")):
                     t.normal_(1.0, 0.3)
                 elif name.endswith("layer_scalar"):
                     t.uniform_(0.5, 1.5)

@@ -320,6 +320,22 @@ CASES = {
             hidden_size_per_layer_input=0,
         ),
     ),
+    # Gemma 4 with the MoE block (26B-A4B's layout): every layer's dense MLP beside 4 routed
+    # experts (top 2), each branch with its own random norms, a random router scale and
+    # per-expert scales; no key/value sharing or per-layer inputs, so PP runs; full layers
+    # K = V with 2 global KV heads
+    "gemma4_text_moe": FamilyCase(
+        "gemma4_text_moe",
+        dict(
+            arch="gemma4_text",
+            head_dim=16,
+            sliding_window=8,
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+        ),
+        layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
 }
 
 # A MoE family adds EP2 (checked with qwen3_moe, 3 tests in ~50 s on 2 cores):
@@ -347,6 +363,7 @@ RL_CASES = (
     "qwen3_5_moe_text",
     "nemotron_h",
     "gemma4_text",
+    "gemma4_text_moe",
     "falcon_h1",
 )
 
