@@ -476,7 +476,7 @@ def test_upstream_gemma4_dense_provider_still_differs_where_we_translate_it():
 
 
 def test_gemma4_refuses_what_it_does_not_build_naming_why():
-    """PP with key/value-shared layers or per-layer inputs, full activation recompute, TP
+    """PP and full activation recompute with key/value-shared layers or per-layer inputs, TP
     above the full layers' KV heads, the MoE block without its keys or with double-wide
     shared layers and router replay are refused naming why; PP without either is built
     (tests/test_new_families.py, gemma4_text_plain and gemma4_text_moe)."""
@@ -492,7 +492,14 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
     with pytest.raises(ValueError) as e:
         transformer_config_from_hf(arch, recompute_granularity="full")
     assert str(e.value) == gemma4.RECOMPUTE_REFUSED
+    with pytest.raises(ValueError, match="per-layer inputs"):
+        transformer_config_from_hf(plain, recompute_granularity="full")
     transformer_config_from_hf(arch, recompute_granularity="selective")
+    neither = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0))
+    assert (
+        transformer_config_from_hf(neither, recompute_granularity="full").recompute_granularity
+        == "full"
+    )
     k_eq_v = parse_hf_config(dict(GEMMA4, attention_k_eq_v=True))
     with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by TP=2"):
         transformer_config_from_hf(k_eq_v, tp=2)

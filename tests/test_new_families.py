@@ -105,7 +105,7 @@ def test_engine_equals_transformers(family):
         for r in family["checks"]:
             assert r[f"{layout}.hf_packed"] < TOL, (layout, r)
             assert r[f"{layout}.export"] == 0 and r[f"{layout}.export_missing"] == 0, (layout, r)
-            if layout != "pp2":
+            if not layout.startswith("pp2"):  # pipelined: no unpacked logits
                 assert r[f"{layout}.hf_logits"] < TOL, (layout, r)
 
 

@@ -44,7 +44,8 @@ global KV heads only with ``attention_k_eq_v``, as transformers does.
 Refused (``ValueError`` naming why): the MoE block with double-wide key/value-shared layers
 (:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline
 parallelism with key/value-shared layers or per-layer inputs (:data:`PP_REFUSED`; a model
-without either runs with PP), full activation recompute (:data:`RECOMPUTE_REFUSED`), TP above
+without either runs with PP), full activation recompute with either
+(:data:`RECOMPUTE_REFUSED`), TP above
 a layer type's KV heads, bidirectional attention, attention biases, untied embeddings, RoPE
 other than default (sliding) / proportional (full).
 """
@@ -109,11 +110,11 @@ PP_REFUSED = (
     "stage holds)"
 )
 RECOMPUTE_REFUSED = (
-    "gemma4_text: full activation recompute is not supported: a key/value-shared layer's "
-    "recomputation would read the keys and values its source layer kept from its no-grad "
-    "forward (the source's key/value gradient lost), and the per-layer inputs reach the "
-    "layers outside megatron's checkpoint (a model with neither is not checked with it "
-    "either); selective recompute is supported"
+    "gemma4_text: full activation recompute is not supported with key/value-shared layers or "
+    "per-layer inputs: a key/value-shared layer's recomputation would read the keys and "
+    "values its source layer kept from its no-grad forward (the source's key/value gradient "
+    "lost), and the per-layer inputs reach the layers outside megatron's checkpoint (a model "
+    "with neither runs it); selective recompute is supported"
 )
 MOE_DOUBLE_WIDE_REFUSED = (
     "gemma4_text: enable_moe_block with use_double_wide_mlp and key/value-shared layers is not "
@@ -274,14 +275,16 @@ def layout_refusal(arch, tp: int, pp: int) -> Optional[str]:
 
 def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
     """The :class:`Gemma4Config` of ``arch`` from the builder's generic keyword arguments
-    (``ValueError`` for pipeline parallelism, full recompute, TP above a layer type's KV
-    heads)."""
+    (``ValueError`` for pipeline parallelism or full recompute with key/value-shared layers or
+    per-layer inputs, TP above a layer type's KV heads)."""
     why = layout_refusal(
         arch, kw.get("tensor_model_parallel_size", 1), kw.get("pipeline_model_parallel_size", 1)
     )
     if why:
         raise ValueError(why)
-    if kw.get("recompute_granularity") == "full":
+    if kw.get("recompute_granularity") == "full" and (
+        arch.num_kv_shared_layers or arch.per_layer_input_size
+    ):
         raise ValueError(RECOMPUTE_REFUSED)
     kw = dict(
         kw,

@@ -286,14 +286,15 @@ def set_mesh(spec, sp=False):
     return MESH[0]
 
 
-def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32"):
-    """An actor engine holding the reference weights. The regular optimizer even on GPU: the
-    grads are read from ``main_grad``, which the distributed optimizer only reduce-scatters
-    (each DP×CP rank would hold the reduced gradient of its own buffer shard only)."""
+def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32", recompute=None):
+    """An actor engine holding the reference weights (``recompute``: the model's
+    ``recompute_granularity``). The regular optimizer even on GPU: the grads are read from
+    ``main_grad``, which the distributed optimizer only reduce-scatters (each DP×CP rank would
+    hold the reduced gradient of its own buffer shard only)."""
     from areal_mega.engine import MegatronEngine
 
     eng = MegatronEngine(
-        ModelConfig(dtype=dtype),
+        ModelConfig(dtype=dtype, recompute_granularity=recompute),
         hf_config=hf,
         role="actor",
         mesh=MESH[0],
@@ -305,11 +306,24 @@ def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32"):
     return eng
 
 
-def check_layout(res, tag, hf, ref, mbs, *, my_mbs=None, my_ref_lps=None, dtype="fp32", prox=False):
+def check_layout(
+    res,
+    tag,
+    hf,
+    ref,
+    mbs,
+    *,
+    my_mbs=None,
+    my_ref_lps=None,
+    dtype="fp32",
+    prox=False,
+    recompute=None,
+):
     """Logprobs (forward_logprobs) and grads (forward_backward) of a layout vs reference, with
     the reference's production loss; ``prox``: again with π_prox taken from the training
-    forward (``actor.prox_logprobs=auto``: no ``prox_logprobs`` in the micro-batches)."""
-    eng = actor(hf, ref, dtype=dtype)
+    forward (``actor.prox_logprobs=auto``: no ``prox_logprobs`` in the micro-batches);
+    ``recompute``: the actor's ``recompute_granularity``."""
+    eng = actor(hf, ref, dtype=dtype, recompute=recompute)
     my_mbs = mbs if my_mbs is None else my_mbs
     want = ref["lps"] if my_ref_lps is None else my_ref_lps
     res[f"{tag}.logprobs"] = compare_lps(eng.forward_logprobs(my_mbs, temperature=TEMP), want)

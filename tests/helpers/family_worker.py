@@ -42,7 +42,10 @@ MESHES = {
     "tp2sp": dict(tp=2),
     "pp2": dict(pp=2),
     "ep2": dict(dp=2, ep=2),
+    "pp2_recompute": dict(pp=2),
 }
+#: layouts whose actor recomputes every layer's activations in backward (full recompute)
+FULL_RECOMPUTE = ("pp2_recompute",)
 HALF_BATCH = ("dp2", "ep2")
 #: the environment variable naming the families ``all`` runs (tests/test_new_families.py sets
 #: it to the families its selected tests check)
@@ -184,6 +187,7 @@ def run_family(name):
                 mbs,
                 my_mbs=mbs[rank::2] if half else None,
                 my_ref_lps=ref["lps"][rank::2] if half else None,
+                recompute="full" if layout in FULL_RECOMPUTE else None,
             )
         if case.shared_prompts:
             group_batches.shared_prompt_layouts(res, 2, ew, hf=hf)

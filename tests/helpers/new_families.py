@@ -17,7 +17,8 @@ class FamilyCase:
 
     ``tiny``: :func:`make_tiny_model` overrides (``arch`` is the model type); ``layouts``:
     the 2-rank layouts compared with the single-rank reference (``tp2``, ``pp2``, ``ep2``
-    for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs);
+    for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs;
+    ``pp2_recompute``: PP2 with full activation recompute);
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
@@ -322,8 +323,8 @@ CASES = {
     ),
     # Gemma 4 with the MoE block (26B-A4B's layout): every layer's dense MLP beside 4 routed
     # experts (top 2), each branch with its own random norms, a random router scale and
-    # per-expert scales; no key/value sharing or per-layer inputs, so PP runs; full layers
-    # K = V with 2 global KV heads
+    # per-expert scales; no key/value sharing or per-layer inputs, so PP and full activation
+    # recompute run; full layers K = V with 2 global KV heads
     "gemma4_text_moe": FamilyCase(
         "gemma4_text_moe",
         dict(
@@ -333,7 +334,7 @@ CASES = {
             hidden_size_per_layer_input=0,
             enable_moe_block=True,
         ),
-        layouts=("ep2", "tp2sp", "pp2"),
+        layouts=("ep2", "tp2sp", "pp2", "pp2_recompute"),
         convert=("--tp", "2", "--ep", "2"),
     ),
 }
