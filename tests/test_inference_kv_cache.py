@@ -42,30 +42,9 @@ def _reference(model, seq):
         return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize(
-    "arch,kind",
-    [
-        ("llama", StaticKVBatch),
-        ("qwen2", StaticKVBatch),
-        ("qwen3_moe", StaticKVBatch),
-        ("mistral", StaticKVBatch),
-        ("llama", HFCacheBatch),
-        ("gemma3_text", HFCacheBatch),
-        ("qwen3_next", HFCacheBatch),
-        ("qwen3_5_text", HFCacheBatch),
-        ("gemma4_text", HFCacheBatch),
-    ],
-)
-def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
-    model = _model(tmp_path, arch)
-    if kind is StaticKVBatch or arch in (
-        "gemma3_text",
-        "qwen3_next",
-        "qwen3_5_text",
-        "gemma4_text",
-    ):
-        assert isinstance(make_kv_batch(model), kind)
-    batch = kind(model)
+def _join_decode_leave(model, batch):
+    """Rows join (prompts of different lengths), decode, leave and join again; every row's
+    logits must be a full forward's of that row alone."""
     g = torch.Generator().manual_seed(0)
     seqs: list = []
 
@@ -106,6 +85,104 @@ def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     seqs.clear()
     join(2, 4, [1])  # an emptied batch takes new rows again
     step(1)
+
+
+@pytest.mark.parametrize(
+    "arch,kind",
+    [
+        ("llama", StaticKVBatch),
+        ("qwen2", StaticKVBatch),
+        ("qwen3_moe", StaticKVBatch),
+        ("mistral", StaticKVBatch),
+        ("llama", HFCacheBatch),
+        ("gemma3_text", HFCacheBatch),
+        ("qwen3_next", HFCacheBatch),
+        ("qwen3_5_text", HFCacheBatch),
+        ("gemma4_text", HFCacheBatch),
+    ],
+)
+def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
+    model = _model(tmp_path, arch)
+    if kind is StaticKVBatch or arch in (
+        "gemma3_text",
+        "qwen3_next",
+        "qwen3_5_text",
+        "gemma4_text",
+    ):
+        assert isinstance(make_kv_batch(model), kind)
+    _join_decode_leave(model, kind(model))
+
+
+def _tiny_glm_moe_dsa(indexer_types):
+    """A tiny GLM-MoE-DSA (MLA attention with a DeepSeek-sparse-attention indexer, MoE MLPs).
+    Its indexer keeps the top ``index_topk`` keys by a sum of ReLU'd head scores: with few
+    heads many keys tie at 0 and the top-k then depends on the key count, so even
+    transformers' own cached decode leaves its full forward; 8 heads and a top-k (4) below
+    most row lengths avoid that."""
+    from transformers import AutoModelForCausalLM, GlmMoeDsaConfig
+
+    cfg = GlmMoeDsaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_topk=4,
+        index_head_dim=16,
+        index_n_heads=8,
+        indexer_types=list(indexer_types),
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+#: "shared": the middle layer reuses the first layer's top-k and keeps no indexer keys
+@pytest.mark.parametrize(
+    "indexer_types", [("full", "full", "full"), ("full", "shared", "full")], ids=["full", "shared"]
+)
+def test_glm_moe_dsa_join_decode_leave_match_full_forward(indexer_types):
+    """The DSA indexer's key cache is kept, left-padded, selected and restored with the
+    keys / values (without it a decode step leaves the full forward by ~0.1-0.4)."""
+    model = _tiny_glm_moe_dsa(indexer_types)
+    assert isinstance(make_kv_batch(model), HFCacheBatch)
+    # the comparison means something: transformers' own cache decodes like the full forward
+    g = torch.Generator().manual_seed(1)
+    for prompt_len in (3, 9, 70):
+        seq = torch.randint(3, 90, (1, prompt_len + 6), generator=g)
+        with torch.no_grad():
+            out = model(input_ids=seq[:, :prompt_len], use_cache=True)
+            for t in range(prompt_len, seq.shape[1]):
+                cache = out.past_key_values
+                out = model(input_ids=seq[:, t : t + 1], past_key_values=cache, use_cache=True)
+                ref = _reference(model, seq[0, : t + 1].tolist())
+                torch.testing.assert_close(out.logits[0, -1], ref, atol=2e-5, rtol=1e-4)
+    _join_decode_leave(model, HFCacheBatch(model))
+    # a row with fewer keys than index_topk beside a longer one: its top-k takes padded keys too
+    batch, seqs = HFCacheBatch(model), []
+    for length in (10, 2):
+        ids = torch.randint(3, 90, (1, length), generator=g)
+        with torch.no_grad():
+            batch.append(batch.prefill(ids)[1], [0])
+        seqs.append(ids[0].tolist())
+    for _ in range(3):
+        toks = torch.randint(3, 90, (2,), generator=g).tolist()
+        with torch.no_grad():
+            logits = batch.decode(toks)
+        for row, seq, tok in zip(logits, seqs, toks):
+            seq.append(tok)
+            torch.testing.assert_close(row, _reference(model, seq), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("prefix_len,suffix_len", [(3, 1), (3, 5), (10, 4)])

@@ -20,6 +20,8 @@ as rows ``0..B-1`` of one of these:
   linear-attention layers (Nemotron-H) keep per-row states instead (:class:`RowStates`: a
   convolution window and a recurrent state, no sequence axis), joined row by row; a layer with
   both (Falcon-H1: a Mamba mixer beside the attention) keeps both (:class:`StatesAndKV`).
+  DeepSeek-sparse-attention layers (GLM-MoE-DSA, DeepSeek-V3.2) also keep their indexer's keys,
+  left-padded like the keys (:class:`KVAndIndexerKeys`).
 
 Both answer :meth:`prefill` (equal-length prompts, logits of the last position; the static
 batch also continues a cached prefix, see :mod:`areal_mega.inference.prefix_reuse`),
@@ -374,7 +376,12 @@ class HFCacheBatch:
         ids = torch.tensor(last_tokens, dtype=torch.long).view(B, 1)
         pos = torch.tensor(self._next_pos, dtype=torch.long).view(B, 1)
         mask = torch.cat([self._mask, torch.ones(B, 1, dtype=torch.long)], dim=1)
-        logits, self._kv = self._forward(ids, self._kv, attention_mask=mask, position_ids=pos)
+        attention_mask = mask
+        if any(isinstance(e, KVAndIndexerKeys) for e in self._kv):
+            attention_mask = _step_additive_mask(mask, self.model.dtype)
+        logits, self._kv = self._forward(
+            ids, self._kv, attention_mask=attention_mask, position_ids=pos
+        )
         self._mask = mask
         self._next_pos = [p + 1 for p in self._next_pos]
         return logits
@@ -390,6 +397,16 @@ class HFCacheBatch:
         self._mask = mask[:, first:]
         self._kv = [_take(e, idx, first) for e in self._kv]
         self._next_pos = [self._next_pos[i] for i in keep]
+
+
+def _step_additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A one-token step's ``[B, 1, 1, L]`` additive mask (0 at a real token, ``dtype``'s
+    minimum at padding) of ``mask`` ``[B, L]`` (1 = real token), which transformers uses as
+    given. A sparse-attention model needs it: under SDPA transformers (5.12) makes a 2D mask a
+    boolean one, which the DSA indexer adds to its scores (+1 / +0: padding stays selectable)
+    and into which the attention writes ``finfo.min`` at the keys outside the top-k (``True``:
+    every key attended, the sparsity lost)."""
+    return (1 - mask[:, None, None, :]).to(dtype) * torch.finfo(dtype).min
 
 
 def _cache_keeping_every_key(config, past):
@@ -416,7 +433,12 @@ def _cache_keeping_every_key(config, past):
             cache.layer_class_to_replicate() for _ in range(len(past) - len(cache.layers))
         ]
     for layer, entry in zip(cache.layers, past):
-        if isinstance(entry, StatesAndKV):
+        if isinstance(entry, KVAndIndexerKeys):
+            if entry.kv[0] is not None:
+                layer.update(*entry.kv)
+            if entry.indexer_keys is not None:
+                layer.update_indexer(entry.indexer_keys)
+        elif isinstance(entry, StatesAndKV):
             _restore(layer, entry.states)
             if entry.kv[0] is not None:
                 layer.update(*entry.kv)
@@ -452,13 +474,29 @@ class StatesAndKV(NamedTuple):
     kv: tuple
 
 
+class KVAndIndexerKeys(NamedTuple):
+    """The cache entry of a DeepSeek-sparse-attention layer (GLM-MoE-DSA, DeepSeek-V3.2): the
+    attention's ``(keys, values)`` and its indexer's keys ``[B, L, D]`` (None on a layer that
+    reuses the previous layer's top-k and runs no indexer)."""
+
+    kv: tuple
+    indexer_keys: Optional[torch.Tensor]
+
+
 def _layer_entry(layer):
     """One layer of transformers' cache as this batch keeps it: :class:`RowStates` for a
-    linear-attention layer, :class:`StatesAndKV` for a layer with both, else ``(keys,
-    values)`` (None, None for a layer without attention, e.g. Nemotron-H's MLP layers)."""
-    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+    linear-attention layer, :class:`StatesAndKV` for a layer with both,
+    :class:`KVAndIndexerKeys` for a sparse-attention layer, else ``(keys, values)`` (None, None
+    for a layer without attention, e.g. Nemotron-H's MLP layers)."""
+    from transformers.cache_utils import (
+        DynamicIndexedLayer,
+        DynamicLayer,
+        LinearAttentionCacheLayerMixin,
+    )
 
     kv = (getattr(layer, "keys", None), getattr(layer, "values", None))
+    if isinstance(layer, DynamicIndexedLayer):
+        return KVAndIndexerKeys(kv, layer.indexer_keys)
     if isinstance(layer, LinearAttentionCacheLayerMixin):
         states = RowStates(layer.conv_states, layer.recurrent_states)
         return StatesAndKV(states, kv) if isinstance(layer, DynamicLayer) else states
@@ -466,7 +504,11 @@ def _layer_entry(layer):
 
 
 def _take(entry, idx: torch.Tensor, first: int = 0):
-    """Rows ``idx`` of a layer entry (keys / values from column ``first`` on)."""
+    """Rows ``idx`` of a layer entry (keys / values / indexer keys from column ``first`` on)."""
+    if isinstance(entry, KVAndIndexerKeys):
+        ik = entry.indexer_keys
+        ik = None if ik is None else ik.index_select(0, idx)[:, first:]
+        return KVAndIndexerKeys(_take(entry.kv, idx, first), ik)
     if isinstance(entry, StatesAndKV):
         return StatesAndKV(_take(entry.states, idx), _take(entry.kv, idx, first))
     if isinstance(entry, RowStates):
@@ -475,8 +517,12 @@ def _take(entry, idx: torch.Tensor, first: int = 0):
 
 
 def _join(old, new, length: int):
-    """A layer entry of the batch's rows followed by another's, keys / values left-padded to
-    ``length``."""
+    """A layer entry of the batch's rows followed by another's, keys / values / indexer keys
+    left-padded to ``length``."""
+    if isinstance(old, KVAndIndexerKeys):
+        a, b = old.indexer_keys, new.indexer_keys
+        ik = None if a is None else torch.cat([_lpad(a, length), _lpad(b, length)])
+        return KVAndIndexerKeys(_join(old.kv, new.kv, length), ik)
     if isinstance(old, StatesAndKV):
         return StatesAndKV(_join(old.states, new.states, length), _join(old.kv, new.kv, length))
     if isinstance(old, RowStates):
@@ -488,5 +534,6 @@ def _join(old, new, length: int):
 
 
 def _lpad(t: torch.Tensor, length: int) -> torch.Tensor:
-    """Left-pad a ``[B, H, L, D]`` cache tensor with zeros along L to ``length``."""
-    return F.pad(t, (0, 0, length - t.shape[2], 0)) if t.shape[2] < length else t
+    """Left-pad a ``[B, H, L, D]`` (or indexer keys' ``[B, L, D]``) cache tensor with zeros
+    along L to ``length``."""
+    return F.pad(t, (0, 0, length - t.shape[-2], 0)) if t.shape[-2] < length else t
