@@ -16,7 +16,8 @@ import pytest
 
 from areal_mega.models import bridge_provider as bp
 from areal_mega.models.builder import normalize_hf_config, parse_hf_config
-from areal_mega.models.tiny import ARCHS, TinyModelSpec, _hf_config
+from areal_mega.models.tiny import ARCHS, TinyModelSpec
+from areal_mega.models.tiny_configs import tiny_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the tiny configs of the family tests (Mistral / Gemma 3 with a window and own head_dim)
@@ -43,7 +44,7 @@ LLAMA3 = {
 
 def tiny_config(arch, **kw):
     spec = TinyModelSpec(arch=arch, **{**SPECS.get(arch, {}), **kw})
-    return normalize_hf_config(_hf_config(spec, 22, 0, 1).to_dict())
+    return normalize_hf_config(tiny_hf_config(spec, 22, 0, 1).to_dict())
 
 
 def test_every_engine_family_is_provided_or_translated_with_a_reason():
@@ -236,24 +237,6 @@ def test_upstream_providers_still_untie_every_embedding(arch):
         f"the bridge now reads tie_word_embeddings for {arch}: drop _tied from its CORRECTIONS"
     )
     assert bp.provider_arch_fields(hf)[1]["share_embeddings_and_output_weights"] is True
-
-
-@pytest.mark.parametrize(
-    "model_type,words",
-    [
-        ("glm_moe_dsa", "sparse attention"),
-        ("deepseek_v4", "sparse attention"),
-    ],
-)
-def test_gpu_only_families_are_refused_on_the_cpu_naming_why(model_type, words, tmp_path):
-    from areal_mega.checkpoint.hf_mapping import UnsupportedModelError, read_arch
-
-    hf = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64}
-    with pytest.raises(ValueError, match="GPU-only kernels") as e:
-        parse_hf_config(hf)
-    assert words in str(e.value)
-    with pytest.raises(UnsupportedModelError, match=words):
-        read_arch(hf)
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,13 @@ import torch
 from areal_mega.checkpoint.hf_mapping import hf_tensor_names, maps_for
 from areal_mega.models.builder import parse_hf_config, transformer_config_from_hf
 from areal_mega.models.falcon_h1 import falcon_h1_refusals
-from areal_mega.models.tiny import TinyModelSpec, _hf_config, make_tiny_model
+from areal_mega.models.tiny import TinyModelSpec, make_tiny_model
+from areal_mega.models.tiny_configs import tiny_hf_config
 
 
 def _config(**kw) -> dict:
     spec = TinyModelSpec(arch="falcon_h1", hidden_size=32, intermediate_size=48)
-    return dict(_hf_config(spec, 22, 0, 1).to_dict(), **kw)
+    return dict(tiny_hf_config(spec, 22, 0, 1).to_dict(), **kw)
 
 
 def test_configs_it_cannot_build_are_refused_naming_the_key():

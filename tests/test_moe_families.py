@@ -153,10 +153,11 @@ def test_exaone_moe_mtp_tensors_are_recognised_and_skipped():
     load): the converters skip it, and a layer past the last is not taken for one."""
     from areal_mega.checkpoint.hf_mapping_moe import is_mtp_tensor
     from areal_mega.models.builder import normalize_hf_config, parse_hf_config
-    from areal_mega.models.tiny import TinyModelSpec, _hf_config
+    from areal_mega.models.tiny import TinyModelSpec
+    from areal_mega.models.tiny_configs import tiny_hf_config
 
     spec = TinyModelSpec(arch="exaone_moe", sliding_window=8, tie_word_embeddings=False)
-    arch = parse_hf_config(normalize_hf_config(_hf_config(spec, 22, 0, 1).to_dict()))
+    arch = parse_hf_config(normalize_hf_config(tiny_hf_config(spec, 22, 0, 1).to_dict()))
     assert is_mtp_tensor(arch, "mtp.layers.0.self_attn.q_proj.weight")
     assert is_mtp_tensor(arch, "mtp.fc.weight")
     assert not is_mtp_tensor(arch, "model.layers.1.mlp.gate.weight")

@@ -79,6 +79,7 @@ BRIDGED_ARCHITECTURES = {
     "nemotron_h": "NemotronHForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 #: vision-language model_type -> the HF architecture whose bridge registry gives its table
 #: (:func:`vl_table_from_rows`; the model is :mod:`areal_mega.models.vlm`'s)

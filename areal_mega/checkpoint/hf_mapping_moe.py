@@ -28,7 +28,7 @@ __all__ = ["optional_map_present", "is_mtp_tensor"]
 def optional_map_present(arch, mcore_suffix: str) -> bool:
     """False for a table entry the architecture does not have (QKV bias, QK norms, shared
     experts, expert bias, a shared-expert gate; MLA: the query's low-rank pair or its single
-    projection)."""
+    projection, a fused QKV)."""
     if mcore_suffix == "self_attention.linear_q_proj.weight":
         return arch.mla_q_lora_rank is None
     if mcore_suffix in (
@@ -36,6 +36,8 @@ def optional_map_present(arch, mcore_suffix: str) -> bool:
         "self_attention.linear_q_up_proj.weight",
     ):
         return arch.mla_q_lora_rank is not None
+    if arch.is_mla and mcore_suffix.startswith("self_attention.linear_qkv."):
+        return False  # GLM-5's registry also maps a fused QKV, which MLA layers do not have
     if arch.is_mla and mcore_suffix == "self_attention.q_layernorm.weight":
         return arch.mla_q_lora_rank is not None
     if mcore_suffix == "self_attention.linear_qkv.bias":

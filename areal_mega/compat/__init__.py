@@ -13,6 +13,8 @@
   main gradient (a speed patch);
 - :mod:`.multi_tensor` — the optimizer's tensor-list scale and copy as ``_foreach`` ops (a
   speed patch);
+- :mod:`.replicated_linear` — a torch stand-in for TransformerEngine's replicated linear, which
+  megatron-core's DeepSeek sparse attention asks for;
 - :mod:`.mamba_cpu` — torch versions of the Mamba-2 kernels megatron-core's ``MambaMixer``
   calls (causal-conv1d, mamba-ssm), packed sequences included;
 - :mod:`.gdn_cpu` — torch versions of the fla kernels megatron-core's ``GatedDeltaNet``

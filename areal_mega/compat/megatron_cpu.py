@@ -383,6 +383,14 @@ def _patch_hybrid_final_norm(mod) -> None:
     mod.TENorm = WrappedTorchNorm
 
 
+def _patch_absorbed_mla_linear(mod) -> None:
+    """Our replicated linear (:mod:`.replicated_linear`) as the down projection DeepSeek sparse
+    attention's absorbed MLA accepts in place of its TE-only ``Linear``."""
+    from .replicated_linear import ReplicatedLinear
+
+    mod.Linear = ReplicatedLinear
+
+
 def _build_patches() -> list[Patch]:
     patches = [
         Patch(
@@ -607,6 +615,21 @@ def _build_patches() -> list[Patch]:
             fn=_patch_packed_rope,
             why="speed, not correctness: 0.19's unfused THD RoPE loops over the packed "
             "sequences; one call over the packed tensor (compat/packed_rope.py)",
+        ),
+        Patch(
+            "absorbed_mla_local_linear",
+            "megatron.core.transformer.experimental_attention_variant.absorbed_mla",
+            "custom",
+            expect=(
+                "    from megatron.core.post_training.modelopt.layers import Linear\n",
+                "TEColumnParallelLinear, TELinear, Linear, set_save_original_input = None, None, "
+                "None, None",
+                "            Linear,\n            TEColumnParallelLinear,\n",
+            ),
+            fn=_patch_absorbed_mla_linear,
+            why="DeepSeek sparse attention's absorbed MLA accepts a replicated down projection "
+            "by identity only, its torch Linear imported with TE's modules (None without TE); "
+            "a column-parallel one loses gradient under sequence parallelism",
         ),
         Patch(
             "gated_delta_net_fla",

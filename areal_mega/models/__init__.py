@@ -3,20 +3,22 @@
 - :mod:`.builder` — a ``GPTModel`` from a ``config.json`` (Llama, Qwen2/3, Qwen3-MoE, Mistral,
   Gemma, Gemma 2, Gemma 3 text, GLM-4 MoE, GLM-4-MoE-Lite, DeepSeek-V2/V3, HY-V3, Nemotron,
   OLMoE, MiniMax-M2, GPT-OSS, Ernie 4.5 MoE, EXAONE-MoE, EXAONE 4, Qwen3-Next,
-  Qwen3.5, Qwen3.5-MoE, Gemma 4 text, Falcon-H1);
+  Qwen3.5, Qwen3.5-MoE, Gemma 4 text, Falcon-H1, GLM-MoE-DSA);
 - :mod:`.decoder_fields` — the decoder facts every HF config states the same way (sizes,
   heads, RoPE base, norm epsilon), with each family's defaults;
 - :mod:`.bridge_provider` — the architecture fields of the megatron config from
-  Megatron-Bridge's model providers (and the defects we correct, the GPU-only families);
+  Megatron-Bridge's model providers (and the defects we correct, the families not built);
 - :mod:`.backend` — which attention implementation and GPU fusions a model is built with
   (pure decisions on probed facts);
 - :mod:`.gemma3` — what Gemma 3 (and Gemma 1) change against the Llama math, on megatron's
   local spec;
 - :mod:`.gemma2` — Gemma 2: Gemma 3's layer with attention and final-logit soft-caps;
-- :mod:`.gemma4` — Gemma 4 text (dense): per-layer-type attention shapes, K = V, key/value
-  sharing, per-layer inputs and layer scalars on megatron's local spec;
+- :mod:`.gemma4` — Gemma 4 text (dense and MoE): per-layer-type attention shapes, K = V,
+  key/value sharing, per-layer inputs, layer scalars and the MoE block on megatron's local spec;
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
+- :mod:`.dsa` — GLM-MoE-DSA (GLM-5): DeepSeek sparse attention on megatron-core's absorbed MLA
+  and ``DSAttention`` with a local backend;
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;
 - :mod:`.nemotron_h` — Nemotron-H: megatron's HybridModel (Mamba-2, attention and MLP
   layers) from the bridge's provider on the local hybrid spec;
@@ -43,6 +45,7 @@
   sequences;
 - :mod:`.rope_positions` — rotary embeddings at given positions (shared prompt prefixes);
 - :mod:`.tiny` — tiny random-weight HF models and a character tokenizer, no network;
+- :mod:`.tiny_configs` — transformers' config of each tiny family;
 - :mod:`.vlm` — vision-language models (Qwen2.5-VL) built from the bridge's provider: its
   vision tower, projector and multimodal RoPE, our runtime fields and packed attention.
 """

@@ -139,6 +139,16 @@ ARCH_FIELDS = (
     "linear_num_value_heads",
     "attention_output_gate",
     "moe_shared_expert_gate",
+    # DeepSeek sparse attention (GLM-5): the indexer
+    "dsa_indexer_n_heads",
+    "dsa_indexer_head_dim",
+    "dsa_indexer_topk",
+    "dsa_indexer_topk_freq",
+    "dsa_indexer_skip_topk_offset",
+    "dsa_indexer_rope_interleaved",
+    "dsa_indexer_rotate_activation",
+    "dsa_indexer_scoring_relu",
+    "dsa_indexer_k_norm_epsilon",
 )
 #: ``GPTModel`` constructor arguments the provider carries (provider field -> GPTModel keyword)
 GPT_FIELDS = {
@@ -164,6 +174,7 @@ PROVIDER_FAMILIES = (
     "deepseek_v2",
     "gemma",
     "glm4_moe_lite",
+    "glm_moe_dsa",
     "hy_v3",
     "nemotron",
     "olmoe",
@@ -381,6 +392,11 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
         "which this config does not have: transformers reads mlp_layer_types",
         _glm4_moe_lite,
     ),
+    "glm_moe_dsa": (
+        "as glm4_moe_lite: the dense layers come from first_k_dense_replace (default 3), "
+        "transformers reads mlp_layer_types",
+        _glm4_moe_lite,
+    ),
     "hy_v3": (
         "the provider makes the first first_k_dense_replace layers dense (a key HYV3Config "
         "does not have: INPUT_CORRECTIONS fills it in); transformers reads mlp_layer_types, "
@@ -436,9 +452,21 @@ def _leading_dense_layers(hf: dict) -> dict:
     return dict(hf, first_k_dense_replace=k)
 
 
+def _indexer_rope_half_split(hf: dict) -> dict:
+    """GLM-MoE-DSA: ``indexer_rope_interleave`` (read by the bridge's provider, which raises
+    without it) as transformers applies it, the half-split layout, unless the config has it."""
+    return hf if "indexer_rope_interleave" in hf else dict(hf, indexer_rope_interleave=False)
+
+
 #: model_type -> (why, the config dict the provider is built from, given the HF config); the
 #: disk cache stays keyed by the config as given
 INPUT_CORRECTIONS: Dict[str, Tuple[str, Callable[[dict], dict]]] = {
+    "glm_moe_dsa": (
+        "the provider reads indexer_rope_interleave, which GlmMoeDsaConfig does not have "
+        "(transformers' indexer always rotates in the half-split layout): AttributeError for "
+        "a config saved by transformers",
+        _indexer_rope_half_split,
+    ),
     "hy_v3": (
         "the provider reads first_k_dense_replace, which HYV3Config does not have "
         "(transformers reads mlp_layer_types): AttributeError for a config saved by "
@@ -448,16 +476,10 @@ INPUT_CORRECTIONS: Dict[str, Tuple[str, Callable[[dict], dict]]] = {
 }
 
 
-_SPARSE = (
-    "DeepSeek sparse attention (lightning indexer, top-k key selection): megatron-core "
-    "implements it with TransformerEngine / CUDA kernels only"
-)
 #: model types whose layers need megatron-core kernels that exist for CUDA only: the CPU
-#: refuses them naming why (the engine does not build them yet on any device)
-GPU_ONLY = {
-    "glm_moe_dsa": _SPARSE,
-    "deepseek_v4": _SPARSE,
-}
+#: refuses them naming why (none at present: megatron-core 0.19's DeepSeek sparse attention,
+#: the last one listed, runs in torch on every device, areal_mega/models/dsa.py)
+GPU_ONLY: Dict[str, str] = {}
 
 
 _VLM = (
@@ -468,6 +490,12 @@ _VLM = (
 #: but the engine does not build, with the reason read from transformers' modelling code
 #: against megatron-core's layers; the CPU refuses them naming it
 NOT_BUILT = {
+    "deepseek_v4": (
+        "megatron-core 0.19.2 (pinned) does not build its attention: Megatron-Bridge's "
+        "provider asks for experimental_attention_variant='dsv4_hybrid' (DeepSeek-V4's "
+        "compressed and sparse attention with hyper-connections), which this megatron-core's "
+        "TransformerConfig does not accept (gated_delta_net and dsa only) on any device"
+    ),
     "qwen3_5_moe": (
         _VLM + "; its text model (model_type qwen3_5_moe_text, Qwen3_5MoeForCausalLM: what "
         "AutoModelForCausalLM saves from it) is built"

@@ -1,31 +1,7 @@
 """Build a megatron-core ``GPTModel`` from a Hugging Face ``config.json``.
 
-Supported ``model_type``: ``llama``, ``qwen2`` (Qwen2/2.5: QKV bias), ``qwen3`` (QK RMSNorm),
-``qwen3_moe`` (top-k softmax router, no shared expert), ``mistral`` (Llama math, explicit
-``head_dim``, sliding-window attention: :mod:`areal_mega.models.sliding_window`),
-``gemma3_text`` (Gemma 3 text: :mod:`areal_mega.models.gemma3`), ``glm4_moe`` (sigmoid router
-with expert bias, shared experts, dense first layers, partial rotary:
-:mod:`areal_mega.models.moe_families`), ``deepseek_v3`` (the same router, multi-latent
-attention: :mod:`areal_mega.models.mla`), ``deepseek_v2`` (the same attention, a softmax router),
-``gemma`` (Gemma 1: Gemma 3's norms, activation and embedding scale on a Llama layer),
-``glm4_moe_lite`` (GLM-4.7-Flash: DeepSeek-V3's attention and router), ``hy_v3`` (Hy3: GQA
-with per-head QK norm, GLM-4 MoE's sigmoid router without groups, dense layers from
-``mlp_layer_types``), ``nemotron`` (LayerNorm with a ``(1 + w)`` gain, squared-ReLU MLP, partial
-rotary: :mod:`areal_mega.models.nemotron`), ``gemma2`` (Gemma 3's layer without QK norms, with
-attention and final-logit soft-caps: :mod:`areal_mega.models.gemma2`), ``olmoe`` (softmax-router
-MoE with an RMSNorm over the whole query and key projections: :mod:`areal_mega.models.olmoe`),
-``ernie4_5_moe`` (Ernie 4.5: a softmax router with an expert bias for the choice, the chosen
-weights renormalised: :mod:`areal_mega.models.ernie4_5_moe`), ``gpt_oss`` (attention sinks,
-YaRN, biased experts with a clamped GLU, fused expert checkpoint tensors:
-:mod:`areal_mega.models.gpt_oss`), ``exaone_moe`` (K-EXAONE: sliding-window layers with
-rotary beside full-attention layers without, DeepSeek-V3's router:
-:mod:`areal_mega.models.exaone`), ``exaone4`` (EXAONE 4: the same attention in post-norm-only
-dense layers, llama3 RoPE), ``qwen3_next`` (Qwen3-Next: gated delta-net layers beside full
-attention with an output gate, a softmax router with a gated shared expert:
-:mod:`areal_mega.models.qwen3_next`), ``qwen3_5_text`` (Qwen3.5's dense text model: the same
-layers, dense MLPs), ``qwen3_5_moe_text`` (Qwen3.5-MoE's text model: the same layers and MoE),
-``falcon_h1`` (Falcon-H1: a Mamba-2 mixer beside the attention in every layer, muP multipliers:
-:mod:`areal_mega.models.falcon_h1`).
+Supported ``model_type``: :data:`SUPPORTED_MODEL_TYPES` (each family's module says what it
+changes against the Llama math; ``docs/model_families.md`` lists them with their checks).
 Actor and reference use this same builder; the model
 code is single-device megatron-core and all parallelism comes from the
 :class:`~areal_mega.parallel.mesh.ParallelMesh` passed in.
@@ -161,6 +137,7 @@ SUPPORTED_MODEL_TYPES = (
     "nemotron_h",
     "gemma4_text",
     "falcon_h1",
+    "glm_moe_dsa",
 )
 #: families whose QK RMSNorm spans the whole query / key projection (areal_mega/models/olmoe.py)
 WHOLE_QK_NORM_MODEL_TYPES = ("olmoe", "minimax_m2")
@@ -242,6 +219,9 @@ class HFArch:
     # Falcon-H1 (:mod:`areal_mega.models.falcon_h1`): a Mamba-2 mixer beside the attention in
     # every layer
     mamba_beside_attention: bool = False
+    # DeepSeek sparse attention (:mod:`areal_mega.models.dsa`): the indexer's heads, head size
+    # and top-k (None: dense attention)
+    dsa_indexer: Optional[tuple] = None
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 
@@ -370,6 +350,10 @@ def parse_hf_config(hf: dict) -> HFArch:
         kw.update(deepseek_v2_fields(hf, n_layers))
     if mt == "glm4_moe_lite":
         kw.update(glm4_moe_lite_fields(hf, n_layers))
+    if mt == "glm_moe_dsa":
+        from areal_mega.models.dsa import glm_moe_dsa_fields
+
+        kw.update(glm_moe_dsa_fields(hf, n_layers))
     if mt == "hy_v3":
         kw.update(hy_v3_fields(hf, n_layers))
     if mt == "minimax_m2":
@@ -527,6 +511,9 @@ def transformer_config_from_hf(
             moe_router_bias_update_rate=0.0,
             moe_shared_expert_overlap=False,
         )
+    if arch.dsa_indexer is not None:
+        # RL keeps the checkpoint's indexer: no indexer loss (areal_mega.models.dsa)
+        kw["dsa_indexer_loss_coeff"] = 0.0
     if is_mla:
         # the local spec's core attention sizes its output by kv_channels (TE's takes the value
         # head dim from MLA): the value head dim (the provider sets the rotary one)
@@ -622,6 +609,10 @@ def layer_spec_for(arch: HFArch, config, *, use_te: bool, vp_stage: Optional[int
         from areal_mega.models.exaone import exaone4_block_spec
 
         return exaone4_block_spec(config, use_te=use_te, vp_stage=vp_stage)
+    if arch.dsa_indexer is not None:
+        from areal_mega.models.dsa import dsa_block_spec
+
+        return dsa_block_spec(config, use_te=use_te, vp_stage=vp_stage)
     if arch.linear_attention_layers is not None:
         from areal_mega.models.qwen3_next import qwen3_next_block_spec
 

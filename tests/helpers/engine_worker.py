@@ -116,8 +116,9 @@ def _reference_masking(eng, hf, mb) -> tuple:
     """The reference forward's ``(attention_mask, packed_seq_params)`` for one micro-batch: the
     block-causal mask; with it, for a model with linear-attention layers (Qwen3-Next's gated
     delta-net: a recurrence over the packed row, which no attention mask confines to a
-    sequence), the packed slots as the engine builds them; for a Mamba hybrid (Nemotron-H,
-    Falcon-H1), whose Mamba layers keep packed sequences apart only through
+    sequence) or with DeepSeek sparse attention (megatron's indexer reads the sequences from
+    the packed parameters), the packed slots as the engine builds them; for a Mamba hybrid
+    (Nemotron-H, Falcon-H1), whose Mamba layers keep packed sequences apart only through
     ``PackedSeqParams.seq_idx``, the packed parameters from the segment lengths and no mask."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -129,7 +130,7 @@ def _reference_masking(eng, hf, mb) -> tuple:
         lens = torch.unique_consecutive(seg, return_counts=True)[1]
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
         return None, PackedSeqParams(**packed_seq_kwargs(cu, None, int(cu[-1])))
-    if "linear_attention" in (hf.get("layer_types") or ()):
+    if "linear_attention" in (hf.get("layer_types") or ()) or eng.arch.dsa_indexer is not None:
         kw = packed_seq_kwargs(mb["cu_seqlens"], mb.get("cu_seqlens_padded"), seg.numel())
         return block_causal_mask(seg), PackedSeqParams(**kw)
     return block_causal_mask(seg), None
@@ -175,7 +176,12 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         (num / denom).backward()
         total += float(num) / denom
         lps.append(lp.detach())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # a parameter the loss does not reach (a DSA indexer's: detached inputs, a top-k) has no
+    # .grad; the layouts' main_grad of it stays zero
+    grads = {
+        n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        for n, p in model.named_parameters()
+    }
     return {
         "state": state,
         "lps": lps,

@@ -21,8 +21,9 @@ class FamilyCase:
     ``pp2_recompute``: PP2 with full activation recompute);
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
-    its RL run; ``config_variants``: name -> ``config.json`` overrides under which the same
-    converted weights are also checked against transformers (on DP2); ``shared_prompts``: also
+    its RL run; ``rl_tiny``: :func:`make_tiny_model` overrides of its RL run's model;
+    ``config_variants``: name -> ``config.json`` overrides under which the same converted
+    weights are also checked against transformers (on DP2); ``shared_prompts``: also
     PP2 and TP2 on GRPO-like groups whose prompts the engine computes once (rotary at given
     positions, the shared-prefix attention) against the single-rank reference (dense families
     only: the engine shares no prompts for MoE). The checked sequences (up to 21 tokens), the
@@ -33,6 +34,7 @@ class FamilyCase:
     layouts: tuple = ("tp2", "pp2")
     convert: tuple = ("--tp", "2", "--pp", "2")
     rl_overrides: tuple = field(default_factory=tuple)
+    rl_tiny: dict = field(default_factory=dict)
     config_variants: dict = field(default_factory=dict)
     shared_prompts: bool = False
 
@@ -93,6 +95,20 @@ CASES = {
         "glm4_moe_lite",
         dict(arch="glm4_moe_lite", tie_word_embeddings=False),
         layouts=("ep2", "tp2sp", "pp2"),
+        convert=("--tp", "2", "--ep", "2"),
+    ),
+    # GLM-MoE-DSA (GLM-5): GLM-4-MoE-Lite's layers with DeepSeek sparse attention, each
+    # query attending to the 6 earlier tokens its indexer (8 heads of 16) scores best. The RL
+    # run attends to every earlier token (index_topk 64, longer than its samples): a top-k is
+    # discontinuous, and at a near-tie the rollout server's cached decode and a full forward
+    # can choose differently (transformers' own cached decode departs from its own full
+    # forward on about 1 sample in 80 of this tiny model, by 2e-5 to 1e-2 nats); the sparse
+    # choice is checked against transformers' full forward by the layouts above
+    "glm_moe_dsa": FamilyCase(
+        "glm_moe_dsa",
+        dict(arch="glm_moe_dsa", tie_word_embeddings=False),
+        rl_tiny=dict(index_topk=64),
+        layouts=("ep2", "pp2", "pp2_recompute", "tp2sp"),
         convert=("--tp", "2", "--ep", "2"),
     ),
     # HY-V3 (Hy3): GQA with per-head QK norm (head_dim 16), sigmoid top-2 of 4 experts with
@@ -366,6 +382,7 @@ RL_CASES = (
     "gemma4_text",
     "gemma4_text_moe",
     "falcon_h1",
+    "glm_moe_dsa",
 )
 
 

@@ -1,0 +1,109 @@
+"""GLM-MoE-DSA (``model_type: glm_moe_dsa``, ``GlmMoeDsaForCausalLM``, GLM-5) on megatron-core:
+GLM-4-MoE-Lite's multi-latent attention and DeepSeek-style router (:mod:`areal_mega.models.mla`)
+with DeepSeek sparse attention (DSA): a lightning indexer scores every earlier token for each
+query (``Σ_h w_h · relu(q_h · k)``, its own small query / key projections, a LayerNorm on its
+keys, rotary in the half-split layout) and the attention sees only the ``index_topk``
+best-scoring ones.
+
+megatron-core 0.19 builds DSA as ``AbsorbedMLASelfAttention`` around a ``DSAttention`` core
+(``experimental_attention_variant="dsa"``), whose indexer and sparse attention are its own torch
+code on every device (its fused kernels, TileLang or cuDNN, are optional and off:
+``dsa_kernel_backend="none"``). Its layer-spec builder takes a backend; megatron's local one has
+no ``linear()`` (the latent down projections and the indexer's projections, duplicated across
+TP) and the block builder accepts TransformerEngine only, so :func:`dsa_block_spec` builds the
+layers with :class:`LocalDSABackend` and takes this stage's share as megatron's block builder
+does. The absorbed MLA accepts a replicated down projection by identity only (TE's
+``TELinear``, or megatron's torch ``Linear``, which it imports beside TE's modules: None without
+TE, and its checkpoint sharding assumes TP-split weights): the CPU compatibility patch
+``absorbed_mla_local_linear`` (:mod:`areal_mega.compat.megatron_cpu`) names
+:class:`~areal_mega.compat.replicated_linear.ReplicatedLinear` there.
+
+The fields come from Megatron-Bridge's GLM-5 provider (:mod:`areal_mega.models.bridge_provider`
+corrects what it reads wrong). The indexer is not trained: it sees detached inputs and its top-k
+is not differentiable, so without megatron's indexer loss (``dsa_indexer_loss_coeff``, the
+KL to the attention's scores; 0 here, RL keeps the checkpoint's indexer, as transformers'
+training does) its parameters get no gradient.
+
+Refused (``ValueError`` naming the key): ``indexer_types`` with ``"shared"`` layers (they
+reuse an earlier layer's top-k; megatron's index sharing is not checked against transformers'
+here), ``rope_interleave=False`` and attention biases (as every MLA family).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from megatron.core.models.backends import LocalSpecProvider
+
+from areal_mega.compat.replicated_linear import ReplicatedLinear
+from areal_mega.models.mla import glm4_moe_lite_fields
+
+__all__ = [
+    "DSA_MODEL_TYPES",
+    "glm_moe_dsa_fields",
+    "LocalDSABackend",
+    "dsa_block_spec",
+]
+
+DSA_MODEL_TYPES = ("glm_moe_dsa",)
+
+
+def glm_moe_dsa_fields(hf: dict, n_layers: int) -> dict:
+    """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm_moe_dsa`` config: those
+    of GLM-4-MoE-Lite (MLA, router, dense layers from ``mlp_layer_types``) and the indexer's
+    heads, head size and top-k. ``ValueError`` naming the key of what is not built."""
+    types = hf.get("indexer_types") or ["full"] * n_layers
+    if any(t != "full" for t in types):
+        raise ValueError(
+            f"indexer_types={types!r}: layers of type 'shared' (reusing an earlier layer's "
+            "top-k) are not supported; every layer must run its own indexer ('full')"
+        )
+    fields = glm4_moe_lite_fields(hf, n_layers)
+    fields["dsa_indexer"] = (
+        int(hf["index_n_heads"]),
+        int(hf["index_head_dim"]),
+        int(hf["index_topk"]),
+    )
+    return fields
+
+
+class LocalDSABackend(LocalSpecProvider):
+    """megatron's local spec backend with the ``linear()`` its DSA spec asks for (the latent
+    down projections and the indexer's projections, replicated across TP):
+    :class:`~areal_mega.compat.replicated_linear.ReplicatedLinear`. A column-parallel down
+    projection, which the absorbed MLA also accepts, gathers its output over TP and splits the
+    gradient back without summing it: under sequence parallelism each rank's queries reach
+    every key, so the keys' rotary part would lose the other ranks' gradient."""
+
+    def linear(self) -> type:
+        return ReplicatedLinear
+
+
+def dsa_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
+    """The block spec of this pipeline stage (chunk): megatron's DSA layers (absorbed MLA with
+    the DSA core attention; MoE or dense MLPs by ``config.moe_layer_freq``) on its local
+    layers (:class:`LocalDSABackend`). ``ValueError`` for
+    TransformerEngine's spec, which is not wired."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_layer_with_experimental_attention_variant_spec,
+    )
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if use_te:
+        raise ValueError(
+            f"{', '.join(DSA_MODEL_TYPES)} run on megatron's local layer spec only "
+            "(model.attention_backend other than TransformerEngine)"
+        )
+    backend = LocalDSABackend()
+    layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
+        layer_specs=[copy.deepcopy(s) for s in layers[offset : offset + n]],
+        layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),
+    )
