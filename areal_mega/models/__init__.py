@@ -17,6 +17,8 @@
   key/value sharing, per-layer inputs, layer scalars and the MoE block on megatron's local spec;
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
+- :mod:`.family_router` — megatron's ``TopKRouter`` with a family's own routing (Ernie 4.5,
+  Gemma 4 MoE);
 - :mod:`.dsa` — GLM-MoE-DSA (GLM-5): DeepSeek sparse attention on megatron-core's absorbed MLA
   and ``DSAttention`` with a local backend;
 - :mod:`.nemotron` — Nemotron's LayerNorm with a ``(1 + w)`` gain on megatron's local spec;

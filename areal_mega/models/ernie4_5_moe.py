@@ -30,7 +30,8 @@ import functools
 from typing import Optional
 
 import torch
-from megatron.core.transformer.moe.router import TopKRouter
+
+from areal_mega.models.family_router import FamilyTopKRouter
 
 __all__ = [
     "ERNIE_MODEL_TYPE",
@@ -120,7 +121,7 @@ def ernie_routing(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor, no
     return probs, routing_map
 
 
-class ErnieTopKRouter(TopKRouter):
+class ErnieTopKRouter(FamilyTopKRouter):
     """megatron's ``TopKRouter`` with Ernie 4.5's routing (:func:`ernie_routing`): the gate
     (fp32 with ``moe_router_dtype="fp32"``) and the z-loss stay megatron's; the expert choice
     and weights are transformers' (unfused on every device: ``moe_router_fusion`` has no
@@ -128,23 +129,15 @@ class ErnieTopKRouter(TopKRouter):
     0: :func:`ernie4_5_moe_fields`), token dropping and router replay (refused for this family:
     :func:`~areal_mega.engine.routing_replay.check_replay_target`), which it refuses."""
 
+    family = ERNIE_MODEL_TYPE
+
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, *, norm_min):
         if config.moe_router_score_function != "softmax" or config.moe_router_enable_expert_bias:
             raise ValueError(
                 "ErnieTopKRouter needs a softmax router config without megatron's expert "
                 "bias (it holds its own)"
             )
-        unsupported = {
-            "moe_aux_loss_coeff": bool(config.moe_aux_loss_coeff),
-            "moe_expert_capacity_factor": config.moe_expert_capacity_factor is not None,
-            "moe_enable_routing_replay": config.moe_enable_routing_replay,
-        }
-        if any(unsupported.values()):
-            raise ValueError(
-                "ernie4_5_moe's router does not support "
-                + ", ".join(k for k, v in unsupported.items() if v)
-            )
-        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        super().__init__(config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         self.norm_min = float(norm_min)
         device = self.weight.device
         # megatron's name for it (a checkpoint key and a mapped HF tensor); the expert bias
@@ -154,12 +147,8 @@ class ErnieTopKRouter(TopKRouter):
             "expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32, device=device)
         )
 
-    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """``(probs, routing_map)`` of the gate's ``logits`` [seq, batch, experts]."""
-        logits = logits.view(-1, self.config.num_moe_experts)
-        if padding_mask is not None:
-            padding_mask = padding_mask.reshape(-1)
-        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+    def route(self, logits: torch.Tensor):
+        """:func:`ernie_routing` of ``logits`` [tokens, experts]."""
         return ernie_routing(logits, self.topk, self.expert_bias, self.norm_min)
 
 

@@ -66,10 +66,10 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from areal_mega.models.decoder_fields import decoder_fields
+from areal_mega.models.family_router import FamilyTopKRouter
 from areal_mega.models.gemma3 import (
     FULL,
     SLIDING,
@@ -473,24 +473,16 @@ def gemma4_routing(logits: torch.Tensor, topk: int, per_expert_scale: torch.Tens
     return probs, routing_map
 
 
-class Gemma4TopKRouter(TopKRouter):
+class Gemma4TopKRouter(FamilyTopKRouter):
     """megatron's ``TopKRouter`` with Gemma 4's router: the gate reads the scale-less RMS norm of
     the layer's input times the learnt ``scale`` and ``hidden_size ** -0.5``; the choice and
     weights are :func:`gemma4_routing`. Without load-balancing losses (transformers computes
     none), token dropping and router replay, which it refuses."""
 
+    family = GEMMA4_MODEL_TYPE
+
     def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False):
-        unsupported = {
-            "moe_aux_loss_coeff": bool(config.moe_aux_loss_coeff),
-            "moe_expert_capacity_factor": config.moe_expert_capacity_factor is not None,
-            "moe_enable_routing_replay": config.moe_enable_routing_replay,
-        }
-        if any(unsupported.values()):
-            raise ValueError(
-                "gemma4_text's router does not support "
-                + ", ".join(k for k, v in unsupported.items() if v)
-            )
-        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        super().__init__(config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         dtype, device = config.params_dtype, self.weight.device
         self.scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=dtype, device=device))
         self.per_expert_scale = torch.nn.Parameter(
@@ -506,12 +498,8 @@ class Gemma4TopKRouter(TopKRouter):
         x = x * self.scale * self.config.hidden_size**-0.5
         return super().gating(x)
 
-    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """``(probs, routing_map)`` of the gate's ``logits`` [seq, batch, experts]."""
-        logits = logits.view(-1, self.config.num_moe_experts)
-        if padding_mask is not None:
-            padding_mask = padding_mask.reshape(-1)
-        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+    def route(self, logits: torch.Tensor):
+        """:func:`gemma4_routing` of ``logits`` [tokens, experts]."""
         return gemma4_routing(logits, self.topk, self.per_expert_scale)
 
 

@@ -135,40 +135,29 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
             attention_bias=spec.attention_bias,
             use_qk_norm=spec.use_qk_norm,
         )
-    if spec.arch == "glm4_moe_lite":
-        from transformers import Glm4MoeLiteConfig
-
+    if spec.arch in ("glm4_moe_lite", "glm_moe_dsa"):
         common["num_key_value_heads"] = spec.num_heads
         routing.pop("first_k_dense_replace")
         k = spec.first_k_dense_replace
-        return Glm4MoeLiteConfig(
-            **common,
-            **routing,
+        mla = dict(
             mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
             q_lora_rank=spec.q_lora_rank,
             kv_lora_rank=spec.kv_lora_rank,
             qk_nope_head_dim=spec.qk_nope_head_dim,
             qk_rope_head_dim=spec.qk_rope_head_dim,
             v_head_dim=spec.v_head_dim,
-            rope_interleave=True,
             attention_bias=False,
         )
-    if spec.arch == "glm_moe_dsa":
+        if spec.arch == "glm4_moe_lite":
+            from transformers import Glm4MoeLiteConfig
+
+            return Glm4MoeLiteConfig(**common, **routing, **mla, rope_interleave=True)
         from transformers import GlmMoeDsaConfig
 
-        common["num_key_value_heads"] = spec.num_heads
-        routing.pop("first_k_dense_replace")
-        k = spec.first_k_dense_replace
         return GlmMoeDsaConfig(
             **common,
             **routing,
-            mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
-            q_lora_rank=spec.q_lora_rank,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_nope_head_dim=spec.qk_nope_head_dim,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-            v_head_dim=spec.v_head_dim,
-            attention_bias=False,
+            **mla,
             index_topk=spec.index_topk,
             index_head_dim=spec.index_head_dim,
             index_n_heads=spec.index_n_heads,
