@@ -24,6 +24,9 @@ step):
 * ``attention_fp32``: bf16 attention of short queries on fp32 copies
   (:data:`areal_mega.models.varlen_attention.CPU_FP32_ATTENTION_MAX_QUERY`) against torch's bf16
   kernel (no-op in fp32);
+* ``unit_families``: the answers of a GRPO group side by side in one entry of the padded
+  attention batch where that costs less (:func:`areal_mega.models.varlen_attention.batch_entries`)
+  against one entry per answer;
 * ``all``: every change at once.
 """
 
@@ -42,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import SHAPE  # noqa: E402  (bench/ is a namespace package)
 
-CHANGES = ("finite", "attention_fp32")
+CHANGES = ("finite", "attention_fp32", "unit_families")
 
 
 @contextlib.contextmanager
@@ -67,6 +70,13 @@ def former(change: str):
             yield
         finally:
             varlen_attention.CPU_FP32_ATTENTION_MAX_QUERY = saved
+    elif change == "unit_families":
+        saved = varlen_attention.batch_entries
+        varlen_attention.batch_entries = lambda units: [[u] for u in units]
+        try:
+            yield
+        finally:
+            varlen_attention.batch_entries = saved
     elif change == "all":
         with contextlib.ExitStack() as stack:
             for c in CHANGES:
@@ -102,7 +112,8 @@ def child(args, hf_dir, dtype, out) -> None:
                 f"rollout.batch_size={args.prompts}",
                 f"rollout.n_samples={args.group}",
                 f"rollout.max_new_tokens={args.max_new}",
-            ],
+            ]
+            + ([f"scheduler.max_tokens_per_mb={args.mb_tokens}"] if args.mb_tokens else []),
         )
     mesh = _single_process_mesh()
     torch.manual_seed(cfg.seed)
@@ -175,6 +186,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=30)
     ap.add_argument("--max-new", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--mb-tokens", type=int, default=0, help="scheduler.max_tokens_per_mb (0: the recipe's)"
+    )
     ap.add_argument("--child", nargs=3, metavar=("HF_DIR", "DTYPE", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

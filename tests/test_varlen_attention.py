@@ -278,6 +278,8 @@ def _tree_case(prompts_and_completions, trailing, seed):
         ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 0, 4),  # ... windowed
         ([(40, [3, 30]), (1, [6]), (5, [2])], 2, None),  # few / uneven units: one call each
         ([(40, [3, 30]), (12, [6, 1, 9])], 0, 8),
+        ([(20, [16] * 8), (12, [15] * 4)], 0, None),  # long answers: one entry each
+        ([(20, [16] * 8), (12, [15] * 4)], 0, 6),
     ],
 )
 def test_shared_prefix_attention_equals_the_packed_batch(groups, trailing, window):
@@ -329,8 +331,11 @@ def test_softcapped_or_sunk_shared_prefix_attention_equals_the_packed_batch(soft
 
 
 def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
-    """4 groups of 8 samples (60-token prompts, 16-token answers): one padded call for the
-    prompts, one for the 32 branches; two uneven units get a call each."""
+    """4 groups of 8 samples (60-token prompts): one padded call for the prompts, one for the
+    branches: with 16-token answers an entry per branch (32), with 6-token ones an entry per
+    group (4: its 8 branches side by side, masked from each other, cost less than 32 short
+    entries); a group of two uneven answers is one entry; a lone sample (no shared prompt) is
+    a plain slot, called with the prompts."""
     import areal_mega.models.varlen_attention as va
 
     calls = []
@@ -342,7 +347,9 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
     )
     for groups, want in (
         ([(60, [16] * 8)] * 4, [(4, 4, 59, 8), (32, 4, 17, 8)]),
-        ([(40, [3, 30])], [(1, 4, 39, 8), (1, 4, 4, 8), (1, 4, 31, 8)]),
+        ([(60, [6] * 8)] * 4, [(4, 4, 59, 8), (4, 4, 56, 8)]),
+        ([(40, [3, 30])], [(1, 4, 39, 8), (1, 4, 35, 8)]),
+        ([(40, [3, 30]), (12, [5])], [(1, 4, 39, 8), (1, 4, 17, 8), (1, 4, 35, 8)]),
     ):
         _, _, layout = _tree_case(groups, 0, seed=3)
         t = len(layout.keep)
@@ -355,6 +362,23 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
             scale=0.3,
         )
         assert calls == want
+
+
+def test_batch_entries_group_a_context_only_when_it_costs_less():
+    """Pure planning: units of one context become one entry when the padded area (plus a
+    per-entry cost) is smaller; units without a context, or each with its own, stay alone."""
+    from areal_mega.models.varlen_attention import batch_entries
+
+    short = [(100 + 7 * i, 7, 0, 59) for i in range(8)]
+    assert batch_entries(short) == [short]
+    long = [(100 + 40 * i, 40, 0, 59) for i in range(8)]
+    assert batch_entries(long) == [[u] for u in long]
+    two_contexts = short + [(300 + 5 * i, 5, 60, 30) for i in range(4)]
+    assert batch_entries(two_contexts) == [short, two_contexts[8:]]
+    prompts = [(0, 59, 0, 0), (59, 40, 59, 0)]
+    assert batch_entries(prompts) == [[u] for u in prompts]
+    own_contexts = [(100, 3, 0, 10), (103, 3, 20, 10)]
+    assert batch_entries(own_contexts) == [[u] for u in own_contexts]
 
 
 def test_short_bf16_attention_runs_in_fp32_on_the_cpu(monkeypatch):

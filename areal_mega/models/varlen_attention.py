@@ -50,6 +50,7 @@ __all__ = [
     "packed_slot_bounds",
     "varlen_causal_attention",
     "unit_attention",
+    "batch_entries",
 ]
 
 
@@ -279,16 +280,21 @@ def unit_attention(
     ctx_len)`` of consecutive rows attends to the keys ``[ctx_start, ctx_start + ctx_len)`` and
     causally to its own, at positions ``ctx_len + i`` (the window counts positions). Units
     cover ``[0, T)`` in order. Units without a context and those with one run as a padded
-    batch each (or, when padding would more than double the work, one call per unit)."""
+    batch each (or, when padding would more than double the work, one call per unit); units
+    that share a context (a GRPO group's branches) may share one entry of that batch
+    (:func:`batch_entries`)."""
     gqa = query.shape[1] != key.shape[1]
     units = [u for u in units if u[1] > 0]
     parts, order = [], []
     for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
         if group:
+            entries = batch_entries(group)
             parts.append(
-                _unit_group(query, key, value, group, scale, dropout_p, window, gqa, softcap, sink)
+                _entry_group(
+                    query, key, value, entries, scale, dropout_p, window, gqa, softcap, sink
+                )
             )
-            order += [u[0] + i for u in group for i in range(u[1])]
+            order += [u[0] + i for entry in entries for u in entry for i in range(u[1])]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if order == list(range(len(order))):
         return out
@@ -297,18 +303,60 @@ def unit_attention(
     return out.index_select(0, inverse.to(out.device))
 
 
-def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap=None, sink=None):
-    """Outputs of ``units`` ([sum of lengths, h, d], in their order)."""
+# what one entry of a padded SDPA batch costs besides its own query x key area, in units of
+# that area (fp32 forward+backward on a CPU, 9 query / 3 KV heads of 64: 32 entries of 2-32
+# queries against 4 of 8x as many, bench/cpu_step_ab.py --change unit_families)
+ENTRY_AREA = 800
+
+
+def _padded_cost(entries: list) -> int:
+    """Query x key area of ``entries`` (lists of units sharing a context) as one padded batch,
+    with :data:`ENTRY_AREA` per entry."""
+    lens = [sum(u[1] for u in e) for e in entries]
+    spans = [e[0][3] + n for e, n in zip(entries, lens)]
+    return len(entries) * (max(lens) * max(spans) + ENTRY_AREA)
+
+
+def batch_entries(units: list) -> list[list]:
+    """The entries of the padded attention batch of ``units`` (pure): one per unit, or, when
+    that costs less (:func:`_padded_cost`), one per context ``(ctx_start, ctx_len)``: the
+    units attending to the same keys (a GRPO group's answers to its prompt) concatenated into
+    one entry, each unit masked from the others. Many short answers then make a few long
+    entries instead of many short ones, which torch's CPU attention kernel runs at a small
+    fraction of its speed; long answers stay one per entry (the masked pairs between them
+    would cost more)."""
+    families: dict = {}
+    for u in units:
+        families.setdefault((u[2], u[3]), []).append(u)
+    singles = [[u] for u in units]
+    if not units[0][3] or len(families) == len(units):
+        return singles
+    grouped = list(families.values())
+    return grouped if _padded_cost(grouped) < _padded_cost(singles) else singles
+
+
+def _entry_group(
+    query, key, value, entries, scale, dropout_p, window, gqa, softcap=None, sink=None
+):
+    """Outputs of the units of ``entries`` ([sum of lengths, h, d], in their order)."""
     device = query.device
-    lens = [u[1] for u in units]
-    spans = [u[3] + u[1] for u in units]
-    real = sum(n * m for n, m in zip(lens, spans))
+    units = [u for e in entries for u in e]
+    lens = [sum(u[1] for u in e) for e in entries]
+    spans = [e[0][3] + n for e, n in zip(entries, lens)]
+    real = sum(u[1] * (u[3] + u[1]) for u in units)
     q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
     k_idx = torch.tensor(
-        [j for u in units for j in (*range(u[2], u[2] + u[3]), *range(u[0], u[0] + u[1]))],
+        [
+            j
+            for e in entries
+            for j in (
+                *range(e[0][2], e[0][2] + e[0][3]),
+                *(r for u in e for r in range(u[0], u[0] + u[1])),
+            )
+        ],
         device=device,
     )
-    if (
+    if len(entries) == len(units) and (
         len(units) < PAD_BATCH_MIN_SLOTS
         or len(units) * max(lens) * max(spans) > UNIT_BATCH_MAX_WASTE * real
     ):
@@ -332,37 +380,49 @@ def _unit_group(query, key, value, units, scale, dropout_p, window, gqa, softcap
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     width_q, width_k = max(lens), max(spans)
-    lq = torch.tensor(lens, device=device)
-    ctx = torch.tensor([u[3] for u in units], device=device)
-    pq = torch.arange(width_q, device=device)
-    pk = torch.arange(width_k, device=device)
-    valid_q = pq[None, :] < lq[:, None]  # [U, Q]
-    valid_k = pk[None, :] < (ctx + lq)[:, None]  # [U, K]
-    q_off = torch.tensor([0] + lens[:-1], device=device).cumsum(0)
-    k_off = torch.tensor([0] + spans[:-1], device=device).cumsum(0)
-    q_rows = torch.where(valid_q, q_off[:, None] + pq[None, :], q_off[:, None])
-    k_rows = torch.where(valid_k, k_off[:, None] + pk[None, :], k_off[:, None])
-    d = (ctx[:, None] + pq[None, :])[:, :, None] - pk[None, None, :]  # [U, Q, K]
-    mask = (d >= 0) & valid_k[:, None, :]
+    # per entry: the unit of each query and key (context keys: -1, padding: -2) and its
+    # position; a unit's queries see the context and, causally, their own unit's keys
+    q_unit, q_pos, k_unit, k_pos = [], [], [], []
+    for e, n, span in zip(entries, lens, spans):
+        ctx = e[0][3]
+        own = [(m, ctx + i) for m, u in enumerate(e) for i in range(u[1])]
+        q_unit.append([m for m, _ in own] + [-2] * (width_q - n))
+        q_pos.append([p for _, p in own] + [0] * (width_q - n))
+        k_unit.append([-1] * ctx + q_unit[-1][:n] + [-2] * (width_k - span))
+        k_pos.append([*range(ctx), *q_pos[-1][:n]] + [0] * (width_k - span))
+    q_unit, q_pos, k_unit, k_pos = map(torch.tensor, (q_unit, q_pos, k_unit, k_pos))
+    d = q_pos[:, :, None] - k_pos[:, None, :]  # [E, Q, K]
+    ku = k_unit[:, None, :]
+    mask = ((ku == -1) | (ku == q_unit[:, :, None])) & (d >= 0)
     if window is not None:
         mask &= d < window
+    # a padded query sees every real key (finite weights; its output is discarded)
+    mask = torch.where(q_unit[:, :, None] == -2, ku != -2, mask)
+    lq = torch.tensor(lens)
+    pq, pk = torch.arange(width_q), torch.arange(width_k)
+    valid_q = pq[None, :] < lq[:, None]  # [E, Q]
+    valid_k = pk[None, :] < torch.tensor(spans)[:, None]  # [E, K]
+    q_off = torch.tensor([0] + lens[:-1]).cumsum(0)
+    k_off = torch.tensor([0] + spans[:-1]).cumsum(0)
+    q_rows = torch.where(valid_q, q_off[:, None] + pq[None, :], q_off[:, None]).to(device)
+    k_rows = torch.where(valid_k, k_off[:, None] + pk[None, :], k_off[:, None]).to(device)
     q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]  # rows of query / key: one gather each
-    q = _rows(query, q_rows).transpose(1, 2)  # [U, h, Q, d]
+    q = _rows(query, q_rows).transpose(1, 2)  # [E, h, Q, d]
     k, v = (_rows(x, k_rows).transpose(1, 2) for x in (key, value))
     o = attention(
         q,
         k,
         v,
-        attn_mask=mask[:, None],
+        attn_mask=mask[:, None].to(device),
         dropout_p=dropout_p,
         scale=scale,
         enable_gqa=gqa,
         softcap=softcap,
         sink=sink,
     )
-    o = o.transpose(1, 2)  # [U, Q, h, d]
+    o = o.transpose(1, 2)  # [E, Q, h, d]
     flat = o.reshape(-1, *o.shape[2:])
-    return flat.index_select(0, valid_q.reshape(-1).nonzero().squeeze(1))
+    return flat.index_select(0, valid_q.reshape(-1).nonzero().squeeze(1).to(device))
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
