@@ -366,13 +366,18 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
 
 def test_batch_entries_group_a_context_only_when_it_costs_less():
     """Pure planning: units of one context become one entry when the padded area (plus a
-    per-entry cost) is smaller; units without a context, or each with its own, stay alone."""
+    per-entry cost) is smaller than that of one entry, or one call, each; units without a
+    context, or each with its own, stay alone."""
     from areal_mega.models.varlen_attention import batch_entries
 
     short = [(100 + 7 * i, 7, 0, 59) for i in range(8)]
     assert batch_entries(short) == [short]
     long = [(100 + 40 * i, 40, 0, 59) for i in range(8)]
     assert batch_entries(long) == [[u] for u in long]
+    # uneven: a call each for the short and the long ones costs less than one wide entry
+    starts = [100, 101, 102, 104, 107, 227, 229, 230]
+    uneven = [(s, n, 0, 59) for s, n in zip(starts, [1, 1, 2, 3, 120, 2, 1, 90])]
+    assert batch_entries(uneven) == [[u] for u in uneven]
     two_contexts = short + [(300 + 5 * i, 5, 60, 30) for i in range(4)]
     assert batch_entries(two_contexts) == [short, two_contexts[8:]]
     prompts = [(0, 59, 0, 0), (59, 40, 59, 0)]

@@ -303,10 +303,12 @@ def unit_attention(
     return out.index_select(0, inverse.to(out.device))
 
 
-# what one entry of a padded SDPA batch costs besides its own query x key area, in units of
-# that area (fp32 forward+backward on a CPU, 9 query / 3 KV heads of 64: 32 entries of 2-32
-# queries against 4 of 8x as many, bench/cpu_step_ab.py --change unit_families)
+# what one entry of a padded SDPA batch, and one SDPA call of its own, cost besides their query
+# x key area, in units of that area (fp32 forward+backward on a CPU, 9 query / 3 KV heads of
+# 64: 32 entries of 2-32 queries against 4 of 8x as many, 72 calls against one batch;
+# bench/cpu_step_ab.py --change unit_families)
 ENTRY_AREA = 800
+CALL_AREA = 2500
 
 
 def _padded_cost(entries: list) -> int:
@@ -317,22 +319,40 @@ def _padded_cost(entries: list) -> int:
     return len(entries) * (max(lens) * max(spans) + ENTRY_AREA)
 
 
+def _one_call_each(units: list) -> bool:
+    """Whether ``units``, one entry each, run as one SDPA call per unit: fewer than
+    :data:`PAD_BATCH_MIN_SLOTS`, or padding to the longest would cost more than
+    :data:`UNIT_BATCH_MAX_WASTE` times their own area."""
+    real = sum(u[1] * (u[3] + u[1]) for u in units)
+    width_q = max(u[1] for u in units)
+    width_k = max(u[3] + u[1] for u in units)
+    return (
+        len(units) < PAD_BATCH_MIN_SLOTS
+        or len(units) * width_q * width_k > UNIT_BATCH_MAX_WASTE * real
+    )
+
+
 def batch_entries(units: list) -> list[list]:
     """The entries of the padded attention batch of ``units`` (pure): one per unit, or, when
-    that costs less (:func:`_padded_cost`), one per context ``(ctx_start, ctx_len)``: the
-    units attending to the same keys (a GRPO group's answers to its prompt) concatenated into
-    one entry, each unit masked from the others. Many short answers then make a few long
-    entries instead of many short ones, which torch's CPU attention kernel runs at a small
-    fraction of its speed; long answers stay one per entry (the masked pairs between them
-    would cost more)."""
+    that costs less, one per context ``(ctx_start, ctx_len)``: the units attending to the same
+    keys (a GRPO group's answers to its prompt) concatenated into one entry, each unit masked
+    from the others. Many short answers then make a few long entries instead of many short
+    ones, which torch's CPU attention kernel runs at a small fraction of its speed; long or
+    uneven answers stay one per entry or call (the masked pairs between them would cost
+    more). Costs: :func:`_padded_cost`, or the units' own area plus :data:`CALL_AREA` each
+    where they would run one call each (:func:`_one_call_each`)."""
     families: dict = {}
     for u in units:
         families.setdefault((u[2], u[3]), []).append(u)
     singles = [[u] for u in units]
     if not units[0][3] or len(families) == len(units):
         return singles
+    if _one_call_each(units):
+        alone = sum(u[1] * (u[3] + u[1]) + CALL_AREA for u in units)
+    else:
+        alone = _padded_cost(singles)
     grouped = list(families.values())
-    return grouped if _padded_cost(grouped) < _padded_cost(singles) else singles
+    return grouped if _padded_cost(grouped) < alone else singles
 
 
 def _entry_group(
@@ -343,7 +363,6 @@ def _entry_group(
     units = [u for e in entries for u in e]
     lens = [sum(u[1] for u in e) for e in entries]
     spans = [e[0][3] + n for e, n in zip(entries, lens)]
-    real = sum(u[1] * (u[3] + u[1]) for u in units)
     q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
     k_idx = torch.tensor(
         [
@@ -356,10 +375,7 @@ def _entry_group(
         ],
         device=device,
     )
-    if len(entries) == len(units) and (
-        len(units) < PAD_BATCH_MIN_SLOTS
-        or len(units) * max(lens) * max(spans) > UNIT_BATCH_MAX_WASTE * real
-    ):
+    if len(entries) == len(units) and _one_call_each(units):
         outs = []
         qs = torch.split(query.index_select(0, q_idx), lens)
         ks, vs = (torch.split(x.index_select(0, k_idx), spans) for x in (key, value))
