@@ -126,6 +126,14 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
         first_k_dense_replace=spec.first_k_dense_replace,
         norm_topk_prob=True,
     )
+    # multi-head latent attention (DeepSeek-V2/V3, GLM-4-MoE-Lite, GLM-MoE-DSA)
+    mla = dict(
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+    )
     if spec.arch == "glm4_moe":
         common["rope_parameters"]["partial_rotary_factor"] = spec.partial_rotary_factor
         return Glm4MoeConfig(
@@ -139,25 +147,21 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
         common["num_key_value_heads"] = spec.num_heads
         routing.pop("first_k_dense_replace")
         k = spec.first_k_dense_replace
-        mla = dict(
+        layers = dict(
             mlp_layer_types=["dense"] * k + ["sparse"] * (spec.num_layers - k),
-            q_lora_rank=spec.q_lora_rank,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_nope_head_dim=spec.qk_nope_head_dim,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-            v_head_dim=spec.v_head_dim,
             attention_bias=False,
         )
         if spec.arch == "glm4_moe_lite":
             from transformers import Glm4MoeLiteConfig
 
-            return Glm4MoeLiteConfig(**common, **routing, **mla, rope_interleave=True)
+            return Glm4MoeLiteConfig(**common, **routing, **mla, **layers, rope_interleave=True)
         from transformers import GlmMoeDsaConfig
 
         return GlmMoeDsaConfig(
             **common,
             **routing,
             **mla,
+            **layers,
             index_topk=spec.index_topk,
             index_head_dim=spec.index_head_dim,
             index_n_heads=spec.index_n_heads,
@@ -185,11 +189,7 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
         return DeepseekV3Config(
             **common,
             **routing,
-            q_lora_rank=spec.q_lora_rank,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_nope_head_dim=spec.qk_nope_head_dim,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-            v_head_dim=spec.v_head_dim,
+            **mla,
             rope_interleave=True,
             attention_bias=False,
         )
@@ -212,11 +212,7 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
             routed_scaling_factor=spec.routed_scaling_factor,
             topk_method="greedy",
             norm_topk_prob=False,
-            q_lora_rank=spec.q_lora_rank,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_nope_head_dim=spec.qk_nope_head_dim,
-            qk_rope_head_dim=spec.qk_rope_head_dim,
-            v_head_dim=spec.v_head_dim,
+            **mla,
             attention_bias=False,
         )
     if spec.arch == "olmoe":
