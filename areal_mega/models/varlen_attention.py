@@ -311,11 +311,21 @@ ENTRY_AREA = 800
 CALL_AREA = 2500
 
 
+def _own_area(unit) -> int:
+    """Query x key area of one unit: its queries against its context and itself."""
+    return unit[1] * (unit[3] + unit[1])
+
+
+def _entry_widths(entries: list) -> tuple[list, list]:
+    """Queries and keys of each entry (a list of units sharing a context)."""
+    lens = [sum(u[1] for u in e) for e in entries]
+    return lens, [e[0][3] + n for e, n in zip(entries, lens)]
+
+
 def _padded_cost(entries: list) -> int:
     """Query x key area of ``entries`` (lists of units sharing a context) as one padded batch,
     with :data:`ENTRY_AREA` per entry."""
-    lens = [sum(u[1] for u in e) for e in entries]
-    spans = [e[0][3] + n for e, n in zip(entries, lens)]
+    lens, spans = _entry_widths(entries)
     return len(entries) * (max(lens) * max(spans) + ENTRY_AREA)
 
 
@@ -323,7 +333,7 @@ def _one_call_each(units: list) -> bool:
     """Whether ``units``, one entry each, run as one SDPA call per unit: fewer than
     :data:`PAD_BATCH_MIN_SLOTS`, or padding to the longest would cost more than
     :data:`UNIT_BATCH_MAX_WASTE` times their own area."""
-    real = sum(u[1] * (u[3] + u[1]) for u in units)
+    real = sum(_own_area(u) for u in units)
     width_q = max(u[1] for u in units)
     width_k = max(u[3] + u[1] for u in units)
     return (
@@ -348,7 +358,7 @@ def batch_entries(units: list) -> list[list]:
     if not units[0][3] or len(families) == len(units):
         return singles
     if _one_call_each(units):
-        alone = sum(u[1] * (u[3] + u[1]) + CALL_AREA for u in units)
+        alone = sum(_own_area(u) + CALL_AREA for u in units)
     else:
         alone = _padded_cost(singles)
     grouped = list(families.values())
@@ -361,8 +371,7 @@ def _entry_group(
     """Outputs of the units of ``entries`` ([sum of lengths, h, d], in their order)."""
     device = query.device
     units = [u for e in entries for u in e]
-    lens = [sum(u[1] for u in e) for e in entries]
-    spans = [e[0][3] + n for e, n in zip(entries, lens)]
+    lens, spans = _entry_widths(entries)
     q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
     k_idx = torch.tensor(
         [
@@ -396,9 +405,11 @@ def _entry_group(
             outs.append(o[0].transpose(0, 1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     width_q, width_k = max(lens), max(spans)
-    # per entry: the unit of each query and key (context keys: -1, padding: -2) and its
-    # position; a unit's queries see the context and, causally, their own unit's keys
-    q_unit, q_pos, k_unit, k_pos = [], [], [], []
+    # per entry: the unit of each query and key (context keys: -1, padding: -2), its position
+    # and its row in q_idx / k_idx (padding: the entry's first); a unit's queries see the
+    # context and, causally, their own unit's keys
+    q_unit, q_pos, q_rows, k_unit, k_pos, k_rows = [], [], [], [], [], []
+    q_off = k_off = 0
     for e, n, span in zip(entries, lens, spans):
         ctx = e[0][3]
         own = [(m, ctx + i) for m, u in enumerate(e) for i in range(u[1])]
@@ -406,6 +417,9 @@ def _entry_group(
         q_pos.append([p for _, p in own] + [0] * (width_q - n))
         k_unit.append([-1] * ctx + q_unit[-1][:n] + [-2] * (width_k - span))
         k_pos.append([*range(ctx), *q_pos[-1][:n]] + [0] * (width_k - span))
+        q_rows.append([*range(q_off, q_off + n)] + [q_off] * (width_q - n))
+        k_rows.append([*range(k_off, k_off + span)] + [k_off] * (width_k - span))
+        q_off, k_off = q_off + n, k_off + span
     q_unit, q_pos, k_unit, k_pos = map(torch.tensor, (q_unit, q_pos, k_unit, k_pos))
     d = q_pos[:, :, None] - k_pos[:, None, :]  # [E, Q, K]
     ku = k_unit[:, None, :]
@@ -414,14 +428,7 @@ def _entry_group(
         mask &= d < window
     # a padded query sees every real key (finite weights; its output is discarded)
     mask = torch.where(q_unit[:, :, None] == -2, ku != -2, mask)
-    lq = torch.tensor(lens)
-    pq, pk = torch.arange(width_q), torch.arange(width_k)
-    valid_q = pq[None, :] < lq[:, None]  # [E, Q]
-    valid_k = pk[None, :] < torch.tensor(spans)[:, None]  # [E, K]
-    q_off = torch.tensor([0] + lens[:-1]).cumsum(0)
-    k_off = torch.tensor([0] + spans[:-1]).cumsum(0)
-    q_rows = torch.where(valid_q, q_off[:, None] + pq[None, :], q_off[:, None]).to(device)
-    k_rows = torch.where(valid_k, k_off[:, None] + pk[None, :], k_off[:, None]).to(device)
+    q_rows, k_rows = (torch.tensor(r, device=device) for r in (q_rows, k_rows))
     q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]  # rows of query / key: one gather each
     q = _rows(query, q_rows).transpose(1, 2)  # [E, h, Q, d]
     k, v = (_rows(x, k_rows).transpose(1, 2) for x in (key, value))
@@ -438,7 +445,7 @@ def _entry_group(
     )
     o = o.transpose(1, 2)  # [E, Q, h, d]
     flat = o.reshape(-1, *o.shape[2:])
-    return flat.index_select(0, valid_q.reshape(-1).nonzero().squeeze(1).to(device))
+    return flat.index_select(0, (q_unit.reshape(-1) != -2).nonzero().squeeze(1).to(device))
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
