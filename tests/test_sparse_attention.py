@@ -52,10 +52,81 @@ def test_upstream_glm_moe_dsa_provider_still_ignores_mlp_layer_types():
     assert config.dsa_indexer_loss_coeff == 0.0 and config.dsa_kernel_backend == "none"
 
 
-def test_glm_moe_dsa_shared_indexer_layers_are_refused_naming_the_key():
-    hf = dict(tiny_config("glm_moe_dsa", num_layers=2), indexer_types=["full", "shared"])
-    with pytest.raises(ValueError, match="indexer_types=.*'shared'"):
+F, S = "full", "shared"
+
+
+@pytest.mark.parametrize(
+    "types, schedule",
+    [
+        ([F], (1, 0)),
+        ([F, F, F], (1, 0)),
+        ([F, S], (2, 1)),
+        ([F, S, F, S], (2, 1)),
+        ([F, F, S, F, S, F], (2, 2)),  # transformers' index_topk_freq 2 (default offset 2)
+        ([F, S, S, F, S, S], (3, 1)),
+        ([F, F, F, S], (2, 3)),
+    ],
+)
+def test_indexer_share_schedule_gives_exactly_the_shared_layers(types, schedule):
+    from areal_mega.models.dsa import _shares, indexer_share_schedule
+
+    assert indexer_share_schedule(types) == schedule
+    assert _shares(len(types), *schedule) == [t == S for t in types]
+
+
+def test_every_transformers_schedule_has_megatrons():
+    from transformers import GlmMoeDsaConfig
+
+    from areal_mega.models.dsa import _shares, indexer_share_schedule
+
+    for n in range(1, 9):
+        for freq in range(1, 5):
+            for offset in range(1, 5):  # offset 0 makes layer 0 shared (transformers raises)
+                types = GlmMoeDsaConfig(
+                    num_hidden_layers=n, index_topk_freq=freq, index_skip_topk_offset=offset
+                ).indexer_types
+                got = indexer_share_schedule(types)
+                assert _shares(n, *got) == [t == S for t in types], (n, freq, offset)
+
+
+@pytest.mark.parametrize(
+    "types, match",
+    [
+        ([S, F], "first layer is 'shared'"),
+        ([F, S, F, F], "no frequency and offset"),
+        ([F, "sparse"], "'sparse'"),
+    ],
+)
+def test_glm_moe_dsa_indexer_types_without_a_schedule_are_refused_naming_the_key(types, match):
+    hf = dict(tiny_config("glm_moe_dsa", num_layers=len(types)), indexer_types=types)
+    with pytest.raises(ValueError, match=f"indexer_types=.*{match}"):
         parse_hf_config(hf)
+
+
+def test_upstream_glm5_provider_still_shares_top_k_at_offset_0_by_default():
+    """transformers makes indexer_types from index_topk_freq with index_skip_topk_offset 2 by
+    default (full, full, shared, full for freq 2), the bridge's provider with offset 0 (megatron
+    then shares layers 1 and 3 instead): CORRECTIONS['glm_moe_dsa'] sets the schedule of
+    indexer_types."""
+    hf = dict(tiny_config("glm_moe_dsa", num_layers=4, index_topk_freq=2))
+    hf.pop("index_skip_topk_offset")  # a hub config that gives the frequency only
+    assert hf["indexer_types"] == [F, F, S, F]
+    raw = bp.provider_for(hf)
+    assert (raw.dsa_indexer_topk_freq, raw.dsa_indexer_skip_topk_offset) == (2, 0), (
+        "the bridge now reads transformers' default offset: drop the schedule from "
+        "CORRECTIONS['glm_moe_dsa']"
+    )
+    fields = bp.provider_arch_fields(hf)[0]
+    assert (fields["dsa_indexer_topk_freq"], fields["dsa_indexer_skip_topk_offset"]) == (2, 2)
+
+
+def test_a_pipeline_stage_may_not_start_on_a_shared_layer():
+    from areal_mega.models.dsa import stage_start_error
+
+    assert stage_start_error(4, 2, 1, 2) is None  # full, shared | full, shared
+    assert stage_start_error(4, 1, 0, 2) is None
+    msg = stage_start_error(4, 2, 2, 2)  # full, full | shared, full
+    assert "layer 2" in msg and "dsa_indexer_topk_freq=2" in msg
 
 
 def test_deepseek_v4_is_refused_naming_the_attention_megatron_core_lacks(tmp_path):

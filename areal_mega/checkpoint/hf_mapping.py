@@ -447,10 +447,19 @@ _GDN_TENSORS = (
 )
 
 
+#: the DeepSeek sparse attention's indexer tensors, which a GLM-MoE-DSA layer of
+#: ``indexer_types`` ``"shared"`` (reusing an earlier layer's top-k) does not have
+_INDEXER_PREFIX = "self_attention.core_attention.indexer."
+
+
 def _attention_kind_present(arch, layer: int, suffix: str) -> bool:
-    """In a model with gated delta-net layers (Qwen3-Next), whether layer ``layer`` has the
-    attention tensor ``suffix``: its tensors on linear-attention layers, the others on the
-    full-attention ones."""
+    """Whether layer ``layer`` has the attention tensor ``suffix``: in a model with gated
+    delta-net layers (Qwen3-Next), its tensors on linear-attention layers, the others on the
+    full-attention ones; in a DSA model (GLM-MoE-DSA), the indexer's on its ``"full"``
+    indexer layers only."""
+    if suffix.startswith(_INDEXER_PREFIX):
+        types = arch.source_config().get("indexer_types")
+        return not types or types[layer] != "shared"
     if arch.linear_attention_layers is None or not suffix.startswith("self_attention."):
         return True
     return (suffix in _GDN_TENSORS) == bool(arch.linear_attention_layers[layer])

@@ -271,6 +271,17 @@ def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
     _dense_layers_of_layer_types(hf, fields, gpt)
 
 
+def _glm_moe_dsa(hf: dict, fields: dict, gpt: dict) -> None:
+    """GLM-MoE-DSA: as GLM-4-MoE-Lite, and megatron's top-k sharing schedule of
+    ``indexer_types`` (:func:`areal_mega.models.dsa.indexer_share_schedule`)."""
+    from areal_mega.models.dsa import indexer_share_schedule
+
+    _glm4_moe_lite(hf, fields, gpt)
+    types = hf.get("indexer_types") or ["full"] * int(hf["num_hidden_layers"])
+    freq, offset = indexer_share_schedule(types)
+    fields["dsa_indexer_topk_freq"], fields["dsa_indexer_skip_topk_offset"] = freq, offset
+
+
 def _dense_layers_of_layer_types(hf: dict, fields: dict, gpt: dict) -> None:
     """The dense layers of ``mlp_layer_types`` (transformers' default: the first one)."""
     fields["moe_layer_freq"] = list(moe_pattern_of_layer_types(hf, int(hf["num_hidden_layers"])))
@@ -394,8 +405,11 @@ CORRECTIONS: Dict[str, Tuple[str, Callable[[dict, dict, dict], None]]] = {
     ),
     "glm_moe_dsa": (
         "as glm4_moe_lite: the dense layers come from first_k_dense_replace (default 3), "
-        "transformers reads mlp_layer_types",
-        _glm4_moe_lite,
+        "transformers reads mlp_layer_types; the indexer's top-k sharing comes from "
+        "index_topk_freq and index_skip_topk_offset with default offset 0, transformers reads "
+        "indexer_types (made from the same keys with default offset 2): index_topk_freq 2 "
+        "alone shares the wrong layers",
+        _glm_moe_dsa,
     ),
     "hy_v3": (
         "the provider makes the first first_k_dense_replace layers dense (a key HYV3Config "

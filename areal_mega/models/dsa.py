@@ -24,15 +24,21 @@ is not differentiable, so without megatron's indexer loss (``dsa_indexer_loss_co
 KL to the attention's scores; 0 here, RL keeps the checkpoint's indexer, as transformers'
 training does) its parameters get no gradient.
 
-Refused (``ValueError`` naming the key): ``indexer_types`` with ``"shared"`` layers (they
-reuse an earlier layer's top-k; megatron's index sharing is not checked against transformers'
-here), ``rope_interleave=False`` and attention biases (as every MLA family).
+Top-k sharing: a ``"shared"`` layer of ``indexer_types`` has no indexer and attends to the
+top-k of the last ``"full"`` layer before it, in transformers and in megatron-core alike; megatron
+takes the schedule as a frequency and an offset (``dsa_indexer_topk_freq``,
+``dsa_indexer_skip_topk_offset``), which :func:`indexer_share_schedule` reads off the layer list.
+A pipeline stage must start on a ``"full"`` layer (:func:`dsa_block_spec` says which does not).
+
+Refused (``ValueError`` naming the key): ``indexer_types`` that no frequency and offset give (or
+whose first layer is ``"shared"``), ``rope_interleave=False`` and attention biases (as every MLA
+family).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron.core.models.backends import LocalSpecProvider
 
@@ -42,6 +48,8 @@ from areal_mega.models.mla import glm4_moe_lite_fields
 __all__ = [
     "DSA_MODEL_TYPES",
     "glm_moe_dsa_fields",
+    "indexer_share_schedule",
+    "stage_start_error",
     "LocalDSABackend",
     "dsa_block_spec",
 ]
@@ -53,12 +61,7 @@ def glm_moe_dsa_fields(hf: dict, n_layers: int) -> dict:
     """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm_moe_dsa`` config: those
     of GLM-4-MoE-Lite (MLA, router, dense layers from ``mlp_layer_types``) and the indexer's
     heads, head size and top-k. ``ValueError`` naming the key of what is not built."""
-    types = hf.get("indexer_types") or ["full"] * n_layers
-    if any(t != "full" for t in types):
-        raise ValueError(
-            f"indexer_types={types!r}: layers of type 'shared' (reusing an earlier layer's "
-            "top-k) are not supported; every layer must run its own indexer ('full')"
-        )
+    indexer_share_schedule(hf.get("indexer_types") or ["full"] * n_layers)
     fields = glm4_moe_lite_fields(hf, n_layers)
     fields["dsa_indexer"] = (
         int(hf["index_n_heads"]),
@@ -66,6 +69,56 @@ def glm_moe_dsa_fields(hf: dict, n_layers: int) -> dict:
         int(hf["index_topk"]),
     )
     return fields
+
+
+def _shares(n_layers: int, freq: int, offset: int) -> list:
+    """megatron-core's skip layers (True) of ``n_layers`` at ``freq`` / ``offset`` (1-indexed
+    layers; an offset below 1 counts as 1)."""
+    return [(max(n - max(offset, 1), 0) % freq) != 0 for n in range(1, n_layers + 1)]
+
+
+def indexer_share_schedule(indexer_types: Sequence[str]) -> tuple:
+    """megatron-core's ``(dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset)`` that makes
+    exactly the ``"shared"`` layers of transformers' ``indexer_types`` reuse the top-k of the
+    last ``"full"`` layer before them: ``(1, 0)`` when every layer is ``"full"``, else the
+    smallest frequency (then offset) that does. ``ValueError`` naming ``indexer_types`` for
+    another value, a ``"shared"`` first layer (no top-k to reuse) or a list no frequency and
+    offset give."""
+    types = list(indexer_types)
+    unknown = sorted({t for t in types if t not in ("full", "shared")})
+    if unknown:
+        raise ValueError(f"indexer_types={types!r}: {unknown} is not 'full' or 'shared'")
+    shared = [t == "shared" for t in types]
+    if not any(shared):
+        return 1, 0
+    if shared[0]:
+        raise ValueError(
+            f"indexer_types={types!r}: the first layer is 'shared' but no earlier layer "
+            "computes a top-k for it to reuse"
+        )
+    for freq in range(2, len(types) + 1):
+        for offset in range(1, len(types) + 1):
+            if _shares(len(types), freq, offset) == shared:
+                return freq, offset
+    raise ValueError(
+        f"indexer_types={types!r}: megatron-core shares the indexer's top-k on a schedule of "
+        "one 'full' layer every dsa_indexer_topk_freq layers from dsa_indexer_skip_topk_offset "
+        "on, and no frequency and offset give this list"
+    )
+
+
+def stage_start_error(n_layers: int, freq: int, offset: int, first: int) -> Optional[str]:
+    """Why a pipeline stage whose first layer is ``first`` (0-based) cannot be built under the
+    top-k sharing ``freq`` / ``offset``, or None: a ``"shared"`` first layer's top-k would come
+    from an earlier stage, which megatron-core does not pass between stages."""
+    if freq <= 1 or not _shares(n_layers, freq, offset)[first]:
+        return None
+    return (
+        f"this pipeline stage starts at layer {first} (0-based), a 'shared' indexer layer "
+        f"(indexer_types; dsa_indexer_topk_freq={freq}, dsa_indexer_skip_topk_offset="
+        f"{offset}): its top-k comes from an earlier stage, which megatron-core does not pass "
+        "between stages. Choose a pipeline split where every stage starts on a 'full' layer"
+    )
 
 
 class LocalDSABackend(LocalSpecProvider):
@@ -103,6 +156,14 @@ def dsa_block_spec(config, *, use_te: bool, vp_stage: Optional[int] = None):
     layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=backend)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    error = n and stage_start_error(
+        config.num_layers,
+        config.dsa_indexer_topk_freq,
+        config.dsa_indexer_skip_topk_offset,
+        offset,
+    )
+    if error:
+        raise ValueError(error)
     return TransformerBlockSubmodules(
         layer_specs=[copy.deepcopy(s) for s in layers[offset : offset + n]],
         layer_norm=backend.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=False),

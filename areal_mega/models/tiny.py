@@ -125,6 +125,11 @@ class TinyModelSpec:
     index_topk: int = 6
     index_head_dim: int = 16
     index_n_heads: int = 8
+    # and its top-k sharing (transformers' index_topk_freq / index_skip_topk_offset: layer i
+    # runs the indexer when max(i - offset + 1, 0) % freq == 0, the others reuse the last
+    # top-k; freq 1: every layer runs its own)
+    index_topk_freq: int = 1
+    index_skip_topk_offset: int = 2
     # ernie4_5_moe: layer i is MoE when (i + 1) % moe_layer_interval == 0 and i >= 1 (the
     # others dense MLPs of intermediate_size)
     moe_layer_interval: int = 1

@@ -165,7 +165,9 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
             index_topk=spec.index_topk,
             index_head_dim=spec.index_head_dim,
             index_n_heads=spec.index_n_heads,
-            indexer_types=["full"] * spec.num_layers,
+            # transformers makes indexer_types of these (offset default 2); 1: all 'full'
+            index_topk_freq=spec.index_topk_freq,
+            index_skip_topk_offset=spec.index_skip_topk_offset,
             num_experts=spec.num_experts,  # a second expert count the config keeps (unread)
         )
     if spec.arch == "hy_v3":

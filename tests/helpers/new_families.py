@@ -103,10 +103,18 @@ CASES = {
     # discontinuous, and at a near-tie the rollout server's cached decode and a full forward
     # can choose differently (transformers' own cached decode departs from its own full
     # forward on about 1 sample in 80 of this tiny model, by 2e-5 to 1e-2 nats); the sparse
-    # choice is checked against transformers' full forward by the layouts above
+    # choice is checked against transformers' full forward by the layouts above. Four layers,
+    # indexer_types full, shared, full, shared (index_topk_freq 2 from layer 0): the shared
+    # ones have no indexer and reuse the layer before's top-k; each PP2 stage starts on a full one
     "glm_moe_dsa": FamilyCase(
         "glm_moe_dsa",
-        dict(arch="glm_moe_dsa", tie_word_embeddings=False),
+        dict(
+            arch="glm_moe_dsa",
+            tie_word_embeddings=False,
+            num_layers=4,
+            index_topk_freq=2,
+            index_skip_topk_offset=1,
+        ),
         rl_tiny=dict(index_topk=64),
         layouts=("ep2", "pp2", "pp2_recompute", "tp2sp"),
         convert=("--tp", "2", "--ep", "2"),
