@@ -4,7 +4,30 @@ model exercises what the family changes)."""
 
 from __future__ import annotations
 
-__all__ = ["tiny_hf_config"]
+__all__ = ["text_keys", "tiny_hf_config"]
+
+
+def text_keys(spec, vocab_size: int, pad_id: int, eos_id: int) -> dict:
+    """The language model's config keys every tiny family shares, text-only or the text config
+    of a vision-language one: its sizes, norm epsilon, special token ids, initialiser range,
+    plain RoPE, SiLU and no attention dropout (a family sets its own over these)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+        initializer_range=spec.initializer_range,
+        rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"},
+        hidden_act="silu",
+        attention_dropout=0.0,
+    )
 
 
 def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
@@ -22,22 +45,7 @@ def tiny_hf_config(spec, vocab_size: int, pad_id: int, eos_id: int):
     )
 
     common = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=None,
-        initializer_range=spec.initializer_range,
-        rope_parameters={"rope_theta": spec.rope_theta, "rope_type": "default"},
-        hidden_act="silu",
-        attention_dropout=0.0,
+        text_keys(spec, vocab_size, pad_id, eos_id), tie_word_embeddings=spec.tie_word_embeddings
     )
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     if spec.head_dim and spec.arch not in (

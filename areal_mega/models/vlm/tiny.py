@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from areal_mega.models.tiny_configs import text_keys
+
 __all__ = [
     "VISION_TOKENS",
     "IMAGE_CHAT_TEMPLATE",
@@ -54,6 +56,17 @@ def _mrope_section(head_dim: int, section) -> list:
     return [t, h, half - t - h]
 
 
+def _text_keys(spec, head_dim: int, vocab_size: int, pad_id: int, eos_id: int) -> dict:
+    """The text config's keys shared with the text-only tiny families
+    (:func:`~areal_mega.models.tiny_configs.text_keys`; the embeddings' tying is the
+    vision-language config's own key), with multimodal RoPE."""
+    keys = text_keys(spec, vocab_size, pad_id, eos_id)
+    keys["rope_parameters"] = dict(
+        keys["rope_parameters"], mrope_section=_mrope_section(head_dim, spec.mrope_section)
+    )
+    return keys
+
+
 def tiny_qwen25_vl_config(spec, vocab_size: int, pad_id: int, eos_id: int):
     """transformers' ``Qwen2_5_VLConfig`` of a :class:`~areal_mega.models.tiny.TinyModelSpec`;
     the vision token ids are the last four of the vocabulary (:data:`VISION_TOKENS`)."""
@@ -65,28 +78,7 @@ def tiny_qwen25_vl_config(spec, vocab_size: int, pad_id: int, eos_id: int):
     if spec.head_dim not in (None, head_dim):
         raise ValueError("head_dim: arch='qwen2_5_vl' derives it from hidden_size/num_heads")
     ids = {t: vocab_size - len(VISION_TOKENS) + i for i, t in enumerate(VISION_TOKENS)}
-    text = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=spec.initializer_range,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": spec.rope_theta,
-            "mrope_section": _mrope_section(head_dim, spec.mrope_section),
-        },
-        hidden_act="silu",
-        attention_dropout=0.0,
-        use_sliding_window=False,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=None,
-    )
+    text = dict(_text_keys(spec, head_dim, vocab_size, pad_id, eos_id), use_sliding_window=False)
     # window attention over one merged patch (window_size / patch_size / merge_size = 1) in the
     # first blocks, full attention in the last: both bite on images of two or more tokens
     vision = dict(
@@ -168,27 +160,9 @@ def tiny_qwen3_vl_config(spec, vocab_size: int, pad_id: int, eos_id: int):
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     ids = {t: vocab_size - len(VISION_TOKENS) + i for i, t in enumerate(VISION_TOKENS)}
     text = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
+        _text_keys(spec, head_dim, vocab_size, pad_id, eos_id),
         head_dim=head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=spec.initializer_range,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": spec.rope_theta,
-            "mrope_section": _mrope_section(head_dim, spec.mrope_section),
-        },
-        hidden_act="silu",
         attention_bias=False,
-        attention_dropout=0.0,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=None,
     )
     vision = dict(
         depth=spec.vision_depth,
