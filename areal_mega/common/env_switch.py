@@ -1,7 +1,8 @@
 """An environment switch: a variable that takes one of a fixed set of names.
 
 Used by the CPU speed switches (``AREAL_MEGA_CPU_GEMM``, ``AREAL_MEGA_MALLOC``), which let a
-user A/B one choice against another without a config change.
+user A/B one choice against another without a config change, and by the kernels' backend
+(``AREAL_MEGA_OPS_BACKEND``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from areal_mega.common.env_switch import env_choice
+
 BUILD_HINT = (
     "build them from the repository root with `python setup.py build_ext --inplace` "
     "(or `pip install --no-build-isolation -e .`, which `make test` runs); the CUDA "
@@ -50,6 +52,8 @@ _errors: dict = {}
 _warned: set = set()
 
 
+OPS_BACKEND_ENV = "AREAL_MEGA_OPS_BACKEND"
+OPS_BACKENDS = ("auto", "native", "torch")
 KERNEL_ISA_ENV = "AREAL_MEGA_KERNEL_ISA"
 KERNEL_ISAS = ("avx512", "avx2", "generic")
 
@@ -128,11 +132,9 @@ def cuda_available() -> bool:
 
 
 def requested_backend() -> str:
-    """The value of ``AREAL_MEGA_OPS_BACKEND`` (``auto`` | ``native`` | ``torch``)."""
-    mode = os.environ.get("AREAL_MEGA_OPS_BACKEND", "auto").strip().lower()
-    if mode not in ("auto", "native", "torch"):
-        raise ValueError(f"AREAL_MEGA_OPS_BACKEND={mode!r}: expected auto, native or torch")
-    return mode
+    """The value of ``AREAL_MEGA_OPS_BACKEND`` (:data:`OPS_BACKENDS`; ``auto`` when unset or
+    empty), read at each call; another value raises ``ValueError`` naming the variable."""
+    return env_choice(OPS_BACKEND_ENV, OPS_BACKENDS, "auto")
 
 
 def select(device: torch.device) -> Optional[ModuleType]:
