@@ -458,8 +458,7 @@ def _attention_kind_present(arch, layer: int, suffix: str) -> bool:
     full-attention ones; in a DSA model (GLM-MoE-DSA), the indexer's on its ``"full"``
     indexer layers only."""
     if suffix.startswith(_INDEXER_PREFIX):
-        types = arch.source_config().get("indexer_types")
-        return not types or types[layer] != "shared"
+        return not (arch.dsa_shared_layers and arch.dsa_shared_layers[layer])
     if arch.linear_attention_layers is None or not suffix.startswith("self_attention."):
         return True
     return (suffix in _GDN_TENSORS) == bool(arch.linear_attention_layers[layer])

@@ -220,8 +220,10 @@ class HFArch:
     # every layer
     mamba_beside_attention: bool = False
     # DeepSeek sparse attention (:mod:`areal_mega.models.dsa`): the indexer's heads, head size
-    # and top-k (None: dense attention)
+    # and top-k (None: dense attention); per layer 1 = "shared" (no indexer: the last full
+    # layer's top-k), 0 = its own indexer
     dsa_indexer: Optional[tuple] = None
+    dsa_shared_layers: Optional[tuple] = None
     # the normalised HF config (JSON) it was read from: the bridge's provider translates it
     hf_json: Optional[str] = field(default=None, compare=False, repr=False)
 

@@ -41,6 +41,7 @@ import copy
 from typing import Optional, Sequence
 
 from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
 
 from areal_mega.compat.replicated_linear import ReplicatedLinear
 from areal_mega.models.mla import glm4_moe_lite_fields
@@ -60,9 +61,12 @@ DSA_MODEL_TYPES = ("glm_moe_dsa",)
 def glm_moe_dsa_fields(hf: dict, n_layers: int) -> dict:
     """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm_moe_dsa`` config: those
     of GLM-4-MoE-Lite (MLA, router, dense layers from ``mlp_layer_types``) and the indexer's
-    heads, head size and top-k. ``ValueError`` naming the key of what is not built."""
-    indexer_share_schedule(hf.get("indexer_types") or ["full"] * n_layers)
+    heads, head size and top-k, and its shared layers (:func:`indexer_share_schedule` checks
+    them). ``ValueError`` naming the key of what is not built."""
+    types = hf.get("indexer_types") or ["full"] * n_layers
+    indexer_share_schedule(types)
     fields = glm4_moe_lite_fields(hf, n_layers)
+    fields["dsa_shared_layers"] = tuple(int(t == "shared") for t in types)
     fields["dsa_indexer"] = (
         int(hf["index_n_heads"]),
         int(hf["index_head_dim"]),
@@ -72,9 +76,9 @@ def glm_moe_dsa_fields(hf: dict, n_layers: int) -> dict:
 
 
 def _shares(n_layers: int, freq: int, offset: int) -> list:
-    """megatron-core's skip layers (True) of ``n_layers`` at ``freq`` / ``offset`` (1-indexed
-    layers; an offset below 1 counts as 1)."""
-    return [(max(n - max(offset, 1), 0) % freq) != 0 for n in range(1, n_layers + 1)]
+    """megatron-core's skip layers (True: reusing an earlier top-k) of ``n_layers`` at
+    ``freq`` / ``offset``, as its ``DSAttention`` decides them."""
+    return [is_dsa_skip_topk_layer(n, offset, freq) for n in range(1, n_layers + 1)]
 
 
 def indexer_share_schedule(indexer_types: Sequence[str]) -> tuple:
