@@ -459,10 +459,11 @@ def test_upstream_gemma4_dense_provider_still_differs_where_we_translate_it():
 
 
 def test_gemma4_refuses_what_it_does_not_build_naming_why():
-    """PP and full activation recompute with key/value-shared layers or per-layer inputs, TP
-    above the full layers' KV heads, the MoE block without its keys or with double-wide
-    shared layers and router replay are refused naming why; PP without either is built
-    (tests/test_new_families.py, gemma4_text_plain and gemma4_text_moe)."""
+    """PP with key/value-shared layers or per-layer inputs, TP above the full layers' KV heads,
+    the MoE block without its keys or with double-wide shared layers and router replay are
+    refused naming why; PP without either is built (tests/test_new_families.py,
+    gemma4_text_plain and gemma4_text_moe), full activation recompute with both is built (its
+    gradients: gemma4_text's tp2sp_recompute there)."""
     from areal_mega.models import gemma4
     from areal_mega.models.builder import transformer_config_from_hf
 
@@ -472,17 +473,10 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
     plain = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0))
     with pytest.raises(ValueError, match="hidden_size_per_layer_input > 0"):
         transformer_config_from_hf(plain, pp=2)
-    with pytest.raises(ValueError) as e:
-        transformer_config_from_hf(arch, recompute_granularity="full")
-    assert str(e.value) == gemma4.RECOMPUTE_REFUSED
-    with pytest.raises(ValueError, match="per-layer inputs"):
-        transformer_config_from_hf(plain, recompute_granularity="full")
-    transformer_config_from_hf(arch, recompute_granularity="selective")
-    neither = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0))
-    assert (
-        transformer_config_from_hf(neither, recompute_granularity="full").recompute_granularity
-        == "full"
-    )
+    for granularity in ("full", "selective"):
+        for a in (arch, plain):
+            got = transformer_config_from_hf(a, recompute_granularity=granularity)
+            assert got.recompute_granularity == granularity
     k_eq_v = parse_hf_config(dict(GEMMA4, attention_k_eq_v=True))
     with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by TP=2"):
         transformer_config_from_hf(k_eq_v, tp=2)

@@ -15,6 +15,9 @@
 - :mod:`.gemma2` — Gemma 2: Gemma 3's layer with attention and final-logit soft-caps;
 - :mod:`.gemma4` — Gemma 4 text (dense and MoE): per-layer-type attention shapes, K = V,
   key/value sharing, per-layer inputs, layer scalars and the MoE block on megatron's local spec;
+- :mod:`.gradient_relay` — a tensor a later layer reads outside its inputs (Gemma 4's shared
+  keys / values, per-layer inputs), its gradient carried back to its maker across full
+  activation recompute's checkpoints;
 - :mod:`.mla` — DeepSeek-V2/V3's (and GLM-4-MoE-Lite's) multi-latent attention on megatron-core's
   ``MLASelfAttention``;
 - :mod:`.family_router` — megatron's ``TopKRouter`` with a family's own routing (Ernie 4.5,

@@ -240,10 +240,10 @@ OWN_TRANSLATOR = {
         "its checkpoint keeps dead k/v rows on the key/value-shared layers, and it threads "
         "the per-layer inputs by replacing the model's and the decoder's forward per instance; "
         "ours builds each layer with its own QKV shape (areal_mega/models/gemma4.py), which "
-        "refuses pipeline parallelism with key/value-shared layers or per-layer inputs and "
-        "full activation recompute, naming why. The MoE variant's provider "
-        "(Gemma4ModelProvider) builds on TransformerEngine's layer spec (its registry names "
-        "TE's fused norms); ours adds the MoE block to the same layers (Gemma4MoELayer)"
+        "refuses pipeline parallelism with key/value-shared layers or per-layer inputs naming "
+        "why, and relays their gradients under full activation recompute. The MoE variant's "
+        "provider (Gemma4ModelProvider) builds on TransformerEngine's layer spec (its registry "
+        "names TE's fused norms); ours adds the MoE block to the same layers (Gemma4MoELayer)"
     ),
 }
 

@@ -41,11 +41,16 @@ per-layer-input gate and projection are marked sequence-parallel (their gradient
 sums under TP with SP), the value norm takes the config's epsilon and full layers take the
 global KV heads only with ``attention_k_eq_v``, as transformers does.
 
+Full activation recompute runs with key/value-shared layers and per-layer inputs: megatron
+re-runs a chunk of layers in backward without the graph that made the keys / values or the
+per-layer inputs they read, so those reads go through a :class:`GradientRelay`
+(:class:`Gemma4ForwardState`), which carries their gradients back to the source layer's query
+and to the embedding's output.
+
 Refused (``ValueError`` naming why): the MoE block with double-wide key/value-shared layers
 (:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline
 parallelism with key/value-shared layers or per-layer inputs (:data:`PP_REFUSED`; a model
-without either runs with PP), full activation recompute with either
-(:data:`RECOMPUTE_REFUSED`), TP above
+without either runs with PP), TP above
 a layer type's KV heads, bidirectional attention, attention biases, untied embeddings, RoPE
 other than default (sliding) / proportional (full).
 """
@@ -78,11 +83,11 @@ from areal_mega.models.gemma3 import (
     layer_types_and_window,
     scale_embeddings,
 )
+from areal_mega.models.gradient_relay import GradientRelay
 
 __all__ = [
     "GEMMA4_MODEL_TYPE",
     "PP_REFUSED",
-    "RECOMPUTE_REFUSED",
     "MOE_DOUBLE_WIDE_REFUSED",
     "gemma4_moe_fields",
     "Gemma4TopKRouter",
@@ -102,19 +107,14 @@ __all__ = [
 ]
 
 GEMMA4_MODEL_TYPE = "gemma4_text"
+#: the relay key of a layer's per-layer input (with the layer's index)
+PER_LAYER_INPUT = "per_layer_input"
 PP_REFUSED = (
     "gemma4_text: pipeline parallelism is not supported with key/value-shared layers "
     "(num_kv_shared_layers > 0: they attend to keys and values an earlier layer computes in "
     "the same forward, on an earlier stage under PP) or per-layer inputs "
     "(hidden_size_per_layer_input > 0: made from the word embeddings, which only the first "
     "stage holds)"
-)
-RECOMPUTE_REFUSED = (
-    "gemma4_text: full activation recompute is not supported with key/value-shared layers or "
-    "per-layer inputs: a key/value-shared layer's recomputation would read the keys and "
-    "values its source layer kept from its no-grad forward (the source's key/value gradient "
-    "lost), and the per-layer inputs reach the layers outside megatron's checkpoint (a model "
-    "with neither runs it); selective recompute is supported"
 )
 MOE_DOUBLE_WIDE_REFUSED = (
     "gemma4_text: enable_moe_block with use_double_wide_mlp and key/value-shared layers is not "
@@ -275,17 +275,13 @@ def layout_refusal(arch, tp: int, pp: int) -> Optional[str]:
 
 def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
     """The :class:`Gemma4Config` of ``arch`` from the builder's generic keyword arguments
-    (``ValueError`` for pipeline parallelism or full recompute with key/value-shared layers or
-    per-layer inputs, TP above a layer type's KV heads)."""
+    (``ValueError`` for pipeline parallelism with key/value-shared layers or per-layer inputs,
+    TP above a layer type's KV heads)."""
     why = layout_refusal(
         arch, kw.get("tensor_model_parallel_size", 1), kw.get("pipeline_model_parallel_size", 1)
     )
     if why:
         raise ValueError(why)
-    if kw.get("recompute_granularity") == "full" and (
-        arch.num_kv_shared_layers or arch.per_layer_input_size
-    ):
-        raise ValueError(RECOMPUTE_REFUSED)
     kw = dict(
         kw,
         activation_func=_gelu_tanh,
@@ -344,17 +340,33 @@ class Gemma4RMSNorm(torch.nn.Module):
 class Gemma4ForwardState:
     """What one forward shares between modules of one model chunk: the per-layer inputs
     (``[s, b, layers, size]``, this rank's sequence shard) and the keys / values the source
-    layers computed, by layer type. Cleared after the decoder's forward (autograd keeps what
-    backward needs)."""
+    layers computed, by layer type.
 
-    def __init__(self):
-        self.per_layer_inputs: Optional[torch.Tensor] = None
-        self.kv: dict = {}
+    Started afresh by each forward of the model. Without full recompute it is cleared after
+    the decoder's forward (autograd keeps what backward needs) and the layers read its tensors
+    directly. With full recompute (``relayed``) backward re-runs the layers, which read it
+    again, so it is kept until the next forward (megatron's schedule without PP, the only one
+    these layers run under, runs a micro-batch's backward before the next forward), and every
+    read goes through :attr:`relay`, which carries the gradient back to the source."""
+
+    def __init__(self, relayed: bool = False):
+        self.relayed = relayed
+        self.clear()
 
     def clear(self) -> None:
-        """Forget this forward's tensors."""
-        self.per_layer_inputs = None
-        self.kv = {}
+        """Forget this forward's tensors (and start a new relay)."""
+        self.per_layer_inputs: Optional[torch.Tensor] = None
+        self.kv: dict = {}
+        self.relay = GradientRelay() if self.relayed else None
+
+    def read(self, key, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as a layer reads it: itself, or under recompute through the relay."""
+        return tensor if self.relay is None else self.relay.receive(key, tensor)
+
+    def made(self, carrier: torch.Tensor, made: dict) -> torch.Tensor:
+        """``carrier``; under recompute the relay's carrier of the gradients of ``made``
+        (key -> tensor), which backward reaches after every reader's."""
+        return carrier if self.relay is None else self.relay.deliver(carrier, made)
 
 
 def _sized_linear(build, rows: int, input_size: int, _output_size: int, **kwargs):
@@ -398,9 +410,12 @@ class Gemma4SelfAttention(SelfAttention):
         hd = self.hidden_size_per_attention_head
         groups = self.num_query_groups_per_partition
         per_group = self.num_attention_heads_per_partition // groups
+        kind = SLIDING if self.sliding else FULL
         if self.shared:
             query = mixed.view(*mixed.shape[:2], -1, hd)
-            key, value = self.state.kv[SLIDING if self.sliding else FULL]
+            key, value = self.state.kv[kind]
+            key = self.state.read((kind, "key"), key)
+            value = self.state.read((kind, "value"), value)
         else:
             parts = [per_group * hd, hd] + ([] if self.k_eq_v else [hd])
             split = torch.split(mixed.view(*mixed.shape[:2], groups, sum(parts)), parts, dim=3)
@@ -410,7 +425,9 @@ class Gemma4SelfAttention(SelfAttention):
             key = self.k_layernorm(key)
             value = _rms(value, self.config.layernorm_epsilon).type_as(value)
             if self.stores_kv:
-                self.state.kv[SLIDING if self.sliding else FULL] = (key, value)
+                self.state.kv[kind] = (key, value)
+                # the query's gradient comes after the shared layers' backward
+                query = self.state.made(query, {(kind, "key"): key, (kind, "value"): value})
         return self.q_layernorm(query), key, value
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
@@ -454,7 +471,10 @@ class Gemma4TransformerLayer(TransformerLayer):
         hidden, context = super().forward(*args, **kwargs)
         if self.config.per_layer_input_size:
             x = _gelu_tanh(self.per_layer_input_gate(hidden))
-            x = x * self.state.per_layer_inputs[:, :, self.layer_number - 1]
+            index = self.layer_number - 1
+            x = x * self.state.read(
+                (PER_LAYER_INPUT, index), self.state.per_layer_inputs[:, :, index]
+            )
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(x))
         return hidden * self.layer_scalar, context
 
@@ -643,10 +663,12 @@ def finish_gemma4_model(model, arch, config: Gemma4Config, cp_group=None) -> Non
     input modules (first stage) and the forward state its layers share."""
     model.rotary_pos_emb = Gemma4RotaryTables(config, arch, cp_group=cp_group)
     scale_embeddings(model, arch)
-    state = Gemma4ForwardState()
+    state = Gemma4ForwardState(relayed=config.recompute_granularity == "full")
     for layer in model.decoder.layers:
         layer.state = layer.self_attention.state = state
-    model.decoder.register_forward_hook(lambda *_: state.clear())
+    model.register_forward_pre_hook(lambda *_: state.clear())
+    if not state.relayed:
+        model.decoder.register_forward_hook(lambda *_: state.clear())
     d = config.per_layer_input_size
     if not d or getattr(model, "embedding", None) is None:
         return
@@ -682,6 +704,8 @@ def finish_gemma4_model(model, arch, config: Gemma4Config, cp_group=None) -> Non
         proj = proj * config.hidden_size**-0.5
         proj = model.per_layer_proj_norm(proj.view(*proj.shape[:2], n, d))
         state.per_layer_inputs = (proj + tok.view(*tok.shape[:2], n, d)) * 2.0**-0.5
-        return embedded
+        # the decoder's input: its gradient comes after every layer's backward
+        made = {(PER_LAYER_INPUT, i): x for i, x in enumerate(state.per_layer_inputs.unbind(2))}
+        return state.made(embedded, made)
 
     model.embedding.register_forward_hook(per_layer_inputs, with_kwargs=True)

@@ -43,14 +43,15 @@ MESHES = {
     "pp2": dict(pp=2),
     "ep2": dict(dp=2, ep=2),
     "pp2_recompute": dict(pp=2),
+    "tp2sp_recompute": dict(tp=2),
 }
 #: layouts whose actor recomputes every layer's activations in backward (full recompute)
-FULL_RECOMPUTE = ("pp2_recompute",)
+FULL_RECOMPUTE = ("pp2_recompute", "tp2sp_recompute")
 HALF_BATCH = ("dp2", "ep2")
 #: the environment variable naming the families ``all`` runs (tests/test_new_families.py sets
 #: it to the families its selected tests check)
 FAMILIES_ENV = "AREAL_TEST_FAMILIES"
-SEQUENCE_PARALLEL = ("tp2sp",)
+SEQUENCE_PARALLEL = ("tp2sp", "tp2sp_recompute")
 
 
 def hf_reference(hf_dir, seqs, overrides=None):

@@ -18,7 +18,8 @@ class FamilyCase:
     ``tiny``: :func:`make_tiny_model` overrides (``arch`` is the model type); ``layouts``:
     the 2-rank layouts compared with the single-rank reference (``tp2``, ``pp2``, ``ep2``
     for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs;
-    ``pp2_recompute``: PP2 with full activation recompute);
+    ``pp2_recompute``: PP2 with full activation recompute; ``tp2sp_recompute``: TP2 with
+    sequence parallelism and full activation recompute);
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``rl_tiny``: :func:`make_tiny_model` overrides of its RL run's model;
@@ -316,7 +317,9 @@ CASES = {
     # values of layers 0 and 1 (no k / v projections, double-wide MLPs); per-layer inputs of
     # width 8; random norm gains and layer scalars; final logits capped at 2.0; norm epsilon
     # 1e-2 (the values' scale-less norm takes it too). No PP (refused: the shared layers read
-    # an earlier layer's keys / values); TP2 with and without SP
+    # an earlier layer's keys / values); TP2 with and without SP, and with SP under full
+    # activation recompute (one layer per checkpoint: the shared layers' and the per-layer
+    # inputs' gradients relayed across checkpoints); its RL run recomputes too
     "gemma4_text": FamilyCase(
         "gemma4_text",
         dict(
@@ -327,8 +330,9 @@ CASES = {
             sliding_window=8,
             rms_norm_eps=1e-2,
         ),
-        layouts=("tp2", "tp2sp"),
+        layouts=("tp2", "tp2sp", "tp2sp_recompute"),
         convert=("--tp", "2"),
+        rl_overrides=("model.recompute_granularity=full",),
     ),
     # Gemma 4 without key/value sharing and without per-layer inputs, so PP runs;
     # full layers with v_proj (attention_k_eq_v off) and the sliding layers' 2 KV heads,
