@@ -459,24 +459,29 @@ def test_upstream_gemma4_dense_provider_still_differs_where_we_translate_it():
 
 
 def test_gemma4_refuses_what_it_does_not_build_naming_why():
-    """PP with key/value-shared layers or per-layer inputs, TP above the full layers' KV heads,
-    the MoE block without its keys or with double-wide shared layers and router replay are
-    refused naming why; PP without either is built (tests/test_new_families.py,
-    gemma4_text_plain and gemma4_text_moe), full activation recompute with both is built (its
-    gradients: gemma4_text's tp2sp_recompute there)."""
+    """PP with full activation recompute and key/value-shared layers or per-layer inputs, TP
+    above the full layers' KV heads, the MoE block without its keys or with double-wide
+    shared layers and router replay are refused naming why; PP and full activation
+    recompute each with both are built (their logprobs and gradients: gemma4_text's pp2 and
+    tp2sp_recompute in tests/test_new_families.py)."""
     from areal_mega.models import gemma4
     from areal_mega.models.builder import transformer_config_from_hf
 
     arch = parse_hf_config(GEMMA4)
-    with pytest.raises(ValueError, match="num_kv_shared_layers > 0"):
-        transformer_config_from_hf(arch, pp=2)
     plain = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0))
-    with pytest.raises(ValueError, match="hidden_size_per_layer_input > 0"):
-        transformer_config_from_hf(plain, pp=2)
-    for granularity in ("full", "selective"):
-        for a in (arch, plain):
+    for a in (arch, plain):
+        assert transformer_config_from_hf(a, pp=2).pipeline_model_parallel_size == 2
+        for granularity in ("full", "selective"):
             got = transformer_config_from_hf(a, recompute_granularity=granularity)
             assert got.recompute_granularity == granularity
+        transformer_config_from_hf(a, pp=2, recompute_granularity="selective")
+        with pytest.raises(ValueError) as e:
+            transformer_config_from_hf(a, pp=2, recompute_granularity="full")
+        assert str(e.value) == gemma4.PP_RECOMPUTE_REFUSED
+        with pytest.raises(ValueError, match="needs variable_seq_lengths"):
+            transformer_config_from_hf(a, pp=2, variable_seq_lengths=False)
+    neither = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0))
+    transformer_config_from_hf(neither, pp=2, recompute_granularity="full")
     k_eq_v = parse_hf_config(dict(GEMMA4, attention_k_eq_v=True))
     with pytest.raises(ValueError, match="num_global_key_value_heads=1 is not divisible by TP=2"):
         transformer_config_from_hf(k_eq_v, tp=2)
@@ -504,10 +509,10 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
     from areal_mega.checkpoint.convert import check_layout
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
 
-    with pytest.raises(UnsupportedModelError, match="pipeline parallelism is not supported"):
-        check_layout(arch, pp=2)
-    neither = dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0)
-    assert gemma4.layout_refusal(parse_hf_config(neither), 2, 2) is None
+    check_layout(arch, pp=2)
+    with pytest.raises(UnsupportedModelError, match="not divisible by TP=2"):
+        check_layout(k_eq_v, tp=2)
+    assert gemma4.layout_refusal(arch, 1, 2) is None
 
 
 def test_upstream_falcon_h1_model_still_lacks_what_its_not_built_reason_names(tmp_path):

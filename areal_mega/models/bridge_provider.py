@@ -239,9 +239,10 @@ OWN_TRANSLATOR = {
         "projection are not marked sequence-parallel (partial gradients under TP with SP), "
         "its checkpoint keeps dead k/v rows on the key/value-shared layers, and it threads "
         "the per-layer inputs by replacing the model's and the decoder's forward per instance; "
-        "ours builds each layer with its own QKV shape (areal_mega/models/gemma4.py), which "
-        "refuses pipeline parallelism with key/value-shared layers or per-layer inputs naming "
-        "why, and relays their gradients under full activation recompute. The MoE variant's "
+        "its provider refuses PP; ours builds each layer with its own QKV shape "
+        "(areal_mega/models/gemma4.py), sends the keys / values and per-layer inputs later "
+        "stages read with the hidden state under PP and relays their gradients under full "
+        "activation recompute. The MoE variant's "
         "provider (Gemma4ModelProvider) builds on TransformerEngine's layer spec (its registry "
         "names TE's fused norms); ours adds the MoE block to the same layers (Gemma4MoELayer)"
     ),

@@ -45,14 +45,15 @@ Full activation recompute runs with key/value-shared layers and per-layer inputs
 re-runs a chunk of layers in backward without the graph that made the keys / values or the
 per-layer inputs they read, so those reads go through a :class:`GradientRelay`
 (:class:`Gemma4ForwardState`), which carries their gradients back to the source layer's query
-and to the embedding's output.
+and to the embedding's output. Pipeline parallelism runs with them too: a stage passes the
+keys / values and per-layer inputs later stages read on the hidden state's last dimension
+(:mod:`areal_mega.models.gemma4_pipeline`).
 
 Refused (``ValueError`` naming why): the MoE block with double-wide key/value-shared layers
-(:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline
-parallelism with key/value-shared layers or per-layer inputs (:data:`PP_REFUSED`; a model
-without either runs with PP), TP above
-a layer type's KV heads, bidirectional attention, attention biases, untied embeddings, RoPE
-other than default (sliding) / proportional (full).
+(:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline parallelism with full activation
+recompute and key/value-shared layers or per-layer inputs (:data:`PP_RECOMPUTE_REFUSED`), TP
+above a layer type's KV heads, bidirectional attention, attention biases, untied embeddings,
+RoPE other than default (sliding) / proportional (full).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from areal_mega.models import gemma4_pipeline as pipeline
 from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.family_router import FamilyTopKRouter
 from areal_mega.models.gemma3 import (
@@ -87,7 +89,7 @@ from areal_mega.models.gradient_relay import GradientRelay
 
 __all__ = [
     "GEMMA4_MODEL_TYPE",
-    "PP_REFUSED",
+    "PP_RECOMPUTE_REFUSED",
     "MOE_DOUBLE_WIDE_REFUSED",
     "gemma4_moe_fields",
     "Gemma4TopKRouter",
@@ -109,12 +111,12 @@ __all__ = [
 GEMMA4_MODEL_TYPE = "gemma4_text"
 #: the relay key of a layer's per-layer input (with the layer's index)
 PER_LAYER_INPUT = "per_layer_input"
-PP_REFUSED = (
-    "gemma4_text: pipeline parallelism is not supported with key/value-shared layers "
-    "(num_kv_shared_layers > 0: they attend to keys and values an earlier layer computes in "
-    "the same forward, on an earlier stage under PP) or per-layer inputs "
-    "(hidden_size_per_layer_input > 0: made from the word embeddings, which only the first "
-    "stage holds)"
+PP_RECOMPUTE_REFUSED = (
+    "gemma4_text: pipeline parallelism with full activation recompute is not supported with "
+    "key/value-shared layers (num_kv_shared_layers > 0) or per-layer inputs "
+    "(hidden_size_per_layer_input > 0): the recomputed layers read them from the forward "
+    "state, which the pipeline schedule refills with the next micro-batch's before an "
+    "earlier one's backward; use either alone, or selective recompute"
 )
 MOE_DOUBLE_WIDE_REFUSED = (
     "gemma4_text: enable_moe_block with use_double_wide_mlp and key/value-shared layers is not "
@@ -261,10 +263,8 @@ class Gemma4Config(TransformerConfig):
 
 
 def layout_refusal(arch, tp: int, pp: int) -> Optional[str]:
-    """Why ``arch`` cannot run at this TP / PP (None when it can): PP with key/value-shared
-    layers or per-layer inputs (:data:`PP_REFUSED`), TP above the full layers' KV heads."""
-    if pp > 1 and (arch.num_kv_shared_layers or arch.per_layer_input_size):
-        return PP_REFUSED
+    """Why ``arch`` cannot run at this TP / PP (None when it can): TP above the full layers'
+    KV heads (every PP size runs)."""
     if arch.global_kv_heads % tp:
         return (
             f"gemma4_text: num_global_key_value_heads={arch.global_kv_heads} is not divisible "
@@ -275,13 +275,20 @@ def layout_refusal(arch, tp: int, pp: int) -> Optional[str]:
 
 def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
     """The :class:`Gemma4Config` of ``arch`` from the builder's generic keyword arguments
-    (``ValueError`` for pipeline parallelism with key/value-shared layers or per-layer inputs,
-    TP above a layer type's KV heads)."""
-    why = layout_refusal(
-        arch, kw.get("tensor_model_parallel_size", 1), kw.get("pipeline_model_parallel_size", 1)
-    )
+    (``ValueError`` for TP above a layer type's KV heads, pipeline parallelism with full
+    recompute and key/value-shared layers or per-layer inputs)."""
+    pp = kw.get("pipeline_model_parallel_size", 1)
+    why = layout_refusal(arch, kw.get("tensor_model_parallel_size", 1), pp)
     if why:
         raise ValueError(why)
+    if pp > 1 and (arch.num_kv_shared_layers or arch.per_layer_input_size):
+        if kw.get("recompute_granularity") == "full":
+            raise ValueError(PP_RECOMPUTE_REFUSED)
+        if not kw.get("variable_seq_lengths"):
+            raise ValueError(
+                "gemma4_text: pipeline parallelism with key/value-shared layers or per-layer "
+                "inputs needs variable_seq_lengths (the stages send more than the hidden state)"
+            )
     kw = dict(
         kw,
         activation_func=_gelu_tanh,
@@ -448,11 +455,16 @@ class Gemma4TransformerLayer(TransformerLayer):
     MLP twice as wide with ``double_wide_mlp``."""
 
     def __init__(self, config: Gemma4Config, submodules, layer_number: int = 1, **kwargs):
-        # layer_number is the stage's; shared layers exist only without PP (PP_REFUSED)
-        if config.double_wide_mlp and config.is_shared(layer_number):
+        number = _global_layer_number(config, layer_number, kwargs)  # layer_number: the chunk's
+        if config.double_wide_mlp and config.is_shared(number):
             config = copy.copy(config)
             config.ffn_hidden_size = 2 * config.ffn_hidden_size
         super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+        if self.layer_number != number:
+            raise RuntimeError(
+                f"gemma4_text: megatron numbered the layer {self.layer_number}, not {number}: "
+                "its layer offset rule changed, revisit _global_layer_number"
+            )
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.post_self_attn_layernorm = Gemma4RMSNorm(config, h, eps)
         self.post_mlp_layernorm = Gemma4RMSNorm(config, h, eps)
@@ -477,6 +489,21 @@ class Gemma4TransformerLayer(TransformerLayer):
             )
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(x))
         return hidden * self.layer_scalar, context
+
+
+def _global_layer_number(config, layer_number: int, kwargs: dict) -> int:
+    """The 1-based global number megatron's ``TransformerLayer`` will give the chunk's layer
+    ``layer_number`` (its offset rule, before the layer is built)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.utils import get_pg_rank
+
+    if kwargs.get("is_mtp_layer") or not kwargs.get("add_layer_offset", True):
+        return layer_number
+    pg = kwargs.get("pg_collection") or ProcessGroupCollection.use_mpu_process_groups()
+    return layer_number + get_transformer_layer_offset(
+        config, kwargs.get("vp_stage"), get_pg_rank(pg.pp)
+    )
 
 
 def gemma4_routing(logits: torch.Tensor, topk: int, per_expert_scale: torch.Tensor):
@@ -660,14 +687,32 @@ class Gemma4RotaryTables(torch.nn.Module):
 
 def finish_gemma4_model(model, arch, config: Gemma4Config, cp_group=None) -> None:
     """Give a freshly built ``GPTModel`` Gemma 4's rotary tables, embedding scale, per-layer
-    input modules (first stage) and the forward state its layers share."""
+    input modules (first stage), the forward state its layers share and, under pipeline
+    parallelism, what the chunk sends and receives besides the hidden state
+    (:mod:`areal_mega.models.gemma4_pipeline`)."""
     model.rotary_pos_emb = Gemma4RotaryTables(config, arch, cp_group=cp_group)
     scale_embeddings(model, arch)
     state = Gemma4ForwardState(relayed=config.recompute_granularity == "full")
-    for layer in model.decoder.layers:
+    layers = model.decoder.layers
+    for layer in layers:
         layer.state = layer.self_attention.state = state
     model.register_forward_pre_hook(lambda *_: state.clear())
-    if not state.relayed:
+    tp = config.tensor_model_parallel_size
+    if not model.post_process:
+        sent = pipeline.in_flight(config, layers[-1].layer_number, tp)
+        model.decoder.register_forward_hook(lambda _m, _a, out: pipeline.send(out, state, sent))
+    if not model.pre_process:
+        got = pipeline.in_flight(config, layers[0].layer_number - 1, tp)
+        factor = tp if config.sequence_parallel else 1
+
+        def split_received(decoder, _args):
+            if decoder.input_tensor is not None:
+                decoder.input_tensor = pipeline.receive(
+                    decoder.input_tensor, config.hidden_size, state, got, factor
+                )
+
+        model.decoder.register_forward_pre_hook(split_received)
+    if not state.relayed:  # after the send above
         model.decoder.register_forward_hook(lambda *_: state.clear())
     d = config.per_layer_input_size
     if not d or getattr(model, "embedding", None) is None:

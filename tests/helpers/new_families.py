@@ -316,10 +316,11 @@ CASES = {
     # RoPE on a quarter of the channels, base 1e4 here); layers 2 and 3 share the keys /
     # values of layers 0 and 1 (no k / v projections, double-wide MLPs); per-layer inputs of
     # width 8; random norm gains and layer scalars; final logits capped at 2.0; norm epsilon
-    # 1e-2 (the values' scale-less norm takes it too). No PP (refused: the shared layers read
-    # an earlier layer's keys / values); TP2 with and without SP, and with SP under full
-    # activation recompute (one layer per checkpoint: the shared layers' and the per-layer
-    # inputs' gradients relayed across checkpoints); its RL run recomputes too
+    # 1e-2 (the values' scale-less norm takes it too). PP2: the second stage's shared layers
+    # read the first stage's keys / values and per-layer inputs, sent with the hidden state;
+    # TP2 with and without SP, and with SP under full activation recompute (one layer per
+    # checkpoint: the shared layers' and the per-layer inputs' gradients relayed across
+    # checkpoints); its RL run recomputes too
     "gemma4_text": FamilyCase(
         "gemma4_text",
         dict(
@@ -330,11 +331,11 @@ CASES = {
             sliding_window=8,
             rms_norm_eps=1e-2,
         ),
-        layouts=("tp2", "tp2sp", "tp2sp_recompute"),
-        convert=("--tp", "2"),
+        layouts=("tp2", "tp2sp", "tp2sp_recompute", "pp2"),
+        convert=("--tp", "2", "--pp", "2"),
         rl_overrides=("model.recompute_granularity=full",),
     ),
-    # Gemma 4 without key/value sharing and without per-layer inputs, so PP runs;
+    # Gemma 4 without key/value sharing and without per-layer inputs (the 31B layout);
     # full layers with v_proj (attention_k_eq_v off) and the sliding layers' 2 KV heads,
     # although the config says num_global_key_value_heads 1 (transformers reads it only with
     # K = V; the bridge's provider would give the full layers 1)
@@ -351,8 +352,8 @@ CASES = {
     ),
     # Gemma 4 with the MoE block (26B-A4B's layout): every layer's dense MLP beside 4 routed
     # experts (top 2), each branch with its own random norms, a random router scale and
-    # per-expert scales; no key/value sharing or per-layer inputs, so PP and full activation
-    # recompute run; full layers K = V with 2 global KV heads
+    # per-expert scales; no key/value sharing or per-layer inputs, so PP with full activation
+    # recompute runs (refused with either); full layers K = V with 2 global KV heads
     "gemma4_text_moe": FamilyCase(
         "gemma4_text_moe",
         dict(
