@@ -282,13 +282,13 @@ def compare_lps(got, want):
 MESH = [None]
 
 
-def set_mesh(spec, sp=False):
+def set_mesh(spec, sp=False, vpp=None):
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
 
     if MESH[0] is not None:
         MESH[0].destroy()
-    MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, timeout_s=90)
+    MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, vpp=vpp, timeout_s=90)
     return MESH[0]
 
 

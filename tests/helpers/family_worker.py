@@ -44,7 +44,10 @@ MESHES = {
     "ep2": dict(dp=2, ep=2),
     "pp2_recompute": dict(pp=2),
     "tp2sp_recompute": dict(tp=2),
+    "pp2_vpp2": dict(pp=2),
 }
+#: layouts with virtual pipeline stages (the interleaved schedule): their VPP size
+VPP = {"pp2_vpp2": 2}
 #: layouts whose actor recomputes every layer's activations in backward (full recompute)
 FULL_RECOMPUTE = ("pp2_recompute", "tp2sp_recompute")
 HALF_BATCH = ("dp2", "ep2")
@@ -177,7 +180,7 @@ def run_family(name):
             res, "dp2", hf, ref, mbs, my_mbs=mbs[rank::2], my_ref_lps=ref["lps"][rank::2]
         )
         for layout in case.layouts:
-            ew.set_mesh(MESHES[layout], sp=layout in SEQUENCE_PARALLEL)
+            ew.set_mesh(MESHES[layout], sp=layout in SEQUENCE_PARALLEL, vpp=VPP.get(layout))
             converted_vs_hf(res, layout, cfg, mcore_dir, seqs, want_logits, want_lps)
             half = layout in HALF_BATCH
             ew.check_layout(

@@ -19,7 +19,8 @@ class FamilyCase:
     the 2-rank layouts compared with the single-rank reference (``tp2``, ``pp2``, ``ep2``
     for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs;
     ``pp2_recompute``: PP2 with full activation recompute; ``tp2sp_recompute``: TP2 with
-    sequence parallelism and full activation recompute);
+    sequence parallelism and full activation recompute; ``pp2_vpp2``: PP2 with two virtual
+    stages each, the interleaved schedule);
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``rl_tiny``: :func:`make_tiny_model` overrides of its RL run's model;
@@ -317,7 +318,8 @@ CASES = {
     # values of layers 0 and 1 (no k / v projections, double-wide MLPs); per-layer inputs of
     # width 8; random norm gains and layer scalars; final logits capped at 2.0; norm epsilon
     # 1e-2 (the values' scale-less norm takes it too). PP2: the second stage's shared layers
-    # read the first stage's keys / values and per-layer inputs, sent with the hidden state;
+    # read the first stage's keys / values and per-layer inputs, sent with the hidden state
+    # (PP2 x VPP2: a layer a chunk, each boundary sends its own set);
     # TP2 with and without SP, and with SP under full activation recompute (one layer per
     # checkpoint: the shared layers' and the per-layer inputs' gradients relayed across
     # checkpoints); its RL run recomputes too
@@ -331,7 +333,7 @@ CASES = {
             sliding_window=8,
             rms_norm_eps=1e-2,
         ),
-        layouts=("tp2", "tp2sp", "tp2sp_recompute", "pp2"),
+        layouts=("tp2", "tp2sp", "tp2sp_recompute", "pp2", "pp2_vpp2"),
         convert=("--tp", "2", "--pp", "2"),
         rl_overrides=("model.recompute_granularity=full",),
     ),
