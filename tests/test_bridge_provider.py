@@ -459,11 +459,11 @@ def test_upstream_gemma4_dense_provider_still_differs_where_we_translate_it():
 
 
 def test_gemma4_refuses_what_it_does_not_build_naming_why():
-    """PP with full activation recompute and key/value-shared layers or per-layer inputs, TP
+    """PP with key/value-shared layers or per-layer inputs without variable_seq_lengths, TP
     above the full layers' KV heads, the MoE block without its keys or with double-wide
     shared layers and router replay are refused naming why; PP and full activation
-    recompute each with both are built (their logprobs and gradients: gemma4_text's pp2 and
-    tp2sp_recompute in tests/test_new_families.py)."""
+    recompute, alone and together, are built with both (their logprobs and gradients:
+    gemma4_text's pp2, tp2sp_recompute and pp2_recompute in tests/test_new_families.py)."""
     from areal_mega.models import gemma4
     from areal_mega.models.builder import transformer_config_from_hf
 
@@ -474,10 +474,9 @@ def test_gemma4_refuses_what_it_does_not_build_naming_why():
         for granularity in ("full", "selective"):
             got = transformer_config_from_hf(a, recompute_granularity=granularity)
             assert got.recompute_granularity == granularity
-        transformer_config_from_hf(a, pp=2, recompute_granularity="selective")
-        with pytest.raises(ValueError) as e:
-            transformer_config_from_hf(a, pp=2, recompute_granularity="full")
-        assert str(e.value) == gemma4.PP_RECOMPUTE_REFUSED
+        for granularity in ("full", "selective"):
+            got = transformer_config_from_hf(a, pp=2, recompute_granularity=granularity)
+            assert got.recompute_granularity == granularity
         with pytest.raises(ValueError, match="needs variable_seq_lengths"):
             transformer_config_from_hf(a, pp=2, variable_seq_lengths=False)
     neither = parse_hf_config(dict(GEMMA4, num_kv_shared_layers=0, hidden_size_per_layer_input=0))

@@ -9,7 +9,7 @@ import torch
 from areal_mega.models import gemma4_pipeline as pipeline
 from areal_mega.models.builder import parse_hf_config, transformer_config_from_hf
 from areal_mega.models.gemma3 import FULL, SLIDING
-from areal_mega.models.gemma4 import Gemma4ForwardState
+from areal_mega.models.gemma4_forward_state import PER_LAYER_INPUTS, Gemma4ForwardState
 
 S_KEY, S_VALUE, F_KEY, F_VALUE = (
     (SLIDING, "key"),
@@ -17,7 +17,7 @@ S_KEY, S_VALUE, F_KEY, F_VALUE = (
     (FULL, "key"),
     (FULL, "value"),
 )
-PLI = pipeline.PER_LAYER_INPUTS
+PLI = PER_LAYER_INPUTS
 
 # 6 layers sliding / full alternating; layers 5 and 6 read the keys / values of 3 and 4
 GEMMA4 = dict(
@@ -99,7 +99,7 @@ def test_send_then_receive_gives_back_every_tensor_and_its_gradient(seq_factor):
     made |= {F_KEY: rand(s * seq_factor, b, 2, 16), F_VALUE: rand(s * seq_factor, b, 2, 16)}
     # a source layer's key is a view of its fused projection: not contiguous
     made[S_KEY] = made[S_KEY].transpose(0, 1).contiguous().transpose(0, 1)
-    sender.kv = {SLIDING: (made[S_KEY], made[S_VALUE]), FULL: (made[F_KEY], made[F_VALUE])}
+    sender.kv.update({SLIDING: (made[S_KEY], made[S_VALUE]), FULL: (made[F_KEY], made[F_VALUE])})
     wide = pipeline.send(hidden, sender, items)
     assert wide.shape == (s, b, h + seq_factor * 2 * (16 + 32) + 24)
 

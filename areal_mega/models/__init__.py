@@ -15,6 +15,8 @@
 - :mod:`.gemma2` — Gemma 2: Gemma 3's layer with attention and final-logit soft-caps;
 - :mod:`.gemma4` — Gemma 4 text (dense and MoE): per-layer-type attention shapes, K = V,
   key/value sharing, per-layer inputs, layer scalars and the MoE block on megatron's local spec;
+- :mod:`.gemma4_forward_state` — what one Gemma 4 forward shares between a chunk's layers (the
+  keys / values, the per-layer inputs) and, under full recompute, its gradient relay;
 - :mod:`.gemma4_pipeline` — what Gemma 4's pipeline stages pass besides the hidden state (the
   keys / values shared layers read, the per-layer inputs), on its last dimension;
 - :mod:`.gradient_relay` — a tensor a later layer reads outside its inputs (Gemma 4's shared

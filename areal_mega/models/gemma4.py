@@ -41,19 +41,19 @@ per-layer-input gate and projection are marked sequence-parallel (their gradient
 sums under TP with SP), the value norm takes the config's epsilon and full layers take the
 global KV heads only with ``attention_k_eq_v``, as transformers does.
 
-Full activation recompute runs with key/value-shared layers and per-layer inputs: megatron
-re-runs a chunk of layers in backward without the graph that made the keys / values or the
-per-layer inputs they read, so those reads go through a :class:`GradientRelay`
-(:class:`Gemma4ForwardState`), which carries their gradients back to the source layer's query
-and to the embedding's output. Pipeline parallelism runs with them too: a stage passes the
-keys / values and per-layer inputs later stages read on the hidden state's last dimension
-(:mod:`areal_mega.models.gemma4_pipeline`).
+The layers share the keys / values and per-layer inputs through the chunk's
+:class:`~areal_mega.models.gemma4_forward_state.Gemma4ForwardState`. Under full activation
+recompute megatron re-runs the layers in backward without the graph that made what they read,
+so those reads go through a gradient relay that carries their gradients back to the source
+layer's query and the embedding's output. Under pipeline parallelism a stage passes the keys /
+values and per-layer inputs later stages read on the hidden state's last dimension
+(:mod:`areal_mega.models.gemma4_pipeline`). Both together run too.
 
 Refused (``ValueError`` naming why): the MoE block with double-wide key/value-shared layers
-(:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline parallelism with full activation
-recompute and key/value-shared layers or per-layer inputs (:data:`PP_RECOMPUTE_REFUSED`), TP
-above a layer type's KV heads, bidirectional attention, attention biases, untied embeddings,
-RoPE other than default (sliding) / proportional (full).
+(:data:`MOE_DOUBLE_WIDE_REFUSED`), router replay, pipeline parallelism with key/value-shared
+layers or per-layer inputs without ``variable_seq_lengths``, TP above a layer type's KV heads,
+bidirectional attention, attention biases, untied embeddings, RoPE other than default
+(sliding) / proportional (full).
 """
 
 from __future__ import annotations
@@ -85,11 +85,10 @@ from areal_mega.models.gemma3 import (
     layer_types_and_window,
     scale_embeddings,
 )
-from areal_mega.models.gradient_relay import GradientRelay
+from areal_mega.models.gemma4_forward_state import PER_LAYER_INPUT, Gemma4ForwardState
 
 __all__ = [
     "GEMMA4_MODEL_TYPE",
-    "PP_RECOMPUTE_REFUSED",
     "MOE_DOUBLE_WIDE_REFUSED",
     "gemma4_moe_fields",
     "Gemma4TopKRouter",
@@ -105,19 +104,9 @@ __all__ = [
     "Gemma4SelfAttention",
     "Gemma4TransformerLayer",
     "Gemma4RotaryTables",
-    "Gemma4ForwardState",
 ]
 
 GEMMA4_MODEL_TYPE = "gemma4_text"
-#: the relay key of a layer's per-layer input (with the layer's index)
-PER_LAYER_INPUT = "per_layer_input"
-PP_RECOMPUTE_REFUSED = (
-    "gemma4_text: pipeline parallelism with full activation recompute is not supported with "
-    "key/value-shared layers (num_kv_shared_layers > 0) or per-layer inputs "
-    "(hidden_size_per_layer_input > 0): the recomputed layers read them from the forward "
-    "state, which the pipeline schedule refills with the next micro-batch's before an "
-    "earlier one's backward; use either alone, or selective recompute"
-)
 MOE_DOUBLE_WIDE_REFUSED = (
     "gemma4_text: enable_moe_block with use_double_wide_mlp and key/value-shared layers is not "
     "supported (the shared layers' dense branch would be twice as wide; no released MoE "
@@ -275,20 +264,21 @@ def layout_refusal(arch, tp: int, pp: int) -> Optional[str]:
 
 def gemma4_transformer_config(arch, kw: dict) -> Gemma4Config:
     """The :class:`Gemma4Config` of ``arch`` from the builder's generic keyword arguments
-    (``ValueError`` for TP above a layer type's KV heads, pipeline parallelism with full
-    recompute and key/value-shared layers or per-layer inputs)."""
+    (``ValueError`` for TP above a layer type's KV heads, pipeline parallelism with
+    key/value-shared layers or per-layer inputs without ``variable_seq_lengths``)."""
     pp = kw.get("pipeline_model_parallel_size", 1)
     why = layout_refusal(arch, kw.get("tensor_model_parallel_size", 1), pp)
     if why:
         raise ValueError(why)
-    if pp > 1 and (arch.num_kv_shared_layers or arch.per_layer_input_size):
-        if kw.get("recompute_granularity") == "full":
-            raise ValueError(PP_RECOMPUTE_REFUSED)
-        if not kw.get("variable_seq_lengths"):
-            raise ValueError(
-                "gemma4_text: pipeline parallelism with key/value-shared layers or per-layer "
-                "inputs needs variable_seq_lengths (the stages send more than the hidden state)"
-            )
+    if (
+        pp > 1
+        and (arch.num_kv_shared_layers or arch.per_layer_input_size)
+        and not kw.get("variable_seq_lengths")
+    ):
+        raise ValueError(
+            "gemma4_text: pipeline parallelism with key/value-shared layers or per-layer "
+            "inputs needs variable_seq_lengths (the stages send more than the hidden state)"
+        )
     kw = dict(
         kw,
         activation_func=_gelu_tanh,
@@ -342,38 +332,6 @@ class Gemma4RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of ``x``."""
         return (_rms(x, self.eps) * self.weight.float()).type_as(x)
-
-
-class Gemma4ForwardState:
-    """What one forward shares between modules of one model chunk: the per-layer inputs
-    (``[s, b, layers, size]``, this rank's sequence shard) and the keys / values the source
-    layers computed, by layer type.
-
-    Started afresh by each forward of the model. Without full recompute it is cleared after
-    the decoder's forward (autograd keeps what backward needs) and the layers read its tensors
-    directly. With full recompute (``relayed``) backward re-runs the layers, which read it
-    again, so it is kept until the next forward (megatron's schedule without PP, the only one
-    these layers run under, runs a micro-batch's backward before the next forward), and every
-    read goes through :attr:`relay`, which carries the gradient back to the source."""
-
-    def __init__(self, relayed: bool = False):
-        self.relayed = relayed
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget this forward's tensors (and start a new relay)."""
-        self.per_layer_inputs: Optional[torch.Tensor] = None
-        self.kv: dict = {}
-        self.relay = GradientRelay() if self.relayed else None
-
-    def read(self, key, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as a layer reads it: itself, or under recompute through the relay."""
-        return tensor if self.relay is None else self.relay.receive(key, tensor)
-
-    def made(self, carrier: torch.Tensor, made: dict) -> torch.Tensor:
-        """``carrier``; under recompute the relay's carrier of the gradients of ``made``
-        (key -> tensor), which backward reaches after every reader's."""
-        return carrier if self.relay is None else self.relay.deliver(carrier, made)
 
 
 def _sized_linear(build, rows: int, input_size: int, _output_size: int, **kwargs):
@@ -434,7 +392,7 @@ class Gemma4SelfAttention(SelfAttention):
             if self.stores_kv:
                 self.state.kv[kind] = (key, value)
                 # the query's gradient comes after the shared layers' backward
-                query = self.state.made(query, {(kind, "key"): key, (kind, "value"): value})
+                query = self.state.deliver(query, kv_kinds=(kind,))
         return self.q_layernorm(query), key, value
 
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
@@ -696,7 +654,8 @@ def finish_gemma4_model(model, arch, config: Gemma4Config, cp_group=None) -> Non
     layers = model.decoder.layers
     for layer in layers:
         layer.state = layer.self_attention.state = state
-    model.register_forward_pre_hook(lambda *_: state.clear())
+    model.register_forward_pre_hook(lambda *_: state.begin())
+    model.decoder.register_forward_hook(lambda _m, _a, out: state.resume_in_backward(out))
     tp = config.tensor_model_parallel_size
     if not model.post_process:
         sent = pipeline.in_flight(config, layers[-1].layer_number, tp)
@@ -713,7 +672,7 @@ def finish_gemma4_model(model, arch, config: Gemma4Config, cp_group=None) -> Non
 
         model.decoder.register_forward_pre_hook(split_received)
     if not state.relayed:  # after the send above
-        model.decoder.register_forward_hook(lambda *_: state.clear())
+        model.decoder.register_forward_hook(lambda *_: state.begin())
     d = config.per_layer_input_size
     if not d or getattr(model, "embedding", None) is None:
         return
@@ -750,7 +709,6 @@ def finish_gemma4_model(model, arch, config: Gemma4Config, cp_group=None) -> Non
         proj = model.per_layer_proj_norm(proj.view(*proj.shape[:2], n, d))
         state.per_layer_inputs = (proj + tok.view(*tok.shape[:2], n, d)) * 2.0**-0.5
         # the decoder's input: its gradient comes after every layer's backward
-        made = {(PER_LAYER_INPUT, i): x for i, x in enumerate(state.per_layer_inputs.unbind(2))}
-        return state.made(embedded, made)
+        return state.deliver(embedded, per_layer_inputs=True)
 
     model.embedding.register_forward_hook(per_layer_inputs, with_kwargs=True)

@@ -7,10 +7,11 @@ megatron's pipeline schedules send one tensor from a model chunk to the next, th
 does not end the model appends what is in flight after its last layer on the last dimension
 (:func:`send`), and a chunk that does not start it splits its received input back
 (:func:`receive`): the hidden state goes to the decoder, the rest to the chunk's
-:class:`~areal_mega.models.gemma4.Gemma4ForwardState`. Both sides read the list of what is in
-flight from the config (:func:`in_flight`), so they agree without a header. The gradients take
-the same way back: megatron returns the gradient of the whole received tensor, and the slices
-are ordinary autograd views of it.
+:class:`~areal_mega.models.gemma4_forward_state.Gemma4ForwardState`. Both sides read the list
+of what is in flight from the config (:func:`in_flight`), so they agree without a header. The
+gradients take the same way back: megatron returns the gradient of the whole received tensor,
+and the slices are ordinary autograd views of it (under full recompute the stage's readers
+and the receive meet through the forward's gradient relay, as the layers do).
 
 A tensor rides as ``[s, b, channels]`` for the stage's ``s`` tokens: the per-layer inputs are
 sequence-sharded like the hidden state, the keys / values hold every token of this rank's KV
@@ -26,13 +27,13 @@ from typing import List, Tuple
 import torch
 
 from areal_mega.models.gemma3 import FULL, SLIDING
+from areal_mega.models.gemma4_forward_state import PER_LAYER_INPUTS
 
-__all__ = ["InFlight", "PER_LAYER_INPUTS", "in_flight", "kv_head_shape", "send", "receive"]
+__all__ = ["InFlight", "in_flight", "kv_head_shape", "send", "receive"]
 
 #: one tensor in flight: (what it is, its shape per token, whether it holds the whole sequence):
-#: ``(layer type, "key" | "value")`` or :data:`PER_LAYER_INPUTS`
+#: ``(layer type, "key" | "value")`` or ``PER_LAYER_INPUTS``
 InFlight = Tuple[tuple, Tuple[int, ...], bool]
-PER_LAYER_INPUTS = ("per_layer_inputs",)
 
 
 def kv_head_shape(config, kind: str, tp: int) -> Tuple[int, int]:
@@ -72,17 +73,20 @@ def _get(state, key: tuple) -> torch.Tensor:
 
 def send(hidden: torch.Tensor, state, items: List[InFlight]) -> torch.Tensor:
     """The chunk's output: ``hidden`` [s, b, h] with each tensor of ``items`` (read from
-    ``state``) appended on the last dimension; ``hidden`` itself when nothing is in flight."""
+    ``state`` as its layers read it: through the relay under recompute) appended on the last
+    dimension; ``hidden`` itself when nothing is in flight."""
     if not items:
         return hidden
     s, b = hidden.shape[:2]
-    return torch.cat([hidden] + [_get(state, key).reshape(s, b, -1) for key, _, _ in items], -1)
+    parts = [state.read(key, _get(state, key)).reshape(s, b, -1) for key, _, _ in items]
+    return torch.cat([hidden] + parts, -1)
 
 
 def receive(wide: torch.Tensor, hidden_size: int, state, items: List[InFlight], seq_factor: int):
     """Split a received ``wide`` [s, b, h + extra] (the previous chunk's :func:`send`): the
-    hidden state (returned), and each tensor of ``items`` into ``state``; ``seq_factor``: the
-    TP size under sequence parallelism, else 1. ``RuntimeError`` when the widths disagree."""
+    hidden state (returned; under recompute the relay's carrier of the received tensors'
+    gradients), and each tensor of ``items`` into ``state``; ``seq_factor``: the TP size
+    under sequence parallelism, else 1. ``RuntimeError`` when the widths disagree."""
     s, b, width = wide.shape
     need = hidden_size + sum(
         math.prod(shape) * (seq_factor if whole else 1) for _, shape, whole in items
@@ -104,4 +108,7 @@ def receive(wide: torch.Tensor, hidden_size: int, state, items: List[InFlight], 
             kind = key[0]
             have = state.kv.get(kind, (None, None))
             state.kv[kind] = (part, have[1]) if key[1] == "key" else (have[0], part)
-    return wide[..., :hidden_size].contiguous()
+    hidden = wide[..., :hidden_size].contiguous()
+    kinds = [key[0] for key, _, _ in items if key != PER_LAYER_INPUTS and key[1] == "key"]
+    pli = any(key == PER_LAYER_INPUTS for key, _, _ in items)
+    return state.deliver(hidden, kv_kinds=kinds, per_layer_inputs=pli)

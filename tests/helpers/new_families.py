@@ -319,7 +319,8 @@ CASES = {
     # width 8; random norm gains and layer scalars; final logits capped at 2.0; norm epsilon
     # 1e-2 (the values' scale-less norm takes it too). PP2: the second stage's shared layers
     # read the first stage's keys / values and per-layer inputs, sent with the hidden state
-    # (PP2 x VPP2: a layer a chunk, each boundary sends its own set);
+    # (PP2 x VPP2: a layer a chunk, each boundary sends its own set; PP2 with full recompute:
+    # 1F1B runs a micro-batch's forward before an earlier one's recomputing backward);
     # TP2 with and without SP, and with SP under full activation recompute (one layer per
     # checkpoint: the shared layers' and the per-layer inputs' gradients relayed across
     # checkpoints); its RL run recomputes too
@@ -333,7 +334,7 @@ CASES = {
             sliding_window=8,
             rms_norm_eps=1e-2,
         ),
-        layouts=("tp2", "tp2sp", "tp2sp_recompute", "pp2", "pp2_vpp2"),
+        layouts=("tp2", "tp2sp", "tp2sp_recompute", "pp2", "pp2_vpp2", "pp2_recompute"),
         convert=("--tp", "2", "--pp", "2"),
         rl_overrides=("model.recompute_granularity=full",),
     ),
