@@ -275,11 +275,10 @@ def _glm4_moe_lite(hf: dict, fields: dict, gpt: dict) -> None:
 def _glm_moe_dsa(hf: dict, fields: dict, gpt: dict) -> None:
     """GLM-MoE-DSA: as GLM-4-MoE-Lite, and megatron's top-k sharing schedule of
     ``indexer_types`` (:func:`areal_mega.models.dsa.indexer_share_schedule`)."""
-    from areal_mega.models.dsa import indexer_share_schedule
+    from areal_mega.models.dsa import indexer_share_schedule, indexer_types_of
 
     _glm4_moe_lite(hf, fields, gpt)
-    types = hf.get("indexer_types") or ["full"] * int(hf["num_hidden_layers"])
-    freq, offset = indexer_share_schedule(types)
+    freq, offset = indexer_share_schedule(indexer_types_of(hf))
     fields["dsa_indexer_topk_freq"], fields["dsa_indexer_skip_topk_offset"] = freq, offset
 
 

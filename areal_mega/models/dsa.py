@@ -48,6 +48,7 @@ from areal_mega.models.mla import glm4_moe_lite_fields
 
 __all__ = [
     "DSA_MODEL_TYPES",
+    "indexer_types_of",
     "glm_moe_dsa_fields",
     "indexer_share_schedule",
     "stage_start_error",
@@ -58,12 +59,18 @@ __all__ = [
 DSA_MODEL_TYPES = ("glm_moe_dsa",)
 
 
+def indexer_types_of(hf: dict) -> list:
+    """The config's ``indexer_types`` (every layer ``"full"`` when absent; a config made by
+    transformers always writes them, from ``index_topk_freq`` / ``index_skip_topk_offset``)."""
+    return list(hf.get("indexer_types") or ["full"] * int(hf["num_hidden_layers"]))
+
+
 def glm_moe_dsa_fields(hf: dict, n_layers: int) -> dict:
     """The :class:`~areal_mega.models.builder.HFArch` fields of a ``glm_moe_dsa`` config: those
     of GLM-4-MoE-Lite (MLA, router, dense layers from ``mlp_layer_types``) and the indexer's
     heads, head size and top-k, and its shared layers (:func:`indexer_share_schedule` checks
     them). ``ValueError`` naming the key of what is not built."""
-    types = hf.get("indexer_types") or ["full"] * n_layers
+    types = indexer_types_of(dict(hf, num_hidden_layers=n_layers))
     indexer_share_schedule(types)
     fields = glm4_moe_lite_fields(hf, n_layers)
     fields["dsa_shared_layers"] = tuple(int(t == "shared") for t in types)
