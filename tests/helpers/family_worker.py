@@ -45,11 +45,12 @@ MESHES = {
     "pp2_recompute": dict(pp=2),
     "tp2sp_recompute": dict(tp=2),
     "pp2_vpp2": dict(pp=2),
+    "pp2_vpp2_recompute": dict(pp=2),
 }
 #: layouts with virtual pipeline stages (the interleaved schedule): their VPP size
-VPP = {"pp2_vpp2": 2}
+VPP = {"pp2_vpp2": 2, "pp2_vpp2_recompute": 2}
 #: layouts whose actor recomputes every layer's activations in backward (full recompute)
-FULL_RECOMPUTE = ("pp2_recompute", "tp2sp_recompute")
+FULL_RECOMPUTE = ("pp2_recompute", "tp2sp_recompute", "pp2_vpp2_recompute")
 HALF_BATCH = ("dp2", "ep2")
 #: the environment variable naming the families ``all`` runs (tests/test_new_families.py sets
 #: it to the families its selected tests check)

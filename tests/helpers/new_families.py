@@ -20,7 +20,8 @@ class FamilyCase:
     for MoE: EP2 inside DP2; ``tp2sp``: TP2 with sequence parallelism, which MoE needs;
     ``pp2_recompute``: PP2 with full activation recompute; ``tp2sp_recompute``: TP2 with
     sequence parallelism and full activation recompute; ``pp2_vpp2``: PP2 with two virtual
-    stages each, the interleaved schedule);
+    stages each, the interleaved schedule; ``pp2_vpp2_recompute``: that with full activation
+    recompute);
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``rl_tiny``: :func:`make_tiny_model` overrides of its RL run's model;
@@ -320,7 +321,8 @@ CASES = {
     # 1e-2 (the values' scale-less norm takes it too). PP2: the second stage's shared layers
     # read the first stage's keys / values and per-layer inputs, sent with the hidden state
     # (PP2 x VPP2: a layer a chunk, each boundary sends its own set; PP2 with full recompute:
-    # 1F1B runs a micro-batch's forward before an earlier one's recomputing backward);
+    # 1F1B runs a micro-batch's forward before an earlier one's recomputing backward, as the
+    # interleaved schedule does chunk by chunk);
     # TP2 with and without SP, and with SP under full activation recompute (one layer per
     # checkpoint: the shared layers' and the per-layer inputs' gradients relayed across
     # checkpoints); its RL run recomputes too
@@ -334,7 +336,15 @@ CASES = {
             sliding_window=8,
             rms_norm_eps=1e-2,
         ),
-        layouts=("tp2", "tp2sp", "tp2sp_recompute", "pp2", "pp2_vpp2", "pp2_recompute"),
+        layouts=(
+            "tp2",
+            "tp2sp",
+            "tp2sp_recompute",
+            "pp2",
+            "pp2_vpp2",
+            "pp2_recompute",
+            "pp2_vpp2_recompute",
+        ),
         convert=("--tp", "2", "--pp", "2"),
         rl_overrides=("model.recompute_granularity=full",),
     ),
