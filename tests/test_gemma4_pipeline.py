@@ -10,6 +10,7 @@ from areal_mega.models import gemma4_pipeline as pipeline
 from areal_mega.models.builder import parse_hf_config, transformer_config_from_hf
 from areal_mega.models.gemma3 import FULL, SLIDING
 from areal_mega.models.gemma4_forward_state import PER_LAYER_INPUTS, Gemma4ForwardState
+from tests.test_bridge_provider import GEMMA4 as BRIDGE_GEMMA4
 
 S_KEY, S_VALUE, F_KEY, F_VALUE = (
     (SLIDING, "key"),
@@ -19,27 +20,13 @@ S_KEY, S_VALUE, F_KEY, F_VALUE = (
 )
 PLI = PER_LAYER_INPUTS
 
-# 6 layers sliding / full alternating; layers 5 and 6 read the keys / values of 3 and 4
+# test_bridge_provider's Gemma 4 config with 6 layers, sliding / full alternating: layers 5
+# and 6 read the keys / values of 3 and 4; per-layer inputs of width 4
 GEMMA4 = dict(
-    model_type="gemma4_text",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
+    BRIDGE_GEMMA4,
     num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_global_key_value_heads=1,
-    head_dim=8,
-    global_head_dim=16,
-    attention_k_eq_v=False,
-    num_kv_shared_layers=2,
-    hidden_size_per_layer_input=4,
     layer_types=[SLIDING, FULL] * 3,
-    sliding_window=8,
-    rope_parameters={
-        SLIDING: {"rope_type": "default", "rope_theta": 1e4},
-        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
-    },
+    hidden_size_per_layer_input=4,
 )
 
 

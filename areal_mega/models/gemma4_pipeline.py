@@ -96,19 +96,16 @@ def receive(wide: torch.Tensor, hidden_size: int, state, items: List[InFlight], 
             f"gemma4_text: the previous pipeline stage sent {width} channels per token, this "
             f"stage expects {need} (hidden {hidden_size} and {[k for k, _, _ in items]})"
         )
-    start = hidden_size
+    parts, start = {}, hidden_size
     for key, shape, whole in items:
         rows = s * (seq_factor if whole else 1)
         stop = start + math.prod(shape) * rows // s
-        part = wide[..., start:stop].contiguous().view(rows, b, *shape)
+        parts[key] = wide[..., start:stop].contiguous().view(rows, b, *shape)
         start = stop
-        if key == PER_LAYER_INPUTS:
-            state.per_layer_inputs = part
-        else:
-            kind = key[0]
-            have = state.kv.get(kind, (None, None))
-            state.kv[kind] = (part, have[1]) if key[1] == "key" else (have[0], part)
+    kinds = [key[0] for key in parts if key != PER_LAYER_INPUTS and key[1] == "key"]
+    for kind in kinds:
+        state.kv[kind] = (parts[(kind, "key")], parts[(kind, "value")])
+    if PER_LAYER_INPUTS in parts:
+        state.per_layer_inputs = parts[PER_LAYER_INPUTS]
     hidden = wide[..., :hidden_size].contiguous()
-    kinds = [key[0] for key, _, _ in items if key != PER_LAYER_INPUTS and key[1] == "key"]
-    pli = any(key == PER_LAYER_INPUTS for key, _, _ in items)
-    return state.deliver(hidden, kv_kinds=kinds, per_layer_inputs=pli)
+    return state.deliver(hidden, kv_kinds=kinds, per_layer_inputs=PER_LAYER_INPUTS in parts)
