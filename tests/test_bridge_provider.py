@@ -336,19 +336,24 @@ def test_gpt_oss_options_the_engine_does_not_reproduce_are_refused(change, words
         parse_hf_config(dict(tiny_config("gpt_oss"), **change))
 
 
-def test_gpt_oss_tensor_parallelism_is_refused_naming_why(tmp_path):
+def test_gpt_oss_expert_tensor_parallelism_is_refused_naming_why(tmp_path):
     """megatron-core takes biased experts only at expert-TP 1: the engine and the converter
-    refuse TP > 1 for GPT-OSS with that reason."""
+    refuse expert TP > 1 for GPT-OSS with that reason and the allocation that gives the
+    experts TP 1 beside attention's TP, which both build."""
     from areal_mega.checkpoint.convert import check_layout
     from areal_mega.checkpoint.hf_mapping import UnsupportedModelError
     from areal_mega.models.builder import transformer_config_from_hf
 
     arch = parse_hf_config(tiny_config("gpt_oss"))
-    with pytest.raises(ValueError, match="expert tensor parallelism 1"):
-        transformer_config_from_hf(arch, tp=2)
-    with pytest.raises(UnsupportedModelError, match="expert tensor parallelism 1"):
-        check_layout(arch, tp=2, where="config.json")
+    for kw in (dict(tp=2), dict(tp=2, etp=2), dict(tp=1, etp=2)):
+        with pytest.raises(ValueError, match=r"expert tensor parallelism 1.*\(attn:d1t2\|ffn:t1\)"):
+            transformer_config_from_hf(arch, **kw)
+        with pytest.raises(UnsupportedModelError, match="expert tensor parallelism 1.*--etp 1"):
+            check_layout(arch, **kw, where="config.json")
     check_layout(arch, ep=2, pp=2, where="config.json")
+    check_layout(arch, tp=2, etp=1, where="config.json")
+    config = transformer_config_from_hf(arch, tp=2, etp=1, sequence_parallel=True)
+    assert (config.tensor_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
 
 
 @pytest.mark.parametrize(

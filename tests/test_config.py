@@ -71,6 +71,19 @@ def test_parse_overrides_nested():
         ("local:d1+megatron:t2", "d1t2p1c1e1", "d1t1p1c1e1", 2, 1),
         ("megatron:t2p2", "d1t2p2c1e1", None, 4, 0),
         ("sglang:d1+megatron:d2c2e4", "d2t1p1c2e4", "d1t1p1c1e1", 4, 1),
+        # MoE parallel folding: the experts' own TP (AReaL's hybrid form)
+        ("megatron:(attn:t2|ffn:t1)", "(attn:d1t2p1c1|ffn:d2t1p1e1)", None, 2, 0),
+        (
+            "local:d1+megatron:(attn:d2t2|ffn:t1e4)",
+            "(attn:d2t2p1c1|ffn:d1t1p1e4)",
+            "d1t1p1c1e1",
+            4,
+            1,
+        ),
+        ("megatron:(attn:d2t2p2|ffn:d1t1p2e4)", "(attn:d2t2p2c1|ffn:d1t1p2e4)", None, 8, 0),
+        ("megatron:(attn:d1t2c2|ffn:t1e2)", "(attn:d1t2p1c2|ffn:d2t1p1e2)", None, 4, 0),
+        # the experts at attention's TP: the plain form (one spelling per layout)
+        ("megatron:(attn:d2t2|ffn:t2e2)", "d2t2p1c1e2", None, 4, 0),
     ],
 )
 def test_allocation_ok(text, trainer, rollout, tw, rw):
@@ -78,6 +91,16 @@ def test_allocation_ok(text, trainer, rollout, tw, rw):
     assert a.trainer.short() == trainer
     assert (a.rollout.short() if a.rollout else None) == rollout
     assert a.trainer_world_size == tw and a.rollout_world_size == rw
+    # what messages print parses back
+    assert parse_allocation(f"megatron:{a.trainer.short()}").trainer == a.trainer
+
+
+def test_allocation_expert_sizes():
+    """The experts' TP, and their data-parallel size over a stage's d·t·c ranks."""
+    folded = parse_allocation("megatron:(attn:d2t2|ffn:t1e2)").trainer
+    assert (folded.tp, folded.expert_tp, folded.ep, folded.expert_dp) == (2, 1, 2, 2)
+    plain = parse_allocation("megatron:d4t2e2").trainer
+    assert (plain.etp, plain.expert_tp, plain.expert_dp) == (None, 2, 2)
 
 
 @pytest.mark.parametrize(
@@ -95,6 +118,14 @@ def test_allocation_ok(text, trainer, rollout, tw, rw):
         ("sglang:d2+megatron:2t", ["cannot parse"]),
         ("a:d1+b:d1+c:d1", ["at most two"]),
         ("megatron", ["<backend>:<dims>"]),
+        ("megatron:(attn:t2)", ["both 'attn:<dims>' and 'ffn:<dims>'"]),
+        ("megatron:(attn:t2|moe:t1)", ["'attn:<dims>|ffn:<dims>'", "moe:t1"]),
+        ("megatron:(attn:t2|attn:t2)", ["'attn' given twice"]),
+        ("megatron:(attn:t2e2|ffn:t1)", ["'e'", "not allowed", "d, t, p, c"]),
+        ("megatron:(attn:t2|ffn:c2)", ["'c'", "not allowed", "d, t, p, e"]),
+        ("megatron:(attn:t2p2|ffn:t1p1)", ["ffn's 'p' (1)", "attn's (2)"]),
+        ("megatron:(attn:d2t2|ffn:t1e3)", ["t·e = 1·3 = 3", "d·t·c = 2·2·1 = 4"]),
+        ("megatron:(attn:d2t2|ffn:d2t1)", ["world", "2·1·1·1 = 2", "d·t·p·c = 4"]),
     ],
 )
 def test_allocation_errors(text, words):

@@ -118,20 +118,24 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
     """Qwen3-MoE, GLM-4 MoE and DeepSeek-V3 (MLA) converted at 'TP2 PP2 EP2' load at EP2 (experts,
     shared experts
     and expert biases exported back bit-exactly), TP2 and PP2; logits = transformers at TP1
-    (Qwen3-MoE), TP2 and EP2."""
+    (Qwen3-MoE), TP2 and EP2; Qwen3-MoE also at TP2 with the experts at expert TP 1."""
     ranks = launch_2ranks("moe", tmp_path, jobs)
+    qwen3 = ("dp2,ep2", "tp2", "pp2", "tp2,etp1")
     for res in ranks:
         checks = res["checks"]
-        assert {"qwen3_moe_untied:dp2,ep2", "qwen3_moe_untied:tp2", "qwen3_moe_untied:pp2"} <= set(
-            checks
-        )
+        assert {f"qwen3_moe_untied:{t}" for t in qwen3} <= set(checks)
         for tag, c in checks.items():
             assert c["export"]["bad"] == [] and c["export"]["missing"] == [], (tag, c)
             if "logits_max_abs_diff" in c:
                 assert c["logits_max_abs_diff"] <= 1e-5, (tag, c)
         assert all(
             "logits_max_abs_diff" in checks[t]
-            for t in ("qwen3_moe_untied:dp2,ep2", "qwen3_moe_untied:tp2", "qwen3_moe_untied:dp2")
+            for t in (
+                "qwen3_moe_untied:dp2,ep2",
+                "qwen3_moe_untied:tp2",
+                "qwen3_moe_untied:dp2",
+                "qwen3_moe_untied:tp2,etp1",
+            )
         )
         for fam in ("glm4_moe", "deepseek_v3"):
             assert all("logits_max_abs_diff" in checks[f"{fam}:{t}"] for t in ("dp2,ep2", "tp2"))

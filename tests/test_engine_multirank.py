@@ -67,7 +67,7 @@ def _worst(results, key):
     ],
 )
 def test_dense_layouts_match_single_rank(dense, layout):
-    for what in ("logprobs", "grads", "loss", "n_tokens"):
+    for what in ("logprobs", "grads", "loss", "n_tokens", "grad_norm"):
         assert _worst(dense, f"{layout}.{what}") < TOL, (layout, what, dense[0])
 
 
@@ -130,9 +130,11 @@ def test_interleaved_pipeline_refuses_a_micro_batch_count_not_a_multiple_of_pp(v
         assert "needs a multiple of PP=2 micro-batches, got 3" in r["vpp.odd_count_error"]
 
 
-@pytest.mark.parametrize("layout", ["ep2", "moe_tp2sp"])
+@pytest.mark.parametrize("layout", ["ep2", "moe_tp2sp", "moe_tp2sp_etp1"])
 def test_moe_layouts_match_single_rank(moe, layout):
-    for what in ("logprobs", "grads", "loss", "n_tokens"):
+    """EP2 in DP2, TP2 (experts split by TP) and TP2 with the experts whole on each rank
+    (expert TP 1, expert DP 2): logprobs, gradients and the optimizer's gradient norm."""
+    for what in ("logprobs", "grads", "loss", "n_tokens", "grad_norm"):
         assert _worst(moe, f"{layout}.{what}") < TOL, (layout, what, moe[0])
 
 

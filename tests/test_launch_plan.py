@@ -209,6 +209,14 @@ def test_memory_hand_computed_moe():
     # dense: 2*16384 + 6400 + 2*(128 + router 256) = 39936; experts 2*24576/ep2 = 24576
     assert e.params_per_gpu == 39936 + 24576
     assert e.optimizer == 12 * (39936 / 4 + 24576 / 2)
+    # TP2 with the experts at expert TP 2 (the default) or 1 (their own, MoE parallel folding):
+    # whole experts on each rank, their optimizer state sharded over expert DP 2 instead of 1
+    split, whole = (
+        estimate_memory(hp, ParallelDims(dp=2, tp=2, ep=2, etp=etp), tokens_per_mb=10)
+        for etp in (None, 1)
+    )
+    assert whole.params_per_gpu - split.params_per_gpu == 24576 - 12288
+    assert whole.optimizer - split.optimizer == 12 * (24576 / 2 - 12288 / 1)
 
 
 def test_hparams_from_hf_config_and_names(tmp_path):

@@ -208,7 +208,7 @@ def test_layouts_match_single_rank(family, layouts):
     for r in layouts[family]:
         assert r["expert_bias_max"] > 0.01  # the biases are really non-zero
         for layout in ("ep2", "tp2sp", "pp2"):
-            for what in ("logprobs", "grads", "loss", "n_tokens"):
+            for what in ("logprobs", "grads", "loss", "n_tokens", "grad_norm"):
                 assert r[f"{layout}.{what}"] < TOL, (layout, what, r)
         if family == "deepseek_v3":  # megatron's local MLA still needs the CPU patch
             assert r["tp2sp_unpatched.grads"] > 10 * TOL, r

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Convert a Hugging Face model directory to a megatron-core dist_checkpointing checkpoint.
 
-    python tools/convert_hf_to_mcore.py --hf-dir DIR --out OUT --tp 2 --pp 2 [--ep 2] [--vpp 2]
-        [--dtype bf16|fp32]
+    python tools/convert_hf_to_mcore.py --hf-dir DIR --out OUT --tp 2 --pp 2 [--ep 2] [--etp 1]
+        [--vpp 2] [--dtype bf16|fp32]
 
 OUT gets iter_0000000/ (torch_dist files, hf/ config + tokenizer, areal_meta.json) and a
 `latest` pointer. Any TP/PP/VPP/EP layout loads it (dist_checkpointing reshards); the layout
@@ -28,6 +28,9 @@ def main(argv=None):
     p.add_argument("--tp", type=int_range(1), default=1)
     p.add_argument("--pp", type=int_range(1), default=1)
     p.add_argument("--ep", type=int_range(1), default=1)
+    p.add_argument(
+        "--etp", type=int_range(1), default=None, help="the experts' tensor parallel size (--tp)"
+    )
     p.add_argument("--vpp", type=int_range(1), default=None)
     p.add_argument(
         "--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: keep the HF dtype"
@@ -47,6 +50,7 @@ def main(argv=None):
             tp=a.tp,
             pp=a.pp,
             ep=a.ep,
+            etp=a.etp,
             vpp=a.vpp,
             dtype=a.dtype,
             make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,

@@ -85,9 +85,17 @@ def reset_peak_rss() -> bool:
 
 
 def check_layout(
-    arch, *, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None, where: str = ""
+    arch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    vpp: Optional[int] = None,
+    where: str = "",
 ) -> None:
-    """Refuse a layout the model cannot be split into, with a message naming the rule."""
+    """Refuse a layout the model cannot be split into, with a message naming the rule
+    (``etp``: the experts' tensor parallel size, None: ``tp``)."""
     rules = [
         (arch.num_heads % tp == 0, f"num_attention_heads={arch.num_heads} % TP={tp}"),
         (arch.num_kv_heads % tp == 0, f"num_key_value_heads={arch.num_kv_heads} % TP={tp}"),
@@ -100,14 +108,16 @@ def check_layout(
             f"num_experts={arch.num_experts} % EP={ep}",
         ),
         (arch.is_moe or ep == 1, f"EP={ep} needs an MoE model"),
+        (arch.is_moe or etp in (None, tp), f"expert TP={etp} needs an MoE model"),
     ]
     for ok, rule in rules:
         if not ok:
             raise hm.UnsupportedModelError(f"{where}: layout does not fit: {rule} != 0")
-    if arch.model_type == "gpt_oss" and tp > 1:
+    expert_tp = tp if etp is None else etp
+    if arch.model_type == "gpt_oss" and expert_tp > 1:
         from areal_mega.models.gpt_oss import TP_REFUSED
 
-        raise hm.UnsupportedModelError(f"{where}: {TP_REFUSED.format(tp=tp)}")
+        raise hm.UnsupportedModelError(f"{where}: {TP_REFUSED.format(tp=expert_tp)}")
     if arch.model_type == "gemma4_text":
         from areal_mega.models.gemma4 import layout_refusal
 
@@ -213,6 +223,7 @@ def convert_hf_to_mcore(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    etp: Optional[int] = None,
     vpp: Optional[int] = None,
     dtype: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
@@ -223,8 +234,9 @@ def convert_hf_to_mcore(
     ``out`` (``out/iter_0000000`` + ``out/latest``; loadable by
     :func:`~areal_mega.checkpoint.dist_ckpt.load_checkpoint` under any layout).
 
-    ``tp``/``pp``/``ep``/``vpp``: the layout to validate against and pad the vocabulary for
-    (the files themselves reshard to any layout). ``dtype``: ``fp32``/``bf16``/``fp16`` or
+    ``tp``/``pp``/``ep``/``etp``/``vpp``: the layout to validate against and pad the vocabulary
+    for (the files themselves reshard to any layout; ``etp``: the experts' tensor parallel
+    size, None: ``tp``). ``dtype``: ``fp32``/``bf16``/``fp16`` or
     None to keep the HF dtype. ``value_model``: the critic's start, the trunk only (no
     ``output_layer``), from a causal LM (``lm_head`` skipped) or a one-label
     ``*ForSequenceClassification`` (``score.weight`` skipped: it becomes the value head, see
@@ -241,7 +253,7 @@ def convert_hf_to_mcore(
     hf_dir = Path(hf_dir)
     out = Path(out)
     arch = hm.read_arch(hf_dir, value_model=value_model)
-    check_layout(arch, tp=tp, pp=pp, ep=ep, vpp=vpp, where=str(hf_dir / "config.json"))
+    check_layout(arch, tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, where=str(hf_dir / "config.json"))
     weights = SafetensorsDir(hf_dir)
     expected = hm.hf_tensor_names(arch, with_head=not value_model)
     missing = [n for n in expected if n not in weights]
@@ -328,7 +340,13 @@ def convert_hf_to_mcore(
             "vocab_size": arch.vocab_size,
             "padded_vocab_size": padded,
             "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
-            "target_layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp or 1},
+            "target_layout": {
+                "tp": tp,
+                "pp": pp,
+                "ep": ep,
+                "etp": tp if etp is None else etp,
+                "vpp": vpp or 1,
+            },
             "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},
             "num_chunks": 1,
             "has_optimizer": False,

@@ -340,7 +340,7 @@ def _layout() -> Dict[str, int]:
 
     if not ps.model_parallel_is_initialized():
         return {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1}
-    return {
+    layout = {
         "world": dist.get_world_size() if dist.is_initialized() else 1,
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -348,6 +348,10 @@ def _layout() -> Dict[str, int]:
         "ep": ps.get_expert_model_parallel_world_size(),
         "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
     }
+    etp = ps.get_expert_tensor_parallel_world_size()
+    if etp != layout["tp"]:  # the experts' own TP (MoE parallel folding); else as before
+        layout["etp"] = etp
+    return layout
 
 
 def _rng_state() -> dict:

@@ -59,11 +59,12 @@ def checkpoint_config_dir(mcore_dir, hf_config_dir=None) -> Path:
     return resolve_checkpoint(mcore_dir) / HF_SUBDIR
 
 
-def _single_rank_layout(tp, pp, ep, vpp) -> None:
-    if (tp, pp, ep, vpp or 1) != (1, 1, 1, 1):
+def _single_rank_layout(tp, pp, ep, vpp, etp=None) -> None:
+    if (tp, pp, ep, vpp or 1, etp or 1) != (1, 1, 1, 1, 1):
         raise UnsupportedModelError(
             f"vision-language checkpoints are converted for the single-rank layout only "
-            f"(got tp={tp} pp={pp} ep={ep} vpp={vpp}); data parallelism loads them as they are"
+            f"(got tp={tp} pp={pp} ep={ep} etp={etp} vpp={vpp}); data parallelism loads them "
+            "as they are"
         )
 
 
@@ -92,6 +93,7 @@ def convert_vl_hf_to_mcore(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    etp: Optional[int] = None,
     vpp: Optional[int] = None,
     dtype: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
@@ -100,7 +102,7 @@ def convert_vl_hf_to_mcore(
     ``latest``, ``hf/`` with the config, tokenizer and image processor). ``dtype``: the
     checkpoint's (None: the HF tensors')."""
     hf_dir, out = Path(hf_dir), Path(out)
-    _single_rank_layout(tp, pp, ep, vpp)
+    _single_rank_layout(tp, pp, ep, vpp, etp)
     hf = load_hf_config(hf_dir)
     try:
         check_vl_config(hf)

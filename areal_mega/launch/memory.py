@@ -433,7 +433,7 @@ def estimate_memory(
     vocab_on_stage = c.embedding + c.output if pp == 1 else c.embedding  # first or last stage
     dense = lps * (c.attention + c.dense_mlp + c.shared_expert) + vocab_on_stage
     dense_gpu = dense / tp + lps * c.replicated
-    expert_gpu = lps * c.experts / (ep * tp)
+    expert_gpu = lps * c.experts / (ep * dims.expert_tp)
     # the vision tower and projector: whole on each TP rank of the first stage
     vision_gpu = c.vision
     vision_trained = c.vision_merger if freeze_vision else c.vision
@@ -445,7 +445,7 @@ def estimate_memory(
     else:
         grad_b, opt_b = 4, 12  # fp32 main grads; fp32 master + m + v
     dense_shard = dims.dp * cp if use_distributed_optimizer else 1
-    expert_shard = max(1, dims.dp * cp // ep) if use_distributed_optimizer else 1
+    expert_shard = max(1, dims.expert_dp) if use_distributed_optimizer else 1
     optimizer = opt_b * ((dense_gpu + vision_trained) / dense_shard + expert_gpu / expert_shard)
     grads = grad_b * (params_gpu - vision_gpu + vision_trained)
     ref_bytes = w * params_gpu if reference and not lora_rank else 0.0

@@ -91,7 +91,9 @@ class Layout:
         t = a.trainer
         lines.append(
             f"  trainer: world {self.trainer_world_size} = dp {t.dp} x tp {t.tp} x "
-            f"pp {t.pp} x cp {t.cp} (ep {t.ep}); torchrun --nnodes "
+            f"pp {t.pp} x cp {t.cp} (ep {t.ep}"
+            + (f", expert tp {t.etp}" if t.etp is not None else "")
+            + "); torchrun --nnodes "
             f"{len(self.trainer_nodes)} --nproc-per-node {self.trainer_nproc_per_node}"
         )
         for node, roles in self.ranks_per_node().items():

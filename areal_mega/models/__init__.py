@@ -40,6 +40,8 @@
   tensor-parallel;
 - :mod:`.gpt_oss` — GPT-OSS: its config fields (sinks, windows, YaRN, biased experts with the
   clamped GLU) and the provider's corrections;
+- :mod:`.expert_bias` — routed experts' biases left out of megatron's sequence-parallel
+  gradient sum over TP (a megatron-core defect that counts them twice with expert TP 1);
 - :mod:`.ernie4_5_moe` — Ernie 4.5 MoE's router (softmax scores, an expert bias for the choice,
   the chosen weights renormalised) as a megatron ``TopKRouter``;
 - :mod:`.moe_families` — config fields and options of the DeepSeek-style MoE families (and

@@ -79,6 +79,7 @@ from areal_mega.models.bridge_provider import (
     uses_provider,
 )
 from areal_mega.models.decoder_fields import decoder_fields
+from areal_mega.models.expert_bias import unmark_expert_biases
 from areal_mega.models.falcon_h1 import (
     FALCON_H1_MODEL_TYPE,
     falcon_h1_arch_fields,
@@ -404,6 +405,7 @@ def transformer_config_from_hf(
     pp: int = 1,
     cp: int = 1,
     ep: int = 1,
+    etp: Optional[int] = None,
     vpp: Optional[int] = None,
     sequence_parallel: bool = False,
     dtype: str = "fp32",
@@ -417,6 +419,8 @@ def transformer_config_from_hf(
     moe_enable_routing_replay: bool = False,
 ):
     """Translate :class:`HFArch` + parallel sizes into a megatron ``TransformerConfig``.
+
+    ``etp``: the routed experts' tensor parallel size (None: ``tp``).
 
     ``attention_backend`` is megatron's ``AttnBackend`` name (see
     :func:`~areal_mega.models.backend.config_attention_backend`; None: what this process
@@ -433,10 +437,11 @@ def transformer_config_from_hf(
 
     if arch.num_kv_heads % tp:
         raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
-    if arch.model_type == "gpt_oss" and tp > 1:
+    expert_tp = tp if etp is None else etp
+    if arch.model_type == "gpt_oss" and expert_tp > 1:
         from areal_mega.models.gpt_oss import TP_REFUSED
 
-        raise ValueError(TP_REFUSED.format(tp=tp))
+        raise ValueError(TP_REFUSED.format(tp=expert_tp))
     if arch.hybrid_layer_pattern is not None:
         why = nemotron_h_stage_refusal(arch.source_config(), pp, vpp)
         if why:
@@ -462,6 +467,7 @@ def transformer_config_from_hf(
         pp=pp,
         cp=cp,
         ep=ep,
+        etp=etp,
         vpp=vpp,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
@@ -693,6 +699,7 @@ def build_model_chunks(
         pp=d.pp,
         cp=d.cp,
         ep=d.ep,
+        etp=d.etp,
         vpp=mesh.vpp,
         sequence_parallel=mesh.sequence_parallel,
         dtype=dtype,
@@ -750,6 +757,8 @@ def build_model_chunks(
         if mesh.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
+    for chunk in chunks:
+        unmark_expert_biases(chunk)
     return chunks, config
 
 

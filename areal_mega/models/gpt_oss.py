@@ -22,12 +22,13 @@ from areal_mega.models.gemma3 import FULL, SLIDING, layer_types_and_window
 from areal_mega.models.sliding_window import mcore_window_size
 
 GPT_OSS_MODEL_TYPE = "gpt_oss"
-#: why TP > 1 is refused: megatron-core takes expert biases only at expert-TP 1, and the
-#: trainer's mesh splits experts by the same TP as attention
+#: why expert TP > 1 is refused: megatron-core takes expert biases only at expert-TP 1 (the
+#: experts' tensor parallel size is the TP's unless the allocation gives them their own)
 TP_REFUSED = (
-    "gpt_oss: tensor parallelism {tp} is not supported: megatron-core allows biased experts "
-    "only with expert tensor parallelism 1, and the trainer's mesh splits experts by the same "
-    "TP as attention; use expert (e), pipeline (p) and data (d) parallelism"
+    "gpt_oss: expert tensor parallelism {tp} is not supported: megatron-core allows biased "
+    "experts only with expert tensor parallelism 1. The experts take the attention's TP unless "
+    "the allocation gives them their own: e.g. megatron:(attn:d1t2|ffn:t1) for TP 2 with the "
+    "experts at TP 1 (--etp 1 for the converters)"
 )
 #: transformers' GptOssExperts constants (not config fields): quick-GELU's alpha and the clamp
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0

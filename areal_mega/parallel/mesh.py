@@ -8,7 +8,9 @@ megatron-core ``ProcessGroupCollection`` that models, DDP, optimizers and schedu
 
 Rank order is megatron's ``tp-cp-ep-dp-pp`` (TP fastest). Expert parallelism carves the
 expert-parallel group out of DP·CP with expert-tensor-parallel size = TP (megatron's default),
-which is why ``ep`` must divide ``dp·cp``.
+which is why ``ep`` must divide ``dp·cp``; with the experts' own tensor parallel size
+(``dims.etp``, MoE parallel folding) megatron lays the experts over a stage's d·t·c ranks as
+``etp-ep-dp`` instead, so ``etp·ep`` must divide ``dp·tp·cp``.
 """
 
 from __future__ import annotations
@@ -141,9 +143,14 @@ class ParallelMesh:
                 f"trainer layout {dims.short()} needs {dims.world_size} ranks, "
                 f"torch.distributed has {ws}"
             )
-        if (dims.dp * dims.cp) % dims.ep:
+        if (dims.dp * dims.cp) % dims.ep and dims.etp is None:
             raise ValueError(
                 f"expert parallel size e={dims.ep} must divide d*c={dims.dp * dims.cp}"
+            )
+        if (dims.dp * dims.tp * dims.cp) % (dims.expert_tp * dims.ep):
+            raise ValueError(
+                f"trainer layout {dims.short()}: the experts' t*e = {dims.expert_tp}*{dims.ep} "
+                f"must divide a stage's d*t*c = {dims.dp * dims.tp * dims.cp}"
             )
         if sequence_parallel and dims.tp == 1:
             sequence_parallel = False
@@ -164,7 +171,7 @@ class ParallelMesh:
             virtual_pipeline_model_parallel_size=vpp,
             context_parallel_size=dims.cp,
             expert_model_parallel_size=dims.ep,
-            expert_tensor_parallel_size=dims.tp,
+            expert_tensor_parallel_size=dims.expert_tp,
             distributed_timeout_minutes=max(1, int(timeout_s // 60)),
             create_gloo_process_groups=torch.cuda.is_available(),
             order=RANK_ORDER,

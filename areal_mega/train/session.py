@@ -299,6 +299,8 @@ class TrainerSession:
             )
             if own and role == "critic":  # trunk only; a reward model's score head too
                 conversion["value_model"] = True
+            if self.mesh.dims.etp is not None:  # the experts' own TP (validated with it)
+                conversion["etp"] = self.mesh.dims.etp
             identity = hf_source_identity(hf_dir, **conversion)
             current = self.paths.init_checkpoint_is_current(src, identity)  # every rank reads
             if dist.is_initialized():

@@ -186,6 +186,7 @@ def reference(hf, mbs, seed, loss="sft", prepare=None):
         "state": state,
         "lps": lps,
         "grads": grads,
+        "grad_norm": float(sum(float((g.double() ** 2).sum()) for g in grads.values()) ** 0.5),
         "loss": total,
         "kind": loss,
         "n_tokens": denom,
@@ -218,10 +219,16 @@ def global_name(name, chunk, mesh, hf):
 
 def shard_of(full, param, name, mesh, gated=True, hf=None):
     """This rank's TP shard of a reference tensor (``gated``: the model's MLPs are gated;
-    ``hf``: the config, for the gated delta-net's tensors split section by section)."""
-    if not getattr(param, "tensor_model_parallel", False) or mesh.dims.tp == 1:
+    ``hf``: the config, for the gated delta-net's tensors split section by section). A routed
+    expert's (megatron marks them ``allreduce=False``) splits over the expert TP group."""
+    tp, r = mesh.dims.tp, mesh.tp_rank
+    if not getattr(param, "allreduce", True):
+        from megatron.core import parallel_state as ps
+
+        tp, r = mesh.dims.expert_tp, ps.get_expert_tensor_parallel_rank()
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
         return full
-    tp, r, dim = mesh.dims.tp, mesh.tp_rank, param.partition_dim
+    dim = param.partition_dim
     sizes = getattr(param, "partition_sizes", None)  # per-rank rows of each section (Mamba)
     if sizes is not None:
         sections = full.split([n * tp for n in sizes], dim=0)
@@ -349,7 +356,16 @@ def check_layout(
         )
         res[f"{tag}.prox_from_forward.grads"], _ = compare_grads(eng, ref, hf)
         res[f"{tag}.prox_from_forward.loss"] = abs(stats["loss"] - ref["loss"])
+    res[f"{tag}.grad_norm"] = grad_norm_error(eng, ref)
     return eng
+
+
+def grad_norm_error(eng, ref):
+    """|the layout's gradient norm - the reference's| / the reference's: the norm megatron's
+    optimizer clips by (each parameter counted once over TP, PP, EP and expert TP duplicates),
+    from the gradients the last ``forward_backward`` left (nothing is stepped)."""
+    eng.optimizer.prepare_grads()
+    return abs(float(eng.optimizer.get_grad_norm()) - ref["grad_norm"]) / ref["grad_norm"]
 
 
 def scenario_dense(res, out_dir):
@@ -442,6 +458,9 @@ def scenario_moe(res, out_dir):
     # EP1 + TP2 (expert tensor parallel = TP)
     set_mesh(dict(tp=world), sp=True)
     check_layout(res, "moe_tp2sp", MOE, ref, mbs)
+    # TP2 with the experts whole on each rank (expert TP 1: expert DP 2 over the TP ranks)
+    set_mesh(dict(tp=world, etp=1), sp=True)
+    check_layout(res, "moe_tp2sp_etp1", MOE, ref, mbs)
 
 
 #: TransformerEngine has no fp32 backend for packed (THD) attention (its unfused attention

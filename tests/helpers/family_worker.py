@@ -35,11 +35,14 @@ from tests.helpers import group_batches
 from tests.helpers.new_families import CASES
 
 #: layout name -> ParallelDims of the 2-rank mesh; EP2 runs inside DP2 (half the batch each)
-#: ``tp2sp``: TP2 with sequence parallelism (megatron requires it for MoE with TP)
+#: ``tp2sp``: TP2 with sequence parallelism (megatron requires it for MoE with TP);
+#: ``tp2sp_etp1``: the same with the routed experts whole on each rank (expert TP 1, MoE
+#: parallel folding: ``megatron:(attn:t2|ffn:t1)``, expert DP 2 over the TP ranks' tokens)
 MESHES = {
     "dp2": dict(dp=2),
     "tp2": dict(tp=2),
     "tp2sp": dict(tp=2),
+    "tp2sp_etp1": dict(tp=2, etp=1),
     "pp2": dict(pp=2),
     "ep2": dict(dp=2, ep=2),
     "pp2_recompute": dict(pp=2),
@@ -55,7 +58,7 @@ HALF_BATCH = ("dp2", "ep2")
 #: the environment variable naming the families ``all`` runs (tests/test_new_families.py sets
 #: it to the families its selected tests check)
 FAMILIES_ENV = "AREAL_TEST_FAMILIES"
-SEQUENCE_PARALLEL = ("tp2sp", "tp2sp_recompute")
+SEQUENCE_PARALLEL = ("tp2sp", "tp2sp_recompute", "tp2sp_etp1")
 
 
 def hf_reference(hf_dir, seqs, overrides=None):

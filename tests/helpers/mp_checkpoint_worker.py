@@ -6,8 +6,7 @@ tests/helpers/conversions.py :func:`launch_2ranks`).
 Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
 TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
 and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2,
-export at
-PP2).
+Qwen3-MoE's also at TP2 with the experts at expert TP 1; export at PP2).
 CONVDIR holds tests/helpers/convert_worker.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """
 
@@ -126,8 +125,8 @@ def main(rank, world, port, work, scenario, convdir):
     elif scenario == "moe":
         run_model_checks(
             "qwen3_moe_untied",
-            [dict(dp=2, ep=2), dict(tp=2), dict(pp=2), dict(dp=2)],
-            [dict(dp=2, ep=2), dict(tp=2), dict(dp=2)],
+            [dict(dp=2, ep=2), dict(tp=2), dict(pp=2), dict(dp=2), dict(tp=2, etp=1)],
+            [dict(dp=2, ep=2), dict(tp=2), dict(dp=2), dict(tp=2, etp=1)],
         )
         run_model_checks(
             "glm4_moe", [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)], [dict(dp=2, ep=2), dict(tp=2)]

@@ -21,7 +21,8 @@ class FamilyCase:
     ``pp2_recompute``: PP2 with full activation recompute; ``tp2sp_recompute``: TP2 with
     sequence parallelism and full activation recompute; ``pp2_vpp2``: PP2 with two virtual
     stages each, the interleaved schedule; ``pp2_vpp2_recompute``: that with full activation
-    recompute);
+    recompute; ``tp2sp_etp1``: ``tp2sp`` with the routed experts whole on each rank, expert
+    TP 1);
     ``convert``: the layout ``tools/convert_hf_to_mcore.py`` writes
     (``--tp 2 --pp 2`` style flags); ``rl_overrides``: extra ``launch.local`` overrides of
     its RL run; ``rl_tiny``: :func:`make_tiny_model` overrides of its RL run's model;
@@ -218,8 +219,9 @@ CASES = {
     # with a router bias, biased experts (width 48, not square: the down projection's
     # orientation counts) with the GLU clamp at 7; drawn so that each bites (transformers'
     # logits move by: sinks off 0.46, router bias off 0.68, no clamp 0.37, plain RoPE 8.8e-3);
-    # each layer's experts in one checkpoint tensor, gate and up interleaved. No TP layout:
-    # megatron-core takes biased experts at expert-TP 1 only (refused, test_model_support)
+    # each layer's experts in one checkpoint tensor, gate and up interleaved. TP with the
+    # experts at expert-TP 1 only: megatron-core takes biased experts at expert-TP 1 only
+    # (expert-TP 2 refused, test_model_support)
     "gpt_oss": FamilyCase(
         "gpt_oss",
         dict(
@@ -229,8 +231,8 @@ CASES = {
             moe_intermediate_size=48,
             tie_word_embeddings=False,
         ),
-        layouts=("ep2", "pp2"),
-        convert=("--ep", "2", "--pp", "2"),
+        layouts=("ep2", "pp2", "tp2sp_etp1"),
+        convert=("--ep", "2", "--pp", "2", "--tp", "2", "--etp", "1"),
     ),
     # Ernie 4.5 MoE: top-2 of 4 experts chosen by softmax score + expert bias, the chosen
     # (unbiased) scores renormalised; a shared expert; four layers, MoE where (i + 1) % 2 == 0

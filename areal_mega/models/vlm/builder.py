@@ -96,6 +96,7 @@ def vl_provider(
         pp=d.pp,
         cp=d.cp,
         ep=d.ep,
+        etp=d.etp,
         vpp=mesh.vpp,
         sequence_parallel=mesh.sequence_parallel,
         dtype=dtype,
