@@ -52,36 +52,44 @@ from areal_mega.train.weights import export_hf_dir, resolve_weight_update, vl_hf
 log = logging.getLogger(__name__)
 
 
-_VL_CONVERT = (
+_CONVERT = (
     "import json, sys\n"
+    "from areal_mega.checkpoint.convert import convert_hf_to_mcore\n"
     "from areal_mega.checkpoint.vl_convert import convert_vl_hf_to_mcore\n"
-    "convert_vl_hf_to_mcore(sys.argv[1], sys.argv[2], **json.loads(sys.argv[3]))\n"
+    "vl, kw = sys.argv[3] == 'vl', json.loads(sys.argv[4])\n"
+    "(convert_vl_hf_to_mcore if vl else convert_hf_to_mcore)(sys.argv[1], sys.argv[2], **kw)\n"
 )
 
 
-def convert_vl_in_child(hf_dir, out, conversion: dict) -> None:
-    """A vision-language HF directory converted into ``out``
-    (:func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore`) in a child process: that
-    converter builds the whole model under a one-process mesh of its own and tears it down,
-    which must not replace this trainer rank's. Written for one rank; any layout loads it.
-    Raises ``RuntimeError`` with the child's last output when it fails."""
+def convert_in_child(hf_dir, out, conversion: dict, *, vision_language: bool) -> None:
+    """An HF directory converted into ``out`` in a child process
+    (:func:`~areal_mega.checkpoint.convert.convert_hf_to_mcore`, or
+    :func:`~areal_mega.checkpoint.vl_convert.convert_vl_hf_to_mcore` for a vision-language
+    model, which keeps ``dtype`` and ``make_vocab_size_divisible_by`` only): the converters build
+    the model under a one-process mesh of their own and tear it down, which must not replace
+    this trainer rank's (and refuse to run inside a larger process group). Written for one
+    rank; any layout loads it. Raises ``RuntimeError`` with the child's last output when it
+    fails."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
         and not k.startswith(("TORCHELASTIC_", "MASTER_"))
     }
-    kw = {k: conversion[k] for k in ("dtype", "make_vocab_size_divisible_by")}
+    kw = dict(conversion, progress=False)
+    if vision_language:
+        kw = {k: conversion[k] for k in ("dtype", "make_vocab_size_divisible_by")}
+    kind = "vl" if vision_language else "text"
     proc = subprocess.run(
-        [sys.executable, "-c", _VL_CONVERT, str(hf_dir), str(out), json.dumps(kw)],
+        [sys.executable, "-c", _CONVERT, str(hf_dir), str(out), kind, json.dumps(kw)],
         env=env,
         capture_output=True,
         text=True,
     )
     if proc.returncode != 0:
+        what = "the vision-language model" if vision_language else "the model"
         raise RuntimeError(
-            f"converting the vision-language model {hf_dir} failed:\n"
-            + (proc.stderr or proc.stdout)[-2000:]
+            f"converting {what} {hf_dir} failed:\n" + (proc.stderr or proc.stdout)[-2000:]
         )
 
 
@@ -317,8 +325,11 @@ class TrainerSession:
                             flush=True,
                         )
                         shutil.rmtree(src)
-                    if is_vl_model_dir(hf_dir):
-                        convert_vl_in_child(hf_dir, src, conversion)
+                    vl = is_vl_model_dir(hf_dir)
+                    if vl or (dist.is_initialized() and dist.get_world_size() > 1):
+                        # a trainer of several ranks: the converter's own one-process mesh
+                        # in a child (one rank converts, any layout loads it)
+                        convert_in_child(hf_dir, src, conversion, vision_language=vl)
                     else:
                         convert_hf_to_mcore(hf_dir, src, progress=False, **conversion)
                     (src / SOURCE_FILE).write_text(json.dumps(identity))

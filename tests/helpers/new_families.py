@@ -233,6 +233,12 @@ CASES = {
         ),
         layouts=("ep2", "pp2", "tp2sp_etp1"),
         convert=("--ep", "2", "--pp", "2", "--tp", "2", "--etp", "1"),
+        # the RL run's trainer: TP 2 with sequence parallelism, the experts whole on each rank
+        # (also the suite's text-model trainer of two ranks converting model.path itself)
+        rl_overrides=(
+            "allocation=local:d1+megatron:(attn:t2|ffn:t1)",
+            "actor.sequence_parallel=true",
+        ),
     ),
     # Ernie 4.5 MoE: top-2 of 4 experts chosen by softmax score + expert bias, the chosen
     # (unbiased) scores renormalised; a shared expert; four layers, MoE where (i + 1) % 2 == 0
