@@ -33,7 +33,9 @@ from tests.helpers.new_families import CASES, RL_CASES, tiny_spec
 from tests.helpers.tool_batch import run_tools
 from tests.helpers.workers import worker_cmd
 
-pytestmark = pytest.mark.slow  # a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3)
+# a family's set: ~80-120 s on 2 cores (Mistral, Gemma 3); the module's first test also runs
+# every family's 2-rank checks (its fixture), bounded by run_ranks' timeout there
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = "family_worker"  # tests.helpers.family_worker
 TOL = 1e-5

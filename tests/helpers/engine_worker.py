@@ -12,6 +12,7 @@ The losses are the production ones: the decoupled PPO loss of :func:`make_policy
 ``prox_logprobs`` the reference model's own logprobs, ``logprobs`` / ``ref_logprobs`` those
 plus a little noise, ratios inside the clip range) and the SFT loss."""
 
+import gc
 import json
 import os
 import re
@@ -295,6 +296,10 @@ def set_mesh(spec, sp=False, vpp=None):
 
     if MESH[0] is not None:
         MESH[0].destroy()
+        # the last layout's engines are garbage in reference cycles, holding its process
+        # groups (each gloo group two busy threads) until a full collection: a worker that
+        # runs layout after layout would otherwise pile up thousands of them
+        gc.collect()
     MESH[0] = ParallelMesh.create(ParallelDims(**spec), sequence_parallel=sp, vpp=vpp, timeout_s=90)
     return MESH[0]
 
