@@ -113,11 +113,12 @@ def check_layout(
     for ok, rule in rules:
         if not ok:
             raise hm.UnsupportedModelError(f"{where}: layout does not fit: {rule} != 0")
-    expert_tp = tp if etp is None else etp
-    if arch.model_type == "gpt_oss" and expert_tp > 1:
-        from areal_mega.models.gpt_oss import TP_REFUSED
+    if arch.model_type == "gpt_oss":
+        from areal_mega.models.gpt_oss import layout_refusal
 
-        raise hm.UnsupportedModelError(f"{where}: {TP_REFUSED.format(tp=expert_tp)}")
+        why = layout_refusal(tp, etp)
+        if why:
+            raise hm.UnsupportedModelError(f"{where}: {why}")
     if arch.model_type == "gemma4_text":
         from areal_mega.models.gemma4 import layout_refusal
 

@@ -437,11 +437,12 @@ def transformer_config_from_hf(
 
     if arch.num_kv_heads % tp:
         raise ValueError(f"num_key_value_heads={arch.num_kv_heads} is not divisible by TP={tp}")
-    expert_tp = tp if etp is None else etp
-    if arch.model_type == "gpt_oss" and expert_tp > 1:
-        from areal_mega.models.gpt_oss import TP_REFUSED
+    if arch.model_type == "gpt_oss":
+        from areal_mega.models.gpt_oss import layout_refusal
 
-        raise ValueError(TP_REFUSED.format(tp=expert_tp))
+        why = layout_refusal(tp, etp)
+        if why:
+            raise ValueError(why)
     if arch.hybrid_layer_pattern is not None:
         why = nemotron_h_stage_refusal(arch.source_config(), pp, vpp)
         if why:

@@ -17,6 +17,8 @@ provider alternates from layer 0; ``layer_types`` may say otherwise).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.gemma3 import FULL, SLIDING, layer_types_and_window
 from areal_mega.models.sliding_window import mcore_window_size
@@ -30,6 +32,15 @@ TP_REFUSED = (
     "the allocation gives them their own: e.g. megatron:(attn:d1t2|ffn:t1) for TP 2 with the "
     "experts at TP 1 (--etp 1 for the converters)"
 )
+
+
+def layout_refusal(tp: int, etp: Optional[int]) -> Optional[str]:
+    """Why GPT-OSS cannot run with these TP / expert TP sizes (None when it can; ``etp`` None:
+    the experts take ``tp``)."""
+    expert_tp = tp if etp is None else etp
+    return TP_REFUSED.format(tp=expert_tp) if expert_tp > 1 else None
+
+
 #: transformers' GptOssExperts constants (not config fields): quick-GELU's alpha and the clamp
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
