@@ -104,15 +104,26 @@ def _trainer_pid(run_dir):
 def _snapshot_live_run(run_dir, dest):
     """Copy a running run's directory (its journal and pending buffers: what was accepted so
     far) to ``dest``, without checkpoints, weights or sockets; an atomic write's *.tmp file
-    may vanish while the tree is copied, so those are skipped."""
-    shutil.copytree(
-        run_dir,
-        dest,
-        ignore=shutil.ignore_patterns(
-            "*.sock", "iter_*", "weights", "init_mcore", "tensorboard", "*.tmp"
-        ),
+    may vanish while the tree is copied, so those are skipped, as a file removed while it is
+    copied."""
+    ignore = shutil.ignore_patterns(
+        "*.sock", "iter_*", "weights", "init_mcore", "tensorboard", "*.tmp"
     )
+    # a checkpoint's buffer file is pruned once a newer one is written, so a file listed may
+    # be gone when it is copied; the second pass picks up what was written meanwhile
+    for _ in range(2):
+        shutil.copytree(
+            run_dir, dest, ignore=ignore, copy_function=_copy_if_present, dirs_exist_ok=True
+        )
     return dest
+
+
+def _copy_if_present(src, dst):
+    """``shutil.copy2`` that skips a file removed after its directory was listed."""
+    try:
+        return shutil.copy2(src, dst)
+    except FileNotFoundError:
+        return dst
 
 
 def _accepted_ids(run_dir):
