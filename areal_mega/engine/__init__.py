@@ -11,6 +11,8 @@
   and how numerators and statistics become the step's loss;
 - :mod:`.loss_rows` — the output layer run on the rows the loss reads only;
 - :mod:`.moe_aux` — per-token scaling and logging of the MoE load-balancing loss;
+- :mod:`.dispatcher_graph` — the autograd graph megatron's MoE token dispatchers keep after
+  a step, released (it kept every trained MoE engine alive);
 - :mod:`.routing_replay` — rollout routing replay (R3) through megatron-core's
   ``RouterReplay``;
 - :mod:`.optim` — the actor's optimizer and LR schedule, from our config sections;

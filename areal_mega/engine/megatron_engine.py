@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from areal_mega.engine.dispatcher_graph import release_dispatcher_graphs
 from areal_mega.engine.finite import blame, model_grads, nonfinite_flags
 from areal_mega.engine.loss_context import CPShard, compute_loss, global_denominator, reduce_stats
 from areal_mega.engine.loss_rows import logits_at_rows, loss_rows, scatter_rows
@@ -453,17 +454,20 @@ class MegatronEngine:
         iters = [iter(data) for _ in range(n_chunks)] if n_chunks > 1 else iter(data)
         seq_len = max(b["input_ids"].shape[1] for b in batches)
         fwd_bwd = get_forward_backward_func(pp_size=self.mesh.dims.pp, vp_size=self.mesh.vpp)
-        with cleared_after(self.replay):
-            return fwd_bwd(
-                forward_step_func=step_fn,
-                data_iterator=iters,
-                model=self.model if n_chunks > 1 else self.model[0],
-                num_microbatches=len(micro_batches),
-                seq_length=seq_len,
-                micro_batch_size=1,
-                forward_only=forward_only,
-                collect_non_loss_data=collect,
-            )
+        try:
+            with cleared_after(self.replay):
+                return fwd_bwd(
+                    forward_step_func=step_fn,
+                    data_iterator=iters,
+                    model=self.model if n_chunks > 1 else self.model[0],
+                    num_microbatches=len(micro_batches),
+                    seq_length=seq_len,
+                    micro_batch_size=1,
+                    forward_only=forward_only,
+                    collect_non_loss_data=collect,
+                )
+        finally:
+            release_dispatcher_graphs(self.model)
 
     @property
     def micro_batch_multiple(self) -> int:

@@ -212,6 +212,7 @@ class ParallelMesh:
                 if g is not dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(g)
         self.groups = []
+        _clear_rotary_caches()
         if process_group and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -296,3 +297,22 @@ class ParallelMesh:
     @property
     def is_cpu(self) -> bool:
         return self.device.type == "cpu"
+
+
+def _clear_rotary_caches() -> None:
+    """Empty megatron's rotary-embedding tables cache: ``RotaryEmbedding.forward`` (and YaRN's)
+    is a process-wide ``lru_cache`` of 32 entries keyed by the module, each entry holding its
+    module and so the module's context-parallel group, which would keep a destroyed mesh's
+    groups (their gloo threads) alive."""
+    from megatron.core.models.common.embeddings import (
+        rotary_pos_embedding,
+        yarn_rotary_pos_embedding,
+    )
+
+    for cls in (
+        rotary_pos_embedding.RotaryEmbedding,
+        yarn_rotary_pos_embedding.YarnRotaryEmbedding,
+    ):
+        clear = getattr(cls.forward, "cache_clear", None)
+        if clear is not None:
+            clear()
