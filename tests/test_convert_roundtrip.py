@@ -116,9 +116,11 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
 
 def test_moe_layouts_logits_export(jobs, tmp_path):
     """Qwen3-MoE, GLM-4 MoE and DeepSeek-V3 (MLA) converted at 'TP2 PP2 EP2' load at EP2 (experts,
-    shared experts
-    and expert biases exported back bit-exactly), TP2 and PP2; logits = transformers at TP1
-    (Qwen3-MoE), TP2 and EP2; Qwen3-MoE also at TP2 with the experts at expert TP 1."""
+        shared experts
+        and expert biases exported back bit-exactly), TP2 and PP2; logits = transformers at TP1
+        (Qwen3-MoE), TP2 and EP2; Qwen3-MoE also at TP2 with the experts at expert TP 1, and its
+    training checkpoint (distributed optimizer, TP2 with SP) saved at expert TP 2 resumes at expert
+    TP 1 and back: the next step gives the same weights."""
     ranks = launch_2ranks("moe", tmp_path, jobs)
     qwen3 = ("dp2,ep2", "tp2", "pp2", "tp2,etp1")
     for res in ranks:
@@ -140,6 +142,13 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
         for fam in ("glm4_moe", "deepseek_v3"):
             assert all("logits_max_abs_diff" in checks[f"{fam}:{t}"] for t in ("dp2,ep2", "tp2"))
             assert f"{fam}:pp2" in checks
+        # a training checkpoint (distributed optimizer) resumed at the other expert TP: the same
+        # second step gives the same weights
+        for key in ("resume_etpNone_to_etp1", "resume_etp1_to_etpNone"):
+            r = res[key]
+            assert r["loaded_optimizer"] and r["names_equal"] and r["n_expert_tensors"] > 0, r
+            assert r["step_change"] > 1e-4, r
+            assert r["max_abs_diff"] <= 1e-6, r
 
 
 def test_conversion_memory_is_bounded(tmp_path):

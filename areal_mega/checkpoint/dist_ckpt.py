@@ -532,8 +532,7 @@ def load_checkpoint(
             "checkpoint: move this iter_* directory away)"
         )
     if distopt:
-        ld = loaded["optimizer"]["distopt"]
-        distopt_load_state(optimizer, model, ld, {i: v["step"] for i, v in ld.items()})
+        distopt_load_state(optimizer, model, loaded["optimizer"]["distopt"])
     elif want_opt:
         optimizer.load_state_dict(loaded["optimizer"])
     elif optimizer is not None:

@@ -99,13 +99,24 @@ def distopt_sharded_state(optimizer, model, model_sds: Sequence[dict], *, is_loa
     return out
 
 
-def distopt_load_state(optimizer, model, loaded: dict, steps: Dict[str, float]) -> None:
+def distopt_load_state(optimizer, model, loaded: dict) -> None:
     """Put loaded model-space state (from :func:`distopt_sharded_state` with
-    ``is_loading=True``, after ``dist_checkpointing.load``) into each rank's shards."""
+    ``is_loading=True``, after ``dist_checkpointing.load``) into each rank's shards.
+
+    The moments and main weights are keyed by parameter, so they reshard over any layout; the
+    Adam step is kept per optimizer of the chain, whose split depends on the layout (megatron
+    gives the experts an optimizer of their own only when their data-parallel group differs
+    from the dense parameters', e.g. at another expert TP). The chain's optimizers step
+    together, so an optimizer the saving layout did not have takes the chain's step."""
+    saved = [v["step"] for v in loaded.values() if "step" in v]
+    if not saved:
+        raise ValueError(
+            "the distributed-optimizer state holds no Adam step (a corrupt checkpoint)"
+        )
     for i, o in enumerate(distributed_optimizers(optimizer)):
         o._init_optimizer_states_with_dummy_values()
         states = loaded[str(i)]["states"]
-        step = torch.tensor(float(steps[str(i)]))
+        step = torch.tensor(float(loaded[str(i)].get("step", max(saved))))
         for j, p in enumerate(_params_in_order(model, o)):
             if p not in o.model_param_group_index_map:
                 continue

@@ -6,7 +6,8 @@ tests/helpers/conversions.py :func:`launch_2ranks`).
 Scenarios: ``dense`` (converted Qwen2 / Llama checkpoints: logits vs transformers at TP1 and
 TP2, live export bit-exact at TP1/TP2/PP2; training checkpoint resume and TP1 -> TP2 reshard)
 and ``moe`` (converted Qwen3-MoE, GLM-4 MoE and DeepSeek-V3: logits and export at EP2 and TP2,
-Qwen3-MoE's also at TP2 with the experts at expert TP 1; export at PP2).
+Qwen3-MoE's also at TP2 with the experts at expert TP 1; export at PP2; a training checkpoint
+with the distributed optimizer saved at one expert TP and resumed at the other).
 CONVDIR holds tests/helpers/convert_worker.py's output. Writes WORKDIR/SCENARIO_rank{RANK}.json.
 """
 
@@ -41,8 +42,10 @@ def main(rank, world, port, work, scenario, convdir):
     res = {"checks": {}}
     t0 = time.time()
 
-    def mesh_for(vpp=None, **dims):
-        return ParallelMesh.create(ParallelDims(**dims), vpp=vpp, timeout_s=90)
+    def mesh_for(vpp=None, sp=False, **dims):
+        return ParallelMesh.create(
+            ParallelDims(**dims), vpp=vpp, sequence_parallel=sp, timeout_s=90
+        )
 
     def hf_logits(hf_dir, ids):
         from transformers import AutoModelForCausalLM
@@ -136,10 +139,123 @@ def main(rank, world, port, work, scenario, convdir):
             [dict(dp=2, ep=2), dict(tp=2), dict(pp=2)],
             [dict(dp=2, ep=2), dict(tp=2)],
         )
+        for save_etp, resume_etp in ((None, 1), (1, None)):
+            res[f"resume_etp{save_etp}_to_etp{resume_etp}"] = resume_across_expert_tp(
+                work, mesh_for, conv("qwen3_moe_untied"), export, save_etp, resume_etp
+            )
     res["seconds"] = time.time() - t0
     (work / f"{scenario}_rank{rank}.json").write_text(json.dumps(res, indent=2, default=str))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def trainer(arch, mesh, seed, distopt):
+    """megatron's DDP model, Adam optimizer (``distopt``: the distributed one) and LR schedule
+    of ``arch`` on ``mesh``."""
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from areal_mega.models.builder import build_model_chunks
+
+    chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
+    ddp = [
+        DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
+        for c in chunks
+    ]
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            weight_decay=0.01,
+            clip_grad=0.0,
+            use_distributed_optimizer=distopt,
+        ),
+        ddp,
+        use_gloo_process_groups=False,
+    )
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
+    return ddp, opt, sched
+
+
+def train_step(ddp, opt, sched, ids):
+    """One step of next-token loss on ``ids``: gradients reduced, optimizer and schedule
+    stepped; returns (loss, whether the step was taken)."""
+    import torch
+    from megatron.core.distributed import finalize_model_grads
+
+    for m in ddp:
+        m.zero_grad_buffer()
+    opt.zero_grad()
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    labels = torch.roll(ids, -1, dims=1)
+    loss = (
+        ddp[0](input_ids=ids, position_ids=pos, attention_mask=None, labels=labels).float().mean()
+    )
+    loss.backward()
+    finalize_model_grads(ddp)  # DP reduce + TP all-reduce of q/k-norm grads
+    ok, gnorm, _ = opt.step()
+    sched.step(1)
+    return float(loss), ok
+
+
+def resume_across_expert_tp(work, mesh_for, conv_dir, export, save_etp, resume_etp):
+    """MoE training with the distributed optimizer at TP2 with SP: one step at expert TP
+    ``save_etp`` (None: the TP), save, a second step; a fresh model resumed from the save at
+    expert TP ``resume_etp`` (weights and Adam state resharded over the experts' other TP and
+    DP groups) takes the same second step. Returns the largest difference of the exported
+    weights after it, the second step's own largest change (the check is not vacuous) and
+    whether the optimizer state loaded."""
+    import torch
+
+    from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
+
+    arch = hm.read_arch(conv_dir / "hf")
+    root = work / f"moe_ckpt_etp{save_etp}"
+
+    def batch(step):  # the same tokens on both TP ranks
+        g = torch.Generator().manual_seed(300 + step)
+        return torch.randint(3, arch.vocab_size, (2, 16), generator=g)
+
+    mesh = mesh_for(tp=2, etp=save_etp, sp=True)
+    ddp, opt, sched = trainer(arch, mesh, 7, distopt=True)
+    load_checkpoint(conv_dir / "mcore", ddp)
+    train_step(ddp, opt, sched, batch(0))
+    save_checkpoint(root, 1, ddp, opt, sched, hf_dir=conv_dir / "hf")
+    saved = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
+    train_step(ddp, opt, sched, batch(1))
+    want = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
+    mesh.destroy()
+    del ddp, opt, sched
+
+    mesh = mesh_for(tp=2, etp=resume_etp, sp=True)
+    ddp, opt, sched = trainer(arch, mesh, 31, distopt=True)
+    info = load_checkpoint(root, ddp, opt, sched)
+    train_step(ddp, opt, sched, batch(1))
+    got = dict(export.iter_hf_tensors(ddp, arch))
+    mesh.destroy()
+    experts = [k for k in want if ".experts." in k]
+    return {
+        "max_abs_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
+        "names_equal": sorted(got) == sorted(want),
+        "step_change": max(float((want[k] - saved[k]).abs().max()) for k in experts),
+        "n_expert_tensors": len(experts),
+        "loaded_optimizer": info.loaded_optimizer,
+    }
 
 
 def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, export, distopt=False):
@@ -148,10 +264,6 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     logits and exported weights with the TP1 model at save time."""
     import torch
     import torch.distributed as dist
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import (
@@ -166,58 +278,12 @@ def resume_and_reshard(work, rank, mesh_for, conv_dir, mc_logits, ids_for, expor
     root = work / ("train_ckpt_distopt" if distopt else "train_ckpt")
     out = {}
 
-    def make(seed, mesh):
-        chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
-        ddp = [
-            DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
-            for c in chunks
-        ]
-        opt = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=1e-3,
-                weight_decay=0.01,
-                clip_grad=0.0,
-                use_distributed_optimizer=distopt,
-            ),
-            ddp,
-            use_gloo_process_groups=False,
-        )
-        sched = OptimizerParamScheduler(
-            opt,
-            init_lr=0.0,
-            max_lr=1e-3,
-            min_lr=1e-4,
-            lr_warmup_steps=2,
-            lr_decay_steps=10,
-            lr_decay_style="cosine",
-            start_wd=0.01,
-            end_wd=0.01,
-            wd_incr_steps=10,
-            wd_incr_style="constant",
-        )
-        return ddp, opt, sched
-
     def batch(step, r=None):
         g = torch.Generator().manual_seed(100 + 10 * step + (rank if r is None else r))
         return torch.randint(3, arch.vocab_size, (2, 16), generator=g)
 
-    def train_step(ddp, opt, sched, ids):
-        for m in ddp:
-            m.zero_grad_buffer()
-        opt.zero_grad()
-        pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        labels = torch.roll(ids, -1, dims=1)
-        loss = (
-            ddp[0](input_ids=ids, position_ids=pos, attention_mask=None, labels=labels)
-            .float()
-            .mean()
-        )
-        loss.backward()
-        finalize_model_grads(ddp)  # DP reduce + TP all-reduce of q/k-norm grads
-        ok, gnorm, _ = opt.step()
-        sched.step(1)
-        return float(loss), ok
+    def make(seed, mesh):
+        return trainer(arch, mesh, seed, distopt)
 
     def params(ddp):
         return [p.detach().clone() for p in ddp[0].module.parameters()]
