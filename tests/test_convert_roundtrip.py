@@ -116,11 +116,11 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
 
 def test_moe_layouts_logits_export(jobs, tmp_path):
     """Qwen3-MoE, GLM-4 MoE and DeepSeek-V3 (MLA) converted at 'TP2 PP2 EP2' load at EP2 (experts,
-        shared experts
-        and expert biases exported back bit-exactly), TP2 and PP2; logits = transformers at TP1
-        (Qwen3-MoE), TP2 and EP2; Qwen3-MoE also at TP2 with the experts at expert TP 1, and its
-    training checkpoint (distributed optimizer, TP2 with SP) saved at expert TP 2 resumes at expert
-    TP 1 and back: the next step gives the same weights."""
+    shared experts and expert biases exported back bit-exactly), TP2 and PP2; logits =
+    transformers at TP1 (Qwen3-MoE), TP2 and EP2; Qwen3-MoE also at TP2 with the experts at expert
+    TP 1, and its training checkpoint (distributed optimizer) saved at expert TP 2 resumes at
+    expert TP 1 (TP2 with SP), saved at EP2 resumes at EP1 (DP2), and back: the next step gives
+    the same weights."""
     ranks = launch_2ranks("moe", tmp_path, jobs)
     qwen3 = ("dp2,ep2", "tp2", "pp2", "tp2,etp1")
     for res in ranks:

@@ -13,11 +13,9 @@ groups. The dispatchers keep the values, without the graph, once a schedule has 
 import torch
 
 
-def release_dispatcher_graphs(chunks) -> int:
+def release_dispatcher_graphs(chunks) -> None:
     """Replace every tensor attribute with an autograd graph on the MoE token dispatchers of
-    ``chunks`` (the engine's model chunks) by its detached value; returns how many were
-    released."""
-    released = 0
+    ``chunks`` (the engine's model chunks) by its detached value."""
     for chunk in chunks:
         for module in chunk.modules():
             dispatcher = module.__dict__.get("token_dispatcher")
@@ -26,5 +24,3 @@ def release_dispatcher_graphs(chunks) -> int:
             for name, value in vars(dispatcher).items():
                 if torch.is_tensor(value) and value.grad_fn is not None:
                     setattr(dispatcher, name, value.detach())
-                    released += 1
-    return released

@@ -21,7 +21,7 @@ from areal_mega.parallel.allocation import ParallelDims
 from areal_mega.parallel.mesh import ParallelMesh
 
 
-def train_step(mesh, rank: int) -> weakref.ref:
+def train_step(mesh) -> weakref.ref:
     """A MoE actor engine on ``mesh``, one forward-backward and optimizer step; a weak
     reference to its first model chunk (the engine itself is dropped on return)."""
     from areal_mega.engine import MegatronEngine
@@ -56,7 +56,7 @@ def main(rank: int, world: int, port: int, out: Path, n: int, engines: bool = Fa
             sequence_parallel=engines and dims.tp > 1,  # megatron's rule for MoE with TP
         )
         if engines:
-            model = train_step(mesh, rank)
+            model = train_step(mesh)
             gc.collect()
             freed.append(model() is None)
         threads.append(len(os.listdir(f"/proc/{os.getpid()}/task")))

@@ -95,7 +95,7 @@ def main(rank, world, port, work, scenario, convdir):
         ids = ids_for(arch.vocab_size)
         want = hf_logits(hf_dir, ids)
         for dims in layouts:
-            tag = f"{name}:" + ",".join(f"{k}{v}" for k, v in dims.items())
+            tag = f"{name}:{layout_tag(dims)}"
             mesh = mesh_for(**dims)
             chunks, _ = build_model_chunks(arch, mesh, seed=123)
             info = load_checkpoint(conv(name) / "mcore", chunks)
