@@ -230,26 +230,11 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ construction
     def _wrap_ddp(self, chunks):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from areal_mega.engine.optim import wrap_ddp
 
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            check_for_nan_in_grad=False,
-            average_in_collective=False,
+        return wrap_ddp(
+            self.config, chunks, self.mesh.pg_collection, self.use_distributed_optimizer
         )
-        return [
-            DistributedDataParallel(
-                self.config,
-                ddp_cfg,
-                c,
-                disable_bucketing=(i > 0),
-                pg_collection=self.mesh.pg_collection,
-            )
-            for i, c in enumerate(chunks)
-        ]
 
     def _build_optimizer(self):
         from areal_mega.engine.optim import build_optimizer

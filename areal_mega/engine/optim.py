@@ -1,8 +1,35 @@
-"""The actor's megatron-core optimizer and LR schedule, from our config sections."""
+"""The actor's megatron-core DDP wrapping, optimizer and LR schedule, from our config sections.
+
+:class:`areal_mega.engine.MegatronEngine` builds its actor (and the critic) with these; so do
+the checkpoint tests' trainers, so a saved optimizer state is the production one's."""
 
 from __future__ import annotations
 
-__all__ = ["build_optimizer", "build_lr_scheduler"]
+__all__ = ["wrap_ddp", "build_optimizer", "build_lr_scheduler"]
+
+
+def wrap_ddp(config, chunks, pg_collection, use_distributed_optimizer: bool) -> list:
+    """megatron's ``DistributedDataParallel`` around each model chunk (``config``: their
+    TransformerConfig; ``pg_collection``: the mesh's process groups). Gradients are reduced in
+    fp32 (``main_grad`` buffers) and summed, not averaged: the loss is already divided by the
+    global denominator. Only the first chunk buckets its gradients (later VPP chunks: one
+    bucket each)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        average_in_collective=False,
+    )
+    return [
+        DistributedDataParallel(
+            config, ddp_cfg, c, disable_bucketing=(i > 0), pg_collection=pg_collection
+        )
+        for i, c in enumerate(chunks)
+    ]
 
 
 def build_optimizer(oc, config, model, use_distributed_optimizer: bool, pg_collection):

@@ -19,13 +19,14 @@ from areal_mega.common.net import free_port
 
 
 def _setup(work):
+    """A one-rank trainer of WORK/hf built by the engine's own builders
+    (:mod:`areal_mega.engine.optim`: DDP, the regular Adam, a constant LR of 1e-3) and a
+    fixed batch."""
     import torch
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from areal_mega.checkpoint import hf_mapping as hm
+    from areal_mega.config import OptimizerConfig
+    from areal_mega.engine.optim import build_lr_scheduler, build_optimizer, wrap_ddp
     from areal_mega.models.builder import build_model_chunks
     from areal_mega.parallel.allocation import ParallelDims
     from areal_mega.parallel.mesh import ParallelMesh
@@ -39,25 +40,10 @@ def _setup(work):
     )
     arch = hm.read_arch(Path(work) / "hf")
     chunks, cfg = build_model_chunks(arch, mesh, seed=3)
-    ddp = [DDP(cfg, DistributedDataParallelConfig(), c) for c in chunks]
-    opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0),
-        ddp,
-        use_gloo_process_groups=False,
-    )
-    sched = OptimizerParamScheduler(
-        opt,
-        init_lr=1e-3,
-        max_lr=1e-3,
-        min_lr=1e-4,
-        lr_warmup_steps=0,
-        lr_decay_steps=10,
-        lr_decay_style="constant",
-        start_wd=0.0,
-        end_wd=0.0,
-        wd_incr_steps=10,
-        wd_incr_style="constant",
-    )
+    oc = OptimizerConfig(lr=1e-3, clip_grad=0.0, lr_decay_steps=10, use_distributed_optimizer=False)
+    ddp = wrap_ddp(cfg, chunks, mesh.pg_collection, False)
+    opt = build_optimizer(oc, cfg, ddp, False, mesh.pg_collection)
+    sched = build_lr_scheduler(opt, oc, total_train_steps=None)
     ids = torch.randint(3, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     return ddp, opt, sched, ids
 

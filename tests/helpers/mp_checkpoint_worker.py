@@ -152,45 +152,27 @@ def main(rank, world, port, work, scenario, convdir):
 
 
 def trainer(arch, mesh, seed, distopt):
-    """megatron's DDP model, Adam optimizer (``distopt``: the distributed one) and LR schedule
-    of ``arch`` on ``mesh``."""
-    from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
+    """The trainer's DDP model, Adam optimizer (``distopt``: the distributed one) and LR
+    schedule of ``arch`` on ``mesh``, built by the engine's own builders
+    (:mod:`areal_mega.engine.optim`): 2 warm-up steps, then cosine decay to 1e-4 by step 10."""
+    from areal_mega.config import OptimizerConfig
+    from areal_mega.engine.optim import build_lr_scheduler, build_optimizer, wrap_ddp
     from areal_mega.models.builder import build_model_chunks
 
     chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
-    ddp = [
-        DDP(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), c)
-        for c in chunks
-    ]
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-3,
-            weight_decay=0.01,
-            clip_grad=0.0,
-            use_distributed_optimizer=distopt,
-        ),
-        ddp,
-        use_gloo_process_groups=False,
-    )
-    sched = OptimizerParamScheduler(
-        opt,
-        init_lr=0.0,
-        max_lr=1e-3,
+    oc = OptimizerConfig(
+        lr=1e-3,
         min_lr=1e-4,
-        lr_warmup_steps=2,
+        weight_decay=0.01,
+        clip_grad=0.0,
+        warmup_steps=2,
+        lr_schedule="cosine",
         lr_decay_steps=10,
-        lr_decay_style="cosine",
-        start_wd=0.01,
-        end_wd=0.01,
-        wd_incr_steps=10,
-        wd_incr_style="constant",
+        use_distributed_optimizer=distopt,
     )
-    return ddp, opt, sched
+    ddp = wrap_ddp(cfg, chunks, mesh.pg_collection, distopt)
+    opt = build_optimizer(oc, cfg, ddp, distopt, mesh.pg_collection)
+    return ddp, opt, build_lr_scheduler(opt, oc, total_train_steps=None)
 
 
 def train_step(ddp, opt, sched, ids):
