@@ -184,3 +184,51 @@ def test_critic_run_on_policy_then_resumes_with_its_critic(assets, rollout_serve
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["critic/grad_norm"] > 0
     assert (run / "checkpoints" / "critic" / "iter_0000005").is_dir()
+
+
+def test_distributed_optimizer_at_dp2_trains_on_policy_and_resumes_its_state(
+    assets, rollout_server, tmp_path
+):
+    """The trainer at DP2 with the distributed optimizer (``optimizer.use_distributed_optimizer``,
+    honoured on the CPU as on a GPU): 3 steps on-policy (each step's gathered weights are the
+    servers' exactly), every checkpoint's optimizer state in the reshardable distributed
+    format; launched again with total_steps=4 it resumes that state from iter_3 and steps."""
+    from areal_mega.checkpoint.distopt_state import FORMAT
+    from areal_mega.checkpoint.verify import read_meta
+
+    model, data = assets
+    run = tmp_path / "run"
+    distopt = (
+        "allocation=local:d1+megatron:d2",
+        "optimizer.use_distributed_optimizer=true",
+        "recover=auto",
+        "checkpoint.save_every=1",
+        "rollout.weight_update=disk",
+        *ON_POLICY,
+    )
+    rc, out = _finish(
+        _launch(
+            run, model, data, "total_steps=3", *distopt, server_addrs_on(rollout_server, model)
+        ),
+        timeout=300,
+    )
+    assert rc == 0, out[-3000:]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(r.get("grad_norm", 0) > 0 for r in rows[:-1])  # an update moved the weights
+    for r in rows:
+        assert r["mismatch_tokens"] > 0 and r["mismatch"] <= 1e-5, (r["step"], r["mismatch"])
+    saved = sorted((run / "checkpoints").glob("**/iter_0000003"))
+    assert saved, sorted(p.name for p in (run / "checkpoints").rglob("iter_*"))
+    assert read_meta(saved[0])["optimizer_format"] == FORMAT
+    rc, out = _finish(
+        _launch(
+            run, model, data, "total_steps=4", *distopt, server_addrs_on(rollout_server, model)
+        ),
+        timeout=300,
+    )
+    assert rc == 0, out[-3000:]
+    assert "resumed from" in (run / "logs" / "trainer.log").read_text()
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["grad_norm"] > 0 and rows[-1]["mismatch"] <= 1e-5

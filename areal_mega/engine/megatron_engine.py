@@ -100,9 +100,9 @@ class MegatronEngine:
         actor_cfg: :class:`areal_mega.config.ActorConfig` (temperature, logprob chunk size).
         seed: weight-initialisation seed.
         total_train_steps: LR schedule horizon when ``optimizer_cfg.lr_decay_steps`` is 0.
-        use_distributed_optimizer: override ``optimizer_cfg.use_distributed_optimizer``;
-            by default it is used on GPU only (its checkpoint formats fail without TE, see the
-            design notes), the regular optimizer on CPU.
+        use_distributed_optimizer: override ``optimizer_cfg.use_distributed_optimizer`` (on
+            every device; its checkpoints are saved in our own reshardable format,
+            :mod:`areal_mega.checkpoint.distopt_state`, as megatron's need TE).
         routing_replay: replay the rollout's MoE routes (``algorithm.routing_replay: r3``;
             actor of a MoE model only): see :mod:`areal_mega.engine.routing_replay`.
         lora: :class:`areal_mega.config.LoraConfig`; when enabled (actor only), LoRA
@@ -208,9 +208,7 @@ class MegatronEngine:
             self.model = chunks
         else:
             if use_distributed_optimizer is None:
-                use_distributed_optimizer = (
-                    optimizer_cfg.use_distributed_optimizer and not mesh.is_cpu
-                )
+                use_distributed_optimizer = optimizer_cfg.use_distributed_optimizer
             self.use_distributed_optimizer = bool(use_distributed_optimizer)
             self.model = self._wrap_ddp(chunks)
             self.optimizer = self._build_optimizer()
