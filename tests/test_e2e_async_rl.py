@@ -192,7 +192,8 @@ def test_distributed_optimizer_at_dp2_trains_on_policy_and_resumes_its_state(
     """The trainer at DP2 with the distributed optimizer (``optimizer.use_distributed_optimizer``,
     honoured on the CPU as on a GPU): 3 steps on-policy (each step's gathered weights are the
     servers' exactly), every checkpoint's optimizer state in the reshardable distributed
-    format; launched again with total_steps=4 it resumes that state from iter_3 and steps."""
+    format; launched again with total_steps=4 it resumes that state from iter_3 and steps;
+    launched with the regular optimizer, the run stops with an error naming the setting."""
     from areal_mega.checkpoint.distopt_state import FORMAT
     from areal_mega.checkpoint.verify import read_meta
 
@@ -232,3 +233,23 @@ def test_distributed_optimizer_at_dp2_trains_on_policy_and_resumes_its_state(
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["grad_norm"] > 0 and rows[-1]["mismatch"] <= 1e-5
+    # resumed with the regular optimizer: refused, naming the setting the state needs
+    regular = [o for o in distopt if not o.startswith("optimizer.")]
+    rc, out = _finish(
+        _launch(
+            run,
+            model,
+            data,
+            "total_steps=5",
+            *regular,
+            "optimizer.use_distributed_optimizer=false",
+            "cluster.max_restarts=0",
+            server_addrs_on(rollout_server, model),
+        ),
+        timeout=300,
+    )
+    assert rc != 0
+    log = (run / "logs" / "trainer.log").read_text()
+    assert "saved by the distributed optimizer" in log, log[-3000:]
+    assert "resume with optimizer.use_distributed_optimizer=true" in log
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4]

@@ -498,9 +498,12 @@ def load_checkpoint(
     want_opt = optimizer is not None and load_optimizer and meta.get("has_optimizer")
     distopt = want_opt and meta.get("optimizer_format") == DISTOPT_FORMAT
     if want_opt and bool(distributed_optimizers(optimizer)) != distopt:
+        kinds = ("the regular optimizer", "the distributed optimizer")
         raise CheckpointError(
-            f"{path}: optimizer state format {meta.get('optimizer_format')!r} "
-            f"does not match this optimizer ({type(optimizer).__name__})"
+            f"{path}: its optimizer state was saved by {kinds[distopt]} (format "
+            f"{meta.get('optimizer_format')!r}) and this optimizer is "
+            f"{kinds[not distopt]} ({type(optimizer).__name__}); resume with "
+            f"optimizer.use_distributed_optimizer={str(distopt).lower()}"
         )
     if distopt:
         state["optimizer"] = {
