@@ -124,6 +124,15 @@ def test_layouts_equal_single_rank(family):
         assert rows[1] < 89 - 17, rows
 
 
+def test_distributed_optimizer_steps_as_the_regular_one(family):
+    """At DP2 one optimizer step of the distributed optimizer (reduce-scattered gradients, Adam
+    on each rank's shard, weights gathered) moves every weight as the regular one does."""
+    for r in family["checks"]:
+        assert r["dp2.distopt_kinds"] == [False, True]
+        assert r["dp2.distopt_step"] < 1e-6, r["dp2.distopt_step"]
+        assert r["dp2.distopt_step_change"] > 1e-5, r["dp2.distopt_step_change"]
+
+
 @pytest.mark.parametrize("name", RL_CASES)
 def test_rl_steps_on_policy_through_the_cpu_server(tmp_path, name):
     """5 GRPO steps, weights pushed to the server by disk after every step, no staleness:

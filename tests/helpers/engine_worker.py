@@ -304,11 +304,11 @@ def set_mesh(spec, sp=False, vpp=None):
     return MESH[0]
 
 
-def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32", recompute=None):
+def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32", recompute=None, distopt=False):
     """An actor engine holding the reference weights (``recompute``: the model's
-    ``recompute_granularity``). The regular optimizer even on GPU: the grads are read from
-    ``main_grad``, which the distributed optimizer only reduce-scatters (each DP×CP rank would
-    hold the reduced gradient of its own buffer shard only)."""
+    ``recompute_granularity``). The regular optimizer unless ``distopt``: the grads are read
+    from ``main_grad``, which the distributed optimizer only reduce-scatters (each DP×CP rank
+    would hold the reduced gradient of its own buffer shard only)."""
     from areal_mega.engine import MegatronEngine
 
     eng = MegatronEngine(
@@ -318,10 +318,36 @@ def actor(hf, ref, seed=7, lr=1e-3, dtype="fp32", recompute=None):
         mesh=MESH[0],
         optimizer_cfg=OptimizerConfig(lr=lr, clip_grad=0.0),
         seed=seed,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distopt,
     )
     load_reference(eng, ref, hf)
     return eng
+
+
+def distopt_step(res, tag, hf, ref, my_mbs):
+    """One optimizer step (``train_batch``, the reference's production loss) of an actor with
+    the distributed optimizer against the same step with the regular one, on the current mesh
+    (this rank's ``my_mbs``): ``<tag>.distopt_step`` the largest difference of this rank's
+    stepped weights, ``<tag>.distopt_step_change`` the step's own largest change (the check
+    is not vacuous), ``<tag>.distopt_kinds`` whether each optimizer is a distributed one."""
+    from areal_mega.checkpoint.distopt_state import distributed_optimizers
+
+    stepped, kinds = [], []
+    for distopt in (False, True):
+        eng = actor(hf, ref, distopt=distopt)
+        kinds.append(bool(distributed_optimizers(eng.optimizer)))
+        before = [p.detach().clone() for c in eng.model_chunks() for p in c.parameters()]
+        eng.train_batch(my_mbs, *losses(ref["kind"]), temperature=TEMP)
+        after = [p.detach().clone() for c in eng.model_chunks() for p in c.parameters()]
+        stepped.append(after)
+        del eng
+    res[f"{tag}.distopt_step"] = max(
+        float((a - b).abs().max()) for a, b in zip(stepped[0], stepped[1])
+    )
+    res[f"{tag}.distopt_step_change"] = max(
+        float((a - b).abs().max()) for a, b in zip(stepped[0], before)
+    )
+    res[f"{tag}.distopt_kinds"] = kinds  # [regular, distributed]: [False, True]
 
 
 def check_layout(

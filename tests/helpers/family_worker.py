@@ -19,6 +19,8 @@ the family's case (:data:`tests.helpers.new_families.CASES`):
   ``config_variants`` (config overrides given to both the engine and transformers);
 * ``<layout>.{logprobs,grads,loss,n_tokens}``: the layout against the single-rank reference
   with the production PPO loss, exactly as tests/helpers/engine_worker.py checks the dense families.
+* ``dp2.distopt_step``: one optimizer step with the distributed optimizer against the same
+  step with the regular one (:func:`tests.helpers.engine_worker.distopt_step`).
 
 Rank r writes ``<work_dir>/<family>.<r>.json`` ({check: max abs difference}).
 """
@@ -183,6 +185,7 @@ def run_family(name):
         ew.check_layout(
             res, "dp2", hf, ref, mbs, my_mbs=mbs[rank::2], my_ref_lps=ref["lps"][rank::2]
         )
+        ew.distopt_step(res, "dp2", hf, ref, mbs[rank::2])
         for layout in case.layouts:
             ew.set_mesh(MESHES[layout], sp=layout in SEQUENCE_PARALLEL, vpp=VPP.get(layout))
             converted_vs_hf(res, layout, cfg, mcore_dir, seqs, want_logits, want_lps)
