@@ -38,7 +38,9 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
     """Qwen2 (QKV bias, untied) and Llama (tied, GQA) checkpoints converted at 'TP2 PP2' load
     at TP1/TP2/PP2: logits = transformers to 1e-5, live export = the HF files bit-exactly.
     A training checkpoint resumes bit-exactly (regular and distributed optimizer) and reshards
-    TP1 -> TP2 (weights; and distributed-optimizer state: the next step matches)."""
+    TP1 -> TP2 (weights; and distributed-optimizer state: the next step matches); saved by the
+    regular optimizer it resumes with the distributed one and back, in fp32 and bf16 (the next
+    step matches)."""
     ranks = launch_2ranks("dense", tmp_path, jobs)
     for res in ranks:
         for tag, c in res["checks"].items():
@@ -80,6 +82,14 @@ def test_dense_layouts_logits_export_resume(jobs, tmp_path):
         # optimizer state resharded DP2xTP1 -> TP2: the same global step gives the same weights
         assert do["opt_reshard_loaded_optimizer"]
         assert do["opt_reshard_tp2_max_abs_diff"] <= 1e-6, do
+        # use_distributed_optimizer switched between save and resume (each kind loads the
+        # other's state by key), fp32 and bf16: the same second step gives the same weights
+        for dtype in ("", ",bf16"):
+            for a, b in (("dp2,regular", "dp2"), ("dp2", "dp2,regular")):
+                r = res[f"resume {a}{dtype} -> {b}{dtype}"]
+                assert r["loaded_optimizer"] and r["names_equal"], r
+                assert r["step_change"] > 1e-4, r
+                assert r["max_abs_diff"] <= 1e-6, r
     # a checkpoint saved by TP2 ranks converts to HF equal to the TP2 live export, bit-exactly
     p = subprocess.run(
         [
@@ -119,7 +129,8 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
     shared experts and expert biases exported back bit-exactly), TP2 and PP2; logits =
     transformers at TP1 (Qwen3-MoE), TP2 and EP2; Qwen3-MoE also at TP2 with the experts at expert
     TP 1, and its training checkpoint (distributed optimizer) saved at expert TP 2 resumes at
-    expert TP 1 (TP2 with SP), saved at EP2 resumes at EP1 (DP2), and back: the next step gives
+    expert TP 1 (TP2 with SP), saved at EP2 resumes at EP1 (DP2), also with the regular
+    optimizer (the experts' own optimizer of the chain merged), and back: the next step gives
     the same weights."""
     ranks = launch_2ranks("moe", tmp_path, jobs)
     qwen3 = ("dp2,ep2", "tp2", "pp2", "tp2,etp1")
@@ -144,7 +155,7 @@ def test_moe_layouts_logits_export(jobs, tmp_path):
             assert f"{fam}:pp2" in checks
         # a training checkpoint (distributed optimizer) resumed at the other expert TP or EP: the
         # same second step gives the same weights
-        pairs = [("tp2", "tp2,etp1"), ("dp2,ep2", "dp2")]
+        pairs = [("tp2", "tp2,etp1"), ("dp2,ep2", "dp2"), ("dp2,ep2", "dp2,regular")]
         for a, b in pairs + [(b, a) for a, b in pairs]:
             r = res[f"resume {a} -> {b}"]
             assert r["loaded_optimizer"] and r["names_equal"] and r["n_expert_tensors"] > 0, r

@@ -8,6 +8,8 @@
 * :mod:`.verify` — completeness, sizes and checksums checked before a checkpoint is trusted, on
   one process or split over the ranks of a collective load.
 * :mod:`.distopt_state` — the distributed optimizer's state in our own reshardable format.
+* :mod:`.optimizer_switch` — a checkpoint's optimizer state loaded into the other kind of
+  optimizer (regular <-> distributed: ``optimizer.use_distributed_optimizer`` switched).
 * :mod:`.dcp_reader` — any region of a tensor read from a torch DCP checkpoint, chunk by chunk.
 * :mod:`.hf_mapping` — the HF <-> megatron name/layout tables, one per family.
 * :mod:`.hf_mapping_moe` — which rows of a family's table a config has (DeepSeek-style MoE

@@ -18,7 +18,8 @@ checkpoint, and ``*.tmp`` directories are never picked up.
 What is saved: the model chunks' ``sharded_state_dict()`` (so any TP/PP/VPP/EP layout can load
 it), the optimizer state (megatron's regular optimizers: their own ``sharded_state_dict()``; the
 distributed optimizer: a model-space format of ours, reshardable like the weights, see
-:mod:`~areal_mega.checkpoint.distopt_state`), the LR scheduler's ``state_dict()``, every
+:mod:`~areal_mega.checkpoint.distopt_state`; either kind loads into the other,
+:mod:`~areal_mega.checkpoint.optimizer_switch`), the LR scheduler's ``state_dict()``, every
 rank's RNG states (restored only when the layout is unchanged), and an ``extra`` JSON-able
 dict from the trainer.
 """
@@ -46,6 +47,12 @@ from areal_mega.checkpoint.distopt_state import (
     distributed_optimizers,
 )
 from areal_mega.checkpoint.finite_weights import NonFiniteWeightsError, nonfinite_parameters
+from areal_mega.checkpoint.optimizer_switch import (
+    distributed_state_for_regular,
+    load_distributed_into_regular,
+    load_regular_into_distributed,
+    regular_state_for_distributed,
+)
 from areal_mega.checkpoint.verify import (
     CheckpointError,
     gather_all,
@@ -497,19 +504,16 @@ def load_checkpoint(
     state: Dict[str, Any] = _model_sharded_sd(model, model_keys)
     want_opt = optimizer is not None and load_optimizer and meta.get("has_optimizer")
     distopt = want_opt and meta.get("optimizer_format") == DISTOPT_FORMAT
-    if want_opt and bool(distributed_optimizers(optimizer)) != distopt:
-        kinds = ("the regular optimizer", "the distributed optimizer")
-        raise CheckpointError(
-            f"{path}: its optimizer state was saved by {kinds[distopt]} (format "
-            f"{meta.get('optimizer_format')!r}) and this optimizer is "
-            f"{kinds[not distopt]} ({type(optimizer).__name__}); resume with "
-            f"optimizer.use_distributed_optimizer={str(distopt).lower()}"
-        )
-    if distopt:
+    # saved by the other kind of optimizer (use_distributed_optimizer switched): loaded by key
+    switched = want_opt and bool(distributed_optimizers(optimizer)) != distopt
+    chunk_sds = [state[k] for k in list(state)]
+    if switched and distopt:
+        state["optimizer"] = {"switch": distributed_state_for_regular(optimizer, model, chunk_sds)}
+    elif switched:
+        state["optimizer"] = {"switch": regular_state_for_distributed(optimizer, model, chunk_sds)}
+    elif distopt:
         state["optimizer"] = {
-            "distopt": distopt_sharded_state(
-                optimizer, model, [state[k] for k in list(state)], is_loading=True
-            )
+            "distopt": distopt_sharded_state(optimizer, model, chunk_sds, is_loading=True)
         }
     elif want_opt:
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True)
@@ -534,7 +538,19 @@ def load_checkpoint(
             "resuming from non-finite weights (resume from an older "
             "checkpoint: move this iter_* directory away)"
         )
-    if distopt:
+    if switched:
+        saved = {k: v for k, v in loaded["optimizer"].items() if k != "switch"}
+        if distopt:
+            load_distributed_into_regular(optimizer, model, loaded["optimizer"]["switch"], saved)
+        else:
+            load_regular_into_distributed(optimizer, model, loaded["optimizer"]["switch"], saved)
+        logger.info(
+            "%s: optimizer state of the %s optimizer loaded into the %s one",
+            path,
+            "distributed" if distopt else "regular",
+            "regular" if distopt else "distributed",
+        )
+    elif distopt:
         distopt_load_state(optimizer, model, loaded["optimizer"]["distopt"])
     elif want_opt:
         optimizer.load_state_dict(loaded["optimizer"])

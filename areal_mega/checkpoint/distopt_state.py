@@ -21,7 +21,13 @@ from typing import Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["distributed_optimizers", "distopt_sharded_state", "distopt_load_state", "FORMAT"]
+__all__ = [
+    "distributed_optimizers",
+    "distopt_sharded_state",
+    "distopt_load_state",
+    "optimizer_tensor",
+    "FORMAT",
+]
 
 FORMAT = "areal-distopt-model-space/1"
 _STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -34,6 +40,18 @@ def distributed_optimizers(optimizer) -> List:
 
     opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
     return [o for o in opts if isinstance(o, DistributedOptimizer)]
+
+
+def optimizer_tensor(entry, key: str, data: torch.Tensor):
+    """The parameter's sharded ``entry`` (a sharded tensor or factory) under ``key``, holding
+    optimizer state ``data`` (fp32): a plain sharded tensor takes the data's dtype, else a
+    bf16 parameter's entry fails megatron's metadata check (megatron's
+    ``make_sharded_optimizer_tensor`` does the same)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return dataclasses.replace(entry, key=key, data=data, dtype=data.dtype)
+    return dataclasses.replace(entry, key=key, data=data)
 
 
 def _entries_by_param(model_sds: Sequence[dict]) -> Dict[int, object]:
@@ -90,8 +108,8 @@ def distopt_sharded_state(optimizer, model, model_sds: Sequence[dict], *, is_loa
             if not is_loading and dist.get_world_size(group) > 1:
                 dist.all_reduce(full, group=group)
             for k, name in enumerate(_STATES):
-                states[name][str(j)] = dataclasses.replace(
-                    entry, key=f"optimizer.distopt.{name}.{entry.key}", data=full[k].view(p.shape)
+                states[name][str(j)] = optimizer_tensor(
+                    entry, f"optimizer.distopt.{name}.{entry.key}", full[k].view(p.shape)
                 )
         if not is_loading:
             dist.all_reduce(step, op=dist.ReduceOp.MAX)

@@ -125,6 +125,13 @@ def main(rank, world, port, work, scenario, convdir):
             export,
             distopt=True,
         )
+        # use_distributed_optimizer switched between save and resume, fp32 and bf16
+        for dtype in ("fp32", "bf16"):
+            a, b = dict(dp=2, distopt=False, dtype=dtype), dict(dp=2, dtype=dtype)
+            for x, y in ((a, b), (b, a)):
+                res[f"resume {setting_tag(x)} -> {setting_tag(y)}"] = resume_across(
+                    work, rank, mesh_for, conv("qwen3_tied_qknorm"), export, x, y
+                )
     elif scenario == "moe":
         run_model_checks(
             "qwen3_moe_untied",
@@ -141,8 +148,10 @@ def main(rank, world, port, work, scenario, convdir):
         )
         # TP2 with SP at expert TP 2 and 1; DP2 with EP 2 and 1 (expert DP 1 and 2)
         pairs = [(dict(tp=2, sp=True), dict(tp=2, etp=1, sp=True)), (dict(dp=2, ep=2), dict(dp=2))]
+        # and the optimizer switched: EP2 (experts in an optimizer of their own) <-> EP1
+        pairs.append((dict(dp=2, ep=2), dict(dp=2, distopt=False)))
         for a, b in pairs + [(b, a) for a, b in pairs]:
-            res[f"resume {layout_tag(a)} -> {layout_tag(b)}"] = resume_across_expert_layouts(
+            res[f"resume {setting_tag(a)} -> {setting_tag(b)}"] = resume_across(
                 work, rank, mesh_for, conv("qwen3_moe_untied"), export, a, b
             )
     res["seconds"] = time.time() - t0
@@ -151,15 +160,15 @@ def main(rank, world, port, work, scenario, convdir):
     dist.destroy_process_group()
 
 
-def trainer(arch, mesh, seed, distopt):
-    """The trainer's DDP model, Adam optimizer (``distopt``: the distributed one) and LR
-    schedule of ``arch`` on ``mesh``, built by the engine's own builders
+def trainer(arch, mesh, seed, distopt, dtype="fp32"):
+    """The trainer's DDP model (``dtype`` parameters), Adam optimizer (``distopt``: the
+    distributed one) and LR schedule of ``arch`` on ``mesh``, built by the engine's own builders
     (:mod:`areal_mega.engine.optim`): 2 warm-up steps, then cosine decay to 1e-4 by step 10."""
     from areal_mega.config import OptimizerConfig
     from areal_mega.engine.optim import build_lr_scheduler, build_optimizer, wrap_ddp
     from areal_mega.models.builder import build_model_chunks
 
-    chunks, cfg = build_model_chunks(arch, mesh, seed=seed)
+    chunks, cfg = build_model_chunks(arch, mesh, seed=seed, dtype=dtype)
     oc = OptimizerConfig(
         lr=1e-3,
         min_lr=1e-4,
@@ -201,48 +210,68 @@ def layout_tag(dims: dict) -> str:
     return ",".join(f"{k}{v}" for k, v in dims.items() if k != "sp")
 
 
-def resume_across_expert_layouts(work, rank, mesh_for, conv_dir, export, save, resume):
-    """MoE training with the distributed optimizer: one step on the mesh ``save`` (mesh_for
-    keywords), save, a second step; a fresh model resumed from the save on the mesh ``resume``
-    (another expert TP or EP: weights and Adam state resharded over the experts' other groups,
-    megatron's optimizer chain split or merged) takes the same second step. Returns the largest
+def setting_tag(setting: dict) -> str:
+    """:func:`resume_across`'s setting by name: its mesh (:func:`layout_tag`), ``regular`` for
+    the regular optimizer, its dtype when not fp32: ``dict(dp=2, distopt=False)`` ->
+    ``"dp2,regular"``."""
+    dims = {k: v for k, v in setting.items() if k not in ("distopt", "dtype")}
+    parts = [layout_tag(dims)]
+    if not setting.get("distopt", True):
+        parts.append("regular")
+    if setting.get("dtype", "fp32") != "fp32":
+        parts.append(setting["dtype"])
+    return ",".join(parts)
+
+
+def resume_across(work, rank, mesh_for, conv_dir, export, save, resume):
+    """Training resumed in another setting: one step in the setting ``save``, save, a second
+    step; a fresh model resumed from the save in the setting ``resume`` takes the same second
+    step. A setting is a mesh (mesh_for keywords: another expert TP or EP, whose weights and
+    Adam state reshard over the experts' other groups, megatron's optimizer chain split or
+    merged) with ``distopt`` (the distributed optimizer, default; False: the regular one, whose
+    state the other kind loads by key) and ``dtype`` (default fp32). Returns the largest
     difference of the exported weights after it, the second step's own largest change of an
-    expert weight (the check is not vacuous) and whether the optimizer state loaded."""
+    expert weight, or of any weight without experts (the check is not vacuous), and whether
+    the optimizer state loaded."""
     import torch
 
     from areal_mega.checkpoint import hf_mapping as hm
     from areal_mega.checkpoint.dist_ckpt import load_checkpoint, save_checkpoint
 
     arch = hm.read_arch(conv_dir / "hf")
-    root = work / f"moe_ckpt_{layout_tag(save)}"
+    root = work / f"ckpt_{conv_dir.name}_{setting_tag(save)}_to_{setting_tag(resume)}"
 
     def batch(step, dims):  # a DP rank's own tokens; the same tokens on both TP ranks
         g = torch.Generator().manual_seed(300 + 10 * step + (rank if dims.get("dp") else 0))
         return torch.randint(3, arch.vocab_size, (2, 16), generator=g)
 
-    mesh = mesh_for(**save)
-    ddp, opt, sched = trainer(arch, mesh, 7, distopt=True)
+    def make(setting, seed):
+        dims = {k: v for k, v in setting.items() if k not in ("distopt", "dtype")}
+        mesh = mesh_for(**dims)
+        kind = dict(distopt=setting.get("distopt", True), dtype=setting.get("dtype", "fp32"))
+        return mesh, dims, *trainer(arch, mesh, seed, **kind)
+
+    mesh, dims, ddp, opt, sched = make(save, 7)
     load_checkpoint(conv_dir / "mcore", ddp)
-    train_step(ddp, opt, sched, batch(0, save))
+    train_step(ddp, opt, sched, batch(0, dims))
     save_checkpoint(root, 1, ddp, opt, sched, hf_dir=conv_dir / "hf")
     saved = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
-    train_step(ddp, opt, sched, batch(1, save))
+    train_step(ddp, opt, sched, batch(1, dims))
     want = {k: v.clone() for k, v in export.iter_hf_tensors(ddp, arch)}
     mesh.destroy()
     del ddp, opt, sched
 
-    mesh = mesh_for(**resume)
-    ddp, opt, sched = trainer(arch, mesh, 31, distopt=True)
+    mesh, dims, ddp, opt, sched = make(resume, 31)
     info = load_checkpoint(root, ddp, opt, sched)
-    train_step(ddp, opt, sched, batch(1, resume))
+    train_step(ddp, opt, sched, batch(1, dims))
     got = dict(export.iter_hf_tensors(ddp, arch))
     mesh.destroy()
-    experts = [k for k in want if ".experts." in k]
+    experts = [k for k in want if ".experts." in k] or list(want)
     return {
         "max_abs_diff": max(float((got[k] - want[k]).abs().max()) for k in want if k in got),
         "names_equal": sorted(got) == sorted(want),
         "step_change": max(float((want[k] - saved[k]).abs().max()) for k in experts),
-        "n_expert_tensors": len(experts),
+        "n_expert_tensors": len([k for k in want if ".experts." in k]),
         "loaded_optimizer": info.loaded_optimizer,
     }
 
