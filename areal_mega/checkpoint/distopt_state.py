@@ -22,24 +22,36 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "chain_members",
     "distributed_optimizers",
     "distopt_sharded_state",
     "distopt_load_state",
+    "entries_by_param",
+    "model_parameters",
     "optimizer_tensor",
+    "params_in_order",
+    "sharded_entry",
     "FORMAT",
+    "STATES",
 ]
 
 FORMAT = "areal-distopt-model-space/1"
-_STATES = ("param", "exp_avg", "exp_avg_sq")
+#: what the format keeps per parameter: the fp32 main weight and Adam's two moments
+STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def chain_members(optimizer) -> List:
+    """The optimizers of megatron's chain ``optimizer`` (``[optimizer]`` when not chained)."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    return optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
 
 def distributed_optimizers(optimizer) -> List:
     """The megatron ``DistributedOptimizer``s inside ``optimizer`` (chained or not)."""
-    from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    opts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    return [o for o in opts if isinstance(o, DistributedOptimizer)]
+    return [o for o in chain_members(optimizer) if isinstance(o, DistributedOptimizer)]
 
 
 def optimizer_tensor(entry, key: str, data: torch.Tensor):
@@ -54,7 +66,9 @@ def optimizer_tensor(entry, key: str, data: torch.Tensor):
     return dataclasses.replace(entry, key=key, data=data)
 
 
-def _entries_by_param(model_sds: Sequence[dict]) -> Dict[int, object]:
+def entries_by_param(model_sds: Sequence[dict]) -> Dict[int, object]:
+    """Each parameter's sharded entry (tensor or factory) in the chunks' sharded state dicts
+    ``model_sds``, by the parameter's (data pointer, shape) (:func:`sharded_entry`)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -66,48 +80,56 @@ def _entries_by_param(model_sds: Sequence[dict]) -> Dict[int, object]:
     return out
 
 
-def _params_in_order(model, opt):
+def sharded_entry(by_param: dict, p: torch.Tensor):
+    """Parameter ``p``'s entry in :func:`entries_by_param`'s map."""
+    entry = by_param.get((p.data_ptr(), tuple(p.shape)))
+    if entry is None:
+        raise RuntimeError(
+            f"optimizer parameter {tuple(p.shape)} has no sharded entry in the model state dict"
+        )
+    return entry
+
+
+def model_parameters(model):
+    """The parameters of the model chunks ``model`` (wrapped or not), in model order."""
+    for chunk in model:
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        yield from chunk.parameters()
+
+
+def params_in_order(model, opt):
     """Every parameter this optimizer owns (whether or not this DP rank holds a piece of it),
     in model order: the same sequence on every rank of the optimizer's DP group."""
     owned = set()
     for buf in opt.buffers:
         owned.update(buf.param_index_map.keys())
-    for chunk in model:
-        while hasattr(chunk, "module"):
-            chunk = chunk.module
-        for p in chunk.parameters():
-            if p in owned:
-                yield p
+    return [p for p in model_parameters(model) if p in owned]
 
 
 def distopt_sharded_state(optimizer, model, model_sds: Sequence[dict], *, is_loading: bool) -> dict:
     """The sharded state dict of ``optimizer``'s distributed optimizers (collective over each
     optimizer's data-parallel group). ``model_sds``: the chunks' ``sharded_state_dict()``."""
-    by_param = _entries_by_param(model_sds)
+    by_param = entries_by_param(model_sds)
     out: dict = {}
     for i, o in enumerate(distributed_optimizers(optimizer)):
         group = o.data_parallel_group
-        states: dict = {k: {} for k in _STATES}
+        states: dict = {k: {} for k in STATES}
         step = torch.zeros((), dtype=torch.float64)
-        for j, p in enumerate(_params_in_order(model, o)):
-            entry = by_param.get((p.data_ptr(), tuple(p.shape)))
-            if entry is None:
-                raise RuntimeError(
-                    f"optimizer parameter {tuple(p.shape)} has no sharded entry "
-                    f"in the model state dict"
-                )
-            full = torch.zeros((len(_STATES), p.numel()), dtype=torch.float32)
+        for j, p in enumerate(params_in_order(model, o)):
+            entry = sharded_entry(by_param, p)
+            full = torch.zeros((len(STATES), p.numel()), dtype=torch.float32)
             if not is_loading and p in o.model_param_group_index_map:  # has a local piece
                 r = o._get_model_param_range_map(p)["param"]
                 t = o._get_main_param_and_optimizer_states(p)
-                for k, name in enumerate(_STATES):
+                for k, name in enumerate(STATES):
                     if name in t:
                         full[k, r.start : r.end] = t[name].detach().reshape(-1).float()
                 if "step" in t:
                     step = torch.maximum(step, t["step"].detach().double().reshape(()))
             if not is_loading and dist.get_world_size(group) > 1:
                 dist.all_reduce(full, group=group)
-            for k, name in enumerate(_STATES):
+            for k, name in enumerate(STATES):
                 states[name][str(j)] = optimizer_tensor(
                     entry, f"optimizer.distopt.{name}.{entry.key}", full[k].view(p.shape)
                 )
@@ -135,7 +157,7 @@ def distopt_load_state(optimizer, model, loaded: dict) -> None:
         o._init_optimizer_states_with_dummy_values()
         states = loaded[str(i)]["states"]
         step = torch.tensor(float(loaded[str(i)].get("step", max(saved))))
-        for j, p in enumerate(_params_in_order(model, o)):
+        for j, p in enumerate(params_in_order(model, o)):
             if p not in o.model_param_group_index_map:
                 continue
             r = o._get_model_param_range_map(p)["param"]

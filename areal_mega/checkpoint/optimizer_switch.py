@@ -23,11 +23,15 @@ from typing import Dict, List, Sequence
 import torch
 
 from areal_mega.checkpoint.distopt_state import (
-    _entries_by_param,
-    _params_in_order,
+    STATES,
+    chain_members,
     distopt_load_state,
     distributed_optimizers,
+    entries_by_param,
+    model_parameters,
     optimizer_tensor,
+    params_in_order,
+    sharded_entry,
 )
 
 __all__ = [
@@ -38,13 +42,6 @@ __all__ = [
 ]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _entry(by_param: dict, p: torch.Tensor):
-    e = by_param.get((p.data_ptr(), tuple(p.shape)))
-    if e is None:
-        raise RuntimeError(f"optimizer parameter {tuple(p.shape)} has no sharded entry")
-    return e
 
 
 def _steps(tree, name: str) -> List[float]:
@@ -70,12 +67,12 @@ def regular_state_for_distributed(optimizer, model, model_sds: Sequence[dict]) -
     optimizers: per optimizer of the chain and parameter (model order), its moments and, for a
     parameter that is not fp32, its saved main weight (:func:`load_regular_into_distributed`
     takes the result of ``dist_checkpointing.load``)."""
-    by_param = _entries_by_param(model_sds)
+    by_param = entries_by_param(model_sds)
     out: dict = {}
     for i, o in enumerate(distributed_optimizers(optimizer)):
         names = {k: {} for k in ("fp32_param",) + _MOMENTS}
-        for j, p in enumerate(_params_in_order(model, o)):
-            entry = _entry(by_param, p)
+        for j, p in enumerate(params_in_order(model, o)):
+            entry = sharded_entry(by_param, p)
             wanted = _MOMENTS if p.dtype == torch.float32 else ("fp32_param",) + _MOMENTS
             for name in wanted:
                 full = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -97,8 +94,8 @@ def load_regular_into_distributed(optimizer, model, requested: dict, saved_commo
     converted = {}
     for i, o in enumerate(distributed_optimizers(optimizer)):
         got = requested[str(i)]
-        states: Dict[str, dict] = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for j, p in enumerate(_params_in_order(model, o)):
+        states: Dict[str, dict] = {name: {} for name in STATES}
+        for j, p in enumerate(params_in_order(model, o)):
             main = got.get("fp32_param", {}).get(str(j))  # none for an fp32 parameter
             states["param"][str(j)] = p.detach().float() if main is None else main
             for name in _MOMENTS:
@@ -110,29 +107,20 @@ def load_regular_into_distributed(optimizer, model, requested: dict, saved_commo
 # ---------------------------------------------------------------- distributed -> regular
 
 
-def _regular_optimizers(optimizer) -> list:
-    from megatron.core.optimizer import ChainedOptimizer
-
-    return optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-
-
 def _trainable_in_order(model, optimizer) -> list:
     """``(model parameter, its main parameter, the chain's optimizer that steps it)`` for every
     parameter ``optimizer`` (regular, chained or not) trains, in model order."""
     owner = {}
-    for o in _regular_optimizers(optimizer):
+    for o in chain_members(optimizer):
         for group in o.optimizer.param_groups:
             for q in group["params"]:
                 owner[q] = o
     out = []
-    for chunk in model:
-        while hasattr(chunk, "module"):
-            chunk = chunk.module
-        for p in chunk.parameters():
-            main = getattr(p, "main_param", None)
-            main = main if main is not None and main in owner else p
-            if main in owner:
-                out.append((p, main, owner[main]))
+    for p in model_parameters(model):
+        main = getattr(p, "main_param", None)
+        main = main if main is not None and main in owner else p
+        if main in owner:
+            out.append((p, main, owner[main]))
     return out
 
 
@@ -140,17 +128,17 @@ def distributed_state_for_regular(optimizer, model, model_sds: Sequence[dict]) -
     """What to load from a distributed optimizer's checkpoint (our format) for the regular
     ``optimizer``: each trained parameter's main weight and moments, by the parameter's key
     (:func:`load_distributed_into_regular` takes the loaded result)."""
-    by_param = _entries_by_param(model_sds)
+    by_param = entries_by_param(model_sds)
     out: dict = {}
     for j, (p, _, _) in enumerate(_trainable_in_order(model, optimizer)):
-        entry = _entry(by_param, p)
+        entry = sharded_entry(by_param, p)
         out[str(j)] = {
             name: optimizer_tensor(
                 entry,
                 f"optimizer.distopt.{name}.{entry.key}",
                 torch.zeros(p.shape, dtype=torch.float32, device=p.device),
             )
-            for name in ("param",) + _MOMENTS
+            for name in STATES
         }
     return out
 
@@ -164,7 +152,7 @@ def load_distributed_into_regular(optimizer, model, requested: dict, saved_commo
     if not steps:
         raise ValueError("the distributed optimizer's state holds no Adam step")
     step = max(steps)
-    for o in _regular_optimizers(optimizer):
+    for o in chain_members(optimizer):
         o.init_state_fn(o.optimizer, o.config)
     with torch.no_grad():
         for j, (p, main, o) in enumerate(_trainable_in_order(model, optimizer)):

@@ -332,14 +332,16 @@ def distopt_step(res, tag, hf, ref, my_mbs):
     is not vacuous), ``<tag>.distopt_kinds`` whether each optimizer is a distributed one."""
     from areal_mega.checkpoint.distopt_state import distributed_optimizers
 
-    stepped, kinds = [], []
+    def weights(eng):
+        return [p.detach().clone() for c in eng.model_chunks() for p in c.parameters()]
+
+    before, stepped, kinds = None, [], []
     for distopt in (False, True):
-        eng = actor(hf, ref, distopt=distopt)
+        eng = actor(hf, ref, distopt=distopt)  # both start from the reference weights
         kinds.append(bool(distributed_optimizers(eng.optimizer)))
-        before = [p.detach().clone() for c in eng.model_chunks() for p in c.parameters()]
+        before = weights(eng) if before is None else before
         eng.train_batch(my_mbs, *losses(ref["kind"]), temperature=TEMP)
-        after = [p.detach().clone() for c in eng.model_chunks() for p in c.parameters()]
-        stepped.append(after)
+        stepped.append(weights(eng))
         del eng
     res[f"{tag}.distopt_step"] = max(
         float((a - b).abs().max()) for a, b in zip(stepped[0], stepped[1])

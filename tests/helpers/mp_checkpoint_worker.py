@@ -210,12 +210,16 @@ def layout_tag(dims: dict) -> str:
     return ",".join(f"{k}{v}" for k, v in dims.items() if k != "sp")
 
 
+def mesh_dims(setting: dict) -> dict:
+    """:func:`resume_across`'s setting less its optimizer kind and dtype: mesh_for keywords."""
+    return {k: v for k, v in setting.items() if k not in ("distopt", "dtype")}
+
+
 def setting_tag(setting: dict) -> str:
     """:func:`resume_across`'s setting by name: its mesh (:func:`layout_tag`), ``regular`` for
     the regular optimizer, its dtype when not fp32: ``dict(dp=2, distopt=False)`` ->
     ``"dp2,regular"``."""
-    dims = {k: v for k, v in setting.items() if k not in ("distopt", "dtype")}
-    parts = [layout_tag(dims)]
+    parts = [layout_tag(mesh_dims(setting))]
     if not setting.get("distopt", True):
         parts.append("regular")
     if setting.get("dtype", "fp32") != "fp32":
@@ -246,7 +250,7 @@ def resume_across(work, rank, mesh_for, conv_dir, export, save, resume):
         return torch.randint(3, arch.vocab_size, (2, 16), generator=g)
 
     def make(setting, seed):
-        dims = {k: v for k, v in setting.items() if k not in ("distopt", "dtype")}
+        dims = mesh_dims(setting)
         mesh = mesh_for(**dims)
         kind = dict(distopt=setting.get("distopt", True), dtype=setting.get("dtype", "fp32"))
         return mesh, dims, *trainer(arch, mesh, seed, **kind)
@@ -266,12 +270,12 @@ def resume_across(work, rank, mesh_for, conv_dir, export, save, resume):
     train_step(ddp, opt, sched, batch(1, dims))
     got = dict(export.iter_hf_tensors(ddp, arch))
     mesh.destroy()
-    experts = [k for k in want if ".experts." in k] or list(want)
+    experts = [k for k in want if ".experts." in k]
     return {
         "max_abs_diff": max(float((got[k] - want[k]).abs().max()) for k in want if k in got),
         "names_equal": sorted(got) == sorted(want),
-        "step_change": max(float((want[k] - saved[k]).abs().max()) for k in experts),
-        "n_expert_tensors": len([k for k in want if ".experts." in k]),
+        "step_change": max(float((want[k] - saved[k]).abs().max()) for k in experts or want),
+        "n_expert_tensors": len(experts),
         "loaded_optimizer": info.loaded_optimizer,
     }
 
