@@ -330,6 +330,69 @@ def test_softcapped_or_sunk_shared_prefix_attention_equals_the_packed_batch(soft
     assert (out[expand] - want).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize(
+    "groups,window",
+    [
+        ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], None),  # padded
+        ([(9, [3, 5, 1, 4, 2, 6, 3, 3]), (7, [4, 4, 2, 5, 1, 3, 2, 6])], 4),
+        ([(40, [3, 30]), (12, [6, 1, 9])], 8),  # one call per unit
+    ],
+)
+def test_a_micro_batchs_attention_plan_is_made_once_and_serves_every_layer(groups, window):
+    """The plan (index rows, masks, order) is kept on the micro-batch's packed parameters
+    under its window: made once for all layers, another window gets its own, and a layer run
+    with the kept plan equals one that plans itself, outputs and gradients bit for bit. The
+    same for the plain packed path (slot bounds, one padded call or a call per slot)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from areal_mega.models.varlen_attention import (
+        SharedPrefixSeqParams,
+        micro_batch_plan,
+        plan_unit_attention,
+        plan_varlen_attention,
+        unit_attention,
+    )
+
+    _, bounds, layout = _tree_case(groups, 0, seed=11)
+    params = SharedPrefixSeqParams(units=layout.units)
+    made = []
+
+    def plan_for(w):
+        return micro_batch_plan(
+            params,
+            ("units", w, "cpu"),
+            lambda: made.append(w) or plan_unit_attention(layout.units, w, "cpu"),
+        )
+
+    plan = plan_for(window)
+    assert plan_for(window) is plan and plan_for(None if window else 5) is not plan
+    assert made == [window, None if window else 5]
+    t = len(layout.keep)
+    g = torch.Generator().manual_seed(t)
+    for _layer in range(2):  # each layer its own q, k, v; the same plan
+        q, k, v = (torch.randn(t, n, 8, generator=g) for n in (4, 2, 2))
+        kw = dict(scale=0.3, window=window)
+        runs = []
+        for kept in (plan, None):
+            x = [y.clone().requires_grad_() for y in (q, k, v)]
+            out = unit_attention(*x, layout.units, plan=kept, **kw)
+            runs.append((out, torch.autograd.grad(out.square().sum(), x)))
+        assert torch.equal(runs[0][0], runs[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+    plain = PackedSeqParams()
+    total = bounds[-1]
+    slots = micro_batch_plan(
+        plain,
+        ("slots", window, "cpu", total),
+        lambda: plan_varlen_attention(bounds, total, window, "cpu"),
+    )
+    assert micro_batch_plan(plain, ("slots", window, "cpu", total), lambda: None) is slots
+    q, k, v = (torch.randn(total, n, 8, generator=g) for n in (4, 2, 2))
+    kept = varlen_causal_attention(q, k, v, bounds, scale=0.3, window=window, plan=slots)
+    assert torch.equal(kept, varlen_causal_attention(q, k, v, bounds, scale=0.3, window=window))
+
+
 def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
     """4 groups of 8 samples (60-token prompts): one padded call for the prompts, one for the
     branches: with 16-token answers an entry per branch (32), with 6-token ones an entry per

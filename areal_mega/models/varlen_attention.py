@@ -27,6 +27,11 @@ each row's softmax without a value, GPT-OSS; megatron-core's ``softmax_offset``)
 kernel: with either every path computes the scores explicitly (:func:`attention`), the
 given-mask path included.
 
+What a layer derives from the host layout alone (slot lengths, a shared-prefix batch's index
+rows, masks and order) is a plan (:class:`VarlenPlan`, :class:`UnitPlan`) made once per
+micro-batch and kept on its packed parameters (:func:`micro_batch_plan`): every layer of the
+forward, and a recomputed forward, reuse it.
+
 bf16 attention of short queries on a CPU runs in fp32 (:data:`CPU_FP32_ATTENTION_MAX_QUERY`):
 torch's bf16 CPU kernel is several times slower there than the fp32 one.
 """
@@ -34,7 +39,7 @@ torch's bf16 CPU kernel is several times slower there than the fp32 one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +56,11 @@ __all__ = [
     "varlen_causal_attention",
     "unit_attention",
     "batch_entries",
+    "micro_batch_plan",
+    "plan_unit_attention",
+    "plan_varlen_attention",
+    "UnitPlan",
+    "VarlenPlan",
 ]
 
 
@@ -61,6 +71,18 @@ class SharedPrefixSeqParams(PackedSeqParams):
     row attends to; only :class:`VarlenDotProductAttention` reads them."""
 
     units: Optional[list] = None
+
+
+def micro_batch_plan(packed_seq_params, key: tuple, make: Callable):
+    """The attention plan ``make()`` of one micro-batch under ``key``, made once and kept on
+    its ``packed_seq_params`` (made for one forward of the micro-batch): every layer, and
+    the backward's recomputation, read the same host layout. Building it in each layer cost
+    ~2 ms of host work there (index lists, masks, their copies into tensors)."""
+    plans = packed_seq_params.__dict__.setdefault("_attention_plans", {})
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = make()
+    return plan
 
 
 def packed_slot_bounds(packed_seq_params) -> list[int]:
@@ -159,13 +181,14 @@ def varlen_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bounds: list[int],
+    bounds: Optional[list[int]],
     *,
     scale: float,
     dropout_p: float = 0.0,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sink: Optional[torch.Tensor] = None,
+    plan: Optional[VarlenPlan] = None,
 ) -> torch.Tensor:
     """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
 
@@ -173,49 +196,76 @@ def varlen_causal_attention(
     (grouped-query attention). Returns [T, nq, d]. Tokens past ``bounds[-1]`` (if any) form
     one more slot. ``window``: each query sees only the ``window`` most recent keys of its
     slot (itself included); None: all earlier keys. ``softcap``, ``sink``: see
-    :func:`attention`.
+    :func:`attention`. ``plan``: :func:`plan_varlen_attention` of ``bounds`` (then unused),
+    ``window`` and the row count, when the caller keeps it; made here otherwise.
 
     Many short slots (a GRPO micro-batch: dozens of samples of a few dozen tokens) go through
     one padded SDPA call (:func:`pads_cheaply`); the per-slot calls and their gradients'
     bookkeeping would cost more than the attention itself there."""
-    total = query.shape[0]
-    if bounds[-1] < total:
-        bounds = list(bounds) + [total]
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    if plan is None:
+        plan = plan_varlen_attention(bounds, query.shape[0], window, query.device)
     gqa = query.shape[1] != key.shape[1]
-    if pads_cheaply(lengths):
-        return _padded_causal_attention(
-            query,
-            key,
-            value,
-            lengths,
-            scale=scale,
-            dropout_p=dropout_p,
-            window=window,
-            gqa=gqa,
-            softcap=softcap,
-            sink=sink,
-        )
+    kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=gqa, softcap=softcap, sink=sink)
+    if plan.padded is not None:
+        return plan.padded.run(query, key, value, **kw)
     outs = []
     # split, not slicing: the backward of one split is one concatenation, while each slice's
     # backward would write a zero-filled [T, h, d] gradient (quadratic in the slot count)
-    for q, k, v in zip(*(torch.split(x, lengths) for x in (query, key, value))):
+    for q, k, v in zip(*(torch.split(x, plan.lengths) for x in (query, key, value))):
         if q.shape[0] == 0:
             continue
         # [L, h, d] -> [1, h, L, d]: transposed views, SDPA reads the strides
         o = _causal_sdpa(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            window,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=gqa,
-            softcap=softcap,
-            sink=sink,
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], window, **kw
         )
         outs.append(o[0].transpose(0, 1))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+@dataclass
+class _PaddedSlots:
+    """The non-empty slots as one padded batch: each slot's rows (``index`` [B, Lmax], padding
+    repeats its first row), which of them are real (``valid``) and the causal (window) mask
+    [B, 1, Lmax, Lmax] that also hides the padded keys."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor
+
+    def run(self, query, key, value, **kw) -> torch.Tensor:
+        q, k, v = (x[self.index].transpose(1, 2) for x in (query, key, value))  # [B, h, L, d]
+        o = attention(q, k, v, attn_mask=self.mask, **kw)
+        return o.transpose(1, 2)[self.valid]  # [T, h, d]
+
+
+@dataclass
+class VarlenPlan:
+    """What :func:`varlen_causal_attention` derives from the slot bounds alone (the same for
+    every layer of a micro-batch): the slot lengths and, where they run as one padded batch
+    (:func:`pads_cheaply`), its :class:`_PaddedSlots`."""
+
+    lengths: list
+    padded: Optional[_PaddedSlots]
+
+
+def plan_varlen_attention(
+    bounds: list[int], total: int, window: Optional[int], device
+) -> VarlenPlan:
+    """The :class:`VarlenPlan` of slots ``bounds`` over ``total`` rows (rows past
+    ``bounds[-1]`` form one more slot) and ``window``, its tensors on ``device``."""
+    if bounds[-1] < total:
+        bounds = list(bounds) + [total]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    if not pads_cheaply(lengths):
+        return VarlenPlan(lengths, None)
+    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) if n > 0], device=device)
+    lens = torch.tensor([n for n in lengths if n > 0], device=device)
+    width = int(lens.max())
+    pos = torch.arange(width, device=device)
+    valid = pos[None, :] < lens[:, None]  # [B, Lmax]
+    index = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
+    mask = window_visible(pos, pos, window)[None, None] & valid[:, None, None, :]  # causal
+    return VarlenPlan(lengths, _PaddedSlots(index, valid, mask))
 
 
 PAD_BATCH_MIN_SLOTS = 4  # fewer slots: the per-slot calls cost little
@@ -235,34 +285,6 @@ def pads_cheaply(lengths: list[int]) -> bool:
     return len(real) * max(real) <= PAD_BATCH_MAX_WASTE * sum(real)
 
 
-def _padded_causal_attention(
-    query, key, value, lengths, *, scale, dropout_p, window, gqa, softcap=None, sink=None
-):
-    """One SDPA over the non-empty slots padded to the longest: [B, h, Lmax, d] gathered by
-    index, a causal (and window) mask that also hides the padded keys, scattered back."""
-    device = query.device
-    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) if n > 0], device=device)
-    lens = torch.tensor([n for n in lengths if n > 0], device=device)
-    width = int(lens.max())
-    pos = torch.arange(width, device=device)
-    valid = pos[None, :] < lens[:, None]  # [B, Lmax]
-    index = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
-    mask = window_visible(pos, pos, window)[None, None] & valid[:, None, None, :]  # causal
-    q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [B, h, Lmax, d]
-    o = attention(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        scale=scale,
-        enable_gqa=gqa,
-        softcap=softcap,
-        sink=sink,
-    )
-    return o.transpose(1, 2)[valid]  # [T, h, d]
-
-
 def unit_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -274,6 +296,7 @@ def unit_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sink: Optional[torch.Tensor] = None,
+    plan: Optional[UnitPlan] = None,
 ) -> torch.Tensor:
     """Attention of a micro-batch with shared prompt prefixes
     (:mod:`areal_mega.scheduler.shared_prefix`): each unit ``(start, length, ctx_start,
@@ -282,25 +305,16 @@ def unit_attention(
     cover ``[0, T)`` in order. Units without a context and those with one run as a padded
     batch each (or, when padding would more than double the work, one call per unit); units
     that share a context (a GRPO group's branches) may share one entry of that batch
-    (:func:`batch_entries`)."""
+    (:func:`batch_entries`). ``plan``: :func:`plan_unit_attention` of ``units`` and ``window``
+    on ``query``'s device, when the caller keeps it (every layer of a micro-batch shares
+    one); made here otherwise."""
+    if plan is None:
+        plan = plan_unit_attention(units, window, query.device)
     gqa = query.shape[1] != key.shape[1]
-    units = [u for u in units if u[1] > 0]
-    parts, order = [], []
-    for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
-        if group:
-            entries = batch_entries(group)
-            parts.append(
-                _entry_group(
-                    query, key, value, entries, scale, dropout_p, window, gqa, softcap, sink
-                )
-            )
-            order += [u[0] + i for entry in entries for u in entry for i in range(u[1])]
+    kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=gqa, softcap=softcap, sink=sink)
+    parts = [group.run(query, key, value, **kw) for group in plan.groups]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if order == list(range(len(order))):
-        return out
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return out.index_select(0, inverse.to(out.device))
+    return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
 
 # what one entry of a padded SDPA batch, and one SDPA call of its own, cost besides their query
@@ -365,11 +379,82 @@ def batch_entries(units: list) -> list[list]:
     return grouped if _padded_cost(grouped) < alone else singles
 
 
-def _entry_group(
-    query, key, value, entries, scale, dropout_p, window, gqa, softcap=None, sink=None
-):
-    """Outputs of the units of ``entries`` ([sum of lengths, h, d], in their order)."""
-    device = query.device
+@dataclass
+class _UnitCalls:
+    """One SDPA call per unit (:func:`_one_call_each`): the rows of the units' queries
+    (``q_idx``) and of each one's keys (``k_idx``: its context, then its own rows), split by
+    ``lens`` / ``spans``, and each unit's causal (window) mask."""
+
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    lens: list
+    spans: list
+    masks: list
+
+    def run(self, query, key, value, **kw) -> torch.Tensor:
+        outs = []
+        qs = torch.split(query.index_select(0, self.q_idx), self.lens)
+        ks, vs = (torch.split(x.index_select(0, self.k_idx), self.spans) for x in (key, value))
+        for mask, q, k, v in zip(self.masks, qs, ks, vs):
+            o = attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                **kw,
+            )
+            outs.append(o[0].transpose(0, 1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@dataclass
+class _UnitBatch:
+    """One padded SDPA batch of entries: each entry's query and key rows (``q_rows``
+    [E, Q], ``k_rows`` [E, K]; padding repeats the entry's first row), the mask
+    [E, 1, Q, K] and the flat positions of the real queries in the output (``keep``)."""
+
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    mask: torch.Tensor
+    keep: torch.Tensor
+
+    def run(self, query, key, value, **kw) -> torch.Tensor:
+        q = _rows(query, self.q_rows).transpose(1, 2)  # [E, h, Q, d]
+        k, v = (_rows(x, self.k_rows).transpose(1, 2) for x in (key, value))
+        o = attention(q, k, v, attn_mask=self.mask, **kw).transpose(1, 2)  # [E, Q, h, d]
+        return o.reshape(-1, *o.shape[2:]).index_select(0, self.keep)
+
+
+@dataclass
+class UnitPlan:
+    """What :func:`unit_attention` derives from the host units alone (the same for every
+    layer of a micro-batch): the groups it runs (:class:`_UnitCalls` or :class:`_UnitBatch`),
+    in order, and the permutation back to the rows' order (None: already in order)."""
+
+    groups: list
+    inverse: Optional[torch.Tensor]
+
+
+def plan_unit_attention(units: list, window: Optional[int], device) -> UnitPlan:
+    """The :class:`UnitPlan` of :func:`unit_attention` for ``units`` and ``window``, its
+    index and mask tensors on ``device``."""
+    units = [u for u in units if u[1] > 0]
+    groups, order = [], []
+    for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
+        if group:
+            entries = batch_entries(group)
+            groups.append(_plan_entries(entries, window, device))
+            order += [u[0] + i for entry in entries for u in entry for i in range(u[1])]
+    if order == list(range(len(order))):
+        return UnitPlan(groups, None)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return UnitPlan(groups, inverse.to(device))
+
+
+def _plan_entries(entries: list, window: Optional[int], device):
+    """The :class:`_UnitCalls` or :class:`_UnitBatch` that computes the units of
+    ``entries`` (their outputs [sum of lengths, h, d], in their order)."""
     units = [u for e in entries for u in e]
     lens, spans = _entry_widths(entries)
     q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
@@ -385,25 +470,11 @@ def _entry_group(
         device=device,
     )
     if len(entries) == len(units) and _one_call_each(units):
-        outs = []
-        qs = torch.split(query.index_select(0, q_idx), lens)
-        ks, vs = (torch.split(x.index_select(0, k_idx), spans) for x in (key, value))
-        for u, q, k, v in zip(units, qs, ks, vs):
+        masks = []
+        for u in units:
             pos_k = torch.arange(u[3] + u[1], device=device)
-            mask = window_visible(pos_k[u[3] :], pos_k, window)
-            o = attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                scale=scale,
-                enable_gqa=gqa,
-                softcap=softcap,
-                sink=sink,
-            )
-            outs.append(o[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            masks.append(window_visible(pos_k[u[3] :], pos_k, window))
+        return _UnitCalls(q_idx, k_idx, lens, spans, masks)
     width_q, width_k = max(lens), max(spans)
     # per entry: the unit of each query and key (context keys: -1, padding: -2), its position
     # and its row in q_idx / k_idx (padding: the entry's first); a unit's queries see the
@@ -429,23 +500,9 @@ def _entry_group(
     # a padded query sees every real key (finite weights; its output is discarded)
     mask = torch.where(q_unit[:, :, None] == -2, ku != -2, mask)
     q_rows, k_rows = (torch.tensor(r, device=device) for r in (q_rows, k_rows))
-    q_rows, k_rows = q_idx[q_rows], k_idx[k_rows]  # rows of query / key: one gather each
-    q = _rows(query, q_rows).transpose(1, 2)  # [E, h, Q, d]
-    k, v = (_rows(x, k_rows).transpose(1, 2) for x in (key, value))
-    o = attention(
-        q,
-        k,
-        v,
-        attn_mask=mask[:, None].to(device),
-        dropout_p=dropout_p,
-        scale=scale,
-        enable_gqa=gqa,
-        softcap=softcap,
-        sink=sink,
-    )
-    o = o.transpose(1, 2)  # [E, Q, h, d]
-    flat = o.reshape(-1, *o.shape[2:])
-    return flat.index_select(0, (q_unit.reshape(-1) != -2).nonzero().squeeze(1).to(device))
+    keep = (q_unit.reshape(-1) != -2).nonzero().squeeze(1).to(device)
+    # rows of query / key: one gather each
+    return _UnitBatch(q_idx[q_rows], k_idx[k_rows], mask[:, None].to(device), keep)
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -524,31 +581,33 @@ class VarlenDotProductAttention(DotProductAttention):
                 raise ValueError(
                     f"packed attention needs qkv_format='thd', got {packed_seq_params.qkv_format!r}"
                 )
+            kw = dict(
+                scale=self.sdpa_scale,
+                dropout_p=p,
+                window=self.window,
+                softcap=self.softcap,
+                sink=self.softmax_offset,
+            )
             units = getattr(packed_seq_params, "units", None)
             if units is not None:
-                out = unit_attention(
-                    query,
-                    key,
-                    value,
-                    units,
-                    scale=self.sdpa_scale,
-                    dropout_p=p,
-                    window=self.window,
-                    softcap=self.softcap,
-                    sink=self.softmax_offset,
+                plan = micro_batch_plan(
+                    packed_seq_params,
+                    ("units", self.window, query.device),
+                    lambda: plan_unit_attention(units, self.window, query.device),
                 )
+                out = unit_attention(query, key, value, units, plan=plan, **kw)
             else:
-                out = varlen_causal_attention(
-                    query,
-                    key,
-                    value,
-                    packed_slot_bounds(packed_seq_params),
-                    scale=self.sdpa_scale,
-                    dropout_p=p,
-                    window=self.window,
-                    softcap=self.softcap,
-                    sink=self.softmax_offset,
+                plan = micro_batch_plan(
+                    packed_seq_params,
+                    ("slots", self.window, query.device, query.shape[0]),
+                    lambda: plan_varlen_attention(
+                        packed_slot_bounds(packed_seq_params),
+                        query.shape[0],
+                        self.window,
+                        query.device,
+                    ),
                 )
+                out = varlen_causal_attention(query, key, value, None, plan=plan, **kw)
             # heads x value dim; MLA pads its values to the query dim here and trims after
             return out.reshape(out.shape[0], -1)
         if attention_mask is not None:
