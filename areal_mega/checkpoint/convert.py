@@ -45,7 +45,7 @@ from areal_mega.checkpoint.verify import read_meta
 from areal_mega.common.malloc import release_large_buffers
 from areal_mega.common.net import free_port
 from areal_mega.common.proc_memory import AnonPeak, proc_status_bytes
-from areal_mega.parallel.allocation import ParallelDims
+from areal_mega.parallel.allocation import ParallelDims, expert_tp_size
 
 __all__ = [
     "convert_hf_to_mcore",
@@ -345,7 +345,7 @@ def convert_hf_to_mcore(
                 "tp": tp,
                 "pp": pp,
                 "ep": ep,
-                "etp": tp if etp is None else etp,
+                "etp": expert_tp_size(tp, etp),
                 "vpp": vpp or 1,
             },
             "layout": {"world": 1, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "vpp": 1},

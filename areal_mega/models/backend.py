@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from areal_mega.parallel.allocation import expert_tp_size
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "TEStatus",
@@ -326,7 +328,7 @@ def runtime_config_fields(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp if etp is None else etp,
+        expert_tensor_parallel_size=expert_tp_size(tp, etp),
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,

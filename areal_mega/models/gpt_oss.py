@@ -22,6 +22,7 @@ from typing import Optional
 from areal_mega.models.decoder_fields import decoder_fields
 from areal_mega.models.gemma3 import FULL, SLIDING, layer_types_and_window
 from areal_mega.models.sliding_window import mcore_window_size
+from areal_mega.parallel.allocation import expert_tp_size
 
 GPT_OSS_MODEL_TYPE = "gpt_oss"
 #: why expert TP > 1 is refused: megatron-core takes expert biases only at expert-TP 1 (the
@@ -37,7 +38,7 @@ TP_REFUSED = (
 def layout_refusal(tp: int, etp: Optional[int]) -> Optional[str]:
     """Why GPT-OSS cannot run with these TP / expert TP sizes (None when it can; ``etp`` None:
     the experts take ``tp``)."""
-    expert_tp = tp if etp is None else etp
+    expert_tp = expert_tp_size(tp, etp)
     return TP_REFUSED.format(tp=expert_tp) if expert_tp > 1 else None
 
 

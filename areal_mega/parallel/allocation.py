@@ -41,6 +41,12 @@ class AllocationError(ValueError):
     """An allocation string that breaks a rule; the message names the letter and the rule."""
 
 
+def expert_tp_size(tp: int, etp: Optional[int]) -> int:
+    """The routed experts' tensor parallel size: ``etp``, or ``tp`` where it is None (the
+    experts take the attention's TP unless the allocation gives them their own)."""
+    return tp if etp is None else etp
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Parallel sizes of one side (all >= 1): ``dp`` data, ``tp`` tensor, ``pp`` pipeline,
@@ -63,7 +69,7 @@ class ParallelDims:
     @property
     def expert_tp(self) -> int:
         """The routed experts' tensor parallel size (``etp``, else ``tp``)."""
-        return self.tp if self.etp is None else self.etp
+        return expert_tp_size(self.tp, self.etp)
 
     @property
     def expert_dp(self) -> int:
