@@ -27,6 +27,9 @@ step):
 * ``unit_families``: the answers of a GRPO group side by side in one entry of the padded
   attention batch where that costs less (:func:`areal_mega.models.varlen_attention.batch_entries`)
   against one entry per answer;
+* ``width_batches``: the shared-prefix attention's entries in padded batches cut by width
+  (:func:`areal_mega.models.varlen_attention.split_batches`) against the former choice of one
+  padded batch, or one call per answer where that batch would cost over 4x the answers' area;
 * ``all``: every change at once.
 """
 
@@ -45,7 +48,45 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import SHAPE  # noqa: E402  (bench/ is a namespace package)
 
-CHANGES = ("finite", "attention_fp32", "unit_families")
+CHANGES = ("finite", "attention_fp32", "width_batches", "unit_families")
+
+
+def _former_entries_and_batches(va):
+    """The shared-prefix attention's former planning: one padded batch of entries, or a call
+    per unit where padding would cost over 4x the units' own area (fewer than 4: always)."""
+
+    def own_area(u):
+        return u[1] * (u[3] + u[1])
+
+    def one_call_each(units):
+        wq, wk = max(u[1] for u in units), max(u[3] + u[1] for u in units)
+        return len(units) < 4 or len(units) * wq * wk > 4.0 * sum(map(own_area, units))
+
+    def padded_cost(entries):
+        lens, spans = va._entry_widths(entries)
+        return len(entries) * (max(lens) * max(spans) + va.ENTRY_AREA)
+
+    def batch_entries(units):
+        families = {}
+        for u in units:
+            families.setdefault((u[2], u[3]), []).append(u)
+        singles = [[u] for u in units]
+        if not units[0][3] or len(families) == len(units):
+            return singles
+        if one_call_each(units):
+            alone = sum(own_area(u) + va.CALL_AREA for u in units)
+        else:
+            alone = padded_cost(singles)
+        grouped = list(families.values())
+        return grouped if padded_cost(grouped) < alone else singles
+
+    def split_batches(entries):
+        units = [u for e in entries for u in e]
+        if len(entries) == len(units) and one_call_each(units):
+            return [[e] for e in entries]
+        return [entries]
+
+    return batch_entries, split_batches
 
 
 @contextlib.contextmanager
@@ -77,6 +118,14 @@ def former(change: str):
             yield
         finally:
             varlen_attention.batch_entries = saved
+    elif change == "width_batches":
+        saved = varlen_attention.batch_entries, varlen_attention.split_batches
+        former_pair = _former_entries_and_batches(varlen_attention)
+        varlen_attention.batch_entries, varlen_attention.split_batches = former_pair
+        try:
+            yield
+        finally:
+            varlen_attention.batch_entries, varlen_attention.split_batches = saved
     elif change == "all":
         with contextlib.ExitStack() as stack:
             for c in CHANGES:

@@ -398,7 +398,7 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
     branches: with 16-token answers an entry per branch (32), with 6-token ones an entry per
     group (4: its 8 branches side by side, masked from each other, cost less than 32 short
     entries); a group of two uneven answers is one entry; a lone sample (no shared prompt) is
-    a plain slot, called with the prompts."""
+    a plain slot, padded with the prompts."""
     import areal_mega.models.varlen_attention as va
 
     calls = []
@@ -412,7 +412,7 @@ def test_grpo_groups_attend_in_two_padded_calls(monkeypatch):
         ([(60, [16] * 8)] * 4, [(4, 4, 59, 8), (32, 4, 17, 8)]),
         ([(60, [6] * 8)] * 4, [(4, 4, 59, 8), (4, 4, 56, 8)]),
         ([(40, [3, 30])], [(1, 4, 39, 8), (1, 4, 35, 8)]),
-        ([(40, [3, 30]), (12, [5])], [(1, 4, 39, 8), (1, 4, 17, 8), (1, 4, 35, 8)]),
+        ([(40, [3, 30]), (12, [5])], [(2, 4, 39, 8), (1, 4, 35, 8)]),
     ):
         _, _, layout = _tree_case(groups, 0, seed=3)
         t = len(layout.keep)
@@ -447,6 +447,46 @@ def test_batch_entries_group_a_context_only_when_it_costs_less():
     assert batch_entries(prompts) == [[u] for u in prompts]
     own_contexts = [(100, 3, 0, 10), (103, 3, 20, 10)]
     assert batch_entries(own_contexts) == [[u] for u in own_contexts]
+
+
+def test_split_batches_cuts_by_width_at_the_least_cost():
+    """Pure planning: entries sorted by width are cut into padded batches where another call
+    costs less than the padding; the cuts are the cheapest of every contiguous split (brute
+    force over small random cases); every entry lands in exactly one batch."""
+    import itertools
+    import random
+
+    from areal_mega.models import varlen_attention as va
+
+    assert va.split_batches([]) == []
+    one = [[(100, 7, 0, 59)]]
+    assert va.split_batches(one) == [one]
+    same = [[(100 + 7 * i, 7, 0, 59)] for i in range(8)]
+    assert va.split_batches(same) == [same]
+    short = [[(100 + 2 * i, 2, 0, 59)] for i in range(8)]
+    long = [[(200 + 120 * i, 120, 0, 59)] for i in range(8)]
+    mixed = [e for pair in zip(long, short) for e in pair]
+    assert va.split_batches(mixed) == [short, long]
+    lone = [[(5000, 1500, 0, 59)]]
+    assert va.split_batches(short + lone) == [short, lone]
+
+    def cost(batch):
+        lens, spans = va._entry_widths(batch)
+        return len(batch) * (max(lens) * max(spans) + va.ENTRY_AREA) + va.CALL_AREA
+
+    rng = random.Random(0)
+    for _ in range(40):
+        n = rng.randint(1, 8)
+        entries = [[(10 * i, rng.choice([1, 3, 30, 90, 200]), 0, 59)] for i in range(n)]
+        got = va.split_batches(entries)
+        assert sorted(e for b in got for e in b) == sorted(entries)
+        ordered = sorted(entries, key=lambda e: (e[0][1], e[0][1]))
+        brute = min(
+            sum(cost(ordered[i:j]) for i, j in zip((0, *cuts), (*cuts, n)))
+            for k in range(n)
+            for cuts in itertools.combinations(range(1, n), k)
+        )
+        assert sum(cost(b) for b in got) == brute
 
 
 def test_short_bf16_attention_runs_in_fp32_on_the_cpu(monkeypatch):

@@ -56,6 +56,7 @@ __all__ = [
     "varlen_causal_attention",
     "unit_attention",
     "batch_entries",
+    "split_batches",
     "micro_batch_plan",
     "plan_unit_attention",
     "plan_varlen_attention",
@@ -270,9 +271,6 @@ def plan_varlen_attention(
 
 PAD_BATCH_MIN_SLOTS = 4  # fewer slots: the per-slot calls cost little
 PAD_BATCH_MAX_WASTE = 2.0  # padded tokens at most this many times the real ones
-# shared-prefix units: padded query x key area at most this many times the units' own (each
-# unit's own area counts its masked upper triangle too, hence more than PAD_BATCH_MAX_WASTE)
-UNIT_BATCH_MAX_WASTE = 4.0
 
 
 def pads_cheaply(lengths: list[int]) -> bool:
@@ -302,12 +300,13 @@ def unit_attention(
     (:mod:`areal_mega.scheduler.shared_prefix`): each unit ``(start, length, ctx_start,
     ctx_len)`` of consecutive rows attends to the keys ``[ctx_start, ctx_start + ctx_len)`` and
     causally to its own, at positions ``ctx_len + i`` (the window counts positions). Units
-    cover ``[0, T)`` in order. Units without a context and those with one run as a padded
-    batch each (or, when padding would more than double the work, one call per unit); units
-    that share a context (a GRPO group's branches) may share one entry of that batch
-    (:func:`batch_entries`). ``plan``: :func:`plan_unit_attention` of ``units`` and ``window``
-    on ``query``'s device, when the caller keeps it (every layer of a micro-batch shares
-    one); made here otherwise."""
+    cover ``[0, T)`` in order. Units without a context and those with one run as padded
+    batches, cut by width where the padding would cost more than another call
+    (:func:`split_batches`; a batch of one entry is a call of its own); units that share a
+    context (a GRPO group's branches) may share one entry of a batch (:func:`batch_entries`).
+    ``plan``: :func:`plan_unit_attention` of ``units`` and ``window`` on ``query``'s device,
+    when the caller keeps it (every layer of a micro-batch shares one); made here
+    otherwise."""
     if plan is None:
         plan = plan_unit_attention(units, window, query.device)
     gqa = query.shape[1] != key.shape[1]
@@ -325,86 +324,61 @@ ENTRY_AREA = 800
 CALL_AREA = 2500
 
 
-def _own_area(unit) -> int:
-    """Query x key area of one unit: its queries against its context and itself."""
-    return unit[1] * (unit[3] + unit[1])
-
-
 def _entry_widths(entries: list) -> tuple[list, list]:
     """Queries and keys of each entry (a list of units sharing a context)."""
     lens = [sum(u[1] for u in e) for e in entries]
     return lens, [e[0][3] + n for e, n in zip(entries, lens)]
 
 
-def _padded_cost(entries: list) -> int:
-    """Query x key area of ``entries`` (lists of units sharing a context) as one padded batch,
-    with :data:`ENTRY_AREA` per entry."""
+def split_batches(entries: list) -> list[list]:
+    """The padded SDPA batches of ``entries`` (lists of units sharing a context), pure:
+    sorted by key span, then query width, and cut where padding the narrower to the wider
+    would cost more than another call. Minimises the padded area plus :data:`ENTRY_AREA` per
+    entry and :data:`CALL_AREA` per batch (exactly, over cuts between distinct widths).
+    Answers of uneven length (1 to 128 tokens) padded to the longest cost 3-4x their causal
+    area in one batch, 1.5-2x in a few batches by width."""
+    return _width_batches(entries)[1]
+
+
+def _width_batches(entries: list) -> tuple[int, list[list]]:
+    """(cost, batches) of :func:`split_batches`."""
     lens, spans = _entry_widths(entries)
-    return len(entries) * (max(lens) * max(spans) + ENTRY_AREA)
-
-
-def _one_call_each(units: list) -> bool:
-    """Whether ``units``, one entry each, run as one SDPA call per unit: fewer than
-    :data:`PAD_BATCH_MIN_SLOTS`, or padding to the longest would cost more than
-    :data:`UNIT_BATCH_MAX_WASTE` times their own area."""
-    real = sum(_own_area(u) for u in units)
-    width_q = max(u[1] for u in units)
-    width_k = max(u[3] + u[1] for u in units)
-    return (
-        len(units) < PAD_BATCH_MIN_SLOTS
-        or len(units) * width_q * width_k > UNIT_BATCH_MAX_WASTE * real
-    )
+    runs: dict = {}  # entries of equal widths never gain from a cut between them
+    for i in sorted(range(len(entries)), key=lambda i: (spans[i], lens[i])):
+        runs.setdefault((spans[i], lens[i]), []).append(entries[i])
+    runs = list(runs.items())
+    best, cut = [0] + [None] * len(runs), [0] * (len(runs) + 1)
+    for j in range(1, len(runs) + 1):
+        count = width_q = width_k = 0
+        for i in range(j - 1, -1, -1):
+            (span, n), members = runs[i]
+            count, width_q, width_k = count + len(members), max(width_q, n), max(width_k, span)
+            cost = best[i] + count * (width_q * width_k + ENTRY_AREA) + CALL_AREA
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    batches, j = [], len(runs)
+    while j:
+        batches.append([e for _, members in runs[cut[j] : j] for e in members])
+        j = cut[j]
+    return best[-1], batches[::-1]
 
 
 def batch_entries(units: list) -> list[list]:
-    """The entries of the padded attention batch of ``units`` (pure): one per unit, or, when
-    that costs less, one per context ``(ctx_start, ctx_len)``: the units attending to the same
-    keys (a GRPO group's answers to its prompt) concatenated into one entry, each unit masked
-    from the others. Many short answers then make a few long entries instead of many short
-    ones, which torch's CPU attention kernel runs at a small fraction of its speed; long or
-    uneven answers stay one per entry or call (the masked pairs between them would cost
-    more). Costs: :func:`_padded_cost`, or the units' own area plus :data:`CALL_AREA` each
-    where they would run one call each (:func:`_one_call_each`)."""
+    """The entries of the padded attention batches of ``units`` (pure): one per unit, or,
+    when that costs less, one per context ``(ctx_start, ctx_len)``: the units attending to the
+    same keys (a GRPO group's answers to its prompt) concatenated into one entry, each unit
+    masked from the others. Many short answers then make a few long entries instead of many
+    short ones, which torch's CPU attention kernel runs at a small fraction of its speed; long
+    or uneven answers stay one per entry (the masked pairs between them would cost more).
+    Costs: those of the entries' :func:`split_batches`."""
     families: dict = {}
     for u in units:
         families.setdefault((u[2], u[3]), []).append(u)
     singles = [[u] for u in units]
     if not units[0][3] or len(families) == len(units):
         return singles
-    if _one_call_each(units):
-        alone = sum(_own_area(u) + CALL_AREA for u in units)
-    else:
-        alone = _padded_cost(singles)
     grouped = list(families.values())
-    return grouped if _padded_cost(grouped) < alone else singles
-
-
-@dataclass
-class _UnitCalls:
-    """One SDPA call per unit (:func:`_one_call_each`): the rows of the units' queries
-    (``q_idx``) and of each one's keys (``k_idx``: its context, then its own rows), split by
-    ``lens`` / ``spans``, and each unit's causal (window) mask."""
-
-    q_idx: torch.Tensor
-    k_idx: torch.Tensor
-    lens: list
-    spans: list
-    masks: list
-
-    def run(self, query, key, value, **kw) -> torch.Tensor:
-        outs = []
-        qs = torch.split(query.index_select(0, self.q_idx), self.lens)
-        ks, vs = (torch.split(x.index_select(0, self.k_idx), self.spans) for x in (key, value))
-        for mask, q, k, v in zip(self.masks, qs, ks, vs):
-            o = attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=mask,
-                **kw,
-            )
-            outs.append(o[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return grouped if _width_batches(grouped)[0] < _width_batches(singles)[0] else singles
 
 
 @dataclass
@@ -428,8 +402,8 @@ class _UnitBatch:
 @dataclass
 class UnitPlan:
     """What :func:`unit_attention` derives from the host units alone (the same for every
-    layer of a micro-batch): the groups it runs (:class:`_UnitCalls` or :class:`_UnitBatch`),
-    in order, and the permutation back to the rows' order (None: already in order)."""
+    layer of a micro-batch): the padded batches it runs (:class:`_UnitBatch`), in order, and
+    the permutation back to the rows' order (None: already in order)."""
 
     groups: list
     inverse: Optional[torch.Tensor]
@@ -442,9 +416,9 @@ def plan_unit_attention(units: list, window: Optional[int], device) -> UnitPlan:
     groups, order = [], []
     for group in ([u for u in units if u[3] == 0], [u for u in units if u[3] > 0]):
         if group:
-            entries = batch_entries(group)
-            groups.append(_plan_entries(entries, window, device))
-            order += [u[0] + i for entry in entries for u in entry for i in range(u[1])]
+            for batch in split_batches(batch_entries(group)):
+                groups.append(_plan_entries(batch, window, device))
+                order += [u[0] + i for entry in batch for u in entry for i in range(u[1])]
     if order == list(range(len(order))):
         return UnitPlan(groups, None)
     inverse = torch.empty(len(order), dtype=torch.long)
@@ -452,9 +426,9 @@ def plan_unit_attention(units: list, window: Optional[int], device) -> UnitPlan:
     return UnitPlan(groups, inverse.to(device))
 
 
-def _plan_entries(entries: list, window: Optional[int], device):
-    """The :class:`_UnitCalls` or :class:`_UnitBatch` that computes the units of
-    ``entries`` (their outputs [sum of lengths, h, d], in their order)."""
+def _plan_entries(entries: list, window: Optional[int], device) -> "_UnitBatch":
+    """The :class:`_UnitBatch` that computes the units of ``entries`` (their outputs [sum of
+    lengths, h, d], in their order)."""
     units = [u for e in entries for u in e]
     lens, spans = _entry_widths(entries)
     q_idx = torch.tensor([u[0] + i for u in units for i in range(u[1])], device=device)
@@ -469,12 +443,6 @@ def _plan_entries(entries: list, window: Optional[int], device):
         ],
         device=device,
     )
-    if len(entries) == len(units) and _one_call_each(units):
-        masks = []
-        for u in units:
-            pos_k = torch.arange(u[3] + u[1], device=device)
-            masks.append(window_visible(pos_k[u[3] :], pos_k, window))
-        return _UnitCalls(q_idx, k_idx, lens, spans, masks)
     width_q, width_k = max(lens), max(spans)
     # per entry: the unit of each query and key (context keys: -1, padding: -2), its position
     # and its row in q_idx / k_idx (padding: the entry's first); a unit's queries see the
