@@ -27,6 +27,8 @@ step):
 * ``unit_families``: the answers of a GRPO group side by side in one entry of the padded
   attention batch where that costs less (:func:`areal_mega.models.varlen_attention.batch_entries`)
   against one entry per answer;
+* ``grad_in_logits``: the log-probabilities' backward writing the gradient over the output
+  layer's logits (:func:`areal_mega.ops.logits_read_by_loss_only`) against a new buffer;
 * ``width_batches``: the shared-prefix attention's entries in padded batches cut by width
   (:func:`areal_mega.models.varlen_attention.split_batches`) against the former choice of one
   padded batch, or one call per answer where that batch would cost over 4x the answers' area;
@@ -48,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import SHAPE  # noqa: E402  (bench/ is a namespace package)
 
-CHANGES = ("finite", "attention_fp32", "width_batches", "unit_families")
+CHANGES = ("finite", "attention_fp32", "grad_in_logits", "width_batches", "unit_families")
 
 
 def _former_entries_and_batches(va):
@@ -118,6 +120,15 @@ def former(change: str):
             yield
         finally:
             varlen_attention.batch_entries = saved
+    elif change == "grad_in_logits":
+        import areal_mega.ops as ops
+
+        saved = ops.logits_read_by_loss_only
+        ops.logits_read_by_loss_only = lambda logits: False
+        try:
+            yield
+        finally:
+            ops.logits_read_by_loss_only = saved
     elif change == "width_batches":
         saved = varlen_attention.batch_entries, varlen_attention.split_batches
         former_pair = _former_entries_and_batches(varlen_attention)

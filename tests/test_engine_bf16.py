@@ -27,3 +27,6 @@ def test_bf16_actor_keeps_fp32_main_params_logprobs_and_loss(assets, tmp_path):
     assert all(abs(x) < 1e3 for x in f["losses"])
     assert f["max_change"] > 0  # the steps moved the weights
     assert f["main_round_to_params"]  # the bf16 weights are the rounded main params
+    # the engine writes the logits' gradient over them, and that changes no gradient
+    assert f["grad_in_logits_asked"] == [True]
+    assert f["grad_in_logits_equal"]

@@ -70,6 +70,51 @@ def test_forward_backward_match_reference(backend, dtype, tol, gtol, temperature
     torch.testing.assert_close(gx2.double(), gref2, atol=gtol * scale + 1e-7, rtol=gtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_gradient_written_over_the_logits_equals_a_new_one(backend, dtype, entropy):
+    """grad_in_logits: the backward writes the gradient over the logits, bit for bit the one
+    of a new buffer (V = 5003: several blocks; labels in the first and last of them, and
+    padding); the logits' storage holds it and their version moves on."""
+    from areal_mega.ops import logits_read_by_loss_only
+
+    logits, labels = _batch(24, 5003, dtype)
+    labels[3], labels[4], labels[5], labels[6] = -1, 5002, 0, 2100
+    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    w = torch.randn(24, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(wdtype)
+    grads = {}
+    for over in (False, True):
+        leaf = logits.clone().requires_grad_()
+        x = leaf.clone()  # a producer that does not read its output (as the output layer)
+        assert logits_read_by_loss_only(x) and logits_read_by_loss_only(x.view(24, 5003))
+        out = packed_logprobs(
+            x, labels, temperature=0.7, return_entropy=entropy, grad_in_logits=over
+        )
+        lp, ent = out if entropy else (out, None)
+        loss = (lp * w).sum() + (0.3 * (ent * w).sum() if entropy else 0)
+        version = x._version
+        (grads[over],) = torch.autograd.grad(loss, leaf)
+        assert (grads[over].data_ptr() == x.data_ptr()) == over
+        assert (x._version > version) == over
+    assert torch.equal(grads[True], grads[False])
+
+
+def test_logits_another_node_saved_are_not_overwritten_silently(backend):
+    """Logits a node saved for its backward are not read by the loss only; forcing
+    grad_in_logits there makes that node's backward fail loudly, not read the gradient."""
+    from areal_mega.ops import logits_read_by_loss_only
+
+    logits, labels = _batch(8, 300, torch.float32)
+    leaf = logits.clone().requires_grad_()
+    assert not logits_read_by_loss_only(leaf)  # a leaf: the caller holds it
+    assert not logits_read_by_loss_only(leaf.exp())  # exp's backward reads its output
+    x = leaf.clone()
+    other = x.square().sum()  # saves x; runs its backward after the loss's
+    lp = packed_logprobs(x, labels, grad_in_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp.sum() + other).backward()
+
+
 def test_gradcheck_fp64(backend):
     logits, labels = _batch(6, 37, torch.float64, seed=1, scale=1.0)
     labels[2] = -1

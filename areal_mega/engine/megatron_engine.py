@@ -298,7 +298,7 @@ class MegatronEngine:
         logits = output.reshape(-1, output.shape[-1])  # [1, T, V_local] -> [T, V_local]
         logits = self._mask_padded_vocab(logits)
         chunk = getattr(self.actor_cfg, "logprob_chunk_size", None)
-        from areal_mega.ops import packed_logprobs
+        from areal_mega.ops import logits_read_by_loss_only, packed_logprobs
 
         rows = batch.get("rows")  # logits of these rows only (engine/loss_rows.py)
         res = packed_logprobs(
@@ -308,6 +308,7 @@ class MegatronEngine:
             tp_group=self.mesh.tp_group if self.mesh.dims.tp > 1 else None,
             chunk_size=chunk,
             return_entropy=return_entropy,
+            grad_in_logits=logits_read_by_loss_only(logits),
         )
         lp, ent = res if return_entropy else (res, None)
         valid = batch["valid"]

@@ -22,10 +22,11 @@ compiled kernels, choosing a backend per call).
 from ._backend import KernelFallbackWarning, cpu_available, cuda_available
 from .fused import packed_logprobs_from_hidden
 from .gae import packed_gae
-from .logprob import packed_logprobs
+from .logprob import logits_read_by_loss_only, packed_logprobs
 
 __all__ = [
     "packed_logprobs",
+    "logits_read_by_loss_only",
     "packed_gae",
     "packed_logprobs_from_hidden",
     "cpu_available",

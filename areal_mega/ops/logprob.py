@@ -93,9 +93,48 @@ def global_stats(m, s, xlab, u, tp_group):
     return gmax, stacked[0], stacked[1], (stacked[2] if u is not None else None)
 
 
+# autograd nodes that pass their input's memory on as a view (or a fresh copy) and nodes whose
+# backward reads none of their output: logits reached through the first from one of the second
+# are read by nothing but the logprob loss (see logits_read_by_loss_only)
+_PASS_THROUGH_NODES = frozenset(
+    {
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "UnsqueezeBackward0",
+    }
+)
+_OUTPUT_UNREAD_NODES = frozenset(
+    {
+        # megatron-core's tensor-parallel linear layers (the output layer): input and weight
+        "LinearWithGradAccumulationAndAsyncCommunicationBackward",
+        "MaskedFillBackward0",  # the padded-vocabulary mask: saves the mask only
+        "CloneBackward0",
+        "ToCopyBackward0",
+    }
+)
+
+
+def logits_read_by_loss_only(logits: torch.Tensor) -> bool:
+    """Whether autograd holds ``logits`` for no node but the one consuming them: they come,
+    through views only, from a node whose backward does not read its output (megatron's
+    output layer, a mask, a copy). Then :func:`packed_logprobs` may write the gradient over
+    them (``grad_in_logits``). Unknown producers answer False."""
+    fn = logits.grad_fn
+    while fn is not None and type(fn).__name__ in _PASS_THROUGH_NODES:
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return fn is not None and type(fn).__name__ in _OUTPUT_UNREAD_NODES
+
+
 class _PackedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, temperature, tp_group, chunk_size, return_entropy):
+    def forward(
+        ctx, logits, labels, temperature, tp_group, chunk_size, return_entropy, grad_in_logits
+    ):
         rank, _ = _tp_info(tp_group)
         vocab_start = rank * logits.shape[1]
         stats = local_stats(
@@ -112,6 +151,7 @@ class _PackedLogprobs(torch.autograd.Function):
         ctx.vocab_start = vocab_start
         ctx.chunk_size = chunk_size
         ctx.return_entropy = return_entropy
+        ctx.grad_in_logits = grad_in_logits
         if return_entropy:
             ctx.save_for_backward(logits, labels, lse, ex)
         else:
@@ -134,6 +174,9 @@ class _PackedLogprobs(torch.autograd.Function):
         if grad_ent is not None:
             grad_ent = grad_ent.to(lse.dtype).contiguous()
         mod = _backend.select(logits.device)
+        # on a CPU a fresh [T, V_local] buffer is mapped and faulted in page by page (~0.3 ms
+        # per MB); CUDA's caching allocator hands one out for free, its kernel keeps writing anew
+        in_place = ctx.grad_in_logits and logits.device.type == "cpu"
         if mod is None:
             grad = logprob_backward_torch(
                 logits,
@@ -145,6 +188,7 @@ class _PackedLogprobs(torch.autograd.Function):
                 vocab_start=ctx.vocab_start,
                 temperature=ctx.temperature,
                 chunk_size=ctx.chunk_size,
+                out=logits if in_place else None,
             )
         else:
             grad = mod.logprob_backward(
@@ -156,8 +200,12 @@ class _PackedLogprobs(torch.autograd.Function):
                 grad_lp.contiguous(),
                 ex,
                 grad_ent,
+                **({"in_place": True} if in_place else {}),
             )
-        return grad, None, None, None, None, None
+        if in_place:
+            # a node that saved the logits after all fails loudly in its backward
+            torch.autograd.graph.increment_version(logits)
+        return grad, None, None, None, None, None, None
 
 
 def packed_logprobs(
@@ -168,6 +216,7 @@ def packed_logprobs(
     tp_group=None,
     chunk_size: Optional[int] = None,
     return_entropy: bool = False,
+    grad_in_logits: bool = False,
 ):
     """Log-probabilities of ``labels`` under ``softmax(logits / temperature)``.
 
@@ -182,6 +231,11 @@ def packed_logprobs(
         chunk_size: tokens per chunk for the pure-torch backend (bounds its float32
             temporaries to ``chunk_size x V_local``); the native kernels stream and ignore it.
         return_entropy: also return the entropy of ``softmax(logits / temperature)``.
+        grad_in_logits: on a CPU, write the gradient over ``logits`` instead of a new
+            ``[T, V_local]`` tensor: no buffer to fault in, one less of that size at the peak.
+            Only where nothing else reads ``logits`` after the forward
+            (:func:`logits_read_by_loss_only`); their version is bumped, so a node that
+            saved them fails in its backward instead of reading the gradient.
 
     Returns:
         ``logprobs`` float32 ``[T]`` (float64 for float64 logits, e.g. for gradcheck), or
@@ -203,6 +257,12 @@ def packed_logprobs(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     lp, ent = _PackedLogprobs.apply(
-        logits, labels, float(temperature), tp_group, chunk_size, bool(return_entropy)
+        logits,
+        labels,
+        float(temperature),
+        tp_group,
+        chunk_size,
+        bool(return_entropy),
+        bool(grad_in_logits),
     )
     return (lp, ent) if return_entropy else lp

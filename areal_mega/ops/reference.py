@@ -98,17 +98,19 @@ def logprob_backward_torch(
     vocab_start: int = 0,
     temperature: float = 1.0,
     chunk_size: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. the logits shard, in the logits' dtype.
 
     With ``p = softmax(x)`` over the global vocabulary (``lse`` is its global log-sum-exp) and
     ``ex = E_p[x]``: ``d/dx_v = g_lp * (1[v = label] - p_v) - g_ent * p_v * (x_v - ex)``, and
-    ``d/dlogits = d/dx / temperature``.
+    ``d/dlogits = d/dx / temperature``. ``out``: the tensor to write it to (``logits``
+    itself may be: each chunk is read before it is written); a new one when None.
     """
     T, V = logits.shape
     chunk = chunk_size or default_chunk_size(V)
     inv_t = 1.0 / float(temperature)
-    grad = torch.empty_like(logits)
+    grad = torch.empty_like(logits) if out is None else out
     idx, valid = _local_label_index(labels, vocab_start, V)
     acc = acc_dtype(logits.dtype)
     lowest = torch.finfo(acc).min

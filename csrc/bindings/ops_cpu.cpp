@@ -36,7 +36,7 @@ std::vector<at::Tensor> logprob_stats(const at::Tensor& logits, const at::Tensor
 at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels,
                             int64_t vocab_start, double inv_temp, const at::Tensor& lse,
                             const at::Tensor& grad_lp, const c10::optional<at::Tensor>& ex,
-                            const c10::optional<at::Tensor>& grad_ent) {
+                            const c10::optional<at::Tensor>& grad_ent, bool in_place) {
   areal::check_logits_labels(logits, labels);
   TORCH_CHECK(logits.device().is_cpu(), "_ops_cpu.logprob_backward needs CPU tensors");
   const int64_t T = logits.size(0), V = logits.size(1);
@@ -49,7 +49,9 @@ at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels,
     areal::check_vec(*ex, T, acc, logits, "ex");
     areal::check_vec(*grad_ent, T, acc, logits, "grad_entropy");
   }
-  at::Tensor grad = at::empty({T, V}, logits.options());
+  // in place: each row's gradient over its logits (a block is read before it is written)
+  at::Tensor grad = in_place ? logits : at::empty({T, V}, logits.options());
+  const int64_t gstride = in_place ? logits.stride(0) : V;
   const void* src = logits.data_ptr();
   const int64_t* lab = labels.data_ptr<int64_t>();
   const void* exp_ = ent ? ex->data_ptr() : nullptr;
@@ -59,7 +61,7 @@ at::Tensor logprob_backward(const at::Tensor& logits, const at::Tensor& labels,
     areal::check_status(areal_logprob_backward_cpu(src, code, b, e, V, logits.stride(0), lab,
                                                    vocab_start, inv_temp, lse.data_ptr(),
                                                    grad_lp.data_ptr(), exp_, gep,
-                                                   grad.data_ptr(), V),
+                                                   grad.data_ptr(), gstride),
                         "logprob_backward");
   });
   return grad;
@@ -100,7 +102,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("with_entropy"));
   mod.def("logprob_backward", &logprob_backward, "gradient w.r.t. the logits shard",
           py::arg("logits"), py::arg("labels"), py::arg("vocab_start"), py::arg("inv_temp"),
-          py::arg("lse"), py::arg("grad_lp"), py::arg("ex"), py::arg("grad_ent"));
+          py::arg("lse"), py::arg("grad_lp"), py::arg("ex"), py::arg("grad_ent"),
+          py::arg("in_place") = false);
   mod.def("cpu_isa", [] { return std::string(kIsaNames[areal_cpu_isa()]); },
           "the vector ISA the logprob kernels run: generic (SSE2), avx2 or avx512");
   mod.def("set_cpu_isa", [](const std::string& name) {

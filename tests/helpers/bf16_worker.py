@@ -92,6 +92,25 @@ def main() -> None:
         seen["loss"].add(str(numerator.dtype))
         return numerator, stats
 
+    # the output layer's gradient written over its logits (ops.logits_read_by_loss_only, as
+    # the engine asks it) against a new buffer: the same main gradients, bit for bit
+    import areal_mega.ops as ops
+
+    decide = ops.logits_read_by_loss_only
+    grads, asked = {}, []
+    for name, rule in (("over_logits", None), ("new_buffer", lambda logits: False)):
+        ops.logits_read_by_loss_only = rule or (lambda t: asked.append(decide(t)) or asked[-1])
+        try:
+            eng.forward_backward(mbs, recording_loss, denominator_fn)
+        finally:
+            ops.logits_read_by_loss_only = decide
+        grads[name] = [
+            p.main_grad.clone() for p in params if getattr(p, "main_grad", None) is not None
+        ]
+    facts["grad_in_logits_asked"] = sorted(set(asked))
+    facts["grad_in_logits_equal"] = len(grads["new_buffer"]) > 0 and all(
+        torch.equal(a, b) for a, b in zip(grads["over_logits"], grads["new_buffer"])
+    )
     losses = [eng.train_batch(mbs, recording_loss, denominator_fn)["loss"] for _ in range(2)]
     facts["loss_logprob_dtypes"] = sorted(seen["logprobs"])
     facts["loss_dtypes"] = sorted(seen["loss"])
