@@ -14,7 +14,7 @@ import torch
 
 from areal_mega.common.net import free_port
 from areal_mega.engine.packed import block_causal_mask
-from areal_mega.models.varlen_attention import pads_cheaply, varlen_causal_attention
+from areal_mega.models.varlen_attention import varlen_causal_attention
 from tests.helpers.multirank import run_ranks
 from tests.helpers.workers import worker_cmd
 
@@ -70,12 +70,23 @@ def test_varlen_equals_dense_mask_forward_and_backward(bounds, total, heads):
         assert (a - b).abs().max().item() < TOL
 
 
-def test_many_short_slots_take_one_padded_call_and_few_or_long_ones_do_not():
-    assert pads_cheaply([6, 7, 0, 8, 5, 7, 7])  # GRPO-like: 6 real slots, little padding
-    assert not pads_cheaply([7, 1, 22])  # too few slots to matter
-    assert not pads_cheaply([7, 1, 22, 3])  # padding to 22 would be 88 of 33 tokens
-    assert not pads_cheaply([0, 0, 0, 0, 0])
-    assert pads_cheaply([10, 10, 10, 10]) and not pads_cheaply([1, 1, 1, 40])
+def test_slots_of_similar_length_share_a_padded_call_and_a_long_one_runs_alone():
+    """The plain packed path's plan: slots are units without a context, cut into padded
+    batches by width; a slot alone inside its window is a plain causal call (no mask)."""
+    from itertools import accumulate
+
+    from areal_mega.models.varlen_attention import plan_varlen_attention
+
+    def batches(lengths, total=None, window=None):
+        bounds = [0, *accumulate(lengths)]
+        plan = plan_varlen_attention(bounds, total or bounds[-1], window, "cpu")
+        return [(tuple(g.q_rows.shape), g.mask is None) for g in plan.groups]
+
+    assert batches([6, 7, 0, 8, 5, 7, 7]) == [((6, 8), False)]  # GRPO-like: one padded call
+    assert batches([3, 4, 3, 2000]) == [((3, 4), False), ((1, 2000), True)]
+    assert batches([1500, 1000]) == [((1, 1000), True), ((1, 1500), True)]
+    assert batches([30], window=8) == [((1, 30), False)]  # past its window: a window mask
+    assert batches([5], total=9) == [((2, 5), False)]  # rows past the bounds: one more slot
 
 
 @pytest.mark.parametrize(

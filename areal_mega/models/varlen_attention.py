@@ -7,10 +7,11 @@ spent on pairs of tokens from different sequences that the mask then throws away
 
 :class:`VarlenDotProductAttention` is a drop-in ``core_attention`` for that spec. Given THD
 ``PackedSeqParams`` (the same ones TransformerEngine gets) it runs
-``torch.nn.functional.scaled_dot_product_attention`` (causal, grouped-query) once per packed
-slot, so the cost is that of running each sequence alone (many short slots: one padded call,
-see :func:`pads_cheaply`). Slot bounds are the padded offsets
-when present (the padding of a slot attends inside its slot and is ignored by the loss).
+``torch.nn.functional.scaled_dot_product_attention`` (causal, grouped-query) on each packed
+slot alone, so the cost is that of running each sequence alone: slots of similar length as
+one padded batch, cut by width where another call costs less than the padding
+(:func:`split_batches`), a long slot as a causal call of its own. Slot bounds are the padded
+offsets when present (the padding of a slot attends inside its slot and is ignored by the loss).
 Without packed parameters it keeps megatron's behaviour: a given mask goes through the parent
 class (the dense reference path), no mask means plain causal attention over the whole
 sequence, done by SDPA.
@@ -27,8 +28,8 @@ each row's softmax without a value, GPT-OSS; megatron-core's ``softmax_offset``)
 kernel: with either every path computes the scores explicitly (:func:`attention`), the
 given-mask path included.
 
-What a layer derives from the host layout alone (slot lengths, a shared-prefix batch's index
-rows, masks and order) is a plan (:class:`VarlenPlan`, :class:`UnitPlan`) made once per
+What a layer derives from the host layout alone (the batches' index rows, masks and order) is
+a plan (:class:`UnitPlan`; slots are units without a shared context) made once per
 micro-batch and kept on its packed parameters (:func:`micro_batch_plan`): every layer of the
 forward, and a recomputed forward, reuse it.
 
@@ -61,7 +62,7 @@ __all__ = [
     "plan_unit_attention",
     "plan_varlen_attention",
     "UnitPlan",
-    "VarlenPlan",
+    "slot_units",
 ]
 
 
@@ -189,7 +190,7 @@ def varlen_causal_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sink: Optional[torch.Tensor] = None,
-    plan: Optional[VarlenPlan] = None,
+    plan: Optional["UnitPlan"] = None,
 ) -> torch.Tensor:
     """Causal attention of each slot ``[bounds[i], bounds[i+1])`` with itself.
 
@@ -200,87 +201,29 @@ def varlen_causal_attention(
     :func:`attention`. ``plan``: :func:`plan_varlen_attention` of ``bounds`` (then unused),
     ``window`` and the row count, when the caller keeps it; made here otherwise.
 
-    Many short slots (a GRPO micro-batch: dozens of samples of a few dozen tokens) go through
-    one padded SDPA call (:func:`pads_cheaply`); the per-slot calls and their gradients'
-    bookkeeping would cost more than the attention itself there."""
+    The slots are units without a context (:func:`unit_attention`): slots of similar length
+    run as one padded batch (:func:`split_batches`: a GRPO micro-batch's dozens of samples in
+    a few calls), a slot alone as a plain causal call."""
     if plan is None:
         plan = plan_varlen_attention(bounds, query.shape[0], window, query.device)
-    gqa = query.shape[1] != key.shape[1]
-    kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=gqa, softcap=softcap, sink=sink)
-    if plan.padded is not None:
-        return plan.padded.run(query, key, value, **kw)
-    outs = []
-    # split, not slicing: the backward of one split is one concatenation, while each slice's
-    # backward would write a zero-filled [T, h, d] gradient (quadratic in the slot count)
-    for q, k, v in zip(*(torch.split(x, plan.lengths) for x in (query, key, value))):
-        if q.shape[0] == 0:
-            continue
-        # [L, h, d] -> [1, h, L, d]: transposed views, SDPA reads the strides
-        o = _causal_sdpa(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], window, **kw
-        )
-        outs.append(o[0].transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    kw = dict(scale=scale, dropout_p=dropout_p, window=window, softcap=softcap, sink=sink)
+    return unit_attention(query, key, value, None, plan=plan, **kw)
 
 
-@dataclass
-class _PaddedSlots:
-    """The non-empty slots as one padded batch: each slot's rows (``index`` [B, Lmax], padding
-    repeats its first row), which of them are real (``valid``) and the causal (window) mask
-    [B, 1, Lmax, Lmax] that also hides the padded keys."""
-
-    index: torch.Tensor
-    valid: torch.Tensor
-    mask: torch.Tensor
-
-    def run(self, query, key, value, **kw) -> torch.Tensor:
-        q, k, v = (x[self.index].transpose(1, 2) for x in (query, key, value))  # [B, h, L, d]
-        o = attention(q, k, v, attn_mask=self.mask, **kw)
-        return o.transpose(1, 2)[self.valid]  # [T, h, d]
-
-
-@dataclass
-class VarlenPlan:
-    """What :func:`varlen_causal_attention` derives from the slot bounds alone (the same for
-    every layer of a micro-batch): the slot lengths and, where they run as one padded batch
-    (:func:`pads_cheaply`), its :class:`_PaddedSlots`."""
-
-    lengths: list
-    padded: Optional[_PaddedSlots]
+def slot_units(bounds: list[int], total: int) -> list:
+    """The slots ``bounds`` over ``total`` rows (rows past ``bounds[-1]`` form one more) as
+    units without a context (pure)."""
+    if bounds[-1] < total:
+        bounds = list(bounds) + [total]
+    return [(s, e - s, s, 0) for s, e in zip(bounds[:-1], bounds[1:])]
 
 
 def plan_varlen_attention(
     bounds: list[int], total: int, window: Optional[int], device
-) -> VarlenPlan:
-    """The :class:`VarlenPlan` of slots ``bounds`` over ``total`` rows (rows past
-    ``bounds[-1]`` form one more slot) and ``window``, its tensors on ``device``."""
-    if bounds[-1] < total:
-        bounds = list(bounds) + [total]
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    if not pads_cheaply(lengths):
-        return VarlenPlan(lengths, None)
-    starts = torch.tensor([sum(lengths[:i]) for i, n in enumerate(lengths) if n > 0], device=device)
-    lens = torch.tensor([n for n in lengths if n > 0], device=device)
-    width = int(lens.max())
-    pos = torch.arange(width, device=device)
-    valid = pos[None, :] < lens[:, None]  # [B, Lmax]
-    index = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
-    mask = window_visible(pos, pos, window)[None, None] & valid[:, None, None, :]  # causal
-    return VarlenPlan(lengths, _PaddedSlots(index, valid, mask))
-
-
-PAD_BATCH_MIN_SLOTS = 4  # fewer slots: the per-slot calls cost little
-PAD_BATCH_MAX_WASTE = 2.0  # padded tokens at most this many times the real ones
-
-
-def pads_cheaply(lengths: list[int]) -> bool:
-    """Whether slots of ``lengths`` run as one padded batch (pure): at least
-    PAD_BATCH_MIN_SLOTS non-empty slots whose padding to the longest at most
-    PAD_BATCH_MAX_WASTE-folds the token count."""
-    real = [n for n in lengths if n > 0]
-    if len(real) < PAD_BATCH_MIN_SLOTS:
-        return False
-    return len(real) * max(real) <= PAD_BATCH_MAX_WASTE * sum(real)
+) -> "UnitPlan":
+    """The plan of :func:`varlen_causal_attention` for slots ``bounds`` over ``total`` rows
+    and ``window``, its tensors on ``device``."""
+    return plan_unit_attention(slot_units(bounds, total), window, device)
 
 
 def unit_attention(
@@ -311,7 +254,12 @@ def unit_attention(
         plan = plan_unit_attention(units, window, query.device)
     gqa = query.shape[1] != key.shape[1]
     kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=gqa, softcap=softcap, sink=sink)
-    parts = [group.run(query, key, value, **kw) for group in plan.groups]
+    # index_select, not advanced indexing: its backward adds with index_add_, not index_put_
+    # (on a CPU 4x faster in bf16 and 2x in fp32 at a GRPO micro-batch's shapes, and in bf16
+    # closer to an fp64 sum: largest error 0.03 against 0.11)
+    qs = torch.split(query.index_select(0, plan.q_index), plan.q_sizes)
+    ks, vs = (torch.split(x.index_select(0, plan.k_index), plan.k_sizes) for x in (key, value))
+    parts = [group.run(*qkv, **kw) for group, *qkv in zip(plan.groups, qs, ks, vs)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
@@ -385,28 +333,42 @@ def batch_entries(units: list) -> list[list]:
 class _UnitBatch:
     """One padded SDPA batch of entries: each entry's query and key rows (``q_rows``
     [E, Q], ``k_rows`` [E, K]; padding repeats the entry's first row), the mask
-    [E, 1, Q, K] and the flat positions of the real queries in the output (``keep``)."""
+    [E, 1, Q, K] and the flat positions of the real queries in the output (``keep``). A lone
+    unit without a context, inside its window, has neither: a plain causal call."""
 
     q_rows: torch.Tensor
     k_rows: torch.Tensor
-    mask: torch.Tensor
-    keep: torch.Tensor
+    mask: Optional[torch.Tensor]
+    keep: Optional[torch.Tensor]
 
-    def run(self, query, key, value, **kw) -> torch.Tensor:
-        q = _rows(query, self.q_rows).transpose(1, 2)  # [E, h, Q, d]
-        k, v = (_rows(x, self.k_rows).transpose(1, 2) for x in (key, value))
-        o = attention(q, k, v, attn_mask=self.mask, **kw).transpose(1, 2)  # [E, Q, h, d]
-        return o.reshape(-1, *o.shape[2:]).index_select(0, self.keep)
+    def run(self, q, k, v, **kw) -> torch.Tensor:
+        """Attention of the batch's gathered rows: ``q`` [E·Q, h, d] (the rows ``q_rows``
+        name, in order), ``k`` / ``v`` [E·K, h_kv, d]; returns the real queries' outputs."""
+        q = q.view(*self.q_rows.shape, *q.shape[1:]).transpose(1, 2)  # [E, h, Q, d]
+        k, v = (x.view(*self.k_rows.shape, *x.shape[1:]).transpose(1, 2) for x in (k, v))
+        if self.mask is None:  # a lone slot: causal, the kernel skips the hidden blocks
+            o = attention(q, k, v, is_causal=True, **kw)
+        else:
+            o = attention(q, k, v, attn_mask=self.mask, **kw)
+        o = o.transpose(1, 2)  # [E, Q, h, d]
+        o = o.reshape(-1, *o.shape[2:])
+        return o if self.keep is None else o.index_select(0, self.keep)
 
 
 @dataclass
 class UnitPlan:
     """What :func:`unit_attention` derives from the host units alone (the same for every
-    layer of a micro-batch): the padded batches it runs (:class:`_UnitBatch`), in order, and
-    the permutation back to the rows' order (None: already in order)."""
+    layer of a micro-batch): the padded batches it runs (:class:`_UnitBatch`), in order, the
+    rows of all their queries and keys (``q_index``, ``k_index``: gathered once, so the
+    backward adds into one gradient per input, not one per batch) and the permutation back to
+    the rows' order (None: already in order)."""
 
     groups: list
     inverse: Optional[torch.Tensor]
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    q_sizes: list
+    k_sizes: list
 
 
 def plan_unit_attention(units: list, window: Optional[int], device) -> UnitPlan:
@@ -419,11 +381,19 @@ def plan_unit_attention(units: list, window: Optional[int], device) -> UnitPlan:
             for batch in split_batches(batch_entries(group)):
                 groups.append(_plan_entries(batch, window, device))
                 order += [u[0] + i for entry in batch for u in entry for i in range(u[1])]
-    if order == list(range(len(order))):
-        return UnitPlan(groups, None)
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return UnitPlan(groups, inverse.to(device))
+    inverse = None
+    if order != list(range(len(order))):
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        inverse = inverse.to(device)
+    return UnitPlan(
+        groups,
+        inverse,
+        q_index=torch.cat([g.q_rows.reshape(-1) for g in groups]),
+        k_index=torch.cat([g.k_rows.reshape(-1) for g in groups]),
+        q_sizes=[g.q_rows.numel() for g in groups],
+        k_sizes=[g.k_rows.numel() for g in groups],
+    )
 
 
 def _plan_entries(entries: list, window: Optional[int], device) -> "_UnitBatch":
@@ -443,6 +413,8 @@ def _plan_entries(entries: list, window: Optional[int], device) -> "_UnitBatch":
         ],
         device=device,
     )
+    if len(units) == 1 and not units[0][3] and (window is None or units[0][1] <= window):
+        return _UnitBatch(q_idx[None], k_idx[None], None, None)
     width_q, width_k = max(lens), max(spans)
     # per entry: the unit of each query and key (context keys: -1, padding: -2), its position
     # and its row in q_idx / k_idx (padding: the entry's first); a unit's queries see the
@@ -471,14 +443,6 @@ def _plan_entries(entries: list, window: Optional[int], device) -> "_UnitBatch":
     keep = (q_unit.reshape(-1) != -2).nonzero().squeeze(1).to(device)
     # rows of query / key: one gather each
     return _UnitBatch(q_idx[q_rows], k_idx[k_rows], mask[:, None].to(device), keep)
-
-
-def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``x[rows]`` for an integer tensor ``rows``, as ``index_select``: its backward adds the
-    gradients with ``index_add_``, where advanced indexing's uses ``index_put_``. On a CPU
-    that is 4x faster in bf16 and 2x in fp32 at a GRPO micro-batch's shapes, and in bf16 it
-    lands closer to an fp64 sum (largest error 0.03 against 0.11)."""
-    return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
 
 
 def _causal_sdpa(q, k, v, window: Optional[int], **kw) -> torch.Tensor:
