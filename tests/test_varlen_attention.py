@@ -87,6 +87,10 @@ def test_slots_of_similar_length_share_a_padded_call_and_a_long_one_runs_alone()
     assert batches([1500, 1000]) == [((1, 1000), True), ((1, 1500), True)]
     assert batches([30], window=8) == [((1, 30), False)]  # past its window: a window mask
     assert batches([5], total=9) == [((2, 5), False)]  # rows past the bounds: one more slot
+    assert batches([0, 0]) == []
+    empty = torch.zeros(0, 4, 8)
+    out = varlen_causal_attention(empty, empty[:, :2], empty[:, :2], [0], scale=0.3)
+    assert out.shape == (0, 4, 8)  # no rows
 
 
 @pytest.mark.parametrize(

@@ -252,6 +252,8 @@ def unit_attention(
     otherwise."""
     if plan is None:
         plan = plan_unit_attention(units, window, query.device)
+    if not plan.groups:  # no rows
+        return value.new_zeros((0, query.shape[1], value.shape[-1]))
     gqa = query.shape[1] != key.shape[1]
     kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=gqa, softcap=softcap, sink=sink)
     # index_select, not advanced indexing: its backward adds with index_add_, not index_put_
@@ -386,11 +388,12 @@ def plan_unit_attention(units: list, window: Optional[int], device) -> UnitPlan:
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
         inverse = inverse.to(device)
+    none = torch.zeros(0, dtype=torch.long, device=device)
     return UnitPlan(
         groups,
         inverse,
-        q_index=torch.cat([g.q_rows.reshape(-1) for g in groups]),
-        k_index=torch.cat([g.k_rows.reshape(-1) for g in groups]),
+        q_index=torch.cat([none] + [g.q_rows.reshape(-1) for g in groups]),
+        k_index=torch.cat([none] + [g.k_rows.reshape(-1) for g in groups]),
         q_sizes=[g.q_rows.numel() for g in groups],
         k_sizes=[g.k_rows.numel() for g in groups],
     )
