@@ -174,6 +174,7 @@ def kernel_extensions():
                 f"{CSRC}/logprob/logprob_cpu_generic.cpp",
                 f"{CSRC}/gae/gae_cpu.cpp",
                 f"{CSRC}/bindings/decode_ops_cpu.cpp",
+                f"{CSRC}/bindings/wgrad_ops_cpu.cpp",
                 f"{CSRC}/decode/decode_cpu.cpp",
                 *(f"{CSRC}/decode/decode_cpu_{isa}.cpp" for isa in ("avx512", "avx2", "generic")),
             ],

@@ -32,6 +32,9 @@ step):
 * ``width_batches``: the shared-prefix attention's entries in padded batches cut by width
   (:func:`areal_mega.models.varlen_attention.split_batches`) against the former choice of one
   padded batch, or one call per answer where that batch would cost over 4x the answers' area;
+* ``wgrad_fp32``: bf16 weight gradients summed in fp32 by one GEMM straight into the main
+  gradient (:func:`areal_mega.compat.main_grad.fused_bf16_available`; where oneDNN has bf16
+  GEMMs) against the bf16 product added (in pieces for the large ones; no-op in fp32);
 * ``all``: every change at once.
 """
 
@@ -50,7 +53,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import SHAPE  # noqa: E402  (bench/ is a namespace package)
 
-CHANGES = ("finite", "attention_fp32", "grad_in_logits", "width_batches", "unit_families")
+CHANGES = (
+    "finite",
+    "attention_fp32",
+    "grad_in_logits",
+    "width_batches",
+    "unit_families",
+    "wgrad_fp32",
+)
 
 
 def _former_entries_and_batches(va):
@@ -137,6 +147,16 @@ def former(change: str):
             yield
         finally:
             varlen_attention.batch_entries, varlen_attention.split_batches = saved
+    elif change == "wgrad_fp32":
+        from areal_mega.compat import main_grad
+
+        saved = main_grad._FUSED
+        main_grad.fused_bf16_available()  # resolve it first, then set it aside
+        main_grad._FUSED = False
+        try:
+            yield
+        finally:
+            main_grad._FUSED = saved
     elif change == "all":
         with contextlib.ExitStack() as stack:
             for c in CHANGES:

@@ -351,9 +351,9 @@ def main():
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(res))
         return
-    from areal_mega.ops._backend import _load
+    from areal_mega.common.native import load
 
-    ops = _load("_ops_cpu")
+    ops = load("_ops_cpu")
     isa = ops.set_cpu_isa(args.isa if args.isa != "native" else "default") if ops else "none"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, one run, "

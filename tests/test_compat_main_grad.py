@@ -63,9 +63,12 @@ def _wgrad_inputs(dtype, tokens=7, n=main_grad.MIN_SPLIT // 64 + 5, k=64, seed=1
     return grad_output, total_input, start
 
 
-def test_bf16_weight_gradient_added_piecewise_equals_whole_product_added():
-    """Rows in pieces, each the bf16 product added in fp32: the same values as the whole
-    bf16 product added into the main gradient (what DDP's hook did)."""
+def test_bf16_weight_gradient_added_piecewise_equals_whole_product_added(monkeypatch):
+    """Without the fp32-summing GEMM (here: set aside by the backend switch): rows in pieces,
+    each the bf16 product added in fp32, the same values as the whole bf16 product added into
+    the main gradient (what DDP's hook did)."""
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "torch")
+    assert not main_grad.fused_bf16_available()
     go, x, start = _wgrad_inputs(torch.bfloat16)
     want = start.clone().add_(go.t().matmul(x))
     got = start.clone()
@@ -82,7 +85,10 @@ def test_fp32_weight_gradient_added_in_one_addmm():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_weight_grad_returns_the_product_below_the_split_size_or_without_main_grad(dtype):
+def test_weight_grad_returns_the_product_below_the_split_size_or_without_main_grad(
+    dtype, monkeypatch
+):
+    monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "torch")
     go, x, _ = _wgrad_inputs(dtype, n=128)
     w = torch.nn.Parameter(torch.zeros(128, 64, dtype=dtype))
     want = go.t().matmul(x)
@@ -90,6 +96,61 @@ def test_weight_grad_returns_the_product_below_the_split_size_or_without_main_gr
     w.main_grad = torch.zeros(128, 64)
     assert main_grad.weight_grad(go, x, w) is not None
     assert w.main_grad.abs().sum() == 0
+
+
+FUSED = pytest.mark.skipif(
+    not main_grad.fused_bf16_available(),
+    reason="no bf16 GEMM in oneDNN on this CPU, or the C++ kernels are not built",
+)
+
+
+@FUSED
+@pytest.mark.parametrize(("tokens", "n", "k"), [(7, 128, 64), (33, 4099, 96), (1, 3, 5)])
+def test_bf16_weight_gradient_summed_in_fp32_into_main_grad(tokens, n, k):
+    """The fused path: main_grad + the product summed in fp32, as close to the fp64 product
+    as fp32 sums get, and closer than the bf16 product added (the former path)."""
+    go, x, start = _wgrad_inputs(torch.bfloat16, tokens=tokens, n=n, k=k)
+    exact = start.double() + go.double().t() @ x.double()
+    got = start.clone()
+    main_grad.accumulate_weight_grad(got, go, x)
+    err = (got.double() - exact).abs().max().item()
+    assert err < 1e-5 * max(1.0, tokens**0.5)
+    rounded = (start + go.t().matmul(x).float()).double()
+    assert err < (rounded - exact).abs().max().item() or tokens == 1
+
+
+@FUSED
+def test_bf16_weight_gradient_of_any_size_goes_into_main_grad():
+    """Below the split size too: no ``.grad`` product is returned, the gradient is in
+    ``main_grad``; a strided input and an empty batch are handled."""
+    go, x, start = _wgrad_inputs(torch.bfloat16, n=128)
+    w = torch.nn.Parameter(torch.zeros(128, 64, dtype=torch.bfloat16))
+    w.main_grad = start.clone()
+    assert main_grad.weight_grad(go, x, w) is None
+    exact = start.double() + go.double().t() @ x.double()
+    assert (w.main_grad.double() - exact).abs().max() < 1e-5
+    wide = torch.zeros(x.shape[0], 2 * x.shape[1], dtype=torch.bfloat16)
+    wide[:, ::2] = x  # stride (128, 2): copied once
+    w.main_grad = start.clone()
+    assert main_grad.weight_grad(go, wide[:, ::2], w) is None
+    assert (w.main_grad.double() - exact).abs().max() < 1e-5
+    before = w.main_grad.clone()
+    assert main_grad.weight_grad(go[:0], x[:0], w) is None
+    assert torch.equal(w.main_grad, before)
+
+
+@FUSED
+def test_fused_op_names_a_bad_argument():
+    from areal_mega.common import native
+
+    op = native.load("_ops_cpu").accumulate_weight_grad_bf16
+    go, x, start = _wgrad_inputs(torch.bfloat16, n=128)
+    with pytest.raises(RuntimeError, match="main_grad must be a contiguous 2-D float32"):
+        op(start.to(torch.bfloat16), go, x)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        op(start, go.float(), x)
+    with pytest.raises(RuntimeError, match=r"expected grad_output \[T, N\]"):
+        op(start, go[:, :-1], x)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply without CUDA")

@@ -18,5 +18,6 @@
   JSON, body limits and timeouts, a connection cap that refuses cheaply;
 - :mod:`.errors` — ``ConfigError``, the config error every layer raises;
 - :mod:`.moe_routes` — routed experts of a mixture-of-experts model: the layout, SGLang's wire
-  encoding, the per-sample table.
+  encoding, the per-sample table;
+- :mod:`.native` — the compiled kernel modules, loaded once (a truncated build refused).
 """

@@ -16,17 +16,12 @@ it costs is speed (several times slower; ``bench/kernels.py`` measures it), whic
 notice is a banner that warning filters cannot hide. Runs that must have the kernels (GPU
 jobs, benchmarks, ``tools/gpu_check.py``) set ``AREAL_MEGA_OPS_BACKEND=native``.
 
-``AREAL_MEGA_KERNEL_ISA`` (``avx512``, ``avx2`` or ``generic``) caps the vector ISA the C++
-CPU kernels run (they pick the best the CPU has); any other value is refused when the CPU
-module is loaded, naming the variable.
+The modules are loaded by :mod:`areal_mega.common.native` (with its check of
+``AREAL_MEGA_KERNEL_ISA``, the cap on the C++ kernels' vector ISA).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import struct
 import sys
 import warnings
 from types import ModuleType
@@ -35,6 +30,14 @@ from typing import Optional
 import torch
 
 from areal_mega.common.env_switch import env_choice
+from areal_mega.common.native import (  # noqa: F401  (the loader's state, read by doctor and tests)
+    KERNEL_ISA_ENV,
+    OPS_BACKEND_ENV,
+    OPS_BACKENDS,
+    _errors,
+    _modules,
+    load,
+)
 
 BUILD_HINT = (
     "build them from the repository root with `python setup.py build_ext --inplace` "
@@ -47,88 +50,22 @@ class KernelFallbackWarning(RuntimeWarning):
     """The native kernels are not built and the slower pure-torch backend is used."""
 
 
-_modules: dict = {}
-_errors: dict = {}
 _warned: set = set()
-
-
-OPS_BACKEND_ENV = "AREAL_MEGA_OPS_BACKEND"
-OPS_BACKENDS = ("auto", "native", "torch")
-KERNEL_ISA_ENV = "AREAL_MEGA_KERNEL_ISA"
-KERNEL_ISAS = ("avx512", "avx2", "generic")
-
-
-def _check_kernel_isa_env() -> None:
-    """Refuse a value of ``AREAL_MEGA_KERNEL_ISA`` the C++ dispatch would not understand
-    (it would otherwise run the best ISA without a word)."""
-    value = os.environ.get(KERNEL_ISA_ENV, "")
-    if value and value not in KERNEL_ISAS:
-        raise ValueError(
-            f"{KERNEL_ISA_ENV}={value!r}: expected one of "
-            f"{', '.join(KERNEL_ISAS)} (or unset: the best the CPU has)"
-        )
-
-
-def elf_problem(path: str) -> Optional[str]:
-    """Why the shared library ``path`` must not be loaded, or None: a file whose ELF headers
-    point past its end (truncated by a failed copy or a full disk) makes the dynamic loader
-    die with SIGBUS instead of raising an ImportError, so it is checked first."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(64)
-            if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-                return None  # not a 64-bit little-endian ELF: the loader says
-            phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
-            phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
-            if shoff + shnum * shentsize > size or phoff + phnum * phentsize > size:
-                return f"{path}: truncated ({size} bytes, its headers need more); rebuild it"
-            f.seek(phoff)
-            table = f.read(phnum * phentsize)
-        for i in range(phnum):
-            off, filesz = (
-                struct.unpack_from("<Q", table, i * phentsize + 0x08)[0],
-                struct.unpack_from("<Q", table, i * phentsize + 0x20)[0],
-            )
-            if off + filesz > size:
-                return (
-                    f"{path}: truncated ({size} bytes, a segment ends at {off + filesz}); "
-                    "rebuild it"
-                )
-    except (OSError, struct.error) as e:
-        return f"{path}: unreadable ({e})"
-    return None
-
-
-def _load(name: str) -> Optional[ModuleType]:
-    if name == "_ops_cpu":
-        _check_kernel_isa_env()
-    if name not in _modules:
-        try:
-            spec = importlib.util.find_spec(f"areal_mega.{name}")
-            problem = spec is not None and spec.origin and elf_problem(spec.origin)
-            if problem:
-                raise ImportError(problem)
-            _modules[name] = importlib.import_module(f"areal_mega.{name}")
-        except ImportError as exc:  # not built (or built for another torch)
-            _modules[name] = None
-            _errors[name] = exc
-    return _modules[name]
 
 
 def native_module(device: torch.device) -> Optional[ModuleType]:
     """The compiled kernel module for ``device`` or ``None`` when it is not built."""
-    return _load("_ops_cuda" if device.type == "cuda" else "_ops_cpu")
+    return load("_ops_cuda" if device.type == "cuda" else "_ops_cpu")
 
 
 def cpu_available() -> bool:
     """Whether the C++ CPU kernels are built and importable."""
-    return _load("_ops_cpu") is not None
+    return load("_ops_cpu") is not None
 
 
 def cuda_available() -> bool:
     """Whether the CUDA kernels are built and importable."""
-    return _load("_ops_cuda") is not None
+    return load("_ops_cuda") is not None
 
 
 def requested_backend() -> str:

@@ -7,6 +7,7 @@
 
 namespace areal {
 void register_decode_ops(py::module& mod);  // decode_ops_cpu.cpp
+void register_wgrad_ops(py::module& mod);   // wgrad_ops_cpu.cpp
 }
 
 namespace {
@@ -96,7 +97,7 @@ const char* const kIsaNames[] = {"generic", "avx2", "avx512"};
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.doc() = "areal-mega C++ CPU kernels (packed logprobs, GAE, the rollout decode step)";
+  mod.doc() = "areal-mega C++ CPU kernels (packed logprobs, GAE, the rollout decode step, the bf16 weight gradient accumulated in fp32)";
   mod.def("logprob_stats", &logprob_stats, "per-token (m, s, xlab, u) of a vocabulary shard",
           py::arg("logits"), py::arg("labels"), py::arg("vocab_start"), py::arg("inv_temp"),
           py::arg("with_entropy"));
@@ -118,4 +119,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           py::arg("cu_seqlens"), py::arg("bootstrap"), py::arg("loss_mask"), py::arg("gamma"),
           py::arg("lam"));
   areal::register_decode_ops(mod);
+  areal::register_wgrad_ops(mod);
 }
