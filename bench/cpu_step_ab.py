@@ -35,6 +35,9 @@ step):
 * ``wgrad_fp32``: bf16 weight gradients summed in fp32 by one GEMM straight into the main
   gradient (:func:`areal_mega.compat.main_grad.fused_bf16_available`; where oneDNN has bf16
   GEMMs) against the bf16 product added (in pieces for the large ones; no-op in fp32);
+* ``reused_output``: the bf16 forward products over glibc's mmap ceiling (the output layer's
+  logits) written into a reused buffer (:class:`areal_mega.compat.cpu_gemm.ReusedOutput`)
+  against a new tensor each time (no-op in fp32);
 * ``all``: every change at once.
 """
 
@@ -60,6 +63,7 @@ CHANGES = (
     "width_batches",
     "unit_families",
     "wgrad_fp32",
+    "reused_output",
 )
 
 
@@ -157,6 +161,15 @@ def former(change: str):
             yield
         finally:
             main_grad._FUSED = saved
+    elif change == "reused_output":
+        from areal_mega.compat import cpu_gemm
+
+        saved = cpu_gemm.REUSE_MIN_BYTES
+        cpu_gemm.REUSE_MIN_BYTES = 1 << 62
+        try:
+            yield
+        finally:
+            cpu_gemm.REUSE_MIN_BYTES = saved
     elif change == "all":
         with contextlib.ExitStack() as stack:
             for c in CHANGES:

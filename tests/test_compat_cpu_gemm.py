@@ -90,3 +90,59 @@ def test_env_switch_selects_torch_matmul_or_rejects_unknown_values():
     bad = run("mkl")
     assert bad.returncode != 0
     assert "AREAL_MEGA_CPU_GEMM" in bad.stderr and "onednn, torch" in bad.stderr, bad.stderr
+
+
+def test_reused_output_is_handed_out_again_only_once_nothing_uses_it():
+    pool = cpu_gemm.ReusedOutput()
+    a = pool.take((3, 5), torch.bfloat16)
+    a.fill_(1.0)
+    b = pool.take((3, 5), torch.bfloat16)  # a is alive: a tensor of its own
+    assert b.data_ptr() != a.data_ptr()
+    b.fill_(2.0)
+    assert torch.equal(a, torch.ones(3, 5, dtype=torch.bfloat16))
+    view = a[1:]
+    del a, b
+    c = pool.take((2, 5), torch.bfloat16)  # a view of the buffer still holds it
+    assert c.data_ptr() != view.data_ptr() - 5 * 2
+    base_ptr = view.data_ptr() - 5 * 2
+    del view, c
+    d = pool.take((2, 7), torch.bfloat16)  # nothing uses it: the same storage, a new shape
+    assert d.data_ptr() == base_ptr and d.shape == (2, 7) and not d._is_view()
+    del d
+    e = pool.take((4, 5), torch.float32)  # another dtype: a new tensor, which becomes the buffer
+    assert e.dtype == torch.float32 and e.shape == (4, 5)
+    ptr = e.data_ptr()
+    del e
+    assert pool.take((4, 5), torch.float32).data_ptr() == ptr
+
+
+def test_large_bf16_forward_products_reuse_one_buffer_through_megatron_linear(monkeypatch):
+    """Over REUSE_MIN_BYTES (lowered here): the product equals torch's, is not a view, may be
+    written in place under autograd, and the next step's product takes the same storage while
+    the gradients stay right."""
+    megatron_cpu.apply()
+    from megatron.core.tensor_parallel import layers
+
+    monkeypatch.setattr(cpu_gemm, "REUSE_MIN_BYTES", 1)
+    monkeypatch.setattr(cpu_gemm, "_REUSED", cpu_gemm.ReusedOutput())
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 16, generator=g).bfloat16().requires_grad_(True)
+    ptrs = []
+    for _ in range(3):
+        x = torch.randn(9, 2, 16, generator=g).bfloat16().requires_grad_(True)
+        y = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
+            x, w, None, False, False, False, None, 0, None, 1
+        )
+        assert torch.equal(y, torch.matmul(x.detach(), w.detach().t()))
+        assert not y._is_view()
+        ptrs.append(y.data_ptr())
+        y2 = y * 1.0
+        y2.mul_(2.0)  # an in-place write downstream, as megatron's cross entropy does
+        w.grad = None
+        y2.float().square().sum().backward()
+        gy = (4.0 * 2.0 * y.detach().float()).bfloat16()
+        torch.testing.assert_close(
+            x.grad.float(), (gy.float() @ w.detach().float()), rtol=2e-2, atol=2e-2
+        )
+        del y, y2
+    assert ptrs[1] == ptrs[2]
