@@ -104,11 +104,22 @@ FUSED = pytest.mark.skipif(
 )
 
 
+def _gemms():
+    from areal_mega.common import native
+
+    ops = native.load("_ops_cpu")
+    has_mkl = ops is not None and getattr(ops, "has_mkl_gemm_bf16", lambda: False)()
+    no_mkl = pytest.mark.skipif(not has_mkl, reason="this torch carries no MKL bf16 GEMM")
+    return ["onednn", pytest.param("mkl", marks=no_mkl)]
+
+
 @FUSED
+@pytest.mark.parametrize("gemm", _gemms())
 @pytest.mark.parametrize(("tokens", "n", "k"), [(7, 128, 64), (33, 4099, 96), (1, 3, 5)])
-def test_bf16_weight_gradient_summed_in_fp32_into_main_grad(tokens, n, k):
-    """The fused path: main_grad + the product summed in fp32, as close to the fp64 product
-    as fp32 sums get, and closer than the bf16 product added (the former path)."""
+def test_bf16_weight_gradient_summed_in_fp32_into_main_grad(tokens, n, k, gemm, monkeypatch):
+    """The fused path, by each GEMM: main_grad + the product summed in fp32, as close to the
+    fp64 product as fp32 sums get, and closer than the bf16 product added (the former path)."""
+    monkeypatch.setattr(main_grad, "_GEMM", gemm)
     go, x, start = _wgrad_inputs(torch.bfloat16, tokens=tokens, n=n, k=k)
     exact = start.double() + go.double().t() @ x.double()
     got = start.clone()
@@ -120,9 +131,11 @@ def test_bf16_weight_gradient_summed_in_fp32_into_main_grad(tokens, n, k):
 
 
 @FUSED
-def test_bf16_weight_gradient_of_any_size_goes_into_main_grad():
+@pytest.mark.parametrize("gemm", _gemms())
+def test_bf16_weight_gradient_of_any_size_goes_into_main_grad(gemm, monkeypatch):
     """Below the split size too: no ``.grad`` product is returned, the gradient is in
-    ``main_grad``; a strided input and an empty batch are handled."""
+    ``main_grad``; a strided input and gradient and an empty batch are handled."""
+    monkeypatch.setattr(main_grad, "_GEMM", gemm)
     go, x, start = _wgrad_inputs(torch.bfloat16, n=128)
     w = torch.nn.Parameter(torch.zeros(128, 64, dtype=torch.bfloat16))
     w.main_grad = start.clone()
@@ -133,6 +146,11 @@ def test_bf16_weight_gradient_of_any_size_goes_into_main_grad():
     wide[:, ::2] = x  # stride (128, 2): copied once
     w.main_grad = start.clone()
     assert main_grad.weight_grad(go, wide[:, ::2], w) is None
+    assert (w.main_grad.double() - exact).abs().max() < 1e-5
+    wide_go = torch.zeros(go.shape[0], 2 * go.shape[1], dtype=torch.bfloat16)
+    wide_go[:, 1::2] = go
+    w.main_grad = start.clone()
+    assert main_grad.weight_grad(wide_go[:, 1::2], x, w) is None
     assert (w.main_grad.double() - exact).abs().max() < 1e-5
     before = w.main_grad.clone()
     assert main_grad.weight_grad(go[:0], x[:0], w) is None
@@ -151,6 +169,8 @@ def test_fused_op_names_a_bad_argument():
         op(start, go.float(), x)
     with pytest.raises(RuntimeError, match=r"expected grad_output \[T, N\]"):
         op(start, go[:, :-1], x)
+    with pytest.raises(RuntimeError, match="gemm must be mkl or onednn"):
+        op(start, go, x, gemm="blas")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply without CUDA")

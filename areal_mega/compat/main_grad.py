@@ -16,17 +16,16 @@ CPU.
 
 A linear layer's bf16 weight gradient need not be a bf16 tensor at all: on a GPU megatron's
 ``gradient_accumulation_fusion`` has the weight-gradient GEMM accumulate into the fp32 main
-gradient. :func:`weight_grad` does the same on a CPU whose oneDNN has bf16 GEMMs (AVX-512 BF16
-or AMX) when the C++ kernels are built (``_ops_cpu.accumulate_weight_grad_bf16``, torch's
-bf16 x bf16 -> fp32 GEMM with ``C += A.B``): the product is summed in fp32 straight into
-``main_grad``, with no bf16 product (rounded to 8 bits of mantissa before it was added), no
-fp32 cast of it and no second pass. On a 2-core Intel Xeon with AMX (1 thread, the trainer's
-malloc policy): the tied output layer's gradient ``[49,152, 576]`` of 218 tokens 31 ms against
-40 ms, of 64 tokens 15 against 25; a layer's ``[3,072, 576]`` of 503 tokens 2.4 against 3.3;
-the largest difference from the fp64 product 3e-5 against 0.25 (``bench/cpu_step_ab.py
---change wgrad_fp32``: a GRPO step of the 8-layer 135M shape 1.04x at answers of 1-16 tokens,
-1.00-1.02x at 1-128). Elsewhere (fp32, no bf16 GEMM in oneDNN, kernels not built,
-``AREAL_MEGA_OPS_BACKEND=torch``) the former path stays.
+gradient. :func:`weight_grad` does the same on a CPU with bf16 GEMMs (AVX-512 BF16 or AMX)
+when the C++ kernels are built (``_ops_cpu.accumulate_weight_grad_bf16``: a bf16 x bf16 ->
+fp32 GEMM with ``C += A.B``, :func:`fused_bf16_gemm` says whose): the product is summed in
+fp32 straight into ``main_grad``, with no bf16 product (rounded to 8 bits of mantissa before
+it was added), no fp32 cast of it and no second pass; the largest difference from the fp64
+product 3e-5 where it was 0.25. On a 2-core Intel Xeon with AMX (1 thread), MKL's GEMM: a
+GRPO step of the 8-layer 135M shape 1.17x at answers of 1-16 tokens, 1.09x at 1-128
+(``bench/cpu_step_ab.py --change wgrad_fp32``, the former path restored in the same
+process). Elsewhere (fp32, no bf16 GEMM, kernels not built, ``AREAL_MEGA_OPS_BACKEND=torch``)
+the former path stays.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ __all__ = [
     "accumulate",
     "accumulate_weight_grad",
     "fused_bf16_available",
+    "fused_bf16_gemm",
     "weight_grad",
     "PIECE",
     "MIN_SPLIT",
@@ -81,7 +81,9 @@ def accumulate_weight_grad(
         main_grad.addmm_(grad_output.t(), total_input)
         return
     if _fusable(main_grad, grad_output, total_input):
-        native.load("_ops_cpu").accumulate_weight_grad_bf16(main_grad, grad_output, total_input)
+        native.load("_ops_cpu").accumulate_weight_grad_bf16(
+            main_grad, grad_output, total_input, gemm=fused_bf16_gemm()
+        )
         return
     rows = max(1, PIECE // main_grad.shape[1])
     for start in range(0, main_grad.shape[0], rows):
@@ -129,6 +131,26 @@ def fused_bf16_available() -> bool:
 
 
 _FUSED = None
+
+
+def fused_bf16_gemm() -> str:
+    """The GEMM that sums bf16 weight gradients in fp32 (:func:`fused_bf16_available`):
+    ``mkl`` (MKL's ``cblas_gemm_bf16bf16f32``, which reads the output gradient transposed in
+    place) on a CPU with AMX whose torch carries it, else ``onednn`` (a transposed copy of the
+    output gradient, then oneDNN's GEMM). MKL only where measured: on the AMX Xeon it is
+    1.2-1.8x the oneDNN path (a layer's ``[3,072, 576]`` of 503 tokens 1.5 ms against 2.4;
+    the output layer's ``[49,152, 576]`` of 439 tokens 61 against 92); on AMD CPUs MKL is
+    known to skip its AVX-512 code."""
+    global _GEMM
+    if _GEMM is None:
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+        ops = native.load("_ops_cpu")
+        mkl = ops is not None and getattr(ops, "has_mkl_gemm_bf16", lambda: False)()
+        _GEMM = "mkl" if amx and mkl else "onednn"
+    return _GEMM
+
+
+_GEMM = None
 
 
 def _fusable(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> bool:
