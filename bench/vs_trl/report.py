@@ -195,8 +195,8 @@ def flops_lines(res: dict, row) -> list:
             )
         )
     lines.append(
-        "matmul peak (1024^2, same cores; the better of torch.matmul and oneDNN), GFLOP/s: "
-        + peaks_text(peaks)
+        "matmul peak (the best of 1024^2 and 2048^2 products, same cores, torch.matmul or "
+        "oneDNN), GFLOP/s: " + peaks_text(peaks)
     )
     dtype = res["run"].get("dtype", "fp32")
     lines.append(f"achieved GFLOP/s (% of the {dtype} peak on its threads):")
