@@ -58,6 +58,30 @@ def test_prepacked_model_gives_the_model_outputs(tmp_path):
     torch.testing.assert_close(_logits(model, ids), want, atol=0, rtol=0)
 
 
+@pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="no bf16 GEMM in oneDNN on this CPU: a bf16 model keeps F.linear",
+)
+def test_prepacked_bf16_model_gives_the_model_outputs(tmp_path):
+    """A bf16 server's linears take oneDNN's prepacked matmul (no panels: they are fp32) at a
+    decode step's few rows and at a prefill's many, with the model's outputs."""
+    _, model = _tiny(tmp_path)
+    model = model.to(torch.bfloat16)
+    for rows in (1, 3):
+        ids = torch.randint(3, 90, (rows, 11), generator=torch.Generator().manual_seed(rows))
+        want = _logits(model, ids)
+        pack_linear_layers(model)
+        got = _logits(model, ids)
+        packed = [
+            m.__dict__["_packed_weight"][1]
+            for m in model.modules()
+            if "_packed_weight" in m.__dict__
+        ]
+        assert packed and all(p.panels is None and p.onednn is not None for p in packed)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+        unpack_linear_layers(model)
+
+
 def test_prepacked_weights_follow_in_place_and_replaced_weights(tmp_path):
     _, model = _tiny(tmp_path)
     pack_linear_layers(model)

@@ -18,7 +18,11 @@ CPUs, where MKL does not take its fast paths). Two prepacked paths replace it:
 dense parameter stays the source of truth: the packed copies are rebuilt on the first
 forward after the weight changes (a different storage, or an in-place write such as the
 servers' weight updates, which bumps the tensor's version counter). The paths are used only
-without autograd and for fp32 CPU tensors; anything else goes to ``F.linear``.
+without autograd and for fp32 CPU tensors, or bf16 ones where oneDNN has bf16 GEMMs (a bf16
+server): those take oneDNN's prepacked matmul at every size (the panels are fp32), the same
+values as ``F.linear``, which reorders the weight at each call; on a 2-core Intel Xeon with AMX
+(1 thread) a decode step's products of 1-64 rows 1.3-2.4x faster (the 135M model's output
+layer at 64 rows 3.5 ms against 6.4). Anything else goes to ``F.linear``.
 :func:`fused_linear` does the same for several projections of one input at once (q/k/v,
 gate/up): one matmul, one packed weight, the layers' forward hooks applied to their slices
 of the output. The price is memory: each weight is held in both packed layouts besides the
@@ -69,7 +73,8 @@ class PackedWeight:
         the packed layouts serve every product."""
         kernels = self.kernels = decode_ops.panel_kernels()
         self.out_features, self.bias = w.shape[0], b
-        self.panels = kernels.pack_gemm_panels(w) if kernels is not None else None
+        fp32 = w.dtype == torch.float32
+        self.panels = kernels.pack_gemm_panels(w) if kernels is not None and fp32 else None
         self.onednn = (
             torch.ops.mkldnn._reorder_linear_weight(w, None) if onednn_linear_available() else None
         )
@@ -102,11 +107,27 @@ def _packed_weight(mod: torch.nn.Linear) -> PackedWeight:
     return cached[1]
 
 
+def _bf16_onednn() -> bool:
+    """Whether oneDNN's prepacked matmul takes bf16 here (AVX-512 BF16 or AMX)."""
+    global _BF16
+    if _BF16 is None:
+        try:
+            _BF16 = onednn_linear_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        except (AttributeError, RuntimeError):
+            _BF16 = False
+    return _BF16
+
+
+_BF16 = None
+
+
 def _plain_path(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``x @ w.T`` must go to ``F.linear`` (autograd, another dtype or device)."""
+    packable = x.dtype == w.dtype and (
+        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _bf16_onednn())
+    )
     return (
-        x.dtype != torch.float32
-        or w.dtype != torch.float32
+        not packable
         or x.device.type != "cpu"
         or w.device.type != "cpu"
         or x.numel() == 0
