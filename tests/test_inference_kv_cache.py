@@ -42,7 +42,7 @@ def _reference(model, seq):
         return model(input_ids=torch.tensor([seq])).logits[0, -1].float()
 
 
-def _join_decode_leave(model, batch):
+def _join_decode_leave(model, batch, atol=2e-5, rtol=1e-4):
     """Rows join (prompts of different lengths), decode, leave and join again; every row's
     logits must be a full forward's of that row alone."""
     g = torch.Generator().manual_seed(0)
@@ -51,14 +51,14 @@ def _join_decode_leave(model, batch):
     def check(logits):
         assert logits.shape[0] == len(seqs) == batch.rows
         for row, seq in zip(logits, seqs):
-            torch.testing.assert_close(row, _reference(model, seq), atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(row, _reference(model, seq), atol=atol, rtol=rtol)
 
     def join(n, length, keep):
         ids = torch.randint(3, 90, (n, length), generator=g)
         with torch.no_grad():
             logits, kv = batch.prefill(ids)
         for row, seq in zip(logits, ids.tolist()):
-            torch.testing.assert_close(row, _reference(model, seq), atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(row, _reference(model, seq), atol=atol, rtol=rtol)
         batch.append(kv, keep)
         seqs.extend(ids[i].tolist() for i in keep)
 
@@ -111,6 +111,24 @@ def test_join_decode_leave_match_full_forward(tmp_path, arch, kind):
     ):
         assert isinstance(make_kv_batch(model), kind)
     _join_decode_leave(model, kind(model))
+
+
+def test_bf16_model_decodes_over_an_fp32_cache_where_the_kernel_is_built(tmp_path):
+    """A bf16 model's keys and values sit in an fp32 cache (exactly their values) that the
+    C++ decode attention reads; rows that join, decode, leave and rejoin get a bf16 full
+    forward's logits, and the prefix cache's payload comes back in bf16."""
+    from areal_mega.ops import decode as decode_ops
+
+    model = _model(tmp_path, "llama").to(torch.bfloat16)
+    batch = StaticKVBatch(model)
+    _join_decode_leave(model, batch, atol=6e-2, rtol=5e-2)
+    with torch.no_grad():
+        _, kv = batch.prefill(torch.tensor([[5, 6, 7]]))
+    batch.append(kv, [0])
+    want = torch.float32 if decode_ops.panel_kernels() is not None else torch.bfloat16
+    assert batch.k[0].dtype == want
+    assert batch.payload_of_row(batch.rows - 1, 0, 3).dtype == torch.bfloat16
+    assert torch.equal(batch.payload_of_row(batch.rows - 1, 0, 3)[0, 0], kv[0][0][0].bfloat16())
 
 
 def _tiny_glm_moe_dsa(indexer_types):
