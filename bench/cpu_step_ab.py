@@ -38,6 +38,10 @@ step):
 * ``reused_output``: the bf16 forward products over glibc's mmap ceiling (the output layer's
   logits) written into a reused buffer (:class:`areal_mega.compat.cpu_gemm.ReusedOutput`)
   against a new tensor each time (no-op in fp32);
+* ``bf16_widened``: on a CPU without bf16 GEMMs (AVX2 only), bf16 products computed in fp32
+  from the widened operands (:mod:`areal_mega.common.cpu_bf16`) against torch's bf16 products
+  (``AREAL_MEGA_CPU_BF16_GEMM=native``; a scalar loop there: minutes a step at 8 layers; no-op
+  in fp32 and where the CPU has bf16 GEMMs);
 * ``all``: every change at once.
 """
 
@@ -64,6 +68,7 @@ CHANGES = (
     "unit_families",
     "wgrad_fp32",
     "reused_output",
+    "bf16_widened",
 )
 
 
@@ -170,6 +175,18 @@ def former(change: str):
             yield
         finally:
             cpu_gemm.REUSE_MIN_BYTES = saved
+    elif change == "bf16_widened":
+        from areal_mega.common import cpu_bf16
+
+        saved = os.environ.get(cpu_bf16.BF16_GEMM_ENV)
+        os.environ[cpu_bf16.BF16_GEMM_ENV] = "native"
+        try:
+            yield
+        finally:
+            if saved is None:
+                del os.environ[cpu_bf16.BF16_GEMM_ENV]
+            else:
+                os.environ[cpu_bf16.BF16_GEMM_ENV] = saved
     elif change == "all":
         with contextlib.ExitStack() as stack:
             for c in CHANGES:

@@ -14,7 +14,7 @@ def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_each_function_equals_the_expression_it_replaces():
+def test_each_function_equals_the_expression_it_replaces(monkeypatch):
     assert cpu_gemm._AVAILABLE, "this torch has no oneDNN linear: the speed patch is a no-op"
     g = torch.Generator().manual_seed(0)
     x3 = torch.randn(37, 2, 24, generator=g)  # [s, b, K] as megatron passes it
@@ -32,7 +32,39 @@ def test_each_function_equals_the_expression_it_replaces():
     empty = torch.zeros(0, 24)
     assert cpu_gemm.linear(empty, w).shape == (0, 40)
     xb, wb = x3.bfloat16(), w.bfloat16()  # other dtypes: torch's own matmul
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "native")
     assert torch.equal(cpu_gemm.linear(xb, wb), torch.matmul(xb, wb.t()))
+
+
+def _within_bf16_rounding(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """``got`` (bf16) is ``exact`` (fp64) rounded to bf16, give or take the fp32 sum's
+    order: within one bf16 unit in the last place."""
+    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+    ulp = exact.abs().clamp_min(1e-30) * 2.0**-7
+    assert ((got.double() - exact).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("block_bytes", [8 << 20, 200])
+def test_bf16_products_computed_in_fp32_where_the_cpu_has_no_bf16_gemm(block_bytes, monkeypatch):
+    """On a CPU without bf16 GEMMs (forced here by ``AREAL_MEGA_CPU_BF16_GEMM=fp32``, on any
+    CPU): each product of bf16 operands is the fp32 product of the widened operands rounded
+    to bf16 once, whole or by blocks of the weight's rows (``WIDEN_BLOCK_BYTES`` lowered),
+    in megatron's shapes, not a view."""
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "fp32")
+    monkeypatch.setattr(cpu_gemm, "WIDEN_BLOCK_BYTES", block_bytes)
+    g = torch.Generator().manual_seed(3)
+    x3 = torch.randn(37, 2, 24, generator=g).bfloat16()
+    w = torch.randn(40, 24, generator=g).bfloat16()
+    y = cpu_gemm.linear(x3, w)
+    assert not y._is_view()
+    _within_bf16_rounding(y, x3.double() @ w.double().t())
+    gy = torch.randn(37, 2, 40, generator=g).bfloat16()
+    gi = cpu_gemm.grad_input(gy, w)
+    assert not gi._is_view()
+    _within_bf16_rounding(gi, gy.double() @ w.double())
+    g2, x2 = gy.view(-1, 40), x3.reshape(-1, 24)
+    _within_bf16_rounding(cpu_gemm.grad_weight(g2, x2), g2.double().t() @ x2.double())
+    assert cpu_gemm.linear(torch.zeros(0, 24, dtype=torch.bfloat16), w).shape == (0, 40)
 
 
 @pytest.mark.parametrize("frozen", [False, True])
@@ -116,13 +148,19 @@ def test_reused_output_is_handed_out_again_only_once_nothing_uses_it():
     assert pool.take((4, 5), torch.float32).data_ptr() == ptr
 
 
-def test_large_bf16_forward_products_reuse_one_buffer_through_megatron_linear(monkeypatch):
-    """Over REUSE_MIN_BYTES (lowered here): the product equals torch's, is not a view, may be
+@pytest.mark.parametrize("products", ["native", "fp32"])
+def test_large_bf16_forward_products_reuse_one_buffer_through_megatron_linear(
+    products, monkeypatch
+):
+    """Over REUSE_MIN_BYTES (lowered here): the product equals torch's (``native``; ``fp32``:
+    the widened operands' product rounded, by blocks of the weight), is not a view, may be
     written in place under autograd, and the next step's product takes the same storage while
     the gradients stay right."""
     megatron_cpu.apply()
     from megatron.core.tensor_parallel import layers
 
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", products)
+    monkeypatch.setattr(cpu_gemm, "WIDEN_BLOCK_BYTES", 300)
     monkeypatch.setattr(cpu_gemm, "REUSE_MIN_BYTES", 1)
     monkeypatch.setattr(cpu_gemm, "_REUSED", cpu_gemm.ReusedOutput())
     g = torch.Generator().manual_seed(2)
@@ -133,7 +171,10 @@ def test_large_bf16_forward_products_reuse_one_buffer_through_megatron_linear(mo
         y = layers.LinearWithGradAccumulationAndAsyncCommunication.apply(
             x, w, None, False, False, False, None, 0, None, 1
         )
-        assert torch.equal(y, torch.matmul(x.detach(), w.detach().t()))
+        if products == "native":
+            assert torch.equal(y, torch.matmul(x.detach(), w.detach().t()))
+        else:
+            _within_bf16_rounding(y, x.detach().double() @ w.detach().double().t())
         assert not y._is_view()
         ptrs.append(y.data_ptr())
         y2 = y * 1.0

@@ -66,8 +66,10 @@ def _wgrad_inputs(dtype, tokens=7, n=main_grad.MIN_SPLIT // 64 + 5, k=64, seed=1
 def test_bf16_weight_gradient_added_piecewise_equals_whole_product_added(monkeypatch):
     """Without the fp32-summing GEMM (here: set aside by the backend switch): rows in pieces,
     each the bf16 product added in fp32, the same values as the whole bf16 product added into
-    the main gradient (what DDP's hook did)."""
+    the main gradient (what DDP's hook did). torch's bf16 products, also on a CPU without
+    bf16 GEMMs (``native``)."""
     monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "torch")
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "native")
     assert not main_grad.fused_bf16_available()
     go, x, start = _wgrad_inputs(torch.bfloat16)
     want = start.clone().add_(go.t().matmul(x))
@@ -89,6 +91,7 @@ def test_weight_grad_returns_the_product_below_the_split_size_or_without_main_gr
     dtype, monkeypatch
 ):
     monkeypatch.setenv("AREAL_MEGA_OPS_BACKEND", "torch")
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "native")
     go, x, _ = _wgrad_inputs(dtype, n=128)
     w = torch.nn.Parameter(torch.zeros(128, 64, dtype=dtype))
     want = go.t().matmul(x)
@@ -96,6 +99,35 @@ def test_weight_grad_returns_the_product_below_the_split_size_or_without_main_gr
     w.main_grad = torch.zeros(128, 64)
     assert main_grad.weight_grad(go, x, w) is not None
     assert w.main_grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize(("tokens", "n", "k"), [(7, 128, 64), (33, 4099, 96), (1, 3, 5)])
+def test_bf16_weight_gradient_computed_in_fp32_where_the_cpu_has_no_bf16_gemm(
+    tokens, n, k, monkeypatch
+):
+    """On a CPU without bf16 GEMMs (here forced by ``AREAL_MEGA_CPU_BF16_GEMM=fp32``, on any
+    CPU): the widened operands' fp32 product summed into ``main_grad`` in pieces of rows, as
+    close to the fp64 product as fp32 sums get and closer than the bf16 product added; at any
+    size no ``.grad`` product is returned; a strided gradient and an empty batch are handled."""
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "fp32")
+    monkeypatch.setattr(main_grad, "PIECE", 4 * k)  # several pieces even at these sizes
+    go, x, start = _wgrad_inputs(torch.bfloat16, tokens=tokens, n=n, k=k)
+    exact = start.double() + go.double().t() @ x.double()
+    w = torch.nn.Parameter(torch.zeros(n, k, dtype=torch.bfloat16))
+    w.main_grad = start.clone()
+    assert main_grad.weight_grad(go, x, w) is None
+    err = (w.main_grad.double() - exact).abs().max().item()
+    assert err < 1e-5 * max(1.0, tokens**0.5)
+    rounded = (start + go.double().t().matmul(x.double()).bfloat16().float()).double()
+    assert err < (rounded - exact).abs().max().item() or tokens == 1
+    wide_go = torch.zeros(tokens, 2 * n, dtype=torch.bfloat16)
+    wide_go[:, 1::2] = go
+    w.main_grad = start.clone()
+    assert main_grad.weight_grad(wide_go[:, 1::2], x, w) is None
+    assert (w.main_grad.double() - exact).abs().max().item() == err
+    before = w.main_grad.clone()
+    assert main_grad.weight_grad(go[:0], x[:0], w) is None
+    assert torch.equal(w.main_grad, before)
 
 
 FUSED = pytest.mark.skipif(

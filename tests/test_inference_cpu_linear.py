@@ -60,11 +60,12 @@ def test_prepacked_model_gives_the_model_outputs(tmp_path):
 
 @pytest.mark.skipif(
     not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="no bf16 GEMM in oneDNN on this CPU: a bf16 model keeps F.linear",
+    reason="no bf16 GEMM in oneDNN on this CPU: bf16 weights are packed widened there (below)",
 )
-def test_prepacked_bf16_model_gives_the_model_outputs(tmp_path):
+def test_prepacked_bf16_model_gives_the_model_outputs(tmp_path, monkeypatch):
     """A bf16 server's linears take oneDNN's prepacked matmul (no panels: they are fp32) at a
     decode step's few rows and at a prefill's many, with the model's outputs."""
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "native")
     _, model = _tiny(tmp_path)
     model = model.to(torch.bfloat16)
     for rows in (1, 3):
@@ -79,6 +80,40 @@ def test_prepacked_bf16_model_gives_the_model_outputs(tmp_path):
         ]
         assert packed and all(p.panels is None and p.onednn is not None for p in packed)
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+        unpack_linear_layers(model)
+
+
+def test_bf16_model_packed_widened_where_the_cpu_has_no_bf16_gemm(tmp_path, monkeypatch):
+    """On a CPU without bf16 GEMMs (forced by ``AREAL_MEGA_CPU_BF16_GEMM=fp32``, on any CPU): a
+    bf16 server's weights are packed widened to fp32 (the panels too, where built) and its
+    products computed in fp32, rounded to bf16: the model's outputs, in bf16."""
+    from areal_mega.ops import decode as decode_ops
+
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "fp32")
+    _, model = _tiny(tmp_path)
+    model = model.to(torch.bfloat16)
+    for rows in (1, 40):
+        ids = torch.randint(3, 90, (rows, 11), generator=torch.Generator().manual_seed(rows))
+        want = _logits(model, ids)
+        assert pack_linear_layers(model) > 0
+        got = _logits(model, ids)
+        packed = [
+            m.__dict__["_packed_weight"][1]
+            for m in model.modules()
+            if "_packed_weight" in m.__dict__
+        ]
+        assert packed and all(p.widened for p in packed)
+        if decode_ops.panel_kernels() is not None:
+            assert all(p.panels is not None for p in packed)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+        layer = model.model.layers[0].mlp.down_proj
+        x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(7))
+        x = x.bfloat16()
+        exact = x.double() @ layer.weight.double().t()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        assert ((y.double() - exact).abs() <= exact.abs() * 2.0**-7 + 1e-6).all()
         unpack_linear_layers(model)
 
 

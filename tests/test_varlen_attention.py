@@ -504,11 +504,17 @@ def test_split_batches_cuts_by_width_at_the_least_cost():
         assert sum(cost(b) for b in got) == brute
 
 
-def test_short_bf16_attention_runs_in_fp32_on_the_cpu(monkeypatch):
+@pytest.mark.parametrize("products", ["native", "fp32"])
+def test_short_bf16_attention_runs_in_fp32_on_the_cpu(products, monkeypatch):
     """bf16 queries up to CPU_FP32_ATTENTION_MAX_QUERY long attend on fp32 copies (torch's bf16
     CPU kernel is slow there): the fp32 result rounded to bf16, gradients in bf16 close to the
-    bf16 kernel's; longer queries keep the bf16 kernel."""
+    bf16 kernel's; longer queries keep the bf16 kernel, except on a CPU without bf16 GEMMs
+    (``AREAL_MEGA_CPU_BF16_GEMM=fp32`` forces it here), where every bf16 attention is computed
+    in fp32, the explicit (softcap) path's products too."""
     import areal_mega.models.varlen_attention as va
+
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", products)
+    long_dtype = torch.bfloat16 if products == "native" else torch.float32
 
     seen = []
     sdpa = va.F.scaled_dot_product_attention
@@ -518,7 +524,7 @@ def test_short_bf16_attention_runs_in_fp32_on_the_cpu(monkeypatch):
         lambda q, *a, **kw: seen.append(q.dtype) or sdpa(q, *a, **kw),
     )
     g = torch.Generator().manual_seed(0)
-    for lq, want in ((va.CPU_FP32_ATTENTION_MAX_QUERY, torch.float32), (200, torch.bfloat16)):
+    for lq, want in ((va.CPU_FP32_ATTENTION_MAX_QUERY, torch.float32), (200, long_dtype)):
         q, k, v = (
             torch.randn(2, n, lq, 16, generator=g).bfloat16().requires_grad_() for n in (4, 2, 2)
         )
@@ -535,3 +541,14 @@ def test_short_bf16_attention_runs_in_fp32_on_the_cpu(monkeypatch):
         for a, b in zip(grads, ref_grads):
             assert a.dtype == torch.bfloat16
             assert (a.float() - b.float()).abs().max() < 0.05 * b.float().abs().max()
+    if products == "fp32":
+        q, k, v = (torch.randn(2, n, 9, 16, generator=g).bfloat16() for n in (4, 2, 2))
+        capped = va.attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True, softcap=5.0)
+        wide = va.attention(
+            *(t.float() for t in (q, k, v)),
+            is_causal=True,
+            scale=0.25,
+            enable_gqa=True,
+            softcap=5.0,
+        )
+        assert capped.dtype == torch.bfloat16 and torch.equal(capped, wide.bfloat16())

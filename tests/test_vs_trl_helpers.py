@@ -249,21 +249,27 @@ def test_trl_side_is_reused_only_for_the_same_machine_and_work(vs, tmp_path):
 def test_runs_of_other_seeds_and_etas_get_their_own_names(vs):
     from types import SimpleNamespace as NS
 
-    assert vs.run_names(NS(eta=1, seed=1, rl_seed=1, dtype="fp32")) == {
+    assert vs.run_names(NS(eta=1, seed=1, rl_seed=1, dtype="fp32", max_new=16)) == {
         "ours": "ours",
         "trl": "trl",
         "result": "vs_trl",
     }
-    assert vs.run_names(NS(eta=0, seed=1, rl_seed=2, dtype="fp32")) == {
+    assert vs.run_names(NS(eta=0, seed=1, rl_seed=2, dtype="fp32", max_new=16)) == {
         "ours": "ours-eta0-seed2",
         "trl": "trl-seed2",
         "result": "vs_trl-eta0-seed2",
     }
     # bf16 runs share the fp32 runs' directory and warm start; TRL's side is its own
-    assert vs.run_names(NS(eta=0, seed=1, rl_seed=1, dtype="bf16")) == {
+    assert vs.run_names(NS(eta=0, seed=1, rl_seed=1, dtype="bf16", max_new=16)) == {
         "ours": "ours-bf16-eta0",
         "trl": "trl-bf16",
         "result": "vs_trl-bf16-eta0",
+    }
+    # and runs of other answer lengths: a whole grid in one --out
+    assert vs.run_names(NS(eta=1, seed=1, rl_seed=1, dtype="bf16", max_new=128)) == {
+        "ours": "ours-bf16-new128",
+        "trl": "trl-bf16-new128",
+        "result": "vs_trl-bf16-new128",
     }
 
 
@@ -455,20 +461,30 @@ def test_grid_table_rows_ratio_peak_fraction_and_order():
     assert "| 3.00x |" in text[4] and "25% / 5%" in text[4] and text[2].count(" - ") >= 3
 
 
-def test_matmul_peaks_take_the_better_backend():
+def test_matmul_peaks_take_the_better_backend(monkeypatch):
     import torch
 
+    from areal_mega.common import cpu_bf16
+    from bench.vs_trl import flops
     from bench.vs_trl.flops import matmul_peak, matmul_peaks
 
+    monkeypatch.setattr(flops, "PEAK_SIZES", (256, 512))
     cpu = sorted(os.sched_getaffinity(0))[:1]
     peaks = matmul_peaks(cpu, [1, 1])["1"]  # one entry per thread count
     for dt in ("float32", "bfloat16"):
         by = peaks[f"{dt}_by_backend"]
-        assert "matmul" in by and all(v > 0 for v in by.values())
+        assert all(v > 0 for v in by.values())
         assert peaks[dt] == max(by.values())
+    assert "matmul" in peaks["float32_by_backend"]
     if torch.backends.mkldnn.is_available():
         assert "onednn" in peaks["float32_by_backend"]
+    # bf16 where this CPU has no bf16 GEMMs: the product the trainer computes there, only
+    want = ["widened"] if cpu_bf16.bf16_products_in_fp32() else ["matmul", "onednn"]
+    assert sorted(peaks["bfloat16_by_backend"]) == want[: len(peaks["float32_by_backend"])]
+    monkeypatch.setenv("AREAL_MEGA_CPU_BF16_GEMM", "fp32")  # that case on any CPU
+    assert list(matmul_peaks(cpu, [1])["1"]["bfloat16_by_backend"]) == ["widened"]
     assert matmul_peak("float32", 1, n=32, seconds=0.01, backend="onednn") > 0
+    assert matmul_peak("bfloat16", 1, n=32, seconds=0.01, backend="widened") > 0
     with pytest.raises(ValueError, match="backend='mkl'"):
         matmul_peak("float32", 1, n=32, backend="mkl")
 

@@ -19,5 +19,6 @@
 - :mod:`.errors` — ``ConfigError``, the config error every layer raises;
 - :mod:`.moe_routes` — routed experts of a mixture-of-experts model: the layout, SGLang's wire
   encoding, the per-sample table;
-- :mod:`.native` — the compiled kernel modules, loaded once (a truncated build refused).
+- :mod:`.native` — the compiled kernel modules, loaded once (a truncated build refused);
+- :mod:`.cpu_bf16` — whether this CPU has bf16 GEMMs; where not, bf16 products in fp32.
 """

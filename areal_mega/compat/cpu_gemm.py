@@ -10,7 +10,9 @@ for the weight gradient. With MKL the linear layers were over 80% of a forward+b
 ``LinearWithGradAccumulationAndAsyncCommunication`` (and ``LinearWithFrozenWeight``) to call
 these functions. Each computes exactly the expression it replaces (fp32 accumulation, a
 different summation order) and falls back to that expression for other dtypes, empty inputs
-or a torch without oneDNN.
+or a torch without oneDNN. A bf16 product on a CPU without bf16 GEMMs is computed in fp32
+from the widened operands and rounded to bf16 once (:mod:`areal_mega.common.cpu_bf16`: torch's
+own bf16 product there is a scalar loop, 10-70x slower than the fp32 GEMM).
 
 Environment switch ``AREAL_MEGA_CPU_GEMM`` (read once, at import): ``onednn`` (the default)
 routes the products as above; ``torch`` keeps torch's own ``matmul`` (MKL) everywhere, e.g.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from areal_mega.common.cpu_bf16 import bf16_in_fp32
 from areal_mega.common.env_switch import env_choice
 
 GEMM_ENV = "AREAL_MEGA_CPU_GEMM"
@@ -104,11 +107,57 @@ class ReusedOutput:
 _REUSED = ReusedOutput()
 
 
+#: The largest fp32 temporary (a block of the weight or of the product) of a bf16 product
+#: computed in fp32 (:func:`areal_mega.common.cpu_bf16.bf16_in_fp32`): it comes from the heap
+#: and stays in cache, where the output layer's whole widened weight (113 MiB in the 135M
+#: model) or fp32 logits would be fresh mappings faulting in page by page.
+WIDEN_BLOCK_BYTES = 8 << 20
+
+
+def _block_rows(rows: int, width: int) -> int:
+    """Rows of the weight per block of a widened product whose widest operand is ``width``."""
+    return min(rows, max(1, WIDEN_BLOCK_BYTES // (4 * max(width, 1))))
+
+
+def _widened_linear(total_input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`linear` of bf16 operands computed in fp32, by blocks of the weight's rows, each
+    block's product rounded to bf16 once."""
+    x = total_input.reshape(-1, total_input.shape[-1]).float()
+    (m, k), n = x.shape, weight.shape[0]
+    rows = _block_rows(n, max(m, k))
+    if rows == n:
+        out = linear(x, weight.float()).to(torch.bfloat16)
+    else:
+        out = (
+            _REUSED.take((m, n), torch.bfloat16)
+            if m * n * 2 >= REUSE_MIN_BYTES
+            else torch.empty((m, n), dtype=torch.bfloat16)
+        )
+        for start in range(0, n, rows):
+            out[:, start : start + rows] = linear(x, weight[start : start + rows].float())
+    return torch.ops.aten._unsafe_view(out, (*total_input.shape[:-1], n))
+
+
+def _widened_grad_input(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`grad_input` of bf16 operands computed in fp32, summed over blocks of the
+    weight's rows, rounded to bf16 once."""
+    g = grad_output.reshape(-1, grad_output.shape[-1])
+    (m, n), k = g.shape, weight.shape[1]
+    rows = _block_rows(n, max(m, k))
+    acc = None
+    for start in range(0, n, rows):
+        part = grad_input(g[:, start : start + rows].float(), weight[start : start + rows].float())
+        acc = part if acc is None else acc.add_(part)
+    return torch.ops.aten._unsafe_view(acc.to(torch.bfloat16), (*grad_output.shape[:-1], k))
+
+
 def linear(total_input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(total_input, weight.t())`` (the forward product). A bf16 product of at
     least :data:`REUSE_MIN_BYTES` is written into a reused buffer (:class:`ReusedOutput`)."""
     if _onednn_ok(total_input, weight):
         return _mm(total_input, weight)
+    if bf16_in_fp32(total_input, weight):
+        return _widened_linear(total_input, weight)
     if (
         total_input.dtype == torch.bfloat16
         and weight.dtype == torch.bfloat16
@@ -127,6 +176,8 @@ def grad_input(grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``grad_output.matmul(weight)`` (the input gradient)."""
     if _onednn_ok(grad_output, weight):
         return _mm(grad_output, weight.t())
+    if bf16_in_fp32(grad_output, weight):
+        return _widened_grad_input(grad_output, weight)
     return grad_output.matmul(weight)
 
 
@@ -135,4 +186,6 @@ def grad_weight(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.T
     (the weight gradient)."""
     if grad_output.dim() == 2 and total_input.dim() == 2 and _onednn_ok(grad_output, total_input):
         return _mm(grad_output.t(), total_input.t())
+    if bf16_in_fp32(grad_output, total_input):
+        return grad_weight(grad_output.float(), total_input.float()).to(torch.bfloat16)
     return grad_output.t().matmul(total_input)

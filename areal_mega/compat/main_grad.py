@@ -24,8 +24,10 @@ it was added), no fp32 cast of it and no second pass; the largest difference fro
 product 3e-5 where it was 0.25. On a 2-core Intel Xeon with AMX (1 thread), MKL's GEMM: a
 GRPO step of the 8-layer 135M shape 1.17x at answers of 1-16 tokens, 1.09x at 1-128
 (``bench/cpu_step_ab.py --change wgrad_fp32``, the former path restored in the same
-process). Elsewhere (fp32, no bf16 GEMM, kernels not built, ``AREAL_MEGA_OPS_BACKEND=torch``)
-the former path stays.
+process). On a CPU that computes bf16 products in fp32 (no bf16 GEMMs,
+:mod:`areal_mega.common.cpu_bf16`) the product is an fp32 GEMM of the widened operands, summed
+into ``main_grad`` piece by piece, never rounded to bf16. Elsewhere (fp32, kernels not built,
+``AREAL_MEGA_OPS_BACKEND=torch``) the former path stays.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from areal_mega.common import native
+from areal_mega.common.cpu_bf16 import bf16_in_fp32
 from areal_mega.common.env_switch import env_choice
 from areal_mega.compat import cpu_gemm
 
@@ -74,18 +77,28 @@ def accumulate_weight_grad(
 ) -> None:
     """``main_grad += grad_output.t() @ total_input`` for 2-D ``[tokens, N]`` / ``[tokens, K]``
     and a contiguous ``[N, K]`` ``main_grad``. bf16 into fp32 where :func:`fused_bf16_available`:
-    one GEMM summing in fp32 into ``main_grad``. Otherwise, of another dtype than
+    one GEMM summing in fp32 into ``main_grad``. bf16 on a CPU without bf16 GEMMs: fp32
+    GEMMs of the widened operands summing into ``main_grad``, :data:`PIECE` elements of rows
+    at a time (as an fp32 ``main_grad.addmm_``: on a 2-core AVX2 EPYC, 1 thread, the output
+    layer's ``[49,152, 576]`` of 1,471 tokens 59 GFLOP/s, oneDNN's product and an add 50).
+    Otherwise, of another dtype than
     ``main_grad``: the product in that dtype, :data:`PIECE` elements of rows at a time, each
     added in ``main_grad``'s."""
     if grad_output.dtype == main_grad.dtype:
         main_grad.addmm_(grad_output.t(), total_input)
+        return
+    rows = max(1, PIECE // main_grad.shape[1])
+    if _widened(main_grad, grad_output, total_input):
+        total_input = total_input.float()
+        for start in range(0, main_grad.shape[0], rows):
+            piece = grad_output[:, start : start + rows].float()
+            main_grad[start : start + rows].addmm_(piece.t(), total_input)
         return
     if _fusable(main_grad, grad_output, total_input):
         native.load("_ops_cpu").accumulate_weight_grad_bf16(
             main_grad, grad_output, total_input, gemm=fused_bf16_gemm()
         )
         return
-    rows = max(1, PIECE // main_grad.shape[1])
     for start in range(0, main_grad.shape[0], rows):
         piece = cpu_gemm.grad_weight(grad_output[:, start : start + rows], total_input)
         main_grad[start : start + rows].add_(piece)
@@ -96,7 +109,8 @@ def weight_grad(
 ) -> torch.Tensor | None:
     """The weight gradient of a linear layer's backward (``grad_output.t() @ total_input``).
     For a weight with a contiguous ``main_grad`` of at least :data:`MIN_SPLIT` elements, or of
-    any size when the bf16 product can be summed in fp32 (:func:`fused_bf16_available`), it is
+    any size when the bf16 product can be summed in fp32 (:func:`fused_bf16_available`, or a
+    CPU without bf16 GEMMs, which computes it in fp32), it is
     added there instead (:func:`accumulate_weight_grad`) and ``None`` is returned: autograd
     then hands DDP's hook no ``param.grad`` to add (megatron allows that while
     ``overlap_grad_reduce`` is off, as the engine keeps it). Else the product is returned."""
@@ -107,7 +121,11 @@ def weight_grad(
         or total_input.dim() != 2
         or main_grad.shape != (grad_output.shape[1], total_input.shape[1])
         or not main_grad.is_contiguous()
-        or (main_grad.numel() < MIN_SPLIT and not _fusable(main_grad, grad_output, total_input))
+        or (
+            main_grad.numel() < MIN_SPLIT
+            and not _fusable(main_grad, grad_output, total_input)
+            and not _widened(main_grad, grad_output, total_input)
+        )
     ):
         return cpu_gemm.grad_weight(grad_output, total_input)
     accumulate_weight_grad(main_grad, grad_output, total_input)
@@ -151,6 +169,12 @@ def fused_bf16_gemm() -> str:
 
 
 _GEMM = None
+
+
+def _widened(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> bool:
+    """Whether a bf16 weight gradient is computed in fp32 and summed into an fp32
+    ``main_grad`` (a CPU without bf16 GEMMs, :func:`~areal_mega.common.cpu_bf16.bf16_in_fp32`)."""
+    return main_grad.dtype == torch.float32 and bf16_in_fp32(grad_output, total_input)
 
 
 def _fusable(main_grad: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor) -> bool:

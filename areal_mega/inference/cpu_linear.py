@@ -22,7 +22,10 @@ without autograd and for fp32 CPU tensors, or bf16 ones where oneDNN has bf16 GE
 server): those take oneDNN's prepacked matmul at every size (the panels are fp32), the same
 values as ``F.linear``, which reorders the weight at each call; on a 2-core Intel Xeon with AMX
 (1 thread) a decode step's products of 1-64 rows 1.3-2.4x faster (the 135M model's output
-layer at 64 rows 3.5 ms against 6.4). Anything else goes to ``F.linear``.
+layer at 64 rows 3.5 ms against 6.4). On a CPU without bf16 GEMMs
+(:mod:`areal_mega.common.cpu_bf16`) a bf16 weight is packed widened to fp32 and its
+products computed in fp32, rounded to bf16 once (torch's bf16 product there is a scalar
+loop). Anything else goes to ``F.linear``.
 :func:`fused_linear` does the same for several projections of one input at once (q/k/v,
 gate/up): one matmul, one packed weight, the layers' forward hooks applied to their slices
 of the output. The price is memory: each weight is held in both packed layouts besides the
@@ -36,6 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from areal_mega.common.cpu_bf16 import bf16_in_fp32, bf16_products_in_fp32
 from areal_mega.ops import decode as decode_ops
 
 PANEL_ROWS_MAX = 32  # rows up to which the panel kernel beats oneDNN (measured above)
@@ -72,6 +76,9 @@ class PackedWeight:
         """``owned``: ``w`` is a copy made for this object (a concatenation), dropped once
         the packed layouts serve every product."""
         kernels = self.kernels = decode_ops.panel_kernels()
+        self.widened = bf16_in_fp32(w)
+        if self.widened:  # no bf16 GEMMs here: the products of a widened copy
+            w, b, owned = w.float(), None if b is None else b.float(), True
         self.out_features, self.bias = w.shape[0], b
         fp32 = w.dtype == torch.float32
         self.panels = kernels.pack_gemm_panels(w) if kernels is not None and fp32 else None
@@ -81,6 +88,11 @@ class PackedWeight:
         self.dense = None if owned and self.onednn is not None else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widened:
+            return self._product(x.float()).to(torch.bfloat16)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         if self.panels is not None and rows <= PANEL_ROWS_MAX:
             return self.kernels.gemm_panels(x, self.panels, self.out_features, self.bias)
@@ -93,7 +105,7 @@ def _layout_key() -> tuple:
     """What the packed layouts depend on beyond the weights: the panel width of the ISA in
     use (a test or a bench may switch it)."""
     kernels = decode_ops.panel_kernels()
-    return (None if kernels is None else kernels.gemm_panel_width(),)
+    return (None if kernels is None else kernels.gemm_panel_width(), bf16_products_in_fp32())
 
 
 def _packed_weight(mod: torch.nn.Linear) -> PackedWeight:
@@ -124,7 +136,8 @@ _BF16 = None
 def _plain_path(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``x @ w.T`` must go to ``F.linear`` (autograd, another dtype or device)."""
     packable = x.dtype == w.dtype and (
-        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _bf16_onednn())
+        x.dtype == torch.float32
+        or (x.dtype == torch.bfloat16 and (_bf16_onednn() or bf16_in_fp32(x, w)))
     )
     return (
         not packable

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from areal_mega.common.cpu_bf16 import bf16_in_fp32
 from areal_mega.models.sliding_window import window_visible
 
 __all__ = [
@@ -137,6 +138,20 @@ def attention(
             scale=scale,
             enable_gqa=enable_gqa,
         )
+    if bf16_in_fp32(q, k, v):
+        # no bf16 GEMMs on this CPU: the products in fp32, the output rounded once
+        return attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            softcap=softcap,
+            sink=sink,
+        ).to(q.dtype)
     if enable_gqa:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -171,11 +186,14 @@ def _short_bf16_on_cpu(q: torch.Tensor) -> bool:
     forward+backward on fp32 copies, casts included, took 0.3-0.6x the bf16 kernel's CPU time
     (a GRPO micro-batch's padded units, 16 x 9 heads x 51 queries x 80 keys: 0.44x), about
     the same from 192 to 256 queries, and more beyond (2,048 causal: 1.5x); see
-    bench/cpu_bf16.py. fp32 scores rounded once are no less accurate than the bf16 kernel's."""
+    bench/cpu_bf16.py. fp32 scores rounded once are no less accurate than the bf16 kernel's.
+    On a CPU without bf16 GEMMs (:mod:`areal_mega.common.cpu_bf16`) queries of every length:
+    there the bf16 kernel's backward took 4x the fp32 one's (2-core AVX2 EPYC, 8 x 9 heads x
+    80 causal queries)."""
     return (
         q.dtype == torch.bfloat16
         and q.device.type == "cpu"
-        and q.shape[-2] <= CPU_FP32_ATTENTION_MAX_QUERY
+        and (q.shape[-2] <= CPU_FP32_ATTENTION_MAX_QUERY or bf16_in_fp32(q))
     )
 
 

@@ -108,8 +108,10 @@ def matmul_peak(
     (``float32`` / ``bfloat16``) on ``threads`` torch threads, repeated for at least
     ``seconds`` after one warm-up product (best of three rounds: the machine is shared).
     ``backend``: ``matmul`` (``torch.matmul``: MKL's sgemm for fp32, which takes only its AVX2
-    path on AMD CPUs) or ``onednn`` (``torch.ops.mkldnn._linear_pointwise``, the product our
-    trainer's linear layers call on a CPU, :mod:`areal_mega.compat.cpu_gemm`). Runs on the
+    path on AMD CPUs), ``onednn`` (``torch.ops.mkldnn._linear_pointwise``, the product our
+    trainer's linear layers call on a CPU, :mod:`areal_mega.compat.cpu_gemm`) or ``widened``
+    (bf16 on a CPU without bf16 GEMMs: the fp32 product of the widened operands rounded to
+    bf16, as :func:`areal_mega.compat.cpu_gemm.linear` computes it there). Runs on the
     calling process's CPUs; its thread count is restored afterwards."""
     import torch
 
@@ -120,8 +122,13 @@ def matmul_peak(
 
         def product(a, b):
             return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    elif backend == "widened":
+        from areal_mega.compat import cpu_gemm
+
+        def product(a, b):
+            return cpu_gemm.linear(a, b)
     else:
-        raise ValueError(f"backend={backend!r}: expected matmul or onednn")
+        raise ValueError(f"backend={backend!r}: expected matmul, onednn or widened")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -235,13 +242,22 @@ def matmul_peaks(cpus: list, thread_counts) -> dict:
     parts of the runs use), keyed by the thread count as text (the JSON's keys): for fp32 and
     bf16 the best of :func:`matmul_peak`'s backends and of the sizes :data:`PEAK_SIZES`
     (``float32``, ``bfloat16``) and each backend's best over the sizes (``float32_by_backend``,
-    ...; oneDNN's left out where this torch lacks it). The calling process runs on ``cpus``
+    ...; oneDNN's left out where this torch lacks it). bf16 on a CPU without bf16 GEMMs
+    (:mod:`areal_mega.common.cpu_bf16`) is measured as the trainer computes it there, widened
+    to fp32 (``widened``): torch's own bf16 product is a scalar loop there (under 1 GFLOP/s,
+    minutes a size) that nothing of ours calls. The calling process runs on ``cpus``
     meanwhile."""
     import torch
+
+    from areal_mega.common import cpu_bf16
 
     backends = ["matmul"]
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         backends.append("onednn")
+    by_dtype = {
+        "float32": backends,
+        "bfloat16": ["widened"] if cpu_bf16.bf16_products_in_fp32() else backends,
+    }
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     try:
@@ -251,7 +267,7 @@ def matmul_peaks(cpus: list, thread_counts) -> dict:
             for dt in ("float32", "bfloat16"):
                 by = {
                     b: max(matmul_peak(dt, n, n=size, backend=b) for size in PEAK_SIZES)
-                    for b in backends
+                    for b in by_dtype[dt]
                 }
                 peaks[dt], peaks[f"{dt}_by_backend"] = max(by.values()), by
             out[str(n)] = peaks
