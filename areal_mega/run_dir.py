@@ -18,16 +18,21 @@ the layout is written down once (no torch, no megatron: any process may import i
     ipc://<run_dir>/trajectories.sock, ipc://<run_dir>/control.sock   default endpoints
     ipc://<run_dir>/launcher.sock    launch.local's control socket (launch.scale)
 
-``checkpoint.dir`` and the ``dataplane`` endpoints override the defaults.
+``checkpoint.dir`` and the ``dataplane`` endpoints override the defaults. A socket whose path
+in a deep run directory would be too long for a Unix socket address lies in the temporary
+directory instead, named after the run directory (:func:`socket_endpoint`).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
+import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
@@ -35,6 +40,23 @@ from typing import List, Optional
 from areal_mega.dataplane.journal import TrajectoryJournal
 
 log = logging.getLogger(__name__)
+
+#: The longest ipc path of ours (a Unix socket address holds 107 bytes on Linux).
+IPC_PATH_MAX = 100
+
+
+def socket_endpoint(root: Path, name: str) -> str:
+    """``ipc://<root>/<name>``, or where that path is longer than :data:`IPC_PATH_MAX`, the
+    socket ``areal-mega-<digest of root>-<name>`` in the temporary directory (``/tmp`` if that
+    is too deep too): the same endpoint in every process of the run on this machine."""
+    path = f"{root}/{name}"
+    if len(path) > IPC_PATH_MAX:
+        leaf = f"areal-mega-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}-{name}"
+        path = os.path.join(tempfile.gettempdir(), leaf)
+        if len(path) > IPC_PATH_MAX:
+            path = f"/tmp/{leaf}"
+    return f"ipc://{path}"
+
 
 META_NAME = "areal_meta.json"
 """Written last into a checkpoint directory: its presence marks the checkpoint complete."""
@@ -192,8 +214,10 @@ class RunDir:
             checkpoint_root=Path(cfg.checkpoint.dir).resolve()
             if cfg.checkpoint.dir
             else root / "checkpoints",
-            data_endpoint=cfg.dataplane.endpoint or f"ipc://{root}/trajectories.sock",
-            control_endpoint=(cfg.dataplane.control_endpoint or f"ipc://{root}/control.sock"),
+            data_endpoint=cfg.dataplane.endpoint or socket_endpoint(root, "trajectories.sock"),
+            control_endpoint=(
+                cfg.dataplane.control_endpoint or socket_endpoint(root, "control.sock")
+            ),
         )
 
     @property
@@ -219,7 +243,7 @@ class RunDir:
     @property
     def launcher_endpoint(self) -> str:
         """``launch.local``'s own control socket (``launch.scale`` adds / removes servers)."""
-        return f"ipc://{self.root}/launcher.sock"
+        return socket_endpoint(self.root, "launcher.sock")
 
     @property
     def resolved_config_file(self) -> Path:

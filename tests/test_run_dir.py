@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from areal_mega.config import load_config
 from areal_mega.dataplane.journal import TrajectoryJournal
@@ -47,6 +48,40 @@ def test_layout_defaults_and_overrides(tmp_path):
     rd = RunDir.from_config(cfg)
     assert rd.checkpoint_root == (tmp_path / "ck").resolve()
     assert rd.data_endpoint == "tcp://127.0.0.1:5555"
+
+
+def test_sockets_of_a_deep_run_directory_lie_in_the_temporary_directory(tmp_path):
+    """A run directory too deep for a Unix socket address: its sockets get short paths of
+    their own, the same from every process's config, apart for other runs, and usable."""
+    import zmq
+
+    from areal_mega.dataplane.transport import check_endpoint
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    cfg = load_config(None, [f"logging.run_dir={deep}"])
+    rd = RunDir.from_config(cfg)
+    ends = [rd.data_endpoint, rd.control_endpoint, rd.launcher_endpoint]
+    assert len(set(ends)) == 3
+    for e in ends:
+        assert check_endpoint(e) == e and str(deep) not in e
+        assert len(e.removeprefix("ipc://")) <= 100
+    assert RunDir.from_config(load_config(None, [f"logging.run_dir={deep}"])).data_endpoint == (
+        rd.data_endpoint
+    )
+    other = RunDir.from_config(load_config(None, [f"logging.run_dir={deep}2"]))
+    assert other.data_endpoint != rd.data_endpoint
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind(rd.data_endpoint)
+        b.connect(rd.data_endpoint)
+        b.send(b"frame")
+        assert a.recv() == b"frame"
+        a.close(linger=0)
+        b.close(linger=0)
+    finally:
+        ctx.term()
+        Path(rd.data_endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def test_latest_complete_checkpoint_skips_incomplete_and_bad_pointer(tmp_path):

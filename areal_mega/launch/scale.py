@@ -134,7 +134,7 @@ def main(argv: Optional[list] = None) -> int:
         )
         return 2
     endpoint = RunDir(run_dir, run_dir, "", "").launcher_endpoint
-    if not (run_dir / "launcher.sock").exists():
+    if not Path(endpoint.removeprefix("ipc://")).exists():
         print(
             f"error: no launcher is running for {run_dir} ({endpoint} does not exist)",
             file=sys.stderr,

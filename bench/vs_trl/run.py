@@ -448,16 +448,18 @@ def run_trl(a, model: Path, data: Path, out: Path) -> dict:
 
 
 def run_names(a) -> dict:
-    """This run's names in ``--out``: ``eta`` 1 and the RL seed ``--seed`` keep the plain
-    ``ours``, ``trl``, ``vs_trl.*``; another adds ``-eta``/``-seed`` so that runs of several
-    seeds and etas share one ``--out`` and its warm start."""
+    """This run's names in ``--out``: fp32, 16 new tokens, ``eta`` 1 and the RL seed
+    ``--seed`` keep the plain ``ours``, ``trl``, ``vs_trl.*``; another adds
+    ``-bf16``/``-new``/``-eta``/``-seed`` so that a whole grid of dtypes, answer lengths,
+    seeds and etas shares one ``--out`` and its warm start."""
     eta = f"-eta{a.eta}" if a.eta != 1 else ""
     seed = f"-seed{a.rl_seed}" if a.rl_seed != a.seed else ""
     dtype = f"-{a.dtype}" if a.dtype != "fp32" else ""
+    new = f"-new{a.max_new}" if a.max_new != 16 else ""
     return {
-        "ours": f"ours{dtype}{eta}{seed}",
-        "trl": f"trl{dtype}{seed}",
-        "result": f"vs_trl{dtype}{eta}{seed}",
+        "ours": f"ours{dtype}{new}{eta}{seed}",
+        "trl": f"trl{dtype}{new}{seed}",
+        "result": f"vs_trl{dtype}{new}{eta}{seed}",
     }
 
 

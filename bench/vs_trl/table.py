@@ -2,11 +2,12 @@
 SFT warm-start steps x eta, ours against TRL (issue 54's grid).
 
     d=runs/grid; for mn in 16 128; do for dt in fp32 bf16; do
-        python -m bench.vs_trl --sft-steps 30 --max-new $mn --dtype $dt --out $d/mn$mn
-        python -m bench.vs_trl --sft-steps 30 --max-new $mn --dtype $dt --eta 0 --out $d/mn$mn \\
-            --trl-from $d/mn$mn/vs_trl$([ $dt = bf16 ] && echo -bf16).json
+        n=$([ $dt = bf16 ] && echo -bf16)$([ $mn = 16 ] || echo -new$mn)
+        python -m bench.vs_trl --sft-steps 30 --max-new $mn --dtype $dt --out $d
+        python -m bench.vs_trl --sft-steps 30 --max-new $mn --dtype $dt --eta 0 --out $d \\
+            --trl-from $d/vs_trl$n.json
     done; done
-    python -m bench.vs_trl.table runs/grid/*/vs_trl*.json
+    python -m bench.vs_trl.table runs/grid/vs_trl*.json
 
 Each row: both sides' median s/step, the ratio (TRL s/step over ours), held-out greedy pass@1
 and mean reward after the last step (both scored by ``python -m areal_mega.eval``), the
