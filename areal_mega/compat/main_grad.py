@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from areal_mega.common import native
-from areal_mega.common.cpu_bf16 import bf16_in_fp32
+from areal_mega.common.cpu_bf16 import bf16_in_fp32, has_bf16_gemm
 from areal_mega.common.env_switch import env_choice
 from areal_mega.compat import cpu_gemm
 
@@ -140,8 +140,7 @@ def fused_bf16_available() -> bool:
     global _FUSED
     if _FUSED is None:
         _FUSED = (
-            torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            has_bf16_gemm()
             and native.load("_ops_cpu") is not None
             and hasattr(native.load("_ops_cpu"), "accumulate_weight_grad_bf16")
         )

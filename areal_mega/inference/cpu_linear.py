@@ -39,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from areal_mega.common.cpu_bf16 import bf16_in_fp32, bf16_products_in_fp32
+from areal_mega.common.cpu_bf16 import bf16_in_fp32, bf16_products_in_fp32, has_bf16_gemm
 from areal_mega.ops import decode as decode_ops
 
 PANEL_ROWS_MAX = 32  # rows up to which the panel kernel beats oneDNN (measured above)
@@ -124,7 +124,7 @@ def _bf16_onednn() -> bool:
     global _BF16
     if _BF16 is None:
         try:
-            _BF16 = onednn_linear_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            _BF16 = onednn_linear_available() and has_bf16_gemm()
         except (AttributeError, RuntimeError):
             _BF16 = False
     return _BF16

@@ -115,31 +115,10 @@ def attention(
     fp32): scores capped at ``softcap`` by tanh; ``sink`` ([h], one logit per head) joins
     every row's softmax as a key without a value (attention sinks, megatron-core's
     ``softmax_offset``), so a row's weights sum to less than one."""
-    if softcap is None and sink is None:
-        if _short_bf16_on_cpu(q):
-            out = F.scaled_dot_product_attention(
-                q.float(),
-                k.float(),
-                v.float(),
-                attn_mask=attn_mask,
-                is_causal=is_causal,
-                dropout_p=dropout_p,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-            return out.to(q.dtype)
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-    if bf16_in_fp32(q, k, v):
-        # no bf16 GEMMs on this CPU: the products in fp32, the output rounded once
+    plain = softcap is None and sink is None
+    if bf16_in_fp32(q, k, v) or (plain and _short_bf16_on_cpu(q)):
+        # on fp32 copies, the output rounded once: a CPU without bf16 GEMMs, or short bf16
+        # queries (see _short_bf16_on_cpu)
         return attention(
             q.float(),
             k.float(),
@@ -152,6 +131,17 @@ def attention(
             softcap=softcap,
             sink=sink,
         ).to(q.dtype)
+    if plain:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     if enable_gqa:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
@@ -187,13 +177,13 @@ def _short_bf16_on_cpu(q: torch.Tensor) -> bool:
     (a GRPO micro-batch's padded units, 16 x 9 heads x 51 queries x 80 keys: 0.44x), about
     the same from 192 to 256 queries, and more beyond (2,048 causal: 1.5x); see
     bench/cpu_bf16.py. fp32 scores rounded once are no less accurate than the bf16 kernel's.
-    On a CPU without bf16 GEMMs (:mod:`areal_mega.common.cpu_bf16`) queries of every length:
-    there the bf16 kernel's backward took 4x the fp32 one's (2-core AVX2 EPYC, 8 x 9 heads x
-    80 causal queries)."""
+    On a CPU without bf16 GEMMs (:mod:`areal_mega.common.cpu_bf16`) :func:`attention` takes
+    fp32 copies at every length: there the bf16 kernel's backward took 4x the fp32 one's
+    (2-core AVX2 EPYC, 8 x 9 heads x 80 causal queries)."""
     return (
         q.dtype == torch.bfloat16
         and q.device.type == "cpu"
-        and (q.shape[-2] <= CPU_FP32_ATTENTION_MAX_QUERY or bf16_in_fp32(q))
+        and q.shape[-2] <= CPU_FP32_ATTENTION_MAX_QUERY
     )
 
 
