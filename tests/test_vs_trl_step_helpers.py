@@ -3,6 +3,7 @@ the per-tensor comparisons with the embedding's pad row left out, AdamW's first 
 summaries; and bench/vs_trl/seeds.py's pooling of several runs' reward curves."""
 
 import importlib
+import json
 
 import numpy as np
 import pytest
@@ -120,6 +121,22 @@ def test_seeds_pool_curves_per_label_and_seed():
     text = seeds.report({"TRL": seeds.pooled(c["TRL"])})
     assert "TRL (2 seeds, median 30.00 s/step): mean reward 0.200" in text
     assert "seed 1: 0.300, seed 2: 0.100" in text and "per step 0.100 0.300" in text
+
+
+def test_seeds_pool_runs_made_without_trl(tmp_path):
+    """``--ours-only`` runs (e.g. bf16 seeds where TRL's side cannot run) pool their curves of
+    ours; a run without ours' side is still refused by name."""
+    seeds = importlib.import_module("bench.vs_trl.seeds")
+    runs = [_run(1, 1, [0.1, 0.3], None), _run(2, 1, [0.3, 0.5], None)]
+    for r in runs:
+        del r["trl"]
+    c = seeds.curves(runs)
+    assert sorted(c) == ["ours eta=1"] and sorted(c["ours eta=1"]) == [1, 2]
+    assert seeds.pooled(c["ours eta=1"])["mean"] == pytest.approx([0.2, 0.4])
+    no_ours = tmp_path / "vs_trl.json"
+    no_ours.write_text(json.dumps({k: v for k, v in runs[0].items() if k != "ours"}))
+    with pytest.raises(SystemExit, match="lacks 'ours'"):
+        seeds.main([str(no_ours)])
 
 
 def test_seeds_lag_check_compares_eta1_one_step_later_with_eta0():

@@ -20,12 +20,15 @@ from pathlib import Path
 
 
 def curves(results: list) -> dict:
-    """``{label: {rl_seed: {"rewards": [...], "s_per_step": s}}}`` from vs_trl.json dicts."""
+    """``{label: {rl_seed: {"rewards": [...], "s_per_step": s}}}`` from vs_trl.json dicts (a run
+    made with ``--ours-only`` adds its curve of ours and no TRL curve)."""
     out: dict = {}
     for res in results:
         run = res["run"]
         seed = run.get("rl_seed", run["seed"])
-        sides = (("TRL", res["trl"]), (f"ours eta={res['ours']['settings']['eta']}", res["ours"]))
+        sides = [(f"ours eta={res['ours']['settings']['eta']}", res["ours"])]
+        if "trl" in res:
+            sides.insert(0, ("TRL", res["trl"]))
         for label, side in sides:
             s = side["summary"]
             out.setdefault(label, {})[seed] = {
