@@ -45,6 +45,13 @@ ON_POLICY = (
 )
 
 
+def _stepped(row: dict) -> bool:
+    """A step's row shows a gradient, or a batch that had none to give: with every group's
+    rewards uniform the advantages, the loss and the gradient are exactly 0, and no step is wrong
+    for it (the samples vary from run to run; now and then all of a step's groups score 0)."""
+    return row["grad_norm"] > 0 or row["filter/uniform_groups"] == row["filter/groups"] > 0
+
+
 @pytest.mark.parametrize(
     "weight_update, extra",
     [
@@ -233,7 +240,7 @@ def test_distributed_optimizer_at_dp2_trains_on_policy_resumes_and_switches(
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows[-1]["grad_norm"] > 0 and rows[-1]["mismatch"] <= 1e-5
+    assert _stepped(rows[-1]) and rows[-1]["mismatch"] <= 1e-5, rows[-1]
     # launched with the regular optimizer: it loads the distributed one's state and steps on
     regular = [o for o in distopt if not o.startswith("optimizer.")]
     rc, out = _finish(
@@ -251,6 +258,6 @@ def test_distributed_optimizer_at_dp2_trains_on_policy_resumes_and_switches(
     assert rc == 0, out[-3000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert rows[-1]["grad_norm"] > 0 and rows[-1]["mismatch"] <= 1e-5
+    assert _stepped(rows[-1]) and rows[-1]["mismatch"] <= 1e-5, rows[-1]
     saved = sorted((run / "checkpoints").glob("**/iter_0000005"))
     assert saved and read_meta(saved[0])["optimizer_format"] == "megatron"
