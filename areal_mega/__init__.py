@@ -3,6 +3,8 @@
 import atexit as _atexit
 import gc as _gc
 
+from areal_mega.compat import megatron_import as _megatron_import
+
 __version__ = "0.1.0"
 
 
@@ -17,3 +19,6 @@ def _collect_then_freeze() -> None:
 
 
 _atexit.register(_collect_then_freeze)
+# megatron-core's first import in this process skips what we do not use (wandb; on a CPU,
+# torch.compile's fusions): areal_mega/compat/megatron_import.py
+_megatron_import.install()

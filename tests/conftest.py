@@ -15,6 +15,7 @@ longest first, the quick tier ``--quick``) is registered here.
 
 import pytest
 
+import areal_mega  # noqa: F401  (megatron-core's first import in these processes: ours)
 from tools import test_times
 
 

@@ -1,7 +1,8 @@
 """What a process pays to start megatron-core: megatron-core's import skips wandb (our trackers
-still import it), and a checkpoint save spawns no multiprocessing Manager process. Both lean on
-megatron-core internals; these tests notice when a release moves them (the savings then go,
-the behaviour stays)."""
+still import it) and, on a CPU, torch.compile's fusions (megatron's jit_fuser leaves functions
+plain; dynamo and inductor are not imported); a checkpoint save spawns no multiprocessing
+Manager process. Each leans on megatron-core internals; these tests notice when a release moves
+them (the savings then go, the behaviour stays)."""
 
 import json
 import subprocess
@@ -17,6 +18,10 @@ CHILD = textwrap.dedent("""
     import_megatron_core()
     import megatron.core.timers as timers
     out = {"wandb_skipped": timers.wandb is None and "wandb" not in sys.modules}
+    from areal_mega.compat.megatron_import import jit_fuser_is_plain
+    from megatron.core.fusions import fused_bias_geglu
+    out["jit_plain"] = jit_fuser_is_plain() and type(fused_bias_geglu.geglu).__name__
+    out["dynamo"] = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
     import wandb                                   # our tracker's import still works
     out["wandb_after"] = wandb.__name__
     import torch
@@ -53,7 +58,53 @@ def test_megatron_starts_without_wandb_and_saves_without_a_manager_process(tmp_p
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {
         "wandb_skipped": True,
+        "jit_plain": "function",
+        "dynamo": [],
         "wandb_after": "wandb",
         "queue_in_process": True,
         "children": [],
+    }, out
+
+
+IMPLICIT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from areal_mega.models import varlen_attention   # imports megatron.core at its top
+    import megatron.core as mc
+    import megatron.core.timers as timers
+    from areal_mega.compat.megatron_import import jit_fuser_is_plain
+    from megatron.core.activations import squared_relu
+    x = torch.tensor([-1.0, 2.0])
+    print(json.dumps({
+        "loader": type(mc.__loader__).__name__,
+        "wandb": timers.wandb is None,
+        "jit_plain": jit_fuser_is_plain(),
+        "dynamo": "torch._dynamo" in sys.modules,
+        "squared_relu": squared_relu(x).tolist(),
+        "compile": torch.compile.__module__,
+    }))
+""")
+
+
+def test_the_first_megatron_import_anywhere_in_areal_mega_is_the_plain_one(tmp_path):
+    """A module of ours that imports megatron-core at its top (not through
+    ``import_megatron_core``) gets the same first import: ``import areal_mega`` put the finder
+    there. megatron's decorated functions run eagerly; ``torch.compile`` is torch's again."""
+    p = subprocess.run(
+        [sys.executable, "-c", IMPLICIT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {
+        "loader": "SourceFileLoader",
+        "wandb": True,
+        "jit_plain": True,
+        "dynamo": False,
+        "squared_relu": [0.0, 4.0],
+        "compile": "torch",
     }, out
