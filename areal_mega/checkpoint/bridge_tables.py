@@ -175,9 +175,11 @@ class UnsupportedMappingError(ValueError):
 def import_bridge():
     """Import Megatron-Bridge (through the checked TransformerEngine placeholder where TE is
     absent) and return its ``get_model_bridge`` and ``AutoBridge``."""
+    from areal_mega.compat.bridge_import import import_whole_bridge
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()
+    import_whole_bridge()  # every family's registry (this process may have deferred them)
     from megatron.bridge.models.conversion.auto_bridge import AutoBridge
     from megatron.bridge.models.conversion.model_bridge import get_model_bridge
 

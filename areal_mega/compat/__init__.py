@@ -19,7 +19,10 @@
   calls (causal-conv1d, mamba-ssm), packed sequences included;
 - :mod:`.gdn_cpu` — torch versions of the fla kernels megatron-core's ``GatedDeltaNet``
   calls (causal convolution, L2 norm, chunked gated delta rule), packed sequences included;
-- :mod:`.megatron_import` — megatron-core's first import without wandb (every device);
+- :mod:`.megatron_import` — megatron-core's first import without wandb (every device) and,
+  without CUDA, with megatron's ``jit_fuser`` plain;
+- :mod:`.bridge_import` — Megatron-Bridge imported one model family at a time (its package
+  bodies import every family);
 - :mod:`.te_placeholder` — a TransformerEngine placeholder seen only by Megatron-Bridge's one
   unconditional import.
 """

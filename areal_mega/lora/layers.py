@@ -45,9 +45,11 @@ def import_canonical_lora():
     """Megatron-Bridge's ``(CanonicalLoRA, AdapterWrapper)``, imported through the checked
     TransformerEngine placeholder where TE is absent
     (:func:`areal_mega.compat.te_placeholder.settle_bridge_peft_te_flags`)."""
+    from areal_mega.compat.bridge_import import import_bridge_modules
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()
+    import_bridge_modules()  # the PEFT modules without every model family
     settle_bridge_peft_te_flags()
     from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
     from megatron.bridge.peft.canonical_lora import CanonicalLoRA

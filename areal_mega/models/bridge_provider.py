@@ -25,12 +25,14 @@ Families (``model_type``):
   not have, filled in (from what transformers reads) before the provider is built; the same
   test file fails once upstream no longer needs it.
 
-Importing Megatron-Bridge takes about 20 s of CPU (it imports every family, and
-``megatron.training``). The fields read from a provider are plain data, so
-:func:`provider_arch_fields` keeps them in a disk cache keyed by their inputs' content (the HF
-config, the versions of Megatron-Bridge, megatron-core and transformers, and this file), in
-``$AREAL_MEGA_CACHE_DIR`` or ``~/.cache/areal_mega``: a process that builds a model another
-process already built imports no bridge. ``AREAL_MEGA_CACHE_DIR=off`` turns it off.
+Importing Megatron-Bridge whole takes about 7-20 s of CPU (it imports every family, and
+``megatron.training``): a provider is read with its family's bridge imported alone
+(:data:`BRIDGE_MODULES`, :mod:`areal_mega.compat.bridge_import`). The fields read from a
+provider are plain data, so :func:`provider_arch_fields` keeps them in a disk cache keyed by
+their inputs' content (the HF config, the versions of Megatron-Bridge, megatron-core and
+transformers, and this file), in ``$AREAL_MEGA_CACHE_DIR`` or ``~/.cache/areal_mega``: a
+process that builds a model another process already built imports no bridge.
+``AREAL_MEGA_CACHE_DIR=off`` turns it off.
 """
 
 from __future__ import annotations
@@ -187,6 +189,38 @@ PROVIDER_FAMILIES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
 )
+
+#: the Megatron-Bridge module that registers each family's bridge with ``AutoBridge``: a
+#: provider is read with that family imported alone (:mod:`areal_mega.compat.bridge_import`);
+#: ``tests/test_bridge_import.py`` notices when a release moves one
+BRIDGE_MODULES = {
+    "llama": "megatron.bridge.models.llama.llama_bridge",
+    "qwen2": "megatron.bridge.models.qwen.qwen2_bridge",
+    "qwen3": "megatron.bridge.models.qwen.qwen3_bridge",
+    "qwen3_moe": "megatron.bridge.models.qwen.qwen3_moe_bridge",
+    "mistral": "megatron.bridge.models.mistral.mistral_bridge",
+    "glm4_moe": "megatron.bridge.models.glm.glm45_bridge",
+    "deepseek_v3": "megatron.bridge.models.deepseek.deepseek_v3_bridge",
+    "deepseek_v2": "megatron.bridge.models.deepseek.deepseek_v2_bridge",
+    "gemma": "megatron.bridge.models.gemma.gemma_bridge",
+    "glm4_moe_lite": "megatron.bridge.models.glm.glm47_flash_bridge",
+    "glm_moe_dsa": "megatron.bridge.models.glm_moe_dsa.glm5_bridge",
+    "hy_v3": "megatron.bridge.models.hy_v3.hy_v3_bridge",
+    "nemotron": "megatron.bridge.models.nemotron.nemotron_bridge",
+    "olmoe": "megatron.bridge.models.olmoe.olmoe_bridge",
+    "minimax_m2": "megatron.bridge.models.minimax_m2.minimax_m2_bridge",
+    "gpt_oss": "megatron.bridge.models.gpt_oss.gpt_oss_bridge",
+    "ernie4_5_moe": "megatron.bridge.models.ernie.ernie_45_bridge",
+    "exaone_moe": "megatron.bridge.models.exaone.exaone_moe.exaone_moe_bridge",
+    "exaone4": "megatron.bridge.models.exaone.exaone4.exaone4_bridge",
+    "qwen3_next": "megatron.bridge.models.qwen.qwen3_next_bridge",
+    "qwen3_5_text": "megatron.bridge.models.qwen.qwen35_bridge",
+    "qwen3_5_moe_text": "megatron.bridge.models.qwen.qwen35_bridge",
+    "qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_bridge",
+    "qwen3_vl": "megatron.bridge.models.qwen_vl.qwen3_vl_bridge",
+    "nemotron_h": "megatron.bridge.models.nemotronh.nemotron_h_bridge",
+    "falcon_h1": "megatron.bridge.models.falcon_h1.falconh1_bridge",
+}
 
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
 #: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`;
@@ -575,11 +609,15 @@ def hf_config_object(hf: dict):
     return AutoConfig.for_model(mt, **hf)
 
 
-def _import_auto_bridge():
-    """``AutoBridge``, imported without touching this process's logging: the bridge imports
-    ``megatron.training``, whose import calls ``logging.basicConfig`` with a handler on
-    stdout at INFO, which would print the bridge's notices into a command's output (e.g.
-    ``doctor --json``). The root logger's handlers and level are put back as they were."""
+def _import_auto_bridge(model_type: Optional[str] = None):
+    """``AutoBridge``, with ``model_type``'s bridge registered: that family's module of
+    :data:`BRIDGE_MODULES` alone (:mod:`areal_mega.compat.bridge_import`), or every family
+    (``model_type`` None or not in the table). Imported without touching this process's
+    logging: the bridge imports ``megatron.training``, whose import calls
+    ``logging.basicConfig`` with a handler on stdout at INFO, which would print the bridge's
+    notices into a command's output (e.g. ``doctor --json``). The root logger's handlers and
+    level are put back as they were."""
+    from areal_mega.compat import bridge_import
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()  # importing the bridge needs it where TransformerEngine is absent
@@ -587,6 +625,10 @@ def _import_auto_bridge():
     handlers, level = list(root.handlers), root.level
     try:
         with contextlib.redirect_stdout(sys.stderr):
+            if model_type in BRIDGE_MODULES:
+                bridge_import.import_bridge_modules(BRIDGE_MODULES[model_type])
+            else:
+                bridge_import.import_whole_bridge()
             from megatron.bridge.models.conversion.auto_bridge import AutoBridge
     finally:
         for h in list(root.handlers):
@@ -598,8 +640,8 @@ def _import_auto_bridge():
 
 @functools.lru_cache(maxsize=32)
 def _provider(hf_json: str):
-    AutoBridge = _import_auto_bridge()
     hf = json.loads(hf_json)
+    AutoBridge = _import_auto_bridge(hf.get("model_type"))
     fix = INPUT_CORRECTIONS.get(hf.get("model_type"))
     if fix is not None:
         hf = fix[1](hf)
