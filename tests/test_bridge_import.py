@@ -1,5 +1,5 @@
 """Megatron-Bridge one family at a time (areal_mega/compat/bridge_import.py): each family's
-provider, read with its bridge module of ``BRIDGE_MODULES`` alone, equals the provider the
+provider, read with its bridge module of ``FAMILY_MODULES`` alone, equals the provider the
 whole bridge gives; that module is the one ``AutoBridge`` dispatches the family to (a release
 that moves it fails here); the deferred package bodies run on demand, after which every family
 is there; LoRA's PEFT layers import without the model families."""
@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
+from areal_mega.compat.bridge_import import FAMILY_MODULES
 from areal_mega.models.bridge_provider import (
-    BRIDGE_MODULES,
     HYBRID_FAMILIES,
     PROVIDER_FAMILIES,
     VL_PROVIDER_FAMILIES,
@@ -37,7 +37,7 @@ PROVIDERS = textwrap.dedent("""
         return re.sub(r" (at|object at) 0x[0-9a-f]+", "", repr(v))
 
     out = {"providers": {}, "modules": {}}
-    for mt in bp.BRIDGE_MODULES:
+    for mt in bridge_import.FAMILY_MODULES:
         p = bp.provider_for(AutoConfig.for_model(mt).to_dict())
         out["providers"][mt] = [type(p).__name__] + sorted(
             f"{f.name}={plain(getattr(p, f.name, None))}" for f in dataclasses.fields(p)
@@ -84,13 +84,13 @@ def sides():
 
 
 def test_every_provider_family_has_its_module():
-    assert set(BRIDGE_MODULES) == {*PROVIDER_FAMILIES, *VL_PROVIDER_FAMILIES, *HYBRID_FAMILIES}
+    assert set(FAMILY_MODULES) == {*PROVIDER_FAMILIES, *VL_PROVIDER_FAMILIES, *HYBRID_FAMILIES}
 
 
 def test_a_family_alone_gives_the_provider_of_the_whole_bridge(sides):
     family, whole = sides["family"], sides["whole"]
-    assert family["providers"].keys() == whole["providers"].keys() == BRIDGE_MODULES.keys()
-    for mt in BRIDGE_MODULES:
+    assert family["providers"].keys() == whole["providers"].keys() == FAMILY_MODULES.keys()
+    for mt in FAMILY_MODULES:
         assert family["providers"][mt] == whole["providers"][mt], mt
     # the families alone: the package bodies never ran, nor did the other families' imports
     assert family["deferred"] == ["megatron.bridge", "megatron.bridge.models"]
@@ -100,7 +100,7 @@ def test_a_family_alone_gives_the_provider_of_the_whole_bridge(sides):
 
 def test_each_module_is_where_the_bridge_dispatches_its_family(sides):
     for side in ("family", "whole"):
-        assert sides[side]["modules"] == BRIDGE_MODULES, side
+        assert sides[side]["modules"] == FAMILY_MODULES, side
 
 
 def test_the_deferred_bodies_run_on_demand(sides):

@@ -173,7 +173,8 @@ def test_unknown_group_handshake_is_refused():
 def test_vllms_processes_import_our_two_modules_alone():
     """vLLM's Python imports the API-key middleware and the worker extension by dotted name
     from this checkout: with no site-packages at all (``-S``), they and their packages'
-    ``__init__`` load, and nothing else of ours."""
+    ``__init__`` load (the package's megatron-core import finder with it), and nothing else of
+    ours."""
     root = Path(__file__).resolve().parents[1]
     code = (
         "import sys, areal_mega.backends.vllm.auth, areal_mega.backends.vllm.worker_extension; "
@@ -194,5 +195,9 @@ def test_vllms_processes_import_our_two_modules_alone():
             "areal_mega.backends.vllm",
             "areal_mega.backends.vllm.auth",
             "areal_mega.backends.vllm.worker_extension",
+            # the package's megatron-core import finder (stdlib only; it imports nothing until
+            # megatron-core is imported)
+            "areal_mega.compat",
+            "areal_mega.compat.megatron_import",
         ]
     )

@@ -36,6 +36,8 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from areal_mega.compat.bridge_import import import_whole_bridge
+
 __all__ = [
     "BRIDGED_ARCHITECTURES",
     "VL_BRIDGED_ARCHITECTURES",
@@ -175,7 +177,6 @@ class UnsupportedMappingError(ValueError):
 def import_bridge():
     """Import Megatron-Bridge (through the checked TransformerEngine placeholder where TE is
     absent) and return its ``get_model_bridge`` and ``AutoBridge``."""
-    from areal_mega.compat.bridge_import import import_whole_bridge
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()

@@ -14,7 +14,7 @@ submodules import as usual, and a family's bridge module registers its architect
 ``AutoBridge`` when it is imported, as the package body would have imported it.
 :func:`import_whole_bridge` runs the deferred bodies (or imports the bridge whole) for code that
 needs every family (``tools/sync_bridge_tables.py``, a family outside
-:data:`areal_mega.models.bridge_provider.BRIDGE_MODULES`). ``tests/test_bridge_import.py``
+:data:`FAMILY_MODULES`). ``tests/test_bridge_import.py``
 checks that each family's provider is the same either way, and notices when a release moves a
 family's module.
 """
@@ -24,6 +24,38 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+
+#: the Megatron-Bridge module that registers each family's bridge with ``AutoBridge`` (the
+#: provider families of :mod:`areal_mega.models.bridge_provider`); ``tests/test_bridge_import.py``
+#: notices when a release moves one
+FAMILY_MODULES = {
+    "llama": "megatron.bridge.models.llama.llama_bridge",
+    "qwen2": "megatron.bridge.models.qwen.qwen2_bridge",
+    "qwen3": "megatron.bridge.models.qwen.qwen3_bridge",
+    "qwen3_moe": "megatron.bridge.models.qwen.qwen3_moe_bridge",
+    "mistral": "megatron.bridge.models.mistral.mistral_bridge",
+    "glm4_moe": "megatron.bridge.models.glm.glm45_bridge",
+    "deepseek_v3": "megatron.bridge.models.deepseek.deepseek_v3_bridge",
+    "deepseek_v2": "megatron.bridge.models.deepseek.deepseek_v2_bridge",
+    "gemma": "megatron.bridge.models.gemma.gemma_bridge",
+    "glm4_moe_lite": "megatron.bridge.models.glm.glm47_flash_bridge",
+    "glm_moe_dsa": "megatron.bridge.models.glm_moe_dsa.glm5_bridge",
+    "hy_v3": "megatron.bridge.models.hy_v3.hy_v3_bridge",
+    "nemotron": "megatron.bridge.models.nemotron.nemotron_bridge",
+    "olmoe": "megatron.bridge.models.olmoe.olmoe_bridge",
+    "minimax_m2": "megatron.bridge.models.minimax_m2.minimax_m2_bridge",
+    "gpt_oss": "megatron.bridge.models.gpt_oss.gpt_oss_bridge",
+    "ernie4_5_moe": "megatron.bridge.models.ernie.ernie_45_bridge",
+    "exaone_moe": "megatron.bridge.models.exaone.exaone_moe.exaone_moe_bridge",
+    "exaone4": "megatron.bridge.models.exaone.exaone4.exaone4_bridge",
+    "qwen3_next": "megatron.bridge.models.qwen.qwen3_next_bridge",
+    "qwen3_5_text": "megatron.bridge.models.qwen.qwen35_bridge",
+    "qwen3_5_moe_text": "megatron.bridge.models.qwen.qwen35_bridge",
+    "qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_bridge",
+    "qwen3_vl": "megatron.bridge.models.qwen_vl.qwen3_vl_bridge",
+    "nemotron_h": "megatron.bridge.models.nemotronh.nemotron_h_bridge",
+    "falcon_h1": "megatron.bridge.models.falcon_h1.falconh1_bridge",
+}
 
 #: the package modules whose bodies import the whole bridge, outermost first
 DEFERRED_PACKAGES = ("megatron.bridge", "megatron.bridge.models")

@@ -27,6 +27,7 @@ from typing import Iterator, List, Sequence, Tuple
 
 import torch
 
+from areal_mega.compat.bridge_import import import_bridge_modules
 from areal_mega.compat.te_placeholder import settle_bridge_peft_te_flags
 
 # SplitQKVLoRA and SplitFC1LoRA come from the module __getattr__ (built on first use).
@@ -45,7 +46,6 @@ def import_canonical_lora():
     """Megatron-Bridge's ``(CanonicalLoRA, AdapterWrapper)``, imported through the checked
     TransformerEngine placeholder where TE is absent
     (:func:`areal_mega.compat.te_placeholder.settle_bridge_peft_te_flags`)."""
-    from areal_mega.compat.bridge_import import import_bridge_modules
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()

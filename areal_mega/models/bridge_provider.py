@@ -27,7 +27,7 @@ Families (``model_type``):
 
 Importing Megatron-Bridge whole takes about 7-20 s of CPU (it imports every family, and
 ``megatron.training``): a provider is read with its family's bridge imported alone
-(:data:`BRIDGE_MODULES`, :mod:`areal_mega.compat.bridge_import`). The fields read from a
+(:mod:`areal_mega.compat.bridge_import`). The fields read from a
 provider are plain data, so :func:`provider_arch_fields` keeps them in a disk cache keyed by
 their inputs' content (the HF config, the versions of Megatron-Bridge, megatron-core and
 transformers, and this file), in ``$AREAL_MEGA_CACHE_DIR`` or ``~/.cache/areal_mega``: a
@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from areal_mega.common.files import atomic_write
+from areal_mega.compat import bridge_import
 from areal_mega.models.moe_families import minimax_m2_fields, moe_pattern_of_layer_types
 
 __all__ = [
@@ -189,38 +190,6 @@ PROVIDER_FAMILIES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
 )
-
-#: the Megatron-Bridge module that registers each family's bridge with ``AutoBridge``: a
-#: provider is read with that family imported alone (:mod:`areal_mega.compat.bridge_import`);
-#: ``tests/test_bridge_import.py`` notices when a release moves one
-BRIDGE_MODULES = {
-    "llama": "megatron.bridge.models.llama.llama_bridge",
-    "qwen2": "megatron.bridge.models.qwen.qwen2_bridge",
-    "qwen3": "megatron.bridge.models.qwen.qwen3_bridge",
-    "qwen3_moe": "megatron.bridge.models.qwen.qwen3_moe_bridge",
-    "mistral": "megatron.bridge.models.mistral.mistral_bridge",
-    "glm4_moe": "megatron.bridge.models.glm.glm45_bridge",
-    "deepseek_v3": "megatron.bridge.models.deepseek.deepseek_v3_bridge",
-    "deepseek_v2": "megatron.bridge.models.deepseek.deepseek_v2_bridge",
-    "gemma": "megatron.bridge.models.gemma.gemma_bridge",
-    "glm4_moe_lite": "megatron.bridge.models.glm.glm47_flash_bridge",
-    "glm_moe_dsa": "megatron.bridge.models.glm_moe_dsa.glm5_bridge",
-    "hy_v3": "megatron.bridge.models.hy_v3.hy_v3_bridge",
-    "nemotron": "megatron.bridge.models.nemotron.nemotron_bridge",
-    "olmoe": "megatron.bridge.models.olmoe.olmoe_bridge",
-    "minimax_m2": "megatron.bridge.models.minimax_m2.minimax_m2_bridge",
-    "gpt_oss": "megatron.bridge.models.gpt_oss.gpt_oss_bridge",
-    "ernie4_5_moe": "megatron.bridge.models.ernie.ernie_45_bridge",
-    "exaone_moe": "megatron.bridge.models.exaone.exaone_moe.exaone_moe_bridge",
-    "exaone4": "megatron.bridge.models.exaone.exaone4.exaone4_bridge",
-    "qwen3_next": "megatron.bridge.models.qwen.qwen3_next_bridge",
-    "qwen3_5_text": "megatron.bridge.models.qwen.qwen35_bridge",
-    "qwen3_5_moe_text": "megatron.bridge.models.qwen.qwen35_bridge",
-    "qwen2_5_vl": "megatron.bridge.models.qwen_vl.qwen25_vl_bridge",
-    "qwen3_vl": "megatron.bridge.models.qwen_vl.qwen3_vl_bridge",
-    "nemotron_h": "megatron.bridge.models.nemotronh.nemotron_h_bridge",
-    "falcon_h1": "megatron.bridge.models.falcon_h1.falconh1_bridge",
-}
 
 #: vision-language families: the whole model (vision tower, projector, multimodal RoPE and the
 #: language model's architecture) is the bridge's provider's (:mod:`areal_mega.models.vlm`;
@@ -611,13 +580,12 @@ def hf_config_object(hf: dict):
 
 def _import_auto_bridge(model_type: Optional[str] = None):
     """``AutoBridge``, with ``model_type``'s bridge registered: that family's module of
-    :data:`BRIDGE_MODULES` alone (:mod:`areal_mega.compat.bridge_import`), or every family
+    :data:`~areal_mega.compat.bridge_import.FAMILY_MODULES` alone, or every family
     (``model_type`` None or not in the table). Imported without touching this process's
     logging: the bridge imports ``megatron.training``, whose import calls
     ``logging.basicConfig`` with a handler on stdout at INFO, which would print the bridge's
     notices into a command's output (e.g. ``doctor --json``). The root logger's handlers and
     level are put back as they were."""
-    from areal_mega.compat import bridge_import
     from areal_mega.compat.megatron_cpu import install_te_placeholder
 
     install_te_placeholder()  # importing the bridge needs it where TransformerEngine is absent
@@ -625,8 +593,8 @@ def _import_auto_bridge(model_type: Optional[str] = None):
     handlers, level = list(root.handlers), root.level
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            if model_type in BRIDGE_MODULES:
-                bridge_import.import_bridge_modules(BRIDGE_MODULES[model_type])
+            if model_type in bridge_import.FAMILY_MODULES:
+                bridge_import.import_bridge_modules(bridge_import.FAMILY_MODULES[model_type])
             else:
                 bridge_import.import_whole_bridge()
             from megatron.bridge.models.conversion.auto_bridge import AutoBridge

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from areal_mega.compat.bridge_import import import_bridge_modules
 from areal_mega.models.varlen_attention import VarlenDotProductAttention, packed_slot_bounds
 
 __all__ = [
@@ -70,8 +71,6 @@ def qwen3_vl_vision_model(provider):
     """The bridge's ``Qwen3VLVisionModel`` of a (finalised) Qwen3-VL provider, built as
     ``Qwen3VLModel.__init__`` builds it, on the local ViT spec with
     :class:`VisionVarlenAttention` and local norm / linear patch mergers."""
-    from areal_mega.compat.bridge_import import import_bridge_modules
-
     import_bridge_modules()  # Qwen3-VL's modules without every model family
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.attention import Qwen3VLSelfAttention
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.transformer_config import (
@@ -133,8 +132,6 @@ def build_qwen3_vl_model(provider, language_spec, *, pre_process: bool, post_pro
     GPT layer spec; the bridge sets its attention module to ``Qwen3VLSelfAttention``) and the
     vision tower of :func:`qwen3_vl_vision_model` on the first pipeline stage; the provider's
     freeze switches applied as its ``provide`` applies them."""
-    from areal_mega.compat.bridge_import import import_bridge_modules
-
     import_bridge_modules()  # Qwen3-VL's modules without every model family
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl.model import Qwen3VLModel
 
