@@ -4,9 +4,6 @@ whole bridge gives; that module is the one ``AutoBridge`` dispatches the family 
 that moves it fails here); the deferred package bodies run on demand, after which every family
 is there; LoRA's PEFT layers import without the model families."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,7 +14,7 @@ from areal_mega.models.bridge_provider import (
     PROVIDER_FAMILIES,
     VL_PROVIDER_FAMILIES,
 )
-from tests.helpers.workers import ROOT
+from tests.helpers.workers import BARE_ENV, run_code
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,22 +57,8 @@ PROVIDERS = textwrap.dedent("""
 
 
 def _run(side):
-    p = subprocess.run(
-        [sys.executable, "-c", PROVIDERS, side],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={
-            "CUDA_VISIBLE_DEVICES": "",
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(ROOT),
-            "AREAL_MEGA_CACHE_DIR": "off",
-            "HOME": "/nonexistent",
-        },
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    env = dict(BARE_ENV, AREAL_MEGA_CACHE_DIR="off", HOME="/nonexistent")
+    return run_code(PROVIDERS, side, env=env, timeout=500)
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +101,6 @@ def test_lora_layers_import_without_the_model_families():
                                and m.count(".") == 3),
         }))
     """)
-    p = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_code(code, env=BARE_ENV, timeout=300)
     assert out["classes"] == ["CanonicalLoRA", "AdapterWrapper"]
     assert out["families"] == [], out["families"]

@@ -4,12 +4,9 @@ plain; dynamo and inductor are not imported); a checkpoint save spawns no multip
 Manager process. Each leans on megatron-core internals; these tests notice when a release moves
 them (the savings then go, the behaviour stays)."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
-from tests.helpers.conversions import ROOT
+from tests.helpers.workers import BARE_ENV, run_code
 
 CHILD = textwrap.dedent("""
     import json, queue, sys
@@ -41,21 +38,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_megatron_starts_without_wandb_and_saves_without_a_manager_process(tmp_path):
-    p = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path / "ckpt")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={
-            "CUDA_VISIBLE_DEVICES": "",
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(ROOT),
-            "HOME": str(tmp_path),
-        },
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_code(CHILD, tmp_path / "ckpt", env=dict(BARE_ENV, HOME=str(tmp_path)), timeout=300)
     assert out == {
         "wandb_skipped": True,
         "jit_plain": "function",
@@ -90,16 +73,7 @@ def test_the_first_megatron_import_anywhere_in_areal_mega_is_the_plain_one(tmp_p
     """A module of ours that imports megatron-core at its top (not through
     ``import_megatron_core``) gets the same first import: ``import areal_mega`` put the finder
     there. megatron's decorated functions run eagerly; ``torch.compile`` is torch's again."""
-    p = subprocess.run(
-        [sys.executable, "-c", IMPLICIT],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-    )
-    assert p.returncode == 0, p.stderr[-4000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = run_code(IMPLICIT, env=BARE_ENV, timeout=300)
     assert out == {
         "loader": "SourceFileLoader",
         "wandb": True,

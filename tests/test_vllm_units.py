@@ -199,5 +199,6 @@ def test_vllms_processes_import_our_two_modules_alone():
             # megatron-core is imported)
             "areal_mega.compat",
             "areal_mega.compat.megatron_import",
+            "areal_mega.compat.scoped_import",
         ]
     )

@@ -23,6 +23,8 @@
   without CUDA, with megatron's ``jit_fuser`` plain;
 - :mod:`.bridge_import` — Megatron-Bridge imported one model family at a time (its package
   bodies import every family);
+- :mod:`.scoped_import` — named modules whose bodies run inside a context of ours when first
+  imported (the two modules above and below use it);
 - :mod:`.te_placeholder` — a TransformerEngine placeholder seen only by Megatron-Bridge's one
   unconditional import.
 """

@@ -16,17 +16,18 @@
   for new packed lengths, for elementwise work that takes microseconds eagerly. Only that first
   import sees ``torch.compile`` replaced: a user's own ``torch.compile`` still compiles.
 
-``import areal_mega`` installs :class:`FirstImportFinder`, so that whichever of our modules
-imports megatron-core first (the engine, a model family's layers, a conversion) imports it this
-way; :func:`import_megatron_core` does it explicitly.
+``import areal_mega`` installs a :class:`~areal_mega.compat.scoped_import.ScopedImportFinder`
+(:func:`install`), so that whichever of our modules imports megatron-core first (the engine, a
+model family's layers, a conversion) imports it this way; :func:`import_megatron_core` does it
+explicitly.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 from contextlib import contextmanager
+
+from .scoped_import import ScopedImportFinder
 
 #: what megatron-core imports only for features we do not use
 SKIPPED_OPTIONAL = ("wandb",)
@@ -71,41 +72,14 @@ def jit_fuser_is_plain() -> bool:
     return jit.jit_fuser in (jit.noop_decorator, _plain)
 
 
-class _FirstImportLoader(importlib.abc.Loader):
-    """megatron.core's own loader, its module executed in :func:`_first_import`."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = module.__spec__.loader = self.loader
-        with _first_import():
-            self.loader.exec_module(module)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
-class FirstImportFinder(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core`` as the path finder does and has it executed in
-    :func:`_first_import` (see the module docstring)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "megatron.core":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _FirstImportLoader(spec.loader)
-        return spec
+#: ``megatron.core`` found as the path finder finds it, its body run in :func:`_first_import`
+FINDER = ScopedImportFinder(("megatron.core",), _first_import)
 
 
 def install() -> None:
-    """Puts :class:`FirstImportFinder` first on ``sys.meta_path`` (once)."""
-    if not any(isinstance(f, FirstImportFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, FirstImportFinder())
+    """Puts :data:`FINDER` first on ``sys.meta_path`` (once)."""
+    if FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, FINDER)
 
 
 def import_megatron_core():

@@ -25,13 +25,14 @@ source line is checked like every other patch (:mod:`areal_mega.compat.megatron_
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 import types
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
+
+from .scoped_import import ScopedImportFinder
 
 __all__ = [
     "IMPORTERS",
@@ -114,45 +115,26 @@ def _settle_megatron_te_probes() -> None:
     get_te_version()  # caches 0.0.0
 
 
-class _ScopedLoader(importlib.abc.Loader):
-    """Runs one importer's body with the placeholder TE modules in ``sys.modules``."""
-
-    def __init__(self, real):
-        self.real = real
-
-    def create_module(self, spec):
-        return self.real.create_module(spec)
-
-    def exec_module(self, module):
-        _settle_megatron_te_probes()
-        te = PlaceholderModule("transformer_engine")
-        te.__path__ = []
-        te.pytorch = PlaceholderModule("transformer_engine.pytorch")
-        added = {
-            name: mod for name, mod in zip(TE_MODULES, (te, te.pytorch)) if name not in sys.modules
-        }
-        sys.modules.update(added)
-        try:
-            self.real.exec_module(module)
-        finally:
-            for name, mod in added.items():
-                if sys.modules.get(name) is mod:
-                    del sys.modules[name]
+@contextmanager
+def _placeholder_te():
+    """One importer's body runs with the placeholder TE modules in ``sys.modules``."""
+    _settle_megatron_te_probes()
+    te = PlaceholderModule("transformer_engine")
+    te.__path__ = []
+    te.pytorch = PlaceholderModule("transformer_engine.pytorch")
+    added = {
+        name: mod for name, mod in zip(TE_MODULES, (te, te.pytorch)) if name not in sys.modules
+    }
+    sys.modules.update(added)
+    try:
+        yield
+    finally:
+        for name, mod in added.items():
+            if sys.modules.get(name) is mod:
+                del sys.modules[name]
 
 
-class _ScopedFinder(importlib.abc.MetaPathFinder):
-    """Finds the importers through the regular path finder and wraps their loaders."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in IMPORTERS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ScopedLoader(spec.loader)
-        return spec
-
-
-_FINDER: Optional[_ScopedFinder] = None
+_FINDER: Optional[ScopedImportFinder] = None
 
 
 def is_installed() -> bool:
@@ -168,7 +150,7 @@ def install() -> bool:
     if te_importable():
         return False
     if not is_installed():
-        _FINDER = _ScopedFinder()
+        _FINDER = ScopedImportFinder(IMPORTERS, _placeholder_te)
         sys.meta_path.insert(0, _FINDER)
     return True
 
